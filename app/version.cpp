@@ -1,0 +1,5 @@
+#include "app/version.h"
+
+namespace mt {
+const char* version_string() { return MEGATRAIN_VERSION; }
+}  // namespace mt

@@ -1,0 +1,4 @@
+#pragma once
+namespace mt {
+const char* version_string();
+}

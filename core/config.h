@@ -1,0 +1,256 @@
+// Config: the one validated, immutable description of a run. app/ fills it from Megatron-style
+// flags (defaults below are Megatron-LM's, ../shared/reference/megatron.md section 1), validates it
+// and computes the derived values (marked "derived"); nothing downstream re-derives them.
+//
+// std::optional marks flags whose Megatron default is None (unset).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mt {
+
+enum class Normalization { layernorm, rmsnorm };
+enum class PositionEmbedding { learned_absolute, rope, none };
+enum class Precision { fp32, bf16, fp16 };
+enum class OptimizerKind { adam, sgd };
+enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
+enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
+enum class WeightDecayIncrStyle { constant, linear, cosine };
+enum class RecomputeGranularity { none, full, selective };
+enum class RecomputeMethod { none, uniform, block };
+enum class AttentionBackend { auto_, flash, fused, unfused, local };
+enum class DeviceKind { gpu, cpu };
+enum class Launcher { none, torchrun, openmpi, mpich, slurm, workstation };
+
+struct ModelConfig {
+  int num_layers = 0;                 // required
+  int hidden_size = 0;                // required
+  int num_attention_heads = 0;        // required
+  std::optional<int> ffn_hidden_size;
+  std::optional<int> kv_channels;
+  bool group_query_attention = false;
+  int num_query_groups = 1;           // used only with group_query_attention
+  int max_position_embeddings = 0;    // required
+  PositionEmbedding position_embedding_type = PositionEmbedding::learned_absolute;
+  int rotary_base = 10000;
+  double rotary_percent = 1.0;
+  bool rotary_interleaved = false;
+  std::optional<int> rotary_seq_len_interpolation_factor;
+  bool use_rope_scaling = false;
+  double rope_scaling_factor = 8.0;
+  Normalization normalization = Normalization::layernorm;
+  double norm_epsilon = 1e-5;
+  bool apply_layernorm_1p = false;
+  bool apply_residual_connection_post_layernorm = false;
+  bool swiglu = false;
+  bool openai_gelu = false;
+  bool add_bias_linear = true;        // --disable-bias-linear turns it off
+  bool add_qkv_bias = false;          // forced true when add_bias_linear
+  bool qk_layernorm = false;
+  bool untie_embeddings_and_output_weights = false;
+  int make_vocab_size_divisible_by = 128;
+  int seq_length = 0;
+  double attention_dropout = 0.1;
+  double hidden_dropout = 0.1;
+  double init_method_std = 0.02;
+  std::optional<double> embedding_init_method_std;
+  AttentionBackend attention_backend = AttentionBackend::auto_;
+  bool fp32_residual_connection = false;
+  bool attention_softmax_in_fp32 = false;
+  bool apply_query_key_layer_scaling = false;
+
+  // derived
+  int ffn_size = 0;           // ffn_hidden_size or Megatron's default (4h; swiglu: int(8h/3/64)*64)
+  int head_dim = 0;           // kv_channels or h / n
+  int query_groups = 0;       // num_query_groups with GQA, else num_attention_heads
+  int vocab_size = 0;         // tokenizer's vocabulary before padding
+  int padded_vocab_size = 0;  // Megatron's padding (multiple of make_vocab_size_divisible_by * TP)
+};
+
+struct ParallelConfig {
+  int tensor_model_parallel_size = 1;
+  int pipeline_model_parallel_size = 1;
+  int context_parallel_size = 1;
+  bool sequence_parallel = false;     // switched off (with a warning) when TP == 1
+  std::optional<int> num_layers_per_virtual_pipeline_stage;
+  std::optional<int> num_virtual_stages_per_pipeline_rank;
+  std::optional<int> microbatch_group_size_per_virtual_pipeline_stage;
+  std::optional<int> decoder_first_pipeline_num_layers;
+  std::optional<int> decoder_last_pipeline_num_layers;
+  bool account_for_embedding_in_pipeline_split = false;
+  bool account_for_loss_in_pipeline_split = false;
+  bool overlap_p2p_communication = true;
+  bool use_tp_pp_dp_mapping = false;
+  bool use_distributed_optimizer = false;
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  std::optional<int64_t> ddp_bucket_size;
+  std::optional<int> ddp_num_buckets;
+  bool ddp_average_in_collective = false;
+  bool grad_reduce_in_bf16 = false;
+  bool accumulate_allreduce_grads_in_fp32 = false;
+  int distributed_timeout_minutes = 10;
+  std::string distributed_backend = "nccl";
+
+  // launch (from the launcher's environment or the local GPUs)
+  Launcher launcher = Launcher::none;
+  int world_size = 1;
+  int rank = 0;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::optional<int> nproc_per_node;  // megatrain flag: workers to start bare on a workstation
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+
+  // derived
+  int data_parallel_size = 1;
+  int virtual_pipeline_size = 1;  // model chunks per pipeline rank (1 = no interleaving)
+};
+
+struct TrainConfig {
+  int micro_batch_size = 0;  // required
+  std::optional<int> global_batch_size;
+  bool decrease_batch_size_if_needed = false;
+  std::optional<int64_t> train_iters;
+  std::optional<int64_t> train_samples;
+  int eval_iters = 100;
+  std::optional<int> eval_interval;
+  bool skip_train = false;
+  std::optional<int> exit_interval;
+  std::optional<int> exit_duration_in_mins;
+  bool exit_signal_handler = false;
+
+  OptimizerKind optimizer = OptimizerKind::adam;
+  std::optional<double> lr;
+  double min_lr = 0.0;
+  LrDecayStyle lr_decay_style = LrDecayStyle::linear;
+  std::optional<int64_t> lr_decay_iters;
+  std::optional<int64_t> lr_decay_samples;
+  int64_t lr_warmup_iters = 0;
+  int64_t lr_warmup_samples = 0;
+  std::optional<double> lr_warmup_fraction;
+  double lr_warmup_init = 0.0;
+  WsdDecayStyle lr_wsd_decay_style = WsdDecayStyle::exponential;
+  std::optional<int64_t> lr_wsd_decay_iters;
+  std::optional<int64_t> lr_wsd_decay_samples;
+  std::optional<double> decoupled_lr;
+  std::optional<double> decoupled_min_lr;
+  bool override_opt_param_scheduler = false;
+  bool use_checkpoint_opt_param_scheduler = false;
+  double weight_decay = 0.01;
+  std::optional<double> start_weight_decay;
+  std::optional<double> end_weight_decay;
+  WeightDecayIncrStyle weight_decay_incr_style = WeightDecayIncrStyle::constant;
+  double clip_grad = 1.0;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double sgd_momentum = 0.9;
+  bool calculate_per_token_loss = false;
+  bool check_for_nan_in_loss_and_grad = true;
+  bool deterministic_mode = false;
+  std::vector<int64_t> iterations_to_skip;
+
+  Precision precision = Precision::fp32;
+  std::optional<double> loss_scale;      // static scale; unset = dynamic (fp16)
+  double initial_loss_scale = 4294967296.0;  // 2**32
+  double min_loss_scale = 1.0;
+  double loss_scale_window = 1000;
+  int hysteresis = 2;
+
+  RecomputeGranularity recompute_granularity = RecomputeGranularity::none;
+  RecomputeMethod recompute_method = RecomputeMethod::none;
+  std::optional<int> recompute_num_layers;
+  std::vector<std::string> recompute_modules;  // selective targets; empty = {"core_attn"}
+
+  int seed = 1234;
+  DeviceKind device = DeviceKind::gpu;  // megatrain flag --device gpu|cpu (cpu = reference backend)
+
+  // derived
+  int global_batch = 0;        // global_batch_size or micro_batch_size * DP
+  int num_microbatches = 0;    // global_batch / (micro_batch_size * DP)
+  int64_t total_iters = 0;     // train_iters, or derived from train_samples
+};
+
+struct DataConfig {
+  std::vector<std::string> data_path;  // "prefix" or "w1 p1 w2 p2 ..."
+  std::optional<std::string> split;
+  std::vector<std::string> train_data_path, valid_data_path, test_data_path;
+  bool mock_data = false;
+  std::optional<std::string> data_cache_path;
+  bool mmap_bin_files = true;
+  int num_workers = 2;
+  int num_dataset_builder_threads = 1;
+  double mid_level_dataset_surplus = 0.005;
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
+  bool eod_mask_loss = false;
+  bool create_attention_mask_in_dataloader = true;
+  std::string dataloader_type = "single";
+
+  std::optional<std::string> tokenizer_type;  // GPT entry point fills GPT2BPETokenizer
+  std::optional<std::string> vocab_file;
+  std::optional<std::string> merge_file;
+  std::optional<std::string> tokenizer_model;
+  std::optional<int> vocab_size;
+  std::optional<int> padded_vocab_size;
+  int vocab_extra_ids = 0;
+  std::optional<std::string> tiktoken_pattern;
+
+  // derived
+  std::vector<double> split_weights;  // normalised train/valid/test proportions
+};
+
+struct CheckpointConfig {
+  std::optional<std::string> save;
+  std::optional<int> save_interval;
+  std::optional<std::string> load;
+  bool no_save_optim = false;
+  bool no_save_rng = false;
+  bool no_load_optim = false;
+  bool no_load_rng = false;
+  bool finetune = false;
+  std::optional<int64_t> ckpt_step;
+  bool exit_on_missing_checkpoint = false;
+  bool async_save = false;
+  std::string ckpt_format = "torch_dist";
+};
+
+struct LoggingConfig {
+  int log_interval = 100;
+  bool log_throughput = false;
+  bool log_params_norm = false;
+  bool log_num_zeros_in_grad = false;
+  int timing_log_level = 0;
+  std::string timing_log_option = "minmax";
+  std::optional<std::string> tensorboard_dir;
+  int tensorboard_log_interval = 1;
+  int tensorboard_queue_size = 1000;
+  bool log_timers_to_tensorboard = false;
+  bool log_validation_ppl_to_tensorboard = false;
+  bool log_memory_to_tensorboard = false;
+  bool log_world_size_to_tensorboard = false;
+  bool log_loss_scale_to_tensorboard = true;
+  std::optional<std::string> metrics_jsonl;  // megatrain flag --metrics-jsonl PATH
+};
+
+struct RunConfig {
+  bool dry_run = false;
+  bool json = false;                      // --dry-run --json
+  std::optional<int> dry_run_world_size;  // --world-size N (dry runs only)
+};
+
+struct Config {
+  ModelConfig model;
+  ParallelConfig parallel;
+  TrainConfig train;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  RunConfig run;
+};
+
+}  // namespace mt

@@ -1,0 +1,42 @@
+// Logging. Informational lines go to stdout from one rank (rank 0, or the last rank for
+// Megatron's per-iteration line); warnings and errors go to stderr from any rank, prefixed with it.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <string>
+
+namespace mt::log {
+
+// Set once at start-up, after the rank is known.
+void set_rank(int rank, int world_size);
+int rank();
+int world_size();
+void set_quiet(bool quiet);
+
+void write_stdout(const std::string& line);
+void write_stderr(const std::string& line);
+
+// Printed by rank 0 only.
+template <typename... Args>
+void info(fmt::format_string<Args...> f, Args&&... args) {
+  if (rank() == 0) write_stdout(fmt::format(f, std::forward<Args>(args)...));
+}
+// Printed by the last rank only (Megatron's print_rank_last: the iteration log line).
+template <typename... Args>
+void info_last(fmt::format_string<Args...> f, Args&&... args) {
+  if (rank() == world_size() - 1) write_stdout(fmt::format(f, std::forward<Args>(args)...));
+}
+// Printed by every rank, on stderr, prefixed "[rank N] warning: ".
+template <typename... Args>
+void warn(fmt::format_string<Args...> f, Args&&... args) {
+  write_stderr(fmt::format("[rank {}] warning: {}", rank(), fmt::format(f, std::forward<Args>(args)...)));
+}
+// Printed by rank 0 only, on stderr.
+template <typename... Args>
+void warn0(fmt::format_string<Args...> f, Args&&... args) {
+  if (rank() == 0) warn(f, std::forward<Args>(args)...);
+}
+void error(const std::string& message);  // "[rank N] error: message" on stderr
+
+}  // namespace mt::log

@@ -1,0 +1,182 @@
+// Backend: the ops interface the model is written against. Two implementations: the CUDA backend
+// (cuda/, fast: bf16/fp16/fp32) and the reference backend (engine/reference/, plain C++, float32
+// and float64, the oracle for every kernel test and the CPU path used in CI).
+//
+// Conventions shared by every op:
+// - Tensors are views of memory the backend allocated (device memory for CUDA, host for reference).
+//   Ops never allocate; they are ordered on the backend's stream and may return before finishing.
+// - Token rows are sequence-major, as in Megatron: row r = t * b + i for position t of sample i
+//   (so a sequence-parallel shard is a contiguous block of rows).
+// - "accumulate" outputs are float32 (or float64 in gradient checks) and are added to (+=);
+//   parameter gradients always accumulate, as Megatron's main_grad does across micro-batches.
+// - Empty tensors (data == nullptr) mean "absent" (no bias, no positions, ...).
+// - The packed QKV activation has, per token row, for each of the `groups` KV groups:
+//   [q: heads/groups * d][k: d][v: d]  (Megatron's grouped layout; TP shards whole groups).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "core/config.h"
+#include "core/shard.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+enum class Activation { none, gelu, gelu_tanh };
+
+struct NormParams {
+  Normalization kind = Normalization::layernorm;
+  float eps = 1e-5f;
+  bool one_p = false;  // --apply-layernorm-1p: weight stored as (gamma - 1)
+};
+
+struct AttentionShape {
+  int batch = 0;     // b (micro-batch size)
+  int seq = 0;       // s
+  int heads = 0;     // query heads on this rank
+  int groups = 0;    // KV groups on this rank (heads % groups == 0)
+  int head_dim = 0;  // d
+  float softmax_scale = 0;  // 1/sqrt(d) unless configured otherwise
+  bool causal = true;
+  float dropout_p = 0;      // attention dropout on the probabilities
+  uint64_t dropout_key = 0; // Philox key; element (i, h, q, k) uses index ((i*heads + h)*seq + q)*seq + k
+  int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
+};
+
+struct RopeShape {
+  int heads = 0, groups = 0, head_dim = 0;
+  int rot_dim = 0;          // rotated dims per head (head_dim * rotary_percent), even
+  bool interleaved = false; // RoFormer pairs (2i, 2i+1) instead of Llama's halves (i, i + rot_dim/2)
+};
+
+// One contiguous run of the flat parameter buffer with its optimizer group.
+struct OptimSegment {
+  int64_t offset = 0;
+  int64_t count = 0;
+  int group = 0;  // index into the per-group lr / weight decay of AdamParams (at most 4 groups)
+};
+
+struct OptimStepParams {
+  static constexpr int kMaxGroups = 4;
+  float lr[kMaxGroups] = {};
+  float weight_decay[kMaxGroups] = {};
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  int64_t step = 1;         // 1-based Adam step for bias correction
+  float grad_scale = 1.0f;  // multiplies gradients first (1/loss_scale * clip coefficient)
+  float sgd_momentum = 0.9f;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+
+  // ---- memory (set-up time only) and transfers ------------------------------------------
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* p) = 0;
+  virtual void copy_from_host(Tensor dst, const void* host_src) = 0;  // async w.r.t. the host
+  virtual void copy_to_host(void* host_dst, Tensor src) = 0;          // waits for completion
+  virtual void copy(Tensor dst, Tensor src) = 0;                      // same dtype and numel
+  virtual void synchronize() = 0;
+  virtual void* stream() { return nullptr; }  // cudaStream_t for communicators; null on CPU
+
+  // ---- elementwise -----------------------------------------------------------------------
+  virtual void fill(Tensor t, double value) = 0;
+  virtual void cast(Tensor dst, Tensor src) = 0;  // any float dtype to any float dtype
+  // out = alpha * a + beta * b (b may be empty: out = alpha * a). out may alias a or b.
+  virtual void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) = 0;
+  // Layout-independent normal init: element i of t gets std * normal_at(key, global index of i).
+  virtual void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) = 0;
+
+  // ---- embedding -------------------------------------------------------------------------
+  // out[N, h] = wte[tokens - vocab_start] (zero if the token is outside this vocab shard)
+  //           + wpe[positions] (if wpe is given; only on the shard with vocab_start == 0).
+  virtual void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                                 int64_t vocab_start) = 0;
+  // dwte += scatter of dout by token (deterministic: fixed summation order), dwpe likewise.
+  virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                                  int64_t vocab_start) = 0;
+
+  // ---- normalization (rows of x) ---------------------------------------------------------
+  // out = norm(x) * w (+ b). mean/rstd are float32 [rows] saved for backward (mean unused by RMSNorm).
+  virtual void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
+                            const NormParams& p) = 0;
+  // Fused residual: sum = a + dropout_p(b) (dropout_p == 0: plain add); out = norm(sum).
+  virtual void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                                float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
+                                const NormParams& p) = 0;
+  // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (float32).
+  virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
+                             Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) = 0;
+
+  // ---- linear layers (GEMMs) -------------------------------------------------------------
+  // y[M, N] = act(x[M, K] . w[N, K]^T + bias[N]); with act != none, pre_act[M, N] receives the
+  // value before the activation (for the backward pass).
+  virtual void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) = 0;
+  // dx[M, K] = dy[M, N] . w[N, K], or dx += ... with accumulate. With act != none, the result is
+  // multiplied by act'(pre_act) (pre_act has dx's shape): the gradient through a preceding activation.
+  virtual void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
+                                     Tensor pre_act) = 0;
+  // dw[N, K] += dy[M, N]^T . x[M, K]; dbias[N] += column sums of dy (if dbias is given).
+  virtual void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) = 0;
+
+  // ---- activations -----------------------------------------------------------------------
+  virtual void gelu_forward(Tensor out, Tensor in, bool tanh_approx) = 0;
+  virtual void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) = 0;
+  // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up.
+  virtual void swiglu_forward(Tensor out, Tensor in) = 0;
+  virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in) = 0;
+  // out = residual + dropout_p(x + bias) (bias may be empty). out may alias residual.
+  virtual void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
+                                uint64_t dropout_key) = 0;
+  // dx = dout * mask / (1 - p), the mask redrawn from the same key (nothing is stored).
+  virtual void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) = 0;
+
+  // ---- rotary embeddings (in place on the q and k parts of packed QKV) -------------------
+  // cos_sin: float32 [max_positions, rot_dim]: cos of the rot_dim/2 frequencies, then their sin.
+  virtual void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
+  virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
+
+  // ---- attention (causal, GQA, flash-style: the s x s scores never go to memory) ----------
+  // out[N, heads*d]; lse float32 [b, heads, s] (log-sum-exp of each score row, for backward).
+  virtual void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) = 0;
+  virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                  const AttentionShape& a) = 0;
+
+  // ---- cross-entropy over a (possibly vocab-parallel) logits shard ------------------------
+  // Per row: lse = log(sum(exp(logits))) over this shard's columns; target = logit of the label
+  // if it falls in [vocab_start, vocab_start + cols), else 0. Both float32 [N].
+  virtual void cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                                     int64_t vocab_start) = 0;
+  // dlogits = (softmax(logits) - onehot(label)) * dloss[row], softmax from the global lse.
+  // dlogits may alias logits (done in place to save memory).
+  virtual void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
+                                      int64_t vocab_start) = 0;
+  // lse_out[N] = log(sum_r exp(lse_parts[r, N])): combines per-shard lse after an all-gather.
+  virtual void logsumexp_combine(Tensor lse_out, Tensor lse_parts) = 0;
+  // out[0] (+)= sum(loss * mask), out[1] (+)= sum(mask); out float32 [2].
+  virtual void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) = 0;
+
+  // ---- optimizer -------------------------------------------------------------------------
+  // AdamW (decoupled weight decay) on flat float32 buffers, over the given segments. The new
+  // master weights are also written to model_param (the bf16/fp16 copy; may be empty).
+  virtual void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
+                          std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
+  virtual void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+                        std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
+  // out float32 [1] (+)= sum of squares of x over the segments (all of x when segments is empty).
+  virtual void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
+  // out float32 [1] (+)= number of exact zeros in x over the segments.
+  virtual void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
+};
+
+std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);
+#if MEGATRAIN_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal);
+#endif
+
+}  // namespace mt

@@ -1,0 +1,44 @@
+// Communicator: collectives and point-to-point transfers within one group of ranks.
+// Implementations: NCCL (device buffers, ordered on the backend's stream), MPI (host buffers, for
+// the reference backend) and Self (a group of one: no communication).
+//
+// Every rank of a group calls the same collectives in the same order. A collective that does not
+// finish within the configured timeout (--distributed-timeout-minutes) raises mt::Error naming the
+// group and the operation; it never hangs.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace mt {
+
+enum class ReduceOp { sum, max, min };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;  // e.g. "tp", "dp", "world": used in error messages
+
+  virtual void all_reduce(Tensor t, ReduceOp op = ReduceOp::sum) = 0;        // in place
+  virtual void reduce_scatter(Tensor out, Tensor in, ReduceOp op = ReduceOp::sum) = 0;  // in: size x out, rank-major
+  virtual void all_gather(Tensor out, Tensor in) = 0;                        // out: size x in, rank-major
+  virtual void broadcast(Tensor t, int root) = 0;
+  // Point to point. Between group_start() and group_end() sends and receives are issued together,
+  // so that pairs of ranks exchanging in both directions cannot deadlock.
+  virtual void send(Tensor t, int peer) = 0;
+  virtual void recv(Tensor t, int peer) = 0;
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+  virtual void barrier() = 0;
+  // Ranks with the same color form a new group, ordered by key (collective over this group).
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+};
+
+// A group of one rank.
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name = "self");
+
+}  // namespace mt
