@@ -1,0 +1,55 @@
+// Reporter: what the training loop tells the outside world. The engine measures and averages;
+// app/ formats (Megatron's log line, TensorBoard event files, JSON-lines metrics).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace mt {
+
+// One logged iteration: values averaged over the log interval as Megatron's training_log does.
+struct IterationStats {
+  int64_t iteration = 0;
+  int64_t train_iters = 0;
+  int64_t consumed_samples = 0;
+  int64_t skipped_samples = 0;           // printed only when > 0
+  double elapsed_ms_per_iteration = 0;   // wall time of the interval / iterations in it
+  std::optional<double> tflops_per_gpu;  // with --log-throughput
+  std::optional<double> learning_rate;   // after this iteration's scheduler step
+  std::optional<double> decoupled_learning_rate;
+  int64_t global_batch_size = 0;
+  std::map<std::string, double> losses;  // "lm loss" -> average over the interval
+  double loss_scale = 1.0;
+  std::optional<double> grad_norm;
+  std::optional<int64_t> num_zeros;     // --log-num-zeros-in-grad
+  std::optional<double> params_norm;    // --log-params-norm
+  int64_t skipped_iterations = 0;       // in this interval
+  int64_t nan_iterations = 0;           // in this interval
+  double weight_decay = 0;
+  double tokens_per_second = 0;
+  int world_size = 1;
+  // Device memory of this rank, bytes (when known).
+  std::optional<double> memory_allocated_bytes;
+  std::optional<double> memory_peak_bytes;
+  // Per-phase timer means in ms (--timing-log-level >= 1), name -> (min, max) over ranks.
+  std::map<std::string, std::pair<double, double>> timers_ms;
+};
+
+struct EvalStats {
+  int64_t iteration = 0;
+  std::string split = "validation";   // "validation" or "test"
+  bool after_training = false;        // Megatron prints "iteration N on validation set" then
+  std::map<std::string, double> losses;  // "lm loss" -> average
+};
+
+class Reporter {
+ public:
+  virtual ~Reporter() = default;
+  virtual void on_iteration(const IterationStats& s) = 0;
+  virtual void on_eval(const EvalStats& s) = 0;
+  virtual void flush() {}
+};
+
+}  // namespace mt
