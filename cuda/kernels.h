@@ -1,4 +1,5 @@
-// Host launchers of the CUDA backend's kernels, one section per op family (one .cu file each).
+// Host launchers of the CUDA backend's kernels, one section per op family (one .cu file each;
+// the GEMMs are in gemm_cublaslt.h).
 // CudaBackend (cuda_backend.cu) checks shapes and calls these; they pick the kernel instance for
 // the dtypes and alignment, launch it on ctx.stream and check the launch. None of them allocates:
 // temporary buffers come from ctx.scratch, a region the backend allocated at construction.
@@ -86,8 +87,6 @@ void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor log
                             Tensor dloss, int64_t vocab_start);
 void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
 void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate);
-// dbias[N] += column sums of dy[M, N] (deterministic two-stage reduction).
-void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
 
 // ---- optimizer_kernels.cu ----------------------------------------------------------------------
 // The optimizer kernels walk a segment table in chunks of kOptimChunk elements.
