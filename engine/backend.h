@@ -193,6 +193,15 @@ class Backend {
   virtual void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
   // out float32 [1] (+)= number of exact zeros in x over the segments.
   virtual void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
+
+  // ---- set-up planning (call before the first step; the reference backend needs none) -----
+  // Sizes the attention workspace for the largest shape of the run and picks the attention
+  // implementation (CUDA: allocated here, so attention calls allocate nothing).
+  virtual void reserve_attention(const AttentionShape& a, AttentionBackend backend) { (void)a, (void)backend; }
+  // Uploads an optimizer segment list once (CUDA: a device table), so that the optimizer calls
+  // above with an equal list upload nothing per step. Short lists (<= 24 segments) also work
+  // unregistered; longer ones must be registered on the CUDA backend.
+  virtual void register_optim_segments(std::span<const OptimSegment> segments) { (void)segments; }
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);
