@@ -88,6 +88,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.llama3_scaling = cfg.model.use_rope_scaling;
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
+  o.attention_backend = cfg.model.attention_backend;
   return o;
 }
 
@@ -110,6 +111,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
+  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
@@ -352,6 +354,22 @@ uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
   return mix_key(s.key, static_cast<uint64_t>(layer + 1) * 8 + static_cast<uint64_t>(site));
 }
 
+// The attention of one layer for one slot (s == nullptr: the shape alone, for set-up).
+AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
+  AttentionShape as;
+  as.batch = d_.micro_batch;
+  as.seq = d_.seq;
+  as.heads = d_.heads_local();
+  as.groups = d_.groups_local();
+  as.head_dim = d_.head_dim;
+  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
+  as.causal = true;
+  as.dropout_p = (s == nullptr || s->training) ? d_.attention_dropout : 0.0f;
+  // The heads differ per TP rank, so their masks come from different streams.
+  if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
+  return as;
+}
+
 Tensor GptModel::layer_input(const Slot& s, int local) const {
   return local == 0 ? s.input : acts(s, local - 1).out;
 }
@@ -393,17 +411,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
     be_.linear_forward(A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
   }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
-  AttentionShape as;
-  as.batch = d_.micro_batch;
-  as.seq = d_.seq;
-  as.heads = d_.heads_local();
-  as.groups = d_.groups_local();
-  as.head_dim = d_.head_dim;
-  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
-  as.causal = true;
-  as.dropout_p = s.training ? d_.attention_dropout : 0.0f;
-  as.dropout_key = mix_key(site_key(s, layer, 0), static_cast<uint64_t>(d_.tp_rank));  // heads differ per rank
-  be_.attention_forward(A.attn_out, A.lse, A.qkv, as);
+  be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
   ps_.tp->all_reduce(w.tmp_h);
   be_.bias_dropout_add(A.h1, w.tmp_h, P.proj_b, x, hp, site_key(s, layer, 1));
@@ -492,17 +500,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   }
   be_.linear_backward_weight(G.proj_w, G.proj_b, d_proj, A.attn_out);
   be_.linear_backward_input(w.gATT, d_proj, P.proj_w, false, Activation::none, Tensor());
-  AttentionShape as;
-  as.batch = d_.micro_batch;
-  as.seq = d_.seq;
-  as.heads = d_.heads_local();
-  as.groups = d_.groups_local();
-  as.head_dim = d_.head_dim;
-  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
-  as.causal = true;
-  as.dropout_p = s.training ? d_.attention_dropout : 0.0f;
-  as.dropout_key = mix_key(site_key(s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
-  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, as);
+  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)

@@ -45,6 +45,7 @@ struct ModelOptions {
   OptimizerKind optimizer = OptimizerKind::adam;
   bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
   RopeTableParams rope;        // positions/rot_dim filled from ModelDims
+  AttentionBackend attention_backend = AttentionBackend::auto_;
 
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
 };
@@ -111,6 +112,7 @@ class GptModel {
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
+  AttentionShape attention_shape(const Slot* s, int layer) const;
   void embedding_forward(Slot& s);
   void embedding_backward(Slot& s, Tensor grad);
   void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x);

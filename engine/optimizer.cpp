@@ -16,13 +16,23 @@ Optimizer::Optimizer(const Config& cfg, GptModel& model, ParallelState& ps, LrSc
     : cfg_(cfg), model_(model), ps_(ps), schedule_(schedule), scaler_(scaler), be_(model.backend()) {
   const TrainConfig& t = cfg.train;
   const bool decoupled = t.decoupled_lr.has_value();
+  // Update segments merge neighbours of one group across the alignment padding (padding holds
+  // zeros with zero gradients, which AdamW and SGD leave at zero); the norm segments cover the
+  // counted parameters exactly (--log-num-zeros-in-grad must not count the padding).
+  int64_t end = 0;
   for (const ParamDesc& p : model.params()) {
     int g = p.weight_decay ? kDecay : kNoDecay;
     if (decoupled && p.decoupled_lr) g += 2;
-    segments_.push_back(OptimSegment{p.offset, p.numel(), g});
-    if (!p.shared_copy && (!p.tp_duplicated || ps.tp_rank == 0))
-      norm_segments_.push_back(OptimSegment{p.offset, p.numel(), g});
+    if (!segments_.empty() && segments_.back().group == g) segments_.back().count = p.offset + p.numel() - segments_.back().offset;
+    else segments_.push_back(OptimSegment{p.offset, p.numel(), g});
+    if (!p.shared_copy && (!p.tp_duplicated || ps.tp_rank == 0)) {
+      if (!norm_segments_.empty() && end == p.offset) norm_segments_.back().count += p.numel();
+      else norm_segments_.push_back(OptimSegment{p.offset, p.numel(), 0});
+      end = p.offset + p.numel();
+    }
   }
+  be_.register_optim_segments(segments_);
+  be_.register_optim_segments(norm_segments_);
   const double lr = t.lr.value_or(0.0);
   max_lr_[kDecay] = max_lr_[kNoDecay] = lr;
   min_lr_[kDecay] = min_lr_[kNoDecay] = t.min_lr;

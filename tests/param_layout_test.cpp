@@ -139,10 +139,16 @@ TEST_CASE("optimizer groups: no weight decay on biases and 1-D params, decoupled
   LrSchedule schedule(LrSchedule::params_from_config(c));
   LossScaler scaler = LossScaler::none();
   Optimizer opt(c, model, ps, schedule, scaler);
-  REQUIRE(opt.segments().size() == model.params().size());
+  CHECK(opt.segments().size() < model.params().size());  // neighbours of one group merge
   for (size_t i = 0; i < model.params().size(); ++i) {
     const ParamDesc& p = model.params()[i];
-    const int g = opt.segments()[i].group;
+    int g = -1, covering = 0;
+    for (const OptimSegment& s : opt.segments())
+      if (s.offset <= p.offset && p.offset + p.numel() <= s.offset + s.count) {
+        g = s.group;
+        ++covering;
+      }
+    REQUIRE(covering == 1);
     INFO(p.name);
     if (p.name == "embedding.word_embeddings.weight") CHECK(g == Optimizer::kDecoupledDecay);
     else if (p.name.ends_with(".bias") || p.is_1d()) CHECK(g == Optimizer::kNoDecay);
