@@ -51,7 +51,7 @@ BlendSpec blend_from_list(const std::vector<std::string>& list, const std::strin
   return b;
 }
 
-std::vector<double> parse_split(const std::string& split) {
+std::vector<double> parse_split_weights(const std::string& split) {
   static const std::regex number(R"([.0-9]+)");
   std::vector<double> w;
   for (auto it = std::sregex_iterator(split.begin(), split.end(), number); it != std::sregex_iterator(); ++it) {

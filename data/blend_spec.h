@@ -19,6 +19,6 @@ BlendSpec blend_from_list(const std::vector<std::string>& list, const std::strin
 
 // Megatron's parse_and_normalize_split: every match of [.0-9]+ (so "'99,1,0'" with its quotes
 // works), padded with zeros to 3 entries, normalised to sum 1. Errors name --split.
-std::vector<double> parse_split(const std::string& split);
+std::vector<double> parse_split_weights(const std::string& split);
 
 }  // namespace mt
