@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/backend.h"
+#include "engine/flops.h"
 #include "engine/gpt_model.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
@@ -74,6 +75,7 @@ int run_training(const Config& cfg) {
   log::info("{}", data.description);
   std::unique_ptr<Reporter> reporter = make_log_reporter();
   Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), *reporter);
+  trainer.flops_per_iteration = [&cfg] { return num_floating_point_operations(cfg.model, cfg.train.global_batch); };
   log::info("training ...");
   if (!cfg.train.skip_train) trainer.train();
   if (data.valid && cfg.train.eval_iters > 0) trainer.evaluate(true);

@@ -10,6 +10,7 @@
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
 #include "engine/optimizer.h"
+#include "engine/param_count.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
 
@@ -156,4 +157,16 @@ TEST_CASE("optimizer groups: no weight decay on biases and 1-D params, decoupled
   }
   CHECK(opt.learning_rate() == Approx(1e-3));  // no warmup: the peak at step 0
   CHECK(*opt.decoupled_learning_rate() == Approx(5e-3));
+}
+
+TEST_CASE("param descriptions agree with the planner's parameter counts", "[params]") {
+  for (bool llama : {false, true}) {
+    Config c = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+    c.model.qk_layernorm = llama;
+    test::derive(c);
+    ParallelState ps = make_single_process_state();
+    int64_t ours = 0;
+    for (const auto& p : build_param_descs(ModelDims::from_config(c, ps), nullptr)) ours += p.numel();
+    CHECK(ours == count_parameters(c.model).total);
+  }
 }
