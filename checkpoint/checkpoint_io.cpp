@@ -665,8 +665,10 @@ void CheckpointReader::read(const std::string& name, CheckpointKind kind, const 
 
   // Map each shard's data, checking it against the manifest (and its checksum, once).
   struct Source {
-    const Shard* shard;
+    Shard* shard;
     const unsigned char* data;
+    std::string path;
+    size_t nbytes;
   };
   std::vector<Source> sources;
   for (Shard& sh : entry.shards) {
@@ -676,15 +678,19 @@ void CheckpointReader::read(const std::string& name, CheckpointKind kind, const 
     if (e->dtype != ti.dtype || e->numel() != sh.slice.count())
       fail("checkpoint {}: {} tensor '{}' is {} but the manifest says {} elements of {}", dir_, f.path(), sh.key,
            e->shape_string(), sh.slice.count(), safetensors_dtype_string(ti.dtype));
-    if (!sh.verified) {
-      const uint32_t crc = crc32c(e->data, e->nbytes());
-      if (crc != sh.crc32c)
-        fail("checkpoint {}: checksum mismatch in {} for tensor '{}' (crc32c {:08x}, manifest {:08x}): the file is "
-             "corrupt", dir_, f.path(), sh.key, crc, sh.crc32c);
-      sh.verified = true;
-    }
-    sources.push_back({&sh, e->data});
+    sources.push_back({&sh, e->data, f.path(), e->nbytes()});
   }
+  // A shard's checksum is verified the first time data is taken from it (a rank reading its slice
+  // of a resharded tensor does not read the shards it does not need).
+  auto verify = [&](const Source& src) {
+    Shard& sh = *src.shard;
+    if (sh.verified) return;
+    const uint32_t crc = crc32c(src.data, src.nbytes);
+    if (crc != sh.crc32c)
+      fail("checkpoint {}: checksum mismatch in {} for tensor '{}' (crc32c {:08x}, manifest {:08x}): the file is "
+           "corrupt", dir_, src.path, sh.key, crc, sh.crc32c);
+    sh.verified = true;
+  };
 
   const size_t src_elem = dtype_size(ti.dtype);
   const size_t dst_elem = dtype_size(out.dtype);
@@ -714,6 +720,7 @@ void CheckpointReader::read(const std::string& name, CheckpointKind kind, const 
       const int64_t f0 = std::max(pf0, ps.flat_begin), f1 = std::min(pf0 + (c1 - c0), ps.flat_begin + ps.count());
       if (f0 >= f1) continue;
       const int64_t out_col = c0 + (f0 - pf0) - gcol;  // within this segment
+      verify(src);
       convert_copy(src.data + static_cast<size_t>(f0 - ps.flat_begin) * src_elem, ti.dtype,
                    dst + static_cast<size_t>(out_base + out_col) * dst_elem, out.dtype, f1 - f0);
       covered.push_back({out_col, out_col + (f1 - f0)});
