@@ -96,7 +96,9 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.init_method_std = m.init_method_std;
   s.hidden_dropout = m.hidden_dropout;
   s.attention_dropout = m.attention_dropout;
-  s.gelu_activation = "gelu_new";
+  // The engine computes exact (erf) GeLU by default and the tanh approximation with --openai-gelu
+  // (engine/model_dims.cpp); HF calls those "gelu" and "gelu_new".
+  s.gelu_activation = m.openai_gelu ? "gelu_new" : "gelu";
   if (m.position_embedding_type == PositionEmbedding::none && arch == HfArchitecture::gpt2)
     s.learned_position_embeddings = false;  // validate() refuses it
   return s;

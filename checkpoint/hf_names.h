@@ -57,8 +57,8 @@ struct HfModelSpec {
   double init_method_std = 0.02;
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
-  // GPT-2's activation_function: "gelu_new" (tanh approximation, --openai-gelu and Megatron's fused
-  // bias-GeLU) or "gelu" (erf). Set it to what the engine computes.
+  // GPT-2's activation_function: "gelu_new" (tanh approximation: --openai-gelu) or "gelu" (erf,
+  // the engine's default). from_model_config picks it from the flags.
   std::string gelu_activation = "gelu_new";
   std::optional<int> bos_token_id, eos_token_id;
   std::string torch_dtype = "float32";
