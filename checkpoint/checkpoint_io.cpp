@@ -12,6 +12,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/safetensors.h"
+#include "core/config.h"
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -221,6 +222,23 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
     fail("checkpoint tracker {} names iteration {} but the directory {} does not exist", tracker,
          loc.release ? "release" : std::to_string(loc.iteration), loc.directory);
   }
+  return loc;
+}
+
+std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg) {
+  if (!cfg.load) return std::nullopt;
+  const auto loc = locate_checkpoint(*cfg.load, cfg.ckpt_step);
+  if (!loc) {
+    const std::string tracker = checkpoint_tracker_path(*cfg.load);
+    if (cfg.exit_on_missing_checkpoint)
+      fail("--exit-on-missing-checkpoint is set but no checkpoint was found under --load {} (missing tracker file {})",
+           *cfg.load, tracker);
+    log::info("WARNING: could not find the metadata file {}", tracker);
+    log::info("    will not load any checkpoints and will start from random");
+    return std::nullopt;
+  }
+  if (loc->release) log::info(" loading release checkpoint from {}", *cfg.load);
+  else log::info(" loading checkpoint from {} at iteration {}", *cfg.load, loc->iteration);
   return loc;
 }
 

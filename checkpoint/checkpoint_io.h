@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/config.h"
 #include "core/shard.h"
 #include "core/tensor.h"
 
@@ -80,6 +81,12 @@ struct CheckpointLocation {
 // Throws when the tracker is unreadable or the iteration directory does not exist.
 std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
                                                     std::optional<int64_t> ckpt_step = std::nullopt);
+
+// Megatron's --load decision (load_checkpoint / _load_base_checkpoint): nullopt without --load;
+// without a tracker (and no --ckpt-step) prints Megatron's warning and returns nullopt (start from
+// random initialization), or throws with --exit-on-missing-checkpoint; otherwise prints
+// " loading checkpoint from DIR at iteration N" (rank 0) and returns the location.
+std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg);
 
 // ---------------------------------------------------------------------------------------------
 // Saving

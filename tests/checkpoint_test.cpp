@@ -19,6 +19,7 @@
 #include "checkpoint/file_io.h"
 #include "ckpt_test_util.h"
 #include "core/error.h"
+#include "core/log.h"
 
 using namespace mt;
 using mt_test::TempDir;
@@ -534,4 +535,26 @@ TEST_CASE("async save writes in the background and commits at the next call", "[
   CHECK_THROWS_WITH(saver.finalize(SaveGroup{}), Catch::Contains("Input/output error"));
   set_write_fault_hook({});
   CHECK(tracker_text(dir.path()) == "200");
+}
+
+TEST_CASE("Megatron's load decision: a missing tracker warns or exits", "[checkpoint]") {
+  TempDir dir;
+  CheckpointConfig cfg;
+  CHECK(!checkpoint_to_load(cfg).has_value());  // no --load
+  cfg.load = dir.path();
+  log::set_quiet(true);
+  CHECK(!checkpoint_to_load(cfg).has_value());  // warns, starts from random
+  log::set_quiet(false);
+  cfg.exit_on_missing_checkpoint = true;
+  CHECK_THROWS_WITH(checkpoint_to_load(cfg), Catch::Contains("--exit-on-missing-checkpoint") &&
+                                                 Catch::Contains("latest_checkpointed_iteration.txt"));
+  save_simple(dir.path(), 6);
+  log::set_quiet(true);
+  const auto loc = checkpoint_to_load(cfg);
+  log::set_quiet(false);
+  REQUIRE(loc.has_value());
+  CHECK(loc->iteration == 6);
+  CHECK(loc->directory == dir / "iter_0000006");
+  cfg.ckpt_step = 7;
+  CHECK_THROWS_WITH(checkpoint_to_load(cfg), Catch::Contains("--ckpt-step 7"));
 }
