@@ -115,11 +115,22 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     while (first < n && (hb[first] == ' ' || hb[first] == '\n' || hb[first] == '\t' || hb[first] == '\r')) ++first;
     if (first == n || hb[first] != '{') fail("{}: header is not a JSON object (first byte is not '{{')", path);
     nlohmann::json header;
+    std::set<std::string> top_keys;
+    std::string duplicate;
+    // The format forbids duplicate names; a JSON parser would silently keep the last one.
+    auto watch_keys = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (depth == 1 && event == nlohmann::json::parse_event_t::key && duplicate.empty()) {
+        const std::string key = parsed.get<std::string>();
+        if (!top_keys.insert(key).second) duplicate = key;
+      }
+      return true;
+    };
     try {
-      header = nlohmann::json::parse(hb, hb + n);
+      header = nlohmann::json::parse(hb, hb + n, watch_keys);
     } catch (const nlohmann::json::exception& e) {
       fail("{}: header is not valid JSON: {}", path, e.what());
     }
+    if (!duplicate.empty()) fail("{}: the header names '{}' twice", path, duplicate);
     if (!header.is_object()) fail("{}: header is not a JSON object", path);
 
     const uint64_t data_size = size_ - 8 - n;

@@ -154,6 +154,20 @@ TEST_CASE("checkpoint layout follows Megatron: iter_XXXXXXX and the tracker", "[
   CheckpointReader old(dir.path(), 5);
   CHECK(old.iteration() == 5);
   CHECK(iteration_directory_name(1234567) == "iter_1234567");
+
+  // A release checkpoint (no iteration), as Megatron names it.
+  {
+    CheckpointWriter w(dir.path(), 0, 0, 1, /*release=*/true);
+    std::vector<float> v = make_slice(4, ShardSlice::whole(ShardIndex::whole(2, 3)));
+    w.add("w", CheckpointKind::model, ShardIndex::whole(2, 3), host(v));
+    w.save(SaveGroup{});
+  }
+  CHECK(tracker_text(dir.path()) == "release");
+  const auto loc = locate_checkpoint(dir.path());
+  REQUIRE(loc.has_value());
+  CHECK(loc->release);
+  CHECK(loc->directory == dir / "release");
+  CHECK(CheckpointReader(dir.path()).names() == std::vector<std::string>{"w"});
 }
 
 TEST_CASE("checkpoint reshards: any slice of any split, from any other split", "[checkpoint][reshard]") {

@@ -173,6 +173,16 @@ TEST_CASE("safetensors reader refuses malformed files naming the file", "[checkp
     mt_test::write_text(p, b);
     CHECK_THROWS_WITH(SafetensorsFile(p), Catch::Contains("hole"));
   }
+  SECTION("duplicate name") {
+    const std::string header =
+        R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})";
+    std::string b(8, '\0');
+    b[0] = static_cast<char>(header.size());
+    b += header + std::string(4, '\0');
+    const std::string p = dir / "dup.safetensors";
+    mt_test::write_text(p, b);
+    CHECK_THROWS_WITH(SafetensorsFile(p), Catch::Contains("names 'a' twice"));
+  }
   SECTION("missing file") {
     CHECK_THROWS_WITH(SafetensorsFile(dir / "absent.safetensors"), Catch::Contains("absent.safetensors"));
   }
