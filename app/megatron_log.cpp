@@ -121,6 +121,14 @@ std::string format_timers(const IterationStats& s, const std::string& option) {
   return any ? out : std::string();
 }
 
+IterationStats with_logging_flags(const IterationStats& s, const LoggingConfig& cfg) {
+  IterationStats out = s;
+  if (!cfg.log_throughput) out.tflops_per_gpu.reset();
+  if (!cfg.log_params_norm) out.params_norm.reset();
+  if (!cfg.log_num_zeros_in_grad) out.num_zeros.reset();
+  return out;
+}
+
 MegatronLogReporter::MegatronLogReporter(const LoggingConfig& cfg, Sink sink, Clock timestamp)
     : cfg_(cfg), sink_(std::move(sink)), timestamp_(std::move(timestamp)) {
   if (!sink_) sink_ = [](const std::string& line) { log::write_stdout(line); };
@@ -129,7 +137,7 @@ MegatronLogReporter::MegatronLogReporter(const LoggingConfig& cfg, Sink sink, Cl
 
 void MegatronLogReporter::on_iteration(const IterationStats& s) {
   if (!s.interval_end) return;
-  sink_(format_iteration_line(s, timestamp_()));
+  sink_(format_iteration_line(with_logging_flags(s, cfg_), timestamp_()));
   if (cfg_.timing_log_level >= 1) {
     const std::string timers = format_timers(s, cfg_.timing_log_option);
     if (!timers.empty()) sink_(timers);

@@ -39,6 +39,10 @@ std::string format_eval_block(const EvalStats& e);
 // Timer names come in Megatron's order (unknown ones after, alphabetically).
 std::string format_timers(const IterationStats& s, const std::string& timing_log_option);
 
+// The stats with the optional fields whose flags are off removed (--log-throughput,
+// --log-params-norm, --log-num-zeros-in-grad): Megatron shows those only under their flags.
+IterationStats with_logging_flags(const IterationStats& s, const LoggingConfig& cfg);
+
 // Megatron's timer names in the order training_log lists them (levels 1 then 2).
 const std::vector<std::string>& megatron_timer_order();
 

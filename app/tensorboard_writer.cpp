@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "app/megatron_log.h"
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -319,7 +320,8 @@ void TensorBoardReporter::both(const std::string& tag, double value, int64_t ite
   writer_.add_scalar(tag + " vs samples", value, samples);
 }
 
-void TensorBoardReporter::on_iteration(const IterationStats& s) {
+void TensorBoardReporter::on_iteration(const IterationStats& stats) {
+  const IterationStats s = with_logging_flags(stats, cfg_);
   const int64_t it = s.iteration, samples = s.consumed_samples;
   if (cfg_.tensorboard_log_interval > 0 && it % cfg_.tensorboard_log_interval == 0) {
     if (s.learning_rate) both("learning-rate", *s.learning_rate, it, samples);
@@ -342,7 +344,7 @@ void TensorBoardReporter::on_iteration(const IterationStats& s) {
   }
   if (s.interval_end && cfg_.log_timers_to_tensorboard) {
     if (!s.is_first_iteration) writer_.add_scalar("iteration-time", s.elapsed_ms_per_iteration / 1000.0, it);
-    if (cfg_.log_throughput && s.tflops_per_gpu) writer_.add_scalar("throughput", *s.tflops_per_gpu, it);
+    if (s.tflops_per_gpu) writer_.add_scalar("throughput", *s.tflops_per_gpu, it);
     // Timers.write: the max over ranks, normalized by the log interval, in seconds.
     for (const auto& [name, mm] : s.timers_ms)
       if (mm.second > 0) writer_.add_scalar(name + "-time", mm.second / 1000.0, it);

@@ -81,6 +81,7 @@ class TensorBoardWriter {
 //   evaluations: "<loss> validation", "<loss> validation vs samples", and with
 //     --log-validation-ppl-to-tensorboard "<loss> validation ppl" (+ vs samples). Nothing for the
 //     after-training evaluation when --skip-train is set (Megatron passes write_to_tensorboard=False).
+// The optional fields follow their flags as on the log line (with_logging_flags).
 class TensorBoardReporter : public Reporter {
  public:
   TensorBoardReporter(const LoggingConfig& logging, bool skip_train, int world_size);

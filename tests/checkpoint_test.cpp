@@ -107,17 +107,23 @@ void save_simple(const std::string& dir, int64_t iteration, int extra_salt = 0) 
   w.save(SaveGroup{});
 }
 
-void check_simple(const std::string& load_dir, int64_t iteration, int extra_salt = 0) {
+// Throws (no Catch macros: also used in forked children, whose Catch state nobody reads).
+void verify_simple(const std::string& load_dir, int64_t iteration, int extra_salt = 0) {
   CheckpointReader r(load_dir);
-  REQUIRE(r.iteration() == iteration);
-  CHECK(r.run_state().consumed_train_samples == iteration * 8);
+  if (r.iteration() != iteration)
+    throw std::runtime_error("loaded iteration " + std::to_string(r.iteration()) + ", expected " + std::to_string(iteration));
+  if (r.run_state().consumed_train_samples != iteration * 8) throw std::runtime_error("consumed samples differ");
   std::vector<float> out(24);
   r.read("w", ShardIndex::whole(4, 6), host(out));
-  CHECK(out == make_slice(1 + extra_salt, ShardSlice::whole(ShardIndex::whole(4, 6))));
+  if (out != make_slice(1 + extra_salt, ShardSlice::whole(ShardIndex::whole(4, 6)))) throw std::runtime_error("w differs");
   std::vector<float> b(6);
   r.read("b", ShardIndex::whole(6, 1), host(b), {6});
-  CHECK(b == make_slice(2 + extra_salt, ShardSlice::whole(ShardIndex::whole(6, 1))));
+  if (b != make_slice(2 + extra_salt, ShardSlice::whole(ShardIndex::whole(6, 1)))) throw std::runtime_error("b differs");
   r.verify_all();
+}
+
+void check_simple(const std::string& load_dir, int64_t iteration, int extra_salt = 0) {
+  REQUIRE_NOTHROW(verify_simple(load_dir, iteration, extra_salt));
 }
 
 std::string tracker_text(const std::string& dir) { return read_text_file(checkpoint_tracker_path(dir)); }
@@ -377,10 +383,10 @@ int full_disk_child(const std::string& mount_point) {
     }
     if (read_text_file(checkpoint_tracker_path(mount_point)) != "1") return 13;
     if (path_exists(mount_point + "/iter_0000002") || path_exists(mount_point + "/iter_0000002.tmp")) return 14;
-    check_simple(mount_point, 1);
+    verify_simple(mount_point, 1);
     // With the partial files removed, a save that fits works again.
     save_simple(mount_point, 3);
-    check_simple(mount_point, 3);
+    verify_simple(mount_point, 3);
   } catch (...) {
     return 15;
   }

@@ -218,6 +218,7 @@ TEST_CASE("timer report in Megatron's layout and order", "[obs][log]") {
   std::vector<std::string> lines;
   LoggingConfig cfg;
   cfg.timing_log_level = 1;
+  cfg.log_throughput = true;
   MegatronLogReporter rep(cfg, [&](const std::string& l) { lines.push_back(l); }, [] { return kStamp; });
   IterationStats quiet = example_stats();
   quiet.interval_end = false;
@@ -233,6 +234,20 @@ TEST_CASE("timer report in Megatron's layout and order", "[obs][log]") {
   e.losses = {{"lm loss", 1.0}};
   rep.on_eval(e);
   CHECK(lines.back() == format_eval_block(e));
+
+  // Without --log-throughput / --log-params-norm / --log-num-zeros-in-grad those fields stay out
+  // even when the engine measured them.
+  lines.clear();
+  MegatronLogReporter plain(LoggingConfig{}, [&](const std::string& l) { lines.push_back(l); }, [] { return kStamp; });
+  IterationStats all = example_stats();
+  all.params_norm = 3.0;
+  all.num_zeros = 5;
+  plain.on_iteration(all);
+  REQUIRE(lines.size() == 1);  // timing level 0: no timer report
+  CHECK(lines[0].find("throughput") == std::string::npos);
+  CHECK(lines[0].find("params norm") == std::string::npos);
+  CHECK(lines[0].find("num zeros") == std::string::npos);
+  CHECK(lines[0].find(" grad norm: 1.234 |") != std::string::npos);
 }
 
 TEST_CASE("TensorBoard records match the golden bytes", "[obs][tensorboard]") {
@@ -249,6 +264,8 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags; our decoder and TensorBo
   LoggingConfig cfg = tb_config(dir / "tb");
   cfg.log_timers_to_tensorboard = true;
   cfg.log_throughput = true;
+  cfg.log_params_norm = true;
+  cfg.log_num_zeros_in_grad = true;
   cfg.log_validation_ppl_to_tensorboard = true;
   cfg.log_memory_to_tensorboard = true;
   cfg.log_world_size_to_tensorboard = true;
