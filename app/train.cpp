@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "app/log_reporter.h"
+#include "app/reporters.h"
 #include "app/training_data.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -73,7 +73,7 @@ int run_training(const Config& cfg) {
 
   TrainingData data = build_training_data(cfg, ps.dp_rank, ps.dp_size, 0);
   log::info("{}", data.description);
-  std::unique_ptr<Reporter> reporter = make_log_reporter();
+  std::unique_ptr<Reporter> reporter = make_reporters(cfg);
   Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), *reporter);
   trainer.flops_per_iteration = [&cfg] { return num_floating_point_operations(cfg.model, cfg.train.global_batch); };
   log::info("training ...");

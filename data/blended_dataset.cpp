@@ -155,7 +155,7 @@ BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleDataset>>
       if (ec) fail("{}: {}", *cache_dir, ec.message());
       dataset_index_.write_npy(cache_prefix + "dataset_index.npy");
       dataset_sample_index_.write_npy(cache_prefix + "dataset_sample_index.npy");
-      write_file_atomically(cache_prefix + "description.txt", key_ + "\n");
+      write_cache_file_atomically(cache_prefix + "description.txt", key_ + "\n");
     } catch (const Error& e) {
       log::warn("cannot write the blend cache ({}); continuing without it", e.what());
     }

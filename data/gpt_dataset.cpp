@@ -247,7 +247,7 @@ void GPTDataset::save_cache() const {
     document_index_.write_npy(cache_prefix_ + "document_index.npy");
     sample_index_.write_npy(cache_prefix_ + "sample_index.npy");
     shuffle_index_.write_npy(cache_prefix_ + "shuffle_index.npy");
-    write_file_atomically(cache_prefix_ + "description.txt",
+    write_cache_file_atomically(cache_prefix_ + "description.txt",
                           key_ + "\n" + fmt::format("dataset: {}\n", data_->name()));
   } catch (const Error& e) {
     log::warn("cannot write the index cache ({}); continuing without it; pass a writable --data-cache-path", e.what());

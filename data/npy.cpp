@@ -137,7 +137,7 @@ IndexArray IndexArray::map_npy(const std::string& path) {
   return a;
 }
 
-void write_file_atomically(const std::string& path, const std::string& contents) {
+void write_cache_file_atomically(const std::string& path, const std::string& contents) {
   write_atomically(path, contents.data(), contents.size(), nullptr, 0);
 }
 

@@ -77,6 +77,6 @@ class IndexArray {
 };
 
 // Writes text to path atomically (temporary file + rename).
-void write_file_atomically(const std::string& path, const std::string& contents);
+void write_cache_file_atomically(const std::string& path, const std::string& contents);
 
 }  // namespace mt

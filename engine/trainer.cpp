@@ -99,7 +99,7 @@ int64_t Trainer::train() {
       interval_loss_ += o.loss();
       loss_history_.push_back(o.loss());
     }
-    if (iteration_ % cfg_.logging.log_interval == 0 || first) log_iteration(o, first);
+    report_iteration(o, first);
     first = false;
     if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
         valid_ && t.eval_iters > 0) {
@@ -116,12 +116,19 @@ int64_t Trainer::train() {
   return iteration_;
 }
 
-void Trainer::log_iteration(const StepOutcome& o, bool first_of_run) {
+// Every iteration goes to the reporters (TensorBoard keeps per-iteration values); the log line's
+// averages cover the interval and are valid where interval_end is set: every --log-interval
+// iterations and, as HEAD Megatron does, after the first iteration of the run (without resetting
+// the interval).
+void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
+  const bool interval_end = iteration_ % cfg_.logging.log_interval == 0 || first_of_run;
   const auto now = Clock::now();
   const double elapsed = std::chrono::duration<double>(now - interval_start_).count() - interval_paused_s_;
   const int64_t iters = std::max<int64_t>(1, interval_advanced_ + interval_skipped_);
   IterationStats s;
   s.iteration = iteration_;
+  s.interval_end = interval_end;
+  s.is_first_iteration = first_of_run;
   s.train_iters = cfg_.train.total_iters;
   s.consumed_samples = consumed_samples_;
   s.skipped_samples = skipped_samples_;
@@ -134,10 +141,11 @@ void Trainer::log_iteration(const StepOutcome& o, bool first_of_run) {
   s.global_batch_size = cfg_.train.global_batch;
   // Megatron prints the key once any iteration succeeded (0 for an interval of skipped ones).
   if (!loss_history_.empty()) s.losses["lm loss"] = interval_loss_ / std::max<int64_t>(1, interval_advanced_);
+  if (!o.skipped) s.iteration_losses["lm loss"] = o.loss();
   s.loss_scale = scaler_.scale();
   s.grad_norm = o.grad_norm;
   s.num_zeros = o.num_zeros;
-  if (cfg_.logging.log_params_norm) s.params_norm = optimizer_.params_norm();
+  if (cfg_.logging.log_params_norm && interval_end) s.params_norm = optimizer_.params_norm();
   s.skipped_iterations = interval_skipped_;
   s.nan_iterations = interval_nan_;
   s.weight_decay = optimizer_.weight_decay();
@@ -146,8 +154,7 @@ void Trainer::log_iteration(const StepOutcome& o, bool first_of_run) {
   s.world_size = ps_.world_size;
   for (const auto& [name, ms] : timer_ms_) s.timers_ms[name] = {ms / iters, ms / iters};
   reporter_.on_iteration(s);
-  // Megatron logs after the first iteration of a run without resetting the interval.
-  if (!first_of_run) {
+  if (interval_end && !first_of_run) {
     interval_loss_ = 0;
     interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
     interval_start_ = now;
@@ -197,6 +204,7 @@ void Trainer::evaluate(bool after_training) {
   EvalStats e;
   e.iteration = iteration_;
   e.after_training = after_training;
+  e.consumed_train_samples = consumed_samples_;
   e.losses["lm loss"] = host[0] / std::max(1.0, host[1]);
   reporter_.on_eval(e);
 }

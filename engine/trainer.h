@@ -54,7 +54,7 @@ class Trainer {
  private:
   using Clock = std::chrono::steady_clock;
   void forward_backward();
-  void log_iteration(const StepOutcome& o, bool first_of_run);
+  void report_iteration(const StepOutcome& o, bool first_of_run);
   void timer_start(const char* name);
   void timer_stop(const char* name);
 

@@ -18,7 +18,9 @@ namespace {
 struct CapturingReporter final : Reporter {
   std::vector<IterationStats> iterations;
   std::vector<EvalStats> evals;
-  void on_iteration(const IterationStats& s) override { iterations.push_back(s); }
+  void on_iteration(const IterationStats& s) override {
+    if (s.interval_end) iterations.push_back(s);
+  }
   void on_eval(const EvalStats& e) override { evals.push_back(e); }
 };
 
