@@ -122,6 +122,25 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   }
 }
 
+GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend,
+                   MeasureOnly)
+    : d_(dims), opt_(options), ps_(ps), be_(backend) {
+  if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
+    opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  descs_ = build_param_descs(d_, &total_elements_);
+  globals_ = std::make_unique<Globals>();
+  ws_ = std::make_unique<Workspace>();
+  arena_ = std::make_unique<Arena>(be_);
+  layout(*arena_);  // measure only: nothing is allocated
+}
+
+MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
+  std::unique_ptr<Backend> host = make_reference_backend(1);  // measuring touches no memory
+  ParallelState ps = make_single_process_state();
+  GptModel m(dims, options, ps, *host, MeasureOnly{});
+  return m.memory_plan();
+}
+
 GptModel::~GptModel() = default;
 
 const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }

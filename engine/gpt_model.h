@@ -53,6 +53,9 @@ struct ModelOptions {
 class GptModel {
  public:
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend);
+  // The memory plan of a model without building it (--dry-run): the same layout code as the
+  // constructor, measuring only.
+  static MemoryPlan plan_memory(const ModelDims& dims, const ModelOptions& options);
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
@@ -107,6 +110,8 @@ class GptModel {
   struct Slot;
   struct Workspace;
 
+  struct MeasureOnly {};
+  GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void layout(Arena& a);
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
   void bind_params();

@@ -1,13 +1,20 @@
 #include "engine/trainer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <csignal>
 
 #include "core/error.h"
 #include "core/log.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
+
+namespace {
+std::atomic<bool> g_sigterm{false};
+extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+}  // namespace
 
 Trainer::Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
                  Reporter& reporter)
@@ -22,6 +29,41 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSou
       optimizer_(cfg, model, ps, schedule_, scaler_) {
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
+  if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
+}
+
+// --exit-duration-in-mins and --exit-signal-handler, decided by every rank alike (max over ranks).
+bool Trainer::should_exit() {
+  const TrainConfig& t = cfg_.train;
+  if (!t.exit_duration_in_mins && !t.exit_signal_handler) return false;
+  const double minutes = std::chrono::duration<double>(Clock::now() - run_start_).count() / 60.0;
+  double flags[2] = {t.exit_duration_in_mins && minutes > *t.exit_duration_in_mins ? 1.0 : 0.0,
+                     t.exit_signal_handler && g_sigterm.load() ? 1.0 : 0.0};
+  if (ps_.world_size > 1) {  // one small collective per iteration, only with these flags
+    Backend& be = model_.backend();
+    Tensor s = model_.scalars().flat_slice(8, 2);
+    if (model_.options().accum == DType::f64) {
+      be.copy_from_host(s, flags);
+      ps_.world->all_reduce(s, ReduceOp::max);
+      be.copy_to_host(flags, s);
+    } else {
+      float f[2] = {static_cast<float>(flags[0]), static_cast<float>(flags[1])};
+      be.copy_from_host(s, f);
+      ps_.world->all_reduce(s, ReduceOp::max);
+      be.copy_to_host(f, s);
+      flags[0] = f[0];
+      flags[1] = f[1];
+    }
+  }
+  if (flags[0] > 0) {
+    log::info(" exiting program after {} minutes", minutes);
+    return true;
+  }
+  if (flags[1] > 0) {
+    log::info(" exiting program at iteration {} on SIGTERM", iteration_);
+    return true;
+  }
+  return false;
 }
 
 void Trainer::timer_start(const char* name) {
@@ -108,8 +150,13 @@ int64_t Trainer::train() {
       interval_paused_s_ += std::chrono::duration<double>(Clock::now() - pause).count();
     }
     if (after_iteration && !after_iteration(iteration_)) break;
-    if (t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
+    bool stop = should_exit();
+    if (!stop && t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
       log::info(" exiting program at iteration {}", iteration_);
+      stop = true;
+    }
+    if (stop) {
+      if (before_early_exit) before_early_exit(iteration_);
       break;
     }
   }

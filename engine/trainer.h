@@ -31,8 +31,12 @@ class Trainer {
   std::function<double()> flops_per_iteration;
   // Called after every iteration (checkpoint saving, signal checks...): return false to stop.
   std::function<bool(int64_t iteration)> after_iteration;
+  // Called once when training stops early (--exit-interval, --exit-duration-in-mins, SIGTERM with
+  // --exit-signal-handler), before returning: Megatron saves a checkpoint there.
+  std::function<void(int64_t iteration)> before_early_exit;
 
-  // Trains from the current iteration to the end; returns the last iteration.
+  // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
+  // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
   int64_t train();
   // Forward-only loss over --eval-iters global batches of the validation source.
   void evaluate(bool after_training);
@@ -57,6 +61,7 @@ class Trainer {
   void report_iteration(const StepOutcome& o, bool first_of_run);
   void timer_start(const char* name);
   void timer_stop(const char* name);
+  bool should_exit();
 
   const Config& cfg_;
   ParallelState& ps_;
@@ -77,6 +82,7 @@ class Trainer {
   double interval_loss_ = 0;
   int64_t interval_advanced_ = 0, interval_skipped_ = 0, interval_nan_ = 0;
   Clock::time_point interval_start_;
+  Clock::time_point run_start_ = Clock::now();
   double interval_paused_s_ = 0;
   std::map<std::string, double> timer_ms_;
   std::map<std::string, Clock::time_point> timer_start_;
