@@ -28,7 +28,8 @@ std::string strip(const std::string& s) {
 
 std::optional<double> parse_number(const std::string& text) {
   const std::string t = strip(text);
-  if (t.empty()) return std::nullopt;
+  // Python's float() takes no hexadecimal (strtod would).
+  if (t.empty() || t.find_first_of("xX") != std::string::npos) return std::nullopt;
   char* end = nullptr;
   const double v = std::strtod(t.c_str(), &end);
   if (end != t.c_str() + t.size()) return std::nullopt;
