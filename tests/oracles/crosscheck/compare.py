@@ -46,3 +46,29 @@ for k, spec in enumerate(cases):
     print(k, "same" if same else "DIFFERENT", sizes)
     bad += not same
 print("mismatches:", bad)
+
+# The writer: Megatron's IndexedDatasetBuilder (add_document, add_index) against ../indexed_writer.py
+# (which the CI test compares byte for byte with megatrain's builder).
+sys.path.insert(0, os.environ["WORK"] + "/pkg")
+sys.path.insert(0, os.environ["WORK"] + "/pylib")
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
+docs = [[[5, 6, 7]], [], [[1], [2, 3], []], [[100, 101, 102, 103, 104]], [], [[9, 8]], [[65535, 0, 300]]]
+writer_bad = 0
+for code, dtype in [(8, numpy.uint16), (4, numpy.int32), (5, numpy.int64), (6, numpy.float64), (7, numpy.float32)]:
+    write(f"{D}/py_{code}", code, docs)
+    b = IndexedDatasetBuilder(f"{D}/mg_{code}.bin", dtype=dtype)
+    for doc in docs:
+        b.add_document([t for seq in doc for t in seq], [len(seq) for seq in doc])
+    b.finalize(f"{D}/mg_{code}.idx")
+    for ext in ("bin", "idx"):
+        same = open(f"{D}/py_{code}.{ext}", "rb").read() == open(f"{D}/mg_{code}.{ext}", "rb").read()
+        writer_bad += not same
+        print(f"writer dtype {code} .{ext}:", "same" if same else "DIFFERENT")
+write(f"{D}/py_first", 8, docs[:3]); write(f"{D}/py_rest", 8, docs[3:])
+m = IndexedDatasetBuilder(f"{D}/mg_merged.bin", dtype=numpy.uint16)
+m.add_index(f"{D}/py_first"); m.add_index(f"{D}/py_rest"); m.finalize(f"{D}/mg_merged.idx")
+for ext in ("bin", "idx"):
+    same = open(f"{D}/py_8.{ext}", "rb").read() == open(f"{D}/mg_merged.{ext}", "rb").read()
+    writer_bad += not same
+    print(f"add_index merge .{ext}:", "same" if same else "DIFFERENT")
+print("writer mismatches:", writer_bad)
