@@ -57,7 +57,7 @@ std::string error_of(const std::function<void()>& f) {
 
 }  // namespace
 
-TEST_CASE("each DP rank gets [r*b, (r+1)*b) of every chunk of b*DP samples from consumed_samples",
+TEST_CASE("each DP rank gets rows r*b to (r+1)*b - 1 of every chunk of b*DP samples from consumed_samples",
           "[data][loader]") {
   const int64_t total = 103, consumed = 5;
   const int b = 2, dp = 3, seq = 4;
@@ -132,7 +132,7 @@ TEST_CASE("masks and positions reach the micro-batch", "[data][loader]") {
   CHECK(mb.loss_mask == std::vector<float>{1, 0, 1, 1, 1, 1});
 }
 
-TEST_CASE("loader errors reach the consumer; shutdown never hangs", "[data][loader]") {
+TEST_CASE("loader errors reach the consumer and shutdown never hangs", "[data][loader]") {
   auto bad = std::make_shared<NumberedDataset>(100, 4, /*bad=*/21);
   {
     BatchLoader loader(bad, options(2));

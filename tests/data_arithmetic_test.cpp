@@ -54,7 +54,7 @@ class CountingDataset : public SampleDataset {
 
 }  // namespace
 
-TEST_CASE("--split parsing follows Megatron's regex, padding and normalisation", "[data][split]") {
+TEST_CASE("split flag parsing follows Megatron's regex, padding and normalisation", "[data][split]") {
   CHECK(parse_split("969, 30, 1") == std::array<double, 3>{0.969, 0.03, 0.001});
   CHECK(parse_split("'99,1,0'") == std::array<double, 3>{0.99, 0.01, 0.0});
   CHECK(parse_split("\"1\"") == std::array<double, 3>{1.0, 0.0, 0.0});
@@ -114,7 +114,7 @@ TEST_CASE("split ranges equal the Python oracle's for many splits and sizes", "[
   }
 }
 
-TEST_CASE("blending indices: greedy deficit, first index wins ties; exhaustive blending", "[data][blend]") {
+TEST_CASE("blending indices: greedy deficit with the first index winning ties, and exhaustive blending", "[data][blend]") {
   std::vector<int16_t> index;
   std::vector<int64_t> sample;
   build_blending_indices({0.5, 0.5}, 4, index, sample);
@@ -147,7 +147,7 @@ TEST_CASE("a blend that oversamples a dataset names it and the flag to change", 
   CHECK(ok.dataset_index()[1] == 1);
 }
 
-TEST_CASE("--data-path lists: weights, prefixes, and bad weights", "[data][blend]") {
+TEST_CASE("data-path lists: weights, prefixes, and bad weights", "[data][blend]") {
   auto b = parse_blend({"0.3", "a", "0.7", " b "}, "--data-path");
   REQUIRE(b);
   CHECK(b->prefixes == std::vector<std::string>{"a", "b"});
