@@ -1,8 +1,30 @@
 #include "data/batch_loader.h"
 
+#include "core/config.h"
 #include "core/error.h"
 
 namespace mt {
+
+BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFacts& tokenizer, int data_parallel_rank,
+                                        int data_parallel_size, int64_t consumed_samples) {
+  if (config.data.dataloader_type != "single") {
+    throw Unsupported(fmt::format("--dataloader-type {} is not supported yet (megatrain reads in the order of "
+                                  "Megatron's 'single' loader)",
+                                  config.data.dataloader_type));
+  }
+  BatchLoaderOptions o;
+  o.micro_batch_size = config.train.micro_batch_size;
+  o.data_parallel_rank = data_parallel_rank;
+  o.data_parallel_size = data_parallel_size;
+  o.consumed_samples = consumed_samples;
+  o.masking.eod_token = static_cast<int32_t>(tokenizer.eod);
+  // Megatron drops a pad id that collides with EOD (MegatronDataset.__init__).
+  o.masking.pad_token = tokenizer.pad == tokenizer.eod ? -1 : static_cast<int32_t>(tokenizer.pad);
+  o.masking.reset_position_ids = config.data.reset_position_ids;
+  o.masking.reset_attention_mask = config.data.reset_attention_mask;
+  o.masking.eod_mask_loss = config.data.eod_mask_loss;
+  return o;
+}
 
 BatchLoader::BatchLoader(std::shared_ptr<const SampleDataset> dataset, BatchLoaderOptions options)
     : dataset_(std::move(dataset)), options_(options) {

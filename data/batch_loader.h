@@ -15,9 +15,12 @@
 #include <vector>
 
 #include "data/batch.h"
+#include "data/dataset_builder.h"
 #include "data/gpt_dataset.h"
 
 namespace mt {
+
+struct Config;
 
 struct BatchLoaderOptions {
   int micro_batch_size = 1;
@@ -27,6 +30,12 @@ struct BatchLoaderOptions {
   SampleMasking masking;
   int prefetch = 4;  // micro-batches prepared ahead
 };
+
+// The options a run's flags give: --micro-batch-size, the EOD/pad ids and --reset-position-ids,
+// --reset-attention-mask, --eod-mask-loss. Throws mt::Unsupported for a --dataloader-type other
+// than single.
+BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFacts& tokenizer, int data_parallel_rank,
+                                        int data_parallel_size, int64_t consumed_samples);
 
 class BatchLoader : public BatchSource {
  public:

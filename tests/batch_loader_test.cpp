@@ -4,6 +4,7 @@
 #include <atomic>
 #include <set>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "data/batch_loader.h"
 
@@ -154,4 +155,23 @@ TEST_CASE("loader errors reach the consumer and shutdown never hangs", "[data][l
   BatchLoader too_few(small, options(4, 0, 2, 3));
   MicroBatch mb;
   CHECK_FALSE(too_few.next(mb));  // 7 samples left, a chunk needs 8
+}
+
+TEST_CASE("loader options from the run's flags", "[data][loader]") {
+  Config cfg;
+  cfg.train.micro_batch_size = 3;
+  cfg.data.eod_mask_loss = true;
+  cfg.data.reset_position_ids = true;
+  const BatchLoaderOptions o = batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96);
+  CHECK(o.micro_batch_size == 3);
+  CHECK(o.data_parallel_rank == 1);
+  CHECK(o.data_parallel_size == 4);
+  CHECK(o.consumed_samples == 96);
+  CHECK(o.masking.eod_token == 50256);
+  CHECK(o.masking.pad_token == -1);  // a pad id equal to EOD is dropped
+  CHECK(o.masking.eod_mask_loss);
+  CHECK(o.masking.reset_position_ids);
+  CHECK_FALSE(o.masking.reset_attention_mask);
+  cfg.data.dataloader_type = "cyclic";
+  CHECK_THROWS_AS(batch_loader_options(cfg, {50257, 50256, -1}, 0, 1, 0), Unsupported);
 }
