@@ -10,6 +10,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "data/blended_dataset.h"
 #include "data/indexed_dataset.h"
 #include "data/mock_dataset.h"
@@ -28,7 +29,8 @@ std::string strip(const std::string& s) {
 
 std::optional<double> parse_number(const std::string& text) {
   const std::string t = strip(text);
-  if (t.empty()) return std::nullopt;
+  // Python's float() takes no hexadecimal (strtod would).
+  if (t.empty() || t.find_first_of("xX") != std::string::npos) return std::nullopt;
   char* end = nullptr;
   const double v = std::strtod(t.c_str(), &end);
   if (end != t.c_str() + t.size()) return std::nullopt;
@@ -268,6 +270,9 @@ DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& token
          "--mock-data");
   }
   if (per_split && d.split) fail("--split does not apply to --train-data-path/--valid-data-path/--test-data-path");
+  if (c.mock && d.split) {
+    log::warn0("--split {} has no effect with --mock-data: Megatron always splits mock data 1,1,1", *d.split);
+  }
   if (d.split) c.split = *d.split;
   c.seq_length = config.model.seq_length;
   c.seed = static_cast<uint32_t>(config.train.seed);

@@ -233,7 +233,7 @@ bool GPTDataset::try_load_cache() {
   return true;
 }
 
-void GPTDataset::save_cache() const {
+void GPTDataset::save_cache() {
   std::error_code ec;
   std::filesystem::create_directories(*options_.cache_dir, ec);
   if (ec) {
@@ -251,6 +251,18 @@ void GPTDataset::save_cache() const {
                           key_ + "\n" + fmt::format("dataset: {}\n", data_->name()));
   } catch (const Error& e) {
     log::warn("cannot write the index cache ({}); continuing without it; pass a writable --data-cache-path", e.what());
+    return;
+  }
+  // Use the files from now on: mapped pages are shared by every rank of the machine (and dropped
+  // under memory pressure) where the built arrays were private to this process.
+  IndexArray doc = IndexArray::map_npy(cache_prefix_ + "document_index.npy");
+  IndexArray sample = IndexArray::map_npy(cache_prefix_ + "sample_index.npy");
+  IndexArray shuffle = IndexArray::map_npy(cache_prefix_ + "shuffle_index.npy");
+  if (doc.valid() && sample.valid() && shuffle.valid() && doc.size() == document_index_.size() &&
+      sample.size() == sample_index_.size() && shuffle.size() == shuffle_index_.size()) {
+    document_index_ = std::move(doc);
+    sample_index_ = std::move(sample);
+    shuffle_index_ = std::move(shuffle);
   }
 }
 

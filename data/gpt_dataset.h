@@ -80,7 +80,7 @@ class GPTDataset : public SampleDataset {
  private:
   void build();
   bool try_load_cache();
-  void save_cache() const;
+  void save_cache();
 
   std::shared_ptr<const LowLevelDataset> data_;
   Split split_;

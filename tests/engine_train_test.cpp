@@ -28,6 +28,7 @@ Config mock_config(Config c) {
   c.data.mock_data = true;
   c.data.tokenizer_type = "NullTokenizer";
   c.data.vocab_size = c.model.vocab_size;
+  c.data.eod_id = c.model.vocab_size - 1;  // NullTokenizer's default EOD
   c.model.seq_length = 16;
   c.model.max_position_embeddings = 16;
   c.train.micro_batch_size = 2;

@@ -53,14 +53,18 @@ void spit(const std::string& path, const std::string& bytes) {
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-void write_with_python(const std::string& python, const test::TempDir& dir, const std::string& prefix, int code,
-                       const std::vector<Document>& docs) {
-  nlohmann::json spec;
-  spec["prefix"] = prefix;
-  spec["dtype"] = code;
-  spec["documents"] = docs;
+struct PythonDataset {
+  std::string prefix;
+  int code;
+  std::vector<Document> docs;
+};
+
+// Writes every dataset with the Python writer (one interpreter run).
+void write_with_python(const std::string& python, const test::TempDir& dir, const std::vector<PythonDataset>& sets) {
+  nlohmann::json specs = nlohmann::json::array();
+  for (const auto& s : sets) specs.push_back({{"prefix", s.prefix}, {"dtype", s.code}, {"documents", s.docs}});
   const std::string spec_path = dir.file("spec.json");
-  spit(spec_path, spec.dump());
+  spit(spec_path, specs.dump());
   test::run_capture(test::shell_quote(python) + " " +
                     test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/indexed_writer.py") + " " +
                     test::shell_quote(spec_path));
@@ -118,19 +122,24 @@ TEST_CASE("builder output is byte-identical to an independent writer of the form
   test::TempDir dir;
   auto docs = sample_documents();
   docs.push_back({{65535, 0, 300}});
+  std::vector<PythonDataset> sets;
   for (int code : {1, 4, 5, 6, 7, 8}) {
     auto these = docs;
     if (code == 1) these.back() = {{255, 0, 30}};
-    const std::string ours = dir.file("ours"), theirs = dir.file("theirs");
-    write_with_builder(ours, static_cast<TokenDType>(code), these);
-    write_with_python(*python, dir, theirs, code, these);
-    INFO("dtype code " << code);
-    CHECK(slurp(ours + ".bin") == slurp(theirs + ".bin"));
-    CHECK(slurp(ours + ".idx") == slurp(theirs + ".idx"));
+    const std::string name = "ds" + std::to_string(code);
+    write_with_builder(dir.file(name + "_ours"), static_cast<TokenDType>(code), these);
+    sets.push_back({dir.file(name + "_theirs"), code, these});
   }
   // A dataset with no documents at all.
   write_with_builder(dir.file("empty"), TokenDType::uint16, {});
-  write_with_python(*python, dir, dir.file("empty_py"), 8, {});
+  sets.push_back({dir.file("empty_py"), 8, {}});
+  write_with_python(*python, dir, sets);
+  for (int code : {1, 4, 5, 6, 7, 8}) {
+    const std::string name = "ds" + std::to_string(code);
+    INFO("dtype code " << code);
+    CHECK(slurp(dir.file(name + "_ours.bin")) == slurp(dir.file(name + "_theirs.bin")));
+    CHECK(slurp(dir.file(name + "_ours.idx")) == slurp(dir.file(name + "_theirs.idx")));
+  }
   CHECK(slurp(dir.file("empty.idx")) == slurp(dir.file("empty_py.idx")));
   IndexedDataset empty(dir.file("empty"));
   CHECK(empty.num_documents() == 0);

@@ -3,7 +3,8 @@ order, written from the algorithm description (../shared/reference/megatron.md s
 with numpy's own RandomState, default_rng and numpy.sum. Independent of megatrain's C++ (it reads
 the .bin/.idx files itself).
 
-Usage: megatron_gpt_indices.py SPEC.json      (prints one JSON object)
+Usage: megatron_gpt_indices.py SPEC.json      (prints one JSON object; a JSON list of specs gives a
+                                              list of outputs)
 SPEC keys:
   data_path          list of strings (--data-path: prefixes, or weight prefix pairs)
   split              --split text (default '969, 30, 1' with data_path)
@@ -12,7 +13,8 @@ SPEC keys:
   sizes              [train, valid, test] sample counts (ints or null)
   seq_length, seed, surplus (default 0.005), pad (default -1)
   windows            how many windows to print per split (-1 = all)
-  split_ranges       optional: {"split": text, "elements": [E...]} -> prints the split ranges instead
+  split_ranges       optional: {"splits": [text...], "elements": [E...]} -> prints the split ranges
+                     instead: {"ranges": [per split text: [per E: [[beg, end] or null] x 3]]}
 Output: {"train": {"size": n, "windows": [[token, ...], ...]} or null, "valid": ..., "test": ...}
 """
 import json
@@ -330,20 +332,28 @@ def build(spec):
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if isinstance(spec, list):
+        print(json.dumps([run(s) for s in spec]))
+    else:
+        print(json.dumps(run(spec)))
+
+
+def run(spec):
     if "split_ranges" in spec:
-        matrix = split_matrix(parse_split(spec["split_ranges"]["split"]))
         out = []
-        for numel in spec["split_ranges"]["elements"]:
-            row = []
-            for bookend in matrix:
-                if bookend is None:
-                    row.append(None)
-                else:
-                    idx = split_indices(bookend, numel)
-                    row.append([int(round(bookend[0] * float(numel))), int(round(bookend[1] * float(numel)))])
-            out.append(row)
-        print(json.dumps({"matrix": matrix, "ranges": out}))
-        return
+        for text in spec["split_ranges"]["splits"]:
+            matrix = split_matrix(parse_split(text))
+            per_split = []
+            for numel in spec["split_ranges"]["elements"]:
+                row = []
+                for bookend in matrix:
+                    if bookend is None:
+                        row.append(None)
+                    else:
+                        row.append([int(round(bookend[0] * float(numel))), int(round(bookend[1] * float(numel)))])
+                per_split.append(row)
+            out.append(per_split)
+        return {"ranges": out}
     datasets = build(spec)
     limit = spec.get("windows", -1)
     out = {}
@@ -353,7 +363,7 @@ def main():
             continue
         n = len(ds) if limit < 0 else min(limit, len(ds))
         out[name] = {"size": len(ds), "windows": [[int(t) for t in ds.window(i)] for i in range(n)]}
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
