@@ -150,6 +150,20 @@ void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor 
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
 }
 
+void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                                  Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_forward", out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias);
+  cuda::qk_norm_forward(context(), out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias, r, p);
+}
+void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
+                                   Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                                   Tensor k_weight, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_backward", dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+            k_weight);
+  cuda::qk_norm_backward(context(), dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+                         k_weight, r, p);
+}
+
 // ---- linear layers ------------------------------------------------------------------------------
 void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) {
   on_device("linear_forward", y, x, w, bias, pre_act);
