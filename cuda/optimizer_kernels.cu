@@ -222,7 +222,7 @@ void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momen
   const int64_t n = master.numel();
   check_flat_f32(master, n, "sgd_step", "master");
   check_flat_f32(grad, n, "sgd_step", "grad");
-  const bool use_momentum = p.sgd_momentum != 0.0f;
+  const bool use_momentum = p.sgd_momentum != 0.0f && !momentum.empty();  // as the reference: no buffer, plain SGD
   if (use_momentum) check_flat_f32(momentum, n, "sgd_step", "momentum");
   MT_CHECK(model_param.empty() || model_param.numel() == n, "sgd_step: model_param {} vs {} elements",
            model_param.shape_string(), n);
