@@ -232,6 +232,8 @@ std::vector<Variant> variants_for(const Problem& p) {
 
 void run_problem(const Problem& p) {
   INFO(p.name);
+  std::printf("-- %s\n", p.name.c_str());
+  std::fflush(stdout);
   const AttentionShape a = p.shape();
   const int hpg = p.heads / p.groups;
   const size_t n = static_cast<size_t>(p.b) * p.s;
@@ -357,6 +359,7 @@ void run_problem(const Problem& p) {
       const Error e_out = compare(out, ref.out), e_lse = compare(lse, ref.lse);
       const Error e_dq = compare(parts[0][0], parts[0][1]), e_dk = compare(parts[1][0], parts[1][1]),
                   e_dv = compare(parts[2][0], parts[2][1]);
+      std::fflush(stdout);
       const std::string line = fmt::format(
           "{} | {} | sample {} | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", p.name, variants[vi].name,
           sl.sample, e_out.rel, e_lse.max_abs, e_dq.rel, e_dk.rel, e_dv.rel);
