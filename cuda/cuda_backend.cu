@@ -219,7 +219,20 @@ void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, c
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------
 void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend) {
   attention_backend_ = backend;
-  const size_t need = cuda::attention_workspace_bytes(a, backend);
+  // The activation dtype is not known here: size for both 16-bit types (what one cannot run, the
+  // other may; a dtype neither supports fails at the call with a message).
+  size_t need = 0;
+  bool any = false;
+  std::string why;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    try {
+      need = std::max(need, cuda::attention_workspace_bytes(a, backend, dt));
+      any = true;
+    } catch (const Unsupported& e) {
+      why = e.what();
+    }
+  }
+  if (!any) throw Unsupported(why);
   if (need <= attention_workspace_bytes_) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));
@@ -231,7 +244,7 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
 
 void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
   on_device("attention_forward", out, lse, qkv);
-  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_forward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
            attention_workspace_bytes_);
@@ -242,7 +255,7 @@ void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const At
 void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                      const AttentionShape& a) {
   on_device("attention_backward", dqkv, dout, out, lse, qkv);
-  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_backward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
            attention_workspace_bytes_);
