@@ -134,7 +134,7 @@ __global__ void masked_loss_sum_kernel(float* out, const float* loss, const void
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const double w = load_mask(mask, mask_type, i);
     ms += w;
-    ls += static_cast<double>(loss[i]) * w;
+    if (w != 0.0) ls += static_cast<double>(loss[i]) * w;  // masked-out rows never count, even if not finite
   }
   ls = block_sum(ls);
   ms = block_sum(ms);

@@ -150,6 +150,20 @@ void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor 
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
 }
 
+void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                                  Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_forward", out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias);
+  cuda::qk_norm_forward(context(), out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias, r, p);
+}
+void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
+                                   Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                                   Tensor k_weight, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_backward", dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+            k_weight);
+  cuda::qk_norm_backward(context(), dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+                         k_weight, r, p);
+}
+
 // ---- linear layers ------------------------------------------------------------------------------
 void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) {
   on_device("linear_forward", y, x, w, bias, pre_act);
@@ -205,7 +219,20 @@ void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, c
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------
 void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend) {
   attention_backend_ = backend;
-  const size_t need = cuda::attention_workspace_bytes(a, backend);
+  // The activation dtype is not known here: size for both 16-bit types (what one cannot run, the
+  // other may; a dtype neither supports fails at the call with a message).
+  size_t need = 0;
+  bool any = false;
+  std::string why;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    try {
+      need = std::max(need, cuda::attention_workspace_bytes(a, backend, dt));
+      any = true;
+    } catch (const Unsupported& e) {
+      why = e.what();
+    }
+  }
+  if (!any) throw Unsupported(why);
   if (need <= attention_workspace_bytes_) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));
@@ -217,7 +244,7 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
 
 void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
   on_device("attention_forward", out, lse, qkv);
-  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_forward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
            attention_workspace_bytes_);
@@ -228,7 +255,7 @@ void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const At
 void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                      const AttentionShape& a) {
   on_device("attention_backward", dqkv, dout, out, lse, qkv);
-  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_backward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
            attention_workspace_bytes_);

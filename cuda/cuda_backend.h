@@ -53,6 +53,11 @@ class CudaBackend final : public Backend {
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
                      Tensor weight, Tensor dresidual, const NormParams& p) override;
+  void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                       Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) override;
+  void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias, Tensor dout,
+                        Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight, Tensor k_weight, const RopeShape& r,
+                        const NormParams& p) override;
 
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
   void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act) override;

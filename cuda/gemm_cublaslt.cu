@@ -145,8 +145,13 @@ bool GemmRunner::try_run(const GemmCall& c) {
   if (!p.ok) return false;
   if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
   if (c.aux) set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
-  MT_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d, p.d, &p.algo,
-                                 workspace_, workspace_bytes_, stream_));
+  const cublasStatus_t st = cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d,
+                                           p.d, &p.algo, workspace_, workspace_bytes_, stream_);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // an epilogue the chosen kernel cannot do after all: decline
+    p.ok = false;
+    return false;
+  }
+  MT_CUBLAS_CHECK(st);
   return true;
 }
 

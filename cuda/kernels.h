@@ -69,6 +69,12 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p);
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p);
+// --qk-layernorm: every q and k head of packed QKV normalized over head_dim (engine/backend.h).
+void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
+                     Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);
+void qk_norm_backward(const KernelContext& ctx, Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight,
+                      Tensor dk_bias, Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                      Tensor k_weight, const RopeShape& r, const NormParams& p);
 
 // ---- embedding_kernels.cu ----------------------------------------------------------------------
 void embedding_forward(const KernelContext& ctx, Tensor out, Tensor tokens, Tensor positions, Tensor wte,

@@ -82,14 +82,61 @@ __device__ __forceinline__ void adam_update(const AdamArgs& a, int64_t i, float 
   if constexpr (!std::is_void_v<M>) static_cast<M*>(a.model)[i] = from_float<M>(p);
 }
 
+
+// Four model-copy values at p (p 8-byte aligned for 16-bit types, 16-byte for float).
 template <typename M>
-__global__ void adamw_kernel(AdamArgs a, SegmentArg segs) {
+__device__ __forceinline__ void store4(M* p, const float4& v) {
+  if constexpr (std::is_same_v<M, float>) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    M e[4] = {from_float<M>(v.x), from_float<M>(v.y), from_float<M>(v.z), from_float<M>(v.w)};
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+  }
+}
+
+__device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, float b1, float b2, float bc1,
+                                          float bc2, float eps, float lr, float wd) {
+  m = b1 * m + (1.0f - b1) * g;
+  v = b2 * v + (1.0f - b2) * g * g;
+  const float denom = sqrtf(v / bc2) + eps;
+  return p - lr * ((m / bc1) / denom + wd * p);
+}
+
+// Elements [begin, end) of a chunk: 16-byte accesses when the run starts 4-aligned (and the
+// buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
+template <typename M>
+__device__ __forceinline__ void adam_range(const AdamArgs& a, int64_t begin, int64_t end, float lr, float wd, bool vec) {
+  int64_t scalar_from = begin;
+  if (vec && (begin & 3) == 0) {
+    const int64_t nvec = (end - begin) / 4;
+    for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+      const int64_t i = begin + 4 * q;
+      const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+      float4 m = *reinterpret_cast<const float4*>(a.exp_avg + i);
+      float4 v = *reinterpret_cast<const float4*>(a.exp_avg_sq + i);
+      float4 p = *reinterpret_cast<const float4*>(a.master + i);
+      const float s = a.grad_scale;
+      p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      *reinterpret_cast<float4*>(a.exp_avg + i) = m;
+      *reinterpret_cast<float4*>(a.exp_avg_sq + i) = v;
+      *reinterpret_cast<float4*>(a.master + i) = p;
+      if constexpr (!std::is_void_v<M>) store4(static_cast<M*>(a.model) + i, p);
+    }
+    scalar_from = begin + 4 * nvec;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd);
+}
+
+template <typename M>
+__global__ void adamw_kernel(AdamArgs a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     int group;
     chunk_range(segs, chunk, begin, end, group);
-    const float lr = a.lr[group], wd = a.wd[group];
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd);
+    adam_range<M>(a, begin, end, a.lr[group], a.wd[group], vec);
   }
 }
 
@@ -127,13 +174,24 @@ __global__ void sgd_kernel(SgdArgs a, SegmentArg segs) {
 constexpr int kReduceBlock = 256;
 
 template <typename T>
-__global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentArg segs) {
+__global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentArg segs, bool vec) {
+  constexpr int kVec = 16 / sizeof(T);
   float s = 0.0f;
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     int group;
     chunk_range(segs, chunk, begin, end, group);
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    int64_t scalar_from = begin;
+    if (vec && begin % kVec == 0) {
+      const int64_t nvec = (end - begin) / kVec;
+      for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+        const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
+      }
+      scalar_from = begin + nvec * kVec;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
       const float v = to_float(x[i]);
       s += v * v;
     }
@@ -211,8 +269,10 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
     a.wd[g] = p.weight_decay[g];
   }
   const unsigned grid = chunk_grid(ctx, segs.total_chunks);
+  const bool vec = aligned16(master.data) && aligned16(grad.data) && aligned16(exp_avg.data) &&
+                   aligned16(exp_avg_sq.data) && (model_param.empty() || aligned16(model_param.data));
   dispatch_model(model_param, "adamw_step", [&]<typename M>() {
-    adamw_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs);
+    adamw_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs, vec);
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -222,7 +282,7 @@ void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momen
   const int64_t n = master.numel();
   check_flat_f32(master, n, "sgd_step", "master");
   check_flat_f32(grad, n, "sgd_step", "grad");
-  const bool use_momentum = p.sgd_momentum != 0.0f;
+  const bool use_momentum = p.sgd_momentum != 0.0f && !momentum.empty();  // as the reference: no buffer, plain SGD
   if (use_momentum) check_flat_f32(momentum, n, "sgd_step", "momentum");
   MT_CHECK(model_param.empty() || model_param.numel() == n, "sgd_step: model_param {} vs {} elements",
            model_param.shape_string(), n);
@@ -258,7 +318,8 @@ void two_stage_sum(const KernelContext& ctx, Tensor out, const SegmentArg& segs,
 void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate) {
   two_stage_sum(ctx, out, segs, accumulate, "sum_squares", [&](double* partial, unsigned grid) {
     MT_DISPATCH_FLOAT(x.dtype, T, "sum_squares", {
-      sum_squares_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs);
+      sum_squares_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs,
+                                                                           aligned16(x.data));
     });
   });
 }
