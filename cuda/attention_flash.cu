@@ -11,7 +11,9 @@
 namespace mt::cuda::flash {
 
 std::string ForwardConfig::name() const { return fmt::format("fwd {}x{} w{}", block_m, block_n, warps); }
-std::string BackwardConfig::name() const { return fmt::format("bwd {}x{}", block_m, block_n); }
+std::string BackwardConfig::name() const {
+  return fmt::format("bwd {}x{}{}", block_m, block_n, deterministic ? "" : " atomic");
+}
 
 bool supports_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
@@ -30,8 +32,8 @@ std::vector<ForwardConfig> forward_configs(int head_dim) {
   return {};
 }
 std::vector<BackwardConfig> backward_configs(int head_dim) {
-  if (head_dim == 64) return {{64, 128}, {64, 64}, {128, 128}};
-  if (head_dim == 128) return {{64, 128}, {32, 128}, {64, 64}};
+  if (head_dim == 64) return {{64, 128}, {64, 64}, {128, 128}, {64, 128, false}};
+  if (head_dim == 128) return {{64, 128}, {32, 128}, {64, 64}, {64, 128, false}};
   return {};
 }
 
@@ -68,7 +70,7 @@ struct BackwardWorkspace {
     const size_t rows = (static_cast<size_t>(a.seq) + kDqRowPad - 1) / kDqRowPad * kDqRowPad;
     dq_accum = align_up(bh * a.seq * sizeof(float));
     turn = dq_accum + align_up(bh * rows * a.head_dim * sizeof(float));
-    total = turn + align_up(bh * ((a.seq + kMinBlockM - 1) / kMinBlockM) * sizeof(int));
+    total = turn + align_up(bh * ((a.seq + kMinBlockM - 1) / kMinBlockM) * kMaxWarps * sizeof(int));
   }
 };
 
