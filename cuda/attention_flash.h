@@ -29,7 +29,7 @@ struct BackwardConfig {
 // Head dims with compiled kernels; every other d is refused with a clear error.
 bool supports_head_dim(int head_dim);
 ForwardConfig default_forward_config(int head_dim, bool dropout);
-BackwardConfig default_backward_config(int head_dim);
+BackwardConfig default_backward_config(int head_dim, bool dropout);
 // All compiled bf16 configurations (the defaults first; the backward's non-deterministic ones
 // last), for benchmarks and tests.
 std::vector<ForwardConfig> forward_configs(int head_dim);

@@ -13,10 +13,12 @@
 // block -- with a turn counter per (head, query block, warp tile): the warp whose turn it is adds
 // its part to the fp32 accumulator and passes the turn on. The first contributor stores, the last (key block
 // 0) adds the accumulator to its part, scales and writes the 16-bit result straight into dqkv.
-// Why descending: CTA n reaches query block m after (m - m_first(n)) steps and CTA n+1 one step
-// earlier, so with all CTAs of a head running together nobody waits. CTAs are launched in that
-// same order (blockIdx.x = last key block first) so a CTA only ever waits for CTAs launched
-// before it: no deadlock whatever the occupancy.
+// Why descending: CTA n reaches query block m after (m - m_first(n)) steps and CTA n+1 earlier,
+// so with all CTAs of a head running together nobody waits. CTAs are launched in that same order
+// (blockIdx.x = last key block first) so a CTA only ever waits for CTAs launched before it: no
+// deadlock whatever the occupancy. To keep the protocol's latency off the critical path, a warp
+// reads its counter at the start of an item and passes its turn on during the next item (the
+// pass never waits for anything, so the no-deadlock argument is unchanged).
 #include <cmath>
 
 #include "cuda/attention_flash.h"
@@ -52,13 +54,25 @@ __global__ void delta_kernel(const Params p) {
   if (lane == 0) p.delta[row] = sum;
 }
 
-__device__ __forceinline__ void wait_for_turn(const int* turn_counter, int turn) {
-  int now;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn_counter) : "memory");
-    if (now == turn) break;
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// `seen` is a value of the counter read (with acquire) earlier; spin only if it was not our turn yet.
+__device__ __forceinline__ void wait_for_turn(const int* turn_counter, int turn, int seen) {
+  while (seen != turn) {
     __nanosleep(32);
+    seen = load_acquire(turn_counter);
   }
+}
+
+// Hands the turn on: every lane's adds are visible (fence) before lane 0 bumps the counter.
+__device__ __forceinline__ void pass_turn(int* turn_counter, int lane) {
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) atomicAdd(turn_counter, 1);
 }
 
 // ORDERED: the deterministic dq (turns, see above). Without it dq contributions are float atomics
@@ -81,7 +95,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   Elem* sQ = sV + BN * D;                             // [2][BM][D]
   Elem* sdO = sQ + 2 * BM * D;                        // [2][BM][D]
   Elem* sdS = sdO + 2 * BM * D;                       // [BN][BM]: dS^T
-  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM], lse * log2(e)
+  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                      // [2][BM]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -107,11 +121,13 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
                                p.seq_stride, p.seq - m0, tid);
     load_tile<BM, D, kThreads>(sdO + buf * BM * D, dout_base + h * D + m0 * p.out_seq_stride, p.out_seq_stride,
                                p.seq - m0, tid);
-    const int64_t row0 = (static_cast<int64_t>(i) * p.heads + h) * p.seq;
+    // Padding queries (q >= s) get lse = delta = 0 with zero q and dO rows: their p may be
+    // nonzero, but every term they feed (p*dO, p*(dP - delta) with dP = V.dO) is exactly 0.
+    const int64_t row0 = (static_cast<int64_t>(i) * p.heads + h) * p.seq + m0;
     for (int r = tid; r < BM; r += kThreads) {
-      const bool valid = m0 + r < p.seq;  // padding queries: lse = +inf makes their p exactly 0
-      sLse[buf * BM + r] = valid ? p.lse[row0 + m0 + r] * kLog2e : INFINITY;
-      sDelta[buf * BM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
+      const bool valid = m0 + r < p.seq;
+      cp_async_4(smem_u32(sLse + buf * BM + r), p.lse + (valid ? row0 + r : 0), valid);
+      cp_async_4(smem_u32(sDelta + buf * BM + r), p.delta + (valid ? row0 + r : 0), valid);
     }
   };
   issue_loads(0, 0);
@@ -134,6 +150,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   const uint32_t off_s = Ldsm<BM>::lane_offset(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const uint32_t sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV), sdS_u32 = smem_u32(sdS);
 
+  int* pending_turn = nullptr;  // a dq turn this warp still has to pass on
   for (int item = 0; item < items; ++item) {
     const int buf = item & 1;
     const int h = g * p.hpg + item / m_count;
@@ -151,6 +168,16 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     const uint32_t do_tile = smem_u32(sdO + buf * BM * D);
     const float* lse_tile = sLse + buf * BM;
     const float* delta_tile = sDelta + buf * BM;
+
+    // This item's dq turn (see the file comment): read the counter now, use it at the end, so the
+    // load's latency hides behind the item's math.
+    const int n_first = p.causal ? min(m0 + BM - 1, p.seq - 1) / BN : n_blocks - 1;
+    const int turn = n_first - n_block;
+    const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
+    int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
+    const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == 0;
+    int seen = turn;
+    if (ORDERED && !first && lane == 0) seen = load_acquire(turn_counter);
 
     // Phase 1: S^T = K Q^T for this warp's 16 keys -> P^T (in place), dropout decisions as bits.
     float st[QT][4];
@@ -178,7 +205,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       for (int e = 0; e < 4; ++e) {
         const int key = key_row0 + lane / 4 + (e / 2) * 8;
         const int col = qt * 8 + 2 * (lane % 4) + (e % 2);
-        float pr = fast_exp2(st[qt][e] * p.scale_log2 - lse_tile[col]);
+        float pr = fast_exp2(fmaf(st[qt][e], p.scale_log2, -lse_tile[col] * kLog2e));
         if (need_mask && (key >= p.seq || (p.causal && key > m0 + col))) pr = 0.f;
         st[qt][e] = pr;
         if constexpr (DROPOUT) {
@@ -191,6 +218,12 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       if constexpr (DROPOUT) return (keep_bits >> (qt * 4 + e)) & 1 ? p.dropout_scale : 0.f;
       return 1.f;
     };
+
+    // The previous item's turn is passed on here, once its atomics have had time to land.
+    if (ORDERED && pending_turn) {
+      pass_turn(pending_turn, lane);
+      pending_turn = nullptr;
+    }
 
     // Phase 2: dV += (dropped P)^T dO.
 #pragma unroll
@@ -283,13 +316,8 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 
     // Add this warp's dq tile in its turn (descending key blocks). Turns are per (head, query
     // block, warp tile), so warps never wait for each other here.
-    const int n_first = p.causal ? min(m0 + BM - 1, p.seq - 1) / BN : n_blocks - 1;
-    const int turn = n_first - n_block;
-    const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
-    int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
-    const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == 0;
     if (ORDERED && !first) {
-      if (lane == 0) wait_for_turn(turn_counter, turn);
+      if (lane == 0) wait_for_turn(turn_counter, turn, seen);
       __syncwarp();
     }
     Elem* dq_out = static_cast<Elem*>(p.dqkv) + i * p.row_stride + static_cast<int64_t>(g) * (p.hpg + 2) * D +
@@ -319,12 +347,9 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
         }
       }
     }
-    if (ORDERED && !last) {  // publish: every lane's adds are visible before the turn passes on
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) atomicAdd(turn_counter, 1);
-    }
+    if (ORDERED && !last) pending_turn = turn_counter;  // passed on during the next item
   }
+  if (ORDERED && pending_turn) pass_turn(pending_turn, lane);
 
   // dK (scaled) and dV of this key block, for the group's k and v slots.
   Elem* dk_out = static_cast<Elem*>(p.dqkv) + i * p.row_stride + static_cast<int64_t>(g) * (p.hpg + 2) * D + p.hpg * D;
@@ -410,9 +435,11 @@ bool backward_dispatch(const Params& p, int d, const BackwardConfig& c, cudaStre
   }
   MT_FLASH_BWD(64, 64, 128)
   MT_FLASH_BWD(128, 64, 128)
+  if constexpr (!DROPOUT) {
+    MT_FLASH_BWD(64, 128, 128)
+  }
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && !DROPOUT) {
     MT_FLASH_BWD(64, 64, 64)
-    MT_FLASH_BWD(64, 128, 128)
     MT_FLASH_BWD(128, 32, 128)
     MT_FLASH_BWD(128, 64, 64)
     MT_FLASH_BWD_UNORDERED(64, 64, 128)

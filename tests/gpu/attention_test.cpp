@@ -443,6 +443,13 @@ TEST_CASE("attention backends refuse what they do not implement", "[gpu][attenti
   CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::flash);
   CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16), Unsupported);
   a.dropout_p = 0;
+  // auto: cuDNN where it runs (measured faster), our kernels for GQA.
+  const AttentionBackend mha = cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16);
+  CHECK(mha == (cuda::fused_attention_supported(a, DType::bf16) ? AttentionBackend::fused : AttentionBackend::flash));
+  a.heads = 4;
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::flash);
+  CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16), Unsupported);
+  a.heads = 2;
   a.head_dim = 96;
   CHECK_THROWS_AS(cuda::attention_workspace_bytes(a, AttentionBackend::flash, DType::bf16), Unsupported);
 }
