@@ -2,6 +2,8 @@
 // proving the transfers pair up without deadlock.
 #include <catch2/catch.hpp>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -19,8 +21,8 @@ std::string compute_only(const PipelineSchedule& s) {
   for (const auto& a : s.actions) {
     if (a.op == PipelineOp::communicate) continue;
     if (!out.empty()) out += ' ';
-    out += (a.op == PipelineOp::forward ? "F" : "B") + std::to_string(a.microbatch) + "." + std::to_string(a.chunk);
-    if (a.grad_sync) out += "*";
+    out += fmt::format("{}{}.{}{}", a.op == PipelineOp::forward ? "F" : "B", a.microbatch, a.chunk,
+                       a.grad_sync ? "*" : "");
   }
   return out;
 }
