@@ -12,6 +12,10 @@ rc=$?
 elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
 printf '%s\n' "$output"
 echo "--- exit status $rc after ${elapsed_ms} ms (limit ${limit}s)"
+if [ "$rc" -eq 77 ]; then
+  echo "SKIPPED (exit 77)"
+  exit 77
+fi
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "FAIL: still running after ${limit}s (a hang)"
   exit 1
