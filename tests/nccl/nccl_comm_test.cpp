@@ -7,7 +7,8 @@
 //   is one worker and meets the others at the TCP rendezvous.
 // Modes:
 //   collectives  every collective and dtype, in-place forms, broadcast from each root, barrier,
-//                split groups (and a rank left out of a split), grouped p2p in both directions;
+//                split groups (and a rank left out of a split), grouped p2p in both directions,
+//                build_parallel_state for every TP x PP x DP shape of the world;
 //                exit 0 when all checks pass on all ranks
 //   timeout      the last rank never joins an all_reduce: the watchdog must end the other ranks
 //                with a message naming the group and operation (use a small
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cstdio>
@@ -31,7 +33,9 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "parallel/launcher.h"
+#include "core/config.h"
 #include "parallel/nccl_communicator.h"
+#include "parallel/parallel_state_builder.h"
 #include "parallel/tcp_rendezvous.h"
 
 #include <cuda_runtime.h>
@@ -222,6 +226,73 @@ void collectives(Communicator& world) {
   if (some && some->size() > 1) run_all(*some);
 }
 
+// The world ranks of a group's members, in group-rank order.
+std::vector<int> members(Communicator& c, int world_rank) {
+  DeviceVec<int32_t> mine(std::vector<int32_t>{world_rank}, DType::i32), all(std::vector<int32_t>(c.size(), -1), DType::i32);
+  c.all_gather(all.tensor(), mine.tensor());
+  auto& got = all.fetch();
+  return {got.begin(), got.end()};
+}
+
+// build_parallel_state over NCCL for every way to split the world (TP x PP x DP = world): each
+// group holds the ranks the coordinate formula says (default order tp-dp-pp), sums within it cover
+// exactly them, and pp/pp_grad carry activations and gradients both ways at once.
+void parallel_states(Communicator& world) {
+  const int n = world.size(), r = world.rank();
+  for (int tp = 1; tp <= n; ++tp) {
+    for (int pp = 1; tp * pp <= n; ++pp) {
+      if (n % (tp * pp) != 0) continue;
+      const int dp = n / (tp * pp);
+      Config cfg;
+      cfg.parallel.tensor_model_parallel_size = tp;
+      cfg.parallel.pipeline_model_parallel_size = pp;
+      cfg.parallel.data_parallel_size = dp;
+      cfg.parallel.world_size = n;
+      cfg.parallel.rank = r;
+      ParallelState s = build_parallel_state(cfg, world.split(0, r, "world"));
+      const std::string shape = fmt::format("TP{} PP{} DP{}", tp, pp, dp);
+      EXPECT(s.tp_rank == r % tp && s.dp_rank == (r / tp) % dp && s.pp_rank == r / (tp * dp), "{} coordinates", shape);
+      auto same = [&](Communicator* c, auto in_group, const char* name) {
+        std::vector<int> want;
+        for (int q = 0; q < n; ++q)
+          if (in_group(q)) want.push_back(q);
+        EXPECT(c != nullptr, "{} {}: no communicator", shape, name);
+        if (!c) return;
+        EXPECT(members(*c, r) == want, "{} {}: members {} expected {}", shape, name, members(*c, r), want);
+      };
+      auto tp_of = [&](int q) { return q % tp; };
+      auto dp_of = [&](int q) { return (q / tp) % dp; };
+      auto pp_of = [&](int q) { return q / (tp * dp); };
+      same(s.tp.get(), [&](int q) { return dp_of(q) == s.dp_rank && pp_of(q) == s.pp_rank; }, "tp");
+      same(s.dp.get(), [&](int q) { return tp_of(q) == s.tp_rank && pp_of(q) == s.pp_rank; }, "dp");
+      same(s.pp.get(), [&](int q) { return tp_of(q) == s.tp_rank && dp_of(q) == s.dp_rank; }, "pp");
+      same(s.model_parallel.get(), [&](int q) { return dp_of(q) == s.dp_rank; }, "model_parallel");
+      if (s.pp_rank == 0 || s.pp_rank == pp - 1)
+        same(s.embedding.get(), [&](int q) {
+          return tp_of(q) == s.tp_rank && dp_of(q) == s.dp_rank && (pp_of(q) == 0 || pp_of(q) == pp - 1);
+        }, "embedding");
+      else
+        EXPECT(s.embedding == nullptr, "{}: a middle stage has an embedding group", shape);
+      if (pp > 1) {
+        const int next = (s.pp_rank + 1) % pp, prev = (s.pp_rank + pp - 1) % pp;
+        DeviceVec<float> act(std::vector<float>(64, 100.0f + r), DType::f32), grad(std::vector<float>(64, -100.0f - r), DType::f32);
+        DeviceVec<float> act_in(std::vector<float>(64, 0), DType::f32), grad_in(std::vector<float>(64, 0), DType::f32);
+        s.pp->group_start();
+        s.pp->send(act.tensor(), next);
+        s.pp->recv(act_in.tensor(), prev);
+        s.pp->group_end();
+        s.pp_grad->group_start();
+        s.pp_grad->send(grad.tensor(), prev);
+        s.pp_grad->recv(grad_in.tensor(), next);
+        s.pp_grad->group_end();
+        const auto ring = members(*s.pp, r);
+        EXPECT(act_in.fetch()[0] == 100.0f + ring[prev], "{} activation from prev", shape);
+        EXPECT(grad_in.fetch()[0] == -100.0f - ring[next], "{} gradient from next", shape);
+      }
+    }
+  }
+}
+
 int count_gpus_in_child() {
   // The launcher must fork before CUDA initializes, so the parent asks a child.
   const pid_t pid = fork();
@@ -252,6 +323,7 @@ int worker(const std::string& mode) {
     auto world = make_nccl_world_communicator(rv, device, g_stream, timeout);
     if (mode == "collectives") {
       collectives(*world);
+      parallel_states(*world);
     } else if (mode == "timeout" || mode == "crash") {
       DeviceVec<float> d(std::vector<float>(1 << 20, 1.0f), DType::f32);
       world->all_reduce(d.tensor());
