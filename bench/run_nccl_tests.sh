@@ -16,7 +16,8 @@
 #      seconds with a message naming the group and the operation (5 s timeout)
 #   4. crash under the launcher: the last rank aborts; the launcher must stop the others and name it
 #   5. crash with ranks started by hand (no launcher): rank 0's watchdog must end rank 0
-#   6. the bandwidth table (all-reduce f32/bf16, reduce-scatter f32, all-gather bf16, MIN_MB..MAX_MB)
+#   6. two ranks given the same GPU: both must refuse to start, naming the two ranks
+#   7. the bandwidth table (all-reduce f32/bf16, reduce-scatter f32, all-gather bf16, MIN_MB..MAX_MB)
 # A summary of PASS/FAIL lines comes last; the exit status is non-zero if any step failed.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -96,7 +97,23 @@ else
   record "crash by hand: rank 0 exits 1 in ${elapsed}s" 1
 fi
 
-echo "=== 6. collective bandwidth"
+echo "=== 6. two ranks on one GPU are refused, naming both"
+port=$(free_port)
+RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 120 "$test_bin" collectives > /tmp/nccl_dup.1.log 2>&1 &
+dup_pid=$!
+RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 120 "$test_bin" collectives > /tmp/nccl_dup.0.log 2>&1
+dup0=$?
+wait $dup_pid
+dup1=$?
+cat /tmp/nccl_dup.0.log /tmp/nccl_dup.1.log
+if [ "$dup0" -ne 0 ] && [ "$dup1" -ne 0 ] && grep -q "ranks 0 and 1 both use GPU" /tmp/nccl_dup.0.log &&
+  grep -q "ranks 0 and 1 both use GPU" /tmp/nccl_dup.1.log; then
+  record "duplicate GPU refused on both ranks" 0
+else
+  record "duplicate GPU refused on both ranks" 1
+fi
+
+echo "=== 7. collective bandwidth"
 timeout -k 5 600 "$bench_bin" --nproc "$NPROC" --min-mb "$MIN_MB" --max-mb "$MAX_MB" | tee /tmp/nccl_bandwidth.txt
 record "bandwidth benchmark" "${PIPESTATUS[0]}"
 

@@ -475,14 +475,17 @@ std::unique_ptr<Communicator> make_nccl_world_communicator(TcpRendezvous& rv, in
   // Two ranks on one GPU: NCCL would fail later with a less helpful message (or hang in the
   // topology search); say which ranks collide.
   const std::vector<std::string> ids = rv.all_gather(gpu_identity(device));
-  std::map<std::string, int> first_user;
+  std::map<std::string, int> first_user;  // "host|uuid" -> first rank using it
   for (int r = 0; r < static_cast<int>(ids.size()); ++r) {
-    const std::string key = ids[r].substr(0, ids[r].find('|', ids[r].find('|') + 1));  // host|uuid
-    auto [it, fresh] = first_user.emplace(key, r);
+    const size_t host_end = ids[r].find('|');
+    const size_t uuid_end = ids[r].find('|', host_end + 1);
+    MT_CHECK(host_end != std::string::npos && uuid_end != std::string::npos, "GPU identity '{}'", ids[r]);
+    auto [it, fresh] = first_user.emplace(ids[r].substr(0, uuid_end), r);
     if (!fresh)
-      fail("ranks {} and {} both use GPU {} on host {}: each rank needs its own GPU (check CUDA_VISIBLE_DEVICES, "
-           "LOCAL_RANK and --nproc-per-node)",
-           it->second, r, ids[r].substr(ids[r].find('|') + 1, 36), key.substr(0, key.find('|')));
+      fail("ranks {} and {} both use GPU {} (UUID {}) on host {}: each rank needs its own GPU (check "
+           "CUDA_VISIBLE_DEVICES, LOCAL_RANK and --nproc-per-node)",
+           it->second, r, ids[r].substr(uuid_end + 1), ids[r].substr(host_end + 1, uuid_end - host_end - 1),
+           ids[r].substr(0, host_end));
   }
 
   ncclUniqueId id;
