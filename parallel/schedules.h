@@ -18,7 +18,13 @@
 // check_pipeline_schedules() verifies it independently, together with the order of the messages.
 //
 // Executing a communicate action: issue all its transfers between Communicator::group_start() and
-// group_end() (in list order) and wait for them before the next action. Activations and gradients
+// group_end() (in list order) and wait for them before the next action. That fully ordered
+// execution is what the checker proves deadlock-free. An executor may relax it: run the groups in
+// list order on a communication stream, have each group wait only for the computes that produced
+// what it sends, and each compute wait only for the receive it consumes. Those dependencies are a
+// subset of the fully ordered ones, so the relaxed run cannot deadlock either, and a receive posted
+// early (the builder receives a tensor in the round it is sent, which may be well before its
+// consumer runs) then never holds up computation. Activations and gradients
 // travel on separate channels: with NCCL use one communicator per channel (ParallelState::pp for
 // activations, ParallelState::pp_grad for gradients), with MPI a tag per channel. Messages on one
 // channel between two ranks are matched in the order they are issued; with PP = 2 both channels
