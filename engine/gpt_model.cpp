@@ -338,6 +338,8 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
       s.host_positions[dst] = mb.positions.empty() ? t : mb.positions[src];
       if (mb.tokens[src] < 0 || mb.tokens[src] >= d_.vocab)
         fail("token id {} is outside the padded vocabulary of {}", mb.tokens[src], d_.vocab);
+      if (mb.loss_mask[src] != 0.0f && (mb.labels[src] < 0 || mb.labels[src] >= d_.vocab))
+        fail("label id {} is outside the padded vocabulary of {}", mb.labels[src], d_.vocab);
       if (s.host_positions[dst] < 0 || s.host_positions[dst] >= d_.max_positions)
         fail("position {} is outside [0, {})", s.host_positions[dst], d_.max_positions);
       const double m = mb.loss_mask[src];
