@@ -43,7 +43,7 @@ TEST_CASE("values are written the way Megatron users write them", "[cli]") {
   CHECK(parse(small_gpt() + words("--seed +7")).train.seed == 7);
 }
 
-TEST_CASE("--rotary-base is an integer as in Megatron: 1e6 is refused with a hint", "[cli]") {
+TEST_CASE("rotary base is an integer as in Megatron: 1e6 is refused with a hint", "[cli]") {
   const std::string e = parse_error(small_gpt() + words("--position-embedding-type rope --rotary-base 1e6"));
   CHECK_THAT(e, Contains("--rotary-base expects an integer"));
   CHECK_THAT(e, Contains("write 1000000"));
@@ -82,7 +82,7 @@ TEST_CASE("a flag's value cannot be another flag, a switch takes no value", "[cl
   CHECK(*parse(small_gpt() + words("--lr -0.5 --min-lr -1")).train.lr == -0.5);  // negative numbers are values
 }
 
-TEST_CASE("--no-X and --disable-X both work where Megatron HEAD has both", "[cli]") {
+TEST_CASE("no-X and disable-X spellings both work where Megatron HEAD has both", "[cli]") {
   CHECK_FALSE(parse(small_gpt() + words("--no-mmap-bin-files")).data.mmap_bin_files);
   CHECK_FALSE(parse(small_gpt() + words("--disable-mmap-bin-files")).data.mmap_bin_files);
   CHECK(parse(small_gpt()).data.mmap_bin_files);
