@@ -29,9 +29,10 @@ void add_checkpoint_flags(FlagTable& t) {
   t.recognised("--use-checkpoint-args", Arity::none, "", "off", "take model arguments from the checkpoint");
   t.recognised("--use-mp-args-from-checkpoint-args", Arity::none, "", "off", "take TP/PP from the checkpoint");
   t.negative_alias(t.recognised("--no-initialization", Arity::none, "", "off", "skip weight initialisation"));
-  t.flag("--async-save", "asynchronous save (Megatron HEAD switches it off without --use-persistent-ckpt-worker)",
-         MT_FIELD(checkpoint.async_save));
-  t.recognised("--use-persistent-ckpt-worker", Arity::none, "", "off", "persistent checkpoint worker process");
+  t.flag("--async-save", "write checkpoints from a background thread: training pauses only to copy the shards to host "
+         "memory", MT_FIELD(checkpoint.async_save));
+  t.no_effect("--use-persistent-ckpt-worker", Arity::none,
+              "megatrain's --async-save always writes from a background thread of the training process");
   t.negative_alias(t.no_effect("--no-ckpt-fully-parallel-save", Arity::none,
                                "megatrain decides how ranks share checkpoint writes itself"));
   t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");

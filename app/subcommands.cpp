@@ -1,5 +1,6 @@
 #include "app/subcommands.h"
 
+#include "app/hf_commands.h"
 #include "app/inspect_data.h"
 #include "app/preprocess_data.h"
 
@@ -14,6 +15,15 @@ const std::vector<Subcommand>& subcommands() {
       {"inspect-data", "print the token windows training would read: <training flags> --num-samples N "
                        "[--split-name train|valid|test]",
        &inspect_data_main},
+      {"export-hf", "write a checkpoint as a Hugging Face model: --load CKPT --output DIR [--ckpt-step N] "
+                    "[--max-shard-size BYTES]",
+       &export_hf_main},
+      {"import-hf", "write a Hugging Face GPT-2/Llama model as a megatrain checkpoint: --hf-dir DIR --save CKPT "
+                    "[--make-vocab-size-divisible-by N] [--tensor-model-parallel-size N]",
+       &import_hf_main},
+      {"forward-logits", "dump one sequence's logits (.npy) for checks: --load CKPT --tokens 1,2,3 --output FILE "
+                         "[--device cpu|gpu]",
+       &forward_logits_main},
   };
   return table;
 }

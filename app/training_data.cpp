@@ -8,7 +8,8 @@
 
 namespace mt {
 
-TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, int64_t consumed_train_samples) {
+TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, int64_t consumed_train_samples,
+                                 int64_t consumed_valid_samples) {
   // The attention op is causal over the whole sequence; a block-diagonal mask is not implemented.
   if (cfg.data.reset_attention_mask)
     throw Unsupported("--reset-attention-mask (no attention across document boundaries) is not supported yet");
@@ -27,7 +28,7 @@ TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, in
   t.train = std::make_unique<BatchLoader>(built.splits[0],
                                           batch_loader_options(cfg, facts, dp_rank, dp_size, consumed_train_samples));
   if (built.splits[1] && cfg.train.eval_iters > 0)
-    t.valid = std::make_unique<BatchLoader>(built.splits[1], batch_loader_options(cfg, facts, dp_rank, dp_size, 0));
+    t.valid = std::make_unique<BatchLoader>(built.splits[1], batch_loader_options(cfg, facts, dp_rank, dp_size, consumed_valid_samples));
   const char* names[3] = {"train", "valid", "test"};
   for (int i = 0; i < 3; ++i)
     if (built.splits[i]) t.description += fmt::format(" > {} split: {}\n", names[i], built.splits[i]->describe());

@@ -18,7 +18,9 @@ struct TrainingData {
   std::string description;  // one line per split, for the start-up log
 };
 
-// consumed_train_samples: where a resumed run continues.
-TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, int64_t consumed_train_samples);
+// consumed_train_samples / consumed_valid_samples: where a resumed run continues (Megatron builds
+// the validation loader at args.consumed_valid_samples too).
+TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, int64_t consumed_train_samples,
+                                 int64_t consumed_valid_samples = 0);
 
 }  // namespace mt

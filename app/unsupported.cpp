@@ -68,7 +68,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--use-checkpoint-args", W::any_use, {}, ""},
       {"--use-mp-args-from-checkpoint-args", W::any_use, {}, ""},
       {"--no-initialization", W::any_use, {}, ""},
-      {"--use-persistent-ckpt-worker", W::any_use, {}, ""},
       {"--dist-ckpt-strictness", W::other_than, {"assume_ok_unexpected"}, ""},
       {"--non-persistent-save-interval", W::any_use, {}, ""},
       {"--non-persistent-ckpt-type", W::any_use, {}, ""},

@@ -16,12 +16,10 @@ void validate_checkpoint_and_logging(CliState& st) {
       fail("--save-retain-interval {} is not a multiple of --save-interval {}", *k.save_retain_interval,
            *k.save_interval);
   }
-  if (k.async_save) {
-    // Megatron HEAD: asynchronous saving needs the persistent checkpoint worker, else it is
-    // switched off with a warning.
-    st.warn("--async-save needs --use-persistent-ckpt-worker: saving synchronously");
-    k.async_save = false;
-  }
+  // --async-save: Megatron HEAD needs --use-persistent-ckpt-worker for it (else it saves
+  // synchronously with a warning); megatrain's asynchronous save is always a background thread of
+  // the training process (app/checkpointing.h), so it needs no worker flag.
+  if (k.async_save && !k.save) st.warn("--async-save has no effect without --save");
   if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
   const LoggingConfig& l = c.logging;
   if (l.log_interval <= 0) fail("--log-interval must be > 0 (got {})", l.log_interval);

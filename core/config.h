@@ -242,7 +242,7 @@ struct CheckpointConfig {
   bool finetune = false;
   std::optional<int64_t> ckpt_step;
   bool exit_on_missing_checkpoint = false;
-  bool async_save = false;  // as in Megatron HEAD: switched off with a warning (needs --use-persistent-ckpt-worker)
+  bool async_save = false;  // --async-save: a background thread writes the files (app/checkpointing.h)
   std::string ckpt_format = "torch_dist";
 };
 

@@ -251,6 +251,8 @@ Tensor shaped(Tensor flat, const ParamDesc& p) {
 }
 }  // namespace
 
+Tensor GptModel::logits() const { return ws_->logits; }
+
 Tensor GptModel::param(int i) const { return shaped(params_, descs_.at(i)); }
 Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
 Tensor GptModel::master(int i) const { return shaped(master_, descs_.at(i)); }

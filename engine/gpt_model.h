@@ -103,6 +103,9 @@ class GptModel {
   Tensor output_grad(int slot) const;   // non-last stages: receive the next stage's input grad here
   Tensor input_grad() const;            // non-first stages: send this back after backward()
   Tensor loss_sums(bool eval) const { return eval ? eval_loss_ : train_loss_; }  // [sum, tokens]
+  // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
+  // last forward(slot) with training = false (a training forward overwrites them with dlogits).
+  Tensor logits() const;
 
  private:
   struct LayerParams;

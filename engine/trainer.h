@@ -49,6 +49,23 @@ class Trainer {
     iteration_ = iteration;
     consumed_samples_ = consumed_samples;
   }
+  // Everything of the loop a checkpoint restores besides the model, optimizer, schedule and loss
+  // scaler. The micro-batch serial is the dropout RNG state: masks are keyed by it (and the seed),
+  // so restoring it continues the same random stream.
+  struct Counters {
+    int64_t iteration = 0, consumed_samples = 0, skipped_samples = 0, consumed_valid_samples = 0;
+    uint64_t micro_batch_serial = 0;
+  };
+  Counters counters() const {
+    return {iteration_, consumed_samples_, skipped_samples_, consumed_valid_samples_, micro_batch_serial_};
+  }
+  void set_counters(const Counters& c) {
+    iteration_ = c.iteration;
+    consumed_samples_ = c.consumed_samples;
+    skipped_samples_ = c.skipped_samples;
+    consumed_valid_samples_ = c.consumed_valid_samples;
+    micro_batch_serial_ = c.micro_batch_serial;
+  }
   LrSchedule& schedule() { return schedule_; }
   LossScaler& loss_scaler() { return scaler_; }
   Optimizer& optimizer() { return optimizer_; }
@@ -74,7 +91,7 @@ class Trainer {
   Optimizer optimizer_;
   MicroBatch mb_;
 
-  int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0;
+  int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
 

@@ -1,0 +1,264 @@
+#include "app/checkpoint_args.h"
+
+#include <fmt/format.h>
+
+#include <utility>
+#include <vector>
+
+#include "app/flags.h"
+#include "app/plan.h"
+#include "core/error.h"
+
+namespace mt {
+
+using nlohmann::json;
+
+namespace {
+
+// Enum spellings as Megatron's flags write them.
+template <class E>
+using Names = std::vector<std::pair<E, const char*>>;
+
+const Names<Normalization>& names(Normalization*) {
+  static const Names<Normalization> n{{Normalization::layernorm, "LayerNorm"}, {Normalization::rmsnorm, "RMSNorm"}};
+  return n;
+}
+const Names<PositionEmbedding>& names(PositionEmbedding*) {
+  static const Names<PositionEmbedding> n{{PositionEmbedding::learned_absolute, "learned_absolute"},
+                                          {PositionEmbedding::rope, "rope"},
+                                          {PositionEmbedding::none, "none"}};
+  return n;
+}
+const Names<LrDecayStyle>& names(LrDecayStyle*) {
+  static const Names<LrDecayStyle> n{{LrDecayStyle::constant, "constant"},
+                                     {LrDecayStyle::linear, "linear"},
+                                     {LrDecayStyle::cosine, "cosine"},
+                                     {LrDecayStyle::inverse_square_root, "inverse-square-root"},
+                                     {LrDecayStyle::wsd, "WSD"}};
+  return n;
+}
+const Names<WsdDecayStyle>& names(WsdDecayStyle*) {
+  static const Names<WsdDecayStyle> n{{WsdDecayStyle::exponential, "exponential"},
+                                      {WsdDecayStyle::linear, "linear"},
+                                      {WsdDecayStyle::cosine, "cosine"},
+                                      {WsdDecayStyle::minus_sqrt, "minus_sqrt"}};
+  return n;
+}
+const Names<WeightDecayIncrStyle>& names(WeightDecayIncrStyle*) {
+  static const Names<WeightDecayIncrStyle> n{{WeightDecayIncrStyle::constant, "constant"},
+                                             {WeightDecayIncrStyle::linear, "linear"},
+                                             {WeightDecayIncrStyle::cosine, "cosine"}};
+  return n;
+}
+
+template <class E>
+const char* enum_name(E e) {
+  for (const auto& [v, n] : names(static_cast<E*>(nullptr)))
+    if (v == e) return n;
+  return "?";
+}
+
+template <class E>
+E enum_from(const std::string& s, const std::string& what) {
+  for (const auto& [v, n] : names(static_cast<E*>(nullptr)))
+    if (s == n) return v;
+  fail("{}: unknown value '{}'", what, s);
+}
+
+// Reads and writes one field; `where` names the manifest in errors.
+struct ToJson {
+  json& j;
+  template <class T>
+  void operator()(const char* k, T& v) {
+    if constexpr (std::is_enum_v<T>) j[k] = enum_name(v);
+    else if constexpr (requires { v.has_value(); }) j[k] = v ? json(*v) : json(nullptr);
+    else j[k] = v;
+  }
+};
+
+struct FromJson {
+  const json& j;
+  const std::string& where;
+  template <class T>
+  void operator()(const char* k, T& v) {
+    if (!j.contains(k)) fail("{}: the saved model configuration lacks '{}'", where, k);
+    const json& x = j.at(k);
+    try {
+      if constexpr (std::is_enum_v<T>) {
+        v = enum_from<T>(x.get<std::string>(), fmt::format("{}: model setting '{}'", where, k));
+      } else if constexpr (requires { v.has_value(); }) {
+        if (x.is_null()) v.reset();
+        else v = x.get<typename T::value_type>();
+      } else {
+        v = x.get<T>();
+      }
+    } catch (const json::exception& e) {
+      fail("{}: model setting '{}' is malformed ({})", where, k, e.what());
+    }
+  }
+};
+
+template <class F>
+void visit_model(ModelConfig& m, F&& f) {
+  f("num_layers", m.num_layers);
+  f("hidden_size", m.hidden_size);
+  f("num_attention_heads", m.num_attention_heads);
+  f("ffn_hidden_size", m.ffn_hidden_size);
+  f("kv_channels", m.kv_channels);
+  f("group_query_attention", m.group_query_attention);
+  f("num_query_groups", m.num_query_groups);
+  f("max_position_embeddings", m.max_position_embeddings);
+  f("position_embedding_type", m.position_embedding_type);
+  f("add_position_embedding", m.add_position_embedding);
+  f("rotary_base", m.rotary_base);
+  f("rotary_percent", m.rotary_percent);
+  f("rotary_interleaved", m.rotary_interleaved);
+  f("rotary_seq_len_interpolation_factor", m.rotary_seq_len_interpolation_factor);
+  f("use_rope_scaling", m.use_rope_scaling);
+  f("rope_scaling_factor", m.rope_scaling_factor);
+  f("normalization", m.normalization);
+  f("norm_epsilon", m.norm_epsilon);
+  f("apply_layernorm_1p", m.apply_layernorm_1p);
+  f("apply_residual_connection_post_layernorm", m.apply_residual_connection_post_layernorm);
+  f("swiglu", m.swiglu);
+  f("openai_gelu", m.openai_gelu);
+  f("add_bias_linear", m.add_bias_linear);
+  f("add_qkv_bias", m.add_qkv_bias);
+  f("qk_layernorm", m.qk_layernorm);
+  f("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
+  f("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by);
+  f("seq_length", m.seq_length);
+  f("attention_dropout", m.attention_dropout);
+  f("hidden_dropout", m.hidden_dropout);
+  f("init_method_std", m.init_method_std);
+  f("embedding_init_method_std", m.embedding_init_method_std);
+  // derived
+  f("ffn_size", m.ffn_size);
+  f("head_dim", m.head_dim);
+  f("query_groups", m.query_groups);
+  f("vocab_size", m.vocab_size);
+  f("padded_vocab_size", m.padded_vocab_size);
+}
+
+std::string value_text(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+}  // namespace
+
+json model_config_to_json(const ModelConfig& m) {
+  json j = json::object();
+  ModelConfig copy = m;
+  visit_model(copy, ToJson{j});
+  return j;
+}
+
+ModelConfig model_config_from_json(const json& j, const std::string& where) {
+  if (!j.is_object()) fail("{}: the checkpoint records no model configuration", where);
+  ModelConfig m;
+  visit_model(m, FromJson{j, where});
+  return m;
+}
+
+json checkpoint_config_json(const Config& cfg) {
+  json flags = json::object();
+  for (const cli::FlagSpec& f : cli::flag_table().flags())
+    if (f.value) flags[f.name] = f.value(cfg);
+  return json{{"model", model_config_to_json(cfg.model)}, {"flags", flags}, {"derived", derived_values(cfg)}};
+}
+
+void check_checkpoint_model(const json& saved, const ModelConfig& current, const std::string& where) {
+  const json now = model_config_to_json(current);
+  // (key in the model section, the flag a user changes)
+  std::vector<std::pair<const char*, const char*>> checked = {
+      {"num_layers", "--num-layers"},
+      {"hidden_size", "--hidden-size"},
+      {"num_attention_heads", "--num-attention-heads"},
+      {"query_groups", "--num-query-groups"},
+      {"head_dim", "--kv-channels"},
+      {"ffn_size", "--ffn-hidden-size"},
+      {"padded_vocab_size", "padded vocabulary size (tokenizer, --make-vocab-size-divisible-by and TP set it)"},
+      {"position_embedding_type", "--position-embedding-type"},
+      {"normalization", "--normalization"},
+      {"swiglu", "--swiglu"},
+      {"add_bias_linear", "add_bias_linear (--disable-bias-linear)"},
+      {"add_qkv_bias", "--add-qkv-bias"},
+      {"qk_layernorm", "--qk-layernorm"},
+      {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
+      {"apply_layernorm_1p", "--apply-layernorm-1p"},
+  };
+  if (current.position_embedding_type == PositionEmbedding::learned_absolute)
+    checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
+  std::string diffs;
+  for (const auto& [key, flag] : checked) {
+    if (!saved.contains(key)) fail("{}: the saved model configuration lacks '{}'", where, key);
+    if (saved.at(key) != now.at(key))
+      diffs += fmt::format("{}{} is {} in the checkpoint but {} in this run", diffs.empty() ? "" : "; ", flag,
+                           value_text(saved.at(key)), value_text(now.at(key)));
+  }
+  if (!diffs.empty()) fail("checkpoint {} was saved for another model: {}", where, diffs);
+}
+
+json lr_schedule_to_json(const LrScheduleParams& p, int64_t num_steps) {
+  return json{{"max_lr", p.max_lr},
+              {"min_lr", p.min_lr},
+              {"init_lr", p.init_lr},
+              {"lr_warmup_steps", p.warmup_steps},
+              {"lr_decay_steps", p.decay_steps},
+              {"lr_decay_style", enum_name(p.decay_style)},
+              {"wsd_decay_steps", p.wsd_decay_steps ? json(*p.wsd_decay_steps) : json(nullptr)},
+              {"lr_wsd_decay_style", enum_name(p.wsd_style)},
+              {"start_wd", p.start_wd},
+              {"end_wd", p.end_wd},
+              {"wd_incr_steps", p.wd_incr_steps},
+              {"wd_incr_style", enum_name(p.wd_incr_style)},
+              {"num_steps", num_steps}};
+}
+
+LrScheduleParams lr_schedule_params_from_json(const json& j, const std::string& where) {
+  LrScheduleParams p;
+  try {
+    p.max_lr = j.at("max_lr").get<double>();
+    p.min_lr = j.at("min_lr").get<double>();
+    p.init_lr = j.at("init_lr").get<double>();
+    p.warmup_steps = j.at("lr_warmup_steps").get<double>();
+    p.decay_steps = j.at("lr_decay_steps").get<double>();
+    p.decay_style = enum_from<LrDecayStyle>(j.at("lr_decay_style").get<std::string>(), where + ": lr_decay_style");
+    if (!j.at("wsd_decay_steps").is_null()) p.wsd_decay_steps = j.at("wsd_decay_steps").get<double>();
+    p.wsd_style = enum_from<WsdDecayStyle>(j.at("lr_wsd_decay_style").get<std::string>(), where + ": lr_wsd_decay_style");
+    p.start_wd = j.at("start_wd").get<double>();
+    p.end_wd = j.at("end_wd").get<double>();
+    p.wd_incr_steps = j.at("wd_incr_steps").get<double>();
+    p.wd_incr_style = enum_from<WeightDecayIncrStyle>(j.at("wd_incr_style").get<std::string>(), where + ": wd_incr_style");
+  } catch (const json::exception& e) {
+    fail("{}: the saved learning-rate scheduler state is malformed ({})", where, e.what());
+  }
+  return p;
+}
+
+LrScheduleParams reconcile_lr_schedule(const LrScheduleParams& current, const LrScheduleParams& saved,
+                                       const TrainConfig& t, const std::string& where) {
+  if (t.override_opt_param_scheduler) return current;
+  if (t.use_checkpoint_opt_param_scheduler) return saved;
+  // Megatron's _check_and_set over the same fields (steps in samples).
+  std::string diffs;
+  auto check = [&](const char* what, const std::string& now, const std::string& then) {
+    if (now != then)
+      diffs += fmt::format("{}{}: {} in this run, {} in the checkpoint", diffs.empty() ? "" : "; ", what, now, then);
+  };
+  auto num = [](double v) { return fmt::format("{}", v); };
+  check("learning rate (--lr)", num(current.max_lr), num(saved.max_lr));
+  check("minimum learning rate (--min-lr)", num(current.min_lr), num(saved.min_lr));
+  check("warmup steps (samples)", num(current.warmup_steps), num(saved.warmup_steps));
+  check("decay steps (samples)", num(current.decay_steps), num(saved.decay_steps));
+  check("--lr-decay-style", enum_name(current.decay_style), enum_name(saved.decay_style));
+  check("start weight decay", num(current.start_wd), num(saved.start_wd));
+  check("end weight decay", num(current.end_wd), num(saved.end_wd));
+  check("weight-decay increment steps (samples)", num(current.wd_incr_steps), num(saved.wd_incr_steps));
+  check("--weight-decay-incr-style", enum_name(current.wd_incr_style), enum_name(saved.wd_incr_style));
+  if (!diffs.empty())
+    fail("checkpoint {}: the learning-rate schedule differs from the checkpoint's ({}); pass "
+         "--override-opt-param-scheduler to use this run's values or --use-checkpoint-opt-param-scheduler to use "
+         "the checkpoint's", where, diffs);
+  return saved;
+}
+
+}  // namespace mt

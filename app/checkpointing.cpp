@@ -1,0 +1,342 @@
+#include "app/checkpointing.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "app/checkpoint_args.h"
+#include "checkpoint/file_io.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+using nlohmann::json;
+
+namespace {
+
+// GptModel::scalars() element used for the save agreement (the optimizer uses 0..4, the
+// trainer's exit check 8..9).
+constexpr int kSaveFlagSlot = 12;
+
+Tensor host_view(std::vector<unsigned char>& buf, DType dtype, int64_t offset, int64_t count) {
+  return Tensor(buf.data() + static_cast<size_t>(offset) * dtype_size(dtype), dtype, Device::cpu, {count});
+}
+
+const char* first_state_suffix(OptimizerKind k) { return k == OptimizerKind::adam ? ".exp_avg" : ".momentum_buffer"; }
+constexpr const char* kSecondStateSuffix = ".exp_avg_sq";
+
+const char* optimizer_name(OptimizerKind k) { return k == OptimizerKind::adam ? "adam" : "sgd"; }
+
+const char* scaler_kind_name(LossScaler::Kind k) {
+  switch (k) {
+    case LossScaler::Kind::none: return "none";
+    case LossScaler::Kind::constant: return "constant";
+    case LossScaler::Kind::dynamic: return "dynamic";
+  }
+  return "?";
+}
+
+// What the tracker of `save_dir` names now (for error messages), or "none".
+std::string tracker_text(const std::string& save_dir) {
+  const std::string t = checkpoint_tracker_path(save_dir);
+  if (!path_exists(t)) return "no checkpoint";
+  try {
+    std::string s = read_text_file(t);
+    while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+    return s == "release" ? std::string("the release checkpoint") : "the checkpoint of iteration " + s;
+  } catch (const std::exception&) {
+    return "an unreadable tracker";
+  }
+}
+
+}  // namespace
+
+SaveGroup make_save_group(ParallelState& ps, GptModel& model) {
+  SaveGroup g;
+  g.rank = ps.rank;
+  g.world_size = ps.world_size;
+  if (ps.world_size > 1) {
+    g.all_ok = [&ps, &model](bool ok) {
+      Backend& be = model.backend();
+      Tensor s = model.scalars().flat_slice(kSaveFlagSlot, 1);
+      if (model.options().accum == DType::f64) {
+        double v = ok ? 1.0 : 0.0;
+        be.copy_from_host(s, &v);
+        ps.world->all_reduce(s, ReduceOp::min);
+        be.copy_to_host(&v, s);
+        return v > 0.5;
+      }
+      float v = ok ? 1.0f : 0.0f;
+      be.copy_from_host(s, &v);
+      ps.world->all_reduce(s, ReduceOp::min);
+      be.copy_to_host(&v, s);
+      return v > 0.5f;
+    };
+  }
+  return g;
+}
+
+TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, GptModel& model)
+    : cfg_(cfg), ps_(ps), model_(model), group_(make_save_group(ps, model)) {
+  if (!cfg.checkpoint.save) return;
+  auto size_of = [](const Tensor& t) { return t.empty() ? size_t{0} : t.nbytes(); };
+  host_params_.resize(size_of(model.params_flat()));
+  if (!cfg.checkpoint.no_save_optim) {
+    if (model.has_master_copy()) host_master_.resize(size_of(model.master_flat()));
+    host_state1_.resize(size_of(model.exp_avg_flat()));
+    host_state2_.resize(size_of(model.exp_avg_sq_flat()));
+  }
+}
+
+TrainingCheckpoints::~TrainingCheckpoints() = default;
+
+bool TrainingCheckpoints::owns(int i) const {
+  const ParamDesc& p = model_.params()[static_cast<size_t>(i)];
+  // One replica of each slice: DP (and CP) rank 0; TP rank 0 for what every TP rank holds alike;
+  // never the last stage's copy of tied embeddings (the first stage saves them).
+  return !p.shared_copy && ps_.dp_rank == 0 && ps_.cp_rank == 0 && (!p.tp_duplicated || ps_.tp_rank == 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Saving
+
+std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
+  const CheckpointConfig& k = cfg_.checkpoint;
+  const Trainer::Counters c = trainer.counters();
+  auto w = std::make_unique<CheckpointWriter>(*k.save, c.iteration, ps_.rank, ps_.world_size);
+  Backend& be = model_.backend();
+  const bool optim = !k.no_save_optim;
+  // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
+  be.copy_to_host(host_params_.data(), model_.params_flat());
+  if (optim) {
+    if (!host_master_.empty()) be.copy_to_host(host_master_.data(), model_.master_flat());
+    if (!host_state1_.empty()) be.copy_to_host(host_state1_.data(), model_.exp_avg_flat());
+    if (!host_state2_.empty()) be.copy_to_host(host_state2_.data(), model_.exp_avg_sq_flat());
+  }
+  const DType T = model_.options().compute, S = model_.options().accum;
+  const std::vector<ParamDesc>& ps = model_.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (!owns(static_cast<int>(i))) continue;
+    const ParamDesc& p = ps[i];
+    const ShardSlice slice = ShardSlice::whole(p.shard);
+    w->add(p.name, CheckpointKind::model, slice, host_view(host_params_, T, p.offset, p.numel()), p.global_shape);
+    if (!optim) continue;
+    if (!host_master_.empty())
+      w->add(p.name, CheckpointKind::main_params, slice, host_view(host_master_, S, p.offset, p.numel()), p.global_shape);
+    if (!host_state1_.empty())
+      w->add(p.name + first_state_suffix(cfg_.train.optimizer), CheckpointKind::optimizer, slice,
+             host_view(host_state1_, S, p.offset, p.numel()), p.global_shape);
+    if (!host_state2_.empty())
+      w->add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice,
+             host_view(host_state2_, S, p.offset, p.numel()), p.global_shape);
+  }
+
+  RunState rs;
+  rs.iteration = c.iteration;
+  rs.consumed_train_samples = c.consumed_samples;
+  rs.consumed_valid_samples = c.consumed_valid_samples;
+  rs.skipped_train_samples = c.skipped_samples;
+  rs.num_floating_point_operations_so_far =
+      start_flops_ + static_cast<double>(c.iteration - start_iteration_) * flops_per_iteration_;
+  if (optim) {
+    // Megatron saves the scheduler with the optimizer (both skipped by --no-save-optim).
+    rs.lr_scheduler = lr_schedule_to_json(trainer.schedule().params(), trainer.schedule().num_steps());
+    const LossScaler& s = trainer.loss_scaler();
+    rs.loss_scaler = json{{"kind", scaler_kind_name(s.kind())},
+                          {"scale", s.scale()},
+                          {"growth_tracker", s.growth_tracker()},
+                          {"hysteresis_tracker", s.hysteresis_tracker()}};
+    rs.extra["optimizer"] = json{{"kind", optimizer_name(cfg_.train.optimizer)},
+                                 {"successful_steps", trainer.optimizer().successful_steps()}};
+  }
+  rs.config = checkpoint_config_json(cfg_);
+  w->set_run_state(rs);
+  if (!k.no_save_rng)
+    w->set_rank_state(json{{"dropout_rng", {{"seed", cfg_.train.seed}, {"micro_batch_serial", c.micro_batch_serial}}}});
+  return w;
+}
+
+void TrainingCheckpoints::save(Trainer& trainer) {
+  const CheckpointConfig& k = cfg_.checkpoint;
+  MT_CHECK(k.save.has_value(), "save without --save");
+  const int64_t it = trainer.iteration();
+  log::info("saving checkpoint at iteration {:7d} to {} in megatrain format", it, *k.save);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string before = tracker_text(*k.save);
+  try {
+    if (k.async_save) {
+      // The staging buffers still feed the previous background write until it is committed.
+      async_.finalize(group_);
+      async_.start(stage(trainer), group_);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      log::info("  scheduled an asynchronous save of iteration {:7d} (training paused {:.1f} ms)", it, ms);
+    } else {
+      stage(trainer)->save(group_);
+      log::info("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]", it, *k.save,
+                ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
+    }
+  } catch (const Error& e) {
+    fail("saving the checkpoint of iteration {} to {} failed: {} ({} remains the latest, unchanged)", it, *k.save,
+         e.what(), before);
+  }
+  last_saved_ = it;
+}
+
+void TrainingCheckpoints::poll() {
+  if (!cfg_.checkpoint.async_save) return;
+  const bool was_pending = async_.pending();
+  try {
+    if (async_.finalize_if_done(group_) && was_pending)
+      log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
+                last_saved_.value_or(0), *cfg_.checkpoint.save, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1,
+                ps_.pp_size);
+  } catch (const Error& e) {
+    fail("the asynchronous save of iteration {} to {} failed: {} ({} remains the latest, unchanged)",
+         last_saved_.value_or(0), *cfg_.checkpoint.save, e.what(), tracker_text(*cfg_.checkpoint.save));
+  }
+}
+
+void TrainingCheckpoints::finish() {
+  if (!async_.pending()) return;
+  try {
+    async_.finalize(group_);
+  } catch (const Error& e) {
+    fail("the asynchronous save of iteration {} to {} failed: {} ({} remains the latest, unchanged)",
+         last_saved_.value_or(0), *cfg_.checkpoint.save, e.what(), tracker_text(*cfg_.checkpoint.save));
+  }
+  log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
+            last_saved_.value_or(0), *cfg_.checkpoint.save, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1,
+            ps_.pp_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+
+// Fills every parameter's slice of `dst` (a flat model buffer) from the checkpoint tensors
+// "<name><suffix>" of `kind`. With from_model_fallback, a parameter without a `kind` tensor is read
+// from the model weights instead (fp32 runs keep no separate main weights).
+void TrainingCheckpoints::read_flat(CheckpointReader& reader, CheckpointKind kind, const std::string& suffix,
+                                   Tensor dst, bool from_model_fallback) {
+  Backend& be = model_.backend();
+  std::vector<unsigned char> host;
+  for (const ParamDesc& p : model_.params()) {
+    // The last stage's copy of tied embeddings holds the word embeddings (and their state).
+    const std::string name = (p.shared_copy ? p.init_name : p.name) + suffix;
+    CheckpointKind from = kind;
+    if (from_model_fallback && !reader.has(name, kind)) from = CheckpointKind::model;
+    host.resize(static_cast<size_t>(p.numel()) * dtype_size(dst.dtype));
+    Tensor hv(host.data(), dst.dtype, Device::cpu, {p.numel()});
+    reader.read(name, from, ShardSlice::whole(p.shard), hv, p.global_shape);
+    be.copy_from_host(dst.flat_slice(p.offset, p.numel()), host.data());
+    be.synchronize();  // `host` is reused for the next parameter
+  }
+}
+
+ResumePoint TrainingCheckpoints::load() {
+  const CheckpointConfig& k = cfg_.checkpoint;
+  ResumePoint r;
+  const std::optional<CheckpointLocation> loc = checkpoint_to_load(k);
+  if (!loc) return r;
+  CheckpointReader reader = CheckpointReader::open_directory(loc->directory);
+  const std::string manifest = join_path(loc->directory, "manifest.json");
+  const RunState& rs = reader.run_state();
+  if (rs.config.contains("model")) check_checkpoint_model(rs.config.at("model"), cfg_.model, manifest);
+
+  // Megatron: --finetune and release checkpoints load the weights only; --no-load-optim skips the
+  // optimizer and the scheduler; --no-load-rng leaves the RNG as seeded.
+  const bool model_only = k.finetune || loc->release;
+  const bool load_optim = !model_only && !k.no_load_optim;
+  const bool load_rng = !model_only && !k.no_load_rng;
+  const OptimizerKind opt = cfg_.train.optimizer;
+  if (load_optim) {
+    if (!rs.extra.contains("optimizer") || rs.lr_scheduler.empty())
+      fail("checkpoint {} holds no optimizer state (saved with --no-save-optim?): pass --no-load-optim (or "
+           "--finetune) to load the weights only", loc->directory);
+    const std::string saved = rs.extra["optimizer"].value("kind", std::string());
+    if (saved != optimizer_name(opt))
+      fail("checkpoint {} holds {} optimizer state but this run uses --optimizer {}: pass --no-load-optim to start "
+           "the optimizer afresh", loc->directory, saved, optimizer_name(opt));
+  }
+  try {
+    // Master weights: the saved main copy when resuming the optimizer, else the model weights
+    // (Megatron re-copies fp16/bf16 main params from the model params); the model weights then
+    // follow the master weights as after every optimizer step.
+    read_flat(reader, load_optim ? CheckpointKind::main_params : CheckpointKind::model, "", model_.master_flat(),
+              /*from_model_fallback=*/load_optim);
+    Backend& be = model_.backend();
+    if (model_.has_master_copy()) be.cast(model_.params_flat(), model_.master_flat());
+    if (!model_.exp_avg_flat().empty()) be.fill(model_.exp_avg_flat(), 0.0);
+    if (!model_.exp_avg_sq_flat().empty()) be.fill(model_.exp_avg_sq_flat(), 0.0);
+    if (load_optim) {
+      if (!model_.exp_avg_flat().empty())
+        read_flat(reader, CheckpointKind::optimizer, first_state_suffix(opt), model_.exp_avg_flat(), false);
+      if (!model_.exp_avg_sq_flat().empty())
+        read_flat(reader, CheckpointKind::optimizer, kSecondStateSuffix, model_.exp_avg_sq_flat(), false);
+    }
+    be.synchronize();
+  } catch (const Error& e) {
+    fail("cannot load checkpoint {}: {}", loc->directory, e.what());
+  }
+
+  r.loaded = true;
+  r.directory = loc->directory;
+  if (!model_only) {
+    r.counters.iteration = rs.iteration;
+    r.counters.consumed_samples = rs.consumed_train_samples;
+    r.counters.consumed_valid_samples = rs.consumed_valid_samples;
+    r.counters.skipped_samples = rs.skipped_train_samples;
+    r.flops_so_far = rs.num_floating_point_operations_so_far;
+  }
+  if (load_rng) {
+    json s = reader.rank_state(ps_.rank);
+    if (s.is_null()) s = reader.rank_state(0);  // a rank the saving layout did not have
+    if (!s.is_object() || !s.contains("dropout_rng"))
+      fail("checkpoint {} holds no RNG state (saved with --no-save-rng?): pass --no-load-rng (or --finetune)",
+           loc->directory);
+    const json& d = s.at("dropout_rng");
+    r.counters.micro_batch_serial = d.at("micro_batch_serial").get<uint64_t>();
+    const int seed = d.value("seed", cfg_.train.seed);
+    if (seed != cfg_.train.seed)
+      log::warn0("checkpoint {} was trained with --seed {}; this run's --seed {} draws different dropout masks "
+                 "from here on", loc->directory, seed, cfg_.train.seed);
+  }
+  if (load_optim) {
+    const LrScheduleParams current = LrSchedule::params_from_config(cfg_);
+    const LrScheduleParams saved = lr_schedule_params_from_json(rs.lr_scheduler, manifest);
+    reconcile_lr_schedule(current, saved, cfg_.train, manifest);
+    if (cfg_.train.use_checkpoint_opt_param_scheduler) r.schedule = saved;
+    r.optimizer_state = true;
+    r.scheduler_num_steps = rs.lr_scheduler.at("num_steps").get<int64_t>();
+    r.optimizer_steps = rs.extra.at("optimizer").at("successful_steps").get<int64_t>();
+    r.loss_scale = rs.loss_scaler.value("scale", 1.0);
+    r.scaler_growth_tracker = rs.loss_scaler.value("growth_tracker", int64_t{0});
+    r.scaler_hysteresis_tracker = rs.loss_scaler.value("hysteresis_tracker", 0);
+    if (rs.loss_scaler.value("kind", std::string()) != "dynamic") r.scaler_hysteresis_tracker = -1;  // nothing to restore
+  }
+  log::info("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}", *k.load,
+            ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size, r.counters.iteration);
+  return r;
+}
+
+void TrainingCheckpoints::restore(const ResumePoint& r, Trainer& trainer) {
+  if (!r.loaded) return;
+  trainer.set_counters(r.counters);
+  start_iteration_ = r.counters.iteration;
+  start_flops_ = r.flops_so_far;
+  if (!r.optimizer_state) return;
+  if (r.schedule) trainer.schedule() = LrSchedule(*r.schedule);
+  trainer.schedule().set_num_steps(r.scheduler_num_steps);
+  trainer.optimizer().set_successful_steps(r.optimizer_steps);
+  LossScaler& s = trainer.loss_scaler();
+  if (s.kind() == LossScaler::Kind::dynamic) {
+    if (r.scaler_hysteresis_tracker < 0)
+      log::warn0("checkpoint {} has no dynamic loss-scaler state: the loss scale starts at --initial-loss-scale",
+                 r.directory);
+    else
+      s.set_state(r.loss_scale, r.scaler_growth_tracker, r.scaler_hysteresis_tracker);
+  }
+}
+
+}  // namespace mt

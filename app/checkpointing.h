@@ -1,0 +1,109 @@
+// Training checkpoints: what --save writes and --load restores, with Megatron's semantics
+// (../shared/reference/megatron.md section 5), on the storage layer (checkpoint/checkpoint_io.h,
+// checkpoint/FORMAT.md).
+//
+// A checkpoint holds, under global names with each rank's ShardIndex (so that any TP/PP/DP layout
+// loads it):
+//   model   every parameter in the compute dtype (one replica: DP rank 0, TP rank 0 for the
+//           TP-duplicated norms; the last stage's copy of tied embeddings is not saved)
+//   main    the fp32 master weights when they are a separate copy (bf16/fp16 training)
+//   optim   <param>.exp_avg / <param>.exp_avg_sq (Adam) or <param>.momentum_buffer (SGD)
+// and in the manifest: iteration, consumed train/valid samples, the LR scheduler, the optimizer's
+// step count, the loss scaler, the config (app/checkpoint_args.h), and per rank the dropout RNG
+// state (the micro-batch serial the counter-based dropout keys are made from).
+//
+// Loading (Megatron's load_checkpoint):
+//   resume          everything: iteration, consumed samples, optimizer + scheduler + scaler, RNG
+//   --finetune      weights only; iteration and consumed samples start at 0 (also for a release
+//                   checkpoint, e.g. one made by import-hf)
+//   --no-load-optim no optimizer, scheduler or loss-scaler state (master weights re-copied from
+//                   the model weights); iteration and consumed samples are restored
+//   --no-load-rng   dropout restarts from the seed (serial 0)
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint_io.h"
+#include "core/config.h"
+#include "engine/gpt_model.h"
+#include "engine/trainer.h"
+
+namespace mt {
+
+struct ParallelState;
+
+// Where a run resumes, as read by TrainingCheckpoints::load().
+struct ResumePoint {
+  bool loaded = false;          // a checkpoint's weights are in the model
+  std::string directory;        // the iteration directory loaded
+  Trainer::Counters counters;   // zeros unless resuming (finetune/release: zeros)
+  double flops_so_far = 0;      // num_floating_point_operations_so_far
+  bool optimizer_state = false;  // the fields below were loaded
+  std::optional<LrScheduleParams> schedule;  // with --use-checkpoint-opt-param-scheduler: the checkpoint's
+  int64_t scheduler_num_steps = 0;
+  int64_t optimizer_steps = 0;
+  double loss_scale = 1.0;
+  int64_t scaler_growth_tracker = 0;
+  int scaler_hysteresis_tracker = 0;
+};
+
+// The ranks' agreement for a save (SaveGroup::all_ok): a logical AND over the world, done as a
+// min all-reduce of one element of the model's scalar buffer (device memory for NCCL).
+SaveGroup make_save_group(ParallelState& ps, GptModel& model);
+
+class TrainingCheckpoints {
+ public:
+  // Plans the host staging buffers for --save up front (the size of this rank's parameters,
+  // master weights and optimizer states), so that a save allocates no large buffers.
+  TrainingCheckpoints(const Config& cfg, ParallelState& ps, GptModel& model);
+  ~TrainingCheckpoints();
+  TrainingCheckpoints(const TrainingCheckpoints&) = delete;
+  TrainingCheckpoints& operator=(const TrainingCheckpoints&) = delete;
+
+  // --load: fills the model's weights (and master weights and optimizer states when resuming).
+  // Call before building the data streams: they start at counters.consumed_samples. Without
+  // --load, or without a checkpoint there (and no --exit-on-missing-checkpoint), returns an
+  // empty ResumePoint and the model keeps its initialization.
+  ResumePoint load();
+  // Applies the loaded progress, scheduler, optimizer step count and loss scaler to the trainer.
+  void restore(const ResumePoint& r, Trainer& trainer);
+
+  // FLOPs of one iteration, for num_floating_point_operations_so_far.
+  void set_flops_per_iteration(double f) { flops_per_iteration_ = f; }
+
+  // Saves the trainer's current iteration into --save: synchronously, or with --async-save by
+  // copying the shards into the staging buffers and writing them on a background thread.
+  void save(Trainer& trainer);
+  // Once per iteration with --async-save: commits a background save that has finished
+  // (collective; a no-op otherwise).
+  void poll();
+  // Waits for and commits a pending background save (end of training, before exiting).
+  void finish();
+  std::optional<int64_t> last_saved_iteration() const { return last_saved_; }
+
+ private:
+  // Whether this rank writes the model / optimizer replica of parameter i.
+  bool owns(int i) const;
+  std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
+  void read_flat(CheckpointReader& reader, CheckpointKind kind, const std::string& suffix, Tensor dst,
+                 bool from_model_fallback);
+
+  const Config& cfg_;
+  ParallelState& ps_;
+  GptModel& model_;
+  SaveGroup group_;
+  double flops_per_iteration_ = 0;
+  int64_t start_iteration_ = 0;
+  double start_flops_ = 0;
+  std::optional<int64_t> last_saved_;
+
+  // Host staging: params (compute dtype), master (accum dtype, when separate), states 1 and 2.
+  std::vector<unsigned char> host_params_, host_master_, host_state1_, host_state2_;
+  AsyncCheckpointSaver async_;
+};
+
+}  // namespace mt

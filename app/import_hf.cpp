@@ -1,0 +1,226 @@
+// megatrain import-hf: a Hugging Face GPT-2 or Llama directory as a megatrain release checkpoint.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "app/checkpoint_args.h"
+#include "app/hf_commands.h"
+#include "app/subcommand_args.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/safetensors.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace mt {
+
+using nlohmann::json;
+
+ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divisible_by) {
+  ModelConfig m;
+  m.num_layers = s.num_layers;
+  m.hidden_size = s.hidden_size;
+  m.num_attention_heads = s.num_attention_heads;
+  m.ffn_hidden_size = s.ffn_hidden_size;
+  if (s.head_dim * s.num_attention_heads != s.hidden_size) m.kv_channels = s.head_dim;
+  m.group_query_attention = s.num_query_groups != s.num_attention_heads;
+  m.num_query_groups = m.group_query_attention ? s.num_query_groups : 1;
+  m.max_position_embeddings = s.max_position_embeddings;
+  m.position_embedding_type = s.learned_position_embeddings ? PositionEmbedding::learned_absolute : PositionEmbedding::rope;
+  m.rotary_base = static_cast<int>(s.rotary_base);
+  m.rotary_percent = s.rotary_percent;
+  m.rotary_interleaved = s.rotary_interleaved;
+  m.use_rope_scaling = s.use_rope_scaling;
+  m.rope_scaling_factor = s.rope_scaling_factor;
+  m.normalization = s.layernorm ? Normalization::layernorm : Normalization::rmsnorm;
+  m.norm_epsilon = s.norm_epsilon;
+  m.apply_layernorm_1p = s.apply_layernorm_1p;
+  m.swiglu = s.swiglu;
+  m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
+  m.add_bias_linear = s.add_bias_linear;
+  m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
+  m.qk_layernorm = s.qk_layernorm;
+  m.untie_embeddings_and_output_weights = s.untie_embeddings_and_output_weights;
+  m.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
+  m.seq_length = s.max_position_embeddings;
+  m.attention_dropout = s.attention_dropout;
+  m.hidden_dropout = s.hidden_dropout;
+  m.init_method_std = s.init_method_std;
+  m.ffn_size = s.ffn_hidden_size;
+  m.head_dim = s.head_dim;
+  m.query_groups = s.num_query_groups;
+  m.vocab_size = s.vocab_size;
+  m.padded_vocab_size = s.padded_vocab_size;
+  return m;
+}
+
+namespace {
+
+// The Megatron flags that build this model (the user adds data, batch and optimizer flags).
+std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisible_by, const std::string& hf_dir,
+                                              const std::string& save_dir) {
+  std::vector<std::string> f;
+  auto add = [&](const std::string& flag, const std::string& value = std::string()) {
+    f.push_back(flag);
+    if (!value.empty()) f.push_back(value);
+  };
+  auto num = [](double v) { return fmt::format("{}", v); };
+  add("--num-layers", std::to_string(s.num_layers));
+  add("--hidden-size", std::to_string(s.hidden_size));
+  add("--num-attention-heads", std::to_string(s.num_attention_heads));
+  add("--ffn-hidden-size", std::to_string(s.ffn_hidden_size));
+  if (s.head_dim * s.num_attention_heads != s.hidden_size) add("--kv-channels", std::to_string(s.head_dim));
+  if (s.num_query_groups != s.num_attention_heads) {
+    add("--group-query-attention");
+    add("--num-query-groups", std::to_string(s.num_query_groups));
+  }
+  add("--max-position-embeddings", std::to_string(s.max_position_embeddings));
+  add("--seq-length", std::to_string(s.max_position_embeddings));
+  if (s.learned_position_embeddings) {
+    add("--position-embedding-type", "learned_absolute");
+    if (s.gelu_activation != "gelu") add("--openai-gelu");
+  } else {
+    add("--position-embedding-type", "rope");
+    add("--rotary-base", num(s.rotary_base));
+    if (s.use_rope_scaling) {
+      add("--use-rope-scaling");
+      add("--rope-scaling-factor", num(s.rope_scaling_factor));
+    }
+  }
+  add("--normalization", s.layernorm ? "LayerNorm" : "RMSNorm");
+  add("--norm-epsilon", num(s.norm_epsilon));
+  if (s.swiglu) add("--swiglu");
+  if (!s.add_bias_linear) add("--disable-bias-linear");
+  if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
+  add("--attention-dropout", num(s.attention_dropout));
+  add("--hidden-dropout", num(s.hidden_dropout));
+  add("--init-method-std", num(s.init_method_std));
+  add("--make-vocab-size-divisible-by", std::to_string(divisible_by));
+  if (path_exists(join_path(hf_dir, "tokenizer.json"))) {
+    add("--tokenizer-type", "HuggingFaceTokenizer");
+    add("--tokenizer-model", hf_dir);
+  } else {
+    add("--tokenizer-type", "NullTokenizer");
+    add("--vocab-size", std::to_string(s.vocab_size));
+  }
+  add("--load", save_dir);
+  return f;
+}
+
+// The HF checkpoint's tensors, from model.safetensors or the files an index names.
+class HfTensors {
+ public:
+  explicit HfTensors(const std::string& dir) {
+    const std::string index = join_path(dir, "model.safetensors.index.json");
+    std::set<std::string> names;
+    if (path_exists(index)) {
+      json j;
+      try {
+        j = json::parse(read_text_file(index));
+        for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it)
+          names.insert(it.value().get<std::string>());
+      } catch (const json::exception& e) {
+        fail("{} is not a valid safetensors index: {}", index, e.what());
+      }
+    } else if (path_exists(join_path(dir, "model.safetensors"))) {
+      names.insert("model.safetensors");
+    } else {
+      fail("{} has neither model.safetensors nor model.safetensors.index.json (save the model with "
+           "save_pretrained(..., safe_serialization=True))", dir);
+    }
+    for (const auto& n : names) files_.push_back(std::make_unique<SafetensorsFile>(join_path(dir, n)));
+    for (const auto& f : files_)
+      for (const auto& e : f->entries()) unused_.insert(e.name);
+  }
+
+  // The tensor `name` (GPT-2 checkpoints from the original release lack the "transformer." prefix).
+  HostArray take(const std::string& name) {
+    const SafetensorsEntry* e = find(name);
+    if (!e && name.rfind("transformer.", 0) == 0) e = find(name.substr(12));
+    if (!e) fail("the Hugging Face checkpoint has no tensor '{}'", name);
+    unused_.erase(e->name);
+    if (!e->dtype) fail("Hugging Face tensor '{}' has dtype {}, which megatrain does not hold", name, e->dtype_string);
+    HostArray a;
+    a.dtype = *e->dtype;
+    a.shape = e->shape;
+    a.bytes.assign(e->data, e->data + e->nbytes());
+    return a;
+  }
+  const std::set<std::string>& unused() const { return unused_; }
+
+ private:
+  const SafetensorsEntry* find(const std::string& name) const {
+    for (const auto& f : files_)
+      if (const SafetensorsEntry* e = f->find(name)) return e;
+    return nullptr;
+  }
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::set<std::string> unused_;
+};
+
+}  // namespace
+
+HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir, int divisible_by, int tp) {
+  if (divisible_by <= 0) fail("import-hf: --make-vocab-size-divisible-by must be > 0 (got {})", divisible_by);
+  if (tp <= 0) fail("import-hf: --tensor-model-parallel-size must be > 0 (got {})", tp);
+  const std::string config_path = join_path(hf_dir, "config.json");
+  json config;
+  try {
+    config = json::parse(read_text_file(config_path));
+  } catch (const json::exception& e) {
+    fail("{} is not valid JSON: {}", config_path, e.what());
+  }
+  HfImportResult r;
+  r.spec = hf_spec_from_config(config, divisible_by, tp);
+  r.model = model_config_from_hf(r.spec, divisible_by);
+
+  HfTensors hf(hf_dir);
+  CheckpointWriter writer(save_dir, 0, 0, 1, /*release=*/true);
+  std::vector<HostArray> held;  // the writer reads them at save()
+  const std::vector<HfTensorMapping> mappings = hf_tensor_mappings(r.spec);
+  held.reserve(mappings.size());
+  for (const HfTensorMapping& m : mappings) {
+    std::vector<HostArray> in;
+    for (const std::string& n : m.hf) in.push_back(hf.take(n));
+    held.push_back(import_hf_tensor(m, r.spec, in));
+    const HostArray& a = held.back();
+    const int64_t rows = a.shape[0], cols = a.shape.size() == 2 ? a.shape[1] : 1;
+    writer.add(m.ours, CheckpointKind::model, ShardIndex::whole(rows, cols),
+               Tensor(const_cast<unsigned char*>(a.bytes.data()), a.dtype, Device::cpu, {a.numel()}), m.our_shape);
+  }
+  // Tensors the mapping does not use: a tied lm_head copy, attention-mask buffers, rotary tables.
+  for (const std::string& n : hf.unused())
+    if (!(n == "lm_head.weight" && !r.spec.untie_embeddings_and_output_weights) && n.find("attn.bias") == std::string::npos &&
+        n.find("masked_bias") == std::string::npos && n.find("rotary_emb.inv_freq") == std::string::npos)
+      log::warn0("import-hf: the Hugging Face tensor '{}' has no megatrain counterpart and is not imported", n);
+
+  RunState rs;
+  rs.config = json{{"model", model_config_to_json(r.model)}, {"imported_from", hf_dir}};
+  writer.set_run_state(rs);
+  writer.save(SaveGroup{});
+  r.flags = megatron_model_flags(r.spec, divisible_by, hf_dir, save_dir);
+  return r;
+}
+
+int import_hf_main(const std::vector<std::string>& args) {
+  const SubcommandArgs a("import-hf", args,
+                         {"--hf-dir", "--save", "--make-vocab-size-divisible-by", "--tensor-model-parallel-size"});
+  const std::string hf_dir = a.required("--hf-dir", "DIR (a Hugging Face model directory)");
+  const std::string save = a.required("--save", "CKPT (where the megatrain checkpoint goes)");
+  const int divisible = static_cast<int>(a.integer("--make-vocab-size-divisible-by", 128));
+  const int tp = static_cast<int>(a.integer("--tensor-model-parallel-size", 1));
+  const HfImportResult r = import_hf(hf_dir, save, divisible, tp);
+  std::string line;
+  for (const auto& f : r.flags) line += (line.empty() ? "" : " ") + f;
+  std::printf("imported %s (%s, %d layers, vocabulary %d padded to %d) into %s as a release checkpoint\n",
+              hf_dir.c_str(), r.spec.arch == HfArchitecture::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM",
+              r.spec.num_layers, r.spec.vocab_size, r.spec.padded_vocab_size, save.c_str());
+  std::printf("train from it with these model flags (plus your data, batch and optimizer flags; loading a release "
+              "checkpoint restores the weights only and starts at iteration 0):\n%s\n", line.c_str());
+  return 0;
+}
+
+}  // namespace mt

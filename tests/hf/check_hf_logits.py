@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2 and a tiny
+Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output).
+
+  export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
+          transformers loads it and must give the logits `megatrain forward-logits` gives.
+  import: transformers makes a random model and save_pretrained()s it; `megatrain import-hf`
+          converts it; `megatrain forward-logits` must give transformers' logits.
+
+Needs torch and transformers (not megatrain's CI: tests/training_checkpoint_hf_test.cpp checks the
+export against tests/hf/numpy_forward.py instead). On the GPU machine, from the checkout:
+
+  python tests/hf/check_hf_logits.py --megatrain build/app/megatrain --device gpu [--bf16]
+
+(--device cpu runs the same on the reference backend.) Exits 1 on any mismatch.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import transformers
+
+TOKENS = [3, 17, 42, 5, 60, 1, 33, 9, 27, 50, 11, 2]
+
+MODEL_FLAGS = {
+    "gpt": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --openai-gelu",
+    "llama": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 96 --swiglu --normalization RMSNorm --position-embedding-type rope "
+             "--untie-embeddings-and-output-weights --disable-bias-linear",
+}
+
+
+def run(cmd):
+    print("+", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        print(r.stdout)
+        raise SystemExit(f"command failed with exit status {r.returncode}")
+    return r.stdout
+
+
+def hf_logits(hf_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0].double().numpy()
+
+
+def megatrain_logits(args, ckpt, out_dir):
+    path = os.path.join(out_dir, "logits.npy")
+    run([args.megatrain, "forward-logits", "--load", ckpt, "--tokens", ",".join(map(str, TOKENS)), "--output", path,
+         "--device", args.device])
+    return np.load(path).astype(np.float64)
+
+
+def compare(what, got, ref, atol, rtol):
+    if got.shape != ref.shape:
+        print(f"FAIL {what}: shapes {got.shape} vs {ref.shape}")
+        return False
+    diff = np.abs(got - ref)
+    ok = bool(np.all(diff <= atol + rtol * np.abs(ref))) and np.ptp(ref) > 1e-3
+    print(f"{'OK  ' if ok else 'FAIL'} {what}: max |diff| {diff.max():.3e}, largest |logit| {np.abs(ref).max():.3f}")
+    return ok
+
+
+def export_direction(args, kind, work):
+    save = os.path.join(work, "ckpt")
+    flags = (f"--device {args.device} --mock-data --tokenizer-type NullTokenizer --vocab-size 96 --seq-length 32 "
+             f"--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 3 "
+             f"--save-interval 3 --eval-iters 0 --save {save} " + MODEL_FLAGS[kind])
+    if args.bf16:
+        flags += " --bf16"
+    run([args.megatrain] + flags.split())
+    hf_dir = os.path.join(work, "hf")
+    run([args.megatrain, "export-hf", "--load", save, "--output", hf_dir])
+    return compare(f"export {kind}", megatrain_logits(args, save, work), hf_logits(hf_dir), args.atol, args.rtol)
+
+
+def import_direction(args, kind, work):
+    torch.manual_seed(1234)
+    if kind == "gpt":
+        config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                         activation_function="gelu_new")
+    else:
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # non-trivial norms and biases (a fresh model has ones and zeros there)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hf_dir = os.path.join(work, "hf_made")
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    save = os.path.join(work, "imported")
+    print(run([args.megatrain, "import-hf", "--hf-dir", hf_dir, "--save", save]).strip())
+    return compare(f"import {kind}", megatrain_logits(args, save, work), hf_logits(hf_dir), args.atol, args.rtol)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatrain", default="build/app/megatrain")
+    ap.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    ap.add_argument("--bf16", action="store_true", help="train the exported models in bf16 (GPU only)")
+    ap.add_argument("--atol", type=float, default=2e-4)
+    ap.add_argument("--rtol", type=float, default=1e-4)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directories")
+    args = ap.parse_args()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    ok = True
+    for kind in ("gpt", "llama"):
+        for direction in (export_direction, import_direction):
+            work = tempfile.mkdtemp(prefix=f"check_hf_{kind}_")
+            try:
+                ok = direction(args, kind, work) and ok
+            finally:
+                if args.keep:
+                    print("kept", work)
+                else:
+                    shutil.rmtree(work, ignore_errors=True)
+    print("ALL OK" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

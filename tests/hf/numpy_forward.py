@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""GPT2LMHeadModel / LlamaForCausalLM forward in numpy (float64), from a Hugging Face directory
+(config.json + model.safetensors or its index): the oracle CI checks `megatrain export-hf` against
+without torch. Written from the models' definitions (transformers' modeling_gpt2.py and
+modeling_llama.py semantics: pre-norm blocks, causal softmax attention scaled by 1/sqrt(d), GPT-2's
+Conv1D [in, out] weights, Llama's rotate-half RoPE, RMSNorm, SwiGLU, grouped KV heads).
+
+  numpy_forward.py HF_DIR TOKENS [--compare LOGITS.npy] [--atol A] [--rtol R]
+
+TOKENS is comma-separated ids. Prints the logits' shape and, with --compare, the largest
+differences; exits 1 when they exceed the tolerances (|a - b| <= atol + rtol * |b|).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def load_weights(d):
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    w = {}
+    for name in files:
+        for k, v in load_file(os.path.join(d, name)).items():
+            w[k] = v.astype(np.float64)
+    return w
+
+
+def layer_norm(x, g, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+def rms_norm(x, g, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def causal_attention(q, k, v):
+    """q [T, H, d], k/v [T, G, d] with H a multiple of G (grouped heads share k/v)."""
+    T, H, d = q.shape
+    G = k.shape[1]
+    k = np.repeat(k, H // G, axis=1)
+    v = np.repeat(v, H // G, axis=1)
+    s = np.einsum("thd,uhd->htu", q, k) / math.sqrt(d)
+    s = s + np.triu(np.full((T, T), -np.inf), 1)[None]
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("htu,uhd->thd", p, v).reshape(T, H * d)
+
+
+def gelu(x, kind):
+    if kind in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    if kind == "gelu":
+        return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    raise SystemExit(f"numpy_forward.py: activation_function {kind} is not implemented")
+
+
+def gpt2_logits(c, w, tokens):
+    pre = "transformer." if "transformer.wte.weight" in w else ""
+    E, H = c["n_embd"], c["n_head"]
+    eps = c.get("layer_norm_epsilon", 1e-5)
+    T = len(tokens)
+    x = w[pre + "wte.weight"][tokens] + w[pre + "wpe.weight"][np.arange(T)]
+    for i in range(c["n_layer"]):
+        p = f"{pre}h.{i}."
+        h = layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+        qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (qkv[:, j * E:(j + 1) * E].reshape(T, H, E // H) for j in range(3))
+        x = x + causal_attention(q, k, v) @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+        m = gelu(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"], c.get("activation_function", "gelu_new"))
+        x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    x = layer_norm(x, w[pre + "ln_f.weight"], w[pre + "ln_f.bias"], eps)
+    out = w.get("lm_head.weight", w[pre + "wte.weight"])
+    return x @ out.T
+
+
+def llama_inv_freq(c, d):
+    theta = c.get("rope_theta", 10000.0)
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    r = c.get("rope_scaling")
+    if r:
+        kind = r.get("rope_type", r.get("type"))
+        if kind != "llama3":
+            raise SystemExit(f"numpy_forward.py: rope_scaling {kind} is not implemented")
+        factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        old = r["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def llama_logits(c, w, tokens):
+    E, H = c["hidden_size"], c["num_attention_heads"]
+    G = c.get("num_key_value_heads") or H
+    d = c.get("head_dim") or E // H
+    eps = c.get("rms_norm_eps", 1e-6)
+    T = len(tokens)
+    ang = np.arange(T, dtype=np.float64)[:, None] * llama_inv_freq(c, d)[None]
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+
+    def lin(x, name):
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
+    x = w["model.embed_tokens.weight"][tokens]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q = rope(lin(h, p + "self_attn.q_proj").reshape(T, H, d), cos, sin)
+        k = rope(lin(h, p + "self_attn.k_proj").reshape(T, G, d), cos, sin)
+        v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
+        x = x + lin(causal_attention(q, k, v), p + "self_attn.o_proj")
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate = lin(h, p + "mlp.gate_proj")
+        x = x + lin(gate / (1.0 + np.exp(-gate)) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    x = rms_norm(x, w["model.norm.weight"], eps)
+    out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return x @ out.T
+
+
+def logits_of(hf_dir, tokens):
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    w = load_weights(hf_dir)
+    if c["model_type"] == "gpt2":
+        return gpt2_logits(c, w, tokens)
+    if c["model_type"] == "llama":
+        return llama_logits(c, w, tokens)
+    raise SystemExit(f"numpy_forward.py: model_type {c['model_type']} is not implemented")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("hf_dir")
+    ap.add_argument("tokens")
+    ap.add_argument("--compare", help=".npy logits to compare with (e.g. megatrain forward-logits)")
+    ap.add_argument("--atol", type=float, default=1e-4)
+    ap.add_argument("--rtol", type=float, default=1e-4)
+    a = ap.parse_args()
+    tokens = np.array([int(t) for t in a.tokens.split(",")])
+    ref = logits_of(a.hf_dir, tokens)
+    print(f"numpy logits {ref.shape}")
+    if not a.compare:
+        return 0
+    got = np.load(a.compare).astype(np.float64)
+    if got.shape != ref.shape:
+        print(f"FAIL: shapes differ: {got.shape} vs numpy {ref.shape}")
+        return 1
+    diff = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(diff - a.rtol * np.abs(ref)), diff.shape)
+    print(f"max |diff| {diff.max():.3e} (largest |logit| {np.abs(ref).max():.3f}); worst at {worst}: "
+          f"{got[worst]:.8f} vs {ref[worst]:.8f}")
+    if not np.all(diff <= a.atol + a.rtol * np.abs(ref)):
+        print(f"FAIL: logits differ beyond atol {a.atol} + rtol {a.rtol}")
+        return 1
+    # A check that could pass with constant logits is no check: the logits must vary.
+    if np.ptp(ref) < 1e-3:
+        print("FAIL: the logits are (nearly) constant; the check would prove nothing")
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
