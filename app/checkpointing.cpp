@@ -161,15 +161,16 @@ std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
 void TrainingCheckpoints::save(Trainer& trainer) {
   const CheckpointConfig& k = cfg_.checkpoint;
   MT_CHECK(k.save.has_value(), "save without --save");
+  // The staging buffers still feed the previous background write until it is committed.
+  commit_pending(/*wait=*/true);
   const int64_t it = trainer.iteration();
   log::info("saving checkpoint at iteration {:7d} to {} in megatrain format", it, *k.save);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string before = tracker_text(*k.save);
   try {
     if (k.async_save) {
-      // The staging buffers still feed the previous background write until it is committed.
-      async_.finalize(group_);
       async_.start(stage(trainer), group_);
+      pending_iteration_ = it;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       log::info("  scheduled an asynchronous save of iteration {:7d} (training paused {:.1f} ms)", it, ms);
     } else {
@@ -184,32 +185,26 @@ void TrainingCheckpoints::save(Trainer& trainer) {
   last_saved_ = it;
 }
 
-void TrainingCheckpoints::poll() {
-  if (!cfg_.checkpoint.async_save) return;
-  const bool was_pending = async_.pending();
-  try {
-    if (async_.finalize_if_done(group_) && was_pending)
-      log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
-                last_saved_.value_or(0), *cfg_.checkpoint.save, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1,
-                ps_.pp_size);
-  } catch (const Error& e) {
-    fail("the asynchronous save of iteration {} to {} failed: {} ({} remains the latest, unchanged)",
-         last_saved_.value_or(0), *cfg_.checkpoint.save, e.what(), tracker_text(*cfg_.checkpoint.save));
-  }
-}
-
-void TrainingCheckpoints::finish() {
+void TrainingCheckpoints::commit_pending(bool wait) {
+  // Every rank starts its saves at the same iterations, so "pending" agrees across ranks and the
+  // collective calls below are made by all or none.
   if (!async_.pending()) return;
+  const std::string& dir = *cfg_.checkpoint.save;
+  const std::string before = tracker_text(dir);
   try {
-    async_.finalize(group_);
+    if (wait) async_.finalize(group_);
+    else if (!async_.finalize_if_done(group_)) return;
   } catch (const Error& e) {
     fail("the asynchronous save of iteration {} to {} failed: {} ({} remains the latest, unchanged)",
-         last_saved_.value_or(0), *cfg_.checkpoint.save, e.what(), tracker_text(*cfg_.checkpoint.save));
+         pending_iteration_, dir, e.what(), before);
   }
   log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
-            last_saved_.value_or(0), *cfg_.checkpoint.save, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1,
-            ps_.pp_size);
+            pending_iteration_, dir, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
 }
+
+void TrainingCheckpoints::poll() { commit_pending(/*wait=*/false); }
+
+void TrainingCheckpoints::finish() { commit_pending(/*wait=*/true); }
 
 // ---------------------------------------------------------------------------------------------
 // Loading

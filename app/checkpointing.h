@@ -88,6 +88,8 @@ class TrainingCheckpoints {
  private:
   // Whether this rank writes the model / optimizer replica of parameter i.
   bool owns(int i) const;
+  // Commits a finished (wait: or waits for the) background save, naming its iteration.
+  void commit_pending(bool wait);
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
   void read_flat(CheckpointReader& reader, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
@@ -100,6 +102,7 @@ class TrainingCheckpoints {
   int64_t start_iteration_ = 0;
   double start_flops_ = 0;
   std::optional<int64_t> last_saved_;
+  int64_t pending_iteration_ = 0;  // of the background save in flight
 
   // Host staging: params (compute dtype), master (accum dtype, when separate), states 1 and 2.
   std::vector<unsigned char> host_params_, host_master_, host_state1_, host_state2_;

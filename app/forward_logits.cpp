@@ -61,7 +61,7 @@ void write_npy_f32(const std::string& path, const std::vector<float>& data, int6
 }  // namespace
 
 std::vector<float> forward_logits(const std::string& load, std::optional<int64_t> ckpt_step,
-                                  const std::vector<int32_t>& tokens, DeviceKind device, int* vocab_size) {
+                                  const std::vector<int32_t>& tokens, DeviceKind device, int* vocab_size, bool bf16) {
   if (tokens.empty()) fail("forward-logits: no tokens");
   const CheckpointReader reader(load, ckpt_step);
   const std::string manifest = join_path(reader.directory(), "manifest.json");
@@ -89,7 +89,8 @@ std::vector<float> forward_logits(const std::string& load, std::optional<int64_t
   ParallelState ps = make_single_process_state();
   std::unique_ptr<Backend> backend = make_backend(cfg);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *backend);
+  if (bf16 && device != DeviceKind::gpu) fail("forward-logits: --bf16 needs --device gpu");
+  GptModel model(dims, ModelOptions::from_config(cfg, dims, bf16 ? DType::bf16 : DType::f32), ps, *backend);
   TrainingCheckpoints(cfg, ps, model).load();
 
   MicroBatch mb;
@@ -105,7 +106,13 @@ std::vector<float> forward_logits(const std::string& load, std::optional<int64_t
   model.forward(0);
   const Tensor logits = model.logits();
   std::vector<float> all(static_cast<size_t>(logits.numel()));
-  backend->copy_to_host(all.data(), logits);
+  if (logits.dtype == DType::f32) {
+    backend->copy_to_host(all.data(), logits);
+  } else {
+    std::vector<uint16_t> half(all.size());
+    backend->copy_to_host(half.data(), logits);
+    for (size_t i = 0; i < all.size(); ++i) all[i] = bf16_bits_to_float(half[i]);
+  }
   const int64_t V = dims.vocab_local(), v = cfg.model.vocab_size;
   std::vector<float> out(static_cast<size_t>(n) * v);
   for (int t = 0; t < n; ++t) std::memcpy(&out[static_cast<size_t>(t) * v], &all[static_cast<size_t>(t) * V], v * sizeof(float));
@@ -114,7 +121,8 @@ std::vector<float> forward_logits(const std::string& load, std::optional<int64_t
 }
 
 int forward_logits_main(const std::vector<std::string>& args) {
-  const SubcommandArgs a("forward-logits", args, {"--load", "--ckpt-step", "--tokens", "--output", "--device"});
+  const SubcommandArgs a("forward-logits", args, {"--load", "--ckpt-step", "--tokens", "--output", "--device"},
+                         {"--bf16"});
   const std::string load = a.required("--load", "CKPT");
   const std::string output = a.required("--output", "FILE (a .npy of float32 [tokens, vocab])");
   const std::vector<int32_t> tokens = parse_tokens(a.required("--tokens", "IDS (comma-separated token ids)"));
@@ -123,7 +131,7 @@ int forward_logits_main(const std::vector<std::string>& args) {
   const std::string dev = a.get("--device").value_or("cpu");
   if (dev != "cpu" && dev != "gpu") fail("forward-logits: --device must be cpu or gpu (got '{}')", dev);
   int vocab = 0;
-  const std::vector<float> logits = forward_logits(load, step, tokens, dev == "gpu" ? DeviceKind::gpu : DeviceKind::cpu, &vocab);
+  const std::vector<float> logits = forward_logits(load, step, tokens, dev == "gpu" ? DeviceKind::gpu : DeviceKind::cpu, &vocab, a.has("--bf16"));
   write_npy_f32(output, logits, static_cast<int64_t>(tokens.size()), vocab);
   std::printf("wrote logits [%zu, %d] to %s\n", tokens.size(), vocab, output.c_str());
   return 0;

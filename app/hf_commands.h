@@ -8,7 +8,7 @@
 //       a megatrain "release" checkpoint (Megatron's converters' iteration-0 semantics: loading it
 //       restores the weights only) and the Megatron flags that describe the model.
 //   megatrain forward-logits --load CKPT [--ckpt-step N] --tokens 1,2,3 --output logits.npy
-//                            [--device cpu|gpu]
+//                            [--device cpu|gpu] [--bf16]
 //       the logits of one sequence (float32 [tokens, vocab] .npy), for checks against other
 //       implementations; the model comes from the checkpoint's recorded configuration.
 // The mapping itself (names, layouts, config.json) is checkpoint/hf_names.h.
@@ -53,8 +53,9 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
 ModelConfig model_config_from_hf(const HfModelSpec& spec, int make_vocab_size_divisible_by);
 
 // Logits [tokens.size(), vocab_size] (the tokenizer's vocabulary, padding columns dropped) of the
-// checkpoint's model on one sequence, float32, row-major.
+// checkpoint's model on one sequence, float32, row-major; computed in float32, or bf16 (GPU only).
 std::vector<float> forward_logits(const std::string& load, std::optional<int64_t> ckpt_step,
-                                  const std::vector<int32_t>& tokens, DeviceKind device, int* vocab_size);
+                                  const std::vector<int32_t>& tokens, DeviceKind device, int* vocab_size,
+                                  bool bf16 = false);
 
 }  // namespace mt

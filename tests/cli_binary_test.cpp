@@ -46,7 +46,7 @@ TEST_CASE("binary: training without the engine is refused, never exit 0", "[cli]
   CHECK_THAT(r.err, Contains("[rank 0] error: "));
 }
 
-TEST_CASE("binary: --dry-run prints the plan; --json prints one JSON object", "[cli][binary]") {
+TEST_CASE("binary: --dry-run prints the plan, --json prints one JSON object", "[cli][binary]") {
   const RunResult t = run_binary(small_gpt() + words("--dry-run --world-size 2 --use-mcore-models"));
   CHECK(t.exit_code == 0);
   CHECK_THAT(t.out, Contains("== rank layout"));

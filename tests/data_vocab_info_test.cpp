@@ -4,6 +4,7 @@
 #include "core/config.h"
 #include "data/blend_spec.h"
 #include "data/idx_header.h"
+#include "data/split.h"
 #include "data/vocab_info.h"
 
 using namespace mt;

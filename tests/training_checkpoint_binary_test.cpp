@@ -31,7 +31,7 @@ namespace {
 const std::string kCommon =
     "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --seq-length 16 "
     "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --min-lr 1e-3 "
-    "--lr-decay-style cosine --lr-warmup-iters 3 --hidden-dropout 0.1 --attention-dropout 0.1 --seed 7 "
+    "--lr-decay-style cosine --hidden-dropout 0.1 --attention-dropout 0.1 --seed 7 "
     "--log-interval 1";
 const std::string kGpt = kCommon + " --num-layers 2 --hidden-size 32 --num-attention-heads 4";
 const std::string kLlama = kCommon +
@@ -97,7 +97,7 @@ double value(const json& record, const char* key) { return record.at(key).get<do
 void check_bit_exact_resume(const std::string& model, const std::string& extra) {
   TempDir dir;
   const std::string a = dir / "a", b = dir / "b";
-  const std::string run = model + " " + extra + " --train-iters 20 --save-interval 10";
+  const std::string run = model + " " + extra + " --train-iters 20 --save-interval 10 --lr-warmup-iters 3";
   require_ok(megatrain(run + " --save " + a + " --metrics-jsonl " + (dir / "a.jsonl")));
   const Result first = megatrain(run + " --save " + b + " --exit-interval 10 --metrics-jsonl " + (dir / "b1.jsonl"));
   require_ok(first);
@@ -146,13 +146,15 @@ TEST_CASE("binary: resume in a new process is bit-exact (Llama: GQA, SwiGLU, RoP
 TEST_CASE("binary: --finetune, --no-load-optim and --no-load-rng follow Megatron", "[ckpt-train][binary]") {
   TempDir dir;
   const std::string a = dir / "a";
-  require_ok(megatrain(kGpt + " --train-iters 20 --save-interval 10 --save " + a + " --eval-iters 0 --metrics-jsonl " +
+  const std::string gpt = kGpt + " --lr-warmup-iters 3";
+  require_ok(megatrain(gpt + " --train-iters 20 --save-interval 10 --save " + a + " --eval-iters 0 --metrics-jsonl " +
                        (dir / "a.jsonl")));
   const Metrics ma = read_metrics(dir / "a.jsonl");
   const std::string from10 = " --eval-iters 0 --load " + a + " --ckpt-step 10";
 
   SECTION("--finetune: weights only, iteration and consumed samples start at 0") {
-    require_ok(megatrain(kGpt + " --train-iters 2" + from10 + " --finetune --metrics-jsonl " + (dir / "f.jsonl")));
+    require_ok(megatrain(gpt + " --train-iters 20 --exit-interval 2" + from10 + " --finetune --metrics-jsonl " +
+                         (dir / "f.jsonl")));
     const Metrics m = read_metrics(dir / "f.jsonl");
     REQUIRE(m.iterations.begin()->first == 1);
     CHECK(m.iterations.at(1).at("consumed_samples") == 4);
@@ -160,7 +162,7 @@ TEST_CASE("binary: --finetune, --no-load-optim and --no-load-rng follow Megatron
     CHECK(value(m.iterations.at(1), "lm_loss") != value(ma.iterations.at(1), "lm_loss"));  // trained weights
   }
   SECTION("--no-load-optim: progress restored, optimizer and scheduler start afresh") {
-    require_ok(megatrain(kGpt + " --train-iters 20 --exit-interval 13" + from10 + " --no-load-optim --metrics-jsonl " +
+    require_ok(megatrain(gpt + " --train-iters 20 --exit-interval 13" + from10 + " --no-load-optim --metrics-jsonl " +
                          (dir / "o.jsonl")));
     const Metrics m = read_metrics(dir / "o.jsonl");
     REQUIRE(m.iterations.begin()->first == 11);
@@ -173,7 +175,7 @@ TEST_CASE("binary: --finetune, --no-load-optim and --no-load-rng follow Megatron
     CHECK(value(m.iterations.at(13), "lm_loss") != value(ma.iterations.at(13), "lm_loss"));
   }
   SECTION("--no-load-rng: the dropout masks restart from the seed") {
-    require_ok(megatrain(kGpt + " --train-iters 20 --exit-interval 11" + from10 + " --no-load-rng --metrics-jsonl " +
+    require_ok(megatrain(gpt + " --train-iters 20 --exit-interval 11" + from10 + " --no-load-rng --metrics-jsonl " +
                          (dir / "r.jsonl")));
     const Metrics m = read_metrics(dir / "r.jsonl");
     REQUIRE(m.iterations.begin()->first == 11);
@@ -225,8 +227,9 @@ TEST_CASE("binary: --ckpt-step, and a missing checkpoint with and without --exit
 TEST_CASE("binary: corrupt, truncated and mismatched checkpoints are refused naming the file", "[ckpt-train][binary][errors]") {
   TempDir dir;
   const std::string a = dir / "a", it = a + "/iter_0000002";
-  require_ok(megatrain(kGpt + " --train-iters 2 --save-interval 2 --eval-iters 0 --save " + a));
-  const std::string load = " --train-iters 3 --eval-iters 0 --load " + a;
+  require_ok(megatrain(kGpt + " --train-iters 4 --exit-interval 2 --save-interval 2 --eval-iters 0 --save " + a));
+  // (The same --train-iters: another one changes the LR schedule, which a resume refuses as Megatron does.)
+  const std::string load = " --train-iters 4 --exit-interval 3 --eval-iters 0 --load " + a;
 
   Result r = megatrain(kCommon + " --num-layers 2 --hidden-size 64 --num-attention-heads 4" + load);
   CHECK(r.code == 1);
@@ -352,7 +355,8 @@ TEST_CASE("binary: a save that fails stops with a clear error and the previous c
     CHECK(r.out.find("(the checkpoint of iteration 2 remains the latest, unchanged)") != std::string::npos);
     CHECK(tracker(s) == "2");
     fs::remove_all(s + "/iter_0000004.tmp");
-    require_ok(megatrain(kGpt + " --train-iters 3 --eval-iters 0 --load " + s + " --metrics-jsonl " + (dir / "m.jsonl")));
+    require_ok(megatrain(kGpt + " --train-iters 6 --exit-interval 3 --eval-iters 0 --load " + s + " --metrics-jsonl " +
+                         (dir / "m.jsonl")));
     CHECK(read_metrics(dir / "m.jsonl").iterations.begin()->first == 3);
   }
 }

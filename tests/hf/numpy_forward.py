@@ -156,7 +156,7 @@ def main():
     ap.add_argument("hf_dir")
     ap.add_argument("tokens")
     ap.add_argument("--compare", help=".npy logits to compare with (e.g. megatrain forward-logits)")
-    ap.add_argument("--atol", type=float, default=1e-4)
+    ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--rtol", type=float, default=1e-4)
     a = ap.parse_args()
     tokens = np.array([int(t) for t in a.tokens.split(",")])

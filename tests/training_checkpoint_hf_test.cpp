@@ -1,0 +1,175 @@
+// export-hf / import-hf / forward-logits through the binary: the exported model's logits computed
+// by an independent numpy implementation (tests/hf/numpy_forward.py) match megatrain's, export
+// then import gives back the same parameters, and the flags import-hf prints train from the import.
+// (tests/hf/check_hf_logits.py does the same against transformers where torch is installed.)
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/file_io.h"
+#include "ckpt_test_util.h"
+
+using mt_test::read_bytes;
+using mt_test::run_command;
+using mt_test::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kCommon =
+    "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 100 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --eval-iters 0 "
+    "--init-method-std 0.1";  // larger weights: logits of a few units, a sensitive comparison
+const std::string kGpt = kCommon + " --num-layers 2 --hidden-size 32 --num-attention-heads 4";
+const std::string kGptTanh = kGpt + " --openai-gelu";
+const std::string kLlama = kCommon +
+                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --normalization RMSNorm --swiglu "
+                           "--ffn-hidden-size 48 --position-embedding-type rope --group-query-attention "
+                           "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear "
+                           "--norm-epsilon 1e-6 --rotary-base 500000";
+const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
+
+std::string megatrain_ok(const std::string& args) {
+  std::string out;
+  const int code = run_command(std::string(MEGATRAIN_BINARY) + " " + args, &out);
+  INFO("megatrain " << args << "\n" << out);
+  REQUIRE(code == 0);
+  return out;
+}
+
+std::vector<float> read_npy_f32(const std::string& path, int64_t* rows, int64_t* cols) {
+  const std::string b = read_bytes(path);
+  REQUIRE(b.size() > 10);
+  REQUIRE(b.compare(0, 6, "\x93NUMPY") == 0);
+  const size_t hlen = static_cast<unsigned char>(b[8]) | (static_cast<size_t>(static_cast<unsigned char>(b[9])) << 8);
+  const std::string header = b.substr(10, hlen);
+  REQUIRE(header.find("'descr': '<f4'") != std::string::npos);
+  const size_t open = header.find("'shape': (");
+  REQUIRE(open != std::string::npos);
+  std::sscanf(header.c_str() + open + 10, "%ld, %ld", rows, cols);
+  std::vector<float> v(static_cast<size_t>(*rows * *cols));
+  REQUIRE(b.size() == 10 + hlen + v.size() * sizeof(float));
+  std::memcpy(v.data(), b.data() + 10 + hlen, v.size() * sizeof(float));
+  return v;
+}
+
+// Trains a few steps and saves; returns the checkpoint directory.
+std::string trained_checkpoint(const TempDir& dir, const std::string& model) {
+  const std::string ckpt = dir / "ckpt";
+  megatrain_ok(model + " --train-iters 3 --save-interval 3 --save " + ckpt);
+  return ckpt;
+}
+
+void check_numpy_logits(const std::string& model, const char* what) {
+  std::string why;
+  const auto py = mt_test::find_test_python("numpy safetensors", &why);
+  if (!py) {
+    WARN("SKIPPED the numpy logits check of " << what << ": " << why);
+    return;
+  }
+  TempDir dir;
+  const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", npy = dir / "logits.npy";
+  // A small shard limit: the export is split into several files with an index.
+  const std::string out = megatrain_ok("export-hf --load " + ckpt + " --output " + hf + " --max-shard-size 20000");
+  CHECK(out.find("safetensors files (model.safetensors.index.json maps them)") != std::string::npos);
+  CHECK(fs::exists(hf + "/model.safetensors.index.json"));
+  const nlohmann::json index = nlohmann::json::parse(read_bytes(hf + "/model.safetensors.index.json"));
+  std::set<std::string> files;
+  for (const auto& [name, file] : index.at("weight_map").items()) files.insert(file.get<std::string>());
+  CHECK(files.size() >= 2);
+  for (const std::string& f : files) CHECK(fs::exists(hf + "/" + f));
+  CHECK_FALSE(fs::exists(hf + "/model.safetensors"));
+  megatrain_ok("forward-logits --load " + ckpt + " --tokens " + kTokens + " --output " + npy);
+  int64_t rows = 0, cols = 0;
+  read_npy_f32(npy, &rows, &cols);
+  CHECK(rows == 10);
+  CHECK(cols == 100);  // the tokenizer's vocabulary, padding columns dropped
+  std::string check;
+  const int code = run_command(*py + " " + MEGATRAIN_SOURCE_DIR + "/tests/hf/numpy_forward.py " + hf + " " + kTokens +
+                                   " --compare " + npy,
+                               &check);
+  INFO(check);
+  CHECK(code == 0);
+  CHECK(check.find("OK") != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("export-hf: numpy's GPT-2 forward of the export gives megatrain's logits (erf and tanh GeLU)", "[ckpt-train][hf][python]") {
+  check_numpy_logits(kGpt, "GPT-2 (gelu)");
+  check_numpy_logits(kGptTanh, "GPT-2 (gelu_new)");
+}
+
+TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logits (GQA, SwiGLU, RoPE, untied)", "[ckpt-train][hf][python]") {
+  check_numpy_logits(kLlama, "Llama");
+}
+
+TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
+  for (const std::string& model : {kGpt, kLlama}) {
+    TempDir dir;
+    const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
+    megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
+    CHECK(fs::exists(hf + "/model.safetensors"));
+    CHECK_FALSE(fs::exists(hf + "/model.safetensors.index.json"));
+    const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
+    const bool llama = model == kLlama;
+    CHECK(config.at("architectures").at(0) == (llama ? "LlamaForCausalLM" : "GPT2LMHeadModel"));
+    CHECK(config.at("vocab_size") == 100);
+    const std::string out = megatrain_ok("import-hf --hf-dir " + hf + " --save " + back);
+    CHECK(read_bytes(back + "/latest_checkpointed_iteration.txt") == "release");
+
+    // Every parameter: the same values; the padded vocabulary rows repeat the last real row.
+    mt::CheckpointReader a(ckpt), b(back);
+    const auto names = a.names();
+    CHECK(names == b.names());
+    for (const std::string& n : names) {
+      INFO(n);
+      const auto& ia = a.info(n);
+      REQUIRE(b.info(n).global_shape == ia.global_shape);
+      const int64_t numel = ia.global_rows * ia.global_cols;
+      std::vector<float> va(static_cast<size_t>(numel)), vb(va.size());
+      const mt::ShardIndex whole = mt::ShardIndex::whole(ia.global_rows, ia.global_cols);
+      a.read(n, whole, mt::Tensor(va.data(), mt::DType::f32, mt::Device::cpu, {numel}));
+      b.read(n, whole, mt::Tensor(vb.data(), mt::DType::f32, mt::Device::cpu, {numel}));
+      const bool vocab_rows = n == "embedding.word_embeddings.weight" || n == "output_layer.weight";
+      const int64_t real = vocab_rows ? 100 * ia.global_cols : numel;
+      CHECK(std::memcmp(va.data(), vb.data(), static_cast<size_t>(real) * sizeof(float)) == 0);
+      for (int64_t i = real; i < numel; ++i)
+        if (vb[static_cast<size_t>(i)] != vb[static_cast<size_t>(99 * ia.global_cols + i % ia.global_cols)]) {
+          FAIL_CHECK("padding row element " << i << " is not the last real row's");
+          break;
+        }
+    }
+    // The same logits from the original and the round-tripped checkpoint (padding rows play no part).
+    megatrain_ok("forward-logits --load " + ckpt + " --tokens " + kTokens + " --output " + (dir / "a.npy"));
+    megatrain_ok("forward-logits --load " + back + " --tokens " + kTokens + " --output " + (dir / "b.npy"));
+    CHECK(read_bytes(dir / "a.npy") == read_bytes(dir / "b.npy"));
+
+    // The printed flag line builds the same model: training from the import loads it (iteration 0).
+    const std::string marker = "optimizer flags; loading a release checkpoint restores the weights only and starts at iteration 0):\n";
+    const size_t at = out.find(marker);
+    REQUIRE(at != std::string::npos);
+    std::string flags = out.substr(at + marker.size());
+    flags = flags.substr(0, flags.find('\n'));
+    CHECK(flags.find("--load " + back) != std::string::npos);
+    const std::string run = megatrain_ok(flags + " --device cpu --mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 "
+                                                 "--eval-iters 0");
+    CHECK(run.find("successfully loaded checkpoint from " + back) != std::string::npos);
+    CHECK(run.find("iteration        1/       1") != std::string::npos);
+  }
+}
+
+TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag", "[ckpt-train][hf]") {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  megatrain_ok(kGpt + " --qk-layernorm --train-iters 1 --save-interval 1 --save " + ckpt);
+  std::string out;
+  const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + ckpt + " --output " + (dir / "hf"), &out);
+  CHECK(code != 0);
+  CHECK(out.find("--qk-layernorm") != std::string::npos);
+}
