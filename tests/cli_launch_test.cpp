@@ -106,7 +106,7 @@ TEST_CASE("launch: precedence torchrun > Open MPI > MPICH > SLURM", "[cli][launc
 }
 
 TEST_CASE("launch: bare workstation counts visible GPUs or takes --nproc-per-node", "[cli][launch]") {
-  TempDir dev;
+  ScratchDir dev;
   for (const char* n : {"nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "nvidia3"})
     std::ofstream(dev.str(n)) << "";
   CHECK(count_visible_gpus({}, dev.path.string()) == 4);

@@ -81,15 +81,16 @@ inline bool has_message(const std::vector<SetupMessage>& ms, SetupMessage::Kind 
   return false;
 }
 
-// A fresh directory under the system temp dir, removed at scope exit.
-struct TempDir {
+// A fresh directory under the system temp dir, removed at scope exit. (Not "TempDir": python_oracle.h
+// has an mt::test::TempDir of its own, and two classes of one name break the one-definition rule.)
+struct ScratchDir {
   std::filesystem::path path;
-  TempDir() {
+  ScratchDir() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "megatrain-test-XXXXXX").string();
     REQUIRE(mkdtemp(tmpl.data()) != nullptr);
     path = tmpl;
   }
-  ~TempDir() {
+  ~ScratchDir() {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
   }
@@ -145,7 +146,7 @@ struct RunResult {
   std::string out, err;
 };
 
-inline std::string shell_quote(const std::string& s) {
+inline std::string cli_shell_quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) {
     if (c == '\'') q += "'\\''";
@@ -156,10 +157,10 @@ inline std::string shell_quote(const std::string& s) {
 
 // Runs the megatrain binary with `args` (and `env_prefix`, e.g. "WORLD_SIZE=2 RANK=1").
 inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
-  TempDir dir;
+  ScratchDir dir;
   std::string cmd = "env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
-                    "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS " + env_prefix + " " + shell_quote(MEGATRAIN_BINARY);
-  for (const auto& a : args) cmd += " " + shell_quote(a);
+                    "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS " + env_prefix + " " + cli_shell_quote(MEGATRAIN_BINARY);
+  for (const auto& a : args) cmd += " " + cli_shell_quote(a);
   cmd += " >" + dir.str("out") + " 2>" + dir.str("err");
   const int status = std::system(cmd.c_str());
   RunResult r;
