@@ -50,7 +50,8 @@ CliState parse_flags(const std::vector<std::string>& args) {
     const Arity arity = f.arity;
     CLI::Option* o = app.add_option(join(f.all_names(), ","), [&given, name, arity](const CLI::results_t& r) {
       FlagValue v{r};
-      if (arity == Arity::none && !r.empty())
+      // CLI11 2.1 reports a bare zero-argument flag as one empty result.
+      if (arity == Arity::none && !(r.empty() || (r.size() == 1 && r.front().empty())))
         fail("{} takes no value (got '{}')", name, r.front());
       if (arity == Arity::one && looks_like_option(r.front()))
         fail("{} expects a value (got the flag {})", name, r.front());

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/philox.h"
+#include "engine/dropout_mask.h"
 
 namespace mt::cuda {
 
@@ -37,11 +38,11 @@ __device__ __forceinline__ float gelu_grad(float x, bool tanh_approx) {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Dropout: element `index` is kept when uniform_at(key, index) > p, and then scaled by 1/(1-p).
-// Returns the factor the element is multiplied by (0 or 1/(1-p)); p == 0 keeps everything.
+// Dropout (engine/dropout_mask.h): element `index` is kept iff dropout_keep(key, index, p), then
+// scaled by 1/(1-p). Returns the factor the element is multiplied by; p == 0 draws nothing.
 __device__ __forceinline__ float dropout_factor(uint64_t key, uint64_t index, float p, float keep_scale) {
   if (p <= 0.0f) return 1.0f;
-  return uniform_at(key, index) > p ? keep_scale : 0.0f;
+  return dropout_keep(key, index, p) ? keep_scale : 0.0f;
 }
 inline float dropout_keep_scale(float p) { return p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; }
 

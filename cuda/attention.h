@@ -1,6 +1,10 @@
 // Causal GQA attention on the GPU, flash-style: forward and backward on packed QKV rows (layout in
-// engine/backend.h). Implemented in cuda/attention_*.cu; CudaBackend dispatches here according to
-// --attention-backend (our own kernel, or cuDNN's fused attention).
+// engine/backend.h). CudaBackend dispatches here according to --attention-backend:
+//   flash  our own kernels (cuda/attention_flash*.cu): any shape with head dim 64 or 128, GQA,
+//          dropout, bf16/fp16; deterministic backward.
+//   fused  cuDNN's fused attention (cuda/attention_cudnn.cpp): no GQA, no dropout.
+//   auto   per head dim, whichever bench_attention measured faster (flash where fused cannot).
+//   unfused, local: refused (megatrain has no materialized-scores attention).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,11 +17,20 @@
 
 namespace mt::cuda {
 
-// Workspace in bytes that attention needs for this shape (allocated once, up front, by the caller).
-size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend);
+// The implementation `requested` means for this shape; throws mt::Unsupported (naming the flag)
+// for what cannot run. May build cuDNN plans (set-up time).
+AttentionBackend resolve_attention_backend(const AttentionShape& a, AttentionBackend requested, DType dtype);
+
+// Whether cuDNN's fused attention handles this shape (builds and caches its plans on first call).
+bool fused_attention_supported(const AttentionShape& a, DType dtype);
+
+// Workspace in bytes that attention needs for this shape (allocated once, up front, by the caller;
+// 256-byte aligned). Builds cuDNN plans when the fused path is selected.
+size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend, DType dtype = DType::bf16);
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// Overwrites all of dqkv (q, k and v slots).
 void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
                         AttentionBackend backend, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 

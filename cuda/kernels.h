@@ -1,4 +1,5 @@
-// Host launchers of the CUDA backend's kernels, one section per op family (one .cu file each).
+// Host launchers of the CUDA backend's kernels, one section per op family (one .cu file each;
+// the GEMMs are in gemm_cublaslt.h).
 // CudaBackend (cuda_backend.cu) checks shapes and calls these; they pick the kernel instance for
 // the dtypes and alignment, launch it on ctx.stream and check the launch. None of them allocates:
 // temporary buffers come from ctx.scratch, a region the backend allocated at construction.
@@ -68,6 +69,12 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p);
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p);
+// --qk-layernorm: every q and k head of packed QKV normalized over head_dim (engine/backend.h).
+void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
+                     Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);
+void qk_norm_backward(const KernelContext& ctx, Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight,
+                      Tensor dk_bias, Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                      Tensor k_weight, const RopeShape& r, const NormParams& p);
 
 // ---- embedding_kernels.cu ----------------------------------------------------------------------
 void embedding_forward(const KernelContext& ctx, Tensor out, Tensor tokens, Tensor positions, Tensor wte,
@@ -86,8 +93,6 @@ void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor log
                             Tensor dloss, int64_t vocab_start);
 void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
 void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate);
-// dbias[N] += column sums of dy[M, N] (deterministic two-stage reduction).
-void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
 
 // ---- optimizer_kernels.cu ----------------------------------------------------------------------
 // The optimizer kernels walk a segment table in chunks of kOptimChunk elements.

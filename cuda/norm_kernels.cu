@@ -12,6 +12,11 @@
 // from run to run: each block sums its rows' contributions in registers, writes one partial row
 // to scratch, and a second kernel adds the partials in block order. The block count depends only
 // on (rows, width, dtype, device).
+//
+// --qk-layernorm reuses the same kernels over "virtual rows": every q and k head of the packed
+// QKV rows is one row of head_dim values (QkHeads maps a virtual row to its address and tells q
+// from k, which have their own weights); v is copied through. Its weight gradients come from a
+// separate deterministic column reduction (qk_param_partial_kernel).
 #include <algorithm>
 
 #include "cuda/activations.cuh"
@@ -44,6 +49,23 @@ __device__ __forceinline__ void team_sum(float (&v)[K], int tpr, float (*red)[32
   }
 }
 
+// Row r of an ordinary [rows, h] tensor.
+struct PlainRows {
+  int64_t h;
+  __device__ __forceinline__ int64_t offset(int64_t r) const { return r * h; }
+  __device__ __forceinline__ bool second(int64_t) const { return false; }
+};
+// Virtual row v = row * heads + j: head j (q heads of each group, then its k) of packed QKV row `row`.
+struct QkHeads {
+  int64_t heads, q_per_group, d, row_width;
+  __device__ __forceinline__ int64_t offset(int64_t v) const {
+    const int64_t row = v / heads, j = v % heads;
+    const int64_t g = j / (q_per_group + 1), k = j % (q_per_group + 1);
+    return row * row_width + (g * (q_per_group + 2) + k) * d;
+  }
+  __device__ __forceinline__ bool second(int64_t v) const { return (v % heads) % (q_per_group + 1) == q_per_group; }
+};
+
 template <typename T>
 struct NormForwardArgs {
   T* out;
@@ -54,6 +76,8 @@ struct NormForwardArgs {
   const T* b;       // fused add's other operand (null: plain norm)
   const T* weight;
   const T* bias;    // may be null
+  const T* weight2; // the layout's second kind of row (k heads)
+  const T* bias2;
   int64_t rows;
   int h;
   float eps;
@@ -62,14 +86,17 @@ struct NormForwardArgs {
   bool rms, one_p;
 };
 
-template <typename T, int VEC, int ITERS, bool ADD>
-__global__ void norm_forward_kernel(NormForwardArgs<T> args, int tpr) {
+template <typename T, int VEC, int ITERS, bool ADD, typename Layout>
+__global__ void norm_forward_kernel(NormForwardArgs<T> args, Layout layout, int tpr) {
   __shared__ float red[2][32];
   const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
   const bool valid = row < args.rows;
   const int h = args.h;
-  const int64_t row_base = row * h;
+  const int64_t row_base = valid ? layout.offset(row) : 0;
+  const bool second = valid && layout.second(row);
+  const T* weight = second ? args.weight2 : args.weight;
+  const T* bias = second ? args.bias2 : args.bias;
 
   float x[ITERS][VEC];
   float s[1] = {0.0f};
@@ -120,7 +147,7 @@ __global__ void norm_forward_kernel(NormForwardArgs<T> args, int tpr) {
   team_sum(q, tpr, red);
   const float rstd = 1.0f / sqrtf(q[0] / h + args.eps);
   if (valid && lane == 0) {
-    if (args.mean && !args.rms) args.mean[row] = mean;
+    if (args.mean) args.mean[row] = mean;  // 0 for RMSNorm, as the reference writes
     if (args.rstd) args.rstd[row] = rstd;
   }
   const float w_shift = args.one_p ? 1.0f : 0.0f;
@@ -128,10 +155,10 @@ __global__ void norm_forward_kernel(NormForwardArgs<T> args, int tpr) {
   for (int it = 0; it < ITERS; ++it) {
     const int c = (lane + it * tpr) * VEC;
     if (valid && c < h) {
-      const Floats<VEC> w = load_vec<VEC>(args.weight + c);
+      const Floats<VEC> w = load_vec<VEC>(weight + c);
       Floats<VEC> y;
-      if (args.bias) {
-        const Floats<VEC> b = load_vec<VEC>(args.bias + c);
+      if (bias) {
+        const Floats<VEC> b = load_vec<VEC>(bias + c);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) y.v[j] = (x[it][j] - mean) * rstd * (w.v[j] + w_shift) + b.v[j];
       } else {
@@ -152,6 +179,7 @@ struct NormBackwardArgs {
   const float* mean;   // unused by RMSNorm
   const float* rstd;
   const T* weight;
+  const T* weight2;    // the layout's second kind of row (k heads)
   float* partial_dw;   // [gridDim.x, h] or null
   float* partial_db;   // [gridDim.x, h] or null
   int64_t rows;
@@ -159,8 +187,8 @@ struct NormBackwardArgs {
   bool rms, one_p;
 };
 
-template <typename T, int VEC, int ITERS>
-__global__ void norm_backward_kernel(NormBackwardArgs<T> args, int tpr) {
+template <typename T, int VEC, int ITERS, typename Layout>
+__global__ void norm_backward_kernel(NormBackwardArgs<T> args, Layout layout, int tpr) {
   __shared__ float red[2][32];
   extern __shared__ float combine[];  // [2][h] when several teams share a block
   const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
@@ -177,7 +205,8 @@ __global__ void norm_backward_kernel(NormBackwardArgs<T> args, int tpr) {
        row0 += static_cast<int64_t>(gridDim.x) * teams) {
     const int64_t row = row0 + team;
     const bool valid = row < args.rows;
-    const int64_t row_base = row * h;
+    const int64_t row_base = valid ? layout.offset(row) : 0;
+    const T* weight = (valid && layout.second(row)) ? args.weight2 : args.weight;
     const float mean = (valid && !args.rms) ? args.mean[row] : 0.0f;
     const float rstd = valid ? args.rstd[row] : 0.0f;
     float xhat[ITERS][VEC], g[ITERS][VEC];
@@ -188,7 +217,7 @@ __global__ void norm_backward_kernel(NormBackwardArgs<T> args, int tpr) {
       if (valid && c < h) {
         const Floats<VEC> xv = load_vec<VEC>(args.x + row_base + c);
         const Floats<VEC> dy = load_vec<VEC>(args.dout + row_base + c);
-        const Floats<VEC> w = load_vec<VEC>(args.weight + c);
+        const Floats<VEC> w = load_vec<VEC>(weight + c);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           xhat[it][j] = (xv.v[j] - mean) * rstd;
@@ -307,6 +336,123 @@ bool aligned_rows(int64_t h, size_t elem, std::initializer_list<const void*> ptr
   return true;
 }
 
+
+template <typename T, typename Layout>
+void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& args, const Layout& layout, bool add,
+                         bool aligned, const char* what) {
+  const TeamShape s = team_shape<T>(args.h, aligned, what);
+  const int teams = s.block / s.tpr;
+  const unsigned grid = static_cast<unsigned>((args.rows + teams - 1) / teams);
+  dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
+    if constexpr (V == 1 || V * sizeof(T) == 16) {
+      if (add) norm_forward_kernel<T, V, I, true><<<grid, s.block, 0, ctx.stream>>>(args, layout, s.tpr);
+      else norm_forward_kernel<T, V, I, false><<<grid, s.block, 0, ctx.stream>>>(args, layout, s.tpr);
+    }
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+// dx for every row; with dweight/dbias given (plain rows only) also their deterministic accumulation.
+template <typename T, typename Layout>
+void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, const Layout& layout, bool aligned,
+                          float* dweight, float* dbias) {
+  const int64_t h = args.h;
+  const TeamShape s = team_shape<T>(h, aligned, "norm_backward");
+  const int teams = s.block / s.tpr;
+  const size_t smem = teams > 1 ? 2 * h * sizeof(float) : 0;
+  dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
+    if constexpr (V == 1 || V * sizeof(T) == 16) {
+      auto kernel = norm_backward_kernel<T, V, I, Layout>;
+      int per_sm = 0;
+      MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, s.block, smem));
+      int64_t blocks =
+          std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
+      if (dweight || dbias) {
+        const int64_t per_block = h * (static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr)) *
+                                  static_cast<int64_t>(sizeof(float));
+        blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(ctx.scratch->remaining()) / per_block));
+        if (dweight) args.partial_dw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
+        if (dbias) args.partial_db = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
+      }
+      kernel<<<static_cast<unsigned>(blocks), s.block, smem, ctx.stream>>>(args, layout, s.tpr);
+      MT_CUDA_CHECK_LAUNCH();
+      const unsigned rgrid = static_cast<unsigned>((h + 255) / 256);
+      if (dweight) {
+        reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dweight, args.partial_dw, static_cast<int>(blocks),
+                                                             static_cast<int>(h));
+        MT_CUDA_CHECK_LAUNCH();
+      }
+      if (dbias) {
+        reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dbias, args.partial_db, static_cast<int>(blocks),
+                                                             static_cast<int>(h));
+        MT_CUDA_CHECK_LAUNCH();
+      }
+    }
+  });
+}
+
+// ---- --qk-layernorm pieces ------------------------------------------------------------------------
+// dst's v parts = src's v parts.
+template <typename T>
+__global__ void copy_v_kernel(T* dst, const T* src, int64_t rows, int groups, int q_per_group, int d,
+                              int64_t row_width) {
+  const int64_t total = rows * groups * d;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (static_cast<int64_t>(groups) * d);
+    const int rem = static_cast<int>(i % (static_cast<int64_t>(groups) * d));
+    const int g = rem / d, c = rem % d;
+    const int64_t o = row * row_width + (static_cast<int64_t>(g) * (q_per_group + 2) + q_per_group + 1) * d + c;
+    dst[o] = src[o];
+  }
+}
+
+// Per block: sums over its packed rows of dout * xhat and dout, for q heads and k heads
+// separately, one column per thread: partial[block][4][d] = (dq_w, dq_b, dk_w, dk_b).
+template <typename T>
+__global__ void qk_param_partial_kernel(float* partial, const T* qkv, const T* dout, const float* mean,
+                                        const float* rstd, int64_t rows, int64_t rows_per_block, QkHeads L, bool rms) {
+  const int c = threadIdx.x;
+  const int d = static_cast<int>(L.d);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int64_t r_begin = blockIdx.x * rows_per_block, r_end = min(rows, r_begin + rows_per_block);
+  if (c < d) {
+    for (int64_t row = r_begin; row < r_end; ++row) {
+      for (int64_t j = 0; j < L.heads; ++j) {
+        const int64_t v = row * L.heads + j;
+        const int64_t o = L.offset(v) + c;
+        const float xhat = (to_float(qkv[o]) - (rms ? 0.0f : mean[v])) * rstd[v];
+        const float dy = to_float(dout[o]);
+        const int k = L.second(v) ? 2 : 0;
+        acc[k] += dy * xhat;
+        acc[k + 1] += dy;
+      }
+    }
+    for (int q = 0; q < 4; ++q) partial[(static_cast<int64_t>(blockIdx.x) * 4 + q) * d + c] = acc[q];
+  }
+}
+
+__global__ void qk_param_finish_kernel(float* dq_w, float* dq_b, float* dk_w, float* dk_b, const float* partial,
+                                       int blocks, int d) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d) return;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int b = 0; b < blocks; ++b)
+    for (int q = 0; q < 4; ++q) s[q] += partial[(static_cast<int64_t>(b) * 4 + q) * d + c];
+  if (dq_w) dq_w[c] += s[0];
+  if (dq_b) dq_b[c] += s[1];
+  if (dk_w) dk_w[c] += s[2];
+  if (dk_b) dk_b[c] += s[3];
+}
+
+QkHeads qk_layout(const Tensor& qkv, const RopeShape& r, const char* what) {
+  MT_CHECK(r.groups > 0 && r.heads % r.groups == 0, "{}: heads {} not a multiple of groups {}", what, r.heads, r.groups);
+  const int64_t hpg = r.heads / r.groups;
+  QkHeads L{r.groups * (hpg + 1), hpg, r.head_dim, r.groups * (hpg + 2) * r.head_dim};
+  MT_CHECK(qkv.cols() == L.row_width, "{}: packed qkv {} must have {} columns", what, qkv.shape_string(), L.row_width);
+  return L;
+}
+
 }  // namespace
 
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
@@ -327,21 +473,12 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(a.dtype, T, what, {
     const bool aligned = aligned_rows(h, sizeof(T), {out.data, a.data, b.data, sum.data, weight.data, bias.data});
-    const TeamShape s = team_shape<T>(h, aligned, what);
     NormForwardArgs<T> args{out.ptr<T>(), sum.ptr<T>(), mean.ptr<float>(), rstd.ptr<float>(), a.ptr<const T>(),
-                            b.ptr<const T>(), weight.ptr<const T>(), bias.ptr<const T>(), rows, static_cast<int>(h),
-                            p.eps, dropout_p, dropout_keep_scale(dropout_p), dropout_key,
+                            b.ptr<const T>(), weight.ptr<const T>(), bias.ptr<const T>(), nullptr, nullptr, rows,
+                            static_cast<int>(h), p.eps, dropout_p, dropout_keep_scale(dropout_p), dropout_key,
                             p.kind == Normalization::rmsnorm, p.one_p};
-    const int teams = s.block / s.tpr;
-    const unsigned grid = static_cast<unsigned>((rows + teams - 1) / teams);
-    dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
-      if constexpr (V == 1 || V * sizeof(T) == 16) {
-        if (add) norm_forward_kernel<T, V, I, true><<<grid, s.block, 0, ctx.stream>>>(args, s.tpr);
-        else norm_forward_kernel<T, V, I, false><<<grid, s.block, 0, ctx.stream>>>(args, s.tpr);
-      }
-    });
+    launch_norm_forward(ctx, args, PlainRows{h}, add, aligned, what);
   });
-  MT_CUDA_CHECK_LAUNCH();
 }
 
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
@@ -360,44 +497,95 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
   MT_CHECK(dresidual.empty() || (dresidual.numel() == x.numel() && dresidual.dtype == x.dtype),
            "norm_backward: dresidual {}", dresidual.shape_string());
   if (rows == 0 || h == 0) return;
-  const bool want_dw = !dweight.empty(), want_db = !dbias.empty() && !rms;
   MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
     const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data});
-    const TeamShape s = team_shape<T>(h, aligned, "norm_backward");
-    const int teams = s.block / s.tpr;
-    const size_t smem = teams > 1 ? 2 * h * sizeof(float) : 0;
-    dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
-      if constexpr (V == 1 || V * sizeof(T) == 16) {
-        auto kernel = norm_backward_kernel<T, V, I>;
-        int per_sm = 0;
-        MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, s.block, smem));
-        int64_t blocks = std::min<int64_t>((rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
-        float* pdw = nullptr;
-        float* pdb = nullptr;
-        if (want_dw || want_db) {
-          const int64_t per_block = h * (static_cast<int>(want_dw) + static_cast<int>(want_db)) * sizeof(float);
-          blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, ctx.scratch->remaining() / per_block));
-          if (want_dw) pdw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
-          if (want_db) pdb = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
-        }
-        NormBackwardArgs<T> args{dx.ptr<T>(), dresidual.ptr<const T>(), dout.ptr<const T>(), x.ptr<const T>(),
-                                 mean.ptr<const float>(), rstd.ptr<const float>(), weight.ptr<const T>(), pdw, pdb,
-                                 rows, static_cast<int>(h), rms, p.one_p};
-        kernel<<<static_cast<unsigned>(blocks), s.block, smem, ctx.stream>>>(args, s.tpr);
-        MT_CUDA_CHECK_LAUNCH();
-        const unsigned rgrid = static_cast<unsigned>((h + 255) / 256);
-        if (pdw) {
-          reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dweight.ptr<float>(), pdw, static_cast<int>(blocks),
-                                                               static_cast<int>(h));
-          MT_CUDA_CHECK_LAUNCH();
-        }
-        if (pdb) {
-          reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dbias.ptr<float>(), pdb, static_cast<int>(blocks),
-                                                               static_cast<int>(h));
-          MT_CUDA_CHECK_LAUNCH();
-        }
-      }
-    });
+    NormBackwardArgs<T> args{dx.ptr<T>(), dresidual.ptr<const T>(), dout.ptr<const T>(), x.ptr<const T>(),
+                             mean.ptr<const float>(), rstd.ptr<const float>(), weight.ptr<const T>(), nullptr,
+                             nullptr, nullptr, rows, static_cast<int>(h), rms, p.one_p};
+    launch_norm_backward(ctx, args, PlainRows{h}, aligned, dweight.ptr<float>(), dbias.ptr<float>());
+  });
+}
+
+void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
+                     Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
+  const char* what = "qk_norm_forward";
+  const QkHeads L = qk_layout(qkv, r, what);
+  const int64_t rows = qkv.rows(), vrows = rows * L.heads;
+  MT_CHECK(out.data != qkv.data, "{}: out must not alias qkv", what);
+  MT_CHECK(out.numel() == qkv.numel() && out.dtype == qkv.dtype, "{}: out {} vs qkv {}", what, out.shape_string(),
+           qkv.shape_string());
+  MT_CHECK(rstd.numel() == vrows && rstd.dtype == DType::f32, "{}: rstd must be float32 [{}, {}]", what, rows, L.heads);
+  MT_CHECK(mean.empty() || (mean.numel() == vrows && mean.dtype == DType::f32), "{}: mean must be float32 [{}, {}]",
+           what, rows, L.heads);
+  for (const Tensor* t : {&q_weight, &k_weight})
+    MT_CHECK(t->numel() == L.d && t->dtype == qkv.dtype, "{}: weights must be [{}] {}", what, L.d, dtype_name(qkv.dtype));
+  for (const Tensor* t : {&q_bias, &k_bias})
+    MT_CHECK(t->empty() || (t->numel() == L.d && t->dtype == qkv.dtype), "{}: biases must be [{}]", what, L.d);
+  MT_CHECK(q_bias.empty() == k_bias.empty(), "{}: give both q and k biases or neither", what);
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(qkv.dtype, T, what, {
+    const bool aligned = aligned_rows(L.d, sizeof(T), {out.data, qkv.data, q_weight.data, k_weight.data, q_bias.data,
+                                                       k_bias.data});
+    NormForwardArgs<T> args{out.ptr<T>(), nullptr, mean.ptr<float>(), rstd.ptr<float>(), qkv.ptr<const T>(), nullptr,
+                            q_weight.ptr<const T>(), q_bias.ptr<const T>(), k_weight.ptr<const T>(),
+                            k_bias.ptr<const T>(), vrows, static_cast<int>(L.d), p.eps, 0.0f, 1.0f, 0,
+                            p.kind == Normalization::rmsnorm, p.one_p};
+    launch_norm_forward(ctx, args, L, false, aligned, what);
+    copy_v_kernel<T><<<grid_for(rows * r.groups * L.d, 256, ctx.num_sms * 8LL), 256, 0, ctx.stream>>>(
+        out.ptr<T>(), qkv.ptr<const T>(), rows, r.groups, static_cast<int>(L.q_per_group), static_cast<int>(L.d),
+        L.row_width);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void qk_norm_backward(const KernelContext& ctx, Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight,
+                      Tensor dk_bias, Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                      Tensor k_weight, const RopeShape& r, const NormParams& p) {
+  const char* what = "qk_norm_backward";
+  const QkHeads L = qk_layout(qkv, r, what);
+  const int64_t rows = qkv.rows(), vrows = rows * L.heads;
+  const bool rms = p.kind == Normalization::rmsnorm;
+  MT_CHECK(dqkv.numel() == qkv.numel() && dout.numel() == qkv.numel() && dqkv.dtype == qkv.dtype &&
+               dout.dtype == qkv.dtype,
+           "{}: dqkv {}, dout {}, qkv {} must match", what, dqkv.shape_string(), dout.shape_string(), qkv.shape_string());
+  MT_CHECK(rstd.numel() == vrows && rstd.dtype == DType::f32, "{}: rstd must be float32 [{}, {}]", what, rows, L.heads);
+  MT_CHECK(rms || (mean.numel() == vrows && mean.dtype == DType::f32), "{}: mean must be float32 [{}, {}]", what, rows,
+           L.heads);
+  for (const Tensor* t : {&q_weight, &k_weight})
+    MT_CHECK(t->numel() == L.d && t->dtype == qkv.dtype, "{}: weights must be [{}] {}", what, L.d, dtype_name(qkv.dtype));
+  for (const Tensor* t : {&dq_weight, &dq_bias, &dk_weight, &dk_bias})
+    MT_CHECK(t->empty() || (t->numel() == L.d && t->dtype == DType::f32), "{}: weight/bias grads must be float32 [{}]",
+             what, L.d);
+  MT_CHECK(L.d <= 1024, "{}: head_dim {} above 1024", what, L.d);
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(qkv.dtype, T, what, {
+    // Parameter gradients first: dqkv may overwrite dout.
+    if (!dq_weight.empty() || !dq_bias.empty() || !dk_weight.empty() || !dk_bias.empty()) {
+      const int64_t blocks = std::min<int64_t>(rows, ctx.num_sms * 4LL);
+      const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+      const int64_t used = (rows + rows_per_block - 1) / rows_per_block;
+      float* partial = ctx.scratch->take_array<float>(used * 4 * L.d, what);
+      const int threads = static_cast<int>((L.d + 31) / 32 * 32);
+      qk_param_partial_kernel<T><<<static_cast<unsigned>(used), threads, 0, ctx.stream>>>(
+          partial, qkv.ptr<const T>(), dout.ptr<const T>(), mean.ptr<const float>(), rstd.ptr<const float>(), rows,
+          rows_per_block, L, rms);
+      MT_CUDA_CHECK_LAUNCH();
+      qk_param_finish_kernel<<<static_cast<unsigned>((L.d + 127) / 128), 128, 0, ctx.stream>>>(
+          dq_weight.ptr<float>(), dq_bias.ptr<float>(), dk_weight.ptr<float>(), dk_bias.ptr<float>(), partial,
+          static_cast<int>(used), static_cast<int>(L.d));
+      MT_CUDA_CHECK_LAUNCH();
+    }
+    const bool aligned = aligned_rows(L.d, sizeof(T), {dqkv.data, dout.data, qkv.data, q_weight.data, k_weight.data});
+    NormBackwardArgs<T> args{dqkv.ptr<T>(), nullptr, dout.ptr<const T>(), qkv.ptr<const T>(), mean.ptr<const float>(),
+                             rstd.ptr<const float>(), q_weight.ptr<const T>(), k_weight.ptr<const T>(), nullptr,
+                             nullptr, vrows, static_cast<int>(L.d), rms, p.one_p};
+    launch_norm_backward(ctx, args, L, aligned, nullptr, nullptr);
+    if (dqkv.data != dout.data) {
+      copy_v_kernel<T><<<grid_for(rows * r.groups * L.d, 256, ctx.num_sms * 8LL), 256, 0, ctx.stream>>>(
+          dqkv.ptr<T>(), dout.ptr<const T>(), rows, r.groups, static_cast<int>(L.q_per_group), static_cast<int>(L.d),
+          L.row_width);
+      MT_CUDA_CHECK_LAUNCH();
+    }
   });
 }
 

@@ -89,15 +89,18 @@ class Backend {
   virtual void cast(Tensor dst, Tensor src) = 0;  // any float dtype to any float dtype
   // out = alpha * a + beta * b (b may be empty: out = alpha * a). out may alias a or b.
   virtual void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) = 0;
-  // Layout-independent normal init: element i of t gets std * normal_at(key, global index of i).
+  // Layout-independent normal init: element i of t gets std * normal_at(key, global index of i)
+  // (the product taken in float32, then converted to t's dtype).
   virtual void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) = 0;
 
   // ---- embedding -------------------------------------------------------------------------
   // out[N, h] = wte[tokens - vocab_start] (zero if the token is outside this vocab shard)
-  //           + wpe[positions] (if wpe is given; only on the shard with vocab_start == 0).
+  //           + wpe[positions] (if wpe is given; the model passes it only on the shard with
+  //             vocab_start == 0, so that the TP all-reduce adds it once).
   virtual void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
                                  int64_t vocab_start) = 0;
-  // dwte += scatter of dout by token (deterministic: fixed summation order), dwpe likewise.
+  // dwte += scatter of dout by token (deterministic: fixed summation order), dwpe likewise
+  // (every TP rank passes dwpe: the position table is duplicated and its grads must agree).
   virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
                                   int64_t vocab_start) = 0;
 
@@ -110,8 +113,22 @@ class Backend {
                                 float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
                                 const NormParams& p) = 0;
   // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (float32).
+  // dx may alias dout or dresidual.
   virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
                              Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) = 0;
+
+  // --qk-layernorm: out = qkv with every q head and every k head normalized over its head_dim
+  // values (q heads share q_weight/q_bias [d], k heads k_weight/k_bias [d]); v is copied through.
+  // mean/rstd: float32 [N, groups * (heads/groups + 1)], per row the heads in packed order (q heads
+  // then k of group 0, then group 1, ...). out must not alias qkv (backward needs the input).
+  // Backends without it raise Unsupported (the default).
+  virtual void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                               Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);
+  // dqkv = gradient w.r.t. the un-normalized qkv (v part: dout's v part); weight/bias grads accumulate.
+  // dqkv may alias dout.
+  virtual void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
+                                Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                                Tensor k_weight, const RopeShape& r, const NormParams& p);
 
   // ---- linear layers (GEMMs) -------------------------------------------------------------
   // y[M, N] = act(x[M, K] . w[N, K]^T + bias[N]); with act != none, pre_act[M, N] receives the
@@ -131,9 +148,13 @@ class Backend {
   virtual void swiglu_forward(Tensor out, Tensor in) = 0;
   virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in) = 0;
   // out = residual + dropout_p(x + bias) (bias may be empty). out may alias residual.
+  // Dropout (here and in add_norm_forward, dropout_backward): element with flat index i of the
+  // dropped tensor is kept iff dropout_keep(key, i, p) (engine/dropout_mask.h) and then scaled by
+  // 1/(1-p); p == 0 draws nothing.
   virtual void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                                 uint64_t dropout_key) = 0;
-  // dx = dout * mask / (1 - p), the mask redrawn from the same key (nothing is stored).
+  // dx = dout * mask / (1 - p), the mask redrawn from the same key (nothing is stored). dx may alias
+  // dout; the model also uses it as the forward of a plain dropout (embedding dropout).
   virtual void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) = 0;
 
   // ---- rotary embeddings (in place on the q and k parts of packed QKV) -------------------
@@ -172,6 +193,15 @@ class Backend {
   virtual void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
   // out float32 [1] (+)= number of exact zeros in x over the segments.
   virtual void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
+
+  // ---- set-up planning (call before the first step; the reference backend needs none) -----
+  // Sizes the attention workspace for the largest shape of the run and picks the attention
+  // implementation (CUDA: allocated here, so attention calls allocate nothing).
+  virtual void reserve_attention(const AttentionShape& a, AttentionBackend backend) { (void)a, (void)backend; }
+  // Uploads an optimizer segment list once (CUDA: a device table), so that the optimizer calls
+  // above with an equal list upload nothing per step. Short lists (<= 24 segments) also work
+  // unregistered; longer ones must be registered on the CUDA backend.
+  virtual void register_optim_segments(std::span<const OptimSegment> segments) { (void)segments; }
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);

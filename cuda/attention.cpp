@@ -1,0 +1,76 @@
+// --attention-backend dispatch: our flash kernels or cuDNN's fused attention.
+#include "cuda/attention.h"
+
+#include <fmt/format.h>
+
+#include "cuda/attention_cudnn.h"
+#include "cuda/attention_flash.h"
+
+namespace mt::cuda {
+namespace {
+
+// What `auto` prefers where both paths can run, per head dim: bench/RESULTS.md (H200, cuDNN 9.14)
+// has cuDNN ahead at d = 64 and 128 in both passes (e.g. GPT-2 shape 309/213 TFLOP/s vs 198/122).
+AttentionBackend measured_faster(int /*head_dim*/) { return AttentionBackend::fused; }
+
+}  // namespace
+
+bool fused_attention_supported(const AttentionShape& a, DType dtype) { return cudnn_attention::supported(a, dtype); }
+
+AttentionBackend resolve_attention_backend(const AttentionShape& a, AttentionBackend requested, DType dtype) {
+  switch (requested) {
+    case AttentionBackend::flash:
+      return AttentionBackend::flash;
+    case AttentionBackend::fused: {
+      std::string why;
+      if (!cudnn_attention::supported(a, dtype, &why))
+        throw Unsupported(fmt::format("--attention-backend fused cannot run this attention (heads={} groups={} d={} "
+                                      "dropout={}): {}; use --attention-backend flash or auto",
+                                      a.heads, a.groups, a.head_dim, a.dropout_p, why));
+      return AttentionBackend::fused;
+    }
+    case AttentionBackend::auto_: {
+      if (measured_faster(a.head_dim) == AttentionBackend::fused && cudnn_attention::supported(a, dtype))
+        return AttentionBackend::fused;
+      if (!flash::supports_head_dim(a.head_dim) && cudnn_attention::supported(a, dtype))
+        return AttentionBackend::fused;
+      return AttentionBackend::flash;
+    }
+    case AttentionBackend::unfused:
+    case AttentionBackend::local:
+      throw Unsupported(fmt::format("--attention-backend {} is not supported by megatrain (its attention never "
+                                    "materializes the scores): use flash, fused or auto",
+                                    requested == AttentionBackend::unfused ? "unfused" : "local"));
+  }
+  throw Unsupported("unknown --attention-backend");
+}
+
+size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend, DType dtype) {
+  switch (resolve_attention_backend(a, backend, dtype)) {
+    case AttentionBackend::fused:
+      return cudnn_attention::workspace_bytes(a, dtype);
+    default:
+      if (!flash::supports_head_dim(a.head_dim))
+        throw Unsupported(fmt::format("--attention-backend flash supports head dims 64 and 128, not {}", a.head_dim));
+      return flash::backward_workspace_bytes(a);
+  }
+}
+
+void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,
+                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
+    cudnn_attention::forward(out, lse, qkv, a, workspace, workspace_bytes, stream);
+  else
+    flash::forward(out, lse, qkv, a, flash::default_forward_config(a.head_dim, a.dropout_p > 0), stream);
+}
+
+void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                        AttentionBackend backend, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
+    cudnn_attention::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);
+  else
+    flash::backward(dqkv, dout, out, lse, qkv, a, flash::default_backward_config(a.head_dim, a.dropout_p > 0), workspace,
+                    workspace_bytes, stream);
+}
+
+}  // namespace mt::cuda

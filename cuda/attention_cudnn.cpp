@@ -1,0 +1,518 @@
+#include "cuda/attention_cudnn.h"
+
+#include <cudnn.h>
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+
+namespace mt::cuda::cudnn_attention {
+namespace {
+
+// ---- thin RAII layer over the backend API ----------------------------------------------------
+
+struct CudnnFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void check(cudnnStatus_t status, const char* what) {
+  if (status == CUDNN_STATUS_SUCCESS) return;
+  char detail[1024] = {};
+  cudnnGetLastErrorString(detail, sizeof detail);
+  throw CudnnFailure(fmt::format("{}: {} {}", what, cudnnGetErrorString(status), detail));
+}
+
+class Descriptor {
+ public:
+  explicit Descriptor(cudnnBackendDescriptorType_t type) {
+    check(cudnnBackendCreateDescriptor(type, &d_), "cudnnBackendCreateDescriptor");
+  }
+  ~Descriptor() {
+    if (d_) cudnnBackendDestroyDescriptor(d_);
+  }
+  Descriptor(const Descriptor&) = delete;
+  Descriptor& operator=(const Descriptor&) = delete;
+  cudnnBackendDescriptor_t get() const { return d_; }
+
+  Descriptor& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count, const void* value) {
+    const cudnnStatus_t st = cudnnBackendSetAttribute(d_, name, type, count, value);
+    if (st != CUDNN_STATUS_SUCCESS)
+      check(st, fmt::format("cudnnBackendSetAttribute(attribute {})", static_cast<int>(name)).c_str());
+    return *this;
+  }
+  template <typename T>
+  Descriptor& set1(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, T value) {
+    return set(name, type, 1, &value);
+  }
+  Descriptor& set_desc(cudnnBackendAttributeName_t name, const Descriptor& other) {
+    cudnnBackendDescriptor_t h = other.get();
+    return set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &h);
+  }
+  void finalize(const std::string& what) { check(cudnnBackendFinalize(d_), what.c_str()); }
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+
+// Fixed ids of the tensors we bind at execution; virtual tensors are numbered from kFirstVirtual.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum,
+  kFirstVirtual = 100
+};
+
+struct TensorRef {
+  const Descriptor* desc = nullptr;
+  std::vector<int64_t> dims, strides;
+};
+
+// Builds an operation graph from tensors and operations, keeping every descriptor alive.
+class GraphBuilder {
+ public:
+  TensorRef tensor(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type, bool is_virtual,
+                   int64_t uid = 0, bool by_value = false) {
+    auto& d = own(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    if (uid == 0) uid = next_virtual_++;
+    const int64_t alignment = 16;
+    d.set1(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, type)
+        .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, static_cast<int64_t>(dims.size()), dims.data())
+        .set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, static_cast<int64_t>(strides.size()), strides.data())
+        .set1(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, uid)
+        .set1(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, alignment);
+    if (is_virtual) d.set1(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, true);
+    if (by_value) d.set1(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, true);
+    d.finalize(fmt::format("tensor {}", uid));
+    return {&d, std::move(dims), std::move(strides)};
+  }
+  TensorRef bound(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type, int64_t uid) {
+    return tensor(std::move(dims), std::move(strides), type, false, uid);
+  }
+  TensorRef scalar(int64_t uid) { return tensor({1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, false, uid, true); }
+  TensorRef virt(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type = CUDNN_DATA_FLOAT) {
+    return tensor(std::move(dims), std::move(strides), type, true);
+  }
+
+  // y = op(x [, b [, t]]) with y virtual: broadcast dims, strides of the input that has them.
+  TensorRef pointwise(cudnnPointwiseMode_t mode, const TensorRef& x, const TensorRef* b = nullptr,
+                      const TensorRef* t = nullptr, cudnnDataType_t out_type = CUDNN_DATA_FLOAT,
+                      cudnnDataType_t compute = CUDNN_DATA_FLOAT, int64_t axis = -1) {
+    std::vector<int64_t> dims = x.dims;
+    if (b)
+      for (size_t i = 0; i < dims.size(); ++i) dims[i] = std::max(dims[i], b->dims[i]);
+    std::vector<int64_t> strides;
+    if (x.dims == dims) strides = x.strides;
+    else if (b && b->dims == dims) strides = b->strides;
+    else strides = packed(dims);
+    TensorRef y = virt(dims, strides, out_type);
+    pointwise_into(mode, x, b, t, y, compute, axis);
+    return y;
+  }
+  void pointwise_into(cudnnPointwiseMode_t mode, const TensorRef& x, const TensorRef* b, const TensorRef* t,
+                      const TensorRef& y, cudnnDataType_t compute = CUDNN_DATA_FLOAT, int64_t axis = -1) {
+    auto& pw = own(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    pw.set1(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, mode)
+        .set1(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, compute);
+    if (mode == CUDNN_POINTWISE_GEN_INDEX) pw.set1(CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, axis);
+    pw.finalize("pointwise descriptor");
+    auto& op = own(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw)
+        .set_desc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, *x.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, *y.desc);
+    if (b) op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b->desc);
+    if (t) op.set_desc(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *t->desc);
+    op.set1(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1.0f)
+        .set1(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1.0f);
+    op.finalize(fmt::format("pointwise operation (mode {})", static_cast<int>(mode)));
+    ops_.push_back(&op);
+  }
+  // Row reduction over the last dim into y [b, h, s, 1].
+  void reduce_into(cudnnReduceTensorOp_t mode, const TensorRef& x, const TensorRef& y) {
+    auto& red = own(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    red.set1(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, mode)
+        .set1(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, CUDNN_DATA_FLOAT);
+    if (cudnnGetVersion() >= 91100) red.set1(CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, false);
+    red.finalize("reduction descriptor");
+    auto& op = own(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_DESC, red)
+        .set_desc(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, *x.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, *y.desc);
+    op.finalize("reduction operation");
+    ops_.push_back(&op);
+  }
+  void matmul(const TensorRef& a, const TensorRef& b, const TensorRef& c) {
+    auto& mm = own(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
+    mm.set1(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, CUDNN_DATA_FLOAT);
+    mm.finalize("matmul descriptor");
+    auto& op = own(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_ADESC, *a.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_MATMUL_BDESC, *b.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_MATMUL_CDESC, *c.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm);
+    op.finalize("matmul operation");
+    ops_.push_back(&op);
+  }
+  TensorRef reshape(const TensorRef& x, std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type) {
+    TensorRef y = virt(std::move(dims), std::move(strides), type);
+    auto& op = own(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, *x.desc).set_desc(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, *y.desc);
+    op.finalize("reshape operation");
+    ops_.push_back(&op);
+    return y;
+  }
+  // Top-left causal mask: scores of key > query become -inf.
+  TensorRef causal_mask(const TensorRef& scores, const TensorRef& neg_inf) {
+    const TensorRef row = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
+                                    CUDNN_DATA_FLOAT, 2);
+    const TensorRef col = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
+                                    CUDNN_DATA_FLOAT, 3);
+    const TensorRef keep = pointwise(CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
+    return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
+  }
+
+  std::vector<std::unique_ptr<Descriptor>> release_descriptors() { return std::move(owned_); }
+  const std::vector<const Descriptor*>& ops() const { return ops_; }
+
+ private:
+  static std::vector<int64_t> packed(const std::vector<int64_t>& dims) {
+    std::vector<int64_t> s(dims.size(), 1);
+    for (int i = static_cast<int>(dims.size()) - 2; i >= 0; --i) s[i] = s[i + 1] * dims[i + 1];
+    return s;
+  }
+  Descriptor& own(cudnnBackendDescriptorType_t type) {
+    owned_.push_back(std::make_unique<Descriptor>(type));
+    return *owned_.back();
+  }
+  std::vector<std::unique_ptr<Descriptor>> owned_;
+  std::vector<const Descriptor*> ops_;
+  int64_t next_virtual_ = kFirstVirtual;
+};
+
+// An execution plan with everything it was built from.
+struct Plan {
+  std::vector<std::unique_ptr<Descriptor>> graph_parts;
+  std::unique_ptr<Descriptor> graph, heuristics, plan;
+  std::vector<std::unique_ptr<Descriptor>> configs;
+  int64_t workspace = 0;
+};
+
+std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, GraphBuilder& g, const char* what) {
+  auto p = std::make_unique<Plan>();
+  std::vector<cudnnBackendDescriptor_t> ops;
+  for (const Descriptor* d : g.ops()) ops.push_back(d->get());
+  p->graph = std::make_unique<Descriptor>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  p->graph->set1(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, handle)
+      .set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops.size()), ops.data());
+  p->graph->finalize(fmt::format("{} operation graph", what));
+  p->graph_parts = g.release_descriptors();
+
+  p->heuristics = std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+  p->heuristics->set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, *p->graph)
+      .set1(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, CUDNN_HEUR_MODE_A);
+  p->heuristics->finalize(fmt::format("{} heuristics", what));
+  int64_t count = 0;
+  check(cudnnBackendGetAttribute(p->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                 0, &count, nullptr),
+        "engine heuristics count");
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i) {
+    p->configs.push_back(std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+    raw.push_back(p->configs.back()->get());
+  }
+  check(cudnnBackendGetAttribute(p->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                 count, &count, raw.data()),
+        "engine heuristics results");
+  std::string failures;
+  for (int64_t i = 0; i < count; ++i) {
+    try {
+      auto plan = std::make_unique<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+      plan->set1(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, handle)
+          .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *p->configs[i]);
+      plan->finalize(fmt::format("{} execution plan (engine config {})", what, i));
+      int64_t ws = 0, got = 0;
+      check(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
+                                     &got, &ws),
+            "plan workspace size");
+      p->plan = std::move(plan);
+      p->workspace = ws;
+      return p;
+    } catch (const CudnnFailure& e) {
+      failures += std::string("; ") + e.what();
+    }
+  }
+  throw CudnnFailure(fmt::format("{}: none of {} engine configs builds{}", what, count, failures));
+}
+
+void execute(cudnnHandle_t handle, const Plan& plan, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
+             void* workspace) {
+  Descriptor pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()), ptrs.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
+  pack.finalize("variant pack");
+  check(cudnnBackendExecute(handle, plan.plan->get(), pack.get()), "cudnnBackendExecute");
+}
+
+// ---- the attention graphs ----------------------------------------------------------------------
+
+// Layout facts shared by both passes (MHA only: head h's q, k, v are at h*3d, h*3d+d, h*3d+2d).
+struct Dims {
+  int64_t b, h, s, d, rs;  // rs: qkv row stride
+  explicit Dims(const AttentionShape& a)
+      : b(a.batch), h(a.heads), s(a.seq), d(a.head_dim), rs(a.qkv_row_stride()) {}
+  std::vector<int64_t> bhsd() const { return {b, h, s, d}; }
+  std::vector<int64_t> bhds() const { return {b, h, d, s}; }
+  std::vector<int64_t> bhss() const { return {b, h, s, s}; }
+  std::vector<int64_t> bhs1() const { return {b, h, s, 1}; }
+  std::vector<int64_t> qkv_strides() const { return {rs, 3 * d, b * rs, 1}; }      // [b, h, s, d]
+  std::vector<int64_t> qkv_t_strides() const { return {rs, 3 * d, 1, b * rs}; }    // [b, h, d, s]
+  std::vector<int64_t> out_strides() const { return {h * d, d, b * h * d, 1}; }     // [b, h, s, d]
+  std::vector<int64_t> stats_strides() const { return {h * s, s, 1, 1}; }           // [b, h, s, 1]
+  std::vector<int64_t> scores_strides() const { return {h * s * s, s * s, s, 1}; }  // [b, h, s, s]
+  std::vector<int64_t> scores_t_strides() const { return {h * s * s, s * s, 1, s}; }
+};
+
+cudnnDataType_t io_type(DType t) { return t == DType::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
+
+std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const AttentionShape& a, DType dtype) {
+  const Dims n(a);
+  const cudnnDataType_t io = io_type(dtype);
+  GraphBuilder g;
+  const TensorRef q = g.bound(n.bhsd(), n.qkv_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.bhds(), n.qkv_t_strides(), io, kK);
+  const TensorRef v = g.bound(n.bhsd(), n.qkv_strides(), io, kV);
+  const TensorRef scale = g.scalar(kScale);
+  const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
+  g.matmul(q, kt, scores);
+  TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
+  if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
+  // Softmax with statistics: stats = max + log(sum(exp(x - max))), P = exp(x - max) / sum.
+  const TensorRef row_max = g.virt(n.bhs1(), n.stats_strides());
+  g.reduce_into(CUDNN_REDUCE_TENSOR_MAX, x, row_max);
+  const TensorRef shifted = g.pointwise(CUDNN_POINTWISE_SUB, x, &row_max);
+  const TensorRef e = g.pointwise(CUDNN_POINTWISE_EXP, shifted);
+  const TensorRef row_sum = g.virt(n.bhs1(), n.stats_strides());
+  g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
+  const TensorRef log_sum = g.pointwise(CUDNN_POINTWISE_LOG, row_sum);
+  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
+  g.pointwise_into(CUDNN_POINTWISE_ADD, row_max, &log_sum, nullptr, stats);
+  const TensorRef p = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum, nullptr, io);
+  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
+  g.matmul(p, v, o);
+  return build_plan(handle, g, "attention forward");
+}
+
+// deterministic_dq: dQ straight from dS K (what cudnn-frontend builds for deterministic backward);
+// otherwise through an fp32 accumulator in our workspace.
+std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, bool deterministic_dq) {
+  const Dims n(a);
+  const cudnnDataType_t io = io_type(dtype);
+  GraphBuilder g;
+  const TensorRef q = g.bound(n.bhsd(), n.qkv_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.bhds(), n.qkv_t_strides(), io, kK);
+  const TensorRef vt = g.bound(n.bhds(), n.qkv_t_strides(), io, kV);
+  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
+  const TensorRef dout = g.bound(n.bhsd(), n.out_strides(), io, kdO);
+  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
+  const TensorRef dq = g.bound(n.bhsd(), n.qkv_strides(), io, kdQ);
+  const TensorRef dk = g.bound(n.bhsd(), n.qkv_strides(), io, kdK);
+  const TensorRef dv = g.bound(n.bhsd(), n.qkv_strides(), io, kdV);
+  const TensorRef scale = g.scalar(kScale);
+  const TensorRef one = g.scalar(kOne);
+
+  // delta = rowsum(dO * O), materialized in our workspace.
+  const TensorRef prod = g.virt(n.bhsd(), {n.h * n.s * n.d, n.s * n.d, n.h * n.d, 1});
+  g.pointwise_into(CUDNN_POINTWISE_MUL, dout, &o, nullptr, prod);
+  const TensorRef delta_raw = g.virt(n.bhs1(), n.stats_strides());
+  g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, prod, delta_raw);
+  const TensorRef delta = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kSoftmaxSum);
+  g.pointwise_into(CUDNN_POINTWISE_MUL, delta_raw, &one, nullptr, delta);
+
+  // P = exp(scale * Q K^T - stats), masked.
+  const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
+  g.matmul(q, kt, scores);
+  TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
+  x = g.pointwise(CUDNN_POINTWISE_SUB, x, &stats);
+  if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
+  const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
+
+  // dV = P^T dO.
+  const TensorRef pt = g.reshape(p, n.bhss(), n.scores_t_strides(), io);
+  g.matmul(pt, dout, dv);
+  // dS = P * (dO V^T - delta) * scale.
+  const TensorRef dp = g.virt(n.bhss(), n.scores_strides());
+  g.matmul(dout, vt, dp);
+  const TensorRef centered = g.pointwise(CUDNN_POINTWISE_SUB, dp, &delta);
+  const TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
+  const TensorRef ds = g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, &scale);
+  // dK = dS^T Q.
+  const TensorRef dst = g.reshape(ds, n.bhss(), n.scores_t_strides(), io);
+  g.matmul(dst, q, dk);
+  // dQ = dS K.
+  const TensorRef k = g.reshape(kt, n.bhsd(), n.qkv_strides(), CUDNN_DATA_FLOAT);
+  if (deterministic_dq) {
+    g.matmul(ds, k, dq);
+  } else {
+    const TensorRef accum = g.bound(n.bhsd(), {n.h * n.s * n.d, n.s * n.d, n.d, 1}, CUDNN_DATA_FLOAT, kdQAccum);
+    g.matmul(ds, k, accum);
+    g.pointwise_into(CUDNN_POINTWISE_IDENTITY, accum, nullptr, nullptr, dq);
+  }
+  return build_plan(handle, g, deterministic_dq ? "attention backward (deterministic dq)" : "attention backward");
+}
+
+// ---- plan cache --------------------------------------------------------------------------------
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Plans {
+  std::unique_ptr<Plan> forward, backward;
+  bool deterministic_dq = false;
+  std::string error;  // non-empty: this shape is not supported, and why
+  // Backward workspace: [delta][dq accumulator, if used][cuDNN's own]
+  size_t delta_bytes = 0, accum_bytes = 0;
+  size_t backward_bytes() const { return delta_bytes + accum_bytes + static_cast<size_t>(backward->workspace); }
+  size_t bytes() const { return std::max(static_cast<size_t>(forward->workspace), backward_bytes()); }
+};
+
+using Key = std::tuple<int, int, int, int, int, int, bool, int>;  // device, b, s, heads, groups, d, causal, dtype
+
+std::mutex g_mutex;
+std::map<int, cudnnHandle_t> g_handles;
+std::map<Key, std::unique_ptr<Plans>> g_plans;
+
+cudnnHandle_t handle_for(int device) {
+  auto it = g_handles.find(device);
+  if (it != g_handles.end()) return it->second;
+  cudnnHandle_t h = nullptr;
+  check(cudnnCreate(&h), "cudnnCreate");
+  g_handles[device] = h;
+  return h;
+}
+
+std::string unsupported_reason(const AttentionShape& a, DType dtype) {
+  if (dtype != DType::bf16 && dtype != DType::f16) return "it needs bf16 or fp16 activations";
+  if (a.heads != a.groups)
+    return "it reads q/k/v from the packed rows by per-head strides, which GQA's grouped layout does not have";
+  if (a.dropout_p > 0)
+    return "cuDNN draws its own dropout mask, not megatrain's (use --attention-dropout 0 or the flash backend)";
+  if (a.head_dim % 8 != 0 || a.head_dim > 128) return fmt::format("head dim {} (cuDNN needs a multiple of 8, <= 128)", a.head_dim);
+  return "";
+}
+
+// Returns the cached plans for the shape (building them the first time); never null.
+Plans& plans_for(const AttentionShape& a, DType dtype) {
+  int device = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&device));
+  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, static_cast<int>(dtype)};
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_plans.find(key);
+  if (it != g_plans.end()) return *it->second;
+  auto plans = std::make_unique<Plans>();
+  plans->error = unsupported_reason(a, dtype);  // callers check it first too: dropout is not in the key
+  if (plans->error.empty()) {
+    try {
+      cudnnHandle_t handle = handle_for(device);
+      plans->forward = build_forward(handle, a, dtype);
+      try {
+        plans->backward = build_backward(handle, a, dtype, true);
+        plans->deterministic_dq = true;
+      } catch (const CudnnFailure&) {
+        plans->backward = build_backward(handle, a, dtype, false);
+      }
+      const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
+      plans->delta_bytes = align256(rows * sizeof(float));
+      plans->accum_bytes = plans->deterministic_dq ? 0 : align256(rows * a.head_dim * sizeof(float));
+    } catch (const CudnnFailure& e) {
+      plans->forward.reset();
+      plans->backward.reset();
+      plans->error = fmt::format("cuDNN {} has no engine for it: {}", cudnnGetVersion(), e.what());
+    }
+  }
+  return *(g_plans[key] = std::move(plans));
+}
+
+Plans& supported_plans(const AttentionShape& a, DType dtype) {
+  std::string reason = unsupported_reason(a, dtype);
+  Plans* p = reason.empty() ? &plans_for(a, dtype) : nullptr;
+  if (p) reason = p->error;
+  if (!reason.empty())
+    throw Unsupported(fmt::format("--attention-backend fused does not support this attention shape (b={} s={} heads={} "
+                                  "groups={} d={}): {}",
+                                  a.batch, a.seq, a.heads, a.groups, a.head_dim, reason));
+  return *p;
+}
+
+cudnnHandle_t current_handle() {
+  int device = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return handle_for(device);
+}
+
+}  // namespace
+
+int runtime_version() { return static_cast<int>(cudnnGetVersion()); }
+
+bool supported(const AttentionShape& a, DType dtype, std::string* why) {
+  // Shape rules first: the plan cache is keyed by what the plans depend on, not by dropout.
+  std::string reason = unsupported_reason(a, dtype);
+  if (reason.empty()) reason = plans_for(a, dtype).error;
+  if (why) *why = reason;
+  return reason.empty();
+}
+
+size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_plans(a, dtype).bytes(); }
+
+void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,
+             cudaStream_t stream) {
+  const Plans& p = supported_plans(a, qkv.dtype);
+  MT_CHECK(workspace_bytes >= static_cast<size_t>(p.forward->workspace),
+           "fused attention forward workspace has {} bytes, needs {}", workspace_bytes, p.forward->workspace);
+  const cudnnHandle_t handle = current_handle();
+  check(cudnnSetStream(handle, stream), "cudnnSetStream");
+  float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
+  char* base = static_cast<char*>(qkv.data);
+  const size_t head_bytes = static_cast<size_t>(a.head_dim) * dtype_size(qkv.dtype);
+  std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
+  std::vector<void*> ptrs = {base, base + head_bytes, base + 2 * head_bytes, out.data, lse.data, &scale};
+  if (a.causal) {
+    uids.push_back(kNegInf);
+    ptrs.push_back(&neg_inf);
+  }
+  execute(handle, *p.forward, uids, ptrs, workspace);
+}
+
+void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace,
+              size_t workspace_bytes, cudaStream_t stream) {
+  const Plans& p = supported_plans(a, qkv.dtype);
+  MT_CHECK(workspace != nullptr && workspace_bytes >= p.backward_bytes(),
+           "fused attention backward workspace has {} bytes, needs {}", workspace_bytes, p.backward_bytes());
+  const cudnnHandle_t handle = current_handle();
+  check(cudnnSetStream(handle, stream), "cudnnSetStream");
+  float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
+  char* x = static_cast<char*>(qkv.data);
+  char* dx = static_cast<char*>(dqkv.data);
+  const size_t head_bytes = static_cast<size_t>(a.head_dim) * dtype_size(qkv.dtype);
+  char* ws = static_cast<char*>(workspace);
+  std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
+  std::vector<void*> ptrs = {x, x + head_bytes, x + 2 * head_bytes, out.data, dout.data, lse.data,
+                             dx, dx + head_bytes, dx + 2 * head_bytes, &scale, &one, ws};
+  if (a.causal) {
+    uids.push_back(kNegInf);
+    ptrs.push_back(&neg_inf);
+  }
+  if (!p.deterministic_dq) {
+    uids.push_back(kdQAccum);
+    ptrs.push_back(ws + p.delta_bytes);
+  }
+  execute(handle, *p.backward, uids, ptrs, ws + p.delta_bytes + p.accum_bytes);
+}
+
+}  // namespace mt::cuda::cudnn_attention

@@ -1,0 +1,217 @@
+// Cross-entropy over a (possibly vocab-parallel) logits shard, without ever storing probabilities.
+//
+// Forward: one block per row reads the row once (16-byte loads) keeping an online log-sum-exp:
+// a running max m and sum s of exp(x - m), rescaled whenever the max grows; the partial (m, s)
+// pairs of the threads are merged the same way. The target logit is read directly.
+// Backward: dlogits = (exp(x - lse) - onehot(label)) * dloss[row], written over the logits (the
+// in-place case) with the same one-row-per-block layout.
+// logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
+// double-precision reduction (deterministic).
+#include <cmath>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+
+namespace mt::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int64_t load_label(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+// Merge (m2, s2) into (m, s); values are in log2 units (x * log2 e).
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  if (mm == -INFINITY) return;  // both empty
+  s = s * exp2f(m - mm) + s2 * exp2f(m2 - mm);
+  m = mm;
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_forward_kernel(float* lse, float* target, const T* logits, const void* labels,
+                                             bool labels64, int64_t cols, int64_t vocab_start) {
+  __shared__ float sm[kWarp], ss[kWarp];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * cols;
+  float m = -INFINITY, s = 0.0f;  // log2 units
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
+    const Floats<VEC> v = load_vec<VEC>(x + c);
+    float vmax = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) vmax = fmaxf(vmax, v.v[j] * kLog2e);
+    if (vmax == -INFINITY) continue;
+    if (vmax > m) {
+      s *= exp2f(m - vmax);
+      m = vmax;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += exp2f(v.v[j] * kLog2e - m);
+  }
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x / kWarp;
+    m = lane < warps ? sm[lane] : -INFINITY;
+    s = lane < warps ? ss[lane] : 0.0f;
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      lse_merge(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      lse[row] = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
+      const int64_t label = load_label(labels, labels64, row) - vocab_start;
+      target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const void* labels, bool labels64,
+                                              const float* lse, const float* dloss, int64_t cols, int64_t vocab_start) {
+  const int64_t row = blockIdx.x;
+  const float row_lse = lse[row] * kLog2e, g = dloss[row];
+  const int64_t label = load_label(labels, labels64, row) - vocab_start;
+  const T* x = logits + row * cols;
+  T* d = dlogits + row * cols;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
+    Floats<VEC> v = load_vec<VEC>(x + c);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float p = exp2f(v.v[j] * kLog2e - row_lse);
+      v.v[j] = (p - (c + j == label ? 1.0f : 0.0f)) * g;
+    }
+    store_vec<VEC>(d + c, v);
+  }
+}
+
+__global__ void logsumexp_combine_kernel(float* out, const float* parts, int64_t parts_count, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float m = -INFINITY;
+    for (int64_t r = 0; r < parts_count; ++r) m = fmaxf(m, parts[r * n + i]);
+    if (m == -INFINITY) {
+      out[i] = -INFINITY;
+      continue;
+    }
+    float s = 0.0f;
+    for (int64_t r = 0; r < parts_count; ++r) s += expf(parts[r * n + i] - m);
+    out[i] = m + logf(s);
+  }
+}
+
+__device__ __forceinline__ double load_mask(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::bf16: return __bfloat162float(static_cast<const bf16*>(p)[i]);
+    case DType::f16: return __half2float(static_cast<const f16*>(p)[i]);
+    case DType::i32: return static_cast<const int32_t*>(p)[i];
+    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::u8: return static_cast<const uint8_t*>(p)[i];
+  }
+  return 0.0;
+}
+
+constexpr int kLossBlock = 1024;
+
+__global__ void masked_loss_sum_kernel(float* out, const float* loss, const void* mask, DType mask_type, int64_t n,
+                                       bool accumulate) {
+  double ls = 0.0, ms = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const double w = load_mask(mask, mask_type, i);
+    ms += w;
+    if (w != 0.0) ls += static_cast<double>(loss[i]) * w;  // masked-out rows never count, even if not finite
+  }
+  ls = block_sum(ls);
+  ms = block_sum(ms);
+  if (threadIdx.x == 0) {
+    out[0] = static_cast<float>((accumulate ? static_cast<double>(out[0]) : 0.0) + ls);
+    out[1] = static_cast<float>((accumulate ? static_cast<double>(out[1]) : 0.0) + ms);
+  }
+}
+
+constexpr int kRowBlock = 512;
+
+}  // namespace
+
+void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                           int64_t vocab_start) {
+  const int64_t rows = logits.rows(), cols = logits.cols();
+  MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && target.numel() == rows && target.dtype == DType::f32,
+           "cross_entropy_forward: lse and target must be float32 [{}]", rows);
+  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
+           "cross_entropy_forward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
+  MT_CHECK(rows < (int64_t{1} << 31), "cross_entropy_forward: too many rows");
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward", {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(logits.data) && cols % kVec == 0;
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(lse.ptr<float>(), target.ptr<float>(),
+                                                                       logits.ptr<const T>(), labels.data,
+                                                                       labels.dtype == DType::i64, cols, vocab_start);
+    };
+    if (vec) launch(cross_entropy_forward_kernel<T, kVec>);
+    else launch(cross_entropy_forward_kernel<T, 1>);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor logits, Tensor labels, Tensor lse,
+                            Tensor dloss, int64_t vocab_start) {
+  const int64_t rows = logits.rows(), cols = logits.cols();
+  MT_CHECK(dlogits.numel() == logits.numel() && dlogits.dtype == logits.dtype,
+           "cross_entropy_backward: dlogits {} vs logits {}", dlogits.shape_string(), logits.shape_string());
+  MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && dloss.numel() == rows && dloss.dtype == DType::f32,
+           "cross_entropy_backward: lse and dloss must be float32 [{}]", rows);
+  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
+           "cross_entropy_backward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_backward", {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(logits.data) && aligned16(dlogits.data) && cols % kVec == 0;
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
+          dlogits.ptr<T>(), logits.ptr<const T>(), labels.data, labels.dtype == DType::i64, lse.ptr<const float>(),
+          dloss.ptr<const float>(), cols, vocab_start);
+    };
+    if (vec) launch(cross_entropy_backward_kernel<T, kVec>);
+    else launch(cross_entropy_backward_kernel<T, 1>);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts) {
+  const int64_t n = lse_out.numel();
+  MT_CHECK(lse_out.dtype == DType::f32 && lse_parts.dtype == DType::f32 && (n == 0 || lse_parts.numel() % n == 0),
+           "logsumexp_combine: lse_parts {} must be float32 [R, {}]", lse_parts.shape_string(), n);
+  if (n == 0) return;
+  logsumexp_combine_kernel<<<grid_for(n, 256, ctx.num_sms * 8LL), 256, 0, ctx.stream>>>(
+      lse_out.ptr<float>(), lse_parts.ptr<const float>(), lse_parts.numel() / n, n);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate) {
+  MT_CHECK(out.numel() == 2 && out.dtype == DType::f32, "masked_loss_sum: out must be float32 [2]");
+  MT_CHECK(loss.dtype == DType::f32 && mask.numel() == loss.numel(), "masked_loss_sum: loss {} (float32), mask {}",
+           loss.shape_string(), mask.shape_string());
+  masked_loss_sum_kernel<<<1, kLossBlock, 0, ctx.stream>>>(out.ptr<float>(), loss.ptr<const float>(), mask.data,
+                                                           mask.dtype, loss.numel(), accumulate);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

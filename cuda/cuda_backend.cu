@@ -1,0 +1,364 @@
+// CudaBackend: set-up (device, stream, cuBLASLt, scratch), memory and transfers, and the
+// dispatch of every op to its kernel family. See cuda_backend.h.
+#include "cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cuda/attention.h"
+#include "cuda/cuda_check.h"
+
+namespace mt {
+namespace {
+
+template <typename... Ts>
+void on_device(const char* what, const Ts&... ts) {
+  for (const Tensor* t : {&ts...})
+    if (!t->empty() && t->device != Device::cuda)
+      fail("{}: tensor {} is host memory; the CUDA backend works on device tensors", what, t->shape_string());
+}
+
+}  // namespace
+
+void* cuda::Scratch::take(size_t bytes, const char* what) {
+  const size_t start = (used_ + 255) & ~size_t{255};
+  if (start + bytes > bytes_)
+    fail("{}: needs {} bytes of scratch, {} of {} left (the CUDA backend's scratch is sized at construction)", what,
+         bytes, bytes_ - std::min(bytes_, start), bytes_);
+  used_ = start + bytes;
+  return base_ + start;
+}
+
+CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(device_ordinal) {
+  int count = 0;
+  MT_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (device_ordinal < 0 || device_ordinal >= count)
+    fail("CUDA device {} requested but {} device(s) visible (check CUDA_VISIBLE_DEVICES and LOCAL_RANK)",
+         device_ordinal, count);
+  MT_CUDA_CHECK(cudaSetDevice(device_));
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
+  scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
+  gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
+}
+
+CudaBackend::~CudaBackend() {
+  // Destructors must not throw: errors here are ignored (the process is usually ending).
+  cudaStreamSynchronize(stream_);
+  gemm_.reset();
+  for (auto& r : registered_segments_) cudaFree(r.device);
+  if (attention_workspace_) cudaFree(attention_workspace_);
+  if (scratch_memory_) cudaFree(scratch_memory_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+cuda::KernelContext CudaBackend::context() {
+  scratch_.reset();
+  return cuda::KernelContext{stream_, num_sms_, &scratch_};
+}
+
+// ---- memory and transfers -------------------------------------------------------------------------
+void* CudaBackend::allocate(size_t bytes) {
+  void* p = nullptr;
+  if (bytes == 0) return nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err != cudaSuccess) {
+    size_t free_bytes = 0, total = 0;
+    cudaGetLastError();
+    cudaMemGetInfo(&free_bytes, &total);
+    fail("out of GPU memory on device {}: allocating {:.1f} MiB with {:.1f} MiB free of {:.1f} MiB; reduce "
+         "--micro-batch-size or the model size, or add parallelism",
+         device_, bytes / 1048576.0, free_bytes / 1048576.0, total / 1048576.0);
+  }
+  return p;
+}
+
+void CudaBackend::deallocate(void* p) {
+  if (p) MT_CUDA_CHECK(cudaFree(p));
+}
+
+void CudaBackend::copy_from_host(Tensor dst, const void* host_src) {
+  on_device("copy_from_host", dst);
+  if (dst.nbytes() == 0) return;
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst.data, host_src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaBackend::copy_to_host(void* host_dst, Tensor src) {
+  on_device("copy_to_host", src);
+  if (src.nbytes() == 0) return;
+  MT_CUDA_CHECK(cudaMemcpyAsync(host_dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::copy(Tensor dst, Tensor src) {
+  on_device("copy", dst, src);
+  MT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: {} <- {}", dst.shape_string(),
+           src.shape_string());
+  if (dst.nbytes() == 0 || dst.data == src.data) return;
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+// ---- elementwise --------------------------------------------------------------------------------
+void CudaBackend::fill(Tensor t, double value) {
+  on_device("fill", t);
+  cuda::fill(context(), t, value);
+}
+void CudaBackend::cast(Tensor dst, Tensor src) {
+  on_device("cast", dst, src);
+  cuda::cast(context(), dst, src);
+}
+void CudaBackend::axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) {
+  on_device("axpby", out, a, b);
+  cuda::axpby(context(), out, alpha, a, beta, b);
+}
+void CudaBackend::init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) {
+  on_device("init_normal", t);
+  cuda::init_normal(context(), t, key, std, index);
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+void CudaBackend::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                                    int64_t vocab_start) {
+  on_device("embedding_forward", out, tokens, positions, wte, wpe);
+  cuda::embedding_forward(context(), out, tokens, positions, wte, wpe, vocab_start);
+}
+void CudaBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                                     int64_t vocab_start) {
+  on_device("embedding_backward", dwte, dwpe, dout, tokens, positions);
+  cuda::embedding_backward(context(), dwte, dwpe, dout, tokens, positions, vocab_start);
+}
+
+// ---- normalization ------------------------------------------------------------------------------
+void CudaBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
+                               const NormParams& p) {
+  on_device("norm_forward", out, mean, rstd, x, weight, bias);
+  cuda::norm_forward(context(), Tensor(), out, mean, rstd, x, Tensor(), 0.0f, 0, weight, bias, p);
+}
+void CudaBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
+                                   const NormParams& p) {
+  on_device("add_norm_forward", sum, out, mean, rstd, a, b, weight, bias);
+  MT_CHECK(!b.empty(), "add_norm_forward: b is required");
+  cuda::norm_forward(context(), sum, out, mean, rstd, a, b, dropout_p, dropout_key, weight, bias, p);
+}
+void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
+                                Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
+  on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual);
+  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
+}
+
+void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                                  Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_forward", out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias);
+  cuda::qk_norm_forward(context(), out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias, r, p);
+}
+void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
+                                   Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight,
+                                   Tensor k_weight, const RopeShape& r, const NormParams& p) {
+  on_device("qk_norm_backward", dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+            k_weight);
+  cuda::qk_norm_backward(context(), dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
+                         k_weight, r, p);
+}
+
+// ---- linear layers ------------------------------------------------------------------------------
+void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) {
+  on_device("linear_forward", y, x, w, bias, pre_act);
+  cuda::linear_forward(*gemm_, context(), y, x, w, bias, act, pre_act);
+}
+void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
+                                        Tensor pre_act) {
+  on_device("linear_backward_input", dx, dy, w, pre_act);
+  cuda::linear_backward_input(*gemm_, context(), dx, dy, w, accumulate, act, pre_act);
+}
+void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+  on_device("linear_backward_weight", dw, dbias, dy, x);
+  cuda::linear_backward_weight(*gemm_, context(), dw, dbias, dy, x);
+}
+
+// ---- activations --------------------------------------------------------------------------------
+void CudaBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
+  on_device("gelu_forward", out, in);
+  cuda::gelu_forward(context(), out, in, tanh_approx);
+}
+void CudaBackend::gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
+  on_device("gelu_backward", din, dout, in);
+  cuda::gelu_backward(context(), din, dout, in, tanh_approx);
+}
+void CudaBackend::swiglu_forward(Tensor out, Tensor in) {
+  on_device("swiglu_forward", out, in);
+  cuda::swiglu_forward(context(), out, in);
+}
+void CudaBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
+  on_device("swiglu_backward", din, dout, in);
+  cuda::swiglu_backward(context(), din, dout, in);
+}
+void CudaBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
+                                   uint64_t dropout_key) {
+  on_device("bias_dropout_add", out, x, bias, residual);
+  cuda::bias_dropout_add(context(), out, x, bias, residual, dropout_p, dropout_key);
+}
+void CudaBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) {
+  on_device("dropout_backward", dx, dout);
+  cuda::dropout_backward(context(), dx, dout, dropout_p, dropout_key);
+}
+
+// ---- rotary embeddings --------------------------------------------------------------------------
+void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
+  on_device("rope_forward", qkv, positions, cos_sin);
+  cuda::rope(context(), qkv, positions, cos_sin, r, false);
+}
+void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
+  on_device("rope_backward", dqkv, positions, cos_sin);
+  cuda::rope(context(), dqkv, positions, cos_sin, r, true);
+}
+
+// ---- attention (cuda/attention_*.cu) ------------------------------------------------------------
+void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend) {
+  attention_backend_ = backend;
+  // The activation dtype is not known here: size for both 16-bit types (what one cannot run, the
+  // other may; a dtype neither supports fails at the call with a message).
+  size_t need = 0;
+  bool any = false;
+  std::string why;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    try {
+      need = std::max(need, cuda::attention_workspace_bytes(a, backend, dt));
+      any = true;
+    } catch (const Unsupported& e) {
+      why = e.what();
+    }
+  }
+  if (!any) throw Unsupported(why);
+  if (need <= attention_workspace_bytes_) return;
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));
+  attention_workspace_ = nullptr;
+  attention_workspace_bytes_ = 0;
+  attention_workspace_ = allocate(need);
+  attention_workspace_bytes_ = need;
+}
+
+void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
+  on_device("attention_forward", out, lse, qkv);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
+  MT_CHECK(need <= attention_workspace_bytes_,
+           "attention_forward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
+           attention_workspace_bytes_);
+  cuda::attention_forward(out, lse, qkv, a, attention_backend_, attention_workspace_, attention_workspace_bytes_,
+                          stream_);
+}
+
+void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                     const AttentionShape& a) {
+  on_device("attention_backward", dqkv, dout, out, lse, qkv);
+  const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
+  MT_CHECK(need <= attention_workspace_bytes_,
+           "attention_backward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
+           attention_workspace_bytes_);
+  cuda::attention_backward(dqkv, dout, out, lse, qkv, a, attention_backend_, attention_workspace_,
+                           attention_workspace_bytes_, stream_);
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+void CudaBackend::cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels, int64_t vocab_start) {
+  on_device("cross_entropy_forward", lse, target, logits, labels);
+  cuda::cross_entropy_forward(context(), lse, target, logits, labels, vocab_start);
+}
+void CudaBackend::cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
+                                         int64_t vocab_start) {
+  on_device("cross_entropy_backward", dlogits, logits, labels, lse, dloss);
+  cuda::cross_entropy_backward(context(), dlogits, logits, labels, lse, dloss, vocab_start);
+}
+void CudaBackend::logsumexp_combine(Tensor lse_out, Tensor lse_parts) {
+  on_device("logsumexp_combine", lse_out, lse_parts);
+  cuda::logsumexp_combine(context(), lse_out, lse_parts);
+}
+void CudaBackend::masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) {
+  on_device("masked_loss_sum", out, loss, mask);
+  cuda::masked_loss_sum(context(), out, loss, mask, accumulate);
+}
+
+// ---- optimizer ----------------------------------------------------------------------------------
+void CudaBackend::register_optim_segments(std::span<const OptimSegment> segments) {
+  for (const auto& r : registered_segments_)
+    if (r.host.size() == segments.size() && std::equal(segments.begin(), segments.end(), r.host.begin(),
+                                                         [](const OptimSegment& x, const OptimSegment& y) {
+                                                           return x.offset == y.offset && x.count == y.count &&
+                                                                  x.group == y.group;
+                                                         }))
+      return;
+  RegisteredSegments r;
+  r.host.assign(segments.begin(), segments.end());
+  std::vector<cuda::DeviceSegment> table(segments.size());
+  cuda::build_segment_table(segments, table.data(), &r.total_chunks);
+  for (const auto& s : segments) r.max_end = std::max(r.max_end, s.offset + s.count);
+  if (!table.empty()) {
+    r.device = static_cast<cuda::DeviceSegment*>(allocate(table.size() * sizeof(cuda::DeviceSegment)));
+    MT_CUDA_CHECK(cudaMemcpyAsync(r.device, table.data(), table.size() * sizeof(cuda::DeviceSegment),
+                                  cudaMemcpyHostToDevice, stream_));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  registered_segments_.push_back(std::move(r));
+}
+
+cuda::SegmentArg CudaBackend::segment_arg(std::span<const OptimSegment> segments, int64_t numel, const char* what) {
+  cuda::SegmentArg arg;
+  if (segments.empty()) {  // the whole tensor
+    const OptimSegment whole{0, numel, 0};
+    cuda::build_segment_table(std::span<const OptimSegment>(&whole, 1), arg.inline_segments, &arg.total_chunks);
+    arg.count = 1;
+    return arg;
+  }
+  for (const auto& r : registered_segments_) {
+    if (r.host.size() != segments.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < segments.size() && same; ++i)
+      same = r.host[i].offset == segments[i].offset && r.host[i].count == segments[i].count &&
+             r.host[i].group == segments[i].group;
+    if (!same) continue;
+    MT_CHECK(r.max_end <= numel, "{}: segments reach element {} of a {}-element buffer", what, r.max_end, numel);
+    arg.table = r.device;
+    arg.count = static_cast<int>(segments.size());
+    arg.total_chunks = r.total_chunks;
+    return arg;
+  }
+  if (segments.size() > static_cast<size_t>(cuda::kInlineSegments))
+    fail("{}: a list of {} optimizer segments was not registered; call Backend::register_optim_segments with it at "
+         "set-up (lists of up to {} work unregistered)", what, segments.size(), cuda::kInlineSegments);
+  int64_t max_end = 0;
+  for (const auto& s : segments) max_end = std::max(max_end, s.offset + s.count);
+  MT_CHECK(max_end <= numel, "{}: segments reach element {} of a {}-element buffer", what, max_end, numel);
+  cuda::build_segment_table(segments, arg.inline_segments, &arg.total_chunks);
+  arg.count = static_cast<int>(segments.size());
+  return arg;
+}
+
+void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
+                             std::span<const OptimSegment> segments, const OptimStepParams& p) {
+  on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
+  cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
+                   segment_arg(segments, master.numel(), "adamw_step"), p);
+}
+void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+                           std::span<const OptimSegment> segments, const OptimStepParams& p) {
+  on_device("sgd_step", master, grad, momentum, model_param);
+  cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
+}
+void CudaBackend::sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
+  on_device("sum_squares", out, x);
+  cuda::sum_squares(context(), out, x, segment_arg(segments, x.numel(), "sum_squares"), accumulate);
+}
+void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
+  on_device("count_zeros", out, x);
+  cuda::count_zeros(context(), out, x, segment_arg(segments, x.numel(), "count_zeros"), accumulate);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal) {
+  return std::make_unique<CudaBackend>(device_ordinal);
+}
+
+}  // namespace mt

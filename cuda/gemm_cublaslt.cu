@@ -1,0 +1,363 @@
+// cuBLASLt GEMMs for the linear layers; see gemm_cublaslt.h.
+//
+// The three mappings from row-major tensors to one column-major GEMM D[m, n] = op(A) op(B):
+//   forward         y[M,N]  = x[M,K] w[N,K]^T : m=N n=M k=K, A = w (transposed, ld K), B = x (ld K), D = y (ld N)
+//   backward input  dx[M,K] = dy[M,N] w[N,K]  : m=K n=M k=N, A = w (ld K), B = dy (ld N), D = dx (ld K)
+//   backward weight dw[N,K] += dy^T x         : m=K n=N k=M, A = x (ld K), B = dy (transposed, ld N), D = dw (ld K)
+// Epilogues: BIAS (bias per row of D = per output feature), GELU_AUX(_BIAS) and DGELU for the tanh
+// GeLU only (cuBLASLt's GELU is the tanh approximation; the erf GeLU runs as a separate kernel),
+// BGRADB for the bias gradient (column sums of dy over the GEMM's k = M), written to scratch and
+// then added, since the epilogue overwrites and parameter gradients accumulate.
+#include "cuda/gemm_cublaslt.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+
+namespace mt::cuda {
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: fail("GEMM: dtype {} is not supported (float32, bfloat16, float16)", dtype_name(t));
+  }
+}
+
+cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
+    case GemmEpilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
+    case GemmEpilogue::gelu: return CUBLASLT_EPILOGUE_GELU;
+    case GemmEpilogue::gelu_bias: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case GemmEpilogue::gelu_aux: return CUBLASLT_EPILOGUE_GELU_AUX;
+    case GemmEpilogue::gelu_aux_bias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case GemmEpilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
+    case GemmEpilogue::bgradb: return CUBLASLT_EPILOGUE_BGRADB;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// Alignment of a pointer in bytes, capped at 256 (cuBLASLt's default assumption).
+uint16_t alignment_of(const void* p) {
+  if (!p) return 256;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uintptr_t al = a & (~a + 1);
+  return static_cast<uint16_t>(std::min<uintptr_t>(al, 256));
+}
+
+template <typename V>
+void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& v) {
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v)));
+}
+
+}  // namespace
+
+bool GemmRunner::Key::operator==(const Key& o) const {
+  return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldd == o.ldd && aux_ld == o.aux_ld &&
+         trans_a == o.trans_a && trans_b == o.trans_b && a_type == o.a_type && b_type == o.b_type &&
+         d_type == o.d_type && epilogue == o.epilogue && accumulate == o.accumulate && align_a == o.align_a &&
+         align_b == o.align_b && align_d == o.align_d && align_bias == o.align_bias && align_aux == o.align_aux;
+}
+
+size_t GemmRunner::KeyHash::operator()(const Key& k) const {
+  size_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
+  for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd, k.aux_ld}) mix(static_cast<uint64_t>(v));
+  for (unsigned v : {k.trans_a, k.trans_b, k.a_type, k.b_type, k.d_type, k.epilogue, k.accumulate}) mix(v);
+  for (unsigned v : {k.align_a, k.align_b, k.align_d, k.align_bias, k.align_aux}) mix(v);
+  return h;
+}
+
+GemmRunner::GemmRunner(cudaStream_t stream, size_t workspace_bytes)
+    : stream_(stream), workspace_bytes_(workspace_bytes) {
+  MT_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  MT_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+GemmRunner::~GemmRunner() {
+  for (auto& [key, p] : plans_) {
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  }
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
+  Plan p;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, ta);
+  set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, tb);
+  set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(c.epilogue));
+  // The heuristic reads the epilogue pointers' values for their alignment.
+  if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
+  if (c.aux) {
+    set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+    set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
+  }
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(c.a_type), c.trans_a ? c.k : c.m, c.trans_a ? c.m : c.k,
+                                             c.lda));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(c.b_type), c.trans_b ? c.n : c.k, c.trans_b ? c.k : c.n,
+                                             c.ldb));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, cuda_type(c.d_type), c.m, c.n, c.ldd));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = workspace_bytes_;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const uint32_t al_a = key.align_a, al_b = key.align_b, al_d = key.align_d;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, 4));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, 4));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+    p.ok = true;
+    p.algo = result.algo;
+  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+    MT_CUBLAS_CHECK(st);
+  }
+  return p;
+}
+
+bool GemmRunner::try_run(const GemmCall& c) {
+  Key key{c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.aux ? c.aux_ld : 0,
+          c.trans_a, c.trans_b, static_cast<uint8_t>(c.a_type), static_cast<uint8_t>(c.b_type),
+          static_cast<uint8_t>(c.d_type), static_cast<uint8_t>(c.epilogue), c.beta != 0.0f,
+          alignment_of(c.a), alignment_of(c.b), alignment_of(c.d), alignment_of(c.bias), alignment_of(c.aux)};
+  auto it = plans_.find(key);
+  if (it == plans_.end()) it = plans_.emplace(key, make_plan(c, key)).first;
+  Plan& p = it->second;
+  if (!p.ok) return false;
+  if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
+  if (c.aux) set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+  const cublasStatus_t st = cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d,
+                                           p.d, &p.algo, workspace_, workspace_bytes_, stream_);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // an epilogue the chosen kernel cannot do after all: decline
+    p.ok = false;
+    return false;
+  }
+  MT_CUBLAS_CHECK(st);
+  return true;
+}
+
+void GemmRunner::run(const GemmCall& c, const char* what) {
+  if (!try_run(c))
+    fail("{}: cuBLASLt has no algorithm for m={} n={} k={} ({} x {} -> {})", what, c.m, c.n, c.k,
+         dtype_name(c.a_type), dtype_name(c.b_type), dtype_name(c.d_type));
+}
+
+// ---- column sums for the bias gradient (when the BGRADB epilogue is off or unavailable) ----------
+namespace {
+
+constexpr int kColThreads = 32, kRowThreads = 8;
+
+// Block (32 x 8) sums rows [chunk_begin, chunk_end) of a strip of 32 * VEC columns: thread row ty
+// takes every 8th row, then the 8 partial sums are added in ty order.
+template <typename T, int VEC>
+__global__ void column_partial_kernel(float* partial, const T* dy, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+  __shared__ float acc[kRowThreads][kColThreads * VEC];
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kColThreads + threadIdx.x) * VEC;
+  const int64_t r_begin = blockIdx.y * rows_per_chunk, r_end = std::min(rows, r_begin + rows_per_chunk);
+  float s[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = 0.0f;
+  if (c0 < cols) {
+    for (int64_t r = r_begin + threadIdx.y; r < r_end; r += kRowThreads) {
+      const Floats<VEC> v = load_vec<VEC>(dy + r * cols + c0);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[j] += v.v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[threadIdx.y][threadIdx.x * VEC + j] = s[j];
+  __syncthreads();
+  if (threadIdx.y == 0 && c0 < cols) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float t = 0.0f;
+      for (int y = 0; y < kRowThreads; ++y) t += acc[y][threadIdx.x * VEC + j];
+      partial[blockIdx.y * cols + c0 + j] = t;
+    }
+  }
+}
+
+__global__ void column_finish_kernel(float* dbias, const float* partial, int chunks, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+  for (int g = 0; g < chunks; ++g) s += partial[g * cols + c];
+  dbias[c] += s;
+}
+
+}  // namespace
+
+void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy) {
+  const int64_t rows = dy.rows(), cols = dy.cols();
+  MT_CHECK(dbias.numel() == cols && dbias.dtype == DType::f32, "bias gradient must be float32 [{}], got {}", cols,
+           dbias.shape_string());
+  if (rows == 0 || cols == 0) return;
+  MT_DISPATCH_FLOAT(dy.dtype, T, "bias gradient", {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(dy.data) && cols % kVec == 0;
+    const int per_block_cols = kColThreads * (vec ? kVec : 1);
+    const int64_t strips = (cols + per_block_cols - 1) / per_block_cols;
+    // Enough row chunks to fill the GPU about four times over; a function of the shape only.
+    int64_t chunks = std::max<int64_t>(1, (4LL * ctx.num_sms + strips - 1) / strips);
+    chunks = std::min<int64_t>({chunks, 256, (rows + kRowThreads - 1) / kRowThreads});
+    const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+    chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+    float* partial = ctx.scratch->take_array<float>(chunks * cols, "bias gradient partial sums");
+    const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks)), block(kColThreads, kRowThreads);
+    if (vec)
+      column_partial_kernel<T, kVec><<<grid, block, 0, ctx.stream>>>(partial, dy.ptr<const T>(), rows, cols, rows_per_chunk);
+    else
+      column_partial_kernel<T, 1><<<grid, block, 0, ctx.stream>>>(partial, dy.ptr<const T>(), rows, cols, rows_per_chunk);
+    MT_CUDA_CHECK_LAUNCH();
+    column_finish_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, ctx.stream>>>(
+        dbias.ptr<float>(), partial, static_cast<int>(chunks), cols);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+// ---- linear layers ------------------------------------------------------------------------------
+void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor x, Tensor w, Tensor bias,
+                    Activation act, Tensor pre_act) {
+  const int64_t M = x.rows(), K = x.cols(), N = w.rows();
+  MT_CHECK(w.cols() == K && y.rows() == M && y.cols() == N, "linear_forward: y {} = x {} . w {}^T", y.shape_string(),
+           x.shape_string(), w.shape_string());
+  MT_CHECK(x.dtype == w.dtype && y.dtype == x.dtype, "linear_forward: dtypes of y, x, w differ");
+  MT_CHECK(bias.empty() || (bias.numel() == N && bias.dtype == x.dtype), "linear_forward: bias {}", bias.shape_string());
+  MT_CHECK(pre_act.empty() || (pre_act.numel() == M * N && pre_act.dtype == y.dtype), "linear_forward: pre_act {}",
+           pre_act.shape_string());
+  MT_CHECK(K > 0, "linear_forward: empty reduction dimension");
+  if (M == 0 || N == 0) return;
+  GemmCall c;
+  c.trans_a = true;
+  c.m = N, c.n = M, c.k = K;
+  c.a = w.data, c.a_type = w.dtype, c.lda = K;
+  c.b = x.data, c.b_type = x.dtype, c.ldb = K;
+  c.d_type = y.dtype, c.ldd = N;
+  const bool has_bias = !bias.empty();
+  if (act == Activation::gelu_tanh && gemm.use_gelu_epilogue) {
+    c.d = y.data;
+    c.bias = bias.data;
+    if (pre_act.empty()) {
+      c.epilogue = has_bias ? GemmEpilogue::gelu_bias : GemmEpilogue::gelu;
+      if (gemm.try_run(c)) return;
+    } else if (N % 8 == 0) {  // cuBLASLt needs the aux leading dimension divisible by 8
+      c.epilogue = has_bias ? GemmEpilogue::gelu_aux_bias : GemmEpilogue::gelu_aux;
+      c.aux = pre_act.data;
+      c.aux_ld = N;
+      if (gemm.try_run(c)) return;
+    }
+  }
+  // GEMM (+ bias) into the pre-activation, then the activation as its own kernel.
+  const Tensor target = (act != Activation::none && !pre_act.empty()) ? pre_act : y;
+  c.d = target.data;
+  c.epilogue = has_bias ? GemmEpilogue::bias : GemmEpilogue::none;
+  c.bias = bias.data;
+  c.aux = nullptr;
+  c.aux_ld = 0;
+  gemm.run(c, "linear_forward");
+  if (act != Activation::none) gelu_forward(ctx, y, target, act == Activation::gelu_tanh);
+}
+
+void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
+                           bool accumulate, Activation act, Tensor pre_act) {
+  const int64_t M = dy.rows(), N = dy.cols(), K = w.cols();
+  MT_CHECK(w.rows() == N && dx.rows() == M && dx.cols() == K, "linear_backward_input: dx {} = dy {} . w {}",
+           dx.shape_string(), dy.shape_string(), w.shape_string());
+  MT_CHECK(dy.dtype == w.dtype && dx.dtype == dy.dtype, "linear_backward_input: dtypes of dx, dy, w differ");
+  MT_CHECK(N > 0, "linear_backward_input: empty reduction dimension");
+  if (M == 0 || K == 0) return;
+  GemmCall c;
+  c.m = K, c.n = M, c.k = N;
+  c.a = w.data, c.a_type = w.dtype, c.lda = K;
+  c.b = dy.data, c.b_type = dy.dtype, c.ldb = N;
+  c.d = dx.data, c.d_type = dx.dtype, c.ldd = K;
+  if (act == Activation::none) {
+    c.beta = accumulate ? 1.0f : 0.0f;
+    gemm.run(c, "linear_backward_input");
+    return;
+  }
+  MT_CHECK(pre_act.numel() == M * K && pre_act.dtype == dx.dtype, "linear_backward_input: pre_act {} for dx {}",
+           pre_act.shape_string(), dx.shape_string());
+  const bool tanh_approx = act == Activation::gelu_tanh;
+  if (!accumulate) {
+    if (tanh_approx && gemm.use_gelu_epilogue && K % 8 == 0) {
+      c.epilogue = GemmEpilogue::dgelu;
+      c.aux = pre_act.data;
+      c.aux_ld = K;
+      if (gemm.try_run(c)) return;
+      c.epilogue = GemmEpilogue::none;
+      c.aux = nullptr;
+      c.aux_ld = 0;
+    }
+    gemm.run(c, "linear_backward_input");
+    gelu_grad_multiply(ctx, dx, dx, pre_act, tanh_approx, false);
+    return;
+  }
+  // dx += (dy . w) * act'(pre_act): the product goes through float32 scratch, a row chunk at a time.
+  const int64_t chunk = std::min<int64_t>(M, static_cast<int64_t>(ctx.scratch->remaining() / (K * sizeof(float))));
+  MT_CHECK(chunk >= 1, "linear_backward_input: scratch too small for one row of {} floats", K);
+  float* tmp = ctx.scratch->take_array<float>(chunk * K, "linear_backward_input accumulate");
+  const size_t dy_elem = dtype_size(dy.dtype);
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    const int64_t rows = std::min(chunk, M - r0);
+    GemmCall cc = c;
+    cc.n = rows;
+    cc.b = static_cast<const char*>(dy.data) + r0 * N * dy_elem;
+    cc.d = tmp, cc.d_type = DType::f32, cc.ldd = K;
+    gemm.run(cc, "linear_backward_input");
+    gelu_grad_multiply(ctx, dx.row_slice(r0, rows), Tensor(tmp, DType::f32, Device::cuda, {rows, K}),
+                       pre_act.view({M, K}).row_slice(r0, rows), tanh_approx, true);
+  }
+}
+
+void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+  const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
+  MT_CHECK(x.rows() == M && dw.rows() == N && dw.cols() == K, "linear_backward_weight: dw {} += dy {}^T . x {}",
+           dw.shape_string(), dy.shape_string(), x.shape_string());
+  MT_CHECK(dy.dtype == x.dtype, "linear_backward_weight: dtypes of dy and x differ");
+  MT_CHECK(dw.dtype == DType::f32 || dw.dtype == x.dtype, "linear_backward_weight: dw must be float32 (main grad)");
+  MT_CHECK(dbias.empty() || (dbias.numel() == N && dbias.dtype == DType::f32),
+           "linear_backward_weight: dbias must be float32 [{}]", N);
+  if (M == 0 || N == 0 || K == 0) return;
+  GemmCall c;
+  c.trans_b = true;
+  c.m = K, c.n = N, c.k = M;
+  c.a = x.data, c.a_type = x.dtype, c.lda = K;
+  c.b = dy.data, c.b_type = dy.dtype, c.ldb = N;
+  c.d = dw.data, c.d_type = dw.dtype, c.ldd = K;
+  c.beta = 1.0f;
+  if (!dbias.empty() && gemm.use_bias_grad_epilogue && dw.dtype == DType::f32) {
+    float* tmp = ctx.scratch->take_array<float>(N, "bias gradient");
+    c.epilogue = GemmEpilogue::bgradb;
+    c.bias = tmp;
+    if (gemm.try_run(c)) {
+      add_f32(ctx, dbias.ptr<float>(), tmp, N);
+      return;
+    }
+    c.epilogue = GemmEpilogue::none;
+    c.bias = nullptr;
+  }
+  gemm.run(c, "linear_backward_weight");
+  if (!dbias.empty()) column_sum_accumulate(ctx, dbias, dy);
+}
+
+}  // namespace mt::cuda

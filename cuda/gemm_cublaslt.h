@@ -1,0 +1,110 @@
+// GEMMs on cuBLASLt: the three linear-layer ops of engine/backend.h and the plan cache behind them.
+//
+// Row-major y[M, N] = x[M, K] . w[N, K]^T is, read column-major, y^T[N, M] = w^T . x^T: so each op
+// is one column-major cuBLASLt GEMM with the operands swapped (see gemm_cublaslt.cu for the three
+// mappings). Inputs bf16/fp16 (or fp32), fp32 compute; weight gradients accumulate (beta = 1)
+// into fp32 main grads.
+//
+// Plans (descriptors, layouts and the heuristic's algorithm) are cached per (shape, dtypes,
+// epilogue, alignment) in a map filled at first use. cublasLtMatmulAlgoGetHeuristic costs tens of
+// microseconds, so every shape must be used once before the timed steps (the engine's warm-up or
+// plan step does this); afterwards a call is a map look-up, two attribute sets and the launch.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "core/tensor.h"
+#include "cuda/kernels.h"
+#include "engine/backend.h"
+
+#define MT_CUBLAS_CHECK(expr)                                                                            \
+  do {                                                                                                   \
+    cublasStatus_t mt_status_ = (expr);                                                                  \
+    if (mt_status_ != CUBLAS_STATUS_SUCCESS)                                                             \
+      ::mt::fail("cuBLASLt error {} ({}) in {} at {}:{}", static_cast<int>(mt_status_),                 \
+                 cublasLtGetStatusString(mt_status_), #expr, __FILE__, __LINE__);                        \
+  } while (0)
+
+namespace mt::cuda {
+
+enum class GemmEpilogue : uint8_t { none, bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias, dgelu, bgradb };
+
+// Column-major D[m, n] = alpha * op(A) op(B) + beta * D, with op(A) [m, k] and op(B) [k, n].
+struct GemmCall {
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  DType a_type = DType::bf16;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  DType b_type = DType::bf16;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  DType d_type = DType::bf16;
+  int64_t ldd = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  GemmEpilogue epilogue = GemmEpilogue::none;
+  void* bias = nullptr;  // bias input (bias epilogues) or bias-gradient output (bgradb)
+  void* aux = nullptr;   // GELU input: written by gelu_aux*, read by dgelu
+  int64_t aux_ld = 0;
+};
+
+class GemmRunner {
+ public:
+  GemmRunner(cudaStream_t stream, size_t workspace_bytes);
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+
+  // Runs the GEMM. Returns false without running anything when cuBLASLt offers no algorithm for
+  // it; callers use that to fall back from a fused epilogue to separate kernels.
+  bool try_run(const GemmCall& call);
+  void run(const GemmCall& call, const char* what);
+  size_t cached_plans() const { return plans_.size(); }
+
+  // Fused epilogues can be switched off (benchmarks compare both ways).
+  bool use_bias_grad_epilogue = true;
+  bool use_gelu_epilogue = true;
+
+ private:
+  struct Key {
+    int64_t m, n, k, lda, ldb, ldd, aux_ld;
+    uint8_t trans_a, trans_b, a_type, b_type, d_type, epilogue, accumulate;
+    uint16_t align_a, align_b, align_d, align_bias, align_aux;
+    bool operator==(const Key& o) const;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const;
+  };
+  struct Plan {
+    bool ok = false;
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  Plan make_plan(const GemmCall& call, const Key& key);
+
+  cudaStream_t stream_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::unordered_map<Key, Plan, KeyHash> plans_;
+};
+
+// The linear-layer ops (semantics in engine/backend.h).
+void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor x, Tensor w, Tensor bias,
+                    Activation act, Tensor pre_act);
+void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
+                           bool accumulate, Activation act, Tensor pre_act);
+void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
+
+// dbias[N] += column sums of dy[M, N], deterministic (fixed two-stage order); float32 dbias.
+void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
+
+}  // namespace mt::cuda

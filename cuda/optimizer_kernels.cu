@@ -1,0 +1,335 @@
+// Optimizer kernels on the flat float32 buffers: AdamW and SGD (momentum) as one multi-tensor
+// launch each, and the deterministic reductions behind the gradient norm and the zero count.
+//
+// Multi-tensor layout: the segment list (offset, count, group) is cut into chunks of kOptimChunk
+// elements; the grid strides over chunks and each block finds its chunk's segment by binary search
+// on the prefix chunk counts. The list comes from a table uploaded once at set-up
+// (Backend::register_optim_segments) or, when short, by value with the launch, so a step uploads
+// nothing. Per-group learning rate and weight decay are kernel arguments.
+//
+// AdamW is Megatron's (Apex FusedAdam, adam_w_mode): g = grad * grad_scale;
+// m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p)
+// with bc = 1 - beta^step; the new p is also written to the bf16/fp16 model copy in the same pass.
+// SGD is torch.optim.SGD's: g = grad * grad_scale + wd p; buf = momentum buf + g; p -= lr buf.
+//
+// sum_squares / count_zeros: a fixed grid (a function of the size only) writes one partial per
+// block, and one block adds the partials in order: bit-identical results from run to run.
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+
+namespace mt::cuda {
+
+void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks) {
+  int64_t chunks = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const OptimSegment& s = segments[i];
+    MT_CHECK(s.offset >= 0 && s.count >= 0, "optimizer segment {} has offset {} count {}", i, s.offset, s.count);
+    MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "optimizer segment {} has group {} (max {})", i,
+             s.group, OptimStepParams::kMaxGroups);
+    out[i] = DeviceSegment{s.offset, s.count, chunks, s.group, 0};
+    chunks += (s.count + kOptimChunk - 1) / kOptimChunk;
+  }
+  *total_chunks = chunks;
+}
+
+namespace {
+
+__device__ __forceinline__ DeviceSegment segment_at(const SegmentArg& a, int i) {
+  return a.table ? a.table[i] : a.inline_segments[i];
+}
+
+// The element range [begin, end) of `chunk` and its segment's group.
+__device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, int64_t& begin, int64_t& end,
+                                            int& group) {
+  int lo = 0, hi = a.count - 1;  // last segment with first_chunk <= chunk
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (segment_at(a, mid).first_chunk <= chunk) lo = mid;
+    else hi = mid - 1;
+  }
+  const DeviceSegment s = segment_at(a, lo);
+  begin = s.offset + (chunk - s.first_chunk) * kOptimChunk;
+  end = min(begin + kOptimChunk, s.offset + s.count);
+  group = s.group;
+}
+
+struct AdamArgs {
+  float* master;
+  const float* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* model;
+  float lr[OptimStepParams::kMaxGroups];
+  float wd[OptimStepParams::kMaxGroups];
+  float beta1, beta2, eps, bias_correction1, bias_correction2, grad_scale;
+};
+
+template <typename M>
+__device__ __forceinline__ void adam_update(const AdamArgs& a, int64_t i, float lr, float wd) {
+  const float g = a.grad[i] * a.grad_scale;
+  const float m = a.beta1 * a.exp_avg[i] + (1.0f - a.beta1) * g;
+  const float v = a.beta2 * a.exp_avg_sq[i] + (1.0f - a.beta2) * g * g;
+  float p = a.master[i];
+  const float denom = sqrtf(v / a.bias_correction2) + a.eps;
+  p -= lr * ((m / a.bias_correction1) / denom + wd * p);
+  a.exp_avg[i] = m;
+  a.exp_avg_sq[i] = v;
+  a.master[i] = p;
+  if constexpr (!std::is_void_v<M>) static_cast<M*>(a.model)[i] = from_float<M>(p);
+}
+
+
+// Four model-copy values at p (p 8-byte aligned for 16-bit types, 16-byte for float).
+template <typename M>
+__device__ __forceinline__ void store4(M* p, const float4& v) {
+  if constexpr (std::is_same_v<M, float>) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    M e[4] = {from_float<M>(v.x), from_float<M>(v.y), from_float<M>(v.z), from_float<M>(v.w)};
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+  }
+}
+
+__device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, float b1, float b2, float bc1,
+                                          float bc2, float eps, float lr, float wd) {
+  m = b1 * m + (1.0f - b1) * g;
+  v = b2 * v + (1.0f - b2) * g * g;
+  const float denom = sqrtf(v / bc2) + eps;
+  return p - lr * ((m / bc1) / denom + wd * p);
+}
+
+// Elements [begin, end) of a chunk: 16-byte accesses when the run starts 4-aligned (and the
+// buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
+template <typename M>
+__device__ __forceinline__ void adam_range(const AdamArgs& a, int64_t begin, int64_t end, float lr, float wd, bool vec) {
+  int64_t scalar_from = begin;
+  if (vec && (begin & 3) == 0) {
+    const int64_t nvec = (end - begin) / 4;
+    for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+      const int64_t i = begin + 4 * q;
+      const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+      float4 m = *reinterpret_cast<const float4*>(a.exp_avg + i);
+      float4 v = *reinterpret_cast<const float4*>(a.exp_avg_sq + i);
+      float4 p = *reinterpret_cast<const float4*>(a.master + i);
+      const float s = a.grad_scale;
+      p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+      *reinterpret_cast<float4*>(a.exp_avg + i) = m;
+      *reinterpret_cast<float4*>(a.exp_avg_sq + i) = v;
+      *reinterpret_cast<float4*>(a.master + i) = p;
+      if constexpr (!std::is_void_v<M>) store4(static_cast<M*>(a.model) + i, p);
+    }
+    scalar_from = begin + 4 * nvec;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd);
+}
+
+template <typename M>
+__global__ void adamw_kernel(AdamArgs a, SegmentArg segs, bool vec) {
+  for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
+    int64_t begin, end;
+    int group;
+    chunk_range(segs, chunk, begin, end, group);
+    adam_range<M>(a, begin, end, a.lr[group], a.wd[group], vec);
+  }
+}
+
+struct SgdArgs {
+  float* master;
+  const float* grad;
+  float* momentum_buf;  // null when momentum == 0
+  void* model;
+  float lr[OptimStepParams::kMaxGroups];
+  float wd[OptimStepParams::kMaxGroups];
+  float momentum, grad_scale;
+};
+
+template <typename M>
+__global__ void sgd_kernel(SgdArgs a, SegmentArg segs) {
+  for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
+    int64_t begin, end;
+    int group;
+    chunk_range(segs, chunk, begin, end, group);
+    const float lr = a.lr[group], wd = a.wd[group];
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      float p = a.master[i];
+      float d = a.grad[i] * a.grad_scale + wd * p;
+      if (a.momentum_buf) {
+        d = a.momentum * a.momentum_buf[i] + d;
+        a.momentum_buf[i] = d;
+      }
+      p -= lr * d;
+      a.master[i] = p;
+      if constexpr (!std::is_void_v<M>) static_cast<M*>(a.model)[i] = from_float<M>(p);
+    }
+  }
+}
+
+constexpr int kReduceBlock = 256;
+
+template <typename T>
+__global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentArg segs, bool vec) {
+  constexpr int kVec = 16 / sizeof(T);
+  float s = 0.0f;
+  for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
+    int64_t begin, end;
+    int group;
+    chunk_range(segs, chunk, begin, end, group);
+    int64_t scalar_from = begin;
+    if (vec && begin % kVec == 0) {
+      const int64_t nvec = (end - begin) / kVec;
+      for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+        const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
+      }
+      scalar_from = begin + nvec * kVec;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
+      const float v = to_float(x[i]);
+      s += v * v;
+    }
+  }
+  const double total = block_sum(static_cast<double>(s));
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+template <typename T>
+__global__ void count_zeros_partial_kernel(double* partial, const T* x, SegmentArg segs) {
+  unsigned long long c = 0;
+  for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
+    int64_t begin, end;
+    int group;
+    chunk_range(segs, chunk, begin, end, group);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) c += to_float(x[i]) == 0.0f ? 1 : 0;
+  }
+  const double total = block_sum(static_cast<double>(c));  // exact: counts < 2^53
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void finish_sum_kernel(float* out, const double* partial, int blocks, bool accumulate) {
+  double s = 0.0;
+  for (int i = threadIdx.x; i < blocks; i += blockDim.x) s += partial[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) out[0] = static_cast<float>((accumulate ? static_cast<double>(out[0]) : 0.0) + s);
+}
+
+void check_flat_f32(const Tensor& t, int64_t n, const char* what, const char* name) {
+  MT_CHECK(t.dtype == DType::f32 && t.numel() == n, "{}: {} must be float32 with {} elements, got {}", what, name, n,
+           t.shape_string());
+}
+
+void check_segments_fit(const SegmentArg& s, int64_t n, const char* what) {
+  // Bounds of the segments are checked when the table is built (registry) against this size.
+  MT_CHECK(s.count > 0 || s.total_chunks == 0, "{}: empty segment table", what);
+  (void)n;
+}
+
+unsigned chunk_grid(const KernelContext& ctx, int64_t chunks) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, ctx.num_sms * 8LL)));
+}
+
+template <typename F>
+void dispatch_model(const Tensor& model, const char* what, F&& f) {
+  if (model.empty()) return f.template operator()<void>();
+  switch (model.dtype) {
+    case DType::f32: return f.template operator()<float>();
+    case DType::bf16: return f.template operator()<bf16>();
+    case DType::f16: return f.template operator()<f16>();
+    default: fail("{}: model copy dtype {} is not supported", what, dtype_name(model.dtype));
+  }
+}
+
+}  // namespace
+
+void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
+                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p) {
+  const int64_t n = master.numel();
+  check_flat_f32(master, n, "adamw_step", "master");
+  check_flat_f32(grad, n, "adamw_step", "grad");
+  check_flat_f32(exp_avg, n, "adamw_step", "exp_avg");
+  check_flat_f32(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
+  MT_CHECK(model_param.empty() || model_param.numel() == n, "adamw_step: model_param {} vs {} elements",
+           model_param.shape_string(), n);
+  check_segments_fit(segs, n, "adamw_step");
+  if (segs.total_chunks == 0) return;
+  AdamArgs a{master.ptr<float>(), grad.ptr<const float>(), exp_avg.ptr<float>(), exp_avg_sq.ptr<float>(),
+             model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
+             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
+             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
+             p.grad_scale};
+  for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
+    a.lr[g] = p.lr[g];
+    a.wd[g] = p.weight_decay[g];
+  }
+  const unsigned grid = chunk_grid(ctx, segs.total_chunks);
+  const bool vec = aligned16(master.data) && aligned16(grad.data) && aligned16(exp_avg.data) &&
+                   aligned16(exp_avg_sq.data) && (model_param.empty() || aligned16(model_param.data));
+  dispatch_model(model_param, "adamw_step", [&]<typename M>() {
+    adamw_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs, vec);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+              const SegmentArg& segs, const OptimStepParams& p) {
+  const int64_t n = master.numel();
+  check_flat_f32(master, n, "sgd_step", "master");
+  check_flat_f32(grad, n, "sgd_step", "grad");
+  const bool use_momentum = p.sgd_momentum != 0.0f && !momentum.empty();  // as the reference: no buffer, plain SGD
+  if (use_momentum) check_flat_f32(momentum, n, "sgd_step", "momentum");
+  MT_CHECK(model_param.empty() || model_param.numel() == n, "sgd_step: model_param {} vs {} elements",
+           model_param.shape_string(), n);
+  check_segments_fit(segs, n, "sgd_step");
+  if (segs.total_chunks == 0) return;
+  SgdArgs a{master.ptr<float>(), grad.ptr<const float>(), use_momentum ? momentum.ptr<float>() : nullptr,
+            model_param.data, {}, {}, p.sgd_momentum, p.grad_scale};
+  for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
+    a.lr[g] = p.lr[g];
+    a.wd[g] = p.weight_decay[g];
+  }
+  const unsigned grid = chunk_grid(ctx, segs.total_chunks);
+  dispatch_model(model_param, "sgd_step", [&]<typename M>() {
+    sgd_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+template <typename Launch>
+void two_stage_sum(const KernelContext& ctx, Tensor out, const SegmentArg& segs, bool accumulate, const char* what,
+                   Launch&& launch_partials) {
+  MT_CHECK(out.numel() == 1 && out.dtype == DType::f32, "{}: out must be float32 [1]", what);
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(segs.total_chunks, ctx.num_sms * 4LL)));
+  double* partial = ctx.scratch->take_array<double>(grid, what);
+  launch_partials(partial, grid);
+  MT_CUDA_CHECK_LAUNCH();
+  finish_sum_kernel<<<1, kReduceBlock, 0, ctx.stream>>>(out.ptr<float>(), partial, static_cast<int>(grid), accumulate);
+  MT_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate) {
+  two_stage_sum(ctx, out, segs, accumulate, "sum_squares", [&](double* partial, unsigned grid) {
+    MT_DISPATCH_FLOAT(x.dtype, T, "sum_squares", {
+      sum_squares_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs,
+                                                                           aligned16(x.data));
+    });
+  });
+}
+
+void count_zeros(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate) {
+  two_stage_sum(ctx, out, segs, accumulate, "count_zeros", [&](double* partial, unsigned grid) {
+    MT_DISPATCH_FLOAT(x.dtype, T, "count_zeros", {
+      count_zeros_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs);
+    });
+  });
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,588 @@
+#include "engine/gpt_model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/philox.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+// ---- pieces ------------------------------------------------------------------------------
+
+struct GptModel::LayerParams {
+  Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
+      fc2_w, fc2_b;
+};
+
+// What a layer keeps from forward for backward. Statistics are in the accum dtype.
+struct GptModel::LayerActs {
+  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm
+  Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
+  Tensor qkv;                          // attention input (after bias, qk norm, rope)
+  Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
+  Tensor h1;                           // residual after attention
+  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm
+  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation
+  Tensor out;                          // layer output (the next layer's input)
+};
+
+struct GptModel::Slot {
+  Tensor tokens, labels, positions, mask, dloss;  // [N] (int32 / accum)
+  Tensor input;                                   // stage input [N, h]
+  std::vector<LayerActs> layers;                  // per local layer
+  Tensor d_output;                                // grad of the stage output [N, h]
+  // The five inputs live in one device block (`io`) mirrored by one host buffer, so that staging
+  // a micro-batch is a single host->device copy. Byte offsets of each part in both:
+  Tensor io;
+  std::vector<unsigned char> host_io;
+  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
+  uint64_t key = 0;
+  bool training = true;
+  bool staged = false;
+};
+
+struct GptModel::Globals {
+  Tensor wte, wpe, final_w, final_b, out_w;     // params (out_w: the tied wte when shared on this stage)
+  Tensor dwte, dwpe, dfinal_w, dfinal_b, dout_w;
+};
+
+struct GptModel::Workspace {
+  Tensor tmp_h;                       // row-parallel output before its all-reduce
+  Tensor gA, gB, gH, gT;              // [N, h] activation gradients
+  Tensor gQKV, gATT, gFC, gACT;       // per-layer gradient buffers
+  Tensor logits;                      // [N, V/tp] (dlogits in place)
+  Tensor y, fmean, frstd;             // final norm output and statistics
+  Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
+};
+
+RecomputePlan RecomputePlan::from_config(const TrainConfig& t, int stage_layers) {
+  RecomputePlan p;
+  p.group_of.assign(static_cast<size_t>(stage_layers), -1);
+  if (t.recompute_granularity != RecomputeGranularity::full) return p;
+  if (t.recompute_method == RecomputeMethod::none || !t.recompute_num_layers)
+    fail("--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers");
+  const int n = *t.recompute_num_layers;
+  if (n < 1) fail("--recompute-num-layers must be >= 1 (got {})", n);
+  if (t.recompute_method == RecomputeMethod::uniform) {
+    for (int b = 0; b < stage_layers; b += n) p.groups.emplace_back(b, std::min(stage_layers, b + n));
+  } else {
+    if (n > stage_layers)
+      fail("--recompute-num-layers ({}) exceeds the {} layers of this pipeline stage", n, stage_layers);
+    for (int b = 0; b < n; ++b) p.groups.emplace_back(b, b + 1);
+  }
+  for (size_t g = 0; g < p.groups.size(); ++g) {
+    for (int l = p.groups[g].first; l < p.groups[g].second; ++l) p.group_of[l] = static_cast<int>(g);
+    p.max_group_size = std::max(p.max_group_size, p.groups[g].second - p.groups[g].first);
+  }
+  return p;
+}
+
+ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DType compute) {
+  ModelOptions o;
+  o.compute = compute;
+  o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
+  o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
+  o.optimizer = cfg.train.optimizer;
+  o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
+  o.rope.base = cfg.model.rotary_base;
+  o.rope.llama3_scaling = cfg.model.use_rope_scaling;
+  o.rope.scaling_factor = cfg.model.rope_scaling_factor;
+  o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
+  o.attention_backend = cfg.model.attention_backend;
+  return o;
+}
+
+// ---- construction and memory -----------------------------------------------------------
+
+GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend)
+    : d_(dims), opt_(options), ps_(ps), be_(backend) {
+  MT_CHECK(opt_.num_slots >= 1, "num_slots {}", opt_.num_slots);
+  MT_CHECK(opt_.accum == DType::f32 || opt_.accum == DType::f64, "accum dtype");
+  if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
+    opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  norm_.kind = d_.norm;
+  norm_.eps = d_.norm_eps;
+  norm_.one_p = d_.norm_1p;
+  descs_ = build_param_descs(d_, &total_elements_);
+  globals_ = std::make_unique<Globals>();
+  ws_ = std::make_unique<Workspace>();
+  arena_ = std::make_unique<Arena>(be_);
+  layout(*arena_);  // measure
+  arena_->allocate();
+  layout(*arena_);  // real views
+  bind_params();
+  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend);
+  if (d_.position == PositionEmbedding::rope) {
+    RopeTableParams rp = opt_.rope;
+    rp.positions = d_.max_positions;
+    rp.rot_dim = d_.rot_dim;
+    const std::vector<float> table = rope_cos_sin_table(rp);
+    be_.copy_from_host(rope_table_, table.data());
+    be_.synchronize();  // the host vector goes out of scope
+  }
+}
+
+GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend,
+                   MeasureOnly)
+    : d_(dims), opt_(options), ps_(ps), be_(backend) {
+  if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
+    opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  descs_ = build_param_descs(d_, &total_elements_);
+  globals_ = std::make_unique<Globals>();
+  ws_ = std::make_unique<Workspace>();
+  arena_ = std::make_unique<Arena>(be_);
+  layout(*arena_);  // measure only: nothing is allocated
+}
+
+MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
+  std::unique_ptr<Backend> host = make_reference_backend(1);  // measuring touches no memory
+  ParallelState ps = make_single_process_state();
+  GptModel m(dims, options, ps, *host, MeasureOnly{});
+  return m.memory_plan();
+}
+
+GptModel::~GptModel() = default;
+
+const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
+
+GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out) {
+  const int64_t N = d_.tokens(), h = d_.hidden;
+  const DType T = opt_.compute, S = opt_.accum;
+  LayerActs A;
+  A.ln1_out = a.take(c, T, {N, h});
+  A.ln1_mean = a.take(c, S, {N});
+  A.ln1_rstd = a.take(c, S, {N});
+  if (d_.qk_norm) {
+    const int64_t heads_normed = d_.groups_local() * (d_.heads / d_.groups + 1);
+    A.qkv_raw = a.take(c, T, {N, d_.qkv_width_local()});
+    A.qk_mean = a.take(c, S, {N, heads_normed});
+    A.qk_rstd = a.take(c, S, {N, heads_normed});
+  }
+  A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
+  A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
+  A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
+  A.h1 = a.take(c, T, {N, h});
+  A.ln2_out = a.take(c, T, {N, h});
+  A.ln2_mean = a.take(c, S, {N});
+  A.ln2_rstd = a.take(c, S, {N});
+  A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
+  A.fc1_act = a.take(c, T, {N, d_.ffn_local()});
+  if (keep_out) A.out = a.take(c, T, {N, h});
+  return A;
+}
+
+void GptModel::layout(Arena& a) {
+  using C = MemoryCategory;
+  const DType T = opt_.compute, S = opt_.accum;
+  const int64_t N = d_.tokens(), h = d_.hidden, total = total_elements_;
+  params_ = a.take(C::parameters, T, {total});
+  grads_ = a.take(C::gradients, S, {total});
+  master_ = has_master_copy() ? a.take(C::master_weights, S, {total}) : params_;
+  state1_ = state2_ = Tensor();
+  if (opt_.optimizer == OptimizerKind::adam) {
+    state1_ = a.take(C::optimizer_states, S, {total});
+    state2_ = a.take(C::optimizer_states, S, {total});
+  } else if (opt_.sgd_momentum) {
+    state1_ = a.take(C::optimizer_states, S, {total});
+  }
+  scalars_ = a.take(C::workspace, S, {16});
+  train_loss_ = a.take(C::workspace, S, {2});
+  eval_loss_ = a.take(C::workspace, S, {2});
+  if (d_.position == PositionEmbedding::rope)
+    rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
+
+  // Per-slot activations.
+  const RecomputePlan& rp = opt_.recompute;
+  const int L = d_.stage_layers();
+  slots_.resize(static_cast<size_t>(opt_.num_slots));
+  for (Slot& s : slots_) {
+    const size_t part_i32 = (static_cast<size_t>(N) * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    const size_t part_s =
+        (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    s.io = a.take(C::activations, DType::u8, {static_cast<int64_t>(3 * part_i32 + 2 * part_s)});
+    s.off_tokens = 0;
+    s.off_labels = part_i32;
+    s.off_positions = 2 * part_i32;
+    s.off_mask = 3 * part_i32;
+    s.off_dloss = 3 * part_i32 + part_s;
+    auto part = [&](size_t off, DType t) { return Tensor(static_cast<char*>(s.io.data) + off, t, s.io.device, {N}); };
+    s.tokens = part(s.off_tokens, DType::i32);
+    s.labels = part(s.off_labels, DType::i32);
+    s.positions = part(s.off_positions, DType::i32);
+    s.mask = part(s.off_mask, S);
+    s.dloss = part(s.off_dloss, S);
+    if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
+    s.input = a.take(C::activations, T, {N, h});
+    s.layers.assign(static_cast<size_t>(L), LayerActs{});
+    for (int l = 0; l < L; ++l) {
+      const int g = rp.group_of[l];
+      if (g < 0) {
+        s.layers[l] = layout_layer_acts(a, C::activations, true);
+      } else if (l == rp.groups[g].second - 1 || l == L - 1) {
+        // Recomputed layers keep only what the next group (or the head) needs: their output.
+        s.layers[l].out = a.take(C::activations, T, {N, h});
+      }
+    }
+    s.d_output = a.take(C::activations, T, {N, h});
+  }
+  // Recompute scratch: the internals of one group, shared by all slots (one backward at a time).
+  scratch_.clear();
+  for (int j = 0; j < rp.max_group_size; ++j) scratch_.push_back(layout_layer_acts(a, C::activations, true));
+
+  // Workspace.
+  Workspace& w = *ws_;
+  w.tmp_h = a.take(C::workspace, T, {N, h});
+  w.gA = a.take(C::workspace, T, {N, h});
+  w.gB = a.take(C::workspace, T, {N, h});
+  w.gH = a.take(C::workspace, T, {N, h});
+  w.gT = a.take(C::workspace, T, {N, h});
+  if (L > 0) {
+    w.gQKV = a.take(C::workspace, T, {N, d_.qkv_width_local()});
+    w.gATT = a.take(C::workspace, T, {N, d_.attn_width_local()});
+    w.gFC = a.take(C::workspace, T, {N, d_.fc1_width_local()});
+    if (d_.swiglu) w.gACT = a.take(C::workspace, T, {N, d_.ffn_local()});
+  }
+  if (d_.last_stage) {
+    w.logits = a.take(C::workspace, T, {N, d_.vocab_local()});
+    w.y = a.take(C::workspace, T, {N, h});
+    w.fmean = a.take(C::workspace, S, {N});
+    w.frstd = a.take(C::workspace, S, {N});
+    w.lse_part = a.take(C::workspace, S, {N});
+    w.lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
+    w.lse = a.take(C::workspace, S, {N});
+    w.target = a.take(C::workspace, S, {N});
+    w.loss = a.take(C::workspace, S, {N});
+  }
+}
+
+namespace {
+Tensor shaped(Tensor flat, const ParamDesc& p) {
+  Tensor t = flat.flat_slice(p.offset, p.numel());
+  return p.is_1d() ? t : t.view({p.local_rows(), p.local_cols()});
+}
+}  // namespace
+
+Tensor GptModel::param(int i) const { return shaped(params_, descs_.at(i)); }
+Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
+Tensor GptModel::master(int i) const { return shaped(master_, descs_.at(i)); }
+
+void GptModel::bind_params() {
+  layer_params_.assign(static_cast<size_t>(d_.stage_layers()), LayerParams{});
+  layer_grads_.assign(static_cast<size_t>(d_.stage_layers()), LayerParams{});
+  auto find = [&](const std::string& name, Tensor& p, Tensor& g) {
+    const int i = find_param(descs_, name);
+    if (i < 0) return;
+    p = param(i);
+    g = grad(i);
+  };
+  Globals& G = *globals_;
+  find("embedding.word_embeddings.weight", G.wte, G.dwte);
+  find("embedding.position_embeddings.weight", G.wpe, G.dwpe);
+  find("decoder.final_layernorm.weight", G.final_w, G.dfinal_w);
+  find("decoder.final_layernorm.bias", G.final_b, G.dfinal_b);
+  find("output_layer.weight", G.out_w, G.dout_w);
+  if (d_.last_stage && G.out_w.empty()) {  // tied, on a stage that also holds the embedding
+    G.out_w = G.wte;
+    G.dout_w = G.dwte;
+  }
+  for (int l = 0; l < d_.stage_layers(); ++l) {
+    const std::string p = "decoder.layers." + std::to_string(d_.layer_begin + l) + ".";
+    LayerParams &P = layer_params_[l], &Gr = layer_grads_[l];
+    find(p + "self_attention.linear_qkv.layer_norm_weight", P.ln1_w, Gr.ln1_w);
+    find(p + "self_attention.linear_qkv.layer_norm_bias", P.ln1_b, Gr.ln1_b);
+    find(p + "self_attention.linear_qkv.weight", P.qkv_w, Gr.qkv_w);
+    find(p + "self_attention.linear_qkv.bias", P.qkv_b, Gr.qkv_b);
+    find(p + "self_attention.q_layernorm.weight", P.q_ln_w, Gr.q_ln_w);
+    find(p + "self_attention.q_layernorm.bias", P.q_ln_b, Gr.q_ln_b);
+    find(p + "self_attention.k_layernorm.weight", P.k_ln_w, Gr.k_ln_w);
+    find(p + "self_attention.k_layernorm.bias", P.k_ln_b, Gr.k_ln_b);
+    find(p + "self_attention.linear_proj.weight", P.proj_w, Gr.proj_w);
+    find(p + "self_attention.linear_proj.bias", P.proj_b, Gr.proj_b);
+    find(p + "mlp.linear_fc1.layer_norm_weight", P.ln2_w, Gr.ln2_w);
+    find(p + "mlp.linear_fc1.layer_norm_bias", P.ln2_b, Gr.ln2_b);
+    find(p + "mlp.linear_fc1.weight", P.fc1_w, Gr.fc1_w);
+    find(p + "mlp.linear_fc1.bias", P.fc1_b, Gr.fc1_b);
+    find(p + "mlp.linear_fc2.weight", P.fc2_w, Gr.fc2_w);
+    find(p + "mlp.linear_fc2.bias", P.fc2_b, Gr.fc2_b);
+  }
+}
+
+void GptModel::init_parameters() {
+  for (size_t i = 0; i < descs_.size(); ++i) {
+    const ParamDesc& p = descs_[i];
+    Tensor w = master(static_cast<int>(i));
+    switch (p.init) {
+      case InitKind::normal: be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard); break;
+      case InitKind::zeros: be_.fill(w, 0.0); break;
+      case InitKind::ones: be_.fill(w, 1.0); break;
+    }
+  }
+  if (has_master_copy()) be_.cast(params_, master_);
+}
+
+void GptModel::zero_grads() { be_.fill(grads_, 0.0); }
+
+// ---- micro-batch I/O ---------------------------------------------------------------------
+
+void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
+                                 uint64_t serial, bool training) {
+  Slot& s = slots_.at(static_cast<size_t>(slot));
+  const int b = d_.micro_batch, sq = d_.seq;
+  if (mb.batch != b || mb.seq != sq)
+    fail("a micro-batch of {} x {} tokens does not match --micro-batch-size {} x --seq-length {}", mb.batch,
+         mb.seq, b, sq);
+  const size_t N = static_cast<size_t>(b) * sq;
+  if (mb.tokens.size() != N || mb.labels.size() != N || mb.loss_mask.size() != N ||
+      (!mb.positions.empty() && mb.positions.size() != N))
+    fail("a micro-batch's arrays do not hold {} x {} entries", b, sq);
+  unsigned char* h = s.host_io.data();
+  auto* tokens = reinterpret_cast<int32_t*>(h + s.off_tokens);
+  auto* labels = reinterpret_cast<int32_t*>(h + s.off_labels);
+  auto* positions = reinterpret_cast<int32_t*>(h + s.off_positions);
+  double mb_tokens = 0;
+  for (float m : mb.loss_mask) mb_tokens += m;
+  const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
+  const bool f64 = opt_.accum == DType::f64;
+  for (int i = 0; i < b; ++i)
+    for (int t = 0; t < sq; ++t) {
+      const size_t src = static_cast<size_t>(i) * sq + t, dst = static_cast<size_t>(t) * b + i;  // sequence-major
+      tokens[dst] = mb.tokens[src];
+      labels[dst] = mb.labels[src];
+      positions[dst] = mb.positions.empty() ? t : mb.positions[src];
+      if (mb.tokens[src] < 0 || mb.tokens[src] >= d_.vocab)
+        fail("token id {} is outside the padded vocabulary of {}", mb.tokens[src], d_.vocab);
+      if (mb.loss_mask[src] != 0.0f && (mb.labels[src] < 0 || mb.labels[src] >= d_.vocab))
+        fail("label id {} is outside the padded vocabulary of {}", mb.labels[src], d_.vocab);
+      if (positions[dst] < 0 || positions[dst] >= d_.max_positions)
+        fail("position {} is outside [0, {})", positions[dst], d_.max_positions);
+      const double m = mb.loss_mask[src];
+      if (f64) {
+        reinterpret_cast<double*>(h + s.off_mask)[dst] = m;
+        reinterpret_cast<double*>(h + s.off_dloss)[dst] = m * per_row;
+      } else {
+        reinterpret_cast<float*>(h + s.off_mask)[dst] = static_cast<float>(m);
+        reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
+      }
+    }
+  // One copy. (From pageable memory the copy has consumed the host buffer when it returns, so
+  // the next micro-batch may overwrite it.)
+  be_.copy_from_host(s.io, h);
+  s.key = mix_key(mix_key(d_.seed, 0x64726f706f7574ULL /* "dropout" */), mix_key(serial, ps_.dp_rank));
+  s.training = training;
+  s.staged = true;
+}
+
+Tensor GptModel::stage_input(int slot) const { return slots_.at(static_cast<size_t>(slot)).input; }
+Tensor GptModel::stage_output(int slot) const {
+  const Slot& s = slots_.at(static_cast<size_t>(slot));
+  return d_.stage_layers() ? s.layers.back().out : s.input;
+}
+Tensor GptModel::output_grad(int slot) const { return slots_.at(static_cast<size_t>(slot)).d_output; }
+Tensor GptModel::input_grad() const { return last_input_grad_; }
+
+// Dropout sites: 0 attention probabilities, 1 after the attention projection, 2 after the MLP,
+// 3 the embeddings (layer -1).
+uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
+  return mix_key(s.key, static_cast<uint64_t>(layer + 1) * 8 + static_cast<uint64_t>(site));
+}
+
+// The attention of one layer for one slot (s == nullptr: the shape alone, for set-up).
+AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
+  AttentionShape as;
+  as.batch = d_.micro_batch;
+  as.seq = d_.seq;
+  as.heads = d_.heads_local();
+  as.groups = d_.groups_local();
+  as.head_dim = d_.head_dim;
+  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
+  as.causal = true;
+  as.dropout_p = (s == nullptr || s->training) ? d_.attention_dropout : 0.0f;
+  // The heads differ per TP rank, so their masks come from different streams.
+  if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
+  return as;
+}
+
+Tensor GptModel::layer_input(const Slot& s, int local) const {
+  return local == 0 ? s.input : acts(s, local - 1).out;
+}
+
+GptModel::LayerActs GptModel::acts(const Slot& s, int local) const {
+  const int g = opt_.recompute.group_of[local];
+  if (g < 0) return s.layers[local];
+  // A recomputed layer: internals from the shared scratch, the output kept in the slot when the
+  // next group (or the head) needs it.
+  LayerActs a = scratch_[local - opt_.recompute.groups[g].first];
+  if (!s.layers[local].out.empty()) a.out = s.layers[local].out;
+  return a;
+}
+
+// ---- forward -----------------------------------------------------------------------------
+
+void GptModel::embedding_forward(Slot& s) {
+  const Globals& G = *globals_;
+  const bool positions = d_.position == PositionEmbedding::learned_absolute && d_.tp_rank == 0;
+  be_.embedding_forward(s.input, s.tokens, s.positions, G.wte, positions ? G.wpe : Tensor(), d_.vocab_start());
+  ps_.tp->all_reduce(s.input);  // vocab-parallel: each rank contributed its vocabulary rows
+  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, site_key(s, -1, 3));
+}
+
+void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+  const LayerParams& P = layer_params_[local];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+
+  // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
+  // projection (row-parallel, all-reduce) -> bias + dropout + residual.
+  be_.norm_forward(A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
+  if (d_.qk_norm) {
+    be_.linear_forward(A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+    be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
+  } else {
+    be_.linear_forward(A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+  }
+  if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
+  be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  ps_.tp->all_reduce(w.tmp_h);
+  be_.bias_dropout_add(A.h1, w.tmp_h, P.proj_b, x, hp, site_key(s, layer, 1));
+
+  // MLP block: norm -> fc1 (column-parallel) + activation -> fc2 (row-parallel, all-reduce) ->
+  // bias + dropout + residual.
+  be_.norm_forward(A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
+  if (d_.swiglu) {
+    be_.linear_forward(A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
+    be_.swiglu_forward(A.fc1_act, A.fc1_pre);
+  } else {
+    be_.linear_forward(A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b, d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu,
+                       A.fc1_pre);
+  }
+  be_.linear_forward(w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
+  ps_.tp->all_reduce(w.tmp_h);
+  be_.bias_dropout_add(A.out, w.tmp_h, P.fc2_b, A.h1, hp, site_key(s, layer, 2));
+}
+
+void GptModel::head_forward(Slot& s, Tensor x) {
+  const Globals& G = *globals_;
+  const Workspace& w = *ws_;
+  be_.norm_forward(w.y, w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
+  be_.linear_forward(w.logits, w.y, G.out_w, Tensor(), Activation::none, Tensor());
+  // Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and combined; the target
+  // logit lives on one shard (zero elsewhere), so a sum finds it.
+  be_.cross_entropy_forward(w.lse_part, w.target, w.logits, s.labels, d_.vocab_start());
+  Tensor lse = w.lse_part;
+  if (d_.tp_size > 1) {
+    ps_.tp->all_gather(w.lse_parts, w.lse_part);
+    be_.logsumexp_combine(w.lse, w.lse_parts);
+    ps_.tp->all_reduce(w.target);
+    lse = w.lse;
+  }
+  be_.axpby(w.loss, 1.0f, lse, -1.0f, w.target);
+  be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
+  if (!s.training) return;
+  // The output layer's backward, now: dlogits in place of the logits.
+  be_.cross_entropy_backward(w.logits, w.logits, s.labels, lse, s.dloss, d_.vocab_start());
+  be_.linear_backward_weight(G.dout_w, Tensor(), w.logits, w.y);
+  be_.linear_backward_input(w.gT, w.logits, G.out_w, false, Activation::none, Tensor());
+  ps_.tp->all_reduce(w.gT);
+  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, w.gT, x, w.fmean, w.frstd, G.final_w, Tensor(), norm_);
+}
+
+void GptModel::forward(int slot) {
+  Slot& s = slots_.at(static_cast<size_t>(slot));
+  MT_CHECK(s.staged, "forward of slot {} before stage_micro_batch", slot);
+  if (d_.first_stage) embedding_forward(s);
+  for (int l = 0; l < d_.stage_layers(); ++l) layer_forward(l, s, acts(s, l), layer_input(s, l));
+  if (d_.last_stage) head_forward(s, stage_output(slot));
+}
+
+// ---- backward ----------------------------------------------------------------------------
+
+void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx) {
+  const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+
+  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2).
+  Tensor d_fc2 = dy;
+  if (hp > 0) {
+    be_.dropout_backward(w.gT, dy, hp, site_key(s, layer, 2));
+    d_fc2 = w.gT;
+  }
+  be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, A.fc1_act);
+  if (d_.swiglu) {
+    be_.linear_backward_input(w.gACT, d_fc2, P.fc2_w, false, Activation::none, Tensor());
+    be_.swiglu_backward(w.gFC, w.gACT, A.fc1_pre);
+  } else {
+    be_.linear_backward_input(w.gFC, d_fc2, P.fc2_w, false,
+                              d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+  }
+  be_.linear_backward_weight(G.fc1_w, G.fc1_b, w.gFC, A.ln2_out);
+  be_.linear_backward_input(w.gT, w.gFC, P.fc1_w, false, Activation::none, Tensor());
+  ps_.tp->all_reduce(w.gT);  // column-parallel input gradient
+  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, w.gT, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, norm_);
+
+  // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
+  Tensor d_proj = w.gH;
+  if (hp > 0) {
+    be_.dropout_backward(w.gT, w.gH, hp, site_key(s, layer, 1));
+    d_proj = w.gT;
+  }
+  be_.linear_backward_weight(G.proj_w, G.proj_b, d_proj, A.attn_out);
+  be_.linear_backward_input(w.gATT, d_proj, P.proj_w, false, Activation::none, Tensor());
+  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
+  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
+  if (d_.qk_norm)
+    be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
+                         P.q_ln_w, P.k_ln_w, rs, norm_);
+  be_.linear_backward_weight(G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+  be_.linear_backward_input(w.gT, w.gQKV, P.qkv_w, false, Activation::none, Tensor());
+  ps_.tp->all_reduce(w.gT);
+  be_.norm_backward(dx, G.ln1_w, G.ln1_b, w.gT, x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, norm_);
+}
+
+void GptModel::embedding_backward(Slot& s, Tensor grad) {
+  const Globals& G = *globals_;
+  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(grad, grad, d_.hidden_dropout, site_key(s, -1, 3));
+  const bool positions = d_.position == PositionEmbedding::learned_absolute;
+  be_.embedding_backward(G.dwte, positions ? G.dwpe : Tensor(), grad, s.tokens, s.positions, d_.vocab_start());
+}
+
+void GptModel::backward(int slot) {
+  Slot& s = slots_.at(static_cast<size_t>(slot));
+  MT_CHECK(s.staged && s.training, "backward of slot {} without a training forward", slot);
+  const Workspace& w = *ws_;
+  const RecomputePlan& rp = opt_.recompute;
+  Tensor cur = s.d_output;
+  auto next_buffer = [&](Tensor c) { return c.data == w.gA.data ? w.gB : w.gA; };
+  int l = d_.stage_layers() - 1;
+  while (l >= 0) {
+    const int g = rp.group_of[l];
+    if (g >= 0) {
+      // Full recompute: rerun the group's forward from its kept input, then its backward.
+      const auto [begin, end] = rp.groups[g];
+      MT_CHECK(end - 1 == l, "recompute group [{}, {}) entered at layer {}", begin, end, l);
+      for (int k = begin; k < end; ++k) layer_forward(k, s, acts(s, k), layer_input(s, k));
+      for (int k = end - 1; k >= begin; --k) {
+        Tensor nxt = next_buffer(cur);
+        layer_backward(k, s, acts(s, k), layer_input(s, k), cur, nxt);
+        cur = nxt;
+      }
+      l = begin - 1;
+    } else {
+      Tensor nxt = next_buffer(cur);
+      layer_backward(l, s, acts(s, l), layer_input(s, l), cur, nxt);
+      cur = nxt;
+      --l;
+    }
+  }
+  if (d_.first_stage) embedding_backward(s, cur);
+  last_input_grad_ = cur;
+}
+
+}  // namespace mt

@@ -1,0 +1,148 @@
+// GptModel: one pipeline stage of a GPT- or Llama-style decoder (Megatron-Core's GPTModel), on one
+// tensor-parallel rank, written against Backend only. The same code runs on the reference and the
+// CUDA backends.
+//
+// A stage owns a contiguous range of decoder layers (plus the embedding on the first stage and
+// the final norm, output layer and loss on the last) and runs forward/backward of ONE micro-batch
+// at a time in an activation "slot"; a pipeline schedule decides the order and moves the stage
+// input/output tensors between ranks. See engine/README.md for the step as data.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "core/config.h"
+#include "core/tensor.h"
+#include "data/batch.h"
+#include "engine/backend.h"
+#include "engine/memory_plan.h"
+#include "engine/model_dims.h"
+#include "engine/param_layout.h"
+#include "engine/rope_table.h"
+
+namespace mt {
+
+struct ParallelState;
+
+// Which layers of the stage are recomputed in backward (--recompute-granularity full): groups of
+// consecutive local layers whose inputs alone are kept. Selective recompute (core attention) keeps
+// nothing extra here: attention is flash-style and saves only its output and the log-sum-exp, so
+// there is nothing large to drop; it is accepted and costs nothing.
+struct RecomputePlan {
+  std::vector<int> group_of;                 // local layer -> group index, or -1
+  std::vector<std::pair<int, int>> groups;   // [begin, end) local layers
+  int max_group_size = 0;
+  static RecomputePlan from_config(const TrainConfig& t, int stage_layers);
+};
+
+struct ModelOptions {
+  DType compute = DType::f32;  // parameters and activations
+  DType accum = DType::f32;    // main grads, master weights, optimizer states, statistics, losses
+  int num_slots = 1;           // micro-batches in flight at once (1 without pipelining)
+  RecomputePlan recompute;
+  OptimizerKind optimizer = OptimizerKind::adam;
+  bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
+  RopeTableParams rope;        // positions/rot_dim filled from ModelDims
+  AttentionBackend attention_backend = AttentionBackend::auto_;
+
+  static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
+};
+
+class GptModel {
+ public:
+  GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend);
+  // The memory plan of a model without building it (--dry-run): the same layout code as the
+  // constructor, measuring only.
+  static MemoryPlan plan_memory(const ModelDims& dims, const ModelOptions& options);
+  ~GptModel();
+  GptModel(const GptModel&) = delete;
+  GptModel& operator=(const GptModel&) = delete;
+
+  const ModelDims& dims() const { return d_; }
+  const ModelOptions& options() const { return opt_; }
+  const std::vector<ParamDesc>& params() const { return descs_; }
+  const MemoryPlan& memory_plan() const;
+  Backend& backend() { return be_; }
+
+  // Flat buffers (all parameters of the stage, in params() order with padding).
+  Tensor params_flat() const { return params_; }
+  Tensor grads_flat() const { return grads_; }
+  Tensor master_flat() const { return master_; }  // == params_flat() when compute == accum
+  Tensor exp_avg_flat() const { return state1_; }     // Adam m, or SGD momentum
+  Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
+  bool has_master_copy() const { return opt_.compute != opt_.accum; }
+  // Per-parameter views.
+  Tensor param(int i) const;
+  Tensor grad(int i) const;
+  Tensor master(int i) const;
+  // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [16].
+  Tensor scalars() const { return scalars_; }
+
+  // Draws every parameter from its layout-independent stream (and the master copy).
+  void init_parameters();
+  void zero_grads();
+
+  // ---- one micro-batch -------------------------------------------------------------------
+  // Stages mb into `slot`: tokens, labels, positions and loss mask (reordered to the
+  // sequence-major rows), and the loss gradient per row: mask * loss_grad_scale / max(1, tokens
+  // of mb) (or mask * loss_grad_scale with per_token_loss). `serial` numbers the micro-batch in the
+  // run (dropout keys); training = false runs forward only without dropout (evaluation).
+  void stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
+                         uint64_t serial, bool training);
+  // Forward through this stage. On the last stage it adds the masked loss sum and token count to
+  // loss_sums(!training) and, when training, also runs the output layer's backward at once (the
+  // loss gradient is known), leaving the gradient of the last layer's output in the slot: the
+  // logits never outlive the call.
+  void forward(int slot);
+  void backward(int slot);
+
+  Tensor stage_input(int slot) const;   // non-first stages: receive the previous stage's output here
+  Tensor stage_output(int slot) const;  // non-last stages: send this forward
+  Tensor output_grad(int slot) const;   // non-last stages: receive the next stage's input grad here
+  Tensor input_grad() const;            // non-first stages: send this back after backward()
+  Tensor loss_sums(bool eval) const { return eval ? eval_loss_ : train_loss_; }  // [sum, tokens]
+
+ private:
+  struct LayerParams;
+  struct LayerActs;
+  struct Slot;
+  struct Workspace;
+
+  struct MeasureOnly {};
+  GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
+  void layout(Arena& a);
+  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
+  void bind_params();
+
+  uint64_t site_key(const Slot& s, int layer, int site) const;
+  AttentionShape attention_shape(const Slot* s, int layer) const;
+  void embedding_forward(Slot& s);
+  void embedding_backward(Slot& s, Tensor grad);
+  void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  void layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx);
+  void head_forward(Slot& s, Tensor x);
+  Tensor layer_input(const Slot& s, int local) const;
+  LayerActs acts(const Slot& s, int local) const;
+
+  ModelDims d_;
+  ModelOptions opt_;
+  ParallelState& ps_;
+  Backend& be_;
+  std::unique_ptr<Arena> arena_;
+  std::vector<ParamDesc> descs_;
+  int64_t total_elements_ = 0;
+  NormParams norm_;
+
+  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
+  std::vector<LayerParams> layer_params_, layer_grads_;
+  struct Globals;
+  std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads
+  std::vector<Slot> slots_;
+  std::vector<LayerActs> scratch_;    // recompute scratch: one set per layer of the largest group
+  std::unique_ptr<Workspace> ws_;
+  Tensor last_input_grad_;
+};
+
+}  // namespace mt

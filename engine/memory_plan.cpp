@@ -1,0 +1,73 @@
+#include "engine/memory_plan.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "engine/backend.h"
+
+namespace mt {
+
+const char* memory_category_name(MemoryCategory c) {
+  switch (c) {
+    case MemoryCategory::parameters: return "parameters";
+    case MemoryCategory::gradients: return "gradients";
+    case MemoryCategory::master_weights: return "master weights";
+    case MemoryCategory::optimizer_states: return "optimizer states";
+    case MemoryCategory::activations: return "activations";
+    case MemoryCategory::workspace: return "workspace";
+    case MemoryCategory::count: break;
+  }
+  return "?";
+}
+
+size_t MemoryPlan::total() const {
+  size_t t = 0;
+  for (size_t b : bytes) t += b;
+  return t;
+}
+
+std::string MemoryPlan::summary() const {
+  std::string s;
+  for (int i = 0; i < static_cast<int>(MemoryCategory::count); ++i)
+    s += fmt::format("  {:<18} {:>12.2f} MiB\n", memory_category_name(static_cast<MemoryCategory>(i)),
+                     bytes[i] / 1048576.0);
+  s += fmt::format("  {:<18} {:>12.2f} MiB\n", "total", total() / 1048576.0);
+  return s;
+}
+
+Arena::~Arena() {
+  for (char* b : base_)
+    if (b && !measuring_) backend_.deallocate(b);
+}
+
+Tensor Arena::take(MemoryCategory c, DType dtype, std::initializer_list<int64_t> dims) {
+  const size_t i = static_cast<size_t>(c);
+  Tensor t(nullptr, dtype, backend_.device(), dims);
+  const size_t bytes = (t.nbytes() + kAlignment - 1) / kAlignment * kAlignment;
+  const size_t offset = used_[i];
+  used_[i] += bytes;
+  if (measuring_) {
+    plan_.bytes[i] = used_[i];
+    // A placeholder that is not null (so that "absent" checks see a present tensor).
+    t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(kAlignment) + offset);
+  } else {
+    MT_CHECK(used_[i] <= plan_.bytes[i], "arena: layout changed between the measuring and the allocating pass");
+    t.data = base_[i] + offset;
+  }
+  return t;
+}
+
+void Arena::allocate() {
+  MT_CHECK(measuring_, "arena allocated twice");
+  for (size_t i = 0; i < base_.size(); ++i) {
+    if (plan_.bytes[i] == 0) continue;
+    base_[i] = static_cast<char*>(backend_.allocate(plan_.bytes[i]));
+    // Sizes are multiples of kAlignment: zero the block as float32 words.
+    Tensor whole(base_[i], DType::f32, backend_.device(), {static_cast<int64_t>(plan_.bytes[i] / 4)});
+    backend_.fill(whole, 0.0);
+  }
+  measuring_ = false;
+  used_ = {};
+}
+
+}  // namespace mt

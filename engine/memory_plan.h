@@ -1,0 +1,64 @@
+// MemoryPlan and Arena: every buffer of a run is laid out before the first step. The model's
+// layout code asks the Arena for tensors; the first pass only measures (bytes per category, for
+// --dry-run and the start-up summary), the second allocates one block per category and hands out
+// real views. Nothing is allocated after that.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace mt {
+
+class Backend;
+
+enum class MemoryCategory : int {
+  parameters,        // model weights in the compute dtype
+  gradients,         // float32 main grads (Megatron's main_grad)
+  master_weights,    // float32 copies of bf16/fp16 weights
+  optimizer_states,  // Adam moments / SGD momentum
+  activations,       // what one or more in-flight micro-batches keep for backward
+  workspace,         // transient buffers reused by every layer (grads of activations, logits, ...)
+  count
+};
+
+const char* memory_category_name(MemoryCategory c);
+
+struct MemoryPlan {
+  std::array<size_t, static_cast<size_t>(MemoryCategory::count)> bytes{};
+  size_t of(MemoryCategory c) const { return bytes[static_cast<size_t>(c)]; }
+  size_t total() const;
+  // One line per category, e.g. "  parameters         12.50 MiB".
+  std::string summary() const;
+};
+
+class Arena {
+ public:
+  static constexpr size_t kAlignment = 256;
+
+  explicit Arena(Backend& backend) : backend_(backend) {}
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Measuring: tensors carry placeholder addresses that must not be dereferenced.
+  bool measuring() const { return measuring_; }
+  Tensor take(MemoryCategory c, DType dtype, std::initializer_list<int64_t> dims);
+  // Ends the measuring pass: allocates each category's block (zero-filled) and rewinds, so the
+  // same layout code run again returns real views at the same offsets.
+  void allocate();
+  const MemoryPlan& plan() const { return plan_; }
+
+ private:
+  Backend& backend_;
+  bool measuring_ = true;
+  MemoryPlan plan_;
+  std::array<size_t, static_cast<size_t>(MemoryCategory::count)> used_{};
+  std::array<char*, static_cast<size_t>(MemoryCategory::count)> base_{};
+};
+
+}  // namespace mt

@@ -1,0 +1,100 @@
+#include "engine/model_dims.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
+                                 std::optional<std::pair<int, int>> layer_range) {
+  return from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
+}
+
+ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
+                                 std::optional<std::pair<int, int>> layer_range) {
+  const ModelConfig& m = cfg.model;
+  ModelDims d;
+  d.num_layers = m.num_layers;
+  d.hidden = m.hidden_size;
+  d.heads = m.num_attention_heads;
+  d.head_dim = m.head_dim ? m.head_dim : (m.num_attention_heads ? m.hidden_size / m.num_attention_heads : 0);
+  d.groups = m.query_groups ? m.query_groups
+                            : (m.group_query_attention ? m.num_query_groups : m.num_attention_heads);
+  d.ffn = m.ffn_size ? m.ffn_size : m.ffn_hidden_size.value_or(4 * m.hidden_size);
+  d.vocab = m.padded_vocab_size;
+  d.seq = m.seq_length;
+  d.micro_batch = cfg.train.micro_batch_size;
+  d.max_positions = std::max(m.max_position_embeddings, m.seq_length);
+
+  if (d.num_layers <= 0 || d.hidden <= 0 || d.heads <= 0) fail("--num-layers, --hidden-size and --num-attention-heads must be > 0");
+  if (d.head_dim <= 0) fail("--kv-channels (or --hidden-size / --num-attention-heads) must be > 0");
+  if (d.vocab <= 0) fail("the padded vocabulary size is {}: set a tokenizer or --vocab-size", d.vocab);
+  if (d.seq <= 0) fail("--seq-length must be > 0");
+  if (d.micro_batch <= 0) fail("--micro-batch-size must be > 0");
+  if (d.groups <= 0 || d.heads % d.groups != 0)
+    fail("--num-attention-heads ({}) must be a multiple of --num-query-groups ({})", d.heads, d.groups);
+
+  d.tp_size = tp_size;
+  d.tp_rank = tp_rank;
+  if (cfg.parallel.sequence_parallel && tp_size > 1)
+    throw Unsupported("--sequence-parallel is not implemented in the model yet (drop it: results are the same)");
+  if (cfg.parallel.context_parallel_size > 1) throw Unsupported("--context-parallel-size > 1 is not supported yet");
+  if (d.heads % d.tp_size) fail("--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})", d.heads, d.tp_size);
+  if (d.groups % d.tp_size)
+    fail("--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}) "
+         "(replicating KV heads across TP ranks is not supported)", d.groups, d.tp_size);
+  if (d.ffn % d.tp_size) fail("--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({})", d.ffn, d.tp_size);
+  if (d.vocab % d.tp_size) fail("the padded vocabulary ({}) must be divisible by --tensor-model-parallel-size ({})", d.vocab, d.tp_size);
+
+  d.pipeline = pp_size > 1;
+  d.first_stage = pp_rank == 0;
+  d.last_stage = pp_rank == pp_size - 1;
+  if (layer_range) {
+    d.layer_begin = layer_range->first;
+    d.layer_end = layer_range->second;
+  } else {
+    if (d.num_layers % pp_size)
+      fail("--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})", d.num_layers, pp_size);
+    const int per = d.num_layers / pp_size;
+    d.layer_begin = pp_rank * per;
+    d.layer_end = d.layer_begin + per;
+  }
+
+  if (m.apply_residual_connection_post_layernorm)
+    throw Unsupported("--apply-residual-connection-post-layernorm is not supported by megatrain");
+  if (m.fp32_residual_connection) throw Unsupported("--fp32-residual-connection is not supported by megatrain yet");
+  d.norm = m.normalization;
+  d.norm_eps = static_cast<float>(m.norm_epsilon);
+  d.norm_1p = m.apply_layernorm_1p;
+  d.swiglu = m.swiglu;
+  d.gelu_tanh = m.openai_gelu;
+  d.linear_bias = m.add_bias_linear;
+  d.qkv_bias = m.add_bias_linear || m.add_qkv_bias;
+  d.qk_norm = m.qk_layernorm;
+  d.tied_embeddings = !m.untie_embeddings_and_output_weights;
+  d.position = m.position_embedding_type;
+  if (d.position == PositionEmbedding::learned_absolute && m.max_position_embeddings < m.seq_length)
+    fail("--max-position-embeddings ({}) must be >= --seq-length ({})", m.max_position_embeddings, m.seq_length);
+  if (d.position == PositionEmbedding::rope) {
+    // Megatron: dim = int(kv_channels * rotary_percent) when the percent is below 1.
+    d.rot_dim = m.rotary_percent < 1.0 ? static_cast<int>(d.head_dim * m.rotary_percent) : d.head_dim;
+    if (d.rot_dim % 2 != 0 || d.rot_dim <= 0)
+      fail("--rotary-percent {} gives {} rotary dims of head dim {}: it must be a positive even number",
+           m.rotary_percent, d.rot_dim, d.head_dim);
+    d.rope_interleaved = m.rotary_interleaved;
+  }
+  d.attention_dropout = static_cast<float>(m.attention_dropout);
+  d.hidden_dropout = static_cast<float>(m.hidden_dropout);
+  if (d.attention_dropout < 0 || d.attention_dropout >= 1) fail("--attention-dropout must be in [0, 1)");
+  if (d.hidden_dropout < 0 || d.hidden_dropout >= 1) fail("--hidden-dropout must be in [0, 1)");
+  d.init_std = static_cast<float>(m.init_method_std);
+  // Megatron's scaled init for the output projections of each layer: sigma / sqrt(2 L).
+  d.output_init_std = static_cast<float>(m.init_method_std / std::sqrt(2.0 * m.num_layers));
+  d.embedding_init_std = static_cast<float>(m.embedding_init_method_std.value_or(m.init_method_std));
+  d.seed = static_cast<uint64_t>(static_cast<uint32_t>(cfg.train.seed));
+  return d;
+}
+
+}  // namespace mt

@@ -1,0 +1,66 @@
+// ModelDims: the shapes of one pipeline stage's model on one tensor-parallel rank, computed once
+// from the Config and the rank's coordinates (nothing downstream divides by TP again).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "core/config.h"
+
+namespace mt {
+
+struct ParallelState;
+
+struct ModelDims {
+  // Global sizes.
+  int num_layers = 0, hidden = 0, heads = 0, groups = 0, head_dim = 0, ffn = 0;
+  int vocab = 0;  // padded vocabulary
+  int max_positions = 0, seq = 0, micro_batch = 0;
+
+  // This rank.
+  int tp_size = 1, tp_rank = 0;
+  int layer_begin = 0, layer_end = 0;  // global layer indices owned by this pipeline stage
+  bool first_stage = true, last_stage = true;
+  bool pipeline = false;  // PP > 1 (the last stage keeps its own copy of tied output weights)
+
+  // Architecture.
+  Normalization norm = Normalization::layernorm;
+  float norm_eps = 1e-5f;
+  bool norm_1p = false;
+  bool swiglu = false;
+  bool gelu_tanh = false;
+  bool linear_bias = true;  // all linears
+  bool qkv_bias = true;     // linear_qkv (--add-qkv-bias or linear_bias)
+  bool qk_norm = false;
+  bool tied_embeddings = true;
+  PositionEmbedding position = PositionEmbedding::learned_absolute;
+  int rot_dim = 0;  // rotated dims per head (rope)
+  bool rope_interleaved = false;
+
+  float attention_dropout = 0, hidden_dropout = 0;
+  float init_std = 0.02f, output_init_std = 0.02f, embedding_init_std = 0.02f;
+  uint64_t seed = 1234;
+
+  // Local (per TP rank) sizes.
+  int heads_local() const { return heads / tp_size; }
+  int groups_local() const { return groups / tp_size; }
+  int ffn_local() const { return ffn / tp_size; }
+  int vocab_local() const { return vocab / tp_size; }
+  int64_t vocab_start() const { return static_cast<int64_t>(tp_rank) * vocab_local(); }
+  int qkv_width_local() const { return groups_local() * (heads / groups + 2) * head_dim; }
+  int qkv_width() const { return groups * (heads / groups + 2) * head_dim; }
+  int fc1_width_local() const { return (swiglu ? 2 : 1) * ffn_local(); }
+  int attn_width_local() const { return heads_local() * head_dim; }
+  int64_t tokens() const { return static_cast<int64_t>(micro_batch) * seq; }  // rows N of a micro-batch
+  int stage_layers() const { return layer_end - layer_begin; }
+
+  // From the run's flags for this rank. Layers are split evenly over the pipeline unless
+  // layer_range is given (the pipeline code decides uneven splits).
+  static ModelDims from_config(const Config& cfg, const ParallelState& ps,
+                               std::optional<std::pair<int, int>> layer_range = std::nullopt);
+  // The same for a rank given by its coordinates (dry runs plan ranks that do not exist).
+  static ModelDims from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
+                               std::optional<std::pair<int, int>> layer_range = std::nullopt);
+};
+
+}  // namespace mt

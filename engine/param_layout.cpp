@@ -1,0 +1,118 @@
+#include "engine/param_layout.h"
+
+#include "core/philox.h"
+
+namespace mt {
+
+uint64_t ParamDesc::init_key(uint64_t seed) const { return mix_key(seed, fnv1a64(init_name.c_str())); }
+
+namespace {
+
+struct Builder {
+  const ModelDims& d;
+  std::vector<ParamDesc> out;
+  int64_t offset = 0;
+
+  ParamDesc& add(std::string name, std::vector<int64_t> shape, ShardIndex shard, InitKind init, float std,
+                 bool tp_duplicated, int layer) {
+    ParamDesc p;
+    p.name = name;
+    p.init_name = std::move(name);
+    p.global_shape = std::move(shape);
+    p.shard = shard;
+    p.init = init;
+    p.init_std = std;
+    p.tp_duplicated = tp_duplicated && d.tp_size > 1;
+    p.weight_decay = !(p.global_shape.size() == 1 || p.name.ends_with(".bias"));
+    p.layer = layer;
+    p.offset = offset;
+    offset += (p.numel() + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+    out.push_back(std::move(p));
+    return out.back();
+  }
+
+  // Whole tensor on every rank.
+  ShardIndex whole(int64_t rows, int64_t cols = 1) const { return ShardIndex::whole(rows, cols); }
+  // Rows split over TP (column-parallel weights and biases, vocab-parallel embeddings).
+  ShardIndex rows(int64_t rows, int64_t cols = 1, int64_t chunks = 1) const {
+    const int64_t per_chunk = rows / chunks, local = per_chunk / d.tp_size;
+    return ShardIndex{rows, cols, d.tp_rank * local, 0, local, cols, chunks};
+  }
+  // Columns split over TP (row-parallel weights).
+  ShardIndex cols(int64_t rows, int64_t cols) const {
+    const int64_t local = cols / d.tp_size;
+    return ShardIndex{rows, cols, 0, d.tp_rank * local, rows, local, 1};
+  }
+
+  void norm(const std::string& prefix, const std::string& weight_name, const std::string& bias_name, int64_t width,
+            int layer) {
+    add(prefix + weight_name, {width}, whole(width), d.norm_1p ? InitKind::zeros : InitKind::ones, 0, true, layer);
+    if (d.norm == Normalization::layernorm)
+      add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer);
+  }
+};
+
+}  // namespace
+
+std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elements) {
+  Builder b{d, {}, 0};
+  const int64_t h = d.hidden, V = d.vocab;
+  if (d.first_stage) {
+    ParamDesc& wte = b.add("embedding.word_embeddings.weight", {V, h}, b.rows(V, h), InitKind::normal,
+                           d.embedding_init_std, false, -1);
+    wte.decoupled_lr = true;
+    if (d.position == PositionEmbedding::learned_absolute)
+      b.add("embedding.position_embeddings.weight", {d.max_positions, h}, b.whole(d.max_positions, h),
+            InitKind::normal, d.embedding_init_std, true, -1);
+  }
+  const int64_t qkv_rows = d.qkv_width(), attn = static_cast<int64_t>(d.heads) * d.head_dim;
+  const int64_t fc1_rows = (d.swiglu ? 2 : 1) * static_cast<int64_t>(d.ffn), chunks = d.swiglu ? 2 : 1;
+  for (int l = d.layer_begin; l < d.layer_end; ++l) {
+    const std::string p = "decoder.layers." + std::to_string(l) + ".";
+    b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l);
+    b.add(p + "self_attention.linear_qkv.weight", {qkv_rows, h}, b.rows(qkv_rows, h), InitKind::normal, d.init_std,
+          false, l);
+    if (d.qkv_bias)
+      b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
+    if (d.qk_norm) {
+      b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l);
+      b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l);
+    }
+    b.add(p + "self_attention.linear_proj.weight", {h, attn}, b.cols(h, attn), InitKind::normal, d.output_init_std,
+          false, l);
+    if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+    b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l);
+    b.add(p + "mlp.linear_fc1.weight", {fc1_rows, h}, b.rows(fc1_rows, h, chunks), InitKind::normal, d.init_std,
+          false, l);
+    if (d.linear_bias)
+      b.add(p + "mlp.linear_fc1.bias", {fc1_rows}, b.rows(fc1_rows, 1, chunks), InitKind::zeros, 0, false, l);
+    b.add(p + "mlp.linear_fc2.weight", {h, d.ffn}, b.cols(h, d.ffn), InitKind::normal, d.output_init_std, false, l);
+    if (d.linear_bias) b.add(p + "mlp.linear_fc2.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+  }
+  if (d.last_stage) {
+    b.norm("decoder.", "final_layernorm.weight", "final_layernorm.bias", h, -1);
+    if (!d.tied_embeddings) {
+      ParamDesc& out = b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.init_std, false, -1);
+      out.decoupled_lr = true;
+    } else if (!d.first_stage) {
+      // Tied embeddings across pipeline stages: the last stage keeps a copy, drawn from the same
+      // stream as the word embeddings (so both start equal) and kept equal by the embedding
+      // group's gradient all-reduce.
+      ParamDesc& out = b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.embedding_init_std,
+                             false, -1);
+      out.init_name = "embedding.word_embeddings.weight";
+      out.decoupled_lr = true;
+      out.shared_copy = true;
+    }
+  }
+  if (total_elements) *total_elements = b.offset;
+  return std::move(b.out);
+}
+
+int find_param(const std::vector<ParamDesc>& params, const std::string& name) {
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+}  // namespace mt

@@ -1,0 +1,135 @@
+// ReferenceBackend: activations and dropout.
+#include "engine/dropout_mask.h"
+#include "engine/reference/activation_math.h"
+#include "engine/reference/reference_backend.h"
+#include "engine/reference/tensor_access.h"
+
+namespace mt::reference {
+
+namespace {
+constexpr int64_t kBlock = 1 << 13;  // elements per thread block at least
+}
+
+void ReferenceBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
+  check_numel(out, in.numel(), "gelu_forward", "out");
+  check_same_dtype(in, out, "gelu_forward");
+  dispatch_float(in, "gelu_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = in.ptr<T>();
+    T* y = out.ptr<T>();
+    pool_.parallel_for(in.numel(), kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) y[i] = static_cast<T>(tanh_approx ? gelu_tanh(x[i]) : gelu_erf(x[i]));
+    });
+  });
+}
+
+void ReferenceBackend::gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
+  check_numel(din, in.numel(), "gelu_backward", "din");
+  check_numel(dout, in.numel(), "gelu_backward", "dout");
+  check_same_dtype(in, din, "gelu_backward");
+  check_same_dtype(in, dout, "gelu_backward");
+  dispatch_float(in, "gelu_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = in.ptr<T>();
+    const T* dy = dout.ptr<T>();
+    T* dx = din.ptr<T>();
+    pool_.parallel_for(in.numel(), kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        const double g = tanh_approx ? gelu_tanh_grad(x[i]) : gelu_erf_grad(x[i]);
+        dx[i] = static_cast<T>(static_cast<double>(dy[i]) * g);
+      }
+    });
+  });
+}
+
+void ReferenceBackend::swiglu_forward(Tensor out, Tensor in) {
+  const int64_t rows = in.rows(), f = in.cols() / 2;
+  MT_CHECK(in.cols() % 2 == 0, "swiglu_forward: odd input width {}", in.cols());
+  check_numel(out, rows * f, "swiglu_forward", "out");
+  check_same_dtype(in, out, "swiglu_forward");
+  dispatch_float(in, "swiglu_forward", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(rows, 16, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* gate = in.ptr<T>() + r * 2 * f;
+        const T* up = gate + f;
+        T* y = out.ptr<T>() + r * f;
+        for (int64_t c = 0; c < f; ++c) {
+          const double g = gate[c];
+          y[c] = static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c]));
+        }
+      }
+    });
+  });
+}
+
+void ReferenceBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
+  const int64_t rows = in.rows(), f = in.cols() / 2;
+  check_numel(din, in.numel(), "swiglu_backward", "din");
+  check_numel(dout, rows * f, "swiglu_backward", "dout");
+  check_same_dtype(in, din, "swiglu_backward");
+  check_same_dtype(in, dout, "swiglu_backward");
+  dispatch_float(in, "swiglu_backward", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(rows, 16, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* gate = in.ptr<T>() + r * 2 * f;
+        const T* up = gate + f;
+        const T* dy = dout.ptr<T>() + r * f;
+        T* dgate = din.ptr<T>() + r * 2 * f;
+        T* dup = dgate + f;
+        for (int64_t c = 0; c < f; ++c) {
+          const double g = gate[c], u = up[c], d = dy[c], s = sigmoid(g);
+          dgate[c] = static_cast<T>(d * u * s * (1.0 + g * (1.0 - s)));
+          dup[c] = static_cast<T>(d * g * s);
+        }
+      }
+    });
+  });
+}
+
+void ReferenceBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
+                                        uint64_t dropout_key) {
+  const int64_t n = x.numel(), cols = x.cols();
+  check_numel(out, n, "bias_dropout_add", "out");
+  check_numel(residual, n, "bias_dropout_add", "residual");
+  if (!bias.empty()) check_numel(bias, cols, "bias_dropout_add", "bias");
+  check_same_dtype(x, out, "bias_dropout_add");
+  check_same_dtype(x, residual, "bias_dropout_add");
+  check_same_dtype(x, bias, "bias_dropout_add");
+  dispatch_float(x, "bias_dropout_add", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.ptr<T>();
+    const T* pb = bias.empty() ? nullptr : bias.ptr<T>();
+    const T* pr = residual.ptr<T>();
+    T* po = out.ptr<T>();
+    const T scale = dropout_p > 0 ? T(1) / (T(1) - static_cast<T>(dropout_p)) : T(1);
+    pool_.parallel_for(n, kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        T v = pb ? px[i] + pb[i % cols] : px[i];
+        if (dropout_p > 0) v = dropout_keep(dropout_key, static_cast<uint64_t>(i), dropout_p) ? v * scale : T(0);
+        po[i] = pr[i] + v;
+      }
+    });
+  });
+}
+
+void ReferenceBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) {
+  const int64_t n = dout.numel();
+  check_numel(dx, n, "dropout_backward", "dx");
+  check_same_dtype(dout, dx, "dropout_backward");
+  dispatch_float(dout, "dropout_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* dy = dout.ptr<T>();
+    T* d = dx.ptr<T>();
+    const T scale = dropout_p > 0 ? T(1) / (T(1) - static_cast<T>(dropout_p)) : T(1);
+    pool_.parallel_for(n, kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        if (dropout_p > 0) d[i] = dropout_keep(dropout_key, static_cast<uint64_t>(i), dropout_p) ? dy[i] * scale : T(0);
+        else d[i] = dy[i];
+      }
+    });
+  });
+}
+
+}  // namespace mt::reference

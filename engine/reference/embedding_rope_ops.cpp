@@ -1,0 +1,116 @@
+// ReferenceBackend: token/position embeddings and rotary position embeddings.
+#include "engine/reference/reference_backend.h"
+#include "engine/reference/tensor_access.h"
+
+namespace mt::reference {
+
+void ReferenceBackend::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                                         int64_t vocab_start) {
+  const int64_t N = tokens.numel(), H = wte.cols(), V = wte.rows();
+  MT_CHECK(tokens.dtype == DType::i32, "embedding_forward: tokens must be int32");
+  check_numel(out, N * H, "embedding_forward", "out");
+  if (!wpe.empty()) {
+    MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "embedding_forward: positions [{}] int32", N);
+    MT_CHECK(wpe.cols() == H, "embedding_forward: wpe width {} != {}", wpe.cols(), H);
+  }
+  check_same_dtype(wte, out, "embedding_forward");
+  check_same_dtype(wte, wpe, "embedding_forward");
+  dispatch_float(wte, "embedding_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const int32_t* tok = tokens.ptr<int32_t>();
+    const int32_t* pos = wpe.empty() ? nullptr : positions.ptr<int32_t>();
+    const int64_t P = wpe.empty() ? 0 : wpe.rows();
+    for (int64_t r = 0; pos && r < N; ++r)  // checked here: worker threads must not throw
+      MT_CHECK(pos[r] >= 0 && pos[r] < P, "embedding_forward: position {} outside the table of {}", pos[r], P);
+    pool_.parallel_for(N, 16, [&](int64_t rb, int64_t re, int) {
+      for (int64_t r = rb; r < re; ++r) {
+        T* y = out.ptr<T>() + r * H;
+        const int64_t t = static_cast<int64_t>(tok[r]) - vocab_start;
+        const T* e = (t >= 0 && t < V) ? wte.ptr<T>() + t * H : nullptr;
+        const T* pe = pos ? wpe.ptr<T>() + static_cast<int64_t>(pos[r]) * H : nullptr;
+        for (int64_t c = 0; c < H; ++c) y[c] = (e ? e[c] : T(0)) + (pe ? pe[c] : T(0));
+      }
+    });
+  });
+}
+
+void ReferenceBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                                          int64_t vocab_start) {
+  const int64_t N = tokens.numel(), H = dout.cols();
+  const int64_t V = dwte.empty() ? 0 : dwte.rows();
+  MT_CHECK(tokens.dtype == DType::i32, "embedding_backward: tokens must be int32");
+  check_numel(dout, N * H, "embedding_backward", "dout");
+  check_float_accumulator(dwte, "embedding_backward", "dwte");
+  check_float_accumulator(dwpe, "embedding_backward", "dwpe");
+  const Floats fwte(dwte), fwpe(dwpe);
+  const int64_t P = dwpe.empty() ? 0 : dwpe.rows();
+  dispatch_float(dout, "embedding_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const int32_t* tok = tokens.ptr<int32_t>();
+    const int32_t* pos = dwpe.empty() ? nullptr : positions.ptr<int32_t>();
+    // Columns over threads; rows in order within a column (fixed summation order).
+    pool_.parallel_for(H, 16, [&](int64_t cb, int64_t ce, int) {
+      for (int64_t r = 0; r < N; ++r) {
+        const T* g = dout.ptr<T>() + r * H;
+        const int64_t t = static_cast<int64_t>(tok[r]) - vocab_start;
+        if (!fwte.empty() && t >= 0 && t < V)
+          for (int64_t c = cb; c < ce; ++c) fwte.add(t * H + c, g[c]);
+        if (pos && pos[r] >= 0 && pos[r] < P)
+          for (int64_t c = cb; c < ce; ++c) fwpe.add(static_cast<int64_t>(pos[r]) * H + c, g[c]);
+      }
+    });
+  });
+}
+
+namespace {
+
+// Rotates (or, with sign = -1, un-rotates) the first rot_dim values of one head in place.
+template <typename T>
+void rotate_head(T* x, const Floats& table, int64_t pos, const RopeShape& r, double sign) {
+  const int64_t half = r.rot_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double c = table.get(pos * r.rot_dim + i), s = sign * table.get(pos * r.rot_dim + half + i);
+    const int64_t a = r.interleaved ? 2 * i : i, b = r.interleaved ? 2 * i + 1 : i + half;
+    const double x1 = x[a], x2 = x[b];
+    x[a] = static_cast<T>(x1 * c - x2 * s);
+    x[b] = static_cast<T>(x2 * c + x1 * s);
+  }
+}
+
+template <typename T>
+void rope_apply(ThreadPool& pool, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, double sign) {
+  const int64_t hpg = r.heads / r.groups, d = r.head_dim;
+  const int64_t row = static_cast<int64_t>(r.groups) * (hpg + 2) * d;
+  MT_CHECK(qkv.cols() == row, "rope: packed qkv has {} columns, expected {}", qkv.cols(), row);
+  MT_CHECK(r.rot_dim % 2 == 0 && r.rot_dim <= d, "rope: rot_dim {} must be even and <= head_dim {}", r.rot_dim, d);
+  MT_CHECK(cos_sin.cols() == r.rot_dim, "rope: table width {} != rot_dim {}", cos_sin.cols(), r.rot_dim);
+  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == qkv.rows(), "rope: positions [{}] int32",
+           qkv.rows());
+  const Floats table(cos_sin);
+  const int32_t* pos = positions.ptr<int32_t>();
+  const int64_t P = cos_sin.rows();
+  for (int64_t n = 0; n < qkv.rows(); ++n)  // checked here: worker threads must not throw
+    MT_CHECK(pos[n] >= 0 && pos[n] < P, "rope: position {} outside the table of {}", pos[n], P);
+  pool.parallel_for(qkv.rows(), 8, [&](int64_t rb, int64_t re, int) {
+    for (int64_t n = rb; n < re; ++n) {
+      T* x = qkv.ptr<T>() + n * row;
+      for (int64_t g = 0; g < r.groups; ++g)
+        for (int64_t j = 0; j <= hpg; ++j)  // hpg q heads, then the group's k head
+          rotate_head(x + (g * (hpg + 2) + j) * d, table, pos[n], r, sign);
+    }
+  });
+}
+
+}  // namespace
+
+void ReferenceBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
+  dispatch_float(qkv, "rope_forward", [&](auto tag) { rope_apply<decltype(tag)>(pool_, qkv, positions, cos_sin, r, 1.0); });
+}
+
+// The rotation is orthogonal: its transpose is the rotation by the opposite angle.
+void ReferenceBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
+  dispatch_float(dqkv, "rope_backward",
+                 [&](auto tag) { rope_apply<decltype(tag)>(pool_, dqkv, positions, cos_sin, r, -1.0); });
+}
+
+}  // namespace mt::reference

@@ -1,0 +1,141 @@
+// ReferenceBackend: AdamW and SGD steps on flat buffers, and the reductions used for the grad
+// norm and --log-num-zeros-in-grad.
+#include <cmath>
+
+#include "engine/reference/reference_backend.h"
+#include "engine/reference/tensor_access.h"
+
+namespace mt::reference {
+
+namespace {
+constexpr int64_t kBlock = 1 << 12;  // reduction block: partial sums per block, then in order
+}
+
+void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
+                                  Tensor model_param, std::span<const OptimSegment> segments,
+                                  const OptimStepParams& p) {
+  const int64_t n = master.numel();
+  check_numel(grad, n, "adamw_step", "grad");
+  check_numel(exp_avg, n, "adamw_step", "exp_avg");
+  check_numel(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
+  if (!model_param.empty()) check_numel(model_param, n, "adamw_step", "model_param");
+  check_same_dtype(master, grad, "adamw_step");
+  check_same_dtype(master, exp_avg, "adamw_step");
+  check_same_dtype(master, exp_avg_sq, "adamw_step");
+  MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
+  const Floats mp(model_param);
+  const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
+  dispatch_float(master, "adamw_step", [&](auto tag) {
+    using T = decltype(tag);
+    T* w = master.ptr<T>();
+    const T* g = grad.ptr<T>();
+    T* m = exp_avg.ptr<T>();
+    T* v = exp_avg_sq.ptr<T>();
+    for_each_segment(master, segments, [&](const OptimSegment& s) {
+      MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
+      const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+      pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
+        for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
+          const double gi = static_cast<double>(g[i]) * p.grad_scale;
+          const double mi = b1 * m[i] + (1.0 - b1) * gi;
+          const double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+          m[i] = static_cast<T>(mi);
+          v[i] = static_cast<T>(vi);
+          const double denom = std::sqrt(vi / bc2) + eps;
+          const double update = (mi / bc1) / denom + wd * w[i];
+          w[i] = static_cast<T>(w[i] - lr * update);
+          if (!mp.empty()) mp.set(i, w[i]);
+        }
+      });
+    });
+  });
+}
+
+void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+                                std::span<const OptimSegment> segments, const OptimStepParams& p) {
+  const int64_t n = master.numel();
+  check_numel(grad, n, "sgd_step", "grad");
+  if (!momentum.empty()) check_numel(momentum, n, "sgd_step", "momentum");
+  if (!model_param.empty()) check_numel(model_param, n, "sgd_step", "model_param");
+  check_same_dtype(master, grad, "sgd_step");
+  check_same_dtype(master, momentum, "sgd_step");
+  const Floats mp(model_param);
+  dispatch_float(master, "sgd_step", [&](auto tag) {
+    using T = decltype(tag);
+    T* w = master.ptr<T>();
+    const T* g = grad.ptr<T>();
+    T* buf = momentum.empty() ? nullptr : momentum.ptr<T>();
+    const double mom = p.sgd_momentum;
+    for_each_segment(master, segments, [&](const OptimSegment& s) {
+      MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
+      const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+      pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
+        for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
+          // SGD's weight decay is L2 (added to the gradient), as torch.optim.SGD / apex FusedSGD.
+          double d = static_cast<double>(g[i]) * p.grad_scale + wd * w[i];
+          if (buf && mom != 0.0) {
+            d = mom * buf[i] + d;  // buf starts at 0, so the first step stores the gradient
+            buf[i] = static_cast<T>(d);
+          }
+          w[i] = static_cast<T>(w[i] - lr * d);
+          if (!mp.empty()) mp.set(i, w[i]);
+        }
+      });
+    });
+  });
+}
+
+namespace {
+
+// Sum of f(x[i]) over the segments, in a fixed order: fixed-size blocks summed in parallel, then
+// the block sums in order (independent of the thread count).
+template <typename F>
+double reduce_segments(ReferenceBackend& be, const Tensor& x, std::span<const OptimSegment> segments, F&& f) {
+  double total = 0;
+  for_each_segment(x, segments, [&](const OptimSegment& s) {
+    const int64_t blocks = (s.count + kBlock - 1) / kBlock;
+    if (blocks == 0) return;
+    double* partial = be.scratch(0, static_cast<size_t>(blocks));
+    be.pool().parallel_for(blocks, 1, [&](int64_t bb, int64_t be_, int) {
+      for (int64_t blk = bb; blk < be_; ++blk) {
+        const int64_t b = s.offset + blk * kBlock, e = std::min(s.offset + s.count, b + kBlock);
+        double acc = 0;
+        for (int64_t i = b; i < e; ++i) acc += f(i);
+        partial[blk] = acc;
+      }
+    });
+    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[blk];
+  });
+  return total;
+}
+
+}  // namespace
+
+void ReferenceBackend::sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
+  check_numel(out, 1, "sum_squares", "out");
+  const Floats o(out), fx(x);
+  double total = 0;
+  if (x.dtype == DType::f32 || x.dtype == DType::f64) {
+    dispatch_float(x, "sum_squares", [&](auto tag) {
+      using T = decltype(tag);
+      const T* p = x.ptr<T>();
+      total = reduce_segments(*this, x, segments, [p](int64_t i) { return static_cast<double>(p[i]) * p[i]; });
+    });
+  } else {
+    total = reduce_segments(*this, x, segments, [&fx](int64_t i) { return fx.get(i) * fx.get(i); });
+  }
+  if (accumulate) o.add(0, total);
+  else o.set(0, total);
+}
+
+void ReferenceBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
+  check_numel(out, 1, "count_zeros", "out");
+  const Floats o(out), fx(x);
+  const double total = reduce_segments(*this, x, segments, [&fx](int64_t i) { return fx.get(i) == 0.0 ? 1.0 : 0.0; });
+  if (accumulate) o.add(0, total);
+  else o.set(0, total);
+}
+
+}  // namespace mt::reference

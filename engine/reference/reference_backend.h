@@ -1,0 +1,95 @@
+// ReferenceBackend: engine/backend.h in plain C++ on host memory. Data tensors are float32 or
+// float64 (one type per op: the type of its main input); the "float32" statistics, accumulators and
+// losses may be float32 or float64 independently (float64 throughout in gradient checks).
+// Sums run in double. This is the oracle the CUDA kernels are tested against, so it favours
+// obviously-correct loops over speed; rows are spread over a small thread pool.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/reference/thread_pool.h"
+
+namespace mt::reference {
+
+class ReferenceBackend final : public Backend {
+ public:
+  explicit ReferenceBackend(int num_threads);
+
+  std::string name() const override { return "reference"; }
+  Device device() const override { return Device::cpu; }
+
+  void* allocate(size_t bytes) override;
+  void deallocate(void* p) override;
+  void copy_from_host(Tensor dst, const void* host_src) override;
+  void copy_to_host(void* host_dst, Tensor src) override;
+  void copy(Tensor dst, Tensor src) override;
+  void synchronize() override {}
+
+  void fill(Tensor t, double value) override;
+  void cast(Tensor dst, Tensor src) override;
+  void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) override;
+  void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) override;
+
+  void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                         int64_t vocab_start) override;
+  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                          int64_t vocab_start) override;
+
+  void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
+                    const NormParams& p) override;
+  void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, float dropout_p,
+                        uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
+  void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
+                     Tensor weight, Tensor dresidual, const NormParams& p) override;
+  void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
+                       Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) override;
+  void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
+                        Tensor dout, Tensor qkv, Tensor mean, Tensor rstd, Tensor q_weight, Tensor k_weight,
+                        const RopeShape& r, const NormParams& p) override;
+
+  void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
+  void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
+                             Tensor pre_act) override;
+  void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
+
+  void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;
+  void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;
+  void swiglu_forward(Tensor out, Tensor in) override;
+  void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
+  void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
+                        uint64_t dropout_key) override;
+  void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) override;
+
+  void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
+  void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
+
+  void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override;
+  void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                          const AttentionShape& a) override;
+
+  void cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels, int64_t vocab_start) override;
+  void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
+                              int64_t vocab_start) override;
+  void logsumexp_combine(Tensor lse_out, Tensor lse_parts) override;
+  void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) override;
+
+  void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
+                  std::span<const OptimSegment> segments, const OptimStepParams& p) override;
+  void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+                std::span<const OptimSegment> segments, const OptimStepParams& p) override;
+  void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
+  void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
+
+  ThreadPool& pool() { return pool_; }
+  // Per-thread double scratch of at least n elements (grown on first use, then reused).
+  double* scratch(int thread, size_t n);
+
+ private:
+  ThreadPool pool_;
+  std::vector<std::vector<double>> scratch_;
+};
+
+}  // namespace mt::reference

@@ -1,0 +1,91 @@
+// Tiny model configurations and a local micro-batch source for the engine's CPU tests.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "data/batch.h"
+
+namespace mt::test {
+
+// Fills the values the flag parser derives (head dim, groups, ffn, padded vocab, batch counts).
+inline void derive(Config& c) {
+  ModelConfig& m = c.model;
+  m.head_dim = m.kv_channels.value_or(m.hidden_size / m.num_attention_heads);
+  m.query_groups = m.group_query_attention ? m.num_query_groups : m.num_attention_heads;
+  m.ffn_size = m.ffn_hidden_size.value_or(m.swiglu ? (4 * m.hidden_size * 2 / 3) / 64 * 64 : 4 * m.hidden_size);
+  m.padded_vocab_size = m.vocab_size;
+  if (m.add_bias_linear) m.add_qkv_bias = true;
+  TrainConfig& t = c.train;
+  t.global_batch = t.global_batch_size.value_or(t.micro_batch_size);
+  t.num_microbatches = t.global_batch / t.micro_batch_size;
+  t.total_iters = t.train_iters.value_or(0);
+}
+
+inline Config tiny_gpt_config() {
+  Config c;
+  ModelConfig& m = c.model;
+  m.num_layers = 2;
+  m.hidden_size = 16;
+  m.num_attention_heads = 4;
+  m.max_position_embeddings = 16;
+  m.seq_length = 8;
+  m.vocab_size = 64;
+  m.attention_dropout = 0.0;
+  m.hidden_dropout = 0.0;
+  c.train.micro_batch_size = 2;
+  c.train.global_batch_size = 2;
+  c.train.train_iters = 10;
+  c.train.lr = 1e-3;
+  c.train.device = DeviceKind::cpu;
+  derive(c);
+  return c;
+}
+
+inline Config tiny_llama_config() {
+  Config c = tiny_gpt_config();
+  ModelConfig& m = c.model;
+  m.hidden_size = 32;
+  m.ffn_hidden_size = 48;
+  m.group_query_attention = true;
+  m.num_query_groups = 2;
+  m.normalization = Normalization::rmsnorm;
+  m.swiglu = true;
+  m.position_embedding_type = PositionEmbedding::rope;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  m.add_qkv_bias = false;
+  derive(c);
+  return c;
+}
+
+// Arange documents: sample k of the stream is (k * 7 + t) mod vocab for t = 0..s, so the next
+// token is always the current one plus one (learnable by a tiny model). Deterministic.
+class ArangeBatchSource final : public BatchSource {
+ public:
+  ArangeBatchSource(int batch, int seq, int vocab, int64_t limit = -1, int64_t first_sample = 0)
+      : b_(batch), s_(seq), v_(vocab), limit_(limit), next_(first_sample) {}
+  bool next(MicroBatch& mb) override {
+    if (limit_ >= 0 && produced_ >= limit_) return false;
+    mb.resize(b_, s_);
+    for (int i = 0; i < b_; ++i, ++next_) {
+      const int64_t start = next_ * 7;
+      for (int t = 0; t < s_; ++t) {
+        const size_t k = static_cast<size_t>(i) * s_ + t;
+        mb.tokens[k] = static_cast<int32_t>((start + t) % v_);
+        mb.labels[k] = static_cast<int32_t>((start + t + 1) % v_);
+        mb.loss_mask[k] = 1.0f;
+        mb.positions[k] = t;
+      }
+    }
+    ++produced_;
+    return true;
+  }
+
+ private:
+  int b_, s_, v_;
+  int64_t limit_, next_, produced_ = 0;
+};
+
+}  // namespace mt::test

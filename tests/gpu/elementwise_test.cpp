@@ -1,0 +1,183 @@
+// CUDA vs reference: fill, cast, axpby, init_normal, GeLU, SwiGLU, bias-dropout-add, dropout.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/shard.h"
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+// Row counts and widths that are not multiples of any tile or vector width, and some that are.
+const Shape kShapes[] = {{1, 1}, {1, 48}, {7, 100}, {3, 1000}, {17, 13}, {333, 768}, {5, 2050}};
+}  // namespace
+
+TEST_CASE("cuda fill writes every element, every dtype", "[gpu][elementwise]") {
+  for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8}) {
+    for (const Shape& s : kShapes) {
+      INFO(dtype_name(dt) << " " << s[0] << "x" << s[1]);
+      Buf b(dev(), dt, s);
+      const double value = is_floating(dt) ? -1.5 : 7.0;
+      dev().fill(b.t, 0.0);
+      dev().fill(b.t, value);
+      const std::vector<double> got = download(dev(), b.t);
+      int64_t wrong = 0;
+      for (double g : got) wrong += g != value;
+      CHECK(wrong == 0);
+      if (is_floating(dt)) {
+        dev().fill(b.t, std::numeric_limits<double>::quiet_NaN());
+        int64_t not_nan = 0;
+        for (double g : download(dev(), b.t)) not_nan += !std::isnan(g);
+        CHECK(not_nan == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda cast between float dtypes is bit-identical to the reference", "[gpu][elementwise]") {
+  MT_RNG(rng);
+  const DType types[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+  for (DType src : types)
+    for (DType dst : types)
+      for (const Shape& s : kShapes) {
+        INFO(dtype_name(src) << " -> " << dtype_name(dst) << " " << s[0] << "x" << s[1]);
+        std::vector<double> v = rng.normal(numel(s), 30.0);
+        v[0] = 70000.0;  // overflows float16
+        if (v.size() > 2) v[1] = -0.0, v[2] = 1e-6;
+        Twin in = twin_same(src, s, v);
+        Twin out = twin_same(dst, s, std::vector<double>(numel(s), std::numeric_limits<double>::quiet_NaN()));
+        dev().cast(out.c(), in.c());
+        ref().cast(out.r(), in.r());
+        CHECK(download_bytes(dev(), out.c()) == download_bytes(ref(), out.r()));
+      }
+}
+
+TEST_CASE("cuda axpby: same dtypes, mixed dtypes, aliasing", "[gpu][elementwise]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (const Shape& s : kShapes) {
+      INFO(dtype_name(dt) << " " << s[0] << "x" << s[1]);
+      const int64_t n = numel(s);
+      Twin a = twin(dt, s, rng.normal(n)), b = twin(dt, s, rng.normal(n));
+      Twin out = twin_nan(dt, s);
+      dev().axpby(out.c(), 0.75f, a.c(), -1.25f, b.c());
+      ref().axpby(out.r(), 0.75f, a.r(), -1.25f, b.r());
+      MT_CHECK_CLOSE(out, tol_for(dt));
+      // b absent, out aliasing a.
+      dev().axpby(a.c(), 3.0f, a.c(), 0.0f, Tensor());
+      ref().axpby(a.r(), 3.0f, a.r(), 0.0f, Tensor());
+      MT_CHECK_CLOSE(a, tol_for(dt));
+    }
+  // Mixed dtypes: float32 out from a bf16 and a float32 input (the reference's generic path).
+  const Shape s{333, 100};
+  Twin a = twin_same(DType::bf16, s, rng.normal(numel(s))), b = twin_same(DType::f32, s, rng.normal(numel(s)));
+  Twin out = twin_same(DType::f32, s, std::vector<double>(numel(s), NAN));
+  dev().axpby(out.c(), 2.0f, a.c(), 0.5f, b.c());
+  ref().axpby(out.r(), 2.0f, a.r(), 0.5f, b.r());
+  MT_CHECK_CLOSE(out, 1e-6);
+}
+
+TEST_CASE("cuda init_normal equals the host's bits for every shard layout", "[gpu][init]") {
+  MT_RNG(rng);
+  const uint64_t key = rng.engine()();
+  // A block of a chunked global tensor (like a TP shard of the SwiGLU [gate; up] weight), and a
+  // whole large tensor.
+  const ShardIndex shard{80, 96, 10, 32, 20, 48, 2};
+  const ShardIndex whole = ShardIndex::whole(1000, 1024);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+    for (const ShardIndex& idx : {shard, whole}) {
+      INFO(dtype_name(dt) << " local " << idx.local_rows * idx.chunks << "x" << idx.local_cols);
+      const Shape s{idx.local_rows * idx.chunks, idx.local_cols};
+      Twin t = twin_same(dt, s, std::vector<double>(numel(s), NAN));
+      dev().init_normal(t.c(), key, 0.02f, idx);
+      ref().init_normal(t.r(), key, 0.02f, idx);
+      const auto got = download_bytes(dev(), t.c()), want = download_bytes(ref(), t.r());
+      int64_t differ = 0;
+      for (size_t i = 0; i < got.size(); i += dtype_size(dt)) differ += std::memcmp(&got[i], &want[i], dtype_size(dt)) != 0;
+      CHECK(differ == 0);
+      // And it is a normal(0, 0.02) sample.
+      const std::vector<double> v = download(dev(), t.c());
+      double m = 0, q = 0;
+      for (double x : v) m += x, q += x * x;
+      m /= v.size();
+      const double sd = std::sqrt(q / v.size() - m * m);
+      CHECK(std::abs(m) < 0.02 * 5 / std::sqrt(static_cast<double>(v.size())));
+      CHECK(sd == Approx(0.02).epsilon(0.1));
+    }
+  }
+}
+
+TEST_CASE("cuda gelu forward/backward, erf and tanh", "[gpu][activation]") {
+  MT_RNG(rng);
+  for (bool tanh_approx : {false, true})
+    for (DType dt : kFloatTypes)
+      for (const Shape& s : kShapes) {
+        INFO(dtype_name(dt) << (tanh_approx ? " tanh " : " erf ") << s[0] << "x" << s[1]);
+        const int64_t n = numel(s);
+        Twin in = twin(dt, s, rng.normal(n, 3.0)), out = twin_nan(dt, s);
+        dev().gelu_forward(out.c(), in.c(), tanh_approx);
+        ref().gelu_forward(out.r(), in.r(), tanh_approx);
+        MT_CHECK_CLOSE(out, tol_for(dt));
+        Twin dout = twin(dt, s, rng.normal(n)), din = twin_nan(dt, s);
+        dev().gelu_backward(din.c(), dout.c(), in.c(), tanh_approx);
+        ref().gelu_backward(din.r(), dout.r(), in.r(), tanh_approx);
+        MT_CHECK_CLOSE(din, tol_for(dt));
+        // In place: din aliases dout.
+        dev().gelu_backward(dout.c(), dout.c(), in.c(), tanh_approx);
+        ref().gelu_backward(dout.r(), dout.r(), in.r(), tanh_approx);
+        MT_CHECK_CLOSE(dout, tol_for(dt));
+      }
+}
+
+TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (int64_t rows : {1, 7, 333})
+      for (int64_t f : {7, 48, 100, 1000, 2048}) {
+        INFO(dtype_name(dt) << " rows " << rows << " f " << f);
+        Twin in = twin(dt, {rows, 2 * f}, rng.normal(rows * 2 * f, 2.0)), out = twin_nan(dt, {rows, f});
+        dev().swiglu_forward(out.c(), in.c());
+        ref().swiglu_forward(out.r(), in.r());
+        MT_CHECK_CLOSE(out, tol_for(dt));
+        Twin dout = twin(dt, {rows, f}, rng.normal(rows * f)), din = twin_nan(dt, {rows, 2 * f});
+        dev().swiglu_backward(din.c(), dout.c(), in.c());
+        ref().swiglu_backward(din.r(), dout.r(), in.r());
+        MT_CHECK_CLOSE(din, tol_for(dt));
+      }
+}
+
+TEST_CASE("cuda bias_dropout_add and dropout_backward draw the reference's mask", "[gpu][activation]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (const Shape& s : kShapes)
+      for (float p : {0.0f, 0.1f, 0.5f}) {
+        INFO(dtype_name(dt) << " " << s[0] << "x" << s[1] << " p " << p);
+        const int64_t n = numel(s);
+        const uint64_t key = rng.engine()();
+        Twin x = twin(dt, s, rng.normal(n)), bias = twin(dt, {s[1]}, rng.normal(s[1])),
+             res = twin(dt, s, rng.normal(n)), out = twin_nan(dt, s);
+        dev().bias_dropout_add(out.c(), x.c(), bias.c(), res.c(), p, key);
+        ref().bias_dropout_add(out.r(), x.r(), bias.r(), res.r(), p, key);
+        MT_CHECK_CLOSE(out, tol_for(dt));
+        // No bias, output in place over the residual.
+        dev().bias_dropout_add(res.c(), x.c(), Tensor(), res.c(), p, key);
+        ref().bias_dropout_add(res.r(), x.r(), Tensor(), res.r(), p, key);
+        MT_CHECK_CLOSE(res, tol_for(dt));
+        Twin dx = twin_nan(dt, s);
+        dev().dropout_backward(dx.c(), x.c(), p, key);
+        ref().dropout_backward(dx.r(), x.r(), p, key);
+        MT_CHECK_CLOSE(dx, tol_for(dt));
+        if (p > 0 && n >= 100000) {  // the kept fraction is 1 - p
+          int64_t kept = 0;
+          for (double v : download(dev(), dx.c())) kept += v != 0.0;
+          CHECK(static_cast<double>(kept) / n == Approx(1.0 - p).margin(0.01));
+        }
+        // In place.
+        dev().dropout_backward(x.c(), x.c(), p, key);
+        ref().dropout_backward(x.r(), x.r(), p, key);
+        MT_CHECK_CLOSE(x, tol_for(dt));
+      }
+}

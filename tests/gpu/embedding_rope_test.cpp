@@ -1,0 +1,94 @@
+// CUDA vs reference: token/position embedding forward and its deterministic backward (with a
+// vocab shard and a heavily repeated token), and rotary embeddings on packed QKV.
+#include <cmath>
+
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+
+// Token ids in [0, vocab) where a third of the rows hold one token (a long run for one block).
+std::vector<double> skewed_tokens(Rng& rng, int64_t n, int64_t vocab) {
+  std::vector<double> t = rng.ints(n, 0, vocab);
+  const std::vector<double> coin = rng.uniform(n, 0.0, 1.0);
+  for (int64_t i = 0; i < n; ++i)
+    if (coin[i] < 0.33) t[i] = 7;
+  return t;
+}
+}  // namespace
+
+TEST_CASE("cuda embedding forward/backward on vocab shards; backward is deterministic", "[gpu][embedding]") {
+  MT_RNG(rng);
+  const int64_t vocab = 1000, positions = 64;
+  struct Case {
+    int64_t rows, h;
+  };
+  for (DType dt : kFloatTypes)
+    for (Case c : {Case{1, 48}, Case{7, 100}, Case{333, 768}, Case{2000, 64}, Case{129, 2050}})
+      for (int64_t vocab_start : {int64_t{0}, int64_t{500}}) {
+        const int64_t shard_rows = vocab - vocab_start;
+        const bool with_wpe = vocab_start == 0;  // as the model passes it
+        INFO(dtype_name(dt) << " rows " << c.rows << " h " << c.h << " vocab_start " << vocab_start);
+        Twin tok = twin(DType::i32, {c.rows}, skewed_tokens(rng, c.rows, vocab));
+        Twin pos = twin(DType::i32, {c.rows}, rng.ints(c.rows, 0, positions));
+        Twin wte = twin(dt, {shard_rows, c.h}, rng.normal(shard_rows * c.h));
+        Twin wpe = with_wpe ? twin(dt, {positions, c.h}, rng.normal(positions * c.h)) : absent();
+        Twin out = twin_nan(dt, {c.rows, c.h});
+        dev().embedding_forward(out.c(), tok.c(), pos.c(), wte.c(), wpe.c(), vocab_start);
+        ref().embedding_forward(out.r(), tok.r(), pos.r(), wte.r(), wpe.r(), vocab_start);
+        MT_CHECK_CLOSE(out, tol_for(dt));
+
+        const std::vector<double> dwte0 = rng.normal(shard_rows * c.h), dwpe0 = rng.normal(positions * c.h);
+        Twin dwte = twin(DType::f32, {shard_rows, c.h}, dwte0), dwpe = twin(DType::f32, {positions, c.h}, dwpe0);
+        Twin dout = twin(dt, {c.rows, c.h}, rng.normal(c.rows * c.h));
+        dev().embedding_backward(dwte.c(), dwpe.c(), dout.c(), tok.c(), pos.c(), vocab_start);
+        ref().embedding_backward(dwte.r(), dwpe.r(), dout.r(), tok.r(), pos.r(), vocab_start);
+        MT_CHECK_CLOSE(dwte, 1e-5);
+        MT_CHECK_CLOSE(dwpe, 1e-5);
+        const auto first_wte = download_bytes(dev(), dwte.c()), first_wpe = download_bytes(dev(), dwpe.c());
+        upload(dev(), dwte.c(), dwte0);
+        upload(dev(), dwpe.c(), dwpe0);
+        dev().embedding_backward(dwte.c(), dwpe.c(), dout.c(), tok.c(), pos.c(), vocab_start);
+        CHECK(download_bytes(dev(), dwte.c()) == first_wte);
+        CHECK(download_bytes(dev(), dwpe.c()) == first_wpe);
+      }
+}
+
+TEST_CASE("cuda rope forward/backward: half and interleaved pairs, partial rotation, GQA", "[gpu][rope]") {
+  MT_RNG(rng);
+  struct Case {
+    int heads, groups, head_dim, rot_dim;
+  };
+  const int64_t table_rows = 256;
+  for (DType dt : kFloatTypes)
+    for (Case c : {Case{8, 2, 64, 64}, Case{4, 4, 64, 32}, Case{6, 1, 48, 24}, Case{2, 2, 128, 128}})
+      for (bool interleaved : {false, true})
+        for (int64_t rows : {1, 7, 333}) {
+          INFO(dtype_name(dt) << " heads " << c.heads << " groups " << c.groups << " d " << c.head_dim << " rot "
+                              << c.rot_dim << (interleaved ? " interleaved" : " half") << " rows " << rows);
+          RopeShape r;
+          r.heads = c.heads, r.groups = c.groups, r.head_dim = c.head_dim, r.rot_dim = c.rot_dim;
+          r.interleaved = interleaved;
+          const int64_t width = static_cast<int64_t>(c.groups) * (c.heads / c.groups + 2) * c.head_dim;
+          std::vector<double> table(static_cast<size_t>(table_rows * c.rot_dim));
+          for (int64_t p = 0; p < table_rows; ++p)
+            for (int i = 0; i < c.rot_dim / 2; ++i) {
+              const double angle = p * std::pow(10000.0, -2.0 * i / c.rot_dim);
+              table[p * c.rot_dim + i] = std::cos(angle);
+              table[p * c.rot_dim + c.rot_dim / 2 + i] = std::sin(angle);
+            }
+          Twin cs = twin(DType::f32, {table_rows, c.rot_dim}, table);
+          Twin pos = twin(DType::i32, {rows}, rng.ints(rows, 0, table_rows));
+          Twin qkv = twin(dt, {rows, width}, rng.normal(rows * width));
+          dev().rope_forward(qkv.c(), pos.c(), cs.c(), r);
+          ref().rope_forward(qkv.r(), pos.r(), cs.r(), r);
+          MT_CHECK_CLOSE(qkv, tol_for(dt));
+          Twin g = twin(dt, {rows, width}, rng.normal(rows * width));
+          dev().rope_backward(g.c(), pos.c(), cs.c(), r);
+          ref().rope_backward(g.r(), pos.r(), cs.r(), r);
+          MT_CHECK_CLOSE(g, tol_for(dt));
+        }
+}

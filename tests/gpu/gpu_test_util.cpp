@@ -1,0 +1,176 @@
+#include "tests/gpu/gpu_test_util.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+namespace mt::gputest {
+
+Backend& dev() {
+  static std::unique_ptr<Backend> be = make_cuda_backend(0);
+  return *be;
+}
+
+Backend& ref() {
+  static std::unique_ptr<Backend> be = make_reference_backend(0);
+  return *be;
+}
+
+Buf::Buf(Backend& b, DType dt, std::initializer_list<int64_t> shape) : be(&b) {
+  t = Tensor(nullptr, dt, b.device(), shape);
+  t.data = b.allocate(std::max<size_t>(t.nbytes(), 16));
+}
+
+Buf::Buf(Backend& b, DType dt, const std::vector<int64_t>& shape) : be(&b) {
+  MT_CHECK(shape.size() <= static_cast<size_t>(Tensor::kMaxDims), "too many dims");
+  t.dtype = dt;
+  t.device = b.device();
+  t.ndim = static_cast<int>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
+  t.data = b.allocate(std::max<size_t>(t.nbytes(), 16));
+}
+
+Buf::~Buf() {
+  if (be && t.data) be->deallocate(t.data);
+}
+
+Buf::Buf(Buf&& o) noexcept : t(o.t), be(o.be) { o.t.data = nullptr; }
+Buf& Buf::operator=(Buf&& o) noexcept {
+  if (this != &o) {
+    if (be && t.data) be->deallocate(t.data);
+    t = o.t;
+    be = o.be;
+    o.t.data = nullptr;
+  }
+  return *this;
+}
+
+std::vector<uint8_t> encode(DType dt, const std::vector<double>& v) {
+  std::vector<uint8_t> out(v.size() * dtype_size(dt));
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint8_t* p = out.data() + i * dtype_size(dt);
+    switch (dt) {
+      case DType::f32: { const float f = static_cast<float>(v[i]); std::memcpy(p, &f, 4); break; }
+      case DType::f64: std::memcpy(p, &v[i], 8); break;
+      case DType::bf16: { const uint16_t b = float_to_bf16_bits(static_cast<float>(v[i])); std::memcpy(p, &b, 2); break; }
+      case DType::f16: { const uint16_t b = float_to_f16_bits(static_cast<float>(v[i])); std::memcpy(p, &b, 2); break; }
+      case DType::i32: { const int32_t x = static_cast<int32_t>(v[i]); std::memcpy(p, &x, 4); break; }
+      case DType::i64: { const int64_t x = static_cast<int64_t>(v[i]); std::memcpy(p, &x, 8); break; }
+      case DType::u8: *p = static_cast<uint8_t>(v[i]); break;
+    }
+  }
+  return out;
+}
+
+std::vector<double> decode(DType dt, const uint8_t* b, int64_t n) {
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* p = b + i * dtype_size(dt);
+    switch (dt) {
+      case DType::f32: { float f; std::memcpy(&f, p, 4); out[i] = f; break; }
+      case DType::f64: std::memcpy(&out[i], p, 8); break;
+      case DType::bf16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = bf16_bits_to_float(h); break; }
+      case DType::f16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = f16_bits_to_float(h); break; }
+      case DType::i32: { int32_t x; std::memcpy(&x, p, 4); out[i] = x; break; }
+      case DType::i64: { int64_t x; std::memcpy(&x, p, 8); out[i] = static_cast<double>(x); break; }
+      case DType::u8: out[i] = *p; break;
+    }
+  }
+  return out;
+}
+
+double round_to(DType dt, double v) {
+  const std::vector<uint8_t> b = encode(dt, {v});
+  return decode(dt, b.data(), 1)[0];
+}
+
+void upload(Backend& be, const Tensor& t, const std::vector<double>& values) {
+  MT_CHECK(static_cast<int64_t>(values.size()) == t.numel(), "upload: {} values for {}", values.size(),
+           t.shape_string());
+  const std::vector<uint8_t> bytes = encode(t.dtype, values);
+  be.copy_from_host(t, bytes.data());
+  be.synchronize();
+}
+
+std::vector<uint8_t> download_bytes(Backend& be, const Tensor& t) {
+  std::vector<uint8_t> bytes(t.nbytes());
+  be.copy_to_host(bytes.data(), t);
+  return bytes;
+}
+
+std::vector<double> download(Backend& be, const Tensor& t) {
+  const std::vector<uint8_t> bytes = download_bytes(be, t);
+  return decode(t.dtype, bytes.data(), t.numel());
+}
+
+Twin twin(DType dt, const std::vector<int64_t>& shape, const std::vector<double>& values) {
+  const DType ref_dt = is_floating(dt) ? DType::f32 : dt;
+  Twin x{Buf(dev(), dt, shape), Buf(ref(), ref_dt, shape)};
+  std::vector<double> rounded(values.size());
+  for (size_t i = 0; i < values.size(); ++i) rounded[i] = is_floating(dt) ? round_to(dt, values[i]) : values[i];
+  upload(dev(), x.cu.t, rounded);
+  upload(ref(), x.ref.t, rounded);
+  return x;
+}
+
+Twin twin_same(DType dt, const std::vector<int64_t>& shape, const std::vector<double>& values) {
+  Twin x{Buf(dev(), dt, shape), Buf(ref(), dt, shape)};
+  upload(dev(), x.cu.t, values);
+  upload(ref(), x.ref.t, values);
+  return x;
+}
+
+Twin twin_nan(DType dt, const std::vector<int64_t>& shape) {
+  return twin(dt, shape, std::vector<double>(static_cast<size_t>(numel(shape)), std::numeric_limits<double>::quiet_NaN()));
+}
+
+Rng::Rng() {
+  if (const char* s = std::getenv("MT_TEST_SEED")) seed_ = std::strtoull(s, nullptr, 10);
+  else seed_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  gen_.seed(seed_);
+}
+
+std::vector<double> Rng::normal(int64_t n, double std) {
+  std::normal_distribution<double> d(0.0, std);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(gen_);
+  return v;
+}
+
+std::vector<double> Rng::uniform(int64_t n, double lo, double hi) {
+  std::uniform_real_distribution<double> d(lo, hi);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(gen_);
+  return v;
+}
+
+std::vector<double> Rng::ints(int64_t n, int64_t lo, int64_t hi) {
+  std::uniform_int_distribution<int64_t> d(lo, hi - 1);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = static_cast<double>(d(gen_));
+  return v;
+}
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = got[i] - want[i];
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  if (den == 0) return std::sqrt(num);
+  return std::sqrt(num / den);
+}
+
+double rel_err(const Twin& x) { return rel_err(download(dev(), x.cu.t), download(ref(), x.ref.t)); }
+
+double tol_for(DType dt) {
+  switch (dt) {
+    case DType::bf16: return 1e-2;  // bf16 keeps 8 bits: one rounding is up to 2^-9 relative
+    case DType::f16: return 2e-3;   // 11 bits
+    default: return 1e-5;           // float32 math in a different order than the float64 reference
+  }
+}
+
+}  // namespace mt::gputest

@@ -1,0 +1,112 @@
+// Helpers for the GPU op tests: every op runs on the CUDA backend and on the reference backend
+// (float32) with the same input values, and the outputs are compared by relative L2 error
+// ||cuda - ref|| / ||ref||.
+//
+// Inputs are fresh random numbers per run (std::mt19937_64, seed printed on failure; set
+// MT_TEST_SEED to replay one). Values are rounded to the CUDA tensor's dtype first, so both
+// backends see identical inputs and the comparison measures the kernels, not the input rounding.
+// CUDA outputs are filled with NaN before each op, so an element the kernel fails to write fails
+// the comparison.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "engine/backend.h"
+
+namespace mt::gputest {
+
+Backend& dev();       // one CudaBackend (device 0) for the whole test binary
+Backend& ref();  // one reference backend
+
+// A device or host buffer owned by a backend, freed on scope exit.
+class Buf {
+ public:
+  Buf() = default;
+  Buf(Backend& be, DType dt, std::initializer_list<int64_t> shape);
+  Buf(Backend& be, DType dt, const std::vector<int64_t>& shape);
+  ~Buf();
+  Buf(Buf&& o) noexcept;
+  Buf& operator=(Buf&& o) noexcept;
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  Tensor t;
+  Backend* be = nullptr;
+};
+
+// Host-side conversion of float values into a dtype's bytes and back.
+std::vector<uint8_t> encode(DType dt, const std::vector<double>& values);
+std::vector<double> decode(DType dt, const uint8_t* bytes, int64_t n);
+double round_to(DType dt, double v);  // the value a float stored as dt holds
+
+void upload(Backend& be, const Tensor& t, const std::vector<double>& values);
+std::vector<double> download(Backend& be, const Tensor& t);
+// Raw bytes of a tensor (for bit-identity checks).
+std::vector<uint8_t> download_bytes(Backend& be, const Tensor& t);
+
+// A CUDA tensor and its reference twin (float32, or the same dtype for non-float data) holding the
+// same values.
+struct Twin {
+  Buf cu, ref;
+  Tensor c() const { return cu.t; }
+  Tensor r() const { return ref.t; }
+};
+// dtype of the CUDA side; the reference side is float32 for float dtypes, else the same.
+Twin twin(DType dt, const std::vector<int64_t>& shape, const std::vector<double>& values);
+Twin twin_nan(DType dt, const std::vector<int64_t>& shape);  // outputs: NaN on both sides
+// Both sides in dt (for ops the reference runs on any float dtype: cast, init, mixed axpby).
+Twin twin_same(DType dt, const std::vector<int64_t>& shape, const std::vector<double>& values);
+inline Twin absent() { return Twin{}; }
+
+// Random values.
+class Rng {
+ public:
+  Rng();
+  uint64_t seed() const { return seed_; }
+  std::vector<double> normal(int64_t n, double std = 1.0);
+  std::vector<double> uniform(int64_t n, double lo, double hi);
+  std::vector<double> ints(int64_t n, int64_t lo, int64_t hi);  // [lo, hi)
+  std::mt19937_64& engine() { return gen_; }
+
+ private:
+  uint64_t seed_;
+  std::mt19937_64 gen_;
+};
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want);
+// Relative L2 error of the CUDA tensor against the reference tensor.
+double rel_err(const Twin& x);
+
+// Tolerance on an output stored in dt (rounding of the result dominates for 16-bit types).
+double tol_for(DType dt);
+
+// Shorthand for shapes.
+using Shape = std::vector<int64_t>;
+inline int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+}  // namespace mt::gputest
+
+// A fresh random generator whose seed is reported with any failure in the enclosing scope.
+#define MT_RNG(var)            \
+  ::mt::gputest::Rng var;      \
+  INFO("random seed " << var.seed() << " (replay with MT_TEST_SEED=" << var.seed() << ")")
+
+// Checks the relative error of a Twin's CUDA side against its reference side.
+#define MT_CHECK_CLOSE(twin_, tol_)                                                         \
+  do {                                                                                      \
+    const double mt_err_ = ::mt::gputest::rel_err(twin_);                                   \
+    INFO(#twin_ << ": relative L2 error " << mt_err_ << " (tolerance " << (tol_) << ")");   \
+    CHECK(mt_err_ <= (tol_));                                                               \
+  } while (0)

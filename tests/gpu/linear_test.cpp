@@ -1,0 +1,107 @@
+// CUDA (cuBLASLt) vs reference: linear forward with bias and GeLU (fused epilogue and separate
+// kernel), input gradient (DGELU epilogue, separate kernel, accumulate), weight and bias gradients
+// accumulating into float32 (BGRADB epilogue and column-sum kernel; deterministic).
+#include <cmath>
+
+#include "cuda/cuda_backend.h"
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+struct GemmShape {
+  int64_t M, K, N;
+};
+// M, K, N that are not multiples of the tile sizes (and one that is).
+const GemmShape kShapes[] = {{1, 48, 100}, {7, 768, 1000}, {333, 100, 2050}, {130, 768, 2304}, {64, 2048, 768}};
+const Activation kActs[] = {Activation::none, Activation::gelu, Activation::gelu_tanh};
+
+const char* act_name(Activation a) {
+  return a == Activation::none ? "none" : a == Activation::gelu ? "gelu" : "gelu_tanh";
+}
+
+CudaBackend& cuda_backend() { return dynamic_cast<CudaBackend&>(dev()); }
+
+std::vector<double> scaled_normal(Rng& rng, int64_t n, double std) { return rng.normal(n, std); }
+}  // namespace
+
+TEST_CASE("cuda linear_forward: bias, GeLU (fused and separate)", "[gpu][linear]") {
+  MT_RNG(rng);
+  cuda::GemmRunner& gemm = cuda_backend().gemm();
+  for (bool fused : {true, false}) {
+    gemm.use_gelu_epilogue = fused;
+    for (DType dt : kFloatTypes)
+      for (const GemmShape& g : kShapes)
+        for (bool with_bias : {true, false})
+          for (Activation act : kActs) {
+            INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias << " act "
+                                << act_name(act) << " fused epilogues " << fused);
+            Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+            Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.K))));
+            Twin b = with_bias ? twin(dt, {g.N}, rng.normal(g.N, 0.5)) : absent();
+            Twin y = twin_nan(dt, {g.M, g.N});
+            Twin pre = act != Activation::none ? twin_nan(dt, {g.M, g.N}) : absent();
+            dev().linear_forward(y.c(), x.c(), w.c(), b.c(), act, pre.c());
+            ref().linear_forward(y.r(), x.r(), w.r(), b.r(), act, pre.r());
+            MT_CHECK_CLOSE(y, tol_for(dt));
+            if (act != Activation::none) MT_CHECK_CLOSE(pre, tol_for(dt));
+          }
+  }
+  gemm.use_gelu_epilogue = true;
+}
+
+TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][linear]") {
+  MT_RNG(rng);
+  cuda::GemmRunner& gemm = cuda_backend().gemm();
+  for (bool fused : {true, false}) {
+    gemm.use_gelu_epilogue = fused;
+    for (DType dt : kFloatTypes)
+      for (const GemmShape& g : kShapes)
+        for (bool accumulate : {false, true})
+          for (Activation act : kActs) {
+            INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " accumulate " << accumulate
+                                << " act " << act_name(act) << " fused epilogues " << fused);
+            Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
+            Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.N))));
+            Twin pre = act != Activation::none ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K, 2.0)) : absent();
+            Twin dx = accumulate ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K)) : twin_nan(dt, {g.M, g.K});
+            dev().linear_backward_input(dx.c(), dy.c(), w.c(), accumulate, act, pre.c());
+            ref().linear_backward_input(dx.r(), dy.r(), w.r(), accumulate, act, pre.r());
+            MT_CHECK_CLOSE(dx, tol_for(dt));
+          }
+  }
+  gemm.use_gelu_epilogue = true;
+}
+
+TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministically", "[gpu][linear]") {
+  MT_RNG(rng);
+  cuda::GemmRunner& gemm = cuda_backend().gemm();
+  for (bool fused : {true, false}) {
+    gemm.use_bias_grad_epilogue = fused;
+    for (DType dt : kFloatTypes)
+      for (const GemmShape& g : kShapes)
+        for (bool with_bias : {true, false}) {
+          INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias
+                              << " BGRADB epilogue " << fused);
+          Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
+          Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+          const std::vector<double> dw0 = rng.normal(g.N * g.K), db0 = rng.normal(g.N);
+          Twin dw = twin(DType::f32, {g.N, g.K}, dw0);
+          Twin db = with_bias ? twin(DType::f32, {g.N}, db0) : absent();
+          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+          ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+          MT_CHECK_CLOSE(dw, 1e-5);  // float32 accumulation of exact products
+          if (with_bias) MT_CHECK_CLOSE(db, 1e-5);
+          const auto dw_first = download_bytes(dev(), dw.c());
+          const auto db_first = with_bias ? download_bytes(dev(), db.c()) : std::vector<uint8_t>();
+          upload(dev(), dw.c(), dw0);
+          if (with_bias) upload(dev(), db.c(), db0);
+          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+          CHECK(download_bytes(dev(), dw.c()) == dw_first);
+          if (with_bias) CHECK(download_bytes(dev(), db.c()) == db_first);
+        }
+  }
+  gemm.use_bias_grad_epilogue = true;
+}

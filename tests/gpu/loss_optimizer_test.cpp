@@ -1,0 +1,181 @@
+// CUDA vs reference: cross-entropy forward/backward over vocab shards (in place too),
+// logsumexp_combine, masked_loss_sum; AdamW and SGD over segment lists (inline and registered),
+// sum_squares and count_zeros (deterministic).
+#include <cmath>
+#include <limits>
+
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+}  // namespace
+
+TEST_CASE("cuda cross_entropy forward/backward on vocab shards", "[gpu][loss]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (int64_t cols : {1000, 2053, 50304})
+      for (int64_t rows : {1, 7, 333})
+        for (int64_t vocab_start : {int64_t{0}, cols / 2}) {
+          if (rows == 333 && cols == 50304 && dt == DType::f16) continue;  // the reference's time, not coverage
+          INFO(dtype_name(dt) << " rows " << rows << " cols " << cols << " vocab_start " << vocab_start);
+          Twin logits = twin(dt, {rows, cols}, rng.normal(rows * cols, 3.0));
+          // Labels over the whole (2-shard) vocabulary: some fall outside this shard.
+          Twin labels = twin(DType::i32, {rows}, rng.ints(rows, 0, cols + vocab_start));
+          Twin lse = twin_nan(DType::f32, {rows}), target = twin_nan(DType::f32, {rows});
+          dev().cross_entropy_forward(lse.c(), target.c(), logits.c(), labels.c(), vocab_start);
+          ref().cross_entropy_forward(lse.r(), target.r(), logits.r(), labels.r(), vocab_start);
+          MT_CHECK_CLOSE(lse, 1e-5);
+          MT_CHECK_CLOSE(target, 1e-7);  // a copy of one logit (or 0)
+
+          // Backward with the reference's lse on both sides (a global lse would come from logsumexp_combine).
+          Twin glse = twin(DType::f32, {rows}, download(ref(), lse.r()));
+          Twin dloss = twin(DType::f32, {rows}, rng.uniform(rows, 0.1, 1.0));
+          Twin dlogits = twin_nan(dt, {rows, cols});
+          dev().cross_entropy_backward(dlogits.c(), logits.c(), labels.c(), glse.c(), dloss.c(), vocab_start);
+          ref().cross_entropy_backward(dlogits.r(), logits.r(), labels.r(), glse.r(), dloss.r(), vocab_start);
+          MT_CHECK_CLOSE(dlogits, tol_for(dt));
+          // In place over the logits.
+          dev().cross_entropy_backward(logits.c(), logits.c(), labels.c(), glse.c(), dloss.c(), vocab_start);
+          ref().cross_entropy_backward(logits.r(), logits.r(), labels.r(), glse.r(), dloss.r(), vocab_start);
+          MT_CHECK_CLOSE(logits, tol_for(dt));
+        }
+}
+
+TEST_CASE("cuda logsumexp_combine and masked_loss_sum", "[gpu][loss]") {
+  MT_RNG(rng);
+  for (int64_t parts : {1, 2, 4})
+    for (int64_t n : {1, 333, 4099}) {
+      INFO("parts " << parts << " n " << n);
+      Twin in = twin(DType::f32, {parts, n}, rng.normal(parts * n, 5.0)), out = twin_nan(DType::f32, {n});
+      dev().logsumexp_combine(out.c(), in.c());
+      ref().logsumexp_combine(out.r(), in.r());
+      MT_CHECK_CLOSE(out, 1e-6);
+    }
+  for (int64_t n : {1, 333, 100003}) {
+    INFO("masked_loss_sum n " << n);
+    std::vector<double> loss = rng.uniform(n, 0.0, 10.0), mask = rng.ints(n, 0, 2);
+    for (int64_t i = 0; i < n; i += 7)
+      if (mask[i] == 0) loss[i] = std::numeric_limits<double>::quiet_NaN();  // masked rows never count
+    Twin l = twin(DType::f32, {n}, loss), m = twin(DType::f32, {n}, mask);
+    Twin out = twin_nan(DType::f32, {2});
+    dev().masked_loss_sum(out.c(), l.c(), m.c(), false);
+    ref().masked_loss_sum(out.r(), l.r(), m.r(), false);
+    MT_CHECK_CLOSE(out, 1e-6);
+    const auto first = download_bytes(dev(), out.c());
+    dev().masked_loss_sum(out.c(), l.c(), m.c(), false);
+    CHECK(download_bytes(dev(), out.c()) == first);
+    dev().masked_loss_sum(out.c(), l.c(), m.c(), true);
+    ref().masked_loss_sum(out.r(), l.r(), m.r(), true);
+    MT_CHECK_CLOSE(out, 1e-6);
+  }
+}
+
+namespace {
+// Segments with gaps between them, groups cycling through 0..groups-1.
+std::vector<OptimSegment> segments_with_gaps(Rng& rng, int count, int64_t n, int groups) {
+  std::vector<OptimSegment> s;
+  const int64_t span = n / count;
+  for (int i = 0; i < count; ++i) {
+    const int64_t begin = i * span + rng.ints(1, 0, 5)[0];
+    const int64_t len = std::max<int64_t>(1, span - 5 - static_cast<int64_t>(rng.ints(1, 0, span / 4 + 1)[0]));
+    s.push_back(OptimSegment{begin, std::min(len, n - begin), i % groups});
+  }
+  return s;
+}
+
+OptimStepParams step_params() {
+  OptimStepParams p;
+  p.lr[0] = 1e-3f, p.lr[1] = 2e-3f, p.lr[2] = 5e-4f;
+  p.weight_decay[0] = 0.1f, p.weight_decay[1] = 0.0f, p.weight_decay[2] = 0.01f;
+  p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f;
+  p.step = 3;
+  p.grad_scale = 0.5f;
+  p.sgd_momentum = 0.9f;
+  return p;
+}
+}  // namespace
+
+TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists", "[gpu][optimizer]") {
+  MT_RNG(rng);
+  const int64_t n = 100003;
+  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 5, n, 3);
+  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 40, n, 3);
+  dev().register_optim_segments(long_list);
+  ref().register_optim_segments(long_list);
+  const OptimStepParams p = step_params();
+  for (const auto* segs : {&short_list, &long_list})
+    for (DType model_dt : {DType::bf16, DType::f32, DType::f16, DType::u8 /* u8: no model copy */}) {
+      const bool with_model = model_dt != DType::u8;
+      INFO(segs->size() << " segments, model copy " << (with_model ? dtype_name(model_dt) : "none"));
+      Twin w = twin(DType::f32, {n}, rng.normal(n)), g = twin(DType::f32, {n}, rng.normal(n, 0.01));
+      Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
+      // Elements outside the segments keep their value (7) on both sides.
+      Twin model = with_model ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent();
+      dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model.c(), *segs, p);
+      ref().adamw_step(w.r(), g.r(), m.r(), v.r(), model.r(), *segs, p);
+      MT_CHECK_CLOSE(w, 1e-6);
+      MT_CHECK_CLOSE(m, 1e-6);
+      MT_CHECK_CLOSE(v, 1e-6);
+      if (with_model) {
+        MT_CHECK_CLOSE(model, tol_for(model_dt));
+        // The model copy is exactly the rounded master inside the segments.
+        const std::vector<double> master = download(dev(), w.c()), copy = download(dev(), model.c());
+        int64_t wrong = 0;
+        for (const OptimSegment& s : *segs)
+          for (int64_t i = s.offset; i < s.offset + s.count; ++i) wrong += copy[i] != round_to(model_dt, master[i]);
+        CHECK(wrong == 0);
+      }
+
+      for (bool momentum : {true, false}) {
+        INFO("sgd momentum " << momentum);
+        OptimStepParams ps = p;
+        if (!momentum) ps.sgd_momentum = 0.0f;
+        Twin buf = momentum ? twin(DType::f32, {n}, rng.normal(n, 0.01)) : absent();
+        dev().sgd_step(w.c(), g.c(), buf.c(), model.c(), *segs, ps);
+        ref().sgd_step(w.r(), g.r(), buf.r(), model.r(), *segs, ps);
+        MT_CHECK_CLOSE(w, 1e-6);
+        if (momentum) MT_CHECK_CLOSE(buf, 1e-6);
+        if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
+      }
+    }
+  // A long list that was never registered is refused with a message, not silently uploaded.
+  const std::vector<OptimSegment> unregistered = segments_with_gaps(rng, 30, n, 2);
+  Twin w = twin(DType::f32, {n}, rng.normal(n)), g = twin(DType::f32, {n}, rng.normal(n)),
+       m = twin(DType::f32, {n}, rng.normal(n)), v = twin(DType::f32, {n}, rng.uniform(n, 0, 1));
+  CHECK_THROWS_WITH(dev().adamw_step(w.c(), g.c(), m.c(), v.c(), Tensor(), unregistered, p),
+                    Catch::Contains("register_optim_segments"));
+}
+
+TEST_CASE("cuda sum_squares and count_zeros over segments; deterministic", "[gpu][optimizer]") {
+  MT_RNG(rng);
+  const int64_t n = 1000003;
+  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 7, n, 2);
+  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 100, n, 2);
+  dev().register_optim_segments(long_list);
+  const std::vector<OptimSegment> whole;
+  for (DType dt : kFloatTypes) {
+    std::vector<double> values = rng.normal(n, 0.1);
+    const std::vector<double> coin = rng.uniform(n, 0.0, 1.0);
+    for (int64_t i = 0; i < n; ++i)
+      if (coin[i] < 0.1) values[i] = coin[i] < 0.05 ? 0.0 : -0.0;
+    Twin x = twin(dt, {n}, values);
+    for (const auto* segs : {&whole, &short_list, &long_list})
+      for (bool accumulate : {false, true}) {
+        INFO(dtype_name(dt) << " " << segs->size() << " segments (0 = all), accumulate " << accumulate);
+        Twin ss = twin(DType::f32, {1}, {3.0}), nz = twin(DType::f32, {1}, {5.0});
+        dev().sum_squares(ss.c(), x.c(), *segs, accumulate);
+        ref().sum_squares(ss.r(), x.r(), *segs, accumulate);
+        MT_CHECK_CLOSE(ss, 1e-6);
+        dev().count_zeros(nz.c(), x.c(), *segs, accumulate);
+        ref().count_zeros(nz.r(), x.r(), *segs, accumulate);
+        CHECK(download(dev(), nz.c()) == download(ref(), nz.r()));
+        const auto first = download_bytes(dev(), ss.c());
+        upload(dev(), ss.c(), {3.0});
+        dev().sum_squares(ss.c(), x.c(), *segs, accumulate);
+        CHECK(download_bytes(dev(), ss.c()) == first);
+      }
+  }
+}

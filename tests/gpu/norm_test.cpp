@@ -1,0 +1,175 @@
+// CUDA vs reference: LayerNorm/RMSNorm forward (plain and fused with the residual add and
+// dropout), backward (dx, deterministic dweight/dbias accumulation), and --qk-layernorm.
+#include <cmath>
+
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+// Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team.
+const int64_t kWidths[] = {16, 48, 100, 768, 1000, 2050, 4099, 8192};
+const int64_t kRows[] = {1, 7, 333};
+
+NormParams params(Normalization kind, bool one_p) {
+  NormParams p;
+  p.kind = kind;
+  p.eps = 1e-5f;
+  p.one_p = one_p;
+  return p;
+}
+
+std::vector<double> weights(Rng& rng, int64_t h, bool one_p) {
+  std::vector<double> w = rng.normal(h, 0.1);
+  if (!one_p)
+    for (double& x : w) x += 1.0;
+  return w;
+}
+
+std::vector<double> shifted_normal(Rng& rng, int64_t n) {
+  std::vector<double> v = rng.normal(n, 2.0);
+  for (double& x : v) x += 0.5;  // a non-zero mean exercises the centring
+  return v;
+}
+}  // namespace
+
+TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (bool one_p : {false, true})
+      for (DType dt : kFloatTypes)
+        for (int64_t rows : kRows)
+          for (int64_t h : kWidths) {
+            const bool ln = kind == Normalization::layernorm;
+            INFO((ln ? "layernorm " : "rmsnorm ") << (one_p ? "1p " : "") << dtype_name(dt) << " rows " << rows
+                                                  << " h " << h);
+            const NormParams p = params(kind, one_p);
+            Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+            Twin w = twin(dt, {h}, weights(rng, h, one_p));
+            Twin b = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+            Twin out = twin_nan(dt, {rows, h}), mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+            dev().norm_forward(out.c(), mean.c(), rstd.c(), x.c(), w.c(), b.c(), p);
+            ref().norm_forward(out.r(), mean.r(), rstd.r(), x.r(), w.r(), b.r(), p);
+            MT_CHECK_CLOSE(out, tol_for(dt));
+            MT_CHECK_CLOSE(mean, 1e-5);  // same inputs: float32 vs float64 statistics
+            MT_CHECK_CLOSE(rstd, 1e-5);
+
+            for (float drop : {0.0f, 0.1f}) {
+              INFO("add_norm dropout " << drop);
+              const uint64_t key = rng.engine()();
+              Twin a = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+              Twin bb = twin(dt, {rows, h}, rng.normal(rows * h));
+              Twin sum = twin_nan(dt, {rows, h}), out2 = twin_nan(dt, {rows, h});
+              Twin mean2 = twin_nan(DType::f32, {rows}), rstd2 = twin_nan(DType::f32, {rows});
+              dev().add_norm_forward(sum.c(), out2.c(), mean2.c(), rstd2.c(), a.c(), bb.c(), drop, key, w.c(), b.c(), p);
+              ref().add_norm_forward(sum.r(), out2.r(), mean2.r(), rstd2.r(), a.r(), bb.r(), drop, key, w.r(), b.r(),
+                                           p);
+              MT_CHECK_CLOSE(sum, tol_for(dt));
+              MT_CHECK_CLOSE(out2, tol_for(dt));
+              // In 16-bit types the CUDA backend normalizes the stored (rounded) sum.
+              MT_CHECK_CLOSE(mean2, tol_for(dt));
+              MT_CHECK_CLOSE(rstd2, tol_for(dt));
+            }
+          }
+}
+
+TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are deterministic", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : kFloatTypes)
+      for (int64_t rows : kRows)
+        for (int64_t h : kWidths) {
+          const bool ln = kind == Normalization::layernorm;
+          const bool one_p = h % 2 == 1;
+          INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
+          const NormParams p = params(kind, one_p);
+          Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+          Twin w = twin(dt, {h}, weights(rng, h, one_p));
+          // The statistics both backends read: the reference's forward ones.
+          Twin fout = twin_nan(dt, {rows, h}), fmean = twin_nan(DType::f32, {rows}), frstd = twin_nan(DType::f32, {rows});
+          ref().norm_forward(fout.r(), fmean.r(), frstd.r(), x.r(), w.r(), Tensor(), p);
+          Twin mean = twin(DType::f32, {rows}, download(ref(), fmean.r()));
+          Twin rstd = twin(DType::f32, {rows}, download(ref(), frstd.r()));
+          const std::vector<double> dw0 = rng.normal(h), db0 = rng.normal(h);
+          Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
+          Twin dout = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin dres = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin dx = twin_nan(dt, {rows, h});
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
+          ref().norm_backward(dx.r(), dw.r(), db.r(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(), p);
+          MT_CHECK_CLOSE(dx, tol_for(dt));
+          MT_CHECK_CLOSE(dw, 1e-5);  // float32 accumulators
+          if (ln) MT_CHECK_CLOSE(db, 1e-5);
+
+          // Determinism: the same accumulation again from the same start is bit-identical.
+          const auto dw_first = download_bytes(dev(), dw.c());
+          const auto dx_first = download_bytes(dev(), dx.c());
+          upload(dev(), dw.c(), dw0);
+          dev().fill(dx.c(), NAN);
+          if (ln) upload(dev(), db.c(), db0);
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
+          CHECK(download_bytes(dev(), dw.c()) == dw_first);
+          CHECK(download_bytes(dev(), dx.c()) == dx_first);
+
+          // dx in place over dout and over dresidual; no parameter gradients.
+          dev().norm_backward(dout.c(), Tensor(), Tensor(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), Tensor(), p);
+          ref().norm_backward(dout.r(), Tensor(), Tensor(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), Tensor(), p);
+          MT_CHECK_CLOSE(dout, tol_for(dt));
+          Twin dout2 = twin(dt, {rows, h}, rng.normal(rows * h));
+          dev().norm_backward(dres.c(), Tensor(), Tensor(), dout2.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
+          ref().norm_backward(dres.r(), Tensor(), Tensor(), dout2.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(),
+                                    p);
+          MT_CHECK_CLOSE(dres, tol_for(dt));
+        }
+}
+
+TEST_CASE("cuda qk_norm forward/backward match the reference", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : kFloatTypes)
+      for (int64_t rows : {7, 333})
+        for (int d : {36, 64, 128}) {
+          const bool ln = kind == Normalization::layernorm;
+          INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " head_dim " << d);
+          RopeShape r;
+          r.heads = 8, r.groups = 2, r.head_dim = d, r.rot_dim = d;
+          const int64_t width = r.groups * (r.heads / r.groups + 2) * d, H = r.groups * (r.heads / r.groups + 1);
+          const NormParams p = params(kind, false);
+          Twin qkv = twin(dt, {rows, width}, shifted_normal(rng, rows * width));
+          Twin qw = twin(dt, {d}, weights(rng, d, false)), kw = twin(dt, {d}, weights(rng, d, false));
+          Twin qb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+          Twin kb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+          Twin out = twin_nan(dt, {rows, width}), mean = twin_nan(DType::f32, {rows, H}), rstd = twin_nan(DType::f32, {rows, H});
+          dev().qk_norm_forward(out.c(), mean.c(), rstd.c(), qkv.c(), qw.c(), qb.c(), kw.c(), kb.c(), r, p);
+          ref().qk_norm_forward(out.r(), mean.r(), rstd.r(), qkv.r(), qw.r(), qb.r(), kw.r(), kb.r(), r, p);
+          MT_CHECK_CLOSE(out, tol_for(dt));
+          MT_CHECK_CLOSE(mean, 1e-5);
+          MT_CHECK_CLOSE(rstd, 1e-5);
+
+          Twin m = twin(DType::f32, {rows, H}, download(ref(), mean.r()));
+          Twin s = twin(DType::f32, {rows, H}, download(ref(), rstd.r()));
+          Twin dout = twin(dt, {rows, width}, rng.normal(rows * width)), dqkv = twin_nan(dt, {rows, width});
+          Twin dqw = twin(DType::f32, {d}, rng.normal(d)), dkw = twin(DType::f32, {d}, rng.normal(d));
+          Twin dqb = ln ? twin(DType::f32, {d}, rng.normal(d)) : absent();
+          Twin dkb = ln ? twin(DType::f32, {d}, rng.normal(d)) : absent();
+          dev().qk_norm_backward(dqkv.c(), dqw.c(), dqb.c(), dkw.c(), dkb.c(), dout.c(), qkv.c(), m.c(), s.c(), qw.c(),
+                                  kw.c(), r, p);
+          ref().qk_norm_backward(dqkv.r(), dqw.r(), dqb.r(), dkw.r(), dkb.r(), dout.r(), qkv.r(), m.r(), s.r(),
+                                       qw.r(), kw.r(), r, p);
+          MT_CHECK_CLOSE(dqkv, tol_for(dt));
+          MT_CHECK_CLOSE(dqw, 1e-5);
+          MT_CHECK_CLOSE(dkw, 1e-5);
+          if (ln) {
+            MT_CHECK_CLOSE(dqb, 1e-5);
+            MT_CHECK_CLOSE(dkb, 1e-5);
+          }
+          // In place (dqkv aliases dout).
+          dev().qk_norm_backward(dout.c(), Tensor(), Tensor(), Tensor(), Tensor(), dout.c(), qkv.c(), m.c(), s.c(),
+                                  qw.c(), kw.c(), r, p);
+          ref().qk_norm_backward(dout.r(), Tensor(), Tensor(), Tensor(), Tensor(), dout.r(), qkv.r(), m.r(), s.r(),
+                                       qw.r(), kw.r(), r, p);
+          MT_CHECK_CLOSE(dout, tol_for(dt));
+        }
+}

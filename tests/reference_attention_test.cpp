@@ -1,0 +1,206 @@
+// Reference attention: float64 finite-difference gradient checks (MHA, GQA, MQA, dropout, causal
+// and not), GQA equivalence with replicated K/V, the dropout rule, and closed-form cases.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "core/philox.h"
+#include "engine/attention_dropout.h"
+#include "engine/reference/attention.h"
+
+using namespace mt;
+
+namespace {
+
+struct Buffers {
+  AttentionShape a;
+  std::vector<double> qkv, out, lse, dout, dqkv;
+  explicit Buffers(const AttentionShape& shape, uint64_t seed) : a(shape) {
+    const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
+    qkv.resize(n * a.qkv_row_stride());
+    out.resize(n * a.heads * a.head_dim);
+    lse.resize(n * a.heads);
+    dout.resize(out.size());
+    dqkv.assign(qkv.size(), NAN);
+    for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = normal_at(seed, i);
+    for (size_t i = 0; i < dout.size(); ++i) dout[i] = normal_at(seed + 1, i);
+  }
+  Tensor t(std::vector<double>& v) { return Tensor(v.data(), DType::f64, Device::cpu, {static_cast<int64_t>(v.size())}); }
+  void forward() { reference_attention_forward<double>(t(out), t(lse), t(qkv), a); }
+  void backward() { reference_attention_backward<double>(t(dqkv), t(dout), t(out), t(lse), t(qkv), a); }
+  // The scalar whose gradient the backward computes: sum(out * dout).
+  double loss() {
+    forward();
+    double l = 0;
+    for (size_t i = 0; i < out.size(); ++i) l += out[i] * dout[i];
+    return l;
+  }
+};
+
+AttentionShape shape(int b, int s, int heads, int groups, int d, bool causal, float dropout = 0) {
+  AttentionShape a;
+  a.batch = b;
+  a.seq = s;
+  a.heads = heads;
+  a.groups = groups;
+  a.head_dim = d;
+  a.softmax_scale = static_cast<float>(1.0 / std::sqrt(d));
+  a.causal = causal;
+  a.dropout_p = dropout;
+  a.dropout_key = 1234;
+  return a;
+}
+
+// Max over all qkv entries of |analytic - central difference|, relative to the largest gradient.
+double gradient_error(const AttentionShape& a) {
+  Buffers buf(a, 7);
+  buf.forward();
+  buf.backward();
+  const std::vector<double> analytic = buf.dqkv;
+  const double h = 1e-6;
+  double max_err = 0, max_grad = 0;
+  for (size_t i = 0; i < buf.qkv.size(); ++i) {
+    const double x0 = buf.qkv[i];
+    buf.qkv[i] = x0 + h;
+    const double lp = buf.loss();
+    buf.qkv[i] = x0 - h;
+    const double lm = buf.loss();
+    buf.qkv[i] = x0;
+    const double numeric = (lp - lm) / (2 * h);
+    REQUIRE(std::isfinite(analytic[i]));
+    max_err = std::max(max_err, std::abs(numeric - analytic[i]));
+    max_grad = std::max(max_grad, std::abs(analytic[i]));
+  }
+  REQUIRE(max_grad > 1e-3);  // a vanishing gradient would make the check vacuous
+  return max_err / max_grad;
+}
+
+}  // namespace
+
+TEST_CASE("reference attention backward matches finite differences (float64)", "[attention]") {
+  struct Case {
+    const char* name;
+    AttentionShape a;
+  };
+  const Case cases[] = {
+      {"MHA causal", shape(2, 5, 2, 2, 3, true)},
+      {"GQA causal", shape(2, 4, 4, 2, 3, true)},
+      {"MQA causal", shape(1, 5, 3, 1, 2, true)},
+      {"GQA not causal", shape(2, 3, 4, 2, 4, false)},
+      {"MHA causal dropout", shape(2, 5, 2, 2, 3, true, 0.3f)},
+      {"GQA causal dropout", shape(1, 6, 4, 2, 2, true, 0.5f)},
+      {"MQA not causal dropout", shape(1, 4, 2, 1, 3, false, 0.2f)},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    CHECK(gradient_error(c.a) < 1e-7);
+  }
+}
+
+TEST_CASE("reference attention GQA equals MHA with replicated K/V", "[attention]") {
+  // groups = 1 with 3 heads vs groups = 3 where every group holds the same k and v.
+  const AttentionShape mqa = shape(2, 6, 3, 1, 4, true, 0.25f);
+  AttentionShape mha = mqa;
+  mha.groups = 3;
+  Buffers g(mqa, 11), m(mha, 12);
+  const int64_t d = 4, n = 12;
+  for (int64_t r = 0; r < n; ++r) {
+    const double* src = &g.qkv[r * mqa.qkv_row_stride()];  // [q0 q1 q2 | k | v]
+    double* dst = &m.qkv[r * mha.qkv_row_stride()];        // [q0 k v | q1 k v | q2 k v]
+    for (int h = 0; h < 3; ++h)
+      for (int j = 0; j < d; ++j) {
+        dst[h * 3 * d + j] = src[h * d + j];
+        dst[h * 3 * d + d + j] = src[3 * d + j];
+        dst[h * 3 * d + 2 * d + j] = src[4 * d + j];
+      }
+  }
+  m.dout = g.dout;
+  g.forward();
+  m.forward();
+  for (size_t i = 0; i < g.out.size(); ++i) REQUIRE(g.out[i] == Approx(m.out[i]).margin(1e-12));
+  for (size_t i = 0; i < g.lse.size(); ++i) REQUIRE(g.lse[i] == Approx(m.lse[i]).margin(1e-12));
+  g.backward();
+  m.backward();
+  for (int64_t r = 0; r < n; ++r) {
+    const double* gq = &g.dqkv[r * mqa.qkv_row_stride()];
+    const double* mq = &m.dqkv[r * mha.qkv_row_stride()];
+    for (int j = 0; j < d; ++j) {
+      double dk = 0, dv = 0;
+      for (int h = 0; h < 3; ++h) {
+        REQUIRE(gq[h * d + j] == Approx(mq[h * 3 * d + j]).margin(1e-12));
+        dk += mq[h * 3 * d + d + j];
+        dv += mq[h * 3 * d + 2 * d + j];
+      }
+      REQUIRE(gq[3 * d + j] == Approx(dk).margin(1e-12));
+      REQUIRE(gq[4 * d + j] == Approx(dv).margin(1e-12));
+    }
+  }
+}
+
+TEST_CASE("attention dropout keeps a 1-p fraction, keyed by element", "[attention]") {
+  const float p = 0.3f;
+  int kept = 0;
+  const int n = 100000;
+  for (int i = 0; i < n; ++i) kept += attention_dropout_keep(99, i, p);
+  CHECK(std::abs(kept / double(n) - (1 - p)) < 0.01);
+  CHECK(attention_dropout_keep(99, 5, 0.0f));  // p = 0 keeps everything (u is never 0)
+  // Index layout: ((i*heads + h)*seq + q)*seq + k.
+  CHECK(attention_dropout_index(1, 2, 3, 10, 4, 5) == ((1 * 3 + 2) * 10 + 4) * 10 + 5);
+
+  // Dropout changes the output; the same key reproduces it.
+  Buffers a(shape(1, 8, 2, 2, 4, true, 0.5f), 3), b(shape(1, 8, 2, 2, 4, true, 0.0f), 3);
+  a.forward();
+  b.forward();
+  double diff = 0;
+  for (size_t i = 0; i < a.out.size(); ++i) diff += std::abs(a.out[i] - b.out[i]);
+  CHECK(diff > 1e-3);
+  for (size_t i = 0; i < a.lse.size(); ++i) CHECK(a.lse[i] == b.lse[i]);  // lse is pre-dropout
+  const std::vector<double> first = a.out;
+  a.forward();
+  CHECK(first == a.out);
+}
+
+TEST_CASE("reference attention closed forms: first query, one key", "[attention]") {
+  Buffers buf(shape(2, 4, 2, 1, 3, true), 5);
+  buf.forward();
+  const AttentionShape& a = buf.a;
+  const int64_t stride = a.qkv_row_stride(), d = 3;
+  for (int i = 0; i < 2; ++i) {
+    // Query 0 sees only key 0: out = v0, lse = scale * q0.k0.
+    const double* row = &buf.qkv[i * stride];  // t = 0, sample i: row i = [q0 q1 k v]
+    for (int h = 0; h < 2; ++h) {
+      double qk = 0;
+      for (int j = 0; j < d; ++j) {
+        CHECK(buf.out[(i * 2 + h) * d + j] == Approx(row[3 * d + j]).margin(1e-14));
+        qk += row[h * d + j] * row[2 * d + j];
+      }
+      CHECK(buf.lse[(i * 2 + h) * 4 + 0] == Approx(a.softmax_scale * qk).margin(1e-12));
+    }
+  }
+}
+
+TEST_CASE("reference attention float32 agrees with float64", "[attention]") {
+  const AttentionShape a = shape(2, 9, 4, 2, 8, true, 0.1f);
+  Buffers d(a, 21);
+  d.forward();
+  d.backward();
+  std::vector<float> qkv(d.qkv.begin(), d.qkv.end()), dout(d.dout.begin(), d.dout.end());
+  std::vector<float> out(d.out.size()), lse(d.lse.size()), dqkv(d.dqkv.size());
+  auto t = [](std::vector<float>& v) { return Tensor(v.data(), DType::f32, Device::cpu, {static_cast<int64_t>(v.size())}); };
+  reference_attention_forward<float>(t(out), t(lse), t(qkv), a);
+  reference_attention_backward<float>(t(dqkv), t(dout), t(out), t(lse), t(qkv), a);
+  for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == Approx(d.out[i]).margin(1e-5));
+  for (size_t i = 0; i < lse.size(); ++i) REQUIRE(lse[i] == Approx(d.lse[i]).margin(1e-5));
+  for (size_t i = 0; i < dqkv.size(); ++i) REQUIRE(dqkv[i] == Approx(d.dqkv[i]).margin(1e-4));
+}
+
+TEST_CASE("reference attention rejects mismatched tensors", "[attention]") {
+  Buffers buf(shape(1, 4, 2, 2, 3, true), 1);
+  std::vector<double> short_out(5);
+  CHECK_THROWS_AS(reference_attention_forward<double>(buf.t(short_out), buf.t(buf.lse), buf.t(buf.qkv), buf.a), Error);
+  CHECK_THROWS_AS(reference_attention_forward<float>(buf.t(buf.out), buf.t(buf.lse), buf.t(buf.qkv), buf.a), Error);
+  AttentionShape bad = buf.a;
+  bad.groups = 3;
+  CHECK_THROWS_AS(reference_attention_forward<double>(buf.t(buf.out), buf.t(buf.lse), buf.t(buf.qkv), bad), Error);
+}

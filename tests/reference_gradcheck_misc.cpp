@@ -1,0 +1,164 @@
+// Float64 gradient checks: embeddings, rotary embeddings, dropout, vocab-parallel cross-entropy.
+#include "engine/backend.h"
+#include "engine/dropout_mask.h"
+#include "tests/gradcheck.h"
+
+using namespace mt;
+using mt::test::Buf;
+
+TEST_CASE("reference embedding forward/backward gradients (vocab shard, positions)", "[reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(41);
+  const int64_t V = 6, H = 4, P = 5, vocab_start = 3;  // this shard holds tokens 3..8
+  Buf tokens = Buf::ints({7}, {3, 8, 0, 4, 4, 9, 5});
+  Buf positions = Buf::ints({7}, {0, 1, 2, 3, 4, 0, 1});
+  Buf wte = Buf::randn({V, H}, rng), wpe = Buf::randn({P, H}, rng);
+  Buf out = Buf::zeros({7, H}), dout = Buf::randn({7, H}, rng);
+  auto loss = [&] {
+    be->embedding_forward(out.t(), tokens.t(), positions.t(), wte.t(), wpe.t(), vocab_start);
+    return mt::test::dot(out.d, dout.d);
+  };
+  loss();
+  // Token 0 and 9 are outside the shard: only the position embedding.
+  CHECK(out.d[2 * H] == wpe.d[2 * H]);
+  CHECK(out.d[5 * H + 1] == wpe.d[1]);
+  CHECK(out.d[0] == wte.d[0] + wpe.d[0]);
+  Buf dwte = Buf::zeros({V, H}), dwpe = Buf::zeros({P, H});
+  be->embedding_backward(dwte.t(), dwpe.t(), dout.t(), tokens.t(), positions.t(), vocab_start);
+  mt::test::check_gradient("embedding dwte", wte.d, dwte.d, loss);
+  mt::test::check_gradient("embedding dwpe", wpe.d, dwpe.d, loss);
+}
+
+TEST_CASE("reference rope forward/backward gradients (halves, interleaved, partial)", "[reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(42);
+  for (bool interleaved : {false, true}) {
+    for (int rot : {4, 2}) {
+      RopeShape r;
+      r.heads = 4;
+      r.groups = 2;
+      r.head_dim = 4;
+      r.rot_dim = rot;
+      r.interleaved = interleaved;
+      const int64_t N = 5, row = r.groups * (r.heads / r.groups + 2) * r.head_dim, P = 8;
+      Buf table = Buf::zeros({P, rot});
+      for (int64_t pos = 0; pos < P; ++pos)
+        for (int i = 0; i < rot / 2; ++i) {
+          const double ang = pos * std::pow(10000.0, -2.0 * i / rot);
+          table.d[pos * rot + i] = std::cos(ang);
+          table.d[pos * rot + rot / 2 + i] = std::sin(ang);
+        }
+      Buf positions = Buf::ints({N}, {0, 3, 7, 1, 2});
+      Buf x = Buf::randn({N, row}, rng), y = Buf::zeros({N, row}), dy = Buf::randn({N, row}, rng);
+      auto loss = [&] {
+        y.d = x.d;
+        be->rope_forward(y.t(), positions.t(), table.t(), r);
+        return mt::test::dot(y.d, dy.d);
+      };
+      loss();
+      // Value check: q head 0 of row 1 (position 3), first pair.
+      const double ang = 3.0, c = std::cos(ang), s = std::sin(ang);
+      const int64_t a = interleaved ? 0 : 0, b = interleaved ? 1 : rot / 2;
+      CHECK(y.d[row + a] == Approx(x.d[row + a] * c - x.d[row + b] * s));
+      CHECK(y.d[row + b] == Approx(x.d[row + b] * c + x.d[row + a] * s));
+      // v (last head_dim values of each group) is untouched.
+      CHECK(y.d[row + 3 * r.head_dim + 1] == x.d[row + 3 * r.head_dim + 1]);
+      Buf dx = Buf::zeros({N, row});
+      dx.d = dy.d;
+      be->rope_backward(dx.t(), positions.t(), table.t(), r);
+      mt::test::check_gradient("rope dx", x.d, dx.d, loss);
+    }
+  }
+}
+
+TEST_CASE("reference bias_dropout_add and dropout_backward", "[reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(43);
+  const int64_t R = 40, C = 50;
+  const float p = 0.3f;
+  const uint64_t key = 99;
+  Buf x = Buf::randn({R, C}, rng), bias = Buf::randn({C}, rng), res = Buf::randn({R, C}, rng);
+  Buf out = Buf::zeros({R, C}), dout = Buf::randn({R, C}, rng);
+  auto loss = [&] {
+    be->bias_dropout_add(out.t(), x.t(), bias.t(), res.t(), p, key);
+    return mt::test::dot(out.d, dout.d);
+  };
+  loss();
+  int kept = 0;
+  for (int64_t i = 0; i < R * C; ++i) {
+    const bool keep = dropout_keep(key, static_cast<uint64_t>(i), p);
+    kept += keep;
+    const double expect = res.d[i] + (keep ? (x.d[i] + bias.d[i % C]) / (1 - p) : 0.0);
+    REQUIRE(out.d[i] == Approx(expect).epsilon(1e-12));
+  }
+  CHECK(std::abs(kept / double(R * C) - (1 - p)) < 0.05);  // 2000 draws: about 70 % kept
+  Buf dx = Buf::zeros({R, C});
+  be->dropout_backward(dx.t(), dout.t(), p, key);
+  mt::test::check_gradient("dropout dx", x.d, dx.d, loss, 1e-6, 1e-8, 1e-5, 7);
+  mt::test::check_gradient("dropout dresidual", res.d, dout.d, loss, 1e-6, 1e-8, 1e-5, 7);
+  // p = 0 is the identity (no mask work) and residual may be aliased by out.
+  out.d = res.d;
+  be->bias_dropout_add(out.t(), x.t(), Tensor(), out.t(), 0.0f, key);
+  for (int64_t i = 0; i < R * C; ++i) REQUIRE(out.d[i] == res.d[i] + x.d[i]);
+}
+
+TEST_CASE("reference vocab-parallel cross-entropy gradients over two shards", "[reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(44);
+  const int64_t N = 6, V = 10, half = 5;
+  Buf logits = Buf::randn({N, V}, rng, 2.0), dloss = Buf::randn({N}, rng);
+  Buf labels = Buf::ints({N}, {0, 4, 5, 9, 2, 7});
+  // The two shards live in separate buffers (columns [0,5) and [5,10)).
+  auto split = [&](int shard) {
+    Buf s = Buf::zeros({N, half});
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t c = 0; c < half; ++c) s.d[r * half + c] = logits.d[r * V + shard * half + c];
+    return s;
+  };
+  Buf lse = Buf::zeros({N}), target = Buf::zeros({N});
+  auto loss = [&] {
+    Buf parts = Buf::zeros({2, N}), tsum = Buf::zeros({N});
+    for (int shard = 0; shard < 2; ++shard) {
+      Buf s = split(shard), l = Buf::zeros({N}), t = Buf::zeros({N});
+      be->cross_entropy_forward(l.t(), t.t(), s.t(), labels.t(), shard * half);
+      for (int64_t r = 0; r < N; ++r) {
+        parts.d[shard * N + r] = l.d[r];
+        tsum.d[r] += t.d[r];  // the all-reduce of the target logit
+      }
+    }
+    be->logsumexp_combine(lse.t(), parts.t());
+    target.d = tsum.d;
+    double total = 0;
+    for (int64_t r = 0; r < N; ++r) total += dloss.d[r] * (lse.d[r] - target.d[r]);
+    return total;
+  };
+  loss();
+  // Against a direct log-softmax.
+  for (int64_t r = 0; r < N; ++r) {
+    double z = 0;
+    for (int64_t c = 0; c < V; ++c) z += std::exp(logits.d[r * V + c]);
+    CHECK(lse.d[r] == Approx(std::log(z)).epsilon(1e-12));
+    CHECK(target.d[r] == logits.d[r * V + labels.i[r]]);
+  }
+  Buf dlogits = Buf::zeros({N, V});
+  for (int shard = 0; shard < 2; ++shard) {
+    Buf s = split(shard);
+    be->cross_entropy_backward(s.t(), s.t(), labels.t(), lse.t(), dloss.t(), shard * half);  // in place
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t c = 0; c < half; ++c) dlogits.d[r * V + shard * half + c] = s.d[r * half + c];
+  }
+  mt::test::check_gradient("cross_entropy dlogits", logits.d, dlogits.d, loss);
+}
+
+TEST_CASE("reference masked_loss_sum", "[reference]") {
+  auto be = make_reference_backend(1);
+  Buf loss = Buf::zeros({4}), mask = Buf::zeros({4}), out = Buf::zeros({2});
+  loss.d = {1.0, 2.0, NAN, 4.0};
+  mask.d = {1.0, 1.0, 0.0, 1.0};
+  be->masked_loss_sum(out.t(), loss.t(), mask.t(), false);
+  CHECK(out.d[0] == 7.0);
+  CHECK(out.d[1] == 3.0);
+  be->masked_loss_sum(out.t(), loss.t(), mask.t(), true);
+  CHECK(out.d[0] == 14.0);
+  CHECK(out.d[1] == 6.0);
+}
