@@ -146,21 +146,24 @@ struct RunResult {
 };
 
 inline std::string shell_quote(const std::string& s) {
-  std::string q = "'";
+  std::string q(1, '\'');
   for (char c : s) {
-    if (c == '\'') q += "'\\''";
-    else q += c;
+    if (c == '\'') q.append("'\\''");
+    else q.push_back(c);
   }
-  return q + "'";
+  q.push_back('\'');
+  return q;
 }
 
 // Runs the megatrain binary with `args` (and `env_prefix`, e.g. "WORLD_SIZE=2 RANK=1").
 inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
   TempDir dir;
-  std::string cmd = "env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
-                    "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS " + env_prefix + " " + shell_quote(MEGATRAIN_BINARY);
-  for (const auto& a : args) cmd += " " + shell_quote(a);
-  cmd += " >" + dir.str("out") + " 2>" + dir.str("err");
+  // Launcher variables of the environment running the tests must not leak into the binary.
+  std::string cmd("env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
+                  "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS ");
+  cmd.append(env_prefix).append(" ").append(shell_quote(MEGATRAIN_BINARY));
+  for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
+  cmd.append(" >").append(dir.str("out")).append(" 2>").append(dir.str("err"));
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
