@@ -1,0 +1,48 @@
+// Activation functions and their derivatives (float32, host and device), and the dropout
+// decision shared by every kernel that drops: the mask is a pure function of (key, flat index),
+// so it equals the reference backend's and the backward pass redraws it instead of storing it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/philox.h"
+
+namespace mt::cuda {
+
+constexpr float kSqrt1_2 = 0.70710678118654752440f;      // 1/sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;   // 1/sqrt(2*pi)
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;  // sqrt(2/pi)
+constexpr float kGeluTanhCoeff = 0.044715f;
+
+// erf GeLU: x * Phi(x).
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * kSqrt1_2)); }
+__device__ __forceinline__ float gelu_erf_grad(float x) {
+  return 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+}
+// tanh approximation (GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x);
+  const float t = tanhf(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCoeff * x * x);
+}
+__device__ __forceinline__ float gelu(float x, bool tanh_approx) { return tanh_approx ? gelu_tanh(x) : gelu_erf(x); }
+__device__ __forceinline__ float gelu_grad(float x, bool tanh_approx) {
+  return tanh_approx ? gelu_tanh_grad(x) : gelu_erf_grad(x);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Dropout: element `index` is kept when uniform_at(key, index) > p, and then scaled by 1/(1-p).
+// Returns the factor the element is multiplied by (0 or 1/(1-p)); p == 0 keeps everything.
+__device__ __forceinline__ float dropout_factor(uint64_t key, uint64_t index, float p, float keep_scale) {
+  if (p <= 0.0f) return 1.0f;
+  return uniform_at(key, index) > p ? keep_scale : 0.0f;
+}
+inline float dropout_keep_scale(float p) { return p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; }
+
+}  // namespace mt::cuda

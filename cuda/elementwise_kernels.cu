@@ -1,0 +1,444 @@
+// Elementwise kernels: fill, cast, axpby, GeLU (erf and tanh) forward/backward, SwiGLU
+// forward/backward, bias + dropout + residual add, dropout backward.
+//
+// All of them are memory-bound, so each thread moves 8 elements per step with 16-byte accesses
+// (the "VEC" instances, taken when every pointer is 16-byte aligned) and the grid strides over
+// the tensor. Math is float32; results are rounded once on store.
+#include <cstring>
+
+#include "cuda/activations.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+
+namespace mt::cuda {
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kN = 8;  // elements per thread per step
+
+// Loads/stores elements [base, base + 8) of a flat tensor of n elements: one vector access in
+// the aligned interior, element by element at the tail.
+template <bool VEC, typename T>
+__device__ __forceinline__ Floats<kN> ld(const T* p, int64_t base, int64_t n) {
+  if (VEC && base + kN <= n) return load_vec<kN>(p + base);
+  return load_partial<kN>(p + base, n - base);
+}
+template <bool VEC, typename T>
+__device__ __forceinline__ void st(T* p, int64_t base, int64_t n, const Floats<kN>& x) {
+  if (VEC && base + kN <= n) store_vec<kN>(p + base, x);
+  else store_partial<kN>(p + base, x, n - base);
+}
+
+#define MT_FLAT_LOOP(n)                                                                     \
+  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kN; base < (n); \
+       base += static_cast<int64_t>(gridDim.x) * blockDim.x * kN)
+
+unsigned flat_grid(const KernelContext& ctx, int64_t n) {
+  return grid_for((n + kN - 1) / kN, kBlock, static_cast<int64_t>(ctx.num_sms) * 16);
+}
+
+bool all_aligned(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
+  MT_CHECK(a.numel() == b.numel(), "{}: element counts differ: {} vs {}", what, a.shape_string(), b.shape_string());
+}
+
+// ---- fill -----------------------------------------------------------------------------------------
+template <typename Bits>
+__global__ void fill_kernel(Bits* p, int64_t n, Bits value) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+// ---- cast -----------------------------------------------------------------------------------------
+template <typename Tout, typename Tin, bool VEC>
+__global__ void cast_kernel(Tout* dst, const Tin* src, int64_t n) {
+  MT_FLAT_LOOP(n) { st<VEC>(dst, base, n, ld<VEC>(src, base, n)); }
+}
+
+// ---- axpby --------------------------------------------------------------------------------------
+template <typename T, bool VEC, bool HAS_B>
+__global__ void axpby_kernel(T* out, float alpha, const T* a, float beta, const T* b, int64_t n) {
+  MT_FLAT_LOOP(n) {
+    Floats<kN> x = ld<VEC>(a, base, n);
+    if constexpr (HAS_B) {
+      const Floats<kN> y = ld<VEC>(b, base, n);
+#pragma unroll
+      for (int j = 0; j < kN; ++j) x.v[j] = alpha * x.v[j] + beta * y.v[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) x.v[j] = alpha * x.v[j];
+    }
+    st<VEC>(out, base, n, x);
+  }
+}
+
+__device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::bf16: return __bfloat162float(static_cast<const bf16*>(p)[i]);
+    case DType::f16: return __half2float(static_cast<const f16*>(p)[i]);
+    case DType::f64: return static_cast<float>(static_cast<const double*>(p)[i]);
+    default: return 0.0f;
+  }
+}
+__device__ __forceinline__ void store_any(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(p)[i] = v; break;
+    case DType::bf16: static_cast<bf16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case DType::f16: static_cast<f16*>(p)[i] = __float2half_rn(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    default: break;
+  }
+}
+// Mixed dtypes (rare): element by element, each dtype read through a switch.
+__global__ void axpby_mixed_kernel(void* out, DType to, float alpha, const void* a, DType ta, float beta,
+                                   const void* b, DType tb, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = alpha * load_any(a, ta, i);
+    if (b) v += beta * load_any(b, tb, i);
+    store_any(out, to, i, v);
+  }
+}
+
+// ---- GeLU -----------------------------------------------------------------------------------------
+template <typename T, bool VEC>
+__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n, bool tanh_approx) {
+  MT_FLAT_LOOP(n) {
+    Floats<kN> x = ld<VEC>(in, base, n);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) x.v[j] = gelu(x.v[j], tanh_approx);
+    st<VEC>(out, base, n, x);
+  }
+}
+
+// out (=|+=) g * gelu'(pre). Also the plain GeLU backward (din = dout * gelu'(in)).
+template <typename T, typename G, bool VEC, bool ACC>
+__global__ void gelu_grad_kernel(T* out, const G* g, const T* pre, int64_t n, bool tanh_approx) {
+  MT_FLAT_LOOP(n) {
+    const Floats<kN> x = ld<VEC>(pre, base, n);
+    Floats<kN> d = ld<VEC>(g, base, n);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) d.v[j] *= gelu_grad(x.v[j], tanh_approx);
+    if constexpr (ACC) {
+      const Floats<kN> o = ld<VEC>(out, base, n);
+#pragma unroll
+      for (int j = 0; j < kN; ++j) d.v[j] += o.v[j];
+    }
+    st<VEC>(out, base, n, d);
+  }
+}
+
+// ---- SwiGLU: in[M, 2f] = [gate | up], out[M, f] = silu(gate) * up --------------------------------
+// VEC requires f % 8 == 0 so that a vector never crosses a row.
+template <typename T, bool VEC>
+__global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t f) {
+  const int64_t n = rows * f;
+  MT_FLAT_LOOP(n) {
+    if (VEC) {
+      const int64_t r = base / f, c = base % f;
+      const T* row = in + r * 2 * f;
+      const Floats<kN> gate = load_vec<kN>(row + c), up = load_vec<kN>(row + f + c);
+      Floats<kN> y;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) y.v[j] = gate.v[j] * sigmoid(gate.v[j]) * up.v[j];
+      store_vec<kN>(out + base, y);
+    } else {
+      for (int64_t i = base; i < base + kN && i < n; ++i) {
+        const int64_t r = i / f, c = i % f;
+        const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
+        out[i] = from_float<T>(gate * sigmoid(gate) * up);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void swiglu_grad(float gate, float up, float dy, float& dgate, float& dup) {
+  const float s = sigmoid(gate);
+  const float silu = gate * s;
+  dup = dy * silu;
+  dgate = dy * up * s * (1.0f + gate * (1.0f - s));
+}
+
+template <typename T, bool VEC>
+__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t rows, int64_t f) {
+  const int64_t n = rows * f;
+  MT_FLAT_LOOP(n) {
+    if (VEC) {
+      const int64_t r = base / f, c = base % f;
+      const T* row = in + r * 2 * f;
+      const Floats<kN> gate = load_vec<kN>(row + c), up = load_vec<kN>(row + f + c);
+      const Floats<kN> dy = load_vec<kN>(dout + base);
+      Floats<kN> dg, du;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
+      store_vec<kN>(din + r * 2 * f + c, dg);
+      store_vec<kN>(din + r * 2 * f + f + c, du);
+    } else {
+      for (int64_t i = base; i < base + kN && i < n; ++i) {
+        const int64_t r = i / f, c = i % f;
+        const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
+        float dg, du;
+        swiglu_grad(gate, up, to_float(dout[i]), dg, du);
+        din[r * 2 * f + c] = from_float<T>(dg);
+        din[r * 2 * f + f + c] = from_float<T>(du);
+      }
+    }
+  }
+}
+
+// ---- out = residual + dropout(x + bias) ---------------------------------------------------------
+template <typename T, bool VEC, bool HAS_BIAS>
+__global__ void bias_dropout_add_kernel(T* out, const T* x, const T* bias, const T* residual, int64_t n,
+                                        int64_t cols, float p, float keep_scale, uint64_t key) {
+  MT_FLAT_LOOP(n) {
+    Floats<kN> v = ld<VEC>(x, base, n);
+    if constexpr (HAS_BIAS) {
+      int64_t c = base % cols;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if (base + j < n) v.v[j] += to_float(bias[c]);
+        if (++c == cols) c = 0;
+      }
+    }
+    const Floats<kN> r = ld<VEC>(residual, base, n);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) v.v[j] = r.v[j] + v.v[j] * dropout_factor(key, base + j, p, keep_scale);
+    st<VEC>(out, base, n, v);
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void dropout_backward_kernel(T* dx, const T* dout, int64_t n, float p, float keep_scale, uint64_t key) {
+  MT_FLAT_LOOP(n) {
+    Floats<kN> v = ld<VEC>(dout, base, n);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) v.v[j] *= dropout_factor(key, base + j, p, keep_scale);
+    st<VEC>(dx, base, n, v);
+  }
+}
+
+__global__ void add_f32_kernel(float* dst, const float* src, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] += src[i];
+}
+
+// Calls f.template operator()<VEC>() with VEC = whether all pointers are 16-byte aligned.
+template <typename F>
+void with_vec(bool aligned, F&& f) {
+  if (aligned) f.template operator()<true>();
+  else f.template operator()<false>();
+}
+
+}  // namespace
+
+// ---- launchers -----------------------------------------------------------------------------------
+void fill(const KernelContext& ctx, Tensor t, double value) {
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 16);
+  auto launch = [&](auto bits) {
+    fill_kernel<<<grid, kBlock, 0, ctx.stream>>>(static_cast<decltype(bits)*>(t.data), n, bits);
+  };
+  switch (t.dtype) {
+    case DType::f32: { float v = static_cast<float>(value); uint32_t b; std::memcpy(&b, &v, 4); launch(b); break; }
+    case DType::f64: { uint64_t b; std::memcpy(&b, &value, 8); launch(b); break; }
+    case DType::bf16: launch(float_to_bf16_bits(static_cast<float>(value))); break;
+    case DType::f16: launch(float_to_f16_bits(static_cast<float>(value))); break;
+    case DType::i32: launch(static_cast<uint32_t>(static_cast<int32_t>(value))); break;
+    case DType::i64: launch(static_cast<uint64_t>(static_cast<int64_t>(value))); break;
+    case DType::u8: launch(static_cast<uint8_t>(value)); break;
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+template <typename Tout>
+void cast_from(const KernelContext& ctx, Tout* dst, const Tensor& src, int64_t n) {
+  const bool vec = all_aligned({dst, src.data});
+  auto go = [&](auto* s) {
+    using Tin = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (vec) cast_kernel<Tout, Tin, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(dst, s, n);
+    else cast_kernel<Tout, Tin, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(dst, s, n);
+  };
+  switch (src.dtype) {
+    case DType::f32: go(src.ptr<const float>()); break;
+    case DType::f64: go(src.ptr<const double>()); break;
+    case DType::bf16: go(src.ptr<const bf16>()); break;
+    case DType::f16: go(src.ptr<const f16>()); break;
+    default: fail("cast: source dtype {} is not a float type", dtype_name(src.dtype));
+  }
+}
+}  // namespace
+
+void cast(const KernelContext& ctx, Tensor dst, Tensor src) {
+  check_same_numel(dst, src, "cast");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  switch (dst.dtype) {
+    case DType::f32: cast_from(ctx, dst.ptr<float>(), src, n); break;
+    case DType::f64: cast_from(ctx, dst.ptr<double>(), src, n); break;
+    case DType::bf16: cast_from(ctx, dst.ptr<bf16>(), src, n); break;
+    case DType::f16: cast_from(ctx, dst.ptr<f16>(), src, n); break;
+    default: fail("cast: destination dtype {} is not a float type", dtype_name(dst.dtype));
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float beta, Tensor b) {
+  check_same_numel(out, a, "axpby");
+  if (!b.empty()) check_same_numel(out, b, "axpby");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const bool same = a.dtype == out.dtype && (b.empty() || b.dtype == out.dtype) && out.dtype != DType::f64;
+  if (!same) {
+    for (const Tensor* t : {&out, &a, &b})
+      if (!t->empty() && !is_floating(t->dtype)) fail("axpby: dtype {} is not a float type", dtype_name(t->dtype));
+    axpby_mixed_kernel<<<grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 16), kBlock, 0, ctx.stream>>>(
+        out.data, out.dtype, alpha, a.data, a.dtype, beta, b.data, b.dtype, n);
+    MT_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  MT_DISPATCH_FLOAT(out.dtype, T, "axpby", {
+    with_vec(all_aligned({out.data, a.data, b.data}), [&]<bool V>() {
+      if (b.empty())
+        axpby_kernel<T, V, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), alpha, a.ptr<const T>(),
+                                                                               beta, nullptr, n);
+      else
+        axpby_kernel<T, V, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), alpha, a.ptr<const T>(),
+                                                                              beta, b.ptr<const T>(), n);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_forward(const KernelContext& ctx, Tensor out, Tensor in, bool tanh_approx) {
+  check_same_numel(out, in, "gelu_forward");
+  MT_CHECK(out.dtype == in.dtype, "gelu_forward: dtypes differ");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(out.dtype, T, "gelu_forward", {
+    with_vec(all_aligned({out.data, in.data}), [&]<bool V>() {
+      gelu_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(), n,
+                                                                              tanh_approx);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, bool tanh_approx,
+                        bool accumulate) {
+  check_same_numel(out, g, "gelu backward");
+  check_same_numel(out, pre, "gelu backward");
+  MT_CHECK(out.dtype == pre.dtype && (g.dtype == out.dtype || g.dtype == DType::f32), "gelu backward: dtypes {} {} {}",
+           dtype_name(out.dtype), dtype_name(g.dtype), dtype_name(pre.dtype));
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(out.dtype, T, "gelu backward", {
+    auto go = [&](auto* gp) {
+      using G = std::remove_const_t<std::remove_pointer_t<decltype(gp)>>;
+      with_vec(all_aligned({out.data, g.data, pre.data}), [&]<bool V>() {
+        if (accumulate)
+          gelu_grad_kernel<T, G, V, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), gp,
+                                                                                        pre.ptr<const T>(), n, tanh_approx);
+        else
+          gelu_grad_kernel<T, G, V, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), gp,
+                                                                                         pre.ptr<const T>(), n, tanh_approx);
+      });
+    };
+    if (g.dtype == DType::f32) go(g.ptr<const float>());
+    else go(g.ptr<const T>());
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
+  MT_CHECK(dout.dtype == din.dtype, "gelu_backward: dtypes differ");
+  gelu_grad_multiply(ctx, din, dout, in, tanh_approx, false);
+}
+
+void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in) {
+  const int64_t f = out.cols(), rows = out.rows();
+  MT_CHECK(in.cols() == 2 * f && in.rows() == rows, "swiglu_forward: in {} must be [rows, 2 * {}]",
+           in.shape_string(), f);
+  MT_CHECK(out.dtype == in.dtype, "swiglu_forward: dtypes differ");
+  const int64_t n = rows * f;
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(out.dtype, T, "swiglu_forward", {
+    with_vec(all_aligned({out.data, in.data}) && f % kN == 0, [&]<bool V>() {
+      swiglu_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(),
+                                                                                rows, f);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in) {
+  const int64_t f = dout.cols(), rows = dout.rows();
+  MT_CHECK(in.cols() == 2 * f && in.rows() == rows && din.numel() == in.numel(),
+           "swiglu_backward: shapes din {} dout {} in {}", din.shape_string(), dout.shape_string(), in.shape_string());
+  MT_CHECK(din.dtype == in.dtype && dout.dtype == in.dtype, "swiglu_backward: dtypes differ");
+  const int64_t n = rows * f;
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(in.dtype, T, "swiglu_backward", {
+    with_vec(all_aligned({din.data, dout.data, in.data}) && f % kN == 0, [&]<bool V>() {
+      swiglu_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+          din.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
+                      uint64_t key) {
+  check_same_numel(out, x, "bias_dropout_add");
+  check_same_numel(out, residual, "bias_dropout_add");
+  MT_CHECK(out.dtype == x.dtype && residual.dtype == x.dtype && (bias.empty() || bias.dtype == x.dtype),
+           "bias_dropout_add: dtypes differ");
+  const int64_t n = out.numel(), cols = x.cols();
+  if (!bias.empty()) MT_CHECK(bias.numel() == cols, "bias_dropout_add: bias {} vs x {}", bias.shape_string(), x.shape_string());
+  if (n == 0) return;
+  const float keep_scale = dropout_keep_scale(p);
+  MT_DISPATCH_FLOAT(out.dtype, T, "bias_dropout_add", {
+    with_vec(all_aligned({out.data, x.data, residual.data}), [&]<bool V>() {
+      if (bias.empty())
+        bias_dropout_add_kernel<T, V, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+            out.ptr<T>(), x.ptr<const T>(), nullptr, residual.ptr<const T>(), n, cols, p, keep_scale, key);
+      else
+        bias_dropout_add_kernel<T, V, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+            out.ptr<T>(), x.ptr<const T>(), bias.ptr<const T>(), residual.ptr<const T>(), n, cols, p, keep_scale, key);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key) {
+  check_same_numel(dx, dout, "dropout_backward");
+  MT_CHECK(dx.dtype == dout.dtype, "dropout_backward: dtypes differ");
+  const int64_t n = dx.numel();
+  if (n == 0) return;
+  const float keep_scale = dropout_keep_scale(p);
+  MT_DISPATCH_FLOAT(dx.dtype, T, "dropout_backward", {
+    with_vec(all_aligned({dx.data, dout.data}), [&]<bool V>() {
+      dropout_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(dx.ptr<T>(), dout.ptr<const T>(), n,
+                                                                                  p, keep_scale, key);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void add_f32(const KernelContext& ctx, float* dst, const float* src, int64_t n) {
+  if (n == 0) return;
+  add_f32_kernel<<<grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 8), kBlock, 0, ctx.stream>>>(dst, src, n);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

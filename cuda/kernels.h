@@ -1,0 +1,121 @@
+// Host launchers of the CUDA backend's kernels, one section per op family (one .cu file each).
+// CudaBackend (cuda_backend.cu) checks shapes and calls these; they pick the kernel instance for
+// the dtypes and alignment, launch it on ctx.stream and check the launch. None of them allocates:
+// temporary buffers come from ctx.scratch, a region the backend allocated at construction.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "core/shard.h"
+#include "core/tensor.h"
+#include "engine/backend.h"
+
+namespace mt::cuda {
+
+// A bump allocator over one device buffer allocated up front. Every op starts from the beginning
+// (reset) and takes what it needs; ops are ordered on one stream, so their uses never overlap.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(void* base, size_t bytes) : base_(static_cast<char*>(base)), bytes_(bytes) {}
+  void reset() { used_ = 0; }
+  size_t remaining() const { return bytes_ - used_; }
+  size_t capacity() const { return bytes_; }
+  // 256-byte aligned; fails with a message naming the op if the scratch is too small.
+  void* take(size_t bytes, const char* what);
+  template <typename T>
+  T* take_array(size_t count, const char* what) { return static_cast<T*>(take(count * sizeof(T), what)); }
+
+ private:
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t used_ = 0;
+};
+
+struct KernelContext {
+  cudaStream_t stream = nullptr;
+  int num_sms = 1;
+  Scratch* scratch = nullptr;
+};
+
+// ---- elementwise_kernels.cu -------------------------------------------------------------------
+void fill(const KernelContext& ctx, Tensor t, double value);
+void cast(const KernelContext& ctx, Tensor dst, Tensor src);
+void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float beta, Tensor b);
+void gelu_forward(const KernelContext& ctx, Tensor out, Tensor in, bool tanh_approx);
+void gelu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, bool tanh_approx);
+// out = g * gelu'(pre) (accumulate: out += ...). out may alias g. Used after a plain GEMM.
+void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, bool tanh_approx,
+                        bool accumulate);
+void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in);
+void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in);
+void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
+                      uint64_t key);
+void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key);
+// dst[i] += src[i] (float32, n elements).
+void add_f32(const KernelContext& ctx, float* dst, const float* src, int64_t n);
+
+// ---- init_kernels.cu ---------------------------------------------------------------------------
+void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, const ShardIndex& index);
+
+// ---- norm_kernels.cu ---------------------------------------------------------------------------
+// b empty: out = norm(a) (sum unused). b given: sum = a + dropout(b), out = norm(sum).
+void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p);
+void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
+                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p);
+
+// ---- embedding_kernels.cu ----------------------------------------------------------------------
+void embedding_forward(const KernelContext& ctx, Tensor out, Tensor tokens, Tensor positions, Tensor wte,
+                       Tensor wpe, int64_t vocab_start);
+void embedding_backward(const KernelContext& ctx, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                        Tensor positions, int64_t vocab_start);
+
+// ---- rope_kernels.cu ---------------------------------------------------------------------------
+// backward = rotate by -angle (the transpose of the forward rotation).
+void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward);
+
+// ---- cross_entropy_kernels.cu ------------------------------------------------------------------
+void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                           int64_t vocab_start);
+void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor logits, Tensor labels, Tensor lse,
+                            Tensor dloss, int64_t vocab_start);
+void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
+void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate);
+// dbias[N] += column sums of dy[M, N] (deterministic two-stage reduction).
+void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
+
+// ---- optimizer_kernels.cu ----------------------------------------------------------------------
+// The optimizer kernels walk a segment table in chunks of kOptimChunk elements.
+constexpr int64_t kOptimChunk = 8192;
+struct DeviceSegment {
+  int64_t offset = 0;
+  int64_t count = 0;
+  int64_t first_chunk = 0;  // chunks of the segments before this one
+  int32_t group = 0;
+  int32_t pad = 0;
+};
+// A segment list as the kernels see it: a table uploaded at set-up (register_optim_segments), or,
+// for short unregistered lists, the segments themselves passed by value with the launch.
+constexpr int kInlineSegments = 24;
+struct SegmentArg {
+  const DeviceSegment* table = nullptr;  // device memory, or null: use inline_segments
+  int count = 0;
+  int64_t total_chunks = 0;
+  DeviceSegment inline_segments[kInlineSegments];
+};
+// Host-side: the table for `segments` (prefix chunk counts), as stored by the registry.
+void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks);
+
+void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
+                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p);
+void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
+              const SegmentArg& segs, const OptimStepParams& p);
+void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate);
+void count_zeros(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate);
+
+}  // namespace mt::cuda

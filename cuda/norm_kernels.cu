@@ -1,0 +1,404 @@
+// LayerNorm and RMSNorm: forward (optionally fused with the residual add and dropout before it)
+// and backward (dx, plus float32 dweight/dbias accumulation).
+//
+// Work split: a "team" of TPR threads (a power of two, 32..1024) owns one row; each thread keeps
+// up to ITERS vectors of VEC elements of the row in registers, so the row is read from memory
+// once and all statistics are exact two-pass ones (mean first, then the centred variance). TPR
+// is chosen per call so that every thread holds at most ITERS vectors: 768 bf16 columns take one
+// warp, 8192 take 256 threads. VEC = 16 bytes of elements when rows and pointers are 16-byte
+// aligned, else 1 (odd widths). Teams reduce with warp shuffles and, past one warp, shared memory.
+//
+// Backward: dweight/dbias are accumulated without float atomics, so the result is bit-identical
+// from run to run: each block sums its rows' contributions in registers, writes one partial row
+// to scratch, and a second kernel adds the partials in block order. The block count depends only
+// on (rows, width, dtype, device).
+#include <algorithm>
+
+#include "cuda/activations.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+
+namespace mt::cuda {
+namespace {
+
+// Sum over the TPR threads of this thread's team (every thread gets it). Block-uniform tpr.
+template <int K>
+__device__ __forceinline__ void team_sum(float (&v)[K], int tpr, float (*red)[32]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  if (tpr <= kWarp) return;
+  const int warp = threadIdx.x / kWarp;
+  __syncthreads();  // red[] may still be read from the previous reduction
+  if (threadIdx.x % kWarp == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) red[k][warp] = v[k];
+  }
+  __syncthreads();
+  const int first = (threadIdx.x / tpr) * (tpr / kWarp);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float s = 0.0f;
+    for (int i = 0; i < tpr / kWarp; ++i) s += red[k][first + i];
+    v[k] = s;
+  }
+}
+
+template <typename T>
+struct NormForwardArgs {
+  T* out;
+  T* sum;           // fused add: a + dropout(b) is written here
+  float* mean;      // may be null
+  float* rstd;      // may be null
+  const T* a;       // the input (or the residual stream of the fused add)
+  const T* b;       // fused add's other operand (null: plain norm)
+  const T* weight;
+  const T* bias;    // may be null
+  int64_t rows;
+  int h;
+  float eps;
+  float dropout_p, keep_scale;
+  uint64_t dropout_key;
+  bool rms, one_p;
+};
+
+template <typename T, int VEC, int ITERS, bool ADD>
+__global__ void norm_forward_kernel(NormForwardArgs<T> args, int tpr) {
+  __shared__ float red[2][32];
+  const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
+  const bool valid = row < args.rows;
+  const int h = args.h;
+  const int64_t row_base = row * h;
+
+  float x[ITERS][VEC];
+  float s[1] = {0.0f};
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (lane + it * tpr) * VEC;
+    if (valid && c < h) {
+      const Floats<VEC> av = load_vec<VEC>(args.a + row_base + c);
+      if constexpr (ADD) {
+        const Floats<VEC> bv = load_vec<VEC>(args.b + row_base + c);
+        Floats<VEC> sv;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          sv.v[j] = av.v[j] + bv.v[j] * dropout_factor(args.dropout_key, row_base + c + j, args.dropout_p,
+                                                       args.keep_scale);
+        store_vec<VEC>(args.sum + row_base + c, sv);
+        // Normalize the stored (rounded) sum, as a separate add followed by the norm would.
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) x[it][j] = to_float(from_float<T>(sv.v[j]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) x[it][j] = av.v[j];
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[0] += x[it][j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) x[it][j] = 0.0f;
+    }
+  }
+  float mean = 0.0f;
+  if (!args.rms) {
+    team_sum(s, tpr, red);
+    mean = s[0] / h;
+  }
+  float q[1] = {0.0f};
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (lane + it * tpr) * VEC;
+    if (valid && c < h) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = x[it][j] - mean;
+        q[0] += d * d;
+      }
+    }
+  }
+  team_sum(q, tpr, red);
+  const float rstd = 1.0f / sqrtf(q[0] / h + args.eps);
+  if (valid && lane == 0) {
+    if (args.mean && !args.rms) args.mean[row] = mean;
+    if (args.rstd) args.rstd[row] = rstd;
+  }
+  const float w_shift = args.one_p ? 1.0f : 0.0f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (lane + it * tpr) * VEC;
+    if (valid && c < h) {
+      const Floats<VEC> w = load_vec<VEC>(args.weight + c);
+      Floats<VEC> y;
+      if (args.bias) {
+        const Floats<VEC> b = load_vec<VEC>(args.bias + c);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) y.v[j] = (x[it][j] - mean) * rstd * (w.v[j] + w_shift) + b.v[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) y.v[j] = (x[it][j] - mean) * rstd * (w.v[j] + w_shift);
+      }
+      store_vec<VEC>(args.out + row_base + c, y);
+    }
+  }
+}
+
+template <typename T>
+struct NormBackwardArgs {
+  T* dx;
+  const T* dresidual;  // may be null (may alias dx)
+  const T* dout;       // may alias dx
+  const T* x;
+  const float* mean;   // unused by RMSNorm
+  const float* rstd;
+  const T* weight;
+  float* partial_dw;   // [gridDim.x, h] or null
+  float* partial_db;   // [gridDim.x, h] or null
+  int64_t rows;
+  int h;
+  bool rms, one_p;
+};
+
+template <typename T, int VEC, int ITERS>
+__global__ void norm_backward_kernel(NormBackwardArgs<T> args, int tpr) {
+  __shared__ float red[2][32];
+  extern __shared__ float combine[];  // [2][h] when several teams share a block
+  const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  const int h = args.h;
+  const float w_shift = args.one_p ? 1.0f : 0.0f;
+
+  float dw[ITERS][VEC], db[ITERS][VEC];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dw[it][j] = db[it][j] = 0.0f;
+
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows;
+       row0 += static_cast<int64_t>(gridDim.x) * teams) {
+    const int64_t row = row0 + team;
+    const bool valid = row < args.rows;
+    const int64_t row_base = row * h;
+    const float mean = (valid && !args.rms) ? args.mean[row] : 0.0f;
+    const float rstd = valid ? args.rstd[row] : 0.0f;
+    float xhat[ITERS][VEC], g[ITERS][VEC];
+    float sums[2] = {0.0f, 0.0f};  // sum(g * xhat), sum(g)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * tpr) * VEC;
+      if (valid && c < h) {
+        const Floats<VEC> xv = load_vec<VEC>(args.x + row_base + c);
+        const Floats<VEC> dy = load_vec<VEC>(args.dout + row_base + c);
+        const Floats<VEC> w = load_vec<VEC>(args.weight + c);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xhat[it][j] = (xv.v[j] - mean) * rstd;
+          g[it][j] = dy.v[j] * (w.v[j] + w_shift);
+          sums[0] += g[it][j] * xhat[it][j];
+          sums[1] += g[it][j];
+          dw[it][j] += dy.v[j] * xhat[it][j];
+          db[it][j] += dy.v[j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xhat[it][j] = g[it][j] = 0.0f;
+      }
+    }
+    team_sum(sums, tpr, red);
+    const float c1 = sums[0] / h, c2 = args.rms ? 0.0f : sums[1] / h;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * tpr) * VEC;
+      if (valid && c < h) {
+        Floats<VEC> d;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) d.v[j] = rstd * (g[it][j] - c2 - xhat[it][j] * c1);
+        if (args.dresidual) {
+          const Floats<VEC> r = load_vec<VEC>(args.dresidual + row_base + c);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) d.v[j] += r.v[j];
+        }
+        store_vec<VEC>(args.dx + row_base + c, d);
+      }
+    }
+  }
+
+  if (!args.partial_dw && !args.partial_db) return;
+  // Combine the teams of this block in team order, then write this block's partial row.
+  if (teams > 1) {
+    for (int t = 0; t < teams; ++t) {
+      if (team == t) {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          const int c = (lane + it * tpr) * VEC;
+          if (c < h) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+              if (t == 0) {
+                combine[c + j] = dw[it][j];
+                combine[h + c + j] = db[it][j];
+              } else {
+                combine[c + j] += dw[it][j];
+                combine[h + c + j] += db[it][j];
+              }
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+      if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c] = combine[c];
+      if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c] = combine[h + c];
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * tpr) * VEC;
+      if (c < h) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c + j] = dw[it][j];
+          if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c + j] = db[it][j];
+        }
+      }
+    }
+  }
+}
+
+// out[c] += sum over g of partial[g, c], g in order.
+__global__ void reduce_partials_kernel(float* out, const float* partial, int blocks, int h) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= h) return;
+  float s = 0.0f;
+  for (int g = 0; g < blocks; ++g) s += partial[static_cast<int64_t>(g) * h + c];
+  out[c] += s;
+}
+
+struct TeamShape {
+  int vec, iters, tpr, block;
+};
+
+// Chooses VEC, ITERS and the team size for rows of width h (see the header comment).
+template <typename T>
+TeamShape team_shape(int64_t h, bool aligned, const char* what) {
+  const int vec = aligned ? static_cast<int>(16 / sizeof(T)) : 1;
+  const int iters = (vec == 1 && h > 1024 * 4) ? 16 : 4;
+  const int64_t vectors = (h + vec - 1) / vec;
+  int64_t tpr = kWarp;
+  while (tpr * iters < vectors) tpr *= 2;
+  if (tpr > 1024)
+    throw Unsupported(fmt::format("{}: rows of {} elements are wider than this kernel supports ({} for this dtype "
+                                  "and alignment)", what, h, 1024LL * iters * vec));
+  return {vec, iters, static_cast<int>(tpr), static_cast<int>(std::max<int64_t>(tpr, 128))};
+}
+
+template <typename F>
+void dispatch_vec_iters(const TeamShape& s, int elem_vec, F&& f) {
+  if (s.vec == 1 && s.iters == 16) f.template operator()<1, 16>();
+  else if (s.vec == 1) f.template operator()<1, 4>();
+  else if (elem_vec == 8) f.template operator()<8, 4>();
+  else f.template operator()<4, 4>();
+}
+
+bool aligned_rows(int64_t h, size_t elem, std::initializer_list<const void*> ptrs) {
+  if ((h * static_cast<int64_t>(elem)) % 16 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) {
+  const int64_t h = a.cols(), rows = a.rows();
+  const bool add = !b.empty();
+  const char* what = add ? "add_norm_forward" : "norm_forward";
+  MT_CHECK(out.numel() == a.numel() && out.dtype == a.dtype, "{}: out {} vs input {}", what, out.shape_string(),
+           a.shape_string());
+  MT_CHECK(weight.numel() == h && weight.dtype == a.dtype, "{}: weight {} for rows of {} ({})", what,
+           weight.shape_string(), h, dtype_name(a.dtype));
+  MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == a.dtype), "{}: bias {}", what, bias.shape_string());
+  MT_CHECK(mean.empty() || (mean.numel() == rows && mean.dtype == DType::f32), "{}: mean must be float32 [{}]", what, rows);
+  MT_CHECK(rstd.empty() || (rstd.numel() == rows && rstd.dtype == DType::f32), "{}: rstd must be float32 [{}]", what, rows);
+  if (add)
+    MT_CHECK(b.numel() == a.numel() && b.dtype == a.dtype && sum.numel() == a.numel() && sum.dtype == a.dtype,
+             "{}: a {}, b {}, sum {} must match", what, a.shape_string(), b.shape_string(), sum.shape_string());
+  if (rows == 0 || h == 0) return;
+  MT_DISPATCH_FLOAT(a.dtype, T, what, {
+    const bool aligned = aligned_rows(h, sizeof(T), {out.data, a.data, b.data, sum.data, weight.data, bias.data});
+    const TeamShape s = team_shape<T>(h, aligned, what);
+    NormForwardArgs<T> args{out.ptr<T>(), sum.ptr<T>(), mean.ptr<float>(), rstd.ptr<float>(), a.ptr<const T>(),
+                            b.ptr<const T>(), weight.ptr<const T>(), bias.ptr<const T>(), rows, static_cast<int>(h),
+                            p.eps, dropout_p, dropout_keep_scale(dropout_p), dropout_key,
+                            p.kind == Normalization::rmsnorm, p.one_p};
+    const int teams = s.block / s.tpr;
+    const unsigned grid = static_cast<unsigned>((rows + teams - 1) / teams);
+    dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
+      if constexpr (V == 1 || V * sizeof(T) == 16) {
+        if (add) norm_forward_kernel<T, V, I, true><<<grid, s.block, 0, ctx.stream>>>(args, s.tpr);
+        else norm_forward_kernel<T, V, I, false><<<grid, s.block, 0, ctx.stream>>>(args, s.tpr);
+      }
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
+                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
+  const int64_t h = x.cols(), rows = x.rows();
+  const bool rms = p.kind == Normalization::rmsnorm;
+  MT_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dx.dtype == x.dtype && dout.dtype == x.dtype,
+           "norm_backward: dx {}, dout {}, x {} must match", dx.shape_string(), dout.shape_string(), x.shape_string());
+  MT_CHECK(weight.numel() == h && weight.dtype == x.dtype, "norm_backward: weight {}", weight.shape_string());
+  MT_CHECK(rstd.numel() == rows && rstd.dtype == DType::f32, "norm_backward: rstd must be float32 [{}]", rows);
+  MT_CHECK(rms || (mean.numel() == rows && mean.dtype == DType::f32), "norm_backward: mean must be float32 [{}]", rows);
+  MT_CHECK(dweight.empty() || (dweight.numel() == h && dweight.dtype == DType::f32),
+           "norm_backward: dweight must be float32 [{}]", h);
+  MT_CHECK(dbias.empty() || (dbias.numel() == h && dbias.dtype == DType::f32), "norm_backward: dbias must be float32 [{}]",
+           h);
+  MT_CHECK(dresidual.empty() || (dresidual.numel() == x.numel() && dresidual.dtype == x.dtype),
+           "norm_backward: dresidual {}", dresidual.shape_string());
+  if (rows == 0 || h == 0) return;
+  const bool want_dw = !dweight.empty(), want_db = !dbias.empty() && !rms;
+  MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
+    const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data});
+    const TeamShape s = team_shape<T>(h, aligned, "norm_backward");
+    const int teams = s.block / s.tpr;
+    const size_t smem = teams > 1 ? 2 * h * sizeof(float) : 0;
+    dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {
+      if constexpr (V == 1 || V * sizeof(T) == 16) {
+        auto kernel = norm_backward_kernel<T, V, I>;
+        int per_sm = 0;
+        MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, s.block, smem));
+        int64_t blocks = std::min<int64_t>((rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
+        float* pdw = nullptr;
+        float* pdb = nullptr;
+        if (want_dw || want_db) {
+          const int64_t per_block = h * (static_cast<int>(want_dw) + static_cast<int>(want_db)) * sizeof(float);
+          blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, ctx.scratch->remaining() / per_block));
+          if (want_dw) pdw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
+          if (want_db) pdb = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
+        }
+        NormBackwardArgs<T> args{dx.ptr<T>(), dresidual.ptr<const T>(), dout.ptr<const T>(), x.ptr<const T>(),
+                                 mean.ptr<const float>(), rstd.ptr<const float>(), weight.ptr<const T>(), pdw, pdb,
+                                 rows, static_cast<int>(h), rms, p.one_p};
+        kernel<<<static_cast<unsigned>(blocks), s.block, smem, ctx.stream>>>(args, s.tpr);
+        MT_CUDA_CHECK_LAUNCH();
+        const unsigned rgrid = static_cast<unsigned>((h + 255) / 256);
+        if (pdw) {
+          reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dweight.ptr<float>(), pdw, static_cast<int>(blocks),
+                                                               static_cast<int>(h));
+          MT_CUDA_CHECK_LAUNCH();
+        }
+        if (pdb) {
+          reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dbias.ptr<float>(), pdb, static_cast<int>(blocks),
+                                                               static_cast<int>(h));
+          MT_CUDA_CHECK_LAUNCH();
+        }
+      }
+    });
+  });
+}
+
+}  // namespace mt::cuda
