@@ -430,3 +430,16 @@ TEST_CASE("rules behind refused flags hold in validation", "[cli][rules]") {
     CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
   }
 }
+
+TEST_CASE("rule: builder threads, p2p warmup overlap, DDP buckets", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--num-dataset-builder-threads 4")));
+  CHECK_THAT(parse_error(small_gpt() + words("--num-dataset-builder-threads 0")),
+             Contains("--num-dataset-builder-threads must be > 0"));
+  const Args vpp = words("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                         "--global-batch-size 8");
+  CHECK_NOTHROW(parse(small_gpt() + vpp + words("--overlap-p2p-communication-warmup-flush"), 2));
+  CHECK_THAT(parse_error(small_gpt() + words("--overlap-p2p-communication-warmup-flush")),
+             Contains("--overlap-p2p-communication-warmup-flush needs the interleaved schedule"));
+  CHECK(*parse(small_gpt() + words("--ddp-bucket-size 1000000")).parallel.ddp_bucket_size == 1000000);
+  CHECK_THAT(parse_error(small_gpt() + words("--ddp-bucket-size 0")), Contains("--ddp-bucket-size must be > 0"));
+}
