@@ -50,9 +50,12 @@ CliState parse_flags(const std::vector<std::string>& args) {
     const Arity arity = f.arity;
     CLI::Option* o = app.add_option(join(f.all_names(), ","), [&given, name, arity](const CLI::results_t& r) {
       FlagValue v{r};
-      // CLI11 2.1 reports a bare zero-argument flag as one empty result.
-      if (arity == Arity::none && !(r.empty() || (r.size() == 1 && r.front().empty())))
-        fail("{} takes no value (got '{}')", name, r.front());
+      if (arity == Arity::none) {
+        // CLI11 may record an empty result for a switch; "--switch=value" gives a non-empty one.
+        for (const std::string& x : r)
+          if (!x.empty()) fail("{} takes no value (got '{}')", name, x);
+        v.values.clear();
+      }
       if (arity == Arity::one && looks_like_option(r.front()))
         fail("{} expects a value (got the flag {})", name, r.front());
       given[name] = v;
@@ -77,8 +80,13 @@ CliState parse_flags(const std::vector<std::string>& args) {
   try {
     app.parse(std::move(reversed));
   } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    // CLI11: "--lr: 1 required  missing" -> one line naming the flag.
+    // CLI11 says "--lr: 1 required  missing" or "--x: At least 3 required but received 2".
+    const std::string what = e.what();
+    static const std::regex missing(R"(^([^:,]+)[^:]*: (\d+) required.*missing)");
+    static const std::regex too_few(R"(^([^:,]+)[^:]*: At least (\d+) required but received (\d+))");
+    std::smatch m;
+    if (std::regex_search(what, m, missing)) fail("{} expects a value", m[1].str());
+    if (std::regex_search(what, m, too_few)) fail("{} expects {} values, got {}", m[1].str(), m[2].str(), m[3].str());
     fail("{}", what.empty() ? e.get_name() : what);
   }
   const std::vector<std::string> extras = app.remaining();
@@ -95,8 +103,8 @@ CliState parse_flags(const std::vector<std::string>& args) {
     if (f.kind == FlagKind::removed && st.has(f.name)) fail("{}", f.note);
 
   // What megatrain does not implement yet: one line naming every refused use.
-  const std::vector<std::string> refused = unsupported_uses(st.given);
-  if (!refused.empty()) throw Unsupported(fmt::format("megatrain does not support {} yet", join(refused, ", ")));
+  const std::string refused = unsupported_message(st.given);
+  if (!refused.empty()) throw Unsupported(refused);
 
   for (const FlagSpec& f : table.flags()) {
     auto it = st.given.find(f.name);
