@@ -252,6 +252,20 @@ std::optional<Blend> parse_blend(const std::vector<std::string>& items, const ch
   return blend;
 }
 
+TokenizerFacts tokenizer_facts(const Config& config) {
+  TokenizerFacts t;
+  t.vocab_size = config.model.vocab_size;
+  t.eod = config.data.eod_id;
+  t.pad = -1;
+  return t;
+}
+
+BuiltDatasets build_datasets_for_run(const Config& config) {
+  const DatasetsConfig data = datasets_config(config, tokenizer_facts(config));
+  const std::array<int64_t, 3> n = samples_per_split(config);
+  return build_datasets(data, {n[0], n[1], n[2]});
+}
+
 DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& tokenizer) {
   const DataConfig& d = config.data;
   DatasetsConfig c;
