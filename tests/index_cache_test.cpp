@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "data/dataset_builder.h"
 #include "data/indexed_dataset.h"
@@ -130,4 +131,25 @@ TEST_CASE("cached indices are .npy files numpy reads back unchanged", "[data][ca
     return fmt::format("{} {} {}\n", index_type_descr(a.type()), shape, dot);
   };
   CHECK(out == describe(g.document_index()) + describe(g.sample_index()) + describe(g.shuffle_index()));
+}
+
+TEST_CASE("ranks building the same cache at once all get it whole", "[data][cache]") {
+  test::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  make_dataset(prefix, 400, 53);
+  DatasetsConfig c;
+  c.seq_length = 16;
+  c.split = "98,2,0";
+  c.blend = parse_blend({prefix}, "--data-path");
+  c.data_cache_path = dir.file("shared_cache");
+  std::vector<std::vector<std::vector<int32_t>>> windows(4);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.emplace_back([&, r] { windows[r] = all_windows(*build_datasets(c, {5000, 100, 0}).splits[0]); });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 1; r < 4; ++r) CHECK(windows[r] == windows[0]);
+  const BuiltDatasets later = build_datasets(c, {5000, 100, 0});
+  for (const auto& g : later.components) CHECK(g->loaded_from_cache());
+  CHECK(all_windows(*later.splits[0]) == windows[0]);
 }
