@@ -11,7 +11,25 @@ void add_training_flags(FlagTable& t) {
   t.removed("--batch-size", Arity::one, "--batch-size argument is no longer valid, use --micro-batch-size instead");
   t.no_effect("--rampup-batch-size", Arity::three,
               "deprecated in Megatron-LM and ignored there too: the global batch stays constant", "None");
-  t.value("--step-batch-size-schedule", "batch-size schedule \"THRESH:BS ...\"", MT_FIELD(train.step_batch_size_schedule));
+  {
+    // One string in Megatron ("THRESH:BS THRESH:BS ..."). Launch scripts often expand it unquoted,
+    // so the words arrive separately: taking them all keeps the refusal about this flag.
+    FlagSpec s;
+    s.name = "--step-batch-size-schedule";
+    s.group = FlagGroup::training;
+    s.arity = Arity::one_or_more;
+    s.metavar = "\"THRESH:BS ...\"";
+    s.help = "batch-size schedule (Megatron HEAD)";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      std::string joined;
+      for (const auto& w : v.values) joined += (joined.empty() ? "" : " ") + w;
+      st.cfg.train.step_batch_size_schedule = joined;
+    };
+    s.value = [](const Config& c) {
+      return c.train.step_batch_size_schedule ? nlohmann::json(*c.train.step_batch_size_schedule) : nlohmann::json();
+    };
+    t.add(std::move(s));
+  }
   t.flag("--decrease-batch-size-if-needed", "round the global batch down to a multiple of b * DP",
          MT_FIELD(train.decrease_batch_size_if_needed));
   t.value("--train-iters", "total iterations (or --train-samples)", MT_FIELD(train.train_iters));

@@ -163,7 +163,8 @@ class FlagTable {
     FlagSpec s = base(name, help);
     s.arity = Arity::none;
     s.apply = [acc, set_to](CliState& st, const FlagValue&) { acc(st.cfg) = set_to; };
-    s.value = [acc](const Config& c) { return nlohmann::json(acc(const_cast<Config&>(c))); };
+    // Shown as the switch's state: true when the resolved setting is what the flag asks for.
+    s.value = [acc, set_to](const Config& c) { return nlohmann::json(acc(const_cast<Config&>(c)) == set_to); };
     return add(std::move(s));
   }
   // store_false with Megatron HEAD's two spellings: "--no-x" also answers to "--disable-x" and
@@ -181,13 +182,15 @@ class FlagTable {
                    Acc acc) {
     FlagSpec s = base(name, help);
     s.arity = Arity::one;
-    s.metavar = "{";
     std::vector<std::string> names;
+    std::string metavar(1, '{');
     for (auto& [n, e] : choices) {
-      s.metavar += (names.empty() ? "" : ",") + n;
+      if (!names.empty()) metavar.push_back(',');
+      metavar.append(n);
       names.push_back(n);
     }
-    s.metavar += "}";
+    metavar.push_back('}');
+    s.metavar = std::move(metavar);
     s.apply = [acc, name, choices, names](CliState& st, const FlagValue& v) {
       const std::string c = parse_choice_arg(name, v.one(), names);
       for (auto& [n, e] : choices)

@@ -50,8 +50,12 @@ CliState parse_flags(const std::vector<std::string>& args) {
     const Arity arity = f.arity;
     CLI::Option* o = app.add_option(join(f.all_names(), ","), [&given, name, arity](const CLI::results_t& r) {
       FlagValue v{r};
-      if (arity == Arity::none && !r.empty())
-        fail("{} takes no value (got '{}')", name, r.front());
+      if (arity == Arity::none) {
+        // CLI11 may record an empty result for a switch; "--switch=value" gives a non-empty one.
+        for (const std::string& x : r)
+          if (!x.empty()) fail("{} takes no value (got '{}')", name, x);
+        v.values.clear();
+      }
       if (arity == Arity::one && looks_like_option(r.front()))
         fail("{} expects a value (got the flag {})", name, r.front());
       given[name] = v;
@@ -94,8 +98,8 @@ CliState parse_flags(const std::vector<std::string>& args) {
     if (f.kind == FlagKind::removed && st.has(f.name)) fail("{}", f.note);
 
   // What megatrain does not implement yet: one line naming every refused use.
-  const std::vector<std::string> refused = unsupported_uses(st.given);
-  if (!refused.empty()) throw Unsupported(fmt::format("megatrain does not support {} yet", join(refused, ", ")));
+  const std::string refused = unsupported_message(st.given);
+  if (!refused.empty()) throw Unsupported(refused);
 
   for (const FlagSpec& f : table.flags()) {
     auto it = st.given.find(f.name);

@@ -1,5 +1,6 @@
 #include "app/unsupported.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -175,8 +176,8 @@ std::string describe(const std::string& flag, const std::vector<std::string>& va
 
 }  // namespace
 
-std::vector<std::string> unsupported_uses(const std::map<std::string, FlagValue>& given) {
-  std::vector<std::string> out;
+std::string unsupported_message(const std::map<std::string, FlagValue>& given) {
+  std::vector<std::string> uses, hints;
   for (const UnsupportedRule& r : unsupported_rules()) {
     auto it = given.find(r.flag);
     if (it == given.end()) continue;
@@ -197,11 +198,19 @@ std::vector<std::string> unsupported_uses(const std::map<std::string, FlagValue>
         if (bad.empty()) continue;
         break;
     }
-    std::string d = describe(r.flag, r.when == W::any_use ? vals : bad);
-    if (!r.why.empty()) d += " (" + r.why + ")";
-    out.push_back(d);
+    uses.push_back(describe(r.flag, r.when == W::any_use ? vals : bad));
+    if (!r.why.empty() && std::find(hints.begin(), hints.end(), r.why) == hints.end()) hints.push_back(r.why);
   }
-  return out;
+  if (uses.empty()) return "";
+  std::string msg = "megatrain does not support ";
+  for (size_t i = 0; i < uses.size(); ++i) msg += (i ? ", " : "") + uses[i];
+  msg += " yet";
+  if (!hints.empty()) {
+    msg += " (";
+    for (size_t i = 0; i < hints.size(); ++i) msg += (i ? "; " : "") + hints[i];
+    msg += ")";
+  }
+  return msg;
 }
 
 std::string unsupported_summary(const std::string& flag) {

@@ -25,9 +25,10 @@ struct UnsupportedRule {
 
 const std::vector<UnsupportedRule>& unsupported_rules();
 
-// The refused uses among the given flags ("--fp8-format hybrid", "--fp8-param-gather"), in table
-// order; empty when everything given is supported.
-std::vector<std::string> unsupported_uses(const std::map<std::string, FlagValue>& given);
+// The refusal for the given flags: "megatrain does not support --fp8-format hybrid,
+// --fp8-param-gather yet (hints)", naming every refused use in table order; empty when everything
+// given is supported.
+std::string unsupported_message(const std::map<std::string, FlagValue>& given);
 
 // Describes the rule for one flag for docs/flags.md ("" when the flag has none).
 std::string unsupported_summary(const std::string& flag);
