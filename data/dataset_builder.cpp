@@ -237,8 +237,9 @@ std::optional<Blend> parse_blend(const std::vector<std::string>& items, const ch
     for (size_t k = 0; k < items.size(); k += 2) {
       const double w = weights[k / 2];
       if (!std::isfinite(w) || w <= 0) {
-        fail("{}: the weight {} of '{}' must be a positive number (drop the prefix or raise its weight)", flag,
-             strip(items[k]), strip(items[k + 1]));
+        fail("{}: the weight {} of '{}' {}: every weight must be a positive number (drop the prefix or raise its "
+             "weight)",
+             flag, strip(items[k]), strip(items[k + 1]), w < 0 ? "is negative" : "is not positive");
       }
       blend.prefixes.push_back(strip(items[k + 1]));
     }
