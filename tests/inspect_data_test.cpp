@@ -88,3 +88,28 @@ TEST_CASE("inspect-data prints the windows training reads, for every split", "[d
   CHECK_THROWS(oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
                                  " --num-samples 1 --split-name dev 2>/dev/null"));
 }
+
+TEST_CASE("inspect-data with --mock-data equals Megatron's mock stream", "[data][inspect][mock]") {
+  auto python = oracle::python_or_skip("inspect-data mock oracle");
+  if (!python) return;
+  oracle::TempDir dir;
+  // 30 x 16 = 480 train samples; validation (30 // 10 + 1) x 2 x 16 = 128; test 2 x 16 = 32.
+  const std::string flags =
+      "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --seq-length 256 --train-iters 30 "
+      "--global-batch-size 16 --eval-interval 10 --eval-iters 2 --seed 5";
+  json spec = {{"mock", {{"vocab_size", 1000}, {"eod", 999}}}, {"sizes", {480, 128, 32}}, {"seq_length", 256},
+               {"seed", 5}, {"windows", 40}};
+  std::ofstream(dir.file("spec.json")) << spec.dump();
+  const json expected = json::parse(oracle::run_capture(
+      oracle::shell_quote(*python) + " " +
+      oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
+      oracle::shell_quote(dir.file("spec.json"))));
+  for (const char* split : {"train", "valid"}) {
+    INFO("split " << split);
+    const auto windows = parse_lines(oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
+                                                         " --num-samples 40 --split-name " + split + " 2>/dev/null"));
+    const auto& e = expected[split]["windows"];
+    REQUIRE(windows.size() == e.size());
+    for (size_t k = 0; k < windows.size(); ++k) REQUIRE(windows[k] == e[k].get<std::vector<int32_t>>());
+  }
+}
