@@ -15,37 +15,23 @@ namespace mt {
 // ---------------------------------------------------------------------------------------------
 // BpeWordCache
 
-void BpeWordCache::clear() {
-  slots_.assign(kSlots, Slot{});
-  keys_.clear();
-  ids_.clear();
-  used_ = 0;
-}
-
-const int32_t* BpeWordCache::find(std::string_view word, uint64_t hash, size_t& count) const {
-  if (slots_.empty()) return nullptr;
-  size_t i = hash & (kSlots - 1);
-  while (slots_[i].used) {
-    const Slot& s = slots_[i];
-    if (s.hash == hash && s.key_length == word.size() &&
-        std::memcmp(keys_.data() + s.key_offset, word.data(), word.size()) == 0) {
-      count = s.ids_count;
-      return ids_.data() + s.ids_offset;
-    }
-    i = (i + 1) & (kSlots - 1);
-  }
-  return nullptr;
-}
+BpeWordCache::BpeWordCache() : slots_(kSets * kWays) {}
 
 void BpeWordCache::insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t count) {
-  if (slots_.empty() || used_ * 2 >= kSlots || keys_.size() + word.size() > kMaxKeyBytes) clear();
-  size_t i = hash & (kSlots - 1);
-  while (slots_[i].used) i = (i + 1) & (kSlots - 1);
-  slots_[i] = Slot{hash, static_cast<uint32_t>(keys_.size()), static_cast<uint32_t>(word.size()),
-                   static_cast<uint32_t>(ids_.size()), static_cast<uint32_t>(count), true};
-  keys_.append(word);
-  ids_.insert(ids_.end(), ids, ids + count);
-  ++used_;
+  if (word.size() > kMaxWordBytes || count > kMaxIds) return;
+  Slot* set = &slots_[(hash & kSetMask) * kWays];
+  size_t way = 0;
+  while (way < kWays && set[way].length != 0xFF) ++way;
+  if (way == kWays) {  // full: round-robin victim
+    way = set[0].next_victim % kWays;
+    set[0].next_victim = static_cast<uint8_t>(way + 1);
+  }
+  Slot& s = set[way];
+  s.tag = static_cast<uint32_t>(hash >> 32);
+  s.length = static_cast<uint8_t>(word.size());
+  s.count = static_cast<uint8_t>(count);
+  std::memcpy(s.word, word.data(), word.size());
+  std::memcpy(s.ids, ids, count * sizeof(int32_t));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,14 +215,7 @@ void BpeModel::merge_long(std::vector<int32_t>& symbols) const {
 
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const {
   if (word.empty()) return;
-  if (ignore_merges_) {
-    if (const int32_t* id = vocab_.find(word)) {
-      out.push_back(*id);
-      return;
-    }
-  }
-  constexpr size_t kMaxCachedBytes = 256;
-  const bool cacheable = word.size() <= kMaxCachedBytes;
+  const bool cacheable = word.size() <= BpeWordCache::kMaxWordBytes;
   uint64_t hash = 0;
   if (cacheable) {
     hash = hash_bytes(word);
@@ -247,8 +226,14 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out, Bpe
     }
   }
   thread_local std::vector<int32_t> symbols;
-  initial_symbols(word, symbols);
-  merge(symbols);
+  symbols.clear();
+  const int32_t* whole = ignore_merges_ ? vocab_.find(word) : nullptr;
+  if (whole) {
+    symbols.push_back(*whole);
+  } else {
+    initial_symbols(word, symbols);
+    merge(symbols);
+  }
   if (cacheable) cache.insert(word, hash, symbols.data(), symbols.size());
   out.insert(out.end(), symbols.begin(), symbols.end());
 }
