@@ -67,6 +67,19 @@ void write_llama3_bos(const std::string& data, const std::string& dir) {
   fs::copy_file(data + "/llama3/tokenizer_config.json", dir + "/tokenizer_config.json");
 }
 
+// The Llama 2 model with a Metaspace pre-tokenizer/decoder instead of the normalizer (newer
+// conversions of SentencePiece models). Same change as make_tokenizer_fixtures.py.
+void write_llama2_metaspace(const std::string& data, const std::string& dir, const std::string& scheme, bool split) {
+  json j = load_json(data + "/llama2/tokenizer.json");
+  j["normalizer"] = nullptr;
+  const json meta = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", scheme}, {"split", split}};
+  j["pre_tokenizer"] = meta;
+  j["decoder"] = {{"type", "Sequence"}, {"decoders", {meta, {{"type", "ByteFallback"}}, {{"type", "Fuse"}}}}};
+  fs::create_directories(dir);
+  spit(dir + "/tokenizer.json", j.dump());
+  fs::copy_file(data + "/llama2/tokenizer_config.json", dir + "/tokenizer_config.json");
+}
+
 struct Named {
   std::string name;
   json spec;  // for the oracle
@@ -74,13 +87,22 @@ struct Named {
   int32_t eod;
 };
 
-std::vector<Named> all_tokenizers(const std::string& data, const std::string& bos_dir) {
+// All the tokenizer variants, the derived tokenizer.json files written under tmp.
+std::vector<Named> all_tokenizers(const std::string& data, const std::string& tmp) {
+  const std::string bos_dir = tmp + "/llama3_bos", first_dir = tmp + "/llama2_ms_first", split_dir = tmp + "/llama2_ms_split";
+  if (!fs::exists(bos_dir)) {
+    write_llama3_bos(data, bos_dir);
+    write_llama2_metaspace(data, first_dir, "first", false);
+    write_llama2_metaspace(data, split_dir, "always", true);
+  }
   std::vector<Named> out;
   const std::string vocab = data + "/gpt2/gpt2-vocab.json", merges = data + "/gpt2/gpt2-merges.txt";
   out.push_back({"gpt2", {{"kind", "gpt2"}, {"vocab", vocab}, {"merges", merges}}, make_gpt2_bpe_tokenizer(vocab, merges), 50256});
   out.push_back({"llama3", {{"kind", "hf"}, {"path", data + "/llama3"}}, make_huggingface_tokenizer(data + "/llama3", true), 128001});
   out.push_back({"llama3_bos", {{"kind", "hf"}, {"path", bos_dir}}, make_huggingface_tokenizer(bos_dir, true), 128001});
   out.push_back({"llama2", {{"kind", "hf"}, {"path", data + "/llama2"}}, make_huggingface_tokenizer(data + "/llama2", true), 2});
+  out.push_back({"llama2_ms_first", {{"kind", "hf"}, {"path", first_dir}}, make_huggingface_tokenizer(first_dir, true), 2});
+  out.push_back({"llama2_ms_split", {{"kind", "hf"}, {"path", split_dir}}, make_huggingface_tokenizer(split_dir, true), 2});
   return out;
 }
 
@@ -216,11 +238,10 @@ TEST_CASE("tokenizer fixtures: ids equal the reference libraries'", "[tokenizer]
   const auto data = shared_data("tokenizer fixtures");
   if (!data) return;
   test::TempDir dir;
-  write_llama3_bos(*data, dir.file("llama3_bos"));
   const std::string fixtures = kSource + "/tests/fixtures/tokenizers/";
   const auto texts = load_json(fixtures + "texts.json").get<std::vector<std::string>>();
   REQUIRE(texts.size() > 100);
-  for (Named& t : all_tokenizers(*data, dir.file("llama3_bos"))) {
+  for (Named& t : all_tokenizers(*data, dir.path())) {
     INFO("tokenizer " << t.name);
     {
       const json fixture = load_json(fixtures + t.name + ".json");
@@ -243,7 +264,6 @@ TEST_CASE("tokenizers equal the oracle on a few hundred KB of pod text and trick
   const auto python = test::python_or_skip("tokenizer live oracle");
   if (!python) return;
   test::TempDir dir;
-  write_llama3_bos(*data, dir.file("llama3_bos"));
   // ~300 KB of real text as documents of a few KB, plus the tricky strings (long words included).
   const std::string pod = pod_text(300 * 1024);
   REQUIRE(pod.size() > 200 * 1024);
@@ -254,7 +274,7 @@ TEST_CASE("tokenizers equal the oracle on a few hundred KB of pod text and trick
     texts.push_back(pod.substr(i, end - i));
     i = end;
   }
-  for (Named& t : all_tokenizers(*data, dir.file("llama3_bos"))) {
+  for (Named& t : all_tokenizers(*data, dir.path())) {
     INFO("tokenizer " << t.name);
     {
       json spec = t.spec;

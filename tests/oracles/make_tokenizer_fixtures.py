@@ -121,6 +121,19 @@ def llama3_with_bos(src_dir, dst_dir):
     json.dump(j, open(os.path.join(dst_dir, "tokenizer.json"), "w", encoding="utf-8"), ensure_ascii=False)
 
 
+def llama2_metaspace(src_dir, dst_dir, scheme, split):
+    """The Llama 2 model with a Metaspace pre-tokenizer and decoder instead of the Prepend/Replace
+    normalizer (how newer conversions of SentencePiece models are written)."""
+    j = json.load(open(os.path.join(src_dir, "tokenizer.json"), encoding="utf-8"))
+    j["normalizer"] = None
+    j["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": split}
+    j["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": split},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    os.makedirs(dst_dir, exist_ok=True)
+    json.dump(j, open(os.path.join(dst_dir, "tokenizer.json"), "w", encoding="utf-8"), ensure_ascii=False)
+
+
 def fixtures(data_dir, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     # Pod paragraphs keep the fixture files small but cover real English text.
@@ -131,12 +144,16 @@ def fixtures(data_dir, out_dir):
         f.write("\n")
     with tempfile.TemporaryDirectory() as tmp:
         llama3_with_bos(os.path.join(data_dir, "llama3"), os.path.join(tmp, "llama3_bos"))
+        llama2_metaspace(os.path.join(data_dir, "llama2"), os.path.join(tmp, "llama2_ms_first"), "first", False)
+        llama2_metaspace(os.path.join(data_dir, "llama2"), os.path.join(tmp, "llama2_ms_split"), "always", True)
         specs = {
             "gpt2": {"kind": "gpt2", "vocab": os.path.join(data_dir, "gpt2/gpt2-vocab.json"),
                      "merges": os.path.join(data_dir, "gpt2/gpt2-merges.txt")},
             "llama3": {"kind": "hf", "path": os.path.join(data_dir, "llama3")},
             "llama3_bos": {"kind": "hf", "path": os.path.join(tmp, "llama3_bos")},
             "llama2": {"kind": "hf", "path": os.path.join(data_dir, "llama2")},
+            "llama2_ms_first": {"kind": "hf", "path": os.path.join(tmp, "llama2_ms_first")},
+            "llama2_ms_split": {"kind": "hf", "path": os.path.join(tmp, "llama2_ms_split")},
         }
         for name, spec in specs.items():
             ids, vocab_size = encode_all(spec, texts)
