@@ -31,7 +31,7 @@ struct BpeSpec {
   bool fuse_unk = false;  // consecutive unknown characters become one unk token
 };
 
-// Per-thread memo of word -> ids (the BPE of a word never changes). A fixed 1 MiB table of
+// Per-thread memo of word -> ids (the BPE of a word never changes). A fixed 4 MiB table of
 // 64-byte slots (word and ids stored inline, so a hit touches one cache line), 4-way set
 // associative with replacement: it holds the hot words and never needs clearing. Words longer than
 // kMaxWordBytes or with more than kMaxIds ids are not cached.
@@ -68,7 +68,7 @@ class BpeWordCache {
   };
   static_assert(sizeof(Slot) == 64);
   static constexpr size_t kWays = 4;
-  static constexpr size_t kSets = size_t{1} << 12;  // 4096 sets * 4 ways * 64 B = 1 MiB
+  static constexpr size_t kSets = size_t{1} << 14;  // 16384 sets * 4 ways * 64 B = 4 MiB
   static constexpr uint64_t kSetMask = kSets - 1;
   std::vector<Slot> slots_;
 };
