@@ -1,0 +1,432 @@
+// Each validation rule (megatron.md 1.13 and the size rules of 1.1-1.10) with a passing and a
+// failing case; failures are checked on the message naming the flags.
+#include "tests/cli_test_util.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+
+TEST_CASE("rule: world size divisible by TP x PP x CP", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"), 8)
+            .parallel.data_parallel_size == 2);
+  CHECK_THAT(parse_error(small_gpt() + words("--tensor-model-parallel-size 4 --num-attention-heads 8"), 6),
+             Contains("world size 6 is not divisible by --tensor-model-parallel-size 4 x --pipeline-model-parallel-size 1 "
+                      "x --context-parallel-size 1 = 4"));
+}
+
+TEST_CASE("rule: attention heads divisible by TP", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--tensor-model-parallel-size 4"), 4));
+  CHECK_THAT(parse_error(small_gpt() + words("--hidden-size 960 --num-attention-heads 30 --tensor-model-parallel-size 4"), 4),
+             Contains("--num-attention-heads 30 is not divisible by --tensor-model-parallel-size 4"));
+}
+
+TEST_CASE("rule: hidden size divisible by heads unless --kv-channels", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--hidden-size 66")),
+             Contains("--hidden-size 66 is not divisible by --num-attention-heads 4"));
+  CHECK(parse(small_gpt() + words("--hidden-size 66 --kv-channels 16")).model.head_dim == 16);
+}
+
+TEST_CASE("rule: layers divisible by PP, with the account-for flags", "[cli][rules]") {
+  const Args pp2 = words("--pipeline-model-parallel-size 2");
+  CHECK_NOTHROW(parse(small_gpt() + pp2 + words("--num-layers 4"), 2));
+  CHECK_THAT(parse_error(small_gpt() + pp2 + words("--num-layers 3"), 2),
+             Contains("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"));
+  CHECK_NOTHROW(parse(small_gpt() + pp2 + words("--num-layers 3 --account-for-embedding-in-pipeline-split"), 2));
+  CHECK_THAT(parse_error(small_gpt() + pp2 + words("--num-layers 4 --account-for-loss-in-pipeline-split"), 2),
+             Contains("--num-layers 4 plus 1 (--account-for-loss-in-pipeline-split) = 5 is not divisible by "
+                      "--pipeline-model-parallel-size 2"));
+}
+
+TEST_CASE("rule: uneven first/last pipeline stages", "[cli][rules]") {
+  const Args pp3 = words("--pipeline-model-parallel-size 3 --num-layers 7");
+  CHECK_NOTHROW(parse(small_gpt() + pp3 + words("--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 2"), 3));
+  CHECK_THAT(parse_error(small_gpt() + pp3 + words("--decoder-first-pipeline-num-layers 2"), 3),
+             Contains("the 5 layers left for the 2 middle pipeline stages"));
+  CHECK_THAT(parse_error(small_gpt() + pp3 + words("--decoder-first-pipeline-num-layers 0"), 3),
+             Contains("--decoder-first-pipeline-num-layers must be > 0"));
+  CHECK_THAT(parse_error(small_gpt() + words("--num-layers 3 --decoder-first-pipeline-num-layers 1")),
+             Contains("need --pipeline-model-parallel-size > 1"));
+  CHECK_THAT(parse_error(small_gpt() + pp3 + words("--decoder-last-pipeline-num-layers 1 "
+                                                   "--account-for-embedding-in-pipeline-split"), 3),
+             Contains("cannot be combined with --account-for-embedding-in-pipeline-split"));
+}
+
+TEST_CASE("rule: virtual pipeline sizes", "[cli][rules]") {
+  const Args base = small_gpt() + words("--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8");
+  const Config c = parse(base + words("--num-layers-per-virtual-pipeline-stage 2"), 2);
+  CHECK(c.parallel.virtual_pipeline_size == 2);
+  CHECK(parse(base + words("--num-virtual-stages-per-pipeline-rank 4"), 2).parallel.virtual_pipeline_size == 4);
+  CHECK_THAT(parse_error(base + words("--num-layers-per-virtual-pipeline-stage 3"), 2),
+             Contains("the 4 layers per pipeline stage are not divisible by --num-layers-per-virtual-pipeline-stage 3"));
+  CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 3"), 2),
+             Contains("not divisible by the virtual pipeline size 3 (--num-virtual-stages-per-pipeline-rank)"));
+  CHECK_THAT(parse_error(base + words("--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 2"), 2),
+             Contains("no more than one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"));
+  CHECK_THAT(parse_error(base + words("--num-layers-per-virtual-pipeline-stage 2 --decoder-first-pipeline-num-layers 2"), 2),
+             Contains("use --num-virtual-stages-per-pipeline-rank"));
+  CHECK_THAT(parse_error(small_gpt() + words("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")),
+             Contains("needs --pipeline-model-parallel-size > 1"));
+  CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication"), 2),
+             Contains("--no-overlap-p2p-communication needs --pipeline-model-parallel-size > 2"));
+  // Micro-batch groups: P <= N <= M and M % N == 0 or >= P.
+  CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 2"), 2),
+             Contains("needs at least 2 micro-batches"));
+  CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 10 "
+                                      "--microbatch-group-size-per-virtual-pipeline-stage 4"), 2),
+             Contains("leave a remainder of at least --pipeline-model-parallel-size 2 (remainder 1)"));
+  CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 2 "
+                                      "--microbatch-group-size-per-virtual-pipeline-stage 1"), 2),
+             Contains("--microbatch-group-size-per-virtual-pipeline-stage 1 is smaller than --pipeline-model-parallel-size 2"));
+  CHECK_NOTHROW(parse(base + words("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12 "
+                                   "--microbatch-group-size-per-virtual-pipeline-stage 4"), 2));
+}
+
+TEST_CASE("rule: global batch divisible by micro-batch x DP", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--global-batch-size 16"), 4).train.num_microbatches == 2);
+  CHECK_THAT(parse_error(small_gpt() + words("--global-batch-size 12"), 4),
+             Contains("--global-batch-size 12 is not divisible by --micro-batch-size 2 x data-parallel size 4 = 8"));
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--global-batch-size 12 --decrease-batch-size-if-needed"), 4, &ms);
+  CHECK(c.train.global_batch == 8);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "decreasing it to 8"));
+  CHECK_THAT(parse_error(small_gpt() + words("--micro-batch-size 0")), Contains("--micro-batch-size must be > 0"));
+}
+
+TEST_CASE("rule: exactly one of --train-iters and --train-samples, no mixing of iter/sample LR flags", "[cli][rules]") {
+  Args no_len;
+  for (const auto& a : small_gpt())
+    if (a != "--train-iters" && a != "10") no_len.push_back(a);
+  CHECK_THAT(parse_error(no_len), Contains("pass --train-iters or --train-samples"));
+  CHECK_THAT(parse_error(small_gpt() + words("--train-samples 100")), Contains("--train-iters and --train-samples are exclusive"));
+  CHECK_NOTHROW(parse(no_len + words("--train-samples 100 --lr-decay-samples 80 --lr-warmup-samples 8")));
+  CHECK_THAT(parse_error(small_gpt() + words("--lr-decay-samples 80")), Contains("--lr-decay-samples goes with --train-samples"));
+  CHECK_THAT(parse_error(small_gpt() + words("--lr-warmup-samples 8")), Contains("--lr-warmup-samples goes with --train-samples"));
+  CHECK_THAT(parse_error(no_len + words("--train-samples 100 --lr-decay-iters 5")),
+             Contains("--lr-decay-iters goes with --train-iters"));
+  CHECK_THAT(parse_error(no_len + words("--train-samples 100 --lr-warmup-iters 5")),
+             Contains("--lr-warmup-iters goes with --train-iters"));
+}
+
+TEST_CASE("rule: --lr-warmup-fraction excludes --lr-warmup-iters/--lr-warmup-samples", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--lr-warmup-fraction 0.1")));
+  CHECK_THAT(parse_error(small_gpt() + words("--lr-warmup-fraction 0.1 --lr-warmup-iters 2")),
+             Contains("can only specify one of --lr-warmup-fraction and --lr-warmup-iters"));
+  Args samples;
+  for (const auto& a : small_gpt())
+    if (a != "--train-iters" && a != "10") samples.push_back(a);
+  CHECK_THAT(parse_error(samples + words("--train-samples 100 --lr-warmup-fraction 0.1 --lr-warmup-samples 2")),
+             Contains("can only specify one of --lr-warmup-fraction and --lr-warmup-samples"));
+}
+
+TEST_CASE("rule: warmup shorter than decay; WSD needs its decay length", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--lr-warmup-iters 10")),
+             Contains("must be shorter than the decay horizon"));
+  CHECK_THAT(parse_error(small_gpt() + words("--lr-decay-style WSD")), Contains("--lr-decay-style WSD needs --lr-wsd-decay-iters"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--lr-decay-style WSD --lr-wsd-decay-iters 3")));
+}
+
+TEST_CASE("rule: start/end weight decay go with a non-constant increment style", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--start-weight-decay 0.1")),
+             Contains("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine"));
+  CHECK_THAT(parse_error(small_gpt() + words("--weight-decay-incr-style linear --start-weight-decay 0.1")),
+             Contains("--weight-decay-incr-style linear needs both --start-weight-decay and --end-weight-decay"));
+  const Config c = parse(small_gpt() + words("--weight-decay-incr-style cosine --start-weight-decay 0.0 --end-weight-decay 0.1"));
+  CHECK(*c.train.end_weight_decay == 0.1);
+  const Config d = parse(small_gpt() + words("--weight-decay 0.1"));
+  CHECK(*d.train.start_weight_decay == 0.1);
+  CHECK(*d.train.end_weight_decay == 0.1);
+}
+
+TEST_CASE("rule: recompute granularity, method and layer count", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity full --recompute-num-layers 1")),
+             Contains("--recompute-granularity full needs --recompute-method uniform or block"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity full --recompute-method block")),
+             Contains("needs --recompute-num-layers between 1 and the layers per pipeline stage (2)"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity full --recompute-method block --recompute-num-layers 3")),
+             Contains("--recompute-num-layers 3 must be between 1 and the layers per pipeline stage (2)"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-method uniform")),
+             Contains("--recompute-method is not supported with --recompute-granularity selective"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-activations --recompute-num-layers 1")),
+             Contains("--recompute-num-layers must not be set with --recompute-granularity selective"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-method uniform")),
+             Contains("--recompute-method/--recompute-num-layers need --recompute-granularity full"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-activations --recompute-modules attention")),
+             Contains("--recompute-modules attention: not one of"));
+}
+
+TEST_CASE("rule: --fp16 and --bf16 are exclusive", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--bf16")));
+  CHECK_THAT(parse_error(small_gpt() + words("--fp16 --bf16")), Contains("--fp16 and --bf16 are exclusive"));
+}
+
+TEST_CASE("rule: --save needs --save-interval", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--save /tmp/ckpt --save-interval 100")));
+  CHECK_THAT(parse_error(small_gpt() + words("--save /tmp/ckpt")), Contains("--save needs --save-interval"));
+  CHECK_THAT(parse_error(small_gpt() + words("--save /tmp/ckpt --save-interval 0")), Contains("--save-interval must be > 0"));
+}
+
+TEST_CASE("rule: --min-lr at most --lr", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--min-lr 1e-3")));
+  CHECK_THAT(parse_error(small_gpt() + words("--min-lr 1e-2")), Contains("--min-lr 0.01 is larger than --lr 0.001"));
+  Args no_lr;
+  for (const auto& a : small_gpt())
+    if (a != "--lr" && a != "1e-3") no_lr.push_back(a);
+  CHECK_THAT(parse_error(no_lr), Contains("--lr is required"));
+}
+
+TEST_CASE("rule: --max-position-embeddings at least --seq-length", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--max-position-embeddings 64")));
+  CHECK_THAT(parse_error(small_gpt() + words("--seq-length 64")),
+             Contains("--max-position-embeddings 32 is smaller than --seq-length 64"));
+}
+
+TEST_CASE("rule: query groups divide the heads and are a multiple or divisor of TP", "[cli][rules]") {
+  const Args gqa = words("--hidden-size 128 --num-attention-heads 8 --group-query-attention");
+  CHECK(parse(small_gpt() + gqa + words("--num-query-groups 2 --tensor-model-parallel-size 4"), 4).model.query_groups == 2);
+  CHECK(parse(small_gpt() + gqa + words("--num-query-groups 4 --tensor-model-parallel-size 2"), 2).model.query_groups == 4);
+  CHECK_THAT(parse_error(small_gpt() + gqa + words("--num-query-groups 3")),
+             Contains("--num-attention-heads 8 is not divisible by --num-query-groups 3"));
+  CHECK_THAT(parse_error(small_gpt() + words("--hidden-size 192 --num-attention-heads 12 --group-query-attention "
+                                             "--num-query-groups 6 --tensor-model-parallel-size 4"), 4),
+             Contains("--num-query-groups 6 must be a multiple or a divisor of --tensor-model-parallel-size 4"));
+  std::vector<SetupMessage> ms;
+  CHECK(parse(small_gpt() + words("--num-query-groups 2"), 1, &ms).model.query_groups == 4);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--num-query-groups 2 is ignored without --group-query-attention"));
+}
+
+TEST_CASE("rule: MLP size divisible by TP", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--ffn-hidden-size 128 --tensor-model-parallel-size 4"), 4));
+  CHECK_THAT(parse_error(small_gpt() + words("--ffn-hidden-size 102 --tensor-model-parallel-size 4 --num-attention-heads 4"), 4),
+             Contains("--ffn-hidden-size 102 is not divisible by --tensor-model-parallel-size 4"));
+}
+
+TEST_CASE("rule: overlap-param-gather needs the distributed optimizer and overlap-grad-reduce", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce")));
+  CHECK_THAT(parse_error(small_gpt() + words("--overlap-param-gather --overlap-grad-reduce")),
+             Contains("--overlap-param-gather is only supported with --use-distributed-optimizer"));
+  CHECK_THAT(parse_error(small_gpt() + words("--overlap-param-gather --use-distributed-optimizer")),
+             Contains("--overlap-param-gather needs --overlap-grad-reduce"));
+}
+
+TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism; SP is switched off at TP 1", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  CHECK(parse(small_gpt() + words("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"), 2, &ms)
+            .parallel.tp_comm_overlap);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--tp-comm-overlap has no effect in megatrain yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--tensor-model-parallel-size 2 --tp-comm-overlap"), 2),
+             Contains("--tp-comm-overlap needs --sequence-parallel"));
+  CHECK_THAT(parse_error(small_gpt() + words("--sequence-parallel --tp-comm-overlap")),
+             Contains("--tp-comm-overlap needs --sequence-parallel"));
+  std::vector<SetupMessage> ms2;
+  CHECK_FALSE(parse(small_gpt() + words("--sequence-parallel"), 1, &ms2).parallel.sequence_parallel);
+  CHECK(has_message(ms2, SetupMessage::Kind::warning, "Disabling sequence parallelism because tensor model parallelism is disabled"));
+  CHECK(parse(small_gpt() + words("--sequence-parallel --tensor-model-parallel-size 2"), 2).parallel.sequence_parallel);
+  CHECK_THAT(parse_error(small_gpt() + words("--sequence-parallel --tensor-model-parallel-size 4 --seq-length 30"), 4),
+             Contains("--sequence-parallel needs --seq-length 30"));
+}
+
+TEST_CASE("rule: one data source", "[cli][rules]") {
+  TempDir d;
+  write_dataset(d.str("ds"));
+  CHECK_THAT(parse_error(small_gpt() + words("--data-path " + d.str("ds"))),
+             Contains("--mock-data, --data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive"));
+  Args no_data;
+  for (const auto& a : small_gpt())
+    if (a != "--mock-data") no_data.push_back(a);
+  CHECK_THAT(parse_error(no_data), Contains("no training data"));
+  std::vector<SetupMessage> ms;
+  const Config c = parse(no_data + words("--data-path " + d.str("ds")), 1, &ms);
+  CHECK(*c.data.split == "969, 30, 1");  // Megatron's legacy default, with its warning
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "Please specify --split when using --data-path"));
+  CHECK_NOTHROW(parse(no_data + words("--train-data-path " + d.str("ds") + " --valid-data-path 1 " + d.str("ds"))));
+  CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("ds") + " --train-data-path " + d.str("ds"))),
+             Contains("a single data source must be provided"));
+}
+
+TEST_CASE("rule: dataset files exist and their .idx header is valid", "[cli][rules]") {
+  TempDir d;
+  write_dataset(d.str("good"));
+  Args no_data;
+  for (const auto& a : small_gpt())
+    if (a != "--mock-data") no_data.push_back(a);
+  CHECK_NOTHROW(parse(no_data + words("--split 99,1,0 --data-path 0.3 " + d.str("good") + " 0.7 " + d.str("good"))));
+  CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("missing"))), Contains("missing.idx not found"));
+  write_dataset(d.str("nobin"));
+  std::filesystem::remove(d.str("nobin.bin"));
+  CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("nobin"))), Contains("nobin.bin not found"));
+  write_dataset(d.str("bad"));
+  {
+    std::fstream f(d.str("bad.idx"), std::ios::in | std::ios::out | std::ios::binary);
+    f.write("NOTANIDX", 8);
+  }
+  CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("bad"))), Contains("not a Megatron indexed dataset"));
+  write_dataset(d.str("v2"));
+  {
+    std::fstream f(d.str("v2.idx"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(9);
+    const uint64_t v = 2;
+    f.write(reinterpret_cast<const char*>(&v), 8);
+  }
+  CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("v2"))), Contains(".idx version 2"));
+  CHECK_THAT(parse_error(no_data + words("--data-path -1 " + d.str("good"))), Contains("is negative"));
+}
+
+TEST_CASE("rule: --device cpu refuses --bf16 and --fp16", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--device cpu")).train.device == DeviceKind::cpu);
+  CHECK_THAT(parse_error(small_gpt() + words("--device cpu --bf16")),
+             Contains("--device cpu (the float32 reference backend) does not support --bf16"));
+  CHECK_THAT(parse_error(small_gpt() + words("--device cpu --fp16")), Contains("does not support --fp16"));
+}
+
+TEST_CASE("rule: --fp32-residual-connection needs --fp16 or --bf16", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--fp32-residual-connection --bf16")));
+  CHECK_THAT(parse_error(small_gpt() + words("--fp32-residual-connection")),
+             Contains("--fp32-residual-connection needs --fp16 or --bf16"));
+}
+
+TEST_CASE("rule: position embedding flags", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--use-rotary-position-embeddings --no-position-embedding")).model.position_embedding_type ==
+        PositionEmbedding::rope);
+  CHECK_THAT(parse_error(small_gpt() + words("--no-position-embedding")),
+             Contains("--no-position-embedding is deprecated, use --position-embedding-type"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--position-embedding-type rope --rope-type rope")));
+  CHECK_THAT(parse_error(small_gpt() + words("--attention-backend local")),
+             Contains("--attention-backend local is only supported with --spec local"));
+  CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type rope --rotary-percent 1.5")),
+             Contains("--rotary-percent must be in (0, 1]"));
+}
+
+TEST_CASE("rule: --num-layers and --encoder-num-layers, --seq-length and --encoder-seq-length", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--encoder-num-layers 2")),
+             Contains("cannot have both --num-layers and --encoder-num-layers"));
+  CHECK_THAT(parse_error(small_gpt() + words("--encoder-seq-length 32")),
+             Contains("cannot have both --seq-length and --encoder-seq-length"));
+  Args no_layers;
+  const Args base = small_gpt();
+  for (size_t i = 0; i < base.size(); ++i) {
+    if (base[i] == "--num-layers") {
+      ++i;
+      continue;
+    }
+    no_layers.push_back(base[i]);
+  }
+  CHECK(parse(no_layers + words("--encoder-num-layers 4")).model.num_layers == 4);
+  CHECK_THAT(parse_error(no_layers), Contains("--num-layers is required"));
+}
+
+TEST_CASE("rule: required flags", "[cli][rules]") {
+  const Args base = small_gpt();
+  for (const char* req : {"--hidden-size", "--num-attention-heads", "--max-position-embeddings", "--micro-batch-size",
+                          "--seq-length"}) {
+    Args a;
+    for (size_t i = 0; i < base.size(); ++i) {
+      if (base[i] == req) {
+        ++i;
+        continue;
+      }
+      a.push_back(base[i]);
+    }
+    INFO(req);
+    CHECK_THAT(parse_error(a), Contains(std::string(req) + " is required"));
+  }
+}
+
+TEST_CASE("rule: padded vocabulary override", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--padded-vocab-size 1024 --tensor-model-parallel-size 2"), 2).model.padded_vocab_size == 1024);
+  CHECK_THAT(parse_error(small_gpt() + words("--padded-vocab-size 999")),
+             Contains("--padded-vocab-size 999 is smaller than the tokenizer's vocabulary (1000)"));
+  CHECK_THAT(parse_error(small_gpt() + words("--padded-vocab-size 1001 --tensor-model-parallel-size 2"), 2),
+             Contains("--padded-vocab-size 1001 is not divisible by --tensor-model-parallel-size 2"));
+}
+
+TEST_CASE("rule: checkpoint and logging values", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  CHECK_FALSE(parse(small_gpt() + words("--async-save"), 1, &ms).checkpoint.async_save);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--async-save needs --use-persistent-ckpt-worker"));
+  CHECK_THAT(parse_error(small_gpt() + words("--timing-log-level 3")), Contains("--timing-log-level must be 0, 1 or 2"));
+  CHECK_THAT(parse_error(small_gpt() + words("--log-interval 0")), Contains("--log-interval must be > 0"));
+}
+
+TEST_CASE("rule: --world-size and --json belong to --dry-run", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--world-size 8")), Contains("--world-size 8 is for --dry-run only"));
+  CHECK_THAT(parse_error(small_gpt() + words("--json")), Contains("--json goes with --dry-run"));
+  CHECK(parse_env(small_gpt() + words("--dry-run --world-size 16"), {}).parallel.world_size == 16);
+}
+
+// Rules about flags the refusal table currently shadows: checked on the validation step itself so
+// that they hold the day the flag's refusal line is deleted.
+TEST_CASE("rules behind refused flags hold in validation", "[cli][rules]") {
+  auto state = [](const Args& extra, int world = 1) {
+    cli::CliState st = cli::parse_flags(small_gpt() + extra);
+    cli::resolve_launch(st, torchrun_env(world));
+    cli::derive(st);
+    return st;
+  };
+  auto error_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  {
+    cli::CliState st = state(words("--global-batch-size 8"));
+    st.cfg.train.step_batch_size_schedule = "0:16 1B:32";
+    CHECK_THAT(error_of([&] { cli::validate_training(st); }),
+               Contains("Cannot specify both --global-batch-size and --step-batch-size-schedule"));
+  }
+  {
+    cli::CliState st = state({});
+    st.cfg.train.fp16_lm_cross_entropy = true;
+    CHECK_THAT(error_of([&] { cli::validate_training(st); }), Contains("--fp16-lm-cross-entropy needs --fp16"));
+    cli::CliState ok = state(words("--fp16"));
+    ok.cfg.train.fp16_lm_cross_entropy = true;
+    CHECK_NOTHROW(cli::validate_training(ok));
+  }
+  {
+    cli::CliState st = state(words("--swiglu"));
+    st.cfg.model.squared_relu = true;
+    CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--squared-relu and --swiglu are exclusive"));
+    st.cfg.model.squared_relu = false;
+    st.cfg.model.quick_geglu = true;
+    CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--quick-geglu and --swiglu are exclusive"));
+  }
+  {
+    cli::CliState st = state(words("--group-query-attention"));
+    st.cfg.model.multi_latent_attention = true;
+    CHECK_THAT(error_of([&] { cli::validate_model(st); }),
+               Contains("--multi-latent-attention and --group-query-attention are exclusive"));
+  }
+  {
+    cli::CliState st = state(words("--tensor-model-parallel-size 2"), 2);
+    st.cfg.train.distribute_saved_activations = true;
+    CHECK_THAT(error_of([&] { cli::validate_parallel(st); }),
+               Contains("--distribute-saved-activations needs --recompute-granularity full"));
+    cli::CliState one = state({});
+    one.cfg.train.distribute_saved_activations = true;
+    CHECK_THAT(error_of([&] { cli::validate_parallel(one); }), Contains("needs --tensor-model-parallel-size > 1"));
+    cli::CliState sp = state(words("--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full "
+                                   "--recompute-method uniform --recompute-num-layers 1"), 2);
+    sp.cfg.train.distribute_saved_activations = true;
+    CHECK_THAT(error_of([&] { cli::validate_parallel(sp); }), Contains("cannot be combined with --sequence-parallel"));
+  }
+  {
+    cli::CliState st = state(words("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"));
+    st.cfg.parallel.overlap_param_gather_with_optimizer_step = true;
+    CHECK_THAT(error_of([&] { cli::validate_parallel(st); }),
+               Contains("only supported with an interleaved pipeline schedule"));
+  }
+  {
+    cli::CliState st = state(words("--save /tmp/x --save-interval 10"));
+    st.cfg.checkpoint.save_retain_interval = 15;
+    CHECK_THAT(error_of([&] { cli::validate_checkpoint_and_logging(st); }),
+               Contains("--save-retain-interval 15 is not a multiple of --save-interval 10"));
+  }
+  {
+    cli::CliState st = state({});
+    st.cfg.parallel.context_parallel_size = 3;
+    CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
+  }
+}
