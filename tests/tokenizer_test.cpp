@@ -13,11 +13,13 @@
 #include <sstream>
 #include <thread>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "data/pretokenizer.h"
 #include "data/tokenizer.h"
 #include "data/unicode_classes.h"
 #include "data/utf8.h"
+#include "data/vocab_info.h"
 #include "tests/python_oracle.h"
 
 using namespace mt;
@@ -301,6 +303,34 @@ TEST_CASE("tokenizers equal the oracle on a few hundred KB of pod text and trick
   }
 }
 
+TEST_CASE("the training side's vocab_info agrees with the tokenizers", "[tokenizer]") {
+  const auto data = shared_data("vocab_info agreement");
+  if (!data) return;
+  DataConfig d;
+  d.tokenizer_type = "GPT2BPETokenizer";
+  d.vocab_file = *data + "/gpt2/gpt2-vocab.json";
+  d.merge_file = *data + "/gpt2/gpt2-merges.txt";
+  auto t = build_tokenizer(tokenizer_options(d));
+  CHECK(vocab_info(d).size == t->vocab_size());
+  CHECK(vocab_info(d).eod == t->eod());
+  for (const char* name : {"llama3", "llama2"}) {
+    DataConfig h;
+    h.tokenizer_type = "HuggingFaceTokenizer";
+    h.tokenizer_model = *data + "/" + name;
+    auto ht = build_tokenizer(tokenizer_options(h));
+    CHECK(vocab_info(h).size == ht->vocab_size());
+    CHECK(vocab_info(h).eod == ht->eod());
+  }
+  DataConfig n;
+  n.tokenizer_type = "NullTokenizer";
+  n.vocab_size = 1000;
+  n.null_tokenizer_eod_id = 5;
+  auto nt = build_tokenizer(tokenizer_options(n));
+  CHECK(nt->eod() == 5);
+  CHECK(vocab_info(n).eod == 5);
+  CHECK(vocab_info(n).size == nt->vocab_size());
+}
+
 TEST_CASE("byte-level tokenizers decode what they encode", "[tokenizer]") {
   const auto data = shared_data("decode round trip");
   if (!data) return;
@@ -360,6 +390,11 @@ TEST_CASE("SentencePiece tokenizers: a model trained here gives the Python packa
       o.type = "Llama2Tokenizer";
       o.tokenizer_model = prefix + ".model";
       auto t = build_tokenizer(o);
+      DataConfig d;  // what training reads: the same vocabulary size and eod
+      d.tokenizer_type = o.type;
+      d.tokenizer_model = o.tokenizer_model;
+      CHECK(vocab_info(d).size == 600);
+      CHECK(vocab_info(d).eod == 2);
       const std::string sample = "Hello world, it's a test: \u00e9\u00e8 \u4e2d\u6587 \U0001F600.";
       const auto ids = t->encode(sample);
       CHECK(ids.front() != 1);  // no BOS: HEAD's SentencePiece wrapper calls encode_as_ids(text)
