@@ -63,6 +63,20 @@ BpeModel::BpeModel(const BpeSpec& spec)
   }
   vocab_entries_ = spelled_vocab_.size();
 
+  static const std::string kMeta = "\xE2\x96\x81";  // U+2581
+  if (!byte_level_ && !ignore_merges_) {
+    split_at_metaspace_ = true;
+    for (const auto& [token, id] : spec.vocab) {
+      for (size_t p = token.find(kMeta, 1); p != std::string::npos; p = token.find(kMeta, p + 1)) {
+        if (p < kMeta.size() || token.compare(p - kMeta.size(), kMeta.size(), kMeta) != 0) {
+          split_at_metaspace_ = false;
+          break;
+        }
+      }
+      if (!split_at_metaspace_) break;
+    }
+  }
+
   for (int b = 0; b < 256; ++b) {
     const std::string one(1, static_cast<char>(b));
     const int32_t* id = byte_level_ ? vocab_.find(one) : nullptr;
@@ -214,6 +228,20 @@ void BpeModel::merge_long(std::vector<int32_t>& symbols) const {
 }
 
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const {
+  if (split_at_metaspace_ && word.size() > BpeWordCache::kMaxWordBytes) {
+    static const std::string_view kMeta = "\xE2\x96\x81";
+    size_t begin = 0;
+    for (size_t p = word.find(kMeta, 1); p != std::string_view::npos; p = word.find(kMeta, p + kMeta.size())) {
+      if (p >= kMeta.size() && word.compare(p - kMeta.size(), kMeta.size(), kMeta) == 0) continue;  // "▁▁" stays
+      encode_piece(word.substr(begin, p - begin), out, cache);
+      begin = p;
+    }
+    return encode_piece(word.substr(begin), out, cache);
+  }
+  encode_piece(word, out, cache);
+}
+
+void BpeModel::encode_piece(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const {
   if (word.empty()) return;
   const bool cacheable = word.size() <= BpeWordCache::kMaxWordBytes;
   uint64_t hash = 0;

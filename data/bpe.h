@@ -88,6 +88,7 @@ class BpeModel {
   const std::vector<std::string>& id_to_token() const { return id_to_token_; }  // "" for holes
 
  private:
+  void encode_piece(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const;
   void initial_symbols(std::string_view word, std::vector<int32_t>& symbols) const;
   void merge(std::vector<int32_t>& symbols) const;
   void merge_long(std::vector<int32_t>& symbols) const;
@@ -98,6 +99,11 @@ class BpeModel {
   }
 
   bool byte_level_, ignore_merges_, byte_fallback_, fuse_unk_;
+  // No vocabulary entry holds U+2581 after another character: no merge can join across a U+2581
+  // that follows a different character, so a long word may be split there and its parts encoded
+  // (and cached) separately with the same result (SentencePiece-style models without a
+  // pre-tokenizer, whose "word" is a whole document).
+  bool split_at_metaspace_ = false;
   int32_t unk_id_ = -1;
   int32_t byte_ids_[256];           // byte_level: id of each single byte (-1 if absent)
   int32_t fallback_ids_[256];       // byte_fallback: id of <0xXX> (-1 if absent)
