@@ -50,11 +50,13 @@ for TOK in GPT2BPETokenizer HuggingFaceTokenizer; do
     NAME=llama3
   fi
   t0=$(seconds)
-  "$MEGATRAIN" preprocess-data --input "$CORPUS" --output-prefix "$WORKDIR/mt_$NAME" "${ARGS[@]}" \
+  /usr/bin/time -f "max RSS %M KB" -o "$WORKDIR/mt_$NAME.rss" \
+    "$MEGATRAIN" preprocess-data --input "$CORPUS" --output-prefix "$WORKDIR/mt_$NAME" "${ARGS[@]}" \
     --append-eod --workers "$WORKERS" --log-interval 100000 > "$WORKDIR/mt_$NAME.log" 2>&1
   t1=$(seconds)
   MT=$(echo "$t1 - $t0" | bc -l)
   report megatrain "$TOK" "$MT"
+  echo "  megatrain $(cat "$WORKDIR/mt_$NAME.rss")"
   if [ -n "${MEGATRON:-}" ] && [ -n "${MEGATRON_PYTHON:-}" ]; then
     t0=$(seconds)
     (cd "$WORKDIR" && HF_HUB_OFFLINE=1 "$MEGATRON_PYTHON" "$MEGATRON/tools/preprocess_data.py" --input "$CORPUS" \
