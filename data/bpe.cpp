@@ -42,7 +42,7 @@ BpeModel::BpeModel(const BpeSpec& spec)
       ignore_merges_(spec.ignore_merges),
       byte_fallback_(spec.byte_fallback),
       fuse_unk_(spec.fuse_unk),
-      vocab_(spec.vocab.size()),
+      vocab_(spec.byte_level ? spec.vocab.size() : 1),
       spelled_vocab_(spec.vocab.size()),
       merges_(spec.merges.size()) {
   int32_t max_id = -1;
@@ -54,12 +54,10 @@ BpeModel::BpeModel(const BpeSpec& spec)
   for (const auto& [token, id] : spec.vocab) {
     spelled_vocab_.insert_or_assign(token, id);
     id_to_token_[id] = token;
-    if (byte_level_) {
-      // A string outside the byte alphabet can never come out of a byte-level pre-tokenizer.
+    // Byte-level: keyed by raw bytes. A string outside the byte alphabet can never come out of a
+    // byte-level pre-tokenizer. (Otherwise the model looks words up in spelled_vocab_.)
+    if (byte_level_)
       if (auto bytes = byte_level::decode_token(token)) vocab_.insert_or_assign(*bytes, id);
-    } else {
-      vocab_.insert_or_assign(token, id);
-    }
   }
   vocab_entries_ = spelled_vocab_.size();
 
@@ -91,11 +89,14 @@ BpeModel::BpeModel(const BpeSpec& spec)
   }
 
   // Later duplicates of a pair overwrite earlier ones, as in tokenizers' HashMap collect.
+  std::string joined;
   for (size_t rank = 0; rank < spec.merges.size(); ++rank) {
     const auto& [a, b] = spec.merges[rank];
+    joined.assign(a);
+    joined += b;
     const int32_t* ia = spelled_vocab_.find(a);
     const int32_t* ib = spelled_vocab_.find(b);
-    const int32_t* inew = spelled_vocab_.find(a + b);
+    const int32_t* inew = spelled_vocab_.find(joined);
     if (!ia || !ib || !inew)
       fail("BPE merge #{} '{} {}' refers to a token missing from the vocabulary", rank, a, b);
     merges_.insert_or_assign((uint64_t(uint32_t(*ia)) << 32) | uint32_t(*ib),
@@ -145,7 +146,7 @@ void BpeModel::initial_symbols(std::string_view word, std::vector<int32_t>& symb
     while (i < word.size()) {
       const size_t len = utf8::sequence_length(static_cast<unsigned char>(word[i]));
       const std::string_view ch = word.substr(i, len);
-      if (const int32_t* id = vocab_.find(ch)) push_known(*id);
+      if (const int32_t* id = spelled_vocab_.find(ch)) push_known(*id);
       else push_unknown(ch);
       i += len;
     }
@@ -255,7 +256,7 @@ void BpeModel::encode_piece(std::string_view word, std::vector<int32_t>& out, Bp
   }
   thread_local std::vector<int32_t> symbols;
   symbols.clear();
-  const int32_t* whole = ignore_merges_ ? vocab_.find(word) : nullptr;
+  const int32_t* whole = ignore_merges_ ? (byte_level_ ? vocab_ : spelled_vocab_).find(word) : nullptr;
   if (whole) {
     symbols.push_back(*whole);
   } else {

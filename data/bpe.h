@@ -107,7 +107,7 @@ class BpeModel {
   int32_t unk_id_ = -1;
   int32_t byte_ids_[256];           // byte_level: id of each single byte (-1 if absent)
   int32_t fallback_ids_[256];       // byte_fallback: id of <0xXX> (-1 if absent)
-  FlatStringMap vocab_;             // key: raw bytes (byte_level) or the vocabulary string
+  FlatStringMap vocab_;             // byte_level only: key = the raw bytes a token stands for
   FlatStringMap spelled_vocab_;     // key: the vocabulary string as written in the file
   FlatU64Map merges_;
   std::vector<std::string> id_to_token_;

@@ -13,6 +13,7 @@
 #include "data/added_tokens.h"
 #include "data/bpe.h"
 #include "data/byte_level.h"
+#include "data/json_line.h"
 #include "data/pretokenizer.h"
 #include "data/tokenizer.h"
 #include "data/utf8.h"
@@ -89,6 +90,162 @@ json parse_json_file(const fs::path& path, const std::string& what) {
   } catch (const json::exception& e) {
     fail("{} '{}' is not valid JSON: {}", what, path.string(), e.what());
   }
+}
+
+// ---- Fast path for the big tables -------------------------------------------------------------
+// A tokenizer.json's model.vocab (128k entries for Llama 3) and model.merges (280k) would cost
+// most of the start-up as a DOM (std::map nodes, one json value per string). They are located with
+// a structural scan, read with dedicated loops, and cut out of the text nlohmann then parses.
+
+struct ValueSpan {
+  size_t begin = std::string::npos, end = std::string::npos;
+  bool found() const { return begin != std::string::npos; }
+};
+
+size_t skip_ws(std::string_view s, size_t i) {
+  while (i < s.size() && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) ++i;
+  return i;
+}
+
+// End of the JSON value starting at s[i] (brackets matched, strings skipped), or npos.
+size_t skip_value(std::string_view s, size_t i) {
+  int depth = 0;
+  while (i < s.size()) {
+    const char c = s[i];
+    if (c == '"') {
+      if (!decode_json_string(s, i, nullptr, nullptr, nullptr)) return std::string::npos;
+      if (depth == 0) return i;
+      continue;
+    }
+    if (c == '{' || c == '[') {
+      ++depth;
+    } else if (c == '}' || c == ']') {
+      if (depth == 0) return i;  // a scalar ended by its container's close
+      if (--depth == 0) return i + 1;
+    } else if (depth == 0 && c == ',') {
+      return i;  // a scalar ended
+    }
+    ++i;
+  }
+  return depth == 0 ? i : std::string::npos;
+}
+
+// Finds the values of "model" -> "vocab" and "model" -> "merges". Gives up (spans not found) on
+// anything unexpected; the full parser then reports it.
+void locate_model_tables(std::string_view s, ValueSpan& vocab, ValueSpan& merges) {
+  size_t i = skip_ws(s, 0);
+  if (i >= s.size() || s[i] != '{') return;
+  ++i;
+  std::string key;
+  while (true) {  // top-level members
+    i = skip_ws(s, i);
+    if (i >= s.size() || s[i] != '"') return;
+    key.clear();
+    if (!decode_json_string(s, i, &key, nullptr, nullptr)) return;
+    i = skip_ws(s, i);
+    if (i >= s.size() || s[i] != ':') return;
+    i = skip_ws(s, i + 1);
+    if (key == "model" && i < s.size() && s[i] == '{') {
+      ++i;
+      while (true) {  // model members
+        i = skip_ws(s, i);
+        if (i < s.size() && s[i] == '}') {
+          ++i;
+          break;
+        }
+        if (i >= s.size() || s[i] != '"') return;
+        key.clear();
+        if (!decode_json_string(s, i, &key, nullptr, nullptr)) return;
+        i = skip_ws(s, i);
+        if (i >= s.size() || s[i] != ':') return;
+        i = skip_ws(s, i + 1);
+        const size_t end = skip_value(s, i);
+        if (end == std::string::npos) return;
+        if (key == "vocab" && s[i] == '{') vocab = {i, end};
+        if (key == "merges" && s[i] == '[') merges = {i, end};
+        i = skip_ws(s, end);
+        if (i < s.size() && s[i] == ',') ++i;
+      }
+    } else {
+      const size_t end = skip_value(s, i);
+      if (end == std::string::npos) return;
+      i = end;
+    }
+    i = skip_ws(s, i);
+    if (i < s.size() && s[i] == ',') {
+      ++i;
+      continue;
+    }
+    return;
+  }
+}
+
+// {"token": id, ...} -> out. False on anything else.
+bool read_vocab_object(std::string_view s, ValueSpan span, std::vector<std::pair<std::string, int32_t>>& out) {
+  size_t i = skip_ws(s, span.begin + 1);
+  if (i < span.end && s[i] == '}') return true;
+  std::string key;
+  while (i < span.end) {
+    if (s[i] != '"') return false;
+    key.clear();
+    if (!decode_json_string(s, i, &key, nullptr, nullptr)) return false;
+    i = skip_ws(s, i);
+    if (i >= span.end || s[i] != ':') return false;
+    i = skip_ws(s, i + 1);
+    bool negative = false;
+    if (i < span.end && s[i] == '-') negative = true, ++i;
+    int64_t v = 0;
+    const size_t digits = i;
+    while (i < span.end && s[i] >= '0' && s[i] <= '9' && v < (int64_t{1} << 40)) v = v * 10 + (s[i++] - '0');
+    if (i == digits || (i < span.end && (s[i] == '.' || s[i] == 'e' || s[i] == 'E'))) return false;
+    if (v > INT32_MAX) return false;
+    out.emplace_back(key, static_cast<int32_t>(negative ? -v : v));
+    i = skip_ws(s, i);
+    if (i < span.end && s[i] == ',') {
+      i = skip_ws(s, i + 1);
+      continue;
+    }
+    return i < span.end && s[i] == '}';
+  }
+  return false;
+}
+
+// ["a b", ...] or [["a", "b"], ...] -> out. False on anything else.
+bool read_merges_array(std::string_view s, ValueSpan span, std::vector<std::pair<std::string, std::string>>& out) {
+  size_t i = skip_ws(s, span.begin + 1);
+  if (i < span.end && s[i] == ']') return true;
+  std::string a, b;
+  while (i < span.end) {
+    a.clear();
+    b.clear();
+    if (s[i] == '"') {
+      if (!decode_json_string(s, i, &a, nullptr, nullptr)) return false;
+      const size_t sp = a.find(' ');
+      if (sp == std::string::npos) return false;
+      b = a.substr(sp + 1);
+      a.resize(sp);
+    } else if (s[i] == '[') {
+      i = skip_ws(s, i + 1);
+      if (i >= span.end || s[i] != '"' || !decode_json_string(s, i, &a, nullptr, nullptr)) return false;
+      i = skip_ws(s, i);
+      if (i >= span.end || s[i] != ',') return false;
+      i = skip_ws(s, i + 1);
+      if (i >= span.end || s[i] != '"' || !decode_json_string(s, i, &b, nullptr, nullptr)) return false;
+      i = skip_ws(s, i);
+      if (i >= span.end || s[i] != ']') return false;
+      ++i;
+    } else {
+      return false;
+    }
+    out.emplace_back(a, b);
+    i = skip_ws(s, i);
+    if (i < span.end && s[i] == ',') {
+      i = skip_ws(s, i + 1);
+      continue;
+    }
+    return i < span.end && s[i] == ']';
+  }
+  return false;
 }
 
 [[noreturn]] void unsupported(const std::string& source, const std::string& what) {
@@ -277,11 +434,35 @@ std::shared_ptr<HfModel> load_tokenizer_json(const std::string& model_arg) {
   auto m = std::make_shared<HfModel>();
   m->name = "HuggingFaceTokenizer";
   m->source = path.string();
-  const json j = parse_json_file(path, "--tokenizer-model tokenizer.json");
+  // The big tables by the fast path, the rest as a DOM (see locate_model_tables).
+  std::string text = read_file(path, "--tokenizer-model tokenizer.json");
+  ValueSpan vocab_span, merges_span;
+  locate_model_tables(text, vocab_span, merges_span);
+  std::vector<std::pair<std::string, int32_t>> fast_vocab;
+  std::vector<std::pair<std::string, std::string>> fast_merges;
+  if (vocab_span.found() && merges_span.found() && read_vocab_object(text, vocab_span, fast_vocab) &&
+      read_merges_array(text, merges_span, fast_merges)) {
+    const ValueSpan& first = vocab_span.begin < merges_span.begin ? vocab_span : merges_span;
+    const ValueSpan& second = vocab_span.begin < merges_span.begin ? merges_span : vocab_span;
+    text = text.substr(0, first.begin) + (&first == &vocab_span ? "{}" : "[]") +
+           text.substr(first.end, second.begin - first.end) + (&second == &vocab_span ? "{}" : "[]") +
+           text.substr(second.end);
+  } else {
+    fast_vocab.clear();
+    fast_merges.clear();
+    vocab_span = merges_span = ValueSpan{};
+  }
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    fail("--tokenizer-model tokenizer.json '{}' is not valid JSON: {}", path.string(), e.what());
+  }
+  const bool fast = vocab_span.found();
   const std::string& src = m->source;
   try {
     const json& model = j.at("model");
-    if (type_of(model) != "BPE" && !(model.contains("merges") && !model.contains("type")))
+    if (type_of(model) != "BPE" && !((fast || model.contains("merges")) && !model.contains("type")))
       unsupported(src, fmt::format("the model type '{}' (megatrain runs BPE models)", type_of(model)));
     if (!model.value("dropout", json()).is_null()) unsupported(src, "BPE dropout");
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
@@ -302,8 +483,16 @@ std::shared_ptr<HfModel> load_tokenizer_json(const std::string& model_arg) {
     spec.byte_fallback = model.value("byte_fallback", false);
     spec.fuse_unk = model.value("fuse_unk", false);
     if (model.contains("unk_token") && model["unk_token"].is_string()) spec.unk_token = model["unk_token"].get<std::string>();
-    for (const auto& [token, id] : model.at("vocab").items()) spec.vocab.emplace_back(token, id.get<int32_t>());
-    for (const json& merge : model.at("merges")) {
+    if (fast) {
+      spec.vocab = std::move(fast_vocab);
+      spec.merges = std::move(fast_merges);
+    }
+    if (!fast)
+      for (const auto& [token, id] : model.at("vocab").items()) {
+        if (!id.is_number_integer()) fail("tokenizer '{}': the id of vocabulary entry '{}' is not an integer", src, token);
+        spec.vocab.emplace_back(token, id.get<int32_t>());
+      }
+    if (!fast) for (const json& merge : model.at("merges")) {
       if (merge.is_array()) {
         spec.merges.emplace_back(merge.at(0).get<std::string>(), merge.at(1).get<std::string>());
       } else {
@@ -372,14 +561,14 @@ std::shared_ptr<HfModel> load_gpt2(const std::string& vocab_file, const std::str
   auto m = std::make_shared<HfModel>();
   m->name = "GPT2BPETokenizer";
   m->source = vocab_file;
-  const json vocab = parse_json_file(vocab_file, "--vocab-file");
-  if (!vocab.is_object()) fail("--vocab-file '{}' is not a JSON object of token -> id", vocab_file);
   BpeSpec spec;
   spec.byte_level = true;
-  for (const auto& [token, id] : vocab.items()) {
-    if (!id.is_number_integer()) fail("--vocab-file '{}': the id of '{}' is not an integer", vocab_file, token);
-    spec.vocab.emplace_back(token, id.get<int32_t>());
-  }
+  const std::string vocab_text = read_file(vocab_file, "--vocab-file");
+  const size_t begin = skip_ws(vocab_text, 0);
+  const size_t end = begin < vocab_text.size() ? skip_value(vocab_text, begin) : std::string::npos;
+  if (end == std::string::npos || vocab_text[begin] != '{' || skip_ws(vocab_text, end) != vocab_text.size() ||
+      !read_vocab_object(vocab_text, ValueSpan{begin, end}, spec.vocab))
+    fail("--vocab-file '{}' is not a JSON object of token -> integer id", vocab_file);
   // GPT2Tokenizer reads merges as split("\n")[1:-1]: the "#version" line and the (empty) text
   // after the last newline are skipped.
   const std::string merges = read_file(merge_file, "--merge-file");

@@ -331,6 +331,40 @@ TEST_CASE("the training side's vocab_info agrees with the tokenizers", "[tokeniz
   CHECK(vocab_info(n).size == nt->vocab_size());
 }
 
+TEST_CASE("tokenizer.json readers: merge pairs, member order and the DOM fallback agree", "[tokenizer]") {
+  const auto data = shared_data("tokenizer.json variants");
+  if (!data) return;
+  test::TempDir dir;
+  auto original = make_huggingface_tokenizer(*data + "/llama3", true);
+  json j = load_json(*data + "/llama3/tokenizer.json");
+  // Current `tokenizers` writes merges as ["a", "b"] pairs; nlohmann writes members sorted
+  // ("merges" before "vocab", unlike the original file).
+  json pairs = json::array();
+  for (const json& m : j["model"]["merges"]) {
+    const std::string s = m.get<std::string>();
+    pairs.push_back({s.substr(0, s.find(' ')), s.substr(s.find(' ') + 1)});
+  }
+  j["model"]["merges"] = pairs;
+  fs::create_directories(dir.file("pairs"));
+  spit(dir.file("pairs/tokenizer.json"), j.dump());
+  fs::copy_file(*data + "/llama3/tokenizer_config.json", dir.file("pairs/tokenizer_config.json"));
+  auto from_pairs = make_huggingface_tokenizer(dir.file("pairs"), true);
+  // A float id sends the file down the DOM path, which must give the same tokenizer too.
+  j["model"]["vocab"]["!"] = 0.0;
+  spit(dir.file("pairs/tokenizer.json"), j.dump());
+  CHECK_THROWS_AS(make_huggingface_tokenizer(dir.file("pairs"), true), Error);
+  j["model"]["vocab"]["!"] = 0;
+  j["model"]["ignore_merges"] = true;  // last member now, after the big tables (sorted order)
+  spit(dir.file("pairs/tokenizer.json"), j.dump(2));
+  auto indented = make_huggingface_tokenizer(dir.file("pairs"), true);
+  for (const std::string& text : tricky_strings(100, 3)) {
+    const auto ids = original->encode(text);
+    CHECK(from_pairs->encode(text) == ids);
+    CHECK(indented->encode(text) == ids);
+  }
+  CHECK(from_pairs->vocab_size() == original->vocab_size());
+}
+
 TEST_CASE("byte-level tokenizers decode what they encode", "[tokenizer]") {
   const auto data = shared_data("decode round trip");
   if (!data) return;
