@@ -6,9 +6,10 @@
 // warm-up first, median of the timed repetitions. The backward time includes its small helpers
 // (delta = rowsum(dO*O), counter reset) since a training step pays them.
 //
-// Usage: bench_attention [--configs] [--reps N] [--quick]
+// Usage: bench_attention [--configs] [--reps N] [--quick] [--only SHAPE-SUBSTRING]
 //   --configs  also time every compiled flash tile configuration (tuning)
 //   --quick    only the three model shapes
+//   --only     only the shapes whose label contains the string (e.g. "gpt2-124m B32")
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -76,12 +77,14 @@ struct Row {
 int run(int argc, char** argv) {
   bool configs = false, quick = false;
   int reps = 20;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--configs")) configs = true;
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
-      fmt::print(stderr, "usage: bench_attention [--configs] [--quick] [--reps N]\n");
+      fmt::print(stderr, "usage: bench_attention [--configs] [--quick] [--reps N] [--only SHAPE-SUBSTRING]\n");
       return 2;
     }
   }
@@ -109,6 +112,9 @@ int run(int argc, char** argv) {
 
   std::vector<Row> rows;
   for (const Shape& sh : shapes) {
+    if (!only.empty() && fmt::format("{} B{} H{}/{} T{} D{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d).find(only) ==
+                             std::string::npos)
+      continue;
     AttentionShape a;
     a.batch = sh.b;
     a.seq = sh.s;
@@ -125,14 +131,16 @@ int run(int argc, char** argv) {
 
     struct Variant {
       std::string name;
-      std::function<void(Tensor, Tensor, Tensor)> fwd;                              // out, lse, qkv
+      std::function<void(Tensor, Tensor, Tensor, void*, size_t)> fwd;               // out, lse, qkv, ws
       std::function<void(Tensor, Tensor, Tensor, Tensor, Tensor, void*, size_t)> bwd;  // dqkv, dout, out, lse, qkv
       size_t workspace;
     };
     std::vector<Variant> variants;
     variants.push_back(
         {"flash",
-         [&](Tensor o, Tensor l, Tensor x) { cuda::attention_forward(o, l, x, a, AttentionBackend::flash, nullptr, 0, nullptr); },
+         [&](Tensor o, Tensor l, Tensor x, void* w, size_t b) {
+           cuda::attention_forward(o, l, x, a, AttentionBackend::flash, w, b, nullptr);
+         },
          [&](Tensor dx, Tensor dout, Tensor o, Tensor l, Tensor x, void* ws, size_t bytes) {
            cuda::attention_backward(dx, dout, o, l, x, a, AttentionBackend::flash, ws, bytes, nullptr);
          },
@@ -140,7 +148,9 @@ int run(int argc, char** argv) {
     if (configs && sh.dropout == 0) {
       for (const auto& fc : cuda::flash::forward_configs(sh.d))
         variants.push_back({"flash " + fc.name(),
-                            [&, fc](Tensor o, Tensor l, Tensor x) { cuda::flash::forward(o, l, x, a, fc, nullptr); },
+                            [&, fc](Tensor o, Tensor l, Tensor x, void*, size_t) {
+                              cuda::flash::forward(o, l, x, a, fc, nullptr);
+                            },
                             nullptr, 0});
       for (const auto& bc : cuda::flash::backward_configs(sh.d))
         variants.push_back({"flash " + bc.name(), nullptr,
@@ -153,7 +163,9 @@ int run(int argc, char** argv) {
     if (cuda::cudnn_attention::supported(a, DType::bf16, &why)) {
       variants.push_back(
           {"fused (cuDNN)",
-           [&](Tensor o, Tensor l, Tensor x) { cuda::attention_forward(o, l, x, a, AttentionBackend::fused, nullptr, 0, nullptr); },
+           [&](Tensor o, Tensor l, Tensor x, void* w, size_t b) {
+             cuda::attention_forward(o, l, x, a, AttentionBackend::fused, w, b, nullptr);
+           },
            [&](Tensor dx, Tensor dout, Tensor o, Tensor l, Tensor x, void* ws, size_t bytes) {
              cuda::attention_backward(dx, dout, o, l, x, a, AttentionBackend::fused, ws, bytes, nullptr);
            },
@@ -180,7 +192,7 @@ int run(int argc, char** argv) {
     const Tensor t_dout(dout, DType::bf16, Device::cuda, {static_cast<int64_t>(out_n)});
     const Tensor t_dqkv(dqkv, DType::bf16, Device::cuda, {static_cast<int64_t>(qkv_n)});
     // Every backward starts from the default flash forward's out/lse.
-    variants[0].fwd(t_out, t_lse, t_qkv);
+    variants[0].fwd(t_out, t_lse, t_qkv, ws, ws_bytes);
 
     const double fwd_flop = 2.0 * sh.b * sh.heads * static_cast<double>(sh.s) * sh.s * sh.d;
     const double bwd_flop = 2.5 * fwd_flop;
@@ -193,7 +205,7 @@ int run(int argc, char** argv) {
         MT_CUDA_CHECK(cudaMalloc(&l2, lse_n * 4));
         const Tensor t_o2(o2, DType::bf16, Device::cuda, {static_cast<int64_t>(out_n)});
         const Tensor t_l2(l2, DType::f32, Device::cuda, {static_cast<int64_t>(lse_n)});
-        r.fwd_ms = time_ms([&] { v.fwd(t_o2, t_l2, t_qkv); }, reps);
+        r.fwd_ms = time_ms([&] { v.fwd(t_o2, t_l2, t_qkv, ws, ws_bytes); }, reps);
         r.fwd_tflops = fwd_flop / (r.fwd_ms * 1e-3) / 1e12;
         MT_CUDA_CHECK(cudaFree(o2));
         MT_CUDA_CHECK(cudaFree(l2));

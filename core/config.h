@@ -35,6 +35,8 @@ struct ModelConfig {
   int num_query_groups = 1;           // used only with group_query_attention
   int max_position_embeddings = 0;    // required
   PositionEmbedding position_embedding_type = PositionEmbedding::learned_absolute;
+  bool add_position_embedding = true;  // --no-position-embedding (deprecated; only valid with rope)
+  std::optional<std::string> rope_type;  // --rope-type: only "rope" for non-MLA attention
   int rotary_base = 10000;
   double rotary_percent = 1.0;
   bool rotary_interleaved = false;
@@ -47,6 +49,10 @@ struct ModelConfig {
   bool apply_residual_connection_post_layernorm = false;
   bool swiglu = false;
   bool openai_gelu = false;
+  // Recognised but refused (app/unsupported.cpp); kept so Megatron's rules about them live here.
+  bool squared_relu = false;
+  bool quick_geglu = false;
+  bool multi_latent_attention = false;
   bool add_bias_linear = true;        // --disable-bias-linear turns it off
   bool add_qkv_bias = false;          // forced true when add_bias_linear
   bool qk_layernorm = false;
@@ -84,9 +90,12 @@ struct ParallelConfig {
   bool account_for_loss_in_pipeline_split = false;
   bool overlap_p2p_communication = true;
   bool use_tp_pp_dp_mapping = false;
+  bool overlap_p2p_communication_warmup_flush = false;
+  bool tp_comm_overlap = false;       // accepted; needs --sequence-parallel (Megatron's rule)
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
+  bool overlap_param_gather_with_optimizer_step = false;  // refused (unsupported.cpp); rules kept
   std::optional<int64_t> ddp_bucket_size;
   std::optional<int> ddp_num_buckets;
   bool ddp_average_in_collective = false;
@@ -102,8 +111,11 @@ struct ParallelConfig {
   int local_rank = 0;
   int local_world_size = 1;
   std::optional<int> nproc_per_node;  // megatrain flag: workers to start bare on a workstation
+  // Rendezvous for NCCL: MASTER_ADDR/MASTER_PORT, or SLURM's first host. Empty master_addr under
+  // mpirun across nodes without MASTER_ADDR: exchange the NCCL id over MPI instead.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  int node_rank = 0;  // derived from the launcher where it says (GROUP_RANK, SLURM_NODEID, ...)
 
   // derived
   int data_parallel_size = 1;
@@ -114,6 +126,7 @@ struct TrainConfig {
   int micro_batch_size = 0;  // required
   std::optional<int> global_batch_size;
   bool decrease_batch_size_if_needed = false;
+  std::optional<std::string> step_batch_size_schedule;  // refused (unsupported.cpp); rule kept
   std::optional<int64_t> train_iters;
   std::optional<int64_t> train_samples;
   int eval_iters = 100;
@@ -155,6 +168,7 @@ struct TrainConfig {
   std::vector<int64_t> iterations_to_skip;
 
   Precision precision = Precision::fp32;
+  bool fp16_lm_cross_entropy = false;  // refused (unsupported.cpp); rule kept
   std::optional<double> loss_scale;      // static scale; unset = dynamic (fp16)
   double initial_loss_scale = 4294967296.0;  // 2**32
   double min_loss_scale = 1.0;
@@ -165,6 +179,7 @@ struct TrainConfig {
   RecomputeMethod recompute_method = RecomputeMethod::none;
   std::optional<int> recompute_num_layers;
   std::vector<std::string> recompute_modules;  // selective targets; empty = {"core_attn"}
+  bool distribute_saved_activations = false;    // refused (unsupported.cpp); rules kept
 
   int seed = 1234;
   DeviceKind device = DeviceKind::gpu;  // megatrain flag --device gpu|cpu (cpu = reference backend)
@@ -173,6 +188,12 @@ struct TrainConfig {
   int global_batch = 0;        // global_batch_size or micro_batch_size * DP
   int num_microbatches = 0;    // global_batch / (micro_batch_size * DP)
   int64_t total_iters = 0;     // train_iters, or derived from train_samples
+  // LR/WD scheduler horizons in SAMPLES, as Megatron's OptimizerParamScheduler counts them
+  // (iteration-based flags are multiplied by the global batch; a warmup fraction may be fractional).
+  double lr_warmup_steps = 0;
+  int64_t lr_decay_steps = 0;
+  std::optional<int64_t> lr_wsd_decay_steps;
+  int64_t wd_incr_steps = 0;
 };
 
 struct DataConfig {
@@ -190,6 +211,7 @@ struct DataConfig {
   bool eod_mask_loss = false;
   bool create_attention_mask_in_dataloader = true;
   std::string dataloader_type = "single";
+  bool full_data_check = false;  // megatrain flag --full-data-check: scan every token id at start-up
 
   std::optional<std::string> tokenizer_type;  // GPT entry point fills GPT2BPETokenizer
   std::optional<std::string> vocab_file;
@@ -199,14 +221,19 @@ struct DataConfig {
   std::optional<int> padded_vocab_size;
   int vocab_extra_ids = 0;
   std::optional<std::string> tiktoken_pattern;
+  int tiktoken_num_special_tokens = 1000;
+  std::vector<std::string> tokenizer_special_tokens;
+  std::optional<int> null_tokenizer_eod_id;  // NullTokenizer's EOD (HEAD default: vocab_size - 1)
 
   // derived
   std::vector<double> split_weights;  // normalised train/valid/test proportions
+  int eod_id = -1;                    // the tokenizer's end-of-document id
 };
 
 struct CheckpointConfig {
   std::optional<std::string> save;
   std::optional<int> save_interval;
+  std::optional<int> save_retain_interval;  // refused (unsupported.cpp); rule kept
   std::optional<std::string> load;
   bool no_save_optim = false;
   bool no_save_rng = false;
@@ -215,7 +242,7 @@ struct CheckpointConfig {
   bool finetune = false;
   std::optional<int64_t> ckpt_step;
   bool exit_on_missing_checkpoint = false;
-  bool async_save = false;
+  bool async_save = false;  // as in Megatron HEAD: switched off with a warning (needs --use-persistent-ckpt-worker)
   std::string ckpt_format = "torch_dist";
 };
 

@@ -37,6 +37,12 @@ template <typename... Args>
 void warn0(fmt::format_string<Args...> f, Args&&... args) {
   if (rank() == 0) warn(f, std::forward<Args>(args)...);
 }
+// Printed by rank 0 only, on stderr, prefixed "[rank 0] note: " (e.g. a flag with no effect).
+template <typename... Args>
+void note0(fmt::format_string<Args...> f, Args&&... args) {
+  if (rank() == 0)
+    write_stderr(fmt::format("[rank {}] note: {}", rank(), fmt::format(f, std::forward<Args>(args)...)));
+}
 void error(const std::string& message);  // "[rank N] error: message" on stderr
 
 }  // namespace mt::log

@@ -59,7 +59,8 @@ MT_HOST_DEVICE float normal_at(uint64_t key, uint64_t index) {
   const Philox4 r = philox4x32(index, 0x6e6f726d616cULL /* "normal" */, key);
   const double u1 = uniform64_from_bits(r.v[0], r.v[1]);
   const double u2 = uniform64_from_bits(r.v[2], r.v[3]);
-  return static_cast<float>(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+  // Qualified: inside namespace mt an unqualified log would find the mt::log namespace.
+  return static_cast<float>(::sqrt(-2.0 * ::log(u1)) * ::cos(6.283185307179586 * u2));
 }
 
 // Uniform float in (0, 1] for element `index` of stream `key` (dropout decisions).

@@ -9,8 +9,9 @@
 namespace mt::cuda {
 namespace {
 
-// What `auto` prefers where both paths can run, per head dim, from bench/RESULTS.md (H200).
-AttentionBackend measured_faster(int /*head_dim*/) { return AttentionBackend::flash; }
+// What `auto` prefers where both paths can run, per head dim: bench/RESULTS.md (H200, cuDNN 9.14)
+// has cuDNN ahead at d = 64 and 128 in both passes (e.g. GPT-2 shape 309/213 TFLOP/s vs 198/122).
+AttentionBackend measured_faster(int /*head_dim*/) { return AttentionBackend::fused; }
 
 }  // namespace
 
@@ -68,7 +69,7 @@ void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor
   if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
     cudnn_attention::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);
   else
-    flash::backward(dqkv, dout, out, lse, qkv, a, flash::default_backward_config(a.head_dim), workspace,
+    flash::backward(dqkv, dout, out, lse, qkv, a, flash::default_backward_config(a.head_dim, a.dropout_p > 0), workspace,
                     workspace_bytes, stream);
 }
 

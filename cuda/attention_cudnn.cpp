@@ -415,7 +415,7 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;
   auto plans = std::make_unique<Plans>();
-  plans->error = unsupported_reason(a, dtype);
+  plans->error = unsupported_reason(a, dtype);  // callers check it first too: dropout is not in the key
   if (plans->error.empty()) {
     try {
       cudnnHandle_t handle = handle_for(device);
@@ -439,12 +439,14 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
 }
 
 Plans& supported_plans(const AttentionShape& a, DType dtype) {
-  Plans& p = plans_for(a, dtype);
-  if (!p.error.empty())
+  std::string reason = unsupported_reason(a, dtype);
+  Plans* p = reason.empty() ? &plans_for(a, dtype) : nullptr;
+  if (p) reason = p->error;
+  if (!reason.empty())
     throw Unsupported(fmt::format("--attention-backend fused does not support this attention shape (b={} s={} heads={} "
                                   "groups={} d={}): {}",
-                                  a.batch, a.seq, a.heads, a.groups, a.head_dim, p.error));
-  return p;
+                                  a.batch, a.seq, a.heads, a.groups, a.head_dim, reason));
+  return *p;
 }
 
 cudnnHandle_t current_handle() {
@@ -459,9 +461,11 @@ cudnnHandle_t current_handle() {
 int runtime_version() { return static_cast<int>(cudnnGetVersion()); }
 
 bool supported(const AttentionShape& a, DType dtype, std::string* why) {
-  const Plans& p = plans_for(a, dtype);
-  if (why) *why = p.error;
-  return p.error.empty();
+  // Shape rules first: the plan cache is keyed by what the plans depend on, not by dropout.
+  std::string reason = unsupported_reason(a, dtype);
+  if (reason.empty()) reason = plans_for(a, dtype).error;
+  if (why) *why = reason;
+  return reason.empty();
 }
 
 size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_plans(a, dtype).bytes(); }

@@ -11,27 +11,31 @@
 namespace mt::cuda::flash {
 
 std::string ForwardConfig::name() const { return fmt::format("fwd {}x{} w{}", block_m, block_n, warps); }
-std::string BackwardConfig::name() const { return fmt::format("bwd {}x{}", block_m, block_n); }
+std::string BackwardConfig::name() const {
+  return fmt::format("bwd {}x{}{}", block_m, block_n, deterministic ? "" : " atomic");
+}
 
 bool supports_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+// Defaults from bench_attention on an H200 (bench/RESULTS.md). With dropout the per-element RNG
+// needs registers: one 16-row tile per warp then, and 64 queries per backward step.
 ForwardConfig default_forward_config(int head_dim, bool dropout) {
-  // With dropout the per-element RNG needs registers: one 16-row tile per warp then.
   if (head_dim == 64) return dropout ? ForwardConfig{128, 64, 8} : ForwardConfig{128, 64, 4};
-  return ForwardConfig{128, 64, 8};
+  return dropout ? ForwardConfig{128, 64, 8} : ForwardConfig{128, 128, 8};
 }
-BackwardConfig default_backward_config(int head_dim) {
-  return head_dim == 64 ? BackwardConfig{64, 128} : BackwardConfig{64, 128};
+BackwardConfig default_backward_config(int head_dim, bool dropout) {
+  if (head_dim == 64) return dropout ? BackwardConfig{64, 128} : BackwardConfig{128, 128};
+  return BackwardConfig{64, 128};
 }
 
 std::vector<ForwardConfig> forward_configs(int head_dim) {
   if (head_dim == 64) return {{128, 64, 4}, {64, 64, 4}, {128, 64, 8}, {128, 128, 8}};
-  if (head_dim == 128) return {{128, 64, 8}, {64, 64, 4}, {128, 32, 4}, {128, 128, 8}};
+  if (head_dim == 128) return {{128, 128, 8}, {64, 64, 4}, {128, 32, 4}, {128, 64, 8}};
   return {};
 }
 std::vector<BackwardConfig> backward_configs(int head_dim) {
-  if (head_dim == 64) return {{64, 128}, {64, 64}, {128, 128}};
-  if (head_dim == 128) return {{64, 128}, {32, 128}, {64, 64}};
+  if (head_dim == 64) return {{128, 128}, {64, 64}, {64, 128}, {64, 128, false}};
+  if (head_dim == 128) return {{64, 128}, {32, 128}, {64, 64}, {64, 128, false}};
   return {};
 }
 
@@ -68,7 +72,7 @@ struct BackwardWorkspace {
     const size_t rows = (static_cast<size_t>(a.seq) + kDqRowPad - 1) / kDqRowPad * kDqRowPad;
     dq_accum = align_up(bh * a.seq * sizeof(float));
     turn = dq_accum + align_up(bh * rows * a.head_dim * sizeof(float));
-    total = turn + align_up(bh * ((a.seq + kMinBlockM - 1) / kMinBlockM) * sizeof(int));
+    total = turn + align_up(bh * ((a.seq + kMinBlockM - 1) / kMinBlockM) * kMaxWarps * sizeof(int));
   }
 };
 

@@ -20,14 +20,18 @@ struct ForwardConfig {
 };
 struct BackwardConfig {
   int block_m = 0, block_n = 0;  // query rows per step, keys per CTA (one warp per 16 keys)
+  // false: dq by float atomics in arrival order (FA2's way), compiled for the default tiles of
+  // bf16 without dropout only, to measure what the deterministic order costs.
+  bool deterministic = true;
   std::string name() const;
 };
 
 // Head dims with compiled kernels; every other d is refused with a clear error.
 bool supports_head_dim(int head_dim);
 ForwardConfig default_forward_config(int head_dim, bool dropout);
-BackwardConfig default_backward_config(int head_dim);
-// All compiled bf16 configurations (the defaults included), for benchmarks and tests.
+BackwardConfig default_backward_config(int head_dim, bool dropout);
+// All compiled bf16 configurations (the defaults first; the backward's non-deterministic ones
+// last), for benchmarks and tests.
 std::vector<ForwardConfig> forward_configs(int head_dim);
 std::vector<BackwardConfig> backward_configs(int head_dim);
 

@@ -10,13 +10,15 @@
 //
 // dq of a query block gets one contribution per key block. Instead of float atomics in whatever
 // order the CTAs arrive (FA2), the contributions are added in a FIXED order -- descending key
-// block -- with a per-(head, query block) turn counter: the CTA whose turn it is adds its part to
-// the fp32 accumulator and passes the turn on. The first contributor stores, the last (key block
+// block -- with a turn counter per (head, query block, warp tile): the warp whose turn it is adds
+// its part to the fp32 accumulator and passes the turn on. The first contributor stores, the last (key block
 // 0) adds the accumulator to its part, scales and writes the 16-bit result straight into dqkv.
-// Why descending: CTA n reaches query block m after (m - m_first(n)) steps and CTA n+1 one step
-// earlier, so with all CTAs of a head running together nobody waits. CTAs are launched in that
-// same order (blockIdx.x = last key block first) so a CTA only ever waits for CTAs launched
-// before it: no deadlock whatever the occupancy.
+// Why descending: CTA n reaches query block m after (m - m_first(n)) steps and CTA n+1 earlier,
+// so with all CTAs of a head running together nobody waits. CTAs are launched in that same order
+// (blockIdx.x = last key block first) so a CTA only ever waits for CTAs launched before it: no
+// deadlock whatever the occupancy. To keep the protocol's latency off the critical path, a warp
+// reads its counter at the start of an item and passes its turn on during the next item (the
+// pass never waits for anything, so the no-deadlock argument is unchanged).
 #include <cmath>
 
 #include "cuda/attention_flash.h"
@@ -52,16 +54,31 @@ __global__ void delta_kernel(const Params p) {
   if (lane == 0) p.delta[row] = sum;
 }
 
-__device__ __forceinline__ void wait_for_turn(const int* turn_counter, int turn) {
-  int now;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn_counter) : "memory");
-    if (now == turn) break;
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// `seen` is a value of the counter read (with acquire) earlier; spin only if it was not our turn yet.
+__device__ __forceinline__ void wait_for_turn(const int* turn_counter, int turn, int seen) {
+  while (seen != turn) {
     __nanosleep(32);
+    seen = load_acquire(turn_counter);
   }
 }
 
-template <typename Elem, int D, int BM, int BN, bool DROPOUT>
+// Hands the turn on: every lane's adds are visible (fence) before lane 0 bumps the counter.
+__device__ __forceinline__ void pass_turn(int* turn_counter, int lane) {
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) atomicAdd(turn_counter, 1);
+}
+
+// ORDERED: the deterministic dq (turns, see above). Without it dq contributions are float atomics
+// in arrival order into the zeroed accumulator, converted by dq_convert_kernel (FA2's way; only to
+// measure what determinism costs).
+template <typename Elem, int D, int BM, int BN, bool DROPOUT, bool ORDERED>
 __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) {
   constexpr int kWarps = BN / 16, kThreads = kWarps * 32;
   constexpr int QT = BM / 8;          // 8-query column tiles of S^T
@@ -70,6 +87,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   constexpr int WN = kWarps / WM;     // ... and along the head dims
   constexpr int DQT = DT / WN;        // 8-dim tiles of dq per warp
   static_assert(BM % 16 == 0 && BN % 16 == 0 && kWarps % WM == 0 && DT % WN == 0 && DQT % 2 == 0);
+  static_assert(kWarps <= kMaxWarps && BM >= kMinBlockM && BM <= kDqRowPad);
 
   extern __shared__ __align__(128) unsigned char smem[];
   Elem* sK = reinterpret_cast<Elem*>(smem);           // [BN][D]
@@ -77,7 +95,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   Elem* sQ = sV + BN * D;                             // [2][BM][D]
   Elem* sdO = sQ + 2 * BM * D;                        // [2][BM][D]
   Elem* sdS = sdO + 2 * BM * D;                       // [BN][BM]: dS^T
-  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM], lse * log2(e)
+  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                      // [2][BM]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -103,11 +121,13 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
                                p.seq_stride, p.seq - m0, tid);
     load_tile<BM, D, kThreads>(sdO + buf * BM * D, dout_base + h * D + m0 * p.out_seq_stride, p.out_seq_stride,
                                p.seq - m0, tid);
-    const int64_t row0 = (static_cast<int64_t>(i) * p.heads + h) * p.seq;
+    // Padding queries (q >= s) get lse = delta = 0 with zero q and dO rows: their p may be
+    // nonzero, but every term they feed (p*dO, p*(dP - delta) with dP = V.dO) is exactly 0.
+    const int64_t row0 = (static_cast<int64_t>(i) * p.heads + h) * p.seq + m0;
     for (int r = tid; r < BM; r += kThreads) {
-      const bool valid = m0 + r < p.seq;  // padding queries: lse = +inf makes their p exactly 0
-      sLse[buf * BM + r] = valid ? p.lse[row0 + m0 + r] * kLog2e : INFINITY;
-      sDelta[buf * BM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
+      const bool valid = m0 + r < p.seq;
+      cp_async_4(smem_u32(sLse + buf * BM + r), p.lse + (valid ? row0 + r : 0), valid);
+      cp_async_4(smem_u32(sDelta + buf * BM + r), p.delta + (valid ? row0 + r : 0), valid);
     }
   };
   issue_loads(0, 0);
@@ -130,6 +150,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   const uint32_t off_s = Ldsm<BM>::lane_offset(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const uint32_t sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV), sdS_u32 = smem_u32(sdS);
 
+  int* pending_turn = nullptr;  // a dq turn this warp still has to pass on
   for (int item = 0; item < items; ++item) {
     const int buf = item & 1;
     const int h = g * p.hpg + item / m_count;
@@ -147,6 +168,16 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     const uint32_t do_tile = smem_u32(sdO + buf * BM * D);
     const float* lse_tile = sLse + buf * BM;
     const float* delta_tile = sDelta + buf * BM;
+
+    // This item's dq turn (see the file comment): read the counter now, use it at the end, so the
+    // load's latency hides behind the item's math.
+    const int n_first = p.causal ? min(m0 + BM - 1, p.seq - 1) / BN : n_blocks - 1;
+    const int turn = n_first - n_block;
+    const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
+    int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
+    const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == 0;
+    int seen = turn;
+    if (ORDERED && !first && lane == 0) seen = load_acquire(turn_counter);
 
     // Phase 1: S^T = K Q^T for this warp's 16 keys -> P^T (in place), dropout decisions as bits.
     float st[QT][4];
@@ -174,7 +205,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       for (int e = 0; e < 4; ++e) {
         const int key = key_row0 + lane / 4 + (e / 2) * 8;
         const int col = qt * 8 + 2 * (lane % 4) + (e % 2);
-        float pr = fast_exp2(st[qt][e] * p.scale_log2 - lse_tile[col]);
+        float pr = fast_exp2(fmaf(st[qt][e], p.scale_log2, -lse_tile[col] * kLog2e));
         if (need_mask && (key >= p.seq || (p.causal && key > m0 + col))) pr = 0.f;
         st[qt][e] = pr;
         if constexpr (DROPOUT) {
@@ -187,6 +218,12 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       if constexpr (DROPOUT) return (keep_bits >> (qt * 4 + e)) & 1 ? p.dropout_scale : 0.f;
       return 1.f;
     };
+
+    // The previous item's turn is passed on here, once its atomics have had time to land.
+    if (ORDERED && pending_turn) {
+      pass_turn(pending_turn, lane);
+      pending_turn = nullptr;
+    }
 
     // Phase 2: dV += (dropped P)^T dO.
 #pragma unroll
@@ -277,14 +314,12 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       }
     }
 
-    // Add this key block's dq in its turn (descending key blocks).
-    const int n_first = p.causal ? min(m0 + BM - 1, p.seq - 1) / BN : n_blocks - 1;
-    const int turn = n_first - n_block;
-    const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
-    int* turn_counter = p.dq_turn + bh * turn_stride + m_block;
-    const bool first = n_block == n_first, last = n_block == 0;
-    if (tid == 0 && !first) wait_for_turn(turn_counter, turn);
-    __syncthreads();
+    // Add this warp's dq tile in its turn (descending key blocks). Turns are per (head, query
+    // block, warp tile), so warps never wait for each other here.
+    if (ORDERED && !first) {
+      if (lane == 0) wait_for_turn(turn_counter, turn, seen);
+      __syncwarp();
+    }
     Elem* dq_out = static_cast<Elem*>(p.dqkv) + i * p.row_stride + static_cast<int64_t>(g) * (p.hpg + 2) * D +
                    (h - g * p.hpg) * D;
 #pragma unroll
@@ -293,32 +328,28 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       const int q = m0 + wm * 16 + lane / 4 + half * 8;
       if (q >= p.seq) continue;
       const int dim0 = wn * DQT * 8 + 2 * (lane % 4);
-      float* acc = p.dq_accum + (bh * dq_rows + q) * D + dim0;
+      float2* acc = reinterpret_cast<float2*>(p.dq_accum + (bh * dq_rows + q) * D + dim0);
       Elem* dst = dq_out + q * p.seq_stride + dim0;
 #pragma unroll
       for (int dt = 0; dt < DQT; ++dt) {
-        float x = dq[dt][2 * half], y = dq[dt][2 * half + 1];
+        float2 v = make_float2(dq[dt][2 * half], dq[dt][2 * half + 1]);
         if (last) {
           if (!first) {
-            const float2 prev = __ldcg(reinterpret_cast<const float2*>(acc + dt * 8));
-            x += prev.x;
-            y += prev.y;
+            const float2 prev = __ldcg(acc + dt * 4);
+            v.x += prev.x;
+            v.y += prev.y;
           }
-          *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack<Elem>::two(x * p.softmax_scale, y * p.softmax_scale);
+          *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack<Elem>::two(v.x * p.softmax_scale, v.y * p.softmax_scale);
         } else if (first) {
-          __stcg(reinterpret_cast<float2*>(acc + dt * 8), make_float2(x, y));
+          __stcg(acc + dt * 4, v);
         } else {
-          atomicAdd(acc + dt * 8, x);  // exclusive by turn: the order of these adds is fixed
-          atomicAdd(acc + dt * 8 + 1, y);
+          atomicAdd(acc + dt * 4, v);  // ORDERED: exclusive by turn, the order of these adds is fixed
         }
       }
     }
-    __syncthreads();
-    if (tid == 0 && !last) {
-      __threadfence();
-      atomicAdd(turn_counter, 1);
-    }
+    if (ORDERED && !last) pending_turn = turn_counter;  // passed on during the next item
   }
+  if (ORDERED && pending_turn) pass_turn(pending_turn, lane);
 
   // dK (scaled) and dV of this key block, for the group's k and v slots.
   Elem* dk_out = static_cast<Elem*>(p.dqkv) + i * p.row_stride + static_cast<int64_t>(g) * (p.hpg + 2) * D + p.hpg * D;
@@ -336,17 +367,42 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     }
 }
 
-template <typename Elem, int D, int BM, int BN, bool DROPOUT>
+// Unordered mode only: dq = scale * accumulator, into dqkv's q slots. One thread per 2 elements.
+template <typename Elem, int D>
+__global__ void dq_convert_kernel(const Params p) {
+  const int64_t pairs = static_cast<int64_t>(p.batch) * p.heads * p.seq * (D / 2);
+  const int64_t dq_rows = (static_cast<int64_t>(p.seq) + kDqRowPad - 1) / kDqRowPad * kDqRowPad;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < pairs;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int dim = static_cast<int>(idx % (D / 2)) * 2;
+    const int64_t row = idx / (D / 2);  // (i*heads + h)*seq + q
+    const int q = static_cast<int>(row % p.seq);
+    const int64_t bh = row / p.seq;
+    const int i = static_cast<int>(bh / p.heads), h = static_cast<int>(bh % p.heads);
+    const int g = h / p.hpg;
+    const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + (bh * dq_rows + q) * D + dim);
+    Elem* dst = static_cast<Elem*>(p.dqkv) + q * p.seq_stride + i * p.row_stride +
+                static_cast<int64_t>(g) * (p.hpg + 2) * D + (h - g * p.hpg) * D + dim;
+    *reinterpret_cast<uint32_t*>(dst) = Pack<Elem>::two(v.x * p.softmax_scale, v.y * p.softmax_scale);
+  }
+}
+
+template <typename Elem, int D, int BM, int BN, bool DROPOUT, bool ORDERED = true>
 void launch_backward(const Params& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seq;
   constexpr int kDeltaWarps = 8;
   delta_kernel<Elem, D><<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, stream>>>(p);
   MT_CUDA_CHECK_LAUNCH();
   const size_t turn_bytes =
-      static_cast<size_t>(p.batch) * p.heads * ((p.seq + kMinBlockM - 1) / kMinBlockM) * sizeof(int);
-  MT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turn_bytes, stream));
+      static_cast<size_t>(p.batch) * p.heads * ((p.seq + kMinBlockM - 1) / kMinBlockM) * kMaxWarps * sizeof(int);
+  if constexpr (ORDERED) {
+    MT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turn_bytes, stream));
+  } else {
+    const size_t dq_rows = (static_cast<size_t>(p.seq) + kDqRowPad - 1) / kDqRowPad * kDqRowPad;
+    MT_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(p.batch) * p.heads * dq_rows * D * sizeof(float), stream));
+  }
 
-  auto kernel = backward_kernel<Elem, D, BM, BN, DROPOUT>;
+  auto kernel = backward_kernel<Elem, D, BM, BN, DROPOUT, ORDERED>;
   constexpr int smem_bytes =
       (2 * BN * D + 4 * BM * D + BN * BM) * static_cast<int>(sizeof(Elem)) + 4 * BM * static_cast<int>(sizeof(float));
   static bool configured = false;
@@ -357,26 +413,40 @@ void launch_backward(const Params& p, cudaStream_t stream) {
   const dim3 grid((p.seq + BN - 1) / BN, p.batch * p.groups);
   kernel<<<grid, BN / 16 * 32, smem_bytes, stream>>>(p);
   MT_CUDA_CHECK_LAUNCH();
+  if constexpr (!ORDERED) {
+    dq_convert_kernel<Elem, D><<<1024, 256, 0, stream>>>(p);
+    MT_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace
 
 template <typename Elem, bool DROPOUT>
 bool backward_dispatch(const Params& p, int d, const BackwardConfig& c, cudaStream_t stream) {
-#define MT_FLASH_BWD(D_, BM_, BN_)                            \
-  if (d == D_ && c.block_m == BM_ && c.block_n == BN_) {      \
-    launch_backward<Elem, D_, BM_, BN_, DROPOUT>(p, stream); \
-    return true;                                             \
+#define MT_FLASH_BWD(D_, BM_, BN_)                                              \
+  if (d == D_ && c.block_m == BM_ && c.block_n == BN_ && c.deterministic) {     \
+    launch_backward<Elem, D_, BM_, BN_, DROPOUT>(p, stream);                   \
+    return true;                                                               \
+  }
+#define MT_FLASH_BWD_UNORDERED(D_, BM_, BN_)                                   \
+  if (d == D_ && c.block_m == BM_ && c.block_n == BN_ && !c.deterministic) {    \
+    launch_backward<Elem, D_, BM_, BN_, DROPOUT, false>(p, stream);            \
+    return true;                                                               \
   }
   MT_FLASH_BWD(64, 64, 128)
   MT_FLASH_BWD(128, 64, 128)
+  if constexpr (!DROPOUT) {
+    MT_FLASH_BWD(64, 128, 128)
+  }
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && !DROPOUT) {
     MT_FLASH_BWD(64, 64, 64)
-    MT_FLASH_BWD(64, 128, 128)
     MT_FLASH_BWD(128, 32, 128)
     MT_FLASH_BWD(128, 64, 64)
+    MT_FLASH_BWD_UNORDERED(64, 64, 128)
+    MT_FLASH_BWD_UNORDERED(128, 64, 128)
   }
 #undef MT_FLASH_BWD
+#undef MT_FLASH_BWD_UNORDERED
   return false;
 }
 

@@ -252,6 +252,7 @@ bool forward_dispatch(const Params& p, int d, const ForwardConfig& c, cudaStream
   }
   if constexpr (!DROPOUT) {
     MT_FLASH_FWD(64, 128, 64, 4)
+    MT_FLASH_FWD(128, 128, 128, 8)
   }
   MT_FLASH_FWD(64, 128, 64, 8)
   MT_FLASH_FWD(128, 128, 64, 8)
@@ -260,7 +261,6 @@ bool forward_dispatch(const Params& p, int d, const ForwardConfig& c, cudaStream
     MT_FLASH_FWD(64, 128, 128, 8)
     MT_FLASH_FWD(128, 64, 64, 4)
     MT_FLASH_FWD(128, 128, 32, 4)
-    MT_FLASH_FWD(128, 128, 128, 8)
   }
 #undef MT_FLASH_FWD
   return false;

@@ -19,5 +19,6 @@ bool backward_dispatch(const Params& p, int head_dim, const BackwardConfig& conf
 // Backward workspace layout; dq_accum rows are padded to kDqRowPad so that every block size fits.
 constexpr int kDqRowPad = 128;
 constexpr int kMinBlockM = 32;
+constexpr int kMaxWarps = 8;  // backward: BN <= 128 keys per CTA, one warp per 16
 
 }  // namespace mt::cuda::flash

@@ -33,9 +33,11 @@ struct GptModel::Slot {
   Tensor input;                                   // stage input [N, h]
   std::vector<LayerActs> layers;                  // per local layer
   Tensor d_output;                                // grad of the stage output [N, h]
-  std::vector<int32_t> host_tokens, host_labels, host_positions;
-  std::vector<double> host_mask64, host_dloss64;
-  std::vector<float> host_mask32, host_dloss32;
+  // The five inputs live in one device block (`io`) mirrored by one host buffer, so that staging
+  // a micro-batch is a single host->device copy. Byte offsets of each part in both:
+  Tensor io;
+  std::vector<unsigned char> host_io;
+  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
   uint64_t key = 0;
   bool training = true;
   bool staged = false;
@@ -88,6 +90,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.llama3_scaling = cfg.model.use_rope_scaling;
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
+  o.attention_backend = cfg.model.attention_backend;
   return o;
 }
 
@@ -110,6 +113,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
+  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
@@ -118,6 +122,25 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     be_.copy_from_host(rope_table_, table.data());
     be_.synchronize();  // the host vector goes out of scope
   }
+}
+
+GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend,
+                   MeasureOnly)
+    : d_(dims), opt_(options), ps_(ps), be_(backend) {
+  if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
+    opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  descs_ = build_param_descs(d_, &total_elements_);
+  globals_ = std::make_unique<Globals>();
+  ws_ = std::make_unique<Workspace>();
+  arena_ = std::make_unique<Arena>(be_);
+  layout(*arena_);  // measure only: nothing is allocated
+}
+
+MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
+  std::unique_ptr<Backend> host = make_reference_backend(1);  // measuring touches no memory
+  ParallelState ps = make_single_process_state();
+  GptModel m(dims, options, ps, *host, MeasureOnly{});
+  return m.memory_plan();
 }
 
 GptModel::~GptModel() = default;
@@ -175,11 +198,22 @@ void GptModel::layout(Arena& a) {
   const int L = d_.stage_layers();
   slots_.resize(static_cast<size_t>(opt_.num_slots));
   for (Slot& s : slots_) {
-    s.tokens = a.take(C::activations, DType::i32, {N});
-    s.labels = a.take(C::activations, DType::i32, {N});
-    s.positions = a.take(C::activations, DType::i32, {N});
-    s.mask = a.take(C::activations, S, {N});
-    s.dloss = a.take(C::activations, S, {N});
+    const size_t part_i32 = (static_cast<size_t>(N) * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    const size_t part_s =
+        (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    s.io = a.take(C::activations, DType::u8, {static_cast<int64_t>(3 * part_i32 + 2 * part_s)});
+    s.off_tokens = 0;
+    s.off_labels = part_i32;
+    s.off_positions = 2 * part_i32;
+    s.off_mask = 3 * part_i32;
+    s.off_dloss = 3 * part_i32 + part_s;
+    auto part = [&](size_t off, DType t) { return Tensor(static_cast<char*>(s.io.data) + off, t, s.io.device, {N}); };
+    s.tokens = part(s.off_tokens, DType::i32);
+    s.labels = part(s.off_labels, DType::i32);
+    s.positions = part(s.off_positions, DType::i32);
+    s.mask = part(s.off_mask, S);
+    s.dloss = part(s.off_dloss, S);
+    if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
     s.input = a.take(C::activations, T, {N, h});
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
     for (int l = 0; l < L; ++l) {
@@ -300,39 +334,41 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
     fail("a micro-batch of {} x {} tokens does not match --micro-batch-size {} x --seq-length {}", mb.batch,
          mb.seq, b, sq);
   const size_t N = static_cast<size_t>(b) * sq;
-  s.host_tokens.resize(N);
-  s.host_labels.resize(N);
-  s.host_positions.resize(N);
-  double tokens = 0;
-  for (float m : mb.loss_mask) tokens += m;
-  const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, tokens);
+  if (mb.tokens.size() != N || mb.labels.size() != N || mb.loss_mask.size() != N ||
+      (!mb.positions.empty() && mb.positions.size() != N))
+    fail("a micro-batch's arrays do not hold {} x {} entries", b, sq);
+  unsigned char* h = s.host_io.data();
+  auto* tokens = reinterpret_cast<int32_t*>(h + s.off_tokens);
+  auto* labels = reinterpret_cast<int32_t*>(h + s.off_labels);
+  auto* positions = reinterpret_cast<int32_t*>(h + s.off_positions);
+  double mb_tokens = 0;
+  for (float m : mb.loss_mask) mb_tokens += m;
+  const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
   const bool f64 = opt_.accum == DType::f64;
-  (f64 ? s.host_mask64.resize(N) : s.host_mask32.resize(N));
-  (f64 ? s.host_dloss64.resize(N) : s.host_dloss32.resize(N));
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) {
       const size_t src = static_cast<size_t>(i) * sq + t, dst = static_cast<size_t>(t) * b + i;  // sequence-major
-      s.host_tokens[dst] = mb.tokens[src];
-      s.host_labels[dst] = mb.labels[src];
-      s.host_positions[dst] = mb.positions.empty() ? t : mb.positions[src];
+      tokens[dst] = mb.tokens[src];
+      labels[dst] = mb.labels[src];
+      positions[dst] = mb.positions.empty() ? t : mb.positions[src];
       if (mb.tokens[src] < 0 || mb.tokens[src] >= d_.vocab)
         fail("token id {} is outside the padded vocabulary of {}", mb.tokens[src], d_.vocab);
-      if (s.host_positions[dst] < 0 || s.host_positions[dst] >= d_.max_positions)
-        fail("position {} is outside [0, {})", s.host_positions[dst], d_.max_positions);
+      if (mb.loss_mask[src] != 0.0f && (mb.labels[src] < 0 || mb.labels[src] >= d_.vocab))
+        fail("label id {} is outside the padded vocabulary of {}", mb.labels[src], d_.vocab);
+      if (positions[dst] < 0 || positions[dst] >= d_.max_positions)
+        fail("position {} is outside [0, {})", positions[dst], d_.max_positions);
       const double m = mb.loss_mask[src];
       if (f64) {
-        s.host_mask64[dst] = m;
-        s.host_dloss64[dst] = m * per_row;
+        reinterpret_cast<double*>(h + s.off_mask)[dst] = m;
+        reinterpret_cast<double*>(h + s.off_dloss)[dst] = m * per_row;
       } else {
-        s.host_mask32[dst] = static_cast<float>(m);
-        s.host_dloss32[dst] = static_cast<float>(m * per_row);
+        reinterpret_cast<float*>(h + s.off_mask)[dst] = static_cast<float>(m);
+        reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
       }
     }
-  be_.copy_from_host(s.tokens, s.host_tokens.data());
-  be_.copy_from_host(s.labels, s.host_labels.data());
-  be_.copy_from_host(s.positions, s.host_positions.data());
-  be_.copy_from_host(s.mask, f64 ? static_cast<const void*>(s.host_mask64.data()) : s.host_mask32.data());
-  be_.copy_from_host(s.dloss, f64 ? static_cast<const void*>(s.host_dloss64.data()) : s.host_dloss32.data());
+  // One copy. (From pageable memory the copy has consumed the host buffer when it returns, so
+  // the next micro-batch may overwrite it.)
+  be_.copy_from_host(s.io, h);
   s.key = mix_key(mix_key(d_.seed, 0x64726f706f7574ULL /* "dropout" */), mix_key(serial, ps_.dp_rank));
   s.training = training;
   s.staged = true;
@@ -350,6 +386,22 @@ Tensor GptModel::input_grad() const { return last_input_grad_; }
 // 3 the embeddings (layer -1).
 uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
   return mix_key(s.key, static_cast<uint64_t>(layer + 1) * 8 + static_cast<uint64_t>(site));
+}
+
+// The attention of one layer for one slot (s == nullptr: the shape alone, for set-up).
+AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
+  AttentionShape as;
+  as.batch = d_.micro_batch;
+  as.seq = d_.seq;
+  as.heads = d_.heads_local();
+  as.groups = d_.groups_local();
+  as.head_dim = d_.head_dim;
+  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
+  as.causal = true;
+  as.dropout_p = (s == nullptr || s->training) ? d_.attention_dropout : 0.0f;
+  // The heads differ per TP rank, so their masks come from different streams.
+  if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
+  return as;
 }
 
 Tensor GptModel::layer_input(const Slot& s, int local) const {
@@ -393,17 +445,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
     be_.linear_forward(A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
   }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
-  AttentionShape as;
-  as.batch = d_.micro_batch;
-  as.seq = d_.seq;
-  as.heads = d_.heads_local();
-  as.groups = d_.groups_local();
-  as.head_dim = d_.head_dim;
-  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
-  as.causal = true;
-  as.dropout_p = s.training ? d_.attention_dropout : 0.0f;
-  as.dropout_key = mix_key(site_key(s, layer, 0), static_cast<uint64_t>(d_.tp_rank));  // heads differ per rank
-  be_.attention_forward(A.attn_out, A.lse, A.qkv, as);
+  be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
   ps_.tp->all_reduce(w.tmp_h);
   be_.bias_dropout_add(A.h1, w.tmp_h, P.proj_b, x, hp, site_key(s, layer, 1));
@@ -492,17 +534,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   }
   be_.linear_backward_weight(G.proj_w, G.proj_b, d_proj, A.attn_out);
   be_.linear_backward_input(w.gATT, d_proj, P.proj_w, false, Activation::none, Tensor());
-  AttentionShape as;
-  as.batch = d_.micro_batch;
-  as.seq = d_.seq;
-  as.heads = d_.heads_local();
-  as.groups = d_.groups_local();
-  as.head_dim = d_.head_dim;
-  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
-  as.causal = true;
-  as.dropout_p = s.training ? d_.attention_dropout : 0.0f;
-  as.dropout_key = mix_key(site_key(s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
-  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, as);
+  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)

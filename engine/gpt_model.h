@@ -45,6 +45,7 @@ struct ModelOptions {
   OptimizerKind optimizer = OptimizerKind::adam;
   bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
   RopeTableParams rope;        // positions/rot_dim filled from ModelDims
+  AttentionBackend attention_backend = AttentionBackend::auto_;
 
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
 };
@@ -52,6 +53,9 @@ struct ModelOptions {
 class GptModel {
  public:
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend);
+  // The memory plan of a model without building it (--dry-run): the same layout code as the
+  // constructor, measuring only.
+  static MemoryPlan plan_memory(const ModelDims& dims, const ModelOptions& options);
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
@@ -106,11 +110,14 @@ class GptModel {
   struct Slot;
   struct Workspace;
 
+  struct MeasureOnly {};
+  GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void layout(Arena& a);
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
+  AttentionShape attention_shape(const Slot* s, int layer) const;
   void embedding_forward(Slot& s);
   void embedding_backward(Slot& s, Tensor grad);
   void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x);

@@ -9,6 +9,11 @@ namespace mt {
 
 ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
                                  std::optional<std::pair<int, int>> layer_range) {
+  return from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
+}
+
+ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
+                                 std::optional<std::pair<int, int>> layer_range) {
   const ModelConfig& m = cfg.model;
   ModelDims d;
   d.num_layers = m.num_layers;
@@ -31,8 +36,11 @@ ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
   if (d.groups <= 0 || d.heads % d.groups != 0)
     fail("--num-attention-heads ({}) must be a multiple of --num-query-groups ({})", d.heads, d.groups);
 
-  d.tp_size = ps.tp_size;
-  d.tp_rank = ps.tp_rank;
+  d.tp_size = tp_size;
+  d.tp_rank = tp_rank;
+  if (cfg.parallel.sequence_parallel && tp_size > 1)
+    throw Unsupported("--sequence-parallel is not implemented in the model yet (drop it: results are the same)");
+  if (cfg.parallel.context_parallel_size > 1) throw Unsupported("--context-parallel-size > 1 is not supported yet");
   if (d.heads % d.tp_size) fail("--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})", d.heads, d.tp_size);
   if (d.groups % d.tp_size)
     fail("--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}) "
@@ -40,17 +48,17 @@ ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
   if (d.ffn % d.tp_size) fail("--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({})", d.ffn, d.tp_size);
   if (d.vocab % d.tp_size) fail("the padded vocabulary ({}) must be divisible by --tensor-model-parallel-size ({})", d.vocab, d.tp_size);
 
-  d.pipeline = ps.pp_size > 1;
-  d.first_stage = ps.is_first_stage();
-  d.last_stage = ps.is_last_stage();
+  d.pipeline = pp_size > 1;
+  d.first_stage = pp_rank == 0;
+  d.last_stage = pp_rank == pp_size - 1;
   if (layer_range) {
     d.layer_begin = layer_range->first;
     d.layer_end = layer_range->second;
   } else {
-    if (d.num_layers % ps.pp_size)
-      fail("--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})", d.num_layers, ps.pp_size);
-    const int per = d.num_layers / ps.pp_size;
-    d.layer_begin = ps.pp_rank * per;
+    if (d.num_layers % pp_size)
+      fail("--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})", d.num_layers, pp_size);
+    const int per = d.num_layers / pp_size;
+    d.layer_begin = pp_rank * per;
     d.layer_end = d.layer_begin + per;
   }
 

@@ -58,6 +58,9 @@ struct ModelDims {
   // layer_range is given (the pipeline code decides uneven splits).
   static ModelDims from_config(const Config& cfg, const ParallelState& ps,
                                std::optional<std::pair<int, int>> layer_range = std::nullopt);
+  // The same for a rank given by its coordinates (dry runs plan ranks that do not exist).
+  static ModelDims from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
+                               std::optional<std::pair<int, int>> layer_range = std::nullopt);
 };
 
 }  // namespace mt

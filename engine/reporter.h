@@ -6,12 +6,19 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace mt {
 
-// One logged iteration: values averaged over the log interval as Megatron's training_log does.
+// One training iteration. Megatron's training_log runs after every iteration: TensorBoard scalars
+// are written every --tensorboard-log-interval iterations from that iteration's own values, and the
+// log line every --log-interval iterations (and after the first) from averages over the interval.
+// The engine may call on_iteration for every iteration (interval_end marks the log-line ones) or
+// only at log intervals (interval_end left true; TensorBoard then sees only those iterations).
 struct IterationStats {
   int64_t iteration = 0;
+  bool interval_end = true;        // this iteration ends a log interval: the averaged fields are valid
+  bool is_first_iteration = false; // the extra log line after the first iteration (HEAD Megatron)
   int64_t train_iters = 0;
   int64_t consumed_samples = 0;
   int64_t skipped_samples = 0;           // printed only when > 0
@@ -21,6 +28,8 @@ struct IterationStats {
   std::optional<double> decoupled_learning_rate;
   int64_t global_batch_size = 0;
   std::map<std::string, double> losses;  // "lm loss" -> average over the interval
+  // This iteration's own reduced losses (what Megatron writes to TensorBoard); empty: use `losses`.
+  std::map<std::string, double> iteration_losses;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<int64_t> num_zeros;     // --log-num-zeros-in-grad
@@ -33,14 +42,20 @@ struct IterationStats {
   // Device memory of this rank, bytes (when known).
   std::optional<double> memory_allocated_bytes;
   std::optional<double> memory_peak_bytes;
-  // Per-phase timer means in ms (--timing-log-level >= 1), name -> (min, max) over ranks.
+  std::optional<double> memory_reserved_bytes;
+  std::optional<double> memory_allocated_count;  // live allocations (TensorBoard mem-allocated-count)
+  // Per-phase timer means in ms (--timing-log-level >= 1), name -> (min, max) over ranks. Names are
+  // Megatron's ("forward-backward", "optimizer", ...); they print in Megatron's order.
   std::map<std::string, std::pair<double, double>> timers_ms;
+  // With --timing-log-option all: name -> per-rank means in ms (index = rank; <= 0: not timed there).
+  std::map<std::string, std::vector<double>> timers_all_ranks_ms;
 };
 
 struct EvalStats {
   int64_t iteration = 0;
   std::string split = "validation";   // "validation" or "test"
   bool after_training = false;        // Megatron prints "iteration N on validation set" then
+  int64_t consumed_train_samples = 0; // x axis of TensorBoard's "... vs samples" tags
   std::map<std::string, double> losses;  // "lm loss" -> average
 };
 

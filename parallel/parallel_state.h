@@ -21,12 +21,22 @@ struct ParallelState {
   int pp_size = 1, pp_rank = 0;
   int vpp_size = 1;  // model chunks per pipeline rank
 
+  // Built by build_parallel_state() (parallel/parallel_state_builder.h) from Megatron's rank grid.
   std::unique_ptr<Communicator> world;
   std::unique_ptr<Communicator> tp;         // ranks differing only in tp
   std::unique_ptr<Communicator> dp;         // ranks differing only in dp
-  std::unique_ptr<Communicator> pp;         // ranks differing only in pp
-  std::unique_ptr<Communicator> embedding;  // first and last stage of this rank's pipeline (tied embeddings)
+  std::unique_ptr<Communicator> pp;         // ranks differing only in pp; pipeline activations travel here
+  // The same ranks as pp, a separate communicator: pipeline gradients travel here, so activations
+  // and gradients between two stages never pair up wrongly (parallel/schedules.h). Null when PP = 1.
+  std::unique_ptr<Communicator> pp_grad;
+  // First and last stage of this rank's pipeline (tied word embeddings; with PP = 1 the rank alone).
+  // Null on the middle stages, which are in no embedding group.
+  std::unique_ptr<Communicator> embedding;
   std::unique_ptr<Communicator> model_parallel;  // tp x pp
+  // Context parallelism (null when CP = 1): ranks differing only in cp, and in dp or cp (Megatron
+  // reduces gradients over dp x cp).
+  std::unique_ptr<Communicator> cp;
+  std::unique_ptr<Communicator> dp_cp;
 
   bool is_first_stage() const { return pp_rank == 0; }
   bool is_last_stage() const { return pp_rank == pp_size - 1; }

@@ -85,7 +85,7 @@ void ReferenceBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
     pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
       for (int64_t r = rb; r < re; ++r) {
         const RowStats s = norm_row(x.ptr<T>() + r * C, out.ptr<T>() + r * C, C, w, b, p);
-        if (!fm.empty()) fm.set(r, s.mean);
+        if (!fm.empty()) fm.set(r, s.mean);  // RMSNorm: 0 (as the CUDA backend writes)
         fr.set(r, s.rstd);
       }
     });

@@ -1,0 +1,47 @@
+// Checkpointing flags (megatron.md section 1.6).
+#include "app/flags.h"
+
+namespace mt::cli {
+
+void add_checkpoint_flags(FlagTable& t) {
+  t.set_group(FlagGroup::checkpointing);
+  t.value("--save", "checkpoint directory to save to (needs --save-interval)", MT_FIELD(checkpoint.save));
+  t.alias(t.value("--save-interval", "iterations between checkpoints", MT_FIELD(checkpoint.save_interval)),
+          "--persistent-save-interval");
+  t.value("--save-retain-interval", "keep only checkpoints at multiples of this", MT_FIELD(checkpoint.save_retain_interval));
+  t.value("--load", "checkpoint directory to resume from", MT_FIELD(checkpoint.load));
+  t.choice("--ckpt-format", "checkpoint format",
+           std::vector<std::pair<std::string, std::string>>{{"torch_dist", "torch_dist"}, {"torch", "torch"},
+                                                            {"torch_dcp", "torch_dcp"}, {"fsdp_dtensor", "fsdp_dtensor"},
+                                                            {"zarr", "zarr"}},
+           MT_FIELD(checkpoint.ckpt_format));
+  t.recognised("--auto-detect-ckpt-format", Arity::none, "", "off", "detect torch vs torch_dist when loading");
+  t.no_effect("--use-dist-ckpt", Arity::none, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
+  t.no_effect("--dist-ckpt-format", Arity::one, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
+  t.flag("--no-save-optim", "do not save the optimizer state", MT_FIELD(checkpoint.no_save_optim));
+  t.flag("--no-save-rng", "do not save the RNG state", MT_FIELD(checkpoint.no_save_rng));
+  t.flag("--no-load-optim", "do not load the optimizer (and scheduler) state", MT_FIELD(checkpoint.no_load_optim));
+  t.flag("--no-load-rng", "do not load the RNG state", MT_FIELD(checkpoint.no_load_rng));
+  t.flag("--finetune", "load weights only; iteration and consumed samples restart at 0", MT_FIELD(checkpoint.finetune));
+  t.recognised("--pretrained-checkpoint", Arity::one, "PATH", "None", "fallback load directory for finetuning");
+  t.value("--ckpt-step", "load this iteration instead of the tracker's", MT_FIELD(checkpoint.ckpt_step));
+  t.flag("--exit-on-missing-checkpoint", "exit if --load has no checkpoint", MT_FIELD(checkpoint.exit_on_missing_checkpoint));
+  t.recognised("--use-checkpoint-args", Arity::none, "", "off", "take model arguments from the checkpoint");
+  t.recognised("--use-mp-args-from-checkpoint-args", Arity::none, "", "off", "take TP/PP from the checkpoint");
+  t.negative_alias(t.recognised("--no-initialization", Arity::none, "", "off", "skip weight initialisation"));
+  t.flag("--async-save", "asynchronous save (Megatron HEAD switches it off without --use-persistent-ckpt-worker)",
+         MT_FIELD(checkpoint.async_save));
+  t.recognised("--use-persistent-ckpt-worker", Arity::none, "", "off", "persistent checkpoint worker process");
+  t.negative_alias(t.no_effect("--no-ckpt-fully-parallel-save", Arity::none,
+                               "megatrain decides how ranks share checkpoint writes itself"));
+  t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");
+  t.no_effect("--ckpt-fully-parallel-load", Arity::none, "megatrain decides how ranks share checkpoint reads itself");
+  t.recognised("--dist-ckpt-strictness", Arity::one, "STR", "assume_ok_unexpected", "handling of key mismatches");
+  t.recognised("--non-persistent-save-interval", Arity::one, "INT", "None", "fast scratch checkpoints");
+  t.recognised("--non-persistent-ckpt-type", Arity::one, "{global,local}", "None", "scratch checkpoint type");
+  t.recognised("--ckpt-convert-format", Arity::one, "{torch,torch_dist}", "None", "offline checkpoint conversion");
+  t.recognised("--ckpt-convert-save", Arity::one, "PATH", "None", "where converted checkpoints go");
+  t.recognised("--override-ckpt-iteration", Arity::one, "INT", "None", "resume at a different iteration");
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,30 @@
+// The stages of parse_config (app/parse.cpp), exposed for tests:
+//   parse_flags      argv -> CliState: unknown/removed/unsupported flags, typed values, notes
+//   resolve_launch   the launcher's environment -> Config::parallel (world, rank, ...)
+//   derive           Megatron's derived values (DP, micro-batches, ffn, vocab, ...) and the rules
+//                    the derivations depend on
+//   validate         every other rule
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "app/flags.h"
+#include "core/environment.h"
+
+namespace mt::cli {
+
+CliState parse_flags(const std::vector<std::string>& args);
+void resolve_launch(CliState& st, const Environment& env);
+void derive(CliState& st);
+void validate(CliState& st);
+
+// Rules grouped by topic (validate_*.cpp); validate() runs them all.
+void validate_model(CliState& st);
+void validate_parallel(CliState& st);
+void validate_training(CliState& st);
+void validate_data(CliState& st);
+void validate_checkpoint_and_logging(CliState& st);
+void validate_megatrain(CliState& st);
+
+}  // namespace mt::cli

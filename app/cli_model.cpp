@@ -1,0 +1,118 @@
+// Model architecture flags (megatron.md section 1.1).
+#include "app/flags.h"
+
+namespace mt::cli {
+
+void add_model_flags(FlagTable& t) {
+  t.set_group(FlagGroup::model);
+  t.value("--num-layers", "number of transformer layers (required)", MT_FIELD(model.num_layers)).default_text =
+      "None (required)";
+  {
+    FlagSpec s;
+    s.name = "--encoder-num-layers";
+    s.group = FlagGroup::model;
+    s.metavar = "INT";
+    s.help = "alias of --num-layers for GPT models (the two are exclusive)";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) { st.encoder_num_layers = parse_int_arg("--encoder-num-layers", v.one()); };
+    t.add(std::move(s));
+  }
+  t.recognised("--decoder-num-layers", Arity::one, "INT", "None", "decoder layers of T5-style encoder-decoder models");
+  t.value("--hidden-size", "transformer hidden size h (required)", MT_FIELD(model.hidden_size)).default_text =
+      "None (required)";
+  t.value("--num-attention-heads", "attention heads n (required)", MT_FIELD(model.num_attention_heads)).default_text =
+      "None (required)";
+  t.value("--ffn-hidden-size", "MLP inner size (default 4h; with --swiglu int(8h/3/64)*64)", MT_FIELD(model.ffn_hidden_size));
+  t.value("--kv-channels", "per-head dimension (default hidden-size / num-attention-heads)", MT_FIELD(model.kv_channels));
+  t.flag("--group-query-attention", "grouped-query attention (with --num-query-groups)", MT_FIELD(model.group_query_attention));
+  t.value("--num-query-groups", "key/value groups with --group-query-attention", MT_FIELD(model.num_query_groups));
+  t.value("--max-position-embeddings", "maximum sequence length / learned position table size (required)",
+          MT_FIELD(model.max_position_embeddings)).default_text = "None (required)";
+  t.choice("--position-embedding-type", "position embedding (Megatron also has yarn, mrope, relative)",
+           std::vector<std::pair<std::string, PositionEmbedding>>{{"learned_absolute", PositionEmbedding::learned_absolute},
+                                                                 {"rope", PositionEmbedding::rope},
+                                                                 {"none", PositionEmbedding::none}},
+           MT_FIELD(model.position_embedding_type));
+  {
+    FlagSpec s;
+    s.name = "--use-rotary-position-embeddings";
+    s.group = FlagGroup::model;
+    s.arity = Arity::none;
+    s.help = "deprecated alias of --position-embedding-type rope";
+    s.apply = [](CliState& st, const FlagValue&) { st.use_rotary_position_embeddings = true; };
+    t.add(std::move(s));
+  }
+  t.flag("--no-position-embedding", "deprecated: no learned position embeddings (only valid with rope)",
+         MT_FIELD(model.add_position_embedding), false);
+  t.value("--rotary-base", "RoPE theta (an integer, as in Megatron)", MT_FIELD(model.rotary_base));
+  t.value("--rotary-percent", "fraction of the head dimension rotated", MT_FIELD(model.rotary_percent));
+  t.flag("--rotary-interleaved", "interleaved rotary pairs (default: rotate-half)", MT_FIELD(model.rotary_interleaved));
+  t.value("--rotary-seq-len-interpolation-factor", "linear RoPE position interpolation factor",
+          MT_FIELD(model.rotary_seq_len_interpolation_factor));
+  t.flag("--use-rope-scaling", "Llama-3.x RoPE frequency scaling", MT_FIELD(model.use_rope_scaling));
+  t.value("--rope-scaling-factor", "Llama-3.x RoPE scaling factor", MT_FIELD(model.rope_scaling_factor));
+  t.choice("--rope-type", "RoPE flavour", std::vector<std::pair<std::string, std::string>>{{"rope", "rope"}, {"yarn", "yarn"}},
+           MT_FIELD(model.rope_type));
+  t.choice("--normalization", "normalisation layer",
+           std::vector<std::pair<std::string, Normalization>>{{"LayerNorm", Normalization::layernorm},
+                                                              {"RMSNorm", Normalization::rmsnorm}},
+           MT_FIELD(model.normalization));
+  t.value("--norm-epsilon", "LayerNorm/RMSNorm epsilon", MT_FIELD(model.norm_epsilon));
+  t.flag("--apply-layernorm-1p", "zero-centred norm weight (stored as w - 1)", MT_FIELD(model.apply_layernorm_1p));
+  t.flag("--apply-residual-connection-post-layernorm", "BERT-style residual after the norm",
+         MT_FIELD(model.apply_residual_connection_post_layernorm));
+  t.flag("--swiglu", "SwiGLU MLP (gate and up projections, SiLU)", MT_FIELD(model.swiglu));
+  t.flag("--squared-relu", "squared-ReLU activation", MT_FIELD(model.squared_relu));
+  t.flag("--quick-geglu", "quick-GeLU gated linear unit", MT_FIELD(model.quick_geglu));
+  t.flag("--openai-gelu", "tanh-approximated GeLU", MT_FIELD(model.openai_gelu));
+  t.flag("--disable-bias-linear", "no biases in the linear layers", MT_FIELD(model.add_bias_linear), false);
+  t.flag("--add-qkv-bias", "bias on the QKV projection only", MT_FIELD(model.add_qkv_bias));
+  t.flag("--qk-layernorm", "normalise queries and keys per head", MT_FIELD(model.qk_layernorm));
+  t.recognised("--qk-l2-norm", Arity::none, "", "off", "Llama-4 style L2 norm of queries and keys");
+  t.flag("--untie-embeddings-and-output-weights", "separate output layer (default: tied to the word embeddings)",
+         MT_FIELD(model.untie_embeddings_and_output_weights));
+  t.value("--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP",
+          MT_FIELD(model.make_vocab_size_divisible_by));
+  t.value("--seq-length", "training sequence length", MT_FIELD(model.seq_length)).default_text = "None";
+  {
+    FlagSpec s;
+    s.name = "--encoder-seq-length";
+    s.group = FlagGroup::model;
+    s.metavar = "INT";
+    s.help = "alias of --seq-length (the two are exclusive)";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) { st.encoder_seq_length = parse_int_arg("--encoder-seq-length", v.one()); };
+    t.add(std::move(s));
+  }
+  t.recognised("--decoder-seq-length", Arity::one, "INT", "None", "decoder sequence length of encoder-decoder models");
+  t.recognised("--window-size", Arity::one, "LEFT,RIGHT", "None", "sliding-window attention");
+  t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
+  t.choice("--attention-backend", "attention implementation (megatrain always runs its flash-style kernel)",
+           std::vector<std::pair<std::string, AttentionBackend>>{{"flash", AttentionBackend::flash},
+                                                                 {"fused", AttentionBackend::fused},
+                                                                 {"unfused", AttentionBackend::unfused},
+                                                                 {"local", AttentionBackend::local},
+                                                                 {"auto", AttentionBackend::auto_}},
+           MT_FIELD(model.attention_backend));
+  t.recognised("--spec", Arity::zero_or_more, "STR [STR ...]", "None", "model layer spec module");
+  t.recognised("--attention-output-gate", Arity::none, "", "off", "gated attention output");
+  t.flag("--multi-latent-attention", "DeepSeek multi-latent attention", MT_FIELD(model.multi_latent_attention));
+  t.recognised("--q-lora-rank", Arity::one, "INT", "None", "MLA query low-rank dimension");
+  t.recognised("--kv-lora-rank", Arity::one, "INT", "32", "MLA key/value low-rank dimension");
+  t.recognised("--qk-head-dim", Arity::one, "INT", "128", "MLA query/key head dimension");
+  t.recognised("--qk-pos-emb-head-dim", Arity::one, "INT", "64", "MLA rotary head dimension");
+  t.recognised("--v-head-dim", Arity::one, "INT", "128", "MLA value head dimension");
+  t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth");
+  t.flag("--fp32-residual-connection", "keep the residual stream in fp32 (needs --fp16 or --bf16)",
+         MT_FIELD(model.fp32_residual_connection));
+  t.no_effect("--use-mcore-models", Arity::none, "megatrain builds Megatron-Core-style models only");
+  t.no_effect("--transformer-impl", Arity::one, "megatrain runs its own kernels (CUDA, or the reference backend)",
+              "transformer_engine");
+  t.no_effect("--use-flash-attn", Arity::none, "megatrain's attention is always flash-style (it never stores the s x s matrix)");
+  t.removed("--hybrid-attention-ratio", Arity::one, "--hybrid-attention-ratio was removed from Megatron-LM: drop it");
+  t.removed("--hybrid-mlp-ratio", Arity::one, "--hybrid-mlp-ratio was removed from Megatron-LM: drop it");
+  t.removed("--use-legacy-models", Arity::none,
+            "--use-legacy-models was removed from Megatron-LM; megatrain builds Megatron-Core-style models only: drop it");
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,49 @@
+// Parallelism flags (megatron.md section 1.2).
+#include "app/flags.h"
+
+namespace mt::cli {
+
+void add_parallel_flags(FlagTable& t) {
+  t.set_group(FlagGroup::parallelism);
+  t.value("--tensor-model-parallel-size", "tensor parallel size TP", MT_FIELD(parallel.tensor_model_parallel_size));
+  t.value("--pipeline-model-parallel-size", "pipeline parallel size PP", MT_FIELD(parallel.pipeline_model_parallel_size));
+  t.value("--context-parallel-size", "context parallel size CP", MT_FIELD(parallel.context_parallel_size));
+  t.recognised("--cp-comm-type", Arity::one_or_more, "{p2p,a2a,allgather,a2a+p2p} [...]", "p2p",
+               "context-parallel communication per layer");
+  t.recognised("--hierarchical-context-parallel-sizes", Arity::one_or_more, "INT [INT ...]", "None",
+               "hierarchical context parallelism (a2a+p2p)");
+  t.flag("--sequence-parallel", "Megatron sequence parallelism inside the TP group (off when TP = 1)",
+         MT_FIELD(parallel.sequence_parallel));
+  t.value("--num-layers-per-virtual-pipeline-stage", "interleaved schedule: layers per model chunk",
+          MT_FIELD(parallel.num_layers_per_virtual_pipeline_stage));
+  t.value("--num-virtual-stages-per-pipeline-rank", "interleaved schedule: model chunks per pipeline rank",
+          MT_FIELD(parallel.num_virtual_stages_per_pipeline_rank));
+  t.value("--microbatch-group-size-per-virtual-pipeline-stage",
+          "interleaved schedule: contiguous micro-batches per chunk (default PP)",
+          MT_FIELD(parallel.microbatch_group_size_per_virtual_pipeline_stage));
+  t.value("--decoder-first-pipeline-num-layers", "uneven pipeline: layers on the first stage",
+          MT_FIELD(parallel.decoder_first_pipeline_num_layers));
+  t.value("--decoder-last-pipeline-num-layers", "uneven pipeline: layers on the last stage",
+          MT_FIELD(parallel.decoder_last_pipeline_num_layers));
+  t.recognised("--pipeline-model-parallel-layout", Arity::one, "LAYOUT", "None", "explicit pipeline layout string");
+  t.flag("--account-for-embedding-in-pipeline-split", "count the embedding as a layer when splitting the pipeline",
+         MT_FIELD(parallel.account_for_embedding_in_pipeline_split));
+  t.flag("--account-for-loss-in-pipeline-split", "count the loss as a layer when splitting the pipeline",
+         MT_FIELD(parallel.account_for_loss_in_pipeline_split));
+  t.negative_flag("--no-overlap-p2p-communication", "interleaved schedule: do not overlap pipeline send/recv",
+                  MT_FIELD(parallel.overlap_p2p_communication));
+  t.flag("--overlap-p2p-communication-warmup-flush", "also overlap pipeline send/recv in warmup and flush",
+         MT_FIELD(parallel.overlap_p2p_communication_warmup_flush));
+  t.flag("--use-tp-pp-dp-mapping", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
+         MT_FIELD(parallel.use_tp_pp_dp_mapping));
+  t.recognised("--expert-model-parallel-size", Arity::one, "INT", "1", "expert parallel size (MoE)");
+  t.recognised("--expert-tensor-parallel-size", Arity::one, "INT", "None (= TP)", "tensor parallel size inside experts");
+  t.removed("--no-async-tensor-model-parallel-allreduce", Arity::none,
+            "--no-async-tensor-model-parallel-allreduce was removed from Megatron-LM: drop it");
+  t.removed("--no-scatter-gather-tensors-in-pipeline", Arity::none,
+            "--no-scatter-gather-tensors-in-pipeline was removed from Megatron-LM: drop it");
+  t.removed("--model-parallel-size", Arity::one,
+            "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead");
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,101 @@
+// Training loop, batch and optimizer flags (megatron.md section 1.3).
+#include "app/flags.h"
+
+namespace mt::cli {
+
+void add_training_flags(FlagTable& t) {
+  t.set_group(FlagGroup::training);
+  t.value("--micro-batch-size", "micro-batch size per rank b (required)", MT_FIELD(train.micro_batch_size)).default_text =
+      "None (required)";
+  t.value("--global-batch-size", "global batch B (default b * DP)", MT_FIELD(train.global_batch_size));
+  t.removed("--batch-size", Arity::one, "--batch-size argument is no longer valid, use --micro-batch-size instead");
+  t.no_effect("--rampup-batch-size", Arity::three,
+              "deprecated in Megatron-LM and ignored there too: the global batch stays constant", "None");
+  t.value("--step-batch-size-schedule", "batch-size schedule \"THRESH:BS ...\"", MT_FIELD(train.step_batch_size_schedule));
+  t.flag("--decrease-batch-size-if-needed", "round the global batch down to a multiple of b * DP",
+         MT_FIELD(train.decrease_batch_size_if_needed));
+  t.value("--train-iters", "total iterations (or --train-samples)", MT_FIELD(train.train_iters));
+  t.value("--train-samples", "total samples (or --train-iters)", MT_FIELD(train.train_samples));
+  t.value("--eval-iters", "batches per evaluation", MT_FIELD(train.eval_iters));
+  t.value("--eval-interval", "evaluate every N iterations", MT_FIELD(train.eval_interval));
+  t.flag("--skip-train", "only evaluate", MT_FIELD(train.skip_train));
+  t.value("--exit-interval", "exit when iteration % N == 0", MT_FIELD(train.exit_interval));
+  t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
+          MT_FIELD(train.exit_duration_in_mins));
+  t.flag("--exit-signal-handler", "save and exit on SIGTERM", MT_FIELD(train.exit_signal_handler));
+  t.choice("--optimizer", "optimizer (adam is AdamW; Megatron also has muon, dist_muon, lion, soap, adaptive_muon)",
+           std::vector<std::pair<std::string, OptimizerKind>>{{"adam", OptimizerKind::adam}, {"sgd", OptimizerKind::sgd}},
+           MT_FIELD(train.optimizer));
+  t.value("--weight-decay", "AdamW weight decay (not on biases and 1-D parameters)", MT_FIELD(train.weight_decay));
+  t.value("--start-weight-decay", "weight decay at the start (non-constant --weight-decay-incr-style)",
+          MT_FIELD(train.start_weight_decay));
+  t.value("--end-weight-decay", "weight decay at the end (non-constant --weight-decay-incr-style)",
+          MT_FIELD(train.end_weight_decay));
+  t.choice("--weight-decay-incr-style", "weight decay schedule",
+           std::vector<std::pair<std::string, WeightDecayIncrStyle>>{{"constant", WeightDecayIncrStyle::constant},
+                                                                     {"linear", WeightDecayIncrStyle::linear},
+                                                                     {"cosine", WeightDecayIncrStyle::cosine}},
+           MT_FIELD(train.weight_decay_incr_style));
+  t.value("--clip-grad", "global L2 gradient-norm clip", MT_FIELD(train.clip_grad));
+  t.value("--adam-beta1", "Adam beta1", MT_FIELD(train.adam_beta1));
+  t.value("--adam-beta2", "Adam beta2", MT_FIELD(train.adam_beta2));
+  t.value("--adam-eps", "Adam epsilon", MT_FIELD(train.adam_eps));
+  t.value("--sgd-momentum", "SGD momentum", MT_FIELD(train.sgd_momentum));
+  t.flag("--calculate-per-token-loss", "normalise the loss by the global batch's non-padded tokens",
+         MT_FIELD(train.calculate_per_token_loss));
+  t.choice("--dataloader-type", "sample order (single: sequential and resumable, cyclic: reshuffled per epoch)",
+           std::vector<std::pair<std::string, std::string>>{{"single", "single"}, {"cyclic", "cyclic"}, {"external", "external"}},
+           MT_FIELD(data.dataloader_type));
+  t.negative_flag("--no-check-for-nan-in-loss-and-grad", "do not check the loss and gradients for NaN/Inf",
+                  MT_FIELD(train.check_for_nan_in_loss_and_grad));
+  t.recognised("--check-for-spiky-loss", Arity::none, "", "off", "rerun-state-machine spiky-loss check");
+  t.recognised("--check-for-large-grads", Arity::none, "", "off", "rerun-state-machine large-gradient check");
+  t.flag("--deterministic-mode", "deterministic kernels", MT_FIELD(train.deterministic_mode));
+  t.value("--iterations-to-skip", "1-indexed iterations whose batch is consumed without an update",
+          MT_FIELD(train.iterations_to_skip));
+  t.no_effect("--train-sync-interval", Arity::one, "a PyTorch CPU-GPU synchronisation knob", "None");
+  t.no_effect("--empty-unused-memory-level", Arity::one,
+              "megatrain plans its memory up front and never returns it to a caching allocator", "0");
+  t.no_effect("--manual-gc", Arity::none, "Python garbage-collector control");
+  t.no_effect("--manual-gc-interval", Arity::one, "Python garbage-collector control", "0");
+  t.negative_alias(t.no_effect("--no-manual-gc-eval", Arity::none, "Python garbage-collector control"));
+  t.removed("--warmup", Arity::one, "--warmup argument is no longer valid, use --lr-warmup-fraction instead");
+}
+
+void add_learning_rate_flags(FlagTable& t) {
+  t.set_group(FlagGroup::learning_rate);
+  t.value("--lr", "peak learning rate", MT_FIELD(train.lr));
+  t.value("--min-lr", "learning-rate floor", MT_FIELD(train.min_lr));
+  t.choice("--lr-decay-style", "learning-rate decay",
+           std::vector<std::pair<std::string, LrDecayStyle>>{{"constant", LrDecayStyle::constant},
+                                                             {"linear", LrDecayStyle::linear},
+                                                             {"cosine", LrDecayStyle::cosine},
+                                                             {"inverse-square-root", LrDecayStyle::inverse_square_root},
+                                                             {"WSD", LrDecayStyle::wsd}},
+           MT_FIELD(train.lr_decay_style));
+  t.value("--lr-decay-iters", "decay horizon in iterations (default --train-iters)", MT_FIELD(train.lr_decay_iters));
+  t.value("--lr-decay-samples", "decay horizon in samples (default --train-samples)", MT_FIELD(train.lr_decay_samples));
+  t.value("--lr-warmup-iters", "linear warmup in iterations", MT_FIELD(train.lr_warmup_iters));
+  t.value("--lr-warmup-samples", "linear warmup in samples", MT_FIELD(train.lr_warmup_samples));
+  t.value("--lr-warmup-fraction", "warmup as a fraction of the decay horizon", MT_FIELD(train.lr_warmup_fraction));
+  t.value("--lr-warmup-init", "learning rate at the start of warmup", MT_FIELD(train.lr_warmup_init));
+  t.choice("--lr-wsd-decay-style", "WSD anneal shape",
+           std::vector<std::pair<std::string, WsdDecayStyle>>{{"exponential", WsdDecayStyle::exponential},
+                                                              {"linear", WsdDecayStyle::linear},
+                                                              {"cosine", WsdDecayStyle::cosine},
+                                                              {"minus_sqrt", WsdDecayStyle::minus_sqrt}},
+           MT_FIELD(train.lr_wsd_decay_style));
+  t.value("--lr-wsd-decay-iters", "WSD anneal length in iterations", MT_FIELD(train.lr_wsd_decay_iters));
+  t.value("--lr-wsd-decay-samples", "WSD anneal length in samples", MT_FIELD(train.lr_wsd_decay_samples));
+  t.value("--decoupled-lr", "separate learning rate for the embedding and output layer", MT_FIELD(train.decoupled_lr));
+  t.value("--decoupled-min-lr", "separate minimum learning rate for the embedding and output layer",
+          MT_FIELD(train.decoupled_min_lr));
+  t.alias(t.flag("--override-opt_param-scheduler", "ignore the scheduler state stored in the checkpoint",
+                 MT_FIELD(train.override_opt_param_scheduler)),
+          "--override-opt-param-scheduler");
+  t.alias(t.flag("--use-checkpoint-opt_param-scheduler", "take the scheduler state from the checkpoint",
+                 MT_FIELD(train.use_checkpoint_opt_param_scheduler)),
+          "--use-checkpoint-opt-param-scheduler");
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,279 @@
+// Megatron's derived values, computed once (megatron.md sections 1 and 4; validate_args order),
+// with the rules they depend on. Rank 0's setup messages use Megatron's wording.
+#include <cmath>
+
+#include "app/cli_internal.h"
+#include "data/vocab_info.h"
+
+namespace mt::cli {
+namespace {
+
+void require(const CliState& st, const char* flag) {
+  if (!st.has(flag)) fail("{} is required", flag);
+}
+
+void positive(int v, const char* flag) {
+  if (v <= 0) fail("{} must be > 0 (got {})", flag, v);
+}
+
+void derive_model_shape(CliState& st) {
+  Config& c = st.cfg;
+  ModelConfig& m = c.model;
+  if (st.encoder_num_layers) {
+    if (st.has("--num-layers")) fail("cannot have both --num-layers and --encoder-num-layers");
+    m.num_layers = *st.encoder_num_layers;
+  } else if (!st.has("--num-layers")) {
+    fail("--num-layers is required (or --encoder-num-layers)");
+  }
+  require(st, "--hidden-size");
+  require(st, "--num-attention-heads");
+  require(st, "--max-position-embeddings");
+  positive(m.num_layers, "--num-layers");
+  positive(m.hidden_size, "--hidden-size");
+  positive(m.num_attention_heads, "--num-attention-heads");
+  positive(m.max_position_embeddings, "--max-position-embeddings");
+  if (st.encoder_seq_length) {
+    if (st.has("--seq-length")) fail("cannot have both --seq-length and --encoder-seq-length");
+    m.seq_length = *st.encoder_seq_length;
+  } else if (!st.has("--seq-length")) {
+    fail("--seq-length is required (or --encoder-seq-length)");
+  }
+  positive(m.seq_length, "--seq-length");
+
+  if (m.ffn_hidden_size) {
+    positive(*m.ffn_hidden_size, "--ffn-hidden-size");
+    m.ffn_size = *m.ffn_hidden_size;
+  } else if (m.swiglu) {
+    // Keeps the parameter count near the 4h MLP's, rounded down to a multiple of 64.
+    m.ffn_size = static_cast<int>((4.0 * m.hidden_size * 2.0 / 3.0) / 64.0) * 64;
+  } else {
+    m.ffn_size = 4 * m.hidden_size;
+  }
+  if (m.kv_channels) {
+    positive(*m.kv_channels, "--kv-channels");
+    m.head_dim = *m.kv_channels;
+  } else {
+    if (m.hidden_size % m.num_attention_heads != 0)
+      fail("--hidden-size {} is not divisible by --num-attention-heads {} (or pass --kv-channels)", m.hidden_size,
+           m.num_attention_heads);
+    m.head_dim = m.hidden_size / m.num_attention_heads;
+  }
+  if (m.group_query_attention) {
+    positive(m.num_query_groups, "--num-query-groups");
+    m.query_groups = m.num_query_groups;
+  } else {
+    m.query_groups = m.num_attention_heads;
+  }
+  if (st.use_rotary_position_embeddings) m.position_embedding_type = PositionEmbedding::rope;
+  if (m.add_bias_linear) m.add_qkv_bias = true;  // Megatron keeps the two in sync
+  if (m.apply_query_key_layer_scaling) m.attention_softmax_in_fp32 = true;
+}
+
+void derive_parallel(CliState& st) {
+  Config& c = st.cfg;
+  ParallelConfig& p = c.parallel;
+  positive(p.tensor_model_parallel_size, "--tensor-model-parallel-size");
+  positive(p.pipeline_model_parallel_size, "--pipeline-model-parallel-size");
+  positive(p.context_parallel_size, "--context-parallel-size");
+  const int model_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size;
+  if (p.world_size % model_size != 0)
+    fail("world size {} is not divisible by --tensor-model-parallel-size {} x --pipeline-model-parallel-size {} x "
+         "--context-parallel-size {} = {}",
+         p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size, model_size);
+  p.data_parallel_size = p.world_size / model_size;
+  st.info(fmt::format("using world size: {}, data-parallel size: {}, context-parallel size: {}, hierarchical "
+                      "context-parallel sizes: None, tensor-model-parallel size: {}, pipeline-model-parallel size: {}",
+                      p.world_size, p.data_parallel_size, p.context_parallel_size, p.tensor_model_parallel_size,
+                      p.pipeline_model_parallel_size));
+
+  // Virtual pipeline (interleaved schedule).
+  const int L = c.model.num_layers, P = p.pipeline_model_parallel_size;
+  const bool uneven = p.decoder_first_pipeline_num_layers || p.decoder_last_pipeline_num_layers;
+  if (p.num_layers_per_virtual_pipeline_stage && p.num_virtual_stages_per_pipeline_rank)
+    fail("no more than one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+         "can be set");
+  int vpp = 1;
+  if (p.num_layers_per_virtual_pipeline_stage) {
+    const int per_chunk = *p.num_layers_per_virtual_pipeline_stage;
+    positive(per_chunk, "--num-layers-per-virtual-pipeline-stage");
+    if (uneven)
+      fail("--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-pipeline-num-layers: "
+           "use --num-virtual-stages-per-pipeline-rank to set the virtual pipeline size with an uneven pipeline");
+    const int total = L + (p.account_for_embedding_in_pipeline_split ? 1 : 0) +
+                      (p.account_for_loss_in_pipeline_split ? 1 : 0);
+    if (total % P != 0) fail("--num-layers {} is not divisible by --pipeline-model-parallel-size {}", total, P);
+    if ((total / P) % per_chunk != 0)
+      fail("the {} layers per pipeline stage are not divisible by --num-layers-per-virtual-pipeline-stage {}",
+           total / P, per_chunk);
+    vpp = total / P / per_chunk;
+  } else if (p.num_virtual_stages_per_pipeline_rank) {
+    positive(*p.num_virtual_stages_per_pipeline_rank, "--num-virtual-stages-per-pipeline-rank");
+    vpp = *p.num_virtual_stages_per_pipeline_rank;
+  }
+  p.virtual_pipeline_size = vpp;
+  if (vpp > 1) {
+    if (p.overlap_p2p_communication && P <= 1)
+      fail("the interleaved schedule (virtual pipeline size {}) needs --pipeline-model-parallel-size > 1", vpp);
+    if (!p.overlap_p2p_communication && P <= 2)
+      fail("the interleaved schedule with --no-overlap-p2p-communication needs --pipeline-model-parallel-size > 2 "
+           "(got {}), to avoid several sends and receives between the same 2 ranks per communication batch", P);
+  } else {
+    p.overlap_p2p_communication = false;
+    if (P > 1)
+      st.warn("Setting args.overlap_p2p_comm and args.align_param_gather to False since non-interleaved schedule "
+              "does not support overlapping p2p communication and aligned param AG");
+  }
+  st.info(vpp > 1 ? fmt::format("Number of virtual stages per pipeline stage: {}", vpp)
+                  : std::string("Number of virtual stages per pipeline stage: None"));
+
+  if (p.tensor_model_parallel_size == 1) {
+    if (p.sequence_parallel) st.warn("Disabling sequence parallelism because tensor model parallelism is disabled");
+    p.sequence_parallel = false;
+  }
+}
+
+void derive_precision(CliState& st) {
+  Config& c = st.cfg;
+  TrainConfig& t = c.train;
+  if (st.has("--fp16") && st.has("--bf16")) fail("--fp16 and --bf16 are exclusive: pick one");
+  if (t.precision == Precision::fp16 && !t.loss_scale) {
+    t.check_for_nan_in_loss_and_grad = false;
+    st.warn("Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss scaling is being used");
+  }
+  if (t.precision == Precision::bf16) {
+    if (c.parallel.grad_reduce_in_bf16) {
+      c.parallel.accumulate_allreduce_grads_in_fp32 = false;
+    } else if (!c.parallel.accumulate_allreduce_grads_in_fp32) {
+      c.parallel.accumulate_allreduce_grads_in_fp32 = true;
+      st.info("accumulate and all-reduce gradients in fp32 for bfloat16 data type.");
+    }
+  }
+  const char* dtype = t.precision == Precision::bf16 ? "torch.bfloat16"
+                      : t.precision == Precision::fp16 ? "torch.float16"
+                                                       : "torch.float32";
+  st.info(fmt::format("using {} for parameters ...", dtype));
+}
+
+void derive_batch(CliState& st) {
+  Config& c = st.cfg;
+  TrainConfig& t = c.train;
+  require(st, "--micro-batch-size");
+  positive(t.micro_batch_size, "--micro-batch-size");
+  const int dp = c.parallel.data_parallel_size;
+  if (!t.global_batch_size) {
+    t.global_batch = t.micro_batch_size * dp;
+    st.info(fmt::format("setting global batch size to {}", t.global_batch));
+  } else {
+    positive(*t.global_batch_size, "--global-batch-size");
+    t.global_batch = *t.global_batch_size;
+  }
+  const int per_step = t.micro_batch_size * dp;
+  if (t.global_batch % per_step != 0) {
+    if (!t.decrease_batch_size_if_needed)
+      fail("--global-batch-size {} is not divisible by --micro-batch-size {} x data-parallel size {} = {}",
+           t.global_batch, t.micro_batch_size, dp, per_step);
+    const int rounded = t.global_batch / per_step * per_step;
+    if (rounded == 0)
+      fail("--global-batch-size {} is smaller than --micro-batch-size {} x data-parallel size {} = {}", t.global_batch,
+           t.micro_batch_size, dp, per_step);
+    st.warn(fmt::format("--decrease-batch-size-if-needed: global batch size {} is not divisible by micro batch size "
+                        "({}) times data parallel size ({}); decreasing it to {}",
+                        t.global_batch, t.micro_batch_size, dp, rounded));
+    t.global_batch = rounded;
+  }
+  t.num_microbatches = t.global_batch / per_step;
+}
+
+void derive_schedule(CliState& st) {
+  TrainConfig& t = st.cfg.train;
+  const bool by_iters = t.train_iters.has_value();
+  const bool by_samples = t.train_samples.has_value();
+  if (by_iters && by_samples) fail("--train-iters and --train-samples are exclusive: pass one");
+  if (!by_iters && !by_samples) fail("pass --train-iters or --train-samples (the length of the run)");
+  const int64_t B = t.global_batch;
+  if (by_iters) {
+    if (*t.train_iters < 0) fail("--train-iters must be >= 0 (got {})", *t.train_iters);
+    if (t.lr_decay_samples) fail("--lr-decay-samples goes with --train-samples; with --train-iters use --lr-decay-iters");
+    if (t.lr_warmup_samples != 0)
+      fail("--lr-warmup-samples goes with --train-samples; with --train-iters use --lr-warmup-iters");
+    if (t.lr_wsd_decay_samples)
+      fail("--lr-wsd-decay-samples goes with --train-samples; with --train-iters use --lr-wsd-decay-iters");
+    if (t.lr_warmup_fraction && t.lr_warmup_iters != 0)
+      fail("can only specify one of --lr-warmup-fraction and --lr-warmup-iters");
+    t.total_iters = *t.train_iters;
+    const int64_t decay_iters = t.lr_decay_iters.value_or(*t.train_iters);
+    t.lr_decay_steps = decay_iters * B;
+    t.wd_incr_steps = *t.train_iters * B;
+    if (t.lr_wsd_decay_iters) t.lr_wsd_decay_steps = *t.lr_wsd_decay_iters * B;
+    t.lr_warmup_steps = t.lr_warmup_fraction ? *t.lr_warmup_fraction * static_cast<double>(t.lr_decay_steps)
+                                             : static_cast<double>(t.lr_warmup_iters * B);
+  } else {
+    if (*t.train_samples < 0) fail("--train-samples must be >= 0 (got {})", *t.train_samples);
+    if (t.lr_decay_iters) fail("--lr-decay-iters goes with --train-iters; with --train-samples use --lr-decay-samples");
+    if (t.lr_warmup_iters != 0)
+      fail("--lr-warmup-iters goes with --train-iters; with --train-samples use --lr-warmup-samples");
+    if (t.lr_wsd_decay_iters)
+      fail("--lr-wsd-decay-iters goes with --train-iters; with --train-samples use --lr-wsd-decay-samples");
+    if (t.lr_warmup_fraction && t.lr_warmup_samples != 0)
+      fail("can only specify one of --lr-warmup-fraction and --lr-warmup-samples");
+    t.total_iters = *t.train_samples / B;  // Megatron's update_train_iters (constant batch)
+    t.lr_decay_steps = t.lr_decay_samples.value_or(*t.train_samples);
+    t.wd_incr_steps = *t.train_samples;
+    if (t.lr_wsd_decay_samples) t.lr_wsd_decay_steps = *t.lr_wsd_decay_samples;
+    t.lr_warmup_steps = t.lr_warmup_fraction ? *t.lr_warmup_fraction * static_cast<double>(t.lr_decay_steps)
+                                             : static_cast<double>(t.lr_warmup_samples);
+  }
+  if (t.weight_decay_incr_style == WeightDecayIncrStyle::constant) {
+    if (t.start_weight_decay || t.end_weight_decay)
+      fail("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (constant uses "
+           "--weight-decay)");
+    t.start_weight_decay = t.weight_decay;
+    t.end_weight_decay = t.weight_decay;
+  } else if (!t.start_weight_decay || !t.end_weight_decay) {
+    fail("--weight-decay-incr-style {} needs both --start-weight-decay and --end-weight-decay",
+         t.weight_decay_incr_style == WeightDecayIncrStyle::linear ? "linear" : "cosine");
+  }
+}
+
+void derive_vocab(CliState& st) {
+  Config& c = st.cfg;
+  DataConfig& d = c.data;
+  ModelConfig& m = c.model;
+  if (!d.tokenizer_type) d.tokenizer_type = "GPT2BPETokenizer";  // pretrain_gpt.py's args_defaults
+  if (m.make_vocab_size_divisible_by < 1)
+    fail("--make-vocab-size-divisible-by must be >= 1 (got {})", m.make_vocab_size_divisible_by);
+  st.info(fmt::format("> building {} tokenizer ...", *d.tokenizer_type));
+  const VocabInfo v = vocab_info(d);
+  m.vocab_size = v.size;
+  d.eod_id = v.eod;
+  if (d.padded_vocab_size) {
+    m.padded_vocab_size = *d.padded_vocab_size;
+  } else {
+    const int64_t multiple = static_cast<int64_t>(m.make_vocab_size_divisible_by) * c.parallel.tensor_model_parallel_size;
+    const int64_t padded = (v.size + multiple - 1) / multiple * multiple;
+    m.padded_vocab_size = static_cast<int>(padded);
+    st.info(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", v.size, padded - v.size, padded));
+  }
+}
+
+}  // namespace
+
+void derive(CliState& st) {
+  derive_model_shape(st);
+  derive_parallel(st);
+  if (st.has("--data-path") && !st.cfg.data.split) {
+    st.warn("Please specify --split when using --data-path. Using legacy default value of \"969, 30, 1\"");
+    st.cfg.data.split = "969, 30, 1";
+  }
+  derive_batch(st);
+  derive_precision(st);
+  derive_schedule(st);
+  if (st.recompute_activations) st.cfg.train.recompute_granularity = RecomputeGranularity::selective;
+  if (st.cfg.train.recompute_granularity == RecomputeGranularity::selective && st.cfg.train.recompute_modules.empty())
+    st.cfg.train.recompute_modules = {"core_attn"};
+  derive_vocab(st);
+  const TrainConfig& t = st.cfg.train;
+  st.info(fmt::format("setting number of microbatches to constant {}", t.num_microbatches));
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,262 @@
+// The flag table: every Megatron-LM flag megatrain recognises (and megatrain's own), with its
+// group, arity, help and how it lands in Config. One FlagSpec per flag; the parser (parse.cpp),
+// --help, --list-flags (docs/flags.md) and the dry run's configuration dump all read this table.
+//
+// Kinds:
+//   supported   parsed into Config (unsupported.cpp may still refuse some of its values)
+//   recognised  a Megatron flag megatrain does not implement: refused unless left at its
+//               default (the refusal rule is in unsupported.cpp, the one table to delete from)
+//   no_effect   accepted; it means nothing for a native binary (rank 0 prints a note)
+//   removed     gone from Megatron or fatal there: an error with Megatron's advice
+//   megatrain   megatrain's own flags
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "app/cli.h"
+#include "app/flag_values.h"
+#include "core/config.h"
+#include "core/error.h"
+
+namespace mt::cli {
+
+enum class FlagGroup {
+  model, parallelism, training, learning_rate, mixed_precision, data, tokenizer, checkpointing,
+  logging, recompute, regularization, distributed, moe, fp8, megatrain,
+};
+const char* group_title(FlagGroup g);
+std::vector<FlagGroup> all_groups();
+
+// How many values follow the flag (argparse's nargs).
+enum class Arity { none, one, one_or_more, zero_or_more, three };
+
+enum class FlagKind { supported, recognised, no_effect, removed, megatrain };
+
+// The values of a flag's last occurrence (argparse: the last one wins).
+struct FlagValue {
+  std::vector<std::string> values;
+  const std::string& one() const { return values.at(0); }
+};
+
+// Parsing state: the Config being filled plus values that only the parser needs.
+struct CliState {
+  Config cfg;
+  std::map<std::string, FlagValue> given;  // primary flag name -> last occurrence
+  std::optional<int> encoder_num_layers;   // --encoder-num-layers (alias of --num-layers for GPT)
+  std::optional<int> encoder_seq_length;   // --encoder-seq-length (alias of --seq-length)
+  bool recompute_activations = false;      // --recompute-activations = --recompute-granularity selective
+  bool use_rotary_position_embeddings = false;
+  std::optional<int> local_rank;           // --local-rank (torch.distributed.launch style)
+  std::vector<SetupMessage> messages;
+
+  bool has(const std::string& flag) const { return given.count(flag) > 0; }
+  void info(std::string t) { messages.push_back({SetupMessage::Kind::info, std::move(t)}); }
+  void note(std::string t) { messages.push_back({SetupMessage::Kind::note, std::move(t)}); }
+  void warn(std::string t) { messages.push_back({SetupMessage::Kind::warning, std::move(t)}); }
+};
+
+using ApplyFn = std::function<void(CliState&, const FlagValue&)>;
+using ValueFn = std::function<nlohmann::json(const Config&)>;
+
+struct FlagSpec {
+  std::string name;                  // primary spelling, "--num-layers"
+  std::vector<std::string> aliases;  // other spellings ("--disable-x" for "--no-x", ...)
+  FlagGroup group = FlagGroup::model;
+  Arity arity = Arity::one;
+  std::string metavar;
+  std::string help;
+  FlagKind kind = FlagKind::supported;
+  std::string note;          // no_effect / removed: the message
+  std::string default_text;  // recognised / no_effect flags: Megatron's default, for the docs
+  ApplyFn apply;             // supported and megatrain flags
+  ValueFn value;             // the value in a Config (for dumps); absent for flags without one
+
+  std::vector<std::string> all_names() const {
+    std::vector<std::string> n{name};
+    n.insert(n.end(), aliases.begin(), aliases.end());
+    return n;
+  }
+};
+
+// Value conversions per C++ type (argparse type= semantics).
+template <class T> struct ArgTraits;
+template <> struct ArgTraits<int> {
+  static constexpr Arity arity = Arity::one;
+  static const char* metavar() { return "INT"; }
+  static void assign(int& t, const std::string& f, const FlagValue& v) { t = parse_int_arg(f, v.one()); }
+  static nlohmann::json json(const int& t) { return t; }
+};
+template <> struct ArgTraits<int64_t> {
+  static constexpr Arity arity = Arity::one;
+  static const char* metavar() { return "INT"; }
+  static void assign(int64_t& t, const std::string& f, const FlagValue& v) { t = parse_int64_arg(f, v.one()); }
+  static nlohmann::json json(const int64_t& t) { return t; }
+};
+template <> struct ArgTraits<double> {
+  static constexpr Arity arity = Arity::one;
+  static const char* metavar() { return "FLOAT"; }
+  static void assign(double& t, const std::string& f, const FlagValue& v) { t = parse_float_arg(f, v.one()); }
+  static nlohmann::json json(const double& t) { return t; }
+};
+template <> struct ArgTraits<std::string> {
+  static constexpr Arity arity = Arity::one;
+  static const char* metavar() { return "STR"; }
+  static void assign(std::string& t, const std::string&, const FlagValue& v) { t = v.one(); }
+  static nlohmann::json json(const std::string& t) { return t; }
+};
+template <class X> struct ArgTraits<std::optional<X>> {
+  static constexpr Arity arity = ArgTraits<X>::arity;
+  static const char* metavar() { return ArgTraits<X>::metavar(); }
+  static void assign(std::optional<X>& t, const std::string& f, const FlagValue& v) {
+    X x{};
+    ArgTraits<X>::assign(x, f, v);
+    t = x;
+  }
+  static nlohmann::json json(const std::optional<X>& t) { return t ? ArgTraits<X>::json(*t) : nlohmann::json(); }
+};
+template <> struct ArgTraits<std::vector<std::string>> {
+  static constexpr Arity arity = Arity::one_or_more;
+  static const char* metavar() { return "STR [STR ...]"; }
+  static void assign(std::vector<std::string>& t, const std::string&, const FlagValue& v) { t = v.values; }
+  static nlohmann::json json(const std::vector<std::string>& t) { return t; }
+};
+template <> struct ArgTraits<std::vector<int64_t>> {
+  static constexpr Arity arity = Arity::one_or_more;
+  static const char* metavar() { return "INT [INT ...]"; }
+  static void assign(std::vector<int64_t>& t, const std::string& f, const FlagValue& v) {
+    t.clear();
+    for (const auto& s : v.values) t.push_back(parse_int64_arg(f, s));
+  }
+  static nlohmann::json json(const std::vector<int64_t>& t) { return t; }
+};
+
+class FlagTable {
+ public:
+  FlagSpec& add(FlagSpec s);
+  const FlagSpec* find(const std::string& name) const;  // primary name or alias
+  const std::vector<FlagSpec>& flags() const { return flags_; }
+  void set_group(FlagGroup g) { group_ = g; }
+
+  // A typed flag stored through `acc` (a lambda Config& -> T&).
+  template <class Acc>
+  FlagSpec& value(const std::string& name, const std::string& help, Acc acc) {
+    using T = std::remove_reference_t<decltype(acc(std::declval<Config&>()))>;
+    FlagSpec s = base(name, help);
+    s.arity = ArgTraits<T>::arity;
+    s.metavar = ArgTraits<T>::metavar();
+    s.apply = [acc, name](CliState& st, const FlagValue& v) { ArgTraits<T>::assign(acc(st.cfg), name, v); };
+    s.value = [acc](const Config& c) { return ArgTraits<T>::json(acc(const_cast<Config&>(c))); };
+    return add(std::move(s));
+  }
+
+  // store_true (set_to = true) or store_false (set_to = false) switch on a bool.
+  template <class Acc>
+  FlagSpec& flag(const std::string& name, const std::string& help, Acc acc, bool set_to = true) {
+    FlagSpec s = base(name, help);
+    s.arity = Arity::none;
+    s.apply = [acc, set_to](CliState& st, const FlagValue&) { acc(st.cfg) = set_to; };
+    s.value = [acc](const Config& c) { return nlohmann::json(acc(const_cast<Config&>(c))); };
+    return add(std::move(s));
+  }
+  // store_false with Megatron HEAD's two spellings: "--no-x" also answers to "--disable-x" and
+  // "--disable-x" to "--no-x" (the dataclass-generated flags; megatron.md's version caveat).
+  template <class Acc>
+  FlagSpec& negative_flag(const std::string& name, const std::string& help, Acc acc) {
+    FlagSpec& s = flag(name, help, acc, false);
+    negative_alias(s);
+    return s;
+  }
+
+  // A choice stored as an enum (or string) through `acc`; `choices` pairs the spelling with the value.
+  template <class Acc, class E>
+  FlagSpec& choice(const std::string& name, const std::string& help, std::vector<std::pair<std::string, E>> choices,
+                   Acc acc) {
+    FlagSpec s = base(name, help);
+    s.arity = Arity::one;
+    s.metavar = "{";
+    std::vector<std::string> names;
+    for (auto& [n, e] : choices) {
+      s.metavar += (names.empty() ? "" : ",") + n;
+      names.push_back(n);
+    }
+    s.metavar += "}";
+    s.apply = [acc, name, choices, names](CliState& st, const FlagValue& v) {
+      const std::string c = parse_choice_arg(name, v.one(), names);
+      for (auto& [n, e] : choices)
+        if (n == c) assign_choice(acc(st.cfg), e);
+    };
+    s.value = [acc, choices](const Config& c) -> nlohmann::json { return choice_json(acc(const_cast<Config&>(c)), choices); };
+    return add(std::move(s));
+  }
+
+  // A Megatron flag megatrain does not implement (refused by unsupported.cpp unless at default).
+  FlagSpec& recognised(const std::string& name, Arity arity, const std::string& metavar, const std::string& default_text,
+                       const std::string& help);
+  // Accepted and ignored, with a note saying why.
+  FlagSpec& no_effect(const std::string& name, Arity arity, const std::string& why, const std::string& default_text = "");
+  // Fatal: removed from Megatron (or fatal there); `message` is the error.
+  FlagSpec& removed(const std::string& name, Arity arity, const std::string& message);
+
+  // Another spelling of an added flag.
+  FlagSpec& alias(FlagSpec& s, const std::string& spelling);
+  // "--no-x" <-> "--disable-x".
+  FlagSpec& negative_alias(FlagSpec& s);
+
+ private:
+  FlagSpec base(const std::string& name, const std::string& help) const {
+    FlagSpec s;
+    s.name = name;
+    s.help = help;
+    s.group = group_;
+    return s;
+  }
+  template <class E> static void assign_choice(E& t, const E& v) { t = v; }
+  template <class E> static void assign_choice(std::optional<E>& t, const E& v) { t = v; }
+  template <class E>
+  static nlohmann::json choice_json(const E& v, const std::vector<std::pair<std::string, E>>& choices) {
+    for (auto& [n, e] : choices)
+      if (e == v) return n;
+    return nullptr;
+  }
+  template <class E>
+  static nlohmann::json choice_json(const std::optional<E>& v, const std::vector<std::pair<std::string, E>>& choices) {
+    return v ? choice_json(*v, choices) : nlohmann::json();
+  }
+
+  std::vector<FlagSpec> flags_;
+  std::map<std::string, size_t> index_;
+  FlagGroup group_ = FlagGroup::model;
+};
+
+// The whole table, built once.
+const FlagTable& flag_table();
+
+// Accessor for FlagTable::value/flag/choice: MT_FIELD(model.num_layers).
+#define MT_FIELD(path) [](::mt::Config& c_) -> auto& { return c_.path; }
+
+// Per-group registration (cli_*.cpp).
+void add_model_flags(FlagTable& t);
+void add_parallel_flags(FlagTable& t);
+void add_training_flags(FlagTable& t);
+void add_learning_rate_flags(FlagTable& t);
+void add_precision_flags(FlagTable& t);
+void add_data_flags(FlagTable& t);
+void add_tokenizer_flags(FlagTable& t);
+void add_checkpoint_flags(FlagTable& t);
+void add_logging_flags(FlagTable& t);
+void add_recompute_flags(FlagTable& t);
+void add_regularization_flags(FlagTable& t);
+void add_distributed_flags(FlagTable& t);
+void add_moe_flags(FlagTable& t);
+void add_fp8_flags(FlagTable& t);
+void add_megatrain_flags(FlagTable& t);
+
+}  // namespace mt::cli

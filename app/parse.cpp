@@ -1,0 +1,146 @@
+// parse_config: Megatron's argparse semantics on top of CLI11 (which tokenises argv, matches the
+// spellings and collects values), then launch detection, derivations and validation.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <regex>
+
+#include "app/cli.h"
+#include "app/cli_internal.h"
+#include "app/suggest.h"
+#include "app/unsupported.h"
+#include "core/log.h"
+
+namespace mt::cli {
+namespace {
+
+// argparse takes "-5" or "-.5" as a value, any other leading '-' as an option.
+bool looks_like_option(const std::string& v) {
+  static const std::regex negative_number(R"(^-\d+$|^-\d*\.\d+$)");
+  return v.size() > 1 && v[0] == '-' && !std::regex_match(v, negative_number);
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep = " ") {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+[[noreturn]] void unknown_flag(const std::string& token) {
+  const std::string name = token.substr(0, token.find('='));
+  if (name.rfind("--retro-", 0) == 0)
+    fail("{}: Retro was removed from Megatron-LM and megatrain does not support it", name);
+  std::vector<std::string> names;
+  for (const FlagSpec& f : flag_table().flags())
+    for (const auto& n : f.all_names()) names.push_back(n);
+  fail("unrecognized argument {} (did you mean {}?)", name, closest(name, names));
+}
+
+}  // namespace
+
+CliState parse_flags(const std::vector<std::string>& args) {
+  const FlagTable& table = flag_table();
+  CLI::App app;
+  app.allow_extras();
+  app.set_help_flag();
+  std::map<std::string, FlagValue> given;
+  for (const FlagSpec& f : table.flags()) {
+    const std::string name = f.name;
+    const Arity arity = f.arity;
+    CLI::Option* o = app.add_option(join(f.all_names(), ","), [&given, name, arity](const CLI::results_t& r) {
+      FlagValue v{r};
+      // CLI11 2.1 reports a bare zero-argument flag as one empty result.
+      if (arity == Arity::none && !(r.empty() || (r.size() == 1 && r.front().empty())))
+        fail("{} takes no value (got '{}')", name, r.front());
+      if (arity == Arity::one && looks_like_option(r.front()))
+        fail("{} expects a value (got the flag {})", name, r.front());
+      given[name] = v;
+      return true;
+    });
+    o->trigger_on_parse();
+    switch (arity) {
+      case Arity::none: o->expected(0, 0); break;
+      case Arity::one: o->expected(1, 1); break;
+      case Arity::three: o->expected(3, 3); break;
+      case Arity::one_or_more:
+        o->expected(1, CLI::detail::expected_max_vector_size);
+        o->allow_extra_args(true);
+        break;
+      case Arity::zero_or_more:
+        o->expected(0, CLI::detail::expected_max_vector_size);
+        o->allow_extra_args(true);
+        break;
+    }
+  }
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(std::move(reversed));
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    // CLI11: "--lr: 1 required  missing" -> one line naming the flag.
+    fail("{}", what.empty() ? e.get_name() : what);
+  }
+  const std::vector<std::string> extras = app.remaining();
+  for (const std::string& x : extras)
+    if (x.size() > 1 && x[0] == '-' && looks_like_option(x)) unknown_flag(x);
+  if (!extras.empty())
+    fail("unrecognized arguments: {} (a value containing spaces must be quoted as one argument)", join(extras));
+
+  CliState st;
+  st.given = std::move(given);
+
+  // Flags removed from Megatron (or fatal there) fail with Megatron's advice.
+  for (const FlagSpec& f : table.flags())
+    if (f.kind == FlagKind::removed && st.has(f.name)) fail("{}", f.note);
+
+  // What megatrain does not implement yet: one line naming every refused use.
+  const std::vector<std::string> refused = unsupported_uses(st.given);
+  if (!refused.empty()) throw Unsupported(fmt::format("megatrain does not support {} yet", join(refused, ", ")));
+
+  for (const FlagSpec& f : table.flags()) {
+    auto it = st.given.find(f.name);
+    if (it == st.given.end()) continue;
+    if (f.kind == FlagKind::no_effect) st.note(fmt::format("{} has no effect in megatrain: {}", f.name, f.note));
+    if (f.apply) f.apply(st, it->second);
+  }
+  return st;
+}
+
+void validate(CliState& st) {
+  validate_model(st);
+  validate_parallel(st);
+  validate_training(st);
+  validate_data(st);
+  validate_checkpoint_and_logging(st);
+  validate_megatrain(st);
+}
+
+}  // namespace mt::cli
+
+namespace mt {
+
+void print_setup_messages(const std::vector<SetupMessage>& messages, int rank) {
+  if (rank != 0) return;
+  for (const SetupMessage& m : messages) {
+    switch (m.kind) {
+      case SetupMessage::Kind::info: log::write_stdout(m.text); break;
+      case SetupMessage::Kind::note: log::write_stderr(fmt::format("[rank {}] note: {}", rank, m.text)); break;
+      case SetupMessage::Kind::warning: log::write_stderr(fmt::format("[rank {}] warning: {}", rank, m.text)); break;
+    }
+  }
+}
+
+Config parse_config(const std::vector<std::string>& args, const Environment& env, std::vector<SetupMessage>* messages) {
+  cli::CliState st = cli::parse_flags(args);
+  cli::resolve_launch(st, env);
+  cli::derive(st);
+  cli::validate(st);
+  if (messages != nullptr)
+    messages->insert(messages->end(), st.messages.begin(), st.messages.end());
+  else
+    print_setup_messages(st.messages, st.cfg.parallel.rank);
+  return st.cfg;
+}
+
+}  // namespace mt

@@ -1,0 +1,53 @@
+// The resolved configuration and the derived values, for the dry run.
+#include "app/flags.h"
+#include "app/plan.h"
+#include "parallel/launch_env.h"
+
+namespace mt {
+
+nlohmann::json resolved_config(const Config& cfg) {
+  static const Config defaults{};
+  nlohmann::json out = nlohmann::json::object();
+  for (const cli::FlagSpec& f : cli::flag_table().flags()) {
+    if (!f.value) continue;
+    const nlohmann::json v = f.value(cfg), d = f.value(defaults);
+    out[f.name] = {{"value", v}, {"default", d}, {"differs", v != d}};
+  }
+  return out;
+}
+
+nlohmann::json derived_values(const Config& c) {
+  const char* precision = c.train.precision == Precision::bf16 ? "bf16" : c.train.precision == Precision::fp16 ? "fp16" : "fp32";
+  nlohmann::json d = {
+      {"world_size", c.parallel.world_size},
+      {"launcher", launcher_name(c.parallel.launcher)},
+      {"data_parallel_size", c.parallel.data_parallel_size},
+      {"virtual_pipeline_size", c.parallel.virtual_pipeline_size},
+      {"sequence_parallel", c.parallel.sequence_parallel},
+      {"overlap_p2p_communication", c.parallel.overlap_p2p_communication},
+      {"global_batch_size", c.train.global_batch},
+      {"num_microbatches", c.train.num_microbatches},
+      {"train_iters", c.train.total_iters},
+      {"lr_warmup_steps_samples", c.train.lr_warmup_steps},
+      {"lr_decay_steps_samples", c.train.lr_decay_steps},
+      {"wd_incr_steps_samples", c.train.wd_incr_steps},
+      {"ffn_hidden_size", c.model.ffn_size},
+      {"kv_channels", c.model.head_dim},
+      {"num_query_groups", c.model.query_groups},
+      {"add_qkv_bias", c.model.add_qkv_bias},
+      {"vocab_size", c.model.vocab_size},
+      {"padded_vocab_size", c.model.padded_vocab_size},
+      {"eod_id", c.data.eod_id},
+      {"tokenizer_type", c.data.tokenizer_type.value_or("")},
+      {"params_dtype", precision},
+      {"accumulate_allreduce_grads_in_fp32", c.parallel.accumulate_allreduce_grads_in_fp32},
+      {"check_for_nan_in_loss_and_grad", c.train.check_for_nan_in_loss_and_grad},
+      {"split", c.data.split_weights},
+  };
+  if (c.train.lr_wsd_decay_steps) d["lr_wsd_decay_steps_samples"] = *c.train.lr_wsd_decay_steps;
+  if (c.train.start_weight_decay) d["start_weight_decay"] = *c.train.start_weight_decay;
+  if (c.train.end_weight_decay) d["end_weight_decay"] = *c.train.end_weight_decay;
+  return d;
+}
+
+}  // namespace mt

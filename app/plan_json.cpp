@@ -1,0 +1,85 @@
+// The dry run as one JSON object (--dry-run --json): everything, every rank included.
+#include "app/plan.h"
+#include "app/version.h"
+
+namespace mt {
+namespace {
+
+nlohmann::json memory_json(const StageMemory& m) {
+  return {{"weights_bytes", m.weights},
+          {"gradients_bytes", m.gradients},
+          {"optimizer_bytes", m.optimizer},
+          {"optimizer_distributed_bytes", m.optimizer_distributed},
+          {"activations_bytes", {{"none", m.activations_none}, {"selective", m.activations_selective}, {"full", m.activations_full}}},
+          {"activations_configured_bytes", m.activations},
+          {"total_bytes", m.total},
+          {"inflight_microbatches", m.inflight_microbatches}};
+}
+
+}  // namespace
+
+nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<SetupMessage>& messages) {
+  nlohmann::json j;
+  j["megatrain_version"] = version_string();
+  nlohmann::json msgs = nlohmann::json::array();
+  for (const SetupMessage& m : messages)
+    msgs.push_back({{"kind", m.kind == SetupMessage::Kind::info ? "info" : m.kind == SetupMessage::Kind::note ? "note" : "warning"},
+                    {"text", m.text}});
+  j["messages"] = msgs;
+  j["config"] = resolved_config(cfg);
+  j["derived"] = derived_values(cfg);
+
+  const RankGrid& g = plan.grid;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < g.world_size(); ++r) {
+    const RankCoord c = rank_coord(g, r);
+    ranks.push_back({{"rank", r}, {"tp", c.tp}, {"cp", c.cp}, {"dp", c.dp}, {"pp", c.pp}});
+  }
+  j["rank_grid"] = {{"order", g.order_string()},
+                    {"tp", g.tp}, {"cp", g.cp}, {"ep", g.ep}, {"dp", g.dp}, {"pp", g.pp},
+                    {"vpp", cfg.parallel.virtual_pipeline_size},
+                    {"ranks", ranks},
+                    {"groups",
+                     {{"tp", rank_groups(g, "tp")},
+                      {"dp", rank_groups(g, "dp")},
+                      {"pp", rank_groups(g, "pp")},
+                      {"cp", rank_groups(g, "cp")},
+                      {"model_parallel", rank_groups(g, "tp-pp")},
+                      {"embedding", embedding_groups(g)},
+                      {"position_embedding", position_embedding_groups(g)}}}};
+
+  nlohmann::json stages = nlohmann::json::array();
+  for (const StagePlan& s : plan.stages) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (const ModelChunk& c : s.chunks)
+      chunks.push_back({{"vp_stage", c.vp_stage}, {"first_layer", c.first_layer}, {"num_layers", c.num_layers},
+                        {"embedding", c.has_embedding}, {"output", c.has_output}});
+    stages.push_back({{"pp_rank", s.pp_rank}, {"num_layers", s.num_layers}, {"chunks", chunks},
+                      {"params_per_rank", s.params_per_rank}, {"memory", memory_json(s.memory)}});
+  }
+  j["pipeline"] = {{"stages", stages}};
+
+  const ParamCounts& p = plan.params;
+  int64_t max_rank = 0;
+  for (const StagePlan& s : plan.stages) max_rank = std::max(max_rank, s.params_per_rank);
+  j["parameters"] = {{"total", p.total},
+                     {"word_embeddings", p.word_embeddings},
+                     {"position_embeddings", p.position_embeddings},
+                     {"per_layer", p.layer.total()},
+                     {"layers", p.layers},
+                     {"final_norm", p.final_norm},
+                     {"output_layer", p.output_layer},
+                     {"max_per_rank", max_rank}};
+  j["flops"] = {{"per_iteration", plan.flops_per_iteration},
+                {"per_token", plan.flops_per_token},
+                {"formula", "Megatron-LM num_floating_point_operations (HEAD, causal attention halved), recompute not counted"}};
+  const StagePlan* peak = &plan.stages.front();
+  for (const StagePlan& s : plan.stages)
+    if (s.memory.total > peak->memory.total) peak = &s;
+  j["memory"] = {{"peak_stage", peak->pp_rank}, {"peak_total_bytes", peak->memory.total},
+                 {"use_distributed_optimizer", cfg.parallel.use_distributed_optimizer},
+                 {"not_counted", "workspaces, communication buffers, fragmentation, CUDA context"}};
+  return j;
+}
+
+}  // namespace mt

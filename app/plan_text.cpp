@@ -1,0 +1,172 @@
+// The dry run as text. Large layouts (more than 64 ranks, more than 16 stages) are summarised;
+// --json has everything.
+#include <sstream>
+
+#include "app/flags.h"
+#include "app/plan.h"
+#include "app/version.h"
+#include "parallel/launch_env.h"
+
+namespace mt {
+namespace {
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+
+std::string with_commas(int64_t v) {
+  const std::string digits = std::to_string(v);
+  std::string s;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
+    s.push_back(digits[i]);
+  }
+  return s;
+}
+
+std::string count(int64_t v) {
+  if (v >= 1000000000) return fmt::format("{:.2f} B ({})", v / 1e9, with_commas(v));
+  if (v >= 1000000) return fmt::format("{:.2f} M ({})", v / 1e6, with_commas(v));
+  return with_commas(v);
+}
+
+std::string group_str(const std::vector<int>& g) {
+  if (g.size() <= 8) {
+    std::string s = "[";
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (i > 0) s.push_back(',');
+      s.append(std::to_string(g[i]));
+    }
+    return s + "]";
+  }
+  return fmt::format("[{},{},...,{}] ({} ranks, stride {})", g[0], g[1], g.back(), g.size(), g[1] - g[0]);
+}
+
+std::string groups_str(const std::vector<std::vector<int>>& gs) {
+  std::string s = fmt::format("{} x ", gs.size());
+  if (gs.size() <= 4) {
+    for (size_t i = 0; i < gs.size(); ++i) {
+      if (i > 0) s.push_back(' ');
+      s.append(group_str(gs[i]));
+    }
+    return s;
+  }
+  return s + group_str(gs[0]) + " " + group_str(gs[1]) + " ... " + group_str(gs.back());
+}
+
+std::string render(const nlohmann::json& v) {
+  if (v.is_null()) return "None";
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_float()) return cli::format_float(v.get<double>());
+  return v.dump();
+}
+
+std::string chunk_str(const ModelChunk& c) {
+  std::string s = c.num_layers > 0 ? fmt::format("layers {}-{} ({})", c.first_layer, c.first_layer + c.num_layers - 1,
+                                                 c.num_layers)
+                                   : std::string("no layers");
+  if (c.has_embedding) s += " + embedding";
+  if (c.has_output) s += " + final norm, output layer, loss";
+  return s;
+}
+
+}  // namespace
+
+std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<SetupMessage>& messages) {
+  std::ostringstream o;
+  const RankGrid& g = plan.grid;
+  o << "megatrain " << version_string() << " dry run: " << g.world_size() << " rank" << (g.world_size() == 1 ? "" : "s")
+    << " (launcher: " << launcher_name(cfg.parallel.launcher)
+    << (cfg.run.dry_run_world_size ? ", --world-size" : "") << "), device " << (cfg.train.device == DeviceKind::cpu ? "cpu" : "gpu")
+    << "\n";
+  for (const SetupMessage& m : messages)
+    if (m.kind == SetupMessage::Kind::info) o << m.text << "\n";
+
+  o << "\n== configuration (* = differs from Megatron's default) ==\n";
+  const nlohmann::json conf = resolved_config(cfg);
+  for (const cli::FlagSpec& f : cli::flag_table().flags()) {
+    if (!conf.contains(f.name)) continue;
+    const nlohmann::json& e = conf[f.name];
+    const bool differs = e["differs"].get<bool>();
+    std::string left = "  " + f.name + " ";
+    if (left.size() < 52) left += std::string(52 - left.size(), '.');
+    o << (differs ? "*" : " ") << left << " " << render(e["value"]) << "\n";
+  }
+
+  o << "\n== derived ==\n";
+  const nlohmann::json derived = derived_values(cfg);
+  for (const auto& [k, v] : derived.items()) o << "  " << k << ": " << render(v) << "\n";
+
+  o << "\n== rank layout (order " << g.order_string() << ", fastest first) ==\n";
+  o << fmt::format("  {} ranks = TP {} x CP {} x DP {} x PP {}; virtual pipeline size {}\n", g.world_size(), g.tp, g.cp,
+                   g.dp, g.pp, cfg.parallel.virtual_pipeline_size);
+  o << "  TP groups: " << groups_str(rank_groups(g, "tp")) << "\n";
+  o << "  DP groups: " << groups_str(rank_groups(g, "dp")) << "\n";
+  o << "  PP groups: " << groups_str(rank_groups(g, "pp")) << "\n";
+  if (g.cp > 1) o << "  CP groups: " << groups_str(rank_groups(g, "cp")) << "\n";
+  o << "  embedding groups: " << groups_str(embedding_groups(g)) << "\n";
+  const int W = g.world_size();
+  auto rank_line = [&](int r) {
+    const RankCoord c = rank_coord(g, r);
+    o << fmt::format("  rank {:>5}: tp {} cp {} dp {} pp {}\n", r, c.tp, c.cp, c.dp, c.pp);
+  };
+  if (W <= 64) {
+    for (int r = 0; r < W; ++r) rank_line(r);
+  } else {
+    for (int r = 0; r < 8; ++r) rank_line(r);
+    o << "  ... (" << W - 16 << " more; --json lists every rank)\n";
+    for (int r = W - 8; r < W; ++r) rank_line(r);
+  }
+
+  o << "\n== pipeline stages ==\n";
+  const size_t S = plan.stages.size();
+  for (size_t i = 0; i < S; ++i) {
+    if (S > 16 && i == 4) {
+      o << "  ... (" << S - 8 << " more stages)\n";
+      i = S - 4;
+    }
+    const StagePlan& s = plan.stages[i];
+    o << fmt::format("  stage {}: {} layers, {} parameters per rank\n", s.pp_rank, s.num_layers, count(s.params_per_rank));
+    for (const ModelChunk& c : s.chunks)
+      o << "    " << (s.chunks.size() > 1 ? fmt::format("chunk {}: ", c.vp_stage) : std::string()) << chunk_str(c) << "\n";
+  }
+
+  const ParamCounts& p = plan.params;
+  o << "\n== parameters ==\n";
+  o << "  total: " << count(p.total) << (cfg.model.untie_embeddings_and_output_weights ? "" : " (tied embeddings counted once)") << "\n";
+  o << "  word embeddings: " << count(p.word_embeddings) << "; position embeddings: " << count(p.position_embeddings)
+    << "; output layer: " << count(p.output_layer) << "\n";
+  o << "  per layer: " << count(p.layer.total()) << " x " << cfg.model.num_layers << " layers = " << count(p.layers) << "\n";
+  if (!cfg.model.untie_embeddings_and_output_weights && g.pp > 1)
+    o << "  (the last stage holds its own copy of the word embeddings for the tied output layer)\n";
+
+  o << "\n== FLOPs (Megatron's formula, causal attention halved, recompute not counted) ==\n";
+  o << fmt::format("  per iteration: {:.4g} FLOPs (global batch {} x seq {}); per token: {:.4g}\n", plan.flops_per_iteration,
+                   cfg.train.global_batch, cfg.model.seq_length, plan.flops_per_token);
+  o << fmt::format("  per GPU per iteration: {:.4g} FLOPs\n", plan.flops_per_iteration / W);
+
+  o << "\n== memory per GPU (estimate; see app/plan_memory.cpp for the formulas) ==\n";
+  const char* setting = cfg.train.recompute_granularity == RecomputeGranularity::full ? "full"
+                        : cfg.train.recompute_granularity == RecomputeGranularity::selective ? "selective" : "none";
+  o << fmt::format("  {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "stage", "weights", "grads",
+                   "optim", "optim/DP", "act none", "act sel", "act full", "total");
+  const StagePlan* peak = &plan.stages.front();
+  for (size_t i = 0; i < S; ++i) {
+    if (S > 16 && i == 4) {
+      o << "  ...\n";
+      i = S - 4;
+    }
+    const StageMemory& m = plan.stages[i].memory;
+    o << fmt::format("  {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", plan.stages[i].pp_rank,
+                     gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.optimizer_distributed),
+                     gib(m.activations_none), gib(m.activations_selective), gib(m.activations_full), gib(m.total));
+  }
+  for (const StagePlan& s : plan.stages)
+    if (s.memory.total > peak->memory.total) peak = &s;
+  o << fmt::format("  total = weights + grads + {} + activations with recompute {}; peak: stage {} at {} "
+                   "({} micro-batches in flight)\n",
+                   cfg.parallel.use_distributed_optimizer ? "optim/DP (--use-distributed-optimizer)" : "optim", setting,
+                   peak->pp_rank, gib(peak->memory.total), peak->memory.inflight_microbatches);
+  o << "  not counted: GEMM/attention workspaces, communication buffers, fragmentation, the CUDA context\n";
+  return o.str();
+}
+
+}  // namespace mt

@@ -1,0 +1,227 @@
+#include "app/unsupported.h"
+
+#include <cmath>
+#include <cstdlib>
+
+namespace mt::cli {
+
+namespace {
+using W = UnsupportedRule::When;
+}
+
+const std::vector<UnsupportedRule>& unsupported_rules() {
+  static const std::vector<UnsupportedRule> rules = {
+      // model (1.1)
+      {"--decoder-num-layers", W::any_use, {}, "encoder-decoder models"},
+      {"--decoder-seq-length", W::any_use, {}, "encoder-decoder models"},
+      {"--position-embedding-type", W::values, {"yarn", "mrope", "relative"}, ""},
+      {"--rope-type", W::values, {"yarn"}, ""},
+      {"--squared-relu", W::any_use, {}, ""},
+      {"--quick-geglu", W::any_use, {}, ""},
+      {"--qk-l2-norm", W::any_use, {}, ""},
+      {"--window-size", W::any_use, {}, "sliding-window attention"},
+      {"--softmax-type", W::other_than, {"vanilla"}, ""},
+      {"--spec", W::any_use, {}, ""},
+      {"--attention-output-gate", W::any_use, {}, ""},
+      {"--multi-latent-attention", W::any_use, {}, ""},
+      {"--q-lora-rank", W::any_use, {}, "multi-latent attention"},
+      {"--kv-lora-rank", W::other_than, {"32"}, "multi-latent attention"},
+      {"--qk-head-dim", W::other_than, {"128"}, "multi-latent attention"},
+      {"--qk-pos-emb-head-dim", W::other_than, {"64"}, "multi-latent attention"},
+      {"--v-head-dim", W::other_than, {"128"}, "multi-latent attention"},
+      {"--mtp-num-layers", W::other_than, {"0"}, "multi-token prediction"},
+      // parallelism (1.2)
+      {"--context-parallel-size", W::other_than, {"1"}, ""},
+      {"--cp-comm-type", W::other_than, {"p2p"}, ""},
+      {"--hierarchical-context-parallel-sizes", W::any_use, {}, ""},
+      {"--pipeline-model-parallel-layout", W::any_use, {}, ""},
+      {"--expert-model-parallel-size", W::other_than, {"1"}, "mixture of experts"},
+      {"--expert-tensor-parallel-size", W::any_use, {}, "mixture of experts"},
+      // training (1.3)
+      {"--step-batch-size-schedule", W::any_use, {}, "Megatron also rejects it together with --global-batch-size"},
+      {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
+      {"--dataloader-type", W::values, {"external"}, ""},
+      {"--check-for-spiky-loss", W::any_use, {}, ""},
+      {"--check-for-large-grads", W::any_use, {}, ""},
+      // mixed precision (1.4)
+      {"--fp16-lm-cross-entropy", W::any_use, {}, "the loss is computed in fp32"},
+      {"--use-precision-aware-optimizer", W::any_use, {}, ""},
+      {"--main-grads-dtype", W::other_than, {"fp32"}, ""},
+      {"--main-params-dtype", W::other_than, {"fp32"}, ""},
+      {"--exp-avg-dtype", W::other_than, {"fp32"}, ""},
+      {"--exp-avg-sq-dtype", W::other_than, {"fp32"}, ""},
+      // data and tokenizer (1.5)
+      {"--data-args-path", W::any_use, {}, "pass the blend with --data-path"},
+      {"--per-split-data-args-path", W::any_use, {}, "pass --train-data-path/--valid-data-path/--test-data-path"},
+      {"--tokenizer-type",
+       W::values,
+       {"BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"},
+       "use GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer"},
+      {"--vocab-extra-ids", W::other_than, {"0"}, ""},
+      // checkpointing (1.6)
+      {"--save-retain-interval", W::any_use, {}, ""},
+      {"--ckpt-format", W::values, {"torch", "torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default)"},
+      {"--auto-detect-ckpt-format", W::any_use, {}, ""},
+      {"--pretrained-checkpoint", W::any_use, {}, ""},
+      {"--use-checkpoint-args", W::any_use, {}, ""},
+      {"--use-mp-args-from-checkpoint-args", W::any_use, {}, ""},
+      {"--no-initialization", W::any_use, {}, ""},
+      {"--use-persistent-ckpt-worker", W::any_use, {}, ""},
+      {"--dist-ckpt-strictness", W::other_than, {"assume_ok_unexpected"}, ""},
+      {"--non-persistent-save-interval", W::any_use, {}, ""},
+      {"--non-persistent-ckpt-type", W::any_use, {}, ""},
+      {"--ckpt-convert-format", W::any_use, {}, ""},
+      {"--ckpt-convert-save", W::any_use, {}, ""},
+      {"--override-ckpt-iteration", W::any_use, {}, ""},
+      // logging (1.7)
+      {"--log-progress", W::any_use, {}, ""},
+      {"--log-energy", W::any_use, {}, ""},
+      {"--wandb-project", W::other_than, {""}, "use --tensorboard-dir or --metrics-jsonl"},
+      {"--wandb-exp-name", W::other_than, {""}, ""},
+      {"--wandb-save-dir", W::other_than, {""}, ""},
+      {"--wandb-entity", W::other_than, {""}, ""},
+      // recompute (1.8)
+      {"--recompute-modules", W::values, {"moe_act", "mla_up_proj", "moe", "shared_experts"}, ""},
+      {"--distribute-saved-activations", W::any_use, {}, ""},
+      // regularization / init (1.9)
+      {"--init-method-xavier-uniform", W::any_use, {}, ""},
+      {"--data-parallel-random-init", W::any_use, {}, ""},
+      // distributed (1.10)
+      {"--num-distributed-optimizer-instances", W::other_than, {"1"}, ""},
+      {"--overlap-param-gather-with-optimizer-step", W::any_use, {}, ""},
+      {"--defer-embedding-wgrad-compute", W::any_use, {}, ""},
+      {"--wgrad-deferral-limit", W::other_than, {"0"}, ""},
+      {"--use-torch-fsdp2", W::any_use, {}, ""},
+      {"--use-megatron-fsdp", W::any_use, {}, ""},
+      {"--data-parallel-sharding-strategy", W::other_than, {"optim_grads_params"}, ""},
+      {"--nccl-communicator-config-path", W::any_use, {}, ""},
+      {"--use-sharp", W::any_use, {}, ""},
+      {"--sharp-enabled-group", W::any_use, {}, ""},
+      // mixture of experts (1.11)
+      {"--num-experts", W::other_than, {"0"}, ""},
+      {"--moe-ffn-hidden-size", W::any_use, {}, ""},
+      {"--moe-layer-freq", W::other_than, {"1"}, ""},
+      {"--moe-router-topk", W::other_than, {"2"}, ""},
+      {"--moe-router-load-balancing-type", W::other_than, {"aux_loss"}, ""},
+      {"--moe-aux-loss-coeff", W::other_than, {"0"}, ""},
+      {"--moe-z-loss-coeff", W::any_use, {}, ""},
+      {"--moe-router-score-function", W::other_than, {"softmax"}, ""},
+      {"--moe-router-pre-softmax", W::any_use, {}, ""},
+      {"--moe-router-dtype", W::any_use, {}, ""},
+      {"--moe-router-enable-expert-bias", W::any_use, {}, ""},
+      {"--moe-router-bias-update-rate", W::other_than, {"0.001"}, ""},
+      {"--moe-router-topk-scaling-factor", W::any_use, {}, ""},
+      {"--moe-router-num-groups", W::any_use, {}, ""},
+      {"--moe-router-group-topk", W::any_use, {}, ""},
+      {"--moe-token-dispatcher-type", W::other_than, {"allgather"}, ""},
+      {"--moe-grouped-gemm", W::any_use, {}, ""},
+      {"--moe-permute-fusion", W::any_use, {}, ""},
+      {"--moe-expert-capacity-factor", W::any_use, {}, ""},
+      {"--moe-pad-expert-input-to-capacity", W::any_use, {}, ""},
+      {"--moe-token-drop-policy", W::other_than, {"probs"}, ""},
+      {"--moe-shared-expert-intermediate-size", W::any_use, {}, ""},
+      {"--moe-shared-expert-overlap", W::any_use, {}, ""},
+      {"--moe-input-jitter-eps", W::any_use, {}, ""},
+      {"--moe-per-layer-logging", W::any_use, {}, ""},
+      {"--moe-layer-recompute", W::any_use, {}, ""},
+      // FP8 / FP4 (1.12)
+      {"--fp8-format", W::any_use, {}, ""},
+      {"--fp8-recipe", W::other_than, {"delayed"}, ""},
+      {"--fp8-quantizer-factory", W::any_use, {}, ""},
+      {"--fp8-margin", W::other_than, {"0"}, ""},
+      {"--fp8-interval", W::other_than, {"1"}, ""},
+      {"--fp8-amax-history-len", W::other_than, {"1"}, ""},
+      {"--fp8-amax-compute-algo", W::other_than, {"most_recent"}, ""},
+      {"--no-fp8-wgrad", W::any_use, {}, ""},
+      {"--fp8-param-gather", W::any_use, {}, ""},
+      {"--first-last-layers-bf16", W::any_use, {}, ""},
+      {"--num-layers-at-start-in-bf16", W::other_than, {"1"}, ""},
+      {"--num-layers-at-end-in-bf16", W::other_than, {"1"}, ""},
+      {"--fp4-format", W::any_use, {}, ""},
+      {"--fp4-recipe", W::other_than, {"nvfp4"}, ""},
+      {"--fp4-param-gather", W::any_use, {}, ""},
+      {"--te-rng-tracker", W::any_use, {}, ""},
+      {"--cuda-graph-impl", W::other_than, {"none"}, ""},
+      {"--enable-cuda-graph", W::any_use, {}, ""},
+      {"--external-cuda-graph", W::any_use, {}, ""},
+  };
+  return rules;
+}
+
+namespace {
+
+// Equal as numbers when both parse as numbers ("0.0" == "0", "1e-3" == "0.001"), else as text.
+bool same_value(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  char* ea = nullptr;
+  char* eb = nullptr;
+  const double x = std::strtod(a.c_str(), &ea);
+  const double y = std::strtod(b.c_str(), &eb);
+  return !a.empty() && !b.empty() && *ea == '\0' && *eb == '\0' && x == y;
+}
+
+bool in(const std::string& v, const std::vector<std::string>& set) {
+  for (const auto& s : set)
+    if (same_value(v, s)) return true;
+  return false;
+}
+
+std::string describe(const std::string& flag, const std::vector<std::string>& values) {
+  std::string s = flag;
+  for (const auto& v : values) s += " " + v;
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> unsupported_uses(const std::map<std::string, FlagValue>& given) {
+  std::vector<std::string> out;
+  for (const UnsupportedRule& r : unsupported_rules()) {
+    auto it = given.find(r.flag);
+    if (it == given.end()) continue;
+    const std::vector<std::string>& vals = it->second.values;
+    std::vector<std::string> bad;
+    switch (r.when) {
+      case W::any_use:
+        bad = vals;
+        break;
+      case W::other_than:
+        for (const auto& v : vals)
+          if (!in(v, r.values)) bad.push_back(v);
+        if (bad.empty()) continue;
+        break;
+      case W::values:
+        for (const auto& v : vals)
+          if (in(v, r.values)) bad.push_back(v);
+        if (bad.empty()) continue;
+        break;
+    }
+    std::string d = describe(r.flag, r.when == W::any_use ? vals : bad);
+    if (!r.why.empty()) d += " (" + r.why + ")";
+    out.push_back(d);
+  }
+  return out;
+}
+
+std::string unsupported_summary(const std::string& flag) {
+  for (const UnsupportedRule& r : unsupported_rules()) {
+    if (r.flag != flag) continue;
+    std::string list;
+    for (const auto& v : r.values) list += (list.empty() ? "" : ", ") + (v.empty() ? std::string("''") : v);
+    switch (r.when) {
+      case W::any_use: return "not supported yet";
+      case W::other_than: return "accepted only as " + list + " (the default); other values not supported yet";
+      case W::values: return "values " + list + " not supported yet";
+    }
+  }
+  return "";
+}
+
+bool fully_unsupported(const std::string& flag) {
+  for (const UnsupportedRule& r : unsupported_rules())
+    if (r.flag == flag) return r.when != W::values;
+  return false;
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,48 @@
+// Checkpointing, logging and megatrain-specific rules.
+#include "app/cli_internal.h"
+
+namespace mt::cli {
+
+void validate_checkpoint_and_logging(CliState& st) {
+  Config& c = st.cfg;
+  CheckpointConfig& k = c.checkpoint;
+  if (k.save) {
+    if (!k.save_interval) fail("--save needs --save-interval N (iterations between checkpoints)");
+    if (*k.save_interval <= 0) fail("--save-interval must be > 0 (got {})", *k.save_interval);
+  }
+  if (k.save_retain_interval) {
+    if (*k.save_retain_interval <= 0) fail("--save-retain-interval must be > 0 (got {})", *k.save_retain_interval);
+    if (k.save_interval && *k.save_retain_interval % *k.save_interval != 0)
+      fail("--save-retain-interval {} is not a multiple of --save-interval {}", *k.save_retain_interval,
+           *k.save_interval);
+  }
+  if (k.async_save) {
+    // Megatron HEAD: asynchronous saving needs the persistent checkpoint worker, else it is
+    // switched off with a warning.
+    st.warn("--async-save needs --use-persistent-ckpt-worker: saving synchronously");
+    k.async_save = false;
+  }
+  if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
+  const LoggingConfig& l = c.logging;
+  if (l.log_interval <= 0) fail("--log-interval must be > 0 (got {})", l.log_interval);
+  if (l.timing_log_level < 0 || l.timing_log_level > 2)
+    fail("--timing-log-level must be 0, 1 or 2 (got {})", l.timing_log_level);
+  if (l.tensorboard_log_interval <= 0)
+    fail("--tensorboard-log-interval must be > 0 (got {})", l.tensorboard_log_interval);
+  if (l.tensorboard_queue_size <= 0) fail("--tensorboard-queue-size must be > 0 (got {})", l.tensorboard_queue_size);
+  if (l.metrics_jsonl && l.metrics_jsonl->empty()) fail("--metrics-jsonl needs a file path");
+}
+
+void validate_megatrain(CliState& st) {
+  const Config& c = st.cfg;
+  if (c.train.device == DeviceKind::cpu) {
+    // The reference backend computes in float32 (float64 accumulation): refuse rather than emulate.
+    if (c.train.precision == Precision::bf16)
+      fail("--device cpu (the float32 reference backend) does not support --bf16: drop it, or train on --device gpu");
+    if (c.train.precision == Precision::fp16)
+      fail("--device cpu (the float32 reference backend) does not support --fp16: drop it, or train on --device gpu");
+  }
+  if (c.run.json && !c.run.dry_run) fail("--json goes with --dry-run");
+}
+
+}  // namespace mt::cli

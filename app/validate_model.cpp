@@ -1,0 +1,79 @@
+// Model-shape rules (megatron.md sections 1.1 and 1.13; Megatron's validate_args and
+// TransformerConfig.__post_init__).
+#include "app/cli_internal.h"
+
+namespace mt::cli {
+
+void validate_model(CliState& st) {
+  const Config& c = st.cfg;
+  const ModelConfig& m = c.model;
+  const int tp = c.parallel.tensor_model_parallel_size;
+  const int cp = c.parallel.context_parallel_size;
+
+  if (m.num_attention_heads % tp != 0)
+    fail("--num-attention-heads {} is not divisible by --tensor-model-parallel-size {}", m.num_attention_heads, tp);
+  if (st.has("--num-query-groups") && !m.group_query_attention)
+    st.warn(fmt::format("--num-query-groups {} is ignored without --group-query-attention (as in Megatron: every "
+                        "head has its own keys and values)", m.num_query_groups));
+  if (m.group_query_attention) {
+    const int g = m.query_groups;
+    if (m.num_attention_heads % g != 0)
+      fail("--num-attention-heads {} is not divisible by --num-query-groups {}", m.num_attention_heads, g);
+    // Megatron HEAD: groups are split over TP, or (fewer groups than TP ranks) replicated.
+    if ((g >= tp && g % tp != 0) || (g < tp && tp % g != 0))
+      fail("--num-query-groups {} must be a multiple or a divisor of --tensor-model-parallel-size {}", g, tp);
+  }
+  if (m.ffn_size % tp != 0) {
+    if (m.ffn_hidden_size)
+      fail("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", m.ffn_size, tp);
+    fail("the MLP size {} (Megatron's default for --hidden-size {}{}) is not divisible by --tensor-model-parallel-size "
+         "{}: pass --ffn-hidden-size", m.ffn_size, m.hidden_size, m.swiglu ? " with --swiglu" : "", tp);
+  }
+  if (m.max_position_embeddings < m.seq_length)
+    fail("--max-position-embeddings {} is smaller than --seq-length {}", m.max_position_embeddings, m.seq_length);
+  if (cp > 1 && m.seq_length % (2 * cp) != 0)
+    fail("--seq-length {} is not a multiple of 2 x --context-parallel-size {}", m.seq_length, cp);
+  if (c.parallel.sequence_parallel && (m.seq_length / cp) % tp != 0)
+    fail("--sequence-parallel needs --seq-length {} (per context-parallel rank: {}) divisible by "
+         "--tensor-model-parallel-size {}", m.seq_length, m.seq_length / cp, tp);
+  if (m.squared_relu && m.swiglu) fail("--squared-relu and --swiglu are exclusive");
+  if (m.quick_geglu && m.swiglu) fail("--quick-geglu and --swiglu are exclusive");
+  if (m.multi_latent_attention && m.group_query_attention)
+    fail("--multi-latent-attention and --group-query-attention are exclusive");
+  if (m.fp32_residual_connection && c.train.precision == Precision::fp32)
+    fail("--fp32-residual-connection needs --fp16 or --bf16 (the residual stream is fp32 already)");
+  if (!m.add_position_embedding && m.position_embedding_type != PositionEmbedding::rope)
+    fail("--no-position-embedding is deprecated, use --position-embedding-type (it is only accepted with rope)");
+  if (m.rope_type && *m.rope_type != "rope" && !m.multi_latent_attention)
+    fail("--rope-type {}: attention without --multi-latent-attention supports --rope-type rope only", *m.rope_type);
+  if (m.attention_backend == AttentionBackend::local)
+    fail("--attention-backend local is only supported with --spec local");
+  if (m.rotary_percent <= 0.0 || m.rotary_percent > 1.0)
+    fail("--rotary-percent must be in (0, 1] (got {})", format_float(m.rotary_percent));
+  if (m.position_embedding_type == PositionEmbedding::rope) {
+    if (m.rotary_base <= 0) fail("--rotary-base must be > 0 (got {})", m.rotary_base);
+    const int rotary_dim = static_cast<int>(m.head_dim * m.rotary_percent);
+    if (rotary_dim % 2 != 0)
+      fail("RoPE rotates {} of the {} head dimensions (--rotary-percent {}): that must be even", rotary_dim, m.head_dim,
+           format_float(m.rotary_percent));
+  }
+  if (m.rotary_seq_len_interpolation_factor && *m.rotary_seq_len_interpolation_factor <= 0)
+    fail("--rotary-seq-len-interpolation-factor must be > 0 (got {})", *m.rotary_seq_len_interpolation_factor);
+  if (m.norm_epsilon <= 0) fail("--norm-epsilon must be > 0 (got {})", format_float(m.norm_epsilon));
+  if (m.attention_dropout < 0 || m.attention_dropout >= 1)
+    fail("--attention-dropout must be in [0, 1) (got {})", format_float(m.attention_dropout));
+  if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
+    fail("--hidden-dropout must be in [0, 1) (got {})", format_float(m.hidden_dropout));
+  if (m.init_method_std <= 0) fail("--init-method-std must be > 0 (got {})", format_float(m.init_method_std));
+  if (m.embedding_init_method_std && *m.embedding_init_method_std <= 0)
+    fail("--embedding-init-method-std must be > 0 (got {})", format_float(*m.embedding_init_method_std));
+  if (c.data.padded_vocab_size) {
+    if (*c.data.padded_vocab_size < m.vocab_size)
+      fail("--padded-vocab-size {} is smaller than the tokenizer's vocabulary ({})", *c.data.padded_vocab_size,
+           m.vocab_size);
+    if (*c.data.padded_vocab_size % tp != 0)
+      fail("--padded-vocab-size {} is not divisible by --tensor-model-parallel-size {}", *c.data.padded_vocab_size, tp);
+  }
+}
+
+}  // namespace mt::cli

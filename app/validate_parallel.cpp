@@ -1,0 +1,73 @@
+// Parallelism rules (megatron.md sections 1.2, 1.10, 1.13, 6.2).
+#include "app/cli_internal.h"
+#include "parallel/pipeline_layout.h"
+
+namespace mt::cli {
+
+void validate_parallel(CliState& st) {
+  const Config& c = st.cfg;
+  const ParallelConfig& p = c.parallel;
+  const int P = p.pipeline_model_parallel_size, V = p.virtual_pipeline_size, M = c.train.num_microbatches;
+
+  // Layer divisibility, uneven first/last stages, virtual stages (throws naming the flags).
+  pipeline_chunks(PipelineSplit::from_config(c));
+
+  if (V > 1) {
+    const int N = p.microbatch_group_size_per_virtual_pipeline_stage.value_or(P);
+    const std::string n_name = p.microbatch_group_size_per_virtual_pipeline_stage
+                                   ? fmt::format("--microbatch-group-size-per-virtual-pipeline-stage {}", N)
+                                   : fmt::format("the micro-batch group size {} (= --pipeline-model-parallel-size)", N);
+    if (N < P)
+      fail("{} is smaller than --pipeline-model-parallel-size {}", n_name, P);
+    if (N > M)
+      fail("the interleaved schedule needs at least {} micro-batches ({}), got {} (--global-batch-size {} / "
+           "(--micro-batch-size {} x data-parallel size {}))", N, n_name, M, c.train.global_batch,
+           c.train.micro_batch_size, p.data_parallel_size);
+    if (M % N != 0 && M % N < P)
+      fail("the interleaved schedule needs the number of micro-batches ({}) to be a multiple of {}, or leave a "
+           "remainder of at least --pipeline-model-parallel-size {} (remainder {})", M, n_name, P, M % N);
+  } else if (p.microbatch_group_size_per_virtual_pipeline_stage) {
+    st.warn("--microbatch-group-size-per-virtual-pipeline-stage has no effect without an interleaved schedule "
+            "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)");
+  }
+  if (p.overlap_p2p_communication_warmup_flush && !(V > 1 && p.overlap_p2p_communication))
+    fail("--overlap-p2p-communication-warmup-flush needs the interleaved schedule with p2p overlap (and no "
+         "--no-overlap-p2p-communication)");
+
+  if (p.overlap_param_gather) {
+    if (!p.use_distributed_optimizer)
+      fail("--overlap-param-gather is only supported with --use-distributed-optimizer");
+    if (!p.overlap_grad_reduce) fail("--overlap-param-gather needs --overlap-grad-reduce");
+  }
+  if (p.overlap_param_gather_with_optimizer_step) {
+    if (!p.use_distributed_optimizer)
+      fail("--overlap-param-gather-with-optimizer-step is only supported with --use-distributed-optimizer");
+    if (!p.overlap_param_gather)
+      fail("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather");
+    if (V == 1)
+      fail("--overlap-param-gather-with-optimizer-step is only supported with an interleaved pipeline schedule");
+  }
+  if (p.tp_comm_overlap) {
+    if (!p.sequence_parallel)
+      fail("--tp-comm-overlap needs --sequence-parallel (tensor-parallel communication/GEMM overlap works only with "
+           "sequence parallelism, which needs --tensor-model-parallel-size > 1)");
+    st.note("--tp-comm-overlap has no effect in megatrain yet: tensor-parallel communication is not overlapped "
+            "with the GEMMs");
+  }
+  const TrainConfig& t = c.train;
+  if (t.distribute_saved_activations) {
+    if (p.tensor_model_parallel_size <= 1)
+      fail("--distribute-saved-activations needs --tensor-model-parallel-size > 1");
+    if (t.recompute_granularity != RecomputeGranularity::full)
+      fail("--distribute-saved-activations needs --recompute-granularity full");
+    if (t.recompute_method == RecomputeMethod::none)
+      fail("--distribute-saved-activations needs --recompute-method");
+    if (p.sequence_parallel) fail("--distribute-saved-activations cannot be combined with --sequence-parallel");
+  }
+  if (p.ddp_bucket_size && *p.ddp_bucket_size <= 0) fail("--ddp-bucket-size must be > 0 (got {})", *p.ddp_bucket_size);
+  if (p.ddp_num_buckets && *p.ddp_num_buckets <= 0) fail("--ddp-num-buckets must be > 0 (got {})", *p.ddp_num_buckets);
+  if (p.distributed_timeout_minutes <= 0)
+    fail("--distributed-timeout-minutes must be > 0 (got {})", p.distributed_timeout_minutes);
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,95 @@
+// Training-loop, learning-rate and recompute rules (megatron.md sections 1.3, 1.4, 1.8, 1.13, 11).
+#include <algorithm>
+#include <set>
+
+#include "app/cli_internal.h"
+#include "parallel/pipeline_layout.h"
+
+namespace mt::cli {
+
+namespace {
+
+void validate_recompute(CliState& st) {
+  const Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  const bool method = t.recompute_method != RecomputeMethod::none;
+  switch (t.recompute_granularity) {
+    case RecomputeGranularity::none:
+      if (method || t.recompute_num_layers)
+        fail("--recompute-method/--recompute-num-layers need --recompute-granularity full");
+      break;
+    case RecomputeGranularity::selective:
+      if (method) fail("--recompute-method is not supported with --recompute-granularity selective");
+      if (t.recompute_num_layers) fail("--recompute-num-layers must not be set with --recompute-granularity selective");
+      break;
+    case RecomputeGranularity::full: {
+      if (!method) fail("--recompute-granularity full needs --recompute-method uniform or block");
+      const std::vector<int> per_stage = layers_per_stage(PipelineSplit::from_config(c));
+      const int max_layers = *std::max_element(per_stage.begin(), per_stage.end());
+      if (!t.recompute_num_layers)
+        fail("--recompute-granularity full needs --recompute-num-layers between 1 and the layers per pipeline stage ({})",
+             max_layers);
+      if (*t.recompute_num_layers < 1 || *t.recompute_num_layers > max_layers)
+        fail("--recompute-num-layers {} must be between 1 and the layers per pipeline stage ({})",
+             *t.recompute_num_layers, max_layers);
+      break;
+    }
+  }
+  static const std::set<std::string> modules = {"core_attn", "moe_act", "layernorm", "mla_up_proj",
+                                                 "mlp",       "moe",     "shared_experts"};
+  for (const std::string& m : t.recompute_modules)
+    if (!modules.count(m))
+      fail("--recompute-modules {}: not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts", m);
+  if (st.has("--recompute-modules") && t.recompute_granularity != RecomputeGranularity::selective)
+    st.warn("--recompute-modules has no effect without --recompute-granularity selective");
+}
+
+}  // namespace
+
+void validate_training(CliState& st) {
+  const Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  if (t.step_batch_size_schedule && t.global_batch_size)
+    fail("Cannot specify both --global-batch-size and --step-batch-size-schedule");
+  if (!t.lr && !t.skip_train) fail("--lr is required (the peak learning rate)");
+  if (t.lr && t.min_lr > *t.lr)
+    fail("--min-lr {} is larger than --lr {}", format_float(t.min_lr), format_float(*t.lr));
+  if (t.decoupled_lr && t.decoupled_min_lr && *t.decoupled_min_lr > *t.decoupled_lr)
+    fail("--decoupled-min-lr {} is larger than --decoupled-lr {}", format_float(*t.decoupled_min_lr),
+         format_float(*t.decoupled_lr));
+  if (t.lr_warmup_fraction && (*t.lr_warmup_fraction < 0 || *t.lr_warmup_fraction > 1))
+    fail("--lr-warmup-fraction must be in [0, 1] (got {})", format_float(*t.lr_warmup_fraction));
+  if (t.lr_warmup_iters < 0 || t.lr_warmup_samples < 0) fail("--lr-warmup-iters/--lr-warmup-samples must be >= 0");
+  if (!t.skip_train && t.total_iters > 0) {
+    // Megatron's OptimizerParamScheduler asserts these (steps are samples).
+    if (t.lr_decay_steps <= 0)
+      fail("the learning-rate decay horizon is {} samples (--lr-decay-iters/--lr-decay-samples): it must be > 0",
+           t.lr_decay_steps);
+    if (t.lr_warmup_steps >= static_cast<double>(t.lr_decay_steps))
+      fail("the learning-rate warmup ({} samples, from --lr-warmup-*) must be shorter than the decay horizon ({} samples, "
+           "--lr-decay-iters/--lr-decay-samples)", t.lr_warmup_steps, t.lr_decay_steps);
+    if (t.lr_decay_style == LrDecayStyle::wsd && !t.lr_wsd_decay_steps)
+      fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)");
+  }
+  if (t.fp16_lm_cross_entropy && t.precision != Precision::fp16) fail("--fp16-lm-cross-entropy needs --fp16");
+  if (t.loss_scale && *t.loss_scale <= 0) fail("--loss-scale must be > 0 (got {})", format_float(*t.loss_scale));
+  if (t.initial_loss_scale <= 0) fail("--initial-loss-scale must be > 0");
+  if (t.min_loss_scale <= 0) fail("--min-loss-scale must be > 0");
+  if (t.loss_scale_window <= 0) fail("--loss-scale-window must be > 0");
+  if (t.hysteresis < 1) fail("--hysteresis must be >= 1 (got {})", t.hysteresis);
+  if (t.clip_grad < 0) fail("--clip-grad must be >= 0 (0 disables clipping), got {}", format_float(t.clip_grad));
+  if (t.adam_beta1 < 0 || t.adam_beta1 >= 1) fail("--adam-beta1 must be in [0, 1) (got {})", format_float(t.adam_beta1));
+  if (t.adam_beta2 < 0 || t.adam_beta2 >= 1) fail("--adam-beta2 must be in [0, 1) (got {})", format_float(t.adam_beta2));
+  if (t.adam_eps <= 0) fail("--adam-eps must be > 0 (got {})", format_float(t.adam_eps));
+  if (t.weight_decay < 0) fail("--weight-decay must be >= 0 (got {})", format_float(t.weight_decay));
+  if (t.eval_iters < 0) fail("--eval-iters must be >= 0 (got {})", t.eval_iters);
+  if (t.eval_interval && *t.eval_interval <= 0) fail("--eval-interval must be > 0 (got {})", *t.eval_interval);
+  if (t.exit_interval && *t.exit_interval <= 0) fail("--exit-interval must be > 0 (got {})", *t.exit_interval);
+  if (t.exit_duration_in_mins && *t.exit_duration_in_mins <= 0)
+    fail("--exit-duration-in-mins must be > 0 (got {})", *t.exit_duration_in_mins);
+  for (int64_t it : t.iterations_to_skip)
+    if (it < 1) fail("--iterations-to-skip takes 1-indexed iterations (got {})", it);
+  validate_recompute(st);
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""PyTorch + torch.compile reference for megatrain's benchmark configs (bench/configs.sh).
+
+The comparison point named by the project: PyTorch 2.11, torch.compile, SDPA flash attention,
+fused AdamW, bf16 autocast over fp32 master weights (Megatron's mixed precision), on random tokens.
+Prints one line per config: tokens/s, TFLOP/s by Megatron's formula, peak memory.
+Test/benchmark oracle only: megatrain itself never needs Python.
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CONFIGS = {
+    # name: layers, hidden, heads, groups, ffn, seq, micro_batch, vocab, llama-style
+    "gpt2-124m": dict(L=12, h=768, n=12, g=12, f=3072, s=1024, b=32, V=50304, llama=False),
+    "gpt-1.3b": dict(L=24, h=2048, n=16, g=16, f=8192, s=2048, b=8, V=50304, llama=False),
+    "llama-1b": dict(L=16, h=2048, n=32, g=8, f=8192, s=4096, b=2, V=128256, llama=True),
+}
+
+
+def megatron_flops_per_iteration(c, batch):
+    """Megatron-LM HEAD num_floating_point_operations (causal attention halved)."""
+    d = c["h"] // c["n"]
+    q, k = c["n"] * d, c["g"] * d
+    F_ = 3 if c["llama"] else 2
+    per_token = (6 * F_ * c["h"] * c["f"] * c["L"] + 6 * c["L"] * (c["h"] * (q + 2 * k) + q * c["h"])
+                 + 6 * c["h"] * c["V"])
+    return batch * c["s"] * per_token + batch * c["s"] ** 2 * 6 * q * c["L"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, h, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(s, d, base=10000.0, device="cuda"):
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    t = torch.arange(s, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    return torch.cos(freqs), torch.sin(freqs)
+
+
+def apply_rope(x, cos, sin):  # x [b, heads, s, d], rotate-half (Megatron's default)
+    d2 = x.shape[-1] // 2
+    x1, x2 = x[..., :d2], x[..., d2:]
+    c, s_ = cos[None, None], sin[None, None]
+    return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        h, n, g = c["h"], c["n"], c["g"]
+        d = h // n
+        bias = not c["llama"]
+        Norm = RMSNorm if c["llama"] else nn.LayerNorm
+        self.ln1 = Norm(h)
+        self.qkv = nn.Linear(h, (n + 2 * g) * d, bias=bias)
+        self.proj = nn.Linear(n * d, h, bias=bias)
+        self.ln2 = Norm(h)
+        self.fc1 = nn.Linear(h, 2 * c["f"] if c["llama"] else c["f"], bias=bias)
+        self.fc2 = nn.Linear(c["f"], h, bias=bias)
+
+    def forward(self, x, cos, sin):
+        b, s, h = x.shape
+        n, g = self.c["n"], self.c["g"]
+        d = h // n
+        qkv = self.qkv(self.ln1(x))
+        q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
+        q = q.view(b, s, n, d).transpose(1, 2)
+        k = k.view(b, s, g, d).transpose(1, 2)
+        v = v.view(b, s, g, d).transpose(1, 2)
+        if self.c["llama"]:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(g != n))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, n * d))
+        z = self.fc1(self.ln2(x))
+        if self.c["llama"]:
+            gate, up = z.chunk(2, dim=-1)
+            z = F.silu(gate) * up
+        else:
+            z = F.gelu(z)
+        return x + self.fc2(z)
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c["V"], c["h"])
+        self.wpe = None if c["llama"] else nn.Embedding(c["s"], c["h"])
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c["L"]))
+        self.ln_f = RMSNorm(c["h"]) if c["llama"] else nn.LayerNorm(c["h"])
+        self.lm_head = nn.Linear(c["h"], c["V"], bias=False)
+        if not c["llama"]:
+            self.lm_head.weight = self.wte.weight
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        cos, sin = rope_tables(c["s"], c["h"] // c["n"])
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def run(name, iters, warmup):
+    c = CONFIGS[name]
+    torch.manual_seed(1234)
+    model = Model(c).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_model = torch.compile(model)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def step():
+        idx = torch.randint(0, c["V"], (c["b"], c["s"]), device="cuda", generator=gen)
+        tgt = torch.randint(0, c["V"], (c["b"], c["s"]), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_model(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = step()
+    loss.item()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    tokens = c["b"] * c["s"]
+    flops = megatron_flops_per_iteration(c, c["b"])
+    result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
+                  tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
+                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+    del model, opt, step_model
+    torch.cuda.empty_cache()
+    return result
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    for name in a.configs.split(","):
+        print(json.dumps(run(name, a.iters, a.warmup)), flush=True)

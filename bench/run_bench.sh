@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Single-GPU benchmark: megatrain on the three reference configs (gpt2-124m, gpt-1.3b, llama-1b)
+# with --mock-data, and, where PyTorch is importable, the same configs in PyTorch + torch.compile
+# (bench/pytorch_reference.py), side by side. Prints a table of tokens/s, TFLOP/s, MFU, peak memory.
+#
+#   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
+#                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+configs="gpt2-124m,gpt-1.3b,llama-1b"
+iters=30
+warmup=10
+pytorch=1
+bin=build/app/megatrain
+extra=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --configs) configs="$2"; shift 2 ;;
+    --iters) iters="$2"; shift 2 ;;
+    --warmup) warmup="$2"; shift 2 ;;
+    --no-pytorch) pytorch=0; shift ;;
+    --megatrain) bin="$2"; shift 2 ;;
+    --extra) extra="$2"; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+out=${OUT:-/tmp}/bench-$$
+mkdir -p "$out"
+
+# Megatron flags of each config (the model shapes the issues name).
+flags_for() {
+  local common="--bf16 --mock-data --tokenizer-type NullTokenizer --attention-dropout 0.0 --hidden-dropout 0.0
+    --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+    --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 --log-interval 5 --log-throughput
+    --eval-iters 0 --split 100,0,0 --train-iters $((iters + warmup)) --benchmark-warmup-iters $warmup"
+  case "$1" in
+    gpt2-124m) echo "$common --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
+      --max-position-embeddings 1024 --micro-batch-size 32 --global-batch-size 32 --vocab-size 50304" ;;
+    gpt-1.3b) echo "$common --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+      --max-position-embeddings 2048 --micro-batch-size 8 --global-batch-size 8 --vocab-size 50304" ;;
+    llama-1b) echo "$common --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention
+      --num-query-groups 8 --ffn-hidden-size 8192 --seq-length 4096 --max-position-embeddings 4096
+      --micro-batch-size 2 --global-batch-size 2 --vocab-size 128256 --swiglu --normalization RMSNorm
+      --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear" ;;
+    *) echo "unknown config $1" >&2; exit 2 ;;
+  esac
+}
+
+declare -A mt_line pt_line
+IFS=, read -r -a names <<< "$configs"
+for name in "${names[@]}"; do
+  # shellcheck disable=SC2046
+  if "$bin" $(flags_for "$name") $extra > "$out/$name.megatrain.log" 2>&1; then
+    mt_line[$name]=$(grep -E '^\[megatrain\] summary' "$out/$name.megatrain.log" | tail -n 1 || true)
+  else
+    mt_line[$name]="FAILED (see $out/$name.megatrain.log): $(tail -n 2 "$out/$name.megatrain.log" | tr '\n' ' ')"
+  fi
+done
+if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  for name in "${names[@]}"; do
+    pt_line[$name]=$(python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true)
+  done
+fi
+
+echo
+echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+for name in "${names[@]}"; do
+  echo "$name megatrain: ${mt_line[$name]}"
+  [ -n "${pt_line[$name]:-}" ] && echo "$name pytorch:   ${pt_line[$name]}"
+done

@@ -1,0 +1,519 @@
+#include "checkpoint/hf_names.h"
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace mt {
+
+using nlohmann::json;
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& v) {
+  int64_t n = 1;
+  for (int64_t d : v) n *= d;
+  return n;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+double load_float(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: fail("norm weights of dtype {} cannot be converted", dtype_name(t));
+  }
+}
+
+void store_float(void* p, DType t, int64_t i, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    case DType::bf16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(static_cast<float>(v)); break;
+    case DType::f16: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(static_cast<float>(v)); break;
+    default: fail("norm weights of dtype {} cannot be converted", dtype_name(t));
+  }
+}
+
+void check_shape(const HostArray& a, const std::vector<int64_t>& want, const std::string& name) {
+  if (a.shape != want)
+    fail("tensor '{}' has shape {}, expected {} for this model configuration", name, shape_text(a.shape),
+         shape_text(want));
+  MT_CHECK(a.bytes.size() == static_cast<size_t>(product(a.shape)) * dtype_size(a.dtype), "'{}' byte size", name);
+}
+
+}  // namespace
+
+int64_t HostArray::numel() const { return product(shape); }
+
+HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
+  HostArray a;
+  a.dtype = dtype;
+  a.shape = std::move(shape);
+  a.bytes.assign(static_cast<size_t>(product(a.shape)) * dtype_size(dtype), 0);
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spec
+
+HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture arch) {
+  HfModelSpec s;
+  s.arch = arch;
+  s.num_layers = m.num_layers;
+  s.hidden_size = m.hidden_size;
+  s.num_attention_heads = m.num_attention_heads;
+  s.num_query_groups = m.query_groups;
+  s.head_dim = m.head_dim;
+  s.ffn_hidden_size = m.ffn_size;
+  s.vocab_size = m.vocab_size;
+  s.padded_vocab_size = m.padded_vocab_size;
+  s.max_position_embeddings = m.max_position_embeddings;
+  s.learned_position_embeddings = m.position_embedding_type == PositionEmbedding::learned_absolute;
+  s.layernorm = m.normalization == Normalization::layernorm;
+  s.add_bias_linear = m.add_bias_linear;
+  s.add_qkv_bias = m.add_qkv_bias;
+  s.swiglu = m.swiglu;
+  s.qk_layernorm = m.qk_layernorm;
+  s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
+  s.apply_layernorm_1p = m.apply_layernorm_1p;
+  s.rotary_interleaved = m.rotary_interleaved;
+  s.rotary_percent = m.rotary_percent;
+  s.rotary_base = m.rotary_base;
+  s.use_rope_scaling = m.use_rope_scaling;
+  s.rope_scaling_factor = m.rope_scaling_factor;
+  s.norm_epsilon = m.norm_epsilon;
+  s.init_method_std = m.init_method_std;
+  s.hidden_dropout = m.hidden_dropout;
+  s.attention_dropout = m.attention_dropout;
+  // The engine computes exact (erf) GeLU by default and the tanh approximation with --openai-gelu
+  // (engine/model_dims.cpp); HF calls those "gelu" and "gelu_new".
+  s.gelu_activation = m.openai_gelu ? "gelu_new" : "gelu";
+  if (m.position_embedding_type == PositionEmbedding::none && arch == HfArchitecture::gpt2)
+    s.learned_position_embeddings = false;  // validate() refuses it
+  return s;
+}
+
+void HfModelSpec::validate() const {
+  const char* model = arch == HfArchitecture::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
+  if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 || ffn_hidden_size <= 0)
+    fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
+         hidden_size, num_attention_heads, head_dim, ffn_hidden_size);
+  if (num_query_groups <= 0 || num_attention_heads % num_query_groups != 0)
+    fail("HF mapping: {} attention heads are not a multiple of {} query groups", num_attention_heads, num_query_groups);
+  if (vocab_size <= 0 || padded_vocab_size < vocab_size)
+    fail("HF mapping: vocabulary {} / padded {} is not valid", vocab_size, padded_vocab_size);
+  if (qk_layernorm) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (arch == HfArchitecture::gpt2) {
+    if (!layernorm) refuse("--normalization RMSNorm (GPT-2 uses LayerNorm)");
+    if (!learned_position_embeddings) refuse("--position-embedding-type other than learned_absolute");
+    if (swiglu) refuse("--swiglu (GPT-2's MLP is GeLU)");
+    if (!add_bias_linear) refuse("--disable-bias-linear (GPT-2's linear layers have biases)");
+    if (num_query_groups != num_attention_heads) refuse("--group-query-attention");
+    if (head_dim * num_attention_heads != hidden_size) refuse("--kv-channels * heads != hidden size");
+  } else {
+    if (layernorm) refuse("--normalization LayerNorm (Llama uses RMSNorm)");
+    if (learned_position_embeddings) refuse("learned absolute position embeddings (Llama uses RoPE)");
+    if (!swiglu) refuse("a non-SwiGLU MLP (pass --swiglu)");
+    if (add_qkv_bias && !add_bias_linear) refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o)");
+    if (rotary_percent != 1.0) refuse("--rotary-percent != 1 (HF Llama rotates the whole head)");
+    if (head_dim % 2 != 0) refuse("an odd head dimension with RoPE");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
+  s.validate();
+  const bool gpt2 = s.arch == HfArchitecture::gpt2;
+  const int64_t h = s.hidden_size, d = s.head_dim, H = s.num_attention_heads, G = s.num_query_groups;
+  const int64_t f = s.ffn_hidden_size, V = s.vocab_size, Vp = s.padded_vocab_size;
+  const int64_t qkv_rows = (H + 2 * G) * d;
+  std::vector<HfTensorMapping> out;
+  auto add = [&](std::string ours, std::vector<int64_t> our_shape, std::vector<std::string> hf,
+                 std::vector<std::vector<int64_t>> hf_shapes, HfTransform t) {
+    out.push_back({std::move(ours), std::move(our_shape), std::move(hf), std::move(hf_shapes), t});
+  };
+  const HfTransform norm = s.apply_layernorm_1p ? HfTransform::norm_1p : HfTransform::copy;
+
+  add("embedding.word_embeddings.weight", {Vp, h}, {gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight"},
+      {{V, h}}, HfTransform::vocab_rows);
+  if (gpt2)
+    add("embedding.position_embeddings.weight", {s.max_position_embeddings, h}, {"transformer.wpe.weight"},
+        {{s.max_position_embeddings, h}}, HfTransform::copy);
+  for (int i = 0; i < s.num_layers; ++i) {
+    const std::string L = fmt::format("decoder.layers.{}.", i);
+    const std::string P = gpt2 ? fmt::format("transformer.h.{}.", i) : fmt::format("model.layers.{}.", i);
+    if (gpt2) {
+      add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "ln_1.weight"}, {{h}}, norm);
+      add(L + "self_attention.linear_qkv.layer_norm_bias", {h}, {P + "ln_1.bias"}, {{h}}, HfTransform::copy);
+      add(L + "self_attention.linear_qkv.weight", {qkv_rows, h}, {P + "attn.c_attn.weight"}, {{h, 3 * h}},
+          HfTransform::qkv_c_attn);
+      add(L + "self_attention.linear_qkv.bias", {qkv_rows}, {P + "attn.c_attn.bias"}, {{3 * h}},
+          HfTransform::qkv_c_attn_bias);
+      add(L + "self_attention.linear_proj.weight", {h, H * d}, {P + "attn.c_proj.weight"}, {{H * d, h}},
+          HfTransform::transpose);
+      add(L + "self_attention.linear_proj.bias", {h}, {P + "attn.c_proj.bias"}, {{h}}, HfTransform::copy);
+      add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "ln_2.weight"}, {{h}}, norm);
+      add(L + "mlp.linear_fc1.layer_norm_bias", {h}, {P + "ln_2.bias"}, {{h}}, HfTransform::copy);
+      add(L + "mlp.linear_fc1.weight", {f, h}, {P + "mlp.c_fc.weight"}, {{h, f}}, HfTransform::transpose);
+      add(L + "mlp.linear_fc1.bias", {f}, {P + "mlp.c_fc.bias"}, {{f}}, HfTransform::copy);
+      add(L + "mlp.linear_fc2.weight", {h, f}, {P + "mlp.c_proj.weight"}, {{f, h}}, HfTransform::transpose);
+      add(L + "mlp.linear_fc2.bias", {h}, {P + "mlp.c_proj.bias"}, {{h}}, HfTransform::copy);
+    } else {
+      const std::string A = P + "self_attn.";
+      add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
+      add(L + "self_attention.linear_qkv.weight", {qkv_rows, h},
+          {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{H * d, h}, {G * d, h}, {G * d, h}},
+          HfTransform::qkv_split);
+      if (s.add_bias_linear)
+        add(L + "self_attention.linear_qkv.bias", {qkv_rows}, {A + "q_proj.bias", A + "k_proj.bias", A + "v_proj.bias"},
+            {{H * d}, {G * d}, {G * d}}, HfTransform::qkv_split);
+      add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
+      if (s.add_bias_linear) add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
+      add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
+      add(L + "mlp.linear_fc1.weight", {2 * f, h}, {P + "mlp.gate_proj.weight", P + "mlp.up_proj.weight"},
+          {{f, h}, {f, h}}, HfTransform::fc1_split);
+      if (s.add_bias_linear)
+        add(L + "mlp.linear_fc1.bias", {2 * f}, {P + "mlp.gate_proj.bias", P + "mlp.up_proj.bias"}, {{f}, {f}},
+            HfTransform::fc1_split);
+      add(L + "mlp.linear_fc2.weight", {h, f}, {P + "mlp.down_proj.weight"}, {{h, f}}, HfTransform::copy);
+      if (s.add_bias_linear) add(L + "mlp.linear_fc2.bias", {h}, {P + "mlp.down_proj.bias"}, {{h}}, HfTransform::copy);
+    }
+  }
+  add("decoder.final_layernorm.weight", {h}, {gpt2 ? "transformer.ln_f.weight" : "model.norm.weight"}, {{h}}, norm);
+  if (gpt2) add("decoder.final_layernorm.bias", {h}, {"transformer.ln_f.bias"}, {{h}}, HfTransform::copy);
+  if (s.untie_embeddings_and_output_weights)
+    add("output_layer.weight", {Vp, h}, {"lm_head.weight"}, {{V, h}}, HfTransform::vocab_rows);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// config.json
+
+json hf_config_json(const HfModelSpec& s) {
+  s.validate();
+  json c;
+  if (s.arch == HfArchitecture::gpt2) {
+    c["architectures"] = {"GPT2LMHeadModel"};
+    c["model_type"] = "gpt2";
+    c["vocab_size"] = s.vocab_size;
+    c["n_positions"] = s.max_position_embeddings;
+    c["n_ctx"] = s.max_position_embeddings;
+    c["n_embd"] = s.hidden_size;
+    c["n_layer"] = s.num_layers;
+    c["n_head"] = s.num_attention_heads;
+    c["n_inner"] = s.ffn_hidden_size == 4 * s.hidden_size ? json(nullptr) : json(s.ffn_hidden_size);
+    c["activation_function"] = s.gelu_activation;
+    c["resid_pdrop"] = s.hidden_dropout;
+    c["embd_pdrop"] = s.hidden_dropout;
+    c["attn_pdrop"] = s.attention_dropout;
+    c["layer_norm_epsilon"] = s.norm_epsilon;
+    c["initializer_range"] = s.init_method_std;
+    c["scale_attn_weights"] = true;
+    c["scale_attn_by_inverse_layer_idx"] = false;
+    c["reorder_and_upcast_attn"] = false;
+  } else {
+    c["architectures"] = {"LlamaForCausalLM"};
+    c["model_type"] = "llama";
+    c["vocab_size"] = s.vocab_size;
+    c["hidden_size"] = s.hidden_size;
+    c["intermediate_size"] = s.ffn_hidden_size;
+    c["num_hidden_layers"] = s.num_layers;
+    c["num_attention_heads"] = s.num_attention_heads;
+    c["num_key_value_heads"] = s.num_query_groups;
+    c["head_dim"] = s.head_dim;
+    c["hidden_act"] = "silu";
+    c["max_position_embeddings"] = s.max_position_embeddings;
+    c["initializer_range"] = s.init_method_std;
+    c["rms_norm_eps"] = s.norm_epsilon;
+    c["rope_theta"] = s.rotary_base;
+    // Megatron's --use-rope-scaling is Llama 3.1's scheme with fixed low/high frequency factors
+    // 1 and 4 and an original context of 8192 (rotary_pos_embedding.py _apply_scaling).
+    c["rope_scaling"] = s.use_rope_scaling ? json{{"rope_type", "llama3"},
+                                                  {"factor", s.rope_scaling_factor},
+                                                  {"low_freq_factor", 1.0},
+                                                  {"high_freq_factor", 4.0},
+                                                  {"original_max_position_embeddings", 8192}}
+                                           : json(nullptr);
+    c["attention_bias"] = s.add_bias_linear;
+    c["attention_dropout"] = s.attention_dropout;
+    c["mlp_bias"] = s.add_bias_linear;
+    c["pretraining_tp"] = 1;
+  }
+  c["tie_word_embeddings"] = !s.untie_embeddings_and_output_weights;
+  c["use_cache"] = true;
+  c["bos_token_id"] = s.bos_token_id ? json(*s.bos_token_id) : json(nullptr);
+  c["eos_token_id"] = s.eos_token_id ? json(*s.eos_token_id) : json(nullptr);
+  c["torch_dtype"] = s.torch_dtype;
+  return c;
+}
+
+HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by, int tp) {
+  HfModelSpec s;
+  const std::string type = c.value("model_type", std::string());
+  auto need = [&](const char* key) -> const json& {
+    if (!c.contains(key) || c[key].is_null()) fail("HF config.json ({}) lacks '{}'", type, key);
+    return c[key];
+  };
+  try {
+    if (type == "gpt2") {
+      s.arch = HfArchitecture::gpt2;
+      s.hidden_size = need("n_embd").get<int>();
+      s.num_layers = need("n_layer").get<int>();
+      s.num_attention_heads = need("n_head").get<int>();
+      s.num_query_groups = s.num_attention_heads;
+      s.head_dim = s.hidden_size / s.num_attention_heads;
+      s.ffn_hidden_size = c.contains("n_inner") && !c["n_inner"].is_null() ? c["n_inner"].get<int>() : 4 * s.hidden_size;
+      s.max_position_embeddings = need("n_positions").get<int>();
+      s.learned_position_embeddings = true;
+      s.layernorm = true;
+      s.add_bias_linear = true;
+      s.norm_epsilon = c.value("layer_norm_epsilon", 1e-5);
+      s.gelu_activation = c.value("activation_function", std::string("gelu_new"));
+      s.hidden_dropout = c.value("resid_pdrop", 0.1);
+      s.attention_dropout = c.value("attn_pdrop", 0.1);
+      s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
+    } else if (type == "llama") {
+      s.arch = HfArchitecture::llama;
+      s.hidden_size = need("hidden_size").get<int>();
+      s.num_layers = need("num_hidden_layers").get<int>();
+      s.num_attention_heads = need("num_attention_heads").get<int>();
+      s.num_query_groups = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
+                               ? c["num_key_value_heads"].get<int>()
+                               : s.num_attention_heads;
+      s.head_dim = c.contains("head_dim") && !c["head_dim"].is_null() ? c["head_dim"].get<int>()
+                                                                      : s.hidden_size / s.num_attention_heads;
+      s.ffn_hidden_size = need("intermediate_size").get<int>();
+      s.max_position_embeddings = need("max_position_embeddings").get<int>();
+      s.layernorm = false;
+      s.swiglu = true;
+      const std::string act = c.value("hidden_act", std::string("silu"));
+      if (act != "silu") throw Unsupported(fmt::format("HF Llama config: hidden_act '{}' (megatrain's SwiGLU is silu)", act));
+      const bool attention_bias = c.value("attention_bias", false), mlp_bias = c.value("mlp_bias", false);
+      if (attention_bias != mlp_bias)
+        throw Unsupported(fmt::format("HF Llama config: attention_bias {} with mlp_bias {} (Megatron's "
+                                      "--disable-bias-linear covers both)", attention_bias, mlp_bias));
+      s.add_bias_linear = attention_bias;
+      s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
+      s.rotary_base = c.value("rope_theta", 10000.0);
+      s.attention_dropout = c.value("attention_dropout", 0.0);
+      s.hidden_dropout = 0.0;
+      if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
+        const json& r = c["rope_scaling"];
+        const std::string rt = r.value("rope_type", r.value("type", std::string()));
+        if (rt != "llama3" || r.value("low_freq_factor", 1.0) != 1.0 || r.value("high_freq_factor", 4.0) != 4.0 ||
+            r.value("original_max_position_embeddings", 8192) != 8192)
+          throw Unsupported(fmt::format("HF Llama config: rope_scaling {} (megatrain supports Llama 3.1's llama3 "
+                                        "scaling with factors 1/4 and original length 8192)", r.dump()));
+        s.use_rope_scaling = true;
+        s.rope_scaling_factor = r.value("factor", 8.0);
+      }
+      s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
+    } else {
+      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2 and llama)", type));
+    }
+    s.vocab_size = need("vocab_size").get<int>();
+    s.init_method_std = c.value("initializer_range", 0.02);
+    if (c.contains("bos_token_id") && c["bos_token_id"].is_number_integer()) s.bos_token_id = c["bos_token_id"].get<int>();
+    if (c.contains("eos_token_id") && c["eos_token_id"].is_number_integer()) s.eos_token_id = c["eos_token_id"].get<int>();
+    s.torch_dtype = c.value("torch_dtype", c.value("dtype", std::string("float32")));
+  } catch (const json::exception& e) {
+    fail("HF config.json: {}", e.what());
+  }
+  // Megatron's _vocab_size_with_padding.
+  const int64_t multiple = static_cast<int64_t>(make_vocab_size_divisible_by) * tp;
+  s.padded_vocab_size = static_cast<int>((s.vocab_size + multiple - 1) / multiple * multiple);
+  s.validate();
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Building blocks
+
+void split_qkv_rows(const void* fused, size_t elem, int heads, int groups, int head_dim, int64_t cols, void* q, void* k,
+                    void* v) {
+  const size_t block = static_cast<size_t>(head_dim) * static_cast<size_t>(cols) * elem;  // one head's rows
+  const int per_group = heads / groups;
+  const auto* src = static_cast<const unsigned char*>(fused);
+  auto* qd = static_cast<unsigned char*>(q);
+  auto* kd = static_cast<unsigned char*>(k);
+  auto* vd = static_cast<unsigned char*>(v);
+  for (int g = 0; g < groups; ++g) {
+    std::memcpy(qd + g * per_group * block, src, per_group * block);
+    src += per_group * block;
+    std::memcpy(kd + g * block, src, block);
+    src += block;
+    std::memcpy(vd + g * block, src, block);
+    src += block;
+  }
+}
+
+void merge_qkv_rows(const void* q, const void* k, const void* v, size_t elem, int heads, int groups, int head_dim,
+                    int64_t cols, void* fused) {
+  const size_t block = static_cast<size_t>(head_dim) * static_cast<size_t>(cols) * elem;
+  const int per_group = heads / groups;
+  auto* dst = static_cast<unsigned char*>(fused);
+  const auto* qs = static_cast<const unsigned char*>(q);
+  const auto* ks = static_cast<const unsigned char*>(k);
+  const auto* vs = static_cast<const unsigned char*>(v);
+  for (int g = 0; g < groups; ++g) {
+    std::memcpy(dst, qs + g * per_group * block, per_group * block);
+    dst += per_group * block;
+    std::memcpy(dst, ks + g * block, block);
+    dst += block;
+    std::memcpy(dst, vs + g * block, block);
+    dst += block;
+  }
+}
+
+void transpose_rows(const void* src, size_t elem, int64_t rows, int64_t cols, void* dst) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      std::memcpy(d + static_cast<size_t>(c * rows + r) * elem, s + static_cast<size_t>(r * cols + c) * elem, elem);
+}
+
+void permute_rope_rows(const void* src, size_t elem, int heads, int head_dim, int64_t cols, void* dst,
+                       bool to_rotate_half) {
+  const size_t row = static_cast<size_t>(cols) * elem;
+  const int half = head_dim / 2;
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  for (int h = 0; h < heads; ++h)
+    for (int part = 0; part < 2; ++part)
+      for (int j = 0; j < half; ++j) {
+        const size_t interleaved = static_cast<size_t>(h * head_dim + 2 * j + part);
+        const size_t halves = static_cast<size_t>(h * head_dim + part * half + j);
+        if (to_rotate_half) std::memcpy(d + halves * row, s + interleaved * row, row);
+        else std::memcpy(d + interleaved * row, s + halves * row, row);
+      }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor conversion
+
+std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const HostArray& ours) {
+  check_shape(ours, m.our_shape, m.ours);
+  const size_t elem = dtype_size(ours.dtype);
+  const int H = s.num_attention_heads, G = s.num_query_groups, d = s.head_dim;
+  const int64_t cols = ours.shape.size() == 2 ? ours.shape[1] : 1;
+  std::vector<HostArray> out;
+  for (const auto& shape : m.hf_shapes) out.push_back(HostArray::zeros(ours.dtype, shape));
+  switch (m.transform) {
+    case HfTransform::copy:
+      out[0].bytes = ours.bytes;
+      break;
+    case HfTransform::transpose:
+      transpose_rows(ours.bytes.data(), elem, ours.shape[0], ours.shape[1], out[0].bytes.data());
+      break;
+    case HfTransform::vocab_rows:
+      std::memcpy(out[0].bytes.data(), ours.bytes.data(), out[0].bytes.size());  // the first V rows
+      break;
+    case HfTransform::norm_1p:
+      for (int64_t i = 0; i < ours.numel(); ++i)
+        store_float(out[0].bytes.data(), ours.dtype, i, load_float(ours.bytes.data(), ours.dtype, i) + 1.0);
+      break;
+    case HfTransform::qkv_split: {
+      split_qkv_rows(ours.bytes.data(), elem, H, G, d, cols, out[0].bytes.data(), out[1].bytes.data(),
+                     out[2].bytes.data());
+      if (s.rotary_interleaved) {
+        for (int i : {0, 1}) {  // q and k (v is not rotated)
+          std::vector<unsigned char> tmp = out[i].bytes;
+          permute_rope_rows(tmp.data(), elem, i == 0 ? H : G, d, cols, out[i].bytes.data(), /*to_rotate_half=*/true);
+        }
+      }
+      break;
+    }
+    case HfTransform::qkv_c_attn:
+    case HfTransform::qkv_c_attn_bias: {
+      // [Q; K; V] rows (each E), then (weight) transposed to Conv1D's [in, 3E].
+      std::vector<unsigned char> qkv(ours.bytes.size());
+      const size_t part = static_cast<size_t>(H) * d * cols * elem;
+      split_qkv_rows(ours.bytes.data(), elem, H, G, d, cols, qkv.data(), qkv.data() + part, qkv.data() + 2 * part);
+      if (m.transform == HfTransform::qkv_c_attn) transpose_rows(qkv.data(), elem, ours.shape[0], cols, out[0].bytes.data());
+      else out[0].bytes = std::move(qkv);
+      break;
+    }
+    case HfTransform::fc1_split: {
+      const size_t half = ours.bytes.size() / 2;
+      std::memcpy(out[0].bytes.data(), ours.bytes.data(), half);
+      std::memcpy(out[1].bytes.data(), ours.bytes.data() + half, half);
+      break;
+    }
+  }
+  return out;
+}
+
+HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const std::vector<HostArray>& hf) {
+  if (hf.size() != m.hf.size()) fail("importing '{}': expected {} HF tensors, got {}", m.ours, m.hf.size(), hf.size());
+  for (size_t i = 0; i < hf.size(); ++i) {
+    check_shape(hf[i], m.hf_shapes[i], m.hf[i]);
+    if (hf[i].dtype != hf[0].dtype)
+      fail("importing '{}': HF tensors {} and {} have different dtypes", m.ours, m.hf[0], m.hf[i]);
+  }
+  const DType dt = hf[0].dtype;
+  const size_t elem = dtype_size(dt);
+  const int H = s.num_attention_heads, G = s.num_query_groups, d = s.head_dim;
+  const int64_t cols = m.our_shape.size() == 2 ? m.our_shape[1] : 1;
+  HostArray out = HostArray::zeros(dt, m.our_shape);
+  switch (m.transform) {
+    case HfTransform::copy:
+      out.bytes = hf[0].bytes;
+      break;
+    case HfTransform::transpose:
+      transpose_rows(hf[0].bytes.data(), elem, hf[0].shape[0], hf[0].shape[1], out.bytes.data());
+      break;
+    case HfTransform::vocab_rows: {
+      // Padding rows repeat the last real row (Megatron's tools/checkpoint saver does the same).
+      std::memcpy(out.bytes.data(), hf[0].bytes.data(), hf[0].bytes.size());
+      const size_t row = static_cast<size_t>(cols) * elem;
+      const int64_t V = hf[0].shape[0];
+      for (int64_t r = V; r < m.our_shape[0]; ++r)
+        std::memcpy(out.bytes.data() + r * row, hf[0].bytes.data() + (V - 1) * row, row);
+      break;
+    }
+    case HfTransform::norm_1p:
+      for (int64_t i = 0; i < out.numel(); ++i)
+        store_float(out.bytes.data(), dt, i, load_float(hf[0].bytes.data(), dt, i) - 1.0);
+      break;
+    case HfTransform::qkv_split: {
+      std::vector<unsigned char> q = hf[0].bytes, k = hf[1].bytes;
+      if (s.rotary_interleaved) {
+        permute_rope_rows(hf[0].bytes.data(), elem, H, d, cols, q.data(), /*to_rotate_half=*/false);
+        permute_rope_rows(hf[1].bytes.data(), elem, G, d, cols, k.data(), /*to_rotate_half=*/false);
+      }
+      merge_qkv_rows(q.data(), k.data(), hf[2].bytes.data(), elem, H, G, d, cols, out.bytes.data());
+      break;
+    }
+    case HfTransform::qkv_c_attn:
+    case HfTransform::qkv_c_attn_bias: {
+      std::vector<unsigned char> qkv(out.bytes.size());
+      if (m.transform == HfTransform::qkv_c_attn) transpose_rows(hf[0].bytes.data(), elem, hf[0].shape[0], hf[0].shape[1], qkv.data());
+      else qkv = hf[0].bytes;
+      const size_t part = static_cast<size_t>(H) * d * cols * elem;
+      merge_qkv_rows(qkv.data(), qkv.data() + part, qkv.data() + 2 * part, elem, H, G, d, cols, out.bytes.data());
+      break;
+    }
+    case HfTransform::fc1_split:
+      std::memcpy(out.bytes.data(), hf[0].bytes.data(), hf[0].bytes.size());
+      std::memcpy(out.bytes.data() + hf[0].bytes.size(), hf[1].bytes.data(), hf[1].bytes.size());
+      break;
+  }
+  return out;
+}
+
+}  // namespace mt

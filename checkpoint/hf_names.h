@@ -1,0 +1,133 @@
+// Mapping between megatrain's parameters (Megatron-Core names and layouts, global layer numbers)
+// and Hugging Face's GPT2LMHeadModel and LlamaForCausalLM (names, layouts, config.json).
+// Pure functions on host arrays; the export-hf / import-hf commands do the file I/O.
+//
+// Layout differences handled here (../shared/reference/frameworks.md section 2):
+// * Fused QKV: ours groups rows per query group [q (heads/groups * d); k (d); v (d)] x groups.
+//   Llama has separate q/k/v_proj; GPT-2's Conv1D c_attn is [in, 3E] with [Q | K | V] columns.
+// * GPT-2 Conv1D weights are [in, out]: every linear weight is transposed.
+// * SwiGLU fc1 is [gate (f); up (f)] globally -> gate_proj, up_proj.
+// * Embedding and output rows: ours are padded to Megatron's padded vocabulary; HF holds the true
+//   vocabulary. Import pads by repeating the last row, as Megatron's checkpoint converter does.
+// * --apply-layernorm-1p stores (gamma - 1): export adds 1, import subtracts it.
+// * RoPE: Megatron's default (non-interleaved) rotate-half pairs dims (j, j + d/2) exactly as HF
+//   Llama's rotate_half does (both build cos/sin as cat(freqs, freqs)), so q/k need no permutation.
+//   A model trained with --rotary-interleaved pairs (2j, 2j+1): export permutes q/k rows per head.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/dtype.h"
+
+namespace mt {
+
+enum class HfArchitecture { gpt2, llama };
+
+// What the mapping needs to know about the model.
+struct HfModelSpec {
+  HfArchitecture arch = HfArchitecture::gpt2;
+  int num_layers = 0;
+  int hidden_size = 0;
+  int num_attention_heads = 0;
+  int num_query_groups = 0;  // = heads without GQA
+  int head_dim = 0;
+  int ffn_hidden_size = 0;
+  int vocab_size = 0;         // the tokenizer's (HF's vocab_size)
+  int padded_vocab_size = 0;  // ours (Megatron's padding)
+  int max_position_embeddings = 0;
+  bool learned_position_embeddings = false;
+  bool layernorm = true;  // false: RMSNorm
+  bool add_bias_linear = true;
+  bool add_qkv_bias = false;
+  bool swiglu = false;
+  bool qk_layernorm = false;
+  bool untie_embeddings_and_output_weights = false;
+  bool apply_layernorm_1p = false;
+  bool rotary_interleaved = false;
+  double rotary_percent = 1.0;
+  double rotary_base = 10000;
+  bool use_rope_scaling = false;
+  double rope_scaling_factor = 8.0;
+  double norm_epsilon = 1e-5;
+  double init_method_std = 0.02;
+  double hidden_dropout = 0.1;
+  double attention_dropout = 0.1;
+  // GPT-2's activation_function: "gelu_new" (tanh approximation: --openai-gelu) or "gelu" (erf,
+  // the engine's default). from_model_config picks it from the flags.
+  std::string gelu_activation = "gelu_new";
+  std::optional<int> bos_token_id, eos_token_id;
+  std::string torch_dtype = "float32";
+
+  // From a validated Config's model section (derived values filled).
+  static HfModelSpec from_model_config(const ModelConfig& m, HfArchitecture arch);
+  // Throws mt::Unsupported naming the flag when the model cannot be expressed in `arch`.
+  void validate() const;
+};
+
+// How one of our tensors becomes HF tensors (and back).
+enum class HfTransform {
+  copy,           // same layout
+  transpose,      // ours [out, in] <-> GPT-2 Conv1D [in, out]
+  vocab_rows,     // embedding / output rows: ours padded <-> HF true vocabulary
+  norm_1p,        // ours gamma - 1 <-> HF gamma
+  qkv_split,      // ours fused QKV (weight or bias) <-> Llama q_proj, k_proj, v_proj
+  qkv_c_attn,     // ours fused QKV weight <-> GPT-2 c_attn.weight [E, 3E] (split, concat, transpose)
+  qkv_c_attn_bias,// ours fused QKV bias <-> GPT-2 c_attn.bias [3E] ([q | k | v])
+  fc1_split,      // ours [gate; up] <-> gate_proj, up_proj
+};
+
+struct HfTensorMapping {
+  std::string ours;
+  std::vector<int64_t> our_shape;
+  std::vector<std::string> hf;  // 1 name, or 3 (q, k, v) / 2 (gate, up)
+  std::vector<std::vector<int64_t>> hf_shapes;
+  HfTransform transform = HfTransform::copy;
+};
+
+// Every parameter of the model, in our order (embeddings, layers, final norm, output).
+std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& spec);
+
+// config.json for the HF model; and the spec an HF config.json describes (for import). The
+// padded vocabulary of an imported spec is Megatron's: vocab rounded up to a multiple of
+// make_vocab_size_divisible_by * tp.
+nlohmann::json hf_config_json(const HfModelSpec& spec);
+HfModelSpec hf_spec_from_config(const nlohmann::json& config, int make_vocab_size_divisible_by = 128, int tp = 1);
+
+// A dense row-major host array.
+struct HostArray {
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  std::vector<unsigned char> bytes;
+
+  int64_t numel() const;
+  static HostArray zeros(DType dtype, std::vector<int64_t> shape);
+  template <typename T>
+  T* ptr() { return reinterpret_cast<T*>(bytes.data()); }
+  template <typename T>
+  const T* ptr() const { return reinterpret_cast<const T*>(bytes.data()); }
+};
+
+// Converts one of our tensors (global, unsharded) to its HF tensors, in mapping.hf order; and back.
+std::vector<HostArray> export_hf_tensor(const HfTensorMapping& mapping, const HfModelSpec& spec, const HostArray& ours);
+HostArray import_hf_tensor(const HfTensorMapping& mapping, const HfModelSpec& spec, const std::vector<HostArray>& hf);
+
+// ---- building blocks, on raw row-major arrays of `elem`-byte elements ----
+
+// Fused grouped QKV rows [(heads + 2*groups) * head_dim, cols] <-> q [heads*d, cols], k, v [groups*d, cols].
+void split_qkv_rows(const void* fused, size_t elem, int heads, int groups, int head_dim, int64_t cols, void* q,
+                    void* k, void* v);
+void merge_qkv_rows(const void* q, const void* k, const void* v, size_t elem, int heads, int groups, int head_dim,
+                    int64_t cols, void* fused);
+// dst[c][r] = src[r][c]
+void transpose_rows(const void* src, size_t elem, int64_t rows, int64_t cols, void* dst);
+// Within each head's head_dim rows: interleaved pairs (2j, 2j+1) -> rotate-half pairs (j, j+d/2)
+// (to_rotate_half), or back.
+void permute_rope_rows(const void* src, size_t elem, int heads, int head_dim, int64_t cols, void* dst,
+                       bool to_rotate_half);
+
+}  // namespace mt

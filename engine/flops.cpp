@@ -1,0 +1,28 @@
+#include "engine/flops.h"
+
+#include "core/config.h"
+
+namespace mt {
+
+double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_size) {
+  const double B = static_cast<double>(global_batch_size);
+  const double s = m.seq_length;
+  const double L = m.num_layers;
+  const double h = m.hidden_size;
+  const double f = m.ffn_size;
+  const double V = m.padded_vocab_size;
+  const double q = static_cast<double>(m.num_attention_heads) * m.head_dim;
+  const double k = static_cast<double>(m.query_groups) * m.head_dim;
+  const double F = m.swiglu ? 3.0 : 2.0;
+  const double mlp = 6.0 * F * h * f * L;
+  const double projections = 6.0 * L * (h * (q + 2.0 * k) + q * h);
+  const double logits = 6.0 * h * V;
+  const double attention = 6.0 * q * L;  // times s^2 per sample (causal: half of QK^T + PV)
+  return B * s * (mlp + projections + logits) + B * s * s * attention;
+}
+
+double flops_per_token(const ModelConfig& m) {
+  return num_floating_point_operations(m, 1) / static_cast<double>(m.seq_length);
+}
+
+}  // namespace mt

@@ -1,0 +1,71 @@
+#include "engine/param_count.h"
+
+#include "core/config.h"
+#include "core/error.h"
+#include "parallel/pipeline_layout.h"
+
+namespace mt {
+
+int64_t LayerParamCounts::total() const {
+  return input_norm + qkv_weight + qkv_bias + qk_norms + proj_weight + proj_bias + mlp_norm + fc1_weight +
+         fc1_bias + fc2_weight + fc2_bias;
+}
+
+int64_t LayerParamCounts::per_tp_rank(int tp) const {
+  const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight;
+  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias;
+  MT_CHECK(sharded % tp == 0, "layer parameters {} not divisible by TP {}", sharded, tp);
+  return sharded / tp + replicated;
+}
+
+ParamCounts count_parameters(const ModelConfig& m) {
+  const int64_t h = m.hidden_size;
+  const int64_t V = m.padded_vocab_size;
+  const int64_t f = m.ffn_size;
+  const int64_t d = m.head_dim;
+  const int64_t q = static_cast<int64_t>(m.num_attention_heads) * d;
+  const int64_t k = static_cast<int64_t>(m.query_groups) * d;
+  const int64_t norm_params = (m.normalization == Normalization::layernorm) ? 2 : 1;  // weight (+ bias)
+  const int64_t gated = m.swiglu ? 2 : 1;
+
+  ParamCounts c;
+  c.word_embeddings = V * h;
+  if (m.position_embedding_type == PositionEmbedding::learned_absolute)
+    c.position_embeddings = static_cast<int64_t>(m.max_position_embeddings) * h;
+  LayerParamCounts& l = c.layer;
+  l.input_norm = norm_params * h;
+  l.qkv_weight = (q + 2 * k) * h;
+  l.qkv_bias = m.add_qkv_bias ? (q + 2 * k) : 0;
+  l.qk_norms = m.qk_layernorm ? 2 * norm_params * d : 0;
+  l.proj_weight = h * q;
+  l.proj_bias = m.add_bias_linear ? h : 0;
+  l.mlp_norm = norm_params * h;
+  l.fc1_weight = gated * f * h;
+  l.fc1_bias = m.add_bias_linear ? gated * f : 0;
+  l.fc2_weight = h * f;
+  l.fc2_bias = m.add_bias_linear ? h : 0;
+  c.layers = static_cast<int64_t>(m.num_layers) * l.total();
+  c.final_norm = norm_params * h;
+  c.output_layer = m.untie_embeddings_and_output_weights ? V * h : 0;
+  c.total = c.word_embeddings + c.position_embeddings + c.layers + c.final_norm + c.output_layer;
+  return c;
+}
+
+int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelChunk>& chunks, int tp, int pp) {
+  const ParamCounts c = count_parameters(m);
+  MT_CHECK(c.word_embeddings % tp == 0, "padded vocabulary rows not divisible by TP {}", tp);
+  const int64_t vocab_shard = c.word_embeddings / tp;
+  int64_t n = 0;
+  for (const ModelChunk& ch : chunks) {
+    n += static_cast<int64_t>(ch.num_layers) * c.layer.per_tp_rank(tp);
+    if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
+    if (ch.has_output) {
+      n += c.final_norm;
+      // Untied: the output layer. Tied with PP > 1: the last stage's copy of the embeddings.
+      if (m.untie_embeddings_and_output_weights || pp > 1) n += vocab_shard;
+    }
+  }
+  return n;
+}
+
+}  // namespace mt

@@ -1,0 +1,259 @@
+#include "engine/trainer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <csignal>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+namespace {
+std::atomic<bool> g_sigterm{false};
+extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+}  // namespace
+
+Trainer::Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
+                 Reporter& reporter)
+    : cfg_(cfg),
+      ps_(ps),
+      model_(model),
+      train_(train),
+      valid_(valid),
+      reporter_(reporter),
+      schedule_(LrSchedule::params_from_config(cfg)),
+      scaler_(LossScaler::from_config(cfg)),
+      optimizer_(cfg, model, ps, schedule_, scaler_) {
+  if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
+  if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
+  if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
+}
+
+// --exit-duration-in-mins and --exit-signal-handler, decided by every rank alike (max over ranks).
+bool Trainer::should_exit() {
+  const TrainConfig& t = cfg_.train;
+  if (!t.exit_duration_in_mins && !t.exit_signal_handler) return false;
+  const double minutes = std::chrono::duration<double>(Clock::now() - run_start_).count() / 60.0;
+  double flags[2] = {t.exit_duration_in_mins && minutes > *t.exit_duration_in_mins ? 1.0 : 0.0,
+                     t.exit_signal_handler && g_sigterm.load() ? 1.0 : 0.0};
+  if (ps_.world_size > 1) {  // one small collective per iteration, only with these flags
+    Backend& be = model_.backend();
+    Tensor s = model_.scalars().flat_slice(8, 2);
+    if (model_.options().accum == DType::f64) {
+      be.copy_from_host(s, flags);
+      ps_.world->all_reduce(s, ReduceOp::max);
+      be.copy_to_host(flags, s);
+    } else {
+      float f[2] = {static_cast<float>(flags[0]), static_cast<float>(flags[1])};
+      be.copy_from_host(s, f);
+      ps_.world->all_reduce(s, ReduceOp::max);
+      be.copy_to_host(f, s);
+      flags[0] = f[0];
+      flags[1] = f[1];
+    }
+  }
+  if (flags[0] > 0) {
+    log::info(" exiting program after {} minutes", minutes);
+    return true;
+  }
+  if (flags[1] > 0) {
+    log::info(" exiting program at iteration {} on SIGTERM", iteration_);
+    return true;
+  }
+  return false;
+}
+
+void Trainer::timer_start(const char* name) {
+  if (cfg_.logging.timing_log_level < 1) return;
+  model_.backend().synchronize();  // device timings need a sync: only when asked for
+  timer_start_[name] = Clock::now();
+}
+
+void Trainer::timer_stop(const char* name) {
+  if (cfg_.logging.timing_log_level < 1) return;
+  model_.backend().synchronize();
+  timer_ms_[name] += std::chrono::duration<double, std::milli>(Clock::now() - timer_start_[name]).count();
+}
+
+void Trainer::forward_backward() {
+  // No pipelining: each micro-batch's forward then backward in slot 0. (Pipeline schedules
+  // drive the model's slots and stage inputs/outputs instead.)
+  const TrainConfig& t = cfg_.train;
+  const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : t.num_microbatches);
+  timer_start("forward-backward");
+  for (int m = 0; m < t.num_microbatches; ++m) {
+    timer_start("batch-generator");
+    if (!train_.next(mb_))
+      fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
+           "--train-iters/--train-samples", iteration_ + 1, m + 1, t.num_microbatches);
+    timer_stop("batch-generator");
+    model_.stage_micro_batch(0, mb_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_++, true);
+    timer_start("forward-compute");
+    model_.forward(0);
+    timer_stop("forward-compute");
+    timer_start("backward-compute");
+    model_.backward(0);
+    timer_stop("backward-compute");
+  }
+  timer_stop("forward-backward");
+}
+
+StepOutcome Trainer::train_step() {
+  Backend& be = model_.backend();
+  model_.zero_grads();
+  be.fill(model_.loss_sums(false), 0.0);
+  forward_backward();
+  timer_start("optimizer");
+  StepOutcome o = optimizer_.step(iteration_ + 1);
+  timer_stop("optimizer");
+  return o;
+}
+
+int64_t Trainer::train() {
+  const TrainConfig& t = cfg_.train;
+  const int64_t B = t.global_batch;
+  interval_start_ = Clock::now();
+  interval_paused_s_ = 0;
+  bool first = true;
+  while (iteration_ < t.total_iters) {
+    if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
+        t.iterations_to_skip.end()) {
+      // --iterations-to-skip: consume the batch without a step, as Megatron's dummy step.
+      for (int m = 0; m < t.num_microbatches; ++m)
+        if (!train_.next(mb_)) fail("the training data ran out at iteration {}", iteration_ + 1);
+      micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
+      ++iteration_;
+      consumed_samples_ += B;
+      skipped_samples_ += B;
+      continue;
+    }
+    const StepOutcome o = train_step();
+    ++iteration_;
+    consumed_samples_ += B;
+    if (o.skipped) {
+      ++interval_skipped_;
+      if (!std::isfinite(o.loss())) ++interval_nan_;
+    } else {
+      ++interval_advanced_;
+      interval_loss_ += o.loss();
+      loss_history_.push_back(o.loss());
+    }
+    report_iteration(o, first);
+    first = false;
+    if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
+        valid_ && t.eval_iters > 0) {
+      const auto pause = Clock::now();
+      evaluate(false);
+      interval_paused_s_ += std::chrono::duration<double>(Clock::now() - pause).count();
+    }
+    if (after_iteration && !after_iteration(iteration_)) break;
+    bool stop = should_exit();
+    if (!stop && t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
+      log::info(" exiting program at iteration {}", iteration_);
+      stop = true;
+    }
+    if (stop) {
+      if (before_early_exit) before_early_exit(iteration_);
+      break;
+    }
+  }
+  return iteration_;
+}
+
+// Every iteration goes to the reporters (TensorBoard keeps per-iteration values); the log line's
+// averages cover the interval and are valid where interval_end is set: every --log-interval
+// iterations and, as HEAD Megatron does, after the first iteration of the run (without resetting
+// the interval).
+void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
+  const bool interval_end = iteration_ % cfg_.logging.log_interval == 0 || first_of_run;
+  const auto now = Clock::now();
+  const double elapsed = std::chrono::duration<double>(now - interval_start_).count() - interval_paused_s_;
+  const int64_t iters = std::max<int64_t>(1, interval_advanced_ + interval_skipped_);
+  IterationStats s;
+  s.iteration = iteration_;
+  s.interval_end = interval_end;
+  s.is_first_iteration = first_of_run;
+  s.train_iters = cfg_.train.total_iters;
+  s.consumed_samples = consumed_samples_;
+  s.skipped_samples = skipped_samples_;
+  s.elapsed_ms_per_iteration = elapsed / iters * 1000.0;
+  const double per_iter_s = elapsed / iters;
+  if (cfg_.logging.log_throughput && flops_per_iteration && per_iter_s > 0)
+    s.tflops_per_gpu = flops_per_iteration() / (per_iter_s * 1e12 * ps_.world_size);
+  s.learning_rate = optimizer_.learning_rate();
+  s.decoupled_learning_rate = optimizer_.decoupled_learning_rate();
+  s.global_batch_size = cfg_.train.global_batch;
+  // Megatron prints the key once any iteration succeeded (0 for an interval of skipped ones).
+  if (!loss_history_.empty()) s.losses["lm loss"] = interval_loss_ / std::max<int64_t>(1, interval_advanced_);
+  if (!o.skipped) s.iteration_losses["lm loss"] = o.loss();
+  s.loss_scale = scaler_.scale();
+  s.grad_norm = o.grad_norm;
+  s.num_zeros = o.num_zeros;
+  if (cfg_.logging.log_params_norm && interval_end) s.params_norm = optimizer_.params_norm();
+  s.skipped_iterations = interval_skipped_;
+  s.nan_iterations = interval_nan_;
+  s.weight_decay = optimizer_.weight_decay();
+  s.tokens_per_second =
+      per_iter_s > 0 ? static_cast<double>(cfg_.train.global_batch) * cfg_.model.seq_length / per_iter_s : 0;
+  s.world_size = ps_.world_size;
+  for (const auto& [name, ms] : timer_ms_) s.timers_ms[name] = {ms / iters, ms / iters};
+  reporter_.on_iteration(s);
+  if (interval_end && !first_of_run) {
+    interval_loss_ = 0;
+    interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
+    interval_start_ = now;
+    interval_paused_s_ = 0;
+    timer_ms_.clear();
+  }
+}
+
+void Trainer::evaluate(bool after_training) {
+  if (!valid_) return;
+  const TrainConfig& t = cfg_.train;
+  Backend& be = model_.backend();
+  Tensor sums = model_.loss_sums(true);
+  be.fill(sums, 0.0);
+  int64_t done = 0;
+  for (int it = 0; it < t.eval_iters; ++it) {
+    bool ok = true;
+    for (int m = 0; m < t.num_microbatches && ok; ++m) {
+      if (!valid_->next(mb_)) {
+        ok = false;
+        break;
+      }
+      model_.stage_micro_batch(0, mb_, 1.0, false, 0, false);
+      model_.forward(0);
+    }
+    if (!ok) {
+      log::warn0("the validation data ran out after {} of {} evaluation iterations", done, t.eval_iters);
+      break;
+    }
+    ++done;
+  }
+  // Loss sums live on the last stage; every DP rank contributes.
+  Tensor s = model_.scalars().flat_slice(0, 2);
+  be.copy(s, sums);
+  ps_.dp->all_reduce(s);
+  if (model_.dims().pipeline) ps_.pp->all_reduce(s);
+  double host[2];
+  if (model_.options().accum == DType::f64) {
+    be.copy_to_host(host, s);
+  } else {
+    float f[2];
+    be.copy_to_host(f, s);
+    host[0] = f[0];
+    host[1] = f[1];
+  }
+  if (done == 0) return;
+  EvalStats e;
+  e.iteration = iteration_;
+  e.after_training = after_training;
+  e.consumed_train_samples = consumed_samples_;
+  e.losses["lm loss"] = host[0] / std::max(1.0, host[1]);
+  reporter_.on_eval(e);
+}
+
+}  // namespace mt

@@ -1,0 +1,91 @@
+// Trainer: Megatron's training loop around one model stage. Per iteration: M micro-batches
+// forward and backward (gradient accumulation), the optimizer step with its single host
+// readback, logging averaged over --log-interval, evaluation every --eval-interval, and the
+// exit conditions (--train-iters / --train-samples, --exit-interval).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "core/config.h"
+#include "data/batch.h"
+#include "engine/gpt_model.h"
+#include "engine/loss_scaler.h"
+#include "engine/lr_schedule.h"
+#include "engine/optimizer.h"
+#include "engine/reporter.h"
+
+namespace mt {
+
+struct ParallelState;
+
+class Trainer {
+ public:
+  Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
+          Reporter& reporter);
+
+  // Model FLOPs of one iteration (for --log-throughput): set by the caller.
+  std::function<double()> flops_per_iteration;
+  // Called after every iteration (checkpoint saving, signal checks...): return false to stop.
+  std::function<bool(int64_t iteration)> after_iteration;
+  // Called once when training stops early (--exit-interval, --exit-duration-in-mins, SIGTERM with
+  // --exit-signal-handler), before returning: Megatron saves a checkpoint there.
+  std::function<void(int64_t iteration)> before_early_exit;
+
+  // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
+  // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
+  int64_t train();
+  // Forward-only loss over --eval-iters global batches of the validation source.
+  void evaluate(bool after_training);
+  // One iteration (exposed for tests): returns the step outcome.
+  StepOutcome train_step();
+
+  int64_t iteration() const { return iteration_; }
+  int64_t consumed_samples() const { return consumed_samples_; }
+  void set_progress(int64_t iteration, int64_t consumed_samples) {
+    iteration_ = iteration;
+    consumed_samples_ = consumed_samples;
+  }
+  LrSchedule& schedule() { return schedule_; }
+  LossScaler& loss_scaler() { return scaler_; }
+  Optimizer& optimizer() { return optimizer_; }
+  // Losses of every successful iteration so far (tests, summaries).
+  const std::vector<double>& loss_history() const { return loss_history_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void forward_backward();
+  void report_iteration(const StepOutcome& o, bool first_of_run);
+  void timer_start(const char* name);
+  void timer_stop(const char* name);
+  bool should_exit();
+
+  const Config& cfg_;
+  ParallelState& ps_;
+  GptModel& model_;
+  BatchSource& train_;
+  BatchSource* valid_;
+  Reporter& reporter_;
+  LrSchedule schedule_;
+  LossScaler scaler_;
+  Optimizer optimizer_;
+  MicroBatch mb_;
+
+  int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0;
+  uint64_t micro_batch_serial_ = 0;
+  std::vector<double> loss_history_;
+
+  // Log-interval accumulators (Megatron's total_loss_dict).
+  double interval_loss_ = 0;
+  int64_t interval_advanced_ = 0, interval_skipped_ = 0, interval_nan_ = 0;
+  Clock::time_point interval_start_;
+  Clock::time_point run_start_ = Clock::now();
+  double interval_paused_s_ = 0;
+  std::map<std::string, double> timer_ms_;
+  std::map<std::string, Clock::time_point> timer_start_;
+};
+
+}  // namespace mt

@@ -1,0 +1,543 @@
+#include "parallel/nccl_communicator.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdlib>
+
+#include "core/error.h"
+#include "parallel/launcher.h"
+#include "parallel/tcp_rendezvous.h"
+
+#if MEGATRAIN_WITH_CUDA
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/log.h"
+
+namespace mt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string cuda_string(cudaError_t e) { return fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)); }
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail("CUDA error in {}: {}", what, cuda_string(e));
+}
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::u8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclCommunicator;
+
+// One operation enqueued on the stream, as the watchdog sees it. Holds no strings: the message is
+// formatted only when something goes wrong, so tracking allocates nothing per step.
+struct Pending {
+  cudaEvent_t event = nullptr;
+  const NcclCommunicator* comm = nullptr;
+  const char* op = "";
+  int64_t count = 0;
+  DType dtype = DType::f32;
+  int peer = -1;
+  Clock::time_point deadline;
+};
+
+// The process's NCCL watchdog (see the header).
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static Watchdog w;
+    return w;
+  }
+
+  void add(NcclCommunicator* c, int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    comms_.push_back(c);
+    if (!thread_.joinable()) {
+      device_ = device;
+      stop_ = false;
+      thread_ = std::thread([this] { loop(); });
+    }
+  }
+
+  void remove(NcclCommunicator* c) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::erase(comms_, c);
+    for (auto& p : ring_)
+      if (p.comm == c) p.comm = nullptr;  // finished or abandoned: nothing left to report about
+    if (comms_.empty() && thread_.joinable()) {
+      stop_ = true;
+      lock.unlock();
+      thread_.join();
+      lock.lock();
+      for (auto& p : ring_) release(p.event);
+      ring_.clear();
+      head_ = 0;
+    }
+  }
+
+  cudaEvent_t acquire_event() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) {
+      cudaEvent_t e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+    cudaEvent_t e;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate (NCCL watchdog)");
+    return e;
+  }
+
+  void track(const Pending& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ring_.push_back(p);
+  }
+
+  [[noreturn]] void fatal(const std::string& message);
+
+ private:
+  ~Watchdog() {
+    if (thread_.joinable()) {
+      stop_ = true;
+      thread_.join();
+    }
+  }
+  void release(cudaEvent_t e) {
+    if (e) free_.push_back(e);
+  }
+  void loop();
+  std::string describe(const Pending& p) const;
+
+  std::mutex mu_;
+  std::vector<NcclCommunicator*> comms_;
+  std::vector<Pending> ring_;  // FIFO: [head_, size) pending, compacted now and then
+  size_t head_ = 0;
+  std::vector<cudaEvent_t> free_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  int device_ = 0;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, std::string name, int device, cudaStream_t stream, Millis timeout, int world_rank)
+      : comm_(comm), name_(std::move(name)), device_(device), stream_(stream), timeout_(timeout), world_rank_(world_rank) {
+    ncclCommCount(comm_, &size_);
+    ncclCommUserRank(comm_, &rank_);
+    check_cuda(cudaMalloc(&scratch_, 64 * sizeof(int32_t) + 64 * sizeof(int32_t) * size_), "cudaMalloc (NCCL scratch)");
+    Watchdog::get().add(this, device_);
+    try {
+      members_ = gather_world_ranks();
+    } catch (...) {
+      Watchdog::get().remove(this);
+      ncclCommAbort(comm_);
+      cudaFree(scratch_);
+      throw;
+    }
+  }
+
+  ~NcclCommunicator() override {
+    if (!comm_) return;
+    // Let this communicator's enqueued work finish (bounded), then finalize; abort if it will not.
+    const auto deadline = Clock::now() + timeout_;
+    bool clean = cudaStreamSynchronize(stream_) == cudaSuccess;
+    Watchdog::get().remove(this);
+    if (clean && ncclCommFinalize(comm_) != ncclSuccess) clean = false;
+    while (clean) {
+      ncclResult_t st = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &st);
+      if (st == ncclSuccess) break;
+      if (st != ncclInProgress || Clock::now() > deadline) clean = false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (clean) ncclCommDestroy(comm_);
+    else ncclCommAbort(comm_);
+    cudaFree(scratch_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+  const std::vector<int>& members() const { return members_; }
+  int world_rank() const { return world_rank_; }
+  ncclComm_t handle() const { return comm_; }
+  Millis timeout() const { return timeout_; }
+
+  void all_reduce(Tensor t, ReduceOp op) override {
+    check_device(t, "all_reduce");
+    settle(ncclAllReduce(t.data, t.data, t.numel(), nccl_type(t.dtype), nccl_op(op), comm_, stream_), "all_reduce");
+    track("all_reduce", t.numel(), t.dtype);
+  }
+
+  void reduce_scatter(Tensor out, Tensor in, ReduceOp op) override {
+    check_device(out, "reduce_scatter");
+    check_device(in, "reduce_scatter");
+    MT_CHECK(out.dtype == in.dtype && in.numel() == out.numel() * size_, "{}: reduce_scatter sizes {} x {} != {}",
+             name_, out.numel(), size_, in.numel());
+    settle(ncclReduceScatter(in.data, out.data, out.numel(), nccl_type(in.dtype), nccl_op(op), comm_, stream_),
+           "reduce_scatter");
+    track("reduce_scatter", out.numel(), out.dtype);
+  }
+
+  void all_gather(Tensor out, Tensor in) override {
+    check_device(out, "all_gather");
+    check_device(in, "all_gather");
+    MT_CHECK(out.dtype == in.dtype && out.numel() == in.numel() * size_, "{}: all_gather sizes {} x {} != {}", name_,
+             in.numel(), size_, out.numel());
+    settle(ncclAllGather(in.data, out.data, in.numel(), nccl_type(in.dtype), comm_, stream_), "all_gather");
+    track("all_gather", in.numel(), in.dtype);
+  }
+
+  void broadcast(Tensor t, int root) override {
+    check_device(t, "broadcast");
+    MT_CHECK(root >= 0 && root < size_, "{}: broadcast root {} of {}", name_, root, size_);
+    settle(ncclBroadcast(t.data, t.data, t.numel(), nccl_type(t.dtype), root, comm_, stream_), "broadcast");
+    track("broadcast", t.numel(), t.dtype, root);
+  }
+
+  void send(Tensor t, int peer) override {
+    check_device(t, "send");
+    MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: send to rank {} of {}", name_, peer, size_);
+    settle(ncclSend(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "send");
+    if (in_group_) {
+      group_bytes_ += t.nbytes();
+      last_peer_ = peer;
+    } else {
+      track("send", t.numel(), t.dtype, peer);
+    }
+  }
+
+  void recv(Tensor t, int peer) override {
+    check_device(t, "recv");
+    MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: recv from rank {} of {}", name_, peer, size_);
+    settle(ncclRecv(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "recv");
+    if (in_group_) {
+      group_bytes_ += t.nbytes();
+      last_peer_ = peer;
+    } else {
+      track("recv", t.numel(), t.dtype, peer);
+    }
+  }
+
+  void group_start() override {
+    MT_CHECK(!in_group_, "{}: nested group_start", name_);
+    in_group_ = true;
+    group_bytes_ = 0;
+    last_peer_ = -1;
+    settle(ncclGroupStart(), "group_start");
+  }
+
+  void group_end() override {
+    MT_CHECK(in_group_, "{}: group_end without group_start", name_);
+    in_group_ = false;
+    settle(ncclGroupEnd(), "grouped send/recv");
+    track("grouped send/recv", static_cast<int64_t>(group_bytes_), DType::u8, last_peer_);
+  }
+
+  void barrier() override {
+    // NCCL has no barrier: an all-reduce of one value, then the host waits for it.
+    Tensor one(scratch_, DType::f32, Device::cuda, {1});
+    all_reduce(one, ReduceOp::sum);
+    wait_stream("barrier");
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    config.commName = name.c_str();
+    ncclComm_t child = nullptr;
+    const std::string what = fmt::format("split into '{}'", name);
+    const ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+    settle(r, what.c_str());
+    if (child) wait_ready(child, what, timeout_);
+    if (!child) return nullptr;
+    return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
+  }
+
+  // Waits until a (non-blocking) communicator has finished its pending call, or throws at the
+  // deadline after aborting it.
+  static void wait_ready(ncclComm_t comm, const std::string& what, Millis timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+      ncclResult_t st = ncclSuccess;
+      ncclCommGetAsyncError(comm, &st);
+      if (st == ncclSuccess) return;
+      if (st != ncclInProgress) {
+        const std::string detail = ncclGetLastError(comm);
+        ncclCommAbort(comm);
+        fail("NCCL {} failed: {} ({})", what, ncclGetErrorString(st), detail);
+      }
+      if (Clock::now() > deadline) {
+        ncclCommAbort(comm);
+        fail("NCCL {} did not finish within {}: a rank may be missing or unreachable (NCCL_DEBUG=INFO shows "
+             "where it stops; NCCL_SOCKET_IFNAME selects the network interface)",
+             what, format_duration(timeout));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+ private:
+  void check_device(const Tensor& t, const char* op) const {
+    if (t.device != Device::cuda)
+      fail("{}: {} on a host tensor; the NCCL communicator moves device memory (use the MPI communicator for "
+           "--device cpu)",
+           name_, op);
+  }
+
+  void settle(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess) return;
+    if (r == ncclInProgress) {
+      wait_ready(comm_, fmt::format("{} on group '{}'", what, name_), timeout_);
+      return;
+    }
+    fail("NCCL {} on group '{}' (rank {} of {}) failed: {} ({})", what, name_, rank_, size_, ncclGetErrorString(r),
+         ncclGetLastError(comm_));
+  }
+
+  void track(const char* op, int64_t count, DType dtype, int peer = -1) {
+    Watchdog& w = Watchdog::get();
+    Pending p;
+    p.event = w.acquire_event();
+    p.comm = this;
+    p.op = op;
+    p.count = count;
+    p.dtype = dtype;
+    p.peer = peer;
+    p.deadline = Clock::now() + timeout_;
+    check_cuda(cudaEventRecord(p.event, stream_), "cudaEventRecord (NCCL watchdog)");
+    w.track(p);
+  }
+
+  void wait_stream(const char* what) {
+    const auto deadline = Clock::now() + timeout_ + std::chrono::seconds(5);
+    while (true) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) fail("CUDA error while waiting for {} on group '{}': {}", what, name_, cuda_string(e));
+      // The watchdog ends the process first when the collective times out; this is a backstop.
+      if (Clock::now() > deadline)
+        Watchdog::get().fatal(fmt::format("{} on group '{}' did not finish within {}", what, name_,
+                                          format_duration(timeout_)));
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  // The world rank of every member, in group-rank order (for error messages).
+  std::vector<int> gather_world_ranks() {
+    auto* dev = static_cast<int32_t*>(scratch_);
+    check_cuda(cudaMemcpyAsync(dev, &world_rank_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
+    all_gather(Tensor(dev + 64, DType::i32, Device::cuda, {size_}), Tensor(dev, DType::i32, Device::cuda, {1}));
+    std::vector<int> out(size_);
+    check_cuda(cudaMemcpyAsync(out.data(), dev + 64, sizeof(int32_t) * size_, cudaMemcpyDeviceToHost, stream_),
+               "cudaMemcpy");
+    wait_stream("member exchange");
+    return out;
+  }
+
+  ncclComm_t comm_ = nullptr;
+  std::string name_;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  Millis timeout_;
+  int world_rank_ = 0;
+  int rank_ = 0, size_ = 1;
+  std::vector<int> members_;
+  void* scratch_ = nullptr;
+  bool in_group_ = false;
+  size_t group_bytes_ = 0;
+  int last_peer_ = -1;
+};
+
+std::string Watchdog::describe(const Pending& p) const {
+  const NcclCommunicator* c = p.comm;
+  if (!c) return fmt::format("NCCL {} on a communicator already closed", p.op);
+  std::string peer;
+  if (p.peer >= 0 && p.peer < static_cast<int>(c->members().size()))
+    peer = fmt::format(", peer rank {} = world rank {}", p.peer, c->members()[p.peer]);
+  const std::string size = std::string(p.op) == "grouped send/recv"
+                               ? fmt::format("{} bytes", p.count)
+                               : fmt::format("{} x {}", p.count, dtype_name(p.dtype));
+  return fmt::format("NCCL {} ({}{}) on group '{}' (rank {} of {}; the group is world ranks {})", p.op, size, peer,
+                     c->name(), c->rank(), c->size(), c->members());
+}
+
+void Watchdog::fatal(const std::string& message) {
+  // Print first (aborting can take a moment), then abort every communicator, then leave without
+  // running destructors (they would wait on the hung stream).
+  log::error(message + ". Aborting all NCCL communicators and exiting.");
+  std::vector<NcclCommunicator*> comms;
+  {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    comms = comms_;
+  }
+  for (NcclCommunicator* c : comms) ncclCommAbort(c->handle());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(1);
+}
+
+void Watchdog::loop() {
+  cudaSetDevice(device_);
+  const Millis poll = nccl_watchdog_poll_interval();
+  while (!stop_) {
+    std::string problem;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Asynchronous errors (a peer died, a network failure).
+      for (NcclCommunicator* c : comms_) {
+        ncclResult_t st = ncclSuccess;
+        if (ncclCommGetAsyncError(c->handle(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
+          problem = fmt::format("NCCL reported an asynchronous error on group '{}' (rank {} of {}; world ranks {}): "
+                                "{} ({})",
+                                c->name(), c->rank(), c->size(), c->members(), ncclGetErrorString(st),
+                                ncclGetLastError(c->handle()));
+          break;
+        }
+      }
+      // Completed operations leave the front of the queue; the oldest unfinished one has a deadline.
+      while (problem.empty() && head_ < ring_.size()) {
+        Pending& p = ring_[head_];
+        const cudaError_t e = cudaEventQuery(p.event);
+        if (e == cudaSuccess) {
+          release(p.event);
+          ++head_;
+          continue;
+        }
+        if (e != cudaErrorNotReady) {
+          problem = fmt::format("CUDA error {} while waiting for {}", cuda_string(e), describe(p));
+        } else if (Clock::now() > p.deadline) {
+          problem = fmt::format("{} did not finish within {}: a peer rank may have died, or be stuck before this "
+                                "operation (look for its error); --distributed-timeout-minutes sets the limit",
+                                describe(p), format_duration(p.comm ? p.comm->timeout() : Millis(0)));
+        }
+        break;
+      }
+      if (head_ > 1024 && head_ * 2 > ring_.size()) {
+        ring_.erase(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_));
+        head_ = 0;
+      }
+    }
+    if (!problem.empty()) fatal(problem);
+    std::this_thread::sleep_for(poll);
+  }
+}
+
+std::string gpu_identity(int device) {
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  std::string uuid;
+  for (unsigned char b : prop.uuid.bytes) uuid += fmt::format("{:02x}", b);
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return fmt::format("{}|{}|{}|{}", host, uuid, device, prop.name);
+}
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+std::unique_ptr<Communicator> make_nccl_world_communicator(TcpRendezvous& rv, int device, CUstream_st* stream,
+                                                           Millis timeout) {
+  disable_nvlink_multicast_unless_set();
+  check_cuda(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device).c_str());
+
+  // Two ranks on one GPU: NCCL would fail later with a less helpful message (or hang in the
+  // topology search); say which ranks collide.
+  const std::vector<std::string> ids = rv.all_gather(gpu_identity(device));
+  std::map<std::string, int> first_user;  // "host|uuid" -> first rank using it
+  for (int r = 0; r < static_cast<int>(ids.size()); ++r) {
+    const size_t host_end = ids[r].find('|');
+    const size_t uuid_end = ids[r].find('|', host_end + 1);
+    MT_CHECK(host_end != std::string::npos && uuid_end != std::string::npos, "GPU identity '{}'", ids[r]);
+    auto [it, fresh] = first_user.emplace(ids[r].substr(0, uuid_end), r);
+    if (!fresh)
+      fail("ranks {} and {} both use GPU {} (UUID {}) on host {}: each rank needs its own GPU (check "
+           "CUDA_VISIBLE_DEVICES, LOCAL_RANK and --nproc-per-node)",
+           it->second, r, ids[r].substr(uuid_end + 1), ids[r].substr(host_end + 1, uuid_end - host_end - 1),
+           ids[r].substr(0, host_end));
+  }
+
+  ncclUniqueId id;
+  std::string blob;
+  if (rv.rank() == 0) {
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) fail("ncclGetUniqueId failed: {}", ncclGetErrorString(r));
+    blob.assign(reinterpret_cast<const char*>(&id), sizeof(id));
+  }
+  blob = rv.broadcast(blob);
+  MT_CHECK(blob.size() == sizeof(id), "NCCL unique id of {} bytes", blob.size());
+  std::memcpy(&id, blob.data(), sizeof(id));
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  config.commName = "world";
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, rv.world_size(), id, rv.rank(), &config);
+  if (r != ncclSuccess && r != ncclInProgress)
+    fail("ncclCommInitRankConfig (rank {} of {}) failed: {}", rv.rank(), rv.world_size(), ncclGetErrorString(r));
+  NcclCommunicator::wait_ready(comm, fmt::format("initialization of the world communicator (rank {} of {})",
+                                                 rv.rank(), rv.world_size()),
+                               timeout);
+  return std::make_unique<NcclCommunicator>(comm, "world", device, reinterpret_cast<cudaStream_t>(stream), timeout,
+                                            rv.rank());
+}
+
+}  // namespace mt
+
+#else  // !MEGATRAIN_WITH_CUDA
+
+namespace mt {
+
+bool nccl_available() { return false; }
+
+std::unique_ptr<Communicator> make_nccl_world_communicator(TcpRendezvous&, int, CUstream_st*, Millis) {
+  fail("this megatrain was built without CUDA/NCCL: GPU runs with several ranks need a CUDA build "
+       "(use --device cpu under mpirun for the reference backend)");
+}
+
+}  // namespace mt
+
+#endif
+
+namespace mt {
+
+Millis nccl_watchdog_poll_interval() {
+  if (const char* s = std::getenv("MEGATRAIN_NCCL_WATCHDOG_POLL_MS"); s && *s) {
+    const long ms = std::strtol(s, nullptr, 10);
+    if (ms > 0) return Millis(ms);
+  }
+  return Millis(100);
+}
+
+}  // namespace mt

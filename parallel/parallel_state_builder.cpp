@@ -1,0 +1,105 @@
+#include "parallel/parallel_state_builder.h"
+
+#include <algorithm>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "parallel/distributed_timeout.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/nccl_communicator.h"
+#include "parallel/rank_grid.h"
+#include "parallel/tcp_rendezvous.h"
+
+namespace mt {
+namespace {
+
+// Splits `world` into the given groups (a partition of some or all ranks). Ranks outside every
+// group get nullptr. The communicator's rank is the rank's position in its group's list.
+std::unique_ptr<Communicator> split_into(Communicator& world, const std::vector<std::vector<int>>& groups,
+                                         const std::string& name) {
+  const int me = world.rank();
+  int color = -1, key = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto it = std::find(groups[g].begin(), groups[g].end(), me);
+    if (it != groups[g].end()) {
+      color = static_cast<int>(g);
+      key = static_cast<int>(it - groups[g].begin());
+    }
+  }
+  auto comm = world.split(color, key, name);
+  if (color >= 0) {
+    MT_CHECK(comm && comm->size() == static_cast<int>(groups[color].size()) && comm->rank() == key,
+             "group '{}' of rank {}: size {} rank {}, expected size {} rank {}", name, me, comm ? comm->size() : -1,
+             comm ? comm->rank() : -1, groups[color].size(), key);
+  } else {
+    MT_CHECK(!comm, "rank {} is in no '{}' group but got a communicator", me, name);
+  }
+  return comm;
+}
+
+}  // namespace
+
+ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicator> world) {
+  MT_CHECK(world, "no world communicator");
+  const RankGrid grid = RankGrid::from_config(cfg);
+  if (world->size() != grid.world_size())
+    fail("{} processes were started, but --tensor-model-parallel-size {} x --context-parallel-size {} x "
+         "--pipeline-model-parallel-size {} x data-parallel size {} = {}",
+         world->size(), grid.tp, grid.cp, grid.pp, grid.dp, grid.world_size());
+  const int rank = world->rank();
+  const RankCoord c = rank_coord(grid, rank);
+
+  ParallelState s;
+  s.world_size = world->size();
+  s.rank = rank;
+  s.tp_size = grid.tp;
+  s.tp_rank = c.tp;
+  s.cp_size = grid.cp;
+  s.cp_rank = c.cp;
+  s.dp_size = grid.dp;
+  s.dp_rank = c.dp;
+  s.pp_size = grid.pp;
+  s.pp_rank = c.pp;
+  s.vpp_size = std::max(1, cfg.parallel.virtual_pipeline_size);
+
+  s.tp = split_into(*world, rank_groups(grid, "tp"), "tp");
+  s.dp = split_into(*world, rank_groups(grid, "dp"), "dp");
+  const auto pp_groups = rank_groups(grid, "pp");
+  s.pp = split_into(*world, pp_groups, "pp");
+  if (grid.pp > 1) s.pp_grad = split_into(*world, pp_groups, "pp_grad");
+  s.embedding = split_into(*world, embedding_groups(grid), "embedding");
+  s.model_parallel = split_into(*world, rank_groups(grid, "tp-pp"), "model_parallel");
+  if (grid.cp > 1) {
+    s.cp = split_into(*world, rank_groups(grid, "cp"), "cp");
+    s.dp_cp = split_into(*world, rank_groups(grid, "dp-cp"), "dp_cp");
+  }
+  // Each group's communicator rank is the rank's coordinate along that axis.
+  MT_CHECK(s.tp->rank() == s.tp_rank && s.dp->rank() == s.dp_rank && s.pp->rank() == s.pp_rank,
+           "group ranks disagree with the grid coordinates of rank {}", rank);
+  s.world = std::move(world);
+  return s;
+}
+
+std::unique_ptr<Communicator> make_world_communicator(const Config& cfg, int device, CUstream_st* stream) {
+  const ParallelConfig& p = cfg.parallel;
+  const Millis timeout = distributed_timeout(p.distributed_timeout_minutes);
+  if (p.world_size == 1) return make_self_communicator("world");
+  if (cfg.train.device == DeviceKind::cpu) {
+    if (!launched_by_mpi())
+      fail("--device cpu with {} ranks communicates through MPI: start it with `mpirun -np {} megatrain --device "
+           "cpu ...`",
+           p.world_size, p.world_size);
+    auto world = make_mpi_world_communicator(timeout);
+    if (world->size() != p.world_size || world->rank() != p.rank)
+      fail("MPI says rank {} of {}, the launcher environment says rank {} of {}", world->rank(), world->size(),
+           p.rank, p.world_size);
+    return world;
+  }
+  if (p.master_addr.empty())
+    fail("no rendezvous address for NCCL: set MASTER_ADDR (and MASTER_PORT) to rank 0's host for every rank "
+         "(launch/mpirun.sh does this for Open MPI)");
+  TcpRendezvous rendezvous(p.master_addr, p.master_port, p.rank, p.world_size, timeout);
+  return make_nccl_world_communicator(rendezvous, device, stream, timeout);
+}
+
+}  // namespace mt

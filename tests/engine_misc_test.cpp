@@ -1,0 +1,107 @@
+// Engine pieces: the RoPE table (Llama 3 scaling), the memory plan without a model, the trainer's
+// exit and skip rules.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/rope_table.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+using namespace mt;
+
+TEST_CASE("rope table: inverse frequencies, cos/sin layout, Llama 3 scaling", "[rope]") {
+  const std::vector<float> inv = rope_inverse_frequencies(8, 10000.0);
+  REQUIRE(inv.size() == 4);
+  CHECK(inv[0] == 1.0f);
+  CHECK(inv[1] == Approx(0.1).epsilon(1e-6));
+  CHECK(inv[3] == Approx(0.001).epsilon(1e-6));
+  RopeTableParams p;
+  p.positions = 3;
+  p.rot_dim = 8;
+  const std::vector<float> t = rope_cos_sin_table(p);
+  CHECK(t[2 * 8 + 0] == Approx(std::cos(2.0)));
+  CHECK(t[2 * 8 + 4 + 1] == Approx(std::sin(0.2)));
+  p.seq_len_interpolation_factor = 2;
+  CHECK(rope_cos_sin_table(p)[2 * 8] == Approx(std::cos(1.0)));
+
+  // Llama 3.x (factor 8, low 1, high 4, original context 8192): wavelengths below 2048 kept,
+  // above 8192 divided by 8, in between interpolated.
+  const std::vector<float> f = {1.0f, 0.001f, 0.0001f};
+  const std::vector<float> s = llama3_scale_frequencies(f, 8.0);
+  CHECK(s[0] == 1.0f);                                     // wavelength 6.28
+  const double wl = 2 * M_PI / 0.001, smooth = (8192.0 / wl - 1.0) / 3.0;  // 6283: medium
+  CHECK(s[1] == Approx(0.001 * ((1 - smooth) / 8 + smooth)).epsilon(1e-5));
+  CHECK(s[2] == Approx(0.0001 / 8).epsilon(1e-6));        // wavelength 62832: long
+}
+
+TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {
+  Config c = test::tiny_llama_config();
+  ParallelState ps = make_single_process_state();
+  const ModelDims d = ModelDims::from_config(c, ps);
+  const ModelOptions o = ModelOptions::from_config(c, d, DType::f32);
+  auto be = make_reference_backend(1);
+  GptModel m(d, o, ps, *be);
+  const MemoryPlan planned = GptModel::plan_memory(d, o);
+  for (int i = 0; i < static_cast<int>(MemoryCategory::count); ++i)
+    CHECK(planned.bytes[i] == m.memory_plan().bytes[i]);
+  CHECK(planned.of(MemoryCategory::master_weights) == 0);  // float32: the parameters are the master copy
+  // TP=2, second pipeline stage of two: half the layers, no embedding, smaller.
+  const ModelDims d2 = ModelDims::from_config(c, 2, 1, 2, 1);
+  CHECK(d2.layer_begin == 1);
+  CHECK_FALSE(d2.first_stage);
+  CHECK(GptModel::plan_memory(d2, ModelOptions::from_config(c, d2, DType::bf16)).of(MemoryCategory::parameters) <
+        planned.of(MemoryCategory::parameters));
+}
+
+namespace {
+struct Counting final : Reporter {
+  int lines = 0;
+  void on_iteration(const IterationStats& s) override { lines += s.interval_end; }
+  void on_eval(const EvalStats&) override {}
+};
+}  // namespace
+
+TEST_CASE("trainer: --exit-interval stops early, --iterations-to-skip consumes without a step", "[train]") {
+  Config c = test::tiny_gpt_config();
+  c.train.train_iters = 20;
+  c.train.exit_interval = 7;
+  c.train.iterations_to_skip = {3};
+  c.logging.log_interval = 1;
+  test::derive(c);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(1);
+  const ModelDims d = ModelDims::from_config(c, ps);
+  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
+  model.init_parameters();
+  test::ArangeBatchSource src(d.micro_batch, d.seq, d.vocab);
+  Counting rep;
+  Trainer t(c, ps, model, src, nullptr, rep);
+  int64_t exited_at = -1;
+  t.before_early_exit = [&](int64_t it) { exited_at = it; };
+  CHECK(t.train() == 7);
+  CHECK(exited_at == 7);
+  CHECK(t.consumed_samples() == 14);
+  CHECK(t.loss_history().size() == 6);        // iteration 3 skipped
+  CHECK(t.optimizer().successful_steps() == 6);
+  CHECK(t.schedule().num_steps() == 12);      // the skipped iteration does not step the schedule
+  CHECK(rep.lines == 6);
+}
+
+TEST_CASE("trainer: running out of training data is an error naming the iteration", "[train]") {
+  Config c = test::tiny_gpt_config();
+  c.train.train_iters = 5;
+  test::derive(c);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(1);
+  const ModelDims d = ModelDims::from_config(c, ps);
+  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
+  model.init_parameters();
+  test::ArangeBatchSource src(d.micro_batch, d.seq, d.vocab, 3);
+  Counting rep;
+  Trainer t(c, ps, model, src, nullptr, rep);
+  CHECK_THROWS_WITH(t.train(), Catch::Contains("iteration 4"));
+}

@@ -1,0 +1,98 @@
+// CPU end to end: tiny GPT and Llama models train on --mock-data with the reference backend.
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <vector>
+
+#include "app/training_data.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+using namespace mt;
+
+namespace {
+
+struct CapturingReporter final : Reporter {
+  std::vector<IterationStats> iterations;
+  std::vector<EvalStats> evals;
+  void on_iteration(const IterationStats& s) override {
+    if (s.interval_end) iterations.push_back(s);
+  }
+  void on_eval(const EvalStats& e) override { evals.push_back(e); }
+};
+
+Config mock_config(Config c) {
+  c.data.mock_data = true;
+  c.data.tokenizer_type = "NullTokenizer";
+  c.data.vocab_size = c.model.vocab_size;
+  c.data.eod_id = c.model.vocab_size - 1;  // NullTokenizer's default EOD
+  c.model.seq_length = 16;
+  c.model.max_position_embeddings = 16;
+  c.train.micro_batch_size = 2;
+  c.train.global_batch_size = 4;  // two micro-batches: gradient accumulation
+  c.train.train_iters = 60;
+  c.train.lr = 1e-2;
+  c.train.min_lr = 1e-3;
+  c.train.lr_decay_style = LrDecayStyle::cosine;
+  c.train.lr_warmup_iters = 5;
+  c.train.weight_decay = 0.01;
+  c.train.eval_interval = 30;
+  c.train.eval_iters = 2;
+  c.logging.log_interval = 10;
+  test::derive(c);
+  return c;
+}
+
+struct Run {
+  std::vector<double> losses;
+  CapturingReporter reporter;
+};
+
+std::unique_ptr<Run> train(const Config& cfg) {
+  auto run = std::make_unique<Run>();
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(cfg, ps);
+  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+  model.init_parameters();
+  TrainingData data = build_training_data(cfg, 0, 1, 0);
+  Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), run->reporter);
+  trainer.train();
+  run->losses = trainer.loss_history();
+  return run;
+}
+
+void check_training(const Config& cfg) {
+  auto a = train(cfg);
+  REQUIRE(a->losses.size() == 60);
+  INFO("first loss " << a->losses.front() << ", last " << a->losses.back());
+  CHECK(a->losses.front() == Approx(std::log(64.0)).epsilon(0.1));  // uniform predictions at init
+  CHECK(a->losses.back() < 0.5 * a->losses.front());
+  // Megatron's log cadence: after the first iteration, then every --log-interval.
+  REQUIRE(a->reporter.iterations.size() == 7);
+  CHECK(a->reporter.iterations[0].iteration == 1);
+  CHECK(a->reporter.iterations[6].iteration == 60);
+  CHECK(a->reporter.iterations[6].consumed_samples == 240);
+  CHECK(a->reporter.iterations[6].losses.at("lm loss") > 0);
+  CHECK(a->reporter.evals.size() == 2);  // at 30 and 60
+  auto b = train(cfg);
+  REQUIRE(b->losses.size() == a->losses.size());
+  for (size_t i = 0; i < a->losses.size(); ++i) REQUIRE(a->losses[i] == b->losses[i]);  // bit for bit
+}
+
+}  // namespace
+
+TEST_CASE("CPU end to end: tiny GPT trains on mock data, reproducibly", "[train]") {
+  Config c = test::tiny_gpt_config();
+  c.model.hidden_dropout = 0.1;
+  c.model.attention_dropout = 0.1;
+  check_training(mock_config(c));
+}
+
+TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[train]") {
+  Config c = test::tiny_llama_config();
+  check_training(mock_config(c));
+}

@@ -1,0 +1,348 @@
+// Hugging Face name/layout mapping: hand-built tiny examples, the attention math each layout
+// implies, and round trips for GPT-2 and Llama (GQA, biases, interleaved RoPE, layernorm-1p).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+
+#include "checkpoint/hf_names.h"
+#include "core/error.h"
+
+using namespace mt;
+
+namespace {
+
+HfModelSpec gpt2_spec() {
+  HfModelSpec s;
+  s.arch = HfArchitecture::gpt2;
+  s.num_layers = 2;
+  s.hidden_size = 8;
+  s.num_attention_heads = 2;
+  s.num_query_groups = 2;
+  s.head_dim = 4;
+  s.ffn_hidden_size = 32;
+  s.vocab_size = 11;
+  s.padded_vocab_size = 16;
+  s.max_position_embeddings = 6;
+  s.learned_position_embeddings = true;
+  s.layernorm = true;
+  s.add_bias_linear = true;
+  s.eos_token_id = 10;
+  s.bos_token_id = 10;
+  return s;
+}
+
+HfModelSpec llama_spec() {
+  HfModelSpec s;
+  s.arch = HfArchitecture::llama;
+  s.num_layers = 2;
+  s.hidden_size = 8;
+  s.num_attention_heads = 4;
+  s.num_query_groups = 2;
+  s.head_dim = 4;  // heads * head_dim (16) != hidden (8): allowed for Llama (head_dim field)
+  s.ffn_hidden_size = 12;
+  s.vocab_size = 13;
+  s.padded_vocab_size = 16;
+  s.max_position_embeddings = 32;
+  s.learned_position_embeddings = false;
+  s.layernorm = false;
+  s.add_bias_linear = false;
+  s.swiglu = true;
+  s.untie_embeddings_and_output_weights = true;
+  s.rotary_base = 500000;
+  s.norm_epsilon = 1e-5;
+  return s;
+}
+
+HostArray f32_array(std::vector<int64_t> shape, const std::function<float(int64_t)>& value) {
+  HostArray a = HostArray::zeros(DType::f32, std::move(shape));
+  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = value(i);
+  return a;
+}
+
+const HfTensorMapping& find(const std::vector<HfTensorMapping>& ms, const std::string& ours) {
+  for (const auto& m : ms)
+    if (m.ours == ours) return m;
+  FAIL("no mapping for " << ours);
+  throw std::logic_error("unreachable");
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 names and shapes", "[checkpoint][hf]") {
+  const HfModelSpec s = gpt2_spec();
+  const auto ms = hf_tensor_mappings(s);
+  std::set<std::string> hf;
+  for (const auto& m : ms)
+    for (const auto& n : m.hf) hf.insert(n);
+  const std::set<std::string> expected = {
+      "transformer.wte.weight", "transformer.wpe.weight",
+      "transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias", "transformer.h.0.attn.c_attn.weight",
+      "transformer.h.0.attn.c_attn.bias", "transformer.h.0.attn.c_proj.weight", "transformer.h.0.attn.c_proj.bias",
+      "transformer.h.0.ln_2.weight", "transformer.h.0.ln_2.bias", "transformer.h.0.mlp.c_fc.weight",
+      "transformer.h.0.mlp.c_fc.bias", "transformer.h.0.mlp.c_proj.weight", "transformer.h.0.mlp.c_proj.bias",
+      "transformer.h.1.ln_1.weight", "transformer.h.1.ln_1.bias", "transformer.h.1.attn.c_attn.weight",
+      "transformer.h.1.attn.c_attn.bias", "transformer.h.1.attn.c_proj.weight", "transformer.h.1.attn.c_proj.bias",
+      "transformer.h.1.ln_2.weight", "transformer.h.1.ln_2.bias", "transformer.h.1.mlp.c_fc.weight",
+      "transformer.h.1.mlp.c_fc.bias", "transformer.h.1.mlp.c_proj.weight", "transformer.h.1.mlp.c_proj.bias",
+      "transformer.ln_f.weight", "transformer.ln_f.bias"};
+  CHECK(hf == expected);  // tied: no lm_head.weight
+  const auto& qkv = find(ms, "decoder.layers.1.self_attention.linear_qkv.weight");
+  CHECK(qkv.our_shape == std::vector<int64_t>{24, 8});
+  CHECK(qkv.hf_shapes[0] == std::vector<int64_t>{8, 24});  // Conv1D [in, out]
+  CHECK(find(ms, "decoder.layers.0.mlp.linear_fc1.weight").hf_shapes[0] == std::vector<int64_t>{8, 32});
+  CHECK(find(ms, "decoder.layers.0.mlp.linear_fc2.weight").hf_shapes[0] == std::vector<int64_t>{32, 8});
+  CHECK(find(ms, "embedding.word_embeddings.weight").hf_shapes[0] == std::vector<int64_t>{11, 8});
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight").hf[0] == "transformer.h.0.ln_1.weight");
+  CHECK(find(ms, "decoder.layers.0.mlp.linear_fc1.layer_norm_bias").hf[0] == "transformer.h.0.ln_2.bias");
+
+  HfModelSpec untied = s;
+  untied.untie_embeddings_and_output_weights = true;
+  CHECK(hf_tensor_mappings(untied).back().hf[0] == "lm_head.weight");
+}
+
+TEST_CASE("Llama names and shapes (GQA, untied)", "[checkpoint][hf]") {
+  const auto ms = hf_tensor_mappings(llama_spec());
+  std::vector<std::string> hf;
+  for (const auto& m : ms)
+    for (const auto& n : m.hf) hf.push_back(n);
+  const std::vector<std::string> layer0 = {
+      "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+      "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+      "model.layers.0.self_attn.o_proj.weight", "model.layers.0.post_attention_layernorm.weight",
+      "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"};
+  REQUIRE(hf.size() == 1 + 2 * layer0.size() + 2);
+  CHECK(hf.front() == "model.embed_tokens.weight");
+  CHECK(std::vector<std::string>(hf.begin() + 1, hf.begin() + 10) == layer0);
+  CHECK(hf[hf.size() - 2] == "model.norm.weight");
+  CHECK(hf.back() == "lm_head.weight");
+  const auto& qkv = find(ms, "decoder.layers.0.self_attention.linear_qkv.weight");
+  CHECK(qkv.our_shape == std::vector<int64_t>{(4 + 2 * 2) * 4, 8});
+  CHECK(qkv.hf_shapes == std::vector<std::vector<int64_t>>{{16, 8}, {8, 8}, {8, 8}});
+  CHECK(find(ms, "decoder.layers.0.mlp.linear_fc1.weight").our_shape == std::vector<int64_t>{24, 8});
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_proj.weight").hf_shapes[0] == std::vector<int64_t>{8, 16});
+}
+
+TEST_CASE("QKV regrouping on a hand-built example", "[checkpoint][hf]") {
+  // 4 query heads in 2 groups, head_dim 2, one column (a bias). Fused rows per group:
+  // [q(2 heads x 2); k (2); v (2)]. Values: q head h dim j = 100+10h+j, k/v group g = 200/300+10g+j.
+  const std::vector<float> fused = {100, 101, 110, 111, 200, 201, 300, 301,   // group 0
+                                    120, 121, 130, 131, 210, 211, 310, 311};  // group 1
+  std::vector<float> q(8), k(4), v(4);
+  split_qkv_rows(fused.data(), 4, 4, 2, 2, 1, q.data(), k.data(), v.data());
+  CHECK(q == std::vector<float>{100, 101, 110, 111, 120, 121, 130, 131});
+  CHECK(k == std::vector<float>{200, 201, 210, 211});
+  CHECK(v == std::vector<float>{300, 301, 310, 311});
+  std::vector<float> back(16);
+  merge_qkv_rows(q.data(), k.data(), v.data(), 4, 4, 2, 2, 1, back.data());
+  CHECK(back == fused);
+  // HF's repeat_kv pairs query head h with kv head h / (heads/groups): heads 0,1 -> kv 0, 2,3 -> kv 1,
+  // which is exactly the group each query head sits in above.
+}
+
+TEST_CASE("GPT-2 c_attn computes the same q, k, v as our fused QKV", "[checkpoint][hf]") {
+  // E = 8, 2 heads of 4. Our fused weight W [24, 8] rows [q_h0 k_h0 v_h0 q_h1 k_h1 v_h1] (groups =
+  // heads); ours computes y = W x (+ b). HF computes y' = x @ c_attn.weight + c_attn.bias and splits
+  // y' into [Q | K | V], heads contiguous inside each.
+  const HfModelSpec s = gpt2_spec();
+  const auto ms = hf_tensor_mappings(s);
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> dist(-8, 8);
+  const HostArray W = f32_array({24, 8}, [&](int64_t) { return dist(rng) / 4.0f; });
+  const HostArray b = f32_array({24}, [&](int64_t) { return dist(rng) / 4.0f; });
+  const auto cw = export_hf_tensor(find(ms, "decoder.layers.0.self_attention.linear_qkv.weight"), s, W);
+  const auto cb = export_hf_tensor(find(ms, "decoder.layers.0.self_attention.linear_qkv.bias"), s, b);
+  REQUIRE(cw[0].shape == std::vector<int64_t>{8, 24});
+  std::vector<float> x(8);
+  for (auto& xi : x) xi = dist(rng) / 2.0f;
+  for (int type = 0; type < 3; ++type)      // q, k, v
+    for (int h = 0; h < 2; ++h)              // head
+      for (int j = 0; j < 4; ++j) {          // dim within head
+        const int our_row = h * 12 + type * 4 + j;
+        const int hf_col = type * 8 + h * 4 + j;
+        double ours = b.ptr<float>()[our_row], theirs = cb[0].ptr<float>()[hf_col];
+        for (int i = 0; i < 8; ++i) {
+          ours += W.ptr<float>()[our_row * 8 + i] * x[i];
+          theirs += x[i] * cw[0].ptr<float>()[i * 24 + hf_col];
+        }
+        CHECK(ours == theirs);
+      }
+}
+
+TEST_CASE("transposes, vocabulary rows, layernorm-1p and fc1 split", "[checkpoint][hf]") {
+  HfModelSpec s = gpt2_spec();
+  s.apply_layernorm_1p = true;
+  const auto ms = hf_tensor_mappings(s);
+  // c_proj: ours [out=8, in=8] -> HF [in, out]
+  const HostArray proj = f32_array({8, 8}, [](int64_t i) { return static_cast<float>(i); });
+  const auto cp = export_hf_tensor(find(ms, "decoder.layers.0.self_attention.linear_proj.weight"), s, proj);
+  CHECK(cp[0].ptr<float>()[1 * 8 + 2] == proj.ptr<float>()[2 * 8 + 1]);
+  // word embeddings: 16 padded rows -> 11; import pads by repeating row 10
+  const HostArray emb = f32_array({16, 8}, [](int64_t i) { return static_cast<float>(i / 8); });
+  const auto& em = find(ms, "embedding.word_embeddings.weight");
+  const auto hf_emb = export_hf_tensor(em, s, emb);
+  REQUIRE(hf_emb[0].shape == std::vector<int64_t>{11, 8});
+  CHECK(hf_emb[0].ptr<float>()[10 * 8] == 10.0f);
+  const HostArray back = import_hf_tensor(em, s, hf_emb);
+  for (int r = 0; r < 16; ++r) CHECK(back.ptr<float>()[r * 8 + 3] == static_cast<float>(std::min(r, 10)));
+  // layernorm-1p: stored gamma - 1, HF gamma
+  const HostArray g = f32_array({8}, [](int64_t i) { return 0.125f * static_cast<float>(i) - 0.5f; });
+  const auto& ln = find(ms, "decoder.final_layernorm.weight");
+  CHECK(ln.transform == HfTransform::norm_1p);
+  const auto hg = export_hf_tensor(ln, s, g);
+  CHECK(hg[0].ptr<float>()[0] == 0.5f);
+  CHECK(import_hf_tensor(ln, s, hg).bytes == g.bytes);
+  CHECK(find(ms, "decoder.final_layernorm.bias").transform == HfTransform::copy);
+
+  // SwiGLU fc1 [gate; up]
+  const HfModelSpec ls = llama_spec();
+  const auto lms = hf_tensor_mappings(ls);
+  const HostArray fc1 = f32_array({24, 8}, [](int64_t i) { return static_cast<float>(i / 8); });
+  const auto gu = export_hf_tensor(find(lms, "decoder.layers.1.mlp.linear_fc1.weight"), ls, fc1);
+  CHECK(gu[0].ptr<float>()[0] == 0.0f);
+  CHECK(gu[0].ptr<float>()[11 * 8] == 11.0f);
+  CHECK(gu[1].ptr<float>()[0] == 12.0f);
+  CHECK(gu[1].ptr<float>()[11 * 8 + 7] == 23.0f);
+}
+
+TEST_CASE("interleaved RoPE export permutes q/k into rotate-half order", "[checkpoint][hf]") {
+  // One head of dim 4: interleaved rows (a0, b0, a1, b1) -> rotate-half rows (a0, a1, b0, b1).
+  const std::vector<float> inter = {10, 11, 20, 21};
+  std::vector<float> half(4), back(4);
+  permute_rope_rows(inter.data(), 4, 1, 4, 1, half.data(), true);
+  CHECK(half == std::vector<float>{10, 20, 11, 21});
+  permute_rope_rows(half.data(), 4, 1, 4, 1, back.data(), false);
+  CHECK(back == inter);
+
+  // The math: RoPE applied to q = W x with interleaved pairs (2j, 2j+1) equals rotate-half RoPE
+  // (pairs (j, j+d/2), HF's rotate_half) applied to q' = P W x, up to the same permutation P.
+  const int d = 8;
+  std::mt19937 rng(3);
+  std::normal_distribution<double> nd;
+  std::vector<double> q(d);
+  for (auto& v : q) v = nd(rng);
+  const double pos = 5, base = 10000;
+  auto theta = [&](int j) { return pos * std::pow(base, -2.0 * j / d); };
+  std::vector<double> rot_inter(d), qh(d), rot_half(d);
+  for (int j = 0; j < d / 2; ++j) {
+    const double c = std::cos(theta(j)), s = std::sin(theta(j));
+    rot_inter[2 * j] = q[2 * j] * c - q[2 * j + 1] * s;
+    rot_inter[2 * j + 1] = q[2 * j + 1] * c + q[2 * j] * s;
+  }
+  permute_rope_rows(q.data(), 8, 1, d, 1, qh.data(), true);
+  for (int j = 0; j < d / 2; ++j) {  // x*cos + rotate_half(x)*sin with cos/sin = cat(freqs, freqs)
+    const double c = std::cos(theta(j)), s = std::sin(theta(j));
+    rot_half[j] = qh[j] * c - qh[j + d / 2] * s;
+    rot_half[j + d / 2] = qh[j + d / 2] * c + qh[j] * s;
+  }
+  std::vector<double> expect(d);
+  permute_rope_rows(rot_inter.data(), 8, 1, d, 1, expect.data(), true);
+  for (int i = 0; i < d; ++i) CHECK(rot_half[i] == Approx(expect[i]).epsilon(1e-12));
+}
+
+TEST_CASE("export then import is the identity for every tensor", "[checkpoint][hf]") {
+  std::vector<HfModelSpec> specs;
+  specs.push_back(gpt2_spec());
+  HfModelSpec g = gpt2_spec();
+  g.untie_embeddings_and_output_weights = true;
+  g.apply_layernorm_1p = true;
+  specs.push_back(g);
+  specs.push_back(llama_spec());
+  HfModelSpec l = llama_spec();
+  l.add_bias_linear = true;
+  l.rotary_interleaved = true;
+  l.apply_layernorm_1p = true;
+  l.untie_embeddings_and_output_weights = false;
+  specs.push_back(l);
+  HfModelSpec mha = llama_spec();
+  mha.num_query_groups = 4;
+  specs.push_back(mha);
+
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> dist(-64, 64);
+  for (const HfModelSpec& s : specs) {
+    size_t count = 0;
+    for (const auto& m : hf_tensor_mappings(s)) {
+      HostArray ours = f32_array(m.our_shape, [&](int64_t) { return dist(rng) / 16.0f; });
+      if (m.transform == HfTransform::vocab_rows) {  // padding rows come back as copies of the last real row
+        const int64_t cols = m.our_shape[1];
+        for (int64_t r = s.vocab_size; r < s.padded_vocab_size; ++r)
+          std::memcpy(ours.ptr<float>() + r * cols, ours.ptr<float>() + (s.vocab_size - 1) * cols, cols * 4);
+      }
+      const auto hf = export_hf_tensor(m, s, ours);
+      REQUIRE(hf.size() == m.hf.size());
+      for (size_t i = 0; i < hf.size(); ++i) CHECK(hf[i].shape == m.hf_shapes[i]);
+      const HostArray back = import_hf_tensor(m, s, hf);
+      INFO(m.ours);
+      CHECK(back.shape == m.our_shape);
+      CHECK(back.bytes == ours.bytes);
+      ++count;
+    }
+    CHECK(count > 10);
+  }
+}
+
+TEST_CASE("HF config.json fields and the spec they describe", "[checkpoint][hf]") {
+  const HfModelSpec g = gpt2_spec();
+  const auto c = hf_config_json(g);
+  CHECK(c["architectures"][0] == "GPT2LMHeadModel");
+  CHECK(c["model_type"] == "gpt2");
+  CHECK(c["n_embd"] == 8);
+  CHECK(c["n_layer"] == 2);
+  CHECK(c["n_head"] == 2);
+  CHECK(c["n_positions"] == 6);
+  CHECK(c["vocab_size"] == 11);
+  CHECK(c["n_inner"].is_null());  // ffn == 4 * hidden: HF's default
+  CHECK(c["activation_function"] == "gelu_new");
+  CHECK(c["tie_word_embeddings"] == true);
+  CHECK(c["eos_token_id"] == 10);
+  const HfModelSpec g2 = hf_spec_from_config(c, 8, 1);
+  CHECK(g2.hidden_size == 8);
+  CHECK(g2.ffn_hidden_size == 32);
+  CHECK(g2.padded_vocab_size == 16);
+  CHECK(!g2.untie_embeddings_and_output_weights);
+
+  HfModelSpec l = llama_spec();
+  l.use_rope_scaling = true;
+  const auto lc = hf_config_json(l);
+  CHECK(lc["architectures"][0] == "LlamaForCausalLM");
+  CHECK(lc["num_key_value_heads"] == 2);
+  CHECK(lc["head_dim"] == 4);
+  CHECK(lc["intermediate_size"] == 12);
+  CHECK(lc["rope_theta"] == 500000.0);
+  CHECK(lc["rms_norm_eps"] == 1e-5);
+  CHECK(lc["hidden_act"] == "silu");
+  CHECK(lc["attention_bias"] == false);
+  CHECK(lc["tie_word_embeddings"] == false);
+  CHECK(lc["rope_scaling"]["rope_type"] == "llama3");
+  CHECK(lc["rope_scaling"]["factor"] == 8.0);
+  const HfModelSpec l2 = hf_spec_from_config(lc, 128, 2);
+  CHECK(l2.num_query_groups == 2);
+  CHECK(l2.use_rope_scaling);
+  CHECK(l2.padded_vocab_size == 256);
+  CHECK(l2.untie_embeddings_and_output_weights);
+
+  // GPT-2's published vocabulary pads to 50304 with Megatron's default 128.
+  nlohmann::json gpt2 = {{"model_type", "gpt2"}, {"n_embd", 768}, {"n_layer", 12}, {"n_head", 12},
+                         {"n_positions", 1024},  {"vocab_size", 50257}, {"n_inner", nullptr}};
+  const HfModelSpec real = hf_spec_from_config(gpt2);
+  CHECK(real.padded_vocab_size == 50304);
+  CHECK(real.ffn_hidden_size == 3072);
+  CHECK(real.head_dim == 64);
+}
+
+TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][hf]") {
+  HfModelSpec g = gpt2_spec();
+  g.swiglu = true;
+  CHECK_THROWS_AS(hf_tensor_mappings(g), Unsupported);
+  CHECK_THROWS_WITH(hf_tensor_mappings(g), Catch::Contains("--swiglu"));
+  HfModelSpec l = llama_spec();
+  l.rotary_percent = 0.5;
+  CHECK_THROWS_WITH(hf_tensor_mappings(l), Catch::Contains("--rotary-percent"));
+  l = llama_spec();
+  l.qk_layernorm = true;
+  CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--qk-layernorm"));
+  nlohmann::json bad = {{"model_type", "mistral"}};
+  CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("mistral"));
+}

@@ -1,0 +1,122 @@
+// The optimizer step on a model: clipping, the folded gradient scale, overflow skipping with a
+// loss scaler, the NaN check.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/optimizer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+using namespace mt;
+
+namespace {
+
+struct Setup {
+  Config cfg;
+  ParallelState ps = make_single_process_state();
+  std::unique_ptr<Backend> be = make_reference_backend(1);
+  std::unique_ptr<GptModel> model;
+  std::vector<float> grads, params;
+
+  explicit Setup(Config c) : cfg(std::move(c)) {
+    const ModelDims d = ModelDims::from_config(cfg, ps);
+    model = std::make_unique<GptModel>(d, ModelOptions::from_config(cfg, d, DType::f32), ps, *be);
+    model->init_parameters();
+    params.resize(static_cast<size_t>(model->params_flat().numel()));
+    be->copy_to_host(params.data(), model->params_flat());
+    grads.assign(params.size(), 0.0f);
+  }
+  // Every parameter element gets gradient g (padding stays 0); the loss sums are set too.
+  void set_grads(float g, float loss_sum = 2.0f, float tokens = 4.0f) {
+    for (const auto& p : model->params())
+      for (int64_t k = 0; k < p.numel(); ++k) grads[static_cast<size_t>(p.offset + k)] = g;
+    be->copy_from_host(model->grads_flat(), grads.data());
+    const float sums[2] = {loss_sum, tokens};
+    be->copy_from_host(model->loss_sums(false), sums);
+  }
+  int64_t counted_elements(const Optimizer& opt) const {
+    int64_t n = 0;
+    for (const auto& s : opt.norm_segments()) n += s.count;
+    return n;
+  }
+  std::vector<float> now() {
+    std::vector<float> v(params.size());
+    be->copy_to_host(v.data(), model->params_flat());
+    return v;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("optimizer step: global norm, clipping coefficient, AdamW update, schedule in samples", "[optimizer]") {
+  Config c = test::tiny_gpt_config();
+  c.train.clip_grad = 1.0;
+  c.train.weight_decay = 0.1;
+  c.train.global_batch_size = 4;
+  c.train.micro_batch_size = 2;
+  test::derive(c);
+  Setup s(c);
+  LrSchedule schedule(LrSchedule::params_from_config(c));
+  LossScaler scaler = LossScaler::none();
+  Optimizer opt(c, *s.model, s.ps, schedule, scaler);
+  s.set_grads(0.5f);
+  const StepOutcome o = opt.step(1);
+  REQUIRE_FALSE(o.skipped);
+  const double norm = 0.5 * std::sqrt(static_cast<double>(s.counted_elements(opt)));
+  CHECK(*o.grad_norm == Approx(norm).epsilon(1e-6));
+  CHECK(o.loss() == Approx(0.5));
+  CHECK(schedule.num_steps() == 4);
+  CHECK(opt.successful_steps() == 1);
+  // Clipped gradient g = 0.5 * 1/(norm + 1e-6); Adam's first step moves by lr * (g/(|g| + eps) + wd * w).
+  const double g = 0.5 * (1.0 / (norm + 1e-6));
+  const double lr = static_cast<float>(1e-3), eps = static_cast<float>(1e-8), wd = static_cast<float>(0.1);
+  const std::vector<float> after = s.now();
+  for (const auto& p : s.model->params()) {
+    const size_t i = static_cast<size_t>(p.offset);
+    const double w0 = s.params[i];
+    const double expect = w0 - lr * (g / (g + eps) + (p.weight_decay ? wd * w0 : 0.0));
+    INFO(p.name);
+    CHECK(after[i] == Approx(expect).epsilon(1e-6).margin(1e-9));
+  }
+}
+
+TEST_CASE("optimizer step: overflow under loss scaling skips the update and the schedule", "[optimizer]") {
+  Config c = test::tiny_gpt_config();
+  Setup s(c);
+  LrSchedule schedule(LrSchedule::params_from_config(c));
+  LossScaler scaler = LossScaler::dynamic(1024.0, 1.0, 1000, 1);
+  Optimizer opt(c, *s.model, s.ps, schedule, scaler);
+  s.set_grads(INFINITY);
+  const StepOutcome o = opt.step(1);
+  CHECK(o.skipped);
+  CHECK_FALSE(o.grad_norm.has_value());
+  CHECK(scaler.scale() == 512.0);  // hysteresis 1: halved at once
+  CHECK(schedule.num_steps() == 0);
+  CHECK(opt.successful_steps() == 0);
+  CHECK(s.now() == s.params);
+  // A finite step divides the loss scale out: gradient 512 * 0.25 is a true gradient of 0.25.
+  s.set_grads(512.0f * 0.25f);
+  const StepOutcome ok = opt.step(2);
+  REQUIRE_FALSE(ok.skipped);
+  CHECK(*ok.grad_norm == Approx(0.25 * std::sqrt(static_cast<double>(s.counted_elements(opt)))).epsilon(1e-6));
+}
+
+TEST_CASE("optimizer step: NaN check names the iteration", "[optimizer]") {
+  Config c = test::tiny_gpt_config();
+  Setup s(c);
+  LrSchedule schedule(LrSchedule::params_from_config(c));
+  LossScaler scaler = LossScaler::none();
+  Optimizer opt(c, *s.model, s.ps, schedule, scaler);
+  s.set_grads(NAN);
+  CHECK_THROWS_WITH(opt.step(7), Catch::Contains("iteration 7"));
+  s.set_grads(0.1f, NAN, 4.0f);
+  CHECK_THROWS_WITH(opt.step(8), Catch::Contains("lm loss"));
+  c.train.check_for_nan_in_loss_and_grad = false;
+  Optimizer lax(c, *s.model, s.ps, schedule, scaler);
+  CHECK_NOTHROW(lax.step(9));
+}
