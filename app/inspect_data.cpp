@@ -91,10 +91,7 @@ int inspect_data_main(const std::vector<std::string>& args) {
   const Config cfg = parse_config(flags.rest, current_environment(), &messages);
   for (const SetupMessage& m : messages) std::cerr << m.text << "\n";
 
-  TokenizerFacts tokenizer;
-  tokenizer.vocab_size = cfg.model.vocab_size;
-  tokenizer.eod = cfg.data.eod_id;
-  const DatasetsConfig data = datasets_config(cfg, tokenizer);
+  const DatasetsConfig data = datasets_config(cfg, tokenizer_facts(cfg));
   const std::array<int64_t, 3> requested = samples_per_split(cfg);
   const BuiltDatasets built = build_datasets(data, {requested[0], requested[1], requested[2]});
   write_dataset_statistics(built, requested, std::cerr);

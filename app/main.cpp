@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "parallel/launch_env.h"
+#include "parallel/launcher.h"
 
 namespace {
 
@@ -34,7 +35,7 @@ int rank_from_environment(const mt::Environment& env) {
   }
 }
 
-int run(const std::vector<std::string>& args) {
+int run(const std::vector<std::string>& args, int argc, char** argv) {
   if (!args.empty() && args[0].rfind("-", 0) != 0) {
     if (const mt::Subcommand* sub = mt::find_subcommand(args[0]))
       return sub->run(std::vector<std::string>(args.begin() + 1, args.end()));
@@ -55,10 +56,12 @@ int run(const std::vector<std::string>& args) {
     std::fputs(mt::flags_markdown().c_str(), stdout);
     return 0;
   }
+  if (args.empty()) mt::fail("no flags given: megatrain takes Megatron-LM's pretrain_gpt.py flags (megatrain --help)");
   std::vector<mt::SetupMessage> messages;
   const mt::Config cfg = mt::parse_config(args, mt::current_environment(), &messages);
   mt::log::set_rank(cfg.parallel.rank, cfg.parallel.world_size);
   if (cfg.run.dry_run) {
+    if (cfg.parallel.rank != 0) return 0;  // under a launcher, rank 0 prints the plan
     // Notes and warnings on stderr; info lines are part of the plan (stdout).
     std::vector<mt::SetupMessage> to_stderr;
     for (const auto& m : messages)
@@ -66,6 +69,9 @@ int run(const std::vector<std::string>& args) {
     mt::print_setup_messages(to_stderr, cfg.parallel.rank);
     return mt::run_dry_run(cfg, messages);
   }
+  // Bare on a workstation with several GPUs this process becomes the parent of one worker per GPU
+  // (parallel/launcher.h); the workers parse the same flags again and train.
+  if (const int rc = mt::launch_workers_or_continue(cfg, argc, argv); rc != mt::kContinueInThisProcess) return rc;
   mt::print_setup_messages(messages, cfg.parallel.rank);
   return mt::run_training(cfg);
 }
@@ -76,7 +82,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   mt::log::set_rank(rank_from_environment(mt::current_environment()), 1);
   try {
-    return run(args);
+    return run(args, argc, argv);
   } catch (const mt::Error& e) {  // mt::Unsupported included
     mt::log::error(e.what());
   } catch (const std::exception& e) {

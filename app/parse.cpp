@@ -80,8 +80,13 @@ CliState parse_flags(const std::vector<std::string>& args) {
   try {
     app.parse(std::move(reversed));
   } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    // CLI11: "--lr: 1 required  missing" -> one line naming the flag.
+    // CLI11 says "--lr: 1 required  missing" or "--x: At least 3 required but received 2".
+    const std::string what = e.what();
+    static const std::regex missing(R"(^([^:,]+)[^:]*: (\d+) required.*missing)");
+    static const std::regex too_few(R"(^([^:,]+)[^:]*: At least (\d+) required but received (\d+))");
+    std::smatch m;
+    if (std::regex_search(what, m, missing)) fail("{} expects a value", m[1].str());
+    if (std::regex_search(what, m, too_few)) fail("{} expects {} values, got {}", m[1].str(), m[2].str(), m[3].str());
     fail("{}", what.empty() ? e.get_name() : what);
   }
   const std::vector<std::string> extras = app.remaining();

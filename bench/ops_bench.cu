@@ -203,11 +203,11 @@ void bench_model(Bench& B, const Model& M) {
     Tensor db = L.bias ? B.alloc(DType::f32, {L.n}) : Tensor();
     B.gemm_op(mn, std::string("bwd_weight ") + L.name + (L.bias ? " +dbias" : ""), L.k, L.n, R,
               [&](int) { be.linear_backward_weight(dw, db, y, x); });
-    if (L.bias && std::string(L.name) == "fc2") {  // the bias-gradient epilogue against the column-sum kernel
-      be.gemm().use_bias_grad_epilogue = false;
-      B.gemm_op(mn, std::string("bwd_weight ") + L.name + " +dbias (kernel)", L.k, L.n, R,
-                [&](int) { be.linear_backward_weight(dw, db, y, x); });
+    if (L.bias && std::string(L.name) == "fc2") {  // the column-sum kernel (default) against the BGRADB epilogue
       be.gemm().use_bias_grad_epilogue = true;
+      B.gemm_op(mn, std::string("bwd_weight ") + L.name + " +dbias (BGRADB epilogue)", L.k, L.n, R,
+                [&](int) { be.linear_backward_weight(dw, db, y, x); });
+      be.gemm().use_bias_grad_epilogue = false;
     }
     if (L.act == Activation::gelu_tanh) {
       be.gemm().use_gelu_epilogue = false;

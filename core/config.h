@@ -185,7 +185,7 @@ struct TrainConfig {
   DeviceKind device = DeviceKind::gpu;  // megatrain flag --device gpu|cpu (cpu = reference backend)
 
   // derived
-  int global_batch = 0;        // global_batch_size or micro_batch_size * DP
+  int global_batch = 0;        // global_batch_size (rounded down with --decrease-batch-size-if-needed) or micro_batch_size * DP
   int num_microbatches = 0;    // global_batch / (micro_batch_size * DP)
   int64_t total_iters = 0;     // train_iters, or derived from train_samples
   // LR/WD scheduler horizons in SAMPLES, as Megatron's OptimizerParamScheduler counts them

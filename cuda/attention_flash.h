@@ -20,8 +20,8 @@ struct ForwardConfig {
 };
 struct BackwardConfig {
   int block_m = 0, block_n = 0;  // query rows per step, keys per CTA (one warp per 16 keys)
-  // false: dq by float atomics in arrival order (FA2's way), compiled for the default tiles of
-  // bf16 without dropout only, to measure what the deterministic order costs.
+  // false: dq by float atomics in arrival order (FA2's way; not deterministic), compiled for the
+  // 64x128 tiles of bf16 without dropout only, to measure what the deterministic order costs.
   bool deterministic = true;
   std::string name() const;
 };

@@ -283,6 +283,11 @@ void cast(const KernelContext& ctx, Tensor dst, Tensor src) {
   check_same_numel(dst, src, "cast");
   const int64_t n = dst.numel();
   if (n == 0) return;
+  if (dst.dtype == src.dtype) {  // a copy (the kernels convert through float32, which float64 would not survive)
+    if (dst.data != src.data)
+      MT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream));
+    return;
+  }
   switch (dst.dtype) {
     case DType::f32: cast_from(ctx, dst.ptr<float>(), src, n); break;
     case DType::f64: cast_from(ctx, dst.ptr<double>(), src, n); break;

@@ -66,13 +66,18 @@ template <typename T, int VEC>
 __global__ void scatter_accumulate_kernel(float* dst, const T* dout, int64_t h, const uint32_t* unique,
                                           const int32_t* counts, const int32_t* offsets, const int32_t* sorted_rows,
                                           const int32_t* num_runs, uint32_t sentinel) {
-  __shared__ float part[kScatterWarps][kWarp * VEC];
+  // Two buffers, alternating per run: warp 0 may still read one run's sums while the others
+  // write the next run's, so one barrier per run suffices.
+  __shared__ float parts[2][kScatterWarps][kWarp * VEC];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * VEC;
   const int runs = *num_runs;
+  int parity = 0;
   for (int run = blockIdx.x; run < runs; run += gridDim.x) {
     const uint32_t key = unique[run];
     if (key == sentinel) continue;  // the same for the whole block
+    float (*part)[kWarp * VEC] = parts[parity];
+    parity ^= 1;
     const int begin = offsets[run], count = counts[run];
     float s[VEC];
 #pragma unroll
@@ -98,7 +103,6 @@ __global__ void scatter_accumulate_kernel(float* dst, const T* dout, int64_t h, 
         out[j] += t;
       }
     }
-    __syncthreads();
   }
 }
 
@@ -153,7 +157,7 @@ void scatter_rows(const KernelContext& ctx, Tensor dst, Tensor dout, Tensor ids,
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(dout.data) && h % kVec == 0;
     const int per_block = kWarp * (vec ? kVec : 1);
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(n, ctx.num_sms * 8LL)),
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(n, ctx.num_sms * 32LL)),
                     static_cast<unsigned>((h + per_block - 1) / per_block));
     if (vec)
       scatter_accumulate_kernel<T, kVec><<<grid, kScatterWarps * kWarp, 0, ctx.stream>>>(

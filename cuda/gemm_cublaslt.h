@@ -68,8 +68,9 @@ class GemmRunner {
   void run(const GemmCall& call, const char* what);
   size_t cached_plans() const { return plans_.size(); }
 
-  // Fused epilogues can be switched off (benchmarks compare both ways).
-  bool use_bias_grad_epilogue = true;
+  // Fused epilogues can be switched (benchmarks compare both ways; bench/RESULTS.md). GELU_AUX and
+  // DGELU pay (15-28%); BGRADB measured 2-3% slower than the GEMM plus the column-sum kernel.
+  bool use_bias_grad_epilogue = false;
   bool use_gelu_epilogue = true;
 
  private:

@@ -86,8 +86,12 @@ struct NormForwardArgs {
   bool rms, one_p;
 };
 
+// Teams are at most kMaxTeam threads: the launch bound caps registers at 128 per thread, so every
+// instance launches with a block that large (the backward instances would need more otherwise).
+constexpr int kMaxTeam = 512;
+
 template <typename T, int VEC, int ITERS, bool ADD, typename Layout>
-__global__ void norm_forward_kernel(NormForwardArgs<T> args, Layout layout, int tpr) {
+__global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<T> args, Layout layout, int tpr) {
   __shared__ float red[2][32];
   const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
@@ -188,7 +192,7 @@ struct NormBackwardArgs {
 };
 
 template <typename T, int VEC, int ITERS, typename Layout>
-__global__ void norm_backward_kernel(NormBackwardArgs<T> args, Layout layout, int tpr) {
+__global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArgs<T> args, Layout layout, int tpr) {
   __shared__ float red[2][32];
   extern __shared__ float combine[];  // [2][h] when several teams share a block
   const int teams = blockDim.x / tpr, team = threadIdx.x / tpr, lane = threadIdx.x % tpr;
@@ -308,16 +312,19 @@ struct TeamShape {
 };
 
 // Chooses VEC, ITERS and the team size for rows of width h (see the header comment).
+// vec_iters: vectors per thread on the 16-byte path (4 forward; 2 backward, whose threads hold
+// four arrays of them and would otherwise run at low occupancy).
 template <typename T>
-TeamShape team_shape(int64_t h, bool aligned, const char* what) {
+TeamShape team_shape(int64_t h, bool aligned, const char* what, int vec_iters = 4) {
   const int vec = aligned ? static_cast<int>(16 / sizeof(T)) : 1;
-  const int iters = (vec == 1 && h > 1024 * 4) ? 16 : 4;
   const int64_t vectors = (h + vec - 1) / vec;
+  int iters = vec == 1 ? (vectors > int64_t{kMaxTeam} * 4 ? 16 : 4) : vec_iters;
+  if (vec > 1 && iters < 4 && vectors > int64_t{kMaxTeam} * iters) iters = 4;  // wide rows: more per thread
   int64_t tpr = kWarp;
   while (tpr * iters < vectors) tpr *= 2;
-  if (tpr > 1024)
+  if (tpr > kMaxTeam)
     throw Unsupported(fmt::format("{}: rows of {} elements are wider than this kernel supports ({} for this dtype "
-                                  "and alignment)", what, h, 1024LL * iters * vec));
+                                  "and alignment)", what, h, int64_t{kMaxTeam} * iters * vec));
   return {vec, iters, static_cast<int>(tpr), static_cast<int>(std::max<int64_t>(tpr, 128))};
 }
 
@@ -325,7 +332,9 @@ template <typename F>
 void dispatch_vec_iters(const TeamShape& s, int elem_vec, F&& f) {
   if (s.vec == 1 && s.iters == 16) f.template operator()<1, 16>();
   else if (s.vec == 1) f.template operator()<1, 4>();
+  else if (elem_vec == 8 && s.iters == 2) f.template operator()<8, 2>();
   else if (elem_vec == 8) f.template operator()<8, 4>();
+  else if (s.iters == 2) f.template operator()<4, 2>();
   else f.template operator()<4, 4>();
 }
 
@@ -357,7 +366,7 @@ template <typename T, typename Layout>
 void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, const Layout& layout, bool aligned,
                           float* dweight, float* dbias) {
   const int64_t h = args.h;
-  const TeamShape s = team_shape<T>(h, aligned, "norm_backward");
+  const TeamShape s = team_shape<T>(h, aligned, "norm_backward", 2);
   const int teams = s.block / s.tpr;
   const size_t smem = teams > 1 ? 2 * h * sizeof(float) : 0;
   dispatch_vec_iters(s, 16 / sizeof(T), [&]<int V, int I>() {

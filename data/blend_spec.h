@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "data/split.h"  // parse_split
+
 namespace mt {
 
 // A blend: dataset prefixes with optional weights (empty: unweighted).

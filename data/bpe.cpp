@@ -15,37 +15,23 @@ namespace mt {
 // ---------------------------------------------------------------------------------------------
 // BpeWordCache
 
-void BpeWordCache::clear() {
-  slots_.assign(kSlots, Slot{});
-  keys_.clear();
-  ids_.clear();
-  used_ = 0;
-}
-
-const int32_t* BpeWordCache::find(std::string_view word, uint64_t hash, size_t& count) const {
-  if (slots_.empty()) return nullptr;
-  size_t i = hash & (kSlots - 1);
-  while (slots_[i].used) {
-    const Slot& s = slots_[i];
-    if (s.hash == hash && s.key_length == word.size() &&
-        std::memcmp(keys_.data() + s.key_offset, word.data(), word.size()) == 0) {
-      count = s.ids_count;
-      return ids_.data() + s.ids_offset;
-    }
-    i = (i + 1) & (kSlots - 1);
-  }
-  return nullptr;
-}
+BpeWordCache::BpeWordCache() : slots_(kSets * kWays) {}
 
 void BpeWordCache::insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t count) {
-  if (slots_.empty() || used_ * 2 >= kSlots || keys_.size() + word.size() > kMaxKeyBytes) clear();
-  size_t i = hash & (kSlots - 1);
-  while (slots_[i].used) i = (i + 1) & (kSlots - 1);
-  slots_[i] = Slot{hash, static_cast<uint32_t>(keys_.size()), static_cast<uint32_t>(word.size()),
-                   static_cast<uint32_t>(ids_.size()), static_cast<uint32_t>(count), true};
-  keys_.append(word);
-  ids_.insert(ids_.end(), ids, ids + count);
-  ++used_;
+  if (word.size() > kMaxWordBytes || count > kMaxIds) return;
+  Slot* set = &slots_[(hash & kSetMask) * kWays];
+  size_t way = 0;
+  while (way < kWays && set[way].length != 0xFF) ++way;
+  if (way == kWays) {  // full: round-robin victim
+    way = set[0].next_victim % kWays;
+    set[0].next_victim = static_cast<uint8_t>(way + 1);
+  }
+  Slot& s = set[way];
+  s.tag = static_cast<uint32_t>(hash >> 32);
+  s.length = static_cast<uint8_t>(word.size());
+  s.count = static_cast<uint8_t>(count);
+  std::memcpy(s.word, word.data(), word.size());
+  std::memcpy(s.ids, ids, count * sizeof(int32_t));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -56,7 +42,7 @@ BpeModel::BpeModel(const BpeSpec& spec)
       ignore_merges_(spec.ignore_merges),
       byte_fallback_(spec.byte_fallback),
       fuse_unk_(spec.fuse_unk),
-      vocab_(spec.vocab.size()),
+      vocab_(spec.byte_level ? spec.vocab.size() : 1),
       spelled_vocab_(spec.vocab.size()),
       merges_(spec.merges.size()) {
   int32_t max_id = -1;
@@ -68,14 +54,26 @@ BpeModel::BpeModel(const BpeSpec& spec)
   for (const auto& [token, id] : spec.vocab) {
     spelled_vocab_.insert_or_assign(token, id);
     id_to_token_[id] = token;
-    if (byte_level_) {
-      // A string outside the byte alphabet can never come out of a byte-level pre-tokenizer.
+    // Byte-level: keyed by raw bytes. A string outside the byte alphabet can never come out of a
+    // byte-level pre-tokenizer. (Otherwise the model looks words up in spelled_vocab_.)
+    if (byte_level_)
       if (auto bytes = byte_level::decode_token(token)) vocab_.insert_or_assign(*bytes, id);
-    } else {
-      vocab_.insert_or_assign(token, id);
-    }
   }
   vocab_entries_ = spelled_vocab_.size();
+
+  static const std::string kMeta = "\xE2\x96\x81";  // U+2581
+  if (!byte_level_ && !ignore_merges_) {
+    split_at_metaspace_ = true;
+    for (const auto& [token, id] : spec.vocab) {
+      for (size_t p = token.find(kMeta, 1); p != std::string::npos; p = token.find(kMeta, p + 1)) {
+        if (p < kMeta.size() || token.compare(p - kMeta.size(), kMeta.size(), kMeta) != 0) {
+          split_at_metaspace_ = false;
+          break;
+        }
+      }
+      if (!split_at_metaspace_) break;
+    }
+  }
 
   for (int b = 0; b < 256; ++b) {
     const std::string one(1, static_cast<char>(b));
@@ -91,11 +89,14 @@ BpeModel::BpeModel(const BpeSpec& spec)
   }
 
   // Later duplicates of a pair overwrite earlier ones, as in tokenizers' HashMap collect.
+  std::string joined;
   for (size_t rank = 0; rank < spec.merges.size(); ++rank) {
     const auto& [a, b] = spec.merges[rank];
+    joined.assign(a);
+    joined += b;
     const int32_t* ia = spelled_vocab_.find(a);
     const int32_t* ib = spelled_vocab_.find(b);
-    const int32_t* inew = spelled_vocab_.find(a + b);
+    const int32_t* inew = spelled_vocab_.find(joined);
     if (!ia || !ib || !inew)
       fail("BPE merge #{} '{} {}' refers to a token missing from the vocabulary", rank, a, b);
     merges_.insert_or_assign((uint64_t(uint32_t(*ia)) << 32) | uint32_t(*ib),
@@ -145,7 +146,7 @@ void BpeModel::initial_symbols(std::string_view word, std::vector<int32_t>& symb
     while (i < word.size()) {
       const size_t len = utf8::sequence_length(static_cast<unsigned char>(word[i]));
       const std::string_view ch = word.substr(i, len);
-      if (const int32_t* id = vocab_.find(ch)) push_known(*id);
+      if (const int32_t* id = spelled_vocab_.find(ch)) push_known(*id);
       else push_unknown(ch);
       i += len;
     }
@@ -228,15 +229,22 @@ void BpeModel::merge_long(std::vector<int32_t>& symbols) const {
 }
 
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const {
-  if (word.empty()) return;
-  if (ignore_merges_) {
-    if (const int32_t* id = vocab_.find(word)) {
-      out.push_back(*id);
-      return;
+  if (split_at_metaspace_ && word.size() > BpeWordCache::kMaxWordBytes) {
+    static const std::string_view kMeta = "\xE2\x96\x81";
+    size_t begin = 0;
+    for (size_t p = word.find(kMeta, 1); p != std::string_view::npos; p = word.find(kMeta, p + kMeta.size())) {
+      if (p >= kMeta.size() && word.compare(p - kMeta.size(), kMeta.size(), kMeta) == 0) continue;  // "▁▁" stays
+      encode_piece(word.substr(begin, p - begin), out, cache);
+      begin = p;
     }
+    return encode_piece(word.substr(begin), out, cache);
   }
-  constexpr size_t kMaxCachedBytes = 256;
-  const bool cacheable = word.size() <= kMaxCachedBytes;
+  encode_piece(word, out, cache);
+}
+
+void BpeModel::encode_piece(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const {
+  if (word.empty()) return;
+  const bool cacheable = word.size() <= BpeWordCache::kMaxWordBytes;
   uint64_t hash = 0;
   if (cacheable) {
     hash = hash_bytes(word);
@@ -247,8 +255,14 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out, Bpe
     }
   }
   thread_local std::vector<int32_t> symbols;
-  initial_symbols(word, symbols);
-  merge(symbols);
+  symbols.clear();
+  const int32_t* whole = ignore_merges_ ? (byte_level_ ? vocab_ : spelled_vocab_).find(word) : nullptr;
+  if (whole) {
+    symbols.push_back(*whole);
+  } else {
+    initial_symbols(word, symbols);
+    merge(symbols);
+  }
   if (cacheable) cache.insert(word, hash, symbols.data(), symbols.size());
   out.insert(out.end(), symbols.begin(), symbols.end());
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -30,26 +31,46 @@ struct BpeSpec {
   bool fuse_unk = false;  // consecutive unknown characters become one unk token
 };
 
-// Per-thread memo of word -> ids (the BPE of a word never changes); bounded, cleared when full.
+// Per-thread memo of word -> ids (the BPE of a word never changes). A fixed 4 MiB table of
+// 64-byte slots (word and ids stored inline, so a hit touches one cache line), 4-way set
+// associative with replacement: it holds the hot words and never needs clearing. Words longer than
+// kMaxWordBytes or with more than kMaxIds ids are not cached.
 class BpeWordCache {
  public:
-  const int32_t* find(std::string_view word, uint64_t hash, size_t& count) const;
+  static constexpr size_t kMaxWordBytes = 32;
+  static constexpr size_t kMaxIds = 5;
+
+  BpeWordCache();
+  // Ids of a cached word (count set), or nullptr.
+  const int32_t* find(std::string_view word, uint64_t hash, size_t& count) const {
+    const Slot* set = &slots_[(hash & kSetMask) * kWays];
+    const auto tag = static_cast<uint32_t>(hash >> 32);
+    for (size_t w = 0; w < kWays; ++w) {
+      const Slot& s = set[w];
+      if (s.tag == tag && s.length == word.size() && std::memcmp(s.word, word.data(), word.size()) == 0) {
+        count = s.count;
+        return s.ids;
+      }
+    }
+    return nullptr;
+  }
   void insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t count);
 
  private:
-  struct Slot {
-    uint64_t hash = 0;
-    uint32_t key_offset = 0, key_length = 0;
-    uint32_t ids_offset = 0, ids_count = 0;
-    bool used = false;
+  struct alignas(64) Slot {
+    uint32_t tag = 0;
+    uint8_t length = 0xFF;  // 0xFF: empty
+    uint8_t count = 0;
+    uint8_t next_victim = 0;  // only used in a set's first slot
+    uint8_t pad = 0;
+    int32_t ids[kMaxIds] = {};
+    char word[kMaxWordBytes] = {};
   };
-  static constexpr size_t kSlots = size_t{1} << 17;  // at most half full
-  static constexpr size_t kMaxKeyBytes = size_t{8} << 20;
-  void clear();
+  static_assert(sizeof(Slot) == 64);
+  static constexpr size_t kWays = 4;
+  static constexpr size_t kSets = size_t{1} << 14;  // 16384 sets * 4 ways * 64 B = 4 MiB
+  static constexpr uint64_t kSetMask = kSets - 1;
   std::vector<Slot> slots_;
-  std::string keys_;
-  std::vector<int32_t> ids_;
-  size_t used_ = 0;
 };
 
 class BpeModel {
@@ -67,6 +88,7 @@ class BpeModel {
   const std::vector<std::string>& id_to_token() const { return id_to_token_; }  // "" for holes
 
  private:
+  void encode_piece(std::string_view word, std::vector<int32_t>& out, BpeWordCache& cache) const;
   void initial_symbols(std::string_view word, std::vector<int32_t>& symbols) const;
   void merge(std::vector<int32_t>& symbols) const;
   void merge_long(std::vector<int32_t>& symbols) const;
@@ -77,10 +99,15 @@ class BpeModel {
   }
 
   bool byte_level_, ignore_merges_, byte_fallback_, fuse_unk_;
+  // No vocabulary entry holds U+2581 after another character: no merge can join across a U+2581
+  // that follows a different character, so a long word may be split there and its parts encoded
+  // (and cached) separately with the same result (SentencePiece-style models without a
+  // pre-tokenizer, whose "word" is a whole document).
+  bool split_at_metaspace_ = false;
   int32_t unk_id_ = -1;
   int32_t byte_ids_[256];           // byte_level: id of each single byte (-1 if absent)
   int32_t fallback_ids_[256];       // byte_fallback: id of <0xXX> (-1 if absent)
-  FlatStringMap vocab_;             // key: raw bytes (byte_level) or the vocabulary string
+  FlatStringMap vocab_;             // byte_level only: key = the raw bytes a token stands for
   FlatStringMap spelled_vocab_;     // key: the vocabulary string as written in the file
   FlatU64Map merges_;
   std::vector<std::string> id_to_token_;

@@ -237,8 +237,9 @@ std::optional<Blend> parse_blend(const std::vector<std::string>& items, const ch
     for (size_t k = 0; k < items.size(); k += 2) {
       const double w = weights[k / 2];
       if (!std::isfinite(w) || w <= 0) {
-        fail("{}: the weight {} of '{}' must be a positive number (drop the prefix or raise its weight)", flag,
-             strip(items[k]), strip(items[k + 1]));
+        fail("{}: the weight {} of '{}' {}: every weight must be a positive number (drop the prefix or raise its "
+             "weight)",
+             flag, strip(items[k]), strip(items[k + 1]), w < 0 ? "is negative" : "is not positive");
       }
       blend.prefixes.push_back(strip(items[k + 1]));
     }
@@ -250,6 +251,20 @@ std::optional<Blend> parse_blend(const std::vector<std::string>& items, const ch
     if (p.empty()) fail("{}: empty data prefix", flag);
   }
   return blend;
+}
+
+TokenizerFacts tokenizer_facts(const Config& config) {
+  TokenizerFacts t;
+  t.vocab_size = config.model.vocab_size;
+  t.eod = config.data.eod_id;
+  t.pad = -1;
+  return t;
+}
+
+BuiltDatasets build_datasets_for_run(const Config& config) {
+  const DatasetsConfig data = datasets_config(config, tokenizer_facts(config));
+  const std::array<int64_t, 3> n = samples_per_split(config);
+  return build_datasets(data, {n[0], n[1], n[2]});
 }
 
 DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& tokenizer) {

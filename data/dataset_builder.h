@@ -54,6 +54,10 @@ struct DatasetsConfig {
   bool full_data_check = false;        // --full-data-check: scan every token at start-up
 };
 
+// The tokenizer facts the CLI derived (ModelConfig::vocab_size, DataConfig::eod_id; no pad id:
+// megatrain's tokenizers define none, so Megatron's -1 applies).
+TokenizerFacts tokenizer_facts(const Config& config);
+
 // The data settings of a run (flags and derived values) plus the tokenizer's facts.
 DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& tokenizer);
 
@@ -70,6 +74,9 @@ struct BuiltDatasets {
 };
 
 BuiltDatasets build_datasets(const DatasetsConfig& config, const std::array<std::optional<int64_t>, 3>& sizes);
+
+// A run's datasets: datasets_config(config, tokenizer_facts(config)) sized by samples_per_split.
+BuiltDatasets build_datasets_for_run(const Config& config);
 
 // Every GPTDataset reachable from a dataset (itself, or a blend's components).
 std::vector<const GPTDataset*> gpt_components(const SampleDataset& dataset);

@@ -74,48 +74,51 @@ void JsonLineParser::number() {
   i_ = k;
 }
 
-// s_[i_] == '"'. Decodes into *out when out is not null.
-void JsonLineParser::string_value(std::string* out, bool* lone_surrogate) {
-  const size_t start = i_;
-  ++i_;
-  const size_t n = s_.size();
+bool decode_json_string(std::string_view s, size_t& i, std::string* out, bool* lone_surrogate, JsonStringError* err) {
+  const size_t start = i;
+  const size_t n = s.size();
+  auto error = [&](const char* message, size_t pos) {
+    if (err) *err = JsonStringError{message, pos};
+    return false;
+  };
+  ++i;
   while (true) {
     // Plain ASCII runs, 8 bytes at a time.
-    size_t run = i_;
+    size_t run = i;
     while (run + 8 <= n) {
       uint64_t w;
-      std::memcpy(&w, s_.data() + run, 8);
+      std::memcpy(&w, s.data() + run, 8);
       if (has_special(w)) break;
       run += 8;
     }
     while (run < n) {
-      const auto c = static_cast<unsigned char>(s_[run]);
+      const auto c = static_cast<unsigned char>(s[run]);
       if (c == '"' || c == '\\' || c < 0x20 || c >= 0x80) break;
       ++run;
     }
-    if (out) out->append(s_.data() + i_, run - i_);
-    i_ = run;
-    if (i_ >= n) fail_at("Unterminated string starting at", start);
-    const auto c = static_cast<unsigned char>(s_[i_]);
+    if (out) out->append(s.data() + i, run - i);
+    i = run;
+    if (i >= n) return error("Unterminated string starting at", start);
+    const auto c = static_cast<unsigned char>(s[i]);
     if (c == '"') {
-      ++i_;
-      return;
+      ++i;
+      return true;
     }
     if (c >= 0x80) {
-      const size_t len = utf8::valid_sequence_length(s_, i_);
-      if (len == 0) fail_at("invalid UTF-8", i_);
-      if (out) out->append(s_.data() + i_, len);
-      i_ += len;
+      const size_t len = utf8::valid_sequence_length(s, i);
+      if (len == 0) return error("invalid UTF-8", i);
+      if (out) out->append(s.data() + i, len);
+      i += len;
       continue;
     }
     if (c < 0x20) {
       // Python's universal newlines end the line at \r or \n, so they show up as unterminated.
-      if (c == '\n' || c == '\r') fail_at("Unterminated string starting at", start);
-      fail_at("Invalid control character at", i_);
+      if (c == '\n' || c == '\r') return error("Unterminated string starting at", start);
+      return error("Invalid control character at", i);
     }
     // Backslash escape.
-    if (i_ + 1 >= n) fail_at("Unterminated string starting at", start);
-    const char e = s_[i_ + 1];
+    if (i + 1 >= n) return error("Unterminated string starting at", start);
+    const char e = s[i + 1];
     char simple = 0;
     switch (e) {
       case '"': simple = '"'; break;
@@ -127,32 +130,32 @@ void JsonLineParser::string_value(std::string* out, bool* lone_surrogate) {
       case 'r': simple = '\r'; break;
       case 't': simple = '\t'; break;
       case 'u': break;
-      default: fail_at("Invalid \\escape", i_);
+      default: return error("Invalid \\escape", i);
     }
     if (simple) {
       if (out) *out += simple;
-      i_ += 2;
+      i += 2;
       continue;
     }
     auto read_hex4 = [&](size_t at) -> int {
       if (at + 4 > n) return -1;
       int v = 0;
       for (size_t k = 0; k < 4; ++k) {
-        const int h = hex_value(s_[at + k]);
+        const int h = hex_value(s[at + k]);
         if (h < 0) return -1;
         v = v * 16 + h;
       }
       return v;
     };
-    int cp = read_hex4(i_ + 2);
-    if (cp < 0) fail_at("Invalid \\uXXXX escape", i_ + 1);
-    i_ += 6;
-    if (cp >= 0xD800 && cp <= 0xDBFF && i_ + 1 < n && s_[i_] == '\\' && s_[i_ + 1] == 'u') {
-      const int lo = read_hex4(i_ + 2);
-      if (lo < 0) fail_at("Invalid \\uXXXX escape", i_ + 1);
+    int cp = read_hex4(i + 2);
+    if (cp < 0) return error("Invalid \\uXXXX escape", i + 1);
+    i += 6;
+    if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && s[i] == '\\' && s[i + 1] == 'u') {
+      const int lo = read_hex4(i + 2);
+      if (lo < 0) return error("Invalid \\uXXXX escape", i + 1);
       if (lo >= 0xDC00 && lo <= 0xDFFF) {
         cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-        i_ += 6;
+        i += 6;
       }
     }
     if (cp >= 0xD800 && cp <= 0xDFFF) {
@@ -161,6 +164,12 @@ void JsonLineParser::string_value(std::string* out, bool* lone_surrogate) {
     }
     if (out) utf8::append(*out, static_cast<uint32_t>(cp));
   }
+}
+
+// s_[i_] == '"'. Decodes into *out when out is not null.
+void JsonLineParser::string_value(std::string* out, bool* lone_surrogate) {
+  JsonStringError err;
+  if (!decode_json_string(s_, i_, out, lone_surrogate, &err)) fail_at(err.message, err.pos);
 }
 
 void JsonLineParser::value(int depth) {

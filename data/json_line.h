@@ -22,6 +22,15 @@ struct JsonField {
   bool lone_surrogate = false;
 };
 
+// Decodes the JSON string that starts at s[i] == '"' as Python's json (strict) does, appending
+// its UTF-8 to *out when out is not null, and moves i past the closing quote. A lone surrogate
+// escape becomes U+FFFD and sets *lone_surrogate. On failure returns false and fills *err.
+struct JsonStringError {
+  const char* message = "";
+  size_t pos = 0;
+};
+bool decode_json_string(std::string_view s, size_t& i, std::string* out, bool* lone_surrogate, JsonStringError* err);
+
 class JsonLineParser {
  public:
   explicit JsonLineParser(std::vector<std::string> keys);

@@ -31,7 +31,10 @@ class NullTokenizer final : public Tokenizer {
   }
   std::string decode(const std::vector<int32_t>& ids) const override {
     std::string s;
-    for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (i) s += ' ';
+      s += std::to_string(ids[i]);
+    }
     return s;
   }
   int64_t vocab_size() const override { return vocab_; }

@@ -40,10 +40,10 @@ std::array<double, 3> parse_split(const std::string& text) {
   }
   if (numbers.empty()) fail("--split '{}' holds no numbers (expected proportions like 969,30,1)", text);
   if (numbers.size() > 3) {
-    fail("--split '{}' holds {} numbers; give at most three (train,valid,test)", text, numbers.size());
+    fail("--split '{}' has {} numbers; give at most three (train,valid,test)", text, numbers.size());
   }
   numbers.resize(3, 0.0);
-  if (numpy_random::pairwise_sum(numbers) <= 0.0) fail("--split '{}': the proportions sum to zero", text);
+  if (numpy_random::pairwise_sum(numbers) <= 0.0) fail("--split '{}': the proportions sum to 0", text);
   const std::vector<double> normalized = numpy_random::normalize(numbers);
   return {normalized[0], normalized[1], normalized[2]};
 }

@@ -14,6 +14,7 @@ TokenizerOptions tokenizer_options(const DataConfig& data) {
   o.merge_file = data.merge_file;
   o.tokenizer_model = data.tokenizer_model;
   if (data.vocab_size) o.vocab_size = *data.vocab_size;
+  if (data.null_tokenizer_eod_id) o.null_eod_id = *data.null_tokenizer_eod_id;
   return o;
 }
 

@@ -11,6 +11,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "data/tokenizer.h"
 
 namespace mt {
 namespace {
@@ -221,6 +222,19 @@ VocabInfo vocab_info(const DataConfig& d) {
   if (type == "GPT2BPETokenizer") return gpt2_vocab(d);
   if (type == "HuggingFaceTokenizer") return hf_vocab(d);
   if (type == "NullTokenizer") return null_vocab(d);
+  if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" || type == "Llama2Tokenizer") {
+    // The .model file is a protobuf: let libsentencepiece read it (data/tokenizer.h).
+    if (!d.tokenizer_model) fail("--tokenizer-type {} needs --tokenizer-model (a SentencePiece .model file)", type);
+    const auto t = make_sentencepiece_tokenizer(*d.tokenizer_model, type);
+    VocabInfo v;
+    v.size = static_cast<int>(t->vocab_size());
+    try {
+      v.eod = t->eod();
+    } catch (const Error&) {
+      v.eod = -1;  // the model has no eos piece
+    }
+    return v;
+  }
   throw Unsupported(fmt::format("megatrain does not support --tokenizer-type {} yet", type));
 }
 

@@ -7,6 +7,8 @@
 //                         it, else a well-known end token (<|endoftext|>, <|end_of_text|>, </s>,
 //                         <eos>), else -1 (unknown)
 //   NullTokenizer         --vocab-size V; eod = V - 1 (Megatron HEAD) or --null-tokenizer-eod-id
+//   SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer
+//                         the .model's piece count; eod = its eos_id (data/tokenizer.h)
 // Throws mt::Error naming the flag and file when something is missing or malformed.
 #pragma once
 

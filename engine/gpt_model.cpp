@@ -33,9 +33,11 @@ struct GptModel::Slot {
   Tensor input;                                   // stage input [N, h]
   std::vector<LayerActs> layers;                  // per local layer
   Tensor d_output;                                // grad of the stage output [N, h]
-  std::vector<int32_t> host_tokens, host_labels, host_positions;
-  std::vector<double> host_mask64, host_dloss64;
-  std::vector<float> host_mask32, host_dloss32;
+  // The five inputs live in one device block (`io`) mirrored by one host buffer, so that staging
+  // a micro-batch is a single host->device copy. Byte offsets of each part in both:
+  Tensor io;
+  std::vector<unsigned char> host_io;
+  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
   uint64_t key = 0;
   bool training = true;
   bool staged = false;
@@ -196,11 +198,22 @@ void GptModel::layout(Arena& a) {
   const int L = d_.stage_layers();
   slots_.resize(static_cast<size_t>(opt_.num_slots));
   for (Slot& s : slots_) {
-    s.tokens = a.take(C::activations, DType::i32, {N});
-    s.labels = a.take(C::activations, DType::i32, {N});
-    s.positions = a.take(C::activations, DType::i32, {N});
-    s.mask = a.take(C::activations, S, {N});
-    s.dloss = a.take(C::activations, S, {N});
+    const size_t part_i32 = (static_cast<size_t>(N) * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    const size_t part_s =
+        (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    s.io = a.take(C::activations, DType::u8, {static_cast<int64_t>(3 * part_i32 + 2 * part_s)});
+    s.off_tokens = 0;
+    s.off_labels = part_i32;
+    s.off_positions = 2 * part_i32;
+    s.off_mask = 3 * part_i32;
+    s.off_dloss = 3 * part_i32 + part_s;
+    auto part = [&](size_t off, DType t) { return Tensor(static_cast<char*>(s.io.data) + off, t, s.io.device, {N}); };
+    s.tokens = part(s.off_tokens, DType::i32);
+    s.labels = part(s.off_labels, DType::i32);
+    s.positions = part(s.off_positions, DType::i32);
+    s.mask = part(s.off_mask, S);
+    s.dloss = part(s.off_dloss, S);
+    if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
     s.input = a.take(C::activations, T, {N, h});
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
     for (int l = 0; l < L; ++l) {
@@ -323,41 +336,41 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
     fail("a micro-batch of {} x {} tokens does not match --micro-batch-size {} x --seq-length {}", mb.batch,
          mb.seq, b, sq);
   const size_t N = static_cast<size_t>(b) * sq;
-  s.host_tokens.resize(N);
-  s.host_labels.resize(N);
-  s.host_positions.resize(N);
-  double tokens = 0;
-  for (float m : mb.loss_mask) tokens += m;
-  const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, tokens);
+  if (mb.tokens.size() != N || mb.labels.size() != N || mb.loss_mask.size() != N ||
+      (!mb.positions.empty() && mb.positions.size() != N))
+    fail("a micro-batch's arrays do not hold {} x {} entries", b, sq);
+  unsigned char* h = s.host_io.data();
+  auto* tokens = reinterpret_cast<int32_t*>(h + s.off_tokens);
+  auto* labels = reinterpret_cast<int32_t*>(h + s.off_labels);
+  auto* positions = reinterpret_cast<int32_t*>(h + s.off_positions);
+  double mb_tokens = 0;
+  for (float m : mb.loss_mask) mb_tokens += m;
+  const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
   const bool f64 = opt_.accum == DType::f64;
-  (f64 ? s.host_mask64.resize(N) : s.host_mask32.resize(N));
-  (f64 ? s.host_dloss64.resize(N) : s.host_dloss32.resize(N));
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) {
       const size_t src = static_cast<size_t>(i) * sq + t, dst = static_cast<size_t>(t) * b + i;  // sequence-major
-      s.host_tokens[dst] = mb.tokens[src];
-      s.host_labels[dst] = mb.labels[src];
-      s.host_positions[dst] = mb.positions.empty() ? t : mb.positions[src];
+      tokens[dst] = mb.tokens[src];
+      labels[dst] = mb.labels[src];
+      positions[dst] = mb.positions.empty() ? t : mb.positions[src];
       if (mb.tokens[src] < 0 || mb.tokens[src] >= d_.vocab)
         fail("token id {} is outside the padded vocabulary of {}", mb.tokens[src], d_.vocab);
       if (mb.loss_mask[src] != 0.0f && (mb.labels[src] < 0 || mb.labels[src] >= d_.vocab))
         fail("label id {} is outside the padded vocabulary of {}", mb.labels[src], d_.vocab);
-      if (s.host_positions[dst] < 0 || s.host_positions[dst] >= d_.max_positions)
-        fail("position {} is outside [0, {})", s.host_positions[dst], d_.max_positions);
+      if (positions[dst] < 0 || positions[dst] >= d_.max_positions)
+        fail("position {} is outside [0, {})", positions[dst], d_.max_positions);
       const double m = mb.loss_mask[src];
       if (f64) {
-        s.host_mask64[dst] = m;
-        s.host_dloss64[dst] = m * per_row;
+        reinterpret_cast<double*>(h + s.off_mask)[dst] = m;
+        reinterpret_cast<double*>(h + s.off_dloss)[dst] = m * per_row;
       } else {
-        s.host_mask32[dst] = static_cast<float>(m);
-        s.host_dloss32[dst] = static_cast<float>(m * per_row);
+        reinterpret_cast<float*>(h + s.off_mask)[dst] = static_cast<float>(m);
+        reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
       }
     }
-  be_.copy_from_host(s.tokens, s.host_tokens.data());
-  be_.copy_from_host(s.labels, s.host_labels.data());
-  be_.copy_from_host(s.positions, s.host_positions.data());
-  be_.copy_from_host(s.mask, f64 ? static_cast<const void*>(s.host_mask64.data()) : s.host_mask32.data());
-  be_.copy_from_host(s.dloss, f64 ? static_cast<const void*>(s.host_dloss64.data()) : s.host_dloss32.data());
+  // One copy. (From pageable memory the copy has consumed the host buffer when it returns, so
+  // the next micro-batch may overwrite it.)
+  be_.copy_from_host(s.io, h);
   s.key = mix_key(mix_key(d_.seed, 0x64726f706f7574ULL /* "dropout" */), mix_key(serial, ps_.dp_rank));
   s.training = training;
   s.staged = true;

@@ -38,6 +38,9 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
 
   d.tp_size = tp_size;
   d.tp_rank = tp_rank;
+  if (cfg.parallel.sequence_parallel && tp_size > 1)
+    throw Unsupported("--sequence-parallel is not implemented in the model yet (drop it: results are the same)");
+  if (cfg.parallel.context_parallel_size > 1) throw Unsupported("--context-parallel-size > 1 is not supported yet");
   if (d.heads % d.tp_size) fail("--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})", d.heads, d.tp_size);
   if (d.groups % d.tp_size)
     fail("--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}) "

@@ -64,7 +64,7 @@ TEST_CASE("choices are checked and named", "[cli]") {
              Contains("--normalization must be one of LayerNorm, RMSNorm; got 'rmsnorm'"));
 }
 
-TEST_CASE("unknown flags name the closest known flag, no prefix abbreviations", "[cli]") {
+TEST_CASE("unknown flags name the closest known flag; no prefix abbreviations", "[cli]") {
   CHECK_THAT(parse_error(small_gpt() + words("--num-layer 4")),
              Contains("unrecognized argument --num-layer (did you mean --num-layers?)"));
   CHECK_THAT(parse_error(small_gpt() + words("--hidden 4")), Contains("unrecognized argument --hidden"));
@@ -79,6 +79,8 @@ TEST_CASE("unknown flags name the closest known flag, no prefix abbreviations", 
 TEST_CASE("a flag's value cannot be another flag, a switch takes no value", "[cli]") {
   CHECK_THAT(parse_error(small_gpt() + words("--lr --bf16")), Contains("--lr expects a value (got the flag --bf16)"));
   CHECK_THAT(parse_error(small_gpt() + words("--bf16=1")), Contains("--bf16 takes no value"));
+  CHECK(parse_error(small_gpt() + words("--lr")) == "--lr expects a value");
+  CHECK(parse_error(small_gpt() + words("--rampup-batch-size 1 2")) == "--rampup-batch-size expects 3 values, got 2");
   CHECK(*parse(small_gpt() + words("--lr -0.5 --min-lr -1")).train.lr == -0.5);  // negative numbers are values
 }
 

@@ -118,7 +118,7 @@ TEST_CASE("rule: --lr-warmup-fraction excludes --lr-warmup-iters/--lr-warmup-sam
              Contains("can only specify one of --lr-warmup-fraction and --lr-warmup-samples"));
 }
 
-TEST_CASE("rule: warmup shorter than decay, WSD needs its decay length", "[cli][rules]") {
+TEST_CASE("rule: warmup shorter than decay; WSD needs its decay length", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--lr-warmup-iters 10")),
              Contains("must be shorter than the decay horizon"));
   CHECK_THAT(parse_error(small_gpt() + words("--lr-decay-style WSD")), Contains("--lr-decay-style WSD needs --lr-wsd-decay-iters"));
@@ -209,7 +209,7 @@ TEST_CASE("rule: overlap-param-gather needs the distributed optimizer and overla
              Contains("--overlap-param-gather needs --overlap-grad-reduce"));
 }
 
-TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism, SP is switched off at TP 1", "[cli][rules]") {
+TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism; SP is switched off at TP 1", "[cli][rules]") {
   std::vector<SetupMessage> ms;
   CHECK(parse(small_gpt() + words("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"), 2, &ms)
             .parallel.tp_comm_overlap);
@@ -227,7 +227,7 @@ TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism, SP is switched of
 }
 
 TEST_CASE("rule: one data source", "[cli][rules]") {
-  ScratchDir d;
+  TempDir d;
   write_dataset(d.str("ds"));
   CHECK_THAT(parse_error(small_gpt() + words("--data-path " + d.str("ds"))),
              Contains("--mock-data, --data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive"));
@@ -245,7 +245,7 @@ TEST_CASE("rule: one data source", "[cli][rules]") {
 }
 
 TEST_CASE("rule: dataset files exist and their .idx header is valid", "[cli][rules]") {
-  ScratchDir d;
+  TempDir d;
   write_dataset(d.str("good"));
   Args no_data;
   for (const auto& a : small_gpt())
@@ -269,7 +269,7 @@ TEST_CASE("rule: dataset files exist and their .idx header is valid", "[cli][rul
     f.write(reinterpret_cast<const char*>(&v), 8);
   }
   CHECK_THAT(parse_error(no_data + words("--data-path " + d.str("v2"))), Contains(".idx version 2"));
-  CHECK_THAT(parse_error(no_data + words("--data-path -1 " + d.str("good"))), Contains("must be a positive number"));
+  CHECK_THAT(parse_error(no_data + words("--data-path -1 " + d.str("good"))), Contains("is negative"));
 }
 
 TEST_CASE("rule: --device cpu refuses --bf16 and --fp16", "[cli][rules]") {
@@ -432,4 +432,17 @@ TEST_CASE("rules behind refused flags hold in validation", "[cli][rules]") {
     st.cfg.parallel.context_parallel_size = 3;
     CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
   }
+}
+
+TEST_CASE("rule: builder threads, p2p warmup overlap, DDP buckets", "[cli][rules]") {
+  CHECK_NOTHROW(parse(small_gpt() + words("--num-dataset-builder-threads 4")));
+  CHECK_THAT(parse_error(small_gpt() + words("--num-dataset-builder-threads 0")),
+             Contains("--num-dataset-builder-threads must be > 0"));
+  const Args vpp = words("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                         "--global-batch-size 8");
+  CHECK_NOTHROW(parse(small_gpt() + vpp + words("--overlap-p2p-communication-warmup-flush"), 2));
+  CHECK_THAT(parse_error(small_gpt() + words("--overlap-p2p-communication-warmup-flush")),
+             Contains("--overlap-p2p-communication-warmup-flush needs the interleaved schedule"));
+  CHECK(*parse(small_gpt() + words("--ddp-bucket-size 1000000")).parallel.ddp_bucket_size == 1000000);
+  CHECK_THAT(parse_error(small_gpt() + words("--ddp-bucket-size 0")), Contains("--ddp-bucket-size must be > 0"));
 }

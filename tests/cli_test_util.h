@@ -81,21 +81,24 @@ inline bool has_message(const std::vector<SetupMessage>& ms, SetupMessage::Kind 
   return false;
 }
 
-// A fresh directory under the system temp dir, removed at scope exit. (Not "TempDir": python_oracle.h
-// has an mt::test::TempDir of its own, and two classes of one name break the one-definition rule.)
-struct ScratchDir {
+// A fresh directory under the system temp dir, removed at scope exit. (In its own inline namespace:
+// tests/python_oracle.h has another mt::test::TempDir, and two classes of one name would break the
+// one-definition rule at link time.)
+inline namespace cli_util {
+struct TempDir {
   std::filesystem::path path;
-  ScratchDir() {
+  TempDir() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "megatrain-test-XXXXXX").string();
     REQUIRE(mkdtemp(tmpl.data()) != nullptr);
     path = tmpl;
   }
-  ~ScratchDir() {
+  ~TempDir() {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
   }
   std::string str(const std::string& name) const { return (path / name).string(); }
 };
+}  // namespace cli_util
 
 // Writes <prefix>.bin/.idx: `docs` documents of `len` uint16 tokens (Megatron's MMIDIDX v1).
 inline void write_dataset(const std::string& prefix, int docs = 4, int len = 50) {
@@ -146,22 +149,25 @@ struct RunResult {
   std::string out, err;
 };
 
-inline std::string cli_shell_quote(const std::string& s) {
-  std::string q = "'";
+inline std::string shell_quote(const std::string& s) {
+  std::string q(1, '\'');
   for (char c : s) {
-    if (c == '\'') q += "'\\''";
-    else q += c;
+    if (c == '\'') q.append("'\\''");
+    else q.push_back(c);
   }
-  return q + "'";
+  q.push_back('\'');
+  return q;
 }
 
 // Runs the megatrain binary with `args` (and `env_prefix`, e.g. "WORLD_SIZE=2 RANK=1").
 inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
-  ScratchDir dir;
-  std::string cmd = "env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
-                    "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS " + env_prefix + " " + cli_shell_quote(MEGATRAIN_BINARY);
-  for (const auto& a : args) cmd += " " + cli_shell_quote(a);
-  cmd += " >" + dir.str("out") + " 2>" + dir.str("err");
+  TempDir dir;
+  // Launcher variables of the environment running the tests must not leak into the binary.
+  std::string cmd("env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
+                  "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS ");
+  cmd.append(env_prefix).append(" ").append(shell_quote(MEGATRAIN_BINARY));
+  for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
+  cmd.append(" >").append(dir.str("out")).append(" 2>").append(dir.str("err"));
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

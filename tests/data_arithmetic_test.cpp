@@ -69,7 +69,7 @@ TEST_CASE("split flag parsing follows Megatron's regex, padding and normalisatio
   CHECK_THAT(error_of([] { parse_split("none"); }), Contains("--split 'none'") && Contains("no numbers"));
   CHECK_THAT(error_of([] { parse_split("1.2.3,1"); }), Contains("'1.2.3' is not a number"));
   CHECK_THAT(error_of([] { parse_split("1,2,3,4"); }), Contains("4 numbers"));
-  CHECK_THAT(error_of([] { parse_split("0,0,0"); }), Contains("sum to zero"));
+  CHECK_THAT(error_of([] { parse_split("0,0,0"); }), Contains("sum to 0"));
 }
 
 TEST_CASE("split ranges round halves to even, like Python's round", "[data][split]") {
@@ -81,9 +81,9 @@ TEST_CASE("split ranges round halves to even, like Python's round", "[data][spli
 }
 
 TEST_CASE("split ranges equal the Python oracle's for many splits and sizes", "[data][split]") {
-  auto python = test::python_or_skip("split ranges oracle");
+  auto python = oracle::python_or_skip("split ranges oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   std::vector<int64_t> elements;
   for (int64_t e = 0; e <= 64; ++e) elements.push_back(e);
   for (int64_t e : {97, 100, 999, 1000, 1001, 12345, 1000003, 123456789}) elements.push_back(e);
@@ -92,10 +92,10 @@ TEST_CASE("split ranges equal the Python oracle's for many splits and sizes", "[
   nlohmann::json spec = {{"split_ranges", {{"splits", splits}, {"elements", elements}}}};
   const std::string path = dir.file("spec.json");
   std::ofstream(path) << spec.dump();
-  const auto all = nlohmann::json::parse(test::run_capture(
-      test::shell_quote(*python) + " " +
-      test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
-      test::shell_quote(path)));
+  const auto all = nlohmann::json::parse(oracle::run_capture(
+      oracle::shell_quote(*python) + " " +
+      oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
+      oracle::shell_quote(path)));
   for (size_t s = 0; s < splits.size(); ++s) {
     const std::string& split = splits[s];
     const auto& out = all["ranges"][s];
@@ -168,7 +168,7 @@ TEST_CASE("data-path lists: weights, prefixes, and bad weights", "[data][blend]"
 
 TEST_CASE("blend sizes: ceil(ceil(N w)(1 + surplus)) per component, sum of ceil(N w) for the blend",
           "[data][blend]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   make_uniform_dataset(dir.file("a"), 50, 40);
   make_uniform_dataset(dir.file("b"), 50, 40);
   make_uniform_dataset(dir.file("c"), 50, 40);
@@ -190,7 +190,7 @@ TEST_CASE("blend sizes: ceil(ceil(N w)(1 + surplus)) per component, sum of ceil(
 }
 
 TEST_CASE("empty or too small splits: harmless when unused, a clear error when sampled", "[data][gpt]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   make_uniform_dataset(dir.file("small"), 10, 20);
   DatasetsConfig c;
   c.seq_length = 8;
@@ -210,7 +210,7 @@ TEST_CASE("empty or too small splits: harmless when unused, a clear error when s
 }
 
 TEST_CASE("token ids at or beyond the padded vocabulary fail at start-up, naming the file", "[data][gpt]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   make_uniform_dataset(dir.file("ids"), 10, 20, 500);  // ids 500..699
   DatasetsConfig c;
   c.seq_length = 8;

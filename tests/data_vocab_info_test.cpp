@@ -4,7 +4,6 @@
 #include "core/config.h"
 #include "data/blend_spec.h"
 #include "data/idx_header.h"
-#include "data/split.h"
 #include "data/vocab_info.h"
 
 using namespace mt;
@@ -35,7 +34,7 @@ TEST_CASE("vocab_info: GPT-2, Llama 3, Llama 2, NullTokenizer", "[data][vocab]")
 }
 
 TEST_CASE("vocab_info: a Unigram tokenizer.json counts its vocabulary array", "[data][vocab]") {
-  ScratchDir d;
+  TempDir d;
   std::ofstream(d.str("tokenizer.json"))
       << R"({"added_tokens":[{"id":0,"content":"<pad>"},{"id":5,"content":"</s>"}],)"
       << R"("model":{"type":"Unigram","vocab":[["<pad>",0.0],["a",-1.0],["b",-2.0],["c",-3.0]]}})";
@@ -50,7 +49,7 @@ TEST_CASE("vocab_info: a Unigram tokenizer.json counts its vocabulary array", "[
 }
 
 TEST_CASE("idx header: valid, truncated, wrong dtype", "[data][idx]") {
-  ScratchDir d;
+  TempDir d;
   write_dataset(d.str("ds"), 3, 10);
   const IdxHeader h = check_indexed_dataset(d.str("ds"), "--data-path");
   CHECK(h.version == 1);
@@ -80,6 +79,6 @@ TEST_CASE("blend and split arguments", "[data][blend]") {
   CHECK(s[2] == Approx(0.001));
   CHECK(parse_split("'99,1,0'")[0] == Approx(0.99));
   CHECK(parse_split("100")[0] == 1.0);
-  CHECK_THROWS_WITH(parse_split("1,2,3,4"), Contains("holds 4 numbers"));
-  CHECK_THROWS_WITH(parse_split("0,0,0"), Contains("sum to zero"));
+  CHECK_THROWS_WITH(parse_split("1,2,3,4"), Contains("has 4 numbers"));
+  CHECK_THROWS_WITH(parse_split("0,0,0"), Contains("sum to 0"));
 }

@@ -36,13 +36,13 @@ void make_dataset(const std::string& prefix, int docs, int min_len, int max_len,
   b.finalize();
 }
 
-json run_oracle(const std::string& python, const test::TempDir& dir, const json& spec) {
+json run_oracle(const std::string& python, const oracle::TempDir& dir, const json& spec) {
   const std::string path = dir.file("oracle_spec.json");
   std::ofstream(path) << spec.dump();
-  const std::string out = test::run_capture(
-      test::shell_quote(python) + " " +
-      test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
-      test::shell_quote(path));
+  const std::string out = oracle::run_capture(
+      oracle::shell_quote(python) + " " +
+      oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
+      oracle::shell_quote(path));
   return json::parse(out);
 }
 
@@ -108,9 +108,9 @@ void compare_with_oracle(const json& expected, const BuiltDatasets& built, const
 
 TEST_CASE("GPT and blended windows equal Megatron's algorithm run with numpy (every window)",
           "[data][gpt][oracle]") {
-  auto python = test::python_or_skip("Megatron GPT/blend oracle");
+  auto python = oracle::python_or_skip("Megatron GPT/blend oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string a = dir.file("a"), b = dir.file("b"), c = dir.file("c"), d = dir.file("d");
   make_dataset(a, 300, 0, 120, 1);                       // short documents, some empty
   make_dataset(b, 40, 50, 900, 2, TokenDType::int32);   // long documents (windows inside one)
@@ -176,9 +176,9 @@ TEST_CASE("GPT and blended windows equal Megatron's algorithm run with numpy (ev
 }
 
 TEST_CASE("mock data windows equal Megatron's MockGPTDataset", "[data][gpt][oracle][mock]") {
-  auto python = test::python_or_skip("Megatron mock-data oracle");
+  auto python = oracle::python_or_skip("Megatron mock-data oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   json spec = {{"mock", {{"vocab_size", 50257}, {"eod", 50256}}},
                {"sizes", {200, 40, 8}},
                {"seq_length", 2048},

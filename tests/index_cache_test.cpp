@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "data/dataset_builder.h"
 #include "data/indexed_dataset.h"
@@ -39,7 +40,7 @@ const GPTDataset& train_of(const BuiltDatasets& b) { return *b.components.at(0);
 }  // namespace
 
 TEST_CASE("index cache: reused, rebuilt on change, robust to damage", "[data][cache]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string prefix = dir.file("corpus");
   make_dataset(prefix, 60, 37);
   DatasetsConfig c;
@@ -85,7 +86,7 @@ TEST_CASE("index cache: reused, rebuilt on change, robust to damage", "[data][ca
 }
 
 TEST_CASE("an unwritable cache directory only costs the cache", "[data][cache]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string prefix = dir.file("corpus");
   make_dataset(prefix, 20, 30);
   const std::string blocker = dir.file("not_a_dir");
@@ -100,9 +101,9 @@ TEST_CASE("an unwritable cache directory only costs the cache", "[data][cache]")
 }
 
 TEST_CASE("cached indices are .npy files numpy reads back unchanged", "[data][cache]") {
-  auto python = test::python_or_skip("index cache .npy readback");
+  auto python = oracle::python_or_skip("index cache .npy readback");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string prefix = dir.file("corpus");
   make_dataset(prefix, 50, 23);
   DatasetsConfig c;
@@ -118,11 +119,11 @@ TEST_CASE("cached indices are .npy files numpy reads back unchanged", "[data][ca
       "    a = numpy.load(p)\n"
       "    print(a.dtype.str, a.shape, int(a.astype(numpy.int64).reshape(-1) @ numpy.arange(a.size, dtype=numpy.int64)))\n";
   std::ofstream(dir.file("read.py")) << script;
-  const std::string out = test::run_capture(
-      test::shell_quote(*python) + " " + test::shell_quote(dir.file("read.py")) + " " +
-      test::shell_quote(g.cache_path_prefix() + "document_index.npy") + " " +
-      test::shell_quote(g.cache_path_prefix() + "sample_index.npy") + " " +
-      test::shell_quote(g.cache_path_prefix() + "shuffle_index.npy"));
+  const std::string out = oracle::run_capture(
+      oracle::shell_quote(*python) + " " + oracle::shell_quote(dir.file("read.py")) + " " +
+      oracle::shell_quote(g.cache_path_prefix() + "document_index.npy") + " " +
+      oracle::shell_quote(g.cache_path_prefix() + "sample_index.npy") + " " +
+      oracle::shell_quote(g.cache_path_prefix() + "shuffle_index.npy"));
   auto describe = [](const IndexArray& a) {
     int64_t dot = 0;
     for (int64_t i = 0; i < a.size(); ++i) dot += a[i] * i;
@@ -130,4 +131,25 @@ TEST_CASE("cached indices are .npy files numpy reads back unchanged", "[data][ca
     return fmt::format("{} {} {}\n", index_type_descr(a.type()), shape, dot);
   };
   CHECK(out == describe(g.document_index()) + describe(g.sample_index()) + describe(g.shuffle_index()));
+}
+
+TEST_CASE("ranks building the same cache at once all get it whole", "[data][cache]") {
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  make_dataset(prefix, 400, 53);
+  DatasetsConfig c;
+  c.seq_length = 16;
+  c.split = "98,2,0";
+  c.blend = parse_blend({prefix}, "--data-path");
+  c.data_cache_path = dir.file("shared_cache");
+  std::vector<std::vector<std::vector<int32_t>>> windows(4);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.emplace_back([&, r] { windows[r] = all_windows(*build_datasets(c, {5000, 100, 0}).splits[0]); });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 1; r < 4; ++r) CHECK(windows[r] == windows[0]);
+  const BuiltDatasets later = build_datasets(c, {5000, 100, 0});
+  for (const auto& g : later.components) CHECK(g->loaded_from_cache());
+  CHECK(all_windows(*later.splits[0]) == windows[0]);
 }

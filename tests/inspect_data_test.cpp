@@ -44,9 +44,9 @@ std::vector<std::vector<int32_t>> parse_lines(const std::string& out) {
 }  // namespace
 
 TEST_CASE("inspect-data prints the windows training reads, for every split", "[data][inspect]") {
-  auto python = test::python_or_skip("inspect-data oracle");
+  auto python = oracle::python_or_skip("inspect-data oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string a = dir.file("a"), b = dir.file("b");
   make_dataset(a, 150, 80, 1, TokenDType::uint16);
   make_dataset(b, 60, 200, 2, TokenDType::int32);
@@ -60,16 +60,16 @@ TEST_CASE("inspect-data prints the windows training reads, for every split", "[d
   json spec = {{"data_path", {"0.7", a, "0.3", b}}, {"split", "80,15,5"}, {"sizes", {160, 72, 24}},
                {"seq_length", 32},        {"seed", 77},            {"windows", 100}};
   std::ofstream(dir.file("spec.json")) << spec.dump();
-  const json expected = json::parse(test::run_capture(
-      test::shell_quote(*python) + " " +
-      test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
-      test::shell_quote(dir.file("spec.json"))));
+  const json expected = json::parse(oracle::run_capture(
+      oracle::shell_quote(*python) + " " +
+      oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
+      oracle::shell_quote(dir.file("spec.json"))));
 
   for (const char* split : {"train", "valid", "test"}) {
     INFO("split " << split);
-    const std::string out = test::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
+    const std::string out = oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
                                               " --num-samples 100 --split-name " + split + " 2> " +
-                                              test::shell_quote(dir.file("stats.txt")));
+                                              oracle::shell_quote(dir.file("stats.txt")));
     const auto windows = parse_lines(out);
     const auto& e = expected[split]["windows"];
     REQUIRE(windows.size() == e.size());  // min(100, split size)
@@ -84,7 +84,32 @@ TEST_CASE("inspect-data prints the windows training reads, for every split", "[d
   CHECK(text.find("valid: 73 samples of 33 tokens (requested 72)") != std::string::npos);  // 51 + 22
 
   // Its own flags are checked.
-  CHECK_THROWS(test::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags + " 2>/dev/null"));
-  CHECK_THROWS(test::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
+  CHECK_THROWS(oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags + " 2>/dev/null"));
+  CHECK_THROWS(oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
                                  " --num-samples 1 --split-name dev 2>/dev/null"));
+}
+
+TEST_CASE("inspect-data with --mock-data equals Megatron's mock stream", "[data][inspect][mock]") {
+  auto python = oracle::python_or_skip("inspect-data mock oracle");
+  if (!python) return;
+  oracle::TempDir dir;
+  // 30 x 16 = 480 train samples; validation (30 // 10 + 1) x 2 x 16 = 128; test 2 x 16 = 32.
+  const std::string flags =
+      "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --seq-length 256 --train-iters 30 "
+      "--global-batch-size 16 --eval-interval 10 --eval-iters 2 --seed 5";
+  json spec = {{"mock", {{"vocab_size", 1000}, {"eod", 999}}}, {"sizes", {480, 128, 32}}, {"seq_length", 256},
+               {"seed", 5}, {"windows", 40}};
+  std::ofstream(dir.file("spec.json")) << spec.dump();
+  const json expected = json::parse(oracle::run_capture(
+      oracle::shell_quote(*python) + " " +
+      oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/megatron_gpt_indices.py") + " " +
+      oracle::shell_quote(dir.file("spec.json"))));
+  for (const char* split : {"train", "valid"}) {
+    INFO("split " << split);
+    const auto windows = parse_lines(oracle::run_capture(std::string(MEGATRAIN_BINARY) + " inspect-data " + flags +
+                                                         " --num-samples 40 --split-name " + split + " 2>/dev/null"));
+    const auto& e = expected[split]["windows"];
+    REQUIRE(windows.size() == e.size());
+    for (size_t k = 0; k < windows.size(); ++k) REQUIRE(windows[k] == e[k].get<std::vector<int32_t>>());
+  }
 }

@@ -18,8 +18,8 @@ namespace {
 std::vector<std::string> oracle_lines(const std::string& python, const std::vector<std::string>& commands) {
   std::string args;
   for (const auto& c : commands) args += (args.empty() ? "" : " ';' ") + c;
-  const std::string out = test::run_capture(test::shell_quote(python) + " " +
-                                            test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
+  const std::string out = oracle::run_capture(oracle::shell_quote(python) + " " +
+                                            oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
                                                               "/tests/oracles/numpy_streams.py") +
                                             " " + args);
   std::vector<std::string> lines;
@@ -47,7 +47,7 @@ std::vector<double> parse_hex_doubles(const std::string& line) {
 }  // namespace
 
 TEST_CASE("RandomState random_interval equals numpy's masked draws, 32- and 64-bit", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy random_interval");
+  auto python = oracle::python_or_skip("numpy random_interval");
   if (!python) return;
   const std::vector<uint64_t> maxima{1ull, 2ull, 7ull, 1000ull, 0xffffffffull, 0x100000000ull, 0x1234567890ull,
                                      (1ull << 62) + 12345};
@@ -69,7 +69,7 @@ TEST_CASE("RandomState random_interval equals numpy's masked draws, 32- and 64-b
 
 TEST_CASE("RandomState shuffle equals numpy's, across block boundaries and consecutive shuffles",
           "[data][numpy]") {
-  auto python = test::python_or_skip("numpy shuffle");
+  auto python = oracle::python_or_skip("numpy shuffle");
   if (!python) return;
   const std::vector<uint32_t> seeds{0u, 1234u, 4294967295u};
   std::vector<std::string> commands;
@@ -92,7 +92,7 @@ TEST_CASE("RandomState shuffle equals numpy's, across block boundaries and conse
 }
 
 TEST_CASE("SeedSequence, PCG64 and Generator.integers(int32) equal numpy's default_rng", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy default_rng");
+  auto python = oracle::python_or_skip("numpy default_rng");
   if (!python) return;
   const std::vector<uint64_t> seeds{0ull, 1ull, 1234ull, 0x123456789abcull};
   std::vector<std::string> commands;
@@ -125,7 +125,7 @@ TEST_CASE("SeedSequence, PCG64 and Generator.integers(int32) equal numpy's defau
 }
 
 TEST_CASE("pairwise_sum and normalize are bit-identical to numpy.sum and w / numpy.sum(w)", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy pairwise sum");
+  auto python = oracle::python_or_skip("numpy pairwise sum");
   if (!python) return;
   const std::vector<int> sizes{1, 2, 3, 7, 8, 9, 16, 17, 100, 128, 129, 300, 1000};
   std::vector<std::string> commands;

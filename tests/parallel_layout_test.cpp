@@ -99,7 +99,7 @@ TEST_CASE("pipeline layout: even split", "[parallel][pipeline]") {
   CHECK(layers_per_stage(s) == std::vector<int>{2, 2, 2, 2});
 }
 
-TEST_CASE("pipeline layout: interleaved chunk (v, p) holds ((vP + p)Lc, (vP + p + 1)Lc)", "[parallel][pipeline]") {
+TEST_CASE("pipeline layout: interleaved chunk (v, p) holds layers (vP + p)Lc up to (vP + p + 1)Lc", "[parallel][pipeline]") {
   PipelineSplit s;
   s.num_layers = 16;
   s.pp = 4;

@@ -53,7 +53,7 @@ Args llama3_script(bool with_fp8) {
 
 TEST_CASE("plan: GPT-3 175B script on 1024 GPUs", "[plan]") {
   MT_REQUIRE_SHARED_DATA(shared);
-  ScratchDir d;
+  TempDir d;
   write_dataset(d.str("gpt3"));
   // The script as published passes --step-batch-size-schedule, not supported yet (and rejected by
   // Megatron HEAD together with --global-batch-size): the refusal names only that flag.

@@ -52,8 +52,8 @@ TEST_CASE("cuda embedding forward/backward on vocab shards; backward is determin
         upload(dev(), dwte.c(), dwte0);
         upload(dev(), dwpe.c(), dwpe0);
         dev().embedding_backward(dwte.c(), dwpe.c(), dout.c(), tok.c(), pos.c(), vocab_start);
-        CHECK(download_bytes(dev(), dwte.c()) == first_wte);
-        CHECK(download_bytes(dev(), dwpe.c()) == first_wpe);
+        CHECK(differing(download_bytes(dev(), dwte.c()), first_wte, 4) == 0);
+        CHECK(differing(download_bytes(dev(), dwpe.c()), first_wpe, 4) == 0);
       }
 }
 

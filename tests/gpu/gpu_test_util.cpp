@@ -1,5 +1,6 @@
 #include "tests/gpu/gpu_test_util.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -149,6 +150,13 @@ std::vector<double> Rng::ints(int64_t n, int64_t lo, int64_t hi) {
   std::vector<double> v(static_cast<size_t>(n));
   for (auto& x : v) x = static_cast<double>(d(gen_));
   return v;
+}
+
+int64_t differing(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t elem_bytes) {
+  if (a.size() != b.size()) return static_cast<int64_t>(std::max(a.size(), b.size()) / elem_bytes + 1);
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); i += elem_bytes) n += std::memcmp(&a[i], &b[i], elem_bytes) != 0;
+  return n;
 }
 
 double rel_err(const std::vector<double>& got, const std::vector<double>& want) {

@@ -81,6 +81,10 @@ class Rng {
   std::mt19937_64 gen_;
 };
 
+// Number of elements (of elem_bytes each) whose bytes differ; a size mismatch counts as all.
+// (Tests CHECK this count: Catch2 would print whole vectors compared with ==.)
+int64_t differing(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t elem_bytes);
+
 double rel_err(const std::vector<double>& got, const std::vector<double>& want);
 // Relative L2 error of the CUDA tensor against the reference tensor.
 double rel_err(const Twin& x);

@@ -36,6 +36,7 @@ TEST_CASE("cuda linear_forward: bias, GeLU (fused and separate)", "[gpu][linear]
       for (const GemmShape& g : kShapes)
         for (bool with_bias : {true, false})
           for (Activation act : kActs) {
+            if (!fused && (dt != DType::bf16 || act == Activation::none)) continue;  // the fallback path, once
             INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias << " act "
                                 << act_name(act) << " fused epilogues " << fused);
             Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
@@ -61,6 +62,7 @@ TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][
       for (const GemmShape& g : kShapes)
         for (bool accumulate : {false, true})
           for (Activation act : kActs) {
+            if (!fused && (dt != DType::bf16 || act == Activation::none)) continue;  // the fallback path, once
             INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " accumulate " << accumulate
                                 << " act " << act_name(act) << " fused epilogues " << fused);
             Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
@@ -83,6 +85,7 @@ TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministicall
     for (DType dt : kFloatTypes)
       for (const GemmShape& g : kShapes)
         for (bool with_bias : {true, false}) {
+          if (fused && (dt != DType::bf16 || !with_bias)) continue;  // the BGRADB epilogue path, once
           INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias
                               << " BGRADB epilogue " << fused);
           Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
@@ -99,9 +102,9 @@ TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministicall
           upload(dev(), dw.c(), dw0);
           if (with_bias) upload(dev(), db.c(), db0);
           dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
-          CHECK(download_bytes(dev(), dw.c()) == dw_first);
-          if (with_bias) CHECK(download_bytes(dev(), db.c()) == db_first);
+          CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
+          if (with_bias) CHECK(differing(download_bytes(dev(), db.c()), db_first, 4) == 0);
         }
   }
-  gemm.use_bias_grad_epilogue = true;
+  gemm.use_bias_grad_epilogue = false;
 }

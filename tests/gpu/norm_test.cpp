@@ -38,11 +38,11 @@ std::vector<double> shifted_normal(Rng& rng, int64_t n) {
 TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][norm]") {
   MT_RNG(rng);
   for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
-    for (bool one_p : {false, true})
       for (DType dt : kFloatTypes)
         for (int64_t rows : kRows)
           for (int64_t h : kWidths) {
             const bool ln = kind == Normalization::layernorm;
+            const bool one_p = (h + rows) % 2 == 1;  // --apply-layernorm-1p on about half the cases
             INFO((ln ? "layernorm " : "rmsnorm ") << (one_p ? "1p " : "") << dtype_name(dt) << " rows " << rows
                                                   << " h " << h);
             const NormParams p = params(kind, one_p);
@@ -110,8 +110,8 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           dev().fill(dx.c(), NAN);
           if (ln) upload(dev(), db.c(), db0);
           dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
-          CHECK(download_bytes(dev(), dw.c()) == dw_first);
-          CHECK(download_bytes(dev(), dx.c()) == dx_first);
+          CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
+          CHECK(differing(download_bytes(dev(), dx.c()), dx_first, dtype_size(dt)) == 0);
 
           // dx in place over dout and over dresidual; no parameter gradients.
           dev().norm_backward(dout.c(), Tensor(), Tensor(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), Tensor(), p);

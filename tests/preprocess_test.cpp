@@ -1,0 +1,314 @@
+// megatrain preprocess-data: the same .bin/.idx bytes as Megatron's tools/preprocess_data.py
+// (tests/fixtures/preprocess/, written by Megatron itself: tests/oracles/make_preprocess_fixtures.sh),
+// whatever the worker count, chunking, partitioning, compression or line endings; and one clear
+// error per kind of bad input.
+#include <zlib.h>
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "app/preprocess_data.h"
+#include "core/error.h"
+#include "data/preprocess.h"
+#include "tests/python_oracle.h"
+
+using namespace mt;
+using Catch::Matchers::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = MEGATRAIN_SOURCE_DIR;
+const std::string kFixtures = kSource + "/tests/fixtures/preprocess/";
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+void spit(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+std::optional<std::string> shared_data(const char* test) {
+  const std::string dir = kSource + "/../shared/data";
+  if (!fs::exists(dir + "/gpt2/gpt2-vocab.json") || !fs::exists(dir + "/llama3/tokenizer.json")) {
+    std::printf("WARN: %s skipped: no tokenizer files under %s\n", test, dir.c_str());
+    return std::nullopt;
+  }
+  return dir;
+}
+
+TokenizerOptions gpt2(const std::string& data) {
+  TokenizerOptions t;
+  t.type = "GPT2BPETokenizer";
+  t.vocab_file = data + "/gpt2/gpt2-vocab.json";
+  t.merge_file = data + "/gpt2/gpt2-merges.txt";
+  return t;
+}
+
+// Both files of <prefix>_<key>_document equal the fixture's.
+void check_same(const std::string& prefix, const std::string& key, const std::string& expected) {
+  for (const char* ext : {".bin", ".idx"}) {
+    const std::string got = prefix + "_" + key + "_document" + ext;
+    const std::string want = kFixtures + expected + "_" + key + "_document" + ext;
+    INFO(got << " vs " << want);
+    REQUIRE(fs::exists(got));
+    CHECK(slurp(got) == slurp(want));
+  }
+}
+
+PreprocessResult run_quiet(const PreprocessOptions& o) {
+  std::ostringstream log;
+  return preprocess_data(o, log);
+}
+
+void gzip_file(const std::string& src, const std::string& dst) {
+  const std::string data = slurp(src);
+  gzFile gz = gzopen(dst.c_str(), "wb");
+  REQUIRE(gz);
+  REQUIRE(gzwrite(gz, data.data(), static_cast<unsigned>(data.size())) == static_cast<int>(data.size()));
+  gzclose(gz);
+}
+
+}  // namespace
+
+TEST_CASE("preprocess-data writes Megatron's bytes: GPT-2, two keys, --append-eod", "[preprocess]") {
+  const auto data = shared_data("preprocess GPT-2 fixture");
+  if (!data) return;
+  test::TempDir dir;
+  // Workers, and chunks from one line each up to the whole file: the order must not change.
+  for (int workers : {1, 2, 3}) {
+    for (size_t chunk : {size_t{1}, size_t{100}, size_t{1} << 20}) {
+      INFO("workers " << workers << ", chunk bytes " << chunk);
+      PreprocessOptions o;
+      o.input = kFixtures + "small.jsonl";
+      o.json_keys = {"text", "title"};
+      o.output_prefix = dir.file("out");
+      o.tokenizer = gpt2(*data);
+      o.append_eod = true;
+      o.workers = workers;
+      o.chunk_bytes = chunk;
+      const PreprocessResult r = run_quiet(o);
+      CHECK(r.documents == 11);
+      check_same(dir.file("out"), "text", "gpt2");
+      check_same(dir.file("out"), "title", "gpt2");
+    }
+  }
+}
+
+TEST_CASE("preprocess-data writes Megatron's bytes: no eod, Llama 3 (int32), NullTokenizer", "[preprocess]") {
+  const auto data = shared_data("preprocess fixtures");
+  if (!data) return;
+  test::TempDir dir;
+  PreprocessOptions o;
+  o.input = kFixtures + "small.jsonl";
+  o.output_prefix = dir.file("noeod");
+  o.tokenizer = gpt2(*data);
+  o.workers = 2;
+  run_quiet(o);
+  check_same(dir.file("noeod"), "text", "gpt2_noeod");
+
+  o.output_prefix = dir.file("llama3");
+  o.tokenizer = TokenizerOptions{};
+  o.tokenizer.type = "HuggingFaceTokenizer";
+  o.tokenizer.tokenizer_model = *data + "/llama3";
+  o.append_eod = true;
+  run_quiet(o);
+  check_same(dir.file("llama3"), "text", "llama3");
+
+  o.input = kFixtures + "null.jsonl";
+  o.output_prefix = dir.file("null");
+  o.tokenizer = TokenizerOptions{};
+  o.tokenizer.type = "NullTokenizer";
+  o.tokenizer.vocab_size = 100;
+  run_quiet(o);
+  check_same(dir.file("null"), "text", "null");
+}
+
+TEST_CASE("preprocess-data --partitions: Megatron's document order", "[preprocess]") {
+  const auto data = shared_data("preprocess partitions");
+  if (!data) return;
+  test::TempDir dir;
+  // The input is a glob with --partitions > 1; here it matches one file.
+  fs::copy_file(kFixtures + "small.jsonl", dir.file("in.jsonl"));
+  PreprocessOptions o;
+  o.input = dir.file("in*.jsonl");
+  o.json_keys = {"text", "title"};
+  o.output_prefix = dir.file("p2");
+  o.tokenizer = gpt2(*data);
+  o.append_eod = true;
+  o.workers = 2;
+  o.partitions = 2;
+  o.chunk_bytes = 64;
+  run_quiet(o);
+  check_same(dir.file("p2"), "text", "gpt2_p2");  // round-robin: partition 0's documents first
+  check_same(dir.file("p2"), "title", "gpt2_p2");
+  CHECK_FALSE(fs::exists(dir.file("p2_0_text_document.bin")));  // intermediates removed
+
+  o.output_prefix = dir.file("p2seq");
+  o.keep_sequential_samples = true;
+  o.json_keys = {"text"};
+  run_quiet(o);
+  check_same(dir.file("p2seq"), "text", "gpt2");  // contiguous partitions keep the order
+
+  o.workers = 3;
+  CHECK_THROWS_WITH(run_quiet(o), Contains("--workers 3 is not divisible by --partitions 2"));
+}
+
+TEST_CASE("preprocess-data reads gzip input and any line ending the same way", "[preprocess]") {
+  const auto data = shared_data("preprocess gzip/CRLF");
+  if (!data) return;
+  test::TempDir dir;
+  gzip_file(kFixtures + "small.jsonl", dir.file("small.jsonl.gz"));
+  std::string crlf, cr;
+  for (char c : slurp(kFixtures + "small.jsonl")) {
+    if (c == '\n') crlf += "\r\n", cr += "\r";
+    else if (c != '\r') crlf += c, cr += c;
+  }
+  spit(dir.file("crlf.jsonl"), crlf);
+  spit(dir.file("cr.jsonl"), cr.substr(0, cr.size() - 1));  // and no final line ending
+  for (const std::string input : {"small.jsonl.gz", "crlf.jsonl", "cr.jsonl"}) {
+    for (size_t chunk : {size_t{7}, size_t{1} << 20}) {  // a "\r\n" split across reads
+      INFO(input << ", chunk " << chunk);
+      PreprocessOptions o;
+      o.input = dir.file(input);
+      o.json_keys = {"text", "title"};
+      o.output_prefix = dir.file("out");
+      o.tokenizer = gpt2(*data);
+      o.append_eod = true;
+      o.workers = 2;
+      o.chunk_bytes = chunk;
+      CHECK(run_quiet(o).documents == 11);
+      check_same(dir.file("out"), "text", "gpt2");
+    }
+  }
+}
+
+TEST_CASE("preprocess-data on many documents: any workers and chunking give the same bytes", "[preprocess]") {
+  const auto data = shared_data("preprocess many documents");
+  if (!data) return;
+  test::TempDir dir;
+  // 3000 documents built from the fixture lines.
+  std::string lines = slurp(kFixtures + "small.jsonl"), big;
+  for (int i = 0; i < 300; ++i) big += lines;
+  spit(dir.file("big.jsonl"), big);
+  std::string reference_bin, reference_idx;
+  for (auto [workers, chunk] : {std::pair{1, size_t{1} << 22}, {2, size_t{4096}}, {4, size_t{333}}}) {
+    PreprocessOptions o;
+    o.input = dir.file("big.jsonl");
+    o.output_prefix = dir.file("big");
+    o.tokenizer = gpt2(*data);
+    o.append_eod = true;
+    o.workers = workers;
+    o.chunk_bytes = chunk;
+    o.log_interval = 1000;
+    std::ostringstream log;
+    const PreprocessResult r = preprocess_data(o, log);
+    CHECK(r.documents == 3300);
+    CHECK_THAT(log.str(), Contains("Processed 3000 documents ("));
+    const std::string bin = slurp(dir.file("big_text_document.bin")), idx = slurp(dir.file("big_text_document.idx"));
+    if (reference_bin.empty()) {
+      reference_bin = bin, reference_idx = idx;
+      // The fixture's documents, 300 times over.
+      const std::string one = slurp(kFixtures + "gpt2_text_document.bin");
+      CHECK(bin.size() == 300 * one.size());
+      CHECK(bin.substr(0, one.size()) == one);
+      CHECK(bin.substr(bin.size() - one.size()) == one);
+    } else {
+      CHECK(bin == reference_bin);
+      CHECK(idx == reference_idx);
+    }
+  }
+}
+
+TEST_CASE("preprocess-data errors name the file, line, key or flag", "[preprocess]") {
+  const auto data = shared_data("preprocess errors");
+  if (!data) return;
+  test::TempDir dir;
+  auto options = [&](const std::string& input) {
+    PreprocessOptions o;
+    o.input = input;
+    o.output_prefix = dir.file("out");
+    o.tokenizer = gpt2(*data);
+    o.workers = 2;
+    o.chunk_bytes = 16;
+    return o;
+  };
+  auto no_outputs = [&] {
+    CHECK_FALSE(fs::exists(dir.file("out_text_document.bin")));
+    CHECK_FALSE(fs::exists(dir.file("out_text_document.idx")));
+  };
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("missing.jsonl"))), Contains("--input '" + dir.file("missing.jsonl") + "': no such file"));
+
+  spit(dir.file("bad.jsonl"), "{\"text\": \"a\"}\n{\"text\": \"b\"}\n{\"text\": \"c\"}\n{\"text\": \"d\",}\n{\"text\": \"e\"}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("bad.jsonl"))),
+                    Contains("line 4: not valid JSON") && Contains("Expecting property name enclosed in double quotes"));
+  no_outputs();
+  spit(dir.file("blank.jsonl"), "{\"text\": \"a\"}\n\n{\"text\": \"c\"}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("blank.jsonl"))), Contains("line 2: not valid JSON") && Contains("Expecting value"));
+  spit(dir.file("nokey.jsonl"), "{\"text\": \"a\"}\n{\"txt\": \"b\"}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("nokey.jsonl"))), Contains("line 2 has no key 'text'"));
+  no_outputs();
+  spit(dir.file("number.jsonl"), "{\"text\": 5}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("number.jsonl"))), Contains("line 1: the value of 'text' is a number"));
+  spit(dir.file("lone.jsonl"), "{\"text\": \"x\\ud800y\"}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("lone.jsonl"))), Contains("line 1: the value of 'text' holds an unpaired UTF-16 surrogate"));
+  spit(dir.file("notobj.jsonl"), "[1, 2]\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("notobj.jsonl"))), Contains("line 1: not valid JSON") && Contains("not a JSON object"));
+  spit(dir.file("badutf8.jsonl"), "{\"text\": \"a\xff\"}\n");
+  CHECK_THROWS_WITH(run_quiet(options(dir.file("badutf8.jsonl"))), Contains("line 1") && Contains("invalid UTF-8"));
+
+  auto o = options(kFixtures + "small.jsonl");
+  o.tokenizer.vocab_file = dir.file("nope.json");
+  CHECK_THROWS_WITH(run_quiet(o), Contains("--vocab-file '" + dir.file("nope.json") + "': no such file"));
+  o = options(kFixtures + "small.jsonl");
+  o.output_prefix = dir.file("no/such/dir/out");
+  CHECK_THROWS_WITH(run_quiet(o), Contains("--output-prefix") && Contains("does not exist"));
+  o = options(dir.file("*.nothing"));
+  o.partitions = 2;
+  CHECK_THROWS_WITH(run_quiet(o), Contains("matches no file"));
+  o = options(kFixtures + "small.jsonl");
+  o.json_keys = {"text", "text"};
+  CHECK_THROWS_WITH(run_quiet(o), Contains("--json-keys lists 'text' twice"));
+  // A tokenizer.json without tokenizer_config.json has no eos_token: --append-eod cannot work.
+  fs::create_directories(dir.file("l3"));
+  fs::copy_file(*data + "/llama3/tokenizer.json", dir.file("l3/tokenizer.json"));
+  o = options(kFixtures + "small.jsonl");
+  o.tokenizer = TokenizerOptions{};
+  o.tokenizer.type = "HuggingFaceTokenizer";
+  o.tokenizer.tokenizer_model = dir.file("l3");
+  o.append_eod = true;
+  CHECK_THROWS_WITH(run_quiet(o), Contains("has no end-of-document token"));
+}
+
+TEST_CASE("megatrain preprocess-data command line", "[preprocess]") {
+  const auto data = shared_data("preprocess command line");
+  if (!data) return;
+  test::TempDir dir;
+  const std::string bin = MEGATRAIN_BINARY;
+  const std::string common = " --input " + test::shell_quote(kFixtures + "small.jsonl") + " --output-prefix " +
+                             test::shell_quote(dir.file("cli")) + " --tokenizer-type GPT2BPETokenizer --vocab-file " +
+                             test::shell_quote(*data + "/gpt2/gpt2-vocab.json") + " --merge-file " +
+                             test::shell_quote(*data + "/gpt2/gpt2-merges.txt");
+  const std::string log = dir.file("log.txt");
+  auto run = [&](const std::string& args) {
+    return std::system((test::shell_quote(bin) + " preprocess-data" + args + " > " + log + " 2>&1").c_str());
+  };
+  REQUIRE(run(common + " --json-keys text title --append-eod --workers 2 --log-interval 5") == 0);
+  check_same(dir.file("cli"), "text", "gpt2");
+  check_same(dir.file("cli"), "title", "gpt2");
+  CHECK_THAT(slurp(log), Contains("Processed 10 documents (") && Contains("docs/s") && Contains("MB/s)."));
+
+  CHECK(run(common + " --workers 2 --split-sentences") != 0);
+  CHECK_THAT(slurp(log), Contains("megatrain does not support --split-sentences yet"));
+  CHECK(run(common) != 0);  // --workers is required, as in Megatron
+  CHECK_THAT(slurp(log), Contains("--workers"));
+  CHECK(run(common + " --workers 2 --no-such-flag") != 0);
+  CHECK_THAT(slurp(log), Contains("--no-such-flag"));
+}
