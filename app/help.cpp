@@ -1,4 +1,5 @@
 // `megatrain --help` and `megatrain --list-flags` (docs/flags.md), both from the flag table.
+#include <algorithm>
 #include <sstream>
 
 #include "app/cli.h"
@@ -68,7 +69,11 @@ std::string help_text() {
        "Without a subcommand it trains (or, with --dry-run, validates and prints the plan).\n"
        "Full flag reference with statuses: docs/flags.md (megatrain --list-flags).\n\nsubcommands:\n";
   if (subcommands().empty()) o << "  (none in this build)\n";
-  for (const Subcommand& s : subcommands()) o << "  " << s.name << std::string(s.name ? 22 - std::min<size_t>(20, std::string(s.name).size()) : 2, ' ') << s.summary << "\n";
+  for (const Subcommand& s : subcommands()) {
+    std::string left = std::string("  ") + s.name;
+    left.resize(std::max<size_t>(left.size() + 2, 24), ' ');
+    o << left << s.summary << "\n";
+  }
   for (cli::FlagGroup g : cli::all_groups()) {
     o << "\n" << cli::group_title(g) << ":\n";
     for (const FlagSpec& f : cli::flag_table().flags()) {

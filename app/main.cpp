@@ -55,10 +55,12 @@ int run(const std::vector<std::string>& args) {
     std::fputs(mt::flags_markdown().c_str(), stdout);
     return 0;
   }
+  if (args.empty()) mt::fail("no flags given: megatrain takes Megatron-LM's pretrain_gpt.py flags (megatrain --help)");
   std::vector<mt::SetupMessage> messages;
   const mt::Config cfg = mt::parse_config(args, mt::current_environment(), &messages);
   mt::log::set_rank(cfg.parallel.rank, cfg.parallel.world_size);
   if (cfg.run.dry_run) {
+    if (cfg.parallel.rank != 0) return 0;  // under a launcher, rank 0 prints the plan
     // Notes and warnings on stderr; info lines are part of the plan (stdout).
     std::vector<mt::SetupMessage> to_stderr;
     for (const auto& m : messages)

@@ -1,5 +1,6 @@
 #include "app/subcommands.h"
 
+#include "app/inspect_data.h"
 #include "app/preprocess_data.h"
 
 namespace mt {
@@ -10,6 +11,9 @@ const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
       {"preprocess-data", "tokenize a JSONL corpus into Megatron's .bin/.idx (tools/preprocess_data.py's flags)",
        &preprocess_data_main},
+      {"inspect-data", "print the token windows training would read: <training flags> --num-samples N "
+                       "[--split-name train|valid|test]",
+       &inspect_data_main},
   };
   return table;
 }

@@ -3,6 +3,7 @@
 #include "app/cli_internal.h"
 #include "data/blend_spec.h"
 #include "data/idx_header.h"
+#include "data/split.h"
 
 namespace mt::cli {
 
@@ -29,7 +30,10 @@ void validate_data(CliState& st) {
   if (per_split && d.split)
     st.warn("--split has no effect with --train-data-path/--valid-data-path/--test-data-path (each split has its own "
             "blend)");
-  if (d.split) d.split_weights = parse_split(*d.split);
+  if (d.split) {
+    const auto w = parse_split(*d.split);
+    d.split_weights.assign(w.begin(), w.end());
+  }
   if (data_path) check_blend(d.data_path, "--data-path");
   if (st.has("--train-data-path")) check_blend(d.train_data_path, "--train-data-path");
   if (st.has("--valid-data-path")) check_blend(d.valid_data_path, "--valid-data-path");

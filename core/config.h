@@ -211,6 +211,7 @@ struct DataConfig {
   bool eod_mask_loss = false;
   bool create_attention_mask_in_dataloader = true;
   std::string dataloader_type = "single";
+  bool full_data_check = false;  // megatrain flag --full-data-check: scan every token id at start-up
 
   std::optional<std::string> tokenizer_type;  // GPT entry point fills GPT2BPETokenizer
   std::optional<std::string> vocab_file;

@@ -14,6 +14,10 @@ struct MicroBatch {
   std::vector<int32_t> labels;     // [b * s]
   std::vector<float> loss_mask;    // [b * s]: 0 for padding (and EOD with --eod-mask-loss)
   std::vector<int32_t> positions;  // [b * s]: 0..s-1, restarted after EOD with --reset-position-ids
+  // [b * s]: with --reset-attention-mask, the number of EOD tokens before each position in its
+  // sample (else 0). Megatron's mask is causal within equal segments: position t attends to u <= t
+  // only when segments[u] == segments[t] (a block-diagonal causal mask).
+  std::vector<int32_t> segments;
 
   void resize(int b, int s) {
     batch = b;
@@ -23,6 +27,7 @@ struct MicroBatch {
     labels.resize(n);
     loss_mask.resize(n);
     positions.resize(n);
+    segments.resize(n);
   }
 };
 

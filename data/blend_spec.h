@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "data/split.h"  // parse_split
+
 namespace mt {
 
 // A blend: dataset prefixes with optional weights (empty: unweighted).
@@ -14,11 +16,9 @@ struct BlendSpec {
 
 // Megatron's get_blend_from_list: an odd-length list is all prefixes; an even-length list is
 // (weight, prefix) pairs when every weight parses as a number, else all prefixes. Prefixes are
-// stripped of surrounding whitespace. `flag` names the flag in errors (negative or all-zero weights).
+// stripped of surrounding whitespace. `flag` names the flag in errors (a weight that is not
+// positive: Megatron's BlendedDataset rejects it). The rules live in data/dataset_builder.h
+// (parse_blend); --split parsing is data/split.h (parse_split).
 BlendSpec blend_from_list(const std::vector<std::string>& list, const std::string& flag);
-
-// Megatron's parse_and_normalize_split: every match of [.0-9]+ (so "'99,1,0'" with its quotes
-// works), padded with zeros to 3 entries, normalised to sum 1. Errors name --split.
-std::vector<double> parse_split(const std::string& split);
 
 }  // namespace mt

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "data/hash.h"
 
 static_assert(std::endian::native == std::endian::little, "the .idx/.bin format is little-endian");
 
@@ -274,6 +275,14 @@ int64_t IndexedDataset::sequence_pointer(int64_t seq) const {
 
 int64_t IndexedDataset::document_index(int64_t i) const {
   return load<int64_t>(idx_map_ + doc_indices_offset_ + static_cast<uint64_t>(i) * 8);
+}
+
+std::string IndexedDataset::cache_identity() const {
+  std::call_once(identity_once_, [&] {
+    identity_ = fmt::format("{} sequences, lengths {:016x}", sequence_lengths_.size(),
+                            hash_bytes(sequence_lengths_.data(), sequence_lengths_.size() * sizeof(int32_t)));
+  });
+  return identity_;
 }
 
 std::vector<int64_t> IndexedDataset::document_indices() const {

@@ -18,7 +18,10 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <mutex>
 #include <vector>
+
+#include "data/low_level_dataset.h"
 
 namespace mt {
 
@@ -44,7 +47,7 @@ TokenDType optimal_token_dtype(std::optional<int64_t> vocab_size);
 std::string idx_path_of(const std::string& prefix);  // prefix + ".idx"
 std::string bin_path_of(const std::string& prefix);  // prefix + ".bin"
 
-class IndexedDataset {
+class IndexedDataset : public LowLevelDataset {
  public:
   struct Options {
     bool mmap_bin = true;     // false: --no-mmap-bin-files (pread instead of mmap)
@@ -56,18 +59,18 @@ class IndexedDataset {
   // sequence_lengths/document_indices mismatch, a .bin shorter than the index says.
   IndexedDataset(std::string prefix, Options options);
   explicit IndexedDataset(std::string prefix) : IndexedDataset(std::move(prefix), Options{}) {}
-  ~IndexedDataset();
+  ~IndexedDataset() override;
   IndexedDataset(const IndexedDataset&) = delete;
   IndexedDataset& operator=(const IndexedDataset&) = delete;
 
   const std::string& prefix() const { return prefix_; }
   TokenDType dtype() const { return dtype_; }
-  int64_t num_sequences() const { return static_cast<int64_t>(sequence_lengths_.size()); }
+  int64_t num_sequences() const override { return static_cast<int64_t>(sequence_lengths_.size()); }
   int64_t num_documents() const { return document_count_ - 1; }
   uint64_t bin_size() const { return bin_size_; }
   uint64_t idx_size() const { return idx_size_; }
 
-  std::span<const int32_t> sequence_lengths() const { return sequence_lengths_; }
+  std::span<const int32_t> sequence_lengths() const override { return sequence_lengths_; }
   int64_t sequence_pointer(int64_t seq) const;   // byte offset in .bin
   int64_t document_index(int64_t i) const;       // i in [0, num_documents()]
   std::vector<int64_t> document_indices() const;
@@ -75,7 +78,10 @@ class IndexedDataset {
 
   // Tokens [offset, offset + count) of sequence `seq`, as int32, into out. Every token is checked
   // against the limit set by set_token_limit (default: representable as int32 and not negative).
-  void read(int64_t seq, int64_t offset, int64_t count, int32_t* out) const;
+  void read(int64_t seq, int64_t offset, int64_t count, int32_t* out) const override;
+  std::string name() const override { return prefix_; }
+  // "<N> sequences, lengths <hash>": the GPT indices depend on nothing else in the files.
+  std::string cache_identity() const override;
 
   // Token ids must lie in [0, limit) (the padded vocabulary). Reads check it from then on.
   void set_token_limit(int64_t limit) { token_limit_ = limit; }
@@ -106,6 +112,8 @@ class IndexedDataset {
   uint64_t doc_indices_offset_ = 0;
   uint64_t modes_offset_ = 0;
   int64_t document_count_ = 0;
+  mutable std::once_flag identity_once_;
+  mutable std::string identity_;
 
   // .bin: mapped, or a descriptor for pread.
   const uint8_t* bin_map_ = nullptr;

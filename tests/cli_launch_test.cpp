@@ -91,15 +91,15 @@ TEST_CASE("launch: SLURM srun environment and MASTER_ADDR from the node list", "
 TEST_CASE("launch: precedence torchrun > Open MPI > MPICH > SLURM", "[cli][launch]") {
   const Environment slurm = {{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_LOCALID", "0"}};
   Environment e = slurm;
-  e["PMI_RANK"] = "1";
-  e["PMI_SIZE"] = "4";
+  e.emplace("PMI_RANK", "1");
+  e.emplace("PMI_SIZE", "4");
   CHECK(detect_launch(e, std::nullopt, DeviceKind::gpu).launcher == Launcher::mpich);
-  e["OMPI_COMM_WORLD_RANK"] = "2";
-  e["OMPI_COMM_WORLD_SIZE"] = "4";
+  e.emplace("OMPI_COMM_WORLD_RANK", "2");
+  e.emplace("OMPI_COMM_WORLD_SIZE", "4");
   CHECK(detect_launch(e, std::nullopt, DeviceKind::gpu).launcher == Launcher::openmpi);
   CHECK(detect_launch(e, std::nullopt, DeviceKind::gpu).rank == 2);
-  e["RANK"] = "3";
-  e["WORLD_SIZE"] = "8";
+  e.emplace("RANK", "3");
+  e.emplace("WORLD_SIZE", "8");
   CHECK(detect_launch(e, std::nullopt, DeviceKind::gpu).launcher == Launcher::torchrun);
   CHECK(detect_launch(e, std::nullopt, DeviceKind::gpu).rank == 3);
   CHECK(detect_launch(slurm, std::nullopt, DeviceKind::gpu).launcher == Launcher::slurm);

@@ -81,10 +81,7 @@ inline bool has_message(const std::vector<SetupMessage>& ms, SetupMessage::Kind 
   return false;
 }
 
-// A fresh directory under the system temp dir, removed at scope exit. (In its own inline namespace:
-// tests/python_oracle.h has another mt::test::TempDir, and two classes of one name would break the
-// one-definition rule at link time.)
-inline namespace cli_util {
+// A fresh directory under the system temp dir, removed at scope exit.
 struct TempDir {
   std::filesystem::path path;
   TempDir() {
@@ -98,7 +95,6 @@ struct TempDir {
   }
   std::string str(const std::string& name) const { return (path / name).string(); }
 };
-}  // namespace cli_util
 
 // Writes <prefix>.bin/.idx: `docs` documents of `len` uint16 tokens (Megatron's MMIDIDX v1).
 inline void write_dataset(const std::string& prefix, int docs = 4, int len = 50) {
@@ -150,21 +146,24 @@ struct RunResult {
 };
 
 inline std::string shell_quote(const std::string& s) {
-  std::string q = "'";
+  std::string q(1, '\'');
   for (char c : s) {
-    if (c == '\'') q += "'\\''";
-    else q += c;
+    if (c == '\'') q.append("'\\''");
+    else q.push_back(c);
   }
-  return q + "'";
+  q.push_back('\'');
+  return q;
 }
 
 // Runs the megatrain binary with `args` (and `env_prefix`, e.g. "WORLD_SIZE=2 RANK=1").
 inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
   TempDir dir;
-  std::string cmd = "env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
-                    "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS " + env_prefix + " " + shell_quote(MEGATRAIN_BINARY);
-  for (const auto& a : args) cmd += " " + shell_quote(a);
-  cmd += " >" + dir.str("out") + " 2>" + dir.str("err");
+  // Launcher variables of the environment running the tests must not leak into the binary.
+  std::string cmd("env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
+                  "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS ");
+  cmd.append(env_prefix).append(" ").append(shell_quote(MEGATRAIN_BINARY));
+  for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
+  cmd.append(" >").append(dir.str("out")).append(" 2>").append(dir.str("err"));
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -53,17 +53,21 @@ void spit(const std::string& path, const std::string& bytes) {
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-void write_with_python(const std::string& python, const test::TempDir& dir, const std::string& prefix, int code,
-                       const std::vector<Document>& docs) {
-  nlohmann::json spec;
-  spec["prefix"] = prefix;
-  spec["dtype"] = code;
-  spec["documents"] = docs;
+struct PythonDataset {
+  std::string prefix;
+  int code;
+  std::vector<Document> docs;
+};
+
+// Writes every dataset with the Python writer (one interpreter run).
+void write_with_python(const std::string& python, const oracle::TempDir& dir, const std::vector<PythonDataset>& sets) {
+  nlohmann::json specs = nlohmann::json::array();
+  for (const auto& s : sets) specs.push_back({{"prefix", s.prefix}, {"dtype", s.code}, {"documents", s.docs}});
   const std::string spec_path = dir.file("spec.json");
-  spit(spec_path, spec.dump());
-  test::run_capture(test::shell_quote(python) + " " +
-                    test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/indexed_writer.py") + " " +
-                    test::shell_quote(spec_path));
+  spit(spec_path, specs.dump());
+  oracle::run_capture(oracle::shell_quote(python) + " " +
+                    oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/indexed_writer.py") + " " +
+                    oracle::shell_quote(spec_path));
 }
 
 std::string error_of(const std::function<void()>& f) {
@@ -78,7 +82,7 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST_CASE("indexed dataset round trips every dtype, empty documents and multi-sequence documents", "[data][indexed]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const auto docs = sample_documents();
   for (uint8_t code = 1; code <= 8; ++code) {
     const auto dtype = static_cast<TokenDType>(code);
@@ -113,24 +117,29 @@ TEST_CASE("indexed dataset round trips every dtype, empty documents and multi-se
 }
 
 TEST_CASE("builder output is byte-identical to an independent writer of the format", "[data][indexed]") {
-  auto python = test::python_or_skip("indexed dataset byte identity");
+  auto python = oracle::python_or_skip("indexed dataset byte identity");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   auto docs = sample_documents();
   docs.push_back({{65535, 0, 300}});
+  std::vector<PythonDataset> sets;
   for (int code : {1, 4, 5, 6, 7, 8}) {
     auto these = docs;
     if (code == 1) these.back() = {{255, 0, 30}};
-    const std::string ours = dir.file("ours"), theirs = dir.file("theirs");
-    write_with_builder(ours, static_cast<TokenDType>(code), these);
-    write_with_python(*python, dir, theirs, code, these);
-    INFO("dtype code " << code);
-    CHECK(slurp(ours + ".bin") == slurp(theirs + ".bin"));
-    CHECK(slurp(ours + ".idx") == slurp(theirs + ".idx"));
+    const std::string name = "ds" + std::to_string(code);
+    write_with_builder(dir.file(name + "_ours"), static_cast<TokenDType>(code), these);
+    sets.push_back({dir.file(name + "_theirs"), code, these});
   }
   // A dataset with no documents at all.
   write_with_builder(dir.file("empty"), TokenDType::uint16, {});
-  write_with_python(*python, dir, dir.file("empty_py"), 8, {});
+  sets.push_back({dir.file("empty_py"), 8, {}});
+  write_with_python(*python, dir, sets);
+  for (int code : {1, 4, 5, 6, 7, 8}) {
+    const std::string name = "ds" + std::to_string(code);
+    INFO("dtype code " << code);
+    CHECK(slurp(dir.file(name + "_ours.bin")) == slurp(dir.file(name + "_theirs.bin")));
+    CHECK(slurp(dir.file(name + "_ours.idx")) == slurp(dir.file(name + "_theirs.idx")));
+  }
   CHECK(slurp(dir.file("empty.idx")) == slurp(dir.file("empty_py.idx")));
   IndexedDataset empty(dir.file("empty"));
   CHECK(empty.num_documents() == 0);
@@ -138,7 +147,7 @@ TEST_CASE("builder output is byte-identical to an independent writer of the form
 }
 
 TEST_CASE("add_index merges partitions exactly as writing all documents in one go", "[data][indexed]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const auto docs = sample_documents();
   const std::vector<Document> first(docs.begin(), docs.begin() + 3), second(docs.begin() + 3, docs.end());
   write_with_builder(dir.file("p0"), TokenDType::uint16, first);
@@ -158,7 +167,7 @@ TEST_CASE("add_index merges partitions exactly as writing all documents in one g
 }
 
 TEST_CASE("add_item/end_document and token range checks in the builder", "[data][indexed]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   {
     IndexedDatasetBuilder b(dir.file("items"), TokenDType::int32);
     const std::vector<int32_t> a{1, 2}, c{3};
@@ -182,7 +191,7 @@ TEST_CASE("add_item/end_document and token range checks in the builder", "[data]
 }
 
 TEST_CASE("corrupt or missing dataset files give an error naming the file", "[data][indexed]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string good = dir.file("good");
   write_with_builder(good, TokenDType::uint16, sample_documents());
   const std::string idx = slurp(good + ".idx"), bin = slurp(good + ".bin");
@@ -230,7 +239,7 @@ TEST_CASE("corrupt or missing dataset files give an error naming the file", "[da
 }
 
 TEST_CASE("token ids outside the vocabulary: cheap check, full check and reads", "[data][indexed]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   // ~3 MiB of uint16 tokens in 1000-token documents; one bad id in the middle of a document that
   // the cheap check neither samples nor reaches through the first/last MiB.
   const std::string prefix = dir.file("vocab");

@@ -14,12 +14,22 @@ using namespace mt::numpy_random;
 
 namespace {
 
-std::vector<uint64_t> oracle_ints(const std::string& python, const std::string& args) {
-  const std::string out = test::run_capture(test::shell_quote(python) + " " +
-                                            test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
+// Runs the oracle once for several commands (";"-separated); returns its output lines.
+std::vector<std::string> oracle_lines(const std::string& python, const std::vector<std::string>& commands) {
+  std::string args;
+  for (const auto& c : commands) args += (args.empty() ? "" : " ';' ") + c;
+  const std::string out = oracle::run_capture(oracle::shell_quote(python) + " " +
+                                            oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
                                                               "/tests/oracles/numpy_streams.py") +
                                             " " + args);
+  std::vector<std::string> lines;
   std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+std::vector<uint64_t> parse_ints(const std::string& line) {
+  std::istringstream in(line);
   std::vector<uint64_t> v;
   std::string tok;
   while (in >> tok) v.push_back(std::stoull(tok));
@@ -37,11 +47,17 @@ std::vector<double> parse_hex_doubles(const std::string& line) {
 }  // namespace
 
 TEST_CASE("RandomState random_interval equals numpy's masked draws, 32- and 64-bit", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy random_interval");
+  auto python = oracle::python_or_skip("numpy random_interval");
   if (!python) return;
-  for (uint64_t max : {1ull, 2ull, 7ull, 1000ull, 0xffffffffull, 0x100000000ull, 0x1234567890ull,
-                       (1ull << 62) + 12345}) {
-    const auto expected = oracle_ints(*python, "interval 1234 " + std::to_string(max) + " 200");
+  const std::vector<uint64_t> maxima{1ull, 2ull, 7ull, 1000ull, 0xffffffffull, 0x100000000ull, 0x1234567890ull,
+                                     (1ull << 62) + 12345};
+  std::vector<std::string> commands;
+  for (uint64_t max : maxima) commands.push_back("interval 1234 " + std::to_string(max) + " 200");
+  const auto lines = oracle_lines(*python, commands);
+  REQUIRE(lines.size() == maxima.size());
+  for (size_t m = 0; m < maxima.size(); ++m) {
+    const uint64_t max = maxima[m];
+    const auto expected = parse_ints(lines[m]);
     REQUIRE(expected.size() == 200);
     RandomState rs(1234);
     for (size_t i = 0; i < expected.size(); ++i) {
@@ -53,10 +69,16 @@ TEST_CASE("RandomState random_interval equals numpy's masked draws, 32- and 64-b
 
 TEST_CASE("RandomState shuffle equals numpy's, across block boundaries and consecutive shuffles",
           "[data][numpy]") {
-  auto python = test::python_or_skip("numpy shuffle");
+  auto python = oracle::python_or_skip("numpy shuffle");
   if (!python) return;
-  for (uint32_t seed : {0u, 1234u, 4294967295u}) {
-    const auto expected = oracle_ints(*python, "shuffle " + std::to_string(seed) + " 1 2 17 4097 10000");
+  const std::vector<uint32_t> seeds{0u, 1234u, 4294967295u};
+  std::vector<std::string> commands;
+  for (uint32_t seed : seeds) commands.push_back("shuffle " + std::to_string(seed) + " 1 2 17 4097 10000");
+  const auto lines = oracle_lines(*python, commands);
+  REQUIRE(lines.size() == seeds.size());
+  for (size_t k = 0; k < seeds.size(); ++k) {
+    const uint32_t seed = seeds[k];
+    const auto expected = parse_ints(lines[k]);
     RandomState rs(seed);
     std::vector<uint64_t> got;
     for (size_t n : {1, 2, 17, 4097, 10000}) {
@@ -70,26 +92,32 @@ TEST_CASE("RandomState shuffle equals numpy's, across block boundaries and conse
 }
 
 TEST_CASE("SeedSequence, PCG64 and Generator.integers(int32) equal numpy's default_rng", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy default_rng");
+  auto python = oracle::python_or_skip("numpy default_rng");
   if (!python) return;
-  for (uint64_t seed : {0ull, 1ull, 1234ull, 0x123456789abcull}) {
-    CHECK(seed_sequence_state(seed, 8) ==
-          [&] {
-            auto v = oracle_ints(*python, "seedseq " + std::to_string(seed) + " 8");
-            return std::vector<uint32_t>(v.begin(), v.end());
-          }());
-    const auto raw = oracle_ints(*python, "raw64 " + std::to_string(seed) + " 50");
-    Pcg64 gen(seed);
-    for (uint64_t x : raw) REQUIRE(gen.next_uint64() == x);
+  const std::vector<uint64_t> seeds{0ull, 1ull, 1234ull, 0x123456789abcull};
+  std::vector<std::string> commands;
+  for (uint64_t seed : seeds) {
+    commands.push_back("seedseq " + std::to_string(seed) + " 8");
+    commands.push_back("raw64 " + std::to_string(seed) + " 50");
+  }
+  commands.push_back("integers 0 1 4096 100000");
+  commands.push_back("integers 7 5 2147483000 2000");
+  const auto lines = oracle_lines(*python, commands);
+  REQUIRE(lines.size() == commands.size());
+  for (size_t k = 0; k < seeds.size(); ++k) {
+    const auto state = parse_ints(lines[2 * k]);
+    CHECK(seed_sequence_state(seeds[k], 8) == std::vector<uint32_t>(state.begin(), state.end()));
+    Pcg64 gen(seeds[k]);
+    for (uint64_t x : parse_ints(lines[2 * k + 1])) REQUIRE(gen.next_uint64() == x);
   }
   // MockGPTLowLevelDataset's draw: default_rng(0).integers(1, 4096, 100000, dtype=int32).
-  const auto expected = oracle_ints(*python, "integers 0 1 4096 100000");
+  const auto expected = parse_ints(lines[2 * seeds.size()]);
   Pcg64 gen(0);
   std::vector<int32_t> got(100000);
   integers_int32(gen, 1, 4096, got);
   REQUIRE(std::vector<uint64_t>(got.begin(), got.end()) == expected);
   // A range that forces Lemire rejections to matter (rng_excl close to 2^31).
-  const auto wide = oracle_ints(*python, "integers 7 5 2147483000 2000");
+  const auto wide = parse_ints(lines[2 * seeds.size() + 1]);
   Pcg64 gen7(7);
   std::vector<int32_t> got7(2000);
   integers_int32(gen7, 5, 2147483000, got7);
@@ -97,18 +125,16 @@ TEST_CASE("SeedSequence, PCG64 and Generator.integers(int32) equal numpy's defau
 }
 
 TEST_CASE("pairwise_sum and normalize are bit-identical to numpy.sum and w / numpy.sum(w)", "[data][numpy]") {
-  auto python = test::python_or_skip("numpy pairwise sum");
+  auto python = oracle::python_or_skip("numpy pairwise sum");
   if (!python) return;
-  for (int n : {1, 2, 3, 7, 8, 9, 16, 17, 100, 128, 129, 300, 1000}) {
-    const std::string out = test::run_capture(
-        test::shell_quote(*python) + " " +
-        test::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/oracles/numpy_streams.py") + " sum " +
-        std::to_string(n) + " " + std::to_string(n));
-    std::istringstream lines(out);
-    std::string l1, l2, l3;
-    std::getline(lines, l1);
-    std::getline(lines, l2);
-    std::getline(lines, l3);
+  const std::vector<int> sizes{1, 2, 3, 7, 8, 9, 16, 17, 100, 128, 129, 300, 1000};
+  std::vector<std::string> commands;
+  for (int n : sizes) commands.push_back("sum " + std::to_string(n) + " " + std::to_string(n));
+  const auto lines = oracle_lines(*python, commands);
+  REQUIRE(lines.size() == 3 * sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const int n = sizes[k];
+    const std::string &l1 = lines[3 * k], &l2 = lines[3 * k + 1], &l3 = lines[3 * k + 2];
     const auto w = parse_hex_doubles(l1);
     REQUIRE(w.size() == static_cast<size_t>(n));
     INFO("n " << n);

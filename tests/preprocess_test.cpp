@@ -81,7 +81,7 @@ void gzip_file(const std::string& src, const std::string& dst) {
 TEST_CASE("preprocess-data writes Megatron's bytes: GPT-2, two keys, --append-eod", "[preprocess]") {
   const auto data = shared_data("preprocess GPT-2 fixture");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   // Workers, and chunks from one line each up to the whole file: the order must not change.
   for (int workers : {1, 2, 3}) {
     for (size_t chunk : {size_t{1}, size_t{100}, size_t{1} << 20}) {
@@ -105,7 +105,7 @@ TEST_CASE("preprocess-data writes Megatron's bytes: GPT-2, two keys, --append-eo
 TEST_CASE("preprocess-data writes Megatron's bytes: no eod, Llama 3 (int32), NullTokenizer", "[preprocess]") {
   const auto data = shared_data("preprocess fixtures");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   PreprocessOptions o;
   o.input = kFixtures + "small.jsonl";
   o.output_prefix = dir.file("noeod");
@@ -134,7 +134,7 @@ TEST_CASE("preprocess-data writes Megatron's bytes: no eod, Llama 3 (int32), Nul
 TEST_CASE("preprocess-data --partitions: Megatron's document order", "[preprocess]") {
   const auto data = shared_data("preprocess partitions");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   // The input is a glob with --partitions > 1; here it matches one file.
   fs::copy_file(kFixtures + "small.jsonl", dir.file("in.jsonl"));
   PreprocessOptions o;
@@ -164,7 +164,7 @@ TEST_CASE("preprocess-data --partitions: Megatron's document order", "[preproces
 TEST_CASE("preprocess-data reads gzip input and any line ending the same way", "[preprocess]") {
   const auto data = shared_data("preprocess gzip/CRLF");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   gzip_file(kFixtures + "small.jsonl", dir.file("small.jsonl.gz"));
   std::string crlf, cr;
   for (char c : slurp(kFixtures + "small.jsonl")) {
@@ -193,7 +193,7 @@ TEST_CASE("preprocess-data reads gzip input and any line ending the same way", "
 TEST_CASE("preprocess-data on many documents: any workers and chunking give the same bytes", "[preprocess]") {
   const auto data = shared_data("preprocess many documents");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   // 3000 documents built from the fixture lines.
   std::string lines = slurp(kFixtures + "small.jsonl"), big;
   for (int i = 0; i < 300; ++i) big += lines;
@@ -230,7 +230,7 @@ TEST_CASE("preprocess-data on many documents: any workers and chunking give the 
 TEST_CASE("preprocess-data errors name the file, line, key or flag", "[preprocess]") {
   const auto data = shared_data("preprocess errors");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   auto options = [&](const std::string& input) {
     PreprocessOptions o;
     o.input = input;
@@ -290,15 +290,15 @@ TEST_CASE("preprocess-data errors name the file, line, key or flag", "[preproces
 TEST_CASE("megatrain preprocess-data command line", "[preprocess]") {
   const auto data = shared_data("preprocess command line");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string bin = MEGATRAIN_BINARY;
-  const std::string common = " --input " + test::shell_quote(kFixtures + "small.jsonl") + " --output-prefix " +
-                             test::shell_quote(dir.file("cli")) + " --tokenizer-type GPT2BPETokenizer --vocab-file " +
-                             test::shell_quote(*data + "/gpt2/gpt2-vocab.json") + " --merge-file " +
-                             test::shell_quote(*data + "/gpt2/gpt2-merges.txt");
+  const std::string common = " --input " + oracle::shell_quote(kFixtures + "small.jsonl") + " --output-prefix " +
+                             oracle::shell_quote(dir.file("cli")) + " --tokenizer-type GPT2BPETokenizer --vocab-file " +
+                             oracle::shell_quote(*data + "/gpt2/gpt2-vocab.json") + " --merge-file " +
+                             oracle::shell_quote(*data + "/gpt2/gpt2-merges.txt");
   const std::string log = dir.file("log.txt");
   auto run = [&](const std::string& args) {
-    return std::system((test::shell_quote(bin) + " preprocess-data" + args + " > " + log + " 2>&1").c_str());
+    return std::system((oracle::shell_quote(bin) + " preprocess-data" + args + " > " + log + " 2>&1").c_str());
   };
   REQUIRE(run(common + " --json-keys text title --append-eod --workers 2 --log-interval 5") == 0);
   check_same(dir.file("cli"), "text", "gpt2");

@@ -6,7 +6,7 @@
 #include <random>
 #include <stdexcept>
 
-namespace mt::test {
+namespace mt::oracle {
 
 std::optional<std::string> python_or_skip(const char* test_name) {
   std::string python;
@@ -68,4 +68,4 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
-}  // namespace mt::test
+}  // namespace mt::oracle

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-namespace mt::test {
+namespace mt::oracle {
 
 // The interpreter to run oracles with, or nullopt (after printing why) when there is none.
 std::optional<std::string> python_or_skip(const char* test_name);
@@ -31,4 +31,4 @@ class TempDir {
   std::string path_;
 };
 
-}  // namespace mt::test
+}  // namespace mt::oracle

@@ -109,12 +109,12 @@ std::vector<Named> all_tokenizers(const std::string& data, const std::string& tm
 }
 
 // Runs the oracle script in `mode` on spec; returns its JSON output.
-json run_oracle(const std::string& python, const test::TempDir& dir, const std::string& mode, const json& spec) {
+json run_oracle(const std::string& python, const oracle::TempDir& dir, const std::string& mode, const json& spec) {
   const std::string spec_path = dir.file("spec.json");
   spit(spec_path, spec.dump());
-  const std::string out = test::run_capture(test::shell_quote(python) + " " +
-                                            test::shell_quote(kSource + "/tests/oracles/make_tokenizer_fixtures.py") + " " +
-                                            mode + " " + test::shell_quote(spec_path));
+  const std::string out = oracle::run_capture(oracle::shell_quote(python) + " " +
+                                            oracle::shell_quote(kSource + "/tests/oracles/make_tokenizer_fixtures.py") + " " +
+                                            mode + " " + oracle::shell_quote(spec_path));
   return json::parse(out);
 }
 
@@ -195,11 +195,11 @@ TEST_CASE("unicode classes: letters, numbers and White_Space as Oniguruma define
 }
 
 TEST_CASE("unicode classes equal the oracle's for every code point", "[tokenizer][oracle]") {
-  const auto python = test::python_or_skip("unicode classes oracle");
+  const auto python = oracle::python_or_skip("unicode classes oracle");
   if (!python) return;
-  test::TempDir dir;
-  const json ranges = json::parse(test::run_capture(test::shell_quote(*python) + " " +
-                                                    test::shell_quote(kSource + "/tests/oracles/make_tokenizer_fixtures.py") +
+  oracle::TempDir dir;
+  const json ranges = json::parse(oracle::run_capture(oracle::shell_quote(*python) + " " +
+                                                    oracle::shell_quote(kSource + "/tests/oracles/make_tokenizer_fixtures.py") +
                                                     " unicode"));
   for (const auto& [name, bit] : {std::pair<std::string, uint8_t>{"L", unicode::kLetter}, {"N", unicode::kNumber},
                                   {"S", unicode::kSpace}}) {
@@ -218,9 +218,9 @@ TEST_CASE("unicode classes equal the oracle's for every code point", "[tokenizer
 }
 
 TEST_CASE("pre-tokenizer matchers split exactly as the oracle's regexes", "[tokenizer][oracle]") {
-  const auto python = test::python_or_skip("pre-tokenizer oracle");
+  const auto python = oracle::python_or_skip("pre-tokenizer oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::vector<std::string> texts = tricky_strings(400, 1234);
   for (SplitPattern p : {SplitPattern::gpt2, SplitPattern::cl100k, SplitPattern::qwen2}) {
     REQUIRE(recognize_split_pattern(split_pattern_regex(p)) == p);
@@ -239,7 +239,7 @@ TEST_CASE("pre-tokenizer matchers split exactly as the oracle's regexes", "[toke
 TEST_CASE("tokenizer fixtures: ids equal the reference libraries'", "[tokenizer]") {
   const auto data = shared_data("tokenizer fixtures");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string fixtures = kSource + "/tests/fixtures/tokenizers/";
   const auto texts = load_json(fixtures + "texts.json").get<std::vector<std::string>>();
   REQUIRE(texts.size() > 100);
@@ -263,9 +263,9 @@ TEST_CASE("tokenizer fixtures: ids equal the reference libraries'", "[tokenizer]
 TEST_CASE("tokenizers equal the oracle on a few hundred KB of pod text and tricky strings", "[tokenizer][oracle]") {
   const auto data = shared_data("tokenizer live oracle");
   if (!data) return;
-  const auto python = test::python_or_skip("tokenizer live oracle");
+  const auto python = oracle::python_or_skip("tokenizer live oracle");
   if (!python) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   // ~300 KB of real text as documents of a few KB, plus the tricky strings (long words included).
   const std::string pod = pod_text(300 * 1024);
   REQUIRE(pod.size() > 200 * 1024);
@@ -334,7 +334,7 @@ TEST_CASE("the training side's vocab_info agrees with the tokenizers", "[tokeniz
 TEST_CASE("tokenizer.json readers: merge pairs, member order and the DOM fallback agree", "[tokenizer]") {
   const auto data = shared_data("tokenizer.json variants");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   auto original = make_huggingface_tokenizer(*data + "/llama3", true);
   json j = load_json(*data + "/llama3/tokenizer.json");
   // Current `tokenizers` writes merges as ["a", "b"] pairs; nlohmann writes members sorted
@@ -398,7 +398,7 @@ TEST_CASE("tokenizer clones encode independently on threads", "[tokenizer]") {
 }
 
 TEST_CASE("SentencePiece tokenizers: a model trained here gives the Python package's ids", "[tokenizer][oracle]") {
-  test::TempDir dir;
+  oracle::TempDir dir;
   const std::string corpus = pod_text(400 * 1024);
   REQUIRE(corpus.size() > 100 * 1024);
   spit(dir.file("train.txt"), corpus.substr(0, corpus.size() / 2));
@@ -434,7 +434,7 @@ TEST_CASE("SentencePiece tokenizers: a model trained here gives the Python packa
       CHECK(ids.front() != 1);  // no BOS: HEAD's SentencePiece wrapper calls encode_as_ids(text)
       CHECK(t->decode(ids) == sample);
 
-      const auto python = test::python_or_skip("SentencePiece oracle");
+      const auto python = oracle::python_or_skip("SentencePiece oracle");
       if (!python) continue;
       std::vector<std::string> texts = tricky_strings(100, 5);
       for (size_t i = 0; i < held_out.size(); i += 2048) {
@@ -494,7 +494,7 @@ TEST_CASE("tokenizer errors name the flag or file and what is unsupported", "[to
 
   const auto data = shared_data("tokenizer.json errors");
   if (!data) return;
-  test::TempDir dir;
+  oracle::TempDir dir;
   json j = load_json(*data + "/llama3/tokenizer.json");
   // No tokenizer_config.json next to it: no eos_token, so no eod (Megatron's would be None).
   spit(dir.file("tokenizer.json"), j.dump());

@@ -2,7 +2,7 @@
 from the format description (../shared/reference/megatron.md section 3.1) with numpy.
 
 Usage: indexed_writer.py SPEC.json
-SPEC: {"prefix": str, "dtype": code, "documents": [[[token, ...], ...], ...]}
+SPEC: {"prefix": str, "dtype": code, "documents": [[[token, ...], ...], ...]}, or a list of them
 Each document is a list of sequences; an empty list is an empty document.
 """
 import json
@@ -40,5 +40,6 @@ def write(prefix, code, documents):
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    write(spec["prefix"], spec["dtype"], spec["documents"])
+        specs = json.load(f)
+    for spec in specs if isinstance(specs, list) else [specs]:
+        write(spec["prefix"], spec["dtype"], spec["documents"])

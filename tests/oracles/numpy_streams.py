@@ -1,6 +1,7 @@
 """Oracle for data/numpy_random: prints numpy's own random streams as whitespace-separated integers.
 
-Usage: numpy_streams.py <command> [args]
+Usage: numpy_streams.py <command> [args] [";" <command> [args] ...]   (one output line per command;
+"sum" prints three)
   interval SEED MAX COUNT       RandomState(SEED).randint(0, MAX + 1, COUNT, int64)  (= random_interval)
   shuffle SEED N [N2]           arange(N) shuffled by RandomState(SEED) (then arange(N2), same state)
   raw64 SEED COUNT              PCG64(SEED).random_raw(COUNT)
@@ -13,7 +14,7 @@ import sys
 import numpy
 
 
-def main(argv):
+def run(argv):
     cmd, args = argv[0], [int(a) for a in argv[1:]]
     if cmd == "interval":
         seed, mx, count = args
@@ -46,6 +47,17 @@ def main(argv):
     else:
         raise SystemExit(f"unknown command {cmd}")
     print(" ".join(str(int(x)) for x in out))
+
+
+def main(argv):
+    command = []
+    for a in argv + [";"]:
+        if a == ";":
+            if command:
+                run(command)
+            command = []
+        else:
+            command.append(a)
 
 
 if __name__ == "__main__":

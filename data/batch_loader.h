@@ -1,0 +1,76 @@
+// BatchLoader: this data-parallel rank's micro-batches in the order of Megatron's `single`
+// dataloader (MegatronPretrainingSampler): global sample ids consumed_samples, consumed_samples + 1,
+// ... are cut into chunks of micro_batch x DP, and DP rank r takes ids [r*b, (r+1)*b) of each
+// chunk; a last incomplete chunk is dropped. A background thread prepares the next few
+// micro-batches (reading only this rank's samples) into buffers allocated at start-up; errors it
+// meets are raised by next() once the batches before them are consumed.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "data/batch.h"
+#include "data/dataset_builder.h"
+#include "data/gpt_dataset.h"
+
+namespace mt {
+
+struct Config;
+
+struct BatchLoaderOptions {
+  int micro_batch_size = 1;
+  int data_parallel_rank = 0;
+  int data_parallel_size = 1;
+  int64_t consumed_samples = 0;  // global samples consumed before (resume)
+  SampleMasking masking;
+  int prefetch = 4;  // micro-batches prepared ahead
+};
+
+// The options a run's flags give: --micro-batch-size, the EOD/pad ids and --reset-position-ids,
+// --reset-attention-mask, --eod-mask-loss. Throws mt::Unsupported for a --dataloader-type other
+// than single.
+BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFacts& tokenizer, int data_parallel_rank,
+                                        int data_parallel_size, int64_t consumed_samples);
+
+class BatchLoader : public BatchSource {
+ public:
+  // Throws mt::Error when no full chunk is left after consumed_samples.
+  BatchLoader(std::shared_ptr<const SampleDataset> dataset, BatchLoaderOptions options);
+  ~BatchLoader() override;
+  BatchLoader(const BatchLoader&) = delete;
+  BatchLoader& operator=(const BatchLoader&) = delete;
+
+  // Swaps the next micro-batch into mb (mb's old buffers are recycled; after the first few calls
+  // nothing is allocated). Returns false once the dataset holds no further full chunk.
+  bool next(MicroBatch& mb) override;
+
+  // Micro-batches this rank gets in total from where it started.
+  int64_t num_micro_batches() const { return num_micro_batches_; }
+  // The global sample id of the first sample of this rank's k-th micro-batch.
+  int64_t first_sample_of(int64_t k) const;
+
+ private:
+  void produce();
+  void fill(int64_t k, MicroBatch& slot, std::vector<int32_t>& window);
+
+  std::shared_ptr<const SampleDataset> dataset_;
+  BatchLoaderOptions options_;
+  int seq_ = 0;
+  int64_t num_micro_batches_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<MicroBatch> slots_;
+  int64_t produced_ = 0;  // micro-batches filled
+  int64_t handed_ = 0;    // micro-batches given to the consumer
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
+
+}  // namespace mt
