@@ -81,10 +81,7 @@ inline bool has_message(const std::vector<SetupMessage>& ms, SetupMessage::Kind 
   return false;
 }
 
-// A fresh directory under the system temp dir, removed at scope exit. (In its own inline namespace:
-// tests/python_oracle.h has another mt::test::TempDir, and two classes of one name would break the
-// one-definition rule at link time.)
-inline namespace cli_util {
+// A fresh directory under the system temp dir, removed at scope exit.
 struct TempDir {
   std::filesystem::path path;
   TempDir() {
@@ -98,7 +95,6 @@ struct TempDir {
   }
   std::string str(const std::string& name) const { return (path / name).string(); }
 };
-}  // namespace cli_util
 
 // Writes <prefix>.bin/.idx: `docs` documents of `len` uint16 tokens (Megatron's MMIDIDX v1).
 inline void write_dataset(const std::string& prefix, int docs = 4, int len = 50) {
