@@ -29,6 +29,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   Device device() const override { return Device::cuda; }
 
+  size_t memory_in_use() const override;
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
   void copy_from_host(Tensor dst, const void* host_src) override;
@@ -113,6 +114,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int num_sms_ = 1;
+  size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
