@@ -90,7 +90,9 @@ std::vector<float> forward_logits(const std::string& load, std::optional<int64_t
   std::unique_ptr<Backend> backend = make_backend(cfg);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   if (bf16 && device != DeviceKind::gpu) fail("forward-logits: --bf16 needs --device gpu");
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, bf16 ? DType::bf16 : DType::f32), ps, *backend);
+  ModelOptions options = ModelOptions::from_config(cfg, dims, bf16 ? DType::bf16 : DType::f32);
+  options.logits_chunk_rows = n;  // all rows' logits at once: they are the output
+  GptModel model(dims, options, ps, *backend);
   TrainingCheckpoints(cfg, ps, model).load();
 
   MicroBatch mb;

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One GPU cycle for the single-GPU engine (run on the lent GPU machine, from the checkout root):
 #   1. the GPU op tests (CUDA against the reference backend);
-#   2. tiny GPT and Llama trained 20 steps on the GPU (fp32 and bf16) beside the CPU reference
-#      backend, same seed and data: the loss columns and their largest relative difference;
-#   3. the Hugging Face logits check against transformers (tests/hf/check_hf_logits.py);
+#   2. tiny GPT and Llama (head dim 64) trained 20 steps on the GPU beside the CPU reference
+#      backend, same seed and data: fp32 (generic attention kernels, no TF32), bf16 (attention
+#      auto = cuDNN) and bf16 with --attention-backend flash (our tensor-core kernels); the loss
+#      columns and their largest relative difference, against the bounds fp32 1e-4, bf16 1e-2;
+#   3. the Hugging Face logits check against transformers (tests/hf/check_hf_logits.py), with
+#      megatrain's forward in fp32 and in bf16;
 #   4. the three benchmark configs (bench/run_bench.sh), megatrain only unless PYTORCH=1.
 #   bench/gpu_e2e.sh <dir with megatrain and megatrain_gpu_tests> [steps to run: tests,tiny,hf,bench]
 set -uo pipefail
@@ -25,18 +28,24 @@ if [[ $steps == *tiny* ]]; then
   common="--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --seq-length 128 --max-position-embeddings 128
     --micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
     --lr-warmup-iters 2 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1 --eval-iters 0 --seed 1234"
-  gpt="--num-layers 2 --hidden-size 128 --num-attention-heads 4"
-  llama="--num-layers 2 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2
-    --ffn-hidden-size 256 --swiglu --normalization RMSNorm --position-embedding-type rope
+  # Head dim 64 (256 / 4): the shapes the fast attention paths take.
+  gpt="--num-layers 2 --hidden-size 256 --num-attention-heads 4"
+  llama="--num-layers 2 --hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+    --ffn-hidden-size 512 --swiglu --normalization RMSNorm --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear"
   for model in gpt llama; do
     flags="$common ${!model}"
-    # shellcheck disable=SC2086
-    "$bin/megatrain" $flags --device cpu --metrics-jsonl "$out/$model.cpu.jsonl" > "$out/$model.cpu.log" 2>&1
-    # shellcheck disable=SC2086
-    "$bin/megatrain" $flags --device gpu --metrics-jsonl "$out/$model.gpu32.jsonl" > "$out/$model.gpu32.log" 2>&1
-    # shellcheck disable=SC2086
-    "$bin/megatrain" $flags --device gpu --bf16 --metrics-jsonl "$out/$model.gpubf16.jsonl" > "$out/$model.gpubf16.log" 2>&1
+    run() {  # kind, extra flags
+      local kind=$1
+      shift
+      # shellcheck disable=SC2086
+      "$bin/megatrain" $flags "$@" --metrics-jsonl "$out/$model.$kind.jsonl" > "$out/$model.$kind.log" 2>&1 ||
+        echo "$model $kind: exit $? -- $(tail -n 2 "$out/$model.$kind.log" | tr '\n' ' ')" >> "$out/tiny_failures.log"
+    }
+    run cpu --device cpu
+    run gpu32 --device gpu
+    run gpubf16 --device gpu --bf16
+    run gpubf16flash --device gpu --bf16 --attention-backend flash
     summary+=("$(python3 - "$model" "$out" <<'PY'
 import json, sys
 model, out = sys.argv[1], sys.argv[2]
@@ -46,22 +55,32 @@ def losses(kind):
     except OSError:
         return {}
     return {r["iteration"]: r["lm_loss"] for r in rows if r.get("type") == "iteration" and r.get("lm_loss") is not None}
-cpu, g32, g16 = losses("cpu"), losses("gpu32"), losses("gpubf16")
-lines = [f"{model}: iter  cpu-fp32   gpu-fp32   gpu-bf16"]
+cpu = losses("cpu")
+kinds = [("gpu32", "gpu-fp32", 1e-4), ("gpubf16", "gpu-bf16", 1e-2), ("gpubf16flash", "bf16-flash", 1e-2)]
+runs = {k: losses(k) for k, _, _ in kinds}
+lines = [f"{model}: iter  cpu-fp32  " + "  ".join(f"{label:>9}" for _, label, _ in kinds)]
 for it in sorted(cpu):
-    lines.append(f"  {it:4d} {cpu[it]:.6f} {g32.get(it, float('nan')):.6f} {g16.get(it, float('nan')):.6f}")
+    lines.append(f"  {it:4d} {cpu[it]:.6f} " + " ".join(f"{runs[k].get(it, float('nan')):.6f}" for k, _, _ in kinds))
 def maxrel(a):
-    return max((abs(a[i] - cpu[i]) / abs(cpu[i]) for i in cpu if i in a), default=float("nan")) if len(a) == len(cpu) else float("nan")
-lines.append(f"  {model}: max rel diff gpu-fp32 {maxrel(g32):.2e}, gpu-bf16 {maxrel(g16):.2e}; first/last cpu loss {cpu.get(1, float('nan')):.4f}/{cpu.get(20, float('nan')):.4f}")
+    return max((abs(a[i] - cpu[i]) / abs(cpu[i]) for i in cpu if i in a), default=float("nan")) if cpu and len(a) == len(cpu) else float("nan")
+verdicts = []
+for k, label, bound in kinds:
+    r = maxrel(runs[k])
+    verdicts.append(f"{label} {r:.2e} ({'ok' if r <= bound else 'FAIL'}, bound {bound:g})")
+lines.append(f"  {model}: max rel diff vs cpu: " + ", ".join(verdicts) +
+             f"; first/last cpu loss {cpu.get(1, float('nan')):.4f}/{cpu.get(20, float('nan')):.4f}")
 print("\n".join(lines))
 PY
 )")
   done
+  [ -s "$out/tiny_failures.log" ] && summary+=("tiny runs that failed: $(cat "$out/tiny_failures.log")")
 fi
 
 if [[ $steps == *hf* ]]; then
   python3 tests/hf/check_hf_logits.py --megatrain "$bin/megatrain" --device gpu > "$out/hf.log" 2>&1
   summary+=("hf logits (gpu, fp32 forward): rc=$? $(tail -n 2 "$out/hf.log" | tr '\n' ' ')")
+  python3 tests/hf/check_hf_logits.py --megatrain "$bin/megatrain" --device gpu --forward-bf16 > "$out/hf_bf16.log" 2>&1
+  summary+=("hf logits (gpu, bf16 forward): rc=$? $(tail -n 2 "$out/hf_bf16.log" | tr '\n' ' ')")
 fi
 
 if [[ $steps == *bench* ]]; then

@@ -5,6 +5,7 @@
 
 #include "cuda/attention_cudnn.h"
 #include "cuda/attention_flash.h"
+#include "cuda/attention_generic.h"
 
 namespace mt::cuda {
 namespace {
@@ -12,6 +13,12 @@ namespace {
 // What `auto` prefers where both paths can run, per head dim: bench/RESULTS.md (H200, cuDNN 9.14)
 // has cuDNN ahead at d = 64 and 128 in both passes (e.g. GPT-2 shape 309/213 TFLOP/s vs 198/122).
 AttentionBackend measured_faster(int /*head_dim*/) { return AttentionBackend::fused; }
+
+// Within the flash backend: our tensor-core kernels where they are compiled (head dims 64 and 128,
+// 16-bit activations), the generic CUDA-core kernels for everything else.
+bool use_mma_kernels(const AttentionShape& a, DType dtype) {
+  return flash::supports_head_dim(a.head_dim) && (dtype == DType::bf16 || dtype == DType::f16);
+}
 
 }  // namespace
 
@@ -32,8 +39,7 @@ AttentionBackend resolve_attention_backend(const AttentionShape& a, AttentionBac
     case AttentionBackend::auto_: {
       if (measured_faster(a.head_dim) == AttentionBackend::fused && cudnn_attention::supported(a, dtype))
         return AttentionBackend::fused;
-      if (!flash::supports_head_dim(a.head_dim) && cudnn_attention::supported(a, dtype))
-        return AttentionBackend::fused;
+      if (!use_mma_kernels(a, dtype) && cudnn_attention::supported(a, dtype)) return AttentionBackend::fused;
       return AttentionBackend::flash;
     }
     case AttentionBackend::unfused:
@@ -50,9 +56,11 @@ size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backe
     case AttentionBackend::fused:
       return cudnn_attention::workspace_bytes(a, dtype);
     default:
-      if (!flash::supports_head_dim(a.head_dim))
-        throw Unsupported(fmt::format("--attention-backend flash supports head dims 64 and 128, not {}", a.head_dim));
-      return flash::backward_workspace_bytes(a);
+      if (use_mma_kernels(a, dtype)) return flash::backward_workspace_bytes(a);
+      if (!generic::supports_head_dim(a.head_dim))
+        throw Unsupported(fmt::format("attention supports head dims 1 to {}, not {} (--kv-channels)",
+                                      generic::kMaxHeadDim, a.head_dim));
+      return generic::backward_workspace_bytes(a);
   }
 }
 
@@ -60,14 +68,18 @@ void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape&
                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
     cudnn_attention::forward(out, lse, qkv, a, workspace, workspace_bytes, stream);
-  else
+  else if (use_mma_kernels(a, qkv.dtype))
     flash::forward(out, lse, qkv, a, flash::default_forward_config(a.head_dim, a.dropout_p > 0), stream);
+  else
+    generic::forward(out, lse, qkv, a, stream);
 }
 
 void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
                         AttentionBackend backend, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
     cudnn_attention::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);
+  else if (!use_mma_kernels(a, qkv.dtype))
+    generic::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);
   else
     flash::backward(dqkv, dout, out, lse, qkv, a, flash::default_backward_config(a.head_dim, a.dropout_p > 0), workspace,
                     workspace_bytes, stream);

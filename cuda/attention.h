@@ -1,8 +1,9 @@
 // Causal GQA attention on the GPU, flash-style: forward and backward on packed QKV rows (layout in
 // engine/backend.h). CudaBackend dispatches here according to --attention-backend:
-//   flash  our own kernels (cuda/attention_flash*.cu): any shape with head dim 64 or 128, GQA,
-//          dropout, bf16/fp16; deterministic backward.
-//   fused  cuDNN's fused attention (cuda/attention_cudnn.cpp): no GQA, no dropout.
+//   flash  our own kernels, GQA, dropout, deterministic backward: the tensor-core ones
+//          (cuda/attention_flash*.cu) for head dims 64 and 128 in bf16/fp16, the generic CUDA-core
+//          ones (cuda/attention_generic.cu) for float32 and every other head dim up to 256.
+//   fused  cuDNN's fused attention (cuda/attention_cudnn.cpp): bf16/fp16, MHA and GQA, no dropout.
 //   auto   per head dim, whichever bench_attention measured faster (flash where fused cannot).
 //   unfused, local: refused (megatrain has no materialized-scores attention).
 #pragma once

@@ -261,21 +261,49 @@ void execute(cudnnHandle_t handle, const Plan& plan, const std::vector<int64_t>&
 
 // ---- the attention graphs ----------------------------------------------------------------------
 
-// Layout facts shared by both passes (MHA only: head h's q, k, v are at h*3d, h*3d+d, h*3d+2d).
+// Layout facts shared by both passes, as 4-d [batch, heads, seq, d] tensors over the packed rows.
+// MHA (heads == groups): batch b, heads h, head j's q, k, v at j*3d, j*3d+d, j*3d+2d of a row.
+// GQA: the packed rows have no single per-head stride (a group's q heads are d apart, groups
+// (hpg+2)d apart), but every stride is uniform once the KV group joins the batch: batch b*groups
+// (sample i, group g at i*row_stride + g*(hpg+2)d = (i*groups + g)*(hpg+2)d), hpg query heads d
+// apart, one K/V head. The output [N, heads*d] and the lse [b, heads, s] fold the same way (head
+// g*hpg + j). cuDNN then sees MQA per (sample, group): K and V broadcast over the query heads and
+// dK, dV are sums over them (reductions in the backward graph).
 struct Dims {
-  int64_t b, h, s, d, rs;  // rs: qkv row stride
-  explicit Dims(const AttentionShape& a)
-      : b(a.batch), h(a.heads), s(a.seq), d(a.head_dim), rs(a.qkv_row_stride()) {}
-  std::vector<int64_t> bhsd() const { return {b, h, s, d}; }
-  std::vector<int64_t> bhds() const { return {b, h, d, s}; }
-  std::vector<int64_t> bhss() const { return {b, h, s, s}; }
-  std::vector<int64_t> bhs1() const { return {b, h, s, 1}; }
-  std::vector<int64_t> qkv_strides() const { return {rs, 3 * d, b * rs, 1}; }      // [b, h, s, d]
-  std::vector<int64_t> qkv_t_strides() const { return {rs, 3 * d, 1, b * rs}; }    // [b, h, d, s]
-  std::vector<int64_t> out_strides() const { return {h * d, d, b * h * d, 1}; }     // [b, h, s, d]
-  std::vector<int64_t> stats_strides() const { return {h * s, s, 1, 1}; }           // [b, h, s, 1]
-  std::vector<int64_t> scores_strides() const { return {h * s * s, s * s, s, 1}; }  // [b, h, s, s]
-  std::vector<int64_t> scores_t_strides() const { return {h * s * s, s * s, 1, s}; }
+  int64_t b, hq, hk, s, d;   // b: batch as cuDNN sees it; hq/hk: query / KV heads
+  int64_t bstride;           // qkv elements between batch entries
+  int64_t hstride;           // qkv elements between query heads
+  int64_t seq_stride;        // qkv elements between positions
+  int64_t k_offset;          // elements from a batch entry's first q to its k (v: + d)
+  int64_t out_b, out_seq;    // out strides of batch entries and positions (heads: d)
+  explicit Dims(const AttentionShape& a) : s(a.seq), d(a.head_dim) {
+    const int64_t rs = a.qkv_row_stride(), hpg = a.heads / a.groups;
+    seq_stride = a.batch * rs;
+    out_seq = static_cast<int64_t>(a.batch) * a.heads * d;
+    if (a.heads == a.groups) {
+      b = a.batch, hq = hk = a.heads;
+      bstride = rs, hstride = 3 * d, k_offset = d;
+      out_b = a.heads * d;
+    } else {
+      b = static_cast<int64_t>(a.batch) * a.groups, hq = hpg, hk = 1;
+      bstride = (hpg + 2) * d, hstride = d, k_offset = hpg * d;
+      out_b = hpg * d;
+    }
+  }
+  bool gqa() const { return hq != hk; }
+  std::vector<int64_t> bhsd() const { return {b, hq, s, d}; }
+  std::vector<int64_t> bhss() const { return {b, hq, s, s}; }
+  std::vector<int64_t> bhs1() const { return {b, hq, s, 1}; }
+  std::vector<int64_t> kv_bhsd() const { return {b, hk, s, d}; }
+  std::vector<int64_t> kv_bhds() const { return {b, hk, d, s}; }
+  std::vector<int64_t> q_strides() const { return {bstride, hstride, seq_stride, 1}; }      // [b, hq, s, d]
+  std::vector<int64_t> kv_strides() const { return {bstride, hstride, seq_stride, 1}; }     // [b, hk, s, d]
+  std::vector<int64_t> kv_t_strides() const { return {bstride, hstride, 1, seq_stride}; }   // [b, hk, d, s]
+  std::vector<int64_t> out_strides() const { return {out_b, d, out_seq, 1}; }                // [b, hq, s, d]
+  std::vector<int64_t> stats_strides() const { return {hq * s, s, 1, 1}; }                  // [b, hq, s, 1]
+  std::vector<int64_t> scores_strides() const { return {hq * s * s, s * s, s, 1}; }         // [b, hq, s, s]
+  std::vector<int64_t> scores_t_strides() const { return {hq * s * s, s * s, 1, s}; }
+  std::vector<int64_t> packed_bhsd() const { return {hq * s * d, s * d, d, 1}; }
 };
 
 cudnnDataType_t io_type(DType t) { return t == DType::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
@@ -284,9 +312,9 @@ std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const AttentionShape& 
   const Dims n(a);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
-  const TensorRef q = g.bound(n.bhsd(), n.qkv_strides(), io, kQ);
-  const TensorRef kt = g.bound(n.bhds(), n.qkv_t_strides(), io, kK);
-  const TensorRef v = g.bound(n.bhsd(), n.qkv_strides(), io, kV);
+  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK);
+  const TensorRef v = g.bound(n.kv_bhsd(), n.kv_strides(), io, kV);
   const TensorRef scale = g.scalar(kScale);
   const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
   g.matmul(q, kt, scores);
@@ -314,20 +342,20 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
   const Dims n(a);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
-  const TensorRef q = g.bound(n.bhsd(), n.qkv_strides(), io, kQ);
-  const TensorRef kt = g.bound(n.bhds(), n.qkv_t_strides(), io, kK);
-  const TensorRef vt = g.bound(n.bhds(), n.qkv_t_strides(), io, kV);
+  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK);
+  const TensorRef vt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kV);
   const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
   const TensorRef dout = g.bound(n.bhsd(), n.out_strides(), io, kdO);
   const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
-  const TensorRef dq = g.bound(n.bhsd(), n.qkv_strides(), io, kdQ);
-  const TensorRef dk = g.bound(n.bhsd(), n.qkv_strides(), io, kdK);
-  const TensorRef dv = g.bound(n.bhsd(), n.qkv_strides(), io, kdV);
+  const TensorRef dq = g.bound(n.bhsd(), n.q_strides(), io, kdQ);
+  const TensorRef dk = g.bound(n.kv_bhsd(), n.kv_strides(), io, kdK);
+  const TensorRef dv = g.bound(n.kv_bhsd(), n.kv_strides(), io, kdV);
   const TensorRef scale = g.scalar(kScale);
   const TensorRef one = g.scalar(kOne);
 
   // delta = rowsum(dO * O), materialized in our workspace.
-  const TensorRef prod = g.virt(n.bhsd(), {n.h * n.s * n.d, n.s * n.d, n.h * n.d, 1});
+  const TensorRef prod = g.virt(n.bhsd(), {n.hq * n.s * n.d, n.s * n.d, n.hq * n.d, 1});
   g.pointwise_into(CUDNN_POINTWISE_MUL, dout, &o, nullptr, prod);
   const TensorRef delta_raw = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, prod, delta_raw);
@@ -342,24 +370,36 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
   if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
   const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
 
-  // dV = P^T dO.
+  // dV = P^T dO (GQA: per query head, then summed over the group's heads).
   const TensorRef pt = g.reshape(p, n.bhss(), n.scores_t_strides(), io);
-  g.matmul(pt, dout, dv);
+  if (n.gqa()) {
+    const TensorRef dv_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
+    g.matmul(pt, dout, dv_heads);
+    g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
+  } else {
+    g.matmul(pt, dout, dv);
+  }
   // dS = P * (dO V^T - delta) * scale.
   const TensorRef dp = g.virt(n.bhss(), n.scores_strides());
   g.matmul(dout, vt, dp);
   const TensorRef centered = g.pointwise(CUDNN_POINTWISE_SUB, dp, &delta);
   const TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
   const TensorRef ds = g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, &scale);
-  // dK = dS^T Q.
+  // dK = dS^T Q (GQA: per query head, then summed).
   const TensorRef dst = g.reshape(ds, n.bhss(), n.scores_t_strides(), io);
-  g.matmul(dst, q, dk);
+  if (n.gqa()) {
+    const TensorRef dk_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
+    g.matmul(dst, q, dk_heads);
+    g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
+  } else {
+    g.matmul(dst, q, dk);
+  }
   // dQ = dS K.
-  const TensorRef k = g.reshape(kt, n.bhsd(), n.qkv_strides(), CUDNN_DATA_FLOAT);
+  const TensorRef k = g.reshape(kt, n.kv_bhsd(), n.kv_strides(), CUDNN_DATA_FLOAT);
   if (deterministic_dq) {
     g.matmul(ds, k, dq);
   } else {
-    const TensorRef accum = g.bound(n.bhsd(), {n.h * n.s * n.d, n.s * n.d, n.d, 1}, CUDNN_DATA_FLOAT, kdQAccum);
+    const TensorRef accum = g.bound(n.bhsd(), n.packed_bhsd(), CUDNN_DATA_FLOAT, kdQAccum);
     g.matmul(ds, k, accum);
     g.pointwise_into(CUDNN_POINTWISE_IDENTITY, accum, nullptr, nullptr, dq);
   }
@@ -397,8 +437,6 @@ cudnnHandle_t handle_for(int device) {
 
 std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16) return "it needs bf16 or fp16 activations";
-  if (a.heads != a.groups)
-    return "it reads q/k/v from the packed rows by per-head strides, which GQA's grouped layout does not have";
   if (a.dropout_p > 0)
     return "cuDNN draws its own dropout mask, not megatrain's (use --attention-dropout 0 or the flash backend)";
   if (a.head_dim % 8 != 0 || a.head_dim > 128) return fmt::format("head dim {} (cuDNN needs a multiple of 8, <= 128)", a.head_dim);
@@ -478,9 +516,10 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
   char* base = static_cast<char*>(qkv.data);
-  const size_t head_bytes = static_cast<size_t>(a.head_dim) * dtype_size(qkv.dtype);
+  const size_t elem = dtype_size(qkv.dtype);
+  const size_t k_bytes = static_cast<size_t>(Dims(a).k_offset) * elem, v_bytes = k_bytes + a.head_dim * elem;
   std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
-  std::vector<void*> ptrs = {base, base + head_bytes, base + 2 * head_bytes, out.data, lse.data, &scale};
+  std::vector<void*> ptrs = {base, base + k_bytes, base + v_bytes, out.data, lse.data, &scale};
   if (a.causal) {
     uids.push_back(kNegInf);
     ptrs.push_back(&neg_inf);
@@ -498,11 +537,12 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
   char* x = static_cast<char*>(qkv.data);
   char* dx = static_cast<char*>(dqkv.data);
-  const size_t head_bytes = static_cast<size_t>(a.head_dim) * dtype_size(qkv.dtype);
+  const size_t elem = dtype_size(qkv.dtype);
+  const size_t k_bytes = static_cast<size_t>(Dims(a).k_offset) * elem, v_bytes = k_bytes + a.head_dim * elem;
   char* ws = static_cast<char*>(workspace);
   std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
-  std::vector<void*> ptrs = {x, x + head_bytes, x + 2 * head_bytes, out.data, dout.data, lse.data,
-                             dx, dx + head_bytes, dx + 2 * head_bytes, &scale, &one, ws};
+  std::vector<void*> ptrs = {x, x + k_bytes, x + v_bytes, out.data, dout.data, lse.data,
+                             dx, dx + k_bytes, dx + v_bytes, &scale, &one, ws};
   if (a.causal) {
     uids.push_back(kNegInf);
     ptrs.push_back(&neg_inf);

@@ -5,8 +5,9 @@
 // passes are expressed as the composite graphs cuDNN's flash-attention engines recognize:
 //   forward:  S = Q K^T * scale -> causal mask -> softmax with stats -> O = P V
 //   backward: the FA2 chain (delta = rowsum(dO*O), P from stats, dV, dP, dS, dK, dQ).
-// q/k/v are read straight from the packed rows through strides. That needs a per-head stride,
-// which the packed layout has only without GQA (heads == groups); GQA shapes are refused.
+// q/k/v are read straight from the packed rows through strides; GQA folds the KV group into the
+// batch dimension, which makes every stride uniform (Dims in the .cpp), and sums dK/dV over the
+// group's query heads with reductions in the backward graph.
 // Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached.
 #pragma once
 

@@ -163,6 +163,14 @@ void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor 
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
 }
 
+void CudaBackend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
+                                          Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
+                                          const NormParams& p) {
+  on_device("norm_backward_recompute", out, dx, dweight, dbias, dout, x, mean, rstd, weight, bias, dresidual);
+  MT_CHECK(!out.empty(), "norm_backward_recompute: out is required");
+  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, out, bias);
+}
+
 void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
                                   Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
   on_device("qk_norm_forward", out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias);
@@ -192,6 +200,12 @@ void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Ten
   cuda::linear_backward_weight(*gemm_, context(), dw, dbias, dy, x);
 }
 
+void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
+                                                  Tensor pre_act) {
+  on_device("linear_backward_input_recompute", dx, act_out, dy, w, pre_act);
+  cuda::linear_backward_input_recompute(*gemm_, context(), dx, act_out, dy, w, act, pre_act);
+}
+
 // ---- activations --------------------------------------------------------------------------------
 void CudaBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
   on_device("gelu_forward", out, in);
@@ -208,6 +222,10 @@ void CudaBackend::swiglu_forward(Tensor out, Tensor in) {
 void CudaBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
   on_device("swiglu_backward", din, dout, in);
   cuda::swiglu_backward(context(), din, dout, in);
+}
+void CudaBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+  on_device("swiglu_backward_recompute", din, act_out, dout, in);
+  cuda::swiglu_backward_recompute(context(), din, act_out, dout, in);
 }
 void CudaBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                                    uint64_t dropout_key) {
@@ -230,22 +248,14 @@ void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, c
 }
 
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------
-void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend) {
+void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   attention_backend_ = backend;
-  // The activation dtype is not known here: size for both 16-bit types (what one cannot run, the
-  // other may; a dtype neither supports fails at the call with a message).
-  size_t need = 0;
-  bool any = false;
-  std::string why;
-  for (DType dt : {DType::bf16, DType::f16}) {
-    try {
-      need = std::max(need, cuda::attention_workspace_bytes(a, backend, dt));
-      any = true;
-    } catch (const Unsupported& e) {
-      why = e.what();
-    }
-  }
-  if (!any) throw Unsupported(why);
+  // Training's shape and evaluation's (no dropout: auto may pick another implementation); either
+  // one that cannot run throws Unsupported here, at set-up.
+  AttentionShape eval = a;
+  eval.dropout_p = 0;
+  const size_t need = std::max(cuda::attention_workspace_bytes(a, backend, dtype),
+                               cuda::attention_workspace_bytes(eval, backend, dtype));
   if (need <= attention_workspace_bytes_) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));

@@ -54,6 +54,8 @@ class CudaBackend final : public Backend {
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
                      Tensor weight, Tensor dresidual, const NormParams& p) override;
+  void norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
+                               Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual, const NormParams& p) override;
   void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
                        Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) override;
   void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias, Tensor dout,
@@ -63,11 +65,14 @@ class CudaBackend final : public Backend {
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
   void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act) override;
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
+  void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
+                                       Tensor pre_act) override;
 
   void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;
   void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;
   void swiglu_forward(Tensor out, Tensor in) override;
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
+  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
   void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                         uint64_t dropout_key) override;
   void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) override;
@@ -92,7 +97,7 @@ class CudaBackend final : public Backend {
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
   void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
 
-  void reserve_attention(const AttentionShape& a, AttentionBackend backend) override;
+  void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) override;
   void register_optim_segments(std::span<const OptimSegment> segments) override;
 
   // CUDA-specific access (benchmarks, tests, communicators).

@@ -136,7 +136,27 @@ __global__ void gelu_grad_kernel(T* out, const G* g, const T* pre, int64_t n, bo
   }
 }
 
+// g = g * gelu'(pre), act = gelu(pre): the backward through a GeLU that also recomputes its output
+// (act may alias pre: each element is read before it is written).
+template <typename T, bool VEC>
+__global__ void gelu_grad_recompute_kernel(T* g, T* act, const T* pre, int64_t n, bool tanh_approx) {
+  MT_FLAT_LOOP(n) {
+    const Floats<kN> x = ld<VEC>(pre, base, n);
+    Floats<kN> d = ld<VEC>(g, base, n), y;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      d.v[j] *= gelu_grad(x.v[j], tanh_approx);
+      y.v[j] = gelu(x.v[j], tanh_approx);
+    }
+    st<VEC>(g, base, n, d);
+    st<VEC>(act, base, n, y);
+  }
+}
+
 // ---- SwiGLU: in[M, 2f] = [gate | up], out[M, f] = silu(gate) * up --------------------------------
+// One expression for the forward and the backward's recomputation (same bits).
+__device__ __forceinline__ float swiglu_value(float gate, float up) { return gate * sigmoid(gate) * up; }
+
 // VEC requires f % 8 == 0 so that a vector never crosses a row.
 template <typename T, bool VEC>
 __global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t f) {
@@ -148,13 +168,13 @@ __global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t
       const Floats<kN> gate = load_vec<kN>(row + c), up = load_vec<kN>(row + f + c);
       Floats<kN> y;
 #pragma unroll
-      for (int j = 0; j < kN; ++j) y.v[j] = gate.v[j] * sigmoid(gate.v[j]) * up.v[j];
+      for (int j = 0; j < kN; ++j) y.v[j] = swiglu_value(gate.v[j], up.v[j]);
       store_vec<kN>(out + base, y);
     } else {
       for (int64_t i = base; i < base + kN && i < n; ++i) {
         const int64_t r = i / f, c = i % f;
         const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
-        out[i] = from_float<T>(gate * sigmoid(gate) * up);
+        out[i] = from_float<T>(swiglu_value(gate, up));
       }
     }
   }
@@ -189,6 +209,41 @@ __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64
         swiglu_grad(gate, up, to_float(dout[i]), dg, du);
         din[r * 2 * f + c] = from_float<T>(dg);
         din[r * 2 * f + f + c] = from_float<T>(du);
+      }
+    }
+  }
+}
+
+// swiglu_backward plus act = swiglu(in); din may alias in and act may alias dout (every element's
+// inputs are loaded before its outputs are stored).
+template <typename T, bool VEC>
+__global__ void swiglu_backward_recompute_kernel(T* din, T* act, const T* dout, const T* in, int64_t rows, int64_t f) {
+  const int64_t n = rows * f;
+  MT_FLAT_LOOP(n) {
+    if (VEC) {
+      const int64_t r = base / f, c = base % f;
+      const T* row = in + r * 2 * f;
+      const Floats<kN> gate = load_vec<kN>(row + c), up = load_vec<kN>(row + f + c);
+      const Floats<kN> dy = load_vec<kN>(dout + base);
+      Floats<kN> dg, du, y;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
+        y.v[j] = swiglu_value(gate.v[j], up.v[j]);
+      }
+      store_vec<kN>(din + r * 2 * f + c, dg);
+      store_vec<kN>(din + r * 2 * f + f + c, du);
+      store_vec<kN>(act + base, y);
+    } else {
+      for (int64_t i = base; i < base + kN && i < n; ++i) {
+        const int64_t r = i / f, c = i % f;
+        const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
+        const float dy = to_float(dout[i]);
+        float dg, du;
+        swiglu_grad(gate, up, dy, dg, du);
+        din[r * 2 * f + c] = from_float<T>(dg);
+        din[r * 2 * f + f + c] = from_float<T>(du);
+        act[i] = from_float<T>(swiglu_value(gate, up));
       }
     }
   }
@@ -397,6 +452,42 @@ void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor i
     with_vec(all_aligned({din.data, dout.data, in.data}) && f % kN == 0, [&]<bool V>() {
       swiglu_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
           din.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+  const int64_t f = dout.cols(), rows = dout.rows();
+  MT_CHECK(in.cols() == 2 * f && in.rows() == rows && din.numel() == in.numel() && act_out.numel() == dout.numel(),
+           "swiglu_backward_recompute: shapes din {} act {} dout {} in {}", din.shape_string(), act_out.shape_string(),
+           dout.shape_string(), in.shape_string());
+  MT_CHECK(din.dtype == in.dtype && dout.dtype == in.dtype && act_out.dtype == in.dtype,
+           "swiglu_backward_recompute: dtypes differ");
+  MT_CHECK((din.data == in.data || din.data != dout.data) && act_out.data != in.data && act_out.data != din.data,
+           "swiglu_backward_recompute: only din = in and act_out = dout may alias");
+  const int64_t n = rows * f;
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(in.dtype, T, "swiglu_backward_recompute", {
+    with_vec(all_aligned({din.data, act_out.data, dout.data, in.data}) && f % kN == 0, [&]<bool V>() {
+      swiglu_backward_recompute_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+          din.ptr<T>(), act_out.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx) {
+  check_same_numel(g, pre, "gelu_grad_recompute");
+  check_same_numel(act_out, pre, "gelu_grad_recompute");
+  MT_CHECK(g.dtype == pre.dtype && act_out.dtype == pre.dtype, "gelu_grad_recompute: dtypes differ");
+  MT_CHECK(g.data != pre.data && g.data != act_out.data, "gelu_grad_recompute: only act_out = pre may alias");
+  const int64_t n = g.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(g.dtype, T, "gelu_grad_recompute", {
+    with_vec(all_aligned({g.data, act_out.data, pre.data}), [&]<bool V>() {
+      gelu_grad_recompute_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+          g.ptr<T>(), act_out.ptr<T>(), pre.ptr<const T>(), n, tanh_approx);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

@@ -360,4 +360,23 @@ void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor d
   if (!dbias.empty()) column_sum_accumulate(ctx, dbias, dy);
 }
 
+void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor act_out, Tensor dy,
+                                     Tensor w, Activation act, Tensor pre_act) {
+  MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");
+  MT_CHECK(pre_act.numel() == dx.numel() && act_out.numel() == dx.numel(),
+           "linear_backward_input_recompute: pre_act {} and act_out {} for dx {}", pre_act.shape_string(),
+           act_out.shape_string(), dx.shape_string());
+  const bool tanh_approx = act == Activation::gelu_tanh;
+  if (tanh_approx && gemm.use_gelu_epilogue) {
+    // The DGELU epilogue (faster than GEMM + kernel for the tanh form), then the activation. (The
+    // forward's GELU_AUX epilogue computed the activation from the unrounded GEMM result; this
+    // one starts from the stored pre-activation, so it can differ from it in the last bit.)
+    linear_backward_input(gemm, ctx, dx, dy, w, false, act, pre_act);
+    gelu_forward(ctx, act_out, pre_act, true);
+    return;
+  }
+  linear_backward_input(gemm, ctx, dx, dy, w, false, Activation::none, Tensor());
+  gelu_grad_recompute(ctx, dx, act_out, pre_act, tanh_approx);
+}
+
 }  // namespace mt::cuda

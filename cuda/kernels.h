@@ -54,6 +54,12 @@ void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor p
                         bool accumulate);
 void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in);
 void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in);
+// swiglu_backward plus act_out = swiglu(in) (as swiglu_forward computes it); din may alias in,
+// act_out may alias dout.
+void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in);
+// g = g * gelu'(pre) in place and act_out = gelu(pre) (act_out may alias pre): the GeLU backward
+// after a plain GEMM, recomputing the activation on the way.
+void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx);
 void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
                       uint64_t key);
 void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key);
@@ -67,8 +73,11 @@ void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, co
 // b empty: out = norm(a) (sum unused). b given: sum = a + dropout(b), out = norm(sum).
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p);
+// out (optional): also writes the forward's output, recomputed from x and the saved statistics with
+// the forward's rounding (bit-identical); bias is its bias.
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
-                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p);
+                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p,
+                   Tensor out = Tensor(), Tensor bias = Tensor());
 // --qk-layernorm: every q and k head of packed QKV normalized over head_dim (engine/backend.h).
 void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
                      Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);

@@ -66,6 +66,14 @@ struct QkHeads {
   __device__ __forceinline__ bool second(int64_t v) const { return (v % heads) % (q_per_group + 1) == q_per_group; }
 };
 
+// y = (x - mean) * rstd * w + b with one rounding order, shared by the forward and by the
+// backward's recomputation of the output, so that both give the same bits.
+__device__ __forceinline__ float norm_xhat(float x, float mean, float rstd) {
+  return __fmul_rn(__fsub_rn(x, mean), rstd);
+}
+__device__ __forceinline__ float norm_apply(float xhat, float w) { return __fmul_rn(xhat, w); }
+__device__ __forceinline__ float norm_apply(float xhat, float w, float b) { return __fmaf_rn(xhat, w, b); }
+
 template <typename T>
 struct NormForwardArgs {
   T* out;
@@ -164,10 +172,10 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
       if (bias) {
         const Floats<VEC> b = load_vec<VEC>(bias + c);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) y.v[j] = (x[it][j] - mean) * rstd * (w.v[j] + w_shift) + b.v[j];
+        for (int j = 0; j < VEC; ++j) y.v[j] = norm_apply(norm_xhat(x[it][j], mean, rstd), w.v[j] + w_shift, b.v[j]);
       } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) y.v[j] = (x[it][j] - mean) * rstd * (w.v[j] + w_shift);
+        for (int j = 0; j < VEC; ++j) y.v[j] = norm_apply(norm_xhat(x[it][j], mean, rstd), w.v[j] + w_shift);
       }
       store_vec<VEC>(args.out + row_base + c, y);
     }
@@ -189,6 +197,8 @@ struct NormBackwardArgs {
   int64_t rows;
   int h;
   bool rms, one_p;
+  T* out = nullptr;          // if given: the forward's output recomputed (plain rows only)
+  const T* bias = nullptr;   // its bias (may be null)
 };
 
 template <typename T, int VEC, int ITERS, typename Layout>
@@ -224,12 +234,24 @@ __global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArg
         const Floats<VEC> w = load_vec<VEC>(weight + c);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          xhat[it][j] = (xv.v[j] - mean) * rstd;
+          xhat[it][j] = norm_xhat(xv.v[j], mean, rstd);
           g[it][j] = dy.v[j] * (w.v[j] + w_shift);
           sums[0] += g[it][j] * xhat[it][j];
           sums[1] += g[it][j];
           dw[it][j] += dy.v[j] * xhat[it][j];
           db[it][j] += dy.v[j];
+        }
+        if (args.out) {
+          Floats<VEC> y;
+          if (args.bias) {
+            const Floats<VEC> b = load_vec<VEC>(args.bias + c);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) y.v[j] = norm_apply(xhat[it][j], w.v[j] + w_shift, b.v[j]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) y.v[j] = norm_apply(xhat[it][j], w.v[j] + w_shift);
+          }
+          store_vec<VEC>(args.out + row_base + c, y);
         }
       } else {
 #pragma unroll
@@ -491,7 +513,8 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
 }
 
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
-                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
+                   Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p, Tensor out,
+                   Tensor bias) {
   const int64_t h = x.cols(), rows = x.rows();
   const bool rms = p.kind == Normalization::rmsnorm;
   MT_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dx.dtype == x.dtype && dout.dtype == x.dtype,
@@ -505,12 +528,20 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
            h);
   MT_CHECK(dresidual.empty() || (dresidual.numel() == x.numel() && dresidual.dtype == x.dtype),
            "norm_backward: dresidual {}", dresidual.shape_string());
+  MT_CHECK(out.empty() || (out.numel() == x.numel() && out.dtype == x.dtype && out.data != x.data &&
+                           out.data != dx.data && out.data != dout.data && out.data != dresidual.data),
+           "norm_backward: recomputed output {} must match x {} and alias nothing", out.shape_string(),
+           x.shape_string());
+  MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == x.dtype), "norm_backward: bias {}", bias.shape_string());
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
-    const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data});
+    const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data,
+                                                     out.data, bias.data});
     NormBackwardArgs<T> args{dx.ptr<T>(), dresidual.ptr<const T>(), dout.ptr<const T>(), x.ptr<const T>(),
                              mean.ptr<const float>(), rstd.ptr<const float>(), weight.ptr<const T>(), nullptr,
                              nullptr, nullptr, rows, static_cast<int>(h), rms, p.one_p};
+    args.out = out.ptr<T>();
+    args.bias = bias.ptr<const T>();
     launch_norm_backward(ctx, args, PlainRows{h}, aligned, dweight.ptr<float>(), dbias.ptr<float>());
   });
 }

@@ -4,6 +4,27 @@
 
 namespace mt {
 
+void Backend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
+                                      Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
+                                      const NormParams& p) {
+  norm_backward(dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
+  norm_forward(out, mean, rstd, x, weight, bias, p);  // deterministic: the statistics come out the same
+}
+
+void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
+                                              Tensor pre_act) {
+  MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");
+  linear_backward_input(dx, dy, w, false, act, pre_act);
+  gelu_forward(act_out, pre_act, act == Activation::gelu_tanh);
+}
+
+void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+  MT_CHECK(din.data != in.data && act_out.data != dout.data,
+           "swiglu_backward_recompute: the {} backend does not take aliased operands", name());
+  swiglu_backward(din, dout, in);
+  swiglu_forward(act_out, in);
+}
+
 void Backend::qk_norm_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const RopeShape&,
                               const NormParams&) {
   throw Unsupported("--qk-layernorm is not implemented by the " + name() + " backend yet");

@@ -121,6 +121,13 @@ class Backend {
   // dx may alias dout or dresidual.
   virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
                              Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) = 0;
+  // norm_backward, and also out = norm(x) * w (+ b) recomputed from x and the saved statistics:
+  // the same bits norm_forward wrote, so that the model need not keep norm outputs for the weight
+  // gradients of the GEMMs that read them. out must not alias any input or dx. The default runs
+  // norm_backward, then norm_forward (which rewrites mean/rstd with the values they hold).
+  virtual void norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
+                                       Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
+                                       const NormParams& p);
 
   // --qk-layernorm: out = qkv with every q head and every k head normalized over its head_dim
   // values (q heads share q_weight/q_bias [d], k heads k_weight/k_bias [d]); v is copied through.
@@ -145,6 +152,13 @@ class Backend {
                                      Tensor pre_act) = 0;
   // dw[N, K] += dy[M, N]^T . x[M, K]; dbias[N] += column sums of dy (if dbias is given).
   virtual void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) = 0;
+  // linear_backward_input(dx, dy, w, false, act, pre_act) (act: a GeLU), and also
+  // act_out = act(pre_act): the activation linear_forward produced, recomputed so that the model
+  // need not keep it (bit for bit, except where a backend's forward took the activation from the
+  // unrounded GEMM result: CUDA's fused tanh-GeLU epilogue). act_out may alias pre_act (the
+  // pre-activation is dead after this).
+  virtual void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
+                                               Tensor pre_act);
 
   // ---- activations -----------------------------------------------------------------------
   virtual void gelu_forward(Tensor out, Tensor in, bool tanh_approx) = 0;
@@ -152,6 +166,10 @@ class Backend {
   // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up.
   virtual void swiglu_forward(Tensor out, Tensor in) = 0;
   virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in) = 0;
+  // swiglu_backward, and also act_out[M, f] = swiglu(in), bit for bit what swiglu_forward wrote.
+  // din may alias in and act_out may alias dout (elementwise, each element read before written).
+  // The default handles only the non-aliased case.
+  virtual void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in);
   // out = residual + dropout_p(x + bias) (bias may be empty). out may alias residual.
   // Dropout (here and in add_norm_forward, dropout_backward): element with flat index i of the
   // dropped tensor is kept iff dropout_keep(key, i, p) (engine/dropout_mask.h) and then scaled by
@@ -200,9 +218,13 @@ class Backend {
   virtual void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
 
   // ---- set-up planning (call before the first step; the reference backend needs none) -----
-  // Sizes the attention workspace for the largest shape of the run and picks the attention
-  // implementation (CUDA: allocated here, so attention calls allocate nothing).
-  virtual void reserve_attention(const AttentionShape& a, AttentionBackend backend) { (void)a, (void)backend; }
+  // Sizes the attention workspace for the largest shape of the run (training and, without
+  // dropout, evaluation) in the activation dtype, and picks the attention implementation (CUDA:
+  // allocated here, so attention calls allocate nothing). Throws Unsupported, naming the flag, for
+  // an attention this backend cannot run: at set-up, not in the first step.
+  virtual void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
+    (void)a, (void)backend, (void)dtype;
+  }
   // Uploads an optimizer segment list once (CUDA: a device table), so that the optimizer calls
   // above with an equal list upload nothing per step. Short lists (<= 24 segments) also work
   // unregistered; longer ones must be registered on the CUDA backend.

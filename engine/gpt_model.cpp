@@ -17,14 +17,20 @@ struct GptModel::LayerParams {
 };
 
 // What a layer keeps from forward for backward. Statistics are in the accum dtype.
+// Not kept (the tensors below marked "shared" are views of workspace buffers every layer reuses):
+// the norm outputs, recomputed in backward from the norm inputs and statistics by
+// norm_backward_recompute, and the MLP activation, recomputed from fc1_pre by the fused
+// activation backward (linear_backward_input_recompute / swiglu_backward_recompute). Both are
+// bit-identical to what forward computed.
 struct GptModel::LayerActs {
-  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm
+  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared)
   Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
   Tensor qkv;                          // attention input (after bias, qk norm, rope)
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
   Tensor h1;                           // residual after attention
-  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm
-  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation
+  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared)
+  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared);
+                                       // backward overwrites fc1_pre (SwiGLU: with its gradient)
   Tensor out;                          // layer output (the next layer's input)
 };
 
@@ -49,10 +55,15 @@ struct GptModel::Globals {
 };
 
 struct GptModel::Workspace {
-  Tensor tmp_h;                       // row-parallel output before its all-reduce
+  Tensor tmp_h;                       // row-parallel output before its all-reduce; also the norm
+                                      // outputs (ln1_out, ln2_out): each is dead before tmp_h is written
   Tensor gA, gB, gH, gT;              // [N, h] activation gradients
-  Tensor gQKV, gATT, gFC, gACT;       // per-layer gradient buffers
-  Tensor logits;                      // [N, V/tp] (dlogits in place)
+  Tensor act;                         // [N, f] MLP activation (fc2's input); in backward the
+                                      // recomputed activation (SwiGLU: first the gradient d fc2 / d act)
+  Tensor gFC;                         // GeLU only: fc1's output gradient, the same memory as act
+                                      // (SwiGLU's takes the place of fc1_pre)
+  Tensor gQKV, gATT;                  // attention backward, in act's block (see layout)
+  Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
 };
@@ -96,6 +107,22 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
 
 // ---- construction and memory -----------------------------------------------------------
 
+namespace {
+// Automatic logits chunk: halve the rows while a chunk of logits takes more than this (and stays a
+// whole number of at least 128 rows). Every further chunk costs one more read and write of the
+// float32 output-layer gradient (dW += dlogits^T y accumulates), so chunks stay large.
+constexpr size_t kLogitsChunkBytes = size_t{512} << 20;
+
+int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
+  const int64_t N = d.tokens();
+  if (o.logits_chunk_rows > 0) return std::min(N, o.logits_chunk_rows);
+  const size_t row_bytes = static_cast<size_t>(d.vocab_local()) * dtype_size(o.compute);
+  int64_t rows = N;
+  while (static_cast<size_t>(rows) * row_bytes > kLogitsChunkBytes && rows % 2 == 0 && rows / 2 >= 128) rows /= 2;
+  return rows;
+}
+}  // namespace
+
 GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend)
     : d_(dims), opt_(options), ps_(ps), be_(backend) {
   MT_CHECK(opt_.num_slots >= 1, "num_slots {}", opt_.num_slots);
@@ -108,12 +135,13 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   descs_ = build_param_descs(d_, &total_elements_);
   globals_ = std::make_unique<Globals>();
   ws_ = std::make_unique<Workspace>();
+  logits_rows_ = choose_logits_rows(d_, opt_);
   arena_ = std::make_unique<Arena>(be_);
   layout(*arena_);  // measure
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
-  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend);
+  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend, opt_.compute);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
@@ -132,6 +160,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   descs_ = build_param_descs(d_, &total_elements_);
   globals_ = std::make_unique<Globals>();
   ws_ = std::make_unique<Workspace>();
+  logits_rows_ = choose_logits_rows(d_, opt_);
   arena_ = std::make_unique<Arena>(be_);
   layout(*arena_);  // measure only: nothing is allocated
 }
@@ -151,7 +180,7 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   const int64_t N = d_.tokens(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
   LayerActs A;
-  A.ln1_out = a.take(c, T, {N, h});
+  A.ln1_out = ws_->tmp_h;
   A.ln1_mean = a.take(c, S, {N});
   A.ln1_rstd = a.take(c, S, {N});
   if (d_.qk_norm) {
@@ -164,11 +193,11 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
   A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
   A.h1 = a.take(c, T, {N, h});
-  A.ln2_out = a.take(c, T, {N, h});
+  A.ln2_out = ws_->tmp_h;
   A.ln2_mean = a.take(c, S, {N});
   A.ln2_rstd = a.take(c, S, {N});
   A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
-  A.fc1_act = a.take(c, T, {N, d_.ffn_local()});
+  A.fc1_act = ws_->act;
   if (keep_out) A.out = a.take(c, T, {N, h});
   return A;
 }
@@ -193,9 +222,29 @@ void GptModel::layout(Arena& a) {
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
 
-  // Per-slot activations.
+  // Workspace (first: the layers' shared views point into it).
   const RecomputePlan& rp = opt_.recompute;
   const int L = d_.stage_layers();
+  Workspace& w = *ws_;
+  w.tmp_h = a.take(C::workspace, T, {N, h});
+  w.gA = a.take(C::workspace, T, {N, h});
+  w.gB = a.take(C::workspace, T, {N, h});
+  w.gH = a.take(C::workspace, T, {N, h});
+  w.gT = a.take(C::workspace, T, {N, h});
+  if (L > 0) {
+    // One block for the MLP buffers and the attention-backward buffers: a layer's backward is done
+    // with act/gFC (MLP part) before gATT/gQKV (attention part) are written, and forward uses
+    // neither of the latter.
+    const int64_t f = d_.ffn_local(), qkv_n = N * d_.qkv_width_local(), att_n = N * d_.attn_width_local();
+    const int64_t att_offset = (qkv_n + 127) / 128 * 128;  // keeps gATT 256-byte aligned
+    const Tensor block = a.take(C::workspace, T, {std::max(N * f, att_offset + att_n)});
+    w.act = block.flat_slice(0, N * f).view({N, f});
+    if (!d_.swiglu) w.gFC = w.act;
+    w.gQKV = block.flat_slice(0, qkv_n).view({N, d_.qkv_width_local()});
+    w.gATT = block.flat_slice(att_offset, att_n).view({N, d_.attn_width_local()});
+  }
+
+  // Per-slot activations.
   slots_.resize(static_cast<size_t>(opt_.num_slots));
   for (Slot& s : slots_) {
     const size_t part_i32 = (static_cast<size_t>(N) * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
@@ -231,21 +280,8 @@ void GptModel::layout(Arena& a) {
   scratch_.clear();
   for (int j = 0; j < rp.max_group_size; ++j) scratch_.push_back(layout_layer_acts(a, C::activations, true));
 
-  // Workspace.
-  Workspace& w = *ws_;
-  w.tmp_h = a.take(C::workspace, T, {N, h});
-  w.gA = a.take(C::workspace, T, {N, h});
-  w.gB = a.take(C::workspace, T, {N, h});
-  w.gH = a.take(C::workspace, T, {N, h});
-  w.gT = a.take(C::workspace, T, {N, h});
-  if (L > 0) {
-    w.gQKV = a.take(C::workspace, T, {N, d_.qkv_width_local()});
-    w.gATT = a.take(C::workspace, T, {N, d_.attn_width_local()});
-    w.gFC = a.take(C::workspace, T, {N, d_.fc1_width_local()});
-    if (d_.swiglu) w.gACT = a.take(C::workspace, T, {N, d_.ffn_local()});
-  }
   if (d_.last_stage) {
-    w.logits = a.take(C::workspace, T, {N, d_.vocab_local()});
+    w.logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
     w.y = a.take(C::workspace, T, {N, h});
     w.fmean = a.take(C::workspace, S, {N});
     w.frstd = a.take(C::workspace, S, {N});
@@ -264,7 +300,11 @@ Tensor shaped(Tensor flat, const ParamDesc& p) {
 }
 }  // namespace
 
-Tensor GptModel::logits() const { return ws_->logits; }
+Tensor GptModel::logits() const {
+  MT_CHECK(logits_rows_ == d_.tokens(), "GptModel::logits: the head ran in chunks of {} of {} rows (set "
+           "ModelOptions::logits_chunk_rows to keep them all)", logits_rows_, d_.tokens());
+  return ws_->logits;
+}
 
 Tensor GptModel::param(int i) const { return shaped(params_, descs_.at(i)); }
 Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
@@ -471,24 +511,35 @@ void GptModel::head_forward(Slot& s, Tensor x) {
   const Globals& G = *globals_;
   const Workspace& w = *ws_;
   be_.norm_forward(w.y, w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
-  be_.linear_forward(w.logits, w.y, G.out_w, Tensor(), Activation::none, Tensor());
-  // Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and combined; the target
-  // logit lives on one shard (zero elsewhere), so a sum finds it.
-  be_.cross_entropy_forward(w.lse_part, w.target, w.logits, s.labels, d_.vocab_start());
-  Tensor lse = w.lse_part;
-  if (d_.tp_size > 1) {
-    ps_.tp->all_gather(w.lse_parts, w.lse_part);
-    be_.logsumexp_combine(w.lse, w.lse_parts);
-    ps_.tp->all_reduce(w.target);
-    lse = w.lse;
+  // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
+  // their gradient) exist for one chunk at a time; the head's whole backward but the final norm
+  // happens per chunk. Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and
+  // combined; the target logit lives on one shard (zero elsewhere), so a sum finds it.
+  const int64_t N = d_.tokens(), V = d_.vocab_local(), tp = d_.tp_size;
+  for (int64_t r0 = 0; r0 < N; r0 += logits_rows_) {
+    const int64_t rows = std::min(logits_rows_, N - r0);
+    const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
+    const Tensor y = w.y.row_slice(r0, rows), labels = s.labels.flat_slice(r0, rows);
+    be_.linear_forward(logits, y, G.out_w, Tensor(), Activation::none, Tensor());
+    be_.cross_entropy_forward(w.lse_part.flat_slice(r0, rows), w.target.flat_slice(r0, rows), logits, labels,
+                              d_.vocab_start());
+    Tensor lse = w.lse_part.flat_slice(r0, rows);
+    if (tp > 1) {
+      const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
+      ps_.tp->all_gather(parts, lse);
+      lse = w.lse.flat_slice(r0, rows);
+      be_.logsumexp_combine(lse, parts);
+    }
+    if (!s.training) continue;
+    // The output layer's backward, now: dlogits in place of the logits.
+    be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
+    be_.linear_backward_weight(G.dout_w, Tensor(), logits, y);
+    be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
-  be_.axpby(w.loss, 1.0f, lse, -1.0f, w.target);
+  if (tp > 1) ps_.tp->all_reduce(w.target);
+  be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
   be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
   if (!s.training) return;
-  // The output layer's backward, now: dlogits in place of the logits.
-  be_.cross_entropy_backward(w.logits, w.logits, s.labels, lse, s.dloss, d_.vocab_start());
-  be_.linear_backward_weight(G.dout_w, Tensor(), w.logits, w.y);
-  be_.linear_backward_input(w.gT, w.logits, G.out_w, false, Activation::none, Tensor());
   ps_.tp->all_reduce(w.gT);
   be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, w.gT, x, w.fmean, w.frstd, G.final_w, Tensor(), norm_);
 }
@@ -509,24 +560,33 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const int layer = d_.layer_begin + local;
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
 
-  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2).
+  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2). The activation (fc2's input)
+  // is recomputed from fc1_pre by the activation's backward; the norm output (fc1's input) by the
+  // norm's backward, so the weight gradients come after them.
   Tensor d_fc2 = dy;
   if (hp > 0) {
     be_.dropout_backward(w.gT, dy, hp, site_key(s, layer, 2));
     d_fc2 = w.gT;
   }
-  be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, A.fc1_act);
+  Tensor d_fc1;  // gradient of fc1's output
   if (d_.swiglu) {
-    be_.linear_backward_input(w.gACT, d_fc2, P.fc2_w, false, Activation::none, Tensor());
-    be_.swiglu_backward(w.gFC, w.gACT, A.fc1_pre);
+    be_.linear_backward_input(w.act, d_fc2, P.fc2_w, false, Activation::none, Tensor());
+    // In place: fc1_pre becomes its gradient, the activation gradient becomes the activation.
+    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
+    d_fc1 = A.fc1_pre;
+    be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, w.act);
   } else {
-    be_.linear_backward_input(w.gFC, d_fc2, P.fc2_w, false,
-                              d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+    // fc1_pre becomes the activation (in place); the gradient goes to gFC.
+    be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w,
+                                        d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+    d_fc1 = w.gFC;
+    be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  be_.linear_backward_weight(G.fc1_w, G.fc1_b, w.gFC, A.ln2_out);
-  be_.linear_backward_input(w.gT, w.gFC, P.fc1_w, false, Activation::none, Tensor());
+  be_.linear_backward_input(w.gT, d_fc1, P.fc1_w, false, Activation::none, Tensor());
   ps_.tp->all_reduce(w.gT);  // column-parallel input gradient
-  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, w.gT, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, norm_);
+  be_.norm_backward_recompute(A.ln2_out, w.gH, G.ln2_w, G.ln2_b, w.gT, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w,
+                              P.ln2_b, dy, norm_);
+  be_.linear_backward_weight(G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   Tensor d_proj = w.gH;
@@ -542,10 +602,11 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  be_.linear_backward_weight(G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
   be_.linear_backward_input(w.gT, w.gQKV, P.qkv_w, false, Activation::none, Tensor());
   ps_.tp->all_reduce(w.gT);
-  be_.norm_backward(dx, G.ln1_w, G.ln1_b, w.gT, x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, norm_);
+  be_.norm_backward_recompute(A.ln1_out, dx, G.ln1_w, G.ln1_b, w.gT, x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b,
+                              w.gH, norm_);
+  be_.linear_backward_weight(G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

@@ -46,6 +46,9 @@ struct ModelOptions {
   bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
   RopeTableParams rope;        // positions/rot_dim filled from ModelDims
   AttentionBackend attention_backend = AttentionBackend::auto_;
+  // Rows of logits the output layer holds at once (0: automatic, chunks of at most 512 MiB).
+  // logits() needs all of them: forward-logits sets this to the token count.
+  int64_t logits_chunk_rows = 0;
 
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
 };
@@ -105,6 +108,7 @@ class GptModel {
   Tensor loss_sums(bool eval) const { return eval ? eval_loss_ : train_loss_; }  // [sum, tokens]
   // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
   // last forward(slot) with training = false (a training forward overwrites them with dlogits).
+  // Only when the head keeps all rows at once (ModelOptions::logits_chunk_rows >= N).
   Tensor logits() const;
 
  private:
@@ -136,6 +140,7 @@ class GptModel {
   std::unique_ptr<Arena> arena_;
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
+  int64_t logits_rows_ = 0;  // rows per output-layer chunk
   NormParams norm_;
 
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;

@@ -59,6 +59,7 @@ class ReferenceBackend final : public Backend {
   void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;
   void swiglu_forward(Tensor out, Tensor in) override;
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
+  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
   void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                         uint64_t dropout_key) override;
   void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) override;

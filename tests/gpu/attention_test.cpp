@@ -26,6 +26,7 @@
 #include "core/philox.h"
 #include "cuda/attention.h"
 #include "cuda/attention_flash.h"
+#include "cuda/attention_generic.h"
 #include "cuda/cuda_check.h"
 #include "engine/reference/attention.h"
 
@@ -209,7 +210,18 @@ std::vector<Variant> variants_for(const Problem& p) {
                  cuda::attention_backward(dqkv, dout, out, lse, qkv, s, AttentionBackend::flash, ws, bytes, nullptr);
                },
                cuda::attention_workspace_bytes(a, AttentionBackend::flash, p.dtype)});
-  if (p.all_configs && p.dtype == DType::bf16 && p.dropout == 0) {
+  // The generic CUDA-core kernels on every shape (production uses them where the tensor-core
+  // kernels are not compiled, which the "flash" variant above covers then).
+  if (cuda::flash::supports_head_dim(p.d)) {
+    v.push_back({"generic",
+                 [](Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void*, size_t) {
+                   cuda::generic::forward(out, lse, qkv, s, nullptr);
+                 },
+                 [](Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws,
+                    size_t bytes) { cuda::generic::backward(dqkv, dout, out, lse, qkv, s, ws, bytes, nullptr); },
+                 cuda::generic::backward_workspace_bytes(a)});
+  }
+  if (p.all_configs && p.dtype == DType::bf16 && p.dropout == 0 && cuda::flash::supports_head_dim(p.d)) {
     const auto fcs = cuda::flash::forward_configs(p.d);
     const auto bcs = cuda::flash::backward_configs(p.d);
     for (size_t k = 1; k < std::max(fcs.size(), bcs.size()); ++k) {
@@ -443,13 +455,118 @@ TEST_CASE("attention backends refuse what they do not implement", "[gpu][attenti
   CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::flash);
   CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16), Unsupported);
   a.dropout_p = 0;
-  // auto: cuDNN where it runs (measured faster), our kernels for GQA.
+  // auto: cuDNN where it runs (measured faster), MHA and GQA alike.
   const AttentionBackend mha = cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16);
   CHECK(mha == (cuda::fused_attention_supported(a, DType::bf16) ? AttentionBackend::fused : AttentionBackend::flash));
   a.heads = 4;
-  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::flash);
-  CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16), Unsupported);
+  CHECK(cuda::fused_attention_supported(a, DType::bf16));  // GQA through the folded batch dimension
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::fused);
+  // float32: cuDNN takes none; auto and flash run the generic kernels.
+  CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::f32), Unsupported);
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::f32) == AttentionBackend::flash);
+  CHECK(cuda::attention_workspace_bytes(a, AttentionBackend::auto_, DType::f32) > 0);
   a.heads = 2;
-  a.head_dim = 96;
+  a.head_dim = 96;  // no tensor-core kernel: the generic one
+  CHECK(cuda::attention_workspace_bytes(a, AttentionBackend::flash, DType::bf16) > 0);
+  a.head_dim = 264;  // beyond every implementation: refused, naming the flag
   CHECK_THROWS_AS(cuda::attention_workspace_bytes(a, AttentionBackend::flash, DType::bf16), Unsupported);
+  CHECK_THROWS_AS(cuda::attention_workspace_bytes(a, AttentionBackend::auto_, DType::f32), Unsupported);
+}
+
+TEST_CASE("attention with other head dims (generic kernels, cuDNN where it runs) matches the reference",
+          "[gpu][attention]") {
+  const DType bf16 = DType::bf16;
+  const Problem problems[] = {
+      {"d16 s=33 GQA 4/2", 2, 33, 4, 2, 16},
+      {"d32 s=128 GQA 4/2", 4, 128, 4, 2, 32},
+      {"d32 s=100 dropout 0.1 4/4", 2, 100, 4, 4, 32, bf16, 0.1f},
+      {"d80 s=77 MQA 6/1", 2, 77, 6, 1, 80},
+      {"d96 s=130 12/12", 1, 130, 12, 12, 96},
+      {"d96 s=65 GQA dropout 0.2", 2, 65, 8, 2, 96, bf16, 0.2f},
+      {"d48 fp16 s=50 not causal 4/2", 2, 50, 4, 2, 48, DType::f16, 0, false},
+      {"d256 s=70 4/2", 1, 70, 4, 2, 256},
+      {"d8 s=40 2/1", 3, 40, 2, 1, 8},
+  };
+  for (const Problem& p : problems) run_problem(p);
+}
+
+namespace {
+
+// float32 activations: the generic kernels (the only float32 path) against the reference on the
+// whole problem. Tolerance: float32 sums against the reference's double sums.
+void run_problem_f32(const Problem& p) {
+  INFO(p.name);
+  std::printf("-- %s (float32)\n", p.name.c_str());
+  const AttentionShape a = p.shape();
+  const size_t n = static_cast<size_t>(p.b) * p.s;
+  const size_t qkv_count = n * a.qkv_row_stride(), out_count = n * p.heads * p.d, lse_count = n * p.heads;
+  std::vector<float> qkv(qkv_count), dout(out_count);
+  for (size_t i = 0; i < qkv_count; ++i) qkv[i] = p.input_std * normal_at(3000 + p.d, i);
+  for (size_t i = 0; i < out_count; ++i) dout[i] = normal_at(4000 + p.d, i);
+  DeviceBuffer d_qkv(qkv_count * 4), d_dout(out_count * 4), d_out(out_count * 4), d_lse(lse_count * 4),
+      d_dqkv(qkv_count * 4), d_ws(cuda::attention_workspace_bytes(a, AttentionBackend::auto_, DType::f32));
+  d_qkv.upload(qkv);
+  d_dout.upload(dout);
+  d_out.poison();
+  d_lse.poison();
+  d_dqkv.poison();
+  auto T = [](DeviceBuffer& b, size_t count) { return Tensor(b.ptr, DType::f32, Device::cuda, {static_cast<int64_t>(count)}); };
+  cuda::attention_forward(T(d_out, out_count), T(d_lse, lse_count), T(d_qkv, qkv_count), a, AttentionBackend::auto_,
+                          d_ws.ptr, d_ws.bytes, nullptr);
+  cuda::attention_backward(T(d_dqkv, qkv_count), T(d_dout, out_count), T(d_out, out_count), T(d_lse, lse_count),
+                           T(d_qkv, qkv_count), a, AttentionBackend::auto_, d_ws.ptr, d_ws.bytes, nullptr);
+  MT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> out = d_out.download<float>(), lse = d_lse.download<float>(), dqkv = d_dqkv.download<float>();
+  // Determinism: the backward again gives the same bits.
+  d_dqkv.poison();
+  cuda::attention_backward(T(d_dqkv, qkv_count), T(d_dout, out_count), T(d_out, out_count), T(d_lse, lse_count),
+                           T(d_qkv, qkv_count), a, AttentionBackend::auto_, d_ws.ptr, d_ws.bytes, nullptr);
+  MT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> again = d_dqkv.download<float>();
+  CHECK(std::memcmp(again.data(), dqkv.data(), dqkv.size() * sizeof(float)) == 0);
+
+  std::vector<float> ref_out(out_count), ref_lse(lse_count), ref_dqkv(qkv_count);
+  auto H = [](std::vector<float>& v) { return Tensor(v.data(), DType::f32, Device::cpu, {static_cast<int64_t>(v.size())}); };
+  reference_attention_forward<float>(H(ref_out), H(ref_lse), H(qkv), a);
+  reference_attention_backward<float>(H(ref_dqkv), H(dout), H(out), H(lse), H(qkv), a);
+  const int hpg = p.heads / p.groups;
+  std::vector<float> parts[3][2];
+  const size_t run = static_cast<size_t>(hpg + 2) * p.d;
+  for (size_t base = 0; base < dqkv.size(); base += run)
+    for (size_t j = 0; j < run; ++j) {
+      const int part = j < static_cast<size_t>(hpg) * p.d ? 0 : (j < static_cast<size_t>(hpg + 1) * p.d ? 1 : 2);
+      parts[part][0].push_back(dqkv[base + j]);
+      parts[part][1].push_back(ref_dqkv[base + j]);
+    }
+  const Diff e_out = compare(out, ref_out), e_lse = compare(lse, ref_lse), e_dq = compare(parts[0][0], parts[0][1]),
+             e_dk = compare(parts[1][0], parts[1][1]), e_dv = compare(parts[2][0], parts[2][1]);
+  const std::string line = fmt::format("{} | float32 | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", p.name,
+                                       e_out.rel, e_lse.max_abs, e_dq.rel, e_dk.rel, e_dv.rel);
+  INFO(line);
+  std::printf("%s\n", line.c_str());
+  constexpr double kTol32 = 1e-5, kLseTol32 = 1e-5;
+  CHECK(e_out.finite);
+  CHECK(e_dq.finite);
+  CHECK(e_dk.finite);
+  CHECK(e_dv.finite);
+  CHECK(e_out.rel <= kTol32);
+  CHECK(e_lse.max_abs <= kLseTol32);
+  CHECK(e_dq.rel <= kTol32);
+  CHECK(e_dk.rel <= kTol32);
+  CHECK(e_dv.rel <= kTol32);
+}
+
+}  // namespace
+
+TEST_CASE("float32 attention (generic kernels) matches the reference", "[gpu][attention]") {
+  const DType f32 = DType::f32;
+  const Problem problems[] = {
+      {"d64 s=100 GQA 8/2", 2, 100, 8, 2, 64, f32},
+      {"d32 s=128 4/4", 4, 128, 4, 4, 32, f32},
+      {"d16 s=12 GQA 4/2", 1, 12, 4, 2, 16, f32},
+      {"d128 s=70 dropout 0.1 4/1", 2, 70, 4, 1, 128, f32, 0.1f},
+      {"d256 s=40 not causal 2/2", 1, 40, 2, 2, 256, f32, 0, false},
+      {"d24 s=1 3/1", 2, 1, 3, 1, 24, f32},
+  };
+  for (const Problem& p : problems) run_problem_f32(p);
 }

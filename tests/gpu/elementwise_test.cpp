@@ -146,6 +146,15 @@ TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
         dev().swiglu_backward(din.c(), dout.c(), in.c());
         ref().swiglu_backward(din.r(), dout.r(), in.r());
         MT_CHECK_CLOSE(din, tol_for(dt));
+        // The recomputing backward in place (din over in, the activation over dout): din as above,
+        // the activation bit for bit what swiglu_forward wrote.
+        const std::vector<uint8_t> fwd = download_bytes(dev(), out.c()), ref_fwd = download_bytes(ref(), out.r());
+        dev().swiglu_backward_recompute(in.c(), dout.c(), dout.c(), in.c());
+        ref().swiglu_backward_recompute(in.r(), dout.r(), dout.r(), in.r());
+        CHECK(differing(download_bytes(dev(), dout.c()), fwd, dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(ref(), dout.r()), ref_fwd, 4) == 0);
+        CHECK(differing(download_bytes(dev(), in.c()), download_bytes(dev(), din.c()), dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(ref(), in.r()), download_bytes(ref(), din.r()), 4) == 0);
       }
 }
 

@@ -122,6 +122,25 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           ref().norm_backward(dres.r(), Tensor(), Tensor(), dout2.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(),
                                     p);
           MT_CHECK_CLOSE(dres, tol_for(dt));
+
+          // norm_backward_recompute: dx as norm_backward, and the forward's output again from x and
+          // the saved statistics, bit for bit what norm_forward wrote (on each backend).
+          Twin bias = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+          Twin fo = twin_nan(dt, {rows, h}), fm = twin_nan(DType::f32, {rows}), fr = twin_nan(DType::f32, {rows});
+          dev().norm_forward(fo.c(), fm.c(), fr.c(), x.c(), w.c(), bias.c(), p);
+          ref().norm_forward(fo.r(), fm.r(), fr.r(), x.r(), w.r(), bias.r(), p);
+          Twin rec = twin_nan(dt, {rows, h}), dx3 = twin_nan(dt, {rows, h});
+          Twin dout3 = twin(dt, {rows, h}, rng.normal(rows * h)), dres3 = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin dw3 = twin(DType::f32, {h}, dw0), db3 = ln ? twin(DType::f32, {h}, db0) : absent();
+          dev().norm_backward_recompute(rec.c(), dx3.c(), dw3.c(), db3.c(), dout3.c(), x.c(), fm.c(), fr.c(), w.c(),
+                                        bias.c(), dres3.c(), p);
+          ref().norm_backward_recompute(rec.r(), dx3.r(), dw3.r(), db3.r(), dout3.r(), x.r(), fm.r(), fr.r(), w.r(),
+                                        bias.r(), dres3.r(), p);
+          CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
+          CHECK(differing(download_bytes(ref(), rec.r()), download_bytes(ref(), fo.r()), 4) == 0);
+          MT_CHECK_CLOSE(dx3, tol_for(dt));
+          MT_CHECK_CLOSE(dw3, 1e-5);
+          if (ln) MT_CHECK_CLOSE(db3, 1e-5);
         }
 }
 
