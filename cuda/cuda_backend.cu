@@ -2,11 +2,20 @@
 // dispatch of every op to its kernel family. See cuda_backend.h.
 #include "cuda/cuda_backend.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "cuda/attention.h"
 #include "cuda/cuda_check.h"
+
+// GPU time of this op under MEGATRAIN_PROFILE_OPS (cuda/op_profiler.h); the label is formatted
+// only while profiling.
+#define MT_PROFILE_OP(...)                                                                            \
+  const cuda::OpProfiler::Scope mt_profile_scope_ =                                                   \
+      profiler_->active() ? profiler_->scope(fmt::format(__VA_ARGS__)) : cuda::OpProfiler::Scope()
 
 namespace mt {
 namespace {
@@ -47,10 +56,17 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
+  profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
 CudaBackend::~CudaBackend() {
   // Destructors must not throw: errors here are ignored (the process is usually ending).
+  try {
+    const std::string profile = profiler_ ? profiler_->report() : std::string();
+    if (!profile.empty()) std::fputs(profile.c_str(), stderr);
+  } catch (...) {
+  }
+  profiler_.reset();
   cudaStreamSynchronize(stream_);
   gemm_.reset();
   for (auto& r : registered_segments_) cudaFree(r.device);
@@ -106,6 +122,7 @@ void CudaBackend::copy_to_host(void* host_dst, Tensor src) {
 
 void CudaBackend::copy(Tensor dst, Tensor src) {
   on_device("copy", dst, src);
+  MT_PROFILE_OP("copy {}", dst.shape_string());
   MT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: {} <- {}", dst.shape_string(),
            src.shape_string());
   if (dst.nbytes() == 0 || dst.data == src.data) return;
@@ -117,14 +134,17 @@ void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 // ---- elementwise --------------------------------------------------------------------------------
 void CudaBackend::fill(Tensor t, double value) {
   on_device("fill", t);
+  MT_PROFILE_OP("fill {} {}", dtype_name(t.dtype), t.numel());
   cuda::fill(context(), t, value);
 }
 void CudaBackend::cast(Tensor dst, Tensor src) {
   on_device("cast", dst, src);
+  MT_PROFILE_OP("cast {} <- {} {}", dtype_name(dst.dtype), dtype_name(src.dtype), dst.numel());
   cuda::cast(context(), dst, src);
 }
 void CudaBackend::axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) {
   on_device("axpby", out, a, b);
+  MT_PROFILE_OP("axpby {}", out.shape_string());
   cuda::axpby(context(), out, alpha, a, beta, b);
 }
 void CudaBackend::init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) {
@@ -136,11 +156,13 @@ void CudaBackend::init_normal(Tensor t, uint64_t key, float std, const ShardInde
 void CudaBackend::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
                                     int64_t vocab_start) {
   on_device("embedding_forward", out, tokens, positions, wte, wpe);
+  MT_PROFILE_OP("embedding_forward {}", out.shape_string());
   cuda::embedding_forward(context(), out, tokens, positions, wte, wpe, vocab_start);
 }
 void CudaBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
                                      int64_t vocab_start) {
   on_device("embedding_backward", dwte, dwpe, dout, tokens, positions);
+  MT_PROFILE_OP("embedding_backward {}", dout.shape_string());
   cuda::embedding_backward(context(), dwte, dwpe, dout, tokens, positions, vocab_start);
 }
 
@@ -148,18 +170,21 @@ void CudaBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tens
 void CudaBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
                                const NormParams& p) {
   on_device("norm_forward", out, mean, rstd, x, weight, bias);
+  MT_PROFILE_OP("norm_forward {}", x.shape_string());
   cuda::norm_forward(context(), Tensor(), out, mean, rstd, x, Tensor(), 0.0f, 0, weight, bias, p);
 }
 void CudaBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                    float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
                                    const NormParams& p) {
   on_device("add_norm_forward", sum, out, mean, rstd, a, b, weight, bias);
+  MT_PROFILE_OP("add_norm_forward {}", a.shape_string());
   MT_CHECK(!b.empty(), "add_norm_forward: b is required");
   cuda::norm_forward(context(), sum, out, mean, rstd, a, b, dropout_p, dropout_key, weight, bias, p);
 }
 void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
                                 Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
   on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual);
+  MT_PROFILE_OP("norm_backward {}", x.shape_string());
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
 }
 
@@ -167,6 +192,7 @@ void CudaBackend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight,
                                           Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
                                           const NormParams& p) {
   on_device("norm_backward_recompute", out, dx, dweight, dbias, dout, x, mean, rstd, weight, bias, dresidual);
+  MT_PROFILE_OP("norm_backward_recompute {}", x.shape_string());
   MT_CHECK(!out.empty(), "norm_backward_recompute: out is required");
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, out, bias);
 }
@@ -174,6 +200,7 @@ void CudaBackend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight,
 void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
                                   Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) {
   on_device("qk_norm_forward", out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias);
+  MT_PROFILE_OP("qk_norm_forward {}", qkv.shape_string());
   cuda::qk_norm_forward(context(), out, mean, rstd, qkv, q_weight, q_bias, k_weight, k_bias, r, p);
 }
 void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
@@ -181,6 +208,7 @@ void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias
                                    Tensor k_weight, const RopeShape& r, const NormParams& p) {
   on_device("qk_norm_backward", dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
             k_weight);
+  MT_PROFILE_OP("qk_norm_backward {}", qkv.shape_string());
   cuda::qk_norm_backward(context(), dqkv, dq_weight, dq_bias, dk_weight, dk_bias, dout, qkv, mean, rstd, q_weight,
                          k_weight, r, p);
 }
@@ -188,62 +216,75 @@ void CudaBackend::qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias
 // ---- linear layers ------------------------------------------------------------------------------
 void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) {
   on_device("linear_forward", y, x, w, bias, pre_act);
+  MT_PROFILE_OP("linear_forward {}x{}x{}{}{}", x.rows(), w.rows(), x.cols(), bias.empty() ? "" : " +bias", act == Activation::none ? "" : " +act");
   cuda::linear_forward(*gemm_, context(), y, x, w, bias, act, pre_act);
 }
 void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
                                         Tensor pre_act) {
   on_device("linear_backward_input", dx, dy, w, pre_act);
+  MT_PROFILE_OP("linear_backward_input {}x{}x{}{}{}", dy.rows(), w.cols(), w.rows(), accumulate ? " +acc" : "", act == Activation::none ? "" : " +act");
   cuda::linear_backward_input(*gemm_, context(), dx, dy, w, accumulate, act, pre_act);
 }
 void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
   on_device("linear_backward_weight", dw, dbias, dy, x);
+  MT_PROFILE_OP("linear_backward_weight {}x{}x{}{}", dw.rows(), dw.cols(), dy.rows(), dbias.empty() ? "" : " +dbias");
   cuda::linear_backward_weight(*gemm_, context(), dw, dbias, dy, x);
 }
 
 void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
                                                   Tensor pre_act) {
   on_device("linear_backward_input_recompute", dx, act_out, dy, w, pre_act);
+  MT_PROFILE_OP("linear_backward_input_recompute {}x{}x{}", dy.rows(), w.cols(), w.rows());
   cuda::linear_backward_input_recompute(*gemm_, context(), dx, act_out, dy, w, act, pre_act);
 }
 
 // ---- activations --------------------------------------------------------------------------------
 void CudaBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
   on_device("gelu_forward", out, in);
+  MT_PROFILE_OP("gelu_forward {}", in.shape_string());
   cuda::gelu_forward(context(), out, in, tanh_approx);
 }
 void CudaBackend::gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
   on_device("gelu_backward", din, dout, in);
+  MT_PROFILE_OP("gelu_backward {}", in.shape_string());
   cuda::gelu_backward(context(), din, dout, in, tanh_approx);
 }
 void CudaBackend::swiglu_forward(Tensor out, Tensor in) {
   on_device("swiglu_forward", out, in);
+  MT_PROFILE_OP("swiglu_forward {}", in.shape_string());
   cuda::swiglu_forward(context(), out, in);
 }
 void CudaBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
   on_device("swiglu_backward", din, dout, in);
+  MT_PROFILE_OP("swiglu_backward {}", in.shape_string());
   cuda::swiglu_backward(context(), din, dout, in);
 }
 void CudaBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
   on_device("swiglu_backward_recompute", din, act_out, dout, in);
+  MT_PROFILE_OP("swiglu_backward_recompute {}", in.shape_string());
   cuda::swiglu_backward_recompute(context(), din, act_out, dout, in);
 }
 void CudaBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                                    uint64_t dropout_key) {
   on_device("bias_dropout_add", out, x, bias, residual);
+  MT_PROFILE_OP("bias_dropout_add {}{}", x.shape_string(), dropout_p > 0 ? " +dropout" : "");
   cuda::bias_dropout_add(context(), out, x, bias, residual, dropout_p, dropout_key);
 }
 void CudaBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) {
   on_device("dropout_backward", dx, dout);
+  MT_PROFILE_OP("dropout_backward {}", dx.shape_string());
   cuda::dropout_backward(context(), dx, dout, dropout_p, dropout_key);
 }
 
 // ---- rotary embeddings --------------------------------------------------------------------------
 void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
   on_device("rope_forward", qkv, positions, cos_sin);
+  MT_PROFILE_OP("rope_forward {}", qkv.shape_string());
   cuda::rope(context(), qkv, positions, cos_sin, r, false);
 }
 void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
   on_device("rope_backward", dqkv, positions, cos_sin);
+  MT_PROFILE_OP("rope_backward {}", dqkv.shape_string());
   cuda::rope(context(), dqkv, positions, cos_sin, r, true);
 }
 
@@ -267,6 +308,7 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
 
 void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
   on_device("attention_forward", out, lse, qkv);
+  MT_PROFILE_OP("attention_forward b{} s{} h{}/{} d{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, a.dropout_p > 0 ? " +dropout" : "");
   const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_forward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
@@ -278,6 +320,7 @@ void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const At
 void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                      const AttentionShape& a) {
   on_device("attention_backward", dqkv, dout, out, lse, qkv);
+  MT_PROFILE_OP("attention_backward b{} s{} h{}/{} d{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, a.dropout_p > 0 ? " +dropout" : "");
   const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_backward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
@@ -289,19 +332,23 @@ void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tenso
 // ---- cross-entropy ------------------------------------------------------------------------------
 void CudaBackend::cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels, int64_t vocab_start) {
   on_device("cross_entropy_forward", lse, target, logits, labels);
+  MT_PROFILE_OP("cross_entropy_forward {}", logits.shape_string());
   cuda::cross_entropy_forward(context(), lse, target, logits, labels, vocab_start);
 }
 void CudaBackend::cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
                                          int64_t vocab_start) {
   on_device("cross_entropy_backward", dlogits, logits, labels, lse, dloss);
+  MT_PROFILE_OP("cross_entropy_backward {}", logits.shape_string());
   cuda::cross_entropy_backward(context(), dlogits, logits, labels, lse, dloss, vocab_start);
 }
 void CudaBackend::logsumexp_combine(Tensor lse_out, Tensor lse_parts) {
   on_device("logsumexp_combine", lse_out, lse_parts);
+  MT_PROFILE_OP("logsumexp_combine");
   cuda::logsumexp_combine(context(), lse_out, lse_parts);
 }
 void CudaBackend::masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) {
   on_device("masked_loss_sum", out, loss, mask);
+  MT_PROFILE_OP("masked_loss_sum");
   cuda::masked_loss_sum(context(), out, loss, mask, accumulate);
 }
 
@@ -363,20 +410,26 @@ cuda::SegmentArg CudaBackend::segment_arg(std::span<const OptimSegment> segments
 void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                              std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
+  MT_PROFILE_OP("adamw_step {}", master.numel());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
                    segment_arg(segments, master.numel(), "adamw_step"), p);
+  profiler_->step_done();
 }
 void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                            std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("sgd_step", master, grad, momentum, model_param);
+  MT_PROFILE_OP("sgd_step {}", master.numel());
   cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
+  profiler_->step_done();
 }
 void CudaBackend::sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
   on_device("sum_squares", out, x);
+  MT_PROFILE_OP("sum_squares {}", x.numel());
   cuda::sum_squares(context(), out, x, segment_arg(segments, x.numel(), "sum_squares"), accumulate);
 }
 void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
   on_device("count_zeros", out, x);
+  MT_PROFILE_OP("count_zeros {}", x.numel());
   cuda::count_zeros(context(), out, x, segment_arg(segments, x.numel(), "count_zeros"), accumulate);
 }
 

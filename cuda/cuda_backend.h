@@ -12,6 +12,7 @@
 
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
+#include "cuda/op_profiler.h"
 #include "engine/backend.h"
 
 namespace mt {
@@ -128,6 +129,7 @@ class CudaBackend final : public Backend {
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;
   std::vector<RegisteredSegments> registered_segments_;
+  std::unique_ptr<cuda::OpProfiler> profiler_;
 };
 
 }  // namespace mt
