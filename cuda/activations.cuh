@@ -36,6 +36,21 @@ __device__ __forceinline__ float gelu_grad(float x, bool tanh_approx) {
   return tanh_approx ? gelu_tanh_grad(x) : gelu_erf_grad(x);
 }
 
+// gelu(x) and gelu'(x) from one erf (tanh) evaluation: the backward that recomputes the forward's
+// activation. The same operations as gelu() and gelu_grad(), so the same bits.
+__device__ __forceinline__ void gelu_and_grad(float x, bool tanh_approx, float& y, float& dy) {
+  if (tanh_approx) {
+    const float u = kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x);
+    const float t = tanhf(u);
+    y = 0.5f * x * (1.0f + t);
+    dy = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCoeff * x * x);
+  } else {
+    const float e = erff(x * kSqrt1_2);
+    y = 0.5f * x * (1.0f + e);
+    dy = 0.5f * (1.0f + e) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  }
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Dropout (engine/dropout_mask.h): element `index` is kept iff dropout_keep(key, index, p), then

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <string>
 
 #include "core/config.h"
 #include "core/tensor.h"
@@ -28,6 +29,9 @@ bool fused_attention_supported(const AttentionShape& a, DType dtype);
 // Workspace in bytes that attention needs for this shape (allocated once, up front, by the caller;
 // 256-byte aligned). Builds cuDNN plans when the fused path is selected.
 size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend, DType dtype = DType::bf16);
+
+// One line for the start-up log: which implementation runs this shape and how.
+std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype);
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream);

@@ -412,7 +412,7 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Plans {
   std::unique_ptr<Plan> forward, backward;
-  bool deterministic_dq = false;
+  bool deterministic_dq = false;  // dQ = dS K straight (else through the fp32 accumulator, by atomics)
   std::string error;  // non-empty: this shape is not supported, and why
   // Backward workspace: [delta][dq accumulator, if used][cuDNN's own]
   size_t delta_bytes = 0, accum_bytes = 0;
@@ -420,7 +420,8 @@ struct Plans {
   size_t bytes() const { return std::max(static_cast<size_t>(forward->workspace), backward_bytes()); }
 };
 
-using Key = std::tuple<int, int, int, int, int, int, bool, int>;  // device, b, s, heads, groups, d, causal, dtype
+// device, b, s, heads, groups, d, causal, dtype, deterministic
+using Key = std::tuple<int, int, int, int, int, int, bool, int, bool>;
 
 std::mutex g_mutex;
 std::map<int, cudnnHandle_t> g_handles;
@@ -447,7 +448,8 @@ std::string unsupported_reason(const AttentionShape& a, DType dtype) {
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, static_cast<int>(dtype)};
+  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, static_cast<int>(dtype),
+                a.deterministic};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;
@@ -457,15 +459,38 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
     try {
       cudnnHandle_t handle = handle_for(device);
       plans->forward = build_forward(handle, a, dtype);
-      try {
-        plans->backward = build_backward(handle, a, dtype, true);
-        plans->deterministic_dq = true;
-      } catch (const CudnnFailure&) {
-        plans->backward = build_backward(handle, a, dtype, false);
-      }
       const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
+      const size_t accum = align256(rows * a.head_dim * sizeof(float));
       plans->delta_bytes = align256(rows * sizeof(float));
-      plans->accum_bytes = plans->deterministic_dq ? 0 : align256(rows * a.head_dim * sizeof(float));
+      // Two backward graphs: dQ = dS K straight (deterministic; cuDNN's engines for it keep an
+      // s x s dP buffer per sample and head in the workspace: 2 GiB at llama-1b's shape), or
+      // through an fp32 accumulator that cuDNN adds to in no fixed order. --deterministic-mode
+      // takes only the first; otherwise the one with the smaller workspace (as Megatron's fused
+      // attention defaults to the non-deterministic algorithm).
+      std::unique_ptr<Plan> direct, accumulated;
+      std::string direct_error;
+      try {
+        direct = build_backward(handle, a, dtype, true);
+      } catch (const CudnnFailure& e) {
+        direct_error = e.what();
+      }
+      if (!a.deterministic) {
+        try {
+          accumulated = build_backward(handle, a, dtype, false);
+        } catch (const CudnnFailure&) {
+          if (!direct) throw;
+        }
+      }
+      if (direct && (!accumulated || static_cast<size_t>(direct->workspace) <=
+                                         static_cast<size_t>(accumulated->workspace) + accum)) {
+        plans->backward = std::move(direct);
+        plans->deterministic_dq = true;
+      } else if (accumulated) {
+        plans->backward = std::move(accumulated);
+        plans->accum_bytes = accum;
+      } else {
+        throw CudnnFailure("no deterministic backward (--deterministic-mode): " + direct_error);
+      }
     } catch (const CudnnFailure& e) {
       plans->forward.reset();
       plans->backward.reset();
@@ -506,6 +531,13 @@ bool supported(const AttentionShape& a, DType dtype, std::string* why) {
 }
 
 size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_plans(a, dtype).bytes(); }
+
+std::string describe(const AttentionShape& a, DType dtype) {
+  const Plans& p = supported_plans(a, dtype);
+  return fmt::format("cuDNN {} fused attention, backward dQ {}, workspace {:.1f} MiB", cudnnGetVersion(),
+                     p.deterministic_dq ? "direct (deterministic)" : "by fp32 atomics (not bit-reproducible)",
+                     p.bytes() / 1048576.0);
+}
 
 void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {

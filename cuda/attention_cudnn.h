@@ -25,6 +25,8 @@ namespace mt::cuda::cudnn_attention {
 // the shape is outside what this path handles or cuDNN has no engine for it.
 bool supported(const AttentionShape& a, DType dtype, std::string* why = nullptr);
 size_t workspace_bytes(const AttentionShape& a, DType dtype);
+// One line for the start-up log: the version, the backward's dQ algorithm, the workspace.
+std::string describe(const AttentionShape& a, DType dtype);
 int runtime_version();  // cudnnGetVersion(), e.g. 91400
 
 void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,

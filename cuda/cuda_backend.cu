@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/log.h"
 #include "cuda/attention.h"
 #include "cuda/cuda_check.h"
 
@@ -297,6 +298,8 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
   eval.dropout_p = 0;
   const size_t need = std::max(cuda::attention_workspace_bytes(a, backend, dtype),
                                cuda::attention_workspace_bytes(eval, backend, dtype));
+  log::info(" > attention: {}", cuda::describe_attention(a, backend, dtype));
+  if (a.dropout_p > 0) log::info(" > attention (evaluation, no dropout): {}", cuda::describe_attention(eval, backend, dtype));
   if (need <= attention_workspace_bytes_) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));

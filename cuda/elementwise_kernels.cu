@@ -145,8 +145,9 @@ __global__ void gelu_grad_recompute_kernel(T* g, T* act, const T* pre, int64_t n
     Floats<kN> d = ld<VEC>(g, base, n), y;
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      d.v[j] *= gelu_grad(x.v[j], tanh_approx);
-      y.v[j] = gelu(x.v[j], tanh_approx);
+      float grad;
+      gelu_and_grad(x.v[j], tanh_approx, y.v[j], grad);
+      d.v[j] *= grad;
     }
     st<VEC>(g, base, n, d);
     st<VEC>(act, base, n, y);

@@ -43,6 +43,7 @@ struct AttentionShape {
   bool causal = true;
   float dropout_p = 0;      // attention dropout on the probabilities
   uint64_t dropout_key = 0; // Philox key; element (i, h, q, k) uses index ((i*heads + h)*seq + q)*seq + k
+  bool deterministic = false;  // --deterministic-mode: only implementations whose backward repeats bit for bit
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
 };
 

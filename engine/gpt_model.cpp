@@ -102,6 +102,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
   o.attention_backend = cfg.model.attention_backend;
+  o.deterministic = cfg.train.deterministic_mode;
   return o;
 }
 
@@ -441,6 +442,7 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
   as.causal = true;
   as.dropout_p = (s == nullptr || s->training) ? d_.attention_dropout : 0.0f;
+  as.deterministic = opt_.deterministic;
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
   return as;

@@ -46,6 +46,7 @@ struct ModelOptions {
   bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
   RopeTableParams rope;        // positions/rot_dim filled from ModelDims
   AttentionBackend attention_backend = AttentionBackend::auto_;
+  bool deterministic = false;  // --deterministic-mode (attention: only bit-reproducible backwards)
   // Rows of logits the output layer holds at once (0: automatic, chunks of at most 512 MiB).
   // logits() needs all of them: forward-logits sets this to the token count.
   int64_t logits_chunk_rows = 0;

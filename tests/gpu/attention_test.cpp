@@ -566,7 +566,7 @@ TEST_CASE("float32 attention (generic kernels) matches the reference", "[gpu][at
       {"d16 s=12 GQA 4/2", 1, 12, 4, 2, 16, f32},
       {"d128 s=70 dropout 0.1 4/1", 2, 70, 4, 1, 128, f32, 0.1f},
       {"d256 s=40 not causal 2/2", 1, 40, 2, 2, 256, f32, 0, false},
-      {"d24 s=1 3/1", 2, 1, 3, 1, 24, f32},
+      {"d24 s=3 3/1", 2, 3, 3, 1, 24, f32},
   };
   for (const Problem& p : problems) run_problem_f32(p);
 }

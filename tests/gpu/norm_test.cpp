@@ -28,6 +28,15 @@ std::vector<double> weights(Rng& rng, int64_t h, bool one_p) {
   return w;
 }
 
+// Error of CUDA means against reference means relative to the inputs' scale (they are O(1)), not
+// to the means themselves: a mean near zero (few values) has only an absolute error to speak of.
+double mean_error(const Twin& got, const Twin& want) {
+  const std::vector<double> g = download(dev(), got.c()), r = download(ref(), want.r());
+  double num = 0, den = static_cast<double>(r.size());
+  for (size_t k = 0; k < r.size(); ++k) num += (g[k] - r[k]) * (g[k] - r[k]), den += r[k] * r[k];
+  return std::sqrt(num / den);
+}
+
 std::vector<double> shifted_normal(Rng& rng, int64_t n) {
   std::vector<double> v = rng.normal(n, 2.0);
   for (double& x : v) x += 0.5;  // a non-zero mean exercises the centring
@@ -53,7 +62,11 @@ TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][n
             dev().norm_forward(out.c(), mean.c(), rstd.c(), x.c(), w.c(), b.c(), p);
             ref().norm_forward(out.r(), mean.r(), rstd.r(), x.r(), w.r(), b.r(), p);
             MT_CHECK_CLOSE(out, tol_for(dt));
-            MT_CHECK_CLOSE(mean, 1e-5);  // same inputs: float32 vs float64 statistics
+            {
+              const double e_mean = mean_error(mean, mean);  // same inputs: float32 vs float64 statistics
+              INFO("mean: error " << e_mean << " of the inputs' scale (tolerance 1e-5)");
+              CHECK(e_mean <= 1e-5);
+            }
             MT_CHECK_CLOSE(rstd, 1e-5);
 
             for (float drop : {0.0f, 0.1f}) {
@@ -67,10 +80,21 @@ TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][n
               ref().add_norm_forward(sum.r(), out2.r(), mean2.r(), rstd2.r(), a.r(), bb.r(), drop, key, w.r(), b.r(),
                                            p);
               MT_CHECK_CLOSE(sum, tol_for(dt));
-              MT_CHECK_CLOSE(out2, tol_for(dt));
-              // In 16-bit types the CUDA backend normalizes the stored (rounded) sum.
-              MT_CHECK_CLOSE(mean2, tol_for(dt));
-              MT_CHECK_CLOSE(rstd2, tol_for(dt));
+              // The CUDA backend normalizes the stored sum (rounded to dt, as a separate add followed by
+              // the norm would), so the oracle for the statistics and the output is the reference norm
+              // of that stored sum: with the float32 reference sum instead, a mean near zero (16 values
+              // of a 16-bit sum) turns the rounding of the sum into a large relative error of the mean.
+              Twin stored = twin(dt, {rows, h}, download(dev(), sum.c()));
+              Twin out3 = twin_nan(dt, {rows, h}), mean3 = twin_nan(DType::f32, {rows}), rstd3 = twin_nan(DType::f32, {rows});
+              ref().norm_forward(out3.r(), mean3.r(), rstd3.r(), stored.r(), w.r(), b.r(), p);
+              auto against = [&](const Twin& got, const Twin& want) {
+                return rel_err(download(dev(), got.c()), download(ref(), want.r()));
+              };
+              const double e_out = against(out2, out3), e_mean = mean_error(mean2, mean3), e_rstd = against(rstd2, rstd3);
+              INFO("add_norm out " << e_out << " mean " << e_mean << " rstd " << e_rstd);
+              CHECK(e_out <= tol_for(dt));
+              CHECK(e_mean <= 1e-5);  // same inputs: float32 vs float64 statistics
+              CHECK(e_rstd <= 1e-5);
             }
           }
 }
