@@ -284,6 +284,11 @@ class NcclCommunicator final : public Communicator {
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
   }
 
+  void set_stream(void* stream) override {
+    MT_CHECK(!in_group_, "{}: set_stream inside a point-to-point group", name_);
+    stream_ = static_cast<cudaStream_t>(stream);
+  }
+
   // Waits until a (non-blocking) communicator has finished its pending call, or throws at the
   // deadline after aborting it.
   static void wait_ready(ncclComm_t comm, const std::string& what, Millis timeout) {
