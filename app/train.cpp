@@ -34,6 +34,19 @@
 
 namespace mt {
 
+namespace {
+// This rank's GPU: LOCAL_RANK modulo the visible devices (0 without CUDA).
+int gpu_ordinal(const Config& cfg) {
+#if MEGATRAIN_WITH_CUDA
+  int count = 0;
+  if (cfg.train.device != DeviceKind::cpu && cudaGetDeviceCount(&count) == cudaSuccess && count > 0)
+    return cfg.parallel.local_rank % count;
+#endif
+  (void)cfg;
+  return 0;
+}
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const Config& cfg) {
   if (cfg.train.device == DeviceKind::cpu) {
     // Ranks sharing a host share its cores.
@@ -46,7 +59,7 @@ std::unique_ptr<Backend> make_backend(const Config& cfg) {
   if (err != cudaSuccess || count == 0)
     fail("no CUDA GPU is visible ({}); check CUDA_VISIBLE_DEVICES and the driver, or train on the CPU with "
          "--device cpu", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-  return make_cuda_backend(cfg.parallel.local_rank % count);
+  return make_cuda_backend(gpu_ordinal(cfg));
 #else
   fail("this megatrain was built without CUDA; use --device cpu");
 #endif
@@ -156,7 +169,7 @@ int train_on_this_rank(const Config& cfg) {
   // Declared after the backend: the communicators finish their work on its streams first.
   ParallelState ps = cfg.parallel.world_size == 1
                          ? make_single_process_state()
-                         : build_parallel_state(cfg, make_world_communicator(cfg, cfg.parallel.local_rank,
+                         : build_parallel_state(cfg, make_world_communicator(cfg, gpu_ordinal(cfg),
                                                                               static_cast<CUstream_st*>(backend->stream())));
   log::set_rank(ps.rank, ps.world_size);
   try {
