@@ -32,6 +32,10 @@ void add_megatrain_flags(FlagTable& t) {
       .kind = FlagKind::megatrain;
   t.value("--metrics-jsonl", "append one JSON object per logged iteration to this file", MT_FIELD(logging.metrics_jsonl))
       .kind = FlagKind::megatrain;
+  t.value("--benchmark-warmup-iters",
+          "iterations left out of the end-of-run summary line (mean tokens/s, TFLOP/s, MFU, peak memory)",
+          MT_FIELD(logging.benchmark_warmup_iters))
+      .kind = FlagKind::megatrain;
   t.flag("--full-data-check", "scan every token id of the data files against the padded vocabulary at start-up "
          "(default: the first/last MiB and 64 sampled sequences)",
          MT_FIELD(data.full_data_check))

@@ -32,7 +32,7 @@ flags_for() {
   local common="--bf16 --mock-data --tokenizer-type NullTokenizer --attention-dropout 0.0 --hidden-dropout 0.0
     --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
     --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 --log-interval 5 --log-throughput
-    --eval-iters 0 --split 100,0,0 --train-iters $((iters + warmup)) --benchmark-warmup-iters $warmup"
+    --eval-iters 0 --train-iters $((iters + warmup)) --benchmark-warmup-iters $warmup"
   case "$1" in
     gpt2-124m) echo "$common --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
       --max-position-embeddings 1024 --micro-batch-size 32 --global-batch-size 32 --vocab-size 50304" ;;

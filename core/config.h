@@ -262,6 +262,7 @@ struct LoggingConfig {
   bool log_world_size_to_tensorboard = false;
   bool log_loss_scale_to_tensorboard = true;
   std::optional<std::string> metrics_jsonl;  // megatrain flag --metrics-jsonl PATH
+  int benchmark_warmup_iters = 3;  // megatrain flag: iterations left out of the end-of-run summary
 };
 
 struct RunConfig {

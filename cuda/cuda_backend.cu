@@ -37,6 +37,12 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
          device_ordinal, count);
   MT_CUDA_CHECK(cudaSetDevice(device_));
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+  MT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so the baseline below includes it
+  {
+    size_t free_bytes = 0, total_bytes = 0;
+    MT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    baseline_in_use_ = total_bytes - free_bytes;
+  }
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
@@ -80,6 +86,13 @@ void* CudaBackend::allocate(size_t bytes) {
          device_, bytes / 1048576.0, free_bytes / 1048576.0, total / 1048576.0);
   }
   return p;
+}
+
+size_t CudaBackend::memory_in_use() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+  const size_t used = total_bytes - free_bytes;
+  return used > baseline_in_use_ ? used - baseline_in_use_ : 0;
 }
 
 void CudaBackend::deallocate(void* p) {

@@ -29,6 +29,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   Device device() const override { return Device::cuda; }
 
+  size_t memory_in_use() const override;
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
   void copy_from_host(Tensor dst, const void* host_src) override;
@@ -120,6 +121,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int num_sms_ = 1;
+  size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
   // hand work between the streams, and the numbered marks of the parameter all-gathers.

@@ -83,6 +83,11 @@ class Backend {
   virtual void copy(Tensor dst, Tensor src) = 0;                      // same dtype and numel
   virtual void synchronize() = 0;
   virtual void* stream() { return nullptr; }  // cudaStream_t for communicators; null on CPU
+  // Memory this backend holds now, in bytes: for CUDA the device memory in use by this process
+  // beyond its context (our buffers plus the libraries' workspaces), the figure to compare with
+  // PyTorch's max_memory_allocated; nothing is allocated inside the step, so it is also the peak.
+  // 0 where unknown.
+  virtual size_t memory_in_use() const { return 0; }
 
   // ---- elementwise -----------------------------------------------------------------------
   virtual void fill(Tensor t, double value) = 0;

@@ -122,7 +122,9 @@ int64_t Trainer::train() {
       skipped_samples_ += B;
       continue;
     }
-    const StepOutcome o = train_step();
+    const auto step_start = Clock::now();
+    const StepOutcome o = train_step();  // ends with the step's one readback, so the time is complete
+    step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
     ++iteration_;
     consumed_samples_ += B;
     if (o.skipped) {
@@ -152,6 +154,7 @@ int64_t Trainer::train() {
       break;
     }
   }
+  print_summary();
   return iteration_;
 }
 
@@ -244,6 +247,36 @@ void Trainer::evaluate(bool after_training) {
   e.consumed_train_samples = consumed_samples_;
   e.losses["lm loss"] = host[0] / std::max(1.0, host[1]);
   reporter_.on_eval(e);
+}
+
+}  // namespace mt
+
+namespace mt {
+
+// The end-of-run summary: means over the steps after --benchmark-warmup-iters (start-up, cuBLASLt
+// plan selection and the first data loads stay out of it). MFU is against the dense bf16/fp16
+// peak of an H100/H200 SXM (989 TFLOP/s), the convention of Megatron's README; it is printed
+// only for GPU runs.
+void Trainer::print_summary() const {
+  const int64_t skip = std::max(0, cfg_.logging.benchmark_warmup_iters);
+  if (static_cast<int64_t>(step_seconds_.size()) <= skip) return;
+  double seconds = 0;
+  for (size_t i = static_cast<size_t>(skip); i < step_seconds_.size(); ++i) seconds += step_seconds_[i];
+  const double steps = static_cast<double>(step_seconds_.size()) - static_cast<double>(skip);
+  const double per_step = seconds / steps;
+  const double tokens = static_cast<double>(cfg_.train.global_batch) * cfg_.model.seq_length;
+  std::string line = fmt::format("[megatrain] summary: iterations {}-{} | mean ms per iteration: {:.1f} | "
+                                 "tokens/s: {:.1f} | tokens/s/GPU: {:.1f}",
+                                 skip + 1, step_seconds_.size(), per_step * 1e3, tokens / per_step,
+                                 tokens / per_step / ps_.world_size);
+  if (flops_per_iteration) {
+    const double tflops = flops_per_iteration() / (per_step * 1e12 * ps_.world_size);
+    line += fmt::format(" | TFLOP/s/GPU: {:.1f}", tflops);
+    if (cfg_.train.device == DeviceKind::gpu) line += fmt::format(" | MFU: {:.1f}%", tflops / 989.0 * 100.0);
+  }
+  const size_t in_use = model_.backend().memory_in_use();
+  if (in_use > 0) line += fmt::format(" | peak memory: {:.2f} GiB", in_use / 1073741824.0);
+  log::info_last("{}", line);
 }
 
 }  // namespace mt

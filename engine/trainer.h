@@ -90,6 +90,7 @@ class Trainer {
   void timer_start(const char* name);
   void timer_stop(const char* name);
   bool should_exit();
+  void print_summary() const;
 
   const Config& cfg_;
   ParallelState& ps_;
@@ -107,6 +108,7 @@ class Trainer {
   int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
+  std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
