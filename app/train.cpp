@@ -112,15 +112,6 @@ class MemoryStatsReporter : public Reporter {
   double allocated_ = 0, blocks_ = 0;
 };
 
-// Device memory in use on this rank's GPU (0 on the CPU).
-double device_memory_in_use() {
-#if MEGATRAIN_WITH_CUDA
-  size_t free_bytes = 0, total_bytes = 0;
-  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) return static_cast<double>(total_bytes - free_bytes);
-#endif
-  return 0;
-}
-
 // A hidden fault injection for the tests of failure handling: MEGATRAIN_DEBUG_FAULT=kill@R:I kills
 // rank R (SIGKILL) at the start of iteration I; hang@R:I makes it stop communicating there (it
 // sleeps), so that its peers must time out.
@@ -232,11 +223,6 @@ int train_with(const Config& cfg, Backend* backend_ptr, ParallelState& ps) {
   trainer.flops_per_iteration = [flops] { return flops; };
   checkpoints.set_flops_per_iteration(flops);
   checkpoints.restore(resume, trainer);
-  // One line per rank: what each GPU holds (bench/run_parallel_gpu.sh reads it).
-  log::write_stdout(fmt::format("[rank {}] memory: planned {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
-                                ps.rank, planned / 1048576.0, device_memory_in_use() / 1048576.0, ps.tp_rank,
-                                ps.pp_rank, ps.dp_rank));
-
   // Megatron's checkpoint_and_decide_exit: a save every --save-interval iterations; before an
   // early exit (--exit-interval, --exit-duration-in-mins, SIGTERM with --exit-signal-handler) a
   // save unless this iteration was just saved; after the last iteration a save unless it was one
@@ -265,6 +251,12 @@ int train_with(const Config& cfg, Backend* backend_ptr, ParallelState& ps) {
   checkpoints.finish();
   reporter.flush();
   backend->synchronize();
+  // One line per rank after the run: what each GPU held (bench/run_parallel_gpu.sh reads it). The
+  // step allocates nothing, so the memory in use now (communicator buffers included, which NCCL
+  // sets up at the first collectives) is the run's peak.
+  log::write_stdout(fmt::format("[rank {}] memory: planned {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
+                                ps.rank, planned / 1048576.0, static_cast<double>(backend->memory_in_use()) / 1048576.0,
+                                ps.tp_rank, ps.pp_rank, ps.dp_rank));
   return 0;
 }
 

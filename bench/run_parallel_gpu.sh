@@ -14,7 +14,8 @@
 #        distributed optimizer and overlapped gradient reduce-scatter / parameter all-gather;
 #      TP=2+SP TFLOP/s per GPU vs 1 GPU on gpt-1.3b (same batch; target >= 0.8x);
 #      PP=2 with 8 micro-batches TFLOP/s per GPU vs 1 GPU with the same micro-batches (target >= 0.85x);
-#    and each layout's per-GPU memory (planned buffers and device memory in use, from the
+#    and each layout's per-GPU memory (planned buffers and device memory in use beyond the CUDA
+#    context after the run, from the
 #    "[rank N] memory:" lines).
 # 3. bench/run_nccl_tests.sh (MAX_MB=256).
 # The summary table is printed last. Logs go to $OUT (or /tmp).
@@ -150,7 +151,7 @@ scaling("DP=2 gpt-1.3b tokens/s", "tokens_per_second", "dp_13b_1gpu", "dp_13b_dp
 scaling("TP=2+SP gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "dp_13b_1gpu", "tp_13b_tp2sp", 0.8)
 scaling("PP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2", 0.85)
 
-print("\n== memory per GPU (planned buffers / device memory in use at the start) ==")
+print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2", "eq_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
              "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2"]:
     print(f"{name:14s} {memory(name)}")
