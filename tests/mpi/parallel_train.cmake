@@ -16,6 +16,9 @@ megatrain_parallel_train_test(parallel_train_tp2_sp 2 --tensor-model-parallel-si
 megatrain_parallel_train_test(parallel_train_pp2 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_pp2_vpp2 2 --pipeline-model-parallel-size 2
                               --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_pp2_vpp2_dp2_distopt 4 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 2000)
 megatrain_parallel_train_test(parallel_train_pp3_uneven 3 --pipeline-model-parallel-size 3
                               --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1)
 megatrain_parallel_train_test(parallel_train_dp2 2)
