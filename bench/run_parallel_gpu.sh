@@ -4,7 +4,10 @@
 # --tensor-model-parallel-size 2 ...` starts one worker per GPU); one-GPU runs use
 # CUDA_VISIBLE_DEVICES=0. All runs: --bf16 --mock-data, NullTokenizer, no dropout.
 #
-#   bench/run_parallel_gpu.sh [--megatrain build/app/megatrain] [--skip-nccl] [--quick]
+#   bench/run_parallel_gpu.sh [--bin DIR | --megatrain build/app/megatrain] [--skip-nccl] [--quick]
+#   --bin DIR: a directory holding megatrain (and nccl_comm_test, nccl_bandwidth for step 3: it
+#   becomes run_nccl_tests.sh's BIN). The whole script keeps to about 5 minutes: each run has a
+#   time limit, and runs that would start after 270 s are skipped (and say so).
 #
 # 1. Equivalence: gpt2-124m, 20 iterations, 1 GPU vs TP=2, TP=2+SP, PP=2, DP=2 (same global batch,
 #    same data): both loss columns per iteration and the largest relative difference (bf16:
@@ -27,6 +30,7 @@ quick=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --megatrain) bin="$2"; shift 2 ;;
+    --bin) bin="$2/megatrain"; [ -x "$2/nccl_comm_test" ] && export BIN="$2"; shift 2 ;;
     --skip-nccl) nccl=0; shift ;;
     --quick) quick=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -57,8 +61,12 @@ run() {
   local devices=$CUDA_VISIBLE_DEVICES
   [ "$gpus" = 1 ] && devices=$one_gpu
   rm -f "$out/$name.jsonl"
+  if [ "$SECONDS" -gt 270 ]; then
+    echo "SKIPPED: $name (the 5-minute budget is spent)"
+    return 0
+  fi
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$devices timeout 150 "$bin" $common "$@" --metrics-jsonl "$out/$name.jsonl" \
+  CUDA_VISIBLE_DEVICES=$devices timeout 100 "$bin" $common "$@" --metrics-jsonl "$out/$name.jsonl" \
     > "$out/$name.log" 2>&1
   local rc=$?
   if [ $rc -ne 0 ]; then
@@ -94,8 +102,10 @@ run pp_13b_pp2 2 $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iter
 
 # ---- 3. NCCL tests ----------------------------------------------------------------------------
 nccl_summary="(skipped)"
-if [ "$nccl" = 1 ]; then
-  MAX_MB=256 timeout 150 bench/run_nccl_tests.sh > "$out/nccl.log" 2>&1
+if [ "$nccl" = 1 ] && [ "$SECONDS" -gt 250 ]; then
+  nccl_summary="(skipped: the 5-minute budget is spent)"
+elif [ "$nccl" = 1 ]; then
+  MAX_MB=256 timeout $((300 - SECONDS > 40 ? 300 - SECONDS : 40)) bench/run_nccl_tests.sh > "$out/nccl.log" 2>&1
   nccl_summary=$(grep -E '^(PASS|FAIL)' "$out/nccl.log" | tr '\n' ';')
   [ -z "$nccl_summary" ] && nccl_summary="no summary (see $out/nccl.log)"
 fi
