@@ -153,7 +153,7 @@ bool any_rank(ParallelState& ps, GptModel& m, bool mine) {
   return v > 0.5f;
 }
 
-int train_with(const Config& cfg, Backend* backend_ptr, ParallelState& ps);
+int train_with(const Config& cfg, Backend* backend, ParallelState& ps);
 
 int train_on_this_rank(const Config& cfg) {
   std::unique_ptr<Backend> backend = make_backend(cfg);
@@ -178,9 +178,7 @@ int train_on_this_rank(const Config& cfg) {
 }
 
 // Everything after the parallel state (the models, data and trainer are destroyed before it).
-int train_with(const Config& cfg, Backend* backend_ptr, ParallelState& ps) {
-  Backend* backend = backend_ptr;
-
+int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const DType compute = compute_dtype(cfg);
   std::vector<std::unique_ptr<GptModel>> owned = build_model_chunks(cfg, ps, *backend, compute);
   const std::vector<GptModel*> chunks = chunk_pointers(owned);
