@@ -78,22 +78,29 @@ SaveGroup make_save_group(ParallelState& ps, GptModel& model) {
   return g;
 }
 
-TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, GptModel& model)
-    : cfg_(cfg), ps_(ps), model_(model), group_(make_save_group(ps, model)) {
+TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks)
+    : cfg_(cfg),
+      ps_(ps),
+      chunks_(std::move(chunks)),
+      model_(*chunks_.at(0)),
+      group_(make_save_group(ps, model_)) {
   if (!cfg.checkpoint.save) return;
   auto size_of = [](const Tensor& t) { return t.empty() ? size_t{0} : t.nbytes(); };
-  host_params_.resize(size_of(model.params_flat()));
-  if (!cfg.checkpoint.no_save_optim) {
-    if (model.has_master_copy()) host_master_.resize(size_of(model.master_flat()));
-    host_state1_.resize(size_of(model.exp_avg_flat()));
-    host_state2_.resize(size_of(model.exp_avg_sq_flat()));
+  for (GptModel* m : chunks_) {
+    Staging h;
+    h.params.resize(size_of(m->params_flat()));
+    if (!cfg.checkpoint.no_save_optim) {
+      if (m->has_master_copy()) h.master.resize(size_of(m->master_flat()));
+      h.state1.resize(size_of(m->exp_avg_flat()));
+      h.state2.resize(size_of(m->exp_avg_sq_flat()));
+    }
+    staging_.push_back(std::move(h));
   }
 }
 
 TrainingCheckpoints::~TrainingCheckpoints() = default;
 
-bool TrainingCheckpoints::owns(int i) const {
-  const ParamDesc& p = model_.params()[static_cast<size_t>(i)];
+bool TrainingCheckpoints::owns(const ParamDesc& p) const {
   // One replica of each slice: DP (and CP) rank 0; TP rank 0 for what every TP rank holds alike;
   // never the last stage's copy of tied embeddings (the first stage saves them).
   return !p.shared_copy && ps_.dp_rank == 0 && ps_.cp_rank == 0 && (!p.tp_duplicated || ps_.tp_rank == 0);
@@ -102,36 +109,53 @@ bool TrainingCheckpoints::owns(int i) const {
 // ---------------------------------------------------------------------------------------------
 // Saving
 
+void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim) {
+  Backend& be = m.backend();
+  // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
+  be.copy_to_host(h.params.data(), m.params_flat());
+  if (optim) {
+    if (!h.master.empty()) be.copy_to_host(h.master.data(), m.master_flat());
+    if (!h.state1.empty()) be.copy_to_host(h.state1.data(), m.exp_avg_flat());
+    if (!h.state2.empty()) be.copy_to_host(h.state2.data(), m.exp_avg_sq_flat());
+  }
+  const DType T = m.options().compute, S = m.options().accum;
+  const std::vector<ParamDesc>& ps = m.params();
+  const GradLayout& L = m.grad_layout();
+  auto add_optim = [&](const ParamDesc& p, const ShardSlice& slice, int64_t at, int64_t n) {
+    if (!h.master.empty())
+      w.add(p.name, CheckpointKind::main_params, slice, host_view(h.master, S, at, n), p.global_shape);
+    if (!h.state1.empty())
+      w.add(p.name + first_state_suffix(cfg_.train.optimizer), CheckpointKind::optimizer, slice,
+            host_view(h.state1, S, at, n), p.global_shape);
+    if (!h.state2.empty())
+      w.add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice, host_view(h.state2, S, at, n),
+            p.global_shape);
+  };
+  for (const ParamDesc& p : ps) {
+    if (!owns(p)) continue;
+    const ShardSlice slice = ShardSlice::whole(p.shard);
+    w.add(p.name, CheckpointKind::model, slice, host_view(h.params, T, p.offset, p.numel()), p.global_shape);
+    if (optim && !L.sharded) add_optim(p, slice, p.offset, p.numel());
+  }
+  if (!optim || !L.sharded) return;
+  // Distributed optimizer: this DP rank's pieces of every bucket, as flat ranges of the
+  // parameters' TP blocks.
+  for (int b = 0; b < L.num_buckets(); ++b)
+    for (const ShardSegment& seg : L.shard_segments(b)) {
+      const ParamDesc& p = ps[static_cast<size_t>(seg.param)];
+      if (p.shared_copy || ps_.cp_rank != 0 || (p.tp_duplicated && ps_.tp_rank != 0)) continue;
+      add_optim(p, ShardSlice{p.shard, seg.param_offset, seg.numel}, L.state_offset[static_cast<size_t>(b)] + seg.shard_offset,
+                seg.numel);
+    }
+}
+
 std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
   const CheckpointConfig& k = cfg_.checkpoint;
   const Trainer::Counters c = trainer.counters();
   auto w = std::make_unique<CheckpointWriter>(*k.save, c.iteration, ps_.rank, ps_.world_size);
-  Backend& be = model_.backend();
   const bool optim = !k.no_save_optim;
-  // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
-  be.copy_to_host(host_params_.data(), model_.params_flat());
-  if (optim) {
-    if (!host_master_.empty()) be.copy_to_host(host_master_.data(), model_.master_flat());
-    if (!host_state1_.empty()) be.copy_to_host(host_state1_.data(), model_.exp_avg_flat());
-    if (!host_state2_.empty()) be.copy_to_host(host_state2_.data(), model_.exp_avg_sq_flat());
-  }
-  const DType T = model_.options().compute, S = model_.options().accum;
-  const std::vector<ParamDesc>& ps = model_.params();
-  for (size_t i = 0; i < ps.size(); ++i) {
-    if (!owns(static_cast<int>(i))) continue;
-    const ParamDesc& p = ps[i];
-    const ShardSlice slice = ShardSlice::whole(p.shard);
-    w->add(p.name, CheckpointKind::model, slice, host_view(host_params_, T, p.offset, p.numel()), p.global_shape);
-    if (!optim) continue;
-    if (!host_master_.empty())
-      w->add(p.name, CheckpointKind::main_params, slice, host_view(host_master_, S, p.offset, p.numel()), p.global_shape);
-    if (!host_state1_.empty())
-      w->add(p.name + first_state_suffix(cfg_.train.optimizer), CheckpointKind::optimizer, slice,
-             host_view(host_state1_, S, p.offset, p.numel()), p.global_shape);
-    if (!host_state2_.empty())
-      w->add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice,
-             host_view(host_state2_, S, p.offset, p.numel()), p.global_shape);
-  }
+  trainer.optimizer().wait_for_params();  // overlapped parameter gathers
+  for (size_t i = 0; i < chunks_.size(); ++i) stage_chunk(*w, *chunks_[i], staging_[i], optim);
 
   RunState rs;
   rs.iteration = c.iteration;
@@ -209,14 +233,14 @@ void TrainingCheckpoints::finish() { commit_pending(/*wait=*/true); }
 // ---------------------------------------------------------------------------------------------
 // Loading
 
-// Fills every parameter's slice of `dst` (a flat model buffer) from the checkpoint tensors
-// "<name><suffix>" of `kind`. With from_model_fallback, a parameter without a `kind` tensor is read
-// from the model weights instead (fp32 runs keep no separate main weights).
-void TrainingCheckpoints::read_flat(CheckpointReader& reader, CheckpointKind kind, const std::string& suffix,
-                                   Tensor dst, bool from_model_fallback) {
-  Backend& be = model_.backend();
+// Fills every parameter's slice of `dst` (a full-size flat buffer of model m) from the checkpoint
+// tensors "<name><suffix>" of `kind`. With from_model_fallback, a parameter without a `kind`
+// tensor is read from the model weights instead (fp32 runs keep no separate main weights).
+void TrainingCheckpoints::read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind,
+                                   const std::string& suffix, Tensor dst, bool from_model_fallback) {
+  Backend& be = m.backend();
   std::vector<unsigned char> host;
-  for (const ParamDesc& p : model_.params()) {
+  for (const ParamDesc& p : m.params()) {
     // The last stage's copy of tied embeddings holds the word embeddings (and their state).
     const std::string name = (p.shared_copy ? p.init_name : p.name) + suffix;
     CheckpointKind from = kind;
@@ -227,6 +251,46 @@ void TrainingCheckpoints::read_flat(CheckpointReader& reader, CheckpointKind kin
     be.copy_from_host(dst.flat_slice(p.offset, p.numel()), host.data());
     be.synchronize();  // `host` is reused for the next parameter
   }
+}
+
+// One chunk's weights (and optimizer states). Master weights: the saved main copy when resuming
+// the optimizer, else the model weights (Megatron re-copies fp16/bf16 main params from the model
+// params); the model weights then follow the master weights as after every optimizer step. With
+// sharded master weights or states the full tensors are read into the (unused) gradient buffer
+// first, and each rank keeps its shards.
+void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim) {
+  Backend& be = m.backend();
+  const GradLayout& L = m.grad_layout();
+  const OptimizerKind opt = cfg_.train.optimizer;
+  auto keep_shards = [&](Tensor dst) {
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      const int64_t n = L.shard_numel(b);
+      be.copy(dst.flat_slice(L.state_offset[static_cast<size_t>(b)], n), m.grads_flat().flat_slice(L.shard_offset(b), n));
+    }
+  };
+  const CheckpointKind master_kind = load_optim ? CheckpointKind::main_params : CheckpointKind::model;
+  if (L.sharded && m.has_master_copy()) {
+    read_flat(reader, m, master_kind, "", m.grads_flat(), load_optim);
+    be.cast(m.params_flat(), m.grads_flat());
+    keep_shards(m.master_flat());
+  } else {
+    read_flat(reader, m, master_kind, "", m.master_flat(), load_optim);
+    if (m.has_master_copy()) be.cast(m.params_flat(), m.master_flat());
+  }
+  if (!m.exp_avg_flat().empty()) be.fill(m.exp_avg_flat(), 0.0);
+  if (!m.exp_avg_sq_flat().empty()) be.fill(m.exp_avg_sq_flat(), 0.0);
+  if (load_optim) {
+    auto read_state = [&](const std::string& suffix, Tensor dst) {
+      if (dst.empty()) return;
+      if (!L.sharded) return read_flat(reader, m, CheckpointKind::optimizer, suffix, dst, false);
+      read_flat(reader, m, CheckpointKind::optimizer, suffix, m.grads_flat(), false);
+      keep_shards(dst);
+    };
+    read_state(first_state_suffix(opt), m.exp_avg_flat());
+    read_state(kSecondStateSuffix, m.exp_avg_sq_flat());
+  }
+  if (L.sharded) be.fill(m.grads_flat(), 0.0);
+  be.synchronize();
 }
 
 ResumePoint TrainingCheckpoints::load() {
@@ -255,22 +319,7 @@ ResumePoint TrainingCheckpoints::load() {
            "the optimizer afresh", loc->directory, saved, optimizer_name(opt));
   }
   try {
-    // Master weights: the saved main copy when resuming the optimizer, else the model weights
-    // (Megatron re-copies fp16/bf16 main params from the model params); the model weights then
-    // follow the master weights as after every optimizer step.
-    read_flat(reader, load_optim ? CheckpointKind::main_params : CheckpointKind::model, "", model_.master_flat(),
-              /*from_model_fallback=*/load_optim);
-    Backend& be = model_.backend();
-    if (model_.has_master_copy()) be.cast(model_.params_flat(), model_.master_flat());
-    if (!model_.exp_avg_flat().empty()) be.fill(model_.exp_avg_flat(), 0.0);
-    if (!model_.exp_avg_sq_flat().empty()) be.fill(model_.exp_avg_sq_flat(), 0.0);
-    if (load_optim) {
-      if (!model_.exp_avg_flat().empty())
-        read_flat(reader, CheckpointKind::optimizer, first_state_suffix(opt), model_.exp_avg_flat(), false);
-      if (!model_.exp_avg_sq_flat().empty())
-        read_flat(reader, CheckpointKind::optimizer, kSecondStateSuffix, model_.exp_avg_sq_flat(), false);
-    }
-    be.synchronize();
+    for (GptModel* m : chunks_) load_chunk(reader, *m, load_optim);
   } catch (const Error& e) {
     fail("cannot load checkpoint {}: {}", loc->directory, e.what());
   }

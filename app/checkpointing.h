@@ -8,6 +8,10 @@
 //           TP-duplicated norms; the last stage's copy of tied embeddings is not saved)
 //   main    the fp32 master weights when they are a separate copy (bf16/fp16 training)
 //   optim   <param>.exp_avg / <param>.exp_avg_sq (Adam) or <param>.momentum_buffer (SGD)
+// With --use-distributed-optimizer every DP rank writes its own shard of the master weights and
+// optimizer states (flat ranges of the parameters' TP blocks); the model weights still come from
+// DP rank 0. Loading assembles whatever slices this rank's layout needs, so checkpoints move
+// between TP/PP/DP layouts with or without the distributed optimizer.
 // and in the manifest: iteration, consumed train/valid samples, the LR scheduler, the optimizer's
 // step count, the loss scaler, the config (app/checkpoint_args.h), and per rank the dropout RNG
 // state (the micro-batch serial the counter-based dropout keys are made from).
@@ -59,7 +63,9 @@ class TrainingCheckpoints {
  public:
   // Plans the host staging buffers for --save up front (the size of this rank's parameters,
   // master weights and optimizer states), so that a save allocates no large buffers.
-  TrainingCheckpoints(const Config& cfg, ParallelState& ps, GptModel& model);
+  TrainingCheckpoints(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks);
+  TrainingCheckpoints(const Config& cfg, ParallelState& ps, GptModel& model)
+      : TrainingCheckpoints(cfg, ps, std::vector<GptModel*>{&model}) {}
   ~TrainingCheckpoints();
   TrainingCheckpoints(const TrainingCheckpoints&) = delete;
   TrainingCheckpoints& operator=(const TrainingCheckpoints&) = delete;
@@ -86,17 +92,26 @@ class TrainingCheckpoints {
   std::optional<int64_t> last_saved_iteration() const { return last_saved_; }
 
  private:
-  // Whether this rank writes the model / optimizer replica of parameter i.
-  bool owns(int i) const;
+  // Host staging of one chunk: params (compute dtype), master (accum dtype, when separate),
+  // states 1 and 2 (sharded buffers with the distributed optimizer).
+  struct Staging {
+    std::vector<unsigned char> params, master, state1, state2;
+  };
+  // Whether this rank writes the model replica of parameter p; the optimizer replica too unless
+  // the optimizer state is sharded (then every DP rank writes its shards).
+  bool owns(const ParamDesc& p) const;
   // Commits a finished (wait: or waits for the) background save, naming its iteration.
   void commit_pending(bool wait);
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
-  void read_flat(CheckpointReader& reader, CheckpointKind kind, const std::string& suffix, Tensor dst,
+  void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
+  void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
 
   const Config& cfg_;
   ParallelState& ps_;
-  GptModel& model_;
+  std::vector<GptModel*> chunks_;
+  GptModel& model_;  // chunk 0 (backend, scalars)
   SaveGroup group_;
   double flops_per_iteration_ = 0;
   int64_t start_iteration_ = 0;
@@ -104,8 +119,7 @@ class TrainingCheckpoints {
   std::optional<int64_t> last_saved_;
   int64_t pending_iteration_ = 0;  // of the background save in flight
 
-  // Host staging: params (compute dtype), master (accum dtype, when separate), states 1 and 2.
-  std::vector<unsigned char> host_params_, host_master_, host_state1_, host_state2_;
+  std::vector<Staging> staging_;  // per chunk
   AsyncCheckpointSaver async_;
 };
 

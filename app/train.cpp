@@ -1,8 +1,18 @@
-// run_training: the megatrain command without a subcommand. Builds the parallel state, the backend,
-// the model with its memory plan, the data streams and the trainer, then trains.
+// run_training: the megatrain command without a subcommand. Builds the backend, the parallel state
+// (the world communicator: MPI for the reference backend under mpirun, NCCL between GPUs), this
+// rank's model chunks with their memory plans, the data streams (on the ranks that read data), the
+// trainer and the checkpoints, then trains.
 #include "app/train.h"
 
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <string>
+#include <thread>
 
 #include "app/checkpointing.h"
 #include "app/reporters.h"
@@ -12,8 +22,11 @@
 #include "engine/backend.h"
 #include "engine/flops.h"
 #include "engine/gpt_model.h"
+#include "engine/model_chunks.h"
 #include "engine/trainer.h"
+#include "parallel/mpi_communicator.h"
 #include "parallel/parallel_state.h"
+#include "parallel/parallel_state_builder.h"
 
 #if MEGATRAIN_WITH_CUDA
 #include <cuda_runtime.h>
@@ -21,15 +34,32 @@
 
 namespace mt {
 
+namespace {
+// This rank's GPU: LOCAL_RANK modulo the visible devices (0 without CUDA).
+int gpu_ordinal(const Config& cfg) {
+#if MEGATRAIN_WITH_CUDA
+  int count = 0;
+  if (cfg.train.device != DeviceKind::cpu && cudaGetDeviceCount(&count) == cudaSuccess && count > 0)
+    return cfg.parallel.local_rank % count;
+#endif
+  (void)cfg;
+  return 0;
+}
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const Config& cfg) {
-  if (cfg.train.device == DeviceKind::cpu) return make_reference_backend(0);
+  if (cfg.train.device == DeviceKind::cpu) {
+    // Ranks sharing a host share its cores.
+    const int per_rank = static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, cfg.parallel.local_world_size);
+    return make_reference_backend(cfg.parallel.world_size > 1 ? std::max(1, per_rank) : 0);
+  }
 #if MEGATRAIN_WITH_CUDA
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0)
     fail("no CUDA GPU is visible ({}); check CUDA_VISIBLE_DEVICES and the driver, or train on the CPU with "
          "--device cpu", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-  return make_cuda_backend(cfg.parallel.local_rank);
+  return make_cuda_backend(gpu_ordinal(cfg));
 #else
   fail("this megatrain was built without CUDA; use --device cpu");
 #endif
@@ -50,15 +80,17 @@ DType compute_dtype(const Config& cfg) {
   return DType::f32;
 }
 
-// Adds what the memory plan knows to every iteration's statistics: the step allocates nothing,
+// Adds what the memory plans know to every iteration's statistics: the step allocates nothing,
 // so the planned buffers are both the current and the peak allocation; on CUDA the device's
 // memory in use (this process's context and buffers, and any other process's) stands for
 // Megatron's "reserved" bytes.
 class MemoryStatsReporter : public Reporter {
  public:
-  MemoryStatsReporter(Reporter& inner, const MemoryPlan& plan) : inner_(inner) {
-    allocated_ = static_cast<double>(plan.total());
-    for (size_t b : plan.bytes) blocks_ += b > 0 ? 1 : 0;
+  MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks) : inner_(inner) {
+    for (const GptModel* m : chunks) {
+      allocated_ += static_cast<double>(m->memory_plan().total());
+      for (size_t b : m->memory_plan().bytes) blocks_ += b > 0 ? 1 : 0;
+    }
   }
   void on_iteration(const IterationStats& s) override {
     IterationStats t = s;
@@ -80,52 +112,126 @@ class MemoryStatsReporter : public Reporter {
   double allocated_ = 0, blocks_ = 0;
 };
 
-}  // namespace
+// A hidden fault injection for the tests of failure handling: MEGATRAIN_DEBUG_FAULT=kill@R:I kills
+// rank R (SIGKILL) at the start of iteration I; hang@R:I makes it stop communicating there (it
+// sleeps), so that its peers must time out.
+std::function<void(int64_t)> debug_fault(int rank) {
+  const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
+  if (!env || !*env) return nullptr;
+  const std::string spec(env);
+  const size_t at = spec.find('@'), colon = spec.find(':');
+  if (at == std::string::npos || colon == std::string::npos || colon < at)
+    fail("MEGATRAIN_DEBUG_FAULT={}: expected kill@RANK:ITERATION or hang@RANK:ITERATION", spec);
+  const std::string kind = spec.substr(0, at);
+  const int target = std::stoi(spec.substr(at + 1, colon - at - 1));
+  const int64_t iteration = std::stoll(spec.substr(colon + 1));
+  if (kind != "kill" && kind != "hang") fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill or hang", spec);
+  if (target != rank) return nullptr;
+  return [kind, iteration, rank](int64_t next) {
+    if (next != iteration) return;
+    log::write_stderr(fmt::format("[rank {}] MEGATRAIN_DEBUG_FAULT: {} at iteration {}", rank, kind, next));
+    if (kind == "kill") std::raise(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  };
+}
 
-int run_training(const Config& cfg) {
-  if (cfg.parallel.world_size > 1)
-    throw Unsupported("training on more than one process is not wired up yet (world size " +
-                      std::to_string(cfg.parallel.world_size) + ")");
-  ParallelState ps = make_single_process_state();
-  log::set_rank(ps.rank, ps.world_size);
+// Whether any rank has a validation split (ranks that read no data have no source of their own).
+bool any_rank(ParallelState& ps, GptModel& m, bool mine) {
+  if (ps.world_size == 1) return mine;
+  Backend& be = m.backend();
+  const Tensor s = m.scalars().flat_slice(13, 1);
+  float v = mine ? 1.0f : 0.0f;
+  double d = v;
+  if (m.options().accum == DType::f64) be.copy_from_host(s, &d);
+  else be.copy_from_host(s, &v);
+  ps.world->all_reduce(s, ReduceOp::max);
+  if (m.options().accum == DType::f64) {
+    be.copy_to_host(&d, s);
+    return d > 0.5;
+  }
+  be.copy_to_host(&v, s);
+  return v > 0.5f;
+}
 
+int train_with(const Config& cfg, Backend* backend, ParallelState& ps);
+
+int train_on_this_rank(const Config& cfg) {
   std::unique_ptr<Backend> backend = make_backend(cfg);
+  // Declared after the backend: the communicators finish their work on its streams first.
+  ParallelState ps = cfg.parallel.world_size == 1
+                         ? make_single_process_state()
+                         : build_parallel_state(cfg, make_world_communicator(cfg, gpu_ordinal(cfg),
+                                                                              static_cast<CUstream_st*>(backend->stream())));
+  log::set_rank(ps.rank, ps.world_size);
+  try {
+    return train_with(cfg, backend.get(), ps);
+  } catch (const std::exception& e) {
+    // A rank that stops with an error would leave its peers waiting in a collective until their
+    // timeout: under MPI take the whole job down now, before the communicators are torn down (NCCL
+    // runs: the launcher and the watchdogs end the others).
+    if (ps.world_size > 1 && mpi_initialized()) {
+      log::error(dynamic_cast<const Error*>(&e) ? std::string(e.what()) : std::string("internal error: ") + e.what());
+      mpi_abort(1);
+    }
+    throw;
+  }
+}
+
+// Everything after the parallel state (the models, data and trainer are destroyed before it).
+int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const DType compute = compute_dtype(cfg);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  ModelOptions options = ModelOptions::from_config(cfg, dims, compute);
-  GptModel model(dims, options, ps, *backend);
-  model.init_parameters();
+  std::vector<std::unique_ptr<GptModel>> owned = build_model_chunks(cfg, ps, *backend, compute);
+  const std::vector<GptModel*> chunks = chunk_pointers(owned);
 
   int64_t params = 0;
-  for (const ParamDesc& p : model.params()) params += p.numel();
-  log::info(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}", ps.tp_rank,
-            ps.pp_rank, params);
-  log::info(" > memory plan on rank {} ({} backend):\n{}", ps.rank, backend->name(), model.memory_plan().summary());
+  double planned = 0;
+  for (const GptModel* m : chunks) {
+    for (const ParamDesc& p : m->params()) params += p.numel();
+    planned += static_cast<double>(m->memory_plan().total());
+  }
+  // Megatron prints this from every model-parallel rank of the first data-parallel replica.
+  if (ps.dp_rank == 0)
+    log::write_stdout(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
+                                  ps.tp_rank, ps.pp_rank, params));
+  log::info(" > memory plan on rank {} ({} backend, {} model chunk(s)):\n{}", ps.rank, backend->name(), chunks.size(),
+            chunks.front()->memory_plan().summary());
 
   // Checkpoint loading comes before the data streams: they start at the consumed samples.
-  TrainingCheckpoints checkpoints(cfg, ps, model);
+  TrainingCheckpoints checkpoints(cfg, ps, chunks);
   const ResumePoint resume = checkpoints.load();
 
-  TrainingData data = build_training_data(cfg, ps.dp_rank, ps.dp_size, resume.counters.consumed_samples,
-                                          resume.counters.consumed_valid_samples);
-  log::info("{}", data.description);
+  // Data: the ranks whose chunks hold the embedding or the loss (first and last pipeline stage)
+  // read their DP rank's micro-batches; the middle stages need none.
+  bool reads_data = false;
+  for (const GptModel* m : chunks) reads_data = reads_data || m->dims().first_stage || m->dims().last_stage;
+  if (ps.pp_size > 1 && cfg.data.reset_position_ids && cfg.model.position_embedding_type == PositionEmbedding::rope)
+    throw Unsupported("--reset-position-ids with rotary embeddings and pipeline parallelism is not supported: the "
+                      "middle pipeline stages read no data and use positions 0..s-1");
+  TrainingData data;
+  if (reads_data) {
+    data = build_training_data(cfg, ps.dp_rank, ps.dp_size, resume.counters.consumed_samples,
+                               resume.counters.consumed_valid_samples);
+    log::info("{}", data.description);
+  }
   std::unique_ptr<Reporter> reporters = make_reporters(cfg);
-  MemoryStatsReporter reporter(*reporters, model.memory_plan());
-  Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), reporter);
+  MemoryStatsReporter reporter(*reporters, chunks);
+  Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
+  trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   const double flops = num_floating_point_operations(cfg.model, cfg.train.global_batch);
   trainer.flops_per_iteration = [flops] { return flops; };
   checkpoints.set_flops_per_iteration(flops);
   checkpoints.restore(resume, trainer);
-
   // Megatron's checkpoint_and_decide_exit: a save every --save-interval iterations; before an
   // early exit (--exit-interval, --exit-duration-in-mins, SIGTERM with --exit-signal-handler) a
   // save unless this iteration was just saved; after the last iteration a save unless it was one
   // of the interval's. An early exit skips the final evaluation, as Megatron exits right there.
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
+  const std::function<void(int64_t)> fault = debug_fault(ps.rank);
   trainer.after_iteration = [&](int64_t iteration) {
     checkpoints.poll();
     if (k.save && iteration % *k.save_interval == 0) checkpoints.save(trainer);
+    if (fault) fault(iteration + 1);
     return true;
   };
   trainer.before_early_exit = [&](int64_t iteration) {
@@ -135,13 +241,37 @@ int run_training(const Config& cfg) {
 
   log::info("training ...");
   if (!cfg.train.skip_train) {
+    if (fault) fault(trainer.iteration() + 1);
     const int64_t last = trainer.train();
     if (!exited_early && k.save && last != 0 && last % *k.save_interval != 0) checkpoints.save(trainer);
   }
-  if (!exited_early && data.valid && cfg.train.eval_iters > 0) trainer.evaluate(true);
+  if (!exited_early && trainer.has_validation() && cfg.train.eval_iters > 0) trainer.evaluate(true);
   checkpoints.finish();
   reporter.flush();
+  backend->synchronize();
+  // One line per rank after the run: what each GPU held (bench/run_parallel_gpu.sh reads it). The
+  // step allocates nothing, so the memory in use now (communicator buffers included, which NCCL
+  // sets up at the first collectives) is the run's peak.
+  log::write_stdout(fmt::format("[rank {}] memory: planned {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
+                                ps.rank, planned / 1048576.0, static_cast<double>(backend->memory_in_use()) / 1048576.0,
+                                ps.tp_rank, ps.pp_rank, ps.dp_rank));
   return 0;
+}
+
+}  // namespace
+
+int run_training(const Config& cfg) {
+  int rc = 0;
+  try {
+    rc = train_on_this_rank(cfg);
+  } catch (const Error& e) {
+    // Errors before the parallel state existed (e.g. setting up the world communicator).
+    if (cfg.parallel.world_size == 1 || !mpi_initialized()) throw;
+    log::error(e.what());
+    mpi_abort(1);
+  }
+  mpi_finalize();  // the communicators are closed (no-op without MPI)
+  return rc;
 }
 
 }  // namespace mt

@@ -56,9 +56,10 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--per-split-data-args-path", W::any_use, {}, "pass --train-data-path/--valid-data-path/--test-data-path"},
       {"--tokenizer-type",
        W::values,
-       {"BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-        "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"},
-       "use GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer"},
+       {"BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer",
+        "SFTTokenizer"},
+       "use GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer "
+       "or NullTokenizer"},
       {"--vocab-extra-ids", W::other_than, {"0"}, ""},
       // checkpointing (1.6)
       {"--save-retain-interval", W::any_use, {}, ""},

@@ -54,6 +54,9 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
     baseline_in_use_ = total_bytes - free_bytes;
   }
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
@@ -69,7 +72,12 @@ CudaBackend::~CudaBackend() {
   }
   profiler_.reset();
   cudaStreamSynchronize(stream_);
+  if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   gemm_.reset();
+  for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
+  if (compute_done_) cudaEventDestroy(compute_done_);
+  if (comm_done_) cudaEventDestroy(comm_done_);
+  if (comm_stream_) cudaStreamDestroy(comm_stream_);
   for (auto& r : registered_segments_) cudaFree(r.device);
   if (attention_workspace_) cudaFree(attention_workspace_);
   if (scratch_memory_) cudaFree(scratch_memory_);
@@ -131,6 +139,33 @@ void CudaBackend::copy(Tensor dst, Tensor src) {
 }
 
 void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+// ---- communication overlap ------------------------------------------------------------------------
+// A stream waits for the last record of an event made before the wait is enqueued, so one event per
+// direction suffices: each hand-over records it anew.
+void CudaBackend::comm_wait_for_compute() {
+  MT_CUDA_CHECK(cudaEventRecord(compute_done_, stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, compute_done_, 0));
+}
+void CudaBackend::compute_wait_for_comm() {
+  MT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_done_, 0));
+}
+void CudaBackend::reserve_comm_marks(int n) {
+  while (static_cast<int>(comm_marks_.size()) < n) {
+    cudaEvent_t e = nullptr;
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    comm_marks_.push_back(e);
+  }
+}
+void CudaBackend::record_comm_mark(int i) {
+  MT_CHECK(i >= 0 && i < static_cast<int>(comm_marks_.size()), "comm mark {} of {} reserved", i, comm_marks_.size());
+  MT_CUDA_CHECK(cudaEventRecord(comm_marks_[static_cast<size_t>(i)], comm_stream_));
+}
+void CudaBackend::compute_wait_for_mark(int i) {
+  MT_CHECK(i >= 0 && i < static_cast<int>(comm_marks_.size()), "comm mark {} of {} reserved", i, comm_marks_.size());
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_marks_[static_cast<size_t>(i)], 0));
+}
 
 // ---- elementwise --------------------------------------------------------------------------------
 void CudaBackend::fill(Tensor t, double value) {

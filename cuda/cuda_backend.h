@@ -101,6 +101,13 @@ class CudaBackend final : public Backend {
   void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) override;
   void register_optim_segments(std::span<const OptimSegment> segments) override;
 
+  void* comm_stream() override { return comm_stream_; }
+  void comm_wait_for_compute() override;
+  void compute_wait_for_comm() override;
+  void reserve_comm_marks(int n) override;
+  void record_comm_mark(int i) override;
+  void compute_wait_for_mark(int i) override;
+
   // CUDA-specific access (benchmarks, tests, communicators).
   cudaStream_t cuda_stream() const { return stream_; }
   int device_ordinal() const { return device_; }
@@ -122,6 +129,11 @@ class CudaBackend final : public Backend {
   int num_sms_ = 1;
   size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
+  // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
+  // hand work between the streams, and the numbered marks of the parameter all-gathers.
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
+  std::vector<cudaEvent_t> comm_marks_;
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;

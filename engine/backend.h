@@ -230,6 +230,23 @@ class Backend {
   // above with an equal list upload nothing per step. Short lists (<= 24 segments) also work
   // unregistered; longer ones must be registered on the CUDA backend.
   virtual void register_optim_segments(std::span<const OptimSegment> segments) { (void)segments; }
+
+  // ---- communication overlap ------------------------------------------------------------
+  // CUDA: a second stream on which the data-parallel communicators run, so that gradient
+  // reductions overlap the backward pass and parameter all-gathers the next forward pass. The
+  // reference backend has none (null): its communication is synchronous and the calls below do
+  // nothing, so the same code runs on both.
+  virtual void* comm_stream() { return nullptr; }
+  // The communication stream waits for everything enqueued on the compute stream so far.
+  virtual void comm_wait_for_compute() {}
+  // The compute stream waits for everything enqueued on the communication stream so far.
+  virtual void compute_wait_for_comm() {}
+  // Numbered positions on the communication stream, allocated at set-up (reserve_comm_marks):
+  // record_comm_mark(i) marks the position now, compute_wait_for_mark(i) makes the compute
+  // stream wait until the communication stream has passed it.
+  virtual void reserve_comm_marks(int n) { (void)n; }
+  virtual void record_comm_mark(int i) { (void)i; }
+  virtual void compute_wait_for_mark(int i) { (void)i; }
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);

@@ -55,9 +55,11 @@ struct GptModel::Globals {
 };
 
 struct GptModel::Workspace {
-  Tensor tmp_h;                       // row-parallel output before its all-reduce; also the norm
-                                      // outputs (ln1_out, ln2_out): each is dead before tmp_h is written
-  Tensor gA, gB, gH, gT;              // [N, h] activation gradients
+  Tensor tmp_h;                       // [N, h] row-parallel output before its reduction; also the
+                                      // norm outputs ln1_out, ln2_out (gathered to all rows with SP):
+                                      // each is dead before tmp_h is written again
+  Tensor gA, gB, gH;                  // [Nl, h] gradients of the residual stream
+  Tensor gT;                          // [N, h] column-parallel input gradients, d_fc2 / d_proj with SP
   Tensor act;                         // [N, f] MLP activation (fc2's input); in backward the
                                       // recomputed activation (SwiGLU: first the gradient d fc2 / d act)
   Tensor gFC;                         // GeLU only: fc1's output gradient, the same memory as act
@@ -133,7 +135,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   norm_.kind = d_.norm;
   norm_.eps = d_.norm_eps;
   norm_.one_p = d_.norm_1p;
-  descs_ = build_param_descs(d_, &total_elements_);
+  plan_params();
   globals_ = std::make_unique<Globals>();
   ws_ = std::make_unique<Workspace>();
   logits_rows_ = choose_logits_rows(d_, opt_);
@@ -158,12 +160,31 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     : d_(dims), opt_(options), ps_(ps), be_(backend) {
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
-  descs_ = build_param_descs(d_, &total_elements_);
+  plan_params();
   globals_ = std::make_unique<Globals>();
   ws_ = std::make_unique<Workspace>();
   logits_rows_ = choose_logits_rows(d_, opt_);
   arena_ = std::make_unique<Arena>(be_);
   layout(*arena_);  // measure only: nothing is allocated
+}
+
+// The parameters, their places in the (DP-bucketed) flat buffers and the indices the hooks use.
+void GptModel::plan_params() {
+  MT_CHECK(opt_.dp_size >= 1 && opt_.dp_rank >= 0 && opt_.dp_rank < opt_.dp_size, "dp {} of {}", opt_.dp_rank,
+           opt_.dp_size);
+  descs_ = build_param_descs(d_, &total_elements_);
+  grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
+                                    d_.pipeline && d_.tied_embeddings, &total_elements_);
+  const int n = static_cast<int>(descs_.size());
+  layer_first_param_.assign(static_cast<size_t>(d_.stage_layers()), n);
+  head_first_param_ = n;
+  for (int i = n - 1; i >= 0; --i) {
+    const ParamDesc& p = descs_[static_cast<size_t>(i)];
+    if (p.layer >= 0) layer_first_param_[static_cast<size_t>(p.layer - d_.layer_begin)] = i;
+    else if (d_.last_stage && (p.name.starts_with("decoder.final_layernorm") || p.name == "output_layer.weight"))
+      head_first_param_ = i;
+  }
+  tp_partial_ = tp_partial_ranges(descs_);
 }
 
 MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
@@ -178,12 +199,14 @@ GptModel::~GptModel() = default;
 const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
 
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out) {
-  const int64_t N = d_.tokens(), h = d_.hidden;
+  // Sequence parallelism: the norm outputs are gathered to all N rows (the GEMMs' inputs); the
+  // residual stream (h1, out) and the norm statistics hold this rank's Nl rows.
+  const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
   LayerActs A;
-  A.ln1_out = ws_->tmp_h;
-  A.ln1_mean = a.take(c, S, {N});
-  A.ln1_rstd = a.take(c, S, {N});
+  A.ln1_out = ws_->tmp_h;  // not kept: see LayerActs
+  A.ln1_mean = a.take(c, S, {Nl});
+  A.ln1_rstd = a.take(c, S, {Nl});
   if (d_.qk_norm) {
     const int64_t heads_normed = d_.groups_local() * (d_.heads / d_.groups + 1);
     A.qkv_raw = a.take(c, T, {N, d_.qkv_width_local()});
@@ -193,29 +216,31 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
   A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
-  A.h1 = a.take(c, T, {N, h});
-  A.ln2_out = ws_->tmp_h;
-  A.ln2_mean = a.take(c, S, {N});
-  A.ln2_rstd = a.take(c, S, {N});
+  A.h1 = a.take(c, T, {Nl, h});
+  A.ln2_out = ws_->tmp_h;  // not kept
+  A.ln2_mean = a.take(c, S, {Nl});
+  A.ln2_rstd = a.take(c, S, {Nl});
   A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
-  A.fc1_act = ws_->act;
-  if (keep_out) A.out = a.take(c, T, {N, h});
+  A.fc1_act = ws_->act;    // not kept
+  if (keep_out) A.out = a.take(c, T, {Nl, h});
   return A;
 }
 
 void GptModel::layout(Arena& a) {
   using C = MemoryCategory;
   const DType T = opt_.compute, S = opt_.accum;
-  const int64_t N = d_.tokens(), h = d_.hidden, total = total_elements_;
+  const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden, total = total_elements_;
+  const int64_t state = grad_layout_.state_numel;  // == total unless sharded
   params_ = a.take(C::parameters, T, {total});
   grads_ = a.take(C::gradients, S, {total});
-  master_ = has_master_copy() ? a.take(C::master_weights, S, {total}) : params_;
+  grad_comm_ = opt_.grad_reduce_bf16 ? a.take(C::gradients, DType::bf16, {total}) : Tensor();
+  master_ = has_master_copy() ? a.take(C::master_weights, S, {state}) : params_;
   state1_ = state2_ = Tensor();
   if (opt_.optimizer == OptimizerKind::adam) {
-    state1_ = a.take(C::optimizer_states, S, {total});
-    state2_ = a.take(C::optimizer_states, S, {total});
+    state1_ = a.take(C::optimizer_states, S, {state});
+    state2_ = a.take(C::optimizer_states, S, {state});
   } else if (opt_.sgd_momentum) {
-    state1_ = a.take(C::optimizer_states, S, {total});
+    state1_ = a.take(C::optimizer_states, S, {state});
   }
   scalars_ = a.take(C::workspace, S, {16});
   train_loss_ = a.take(C::workspace, S, {2});
@@ -223,14 +248,16 @@ void GptModel::layout(Arena& a) {
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
 
-  // Workspace (first: the layers' shared views point into it).
+  // Workspace (first: the layers' shared views point into it). tmp_h and gT hold all N rows
+  // (row-parallel outputs and column-parallel input gradients before their reduction over TP,
+  // and the gathered norm outputs); gA, gB, gH the residual stream's Nl rows.
   const RecomputePlan& rp = opt_.recompute;
   const int L = d_.stage_layers();
   Workspace& w = *ws_;
   w.tmp_h = a.take(C::workspace, T, {N, h});
-  w.gA = a.take(C::workspace, T, {N, h});
-  w.gB = a.take(C::workspace, T, {N, h});
-  w.gH = a.take(C::workspace, T, {N, h});
+  w.gA = a.take(C::workspace, T, {Nl, h});
+  w.gB = a.take(C::workspace, T, {Nl, h});
+  w.gH = a.take(C::workspace, T, {Nl, h});
   w.gT = a.take(C::workspace, T, {N, h});
   if (L > 0) {
     // One block for the MLP buffers and the attention-backward buffers: a layer's backward is done
@@ -264,7 +291,7 @@ void GptModel::layout(Arena& a) {
     s.mask = part(s.off_mask, S);
     s.dloss = part(s.off_dloss, S);
     if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
-    s.input = a.take(C::activations, T, {N, h});
+    s.input = a.take(C::activations, T, {Nl, h});
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
     for (int l = 0; l < L; ++l) {
       const int g = rp.group_of[l];
@@ -272,10 +299,10 @@ void GptModel::layout(Arena& a) {
         s.layers[l] = layout_layer_acts(a, C::activations, true);
       } else if (l == rp.groups[g].second - 1 || l == L - 1) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
-        s.layers[l].out = a.take(C::activations, T, {N, h});
+        s.layers[l].out = a.take(C::activations, T, {Nl, h});
       }
     }
-    s.d_output = a.take(C::activations, T, {N, h});
+    s.d_output = a.take(C::activations, T, {Nl, h});
   }
   // Recompute scratch: the internals of one group, shared by all slots (one backward at a time).
   scratch_.clear();
@@ -284,8 +311,8 @@ void GptModel::layout(Arena& a) {
   if (d_.last_stage) {
     w.logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
     w.y = a.take(C::workspace, T, {N, h});
-    w.fmean = a.take(C::workspace, S, {N});
-    w.frstd = a.take(C::workspace, S, {N});
+    w.fmean = a.take(C::workspace, S, {Nl});
+    w.frstd = a.take(C::workspace, S, {Nl});
     w.lse_part = a.take(C::workspace, S, {N});
     w.lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
     w.lse = a.take(C::workspace, S, {N});
@@ -309,7 +336,10 @@ Tensor GptModel::logits() const {
 
 Tensor GptModel::param(int i) const { return shaped(params_, descs_.at(i)); }
 Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
-Tensor GptModel::master(int i) const { return shaped(master_, descs_.at(i)); }
+Tensor GptModel::master(int i) const {
+  MT_CHECK(!(grad_layout_.sharded && has_master_copy()), "master({}) of a sharded master copy", i);
+  return shaped(master_, descs_.at(i));
+}
 
 void GptModel::bind_params() {
   layer_params_.assign(static_cast<size_t>(d_.stage_layers()), LayerParams{});
@@ -353,16 +383,27 @@ void GptModel::bind_params() {
 }
 
 void GptModel::init_parameters() {
+  // The full-precision values are drawn into a full-size buffer: the master copy, or with a
+  // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
+  const bool sharded_master = grad_layout_.sharded && has_master_copy();
+  const Tensor full = sharded_master ? grads_ : master_;
   for (size_t i = 0; i < descs_.size(); ++i) {
     const ParamDesc& p = descs_[i];
-    Tensor w = master(static_cast<int>(i));
+    Tensor w = shaped(full, p);
     switch (p.init) {
       case InitKind::normal: be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard); break;
       case InitKind::zeros: be_.fill(w, 0.0); break;
       case InitKind::ones: be_.fill(w, 1.0); break;
     }
   }
-  if (has_master_copy()) be_.cast(params_, master_);
+  if (!has_master_copy()) return;
+  be_.cast(params_, full);
+  if (!sharded_master) return;
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+    const int64_t n = grad_layout_.shard_numel(b);
+    be_.copy(master_.flat_slice(grad_layout_.state_offset[b], n), grads_.flat_slice(grad_layout_.shard_offset(b), n));
+  }
+  be_.fill(grads_, 0.0);
 }
 
 void GptModel::zero_grads() { be_.fill(grads_, 0.0); }
@@ -412,6 +453,20 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   // One copy. (From pageable memory the copy has consumed the host buffer when it returns, so
   // the next micro-batch may overwrite it.)
   be_.copy_from_host(s.io, h);
+  set_slot_key(s, serial, training);
+}
+
+void GptModel::stage_without_data(int slot, uint64_t serial, bool training) {
+  Slot& s = slots_.at(static_cast<size_t>(slot));
+  const int b = d_.micro_batch, sq = d_.seq;
+  auto* positions = reinterpret_cast<int32_t*>(s.host_io.data() + s.off_positions);
+  for (int t = 0; t < sq; ++t)
+    for (int i = 0; i < b; ++i) positions[static_cast<size_t>(t) * b + i] = t;
+  be_.copy_from_host(s.positions, positions);
+  set_slot_key(s, serial, training);
+}
+
+void GptModel::set_slot_key(Slot& s, uint64_t serial, bool training) {
   s.key = mix_key(mix_key(d_.seed, 0x64726f706f7574ULL /* "dropout" */), mix_key(serial, ps_.dp_rank));
   s.training = training;
   s.staged = true;
@@ -448,6 +503,72 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   return as;
 }
 
+// Dropout in the sequence-parallel regions: each TP rank drops its own rows, so its masks come
+// from its own stream (Megatron forks the RNG there too). Without SP all TP ranks draw alike.
+uint64_t GptModel::hidden_key(const Slot& s, int layer, int site) const {
+  const uint64_t k = site_key(s, layer, site);
+  return d_.sequence_parallel ? mix_key(k, 0x7370ULL + static_cast<uint64_t>(d_.tp_rank)) : k;
+}
+
+// ---- tensor-parallel row exchanges ---------------------------------------------------------
+// With sequence parallelism the residual stream holds Nl = N/TP rows per rank: a column-parallel
+// GEMM's input is all-gathered to N rows first, a row-parallel GEMM's output reduce-scattered back
+// (instead of all-reduced); both in place, this rank's rows being its block of the full tensor.
+
+// This rank's rows of a full [N, cols] tensor (the tensor itself without SP).
+Tensor GptModel::local_rows(Tensor t) const {
+  if (!d_.sequence_parallel) return t;
+  const int64_t cols = t.numel() / d_.tokens(), nl = d_.tokens_local();
+  return t.flat_slice(d_.local_row_begin() * cols, nl * cols).view({nl, cols});
+}
+
+// Fills the other ranks' rows of `full` from its local rows (SP only).
+void GptModel::gather_rows(Tensor full) {
+  if (d_.sequence_parallel) ps_.tp->all_gather(full, local_rows(full));
+}
+
+// Sums `full` (partial on each TP rank) over TP: all of it, or with SP only this rank's rows, which
+// it returns.
+Tensor GptModel::reduce_rows(Tensor full) {
+  if (!d_.sequence_parallel) {
+    ps_.tp->all_reduce(full);
+    return full;
+  }
+  Tensor mine = local_rows(full);
+  ps_.tp->reduce_scatter(mine, full);
+  return mine;
+}
+
+// The gradient entering a row-parallel linear layer from its bias + dropout + residual output:
+// dropout's backward of `local` (p > 0), then with SP gathered to all N rows (in ws_->gT).
+Tensor GptModel::expand_grad(Tensor local, float p, uint64_t key) {
+  const Workspace& w = *ws_;
+  if (!d_.sequence_parallel) {
+    if (p <= 0) return local;
+    be_.dropout_backward(w.gT, local, p, key);
+    return w.gT;
+  }
+  Tensor mine = local_rows(w.gT);
+  if (p > 0) be_.dropout_backward(mine, local, p, key);
+  else be_.copy(mine, local);
+  ps_.tp->all_gather(w.gT, mine);
+  return w.gT;
+}
+
+// Grad-sync backward: sums the TP-partial gradients of `layer` (-1: the final norm) over TP.
+void GptModel::reduce_tp_partial(int layer) {
+  for (const auto& [l, r] : tp_partial_)
+    if (l == layer) ps_.tp->all_reduce(grads_.flat_slice(r.offset, r.count));
+}
+
+void GptModel::grads_final(int first_param) {
+  if (on_grads_final) on_grads_final(first_param);
+}
+
+void GptModel::params_needed(int end) {
+  if (on_params_needed) on_params_needed(end);
+}
+
 Tensor GptModel::layer_input(const Slot& s, int local) const {
   return local == 0 ? s.input : acts(s, local - 1).out;
 }
@@ -467,9 +588,13 @@ GptModel::LayerActs GptModel::acts(const Slot& s, int local) const {
 void GptModel::embedding_forward(Slot& s) {
   const Globals& G = *globals_;
   const bool positions = d_.position == PositionEmbedding::learned_absolute && d_.tp_rank == 0;
-  be_.embedding_forward(s.input, s.tokens, s.positions, G.wte, positions ? G.wpe : Tensor(), d_.vocab_start());
-  ps_.tp->all_reduce(s.input);  // vocab-parallel: each rank contributed its vocabulary rows
-  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, site_key(s, -1, 3));
+  // Vocab-parallel: each rank contributes its vocabulary rows, summed over TP (with SP the sum
+  // is reduce-scattered to the sequence shards).
+  const Tensor full = d_.sequence_parallel ? ws_->tmp_h : s.input;
+  be_.embedding_forward(full, s.tokens, s.positions, G.wte, positions ? G.wpe : Tensor(), d_.vocab_start());
+  if (d_.sequence_parallel) ps_.tp->reduce_scatter(s.input, full);
+  else ps_.tp->all_reduce(s.input);
+  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, hidden_key(s, -1, 3));
 }
 
 void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
@@ -480,7 +605,8 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
 
   // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
   // projection (row-parallel, all-reduce) -> bias + dropout + residual.
-  be_.norm_forward(A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  gather_rows(A.ln1_out);
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
     be_.linear_forward(A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
@@ -491,12 +617,12 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
-  ps_.tp->all_reduce(w.tmp_h);
-  be_.bias_dropout_add(A.h1, w.tmp_h, P.proj_b, x, hp, site_key(s, layer, 1));
+  be_.bias_dropout_add(A.h1, reduce_rows(w.tmp_h), P.proj_b, x, hp, hidden_key(s, layer, 1));
 
   // MLP block: norm -> fc1 (column-parallel) + activation -> fc2 (row-parallel, all-reduce) ->
   // bias + dropout + residual.
-  be_.norm_forward(A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
+  be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
+  gather_rows(A.ln2_out);
   if (d_.swiglu) {
     be_.linear_forward(A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
     be_.swiglu_forward(A.fc1_act, A.fc1_pre);
@@ -505,14 +631,14 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
                        A.fc1_pre);
   }
   be_.linear_forward(w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
-  ps_.tp->all_reduce(w.tmp_h);
-  be_.bias_dropout_add(A.out, w.tmp_h, P.fc2_b, A.h1, hp, site_key(s, layer, 2));
+  be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
 }
 
 void GptModel::head_forward(Slot& s, Tensor x) {
   const Globals& G = *globals_;
   const Workspace& w = *ws_;
-  be_.norm_forward(w.y, w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
+  be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
+  gather_rows(w.y);
   // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
   // their gradient) exist for one chunk at a time; the head's whole backward but the final norm
   // happens per chunk. Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and
@@ -542,16 +668,26 @@ void GptModel::head_forward(Slot& s, Tensor x) {
   be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
   be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
   if (!s.training) return;
-  ps_.tp->all_reduce(w.gT);
-  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, w.gT, x, w.fmean, w.frstd, G.final_w, Tensor(), norm_);
+  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(),
+                    norm_);
 }
 
 void GptModel::forward(int slot) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged, "forward of slot {} before stage_micro_batch", slot);
-  if (d_.first_stage) embedding_forward(s);
-  for (int l = 0; l < d_.stage_layers(); ++l) layer_forward(l, s, acts(s, l), layer_input(s, l));
-  if (d_.last_stage) head_forward(s, stage_output(slot));
+  const int L = d_.stage_layers();
+  if (d_.first_stage) {
+    params_needed(L > 0 ? layer_first_param_[0] : head_first_param_);
+    embedding_forward(s);
+  }
+  for (int l = 0; l < L; ++l) {
+    params_needed(l + 1 < L ? layer_first_param_[static_cast<size_t>(l + 1)] : head_first_param_);
+    layer_forward(l, s, acts(s, l), layer_input(s, l));
+  }
+  if (d_.last_stage) {
+    params_needed(static_cast<int>(descs_.size()));
+    head_forward(s, stage_output(slot));
+  }
 }
 
 // ---- backward ----------------------------------------------------------------------------
@@ -562,14 +698,11 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const int layer = d_.layer_begin + local;
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
 
-  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2). The activation (fc2's input)
-  // is recomputed from fc1_pre by the activation's backward; the norm output (fc1's input) by the
-  // norm's backward, so the weight gradients come after them.
-  Tensor d_fc2 = dy;
-  if (hp > 0) {
-    be_.dropout_backward(w.gT, dy, hp, site_key(s, layer, 2));
-    d_fc2 = w.gT;
-  }
+  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2) (this rank's rows with SP;
+  // d_fc2 has all rows). The activation (fc2's input) is recomputed from fc1_pre by the
+  // activation's backward, the norm output (fc1's input) by the norm's backward (then gathered to
+  // all rows with SP, as Megatron re-gathers it), so the weight gradients come after them.
+  const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   Tensor d_fc1;  // gradient of fc1's output
   if (d_.swiglu) {
     be_.linear_backward_input(w.act, d_fc2, P.fc2_w, false, Activation::none, Tensor());
@@ -584,18 +717,15 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     d_fc1 = w.gFC;
     be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  be_.linear_backward_input(w.gT, d_fc1, P.fc1_w, false, Activation::none, Tensor());
-  ps_.tp->all_reduce(w.gT);  // column-parallel input gradient
-  be_.norm_backward_recompute(A.ln2_out, w.gH, G.ln2_w, G.ln2_b, w.gT, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w,
-                              P.ln2_b, dy, norm_);
+  be_.linear_backward_input(w.gT, d_fc1, P.fc1_w, false, Activation::none, Tensor());  // (d_fc2 is dead)
+  // Column-parallel input gradient: summed over TP (reduce-scattered with SP).
+  be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
+                              A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
+  gather_rows(A.ln2_out);
   be_.linear_backward_weight(G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
-  Tensor d_proj = w.gH;
-  if (hp > 0) {
-    be_.dropout_backward(w.gT, w.gH, hp, site_key(s, layer, 1));
-    d_proj = w.gT;
-  }
+  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
   be_.linear_backward_weight(G.proj_w, G.proj_b, d_proj, A.attn_out);
   be_.linear_backward_input(w.gATT, d_proj, P.proj_w, false, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
@@ -605,24 +735,39 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
   be_.linear_backward_input(w.gT, w.gQKV, P.qkv_w, false, Activation::none, Tensor());
-  ps_.tp->all_reduce(w.gT);
-  be_.norm_backward_recompute(A.ln1_out, dx, G.ln1_w, G.ln1_b, w.gT, x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b,
-                              w.gH, norm_);
+  be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
+                              A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
+  gather_rows(A.ln1_out);
   be_.linear_backward_weight(G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {
   const Globals& G = *globals_;
-  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(grad, grad, d_.hidden_dropout, site_key(s, -1, 3));
+  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(grad, grad, d_.hidden_dropout, hidden_key(s, -1, 3));
+  if (d_.sequence_parallel) {  // the embeddings need the gradient of every row
+    ps_.tp->all_gather(ws_->gT, grad);
+    grad = ws_->gT;
+  }
   const bool positions = d_.position == PositionEmbedding::learned_absolute;
   be_.embedding_backward(G.dwte, positions ? G.dwpe : Tensor(), grad, s.tokens, s.positions, d_.vocab_start());
 }
 
-void GptModel::backward(int slot) {
+void GptModel::backward(int slot, bool grad_sync) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged && s.training, "backward of slot {} without a training forward", slot);
   const Workspace& w = *ws_;
   const RecomputePlan& rp = opt_.recompute;
+  // After each layer of a grad-sync backward its gradients are final: TP-partial ones are summed
+  // now, and the hook may start the data-parallel reduction of the buckets they complete.
+  auto layer_done = [&](int local) {
+    if (!grad_sync) return;
+    reduce_tp_partial(d_.layer_begin + local);
+    grads_final(layer_first_param_[static_cast<size_t>(local)]);
+  };
+  if (grad_sync && d_.last_stage) {  // the head's backward ran in the last forward
+    reduce_tp_partial(-1);
+    grads_final(head_first_param_);
+  }
   Tensor cur = s.d_output;
   auto next_buffer = [&](Tensor c) { return c.data == w.gA.data ? w.gB : w.gA; };
   int l = d_.stage_layers() - 1;
@@ -637,17 +782,20 @@ void GptModel::backward(int slot) {
         Tensor nxt = next_buffer(cur);
         layer_backward(k, s, acts(s, k), layer_input(s, k), cur, nxt);
         cur = nxt;
+        layer_done(k);
       }
       l = begin - 1;
     } else {
       Tensor nxt = next_buffer(cur);
       layer_backward(l, s, acts(s, l), layer_input(s, l), cur, nxt);
       cur = nxt;
+      layer_done(l);
       --l;
     }
   }
   if (d_.first_stage) embedding_backward(s, cur);
   last_input_grad_ = cur;
+  if (grad_sync) grads_final(0);
 }
 
 }  // namespace mt

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "core/tensor.h"
 #include "data/batch.h"
 #include "engine/backend.h"
+#include "engine/grad_layout.h"
 #include "engine/memory_plan.h"
 #include "engine/model_dims.h"
 #include "engine/param_layout.h"
@@ -50,7 +53,17 @@ struct ModelOptions {
   // Rows of logits the output layer holds at once (0: automatic, chunks of at most 512 MiB).
   // logits() needs all of them: forward-logits sets this to the token count.
   int64_t logits_chunk_rows = 0;
+  // Data parallelism (engine/grad_layout.h): the flat buffers are cut into DP buckets of
+  // bucket_size elements (nullopt: one bucket); with shard_optimizer_state
+  // (--use-distributed-optimizer) master weights and optimizer states hold only this DP rank's
+  // shard of each bucket; grad_reduce_bf16 (--grad-reduce-in-bf16) adds a bf16 copy of the
+  // gradients the DP reduction runs on.
+  int dp_size = 1, dp_rank = 0;
+  std::optional<int64_t> bucket_size;
+  bool shard_optimizer_state = false;
+  bool grad_reduce_bf16 = false;
 
+  // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
 };
 
@@ -73,11 +86,18 @@ class GptModel {
   // Flat buffers (all parameters of the stage, in params() order with padding).
   Tensor params_flat() const { return params_; }
   Tensor grads_flat() const { return grads_; }
+  // Master weights and optimizer states: indexed like the flat buffers, or, when sharded
+  // (grad_layout().sharded), holding this DP rank's shard of each bucket at
+  // grad_layout().state_offset[b]. Without a separate master copy (compute == accum) the master
+  // weights are the parameters themselves, full size.
   Tensor master_flat() const { return master_; }  // == params_flat() when compute == accum
   Tensor exp_avg_flat() const { return state1_; }     // Adam m, or SGD momentum
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
   bool has_master_copy() const { return opt_.compute != opt_.accum; }
-  // Per-parameter views.
+  const GradLayout& grad_layout() const { return grad_layout_; }
+  // bf16 gradients for the DP reduction (--grad-reduce-in-bf16), else empty.
+  Tensor grad_comm_flat() const { return grad_comm_; }
+  // Per-parameter views. master(i) needs an unsharded master copy.
   Tensor param(int i) const;
   Tensor grad(int i) const;
   Tensor master(int i) const;
@@ -95,13 +115,25 @@ class GptModel {
   // run (dropout keys); training = false runs forward only without dropout (evaluation).
   void stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
                          uint64_t serial, bool training);
+  // The same for a chunk that needs no data (neither embedding nor loss: a middle pipeline
+  // stage): positions 0..s-1 (RoPE) and the dropout key only.
+  void stage_without_data(int slot, uint64_t serial, bool training);
   // Forward through this stage. On the last stage it adds the masked loss sum and token count to
   // loss_sums(!training) and, when training, also runs the output layer's backward at once (the
   // loss gradient is known), leaving the gradient of the last layer's output in the slot: the
   // logits never outlive the call.
   void forward(int slot);
-  void backward(int slot);
+  // grad_sync: the last backward of the step for this chunk. The TP-partial gradients are summed
+  // over the TP group as each layer finishes, and on_grads_final reports the progress.
+  void backward(int slot, bool grad_sync = false);
 
+  // Hooks of the data-parallel code (engine/dp_grad_sync.h, engine/distributed_optimizer.h).
+  // In a grad_sync backward: on_grads_final(i) when the gradients of params()[i..] are final.
+  std::function<void(int first_final_param)> on_grads_final;
+  // In forward, before params()[..end) are used (--overlap-param-gather waits for them there).
+  std::function<void(int end)> on_params_needed;
+
+  // Stage boundary tensors are [tokens_local(), h] (sequence shards with --sequence-parallel).
   Tensor stage_input(int slot) const;   // non-first stages: receive the previous stage's output here
   Tensor stage_output(int slot) const;  // non-last stages: send this forward
   Tensor output_grad(int slot) const;   // non-last stages: receive the next stage's input grad here
@@ -120,6 +152,7 @@ class GptModel {
 
   struct MeasureOnly {};
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
+  void plan_params();
   void layout(Arena& a);
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
   void bind_params();
@@ -128,6 +161,15 @@ class GptModel {
   AttentionShape attention_shape(const Slot* s, int layer) const;
   void embedding_forward(Slot& s);
   void embedding_backward(Slot& s, Tensor grad);
+  void set_slot_key(Slot& s, uint64_t serial, bool training);
+  uint64_t hidden_key(const Slot& s, int layer, int site) const;
+  Tensor local_rows(Tensor t) const;
+  void gather_rows(Tensor full);
+  Tensor reduce_rows(Tensor full);
+  Tensor expand_grad(Tensor local, float p, uint64_t key);
+  void reduce_tp_partial(int layer);
+  void grads_final(int first_param);
+  void params_needed(int end);
   void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x);
   void layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx);
   void head_forward(Slot& s, Tensor x);
@@ -142,9 +184,15 @@ class GptModel {
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
   int64_t logits_rows_ = 0;  // rows per output-layer chunk
+  GradLayout grad_layout_;
+  // params() index of the first parameter of each local layer, and of the head (final norm,
+  // output layer; params().size() on other stages).
+  std::vector<int> layer_first_param_;
+  int head_first_param_ = 0;
+  std::vector<std::pair<int, FlatRange>> tp_partial_;  // (global layer or -1, range)
   NormParams norm_;
 
-  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
+  Tensor params_, grads_, grad_comm_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
   std::vector<LayerParams> layer_params_, layer_grads_;
   struct Globals;
   std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads

@@ -38,13 +38,18 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
 
   d.tp_size = tp_size;
   d.tp_rank = tp_rank;
-  if (cfg.parallel.sequence_parallel && tp_size > 1)
-    throw Unsupported("--sequence-parallel is not implemented in the model yet (drop it: results are the same)");
+  d.sequence_parallel = cfg.parallel.sequence_parallel && tp_size > 1;
+  if (d.sequence_parallel && d.seq % tp_size != 0)
+    fail("--sequence-parallel needs --seq-length ({}) divisible by --tensor-model-parallel-size ({})", d.seq, tp_size);
   if (cfg.parallel.context_parallel_size > 1) throw Unsupported("--context-parallel-size > 1 is not supported yet");
   if (d.heads % d.tp_size) fail("--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})", d.heads, d.tp_size);
+  if (d.groups < d.tp_size)
+    throw Unsupported(fmt::format(
+        "--num-query-groups {} is smaller than --tensor-model-parallel-size {}: Megatron would replicate KV heads "
+        "across tensor-parallel ranks, megatrain does not; use a TP size that divides the number of query groups",
+        d.groups, d.tp_size));
   if (d.groups % d.tp_size)
-    fail("--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}) "
-         "(replicating KV heads across TP ranks is not supported)", d.groups, d.tp_size);
+    fail("--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({})", d.groups, d.tp_size);
   if (d.ffn % d.tp_size) fail("--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({})", d.ffn, d.tp_size);
   if (d.vocab % d.tp_size) fail("the padded vocabulary ({}) must be divisible by --tensor-model-parallel-size ({})", d.vocab, d.tp_size);
 
@@ -94,6 +99,14 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.output_init_std = static_cast<float>(m.init_method_std / std::sqrt(2.0 * m.num_layers));
   d.embedding_init_std = static_cast<float>(m.embedding_init_method_std.value_or(m.init_method_std));
   d.seed = static_cast<uint64_t>(static_cast<uint32_t>(cfg.train.seed));
+  return d;
+}
+
+ModelDims ModelDims::for_chunk(const Config& cfg, const ParallelState& ps, int first_layer, int num_layers,
+                               bool has_embedding, bool has_output) {
+  ModelDims d = from_config(cfg, ps, std::make_pair(first_layer, first_layer + num_layers));
+  d.first_stage = has_embedding;
+  d.last_stage = has_output;
   return d;
 }
 

@@ -22,6 +22,10 @@ struct ModelDims {
   int layer_begin = 0, layer_end = 0;  // global layer indices owned by this pipeline stage
   bool first_stage = true, last_stage = true;
   bool pipeline = false;  // PP > 1 (the last stage keeps its own copy of tied output weights)
+  // --sequence-parallel with TP > 1: the residual stream, norms and dropout hold this rank's
+  // 1/TP of the token rows (rows are sequence-major, so a shard is a contiguous block of s/TP
+  // positions of every sample); the TP region in between works on all rows.
+  bool sequence_parallel = false;
 
   // Architecture.
   Normalization norm = Normalization::layernorm;
@@ -52,6 +56,10 @@ struct ModelDims {
   int fc1_width_local() const { return (swiglu ? 2 : 1) * ffn_local(); }
   int attn_width_local() const { return heads_local() * head_dim; }
   int64_t tokens() const { return static_cast<int64_t>(micro_batch) * seq; }  // rows N of a micro-batch
+  // Rows of the residual stream on this rank: N, or N/TP with sequence parallelism; they start at
+  // row local_row_begin() of the micro-batch.
+  int64_t tokens_local() const { return sequence_parallel ? tokens() / tp_size : tokens(); }
+  int64_t local_row_begin() const { return sequence_parallel ? tp_rank * tokens_local() : 0; }
   int stage_layers() const { return layer_end - layer_begin; }
 
   // From the run's flags for this rank. Layers are split evenly over the pipeline unless
@@ -61,6 +69,11 @@ struct ModelDims {
   // The same for a rank given by its coordinates (dry runs plan ranks that do not exist).
   static ModelDims from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
                                std::optional<std::pair<int, int>> layer_range = std::nullopt);
+  // One model chunk of this rank (parallel/pipeline_layout.h): its layers, and whether it holds
+  // the embedding (first_stage) and the output layer and loss (last_stage). With an interleaved
+  // pipeline a rank holds several chunks.
+  static ModelDims for_chunk(const Config& cfg, const ParallelState& ps, int first_layer, int num_layers,
+                             bool has_embedding, bool has_output);
 };
 
 }  // namespace mt

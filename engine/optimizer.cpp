@@ -12,27 +12,29 @@ namespace {
 enum Scalar { kLossSum = 0, kTokens = 1, kGradSumSq = 2, kZeros = 3, kCount = 4 };
 }  // namespace
 
-Optimizer::Optimizer(const Config& cfg, GptModel& model, ParallelState& ps, LrSchedule& schedule, LossScaler& scaler)
-    : cfg_(cfg), model_(model), ps_(ps), schedule_(schedule), scaler_(scaler), be_(model.backend()) {
+Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
+                     LossScaler& scaler)
+    : cfg_(cfg),
+      chunks_(std::move(chunks)),
+      ps_(ps),
+      schedule_(schedule),
+      scaler_(scaler),
+      be_(chunks_.at(0)->backend()) {
   const TrainConfig& t = cfg.train;
   const bool decoupled = t.decoupled_lr.has_value();
-  // Update segments merge neighbours of one group across the alignment padding (padding holds
-  // zeros with zero gradients, which AdamW and SGD leave at zero); the norm segments cover the
-  // counted parameters exactly (--log-num-zeros-in-grad must not count the padding).
-  int64_t end = 0;
-  for (const ParamDesc& p : model.params()) {
-    int g = p.weight_decay ? kDecay : kNoDecay;
-    if (decoupled && p.decoupled_lr) g += 2;
-    if (!segments_.empty() && segments_.back().group == g) segments_.back().count = p.offset + p.numel() - segments_.back().offset;
-    else segments_.push_back(OptimSegment{p.offset, p.numel(), g});
-    if (!p.shared_copy && (!p.tp_duplicated || ps.tp_rank == 0)) {
-      if (!norm_segments_.empty() && end == p.offset) norm_segments_.back().count += p.numel();
-      else norm_segments_.push_back(OptimSegment{p.offset, p.numel(), 0});
-      end = p.offset + p.numel();
+  sharded_ = chunks_.front()->grad_layout().sharded;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    if (chunks_[c]->dims().last_stage) output_chunk_ = chunks_[c];
+    for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
+      be_.register_optim_segments(r.update);
+      be_.register_optim_segments(r.norm);
+      ranges_.push_back(std::move(r));
     }
   }
-  be_.register_optim_segments(segments_);
-  be_.register_optim_segments(norm_segments_);
+  grad_sync_ = std::make_unique<DpGradSync>(cfg, ps, chunks_);
+  if (sharded_ && ps.dp_size > 1)
+    param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(),
+                                                  cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   const double lr = t.lr.value_or(0.0);
   max_lr_[kDecay] = max_lr_[kNoDecay] = lr;
   min_lr_[kDecay] = min_lr_[kNoDecay] = t.min_lr;
@@ -40,6 +42,25 @@ Optimizer::Optimizer(const Config& cfg, GptModel& model, ParallelState& ps, LrSc
   min_lr_[kDecoupledDecay] = min_lr_[kDecoupledNoDecay] = t.decoupled_min_lr.value_or(t.min_lr);
   // Megatron turns the NaN check off under fp16 dynamic loss scaling (overflows are expected).
   check_nan_ = t.check_for_nan_in_loss_and_grad && scaler.kind() != LossScaler::Kind::dynamic;
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::wait_for_params() {
+  if (param_gather_) param_gather_->wait_all();
+}
+
+// Reads scalars()[0, count) of the first chunk into host doubles: the iteration's one readback.
+double Optimizer::read_scalars(double* host, int count) {
+  const Tensor s = chunks_.front()->scalars().flat_slice(0, count);
+  if (chunks_.front()->options().accum == DType::f64) {
+    be_.copy_to_host(host, s);
+  } else {
+    float f[16];
+    be_.copy_to_host(f, s);
+    for (int k = 0; k < count; ++k) host[k] = f[k];
+  }
+  return host[0];
 }
 
 double Optimizer::learning_rate() const { return schedule_.lr(max_lr_[kDecay], min_lr_[kDecay]); }
@@ -68,33 +89,27 @@ OptimStepParams Optimizer::step_params(double grad_scale) const {
 
 StepOutcome Optimizer::step(int64_t iteration) {
   const TrainConfig& t = cfg_.train;
-  const ModelDims& d = model_.dims();
-  Tensor grads = model_.grads_flat(), scalars = model_.scalars();
+  const Tensor scalars = chunks_.front()->scalars();
 
-  // Gradient reductions across replicas. (The parallel code replaces the plain data-parallel
-  // all-reduce with bucketed, overlapped reductions.)
-  if (ps_.dp_size > 1) ps_.dp->all_reduce(grads);
-  if (d.pipeline && d.tied_embeddings && (d.first_stage || d.last_stage)) {
-    const int i = find_param(model_.params(), d.first_stage ? "embedding.word_embeddings.weight" : "output_layer.weight");
-    if (i >= 0) ps_.embedding->all_reduce(model_.grad(i));
-  }
+  // Gradient reductions across replicas (and the tied embeddings across the pipeline).
+  grad_sync_->finish();
 
-  // Loss sums (last stage) and gradient statistics, then the one readback.
+  // Loss sums (the last stage's) and gradient statistics, then the one readback.
   be_.fill(scalars, 0.0);
-  if (d.last_stage) be_.copy(scalars.flat_slice(kLossSum, 2), model_.loss_sums(false));
+  if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
   ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 2));
-  be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), grads, norm_segments_, false);
-  if (cfg_.logging.log_num_zeros_in_grad) be_.count_zeros(scalars.flat_slice(kZeros, 1), grads, norm_segments_, false);
-  ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
-  if (d.pipeline) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
-  double host[kCount];
-  if (model_.options().accum == DType::f64) {
-    be_.copy_to_host(host, scalars.flat_slice(0, kCount));
-  } else {
-    float f[kCount];
-    be_.copy_to_host(f, scalars.flat_slice(0, kCount));
-    for (int k = 0; k < kCount; ++k) host[k] = f[k];
+  for (const OptimRange& r : ranges_) {
+    if (r.norm.empty()) continue;  // (an empty list would mean the whole tensor)
+    const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
+    be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
+    if (cfg_.logging.log_num_zeros_in_grad) be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
   }
+  // With the distributed optimizer each DP rank counted its shards only.
+  if (sharded_) ps_.dp->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+  ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+  if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
+  double host[kCount];
+  read_scalars(host, kCount);
 
   StepOutcome out;
   out.loss_sum = host[kLossSum];
@@ -127,30 +142,29 @@ StepOutcome Optimizer::step(int64_t iteration) {
   if (cfg_.logging.log_num_zeros_in_grad) out.num_zeros = static_cast<int64_t>(host[kZeros]);
 
   const OptimStepParams p = step_params(inv * clip);
-  Tensor model_copy = model_.has_master_copy() ? model_.params_flat() : Tensor();
-  if (t.optimizer == OptimizerKind::adam) {
-    be_.adamw_step(model_.master_flat(), grads, model_.exp_avg_flat(), model_.exp_avg_sq_flat(), model_copy,
-                   segments_, p);
-  } else {
-    be_.sgd_step(model_.master_flat(), grads, model_.exp_avg_flat(), model_copy, segments_, p);
+  for (const OptimRange& r : ranges_) {
+    if (r.update.empty()) continue;
+    const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
+    if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
+    else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
   }
+  if (param_gather_) param_gather_->start();
   ++steps_;
   schedule_.step(t.global_batch);
   return out;
 }
 
 double Optimizer::params_norm() {
-  Tensor s = model_.scalars().flat_slice(kCount, 1);
-  be_.sum_squares(s, model_.master_flat(), norm_segments_, false);
+  const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 1);
+  be_.fill(s, 0.0);
+  for (const OptimRange& r : ranges_)
+    if (!r.norm.empty())
+      be_.sum_squares(s, optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).master, r.norm, true);
+  if (sharded_) ps_.dp->all_reduce(s);
   ps_.model_parallel->all_reduce(s);
-  if (model_.options().accum == DType::f64) {
-    double v;
-    be_.copy_to_host(&v, s);
-    return std::sqrt(v);
-  }
-  float v;
-  be_.copy_to_host(&v, s);
-  return std::sqrt(static_cast<double>(v));
+  double v[kCount + 1];
+  read_scalars(v, kCount + 1);
+  return std::sqrt(v[kCount]);
 }
 
 }  // namespace mt

@@ -1,6 +1,7 @@
-// Optimizer: Megatron's optimizer step on the model's flat buffers.
+// Optimizer: Megatron's optimizer step on the flat buffers of this rank's model chunks.
 //
-// After the micro-batches' backward passes: gradient reductions, the global gradient norm (every
+// After the micro-batches' backward passes: gradient reductions (engine/dp_grad_sync.h), the
+// global gradient norm (every
 // parameter once: TP-duplicated ones on TP rank 0 only, the last stage's tied-embedding copy not
 // at all), one host readback of [loss sum, tokens, grad sum of squares, zeros] (the iteration's
 // only device->host sync), the overflow / NaN decision, clipping and the AdamW or SGD update, all
@@ -9,14 +10,21 @@
 //
 // Parameter groups (Megatron's): weight decay or not (no decay on biases and 1-D parameters),
 // and --decoupled-lr / --decoupled-min-lr for the word embeddings and the output layer.
+//
+// With --use-distributed-optimizer each DP rank updates its shard of every bucket and the
+// parameters are then all-gathered (engine/distributed_optimizer.h); the gradient norm and the
+// zero count are then summed over DP as well.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "core/config.h"
 #include "engine/backend.h"
+#include "engine/distributed_optimizer.h"
+#include "engine/dp_grad_sync.h"
 #include "engine/gpt_model.h"
 #include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
@@ -35,9 +43,21 @@ struct StepOutcome {
 
 class Optimizer {
  public:
-  enum Group { kDecay = 0, kNoDecay = 1, kDecoupledDecay = 2, kDecoupledNoDecay = 3 };
+  enum Group { kDecay = kOptimDecay, kNoDecay = kOptimNoDecay, kDecoupledDecay = kOptimDecoupledDecay,
+               kDecoupledNoDecay = kOptimDecoupledNoDecay };
 
-  Optimizer(const Config& cfg, GptModel& model, ParallelState& ps, LrSchedule& schedule, LossScaler& scaler);
+  // chunks: this rank's model chunks (one without an interleaved pipeline), in chunk order.
+  Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
+            LossScaler& scaler);
+  Optimizer(const Config& cfg, GptModel& model, ParallelState& ps, LrSchedule& schedule, LossScaler& scaler)
+      : Optimizer(cfg, std::vector<GptModel*>{&model}, ps, schedule, scaler) {}
+  ~Optimizer();
+
+  // The data-parallel reductions (the trainer starts each step with grad_sync().start_step()).
+  DpGradSync& grad_sync() { return *grad_sync_; }
+  // Before reading whole parameter buffers outside the forward pass (checkpoints): waits for the
+  // distributed optimizer's overlapped parameter gathers.
+  void wait_for_params();
 
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch
   // size, successful steps only). Throws mt::Error for NaN/Inf in the loss or the grad norm when
@@ -53,19 +73,27 @@ class Optimizer {
   int64_t successful_steps() const { return steps_; }
   void set_successful_steps(int64_t n) { steps_ = n; }
 
-  const std::vector<OptimSegment>& segments() const { return segments_; }
-  const std::vector<OptimSegment>& norm_segments() const { return norm_segments_; }
+  // What this rank updates (distributed_optimizer.h).
+  const std::vector<OptimRange>& ranges() const { return ranges_; }
+  // The first range's segments: the whole buffer of a single unsharded chunk (tests).
+  const std::vector<OptimSegment>& segments() const { return ranges_.front().update; }
+  const std::vector<OptimSegment>& norm_segments() const { return ranges_.front().norm; }
 
  private:
   OptimStepParams step_params(double grad_scale) const;
+  double read_scalars(double* host, int count);
 
   const Config& cfg_;
-  GptModel& model_;
+  std::vector<GptModel*> chunks_;
+  GptModel* output_chunk_ = nullptr;  // the chunk with the loss (last pipeline stage), or null
   ParallelState& ps_;
   LrSchedule& schedule_;
   LossScaler& scaler_;
   Backend& be_;
-  std::vector<OptimSegment> segments_, norm_segments_;
+  std::vector<OptimRange> ranges_;
+  bool sharded_ = false;
+  std::unique_ptr<DpGradSync> grad_sync_;
+  std::unique_ptr<ParamGather> param_gather_;
   double max_lr_[OptimStepParams::kMaxGroups] = {}, min_lr_[OptimStepParams::kMaxGroups] = {};
   int64_t steps_ = 0;
   bool check_nan_ = true;

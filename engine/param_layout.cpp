@@ -44,11 +44,13 @@ struct Builder {
     return ShardIndex{rows, cols, 0, d.tp_rank * local, rows, local, 1};
   }
 
+  // tp_partial: whether TP ranks hold partial gradients of this norm (see ParamDesc).
   void norm(const std::string& prefix, const std::string& weight_name, const std::string& bias_name, int64_t width,
-            int layer) {
-    add(prefix + weight_name, {width}, whole(width), d.norm_1p ? InitKind::zeros : InitKind::ones, 0, true, layer);
+            int layer, bool tp_partial) {
+    add(prefix + weight_name, {width}, whole(width), d.norm_1p ? InitKind::zeros : InitKind::ones, 0, true, layer)
+        .tp_partial_grad = tp_partial;
     if (d.norm == Normalization::layernorm)
-      add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer);
+      add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer).tp_partial_grad = tp_partial;
   }
 };
 
@@ -69,19 +71,21 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
   const int64_t fc1_rows = (d.swiglu ? 2 : 1) * static_cast<int64_t>(d.ffn), chunks = d.swiglu ? 2 : 1;
   for (int l = d.layer_begin; l < d.layer_end; ++l) {
     const std::string p = "decoder.layers." + std::to_string(l) + ".";
-    b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l);
+    b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l,
+           d.sequence_parallel);
     b.add(p + "self_attention.linear_qkv.weight", {qkv_rows, h}, b.rows(qkv_rows, h), InitKind::normal, d.init_std,
           false, l);
     if (d.qkv_bias)
       b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
     if (d.qk_norm) {
-      b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l);
-      b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l);
+      // Shared by all heads of a layer, and TP splits the heads.
+      b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);
+      b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);
     }
     b.add(p + "self_attention.linear_proj.weight", {h, attn}, b.cols(h, attn), InitKind::normal, d.output_init_std,
           false, l);
     if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
-    b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l);
+    b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l, d.sequence_parallel);
     b.add(p + "mlp.linear_fc1.weight", {fc1_rows, h}, b.rows(fc1_rows, h, chunks), InitKind::normal, d.init_std,
           false, l);
     if (d.linear_bias)
@@ -90,7 +94,7 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
     if (d.linear_bias) b.add(p + "mlp.linear_fc2.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
   }
   if (d.last_stage) {
-    b.norm("decoder.", "final_layernorm.weight", "final_layernorm.bias", h, -1);
+    b.norm("decoder.", "final_layernorm.weight", "final_layernorm.bias", h, -1, d.sequence_parallel);
     if (!d.tied_embeddings) {
       ParamDesc& out = b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.init_std, false, -1);
       out.decoupled_lr = true;

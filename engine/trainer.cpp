@@ -16,17 +16,21 @@ std::atomic<bool> g_sigterm{false};
 extern "C" void on_sigterm(int) { g_sigterm.store(true); }
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
-                 Reporter& reporter)
+Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks, BatchSource* train,
+                 BatchSource* valid, Reporter& reporter)
     : cfg_(cfg),
       ps_(ps),
-      model_(model),
+      chunks_(chunks),
+      model_(*chunks.at(0)),
       train_(train),
       valid_(valid),
+      has_validation_(valid != nullptr),
       reporter_(reporter),
       schedule_(LrSchedule::params_from_config(cfg)),
       scaler_(LossScaler::from_config(cfg)),
-      optimizer_(cfg, model, ps, schedule_, scaler_) {
+      optimizer_(cfg, chunks, ps, schedule_, scaler_),
+      runner_(cfg, ps, chunks) {
+  runner_.timer = [this](const char* name, bool start) { start ? timer_start(name) : timer_stop(name); };
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
@@ -79,32 +83,21 @@ void Trainer::timer_stop(const char* name) {
 }
 
 void Trainer::forward_backward() {
-  // No pipelining: each micro-batch's forward then backward in slot 0. (Pipeline schedules
-  // drive the model's slots and stage inputs/outputs instead.)
   const TrainConfig& t = cfg_.train;
   const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : t.num_microbatches);
   timer_start("forward-backward");
-  for (int m = 0; m < t.num_microbatches; ++m) {
-    timer_start("batch-generator");
-    if (!train_.next(mb_))
-      fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
-           "--train-iters/--train-samples", iteration_ + 1, m + 1, t.num_microbatches);
-    timer_stop("batch-generator");
-    model_.stage_micro_batch(0, mb_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_++, true);
-    timer_start("forward-compute");
-    model_.forward(0);
-    timer_stop("forward-compute");
-    timer_start("backward-compute");
-    model_.backward(0);
-    timer_stop("backward-compute");
-  }
+  runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1);
+  micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
   timer_stop("forward-backward");
 }
 
 StepOutcome Trainer::train_step() {
   Backend& be = model_.backend();
-  model_.zero_grads();
-  be.fill(model_.loss_sums(false), 0.0);
+  for (GptModel* m : chunks_) {
+    m->zero_grads();
+    be.fill(m->loss_sums(false), 0.0);
+  }
+  optimizer_.grad_sync().start_step();
   forward_backward();
   timer_start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
@@ -122,8 +115,7 @@ int64_t Trainer::train() {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
         t.iterations_to_skip.end()) {
       // --iterations-to-skip: consume the batch without a step, as Megatron's dummy step.
-      for (int m = 0; m < t.num_microbatches; ++m)
-        if (!train_.next(mb_)) fail("the training data ran out at iteration {}", iteration_ + 1);
+      runner_.skip_step(train_, iteration_ + 1);
       micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
       ++iteration_;
       consumed_samples_ += B;
@@ -146,7 +138,7 @@ int64_t Trainer::train() {
     report_iteration(o, first);
     first = false;
     if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
-        valid_ && t.eval_iters > 0) {
+        has_validation_ && t.eval_iters > 0) {
       const auto pause = Clock::now();
       evaluate(false);
       interval_paused_s_ += std::chrono::duration<double>(Clock::now() - pause).count();
@@ -214,23 +206,18 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
 }
 
 void Trainer::evaluate(bool after_training) {
-  if (!valid_) return;
+  // Every rank evaluates or none does (set_has_validation): ranks that read no data (middle
+  // pipeline stages) have no validation source of their own.
+  if (!has_validation_) return;
   const TrainConfig& t = cfg_.train;
   Backend& be = model_.backend();
-  Tensor sums = model_.loss_sums(true);
-  be.fill(sums, 0.0);
+  for (GptModel* m : chunks_) be.fill(m->loss_sums(true), 0.0);
   int64_t done = 0;
   for (int it = 0; it < t.eval_iters; ++it) {
-    bool ok = true;
-    for (int m = 0; m < t.num_microbatches && ok; ++m) {
-      if (!valid_->next(mb_)) {
-        ok = false;
-        break;
-      }
-      model_.stage_micro_batch(0, mb_, 1.0, false, 0, false);
-      model_.forward(0);
-    }
-    if (!ok) {
+    if (!runner_.eval_step(valid_)) {
+      // Ranks that read data run out together; a pipeline's middle stages would wait for them.
+      if (ps_.pp_size > 1)
+        fail("the validation data ran out after {} of {} evaluation iterations", done, t.eval_iters);
       log::warn0("the validation data ran out after {} of {} evaluation iterations", done, t.eval_iters);
       break;
     }
@@ -239,9 +226,11 @@ void Trainer::evaluate(bool after_training) {
   }
   // Loss sums live on the last stage; every DP rank contributes.
   Tensor s = model_.scalars().flat_slice(0, 2);
-  be.copy(s, sums);
+  be.fill(s, 0.0);
+  for (GptModel* m : chunks_)
+    if (m->dims().last_stage) be.copy(s, m->loss_sums(true));
   ps_.dp->all_reduce(s);
-  if (model_.dims().pipeline) ps_.pp->all_reduce(s);
+  if (ps_.pp_size > 1) ps_.pp->all_reduce(s);
   double host[2];
   if (model_.options().accum == DType::f64) {
     be.copy_to_host(host, s);

@@ -1,7 +1,8 @@
-// Trainer: Megatron's training loop around one model stage. Per iteration: M micro-batches
-// forward and backward (gradient accumulation), the optimizer step with its single host
-// readback, logging averaged over --log-interval, evaluation every --eval-interval, and the
-// exit conditions (--train-iters / --train-samples, --exit-interval).
+// Trainer: Megatron's training loop around this rank's model chunks. Per iteration: M
+// micro-batches forward and backward in the pipeline schedule's order (engine/pipeline_runner.h;
+// without pipelining one after the other, accumulating gradients), the optimizer step with its
+// single host readback, logging averaged over --log-interval, evaluation every --eval-interval,
+// and the exit conditions (--train-iters / --train-samples, --exit-interval).
 #pragma once
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
 #include "engine/optimizer.h"
+#include "engine/pipeline_runner.h"
 #include "engine/reporter.h"
 
 namespace mt {
@@ -24,8 +26,13 @@ struct ParallelState;
 
 class Trainer {
  public:
+  // chunks: this rank's model chunks in chunk order. train/valid may be null on ranks that read
+  // no data (middle pipeline stages).
+  Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks, BatchSource* train,
+          BatchSource* valid, Reporter& reporter);
   Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
-          Reporter& reporter);
+          Reporter& reporter)
+      : Trainer(cfg, ps, std::vector<GptModel*>{&model}, &train, valid, reporter) {}
 
   // Model FLOPs of one iteration (for --log-throughput): set by the caller.
   std::function<double()> flops_per_iteration;
@@ -40,6 +47,10 @@ class Trainer {
   int64_t train();
   // Forward-only loss over --eval-iters global batches of the validation source.
   void evaluate(bool after_training);
+  // Whether the run has a validation split (default: a validation source was given). Ranks that
+  // read no data learn it from the others (app/train.cpp), as all ranks must evaluate together.
+  void set_has_validation(bool v) { has_validation_ = v; }
+  bool has_validation() const { return has_validation_; }
   // One iteration (exposed for tests): returns the step outcome.
   StepOutcome train_step();
 
@@ -83,14 +94,16 @@ class Trainer {
 
   const Config& cfg_;
   ParallelState& ps_;
-  GptModel& model_;
-  BatchSource& train_;
+  std::vector<GptModel*> chunks_;
+  GptModel& model_;  // chunk 0 (its backend and scalar buffer serve all chunks)
+  BatchSource* train_;
   BatchSource* valid_;
+  bool has_validation_ = false;
   Reporter& reporter_;
   LrSchedule schedule_;
   LossScaler scaler_;
   Optimizer optimizer_;
-  MicroBatch mb_;
+  PipelineRunner runner_;
 
   int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;

@@ -36,6 +36,10 @@ class Communicator {
   virtual void barrier() = 0;
   // Ranks with the same color form a new group, ordered by key (collective over this group).
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  // NCCL: enqueue this communicator's later operations on `stream` (a cudaStream_t; e.g. the
+  // backend's communication stream, so that data-parallel reductions overlap compute). The caller
+  // orders the streams. Host communicators (MPI, a group of one) ignore it.
+  virtual void set_stream(void* stream) { (void)stream; }
 };
 
 // A group of one rank.

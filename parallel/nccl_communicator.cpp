@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -272,16 +273,44 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    // The split is done in blocking mode: on the H200 machines (NCCL 2.28) a non-blocking split
+    // returned before writing the child handle, so every group came back empty. A split that hangs
+    // (a rank that never arrives) is ended by the deadline thread below, as the watchdog would.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = 1;
     config.commName = name.c_str();
     ncclComm_t child = nullptr;
     const std::string what = fmt::format("split into '{}'", name);
-    const ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+    ncclResult_t r = ncclSuccess;
+    {
+      std::mutex m;
+      std::condition_variable cv;
+      bool done = false;
+      std::thread deadline([&] {
+        std::unique_lock<std::mutex> lock(m);
+        if (!cv.wait_for(lock, timeout_, [&] { return done; }))
+          Watchdog::get().fatal(fmt::format("NCCL {} of group '{}' (rank {} of {}) did not finish within {}: a rank "
+                                            "may be missing",
+                                            what, name_, rank_, size_, format_duration(timeout_)));
+      });
+      r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+      {
+        std::lock_guard<std::mutex> lock(m);
+        done = true;
+      }
+      cv.notify_all();
+      deadline.join();
+    }
     settle(r, what.c_str());
     if (child) wait_ready(child, what, timeout_);
-    if (!child) return nullptr;
+    if (color < 0) return nullptr;
+    if (!child) fail("NCCL {} on group '{}' returned no communicator (rank {} of {})", what, name_, rank_, size_);
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
+  }
+
+  void set_stream(void* stream) override {
+    MT_CHECK(!in_group_, "{}: set_stream inside a point-to-point group", name_);
+    stream_ = static_cast<cudaStream_t>(stream);
   }
 
   // Waits until a (non-blocking) communicator has finished its pending call, or throws at the

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev catch2
-          libopenmpi-dev openmpi-bin libsentencepiece-dev zlib1g-dev python3-venv perl-doc)
+          libopenmpi-dev openmpi-bin libsentencepiece-dev sentencepiece zlib1g-dev python3-venv perl-doc)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -161,8 +161,8 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
              Contains("megatrain does not support --ckpt-format torch_dcp"));
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules core_attn moe")),
              Contains("--recompute-modules moe yet"));
-  CHECK_THAT(parse_error(small_gpt() + words("--tokenizer-type Llama2Tokenizer")),
-             Contains("megatrain does not support --tokenizer-type Llama2Tokenizer"));
+  CHECK_THAT(parse_error(small_gpt() + words("--tokenizer-type TikTokenizer")),
+             Contains("megatrain does not support --tokenizer-type TikTokenizer"));
   try {
     parse(small_gpt() + words("--optimizer muon"));
     FAIL("expected Unsupported");

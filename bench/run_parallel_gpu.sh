@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Multi-GPU training on one host with 2 GPUs: equivalence with one GPU, scaling and memory, and the
+# NCCL tests. Every multi-GPU run goes through the workstation launcher (a bare `megatrain
+# --tensor-model-parallel-size 2 ...` starts one worker per GPU); one-GPU runs use
+# CUDA_VISIBLE_DEVICES=0. All runs: --bf16 --mock-data, NullTokenizer, no dropout.
+#
+#   bench/run_parallel_gpu.sh [--bin DIR | --megatrain build/app/megatrain] [--skip-nccl] [--quick]
+#   --bin DIR: a directory holding megatrain (and nccl_comm_test, nccl_bandwidth for step 3: it
+#   becomes run_nccl_tests.sh's BIN). The whole script keeps to about 5 minutes: each run has a
+#   time limit, and runs that would start after 270 s are skipped (and say so).
+#
+# 1. Equivalence: gpt2-124m, 20 iterations, 1 GPU vs TP=2, TP=2+SP, PP=2, DP=2 (same global batch,
+#    same data): both loss columns per iteration and the largest relative difference (bf16:
+#    PASS below 2e-2).
+# 2. Scaling (iterations after the first 4 of 12, median):
+#      DP=2 tokens/s vs 1 GPU on gpt2-124m and gpt-1.3b (weak scaling, target >= 1.9x), with the
+#        distributed optimizer and overlapped gradient reduce-scatter / parameter all-gather;
+#      TP=2+SP TFLOP/s per GPU vs 1 GPU on gpt-1.3b (same batch; target >= 0.8x);
+#      PP=2 with 8 micro-batches TFLOP/s per GPU vs 1 GPU with the same micro-batches (target >= 0.85x);
+#    and each layout's per-GPU memory (planned buffers and device memory in use beyond the CUDA
+#    context after the run, from the
+#    "[rank N] memory:" lines).
+# 3. bench/run_nccl_tests.sh (MAX_MB=256).
+# The summary table is printed last. Logs go to $OUT (or /tmp).
+set -u
+cd "$(dirname "$0")/.."
+bin=build/app/megatrain
+nccl=1
+quick=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --megatrain) bin="$2"; shift 2 ;;
+    --bin) bin="$2/megatrain"; [ -x "$2/nccl_comm_test" ] && export BIN="$2"; shift 2 ;;
+    --skip-nccl) nccl=0; shift ;;
+    --quick) quick=1; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+out=${OUT:-/tmp}/parallel-gpu-$$
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+if [ "$ngpu" -lt 2 ]; then
+  echo "run_parallel_gpu.sh needs 2 GPUs, found $ngpu"
+  exit 77
+fi
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+one_gpu=${CUDA_VISIBLE_DEVICES%%,*}
+
+common="--bf16 --mock-data --tokenizer-type NullTokenizer --attention-dropout 0.0 --hidden-dropout 0.0
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+  --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 --log-interval 1 --log-throughput
+  --eval-iters 0 --split 100,0,0 --vocab-size 50304 --make-vocab-size-divisible-by 64 --seed 1234"
+gpt2="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024"
+gpt13="--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048"
+
+# run NAME GPUS FLAGS...: one megatrain run (through the launcher when GPUS=2), metrics in $out/NAME.jsonl.
+run() {
+  local name=$1 gpus=$2
+  shift 2
+  local devices=$CUDA_VISIBLE_DEVICES
+  [ "$gpus" = 1 ] && devices=$one_gpu
+  rm -f "$out/$name.jsonl"
+  if [ "$SECONDS" -gt 270 ]; then
+    echo "SKIPPED: $name (the 5-minute budget is spent)"
+    return 0
+  fi
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$devices timeout 100 "$bin" $common "$@" --metrics-jsonl "$out/$name.jsonl" \
+    > "$out/$name.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "FAILED: $name (exit $rc), last lines of $out/$name.log:"
+    tail -n 5 "$out/$name.log"
+  fi
+  return 0
+}
+
+# ---- 1. equivalence --------------------------------------------------------------------------
+eq_iters=20
+eq="$gpt2 --micro-batch-size 4 --global-batch-size 16 --train-iters $eq_iters"
+run eq_1gpu 1 $eq
+run eq_tp2 2 $eq --tensor-model-parallel-size 2
+run eq_tp2_sp 2 $eq --tensor-model-parallel-size 2 --sequence-parallel
+run eq_pp2 2 $eq --pipeline-model-parallel-size 2
+run eq_dp2 2 $eq --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+
+# ---- 2. scaling --------------------------------------------------------------------------------
+iters=12
+[ "$quick" = 1 ] && iters=8
+run dp_124m_1gpu 1 $gpt2 --micro-batch-size 32 --global-batch-size 32 --train-iters $iters
+run dp_124m_dp2 2 $gpt2 --micro-batch-size 32 --global-batch-size 64 --train-iters $iters \
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+run dp_13b_1gpu 1 $gpt13 --micro-batch-size 8 --global-batch-size 8 --train-iters $iters
+run dp_13b_dp2 2 $gpt13 --micro-batch-size 8 --global-batch-size 16 --train-iters $iters \
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+run tp_13b_tp2sp 2 $gpt13 --micro-batch-size 8 --global-batch-size 8 --train-iters $iters \
+  --tensor-model-parallel-size 2 --sequence-parallel
+run pp_13b_1gpu 1 $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters
+run pp_13b_pp2 2 $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
+  --pipeline-model-parallel-size 2
+
+# ---- 3. NCCL tests ----------------------------------------------------------------------------
+nccl_summary="(skipped)"
+if [ "$nccl" = 1 ] && [ "$SECONDS" -gt 250 ]; then
+  nccl_summary="(skipped: the 5-minute budget is spent)"
+elif [ "$nccl" = 1 ]; then
+  MAX_MB=256 timeout $((300 - SECONDS > 40 ? 300 - SECONDS : 40)) bench/run_nccl_tests.sh > "$out/nccl.log" 2>&1
+  nccl_summary=$(grep -E '^(PASS|FAIL)' "$out/nccl.log" | tr '\n' ';')
+  [ -z "$nccl_summary" ] && nccl_summary="no summary (see $out/nccl.log)"
+fi
+
+# ---- summary ------------------------------------------------------------------------------------
+echo
+echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1) x $ngpu; logs in $out"
+python3 - "$out" "$eq_iters" "$nccl_summary" <<'EOF'
+import json, os, re, statistics, sys
+out, eq_iters, nccl = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+def records(name):
+    path = os.path.join(out, name + ".jsonl")
+    if not os.path.exists(path):
+        return []
+    return [r for r in map(json.loads, open(path)) if r.get("type") == "iteration"]
+
+def steady(name, key, skip=4):
+    vals = [r[key] for r in records(name) if r["iteration"] > skip and key in r]
+    return statistics.median(vals) if vals else None
+
+def memory(name):
+    path = os.path.join(out, name + ".log")
+    if not os.path.exists(path):
+        return "-"
+    ranks = re.findall(r"\[rank (\d+)\] memory: planned ([\d.]+) MiB, device in use ([\d.]+) MiB", open(path).read())
+    return ", ".join(f"r{r}: {float(p)/1024:.1f}/{float(d)/1024:.1f} GiB" for r, p, d in sorted(ranks))
+
+table = []  # (measure, 1 GPU, 2 GPUs, ratio or difference, target, status)
+print("\n== equivalence with 1 GPU (gpt2-124m, bf16, lm loss per iteration) ==")
+base = {r["iteration"]: r["lm_loss"] for r in records("eq_1gpu")}
+for name in ["eq_tp2", "eq_tp2_sp", "eq_pp2", "eq_dp2"]:
+    other = {r["iteration"]: r["lm_loss"] for r in records(name)}
+    common = sorted(set(base) & set(other))
+    if len(common) < eq_iters:
+        table.append((f"{name} loss vs 1 GPU", None, None, None, "< 2e-2", f"FAIL ({len(common)} of {eq_iters} iterations)"))
+        continue
+    worst = max(abs(other[i] - base[i]) / abs(base[i]) for i in common)
+    table.append((f"{name} loss vs 1 GPU", base[common[-1]], other[common[-1]], worst, "< 2e-2",
+                  "PASS" if worst < 2e-2 else "FAIL"))
+    print(f"{name}:  iter   1-GPU loss   parallel loss")
+    for i in common:
+        print(f"        {i:4d}   {base[i]:.6f}     {other[i]:.6f}")
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+def scaling(measure, key, one, two, target):
+    a, b = steady(one, key), steady(two, key)
+    r = ratio(b, a)
+    table.append((measure, a, b, r, f">= {target}", "-" if r is None else ("ok" if r >= target else "BELOW")))
+scaling("DP=2 gpt2-124m tokens/s", "tokens_per_second", "dp_124m_1gpu", "dp_124m_dp2", 1.9)
+scaling("DP=2 gpt-1.3b tokens/s", "tokens_per_second", "dp_13b_1gpu", "dp_13b_dp2", 1.9)
+scaling("TP=2+SP gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "dp_13b_1gpu", "tp_13b_tp2sp", 0.8)
+scaling("PP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2", 0.85)
+
+print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
+for name in ["eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2", "eq_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
+             "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2"]:
+    print(f"{name:14s} {memory(name)}")
+print(f"\nNCCL tests: {nccl}")
+
+print("\n== summary (scaling: median of iterations 5.., ratio = 2 GPUs / 1 GPU; equivalence: last loss "
+      "of each run and the largest relative difference) ==")
+fmt = lambda v: "-" if v is None else (f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}")
+print(f"{'measure':32s} {'1 GPU':>12s} {'2 GPUs':>12s} {'ratio/diff':>10s} {'target':>8s}  status")
+for measure, a, b, r, target, status in table:
+    print(f"{measure:32s} {fmt(a):>12s} {fmt(b):>12s} {fmt(r):>10s} {target:>8s}  {status}")
+EOF

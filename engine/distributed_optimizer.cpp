@@ -1,0 +1,152 @@
+#include "engine/distributed_optimizer.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "parallel/communicator.h"
+
+namespace mt {
+
+int optim_group(const ParamDesc& p, bool decoupled_lr) {
+  int g = p.weight_decay ? kOptimDecay : kOptimNoDecay;
+  if (decoupled_lr && p.decoupled_lr) g += 2;
+  return g;
+}
+
+namespace {
+
+// A piece of one parameter inside a range: [offset, offset + numel) relative to the range start.
+struct Piece {
+  int64_t offset = 0, numel = 0;
+  int param = 0;
+};
+
+void add_segments(OptimRange& r, std::vector<Piece> pieces, const std::vector<ParamDesc>& params, int tp_rank,
+                  bool decoupled_lr) {
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  int64_t norm_end = -1;
+  for (const Piece& k : pieces) {
+    const ParamDesc& p = params[static_cast<size_t>(k.param)];
+    const int g = optim_group(p, decoupled_lr);
+    if (!r.update.empty() && r.update.back().group == g) r.update.back().count = k.offset + k.numel - r.update.back().offset;
+    else r.update.push_back(OptimSegment{k.offset, k.numel, g});
+    if (!p.shared_copy && (!p.tp_duplicated || tp_rank == 0)) {
+      if (!r.norm.empty() && norm_end == k.offset) r.norm.back().count += k.numel;
+      else r.norm.push_back(OptimSegment{k.offset, k.numel, 0});
+      norm_end = k.offset + k.numel;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int tp_rank, bool decoupled_lr) {
+  const GradLayout& L = model.grad_layout();
+  const std::vector<ParamDesc>& params = model.params();
+  std::vector<OptimRange> out;
+  if (!L.sharded) {
+    OptimRange r;
+    r.chunk = chunk;
+    r.numel = model.grads_flat().numel();
+    std::vector<Piece> pieces;
+    for (size_t i = 0; i < params.size(); ++i)
+      pieces.push_back({params[i].offset, params[i].numel(), static_cast<int>(i)});
+    add_segments(r, std::move(pieces), params, tp_rank, decoupled_lr);
+    out.push_back(std::move(r));
+    return out;
+  }
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    OptimRange r;
+    r.chunk = chunk;
+    r.bucket = b;
+    r.flat_offset = L.shard_offset(b);
+    r.state_offset = L.state_offset[static_cast<size_t>(b)];
+    r.numel = L.shard_numel(b);
+    std::vector<Piece> pieces;
+    for (const ShardSegment& s : L.shard_segments(b)) pieces.push_back({s.shard_offset, s.numel, s.param});
+    add_segments(r, std::move(pieces), params, tp_rank, decoupled_lr);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+OptimViews optim_views(const GptModel& m, const OptimRange& r) {
+  OptimViews v;
+  auto state = [&](const Tensor& t) { return t.empty() ? Tensor() : t.flat_slice(r.state_offset, r.numel); };
+  v.grad = m.grads_flat().flat_slice(r.flat_offset, r.numel);
+  if (m.has_master_copy()) {
+    v.master = state(m.master_flat());
+    v.model_copy = m.params_flat().flat_slice(r.flat_offset, r.numel);
+  } else {
+    v.master = m.params_flat().flat_slice(r.flat_offset, r.numel);  // the parameters are the master weights
+  }
+  v.state1 = state(m.exp_avg_flat());
+  v.state2 = state(m.exp_avg_sq_flat());
+  return v;
+}
+
+// ---- parameter all-gather --------------------------------------------------------------------
+
+ParamGather::ParamGather(std::vector<GptModel*> chunks, Communicator& dp, bool overlap)
+    : chunks_(std::move(chunks)), dp_(dp), overlap_(overlap) {
+  int marks = 0;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    first_mark_.push_back(marks);
+    marks += chunks_[c]->grad_layout().num_buckets();
+    pending_.emplace_back(static_cast<size_t>(chunks_[c]->grad_layout().num_buckets()), 0);
+  }
+  if (!overlap_) return;
+  chunks_.front()->backend().reserve_comm_marks(marks);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    chunks_[c]->on_params_needed = [this, c](int end) { wait_needed(static_cast<int>(c), end); };
+}
+
+ParamGather::~ParamGather() {
+  if (overlap_)
+    for (GptModel* m : chunks_) m->on_params_needed = nullptr;
+}
+
+void ParamGather::start() {
+  MT_CHECK(num_pending_ == 0, "parameter gathers of the previous step were never waited for");
+  Backend& be = chunks_.front()->backend();
+  be.comm_wait_for_compute();  // the shards are updated
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    GptModel& m = *chunks_[c];
+    const GradLayout& L = m.grad_layout();
+    // Buckets in forward order (the last bucket holds the first layers), so that the first
+    // forward's parameters arrive first.
+    for (int b = L.num_buckets() - 1; b >= 0; --b) {
+      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+      const Tensor whole = m.params_flat().flat_slice(k.offset, k.numel);
+      dp_.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+      if (overlap_) {
+        be.record_comm_mark(first_mark_[c] + b);
+        pending_[c][static_cast<size_t>(b)] = 1;
+        ++num_pending_;
+      }
+    }
+  }
+  if (!overlap_) be.compute_wait_for_comm();
+}
+
+void ParamGather::wait_needed(int chunk, int end) {
+  if (num_pending_ == 0) return;
+  GptModel& m = *chunks_[static_cast<size_t>(chunk)];
+  const GradLayout& L = m.grad_layout();
+  std::vector<char>& pend = pending_[static_cast<size_t>(chunk)];
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!pend[static_cast<size_t>(b)] || L.bucket_first_param[static_cast<size_t>(b)] >= end) continue;
+    m.backend().compute_wait_for_mark(first_mark_[static_cast<size_t>(chunk)] + b);
+    pend[static_cast<size_t>(b)] = 0;
+    --num_pending_;
+  }
+}
+
+void ParamGather::wait_all() {
+  if (num_pending_ == 0) return;
+  chunks_.front()->backend().compute_wait_for_comm();
+  for (auto& p : pending_) std::fill(p.begin(), p.end(), 0);
+  num_pending_ = 0;
+}
+
+}  // namespace mt

@@ -1,0 +1,99 @@
+#include "engine/dp_grad_sync.h"
+
+#include "core/config.h"
+#include "core/error.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks)
+    : ps_(ps), chunks_(std::move(chunks)) {
+  MT_CHECK(!chunks_.empty(), "no model chunks");
+  const ParallelConfig& p = cfg.parallel;
+  reduce_ = ps.dp_size > 1;
+  overlap_ = p.overlap_grad_reduce;
+  bf16_ = reduce_ && chunks_.front()->options().grad_reduce_bf16;
+  sharded_ = chunks_.front()->grad_layout().sharded;
+  for (GptModel* m : chunks_)
+    MT_CHECK(m->grad_layout().sharded == sharded_ && m->options().dp_size == ps.dp_size &&
+                 m->options().dp_rank == ps.dp_rank && (!bf16_ || !m->grad_comm_flat().empty()),
+             "model chunks planned for another data-parallel layout");
+  Backend& be = chunks_.front()->backend();
+  comm_ = ps.dp.get();
+  if (reduce_ && be.comm_stream()) {
+    // A communicator of its own, so that the optimizer's small DP collectives stay on the
+    // compute stream (collective over the DP group: every member builds its DpGradSync alike).
+    own_comm_ = ps.dp->split(0, ps.dp_rank, "dp_grad");
+    own_comm_->set_stream(be.comm_stream());
+    comm_ = own_comm_.get();
+  }
+  next_bucket_.assign(chunks_.size(), 0);
+  if (reduce_ && overlap_)
+    for (size_t c = 0; c < chunks_.size(); ++c)
+      chunks_[c]->on_grads_final = [this, c](int first) { grads_final(static_cast<int>(c), first); };
+}
+
+DpGradSync::~DpGradSync() {
+  for (GptModel* m : chunks_) m->on_grads_final = nullptr;
+}
+
+void DpGradSync::start_step() { next_bucket_.assign(chunks_.size(), 0); }
+
+// Buckets are launched in order (the same on every DP rank, as collectives must be), each once
+// all its gradients are final.
+void DpGradSync::grads_final(int chunk, int first_param) {
+  GptModel& m = *chunks_[static_cast<size_t>(chunk)];
+  const GradLayout& L = m.grad_layout();
+  int& next = next_bucket_[static_cast<size_t>(chunk)];
+  while (next < L.num_buckets() && L.bucket_first_param[static_cast<size_t>(next)] >= first_param) launch(chunk, next++);
+}
+
+void DpGradSync::launch(int chunk, int b) {
+  GptModel& m = *chunks_[static_cast<size_t>(chunk)];
+  Backend& be = m.backend();
+  const GradLayout& L = m.grad_layout();
+  const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+  Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);
+  if (bf16_) {
+    const Tensor h = m.grad_comm_flat().flat_slice(k.offset, k.numel);
+    be.cast(h, g);
+    g = h;
+  }
+  be.comm_wait_for_compute();
+  if (sharded_) comm_->reduce_scatter(g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)), g);
+  else comm_->all_reduce(g);
+}
+
+void DpGradSync::finish() {
+  if (reduce_) {
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const int n = chunks_[c]->grad_layout().num_buckets();
+      while (next_bucket_[c] < n) launch(static_cast<int>(c), next_bucket_[c]++);
+    }
+    chunks_.front()->backend().compute_wait_for_comm();
+    if (bf16_) {
+      for (GptModel* m : chunks_) {
+        const GradLayout& L = m->grad_layout();
+        for (int b = 0; b < L.num_buckets(); ++b) {
+          const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+          // With the distributed optimizer only this rank's shard holds the sum.
+          const int64_t off = sharded_ ? L.shard_offset(b) : k.offset, n = sharded_ ? L.shard_numel(b) : k.numel;
+          m->backend().cast(m->grads_flat().flat_slice(off, n), m->grad_comm_flat().flat_slice(off, n));
+        }
+      }
+    }
+  }
+  // Tied word embeddings across pipeline stages (Megatron's _allreduce_word_embedding_grads): the
+  // first stage's embedding and the last stage's output-layer copy get the sum of both gradients.
+  for (GptModel* m : chunks_) {
+    const ModelDims& d = m->dims();
+    if (!d.pipeline || !d.tied_embeddings) continue;
+    const char* name = d.first_stage ? "embedding.word_embeddings.weight" : d.last_stage ? "output_layer.weight" : nullptr;
+    if (!name) continue;
+    const int i = find_param(m->params(), name);
+    MT_CHECK(i >= 0 && ps_.embedding, "tied embeddings: no {} or no embedding group on this rank", name);
+    ps_.embedding->all_reduce(m->grad(i));
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,57 @@
+// Data-parallel gradient reduction (Megatron's DistributedDataParallel + finalize_model_grads).
+//
+// Each model chunk's gradient buffer is cut into buckets (engine/grad_layout.h). In the chunk's
+// last backward of the step (PipelineAction::grad_sync) the model reports as gradients become
+// final; with --overlap-grad-reduce a bucket's reduction starts as soon as its last gradient is
+// final, on the backend's communication stream (CUDA), overlapping the rest of the backward pass.
+// Without it, or on the reference backend (synchronous MPI), the same calls run in order. The
+// reduction is an all-reduce, or with --use-distributed-optimizer a reduce-scatter (each DP rank
+// keeps the sum of its shard). --grad-reduce-in-bf16 reduces a bf16 copy of the bucket.
+//
+// finish(), before the optimizer, completes every reduction, casts bf16 results back and then
+// sums the tied word-embedding gradients of the first and last pipeline stage over the embedding
+// group, so that both copies receive identical updates.
+//
+// The gradients are summed, not averaged: the optimizer folds 1/DP into its gradient scale (the
+// same arithmetic as Megatron's pre-division, without an extra pass over the buffer).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/gpt_model.h"
+
+namespace mt {
+
+struct Config;
+struct ParallelState;
+class Communicator;
+
+class DpGradSync {
+ public:
+  DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks);
+  ~DpGradSync();
+  DpGradSync(const DpGradSync&) = delete;
+  DpGradSync& operator=(const DpGradSync&) = delete;
+
+  // The communicator of the data-parallel reductions and parameter gathers: the DP group, on the
+  // backend's communication stream where it has one.
+  Communicator& comm() { return *comm_; }
+
+  void start_step();
+  // Completes the step's reductions (see above).
+  void finish();
+
+ private:
+  void grads_final(int chunk, int first_param);
+  void launch(int chunk, int bucket);
+
+  ParallelState& ps_;
+  std::vector<GptModel*> chunks_;
+  std::unique_ptr<Communicator> own_comm_;  // split of ps.dp onto the communication stream
+  Communicator* comm_ = nullptr;
+  bool overlap_ = false, bf16_ = false, sharded_ = false, reduce_ = false;
+  std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
+};
+
+}  // namespace mt

@@ -1,0 +1,55 @@
+// Where a model chunk's parameters sit in its flat buffers: the data-parallel bucket layout of
+// parallel/grad_buckets.h applied to the chunk's ParamDescs, and (with --use-distributed-optimizer)
+// where this DP rank's shard of each bucket lives in the sharded master-weight and optimizer-state
+// buffers.
+//
+// The parameter, gradient, master and optimizer buffers all share one layout, so a bucket is one
+// contiguous range of each and is reduced in place. Parameters are placed in backward order (the
+// order their gradients become final); within each layer the parameters whose gradients are only
+// partial on each TP rank (ParamDesc::tp_partial_grad) come first, so that one all-reduce covers
+// them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "engine/param_layout.h"
+#include "parallel/grad_buckets.h"
+
+namespace mt {
+
+struct GradLayout {
+  GradBufferPlan plan;                  // over params in backward order (plan.params[k] <-> plan_param[k])
+  std::vector<int> plan_param;          // plan parameter k -> index into the model's params()
+  std::vector<int> bucket_first_param;  // per bucket: its smallest params() index
+  int dp_rank = 0;
+  // Distributed optimizer: master weights and optimizer states hold only this rank's shard of
+  // every bucket, one after the other.
+  bool sharded = false;
+  std::vector<int64_t> state_offset;  // per bucket: where its shard starts in the sharded buffers
+  int64_t state_numel = 0;            // size of the sharded buffers (the full size when not sharded)
+
+  int num_buckets() const { return static_cast<int>(plan.buckets.size()); }
+  int64_t shard_offset(int b) const { return plan.shard_offset(b, dp_rank); }  // in the flat buffers
+  int64_t shard_numel(int b) const { return plan.shard_numel(b); }
+  // The parameter pieces of this rank's shard of bucket b, with param = params() index.
+  std::vector<ShardSegment> shard_segments(int b) const;
+};
+
+// Assigns every ParamDesc::offset from the bucket plan and returns it; *total_elements becomes the
+// padded size of the flat buffers. bucket_size: nullopt = one bucket. Tied word embeddings shared
+// between the first and last pipeline stage get a bucket of their own (pipeline true).
+GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
+                              std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
+                              int64_t* total_elements);
+
+// Contiguous ranges [offset, offset + count) of the flat buffers that hold all parameters with
+// tp_partial_grad of one layer (layer -1: the final norm), padding between them included (it holds
+// zeros). Empty when the chunk has none.
+struct FlatRange {
+  int64_t offset = 0, count = 0;
+};
+std::vector<std::pair<int, FlatRange>> tp_partial_ranges(const std::vector<ParamDesc>& params);
+
+}  // namespace mt

@@ -1,0 +1,202 @@
+#include "engine/pipeline_runner.h"
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+// ---- slot plan -------------------------------------------------------------------------------
+
+PipelinePlan PipelinePlan::build(const Config& cfg, int pp_rank) {
+  ScheduleSpec spec;
+  spec.pp_size = cfg.parallel.pipeline_model_parallel_size;
+  spec.num_microbatches = cfg.train.num_microbatches;
+  spec.num_chunks = std::max(1, cfg.parallel.virtual_pipeline_size);
+  spec.microbatch_group_size = cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage.value_or(0);
+  return from_schedule(build_pipeline_schedule(spec, pp_rank));
+}
+
+PipelinePlan PipelinePlan::from_schedule(PipelineSchedule schedule) {
+  PipelinePlan p;
+  p.schedule = std::move(schedule);
+  const int V = p.schedule.num_chunks;
+  p.num_slots.assign(static_cast<size_t>(V), 0);
+  std::vector<std::vector<int>> free(static_cast<size_t>(V));  // free slots per chunk, smallest last
+  std::map<std::pair<int, int>, int> held;                      // (micro-batch, chunk) -> slot
+  auto take = [&](int mb, int c) {
+    auto it = held.find({mb, c});
+    if (it != held.end()) return it->second;
+    std::vector<int>& f = free[static_cast<size_t>(c)];
+    int s;
+    if (f.empty()) {
+      s = p.num_slots[static_cast<size_t>(c)]++;
+    } else {
+      s = f.back();
+      f.pop_back();
+    }
+    held[{mb, c}] = s;
+    return s;
+  };
+  auto holding = [&](int mb, int c) {
+    auto it = held.find({mb, c});
+    MT_CHECK(it != held.end(), "pipeline plan: micro-batch {} of chunk {} holds no slot", mb, c);
+    return it->second;
+  };
+  for (const PipelineAction& a : p.schedule.actions) {
+    std::vector<int> slots;
+    switch (a.op) {
+      case PipelineOp::forward: slots.push_back(take(a.microbatch, a.chunk)); break;
+      case PipelineOp::backward: {
+        const int s = holding(a.microbatch, a.chunk);
+        slots.push_back(s);
+        held.erase({a.microbatch, a.chunk});
+        std::vector<int>& f = free[static_cast<size_t>(a.chunk)];
+        f.push_back(s);
+        std::sort(f.rbegin(), f.rend());  // reuse the smallest free slot first (deterministic)
+        break;
+      }
+      case PipelineOp::communicate:
+        for (const P2PTransfer& t : a.transfers) {
+          if (t.channel == PipelineChannel::activation) slots.push_back(t.is_send ? holding(t.microbatch, t.chunk)
+                                                                                  : take(t.microbatch, t.chunk));
+          else slots.push_back(t.is_send ? -1 : holding(t.microbatch, t.chunk));
+        }
+        break;
+    }
+    p.slots.push_back(std::move(slots));
+  }
+  MT_CHECK(held.empty(), "pipeline plan: {} slots still held after the step", held.size());
+  for (int& n : p.num_slots) n = std::max(n, 1);  // evaluation uses slot 0 of every chunk
+  return p;
+}
+
+// ---- runner ------------------------------------------------------------------------------
+
+PipelineRunner::PipelineRunner(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks)
+    : cfg_(cfg), ps_(ps), chunks_(std::move(chunks)), plan_(PipelinePlan::build(cfg, ps.pp_rank)) {
+  MT_CHECK(static_cast<int>(chunks_.size()) == plan_.schedule.num_chunks, "{} model chunks for a schedule of {}",
+           chunks_.size(), plan_.schedule.num_chunks);
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    MT_CHECK(chunks_[c]->options().num_slots >= plan_.num_slots[c], "chunk {} has {} activation slots, the schedule needs {}",
+             c, chunks_[c]->options().num_slots, plan_.num_slots[c]);
+    reads_data_ = reads_data_ || needs_data(static_cast<int>(c));
+  }
+}
+
+bool PipelineRunner::needs_data(int chunk) const {
+  const ModelDims& d = chunks_[static_cast<size_t>(chunk)]->dims();
+  return d.first_stage || d.last_stage;
+}
+
+// The micro-batch `mb` of this step in mb_ (read once: the embedding and the loss of one rank
+// share it).
+bool PipelineRunner::fetch(BatchSource* data, int mb) {
+  if (fetched_ == mb) return true;
+  MT_CHECK(data, "this rank reads data but has no data source");
+  time("batch-generator", true);
+  const bool ok = data->next(mb_);
+  time("batch-generator", false);
+  if (ok) fetched_ = mb;
+  return ok;
+}
+
+void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>& slots) {
+  bool act = false, grad = false;
+  for (const P2PTransfer& t : a.transfers) (t.channel == PipelineChannel::activation ? act : grad) = true;
+  Communicator* ca = ps_.pp.get();
+  Communicator* cg = ps_.pp_grad.get();
+  MT_CHECK(ca && (!grad || cg), "pipeline transfers without pipeline communicators");
+  if (act) ca->group_start();
+  if (grad) cg->group_start();
+  for (size_t i = 0; i < a.transfers.size(); ++i) {
+    const P2PTransfer& t = a.transfers[i];
+    const GptModel& m = *chunks_[static_cast<size_t>(t.chunk)];
+    const int slot = slots[i];
+    if (t.channel == PipelineChannel::activation) {
+      if (t.is_send) ca->send(m.stage_output(slot), t.peer);
+      else ca->recv(m.stage_input(slot), t.peer);
+    } else {
+      if (t.is_send) cg->send(m.input_grad(), t.peer);
+      else cg->recv(m.output_grad(slot), t.peer);
+    }
+  }
+  if (act) ca->group_end();
+  if (grad) cg->group_end();
+}
+
+void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial,
+                                int64_t iteration) {
+  const int M = plan_.schedule.num_microbatches;
+  fetched_ = -1;
+  for (size_t i = 0; i < plan_.schedule.actions.size(); ++i) {
+    const PipelineAction& a = plan_.schedule.actions[i];
+    const std::vector<int>& slots = plan_.slots[i];
+    if (a.op == PipelineOp::communicate) {
+      communicate(a, slots);
+      continue;
+    }
+    GptModel& m = *chunks_[static_cast<size_t>(a.chunk)];
+    if (a.op == PipelineOp::forward) {
+      const uint64_t key = serial + static_cast<uint64_t>(a.microbatch);
+      if (needs_data(a.chunk)) {
+        if (!fetch(data, a.microbatch))
+          fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
+               "--train-iters/--train-samples", iteration, a.microbatch + 1, M);
+        m.stage_micro_batch(slots[0], mb_, loss_grad_scale, per_token_loss, key, true);
+      } else {
+        m.stage_without_data(slots[0], key, true);
+      }
+      time("forward-compute", true);
+      m.forward(slots[0]);
+      time("forward-compute", false);
+    } else {
+      time("backward-compute", true);
+      m.backward(slots[0], a.grad_sync);
+      time("backward-compute", false);
+    }
+  }
+}
+
+void PipelineRunner::skip_step(BatchSource* data, int64_t iteration) {
+  if (!reads_data_) return;
+  for (int m = 0; m < plan_.schedule.num_microbatches; ++m)
+    if (!data || !data->next(mb_)) fail("the training data ran out at iteration {}", iteration);
+}
+
+// Forward only, micro-batch by micro-batch through the whole virtual pipeline: each stage receives
+// its input, runs and sends its output on. Every rank's transfers follow the order of (micro-batch,
+// stage), in which each one waits only for earlier ones, so the plain sends and receives cannot
+// deadlock.
+bool PipelineRunner::eval_step(BatchSource* data) {
+  const int P = ps_.pp_size, V = static_cast<int>(chunks_.size());
+  fetched_ = -1;
+  for (int mb = 0; mb < cfg_.train.num_microbatches; ++mb) {
+    for (int c = 0; c < V; ++c) {
+      GptModel& m = *chunks_[static_cast<size_t>(c)];
+      const int stage = c * P + ps_.pp_rank;
+      if (stage > 0) {
+        ps_.pp->group_start();
+        ps_.pp->recv(m.stage_input(0), (stage - 1) % P);
+        ps_.pp->group_end();
+      }
+      if (needs_data(c)) {
+        if (!fetch(data, mb)) return false;
+        m.stage_micro_batch(0, mb_, 1.0, false, 0, false);
+      } else {
+        m.stage_without_data(0, 0, false);
+      }
+      m.forward(0);
+      if (stage + 1 < P * V) {
+        ps_.pp->group_start();
+        ps_.pp->send(m.stage_output(0), (stage + 1) % P);
+        ps_.pp->group_end();
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace mt

@@ -1,0 +1,78 @@
+// Executes a pipeline schedule (parallel/schedules.h) on this rank's model chunks: forwards,
+// backwards and the grouped point-to-point transfers between stages (activations on ps.pp,
+// gradients on ps.pp_grad), in the schedule's fully ordered form. The same runner drives the
+// single-stage case (the no-pipelining schedule).
+//
+// Activation slots are planned up front from the schedule: a (micro-batch, chunk) takes a slot of
+// its chunk when its input arrives (the receive may come well before the forward runs) or when its
+// forward starts, and frees it after its backward; each chunk gets the peak number it holds at once.
+// Received activations land directly in the slot's stage input, received gradients in its output
+// gradient; a backward's input gradient is sent in the group right after it (the schedule builder
+// puts every send in the round its tensor is produced), before the next compute overwrites it.
+//
+// Data: the chunks holding the embedding or the loss read their micro-batches from the data source
+// (in micro-batch order, once per micro-batch); the other chunks need none.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/config.h"
+#include "data/batch.h"
+#include "engine/gpt_model.h"
+#include "parallel/schedules.h"
+
+namespace mt {
+
+struct ParallelState;
+
+struct PipelinePlan {
+  PipelineSchedule schedule;
+  std::vector<int> num_slots;           // per chunk
+  // Per action: forward/backward: {slot}; communicate: one slot per transfer (-1 for a sent
+  // input gradient, which lives in the chunk's workspace).
+  std::vector<std::vector<int>> slots;
+
+  // The schedule of this config for pipeline rank pp_rank.
+  static PipelinePlan build(const Config& cfg, int pp_rank);
+  static PipelinePlan from_schedule(PipelineSchedule schedule);
+};
+
+class PipelineRunner {
+ public:
+  // chunks: this rank's model chunks in chunk order, each built with at least plan.num_slots[c] slots.
+  PipelineRunner(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks);
+
+  // One training step: every micro-batch's forward and backward. serial numbers the first
+  // micro-batch (dropout keys); iteration names the step in errors.
+  void train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial, int64_t iteration);
+  // One evaluation step (forward only, no dropout): the loss sums accumulate on the last stage.
+  // Returns false when the data ran out on a rank that reads data.
+  bool eval_step(BatchSource* data);
+  // Reads and drops one step's micro-batches (--iterations-to-skip), on ranks that read data.
+  void skip_step(BatchSource* data, int64_t iteration);
+
+  bool reads_data() const { return reads_data_; }
+  const PipelinePlan& plan() const { return plan_; }
+  // Optional timers (--timing-log-level): called with a name and start (true) or stop (false).
+  std::function<void(const char* name, bool start)> timer;
+
+ private:
+  bool needs_data(int chunk) const;
+  bool fetch(BatchSource* data, int mb);
+  void communicate(const PipelineAction& a, const std::vector<int>& slots);
+  void time(const char* name, bool start) {
+    if (timer) timer(name, start);
+  }
+
+  const Config& cfg_;
+  ParallelState& ps_;
+  std::vector<GptModel*> chunks_;
+  PipelinePlan plan_;
+  bool reads_data_ = false;
+  MicroBatch mb_;
+  int fetched_ = -1;  // micro-batch index held in mb_ for this step
+};
+
+}  // namespace mt

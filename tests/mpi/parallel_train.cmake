@@ -1,0 +1,66 @@
+# Multi-rank training on the reference backend over MPI equals one-rank training (same losses,
+# gradient norms, parameter norms every iteration, same final parameters and optimizer states):
+# tests/mpi/parallel_train_check.cpp runs the real megatrain binary both ways. Tiny model, 8
+# iterations; up to 8 ranks oversubscribed on CI's 2 cores.
+function(megatrain_parallel_train_test name)
+  add_test(NAME ${name}
+           COMMAND $<TARGET_FILE:parallel_train_check> $<TARGET_FILE:megatrain> ${MPIEXEC_EXECUTABLE}
+                   ${CMAKE_BINARY_DIR}/parallel_train/${name} ${ARGN}
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(${name} PROPERTIES LABELS mpi TIMEOUT 300
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+endfunction()
+
+megatrain_parallel_train_test(parallel_train_tp2 2 --tensor-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_pp2 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_pp2_vpp2 2 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_pp2_vpp2_dp2_distopt 4 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 2000)
+megatrain_parallel_train_test(parallel_train_pp3_uneven 3 --pipeline-model-parallel-size 3
+                              --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1)
+megatrain_parallel_train_test(parallel_train_dp2 2)
+megatrain_parallel_train_test(parallel_train_dp2_distopt 2 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_dp3 3 --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_dp3_distopt 3 --use-distributed-optimizer --overlap-grad-reduce
+                              --ddp-bucket-size 3000)
+# Gradients summed in bfloat16: the same run within bf16 rounding.
+megatrain_parallel_train_test(parallel_train_dp3_distopt_bf16_reduce --bf16-reduce 3 --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 3000 --grad-reduce-in-bf16)
+megatrain_parallel_train_test(parallel_train_tp2_pp2_dp2 8 --tensor-model-parallel-size 2
+                              --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 3000)
+# Llama-style (RMSNorm, SwiGLU, RoPE, GQA, untied output layer, q/k layernorm whose gradients are
+# partial on each TP rank) over TP x PP.
+megatrain_parallel_train_test(parallel_train_llama_tp2_pp2 --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --qk-layernorm"
+  4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
+# Checkpoints move between layouts: 4 iterations in one, the other 4 in another.
+megatrain_parallel_train_test(parallel_train_resume_tp2pp2_to_dp2 --resume
+  4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 2 -)
+megatrain_parallel_train_test(parallel_train_resume_dp2distopt_to_tp2pp2 --resume
+  2 "--use-distributed-optimizer" 4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
+megatrain_parallel_train_test(parallel_train_resume_dp2_to_dp3distopt --resume
+  2 - 3 "--use-distributed-optimizer")
+
+# A rank that dies or stops answering ends every rank with a clear error, never a hang
+# (MEGATRAIN_DEBUG_FAULT is a hidden fault injection of app/train.cpp).
+set(parallel_train_tiny --device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --num-layers 2
+    --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1
+    --global-batch-size 4 --lr 1e-2 --train-iters 20 --eval-iters 0)
+# mpirun exits 137 when a rank was killed by SIGKILL, which expect_failure.sh reads as its own
+# timeout: the wrapper maps it to 9.
+add_test(NAME parallel_train_killed_rank
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/expect_failure.sh 120 "exited on signal 9"
+                 /bin/sh -c "\"$0\" \"$@\"; s=$?; [ $s -eq 137 ] && s=9; exit $s"
+                 ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 2 --oversubscribe -x MEGATRAIN_DEBUG_FAULT=kill@1:3
+                 $<TARGET_FILE:megatrain> ${parallel_train_tiny} --pipeline-model-parallel-size 2
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(parallel_train_killed_rank PROPERTIES LABELS mpi
+  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
+  "rank 0\\] error: .*timed out after 2 s waiting for .*group '"
+  -x MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS=2 -x MEGATRAIN_DEBUG_FAULT=hang@1:3
+  $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2)

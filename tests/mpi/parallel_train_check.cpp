@@ -1,0 +1,243 @@
+// Multi-rank training against one rank, on the reference backend over MPI: runs the real megatrain
+// binary once on one process and once under `mpirun -np N` with a parallel layout, both with
+// --metrics-jsonl and --save, and requires the same run:
+//   * every iteration's lm loss (relative 1e-5) and gradient norm (relative 1e-4), and the
+//     parameter norm of every iteration (relative 1e-5),
+//   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
+//   * the final checkpoints: every model tensor and optimizer state element within 2e-5 (a
+//     checkpoint holds global tensors, so the two layouts compare directly; this also checks that
+//     each rank wrote its shards once and that they assemble).
+// Same seed and data; float32 arithmetic in a different order (sharded GEMMs, reductions over
+// ranks), hence the tolerances. A wrong gradient scale, a missing reduction or a stale shard moves
+// the numbers by far more.
+//
+// Usage: parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] <nranks> [layout flags...]
+//        parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] --resume <n1> "<flags 1>" <n2> "<flags 2>"
+// --bf16-reduce (first) loosens the tolerances for --grad-reduce-in-bf16. --model adds model flags to every run (both the one-rank and the parallel ones); "-" stands for
+// no layout flags (CTest drops empty arguments).
+// The second form trains 4 of 8 iterations with layout 1 (saving at the exit), resumes with layout
+// 2 from that checkpoint and compares iterations 5..8 and the final checkpoint with the one-rank run.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint_io.h"
+#include "core/error.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kModel =
+    "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 32 "
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 1 --global-batch-size 12 --lr 1e-2 --min-lr 1e-3 --lr-warmup-iters 2 --train-iters 8 "
+    "--hidden-dropout 0 --attention-dropout 0 --eval-iters 2 --eval-interval 4 --log-interval 1 --log-params-norm "
+    "--seed 1234 "
+    "--weight-decay 0.1 --clip-grad 1.0 --save-interval 100";
+
+struct Record {
+  double loss = 0, grad_norm = 0, params_norm = 0;
+};
+using Evals = std::map<std::pair<int64_t, bool>, double>;  // (iteration, after training) -> lm loss
+
+int failures = 0;
+// Tolerances; --bf16-reduce loosens them for gradients summed in bfloat16 (--grad-reduce-in-bf16:
+// 8 mantissa bits, so relative errors near 4e-3 per element; Adam then moves parameters whose
+// gradients are near zero by up to the learning rate).
+double rtol_loss = 1e-5, rtol_grad = 1e-4, rtol_params = 1e-5, atol_tensors = 2e-5;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    std::cout << "FAIL: " << what << "\n";
+    ++failures;
+  }
+}
+
+int run(const std::string& cmd, const std::string& log) {
+  std::cout << "$ " << cmd << "\n" << std::flush;
+  const int rc = std::system((cmd + " > " + log + " 2>&1").c_str());
+  if (rc != 0) {
+    std::ifstream in(log);
+    std::cout << in.rdbuf() << "\n(exit status " << rc << ")\n";
+  }
+  return rc;
+}
+
+bool near(double a, double b, double rtol) { return std::fabs(a - b) <= rtol * std::max(std::fabs(a), std::fabs(b)); }
+
+Evals read_evals(const std::string& path) {
+  Evals out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("type", "") == "evaluation")
+      out[{j.at("iteration").get<int64_t>(), j.at("after_training").get<bool>()}] = j.at("lm_loss").get<double>();
+  }
+  return out;
+}
+
+void compare_evals(const Evals& base, const Evals& par) {
+  check(!par.empty(), "the parallel run evaluated");
+  for (const auto& [key, loss] : par) {
+    auto b = base.find(key);
+    if (b == base.end()) {
+      check(false, "an evaluation at iteration " + std::to_string(key.first) + " the one-rank run did not make");
+      continue;
+    }
+    std::printf("  evaluation at iteration %lld%s: %.9g vs %.9g\n", static_cast<long long>(key.first),
+                key.second ? " (after training)" : "", b->second, loss);
+    check(near(b->second, loss, rtol_loss), "validation loss at iteration " + std::to_string(key.first));
+  }
+}
+
+std::map<int64_t, Record> read_metrics(const std::string& path) {
+  std::map<int64_t, Record> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("type", "") != "iteration") continue;
+    Record r;
+    r.loss = j.at("lm_loss").get<double>();
+    r.grad_norm = j.at("grad_norm").get<double>();
+    r.params_norm = j.at("params_norm").get<double>();
+    out[j.at("iteration").get<int64_t>()] = r;
+  }
+  return out;
+}
+
+// first: the parallel run's first iteration. The logged lm loss is the average since the last
+// log line, and (as in Megatron) the interval is not reset after a run's first iteration: with
+// --log-interval 1 the second iteration of a run logs the mean of its first two. The one-rank run
+// started at 1, so for a run resumed at first > 1 its second value is compared with that mean.
+void compare_metrics(const std::map<int64_t, Record>& base, const std::map<int64_t, Record>& par, int64_t first) {
+  for (int64_t it = first; it <= 8; ++it) {
+    auto b = base.find(it), p = par.find(it);
+    if (b == base.end() || p == par.end()) {
+      check(false, "iteration " + std::to_string(it) + " missing from a metrics file");
+      continue;
+    }
+    if (first > 2 && it == first + 1 && base.count(it - 1)) {
+      Record mean = b->second;
+      mean.loss = (base.at(it - 1).loss + b->second.loss) / 2;
+      std::printf("  (iteration %lld logs the mean loss of iterations %lld and %lld)\n", static_cast<long long>(it),
+                  static_cast<long long>(it - 1), static_cast<long long>(it));
+      check(near(mean.loss, p->second.loss, rtol_loss), "lm loss of iteration " + std::to_string(it));
+      check(near(b->second.grad_norm, p->second.grad_norm, rtol_grad), "grad norm of iteration " + std::to_string(it));
+      check(near(b->second.params_norm, p->second.params_norm, rtol_params), "params norm of iteration " + std::to_string(it));
+      continue;
+    }
+    std::printf("  iteration %lld: loss %.9g vs %.9g, grad norm %.9g vs %.9g, params norm %.9g vs %.9g\n",
+                static_cast<long long>(it), b->second.loss, p->second.loss, b->second.grad_norm, p->second.grad_norm,
+                b->second.params_norm, p->second.params_norm);
+    check(near(b->second.loss, p->second.loss, rtol_loss), "lm loss of iteration " + std::to_string(it));
+    check(near(b->second.grad_norm, p->second.grad_norm, rtol_grad), "grad norm of iteration " + std::to_string(it));
+    check(near(b->second.params_norm, p->second.params_norm, rtol_params), "params norm of iteration " + std::to_string(it));
+  }
+}
+
+void compare_checkpoints(const std::string& base_dir, const std::string& par_dir) {
+  mt::CheckpointReader a(base_dir), b(par_dir);
+  check(a.iteration() == 8 && b.iteration() == 8, "both final checkpoints are of iteration 8");
+  size_t tensors = 0;
+  double worst = 0;
+  std::string worst_name;
+  for (mt::CheckpointKind kind : {mt::CheckpointKind::model, mt::CheckpointKind::optimizer}) {
+    for (const std::string& name : a.names(kind)) {
+      if (!b.has(name, kind)) {
+        check(false, "tensor " + name + " missing from the parallel run's checkpoint");
+        continue;
+      }
+      const mt::CheckpointTensorInfo& info = a.info(name, kind);
+      const mt::ShardIndex whole = mt::ShardIndex::whole(info.global_rows, info.global_cols);
+      std::vector<float> x(static_cast<size_t>(whole.local_numel())), y(x.size());
+      a.read(name, kind, mt::ShardSlice::whole(whole), mt::Tensor(x.data(), mt::DType::f32, mt::Device::cpu, {whole.local_numel()}));
+      b.read(name, kind, mt::ShardSlice::whole(whole), mt::Tensor(y.data(), mt::DType::f32, mt::Device::cpu, {whole.local_numel()}));
+      for (size_t i = 0; i < x.size(); ++i) {
+        const double d = std::fabs(static_cast<double>(x[i]) - y[i]);
+        if (!(d <= worst)) {  // NaN-safe
+          worst = std::isnan(d) ? INFINITY : d;
+          worst_name = name;
+        }
+      }
+      ++tensors;
+    }
+    check(a.names(kind).size() == b.names(kind).size(), "the same tensors in both checkpoints");
+  }
+  std::printf("  final checkpoints: %zu tensors, largest difference %.3g (%s)\n", tensors, worst, worst_name.c_str());
+  check(tensors > 0, "the checkpoints hold tensors");
+  check(worst <= atol_tensors, "final parameters and optimizer states agree");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::cerr << "usage: parallel_train_check <megatrain> <mpirun> <work dir> <nranks> [flags...] | --resume ...\n";
+    return 2;
+  }
+  const std::string megatrain = argv[1], mpirun = std::string(argv[2]) + " --oversubscribe", work = argv[3];
+  std::string base = kModel;
+  if (std::string(argv[4]) == "--bf16-reduce") {
+    rtol_loss = 1e-3;
+    rtol_grad = 2e-2;
+    rtol_params = 5e-4;
+    atol_tensors = 1e-2;
+    ++argv;
+    --argc;
+  }
+  if (std::string(argv[4]) == "--model") {
+    if (argc < 7) return 2;
+    base += std::string(" ") + argv[5];
+    argv += 2;
+    argc -= 2;
+  }
+  fs::remove_all(work);
+  fs::create_directories(work);
+  try {
+    if (run(megatrain + " " + base + " --save " + work + "/base --metrics-jsonl " + work + "/base.jsonl",
+            work + "/base.log") != 0)
+      return 1;
+    const auto base_metrics = read_metrics(work + "/base.jsonl");
+    if (std::string(argv[4]) == "--resume") {
+      if (argc != 9) {
+        std::cerr << "--resume needs <n1> <flags 1> <n2> <flags 2>\n";
+        return 2;
+      }
+      auto flags = [](const char* f) { return std::string(f) == "-" ? std::string() : std::string(f); };
+      const std::string first = mpirun + " -np " + argv[5] + " " + megatrain + " " + base + " " + flags(argv[6]) +
+                                " --exit-interval 4 --save " + work + "/ckpt";
+      if (run(first, work + "/first.log") != 0) return 1;
+      const std::string second = mpirun + " -np " + argv[7] + " " + megatrain + " " + base + " " + flags(argv[8]) +
+                                 " --load " + work + "/ckpt --save " + work + "/ckpt --metrics-jsonl " + work +
+                                 "/par.jsonl";
+      if (run(second, work + "/second.log") != 0) return 1;
+      compare_metrics(base_metrics, read_metrics(work + "/par.jsonl"), 5);
+      compare_evals(read_evals(work + "/base.jsonl"), read_evals(work + "/par.jsonl"));
+      compare_checkpoints(work + "/base", work + "/ckpt");
+    } else {
+      std::string flags;
+      for (int i = 5; i < argc; ++i) flags += std::string(" ") + argv[i];
+      const std::string cmd = mpirun + " -np " + argv[4] + " " + megatrain + " " + base + flags + " --save " + work +
+                              "/par --metrics-jsonl " + work + "/par.jsonl";
+      if (run(cmd, work + "/par.log") != 0) return 1;
+      compare_metrics(base_metrics, read_metrics(work + "/par.jsonl"), 1);
+      compare_evals(read_evals(work + "/base.jsonl"), read_evals(work + "/par.jsonl"));
+      compare_checkpoints(work + "/base", work + "/par");
+    }
+  } catch (const std::exception& e) {
+    std::cout << "FAIL: " << e.what() << "\n";
+    return 1;
+  }
+  std::cout << (failures ? "FAILED" : "PASSED") << "\n";
+  return failures ? 1 : 0;
+}
