@@ -70,6 +70,12 @@ TEST_CASE("reference gelu forward values", "[reference]") {
   be->gelu_forward(y.t(), x.t(), true);
   CHECK(y.d[0] == Approx(-0.15880800939172324));
   CHECK(y.d[2] == Approx(1.9545976940871322));
+  // The negative tail keeps its relative precision (1 + erf and 1 + tanh would give 0 here).
+  x.d = {-10.0, 0.0, 0.0};
+  be->gelu_forward(y.t(), x.t(), false);
+  CHECK(y.d[0] == Approx(-7.619853024160593e-23).epsilon(1e-12));
+  be->gelu_forward(y.t(), x.t(), true);
+  CHECK(y.d[0] == Approx(-1.2040923482098023e-37).epsilon(1e-12));
 }
 
 TEST_CASE("reference swiglu forward/backward gradients", "[reference][gradcheck]") {

@@ -12,19 +12,22 @@ constexpr double kInvSqrt2 = 0.7071067811865476;
 constexpr double kInvSqrt2Pi = 0.3989422804014327;   // 1/sqrt(2 pi)
 constexpr double kGeluTanhCoeff = 0.044715;
 
-// GeLU, erf form: x * Phi(x).
-inline double gelu_erf(double x) { return 0.5 * x * (1.0 + std::erf(x * kInvSqrt2)); }
+// GeLU, erf form: x * Phi(x) with Phi(x) = erfc(-x/sqrt 2) / 2 (erfc: no cancellation in the
+// negative tail, where 1 + erf(x/sqrt 2) loses all digits below x ~ -8 even in double).
+inline double gelu_erf(double x) { return 0.5 * x * std::erfc(-x * kInvSqrt2); }
 inline double gelu_erf_grad(double x) {
-  return 0.5 * (1.0 + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
+  return 0.5 * std::erfc(-x * kInvSqrt2) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
 }
 
-// GeLU, tanh approximation (--openai-gelu).
-inline double gelu_tanh(double x) {
-  return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x)));
+// GeLU, tanh approximation (--openai-gelu): 0.5 x (1 + tanh(u)) = x * sigmoid(2u).
+inline double gelu_tanh_gate(double x) {
+  const double u = kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x);
+  return 1.0 / (1.0 + std::exp(-2.0 * u));
 }
+inline double gelu_tanh(double x) { return x * gelu_tanh_gate(x); }
 inline double gelu_tanh_grad(double x) {
-  const double t = std::tanh(kSqrt2OverPi * (x + kGeluTanhCoeff * x * x * x));
-  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3.0 * kGeluTanhCoeff * x * x);
+  const double s = gelu_tanh_gate(x);
+  return s + 2.0 * x * s * (1.0 - s) * kSqrt2OverPi * (1.0 + 3.0 * kGeluTanhCoeff * x * x);
 }
 
 inline double activate(Activation act, double x) {
