@@ -66,5 +66,5 @@ echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 for name in "${names[@]}"; do
   echo "$name megatrain: ${mt_line[$name]}"
-  [ -n "${pt_line[$name]:-}" ] && echo "$name pytorch:   ${pt_line[$name]}"
+  if [ -n "${pt_line[$name]:-}" ]; then echo "$name pytorch:   ${pt_line[$name]}"; fi
 done
