@@ -107,10 +107,16 @@ void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>
   bool act = false, grad = false;
   for (const P2PTransfer& t : a.transfers) (t.channel == PipelineChannel::activation ? act : grad) = true;
   Communicator* ca = ps_.pp.get();
-  Communicator* cg = ps_.pp_grad.get();
+  // On the GPU both directions go through one NCCL communicator: NCCL matches sends and receives
+  // per peer in issue order, and a group spanning two communicators launches one kernel per
+  // communicator on the stream, whose order can differ between neighbours and deadlock (seen:
+  // PP=2 hung on 2 H200s). Over MPI the separate gradient communicator stays: it keeps a schedule
+  // defect from pairing an activation with a gradient silently.
+  const bool one_comm = chunks_.front()->backend().device() == Device::cuda;
+  Communicator* cg = one_comm ? ca : ps_.pp_grad.get();
   MT_CHECK(ca && (!grad || cg), "pipeline transfers without pipeline communicators");
-  if (act) ca->group_start();
-  if (grad) cg->group_start();
+  if (act || (grad && one_comm)) ca->group_start();
+  if (grad && !one_comm) cg->group_start();
   for (size_t i = 0; i < a.transfers.size(); ++i) {
     const P2PTransfer& t = a.transfers[i];
     const GptModel& m = *chunks_[static_cast<size_t>(t.chunk)];
@@ -123,8 +129,8 @@ void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>
       else cg->recv(m.output_grad(slot), t.peer);
     }
   }
-  if (act) ca->group_end();
-  if (grad) cg->group_end();
+  if (act || (grad && one_comm)) ca->group_end();
+  if (grad && !one_comm) cg->group_end();
 }
 
 void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial,

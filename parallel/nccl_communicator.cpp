@@ -15,9 +15,9 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -272,39 +272,52 @@ class NcclCommunicator final : public Communicator {
     wait_stream("barrier");
   }
 
+  // Splits by handing out one fresh ncclUniqueId per color over this communicator and initialising
+  // each group with ncclCommInitRankConfig, instead of ncclCommSplit: on the H200 machines (NCCL
+  // 2.28.3) ncclCommSplit returned success and no child handle, in blocking and non-blocking mode.
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
-    // The split is done in blocking mode: on the H200 machines (NCCL 2.28) a non-blocking split
-    // returned before writing the child handle, so every group came back empty. A split that hangs
-    // (a rank that never arrives) is ended by the deadline thread below, as the watchdog would.
+    const int32_t mine[2] = {color < 0 ? -1 : color, key};
+    const std::vector<char> pairs = all_gather_host(mine, sizeof(mine));
+    auto at = [&](int r, int i) {
+      int32_t v;
+      std::memcpy(&v, pairs.data() + (static_cast<size_t>(r) * 2 + i) * sizeof(int32_t), sizeof(v));
+      return v;
+    };
+    // Members of my color, ordered by (key, rank); the first one creates the group's id.
+    std::vector<int> members;
+    for (int r = 0; r < size_; ++r)
+      if (color >= 0 && at(r, 0) == color) members.push_back(r);
+    std::sort(members.begin(), members.end(),
+              [&](int x, int y) { return std::make_pair(at(x, 1), x) < std::make_pair(at(y, 1), y); });
+    bool leader = false;
+    for (int r = 0; r < size_; ++r) {
+      if (at(r, 0) < 0) continue;
+      bool first = true;  // r is its color's leader if no member of the color sorts before it
+      for (int q = 0; q < size_; ++q)
+        if (q != r && at(q, 0) == at(r, 0) && std::make_pair(at(q, 1), q) < std::make_pair(at(r, 1), r)) first = false;
+      if (first && r == rank_) leader = true;
+    }
+    ncclUniqueId id{};
+    if (leader) {
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      if (r != ncclSuccess) fail("ncclGetUniqueId for group '{}' failed: {}", name, ncclGetErrorString(r));
+    }
+    const std::vector<char> ids = all_gather_host(&id, sizeof(id));
+    if (color < 0) return nullptr;
+    std::memcpy(&id, ids.data() + static_cast<size_t>(members.front()) * sizeof(id), sizeof(id));
+    const int my_index = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 1;
+    config.blocking = 0;
     config.commName = name.c_str();
     ncclComm_t child = nullptr;
-    const std::string what = fmt::format("split into '{}'", name);
-    ncclResult_t r = ncclSuccess;
-    {
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-      std::thread deadline([&] {
-        std::unique_lock<std::mutex> lock(m);
-        if (!cv.wait_for(lock, timeout_, [&] { return done; }))
-          Watchdog::get().fatal(fmt::format("NCCL {} of group '{}' (rank {} of {}) did not finish within {}: a rank "
-                                            "may be missing",
-                                            what, name_, rank_, size_, format_duration(timeout_)));
-      });
-      r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
-      {
-        std::lock_guard<std::mutex> lock(m);
-        done = true;
-      }
-      cv.notify_all();
-      deadline.join();
-    }
-    settle(r, what.c_str());
-    if (child) wait_ready(child, what, timeout_);
-    if (color < 0) return nullptr;
-    if (!child) fail("NCCL {} on group '{}' returned no communicator (rank {} of {})", what, name_, rank_, size_);
+    const std::string what = fmt::format("creation of group '{}' (rank {} of {}) from '{}'", name, my_index,
+                                         members.size(), name_);
+    const ncclResult_t r =
+        ncclCommInitRankConfig(&child, static_cast<int>(members.size()), id, my_index, &config);
+    if (r != ncclSuccess && r != ncclInProgress) fail("NCCL {} failed: {}", what, ncclGetErrorString(r));
+    if (!child) fail("NCCL {} returned no communicator", what);
+    wait_ready(child, what, timeout_);
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
   }
 
@@ -383,6 +396,33 @@ class NcclCommunicator final : public Communicator {
   }
 
   // The world rank of every member, in group-rank order (for error messages).
+  // All-gather of a small host blob (set-up time only: allocates a temporary device buffer).
+  std::vector<char> all_gather_host(const void* data, size_t bytes) {
+    const size_t padded = (bytes + 3) / 4 * 4;
+    void* dev = nullptr;
+    check_cuda(cudaMalloc(&dev, padded * (size_ + 1)), "cudaMalloc (host all-gather)");
+    std::vector<char> out(padded * size_);
+    try {
+      std::vector<char> in(padded, 0);
+      std::memcpy(in.data(), data, bytes);
+      check_cuda(cudaMemcpyAsync(dev, in.data(), padded, cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
+      const int64_t words = static_cast<int64_t>(padded / 4);
+      all_gather(Tensor(static_cast<char*>(dev) + padded, DType::i32, Device::cuda, {words * size_}),
+                 Tensor(dev, DType::i32, Device::cuda, {words}));
+      check_cuda(cudaMemcpyAsync(out.data(), static_cast<char*>(dev) + padded, out.size(), cudaMemcpyDeviceToHost,
+                                 stream_),
+                 "cudaMemcpy");
+      wait_stream("host all-gather");
+    } catch (...) {
+      cudaFree(dev);
+      throw;
+    }
+    cudaFree(dev);
+    std::vector<char> result(bytes * size_);
+    for (int r = 0; r < size_; ++r) std::memcpy(result.data() + r * bytes, out.data() + r * padded, bytes);
+    return result;
+  }
+
   std::vector<int> gather_world_ranks() {
     auto* dev = static_cast<int32_t*>(scratch_);
     check_cuda(cudaMemcpyAsync(dev, &world_rank_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
