@@ -8,6 +8,7 @@
 #   --bin DIR: a directory holding megatrain (and nccl_comm_test, nccl_bandwidth for step 3: it
 #   becomes run_nccl_tests.sh's BIN). The whole script keeps to about 5 minutes: each run has a
 #   time limit, and runs that would start after BUDGET_S (default 270) seconds are skipped (and say so).
+#   ONLY='eq_1gpu|eq_pp2' runs only the runs of those names.
 #
 # 1. Equivalence: gpt2-124m, 20 iterations, 1 GPU vs TP=2, TP=2+SP, PP=2, DP=2 (same global batch,
 #    same data): both loss columns per iteration and the largest relative difference (bf16:
@@ -62,6 +63,7 @@ run() {
   local devices=$CUDA_VISIBLE_DEVICES
   [ "$gpus" = 1 ] && devices=$one_gpu
   rm -f "$out/$name.jsonl"
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ ^($ONLY)$ ]]; then return 0; fi
   if [ "$SECONDS" -gt "$budget" ]; then
     echo "SKIPPED: $name (the ${budget}-second budget is spent)"
     return 0

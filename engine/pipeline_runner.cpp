@@ -84,6 +84,30 @@ PipelineRunner::PipelineRunner(const Config& cfg, ParallelState& ps, std::vector
              c, chunks_[c]->options().num_slots, plan_.num_slots[c]);
     reads_data_ = reads_data_ || needs_data(static_cast<int>(c));
   }
+  if (ps_.pp_size > 1 && chunks_.front()->backend().device() == Device::cuda) connect_neighbours();
+}
+
+// NCCL sets up point-to-point connections lazily, at a pair's first transfer in each direction.
+// Inside the schedule that first transfer finds the peer already waiting in a receive kernel (the
+// last stage posts its receive long before the first stage has computed a forward), and PP=2
+// over NCCL hung there on 2 H200s while the same setup with both ranks arriving together works.
+// So every rank exchanges one activation-sized buffer with both ring neighbours, in both
+// directions, before training: all the connections the schedules use exist before the first step.
+// (Collective over the pipeline group; the buffers' contents are overwritten before any use.)
+void PipelineRunner::connect_neighbours() {
+  const int P = ps_.pp_size, r = ps_.pp_rank;
+  const int next = (r + 1) % P, prev = (r + P - 1) % P;
+  GptModel& m = *chunks_.front();
+  Tensor out = m.stage_output(0), in = m.stage_input(0), grad_in = m.output_grad(0);
+  if (grad_in.numel() != in.numel()) grad_in = in;
+  Communicator& c = *ps_.pp;
+  c.group_start();
+  c.send(out, next);
+  c.recv(in, prev);
+  c.send(out, prev);
+  c.recv(grad_in, next);
+  c.group_end();
+  c.barrier();
 }
 
 bool PipelineRunner::needs_data(int chunk) const {

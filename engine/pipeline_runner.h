@@ -62,6 +62,7 @@ class PipelineRunner {
   bool needs_data(int chunk) const;
   bool fetch(BatchSource* data, int mb);
   void communicate(const PipelineAction& a, const std::vector<int>& slots);
+  void connect_neighbours();
   void time(const char* name, bool start) {
     if (timer) timer(name, start);
   }

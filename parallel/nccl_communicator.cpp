@@ -173,6 +173,7 @@ class NcclCommunicator final : public Communicator {
     const auto deadline = Clock::now() + timeout_;
     bool clean = cudaStreamSynchronize(stream_) == cudaSuccess;
     Watchdog::get().remove(this);
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     if (clean && ncclCommFinalize(comm_) != ncclSuccess) clean = false;
     while (clean) {
       ncclResult_t st = ncclSuccess;
@@ -193,14 +194,18 @@ class NcclCommunicator final : public Communicator {
   int world_rank() const { return world_rank_; }
   ncclComm_t handle() const { return comm_; }
   Millis timeout() const { return timeout_; }
+  // Held by this communicator's thread around its NCCL calls (see Watchdog::loop).
+  std::recursive_mutex& api_mutex() { return api_mu_; }
 
   void all_reduce(Tensor t, ReduceOp op) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "all_reduce");
     settle(ncclAllReduce(t.data, t.data, t.numel(), nccl_type(t.dtype), nccl_op(op), comm_, stream_), "all_reduce");
     track("all_reduce", t.numel(), t.dtype);
   }
 
   void reduce_scatter(Tensor out, Tensor in, ReduceOp op) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(out, "reduce_scatter");
     check_device(in, "reduce_scatter");
     MT_CHECK(out.dtype == in.dtype && in.numel() == out.numel() * size_, "{}: reduce_scatter sizes {} x {} != {}",
@@ -211,6 +216,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void all_gather(Tensor out, Tensor in) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(out, "all_gather");
     check_device(in, "all_gather");
     MT_CHECK(out.dtype == in.dtype && out.numel() == in.numel() * size_, "{}: all_gather sizes {} x {} != {}", name_,
@@ -220,6 +226,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void broadcast(Tensor t, int root) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "broadcast");
     MT_CHECK(root >= 0 && root < size_, "{}: broadcast root {} of {}", name_, root, size_);
     settle(ncclBroadcast(t.data, t.data, t.numel(), nccl_type(t.dtype), root, comm_, stream_), "broadcast");
@@ -227,6 +234,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void send(Tensor t, int peer) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "send");
     MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: send to rank {} of {}", name_, peer, size_);
     settle(ncclSend(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "send");
@@ -239,6 +247,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void recv(Tensor t, int peer) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "recv");
     MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: recv from rank {} of {}", name_, peer, size_);
     settle(ncclRecv(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "recv");
@@ -259,6 +268,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void group_end() override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     MT_CHECK(in_group_, "{}: group_end without group_start", name_);
     in_group_ = false;
     settle(ncclGroupEnd(), "grouped send/recv");
@@ -398,6 +408,7 @@ class NcclCommunicator final : public Communicator {
   // The world rank of every member, in group-rank order (for error messages).
   // All-gather of a small host blob (set-up time only: allocates a temporary device buffer).
   std::vector<char> all_gather_host(const void* data, size_t bytes) {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     const size_t padded = (bytes + 3) / 4 * 4;
     void* dev = nullptr;
     check_cuda(cudaMalloc(&dev, padded * (size_ + 1)), "cudaMalloc (host all-gather)");
@@ -424,6 +435,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::vector<int> gather_world_ranks() {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
     auto* dev = static_cast<int32_t*>(scratch_);
     check_cuda(cudaMemcpyAsync(dev, &world_rank_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
     all_gather(Tensor(dev + 64, DType::i32, Device::cuda, {size_}), Tensor(dev, DType::i32, Device::cuda, {1}));
@@ -438,6 +450,7 @@ class NcclCommunicator final : public Communicator {
   std::string name_;
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
+  std::recursive_mutex api_mu_;
   Millis timeout_;
   int world_rank_ = 0;
   int rank_ = 0, size_ = 1;
@@ -485,6 +498,13 @@ void Watchdog::loop() {
       std::lock_guard<std::mutex> lock(mu_);
       // Asynchronous errors (a peer died, a network failure).
       for (NcclCommunicator* c : comms_) {
+        // Never beside the owning thread's own NCCL calls: for a non-blocking communicator,
+        // ncclCommGetAsyncError reaps a pending group job (joins its thread), and two threads
+        // reaping the same job at once made NCCL report "internal error ... job error 3" (a
+        // second pthread_join: ESRCH), which broke every PP=2 run over NCCL. The owner polls
+        // the error itself while it waits; a communicator busy now is looked at next round.
+        std::unique_lock<std::recursive_mutex> busy(c->api_mutex(), std::try_to_lock);
+        if (!busy.owns_lock()) continue;
         ncclResult_t st = ncclSuccess;
         if (ncclCommGetAsyncError(c->handle(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
           problem = fmt::format("NCCL reported an asynchronous error on group '{}' (rank {} of {}; world ranks {}): "

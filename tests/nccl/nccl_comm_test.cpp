@@ -179,6 +179,11 @@ void test_p2p(Communicator& c) {
   std::vector<float> out(4096);
   for (int i = 0; i < 4096; ++i) out[i] = r * 1e4f + i;
   DeviceVec<float> dout(out, DType::f32), din(std::vector<float>(4096, -1), DType::f32);
+  // Rank 0 comes late to this communicator's first transfer, as a pipeline's first stage does
+  // (it computes a forward first): the others wait inside their non-blocking group for the
+  // connection while the watchdog polls. That once broke every PP=2 training run with NCCL
+  // "internal error ... job error 3" (two threads reaping one group job).
+  if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(800));
   c.group_start();
   c.send(dout.tensor(), next);
   c.recv(din.tensor(), prev);
