@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -243,9 +244,20 @@ void bench_model(Bench& B, const Model& M) {
       be.add_norm_forward(sum.at(k), out.at(k), mean, rstd, x.at(k), b.at(k), 0.1f, 99, w, bias, p);
     });
     Tensor dw = B.alloc(DType::f32, {H}), db = M.llama ? Tensor() : B.alloc(DType::f32, {H});
-    B.memory_op(mn, norm + " bwd (+dresidual)", shape2(R, H), 4 * act, [&](int k) {
-      be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), p);
-    });
+    auto rec = B.alloc_rot(bf, {R, H}, S);
+    // The 16-bit fast path (the default) and the general kernel (MEGATRAIN_NORM_BACKWARD_GENERAL=1).
+    for (const bool general : {false, true}) {
+      if (general) setenv("MEGATRAIN_NORM_BACKWARD_GENERAL", "1", 1);
+      const std::string tag = general ? " (general kernel)" : "";
+      B.memory_op(mn, norm + " bwd (+dresidual)" + tag, shape2(R, H), 4 * act, [&](int k) {
+        be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), p);
+      });
+      // As the training step runs it: the norm output recomputed too (5 tensors of traffic).
+      B.memory_op(mn, norm + " bwd recompute (+dresidual)" + tag, shape2(R, H), 5 * act, [&](int k) {
+        be.norm_backward_recompute(rec.at(k), sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, bias, b.at(k), p);
+      });
+      if (general) unsetenv("MEGATRAIN_NORM_BACKWARD_GENERAL");
+    }
     Tensor bias_h = B.alloc(bf, {H});
     B.memory_op(mn, "bias_dropout_add (p=0.1)", shape2(R, H), 3 * act,
                 [&](int k) { be.bias_dropout_add(out.at(k), x.at(k), bias_h, b.at(k), 0.1f, 5); });

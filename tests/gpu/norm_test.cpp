@@ -9,8 +9,10 @@ using namespace mt::gputest;
 
 namespace {
 const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
-// Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team.
-const int64_t kWidths[] = {16, 48, 100, 768, 1000, 2050, 4099, 8192};
+// Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team. The
+// 16-bit backward's fast path (aligned widths up to 2048): 16/48/512 one-warp teams, 768 a 96-thread
+// team, 1024 128 threads, 1536/2048 256 threads.
+const int64_t kWidths[] = {16, 48, 100, 512, 768, 1000, 1024, 1536, 2048, 2050, 4099, 8192};
 const int64_t kRows[] = {1, 7, 333};
 
 NormParams params(Normalization kind, bool one_p) {
@@ -215,4 +217,91 @@ TEST_CASE("cuda qk_norm forward/backward match the reference", "[gpu][norm]") {
                                        qw.r(), kw.r(), r, p);
           MT_CHECK_CLOSE(dout, tol_for(dt));
         }
+}
+
+// The 16-bit fast backward over many rows: every block walks several rows (the persistent loop,
+// the next row's loads issued before the current row's reduction, the double-buffered team
+// reduction), then the teams' dweight/dbias are combined and reduced across blocks.
+TEST_CASE("cuda norm_backward_recompute over many rows (16-bit fast path)", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : {DType::bf16, DType::f16})
+      for (int64_t h : {48, 512, 768, 1024, 2048}) {
+        const int64_t rows = 4099;
+        const bool ln = kind == Normalization::layernorm;
+        const bool one_p = h == 768;
+        INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
+        const NormParams p = params(kind, one_p);
+        Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+        Twin w = twin(dt, {h}, weights(rng, h, one_p));
+        Twin bias = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+        Twin fo = twin_nan(dt, {rows, h}), fm = twin_nan(DType::f32, {rows}), fr = twin_nan(DType::f32, {rows});
+        dev().norm_forward(fo.c(), fm.c(), fr.c(), x.c(), w.c(), bias.c(), p);
+        ref().norm_forward(fo.r(), fm.r(), fr.r(), x.r(), w.r(), bias.r(), p);
+        const std::vector<double> dw0 = rng.normal(h), db0 = rng.normal(h);
+        Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
+        Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
+        Twin rec = twin_nan(dt, {rows, h}), dx = twin_nan(dt, {rows, h});
+        dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
+                                      dres.c(), p);
+        ref().norm_backward_recompute(rec.r(), dx.r(), dw.r(), db.r(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), bias.r(),
+                                      dres.r(), p);
+        CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
+        MT_CHECK_CLOSE(dx, tol_for(dt));
+        MT_CHECK_CLOSE(dw, 1e-5);
+        if (ln) MT_CHECK_CLOSE(db, 1e-5);
+        // Bit-identical when run again from the same start.
+        const auto dw_first = download_bytes(dev(), dw.c()), dx_first = download_bytes(dev(), dx.c());
+        upload(dev(), dw.c(), dw0);
+        if (ln) upload(dev(), db.c(), db0);
+        dev().fill(dx.c(), NAN);
+        dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
+                                      dres.c(), p);
+        CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
+        CHECK(differing(download_bytes(dev(), dx.c()), dx_first, dtype_size(dt)) == 0);
+        // In place over dresidual, no parameter gradients (the first layer's ln1 has dx = dresidual).
+        ref().norm_backward(dres.r(), Tensor(), Tensor(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), dres.r(), p);
+        dev().norm_backward(dres.c(), Tensor(), Tensor(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), dres.c(), p);
+        MT_CHECK_CLOSE(dres, tol_for(dt));
+      }
+}
+
+// bias_dropout_add_norm (the fused block boundary): the sum bit for bit what bias_dropout_add
+// writes, the output and statistics bit for bit norm_forward of that stored sum, and both close to
+// the reference (which runs the two ops).
+TEST_CASE("cuda bias_dropout_add_norm equals bias_dropout_add then norm_forward", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : kFloatTypes)
+      for (int64_t rows : {7, 333})
+        for (int64_t h : {48, 100, 768, 2048})
+          for (float drop : {0.0f, 0.1f})
+            for (bool with_bias : {true, false}) {
+              const bool ln = kind == Normalization::layernorm;
+              INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h << " dropout "
+                                                    << drop << (with_bias ? " bias" : ""));
+              const NormParams p = params(kind, false);
+              const uint64_t key = rng.engine()();
+              Twin res = twin(dt, {rows, h}, shifted_normal(rng, rows * h)), x = twin(dt, {rows, h}, rng.normal(rows * h));
+              Twin xb = with_bias ? twin(dt, {h}, rng.normal(h, 0.5)) : absent();
+              Twin w = twin(dt, {h}, weights(rng, h, false)), b = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+              Twin sum = twin_nan(dt, {rows, h}), out = twin_nan(dt, {rows, h});
+              Twin mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+              dev().bias_dropout_add_norm(sum.c(), out.c(), mean.c(), rstd.c(), res.c(), x.c(), xb.c(), drop, key, w.c(),
+                                          b.c(), p);
+              ref().bias_dropout_add_norm(sum.r(), out.r(), mean.r(), rstd.r(), res.r(), x.r(), xb.r(), drop, key, w.r(),
+                                          b.r(), p);
+              MT_CHECK_CLOSE(sum, tol_for(dt));
+              MT_CHECK_CLOSE(out, tol_for(dt));
+              MT_CHECK_CLOSE(rstd, 1e-5);
+              // The same bits as the two separate CUDA ops.
+              Twin sum2 = twin_nan(dt, {rows, h}), out2 = twin_nan(dt, {rows, h});
+              Twin mean2 = twin_nan(DType::f32, {rows}), rstd2 = twin_nan(DType::f32, {rows});
+              dev().bias_dropout_add(sum2.c(), x.c(), xb.c(), res.c(), drop, key);
+              dev().norm_forward(out2.c(), mean2.c(), rstd2.c(), sum2.c(), w.c(), b.c(), p);
+              CHECK(differing(download_bytes(dev(), sum.c()), download_bytes(dev(), sum2.c()), dtype_size(dt)) == 0);
+              CHECK(differing(download_bytes(dev(), out.c()), download_bytes(dev(), out2.c()), dtype_size(dt)) == 0);
+              CHECK(differing(download_bytes(dev(), rstd.c()), download_bytes(dev(), rstd2.c()), 4) == 0);
+              CHECK(differing(download_bytes(dev(), mean.c()), download_bytes(dev(), mean2.c()), 4) == 0);
+            }
 }
