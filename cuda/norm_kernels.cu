@@ -499,6 +499,125 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
   }
 }
 
+// ---- 16-bit rows of at most 2048 elements: the forward (plain and fused add) ----------------------
+// Same layout as the fast backward: raw 16-byte words, the next row's loads issued before the
+// current row's reductions, teams of 32-256 threads with one barrier per reduction.
+template <int TPR>
+__device__ __forceinline__ float team_sum_one_barrier(float v, float (*red)[256 / kWarp], int& buf, int team) {
+  v = warp_sum(v);
+  if constexpr (TPR > kWarp) {
+    constexpr int kW = TPR / kWarp;
+    if (threadIdx.x % kWarp == 0) red[buf][threadIdx.x / kWarp] = v;
+    __syncthreads();  // double-buffered: the next reduction writes the other half
+    v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kW; ++i) v += red[buf][team * kW + i];
+    buf ^= 1;
+  }
+  return v;
+}
+
+template <typename T, int ITERS, int TPR, bool ADD>
+__global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArgs<T> args) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+  __shared__ float red[2][256 / kWarp];
+  const int teams = blockDim.x / TPR, team = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int h = args.h;
+  const float w_shift = args.one_p ? 1.0f : 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * teams;
+  auto load = [&](int64_t r, uint4 (&wa)[ITERS], uint4 (&wb)[ITERS]) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (r < args.rows && c < h) {
+        wa[it] = *reinterpret_cast<const uint4*>(args.a + r * h + c);
+        if constexpr (ADD) wb[it] = *reinterpret_cast<const uint4*>(args.b + r * h + c);
+      }
+    }
+  };
+  uint4 ca[ITERS], cb[ITERS];
+  int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
+  load(row, ca, cb);
+  int buf = 0;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows; row0 += stride, row += stride) {
+    const bool valid = row < args.rows;
+    uint4 na[ITERS], nb[ITERS];
+    load(row + stride, na, nb);
+    uint4 xw[ITERS];  // the row to normalize: a, or the stored (rounded) sum
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if constexpr (ADD) {
+        if (valid && c < h) {
+          const int64_t o = row * h + c;
+          uint4 bb = make_uint4(0u, 0u, 0u, 0u);
+          if (args.b_bias) bb = *reinterpret_cast<const uint4*>(args.b_bias + c);
+          T* e = reinterpret_cast<T*>(&xw[it]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float bv = word_elem<T>(cb[it], j);
+            if (args.b_bias) bv += word_elem<T>(bb, j);
+            e[j] = from_float<T>(word_elem<T>(ca[it], j) +
+                                 bv * dropout_factor(args.dropout_key, o + j, args.dropout_p, args.keep_scale));
+          }
+          *reinterpret_cast<uint4*>(args.sum + o) = xw[it];
+        }
+      } else {
+        xw[it] = ca[it];
+      }
+    }
+    float mean = 0.0f;
+    if (!args.rms) {
+      float s = 0.0f;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = (lane + it * TPR) * 8;
+        if (valid && c < h)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s += word_elem<T>(xw[it], j);
+      }
+      mean = team_sum_one_barrier<TPR>(s, red, buf, team) / h;
+    }
+    float q = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float d = word_elem<T>(xw[it], j) - mean;
+          q += d * d;
+        }
+    }
+    const float rstd = 1.0f / sqrtf(team_sum_one_barrier<TPR>(q, red, buf, team) / h + args.eps);
+    if (valid && lane == 0) {
+      if (args.mean) args.mean[row] = mean;  // 0 for RMSNorm, as the reference writes
+      if (args.rstd) args.rstd[row] = rstd;
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h) {
+        const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
+        uint4 br = make_uint4(0u, 0u, 0u, 0u);
+        if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
+        Floats<8> y;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xhat = norm_xhat(word_elem<T>(xw[it], j), mean, rstd), wv = word_elem<T>(wr, j) + w_shift;
+          y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
+        }
+        store_vec<8>(args.out + row * h + c, y);
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      ca[it] = na[it];
+      cb[it] = nb[it];
+    }
+  }
+}
+
 // out[c] += sum over g of partial[g, c] for dweight (blockIdx.y 0) and dbias (1, or 0 when only one
 // is given). A block sums 32 columns: its 8 warps each add every 8th partial row in order, then the
 // 8 warp sums are added in warp order, so the result is fixed by (blocks, h). (One thread per column
@@ -524,10 +643,10 @@ __global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(f
   }
 }
 
-// MEGATRAIN_NORM_BACKWARD_GENERAL=1 sends every backward to the general kernel (benchmarks compare
-// the two paths in one binary; the tests run both).
-bool fast_norm_backward_disabled() {
-  const char* v = std::getenv("MEGATRAIN_NORM_BACKWARD_GENERAL");
+// MEGATRAIN_NORM_GENERAL=1 sends every norm (forward and backward) to the general kernels, so
+// that benchmarks can compare the two paths in one binary.
+bool fast_norm_disabled() {
+  const char* v = std::getenv("MEGATRAIN_NORM_GENERAL");
   return v && *v && *v != '0';
 }
 
@@ -570,9 +689,40 @@ bool aligned_rows(int64_t h, size_t elem, std::initializer_list<const void*> ptr
 }
 
 
+// The 16-bit fast forward for aligned plain rows of at most 2048 elements (team shapes as the
+// fast backward's). Returns false where it does not apply.
+template <typename T>
+bool launch_norm_forward_rows16(const KernelContext& ctx, const NormForwardArgs<T>& args, bool add) {
+  const int64_t vectors = args.h / 8;
+  auto run = [&](auto plain_kernel, auto add_kernel, int tpr) {
+    const int teams = std::max(1, 256 / tpr), block = teams * tpr;
+    int per_sm = 0;
+    if (add) MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, add_kernel, block, 0));
+    else MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plain_kernel, block, 0));
+    const auto blocks = static_cast<unsigned>(
+        std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1)));
+    if (add) add_kernel<<<blocks, block, 0, ctx.stream>>>(args);
+    else plain_kernel<<<blocks, block, 0, ctx.stream>>>(args);
+    MT_CUDA_CHECK_LAUNCH();
+    return true;
+  };
+  if (vectors <= 32) return run(norm_forward_rows16_kernel<T, 1, 32, false>, norm_forward_rows16_kernel<T, 1, 32, true>, 32);
+  if (vectors <= 64) return run(norm_forward_rows16_kernel<T, 2, 32, false>, norm_forward_rows16_kernel<T, 2, 32, true>, 32);
+  if (vectors <= 96) return run(norm_forward_rows16_kernel<T, 1, 96, false>, norm_forward_rows16_kernel<T, 1, 96, true>, 96);
+  if (vectors <= 128)
+    return run(norm_forward_rows16_kernel<T, 1, 128, false>, norm_forward_rows16_kernel<T, 1, 128, true>, 128);
+  if (vectors <= 256)
+    return run(norm_forward_rows16_kernel<T, 1, 256, false>, norm_forward_rows16_kernel<T, 1, 256, true>, 256);
+  return false;
+}
+
 template <typename T, typename Layout>
 void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& args, const Layout& layout, bool add,
                          bool aligned, const char* what) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
+    if (aligned && args.h % 8 == 0 && args.h <= 2048 && !fast_norm_disabled())
+      if (launch_norm_forward_rows16(ctx, args, add)) return;
+  }
   const TeamShape s = team_shape<T>(args.h, aligned, what);
   const int teams = s.block / s.tpr;
   const unsigned grid = static_cast<unsigned>((args.rows + teams - 1) / teams);
@@ -644,7 +794,7 @@ void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, co
                           float* dweight, float* dbias) {
   const int64_t h = args.h;
   if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
-    if (aligned && h % 8 == 0 && h <= 2048 && !fast_norm_backward_disabled()) {
+    if (aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled()) {
       if (launch_norm_backward_rows16(ctx, args, dweight, dbias)) return;
     }
   }

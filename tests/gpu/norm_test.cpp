@@ -39,6 +39,21 @@ double mean_error(const Twin& got, const Twin& want) {
   return std::sqrt(num / den);
 }
 
+// A fused add + norm's output and rstd against the reference norm of the CUDA side's stored
+// (rounded) sum: the reference's own sum is not rounded to 16 bits, which moves the statistics
+// by more than their float32 tolerance.
+void check_norm_of_stored_sum(const Twin& sum, const Twin& out, const Twin& rstd, const Twin& w, const Twin& b,
+                              DType dt, int64_t rows, int64_t h, const NormParams& p) {
+  Twin stored = twin(dt, {rows, h}, download(dev(), sum.c()));
+  Twin out3 = twin_nan(dt, {rows, h}), mean3 = twin_nan(DType::f32, {rows}), rstd3 = twin_nan(DType::f32, {rows});
+  ref().norm_forward(out3.r(), mean3.r(), rstd3.r(), stored.r(), w.r(), b.r(), p);
+  const double e_out = rel_err(download(dev(), out.c()), download(ref(), out3.r()));
+  const double e_rstd = rel_err(download(dev(), rstd.c()), download(ref(), rstd3.r()));
+  INFO("fused add+norm: out " << e_out << " rstd " << e_rstd << " against the norm of the stored sum");
+  CHECK(e_out <= tol_for(dt));
+  CHECK(e_rstd <= 1e-5);
+}
+
 std::vector<double> shifted_normal(Rng& rng, int64_t n) {
   std::vector<double> v = rng.normal(n, 2.0);
   for (double& x : v) x += 0.5;  // a non-zero mean exercises the centring
@@ -219,15 +234,15 @@ TEST_CASE("cuda qk_norm forward/backward match the reference", "[gpu][norm]") {
         }
 }
 
-// The 16-bit fast backward over many rows: every block walks several rows (the persistent loop,
-// the next row's loads issued before the current row's reduction, the double-buffered team
-// reduction), then the teams' dweight/dbias are combined and reduced across blocks.
-TEST_CASE("cuda norm_backward_recompute over many rows (16-bit fast path)", "[gpu][norm]") {
+// The 16-bit fast paths over many rows: every block walks several rows (the persistent loop, the
+// next row's loads issued before the current row's reductions, the double-buffered team
+// reductions); in the backward the teams' dweight/dbias are then combined and reduced across blocks.
+TEST_CASE("cuda norms over many rows (16-bit fast paths: forward, fused add, backward)", "[gpu][norm]") {
   MT_RNG(rng);
   for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
     for (DType dt : {DType::bf16, DType::f16})
       for (int64_t h : {48, 512, 768, 1024, 2048}) {
-        const int64_t rows = 4099;
+        const int64_t rows = h == 48 ? 20011 : 4099;  // enough rows that every block walks several
         const bool ln = kind == Normalization::layernorm;
         const bool one_p = h == 768;
         INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
@@ -238,6 +253,22 @@ TEST_CASE("cuda norm_backward_recompute over many rows (16-bit fast path)", "[gp
         Twin fo = twin_nan(dt, {rows, h}), fm = twin_nan(DType::f32, {rows}), fr = twin_nan(DType::f32, {rows});
         dev().norm_forward(fo.c(), fm.c(), fr.c(), x.c(), w.c(), bias.c(), p);
         ref().norm_forward(fo.r(), fm.r(), fr.r(), x.r(), w.r(), bias.r(), p);
+        MT_CHECK_CLOSE(fo, tol_for(dt));  // the fast forward too
+        MT_CHECK_CLOSE(fr, 1e-5);
+        {
+          // The fused bias + dropout + residual + norm over many rows.
+          const uint64_t key = rng.engine()();
+          Twin res = twin(dt, {rows, h}, shifted_normal(rng, rows * h)), xx = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin xb = twin(dt, {h}, rng.normal(h, 0.5));
+          Twin sum = twin_nan(dt, {rows, h}), out = twin_nan(dt, {rows, h});
+          Twin mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+          dev().bias_dropout_add_norm(sum.c(), out.c(), mean.c(), rstd.c(), res.c(), xx.c(), xb.c(), 0.1f, key, w.c(),
+                                      bias.c(), p);
+          ref().bias_dropout_add_norm(sum.r(), out.r(), mean.r(), rstd.r(), res.r(), xx.r(), xb.r(), 0.1f, key, w.r(),
+                                      bias.r(), p);
+          MT_CHECK_CLOSE(sum, tol_for(dt));
+          check_norm_of_stored_sum(sum, out, rstd, w, bias, dt, rows, h, p);
+        }
         const std::vector<double> dw0 = rng.normal(h), db0 = rng.normal(h);
         Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
         Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
@@ -292,8 +323,7 @@ TEST_CASE("cuda bias_dropout_add_norm equals bias_dropout_add then norm_forward"
               ref().bias_dropout_add_norm(sum.r(), out.r(), mean.r(), rstd.r(), res.r(), x.r(), xb.r(), drop, key, w.r(),
                                           b.r(), p);
               MT_CHECK_CLOSE(sum, tol_for(dt));
-              MT_CHECK_CLOSE(out, tol_for(dt));
-              MT_CHECK_CLOSE(rstd, 1e-5);
+              check_norm_of_stored_sum(sum, out, rstd, w, b, dt, rows, h, p);
               // The same bits as the two separate CUDA ops.
               Twin sum2 = twin_nan(dt, {rows, h}), out2 = twin_nan(dt, {rows, h});
               Twin mean2 = twin_nan(DType::f32, {rows}), rstd2 = twin_nan(DType::f32, {rows});
