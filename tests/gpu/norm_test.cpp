@@ -10,9 +10,9 @@ using namespace mt::gputest;
 namespace {
 const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
 // Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team. The
-// 16-bit backward's fast path (aligned widths up to 2048): 16/48/512 one-warp teams, 768 a 96-thread
-// team, 1024 128 threads, 1536/2048 256 threads.
-const int64_t kWidths[] = {16, 48, 100, 512, 768, 1000, 1024, 1536, 2048, 2050, 4099, 8192};
+// 16-bit fast paths (aligned widths up to 2048): 16/48 one-warp teams, 768 a 96-thread team,
+// 1536/2048 256 threads (1536 with idle threads); 512 and 1024 in the many-rows case below.
+const int64_t kWidths[] = {16, 48, 100, 768, 1000, 1536, 2048, 2050, 4099, 8192};
 const int64_t kRows[] = {1, 7, 333};
 
 NormParams params(Normalization kind, bool one_p) {
