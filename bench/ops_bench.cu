@@ -8,12 +8,13 @@
 // that the working set exceeds the L2 several times, so every call reads from DRAM. Byte counts are
 // the op's compulsory traffic (each input read once, each output written once).
 //
-// Usage: bench_ops [--reps N] [--only SUBSTRING] [--peak-tflops 790]
+// Usage: bench_ops [--reps N] [--only SUBSTRING[|SUBSTRING...]] [--peak-tflops 790]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -118,7 +119,18 @@ class Bench {
     return 1000.0 * ms[ms.size() / 2];
   }
 
-  bool wanted(const std::string& name) const { return opt_.only.empty() || name.find(opt_.only) != std::string::npos; }
+  // --only "a|b": any of the '|'-separated substrings.
+  bool wanted(const std::string& name) const {
+    if (opt_.only.empty()) return true;
+    size_t from = 0;
+    while (true) {
+      const size_t bar = opt_.only.find('|', from);
+      const std::string part = opt_.only.substr(from, bar == std::string::npos ? std::string::npos : bar - from);
+      if (!part.empty() && name.find(part) != std::string::npos) return true;
+      if (bar == std::string::npos) return false;
+      from = bar + 1;
+    }
+  }
 
   void memory_op(const std::string& model, const std::string& op, const std::string& shape, double bytes,
                  const std::function<void(int)>& f) {
@@ -237,18 +249,40 @@ void bench_model(Bench& B, const Model& M) {
     NormParams p;
     p.kind = M.llama ? Normalization::rmsnorm : Normalization::layernorm;
     const std::string norm = M.llama ? "rmsnorm" : "layernorm";
-    B.memory_op(mn, norm + " fwd", shape2(R, H), 2 * act,
-                [&](int k) { be.norm_forward(out.at(k), mean, rstd, x.at(k), w, bias, p); });
     B.memory_op(mn, "add_" + norm + " fwd (p=0.1)", shape2(R, H), 4 * act, [&](int k) {
       be.add_norm_forward(sum.at(k), out.at(k), mean, rstd, x.at(k), b.at(k), 0.1f, 99, w, bias, p);
     });
     Tensor dw = B.alloc(DType::f32, {H}), db = M.llama ? Tensor() : B.alloc(DType::f32, {H});
-    B.memory_op(mn, norm + " bwd (+dresidual)", shape2(R, H), 4 * act, [&](int k) {
-      be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), p);
-    });
+    auto rec = B.alloc_rot(bf, {R, H}, S);
     Tensor bias_h = B.alloc(bf, {H});
+    // The 16-bit fast path (the default) and the general kernel (MEGATRAIN_NORM_GENERAL=1).
+    for (const bool general : {false, true}) {
+      if (general) setenv("MEGATRAIN_NORM_GENERAL", "1", 1);
+      const std::string tag = general ? " (general kernel)" : "";
+      B.memory_op(mn, norm + " fwd" + tag, shape2(R, H), 2 * act,
+                  [&](int k) { be.norm_forward(out.at(k), mean, rstd, x.at(k), w, bias, p); });
+      B.memory_op(mn, "bias_dropout_add_" + norm + " (p=0, fused)" + tag, shape2(R, H), 4 * act, [&](int k) {
+        be.bias_dropout_add_norm(sum.at(k), out.at(k), mean, rstd, b.at(k), x.at(k), bias_h, 0.0f, 5, w, bias, p);
+      });
+      B.memory_op(mn, norm + " bwd (+dresidual)" + tag, shape2(R, H), 4 * act, [&](int k) {
+        be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), p);
+      });
+      // As the training step runs it: the norm output recomputed too (5 tensors of traffic).
+      B.memory_op(mn, norm + " bwd recompute (+dresidual)" + tag, shape2(R, H), 5 * act, [&](int k) {
+        be.norm_backward_recompute(rec.at(k), sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, bias, b.at(k), p);
+      });
+      if (general) unsetenv("MEGATRAIN_NORM_GENERAL");
+    }
     B.memory_op(mn, "bias_dropout_add (p=0.1)", shape2(R, H), 3 * act,
                 [&](int k) { be.bias_dropout_add(out.at(k), x.at(k), bias_h, b.at(k), 0.1f, 5); });
+    // The benchmark configs' setting (dropout 0), separately and fused with the next norm.
+    B.memory_op(mn, "bias_dropout_add (p=0)", shape2(R, H), 3 * act,
+                [&](int k) { be.bias_dropout_add(out.at(k), x.at(k), bias_h, b.at(k), 0.0f, 5); });
+    B.memory_op(mn, "bias_dropout_add + " + norm + " fwd (p=0, two ops)", shape2(R, H), 5 * act, [&](int k) {
+      be.bias_dropout_add(sum.at(k), x.at(k), bias_h, b.at(k), 0.0f, 5);
+      be.norm_forward(out.at(k), mean, rstd, sum.at(k), w, bias, p);
+    });
+
     B.memory_op(mn, "dropout_backward (p=0.1)", shape2(R, H), 2 * act,
                 [&](int k) { be.dropout_backward(out.at(k), x.at(k), 0.1f, 5); });
     B.free_all();
@@ -339,6 +373,10 @@ void bench_model(Bench& B, const Model& M) {
                 [&](int) { be.adamw_step(w, g, m, v, model, segs, p); });
     B.memory_op(mn, "sum_squares (grad norm)", std::to_string(P) + " params", 4.0 * P,
                 [&](int) { be.sum_squares(out, g, segs, false); });
+    // Zeroing the main grads each step: 0 takes cudaMemsetAsync, any other value the fill kernel.
+    B.memory_op(mn, "fill grads 0 (memset)", std::to_string(P) + " params", 4.0 * P, [&](int) { be.fill(m, 0.0); });
+    B.memory_op(mn, "fill grads 1e-4 (kernel)", std::to_string(P) + " params", 4.0 * P,
+                [&](int) { be.fill(m, 1e-4); });
     B.free_all();
   }
 }

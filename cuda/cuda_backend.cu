@@ -217,6 +217,14 @@ void CudaBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor r
   MT_CHECK(!b.empty(), "add_norm_forward: b is required");
   cuda::norm_forward(context(), sum, out, mean, rstd, a, b, dropout_p, dropout_key, weight, bias, p);
 }
+void CudaBackend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
+                                        Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight,
+                                        Tensor bias, const NormParams& p) {
+  on_device("bias_dropout_add_norm", sum, out, mean, rstd, residual, x, x_bias, weight, bias);
+  MT_PROFILE_OP("bias_dropout_add_norm {}", x.shape_string());
+  MT_CHECK(!x.empty(), "bias_dropout_add_norm: x is required");
+  cuda::norm_forward(context(), sum, out, mean, rstd, residual, x, dropout_p, dropout_key, weight, bias, p, x_bias);
+}
 void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
                                 Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
   on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual);

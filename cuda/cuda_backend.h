@@ -51,6 +51,9 @@ class CudaBackend final : public Backend {
 
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
                     const NormParams& p) override;
+  void bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
+                             Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
+                             const NormParams& p) override;
   void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, float dropout_p,
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,

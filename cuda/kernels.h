@@ -71,8 +71,10 @@ void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, co
 
 // ---- norm_kernels.cu ---------------------------------------------------------------------------
 // b empty: out = norm(a) (sum unused). b given: sum = a + dropout(b), out = norm(sum).
+// b_bias (optional, with b): sum = a + dropout(b + b_bias), the bias_dropout_add order of operations.
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
-                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p);
+                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p,
+                  Tensor b_bias = Tensor());
 // out (optional): also writes the forward's output, recomputed from x and the saved statistics with
 // the forward's rounding (bit-identical); bias is its bias.
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,

@@ -18,6 +18,8 @@
 // from k, which have their own weights); v is copied through. Its weight gradients come from a
 // separate deterministic column reduction (qk_param_partial_kernel).
 #include <algorithm>
+#include <cstdlib>
+#include <type_traits>
 
 #include "cuda/activations.cuh"
 #include "cuda/cuda_check.h"
@@ -92,6 +94,7 @@ struct NormForwardArgs {
   float dropout_p, keep_scale;
   uint64_t dropout_key;
   bool rms, one_p;
+  const T* b_bias = nullptr;  // fused add: added to b before the dropout (bias_dropout_add's order)
 };
 
 // Teams are at most kMaxTeam threads: the launch bound caps registers at 128 per thread, so every
@@ -118,7 +121,12 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
     if (valid && c < h) {
       const Floats<VEC> av = load_vec<VEC>(args.a + row_base + c);
       if constexpr (ADD) {
-        const Floats<VEC> bv = load_vec<VEC>(args.b + row_base + c);
+        Floats<VEC> bv = load_vec<VEC>(args.b + row_base + c);
+        if (args.b_bias) {
+          const Floats<VEC> bb = load_vec<VEC>(args.b_bias + c);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) bv.v[j] += bb.v[j];
+        }
         Floats<VEC> sv;
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
@@ -320,13 +328,326 @@ __global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArg
   }
 }
 
-// out[c] += sum over g of partial[g, c], g in order.
-__global__ void reduce_partials_kernel(float* out, const float* partial, int blocks, int h) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= h) return;
+// ---- 16-bit rows of at most 2048 elements: the backward the training step runs --------------------
+// The general kernel above holds float copies of every loaded vector (xhat and g: 32 floats per
+// thread on top of the dweight/dbias accumulators), loads dresidual only after the row's
+// reduction and synchronises the block twice per row: it reached ~1.4-1.8 TB/s at h 768-2048.
+// This one keeps each row's loads as raw 16-byte words (4 registers per 8 elements), issues all
+// of a row's loads (x, dout, dresidual, mean, rstd) at once, and recomputes xhat and g from the raw
+// words where needed. Teams of one warp (h <= 512) reduce with shuffles only; wider teams reduce
+// through double-buffered shared memory with one block barrier per row and load the next row
+// before reducing the current one. The rounding of every output element is the general
+// kernel's (the recomputed norm output bit-identical to the forward's).
+struct RowWords {
+  uint4 x, dy, dr;
+};
+
+template <typename T, int ITERS, int TPR>
+__device__ __forceinline__ void load_row_words(const NormBackwardArgs<T>& args, int64_t row, int lane, RowWords (&w)[ITERS],
+                                               float& mean, float& rstd) {
+  const bool valid = row < args.rows;
+  mean = (valid && !args.rms) ? args.mean[row] : 0.0f;
+  rstd = valid ? args.rstd[row] : 0.0f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (lane + it * TPR) * 8;
+    if (valid && c < args.h) {
+      const int64_t o = row * args.h + c;
+      w[it].x = *reinterpret_cast<const uint4*>(args.x + o);
+      w[it].dy = *reinterpret_cast<const uint4*>(args.dout + o);
+      if (args.dresidual) w[it].dr = *reinterpret_cast<const uint4*>(args.dresidual + o);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float word_elem(const uint4& u, int j) {
+  return to_float(reinterpret_cast<const T*>(&u)[j]);
+}
+
+template <typename T, int ITERS, int TPR>
+__global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows16_kernel(NormBackwardArgs<T> args) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+  constexpr bool kPrefetch = TPR > kWarp;
+  constexpr int kWarpsPerTeam = TPR / kWarp;
+  __shared__ float red[2][2][256 / kWarp];  // [buffer][sum][warp of the block]
+  extern __shared__ float combine[];        // [2][h] when several teams share a block
+  const int teams = blockDim.x / TPR, team = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int warp = threadIdx.x / kWarp;
+  const int h = args.h;
+  const float w_shift = args.one_p ? 1.0f : 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * teams;
+
+  float dw[ITERS][8], db[ITERS][8];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dw[it][j] = db[it][j] = 0.0f;
+
+  RowWords cur[ITERS];
+  float mean = 0.0f, rstd = 0.0f;
+  int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
+  if constexpr (kPrefetch) load_row_words<T, ITERS, TPR>(args, row, lane, cur, mean, rstd);
+  int buf = 0;
+  // The loop bound is uniform over the block (row0), so every thread reaches every barrier.
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows; row0 += stride, row += stride) {
+    const bool valid = row < args.rows;
+    RowWords next[ITERS];
+    float next_mean = 0.0f, next_rstd = 0.0f;
+    if constexpr (kPrefetch) load_row_words<T, ITERS, TPR>(args, row + stride, lane, next, next_mean, next_rstd);
+    else load_row_words<T, ITERS, TPR>(args, row, lane, cur, mean, rstd);
+
+    float s_gx = 0.0f, s_g = 0.0f;  // sum(g * xhat), sum(g)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h) {
+        const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xhat = norm_xhat(word_elem<T>(cur[it].x, j), mean, rstd);
+          const float g = word_elem<T>(cur[it].dy, j) * (word_elem<T>(wr, j) + w_shift);
+          s_gx += g * xhat;
+          s_g += g;
+        }
+      }
+    }
+    s_gx = warp_sum(s_gx);
+    s_g = warp_sum(s_g);
+    if constexpr (kWarpsPerTeam > 1) {
+      if (threadIdx.x % kWarp == 0) {
+        red[buf][0][warp] = s_gx;
+        red[buf][1][warp] = s_g;
+      }
+      __syncthreads();  // one barrier per row: the other buffer is written next time
+      s_gx = s_g = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWarpsPerTeam; ++i) {
+        s_gx += red[buf][0][team * kWarpsPerTeam + i];
+        s_g += red[buf][1][team * kWarpsPerTeam + i];
+      }
+      buf ^= 1;
+    }
+    const float c1 = s_gx / h, c2 = args.rms ? 0.0f : s_g / h;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h) {
+        const int64_t o = row * h + c;
+        const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
+        uint4 br = make_uint4(0u, 0u, 0u, 0u);
+        if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
+        Floats<8> d, y;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float dyv = word_elem<T>(cur[it].dy, j), wv = word_elem<T>(wr, j) + w_shift;
+          const float xhat = norm_xhat(word_elem<T>(cur[it].x, j), mean, rstd);
+          const float g = dyv * wv;
+          d.v[j] = rstd * (g - c2 - xhat * c1);
+          if (args.dresidual) d.v[j] += word_elem<T>(cur[it].dr, j);
+          dw[it][j] += dyv * xhat;
+          db[it][j] += dyv;
+          y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
+        }
+        store_vec<8>(args.dx + o, d);
+        if (args.out) store_vec<8>(args.out + o, y);
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) cur[it] = next[it];
+      mean = next_mean;
+      rstd = next_rstd;
+    }
+  }
+
+  if (!args.partial_dw && !args.partial_db) return;
+  // Combine the teams of this block in team order, then write this block's partial row.
+  if (teams > 1) {
+    for (int t = 0; t < teams; ++t) {
+      if (team == t) {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          const int c = (lane + it * TPR) * 8;
+          if (c < h) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              combine[c + j] = t == 0 ? dw[it][j] : combine[c + j] + dw[it][j];
+              combine[h + c + j] = t == 0 ? db[it][j] : combine[h + c + j] + db[it][j];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+      if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c] = combine[c];
+      if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c] = combine[h + c];
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (c < h) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c + j] = dw[it][j];
+          if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c + j] = db[it][j];
+        }
+      }
+    }
+  }
+}
+
+// ---- 16-bit rows of at most 2048 elements: the forward (plain and fused add) ----------------------
+// Same layout as the fast backward: raw 16-byte words, the next row's loads issued before the
+// current row's reductions, teams of 32-256 threads with one barrier per reduction.
+template <int TPR>
+__device__ __forceinline__ float team_sum_one_barrier(float v, float (*red)[256 / kWarp], int& buf, int team) {
+  v = warp_sum(v);
+  if constexpr (TPR > kWarp) {
+    constexpr int kW = TPR / kWarp;
+    if (threadIdx.x % kWarp == 0) red[buf][threadIdx.x / kWarp] = v;
+    __syncthreads();  // double-buffered: the next reduction writes the other half
+    v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kW; ++i) v += red[buf][team * kW + i];
+    buf ^= 1;
+  }
+  return v;
+}
+
+template <typename T, int ITERS, int TPR, bool ADD>
+__global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArgs<T> args) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+  __shared__ float red[2][256 / kWarp];
+  const int teams = blockDim.x / TPR, team = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int h = args.h;
+  const float w_shift = args.one_p ? 1.0f : 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * teams;
+  auto load = [&](int64_t r, uint4 (&wa)[ITERS], uint4 (&wb)[ITERS]) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (r < args.rows && c < h) {
+        wa[it] = *reinterpret_cast<const uint4*>(args.a + r * h + c);
+        if constexpr (ADD) wb[it] = *reinterpret_cast<const uint4*>(args.b + r * h + c);
+      }
+    }
+  };
+  uint4 ca[ITERS], cb[ITERS];
+  int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
+  load(row, ca, cb);
+  int buf = 0;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows; row0 += stride, row += stride) {
+    const bool valid = row < args.rows;
+    uint4 na[ITERS], nb[ITERS];
+    load(row + stride, na, nb);
+    uint4 xw[ITERS];  // the row to normalize: a, or the stored (rounded) sum
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if constexpr (ADD) {
+        if (valid && c < h) {
+          const int64_t o = row * h + c;
+          uint4 bb = make_uint4(0u, 0u, 0u, 0u);
+          if (args.b_bias) bb = *reinterpret_cast<const uint4*>(args.b_bias + c);
+          T* e = reinterpret_cast<T*>(&xw[it]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float bv = word_elem<T>(cb[it], j);
+            if (args.b_bias) bv += word_elem<T>(bb, j);
+            e[j] = from_float<T>(word_elem<T>(ca[it], j) +
+                                 bv * dropout_factor(args.dropout_key, o + j, args.dropout_p, args.keep_scale));
+          }
+          *reinterpret_cast<uint4*>(args.sum + o) = xw[it];
+        }
+      } else {
+        xw[it] = ca[it];
+      }
+    }
+    float mean = 0.0f;
+    if (!args.rms) {
+      float s = 0.0f;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = (lane + it * TPR) * 8;
+        if (valid && c < h)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s += word_elem<T>(xw[it], j);
+      }
+      mean = team_sum_one_barrier<TPR>(s, red, buf, team) / h;
+    }
+    float q = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float d = word_elem<T>(xw[it], j) - mean;
+          q += d * d;
+        }
+    }
+    const float rstd = 1.0f / sqrtf(team_sum_one_barrier<TPR>(q, red, buf, team) / h + args.eps);
+    if (valid && lane == 0) {
+      if (args.mean) args.mean[row] = mean;  // 0 for RMSNorm, as the reference writes
+      if (args.rstd) args.rstd[row] = rstd;
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (lane + it * TPR) * 8;
+      if (valid && c < h) {
+        const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
+        uint4 br = make_uint4(0u, 0u, 0u, 0u);
+        if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
+        Floats<8> y;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xhat = norm_xhat(word_elem<T>(xw[it], j), mean, rstd), wv = word_elem<T>(wr, j) + w_shift;
+          y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
+        }
+        store_vec<8>(args.out + row * h + c, y);
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      ca[it] = na[it];
+      cb[it] = nb[it];
+    }
+  }
+}
+
+// out[c] += sum over g of partial[g, c] for dweight (blockIdx.y 0) and dbias (1, or 0 when only one
+// is given). A block sums 32 columns: its 8 warps each add every 8th partial row in order, then the
+// 8 warp sums are added in warp order, so the result is fixed by (blocks, h). (One thread per column
+// walking all the partials serially left the GPU nearly idle: h/256 blocks of dependent loads.)
+constexpr int kReduceWarps = 8;
+__global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(float* out0, const float* partial0,
+                                                                                float* out1, const float* partial1,
+                                                                                int blocks, int h) {
+  __shared__ float part[kReduceWarps][kWarp + 1];
+  float* out = blockIdx.y == 0 ? out0 : out1;
+  const float* partial = blockIdx.y == 0 ? partial0 : partial1;
+  const int c = blockIdx.x * kWarp + threadIdx.x;
   float s = 0.0f;
-  for (int g = 0; g < blocks; ++g) s += partial[static_cast<int64_t>(g) * h + c];
-  out[c] += s;
+  if (c < h)
+    for (int g = threadIdx.y; g < blocks; g += kReduceWarps) s += partial[static_cast<int64_t>(g) * h + c];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < h) {
+    float t = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kReduceWarps; ++i) t += part[i][threadIdx.x];
+    out[c] += t;
+  }
+}
+
+// MEGATRAIN_NORM_GENERAL=1 sends every norm (forward and backward) to the general kernels, so
+// that benchmarks can compare the two paths in one binary.
+bool fast_norm_disabled() {
+  const char* v = std::getenv("MEGATRAIN_NORM_GENERAL");
+  return v && *v && *v != '0';
 }
 
 struct TeamShape {
@@ -368,9 +689,40 @@ bool aligned_rows(int64_t h, size_t elem, std::initializer_list<const void*> ptr
 }
 
 
+// The 16-bit fast forward for aligned plain rows of at most 2048 elements (team shapes as the
+// fast backward's). Returns false where it does not apply.
+template <typename T>
+bool launch_norm_forward_rows16(const KernelContext& ctx, const NormForwardArgs<T>& args, bool add) {
+  const int64_t vectors = args.h / 8;
+  auto run = [&](auto plain_kernel, auto add_kernel, int tpr) {
+    const int teams = std::max(1, 256 / tpr), block = teams * tpr;
+    int per_sm = 0;
+    if (add) MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, add_kernel, block, 0));
+    else MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plain_kernel, block, 0));
+    const auto blocks = static_cast<unsigned>(
+        std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1)));
+    if (add) add_kernel<<<blocks, block, 0, ctx.stream>>>(args);
+    else plain_kernel<<<blocks, block, 0, ctx.stream>>>(args);
+    MT_CUDA_CHECK_LAUNCH();
+    return true;
+  };
+  if (vectors <= 32) return run(norm_forward_rows16_kernel<T, 1, 32, false>, norm_forward_rows16_kernel<T, 1, 32, true>, 32);
+  if (vectors <= 64) return run(norm_forward_rows16_kernel<T, 2, 32, false>, norm_forward_rows16_kernel<T, 2, 32, true>, 32);
+  if (vectors <= 96) return run(norm_forward_rows16_kernel<T, 1, 96, false>, norm_forward_rows16_kernel<T, 1, 96, true>, 96);
+  if (vectors <= 128)
+    return run(norm_forward_rows16_kernel<T, 1, 128, false>, norm_forward_rows16_kernel<T, 1, 128, true>, 128);
+  if (vectors <= 256)
+    return run(norm_forward_rows16_kernel<T, 1, 256, false>, norm_forward_rows16_kernel<T, 1, 256, true>, 256);
+  return false;
+}
+
 template <typename T, typename Layout>
 void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& args, const Layout& layout, bool add,
                          bool aligned, const char* what) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
+    if (aligned && args.h % 8 == 0 && args.h <= 2048 && !fast_norm_disabled())
+      if (launch_norm_forward_rows16(ctx, args, add)) return;
+  }
   const TeamShape s = team_shape<T>(args.h, aligned, what);
   const int teams = s.block / s.tpr;
   const unsigned grid = static_cast<unsigned>((args.rows + teams - 1) / teams);
@@ -383,11 +735,69 @@ void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& arg
   MT_CUDA_CHECK_LAUNCH();
 }
 
+// Scratch for the per-block partial dweight/dbias rows; returns the block count (at most `blocks`).
+template <typename T>
+int64_t take_partials(const KernelContext& ctx, NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
+                      float* dbias) {
+  if (!dweight && !dbias) return blocks;
+  const int64_t h = args.h;
+  const int64_t per_block =
+      h * (static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr)) * static_cast<int64_t>(sizeof(float));
+  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(ctx.scratch->remaining()) / per_block));
+  if (dweight) args.partial_dw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
+  if (dbias) args.partial_db = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
+  return blocks;
+}
+
+// dweight (+)= column sums of the partials, dbias likewise, in one launch.
+template <typename T>
+void reduce_partials(const KernelContext& ctx, const NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
+                     float* dbias) {
+  if (!dweight && !dbias) return;
+  const dim3 grid(static_cast<unsigned>((args.h + kWarp - 1) / kWarp), (dweight && dbias) ? 2u : 1u);
+  reduce_partials_kernel<<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(
+      dweight ? dweight : dbias, dweight ? args.partial_dw : args.partial_db, dbias, args.partial_db,
+      static_cast<int>(blocks), args.h);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+// The 16-bit fast path (norm_backward_rows16_kernel) for aligned plain rows of at most 2048
+// elements: team size and vectors per thread by width (one-warp teams up to 512 elements, then one
+// vector per thread, 96-256 threads a row).
+template <typename T>
+bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, float* dweight, float* dbias) {
+  const int64_t vectors = args.h / 8;
+  auto run = [&](auto kernel, int tpr) {
+    const int teams = std::max(1, 256 / tpr), kBlock = teams * tpr;
+    const size_t smem = teams > 1 ? 2 * static_cast<size_t>(args.h) * sizeof(float) : 0;
+    int per_sm = 0;
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
+    int64_t blocks =
+        std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
+    blocks = take_partials(ctx, args, blocks, dweight, dbias);
+    kernel<<<static_cast<unsigned>(blocks), kBlock, smem, ctx.stream>>>(args);
+    MT_CUDA_CHECK_LAUNCH();
+    reduce_partials(ctx, args, blocks, dweight, dbias);
+    return true;
+  };
+  if (vectors <= 32) return run(norm_backward_rows16_kernel<T, 1, 32>, 32);
+  if (vectors <= 64) return run(norm_backward_rows16_kernel<T, 2, 32>, 32);
+  if (vectors <= 96) return run(norm_backward_rows16_kernel<T, 1, 96>, 96);
+  if (vectors <= 128) return run(norm_backward_rows16_kernel<T, 1, 128>, 128);
+  if (vectors <= 256) return run(norm_backward_rows16_kernel<T, 1, 256>, 256);
+  return false;
+}
+
 // dx for every row; with dweight/dbias given (plain rows only) also their deterministic accumulation.
 template <typename T, typename Layout>
 void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, const Layout& layout, bool aligned,
                           float* dweight, float* dbias) {
   const int64_t h = args.h;
+  if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
+    if (aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled()) {
+      if (launch_norm_backward_rows16(ctx, args, dweight, dbias)) return;
+    }
+  }
   const TeamShape s = team_shape<T>(h, aligned, "norm_backward", 2);
   const int teams = s.block / s.tpr;
   const size_t smem = teams > 1 ? 2 * h * sizeof(float) : 0;
@@ -398,26 +808,10 @@ void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, co
       MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, s.block, smem));
       int64_t blocks =
           std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
-      if (dweight || dbias) {
-        const int64_t per_block = h * (static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr)) *
-                                  static_cast<int64_t>(sizeof(float));
-        blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(ctx.scratch->remaining()) / per_block));
-        if (dweight) args.partial_dw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
-        if (dbias) args.partial_db = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
-      }
+      blocks = take_partials(ctx, args, blocks, dweight, dbias);
       kernel<<<static_cast<unsigned>(blocks), s.block, smem, ctx.stream>>>(args, layout, s.tpr);
       MT_CUDA_CHECK_LAUNCH();
-      const unsigned rgrid = static_cast<unsigned>((h + 255) / 256);
-      if (dweight) {
-        reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dweight, args.partial_dw, static_cast<int>(blocks),
-                                                             static_cast<int>(h));
-        MT_CUDA_CHECK_LAUNCH();
-      }
-      if (dbias) {
-        reduce_partials_kernel<<<rgrid, 256, 0, ctx.stream>>>(dbias, args.partial_db, static_cast<int>(blocks),
-                                                             static_cast<int>(h));
-        MT_CUDA_CHECK_LAUNCH();
-      }
+      reduce_partials(ctx, args, blocks, dweight, dbias);
     }
   });
 }
@@ -487,7 +881,8 @@ QkHeads qk_layout(const Tensor& qkv, const RopeShape& r, const char* what) {
 }  // namespace
 
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
-                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) {
+                  float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p,
+                  Tensor b_bias) {
   const int64_t h = a.cols(), rows = a.rows();
   const bool add = !b.empty();
   const char* what = add ? "add_norm_forward" : "norm_forward";
@@ -501,13 +896,17 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
   if (add)
     MT_CHECK(b.numel() == a.numel() && b.dtype == a.dtype && sum.numel() == a.numel() && sum.dtype == a.dtype,
              "{}: a {}, b {}, sum {} must match", what, a.shape_string(), b.shape_string(), sum.shape_string());
+  MT_CHECK(b_bias.empty() || (add && b_bias.numel() == h && b_bias.dtype == a.dtype), "{}: bias of b {} for rows of {}",
+           what, b_bias.shape_string(), h);
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(a.dtype, T, what, {
-    const bool aligned = aligned_rows(h, sizeof(T), {out.data, a.data, b.data, sum.data, weight.data, bias.data});
+    const bool aligned =
+        aligned_rows(h, sizeof(T), {out.data, a.data, b.data, sum.data, weight.data, bias.data, b_bias.data});
     NormForwardArgs<T> args{out.ptr<T>(), sum.ptr<T>(), mean.ptr<float>(), rstd.ptr<float>(), a.ptr<const T>(),
                             b.ptr<const T>(), weight.ptr<const T>(), bias.ptr<const T>(), nullptr, nullptr, rows,
                             static_cast<int>(h), p.eps, dropout_p, dropout_keep_scale(dropout_p), dropout_key,
                             p.kind == Normalization::rmsnorm, p.one_p};
+    args.b_bias = b_bias.ptr<const T>();
     launch_norm_forward(ctx, args, PlainRows{h}, add, aligned, what);
   });
 }

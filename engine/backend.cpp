@@ -11,6 +11,13 @@ void Backend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Ten
   norm_forward(out, mean, rstd, x, weight, bias, p);  // deterministic: the statistics come out the same
 }
 
+void Backend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
+                                    Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
+                                    const NormParams& p) {
+  bias_dropout_add(sum, x, x_bias, residual, dropout_p, dropout_key);
+  norm_forward(out, mean, rstd, sum, weight, bias, p);
+}
+
 void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
                                               Tensor pre_act) {
   MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");

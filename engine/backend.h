@@ -118,6 +118,13 @@ class Backend {
   virtual void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                 float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
                                 const NormParams& p) = 0;
+  // sum = residual + dropout_p(x + x_bias) (bias_dropout_add), then out = norm(sum): the block
+  // boundary of a pre-norm layer in one pass. x_bias may be empty; sum may alias residual. The
+  // default runs bias_dropout_add, then norm_forward; a fused implementation must give the same
+  // sum bits and normalize the stored (rounded) sum.
+  virtual void bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
+                                     Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
+                                     const NormParams& p);
   // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (float32).
   // dx may alias dout or dresidual.
   virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,

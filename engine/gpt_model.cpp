@@ -617,11 +617,13 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
-  be_.bias_dropout_add(A.h1, reduce_rows(w.tmp_h), P.proj_b, x, hp, hidden_key(s, layer, 1));
+  // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
+  // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
+  be_.bias_dropout_add_norm(A.h1, local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x, reduce_rows(w.tmp_h), P.proj_b, hp,
+                            hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
 
-  // MLP block: norm -> fc1 (column-parallel) + activation -> fc2 (row-parallel, all-reduce) ->
-  // bias + dropout + residual.
-  be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
+  // MLP block: norm (above) -> fc1 (column-parallel) + activation -> fc2 (row-parallel,
+  // all-reduce) -> bias + dropout + residual.
   gather_rows(A.ln2_out);
   if (d_.swiglu) {
     be_.linear_forward(A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());

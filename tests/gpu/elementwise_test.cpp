@@ -21,7 +21,17 @@ TEST_CASE("cuda fill writes every element, every dtype", "[gpu][elementwise]") {
       INFO(dtype_name(dt) << " " << s[0] << "x" << s[1]);
       Buf b(dev(), dt, s);
       const double value = is_floating(dt) ? -1.5 : 7.0;
-      dev().fill(b.t, 0.0);
+      dev().fill(b.t, value);
+      dev().fill(b.t, 0.0);  // the memset path: +0 bits
+      int64_t not_zero = 0;
+      for (double g : download(dev(), b.t)) not_zero += g != 0.0 || std::signbit(g);
+      CHECK(not_zero == 0);
+      if (is_floating(dt)) {  // -0 keeps its sign (the kernel path)
+        dev().fill(b.t, -0.0);
+        int64_t positive = 0;
+        for (double g : download(dev(), b.t)) positive += g != 0.0 || !std::signbit(g);
+        CHECK(positive == 0);
+      }
       dev().fill(b.t, value);
       const std::vector<double> got = download(dev(), b.t);
       int64_t wrong = 0;

@@ -90,6 +90,29 @@ TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][
   gemm.use_gelu_epilogue = true;
 }
 
+// The bias gradient's column sums over many rows: each thread's four-rows-at-a-time loop (and its
+// tail) runs, at the vector (N % 8 == 0) and scalar widths.
+TEST_CASE("cuda linear_backward_weight dbias over many rows", "[gpu][linear]") {
+  MT_RNG(rng);
+  for (DType dt : {DType::bf16, DType::f32})
+    for (int64_t N : {2048, 1001}) {
+      const int64_t M = 8193, K = 16;
+      INFO(dtype_name(dt) << " M " << M << " N " << N);
+      Twin dy = twin(dt, {M, N}, rng.normal(M * N)), x = twin(dt, {M, K}, rng.normal(M * K));
+      const std::vector<double> dw0 = rng.normal(N * K), db0 = rng.normal(N);
+      Twin dw = twin(DType::f32, {N, K}, dw0), db = twin(DType::f32, {N}, db0);
+      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+      ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+      MT_CHECK_CLOSE(dw, 1e-5);
+      MT_CHECK_CLOSE(db, 1e-5);
+      const auto db_first = download_bytes(dev(), db.c());
+      upload(dev(), dw.c(), dw0);
+      upload(dev(), db.c(), db0);
+      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+      CHECK(differing(download_bytes(dev(), db.c()), db_first, 4) == 0);
+    }
+}
+
 TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministically", "[gpu][linear]") {
   MT_RNG(rng);
   cuda::GemmRunner& gemm = cuda_backend().gemm();

@@ -9,8 +9,10 @@ using namespace mt::gputest;
 
 namespace {
 const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
-// Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team.
-const int64_t kWidths[] = {16, 48, 100, 768, 1000, 2050, 4099, 8192};
+// Odd widths take the scalar path; 4099 the widest scalar instance; 8192 a 256-thread team. The
+// 16-bit fast paths (aligned widths up to 2048): 16/48 one-warp teams, 768 a 96-thread team,
+// 1536/2048 256 threads (1536 with idle threads); 512 and 1024 in the many-rows case below.
+const int64_t kWidths[] = {16, 48, 100, 768, 1000, 1536, 2048, 2050, 4099, 8192};
 const int64_t kRows[] = {1, 7, 333};
 
 NormParams params(Normalization kind, bool one_p) {
@@ -35,6 +37,21 @@ double mean_error(const Twin& got, const Twin& want) {
   double num = 0, den = static_cast<double>(r.size());
   for (size_t k = 0; k < r.size(); ++k) num += (g[k] - r[k]) * (g[k] - r[k]), den += r[k] * r[k];
   return std::sqrt(num / den);
+}
+
+// A fused add + norm's output and rstd against the reference norm of the CUDA side's stored
+// (rounded) sum: the reference's own sum is not rounded to 16 bits, which moves the statistics
+// by more than their float32 tolerance.
+void check_norm_of_stored_sum(const Twin& sum, const Twin& out, const Twin& rstd, const Twin& w, const Twin& b,
+                              DType dt, int64_t rows, int64_t h, const NormParams& p) {
+  Twin stored = twin(dt, {rows, h}, download(dev(), sum.c()));
+  Twin out3 = twin_nan(dt, {rows, h}), mean3 = twin_nan(DType::f32, {rows}), rstd3 = twin_nan(DType::f32, {rows});
+  ref().norm_forward(out3.r(), mean3.r(), rstd3.r(), stored.r(), w.r(), b.r(), p);
+  const double e_out = rel_err(download(dev(), out.c()), download(ref(), out3.r()));
+  const double e_rstd = rel_err(download(dev(), rstd.c()), download(ref(), rstd3.r()));
+  INFO("fused add+norm: out " << e_out << " rstd " << e_rstd << " against the norm of the stored sum");
+  CHECK(e_out <= tol_for(dt));
+  CHECK(e_rstd <= 1e-5);
 }
 
 std::vector<double> shifted_normal(Rng& rng, int64_t n) {
@@ -215,4 +232,106 @@ TEST_CASE("cuda qk_norm forward/backward match the reference", "[gpu][norm]") {
                                        qw.r(), kw.r(), r, p);
           MT_CHECK_CLOSE(dout, tol_for(dt));
         }
+}
+
+// The 16-bit fast paths over many rows: every block walks several rows (the persistent loop, the
+// next row's loads issued before the current row's reductions, the double-buffered team
+// reductions); in the backward the teams' dweight/dbias are then combined and reduced across blocks.
+TEST_CASE("cuda norms over many rows (16-bit fast paths: forward, fused add, backward)", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : {DType::bf16, DType::f16})
+      for (int64_t h : {48, 512, 768, 1024, 2048}) {
+        const int64_t rows = h == 48 ? 20011 : 4099;  // enough rows that every block walks several
+        const bool ln = kind == Normalization::layernorm;
+        const bool one_p = h == 768;
+        INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
+        const NormParams p = params(kind, one_p);
+        Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+        Twin w = twin(dt, {h}, weights(rng, h, one_p));
+        Twin bias = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+        Twin fo = twin_nan(dt, {rows, h}), fm = twin_nan(DType::f32, {rows}), fr = twin_nan(DType::f32, {rows});
+        dev().norm_forward(fo.c(), fm.c(), fr.c(), x.c(), w.c(), bias.c(), p);
+        ref().norm_forward(fo.r(), fm.r(), fr.r(), x.r(), w.r(), bias.r(), p);
+        MT_CHECK_CLOSE(fo, tol_for(dt));  // the fast forward too
+        MT_CHECK_CLOSE(fr, 1e-5);
+        {
+          // The fused bias + dropout + residual + norm over many rows.
+          const uint64_t key = rng.engine()();
+          Twin res = twin(dt, {rows, h}, shifted_normal(rng, rows * h)), xx = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin xb = twin(dt, {h}, rng.normal(h, 0.5));
+          Twin sum = twin_nan(dt, {rows, h}), out = twin_nan(dt, {rows, h});
+          Twin mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+          dev().bias_dropout_add_norm(sum.c(), out.c(), mean.c(), rstd.c(), res.c(), xx.c(), xb.c(), 0.1f, key, w.c(),
+                                      bias.c(), p);
+          ref().bias_dropout_add_norm(sum.r(), out.r(), mean.r(), rstd.r(), res.r(), xx.r(), xb.r(), 0.1f, key, w.r(),
+                                      bias.r(), p);
+          MT_CHECK_CLOSE(sum, tol_for(dt));
+          check_norm_of_stored_sum(sum, out, rstd, w, bias, dt, rows, h, p);
+        }
+        const std::vector<double> dw0 = rng.normal(h), db0 = rng.normal(h);
+        Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
+        Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
+        Twin rec = twin_nan(dt, {rows, h}), dx = twin_nan(dt, {rows, h});
+        dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
+                                      dres.c(), p);
+        ref().norm_backward_recompute(rec.r(), dx.r(), dw.r(), db.r(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), bias.r(),
+                                      dres.r(), p);
+        CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
+        MT_CHECK_CLOSE(dx, tol_for(dt));
+        MT_CHECK_CLOSE(dw, 1e-5);
+        if (ln) MT_CHECK_CLOSE(db, 1e-5);
+        // Bit-identical when run again from the same start.
+        const auto dw_first = download_bytes(dev(), dw.c()), dx_first = download_bytes(dev(), dx.c());
+        upload(dev(), dw.c(), dw0);
+        if (ln) upload(dev(), db.c(), db0);
+        dev().fill(dx.c(), NAN);
+        dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
+                                      dres.c(), p);
+        CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
+        CHECK(differing(download_bytes(dev(), dx.c()), dx_first, dtype_size(dt)) == 0);
+        // In place over dresidual, no parameter gradients (the first layer's ln1 has dx = dresidual).
+        ref().norm_backward(dres.r(), Tensor(), Tensor(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), dres.r(), p);
+        dev().norm_backward(dres.c(), Tensor(), Tensor(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), dres.c(), p);
+        MT_CHECK_CLOSE(dres, tol_for(dt));
+      }
+}
+
+// bias_dropout_add_norm (the fused block boundary): the sum bit for bit what bias_dropout_add
+// writes, the output and statistics bit for bit norm_forward of that stored sum, and both close to
+// the reference (which runs the two ops).
+TEST_CASE("cuda bias_dropout_add_norm equals bias_dropout_add then norm_forward", "[gpu][norm]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : kFloatTypes)
+      for (int64_t rows : {7, 333})
+        for (int64_t h : {48, 100, 768, 2048})
+          for (float drop : {0.0f, 0.1f})
+            for (bool with_bias : {true, false}) {
+              const bool ln = kind == Normalization::layernorm;
+              INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h << " dropout "
+                                                    << drop << (with_bias ? " bias" : ""));
+              const NormParams p = params(kind, false);
+              const uint64_t key = rng.engine()();
+              Twin res = twin(dt, {rows, h}, shifted_normal(rng, rows * h)), x = twin(dt, {rows, h}, rng.normal(rows * h));
+              Twin xb = with_bias ? twin(dt, {h}, rng.normal(h, 0.5)) : absent();
+              Twin w = twin(dt, {h}, weights(rng, h, false)), b = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+              Twin sum = twin_nan(dt, {rows, h}), out = twin_nan(dt, {rows, h});
+              Twin mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+              dev().bias_dropout_add_norm(sum.c(), out.c(), mean.c(), rstd.c(), res.c(), x.c(), xb.c(), drop, key, w.c(),
+                                          b.c(), p);
+              ref().bias_dropout_add_norm(sum.r(), out.r(), mean.r(), rstd.r(), res.r(), x.r(), xb.r(), drop, key, w.r(),
+                                          b.r(), p);
+              MT_CHECK_CLOSE(sum, tol_for(dt));
+              check_norm_of_stored_sum(sum, out, rstd, w, b, dt, rows, h, p);
+              // The same bits as the two separate CUDA ops.
+              Twin sum2 = twin_nan(dt, {rows, h}), out2 = twin_nan(dt, {rows, h});
+              Twin mean2 = twin_nan(DType::f32, {rows}), rstd2 = twin_nan(DType::f32, {rows});
+              dev().bias_dropout_add(sum2.c(), x.c(), xb.c(), res.c(), drop, key);
+              dev().norm_forward(out2.c(), mean2.c(), rstd2.c(), sum2.c(), w.c(), b.c(), p);
+              CHECK(differing(download_bytes(dev(), sum.c()), download_bytes(dev(), sum2.c()), dtype_size(dt)) == 0);
+              CHECK(differing(download_bytes(dev(), out.c()), download_bytes(dev(), out2.c()), dtype_size(dt)) == 0);
+              CHECK(differing(download_bytes(dev(), rstd.c()), download_bytes(dev(), rstd2.c()), 4) == 0);
+              CHECK(differing(download_bytes(dev(), mean.c()), download_bytes(dev(), mean2.c()), 4) == 0);
+            }
 }
