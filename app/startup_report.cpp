@@ -46,7 +46,10 @@ std::string megatron_arguments_block(const Config& cfg) {
     if (!conf.contains(f.name)) continue;
     nlohmann::json value = conf[f.name]["value"];
     std::string name = f.name.substr(2);
-    if (name.rfind("no-", 0) == 0 && value.is_boolean()) {
+    // Megatron's store_false switches ("--no-x", also spelled "--disable-x") store into x.
+    const bool store_false = name.rfind("no-", 0) == 0 && value.is_boolean() &&
+                             std::find(f.aliases.begin(), f.aliases.end(), "--disable-" + name.substr(3)) != f.aliases.end();
+    if (store_false) {
       name = name.substr(3);
       value = !value.get<bool>();
     }
@@ -54,7 +57,8 @@ std::string megatron_arguments_block(const Config& cfg) {
     if (!has(name)) args.emplace_back(name, python_str(value));
   }
   // Values Megatron derives into args (data_parallel_size, padded_vocab_size, ...).
-  for (const auto& [k, v] : derived_values(cfg).items())
+  const nlohmann::json derived = derived_values(cfg);
+  for (const auto& [k, v] : derived.items())
     if (!has(k)) args.emplace_back(k, python_str(v));
   std::vector<std::string> lines;
   for (const auto& [name, value] : args) {

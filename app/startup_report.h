@@ -5,8 +5,9 @@
 //         ...
 //       -------------------- end of arguments ---------------------
 //     one line per argument, "  {name} {dots} {value}" with 48 - len(name) dots, sorted by
-//     lower-cased line; names are the flags' names with '-' -> '_' ("--no-x" switches as x, with
-//     the value negated, as Megatron's store_false dests), values as Python prints them;
+//     lower-cased line; names are the flags' names with '-' -> '_' (store_false switches "--no-x"
+//     as x with the value negated, as Megatron's dests; a few other dests differ from their
+//     flag's name), values as Python prints them;
 //   * the estimate before the first step, as Megatron's report_theoretical_memory words it, from
 //     the engine's memory plan (weights, gradients, master weights and optimizer states; then
 //     activations and workspace):

@@ -105,7 +105,9 @@ TEST_CASE("plan: GPT-3 175B script on 1024 GPUs", "[plan]") {
   CHECK(m0.plan.of(C::optimizer_states) == 4 * m0.plan.of(C::parameters));
   CHECK(m0.total == Approx(static_cast<double>(m0.plan.total())));
   CHECK(m0.activation_slots == 16);  // 1F1B: the first of 16 stages holds 16 micro-batches
-  CHECK(p.stages[15].memory.activation_slots == 1);
+  // The last stage runs each micro-batch's forward and backward back to back, but the next one's
+  // activations are received into a slot of their own before that backward: 2 slots.
+  CHECK(p.stages[15].memory.activation_slots == 2);
   CHECK(p.stages[15].memory.plan.of(C::workspace) > m0.plan.of(C::workspace));  // the output layer's logits
   // Text output summarises 1024 ranks; JSON has all of them.
   const std::string text = plan_text(c, p, ms);
@@ -202,8 +204,10 @@ TEST_CASE("plan: interleaved stages hold their chunks' layers", "[plan]") {
   CHECK(p.stages[1].chunks[0].first_layer == 2);
   CHECK(p.stages[1].chunks[1].first_layer == 6);
   // Warmup W = min(T, 2(P-r-1) + (V-1)N) with T = 8, N = 2: stage 0 holds 5 chunk-micro-batches.
-  // Activation slots the engine's schedule plan gives each chunk (a slot is taken when the input
-  // arrives): the first stage holds more in-flight chunk-micro-batches than the last.
-  CHECK(p.stages[0].memory.activation_slots > p.stages[1].memory.activation_slots);
+  // Activation slots the engine's schedule plan gives the chunks (a slot is taken when its input
+  // arrives, which can be before the forward): at least the chunk-micro-batches Megatron's
+  // warm-up keeps in flight, W = min(T, 2(P-r-1) + (V-1)N) + 1 with T = 8, N = 2: 5 and 3.
   CHECK(p.stages[0].memory.activation_slots >= 5);
+  CHECK(p.stages[1].memory.activation_slots >= 3);
+  CHECK(p.stages[0].memory.activation_slots <= 8);
 }
