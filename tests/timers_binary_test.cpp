@@ -61,7 +61,7 @@ std::vector<std::vector<std::string>> timer_blocks(const std::string& out) {
 
 }  // namespace
 
-TEST_CASE("--timing-log-level 0, 1, 2: the timers Megatron's levels report", "[binary][timers]") {
+TEST_CASE("timing log levels 0, 1, 2 (binary): the timers Megatron's levels report", "[binary][timers]") {
   int code = 0;
   const std::string l0 = run_megatrain(std::string(kTiny) + " --timing-log-level 0", &code);
   REQUIRE(code == 0);
@@ -88,7 +88,7 @@ TEST_CASE("--timing-log-level 0, 1, 2: the timers Megatron's levels report", "[b
   for (const auto& b : b2) CHECK(b == level2);
 }
 
-TEST_CASE("--timing-log-option max and all", "[binary][timers]") {
+TEST_CASE("timing log options max and all (binary)", "[binary][timers]") {
   int code = 0;
   const std::string mx = run_megatrain(std::string(kTiny) + " --timing-log-level 1 --timing-log-option max", &code);
   INFO(mx);

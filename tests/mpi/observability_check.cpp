@@ -38,9 +38,9 @@ void check(bool ok, const std::string& what) {
   if (!ok) ++failures;
 }
 
-std::string run(const std::string& cmd, const std::string& log) {
+std::string run(const std::string& cmd, const std::string& log, bool with_stderr = true) {
   std::cout << "$ " << cmd << "\n" << std::flush;
-  const int rc = std::system((cmd + " > " + log + " 2>&1").c_str());
+  const int rc = std::system((cmd + " > " + log + (with_stderr ? " 2>&1" : " 2> " + log + ".stderr")).c_str());
   std::ifstream in(log);
   std::stringstream ss;
   ss << in.rdbuf();
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(work);
 
   // The estimate, per stage, and which stage each rank is.
-  const std::string dry = run(megatrain + " " + kModel + " --dry-run --json --world-size 4", work + "/dry.json");
+  const std::string dry = run(megatrain + " " + kModel + " --dry-run --json --world-size 4", work + "/dry.json", false);
   const nlohmann::json plan = nlohmann::json::parse(dry);
   std::map<int, int64_t> stage_bytes;
   for (const auto& s : plan["pipeline"]["stages"]) stage_bytes[s["pp_rank"].get<int>()] = s["memory"]["total_bytes"].get<int64_t>();
