@@ -5,7 +5,9 @@
 //   * Megatron's report_memory line after iteration 1 on those ranks, its "allocated" the plan;
 //   * at --timing-log-level 2 a timer block in Megatron's layout (name, dots to 48 columns,
 //     "(min, max)" with two decimals) whose names are Megatron's, in Megatron's order, with the
-//     pipeline's p2p timers among them.
+//     pipeline's p2p timers among them;
+//   * at level 1 with DP 2 and the distributed optimizer (2 ranks): all-grads-sync and
+//     params-all-gather timed, no level-2 timer.
 //
 // Usage: observability_check <megatrain> <mpirun> <work dir>
 #include <algorithm>
@@ -140,6 +142,21 @@ int main(int argc, char** argv) {
   for (const char* n : {"forward-backward", "forward-compute", "backward-compute", "batch-generator", "all-grads-sync",
                         "optimizer-inner-step", "optimizer"})
     check(out.find(std::string("    ") + n + " .") != std::string::npos, std::string("timer ") + n + " reported");
+
+  // Level 1 with data parallelism and the distributed optimizer: the gradient reduction and the
+  // parameter all-gather are timed, nothing of level 2 is.
+  const std::string base = std::regex_replace(std::string(kModel), std::regex("--tensor-model-parallel-size 2 "
+                                                                              "--pipeline-model-parallel-size 2 --sequence-parallel"),
+                                              "");
+  const std::string dp = run(mpirun + " -np 2 " + megatrain + " " + base + " --use-distributed-optimizer "
+                                 "--timing-log-level 1 --timing-log-option max",
+                             work + "/dp.log");
+  for (const char* n : {"forward-backward", "all-grads-sync", "params-all-gather", "optimizer-inner-step", "optimizer"})
+    check(std::regex_search(dp, std::regex(std::string("\n    ") + n + R"( \.+: \d+\.\d\d\n)")),
+          std::string("DP 2, level 1: max timer ") + n + " reported");
+  for (const char* n : {"forward-compute", "backward-compute", "batch-generator"})
+    check(dp.find(std::string("    ") + n + " .") == std::string::npos, std::string("DP 2, level 1: no ") + n);
+  check(dp.find("max time across ranks (ms):") != std::string::npos, "--timing-log-option max header");
 
   std::cout << (failures ? "FAILED" : "PASSED") << " (" << failures << " failure(s))\n";
   return failures ? 1 : 0;
