@@ -36,11 +36,6 @@ void add_megatrain_flags(FlagTable& t) {
           "iterations left out of the end-of-run summary line (mean tokens/s, TFLOP/s, MFU, peak memory)",
           MT_FIELD(logging.benchmark_warmup_iters))
       .kind = FlagKind::megatrain;
-  t.flag("--log-memory-every-interval",
-         "print Megatron's \"[Rank r] (after N iterations) memory (MB) | ...\" line at every log interval (default: "
-         "after the first iterations only)",
-         MT_FIELD(logging.log_memory_every_interval))
-      .kind = FlagKind::megatrain;
   t.flag("--full-data-check", "scan every token id of the data files against the padded vocabulary at start-up "
          "(default: the first/last MiB and 64 sampled sequences)",
          MT_FIELD(data.full_data_check))

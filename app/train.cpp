@@ -85,14 +85,16 @@ DType compute_dtype(const Config& cfg) {
 // so the planned buffers are both the current and the peak allocation; on CUDA the device's
 // memory in use (this process's context and buffers, and any other process's) stands for
 // Megatron's "reserved" bytes. On the reference backend nothing is cached: reserved = allocated.
-// Also prints Megatron's report_memory line on the first data-parallel replica: at the first
-// log lines until one after iteration 1 (as Megatron: after the optimizer state exists), and with
-// --log-memory-every-interval at every log interval.
+// Also prints, as Megatron's training_log, on the first data-parallel replica: report_memory at
+// the log lines of this run's first iteration and the next logged one (then the optimizer state
+// exists), with report_theoretical_memory's line (the plan) on rank 0 before the first; and with
+// --log-memory-interval N at log lines whose iteration is a multiple of N.
 class MemoryStatsReporter : public Reporter {
  public:
-  MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks, const ParallelState& ps, bool every_interval)
+  MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks, const ParallelState& ps,
+                      std::optional<int> interval)
       : inner_(inner), backend_(chunks.front()->backend()), rank_(ps.rank), prints_(ps.dp_rank == 0),
-        every_interval_(every_interval) {
+        interval_(interval), plan_(total_memory_plan(chunks)) {
     for (const GptModel* m : chunks) {
       allocated_ += static_cast<double>(m->memory_plan().total());
       for (size_t b : m->memory_plan().bytes) blocks_ += b > 0 ? 1 : 0;
@@ -109,7 +111,11 @@ class MemoryStatsReporter : public Reporter {
       t.memory_reserved_bytes = static_cast<double>(total_bytes - free_bytes);
 #endif
     inner_.on_iteration(t);
-    if (s.interval_end && prints_ && (!reported_ || every_interval_)) {
+    if (!first_iteration_) first_iteration_ = s.iteration;
+    const bool first_reports = !reported_;
+    const bool on_interval = interval_ && s.iteration % *interval_ == 0;
+    if (s.interval_end && prints_ && (first_reports || on_interval)) {
+      if (first_reports && rank_ == 0 && s.iteration == *first_iteration_) log::write_stdout(theoretical_memory_line(plan_));
       MemoryReading m;
       m.allocated = m.max_allocated = allocated_;
       const double in_use = static_cast<double>(backend_.memory_in_use());
@@ -117,7 +123,7 @@ class MemoryStatsReporter : public Reporter {
       max_reserved_ = std::max(max_reserved_, m.reserved);
       m.max_reserved = max_reserved_;
       log::write_stdout(format_memory_report(rank_, s.iteration, m));
-      if (s.iteration > 1) reported_ = true;
+      if (s.iteration > *first_iteration_) reported_ = true;
     }
   }
   void on_eval(const EvalStats& e) override { inner_.on_eval(e); }
@@ -127,7 +133,10 @@ class MemoryStatsReporter : public Reporter {
   Reporter& inner_;
   Backend& backend_;
   int rank_;
-  bool prints_, every_interval_, reported_ = false;
+  bool prints_, reported_ = false;
+  std::optional<int> interval_;
+  std::optional<int64_t> first_iteration_;
+  MemoryPlan plan_;
   double allocated_ = 0, blocks_ = 0, max_reserved_ = 0;
 };
 
@@ -223,7 +232,6 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
                                   ps.rank, ps.tp_rank, ps.pp_rank, rank_plan.total(), rank_plan.total() / 1073741824.0,
                                   backend->name(), chunks.size()));
   log::info("{}", rank_plan.summary());
-  log::info("{}", theoretical_memory_line(rank_plan));
 
   // Checkpoint loading comes before the data streams: they start at the consumed samples.
   TrainingCheckpoints checkpoints(cfg, ps, chunks);
@@ -243,7 +251,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     log::info("{}", data.description);
   }
   std::unique_ptr<Reporter> reporters = make_reporters(cfg);
-  MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_every_interval);
+  MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_interval);
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   const double flops = num_floating_point_operations(cfg.model, cfg.train.global_batch);
