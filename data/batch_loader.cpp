@@ -118,7 +118,7 @@ bool BatchLoader::next(MicroBatch& mb) {
   // A step that waits on the loader says so every few seconds (slow storage, a huge sample).
   const auto ready = [&] { return handed_ < produced_ || error_; };
   const auto start = std::chrono::steady_clock::now();
-  while (!changed_.wait_for(lock, std::chrono::seconds(5), ready))
+  while (!changed_.wait_for(lock, log::wait_progress_interval(), ready))
     log::write_stderr(fmt::format("[rank {}] waiting for the batch loader: micro-batch {} of {} not ready after {:.0f} s",
                                   log::rank(), handed_ + 1, num_micro_batches_,
                                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));

@@ -24,9 +24,6 @@
 namespace mt {
 namespace {
 
-// A wait says what it waits for every few seconds (a launch that hangs at start-up shows which
-// ranks are missing long before the timeout).
-constexpr auto kProgressEvery = std::chrono::seconds(5);
 
 using Clock = std::chrono::steady_clock;
 
@@ -164,8 +161,10 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
            master_port, why);
     peers_.assign(world_size, -1);
     int joined = 1;
+    // The wait says what it waits for every few seconds (a launch that hangs at start-up shows
+    // which ranks are missing long before the timeout).
     const auto start = Clock::now();
-    auto next_report = start + kProgressEvery;
+    auto next_report = start + log::wait_progress_interval();
     while (joined < world_size) {
       const int ms = remaining_ms(deadline);
       if (ms > 0 && Clock::now() >= next_report) {
@@ -177,7 +176,7 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
                                       world_size - joined, world_size, where_,
                                       std::chrono::duration<double>(Clock::now() - start).count(),
                                       format_duration(timeout_), missing));
-        next_report += kProgressEvery;
+        next_report += log::wait_progress_interval();
       }
       const int wait_ms = std::min<int>(ms, static_cast<int>(std::max<int64_t>(
           1, std::chrono::duration_cast<std::chrono::milliseconds>(next_report - Clock::now()).count())));
@@ -231,7 +230,7 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
   std::string why;
   int fd = -1;
   const auto start = Clock::now();
-  auto next_report = start + kProgressEvery;
+  auto next_report = start + log::wait_progress_interval();
   while (true) {
     fd = try_connect(master_addr, master_port, deadline, &why);
     if (fd >= 0) break;
@@ -239,7 +238,7 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
       log::write_stderr(fmt::format("[rank {}] rendezvous: waiting for rank 0 at {} ({:.0f} s of {}; last error: {})", rank,
                                     where_, std::chrono::duration<double>(Clock::now() - start).count(),
                                     format_duration(timeout_), why));
-      next_report += kProgressEvery;
+      next_report += log::wait_progress_interval();
     }
     if (remaining_ms(deadline) == 0)
       fail("rank {} could not reach rank 0's rendezvous at {} within {} (last error: {}). Is rank 0 running, and do "
