@@ -250,7 +250,22 @@ void TrainingCheckpoints::read_flat(CheckpointReader& reader, GptModel& m, Check
     reader.read(name, from, ShardSlice::whole(p.shard), hv, p.global_shape);
     be.copy_from_host(dst.flat_slice(p.offset, p.numel()), host.data());
     be.synchronize();  // `host` is reused for the next parameter
+    loaded_tensor(host.size());
   }
+}
+
+// A load that takes a while says how far it got every few seconds (log::progress_interval; rank 0,
+// every rank reads alike).
+void TrainingCheckpoints::loaded_tensor(size_t bytes) {
+  LoadProgress& p = load_progress_;
+  ++p.done;
+  p.bytes += static_cast<double>(bytes);
+  const auto now = std::chrono::steady_clock::now();
+  if (now < p.next_report || p.done >= p.total) return;
+  p.next_report = now + log::progress_interval();
+  const double s = std::chrono::duration<double>(now - p.start).count();
+  log::info("  loading checkpoint from {} ({} of {} tensors, {:.2f} GiB in {:.0f} s, {:.1f} MiB/s)", p.directory, p.done,
+            p.total, p.bytes / 1073741824.0, s, p.bytes / 1048576.0 / std::max(s, 1e-9));
 }
 
 // One chunk's weights (and optimizer states). Master weights: the saved main copy when resuming
@@ -317,6 +332,14 @@ ResumePoint TrainingCheckpoints::load() {
     if (saved != optimizer_name(opt))
       fail("checkpoint {} holds {} optimizer state but this run uses --optimizer {}: pass --no-load-optim to start "
            "the optimizer afresh", loc->directory, saved, optimizer_name(opt));
+  }
+  load_progress_ = LoadProgress{};
+  load_progress_.directory = loc->directory;
+  load_progress_.start = std::chrono::steady_clock::now();
+  load_progress_.next_report = load_progress_.start + log::progress_interval();
+  for (GptModel* m : chunks_) {
+    const int64_t passes = 1 + (load_optim ? (m->exp_avg_flat().empty() ? 0 : 1) + (m->exp_avg_sq_flat().empty() ? 0 : 1) : 0);
+    load_progress_.total += passes * static_cast<int64_t>(m->params().size());
   }
   try {
     for (GptModel* m : chunks_) load_chunk(reader, *m, load_optim);

@@ -25,6 +25,7 @@
 //   --no-load-rng   dropout restarts from the seed (serial 0)
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -105,6 +106,15 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  // Loading progress: tensors read of all to read, printed by rank 0 every few seconds.
+  struct LoadProgress {
+    std::string directory;
+    int64_t done = 0, total = 0;
+    double bytes = 0;
+    std::chrono::steady_clock::time_point start, next_report;
+  };
+  LoadProgress load_progress_;
+  void loaded_tensor(size_t bytes);
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
 

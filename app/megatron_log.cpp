@@ -8,6 +8,7 @@
 #include <ctime>
 
 #include "core/log.h"
+#include "engine/phase_timers.h"
 
 namespace mt {
 
@@ -57,16 +58,11 @@ std::string format_eval_block(const EvalStats& e) {
 }
 
 const std::vector<std::string>& megatron_timer_order() {
-  static const std::vector<std::string> order = {
-      // --timing-log-level 1
-      "forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
-      "params-all-gather", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
-      "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
-      "optimizer-copy-main-to-model-params", "optimizer",
-      // --timing-log-level 2
-      "batch-generator", "forward-compute", "backward-compute", "forward-recv", "forward-send", "backward-recv",
-      "backward-send", "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
-      "backward-send-backward-recv", "forward-backward-send-forward-backward-recv"};
+  static const std::vector<std::string> order = [] {
+    std::vector<std::string> v;
+    for (const TimerName& t : megatron_timers()) v.push_back(t.name);
+    return v;
+  }();
   return order;
 }
 

@@ -43,7 +43,8 @@ std::string format_timers(const IterationStats& s, const std::string& timing_log
 // --log-params-norm, --log-num-zeros-in-grad): Megatron shows those only under their flags.
 IterationStats with_logging_flags(const IterationStats& s, const LoggingConfig& cfg);
 
-// Megatron's timer names in the order training_log lists them (levels 1 then 2).
+// Megatron's timer names in the order training_log lists them (timers_to_log; levels in
+// engine/phase_timers.h). The report prints them in this order.
 const std::vector<std::string>& megatron_timer_order();
 
 // Prints the above to `sink` (default: stdout via mt::log). Construct it on the rank that prints

@@ -11,24 +11,22 @@
 
 #include "app/cli.h"
 #include "core/config.h"
+#include "engine/memory_plan.h"
 #include "engine/param_count.h"
 #include "parallel/pipeline_layout.h"
 #include "parallel/rank_grid.h"
 
 namespace mt {
 
-// Bytes per GPU of one pipeline stage (every TP/DP rank of a stage needs the same).
+// Bytes per GPU of one pipeline stage: the engine's own memory plan (engine/model_chunks.h,
+// engine/memory_plan.h), measured by the same layout code the training run executes before its
+// first step, so the estimate and the run's "> memory plan" are the same numbers by construction.
+// Every TP/DP rank of a stage lays out the same sizes (DP shards are padded to equal size).
+// Not in it: the CUDA context, cuBLASLt and attention workspaces, NCCL buffers, fragmentation.
 struct StageMemory {
-  double weights = 0;                // parameters in the training precision
-  double gradients = 0;              // main-gradient buffers
-  double optimizer = 0;              // fp32 master weights + optimizer moments, unsharded
-  double optimizer_distributed = 0;  // the same sharded over DP (--use-distributed-optimizer)
-  double activations_none = 0;       // peak stored activations without recompute
-  double activations_selective = 0;  // --recompute-granularity selective (the configured modules)
-  double activations_full = 0;       // --recompute-granularity full (configured method, or uniform 1)
-  double activations = 0;            // with this run's recompute setting
-  double total = 0;                  // weights + gradients + optimizer (as configured) + activations
-  int inflight_microbatches = 0;     // micro-batches (interleaved: chunk-micro-batches) held at the peak
+  MemoryPlan plan;                // by category, summed over the stage's model chunks
+  double total = 0;               // plan.total()
+  int activation_slots = 0;       // (chunk-)micro-batches whose activations are held at once, all chunks
 };
 
 struct StagePlan {
@@ -50,8 +48,8 @@ struct Plan {
 
 Plan make_plan(const Config& cfg);
 
-// Memory of one stage (plan_memory.cpp).
-StageMemory estimate_stage_memory(const Config& cfg, const StagePlan& stage, int64_t params_per_rank);
+// Memory of one rank of pipeline stage pp_rank (plan_memory.cpp).
+StageMemory stage_memory(const Config& cfg, int pp_rank);
 
 // The resolved configuration: flag -> {value, default, differs} (plan_config.cpp).
 nlohmann::json resolved_config(const Config& cfg);

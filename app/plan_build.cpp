@@ -22,7 +22,7 @@ Plan make_plan(const Config& cfg) {
         s.num_layers += c.num_layers;
       }
     s.params_per_rank = stage_parameters_per_rank(cfg.model, s.chunks, tp, pp);
-    s.memory = estimate_stage_memory(cfg, s, s.params_per_rank);
+    s.memory = stage_memory(cfg, r);
     p.stages.push_back(std::move(s));
   }
   p.flops_per_iteration = num_floating_point_operations(cfg.model, cfg.train.global_batch);

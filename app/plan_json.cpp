@@ -6,14 +6,15 @@ namespace mt {
 namespace {
 
 nlohmann::json memory_json(const StageMemory& m) {
-  return {{"weights_bytes", m.weights},
-          {"gradients_bytes", m.gradients},
-          {"optimizer_bytes", m.optimizer},
-          {"optimizer_distributed_bytes", m.optimizer_distributed},
-          {"activations_bytes", {{"none", m.activations_none}, {"selective", m.activations_selective}, {"full", m.activations_full}}},
-          {"activations_configured_bytes", m.activations},
-          {"total_bytes", m.total},
-          {"inflight_microbatches", m.inflight_microbatches}};
+  using C = MemoryCategory;
+  return {{"parameters_bytes", m.plan.of(C::parameters)},
+          {"gradients_bytes", m.plan.of(C::gradients)},
+          {"master_weights_bytes", m.plan.of(C::master_weights)},
+          {"optimizer_states_bytes", m.plan.of(C::optimizer_states)},
+          {"activations_bytes", m.plan.of(C::activations)},
+          {"workspace_bytes", m.plan.of(C::workspace)},
+          {"total_bytes", m.plan.total()},
+          {"activation_slots", m.activation_slots}};
 }
 
 }  // namespace
@@ -76,9 +77,10 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
   const StagePlan* peak = &plan.stages.front();
   for (const StagePlan& s : plan.stages)
     if (s.memory.total > peak->memory.total) peak = &s;
-  j["memory"] = {{"peak_stage", peak->pp_rank}, {"peak_total_bytes", peak->memory.total},
+  j["memory"] = {{"peak_stage", peak->pp_rank}, {"peak_total_bytes", peak->memory.plan.total()},
                  {"use_distributed_optimizer", cfg.parallel.use_distributed_optimizer},
-                 {"not_counted", "workspaces, communication buffers, fragmentation, CUDA context"}};
+                 {"source", "the engine's memory plan (engine/memory_plan.h), the same the training run reports"},
+                 {"not_counted", "CUDA context, cuBLASLt/attention workspaces and kernels, NCCL buffers"}};
   return j;
 }
 

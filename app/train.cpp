@@ -16,6 +16,7 @@
 
 #include "app/checkpointing.h"
 #include "app/reporters.h"
+#include "app/startup_report.h"
 #include "app/training_data.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -83,10 +84,17 @@ DType compute_dtype(const Config& cfg) {
 // Adds what the memory plans know to every iteration's statistics: the step allocates nothing,
 // so the planned buffers are both the current and the peak allocation; on CUDA the device's
 // memory in use (this process's context and buffers, and any other process's) stands for
-// Megatron's "reserved" bytes.
+// Megatron's "reserved" bytes. On the reference backend nothing is cached: reserved = allocated.
+// Also prints, as Megatron's training_log, on the first data-parallel replica: report_memory at
+// the log lines of this run's first iteration and the next logged one (then the optimizer state
+// exists), with report_theoretical_memory's line (the plan) on rank 0 before the first; and with
+// --log-memory-interval N at log lines whose iteration is a multiple of N.
 class MemoryStatsReporter : public Reporter {
  public:
-  MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks) : inner_(inner) {
+  MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks, const ParallelState& ps,
+                      std::optional<int> interval)
+      : inner_(inner), backend_(chunks.front()->backend()), rank_(ps.rank), prints_(ps.dp_rank == 0),
+        interval_(interval), plan_(total_memory_plan(chunks)) {
     for (const GptModel* m : chunks) {
       allocated_ += static_cast<double>(m->memory_plan().total());
       for (size_t b : m->memory_plan().bytes) blocks_ += b > 0 ? 1 : 0;
@@ -99,17 +107,37 @@ class MemoryStatsReporter : public Reporter {
     t.memory_allocated_count = blocks_;
 #if MEGATRAIN_WITH_CUDA
     size_t free_bytes = 0, total_bytes = 0;
-    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    if (backend_.device() == Device::cuda && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
       t.memory_reserved_bytes = static_cast<double>(total_bytes - free_bytes);
 #endif
     inner_.on_iteration(t);
+    if (!first_iteration_) first_iteration_ = s.iteration;
+    const bool first_reports = !reported_;
+    const bool on_interval = interval_ && s.iteration % *interval_ == 0;
+    if (s.interval_end && prints_ && (first_reports || on_interval)) {
+      if (first_reports && rank_ == 0 && s.iteration == *first_iteration_) log::write_stdout(theoretical_memory_line(plan_));
+      MemoryReading m;
+      m.allocated = m.max_allocated = allocated_;
+      const double in_use = static_cast<double>(backend_.memory_in_use());
+      m.reserved = in_use > 0 ? in_use : allocated_;
+      max_reserved_ = std::max(max_reserved_, m.reserved);
+      m.max_reserved = max_reserved_;
+      log::write_stdout(format_memory_report(rank_, s.iteration, m));
+      if (s.iteration > *first_iteration_) reported_ = true;
+    }
   }
   void on_eval(const EvalStats& e) override { inner_.on_eval(e); }
   void flush() override { inner_.flush(); }
 
  private:
   Reporter& inner_;
-  double allocated_ = 0, blocks_ = 0;
+  Backend& backend_;
+  int rank_;
+  bool prints_, reported_ = false;
+  std::optional<int> interval_;
+  std::optional<int64_t> first_iteration_;
+  MemoryPlan plan_;
+  double allocated_ = 0, blocks_ = 0, max_reserved_ = 0;
 };
 
 // A hidden fault injection for the tests of failure handling: MEGATRAIN_DEBUG_FAULT=kill@R:I kills
@@ -179,6 +207,8 @@ int train_on_this_rank(const Config& cfg) {
 
 // Everything after the parallel state (the models, data and trainer are destroyed before it).
 int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
+  log::info("{}", megatron_arguments_block(cfg));
+  log::info("{}", rank_layout_summary(cfg));
   const DType compute = compute_dtype(cfg);
   std::vector<std::unique_ptr<GptModel>> owned = build_model_chunks(cfg, ps, *backend, compute);
   const std::vector<GptModel*> chunks = chunk_pointers(owned);
@@ -193,8 +223,15 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   if (ps.dp_rank == 0)
     log::write_stdout(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
                                   ps.tp_rank, ps.pp_rank, params));
-  log::info(" > memory plan on rank {} ({} backend, {} model chunk(s)):\n{}", ps.rank, backend->name(), chunks.size(),
-            chunks.front()->memory_plan().summary());
+  // The same plan --dry-run prints for this rank's stage (app/plan_memory.cpp): one computation.
+  const MemoryPlan rank_plan = total_memory_plan(chunks);
+  // Printed, like the parameter count, by every model-parallel rank of the first replica.
+  if (ps.dp_rank == 0)
+    log::write_stdout(fmt::format(" > memory plan on rank {} (tensor, pipeline) ({}, {}): {} bytes ({:.2f} GiB; {} "
+                                  "backend, {} model chunk(s))",
+                                  ps.rank, ps.tp_rank, ps.pp_rank, rank_plan.total(), rank_plan.total() / 1073741824.0,
+                                  backend->name(), chunks.size()));
+  log::info("{}", rank_plan.summary());
 
   // Checkpoint loading comes before the data streams: they start at the consumed samples.
   TrainingCheckpoints checkpoints(cfg, ps, chunks);
@@ -214,7 +251,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     log::info("{}", data.description);
   }
   std::unique_ptr<Reporter> reporters = make_reporters(cfg);
-  MemoryStatsReporter reporter(*reporters, chunks);
+  MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_interval);
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   const double flops = num_floating_point_operations(cfg.model, cfg.train.global_batch);

@@ -23,6 +23,8 @@ void validate_checkpoint_and_logging(CliState& st) {
   if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
   const LoggingConfig& l = c.logging;
   if (l.log_interval <= 0) fail("--log-interval must be > 0 (got {})", l.log_interval);
+  if (l.log_memory_interval && *l.log_memory_interval <= 0)
+    fail("--log-memory-interval must be > 0 (got {})", *l.log_memory_interval);
   if (l.timing_log_level < 0 || l.timing_log_level > 2)
     fail("--timing-log-level must be 0, 1 or 2 (got {})", l.timing_log_level);
   if (l.tensorboard_log_interval <= 0)

@@ -263,6 +263,7 @@ struct LoggingConfig {
   bool log_loss_scale_to_tensorboard = true;
   std::optional<std::string> metrics_jsonl;  // megatrain flag --metrics-jsonl PATH
   int benchmark_warmup_iters = 3;  // megatrain flag: iterations left out of the end-of-run summary
+  std::optional<int> log_memory_interval;  // --log-memory-interval N: report_memory every N iterations (at log lines)
 };
 
 struct RunConfig {

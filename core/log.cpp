@@ -1,6 +1,7 @@
 #include "core/log.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 namespace mt::log {
@@ -35,5 +36,20 @@ void write_stderr(const std::string& line) {
 }
 
 void error(const std::string& message) { write_stderr(fmt::format("[rank {}] error: {}", g_rank, message)); }
+
+}  // namespace mt::log
+
+namespace mt::log {
+
+std::chrono::milliseconds progress_interval() {
+  // Read each time (rarely called: once per report or wait) so that tests can set it.
+  const char* env = std::getenv("MEGATRAIN_PROGRESS_SECONDS");
+  if (env && *env) {
+    char* end = nullptr;
+    const double s = std::strtod(env, &end);
+    if (end && *end == '\0' && s >= 0) return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  }
+  return std::chrono::milliseconds(5000);
+}
 
 }  // namespace mt::log

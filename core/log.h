@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
 
 namespace mt::log {
@@ -44,5 +46,13 @@ void note0(fmt::format_string<Args...> f, Args&&... args) {
     write_stderr(fmt::format("[rank {}] note: {}", rank(), fmt::format(f, std::forward<Args>(args)...)));
 }
 void error(const std::string& message);  // "[rank N] error: message" on stderr
+
+// How often a long wait or load reports its progress (the TCP rendezvous, checkpoint loading, a
+// step waiting for the batch loader): 5 s, or MEGATRAIN_PROGRESS_SECONDS (tests set it small).
+// Waiting loops use at least 10 ms (wait_progress_interval) so that 0 cannot make them spin.
+std::chrono::milliseconds progress_interval();
+inline std::chrono::milliseconds wait_progress_interval() {
+  return std::max(progress_interval(), std::chrono::milliseconds(10));
+}
 
 }  // namespace mt::log

@@ -1,7 +1,12 @@
 #include "data/batch_loader.h"
 
+#include <fmt/format.h>
+
+#include <chrono>
+
 #include "core/config.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace mt {
 
@@ -110,7 +115,13 @@ void BatchLoader::produce() {
 bool BatchLoader::next(MicroBatch& mb) {
   std::unique_lock lock(mutex_);
   if (handed_ >= num_micro_batches_) return false;
-  changed_.wait(lock, [&] { return handed_ < produced_ || error_; });
+  // A step that waits on the loader says so every few seconds (slow storage, a huge sample).
+  const auto ready = [&] { return handed_ < produced_ || error_; };
+  const auto start = std::chrono::steady_clock::now();
+  while (!changed_.wait_for(lock, log::wait_progress_interval(), ready))
+    log::write_stderr(fmt::format("[rank {}] waiting for the batch loader: micro-batch {} of {} not ready after {:.0f} s",
+                                  log::rank(), handed_ + 1, num_micro_batches_,
+                                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   if (handed_ >= produced_) std::rethrow_exception(error_);
   MicroBatch& slot = slots_[static_cast<size_t>(handed_ % static_cast<int64_t>(slots_.size()))];
   std::swap(mb, slot);

@@ -1,6 +1,7 @@
 #include "data/gpt_dataset.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -179,6 +180,7 @@ void GPTDataset::build() {
   if (options_.cache_dir) {
     cache_prefix_ = fmt::format("{}/{}-GPTDataset-{}-", *options_.cache_dir, hash_hex(key_), split_name(split_));
     if (try_load_cache()) {
+      log::info("Load the GPTDataset {} indices from {}", split_name(split_), cache_prefix_);
       loaded_from_cache_ = true;
       size_ = sample_index_.rows() - 1;
       return;
@@ -186,6 +188,9 @@ void GPTDataset::build() {
   }
 
   const int64_t docs = indices_.size();
+  // Megatron's INFO lines around the build, with its time and rate (large blends take a while).
+  log::info("Build and save the GPTDataset {} indices", split_name(split_));
+  const auto build_start = std::chrono::steady_clock::now();
   try {
     numpy_random::RandomState rng(options_.seed);
     std::vector<int32_t> document_index = build_document_index(indices_, num_epochs_, rng, separate_final_epoch_);
@@ -211,6 +216,11 @@ void GPTDataset::build() {
   }
   size_ = sample_index_.rows() - 1;
   if (options_.cache_dir) save_cache();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count();
+  log::info("> total number of samples: {}", size_);
+  log::info("> total number of epochs: {}", num_epochs_);
+  log::info("> built the {} indices in {:.3f} s ({} documents x {} epochs, {:.0f} samples/s)", split_name(split_), secs,
+            docs, num_epochs_, static_cast<double>(size_) / std::max(secs, 1e-9));
 }
 
 bool GPTDataset::try_load_cache() {

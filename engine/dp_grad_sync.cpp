@@ -37,7 +37,10 @@ DpGradSync::~DpGradSync() {
   for (GptModel* m : chunks_) m->on_grads_final = nullptr;
 }
 
-void DpGradSync::start_step() { next_bucket_.assign(chunks_.size(), 0); }
+void DpGradSync::start_step() {
+  next_bucket_.assign(chunks_.size(), 0);
+  finished_ = false;
+}
 
 // Buckets are launched in order (the same on every DP rank, as collectives must be), each once
 // all its gradients are final.
@@ -65,6 +68,15 @@ void DpGradSync::launch(int chunk, int b) {
 }
 
 void DpGradSync::finish() {
+  if (finished_) return;
+  finished_ = true;
+  finish_dp();
+  const ScopedTimer timed(timer, "embedding-grads-all-reduce");
+  finish_embeddings();
+}
+
+void DpGradSync::finish_dp() {
+  const ScopedTimer timed(timer, "all-grads-sync");
   if (reduce_) {
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const int n = chunks_[c]->grad_layout().num_buckets();
@@ -83,6 +95,9 @@ void DpGradSync::finish() {
       }
     }
   }
+}
+
+void DpGradSync::finish_embeddings() {
   // Tied word embeddings across pipeline stages (Megatron's _allreduce_word_embedding_grads): the
   // first stage's embedding and the last stage's output-layer copy get the sum of both gradients.
   for (GptModel* m : chunks_) {

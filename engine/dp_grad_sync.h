@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/gpt_model.h"
+#include "engine/phase_timers.h"
 
 namespace mt {
 
@@ -39,12 +40,20 @@ class DpGradSync {
   Communicator& comm() { return *comm_; }
 
   void start_step();
-  // Completes the step's reductions (see above).
+  // Completes the step's reductions (see above). Once per step: later calls before the next
+  // start_step() (or step_done()) do nothing, so the trainer can finish inside forward-backward
+  // as Megatron's finalize_model_grads does and the optimizer's own call finds it done.
   void finish();
+  void step_done() { finished_ = false; }
+
+  // Timers (engine/phase_timers.h): all-grads-sync, embedding-grads-all-reduce.
+  TimerHook timer;
 
  private:
   void grads_final(int chunk, int first_param);
   void launch(int chunk, int bucket);
+  void finish_dp();
+  void finish_embeddings();
 
   ParallelState& ps_;
   std::vector<GptModel*> chunks_;
@@ -52,6 +61,7 @@ class DpGradSync {
   Communicator* comm_ = nullptr;
   bool overlap_ = false, bf16_ = false, sharded_ = false, reduce_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
+  bool finished_ = false;
 };
 
 }  // namespace mt

@@ -32,6 +32,10 @@ struct MemoryPlan {
   std::array<size_t, static_cast<size_t>(MemoryCategory::count)> bytes{};
   size_t of(MemoryCategory c) const { return bytes[static_cast<size_t>(c)]; }
   size_t total() const;
+  MemoryPlan& operator+=(const MemoryPlan& o) {
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] += o.bytes[i];
+    return *this;
+  }
   // One line per category, e.g. "  parameters         12.50 MiB".
   std::string summary() const;
 };

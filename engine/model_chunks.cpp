@@ -7,31 +7,70 @@
 
 namespace mt {
 
-std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
-                                                          DType compute) {
-  const std::vector<ModelChunk> layout = stage_chunks(PipelineSplit::from_config(cfg), ps.pp_rank);
-  const PipelinePlan plan = PipelinePlan::build(cfg, ps.pp_rank);
+RankPosition RankPosition::of(const ParallelState& ps) {
+  RankPosition r;
+  r.tp_size = ps.tp_size;
+  r.tp_rank = ps.tp_rank;
+  r.pp_size = ps.pp_size;
+  r.pp_rank = ps.pp_rank;
+  r.dp_size = ps.dp_size;
+  r.dp_rank = ps.dp_rank;
+  r.cp_size = ps.cp_size;
+  return r;
+}
+
+std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute) {
+  const std::vector<ModelChunk> layout = stage_chunks(PipelineSplit::from_config(cfg), r.pp_rank);
+  const PipelinePlan plan = PipelinePlan::build(cfg, r.pp_rank);
   std::vector<ModelDims> dims;
   int64_t params = 0;  // of this rank, over all its chunks (Megatron sizes buckets from it)
   for (const ModelChunk& c : layout) {
-    dims.push_back(ModelDims::for_chunk(cfg, ps, c.first_layer, c.num_layers, c.has_embedding, c.has_output));
+    ModelDims d = ModelDims::from_config(cfg, r.tp_size, r.tp_rank, r.pp_size, r.pp_rank,
+                                         std::make_pair(c.first_layer, c.first_layer + c.num_layers));
+    d.first_stage = c.has_embedding;
+    d.last_stage = c.has_output;
+    dims.push_back(d);
     int64_t total = 0;
     for (const ParamDesc& p : build_param_descs(dims.back(), &total)) params += p.numel();
   }
   const ParallelConfig& p = cfg.parallel;
-  const int dp = ps.dp_size * ps.cp_size;
+  const int dp = r.dp_size * r.cp_size;
   const std::optional<int64_t> bucket =
       resolve_ddp_bucket_size(p.ddp_bucket_size, p.ddp_num_buckets, p.overlap_grad_reduce, dp, params);
-  std::vector<std::unique_ptr<GptModel>> out;
+  std::vector<ChunkSpec> out;
   for (size_t c = 0; c < layout.size(); ++c) {
     ModelOptions o = ModelOptions::from_config(cfg, dims[c], compute);
     o.num_slots = plan.num_slots.at(c);
-    o.dp_size = ps.dp_size;
-    o.dp_rank = ps.dp_rank;
+    o.dp_size = r.dp_size;
+    o.dp_rank = r.dp_rank;
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
-    o.grad_reduce_bf16 = p.grad_reduce_in_bf16 && ps.dp_size > 1;
-    out.push_back(std::make_unique<GptModel>(dims[c], o, ps, backend));
+    o.grad_reduce_bf16 = p.grad_reduce_in_bf16 && r.dp_size > 1;
+    out.push_back({dims[c], o});
+  }
+  return out;
+}
+
+MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType compute) {
+  MemoryPlan total;
+  for (const ChunkSpec& s : model_chunk_specs(cfg, r, compute)) total += GptModel::plan_memory(s.dims, s.options);
+  return total;
+}
+
+DType precision_dtype(const Config& cfg) {
+  switch (cfg.train.precision) {
+    case Precision::fp32: return DType::f32;
+    case Precision::bf16: return DType::bf16;
+    case Precision::fp16: return DType::f16;
+  }
+  return DType::f32;
+}
+
+std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
+                                                          DType compute) {
+  std::vector<std::unique_ptr<GptModel>> out;
+  for (const ChunkSpec& s : model_chunk_specs(cfg, RankPosition::of(ps), compute)) {
+    out.push_back(std::make_unique<GptModel>(s.dims, s.options, ps, backend));
     out.back()->init_parameters();
   }
   return out;
@@ -41,6 +80,12 @@ std::vector<GptModel*> chunk_pointers(const std::vector<std::unique_ptr<GptModel
   std::vector<GptModel*> out;
   for (const auto& c : chunks) out.push_back(c.get());
   return out;
+}
+
+MemoryPlan total_memory_plan(const std::vector<GptModel*>& chunks) {
+  MemoryPlan total;
+  for (const GptModel* m : chunks) total += m->memory_plan();
+  return total;
 }
 
 }  // namespace mt

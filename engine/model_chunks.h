@@ -2,6 +2,10 @@
 // pipeline; parallel/pipeline_layout.h decides which layers, uneven first/last stages included),
 // each a GptModel with the TP shard of its parameters, the DP bucket layout of its buffers and the
 // activation slots the pipeline schedule needs (engine/pipeline_runner.h), initialized.
+//
+// The same specification (model_chunk_specs) also plans a rank that does not exist here: the dry
+// run (--dry-run) measures each chunk's memory plan with the layout code the constructor runs, so
+// the estimate and the training run's plan are one computation.
 #pragma once
 
 #include <memory>
@@ -9,14 +13,42 @@
 
 #include "core/config.h"
 #include "engine/gpt_model.h"
+#include "engine/memory_plan.h"
 
 namespace mt {
 
 struct ParallelState;
 
+// Where a rank sits in the grid (only what the model layout depends on).
+struct RankPosition {
+  int tp_size = 1, tp_rank = 0;
+  int pp_size = 1, pp_rank = 0;
+  int dp_size = 1, dp_rank = 0;
+  int cp_size = 1;
+  static RankPosition of(const ParallelState& ps);
+};
+
+// What build_model_chunks constructs for one chunk.
+struct ChunkSpec {
+  ModelDims dims;
+  ModelOptions options;
+};
+
+// The chunks of the rank at `r`, in chunk order, as build_model_chunks builds them.
+std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute);
+
+// The memory plan of the rank at `r`: the sum of its chunks' plans, measured without allocating.
+MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType compute);
+
+// The compute dtype of --fp32 / --bf16 / --fp16 (no device checks: the caller makes those).
+DType precision_dtype(const Config& cfg);
+
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
                                                           DType compute);
 
 std::vector<GptModel*> chunk_pointers(const std::vector<std::unique_ptr<GptModel>>& chunks);
+
+// The sum of the chunks' memory plans (what this rank's models hold).
+MemoryPlan total_memory_plan(const std::vector<GptModel*>& chunks);
 
 }  // namespace mt

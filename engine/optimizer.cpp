@@ -91,25 +91,41 @@ StepOutcome Optimizer::step(int64_t iteration) {
   const TrainConfig& t = cfg_.train;
   const Tensor scalars = chunks_.front()->scalars();
 
-  // Gradient reductions across replicas (and the tied embeddings across the pipeline).
+  // Gradient reductions across replicas (and the tied embeddings across the pipeline), unless the
+  // trainer finished them at the end of forward-backward.
   grad_sync_->finish();
+  grad_sync_->step_done();
 
-  // Loss sums (the last stage's) and gradient statistics, then the one readback.
-  be_.fill(scalars, 0.0);
-  if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
-  ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 2));
-  for (const OptimRange& r : ranges_) {
-    if (r.norm.empty()) continue;  // (an empty list would mean the whole tensor)
-    const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
-    be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
-    if (cfg_.logging.log_num_zeros_in_grad) be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
-  }
-  // With the distributed optimizer each DP rank counted its shards only.
-  if (sharded_) ps_.dp->all_reduce(scalars.flat_slice(kGradSumSq, 2));
-  ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
-  if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
+  // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
+  // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.
   double host[kCount];
-  read_scalars(host, kCount);
+  {
+    const ScopedTimer timed(timer, "optimizer-clip-main-grad");
+    be_.fill(scalars, 0.0);
+    if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
+    ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 2));
+    for (const OptimRange& r : ranges_) {
+      if (r.norm.empty()) continue;  // (an empty list would mean the whole tensor)
+      const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
+      be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
+    }
+  }
+  if (cfg_.logging.log_num_zeros_in_grad) {
+    const ScopedTimer timed(timer, "optimizer-count-zeros");
+    for (const OptimRange& r : ranges_) {
+      if (r.norm.empty()) continue;
+      const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
+      be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
+    }
+  }
+  {
+    const ScopedTimer timed(timer, "optimizer-clip-main-grad");
+    // With the distributed optimizer each DP rank counted its shards only.
+    if (sharded_) ps_.dp->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+    ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+    if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
+    read_scalars(host, kCount);
+  }
 
   StepOutcome out;
   out.loss_sum = host[kLossSum];
@@ -142,13 +158,21 @@ StepOutcome Optimizer::step(int64_t iteration) {
   if (cfg_.logging.log_num_zeros_in_grad) out.num_zeros = static_cast<int64_t>(host[kZeros]);
 
   const OptimStepParams p = step_params(inv * clip);
-  for (const OptimRange& r : ranges_) {
-    if (r.update.empty()) continue;
-    const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-    if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
-    else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
+  {
+    // One fused pass per range: the update also writes the compute-dtype model copy (Megatron's
+    // separate optimizer-copy-main-to-model-params phase has no counterpart).
+    const ScopedTimer timed(timer, "optimizer-inner-step");
+    for (const OptimRange& r : ranges_) {
+      if (r.update.empty()) continue;
+      const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
+      if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
+      else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
+    }
   }
-  if (param_gather_) param_gather_->start();
+  if (param_gather_) {
+    const ScopedTimer timed(timer, "params-all-gather");
+    param_gather_->start();
+  }
   ++steps_;
   schedule_.step(t.global_batch);
   return out;

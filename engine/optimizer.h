@@ -64,6 +64,10 @@ class Optimizer {
   // --check-for-nan-in-loss-and-grad is on (and no loss scaler handles overflow).
   StepOutcome step(int64_t iteration);
 
+  // Timers (engine/phase_timers.h): optimizer-clip-main-grad, optimizer-count-zeros,
+  // optimizer-inner-step, params-all-gather. grad_sync() has its own hook.
+  TimerHook timer;
+
   // L2 norm of the parameters (--log-params-norm): one extra readback, only when asked.
   double params_norm();
 

@@ -129,7 +129,14 @@ bool PipelineRunner::fetch(BatchSource* data, int mb) {
 
 void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>& slots) {
   bool act = false, grad = false;
-  for (const P2PTransfer& t : a.transfers) (t.channel == PipelineChannel::activation ? act : grad) = true;
+  bool send_act = false, recv_act = false, send_grad = false, recv_grad = false;
+  for (const P2PTransfer& t : a.transfers) {
+    const bool is_act = t.channel == PipelineChannel::activation;
+    (is_act ? act : grad) = true;
+    (is_act ? (t.is_send ? send_act : recv_act) : (t.is_send ? send_grad : recv_grad)) = true;
+  }
+  // Megatron's p2p timer of this combination (--timing-log-level 2), around the whole group.
+  const ScopedTimer timed(timer, p2p_timer_name(send_act, recv_act, send_grad, recv_grad));
   Communicator* ca = ps_.pp.get();
   // On the GPU both directions go through one NCCL communicator: NCCL matches sends and receives
   // per peer in issue order, and a group spanning two communicators launches one kernel per

@@ -21,6 +21,7 @@
 #include "core/config.h"
 #include "data/batch.h"
 #include "engine/gpt_model.h"
+#include "engine/phase_timers.h"
 #include "parallel/schedules.h"
 
 namespace mt {
@@ -55,8 +56,9 @@ class PipelineRunner {
 
   bool reads_data() const { return reads_data_; }
   const PipelinePlan& plan() const { return plan_; }
-  // Optional timers (--timing-log-level): called with a name and start (true) or stop (false).
-  std::function<void(const char* name, bool start)> timer;
+  // Optional timers (--timing-log-level, engine/phase_timers.h): called with a name and start
+  // (true) or stop (false): batch-generator, forward-compute, backward-compute, the p2p names.
+  TimerHook timer;
 
  private:
   bool needs_data(int chunk) const;

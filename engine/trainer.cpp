@@ -29,8 +29,20 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
       schedule_(LrSchedule::params_from_config(cfg)),
       scaler_(LossScaler::from_config(cfg)),
       optimizer_(cfg, chunks, ps, schedule_, scaler_),
-      runner_(cfg, ps, chunks) {
-  runner_.timer = [this](const char* name, bool start) { start ? timer_start(name) : timer_stop(name); };
+      runner_(cfg, ps, chunks),
+      timers_(cfg.logging.timing_log_level, [this] { model_.backend().synchronize(); }) {
+  // --timing-log-level 0 installs no hooks at all: the step pays nothing for timing.
+  if (timers_.level() > 0) {
+    const TimerHook hook = [this](const char* name, bool start) { start ? timers_.start(name) : timers_.stop(name); };
+    runner_.timer = hook;
+    optimizer_.timer = hook;
+    optimizer_.grad_sync().timer = hook;
+    if (ps.world_size > 1) {
+      const size_t n = megatron_timers().size();
+      timer_buffer_elems_ = cfg.logging.timing_log_option == "all" ? n * static_cast<size_t>(ps.world_size) : 2 * n;
+      timer_buffer_ = model_.backend().allocate(timer_buffer_elems_ * dtype_size(model_.options().accum));
+    }
+  }
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
@@ -70,25 +82,77 @@ bool Trainer::should_exit() {
   return false;
 }
 
-void Trainer::timer_start(const char* name) {
-  if (cfg_.logging.timing_log_level < 1) return;
-  model_.backend().synchronize();  // device timings need a sync: only when asked for
-  timer_start_[name] = Clock::now();
-}
-
-void Trainer::timer_stop(const char* name) {
-  if (cfg_.logging.timing_log_level < 1) return;
-  model_.backend().synchronize();
-  timer_ms_[name] += std::chrono::duration<double, std::milli>(Clock::now() - timer_start_[name]).count();
+Trainer::~Trainer() {
+  if (timer_buffer_) model_.backend().deallocate(timer_buffer_);
 }
 
 void Trainer::forward_backward() {
   const TrainConfig& t = cfg_.train;
   const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : t.num_microbatches);
-  timer_start("forward-backward");
+  timers_.start("forward-backward");
   runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1);
   micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
-  timer_stop("forward-backward");
+  // Megatron's finalize_model_grads runs at the end of the schedule, inside forward-backward.
+  optimizer_.grad_sync().finish();
+  timers_.stop("forward-backward");
+}
+
+void Trainer::collect_timers(IterationStats& s, double iterations) {
+  const std::vector<TimerName>& names = megatron_timers();
+  const size_t n = names.size();
+  std::vector<double> mine(n, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    auto it = timers_.elapsed_ms().find(names[i].name);
+    if (it != timers_.elapsed_ms().end()) mine[i] = it->second / iterations;
+  }
+  const bool all = cfg_.logging.timing_log_option == "all";
+  const int W = ps_.world_size;
+  std::vector<double> buf;
+  if (W == 1) {
+    buf = all ? mine : std::vector<double>();
+  } else {
+    // One all-reduce over the world: all: each rank's row, summed; else max of t and of -t
+    // (Megatron's min and max over the ranks where the timer ran, t > 0).
+    buf.assign(timer_buffer_elems_, 0.0);
+    if (all) {
+      std::copy(mine.begin(), mine.end(), buf.begin() + static_cast<std::ptrdiff_t>(n) * ps_.rank);
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        buf[i] = mine[i];
+        buf[n + i] = mine[i] > 0 ? -mine[i] : -1e30;
+      }
+    }
+    Backend& be = model_.backend();
+    const DType dt = model_.options().accum;
+    Tensor t(timer_buffer_, dt, be.device(), {static_cast<int64_t>(buf.size())});
+    if (dt == DType::f64) {
+      be.copy_from_host(t, buf.data());
+      ps_.world->all_reduce(t, all ? ReduceOp::sum : ReduceOp::max);
+      be.copy_to_host(buf.data(), t);
+    } else {
+      std::vector<float> f(buf.begin(), buf.end());
+      be.copy_from_host(t, f.data());
+      ps_.world->all_reduce(t, all ? ReduceOp::sum : ReduceOp::max);
+      be.copy_to_host(f.data(), t);
+      std::copy(f.begin(), f.end(), buf.begin());
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const char* name = names[i].name;
+    if (all) {
+      std::vector<double> per_rank(static_cast<size_t>(W));
+      bool any = false;
+      for (int r = 0; r < W; ++r) {
+        per_rank[static_cast<size_t>(r)] = buf[static_cast<size_t>(r) * n + i];
+        any = any || per_rank[static_cast<size_t>(r)] > 0;
+      }
+      if (any) s.timers_all_ranks_ms[name] = per_rank;
+    } else if (W == 1) {
+      if (mine[i] > 0) s.timers_ms[name] = {mine[i], mine[i]};
+    } else if (buf[i] > 0) {
+      s.timers_ms[name] = {-buf[n + i], buf[i]};
+    }
+  }
 }
 
 StepOutcome Trainer::train_step() {
@@ -99,9 +163,9 @@ StepOutcome Trainer::train_step() {
   }
   optimizer_.grad_sync().start_step();
   forward_backward();
-  timer_start("optimizer");
+  timers_.start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
-  timer_stop("optimizer");
+  timers_.stop("optimizer");
   return o;
 }
 
@@ -194,14 +258,14 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   s.tokens_per_second =
       per_iter_s > 0 ? static_cast<double>(cfg_.train.global_batch) * cfg_.model.seq_length / per_iter_s : 0;
   s.world_size = ps_.world_size;
-  for (const auto& [name, ms] : timer_ms_) s.timers_ms[name] = {ms / iters, ms / iters};
+  if (interval_end && timers_.level() > 0) collect_timers(s, static_cast<double>(iters));
   reporter_.on_iteration(s);
   if (interval_end && !first_of_run) {
     interval_loss_ = 0;
     interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
     interval_start_ = now;
     interval_paused_s_ = 0;
-    timer_ms_.clear();
+    timers_.reset();
   }
 }
 

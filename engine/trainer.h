@@ -17,6 +17,7 @@
 #include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
 #include "engine/optimizer.h"
+#include "engine/phase_timers.h"
 #include "engine/pipeline_runner.h"
 #include "engine/reporter.h"
 
@@ -33,6 +34,9 @@ class Trainer {
   Trainer(const Config& cfg, ParallelState& ps, GptModel& model, BatchSource& train, BatchSource* valid,
           Reporter& reporter)
       : Trainer(cfg, ps, std::vector<GptModel*>{&model}, &train, valid, reporter) {}
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
   // Model FLOPs of one iteration (for --log-throughput): set by the caller.
   std::function<double()> flops_per_iteration;
@@ -87,8 +91,10 @@ class Trainer {
   using Clock = std::chrono::steady_clock;
   void forward_backward();
   void report_iteration(const StepOutcome& o, bool first_of_run);
-  void timer_start(const char* name);
-  void timer_stop(const char* name);
+  // Fills s.timers_ms (and with --timing-log-option all s.timers_all_ranks_ms) from this
+  // interval's timers: per-iteration means, min/max over the ranks that ran them (one small
+  // collective over the world at log intervals, only with --timing-log-level >= 1).
+  void collect_timers(IterationStats& s, double iterations);
   bool should_exit();
   void print_summary() const;
 
@@ -116,8 +122,9 @@ class Trainer {
   Clock::time_point interval_start_;
   Clock::time_point run_start_ = Clock::now();
   double interval_paused_s_ = 0;
-  std::map<std::string, double> timer_ms_;
-  std::map<std::string, Clock::time_point> timer_start_;
+  PhaseTimers timers_;
+  void* timer_buffer_ = nullptr;  // device buffer of the timers' cross-rank reduction (level >= 1)
+  size_t timer_buffer_elems_ = 0;
 };
 
 }  // namespace mt

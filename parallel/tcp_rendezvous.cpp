@@ -19,9 +19,11 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/log.h"
 
 namespace mt {
 namespace {
+
 
 using Clock = std::chrono::steady_clock;
 
@@ -159,10 +161,27 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
            master_port, why);
     peers_.assign(world_size, -1);
     int joined = 1;
+    // The wait says what it waits for every few seconds (a launch that hangs at start-up shows
+    // which ranks are missing long before the timeout).
+    const auto start = Clock::now();
+    auto next_report = start + log::wait_progress_interval();
     while (joined < world_size) {
       const int ms = remaining_ms(deadline);
+      if (ms > 0 && Clock::now() >= next_report) {
+        std::vector<int> missing;
+        for (int r = 1; r < world_size; ++r)
+          if (peers_[r] < 0) missing.push_back(r);
+        log::write_stderr(fmt::format("[rank 0] rendezvous: waiting for {} of {} ranks at {} ({:.0f} s of {}; missing "
+                                      "ranks {})",
+                                      world_size - joined, world_size, where_,
+                                      std::chrono::duration<double>(Clock::now() - start).count(),
+                                      format_duration(timeout_), missing));
+        next_report += log::wait_progress_interval();
+      }
+      const int wait_ms = std::min<int>(ms, static_cast<int>(std::max<int64_t>(
+          1, std::chrono::duration_cast<std::chrono::milliseconds>(next_report - Clock::now()).count())));
       pollfd pfd{lfd, POLLIN, 0};
-      if (ms == 0 || ::poll(&pfd, 1, ms) == 0) {
+      if (ms == 0 || (::poll(&pfd, 1, wait_ms) == 0 && wait_ms == ms)) {
         std::vector<int> missing;
         for (int r = 1; r < world_size; ++r)
           if (peers_[r] < 0) missing.push_back(r);
@@ -171,6 +190,7 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
              "started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE",
              where_, joined, world_size, format_duration(timeout_), missing);
       }
+      if (!(pfd.revents & POLLIN)) continue;  // a progress report is due, or the deadline: checked above
       const int fd = ::accept(lfd, nullptr, nullptr);
       if (fd < 0) continue;
       set_nonblocking(fd);
@@ -209,9 +229,17 @@ TcpRendezvous::TcpRendezvous(const std::string& master_addr, int master_port, in
   auto nap = std::chrono::milliseconds(20);
   std::string why;
   int fd = -1;
+  const auto start = Clock::now();
+  auto next_report = start + log::wait_progress_interval();
   while (true) {
     fd = try_connect(master_addr, master_port, deadline, &why);
     if (fd >= 0) break;
+    if (Clock::now() >= next_report && remaining_ms(deadline) > 0) {
+      log::write_stderr(fmt::format("[rank {}] rendezvous: waiting for rank 0 at {} ({:.0f} s of {}; last error: {})", rank,
+                                    where_, std::chrono::duration<double>(Clock::now() - start).count(),
+                                    format_duration(timeout_), why));
+      next_report += log::wait_progress_interval();
+    }
     if (remaining_ms(deadline) == 0)
       fail("rank {} could not reach rank 0's rendezvous at {} within {} (last error: {}). Is rank 0 running, and do "
            "all ranks use the same MASTER_ADDR/MASTER_PORT?",
