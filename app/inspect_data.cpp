@@ -9,6 +9,7 @@
 #include "app/cli.h"
 #include "core/environment.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "data/dataset_builder.h"
 #include "data/inspect.h"
 
@@ -85,6 +86,7 @@ void add_placeholder_model_flags(std::vector<std::string>& args) {
 }  // namespace
 
 int inspect_data_main(const std::vector<std::string>& args) {
+  log::set_info_to_stderr(true);  // stdout carries the windows; index-building progress goes beside the statistics
   InspectFlags flags = take_own_flags(args);
   add_placeholder_model_flags(flags.rest);
   std::vector<SetupMessage> messages;

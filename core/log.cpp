@@ -9,6 +9,7 @@ namespace {
 int g_rank = 0;
 int g_world = 1;
 bool g_quiet = false;
+bool g_info_to_stderr = false;
 std::mutex g_mutex;
 }  // namespace
 
@@ -19,13 +20,15 @@ void set_rank(int r, int w) {
 int rank() { return g_rank; }
 int world_size() { return g_world; }
 void set_quiet(bool q) { g_quiet = q; }
+void set_info_to_stderr(bool e) { g_info_to_stderr = e; }
 
 void write_stdout(const std::string& line) {
   if (g_quiet) return;
   std::lock_guard<std::mutex> lock(g_mutex);
-  std::fwrite(line.data(), 1, line.size(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
+  FILE* out = g_info_to_stderr ? stderr : stdout;
+  std::fwrite(line.data(), 1, line.size(), out);
+  std::fputc('\n', out);
+  std::fflush(out);
 }
 
 void write_stderr(const std::string& line) {

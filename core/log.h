@@ -15,6 +15,8 @@ void set_rank(int rank, int world_size);
 int rank();
 int world_size();
 void set_quiet(bool quiet);
+// Informational lines to stderr instead (for subcommands whose stdout is their data).
+void set_info_to_stderr(bool to_stderr);
 
 void write_stdout(const std::string& line);
 void write_stderr(const std::string& line);
