@@ -48,8 +48,7 @@ struct AttentionShape {
 };
 
 // ---- FP8 (--fp8-format; see the FP8 section of Backend below) ----------------------------
-enum class Fp8Recipe { delayed, tensorwise };
-enum class Fp8AmaxAlgo { most_recent, max };
+// Fp8Recipe and Fp8AmaxAlgo are in core/config.h; the ops take delayed and tensorwise only.
 
 // The scaling state of ONE FP8 operand (one of the three tensors of one FP8 GEMM: input x,
 // weight w, output gradient dy). Views of single float32 elements of the model's flat FP8 state
