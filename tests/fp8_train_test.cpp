@@ -121,6 +121,7 @@ TEST_CASE("fp8 training: tiny Llama, e4m3 and tensorwise scaling, follows float3
 TEST_CASE("fp8 training: --first-last-layers-bf16 keeps those layers on the float path", "[fp8][engine][train]") {
   Config base = fp8_mock_config(test::tiny_gpt_config());
   base.train.train_iters = 4;
+  base.train.total_iters = 4;
   const Fp8Run ref = train(base);
   Config all_bf16 = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::tensorwise);
   all_bf16.train.first_last_layers_bf16 = true;  // 2 layers: layer 0 at the start, layer 1 at the end
