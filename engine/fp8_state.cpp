@@ -78,6 +78,43 @@ Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
 
 Tensor Fp8State::scale_inv(int local, Gemm g, Role r) const { return scale_inv_.flat_slice(index(local, g, r), 1); }
 
+void Fp8State::save_to_host(Backend& be, float* packed) const {
+  if (!any()) return;
+  const int64_t n = operands(), H = opt_.history_len;
+  std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
+  be.copy_to_host(hist.data(), history_);
+  be.copy_to_host(sc.data(), scale_);
+  be.copy_to_host(si.data(), scale_inv_);
+  for (int j = 0; j < n_layers_; ++j) {
+    float* b = packed + j * layer_floats();
+    for (int64_t r = 0; r < H; ++r)
+      for (int k = 0; k < kPerLayer; ++k) b[r * kPerLayer + k] = hist[static_cast<size_t>(r * n + j * kPerLayer + k)];
+    for (int k = 0; k < kPerLayer; ++k) {
+      b[H * kPerLayer + k] = sc[static_cast<size_t>(j * kPerLayer + k)];
+      b[(H + 1) * kPerLayer + k] = si[static_cast<size_t>(j * kPerLayer + k)];
+    }
+  }
+}
+
+void Fp8State::load_from_host(Backend& be, const float* packed) {
+  if (!any()) return;
+  const int64_t n = operands(), H = opt_.history_len;
+  std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
+  for (int j = 0; j < n_layers_; ++j) {
+    const float* b = packed + j * layer_floats();
+    for (int64_t r = 0; r < H; ++r)
+      for (int k = 0; k < kPerLayer; ++k) hist[static_cast<size_t>(r * n + j * kPerLayer + k)] = b[r * kPerLayer + k];
+    for (int k = 0; k < kPerLayer; ++k) {
+      sc[static_cast<size_t>(j * kPerLayer + k)] = b[H * kPerLayer + k];
+      si[static_cast<size_t>(j * kPerLayer + k)] = b[(H + 1) * kPerLayer + k];
+    }
+  }
+  be.copy_from_host(history_, hist.data());
+  be.copy_from_host(scale_, sc.data());
+  be.copy_from_host(scale_inv_, si.data());
+  be.synchronize();  // the host vectors go out of scope
+}
+
 void Fp8State::end_step(Backend& be, ParallelState& ps) {
   if (!any()) return;
   const Tensor current = history_.flat_slice(0, operands());

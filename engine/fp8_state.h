@@ -62,7 +62,15 @@ class Fp8State {
   // Once per optimizer step, after it (every rank of the amax groups calls it).
   void end_step(Backend& be, ParallelState& ps);
 
-  // The whole state: history [H, n], scale [n], scale_inv [n] (checkpointing).
+  // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
+  // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].
+  int64_t layer_floats() const { return static_cast<int64_t>(opt_.history_len + 2) * kPerLayer; }
+  // Copies the device state into `packed` (operands() / 12 blocks; waits for the copy).
+  void save_to_host(Backend& be, float* packed) const;
+  // Uploads `packed` into the device state (set-up / load time).
+  void load_from_host(Backend& be, const float* packed);
+
+  // The whole state: history [H, n], scale [n], scale_inv [n].
   Tensor history() const { return history_; }
   Tensor scale() const { return scale_; }
   Tensor scale_inv_all() const { return scale_inv_; }

@@ -118,6 +118,7 @@ class GptModel {
   void fp8_begin_step();
   void fp8_end_step();
   const Fp8State& fp8_state() const { return fp8_; }
+  Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
   void zero_grads();
 
   // ---- one micro-batch -------------------------------------------------------------------
