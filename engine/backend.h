@@ -56,7 +56,8 @@ struct AttentionShape {
 struct Fp8TensorMeta {
   Tensor scale;      // float32 [1]: q = fp8(x * scale)
   Tensor scale_inv;  // float32 [1]: 1 / scale, what the GEMM multiplies by to dequantize
-  Tensor amax;       // float32 [1]: this step's running max |x| (row 0 of the amax history)
+  Tensor amax;       // float32 [1]: this step's running max |x| (row 0 of the amax history);
+                     // empty: record nothing (evaluation forwards)
   Fp8Recipe recipe = Fp8Recipe::delayed;
   int margin = 0;    // --fp8-margin (tensorwise: applied when the op computes the scale)
 };

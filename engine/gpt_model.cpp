@@ -445,14 +445,23 @@ void GptModel::fp8_end_step() {
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
+// Evaluation forwards record no amax (their tensors are not the training step's), so a refresh
+// made by one does not count as fresh for training.
+Fp8TensorMeta GptModel::fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const {
+  Fp8TensorMeta m = fp8_.meta(local, g, r);
+  if (!fp8_training_) m.amax = Tensor();
+  return m;
+}
+
 void GptModel::fp8_refresh_weights(int local) {
-  if (fp8_fresh_[static_cast<size_t>(local)]) return;
+  const char fresh = fp8_training_ ? 1 : 2;  // 2: cast by an evaluation forward (no amax recorded)
+  if (fp8_fresh_[static_cast<size_t>(local)] == 1 || fp8_fresh_[static_cast<size_t>(local)] == fresh) return;
   const LayerParams& P = layer_params_[static_cast<size_t>(local)];
   const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
   const Fp8Weights& c = fp8_w_[static_cast<size_t>(local)];
   for (int g = 0; g < Fp8State::kGemms; ++g)
-    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
-  fp8_fresh_[static_cast<size_t>(local)] = 1;
+    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+  fp8_fresh_[static_cast<size_t>(local)] = fresh;
 }
 
 namespace {
@@ -468,7 +477,7 @@ void GptModel::linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tenso
   }
   fp8_refresh_weights(local);
   const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
-  be_.fp8_quantize(xq, Tensor(), x, fp8_.meta(local, g, Fp8State::x));
+  be_.fp8_quantize(xq, Tensor(), x, fp8_meta(local, g, Fp8State::x));
   be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
                          fp8_.scale_inv(local, g, Fp8State::w), bias, act, pre_act);
 }
@@ -697,6 +706,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   const Workspace& w = *ws_;
   const int layer = d_.layer_begin + local;
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  fp8_training_ = s.training;
 
   // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
   // projection (row-parallel, all-reduce) -> bias + dropout + residual.

@@ -191,6 +191,7 @@ class GptModel {
   // Linear layers of decoder layers: FP8 GEMMs in FP8 layers, the compute-dtype ones elsewhere.
   bool fp8_layer(int local) const { return fp8_.layer_fp8(local); }
   void fp8_refresh_weights(int local);
+  Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
   void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
   // of gemm g that follow; no-op elsewhere.
@@ -232,6 +233,8 @@ class GptModel {
   };
   std::vector<Fp8Weights> fp8_w_;
   std::vector<char> fp8_fresh_;  // per local layer: the weight cache holds this step's weights
+                                 // (1: cast in training, amax recorded; 2: cast by an evaluation)
+  bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
   Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
 };
 
