@@ -10,6 +10,12 @@
 // (end_step): the amax row is all-reduced (max) over the tensor- and data-parallel groups (as
 // Megatron's default amax reduction group, DP x TP), then Backend::fp8_update_scales. Tensorwise
 // scaling sets scale/scale_inv at each cast; end_step only clears the amax row.
+// Differences from Transformer Engine, deliberate: TE rolls the history and updates the scales at
+// each fp8_autocast exit (per micro-batch forward, gradients per backward); here once per
+// optimizer step, the step's amax being the max over its micro-batches (so every micro-batch of a
+// step uses the same scales, and the weights, cast once per step, one scale). Tensorwise over TP
+// scales each rank's shard by its own amax (no amax all-reduce inside the cast): the numbers are
+// right, the FP8 grids differ slightly from TP=1's.
 #pragma once
 
 #include <optional>
