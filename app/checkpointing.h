@@ -96,7 +96,7 @@ class TrainingCheckpoints {
   // Host staging of one chunk: params (compute dtype), master (accum dtype, when separate),
   // states 1 and 2 (sharded buffers with the distributed optimizer).
   struct Staging {
-    std::vector<unsigned char> params, master, state1, state2;
+    std::vector<unsigned char> params, master, state1, state2, fp8;
   };
   // Whether this rank writes the model replica of parameter p; the optimizer replica too unless
   // the optimizer state is sharded (then every DP rank writes its shards).
@@ -115,6 +115,7 @@ class TrainingCheckpoints {
   };
   LoadProgress load_progress_;
   void loaded_tensor(size_t bytes);
+  void load_fp8_state(CheckpointReader& reader, GptModel& m);
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
 
