@@ -1,0 +1,53 @@
+// FP8 element kernels for the CUDA backend: quantizing casts (with the absolute maximum needed
+// for the next scale), the cast that also writes the transposed copy the FP8 GEMMs need, the
+// amax-only reduction and the delayed-scaling scale update.
+//
+// Conventions (shared with the FP8 GEMMs in fp8_gemm_cublaslt.h):
+//   - FP8 data are raw bytes (OCP e4m3 / e5m2). A quantized tensor q holds round(x * scale);
+//     x ~= q * scale_inv with scale_inv = 1 / scale.
+//   - Conversion: x * scale in float32, then round to nearest even, SATURATING to the format's
+//     largest finite value (+-448 e4m3, +-57344 e5m2; infinities saturate too); NaN stays NaN.
+//     This is the hardware's cvt.rn.satfinite, the conversion Transformer Engine uses.
+//   - scale, scale_inv and amax are DEVICE pointers to float (one per tensor), so a step runs
+//     without host synchronization. amax is the max |x| of the UNSCALED input; the kernels fold it
+//     in with atomicMax (on the float bits: non-negative floats order like their bit patterns), so
+//     the caller zeroes it first (the scale update zeroes history row 0 for the next step).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "cuda/fp8_gemm_cublaslt.h"  // Fp8Format
+#include "cuda/kernels.h"           // KernelContext
+
+namespace mt::cuda {
+
+// out[i] = fp8(in[i] * *scale); *amax = max(*amax, max |in|) when amax is not null.
+// in: float32 or bfloat16 (any shape, contiguous); out: in.numel() bytes.
+void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor in, const float* scale, float* amax);
+
+// in [R, C] (float32 or bfloat16, row-major) -> out [R, C] and out_t [C, R] (row-major, i.e. the
+// transpose), both fp8 of the same values, in one pass; either output may be null. amax as above.
+void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
+                           const float* scale, float* amax);
+
+// *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
+void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);
+
+// out[i] = fp8 value of in[i] * *scale_inv, to float32 or bfloat16 (dequantization; tests and
+// fallbacks).
+void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Format format, const float* scale_inv);
+
+// Delayed scaling (Megatron --fp8-recipe delayed, Transformer Engine semantics) for `count`
+// tensors sharing one format. amax_history is [history_len, count] row-major; row 0 holds the
+// amax the casts collected this step. Per tensor t:
+//   amax  = max over the history (algo max) or row 0 (algo most_recent)
+//   roll the history up by one row (row 0 moves to the last row) and zero row 0 for the next step
+//   scale = (fp8_max / amax) / 2^margin, kept unchanged when amax is 0 or not finite or the new
+//           scale would not be finite; scale_inv = 1 / scale.
+// Current ("tensorwise") scaling is the same update with history_len 1.
+enum class Fp8AmaxAlgo : uint8_t { max, most_recent };
+void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo);
+
+}  // namespace mt::cuda
