@@ -5,6 +5,8 @@
 // (stored [K, M], ld K, op N), D = out (ld N). That is exactly cuBLASLt's required FP8 "TN" form.
 #include "cuda/fp8_gemm_cublaslt.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "core/error.h"
@@ -106,26 +108,38 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
   MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, fp8_cuda_type(c.x_format), c.k, c.m, c.k));
   MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, out_type, c.n, c.m, c.n));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = workspace_bytes_;
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  const uint32_t al_a = key.align_w, al_b = key.align_x, al_d = key.align_out;
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, 4));
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, 4));
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    p.ok = true;
-    p.algo = result.algo;
-  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) {
-    MT_CUBLAS_CHECK(st);
+  // The heuristic, first with the operands' real alignments and one result; if it offers nothing,
+  // again asking for several results without alignment hints (the record says which attempt
+  // succeeded and what each returned, for the error message).
+  for (int attempt = 0; attempt < 2 && !p.ok; ++attempt) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes_;
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    if (attempt == 0) {
+      const uint32_t al_a = key.align_w, al_b = key.align_x, al_d = key.align_out;
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, 4));
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, 4));
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
+    }
+    constexpr int kMaxResults = 8;
+    cublasLtMatmulHeuristicResult_t results[kMaxResults]{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
+                                                             attempt == 0 ? 1 : kMaxResults, results, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    p.diagnosis += fmt::format("{}heuristic attempt {}: {} ({} found)", attempt ? "; " : "", attempt,
+                               cublasLtGetStatusString(st), found);
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
+      MT_CUBLAS_CHECK(st);
+    for (int i = 0; i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) {
+        p.ok = true;
+        p.algo = results[i].algo;
+        break;
+      }
   }
   return p;
 }
@@ -139,6 +153,7 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, make_plan(c, key)).first;
   Plan& p = it->second;
+  last_diagnosis_ = p.diagnosis;
   if (!p.ok) return false;
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(c.w_scale_inv));
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(c.x_scale_inv));
@@ -149,6 +164,8 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
   const bool optional_features = c.bias || c.amax_out;
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || (optional_features && st == CUBLAS_STATUS_INVALID_VALUE)) {
     p.ok = false;  // the chosen kernel cannot do the epilogue after all: decline from now on
+    p.diagnosis += fmt::format("; cublasLtMatmul: {}", cublasLtGetStatusString(st));
+    last_diagnosis_ = p.diagnosis;
     return false;
   }
   MT_CUBLAS_CHECK(st);
@@ -157,9 +174,9 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
 
 void Fp8GemmRunner::run(const Fp8GemmCall& c, const char* what) {
   if (!try_run(c, what))
-    fail("{}: cuBLASLt has no FP8 algorithm for m={} n={} k={} ({} x {} -> {}{}{})", what, c.m, c.n, c.k,
+    fail("{}: cuBLASLt has no FP8 algorithm for m={} n={} k={} ({} x {} -> {}{}{}{}): {}", what, c.m, c.n, c.k,
          fp8_format_name(c.x_format), fp8_format_name(c.w_format), dtype_name(c.out_type), c.bias ? ", bias" : "",
-         c.amax_out ? ", amax" : "");
+         c.amax_out ? ", amax" : "", c.fast_accum ? ", fast accumulation" : "", last_diagnosis_);
 }
 
 }  // namespace mt::cuda

@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 
 #include "core/tensor.h"
@@ -91,6 +92,7 @@ class Fp8GemmRunner {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    std::string diagnosis;  // what the heuristic (and a declining cublasLtMatmul) returned
   };
   Plan make_plan(const Fp8GemmCall& call, const Key& key);
   void check(const Fp8GemmCall& call, const char* what) const;
@@ -100,6 +102,7 @@ class Fp8GemmRunner {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::unordered_map<Key, Plan, KeyHash> plans_;
+  std::string last_diagnosis_;
 };
 
 }  // namespace mt::cuda

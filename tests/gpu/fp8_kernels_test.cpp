@@ -71,7 +71,9 @@ std::vector<uint8_t> bf16_bytes(const std::vector<float>& v) {
 
 float host_amax(const std::vector<float>& v) {
   float m = 0.0f;
-  for (float x : v) m = std::fmax(m, std::fabs(x));  // fmax ignores NaN, as the kernels' fmaxf does
+  // NaN ignored, as the kernels' fmaxf does (std::fmax would return NaN for a signaling NaN).
+  for (float x : v)
+    if (!std::isnan(x)) m = std::max(m, std::fabs(x));
   return m;
 }
 
