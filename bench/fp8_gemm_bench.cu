@@ -143,6 +143,28 @@ int main(int argc, char** argv) {
 
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::printf("GPU: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  // Probe: does cuBLASLt offer an FP8 algorithm at these sizes (fast accumulation on/off, the
+  // scale pointer 16-byte aligned or at a 4-byte offset)? try_run, no row splitting.
+  for (int64_t m : {1024, 4096, 8192, 16384})
+    for (int fast = 1; fast >= 0; --fast)
+      for (int off = 0; off <= 1; ++off) {
+        Fp8GemmCall c;
+        c.m = m, c.n = 6144, c.k = 2048;
+        c.x = a8, c.x_scale_inv = scales, c.w = b8, c.w_scale_inv = scales + (off ? 5 : 4);
+        c.out = out, c.out_type = DType::bf16, c.fast_accum = fast;
+        bool ok = false;
+        std::string why;
+        try {
+          ok = fp8_gemm.try_run(c, "probe");
+          why = fp8_gemm.last_diagnosis();
+        } catch (const std::exception& e) {
+          why = e.what();
+        }
+        std::printf("probe m=%lld n=6144 k=2048 fast=%d scale+%d: %s (%s)\n", (long long)m, fast, off * 4,
+                    ok ? "ok" : "NO ALGORITHM", why.c_str());
+      }
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+
   std::printf("%-9s %-5s %-6s %6s %6s %6s | %9s %8s | %9s %8s | %6s\n", "model", "layer", "gemm", "M", "N", "K", "bf16 us",
               "TFLOP/s", "fp8 us", "TFLOP/s", "fp8x");
   for (const Model& model : models) {
@@ -230,7 +252,8 @@ int main(int argc, char** argv) {
                   model.name, sum_bf16, sum_fp8, sum_bf16 / sum_fp8, sum_fp8 + sum_cast,
                   sum_bf16 / (sum_fp8 + sum_cast));
   }
-  std::printf("fp8 plans cached: %zu\n", fp8_gemm.cached_plans());
+  std::printf("fp8 plans cached: %zu, GEMMs split into row blocks: %lld\n", fp8_gemm.cached_plans(),
+              (long long)fp8_gemm.row_splits());
   cudaFree(a8), cudaFree(b8), cudaFree(a16), cudaFree(b16), cudaFree(out), cudaFree(scales);
   cudaStreamDestroy(stream);
   return 0;

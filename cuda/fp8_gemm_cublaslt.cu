@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_cublaslt.h"  // MT_CUBLAS_CHECK
 
@@ -173,10 +174,27 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
 }
 
 void Fp8GemmRunner::run(const Fp8GemmCall& c, const char* what) {
-  if (!try_run(c, what))
-    fail("{}: cuBLASLt has no FP8 algorithm for m={} n={} k={} ({} x {} -> {}{}{}{}): {}", what, c.m, c.n, c.k,
-         fp8_format_name(c.x_format), fp8_format_name(c.w_format), dtype_name(c.out_type), c.bias ? ", bias" : "",
-         c.amax_out ? ", amax" : "", c.fast_accum ? ", fast accumulation" : "", last_diagnosis_);
+  if (try_run(c, what)) return;
+  // No algorithm for this many rows: the rows of x and out are independent, so run the product
+  // in two row blocks (each a multiple of 16). Said once per shape; the bench reports it.
+  if (c.m >= 32 && !c.amax_out) {
+    const int64_t top = (c.m / 2 + 15) / 16 * 16;
+    if (split_warned_.insert(c.m * 1000003 + c.n * 1009 + c.k).second)
+      log::warn("{}: cuBLASLt has no FP8 algorithm for m={} n={} k={} ({}); running it as row blocks of {} and {}",
+                what, c.m, c.n, c.k, last_diagnosis_, top, c.m - top);
+    ++row_splits_;
+    Fp8GemmCall a = c, b = c;
+    a.m = top;
+    b.m = c.m - top;
+    b.x = static_cast<const uint8_t*>(c.x) + top * c.k;
+    b.out = static_cast<char*>(c.out) + top * c.n * static_cast<int64_t>(dtype_size(c.out_type));
+    run(a, what);
+    run(b, what);
+    return;
+  }
+  fail("{}: cuBLASLt has no FP8 algorithm for m={} n={} k={} ({} x {} -> {}{}{}{}): {}", what, c.m, c.n, c.k,
+       fp8_format_name(c.x_format), fp8_format_name(c.w_format), dtype_name(c.out_type), c.bias ? ", bias" : "",
+       c.amax_out ? ", amax" : "", c.fast_accum ? ", fast accumulation" : "", last_diagnosis_);
 }
 
 }  // namespace mt::cuda

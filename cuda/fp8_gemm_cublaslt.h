@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "core/tensor.h"
 
@@ -71,10 +72,16 @@ class Fp8GemmRunner {
   // Fails (mt::Error naming `what` and the shape) when the call breaks a requirement or cuBLASLt
   // has no algorithm for it.
   void run(const Fp8GemmCall& call, const char* what);
+  // (When cuBLASLt has no algorithm for all m rows at once, run() splits the rows in two blocks,
+  // recursively, and warns once per shape.)
   // Same checks, but returns false instead of failing when cuBLASLt offers no algorithm (callers
   // fall back, e.g. from the bias epilogue or the amax output to separate kernels).
   bool try_run(const Fp8GemmCall& call, const char* what);
+  // What the heuristic said for the last call's plan (for diagnostics).
+  const std::string& last_diagnosis() const { return last_diagnosis_; }
   size_t cached_plans() const { return plans_.size(); }
+  // How many GEMMs run() had to split into row blocks (no algorithm for the whole; see run()).
+  int64_t row_splits() const { return row_splits_; }
   cudaStream_t stream() const { return stream_; }
 
  private:
@@ -103,6 +110,8 @@ class Fp8GemmRunner {
   size_t workspace_bytes_ = 0;
   std::unordered_map<Key, Plan, KeyHash> plans_;
   std::string last_diagnosis_;
+  std::unordered_set<int64_t> split_warned_;
+  int64_t row_splits_ = 0;
 };
 
 }  // namespace mt::cuda
