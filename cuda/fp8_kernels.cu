@@ -91,12 +91,16 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
 // Tiles of 64 x 64 elements. Phase 1 reads the tile row by row (VEC elements per access), writes
 // the row-major fp8 output and keeps the bytes in shared memory; phase 2 writes the transposed
 // tile, VEC bytes of one output row per access. VEC = 8 needs R and C multiples of 8.
+// Shared-memory rows are 66 bytes: phase 2's threads read one byte from each of 8 rows 8 apart,
+// and 8 * 66 bytes = 132 words puts those rows in different banks (a 64- or 72-byte row would
+// put every second one in the same bank). Phase 1 therefore stores 2-byte pieces (66 is even).
 constexpr int kTile = 64;
+constexpr int kTileStride = kTile + 2;
 
 template <typename T, Fp8Format F, int VEC>
 __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const T* __restrict__ in,
                                       int64_t R, int64_t C, const float* scale_p, float* amax) {
-  __shared__ __align__(16) uint8_t tile[kTile][kTile + 8];
+  __shared__ __align__(16) uint8_t tile[kTile][kTileStride];
   const float scale = *scale_p;
   float m = 0.0f;
   const int64_t tiles_c = (C + kTile - 1) / kTile, tiles = tiles_c * ((R + kTile - 1) / kTile);
@@ -113,7 +117,11 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
         for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
         const uint2 q = pack8<F>(v, scale);
         if (out) *reinterpret_cast<uint2*>(out + gr * C + gc) = q;
-        *reinterpret_cast<uint2*>(&tile[r][c]) = q;
+        uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[r][c]);
+        t16[0] = static_cast<uint16_t>(q.x);
+        t16[1] = static_cast<uint16_t>(q.x >> 16);
+        t16[2] = static_cast<uint16_t>(q.y);
+        t16[3] = static_cast<uint16_t>(q.y >> 16);
       } else {
         const float v = to_float(in[gr * C + gc]);
         m = fmaxf(m, fabsf(v));
