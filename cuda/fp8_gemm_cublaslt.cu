@@ -197,4 +197,41 @@ void Fp8GemmRunner::run(const Fp8GemmCall& c, const char* what) {
        c.amax_out ? ", amax" : "", c.fast_accum ? ", fast accumulation" : "", last_diagnosis_);
 }
 
+// ---- linear-layer mappings ----------------------------------------------------------------------
+void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand w, int64_t k_in, const void* bias) {
+  MT_CHECK(y.dtype == DType::bf16, "fp8_linear_forward: y must be bfloat16, got {}", dtype_name(y.dtype));
+  Fp8GemmCall c;
+  c.m = y.rows(), c.n = y.cols(), c.k = k_in;
+  c.x = x.data, c.x_format = x.format, c.x_scale_inv = x.scale_inv;
+  c.w = w.data, c.w_format = w.format, c.w_scale_inv = w.scale_inv;
+  c.out = y.data, c.out_type = DType::bf16;
+  c.bias = bias;
+  c.fast_accum = true;  // forward only, as Transformer Engine does
+  gemm.run(c, "fp8_linear_forward");
+}
+
+void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp8Operand w_t, int64_t n_out,
+                               bool accumulate) {
+  MT_CHECK(!accumulate || dx.dtype == DType::f32, "fp8_linear_backward_input: accumulation needs a float32 dx");
+  Fp8GemmCall c;
+  c.m = dx.rows(), c.n = dx.cols(), c.k = n_out;
+  c.x = dy.data, c.x_format = dy.format, c.x_scale_inv = dy.scale_inv;
+  c.w = w_t.data, c.w_format = w_t.format, c.w_scale_inv = w_t.scale_inv;
+  c.out = dx.data, c.out_type = dx.dtype;
+  c.beta = accumulate ? 1.0f : 0.0f;
+  gemm.run(c, "fp8_linear_backward_input");
+}
+
+void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens) {
+  MT_CHECK(dw.dtype == DType::f32, "fp8_linear_backward_weight: dw must be float32 (main grad), got {}",
+           dtype_name(dw.dtype));
+  Fp8GemmCall c;
+  c.m = dw.rows(), c.n = dw.cols(), c.k = tokens;
+  c.x = dy_t.data, c.x_format = dy_t.format, c.x_scale_inv = dy_t.scale_inv;
+  c.w = x_t.data, c.w_format = x_t.format, c.w_scale_inv = x_t.scale_inv;
+  c.out = dw.data, c.out_type = DType::f32;
+  c.beta = 1.0f;
+  gemm.run(c, "fp8_linear_backward_weight");
+}
+
 }  // namespace mt::cuda

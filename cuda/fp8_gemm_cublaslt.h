@@ -114,4 +114,20 @@ class Fp8GemmRunner {
   int64_t row_splits_ = 0;
 };
 
+// The three linear-layer products in FP8 (the mappings in this file's header comment). An operand
+// is fp8 bytes, row-major, with its format and dequantization factor (device pointer).
+struct Fp8Operand {
+  const void* data = nullptr;
+  Fp8Format format = Fp8Format::e4m3;
+  const float* scale_inv = nullptr;
+};
+// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N], bf16): bf16 y, fast accumulation (forward only).
+void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand w, int64_t k_in, const void* bias);
+// dx[M, K] = dy[M, N] . w[N, K], from w_t = w^T [K, N] (the transposed copy); bf16 or fp32 dx,
+// accumulate (+=) only into fp32.
+void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp8Operand w_t, int64_t n_out,
+                               bool accumulate);
+// dw[N, K] += dy^T . x, from dy_t = dy^T [N, M] and x_t = x^T [K, M]; fp32 dw.
+void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens);
+
 }  // namespace mt::cuda
