@@ -10,7 +10,7 @@
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio.
 # --fp8-env does the same with the CUDA backend's EXPERIMENTAL current-scaling FP8 linears
-# (MEGATRAIN_EXPERIMENTAL_FP8=<format>, cuda/fp8_current_scaling.h) instead of the flags.
+# (MEGATRAIN_EXPERIMENTAL_FP8=<format>, cuda/fp8_experimental.h) instead of the flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"

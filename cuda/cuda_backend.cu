@@ -60,7 +60,7 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
-  fp8_ = cuda::CurrentScalingFp8::from_environment(stream_);
+  fp8_ = cuda::ExperimentalFp8::from_environment(stream_);
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -459,6 +459,7 @@ void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor 
                              std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
   MT_PROFILE_OP("adamw_step {}", master.numel());
+  if (fp8_) fp8_->end_step(context());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
                    segment_arg(segments, master.numel(), "adamw_step"), p);
   profiler_->step_done();
@@ -467,6 +468,7 @@ void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor m
                            std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("sgd_step", master, grad, momentum, model_param);
   MT_PROFILE_OP("sgd_step {}", master.numel());
+  if (fp8_) fp8_->end_step(context());
   cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
   profiler_->step_done();
 }

@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "cuda/fp8_current_scaling.h"
+#include "cuda/fp8_experimental.h"
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
 #include "cuda/op_profiler.h"
@@ -114,7 +114,7 @@ class CudaBackend final : public Backend {
   int device_ordinal() const { return device_; }
   int num_sms() const { return num_sms_; }
   cuda::GemmRunner& gemm() { return *gemm_; }
-  cuda::CurrentScalingFp8* experimental_fp8() { return fp8_.get(); }
+  cuda::ExperimentalFp8* experimental_fp8() { return fp8_.get(); }
 
  private:
   cuda::KernelContext context();  // resets the scratch for the next op
@@ -139,7 +139,7 @@ class CudaBackend final : public Backend {
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
-  std::unique_ptr<cuda::CurrentScalingFp8> fp8_;  // EXPERIMENTAL (MEGATRAIN_EXPERIMENTAL_FP8), usually null
+  std::unique_ptr<cuda::ExperimentalFp8> fp8_;  // EXPERIMENTAL (MEGATRAIN_EXPERIMENTAL_FP8), usually null
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;

@@ -45,9 +45,10 @@ void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Form
 //   roll the history up by one row (row 0 moves to the last row) and zero row 0 for the next step
 //   scale = (fp8_max / amax) / 2^margin, kept unchanged when amax is 0 or not finite or the new
 //           scale would not be finite; scale_inv = 1 / scale.
-// Current ("tensorwise") scaling is the same update with history_len 1.
+// Current ("tensorwise") scaling is the same update with history_len 1. scale_stride spaces the
+// scale and scale_inv entries (4: each scale_inv 16-byte aligned for the GEMMs' scale pointers).
 enum class Fp8AmaxAlgo : uint8_t { max, most_recent };
 void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
-                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo);
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride = 1);
 
 }  // namespace mt::cuda

@@ -1,21 +1,23 @@
-// The EXPERIMENTAL current-scaling FP8 linears (cuda/fp8_current_scaling.h) against the CUDA
-// backend's bf16 linear ops on the same inputs: FP8 tolerance for the GEMM results, tight for what
-// both paths compute with the same kernels (bias gradient, recomputed activation), and the
-// fall-back (returns false) for shapes that do not qualify.
+// The EXPERIMENTAL FP8 linears (cuda/fp8_experimental.h) against the CUDA backend's bf16 linear
+// ops on the same inputs: FP8 tolerance for the GEMM results, tight for what both paths compute
+// with the same kernels (bias gradient, recomputed activation), the fall-back (returns false) for
+// shapes that do not qualify, and the delayed recipe's slots across steps.
 #include <cmath>
 
 #include "cuda/cuda_backend.h"
-#include "cuda/fp8_current_scaling.h"
+#include "cuda/fp8_experimental.h"
 #include "tests/gpu/fp8_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
 using namespace mt::gputest;
 
-TEST_CASE("experimental current-scaling FP8 linears vs the bf16 linear ops", "[gpu][fp8]") {
+TEST_CASE("experimental FP8 linears vs the bf16 linear ops", "[gpu][fp8]") {
   MT_RNG(rng);
   CudaBackend& be = fp8test::cuda_backend();
-  cuda::CurrentScalingFp8 fp8(be.cuda_stream(), cuda::Fp8Format::e5m2);
+  const auto recipe = GENERATE(cuda::ExperimentalFp8::Recipe::current, cuda::ExperimentalFp8::Recipe::delayed);
+  INFO("recipe " << (recipe == cuda::ExperimentalFp8::Recipe::current ? "current" : "delayed"));
+  cuda::ExperimentalFp8 fp8(be.cuda_stream(), cuda::Fp8Format::e5m2, recipe, 4);
   Buf scratch_mem(be, DType::u8, {int64_t{16} << 20});
   cuda::Scratch scratch(scratch_mem.t.data, scratch_mem.t.nbytes());
   cuda::KernelContext ctx = fp8test::context();
@@ -76,4 +78,11 @@ TEST_CASE("experimental current-scaling FP8 linears vs the bf16 linear ops", "[g
   CHECK_FALSE(fp8.linear_forward(ctx, y24.t, x24.t, w.t, Tensor(), Activation::none, Tensor()));
   CHECK(fp8.bf16_calls() == before + 1);
   CHECK(fp8.fp8_calls() == 4);
+
+  // Next step (delayed: the scales now come from the amax the casts recorded, the same tensors'):
+  // the forward again gives the same bytes.
+  fp8.end_step(ctx);
+  Buf y8b(be, DType::bf16, {M, N}), pre8b(be, DType::bf16, {M, N});
+  REQUIRE(fp8.linear_forward(ctx, y8b.t, x.t, w.t, b.t, Activation::gelu_tanh, pre8b.t));
+  CHECK(differing(download_bytes(be, pre8b.t), download_bytes(be, pre8.t), 2) == 0);
 }
