@@ -80,6 +80,11 @@ void Fp8GemmRunner::check(const Fp8GemmCall& c, const char* what) const {
   MT_CHECK(c.x && c.w && c.out && c.x_scale_inv && c.w_scale_inv, "{}: FP8 GEMM with a null operand or scale", what);
   MT_CHECK(alignment_of(c.x) >= 16 && alignment_of(c.w) >= 16 && alignment_of(c.out) >= 16,
            "{}: FP8 GEMM operands must be 16-byte aligned", what);
+  // Measured on the H200 (cuBLASLt 13.1): the heuristic accepts a scale pointer at a 4-byte
+  // offset, then cublasLtMatmul returns NOT_SUPPORTED for it. The plan cache does not key on these
+  // pointers, so they are required aligned here, with a clear message.
+  MT_CHECK(alignment_of(c.x_scale_inv) >= 16 && alignment_of(c.w_scale_inv) >= 16,
+           "{}: FP8 GEMM scale_inv pointers must be 16-byte aligned (space per-tensor scales 4 floats apart)", what);
   MT_CHECK(c.out_type == DType::bf16 || c.out_type == DType::f32, "{}: FP8 GEMM output must be bfloat16 or float32, got {}",
            what, dtype_name(c.out_type));
   MT_CHECK(c.beta == 0.0f || c.out_type == DType::f32, "{}: FP8 GEMM accumulation (beta != 0) needs a float32 output",

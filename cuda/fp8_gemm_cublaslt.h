@@ -16,7 +16,8 @@
 // delayed-scaling update can change them on the GPU without a host round trip.
 //
 // Requirements (cuBLASLt FP8, checked with a one-line error): M, N, K multiples of 16, operand
-// pointers 16-byte aligned; x/w formats e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3 (no e5m2 x e5m2);
+// pointers 16-byte aligned, the scale_inv pointers too (measured: cuBLASLt 13.1 declines a scale
+// pointer at a 4-byte offset at run time); x/w formats e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3 (no e5m2 x e5m2);
 // out bf16 (bias optional, bf16) or fp32 (beta 0 or 1: weight gradients accumulate into fp32
 // main grads). fast_accum trades the periodic promotion of partial sums to full fp32 for speed
 // (Transformer Engine uses it in the forward GEMMs only, not for gradients).

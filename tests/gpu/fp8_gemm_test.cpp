@@ -61,7 +61,7 @@ TEST_CASE("fp8 gemm: against float64 on the dequantized inputs (bf16/f32 out, bi
   CudaBackend& be = fp8test::cuda_backend();
   enum class Mode { bf16, bf16_bias, bf16_fast, f32, f32_accumulate };
   const float sx = 0.37f, sw = 1.7f;
-  // Both scales in one buffer, 16 bytes apart (the next test case takes 4-byte offsets).
+  // Both scales in one buffer, 16 bytes apart (cuBLASLt declines 4-byte offsets: see the checks).
   Buf scales(be, DType::f32, {8});
   fp8test::put_floats(scales, {sx, 0, 0, 0, sw, 0, 0, 0});
   const float* sx_ptr = scales.t.ptr<float>();
@@ -137,39 +137,6 @@ TEST_CASE("fp8 gemm: against float64 on the dequantized inputs (bf16/f32 out, bi
   CHECK(runner().cached_plans() > 0);
 }
 
-TEST_CASE("fp8 gemm: scale pointers at 4-byte offsets (entries of per-tensor arrays)", "[gpu][fp8]") {
-  MT_RNG(rng);
-  CudaBackend& be = fp8test::cuda_backend();
-  const Shape3 s{64, 48, 96};
-  const std::vector<uint8_t> xc = random_codes(rng, s.m * s.k, 1.0, Fp8Format::e4m3),
-                             wc = random_codes(rng, s.n * s.k, 1.0, Fp8Format::e4m3);
-  const std::vector<double> xv = decode_all(xc, Fp8Format::e4m3), wv = decode_all(wc, Fp8Format::e4m3);
-  Buf x(be, DType::u8, {s.m, s.k}), w(be, DType::u8, {s.n, s.k}), scales(be, DType::f32, {4});
-  Buf out(be, DType::f32, {s.m, s.n});
-  fp8test::put(x, xc.data());
-  fp8test::put(w, wc.data());
-  fp8test::put_floats(scales, {9.0f, 0.5f, 0.25f, 9.0f});
-  cuda::Fp8GemmCall c;
-  c.m = s.m, c.n = s.n, c.k = s.k;
-  c.x = x.t.data, c.x_scale_inv = scales.t.ptr<float>() + 1;
-  c.w = w.t.data, c.w_scale_inv = scales.t.ptr<float>() + 2;
-  c.out = out.t.data, c.out_type = DType::f32;
-  runner().run(c, "test offsets");
-  const std::vector<double> got = download(be, out.t);
-  double worst = 0;
-  for (int64_t i = 0; i < s.m; ++i)
-    for (int64_t j = 0; j < s.n; ++j) {
-      double want = 0, mag = 0;
-      for (int64_t q = 0; q < s.k; ++q) {
-        want += xv[i * s.k + q] * wv[j * s.k + q];
-        mag += std::fabs(xv[i * s.k + q] * wv[j * s.k + q]);
-      }
-      worst = std::max(worst, std::fabs(got[i * s.n + j] - want * 0.125) / (mag * 0.125 + 1e-30));
-    }
-  INFO("worst error relative to sum |terms|: " << worst);
-  CHECK(worst <= 4e-4);
-}
-
 TEST_CASE("fp8 gemm: amax of the output", "[gpu][fp8]") {
   MT_RNG(rng);
   CudaBackend& be = fp8test::cuda_backend();
@@ -202,7 +169,7 @@ TEST_CASE("fp8 gemm: amax of the output", "[gpu][fp8]") {
 
 TEST_CASE("fp8 gemm: requirement checks", "[gpu][fp8]") {
   CudaBackend& be = fp8test::cuda_backend();
-  Buf x(be, DType::u8, {64, 64}), w(be, DType::u8, {64, 64}), out(be, DType::f32, {64, 64}), one(be, DType::f32, {1});
+  Buf x(be, DType::u8, {64, 64}), w(be, DType::u8, {64, 64}), out(be, DType::f32, {64, 64}), one(be, DType::f32, {4});
   cuda::Fp8GemmCall c;
   c.m = 64, c.n = 64, c.k = 64;
   c.x = x.t.data, c.x_scale_inv = one.t.ptr<float>();
@@ -217,6 +184,9 @@ TEST_CASE("fp8 gemm: requirement checks", "[gpu][fp8]") {
   bad = c;
   bad.x = static_cast<const char*>(c.x) + 8;
   CHECK_THROWS_WITH(runner().run(bad, "test"), Catch::Contains("16-byte aligned"));
+  bad = c;
+  bad.w_scale_inv = c.w_scale_inv + 1;  // cuBLASLt declines scale pointers at 4-byte offsets (H200 run)
+  CHECK_THROWS_WITH(runner().run(bad, "test"), Catch::Contains("scale_inv pointers must be 16-byte aligned"));
   bad = c;
   bad.out_type = DType::bf16;
   bad.beta = 1.0f;
