@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -177,7 +178,7 @@ __global__ void dequant_kernel(T* __restrict__ out, const uint8_t* __restrict__ 
 
 // ---- delayed-scaling update ---------------------------------------------------------------------
 __global__ void update_scales_kernel(float* hist, int H, int count, float* scale, float* scale_inv, int stride,
-                                     float fp8_max, float margin_factor, bool use_max) {
+                                     float fp8_max, const float* fp8_max_per, float margin_factor, bool use_max) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= count) return;
   const float first = hist[t];
@@ -187,13 +188,26 @@ __global__ void update_scales_kernel(float* hist, int H, int count, float* scale
   for (int h = 0; h + 1 < H; ++h) hist[static_cast<int64_t>(h) * count + t] = hist[static_cast<int64_t>(h + 1) * count + t];
   hist[static_cast<int64_t>(H - 1) * count + t] = first;
   hist[t] = 0.0f;
-  float s = scale[static_cast<int64_t>(t) * stride];
   if (amax > 0.0f && isfinite(amax)) {
-    const float candidate = (fp8_max / amax) / margin_factor;
-    if (isfinite(candidate)) s = candidate;
+    const float m = fp8_max_per ? fp8_max_per[t] : fp8_max;
+    float s = (m / amax) / margin_factor;
+    if (isinf(s)) s = FLT_MAX;  // a tiny amax, as Transformer Engine does
+    scale[static_cast<int64_t>(t) * stride] = s;
+    scale_inv[static_cast<int64_t>(t) * stride] = 1.0f / s;
   }
-  scale[static_cast<int64_t>(t) * stride] = s;
-  scale_inv[static_cast<int64_t>(t) * stride] = 1.0f / s;
+}
+
+// Tensorwise (current) scaling of one operand from the fresh amax of this call's tensor.
+__global__ void tensorwise_scale_kernel(const float* fresh_amax, float* amax, float* scale, float* scale_inv,
+                                        float fp8_max, float margin_factor) {
+  const float a = *fresh_amax;
+  if (a > 0.0f && isfinite(a)) {
+    float s = (fp8_max / a) / margin_factor;
+    if (isinf(s)) s = FLT_MAX;
+    *scale = s;
+    *scale_inv = 1.0f / s;
+  }
+  if (amax) *amax = fmaxf(*amax, a);
 }
 
 unsigned capped_grid(const KernelContext& ctx, int64_t work) {
@@ -287,13 +301,22 @@ void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Form
 }
 
 void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
-                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride) {
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride,
+                       const float* fp8_max_per_tensor) {
   MT_CHECK(history_len >= 1, "fp8_update_scales: amax history length must be at least 1, got {}", history_len);
   MT_CHECK(scale_stride >= 1, "fp8_update_scales: scale stride must be at least 1");
   if (count <= 0) return;
   const float margin_factor = std::ldexp(1.0f, margin);
   update_scales_kernel<<<(count + 127) / 128, 128, 0, ctx.stream>>>(amax_history, history_len, count, scale, scale_inv,
-                                                                    scale_stride, fp8_max, margin_factor, algo == Fp8AmaxAlgo::max);
+                                                                    scale_stride, fp8_max, fp8_max_per_tensor,
+                                                                    margin_factor, algo == Fp8AmaxAlgo::max);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
+                          float* scale_inv, float fp8_max, int margin) {
+  tensorwise_scale_kernel<<<1, 1, 0, ctx.stream>>>(fresh_amax, amax, scale, scale_inv, fp8_max,
+                                                   std::ldexp(1.0f, margin));
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -43,12 +43,20 @@ void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Form
 // amax the casts collected this step. Per tensor t:
 //   amax  = max over the history (algo max) or row 0 (algo most_recent)
 //   roll the history up by one row (row 0 moves to the last row) and zero row 0 for the next step
-//   scale = (fp8_max / amax) / 2^margin, kept unchanged when amax is 0 or not finite or the new
-//           scale would not be finite; scale_inv = 1 / scale.
-// Current ("tensorwise") scaling is the same update with history_len 1. scale_stride spaces the
-// scale and scale_inv entries (4: each scale_inv 16-byte aligned for the GEMMs' scale pointers).
+//   if amax > 0 and finite: scale = (fp8_max / amax) / 2^margin (FLT_MAX where that overflows, as
+//           Transformer Engine does), scale_inv = 1 / scale; otherwise both keep their values.
+// A history of length 1 gives scales from the last amax alone. scale_stride spaces the scale and
+// scale_inv entries (4: each scale_inv 16-byte aligned for the GEMMs' scale pointers).
+// fp8_max_per_tensor (device, [count]), when not null, replaces fp8_max per tensor.
 enum class Fp8AmaxAlgo : uint8_t { max, most_recent };
 void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
-                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride = 1);
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride = 1,
+                       const float* fp8_max_per_tensor = nullptr);
+
+// Tensorwise scaling of one operand (one thread): a = *fresh_amax (this call's tensor only); if
+// a > 0 and finite, scale = (fp8_max / a) / 2^margin (FLT_MAX where that overflows) and
+// scale_inv = 1 / scale; then *amax = max(*amax, a) when amax is not null.
+void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
+                          float* scale_inv, float fp8_max, int margin);
 
 }  // namespace mt::cuda

@@ -3,6 +3,7 @@
 // even, saturating, NaN stays NaN), the transposed copy must be the exact transpose, amax exact,
 // dequantization exact, and the delayed-scaling update must follow its formula step by step.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -231,38 +232,50 @@ TEST_CASE("fp8 dequantize: every code times scale_inv, exact", "[gpu][fp8]") {
 TEST_CASE("fp8 delayed scaling update: history roll, max / most_recent, margin, guards", "[gpu][fp8]") {
   CudaBackend& be = fp8test::cuda_backend();
   const cuda::KernelContext ctx = fp8test::context();
-  const int H = 4, T = 4;
-  // Row-major [H, T]. Tensor 0: ordinary; 1: current amax 0 (scale kept); 2: infinite amax (kept);
-  // 3: the largest value is an old row.
-  const std::vector<float> hist0 = {2.0f, 0.0f, INFINITY, 1.0f,  //
-                                    1.0f, 0.0f, 1.0f,     8.0f,  //
-                                    4.0f, 0.0f, 1.0f,     2.0f,  //
-                                    0.5f, 0.0f, 1.0f,     0.25f};
+  const int H = 4, T = 5;
+  // Row-major [H, T]. Tensor 0: ordinary; 1: amax 0 (scale kept); 2: infinite amax (kept); 3: the
+  // largest value is an old row; 4: a subnormal amax whose scale overflows (FLT_MAX).
+  const float tiny = 1e-40f;
+  const std::vector<float> hist0 = {2.0f, 0.0f, INFINITY, 1.0f,  tiny,  //
+                                    1.0f, 0.0f, 1.0f,     8.0f,  0.0f,  //
+                                    4.0f, 0.0f, 1.0f,     2.0f,  0.0f,  //
+                                    0.5f, 0.0f, 1.0f,     0.25f, 0.0f};
   for (cuda::Fp8AmaxAlgo algo : {cuda::Fp8AmaxAlgo::max, cuda::Fp8AmaxAlgo::most_recent})
-    for (int margin : {0, 1}) {
-      INFO("algo " << (algo == cuda::Fp8AmaxAlgo::max ? "max" : "most_recent") << " margin " << margin);
-      Buf hist(be, DType::f32, {H, T}), scale(be, DType::f32, {T}), sinv(be, DType::f32, {T});
-      fp8test::put_floats(hist, hist0);
-      fp8test::put_floats(scale, {3.0f, 3.0f, 3.0f, 3.0f});
-      cuda::fp8_update_scales(ctx, hist.t.ptr<float>(), H, T, scale.t.ptr<float>(), sinv.t.ptr<float>(), 448.0f, margin,
-                              algo);
-      const std::vector<float> h = fp8test::get_floats(hist), s = fp8test::get_floats(scale),
-                               si = fp8test::get_floats(sinv);
-      for (int t = 0; t < T; ++t) {
-        float amax = hist0[t];
-        if (algo == cuda::Fp8AmaxAlgo::max)
-          for (int r = 1; r < H; ++r) amax = std::fmax(amax, hist0[r * T + t]);
-        float want = 3.0f;
-        if (amax > 0 && std::isfinite(amax)) want = (448.0f / amax) / std::ldexp(1.0f, margin);
-        INFO("tensor " << t);
-        CHECK(s[t] == want);
-        CHECK(si[t] == 1.0f / want);
-        CHECK(h[t] == 0.0f);  // row 0 zeroed for the next step
-        for (int r = 1; r + 1 < H; ++r) CHECK(h[r * T + t] == hist0[(r + 1) * T + t]);
-        CHECK((std::isinf(hist0[t]) ? std::isinf(h[(H - 1) * T + t]) : h[(H - 1) * T + t] == hist0[t]));
+    for (int margin : {0, 1})
+      for (bool per_tensor_max : {false, true}) {
+        INFO("algo " << (algo == cuda::Fp8AmaxAlgo::max ? "max" : "most_recent") << " margin " << margin
+                     << " per-tensor fp8_max " << per_tensor_max);
+        // Per-tensor maxima alternate the formats; the scalar is e4m3's.
+        const std::vector<float> maxima = {448.0f, 57344.0f, 448.0f, 57344.0f, 448.0f};
+        Buf hist(be, DType::f32, {H, T}), scale(be, DType::f32, {T}), sinv(be, DType::f32, {T}), fmax_buf(be, DType::f32, {T});
+        fp8test::put_floats(hist, hist0);
+        fp8test::put_floats(scale, std::vector<float>(T, 3.0f));
+        fp8test::put_floats(sinv, std::vector<float>(T, 1.0f / 3.0f));
+        fp8test::put_floats(fmax_buf, maxima);
+        cuda::fp8_update_scales(ctx, hist.t.ptr<float>(), H, T, scale.t.ptr<float>(), sinv.t.ptr<float>(), 448.0f,
+                                margin, algo, 1, per_tensor_max ? fmax_buf.t.ptr<float>() : nullptr);
+        const std::vector<float> h = fp8test::get_floats(hist), s = fp8test::get_floats(scale),
+                                 si = fp8test::get_floats(sinv);
+        for (int t = 0; t < T; ++t) {
+          float amax = hist0[t];
+          if (algo == cuda::Fp8AmaxAlgo::max)
+            for (int r = 1; r < H; ++r) amax = std::fmax(amax, hist0[r * T + t]);
+          const float m = per_tensor_max ? maxima[t] : 448.0f;
+          float want = 3.0f;
+          if (amax > 0 && std::isfinite(amax)) {
+            want = (m / amax) / std::ldexp(1.0f, margin);
+            if (std::isinf(want)) want = FLT_MAX;
+          }
+          INFO("tensor " << t);
+          CHECK(s[t] == want);
+          CHECK(si[t] == 1.0f / want);
+          CHECK(h[t] == 0.0f);  // row 0 zeroed for the next step
+          for (int r = 1; r + 1 < H; ++r) CHECK(h[r * T + t] == hist0[(r + 1) * T + t]);
+          CHECK((std::isinf(hist0[t]) ? std::isinf(h[(H - 1) * T + t]) : h[(H - 1) * T + t] == hist0[t]));
+        }
+        CHECK(s[4] == FLT_MAX);
       }
-    }
-  // History length 1 = current scaling: the amax becomes the scale right away.
+  // History length 1: the amax becomes the scale right away.
   Buf hist(be, DType::f32, {1, 1}), scale(be, DType::f32, {1}), sinv(be, DType::f32, {1});
   fp8test::put_floats(hist, {7.0f});
   fp8test::put_floats(scale, {1.0f});
@@ -270,4 +283,26 @@ TEST_CASE("fp8 delayed scaling update: history roll, max / most_recent, margin, 
                           cuda::Fp8AmaxAlgo::max);
   CHECK(fp8test::get_floats(scale)[0] == 57344.0f / 7.0f);
   CHECK(fp8test::get_floats(hist)[0] == 0.0f);
+}
+
+TEST_CASE("fp8 tensorwise scale: fresh amax -> scale, running amax, guards", "[gpu][fp8]") {
+  CudaBackend& be = fp8test::cuda_backend();
+  const cuda::KernelContext ctx = fp8test::context();
+  Buf fresh(be, DType::f32, {1}), amax(be, DType::f32, {1}), scale(be, DType::f32, {1}), sinv(be, DType::f32, {1});
+  struct Case {
+    float fresh, amax_before, want_scale, want_amax;
+  };
+  for (Case c : {Case{3.5f, 1.0f, (448.0f / 3.5f) / 2.0f, 3.5f}, Case{0.5f, 9.0f, (448.0f / 0.5f) / 2.0f, 9.0f},
+                 Case{0.0f, 2.0f, 5.0f, 2.0f}, Case{1e-40f, 0.0f, FLT_MAX, 1e-40f}}) {
+    INFO("fresh amax " << c.fresh);
+    fp8test::put_floats(fresh, {c.fresh});
+    fp8test::put_floats(amax, {c.amax_before});
+    fp8test::put_floats(scale, {5.0f});
+    fp8test::put_floats(sinv, {0.2f});
+    cuda::fp8_tensorwise_scale(ctx, fresh.t.ptr<float>(), amax.t.ptr<float>(), scale.t.ptr<float>(),
+                               sinv.t.ptr<float>(), 448.0f, 1);
+    CHECK(fp8test::get_floats(scale)[0] == c.want_scale);
+    CHECK(fp8test::get_floats(sinv)[0] == (c.want_scale == 5.0f ? 0.2f : 1.0f / c.want_scale));
+    CHECK(fp8test::get_floats(amax)[0] == c.want_amax);
+  }
 }
