@@ -197,6 +197,11 @@ __global__ void update_scales_kernel(float* hist, int H, int count, float* scale
   }
 }
 
+__global__ void copy_scale_pair_kernel(float* dst, const float* a, const float* b) {
+  dst[0] = *a;
+  dst[4] = *b;
+}
+
 // Tensorwise (current) scaling of one operand from the fresh amax of this call's tensor.
 __global__ void tensorwise_scale_kernel(const float* fresh_amax, float* amax, float* scale, float* scale_inv,
                                         float fp8_max, float margin_factor) {
@@ -317,6 +322,11 @@ void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, flo
                           float* scale_inv, float fp8_max, int margin) {
   tensorwise_scale_kernel<<<1, 1, 0, ctx.stream>>>(fresh_amax, amax, scale, scale_inv, fp8_max,
                                                    std::ldexp(1.0f, margin));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_copy_scale_pair(const KernelContext& ctx, float* dst, const float* a, const float* b) {
+  copy_scale_pair_kernel<<<1, 1, 0, ctx.stream>>>(dst, a, b);
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -59,4 +59,8 @@ void fp8_update_scales(const KernelContext& ctx, float* amax_history, int histor
 void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
                           float* scale_inv, float fp8_max, int margin);
 
+// dst[0] = *a, dst[4] = *b (one thread): copies two scale_inv values into 16-byte aligned slots
+// for the FP8 GEMM (cuBLASLt declines scale pointers at 4-byte offsets).
+void fp8_copy_scale_pair(const KernelContext& ctx, float* dst, const float* a, const float* b);
+
 }  // namespace mt::cuda
