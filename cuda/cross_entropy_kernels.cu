@@ -122,6 +122,8 @@ __device__ __forceinline__ double load_mask(const void* p, DType t, int64_t i) {
     case DType::i32: return static_cast<const int32_t*>(p)[i];
     case DType::i64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::u8: return static_cast<const uint8_t*>(p)[i];
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2: break;  // not a loss-mask type (the host side checks the mask's dtype)
   }
   return 0.0;
 }

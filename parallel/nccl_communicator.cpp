@@ -46,6 +46,8 @@ ncclDataType_t nccl_type(DType t) {
     case DType::i32: return ncclInt32;
     case DType::i64: return ncclInt64;
     case DType::u8: return ncclUint8;
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2: return ncclUint8;  // moved as bits (FP8 tensors are gathered, never reduced)
   }
   return ncclFloat32;
 }
