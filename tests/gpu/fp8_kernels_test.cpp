@@ -1,7 +1,9 @@
-// FP8 kernels (cuda/fp8_kernels.h) against a host oracle written here from the format definitions:
+// FP8 kernels (cuda/fp8_kernels.h) against core/dtype.h's host conversions (float_to_fp8_bits):
 // every bf16 bit pattern cast at several scales must give bit-identical fp8 bytes (round to nearest
-// even, saturating, NaN stays NaN), the transposed copy must be the exact transpose, amax exact,
-// dequantization exact, and the delayed-scaling update must follow its formula step by step.
+// even, saturating, NaN stays NaN; NaN codes compared as NaN), the transposed copy must be the
+// exact transpose, amax exact, dequantization exact, and the delayed-scaling update must follow
+// its formula step by step. A second host oracle, written here from the format definitions
+// (fp8_test_util), is checked against core/dtype.h's on the same inputs.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -22,10 +24,12 @@ namespace {
 
 const Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
 
-// Host oracle for the whole cast: bytes of fp8(x * scale) for float inputs.
+DType dtype_of(Fp8Format f) { return f == Fp8Format::e4m3 ? DType::fp8_e4m3 : DType::fp8_e5m2; }
+
+// Host oracle for the whole cast: bytes of fp8(x * scale) for float inputs (core/dtype.h).
 std::vector<uint8_t> oracle_cast(const std::vector<float>& in, float scale, Fp8Format f) {
   std::vector<uint8_t> out(in.size());
-  for (size_t i = 0; i < in.size(); ++i) out[i] = fp8test::encode_fp8(in[i] * scale, f);
+  for (size_t i = 0; i < in.size(); ++i) out[i] = float_to_fp8_bits(dtype_of(f), in[i] * scale);
   return out;
 }
 
@@ -92,6 +96,23 @@ TEST_CASE("fp8 host oracle: decode/encode round trip of every code", "[gpu][fp8]
     }
     CHECK(finite == (f == Fp8Format::e4m3 ? 254 : 248));
     CHECK(fp8test::decode_fp8(fp8test::encode_fp8(1e30f, f), f) == cuda::fp8_format_max(f));
+    CHECK(cuda::fp8_format_max(f) == fp8_max(dtype_of(f)));
+    // The two host oracles agree: every code decodes alike, every scaled bf16 value encodes alike.
+    int64_t bad = 0;
+    for (int c = 0; c < 256; ++c) {
+      const double a = fp8test::decode_fp8(static_cast<uint8_t>(c), f);
+      const float b = fp8_bits_to_float(dtype_of(f), static_cast<uint8_t>(c));
+      bad += !(a == b || (std::isnan(a) && std::isnan(b)));
+    }
+    const std::vector<float> values = all_bf16_values();
+    std::string first;
+    for (float scale : {1.0f, 0.375f, 1024.0f, 3.0517578e-05f, 7.3f}) {
+      std::vector<uint8_t> mine(values.size());
+      for (size_t i = 0; i < values.size(); ++i) mine[i] = fp8test::encode_fp8(values[i] * scale, f);
+      bad += fp8_mismatches(mine, oracle_cast(values, scale, f), f, &first);
+    }
+    INFO("first mismatch " << first);
+    CHECK(bad == 0);
   }
 }
 
