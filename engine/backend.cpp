@@ -35,4 +35,21 @@ void Backend::qk_norm_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
   throw Unsupported("--qk-layernorm is not implemented by the " + name() + " backend yet");
 }
 
+// FP8 ops: backends implement them where they can (the reference backend emulates them).
+void Backend::fp8_quantize(Tensor, Tensor, Tensor, const Fp8TensorMeta&) {
+  throw Unsupported("FP8 (--fp8-format): fp8_quantize is not on the " + name() + " backend yet");
+}
+void Backend::fp8_linear_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Activation, Tensor) {
+  throw Unsupported("FP8 (--fp8-format): fp8_linear_forward is not on the " + name() + " backend yet");
+}
+void Backend::fp8_linear_backward_input(Tensor, Tensor, Tensor, Tensor, Tensor, bool, Activation, Tensor) {
+  throw Unsupported("FP8 (--fp8-format): fp8_linear_backward_input is not on the " + name() + " backend yet");
+}
+void Backend::fp8_linear_backward_weight(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+  throw Unsupported("FP8 (--fp8-format): fp8_linear_backward_weight is not on the " + name() + " backend yet");
+}
+void Backend::fp8_update_scales(Tensor, Tensor, Tensor, Tensor, const Fp8ScaleUpdate&) {
+  throw Unsupported("FP8 (--fp8-format): fp8_update_scales is not on the " + name() + " backend yet");
+}
+
 }  // namespace mt

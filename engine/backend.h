@@ -47,6 +47,27 @@ struct AttentionShape {
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
 };
 
+// ---- FP8 (--fp8-format; see the FP8 section of Backend below) ----------------------------
+enum class Fp8Recipe { delayed, tensorwise };
+enum class Fp8AmaxAlgo { most_recent, max };
+
+// The scaling state of ONE FP8 operand (one of the three tensors of one FP8 GEMM: input x,
+// weight w, output gradient dy). Views of single float32 elements of the model's flat FP8 state
+// (engine/fp8_state.h), in backend memory; ops read and write them on the stream, never on the host.
+struct Fp8TensorMeta {
+  Tensor scale;      // float32 [1]: q = fp8(x * scale)
+  Tensor scale_inv;  // float32 [1]: 1 / scale, what the GEMM multiplies by to dequantize
+  Tensor amax;       // float32 [1]: this step's running max |x| (row 0 of the amax history)
+  Fp8Recipe recipe = Fp8Recipe::delayed;
+  int margin = 0;    // --fp8-margin (tensorwise: applied when the op computes the scale)
+};
+
+// The per-step scale update of delayed scaling (Transformer Engine's DelayedScaling).
+struct Fp8ScaleUpdate {
+  Fp8AmaxAlgo algo = Fp8AmaxAlgo::most_recent;
+  int margin = 0;
+};
+
 struct RopeShape {
   int heads = 0, groups = 0, head_dim = 0;
   int rot_dim = 0;          // rotated dims per head (head_dim * rotary_percent), even
@@ -160,6 +181,58 @@ class Backend {
   // pre-activation is dead after this).
   virtual void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
                                                Tensor pre_act);
+
+  // ---- FP8 linear layers (--fp8-format) --------------------------------------------------
+  // Hopper's FP8 GEMMs (cuBLASLt) take both operands K-major ("TN"): every FP8 matrix below is
+  // row-major with the GEMM's reduction dimension contiguous. Per linear layer y = x . w^T:
+  //   forward         y[M,N]  = x[M,K]    . w[N,K]^T     xq [M,K] (e4m3), wq [N,K] (e4m3)
+  //   backward input  dx[M,K] = dy[M,N]   . w_t[K,N]^T   dyq [M,N], wq_t [K,N]   (w transposed)
+  //   backward weight dw[N,K] = dy_t[N,M] . x_t[K,M]^T   dyq_t [N,M], xq_t [K,M] (both transposed)
+  // so fp8_quantize writes a row-major copy and/or a transposed copy in one pass. dy is e5m2 with
+  // --fp8-format hybrid, e4m3 with --fp8-format e4m3; x and w are always e4m3.
+  // Who produces what (engine/gpt_model.cpp):
+  //   - weights: fp8_quantize(wq, wq_t, w) once per step per FP8 weight (the FP8 weight cache,
+  //     refreshed at the first use after the optimizer step), not per micro-batch;
+  //   - inputs: forward fp8_quantize(xq, {}, x); backward (x is recomputed or kept in the compute
+  //     dtype) fp8_quantize({}, xq_t, x) with the same meta: the same scale, the same bits;
+  //   - output gradients: fp8_quantize(dyq, dyq_t, dy) before the two backward GEMMs.
+  // All FP8 GEMMs accumulate in float32; outputs are in the compute dtype (dw: the float32 main grad).
+  // Scaling (e = the dtype of q / q_t, fp8_max(e) = 448 or 57344, core/dtype.h):
+  //   delayed:    uses meta.scale as it is (computed by fp8_update_scales from earlier steps);
+  //               meta.amax = max(meta.amax, max|x|); scale_inv is not written.
+  //   tensorwise: first a = max|x| (this call's tensor only); if a > 0 and finite,
+  //               meta.scale = (fp8_max(e) / a) / 2^margin (float32 math, IEEE division; an
+  //               infinite result, from a tiny a, becomes FLT_MAX as in Transformer Engine),
+  //               meta.scale_inv = 1 / meta.scale (otherwise both keep their values);
+  //               meta.amax = max(meta.amax, a); then the cast with the new scale.
+  // The cast: q = e(float(x) * scale) (product in float32), round to nearest even, saturating to
+  // +-fp8_max (infinities too), NaN stays NaN: exactly core/dtype.h's float_to_fp8_bits.
+  // q and q_t have the same FP8 dtype; either may be empty (not written), not both. x is 2-D [R, C]:
+  // q is [R, C], q_t is [C, R].
+  virtual void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta);
+  // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
+  // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.
+  virtual void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,
+                                  Tensor bias, Activation act, Tensor pre_act);
+  // dx[M,K] (+)= dyq[M,N] . wq_t[K,N]^T * dy_scale_inv * w_scale_inv; with act != none multiplied
+  // by act'(pre_act) as in linear_backward_input.
+  virtual void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t,
+                                         Tensor w_scale_inv, bool accumulate, Activation act, Tensor pre_act);
+  // dw[N,K] += dyq_t[N,M] . xq_t[K,M]^T * dy_scale_inv * x_scale_inv (dw: the float32 main grad).
+  // dbias[N] += column sums of dy, the UNQUANTIZED output gradient [M,N] in the compute dtype (as
+  // Transformer Engine takes dbias from the high-precision gradient); dy is only read for dbias
+  // and may be empty when dbias is. (--no-fp8-wgrad: the model calls linear_backward_weight instead.)
+  virtual void fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
+                                          Tensor xq_t, Tensor x_scale_inv);
+  // Delayed scaling, once per optimizer step, after the amax all-reduce (max) over the amax
+  // group. For n operands: history float32 [H, n] (row 0: the step just finished), scale,
+  // scale_inv and fp8_max float32 [n]. For every operand i:
+  //   a = (algo == max) ? max_j history[j, i] : history[0, i];
+  //   if a > 0 and a is finite: scale[i] = (fp8_max[i] / a) / 2^margin (FLT_MAX if that is
+  //   infinite), scale_inv[i] = 1 / scale[i] (float32, IEEE division); otherwise both keep their values;
+  //   then the history rolls: row j <- row j+1 (j < H-1), row H-1 <- old row 0, and row 0 <- 0.
+  virtual void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
+                                 const Fp8ScaleUpdate& p);
 
   // ---- activations -----------------------------------------------------------------------
   virtual void gelu_forward(Tensor out, Tensor in, bool tanh_approx) = 0;

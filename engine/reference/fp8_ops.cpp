@@ -1,0 +1,190 @@
+// ReferenceBackend: FP8 ops, emulated. Quantization writes real FP8 bits (core/dtype.h's
+// conversions: round to nearest even, saturating); the GEMMs decode those bits and sum the exact
+// products in double, then apply the two scale_inv factors. This is the oracle for the CUDA FP8
+// kernels and lets CI train "in FP8" on a CPU. The scaling arithmetic (amax, scale, history roll)
+// is done in float32 exactly as backend.h specifies it, so that the two backends agree bit for bit
+// on the scales given the same amaxes.
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+
+#include "engine/reference/activation_math.h"
+#include "engine/reference/reference_backend.h"
+#include "engine/reference/tensor_access.h"
+
+namespace mt::reference {
+namespace {
+
+// The 256 values of an FP8 format, for decoding in the GEMM loops.
+const std::array<float, 256>& decode_table(DType t) {
+  auto make = [](DType e) {
+    std::array<float, 256> v{};
+    for (int b = 0; b < 256; ++b) v[static_cast<size_t>(b)] = fp8_bits_to_float(e, static_cast<uint8_t>(b));
+    return v;
+  };
+  static const std::array<float, 256> e4 = make(DType::fp8_e4m3), e5 = make(DType::fp8_e5m2);
+  MT_CHECK(is_fp8(t), "FP8 op on a {} tensor", dtype_name(t));
+  return t == DType::fp8_e4m3 ? e4 : e5;
+}
+
+float read_scalar(const Tensor& t, const char* op, const char* what) {
+  MT_CHECK(!t.empty() && t.dtype == DType::f32 && t.numel() >= 1, "{}: {} must be a float32 [1] tensor", op, what);
+  return *t.ptr<float>();
+}
+
+// scale = (fp8_max / amax) / 2^margin in float32; infinite (amax tiny) -> FLT_MAX.
+float scale_from_amax(float fmax, float amax, int margin) {
+  float s = (fmax / amax) / std::ldexp(1.0f, margin);
+  if (std::isinf(s)) s = FLT_MAX;
+  return s;
+}
+
+// out(r, c) for r < R, c < C: sum_k a[r, k] * b[c, k] (both row-major FP8, K contiguous), exact in
+// double, times scale. f(r, c, value) stores it.
+template <typename F>
+void fp8_gemm_tn(ThreadPool& pool, const Tensor& a, const Tensor& b, double scale, F&& f) {
+  const int64_t R = a.rows(), K = a.cols(), C = b.rows();
+  MT_CHECK(b.cols() == K, "FP8 GEMM: operands {} and {} disagree on K", a.shape_string(), b.shape_string());
+  const std::array<float, 256>& da = decode_table(a.dtype);
+  const std::array<float, 256>& db = decode_table(b.dtype);
+  const uint8_t* pa = static_cast<const uint8_t*>(a.data);
+  const uint8_t* pb = static_cast<const uint8_t*>(b.data);
+  pool.parallel_for(R, 1, [&](int64_t rb, int64_t re, int) {
+    for (int64_t r = rb; r < re; ++r) {
+      const uint8_t* ar = pa + r * K;
+      for (int64_t c = 0; c < C; ++c) {
+        const uint8_t* bc = pb + c * K;
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += static_cast<double>(da[ar[k]]) * db[bc[k]];
+        f(r, c, s * scale);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
+  const char* op = "fp8_quantize";
+  MT_CHECK(!q.empty() || !q_t.empty(), "fp8_quantize: neither q nor q_t given");
+  const DType e = !q.empty() ? q.dtype : q_t.dtype;
+  MT_CHECK(is_fp8(e) && (q.empty() || q_t.empty() || q.dtype == q_t.dtype), "fp8_quantize: q {} / q_t {}",
+           q.empty() ? "-" : dtype_name(q.dtype), q_t.empty() ? "-" : dtype_name(q_t.dtype));
+  const int64_t R = x.rows(), C = x.cols();
+  if (!q.empty()) MT_CHECK(q.rows() == R && q.cols() == C, "fp8_quantize: q {} for x {}", q.shape_string(), x.shape_string());
+  if (!q_t.empty())
+    MT_CHECK(q_t.rows() == C && q_t.cols() == R, "fp8_quantize: q_t {} for x {}", q_t.shape_string(), x.shape_string());
+  const Floats fx(x);
+  // max |x| over this tensor (NaN is not a maximum: comparisons with it are false).
+  float a = 0.0f;
+  for (int64_t i = 0; i < R * C; ++i) a = std::max(a, std::fabs(static_cast<float>(fx.get(i))));
+  float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
+  if (amax) *amax = std::max(*amax, a);
+  float scale = read_scalar(meta.scale, op, "meta.scale");
+  if (meta.recipe == Fp8Recipe::tensorwise && a > 0.0f && std::isfinite(a)) {
+    scale = scale_from_amax(fp8_max(e), a, meta.margin);
+    *meta.scale.ptr<float>() = scale;
+    *meta.scale_inv.ptr<float>() = 1.0f / scale;
+  }
+  uint8_t* pq = q.empty() ? nullptr : static_cast<uint8_t*>(q.data);
+  uint8_t* pt = q_t.empty() ? nullptr : static_cast<uint8_t*>(q_t.data);
+  pool_.parallel_for(R, 16, [&](int64_t rb, int64_t re, int) {
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        const uint8_t b = float_to_fp8_bits(e, static_cast<float>(fx.get(r * C + c)) * scale);
+        if (pq) pq[r * C + c] = b;
+        if (pt) pt[c * R + r] = b;
+      }
+  });
+}
+
+void ReferenceBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,
+                                          Tensor bias, Activation act, Tensor pre_act) {
+  const char* op = "fp8_linear_forward";
+  const int64_t M = xq.rows(), N = wq.rows();
+  check_numel(y, M * N, op, "y");
+  if (!bias.empty()) check_numel(bias, N, op, "bias");
+  if (act != Activation::none) check_numel(pre_act, M * N, op, "pre_act");
+  const double s = static_cast<double>(read_scalar(x_scale_inv, op, "x_scale_inv")) * read_scalar(w_scale_inv, op, "w_scale_inv");
+  const Floats fy(y), fb(bias), fz(pre_act);
+  fp8_gemm_tn(pool_, xq, wq, s, [&](int64_t m, int64_t n, double v) {
+    // float32 accumulation on the GPU: round the sum to float, then the epilogue in float32.
+    float z = static_cast<float>(v);
+    if (!fb.empty()) z += static_cast<float>(fb.get(n));
+    const int64_t o = m * N + n;
+    if (act != Activation::none) {
+      fz.set(o, z);
+      fy.set(o, activate(act, fz.get(o)));
+    } else {
+      fy.set(o, z);
+    }
+  });
+}
+
+void ReferenceBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t,
+                                                 Tensor w_scale_inv, bool accumulate, Activation act, Tensor pre_act) {
+  const char* op = "fp8_linear_backward_input";
+  const int64_t M = dyq.rows(), K = wq_t.rows();
+  check_numel(dx, M * K, op, "dx");
+  if (act != Activation::none) check_numel(pre_act, M * K, op, "pre_act");
+  const double s = static_cast<double>(read_scalar(dy_scale_inv, op, "dy_scale_inv")) * read_scalar(w_scale_inv, op, "w_scale_inv");
+  const Floats fdx(dx), fz(pre_act);
+  fp8_gemm_tn(pool_, dyq, wq_t, s, [&](int64_t m, int64_t k, double v) {
+    const int64_t o = m * K + k;
+    double g = static_cast<float>(v);
+    if (act != Activation::none) g *= activation_grad(act, fz.get(o));
+    fdx.set(o, accumulate ? fdx.get(o) + g : g);
+  });
+}
+
+void ReferenceBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
+                                                  Tensor xq_t, Tensor x_scale_inv) {
+  const char* op = "fp8_linear_backward_weight";
+  const int64_t N = dyq_t.rows(), K = xq_t.rows();
+  check_numel(dw, N * K, op, "dw");
+  check_float_accumulator(dw, op, "dw");
+  check_float_accumulator(dbias, op, "dbias");
+  const double s = static_cast<double>(read_scalar(dy_scale_inv, op, "dy_scale_inv")) * read_scalar(x_scale_inv, op, "x_scale_inv");
+  const Floats fdw(dw);
+  fp8_gemm_tn(pool_, dyq_t, xq_t, s, [&](int64_t n, int64_t k, double v) { fdw.add(n * K + k, static_cast<float>(v)); });
+  if (dbias.empty()) return;
+  check_numel(dbias, N, op, "dbias");
+  const int64_t M = dyq_t.cols();
+  check_numel(dy, M * N, op, "dy");
+  const Floats fdy(dy), fdb(dbias);
+  for (int64_t n = 0; n < N; ++n) {
+    double b = 0;
+    for (int64_t m = 0; m < M; ++m) b += fdy.get(m * N + n);
+    fdb.add(n, b);
+  }
+}
+
+void ReferenceBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max_t,
+                                         const Fp8ScaleUpdate& p) {
+  const int64_t H = history.rows(), n = history.cols();
+  for (const Tensor* t : {&history, &scale, &scale_inv, &fp8_max_t})
+    MT_CHECK(t->dtype == DType::f32, "fp8_update_scales: float32 tensors only");
+  check_numel(scale, n, "fp8_update_scales", "scale");
+  check_numel(scale_inv, n, "fp8_update_scales", "scale_inv");
+  check_numel(fp8_max_t, n, "fp8_update_scales", "fp8_max");
+  float* h = history.ptr<float>();
+  float* sc = scale.ptr<float>();
+  float* si = scale_inv.ptr<float>();
+  const float* fm = fp8_max_t.ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float a = h[i];
+    if (p.algo == Fp8AmaxAlgo::max)
+      for (int64_t j = 1; j < H; ++j) a = std::max(a, h[j * n + i]);
+    if (a > 0.0f && std::isfinite(a)) {
+      sc[i] = scale_from_amax(fm[i], a, p.margin);
+      si[i] = 1.0f / sc[i];
+    }
+    const float first = h[i];
+    for (int64_t j = 0; j + 1 < H; ++j) h[j * n + i] = h[(j + 1) * n + i];
+    h[(H - 1) * n + i] = first;
+    h[i] = 0.0f;
+  }
+}
+
+}  // namespace mt::reference
