@@ -76,6 +76,8 @@ CudaBackend::~CudaBackend() {
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   gemm_.reset();
   fp8_.reset();
+  fp8_gemm_.reset();
+  if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
