@@ -77,6 +77,8 @@ void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMe
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
   MT_CHECK(q.empty() || q_t.empty() || q.dtype == q_t.dtype, "{}: q and q_t have different FP8 dtypes", op);
   const cuda::Fp8Format f = fp8_format_of(e, op, "q");
+  MT_CHECK(meta.recipe == Fp8Recipe::delayed || meta.recipe == Fp8Recipe::tensorwise,
+           "{}: the CUDA backend quantizes with the delayed or tensorwise recipe only", op);
   const int64_t R = x.rows(), C = x.cols();
   MT_CHECK(q.empty() || (q.rows() == R && q.cols() == C), "{}: q {} for x {}", op, q.shape_string(), x.shape_string());
   MT_CHECK(q_t.empty() || (q_t.rows() == C && q_t.cols() == R), "{}: q_t {} for x {}", op, q_t.shape_string(),
