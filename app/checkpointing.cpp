@@ -24,6 +24,10 @@ Tensor host_view(std::vector<unsigned char>& buf, DType dtype, int64_t offset, i
   return Tensor(buf.data() + static_cast<size_t>(offset) * dtype_size(dtype), dtype, Device::cpu, {count});
 }
 
+// FP8 scaling state of one decoder layer (Transformer Engine keeps it in each module's extra
+// state): checkpoint/FORMAT.md.
+std::string fp8_meta_name(int layer, const char* what) { return fmt::format("decoder.layers.{}.fp8_meta.{}", layer, what); }
+
 const char* first_state_suffix(OptimizerKind k) { return k == OptimizerKind::adam ? ".exp_avg" : ".momentum_buffer"; }
 constexpr const char* kSecondStateSuffix = ".exp_avg_sq";
 
@@ -94,6 +98,8 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       h.state1.resize(size_of(m->exp_avg_flat()));
       h.state2.resize(size_of(m->exp_avg_sq_flat()));
     }
+    const Fp8State& f = m->fp8_state();
+    h.fp8.resize(static_cast<size_t>(f.operands() / Fp8State::kPerLayer * f.layer_floats()) * sizeof(float));
     staging_.push_back(std::move(h));
   }
 }
@@ -136,6 +142,22 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
     const ShardSlice slice = ShardSlice::whole(p.shard);
     w.add(p.name, CheckpointKind::model, slice, host_view(h.params, T, p.offset, p.numel()), p.global_shape);
     if (optim && !L.sharded) add_optim(p, slice, p.offset, p.numel());
+  }
+  // FP8 scaling state: per FP8 layer, replicated over DP and (after the amax reduction) TP.
+  const Fp8State& f = m.fp8_state();
+  if (f.any() && ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
+    f.save_to_host(be, reinterpret_cast<float*>(h.fp8.data()));
+    const int64_t H = f.options().history_len, K = Fp8State::kPerLayer;
+    for (size_t j = 0; j < f.fp8_global_layers().size(); ++j) {
+      const int layer = f.fp8_global_layers()[j];
+      const int64_t at = static_cast<int64_t>(j) * f.layer_floats();
+      w.add(fp8_meta_name(layer, "amax_history"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(H, K)),
+            host_view(h.fp8, DType::f32, at, H * K), {H, K});
+      w.add(fp8_meta_name(layer, "scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
+            host_view(h.fp8, DType::f32, at + H * K, K), {K});
+      w.add(fp8_meta_name(layer, "scale_inv"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
+            host_view(h.fp8, DType::f32, at + (H + 1) * K, K), {K});
+    }
   }
   if (!optim || !L.sharded) return;
   // Distributed optimizer: this DP rank's pieces of every bucket, as flat ranges of the
@@ -291,6 +313,46 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
   }
   if (L.sharded) be.fill(m.grads_flat(), 0.0);
   be.synchronize();
+  load_fp8_state(reader, m);
+}
+
+// FP8 scaling state: every rank reads its FP8 layers' (replicated) state. A checkpoint without it
+// (saved without --fp8-format) leaves the initial scales (1), as a fresh FP8 run.
+void TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) {
+  Fp8State& f = m.fp8_state_mutable();
+  if (!f.any()) return;
+  const int64_t H = f.options().history_len, K = Fp8State::kPerLayer;
+  const std::vector<int>& layers = f.fp8_global_layers();
+  bool any_saved = false, all_saved = true;
+  for (int layer : layers) {
+    const bool has = reader.has(fp8_meta_name(layer, "amax_history"));
+    any_saved |= has;
+    all_saved &= has;
+  }
+  if (!any_saved) {
+    log::info("  the checkpoint holds no FP8 scaling state: FP8 scales start at 1");
+    return;
+  }
+  if (!all_saved)
+    fail("the checkpoint holds FP8 scaling state for some of this run's FP8 layers only (saved with other "
+         "--first-last-layers-bf16 settings?)");
+  std::vector<float> packed(static_cast<size_t>(static_cast<int64_t>(layers.size()) * f.layer_floats()));
+  for (size_t j = 0; j < layers.size(); ++j) {
+    float* b = packed.data() + static_cast<int64_t>(j) * f.layer_floats();
+    try {
+      reader.read(fp8_meta_name(layers[j], "amax_history"), CheckpointKind::model,
+                  ShardSlice::whole(ShardIndex::whole(H, K)), Tensor(b, DType::f32, Device::cpu, {H * K}), {H, K});
+    } catch (const Error& e) {
+      fail("FP8 amax history of layer {}: {} (was the checkpoint saved with another --fp8-amax-history-len than {}?)",
+           layers[j], e.what(), H);
+    }
+    reader.read(fp8_meta_name(layers[j], "scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
+                Tensor(b + H * K, DType::f32, Device::cpu, {K}), {K});
+    reader.read(fp8_meta_name(layers[j], "scale_inv"), CheckpointKind::model,
+                ShardSlice::whole(ShardIndex::whole(1, K)), Tensor(b + (H + 1) * K, DType::f32, Device::cpu, {K}), {K});
+  }
+  f.load_from_host(m.backend(), packed.data());
+  m.fp8_begin_step();  // the weight cache follows the loaded weights
 }
 
 ResumePoint TrainingCheckpoints::load() {

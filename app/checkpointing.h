@@ -95,7 +95,7 @@ class TrainingCheckpoints {
   // Host staging of one chunk: params (compute dtype), master (accum dtype, when separate),
   // states 1 and 2 (sharded buffers with the distributed optimizer).
   struct Staging {
-    std::vector<unsigned char> params, master, state1, state2;
+    std::vector<unsigned char> params, master, state1, state2, fp8;
   };
   // Whether this rank writes the model replica of parameter p; the optimizer replica too unless
   // the optimizer state is sharded (then every DP rank writes its shards).
@@ -105,6 +105,7 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  void load_fp8_state(CheckpointReader& reader, GptModel& m);
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
 

@@ -40,18 +40,34 @@ void add_moe_flags(FlagTable& t) {
 
 void add_fp8_flags(FlagTable& t) {
   t.set_group(FlagGroup::fp8);
-  t.recognised("--fp8-format", Arity::one, "{e4m3,hybrid}", "None", "FP8 GEMMs");
-  t.recognised("--fp8-recipe", Arity::one, "{tensorwise,delayed,mxfp8,blockwise,custom}", "delayed", "FP8 scaling recipe");
+  t.choice("--fp8-format", "FP8 linear layers: hybrid (e4m3 forward, e5m2 gradients) or e4m3",
+           std::vector<std::pair<std::string, Fp8Format>>{{"e4m3", Fp8Format::e4m3}, {"hybrid", Fp8Format::hybrid}},
+           MT_FIELD(train.fp8_format));
+  // mxfp8, blockwise and custom parse, and are refused by unsupported.cpp.
+  t.choice("--fp8-recipe", "FP8 scaling: delayed (amax history) or tensorwise (current scaling)",
+           std::vector<std::pair<std::string, Fp8Recipe>>{{"tensorwise", Fp8Recipe::tensorwise},
+                                                          {"delayed", Fp8Recipe::delayed},
+                                                          {"mxfp8", Fp8Recipe::mxfp8},
+                                                          {"blockwise", Fp8Recipe::blockwise},
+                                                          {"custom", Fp8Recipe::custom}},
+           MT_FIELD(train.fp8_recipe));
   t.recognised("--fp8-quantizer-factory", Arity::one, "STR", "None", "custom FP8 quantizer");
-  t.recognised("--fp8-margin", Arity::one, "INT", "0", "FP8 scaling margin");
+  t.value("--fp8-margin", "FP8 scaling margin: scale = fp8_max / amax / 2^margin", MT_FIELD(train.fp8_margin));
   t.recognised("--fp8-interval", Arity::one, "INT", "1", "deprecated FP8 scaling interval");
-  t.recognised("--fp8-amax-history-len", Arity::one, "INT", "1", "FP8 amax history");
-  t.recognised("--fp8-amax-compute-algo", Arity::one, "{most_recent,max}", "most_recent", "FP8 amax reduction");
-  t.negative_alias(t.recognised("--no-fp8-wgrad", Arity::none, "", "off", "weight gradients in higher precision"));
+  t.value("--fp8-amax-history-len", "amax history length (delayed scaling)", MT_FIELD(train.fp8_amax_history_len));
+  t.choice("--fp8-amax-compute-algo", "amax from the history: its max, or the most recent (delayed scaling)",
+           std::vector<std::pair<std::string, Fp8AmaxAlgo>>{{"most_recent", Fp8AmaxAlgo::most_recent},
+                                                            {"max", Fp8AmaxAlgo::max}},
+           MT_FIELD(train.fp8_amax_compute_algo));
+  t.negative_flag("--no-fp8-wgrad", "weight gradients in higher precision (bf16 GEMM) with FP8",
+                  MT_FIELD(train.fp8_wgrad));
   t.recognised("--fp8-param-gather", Arity::none, "", "off", "FP8 parameters and all-gather");
-  t.recognised("--first-last-layers-bf16", Arity::none, "", "off", "first/last layers in BF16");
-  t.recognised("--num-layers-at-start-in-bf16", Arity::one, "INT", "1", "BF16 layers at the start");
-  t.recognised("--num-layers-at-end-in-bf16", Arity::one, "INT", "1", "BF16 layers at the end");
+  t.flag("--first-last-layers-bf16", "keep the first/last transformer layers in bf16 with FP8",
+         MT_FIELD(train.first_last_layers_bf16));
+  t.value("--num-layers-at-start-in-bf16", "bf16 layers at the start (--first-last-layers-bf16)",
+          MT_FIELD(train.num_layers_at_start_in_bf16));
+  t.value("--num-layers-at-end-in-bf16", "bf16 layers at the end (--first-last-layers-bf16)",
+          MT_FIELD(train.num_layers_at_end_in_bf16));
   t.recognised("--fp4-format", Arity::one, "{e2m1}", "None", "FP4 GEMMs");
   t.recognised("--fp4-recipe", Arity::one, "{nvfp4}", "nvfp4", "FP4 recipe");
   t.recognised("--fp4-param-gather", Arity::none, "", "off", "FP4 parameters and all-gather");

@@ -44,6 +44,22 @@ nlohmann::json derived_values(const Config& c) {
       {"check_for_nan_in_loss_and_grad", c.train.check_for_nan_in_loss_and_grad},
       {"split", c.data.split_weights},
   };
+  // FP8: which linear layers run as FP8 GEMMs, in what format and with which scaling.
+  if (c.train.fp8_format) {
+    const TrainConfig& t = c.train;
+    int fp8_layers = 0;
+    for (int l = 0; l < c.model.num_layers; ++l) fp8_layers += t.fp8_layer(l, c.model.num_layers) ? 1 : 0;
+    d["fp8"] = {{"format", *t.fp8_format == Fp8Format::hybrid ? "hybrid (e4m3 forward, e5m2 gradients)" : "e4m3"},
+                {"recipe", t.fp8_recipe == Fp8Recipe::tensorwise ? "tensorwise" : "delayed"},
+                {"amax_history_len", t.fp8_amax_history_len},
+                {"amax_compute_algo", t.fp8_amax_compute_algo == Fp8AmaxAlgo::max ? "max" : "most_recent"},
+                {"margin", t.fp8_margin},
+                {"wgrad", t.fp8_wgrad ? "fp8" : "higher precision"},
+                {"fp8_layers", fp8_layers},
+                {"bf16_layers", c.model.num_layers - fp8_layers}};
+  } else {
+    d["fp8"] = nullptr;
+  }
   if (c.train.lr_wsd_decay_steps) d["lr_wsd_decay_steps_samples"] = *c.train.lr_wsd_decay_steps;
   if (c.train.start_weight_decay) d["start_weight_decay"] = *c.train.start_weight_decay;
   if (c.train.end_weight_decay) d["end_weight_decay"] = *c.train.end_weight_decay;

@@ -46,6 +46,32 @@ void validate_recompute(CliState& st) {
 
 }  // namespace
 
+// FP8 (megatron.md 1.12). The recipes not built (mxfp8, blockwise, custom) and
+// --fp8-param-gather are refused by unsupported.cpp before this runs.
+static void validate_fp8(CliState& st) {
+  const Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  if (t.fp8_amax_history_len < 1) fail("--fp8-amax-history-len must be >= 1 (got {})", t.fp8_amax_history_len);
+  if (t.fp8_margin < -100 || t.fp8_margin > 100) fail("--fp8-margin {} is out of range (scale = fp8_max / amax / 2^margin)", t.fp8_margin);
+  if (t.num_layers_at_start_in_bf16 < 0) fail("--num-layers-at-start-in-bf16 must be >= 0 (got {})", t.num_layers_at_start_in_bf16);
+  if (t.num_layers_at_end_in_bf16 < 0) fail("--num-layers-at-end-in-bf16 must be >= 0 (got {})", t.num_layers_at_end_in_bf16);
+  if (!t.fp8_format) {
+    if (t.first_last_layers_bf16) st.note("--first-last-layers-bf16 has no effect without --fp8-format");
+    return;
+  }
+  if (t.precision == Precision::fp32 && t.device == DeviceKind::gpu)
+    fail("--fp8-format needs --bf16 (or --fp16): the FP8 GEMMs read and write 16-bit activations (only the CPU "
+         "reference backend, --device cpu, emulates FP8 around float32)");
+  if (t.first_last_layers_bf16 && t.fp8_recipe == Fp8Recipe::delayed)
+    fail("--first-last-layers-bf16 does not work with --fp8-recipe delayed (as in Megatron): use --fp8-recipe tensorwise");
+  if (t.fp8_recipe == Fp8Recipe::tensorwise && (t.fp8_amax_history_len != 1 || t.fp8_amax_compute_algo != Fp8AmaxAlgo::most_recent))
+    st.note("--fp8-amax-history-len / --fp8-amax-compute-algo apply to --fp8-recipe delayed only; tensorwise scales "
+            "each tensor from its own amax");
+  if (t.first_last_layers_bf16 && t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16 >= c.model.num_layers)
+    st.warn(fmt::format("--num-layers-at-start-in-bf16 {} + --num-layers-at-end-in-bf16 {} cover all {} layers: no layer "
+                        "runs in FP8", t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16, c.model.num_layers));
+}
+
 void validate_training(CliState& st) {
   const Config& c = st.cfg;
   const TrainConfig& t = c.train;
@@ -90,6 +116,7 @@ void validate_training(CliState& st) {
   for (int64_t it : t.iterations_to_skip)
     if (it < 1) fail("--iterations-to-skip takes 1-indexed iterations (got {})", it);
   validate_recompute(st);
+  validate_fp8(st);
 }
 
 }  // namespace mt::cli

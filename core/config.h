@@ -15,6 +15,12 @@ namespace mt {
 enum class Normalization { layernorm, rmsnorm };
 enum class PositionEmbedding { learned_absolute, rope, none };
 enum class Precision { fp32, bf16, fp16 };
+// FP8 training (--fp8-format, Transformer Engine's recipes). hybrid: e4m3 forward (activations,
+// weights), e5m2 gradients; e4m3: e4m3 everywhere. Only delayed and tensorwise are built;
+// the other recipes are refused by app/unsupported.cpp.
+enum class Fp8Format { e4m3, hybrid };
+enum class Fp8Recipe { delayed, tensorwise, mxfp8, blockwise, custom };
+enum class Fp8AmaxAlgo { most_recent, max };
 enum class OptimizerKind { adam, sgd };
 enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
 enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
@@ -174,6 +180,25 @@ struct TrainConfig {
   double min_loss_scale = 1.0;
   double loss_scale_window = 1000;
   int hysteresis = 2;
+
+  // FP8 (megatron.md 1.12). fp8_format unset: no FP8. The linear layers of the transformer
+  // layers (QKV, proj, fc1, fc2) run as FP8 GEMMs, except the first/last layers kept in bf16.
+  std::optional<Fp8Format> fp8_format;          // --fp8-format (Megatron's dest: fp8)
+  Fp8Recipe fp8_recipe = Fp8Recipe::delayed;    // --fp8-recipe
+  int fp8_margin = 0;                           // --fp8-margin: scale = fp8_max / amax / 2^margin
+  int fp8_amax_history_len = 1;                 // --fp8-amax-history-len (delayed)
+  Fp8AmaxAlgo fp8_amax_compute_algo = Fp8AmaxAlgo::most_recent;  // --fp8-amax-compute-algo (delayed)
+  bool fp8_wgrad = true;                        // --no-fp8-wgrad: weight gradients in higher precision
+  bool first_last_layers_bf16 = false;          // --first-last-layers-bf16
+  int num_layers_at_start_in_bf16 = 1;          // with --first-last-layers-bf16
+  int num_layers_at_end_in_bf16 = 1;
+  // Whether global decoder layer `layer` (0-based) runs its linear layers in FP8 (Megatron's
+  // is_first_last_bf16_layer, which also uses global layer numbers).
+  bool fp8_layer(int layer, int num_layers) const {
+    if (!fp8_format) return false;
+    if (!first_last_layers_bf16) return true;
+    return layer >= num_layers_at_start_in_bf16 && layer < num_layers - num_layers_at_end_in_bf16;
+  }
 
   RecomputeGranularity recompute_granularity = RecomputeGranularity::none;
   RecomputeMethod recompute_method = RecomputeMethod::none;

@@ -48,8 +48,7 @@ struct AttentionShape {
 };
 
 // ---- FP8 (--fp8-format; see the FP8 section of Backend below) ----------------------------
-enum class Fp8Recipe { delayed, tensorwise };
-enum class Fp8AmaxAlgo { most_recent, max };
+// Fp8Recipe and Fp8AmaxAlgo are in core/config.h; the ops take delayed and tensorwise only.
 
 // The scaling state of ONE FP8 operand (one of the three tensors of one FP8 GEMM: input x,
 // weight w, output gradient dy). Views of single float32 elements of the model's flat FP8 state
@@ -57,7 +56,8 @@ enum class Fp8AmaxAlgo { most_recent, max };
 struct Fp8TensorMeta {
   Tensor scale;      // float32 [1]: q = fp8(x * scale)
   Tensor scale_inv;  // float32 [1]: 1 / scale, what the GEMM multiplies by to dequantize
-  Tensor amax;       // float32 [1]: this step's running max |x| (row 0 of the amax history)
+  Tensor amax;       // float32 [1]: this step's running max |x| (row 0 of the amax history);
+                     // empty: record nothing (evaluation forwards)
   Fp8Recipe recipe = Fp8Recipe::delayed;
   int margin = 0;    // --fp8-margin (tensorwise: applied when the op computes the scale)
 };

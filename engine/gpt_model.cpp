@@ -1,5 +1,6 @@
 #include "engine/gpt_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -105,6 +106,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
   o.attention_backend = cfg.model.attention_backend;
   o.deterministic = cfg.train.deterministic_mode;
+  o.fp8 = Fp8Options::from_config(cfg);
   return o;
 }
 
@@ -144,6 +146,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
+  fp8_.initialize(be_);
   if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend, opt_.compute);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
@@ -185,6 +188,8 @@ void GptModel::plan_params() {
       head_first_param_ = i;
   }
   tp_partial_ = tp_partial_ranges(descs_);
+  fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
+  fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
 }
 
 MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
@@ -247,6 +252,28 @@ void GptModel::layout(Arena& a) {
   eval_loss_ = a.take(C::workspace, S, {2});
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
+
+  // FP8: scaling state, weight cache of the FP8 layers, quantization workspaces.
+  fp8_.layout(a);
+  fp8_w_.assign(static_cast<size_t>(d_.stage_layers()), Fp8Weights{});
+  fp8_xq_ = fp8_xq_t_ = fp8_dyq_ = fp8_dyq_t_ = Tensor();
+  if (fp8_.any()) {
+    const int64_t qkv = d_.qkv_width_local(), att = d_.attn_width_local(), fc1 = d_.fc1_width_local(), f = d_.ffn_local();
+    const int64_t nk[Fp8State::kGemms][2] = {{qkv, h}, {h, att}, {fc1, h}, {h, f}};  // weight [N, K] per GEMM
+    const DType e4 = fp8_.dtype(Fp8State::w);
+    for (int l = 0; l < d_.stage_layers(); ++l) {
+      if (!fp8_.layer_fp8(l)) continue;
+      for (int g = 0; g < Fp8State::kGemms; ++g) {
+        fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
+        fp8_w_[l].q_t[g] = a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
+      }
+    }
+    const int64_t k_max = std::max({h, att, f}), n_max = std::max({qkv, h, fc1});
+    fp8_xq_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
+    fp8_xq_t_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
+    fp8_dyq_ = a.take(C::workspace, fp8_.dtype(Fp8State::dy), {N * n_max});
+    if (opt_.fp8.wgrad) fp8_dyq_t_ = a.take(C::workspace, fp8_.dtype(Fp8State::dy), {N * n_max});
+  }
 
   // Workspace (first: the layers' shared views point into it). tmp_h and gT hold all N rows
   // (row-parallel outputs and column-parallel input gradients before their reduction over TP,
@@ -383,6 +410,7 @@ void GptModel::bind_params() {
 }
 
 void GptModel::init_parameters() {
+  fp8_begin_step();  // the FP8 weight cache is stale
   // The full-precision values are drawn into a full-size buffer: the master copy, or with a
   // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
   const bool sharded_master = grad_layout_.sharded && has_master_copy();
@@ -407,6 +435,82 @@ void GptModel::init_parameters() {
 }
 
 void GptModel::zero_grads() { be_.fill(grads_, 0.0); }
+
+// ---- FP8 linear layers -------------------------------------------------------------------
+
+void GptModel::fp8_begin_step() { std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0); }
+
+void GptModel::fp8_end_step() {
+  fp8_.end_step(be_, ps_);
+  std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
+}
+
+// Evaluation forwards record no amax (their tensors are not the training step's), so a refresh
+// made by one does not count as fresh for training.
+Fp8TensorMeta GptModel::fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const {
+  Fp8TensorMeta m = fp8_.meta(local, g, r);
+  if (!fp8_training_) m.amax = Tensor();
+  return m;
+}
+
+void GptModel::fp8_refresh_weights(int local) {
+  const char fresh = fp8_training_ ? 1 : 2;  // 2: cast by an evaluation forward (no amax recorded)
+  if (fp8_fresh_[static_cast<size_t>(local)] == 1 || fp8_fresh_[static_cast<size_t>(local)] == fresh) return;
+  const LayerParams& P = layer_params_[static_cast<size_t>(local)];
+  const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
+  const Fp8Weights& c = fp8_w_[static_cast<size_t>(local)];
+  for (int g = 0; g < Fp8State::kGemms; ++g)
+    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+  fp8_fresh_[static_cast<size_t>(local)] = fresh;
+}
+
+namespace {
+// A [rows, cols] view at the start of a flat FP8 workspace.
+Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slice(0, rows * cols).view({rows, cols}); }
+}  // namespace
+
+void GptModel::linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act,
+                          Tensor pre_act) {
+  if (!fp8_layer(local)) {
+    be_.linear_forward(y, x, w, bias, act, pre_act);
+    return;
+  }
+  fp8_refresh_weights(local);
+  const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
+  be_.fp8_quantize(xq, Tensor(), x, fp8_meta(local, g, Fp8State::x));
+  be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
+                         fp8_.scale_inv(local, g, Fp8State::w), bias, act, pre_act);
+}
+
+void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy) {
+  if (!fp8_layer(local)) return;
+  const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
+  const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
+  be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
+}
+
+void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
+                                Tensor pre_act) {
+  if (!fp8_layer(local)) {
+    be_.linear_backward_input(dx, dy, w, false, act, pre_act);
+    return;
+  }
+  be_.fp8_linear_backward_input(dx, fp8_view(fp8_dyq_, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
+                                fp8_w_[static_cast<size_t>(local)].q_t[g], fp8_.scale_inv(local, g, Fp8State::w), false,
+                                act, pre_act);
+}
+
+void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+  if (!fp8_layer(local) || !opt_.fp8.wgrad) {
+    be_.linear_backward_weight(dw, dbias, dy, x);
+    return;
+  }
+  // x was recomputed (or kept) in the compute dtype: quantized again with its forward scale.
+  const Tensor xq_t = fp8_view(fp8_xq_t_, x.cols(), x.rows());
+  be_.fp8_quantize(Tensor(), xq_t, x, fp8_.meta(local, g, Fp8State::x));
+  be_.fp8_linear_backward_weight(dw, dbias, dy, fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
+                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, fp8_.scale_inv(local, g, Fp8State::x));
+}
 
 // ---- micro-batch I/O ---------------------------------------------------------------------
 
@@ -602,6 +706,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   const Workspace& w = *ws_;
   const int layer = d_.layer_begin + local;
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  fp8_training_ = s.training;
 
   // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
   // projection (row-parallel, all-reduce) -> bias + dropout + residual.
@@ -609,14 +714,14 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   gather_rows(A.ln1_out);
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
-    be_.linear_forward(A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::qkv, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
   } else {
-    be_.linear_forward(A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::qkv, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
   }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  be_.linear_forward(w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  linear_fwd(local, Fp8State::proj, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
   be_.bias_dropout_add(A.h1, reduce_rows(w.tmp_h), P.proj_b, x, hp, hidden_key(s, layer, 1));
 
   // MLP block: norm -> fc1 (column-parallel) + activation -> fc2 (row-parallel, all-reduce) ->
@@ -624,13 +729,13 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
   gather_rows(A.ln2_out);
   if (d_.swiglu) {
-    be_.linear_forward(A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::fc1, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
     be_.swiglu_forward(A.fc1_act, A.fc1_pre);
   } else {
-    be_.linear_forward(A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b, d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu,
-                       A.fc1_pre);
+    linear_fwd(local, Fp8State::fc1, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
+               d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
   }
-  be_.linear_forward(w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
+  linear_fwd(local, Fp8State::fc2, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
 }
 
@@ -704,41 +809,50 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   // all rows with SP, as Megatron re-gathers it), so the weight gradients come after them.
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   Tensor d_fc1;  // gradient of fc1's output
+  linear_quantize_dy(local, Fp8State::fc2, d_fc2);
   if (d_.swiglu) {
-    be_.linear_backward_input(w.act, d_fc2, P.fc2_w, false, Activation::none, Tensor());
+    linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
     // In place: fc1_pre becomes its gradient, the activation gradient becomes the activation.
     be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
-    be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, w.act);
+    linear_bwd_weight(local, Fp8State::fc2, G.fc2_w, G.fc2_b, d_fc2, w.act);
   } else {
     // fc1_pre becomes the activation (in place); the gradient goes to gFC.
-    be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w,
-                                        d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+    const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
+    if (fp8_layer(local)) {
+      linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
+      be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
+    } else {
+      be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w, act, A.fc1_pre);
+    }
     d_fc1 = w.gFC;
-    be_.linear_backward_weight(G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+    linear_bwd_weight(local, Fp8State::fc2, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  be_.linear_backward_input(w.gT, d_fc1, P.fc1_w, false, Activation::none, Tensor());  // (d_fc2 is dead)
+  linear_quantize_dy(local, Fp8State::fc1, d_fc1);
+  linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
   // Column-parallel input gradient: summed over TP (reduce-scattered with SP).
   be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
                               A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
   gather_rows(A.ln2_out);
-  be_.linear_backward_weight(G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
+  linear_bwd_weight(local, Fp8State::fc1, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
-  be_.linear_backward_weight(G.proj_w, G.proj_b, d_proj, A.attn_out);
-  be_.linear_backward_input(w.gATT, d_proj, P.proj_w, false, Activation::none, Tensor());
+  linear_quantize_dy(local, Fp8State::proj, d_proj);
+  linear_bwd_weight(local, Fp8State::proj, G.proj_w, G.proj_b, d_proj, A.attn_out);
+  linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  be_.linear_backward_input(w.gT, w.gQKV, P.qkv_w, false, Activation::none, Tensor());
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV);
+  linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
   be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
                               A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
   gather_rows(A.ln1_out);
-  be_.linear_backward_weight(G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+  linear_bwd_weight(local, Fp8State::qkv, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

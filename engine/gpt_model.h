@@ -19,6 +19,7 @@
 #include "core/tensor.h"
 #include "data/batch.h"
 #include "engine/backend.h"
+#include "engine/fp8_state.h"
 #include "engine/grad_layout.h"
 #include "engine/memory_plan.h"
 #include "engine/model_dims.h"
@@ -62,6 +63,8 @@ struct ModelOptions {
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
   bool grad_reduce_bf16 = false;
+  // FP8 linear layers (--fp8-format; engine/fp8_state.h).
+  Fp8Options fp8;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -106,6 +109,16 @@ class GptModel {
 
   // Draws every parameter from its layout-independent stream (and the master copy).
   void init_parameters();
+
+  // ---- FP8 (--fp8-format) ----------------------------------------------------------------
+  // The trainer calls fp8_begin_step() before a step's first forward (the FP8 weight cache is
+  // rebuilt at each layer's first use after it: once per step, not per micro-batch, and after
+  // any change of the parameters: init, checkpoint load, optimizer) and fp8_end_step() after the
+  // optimizer step (amax reduction and the delayed-scaling update). No-ops without FP8.
+  void fp8_begin_step();
+  void fp8_end_step();
+  const Fp8State& fp8_state() const { return fp8_; }
+  Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
   void zero_grads();
 
   // ---- one micro-batch -------------------------------------------------------------------
@@ -175,6 +188,16 @@ class GptModel {
   void head_forward(Slot& s, Tensor x);
   Tensor layer_input(const Slot& s, int local) const;
   LayerActs acts(const Slot& s, int local) const;
+  // Linear layers of decoder layers: FP8 GEMMs in FP8 layers, the compute-dtype ones elsewhere.
+  bool fp8_layer(int local) const { return fp8_.layer_fp8(local); }
+  void fp8_refresh_weights(int local);
+  Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
+  void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act);
+  // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
+  // of gemm g that follow; no-op elsewhere.
+  void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);
+  void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
+  void linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
 
   ModelDims d_;
   ModelOptions opt_;
@@ -200,6 +223,19 @@ class GptModel {
   std::vector<LayerActs> scratch_;    // recompute scratch: one set per layer of the largest group
   std::unique_ptr<Workspace> ws_;
   Tensor last_input_grad_;
+
+  // FP8: scaling state, the weight cache (per local layer and GEMM: wq [N, K] and wq_t [K, N]),
+  // and workspaces for the quantized input (xq / xq_t) and output gradient (dyq / dyq_t) of the
+  // GEMM at hand (one GEMM's forward or backward pair at a time).
+  Fp8State fp8_;
+  struct Fp8Weights {
+    Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
+  };
+  std::vector<Fp8Weights> fp8_w_;
+  std::vector<char> fp8_fresh_;  // per local layer: the weight cache holds this step's weights
+                                 // (1: cast in training, amax recorded; 2: cast by an evaluation)
+  bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
+  Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
 };
 
 }  // namespace mt

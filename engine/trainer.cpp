@@ -96,12 +96,15 @@ StepOutcome Trainer::train_step() {
   for (GptModel* m : chunks_) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
+    m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
   forward_backward();
   timer_start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
   timer_stop("optimizer");
+  // FP8: this step's amaxes give the next step's scales (delayed scaling); new weights to cast.
+  for (GptModel* m : chunks_) m->fp8_end_step();
   return o;
 }
 

@@ -21,8 +21,8 @@ fi
 # Test oracles (never needed by megatrain itself).
 if [ "${MEGATRAIN_SKIP_PYTHON:-0}" != "1" ]; then
   if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-  if ! .venv/bin/python -c "import tokenizers, sentencepiece, numpy, safetensors, tensorboard" 2>/dev/null; then
+  if ! .venv/bin/python -c "import tokenizers, sentencepiece, numpy, safetensors, tensorboard, ml_dtypes" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-      tokenizers sentencepiece numpy safetensors tensorboard
+      tokenizers sentencepiece numpy safetensors tensorboard ml_dtypes
   fi
 fi

@@ -28,9 +28,9 @@ TEST_CASE("binary: errors are one line prefixed with the rank, exit code 1", "[c
   const RunResult r = run_binary(small_gpt() + words("--num-layer 3 --dry-run"));
   CHECK(r.exit_code == 1);
   CHECK(r.err == "[rank 0] error: unrecognized argument --num-layer (did you mean --num-layers?)\n");
-  const RunResult u = run_binary(small_gpt() + words("--fp8-format e4m3 --dry-run"));
+  const RunResult u = run_binary(small_gpt() + words("--fp8-format e4m3 --fp8-recipe mxfp8 --dry-run"));
   CHECK(u.exit_code == 1);
-  CHECK_THAT(u.err, Contains("[rank 0] error: megatrain does not support --fp8-format e4m3 yet"));
+  CHECK_THAT(u.err, Contains("[rank 0] error: megatrain does not support --fp8-recipe mxfp8 yet"));
   // The rank comes from the launcher's environment.
   const RunResult ranked = run_binary(small_gpt() + words("--hidden-size 66"), "RANK=3 WORLD_SIZE=4");
   CHECK(ranked.exit_code == 1);

@@ -4,10 +4,15 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <string>
 
 #include "core/dtype.h"
+#include "tests/python_oracle.h"
 
 using namespace mt;
+namespace oracle = mt::oracle;
 
 namespace {
 constexpr DType E4 = DType::fp8_e4m3;
@@ -98,4 +103,49 @@ TEST_CASE("fp8: every finite bit pattern round-trips, and rounding picks the nea
       CHECK(std::isnan(nearer));
     }
   }
+}
+
+TEST_CASE("fp8: conversions agree with ml_dtypes (Python oracle)", "[fp8][oracle]") {
+  auto python = oracle::python_or_skip("FP8 ml_dtypes oracle");
+  if (!python) return;
+  const std::string out = oracle::run_capture(oracle::shell_quote(*python) + " " +
+                                              oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
+                                                                  "/tests/oracles/fp8_ml_dtypes.py"));
+  if (out.rfind("SKIP", 0) == 0) {
+    std::printf("WARN: FP8 ml_dtypes oracle skipped: %s", out.c_str());
+    return;
+  }
+  std::istringstream lines(out);
+  std::string line;
+  int decoded = 0, encoded = 0;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::string fmt_name, what;
+    in >> fmt_name >> what;
+    const DType t = fmt_name == "e4m3" ? E4 : E5;
+    if (what == "decode") {
+      for (int b = 0; b < 256; ++b) {
+        std::string v;
+        in >> v;
+        const float expect = std::stof(v);
+        const float got = fp8_bits_to_float(t, static_cast<uint8_t>(b));
+        INFO(fmt_name << " bits " << b);
+        if (std::isnan(expect)) CHECK(std::isnan(got));
+        else CHECK(got == expect);
+        ++decoded;
+      }
+    } else {
+      std::string pair;
+      while (in >> pair) {
+        const size_t colon = pair.find(':');
+        const float x = std::stof(pair.substr(0, colon));
+        const int bits = std::stoi(pair.substr(colon + 1));
+        INFO(fmt_name << " x " << x);
+        CHECK(float_to_fp8_bits(t, x) == bits);
+        ++encoded;
+      }
+    }
+  }
+  CHECK(decoded == 512);
+  CHECK(encoded > 1000);
 }

@@ -113,13 +113,12 @@ TEST_CASE("plan: GPT-3 175B script on 1024 GPUs", "[plan]") {
   CHECK_FALSE(j["config"]["--seed"]["differs"].get<bool>());
 }
 
-TEST_CASE("plan: Llama-3 8B script on 8 GPUs (FP8 refused, the rest planned)", "[plan]") {
+TEST_CASE("plan: Llama-3 8B script on 8 GPUs (--fp8-param-gather refused, the rest planned)", "[plan]") {
   try {
     parse_env(llama3_script(true) + words("--dry-run --world-size 8"), {});
     FAIL("expected Unsupported");
   } catch (const Unsupported& e) {
-    CHECK(std::string(e.what()) == "megatrain does not support --fp8-format hybrid, --fp8-amax-history-len 1024, "
-                                   "--fp8-amax-compute-algo max, --fp8-param-gather yet");
+    CHECK_THAT(std::string(e.what()), Catch::Matchers::StartsWith("megatrain does not support --fp8-param-gather yet"));
   }
   std::vector<SetupMessage> ms;
   const Config c = parse_env(llama3_script(false) + words("--dry-run --world-size 8"), {}, &ms);

@@ -64,3 +64,12 @@ megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
   "rank 0\\] error: .*timed out after 2 s waiting for .*group '"
   -x MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS=2 -x MEGATRAIN_DEBUG_FAULT=hang@1:3
   $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2)
+
+# FP8 (emulated on the reference backend) over TP x PP: the amax is all-reduced (max) over TP, so
+# every layout computes the same scales as one rank (also in the checkpoint). Not DP: there each
+# rank's loss gradient is scaled by its own micro-batch count (Megatron's 1/num_microbatches, the
+# DP average after), so output-gradient amaxes and scales differ by the factor DP (FP8 values
+# agree, being scaled by powers of two, except where the first step's scale of 1 underflows).
+megatrain_parallel_train_test(parallel_train_fp8_tp2_sp_pp2 --fp8 --model
+  "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max"
+  4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)

@@ -1,0 +1,135 @@
+#include "engine/fp8_state.h"
+
+#include "core/error.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+Fp8Options Fp8Options::from_config(const Config& cfg) {
+  const TrainConfig& t = cfg.train;
+  Fp8Options o;
+  o.format = t.fp8_format;
+  o.recipe = t.fp8_recipe;
+  o.margin = t.fp8_margin;
+  o.history_len = t.fp8_amax_history_len;
+  o.algo = t.fp8_amax_compute_algo;
+  o.wgrad = t.fp8_wgrad;
+  const int L = cfg.model.num_layers;
+  o.layer_fp8.assign(static_cast<size_t>(std::max(L, 0)), 0);
+  for (int l = 0; l < L; ++l) o.layer_fp8[static_cast<size_t>(l)] = t.fp8_layer(l, L) ? 1 : 0;
+  if (o.enabled() && o.recipe != Fp8Recipe::delayed && o.recipe != Fp8Recipe::tensorwise)
+    throw Unsupported("FP8: only the delayed and tensorwise recipes are built");
+  return o;
+}
+
+void Fp8State::plan(const Fp8Options& o, int layer_begin, int layer_end) {
+  opt_ = o;
+  slot_.assign(static_cast<size_t>(std::max(layer_end - layer_begin, 0)), -1);
+  global_.clear();
+  n_layers_ = 0;
+  for (int l = layer_begin; l < layer_end; ++l)
+    if (o.global_layer_fp8(l)) {
+      slot_[static_cast<size_t>(l - layer_begin)] = n_layers_++;
+      global_.push_back(l);
+    }
+}
+
+void Fp8State::layout(Arena& a) {
+  history_ = scale_ = scale_inv_ = fp8_max_ = Tensor();
+  if (!any()) return;
+  const int64_t n = operands();
+  using C = MemoryCategory;
+  history_ = a.take(C::optimizer_states, DType::f32, {opt_.history_len, n});
+  scale_ = a.take(C::optimizer_states, DType::f32, {n});
+  scale_inv_ = a.take(C::optimizer_states, DType::f32, {n});
+  fp8_max_ = a.take(C::optimizer_states, DType::f32, {n});
+}
+
+DType Fp8State::dtype(Role r) const {
+  return r == dy && opt_.format == Fp8Format::hybrid ? DType::fp8_e5m2 : DType::fp8_e4m3;
+}
+
+void Fp8State::initialize(Backend& be) {
+  if (!any()) return;
+  be.fill(history_, 0.0);
+  be.fill(scale_, 1.0);
+  be.fill(scale_inv_, 1.0);
+  std::vector<float> fmax(static_cast<size_t>(operands()));
+  for (size_t i = 0; i < fmax.size(); ++i) fmax[i] = fp8_max(dtype(static_cast<Role>(i % kRoles)));
+  be.copy_from_host(fp8_max_, fmax.data());
+  be.synchronize();  // the host vector goes out of scope
+}
+
+int Fp8State::index(int local, Gemm g, Role r) const {
+  MT_CHECK(layer_fp8(local), "FP8 state asked for local layer {}, which is not an FP8 layer", local);
+  return (slot_[static_cast<size_t>(local)] * kGemms + g) * kRoles + r;
+}
+
+Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
+  const int i = index(local, g, r);
+  Fp8TensorMeta m;
+  m.scale = scale_.flat_slice(i, 1);
+  m.scale_inv = scale_inv_.flat_slice(i, 1);
+  m.amax = history_.flat_slice(i, 1);  // row 0
+  m.recipe = opt_.recipe;
+  m.margin = opt_.margin;
+  return m;
+}
+
+Tensor Fp8State::scale_inv(int local, Gemm g, Role r) const { return scale_inv_.flat_slice(index(local, g, r), 1); }
+
+void Fp8State::save_to_host(Backend& be, float* packed) const {
+  if (!any()) return;
+  const int64_t n = operands(), H = opt_.history_len;
+  std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
+  be.copy_to_host(hist.data(), history_);
+  be.copy_to_host(sc.data(), scale_);
+  be.copy_to_host(si.data(), scale_inv_);
+  for (int j = 0; j < n_layers_; ++j) {
+    float* b = packed + j * layer_floats();
+    for (int64_t r = 0; r < H; ++r)
+      for (int k = 0; k < kPerLayer; ++k) b[r * kPerLayer + k] = hist[static_cast<size_t>(r * n + j * kPerLayer + k)];
+    for (int k = 0; k < kPerLayer; ++k) {
+      b[H * kPerLayer + k] = sc[static_cast<size_t>(j * kPerLayer + k)];
+      b[(H + 1) * kPerLayer + k] = si[static_cast<size_t>(j * kPerLayer + k)];
+    }
+  }
+}
+
+void Fp8State::load_from_host(Backend& be, const float* packed) {
+  if (!any()) return;
+  const int64_t n = operands(), H = opt_.history_len;
+  std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
+  for (int j = 0; j < n_layers_; ++j) {
+    const float* b = packed + j * layer_floats();
+    for (int64_t r = 0; r < H; ++r)
+      for (int k = 0; k < kPerLayer; ++k) hist[static_cast<size_t>(r * n + j * kPerLayer + k)] = b[r * kPerLayer + k];
+    for (int k = 0; k < kPerLayer; ++k) {
+      sc[static_cast<size_t>(j * kPerLayer + k)] = b[H * kPerLayer + k];
+      si[static_cast<size_t>(j * kPerLayer + k)] = b[(H + 1) * kPerLayer + k];
+    }
+  }
+  be.copy_from_host(history_, hist.data());
+  be.copy_from_host(scale_, sc.data());
+  be.copy_from_host(scale_inv_, si.data());
+  be.synchronize();  // the host vectors go out of scope
+}
+
+void Fp8State::end_step(Backend& be, ParallelState& ps) {
+  if (!any()) return;
+  const Tensor current = history_.flat_slice(0, operands());
+  if (opt_.recipe == Fp8Recipe::tensorwise) {
+    be.fill(current, 0.0);
+    return;
+  }
+  // The amax of a sharded tensor is the max over its shards; replicated tensors agree anyway. Max
+  // is associative, so TP then DP equals one reduction over DP x TP.
+  if (ps.tp_size > 1) ps.tp->all_reduce(current, ReduceOp::max);
+  if (ps.dp_size > 1) ps.dp->all_reduce(current, ReduceOp::max);
+  Fp8ScaleUpdate u;
+  u.algo = opt_.algo;
+  u.margin = opt_.margin;
+  be.fp8_update_scales(history_, scale_, scale_inv_, fp8_max_, u);
+}
+
+}  // namespace mt

@@ -1,0 +1,93 @@
+// Fp8State: the scaling state of a model chunk's FP8 GEMMs (--fp8-format), planned up front.
+// Every FP8 layer (a decoder layer not kept in bf16 by --first-last-layers-bf16) has four FP8
+// GEMMs (QKV, proj, fc1, fc2), each with three scaled operands (input x, weight w, output
+// gradient dy): 12 operands per layer, numbered (fp8_layer * 4 + gemm) * 3 + role. Per operand:
+//   scale, scale_inv   float32 [n]
+//   amax history       float32 [H, n]: row 0 is the running max |x| of the current step (every
+//                      fp8_quantize of the operand maxes into it), rows 1.. earlier steps
+//   fp8_max            float32 [n]: 448 (e4m3) or 57344 (e5m2: dy with --fp8-format hybrid)
+// The initial scale is 1 (Transformer Engine's). Delayed scaling updates the scales once per step
+// (end_step): the amax row is all-reduced (max) over the tensor- and data-parallel groups (as
+// Megatron's default amax reduction group, DP x TP), then Backend::fp8_update_scales. Tensorwise
+// scaling sets scale/scale_inv at each cast; end_step only clears the amax row.
+// Differences from Transformer Engine, deliberate: TE rolls the history and updates the scales at
+// each fp8_autocast exit (per micro-batch forward, gradients per backward); here once per
+// optimizer step, the step's amax being the max over its micro-batches (so every micro-batch of a
+// step uses the same scales, and the weights, cast once per step, one scale). Tensorwise over TP
+// scales each rank's shard by its own amax (no amax all-reduce inside the cast): the numbers are
+// right, the FP8 grids differ slightly from TP=1's.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "core/config.h"
+#include "engine/backend.h"
+#include "engine/memory_plan.h"
+
+namespace mt {
+
+struct ParallelState;
+
+struct Fp8Options {
+  std::optional<Fp8Format> format;  // unset: no FP8
+  Fp8Recipe recipe = Fp8Recipe::delayed;
+  int margin = 0;
+  int history_len = 1;
+  Fp8AmaxAlgo algo = Fp8AmaxAlgo::most_recent;
+  bool wgrad = true;                // false (--no-fp8-wgrad): weight gradients by the bf16 GEMM
+  std::vector<char> layer_fp8;      // per GLOBAL decoder layer: 1 = FP8 linear layers
+  static Fp8Options from_config(const Config& cfg);
+  bool enabled() const { return format.has_value(); }
+  bool global_layer_fp8(int layer) const {
+    return enabled() && layer >= 0 && static_cast<size_t>(layer) < layer_fp8.size() && layer_fp8[layer];
+  }
+};
+
+class Fp8State {
+ public:
+  enum Gemm { qkv = 0, proj = 1, fc1 = 2, fc2 = 3 };
+  enum Role { x = 0, w = 1, dy = 2 };
+  static constexpr int kGemms = 4, kRoles = 3, kPerLayer = kGemms * kRoles;
+
+  // Which of the chunk's layers [layer_begin, layer_end) run in FP8.
+  void plan(const Fp8Options& o, int layer_begin, int layer_end);
+  void layout(Arena& a);       // takes the buffers (nothing when no layer is FP8)
+  void initialize(Backend& be);  // scale 1, history 0, fp8_max per role (set-up time)
+
+  bool any() const { return n_layers_ > 0; }
+  bool layer_fp8(int local) const { return local >= 0 && static_cast<size_t>(local) < slot_.size() && slot_[local] >= 0; }
+  int operands() const { return n_layers_ * kPerLayer; }
+  DType dtype(Role r) const;
+  Fp8TensorMeta meta(int local, Gemm g, Role r) const;
+  Tensor scale_inv(int local, Gemm g, Role r) const;
+  // Global layer numbers of the FP8 layers in operand order (for the checkpoint).
+  const std::vector<int>& fp8_global_layers() const { return global_; }
+  const Fp8Options& options() const { return opt_; }
+
+  // Once per optimizer step, after it (every rank of the amax groups calls it).
+  void end_step(Backend& be, ParallelState& ps);
+
+  // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
+  // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].
+  int64_t layer_floats() const { return static_cast<int64_t>(opt_.history_len + 2) * kPerLayer; }
+  // Copies the device state into `packed` (operands() / 12 blocks; waits for the copy).
+  void save_to_host(Backend& be, float* packed) const;
+  // Uploads `packed` into the device state (set-up / load time).
+  void load_from_host(Backend& be, const float* packed);
+
+  // The whole state: history [H, n], scale [n], scale_inv [n].
+  Tensor history() const { return history_; }
+  Tensor scale() const { return scale_; }
+  Tensor scale_inv_all() const { return scale_inv_; }
+
+ private:
+  int index(int local, Gemm g, Role r) const;
+  Fp8Options opt_;
+  std::vector<int> slot_;    // local layer -> FP8 layer index, or -1
+  std::vector<int> global_;  // FP8 layer index -> global layer
+  int n_layers_ = 0;
+  Tensor history_, scale_, scale_inv_, fp8_max_;
+};
+
+}  // namespace mt
