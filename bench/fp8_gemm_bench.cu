@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
       struct G {
         const char* what;
         int64_t m, n, k;  // row-major out[m, n] = x[m, k] . w[n, k]^T for FP8
-        Fp8Format xf, wf;
+        cuda::Fp8Format xf, wf;
         DType out_type;
         float beta;
         bool fast;
@@ -184,18 +184,18 @@ int main(int argc, char** argv) {
       {  // forward: y[T, N] = x[T, K] w[N, K]^T
         GemmCall c;
         c.trans_a = true, c.m = N, c.n = T, c.k = K, c.a = a16, c.lda = K, c.b = b16, c.ldb = K, c.d = out, c.ldd = N;
-        gemms.push_back({"fprop", T, N, K, Fp8Format::e4m3, Fp8Format::e4m3, DType::bf16, 0.0f, true, c});
+        gemms.push_back({"fprop", T, N, K, cuda::Fp8Format::e4m3, cuda::Fp8Format::e4m3, DType::bf16, 0.0f, true, c});
       }
       {  // input gradient: dx[T, K] = dy[T, N] w[N, K]
         GemmCall c;
         c.m = K, c.n = T, c.k = N, c.a = a16, c.lda = K, c.b = b16, c.ldb = N, c.d = out, c.ldd = K;
-        gemms.push_back({"dgrad", T, K, N, Fp8Format::e5m2, Fp8Format::e4m3, DType::bf16, 0.0f, false, c});
+        gemms.push_back({"dgrad", T, K, N, cuda::Fp8Format::e5m2, cuda::Fp8Format::e4m3, DType::bf16, 0.0f, false, c});
       }
       {  // weight gradient: dw[N, K] += dy^T x
         GemmCall c;
         c.trans_b = true, c.m = K, c.n = N, c.k = T, c.a = a16, c.lda = K, c.b = b16, c.ldb = N, c.d = out,
         c.d_type = DType::f32, c.ldd = K, c.beta = 1.0f;
-        gemms.push_back({"wgrad", N, K, T, Fp8Format::e5m2, Fp8Format::e4m3, DType::f32, 1.0f, false, c});
+        gemms.push_back({"wgrad", N, K, T, cuda::Fp8Format::e5m2, cuda::Fp8Format::e4m3, DType::f32, 1.0f, false, c});
       }
       for (const G& g : gemms) {
         const std::string label = std::string(model.name) + " " + l.name + " " + g.what;
@@ -236,11 +236,11 @@ int main(int argc, char** argv) {
       Tensor x16(a16, DType::bf16, Device::cuda, {T, K}), dy16(a16, DType::bf16, Device::cuda, {T, N}),
           w16(b16, DType::bf16, Device::cuda, {N, K});
       const double us_x = timer.median_us(
-          [&] { cast_transpose_to_fp8(ctx, a8, b8, Fp8Format::e4m3, x16, scales, scales + 16); });
+          [&] { cast_transpose_to_fp8(ctx, a8, b8, cuda::Fp8Format::e4m3, x16, scales, scales + 16); });
       const double us_dy = timer.median_us(
-          [&] { cast_transpose_to_fp8(ctx, a8, b8, Fp8Format::e5m2, dy16, scales, scales + 17); });
+          [&] { cast_transpose_to_fp8(ctx, a8, b8, cuda::Fp8Format::e5m2, dy16, scales, scales + 17); });
       const double us_w = timer.median_us(
-          [&] { cast_transpose_to_fp8(ctx, a8, b8, Fp8Format::e4m3, w16, scales,
+          [&] { cast_transpose_to_fp8(ctx, a8, b8, cuda::Fp8Format::e4m3, w16, scales,
                                       scales + 18); });
       const double gbs_x = (4.0 * T * K) / us_x * 1e-3;  // bytes: 2 read, 1 + 1 written per element
       std::printf("%-9s %-5s casts: x[%lld,%lld] %.1f us (%.0f GB/s), dy[%lld,%lld] %.1f us, w %.1f us\n", model.name,

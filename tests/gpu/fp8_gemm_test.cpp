@@ -18,7 +18,6 @@
 
 using namespace mt;
 using namespace mt::gputest;
-using cuda::Fp8Format;
 
 namespace {
 
@@ -29,11 +28,11 @@ struct Shape3 {
 const Shape3 kShapes[] = {{16, 16, 16}, {48, 80, 112}, {272, 208, 336}, {128, 256, 4096}, {1040, 784, 2064}};
 
 struct FormatPair {
-  Fp8Format x, w;
+  cuda::Fp8Format x, w;
 };
-const FormatPair kPairs[] = {{Fp8Format::e4m3, Fp8Format::e4m3},
-                             {Fp8Format::e5m2, Fp8Format::e4m3},
-                             {Fp8Format::e4m3, Fp8Format::e5m2}};
+const FormatPair kPairs[] = {{cuda::Fp8Format::e4m3, cuda::Fp8Format::e4m3},
+                             {cuda::Fp8Format::e5m2, cuda::Fp8Format::e4m3},
+                             {cuda::Fp8Format::e4m3, cuda::Fp8Format::e5m2}};
 
 cuda::Fp8GemmRunner& runner() {
   static cuda::Fp8GemmRunner r(fp8test::cuda_backend().cuda_stream(), size_t{32} << 20);
@@ -41,14 +40,14 @@ cuda::Fp8GemmRunner& runner() {
 }
 
 // Random fp8 codes of normal(0, std) values.
-std::vector<uint8_t> random_codes(Rng& rng, int64_t n, double std, Fp8Format f) {
+std::vector<uint8_t> random_codes(Rng& rng, int64_t n, double std, cuda::Fp8Format f) {
   const std::vector<double> v = rng.normal(n, std);
   std::vector<uint8_t> c(v.size());
   for (size_t i = 0; i < v.size(); ++i) c[i] = fp8test::encode_fp8(static_cast<float>(v[i]), f);
   return c;
 }
 
-std::vector<double> decode_all(const std::vector<uint8_t>& c, Fp8Format f) {
+std::vector<double> decode_all(const std::vector<uint8_t>& c, cuda::Fp8Format f) {
   std::vector<double> v(c.size());
   for (size_t i = 0; i < c.size(); ++i) v[i] = fp8test::decode_fp8(c[i], f);
   return v;
@@ -141,8 +140,8 @@ TEST_CASE("fp8 gemm: amax of the output", "[gpu][fp8]") {
   MT_RNG(rng);
   CudaBackend& be = fp8test::cuda_backend();
   const Shape3 s{256, 128, 512};
-  const std::vector<uint8_t> xc = random_codes(rng, s.m * s.k, 1.0, Fp8Format::e4m3),
-                             wc = random_codes(rng, s.n * s.k, 1.0, Fp8Format::e4m3);
+  const std::vector<uint8_t> xc = random_codes(rng, s.m * s.k, 1.0, cuda::Fp8Format::e4m3),
+                             wc = random_codes(rng, s.n * s.k, 1.0, cuda::Fp8Format::e4m3);
   Buf x(be, DType::u8, {s.m, s.k}), w(be, DType::u8, {s.n, s.k}), one(be, DType::f32, {1}), amax(be, DType::f32, {1});
   Buf out(be, DType::bf16, {s.m, s.n});
   fp8test::put(x, xc.data());
@@ -179,7 +178,7 @@ TEST_CASE("fp8 gemm: requirement checks", "[gpu][fp8]") {
   bad.m = 40;
   CHECK_THROWS_WITH(runner().run(bad, "test"), Catch::Contains("multiple of 16"));
   bad = c;
-  bad.x_format = bad.w_format = Fp8Format::e5m2;
+  bad.x_format = bad.w_format = cuda::Fp8Format::e5m2;
   CHECK_THROWS_WITH(runner().run(bad, "test"), Catch::Contains("e5m2 x e5m2"));
   bad = c;
   bad.x = static_cast<const char*>(c.x) + 8;
@@ -201,7 +200,7 @@ struct Quantized {
   Buf q, q_t, amax, scale, scale_inv;
 };
 
-Quantized quantize(CudaBackend& be, const Tensor& src, Fp8Format f, bool row_major, bool transposed) {
+Quantized quantize(CudaBackend& be, const Tensor& src, cuda::Fp8Format f, bool row_major, bool transposed) {
   const cuda::KernelContext ctx = fp8test::context();
   Quantized r{Buf(be, DType::u8, {src.numel()}), Buf(be, DType::u8, {src.numel()}), Buf(be, DType::f32, {1}),
               Buf(be, DType::f32, {1}), Buf(be, DType::f32, {1})};
@@ -235,15 +234,15 @@ TEST_CASE("fp8 linear mappings (forward, input grad, weight grad) vs the bf16 li
     upload(be, w.t, rng.normal(g.N * g.K, 0.02));
     upload(be, dy.t, rng.normal(g.M * g.N, 1e-3));
     // Hybrid recipe: activations and weights e4m3, gradients e5m2.
-    Quantized xq = quantize(be, x.t, Fp8Format::e4m3, true, true);
-    Quantized wq = quantize(be, w.t, Fp8Format::e4m3, true, true);
-    Quantized dyq = quantize(be, dy.t, Fp8Format::e5m2, true, true);
+    Quantized xq = quantize(be, x.t, cuda::Fp8Format::e4m3, true, true);
+    Quantized wq = quantize(be, w.t, cuda::Fp8Format::e4m3, true, true);
+    Quantized dyq = quantize(be, dy.t, cuda::Fp8Format::e5m2, true, true);
 
     // Forward: y = x . w^T.
     Buf y(be, DType::bf16, {g.M, g.N}), y8(be, DType::bf16, {g.M, g.N});
     be.linear_forward(y.t, x.t, w.t, Tensor(), Activation::none, Tensor());
-    cuda::fp8_linear_forward(runner(), y8.t, {xq.q.t.data, Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()},
-                             {wq.q.t.data, Fp8Format::e4m3, wq.scale_inv.t.ptr<float>()}, g.K, nullptr);
+    cuda::fp8_linear_forward(runner(), y8.t, {xq.q.t.data, cuda::Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()},
+                             {wq.q.t.data, cuda::Fp8Format::e4m3, wq.scale_inv.t.ptr<float>()}, g.K, nullptr);
     const double e_fwd = rel_err(download(be, y8.t), download(be, y.t));
     INFO("forward relative L2 error " << e_fwd);
     CHECK(e_fwd < 0.08);  // e4m3 x e4m3: ~0.05 expected (two roundings of up to 2^-4 relative)
@@ -251,8 +250,8 @@ TEST_CASE("fp8 linear mappings (forward, input grad, weight grad) vs the bf16 li
     // Input gradient: dx = dy . w = dy . (w^T)^T, w^T [K, N] being the transposed copy.
     Buf dx(be, DType::bf16, {g.M, g.K}), dx8(be, DType::bf16, {g.M, g.K});
     be.linear_backward_input(dx.t, dy.t, w.t, false, Activation::none, Tensor());
-    cuda::fp8_linear_backward_input(runner(), dx8.t, {dyq.q.t.data, Fp8Format::e5m2, dyq.scale_inv.t.ptr<float>()},
-                                    {wq.q_t.t.data, Fp8Format::e4m3, wq.scale_inv.t.ptr<float>()}, g.N, false);
+    cuda::fp8_linear_backward_input(runner(), dx8.t, {dyq.q.t.data, cuda::Fp8Format::e5m2, dyq.scale_inv.t.ptr<float>()},
+                                    {wq.q_t.t.data, cuda::Fp8Format::e4m3, wq.scale_inv.t.ptr<float>()}, g.N, false);
     const double e_dgrad = rel_err(download(be, dx8.t), download(be, dx.t));
     INFO("input-gradient relative L2 error " << e_dgrad);
     CHECK(e_dgrad < 0.12);  // e5m2 x e4m3: ~0.08 expected
@@ -263,8 +262,8 @@ TEST_CASE("fp8 linear mappings (forward, input grad, weight grad) vs the bf16 li
     upload(be, dw.t, dw0);
     upload(be, dw8.t, dw0);
     be.linear_backward_weight(dw.t, Tensor(), dy.t, x.t);
-    cuda::fp8_linear_backward_weight(runner(), dw8.t, {dyq.q_t.t.data, Fp8Format::e5m2, dyq.scale_inv.t.ptr<float>()},
-                                     {xq.q_t.t.data, Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()}, g.M);
+    cuda::fp8_linear_backward_weight(runner(), dw8.t, {dyq.q_t.t.data, cuda::Fp8Format::e5m2, dyq.scale_inv.t.ptr<float>()},
+                                     {xq.q_t.t.data, cuda::Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()}, g.M);
     const double e_wgrad = rel_err(minus(download(be, dw8.t), dw0), minus(download(be, dw.t), dw0));
     INFO("weight-gradient relative L2 error " << e_wgrad);
     CHECK(e_wgrad < 0.12);

@@ -18,23 +18,22 @@
 
 using namespace mt;
 using namespace mt::gputest;
-using cuda::Fp8Format;
 
 namespace {
 
-const Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
+const cuda::Fp8Format kFormats[] = {cuda::Fp8Format::e4m3, cuda::Fp8Format::e5m2};
 
-DType dtype_of(Fp8Format f) { return f == Fp8Format::e4m3 ? DType::fp8_e4m3 : DType::fp8_e5m2; }
+DType dtype_of(cuda::Fp8Format f) { return f == cuda::Fp8Format::e4m3 ? DType::fp8_e4m3 : DType::fp8_e5m2; }
 
 // Host oracle for the whole cast: bytes of fp8(x * scale) for float inputs (core/dtype.h).
-std::vector<uint8_t> oracle_cast(const std::vector<float>& in, float scale, Fp8Format f) {
+std::vector<uint8_t> oracle_cast(const std::vector<float>& in, float scale, cuda::Fp8Format f) {
   std::vector<uint8_t> out(in.size());
   for (size_t i = 0; i < in.size(); ++i) out[i] = float_to_fp8_bits(dtype_of(f), in[i] * scale);
   return out;
 }
 
 // Bytes that differ, counting every NaN code as equal to every other NaN code of the format.
-int64_t fp8_mismatches(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, Fp8Format f,
+int64_t fp8_mismatches(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, cuda::Fp8Format f,
                        std::string* first) {
   if (got.size() != want.size()) return static_cast<int64_t>(std::max(got.size(), want.size()));
   int64_t n = 0;
@@ -85,7 +84,7 @@ float host_amax(const std::vector<float>& v) {
 }  // namespace
 
 TEST_CASE("fp8 host oracle: decode/encode round trip of every code", "[gpu][fp8]") {
-  for (Fp8Format f : kFormats) {
+  for (cuda::Fp8Format f : kFormats) {
     INFO("format " << cuda::fp8_format_name(f));
     int finite = 0;
     for (int c = 0; c < 256; ++c) {
@@ -94,7 +93,7 @@ TEST_CASE("fp8 host oracle: decode/encode round trip of every code", "[gpu][fp8]
       ++finite;
       CHECK(fp8test::encode_fp8(static_cast<float>(v), f) == c);
     }
-    CHECK(finite == (f == Fp8Format::e4m3 ? 254 : 248));
+    CHECK(finite == (f == cuda::Fp8Format::e4m3 ? 254 : 248));
     CHECK(fp8test::decode_fp8(fp8test::encode_fp8(1e30f, f), f) == cuda::fp8_format_max(f));
     CHECK(cuda::fp8_format_max(f) == fp8_max(dtype_of(f)));
     // The two host oracles agree: every code decodes alike, every scaled bf16 value encodes alike.
@@ -124,7 +123,7 @@ TEST_CASE("fp8 cast: every bf16 value, bit-exact against the host oracle", "[gpu
   Buf in(be, DType::bf16, {256, 256});
   fp8test::put(in, bf16_bytes(values).data());
   Buf out(be, DType::u8, {n}), out_t(be, DType::u8, {n}), scale(be, DType::f32, {1}), amax(be, DType::f32, {1});
-  for (Fp8Format f : kFormats)
+  for (cuda::Fp8Format f : kFormats)
     for (float s : {1.0f, 0.375f, 1024.0f, 3.0517578e-05f, 7.3f}) {
       INFO("format " << cuda::fp8_format_name(f) << " scale " << s);
       fp8test::put_floats(scale, {s});
@@ -168,7 +167,7 @@ TEST_CASE("fp8 cast: float32 inputs over many magnitudes, bit-exact", "[gpu][fp8
   v[3] = std::numeric_limits<float>::denorm_min();
   Buf in(be, DType::f32, {n / 128, 128}), out(be, DType::u8, {n}), out_t(be, DType::u8, {n}), scale(be, DType::f32, {1});
   fp8test::put(in, v.data());
-  for (Fp8Format f : kFormats)
+  for (cuda::Fp8Format f : kFormats)
     for (float s : {1.0f, 0.01f, 5000.0f}) {
       INFO("format " << cuda::fp8_format_name(f) << " scale " << s);
       fp8test::put_floats(scale, {s});
@@ -190,7 +189,7 @@ TEST_CASE("fp8 cast_transpose: shapes, exact transpose and amax", "[gpu][fp8]") 
   // Vector path (multiples of 8, partial 64-tiles), scalar path (odd sizes), and a large one.
   for (RC s : {RC{16, 48}, RC{64, 64}, RC{200, 136}, RC{33, 70}, RC{1, 5}, RC{4096, 1024}, RC{520, 2056}})
     for (DType dt : {DType::bf16, DType::f32})
-      for (Fp8Format f : kFormats) {
+      for (cuda::Fp8Format f : kFormats) {
         INFO("shape " << s.r << " x " << s.c << " " << dtype_name(dt) << " " << cuda::fp8_format_name(f));
         const int64_t n = s.r * s.c;
         std::vector<double> vals = rng.normal(n, 3.0);
@@ -236,7 +235,7 @@ TEST_CASE("fp8 dequantize: every code times scale_inv, exact", "[gpu][fp8]") {
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
   Buf in(be, DType::u8, {256}), out(be, DType::f32, {256}), sinv(be, DType::f32, {1});
   fp8test::put(in, codes.data());
-  for (Fp8Format f : kFormats) {
+  for (cuda::Fp8Format f : kFormats) {
     fp8test::put_floats(sinv, {0.125f});
     cuda::cast_from_fp8(ctx, out.t, in.t.data, f, sinv.t.ptr<float>());
     const std::vector<float> got = fp8test::get_floats(out);

@@ -8,11 +8,10 @@
 #include "cuda/cuda_check.h"
 
 namespace mt::fp8test {
-using cuda::Fp8Format;
 
-double decode_fp8(uint8_t code, Fp8Format f) {
+double decode_fp8(uint8_t code, cuda::Fp8Format f) {
   const double sign = (code & 0x80) ? -1.0 : 1.0;
-  if (f == Fp8Format::e4m3) {
+  if (f == cuda::Fp8Format::e4m3) {
     const int e = (code >> 3) & 0xF, m = code & 0x7;
     if (e == 0xF && m == 0x7) return std::nan("");
     if (e == 0) return sign * std::ldexp(m, -9);  // subnormal: m/8 * 2^-6
@@ -24,10 +23,10 @@ double decode_fp8(uint8_t code, Fp8Format f) {
   return sign * std::ldexp(4 + m, e - 15 - 2);
 }
 
-uint8_t encode_fp8(float x, Fp8Format f) {
-  if (std::isnan(x)) return f == Fp8Format::e4m3 ? 0x7F : 0x7E;
+uint8_t encode_fp8(float x, cuda::Fp8Format f) {
+  if (std::isnan(x)) return f == cuda::Fp8Format::e4m3 ? 0x7F : 0x7E;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  const int max_code = f == Fp8Format::e4m3 ? 0x7E : 0x7B;
+  const int max_code = f == cuda::Fp8Format::e4m3 ? 0x7E : 0x7B;
   double a = std::fabs(static_cast<double>(x));
   const double max_value = decode_fp8(static_cast<uint8_t>(max_code), f);
   if (a >= max_value) return static_cast<uint8_t>(sign | max_code);
