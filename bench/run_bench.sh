@@ -5,6 +5,12 @@
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
+#                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-env e4m3|hybrid]
+# --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
+# --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
+# scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio.
+# --fp8-env does the same with the CUDA backend's EXPERIMENTAL current-scaling FP8 linears
+# (MEGATRAIN_EXPERIMENTAL_FP8=<format>, cuda/fp8_experimental.h) instead of the flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"
@@ -13,6 +19,9 @@ warmup=10
 pytorch=1
 bin=build/app/megatrain
 extra=""
+fp8=""
+fp8_recipe=delayed
+fp8_env=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -21,6 +30,9 @@ while [ $# -gt 0 ]; do
     --no-pytorch) pytorch=0; shift ;;
     --megatrain) bin="$2"; shift 2 ;;
     --extra) extra="$2"; shift 2 ;;
+    --fp8) fp8="$2"; shift 2 ;;
+    --fp8-recipe) fp8_recipe="$2"; shift 2 ;;
+    --fp8-env) fp8_env="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -46,16 +58,33 @@ flags_for() {
   esac
 }
 
-declare -A mt_line pt_line
+fp8_flags=""
+if [ -n "$fp8" ]; then
+  fp8_flags="--fp8-format $fp8 --fp8-recipe $fp8_recipe"
+  if [ "$fp8_recipe" = delayed ]; then fp8_flags="$fp8_flags --fp8-amax-history-len 16 --fp8-amax-compute-algo max"; fi
+fi
+
+declare -A mt_line pt_line fp8_line
 IFS=, read -r -a names <<< "$configs"
-for name in "${names[@]}"; do
-  # shellcheck disable=SC2046
-  if "$bin" $(flags_for "$name") $extra > "$out/$name.megatrain.log" 2>&1; then
-    mt_line[$name]=$(grep -E '^\[megatrain\] summary' "$out/$name.megatrain.log" | tail -n 1 || true)
+# run_one <name> <log> <more flags> [<env assignment>]: prints the run's summary line, or FAILED
+# with the log's tail.
+run_one() {
+  # shellcheck disable=SC2046,SC2086
+  if env ${4:-} "$bin" $(flags_for "$1") $extra $3 > "$2" 2>&1; then
+    grep -E '^\[megatrain\] summary' "$2" | tail -n 1 || true
   else
-    mt_line[$name]="FAILED (see $out/$name.megatrain.log): $(tail -n 2 "$out/$name.megatrain.log" | tr '\n' ' ')"
+    echo "FAILED (see $2): $(tail -n 2 "$2" | tr '\n' ' ')"
+  fi
+}
+tokens_per_s() { sed -n 's/.*| tokens\/s: \([0-9.]*\) .*/\1/p' <<< "$1"; }
+for name in "${names[@]}"; do
+  mt_line[$name]=$(run_one "$name" "$out/$name.megatrain.log" "")
+  if [ -n "$fp8" ]; then fp8_line[$name]=$(run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags"); fi
+  if [ -n "$fp8_env" ]; then
+    fp8_line[$name]=$(run_one "$name" "$out/$name.megatrain-fp8env.log" "" "MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env")
   fi
 done
+if [ -n "$fp8_env" ]; then fp8="$fp8_env"; fp8_flags="MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env"; fi
 if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for name in "${names[@]}"; do
     pt_line[$name]=$(python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true)
@@ -66,5 +95,12 @@ echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 for name in "${names[@]}"; do
   echo "$name megatrain: ${mt_line[$name]}"
+  if [ -n "$fp8" ]; then
+    echo "$name megatrain fp8 ($fp8_flags): ${fp8_line[$name]}"
+    bf=$(tokens_per_s "${mt_line[$name]}"); f8=$(tokens_per_s "${fp8_line[$name]}")
+    if [ -n "$bf" ] && [ -n "$f8" ]; then
+      echo "$name fp8/bf16 tokens/s: $(awk -v a="$f8" -v b="$bf" 'BEGIN { printf "%.3f", a / b }')x"
+    fi
+  fi
   if [ -n "${pt_line[$name]:-}" ]; then echo "$name pytorch:   ${pt_line[$name]}"; fi
 done

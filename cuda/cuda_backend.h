@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "cuda/fp8_experimental.h"
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
 #include "cuda/op_profiler.h"
@@ -72,6 +73,17 @@ class CudaBackend final : public Backend {
   void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
                                        Tensor pre_act) override;
 
+  // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
+  void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,
+                          Activation act, Tensor pre_act) override;
+  void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,
+                                 bool accumulate, Activation act, Tensor pre_act) override;
+  void fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv, Tensor xq_t,
+                                  Tensor x_scale_inv) override;
+  void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
+                         const Fp8ScaleUpdate& p) override;
+
   void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;
   void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;
   void swiglu_forward(Tensor out, Tensor in) override;
@@ -116,9 +128,15 @@ class CudaBackend final : public Backend {
   int device_ordinal() const { return device_; }
   int num_sms() const { return num_sms_; }
   cuda::GemmRunner& gemm() { return *gemm_; }
+  cuda::ExperimentalFp8* experimental_fp8() { return fp8_.get(); }
 
  private:
   cuda::KernelContext context();  // resets the scratch for the next op
+  // The FP8 GEMM runner (own cuBLASLt handle and workspace) and the two 16-byte aligned scale
+  // slots, made at the first FP8 op; fp8_stage_scales copies an op's two scale_inv values there.
+  cuda::Fp8GemmRunner& fp8_gemm();
+  void fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor& a_scale_inv, const Tensor& b_scale_inv,
+                        const char* op);
   cuda::SegmentArg segment_arg(std::span<const OptimSegment> segments, int64_t numel, const char* what);
 
   struct RegisteredSegments {
@@ -140,6 +158,9 @@ class CudaBackend final : public Backend {
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
+  std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
+  float* fp8_scale_slots_ = nullptr;  // [8]: slot 0 at [0], slot 1 at [4]
+  std::unique_ptr<cuda::ExperimentalFp8> fp8_;  // EXPERIMENTAL (MEGATRAIN_EXPERIMENTAL_FP8), usually null
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# FP8 vs bf16 training loss on real text: the same model, data, seed and schedule trained twice
+# (bf16, then bf16 + --fp8-format ...), and the mean training loss over the last 50 iterations of
+# each compared. Passes when they are within 1% (issue 10's target).
+#
+#   bench/fp8_loss_check.sh --data PREFIX --vocab-file F --merge-file F
+#       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|tiny]
+#       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
+#       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
+#       [--fp8-env e4m3|hybrid]   (the CUDA backend's EXPERIMENTAL current-scaling FP8 linears instead)
+# The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (bench/RESULTS.md says
+# which text); logs and metrics go to $OUT (or /tmp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=build/app/megatrain
+iters=300
+model=gpt-1.3b
+data="" vocab="" merges="" extra=""
+fp8_env=""
+fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --megatrain) bin="$2"; shift 2 ;;
+    --data) data="$2"; shift 2 ;;
+    --vocab-file) vocab="$2"; shift 2 ;;
+    --merge-file) merges="$2"; shift 2 ;;
+    --iters) iters="$2"; shift 2 ;;
+    --model) model="$2"; shift 2 ;;
+    --extra) extra="$2"; shift 2 ;;
+    --fp8) fp8="$2"; shift 2 ;;
+    --fp8-env) fp8_env="$2"; fp8=""; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+[ -n "$data" ] && [ -n "$vocab" ] && [ -n "$merges" ] || { echo "error: --data, --vocab-file and --merge-file are required" >&2; exit 2; }
+out=${OUT:-/tmp}/fp8-loss-$$
+mkdir -p "$out"
+case "$model" in
+  gpt-1.3b) shape="--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+      --max-position-embeddings 2048 --micro-batch-size 8 --global-batch-size 8" ;;
+  gpt-350m) shape="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+      --max-position-embeddings 1024 --micro-batch-size 16 --global-batch-size 16" ;;
+  tiny) shape="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
+      --max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 4" ;;
+  *) echo "unknown model $model" >&2; exit 2 ;;
+esac
+precision="--bf16"
+case " $extra " in *" --device cpu "*) precision="" ;; esac  # the reference backend is float32
+common="$shape $precision --data-path $data --split 100,0,0 --tokenizer-type GPT2BPETokenizer --vocab-file $vocab
+  --merge-file $merges --attention-dropout 0.0 --hidden-dropout 0.0 --lr 3e-4 --min-lr 3e-5
+  --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9
+  --adam-beta2 0.95 --init-method-std 0.02 --seed 1234 --log-interval 1 --eval-iters 0 --train-iters $iters $extra"
+
+mean_last50() {  # mean lm_loss of the last 50 iteration records of a metrics file
+  perl -MJSON::PP -ne '
+    my $r = JSON::PP->new->decode($_);
+    push @l, $r->{lm_loss} if $r->{type} eq "iteration" && defined $r->{lm_loss};
+    END { die "no iteration losses\n" unless @l; my @t = @l > 50 ? @l[-50 .. -1] : @l;
+          my $s = 0; $s += $_ for @t; printf "%.5f\n", $s / @t; }' "$1"
+}
+
+for run in bf16 fp8; do
+  flags="" env_fp8=""
+  if [ "$run" = fp8 ]; then flags="$fp8"; env_fp8=${fp8_env:+MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env}; fi
+  echo "== $run: $bin ($model, $iters iterations) $flags $env_fp8"
+  # shellcheck disable=SC2086
+  env $env_fp8 "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1 || {
+    echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; }
+  grep -E '^\[megatrain\] summary' "$out/$run.log" | tail -n 1 || true
+done
+a=$(mean_last50 "$out/bf16.jsonl")
+b=$(mean_last50 "$out/fp8.jsonl")
+awk -v a="$a" -v b="$b" 'BEGIN {
+  d = (b - a) / a * 100;
+  printf "mean training loss, last 50 iterations: bf16 %.4f  fp8 %.4f  difference %+.3f%%\n", a, b, d;
+  if (d < 0) d = -d;
+  if (d <= 1.0) { print "PASS: within 1%"; exit 0 } else { print "FAIL: more than 1% apart"; exit 1 } }'

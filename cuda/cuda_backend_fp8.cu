@@ -1,0 +1,206 @@
+// CudaBackend's FP8 ops (engine/backend.h, "FP8 linear layers"): the quantizing cast and the three
+// linear-layer GEMMs on cuBLASLt FP8 (cuda/fp8_gemm_cublaslt.h, cuda/fp8_kernels.h).
+//
+// Notes on the mapping to the kernels:
+//   - fp8_quantize: delayed scaling is one pass (the cast records max|x| into meta.amax);
+//     tensorwise is an amax pass into scratch, a one-thread scale kernel, then the cast.
+//   - The GEMMs' scale_inv pointers must be 16-byte aligned (cuBLASLt 13.1 declines others at run
+//     time, measured on the H200); entries of the model's flat FP8 state usually are not, so both
+//     values are first copied into two aligned slots of a small buffer the backend owns. Ops are
+//     ordered on one stream, so the next copy runs after the GEMM that read the slots.
+//   - The bias is added in the GEMM's epilogue (bf16 outputs); the activation is its own kernel
+//     on the stored pre-activation (as linear_forward's non-fused path and the reference do).
+//   - Accumulating input gradients go through float32 scratch, a row block at a time, then are
+//     added (with the activation derivative when there is one) by the elementwise kernels.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/cuda_check.h"
+#include "cuda/fp8_gemm_cublaslt.h"
+#include "cuda/fp8_kernels.h"
+
+// As in cuda_backend.cu (local there): the op profiler scope and the device check.
+#define MT_PROFILE_OP(...)                                                                            \
+  const cuda::OpProfiler::Scope mt_profile_scope_ =                                                   \
+      profiler_->active() ? profiler_->scope(fmt::format(__VA_ARGS__)) : cuda::OpProfiler::Scope()
+
+namespace mt {
+namespace {
+
+template <typename... Ts>
+void on_device(const char* what, const Ts&... ts) {
+  for (const Tensor* t : {&ts...})
+    if (!t->empty() && t->device != Device::cuda)
+      fail("{}: tensor {} is host memory; the CUDA backend works on device tensors", what, t->shape_string());
+}
+
+cuda::Fp8Format fp8_format_of(DType t, const char* op, const char* what) {
+  MT_CHECK(is_fp8(t), "{}: {} must be an FP8 tensor (float8_e4m3fn / float8_e5m2), got {}", op, what, dtype_name(t));
+  return t == DType::fp8_e4m3 ? cuda::Fp8Format::e4m3 : cuda::Fp8Format::e5m2;
+}
+
+const float* scalar_ptr(const Tensor& t, const char* op, const char* what) {
+  MT_CHECK(!t.empty() && t.dtype == DType::f32 && t.numel() >= 1, "{}: {} must be a float32 [1] tensor", op, what);
+  return t.ptr<const float>();
+}
+
+void check_compute_dtype(const Tensor& t, const char* op, const char* what) {
+  MT_CHECK(t.dtype == DType::bf16, "{}: {} is {}; the CUDA backend runs FP8 linear layers with --bf16 only", op,
+           what, dtype_name(t.dtype));
+}
+
+}  // namespace
+
+cuda::Fp8GemmRunner& CudaBackend::fp8_gemm() {
+  if (!fp8_gemm_) {
+    // Made at the first FP8 op: in the engine that is the plan/warm-up step, before timing.
+    fp8_gemm_ = std::make_unique<cuda::Fp8GemmRunner>(stream_, kGemmWorkspaceBytes);
+    MT_CUDA_CHECK(cudaMalloc(&fp8_scale_slots_, 8 * sizeof(float)));
+  }
+  return *fp8_gemm_;
+}
+
+void CudaBackend::fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor& a_scale_inv,
+                                   const Tensor& b_scale_inv, const char* op) {
+  fp8_gemm();
+  cuda::fp8_copy_scale_pair(ctx, fp8_scale_slots_, scalar_ptr(a_scale_inv, op, "first scale_inv"),
+                            scalar_ptr(b_scale_inv, op, "second scale_inv"));
+}
+
+void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
+  const char* op = "fp8_quantize";
+  on_device(op, q, q_t, x, meta.scale, meta.scale_inv, meta.amax);
+  MT_PROFILE_OP("fp8_quantize {}{}{}", x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
+  MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
+  const DType e = !q.empty() ? q.dtype : q_t.dtype;
+  MT_CHECK(q.empty() || q_t.empty() || q.dtype == q_t.dtype, "{}: q and q_t have different FP8 dtypes", op);
+  const cuda::Fp8Format f = fp8_format_of(e, op, "q");
+  MT_CHECK(meta.recipe == Fp8Recipe::delayed || meta.recipe == Fp8Recipe::tensorwise,
+           "{}: the CUDA backend quantizes with the delayed or tensorwise recipe only", op);
+  const int64_t R = x.rows(), C = x.cols();
+  MT_CHECK(q.empty() || (q.rows() == R && q.cols() == C), "{}: q {} for x {}", op, q.shape_string(), x.shape_string());
+  MT_CHECK(q_t.empty() || (q_t.rows() == C && q_t.cols() == R), "{}: q_t {} for x {}", op, q_t.shape_string(),
+           x.shape_string());
+  float* scale = const_cast<float*>(scalar_ptr(meta.scale, op, "meta.scale"));
+  float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
+  const cuda::KernelContext ctx = context();
+  float* record = amax;
+  if (meta.recipe == Fp8Recipe::tensorwise) {
+    float* fresh = ctx.scratch->take_array<float>(1, "fp8_quantize amax");
+    MT_CUDA_CHECK(cudaMemsetAsync(fresh, 0, sizeof(float), stream_));
+    cuda::fp8_amax(ctx, fresh, x);
+    cuda::fp8_tensorwise_scale(ctx, fresh, amax, scale, const_cast<float*>(scalar_ptr(meta.scale_inv, op, "meta.scale_inv")),
+                               fp8_max(e), meta.margin);
+    record = nullptr;  // meta.amax already holds max(meta.amax, max|x|)
+  }
+  if (!q_t.empty())
+    cuda::cast_transpose_to_fp8(ctx, q.empty() ? nullptr : q.data, q_t.data, f, x, scale, record);
+  else
+    cuda::cast_to_fp8(ctx, q.data, f, x, scale, record);
+}
+
+void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,
+                                     Tensor bias, Activation act, Tensor pre_act) {
+  const char* op = "fp8_linear_forward";
+  on_device(op, y, xq, x_scale_inv, wq, w_scale_inv, bias, pre_act);
+  MT_PROFILE_OP("fp8_linear_forward {}x{}x{}{}{}", xq.rows(), wq.rows(), xq.cols(), bias.empty() ? "" : " +bias",
+                act == Activation::none ? "" : " +act");
+  const int64_t M = xq.rows(), K = xq.cols(), N = wq.rows();
+  MT_CHECK(wq.cols() == K && y.numel() == M * N, "{}: y {} = xq {} . wq {}^T", op, y.shape_string(), xq.shape_string(),
+           wq.shape_string());
+  check_compute_dtype(y, op, "y");
+  MT_CHECK(bias.empty() || (bias.numel() == N && bias.dtype == DType::bf16), "{}: bias {}", op, bias.shape_string());
+  MT_CHECK(act == Activation::none || (pre_act.numel() == M * N && pre_act.dtype == y.dtype), "{}: pre_act {}", op,
+           pre_act.shape_string());
+  const cuda::KernelContext ctx = context();
+  fp8_stage_scales(ctx, x_scale_inv, w_scale_inv, op);
+  const Tensor target = act != Activation::none ? pre_act : y;
+  cuda::fp8_linear_forward(fp8_gemm(), target.view({M, N}),
+                           {xq.data, fp8_format_of(xq.dtype, op, "xq"), fp8_scale_slots_},
+                           {wq.data, fp8_format_of(wq.dtype, op, "wq"), fp8_scale_slots_ + 4}, K, bias.data);
+  if (act != Activation::none) cuda::gelu_forward(ctx, y, pre_act, act == Activation::gelu_tanh);
+}
+
+void CudaBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t,
+                                            Tensor w_scale_inv, bool accumulate, Activation act, Tensor pre_act) {
+  const char* op = "fp8_linear_backward_input";
+  on_device(op, dx, dyq, dy_scale_inv, wq_t, w_scale_inv, pre_act);
+  MT_PROFILE_OP("fp8_linear_backward_input {}x{}x{}{}{}", dyq.rows(), wq_t.rows(), dyq.cols(), accumulate ? " +acc" : "",
+                act == Activation::none ? "" : " +act");
+  const int64_t M = dyq.rows(), N = dyq.cols(), K = wq_t.rows();
+  MT_CHECK(wq_t.cols() == N && dx.numel() == M * K, "{}: dx {} = dyq {} . wq_t {}^T", op, dx.shape_string(),
+           dyq.shape_string(), wq_t.shape_string());
+  check_compute_dtype(dx, op, "dx");
+  MT_CHECK(act == Activation::none || (pre_act.numel() == M * K && pre_act.dtype == dx.dtype), "{}: pre_act {}", op,
+           pre_act.shape_string());
+  const cuda::KernelContext ctx = context();
+  fp8_stage_scales(ctx, dy_scale_inv, w_scale_inv, op);
+  const cuda::Fp8Operand dy_op{dyq.data, fp8_format_of(dyq.dtype, op, "dyq"), fp8_scale_slots_};
+  const cuda::Fp8Operand w_op{wq_t.data, fp8_format_of(wq_t.dtype, op, "wq_t"), fp8_scale_slots_ + 4};
+  const Tensor dx2 = dx.view({M, K});
+  const bool tanh_approx = act == Activation::gelu_tanh;
+  if (!accumulate) {
+    cuda::fp8_linear_backward_input(fp8_gemm(), dx2, dy_op, w_op, N, false);
+    if (act != Activation::none) cuda::gelu_grad_multiply(ctx, dx2, dx2, pre_act.view({M, K}), tanh_approx, false);
+    return;
+  }
+  // dx += (dyq . wq_t^T) [* act'(pre_act)]: the product in float32 scratch, 16-row multiples at a time.
+  int64_t chunk = std::min<int64_t>(M, static_cast<int64_t>(ctx.scratch->remaining() / (K * sizeof(float))));
+  chunk = chunk / 16 * 16;
+  MT_CHECK(chunk >= 16, "{}: scratch too small for 16 rows of {} floats", op, K);
+  float* tmp = ctx.scratch->take_array<float>(chunk * K, "fp8_linear_backward_input accumulate");
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    const int64_t rows = std::min(chunk, M - r0);
+    const Tensor part(tmp, DType::f32, Device::cuda, {rows, K});
+    cuda::Fp8Operand dy_rows = dy_op;
+    dy_rows.data = static_cast<const uint8_t*>(dyq.data) + r0 * N;
+    cuda::fp8_linear_backward_input(fp8_gemm(), part, dy_rows, w_op, N, false);
+    const Tensor out = dx2.row_slice(r0, rows);
+    if (act != Activation::none)
+      cuda::gelu_grad_multiply(ctx, out, part, pre_act.view({M, K}).row_slice(r0, rows), tanh_approx, true);
+    else
+      cuda::axpby(ctx, out, 1.0f, out, 1.0f, part);
+  }
+}
+
+void CudaBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
+                                             Tensor xq_t, Tensor x_scale_inv) {
+  const char* op = "fp8_linear_backward_weight";
+  on_device(op, dw, dbias, dy, dyq_t, dy_scale_inv, xq_t, x_scale_inv);
+  MT_PROFILE_OP("fp8_linear_backward_weight {}x{}x{}{}", dyq_t.rows(), xq_t.rows(), dyq_t.cols(),
+                dbias.empty() ? "" : " +dbias");
+  const int64_t N = dyq_t.rows(), M = dyq_t.cols(), K = xq_t.rows();
+  MT_CHECK(xq_t.cols() == M && dw.numel() == N * K, "{}: dw {} += dyq_t {} . xq_t {}^T", op, dw.shape_string(),
+           dyq_t.shape_string(), xq_t.shape_string());
+  MT_CHECK(dw.dtype == DType::f32, "{}: dw must be the float32 main grad, got {}", op, dtype_name(dw.dtype));
+  MT_CHECK(dbias.empty() || (dbias.numel() == N && dbias.dtype == DType::f32 && dy.numel() == M * N),
+           "{}: dbias {} from dy {}", op, dbias.shape_string(), dy.shape_string());
+  const cuda::KernelContext ctx = context();
+  fp8_stage_scales(ctx, dy_scale_inv, x_scale_inv, op);
+  cuda::fp8_linear_backward_weight(fp8_gemm(), dw.view({N, K}),
+                                   {dyq_t.data, fp8_format_of(dyq_t.dtype, op, "dyq_t"), fp8_scale_slots_},
+                                   {xq_t.data, fp8_format_of(xq_t.dtype, op, "xq_t"), fp8_scale_slots_ + 4}, M);
+  if (!dbias.empty()) cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
+}
+
+void CudaBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max_t,
+                                    const Fp8ScaleUpdate& p) {
+  const char* op = "fp8_update_scales";
+  on_device(op, history, scale, scale_inv, fp8_max_t);
+  MT_PROFILE_OP("fp8_update_scales {}", history.shape_string());
+  const int64_t H = history.rows(), n = history.cols();
+  for (const Tensor* t : {&history, &scale, &scale_inv, &fp8_max_t})
+    MT_CHECK(t->dtype == DType::f32, "{}: float32 tensors only", op);
+  MT_CHECK(scale.numel() == n && scale_inv.numel() == n && fp8_max_t.numel() == n,
+           "{}: history {} with scale {}, scale_inv {}, fp8_max {}", op, history.shape_string(), scale.shape_string(),
+           scale_inv.shape_string(), fp8_max_t.shape_string());
+  if (n == 0) return;
+  cuda::fp8_update_scales(context(), history.ptr<float>(), static_cast<int>(H), static_cast<int>(n), scale.ptr<float>(),
+                          scale_inv.ptr<float>(), 0.0f, p.margin,
+                          p.algo == Fp8AmaxAlgo::max ? cuda::Fp8AmaxAlgo::max : cuda::Fp8AmaxAlgo::most_recent, 1,
+                          fp8_max_t.ptr<float>());
+}
+
+}  // namespace mt

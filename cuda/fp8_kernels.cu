@@ -1,0 +1,333 @@
+// FP8 element kernels; see fp8_kernels.h.
+//
+// All casts are bandwidth-bound. The vector paths move 16 input bytes (8 bf16 / 2x4 float) per
+// thread and write 8 fp8 bytes; the grids are capped at a few blocks per SM and stride over the
+// work, so amax costs one atomicMax per block, not per tile.
+#include "cuda/fp8_kernels.h"
+
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+
+namespace mt::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 8;
+
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t to_fp8(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Two values in one cvt (low byte = a).
+template <Fp8Format F>
+__device__ __forceinline__ uint16_t to_fp8x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+template <Fp8Format F>
+__device__ __forceinline__ float from_fp8(uint8_t v) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(v, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// 8 fp8 bytes of 8 scaled floats, packed little-endian (element j in byte j).
+template <Fp8Format F>
+__device__ __forceinline__ uint2 pack8(const Floats<8>& v, float scale) {
+  uint2 r;
+  r.x = static_cast<uint32_t>(to_fp8x2<F>(v.v[0] * scale, v.v[1] * scale)) |
+        (static_cast<uint32_t>(to_fp8x2<F>(v.v[2] * scale, v.v[3] * scale)) << 16);
+  r.y = static_cast<uint32_t>(to_fp8x2<F>(v.v[4] * scale, v.v[5] * scale)) |
+        (static_cast<uint32_t>(to_fp8x2<F>(v.v[6] * scale, v.v[7] * scale)) << 16);
+  return r;
+}
+
+// Block-wide max of non-negative values, then one atomicMax of the float bits into *amax.
+__device__ __forceinline__ void block_amax_to(float* amax, float v) {
+  __shared__ float partial[kThreads / kWarp];
+  v = warp_max(v);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / kWarp ? partial[lane] : 0.0f;
+    v = warp_max(v);
+    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
+  }
+}
+
+// ---- flat cast ----------------------------------------------------------------------------------
+template <typename T, Fp8Format F, int VEC>
+__global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in, int64_t n, const float* scale_p,
+                            float* amax) {
+  const float scale = *scale_p;
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if constexpr (VEC == 8) {
+    const int64_t nv = n / 8;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nv; i += stride) {
+      const Floats<8> v = load_vec<8>(in + i * 8);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
+      reinterpret_cast<uint2*>(out)[i] = pack8<F>(v, scale);
+    }
+  } else {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+      const float v = to_float(in[i]);
+      m = fmaxf(m, fabsf(v));
+      out[i] = to_fp8<F>(v * scale);
+    }
+  }
+  if (amax) block_amax_to(amax, m);
+}
+
+// ---- cast + transpose -----------------------------------------------------------------------------
+// Tiles of 64 x 64 elements. Phase 1 reads the tile row by row (VEC elements per access), writes
+// the row-major fp8 output and keeps the bytes in shared memory; phase 2 writes the transposed
+// tile, VEC bytes of one output row per access. VEC = 8 needs R and C multiples of 8.
+// Shared-memory rows are 66 bytes: phase 2's threads read one byte from each of 8 rows 8 apart,
+// and 8 * 66 bytes = 132 words puts those rows in different banks (a 64- or 72-byte row would
+// put every second one in the same bank). Phase 1 therefore stores 2-byte pieces (66 is even).
+constexpr int kTile = 64;
+constexpr int kTileStride = kTile + 2;
+
+template <typename T, Fp8Format F, int VEC>
+__global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const T* __restrict__ in,
+                                      int64_t R, int64_t C, const float* scale_p, float* amax) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTileStride];
+  const float scale = *scale_p;
+  float m = 0.0f;
+  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles = tiles_c * ((R + kTile - 1) / kTile);
+  constexpr int kPerRow = kTile / VEC;
+  for (int64_t tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
+    const int64_t row0 = (tile_id / tiles_c) * kTile, col0 = (tile_id % tiles_c) * kTile;
+    for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
+      const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
+      const int64_t gr = row0 + r, gc = col0 + c;
+      if (gr >= R || gc >= C) continue;
+      if constexpr (VEC == 8) {
+        const Floats<8> v = load_vec<8>(in + gr * C + gc);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
+        const uint2 q = pack8<F>(v, scale);
+        if (out) *reinterpret_cast<uint2*>(out + gr * C + gc) = q;
+        uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[r][c]);
+        t16[0] = static_cast<uint16_t>(q.x);
+        t16[1] = static_cast<uint16_t>(q.x >> 16);
+        t16[2] = static_cast<uint16_t>(q.y);
+        t16[3] = static_cast<uint16_t>(q.y >> 16);
+      } else {
+        const float v = to_float(in[gr * C + gc]);
+        m = fmaxf(m, fabsf(v));
+        const uint8_t q = to_fp8<F>(v * scale);
+        if (out) out[gr * C + gc] = q;
+        tile[r][c] = q;
+      }
+    }
+    __syncthreads();
+    if (out_t) {
+      for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
+        const int c = idx / kPerRow, r = (idx % kPerRow) * VEC;  // output row c (input column), columns r..
+        const int64_t gr = row0 + r, gc = col0 + c;
+        if (gr >= R || gc >= C) continue;
+        if constexpr (VEC == 8) {
+          uint2 q;
+          q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) | (static_cast<uint32_t>(tile[r + 3][c]) << 24);
+          q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) |
+                (static_cast<uint32_t>(tile[r + 7][c]) << 24);
+          *reinterpret_cast<uint2*>(out_t + gc * R + gr) = q;
+        } else {
+          out_t[gc * R + gr] = tile[r][c];
+        }
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+  if (amax) block_amax_to(amax, m);
+}
+
+// ---- amax only ------------------------------------------------------------------------------------
+template <typename T, int VEC>
+__global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t nv = n / VEC;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nv; i += stride) {
+    const Floats<VEC> v = load_vec<VEC>(in + i * VEC);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(v.v[j]));
+  }
+  block_amax_to(amax, m);
+}
+
+// ---- dequantize -----------------------------------------------------------------------------------
+template <typename T, Fp8Format F>
+__global__ void dequant_kernel(T* __restrict__ out, const uint8_t* __restrict__ in, int64_t n, const float* scale_inv_p) {
+  const float s = *scale_inv_p;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = from_float<T>(from_fp8<F>(in[i]) * s);
+}
+
+// ---- delayed-scaling update ---------------------------------------------------------------------
+__global__ void update_scales_kernel(float* hist, int H, int count, float* scale, float* scale_inv, int stride,
+                                     float fp8_max, const float* fp8_max_per, float margin_factor, bool use_max) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= count) return;
+  const float first = hist[t];
+  float amax = first;
+  if (use_max)
+    for (int h = 1; h < H; ++h) amax = fmaxf(amax, hist[static_cast<int64_t>(h) * count + t]);
+  for (int h = 0; h + 1 < H; ++h) hist[static_cast<int64_t>(h) * count + t] = hist[static_cast<int64_t>(h + 1) * count + t];
+  hist[static_cast<int64_t>(H - 1) * count + t] = first;
+  hist[t] = 0.0f;
+  if (amax > 0.0f && isfinite(amax)) {
+    const float m = fp8_max_per ? fp8_max_per[t] : fp8_max;
+    float s = (m / amax) / margin_factor;
+    if (isinf(s)) s = FLT_MAX;  // a tiny amax, as Transformer Engine does
+    scale[static_cast<int64_t>(t) * stride] = s;
+    scale_inv[static_cast<int64_t>(t) * stride] = 1.0f / s;
+  }
+}
+
+__global__ void copy_scale_pair_kernel(float* dst, const float* a, const float* b) {
+  dst[0] = *a;
+  dst[4] = *b;
+}
+
+// Tensorwise (current) scaling of one operand from the fresh amax of this call's tensor.
+__global__ void tensorwise_scale_kernel(const float* fresh_amax, float* amax, float* scale, float* scale_inv,
+                                        float fp8_max, float margin_factor) {
+  const float a = *fresh_amax;
+  if (a > 0.0f && isfinite(a)) {
+    float s = (fp8_max / a) / margin_factor;
+    if (isinf(s)) s = FLT_MAX;
+    *scale = s;
+    *scale_inv = 1.0f / s;
+  }
+  if (amax) *amax = fmaxf(*amax, a);
+}
+
+unsigned capped_grid(const KernelContext& ctx, int64_t work) {
+  return grid_for(work, kThreads, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm);
+}
+
+// Runs `body` with F bound to the format as a compile-time constant.
+template <typename Body>
+void with_format(Fp8Format f, Body&& body) {
+  if (f == Fp8Format::e4m3)
+    body(std::integral_constant<Fp8Format, Fp8Format::e4m3>{});
+  else
+    body(std::integral_constant<Fp8Format, Fp8Format::e5m2>{});
+}
+
+void check_input(const Tensor& in, const char* what) {
+  MT_CHECK(in.dtype == DType::f32 || in.dtype == DType::bf16, "{}: input must be float32 or bfloat16, got {}", what,
+           dtype_name(in.dtype));
+  MT_CHECK(in.device == Device::cuda, "{}: input is not on the GPU", what);
+}
+
+}  // namespace
+
+void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor in, const float* scale, float* amax) {
+  check_input(in, "cast_to_fp8");
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  const bool vec = n % 8 == 0 && aligned16(in.data) && (reinterpret_cast<uintptr_t>(out) & 7u) == 0;
+  MT_DISPATCH_FLOAT(in.dtype, T, "cast_to_fp8", {
+    with_format(format, [&](auto fc) {
+      constexpr Fp8Format F = decltype(fc)::value;
+      if (vec)
+        cast_kernel<T, F, 8><<<capped_grid(ctx, n / 8), kThreads, 0, ctx.stream>>>(static_cast<uint8_t*>(out),
+                                                                                  in.ptr<const T>(), n, scale, amax);
+      else
+        cast_kernel<T, F, 1><<<capped_grid(ctx, n), kThreads, 0, ctx.stream>>>(static_cast<uint8_t*>(out),
+                                                                              in.ptr<const T>(), n, scale, amax);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
+                           const float* scale, float* amax) {
+  check_input(in, "cast_transpose_to_fp8");
+  const int64_t R = in.rows(), C = in.cols();
+  if (R == 0 || C == 0) return;
+  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  const bool vec = R % 8 == 0 && C % 8 == 0 && aligned16(in.data) && a8(out) && a8(out_t);
+  const int64_t tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm));
+  MT_DISPATCH_FLOAT(in.dtype, T, "cast_transpose_to_fp8", {
+    with_format(format, [&](auto fc) {
+      constexpr Fp8Format F = decltype(fc)::value;
+      auto* o = static_cast<uint8_t*>(out);
+      auto* ot = static_cast<uint8_t*>(out_t);
+      if (vec)
+        cast_transpose_kernel<T, F, 8><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in.ptr<const T>(), R, C, scale, amax);
+      else
+        cast_transpose_kernel<T, F, 1><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in.ptr<const T>(), R, C, scale, amax);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_amax(const KernelContext& ctx, float* amax, Tensor in) {
+  check_input(in, "fp8_amax");
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(in.dtype, T, "fp8_amax", {
+    if (n % 8 == 0 && aligned16(in.data))
+      amax_kernel<T, 8><<<capped_grid(ctx, n / 8), kThreads, 0, ctx.stream>>>(amax, in.ptr<const T>(), n);
+    else
+      amax_kernel<T, 1><<<capped_grid(ctx, n), kThreads, 0, ctx.stream>>>(amax, in.ptr<const T>(), n);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Format format, const float* scale_inv) {
+  check_input(out, "cast_from_fp8");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(out.dtype, T, "cast_from_fp8", {
+    with_format(format, [&](auto fc) {
+      constexpr Fp8Format F = decltype(fc)::value;
+      dequant_kernel<T, F><<<capped_grid(ctx, n), kThreads, 0, ctx.stream>>>(out.ptr<T>(), static_cast<const uint8_t*>(in),
+                                                                            n, scale_inv);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride,
+                       const float* fp8_max_per_tensor) {
+  MT_CHECK(history_len >= 1, "fp8_update_scales: amax history length must be at least 1, got {}", history_len);
+  MT_CHECK(scale_stride >= 1, "fp8_update_scales: scale stride must be at least 1");
+  if (count <= 0) return;
+  const float margin_factor = std::ldexp(1.0f, margin);
+  update_scales_kernel<<<(count + 127) / 128, 128, 0, ctx.stream>>>(amax_history, history_len, count, scale, scale_inv,
+                                                                    scale_stride, fp8_max, fp8_max_per_tensor,
+                                                                    margin_factor, algo == Fp8AmaxAlgo::max);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
+                          float* scale_inv, float fp8_max, int margin) {
+  tensorwise_scale_kernel<<<1, 1, 0, ctx.stream>>>(fresh_amax, amax, scale, scale_inv, fp8_max,
+                                                   std::ldexp(1.0f, margin));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_copy_scale_pair(const KernelContext& ctx, float* dst, const float* a, const float* b) {
+  copy_scale_pair_kernel<<<1, 1, 0, ctx.stream>>>(dst, a, b);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,66 @@
+// FP8 element kernels for the CUDA backend: quantizing casts (with the absolute maximum needed
+// for the next scale), the cast that also writes the transposed copy the FP8 GEMMs need, the
+// amax-only reduction and the delayed-scaling scale update.
+//
+// Conventions (shared with the FP8 GEMMs in fp8_gemm_cublaslt.h):
+//   - FP8 data are raw bytes (OCP e4m3 / e5m2). A quantized tensor q holds round(x * scale);
+//     x ~= q * scale_inv with scale_inv = 1 / scale.
+//   - Conversion: x * scale in float32, then round to nearest even, SATURATING to the format's
+//     largest finite value (+-448 e4m3, +-57344 e5m2; infinities saturate too); NaN stays NaN.
+//     This is the hardware's cvt.rn.satfinite, the conversion Transformer Engine uses.
+//   - scale, scale_inv and amax are DEVICE pointers to float (one per tensor), so a step runs
+//     without host synchronization. amax is the max |x| of the UNSCALED input; the kernels fold it
+//     in with atomicMax (on the float bits: non-negative floats order like their bit patterns), so
+//     the caller zeroes it first (the scale update zeroes history row 0 for the next step).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "cuda/fp8_gemm_cublaslt.h"  // Fp8Format
+#include "cuda/kernels.h"           // KernelContext
+
+namespace mt::cuda {
+
+// out[i] = fp8(in[i] * *scale); *amax = max(*amax, max |in|) when amax is not null.
+// in: float32 or bfloat16 (any shape, contiguous); out: in.numel() bytes.
+void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor in, const float* scale, float* amax);
+
+// in [R, C] (float32 or bfloat16, row-major) -> out [R, C] and out_t [C, R] (row-major, i.e. the
+// transpose), both fp8 of the same values, in one pass; either output may be null. amax as above.
+void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
+                           const float* scale, float* amax);
+
+// *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
+void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);
+
+// out[i] = fp8 value of in[i] * *scale_inv, to float32 or bfloat16 (dequantization; tests and
+// fallbacks).
+void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Format format, const float* scale_inv);
+
+// Delayed scaling (Megatron --fp8-recipe delayed, Transformer Engine semantics) for `count`
+// tensors sharing one format. amax_history is [history_len, count] row-major; row 0 holds the
+// amax the casts collected this step. Per tensor t:
+//   amax  = max over the history (algo max) or row 0 (algo most_recent)
+//   roll the history up by one row (row 0 moves to the last row) and zero row 0 for the next step
+//   if amax > 0 and finite: scale = (fp8_max / amax) / 2^margin (FLT_MAX where that overflows, as
+//           Transformer Engine does), scale_inv = 1 / scale; otherwise both keep their values.
+// A history of length 1 gives scales from the last amax alone. scale_stride spaces the scale and
+// scale_inv entries (4: each scale_inv 16-byte aligned for the GEMMs' scale pointers).
+// fp8_max_per_tensor (device, [count]), when not null, replaces fp8_max per tensor.
+enum class Fp8AmaxAlgo : uint8_t { max, most_recent };
+void fp8_update_scales(const KernelContext& ctx, float* amax_history, int history_len, int count, float* scale,
+                       float* scale_inv, float fp8_max, int margin, Fp8AmaxAlgo algo, int scale_stride = 1,
+                       const float* fp8_max_per_tensor = nullptr);
+
+// Tensorwise scaling of one operand (one thread): a = *fresh_amax (this call's tensor only); if
+// a > 0 and finite, scale = (fp8_max / a) / 2^margin (FLT_MAX where that overflows) and
+// scale_inv = 1 / scale; then *amax = max(*amax, a) when amax is not null.
+void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
+                          float* scale_inv, float fp8_max, int margin);
+
+// dst[0] = *a, dst[4] = *b (one thread): copies two scale_inv values into 16-byte aligned slots
+// for the FP8 GEMM (cuBLASLt declines scale pointers at 4-byte offsets).
+void fp8_copy_scale_pair(const KernelContext& ctx, float* dst, const float* a, const float* b);
+
+}  // namespace mt::cuda

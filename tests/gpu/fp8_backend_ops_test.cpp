@@ -1,0 +1,118 @@
+// CudaBackend's FP8 ops against the reference backend's (engine/backend.h "FP8 linear layers"):
+// the same emulated rounding, so quantized bytes, scales and amaxes must agree bit for bit (float32
+// scale arithmetic on both sides) and the GEMM results to accumulation-order tolerance.
+#include <cmath>
+
+#include "cuda/cuda_backend.h"
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+
+// One float32 scalar on both backends.
+struct Scalar2 {
+  Buf c, r;
+};
+Scalar2 scalar2(float v) {
+  Scalar2 s{Buf(dev(), DType::f32, {1}), Buf(ref(), DType::f32, {1})};
+  upload(dev(), s.c.t, {v});
+  upload(ref(), s.r.t, {v});
+  return s;
+}
+float value(Backend& be, const Buf& b) { return static_cast<float>(download(be, b.t)[0]); }
+
+// A quantized operand on both backends: q (and q_t) bytes plus its meta.
+struct Quant2 {
+  Buf qc, qr, tc, tr;
+  Scalar2 scale, scale_inv, amax;
+};
+
+Quant2 quantize2(const Twin& x, DType e, Fp8Recipe recipe, float scale, bool row_major, bool transposed) {
+  const int64_t R = x.cu.t.rows(), C = x.cu.t.cols();
+  Quant2 q{Buf(dev(), e, {R, C}), Buf(ref(), e, {R, C}), Buf(dev(), e, {C, R}), Buf(ref(), e, {C, R}),
+           scalar2(scale), scalar2(1.0f / scale), scalar2(0.0f)};
+  Fp8TensorMeta mc{q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe, 0};
+  Fp8TensorMeta mr{q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe, 0};
+  dev().fp8_quantize(row_major ? q.qc.t : Tensor(), transposed ? q.tc.t : Tensor(), x.cu.t, mc);
+  ref().fp8_quantize(row_major ? q.qr.t : Tensor(), transposed ? q.tr.t : Tensor(), x.ref.t, mr);
+  return q;
+}
+
+}  // namespace
+
+TEST_CASE("cuda FP8 ops vs reference: quantize (delayed, tensorwise), bit for bit", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+    for (DType e : {DType::fp8_e4m3, DType::fp8_e5m2})
+      for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {200, 136}, {33, 70}}) {
+        INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << dtype_name(e) << " " << R << " x " << C);
+        Twin x = twin(DType::bf16, {R, C}, rng.normal(R * C, 3.0));
+        Quant2 q = quantize2(x, e, recipe, 20.0f, true, true);
+        CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(ref(), q.qr.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(ref(), q.tr.t), 1) == 0);
+        CHECK(value(dev(), q.scale.c) == value(ref(), q.scale.r));
+        CHECK(value(dev(), q.scale_inv.c) == value(ref(), q.scale_inv.r));
+        CHECK(value(dev(), q.amax.c) == value(ref(), q.amax.r));
+      }
+}
+
+TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients", "[gpu][fp8]") {
+  MT_RNG(rng);
+  const int64_t M = 96, K = 80, N = 112;
+  Twin x = twin(DType::bf16, {M, K}, rng.normal(M * K, 1.0));
+  Twin w = twin(DType::bf16, {N, K}, rng.normal(N * K, 0.1));
+  Twin dy = twin(DType::bf16, {M, N}, rng.normal(M * N, 0.01));
+  Quant2 xq = quantize2(x, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  Quant2 wq = quantize2(w, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  Quant2 dyq = quantize2(dy, DType::fp8_e5m2, Fp8Recipe::tensorwise, 1.0f, true, true);
+
+  for (Activation act : {Activation::none, Activation::gelu, Activation::gelu_tanh})
+    for (bool with_bias : {false, true}) {
+      INFO("forward act " << static_cast<int>(act) << " bias " << with_bias);
+      Twin b = with_bias ? twin(DType::bf16, {N}, rng.normal(N, 0.5)) : absent();
+      Twin y = twin_nan(DType::bf16, {M, N});
+      Twin pre = act != Activation::none ? twin_nan(DType::bf16, {M, N}) : absent();
+      dev().fp8_linear_forward(y.c(), xq.qc.t, xq.scale_inv.c.t, wq.qc.t, wq.scale_inv.c.t, b.c(), act, pre.c());
+      ref().fp8_linear_forward(y.r(), xq.qr.t, xq.scale_inv.r.t, wq.qr.t, wq.scale_inv.r.t, b.r(), act, pre.r());
+      MT_CHECK_CLOSE(y, tol_for(DType::bf16));
+      if (act != Activation::none) MT_CHECK_CLOSE(pre, tol_for(DType::bf16));
+    }
+
+  for (Activation act : {Activation::none, Activation::gelu})
+    for (bool accumulate : {false, true}) {
+      INFO("input gradient act " << static_cast<int>(act) << " accumulate " << accumulate);
+      Twin pre = act != Activation::none ? twin(DType::bf16, {M, K}, rng.normal(M * K, 1.0)) : absent();
+      Twin dx = accumulate ? twin(DType::bf16, {M, K}, rng.normal(M * K, 0.01)) : twin_nan(DType::bf16, {M, K});
+      dev().fp8_linear_backward_input(dx.c(), dyq.qc.t, dyq.scale_inv.c.t, wq.tc.t, wq.scale_inv.c.t, accumulate, act,
+                                      pre.c());
+      ref().fp8_linear_backward_input(dx.r(), dyq.qr.t, dyq.scale_inv.r.t, wq.tr.t, wq.scale_inv.r.t, accumulate, act,
+                                      pre.r());
+      MT_CHECK_CLOSE(dx, tol_for(DType::bf16));
+    }
+
+  Twin dw = twin(DType::f32, {N, K}, rng.normal(N * K, 1e-3));
+  Twin db = twin(DType::f32, {N}, rng.normal(N, 1e-3));
+  dev().fp8_linear_backward_weight(dw.c(), db.c(), dy.c(), dyq.tc.t, dyq.scale_inv.c.t, xq.tc.t, xq.scale_inv.c.t);
+  ref().fp8_linear_backward_weight(dw.r(), db.r(), dy.r(), dyq.tr.t, dyq.scale_inv.r.t, xq.tr.t, xq.scale_inv.r.t);
+  MT_CHECK_CLOSE(dw, 1e-3);  // FP8 tensor-core accumulation vs exact sums
+  MT_CHECK_CLOSE(db, 1e-5);
+}
+
+TEST_CASE("cuda FP8 ops vs reference: delayed-scaling update, bit for bit", "[gpu][fp8]") {
+  const int64_t H = 3, n = 4;
+  const std::vector<double> hist = {2, 0, 1e-40, 5, 1, 0, 0, 7, 4, 0, 0, 0.5};
+  for (Fp8AmaxAlgo algo : {Fp8AmaxAlgo::max, Fp8AmaxAlgo::most_recent}) {
+    Twin h = twin_same(DType::f32, {H, n}, hist);
+    Twin s = twin_same(DType::f32, {n}, {1, 2, 3, 4});
+    Twin si = twin_same(DType::f32, {n}, {1, 0.5, 1.0 / 3, 0.25});
+    Twin fm = twin_same(DType::f32, {n}, {448, 57344, 448, 57344});
+    const Fp8ScaleUpdate p{algo, 1};
+    dev().fp8_update_scales(h.c(), s.c(), si.c(), fm.c(), p);
+    ref().fp8_update_scales(h.r(), s.r(), si.r(), fm.r(), p);
+    CHECK(differing(download_bytes(dev(), h.c()), download_bytes(ref(), h.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), s.c()), download_bytes(ref(), s.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), si.c()), download_bytes(ref(), si.r()), 4) == 0);
+  }
+}
