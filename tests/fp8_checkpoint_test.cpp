@@ -14,60 +14,32 @@
 #include "parallel/parallel_state.h"
 #include "tests/ckpt_test_util.h"
 #include "tests/engine_test_util.h"
+#include "tests/split_run_util.h"
 
 using namespace mt;
 using Catch::Matchers::Contains;
 
 namespace {
 
-struct NullReporter final : Reporter {
-  void on_iteration(const IterationStats&) override {}
-  void on_eval(const EvalStats&) override {}
-};
-
-std::vector<float> host_copy(Backend& be, const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  be.copy_to_host(v.data(), t);
-  return v;
-}
+using test::host_copy;
 
 struct Fp8SplitRun {
   std::vector<double> losses;
   std::vector<float> params, history, scale, scale_inv;
 };
 
-// Trains iterations (from, to] (loading `dir` first when load is set, saving at `to` when save is).
 Fp8SplitRun run_part(const Config& base, const std::string& dir, int64_t to, bool load, bool save) {
-  Config cfg = base;
-  if (load) cfg.checkpoint.load = dir;
-  if (save) {
-    cfg.checkpoint.save = dir;
-    cfg.checkpoint.save_interval = 1000;
-  }
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(1);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
-  model.init_parameters();
-  TrainingCheckpoints ck(cfg, ps, model);
-  const ResumePoint r = ck.load();
-  test::ArangeBatchSource src(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size, -1,
-                              r.counters.consumed_samples);
-  NullReporter rep;
-  Trainer trainer(cfg, ps, model, src, nullptr, rep);
-  ck.restore(r, trainer);
-  trainer.after_iteration = [&](int64_t it) { return it < to; };
-  trainer.train();
-  if (save) ck.save(trainer);
   Fp8SplitRun out;
-  out.losses = trainer.loss_history();
-  out.params = host_copy(*be, model.params_flat());
-  const Fp8State& f = model.fp8_state();
-  if (f.any()) {
-    out.history = host_copy(*be, f.history());
-    out.scale = host_copy(*be, f.scale());
-    out.scale_inv = host_copy(*be, f.scale_inv_all());
-  }
+  test::run_split_part(base, dir, to, load, save, [&](Backend& be, GptModel& model, Trainer& trainer) {
+    out.losses = trainer.loss_history();
+    out.params = host_copy(be, model.params_flat());
+    const Fp8State& f = model.fp8_state();
+    if (f.any()) {
+      out.history = host_copy(be, f.history());
+      out.scale = host_copy(be, f.scale());
+      out.scale_inv = host_copy(be, f.scale_inv_all());
+    }
+  });
   return out;
 }
 

@@ -17,23 +17,15 @@
 #include "parallel/parallel_state.h"
 #include "tests/ckpt_test_util.h"
 #include "tests/engine_test_util.h"
+#include "tests/split_run_util.h"
 
 using namespace mt;
 using Catch::Matchers::Contains;
 
 namespace {
 
-struct NullReporter final : Reporter {
-  void on_iteration(const IterationStats&) override {}
-  void on_eval(const EvalStats&) override {}
-};
-
-std::vector<float> host_copy(Backend& be, const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  REQUIRE(t.dtype == DType::f32);
-  be.copy_to_host(v.data(), t);
-  return v;
-}
+using test::host_copy;
+using test::NullReporter;
 
 // A trained TP=1, PP=1 model and the checkpoint it saved.
 struct Trained {
@@ -137,35 +129,14 @@ struct SplitRun {
   std::vector<float> params, moments;
 };
 
-// Trains iterations (from, to] of `cfg` (loading `dir` first when from > 0, saving at `to` when
-// save is set), on a deterministic batch stream that starts at the consumed samples.
 SplitRun run_part(const Config& base, const std::string& dir, int64_t to, bool load, bool save) {
-  Config cfg = base;
-  if (load) cfg.checkpoint.load = dir;
-  if (save) {
-    cfg.checkpoint.save = dir;
-    cfg.checkpoint.save_interval = 1000;
-  }
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(1);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
-  model.init_parameters();
-  TrainingCheckpoints ck(cfg, ps, model);
-  const ResumePoint r = ck.load();
-  test::ArangeBatchSource src(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size, -1,
-                              r.counters.consumed_samples);
-  NullReporter rep;
-  Trainer trainer(cfg, ps, model, src, nullptr, rep);
-  ck.restore(r, trainer);
-  trainer.after_iteration = [&](int64_t it) { return it < to; };
-  trainer.train();
-  if (save) ck.save(trainer);
   SplitRun out;
-  out.losses = trainer.loss_history();
-  out.scale = trainer.loss_scaler().scale();
-  out.params = host_copy(*be, model.params_flat());
-  out.moments = host_copy(*be, model.exp_avg_sq_flat());
+  test::run_split_part(base, dir, to, load, save, [&](Backend& be, GptModel& model, Trainer& trainer) {
+    out.losses = trainer.loss_history();
+    out.scale = trainer.loss_scaler().scale();
+    out.params = test::host_copy(be, model.params_flat());
+    out.moments = test::host_copy(be, model.exp_avg_sq_flat());
+  });
   return out;
 }
 
