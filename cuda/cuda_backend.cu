@@ -10,25 +10,12 @@
 
 #include "core/log.h"
 #include "cuda/attention.h"
+#include "cuda/cuda_backend_dispatch.h"
 #include "cuda/cuda_check.h"
 
-// GPU time of this op under MEGATRAIN_PROFILE_OPS (cuda/op_profiler.h); the label is formatted
-// only while profiling.
-#define MT_PROFILE_OP(...)                                                                            \
-  const cuda::OpProfiler::Scope mt_profile_scope_ =                                                   \
-      profiler_->active() ? profiler_->scope(fmt::format(__VA_ARGS__)) : cuda::OpProfiler::Scope()
-
 namespace mt {
-namespace {
 
-template <typename... Ts>
-void on_device(const char* what, const Ts&... ts) {
-  for (const Tensor* t : {&ts...})
-    if (!t->empty() && t->device != Device::cuda)
-      fail("{}: tensor {} is host memory; the CUDA backend works on device tensors", what, t->shape_string());
-}
-
-}  // namespace
+using cuda_dispatch::on_device;
 
 void* cuda::Scratch::take(size_t bytes, const char* what) {
   const size_t start = (used_ + 255) & ~size_t{255};

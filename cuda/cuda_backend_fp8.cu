@@ -17,24 +17,15 @@
 #include <algorithm>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_backend_dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/fp8_gemm_cublaslt.h"
 #include "cuda/fp8_kernels.h"
 
-// As in cuda_backend.cu (local there): the op profiler scope and the device check.
-#define MT_PROFILE_OP(...)                                                                            \
-  const cuda::OpProfiler::Scope mt_profile_scope_ =                                                   \
-      profiler_->active() ? profiler_->scope(fmt::format(__VA_ARGS__)) : cuda::OpProfiler::Scope()
-
 namespace mt {
 namespace {
 
-template <typename... Ts>
-void on_device(const char* what, const Ts&... ts) {
-  for (const Tensor* t : {&ts...})
-    if (!t->empty() && t->device != Device::cuda)
-      fail("{}: tensor {} is host memory; the CUDA backend works on device tensors", what, t->shape_string());
-}
+using cuda_dispatch::on_device;
 
 cuda::Fp8Format fp8_format_of(DType t, const char* op, const char* what) {
   MT_CHECK(is_fp8(t), "{}: {} must be an FP8 tensor (float8_e4m3fn / float8_e5m2), got {}", op, what, dtype_name(t));
