@@ -64,41 +64,28 @@ void ReferenceBackend::swiglu_forward(Tensor out, Tensor in) {
 }
 
 void ReferenceBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
-  const int64_t rows = in.rows(), f = in.cols() / 2;
-  check_numel(din, in.numel(), "swiglu_backward", "din");
-  check_numel(dout, rows * f, "swiglu_backward", "dout");
-  check_same_dtype(in, din, "swiglu_backward");
-  check_same_dtype(in, dout, "swiglu_backward");
-  dispatch_float(in, "swiglu_backward", [&](auto tag) {
-    using T = decltype(tag);
-    pool_.parallel_for(rows, 16, [&](int64_t b, int64_t e, int) {
-      for (int64_t r = b; r < e; ++r) {
-        const T* gate = in.ptr<T>() + r * 2 * f;
-        const T* up = gate + f;
-        const T* dy = dout.ptr<T>() + r * f;
-        T* dgate = din.ptr<T>() + r * 2 * f;
-        T* dup = dgate + f;
-        for (int64_t c = 0; c < f; ++c) {
-          const double g = gate[c], u = up[c], d = dy[c], s = sigmoid(g);
-          dgate[c] = static_cast<T>(d * u * s * (1.0 + g * (1.0 - s)));
-          dup[c] = static_cast<T>(d * g * s);
-        }
-      }
-    });
-  });
+  swiglu_backward_rows(din, Tensor(), dout, in, "swiglu_backward");
 }
 
 // Element by element (gate, up and dy of column c read before anything of c is written), so din
 // may alias in and act_out may alias dout. act_out repeats swiglu_forward's expression exactly.
 void ReferenceBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+  swiglu_backward_rows(din, act_out, dout, in, "swiglu_backward_recompute");
+}
+
+// Both of the above; act_out (swiglu(in), written only if given) comes along for free.
+void ReferenceBackend::swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const char* op) {
   const int64_t rows = in.rows(), f = in.cols() / 2;
-  check_numel(din, in.numel(), "swiglu_backward_recompute", "din");
-  check_numel(dout, rows * f, "swiglu_backward_recompute", "dout");
-  check_numel(act_out, rows * f, "swiglu_backward_recompute", "act_out");
-  check_same_dtype(in, din, "swiglu_backward_recompute");
-  check_same_dtype(in, dout, "swiglu_backward_recompute");
-  check_same_dtype(in, act_out, "swiglu_backward_recompute");
-  dispatch_float(in, "swiglu_backward_recompute", [&](auto tag) {
+  const bool recompute = !act_out.empty();
+  check_numel(din, in.numel(), op, "din");
+  check_numel(dout, rows * f, op, "dout");
+  check_same_dtype(in, din, op);
+  check_same_dtype(in, dout, op);
+  if (recompute) {
+    check_numel(act_out, rows * f, op, "act_out");
+    check_same_dtype(in, act_out, op);
+  }
+  dispatch_float(in, op, [&](auto tag) {
     using T = decltype(tag);
     pool_.parallel_for(rows, 16, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
@@ -107,13 +94,13 @@ void ReferenceBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Ten
         const T* dy = dout.ptr<T>() + r * f;
         T* dgate = din.ptr<T>() + r * 2 * f;
         T* dup = dgate + f;
-        T* y = act_out.ptr<T>() + r * f;
+        T* y = recompute ? act_out.ptr<T>() + r * f : nullptr;
         for (int64_t c = 0; c < f; ++c) {
           const double g = gate[c], u = up[c], d = dy[c], s = sigmoid(g);
-          const T act = static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c]));
+          const T act = y ? static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c])) : T(0);
           dgate[c] = static_cast<T>(d * u * s * (1.0 + g * (1.0 - s)));
           dup[c] = static_cast<T>(d * g * s);
-          y[c] = act;
+          if (y) y[c] = act;
         }
       }
     });

@@ -98,6 +98,8 @@ class ReferenceBackend final : public Backend {
   double* scratch(int thread, size_t n);
 
  private:
+  void swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const char* op);
+
   ThreadPool pool_;
   std::vector<std::vector<double>> scratch_;
 };
