@@ -122,6 +122,7 @@ void visit_model(ModelConfig& m, F&& f) {
   f("apply_residual_connection_post_layernorm", m.apply_residual_connection_post_layernorm);
   f("swiglu", m.swiglu);
   f("openai_gelu", m.openai_gelu);
+  f("bias_gelu_fusion", m.bias_gelu_fusion);
   f("add_bias_linear", m.add_bias_linear);
   f("add_qkv_bias", m.add_qkv_bias);
   f("qk_layernorm", m.qk_layernorm);

@@ -65,6 +65,10 @@ void add_model_flags(FlagTable& t) {
   t.flag("--squared-relu", "squared-ReLU activation", MT_FIELD(model.squared_relu));
   t.flag("--quick-geglu", "quick-GeLU gated linear unit", MT_FIELD(model.quick_geglu));
   t.flag("--openai-gelu", "tanh-approximated GeLU", MT_FIELD(model.openai_gelu));
+  // Not only a kernel switch: Megatron's fused bias-GeLU is the tanh approximation, its unfused
+  // path exact GeLU, so this flag picks the activation (core/config.h gelu_is_tanh).
+  t.negative_flag("--no-bias-gelu-fusion", "exact (erf) GeLU instead of Megatron's fused bias-GeLU (tanh approximation)",
+                  MT_FIELD(model.bias_gelu_fusion));
   t.flag("--disable-bias-linear", "no biases in the linear layers", MT_FIELD(model.add_bias_linear), false);
   t.flag("--add-qkv-bias", "bias on the QKV projection only", MT_FIELD(model.add_qkv_bias));
   t.flag("--qk-layernorm", "normalise queries and keys per head", MT_FIELD(model.qk_layernorm));

@@ -40,6 +40,7 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.apply_layernorm_1p = s.apply_layernorm_1p;
   m.swiglu = s.swiglu;
   m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
+  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu");  // exact GeLU
   m.add_bias_linear = s.add_bias_linear;
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
   m.qk_layernorm = s.qk_layernorm;
@@ -81,7 +82,7 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   add("--seq-length", std::to_string(s.max_position_embeddings));
   if (s.learned_position_embeddings) {
     add("--position-embedding-type", "learned_absolute");
-    if (s.gelu_activation != "gelu") add("--openai-gelu");
+    add(s.gelu_activation != "gelu" ? "--openai-gelu" : "--no-bias-gelu-fusion");
   } else {
     add("--position-embedding-type", "rope");
     add("--rotary-base", num(s.rotary_base));

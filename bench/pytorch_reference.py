@@ -90,7 +90,7 @@ class Block(nn.Module):
             gate, up = z.chunk(2, dim=-1)
             z = F.silu(gate) * up
         else:
-            z = F.gelu(z)
+            z = F.gelu(z, approximate="tanh")  # Megatron's default fused bias-GeLU (bias_gelu_impl) is the tanh form
         return x + self.fc2(z)
 
 

@@ -96,9 +96,10 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.init_method_std = m.init_method_std;
   s.hidden_dropout = m.hidden_dropout;
   s.attention_dropout = m.attention_dropout;
-  // The engine computes exact (erf) GeLU by default and the tanh approximation with --openai-gelu
-  // (engine/model_dims.cpp); HF calls those "gelu" and "gelu_new".
-  s.gelu_activation = m.openai_gelu ? "gelu_new" : "gelu";
+  // The engine computes the tanh approximation (--openai-gelu, or Megatron's fused bias-GeLU, the
+  // default with biases) or exact erf GeLU (core/config.h gelu_is_tanh); HF calls those "gelu_new"
+  // and "gelu".
+  s.gelu_activation = gelu_is_tanh(m) ? "gelu_new" : "gelu";
   if (m.position_embedding_type == PositionEmbedding::none && arch == HfArchitecture::gpt2)
     s.learned_position_embeddings = false;  // validate() refuses it
   return s;

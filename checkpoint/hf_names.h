@@ -57,8 +57,8 @@ struct HfModelSpec {
   double init_method_std = 0.02;
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
-  // GPT-2's activation_function: "gelu_new" (tanh approximation: --openai-gelu) or "gelu" (erf,
-  // the engine's default). from_model_config picks it from the flags.
+  // GPT-2's activation_function: "gelu_new" (tanh approximation: --openai-gelu or Megatron's fused
+  // bias-GeLU, the default) or "gelu" (erf: --no-bias-gelu-fusion). from_model_config picks it.
   std::string gelu_activation = "gelu_new";
   std::optional<int> bos_token_id, eos_token_id;
   std::string torch_dtype = "float32";

@@ -55,6 +55,10 @@ struct ModelConfig {
   bool apply_residual_connection_post_layernorm = false;
   bool swiglu = false;
   bool openai_gelu = false;
+  // --no-bias-gelu-fusion. Megatron's fused bias-GeLU (on by default, and only with biases) is the
+  // tanh approximation, so a default GPT launch trains with tanh GeLU; exact (erf) GeLU only with
+  // --no-bias-gelu-fusion or --disable-bias-linear. gelu_is_tanh() below says which one a model uses.
+  bool bias_gelu_fusion = true;
   // Recognised but refused (app/unsupported.cpp); kept so Megatron's rules about them live here.
   bool squared_relu = false;
   bool quick_geglu = false;
@@ -81,6 +85,11 @@ struct ModelConfig {
   int vocab_size = 0;         // tokenizer's vocabulary before padding
   int padded_vocab_size = 0;  // Megatron's padding (multiple of make_vocab_size_divisible_by * TP)
 };
+
+// The GeLU form a (non-SwiGLU) model computes: tanh with --openai-gelu, or through Megatron's
+// fused bias-GeLU (bias_gelu_impl, the tanh approximation) when biases are on and the fusion is
+// not switched off; otherwise exact erf GeLU (F.gelu).
+inline bool gelu_is_tanh(const ModelConfig& m) { return m.openai_gelu || (m.bias_gelu_fusion && m.add_bias_linear); }
 
 struct ParallelConfig {
   int tensor_model_parallel_size = 1;

@@ -74,7 +74,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.norm_eps = static_cast<float>(m.norm_epsilon);
   d.norm_1p = m.apply_layernorm_1p;
   d.swiglu = m.swiglu;
-  d.gelu_tanh = m.openai_gelu;
+  d.gelu_tanh = gelu_is_tanh(m);
   d.linear_bias = m.add_bias_linear;
   d.qkv_bias = m.add_bias_linear || m.add_qkv_bias;
   d.qk_norm = m.qk_layernorm;

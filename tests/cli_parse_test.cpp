@@ -102,7 +102,7 @@ TEST_CASE("no-X and disable-X spellings both work where Megatron HEAD has both",
 TEST_CASE("flags without effect are accepted with one note each on rank 0", "[cli]") {
   const Args flags = words(
       "--use-mcore-models --transformer-impl local --no-gradient-accumulation-fusion --use-flash-attn "
-      "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion "
+      "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-swiglu-fusion "
       "--no-bias-dropout-fusion --no-rope-fusion --cross-entropy-loss-fusion --num-workers 4 --manual-gc "
       "--empty-unused-memory-level 1 --no-create-attention-mask-in-dataloader --distributed-backend nccl --profile "
       "--profile-step-start 4 --profile-step-end 6 --disable-bias-swiglu-fusion");
@@ -111,13 +111,27 @@ TEST_CASE("flags without effect are accepted with one note each on rank 0", "[cl
   int notes = 0;
   for (const auto& m : ms)
     if (m.kind == SetupMessage::Kind::note && m.text.find("has no effect in megatrain") != std::string::npos) ++notes;
-  CHECK(notes == 19);  // --no-bias-swiglu-fusion and its --disable- spelling are one flag
+  CHECK(notes == 18);  // --no-bias-swiglu-fusion and its --disable- spelling are one flag
   CHECK(has_message(ms, SetupMessage::Kind::note, "--use-mcore-models has no effect in megatrain"));
   CHECK(has_message(ms, SetupMessage::Kind::note, "--num-workers has no effect in megatrain"));
   // --no-mmap-bin-files has an effect: parsed, no note.
   std::vector<SetupMessage> ms2;
   parse(small_gpt() + words("--no-mmap-bin-files"), 1, &ms2);
   CHECK_FALSE(has_message(ms2, SetupMessage::Kind::note, "--no-mmap-bin-files"));
+}
+
+TEST_CASE("the GeLU form follows Megatron: fused bias-GeLU is tanh, unfused or bias-free GeLU is exact", "[cli]") {
+  std::vector<SetupMessage> ms;
+  const Config fused = parse(small_gpt(), 1, &ms);
+  CHECK(gelu_is_tanh(fused.model));  // Megatron's default bias_gelu_impl: the tanh approximation
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::note, "--no-bias-gelu-fusion"));
+  std::vector<SetupMessage> ms2;
+  const Config unfused = parse(small_gpt() + words("--no-bias-gelu-fusion"), 1, &ms2);
+  CHECK_FALSE(gelu_is_tanh(unfused.model));  // F.gelu
+  CHECK_FALSE(has_message(ms2, SetupMessage::Kind::note, "--no-bias-gelu-fusion"));
+  CHECK_FALSE(gelu_is_tanh(parse(small_gpt() + words("--disable-bias-gelu-fusion")).model));
+  CHECK_FALSE(gelu_is_tanh(parse(small_gpt() + words("--disable-bias-linear")).model));  // fusion needs a bias
+  CHECK(gelu_is_tanh(parse(small_gpt() + words("--disable-bias-linear --openai-gelu")).model));
 }
 
 TEST_CASE("removed and fatal Megatron flags fail with Megatron's advice", "[cli]") {

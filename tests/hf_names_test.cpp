@@ -8,6 +8,7 @@
 
 #include "checkpoint/hf_names.h"
 #include "core/error.h"
+#include "engine_test_util.h"
 
 using namespace mt;
 
@@ -345,4 +346,13 @@ TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][
   CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--qk-layernorm"));
   nlohmann::json bad = {{"model_type", "mistral"}};
   CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("mistral"));
+}
+
+TEST_CASE("GPT-2 export names the GeLU form the model computes", "[checkpoint][hf]") {
+  Config c = test::tiny_gpt_config();  // biases on: Megatron's fused bias-GeLU, the tanh form
+  CHECK(HfModelSpec::from_model_config(c.model, HfArchitecture::gpt2).gelu_activation == "gelu_new");
+  c.model.bias_gelu_fusion = false;  // --no-bias-gelu-fusion: exact GeLU
+  CHECK(HfModelSpec::from_model_config(c.model, HfArchitecture::gpt2).gelu_activation == "gelu");
+  c.model.openai_gelu = true;
+  CHECK(HfModelSpec::from_model_config(c.model, HfArchitecture::gpt2).gelu_activation == "gelu_new");
 }

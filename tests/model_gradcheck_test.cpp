@@ -137,6 +137,11 @@ TEST_CASE("model gradient check: variants (tanh GeLU, 1p, qkv bias, qk-layernorm
   test::derive(g);
   Harness hg(g);
   hg.check_all(4);
+  Config e = test::tiny_gpt_config();
+  e.model.bias_gelu_fusion = false;  // exact (erf) GeLU; the default with biases is tanh
+  test::derive(e);
+  Harness he(e);
+  he.check_all(4);
 }
 
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {

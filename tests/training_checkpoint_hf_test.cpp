@@ -27,6 +27,7 @@ const std::string kCommon =
     "--init-method-std 0.1";  // larger weights: logits of a few units, a sensitive comparison
 const std::string kGpt = kCommon + " --num-layers 2 --hidden-size 32 --num-attention-heads 4";
 const std::string kGptTanh = kGpt + " --openai-gelu";
+const std::string kGptErf = kGpt + " --no-bias-gelu-fusion";  // exact GeLU (kGpt: fused bias-GeLU, tanh)
 const std::string kLlama = kCommon +
                            " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --normalization RMSNorm --swiglu "
                            "--ffn-hidden-size 48 --position-embedding-type rope --group-query-attention "
@@ -101,8 +102,9 @@ void check_numpy_logits(const std::string& model, const char* what) {
 }  // namespace
 
 TEST_CASE("export-hf: numpy's GPT-2 forward of the export gives megatrain's logits (erf and tanh GeLU)", "[ckpt-train][hf][python]") {
-  check_numpy_logits(kGpt, "GPT-2 (gelu)");
-  check_numpy_logits(kGptTanh, "GPT-2 (gelu_new)");
+  check_numpy_logits(kGptErf, "GPT-2 (gelu)");
+  check_numpy_logits(kGpt, "GPT-2 (gelu_new, Megatron's fused bias-GeLU)");
+  check_numpy_logits(kGptTanh, "GPT-2 (gelu_new, --openai-gelu)");
 }
 
 TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logits (GQA, SwiGLU, RoPE, untied)", "[ckpt-train][hf][python]") {
@@ -110,7 +112,7 @@ TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logi
 }
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
-  for (const std::string& model : {kGpt, kLlama}) {
+  for (const std::string& model : {kGpt, kGptErf, kLlama}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -120,6 +122,7 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     const bool llama = model == kLlama;
     CHECK(config.at("architectures").at(0) == (llama ? "LlamaForCausalLM" : "GPT2LMHeadModel"));
     CHECK(config.at("vocab_size") == 100);
+    if (!llama) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     const std::string out = megatrain_ok("import-hf --hf-dir " + hf + " --save " + back);
     CHECK(read_bytes(back + "/latest_checkpointed_iteration.txt") == "release");
 
@@ -157,6 +160,7 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     std::string flags = out.substr(at + marker.size());
     flags = flags.substr(0, flags.find('\n'));
     CHECK(flags.find("--load " + back) != std::string::npos);
+    CHECK((flags.find("--no-bias-gelu-fusion") != std::string::npos) == (model == kGptErf));
     const std::string run = megatrain_ok(flags + " --device cpu --mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 "
                                                  "--eval-iters 0");
     CHECK(run.find("successfully loaded checkpoint from " + back) != std::string::npos);
