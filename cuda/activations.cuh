@@ -60,6 +60,13 @@ __device__ __forceinline__ float dropout_factor(uint64_t key, uint64_t index, fl
   if (p <= 0.0f) return 1.0f;
   return dropout_keep(key, index, p) ? keep_scale : 0.0f;
 }
+// residual + dropout(v) as one explicit FMA: the fused bias-dropout-add + norm kernels and the
+// separate bias_dropout_add must round the same way (the compiler may or may not contract
+// `r + v * factor` through the select in dropout_factor; bits then differed in ~1e-5 of elements).
+__device__ __forceinline__ float dropout_add(float residual, float v, uint64_t key, uint64_t index, float p,
+                                             float keep_scale) {
+  return __fmaf_rn(v, dropout_factor(key, index, p, keep_scale), residual);
+}
 inline float dropout_keep_scale(float p) { return p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; }
 
 }  // namespace mt::cuda

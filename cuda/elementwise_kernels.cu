@@ -275,7 +275,7 @@ __global__ void bias_dropout_add_kernel(T* out, const T* x, const T* bias, const
     }
     const Floats<kN> r = ld<VEC>(residual, base, n);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) v.v[j] = r.v[j] + v.v[j] * dropout_factor(key, base + j, p, keep_scale);
+    for (int j = 0; j < kN; ++j) v.v[j] = dropout_add(r.v[j], v.v[j], key, base + j, p, keep_scale);
     st<VEC>(out, base, n, v);
   }
 }

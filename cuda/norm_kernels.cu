@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
         Floats<VEC> sv;
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
-          sv.v[j] = av.v[j] + bv.v[j] * dropout_factor(args.dropout_key, row_base + c + j, args.dropout_p,
-                                                       args.keep_scale);
+          sv.v[j] = dropout_add(av.v[j], bv.v[j], args.dropout_key, row_base + c + j, args.dropout_p,
+                                args.keep_scale);
         store_vec<VEC>(args.sum + row_base + c, sv);
         // Normalize the stored (rounded) sum, as a separate add followed by the norm would.
 #pragma unroll
@@ -557,8 +557,8 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
           for (int j = 0; j < 8; ++j) {
             float bv = word_elem<T>(cb[it], j);
             if (args.b_bias) bv += word_elem<T>(bb, j);
-            e[j] = from_float<T>(word_elem<T>(ca[it], j) +
-                                 bv * dropout_factor(args.dropout_key, o + j, args.dropout_p, args.keep_scale));
+            e[j] = from_float<T>(
+                dropout_add(word_elem<T>(ca[it], j), bv, args.dropout_key, o + j, args.dropout_p, args.keep_scale));
           }
           *reinterpret_cast<uint4*>(args.sum + o) = xw[it];
         }
