@@ -1,0 +1,180 @@
+// How good is cuBLASLt's first heuristic pick? For every GEMM of the three benchmark configs
+// (bf16 in, fp32 accumulate; forward and input gradient write bf16, weight gradient accumulates
+// into fp32 with beta = 1, as the engine calls them), ask cublasLtMatmulAlgoGetHeuristic for up to
+// 16 algorithms, time each, and print the first pick's TFLOP/s beside the fastest one's. This
+// measures what timing the candidates at plan time (autotuning) could gain before building it.
+//   bench_gemm_algo [--reps 10] [--configs gpt2-124m,gpt-1.3b,llama-1b]
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+#define CHECK_LT(x)                                                                       \
+  do {                                                                                    \
+    cublasStatus_t s_ = (x);                                                              \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+      std::fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, static_cast<int>(s_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+enum class Kind { forward, backward_input, backward_weight };
+
+struct Gemm {
+  std::string config, name;
+  Kind kind;
+  int64_t tokens, in, out;  // y[tokens, out] = x[tokens, in] W[out, in]^T
+};
+
+// Column-major view of the engine's row-major call: m x n = op(A) m x k * op(B) k x n.
+struct Shape {
+  int64_t m, n, k;
+  cublasOperation_t ta, tb;
+  int64_t lda, ldb, ldd;
+  cudaDataType_t d_type;
+  float beta;
+};
+
+Shape shape_of(const Gemm& g) {
+  switch (g.kind) {
+    case Kind::forward:  // y^T[out x tok] = W(col-major in x out)^T x^T[in x tok]
+      return {g.out, g.tokens, g.in, CUBLAS_OP_T, CUBLAS_OP_N, g.in, g.in, g.out, CUDA_R_16BF, 0.0f};
+    case Kind::backward_input:  // dx^T[in x tok] = W(col-major in x out) dy^T[out x tok]
+      return {g.in, g.tokens, g.out, CUBLAS_OP_N, CUBLAS_OP_N, g.in, g.out, g.in, CUDA_R_16BF, 0.0f};
+    case Kind::backward_weight:  // dW^T[in x out] += x^T[in x tok] dy[tok x out]
+      return {g.in, g.out, g.tokens, CUBLAS_OP_N, CUBLAS_OP_T, g.in, g.out, g.in, CUDA_R_32F, 1.0f};
+  }
+  return {};
+}
+
+std::vector<Gemm> gemms_of(const std::string& c) {
+  std::vector<Gemm> v;
+  auto add3 = [&](const char* name, int64_t tok, int64_t in, int64_t out) {
+    v.push_back({c, std::string(name) + " fwd", Kind::forward, tok, in, out});
+    v.push_back({c, std::string(name) + " dgrad", Kind::backward_input, tok, in, out});
+    v.push_back({c, std::string(name) + " wgrad", Kind::backward_weight, tok, in, out});
+  };
+  if (c == "gpt2-124m") {
+    add3("qkv", 32768, 768, 2304), add3("proj", 32768, 768, 768), add3("fc1", 32768, 768, 3072);
+    add3("fc2", 32768, 3072, 768), add3("lm head", 4096, 768, 50304);
+  } else if (c == "gpt-1.3b") {
+    add3("qkv", 16384, 2048, 6144), add3("proj", 16384, 2048, 2048), add3("fc1", 16384, 2048, 8192);
+    add3("fc2", 16384, 8192, 2048), add3("lm head", 4096, 2048, 50304);
+  } else if (c == "llama-1b") {
+    add3("qkv", 8192, 2048, 3072), add3("proj", 8192, 2048, 2048), add3("fc1", 8192, 2048, 16384);
+    add3("fc2", 8192, 8192, 2048), add3("lm head", 2048, 2048, 128256);
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 10;
+  std::string configs = "gpt2-124m,gpt-1.3b,llama-1b";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--configs") configs = argv[i + 1];
+  }
+  cublasLtHandle_t lt;
+  CHECK_LT(cublasLtCreate(&lt));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  const size_t ws_bytes = size_t{32} << 20;  // the engine's cuBLASLt workspace
+  void* ws;
+  CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+
+  std::printf("%-10s %-14s %21s %9s %9s %5s %6s\n", "config", "gemm", "m x n x k", "first", "best", "pick", "gain");
+  double total_first = 0, total_best = 0;
+  size_t pos = 0;
+  while (pos <= configs.size()) {
+    const size_t comma = std::min(configs.find(',', pos), configs.size());
+    const std::string config = configs.substr(pos, comma - pos);
+    pos = comma + 1;
+    for (const Gemm& g : gemms_of(config)) {
+      const Shape s = shape_of(g);
+      const int64_t a_rows = s.ta == CUBLAS_OP_N ? s.m : s.k, a_cols = s.ta == CUBLAS_OP_N ? s.k : s.m;
+      const int64_t b_rows = s.tb == CUBLAS_OP_N ? s.k : s.n, b_cols = s.tb == CUBLAS_OP_N ? s.n : s.k;
+      void *A, *B, *D;
+      const size_t d_elem = s.d_type == CUDA_R_32F ? 4 : 2;
+      CHECK_CUDA(cudaMalloc(&A, static_cast<size_t>(a_rows * a_cols) * 2));
+      CHECK_CUDA(cudaMalloc(&B, static_cast<size_t>(b_rows * b_cols) * 2));
+      CHECK_CUDA(cudaMalloc(&D, static_cast<size_t>(s.m * s.n) * d_elem));
+      CHECK_CUDA(cudaMemset(A, 0x3c, static_cast<size_t>(a_rows * a_cols) * 2));  // ~0.01 in bf16
+      CHECK_CUDA(cudaMemset(B, 0x3c, static_cast<size_t>(b_rows * b_cols) * 2));
+      CHECK_CUDA(cudaMemset(D, 0, static_cast<size_t>(s.m * s.n) * d_elem));
+
+      cublasLtMatmulDesc_t desc;
+      CHECK_LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &s.ta, sizeof(s.ta)));
+      CHECK_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &s.tb, sizeof(s.tb)));
+      cublasLtMatrixLayout_t la, lb, ld;
+      CHECK_LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, a_rows, a_cols, s.lda));
+      CHECK_LT(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, b_rows, b_cols, s.ldb));
+      CHECK_LT(cublasLtMatrixLayoutCreate(&ld, s.d_type, s.m, s.n, s.ldd));
+      cublasLtMatmulPreference_t pref;
+      CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
+      const uint64_t wsb = ws_bytes;
+      CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+      cublasLtMatmulHeuristicResult_t res[16];
+      int found = 0;
+      CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, ld, ld, pref, 16, res, &found));
+      const float alpha = 1.0f;
+      std::vector<double> us(static_cast<size_t>(found), 1e30);
+      for (int i = 0; i < found; ++i) {
+        auto run = [&] {
+          return cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &s.beta, D, ld, D, ld, &res[i].algo, ws, ws_bytes, stream);
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;
+        run();
+        CHECK_CUDA(cudaEventRecord(e0, stream));
+        for (int r = 0; r < reps; ++r) run();
+        CHECK_CUDA(cudaEventRecord(e1, stream));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        us[static_cast<size_t>(i)] = ms * 1000.0 / reps;
+      }
+      const double flop = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+      if (found > 0) {
+        const size_t best = static_cast<size_t>(std::min_element(us.begin(), us.end()) - us.begin());
+        total_first += us[0];
+        total_best += us[best];
+        char dims[64];
+        std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", static_cast<long>(s.m), static_cast<long>(s.n),
+                      static_cast<long>(s.k));
+        std::printf("%-10s %-14s %21s %9.1f %9.1f %5zu %5.1f%%   (%d candidates; us %.1f -> %.1f)\n", config.c_str(),
+                    g.name.c_str(), dims, flop / us[0] / 1e6, flop / us[best] / 1e6, best,
+                    (us[0] / us[best] - 1.0) * 100.0, found, us[0], us[best]);
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+      cublasLtMatrixLayoutDestroy(la), cublasLtMatrixLayoutDestroy(lb), cublasLtMatrixLayoutDestroy(ld);
+      cublasLtMatmulDescDestroy(desc);
+      CHECK_CUDA(cudaFree(A));
+      CHECK_CUDA(cudaFree(B));
+      CHECK_CUDA(cudaFree(D));
+    }
+  }
+  std::printf("sum over the GEMMs (one call each): first pick %.1f us, fastest %.1f us (%.1f%% less)\n", total_first,
+              total_best, (1.0 - total_best / total_first) * 100.0);
+  return 0;
+}
