@@ -60,7 +60,11 @@ std::unique_ptr<Backend> make_backend(const Config& cfg) {
   if (err != cudaSuccess || count == 0)
     fail("no CUDA GPU is visible ({}); check CUDA_VISIBLE_DEVICES and the driver, or train on the CPU with "
          "--device cpu", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-  return make_cuda_backend(gpu_ordinal(cfg));
+  // GEMM autotuning picks algorithms by timing, so it is off where runs must repeat bit for bit
+  // (--deterministic-mode); MEGATRAIN_GEMM_AUTOTUNE=0 turns it off for comparisons (bench/).
+  const char* autotune_env = std::getenv("MEGATRAIN_GEMM_AUTOTUNE");
+  const bool autotune = !cfg.train.deterministic_mode && !(autotune_env && std::string(autotune_env) == "0");
+  return make_cuda_backend(gpu_ordinal(cfg), autotune);
 #else
   fail("this megatrain was built without CUDA; use --device cpu");
 #endif

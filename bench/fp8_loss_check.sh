@@ -7,7 +7,6 @@
 #       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|tiny]
 #       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
 #       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
-#       [--fp8-env e4m3|hybrid]   (the CUDA backend's EXPERIMENTAL current-scaling FP8 linears instead)
 # The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (bench/RESULTS.md says
 # which text); logs and metrics go to $OUT (or /tmp).
 set -euo pipefail
@@ -16,7 +15,6 @@ bin=build/app/megatrain
 iters=300
 model=gpt-1.3b
 data="" vocab="" merges="" extra=""
-fp8_env=""
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,7 +26,6 @@ while [ $# -gt 0 ]; do
     --model) model="$2"; shift 2 ;;
     --extra) extra="$2"; shift 2 ;;
     --fp8) fp8="$2"; shift 2 ;;
-    --fp8-env) fp8_env="$2"; fp8=""; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -60,11 +57,11 @@ mean_last50() {  # mean lm_loss of the last 50 iteration records of a metrics fi
 }
 
 for run in bf16 fp8; do
-  flags="" env_fp8=""
-  if [ "$run" = fp8 ]; then flags="$fp8"; env_fp8=${fp8_env:+MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env}; fi
-  echo "== $run: $bin ($model, $iters iterations) $flags $env_fp8"
+  flags=""
+  if [ "$run" = fp8 ]; then flags="$fp8"; fi
+  echo "== $run: $bin ($model, $iters iterations) $flags"
   # shellcheck disable=SC2086
-  env $env_fp8 "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1 || {
+  "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1 || {
     echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; }
   grep -E '^\[megatrain\] summary' "$out/$run.log" | tail -n 1 || true
 done

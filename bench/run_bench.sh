@@ -5,12 +5,10 @@
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
-#                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-env e4m3|hybrid]
+#                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise]
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio.
-# --fp8-env does the same with the CUDA backend's EXPERIMENTAL current-scaling FP8 linears
-# (MEGATRAIN_EXPERIMENTAL_FP8=<format>, cuda/fp8_experimental.h) instead of the flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"
@@ -21,7 +19,6 @@ bin=build/app/megatrain
 extra=""
 fp8=""
 fp8_recipe=delayed
-fp8_env=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -32,7 +29,6 @@ while [ $# -gt 0 ]; do
     --extra) extra="$2"; shift 2 ;;
     --fp8) fp8="$2"; shift 2 ;;
     --fp8-recipe) fp8_recipe="$2"; shift 2 ;;
-    --fp8-env) fp8_env="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -66,11 +62,11 @@ fi
 
 declare -A mt_line pt_line fp8_line
 IFS=, read -r -a names <<< "$configs"
-# run_one <name> <log> <more flags> [<env assignment>]: prints the run's summary line, or FAILED
+# run_one <name> <log> <more flags>: prints the run's summary line, or FAILED
 # with the log's tail.
 run_one() {
   # shellcheck disable=SC2046,SC2086
-  if env ${4:-} "$bin" $(flags_for "$1") $extra $3 > "$2" 2>&1; then
+  if "$bin" $(flags_for "$1") $extra $3 > "$2" 2>&1; then
     grep -E '^\[megatrain\] summary' "$2" | tail -n 1 || true
   else
     echo "FAILED (see $2): $(tail -n 2 "$2" | tr '\n' ' ')"
@@ -80,11 +76,7 @@ tokens_per_s() { sed -n 's/.*| tokens\/s: \([0-9.]*\) .*/\1/p' <<< "$1"; }
 for name in "${names[@]}"; do
   mt_line[$name]=$(run_one "$name" "$out/$name.megatrain.log" "")
   if [ -n "$fp8" ]; then fp8_line[$name]=$(run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags"); fi
-  if [ -n "$fp8_env" ]; then
-    fp8_line[$name]=$(run_one "$name" "$out/$name.megatrain-fp8env.log" "" "MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env")
-  fi
 done
-if [ -n "$fp8_env" ]; then fp8="$fp8_env"; fp8_flags="MEGATRAIN_EXPERIMENTAL_FP8=$fp8_env"; fi
 if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for name in "${names[@]}"; do
     pt_line[$name]=$(python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true)

@@ -47,7 +47,6 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
-  fp8_ = cuda::ExperimentalFp8::from_environment(stream_);
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -62,7 +61,6 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   gemm_.reset();
-  fp8_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
@@ -253,7 +251,6 @@ void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Acti
   on_device("linear_forward", y, x, w, bias, pre_act);
   MT_PROFILE_OP("linear_forward {}x{}x{}{}{}", x.rows(), w.rows(), x.cols(), bias.empty() ? "" : " +bias", act == Activation::none ? "" : " +act");
   const cuda::KernelContext ctx = context();
-  if (fp8_ && fp8_->linear_forward(ctx, y, x, w, bias, act, pre_act)) return;
   cuda::linear_forward(*gemm_, ctx, y, x, w, bias, act, pre_act);
 }
 void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
@@ -261,14 +258,12 @@ void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool acc
   on_device("linear_backward_input", dx, dy, w, pre_act);
   MT_PROFILE_OP("linear_backward_input {}x{}x{}{}{}", dy.rows(), w.cols(), w.rows(), accumulate ? " +acc" : "", act == Activation::none ? "" : " +act");
   const cuda::KernelContext ctx = context();
-  if (fp8_ && fp8_->linear_backward_input(ctx, dx, dy, w, accumulate, act, pre_act)) return;
   cuda::linear_backward_input(*gemm_, ctx, dx, dy, w, accumulate, act, pre_act);
 }
 void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
   on_device("linear_backward_weight", dw, dbias, dy, x);
   MT_PROFILE_OP("linear_backward_weight {}x{}x{}{}", dw.rows(), dw.cols(), dy.rows(), dbias.empty() ? "" : " +dbias");
   const cuda::KernelContext ctx = context();
-  if (fp8_ && fp8_->linear_backward_weight(ctx, dw, dbias, dy, x)) return;
   cuda::linear_backward_weight(*gemm_, ctx, dw, dbias, dy, x);
 }
 
@@ -277,7 +272,6 @@ void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Ten
   on_device("linear_backward_input_recompute", dx, act_out, dy, w, pre_act);
   MT_PROFILE_OP("linear_backward_input_recompute {}x{}x{}", dy.rows(), w.cols(), w.rows());
   const cuda::KernelContext ctx = context();
-  if (fp8_ && fp8_->linear_backward_input_recompute(ctx, dx, act_out, dy, w, act, pre_act)) return;
   cuda::linear_backward_input_recompute(*gemm_, ctx, dx, act_out, dy, w, act, pre_act);
 }
 
@@ -456,7 +450,6 @@ void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor 
                              std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
   MT_PROFILE_OP("adamw_step {}", master.numel());
-  if (fp8_) fp8_->end_step(context());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
                    segment_arg(segments, master.numel(), "adamw_step"), p);
   profiler_->step_done();
@@ -465,7 +458,6 @@ void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor m
                            std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("sgd_step", master, grad, momentum, model_param);
   MT_PROFILE_OP("sgd_step {}", master.numel());
-  if (fp8_) fp8_->end_step(context());
   cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
   profiler_->step_done();
 }
@@ -480,8 +472,10 @@ void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment
   cuda::count_zeros(context(), out, x, segment_arg(segments, x.numel(), "count_zeros"), accumulate);
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device_ordinal) {
-  return std::make_unique<CudaBackend>(device_ordinal);
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotune) {
+  auto backend = std::make_unique<CudaBackend>(device_ordinal);
+  backend->gemm().autotune = gemm_autotune;
+  return backend;
 }
 
 }  // namespace mt

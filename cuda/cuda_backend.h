@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "cuda/fp8_experimental.h"
+#include "cuda/fp8_gemm_cublaslt.h"
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
 #include "cuda/op_profiler.h"
@@ -128,7 +128,6 @@ class CudaBackend final : public Backend {
   int device_ordinal() const { return device_; }
   int num_sms() const { return num_sms_; }
   cuda::GemmRunner& gemm() { return *gemm_; }
-  cuda::ExperimentalFp8* experimental_fp8() { return fp8_.get(); }
 
  private:
   cuda::KernelContext context();  // resets the scratch for the next op
@@ -160,7 +159,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
   float* fp8_scale_slots_ = nullptr;  // [8]: slot 0 at [0], slot 1 at [4]
-  std::unique_ptr<cuda::ExperimentalFp8> fp8_;  // EXPERIMENTAL (MEGATRAIN_EXPERIMENTAL_FP8), usually null
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;

@@ -78,6 +78,8 @@ GemmRunner::GemmRunner(cudaStream_t stream, size_t workspace_bytes)
     : stream_(stream), workspace_bytes_(workspace_bytes) {
   MT_CUBLAS_CHECK(cublasLtCreate(&handle_));
   MT_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  MT_CUDA_CHECK(cudaEventCreate(&tune_start_));
+  MT_CUDA_CHECK(cudaEventCreate(&tune_stop_));
 }
 
 GemmRunner::~GemmRunner() {
@@ -88,6 +90,8 @@ GemmRunner::~GemmRunner() {
     if (p.desc) cublasLtMatmulDescDestroy(p.desc);
   }
   if (workspace_) cudaFree(workspace_);
+  if (tune_start_) cudaEventDestroy(tune_start_);
+  if (tune_stop_) cudaEventDestroy(tune_stop_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -120,18 +124,73 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
 
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  const bool tunable = autotune && c.beta == 0.0f;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
+                                                           tunable ? kTuneCandidates : 1, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     p.ok = true;
-    p.algo = result.algo;
+    p.algo = results[0].algo;
+    if (found > 1)
+      for (int i = 0; i < found; ++i) p.candidates[p.num_candidates++] = results[i].algo;
   } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
     MT_CUBLAS_CHECK(st);
   }
   return p;
+}
+
+namespace {
+
+// Byte ranges [p, p + bytes) overlap (null pointers never do).
+bool overlaps(const void* p, size_t p_bytes, const void* q, size_t q_bytes) {
+  if (!p || !q) return false;
+  const auto a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+  return a < b + q_bytes && b < a + p_bytes;
+}
+
+}  // namespace
+
+// Times every candidate on the call's own buffers (each run rewrites the same outputs: beta = 0,
+// and the output overlaps no input) and keeps the fastest unless it beats the heuristic's first
+// pick by less than 1% (timing noise). The host waits for the timings: once per GEMM shape.
+void GemmRunner::tune(const GemmCall& c, Plan& p) {
+  const int count = p.num_candidates;
+  p.num_candidates = 0;
+  ++tuned_;
+  const size_t d_bytes = static_cast<size_t>(c.ldd) * static_cast<size_t>(c.n) * dtype_size(c.d_type);
+  const size_t a_bytes = static_cast<size_t>(c.lda) * static_cast<size_t>(c.trans_a ? c.m : c.k) * dtype_size(c.a_type);
+  const size_t b_bytes = static_cast<size_t>(c.ldb) * static_cast<size_t>(c.trans_b ? c.k : c.n) * dtype_size(c.b_type);
+  const size_t aux_bytes = static_cast<size_t>(c.aux_ld) * static_cast<size_t>(c.n) * dtype_size(c.d_type);
+  if (overlaps(c.d, d_bytes, c.a, a_bytes) || overlaps(c.d, d_bytes, c.b, b_bytes) ||
+      overlaps(c.d, d_bytes, c.aux, aux_bytes) || overlaps(c.aux, aux_bytes, c.a, a_bytes) ||
+      overlaps(c.aux, aux_bytes, c.b, b_bytes))
+    return;
+  constexpr int kReps = 3;
+  float best_ms = 0.0f, first_ms = 0.0f;
+  int best = 0;
+  for (int i = 0; i < count; ++i) {
+    const cublasLtMatmulAlgo_t* algo = &p.candidates[i];
+    // (warm-up) a candidate that cannot run this call is passed over
+    if (cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d, p.d, algo, workspace_,
+                       workspace_bytes_, stream_) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    MT_CUDA_CHECK(cudaEventRecord(tune_start_, stream_));
+    for (int r = 0; r < kReps; ++r)
+      MT_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d, p.d, algo,
+                                     workspace_, workspace_bytes_, stream_));
+    MT_CUDA_CHECK(cudaEventRecord(tune_stop_, stream_));
+    MT_CUDA_CHECK(cudaEventSynchronize(tune_stop_));
+    float ms = 0.0f;
+    MT_CUDA_CHECK(cudaEventElapsedTime(&ms, tune_start_, tune_stop_));
+    if (i == 0) first_ms = ms;
+    if (i == 0 || ms < best_ms) {
+      best_ms = ms;
+      best = i;
+    }
+  }
+  if (best != 0 && first_ms > 0.0f && best_ms < 0.99f * first_ms) p.algo = p.candidates[best];
 }
 
 bool GemmRunner::try_run(const GemmCall& c) {
@@ -145,6 +204,7 @@ bool GemmRunner::try_run(const GemmCall& c) {
   if (!p.ok) return false;
   if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
   if (c.aux) set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+  if (p.num_candidates > 0) tune(c, p);
   const cublasStatus_t st = cublasLtMatmul(handle_, p.desc, &c.alpha, c.a, p.a, c.b, p.b, &c.beta, c.d, p.d, c.d,
                                            p.d, &p.algo, workspace_, workspace_bytes_, stream_);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // an epilogue the chosen kernel cannot do after all: decline

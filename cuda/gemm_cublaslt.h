@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
+#include <vector>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -72,6 +73,16 @@ class GemmRunner {
   // DGELU pay (15-28%); BGRADB measured 2-3% slower than the GEMM plus the column-sum kernel.
   bool use_bias_grad_epilogue = false;
   bool use_gelu_epilogue = true;
+  // Autotuning: the first call of each GEMM shape times up to kTuneCandidates of cuBLASLt's
+  // heuristic candidates and keeps the fastest (bench_gemm_algo measured the first pick up to 20%
+  // slower on some shapes). Only GEMMs that overwrite their output (beta = 0) are tuned, on their
+  // own buffers: running one again rewrites the same outputs, and the real call comes last. GEMMs
+  // that accumulate (weight gradients) keep the first pick, since timing would add into the
+  // gradient. Off with --deterministic-mode: the pick depends on timings, so two runs could round
+  // differently.
+  bool autotune = false;
+  static constexpr int kTuneCandidates = 8;
+  size_t tuned_plans() const { return tuned_; }
 
  private:
   struct Key {
@@ -88,14 +99,19 @@ class GemmRunner {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    cublasLtMatmulAlgo_t candidates[kTuneCandidates]{};  // still to be timed (autotune)
+    int num_candidates = 0;                               // 0 once tuned
   };
   Plan make_plan(const GemmCall& call, const Key& key);
+  void tune(const GemmCall& call, Plan& plan);
 
   cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::unordered_map<Key, Plan, KeyHash> plans_;
+  cudaEvent_t tune_start_ = nullptr, tune_stop_ = nullptr;
+  size_t tuned_ = 0;
 };
 
 // The linear-layer ops (semantics in engine/backend.h).

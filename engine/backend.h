@@ -331,7 +331,8 @@ class Backend {
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);
 #if MEGATRAIN_WITH_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int device_ordinal);
+// gemm_autotune: time cuBLASLt's candidates on each GEMM shape's first call (cuda/gemm_cublaslt.h).
+std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotune = false);
 #endif
 
 }  // namespace mt

@@ -144,3 +144,44 @@ TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministicall
   }
   gemm.use_bias_grad_epilogue = false;
 }
+
+// GEMM autotuning (a backend of its own, so that every shape is planned, and so tuned, afresh):
+// whichever candidate wins, forward (with the bias / GeLU epilogues) and input gradient match the
+// reference, a second call gives the same bits, and an accumulating GEMM adds exactly once (it is
+// not tuned: timing it would add into its output).
+TEST_CASE("cuda GEMM autotuning: tuned GEMMs match the reference and accumulate once", "[gpu][linear]") {
+  MT_RNG(rng);
+  std::unique_ptr<Backend> tuned_backend = make_cuda_backend(0, true);
+  Backend& tuned = *tuned_backend;
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const GemmShape& g : {GemmShape{333, 100, 2050}, GemmShape{512, 768, 2304}, GemmShape{4096, 1024, 4096}})
+      for (Activation act : {Activation::none, Activation::gelu_tanh}) {
+        INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " act " << act_name(act));
+        Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+        Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.K))));
+        Twin b = twin(dt, {g.N}, rng.normal(g.N, 0.5));
+        Twin y = twin_nan(dt, {g.M, g.N}), pre = act != Activation::none ? twin_nan(dt, {g.M, g.N}) : absent();
+        tuned.linear_forward(y.c(), x.c(), w.c(), b.c(), act, pre.c());
+        tuned.synchronize();
+        ref().linear_forward(y.r(), x.r(), w.r(), b.r(), act, pre.r());
+        MT_CHECK_CLOSE(y, tol_for(dt));
+        const auto first = download_bytes(dev(), y.c());
+        tuned.linear_forward(y.c(), x.c(), w.c(), b.c(), act, pre.c());
+        tuned.synchronize();
+        CHECK(differing(download_bytes(dev(), y.c()), first, dtype_size(dt)) == 0);
+
+        Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N)), dx = twin_nan(dt, {g.M, g.K});
+        tuned.linear_backward_input(dx.c(), dy.c(), w.c(), false, Activation::none, Tensor());
+        tuned.synchronize();
+        ref().linear_backward_input(dx.r(), dy.r(), w.r(), false, Activation::none, Tensor());
+        MT_CHECK_CLOSE(dx, tol_for(dt));
+
+        Twin dw = twin(DType::f32, {g.N, g.K}, rng.normal(g.N * g.K)), db = twin(DType::f32, {g.N}, rng.normal(g.N));
+        tuned.linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+        tuned.synchronize();
+        ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+        MT_CHECK_CLOSE(dw, tol_for(dt));
+        MT_CHECK_CLOSE(db, tol_for(dt));
+      }
+  CHECK(dynamic_cast<CudaBackend&>(tuned).gemm().tuned_plans() > 0);
+}
