@@ -4,7 +4,7 @@
 # --tensor-model-parallel-size 2 ...` starts one worker per GPU); one-GPU runs use
 # CUDA_VISIBLE_DEVICES=0. All runs: --bf16 --mock-data, NullTokenizer, no dropout.
 #
-#   bench/run_parallel_gpu.sh [--bin DIR | --megatrain build/app/megatrain] [--skip-nccl] [--quick]
+#   bench/run_parallel_gpu.sh [--bin DIR | --megatrain build/app/megatrain] [--skip-nccl] [--quick] [--four]
 #   --bin DIR: a directory holding megatrain (and nccl_comm_test, nccl_bandwidth for step 3: it
 #   becomes run_nccl_tests.sh's BIN). The whole script keeps to about 5 minutes: each run has a
 #   time limit, and runs that would start after BUDGET_S (default 270) seconds are skipped (and say so).
@@ -24,18 +24,23 @@
 #    context after the run, from the
 #    "[rank N] memory:" lines).
 # 3. bench/run_nccl_tests.sh (MAX_MB=256).
+# --four (4 GPUs) instead: equivalence with 1 GPU of TP=2 x PP=2, TP=2 x DP=2 with the distributed
+# optimizer and PP=4 interleaved, in bf16 (--deterministic-mode, gpt2-124m) and fp32 (8 layers);
+# then tokens/s and TFLOP/s per GPU of those layouts on gpt-1.3b against 1 GPU.
 # The summary table is printed last. Logs go to $OUT (or /tmp).
 set -u
 cd "$(dirname "$0")/.."
 bin=build/app/megatrain
 nccl=1
 quick=0
+four=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --megatrain) bin="$2"; shift 2 ;;
     --bin) bin="$2/megatrain"; [ -x "$2/nccl_comm_test" ] && export BIN="$2"; shift 2 ;;
     --skip-nccl) nccl=0; shift ;;
     --quick) quick=1; shift ;;
+    --four) four=1; nccl=0; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +52,10 @@ ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 if [ "$ngpu" -lt 2 ]; then
   echo "run_parallel_gpu.sh needs 2 GPUs, found $ngpu"
   exit 77
+fi
+if [ "$four" = 1 ]; then
+  [ "$ngpu" -ge 4 ] || { echo "--four needs 4 GPUs, found $ngpu"; exit 77; }
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1,2,3}
 fi
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
 one_gpu=${CUDA_VISIBLE_DEVICES%%,*}
@@ -90,6 +99,31 @@ run() {
 
 # ---- 1. equivalence --------------------------------------------------------------------------
 eq_iters=20
+if [ "$four" = 1 ]; then
+  eq="$gpt2 --micro-batch-size 4 --global-batch-size 16 --train-iters $eq_iters $eqsched"
+  run eq_1gpu 1 $eq
+  run eq4_tp2_pp2 4 $eq --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+  run eq4_tp2_dp2 4 $eq --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer \
+    --overlap-grad-reduce --overlap-param-gather
+  run eq4_pp4_vpp 4 $eq --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1
+  eq32="--num-layers 8 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 4 --global-batch-size 16 --train-iters $eq_iters $sched"
+  PREC=" " run eq32_1gpu 1 $eq32
+  PREC=" " run eq32_tp2_pp2 4 $eq32 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+  PREC=" " run eq32_tp2_dp2 4 $eq32 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
+  PREC=" " run eq32_pp4_vpp 4 $eq32 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1
+  unset PREC
+  iters=12
+  run s4_1gpu 1 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters
+  run s4_tp2_pp2 4 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
+    --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+  run s4_tp2_dp2 4 $sched $gpt13 --micro-batch-size 2 --global-batch-size 32 --train-iters $iters \
+    --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce \
+    --overlap-param-gather
+  run s4_pp4_vpp 4 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
+    --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 3
+fi
+if [ "$four" = 0 ]; then
 eq="$gpt2 --micro-batch-size 4 --global-batch-size 16 --train-iters $eq_iters $eqsched"
 run eq_1gpu 1 $eq
 run eq_1gpu_again 1 $eq
@@ -126,6 +160,8 @@ run pp_13b_pp2 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --tra
 run pp_13b_pp2_vpp 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
   --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6
 
+fi  # four = 0
+
 # ---- 3. NCCL tests ----------------------------------------------------------------------------
 nccl_summary="(skipped)"
 if [ "$nccl" = 1 ] && [ "$SECONDS" -gt $((budget - 20)) ]; then
@@ -139,9 +175,9 @@ fi
 # ---- summary ------------------------------------------------------------------------------------
 echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1) x $ngpu; logs in $out"
-python3 - "$out" "$eq_iters" "$nccl_summary" <<'EOF'
+python3 - "$out" "$eq_iters" "$nccl_summary" "$four" <<'EOF'
 import json, os, re, statistics, sys
-out, eq_iters, nccl = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, eq_iters, nccl, four = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 
 def records(name):
     path = os.path.join(out, name + ".jsonl")
@@ -178,9 +214,20 @@ def equivalence(title, base_name, names, bound):
         for i in common:
             print(f"        {i:4d}   {base[i]:.6f}     {other[i]:.6f}")
 
-equivalence("gpt2-124m, bf16, --deterministic-mode", "eq_1gpu",
+if four:
+    equivalence("gpt2-124m, bf16, --deterministic-mode", "eq_1gpu", ["eq4_tp2_pp2", "eq4_tp2_dp2", "eq4_pp4_vpp"], 2e-2)
+    equivalence("8 layers of gpt2-124m, fp32", "eq32_1gpu", ["eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"], 1e-4)
+    print("\n== gpt-1.3b on 4 GPUs (median of iterations 5..; per GPU) ==")
+    print(f"{'layout':14s} {'tokens/s/GPU':>13s} {'TFLOP/s/GPU':>12s} {'vs 1 GPU':>9s}  memory per GPU")
+    base = steady("s4_1gpu", "tflops_per_gpu")
+    for name in ["s4_1gpu", "s4_tp2_pp2", "s4_tp2_dp2", "s4_pp4_vpp"]:
+        t, f = steady(name, "tokens_per_second"), steady(name, "tflops_per_gpu")
+        n = 1 if name == "s4_1gpu" else 4
+        print(f"{name:14s} {(t / n if t else 0):13,.0f} {(f or 0):12.1f} {((f or 0) / base if base else 0):9.3f}  {memory(name)}")
+if not four:
+  equivalence("gpt2-124m, bf16, --deterministic-mode", "eq_1gpu",
             ["eq_1gpu_again", "eq_tp2", "eq_tp2_sp", "eq_pp2", "eq_pp2_vpp", "eq_dp2"], 2e-2)
-equivalence("4 layers of gpt2-124m, fp32", "eq32_1gpu", ["eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp"], 1e-4)
+  equivalence("4 layers of gpt2-124m, fp32", "eq32_1gpu", ["eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp"], 1e-4)
 
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
@@ -188,23 +235,25 @@ def scaling(measure, key, one, two, target):
     a, b = steady(one, key), steady(two, key)
     r = ratio(b, a)
     table.append((measure, a, b, r, f">= {target}", "-" if r is None else ("ok" if r >= target else "BELOW")))
-scaling("DP=2 gpt2-124m tokens/s", "tokens_per_second", "dp_124m_1gpu", "dp_124m_dp2", 1.9)
-scaling("DP=2 gpt-1.3b tokens/s", "tokens_per_second", "dp_13b_1gpu", "dp_13b_dp2", 1.9)
-scaling("TP=2+SP gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "dp_13b_1gpu", "tp_13b_tp2sp", 0.8)
-scaling("PP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2", 0.85)
-scaling("PP=2 VPP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2_vpp", 0.85)
+if not four:
+    scaling("DP=2 gpt2-124m tokens/s", "tokens_per_second", "dp_124m_1gpu", "dp_124m_dp2", 1.9)
+    scaling("DP=2 gpt-1.3b tokens/s", "tokens_per_second", "dp_13b_1gpu", "dp_13b_dp2", 1.9)
+    scaling("TP=2+SP gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "dp_13b_1gpu", "tp_13b_tp2sp", 0.8)
+    scaling("PP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2", 0.85)
+    scaling("PP=2 VPP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2_vpp", 0.85)
 
 print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
              "eq_pp2_vpp", "eq_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
-             "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp"]:
+             "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "eq4_tp2_pp2", "eq4_tp2_dp2",
+             "eq4_pp4_vpp", "eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"]:
     print(f"{name:14s} {memory(name)}")
 print(f"\nNCCL tests: {nccl}")
 
 print("\n== summary (scaling: median of iterations 5.., ratio = 2 GPUs / 1 GPU; equivalence: last loss "
       "of each run and the largest relative difference) ==")
 fmt = lambda v: "-" if v is None else (f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}")
-print(f"{'measure':32s} {'1 GPU':>12s} {'2 GPUs':>12s} {'ratio/diff':>10s} {'target':>8s}  status")
+print(f"{'measure':32s} {'1 GPU':>12s} {('4' if four else '2') + ' GPUs':>12s} {'ratio/diff':>10s} {'target':>8s}  status")
 for measure, a, b, r, target, status in table:
     print(f"{measure:32s} {fmt(a):>12s} {fmt(b):>12s} {fmt(r):>10s} {target:>8s}  {status}")
 EOF
