@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -48,11 +49,30 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
 }
 
+namespace {
+
+// Seconds in a minute of --exit-duration-in-mins: 60, or MEGATRAIN_DEBUG_SECONDS_PER_MINUTE (a
+// hidden test hook, so that a test of the flag need not run for a minute).
+double seconds_per_minute() {
+  static const double value = [] {
+    const char* env = std::getenv("MEGATRAIN_DEBUG_SECONDS_PER_MINUTE");
+    if (!env) return 60.0;
+    char* end = nullptr;
+    const double v = std::strtod(env, &end);
+    if (end == env || *end != '\0' || !(v > 0))
+      fail("MEGATRAIN_DEBUG_SECONDS_PER_MINUTE={}: expected a positive number of seconds", env);
+    return v;
+  }();
+  return value;
+}
+
+}  // namespace
+
 // --exit-duration-in-mins and --exit-signal-handler, decided by every rank alike (max over ranks).
 bool Trainer::should_exit() {
   const TrainConfig& t = cfg_.train;
   if (!t.exit_duration_in_mins && !t.exit_signal_handler) return false;
-  const double minutes = std::chrono::duration<double>(Clock::now() - run_start_).count() / 60.0;
+  const double minutes = std::chrono::duration<double>(Clock::now() - run_start_).count() / seconds_per_minute();
   double flags[2] = {t.exit_duration_in_mins && minutes > *t.exit_duration_in_mins ? 1.0 : 0.0,
                      t.exit_signal_handler && g_sigterm.load() ? 1.0 : 0.0};
   if (ps_.world_size > 1) {  // one small collective per iteration, only with these flags

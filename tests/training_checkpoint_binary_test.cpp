@@ -388,3 +388,30 @@ TEST_CASE("binary: a CPU run writes TensorBoard events and JSON lines for its lo
   CHECK(steps["mem-allocated-bytes"].size() == 10);
   CHECK(steps["lm loss validation"].size() == 3);
 }
+
+// --exit-duration-in-mins: after the minutes have passed, the iteration in progress finishes, a
+// checkpoint is saved and the run ends with exit 0, as Megatron's pretrain does. A minute is 0.2 s
+// here (the hidden MEGATRAIN_DEBUG_SECONDS_PER_MINUTE hook), so 1 "minute" passes mid-run.
+TEST_CASE("binary: --exit-duration-in-mins saves and exits 0 once the time is up", "[ckpt-train][binary]") {
+  TempDir dir;
+  const std::string s = dir / "s";
+  Result r;
+  r.code = run_command("MEGATRAIN_DEBUG_SECONDS_PER_MINUTE=0.2 " + std::string(MEGATRAIN_BINARY) + " " + kGpt +
+                           " --train-iters 1000000 --save-interval 1000000 --eval-iters 0 --exit-duration-in-mins 1 "
+                           "--save " + s,
+                       &r.out);
+  require_ok(r);
+  INFO(r.out);
+  CHECK(r.out.find("exiting program after") != std::string::npos);
+  REQUIRE(fs::exists(s + "/latest_checkpointed_iteration.txt"));
+  const int64_t saved = std::stoll(tracker(s));
+  CHECK(saved > 0);
+  CHECK(saved < 1000000);
+  char name[32];
+  std::snprintf(name, sizeof name, "/iter_%07lld", static_cast<long long>(saved));
+  CHECK(fs::exists(s + name + "/manifest.json"));
+  // The flag's value is checked: 0 minutes is refused.
+  const Result bad = megatrain(kGpt + " --train-iters 5 --exit-duration-in-mins 0");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("--exit-duration-in-mins must be > 0") != std::string::npos);
+}
