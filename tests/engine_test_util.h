@@ -60,6 +60,25 @@ inline Config tiny_llama_config() {
   return c;
 }
 
+// Mock data (NullTokenizer, EOD = the last token) for a tiny model: sequences of 16, two
+// micro-batches of 2 per step, lr 1e-2 decaying (cosine) to 1e-3, a log line every 10 iterations.
+// Callers set the iterations and the rest, then derive().
+inline Config with_mock_training(Config c) {
+  c.data.mock_data = true;
+  c.data.tokenizer_type = "NullTokenizer";
+  c.data.vocab_size = c.model.vocab_size;
+  c.data.eod_id = c.model.vocab_size - 1;  // NullTokenizer's default EOD
+  c.model.seq_length = 16;
+  c.model.max_position_embeddings = 16;
+  c.train.micro_batch_size = 2;
+  c.train.global_batch_size = 4;
+  c.train.lr = 1e-2;
+  c.train.min_lr = 1e-3;
+  c.train.lr_decay_style = LrDecayStyle::cosine;
+  c.logging.log_interval = 10;
+  return c;
+}
+
 // Arange documents: sample k of the stream is (k * 7 + t) mod vocab for t = 0..s, so the next
 // token is always the current one plus one (learnable by a tiny model). Deterministic.
 class ArangeBatchSource final : public BatchSource {

@@ -25,23 +25,12 @@ struct CapturingReporter final : Reporter {
 };
 
 Config mock_config(Config c) {
-  c.data.mock_data = true;
-  c.data.tokenizer_type = "NullTokenizer";
-  c.data.vocab_size = c.model.vocab_size;
-  c.data.eod_id = c.model.vocab_size - 1;  // NullTokenizer's default EOD
-  c.model.seq_length = 16;
-  c.model.max_position_embeddings = 16;
-  c.train.micro_batch_size = 2;
-  c.train.global_batch_size = 4;  // two micro-batches: gradient accumulation
+  c = test::with_mock_training(c);  // two micro-batches per step: gradient accumulation
   c.train.train_iters = 60;
-  c.train.lr = 1e-2;
-  c.train.min_lr = 1e-3;
-  c.train.lr_decay_style = LrDecayStyle::cosine;
   c.train.lr_warmup_iters = 5;
   c.train.weight_decay = 0.01;
   c.train.eval_interval = 30;
   c.train.eval_iters = 2;
-  c.logging.log_interval = 10;
   test::derive(c);
   return c;
 }

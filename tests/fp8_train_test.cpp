@@ -24,21 +24,10 @@ struct NullReporter final : Reporter {
 };
 
 Config fp8_mock_config(Config c) {
-  c.data.mock_data = true;
-  c.data.tokenizer_type = "NullTokenizer";
-  c.data.vocab_size = c.model.vocab_size;
-  c.data.eod_id = c.model.vocab_size - 1;
-  c.model.seq_length = 16;
-  c.model.max_position_embeddings = 16;
-  c.train.micro_batch_size = 2;
-  c.train.global_batch_size = 4;  // two micro-batches: the amax is the max over both
+  c = test::with_mock_training(c);  // two micro-batches per step: the amax is the max over both
   c.train.train_iters = 20;
-  c.train.lr = 1e-2;
-  c.train.min_lr = 1e-3;
-  c.train.lr_decay_style = LrDecayStyle::cosine;
   c.train.lr_warmup_iters = 3;
   c.train.eval_iters = 0;
-  c.logging.log_interval = 10;
   test::derive(c);
   return c;
 }
