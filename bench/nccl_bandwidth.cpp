@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -88,8 +89,8 @@ int worker(const Options& o) {
                           {"all_gather", DType::bf16}};
     if (rank == 0) {
       std::printf("NCCL collectives over %d ranks (megatrain communicator), %d timed iterations\n", n, o.iters);
-      std::printf("%-15s %-9s %12s %12s %12s %12s\n", "operation", "dtype", "bytes", "time_us", "algbw_GB/s",
-                  "busbw_GB/s");
+      std::printf("%-15s %-9s %12s %12s %12s %12s %12s\n", "operation", "dtype", "bytes", "time_us", "algbw_GB/s",
+                  "busbw_GB/s", "host_us");
     }
     for (const Case& c : cases) {
       for (int64_t bytes = o.min_mb << 20; bytes <= max_bytes; bytes *= 2) {
@@ -105,7 +106,11 @@ int worker(const Options& o) {
         for (int i = 0; i < 5; ++i) run();
         cuda(cudaEventRecord(start, stream), "cudaEventRecord");
         const int iters = bytes >= (int64_t{256} << 20) ? std::max(5, o.iters / 4) : o.iters;
+        // host_us: how long the host takes to enqueue one collective (the GPU time is time_us).
+        const auto host_start = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) run();
+        const double host_us =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host_start).count() / iters;
         cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
         cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
         float ms = 0;
@@ -116,8 +121,8 @@ int worker(const Options& o) {
         const double algbw = moved / (us * 1e-6) / 1e9;
         const double factor = std::strcmp(c.op, "all_reduce") == 0 ? 2.0 * (n - 1) / n : double(n - 1) / n;
         if (rank == 0)
-          std::printf("%-15s %-9s %12.0f %12.1f %12.2f %12.2f\n", c.op, std::string(dtype_name(c.dtype)).c_str(), moved,
-                      us, algbw, algbw * factor);
+          std::printf("%-15s %-9s %12.0f %12.1f %12.2f %12.2f %12.1f\n", c.op, std::string(dtype_name(c.dtype)).c_str(),
+                      moved, us, algbw, algbw * factor, host_us);
       }
     }
     std::fflush(stdout);

@@ -75,6 +75,30 @@ struct Pending {
   Clock::time_point deadline;
 };
 
+// A blocking NCCL call in progress on the host (an enqueue, an initialization, a finalize). Our
+// communicators are blocking: a non-blocking one launches every collective from a thread created
+// for it and makes the caller poll, tens of microseconds per collective, and TP with sequence
+// parallelism issues thousands of them per step. A blocking call can wait on a peer instead (a
+// connection set up at first use, an enqueue stuck behind a hung kernel), so the watchdog ends the
+// process when one has not returned by its deadline.
+struct HostCall {
+  std::atomic<Clock::rep> deadline{0};  // steady-clock ticks; 0: no call in progress
+  std::atomic<const char*> op{nullptr};
+  Millis timeout{0};
+  std::string what;  // initialization only (set while no call is armed)
+
+  void arm(const char* name, Millis limit) {
+    op.store(name, std::memory_order_relaxed);
+    timeout = limit;
+    deadline.store((Clock::now() + timeout).time_since_epoch().count(), std::memory_order_release);
+  }
+  void disarm() { deadline.store(0, std::memory_order_release); }
+  bool overdue(Clock::time_point now) const {
+    const Clock::rep d = deadline.load(std::memory_order_acquire);
+    return d != 0 && now.time_since_epoch().count() > d;
+  }
+};
+
 // The process's NCCL watchdog (see the header).
 class Watchdog {
  public:
@@ -83,15 +107,21 @@ class Watchdog {
     return w;
   }
 
+  // Starts the polling thread if it is not running (before the first communicator exists, so that
+  // its initialization is watched too).
+  void start(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    start_locked(device);
+  }
+
   void add(NcclCommunicator* c, int device) {
     std::lock_guard<std::mutex> lock(mu_);
     comms_.push_back(c);
-    if (!thread_.joinable()) {
-      device_ = device;
-      stop_ = false;
-      thread_ = std::thread([this] { loop(); });
-    }
+    start_locked(device);
   }
+
+  // The initialization of a communicator (world or group), watched while it runs.
+  HostCall& init_call() { return init_call_; }
 
   void remove(NcclCommunicator* c) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -135,6 +165,12 @@ class Watchdog {
       thread_.join();
     }
   }
+  void start_locked(int device) {
+    if (thread_.joinable()) return;
+    device_ = device;
+    stop_ = false;
+    thread_ = std::thread([this] { loop(); });
+  }
   void release(cudaEvent_t e) {
     if (e) free_.push_back(e);
   }
@@ -149,6 +185,7 @@ class Watchdog {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   int device_ = 0;
+  HostCall init_call_;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -171,19 +208,18 @@ class NcclCommunicator final : public Communicator {
 
   ~NcclCommunicator() override {
     if (!comm_) return;
-    // Let this communicator's enqueued work finish (bounded), then finalize; abort if it will not.
-    const auto deadline = Clock::now() + timeout_;
+    // Let this communicator's enqueued work finish, then finalize (watched, like every blocking
+    // call); abort if either fails.
     bool clean = cudaStreamSynchronize(stream_) == cudaSuccess;
-    Watchdog::get().remove(this);
-    std::lock_guard<std::recursive_mutex> api(api_mu_);
-    if (clean && ncclCommFinalize(comm_) != ncclSuccess) clean = false;
-    while (clean) {
-      ncclResult_t st = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &st);
-      if (st == ncclSuccess) break;
-      if (st != ncclInProgress || Clock::now() > deadline) clean = false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    {
+      std::lock_guard<std::recursive_mutex> api(api_mu_);
+      if (clean) {
+        call_.arm("finalize", timeout_);
+        clean = ncclCommFinalize(comm_) == ncclSuccess;
+        call_.disarm();
+      }
     }
+    Watchdog::get().remove(this);
     if (clean) ncclCommDestroy(comm_);
     else ncclCommAbort(comm_);
     cudaFree(scratch_);
@@ -196,13 +232,15 @@ class NcclCommunicator final : public Communicator {
   int world_rank() const { return world_rank_; }
   ncclComm_t handle() const { return comm_; }
   Millis timeout() const { return timeout_; }
-  // Held by this communicator's thread around its NCCL calls (see Watchdog::loop).
-  std::recursive_mutex& api_mutex() { return api_mu_; }
+  // The blocking NCCL call now in progress on this communicator, if any (see HostCall).
+  const HostCall& host_call() const { return call_; }
 
   void all_reduce(Tensor t, ReduceOp op) override {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "all_reduce");
-    settle(ncclAllReduce(t.data, t.data, t.numel(), nccl_type(t.dtype), nccl_op(op), comm_, stream_), "all_reduce");
+    call("all_reduce", [&] {
+      return ncclAllReduce(t.data, t.data, t.numel(), nccl_type(t.dtype), nccl_op(op), comm_, stream_);
+    });
     track("all_reduce", t.numel(), t.dtype);
   }
 
@@ -212,8 +250,9 @@ class NcclCommunicator final : public Communicator {
     check_device(in, "reduce_scatter");
     MT_CHECK(out.dtype == in.dtype && in.numel() == out.numel() * size_, "{}: reduce_scatter sizes {} x {} != {}",
              name_, out.numel(), size_, in.numel());
-    settle(ncclReduceScatter(in.data, out.data, out.numel(), nccl_type(in.dtype), nccl_op(op), comm_, stream_),
-           "reduce_scatter");
+    call("reduce_scatter", [&] {
+      return ncclReduceScatter(in.data, out.data, out.numel(), nccl_type(in.dtype), nccl_op(op), comm_, stream_);
+    });
     track("reduce_scatter", out.numel(), out.dtype);
   }
 
@@ -223,7 +262,7 @@ class NcclCommunicator final : public Communicator {
     check_device(in, "all_gather");
     MT_CHECK(out.dtype == in.dtype && out.numel() == in.numel() * size_, "{}: all_gather sizes {} x {} != {}", name_,
              in.numel(), size_, out.numel());
-    settle(ncclAllGather(in.data, out.data, in.numel(), nccl_type(in.dtype), comm_, stream_), "all_gather");
+    call("all_gather", [&] { return ncclAllGather(in.data, out.data, in.numel(), nccl_type(in.dtype), comm_, stream_); });
     track("all_gather", in.numel(), in.dtype);
   }
 
@@ -231,7 +270,9 @@ class NcclCommunicator final : public Communicator {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "broadcast");
     MT_CHECK(root >= 0 && root < size_, "{}: broadcast root {} of {}", name_, root, size_);
-    settle(ncclBroadcast(t.data, t.data, t.numel(), nccl_type(t.dtype), root, comm_, stream_), "broadcast");
+    call("broadcast", [&] {
+      return ncclBroadcast(t.data, t.data, t.numel(), nccl_type(t.dtype), root, comm_, stream_);
+    });
     track("broadcast", t.numel(), t.dtype, root);
   }
 
@@ -239,7 +280,7 @@ class NcclCommunicator final : public Communicator {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "send");
     MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: send to rank {} of {}", name_, peer, size_);
-    settle(ncclSend(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "send");
+    call("send", [&] { return ncclSend(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_); });
     if (in_group_) {
       group_bytes_ += t.nbytes();
       last_peer_ = peer;
@@ -252,7 +293,7 @@ class NcclCommunicator final : public Communicator {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     check_device(t, "recv");
     MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: recv from rank {} of {}", name_, peer, size_);
-    settle(ncclRecv(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_), "recv");
+    call("recv", [&] { return ncclRecv(t.data, t.numel(), nccl_type(t.dtype), peer, comm_, stream_); });
     if (in_group_) {
       group_bytes_ += t.nbytes();
       last_peer_ = peer;
@@ -266,14 +307,14 @@ class NcclCommunicator final : public Communicator {
     in_group_ = true;
     group_bytes_ = 0;
     last_peer_ = -1;
-    settle(ncclGroupStart(), "group_start");
+    call("group_start", [] { return ncclGroupStart(); });
   }
 
   void group_end() override {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     MT_CHECK(in_group_, "{}: group_end without group_start", name_);
     in_group_ = false;
-    settle(ncclGroupEnd(), "grouped send/recv");
+    call("grouped send/recv", [] { return ncclGroupEnd(); });
     track("grouped send/recv", static_cast<int64_t>(group_bytes_), DType::u8, last_peer_);
   }
 
@@ -319,17 +360,10 @@ class NcclCommunicator final : public Communicator {
     std::memcpy(&id, ids.data() + static_cast<size_t>(members.front()) * sizeof(id), sizeof(id));
     const int my_index = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
 
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    config.commName = name.c_str();
-    ncclComm_t child = nullptr;
     const std::string what = fmt::format("creation of group '{}' (rank {} of {}) from '{}'", name, my_index,
                                          members.size(), name_);
-    const ncclResult_t r =
-        ncclCommInitRankConfig(&child, static_cast<int>(members.size()), id, my_index, &config);
-    if (r != ncclSuccess && r != ncclInProgress) fail("NCCL {} failed: {}", what, ncclGetErrorString(r));
-    if (!child) fail("NCCL {} returned no communicator", what);
-    wait_ready(child, what, timeout_);
+    ncclComm_t child = init_communicator(what, name.c_str(), static_cast<int>(members.size()), id, my_index, device_,
+                                         timeout_);
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
   }
 
@@ -338,32 +372,27 @@ class NcclCommunicator final : public Communicator {
     stream_ = static_cast<cudaStream_t>(stream);
   }
 
-  // Waits until a (non-blocking) communicator has finished its pending call, or throws at the
-  // deadline after aborting it.
-  static void wait_ready(ncclComm_t comm, const std::string& what, Millis timeout) {
-    const auto start = Clock::now(), deadline = start + timeout;
-    while (true) {
-      ncclResult_t st = ncclSuccess;
-      ncclCommGetAsyncError(comm, &st);
-      if (st == ncclSuccess) return;
-      if (st != ncclInProgress) {
-        const std::string detail = ncclGetLastError(comm);
-        ncclCommAbort(comm);
-        fail("NCCL {} failed: {} ({})", what, ncclGetErrorString(st), detail);
-      }
-      if (Clock::now() > deadline) {
-        ncclCommAbort(comm);
-        fail("NCCL {} did not finish within {}: a rank may be missing or unreachable (NCCL_DEBUG=INFO shows "
-             "where it stops; NCCL_SOCKET_IFNAME selects the network interface)",
-             what, format_duration(timeout));
-      }
-      // A collective's enqueue usually settles within tens of microseconds, and every TP, SP, PP
-      // and DP transfer passes through here: sleeping 200 us at once cost TP=2 with 8 micro-batches
-      // about 60% of its step on 4 H200s (bench/RESULTS.md). So spin (yielding) for the first
-      // 2 ms, then poll every 200 us.
-      if (Clock::now() - start < std::chrono::milliseconds(2)) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(200));
+  // Creates one (blocking) communicator, watched: past the timeout the watchdog ends the process
+  // with `what` in its message.
+  static ncclComm_t init_communicator(const std::string& what, const char* name, int nranks, const ncclUniqueId& id,
+                                      int rank, int device, Millis timeout) {
+    Watchdog& w = Watchdog::get();
+    w.start(device);
+    HostCall& guard = w.init_call();
+    guard.what = what;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    config.commName = name;
+    ncclComm_t comm = nullptr;
+    guard.arm("initialization", timeout);
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
+    guard.disarm();
+    if (r != ncclSuccess) {
+      if (comm) ncclCommAbort(comm);
+      fail("NCCL {} failed: {} ({})", what, ncclGetErrorString(r), comm ? ncclGetLastError(comm) : "");
     }
+    if (!comm) fail("NCCL {} returned no communicator", what);
+    return comm;
   }
 
  private:
@@ -374,12 +403,13 @@ class NcclCommunicator final : public Communicator {
            name_, op);
   }
 
-  void settle(ncclResult_t r, const char* what) {
+  // One blocking NCCL call, with the watchdog's deadline armed around it.
+  template <class F>
+  void call(const char* what, F&& nccl) {
+    call_.arm(what, timeout_);
+    const ncclResult_t r = nccl();
+    call_.disarm();
     if (r == ncclSuccess) return;
-    if (r == ncclInProgress) {
-      wait_ready(comm_, fmt::format("{} on group '{}'", what, name_), timeout_);
-      return;
-    }
     fail("NCCL {} on group '{}' (rank {} of {}) failed: {} ({})", what, name_, rank_, size_, ncclGetErrorString(r),
          ncclGetLastError(comm_));
   }
@@ -463,6 +493,7 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;
   void* scratch_ = nullptr;
+  HostCall call_;
   bool in_group_ = false;
   size_t group_bytes_ = 0;
   int last_peer_ = -1;
@@ -490,7 +521,14 @@ void Watchdog::fatal(const std::string& message) {
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     comms = comms_;
   }
-  for (NcclCommunicator* c : comms) ncclCommAbort(c->handle());
+  // Aborting a communicator whose owner is stuck inside a blocking NCCL call may wait on that call;
+  // the process leaves after 10 s whether or not every abort returned.
+  std::atomic<bool> aborted{false};
+  std::thread([&comms, &aborted] {
+    for (NcclCommunicator* c : comms) ncclCommAbort(c->handle());
+    aborted = true;
+  }).detach();
+  for (int i = 0; i < 1000 && !aborted; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   std::fflush(stdout);
   std::fflush(stderr);
   _exit(1);
@@ -503,15 +541,28 @@ void Watchdog::loop() {
     std::string problem;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      // A blocking NCCL call that has not returned in time.
+      const auto now = Clock::now();
+      if (init_call_.overdue(now))
+        problem = fmt::format("NCCL {} did not finish within {}: a rank may be missing or unreachable "
+                              "(NCCL_DEBUG=INFO shows where it stops; NCCL_SOCKET_IFNAME selects the network "
+                              "interface)",
+                              init_call_.what, format_duration(init_call_.timeout));
+      for (NcclCommunicator* c : comms_) {
+        if (!problem.empty() || !c->host_call().overdue(now)) continue;
+        problem = fmt::format("NCCL {} on group '{}' (rank {} of {}; the group is world ranks {}) did not return "
+                              "within {}: a peer rank may have died, or be stuck before this operation (look for its "
+                              "error); --distributed-timeout-minutes sets the limit",
+                              c->host_call().op.load(), c->name(), c->rank(), c->size(), c->members(),
+                              format_duration(c->host_call().timeout));
+      }
       // Asynchronous errors (a peer died, a network failure).
       for (NcclCommunicator* c : comms_) {
-        // Never beside the owning thread's own NCCL calls: for a non-blocking communicator,
-        // ncclCommGetAsyncError reaps a pending group job (joins its thread), and two threads
-        // reaping the same job at once made NCCL report "internal error ... job error 3" (a
-        // second pthread_join: ESRCH), which broke every PP=2 run over NCCL. The owner polls
-        // the error itself while it waits; a communicator busy now is looked at next round.
-        std::unique_lock<std::recursive_mutex> busy(c->api_mutex(), std::try_to_lock);
-        if (!busy.owns_lock()) continue;
+        if (!problem.empty()) break;
+        // Safe beside the owner's calls for a blocking communicator (PyTorch's watchdog does the
+        // same). (With non-blocking communicators it was not: ncclCommGetAsyncError reaps a pending
+        // group job, and two threads reaping one job made NCCL report "internal error ... job
+        // error 3"; one more reason they are blocking now.)
         ncclResult_t st = ncclSuccess;
         if (ncclCommGetAsyncError(c->handle(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
           problem = fmt::format("NCCL reported an asynchronous error on group '{}' (rank {} of {}; world ranks {}): "
@@ -595,16 +646,9 @@ std::unique_ptr<Communicator> make_nccl_world_communicator(TcpRendezvous& rv, in
   MT_CHECK(blob.size() == sizeof(id), "NCCL unique id of {} bytes", blob.size());
   std::memcpy(&id, blob.data(), sizeof(id));
 
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  config.commName = "world";
-  ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRankConfig(&comm, rv.world_size(), id, rv.rank(), &config);
-  if (r != ncclSuccess && r != ncclInProgress)
-    fail("ncclCommInitRankConfig (rank {} of {}) failed: {}", rv.rank(), rv.world_size(), ncclGetErrorString(r));
-  NcclCommunicator::wait_ready(comm, fmt::format("initialization of the world communicator (rank {} of {})",
-                                                 rv.rank(), rv.world_size()),
-                               timeout);
+  ncclComm_t comm = NcclCommunicator::init_communicator(
+      fmt::format("initialization of the world communicator (rank {} of {})", rv.rank(), rv.world_size()), "world",
+      rv.world_size(), id, rv.rank(), device, timeout);
   return std::make_unique<NcclCommunicator>(comm, "world", device, reinterpret_cast<cudaStream_t>(stream), timeout,
                                             rv.rank());
 }

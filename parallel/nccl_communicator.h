@@ -4,16 +4,18 @@
 // Bootstrap without MPI: rank 0 calls ncclGetUniqueId and hands the 128 bytes to the other ranks
 // over the TCP rendezvous at MASTER_ADDR:MASTER_PORT (parallel/tcp_rendezvous.h); before that the
 // ranks exchange host name and GPU UUID, so two ranks on one GPU fail with a message naming them.
-// Then every rank calls ncclCommInitRankConfig with a non-blocking config and polls it against the
-// deadline. Sub-groups come from ncclCommSplit (collective over the parent: every parent rank calls
-// split(), in the same order).
+// Then every rank calls ncclCommInitRankConfig. Sub-groups get a fresh unique id from their first
+// member over the parent (collective over the parent: every parent rank calls split(), in the same
+// order). Communicators are blocking: a non-blocking one launches each collective from a thread
+// created for it, which cost tens of microseconds per collective.
 //
 // No hangs: a watchdog thread (one per process) records a CUDA event after each operation and polls
-// cudaEventQuery and ncclCommGetAsyncError. Past --distributed-timeout-minutes for one operation,
-// or on an asynchronous NCCL error, it prints which group, which operation and which world ranks,
-// calls ncclCommAbort on every communicator and exits the process with status 1. Every rank has its
-// own watchdog, so every rank of a stuck job ends. (ncclCommDestroy could block forever on a hung
-// collective; abort does not.)
+// cudaEventQuery and ncclCommGetAsyncError, and it watches every blocking NCCL call in progress
+// (initialization, enqueue, finalize) against its deadline. Past --distributed-timeout-minutes for
+// one operation or call, or on an asynchronous NCCL error, it prints which group, which operation
+// and which world ranks, calls ncclCommAbort on every communicator and exits the process with
+// status 1. Every rank has its own watchdog, so every rank of a stuck job ends. (ncclCommDestroy
+// could block forever on a hung collective; abort does not.)
 //
 // NVLink multicast stays off: NCCL_NVLS_ENABLE=0 is set before NCCL initializes unless the user set
 // it. NVLink SHARP (NVLS) collectives use GPU multicast objects; on shared GPU hosts a program using
