@@ -44,6 +44,9 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&tp_comm_stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_compute_done_, cudaEventDisableTiming));
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_comm_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
@@ -60,12 +63,16 @@ CudaBackend::~CudaBackend() {
   profiler_.reset();
   cudaStreamSynchronize(stream_);
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+  if (tp_comm_stream_) cudaStreamSynchronize(tp_comm_stream_);
   gemm_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
+  if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
+  if (tp_comm_done_) cudaEventDestroy(tp_comm_done_);
+  if (tp_comm_stream_) cudaStreamDestroy(tp_comm_stream_);
   if (comm_stream_) cudaStreamDestroy(comm_stream_);
   for (auto& r : registered_segments_) cudaFree(r.device);
   if (attention_workspace_) cudaFree(attention_workspace_);
@@ -135,6 +142,14 @@ void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 void CudaBackend::comm_wait_for_compute() {
   MT_CUDA_CHECK(cudaEventRecord(compute_done_, stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, compute_done_, 0));
+}
+void CudaBackend::tp_comm_wait_for_compute() {
+  MT_CUDA_CHECK(cudaEventRecord(tp_compute_done_, stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(tp_comm_stream_, tp_compute_done_, 0));
+}
+void CudaBackend::compute_wait_for_tp_comm() {
+  MT_CUDA_CHECK(cudaEventRecord(tp_comm_done_, tp_comm_stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
 }
 void CudaBackend::compute_wait_for_comm() {
   MT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_stream_));

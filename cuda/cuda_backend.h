@@ -117,6 +117,9 @@ class CudaBackend final : public Backend {
   void register_optim_segments(std::span<const OptimSegment> segments) override;
 
   void* comm_stream() override { return comm_stream_; }
+  void* tp_comm_stream() override { return tp_comm_stream_; }
+  void tp_comm_wait_for_compute() override;
+  void compute_wait_for_tp_comm() override;
   void comm_wait_for_compute() override;
   void compute_wait_for_comm() override;
   void reserve_comm_marks(int n) override;
@@ -151,7 +154,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
   // hand work between the streams, and the numbered marks of the parameter all-gathers.
-  cudaStream_t comm_stream_ = nullptr;
+  cudaStream_t comm_stream_ = nullptr, tp_comm_stream_ = nullptr;
+  cudaEvent_t tp_compute_done_ = nullptr, tp_comm_done_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   std::vector<cudaEvent_t> comm_marks_;
   void* scratch_memory_ = nullptr;

@@ -324,6 +324,14 @@ class Backend {
   // Numbered positions on the communication stream, allocated at set-up (reserve_comm_marks):
   // record_comm_mark(i) marks the position now, compute_wait_for_mark(i) makes the compute
   // stream wait until the communication stream has passed it.
+  // A second communication stream for tensor-parallel collectives that overlap the backward's
+  // GEMMs (sequence parallelism: the norm output's all-gather beside the input-gradient GEMM, the
+  // input gradient's reduce-scatter beside the weight-gradient GEMM), apart from the data-parallel
+  // stream so that TP transfers never queue behind gradient buckets. Null / no-ops on the reference
+  // backend.
+  virtual void* tp_comm_stream() { return nullptr; }
+  virtual void tp_comm_wait_for_compute() {}
+  virtual void compute_wait_for_tp_comm() {}
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }

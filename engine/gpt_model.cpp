@@ -147,6 +147,15 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   layout(*arena_);  // real views
   bind_params();
   fp8_.initialize(be_);
+  if (d_.sequence_parallel) {
+    tp_overlap_ = ps_.tp.get();
+    if (be_.tp_comm_stream() && d_.stage_layers() > 0) {
+      // Collective over the TP group: every member builds its chunks alike.
+      tp_overlap_own_ = ps_.tp->split(0, d_.tp_rank, "tp_overlap");
+      tp_overlap_own_->set_stream(be_.tp_comm_stream());
+      tp_overlap_ = tp_overlap_own_.get();
+    }
+  }
   if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend, opt_.compute);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
@@ -831,12 +840,16 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     linear_bwd_weight(local, Fp8State::fc2, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
   linear_quantize_dy(local, Fp8State::fc1, d_fc1);
-  linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
-  // Column-parallel input gradient: summed over TP (reduce-scattered with SP).
-  be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
-                              A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
-  gather_rows(A.ln2_out);
-  linear_bwd_weight(local, Fp8State::fc1, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
+  if (d_.sequence_parallel) {
+    column_parallel_backward_sp(local, Fp8State::fc1, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
+                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);
+  } else {
+    linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
+    // Column-parallel input gradient: summed over TP.
+    be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
+                                A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
+    linear_bwd_weight(local, Fp8State::fc1, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
+  }
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
@@ -850,11 +863,38 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
   linear_quantize_dy(local, Fp8State::qkv, w.gQKV);
-  linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
-  be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
-                              A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
-  gather_rows(A.ln1_out);
-  linear_bwd_weight(local, Fp8State::qkv, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+  if (d_.sequence_parallel) {
+    column_parallel_backward_sp(local, Fp8State::qkv, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
+                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
+  } else {
+    linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
+    be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
+                                A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
+    linear_bwd_weight(local, Fp8State::qkv, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+  }
+}
+
+// Norm -> column-parallel linear under sequence parallelism, backward from the linear's output
+// gradient d_out (all rows) to dx (this rank's rows), in Megatron's overlapped order: the norm
+// output is recomputed for this rank's rows (norm_forward from the norm's input: the same bits, the
+// statistics rewritten with the values they hold) and all-gathered on the TP stream while the
+// input-gradient GEMM runs; that gradient is reduce-scattered on the TP stream while the
+// weight-gradient GEMM runs; then the norm's backward. (gT holds the input gradient, all rows.)
+void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean,
+                                           Tensor norm_rstd, Tensor norm_in, Tensor norm_w, Tensor norm_b,
+                                           Tensor norm_dw, Tensor norm_db, Tensor d_out, Tensor weight,
+                                           Tensor dweight, Tensor dbias, Tensor dx, Tensor dresidual) {
+  const Workspace& w = *ws_;
+  be_.norm_forward(local_rows(norm_out), norm_mean, norm_rstd, norm_in, norm_w, norm_b, norm_);
+  be_.tp_comm_wait_for_compute();
+  tp_overlap_->all_gather(norm_out, local_rows(norm_out));
+  linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
+  be_.compute_wait_for_tp_comm();  // the norm output, all rows
+  be_.tp_comm_wait_for_compute();  // the input gradient
+  tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
+  linear_bwd_weight(local, fp8_slot, dweight, dbias, d_out, norm_out);
+  be_.compute_wait_for_tp_comm();
+  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, norm_);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

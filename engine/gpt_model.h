@@ -29,6 +29,7 @@
 namespace mt {
 
 struct ParallelState;
+class Communicator;
 
 // Which layers of the stage are recomputed in backward (--recompute-granularity full): groups of
 // consecutive local layers whose inputs alone are kept. Selective recompute (core attention) keeps
@@ -179,6 +180,11 @@ class GptModel {
   Tensor local_rows(Tensor t) const;
   void gather_rows(Tensor full);
   Tensor reduce_rows(Tensor full);
+  // The tail of a column-parallel linear layer's backward under sequence parallelism (fc1, QKV).
+  void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
+                                   Tensor norm_in, Tensor norm_w, Tensor norm_b, Tensor norm_dw, Tensor norm_db,
+                                   Tensor d_out, Tensor weight, Tensor dweight, Tensor dbias, Tensor dx,
+                                   Tensor dresidual);
   Tensor expand_grad(Tensor local, float p, uint64_t key);
   void reduce_tp_partial(int layer);
   void grads_final(int first_param);
@@ -203,6 +209,10 @@ class GptModel {
   ModelOptions opt_;
   ParallelState& ps_;
   Backend& be_;
+  // Sequence parallelism: the TP communicator on the backend's TP stream (CUDA), or ps_.tp itself
+  // where the backend has none (the reference backend: synchronous, same order of operations).
+  std::unique_ptr<Communicator> tp_overlap_own_;
+  Communicator* tp_overlap_ = nullptr;
   std::unique_ptr<Arena> arena_;
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
