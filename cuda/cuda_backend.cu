@@ -151,6 +151,11 @@ void CudaBackend::compute_wait_for_tp_comm() {
   MT_CUDA_CHECK(cudaEventRecord(tp_comm_done_, tp_comm_stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
 }
+void CudaBackend::set_gemm_sm_margin(int sms) {
+  gemm_sm_target_ = sms > 0 ? std::max(1, num_sms_ - sms) : 0;
+  gemm_->sm_count_target = gemm_sm_target_;
+  if (fp8_gemm_) fp8_gemm_->sm_count_target = gemm_sm_target_;
+}
 void CudaBackend::compute_wait_for_comm() {
   MT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_done_, 0));

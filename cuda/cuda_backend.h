@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
   void* tp_comm_stream() override { return tp_comm_stream_; }
   void tp_comm_wait_for_compute() override;
   void compute_wait_for_tp_comm() override;
+  void set_gemm_sm_margin(int sms) override;
   void comm_wait_for_compute() override;
   void compute_wait_for_comm() override;
   void reserve_comm_marks(int n) override;
@@ -150,6 +151,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int num_sms_ = 1;
+  int gemm_sm_target_ = 0;  // set_gemm_sm_margin (0: all SMs)
   size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that

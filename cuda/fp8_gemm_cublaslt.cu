@@ -39,7 +39,7 @@ bool Fp8GemmRunner::Key::operator==(const Key& o) const {
   return m == o.m && n == o.n && k == o.k && x_format == o.x_format && w_format == o.w_format &&
          out_type == o.out_type && accumulate == o.accumulate && has_bias == o.has_bias && has_amax == o.has_amax &&
          fast_accum == o.fast_accum && align_x == o.align_x && align_w == o.align_w && align_out == o.align_out &&
-         align_bias == o.align_bias;
+         align_bias == o.align_bias && sms == o.sms;
 }
 
 size_t Fp8GemmRunner::KeyHash::operator()(const Key& k) const {
@@ -47,7 +47,7 @@ size_t Fp8GemmRunner::KeyHash::operator()(const Key& k) const {
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {k.m, k.n, k.k}) mix(static_cast<uint64_t>(v));
   for (unsigned v : {k.x_format, k.w_format, k.out_type, k.accumulate, k.has_bias, k.has_amax, k.fast_accum}) mix(v);
-  for (unsigned v : {k.align_x, k.align_w, k.align_out, k.align_bias}) mix(v);
+  for (unsigned v : {k.align_x, k.align_w, k.align_out, k.align_bias, k.sms}) mix(v);
   return h;
 }
 
@@ -99,6 +99,7 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
   const int8_t fast = c.fast_accum ? 1 : 0;
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast);
+  if (key.sms > 0) set_desc(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<int32_t>(key.sms));
   // Scale pointers are part of the descriptor; the heuristic only needs to know they are set.
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(c.w_scale_inv));
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(c.x_scale_inv));
@@ -155,7 +156,8 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
   Key key{c.m, c.n, c.k,
           static_cast<uint8_t>(c.x_format), static_cast<uint8_t>(c.w_format), static_cast<uint8_t>(c.out_type),
           c.beta != 0.0f, c.bias != nullptr, c.amax_out != nullptr, c.fast_accum,
-          alignment_of(c.x), alignment_of(c.w), alignment_of(c.out), alignment_of(c.bias)};
+          alignment_of(c.x), alignment_of(c.w), alignment_of(c.out), alignment_of(c.bias),
+          static_cast<uint16_t>(sm_count_target)};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, make_plan(c, key)).first;
   Plan& p = it->second;

@@ -84,12 +84,14 @@ class Fp8GemmRunner {
   // How many GEMMs run() had to split into row blocks (no algorithm for the whole; see run()).
   int64_t row_splits() const { return row_splits_; }
   cudaStream_t stream() const { return stream_; }
+  // SMs the GEMMs may use; 0: all (see GemmRunner::sm_count_target).
+  int sm_count_target = 0;
 
  private:
   struct Key {
     int64_t m, n, k;
     uint8_t x_format, w_format, out_type, accumulate, has_bias, has_amax, fast_accum;
-    uint16_t align_x, align_w, align_out, align_bias;
+    uint16_t align_x, align_w, align_out, align_bias, sms;
     bool operator==(const Key& o) const;
   };
   struct KeyHash {

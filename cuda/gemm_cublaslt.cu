@@ -62,7 +62,7 @@ bool GemmRunner::Key::operator==(const Key& o) const {
   return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldd == o.ldd && aux_ld == o.aux_ld &&
          trans_a == o.trans_a && trans_b == o.trans_b && a_type == o.a_type && b_type == o.b_type &&
          d_type == o.d_type && epilogue == o.epilogue && accumulate == o.accumulate && align_a == o.align_a &&
-         align_b == o.align_b && align_d == o.align_d && align_bias == o.align_bias && align_aux == o.align_aux;
+         align_b == o.align_b && align_d == o.align_d && align_bias == o.align_bias && align_aux == o.align_aux && sms == o.sms;
 }
 
 size_t GemmRunner::KeyHash::operator()(const Key& k) const {
@@ -70,7 +70,7 @@ size_t GemmRunner::KeyHash::operator()(const Key& k) const {
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd, k.aux_ld}) mix(static_cast<uint64_t>(v));
   for (unsigned v : {k.trans_a, k.trans_b, k.a_type, k.b_type, k.d_type, k.epilogue, k.accumulate}) mix(v);
-  for (unsigned v : {k.align_a, k.align_b, k.align_d, k.align_bias, k.align_aux}) mix(v);
+  for (unsigned v : {k.align_a, k.align_b, k.align_d, k.align_bias, k.align_aux, k.sms}) mix(v);
   return h;
 }
 
@@ -102,6 +102,7 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, ta);
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, tb);
   set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(c.epilogue));
+  if (key.sms > 0) set_desc(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<int32_t>(key.sms));
   // The heuristic reads the epilogue pointers' values for their alignment.
   if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
   if (c.aux) {
@@ -197,7 +198,8 @@ bool GemmRunner::try_run(const GemmCall& c) {
   Key key{c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.aux ? c.aux_ld : 0,
           c.trans_a, c.trans_b, static_cast<uint8_t>(c.a_type), static_cast<uint8_t>(c.b_type),
           static_cast<uint8_t>(c.d_type), static_cast<uint8_t>(c.epilogue), c.beta != 0.0f,
-          alignment_of(c.a), alignment_of(c.b), alignment_of(c.d), alignment_of(c.bias), alignment_of(c.aux)};
+          alignment_of(c.a), alignment_of(c.b), alignment_of(c.d), alignment_of(c.bias), alignment_of(c.aux),
+          static_cast<uint16_t>(sm_count_target)};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, make_plan(c, key)).first;
   Plan& p = it->second;

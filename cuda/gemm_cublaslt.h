@@ -82,13 +82,19 @@ class GemmRunner {
   // differently.
   bool autotune = false;
   static constexpr int kTuneCandidates = 8;
+  // SMs the GEMMs may use (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0: all. Set while a collective
+  // runs beside them: cuBLASLt's persistent kernels start one block per SM and give each a fixed
+  // share of the tiles, so blocks that wait for the SMs a collective holds finish last, and the
+  // GEMM ends about when it would have ended after the collective. A GEMM that leaves the
+  // collective its SMs runs a little longer but beside it (see Backend::set_gemm_sm_margin).
+  int sm_count_target = 0;
   size_t tuned_plans() const { return tuned_; }
 
  private:
   struct Key {
     int64_t m, n, k, lda, ldb, ldd, aux_ld;
     uint8_t trans_a, trans_b, a_type, b_type, d_type, epilogue, accumulate;
-    uint16_t align_a, align_b, align_d, align_bias, align_aux;
+    uint16_t align_a, align_b, align_d, align_bias, align_aux, sms;
     bool operator==(const Key& o) const;
   };
   struct KeyHash {

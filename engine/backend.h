@@ -332,6 +332,10 @@ class Backend {
   virtual void* tp_comm_stream() { return nullptr; }
   virtual void tp_comm_wait_for_compute() {}
   virtual void compute_wait_for_tp_comm() {}
+  // GEMMs launched from now on leave `sms` streaming multiprocessors free (0: they use all), for a
+  // collective that runs beside them (see cuda/gemm_cublaslt.h: sm_count_target). No-op on the
+  // reference backend.
+  virtual void set_gemm_sm_margin(int sms) { (void)sms; }
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
@@ -97,6 +98,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   ModelOptions o;
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
+  if (const char* m = std::getenv("MEGATRAIN_TP_OVERLAP_SM_MARGIN"); m && *m) o.tp_overlap_sm_margin = std::atoi(m);
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
@@ -888,11 +890,14 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, T
   be_.norm_forward(local_rows(norm_out), norm_mean, norm_rstd, norm_in, norm_w, norm_b, norm_);
   be_.tp_comm_wait_for_compute();
   tp_overlap_->all_gather(norm_out, local_rows(norm_out));
+  const bool overlapped = tp_overlap_own_ != nullptr;  // a stream of its own: the GEMMs leave it SMs
+  if (overlapped) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
   linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
   be_.compute_wait_for_tp_comm();  // the norm output, all rows
   be_.tp_comm_wait_for_compute();  // the input gradient
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
   linear_bwd_weight(local, fp8_slot, dweight, dbias, d_out, norm_out);
+  if (overlapped) be_.set_gemm_sm_margin(0);
   be_.compute_wait_for_tp_comm();
   be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, norm_);
 }

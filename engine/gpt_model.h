@@ -66,6 +66,9 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
+  // Sequence parallelism: SMs the backward's GEMMs leave to the TP collectives that overlap them
+  // (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN overrides (benchmarks).
+  int tp_overlap_sm_margin = 16;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
