@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "parallel/parallel_state.h"
+#include "parallel/parallel_state_builder.h"
 
 namespace mt {
 
@@ -145,17 +146,33 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   logits_rows_ = choose_logits_rows(d_, opt_);
   arena_ = std::make_unique<Arena>(be_);
   layout(*arena_);  // measure
+  const bool overlap_sp = d_.sequence_parallel && be_.tp_comm_stream() && d_.stage_layers() > 0;
+  if (overlap_sp) {
+    // The workspace (where every sequence-parallel all-gather lands) in NCCL symmetric memory, so
+    // that those all-gathers run on the copy engines beside the GEMMs (see
+    // column_parallel_backward_sp). Every TP rank lays out the same workspace.
+    Communicator* tp = ps_.tp.get();
+    arena_->place(
+        MemoryCategory::workspace, [tp](size_t n) { return tp->allocate_symmetric(n); },
+        [tp](void* p) { tp->free_symmetric(p); });
+  }
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
   fp8_.initialize(be_);
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
-    if (be_.tp_comm_stream() && d_.stage_layers() > 0) {
+    if (overlap_sp) {
       // Collective over the TP group: every member builds its chunks alike.
-      tp_overlap_own_ = ps_.tp->split(0, d_.tp_rank, "tp_overlap");
+      tp_overlap_own_ = ps_.tp->split(0, d_.tp_rank, "tp_overlap", tp_group_options());
       tp_overlap_own_->set_stream(be_.tp_comm_stream());
       tp_overlap_ = tp_overlap_own_.get();
+      if (arena_->placed(MemoryCategory::workspace)) {
+        const MemoryCategory W = MemoryCategory::workspace;
+        const size_t bytes = arena_->plan().of(W);
+        tp_copy_engines_ = ps_.tp->register_symmetric(arena_->block(W), bytes);
+        tp_copy_engines_ = tp_overlap_own_->register_symmetric(arena_->block(W), bytes) && tp_copy_engines_;
+      }
     }
   }
   if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend, opt_.compute);
@@ -210,7 +227,14 @@ MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& opti
   return m.memory_plan();
 }
 
-GptModel::~GptModel() = default;
+GptModel::~GptModel() {
+  // Symmetric memory leaves its windows before the arena frees it (collective over TP).
+  if (arena_ && arena_->placed(MemoryCategory::workspace) && tp_overlap_own_) {
+    char* w = arena_->block(MemoryCategory::workspace);
+    ps_.tp->deregister_symmetric(w);
+    tp_overlap_own_->deregister_symmetric(w);
+  }
+}
 
 const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
 
@@ -890,14 +914,16 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, T
   be_.norm_forward(local_rows(norm_out), norm_mean, norm_rstd, norm_in, norm_w, norm_b, norm_);
   be_.tp_comm_wait_for_compute();
   tp_overlap_->all_gather(norm_out, local_rows(norm_out));
-  const bool overlapped = tp_overlap_own_ != nullptr;  // a stream of its own: the GEMMs leave it SMs
-  if (overlapped) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
+  // On the copy engines the all-gather needs SMs only for its few synchronizing steps; the GEMM
+  // leaves it some, or it would wait for the GEMM's end (bench_tp_overlap, bench/RESULTS.md). The
+  // reduce-scatter runs on NCCL kernels: there a margin only slows the GEMM as much as it gains.
+  if (tp_copy_engines_) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
   linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
+  if (tp_copy_engines_) be_.set_gemm_sm_margin(0);
   be_.compute_wait_for_tp_comm();  // the norm output, all rows
   be_.tp_comm_wait_for_compute();  // the input gradient
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
   linear_bwd_weight(local, fp8_slot, dweight, dbias, d_out, norm_out);
-  if (overlapped) be_.set_gemm_sm_margin(0);
   be_.compute_wait_for_tp_comm();
   be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, norm_);
 }

@@ -66,8 +66,9 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
-  // Sequence parallelism: SMs the backward's GEMMs leave to the TP collectives that overlap them
-  // (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN overrides (benchmarks).
+  // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
+  // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
+  // overrides (benchmarks).
   int tp_overlap_sm_margin = 16;
 
   // The single-process options of this config (the DP fields are set by the caller).
@@ -216,6 +217,7 @@ class GptModel {
   // where the backend has none (the reference backend: synchronous, same order of operations).
   std::unique_ptr<Communicator> tp_overlap_own_;
   Communicator* tp_overlap_ = nullptr;
+  bool tp_copy_engines_ = false;  // the workspace is registered symmetric memory on both TP groups
   std::unique_ptr<Arena> arena_;
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;

@@ -36,8 +36,18 @@ std::string MemoryPlan::summary() const {
 }
 
 Arena::~Arena() {
-  for (char* b : base_)
-    if (b && !measuring_) backend_.deallocate(b);
+  if (measuring_) return;
+  for (size_t i = 0; i < base_.size(); ++i) {
+    if (!base_[i]) continue;
+    if (release_[i]) release_[i](base_[i]);
+    else backend_.deallocate(base_[i]);
+  }
+}
+
+void Arena::place(MemoryCategory c, std::function<void*(size_t)> allocate, std::function<void(void*)> release) {
+  MT_CHECK(measuring_, "Arena::place after allocate()");
+  allocate_[static_cast<size_t>(c)] = std::move(allocate);
+  release_[static_cast<size_t>(c)] = std::move(release);
 }
 
 Tensor Arena::take(MemoryCategory c, DType dtype, std::initializer_list<int64_t> dims) {
@@ -61,7 +71,11 @@ void Arena::allocate() {
   MT_CHECK(measuring_, "arena allocated twice");
   for (size_t i = 0; i < base_.size(); ++i) {
     if (plan_.bytes[i] == 0) continue;
-    base_[i] = static_cast<char*>(backend_.allocate(plan_.bytes[i]));
+    if (allocate_[i]) base_[i] = static_cast<char*>(allocate_[i](plan_.bytes[i]));
+    if (base_[i] == nullptr) {
+      release_[i] = nullptr;
+      base_[i] = static_cast<char*>(backend_.allocate(plan_.bytes[i]));
+    }
     // Sizes are multiples of kAlignment: zero the block as float32 words.
     Tensor whole(base_[i], DType::f32, backend_.device(), {static_cast<int64_t>(plan_.bytes[i] / 4)});
     backend_.fill(whole, 0.0);

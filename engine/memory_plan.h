@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <string>
 
@@ -56,6 +57,12 @@ class Arena {
   // same layout code run again returns real views at the same offsets.
   void allocate();
   const MemoryPlan& plan() const { return plan_; }
+  // Before allocate(): category c's block comes from `allocate` (freed with `release`) instead of
+  // the backend, unless it returns null (e.g. NCCL symmetric memory for the workspace).
+  void place(MemoryCategory c, std::function<void*(size_t)> allocate, std::function<void(void*)> release);
+  // After allocate(): category c's block (null when empty) and whether place() provided it.
+  char* block(MemoryCategory c) const { return base_[static_cast<size_t>(c)]; }
+  bool placed(MemoryCategory c) const { return static_cast<bool>(release_[static_cast<size_t>(c)]); }
 
  private:
   Backend& backend_;
@@ -63,6 +70,8 @@ class Arena {
   MemoryPlan plan_;
   std::array<size_t, static_cast<size_t>(MemoryCategory::count)> used_{};
   std::array<char*, static_cast<size_t>(MemoryCategory::count)> base_{};
+  std::array<std::function<void*(size_t)>, static_cast<size_t>(MemoryCategory::count)> allocate_{};
+  std::array<std::function<void(void*)>, static_cast<size_t>(MemoryCategory::count)> release_{};
 };
 
 }  // namespace mt

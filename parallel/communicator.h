@@ -16,6 +16,13 @@ namespace mt {
 
 enum class ReduceOp { sum, max, min };
 
+// How a new group's collectives run (split()); NCCL reads it, host communicators ignore it.
+struct GroupOptions {
+  // NCCL CTAs (thread blocks, one per channel) per collective; 0: NCCL's choice. More CTAs move a
+  // collective faster but leave fewer SMs to the kernels beside it.
+  int ctas = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -35,11 +42,31 @@ class Communicator {
   virtual void group_end() = 0;
   virtual void barrier() = 0;
   // Ranks with the same color form a new group, ordered by key (collective over this group).
-  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name,
+                                              const GroupOptions& options) = 0;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) {
+    return split(color, key, name, GroupOptions{});
+  }
   // NCCL: enqueue this communicator's later operations on `stream` (a cudaStream_t; e.g. the
   // backend's communication stream, so that data-parallel reductions overlap compute). The caller
   // orders the streams. Host communicators (MPI, a group of one) ignore it.
   virtual void set_stream(void* stream) { (void)stream; }
+  // Symmetric memory (NCCL 2.28 windows, one host with NVLink between every pair of GPUs): a block
+  // that every member allocates alike with allocate_symmetric and registers with this group
+  // (register_symmetric, collective). All-gathers from and into a registered block then run on the
+  // copy engines and use no SMs, so they can overlap a GEMM. allocate_symmetric returns nullptr
+  // where that is not available (then use ordinary memory); deregister (collective) before freeing.
+  virtual void* allocate_symmetric(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
+  virtual void free_symmetric(void* p) { (void)p; }
+  virtual bool register_symmetric(void* p, size_t bytes) {  // false: not registered (kernels move it)
+    (void)p;
+    (void)bytes;
+    return false;
+  }
+  virtual void deregister_symmetric(void* p) { (void)p; }
 };
 
 // A group of one rank.

@@ -215,7 +215,8 @@ class MpiCommunicator final : public Communicator {
     wait_one(req, "barrier");
   }
 
-  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  using Communicator::split;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name, const GroupOptions&) override {
     // MPI_Comm_split itself cannot time out: wait for every member at a barrier first, so a rank
     // that never arrives is reported instead of hanging the split.
     const std::string what = fmt::format("split into '{}'", name);

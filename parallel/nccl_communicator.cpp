@@ -213,6 +213,12 @@ class NcclCommunicator final : public Communicator {
     bool clean = cudaStreamSynchronize(stream_) == cudaSuccess;
     {
       std::lock_guard<std::recursive_mutex> api(api_mu_);
+      if (clean && !windows_.empty()) {
+        call_.arm("window deregistration", timeout_);
+        for (auto& [p, w] : windows_) clean = clean && ncclCommWindowDeregister(comm_, w) == ncclSuccess;
+        call_.disarm();
+        windows_.clear();
+      }
       if (clean) {
         call_.arm("finalize", timeout_);
         clean = ncclCommFinalize(comm_) == ncclSuccess;
@@ -328,7 +334,9 @@ class NcclCommunicator final : public Communicator {
   // Splits by handing out one fresh ncclUniqueId per color over this communicator and initialising
   // each group with ncclCommInitRankConfig, instead of ncclCommSplit: on the H200 machines (NCCL
   // 2.28.3) ncclCommSplit returned success and no child handle, in blocking and non-blocking mode.
-  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  using Communicator::split;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name,
+                                      const GroupOptions& options) override {
     const int32_t mine[2] = {color < 0 ? -1 : color, key};
     const std::vector<char> pairs = all_gather_host(mine, sizeof(mine));
     auto at = [&](int r, int i) {
@@ -363,8 +371,45 @@ class NcclCommunicator final : public Communicator {
     const std::string what = fmt::format("creation of group '{}' (rank {} of {}) from '{}'", name, my_index,
                                          members.size(), name_);
     ncclComm_t child = init_communicator(what, name.c_str(), static_cast<int>(members.size()), id, my_index, device_,
-                                         timeout_);
+                                         timeout_, options.ctas);
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
+  }
+
+  void* allocate_symmetric(size_t bytes) override {
+    void* p = nullptr;
+    const ncclResult_t r = ncclMemAlloc(&p, bytes);
+    if (r != ncclSuccess) {
+      log::warn("ncclMemAlloc of {:.1f} MiB failed ({}): group '{}' moves its all-gathers with kernels",
+                bytes / 1048576.0, ncclGetErrorString(r), name_);
+      return nullptr;
+    }
+    return p;
+  }
+  void free_symmetric(void* p) override {
+    if (p) ncclMemFree(p);
+  }
+  bool register_symmetric(void* p, size_t bytes) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
+    ncclWindow_t w = nullptr;
+    call_.arm("window registration", timeout_);
+    const ncclResult_t r = ncclCommWindowRegister(comm_, p, bytes, &w, NCCL_WIN_COLL_SYMMETRIC);
+    call_.disarm();
+    if (r != ncclSuccess || !w) {
+      log::warn("NCCL window registration on group '{}' failed ({}): its all-gathers use kernels", name_,
+                ncclGetErrorString(r));
+      return false;
+    }
+    windows_.emplace_back(p, w);
+    return true;
+  }
+  void deregister_symmetric(void* p) override {
+    std::lock_guard<std::recursive_mutex> api(api_mu_);
+    for (auto it = windows_.begin(); it != windows_.end(); ++it) {
+      if (it->first != p) continue;
+      call("window deregistration", [&] { return ncclCommWindowDeregister(comm_, it->second); });
+      windows_.erase(it);
+      return;
+    }
   }
 
   void set_stream(void* stream) override {
@@ -375,7 +420,7 @@ class NcclCommunicator final : public Communicator {
   // Creates one (blocking) communicator, watched: past the timeout the watchdog ends the process
   // with `what` in its message.
   static ncclComm_t init_communicator(const std::string& what, const char* name, int nranks, const ncclUniqueId& id,
-                                      int rank, int device, Millis timeout) {
+                                      int rank, int device, Millis timeout, int ctas = 0) {
     Watchdog& w = Watchdog::get();
     w.start(device);
     HostCall& guard = w.init_call();
@@ -383,6 +428,10 @@ class NcclCommunicator final : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
     config.commName = name;
+    // All-gathers within registered symmetric memory go to the copy engines (register_symmetric);
+    // nothing else changes.
+    config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    if (ctas > 0) config.minCTAs = config.maxCTAs = ctas;
     ncclComm_t comm = nullptr;
     guard.arm("initialization", timeout);
     const ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
@@ -494,6 +543,7 @@ class NcclCommunicator final : public Communicator {
   std::vector<int> members_;
   void* scratch_ = nullptr;
   HostCall call_;
+  std::vector<std::pair<void*, ncclWindow_t>> windows_;  // register_symmetric
   bool in_group_ = false;
   size_t group_bytes_ = 0;
   int last_peer_ = -1;

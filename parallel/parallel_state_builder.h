@@ -20,6 +20,10 @@ struct Config;
 // world: all cfg.parallel.world_size ranks (its size must match TP x CP x DP x PP).
 ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicator> world);
 
+// How tensor-parallel groups run their collectives (the "tp" group, and groups split from it for
+// the same traffic, e.g. the model's TP overlap group).
+GroupOptions tp_group_options();
+
 // The world communicator for this run:
 //  * world size 1: a group of one (no communication library involved);
 //  * --device cpu: MPI (the process must have been started by mpirun; otherwise an error says how);

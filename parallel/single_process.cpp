@@ -23,7 +23,8 @@ class SelfCommunicator final : public Communicator {
   void group_start() override {}
   void group_end() override {}
   void barrier() override {}
-  std::unique_ptr<Communicator> split(int, int, const std::string& name) override {
+  using Communicator::split;
+  std::unique_ptr<Communicator> split(int, int, const std::string& name, const GroupOptions&) override {
     return std::make_unique<SelfCommunicator>(name);
   }
 
