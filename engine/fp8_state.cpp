@@ -1,5 +1,7 @@
 #include "engine/fp8_state.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "parallel/parallel_state.h"
 
@@ -54,6 +56,7 @@ void Fp8State::initialize(Backend& be) {
   be.fill(history_, 0.0);
   be.fill(scale_, 1.0);
   be.fill(scale_inv_, 1.0);
+  first_step_ = opt_.recipe == Fp8Recipe::delayed;
   std::vector<float> fmax(static_cast<size_t>(operands()));
   for (size_t i = 0; i < fmax.size(); ++i) fmax[i] = fp8_max(dtype(static_cast<Role>(i % kRoles)));
   be.copy_from_host(fp8_max_, fmax.data());
@@ -109,6 +112,10 @@ void Fp8State::load_from_host(Backend& be, const float* packed) {
       si[static_cast<size_t>(j * kPerLayer + k)] = b[(H + 1) * kPerLayer + k];
     }
   }
+  // No scale update yet (every scale 1): the casts keep using their own amax (see the header).
+  const auto one = [](float v) { return v == 1.0f; };
+  first_step_ = opt_.recipe == Fp8Recipe::delayed && std::all_of(sc.begin(), sc.end(), one) &&
+                std::all_of(si.begin(), si.end(), one);
   be.copy_from_host(history_, hist.data());
   be.copy_from_host(scale_, sc.data());
   be.copy_from_host(scale_inv_, si.data());
@@ -130,6 +137,7 @@ void Fp8State::end_step(Backend& be, ParallelState& ps) {
   u.algo = opt_.algo;
   u.margin = opt_.margin;
   be.fp8_update_scales(history_, scale_, scale_inv_, fp8_max_, u);
+  first_step_ = false;
 }
 
 }  // namespace mt

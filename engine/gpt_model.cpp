@@ -510,9 +510,13 @@ void GptModel::linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tenso
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
   }
-  fp8_refresh_weights(local);
+  fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
   const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
   be_.fp8_quantize(xq, Tensor(), x, fp8_meta(local, g, Fp8State::x));
+  if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
+    be_.linear_forward(y, x, w, bias, act, pre_act);
+    return;
+  }
   be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
                          fp8_.scale_inv(local, g, Fp8State::w), bias, act, pre_act);
 }
@@ -526,7 +530,7 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy) {
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
                                 Tensor pre_act) {
-  if (!fp8_layer(local)) {
+  if (!fp8_gemms(local)) {  // (calibrating: linear_quantize_dy recorded dy's amax)
     be_.linear_backward_input(dx, dy, w, false, act, pre_act);
     return;
   }
@@ -536,7 +540,7 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
 }
 
 void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
-  if (!fp8_layer(local) || !opt_.fp8.wgrad) {
+  if (!fp8_gemms(local) || !opt_.fp8.wgrad) {
     be_.linear_backward_weight(dw, dbias, dy, x);
     return;
   }
@@ -856,7 +860,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   } else {
     // fc1_pre becomes the activation (in place); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
-    if (fp8_layer(local)) {
+    if (fp8_gemms(local)) {
       linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
       be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
     } else {

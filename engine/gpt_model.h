@@ -200,6 +200,9 @@ class GptModel {
   LayerActs acts(const Slot& s, int local) const;
   // Linear layers of decoder layers: FP8 GEMMs in FP8 layers, the compute-dtype ones elsewhere.
   bool fp8_layer(int local) const { return fp8_.layer_fp8(local); }
+  // An FP8 layer whose GEMMs run in FP8 now: not while delayed scaling calibrates (its first
+  // step: the compute-dtype GEMMs, amaxes recorded; engine/fp8_state.h).
+  bool fp8_gemms(int local) const { return fp8_layer(local) && !fp8_.calibrating(); }
   void fp8_refresh_weights(int local);
   Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
   void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act);

@@ -35,6 +35,7 @@ Config fp8_mock_config(Config c) {
 struct Fp8Run {
   std::vector<double> losses;
   std::vector<float> scale, history;
+  std::vector<float> params;  // after the last step (float32 model)
 };
 
 Fp8Run train(const Config& cfg) {
@@ -49,6 +50,8 @@ Fp8Run train(const Config& cfg) {
   Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
   trainer.train();
   run.losses = trainer.loss_history();
+  run.params.resize(static_cast<size_t>(model.params_flat().numel()));
+  be->copy_to_host(run.params.data(), model.params_flat());
   const Fp8State& st = model.fp8_state();
   if (st.any()) {
     run.scale.resize(static_cast<size_t>(st.scale().numel()));
@@ -123,4 +126,66 @@ TEST_CASE("fp8 training: --first-last-layers-bf16 keeps those layers on the floa
   CHECK(b.scale.size() == 12u);
   CHECK(b.losses != ref.losses);
   check_follows(ref, b, 0.01);
+}
+
+TEST_CASE("fp8 training: delayed scaling calibrates its first step in float, then casts", "[fp8][engine][train]") {
+  // Transformer Engine casts the first step with scale 1; here the FP8 layers run that step in the
+  // compute dtype and only record the amaxes, so it is the float step, and the first delayed
+  // update has real amaxes to scale by.
+  Config base = fp8_mock_config(test::tiny_gpt_config());
+  base.train.train_iters = 1;
+  base.train.total_iters = 1;
+  base.train.lr_warmup_iters = 0;  // a full-size first update
+  const Fp8Run ref = train(base);
+  const Fp8Run delayed = train(with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed));
+  REQUIRE(delayed.losses.size() == 1u);
+  CHECK(delayed.losses[0] == ref.losses[0]);
+  CHECK(delayed.params == ref.params);  // the same gradients, the same update
+  REQUIRE(delayed.scale.size() == 2u * 12u);
+  for (float s : delayed.scale) CHECK(s != 1.0f);  // the update found an amax for every operand
+
+  base.train.train_iters = 3;
+  base.train.total_iters = 3;
+  const Fp8Run ref3 = train(base);
+  const Fp8Run d3 = train(with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed));
+  REQUIRE(d3.losses.size() == 3u);
+  CHECK(d3.losses[0] == ref3.losses[0]);
+  CHECK(d3.losses[1] != ref3.losses[1]);  // step 2 casts to FP8 with the delayed scales
+}
+
+TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also after a load)", "[fp8][engine]") {
+  auto be = make_reference_backend(1);
+  Fp8Options o;
+  o.format = Fp8Format::hybrid;
+  o.recipe = Fp8Recipe::delayed;
+  o.history_len = 2;
+  o.layer_fp8 = {1};
+  Fp8State st;
+  st.plan(o, 0, 1);
+  Arena arena(*be);
+  st.layout(arena);
+  arena.allocate();
+  st.layout(arena);
+  st.initialize(*be);
+  CHECK(st.calibrating());
+
+  // A checkpoint whose scales are all 1 (saved before any update) keeps the rule; one with an
+  // updated scale does not.
+  std::vector<float> packed(static_cast<size_t>(st.layer_floats()), 1.0f);
+  st.load_from_host(*be, packed.data());
+  CHECK(st.calibrating());
+  packed[static_cast<size_t>(2 * Fp8State::kPerLayer + 5)] = 2.0f;  // scale[5]
+  st.load_from_host(*be, packed.data());
+  CHECK_FALSE(st.calibrating());
+
+  // Tensorwise scaling never needs the rule.
+  o.recipe = Fp8Recipe::tensorwise;
+  Fp8State tw;
+  tw.plan(o, 0, 1);
+  Arena a2(*be);
+  tw.layout(a2);
+  a2.allocate();
+  tw.layout(a2);
+  tw.initialize(*be);
+  CHECK_FALSE(tw.calibrating());
 }

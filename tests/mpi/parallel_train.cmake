@@ -69,12 +69,9 @@ megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
 # every layout computes the same scales as one rank (also in the checkpoint). Not DP: there each
 # rank's loss gradient is scaled by its own micro-batch count (Megatron's 1/num_microbatches, the
 # DP average after), so output-gradient amaxes and scales differ by the factor DP (FP8 values
-# agree, being scaled by powers of two, except where the first step's scale of 1 underflows).
-# Exact (erf) GeLU here: the tolerances of --fp8 (tests/mpi/parallel_train_check.cpp) were set on
-# this trajectory. With the default tanh GeLU the same layouts agree to 6e-7 for 3 iterations, then
-# one float sum rounded differently moves an element across an FP8 rounding tie at iteration 4 and
-# the difference grows to 1.2e-4 in the loss by iteration 7 (lr 1e-2 on a width-32 model): the
-# known weakness of comparing FP8 trajectories, not a layout error (that shows at iteration 1).
+# agree, being scaled by powers of two). --fp8 compares 4 iterations at float32 tolerances
+# (tests/mpi/parallel_train_check.cpp says why: after an FP8 rounding-tie flip, at iteration 5 here,
+# the trajectories part). Exact (erf) GeLU: with the tanh GeLU such a flip came at iteration 4.
 megatrain_parallel_train_test(parallel_train_fp8_tp2_sp_pp2 --fp8 --model
   "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --no-bias-gelu-fusion"
   4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)
