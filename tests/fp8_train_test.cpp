@@ -153,20 +153,28 @@ TEST_CASE("fp8 training: delayed scaling calibrates its first step in float, the
   CHECK(d3.losses[1] != ref3.losses[1]);  // step 2 casts to FP8 with the delayed scales
 }
 
+// The FP8 state of one FP8 layer, planned, allocated and initialized as a model does it.
+struct OneLayerFp8 {
+  Arena arena;
+  Fp8State state;
+  OneLayerFp8(Backend& be, Fp8Recipe recipe) : arena(be) {
+    Fp8Options o;
+    o.format = Fp8Format::hybrid;
+    o.recipe = recipe;
+    o.history_len = 2;
+    o.layer_fp8 = {1};
+    state.plan(o, 0, 1);
+    state.layout(arena);
+    arena.allocate();
+    state.layout(arena);
+    state.initialize(be);
+  }
+};
+
 TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also after a load)", "[fp8][engine]") {
   auto be = make_reference_backend(1);
-  Fp8Options o;
-  o.format = Fp8Format::hybrid;
-  o.recipe = Fp8Recipe::delayed;
-  o.history_len = 2;
-  o.layer_fp8 = {1};
-  Fp8State st;
-  st.plan(o, 0, 1);
-  Arena arena(*be);
-  st.layout(arena);
-  arena.allocate();
-  st.layout(arena);
-  st.initialize(*be);
+  OneLayerFp8 delayed(*be, Fp8Recipe::delayed);
+  Fp8State& st = delayed.state;
   CHECK(st.calibrating());
 
   // A checkpoint whose scales are all 1 (saved before any update) keeps the rule; one with an
@@ -174,18 +182,10 @@ TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also af
   std::vector<float> packed(static_cast<size_t>(st.layer_floats()), 1.0f);
   st.load_from_host(*be, packed.data());
   CHECK(st.calibrating());
-  packed[static_cast<size_t>(2 * Fp8State::kPerLayer + 5)] = 2.0f;  // scale[5]
+  packed[static_cast<size_t>(2 * Fp8State::kPerLayer + 5)] = 2.0f;  // scale[5] (history_len 2)
   st.load_from_host(*be, packed.data());
   CHECK_FALSE(st.calibrating());
 
   // Tensorwise scaling never needs the rule.
-  o.recipe = Fp8Recipe::tensorwise;
-  Fp8State tw;
-  tw.plan(o, 0, 1);
-  Arena a2(*be);
-  tw.layout(a2);
-  a2.allocate();
-  tw.layout(a2);
-  tw.initialize(*be);
-  CHECK_FALSE(tw.calibrating());
+  CHECK_FALSE(OneLayerFp8(*be, Fp8Recipe::tensorwise).state.calibrating());
 }
