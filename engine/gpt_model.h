@@ -66,6 +66,9 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
+  // Keep the FP8 inputs' transposed copies from forward to backward where that is exact
+  // (fp8_keeps_inputs()); false: the backward casts them again (tests compare the two).
+  bool fp8_keep_inputs = true;
   // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
   // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
   // overrides (benchmarks).
@@ -172,7 +175,16 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
-  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
+  // fp8_inputs: also the FP8 layers' transposed input copies (LayerActs::xq_t).
+  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs);
+  // Whether FP8 layers keep their inputs' transposed FP8 copies from forward to backward (see
+  // LayerActs::xq_t): with FP8 weight gradients, when the copy's scale cannot change in between:
+  // delayed scaling (scales change once per step), or current scaling with one micro-batch in
+  // flight (with several, a later micro-batch's forward rescales the operand first).
+  bool fp8_keeps_inputs() const {
+    return opt_.fp8_keep_inputs && fp8_.any() && opt_.fp8.wgrad &&
+           (opt_.fp8.recipe == Fp8Recipe::delayed || opt_.num_slots == 1);
+  }
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
@@ -188,7 +200,7 @@ class GptModel {
   void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
                                    Tensor norm_in, Tensor norm_w, Tensor norm_b, Tensor norm_dw, Tensor norm_db,
                                    Tensor d_out, Tensor weight, Tensor dweight, Tensor dbias, Tensor dx,
-                                   Tensor dresidual);
+                                   Tensor dresidual, Tensor kept_xq_t);
   Tensor expand_grad(Tensor local, float p, uint64_t key);
   void reduce_tp_partial(int layer);
   void grads_final(int first_param);
@@ -205,12 +217,15 @@ class GptModel {
   bool fp8_gemms(int local) const { return fp8_layer(local) && !fp8_.calibrating(); }
   void fp8_refresh_weights(int local);
   Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
-  void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act);
+  // keep_xq_t (FP8 layers): where the forward's cast also writes x's transposed copy, for the backward.
+  void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act,
+                  Tensor keep_xq_t);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
   // of gemm g that follow; no-op elsewhere.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
-  void linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
+  // kept_xq_t: the forward's transposed FP8 copy of x (then x is not read), or empty.
+  void linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x, Tensor kept_xq_t);
 
   ModelDims d_;
   ModelOptions opt_;

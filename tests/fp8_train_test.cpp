@@ -38,12 +38,15 @@ struct Fp8Run {
   std::vector<float> params;  // after the last step (float32 model)
 };
 
-Fp8Run train(const Config& cfg) {
+// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again).
+Fp8Run train(const Config& cfg, bool keep_inputs = true) {
   Fp8Run run;
   ParallelState ps = make_single_process_state();
   auto be = make_reference_backend(2);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+  ModelOptions options = ModelOptions::from_config(cfg, dims, DType::f32);
+  options.fp8_keep_inputs = keep_inputs;
+  GptModel model(dims, options, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);
   NullReporter rep;
@@ -188,4 +191,32 @@ TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also af
 
   // Tensorwise scaling never needs the rule.
   CHECK_FALSE(OneLayerFp8(*be, Fp8Recipe::tensorwise).state.calibrating());
+}
+
+TEST_CASE("fp8 training: the inputs' FP8 copies kept from forward give the re-cast run bit for bit", "[fp8][engine][train]") {
+  // The forward writes each FP8 linear input's transposed copy beside the row-major one and the
+  // weight gradient reads it; the other path casts the (recomputed) input again with the same
+  // scale. Same bits, so the same run: losses, final parameters and scaling state.
+  for (const bool llama : {false, true}) {
+    Config base = fp8_mock_config(llama ? test::tiny_llama_config() : test::tiny_gpt_config());
+    base.train.train_iters = 6;
+    base.train.total_iters = 6;
+    for (const Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+      for (const bool recompute : {false, true}) {
+        Config c = with_fp8(base, Fp8Format::hybrid, recipe);
+        if (recompute) {
+          c.train.recompute_granularity = RecomputeGranularity::full;
+          c.train.recompute_method = RecomputeMethod::uniform;
+          c.train.recompute_num_layers = 1;
+        }
+        INFO((llama ? "llama" : "gpt") << (recipe == Fp8Recipe::delayed ? " delayed" : " tensorwise")
+                                       << (recompute ? " full recompute" : ""));
+        const Fp8Run kept = train(c, true), recast = train(c, false);
+        CHECK(kept.losses == recast.losses);
+        CHECK(kept.params == recast.params);
+        CHECK(kept.scale == recast.scale);
+        CHECK(kept.history == recast.history);
+      }
+    }
+  }
 }
