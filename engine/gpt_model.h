@@ -66,6 +66,10 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
+  // Tests only (no flag): the former FP8 weight-gradient path, which quantizes each linear input
+  // again in backward (transposed, from the recomputed compute-dtype input) instead of keeping the
+  // transposed copy the forward's cast wrote. The same bits by construction; tests compare the two.
+  bool fp8_requantize_wgrad_inputs = false;
   // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
   // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
   // overrides (benchmarks).
@@ -172,7 +176,7 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
-  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out);
+  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs);
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
@@ -185,7 +189,7 @@ class GptModel {
   void gather_rows(Tensor full);
   Tensor reduce_rows(Tensor full);
   // The tail of a column-parallel linear layer's backward under sequence parallelism (fc1, QKV).
-  void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
+  void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, const LayerActs& A, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
                                    Tensor norm_in, Tensor norm_w, Tensor norm_b, Tensor norm_dw, Tensor norm_db,
                                    Tensor d_out, Tensor weight, Tensor dweight, Tensor dbias, Tensor dx,
                                    Tensor dresidual);
@@ -205,12 +209,21 @@ class GptModel {
   bool fp8_gemms(int local) const { return fp8_layer(local) && !fp8_.calibrating(); }
   void fp8_refresh_weights(int local);
   Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
-  void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act);
+  // FP8 layers whose weight-gradient GEMMs take the linear inputs quantized and transposed by the
+  // forward's cast and kept with the layer's activations (LayerActs::fp8_xq_t): FP8 GEMMs with
+  // FP8 weight gradients. Then the backward neither quantizes the inputs again nor recomputes
+  // them (the GeLU output, the gathered norm outputs) for those GEMMs.
+  bool fp8_keeps_inputs() const { return opt_.fp8.wgrad && !opt_.fp8_requantize_wgrad_inputs; }
+  bool fp8_kept_inputs(int local) const { return fp8_gemms(local) && fp8_keeps_inputs(); }
+  // A: the layer's activations (where the kept transposed input goes).
+  void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
+                  Activation act, Tensor pre_act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
   // of gemm g that follow; no-op elsewhere.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
-  void linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
+  // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
+  void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
 
   ModelDims d_;
   ModelOptions opt_;
@@ -243,8 +256,9 @@ class GptModel {
   Tensor last_input_grad_;
 
   // FP8: scaling state, the weight cache (per local layer and GEMM: wq [N, K] and wq_t [K, N]),
-  // and workspaces for the quantized input (xq / xq_t) and output gradient (dyq / dyq_t) of the
-  // GEMM at hand (one GEMM's forward or backward pair at a time).
+  // and workspaces for the quantized input (xq; xq_t only with fp8_requantize_wgrad_inputs) and
+  // output gradient (dyq / dyq_t) of the GEMM at hand (one GEMM's forward or backward pair at a
+  // time). The transposed inputs the weight gradients use are kept per layer (LayerActs).
   Fp8State fp8_;
   struct Fp8Weights {
     Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
