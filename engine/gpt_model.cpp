@@ -533,8 +533,9 @@ void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tenso
   const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
   // One cast for both FP8 GEMMs that take x: the row-major copy for this GEMM (workspace) and, in
   // training, the transposed one for the weight gradient, kept with the layer's activations.
-  // (Evaluation forwards have no backward: they write neither it nor its scale_inv.)
-  const bool keep = fp8_kept_inputs(local) && fp8_training_;
+  // (Evaluation forwards have no backward, and a recomputed layer's first forward none of its
+  // own: the recompute writes them again. Neither writes the copy nor its scale_inv.)
+  const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
   if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
   be_.fp8_quantize(xq, keep ? A.fp8_xq_t[g] : Tensor(), x, fp8_meta(local, g, Fp8State::x));
   if (keep && !A.fp8_x_scale_inv.empty())
@@ -863,8 +864,10 @@ void GptModel::forward(int slot) {
   }
   for (int l = 0; l < L; ++l) {
     params_needed(l + 1 < L ? layer_first_param_[static_cast<size_t>(l + 1)] : head_first_param_);
+    fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l));
   }
+  fp8_keep_inputs_now_ = true;
   if (d_.last_stage) {
     params_needed(static_cast<int>(descs_.size()));
     head_forward(s, stage_output(slot));

@@ -267,6 +267,7 @@ class GptModel {
   std::vector<char> fp8_fresh_;  // per local layer: the weight cache holds this step's weights
                                  // (1: cast in training, amax recorded; 2: cast by an evaluation)
   bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
+  bool fp8_keep_inputs_now_ = true;  // false in the first forward of a recomputed layer (see linear_fwd)
   Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
 };
 
