@@ -9,8 +9,6 @@
 //                           all-gather output)
 //   busbw = algbw * 2(n-1)/n for all-reduce, algbw * (n-1)/n for reduce-scatter and all-gather
 // Times are the slowest rank's mean over the timed iterations (after 5 warm-up calls).
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -25,7 +23,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "parallel/launcher.h"
+#include "parallel/gpu_worker_program.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/tcp_rendezvous.h"
 
@@ -43,32 +41,15 @@ struct Options {
   int iters = 20;
 };
 
-int count_gpus_in_child() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(std::min(n, 100));
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-}
-
 int worker(const Options& o) {
-  const int rank = std::atoi(std::getenv("RANK"));
-  const int n = std::atoi(std::getenv("WORLD_SIZE"));
-  const char* local = std::getenv("LOCAL_RANK");
-  const int device = local ? std::atoi(local) : rank;
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
-  log::set_rank(rank, std::atoi(std::getenv("WORLD_SIZE")));
+  const WorkerPlace place = worker_place();
+  const int rank = place.rank, n = place.world_size, device = place.device;
   try {
     cuda(cudaSetDevice(device), "cudaSetDevice");
     cudaStream_t stream;
     cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     const Millis timeout = distributed_timeout(10);
-    TcpRendezvous rv(addr ? addr : "127.0.0.1", port ? std::atoi(port) : 29500, rank, n, timeout);
+    TcpRendezvous rv(place.master_addr, place.master_port, rank, n, timeout);
     auto world = make_nccl_world_communicator(rv, device, stream, timeout);
 
     const int64_t max_bytes = o.max_mb << 20;
@@ -152,21 +133,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (std::getenv("RANK")) return worker(o);
-  const int gpus = count_gpus_in_child();
-  if (gpus < o.nproc) {
-    std::printf("skipped: nccl_bandwidth needs %d GPUs, %d visible\n", o.nproc, gpus);
-    return 77;
-  }
-  WorkerLaunch l;
-  l.nproc = o.nproc;
-  l.executable = "/proc/self/exe";
-  for (int i = 0; i < argc; ++i) l.argv.emplace_back(argv[i]);
-  l.grace = launcher_grace_period();
-  try {
-    return run_workers(l);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  if (is_worker()) return worker(o);
+  return launch_self("nccl_bandwidth", o.nproc, argc, argv);
 }

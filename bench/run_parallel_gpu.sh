@@ -159,6 +159,12 @@ run pp_13b_pp2 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --tra
   --pipeline-model-parallel-size 2
 run pp_13b_pp2_vpp 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
   --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6
+# The last stage also runs the output layer and the loss (about as much as a few decoder layers at
+# vocabulary 50304): Megatron's --decoder-last-pipeline-num-layers moves layers off it.
+run pp_13b_pp2_last11 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
+  --pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 11
+run pp_13b_pp2_last10 2 $sched $gpt13 --micro-batch-size 2 --global-batch-size 16 --train-iters $iters \
+  --pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10
 
 fi  # four = 0
 
@@ -241,11 +247,14 @@ if not four:
     scaling("TP=2+SP gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "dp_13b_1gpu", "tp_13b_tp2sp", 0.8)
     scaling("PP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2", 0.85)
     scaling("PP=2 VPP=2 M=8 gpt-1.3b TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2_vpp", 0.85)
+    scaling("PP=2 13+11 layers M=8 TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2_last11", 0.85)
+    scaling("PP=2 14+10 layers M=8 TFLOP/s/GPU", "tflops_per_gpu", "pp_13b_1gpu", "pp_13b_pp2_last10", 0.85)
 
 print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
              "eq_pp2_vpp", "eq_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
-             "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "eq4_tp2_pp2", "eq4_tp2_dp2",
+             "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "pp_13b_pp2_last11",
+             "pp_13b_pp2_last10", "eq4_tp2_pp2", "eq4_tp2_dp2",
              "eq4_pp4_vpp", "eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"]:
     print(f"{name:14s} {memory(name)}")
 print(f"\nNCCL tests: {nccl}")

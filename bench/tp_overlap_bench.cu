@@ -11,9 +11,6 @@
 //     with SM_COUNT_TARGET = SMs - 16 and - 32;
 //   each collective launched first on a second stream, then the GEMM: the time until both are done.
 // Perfect overlap is max(GEMM, collective); none is their sum.
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -29,7 +26,7 @@
 #include "core/log.h"
 #include "cuda/gemm_cublaslt.h"
 #include "parallel/distributed_timeout.h"
-#include "parallel/launcher.h"
+#include "parallel/gpu_worker_program.h"
 #include "parallel/tcp_rendezvous.h"
 
 namespace mt {
@@ -46,18 +43,6 @@ struct Options {
   int64_t mb = 64;
   int iters = 20;
 };
-
-int count_gpus_in_child() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(std::min(n, 100));
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-}
 
 ncclComm_t make_comm(TcpRendezvous& rv, int cta_policy) {
   ncclUniqueId id{};
@@ -76,13 +61,8 @@ ncclComm_t make_comm(TcpRendezvous& rv, int cta_policy) {
 }
 
 int worker(const Options& o) {
-  const int rank = std::atoi(std::getenv("RANK"));
-  const int n = std::atoi(std::getenv("WORLD_SIZE"));
-  const char* local = std::getenv("LOCAL_RANK");
-  const int device = local ? std::atoi(local) : rank;
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
-  log::set_rank(rank, n);
+  const WorkerPlace place = worker_place();
+  const int rank = place.rank, n = place.world_size, device = place.device;
   try {
     cuda(cudaSetDevice(device), "cudaSetDevice");
     int sms = 0;
@@ -90,7 +70,7 @@ int worker(const Options& o) {
     cudaStream_t compute, comm_stream;
     cuda(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), "cudaStreamCreate");
     cuda(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    TcpRendezvous rv(addr ? addr : "127.0.0.1", port ? std::atoi(port) : 29500, rank, n, distributed_timeout(10));
+    TcpRendezvous rv(place.master_addr, place.master_port, rank, n, distributed_timeout(10));
     ncclComm_t kernel_comm = make_comm(rv, NCCL_CTA_POLICY_DEFAULT);
     ncclComm_t ce_comm = make_comm(rv, NCCL_CTA_POLICY_ZERO);
 
@@ -223,21 +203,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (std::getenv("RANK")) return worker(o);
-  const int gpus = count_gpus_in_child();
-  if (gpus < 2) {
-    std::printf("skipped: bench_tp_overlap needs 2 GPUs, %d visible\n", gpus);
-    return 77;
-  }
-  WorkerLaunch l;
-  l.nproc = 2;
-  l.executable = "/proc/self/exe";
-  for (int i = 0; i < argc; ++i) l.argv.emplace_back(argv[i]);
-  l.grace = launcher_grace_period();
-  try {
-    return run_workers(l);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  if (is_worker()) return worker(o);
+  return launch_self("bench_tp_overlap", 2, argc, argv);
 }

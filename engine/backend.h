@@ -201,8 +201,8 @@ class Backend {
   //   - weights: fp8_quantize(wq, wq_t, w) once per step per FP8 weight (the FP8 weight cache,
   //     refreshed at the first use after the optimizer step), not per micro-batch;
   //   - inputs: forward fp8_quantize(xq, xq_t, x), once: xq for the forward GEMM, xq_t kept with
-  //     the layer's activations for the weight-gradient GEMM (ModelOptions::
-  //     fp8_requantize_wgrad_inputs, tests only: forward fp8_quantize(xq, {}, x), backward
+  //     the layer's activations for the weight-gradient GEMM (ModelOptions::fp8_keep_inputs =
+  //     false, tests only: forward fp8_quantize(xq, {}, x), backward
   //     fp8_quantize({}, xq_t, x) from x recomputed or kept in the compute dtype, with the same
   //     meta: the same scale, the same bits);
   //   - output gradients: fp8_quantize(dyq, dyq_t, dy) before the two backward GEMMs.

@@ -66,10 +66,11 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
-  // Tests only (no flag): the former FP8 weight-gradient path, which quantizes each linear input
-  // again in backward (transposed, from the recomputed compute-dtype input) instead of keeping the
-  // transposed copy the forward's cast wrote. The same bits by construction; tests compare the two.
-  bool fp8_requantize_wgrad_inputs = false;
+  // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
+  // forward's cast for the weight-gradient GEMM (GptModel::fp8_keeps_inputs). false (tests only,
+  // no flag): the former path, which casts each input again in backward from the recomputed
+  // compute-dtype input. The same bits by construction; tests compare the two.
+  bool fp8_keep_inputs = true;
   // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
   // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
   // overrides (benchmarks).
@@ -213,7 +214,7 @@ class GptModel {
   // forward's cast and kept with the layer's activations (LayerActs::fp8_xq_t): FP8 GEMMs with
   // FP8 weight gradients. Then the backward neither quantizes the inputs again nor recomputes
   // them (the GeLU output, the gathered norm outputs) for those GEMMs.
-  bool fp8_keeps_inputs() const { return opt_.fp8.wgrad && !opt_.fp8_requantize_wgrad_inputs; }
+  bool fp8_keeps_inputs() const { return opt_.fp8_keep_inputs && opt_.fp8.wgrad && fp8_.any(); }
   bool fp8_kept_inputs(int local) const { return fp8_gemms(local) && fp8_keeps_inputs(); }
   // A: the layer's activations (where the kept transposed input goes).
   void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
@@ -256,7 +257,7 @@ class GptModel {
   Tensor last_input_grad_;
 
   // FP8: scaling state, the weight cache (per local layer and GEMM: wq [N, K] and wq_t [K, N]),
-  // and workspaces for the quantized input (xq; xq_t only with fp8_requantize_wgrad_inputs) and
+  // and workspaces for the quantized input (xq; xq_t only without ModelOptions::fp8_keep_inputs) and
   // output gradient (dyq / dyq_t) of the GEMM at hand (one GEMM's forward or backward pair at a
   // time). The transposed inputs the weight gradients use are kept per layer (LayerActs).
   Fp8State fp8_;

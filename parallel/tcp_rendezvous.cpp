@@ -339,21 +339,21 @@ std::string TcpRendezvous::broadcast(const std::string& blob) {
 void TcpRendezvous::barrier() { all_gather(""); }
 
 int pick_free_tcp_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) fail("cannot create a socket to find a free port: {}", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
+  // Probe exactly as rank 0 will listen (any address, dual-stack): a port free on the loopback
+  // alone can be taken on another address (NCCL's bootstrap sockets listen on the NIC's), and
+  // then rank 0's bind failed with "Address already in use".
+  std::string why;
+  const int fd = listen_on(0, &why);
+  if (fd < 0) fail("cannot find a free TCP port: {}", why);
+  sockaddr_storage addr{};
   socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    fail("cannot find a free TCP port: {}", why);
-  }
+  const bool ok = ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const std::string err = ok ? "" : std::strerror(errno);
   ::close(fd);
-  return ntohs(addr.sin_port);
+  if (!ok) fail("cannot find a free TCP port: {}", err);
+  const int port = addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                                              : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return port;
 }
 
 }  // namespace mt

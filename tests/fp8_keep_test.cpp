@@ -1,6 +1,6 @@
 // FP8 linear inputs quantized once, in forward (GptModel keeps the transposed copy for the
 // weight-gradient GEMM), against the former path that quantizes them again in backward from the
-// recomputed compute-dtype inputs (ModelOptions::fp8_requantize_wgrad_inputs). Same x, same scale:
+// recomputed compute-dtype inputs (ModelOptions::fp8_keep_inputs = false). Same x, same scale:
 // the same bits, so training must be bit-identical: every loss, grad norm, parameter and FP8
 // scaling state. Also with full recompute (equal to no recompute) and with two micro-batches in
 // flight (a pipeline's order: tensorwise scaling's scales change between a forward and its backward).
@@ -40,7 +40,7 @@ Run train(const Config& cfg, bool requantize) {
   auto be = make_reference_backend(2);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
-  o.fp8_requantize_wgrad_inputs = requantize;
+  o.fp8_keep_inputs = !requantize;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);
@@ -189,7 +189,7 @@ std::vector<float> two_in_flight(const Config& cfg, bool requantize) {
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
   o.num_slots = 2;
-  o.fp8_requantize_wgrad_inputs = requantize;
+  o.fp8_keep_inputs = !requantize;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   const int b = cfg.train.micro_batch_size, s = cfg.model.seq_length;

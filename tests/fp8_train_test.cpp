@@ -38,12 +38,15 @@ struct Fp8Run {
   std::vector<float> params;  // after the last step (float32 model)
 };
 
-Fp8Run train(const Config& cfg) {
+// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again).
+Fp8Run train(const Config& cfg, bool keep_inputs = true) {
   Fp8Run run;
   ParallelState ps = make_single_process_state();
   auto be = make_reference_backend(2);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+  ModelOptions options = ModelOptions::from_config(cfg, dims, DType::f32);
+  options.fp8_keep_inputs = keep_inputs;
+  GptModel model(dims, options, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);
   NullReporter rep;
@@ -153,20 +156,28 @@ TEST_CASE("fp8 training: delayed scaling calibrates its first step in float, the
   CHECK(d3.losses[1] != ref3.losses[1]);  // step 2 casts to FP8 with the delayed scales
 }
 
+// The FP8 state of one FP8 layer, planned, allocated and initialized as a model does it.
+struct OneLayerFp8 {
+  Arena arena;
+  Fp8State state;
+  OneLayerFp8(Backend& be, Fp8Recipe recipe) : arena(be) {
+    Fp8Options o;
+    o.format = Fp8Format::hybrid;
+    o.recipe = recipe;
+    o.history_len = 2;
+    o.layer_fp8 = {1};
+    state.plan(o, 0, 1);
+    state.layout(arena);
+    arena.allocate();
+    state.layout(arena);
+    state.initialize(be);
+  }
+};
+
 TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also after a load)", "[fp8][engine]") {
   auto be = make_reference_backend(1);
-  Fp8Options o;
-  o.format = Fp8Format::hybrid;
-  o.recipe = Fp8Recipe::delayed;
-  o.history_len = 2;
-  o.layer_fp8 = {1};
-  Fp8State st;
-  st.plan(o, 0, 1);
-  Arena arena(*be);
-  st.layout(arena);
-  arena.allocate();
-  st.layout(arena);
-  st.initialize(*be);
+  OneLayerFp8 delayed(*be, Fp8Recipe::delayed);
+  Fp8State& st = delayed.state;
   CHECK(st.calibrating());
 
   // A checkpoint whose scales are all 1 (saved before any update) keeps the rule; one with an
@@ -174,18 +185,38 @@ TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also af
   std::vector<float> packed(static_cast<size_t>(st.layer_floats()), 1.0f);
   st.load_from_host(*be, packed.data());
   CHECK(st.calibrating());
-  packed[static_cast<size_t>(2 * Fp8State::kPerLayer + 5)] = 2.0f;  // scale[5]
+  packed[static_cast<size_t>(2 * Fp8State::kPerLayer + 5)] = 2.0f;  // scale[5] (history_len 2)
   st.load_from_host(*be, packed.data());
   CHECK_FALSE(st.calibrating());
 
   // Tensorwise scaling never needs the rule.
-  o.recipe = Fp8Recipe::tensorwise;
-  Fp8State tw;
-  tw.plan(o, 0, 1);
-  Arena a2(*be);
-  tw.layout(a2);
-  a2.allocate();
-  tw.layout(a2);
-  tw.initialize(*be);
-  CHECK_FALSE(tw.calibrating());
+  CHECK_FALSE(OneLayerFp8(*be, Fp8Recipe::tensorwise).state.calibrating());
+}
+
+TEST_CASE("fp8 training: the inputs' FP8 copies kept from forward give the re-cast run bit for bit", "[fp8][engine][train]") {
+  // The forward writes each FP8 linear input's transposed copy beside the row-major one and the
+  // weight gradient reads it; the other path casts the (recomputed) input again with the same
+  // scale. Same bits, so the same run: losses, final parameters and scaling state.
+  for (const bool llama : {false, true}) {
+    Config base = fp8_mock_config(llama ? test::tiny_llama_config() : test::tiny_gpt_config());
+    base.train.train_iters = 6;
+    base.train.total_iters = 6;
+    for (const Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+      for (const bool recompute : {false, true}) {
+        Config c = with_fp8(base, Fp8Format::hybrid, recipe);
+        if (recompute) {
+          c.train.recompute_granularity = RecomputeGranularity::full;
+          c.train.recompute_method = RecomputeMethod::uniform;
+          c.train.recompute_num_layers = 1;
+        }
+        INFO((llama ? "llama" : "gpt") << (recipe == Fp8Recipe::delayed ? " delayed" : " tensorwise")
+                                       << (recompute ? " full recompute" : ""));
+        const Fp8Run kept = train(c, true), recast = train(c, false);
+        CHECK(kept.losses == recast.losses);
+        CHECK(kept.params == recast.params);
+        CHECK(kept.scale == recast.scale);
+        CHECK(kept.history == recast.history);
+      }
+    }
+  }
 }

@@ -15,8 +15,6 @@
 //                MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS); expected exit status non-zero
 //   crash        the last rank aborts after the first all_reduce while the others wait in the
 //                next one; the job must end (launcher or watchdog), expected exit status non-zero
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -32,7 +30,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "parallel/launcher.h"
+#include "parallel/gpu_worker_program.h"
 #include "core/config.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/parallel_state_builder.h"
@@ -298,33 +296,15 @@ void parallel_states(Communicator& world) {
   }
 }
 
-int count_gpus_in_child() {
-  // The launcher must fork before CUDA initializes, so the parent asks a child.
-  const pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(std::min(n, 100));
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-}
-
 int worker(const std::string& mode) {
-  const int rank = std::atoi(std::getenv("RANK"));
-  const int world_size = std::atoi(std::getenv("WORLD_SIZE"));
-  const char* local = std::getenv("LOCAL_RANK");
-  const int device = local ? std::atoi(local) : rank;
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
+  const WorkerPlace place = worker_place();
+  const int rank = place.rank, world_size = place.world_size, device = place.device;
   g_rank = rank;
-  log::set_rank(rank, std::atoi(std::getenv("WORLD_SIZE")));
   try {
     cuda(cudaSetDevice(device), "cudaSetDevice");
     cuda(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking), "cudaStreamCreate");
     const Millis timeout = distributed_timeout(1);
-    TcpRendezvous rv(addr ? addr : "127.0.0.1", port ? std::atoi(port) : 29500, rank, world_size, timeout);
+    TcpRendezvous rv(place.master_addr, place.master_port, rank, world_size, timeout);
     auto world = make_nccl_world_communicator(rv, device, g_stream, timeout);
     if (mode == "collectives") {
       collectives(*world);
@@ -365,22 +345,6 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--nproc") == 0 && i + 1 < argc) nproc = std::atoi(argv[++i]);
     else mode = argv[i];
   }
-  if (std::getenv("RANK")) return worker(mode);
-
-  const int gpus = count_gpus_in_child();
-  if (gpus < nproc) {
-    std::printf("skipped: nccl_comm_test needs %d GPUs, %d visible\n", nproc, gpus);
-    return 77;
-  }
-  WorkerLaunch l;
-  l.nproc = nproc;
-  l.executable = "/proc/self/exe";
-  for (int i = 0; i < argc; ++i) l.argv.emplace_back(argv[i]);
-  l.grace = launcher_grace_period();
-  try {
-    return run_workers(l);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  if (is_worker()) return worker(mode);
+  return launch_self("nccl_comm_test", nproc, argc, argv);
 }
