@@ -200,8 +200,11 @@ class Backend {
   // Who produces what (engine/gpt_model.cpp):
   //   - weights: fp8_quantize(wq, wq_t, w) once per step per FP8 weight (the FP8 weight cache,
   //     refreshed at the first use after the optimizer step), not per micro-batch;
-  //   - inputs: forward fp8_quantize(xq, {}, x); backward (x is recomputed or kept in the compute
-  //     dtype) fp8_quantize({}, xq_t, x) with the same meta: the same scale, the same bits;
+  //   - inputs: forward fp8_quantize(xq, xq_t, x), once: xq for the forward GEMM, xq_t kept with
+  //     the layer's activations for the weight-gradient GEMM (ModelOptions::fp8_keep_inputs =
+  //     false, tests only: forward fp8_quantize(xq, {}, x), backward
+  //     fp8_quantize({}, xq_t, x) from x recomputed or kept in the compute dtype, with the same
+  //     meta: the same scale, the same bits);
   //   - output gradients: fp8_quantize(dyq, dyq_t, dy) before the two backward GEMMs.
   // All FP8 GEMMs accumulate in float32; outputs are in the compute dtype (dw: the float32 main grad).
   // Scaling (e = the dtype of q / q_t, fp8_max(e) = 448 or 57344, core/dtype.h):
@@ -246,6 +249,7 @@ class Backend {
   virtual void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) = 0;
   // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up.
   virtual void swiglu_forward(Tensor out, Tensor in) = 0;
+  // din may alias in (elementwise, each element read before written).
   virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in) = 0;
   // swiglu_backward, and also act_out[M, f] = swiglu(in), bit for bit what swiglu_forward wrote.
   // din may alias in and act_out may alias dout (elementwise, each element read before written).

@@ -24,7 +24,9 @@ struct GptModel::LayerParams {
 // the norm outputs, recomputed in backward from the norm inputs and statistics by
 // norm_backward_recompute, and the MLP activation, recomputed from fc1_pre by the fused
 // activation backward (linear_backward_input_recompute / swiglu_backward_recompute). Both are
-// bit-identical to what forward computed.
+// bit-identical to what forward computed. In FP8 layers with FP8 weight gradients the weight
+// gradients take the inputs' FP8 copies kept from forward instead (fp8_xq_t), so neither is
+// recomputed there.
 struct GptModel::LayerActs {
   Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared)
   Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
@@ -33,13 +35,15 @@ struct GptModel::LayerActs {
   Tensor h1;                           // residual after attention
   Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared)
   Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared);
-                                       // backward overwrites fc1_pre (SwiGLU: with its gradient)
+                                       // backward overwrites fc1_pre (SwiGLU: with its gradient;
+                                       // GeLU: with the activation, unless fp8_xq_t is kept)
   Tensor out;                          // layer output (the next layer's input)
-  // FP8 layers (fp8_keeps_inputs()): each linear input's transposed FP8 copy [K, N], written by
-  // the forward's cast beside the row-major one and read by the weight-gradient GEMM, so the
-  // backward neither casts the inputs again nor recomputes them for it (the GeLU output; with SP
-  // the norm outputs' re-gather). Indexed by Fp8State::Gemm.
-  Tensor xq_t[Fp8State::kGemms];
+  // FP8 layers with FP8 weight gradients (GptModel::fp8_kept_inputs): the four linear inputs
+  // (ln1_out, attn_out, ln2_out, fc1_act; all N rows) as the forward's cast quantized them,
+  // transposed [K, N] for the weight-gradient GEMMs, per Fp8State::Gemm. Tensorwise scaling also
+  // keeps those casts' scale_inv [4]: a later micro-batch's forward rewrites the state's.
+  Tensor fp8_xq_t[Fp8State::kGemms];
+  Tensor fp8_x_scale_inv;
 };
 
 struct GptModel::Slot {
@@ -269,8 +273,9 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.fc1_act = ws_->act;    // not kept
   if (keep_out) A.out = a.take(c, T, {Nl, h});
   if (fp8_inputs) {
-    const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // K per GEMM
-    for (int g = 0; g < Fp8State::kGemms; ++g) A.xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
+    const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // each GEMM's K
+    for (int g = 0; g < Fp8State::kGemms; ++g) A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
+    if (opt_.fp8.recipe == Fp8Recipe::tensorwise) A.fp8_x_scale_inv = a.take(c, DType::f32, {Fp8State::kGemms});
   }
   return A;
 }
@@ -314,7 +319,7 @@ void GptModel::layout(Arena& a) {
     }
     const int64_t k_max = std::max({h, att, f}), n_max = std::max({qkv, h, fc1});
     fp8_xq_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
-    fp8_xq_t_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
+    if (opt_.fp8.wgrad && !fp8_keeps_inputs()) fp8_xq_t_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
     fp8_dyq_ = a.take(C::workspace, fp8_.dtype(Fp8State::dy), {N * n_max});
     if (opt_.fp8.wgrad) fp8_dyq_t_ = a.take(C::workspace, fp8_.dtype(Fp8State::dy), {N * n_max});
   }
@@ -376,9 +381,13 @@ void GptModel::layout(Arena& a) {
     s.d_output = a.take(C::activations, T, {Nl, h});
   }
   // Recompute scratch: the internals of one group, shared by all slots (one backward at a time).
+  // Entry j serves layer j of every group: FP8 inputs kept where one of them is an FP8 layer.
   scratch_.clear();
-  for (int j = 0; j < rp.max_group_size; ++j)
-    scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs()));
+  for (int j = 0; j < rp.max_group_size; ++j) {
+    bool fp8_inputs = false;
+    for (const auto& [begin, end] : rp.groups) fp8_inputs |= begin + j < end && fp8_.layer_fp8(begin + j);
+    scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_inputs));
+  }
 
   if (d_.last_stage) {
     w.logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
@@ -514,16 +523,23 @@ namespace {
 Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slice(0, rows * cols).view({rows, cols}); }
 }  // namespace
 
-void GptModel::linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act,
-                          Tensor pre_act, Tensor keep_xq_t) {
+void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
+                          Activation act, Tensor pre_act) {
   if (!fp8_layer(local)) {
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
   }
   fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
   const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
-  be_.fp8_quantize(xq, keep_xq_t.empty() ? Tensor() : keep_xq_t.view({x.cols(), x.rows()}), x,
-                   fp8_meta(local, g, Fp8State::x));
+  // One cast for both FP8 GEMMs that take x: the row-major copy for this GEMM (workspace) and, in
+  // training, the transposed one for the weight gradient, kept with the layer's activations.
+  // (Evaluation forwards have no backward, and a recomputed layer's first forward none of its
+  // own: the recompute writes them again. Neither writes the copy nor its scale_inv.)
+  const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
+  if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
+  be_.fp8_quantize(xq, keep ? A.fp8_xq_t[g] : Tensor(), x, fp8_meta(local, g, Fp8State::x));
+  if (keep && !A.fp8_x_scale_inv.empty())
+    be_.copy(A.fp8_x_scale_inv.flat_slice(g, 1), fp8_.scale_inv(local, g, Fp8State::x));
   if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
@@ -550,20 +566,25 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
                                 act, pre_act);
 }
 
-void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
-                                  Tensor kept_xq_t) {
+void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy,
+                                 Tensor x) {
   if (!fp8_gemms(local) || !opt_.fp8.wgrad) {
     be_.linear_backward_weight(dw, dbias, dy, x);
     return;
   }
-  Tensor xq_t = kept_xq_t;  // the forward's transposed copy, same scale, same bits
-  if (xq_t.empty()) {
-    // x was recomputed (or kept) in the compute dtype: quantized again with its forward scale.
+  Tensor xq_t, x_scale_inv = fp8_.scale_inv(local, g, Fp8State::x);
+  if (fp8_kept_inputs(local)) {
+    // The forward's transposed copy (delayed scaling: the scales hold still within a step).
+    xq_t = A.fp8_xq_t[g];
+    if (!A.fp8_x_scale_inv.empty()) x_scale_inv = A.fp8_x_scale_inv.flat_slice(g, 1);
+  } else {
+    // x was recomputed (or kept) in the compute dtype: quantized again with its forward scale
+    // (tensorwise: recomputed from the same x), so the same bits as the forward's cast.
     xq_t = fp8_view(fp8_xq_t_, x.cols(), x.rows());
     be_.fp8_quantize(Tensor(), xq_t, x, fp8_.meta(local, g, Fp8State::x));
   }
   be_.fp8_linear_backward_weight(dw, dbias, dy, fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
-                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, fp8_.scale_inv(local, g, Fp8State::x));
+                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv);
 }
 
 // ---- micro-batch I/O ---------------------------------------------------------------------
@@ -768,17 +789,14 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   gather_rows(A.ln1_out);
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
-    linear_fwd(local, Fp8State::qkv, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(),
-               A.xq_t[Fp8State::qkv]);
+    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
   } else {
-    linear_fwd(local, Fp8State::qkv, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(),
-               A.xq_t[Fp8State::qkv]);
+    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
   }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  linear_fwd(local, Fp8State::proj, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor(),
-             A.xq_t[Fp8State::proj]);
+  linear_fwd(local, Fp8State::proj, A, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
   // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
   // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
   be_.bias_dropout_add_norm(A.h1, local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x, reduce_rows(w.tmp_h), P.proj_b, hp,
@@ -788,15 +806,13 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   // all-reduce) -> bias + dropout + residual.
   gather_rows(A.ln2_out);
   if (d_.swiglu) {
-    linear_fwd(local, Fp8State::fc1, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor(),
-               A.xq_t[Fp8State::fc1]);
+    linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
     be_.swiglu_forward(A.fc1_act, A.fc1_pre);
   } else {
-    linear_fwd(local, Fp8State::fc1, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
-               d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre, A.xq_t[Fp8State::fc1]);
+    linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
+               d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
   }
-  linear_fwd(local, Fp8State::fc2, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor(),
-             A.xq_t[Fp8State::fc2]);
+  linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
 }
 
@@ -848,8 +864,10 @@ void GptModel::forward(int slot) {
   }
   for (int l = 0; l < L; ++l) {
     params_needed(l + 1 < L ? layer_first_param_[static_cast<size_t>(l + 1)] : head_first_param_);
+    fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l));
   }
+  fp8_keep_inputs_now_ = true;
   if (d_.last_stage) {
     params_needed(static_cast<int>(descs_.size()));
     head_forward(s, stage_output(slot));
@@ -867,45 +885,51 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2) (this rank's rows with SP;
   // d_fc2 has all rows). The activation (fc2's input) is recomputed from fc1_pre by the
   // activation's backward, the norm output (fc1's input) by the norm's backward (then gathered to
-  // all rows with SP, as Megatron re-gathers it), so the weight gradients come after them.
+  // all rows with SP, as Megatron re-gathers it), so the weight gradients come after them. FP8
+  // layers with kept inputs (fp8_kept_inputs) need neither for their weight gradients.
+  const bool kept = fp8_kept_inputs(local);
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   Tensor d_fc1;  // gradient of fc1's output
   linear_quantize_dy(local, Fp8State::fc2, d_fc2);
   if (d_.swiglu) {
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    // In place: fc1_pre becomes its gradient, the activation gradient becomes the activation.
-    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
+    // In place: fc1_pre becomes its gradient (and, unless kept, the activation gradient becomes
+    // the activation).
+    if (kept) be_.swiglu_backward(A.fc1_pre, w.act, A.fc1_pre);
+    else be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
-    linear_bwd_weight(local, Fp8State::fc2, G.fc2_w, G.fc2_b, d_fc2, w.act, A.xq_t[Fp8State::fc2]);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
   } else {
-    // fc1_pre becomes the activation (in place); the gradient goes to gFC.
+    // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
     if (fp8_gemms(local)) {
       linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
-      // The activation again only where the weight gradient needs it (no kept FP8 copy).
-      if (A.xq_t[Fp8State::fc2].empty()) be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
+      if (!kept) be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
     } else {
       be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w, act, A.fc1_pre);
     }
     d_fc1 = w.gFC;
-    linear_bwd_weight(local, Fp8State::fc2, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre, A.xq_t[Fp8State::fc2]);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
   linear_quantize_dy(local, Fp8State::fc1, d_fc1);
   if (d_.sequence_parallel) {
-    column_parallel_backward_sp(local, Fp8State::fc1, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
-                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy, A.xq_t[Fp8State::fc1]);
+    column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
+                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);
   } else {
     linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
     // Column-parallel input gradient: summed over TP.
-    be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
-                                A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
-    linear_bwd_weight(local, Fp8State::fc1, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out, A.xq_t[Fp8State::fc1]);
+    if (kept)
+      be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, norm_);
+    else
+      be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
+                                  A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
+    linear_bwd_weight(local, Fp8State::fc1, A, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
   }
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
   linear_quantize_dy(local, Fp8State::proj, d_proj);
-  linear_bwd_weight(local, Fp8State::proj, G.proj_w, G.proj_b, d_proj, A.attn_out, A.xq_t[Fp8State::proj]);
+  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, G.proj_b, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
@@ -915,13 +939,16 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
                          P.q_ln_w, P.k_ln_w, rs, norm_);
   linear_quantize_dy(local, Fp8State::qkv, w.gQKV);
   if (d_.sequence_parallel) {
-    column_parallel_backward_sp(local, Fp8State::qkv, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
-                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH, A.xq_t[Fp8State::qkv]);
+    column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
+                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
   } else {
     linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
-    be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
-                                A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
-    linear_bwd_weight(local, Fp8State::qkv, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out, A.xq_t[Fp8State::qkv]);
+    if (kept)
+      be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, norm_);
+    else
+      be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
+                                  A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
+    linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
   }
 }
 
@@ -931,16 +958,16 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
 // statistics rewritten with the values they hold) and all-gathered on the TP stream while the
 // input-gradient GEMM runs; that gradient is reduce-scattered on the TP stream while the
 // weight-gradient GEMM runs; then the norm's backward. (gT holds the input gradient, all rows.)
-// With the forward's FP8 copy of the norm output kept (kept_xq_t, all rows), the weight gradient
-// needs neither the recomputed norm output nor its all-gather.
-void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean,
-                                           Tensor norm_rstd, Tensor norm_in, Tensor norm_w, Tensor norm_b,
-                                           Tensor norm_dw, Tensor norm_db, Tensor d_out, Tensor weight,
-                                           Tensor dweight, Tensor dbias, Tensor dx, Tensor dresidual,
-                                           Tensor kept_xq_t) {
+// FP8 layers with kept inputs skip the recompute and the all-gather: the weight-gradient GEMM
+// takes the forward's FP8 copy of the gathered norm output (A.fp8_xq_t), and the norm's backward
+// needs only its input and statistics.
+void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, const LayerActs& A, Tensor norm_out,
+                                           Tensor norm_mean, Tensor norm_rstd, Tensor norm_in, Tensor norm_w,
+                                           Tensor norm_b, Tensor norm_dw, Tensor norm_db, Tensor d_out, Tensor weight,
+                                           Tensor dweight, Tensor dbias, Tensor dx, Tensor dresidual) {
   const Workspace& w = *ws_;
-  const bool norm_out_needed = kept_xq_t.empty() || !fp8_gemms(local) || !opt_.fp8.wgrad;
-  if (norm_out_needed) {
+  const bool gather = !fp8_kept_inputs(local);
+  if (gather) {
     be_.norm_forward(local_rows(norm_out), norm_mean, norm_rstd, norm_in, norm_w, norm_b, norm_);
     be_.tp_comm_wait_for_compute();
     tp_overlap_->all_gather(norm_out, local_rows(norm_out));
@@ -948,13 +975,14 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, T
   // On the copy engines the all-gather needs SMs only for its few synchronizing steps; the GEMM
   // leaves it some, or it would wait for the GEMM's end (bench_tp_overlap, bench/RESULTS.md). The
   // reduce-scatter runs on NCCL kernels: there a margin only slows the GEMM as much as it gains.
-  if (tp_copy_engines_) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
+  const bool margin = gather && tp_copy_engines_;
+  if (margin) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
   linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
-  if (tp_copy_engines_) be_.set_gemm_sm_margin(0);
-  be_.compute_wait_for_tp_comm();  // the norm output, all rows
+  if (margin) be_.set_gemm_sm_margin(0);
+  if (gather) be_.compute_wait_for_tp_comm();  // the norm output, all rows
   be_.tp_comm_wait_for_compute();  // the input gradient
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
-  linear_bwd_weight(local, fp8_slot, dweight, dbias, d_out, norm_out, kept_xq_t);
+  linear_bwd_weight(local, fp8_slot, A, dweight, dbias, d_out, norm_out);
   be_.compute_wait_for_tp_comm();
   be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, norm_);
 }

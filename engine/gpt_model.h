@@ -66,8 +66,10 @@ struct ModelOptions {
   bool grad_reduce_bf16 = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
-  // Keep the FP8 inputs' transposed copies from forward to backward where that is exact
-  // (fp8_keeps_inputs()); false: the backward casts them again (tests compare the two).
+  // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
+  // forward's cast for the weight-gradient GEMM (GptModel::fp8_keeps_inputs). false (tests only,
+  // no flag): the former path, which casts each input again in backward from the recomputed
+  // compute-dtype input. The same bits by construction; tests compare the two.
   bool fp8_keep_inputs = true;
   // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
   // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
@@ -175,16 +177,7 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
-  // fp8_inputs: also the FP8 layers' transposed input copies (LayerActs::xq_t).
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs);
-  // Whether FP8 layers keep their inputs' transposed FP8 copies from forward to backward (see
-  // LayerActs::xq_t): with FP8 weight gradients, when the copy's scale cannot change in between:
-  // delayed scaling (scales change once per step), or current scaling with one micro-batch in
-  // flight (with several, a later micro-batch's forward rescales the operand first).
-  bool fp8_keeps_inputs() const {
-    return opt_.fp8_keep_inputs && fp8_.any() && opt_.fp8.wgrad &&
-           (opt_.fp8.recipe == Fp8Recipe::delayed || opt_.num_slots == 1);
-  }
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
@@ -197,10 +190,10 @@ class GptModel {
   void gather_rows(Tensor full);
   Tensor reduce_rows(Tensor full);
   // The tail of a column-parallel linear layer's backward under sequence parallelism (fc1, QKV).
-  void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
+  void column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, const LayerActs& A, Tensor norm_out, Tensor norm_mean, Tensor norm_rstd,
                                    Tensor norm_in, Tensor norm_w, Tensor norm_b, Tensor norm_dw, Tensor norm_db,
                                    Tensor d_out, Tensor weight, Tensor dweight, Tensor dbias, Tensor dx,
-                                   Tensor dresidual, Tensor kept_xq_t);
+                                   Tensor dresidual);
   Tensor expand_grad(Tensor local, float p, uint64_t key);
   void reduce_tp_partial(int layer);
   void grads_final(int first_param);
@@ -217,15 +210,21 @@ class GptModel {
   bool fp8_gemms(int local) const { return fp8_layer(local) && !fp8_.calibrating(); }
   void fp8_refresh_weights(int local);
   Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
-  // keep_xq_t (FP8 layers): where the forward's cast also writes x's transposed copy, for the backward.
-  void linear_fwd(int local, Fp8State::Gemm g, Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act,
-                  Tensor keep_xq_t);
+  // FP8 layers whose weight-gradient GEMMs take the linear inputs quantized and transposed by the
+  // forward's cast and kept with the layer's activations (LayerActs::fp8_xq_t): FP8 GEMMs with
+  // FP8 weight gradients. Then the backward neither quantizes the inputs again nor recomputes
+  // them (the GeLU output, the gathered norm outputs) for those GEMMs.
+  bool fp8_keeps_inputs() const { return opt_.fp8_keep_inputs && opt_.fp8.wgrad && fp8_.any(); }
+  bool fp8_kept_inputs(int local) const { return fp8_gemms(local) && fp8_keeps_inputs(); }
+  // A: the layer's activations (where the kept transposed input goes).
+  void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
+                  Activation act, Tensor pre_act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
   // of gemm g that follow; no-op elsewhere.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
-  // kept_xq_t: the forward's transposed FP8 copy of x (then x is not read), or empty.
-  void linear_bwd_weight(int local, Fp8State::Gemm g, Tensor dw, Tensor dbias, Tensor dy, Tensor x, Tensor kept_xq_t);
+  // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
+  void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
 
   ModelDims d_;
   ModelOptions opt_;
@@ -258,8 +257,9 @@ class GptModel {
   Tensor last_input_grad_;
 
   // FP8: scaling state, the weight cache (per local layer and GEMM: wq [N, K] and wq_t [K, N]),
-  // and workspaces for the quantized input (xq / xq_t) and output gradient (dyq / dyq_t) of the
-  // GEMM at hand (one GEMM's forward or backward pair at a time).
+  // and workspaces for the quantized input (xq; xq_t only without ModelOptions::fp8_keep_inputs) and
+  // output gradient (dyq / dyq_t) of the GEMM at hand (one GEMM's forward or backward pair at a
+  // time). The transposed inputs the weight gradients use are kept per layer (LayerActs).
   Fp8State fp8_;
   struct Fp8Weights {
     Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
@@ -268,6 +268,7 @@ class GptModel {
   std::vector<char> fp8_fresh_;  // per local layer: the weight cache holds this step's weights
                                  // (1: cast in training, amax recorded; 2: cast by an evaluation)
   bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
+  bool fp8_keep_inputs_now_ = true;  // false in the first forward of a recomputed layer (see linear_fwd)
   Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
 };
 

@@ -148,7 +148,8 @@ TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
     for (int64_t rows : {1, 7, 333})
       for (int64_t f : {7, 48, 100, 1000, 2048}) {
         INFO(dtype_name(dt) << " rows " << rows << " f " << f);
-        Twin in = twin(dt, {rows, 2 * f}, rng.normal(rows * 2 * f, 2.0)), out = twin_nan(dt, {rows, f});
+        const std::vector<double> in_values = rng.normal(rows * 2 * f, 2.0);
+        Twin in = twin(dt, {rows, 2 * f}, in_values), out = twin_nan(dt, {rows, f});
         dev().swiglu_forward(out.c(), in.c());
         ref().swiglu_forward(out.r(), in.r());
         MT_CHECK_CLOSE(out, tol_for(dt));
@@ -156,6 +157,12 @@ TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
         dev().swiglu_backward(din.c(), dout.c(), in.c());
         ref().swiglu_backward(din.r(), dout.r(), in.r());
         MT_CHECK_CLOSE(din, tol_for(dt));
+        // In place (din over in, as GptModel's FP8 layers with kept inputs run it): din as above.
+        Twin in_place = twin(dt, {rows, 2 * f}, in_values);
+        dev().swiglu_backward(in_place.c(), dout.c(), in_place.c());
+        ref().swiglu_backward(in_place.r(), dout.r(), in_place.r());
+        CHECK(differing(download_bytes(dev(), in_place.c()), download_bytes(dev(), din.c()), dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(ref(), in_place.r()), download_bytes(ref(), din.r()), 4) == 0);
         // The recomputing backward in place (din over in, the activation over dout): din as above,
         // the activation bit for bit what swiglu_forward wrote.
         const std::vector<uint8_t> fwd = download_bytes(dev(), out.c()), ref_fwd = download_bytes(ref(), out.r());

@@ -1,0 +1,238 @@
+// FP8 linear inputs quantized once, in forward (GptModel keeps the transposed copy for the
+// weight-gradient GEMM), against the former path that quantizes them again in backward from the
+// recomputed compute-dtype inputs (ModelOptions::fp8_keep_inputs = false). Same x, same scale:
+// the same bits, so training must be bit-identical: every loss, grad norm, parameter and FP8
+// scaling state. Also with full recompute (equal to no recompute) and with two micro-batches in
+// flight (a pipeline's order: tensorwise scaling's scales change between a forward and its backward).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "app/training_data.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+using namespace mt;
+
+namespace {
+
+struct Recorder final : Reporter {
+  std::vector<double> grad_norms;
+  void on_iteration(const IterationStats& s) override { grad_norms.push_back(s.grad_norm.value_or(-1.0)); }
+  void on_eval(const EvalStats&) override {}
+};
+
+struct Run {
+  std::vector<double> losses, grad_norms;
+  std::vector<float> params, scale, scale_inv, history;
+  MemoryPlan plan;
+};
+
+Run train(const Config& cfg, bool requantize) {
+  Run run;
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(cfg, ps);
+  ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
+  o.fp8_keep_inputs = !requantize;
+  GptModel model(dims, o, ps, *be);
+  model.init_parameters();
+  TrainingData data = build_training_data(cfg, 0, 1, 0);
+  Recorder rep;
+  Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
+  trainer.train();
+  run.losses = trainer.loss_history();
+  run.grad_norms = rep.grad_norms;
+  run.plan = model.memory_plan();
+  run.params.resize(static_cast<size_t>(model.params_flat().numel()));
+  be->copy_to_host(run.params.data(), model.params_flat());
+  const Fp8State& st = model.fp8_state();
+  if (st.any()) {
+    run.scale.resize(static_cast<size_t>(st.scale().numel()));
+    run.scale_inv.resize(static_cast<size_t>(st.scale_inv_all().numel()));
+    run.history.resize(static_cast<size_t>(st.history().numel()));
+    be->copy_to_host(run.scale.data(), st.scale());
+    be->copy_to_host(run.scale_inv.data(), st.scale_inv_all());
+    be->copy_to_host(run.history.data(), st.history());
+  }
+  return run;
+}
+
+Config fp8_config(Config c, Fp8Format f, Fp8Recipe r, int iters) {
+  c = test::with_mock_training(c);  // two micro-batches per step
+  c.train.train_iters = iters;
+  c.train.lr_warmup_iters = 1;
+  c.train.eval_iters = 0;
+  c.train.fp8_format = f;
+  c.train.fp8_recipe = r;
+  c.train.fp8_amax_history_len = 4;
+  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
+  test::derive(c);
+  return c;
+}
+
+void check_identical(const Run& a, const Run& b) {
+  REQUIRE(a.losses.size() == b.losses.size());
+  REQUIRE(a.grad_norms.size() == b.grad_norms.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    INFO("iteration " << i + 1);
+    CHECK(a.losses[i] == b.losses[i]);
+    CHECK(a.grad_norms[i] == b.grad_norms[i]);
+    CHECK(a.grad_norms[i] > 0.0);
+  }
+  CHECK(a.params == b.params);
+  CHECK(a.scale == b.scale);
+  CHECK(a.scale_inv == b.scale_inv);
+  CHECK(a.history == b.history);
+}
+
+// Activation bytes the kept inputs add: per FP8 layer the four inputs' [K, N] FP8 copies (each
+// 256-byte aligned), plus tensorwise's scale_inv [4] (one aligned block).
+size_t kept_bytes_per_layer(const Config& c, Fp8Recipe r) {
+  const int64_t N = static_cast<int64_t>(c.train.micro_batch_size) * c.model.seq_length;
+  const int64_t h = c.model.hidden_size, att = static_cast<int64_t>(c.model.num_attention_heads) * c.model.head_dim;
+  auto aligned = [](int64_t n) { return static_cast<size_t>((n + 255) / 256 * 256); };
+  size_t b = aligned(h * N) * 2 + aligned(att * N) + aligned(c.model.ffn_size * N);
+  if (r == Fp8Recipe::tensorwise) b += 256;
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 kept inputs: training is bit-identical to re-quantizing in backward", "[fp8][engine][train]") {
+  struct Case {
+    const char* name;
+    Config model;
+    Fp8Format format;
+    Fp8Recipe recipe;
+  };
+  Config gpt_erf = test::tiny_gpt_config();
+  gpt_erf.model.bias_gelu_fusion = false;  // exact (erf) GeLU; the default with biases is tanh
+  test::derive(gpt_erf);
+  const std::vector<Case> cases = {
+      {"GPT hybrid delayed", test::tiny_gpt_config(), Fp8Format::hybrid, Fp8Recipe::delayed},
+      {"GPT e4m3 tensorwise", test::tiny_gpt_config(), Fp8Format::e4m3, Fp8Recipe::tensorwise},
+      {"GPT (erf GeLU) hybrid tensorwise", gpt_erf, Fp8Format::hybrid, Fp8Recipe::tensorwise},
+      {"Llama hybrid delayed", test::tiny_llama_config(), Fp8Format::hybrid, Fp8Recipe::delayed},
+      {"Llama hybrid tensorwise", test::tiny_llama_config(), Fp8Format::hybrid, Fp8Recipe::tensorwise},
+  };
+  for (const Case& k : cases) {
+    INFO(k.name);
+    const Config c = fp8_config(k.model, k.format, k.recipe, 5);  // delayed: 1 calibrating step, then 4 in FP8
+    const Run kept = train(c, false), requant = train(c, true);
+    check_identical(kept, requant);
+    // The FP8 GEMMs ran (the float run differs from iteration 2 on).
+    Config float_cfg = c;
+    float_cfg.train.fp8_format.reset();
+    const Run ref = train(float_cfg, false);
+    REQUIRE(ref.losses.size() == kept.losses.size());
+    CHECK(ref.losses.back() != kept.losses.back());
+    // Planned up front: the kept copies are activations; the re-quantize workspace is gone.
+    const size_t act = kept.plan.of(MemoryCategory::activations), act0 = requant.plan.of(MemoryCategory::activations);
+    CHECK(act - act0 == static_cast<size_t>(c.model.num_layers) * kept_bytes_per_layer(c, k.recipe));
+    CHECK(kept.plan.of(MemoryCategory::workspace) < requant.plan.of(MemoryCategory::workspace));
+  }
+}
+
+TEST_CASE("fp8 kept inputs: --no-fp8-wgrad keeps nothing and trains alike", "[fp8][engine][train]") {
+  Config c = fp8_config(test::tiny_llama_config(), Fp8Format::hybrid, Fp8Recipe::delayed, 4);
+  c.train.fp8_wgrad = false;
+  const Run a = train(c, false), b = train(c, true);
+  check_identical(a, b);
+  CHECK(a.plan.bytes == b.plan.bytes);
+}
+
+TEST_CASE("fp8 kept inputs: full recompute equals keeping activations", "[fp8][engine][train]") {
+  // 3 layers, the first in bf16 (--first-last-layers-bf16 1 0): recompute groups of 2 are [0, 2)
+  // and [2, 3), so the scratch entry of a group's first layer serves a bf16 and an FP8 layer.
+  for (bool llama : {false, true}) {
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+      INFO((llama ? "Llama" : "GPT") << (recipe == Fp8Recipe::delayed ? " delayed" : " tensorwise"));
+      Config m = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+      m.model.num_layers = 3;
+      m.model.hidden_dropout = 0.1;  // the recomputed forward redraws the same masks
+      test::derive(m);
+      Config c = fp8_config(m, Fp8Format::hybrid, recipe, 4);
+      c.train.first_last_layers_bf16 = true;
+      c.train.num_layers_at_start_in_bf16 = 1;
+      c.train.num_layers_at_end_in_bf16 = 0;
+      const Run plain = train(c, false);
+      for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
+        INFO((method == RecomputeMethod::uniform ? "uniform" : "block"));
+        Config r = c;
+        r.train.recompute_granularity = RecomputeGranularity::full;
+        r.train.recompute_method = method;
+        r.train.recompute_num_layers = 2;
+        const Run rec = train(r, false);
+        check_identical(plain, rec);
+        CHECK(rec.plan.of(MemoryCategory::activations) < plain.plan.of(MemoryCategory::activations));
+        if (method == RecomputeMethod::uniform && recipe == Fp8Recipe::tensorwise) check_identical(rec, train(r, true));
+      }
+    }
+  }
+}
+
+namespace {
+
+// Two micro-batches in flight in two slots, in a pipeline's order (forward 0, forward 1,
+// backward 0, backward 1), for two steps without optimizer (delayed scaling: the first
+// calibrates, the second casts). Returns the main grads of the second step.
+std::vector<float> two_in_flight(const Config& cfg, bool requantize) {
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(cfg, ps);
+  ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
+  o.num_slots = 2;
+  o.fp8_keep_inputs = !requantize;
+  GptModel model(dims, o, ps, *be);
+  model.init_parameters();
+  const int b = cfg.train.micro_batch_size, s = cfg.model.seq_length;
+  test::ArangeBatchSource src(b, s, cfg.model.vocab_size);
+  uint64_t serial = 0;
+  for (int step = 0; step < 2; ++step) {
+    model.zero_grads();
+    model.fp8_begin_step();
+    MicroBatch mb[2];
+    for (int k = 0; k < 2; ++k) {
+      REQUIRE(src.next(mb[k]));
+      // Different scales per micro-batch: the second's inputs (and so their amaxes) are larger.
+      if (k == 1)
+        for (int32_t& t : mb[k].tokens) t = (t * 5 + 3) % cfg.model.vocab_size;
+      model.stage_micro_batch(k, mb[k], 1.0, false, serial++, true);
+      model.forward(k);
+    }
+    model.backward(0);
+    model.backward(1, true);
+    model.fp8_end_step();
+  }
+  std::vector<float> g(static_cast<size_t>(model.grads_flat().numel()));
+  be->copy_to_host(g.data(), model.grads_flat());
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 kept inputs: two micro-batches in flight match re-quantizing", "[fp8][engine]") {
+  for (bool llama : {false, true}) {
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+      INFO((llama ? "Llama" : "GPT") << (recipe == Fp8Recipe::delayed ? " delayed" : " tensorwise"));
+      Config c = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+      c.model.hidden_size = 32;
+      c.train.fp8_format = Fp8Format::hybrid;
+      c.train.fp8_recipe = recipe;
+      test::derive(c);
+      const std::vector<float> kept = two_in_flight(c, false), requant = two_in_flight(c, true);
+      REQUIRE(kept.size() == requant.size());
+      size_t nonzero = 0;
+      for (float v : kept) nonzero += v != 0.0f;
+      CHECK(nonzero > kept.size() / 2);
+      CHECK(kept == requant);
+    }
+  }
+}
