@@ -17,52 +17,14 @@
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
+#include "tests/fp8_train_util.h"
 
 using namespace mt;
 
 namespace {
 
-struct Recorder final : Reporter {
-  std::vector<double> grad_norms;
-  void on_iteration(const IterationStats& s) override { grad_norms.push_back(s.grad_norm.value_or(-1.0)); }
-  void on_eval(const EvalStats&) override {}
-};
-
-struct Run {
-  std::vector<double> losses, grad_norms;
-  std::vector<float> params, scale, scale_inv, history;
-  MemoryPlan plan;
-};
-
-Run train(const Config& cfg, bool requantize) {
-  Run run;
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(2);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
-  o.fp8_keep_inputs = !requantize;
-  GptModel model(dims, o, ps, *be);
-  model.init_parameters();
-  TrainingData data = build_training_data(cfg, 0, 1, 0);
-  Recorder rep;
-  Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
-  trainer.train();
-  run.losses = trainer.loss_history();
-  run.grad_norms = rep.grad_norms;
-  run.plan = model.memory_plan();
-  run.params.resize(static_cast<size_t>(model.params_flat().numel()));
-  be->copy_to_host(run.params.data(), model.params_flat());
-  const Fp8State& st = model.fp8_state();
-  if (st.any()) {
-    run.scale.resize(static_cast<size_t>(st.scale().numel()));
-    run.scale_inv.resize(static_cast<size_t>(st.scale_inv_all().numel()));
-    run.history.resize(static_cast<size_t>(st.history().numel()));
-    be->copy_to_host(run.scale.data(), st.scale());
-    be->copy_to_host(run.scale_inv.data(), st.scale_inv_all());
-    be->copy_to_host(run.history.data(), st.history());
-  }
-  return run;
-}
+using Run = test::Fp8Run;
+Run train(const Config& cfg, bool requantize) { return test::train_fp8(cfg, !requantize); }
 
 Config fp8_config(Config c, Fp8Format f, Fp8Recipe r, int iters) {
   c = test::with_mock_training(c);  // two micro-batches per step

@@ -13,15 +13,11 @@
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
+#include "tests/fp8_train_util.h"
 
 using namespace mt;
 
 namespace {
-
-struct NullReporter final : Reporter {
-  void on_iteration(const IterationStats&) override {}
-  void on_eval(const EvalStats&) override {}
-};
 
 Config fp8_mock_config(Config c) {
   c = test::with_mock_training(c);  // two micro-batches per step: the amax is the max over both
@@ -32,38 +28,8 @@ Config fp8_mock_config(Config c) {
   return c;
 }
 
-struct Fp8Run {
-  std::vector<double> losses;
-  std::vector<float> scale, history;
-  std::vector<float> params;  // after the last step (float32 model)
-};
-
-// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again).
-Fp8Run train(const Config& cfg, bool keep_inputs = true) {
-  Fp8Run run;
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(2);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  ModelOptions options = ModelOptions::from_config(cfg, dims, DType::f32);
-  options.fp8_keep_inputs = keep_inputs;
-  GptModel model(dims, options, ps, *be);
-  model.init_parameters();
-  TrainingData data = build_training_data(cfg, 0, 1, 0);
-  NullReporter rep;
-  Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
-  trainer.train();
-  run.losses = trainer.loss_history();
-  run.params.resize(static_cast<size_t>(model.params_flat().numel()));
-  be->copy_to_host(run.params.data(), model.params_flat());
-  const Fp8State& st = model.fp8_state();
-  if (st.any()) {
-    run.scale.resize(static_cast<size_t>(st.scale().numel()));
-    run.history.resize(static_cast<size_t>(st.history().numel()));
-    be->copy_to_host(run.scale.data(), st.scale());
-    be->copy_to_host(run.history.data(), st.history());
-  }
-  return run;
-}
+using test::Fp8Run;
+Fp8Run train(const Config& cfg) { return test::train_fp8(cfg); }
 
 Config with_fp8(Config c, Fp8Format f, Fp8Recipe r) {
   c.train.fp8_format = f;
@@ -191,32 +157,4 @@ TEST_CASE("fp8 state: delayed scaling calibrates until its first update (also af
 
   // Tensorwise scaling never needs the rule.
   CHECK_FALSE(OneLayerFp8(*be, Fp8Recipe::tensorwise).state.calibrating());
-}
-
-TEST_CASE("fp8 training: the inputs' FP8 copies kept from forward give the re-cast run bit for bit", "[fp8][engine][train]") {
-  // The forward writes each FP8 linear input's transposed copy beside the row-major one and the
-  // weight gradient reads it; the other path casts the (recomputed) input again with the same
-  // scale. Same bits, so the same run: losses, final parameters and scaling state.
-  for (const bool llama : {false, true}) {
-    Config base = fp8_mock_config(llama ? test::tiny_llama_config() : test::tiny_gpt_config());
-    base.train.train_iters = 6;
-    base.train.total_iters = 6;
-    for (const Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
-      for (const bool recompute : {false, true}) {
-        Config c = with_fp8(base, Fp8Format::hybrid, recipe);
-        if (recompute) {
-          c.train.recompute_granularity = RecomputeGranularity::full;
-          c.train.recompute_method = RecomputeMethod::uniform;
-          c.train.recompute_num_layers = 1;
-        }
-        INFO((llama ? "llama" : "gpt") << (recipe == Fp8Recipe::delayed ? " delayed" : " tensorwise")
-                                       << (recompute ? " full recompute" : ""));
-        const Fp8Run kept = train(c, true), recast = train(c, false);
-        CHECK(kept.losses == recast.losses);
-        CHECK(kept.params == recast.params);
-        CHECK(kept.scale == recast.scale);
-        CHECK(kept.history == recast.history);
-      }
-    }
-  }
 }

@@ -1,0 +1,59 @@
+// Training a tiny model with FP8 on the reference backend for the FP8 tests: what a run leaves
+// behind (losses, grad norms, parameters, FP8 scaling state, memory plan).
+#pragma once
+
+#include <vector>
+
+#include "app/training_data.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+namespace mt::test {
+
+struct Fp8Run {
+  std::vector<double> losses, grad_norms;
+  std::vector<float> params;  // after the last step (float32 model)
+  std::vector<float> scale, scale_inv, history;
+  MemoryPlan plan;
+};
+
+// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again).
+inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true) {
+  struct Recorder final : Reporter {
+    std::vector<double> grad_norms;
+    void on_iteration(const IterationStats& s) override { grad_norms.push_back(s.grad_norm.value_or(-1.0)); }
+    void on_eval(const EvalStats&) override {}
+  };
+  Fp8Run run;
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(cfg, ps);
+  ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
+  o.fp8_keep_inputs = keep_inputs;
+  GptModel model(dims, o, ps, *be);
+  model.init_parameters();
+  TrainingData data = build_training_data(cfg, 0, 1, 0);
+  Recorder rep;
+  Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
+  trainer.train();
+  run.losses = trainer.loss_history();
+  run.grad_norms = rep.grad_norms;
+  run.plan = model.memory_plan();
+  run.params.resize(static_cast<size_t>(model.params_flat().numel()));
+  be->copy_to_host(run.params.data(), model.params_flat());
+  const Fp8State& st = model.fp8_state();
+  if (st.any()) {
+    run.scale.resize(static_cast<size_t>(st.scale().numel()));
+    run.scale_inv.resize(static_cast<size_t>(st.scale_inv_all().numel()));
+    run.history.resize(static_cast<size_t>(st.history().numel()));
+    be->copy_to_host(run.scale.data(), st.scale());
+    be->copy_to_host(run.scale_inv.data(), st.scale_inv_all());
+    be->copy_to_host(run.history.data(), st.history());
+  }
+  return run;
+}
+
+}  // namespace mt::test
