@@ -54,6 +54,9 @@ __device__ __forceinline__ void gelu_and_grad(float x, bool tanh_approx, float& 
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// SwiGLU of one (gate, up) pair: silu(gate) * up.
+__device__ __forceinline__ float swiglu_value(float gate, float up) { return gate * sigmoid(gate) * up; }
+
 // Dropout (engine/dropout_mask.h): element `index` is kept iff dropout_keep(key, index, p), then
 // scaled by 1/(1-p). Returns the factor the element is multiplied by; p == 0 draws nothing.
 __device__ __forceinline__ float dropout_factor(uint64_t key, uint64_t index, float p, float keep_scale) {

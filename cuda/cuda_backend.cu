@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 
@@ -50,6 +51,10 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
+  if (const char* m = std::getenv("MEGATRAIN_GEMM_SM_MARGIN"); m && *m) {
+    base_gemm_sm_margin_ = std::max(0, std::atoi(m));
+    set_gemm_sm_margin(0);
+  }
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -152,6 +157,7 @@ void CudaBackend::compute_wait_for_tp_comm() {
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
 }
 void CudaBackend::set_gemm_sm_margin(int sms) {
+  sms = std::max(sms, base_gemm_sm_margin_);
   gemm_sm_target_ = sms > 0 ? std::max(1, num_sms_ - sms) : 0;
   gemm_->sm_count_target = gemm_sm_target_;
   if (fp8_gemm_) fp8_gemm_->sm_count_target = gemm_sm_target_;

@@ -75,6 +75,8 @@ class CudaBackend final : public Backend {
 
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
+                               const Fp8TensorMeta& meta) override;
   void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,
                           Activation act, Tensor pre_act) override;
   void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,
@@ -138,6 +140,8 @@ class CudaBackend final : public Backend {
   // The FP8 GEMM runner (own cuBLASLt handle and workspace) and the two 16-byte aligned scale
   // slots, made at the first FP8 op; fp8_stage_scales copies an op's two scale_inv values there.
   cuda::Fp8GemmRunner& fp8_gemm();
+  void fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor x, const MlpActivation* act,
+                         const Fp8TensorMeta& meta);
   void fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor& a_scale_inv, const Tensor& b_scale_inv,
                         const char* op);
   cuda::SegmentArg segment_arg(std::span<const OptimSegment> segments, int64_t numel, const char* what);
@@ -152,6 +156,9 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   int num_sms_ = 1;
   int gemm_sm_target_ = 0;  // set_gemm_sm_margin (0: all SMs)
+  // MEGATRAIN_GEMM_SM_MARGIN: SMs every GEMM leaves free (for the collectives of data and pipeline
+  // parallelism beside the step's GEMMs; tuning runs); set_gemm_sm_margin never goes below it.
+  int base_gemm_sm_margin_ = 0;
   size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that

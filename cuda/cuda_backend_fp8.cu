@@ -61,17 +61,18 @@ void CudaBackend::fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor&
                             scalar_ptr(b_scale_inv, op, "second scale_inv"));
 }
 
-void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
-  const char* op = "fp8_quantize";
+// Both quantizing ops: x [R, C] (act == nullptr) or act(pre) (x never written, R x C from pre).
+void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor x, const MlpActivation* act,
+                                    const Fp8TensorMeta& meta) {
   on_device(op, q, q_t, x, meta.scale, meta.scale_inv, meta.amax);
-  MT_PROFILE_OP("fp8_quantize {}{}{}", x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
+  MT_PROFILE_OP("{} {}{}{}", op, x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
   MT_CHECK(q.empty() || q_t.empty() || q.dtype == q_t.dtype, "{}: q and q_t have different FP8 dtypes", op);
   const cuda::Fp8Format f = fp8_format_of(e, op, "q");
   MT_CHECK(meta.recipe == Fp8Recipe::delayed || meta.recipe == Fp8Recipe::tensorwise,
            "{}: the CUDA backend quantizes with the delayed or tensorwise recipe only", op);
-  const int64_t R = x.rows(), C = x.cols();
+  const int64_t R = x.rows(), C = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
   MT_CHECK(q.empty() || (q.rows() == R && q.cols() == C), "{}: q {} for x {}", op, q.shape_string(), x.shape_string());
   MT_CHECK(q_t.empty() || (q_t.rows() == C && q_t.cols() == R), "{}: q_t {} for x {}", op, q_t.shape_string(),
            x.shape_string());
@@ -82,15 +83,25 @@ void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMe
   if (meta.recipe == Fp8Recipe::tensorwise) {
     float* fresh = ctx.scratch->take_array<float>(1, "fp8_quantize amax");
     MT_CUDA_CHECK(cudaMemsetAsync(fresh, 0, sizeof(float), stream_));
-    cuda::fp8_amax(ctx, fresh, x);
+    if (act) cuda::activation_cast_transpose_to_fp8(ctx, nullptr, nullptr, f, x, *act, scale, fresh);
+    else cuda::fp8_amax(ctx, fresh, x);
     cuda::fp8_tensorwise_scale(ctx, fresh, amax, scale, const_cast<float*>(scalar_ptr(meta.scale_inv, op, "meta.scale_inv")),
                                fp8_max(e), meta.margin);
     record = nullptr;  // meta.amax already holds max(meta.amax, max|x|)
   }
-  if (!q_t.empty())
-    cuda::cast_transpose_to_fp8(ctx, q.empty() ? nullptr : q.data, q_t.data, f, x, scale, record);
-  else
-    cuda::cast_to_fp8(ctx, q.data, f, x, scale, record);
+  void* out = q.empty() ? nullptr : q.data;
+  if (act) cuda::activation_cast_transpose_to_fp8(ctx, out, q_t.empty() ? nullptr : q_t.data, f, x, *act, scale, record);
+  else if (!q_t.empty()) cuda::cast_transpose_to_fp8(ctx, out, q_t.data, f, x, scale, record);
+  else cuda::cast_to_fp8(ctx, out, f, x, scale, record);
+}
+
+void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
+  fp8_quantize_impl("fp8_quantize", q, q_t, x, nullptr, meta);
+}
+
+void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
+                                          const Fp8TensorMeta& meta) {
+  fp8_quantize_impl("fp8_quantize_activation", q, q_t, pre, &act, meta);
 }
 
 void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -156,8 +156,8 @@ __global__ void gelu_grad_recompute_kernel(T* g, T* act, const T* pre, int64_t n
 }
 
 // ---- SwiGLU: in[M, 2f] = [gate | up], out[M, f] = silu(gate) * up --------------------------------
-// One expression for the forward and the backward's recomputation (same bits).
-__device__ __forceinline__ float swiglu_value(float gate, float up) { return gate * sigmoid(gate) * up; }
+// swiglu_value (cuda/activations.cuh): one expression for the forward, the backward's
+// recomputation and the FP8 cast of fc2's input (same bits).
 
 // VEC requires f % 8 == 0 so that a vector never crosses a row.
 template <typename T, bool VEC>

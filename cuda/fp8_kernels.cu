@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "cuda/cuda_check.h"
+#include "cuda/activations.cuh"
 #include "cuda/device_utils.cuh"
 
 namespace mt::cuda {
@@ -98,8 +99,60 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
 constexpr int kTile = 64;
 constexpr int kTileStride = kTile + 2;
 
-template <typename T, Fp8Format F, int VEC>
-__global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const T* __restrict__ in,
+// What a cast reads: element (r, c) of the [R, C] tensor it quantizes, as a float. PlainInput is
+// the tensor itself; the activation readers compute it from fc1's output exactly as gelu_forward /
+// swiglu_forward would store it (the activation in float32, rounded to T), so the bytes equal
+// those of the activation op followed by the plain cast.
+template <typename T>
+struct PlainInput {
+  const T* __restrict__ in;
+  int64_t C;
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const { return load_vec<8>(in + r * C + c); }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const { return to_float(in[r * C + c]); }
+};
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+template <typename T, bool TANH>
+struct GeluInput {
+  const T* __restrict__ pre;
+  int64_t C;
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> v = load_vec<8>(pre + r * C + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(gelu(v.v[j], TANH));
+    return v;
+  }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
+    return round_to<T>(gelu(to_float(pre[r * C + c]), TANH));
+  }
+};
+
+// pre [R, 2C] = [gate | up] per row.
+template <typename T>
+struct SwigluInput {
+  const T* __restrict__ pre;
+  int64_t C;
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    const T* row = pre + r * 2 * C;
+    const Floats<8> gate = load_vec<8>(row + c), up = load_vec<8>(row + C + c);
+    Floats<8> v;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
+    return v;
+  }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
+    const T* row = pre + r * 2 * C;
+    return round_to<T>(swiglu_value(to_float(row[c]), to_float(row[C + c])));
+  }
+};
+
+// out and out_t may both be null: then only the amax is taken (tensorwise scaling's first pass).
+template <typename Input, Fp8Format F, int VEC>
+__global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const Input in,
                                       int64_t R, int64_t C, const float* scale_p, float* amax) {
   __shared__ __align__(16) uint8_t tile[kTile][kTileStride];
   const float scale = *scale_p;
@@ -113,7 +166,7 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
       const int64_t gr = row0 + r, gc = col0 + c;
       if (gr >= R || gc >= C) continue;
       if constexpr (VEC == 8) {
-        const Floats<8> v = load_vec<8>(in + gr * C + gc);
+        const Floats<8> v = in.load8(gr, gc);
 #pragma unroll
         for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
         const uint2 q = pack8<F>(v, scale);
@@ -124,7 +177,7 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
         t16[2] = static_cast<uint16_t>(q.y);
         t16[3] = static_cast<uint16_t>(q.y >> 16);
       } else {
-        const float v = to_float(in[gr * C + gc]);
+        const float v = in.load1(gr, gc);
         m = fmaxf(m, fabsf(v));
         const uint8_t q = to_fp8<F>(v * scale);
         if (out) out[gr * C + gc] = q;
@@ -255,27 +308,64 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
   MT_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// Launches cast_transpose_kernel over an [R, C] input read by `in`; vec: R and C multiples of 8
+// and the input 16-byte aligned (the caller's check).
+template <typename Input>
+void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
+                           int64_t R, int64_t C, bool vec, const float* scale, float* amax) {
+  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  vec = vec && R % 8 == 0 && C % 8 == 0 && a8(out) && a8(out_t);
+  const int64_t tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm));
+  with_format(format, [&](auto fc) {
+    constexpr Fp8Format F = decltype(fc)::value;
+    auto* o = static_cast<uint8_t*>(out);
+    auto* ot = static_cast<uint8_t*>(out_t);
+    if (vec)
+      cast_transpose_kernel<Input, F, 8><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax);
+    else
+      cast_transpose_kernel<Input, F, 1><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax) {
   check_input(in, "cast_transpose_to_fp8");
   const int64_t R = in.rows(), C = in.cols();
   if (R == 0 || C == 0) return;
-  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
-  const bool vec = R % 8 == 0 && C % 8 == 0 && aligned16(in.data) && a8(out) && a8(out_t);
-  const int64_t tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm));
   MT_DISPATCH_FLOAT(in.dtype, T, "cast_transpose_to_fp8", {
-    with_format(format, [&](auto fc) {
-      constexpr Fp8Format F = decltype(fc)::value;
-      auto* o = static_cast<uint8_t*>(out);
-      auto* ot = static_cast<uint8_t*>(out_t);
-      if (vec)
-        cast_transpose_kernel<T, F, 8><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in.ptr<const T>(), R, C, scale, amax);
-      else
-        cast_transpose_kernel<T, F, 1><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in.ptr<const T>(), R, C, scale, amax);
-    });
+    launch_cast_transpose(ctx, out, out_t, format, PlainInput<T>{in.ptr<const T>(), C}, R, C, aligned16(in.data),
+                          scale, amax);
   });
-  MT_CUDA_CHECK_LAUNCH();
+}
+
+void activation_cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor pre,
+                                      MlpActivation act, const float* scale, float* amax) {
+  check_input(pre, "activation_cast_transpose_to_fp8");
+  const int64_t R = pre.rows(), C = act == MlpActivation::swiglu ? pre.cols() / 2 : pre.cols();
+  MT_CHECK(act != MlpActivation::swiglu || pre.cols() % 2 == 0, "activation_cast_transpose_to_fp8: odd SwiGLU width {}",
+           pre.cols());
+  if (R == 0 || C == 0) return;
+  const bool vec = aligned16(pre.data);
+  MT_DISPATCH_FLOAT(pre.dtype, T, "activation_cast_transpose_to_fp8", {
+    const T* p = pre.ptr<const T>();
+    switch (act) {
+      case MlpActivation::gelu:
+        launch_cast_transpose(ctx, out, out_t, format, GeluInput<T, false>{p, C}, R, C, vec, scale, amax);
+        break;
+      case MlpActivation::gelu_tanh:
+        launch_cast_transpose(ctx, out, out_t, format, GeluInput<T, true>{p, C}, R, C, vec, scale, amax);
+        break;
+      case MlpActivation::swiglu:
+        launch_cast_transpose(ctx, out, out_t, format, SwigluInput<T>{p, C}, R, C, vec, scale, amax);
+        break;
+    }
+  });
 }
 
 void fp8_amax(const KernelContext& ctx, float* amax, Tensor in) {

@@ -31,6 +31,12 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax);
 
+// cast_transpose_to_fp8 of x = act(pre) (gelu_forward's / swiglu_forward's values in pre's dtype,
+// never written): pre [R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU; out [R, C], out_t [C, R].
+// out and out_t may both be null: then only *amax is taken.
+void activation_cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor pre,
+                                      MlpActivation act, const float* scale, float* amax);
+
 // *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
 void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);
 

@@ -26,6 +26,9 @@
 namespace mt {
 
 enum class Activation { none, gelu, gelu_tanh };
+// The MLP activation between fc1 and fc2, as fp8_quantize_activation applies it to fc1's output:
+// gelu / gelu_tanh as gelu_forward, swiglu as swiglu_forward ([gate | up] per row).
+enum class MlpActivation { gelu, gelu_tanh, swiglu };
 
 struct NormParams {
   Normalization kind = Normalization::layernorm;
@@ -204,7 +207,8 @@ class Backend {
   //     the layer's activations for the weight-gradient GEMM (ModelOptions::fp8_keep_inputs =
   //     false, tests only: forward fp8_quantize(xq, {}, x), backward
   //     fp8_quantize({}, xq_t, x) from x recomputed or kept in the compute dtype, with the same
-  //     meta: the same scale, the same bits);
+  //     meta: the same scale, the same bits); fc2's input by fp8_quantize_activation from fc1's
+  //     output (the activation itself is not written);
   //   - output gradients: fp8_quantize(dyq, dyq_t, dy) before the two backward GEMMs.
   // All FP8 GEMMs accumulate in float32; outputs are in the compute dtype (dw: the float32 main grad).
   // Scaling (e = the dtype of q / q_t, fp8_max(e) = 448 or 57344, core/dtype.h):
@@ -220,6 +224,13 @@ class Backend {
   // q and q_t have the same FP8 dtype; either may be empty (not written), not both. x is 2-D [R, C]:
   // q is [R, C], q_t is [C, R].
   virtual void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta);
+  // fp8_quantize of x = act(pre) without writing x: bit for bit gelu_forward(x, pre) /
+  // swiglu_forward(x, pre) in pre's dtype, then fp8_quantize(q, q_t, x, meta) (amax and scales of x
+  // too). pre is [R, C] for GeLU, [R, 2C] for SwiGLU; q is [R, C], q_t [C, R]. FP8 layers cast
+  // fc2's input this way straight from fc1's output (the GEMM then writes only fc1's output, no
+  // GeLU epilogue), saving the activation's write and read in the compute dtype.
+  virtual void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
+                                       const Fp8TensorMeta& meta);
   // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
   // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.
   virtual void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -530,22 +530,40 @@ void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tenso
     return;
   }
   fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
-  const Tensor xq = fp8_view(fp8_xq_, x.rows(), x.cols());
-  // One cast for both FP8 GEMMs that take x: the row-major copy for this GEMM (workspace) and, in
-  // training, the transposed one for the weight gradient, kept with the layer's activations.
-  // (Evaluation forwards have no backward, and a recomputed layer's first forward none of its
-  // own: the recompute writes them again. Neither writes the copy nor its scale_inv.)
-  const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
-  if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
-  be_.fp8_quantize(xq, keep ? A.fp8_xq_t[g] : Tensor(), x, fp8_meta(local, g, Fp8State::x));
-  if (keep && !A.fp8_x_scale_inv.empty())
-    be_.copy(A.fp8_x_scale_inv.flat_slice(g, 1), fp8_.scale_inv(local, g, Fp8State::x));
+  const Tensor xq = fp8_quantize_input(local, g, A, x, nullptr);
   if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
   }
   be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
                          fp8_.scale_inv(local, g, Fp8State::w), bias, act, pre_act);
+}
+
+void GptModel::fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act) {
+  MT_CHECK(fp8_gemms(local), "layer {}: fc2's fused FP8 input cast outside FP8 GEMMs", d_.layer_begin + local);
+  const Fp8State::Gemm g = Fp8State::fc2;
+  fp8_refresh_weights(local);
+  const Tensor xq = fp8_quantize_input(local, g, A, fc1_pre, &act);
+  be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
+                         fp8_.scale_inv(local, g, Fp8State::w), Tensor(), Activation::none, Tensor());
+}
+
+// One cast for both FP8 GEMMs that take the input x (or act(x), act not null): the row-major copy
+// for the forward GEMM (workspace, returned) and, in training, the transposed one for the weight
+// gradient, kept with the layer's activations. (Evaluation forwards have no backward, and a
+// recomputed layer's first forward none of its own: the recompute writes them again. Neither
+// writes the copy nor its scale_inv.)
+Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act) {
+  const int64_t cols = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
+  const Tensor xq = fp8_view(fp8_xq_, x.rows(), cols);
+  const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
+  if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
+  const Tensor xq_t = keep ? A.fp8_xq_t[g] : Tensor();
+  if (act) be_.fp8_quantize_activation(xq, xq_t, x, *act, fp8_meta(local, g, Fp8State::x));
+  else be_.fp8_quantize(xq, xq_t, x, fp8_meta(local, g, Fp8State::x));
+  if (keep && !A.fp8_x_scale_inv.empty())
+    be_.copy(A.fp8_x_scale_inv.flat_slice(g, 1), fp8_.scale_inv(local, g, Fp8State::x));
+  return xq;
 }
 
 void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy) {
@@ -804,15 +822,25 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
 
   // MLP block: norm (above) -> fc1 (column-parallel) + activation -> fc2 (row-parallel,
   // all-reduce) -> bias + dropout + residual.
+  // With FP8 GEMMs, fc1 writes only its output (no GeLU epilogue) and fc2's input is cast to FP8
+  // from it (fc2_fwd_from_fc1): the activation is never written in the compute dtype.
   gather_rows(A.ln2_out);
-  if (d_.swiglu) {
+  const MlpActivation mlp_act = d_.swiglu ? MlpActivation::swiglu
+                                : d_.gelu_tanh ? MlpActivation::gelu_tanh
+                                               : MlpActivation::gelu;
+  if (fp8_gemms(local)) {
     linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
-    be_.swiglu_forward(A.fc1_act, A.fc1_pre);
+    fc2_fwd_from_fc1(local, A, w.tmp_h, A.fc1_pre, mlp_act);
   } else {
-    linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
-               d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+    if (d_.swiglu) {
+      linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
+      be_.swiglu_forward(A.fc1_act, A.fc1_pre);
+    } else {
+      linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
+                 d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+    }
+    linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   }
-  linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
 }
 

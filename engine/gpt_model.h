@@ -219,6 +219,10 @@ class GptModel {
   // A: the layer's activations (where the kept transposed input goes).
   void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
                   Activation act, Tensor pre_act);
+  // fc2's forward in a layer with FP8 GEMMs (fp8_gemms(local)): its input act(fc1_pre) is cast to
+  // FP8 straight from fc1's output and never written in the compute dtype.
+  Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act);
+  void fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
   // of gemm g that follow; no-op elsewhere.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);

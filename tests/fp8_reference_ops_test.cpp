@@ -93,6 +93,33 @@ TEST_CASE("fp8_quantize: tensorwise scaling takes the scale from this tensor's a
   CHECK(m.s[0] == FLT_MAX);
 }
 
+TEST_CASE("fp8_quantize_activation equals the activation op, then fp8_quantize, bit for bit", "[fp8][reference]") {
+  auto be = make_reference_backend(2);
+  const int64_t R = 5, C = 7;  // odd sizes
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+      INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe));
+      const int64_t pc = act == MlpActivation::swiglu ? 2 * C : C;
+      std::vector<float> pre = randn(static_cast<size_t>(R * pc), 41 + static_cast<uint64_t>(act), 2.5f);
+      std::vector<float> x(static_cast<size_t>(R * C));
+      if (act == MlpActivation::swiglu) be->swiglu_forward(f32(x, {R, C}), f32(pre, {R, pc}));
+      else be->gelu_forward(f32(x, {R, C}), f32(pre, {R, pc}), act == MlpActivation::gelu_tanh);
+      Meta m1, m2;
+      m1.s[0] = m2.s[0] = 37.0f;
+      m1.amax[0] = m2.amax[0] = 0.5f;
+      std::vector<uint8_t> q1(x.size()), t1(x.size()), q2(x.size()), t2(x.size());
+      be->fp8_quantize(u8(q1, DType::fp8_e4m3, {R, C}), u8(t1, DType::fp8_e4m3, {C, R}), f32(x, {R, C}), m1.view(recipe));
+      be->fp8_quantize_activation(u8(q2, DType::fp8_e4m3, {R, C}), u8(t2, DType::fp8_e4m3, {C, R}), f32(pre, {R, pc}),
+                                  act, m2.view(recipe));
+      CHECK(q1 == q2);
+      CHECK(t1 == t2);
+      CHECK(m1.amax[0] == m2.amax[0]);
+      CHECK(m1.amax[0] > 0.5f);  // the activation's max was recorded
+      CHECK(m1.s[0] == m2.s[0]);
+      CHECK(m1.si[0] == m2.si[0]);
+    }
+}
+
 TEST_CASE("fp8 GEMMs equal the float GEMMs on dequantized operands and follow them within FP8 tolerance",
           "[fp8][reference]") {
   auto be = make_reference_backend(2);

@@ -63,22 +63,20 @@ void fp8_gemm_tn(ThreadPool& pool, const Tensor& a, const Tensor& b, double scal
   });
 }
 
-}  // namespace
-
-void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
-  const char* op = "fp8_quantize";
-  MT_CHECK(!q.empty() || !q_t.empty(), "fp8_quantize: neither q nor q_t given");
+// fp8_quantize of an R x C tensor whose element i is x(i) (a float in the tensor's dtype).
+template <typename X>
+void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t C, X&& x, const Fp8TensorMeta& meta,
+                     const char* op) {
+  MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
-  MT_CHECK(is_fp8(e) && (q.empty() || q_t.empty() || q.dtype == q_t.dtype), "fp8_quantize: q {} / q_t {}",
+  MT_CHECK(is_fp8(e) && (q.empty() || q_t.empty() || q.dtype == q_t.dtype), "{}: q {} / q_t {}", op,
            q.empty() ? "-" : dtype_name(q.dtype), q_t.empty() ? "-" : dtype_name(q_t.dtype));
-  const int64_t R = x.rows(), C = x.cols();
-  if (!q.empty()) MT_CHECK(q.rows() == R && q.cols() == C, "fp8_quantize: q {} for x {}", q.shape_string(), x.shape_string());
+  if (!q.empty()) MT_CHECK(q.rows() == R && q.cols() == C, "{}: q {} for x [{}, {}]", op, q.shape_string(), R, C);
   if (!q_t.empty())
-    MT_CHECK(q_t.rows() == C && q_t.cols() == R, "fp8_quantize: q_t {} for x {}", q_t.shape_string(), x.shape_string());
-  const Floats fx(x);
+    MT_CHECK(q_t.rows() == C && q_t.cols() == R, "{}: q_t {} for x [{}, {}]", op, q_t.shape_string(), R, C);
   // max |x| over this tensor (NaN is not a maximum: comparisons with it are false).
   float a = 0.0f;
-  for (int64_t i = 0; i < R * C; ++i) a = std::max(a, std::fabs(static_cast<float>(fx.get(i))));
+  for (int64_t i = 0; i < R * C; ++i) a = std::max(a, std::fabs(x(i)));
   float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
   if (amax) *amax = std::max(*amax, a);
   float scale = read_scalar(meta.scale, op, "meta.scale");
@@ -89,14 +87,55 @@ void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8Ten
   }
   uint8_t* pq = q.empty() ? nullptr : static_cast<uint8_t*>(q.data);
   uint8_t* pt = q_t.empty() ? nullptr : static_cast<uint8_t*>(q_t.data);
-  pool_.parallel_for(R, 16, [&](int64_t rb, int64_t re, int) {
+  pool.parallel_for(R, 16, [&](int64_t rb, int64_t re, int) {
     for (int64_t r = rb; r < re; ++r)
       for (int64_t c = 0; c < C; ++c) {
-        const uint8_t b = float_to_fp8_bits(e, static_cast<float>(fx.get(r * C + c)) * scale);
+        const uint8_t b = float_to_fp8_bits(e, x(r * C + c) * scale);
         if (pq) pq[r * C + c] = b;
         if (pt) pt[c * R + r] = b;
       }
   });
+}
+
+// v rounded to dtype t, as a float (what an op writing a t tensor stores).
+float round_to(DType t, double v) {
+  switch (t) {
+    case DType::bf16: return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(v)));
+    case DType::f16: return f16_bits_to_float(float_to_f16_bits(static_cast<float>(v)));
+    default: return static_cast<float>(v);  // float32 (float64 inputs quantize from their float32 value)
+  }
+}
+
+}  // namespace
+
+void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
+  const Floats fx(x);
+  quantize_values(pool_, q, q_t, x.rows(), x.cols(), [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta,
+                  "fp8_quantize");
+}
+
+// The activations exactly as gelu_forward / swiglu_forward compute them (double math, one
+// rounding to pre's dtype).
+void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
+                                               const Fp8TensorMeta& meta) {
+  const char* op = "fp8_quantize_activation";
+  const Floats fp(pre);
+  const int64_t R = pre.rows();
+  if (act == MlpActivation::swiglu) {
+    MT_CHECK(pre.cols() % 2 == 0, "{}: odd SwiGLU input width {}", op, pre.cols());
+    const int64_t f = pre.cols() / 2;
+    quantize_values(pool_, q, q_t, R, f, [&](int64_t i) {
+      const int64_t r = i / f, c = i % f;
+      const double g = fp.get(r * 2 * f + c);
+      return round_to(pre.dtype, g * sigmoid(g) * fp.get(r * 2 * f + f + c));
+    }, meta, op);
+  } else {
+    const bool tanh_form = act == MlpActivation::gelu_tanh;
+    quantize_values(pool_, q, q_t, R, pre.cols(), [&](int64_t i) {
+      const double v = fp.get(i);
+      return round_to(pre.dtype, tanh_form ? gelu_tanh(v) : gelu_erf(v));
+    }, meta, op);
+  }
 }
 
 void ReferenceBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -56,6 +56,8 @@ class ReferenceBackend final : public Backend {
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
 
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
+                               const Fp8TensorMeta& meta) override;
   void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,
                           Activation act, Tensor pre_act) override;
   void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,

@@ -116,3 +116,48 @@ TEST_CASE("cuda FP8 ops vs reference: delayed-scaling update, bit for bit", "[gp
     CHECK(differing(download_bytes(dev(), si.c()), download_bytes(ref(), si.r()), 4) == 0);
   }
 }
+
+// fc2's input cast straight from fc1's output (the FP8 MLP's forward): the same bytes, amax and
+// scales as the activation op followed by the plain cast on the GPU, and the reference's (its
+// activation in double: a byte may differ where float32 and double round to different bf16).
+TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bit for bit", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {200, 136}, {33, 70}, {8, 4104}}) {
+        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
+                           << " x " << C);
+        const int64_t pc = act == MlpActivation::swiglu ? 2 * C : C;
+        Twin pre = twin_same(DType::bf16, {R, pc}, rng.normal(R * pc, 2.0));
+        Buf x(dev(), DType::bf16, {R, C});
+        if (act == MlpActivation::swiglu) dev().swiglu_forward(x.t, pre.c());
+        else dev().gelu_forward(x.t, pre.c(), act == MlpActivation::gelu_tanh);
+        struct Side {
+          Buf q, t;
+          Scalar2 scale, scale_inv, amax;
+        };
+        auto make = [&](Backend& be) {
+          return Side{Buf(be, DType::fp8_e4m3, {R, C}), Buf(be, DType::fp8_e4m3, {C, R}), scalar2(24.0f),
+                      scalar2(1.0f / 24.0f), scalar2(0.25f)};
+        };
+        auto meta = [&](const Side& s, bool on_dev) {
+          return on_dev ? Fp8TensorMeta{s.scale.c.t, s.scale_inv.c.t, s.amax.c.t, recipe, 0}
+                        : Fp8TensorMeta{s.scale.r.t, s.scale_inv.r.t, s.amax.r.t, recipe, 0};
+        };
+        Side two_ops = make(dev()), fused = make(dev()), reference = make(ref());
+        dev().fp8_quantize(two_ops.q.t, two_ops.t.t, x.t, meta(two_ops, true));
+        dev().fp8_quantize_activation(fused.q.t, fused.t.t, pre.c(), act, meta(fused, true));
+        ref().fp8_quantize_activation(reference.q.t, reference.t.t, pre.r(), act, meta(reference, false));
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
+        CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
+        CHECK(value(dev(), fused.amax.c) > 0.25f);
+        CHECK(value(dev(), fused.scale.c) == value(dev(), two_ops.scale.c));
+        CHECK(value(dev(), fused.scale_inv.c) == value(dev(), two_ops.scale_inv.c));
+        // Against the reference: at most 1% of the bytes, and the transposed copy the same as q.
+        const int64_t n = R * C;
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
+        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(ref(), reference.t.t), 1) <= n / 100);
+        CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
+      }
+}
