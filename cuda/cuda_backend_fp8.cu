@@ -63,8 +63,8 @@ void CudaBackend::fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor&
 
 // Both quantizing ops: x [R, C] (act == nullptr) or act(pre) (x never written, R x C from pre).
 void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor x, const MlpActivation* act,
-                                    const Fp8TensorMeta& meta) {
-  on_device(op, q, q_t, x, meta.scale, meta.scale_inv, meta.amax);
+                                    const Fp8TensorMeta& meta, Tensor dbias) {
+  on_device(op, q, q_t, x, meta.scale, meta.scale_inv, meta.amax, dbias);
   MT_PROFILE_OP("{} {}{}{}", op, x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
@@ -89,19 +89,26 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor
                                fp8_max(e), meta.margin);
     record = nullptr;  // meta.amax already holds max(meta.amax, max|x|)
   }
+  MT_CHECK(dbias.empty() || (!act && dbias.dtype == DType::f32 && dbias.numel() == C), "{}: dbias {} for x {}", op,
+           dbias.shape_string(), x.shape_string());
   void* out = q.empty() ? nullptr : q.data;
-  if (act) cuda::activation_cast_transpose_to_fp8(ctx, out, q_t.empty() ? nullptr : q_t.data, f, x, *act, scale, record);
-  else if (!q_t.empty()) cuda::cast_transpose_to_fp8(ctx, out, q_t.data, f, x, scale, record);
+  void* out_t = q_t.empty() ? nullptr : q_t.data;
+  if (act) cuda::activation_cast_transpose_to_fp8(ctx, out, out_t, f, x, *act, scale, record);
+  else if (out_t || !dbias.empty()) cuda::cast_transpose_to_fp8(ctx, out, out_t, f, x, scale, record, dbias.empty() ? nullptr : dbias.ptr<float>());
   else cuda::cast_to_fp8(ctx, out, f, x, scale, record);
 }
 
 void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
-  fp8_quantize_impl("fp8_quantize", q, q_t, x, nullptr, meta);
+  fp8_quantize_impl("fp8_quantize", q, q_t, x, nullptr, meta, Tensor());
+}
+
+void CudaBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) {
+  fp8_quantize_impl("fp8_quantize_with_dbias", q, q_t, dy, nullptr, meta, dbias);
 }
 
 void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                           const Fp8TensorMeta& meta) {
-  fp8_quantize_impl("fp8_quantize_activation", q, q_t, pre, &act, meta);
+  fp8_quantize_impl("fp8_quantize_activation", q, q_t, pre, &act, meta, Tensor());
 }
 
 void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

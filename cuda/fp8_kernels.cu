@@ -15,6 +15,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/activations.cuh"
 #include "cuda/device_utils.cuh"
+#include "cuda/gemm_cublaslt.h"  // column_partials_accumulate
 
 namespace mt::cuda {
 namespace {
@@ -151,57 +152,91 @@ struct SwigluInput {
 };
 
 // out and out_t may both be null: then only the amax is taken (tensorwise scaling's first pass).
-template <typename Input, Fp8Format F, int VEC>
+// DBIAS: also the column sums of the input (the bias gradient of an output gradient). A block then
+// takes `group` row tiles of one column tile in turn (a work item), each thread adding its columns
+// over its rows, and writes the item's sums to col_partial[item row group][C] in a fixed order, so
+// the sums are deterministic; column_partials_accumulate adds the row groups up.
+template <typename Input, Fp8Format F, int VEC, bool DBIAS>
 __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const Input in,
-                                      int64_t R, int64_t C, const float* scale_p, float* amax) {
+                                      int64_t R, int64_t C, const float* scale_p, float* amax, int group,
+                                      float* __restrict__ col_partial) {
+  constexpr int kPerRow = kTile / VEC, kRowsPerPass = kThreads / kPerRow;
   __shared__ __align__(16) uint8_t tile[kTile][kTileStride];
+  __shared__ float col_sums[DBIAS ? kRowsPerPass : 1][DBIAS ? kTile : 1];
   const float scale = *scale_p;
   float m = 0.0f;
-  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles = tiles_c * ((R + kTile - 1) / kTile);
-  constexpr int kPerRow = kTile / VEC;
-  for (int64_t tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
-    const int64_t row0 = (tile_id / tiles_c) * kTile, col0 = (tile_id % tiles_c) * kTile;
-    for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
-      const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
-      const int64_t gr = row0 + r, gc = col0 + c;
-      if (gr >= R || gc >= C) continue;
-      if constexpr (VEC == 8) {
-        const Floats<8> v = in.load8(gr, gc);
+  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
+  const int64_t groups_r = (tiles_r + group - 1) / group, items = tiles_c * groups_r;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t group_r = item / tiles_c, col0 = (item % tiles_c) * kTile;
+    float sums[VEC];  // this thread's columns (the same in every tile), over its rows
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
-        const uint2 q = pack8<F>(v, scale);
-        if (out) *reinterpret_cast<uint2*>(out + gr * C + gc) = q;
-        uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[r][c]);
-        t16[0] = static_cast<uint16_t>(q.x);
-        t16[1] = static_cast<uint16_t>(q.x >> 16);
-        t16[2] = static_cast<uint16_t>(q.y);
-        t16[3] = static_cast<uint16_t>(q.y >> 16);
-      } else {
-        const float v = in.load1(gr, gc);
-        m = fmaxf(m, fabsf(v));
-        const uint8_t q = to_fp8<F>(v * scale);
-        if (out) out[gr * C + gc] = q;
-        tile[r][c] = q;
-      }
-    }
-    __syncthreads();
-    if (out_t) {
+    for (int j = 0; j < VEC; ++j) sums[j] = 0.0f;
+    const int64_t tr_end = (group_r + 1) * group < tiles_r ? (group_r + 1) * group : tiles_r;
+    for (int64_t tr = group_r * group; tr < tr_end; ++tr) {
+      const int64_t row0 = tr * kTile;
       for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
-        const int c = idx / kPerRow, r = (idx % kPerRow) * VEC;  // output row c (input column), columns r..
+        const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
         const int64_t gr = row0 + r, gc = col0 + c;
         if (gr >= R || gc >= C) continue;
         if constexpr (VEC == 8) {
-          uint2 q;
-          q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) | (static_cast<uint32_t>(tile[r + 3][c]) << 24);
-          q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) |
-                (static_cast<uint32_t>(tile[r + 7][c]) << 24);
-          *reinterpret_cast<uint2*>(out_t + gc * R + gr) = q;
+          const Floats<8> v = in.load8(gr, gc);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
+          if constexpr (DBIAS) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sums[j] += v.v[j];
+          }
+          const uint2 q = pack8<F>(v, scale);
+          if (out) *reinterpret_cast<uint2*>(out + gr * C + gc) = q;
+          uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[r][c]);
+          t16[0] = static_cast<uint16_t>(q.x);
+          t16[1] = static_cast<uint16_t>(q.x >> 16);
+          t16[2] = static_cast<uint16_t>(q.y);
+          t16[3] = static_cast<uint16_t>(q.y >> 16);
         } else {
-          out_t[gc * R + gr] = tile[r][c];
+          const float v = in.load1(gr, gc);
+          m = fmaxf(m, fabsf(v));
+          if constexpr (DBIAS) sums[0] += v;
+          const uint8_t q = to_fp8<F>(v * scale);
+          if (out) out[gr * C + gc] = q;
+          tile[r][c] = q;
         }
       }
+      __syncthreads();
+      if (out_t) {
+        for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
+          const int c = idx / kPerRow, r = (idx % kPerRow) * VEC;  // output row c (input column), columns r..
+          const int64_t gr = row0 + r, gc = col0 + c;
+          if (gr >= R || gc >= C) continue;
+          if constexpr (VEC == 8) {
+            uint2 q;
+            q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) |
+                  (static_cast<uint32_t>(tile[r + 3][c]) << 24);
+            q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) |
+                  (static_cast<uint32_t>(tile[r + 7][c]) << 24);
+            *reinterpret_cast<uint2*>(out_t + gc * R + gr) = q;
+          } else {
+            out_t[gc * R + gr] = tile[r][c];
+          }
+        }
+      }
+      __syncthreads();  // the tile is rewritten by the next iteration
     }
-    __syncthreads();  // the tile is rewritten by the next iteration
+    if constexpr (DBIAS) {
+      // Thread idx (first pass) owns row lane idx / kPerRow and columns (idx % kPerRow) * VEC..;
+      // the lanes are then added in order, one thread per column.
+      const int lane = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) col_sums[lane][c + j] = sums[j];
+      __syncthreads();
+      if (threadIdx.x < kTile && col0 + threadIdx.x < C) {
+        float t = 0.0f;
+        for (int l = 0; l < kRowsPerPass; ++l) t += col_sums[l][threadIdx.x];
+        col_partial[group_r * C + col0 + threadIdx.x] = t;
+      }
+      __syncthreads();
+    }
   }
   if (amax) block_amax_to(amax, m);
 }
@@ -311,36 +346,50 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 namespace {
 
 // Launches cast_transpose_kernel over an [R, C] input read by `in`; vec: R and C multiples of 8
-// and the input 16-byte aligned (the caller's check).
+// and the input 16-byte aligned (the caller's check). dbias (float32 [C], may be null) += the
+// input's column sums.
 template <typename Input>
 void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
-                           int64_t R, int64_t C, bool vec, const float* scale, float* amax) {
+                           int64_t R, int64_t C, bool vec, const float* scale, float* amax, float* dbias = nullptr) {
   const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   vec = vec && R % 8 == 0 && C % 8 == 0 && a8(out) && a8(out_t);
-  const int64_t tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm));
+  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
+  const int64_t max_blocks = static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm;
+  // With dbias, row tiles go in groups so that there are about two work items per block: few
+  // partial rows to add up, every block busy. (A function of the shape and the GPU only.)
+  const int group = dbias ? static_cast<int>(std::max<int64_t>(1, tiles_r * tiles_c / (2 * max_blocks))) : 1;
+  const int64_t groups_r = (tiles_r + group - 1) / group;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(groups_r * tiles_c, max_blocks));
+  float* partial = dbias ? ctx.scratch->take_array<float>(groups_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
   with_format(format, [&](auto fc) {
     constexpr Fp8Format F = decltype(fc)::value;
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
-    if (vec)
-      cast_transpose_kernel<Input, F, 8><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax);
-    else
-      cast_transpose_kernel<Input, F, 1><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax);
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax, group, partial);
+    };
+    if (vec) {
+      if (dbias) launch(cast_transpose_kernel<Input, F, 8, true>);
+      else launch(cast_transpose_kernel<Input, F, 8, false>);
+    } else {
+      if (dbias) launch(cast_transpose_kernel<Input, F, 1, true>);
+      else launch(cast_transpose_kernel<Input, F, 1, false>);
+    }
   });
   MT_CUDA_CHECK_LAUNCH();
+  if (dbias) column_partials_accumulate(ctx, dbias, partial, groups_r, C);
 }
 
 }  // namespace
 
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
-                           const float* scale, float* amax) {
+                           const float* scale, float* amax, float* dbias) {
   check_input(in, "cast_transpose_to_fp8");
   const int64_t R = in.rows(), C = in.cols();
   if (R == 0 || C == 0) return;
   MT_DISPATCH_FLOAT(in.dtype, T, "cast_transpose_to_fp8", {
     launch_cast_transpose(ctx, out, out_t, format, PlainInput<T>{in.ptr<const T>(), C}, R, C, aligned16(in.data),
-                          scale, amax);
+                          scale, amax, dbias);
   });
 }
 

@@ -28,8 +28,10 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 
 // in [R, C] (float32 or bfloat16, row-major) -> out [R, C] and out_t [C, R] (row-major, i.e. the
 // transpose), both fp8 of the same values, in one pass; either output may be null. amax as above.
+// dbias (float32 [C]), when not null: dbias += the column sums of in (float32 sums in a fixed
+// order: deterministic), in the same pass (an output gradient's bias gradient).
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
-                           const float* scale, float* amax);
+                           const float* scale, float* amax, float* dbias = nullptr);
 
 // cast_transpose_to_fp8 of x = act(pre) (gelu_forward's / swiglu_forward's values in pre's dtype,
 // never written): pre [R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU; out [R, C], out_t [C, R].

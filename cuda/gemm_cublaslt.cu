@@ -302,10 +302,16 @@ void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy) {
     else
       column_partial_kernel<T, 1><<<grid, block, 0, ctx.stream>>>(partial, dy.ptr<const T>(), rows, cols, rows_per_chunk);
     MT_CUDA_CHECK_LAUNCH();
-    column_finish_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, ctx.stream>>>(
-        dbias.ptr<float>(), partial, static_cast<int>(chunks), cols);
-    MT_CUDA_CHECK_LAUNCH();
+    column_partials_accumulate(ctx, dbias.ptr<float>(), partial, chunks, cols);
   });
+}
+
+void column_partials_accumulate(const KernelContext& ctx, float* dbias, const float* partial, int64_t chunks,
+                                int64_t cols) {
+  if (cols == 0) return;
+  column_finish_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, ctx.stream>>>(
+      dbias, partial, static_cast<int>(chunks), cols);
+  MT_CUDA_CHECK_LAUNCH();
 }
 
 // ---- linear layers ------------------------------------------------------------------------------

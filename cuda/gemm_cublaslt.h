@@ -132,5 +132,9 @@ void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx,
 
 // dbias[N] += column sums of dy[M, N], deterministic (fixed two-stage order); float32 dbias.
 void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
+// dbias[c] += sum over g < chunks of partial[g * cols + c], in g order (float32; dbias float32 [cols]
+// on the device): the last step of column_sum_accumulate and of the FP8 cast's fused bias gradient.
+void column_partials_accumulate(const KernelContext& ctx, float* dbias, const float* partial, int64_t chunks,
+                                int64_t cols);
 
 }  // namespace mt::cuda

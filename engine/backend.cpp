@@ -46,6 +46,9 @@ void Backend::qk_norm_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 void Backend::fp8_quantize(Tensor, Tensor, Tensor, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize is not on the " + name() + " backend yet");
 }
+void Backend::fp8_quantize_with_dbias(Tensor, Tensor, Tensor, const Fp8TensorMeta&, Tensor) {
+  throw Unsupported("FP8 (--fp8-format): fp8_quantize_with_dbias is not on the " + name() + " backend yet");
+}
 void Backend::fp8_quantize_activation(Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation is not on the " + name() + " backend yet");
 }

@@ -231,6 +231,10 @@ class Backend {
   // GeLU epilogue), saving the activation's write and read in the compute dtype.
   virtual void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                        const Fp8TensorMeta& meta);
+  // fp8_quantize(q, q_t, dy, meta), and dbias[C] (float32) += the column sums of dy (the unquantized
+  // values, as fp8_linear_backward_weight sums them), read in the same pass: the bias gradient of
+  // an FP8 layer with FP8 weight gradients (fp8_linear_backward_weight then gets no dbias).
+  virtual void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias);
   // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
   // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.
   virtual void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -566,11 +566,14 @@ Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs
   return xq;
 }
 
-void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy) {
+void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias) {
   if (!fp8_layer(local)) return;
   const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
   const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
-  be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
+  if (fp8_dbias_in_cast(local) && !dbias.empty())
+    be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy), dbias);
+  else
+    be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
 }
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
@@ -586,7 +589,7 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
 
 void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy,
                                  Tensor x) {
-  if (!fp8_gemms(local) || !opt_.fp8.wgrad) {
+  if (!fp8_dbias_in_cast(local)) {
     be_.linear_backward_weight(dw, dbias, dy, x);
     return;
   }
@@ -601,7 +604,8 @@ void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A
     xq_t = fp8_view(fp8_xq_t_, x.cols(), x.rows());
     be_.fp8_quantize(Tensor(), xq_t, x, fp8_.meta(local, g, Fp8State::x));
   }
-  be_.fp8_linear_backward_weight(dw, dbias, dy, fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
+  // (The bias gradient was taken by linear_quantize_dy's cast.)
+  be_.fp8_linear_backward_weight(dw, Tensor(), Tensor(), fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
                                  fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv);
 }
 
@@ -918,7 +922,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const bool kept = fp8_kept_inputs(local);
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   Tensor d_fc1;  // gradient of fc1's output
-  linear_quantize_dy(local, Fp8State::fc2, d_fc2);
+  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b);
   if (d_.swiglu) {
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
     // In place: fc1_pre becomes its gradient (and, unless kept, the activation gradient becomes
@@ -939,7 +943,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  linear_quantize_dy(local, Fp8State::fc1, d_fc1);
+  linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
                                 G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);
@@ -956,7 +960,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
-  linear_quantize_dy(local, Fp8State::proj, d_proj);
+  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b);
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, G.proj_b, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
@@ -965,7 +969,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV);
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
                                 G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);

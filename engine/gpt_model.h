@@ -224,8 +224,10 @@ class GptModel {
   Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act);
   void fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
-  // of gemm g that follow; no-op elsewhere.
-  void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy);
+  // of gemm g that follow; no-op elsewhere. With FP8 weight gradients the cast also adds dy's
+  // column sums to dbias (the bias gradient, if the layer has one), and linear_bwd_weight does not.
+  void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias);
+  bool fp8_dbias_in_cast(int local) const { return fp8_gemms(local) && opt_.fp8.wgrad; }
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
   void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);

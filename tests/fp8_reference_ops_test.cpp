@@ -237,3 +237,25 @@ TEST_CASE("fp8_update_scales: most_recent and max, margin, zero and non-finite a
   CHECK(s3[1] == 896.0f);
   CHECK(h3 == std::vector<float>{0.0f, 0.0f});
 }
+
+TEST_CASE("fp8_quantize_with_dbias: fp8_quantize's bytes, and dbias accumulates the column sums", "[fp8][reference]") {
+  auto be = make_reference_backend(2);
+  const int64_t R = 6, C = 5;
+  std::vector<float> dy = randn(static_cast<size_t>(R * C), 77, 1.5f);
+  std::vector<uint8_t> q1(dy.size()), t1(dy.size()), q2(dy.size()), t2(dy.size());
+  Meta m1, m2;
+  m1.s[0] = m2.s[0] = 100.0f;
+  std::vector<float> dbias = {1.0f, -2.0f, 0.5f, 0.0f, 3.0f};
+  const std::vector<float> before = dbias;
+  be->fp8_quantize(u8(q1, DType::fp8_e5m2, {R, C}), u8(t1, DType::fp8_e5m2, {C, R}), f32(dy, {R, C}), m1.view());
+  be->fp8_quantize_with_dbias(u8(q2, DType::fp8_e5m2, {R, C}), u8(t2, DType::fp8_e5m2, {C, R}), f32(dy, {R, C}),
+                              m2.view(), f32(dbias, {C}));
+  CHECK(q1 == q2);
+  CHECK(t1 == t2);
+  CHECK(m1.amax[0] == m2.amax[0]);
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0;
+    for (int64_t r = 0; r < R; ++r) s += dy[static_cast<size_t>(r * C + c)];
+    CHECK(dbias[static_cast<size_t>(c)] == static_cast<float>(before[static_cast<size_t>(c)] + static_cast<float>(s)));
+  }
+}

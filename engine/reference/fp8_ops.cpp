@@ -97,6 +97,19 @@ void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t 
   });
 }
 
+// dbias[N] += column sums of dy [M, N] (in double, one rounding per column).
+void add_column_sums(Tensor dbias, Tensor dy, const char* op) {
+  check_float_accumulator(dbias, op, "dbias");
+  const int64_t N = dy.cols(), M = dy.rows();
+  check_numel(dbias, N, op, "dbias");
+  const Floats fdy(dy), fdb(dbias);
+  for (int64_t n = 0; n < N; ++n) {
+    double b = 0;
+    for (int64_t m = 0; m < M; ++m) b += fdy.get(m * N + n);
+    fdb.add(n, b);
+  }
+}
+
 // v rounded to dtype t, as a float (what an op writing a t tensor stores).
 float round_to(DType t, double v) {
   switch (t) {
@@ -112,6 +125,12 @@ void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8Ten
   const Floats fx(x);
   quantize_values(pool_, q, q_t, x.rows(), x.cols(), [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta,
                   "fp8_quantize");
+}
+
+void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta,
+                                               Tensor dbias) {
+  fp8_quantize(q, q_t, dy, meta);
+  add_column_sums(dbias, dy, "fp8_quantize_with_dbias");
 }
 
 // The activations exactly as gelu_forward / swiglu_forward compute them (double math, one
@@ -188,15 +207,8 @@ void ReferenceBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tenso
   const Floats fdw(dw);
   fp8_gemm_tn(pool_, dyq_t, xq_t, s, [&](int64_t n, int64_t k, double v) { fdw.add(n * K + k, static_cast<float>(v)); });
   if (dbias.empty()) return;
-  check_numel(dbias, N, op, "dbias");
-  const int64_t M = dyq_t.cols();
-  check_numel(dy, M * N, op, "dy");
-  const Floats fdy(dy), fdb(dbias);
-  for (int64_t n = 0; n < N; ++n) {
-    double b = 0;
-    for (int64_t m = 0; m < M; ++m) b += fdy.get(m * N + n);
-    fdb.add(n, b);
-  }
+  check_numel(dy, dyq_t.cols() * N, op, "dy");
+  add_column_sums(dbias, dy.view({dyq_t.cols(), N}), op);
 }
 
 void ReferenceBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max_t,

@@ -56,6 +56,7 @@ class ReferenceBackend final : public Backend {
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
 
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                const Fp8TensorMeta& meta) override;
   void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,

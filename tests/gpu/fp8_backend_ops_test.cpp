@@ -161,3 +161,35 @@ TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bi
         CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
       }
 }
+
+// The output gradient's cast with the bias gradient in the same pass: the same bytes and scales as
+// fp8_quantize, dbias += column sums as the reference adds them (float32 sums in another order:
+// relative 1e-5), and the same bits on a second run (fixed order). Shapes: odd (no vector path),
+// and one tall enough that row tiles go in groups (the last group partial).
+TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, deterministic", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+    for (auto [R, C] : {std::pair<int64_t, int64_t>{33, 70}, {200, 136}, {16392, 1032}}) {
+      INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << R << " x " << C);
+      Twin dy = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.5));
+      const std::vector<double> b0 = rng.normal(C, 1.0);
+      Quant2 plain = quantize2(dy, DType::fp8_e5m2, recipe, 300.0f, true, true);
+      std::vector<uint8_t> first_bits;
+      for (int run = 0; run < 2; ++run) {
+        Twin db = twin_same(DType::f32, {C}, b0);
+        Quant2 q{Buf(dev(), DType::fp8_e5m2, {R, C}), Buf(ref(), DType::fp8_e5m2, {R, C}), Buf(dev(), DType::fp8_e5m2, {C, R}),
+                 Buf(ref(), DType::fp8_e5m2, {C, R}), scalar2(300.0f), scalar2(1.0f / 300.0f), scalar2(0.0f)};
+        dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), {q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe, 0}, db.c());
+        ref().fp8_quantize_with_dbias(q.qr.t, q.tr.t, dy.r(), {q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe, 0}, db.r());
+        CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(dev(), plain.qc.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(dev(), plain.tc.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(ref(), q.qr.t), 1) == 0);
+        CHECK(value(dev(), q.amax.c) == value(dev(), plain.amax.c));
+        CHECK(value(dev(), q.scale.c) == value(dev(), plain.scale.c));
+        MT_CHECK_CLOSE(db, 1e-5);
+        const std::vector<uint8_t> bits = download_bytes(dev(), db.c());
+        if (run == 0) first_bits = bits;
+        else CHECK(bits == first_bits);
+      }
+    }
+}
