@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/fp8_gemm_cublaslt.h"
+#include "cuda/fp8_kernels.h"  // CastSource
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
 #include "cuda/op_profiler.h"
@@ -75,6 +76,8 @@ class CudaBackend final : public Backend {
 
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
+                                  const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                const Fp8TensorMeta& meta) override;
@@ -141,8 +144,8 @@ class CudaBackend final : public Backend {
   // The FP8 GEMM runner (own cuBLASLt handle and workspace) and the two 16-byte aligned scale
   // slots, made at the first FP8 op; fp8_stage_scales copies an op's two scale_inv values there.
   cuda::Fp8GemmRunner& fp8_gemm();
-  void fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor x, const MlpActivation* act,
-                         const Fp8TensorMeta& meta, Tensor dbias);
+  void fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const cuda::CastSource& src, const Fp8TensorMeta& meta,
+                         Tensor dbias);
   void fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor& a_scale_inv, const Tensor& b_scale_inv,
                         const char* op);
   cuda::SegmentArg segment_arg(std::span<const OptimSegment> segments, int64_t numel, const char* what);

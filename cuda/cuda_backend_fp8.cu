@@ -61,10 +61,11 @@ void CudaBackend::fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor&
                             scalar_ptr(b_scale_inv, op, "second scale_inv"));
 }
 
-// Both quantizing ops: x [R, C] (act == nullptr) or act(pre) (x never written, R x C from pre).
-void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor x, const MlpActivation* act,
+// The quantizing ops: the values of src (cuda/fp8_kernels.h), dbias (may be empty) += their column sums.
+void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const cuda::CastSource& src,
                                     const Fp8TensorMeta& meta, Tensor dbias) {
-  on_device(op, q, q_t, x, meta.scale, meta.scale_inv, meta.amax, dbias);
+  const Tensor& x = src.x;
+  on_device(op, q, q_t, x, src.pre, meta.scale, meta.scale_inv, meta.amax, dbias);
   MT_PROFILE_OP("{} {}{}{}", op, x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
@@ -72,43 +73,50 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, Tensor
   const cuda::Fp8Format f = fp8_format_of(e, op, "q");
   MT_CHECK(meta.recipe == Fp8Recipe::delayed || meta.recipe == Fp8Recipe::tensorwise,
            "{}: the CUDA backend quantizes with the delayed or tensorwise recipe only", op);
-  const int64_t R = x.rows(), C = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
+  const int64_t R = src.rows(), C = src.cols();
   MT_CHECK(q.empty() || (q.rows() == R && q.cols() == C), "{}: q {} for x {}", op, q.shape_string(), x.shape_string());
   MT_CHECK(q_t.empty() || (q_t.rows() == C && q_t.cols() == R), "{}: q_t {} for x {}", op, q_t.shape_string(),
            x.shape_string());
+  MT_CHECK(dbias.empty() || (dbias.dtype == DType::f32 && dbias.numel() == C), "{}: dbias {} for x {}", op,
+           dbias.shape_string(), x.shape_string());
   float* scale = const_cast<float*>(scalar_ptr(meta.scale, op, "meta.scale"));
   float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
   const cuda::KernelContext ctx = context();
+  const bool plain = src.kind == cuda::CastSource::Kind::plain;
   float* record = amax;
   if (meta.recipe == Fp8Recipe::tensorwise) {
     float* fresh = ctx.scratch->take_array<float>(1, "fp8_quantize amax");
     MT_CUDA_CHECK(cudaMemsetAsync(fresh, 0, sizeof(float), stream_));
-    if (act) cuda::activation_cast_transpose_to_fp8(ctx, nullptr, nullptr, f, x, *act, scale, fresh);
-    else cuda::fp8_amax(ctx, fresh, x);
+    if (plain) cuda::fp8_amax(ctx, fresh, x);
+    else cuda::cast_transpose_to_fp8(ctx, nullptr, nullptr, f, src, scale, fresh);  // the amax pass
     cuda::fp8_tensorwise_scale(ctx, fresh, amax, scale, const_cast<float*>(scalar_ptr(meta.scale_inv, op, "meta.scale_inv")),
                                fp8_max(e), meta.margin);
     record = nullptr;  // meta.amax already holds max(meta.amax, max|x|)
   }
-  MT_CHECK(dbias.empty() || (!act && dbias.dtype == DType::f32 && dbias.numel() == C), "{}: dbias {} for x {}", op,
-           dbias.shape_string(), x.shape_string());
   void* out = q.empty() ? nullptr : q.data;
   void* out_t = q_t.empty() ? nullptr : q_t.data;
-  if (act) cuda::activation_cast_transpose_to_fp8(ctx, out, out_t, f, x, *act, scale, record);
-  else if (out_t || !dbias.empty()) cuda::cast_transpose_to_fp8(ctx, out, out_t, f, x, scale, record, dbias.empty() ? nullptr : dbias.ptr<float>());
-  else cuda::cast_to_fp8(ctx, out, f, x, scale, record);
+  if (plain && !out_t && dbias.empty()) cuda::cast_to_fp8(ctx, out, f, x, scale, record);
+  else cuda::cast_transpose_to_fp8(ctx, out, out_t, f, src, scale, record, dbias.empty() ? nullptr : dbias.ptr<float>());
 }
 
 void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
-  fp8_quantize_impl("fp8_quantize", q, q_t, x, nullptr, meta, Tensor());
+  fp8_quantize_impl("fp8_quantize", q, q_t, {cuda::CastSource::Kind::plain, x, Tensor()}, meta, Tensor());
 }
 
 void CudaBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) {
-  fp8_quantize_impl("fp8_quantize_with_dbias", q, q_t, dy, nullptr, meta, dbias);
+  fp8_quantize_impl("fp8_quantize_with_dbias", q, q_t, {cuda::CastSource::Kind::plain, dy, Tensor()}, meta, dbias);
 }
 
 void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                           const Fp8TensorMeta& meta) {
-  fp8_quantize_impl("fp8_quantize_activation", q, q_t, pre, &act, meta, Tensor());
+  fp8_quantize_impl("fp8_quantize_activation", q, q_t, {cuda::CastSource::Kind::activation, pre, Tensor(), act}, meta,
+                    Tensor());
+}
+
+void CudaBackend::fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
+                                             const Fp8TensorMeta& meta, Tensor dbias) {
+  fp8_quantize_impl("fp8_quantize_gelu_backward", q, q_t, {cuda::CastSource::Kind::activation_grad, dout, pre, act},
+                    meta, dbias);
 }
 
 void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -151,6 +151,24 @@ struct SwigluInput {
   }
 };
 
+// dout * gelu'(pre), both [R, C].
+template <typename T, bool TANH>
+struct GeluGradInput {
+  const T* __restrict__ dout;
+  const T* __restrict__ pre;
+  int64_t C;
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> d = load_vec<8>(dout + r * C + c);
+    const Floats<8> x = load_vec<8>(pre + r * C + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d.v[j] = round_to<T>(d.v[j] * gelu_grad(x.v[j], TANH));
+    return d;
+  }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
+    return round_to<T>(to_float(dout[r * C + c]) * gelu_grad(to_float(pre[r * C + c]), TANH));
+  }
+};
+
 // out and out_t may both be null: then only the amax is taken (tensorwise scaling's first pass).
 // DBIAS: also the column sums of the input (the bias gradient of an output gradient). A block then
 // takes `group` row tiles of one column tile in turn (a work item), each thread adding its columns
@@ -384,34 +402,40 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
 
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax, float* dbias) {
-  check_input(in, "cast_transpose_to_fp8");
-  const int64_t R = in.rows(), C = in.cols();
-  if (R == 0 || C == 0) return;
-  MT_DISPATCH_FLOAT(in.dtype, T, "cast_transpose_to_fp8", {
-    launch_cast_transpose(ctx, out, out_t, format, PlainInput<T>{in.ptr<const T>(), C}, R, C, aligned16(in.data),
-                          scale, amax, dbias);
-  });
+  cast_transpose_to_fp8(ctx, out, out_t, format, CastSource{CastSource::Kind::plain, in, Tensor()}, scale, amax, dbias);
 }
 
-void activation_cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor pre,
-                                      MlpActivation act, const float* scale, float* amax) {
-  check_input(pre, "activation_cast_transpose_to_fp8");
-  const int64_t R = pre.rows(), C = act == MlpActivation::swiglu ? pre.cols() / 2 : pre.cols();
-  MT_CHECK(act != MlpActivation::swiglu || pre.cols() % 2 == 0, "activation_cast_transpose_to_fp8: odd SwiGLU width {}",
-           pre.cols());
+void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const CastSource& src,
+                           const float* scale, float* amax, float* dbias) {
+  const char* what = "cast_transpose_to_fp8";
+  check_input(src.x, what);
+  const int64_t R = src.rows(), C = src.cols();
+  using Kind = CastSource::Kind;
+  const bool swiglu = src.kind == Kind::activation && src.act == MlpActivation::swiglu;
+  MT_CHECK(!swiglu || src.x.cols() % 2 == 0, "{}: odd SwiGLU width {}", what, src.x.cols());
+  if (src.kind == Kind::activation_grad) {
+    check_input(src.pre, what);
+    MT_CHECK(src.act != MlpActivation::swiglu && src.pre.dtype == src.x.dtype && src.pre.numel() == src.x.numel(),
+             "{}: the GeLU gradient's pre-activation {} for {}", what, src.pre.shape_string(), src.x.shape_string());
+  }
   if (R == 0 || C == 0) return;
-  const bool vec = aligned16(pre.data);
-  MT_DISPATCH_FLOAT(pre.dtype, T, "activation_cast_transpose_to_fp8", {
-    const T* p = pre.ptr<const T>();
-    switch (act) {
-      case MlpActivation::gelu:
-        launch_cast_transpose(ctx, out, out_t, format, GeluInput<T, false>{p, C}, R, C, vec, scale, amax);
+  const bool vec = aligned16(src.x.data) && (src.pre.empty() || aligned16(src.pre.data));
+  MT_DISPATCH_FLOAT(src.x.dtype, T, what, {
+    const T* x = src.x.ptr<const T>();
+    const auto go = [&](const auto& input) {
+      launch_cast_transpose(ctx, out, out_t, format, input, R, C, vec, scale, amax, dbias);
+    };
+    const bool tanh_form = src.act == MlpActivation::gelu_tanh;
+    switch (src.kind) {
+      case Kind::plain: go(PlainInput<T>{x, C}); break;
+      case Kind::activation:
+        if (swiglu) go(SwigluInput<T>{x, C});
+        else if (tanh_form) go(GeluInput<T, true>{x, C});
+        else go(GeluInput<T, false>{x, C});
         break;
-      case MlpActivation::gelu_tanh:
-        launch_cast_transpose(ctx, out, out_t, format, GeluInput<T, true>{p, C}, R, C, vec, scale, amax);
-        break;
-      case MlpActivation::swiglu:
-        launch_cast_transpose(ctx, out, out_t, format, SwigluInput<T>{p, C}, R, C, vec, scale, amax);
+      case Kind::activation_grad:
+        if (tanh_form) go(GeluGradInput<T, true>{x, src.pre.ptr<const T>(), C});
+        else go(GeluGradInput<T, false>{x, src.pre.ptr<const T>(), C});
         break;
     }
   });

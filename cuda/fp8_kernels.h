@@ -33,11 +33,25 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax, float* dbias = nullptr);
 
-// cast_transpose_to_fp8 of x = act(pre) (gelu_forward's / swiglu_forward's values in pre's dtype,
-// never written): pre [R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU; out [R, C], out_t [C, R].
-// out and out_t may both be null: then only *amax is taken.
-void activation_cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor pre,
-                                      MlpActivation act, const float* scale, float* amax);
+// What a fused cast quantizes, read from the tensors that define it (never written itself):
+//   plain:           x;
+//   activation:      act(x), x = fc1's output ([R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU),
+//                    the values gelu_forward / swiglu_forward would store in x's dtype;
+//   activation_grad: x * act'(pre), x = the gradient of act's output [R, C], pre = act's input
+//                    [R, C] (GeLU only), the values gelu_backward would store in x's dtype.
+struct CastSource {
+  enum class Kind { plain, activation, activation_grad };
+  Kind kind = Kind::plain;
+  Tensor x, pre;
+  MlpActivation act = MlpActivation::gelu;
+  int64_t rows() const { return x.rows(); }
+  int64_t cols() const { return kind == Kind::activation && act == MlpActivation::swiglu ? x.cols() / 2 : x.cols(); }
+};
+
+// cast_transpose_to_fp8 of a CastSource's [R, C] values (float32 or bfloat16 tensors). out and
+// out_t may both be null: then only *amax is taken. dbias as above (of the source's values).
+void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const CastSource& src,
+                           const float* scale, float* amax, float* dbias = nullptr);
 
 // *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
 void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);

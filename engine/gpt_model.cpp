@@ -576,6 +576,15 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor
     be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
 }
 
+void GptModel::linear_quantize_dy_gelu(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
+  const Fp8State::Gemm g = Fp8State::fc1;
+  MT_CHECK(fp8_dbias_in_cast(local), "layer {}: the fused GeLU-gradient cast outside FP8 weight gradients",
+           d_.layer_begin + local);
+  be_.fp8_quantize_gelu_backward(fp8_view(fp8_dyq_, dout.rows(), dout.cols()),
+                                 fp8_view(fp8_dyq_t_, dout.cols(), dout.rows()), dout, pre, act,
+                                 fp8_.meta(local, g, Fp8State::dy), dbias);
+}
+
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
                                 Tensor pre_act) {
   if (!fp8_gemms(local)) {  // (calibrating: linear_quantize_dy recorded dy's amax)
@@ -931,6 +940,25 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     else be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
+  } else if (fp8_dbias_in_cast(local)) {
+    // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
+    // into gFC, and fc1's output gradient gFC * gelu'(fc1_pre) is cast to FP8 (with fc1's bias
+    // gradient) straight from it: never written in the compute dtype. Unless kept, fc1_pre then
+    // becomes the activation (in place) for fc2's weight gradient, so that gradient is taken first
+    // and cast through gelu_backward (the same bits as the fused cast).
+    const bool tanh_form = d_.gelu_tanh;
+    const MlpActivation act = tanh_form ? MlpActivation::gelu_tanh : MlpActivation::gelu;
+    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
+    if (kept) {
+      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+      linear_quantize_dy_gelu(local, w.gFC, A.fc1_pre, act, G.fc1_b);
+    } else {
+      be_.gelu_backward(w.gFC, w.gFC, A.fc1_pre, tanh_form);
+      be_.gelu_forward(A.fc1_pre, A.fc1_pre, tanh_form);
+      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+      linear_quantize_dy(local, Fp8State::fc1, w.gFC, G.fc1_b);
+    }
+    d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
   } else {
     // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
@@ -943,7 +971,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
+  if (d_.swiglu || !fp8_dbias_in_cast(local)) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
                                 G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);

@@ -97,17 +97,22 @@ void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t 
   });
 }
 
-// dbias[N] += column sums of dy [M, N] (in double, one rounding per column).
-void add_column_sums(Tensor dbias, Tensor dy, const char* op) {
+// dbias[N] += column sums of the M x N values dy(i) (in double, one rounding per column).
+template <typename Dy>
+void add_column_sums_of(Tensor dbias, int64_t M, int64_t N, Dy&& dy, const char* op) {
   check_float_accumulator(dbias, op, "dbias");
-  const int64_t N = dy.cols(), M = dy.rows();
   check_numel(dbias, N, op, "dbias");
-  const Floats fdy(dy), fdb(dbias);
+  const Floats fdb(dbias);
   for (int64_t n = 0; n < N; ++n) {
     double b = 0;
-    for (int64_t m = 0; m < M; ++m) b += fdy.get(m * N + n);
+    for (int64_t m = 0; m < M; ++m) b += dy(m * N + n);
     fdb.add(n, b);
   }
+}
+
+void add_column_sums(Tensor dbias, Tensor dy, const char* op) {
+  const Floats fdy(dy);
+  add_column_sums_of(dbias, dy.rows(), dy.cols(), [&](int64_t i) { return fdy.get(i); }, op);
 }
 
 // v rounded to dtype t, as a float (what an op writing a t tensor stores).
@@ -131,6 +136,22 @@ void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, 
                                                Tensor dbias) {
   fp8_quantize(q, q_t, dy, meta);
   add_column_sums(dbias, dy, "fp8_quantize_with_dbias");
+}
+
+// d = dout * act'(pre) exactly as gelu_backward computes it (double math, one rounding to pre's dtype).
+void ReferenceBackend::fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
+                                                  const Fp8TensorMeta& meta, Tensor dbias) {
+  const char* op = "fp8_quantize_gelu_backward";
+  MT_CHECK(act != MlpActivation::swiglu, "{}: GeLU only", op);
+  check_numel(pre, dout.numel(), op, "pre");
+  const Floats fd(dout), fp(pre);
+  const bool tanh_form = act == MlpActivation::gelu_tanh;
+  const auto d = [&](int64_t i) {
+    const double x = fp.get(i);
+    return round_to(pre.dtype, fd.get(i) * (tanh_form ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
+  };
+  quantize_values(pool_, q, q_t, dout.rows(), dout.cols(), d, meta, op);
+  if (!dbias.empty()) add_column_sums_of(dbias, dout.rows(), dout.cols(), d, op);
 }
 
 // The activations exactly as gelu_forward / swiglu_forward compute them (double math, one

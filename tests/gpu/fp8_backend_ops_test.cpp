@@ -193,3 +193,48 @@ TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, d
       }
     }
 }
+
+// fc1's output gradient cast straight from fc2's input gradient and fc1's output (the FP8 GeLU
+// MLP's backward): the same bytes, scales and bias gradient bits as gelu_backward followed by
+// fp8_quantize_with_dbias on the GPU, and the reference's within 1% of the bytes.
+TEST_CASE("cuda fp8_quantize_gelu_backward: gelu_backward then the cast with dbias, bit for bit", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {4104, 1032}}) {
+        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
+                           << " x " << C);
+        Twin dout = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.2));
+        Twin pre = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0));
+        const std::vector<double> b0 = rng.normal(C, 1.0);
+        Buf d(dev(), DType::bf16, {R, C});
+        dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
+        struct Side {
+          Buf q, t;
+          Scalar2 scale, scale_inv, amax;
+        };
+        auto make = [&](Backend& be) {
+          return Side{Buf(be, DType::fp8_e5m2, {R, C}), Buf(be, DType::fp8_e5m2, {C, R}), scalar2(2000.0f),
+                      scalar2(1.0f / 2000.0f), scalar2(0.0f)};
+        };
+        auto meta = [&](const Side& s, bool on_dev) {
+          return on_dev ? Fp8TensorMeta{s.scale.c.t, s.scale_inv.c.t, s.amax.c.t, recipe, 0}
+                        : Fp8TensorMeta{s.scale.r.t, s.scale_inv.r.t, s.amax.r.t, recipe, 0};
+        };
+        Side two_ops = make(dev()), fused = make(dev()), reference = make(ref());
+        Twin db_two = twin_same(DType::f32, {C}, b0), db_fused = twin_same(DType::f32, {C}, b0);
+        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, meta(two_ops, true), db_two.c());
+        dev().fp8_quantize_gelu_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, meta(fused, true), db_fused.c());
+        ref().fp8_quantize_gelu_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, meta(reference, false),
+                                         db_fused.r());
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
+        CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
+        CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
+        CHECK(value(dev(), fused.scale.c) == value(dev(), two_ops.scale.c));
+        const int64_t n = R * C;
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
+        CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
+        MT_CHECK_CLOSE(db_fused, 1e-4);
+      }
+}
