@@ -235,6 +235,9 @@ TEST_CASE("cuda fp8_quantize_gelu_backward: gelu_backward then the cast with dbi
         const int64_t n = R * C;
         CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
         CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
-        MT_CHECK_CLOSE(db_fused, 1e-4);
+        // The summands are bf16 values that float32 and double GeLU math may round one bf16 step
+        // apart, so against the reference the bias gradient is within bf16 rounding (on the GPU
+        // itself it is bit for bit the two-op path's, above).
+        MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
       }
 }
