@@ -40,6 +40,22 @@ Quant2 quantize2(const Twin& x, DType e, Fp8Recipe recipe, float scale, bool row
   return q;
 }
 
+// One cast's outputs (q [R, C], t [C, R] in FP8 dtype e) and scaling state, on ONE backend (the
+// scalars exist on both; meta() picks this side's).
+struct CastOut {
+  Buf q, t;
+  Scalar2 scale, scale_inv, amax;
+  bool on_dev;
+  Fp8TensorMeta meta(Fp8Recipe recipe) const {
+    return on_dev ? Fp8TensorMeta{scale.c.t, scale_inv.c.t, amax.c.t, recipe, 0}
+                  : Fp8TensorMeta{scale.r.t, scale_inv.r.t, amax.r.t, recipe, 0};
+  }
+};
+CastOut cast_out(Backend& be, DType e, int64_t R, int64_t C, float scale, float amax) {
+  return CastOut{Buf(be, e, {R, C}), Buf(be, e, {C, R}), scalar2(scale), scalar2(1.0f / scale), scalar2(amax),
+                 &be == &dev()};
+}
+
 }  // namespace
 
 TEST_CASE("cuda FP8 ops vs reference: quantize (delayed, tensorwise), bit for bit", "[gpu][fp8]") {
@@ -132,22 +148,11 @@ TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bi
         Buf x(dev(), DType::bf16, {R, C});
         if (act == MlpActivation::swiglu) dev().swiglu_forward(x.t, pre.c());
         else dev().gelu_forward(x.t, pre.c(), act == MlpActivation::gelu_tanh);
-        struct Side {
-          Buf q, t;
-          Scalar2 scale, scale_inv, amax;
-        };
-        auto make = [&](Backend& be) {
-          return Side{Buf(be, DType::fp8_e4m3, {R, C}), Buf(be, DType::fp8_e4m3, {C, R}), scalar2(24.0f),
-                      scalar2(1.0f / 24.0f), scalar2(0.25f)};
-        };
-        auto meta = [&](const Side& s, bool on_dev) {
-          return on_dev ? Fp8TensorMeta{s.scale.c.t, s.scale_inv.c.t, s.amax.c.t, recipe, 0}
-                        : Fp8TensorMeta{s.scale.r.t, s.scale_inv.r.t, s.amax.r.t, recipe, 0};
-        };
-        Side two_ops = make(dev()), fused = make(dev()), reference = make(ref());
-        dev().fp8_quantize(two_ops.q.t, two_ops.t.t, x.t, meta(two_ops, true));
-        dev().fp8_quantize_activation(fused.q.t, fused.t.t, pre.c(), act, meta(fused, true));
-        ref().fp8_quantize_activation(reference.q.t, reference.t.t, pre.r(), act, meta(reference, false));
+        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e4m3, R, C, 24.0f, 0.25f); };
+        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
+        dev().fp8_quantize(two_ops.q.t, two_ops.t.t, x.t, two_ops.meta(recipe));
+        dev().fp8_quantize_activation(fused.q.t, fused.t.t, pre.c(), act, fused.meta(recipe));
+        ref().fp8_quantize_activation(reference.q.t, reference.t.t, pre.r(), act, reference.meta(recipe));
         CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
         CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
         CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
@@ -209,23 +214,12 @@ TEST_CASE("cuda fp8_quantize_gelu_backward: gelu_backward then the cast with dbi
         const std::vector<double> b0 = rng.normal(C, 1.0);
         Buf d(dev(), DType::bf16, {R, C});
         dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
-        struct Side {
-          Buf q, t;
-          Scalar2 scale, scale_inv, amax;
-        };
-        auto make = [&](Backend& be) {
-          return Side{Buf(be, DType::fp8_e5m2, {R, C}), Buf(be, DType::fp8_e5m2, {C, R}), scalar2(2000.0f),
-                      scalar2(1.0f / 2000.0f), scalar2(0.0f)};
-        };
-        auto meta = [&](const Side& s, bool on_dev) {
-          return on_dev ? Fp8TensorMeta{s.scale.c.t, s.scale_inv.c.t, s.amax.c.t, recipe, 0}
-                        : Fp8TensorMeta{s.scale.r.t, s.scale_inv.r.t, s.amax.r.t, recipe, 0};
-        };
-        Side two_ops = make(dev()), fused = make(dev()), reference = make(ref());
+        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); };
+        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
         Twin db_two = twin_same(DType::f32, {C}, b0), db_fused = twin_same(DType::f32, {C}, b0);
-        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, meta(two_ops, true), db_two.c());
-        dev().fp8_quantize_gelu_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, meta(fused, true), db_fused.c());
-        ref().fp8_quantize_gelu_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, meta(reference, false),
+        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, two_ops.meta(recipe), db_two.c());
+        dev().fp8_quantize_gelu_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe), db_fused.c());
+        ref().fp8_quantize_gelu_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, reference.meta(recipe),
                                          db_fused.r());
         CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
         CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
