@@ -943,9 +943,9 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   } else if (fp8_dbias_in_cast(local)) {
     // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
     // into gFC, and fc1's output gradient gFC * gelu'(fc1_pre) is cast to FP8 (with fc1's bias
-    // gradient) straight from it: never written in the compute dtype. Unless kept, fc1_pre then
-    // becomes the activation (in place) for fc2's weight gradient, so that gradient is taken first
-    // and cast through gelu_backward (the same bits as the fused cast).
+    // gradient) straight from it: never written in the compute dtype. Without kept inputs fc1_pre
+    // must first become the activation (in place) for fc2's weight gradient, so fc1's output
+    // gradient is formed by gelu_backward in gFC and cast after it (the same bits as the fused cast).
     const bool tanh_form = d_.gelu_tanh;
     const MlpActivation act = tanh_form ? MlpActivation::gelu_tanh : MlpActivation::gelu;
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
