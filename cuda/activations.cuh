@@ -63,6 +63,13 @@ __device__ __forceinline__ float sigmoid(float x) { return fast_sigmoid(x); }
 
 // SwiGLU of one (gate, up) pair: silu(gate) * up.
 __device__ __forceinline__ float swiglu_value(float gate, float up) { return gate * sigmoid(gate) * up; }
+// SwiGLU's backward for one (gate, up) pair and the output gradient dy.
+__device__ __forceinline__ void swiglu_grad(float gate, float up, float dy, float& dgate, float& dup) {
+  const float s = sigmoid(gate);
+  const float silu = gate * s;
+  dup = dy * silu;
+  dgate = dy * up * s * (1.0f + gate * (1.0f - s));
+}
 
 // Dropout (engine/dropout_mask.h): element `index` is kept iff dropout_keep(key, index, p), then
 // scaled by 1/(1-p). Returns the factor the element is multiplied by; p == 0 draws nothing.

@@ -113,9 +113,9 @@ void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpA
                     Tensor());
 }
 
-void CudaBackend::fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
+void CudaBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                              const Fp8TensorMeta& meta, Tensor dbias) {
-  fp8_quantize_impl("fp8_quantize_gelu_backward", q, q_t, {cuda::CastSource::Kind::activation_grad, dout, pre, act},
+  fp8_quantize_impl("fp8_quantize_activation_backward", q, q_t, {cuda::CastSource::Kind::activation_grad, dout, pre, act},
                     meta, dbias);
 }
 

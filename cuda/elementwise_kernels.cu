@@ -182,12 +182,7 @@ __global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t
   }
 }
 
-__device__ __forceinline__ void swiglu_grad(float gate, float up, float dy, float& dgate, float& dup) {
-  const float s = sigmoid(gate);
-  const float silu = gate * s;
-  dup = dy * silu;
-  dgate = dy * up * s * (1.0f + gate * (1.0f - s));
-}
+// swiglu_grad: cuda/activations.cuh (shared with the FP8 cast of the gradient).
 
 template <typename T, bool VEC>
 __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t rows, int64_t f) {

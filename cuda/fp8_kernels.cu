@@ -169,6 +169,37 @@ struct GeluGradInput {
   }
 };
 
+// SwiGLU's input gradient [R, 2F] = [dgate | dup] from dout [R, F] and pre [R, 2F] = [gate | up]
+// (C = 2F; a vector of 8 never straddles the halves when F % 8 == 0, the caller's check).
+template <typename T>
+struct SwigluGradInput {
+  const T* __restrict__ dout;
+  const T* __restrict__ pre;
+  int64_t F;
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    const bool up_half = c >= F;
+    const int64_t j0 = up_half ? c - F : c;
+    const T* row = pre + r * 2 * F;
+    const Floats<8> gate = load_vec<8>(row + j0), up = load_vec<8>(row + F + j0), dy = load_vec<8>(dout + r * F + j0);
+    Floats<8> v;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float dg, du;
+      swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg, du);
+      v.v[j] = round_to<T>(up_half ? du : dg);
+    }
+    return v;
+  }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
+    const bool up_half = c >= F;
+    const int64_t j = up_half ? c - F : c;
+    const T* row = pre + r * 2 * F;
+    float dg, du;
+    swiglu_grad(to_float(row[j]), to_float(row[F + j]), to_float(dout[r * F + j]), dg, du);
+    return round_to<T>(up_half ? du : dg);
+  }
+};
+
 // out and out_t may both be null: then only the amax is taken (tensorwise scaling's first pass).
 // DBIAS: also the column sums of the input (the bias gradient of an output gradient). A block then
 // takes `group` row tiles of one column tile in turn (a work item), each thread adding its columns
@@ -413,13 +444,15 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
   using Kind = CastSource::Kind;
   const bool swiglu = src.kind == Kind::activation && src.act == MlpActivation::swiglu;
   MT_CHECK(!swiglu || src.x.cols() % 2 == 0, "{}: odd SwiGLU width {}", what, src.x.cols());
+  const bool gated_grad = src.kind == Kind::activation_grad && src.act == MlpActivation::swiglu;
   if (src.kind == Kind::activation_grad) {
     check_input(src.pre, what);
-    MT_CHECK(src.act != MlpActivation::swiglu && src.pre.dtype == src.x.dtype && src.pre.numel() == src.x.numel(),
-             "{}: the GeLU gradient's pre-activation {} for {}", what, src.pre.shape_string(), src.x.shape_string());
+    MT_CHECK(src.pre.dtype == src.x.dtype && src.pre.numel() == (gated_grad ? 2 : 1) * src.x.numel(),
+             "{}: the activation gradient's input {} for {}", what, src.pre.shape_string(), src.x.shape_string());
   }
   if (R == 0 || C == 0) return;
-  const bool vec = aligned16(src.x.data) && (src.pre.empty() || aligned16(src.pre.data));
+  const bool vec = aligned16(src.x.data) && (src.pre.empty() || aligned16(src.pre.data)) &&
+                   (!gated_grad || src.x.cols() % 8 == 0);
   MT_DISPATCH_FLOAT(src.x.dtype, T, what, {
     const T* x = src.x.ptr<const T>();
     const auto go = [&](const auto& input) {
@@ -434,7 +467,8 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
         else go(GeluInput<T, false>{x, C});
         break;
       case Kind::activation_grad:
-        if (tanh_form) go(GeluGradInput<T, true>{x, src.pre.ptr<const T>(), C});
+        if (gated_grad) go(SwigluGradInput<T>{x, src.pre.ptr<const T>(), src.x.cols()});
+        else if (tanh_form) go(GeluGradInput<T, true>{x, src.pre.ptr<const T>(), C});
         else go(GeluGradInput<T, false>{x, src.pre.ptr<const T>(), C});
         break;
     }

@@ -37,15 +37,19 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
 //   plain:           x;
 //   activation:      act(x), x = fc1's output ([R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU),
 //                    the values gelu_forward / swiglu_forward would store in x's dtype;
-//   activation_grad: x * act'(pre), x = the gradient of act's output [R, C], pre = act's input
-//                    [R, C] (GeLU only), the values gelu_backward would store in x's dtype.
+//   activation_grad: the gradient of act's input from x, the gradient of its output: GeLU
+//                    x * gelu'(pre), x and pre [R, C]; SwiGLU [dgate | dup] [R, 2F] from x [R, F]
+//                    and pre [R, 2F]: the values gelu_backward / swiglu_backward would store.
 struct CastSource {
   enum class Kind { plain, activation, activation_grad };
   Kind kind = Kind::plain;
   Tensor x, pre;
   MlpActivation act = MlpActivation::gelu;
   int64_t rows() const { return x.rows(); }
-  int64_t cols() const { return kind == Kind::activation && act == MlpActivation::swiglu ? x.cols() / 2 : x.cols(); }
+  int64_t cols() const {
+    if (act != MlpActivation::swiglu || kind == Kind::plain) return x.cols();
+    return kind == Kind::activation ? x.cols() / 2 : 2 * x.cols();
+  }
 };
 
 // cast_transpose_to_fp8 of a CastSource's [R, C] values (float32 or bfloat16 tensors). out and

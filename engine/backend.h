@@ -235,11 +235,12 @@ class Backend {
   // values, as fp8_linear_backward_weight sums them), read in the same pass: the bias gradient of
   // an FP8 layer with FP8 weight gradients (fp8_linear_backward_weight then gets no dbias).
   virtual void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias);
-  // fp8_quantize_with_dbias of d = dout * act'(pre) without writing d: bit for bit
-  // gelu_backward(d, dout, pre) in pre's dtype, then fp8_quantize_with_dbias(q, q_t, d, meta, dbias)
-  // (dbias may be empty). GeLU only; dout and pre [R, C]. FP8 GeLU layers take fc1's output gradient
-  // this way from fc2's plain input gradient (no DGELU epilogue, no bf16 copy of the gradient).
-  virtual void fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
+  // fp8_quantize_with_dbias of d, the gradient of the activation's input, without writing d: bit
+  // for bit gelu_backward(d, dout, pre) / swiglu_backward(d, dout, pre) in pre's dtype, then
+  // fp8_quantize_with_dbias(q, q_t, d, meta, dbias) (dbias may be empty). GeLU: dout and pre [R, C];
+  // SwiGLU: dout [R, F], pre and d [R, 2F]. FP8 layers take fc1's output gradient this way from
+  // fc2's plain input gradient (no DGELU epilogue, no compute-dtype copy of the gradient).
+  virtual void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                           const Fp8TensorMeta& meta, Tensor dbias);
   // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
   // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.

@@ -576,13 +576,13 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor
     be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
 }
 
-void GptModel::linear_quantize_dy_gelu(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
+void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
   const Fp8State::Gemm g = Fp8State::fc1;
-  MT_CHECK(fp8_dbias_in_cast(local), "layer {}: the fused GeLU-gradient cast outside FP8 weight gradients",
+  MT_CHECK(fp8_dbias_in_cast(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
            d_.layer_begin + local);
-  be_.fp8_quantize_gelu_backward(fp8_view(fp8_dyq_, dout.rows(), dout.cols()),
-                                 fp8_view(fp8_dyq_t_, dout.cols(), dout.rows()), dout, pre, act,
-                                 fp8_.meta(local, g, Fp8State::dy), dbias);
+  const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
+  be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
+                                       dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias);
 }
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
@@ -931,13 +931,21 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const bool kept = fp8_kept_inputs(local);
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   Tensor d_fc1;  // gradient of fc1's output
+  bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
   linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b);
-  if (d_.swiglu) {
+  if (d_.swiglu && kept) {
+    // FP8 with kept inputs: fc1's output gradient [dgate | dup] is cast to FP8 straight from fc2's
+    // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
+    // weight gradient (which still needs the FP8 workspaces of its own output gradient).
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    // In place: fc1_pre becomes its gradient (and, unless kept, the activation gradient becomes
-    // the activation).
-    if (kept) be_.swiglu_backward(A.fc1_pre, w.act, A.fc1_pre);
-    else be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
+    linear_quantize_dy_activation(local, w.act, A.fc1_pre, MlpActivation::swiglu, G.fc1_b);
+    d_fc1 = A.fc1_pre;  // (its shape: the FP8 GEMMs below read only the quantized copies)
+    d_fc1_quantized = true;
+  } else if (d_.swiglu) {
+    linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
+    // In place: fc1_pre becomes its gradient and the activation gradient becomes the activation.
+    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
   } else if (fp8_dbias_in_cast(local)) {
@@ -951,7 +959,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
     if (kept) {
       linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
-      linear_quantize_dy_gelu(local, w.gFC, A.fc1_pre, act, G.fc1_b);
+      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, act, G.fc1_b);
     } else {
       be_.gelu_backward(w.gFC, w.gFC, A.fc1_pre, tanh_form);
       be_.gelu_forward(A.fc1_pre, A.fc1_pre, tanh_form);
@@ -959,6 +967,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
       linear_quantize_dy(local, Fp8State::fc1, w.gFC, G.fc1_b);
     }
     d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
+    d_fc1_quantized = true;
   } else {
     // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
@@ -971,7 +980,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
   }
-  if (d_.swiglu || !fp8_dbias_in_cast(local)) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
+  if (!d_fc1_quantized) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
                                 G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);

@@ -229,9 +229,10 @@ class GptModel {
   // column sums to dbias (the bias gradient, if the layer has one), and linear_bwd_weight does not.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias);
   bool fp8_dbias_in_cast(int local) const { return fp8_gemms(local) && opt_.fp8.wgrad; }
-  // fc1's output gradient dout * gelu'(pre) quantized for fc1's backward GEMMs (with fc1's bias
-  // gradient) without writing it: GeLU layers where fp8_dbias_in_cast(local).
-  void linear_quantize_dy_gelu(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias);
+  // fc1's output gradient (the activation's input gradient from dout, its output gradient, and
+  // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing
+  // it: layers where fp8_dbias_in_cast(local).
+  void linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
   void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);

@@ -260,17 +260,20 @@ TEST_CASE("fp8_quantize_with_dbias: fp8_quantize's bytes, and dbias accumulates 
   }
 }
 
-TEST_CASE("fp8_quantize_gelu_backward equals gelu_backward, then fp8_quantize_with_dbias, bit for bit",
+TEST_CASE("fp8_quantize_activation_backward equals the activation's backward, then fp8_quantize_with_dbias",
           "[fp8][reference]") {
   auto be = make_reference_backend(2);
-  const int64_t R = 7, C = 9;
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh})
+  const int64_t R = 7, F = 9;  // odd sizes; SwiGLU's gradient is [R, 2F]
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
       for (bool with_dbias : {false, true}) {
         INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe) << " dbias " << with_dbias);
-        std::vector<float> dout = randn(static_cast<size_t>(R * C), 5, 0.3f), pre = randn(static_cast<size_t>(R * C), 6, 2.0f);
-        std::vector<float> d(dout.size());
-        be->gelu_backward(f32(d, {R, C}), f32(dout, {R, C}), f32(pre, {R, C}), act == MlpActivation::gelu_tanh);
+        const bool swiglu = act == MlpActivation::swiglu;
+        const int64_t C = swiglu ? 2 * F : F;  // the gradient's width (= pre's)
+        std::vector<float> dout = randn(static_cast<size_t>(R * F), 5, 0.3f), pre = randn(static_cast<size_t>(R * C), 6, 2.0f);
+        std::vector<float> d(static_cast<size_t>(R * C));
+        if (swiglu) be->swiglu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}));
+        else be->gelu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}), act == MlpActivation::gelu_tanh);
         Meta m1, m2;
         m1.s[0] = m2.s[0] = 900.0f;
         std::vector<uint8_t> q1(d.size()), t1(d.size()), q2(d.size()), t2(d.size());
@@ -280,8 +283,9 @@ TEST_CASE("fp8_quantize_gelu_backward equals gelu_backward, then fp8_quantize_wi
                                       m1.view(recipe), f32(b1, {C}));
         else
           be->fp8_quantize(u8(q1, DType::fp8_e5m2, {R, C}), u8(t1, DType::fp8_e5m2, {C, R}), f32(d, {R, C}), m1.view(recipe));
-        be->fp8_quantize_gelu_backward(u8(q2, DType::fp8_e5m2, {R, C}), u8(t2, DType::fp8_e5m2, {C, R}), f32(dout, {R, C}),
-                                       f32(pre, {R, C}), act, m2.view(recipe), with_dbias ? f32(b2, {C}) : Tensor());
+        be->fp8_quantize_activation_backward(u8(q2, DType::fp8_e5m2, {R, C}), u8(t2, DType::fp8_e5m2, {C, R}),
+                                             f32(dout, {R, F}), f32(pre, {R, C}), act, m2.view(recipe),
+                                             with_dbias ? f32(b2, {C}) : Tensor());
         CHECK(q1 == q2);
         CHECK(t1 == t2);
         CHECK(b1 == b2);

@@ -139,19 +139,33 @@ void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, 
 }
 
 // d = dout * act'(pre) exactly as gelu_backward computes it (double math, one rounding to pre's dtype).
-void ReferenceBackend::fp8_quantize_gelu_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
-                                                  const Fp8TensorMeta& meta, Tensor dbias) {
-  const char* op = "fp8_quantize_gelu_backward";
-  MT_CHECK(act != MlpActivation::swiglu, "{}: GeLU only", op);
-  check_numel(pre, dout.numel(), op, "pre");
+// d = the activation's input gradient exactly as gelu_backward / swiglu_backward compute it (double
+// math, one rounding to pre's dtype).
+void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre,
+                                                        MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias) {
+  const char* op = "fp8_quantize_activation_backward";
   const Floats fd(dout), fp(pre);
+  const int64_t R = dout.rows();
+  if (act == MlpActivation::swiglu) {
+    const int64_t f = dout.cols();
+    check_numel(pre, 2 * dout.numel(), op, "pre");
+    const auto d = [&](int64_t i) {  // element (r, c) of [dgate | dup], [R, 2f]
+      const int64_t r = i / (2 * f), c = i % (2 * f), j = c < f ? c : c - f;
+      const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j), s = sigmoid(g);
+      return round_to(pre.dtype, c < f ? dy * u * s * (1.0 + g * (1.0 - s)) : dy * g * s);
+    };
+    quantize_values(pool_, q, q_t, R, 2 * f, d, meta, op);
+    if (!dbias.empty()) add_column_sums_of(dbias, R, 2 * f, d, op);
+    return;
+  }
+  check_numel(pre, dout.numel(), op, "pre");
   const bool tanh_form = act == MlpActivation::gelu_tanh;
   const auto d = [&](int64_t i) {
     const double x = fp.get(i);
     return round_to(pre.dtype, fd.get(i) * (tanh_form ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
   };
-  quantize_values(pool_, q, q_t, dout.rows(), dout.cols(), d, meta, op);
-  if (!dbias.empty()) add_column_sums_of(dbias, dout.rows(), dout.cols(), d, op);
+  quantize_values(pool_, q, q_t, R, dout.cols(), d, meta, op);
+  if (!dbias.empty()) add_column_sums_of(dbias, R, dout.cols(), d, op);
 }
 
 // The activations exactly as gelu_forward / swiglu_forward compute them (double math, one

@@ -202,24 +202,29 @@ TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, d
 // fc1's output gradient cast straight from fc2's input gradient and fc1's output (the FP8 GeLU
 // MLP's backward): the same bytes, scales and bias gradient bits as gelu_backward followed by
 // fp8_quantize_with_dbias on the GPU, and the reference's within 1% of the bytes.
-TEST_CASE("cuda fp8_quantize_gelu_backward: gelu_backward then the cast with dbias, bit for bit", "[gpu][fp8]") {
+TEST_CASE("cuda fp8_quantize_activation_backward: the activation's backward then the cast with dbias, bit for bit",
+          "[gpu][fp8]") {
   MT_RNG(rng);
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh})
+  // (R, F): SwiGLU's gradient is [R, 2F]; {33, 70}/{33, 35} take the paths without vectors.
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
-      for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {4104, 1032}}) {
+      for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
         INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
-                           << " x " << C);
-        Twin dout = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.2));
+                           << " x " << F);
+        const bool swiglu = act == MlpActivation::swiglu;
+        const int64_t C = swiglu ? 2 * F : F;
+        Twin dout = twin_same(DType::bf16, {R, F}, rng.normal(R * F, 0.2));
         Twin pre = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0));
         const std::vector<double> b0 = rng.normal(C, 1.0);
         Buf d(dev(), DType::bf16, {R, C});
-        dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
+        if (swiglu) dev().swiglu_backward(d.t, dout.c(), pre.c());
+        else dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
         auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); };
         CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
         Twin db_two = twin_same(DType::f32, {C}, b0), db_fused = twin_same(DType::f32, {C}, b0);
         dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, two_ops.meta(recipe), db_two.c());
-        dev().fp8_quantize_gelu_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe), db_fused.c());
-        ref().fp8_quantize_gelu_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, reference.meta(recipe),
+        dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe), db_fused.c());
+        ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, reference.meta(recipe),
                                          db_fused.r());
         CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
         CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
@@ -229,7 +234,7 @@ TEST_CASE("cuda fp8_quantize_gelu_backward: gelu_backward then the cast with dbi
         const int64_t n = R * C;
         CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
         CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
-        // The summands are bf16 values that float32 and double GeLU math may round one bf16 step
+        // The summands are bf16 values that float32 and double activation math may round one bf16 step
         // apart, so against the reference the bias gradient is within bf16 rounding (on the GPU
         // itself it is bit for bit the two-op path's, above).
         MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
