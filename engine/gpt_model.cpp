@@ -570,7 +570,7 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor
   if (!fp8_layer(local)) return;
   const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
   const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
-  if (fp8_dbias_in_cast(local) && !dbias.empty())
+  if (fp8_wgrad(local) && !dbias.empty())
     be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy), dbias);
   else
     be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
@@ -578,7 +578,7 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor
 
 void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
   const Fp8State::Gemm g = Fp8State::fc1;
-  MT_CHECK(fp8_dbias_in_cast(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
+  MT_CHECK(fp8_wgrad(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
            d_.layer_begin + local);
   const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
   be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
@@ -598,7 +598,7 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
 
 void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy,
                                  Tensor x) {
-  if (!fp8_dbias_in_cast(local)) {
+  if (!fp8_wgrad(local)) {
     be_.linear_backward_weight(dw, dbias, dy, x);
     return;
   }
@@ -948,7 +948,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
-  } else if (fp8_dbias_in_cast(local)) {
+  } else if (fp8_wgrad(local)) {
     // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
     // into gFC, and fc1's output gradient gFC * gelu'(fc1_pre) is cast to FP8 (with fc1's bias
     // gradient) straight from it: never written in the compute dtype. Without kept inputs fc1_pre

@@ -217,21 +217,25 @@ class GptModel {
   // them (the GeLU output, the gathered norm outputs) for those GEMMs.
   bool fp8_keeps_inputs() const { return opt_.fp8_keep_inputs && opt_.fp8.wgrad && fp8_.any(); }
   bool fp8_kept_inputs(int local) const { return fp8_gemms(local) && fp8_keeps_inputs(); }
+  // A layer whose weight gradients are FP8 GEMMs now (not --no-fp8-wgrad). Their output
+  // gradients' casts also take the bias gradients (linear_quantize_dy).
+  bool fp8_wgrad(int local) const { return fp8_gemms(local) && opt_.fp8.wgrad; }
   // A: the layer's activations (where the kept transposed input goes).
   void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
                   Activation act, Tensor pre_act);
+  // The FP8 cast of GEMM g's input x (act(x) when act is given), and its kept transposed copy.
+  Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act);
   // fc2's forward in a layer with FP8 GEMMs (fp8_gemms(local)): its input act(fc1_pre) is cast to
   // FP8 straight from fc1's output and never written in the compute dtype.
-  Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act);
   void fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act);
   // FP8 layers: quantizes dy (and its transpose for the weight gradient) for the two backward GEMMs
-  // of gemm g that follow; no-op elsewhere. With FP8 weight gradients the cast also adds dy's
-  // column sums to dbias (the bias gradient, if the layer has one), and linear_bwd_weight does not.
+  // of gemm g that follow; no-op elsewhere. With FP8 weight gradients (fp8_wgrad) the cast also
+  // adds dy's column sums to dbias (the bias gradient, if the layer has one), and
+  // linear_bwd_weight does not.
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias);
-  bool fp8_dbias_in_cast(int local) const { return fp8_gemms(local) && opt_.fp8.wgrad; }
   // fc1's output gradient (the activation's input gradient from dout, its output gradient, and
   // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing
-  // it: layers where fp8_dbias_in_cast(local).
+  // it: layers where fp8_wgrad(local).
   void linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
