@@ -6,8 +6,10 @@
 // warm-up first, median of the timed repetitions. The backward time includes its small helpers
 // (delta = rowsum(dO*O), counter reset) since a training step pays them.
 //
-// Usage: bench_attention [--configs] [--reps N] [--quick] [--only SHAPE-SUBSTRING]
-//   --configs  also time every compiled flash tile configuration (tuning)
+// Usage: bench_attention [--configs] [--candidates] [--reps N] [--quick] [--only SHAPE-SUBSTRING]
+//   --configs     also time every compiled flash tile configuration (tuning)
+//   --candidates  also time every cuDNN candidate (K/V layout, dQ algorithm, engine config) pinned;
+//                 the "fused (cuDNN)" row is the production path, which times them at its first call
 //   --quick    only the three model shapes
 //   --only     only the shapes whose label contains the string (e.g. "gpt2-124m B32")
 #include <cuda_bf16.h>
@@ -75,16 +77,17 @@ struct Row {
 }  // namespace
 
 int run(int argc, char** argv) {
-  bool configs = false, quick = false;
+  bool configs = false, quick = false, candidates = false;
   int reps = 20;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--configs")) configs = true;
+    else if (!std::strcmp(argv[i], "--candidates")) candidates = true;
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
-      fmt::print(stderr, "usage: bench_attention [--configs] [--quick] [--reps N] [--only SHAPE-SUBSTRING]\n");
+      fmt::print(stderr, "usage: bench_attention [--configs] [--candidates] [--quick] [--reps N] [--only SHAPE-SUBSTRING]\n");
       return 2;
     }
   }
@@ -170,6 +173,25 @@ int run(int argc, char** argv) {
              cuda::attention_backward(dx, dout, o, l, x, a, AttentionBackend::fused, ws, bytes, nullptr);
            },
            cuda::attention_workspace_bytes(a, AttentionBackend::fused)});
+      if (candidates) {
+        namespace cd = cuda::cudnn_attention;
+        const size_t ws_fused = cuda::attention_workspace_bytes(a, AttentionBackend::fused);
+        const std::vector<std::string> fc = cd::forward_candidates(a, DType::bf16), bc = cd::backward_candidates(a, DType::bf16);
+        for (size_t i = 0; i < fc.size(); ++i)
+          variants.push_back({fmt::format("cuDNN fwd {}: {}", i, fc[i]),
+                              [&, i](Tensor o, Tensor l, Tensor x, void* w, size_t b) {
+                                cd::pin_candidates(a, DType::bf16, static_cast<int>(i), 0);
+                                cd::forward(o, l, x, a, w, b, nullptr);
+                              },
+                              nullptr, ws_fused});
+        for (size_t j = 0; j < bc.size(); ++j)
+          variants.push_back({fmt::format("cuDNN bwd {}: {}", j, bc[j]), nullptr,
+                              [&, j](Tensor dx, Tensor dout, Tensor o, Tensor l, Tensor x, void* ws, size_t bytes) {
+                                cd::pin_candidates(a, DType::bf16, 0, static_cast<int>(j));
+                                cd::backward(dx, dout, o, l, x, a, ws, bytes, nullptr);
+                              },
+                              ws_fused});
+      }
     } else {
       fmt::print("{}: fused (cuDNN) not run: {}\n", label, why);
     }
@@ -216,6 +238,8 @@ int run(int argc, char** argv) {
       }
       fmt::print("{:<40} {:<26} fwd {:8.3f} ms {:6.1f} TFLOP/s   bwd {:8.3f} ms {:6.1f} TFLOP/s\n", label, v.name,
                  r.fwd_ms, r.fwd_tflops, r.bwd_ms, r.bwd_tflops);
+      if (v.name == "fused (cuDNN)")
+        fmt::print("{:<40} chosen: {}\n", label, cuda::cudnn_attention::chosen(a, DType::bf16));
       std::fflush(stdout);
       rows.push_back(r);
     }

@@ -3,7 +3,11 @@
 #include <cudnn.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -12,6 +16,8 @@
 #include <tuple>
 #include <vector>
 
+#include "core/log.h"
+#include "cuda/attention_kv_heads.h"
 #include "cuda/cuda_check.h"
 
 namespace mt::cuda::cudnn_attention {
@@ -194,81 +200,118 @@ class GraphBuilder {
   int64_t next_virtual_ = kFirstVirtual;
 };
 
-// An execution plan with everything it was built from.
-struct Plan {
-  std::vector<std::unique_ptr<Descriptor>> graph_parts;
-  std::unique_ptr<Descriptor> graph, heuristics, plan;
+// An operation graph with everything it was built from, shared by its execution plans.
+struct Graph {
+  std::vector<std::unique_ptr<Descriptor>> parts;
+  std::unique_ptr<Descriptor> graph, heuristics;
   std::vector<std::unique_ptr<Descriptor>> configs;
-  int64_t workspace = 0;
 };
 
-std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, GraphBuilder& g, const char* what) {
-  auto p = std::make_unique<Plan>();
+// One execution plan of a graph: one of cuDNN's engine configurations for it.
+struct EnginePlan {
+  std::shared_ptr<Graph> graph;
+  std::shared_ptr<Descriptor> plan;
+  int config = 0;          // index in cuDNN's heuristic order
+  int64_t workspace = 0;   // cuDNN's own workspace
+};
+
+// At most this many engine configurations per graph: cuDNN lists its best guesses first, and
+// every plan costs start-up time to build.
+constexpr int kMaxConfigsPerGraph = 4;
+
+// Every engine configuration of the graph that builds, in cuDNN's heuristic order; throws (with
+// each failure) if none does.
+std::vector<EnginePlan> build_plans(cudnnHandle_t handle, GraphBuilder& g, const std::string& what) {
+  auto graph = std::make_shared<Graph>();
   std::vector<cudnnBackendDescriptor_t> ops;
   for (const Descriptor* d : g.ops()) ops.push_back(d->get());
-  p->graph = std::make_unique<Descriptor>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
-  p->graph->set1(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, handle)
+  graph->graph = std::make_unique<Descriptor>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  graph->graph->set1(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, handle)
       .set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops.size()), ops.data());
-  p->graph->finalize(fmt::format("{} operation graph", what));
-  p->graph_parts = g.release_descriptors();
+  graph->graph->finalize(fmt::format("{} operation graph", what));
+  graph->parts = g.release_descriptors();
 
-  p->heuristics = std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-  p->heuristics->set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, *p->graph)
+  graph->heuristics = std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+  graph->heuristics->set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, *graph->graph)
       .set1(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, CUDNN_HEUR_MODE_A);
-  p->heuristics->finalize(fmt::format("{} heuristics", what));
+  graph->heuristics->finalize(fmt::format("{} heuristics", what));
   int64_t count = 0;
-  check(cudnnBackendGetAttribute(p->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                 0, &count, nullptr),
+  check(cudnnBackendGetAttribute(graph->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
         "engine heuristics count");
   std::vector<cudnnBackendDescriptor_t> raw;
   for (int64_t i = 0; i < count; ++i) {
-    p->configs.push_back(std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
-    raw.push_back(p->configs.back()->get());
+    graph->configs.push_back(std::make_unique<Descriptor>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+    raw.push_back(graph->configs.back()->get());
   }
-  check(cudnnBackendGetAttribute(p->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                 count, &count, raw.data()),
+  check(cudnnBackendGetAttribute(graph->heuristics->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &count, raw.data()),
         "engine heuristics results");
+  std::vector<EnginePlan> plans;
   std::string failures;
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < count && static_cast<int>(plans.size()) < kMaxConfigsPerGraph; ++i) {
     try {
-      auto plan = std::make_unique<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+      auto plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
       plan->set1(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, handle)
-          .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *p->configs[i]);
+          .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *graph->configs[i]);
       plan->finalize(fmt::format("{} execution plan (engine config {})", what, i));
       int64_t ws = 0, got = 0;
       check(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
                                      &got, &ws),
             "plan workspace size");
-      p->plan = std::move(plan);
-      p->workspace = ws;
-      return p;
+      plans.push_back({graph, std::move(plan), static_cast<int>(i), ws});
     } catch (const CudnnFailure& e) {
       failures += std::string("; ") + e.what();
     }
   }
-  throw CudnnFailure(fmt::format("{}: none of {} engine configs builds{}", what, count, failures));
+  if (plans.empty()) throw CudnnFailure(fmt::format("{}: none of {} engine configs builds{}", what, count, failures));
+  return plans;
 }
 
-void execute(cudnnHandle_t handle, const Plan& plan, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
-             void* workspace) {
+void execute(cudnnHandle_t handle, const Descriptor& plan, const std::vector<int64_t>& uids,
+             const std::vector<void*>& ptrs, void* workspace) {
   Descriptor pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data())
       .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()), ptrs.data())
       .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
   pack.finalize("variant pack");
-  check(cudnnBackendExecute(handle, plan.plan->get(), pack.get()), "cudnnBackendExecute");
+  check(cudnnBackendExecute(handle, plan.get(), pack.get()), "cudnnBackendExecute");
 }
 
 // ---- the attention graphs ----------------------------------------------------------------------
+
+// How the graphs see GQA's K and V (MHA has only `shared`). Which is fastest depends on the shape
+// and cuDNN's engines (at llama-1b's, cuDNN's MQA backward with its dK/dV reductions ran ~280
+// TFLOP/s against ~390 for MHA), so every layout that builds is a candidate and the first call
+// times them (choose_candidate).
+enum class KvLayout {
+  shared,     // one K/V head per (sample, group): MHA, or GQA as MQA with the KV group folded into the
+              // batch; cuDNN reads each K/V head once and sums dK/dV over the group in the graph
+  broadcast,  // GQA as MHA per (sample, group): K/V read with a zero head stride, dK/dV written per
+              // query head into our workspace and summed by kv_heads::sum_grads
+  expanded,   // as broadcast, but K and V first copied per query head (kv_heads::expand), for
+              // engines that refuse a zero stride
+};
+
+const char* layout_name(KvLayout l) {
+  switch (l) {
+    case KvLayout::shared: return "shared K/V";
+    case KvLayout::broadcast: return "K/V broadcast per query head";
+    case KvLayout::expanded: return "K/V copied per query head";
+  }
+  return "?";
+}
 
 // Layout facts shared by both passes, as 4-d [batch, heads, seq, d] tensors over the packed rows.
 // MHA (heads == groups): batch b, heads h, head j's q, k, v at j*3d, j*3d+d, j*3d+2d of a row.
 // GQA: the packed rows have no single per-head stride (a group's q heads are d apart, groups
 // (hpg+2)d apart), but every stride is uniform once the KV group joins the batch: batch b*groups
 // (sample i, group g at i*row_stride + g*(hpg+2)d = (i*groups + g)*(hpg+2)d), hpg query heads d
-// apart, one K/V head. The output [N, heads*d] and the lse [b, heads, s] fold the same way (head
-// g*hpg + j). cuDNN then sees MQA per (sample, group): K and V broadcast over the query heads and
-// dK, dV are sums over them (reductions in the backward graph).
+// apart. The output [N, heads*d] and the lse [b, heads, s] fold the same way (head g*hpg + j).
+// With the shared layout cuDNN then sees MQA per (sample, group): one K/V head broadcast over the
+// query heads, dK and dV sums over them (reductions in the backward graph). The per-query-head
+// layouts give every query head its own K/V head (stride 0 over the packed K/V, or the copies of
+// kv_heads::expand), and dK/dV per query head in the output's layout.
 struct Dims {
   int64_t b, hq, hk, s, d;   // b: batch as cuDNN sees it; hq/hk: query / KV heads
   int64_t bstride;           // qkv elements between batch entries
@@ -276,7 +319,9 @@ struct Dims {
   int64_t seq_stride;        // qkv elements between positions
   int64_t k_offset;          // elements from a batch entry's first q to its k (v: + d)
   int64_t out_b, out_seq;    // out strides of batch entries and positions (heads: d)
-  explicit Dims(const AttentionShape& a) : s(a.seq), d(a.head_dim) {
+  int64_t kv_b, kv_h, kv_seq;   // strides of the K/V that cuDNN reads (packed rows or per-head copies)
+  bool per_head_kv;          // dK/dV per query head in the out layout (the non-shared layouts)
+  Dims(const AttentionShape& a, KvLayout layout) : s(a.seq), d(a.head_dim) {
     const int64_t rs = a.qkv_row_stride(), hpg = a.heads / a.groups;
     seq_stride = a.batch * rs;
     out_seq = static_cast<int64_t>(a.batch) * a.heads * d;
@@ -289,6 +334,13 @@ struct Dims {
       bstride = (hpg + 2) * d, hstride = d, k_offset = hpg * d;
       out_b = hpg * d;
     }
+    kv_b = bstride, kv_h = hstride, kv_seq = seq_stride;
+    per_head_kv = layout != KvLayout::shared && a.heads != a.groups;
+    if (per_head_kv) {
+      hk = hq;
+      if (layout == KvLayout::broadcast) kv_h = 0;
+      else kv_b = out_b, kv_h = d, kv_seq = out_seq;
+    }
   }
   bool gqa() const { return hq != hk; }
   std::vector<int64_t> bhsd() const { return {b, hq, s, d}; }
@@ -297,8 +349,9 @@ struct Dims {
   std::vector<int64_t> kv_bhsd() const { return {b, hk, s, d}; }
   std::vector<int64_t> kv_bhds() const { return {b, hk, d, s}; }
   std::vector<int64_t> q_strides() const { return {bstride, hstride, seq_stride, 1}; }      // [b, hq, s, d]
-  std::vector<int64_t> kv_strides() const { return {bstride, hstride, seq_stride, 1}; }     // [b, hk, s, d]
-  std::vector<int64_t> kv_t_strides() const { return {bstride, hstride, 1, seq_stride}; }   // [b, hk, d, s]
+  std::vector<int64_t> kv_strides() const { return {kv_b, kv_h, kv_seq, 1}; }              // [b, hk, s, d]
+  std::vector<int64_t> kv_t_strides() const { return {kv_b, kv_h, 1, kv_seq}; }            // [b, hk, d, s]
+  std::vector<int64_t> dkv_strides() const { return per_head_kv ? out_strides() : kv_strides(); }
   std::vector<int64_t> out_strides() const { return {out_b, d, out_seq, 1}; }                // [b, hq, s, d]
   std::vector<int64_t> stats_strides() const { return {hq * s, s, 1, 1}; }                  // [b, hq, s, 1]
   std::vector<int64_t> scores_strides() const { return {hq * s * s, s * s, s, 1}; }         // [b, hq, s, s]
@@ -308,8 +361,8 @@ struct Dims {
 
 cudnnDataType_t io_type(DType t) { return t == DType::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
 
-std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const AttentionShape& a, DType dtype) {
-  const Dims n(a);
+std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, KvLayout layout) {
+  const Dims n(a, layout);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
   const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
@@ -333,13 +386,14 @@ std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const AttentionShape& 
   const TensorRef p = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum, nullptr, io);
   const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
   g.matmul(p, v, o);
-  return build_plan(handle, g, "attention forward");
+  return build_plans(handle, g, fmt::format("attention forward ({})", layout_name(layout)));
 }
 
 // deterministic_dq: dQ straight from dS K (what cudnn-frontend builds for deterministic backward);
 // otherwise through an fp32 accumulator in our workspace.
-std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, bool deterministic_dq) {
-  const Dims n(a);
+std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, KvLayout layout,
+                                       bool deterministic_dq) {
+  const Dims n(a, layout);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
   const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
@@ -349,8 +403,8 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
   const TensorRef dout = g.bound(n.bhsd(), n.out_strides(), io, kdO);
   const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
   const TensorRef dq = g.bound(n.bhsd(), n.q_strides(), io, kdQ);
-  const TensorRef dk = g.bound(n.kv_bhsd(), n.kv_strides(), io, kdK);
-  const TensorRef dv = g.bound(n.kv_bhsd(), n.kv_strides(), io, kdV);
+  const TensorRef dk = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdK);
+  const TensorRef dv = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdV);
   const TensorRef scale = g.scalar(kScale);
   const TensorRef one = g.scalar(kOne);
 
@@ -370,7 +424,7 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
   if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
   const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
 
-  // dV = P^T dO (GQA: per query head, then summed over the group's heads).
+  // dV = P^T dO (shared GQA: per query head, then summed over the group's heads).
   const TensorRef pt = g.reshape(p, n.bhss(), n.scores_t_strides(), io);
   if (n.gqa()) {
     const TensorRef dv_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
@@ -385,7 +439,7 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
   const TensorRef centered = g.pointwise(CUDNN_POINTWISE_SUB, dp, &delta);
   const TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
   const TensorRef ds = g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, &scale);
-  // dK = dS^T Q (GQA: per query head, then summed).
+  // dK = dS^T Q (shared GQA: per query head, then summed).
   const TensorRef dst = g.reshape(ds, n.bhss(), n.scores_t_strides(), io);
   if (n.gqa()) {
     const TensorRef dk_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
@@ -403,21 +457,48 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const AttentionShape&
     g.matmul(ds, k, accum);
     g.pointwise_into(CUDNN_POINTWISE_IDENTITY, accum, nullptr, nullptr, dq);
   }
-  return build_plan(handle, g, deterministic_dq ? "attention backward (deterministic dq)" : "attention backward");
+  return build_plans(handle, g,
+                     fmt::format("attention backward ({}, dQ {})", layout_name(layout),
+                                 deterministic_dq ? "direct" : "accumulated"));
 }
 
-// ---- plan cache --------------------------------------------------------------------------------
+// ---- candidates and the plan cache -------------------------------------------------------------
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+// One way to run a pass: a layout, the backward's dQ algorithm, and one engine plan.
+// Workspace: [ours][cuDNN's]. Ours: backward [delta][dQ accumulator, if used][dK, dV per head, if
+// per-head layout]; both passes then [K, V per head, if expanded].
+struct Candidate {
+  KvLayout layout = KvLayout::shared;
+  bool direct_dq = true;  // backward: dQ = dS K straight (else through the fp32 accumulator, by atomics)
+  EnginePlan engine;
+  size_t ours = 0;        // bytes of our part of the workspace
+  size_t bytes() const { return ours + static_cast<size_t>(engine.workspace); }
+  std::string name(bool backward) const {
+    return fmt::format("{}{}, engine config {}", layout_name(layout),
+                       backward ? (direct_dq ? ", dQ direct" : ", dQ by fp32 atomics") : "", engine.config);
+  }
+};
+
+struct Pass {
+  std::vector<Candidate> candidates;
+  int chosen = -1;          // index into candidates; -1: timed at the next call
+  double chosen_ms = 0;     // its time when it was chosen by timing (0: not timed)
+  size_t bytes() const {
+    size_t b = 0;
+    for (const Candidate& c : candidates) b = std::max(b, c.bytes());
+    return b;
+  }
+};
+
 struct Plans {
-  std::unique_ptr<Plan> forward, backward;
-  bool deterministic_dq = false;  // dQ = dS K straight (else through the fp32 accumulator, by atomics)
+  Pass forward, backward;
+  bool fixed_choice = false;  // --deterministic-mode or MEGATRAIN_ATTENTION_AUTOTUNE=0: no timing
+  size_t delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;  // workspace pieces (see Candidate)
   std::string error;  // non-empty: this shape is not supported, and why
-  // Backward workspace: [delta][dq accumulator, if used][cuDNN's own]
-  size_t delta_bytes = 0, accum_bytes = 0;
-  size_t backward_bytes() const { return delta_bytes + accum_bytes + static_cast<size_t>(backward->workspace); }
-  size_t bytes() const { return std::max(static_cast<size_t>(forward->workspace), backward_bytes()); }
+  std::string refused;  // layouts cuDNN had no engine for (reported, not an error)
+  size_t bytes() const { return std::max(forward.bytes(), backward.bytes()); }
 };
 
 // device, b, s, heads, groups, d, causal, dtype, deterministic
@@ -444,6 +525,82 @@ std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   return "";
 }
 
+bool autotune_enabled() {
+  const char* v = std::getenv("MEGATRAIN_ATTENTION_AUTOTUNE");
+  return !(v && std::string(v) == "0");
+}
+
+// Candidates worth timing: those whose workspace is within max(2x, +256 MiB) of the smallest. The
+// deterministic-dQ engines keep an s x s buffer per (sample, head) in their workspace (2 GiB at
+// llama-1b's shape); this keeps them out where the accumulated dQ needs far less, as Megatron's
+// fused attention defaults to the non-deterministic algorithm.
+void keep_affordable(Pass& pass) {
+  size_t least = SIZE_MAX;
+  for (const Candidate& c : pass.candidates) least = std::min(least, c.bytes());
+  const size_t budget = std::max(2 * least, least + (size_t{256} << 20));
+  std::vector<Candidate> kept;
+  for (Candidate& c : pass.candidates)
+    if (c.bytes() <= budget) kept.push_back(std::move(c));
+  pass.candidates = std::move(kept);
+}
+
+// Without timing: the shared layout's candidate with the smallest workspace (cuDNN's first choice on
+// a tie), what this path ran before it timed candidates.
+int default_candidate(const Pass& pass) {
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(pass.candidates.size()); ++i) {
+    const Candidate& c = pass.candidates[i];
+    if (c.layout != KvLayout::shared) continue;
+    if (best < 0 || c.bytes() < pass.candidates[best].bytes()) best = i;
+  }
+  return best >= 0 ? best : 0;
+}
+
+void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype, Plans& plans) {
+  const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
+  plans.delta_bytes = align256(rows * sizeof(float));
+  plans.accum_bytes = align256(rows * a.head_dim * sizeof(float));
+  plans.heads_bytes = align256(kv_heads::buffer_bytes(a, dtype));
+  plans.fixed_choice = a.deterministic || !autotune_enabled();
+  // The per-query-head layouts only as timed candidates: untimed, the shared one runs.
+  std::vector<KvLayout> layouts = {KvLayout::shared};
+  if (a.heads != a.groups && !plans.fixed_choice) layouts.insert(layouts.end(), {KvLayout::broadcast, KvLayout::expanded});
+  std::string first_error;
+  for (KvLayout layout : layouts) {
+    const size_t copies = layout == KvLayout::expanded ? 2 * plans.heads_bytes : 0;
+    const size_t grads = layout == KvLayout::shared || a.heads == a.groups ? 0 : 2 * plans.heads_bytes;
+    try {
+      std::vector<Candidate> fwd, bwd;
+      for (EnginePlan& e : build_forward(handle, a, dtype, layout)) fwd.push_back({layout, true, std::move(e), copies});
+      for (bool direct : {true, false}) {
+        if (!direct && a.deterministic) continue;
+        try {
+          const size_t ours = plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads + copies;
+          for (EnginePlan& e : build_backward(handle, a, dtype, layout, direct)) bwd.push_back({layout, direct, std::move(e), ours});
+        } catch (const CudnnFailure& e) {
+          if (direct && a.deterministic) throw;
+          if (first_error.empty()) first_error = e.what();
+        }
+      }
+      if (bwd.empty()) throw CudnnFailure(first_error);
+      // A layout counts only with both passes: a pass's choice must not depend on the other's.
+      for (Candidate& c : fwd) plans.forward.candidates.push_back(std::move(c));
+      for (Candidate& c : bwd) plans.backward.candidates.push_back(std::move(c));
+    } catch (const CudnnFailure& e) {
+      if (layout == KvLayout::shared) throw;  // the layout every shape has: no engine at all
+      plans.refused += fmt::format("; {}: {}", layout_name(layout), e.what());
+    }
+  }
+  if (!a.deterministic) {
+    keep_affordable(plans.forward);
+    keep_affordable(plans.backward);
+  }
+  if (plans.fixed_choice) {
+    plans.forward.chosen = default_candidate(plans.forward);
+    plans.backward.chosen = default_candidate(plans.backward);
+  }
+}
+
 // Returns the cached plans for the shape (building them the first time); never null.
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
@@ -457,44 +614,13 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
   plans->error = unsupported_reason(a, dtype);  // callers check it first too: dropout is not in the key
   if (plans->error.empty()) {
     try {
-      cudnnHandle_t handle = handle_for(device);
-      plans->forward = build_forward(handle, a, dtype);
-      const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
-      const size_t accum = align256(rows * a.head_dim * sizeof(float));
-      plans->delta_bytes = align256(rows * sizeof(float));
-      // Two backward graphs: dQ = dS K straight (deterministic; cuDNN's engines for it keep an
-      // s x s dP buffer per sample and head in the workspace: 2 GiB at llama-1b's shape), or
-      // through an fp32 accumulator that cuDNN adds to in no fixed order. --deterministic-mode
-      // takes only the first; otherwise the one with the smaller workspace (as Megatron's fused
-      // attention defaults to the non-deterministic algorithm).
-      std::unique_ptr<Plan> direct, accumulated;
-      std::string direct_error;
-      try {
-        direct = build_backward(handle, a, dtype, true);
-      } catch (const CudnnFailure& e) {
-        direct_error = e.what();
-      }
-      if (!a.deterministic) {
-        try {
-          accumulated = build_backward(handle, a, dtype, false);
-        } catch (const CudnnFailure&) {
-          if (!direct) throw;
-        }
-      }
-      if (direct && (!accumulated || static_cast<size_t>(direct->workspace) <=
-                                         static_cast<size_t>(accumulated->workspace) + accum)) {
-        plans->backward = std::move(direct);
-        plans->deterministic_dq = true;
-      } else if (accumulated) {
-        plans->backward = std::move(accumulated);
-        plans->accum_bytes = accum;
-      } else {
-        throw CudnnFailure("no deterministic backward (--deterministic-mode): " + direct_error);
-      }
+      build_candidates(handle_for(device), a, dtype, *plans);
     } catch (const CudnnFailure& e) {
-      plans->forward.reset();
-      plans->backward.reset();
-      plans->error = fmt::format("cuDNN {} has no engine for it: {}", cudnnGetVersion(), e.what());
+      plans->forward = Pass{};
+      plans->backward = Pass{};
+      plans->error = fmt::format("cuDNN {} has no engine for it{}: {}", cudnnGetVersion(),
+                                 a.deterministic ? " with a deterministic backward (--deterministic-mode)" : "",
+                                 e.what());
     }
   }
   return *(g_plans[key] = std::move(plans));
@@ -505,7 +631,7 @@ Plans& supported_plans(const AttentionShape& a, DType dtype) {
   Plans* p = reason.empty() ? &plans_for(a, dtype) : nullptr;
   if (p) reason = p->error;
   if (!reason.empty())
-    throw Unsupported(fmt::format("--attention-backend fused does not support this attention shape (b={} s={} heads={} "
+    throw Unsupported(fmt::format("--attention-backend fused does not support this attention (b={} s={} heads={} "
                                   "groups={} d={}): {}",
                                   a.batch, a.seq, a.heads, a.groups, a.head_dim, reason));
   return *p;
@@ -516,6 +642,62 @@ cudnnHandle_t current_handle() {
   MT_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(g_mutex);
   return handle_for(device);
+}
+
+std::string shape_label(const AttentionShape& a) {
+  return fmt::format("b={} s={} heads={}/{} d={}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
+}
+
+// The pass's chosen candidate; on the first call of a shape (unless the choice is fixed) every
+// candidate runs on the caller's buffers, 1 + 3 times, and the fastest median is kept. Each run
+// overwrites the pass's outputs completely, so the caller's run of the chosen one afterwards
+// leaves exactly its result. Candidates that fail to execute are skipped.
+const Candidate& choose_candidate(Pass& pass, const AttentionShape& a, const char* what,
+                                  const std::function<void(const Candidate&)>& run, cudaStream_t stream) {
+  if (pass.chosen >= 0) return pass.candidates[pass.chosen];
+  if (pass.candidates.size() == 1) {
+    pass.chosen = 0;
+    return pass.candidates[0];
+  }
+  constexpr int kTimed = 3;
+  std::vector<double> ms(pass.candidates.size(), std::numeric_limits<double>::infinity());
+  cudaEvent_t ev[kTimed + 1];
+  for (auto& e : ev) MT_CUDA_CHECK(cudaEventCreate(&e));
+  std::string failures;
+  for (size_t i = 0; i < pass.candidates.size(); ++i) {
+    try {
+      run(pass.candidates[i]);
+      MT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+      for (int r = 0; r < kTimed; ++r) {
+        run(pass.candidates[i]);
+        MT_CUDA_CHECK(cudaEventRecord(ev[r + 1], stream));
+      }
+      MT_CUDA_CHECK(cudaEventSynchronize(ev[kTimed]));
+      std::vector<float> t(kTimed);
+      for (int r = 0; r < kTimed; ++r) MT_CUDA_CHECK(cudaEventElapsedTime(&t[r], ev[r], ev[r + 1]));
+      std::sort(t.begin(), t.end());
+      ms[i] = t[kTimed / 2];
+    } catch (const CudnnFailure& e) {
+      failures += fmt::format("; {}: {}", pass.candidates[i].name(std::string(what) == "backward"), e.what());
+    }
+  }
+  for (auto& e : ev) MT_CUDA_CHECK(cudaEventDestroy(e));
+  const size_t best = static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+  if (!std::isfinite(ms[best]))
+    throw std::runtime_error(fmt::format("cuDNN attention {} ({}): no candidate executes{}", what, shape_label(a), failures));
+  pass.chosen = static_cast<int>(best);
+  pass.chosen_ms = ms[best];
+  std::string table;
+  for (size_t i = 0; i < ms.size(); ++i) table += fmt::format("{}{:.3f}", i ? " / " : "", ms[i]);
+  log::info("cuDNN attention {} ({}): {} of {} candidates, {:.3f} ms (all, ms: {})", what, shape_label(a),
+            pass.candidates[best].name(std::string(what) == "backward"), ms.size(), ms[best], table);
+  return pass.candidates[best];
+}
+
+std::vector<std::string> names_of(const Pass& pass, bool backward) {
+  std::vector<std::string> names;
+  for (const Candidate& c : pass.candidates) names.push_back(c.name(backward));
+  return names;
 }
 
 }  // namespace
@@ -534,56 +716,118 @@ size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_
 
 std::string describe(const AttentionShape& a, DType dtype) {
   const Plans& p = supported_plans(a, dtype);
-  return fmt::format("cuDNN {} fused attention, backward dQ {}, workspace {:.1f} MiB", cudnnGetVersion(),
-                     p.deterministic_dq ? "direct (deterministic)" : "by fp32 atomics (not bit-reproducible)",
+  std::string how;
+  if (p.fixed_choice) {
+    how = fmt::format("forward {}, backward {}", p.forward.candidates[p.forward.chosen].name(false),
+                      p.backward.candidates[p.backward.chosen].name(true));
+    if (a.deterministic) how += " (--deterministic-mode: the deterministic dQ, not timed)";
+    else how += " (MEGATRAIN_ATTENTION_AUTOTUNE=0: not timed)";
+  } else {
+    how = fmt::format("the fastest of {} forward / {} backward candidates, timed at the first step",
+                      p.forward.candidates.size(), p.backward.candidates.size());
+  }
+  return fmt::format("cuDNN {} fused attention, {}, workspace {:.1f} MiB", cudnnGetVersion(), how,
                      p.bytes() / 1048576.0);
+}
+
+std::vector<std::string> forward_candidates(const AttentionShape& a, DType dtype) {
+  return names_of(supported_plans(a, dtype).forward, false);
+}
+std::vector<std::string> backward_candidates(const AttentionShape& a, DType dtype) {
+  return names_of(supported_plans(a, dtype).backward, true);
+}
+
+void pin_candidates(const AttentionShape& a, DType dtype, int forward_index, int backward_index) {
+  Plans& p = supported_plans(a, dtype);
+  MT_CHECK(forward_index >= -1 && forward_index < static_cast<int>(p.forward.candidates.size()) &&
+               backward_index >= -1 && backward_index < static_cast<int>(p.backward.candidates.size()),
+           "pin_candidates: no candidate {} / {} (there are {} / {})", forward_index, backward_index,
+           p.forward.candidates.size(), p.backward.candidates.size());
+  p.forward.chosen = forward_index;
+  p.backward.chosen = backward_index;
+}
+
+std::string chosen(const AttentionShape& a, DType dtype) {
+  const Plans& p = supported_plans(a, dtype);
+  auto one = [](const Pass& pass, bool backward) {
+    if (pass.chosen < 0) return std::string("not chosen yet");
+    std::string s = pass.candidates[pass.chosen].name(backward);
+    if (pass.chosen_ms > 0) s += fmt::format(" ({:.3f} ms, the fastest of {})", pass.chosen_ms, pass.candidates.size());
+    return s;
+  };
+  std::string s = fmt::format("forward: {}; backward: {}", one(p.forward, false), one(p.backward, true));
+  if (!p.refused.empty()) s += "; no engine for" + p.refused;
+  return s;
 }
 
 void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {
-  const Plans& p = supported_plans(a, qkv.dtype);
-  MT_CHECK(workspace_bytes >= static_cast<size_t>(p.forward->workspace),
-           "fused attention forward workspace has {} bytes, needs {}", workspace_bytes, p.forward->workspace);
+  Plans& p = supported_plans(a, qkv.dtype);
+  MT_CHECK(workspace_bytes >= p.forward.bytes(), "fused attention forward workspace has {} bytes, needs {}",
+           workspace_bytes, p.forward.bytes());
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
   char* base = static_cast<char*>(qkv.data);
+  char* ws = static_cast<char*>(workspace);
   const size_t elem = dtype_size(qkv.dtype);
-  const size_t k_bytes = static_cast<size_t>(Dims(a).k_offset) * elem, v_bytes = k_bytes + a.head_dim * elem;
-  std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
-  std::vector<void*> ptrs = {base, base + k_bytes, base + v_bytes, out.data, lse.data, &scale};
-  if (a.causal) {
-    uids.push_back(kNegInf);
-    ptrs.push_back(&neg_inf);
-  }
-  execute(handle, *p.forward, uids, ptrs, workspace);
+  auto run = [&](const Candidate& c) {
+    const size_t k_bytes = static_cast<size_t>(Dims(a, c.layout).k_offset) * elem, d_bytes = a.head_dim * elem;
+    void *k = base + k_bytes, *v = base + k_bytes + d_bytes;
+    if (c.layout == KvLayout::expanded) {
+      k = ws, v = ws + p.heads_bytes;
+      kv_heads::expand(k, v, qkv.data, a, qkv.dtype, stream);
+    }
+    std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
+    std::vector<void*> ptrs = {base, k, v, out.data, lse.data, &scale};
+    if (a.causal) {
+      uids.push_back(kNegInf);
+      ptrs.push_back(&neg_inf);
+    }
+    execute(handle, *c.engine.plan, uids, ptrs, ws + c.ours);
+  };
+  run(choose_candidate(p.forward, a, "forward", run, stream));
 }
 
 void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) {
-  const Plans& p = supported_plans(a, qkv.dtype);
-  MT_CHECK(workspace != nullptr && workspace_bytes >= p.backward_bytes(),
-           "fused attention backward workspace has {} bytes, needs {}", workspace_bytes, p.backward_bytes());
+  Plans& p = supported_plans(a, qkv.dtype);
+  MT_CHECK(workspace != nullptr && workspace_bytes >= p.backward.bytes(),
+           "fused attention backward workspace has {} bytes, needs {}", workspace_bytes, p.backward.bytes());
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
   char* x = static_cast<char*>(qkv.data);
   char* dx = static_cast<char*>(dqkv.data);
   const size_t elem = dtype_size(qkv.dtype);
-  const size_t k_bytes = static_cast<size_t>(Dims(a).k_offset) * elem, v_bytes = k_bytes + a.head_dim * elem;
   char* ws = static_cast<char*>(workspace);
-  std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
-  std::vector<void*> ptrs = {x, x + k_bytes, x + v_bytes, out.data, dout.data, lse.data,
-                             dx, dx + k_bytes, dx + v_bytes, &scale, &one, ws};
-  if (a.causal) {
-    uids.push_back(kNegInf);
-    ptrs.push_back(&neg_inf);
-  }
-  if (!p.deterministic_dq) {
-    uids.push_back(kdQAccum);
-    ptrs.push_back(ws + p.delta_bytes);
-  }
-  execute(handle, *p.backward, uids, ptrs, ws + p.delta_bytes + p.accum_bytes);
+  auto run = [&](const Candidate& c) {
+    const Dims n(a, c.layout);
+    const size_t k_bytes = static_cast<size_t>(n.k_offset) * elem, d_bytes = a.head_dim * elem;
+    // Our workspace pieces in order: delta, dQ accumulator, per-head dK/dV, per-head K/V.
+    char* next = ws + p.delta_bytes;
+    char* accum = nullptr;
+    if (!c.direct_dq) accum = next, next += p.accum_bytes;
+    void *k = x + k_bytes, *v = x + k_bytes + d_bytes, *dk = dx + k_bytes, *dv = dx + k_bytes + d_bytes;
+    if (n.per_head_kv) dk = next, dv = next + p.heads_bytes, next += 2 * p.heads_bytes;
+    if (c.layout == KvLayout::expanded) {
+      k = next, v = next + p.heads_bytes, next += 2 * p.heads_bytes;
+      kv_heads::expand(k, v, qkv.data, a, qkv.dtype, stream);
+    }
+    std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
+    std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &one, ws};
+    if (a.causal) {
+      uids.push_back(kNegInf);
+      ptrs.push_back(&neg_inf);
+    }
+    if (accum) {
+      uids.push_back(kdQAccum);
+      ptrs.push_back(accum);
+    }
+    execute(handle, *c.engine.plan, uids, ptrs, ws + c.ours);
+    if (n.per_head_kv) kv_heads::sum_grads(dqkv.data, dk, dv, a, qkv.dtype, stream);
+  };
+  run(choose_candidate(p.backward, a, "backward", run, stream));
 }
 
 }  // namespace mt::cuda::cudnn_attention

@@ -6,15 +6,21 @@
 //   forward:  S = Q K^T * scale -> causal mask -> softmax with stats -> O = P V
 //   backward: the FA2 chain (delta = rowsum(dO*O), P from stats, dV, dP, dS, dK, dQ).
 // q/k/v are read straight from the packed rows through strides; GQA folds the KV group into the
-// batch dimension, which makes every stride uniform (Dims in the .cpp), and sums dK/dV over the
-// group's query heads with reductions in the backward graph.
-// Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached.
+// batch dimension, which makes every stride uniform (Dims in the .cpp). GQA's K/V then have three
+// layouts: shared (cuDNN sums dK/dV over the group's query heads in the backward graph), or one
+// K/V head per query head, broadcast by a zero stride or copied, with dK/dV per query head summed
+// by our kernel (attention_kv_heads.h).
+// Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached: every
+// layout and engine configuration that builds is a candidate, and the first call of each pass
+// times them on its own buffers and keeps the fastest (not under --deterministic-mode, nor with
+// MEGATRAIN_ATTENTION_AUTOTUNE=0: then the shared layout's smallest-workspace plan, untimed).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "engine/backend.h"
@@ -25,8 +31,16 @@ namespace mt::cuda::cudnn_attention {
 // the shape is outside what this path handles or cuDNN has no engine for it.
 bool supported(const AttentionShape& a, DType dtype, std::string* why = nullptr);
 size_t workspace_bytes(const AttentionShape& a, DType dtype);
-// One line for the start-up log: the version, the backward's dQ algorithm, the workspace.
+// One line for the start-up log: the version, how the candidates are chosen, the workspace.
 std::string describe(const AttentionShape& a, DType dtype);
+// The candidates chosen (with their times), or "not chosen yet", and the layouts cuDNN refused.
+std::string chosen(const AttentionShape& a, DType dtype);
+
+// For tests and benchmarks: each pass's candidates by name, and pinning one (-1: time them again
+// at the next call).
+std::vector<std::string> forward_candidates(const AttentionShape& a, DType dtype);
+std::vector<std::string> backward_candidates(const AttentionShape& a, DType dtype);
+void pin_candidates(const AttentionShape& a, DType dtype, int forward_index, int backward_index);
 int runtime_version();  // cudnnGetVersion(), e.g. 91400
 
 void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -25,6 +26,7 @@
 #include "core/dtype.h"
 #include "core/philox.h"
 #include "cuda/attention.h"
+#include "cuda/attention_cudnn.h"
 #include "cuda/attention_flash.h"
 #include "cuda/attention_generic.h"
 #include "cuda/cuda_check.h"
@@ -240,6 +242,26 @@ std::vector<Variant> variants_for(const Problem& p) {
                    cuda::attention_backward(dqkv, dout, out, lse, qkv, s, AttentionBackend::fused, ws, bytes, nullptr);
                  },
                  cuda::attention_workspace_bytes(a, AttentionBackend::fused, p.dtype)});
+    // Every cuDNN candidate pinned in turn (forward i with backward i, the shorter list repeating
+    // its last), since the production path keeps whichever its first call times fastest.
+    namespace cd = cuda::cudnn_attention;
+    const size_t nf = cd::forward_candidates(a, p.dtype).size(), nb = cd::backward_candidates(a, p.dtype).size();
+    for (size_t k = 0; k < std::max(nf, nb) && std::max(nf, nb) > 1; ++k) {
+      const int fi = static_cast<int>(std::min(k, nf - 1)), bi = static_cast<int>(std::min(k, nb - 1));
+      v.push_back({fmt::format("fused candidates {}/{}", fi, bi),
+                   [fi, bi, dtype = p.dtype](Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws,
+                                             size_t bytes) {
+                     cd::pin_candidates(s, dtype, fi, bi);
+                     cd::forward(out, lse, qkv, s, ws, bytes, nullptr);
+                   },
+                   [fi, bi, dtype = p.dtype](Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                             const AttentionShape& s, void* ws, size_t bytes) {
+                     cd::pin_candidates(s, dtype, fi, bi);
+                     cd::backward(dqkv, dout, out, lse, qkv, s, ws, bytes, nullptr);
+                   },
+                   cuda::attention_workspace_bytes(a, AttentionBackend::fused, p.dtype)});
+    }
+    std::printf("%s | cuDNN candidates: %zu forward, %zu backward\n", p.name.c_str(), nf, nb);
   } else {
     WARN(p.name << ": cuDNN fused attention not available for this shape/dtype, not tested");
   }
@@ -338,6 +360,8 @@ void run_problem(const Problem& p) {
     r.lse = d_lse.download<float>();
     const std::vector<uint16_t> dqkv_bits = d_dqkv.download<uint16_t>();
     r.dqkv = to_float(dqkv_bits);
+    if (v.name == "fused (cuDNN)")
+      std::printf("%s | production cuDNN choice: %s\n", p.name.c_str(), cuda::cudnn_attention::chosen(a, p.dtype).c_str());
     if (v.name.rfind("fused", 0) == 0) {  // reported, not required: cuDNN chooses its own algorithm
       d_dqkv.poison();
       v.backward(T16(d_dqkv, qkv_count), T16(d_dout, out_count), T16(d_out0, out_count), T32(d_lse0, lse_count),
