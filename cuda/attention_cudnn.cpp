@@ -212,6 +212,7 @@ struct EnginePlan {
   std::shared_ptr<Graph> graph;
   std::shared_ptr<Descriptor> plan;
   int config = 0;          // index in cuDNN's heuristic order
+  bool first_of_graph = false;  // the first configuration of its graph that built (cuDNN's pick)
   int64_t workspace = 0;   // cuDNN's own workspace
 };
 
@@ -259,7 +260,7 @@ std::vector<EnginePlan> build_plans(cudnnHandle_t handle, GraphBuilder& g, const
       check(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
                                      &got, &ws),
             "plan workspace size");
-      plans.push_back({graph, std::move(plan), static_cast<int>(i), ws});
+      plans.push_back({graph, std::move(plan), static_cast<int>(i), plans.empty(), ws});
     } catch (const CudnnFailure& e) {
       failures += std::string("; ") + e.what();
     }
@@ -280,24 +281,20 @@ void execute(cudnnHandle_t handle, const Descriptor& plan, const std::vector<int
 
 // ---- the attention graphs ----------------------------------------------------------------------
 
-// How the graphs see GQA's K and V (MHA has only `shared`). Which is fastest depends on the shape
-// and cuDNN's engines (at llama-1b's, cuDNN's MQA backward with its dK/dV reductions ran ~280
-// TFLOP/s against ~390 for MHA), so every layout that builds is a candidate and the first call
-// times them (choose_candidate).
+// How the graphs see GQA's K and V (MHA has only `shared`). Which is faster depends on the shape
+// and cuDNN's engines, so both are candidates and the first call times them (choose_candidate).
+// (A third layout, K/V copied per query head, never won: bench/RESULTS.md session 6 call 1.)
 enum class KvLayout {
   shared,     // one K/V head per (sample, group): MHA, or GQA as MQA with the KV group folded into the
               // batch; cuDNN reads each K/V head once and sums dK/dV over the group in the graph
   broadcast,  // GQA as MHA per (sample, group): K/V read with a zero head stride, dK/dV written per
               // query head into our workspace and summed by kv_heads::sum_grads
-  expanded,   // as broadcast, but K and V first copied per query head (kv_heads::expand), for
-              // engines that refuse a zero stride
 };
 
 const char* layout_name(KvLayout l) {
   switch (l) {
     case KvLayout::shared: return "shared K/V";
     case KvLayout::broadcast: return "K/V broadcast per query head";
-    case KvLayout::expanded: return "K/V copied per query head";
   }
   return "?";
 }
@@ -309,9 +306,9 @@ const char* layout_name(KvLayout l) {
 // (sample i, group g at i*row_stride + g*(hpg+2)d = (i*groups + g)*(hpg+2)d), hpg query heads d
 // apart. The output [N, heads*d] and the lse [b, heads, s] fold the same way (head g*hpg + j).
 // With the shared layout cuDNN then sees MQA per (sample, group): one K/V head broadcast over the
-// query heads, dK and dV sums over them (reductions in the backward graph). The per-query-head
-// layouts give every query head its own K/V head (stride 0 over the packed K/V, or the copies of
-// kv_heads::expand), and dK/dV per query head in the output's layout.
+// query heads, dK and dV sums over them (reductions in the backward graph). The broadcast layout
+// gives every query head its own K/V head (a zero stride over the packed K/V), and dK/dV per query
+// head in the output's layout.
 struct Dims {
   int64_t b, hq, hk, s, d;   // b: batch as cuDNN sees it; hq/hk: query / KV heads
   int64_t bstride;           // qkv elements between batch entries
@@ -319,8 +316,8 @@ struct Dims {
   int64_t seq_stride;        // qkv elements between positions
   int64_t k_offset;          // elements from a batch entry's first q to its k (v: + d)
   int64_t out_b, out_seq;    // out strides of batch entries and positions (heads: d)
-  int64_t kv_b, kv_h, kv_seq;   // strides of the K/V that cuDNN reads (packed rows or per-head copies)
-  bool per_head_kv;          // dK/dV per query head in the out layout (the non-shared layouts)
+  int64_t kv_b, kv_h, kv_seq;   // strides of the K/V that cuDNN reads
+  bool per_head_kv;          // broadcast GQA: dK/dV per query head, in the out layout
   Dims(const AttentionShape& a, KvLayout layout) : s(a.seq), d(a.head_dim) {
     const int64_t rs = a.qkv_row_stride(), hpg = a.heads / a.groups;
     seq_stride = a.batch * rs;
@@ -335,12 +332,8 @@ struct Dims {
       out_b = hpg * d;
     }
     kv_b = bstride, kv_h = hstride, kv_seq = seq_stride;
-    per_head_kv = layout != KvLayout::shared && a.heads != a.groups;
-    if (per_head_kv) {
-      hk = hq;
-      if (layout == KvLayout::broadcast) kv_h = 0;
-      else kv_b = out_b, kv_h = d, kv_seq = out_seq;
-    }
+    per_head_kv = layout == KvLayout::broadcast && a.heads != a.groups;
+    if (per_head_kv) hk = hq, kv_h = 0;
   }
   bool gqa() const { return hq != hk; }
   std::vector<int64_t> bhsd() const { return {b, hq, s, d}; }
@@ -467,8 +460,8 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // One way to run a pass: a layout, the backward's dQ algorithm, and one engine plan.
-// Workspace: [ours][cuDNN's]. Ours: backward [delta][dQ accumulator, if used][dK, dV per head, if
-// per-head layout]; both passes then [K, V per head, if expanded].
+// Workspace: [ours][cuDNN's]. Ours: forward none; backward [delta][dQ accumulator, if used][dK, dV
+// per query head, if broadcast].
 struct Candidate {
   KvLayout layout = KvLayout::shared;
   bool direct_dq = true;  // backward: dQ = dS K straight (else through the fp32 accumulator, by atomics)
@@ -544,16 +537,18 @@ void keep_affordable(Pass& pass) {
   pass.candidates = std::move(kept);
 }
 
-// Without timing: the shared layout's candidate with the smallest workspace (cuDNN's first choice on
-// a tie), what this path ran before it timed candidates.
+// Without timing: cuDNN's first engine configuration of the shared layout's graphs, the direct dQ
+// where its workspace is no larger than the accumulated one's (what this path ran before it timed
+// candidates; another configuration with a smaller workspace can be twice as slow).
 int default_candidate(const Pass& pass) {
   int best = -1;
   for (int i = 0; i < static_cast<int>(pass.candidates.size()); ++i) {
     const Candidate& c = pass.candidates[i];
-    if (c.layout != KvLayout::shared) continue;
+    if (c.layout != KvLayout::shared || !c.engine.first_of_graph) continue;
     if (best < 0 || c.bytes() < pass.candidates[best].bytes()) best = i;
   }
-  return best >= 0 ? best : 0;
+  MT_CHECK(best >= 0, "cuDNN attention: no first-choice engine plan among {} candidates", pass.candidates.size());
+  return best;
 }
 
 void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype, Plans& plans) {
@@ -564,18 +559,17 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
   plans.fixed_choice = a.deterministic || !autotune_enabled();
   // The per-query-head layouts only as timed candidates: untimed, the shared one runs.
   std::vector<KvLayout> layouts = {KvLayout::shared};
-  if (a.heads != a.groups && !plans.fixed_choice) layouts.insert(layouts.end(), {KvLayout::broadcast, KvLayout::expanded});
+  if (a.heads != a.groups && !plans.fixed_choice) layouts.push_back(KvLayout::broadcast);
   std::string first_error;
   for (KvLayout layout : layouts) {
-    const size_t copies = layout == KvLayout::expanded ? 2 * plans.heads_bytes : 0;
-    const size_t grads = layout == KvLayout::shared || a.heads == a.groups ? 0 : 2 * plans.heads_bytes;
+    const size_t grads = layout == KvLayout::broadcast ? 2 * plans.heads_bytes : 0;
     try {
       std::vector<Candidate> fwd, bwd;
-      for (EnginePlan& e : build_forward(handle, a, dtype, layout)) fwd.push_back({layout, true, std::move(e), copies});
+      for (EnginePlan& e : build_forward(handle, a, dtype, layout)) fwd.push_back({layout, true, std::move(e), 0});
       for (bool direct : {true, false}) {
         if (!direct && a.deterministic) continue;
         try {
-          const size_t ours = plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads + copies;
+          const size_t ours = plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads;
           for (EnginePlan& e : build_backward(handle, a, dtype, layout, direct)) bwd.push_back({layout, direct, std::move(e), ours});
         } catch (const CudnnFailure& e) {
           if (direct && a.deterministic) throw;
@@ -769,22 +763,17 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
   char* base = static_cast<char*>(qkv.data);
-  char* ws = static_cast<char*>(workspace);
   const size_t elem = dtype_size(qkv.dtype);
   auto run = [&](const Candidate& c) {
     const size_t k_bytes = static_cast<size_t>(Dims(a, c.layout).k_offset) * elem, d_bytes = a.head_dim * elem;
     void *k = base + k_bytes, *v = base + k_bytes + d_bytes;
-    if (c.layout == KvLayout::expanded) {
-      k = ws, v = ws + p.heads_bytes;
-      kv_heads::expand(k, v, qkv.data, a, qkv.dtype, stream);
-    }
     std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
     std::vector<void*> ptrs = {base, k, v, out.data, lse.data, &scale};
     if (a.causal) {
       uids.push_back(kNegInf);
       ptrs.push_back(&neg_inf);
     }
-    execute(handle, *c.engine.plan, uids, ptrs, ws + c.ours);
+    execute(handle, *c.engine.plan, uids, ptrs, workspace);
   };
   run(choose_candidate(p.forward, a, "forward", run, stream));
 }
@@ -804,16 +793,12 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
   auto run = [&](const Candidate& c) {
     const Dims n(a, c.layout);
     const size_t k_bytes = static_cast<size_t>(n.k_offset) * elem, d_bytes = a.head_dim * elem;
-    // Our workspace pieces in order: delta, dQ accumulator, per-head dK/dV, per-head K/V.
+    // Our workspace pieces in order: delta, dQ accumulator, per-head dK/dV.
     char* next = ws + p.delta_bytes;
     char* accum = nullptr;
     if (!c.direct_dq) accum = next, next += p.accum_bytes;
     void *k = x + k_bytes, *v = x + k_bytes + d_bytes, *dk = dx + k_bytes, *dv = dx + k_bytes + d_bytes;
-    if (n.per_head_kv) dk = next, dv = next + p.heads_bytes, next += 2 * p.heads_bytes;
-    if (c.layout == KvLayout::expanded) {
-      k = next, v = next + p.heads_bytes, next += 2 * p.heads_bytes;
-      kv_heads::expand(k, v, qkv.data, a, qkv.dtype, stream);
-    }
+    if (n.per_head_kv) dk = next, dv = next + p.heads_bytes;
     std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
     std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &one, ws};
     if (a.causal) {

@@ -6,10 +6,10 @@
 //   forward:  S = Q K^T * scale -> causal mask -> softmax with stats -> O = P V
 //   backward: the FA2 chain (delta = rowsum(dO*O), P from stats, dV, dP, dS, dK, dQ).
 // q/k/v are read straight from the packed rows through strides; GQA folds the KV group into the
-// batch dimension, which makes every stride uniform (Dims in the .cpp). GQA's K/V then have three
+// batch dimension, which makes every stride uniform (Dims in the .cpp). GQA's K/V then have two
 // layouts: shared (cuDNN sums dK/dV over the group's query heads in the backward graph), or one
-// K/V head per query head, broadcast by a zero stride or copied, with dK/dV per query head summed
-// by our kernel (attention_kv_heads.h).
+// K/V head per query head (a zero stride), with dK/dV per query head summed by our kernel
+// (attention_kv_heads.h).
 // Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached: every
 // layout and engine configuration that builds is a candidate, and the first call of each pass
 // times them on its own buffers and keeps the fastest (not under --deterministic-mode, nor with

@@ -10,7 +10,7 @@ constexpr int kBlock = 256;
 
 // One 16-byte chunk (8 elements) of one (row, KV group) per thread. `t` indexes rows * groups *
 // (d / 8) chunks; returns the chunk's element offsets in the packed row's k slot and in the
-// per-head buffers' head 0 of the group.
+// per-head buffers' first query head of the group.
 struct Chunk {
   int64_t packed_k, heads_first;
 };
@@ -22,20 +22,6 @@ __device__ __forceinline__ Chunk chunk_at(int64_t t, int groups, int hpg, int d)
   const int64_t packed_row = static_cast<int64_t>(groups) * (hpg + 2) * d, heads_row = static_cast<int64_t>(groups) * hpg * d;
   return {row * packed_row + (static_cast<int64_t>(g) * (hpg + 2) + hpg) * d + e,
           row * heads_row + static_cast<int64_t>(g) * hpg * d + e};
-}
-
-template <typename T>
-__global__ void expand_kernel(T* k_heads, T* v_heads, const T* qkv, int64_t chunks, int groups, int hpg, int d) {
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < chunks;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Chunk c = chunk_at(t, groups, hpg, d);
-    const int4 k = *reinterpret_cast<const int4*>(qkv + c.packed_k);
-    const int4 v = *reinterpret_cast<const int4*>(qkv + c.packed_k + d);
-    for (int j = 0; j < hpg; ++j) {
-      *reinterpret_cast<int4*>(k_heads + c.heads_first + static_cast<int64_t>(j) * d) = k;
-      *reinterpret_cast<int4*>(v_heads + c.heads_first + static_cast<int64_t>(j) * d) = v;
-    }
-  }
 }
 
 template <typename T>
@@ -69,22 +55,6 @@ void check_16bit(DType dtype) {
 
 size_t buffer_bytes(const AttentionShape& a, DType dtype) {
   return static_cast<size_t>(a.batch) * a.seq * a.heads * a.head_dim * dtype_size(dtype);
-}
-
-void expand(void* k_heads, void* v_heads, const void* qkv, const AttentionShape& a, DType dtype, cudaStream_t stream) {
-  check_16bit(dtype);
-  MT_CHECK(aligned16(k_heads) && aligned16(v_heads) && aligned16(qkv), "per-head KV buffers need 16-byte alignment");
-  const int64_t chunks = chunks_of(a);
-  const int hpg = a.heads / a.groups;
-  if (dtype == DType::bf16)
-    expand_kernel<<<grid_for(chunks, kBlock), kBlock, 0, stream>>>(
-        static_cast<bf16*>(k_heads), static_cast<bf16*>(v_heads), static_cast<const bf16*>(qkv), chunks, a.groups, hpg,
-        a.head_dim);
-  else
-    expand_kernel<<<grid_for(chunks, kBlock), kBlock, 0, stream>>>(
-        static_cast<f16*>(k_heads), static_cast<f16*>(v_heads), static_cast<const f16*>(qkv), chunks, a.groups, hpg,
-        a.head_dim);
-  MT_CUDA_CHECK_LAUNCH();
 }
 
 void sum_grads(void* dqkv, const void* dk_heads, const void* dv_heads, const AttentionShape& a, DType dtype,

@@ -1,6 +1,6 @@
 // GQA run as per-query-head attention (one of the layouts cuDNN's attention is timed in, see
-// attention_cudnn.cpp): K and V copied once per query head, and the per-query-head dK and dV summed
-// back into their KV group's slots of the packed dqkv rows.
+// attention_cudnn.cpp): the per-query-head dK and dV summed back into their KV group's slots of the
+// packed dqkv rows.
 //
 // A per-head buffer has the attention output's layout: [rows, heads * d], row = position * batch +
 // sample (as the packed QKV rows), query head g * (heads / groups) + j of KV group g. 16-bit
@@ -16,11 +16,8 @@
 
 namespace mt::cuda::kv_heads {
 
-// Bytes of one per-head buffer (K or V, or their gradients) of this shape.
+// Bytes of one per-head buffer (dK or dV) of this shape.
 size_t buffer_bytes(const AttentionShape& a, DType dtype);
-
-// k_heads / v_heads[row, head] = the head's KV group's k / v of the packed qkv row.
-void expand(void* k_heads, void* v_heads, const void* qkv, const AttentionShape& a, DType dtype, cudaStream_t stream);
 
 // dqkv's k / v slot of group g = the sum over the group's query heads of dk_heads / dv_heads
 // (float32 sum, one rounding); dqkv's q slots are not touched.
