@@ -106,6 +106,7 @@ constexpr int kTileStride = kTile + 2;
 // those of the activation op followed by the plain cast.
 template <typename T>
 struct PlainInput {
+  static constexpr int kHalves = 1;  // see SwigluGradInput
   const T* __restrict__ in;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const { return load_vec<8>(in + r * C + c); }
@@ -119,6 +120,7 @@ __device__ __forceinline__ float round_to(float v) {
 
 template <typename T, bool TANH>
 struct GeluInput {
+  static constexpr int kHalves = 1;
   const T* __restrict__ pre;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
@@ -135,6 +137,7 @@ struct GeluInput {
 // pre [R, 2C] = [gate | up] per row.
 template <typename T>
 struct SwigluInput {
+  static constexpr int kHalves = 1;
   const T* __restrict__ pre;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
@@ -154,6 +157,7 @@ struct SwigluInput {
 // dout * gelu'(pre), both [R, C].
 template <typename T, bool TANH>
 struct GeluGradInput {
+  static constexpr int kHalves = 1;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t C;
@@ -169,87 +173,111 @@ struct GeluGradInput {
   }
 };
 
-// SwiGLU's input gradient [R, 2F] = [dgate | dup] from dout [R, F] and pre [R, 2F] = [gate | up]
-// (C = 2F; a vector of 8 never straddles the halves when F % 8 == 0, the caller's check).
+// SwiGLU's input gradient [R, 2F] = [dgate | dup] from dout [R, F] and pre [R, 2F] = [gate | up].
+// Both halves come from the same gate, up and dout elements, so this reader gives them together
+// (kHalves = 2): the kernel tiles the [R, F] half and writes element (r, j) to columns j and F + j.
 template <typename T>
 struct SwigluGradInput {
+  static constexpr int kHalves = 2;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t F;
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
-    const bool up_half = c >= F;
-    const int64_t j0 = up_half ? c - F : c;
+  __device__ __forceinline__ void load8(int64_t r, int64_t j0, Floats<8> (&v)[2]) const {
     const T* row = pre + r * 2 * F;
     const Floats<8> gate = load_vec<8>(row + j0), up = load_vec<8>(row + F + j0), dy = load_vec<8>(dout + r * F + j0);
-    Floats<8> v;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       float dg, du;
       swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg, du);
-      v.v[j] = round_to<T>(up_half ? du : dg);
+      v[0].v[j] = round_to<T>(dg);
+      v[1].v[j] = round_to<T>(du);
     }
-    return v;
   }
-  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
-    const bool up_half = c >= F;
-    const int64_t j = up_half ? c - F : c;
+  __device__ __forceinline__ void load1(int64_t r, int64_t j, float (&v)[2]) const {
     const T* row = pre + r * 2 * F;
     float dg, du;
     swiglu_grad(to_float(row[j]), to_float(row[F + j]), to_float(dout[r * F + j]), dg, du);
-    return round_to<T>(up_half ? du : dg);
+    v[0] = round_to<T>(dg);
+    v[1] = round_to<T>(du);
   }
 };
+
+// One reader call: the element vector(s) at (r, c) of each half (kHalves == 1: the tensor's own).
+template <typename Input, int VEC>
+__device__ __forceinline__ void read_halves(const Input& in, int64_t r, int64_t c, Floats<VEC> (&v)[Input::kHalves]) {
+  if constexpr (Input::kHalves == 2) {
+    if constexpr (VEC == 8) {
+      in.load8(r, c, v);
+    } else {
+      float f[2];
+      in.load1(r, c, f);
+      v[0].v[0] = f[0], v[1].v[0] = f[1];
+    }
+  } else if constexpr (VEC == 8) {
+    v[0] = in.load8(r, c);
+  } else {
+    v[0].v[0] = in.load1(r, c);
+  }
+}
 
 // out and out_t may both be null: then only the amax is taken (tensorwise scaling's first pass).
 // DBIAS: also the column sums of the input (the bias gradient of an output gradient). A block then
 // takes `group` row tiles of one column tile in turn (a work item), each thread adding its columns
 // over its rows, and writes the item's sums to col_partial[item row group][C] in a fixed order, so
 // the sums are deterministic; column_partials_accumulate adds the row groups up.
+// A reader with two halves (Input::kHalves == 2) is tiled over [R, C/2]: each tile then writes two
+// output tiles, columns c and C/2 + c.
 template <typename Input, Fp8Format F, int VEC, bool DBIAS>
 __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const Input in,
                                       int64_t R, int64_t C, const float* scale_p, float* amax, int group,
                                       float* __restrict__ col_partial) {
+  constexpr int H = Input::kHalves;
   constexpr int kPerRow = kTile / VEC, kRowsPerPass = kThreads / kPerRow;
-  __shared__ __align__(16) uint8_t tile[kTile][kTileStride];
-  __shared__ float col_sums[DBIAS ? kRowsPerPass : 1][DBIAS ? kTile : 1];
+  __shared__ __align__(16) uint8_t tile[H][kTile][kTileStride];
+  __shared__ float col_sums[DBIAS ? H : 1][DBIAS ? kRowsPerPass : 1][DBIAS ? kTile : 1];
   const float scale = *scale_p;
+  const int64_t Cs = C / H;  // the tiled width
   float m = 0.0f;
-  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
+  const int64_t tiles_c = (Cs + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
   const int64_t groups_r = (tiles_r + group - 1) / group, items = tiles_c * groups_r;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t group_r = item / tiles_c, col0 = (item % tiles_c) * kTile;
-    float sums[VEC];  // this thread's columns (the same in every tile), over its rows
+    float sums[H][VEC];  // this thread's columns (the same in every tile), over its rows
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) sums[j] = 0.0f;
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sums[h][j] = 0.0f;
     const int64_t tr_end = (group_r + 1) * group < tiles_r ? (group_r + 1) * group : tiles_r;
     for (int64_t tr = group_r * group; tr < tr_end; ++tr) {
       const int64_t row0 = tr * kTile;
       for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
         const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
         const int64_t gr = row0 + r, gc = col0 + c;
-        if (gr >= R || gc >= C) continue;
-        if constexpr (VEC == 8) {
-          const Floats<8> v = in.load8(gr, gc);
+        if (gr >= R || gc >= Cs) continue;
+        Floats<VEC> v[H];
+        read_halves<Input, VEC>(in, gr, gc, v);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v.v[j]));
+        for (int h = 0; h < H; ++h) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(v[h].v[j]));
           if constexpr (DBIAS) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) sums[j] += v.v[j];
+            for (int j = 0; j < VEC; ++j) sums[h][j] += v[h].v[j];
           }
-          const uint2 q = pack8<F>(v, scale);
-          if (out) *reinterpret_cast<uint2*>(out + gr * C + gc) = q;
-          uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[r][c]);
-          t16[0] = static_cast<uint16_t>(q.x);
-          t16[1] = static_cast<uint16_t>(q.x >> 16);
-          t16[2] = static_cast<uint16_t>(q.y);
-          t16[3] = static_cast<uint16_t>(q.y >> 16);
-        } else {
-          const float v = in.load1(gr, gc);
-          m = fmaxf(m, fabsf(v));
-          if constexpr (DBIAS) sums[0] += v;
-          const uint8_t q = to_fp8<F>(v * scale);
-          if (out) out[gr * C + gc] = q;
-          tile[r][c] = q;
+          const int64_t at = gr * C + h * Cs + gc;
+          if constexpr (VEC == 8) {
+            const uint2 q = pack8<F>(v[h], scale);
+            if (out) *reinterpret_cast<uint2*>(out + at) = q;
+            uint16_t* t16 = reinterpret_cast<uint16_t*>(&tile[h][r][c]);
+            t16[0] = static_cast<uint16_t>(q.x);
+            t16[1] = static_cast<uint16_t>(q.x >> 16);
+            t16[2] = static_cast<uint16_t>(q.y);
+            t16[3] = static_cast<uint16_t>(q.y >> 16);
+          } else {
+            const uint8_t q = to_fp8<F>(v[h].v[0] * scale);
+            if (out) out[at] = q;
+            tile[h][r][c] = q;
+          }
         }
       }
       __syncthreads();
@@ -257,16 +285,20 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
         for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
           const int c = idx / kPerRow, r = (idx % kPerRow) * VEC;  // output row c (input column), columns r..
           const int64_t gr = row0 + r, gc = col0 + c;
-          if (gr >= R || gc >= C) continue;
-          if constexpr (VEC == 8) {
-            uint2 q;
-            q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) |
-                  (static_cast<uint32_t>(tile[r + 3][c]) << 24);
-            q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) |
-                  (static_cast<uint32_t>(tile[r + 7][c]) << 24);
-            *reinterpret_cast<uint2*>(out_t + gc * R + gr) = q;
-          } else {
-            out_t[gc * R + gr] = tile[r][c];
+          if (gr >= R || gc >= Cs) continue;
+#pragma unroll
+          for (int h = 0; h < H; ++h) {
+            const auto& t = tile[h];
+            uint8_t* dst = out_t + (h * Cs + gc) * R + gr;
+            if constexpr (VEC == 8) {
+              uint2 q;
+              q.x = t[r][c] | (t[r + 1][c] << 8) | (t[r + 2][c] << 16) | (static_cast<uint32_t>(t[r + 3][c]) << 24);
+              q.y = t[r + 4][c] | (t[r + 5][c] << 8) | (t[r + 6][c] << 16) |
+                    (static_cast<uint32_t>(t[r + 7][c]) << 24);
+              *reinterpret_cast<uint2*>(dst) = q;
+            } else {
+              *dst = t[r][c];
+            }
           }
         }
       }
@@ -277,12 +309,17 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
       // the lanes are then added in order, one thread per column.
       const int lane = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * VEC;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) col_sums[lane][c + j] = sums[j];
+      for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) col_sums[h][lane][c + j] = sums[h][j];
       __syncthreads();
-      if (threadIdx.x < kTile && col0 + threadIdx.x < C) {
-        float t = 0.0f;
-        for (int l = 0; l < kRowsPerPass; ++l) t += col_sums[l][threadIdx.x];
-        col_partial[group_r * C + col0 + threadIdx.x] = t;
+      if (threadIdx.x < kTile && col0 + threadIdx.x < Cs) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          float t = 0.0f;
+          for (int l = 0; l < kRowsPerPass; ++l) t += col_sums[h][l][threadIdx.x];
+          col_partial[group_r * C + h * Cs + col0 + threadIdx.x] = t;
+        }
       }
       __syncthreads();
     }
@@ -401,12 +438,16 @@ template <typename Input>
 void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
                            int64_t R, int64_t C, bool vec, const float* scale, float* amax, float* dbias = nullptr) {
   const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
-  vec = vec && R % 8 == 0 && C % 8 == 0 && a8(out) && a8(out_t);
-  const int64_t tiles_c = (C + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
+  const int64_t Cs = C / Input::kHalves;  // the tiled width
+  vec = vec && R % 8 == 0 && Cs % 8 == 0 && a8(out) && a8(out_t);
+  const int64_t tiles_c = (Cs + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
   const int64_t max_blocks = static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm;
   // With dbias, row tiles go in groups so that there are about two work items per block: few
-  // partial rows to add up, every block busy. (A function of the shape and the GPU only.)
-  const int group = dbias ? static_cast<int>(std::max<int64_t>(1, tiles_r * tiles_c / (2 * max_blocks))) : 1;
+  // partial rows to add up, every block busy. (A function of the shape and the GPU only, counted
+  // over the whole width: a column's sum then runs in the same order whether or not the reader
+  // pairs halves, so a fused cast's bias gradient equals the plain cast's bit for bit.)
+  const int64_t tiles_c_full = (C + kTile - 1) / kTile;
+  const int group = dbias ? static_cast<int>(std::max<int64_t>(1, tiles_r * tiles_c_full / (2 * max_blocks))) : 1;
   const int64_t groups_r = (tiles_r + group - 1) / group;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(groups_r * tiles_c, max_blocks));
   float* partial = dbias ? ctx.scratch->take_array<float>(groups_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
