@@ -3,18 +3,19 @@
 # (bf16, then bf16 + --fp8-format ...), and the mean training loss over the last 50 iterations of
 # each compared. Passes when they are within 1% (issue 10's target).
 #
-#   bench/fp8_loss_check.sh --data PREFIX --vocab-file F --merge-file F
-#       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|tiny]
+#   bench/fp8_loss_check.sh --data PREFIX (--vocab-file F --merge-file F | --tokenizer-model F)
+#       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|llama-1b|tiny]
 #       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
 #       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
-# The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (bench/RESULTS.md says
-# which text); logs and metrics go to $OUT (or /tmp).
+# The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (--vocab-file/--merge-file)
+# or a Hugging Face tokenizer.json (--tokenizer-model, e.g. Llama 3's for llama-1b); bench/RESULTS.md
+# says which text. Logs and metrics go to $OUT (or /tmp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=build/app/megatrain
 iters=300
 model=gpt-1.3b
-data="" vocab="" merges="" extra=""
+data="" vocab="" merges="" tokenizer_model="" extra=""
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -22,6 +23,7 @@ while [ $# -gt 0 ]; do
     --data) data="$2"; shift 2 ;;
     --vocab-file) vocab="$2"; shift 2 ;;
     --merge-file) merges="$2"; shift 2 ;;
+    --tokenizer-model) tokenizer_model="$2"; shift 2 ;;
     --iters) iters="$2"; shift 2 ;;
     --model) model="$2"; shift 2 ;;
     --extra) extra="$2"; shift 2 ;;
@@ -29,7 +31,15 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-[ -n "$data" ] && [ -n "$vocab" ] && [ -n "$merges" ] || { echo "error: --data, --vocab-file and --merge-file are required" >&2; exit 2; }
+if [ -n "$tokenizer_model" ]; then
+  tokenizer="--tokenizer-type HuggingFaceTokenizer --tokenizer-model $tokenizer_model"
+elif [ -n "$vocab" ] && [ -n "$merges" ]; then
+  tokenizer="--tokenizer-type GPT2BPETokenizer --vocab-file $vocab --merge-file $merges"
+else
+  tokenizer=""
+fi
+[ -n "$data" ] && [ -n "$tokenizer" ] || {
+  echo "error: --data and a tokenizer (--vocab-file and --merge-file, or --tokenizer-model) are required" >&2; exit 2; }
 out=${OUT:-/tmp}/fp8-loss-$$
 mkdir -p "$out"
 case "$model" in
@@ -37,14 +47,17 @@ case "$model" in
       --max-position-embeddings 2048 --micro-batch-size 8 --global-batch-size 8" ;;
   gpt-350m) shape="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
       --max-position-embeddings 1024 --micro-batch-size 16 --global-batch-size 16" ;;
+  llama-1b) shape="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention
+      --num-query-groups 8 --ffn-hidden-size 8192 --seq-length 4096 --max-position-embeddings 4096
+      --micro-batch-size 2 --global-batch-size 2 --swiglu --normalization RMSNorm --position-embedding-type rope
+      --untie-embeddings-and-output-weights --disable-bias-linear" ;;
   tiny) shape="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
       --max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 4" ;;
   *) echo "unknown model $model" >&2; exit 2 ;;
 esac
 precision="--bf16"
 case " $extra " in *" --device cpu "*) precision="" ;; esac  # the reference backend is float32
-common="$shape $precision --data-path $data --split 100,0,0 --tokenizer-type GPT2BPETokenizer --vocab-file $vocab
-  --merge-file $merges --attention-dropout 0.0 --hidden-dropout 0.0 --lr 3e-4 --min-lr 3e-5
+common="$shape $precision --data-path $data --split 100,0,0 $tokenizer --attention-dropout 0.0 --hidden-dropout 0.0 --lr 3e-4 --min-lr 3e-5
   --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9
   --adam-beta2 0.95 --init-method-std 0.02 --seed 1234 --log-interval 1 --eval-iters 0 --train-iters $iters $extra"
 
