@@ -5,6 +5,8 @@
 // pairs of the threads are merged the same way. The target logit is read directly.
 // Backward: dlogits = (exp(x - lse) - onehot(label)) * dloss[row], written over the logits (the
 // in-place case) with the same one-row-per-block layout.
+// Forward-backward (a whole vocabulary in training): both passes in one kernel, so the second
+// read of each row mostly hits L2; the same block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
 #include <cmath>
@@ -31,12 +33,12 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mm;
 }
 
+// The row's log-sum-exp (natural log; -inf for an all -inf row), by an online max/sum over the
+// block's threads merged in a fixed order; every thread gets it.
 template <typename T, int VEC>
-__global__ void cross_entropy_forward_kernel(float* lse, float* target, const T* logits, const void* labels,
-                                             bool labels64, int64_t cols, int64_t vocab_start) {
+__device__ float block_row_lse(const T* x, int64_t cols) {
   __shared__ float sm[kWarp], ss[kWarp];
-  const int64_t row = blockIdx.x;
-  const T* x = logits + row * cols;
+  __shared__ float result;
   float m = -INFINITY, s = 0.0f;  // log2 units
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
     const Floats<VEC> v = load_vec<VEC>(x + c);
@@ -71,22 +73,17 @@ __global__ void cross_entropy_forward_kernel(float* lse, float* target, const T*
       const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
       lse_merge(m, s, m2, s2);
     }
-    if (lane == 0) {
-      lse[row] = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
-      const int64_t label = load_label(labels, labels64, row) - vocab_start;
-      target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
-    }
+    if (lane == 0) result = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
   }
+  __syncthreads();
+  return result;
 }
 
+// dlogits = (exp(x - lse) - onehot(label)) * g over one row (d may be x: each element is read
+// before it is written, by the same thread).
 template <typename T, int VEC>
-__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const void* labels, bool labels64,
-                                              const float* lse, const float* dloss, int64_t cols, int64_t vocab_start) {
-  const int64_t row = blockIdx.x;
-  const float row_lse = lse[row] * kLog2e, g = dloss[row];
-  const int64_t label = load_label(labels, labels64, row) - vocab_start;
-  const T* x = logits + row * cols;
-  T* d = dlogits + row * cols;
+__device__ __forceinline__ void row_backward(T* d, const T* x, int64_t cols, float lse, float g, int64_t label) {
+  const float row_lse = lse * kLog2e;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
     Floats<VEC> v = load_vec<VEC>(x + c);
 #pragma unroll
@@ -96,6 +93,44 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const
     }
     store_vec<VEC>(d + c, v);
   }
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_forward_kernel(float* lse, float* target, const T* logits, const void* labels,
+                                             bool labels64, int64_t cols, int64_t vocab_start) {
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * cols;
+  const float row_lse = block_row_lse<T, VEC>(x, cols);
+  if (threadIdx.x == 0) {
+    lse[row] = row_lse;
+    const int64_t label = load_label(labels, labels64, row) - vocab_start;
+    target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
+  }
+}
+
+template <typename T, int VEC>
+__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const void* labels, bool labels64,
+                                              const float* lse, const float* dloss, int64_t cols, int64_t vocab_start) {
+  const int64_t row = blockIdx.x;
+  const int64_t label = load_label(labels, labels64, row) - vocab_start;
+  row_backward<T, VEC>(dlogits + row * cols, logits + row * cols, cols, lse[row], dloss[row], label);
+}
+
+// Forward then backward of one row: the second pass re-reads the row the first just read (from
+// L2 while it is still there). The target logit is read before any thread overwrites it.
+template <typename T, int VEC>
+__global__ void cross_entropy_forward_backward_kernel(float* lse, float* target, T* logits, const void* labels,
+                                                      bool labels64, const float* dloss, int64_t cols) {
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * cols;
+  const int64_t label = load_label(labels, labels64, row);
+  const float row_lse = block_row_lse<T, VEC>(x, cols);  // ends with a barrier
+  if (threadIdx.x == 0) {
+    lse[row] = row_lse;
+    target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
+  }
+  __syncthreads();  // the target logit is read before the row is overwritten
+  row_backward<T, VEC>(x, x, cols, row_lse, dloss[row], label);
 }
 
 __global__ void logsumexp_combine_kernel(float* out, const float* parts, int64_t parts_count, int64_t n) {
@@ -193,6 +228,30 @@ void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor log
     };
     if (vec) launch(cross_entropy_backward_kernel<T, kVec>);
     else launch(cross_entropy_backward_kernel<T, 1>);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                                    Tensor dloss) {
+  const int64_t rows = logits.rows(), cols = logits.cols();
+  MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && target.numel() == rows && target.dtype == DType::f32 &&
+               dloss.numel() == rows && dloss.dtype == DType::f32,
+           "cross_entropy_forward_backward: lse, target and dloss must be float32 [{}]", rows);
+  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
+           "cross_entropy_forward_backward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
+  MT_CHECK(rows < (int64_t{1} << 31), "cross_entropy_forward_backward: too many rows");
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward_backward", {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(logits.data) && cols % kVec == 0;
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
+          lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
+          dloss.ptr<const float>(), cols);
+    };
+    if (vec) launch(cross_entropy_forward_backward_kernel<T, kVec>);
+    else launch(cross_entropy_forward_backward_kernel<T, 1>);
   });
   MT_CUDA_CHECK_LAUNCH();
 }

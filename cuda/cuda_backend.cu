@@ -406,6 +406,12 @@ void CudaBackend::cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor l
   MT_PROFILE_OP("cross_entropy_backward {}", logits.shape_string());
   cuda::cross_entropy_backward(context(), dlogits, logits, labels, lse, dloss, vocab_start);
 }
+void CudaBackend::cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                                                 Tensor dloss) {
+  on_device("cross_entropy_forward_backward", lse, target, logits, labels, dloss);
+  MT_PROFILE_OP("cross_entropy_forward_backward {}", logits.shape_string());
+  cuda::cross_entropy_forward_backward(context(), lse, target, logits, labels, dloss);
+}
 void CudaBackend::logsumexp_combine(Tensor lse_out, Tensor lse_parts) {
   on_device("logsumexp_combine", lse_out, lse_parts);
   MT_PROFILE_OP("logsumexp_combine");

@@ -107,6 +107,7 @@ class CudaBackend final : public Backend {
                           const AttentionShape& a) override;
 
   void cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels, int64_t vocab_start) override;
+  void cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss) override;
   void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
                               int64_t vocab_start) override;
   void logsumexp_combine(Tensor lse_out, Tensor lse_parts) override;

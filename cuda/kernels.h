@@ -102,6 +102,10 @@ void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, 
                            int64_t vocab_start);
 void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor logits, Tensor labels, Tensor lse,
                             Tensor dloss, int64_t vocab_start);
+// Forward then backward per row in one kernel (whole vocabulary; dlogits over the logits): the
+// same lse, target and dlogits as the two kernels, the row re-read from L2 instead of DRAM.
+void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
+                                    Tensor dloss);
 void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
 void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate);
 

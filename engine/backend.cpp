@@ -32,6 +32,11 @@ void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout,
   swiglu_forward(act_out, in);
 }
 
+void Backend::cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss) {
+  cross_entropy_forward(lse, target, logits, labels, 0);
+  cross_entropy_backward(logits, logits, labels, lse, dloss, 0);
+}
+
 void Backend::qk_norm_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const RopeShape&,
                               const NormParams&) {
   throw Unsupported("--qk-layernorm is not implemented by the " + name() + " backend yet");

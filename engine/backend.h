@@ -307,6 +307,10 @@ class Backend {
   // dlogits may alias logits (done in place to save memory).
   virtual void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
                                       int64_t vocab_start) = 0;
+  // Both of the above for a whole (not vocab-parallel) vocabulary, the gradient written over the
+  // logits: lse and target as cross_entropy_forward, then dlogits as cross_entropy_backward with
+  // that lse (the same values). A backend may do both in one pass over the logits.
+  virtual void cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss);
   // lse_out[N] = log(sum_r exp(lse_parts[r, N])): combines per-shard lse after an all-gather.
   virtual void logsumexp_combine(Tensor lse_out, Tensor lse_parts) = 0;
   // out[0] (+)= sum(loss * mask), out[1] (+)= sum(mask); out float32 [2].

@@ -872,9 +872,14 @@ void GptModel::head_forward(Slot& s, Tensor x) {
     const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
     const Tensor y = w.y.row_slice(r0, rows), labels = s.labels.flat_slice(r0, rows);
     be_.linear_forward(logits, y, G.out_w, Tensor(), Activation::none, Tensor());
-    be_.cross_entropy_forward(w.lse_part.flat_slice(r0, rows), w.target.flat_slice(r0, rows), logits, labels,
-                              d_.vocab_start());
     Tensor lse = w.lse_part.flat_slice(r0, rows);
+    // Training on the whole vocabulary (no TP): the loss and dlogits (in place) in one pass.
+    const bool fused_ce = s.training && tp == 1;
+    if (fused_ce)
+      be_.cross_entropy_forward_backward(lse, w.target.flat_slice(r0, rows), logits, labels,
+                                         s.dloss.flat_slice(r0, rows));
+    else
+      be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, labels, d_.vocab_start());
     if (tp > 1) {
       const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
       ps_.tp->all_gather(parts, lse);
@@ -883,7 +888,8 @@ void GptModel::head_forward(Slot& s, Tensor x) {
     }
     if (!s.training) continue;
     // The output layer's backward, now: dlogits in place of the logits.
-    be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
+    if (!fused_ce)
+      be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
     be_.linear_backward_weight(G.dout_w, Tensor(), logits, y);
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }

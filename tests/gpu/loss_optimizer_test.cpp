@@ -1,4 +1,5 @@
-// CUDA vs reference: cross-entropy forward/backward over vocab shards (in place too),
+// CUDA vs reference: cross-entropy forward/backward over vocab shards (in place too), the fused
+// forward-backward,
 // logsumexp_combine, masked_loss_sum; AdamW and SGD over segment lists (inline and registered),
 // sum_squares and count_zeros (deterministic).
 #include <cmath>
@@ -42,6 +43,35 @@ TEST_CASE("cuda cross_entropy forward/backward on vocab shards", "[gpu][loss]") 
           ref().cross_entropy_backward(logits.r(), logits.r(), labels.r(), glse.r(), dloss.r(), vocab_start);
           MT_CHECK_CLOSE(logits, tol_for(dt));
         }
+}
+
+// The training path on a whole vocabulary: lse, target and dlogits (over the logits) from one
+// kernel, bit for bit those of the forward and backward kernels with that lse, and the reference's
+// within tolerance. Labels include ids outside the vocabulary (masked rows carry any label).
+TEST_CASE("cuda cross_entropy_forward_backward equals forward then backward, bit for bit", "[gpu][loss]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (int64_t cols : {1000, 2053, 50304, 128256})
+      for (int64_t rows : {1, 7, 129}) {
+        if (cols == 128256 && dt != DType::bf16) continue;  // the reference's time, not coverage
+        INFO(dtype_name(dt) << " rows " << rows << " cols " << cols);
+        const std::vector<double> values = rng.normal(rows * cols, 3.0);
+        Twin fused = twin(dt, {rows, cols}, values), split = twin(dt, {rows, cols}, values);
+        Twin labels = twin(DType::i32, {rows}, rng.ints(rows, -1, cols + 1));
+        Twin dloss = twin(DType::f32, {rows}, rng.uniform(rows, 0.1, 1.0));
+        Twin lse = twin_nan(DType::f32, {rows}), target = twin_nan(DType::f32, {rows});
+        Twin lse2 = twin_nan(DType::f32, {rows}), target2 = twin_nan(DType::f32, {rows});
+        dev().cross_entropy_forward_backward(lse.c(), target.c(), fused.c(), labels.c(), dloss.c());
+        ref().cross_entropy_forward_backward(lse.r(), target.r(), fused.r(), labels.r(), dloss.r());
+        dev().cross_entropy_forward(lse2.c(), target2.c(), split.c(), labels.c(), 0);
+        dev().cross_entropy_backward(split.c(), split.c(), labels.c(), lse2.c(), dloss.c(), 0);
+        CHECK(download_bytes(dev(), lse.c()) == download_bytes(dev(), lse2.c()));
+        CHECK(download_bytes(dev(), target.c()) == download_bytes(dev(), target2.c()));
+        CHECK(download_bytes(dev(), fused.c()) == download_bytes(dev(), split.c()));
+        MT_CHECK_CLOSE(lse, 1e-5);
+        MT_CHECK_CLOSE(target, 1e-7);
+        MT_CHECK_CLOSE(fused, tol_for(dt));
+      }
 }
 
 TEST_CASE("cuda logsumexp_combine and masked_loss_sum", "[gpu][loss]") {
