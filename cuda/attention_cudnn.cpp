@@ -518,10 +518,11 @@ std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   return "";
 }
 
-bool autotune_enabled() {
-  const char* v = std::getenv("MEGATRAIN_ATTENTION_AUTOTUNE");
-  return !(v && std::string(v) == "0");
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::string(v) == value;
 }
+bool autotune_enabled() { return !env_is("MEGATRAIN_ATTENTION_AUTOTUNE", "0"); }
 
 // Candidates worth timing: those whose workspace is within max(2x, +256 MiB) of the smallest. The
 // deterministic-dQ engines keep an s x s buffer per (sample, head) in their workspace (2 GiB at
@@ -585,7 +586,8 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
       plans.refused += fmt::format("; {}: {}", layout_name(layout), e.what());
     }
   }
-  if (!a.deterministic) {
+  // MEGATRAIN_ATTENTION_ALL_CANDIDATES=1 (benchmarking): every candidate, whatever its workspace.
+  if (!a.deterministic && !env_is("MEGATRAIN_ATTENTION_ALL_CANDIDATES", "1")) {
     keep_affordable(plans.forward);
     keep_affordable(plans.backward);
   }
