@@ -5,9 +5,8 @@
 // pairs of the threads are merged the same way. The target logit is read directly.
 // Backward: dlogits = (exp(x - lse) - onehot(label)) * dloss[row], written over the logits (the
 // in-place case) with the same one-row-per-block layout.
-// Forward-backward (a whole vocabulary in training): both passes in one kernel, the row kept in
-// shared memory between them where it fits (else re-read, partly from L2); the same block
-// reduction, so the same bits as the two kernels.
+// Forward-backward (a whole vocabulary in training): both passes in one kernel, so the second
+// read of each row mostly hits L2; the same block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
 #include <cmath>
@@ -35,16 +34,14 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
 }
 
 // The row's log-sum-exp (natural log; -inf for an all -inf row), by an online max/sum over the
-// block's threads merged in a fixed order; every thread gets it. With `stash` (shared memory of
-// the row's size) the row is also copied there, for a second pass without a second global read.
+// block's threads merged in a fixed order; every thread gets it.
 template <typename T, int VEC>
-__device__ float block_row_lse(const T* x, int64_t cols, T* stash = nullptr) {
+__device__ float block_row_lse(const T* x, int64_t cols) {
   __shared__ float sm[kWarp], ss[kWarp];
   __shared__ float result;
   float m = -INFINITY, s = 0.0f;  // log2 units
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
     const Floats<VEC> v = load_vec<VEC>(x + c);
-    if (stash) store_vec<VEC>(stash + c, v);  // exact: the values came from T
     float vmax = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) vmax = fmaxf(vmax, v.v[j] * kLog2e);
@@ -119,31 +116,22 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const
   row_backward<T, VEC>(dlogits + row * cols, logits + row * cols, cols, lse[row], dloss[row], label);
 }
 
-// Forward then backward of one row. STASH: the first pass keeps the row in shared memory (rows of
-// up to kMaxStashBytes) and the second reads it there; otherwise the second pass re-reads the row
-// from global memory (from L2 where it is still there). Each thread's second-pass elements are
-// the ones it stashed itself, so no barrier is needed between stash and read; the target logit is
-// read before any thread overwrites the row.
-template <typename T, int VEC, bool STASH>
+// Forward then backward of one row: the second pass re-reads the row the first just read (from
+// L2 while it is still there). The target logit is read before any thread overwrites it.
+template <typename T, int VEC>
 __global__ void cross_entropy_forward_backward_kernel(float* lse, float* target, T* logits, const void* labels,
                                                       bool labels64, const float* dloss, int64_t cols) {
-  extern __shared__ __align__(16) unsigned char row_stash[];
   const int64_t row = blockIdx.x;
   T* x = logits + row * cols;
-  T* stash = STASH ? reinterpret_cast<T*>(row_stash) : nullptr;
   const int64_t label = load_label(labels, labels64, row);
-  const float row_lse = block_row_lse<T, VEC>(x, cols, stash);  // ends with a barrier
+  const float row_lse = block_row_lse<T, VEC>(x, cols);  // ends with a barrier
   if (threadIdx.x == 0) {
     lse[row] = row_lse;
     target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
   }
   __syncthreads();  // the target logit is read before the row is overwritten
-  row_backward<T, VEC>(x, STASH ? stash : x, cols, row_lse, dloss[row], label);
+  row_backward<T, VEC>(x, x, cols, row_lse, dloss[row], label);
 }
-
-// Largest row kept in shared memory: two blocks still fit in an SM (228 KB on Hopper), and a
-// GPT-2-vocabulary row of bf16 (50304 x 2 = 98.3 KiB) fits.
-constexpr int64_t kMaxStashBytes = 112 * 1024;
 
 __global__ void logsumexp_combine_kernel(float* out, const float* parts, int64_t parts_count, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -257,18 +245,13 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward_backward", {
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && cols % kVec == 0;
-    const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(T));
-    auto launch = [&](auto kernel, size_t smem) {
-      if (smem > 0)
-        MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<static_cast<unsigned>(rows), kRowBlock, smem, ctx.stream>>>(
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
           lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
           dloss.ptr<const float>(), cols);
     };
-    if (vec && row_bytes <= kMaxStashBytes)
-      launch(cross_entropy_forward_backward_kernel<T, kVec, true>, static_cast<size_t>(row_bytes));
-    else if (vec) launch(cross_entropy_forward_backward_kernel<T, kVec, false>, 0);
-    else launch(cross_entropy_forward_backward_kernel<T, 1, false>, 0);
+    if (vec) launch(cross_entropy_forward_backward_kernel<T, kVec>);
+    else launch(cross_entropy_forward_backward_kernel<T, 1>);
   });
   MT_CUDA_CHECK_LAUNCH();
 }

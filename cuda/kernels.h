@@ -103,8 +103,7 @@ void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, 
 void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor logits, Tensor labels, Tensor lse,
                             Tensor dloss, int64_t vocab_start);
 // Forward then backward per row in one kernel (whole vocabulary; dlogits over the logits): the
-// same lse, target and dlogits as the two kernels, with one read of each row where it fits in
-// shared memory (rows up to 112 KiB: a GPT-2 vocabulary in bf16).
+// same lse, target and dlogits as the two kernels, the row re-read from L2 instead of DRAM.
 void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
                                     Tensor dloss);
 void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
