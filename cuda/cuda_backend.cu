@@ -55,6 +55,8 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
     base_gemm_sm_margin_ = std::max(0, std::atoi(m));
     set_gemm_sm_margin(0);
   }
+  if (const char* m = std::getenv("MEGATRAIN_TP_OVERLAP_SM_MARGIN"); m && *m)
+    tp_overlap_sm_margin_ = std::max(0, std::atoi(m));
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -155,6 +157,9 @@ void CudaBackend::tp_comm_wait_for_compute() {
 void CudaBackend::compute_wait_for_tp_comm() {
   MT_CUDA_CHECK(cudaEventRecord(tp_comm_done_, tp_comm_stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
+}
+void CudaBackend::set_gemm_beside_copy_engine_comm(bool beside) {
+  set_gemm_sm_margin(beside ? tp_overlap_sm_margin_ : 0);
 }
 void CudaBackend::set_gemm_sm_margin(int sms) {
   sms = std::max(sms, base_gemm_sm_margin_);

@@ -86,7 +86,7 @@ class GemmRunner {
   // runs beside them: cuBLASLt's persistent kernels start one block per SM and give each a fixed
   // share of the tiles, so blocks that wait for the SMs a collective holds finish last, and the
   // GEMM ends about when it would have ended after the collective. A GEMM that leaves the
-  // collective its SMs runs a little longer but beside it (see Backend::set_gemm_sm_margin).
+  // collective its SMs runs a little longer but beside it (see CudaBackend::set_gemm_sm_margin).
   int sm_count_target = 0;
   size_t tuned_plans() const { return tuned_; }
 

@@ -362,10 +362,11 @@ class Backend {
   virtual void* tp_comm_stream() { return nullptr; }
   virtual void tp_comm_wait_for_compute() {}
   virtual void compute_wait_for_tp_comm() {}
-  // GEMMs launched from now on leave `sms` streaming multiprocessors free (0: they use all), for a
-  // collective that runs beside them (see cuda/gemm_cublaslt.h: sm_count_target). No-op on the
-  // reference backend.
-  virtual void set_gemm_sm_margin(int sms) { (void)sms; }
+  // The GEMMs launched from now on (until false) run beside a collective on the copy engines (the
+  // sequence-parallel all-gather): a backend may leave SMs to its synchronizing steps (the CUDA
+  // backend: MEGATRAIN_TP_OVERLAP_SM_MARGIN of them, default none; cuda/gemm_cublaslt.h:
+  // sm_count_target). No-op on the reference backend.
+  virtual void set_gemm_beside_copy_engine_comm(bool beside) { (void)beside; }
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
@@ -108,7 +107,6 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   ModelOptions o;
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
-  if (const char* m = std::getenv("MEGATRAIN_TP_OVERLAP_SM_MARGIN"); m && *m) o.tp_overlap_sm_margin = std::atoi(m);
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
@@ -1047,13 +1045,13 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, c
     be_.tp_comm_wait_for_compute();
     tp_overlap_->all_gather(norm_out, local_rows(norm_out));
   }
-  // On the copy engines the all-gather needs SMs only for its few synchronizing steps; the GEMM
-  // leaves it some, or it would wait for the GEMM's end (bench_tp_overlap, bench/RESULTS.md). The
-  // reduce-scatter runs on NCCL kernels: there a margin only slows the GEMM as much as it gains.
-  const bool margin = gather && tp_copy_engines_;
-  if (margin) be_.set_gemm_sm_margin(opt_.tp_overlap_sm_margin);
+  // On the copy engines the all-gather needs SMs only for its few synchronizing steps; the backend
+  // may have the GEMM leave it some (bench_tp_overlap, bench/RESULTS.md). The reduce-scatter runs
+  // on NCCL kernels: there a margin only slows the GEMM as much as it gains.
+  const bool beside = gather && tp_copy_engines_;
+  if (beside) be_.set_gemm_beside_copy_engine_comm(true);
   linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
-  if (margin) be_.set_gemm_sm_margin(0);
+  if (beside) be_.set_gemm_beside_copy_engine_comm(false);
   if (gather) be_.compute_wait_for_tp_comm();  // the norm output, all rows
   be_.tp_comm_wait_for_compute();  // the input gradient
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);

@@ -71,11 +71,6 @@ struct ModelOptions {
   // no flag): the former path, which casts each input again in backward from the recomputed
   // compute-dtype input. The same bits by construction; tests compare the two.
   bool fp8_keep_inputs = true;
-  // Sequence parallelism on copy engines: SMs the backward's input-gradient GEMMs leave to the
-  // all-gather beside them (Backend::set_gemm_sm_margin; 0: none). MEGATRAIN_TP_OVERLAP_SM_MARGIN
-  // overrides (benchmarks). 0: with 32 NCCL CTAs a margin of 16 measured no gain on 2 H200s
-  // (TP=2+SP gpt-1.3b 0.814x with, 0.820x without; session 4: 450.7 vs 454.8 TFLOP/s per GPU).
-  int tp_overlap_sm_margin = 0;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
