@@ -183,6 +183,13 @@ __global__ void masked_loss_sum_kernel(float* out, const float* loss, const void
 
 constexpr int kRowBlock = 512;
 
+// One block per row (a grid dimension of at most 2^31 - 1) and one int32/int64 label per row.
+void check_rows_and_labels(const char* what, Tensor labels, int64_t rows) {
+  MT_CHECK(rows < (int64_t{1} << 31), "{}: too many rows ({})", what, rows);
+  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
+           "{}: labels {} must be int32/int64 [{}]", what, labels.shape_string(), rows);
+}
+
 }  // namespace
 
 void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,
@@ -190,9 +197,7 @@ void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, 
   const int64_t rows = logits.rows(), cols = logits.cols();
   MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && target.numel() == rows && target.dtype == DType::f32,
            "cross_entropy_forward: lse and target must be float32 [{}]", rows);
-  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
-           "cross_entropy_forward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
-  MT_CHECK(rows < (int64_t{1} << 31), "cross_entropy_forward: too many rows");
+  check_rows_and_labels("cross_entropy_forward", labels, rows);
   if (rows == 0) return;
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward", {
     constexpr int kVec = 16 / sizeof(T);
@@ -215,8 +220,7 @@ void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor log
            "cross_entropy_backward: dlogits {} vs logits {}", dlogits.shape_string(), logits.shape_string());
   MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && dloss.numel() == rows && dloss.dtype == DType::f32,
            "cross_entropy_backward: lse and dloss must be float32 [{}]", rows);
-  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
-           "cross_entropy_backward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
+  check_rows_and_labels("cross_entropy_backward", labels, rows);
   if (rows == 0) return;
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_backward", {
     constexpr int kVec = 16 / sizeof(T);
@@ -238,9 +242,7 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
   MT_CHECK(lse.numel() == rows && lse.dtype == DType::f32 && target.numel() == rows && target.dtype == DType::f32 &&
                dloss.numel() == rows && dloss.dtype == DType::f32,
            "cross_entropy_forward_backward: lse, target and dloss must be float32 [{}]", rows);
-  MT_CHECK(labels.numel() == rows && (labels.dtype == DType::i32 || labels.dtype == DType::i64),
-           "cross_entropy_forward_backward: labels {} must be int32/int64 [{}]", labels.shape_string(), rows);
-  MT_CHECK(rows < (int64_t{1} << 31), "cross_entropy_forward_backward: too many rows");
+  check_rows_and_labels("cross_entropy_forward_backward", labels, rows);
   if (rows == 0) return;
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward_backward", {
     constexpr int kVec = 16 / sizeof(T);
