@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "core/error.h"
 #include "core/philox.h"
@@ -33,9 +35,11 @@ struct GptModel::LayerActs {
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
   Tensor h1;                           // residual after attention
   Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared)
-  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared);
-                                       // backward overwrites fc1_pre (SwiGLU: with its gradient;
-                                       // GeLU: with the activation, unless fp8_xq_t is kept)
+  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared
+                                       // unless act_kept); backward overwrites fc1_pre (SwiGLU: with
+                                       // its gradient; GeLU: with the activation, unless fp8_xq_t
+                                       // or fc1_act is kept)
+  bool act_kept = false;               // fc1_act is this layer's own (keeps_gelu_activation)
   Tensor out;                          // layer output (the next layer's input)
   // FP8 layers with FP8 weight gradients (GptModel::fp8_kept_inputs): the four linear inputs
   // (ln1_out, attn_out, ln2_out, fc1_act; all N rows) as the forward's cast quantized them,
@@ -107,6 +111,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   ModelOptions o;
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
+  if (const char* r = std::getenv("MEGATRAIN_RECOMPUTE_GELU"); r && std::string(r) == "1") o.keep_gelu_activation = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
@@ -245,7 +250,14 @@ GptModel::~GptModel() {
 
 const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
 
-GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs) {
+bool GptModel::keeps_gelu_activation(bool fp8_layer) const {
+  // FP8 layers never write the activation (fc2's input is cast from fc1's output); SwiGLU's
+  // recompute is part of its backward pass anyway.
+  return opt_.keep_gelu_activation && !d_.swiglu && !fp8_layer;
+}
+
+GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
+                                                bool keep_act) {
   // Sequence parallelism: the norm outputs are gathered to all N rows (the GEMMs' inputs); the
   // residual stream (h1, out) and the norm statistics hold this rank's Nl rows.
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
@@ -268,7 +280,8 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.ln2_mean = a.take(c, S, {Nl});
   A.ln2_rstd = a.take(c, S, {Nl});
   A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
-  A.fc1_act = ws_->act;    // not kept
+  A.act_kept = keep_act;
+  A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
   if (keep_out) A.out = a.take(c, T, {Nl, h});
   if (fp8_inputs) {
     const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // each GEMM's K
@@ -370,7 +383,8 @@ void GptModel::layout(Arena& a) {
     for (int l = 0; l < L; ++l) {
       const int g = rp.group_of[l];
       if (g < 0) {
-        s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l));
+        s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
+                                        keeps_gelu_activation(fp8_.layer_fp8(l)));
       } else if (l == rp.groups[g].second - 1 || l == L - 1) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
         s.layers[l].out = a.take(C::activations, T, {Nl, h});
@@ -384,7 +398,8 @@ void GptModel::layout(Arena& a) {
   for (int j = 0; j < rp.max_group_size; ++j) {
     bool fp8_inputs = false;
     for (const auto& [begin, end] : rp.groups) fp8_inputs |= begin + j < end && fp8_.layer_fp8(begin + j);
-    scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_inputs));
+    scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_inputs,
+                                         keeps_gelu_activation(fp8_inputs)));
   }
 
   if (d_.last_stage) {
@@ -972,6 +987,13 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     }
     d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
     d_fc1_quantized = true;
+  } else if (A.act_kept && !fp8_gemms(local)) {
+    // The activation kept from forward: fc2's input gradient takes the GeLU's backward (cuBLASLt's
+    // DGELU epilogue for the tanh form) into gFC, and its weight gradient the kept activation.
+    const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
+    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
+    d_fc1 = w.gFC;
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_act);
   } else {
     // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;

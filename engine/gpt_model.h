@@ -71,6 +71,10 @@ struct ModelOptions {
   // no flag): the former path, which casts each input again in backward from the recomputed
   // compute-dtype input. The same bits by construction; tests compare the two.
   bool fp8_keep_inputs = true;
+  // GeLU MLPs of non-FP8 layers keep the activation (fc2's input) from forward for fc2's weight
+  // gradient, as Megatron does: N x ffn per layer more memory, no GeLU recompute in backward.
+  // false (MEGATRAIN_RECOMPUTE_GELU=1, benchmarks): recomputed from fc1's output, as before.
+  bool keep_gelu_activation = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -173,7 +177,9 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
-  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs);
+  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act);
+  // Whether a layer (FP8 or not) keeps its GeLU activation (ModelOptions::keep_gelu_activation).
+  bool keeps_gelu_activation(bool fp8_layer) const;
   void bind_params();
 
   uint64_t site_key(const Slot& s, int layer, int site) const;
