@@ -3,13 +3,19 @@
 // into fp32 with beta = 1, as the engine calls them), ask cublasLtMatmulAlgoGetHeuristic for up to
 // 16 algorithms, time each, and print the first pick's TFLOP/s beside the fastest one's. This
 // measures what timing the candidates at plan time (autotuning) could gain before building it.
-//   bench_gemm_algo [--reps 10] [--configs gpt2-124m,gpt-1.3b,llama-1b]
+//   bench_gemm_algo [--reps 10] [--configs gpt2-124m,gpt-1.3b,llama-1b] [--check-accumulate]
+// --check-accumulate: for the accumulating GEMMs (weight gradients, beta = 1, D = C in place) with
+// all-ones operands, checks that each candidate's beta = 0 product is exactly k and that D1 - D0
+// (D0 pseudo-random) is k, and prints the failing candidates' configurations (cuBLASLt split-K
+// algorithms were seen to drop the tail of k; config "test-rows" has the GPU test's k = 8193).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <type_traits>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -75,6 +81,9 @@ std::vector<Gemm> gemms_of(const std::string& c) {
   } else if (c == "gpt-1.3b") {
     add3("qkv", 16384, 2048, 6144), add3("proj", 16384, 2048, 2048), add3("fc1", 16384, 2048, 8192);
     add3("fc2", 16384, 8192, 2048), add3("lm head", 4096, 2048, 50304);
+  } else if (c == "test-rows") {  // tests/gpu/linear_test.cpp "dbias over many rows"
+    v.push_back({c, "rows wgrad", Kind::backward_weight, 8193, 16, 2048});
+    v.push_back({c, "rows wgrad", Kind::backward_weight, 8193, 16, 1001});
   } else if (c == "llama-1b") {
     add3("qkv", 8192, 2048, 3072), add3("proj", 8192, 2048, 2048), add3("fc1", 8192, 2048, 16384);
     add3("fc2", 8192, 8192, 2048), add3("lm head", 2048, 2048, 128256);
@@ -82,15 +91,71 @@ std::vector<Gemm> gemms_of(const std::string& c) {
   return v;
 }
 
+// Pseudo-random values in [-1, 1) by a hash of the index (bf16 or float).
+template <typename T>
+__global__ void fill_hash_kernel(T* p, int64_t n, uint32_t seed) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+    const float v = static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    if constexpr (std::is_same_v<T, float>) p[i] = v;
+    else p[i] = __float2bfloat16(v);
+  }
+}
+
+__global__ void fill_ones_kernel(__nv_bfloat16* p, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(1.0f);
+}
+
+// out[0] = max |d1 - d0 - k|, out[1] = max |p - k| (non-negative floats order as their bits).
+__global__ void accumulate_error_kernel(unsigned* out, const float* d1, const float* d0, const float* p, float k,
+                                        int64_t n) {
+  float e = 0.0f, m = 0.0f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    e = fmaxf(e, fabsf(d1[i] - d0[i] - k));
+    m = fmaxf(m, fabsf(p[i] - k));
+  }
+  atomicMax(out, __float_as_uint(e));
+  atomicMax(out + 1, __float_as_uint(m));
+}
+
+template <typename T>
+void fill_hash(void* p, int64_t n, uint32_t seed) {
+  fill_hash_kernel<T><<<1024, 256>>>(static_cast<T*>(p), n, seed);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
+    uint32_t v = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, a, &v, sizeof v, &written);
+    return v;
+  };
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "algo %u tile %u splitK %u reduction %u swizzle %u custom %u stages %u cluster %u",
+                get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), get(CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+  return buf;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 10;
   std::string configs = "gpt2-124m,gpt-1.3b,llama-1b";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool check_accumulate = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (a == "--configs") configs = argv[i + 1];
+    if (a == "--check-accumulate") check_accumulate = true;
+    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (a == "--configs" && i + 1 < argc) configs = argv[++i];
   }
   cublasLtHandle_t lt;
   CHECK_LT(cublasLtCreate(&lt));
@@ -139,6 +204,47 @@ int main(int argc, char** argv) {
       int found = 0;
       CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, ld, ld, pref, 16, res, &found));
       const float alpha = 1.0f;
+      if (check_accumulate && g.kind == Kind::backward_weight) {
+        // All-ones operands, D0 random; per candidate: P = A.B (beta 0), D1 = D0 + A.B (beta 1, in
+        // place); every element of A.B is k.
+        const int64_t nd = s.m * s.n;
+        fill_ones_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(A), a_rows * a_cols);
+        fill_ones_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(B), b_rows * b_cols);
+        CHECK_CUDA(cudaDeviceSynchronize());
+        void *D0, *P;
+        unsigned* err;
+        CHECK_CUDA(cudaMalloc(&D0, static_cast<size_t>(nd) * 4));
+        CHECK_CUDA(cudaMalloc(&P, static_cast<size_t>(nd) * 4));
+        CHECK_CUDA(cudaMalloc(&err, 8));
+        fill_hash<float>(D0, nd, 3);
+        const float zero = 0.0f;
+        int failing = 0;
+        for (int i = 0; i < found; ++i) {
+          if (cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &zero, P, ld, P, ld, &res[i].algo, ws, ws_bytes, stream) !=
+              CUBLAS_STATUS_SUCCESS)
+            continue;
+          CHECK_CUDA(cudaMemcpyAsync(D, D0, static_cast<size_t>(nd) * 4, cudaMemcpyDeviceToDevice, stream));
+          CHECK_LT(cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &s.beta, D, ld, D, ld, &res[i].algo, ws, ws_bytes, stream));
+          CHECK_CUDA(cudaMemsetAsync(err, 0, 8, stream));
+          accumulate_error_kernel<<<1024, 256, 0, stream>>>(err, static_cast<const float*>(D), static_cast<const float*>(D0),
+                                                           static_cast<const float*>(P), static_cast<float>(s.k), nd);
+          unsigned h[2];
+          CHECK_CUDA(cudaMemcpyAsync(h, err, 8, cudaMemcpyDeviceToHost, stream));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          float e, m;
+          std::memcpy(&e, &h[0], 4), std::memcpy(&m, &h[1], 4);
+          // P is exact (integers below 2^24); D1 - D0 carries D0's rounding at the size of k (< 0.01).
+          const bool bad = !(m == 0.0f && e < 0.01f);
+          failing += bad;
+          std::printf("%-10s %-14s %ldx%ldx%ld candidate %2d %s: %s (max |D1-D0-k| %.3g, max |P-k| %.3g)\n", config.c_str(),
+                      g.name.c_str(), static_cast<long>(s.m), static_cast<long>(s.n), static_cast<long>(s.k), i,
+                      bad ? "SHORT OF k OR DROPS C" : "sums all of k", algo_config(res[i].algo).c_str(), e, m);
+        }
+        std::printf("%-10s %-14s: %d of %d candidates miss part of k or drop C\n", config.c_str(), g.name.c_str(), failing, found);
+        CHECK_CUDA(cudaFree(D0));
+        CHECK_CUDA(cudaFree(P));
+        CHECK_CUDA(cudaFree(err));
+      }
       std::vector<double> us(static_cast<size_t>(found), 1e30);
       for (int i = 0; i < found; ++i) {
         auto run = [&] {

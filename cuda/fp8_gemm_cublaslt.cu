@@ -13,6 +13,7 @@
 #include "core/log.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_cublaslt.h"  // MT_CUBLAS_CHECK
+#include "cuda/gemm_splitk_guard.h"
 
 namespace mt::cuda {
 namespace {
@@ -134,19 +135,18 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
     constexpr int kMaxResults = 8;
     cublasLtMatmulHeuristicResult_t results[kMaxResults]{};
     int found = 0;
+    // Several results where k has a tail, to pass over split-K ones (cuda/gemm_splitk_guard.h).
+    const bool several = attempt > 0 || k_has_tail(c.k);
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
-                                                             attempt == 0 ? 1 : kMaxResults, results, &found);
+                                                             several ? kMaxResults : 1, results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     p.diagnosis += fmt::format("{}heuristic attempt {}: {} ({} found)", attempt ? "; " : "", attempt,
                                cublasLtGetStatusString(st), found);
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
       MT_CUBLAS_CHECK(st);
-    for (int i = 0; i < found; ++i)
-      if (results[i].state == CUBLAS_STATUS_SUCCESS) {
-        p.ok = true;
-        p.algo = results[i].algo;
-        break;
-      }
+    p.ok = splitk_safe_algos({handle_, p.desc, p.a, p.b, p.d}, results, found, c.k, true, &p.algo, 1) == 1;
+    if (!p.ok && found > 0 && k_has_tail(c.k))
+      p.diagnosis += fmt::format(" (split-K ones passed over: k {} is not a multiple of {})", c.k, kSplitKSafeMultiple);
   }
   return p;
 }

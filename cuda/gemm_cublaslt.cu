@@ -16,6 +16,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
+#include "cuda/gemm_splitk_guard.h"
 
 namespace mt::cuda {
 namespace {
@@ -128,14 +129,20 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
   int found = 0;
   const bool tunable = autotune && c.beta == 0.0f;
+  const bool several = tunable || (avoid_splitk_with_k_tail && k_has_tail(c.k));  // to pass over split-K ones
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
-                                                           tunable ? kTuneCandidates : 1, results, &found);
+                                                           several ? kTuneCandidates : 1, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    p.ok = true;
-    p.algo = results[0].algo;
-    if (found > 1)
-      for (int i = 0; i < found; ++i) p.candidates[p.num_candidates++] = results[i].algo;
+    cublasLtMatmulAlgo_t usable[kTuneCandidates];
+    const int n = splitk_safe_algos({handle_, p.desc, p.a, p.b, p.d}, results, found, c.k, avoid_splitk_with_k_tail,
+                                    usable, kTuneCandidates);
+    if (n > 0) {
+      p.ok = true;
+      p.algo = usable[0];
+      if (tunable && n > 1)
+        for (int i = 0; i < n; ++i) p.candidates[p.num_candidates++] = usable[i];
+    }
   } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
     MT_CUBLAS_CHECK(st);
   }
@@ -219,8 +226,12 @@ bool GemmRunner::try_run(const GemmCall& c) {
 
 void GemmRunner::run(const GemmCall& c, const char* what) {
   if (!try_run(c))
-    fail("{}: cuBLASLt has no algorithm for m={} n={} k={} ({} x {} -> {})", what, c.m, c.n, c.k,
-         dtype_name(c.a_type), dtype_name(c.b_type), dtype_name(c.d_type));
+    fail("{}: cuBLASLt has no algorithm for m={} n={} k={} ({} x {} -> {}){}", what, c.m, c.n, c.k,
+         dtype_name(c.a_type), dtype_name(c.b_type), dtype_name(c.d_type),
+         avoid_splitk_with_k_tail && k_has_tail(c.k)
+             ? fmt::format(" that does not split k (k is not a multiple of {}; see cuda/gemm_splitk_guard.h)",
+                           kSplitKSafeMultiple)
+             : std::string());
 }
 
 // ---- column sums for the bias gradient (when the BGRADB epilogue is off or unavailable) ----------

@@ -1,0 +1,39 @@
+// Split-K and the tail of K: which cuBLASLt algorithms a GEMM may use.
+//
+// cuBLASLt 13.1 on an H100 computed dw = dy^T x over only the first 8192 of 8193 rows (k = 8193)
+// with a split-K algorithm (algo 66, tile 32x64, numSplitsK 4, cluster 1x2x1): no error, a
+// gradient short by one token's product (our GPU test "dbias over many rows", session 7).
+// facebookexperimental/triton PR 2767 reports the same for cuBLAS 12 and 13 on H100, GB200 and
+// GB300: split-K kernels that sum only the first k - k % block_k values. So for a k that is not a
+// multiple of kSplitKSafeMultiple (which every K block size of these kernels divides), no split-K
+// algorithm is used. Engine shapes (k = tokens, hidden, ffn sizes) are multiples of 256 and keep
+// the heuristic's choices.
+#pragma once
+
+#include <cublasLt.h>
+
+#include <cstdint>
+
+namespace mt::cuda {
+
+constexpr int64_t kSplitKSafeMultiple = 256;
+inline bool k_has_tail(int64_t k) { return k % kSplitKSafeMultiple != 0; }
+
+// The algorithm's CUBLASLT_ALGO_CONFIG_SPLITK_NUM (1 or 0: K is not split).
+uint32_t splitk_of(const cublasLtMatmulAlgo_t& algo);
+
+// The operands of one GEMM as the heuristic saw them (C and D share the layout d).
+struct GemmDescs {
+  cublasLtHandle_t handle;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, d;
+};
+
+// The heuristic's successful results, in its order, that may run a GEMM of reduction length k:
+// all when k has no tail (or when guard is false), else those that do not split K; if there are
+// none of those, the first result with its split count set to 1, where cublasLtMatmulAlgoCheck
+// accepts that. Writes at most max_out algorithms to out and returns how many.
+int splitk_safe_algos(const GemmDescs& g, const cublasLtMatmulHeuristicResult_t* results, int found, int64_t k,
+                      bool guard, cublasLtMatmulAlgo_t* out, int max_out);
+
+}  // namespace mt::cuda
