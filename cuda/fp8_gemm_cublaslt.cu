@@ -132,13 +132,14 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
       MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
       MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
     }
-    constexpr int kMaxResults = 8;
-    cublasLtMatmulHeuristicResult_t results[kMaxResults]{};
+    cublasLtMatmulHeuristicResult_t results[kGuardedHeuristicResults]{};
     int found = 0;
-    // Several results where k has a tail, to pass over split-K ones (cuda/gemm_splitk_guard.h).
-    const bool several = attempt > 0 || k_has_tail(c.k);
+    // More results where k has a tail, to pass over split-K ones (cuda/gemm_splitk_guard.h).
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
-                                                             several ? kMaxResults : 1, results, &found);
+                                                             k_has_tail(c.k) ? kGuardedHeuristicResults
+                                                             : attempt > 0   ? 8
+                                                                             : 1,
+                                                             results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     p.diagnosis += fmt::format("{}heuristic attempt {}: {} ({} found)", attempt ? "; " : "", attempt,
                                cublasLtGetStatusString(st), found);

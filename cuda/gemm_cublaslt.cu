@@ -126,12 +126,15 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
 
-  cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
+  static_assert(kGuardedHeuristicResults >= kTuneCandidates);
+  cublasLtMatmulHeuristicResult_t results[kGuardedHeuristicResults]{};
   int found = 0;
   const bool tunable = autotune && c.beta == 0.0f;
-  const bool several = tunable || (avoid_splitk_with_k_tail && k_has_tail(c.k));  // to pass over split-K ones
+  const bool guarded = avoid_splitk_with_k_tail && k_has_tail(c.k);  // more results, to pass over split-K ones
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref,
-                                                           several ? kTuneCandidates : 1, results, &found);
+                                                           guarded ? kGuardedHeuristicResults
+                                                           : tunable ? kTuneCandidates : 1,
+                                                           results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     cublasLtMatmulAlgo_t usable[kTuneCandidates];

@@ -23,18 +23,24 @@ int splitk_safe_algos(const GemmDescs& g, const cublasLtMatmulHeuristicResult_t*
     out[kept++] = results[i].algo;
   }
   if (kept > 0 || first < 0 || max_out < 1) return kept;
-  // Every candidate splits K: the first one, made to run unsplit if cuBLASLt accepts that.
-  cublasLtMatmulAlgo_t algo = results[first].algo;
-  const uint32_t one = 1;
-  if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof one) !=
-      CUBLAS_STATUS_SUCCESS)
-    return 0;
-  cublasLtMatmulHeuristicResult_t check{};
-  if (cublasLtMatmulAlgoCheck(g.handle, g.desc, g.a, g.b, g.d, g.d, &algo, &check) != CUBLAS_STATUS_SUCCESS ||
-      check.state != CUBLAS_STATUS_SUCCESS)
-    return 0;
-  out[0] = algo;
-  return 1;
+  // Every candidate splits K: the first one cuBLASLt accepts made to run unsplit (one split, no
+  // reduction scheme; a split count of 1 with a reduction scheme is an invalid configuration).
+  const uint32_t one = 1, no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  for (int i = first; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    cublasLtMatmulAlgo_t algo = results[i].algo;
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof one) ==
+            CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
+                                             sizeof no_reduction) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulAlgoCheck(g.handle, g.desc, g.a, g.b, g.d, g.d, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.state == CUBLAS_STATUS_SUCCESS) {
+      out[0] = algo;
+      return 1;
+    }
+  }
+  return 0;
 }
 
 }  // namespace mt::cuda

@@ -18,6 +18,7 @@ namespace mt::cuda {
 
 constexpr int64_t kSplitKSafeMultiple = 256;
 inline bool k_has_tail(int64_t k) { return k % kSplitKSafeMultiple != 0; }
+constexpr int kGuardedHeuristicResults = 16;
 
 // The algorithm's CUBLASLT_ALGO_CONFIG_SPLITK_NUM (1 or 0: K is not split).
 uint32_t splitk_of(const cublasLtMatmulAlgo_t& algo);
@@ -31,8 +32,9 @@ struct GemmDescs {
 
 // The heuristic's successful results, in its order, that may run a GEMM of reduction length k:
 // all when k has no tail (or when guard is false), else those that do not split K; if there are
-// none of those, the first result with its split count set to 1, where cublasLtMatmulAlgoCheck
-// accepts that. Writes at most max_out algorithms to out and returns how many.
+// none of those, the first result that cublasLtMatmulAlgoCheck accepts with its split count set
+// to 1. Writes at most max_out algorithms to out and returns how many (0: none is safe).
+// Where k has a tail, ask the heuristic for kGuardedHeuristicResults.
 int splitk_safe_algos(const GemmDescs& g, const cublasLtMatmulHeuristicResult_t* results, int found, int64_t k,
                       bool guard, cublasLtMatmulAlgo_t* out, int max_out);
 
