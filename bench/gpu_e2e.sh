@@ -25,8 +25,11 @@ if [[ $steps == *tests* ]]; then
 fi
 
 if [[ $steps == *tiny* ]]; then
-  common="--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --seq-length 128 --max-position-embeddings 128
-    --micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
+  # TINY_SEQ / TINY_MBS change the shape: e.g. 200 x 5 = 1000 tokens per micro-batch, a k with a
+  # tail for the weight-gradient GEMMs (cuda/gemm_splitk_guard.h) and a sequence off the tiles.
+  seq=${TINY_SEQ:-128} mbs=${TINY_MBS:-4}
+  common="--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --seq-length $seq --max-position-embeddings $seq
+    --micro-batch-size $mbs --global-batch-size $((2 * mbs)) --train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
     --lr-warmup-iters 2 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1 --eval-iters 0 --seed 1234"
   # Head dim 64 (256 / 4): the shapes the fast attention paths take.
   gpt="--num-layers 2 --hidden-size 256 --num-attention-heads 4"

@@ -204,7 +204,40 @@ void GemmRunner::tune(const GemmCall& c, Plan& p) {
   if (best != 0 && first_ms > 0.0f && best_ms < 0.99f * first_ms) p.algo = p.candidates[best];
 }
 
+namespace {
+const void* advance(const void* p, DType t, int64_t elements) {
+  return static_cast<const char*>(p) + elements * static_cast<int64_t>(dtype_size(t));
+}
+}  // namespace
+
+// A float32 output without an epilogue, and a k with a tail (not a multiple of 256): the whole-256
+// part of k as one GEMM, with any algorithm (split-K included: that part has no tail), then the
+// tail added by a second GEMM (beta 1). Weight gradients over an odd token count keep the split-K
+// kernels the heuristic prefers for a long k, and their shorter float32 accumulation chains (one
+// unsplit chain over k = 8193 measured 1.6e-5 relative error, split ones under 1e-5). Other
+// outputs would be rounded twice, so they run as one GEMM without split-K algorithms (make_plan).
 bool GemmRunner::try_run(const GemmCall& c) {
+  const int64_t k_main = c.k / kSplitKSafeMultiple * kSplitKSafeMultiple;
+  if (!avoid_splitk_with_k_tail || k_main == 0 || k_main == c.k || c.epilogue != GemmEpilogue::none ||
+      c.d_type != DType::f32)
+    return try_run_one(c);
+  GemmCall main = c, tail = c;
+  main.k = k_main;
+  tail.k = c.k - k_main;
+  tail.beta = 1.0f;
+  // op(A) is m x k: stored k x m (k contiguous) when transposed, else m x k (k strided by lda);
+  // op(B) is k x n: stored n x k (k strided by ldb) when transposed, else k x n.
+  tail.a = advance(c.a, c.a_type, c.trans_a ? k_main : k_main * c.lda);
+  tail.b = advance(c.b, c.b_type, c.trans_b ? k_main * c.ldb : k_main);
+  if (!try_run_one(main)) return false;
+  // D now holds part of the sum, so no false from here (a caller's fallback would add it again).
+  if (!try_run_one(tail))
+    fail("GEMM m={} n={} k={}: cuBLASLt has no algorithm for the last {} of k that does not split it", c.m, c.n,
+         c.k, tail.k);
+  return true;
+}
+
+bool GemmRunner::try_run_one(const GemmCall& c) {
   Key key{c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.aux ? c.aux_ld : 0,
           c.trans_a, c.trans_b, static_cast<uint8_t>(c.a_type), static_cast<uint8_t>(c.b_type),
           static_cast<uint8_t>(c.d_type), static_cast<uint8_t>(c.epilogue), c.beta != 0.0f,

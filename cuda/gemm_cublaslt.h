@@ -82,8 +82,10 @@ class GemmRunner {
   // differently.
   bool autotune = false;
   static constexpr int kTuneCandidates = 8;
-  // No split-K algorithm for a k that is not a multiple of 256: cuBLASLt's split-K kernels were
-  // seen to drop the tail of k (cuda/gemm_splitk_guard.h). Off only in the test that shows it.
+  // For a k that is not a multiple of 256, no split-K algorithm sees the tail of k: cuBLASLt's
+  // split-K kernels were seen to drop it (cuda/gemm_splitk_guard.h). Float32 outputs without an
+  // epilogue (weight gradients) run the tail as a GEMM of its own (try_run); others run without
+  // split-K algorithms (make_plan). Off only in the test that shows what cuBLASLt does.
   bool avoid_splitk_with_k_tail = true;
   // SMs the GEMMs may use (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET); 0: all. Set while a collective
   // runs beside them: cuBLASLt's persistent kernels start one block per SM and give each a fixed
@@ -112,6 +114,7 @@ class GemmRunner {
     int num_candidates = 0;                               // 0 once tuned
   };
   Plan make_plan(const GemmCall& call, const Key& key);
+  bool try_run_one(const GemmCall& call);  // try_run without splitting k
   void tune(const GemmCall& call, Plan& plan);
 
   cudaStream_t stream_;

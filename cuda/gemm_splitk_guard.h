@@ -6,8 +6,10 @@
 // facebookexperimental/triton PR 2767 reports the same for cuBLAS 12 and 13 on H100, GB200 and
 // GB300: split-K kernels that sum only the first k - k % block_k values. So for a k that is not a
 // multiple of kSplitKSafeMultiple (which every K block size of these kernels divides), no split-K
-// algorithm is used. Engine shapes (k = tokens, hidden, ffn sizes) are multiples of 256 and keep
-// the heuristic's choices.
+// algorithm sees the tail: GemmRunner runs a float32 output's tail as a GEMM of its own, and
+// otherwise passes over split-K algorithms (splitk_safe_algos; the FP8 runner likewise). Engine
+// shapes are mostly multiples of 256 (tokens, hidden and FFN sizes; not the GPT-2 vocabulary's
+// 50304) and keep the heuristic's choices.
 #pragma once
 
 #include <cublasLt.h>
