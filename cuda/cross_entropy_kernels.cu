@@ -37,25 +37,6 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mm;
 }
 
-// Vectors a thread loads before it uses any: one at a time, each iteration waited for its load.
-// The vectors are then taken in the same order as one at a time, so the results keep their bits.
-constexpr int kLoadBatch = 4;
-
-// One vector into a thread's online (max, sum) in log2 units.
-template <int VEC>
-__device__ __forceinline__ void lse_add(float& m, float& s, const Floats<VEC>& v) {
-  float vmax = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) vmax = fmaxf(vmax, v.v[j] * kLog2e);
-  if (vmax == -INFINITY) return;
-  if (vmax > m) {
-    s *= exp2f(m - vmax);
-    m = vmax;
-  }
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) s += exp2f(v.v[j] * kLog2e - m);
-}
-
 // The row's log-sum-exp (natural log; -inf for an all -inf row), by an online max/sum over the
 // block's threads merged in a fixed order; every thread gets it.
 template <typename T, int VEC>
@@ -63,15 +44,18 @@ __device__ float block_row_lse(const T* x, int64_t cols) {
   __shared__ float sm[kWarp], ss[kWarp];
   __shared__ float result;
   float m = -INFINITY, s = 0.0f;  // log2 units
-  const int64_t stride = static_cast<int64_t>(blockDim.x) * VEC;
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += kLoadBatch * stride) {
-    Floats<VEC> v[kLoadBatch];
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
+    const Floats<VEC> v = load_vec<VEC>(x + c);
+    float vmax = -INFINITY;
 #pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u)
-      if (c + u * stride < cols) v[u] = load_vec<VEC>(x + c + u * stride);
+    for (int j = 0; j < VEC; ++j) vmax = fmaxf(vmax, v.v[j] * kLog2e);
+    if (vmax == -INFINITY) continue;
+    if (vmax > m) {
+      s *= exp2f(m - vmax);
+      m = vmax;
+    }
 #pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u)
-      if (c + u * stride < cols) lse_add<VEC>(m, s, v[u]);
+    for (int j = 0; j < VEC; ++j) s += exp2f(v.v[j] * kLog2e - m);
   }
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) {
@@ -104,23 +88,14 @@ __device__ float block_row_lse(const T* x, int64_t cols) {
 template <typename T, int VEC>
 __device__ __forceinline__ void row_backward(T* d, const T* x, int64_t cols, float lse, float g, int64_t label) {
   const float row_lse = lse * kLog2e;
-  const int64_t stride = static_cast<int64_t>(blockDim.x) * VEC;
-  for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * VEC; c0 < cols; c0 += kLoadBatch * stride) {
-    Floats<VEC> v[kLoadBatch];  // loaded before any is stored: the thread's own elements only
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
+    Floats<VEC> v = load_vec<VEC>(x + c);
 #pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u)
-      if (c0 + u * stride < cols) v[u] = load_vec<VEC>(x + c0 + u * stride);
-#pragma unroll
-    for (int u = 0; u < kLoadBatch; ++u) {
-      const int64_t c = c0 + u * stride;
-      if (c >= cols) break;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float p = exp2f(v[u].v[j] * kLog2e - row_lse);
-        v[u].v[j] = (p - (c + j == label ? 1.0f : 0.0f)) * g;
-      }
-      store_vec<VEC>(d + c, v[u]);
+    for (int j = 0; j < VEC; ++j) {
+      const float p = exp2f(v.v[j] * kLog2e - row_lse);
+      v.v[j] = (p - (c + j == label ? 1.0f : 0.0f)) * g;
     }
+    store_vec<VEC>(d + c, v);
   }
 }
 
