@@ -5,8 +5,9 @@
 // pairs of the threads are merged the same way. The target logit is read directly.
 // Backward: dlogits = (exp(x - lse) - onehot(label)) * dloss[row], written over the logits (the
 // in-place case) with the same one-row-per-block layout.
-// Forward-backward (a whole vocabulary in training): both passes in one kernel, so the second
-// read of each row mostly hits L2; the same block reduction, so the same bits as the two kernels.
+// Forward-backward (a whole vocabulary in training): both passes in one kernel, the row staged in
+// shared memory where it fits (else the second read of each row goes to L2 or beyond); the same
+// block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
 #include <cmath>
@@ -297,8 +298,8 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward_backward", {
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && cols % kVec == 0;
-    auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
+    auto launch = [&](auto kernel, size_t shared_bytes = 0) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, shared_bytes, ctx.stream>>>(
           lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
           dloss.ptr<const float>(), cols);
     };
@@ -308,9 +309,7 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
       // per device and call: a host-side attribute, cheap beside a kernel over a whole chunk
       MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(row_bytes)));
-      kernel<<<static_cast<unsigned>(rows), kRowBlock, row_bytes, ctx.stream>>>(
-          lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
-          dloss.ptr<const float>(), cols);
+      launch(kernel, row_bytes);
     } else if (vec) {
       launch(cross_entropy_forward_backward_kernel<T, kVec>);
     } else {
