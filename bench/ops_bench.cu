@@ -214,11 +214,11 @@ void bench_model(Bench& B, const Model& M) {
     Tensor dw = B.alloc(DType::f32, {L.n, L.k});
     Tensor db = L.bias ? B.alloc(DType::f32, {L.n}) : Tensor();
     B.gemm_op(mn, std::string("bwd_weight ") + L.name + (L.bias ? " +dbias" : ""), L.k, L.n, R,
-              [&](int) { be.linear_backward_weight(dw, db, y, x); });
+              [&](int) { be.linear_backward_weight(dw, db, y, x, true); });
     if (L.bias && std::string(L.name) == "fc2") {  // the column-sum kernel (default) against the BGRADB epilogue
       be.gemm().use_bias_grad_epilogue = true;
       B.gemm_op(mn, std::string("bwd_weight ") + L.name + " +dbias (BGRADB epilogue)", L.k, L.n, R,
-                [&](int) { be.linear_backward_weight(dw, db, y, x); });
+                [&](int) { be.linear_backward_weight(dw, db, y, x, true); });
       be.gemm().use_bias_grad_epilogue = false;
     }
     if (L.act == Activation::gelu_tanh) {

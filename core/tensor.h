@@ -14,6 +14,11 @@ namespace mt {
 
 enum class Device : uint8_t { cpu, cuda };
 
+// Elements [offset, offset + count) of a flat tensor.
+struct FlatRange {
+  int64_t offset = 0, count = 0;
+};
+
 struct Tensor {
   static constexpr int kMaxDims = 4;
 

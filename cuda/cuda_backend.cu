@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
@@ -193,6 +194,15 @@ void CudaBackend::fill(Tensor t, double value) {
   MT_PROFILE_OP("fill {} {}", dtype_name(t.dtype), t.numel());
   cuda::fill(context(), t, value);
 }
+void CudaBackend::fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value) {
+  if (value != 0.0 || std::signbit(value)) {
+    Backend::fill_ranges(flat, ranges, value);
+    return;
+  }
+  on_device("fill_ranges", flat);
+  MT_PROFILE_OP("fill_ranges {} {} ranges", dtype_name(flat.dtype), ranges.size());
+  cuda::zero_ranges(context(), flat, ranges);
+}
 void CudaBackend::cast(Tensor dst, Tensor src) {
   on_device("cast", dst, src);
   MT_PROFILE_OP("cast {} <- {} {}", dtype_name(dst.dtype), dtype_name(src.dtype), dst.numel());
@@ -291,11 +301,12 @@ void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool acc
   const cuda::KernelContext ctx = context();
   cuda::linear_backward_input(*gemm_, ctx, dx, dy, w, accumulate, act, pre_act);
 }
-void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) {
   on_device("linear_backward_weight", dw, dbias, dy, x);
-  MT_PROFILE_OP("linear_backward_weight {}x{}x{}{}", dw.rows(), dw.cols(), dy.rows(), dbias.empty() ? "" : " +dbias");
+  MT_PROFILE_OP("linear_backward_weight {}x{}x{}{}{}", dw.rows(), dw.cols(), dy.rows(), accumulate ? " +acc" : "",
+                dbias.empty() ? "" : " +dbias");
   const cuda::KernelContext ctx = context();
-  cuda::linear_backward_weight(*gemm_, ctx, dw, dbias, dy, x);
+  cuda::linear_backward_weight(*gemm_, ctx, dw, dbias, dy, x, accumulate);
 }
 
 void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,

@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
   void* stream() override { return stream_; }
 
   void fill(Tensor t, double value) override;
+  void fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value) override;
   void cast(Tensor dst, Tensor src) override;
   void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) override;
   void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) override;
@@ -70,7 +71,7 @@ class CudaBackend final : public Backend {
 
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
   void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act) override;
-  void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
+  void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) override;
   void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
                                        Tensor pre_act) override;
 
@@ -86,7 +87,7 @@ class CudaBackend final : public Backend {
   void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,
                                  bool accumulate, Activation act, Tensor pre_act) override;
   void fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv, Tensor xq_t,
-                                  Tensor x_scale_inv) override;
+                                  Tensor x_scale_inv, bool accumulate) override;
   void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                          const Fp8ScaleUpdate& p) override;
 

@@ -184,11 +184,11 @@ void CudaBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_sca
 }
 
 void CudaBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
-                                             Tensor xq_t, Tensor x_scale_inv) {
+                                             Tensor xq_t, Tensor x_scale_inv, bool accumulate) {
   const char* op = "fp8_linear_backward_weight";
   on_device(op, dw, dbias, dy, dyq_t, dy_scale_inv, xq_t, x_scale_inv);
-  MT_PROFILE_OP("fp8_linear_backward_weight {}x{}x{}{}", dyq_t.rows(), xq_t.rows(), dyq_t.cols(),
-                dbias.empty() ? "" : " +dbias");
+  MT_PROFILE_OP("fp8_linear_backward_weight {}x{}x{}{}{}", dyq_t.rows(), xq_t.rows(), dyq_t.cols(),
+                accumulate ? " +acc" : "", dbias.empty() ? "" : " +dbias");
   const int64_t N = dyq_t.rows(), M = dyq_t.cols(), K = xq_t.rows();
   MT_CHECK(xq_t.cols() == M && dw.numel() == N * K, "{}: dw {} += dyq_t {} . xq_t {}^T", op, dw.shape_string(),
            dyq_t.shape_string(), xq_t.shape_string());
@@ -199,7 +199,8 @@ void CudaBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy,
   fp8_stage_scales(ctx, dy_scale_inv, x_scale_inv, op);
   cuda::fp8_linear_backward_weight(fp8_gemm(), dw.view({N, K}),
                                    {dyq_t.data, fp8_format_of(dyq_t.dtype, op, "dyq_t"), fp8_scale_slots_},
-                                   {xq_t.data, fp8_format_of(xq_t.dtype, op, "xq_t"), fp8_scale_slots_ + 4}, M);
+                                   {xq_t.data, fp8_format_of(xq_t.dtype, op, "xq_t"), fp8_scale_slots_ + 4}, M,
+                                   accumulate);
   if (!dbias.empty()) cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
 }
 

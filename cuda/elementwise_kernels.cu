@@ -57,6 +57,26 @@ __global__ void fill_kernel(Bits* p, int64_t n, Bits value) {
     p[i] = value;
 }
 
+// ---- zero_ranges ----------------------------------------------------------------------------------
+constexpr int kZeroRangesPerLaunch = 64;  // 1 KiB of kernel parameters
+struct ZeroRangeBatch {
+  int64_t begin[kZeroRangesPerLaunch];  // bytes from the buffer's start (a 16-byte aligned address)
+  int64_t bytes[kZeroRangesPerLaunch];
+};
+
+// Block row y zeroes range y: 16-byte stores over its aligned middle, single bytes at its ends.
+__global__ void zero_ranges_kernel(char* base, ZeroRangeBatch batch) {
+  const int64_t begin = batch.begin[blockIdx.y], end = begin + batch.bytes[blockIdx.y];
+  const int64_t mid_begin = min(end, (begin + 15) & ~int64_t{15});
+  const int64_t mid_end = max(mid_begin, end & ~int64_t{15});
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = begin + t; i < mid_begin; i += stride) base[i] = 0;
+  for (int64_t i = mid_end + t; i < end; i += stride) base[i] = 0;
+  for (int64_t i = mid_begin + 16 * t; i < mid_end; i += 16 * stride)
+    *reinterpret_cast<uint4*>(base + i) = make_uint4(0, 0, 0, 0);
+}
+
 // ---- cast -----------------------------------------------------------------------------------------
 template <typename Tout, typename Tin, bool VEC>
 __global__ void cast_kernel(Tout* dst, const Tin* src, int64_t n) {
@@ -324,6 +344,39 @@ void fill(const KernelContext& ctx, Tensor t, double value) {
     case DType::fp8_e5m2: launch(float_to_fp8_bits(t.dtype, static_cast<float>(value))); break;
   }
   MT_CUDA_CHECK_LAUNCH();
+}
+
+void zero_ranges(const KernelContext& ctx, Tensor flat, const std::vector<FlatRange>& ranges) {
+  constexpr int64_t kMemsetBytes = int64_t{1} << 20;
+  char* base = static_cast<char*>(flat.data);
+  const int64_t elem = static_cast<int64_t>(dtype_size(flat.dtype));
+  const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  ZeroRangeBatch batch{};
+  int count = 0;
+  int64_t largest = 0;
+  auto launch = [&] {
+    if (count == 0) return;
+    const dim3 grid(grid_for((largest + 15) / 16, kBlock, 64), count);
+    zero_ranges_kernel<<<grid, kBlock, 0, ctx.stream>>>(base, batch);
+    MT_CUDA_CHECK_LAUNCH();
+    count = 0;
+    largest = 0;
+  };
+  for (const FlatRange& r : ranges) {
+    MT_CHECK(r.offset >= 0 && r.count >= 0 && r.offset + r.count <= flat.numel(),
+             "zero_ranges: range [{}, {}) outside the {} elements", r.offset, r.offset + r.count, flat.numel());
+    const int64_t bytes = r.count * elem;
+    if (bytes == 0) continue;
+    if (bytes >= kMemsetBytes || !aligned) {
+      MT_CUDA_CHECK(cudaMemsetAsync(base + r.offset * elem, 0, static_cast<size_t>(bytes), ctx.stream));
+      continue;
+    }
+    batch.begin[count] = r.offset * elem;
+    batch.bytes[count] = bytes;
+    largest = std::max(largest, bytes);
+    if (++count == kZeroRangesPerLaunch) launch();
+  }
+  launch();
 }
 
 namespace {

@@ -230,7 +230,8 @@ void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp
   gemm.run(c, "fp8_linear_backward_input");
 }
 
-void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens) {
+void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens,
+                                bool accumulate) {
   MT_CHECK(dw.dtype == DType::f32, "fp8_linear_backward_weight: dw must be float32 (main grad), got {}",
            dtype_name(dw.dtype));
   Fp8GemmCall c;
@@ -238,7 +239,7 @@ void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t,
   c.x = dy_t.data, c.x_format = dy_t.format, c.x_scale_inv = dy_t.scale_inv;
   c.w = x_t.data, c.w_format = x_t.format, c.w_scale_inv = x_t.scale_inv;
   c.out = dw.data, c.out_type = DType::f32;
-  c.beta = 1.0f;
+  c.beta = accumulate ? 1.0f : 0.0f;
   gemm.run(c, "fp8_linear_backward_weight");
 }
 

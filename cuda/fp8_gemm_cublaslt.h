@@ -130,7 +130,8 @@ void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand 
 // accumulate (+=) only into fp32.
 void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp8Operand w_t, int64_t n_out,
                                bool accumulate);
-// dw[N, K] += dy^T . x, from dy_t = dy^T [N, M] and x_t = x^T [K, M]; fp32 dw.
-void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens);
+// dw[N, K] += dy^T . x (dw = ... without accumulate), from dy_t = dy^T [N, M] and x_t = x^T [K, M]; fp32 dw.
+void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens,
+                                bool accumulate);
 
 }  // namespace mt::cuda

@@ -456,7 +456,8 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
   }
 }
 
-void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
+                            bool accumulate) {
   const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
   MT_CHECK(x.rows() == M && dw.rows() == N && dw.cols() == K, "linear_backward_weight: dw {} += dy {}^T . x {}",
            dw.shape_string(), dy.shape_string(), x.shape_string());
@@ -471,7 +472,9 @@ void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor d
   c.a = x.data, c.a_type = x.dtype, c.lda = K;
   c.b = dy.data, c.b_type = dy.dtype, c.ldb = N;
   c.d = dw.data, c.d_type = dw.dtype, c.ldd = K;
-  c.beta = 1.0f;
+  // beta 0 (the first write of a step's gradient): cuBLASLt does not read D, and the GEMM is one
+  // the runner may autotune (GemmRunner::make_plan).
+  c.beta = accumulate ? 1.0f : 0.0f;
   if (!dbias.empty() && gemm.use_bias_grad_epilogue && dw.dtype == DType::f32) {
     float* tmp = ctx.scratch->take_array<float>(N, "bias gradient");
     c.epilogue = GemmEpilogue::bgradb;

@@ -131,7 +131,8 @@ void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor
                     Activation act, Tensor pre_act);
 void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
                            bool accumulate, Activation act, Tensor pre_act);
-void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
+void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
+                            bool accumulate);
 // dx = (dy . w) * act'(pre_act) and act_out = act(pre_act) (engine/backend.h); act_out may alias pre_act.
 void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor act_out, Tensor dy,
                                      Tensor w, Activation act, Tensor pre_act);

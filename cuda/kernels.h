@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "core/shard.h"
 #include "core/tensor.h"
@@ -45,6 +46,9 @@ struct KernelContext {
 
 // ---- elementwise_kernels.cu -------------------------------------------------------------------
 void fill(const KernelContext& ctx, Tensor t, double value);
+// Zeroes the element ranges of flat (value +0 in every dtype): ranges of 1 MiB or more by the
+// driver's memset, the small ones together in one launch per kZeroRangesPerLaunch of them.
+void zero_ranges(const KernelContext& ctx, Tensor flat, const std::vector<FlatRange>& ranges);
 void cast(const KernelContext& ctx, Tensor dst, Tensor src);
 void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float beta, Tensor b);
 void gelu_forward(const KernelContext& ctx, Tensor out, Tensor in, bool tanh_approx);

@@ -4,6 +4,10 @@
 
 namespace mt {
 
+void Backend::fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value) {
+  for (const FlatRange& r : ranges) fill(flat.flat_slice(r.offset, r.count), value);
+}
+
 void Backend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                                       Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
                                       const NormParams& p) {
@@ -66,7 +70,7 @@ void Backend::fp8_linear_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 void Backend::fp8_linear_backward_input(Tensor, Tensor, Tensor, Tensor, Tensor, bool, Activation, Tensor) {
   throw Unsupported("FP8 (--fp8-format): fp8_linear_backward_input is not on the " + name() + " backend yet");
 }
-void Backend::fp8_linear_backward_weight(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+void Backend::fp8_linear_backward_weight(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool) {
   throw Unsupported("FP8 (--fp8-format): fp8_linear_backward_weight is not on the " + name() + " backend yet");
 }
 void Backend::fp8_update_scales(Tensor, Tensor, Tensor, Tensor, const Fp8ScaleUpdate&) {

@@ -116,6 +116,9 @@ class Backend {
 
   // ---- elementwise -----------------------------------------------------------------------
   virtual void fill(Tensor t, double value) = 0;
+  // fill(flat.flat_slice(r.offset, r.numel), value) for every range (the CUDA backend zeroes many
+  // small ranges in one launch: the gradient buffer between the weights that need no zeroing).
+  virtual void fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value);
   virtual void cast(Tensor dst, Tensor src) = 0;  // any float dtype to any float dtype
   // out = alpha * a + beta * b (b may be empty: out = alpha * a). out may alias a or b.
   virtual void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) = 0;
@@ -182,8 +185,10 @@ class Backend {
   // multiplied by act'(pre_act) (pre_act has dx's shape): the gradient through a preceding activation.
   virtual void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
                                      Tensor pre_act) = 0;
-  // dw[N, K] += dy[M, N]^T . x[M, K]; dbias[N] += column sums of dy (if dbias is given).
-  virtual void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) = 0;
+  // dw[N, K] += dy[M, N]^T . x[M, K], or dw = ... without accumulate (dw's old contents are not
+  // read, NaN included: the first write of a step's gradient needs no zeroed buffer);
+  // dbias[N] += column sums of dy (if dbias is given; bias gradients always accumulate).
+  virtual void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) = 0;
   // linear_backward_input(dx, dy, w, false, act, pre_act) (act: a GeLU), and also
   // act_out = act(pre_act): the activation linear_forward produced, recomputed so that the model
   // need not keep it (bit for bit, except where a backend's forward took the activation from the
@@ -255,7 +260,7 @@ class Backend {
   // Transformer Engine takes dbias from the high-precision gradient); dy is only read for dbias
   // and may be empty when dbias is. (--no-fp8-wgrad: the model calls linear_backward_weight instead.)
   virtual void fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
-                                          Tensor xq_t, Tensor x_scale_inv);
+                                          Tensor xq_t, Tensor x_scale_inv, bool accumulate);
   // Delayed scaling, once per optimizer step, after the amax all-reduce (max) over the amax
   // group. For n operands: history float32 [H, n] (row 0: the step just finished), scale,
   // scale_inv and fp8_max float32 [n]. For every operand i:

@@ -112,6 +112,8 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
   if (const char* r = std::getenv("MEGATRAIN_RECOMPUTE_GELU"); r && std::string(r) == "1") o.keep_gelu_activation = false;
+  if (const char* z = std::getenv("MEGATRAIN_ZERO_ALL_GRADS"); z && std::string(z) == "1")
+    o.overwrite_first_weight_grad = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
@@ -171,6 +173,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   arena_->allocate();
   layout(*arena_);  // real views
   bind_params();
+  plan_grad_zeroing();
   fp8_.initialize(be_);
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
@@ -501,7 +504,59 @@ void GptModel::init_parameters() {
   be_.fill(grads_, 0.0);
 }
 
-void GptModel::zero_grads() { be_.fill(grads_, 0.0); }
+void GptModel::zero_grads() {
+  for (FirstWriteGrad& f : first_write_grads_) f.written = false;
+  if (first_write_grads_.empty()) be_.fill(grads_, 0.0);
+  else be_.fill_ranges(grads_, zeroed_grad_ranges_, 0.0);
+}
+
+void GptModel::check_grads_written() const {
+  for (const FirstWriteGrad& f : first_write_grads_)
+    MT_CHECK(f.written, "the gradient of {} was not written in this step's backward (it is not zeroed before "
+             "the step: MEGATRAIN_ZERO_ALL_GRADS=1 zeroes every gradient)", descs_[static_cast<size_t>(f.param)].name);
+}
+
+bool GptModel::accumulate_weight_grad(const Tensor& dw) {
+  for (FirstWriteGrad& f : first_write_grads_) {
+    if (f.data != dw.data) continue;
+    MT_CHECK(dw.numel() == descs_[static_cast<size_t>(f.param)].numel(),
+             "weight gradient GEMM into part of {} ({} of {} elements), which is not zeroed before the step",
+             descs_[static_cast<size_t>(f.param)].name, dw.numel(), descs_[static_cast<size_t>(f.param)].numel());
+    const bool accumulate = f.written;
+    f.written = true;
+    return accumulate;
+  }
+  return true;
+}
+
+// The linear layers' weights (and an output layer of its own) get their gradient from GEMMs only,
+// so the step's first GEMM can write it; everything else (embeddings: scattered rows; norms and
+// biases: sums added by kernels) is zeroed. Their ranges are nearly all of the buffer's bytes.
+void GptModel::plan_grad_zeroing() {
+  first_write_grads_.clear();
+  zeroed_grad_ranges_.clear();
+  if (!opt_.overwrite_first_weight_grad) return;
+  auto ends_with = [](const std::string& s, const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+  };
+  std::vector<int> written;
+  for (size_t i = 0; i < descs_.size(); ++i) {
+    const std::string& n = descs_[i].name;
+    if (n == "output_layer.weight" || ends_with(n, ".linear_qkv.weight") || ends_with(n, ".linear_proj.weight") ||
+        ends_with(n, ".linear_fc1.weight") || ends_with(n, ".linear_fc2.weight"))
+      written.push_back(static_cast<int>(i));
+  }
+  std::sort(written.begin(), written.end(), [&](int a, int b) { return descs_[a].offset < descs_[b].offset; });
+  int64_t next = 0;  // first element not yet assigned to a range
+  for (int i : written) {
+    const ParamDesc& p = descs_[static_cast<size_t>(i)];
+    if (p.offset > next) zeroed_grad_ranges_.push_back({next, p.offset - next});
+    next = p.offset + p.numel();
+    first_write_grads_.push_back({i, grads_.flat_slice(p.offset, p.numel()).data, true});
+  }
+  if (grads_.numel() > next) zeroed_grad_ranges_.push_back({next, grads_.numel() - next});
+}
 
 // ---- FP8 linear layers -------------------------------------------------------------------
 
@@ -611,8 +666,9 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
 
 void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy,
                                  Tensor x) {
+  const bool accumulate = accumulate_weight_grad(dw);
   if (!fp8_wgrad(local)) {
-    be_.linear_backward_weight(dw, dbias, dy, x);
+    be_.linear_backward_weight(dw, dbias, dy, x, accumulate);
     return;
   }
   Tensor xq_t, x_scale_inv = fp8_.scale_inv(local, g, Fp8State::x);
@@ -628,7 +684,7 @@ void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A
   }
   // (The bias gradient was taken by linear_quantize_dy's cast.)
   be_.fp8_linear_backward_weight(dw, Tensor(), Tensor(), fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
-                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv);
+                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv, accumulate);
 }
 
 // ---- micro-batch I/O ---------------------------------------------------------------------
@@ -903,7 +959,7 @@ void GptModel::head_forward(Slot& s, Tensor x) {
     // The output layer's backward, now: dlogits in place of the logits.
     if (!fused_ce)
       be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
-    be_.linear_backward_weight(G.dout_w, Tensor(), logits, y);
+    be_.linear_backward_weight(G.dout_w, Tensor(), logits, y, accumulate_weight_grad(G.dout_w));
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
   if (tp > 1) ps_.tp->all_reduce(w.target);

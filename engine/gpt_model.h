@@ -75,6 +75,11 @@ struct ModelOptions {
   // gradient, as Megatron does: N x ffn per layer more memory, no GeLU recompute in backward.
   // false (MEGATRAIN_RECOMPUTE_GELU=1, benchmarks): recomputed from fc1's output, as before.
   bool keep_gelu_activation = true;
+  // The linear layers' weight gradients are not zeroed before a step: the step's first
+  // weight-gradient GEMM of each writes it (beta 0), later ones (micro-batches) add to it; the
+  // rest of the gradient buffer is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B
+  // benchmarks): the whole buffer is zeroed and every GEMM adds.
+  bool overwrite_first_weight_grad = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -129,7 +134,13 @@ class GptModel {
   void fp8_end_step();
   const Fp8State& fp8_state() const { return fp8_; }
   Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
+  // Starts a step's gradients: zeroes the buffer except the weight gradients the step's first GEMM
+  // writes (ModelOptions::overwrite_first_weight_grad). Until the step's backward has written
+  // those, the buffer is not the gradient: check_grads_written() says whether it is.
   void zero_grads();
+  // Fails naming the parameter if a gradient left to its first write was not written since
+  // zero_grads() (the optimizer would read stale numbers).
+  void check_grads_written() const;
 
   // ---- one micro-batch -------------------------------------------------------------------
   // Stages mb into `slot`: tokens, labels, positions and loss mask (reordered to the
@@ -241,6 +252,10 @@ class GptModel {
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
   void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
+  // Whether a weight-gradient GEMM into dw adds to it (false: the step's first write of a gradient
+  // left unzeroed by zero_grads; marks it written).
+  bool accumulate_weight_grad(const Tensor& dw);
+  void plan_grad_zeroing();
 
   ModelDims d_;
   ModelOptions opt_;
@@ -261,6 +276,15 @@ class GptModel {
   std::vector<int> layer_first_param_;
   int head_first_param_ = 0;
   std::vector<std::pair<int, FlatRange>> tp_partial_;  // (global layer or -1, range)
+  // Gradients written first by a GEMM with beta 0 (ModelOptions::overwrite_first_weight_grad),
+  // and the ranges of the gradient buffer zero_grads() zeroes (all the rest, padding included).
+  struct FirstWriteGrad {
+    int param = 0;
+    const void* data = nullptr;
+    bool written = true;  // until the first zero_grads(): every GEMM adds, as before
+  };
+  std::vector<FirstWriteGrad> first_write_grads_;
+  std::vector<FlatRange> zeroed_grad_ranges_;
   NormParams norm_;
 
   Tensor params_, grads_, grad_comm_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;

@@ -14,6 +14,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/tensor.h"
 #include "engine/param_layout.h"
 #include "parallel/grad_buckets.h"
 
@@ -47,9 +48,6 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
 // Contiguous ranges [offset, offset + count) of the flat buffers that hold all parameters with
 // tp_partial_grad of one layer (layer -1: the final norm), padding between them included (it holds
 // zeros). Empty when the chunk has none.
-struct FlatRange {
-  int64_t offset = 0, count = 0;
-};
 std::vector<std::pair<int, FlatRange>> tp_partial_ranges(const std::vector<ParamDesc>& params);
 
 }  // namespace mt

@@ -184,6 +184,7 @@ StepOutcome Trainer::train_step() {
   }
   optimizer_.grad_sync().start_step();
   forward_backward();
+  for (GptModel* m : chunks_) m->check_grads_written();
   timers_.start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
   timers_.stop("optimizer");

@@ -187,14 +187,24 @@ TEST_CASE("fp8 GEMMs equal the float GEMMs on dequantized operands and follow th
   // Backward weight: accumulates into float32 dw, dbias from the unquantized dy.
   std::vector<float> dw8(N * K, 1.0f), dwd(N * K, 1.0f), dwf(N * K, 1.0f), db8(N, 0.0f), dbf(N, 0.0f);
   be->fp8_linear_backward_weight(f32(dw8, {N, K}), f32(db8, {N}), f32(dy, {M, N}), u8(dyq_t, DType::fp8_e5m2, {N, M}),
-                                 f32(mdy.si, {1}), u8(xq_t, DType::fp8_e4m3, {K, M}), f32(mx.si, {1}));
-  be->linear_backward_weight(f32(dwd, {N, K}), Tensor(), f32(dyd, {M, N}), f32(xd, {M, K}));
-  be->linear_backward_weight(f32(dwf, {N, K}), f32(dbf, {N}), f32(dy, {M, N}), f32(x, {M, K}));
+                                 f32(mdy.si, {1}), u8(xq_t, DType::fp8_e4m3, {K, M}), f32(mx.si, {1}), true);
+  be->linear_backward_weight(f32(dwd, {N, K}), Tensor(), f32(dyd, {M, N}), f32(xd, {M, K}), true);
+  be->linear_backward_weight(f32(dwf, {N, K}), f32(dbf, {N}), f32(dy, {M, N}), f32(x, {M, K}), true);
   for (int64_t i = 0; i < N * K; ++i) CHECK(dw8[i] == Approx(dwd[i]).epsilon(1e-6));
   for (int64_t i = 0; i < N; ++i) CHECK(db8[i] == Approx(dbf[i]).epsilon(1e-6));
   std::vector<float> dw8c(N * K), dwfc(N * K);
   for (int64_t i = 0; i < N * K; ++i) dw8c[i] = dw8[i] - 1.0f, dwfc[i] = dwf[i] - 1.0f;
   CHECK(rel_err(dw8c, dwfc) < 0.15);
+
+  // Without accumulate both write dw (NaN before: never read): the accumulated sums less the 1.
+  std::vector<float> dw8n(N * K, NAN), dwfn(N * K, NAN);
+  be->fp8_linear_backward_weight(f32(dw8n, {N, K}), Tensor(), Tensor(), u8(dyq_t, DType::fp8_e5m2, {N, M}),
+                                 f32(mdy.si, {1}), u8(xq_t, DType::fp8_e4m3, {K, M}), f32(mx.si, {1}), false);
+  be->linear_backward_weight(f32(dwfn, {N, K}), Tensor(), f32(dy, {M, N}), f32(x, {M, K}), false);
+  for (int64_t i = 0; i < N * K; ++i) {
+    CHECK(dw8n[i] == Approx(dw8c[i]).epsilon(1e-5).margin(1e-6));
+    CHECK(dwfn[i] == Approx(dwfc[i]).epsilon(1e-5).margin(1e-6));
+  }
 }
 
 TEST_CASE("fp8_update_scales: most_recent and max, margin, zero and non-finite amax, history roll",

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "engine/backend.h"
@@ -22,10 +23,12 @@ struct Harness {
   std::unique_ptr<GptModel> model;
   MicroBatch mb;
 
-  explicit Harness(const Config& c, int64_t logits_chunk_rows = 0) : cfg(c) {
+  explicit Harness(const Config& c, int64_t logits_chunk_rows = 0, bool overwrite_first_weight_grad = true)
+      : cfg(c) {
     dims = ModelDims::from_config(cfg, ps);
     ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f64);
     o.logits_chunk_rows = logits_chunk_rows;
+    o.overwrite_first_weight_grad = overwrite_first_weight_grad;
     model = std::make_unique<GptModel>(dims, o, ps, *be);
     model->init_parameters();
     // Bigger weights than the 0.02 init so that every path carries signal.
@@ -181,5 +184,40 @@ TEST_CASE("the output layer in row chunks gives the same loss and gradients", "[
     double worst = 0;
     for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / (std::abs(a[i]) + 1e-6));
     CHECK(worst < 1e-12);
+  }
+}
+
+TEST_CASE("weight gradients left to the step's first GEMM equal zeroed and accumulated ones", "[model]") {
+  // Tied GPT (the embedding gradient gets the head's GEMM and the scatter: zeroed) and untied
+  // Llama (the output layer's gradient is written by its first chunk's GEMM); two micro-batches,
+  // so the second backward adds; the output layer in chunks of 4 rows.
+  for (const Config& c : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+    Harness first(c, 4, true), zeroed(c, 4, false);
+    // What zero_grads leaves alone holds junk (another step's numbers, or a checkpoint read).
+    first.be->fill(first.model->grads_flat(), std::nan(""));
+    first.model->zero_grads();
+    CHECK_THROWS_WITH(first.model->check_grads_written(), Catch::Contains(".weight was not written in this step"));
+    zeroed.model->zero_grads();
+    for (int micro = 0; micro < 2; ++micro) {
+      for (Harness* h : {&first, &zeroed}) {
+        if (micro == 1)
+          for (size_t k = 0; k < h->mb.tokens.size(); ++k) h->mb.tokens[k] = static_cast<int32_t>((k * 7 + 2) % h->dims.vocab);
+        h->loss();
+        h->model->backward(0);
+      }
+    }
+    CHECK_NOTHROW(first.model->check_grads_written());
+    CHECK_NOTHROW(zeroed.model->check_grads_written());
+    const size_t n = static_cast<size_t>(first.model->grads_flat().numel());
+    std::vector<double> a(n), b(n);
+    first.be->copy_to_host(a.data(), first.model->grads_flat());
+    zeroed.be->copy_to_host(b.data(), zeroed.model->grads_flat());
+    size_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0) ++differ;
+      if (b[i] != 0.0) ++nonzero;
+    }
+    CHECK(differ == 0);
+    CHECK(nonzero > n / 2);
   }
 }

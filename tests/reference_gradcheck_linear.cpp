@@ -24,7 +24,7 @@ TEST_CASE("reference linear_forward/backward gradients (bias, GeLU erf/tanh fuse
     Buf dx = Buf::zeros({M, K}), dw = Buf::randn({N, K}, rng), db = Buf::randn({N}, rng);
     const std::vector<double> dw0 = dw.d, db0 = db.d;  // grads accumulate onto what is there
     be->linear_backward_input(dx.t(), dz.t(), w.t(), false, Activation::none, Tensor());
-    be->linear_backward_weight(dw.t(), db.t(), dz.t(), x.t());
+    be->linear_backward_weight(dw.t(), db.t(), dz.t(), x.t(), true);
     for (size_t k = 0; k < dw.d.size(); ++k) dw.d[k] -= dw0[k];
     for (size_t k = 0; k < db.d.size(); ++k) db.d[k] -= db0[k];
     mt::test::check_gradient("linear dx", x.d, dx.d, loss);

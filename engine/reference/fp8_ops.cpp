@@ -232,7 +232,7 @@ void ReferenceBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor d
 }
 
 void ReferenceBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv,
-                                                  Tensor xq_t, Tensor x_scale_inv) {
+                                                  Tensor xq_t, Tensor x_scale_inv, bool accumulate) {
   const char* op = "fp8_linear_backward_weight";
   const int64_t N = dyq_t.rows(), K = xq_t.rows();
   check_numel(dw, N * K, op, "dw");
@@ -240,7 +240,10 @@ void ReferenceBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tenso
   check_float_accumulator(dbias, op, "dbias");
   const double s = static_cast<double>(read_scalar(dy_scale_inv, op, "dy_scale_inv")) * read_scalar(x_scale_inv, op, "x_scale_inv");
   const Floats fdw(dw);
-  fp8_gemm_tn(pool_, dyq_t, xq_t, s, [&](int64_t n, int64_t k, double v) { fdw.add(n * K + k, static_cast<float>(v)); });
+  fp8_gemm_tn(pool_, dyq_t, xq_t, s, [&](int64_t n, int64_t k, double v) {
+    if (accumulate) fdw.add(n * K + k, static_cast<float>(v));
+    else fdw.set(n * K + k, static_cast<float>(v));
+  });
   if (dbias.empty()) return;
   check_numel(dy, dyq_t.cols() * N, op, "dy");
   add_column_sums(dbias, dy.view({dyq_t.cols(), N}), op);

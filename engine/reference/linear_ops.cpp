@@ -98,7 +98,7 @@ void ReferenceBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, boo
   });
 }
 
-void ReferenceBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) {
+void ReferenceBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) {
   const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
   MT_CHECK(x.rows() == M, "linear_backward_weight: dy {} and x {} disagree on M", dy.shape_string(),
            x.shape_string());
@@ -131,7 +131,10 @@ void ReferenceBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy
         }
         for (int64_t j = 0; j < nr; ++j) {
           const int64_t n = n0 + j;
-          for (int64_t k = 0; k < K; ++k) fdw.add(n * K + k, acc[j * K + k]);
+          for (int64_t k = 0; k < K; ++k) {
+            if (accumulate) fdw.add(n * K + k, acc[j * K + k]);
+            else fdw.set(n * K + k, acc[j * K + k]);
+          }
           if (!fdb.empty()) fdb.add(n, bsum[j]);
         }
       }

@@ -53,7 +53,7 @@ class ReferenceBackend final : public Backend {
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
   void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
                              Tensor pre_act) override;
-  void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x) override;
+  void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) override;
 
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
   void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
@@ -66,7 +66,7 @@ class ReferenceBackend final : public Backend {
   void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,
                                  bool accumulate, Activation act, Tensor pre_act) override;
   void fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor dyq_t, Tensor dy_scale_inv, Tensor xq_t,
-                                  Tensor x_scale_inv) override;
+                                  Tensor x_scale_inv, bool accumulate) override;
   void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                          const Fp8ScaleUpdate& p) override;
   void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;

@@ -47,6 +47,39 @@ TEST_CASE("cuda fill writes every element, every dtype", "[gpu][elementwise]") {
   }
 }
 
+// fill_ranges with 0 (one launch per 64 small ranges, the driver's memset for ranges of 1 MiB or
+// more): exactly the ranges' elements become +0, odd offsets and lengths, 1- to 8-byte dtypes.
+TEST_CASE("cuda fill_ranges zeroes exactly its ranges", "[gpu][elementwise]") {
+  for (DType dt : {DType::f32, DType::bf16, DType::f64, DType::u8}) {
+    const int64_t n = (int64_t{3} << 20) / static_cast<int64_t>(dtype_size(dt)) + 77;  // a 1 MiB+ range fits
+    std::vector<FlatRange> ranges;
+    int64_t at = 3;
+    for (int i = 0; at < n / 2; ++i) {  // 150-odd small ranges of 1 to ~500 elements, gaps between them
+      const int64_t len = 1 + (i * 37) % 499;
+      ranges.push_back({at, std::min(len, n / 2 - at)});
+      at += len + 1 + (i * 13) % 7;
+    }
+    ranges.push_back({n / 2 + 1, n - n / 2 - 2});  // large: memset (leaves the last element)
+    ranges.push_back({n / 2, 0});                  // empty
+    INFO(dtype_name(dt) << " " << n << " elements, " << ranges.size() << " ranges");
+    REQUIRE(ranges.size() > 130);
+    Buf b(dev(), dt, {n});
+    dev().fill(b.t, 1.0);
+    dev().fill_ranges(b.t, ranges, 0.0);
+    std::vector<char> zero(static_cast<size_t>(n), 0);
+    for (const FlatRange& r : ranges) std::fill(zero.begin() + r.offset, zero.begin() + r.offset + r.count, 1);
+    const std::vector<double> got = download(dev(), b.t);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) wrong += zero[static_cast<size_t>(i)] ? (got[i] != 0.0 || std::signbit(got[i])) : got[i] != 1.0;
+    CHECK(wrong == 0);
+    dev().fill_ranges(b.t, ranges, 2.5);  // another value: fill per range
+    const std::vector<double> got2 = download(dev(), b.t);
+    wrong = 0;
+    for (int64_t i = 0; i < n; ++i) wrong += got2[i] != (zero[static_cast<size_t>(i)] ? (dt == DType::u8 ? 2.0 : 2.5) : 1.0);
+    CHECK(wrong == 0);
+  }
+}
+
 TEST_CASE("cuda cast between float dtypes is bit-identical to the reference", "[gpu][elementwise]") {
   MT_RNG(rng);
   const DType types[] = {DType::f32, DType::f64, DType::bf16, DType::f16};

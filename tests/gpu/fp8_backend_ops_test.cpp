@@ -110,8 +110,8 @@ TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients
 
   Twin dw = twin(DType::f32, {N, K}, rng.normal(N * K, 1e-3));
   Twin db = twin(DType::f32, {N}, rng.normal(N, 1e-3));
-  dev().fp8_linear_backward_weight(dw.c(), db.c(), dy.c(), dyq.tc.t, dyq.scale_inv.c.t, xq.tc.t, xq.scale_inv.c.t);
-  ref().fp8_linear_backward_weight(dw.r(), db.r(), dy.r(), dyq.tr.t, dyq.scale_inv.r.t, xq.tr.t, xq.scale_inv.r.t);
+  dev().fp8_linear_backward_weight(dw.c(), db.c(), dy.c(), dyq.tc.t, dyq.scale_inv.c.t, xq.tc.t, xq.scale_inv.c.t, true);
+  ref().fp8_linear_backward_weight(dw.r(), db.r(), dy.r(), dyq.tr.t, dyq.scale_inv.r.t, xq.tr.t, xq.scale_inv.r.t, true);
   MT_CHECK_CLOSE(dw, 1e-3);  // FP8 tensor-core accumulation vs exact sums
   MT_CHECK_CLOSE(db, 1e-5);
 }

@@ -261,9 +261,9 @@ TEST_CASE("fp8 linear mappings (forward, input grad, weight grad) vs the bf16 li
     Buf dw(be, DType::f32, {g.N, g.K}), dw8(be, DType::f32, {g.N, g.K});
     upload(be, dw.t, dw0);
     upload(be, dw8.t, dw0);
-    be.linear_backward_weight(dw.t, Tensor(), dy.t, x.t);
+    be.linear_backward_weight(dw.t, Tensor(), dy.t, x.t, true);
     cuda::fp8_linear_backward_weight(runner(), dw8.t, {dyq.q_t.t.data, cuda::Fp8Format::e5m2, dyq.scale_inv.t.ptr<float>()},
-                                     {xq.q_t.t.data, cuda::Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()}, g.M);
+                                     {xq.q_t.t.data, cuda::Fp8Format::e4m3, xq.scale_inv.t.ptr<float>()}, g.M, true);
     const double e_wgrad = rel_err(minus(download(be, dw8.t), dw0), minus(download(be, dw.t), dw0));
     INFO("weight-gradient relative L2 error " << e_wgrad);
     CHECK(e_wgrad < 0.12);

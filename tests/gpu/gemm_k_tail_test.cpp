@@ -42,7 +42,7 @@ std::vector<std::string> gemms_short_of_k(Backend& be) {
     for (NK nk : {NK{2048, 16}, NK{768, 64}, NK{1001, 16}, NK{3072, 32}, NK{128, 128}}) {
       Buf dy = filled(be, DType::bf16, {M, nk.N}, 1.0), x = filled(be, DType::bf16, {M, nk.K}, 1.0);
       Buf dw = filled(be, DType::f32, {nk.N, nk.K}, 3.0), db = filled(be, DType::f32, {nk.N}, 3.0);
-      be.linear_backward_weight(dw.t, db.t, dy.t, x.t);
+      be.linear_backward_weight(dw.t, db.t, dy.t, x.t, true);
       const int64_t bad_dw = differing_from(be, dw.t, double(M) + 3.0);
       const int64_t bad_db = differing_from(be, db.t, double(M) + 3.0);
       if (bad_dw || bad_db)
@@ -113,7 +113,7 @@ TEST_CASE("fp8 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][fp8]"
       upload(be, x_t.t, std::vector<double>(static_cast<size_t>(nk.K * tokens), kOneE4m3));
       Buf dw = filled(be, DType::f32, {nk.N, nk.K}, 3.0);
       cuda::fp8_linear_backward_weight(runner, dw.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
-                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens);
+                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, true);
       CHECK(differing_from(be, dw.t, double(tokens) + 3.0) == 0);
     }
 }

@@ -101,15 +101,19 @@ TEST_CASE("cuda linear_backward_weight dbias over many rows", "[gpu][linear]") {
       Twin dy = twin(dt, {M, N}, rng.normal(M * N)), x = twin(dt, {M, K}, rng.normal(M * K));
       const std::vector<double> dw0 = rng.normal(N * K), db0 = rng.normal(N);
       Twin dw = twin(DType::f32, {N, K}, dw0), db = twin(DType::f32, {N}, db0);
-      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
-      ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), true);
+      ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), true);
       MT_CHECK_CLOSE(dw, 1e-5);
       MT_CHECK_CLOSE(db, 1e-5);
       const auto db_first = download_bytes(dev(), db.c());
       upload(dev(), dw.c(), dw0);
       upload(dev(), db.c(), db0);
-      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+      dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), true);
       CHECK(differing(download_bytes(dev(), db.c()), db_first, 4) == 0);
+      Twin dw_new = twin_nan(DType::f32, {N, K});  // k = 8193: the guarded form's first GEMM writes
+      dev().linear_backward_weight(dw_new.c(), Tensor(), dy.c(), x.c(), false);
+      ref().linear_backward_weight(dw_new.r(), Tensor(), dy.r(), x.r(), false);
+      MT_CHECK_CLOSE(dw_new, 1e-5);
     }
 }
 
@@ -129,17 +133,24 @@ TEST_CASE("cuda linear_backward_weight accumulates dw and dbias deterministicall
           const std::vector<double> dw0 = rng.normal(g.N * g.K), db0 = rng.normal(g.N);
           Twin dw = twin(DType::f32, {g.N, g.K}, dw0);
           Twin db = with_bias ? twin(DType::f32, {g.N}, db0) : absent();
-          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
-          ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), true);
+          ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), true);
           MT_CHECK_CLOSE(dw, 1e-5);  // float32 accumulation of exact products
           if (with_bias) MT_CHECK_CLOSE(db, 1e-5);
           const auto dw_first = download_bytes(dev(), dw.c());
           const auto db_first = with_bias ? download_bytes(dev(), db.c()) : std::vector<uint8_t>();
           upload(dev(), dw.c(), dw0);
           if (with_bias) upload(dev(), db.c(), db0);
-          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+          dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), true);
           CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
           if (with_bias) CHECK(differing(download_bytes(dev(), db.c()), db_first, 4) == 0);
+          // Without accumulate dw is written (its NaNs never read: beta 0); dbias still adds.
+          Twin dw_new = twin_nan(DType::f32, {g.N, g.K});
+          Twin db_add = with_bias ? twin(DType::f32, {g.N}, db0) : absent();
+          dev().linear_backward_weight(dw_new.c(), db_add.c(), dy.c(), x.c(), false);
+          ref().linear_backward_weight(dw_new.r(), db_add.r(), dy.r(), x.r(), false);
+          MT_CHECK_CLOSE(dw_new, 1e-5);
+          if (with_bias) MT_CHECK_CLOSE(db_add, 1e-5);
         }
   }
   gemm.use_bias_grad_epilogue = false;
@@ -177,11 +188,17 @@ TEST_CASE("cuda GEMM autotuning: tuned GEMMs match the reference and accumulate 
         MT_CHECK_CLOSE(dx, tol_for(dt));
 
         Twin dw = twin(DType::f32, {g.N, g.K}, rng.normal(g.N * g.K)), db = twin(DType::f32, {g.N}, rng.normal(g.N));
-        tuned.linear_backward_weight(dw.c(), db.c(), dy.c(), x.c());
+        tuned.linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), true);
         tuned.synchronize();
-        ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r());
+        ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), true);
         MT_CHECK_CLOSE(dw, tol_for(dt));
         MT_CHECK_CLOSE(db, tol_for(dt));
+        // A first write (beta 0) is tuned: every candidate's run overwrites the same dw.
+        Twin dw_new = twin_nan(DType::f32, {g.N, g.K});
+        tuned.linear_backward_weight(dw_new.c(), Tensor(), dy.c(), x.c(), false);
+        tuned.synchronize();
+        ref().linear_backward_weight(dw_new.r(), Tensor(), dy.r(), x.r(), false);
+        MT_CHECK_CLOSE(dw_new, tol_for(dt));
       }
   CHECK(dynamic_cast<CudaBackend&>(tuned).gemm().tuned_plans() > 0);
 }
