@@ -523,6 +523,8 @@ void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment
 std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotune) {
   auto backend = std::make_unique<CudaBackend>(device_ordinal);
   backend->gemm().autotune = gemm_autotune;
+  if (const char* e = std::getenv("MEGATRAIN_GEMM_ACCUMULATE_TWIN"); e && std::string(e) == "0")
+    backend->gemm().reuse_tuned_for_accumulate = false;
   return backend;
 }
 

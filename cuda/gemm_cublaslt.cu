@@ -169,6 +169,7 @@ bool overlaps(const void* p, size_t p_bytes, const void* q, size_t q_bytes) {
 void GemmRunner::tune(const GemmCall& c, Plan& p) {
   const int count = p.num_candidates;
   p.num_candidates = 0;
+  p.tuned = true;
   ++tuned_;
   const size_t d_bytes = static_cast<size_t>(c.ldd) * static_cast<size_t>(c.n) * dtype_size(c.d_type);
   const size_t a_bytes = static_cast<size_t>(c.lda) * static_cast<size_t>(c.trans_a ? c.m : c.k) * dtype_size(c.a_type);
@@ -244,7 +245,16 @@ bool GemmRunner::try_run_one(const GemmCall& c) {
           alignment_of(c.a), alignment_of(c.b), alignment_of(c.d), alignment_of(c.bias), alignment_of(c.aux),
           static_cast<uint16_t>(sm_count_target)};
   auto it = plans_.find(key);
-  if (it == plans_.end()) it = plans_.emplace(key, make_plan(c, key)).first;
+  if (it == plans_.end()) {
+    Plan plan = make_plan(c, key);
+    if (plan.ok && key.accumulate && autotune && reuse_tuned_for_accumulate) {
+      Key writes = key;
+      writes.accumulate = 0;
+      const auto twin = plans_.find(writes);
+      if (twin != plans_.end() && twin->second.ok && twin->second.tuned) plan.algo = twin->second.algo;
+    }
+    it = plans_.emplace(key, plan).first;
+  }
   Plan& p = it->second;
   if (!p.ok) return false;
   if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);

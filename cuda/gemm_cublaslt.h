@@ -77,10 +77,15 @@ class GemmRunner {
   // heuristic candidates and keeps the fastest (bench_gemm_algo measured the first pick up to 20%
   // slower on some shapes). Only GEMMs that overwrite their output (beta = 0) are tuned, on their
   // own buffers: running one again rewrites the same outputs, and the real call comes last. GEMMs
-  // that accumulate (weight gradients) keep the first pick, since timing would add into the
-  // gradient. Off with --deterministic-mode: the pick depends on timings, so two runs could round
-  // differently.
+  // that accumulate (a weight gradient's later micro-batches or chunks) are not timed, since that
+  // would add into the gradient (see reuse_tuned_for_accumulate). Off with --deterministic-mode:
+  // the pick depends on timings, so two runs could round differently.
   bool autotune = false;
+  // With autotune, an accumulating GEMM takes the tuned pick of the same GEMM with beta = 0 where
+  // that ran first (the descriptors are the same; only beta differs): the output layer's weight
+  // gradient, whose first chunk writes (beta 0) and the others add. false: the heuristic's first
+  // pick (MEGATRAIN_GEMM_ACCUMULATE_TWIN=0, A/B).
+  bool reuse_tuned_for_accumulate = true;
   static constexpr int kTuneCandidates = 8;
   // For a k that is not a multiple of 256, no split-K algorithm sees the tail of k: cuBLASLt's
   // split-K kernels were seen to drop it (cuda/gemm_splitk_guard.h). Float32 outputs without an
@@ -112,6 +117,7 @@ class GemmRunner {
     cublasLtMatmulAlgo_t algo{};
     cublasLtMatmulAlgo_t candidates[kTuneCandidates]{};  // still to be timed (autotune)
     int num_candidates = 0;                               // 0 once tuned
+    bool tuned = false;                                   // algo is the fastest candidate's
   };
   Plan make_plan(const GemmCall& call, const Key& key);
   bool try_run_one(const GemmCall& call);  // try_run without splitting k

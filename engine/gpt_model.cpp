@@ -516,22 +516,37 @@ void GptModel::check_grads_written() const {
              "the step: MEGATRAIN_ZERO_ALL_GRADS=1 zeroes every gradient)", descs_[static_cast<size_t>(f.param)].name);
 }
 
-bool GptModel::accumulate_weight_grad(const Tensor& dw) {
+GptModel::FirstWriteGrad* GptModel::first_write_entry(const Tensor& g) {
   for (FirstWriteGrad& f : first_write_grads_) {
-    if (f.data != dw.data) continue;
-    MT_CHECK(dw.numel() == descs_[static_cast<size_t>(f.param)].numel(),
-             "weight gradient GEMM into part of {} ({} of {} elements), which is not zeroed before the step",
-             descs_[static_cast<size_t>(f.param)].name, dw.numel(), descs_[static_cast<size_t>(f.param)].numel());
-    const bool accumulate = f.written;
-    f.written = true;
-    return accumulate;
+    if (f.data != g.data) continue;
+    const ParamDesc& p = descs_[static_cast<size_t>(f.param)];
+    MT_CHECK(g.numel() == p.numel(), "a gradient op on part of {} ({} of {} elements), which is not zeroed before "
+             "the step", p.name, g.numel(), p.numel());
+    return &f;
   }
-  return true;
+  return nullptr;
 }
 
-// The linear layers' weights (and an output layer of its own) get their gradient from GEMMs only,
-// so the step's first GEMM can write it; everything else (embeddings: scattered rows; norms and
-// biases: sums added by kernels) is zeroed. Their ranges are nearly all of the buffer's bytes.
+bool GptModel::accumulate_weight_grad(const Tensor& dw) {
+  FirstWriteGrad* f = first_write_entry(dw);
+  if (!f) return true;
+  const bool accumulate = f->written;
+  f->written = true;
+  return accumulate;
+}
+
+void GptModel::zero_grad_if_unwritten(const Tensor& g) {
+  FirstWriteGrad* f = first_write_entry(g);
+  if (!f || f->written) return;
+  be_.fill(g, 0.0);
+  f->written = true;
+}
+
+// The linear layers' weights and the output layer get their gradient from GEMMs only, so the
+// step's first GEMM can write it. The word embeddings too: with tied embeddings the output layer's
+// GEMM writes first on the last stage; the embedding's scatter-add zeroes the gradient itself
+// where it comes first (untied, or a first pipeline stage). Everything else (positions, norms,
+// biases: sums added by kernels) is zeroed up front; nearly all the bytes are in the former.
 void GptModel::plan_grad_zeroing() {
   first_write_grads_.clear();
   zeroed_grad_ranges_.clear();
@@ -543,7 +558,8 @@ void GptModel::plan_grad_zeroing() {
   std::vector<int> written;
   for (size_t i = 0; i < descs_.size(); ++i) {
     const std::string& n = descs_[i].name;
-    if (n == "output_layer.weight" || ends_with(n, ".linear_qkv.weight") || ends_with(n, ".linear_proj.weight") ||
+    if (n == "output_layer.weight" || n == "embedding.word_embeddings.weight" ||
+        ends_with(n, ".linear_qkv.weight") || ends_with(n, ".linear_proj.weight") ||
         ends_with(n, ".linear_fc1.weight") || ends_with(n, ".linear_fc2.weight"))
       written.push_back(static_cast<int>(i));
   }
@@ -1146,6 +1162,7 @@ void GptModel::embedding_backward(Slot& s, Tensor grad) {
     grad = ws_->gT;
   }
   const bool positions = d_.position == PositionEmbedding::learned_absolute;
+  zero_grad_if_unwritten(G.dwte);  // the scatter adds (the tied output layer's GEMM may have written first)
   be_.embedding_backward(G.dwte, positions ? G.dwpe : Tensor(), grad, s.tokens, s.positions, d_.vocab_start());
 }
 

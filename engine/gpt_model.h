@@ -75,9 +75,10 @@ struct ModelOptions {
   // gradient, as Megatron does: N x ffn per layer more memory, no GeLU recompute in backward.
   // false (MEGATRAIN_RECOMPUTE_GELU=1, benchmarks): recomputed from fc1's output, as before.
   bool keep_gelu_activation = true;
-  // The linear layers' weight gradients are not zeroed before a step: the step's first
-  // weight-gradient GEMM of each writes it (beta 0), later ones (micro-batches) add to it; the
-  // rest of the gradient buffer is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B
+  // The linear layers' (and word embeddings') weight gradients are not zeroed before a step: the
+  // step's first weight-gradient GEMM of each writes it (beta 0), later ones (micro-batches,
+  // output-layer chunks) add to it (GptModel::plan_grad_zeroing); the rest of the gradient buffer
+  // is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B
   // benchmarks): the whole buffer is zeroed and every GEMM adds.
   bool overwrite_first_weight_grad = true;
 
@@ -255,6 +256,8 @@ class GptModel {
   // Whether a weight-gradient GEMM into dw adds to it (false: the step's first write of a gradient
   // left unzeroed by zero_grads; marks it written).
   bool accumulate_weight_grad(const Tensor& dw);
+  // Before an op that only adds into g: zeroes g if it is left to its first write and not written.
+  void zero_grad_if_unwritten(const Tensor& g);
   void plan_grad_zeroing();
 
   ModelDims d_;
@@ -276,14 +279,16 @@ class GptModel {
   std::vector<int> layer_first_param_;
   int head_first_param_ = 0;
   std::vector<std::pair<int, FlatRange>> tp_partial_;  // (global layer or -1, range)
-  // Gradients written first by a GEMM with beta 0 (ModelOptions::overwrite_first_weight_grad),
-  // and the ranges of the gradient buffer zero_grads() zeroes (all the rest, padding included).
+  // Gradients left to their step's first write (ModelOptions::overwrite_first_weight_grad): a GEMM
+  // with beta 0, or zero_grad_if_unwritten before an op that adds; and the ranges of the gradient
+  // buffer zero_grads() zeroes (all the rest, padding included).
   struct FirstWriteGrad {
     int param = 0;
     const void* data = nullptr;
     bool written = true;  // until the first zero_grads(): every GEMM adds, as before
   };
   std::vector<FirstWriteGrad> first_write_grads_;
+  FirstWriteGrad* first_write_entry(const Tensor& g);  // null: g is zeroed by zero_grads()
   std::vector<FlatRange> zeroed_grad_ranges_;
   NormParams norm_;
 
