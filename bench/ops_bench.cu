@@ -265,11 +265,11 @@ void bench_model(Bench& B, const Model& M) {
         be.bias_dropout_add_norm(sum.at(k), out.at(k), mean, rstd, b.at(k), x.at(k), bias_h, 0.0f, 5, w, bias, p);
       });
       B.memory_op(mn, norm + " bwd (+dresidual)" + tag, shape2(R, H), 4 * act, [&](int k) {
-        be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), p);
+        be.norm_backward(sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, b.at(k), Tensor(), p);
       });
       // As the training step runs it: the norm output recomputed too (5 tensors of traffic).
       B.memory_op(mn, norm + " bwd recompute (+dresidual)" + tag, shape2(R, H), 5 * act, [&](int k) {
-        be.norm_backward_recompute(rec.at(k), sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, bias, b.at(k), p);
+        be.norm_backward_recompute(rec.at(k), sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, bias, b.at(k), Tensor(), p);
       });
       if (general) unsetenv("MEGATRAIN_NORM_GENERAL");
     }

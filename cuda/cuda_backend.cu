@@ -256,19 +256,20 @@ void CudaBackend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Ten
   cuda::norm_forward(context(), sum, out, mean, rstd, residual, x, dropout_p, dropout_key, weight, bias, p, x_bias);
 }
 void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                                Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
-  on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual);
-  MT_PROFILE_OP("norm_backward {}", x.shape_string());
-  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
+                                Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) {
+  on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, dx_colsum);
+  MT_PROFILE_OP("norm_backward {}{}", x.shape_string(), dx_colsum.empty() ? "" : " +dx sums");
+  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, Tensor(), Tensor(),
+                      dx_colsum);
 }
 
 void CudaBackend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                                           Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
-                                          const NormParams& p) {
-  on_device("norm_backward_recompute", out, dx, dweight, dbias, dout, x, mean, rstd, weight, bias, dresidual);
-  MT_PROFILE_OP("norm_backward_recompute {}", x.shape_string());
+                                          Tensor dx_colsum, const NormParams& p) {
+  on_device("norm_backward_recompute", out, dx, dweight, dbias, dout, x, mean, rstd, weight, bias, dresidual, dx_colsum);
+  MT_PROFILE_OP("norm_backward_recompute {}{}", x.shape_string(), dx_colsum.empty() ? "" : " +dx sums");
   MT_CHECK(!out.empty(), "norm_backward_recompute: out is required");
-  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, out, bias);
+  cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, out, bias, dx_colsum);
 }
 
 void CudaBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,

@@ -60,9 +60,9 @@ class CudaBackend final : public Backend {
   void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, float dropout_p,
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
-                     Tensor weight, Tensor dresidual, const NormParams& p) override;
+                     Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) override;
   void norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                               Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual, const NormParams& p) override;
+                               Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual, Tensor dx_colsum, const NormParams& p) override;
   void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
                        Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) override;
   void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias, Tensor dout,

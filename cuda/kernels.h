@@ -80,10 +80,11 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p,
                   Tensor b_bias = Tensor());
 // out (optional): also writes the forward's output, recomputed from x and the saved statistics with
-// the forward's rounding (bit-identical); bias is its bias.
+// the forward's rounding (bit-identical); bias is its bias. dx_colsum (optional, engine/backend.h):
+// += the column sums of dx as stored.
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p,
-                   Tensor out = Tensor(), Tensor bias = Tensor());
+                   Tensor out = Tensor(), Tensor bias = Tensor(), Tensor dx_colsum = Tensor());
 // --qk-layernorm: every q and k head of packed QKV normalized over head_dim (engine/backend.h).
 void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
                      Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);

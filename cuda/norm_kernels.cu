@@ -20,10 +20,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/activations.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
+#include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
 
 namespace mt::cuda {
@@ -207,6 +209,7 @@ struct NormBackwardArgs {
   bool rms, one_p;
   T* out = nullptr;          // if given: the forward's output recomputed (plain rows only)
   const T* bias = nullptr;   // its bias (may be null)
+  float* partial_ds = nullptr;  // [gridDim.x, h]: column sums of dx as stored (16-bit fast path only)
 };
 
 template <typename T, int VEC, int ITERS, typename Layout>
@@ -371,18 +374,19 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
   constexpr bool kPrefetch = TPR > kWarp;
   constexpr int kWarpsPerTeam = TPR / kWarp;
   __shared__ float red[2][2][256 / kWarp];  // [buffer][sum][warp of the block]
-  extern __shared__ float combine[];        // [2][h] when several teams share a block
+  extern __shared__ float combine[];        // [h] when several teams share a block
   const int teams = blockDim.x / TPR, team = threadIdx.x / TPR, lane = threadIdx.x % TPR;
   const int warp = threadIdx.x / kWarp;
   const int h = args.h;
   const float w_shift = args.one_p ? 1.0f : 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * teams;
 
-  float dw[ITERS][8], db[ITERS][8];
+  float dw[ITERS][8], db[ITERS][8], ds[ITERS][8];
+  const bool sum_dx = args.partial_ds != nullptr;
 #pragma unroll
   for (int it = 0; it < ITERS; ++it)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) dw[it][j] = db[it][j] = 0.0f;
+    for (int j = 0; j < 8; ++j) dw[it][j] = db[it][j] = ds[it][j] = 0.0f;
 
   RowWords cur[ITERS];
   float mean = 0.0f, rstd = 0.0f;
@@ -447,6 +451,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
           if (args.dresidual) d.v[j] += word_elem<T>(cur[it].dr, j);
           dw[it][j] += dyv * xhat;
           db[it][j] += dyv;
+          if (sum_dx) ds[it][j] += to_float(from_float<T>(d.v[j]));  // the value stored
           y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
         }
         store_vec<8>(args.dx + o, d);
@@ -461,42 +466,40 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
     }
   }
 
-  if (!args.partial_dw && !args.partial_db) return;
-  // Combine the teams of this block in team order, then write this block's partial row.
-  if (teams > 1) {
-    for (int t = 0; t < teams; ++t) {
-      if (team == t) {
+  // Combine the teams of this block in team order, then write this block's partial row; one
+  // accumulator at a time through combine[0, h).
+  auto write_partial = [&](float (&acc)[ITERS][8], float* partial) {
+    if (!partial) return;
+    if (teams > 1) {
+      for (int t = 0; t < teams; ++t) {
+        if (team == t) {
 #pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-          const int c = (lane + it * TPR) * 8;
-          if (c < h) {
+          for (int it = 0; it < ITERS; ++it) {
+            const int c = (lane + it * TPR) * 8;
+            if (c < h) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              combine[c + j] = t == 0 ? dw[it][j] : combine[c + j] + dw[it][j];
-              combine[h + c + j] = t == 0 ? db[it][j] : combine[h + c + j] + db[it][j];
+              for (int j = 0; j < 8; ++j) combine[c + j] = t == 0 ? acc[it][j] : combine[c + j] + acc[it][j];
             }
           }
         }
+        __syncthreads();
       }
-      __syncthreads();
-    }
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-      if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c] = combine[c];
-      if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c] = combine[h + c];
-    }
-  } else {
+      for (int c = threadIdx.x; c < h; c += blockDim.x) partial[static_cast<int64_t>(blockIdx.x) * h + c] = combine[c];
+      __syncthreads();  // combine is reused by the next accumulator
+    } else {
 #pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int c = (lane + it * TPR) * 8;
-      if (c < h) {
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = (lane + it * TPR) * 8;
+        if (c < h) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (args.partial_dw) args.partial_dw[static_cast<int64_t>(blockIdx.x) * h + c + j] = dw[it][j];
-          if (args.partial_db) args.partial_db[static_cast<int64_t>(blockIdx.x) * h + c + j] = db[it][j];
+          for (int j = 0; j < 8; ++j) partial[static_cast<int64_t>(blockIdx.x) * h + c + j] = acc[it][j];
         }
       }
     }
-  }
+  };
+  write_partial(dw, args.partial_dw);
+  write_partial(db, args.partial_db);
+  write_partial(ds, args.partial_ds);
 }
 
 // ---- 16-bit rows of at most 2048 elements: the forward (plain and fused add) ----------------------
@@ -618,17 +621,19 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
   }
 }
 
-// out[c] += sum over g of partial[g, c] for dweight (blockIdx.y 0) and dbias (1, or 0 when only one
-// is given). A block sums 32 columns: its 8 warps each add every 8th partial row in order, then the
+// out[c] += sum over g of partial[g, c] for each of up to three outputs (blockIdx.y: dweight, dbias,
+// the column sums of dx; those given, in that order). A block sums 32 columns: its 8 warps each add every 8th partial row in order, then the
 // 8 warp sums are added in warp order, so the result is fixed by (blocks, h). (One thread per column
 // walking all the partials serially left the GPU nearly idle: h/256 blocks of dependent loads.)
 constexpr int kReduceWarps = 8;
-__global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(float* out0, const float* partial0,
-                                                                                float* out1, const float* partial1,
-                                                                                int blocks, int h) {
+struct PartialSums {
+  float* out[3];
+  const float* partial[3];
+};
+__global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(PartialSums sums, int blocks, int h) {
   __shared__ float part[kReduceWarps][kWarp + 1];
-  float* out = blockIdx.y == 0 ? out0 : out1;
-  const float* partial = blockIdx.y == 0 ? partial0 : partial1;
+  float* out = sums.out[blockIdx.y];
+  const float* partial = sums.partial[blockIdx.y];
   const int c = blockIdx.x * kWarp + threadIdx.x;
   float s = 0.0f;
   if (c < h)
@@ -735,49 +740,62 @@ void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& arg
   MT_CUDA_CHECK_LAUNCH();
 }
 
-// Scratch for the per-block partial dweight/dbias rows; returns the block count (at most `blocks`).
+// Scratch for the per-block partial rows of dweight, dbias and dx's column sums (those given);
+// returns the block count (at most `blocks`).
 template <typename T>
 int64_t take_partials(const KernelContext& ctx, NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
-                      float* dbias) {
-  if (!dweight && !dbias) return blocks;
+                      float* dbias, float* dx_colsum = nullptr) {
+  const int sums = static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr) +
+                   static_cast<int>(dx_colsum != nullptr);
+  if (sums == 0) return blocks;
   const int64_t h = args.h;
-  const int64_t per_block =
-      h * (static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr)) * static_cast<int64_t>(sizeof(float));
+  const int64_t per_block = h * sums * static_cast<int64_t>(sizeof(float));
   blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(ctx.scratch->remaining()) / per_block));
   if (dweight) args.partial_dw = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dweight");
   if (dbias) args.partial_db = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dbias");
+  if (dx_colsum) args.partial_ds = ctx.scratch->take_array<float>(blocks * h, "norm_backward partial dx sums");
   return blocks;
 }
 
-// dweight (+)= column sums of the partials, dbias likewise, in one launch.
+// dweight (+)= column sums of the partials, dbias and dx's column sums likewise, in one launch.
 template <typename T>
 void reduce_partials(const KernelContext& ctx, const NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
-                     float* dbias) {
-  if (!dweight && !dbias) return;
-  const dim3 grid(static_cast<unsigned>((args.h + kWarp - 1) / kWarp), (dweight && dbias) ? 2u : 1u);
-  reduce_partials_kernel<<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(
-      dweight ? dweight : dbias, dweight ? args.partial_dw : args.partial_db, dbias, args.partial_db,
-      static_cast<int>(blocks), args.h);
+                     float* dbias, float* dx_colsum = nullptr) {
+  PartialSums sums{};
+  unsigned n = 0;
+  float* const outs[3] = {dweight, dbias, dx_colsum};
+  const float* const partials[3] = {args.partial_dw, args.partial_db, args.partial_ds};
+  for (int i = 0; i < 3; ++i) {
+    if (!outs[i]) continue;
+    sums.out[n] = outs[i];
+    sums.partial[n] = partials[i];
+    ++n;
+  }
+  if (n == 0) return;
+  const dim3 grid(static_cast<unsigned>((args.h + kWarp - 1) / kWarp), n);
+  reduce_partials_kernel<<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(sums, static_cast<int>(blocks), args.h);
   MT_CUDA_CHECK_LAUNCH();
 }
 
 // The 16-bit fast path (norm_backward_rows16_kernel) for aligned plain rows of at most 2048
 // elements: team size and vectors per thread by width (one-warp teams up to 512 elements, then one
 // vector per thread, 96-256 threads a row).
+// dx_colsum (may be null) += the column sums of dx as stored, in the same pass.
 template <typename T>
-bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, float* dweight, float* dbias) {
+bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, float* dweight, float* dbias,
+                                 float* dx_colsum) {
   const int64_t vectors = args.h / 8;
   auto run = [&](auto kernel, int tpr) {
     const int teams = std::max(1, 256 / tpr), kBlock = teams * tpr;
-    const size_t smem = teams > 1 ? 2 * static_cast<size_t>(args.h) * sizeof(float) : 0;
+    const size_t smem = teams > 1 ? static_cast<size_t>(args.h) * sizeof(float) : 0;
     int per_sm = 0;
     MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem));
     int64_t blocks =
         std::min<int64_t>((args.rows + teams - 1) / teams, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
-    blocks = take_partials(ctx, args, blocks, dweight, dbias);
+    blocks = take_partials(ctx, args, blocks, dweight, dbias, dx_colsum);
     kernel<<<static_cast<unsigned>(blocks), kBlock, smem, ctx.stream>>>(args);
     MT_CUDA_CHECK_LAUNCH();
-    reduce_partials(ctx, args, blocks, dweight, dbias);
+    reduce_partials(ctx, args, blocks, dweight, dbias, dx_colsum);
     return true;
   };
   if (vectors <= 32) return run(norm_backward_rows16_kernel<T, 1, 32>, 32);
@@ -795,7 +813,7 @@ void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, co
   const int64_t h = args.h;
   if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
     if (aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled()) {
-      if (launch_norm_backward_rows16(ctx, args, dweight, dbias)) return;
+      if (launch_norm_backward_rows16(ctx, args, dweight, dbias, nullptr)) return;
     }
   }
   const TeamShape s = team_shape<T>(h, aligned, "norm_backward", 2);
@@ -913,7 +931,7 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
 
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p, Tensor out,
-                   Tensor bias) {
+                   Tensor bias, Tensor dx_colsum) {
   const int64_t h = x.cols(), rows = x.rows();
   const bool rms = p.kind == Normalization::rmsnorm;
   MT_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dx.dtype == x.dtype && dout.dtype == x.dtype,
@@ -932,6 +950,8 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
            "norm_backward: recomputed output {} must match x {} and alias nothing", out.shape_string(),
            x.shape_string());
   MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == x.dtype), "norm_backward: bias {}", bias.shape_string());
+  MT_CHECK(dx_colsum.empty() || (dx_colsum.numel() == h && dx_colsum.dtype == DType::f32),
+           "norm_backward: dx_colsum must be float32 [{}]", h);
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
     const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data,
@@ -941,7 +961,15 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
                              nullptr, nullptr, rows, static_cast<int>(h), rms, p.one_p};
     args.out = out.ptr<T>();
     args.bias = bias.ptr<const T>();
-    launch_norm_backward(ctx, args, PlainRows{h}, aligned, dweight.ptr<float>(), dbias.ptr<float>());
+    bool summed = false;  // dx's column sums taken in the same pass (the 16-bit fast path)
+    if constexpr (sizeof(T) == 2) {
+      if (!dx_colsum.empty() && aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled())
+        summed = launch_norm_backward_rows16(ctx, args, dweight.ptr<float>(), dbias.ptr<float>(), dx_colsum.ptr<float>());
+    }
+    if (!summed) {
+      launch_norm_backward(ctx, args, PlainRows{h}, aligned, dweight.ptr<float>(), dbias.ptr<float>());
+      if (!dx_colsum.empty()) column_sum_accumulate(ctx, dx_colsum, dx.view({rows, h}));
+    }
   });
 }
 

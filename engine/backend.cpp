@@ -10,8 +10,8 @@ void Backend::fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, dou
 
 void Backend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                                       Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
-                                      const NormParams& p) {
-  norm_backward(dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p);
+                                      Tensor dx_colsum, const NormParams& p) {
+  norm_backward(dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, dx_colsum, p);
   norm_forward(out, mean, rstd, x, weight, bias, p);  // deterministic: the statistics come out the same
 }
 

@@ -153,16 +153,18 @@ class Backend {
                                      Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
                                      const NormParams& p);
   // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (float32).
+  // dx_colsum (float32 [h], optional) += the column sums of dx as stored (rounded to its dtype): the
+  // bias gradient of the linear layer whose output gradient dx is, taken while dx is at hand.
   // dx may alias dout or dresidual.
   virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                             Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) = 0;
+                             Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) = 0;
   // norm_backward, and also out = norm(x) * w (+ b) recomputed from x and the saved statistics:
   // the same bits norm_forward wrote, so that the model need not keep norm outputs for the weight
   // gradients of the GEMMs that read them. out must not alias any input or dx. The default runs
   // norm_backward, then norm_forward (which rewrites mean/rstd with the values they hold).
   virtual void norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                                        Tensor mean, Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual,
-                                       const NormParams& p);
+                                       Tensor dx_colsum, const NormParams& p);
 
   // --qk-layernorm: out = qkv with every q head and every k head normalized over its head_dim
   // values (q heads share q_weight/q_bias [d], k heads k_weight/k_bias [d]); v is copied through.

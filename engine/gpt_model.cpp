@@ -114,6 +114,8 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   if (const char* r = std::getenv("MEGATRAIN_RECOMPUTE_GELU"); r && std::string(r) == "1") o.keep_gelu_activation = false;
   if (const char* z = std::getenv("MEGATRAIN_ZERO_ALL_GRADS"); z && std::string(z) == "1")
     o.overwrite_first_weight_grad = false;
+  if (const char* b = std::getenv("MEGATRAIN_BIAS_GRAD_FROM_NORM"); b && std::string(b) == "0")
+    o.bias_grad_from_norm = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
@@ -982,7 +984,9 @@ void GptModel::head_forward(Slot& s, Tensor x) {
   be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
   be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
   if (!s.training) return;
-  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(),
+  const int last = d_.stage_layers() - 1;
+  const Tensor last_fc2_db = last >= 0 && fc2_bias_grad_from_norm(last) ? layer_grads_[last].fc2_b : Tensor();
+  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(), last_fc2_db,
                     norm_);
 }
 
@@ -1008,6 +1012,19 @@ void GptModel::forward(int slot) {
 
 // ---- backward ----------------------------------------------------------------------------
 
+// A row-parallel layer's bias gradient is the column sums of its output gradient. Where a norm's
+// backward on this stage writes that gradient (no dropout between, whole rows: no sequence
+// parallelism), the norm kernel adds them up in the same pass instead of a separate read of it;
+// not in FP8 layers, whose casts take the bias gradient. fc2's output gradient is the next layer's
+// ln1 backward output (or the final norm's on the last stage); proj's is ln2's of the same layer.
+bool GptModel::proj_bias_grad_from_norm(int local) const {
+  return d_.linear_bias && d_.hidden_dropout <= 0 && !d_.sequence_parallel && !fp8_layer(local) &&
+         opt_.bias_grad_from_norm;
+}
+bool GptModel::fc2_bias_grad_from_norm(int local) const {
+  return proj_bias_grad_from_norm(local) && (local + 1 < d_.stage_layers() || d_.last_stage);
+}
+
 void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx) {
   const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
   const Workspace& w = *ws_;
@@ -1021,6 +1038,11 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   // layers with kept inputs (fp8_kept_inputs) need neither for their weight gradients.
   const bool kept = fp8_kept_inputs(local);
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
+  // fc2's and proj's bias gradients where the norm backwards that produce their output gradients
+  // took them (fc2: the next layer's or the final norm's; proj: ln2's below).
+  const Tensor fc2_db = fc2_bias_grad_from_norm(local) ? Tensor() : G.fc2_b;
+  const bool proj_db_from_norm = proj_bias_grad_from_norm(local);
+  const Tensor proj_db = proj_db_from_norm ? Tensor() : G.proj_b;
   Tensor d_fc1;  // gradient of fc1's output
   bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
   linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b);
@@ -1029,7 +1051,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
     // weight gradient (which still needs the FP8 workspaces of its own output gradient).
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
     linear_quantize_dy_activation(local, w.act, A.fc1_pre, MlpActivation::swiglu, G.fc1_b);
     d_fc1 = A.fc1_pre;  // (its shape: the FP8 GEMMs below read only the quantized copies)
     d_fc1_quantized = true;
@@ -1038,7 +1060,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     // In place: fc1_pre becomes its gradient and the activation gradient becomes the activation.
     be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
     d_fc1 = A.fc1_pre;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, w.act);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
   } else if (fp8_wgrad(local)) {
     // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
     // into gFC, and fc1's output gradient gFC * gelu'(fc1_pre) is cast to FP8 (with fc1's bias
@@ -1049,12 +1071,12 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     const MlpActivation act = tanh_form ? MlpActivation::gelu_tanh : MlpActivation::gelu;
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
     if (kept) {
-      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
       linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, act, G.fc1_b);
     } else {
       be_.gelu_backward(w.gFC, w.gFC, A.fc1_pre, tanh_form);
       be_.gelu_forward(A.fc1_pre, A.fc1_pre, tanh_form);
-      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
       linear_quantize_dy(local, Fp8State::fc1, w.gFC, G.fc1_b);
     }
     d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
@@ -1065,7 +1087,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
     d_fc1 = w.gFC;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_act);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_act);
   } else {
     // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
@@ -1076,7 +1098,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
       be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w, act, A.fc1_pre);
     }
     d_fc1 = w.gFC;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, G.fc2_b, d_fc2, A.fc1_pre);
+    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
   }
   if (!d_fc1_quantized) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
   if (d_.sequence_parallel) {
@@ -1086,17 +1108,18 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
     // Column-parallel input gradient: summed over TP.
     if (kept)
-      be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, norm_);
+      be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy,
+                        proj_db_from_norm ? G.proj_b : Tensor(), norm_);
     else
       be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
-                                  A.ln2_rstd, P.ln2_w, P.ln2_b, dy, norm_);
+                                  A.ln2_rstd, P.ln2_w, P.ln2_b, dy, proj_db_from_norm ? G.proj_b : Tensor(), norm_);
     linear_bwd_weight(local, Fp8State::fc1, A, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
   }
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
   linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b);
-  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, G.proj_b, d_proj, A.attn_out);
+  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
@@ -1105,16 +1128,19 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
   linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
+  // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
+  const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
                                 G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
   } else {
     linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
     if (kept)
-      be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, norm_);
+      be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
+                        norm_);
     else
       be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
-                                  A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, norm_);
+                                  A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, prev_fc2_db, norm_);
     linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
   }
 }
@@ -1151,7 +1177,7 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, c
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
   linear_bwd_weight(local, fp8_slot, A, dweight, dbias, d_out, norm_out);
   be_.compute_wait_for_tp_comm();
-  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, norm_);
+  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, Tensor(), norm_);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

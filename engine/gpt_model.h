@@ -81,6 +81,10 @@ struct ModelOptions {
   // is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B
   // benchmarks): the whole buffer is zeroed and every GEMM adds.
   bool overwrite_first_weight_grad = true;
+  // fc2's and proj's bias gradients are summed by the norm backwards that write their output
+  // gradients (GptModel::fc2_bias_grad_from_norm). false (MEGATRAIN_BIAS_GRAD_FROM_NORM=0, A/B): a
+  // column-sum pass of their own, with the weight gradient.
+  bool bias_grad_from_norm = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -256,6 +260,9 @@ class GptModel {
   // Whether a weight-gradient GEMM into dw adds to it (false: the step's first write of a gradient
   // left unzeroed by zero_grads; marks it written).
   bool accumulate_weight_grad(const Tensor& dw);
+  // Whether the norm backward producing fc2's / proj's output gradient also takes its bias gradient.
+  bool fc2_bias_grad_from_norm(int local) const;
+  bool proj_bias_grad_from_norm(int local) const;
   // Before an op that only adds into g: zeroes g if it is left to its first write and not written.
   void zero_grad_if_unwritten(const Tensor& g);
   void plan_grad_zeroing();

@@ -23,12 +23,14 @@ struct Harness {
   std::unique_ptr<GptModel> model;
   MicroBatch mb;
 
-  explicit Harness(const Config& c, int64_t logits_chunk_rows = 0, bool overwrite_first_weight_grad = true)
+  explicit Harness(const Config& c, int64_t logits_chunk_rows = 0, bool overwrite_first_weight_grad = true,
+                   bool bias_grad_from_norm = true)
       : cfg(c) {
     dims = ModelDims::from_config(cfg, ps);
     ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f64);
     o.logits_chunk_rows = logits_chunk_rows;
     o.overwrite_first_weight_grad = overwrite_first_weight_grad;
+    o.bias_grad_from_norm = bias_grad_from_norm;
     model = std::make_unique<GptModel>(dims, o, ps, *be);
     model->init_parameters();
     // Bigger weights than the 0.02 init so that every path carries signal.
@@ -219,5 +221,25 @@ TEST_CASE("weight gradients left to the step's first GEMM equal zeroed and accum
     }
     CHECK(differ == 0);
     CHECK(nonzero > n / 2);
+  }
+}
+
+TEST_CASE("fc2 and proj bias gradients summed by the norm backwards equal their own column sums", "[model]") {
+  Config c = test::tiny_gpt_config();
+  c.model.num_layers = 3;
+  test::derive(c);
+  Harness fused(c, 0, true, true), separate(c, 0, true, false);
+  const std::vector<double> a = fused.analytic_grads(), b = separate.analytic_grads();
+  REQUIRE(a.size() == b.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+  CHECK(differ == 0);
+  for (const ParamDesc& p : fused.model->params()) {  // the sums are there, not zeros
+    if (p.name.find("linear_fc2.bias") == std::string::npos && p.name.find("linear_proj.bias") == std::string::npos)
+      continue;
+    double norm = 0;
+    for (int64_t k = 0; k < p.numel(); ++k) norm += std::abs(a[static_cast<size_t>(p.offset + k)]);
+    INFO(p.name);
+    CHECK(norm > 1e-6);
   }
 }

@@ -118,7 +118,7 @@ void ReferenceBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Ten
 }
 
 void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                                     Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p) {
+                                     Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) {
   const int64_t R = x.rows(), C = x.cols();
   const bool ln = p.kind == Normalization::layernorm;
   check_numel(dx, R * C, "norm_backward", "dx");
@@ -135,6 +135,8 @@ void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Te
   check_same_dtype(x, dresidual, "norm_backward");
   check_float_accumulator(dweight, "norm_backward", "dweight");
   check_float_accumulator(dbias, "norm_backward", "dbias");
+  check_float_accumulator(dx_colsum, "norm_backward", "dx_colsum");
+  if (!dx_colsum.empty()) check_numel(dx_colsum, C, "norm_backward", "dx_colsum");
   const Floats fm(mean), fr(rstd), fdw(dweight), fdb(dbias);
   dispatch_float(x, "norm_backward", [&](auto tag) {
     using T = decltype(tag);
@@ -167,6 +169,15 @@ void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Te
         norm_row_backward(dx.ptr<T>() + r * C, dout.ptr<T>() + r * C, x.ptr<T>() + r * C, ln ? fm.get(r) : 0.0,
                           fr.get(r), w, dresidual.empty() ? static_cast<const T*>(nullptr) : dresidual.ptr<T>() + r * C,
                           C, p);
+      }
+    });
+    if (dx_colsum.empty()) return;
+    const Floats fds(dx_colsum), fdx(dx);  // the column sums of dx as stored, rows in order
+    pool_.parallel_for(C, 64, [&](int64_t cb, int64_t ce, int) {
+      for (int64_t c = cb; c < ce; ++c) {
+        double s = 0.0;
+        for (int64_t r = 0; r < R; ++r) s += fdx.get(r * C + c);
+        fds.add(c, s);
       }
     });
   });

@@ -116,6 +116,26 @@ TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][n
           }
 }
 
+// dx_colsum: ds0 + the column sums of the dx the device stored (float32 accumulation), and the
+// reference's within the same bound against its own dx.
+static void check_dx_colsum(Twin& ds, const std::vector<double>& ds0, Twin& dx, int64_t rows, int64_t h) {
+  for (bool device : {true, false}) {
+    Backend& be = device ? dev() : ref();
+    const std::vector<double> x = download(be, device ? dx.c() : dx.r()), got = download(be, device ? ds.c() : ds.r());
+    int64_t bad = 0;
+    for (int64_t c = 0; c < h; ++c) {
+      double s = ds0[static_cast<size_t>(c)], mag = std::abs(s);
+      for (int64_t r = 0; r < rows; ++r) {
+        s += x[static_cast<size_t>(r * h + c)];
+        mag += std::abs(x[static_cast<size_t>(r * h + c)]);
+      }
+      bad += !(std::abs(got[static_cast<size_t>(c)] - s) <= 1e-5 * mag + 1e-30);
+    }
+    INFO((device ? "cuda" : "reference") << " dx column sums");
+    CHECK(bad == 0);
+  }
+}
+
 TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are deterministic", "[gpu][norm]") {
   MT_RNG(rng);
   for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
@@ -138,11 +158,14 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           Twin dout = twin(dt, {rows, h}, rng.normal(rows * h));
           Twin dres = twin(dt, {rows, h}, rng.normal(rows * h));
           Twin dx = twin_nan(dt, {rows, h});
-          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
-          ref().norm_backward(dx.r(), dw.r(), db.r(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(), p);
+          const std::vector<double> ds0 = rng.normal(h);
+          Twin ds = twin(DType::f32, {h}, ds0);  // + dx's column sums (a bias gradient)
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), ds.c(), p);
+          ref().norm_backward(dx.r(), dw.r(), db.r(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(), ds.r(), p);
           MT_CHECK_CLOSE(dx, tol_for(dt));
           MT_CHECK_CLOSE(dw, 1e-5);  // float32 accumulators
           if (ln) MT_CHECK_CLOSE(db, 1e-5);
+          check_dx_colsum(ds, ds0, dx, rows, h);
 
           // Determinism: the same accumulation again from the same start is bit-identical.
           const auto dw_first = download_bytes(dev(), dw.c());
@@ -150,17 +173,17 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           upload(dev(), dw.c(), dw0);
           dev().fill(dx.c(), NAN);
           if (ln) upload(dev(), db.c(), db0);
-          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), Tensor(), p);
           CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
           CHECK(differing(download_bytes(dev(), dx.c()), dx_first, dtype_size(dt)) == 0);
 
           // dx in place over dout and over dresidual; no parameter gradients.
-          dev().norm_backward(dout.c(), Tensor(), Tensor(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), Tensor(), p);
-          ref().norm_backward(dout.r(), Tensor(), Tensor(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), Tensor(), p);
+          dev().norm_backward(dout.c(), Tensor(), Tensor(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), Tensor(), Tensor(), p);
+          ref().norm_backward(dout.r(), Tensor(), Tensor(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), Tensor(), Tensor(), p);
           MT_CHECK_CLOSE(dout, tol_for(dt));
           Twin dout2 = twin(dt, {rows, h}, rng.normal(rows * h));
-          dev().norm_backward(dres.c(), Tensor(), Tensor(), dout2.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), p);
-          ref().norm_backward(dres.r(), Tensor(), Tensor(), dout2.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(),
+          dev().norm_backward(dres.c(), Tensor(), Tensor(), dout2.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), Tensor(), p);
+          ref().norm_backward(dres.r(), Tensor(), Tensor(), dout2.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(), Tensor(),
                                     p);
           MT_CHECK_CLOSE(dres, tol_for(dt));
 
@@ -174,9 +197,9 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           Twin dout3 = twin(dt, {rows, h}, rng.normal(rows * h)), dres3 = twin(dt, {rows, h}, rng.normal(rows * h));
           Twin dw3 = twin(DType::f32, {h}, dw0), db3 = ln ? twin(DType::f32, {h}, db0) : absent();
           dev().norm_backward_recompute(rec.c(), dx3.c(), dw3.c(), db3.c(), dout3.c(), x.c(), fm.c(), fr.c(), w.c(),
-                                        bias.c(), dres3.c(), p);
+                                        bias.c(), dres3.c(), Tensor(), p);
           ref().norm_backward_recompute(rec.r(), dx3.r(), dw3.r(), db3.r(), dout3.r(), x.r(), fm.r(), fr.r(), w.r(),
-                                        bias.r(), dres3.r(), p);
+                                        bias.r(), dres3.r(), Tensor(), p);
           CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
           CHECK(differing(download_bytes(ref(), rec.r()), download_bytes(ref(), fo.r()), 4) == 0);
           MT_CHECK_CLOSE(dx3, tol_for(dt));
@@ -273,26 +296,32 @@ TEST_CASE("cuda norms over many rows (16-bit fast paths: forward, fused add, bac
         Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
         Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
         Twin rec = twin_nan(dt, {rows, h}), dx = twin_nan(dt, {rows, h});
+        const std::vector<double> ds0 = rng.normal(h);
+        Twin ds = twin(DType::f32, {h}, ds0);
         dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
-                                      dres.c(), p);
+                                      dres.c(), ds.c(), p);
         ref().norm_backward_recompute(rec.r(), dx.r(), dw.r(), db.r(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), bias.r(),
-                                      dres.r(), p);
+                                      dres.r(), ds.r(), p);
         CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
         MT_CHECK_CLOSE(dx, tol_for(dt));
         MT_CHECK_CLOSE(dw, 1e-5);
         if (ln) MT_CHECK_CLOSE(db, 1e-5);
+        check_dx_colsum(ds, ds0, dx, rows, h);
         // Bit-identical when run again from the same start.
         const auto dw_first = download_bytes(dev(), dw.c()), dx_first = download_bytes(dev(), dx.c());
+        const auto ds_first = download_bytes(dev(), ds.c());
         upload(dev(), dw.c(), dw0);
+        upload(dev(), ds.c(), ds0);
         if (ln) upload(dev(), db.c(), db0);
         dev().fill(dx.c(), NAN);
         dev().norm_backward_recompute(rec.c(), dx.c(), dw.c(), db.c(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), bias.c(),
-                                      dres.c(), p);
+                                      dres.c(), ds.c(), p);
         CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 4) == 0);
         CHECK(differing(download_bytes(dev(), dx.c()), dx_first, dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(dev(), ds.c()), ds_first, 4) == 0);
         // In place over dresidual, no parameter gradients (the first layer's ln1 has dx = dresidual).
-        ref().norm_backward(dres.r(), Tensor(), Tensor(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), dres.r(), p);
-        dev().norm_backward(dres.c(), Tensor(), Tensor(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), dres.c(), p);
+        ref().norm_backward(dres.r(), Tensor(), Tensor(), dout.r(), x.r(), fm.r(), fr.r(), w.r(), dres.r(), Tensor(), p);
+        dev().norm_backward(dres.c(), Tensor(), Tensor(), dout.c(), x.c(), fm.c(), fr.c(), w.c(), dres.c(), Tensor(), p);
         MT_CHECK_CLOSE(dres, tol_for(dt));
       }
 }
