@@ -368,7 +368,9 @@ __device__ __forceinline__ float word_elem(const uint4& u, int j) {
   return to_float(reinterpret_cast<const T*>(&u)[j]);
 }
 
-template <typename T, int ITERS, int TPR>
+// SUM_DX: also the column sums of dx as stored (args.partial_ds), accumulated in shared memory
+// (in registers they pushed the prefetching variants past their register budget into spills).
+template <typename T, int ITERS, int TPR, bool SUM_DX>
 __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows16_kernel(NormBackwardArgs<T> args) {
   static_assert(sizeof(T) == 2, "16-bit element types only");
   constexpr bool kPrefetch = TPR > kWarp;
@@ -381,12 +383,16 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
   const float w_shift = args.one_p ? 1.0f : 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * teams;
 
-  float dw[ITERS][8], db[ITERS][8], ds[ITERS][8];
-  const bool sum_dx = args.partial_ds != nullptr;
+  float dw[ITERS][8], db[ITERS][8];
 #pragma unroll
   for (int it = 0; it < ITERS; ++it)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) dw[it][j] = db[it][j] = ds[it][j] = 0.0f;
+    for (int j = 0; j < 8; ++j) dw[it][j] = db[it][j] = 0.0f;
+  __shared__ float ds_acc[SUM_DX ? ITERS * 8 : 1][256];  // [element of the thread][thread]: no bank conflicts
+  if constexpr (SUM_DX) {
+#pragma unroll
+    for (int k = 0; k < ITERS * 8; ++k) ds_acc[k][threadIdx.x] = 0.0f;
+  }
 
   RowWords cur[ITERS];
   float mean = 0.0f, rstd = 0.0f;
@@ -451,7 +457,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
           if (args.dresidual) d.v[j] += word_elem<T>(cur[it].dr, j);
           dw[it][j] += dyv * xhat;
           db[it][j] += dyv;
-          if (sum_dx) ds[it][j] += to_float(from_float<T>(d.v[j]));  // the value stored
+          if constexpr (SUM_DX) ds_acc[it * 8 + j][threadIdx.x] += to_float(from_float<T>(d.v[j]));  // as stored
           y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
         }
         store_vec<8>(args.dx + o, d);
@@ -499,7 +505,14 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
   };
   write_partial(dw, args.partial_dw);
   write_partial(db, args.partial_db);
-  write_partial(ds, args.partial_ds);
+  if constexpr (SUM_DX) {
+    float ds[ITERS][8];  // (each thread reads only its own entries: no barrier needed)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ds[it][j] = ds_acc[it * 8 + j][threadIdx.x];
+    write_partial(ds, args.partial_ds);
+  }
 }
 
 // ---- 16-bit rows of at most 2048 elements: the forward (plain and fused add) ----------------------
@@ -785,7 +798,7 @@ template <typename T>
 bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, float* dweight, float* dbias,
                                  float* dx_colsum) {
   const int64_t vectors = args.h / 8;
-  auto run = [&](auto kernel, int tpr) {
+  auto launch = [&](auto kernel, int tpr) {
     const int teams = std::max(1, 256 / tpr), kBlock = teams * tpr;
     const size_t smem = teams > 1 ? static_cast<size_t>(args.h) * sizeof(float) : 0;
     int per_sm = 0;
@@ -798,11 +811,15 @@ bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> a
     reduce_partials(ctx, args, blocks, dweight, dbias, dx_colsum);
     return true;
   };
-  if (vectors <= 32) return run(norm_backward_rows16_kernel<T, 1, 32>, 32);
-  if (vectors <= 64) return run(norm_backward_rows16_kernel<T, 2, 32>, 32);
-  if (vectors <= 96) return run(norm_backward_rows16_kernel<T, 1, 96>, 96);
-  if (vectors <= 128) return run(norm_backward_rows16_kernel<T, 1, 128>, 128);
-  if (vectors <= 256) return run(norm_backward_rows16_kernel<T, 1, 256>, 256);
+  auto run = [&]<int ITERS, int TPR>() {
+    return dx_colsum ? launch(norm_backward_rows16_kernel<T, ITERS, TPR, true>, TPR)
+                     : launch(norm_backward_rows16_kernel<T, ITERS, TPR, false>, TPR);
+  };
+  if (vectors <= 32) return run.template operator()<1, 32>();
+  if (vectors <= 64) return run.template operator()<2, 32>();
+  if (vectors <= 96) return run.template operator()<1, 96>();
+  if (vectors <= 128) return run.template operator()<1, 128>();
+  if (vectors <= 256) return run.template operator()<1, 256>();
   return false;
 }
 
