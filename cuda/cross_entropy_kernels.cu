@@ -10,7 +10,6 @@
 // block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -139,50 +138,33 @@ __global__ void cross_entropy_forward_backward_kernel(float* lse, float* target,
   row_backward<T, VEC>(x, x, cols, row_lse, dloss[row], label);
 }
 
-// The same with the rows staged in shared memory, for rows that fit twice (gpt2's 50304 bf16
-// logits are 98 KiB): one read of each row from global memory. The L2 re-read of the kernel above
-// missed there (422 us per 4096-row chunk on an H100, where one read and one write of it take
-// ~250 us). A persistent block per SM walks its rows with two buffers: the next row's asynchronous
-// copy is in flight while this one is reduced and written (one row per block, two blocks per SM,
-// overlapped only across blocks: 335 us). The values and the order of every operation are the
-// kernel above's, so are the bits.
+// The same with the row staged in shared memory, for rows that fit (gpt2's 50304 bf16 logits are
+// 98 KiB): one read of the row from global memory. The L2 re-read of the kernel above missed there
+// (422 us per 4096-row chunk on an H100, where one read and one write of it take ~250 us). The
+// values and the order of every operation are the same, so are the bits.
 template <typename T, int VEC>
 __global__ void cross_entropy_forward_backward_staged_kernel(float* lse, float* target, T* logits,
                                                              const void* labels, bool labels64, const float* dloss,
-                                                             int64_t rows, int64_t cols) {
-  extern __shared__ int4 staged_rows[];  // [2][cols / VEC]
+                                                             int64_t cols) {
+  extern __shared__ int4 staged_row[];
   static_assert(VEC * sizeof(T) == sizeof(int4), "one 16-byte access per vector");
-  const int64_t vecs = cols / VEC;
-  // Every copy of a row in flight at once (a load-then-store loop waits for each load).
-  auto stage = [&](int64_t row, int buf) {
-    const int4* src = reinterpret_cast<const int4*>(logits + row * cols);
-    int4* dst = staged_rows + buf * vecs;
-    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) __pipeline_memcpy_async(&dst[v], &src[v], 16);
-    __pipeline_commit();
-  };
-  int buf = 0;
-  if (blockIdx.x < rows) stage(blockIdx.x, 0);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t next = row + gridDim.x;
-    if (next < rows) {
-      stage(next, buf ^ 1);       // (the barrier at the end of the last row freed that buffer)
-      __pipeline_wait_prior(1);   // this row's copies have landed, the next row's may not have
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();
-    const T* staged = reinterpret_cast<const T*>(staged_rows + buf * vecs);
-    T* x = logits + row * cols;
-    const int64_t label = load_label(labels, labels64, row);
-    const float row_lse = block_row_lse<T, VEC>(staged, cols);  // ends with a barrier
-    if (threadIdx.x == 0) {
-      lse[row] = row_lse;
-      target[row] = (label >= 0 && label < cols) ? to_float(staged[label]) : 0.0f;
-    }
-    row_backward<T, VEC>(x, staged, cols, row_lse, dloss[row], label);
-    __syncthreads();  // every thread is done with this buffer before it is refilled
-    buf ^= 1;
+  T* staged = reinterpret_cast<T*>(staged_row);
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * cols;
+  const int4* src = reinterpret_cast<const int4*>(x);
+  // Asynchronous copies, all in flight at once (a load-then-store loop waits for each load: the
+  // first version of this kernel, 392 us per chunk).
+  for (int64_t v = threadIdx.x; v < cols / VEC; v += blockDim.x) __pipeline_memcpy_async(&staged_row[v], &src[v], 16);
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  const int64_t label = load_label(labels, labels64, row);
+  const float row_lse = block_row_lse<T, VEC>(staged, cols);  // ends with a barrier
+  if (threadIdx.x == 0) {
+    lse[row] = row_lse;
+    target[row] = (label >= 0 && label < cols) ? to_float(staged[label]) : 0.0f;
   }
+  row_backward<T, VEC>(x, staged, cols, row_lse, dloss[row], label);
 }
 
 __global__ void logsumexp_combine_kernel(float* out, const float* parts, int64_t parts_count, int64_t n) {
@@ -235,9 +217,9 @@ __global__ void masked_loss_sum_kernel(float* out, const float* loss, const void
 
 constexpr int kRowBlock = 512;
 
-// The largest row the staged forward-backward kernel keeps in shared memory: two rows per SM (its
-// block's two buffers), within the per-block opt-in limit. Environment MEGATRAIN_CE_STAGED=0 turns
-// staging off (A/B measurements).
+// The largest row the staged forward-backward kernel keeps in shared memory: two blocks per SM
+// (one would leave half the SM's threads idle while its block reduces), within the per-block
+// opt-in limit. Environment MEGATRAIN_CE_STAGED=0 turns staging off (A/B measurements).
 size_t staged_row_limit() {
   static const size_t limit = [] {
     if (const char* e = std::getenv("MEGATRAIN_CE_STAGED"); e && std::string(e) == "0") return size_t{0};
@@ -247,7 +229,7 @@ size_t staged_row_limit() {
     MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     // half the SM's shared memory, less the 1 KiB the system reserves per block and block_row_lse's own
     const size_t two_per_sm = static_cast<size_t>(per_sm) / 2 - 1024 - 512;
-    return std::min(two_per_sm, static_cast<size_t>(per_block) / 2) / 16 * 16;
+    return std::min(two_per_sm, static_cast<size_t>(per_block)) / 16 * 16;
   }();
   return limit;
 }
@@ -316,24 +298,18 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
   MT_DISPATCH_FLOAT(logits.dtype, T, "cross_entropy_forward_backward", {
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && cols % kVec == 0;
-    auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
+    auto launch = [&](auto kernel, size_t shared_bytes = 0) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, shared_bytes, ctx.stream>>>(
           lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
           dloss.ptr<const float>(), cols);
     };
     const size_t row_bytes = static_cast<size_t>(cols) * sizeof(T);
     if (vec && row_bytes <= staged_row_limit()) {
       auto kernel = cross_entropy_forward_backward_staged_kernel<T, kVec>;
-      const size_t shared_bytes = 2 * row_bytes;
       // per device and call: a host-side attribute, cheap beside a kernel over a whole chunk
       MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(shared_bytes)));
-      int per_sm = 0;
-      MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowBlock, shared_bytes));
-      const int64_t grid = std::min<int64_t>(rows, static_cast<int64_t>(ctx.num_sms) * std::max(per_sm, 1));
-      kernel<<<static_cast<unsigned>(grid), kRowBlock, shared_bytes, ctx.stream>>>(
-          lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
-          dloss.ptr<const float>(), rows, cols);
+                                         static_cast<int>(row_bytes)));
+      launch(kernel, row_bytes);
     } else if (vec) {
       launch(cross_entropy_forward_backward_kernel<T, kVec>);
     } else {
