@@ -215,15 +215,7 @@ __global__ void masked_loss_sum_kernel(float* out, const float* loss, const void
   }
 }
 
-// Threads per row (every cross-entropy kernel: the block reduction's order depends on it, so the
-// fused and split kernels must agree). MEGATRAIN_CE_BLOCK=1024 for A/B.
-int row_block() {
-  static const int threads = [] {
-    const char* e = std::getenv("MEGATRAIN_CE_BLOCK");
-    return e && std::string(e) == "1024" ? 1024 : 512;
-  }();
-  return threads;
-}
+constexpr int kRowBlock = 512;
 
 // The largest row the staged forward-backward kernel keeps in shared memory: two blocks per SM
 // (one would leave half the SM's threads idle while its block reduces), within the per-block
@@ -262,7 +254,7 @@ void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, 
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && cols % kVec == 0;
     auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), row_block(), 0, ctx.stream>>>(lse.ptr<float>(), target.ptr<float>(),
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(lse.ptr<float>(), target.ptr<float>(),
                                                                        logits.ptr<const T>(), labels.data,
                                                                        labels.dtype == DType::i64, cols, vocab_start);
     };
@@ -285,7 +277,7 @@ void cross_entropy_backward(const KernelContext& ctx, Tensor dlogits, Tensor log
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && aligned16(dlogits.data) && cols % kVec == 0;
     auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), row_block(), 0, ctx.stream>>>(
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(
           dlogits.ptr<T>(), logits.ptr<const T>(), labels.data, labels.dtype == DType::i64, lse.ptr<const float>(),
           dloss.ptr<const float>(), cols, vocab_start);
     };
@@ -307,7 +299,7 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = aligned16(logits.data) && cols % kVec == 0;
     auto launch = [&](auto kernel, size_t shared_bytes = 0) {
-      kernel<<<static_cast<unsigned>(rows), row_block(), shared_bytes, ctx.stream>>>(
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, shared_bytes, ctx.stream>>>(
           lse.ptr<float>(), target.ptr<float>(), logits.ptr<T>(), labels.data, labels.dtype == DType::i64,
           dloss.ptr<const float>(), cols);
     };
