@@ -986,8 +986,8 @@ void GptModel::head_forward(Slot& s, Tensor x) {
   if (!s.training) return;
   const int last = d_.stage_layers() - 1;
   const Tensor last_fc2_db = last >= 0 && fc2_bias_grad_from_norm(last) ? layer_grads_[last].fc2_b : Tensor();
-  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(), last_fc2_db,
-                    norm_);
+  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(),
+                    last_fc2_db, norm_);
 }
 
 void GptModel::forward(int slot) {
@@ -1177,7 +1177,8 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, c
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
   linear_bwd_weight(local, fp8_slot, A, dweight, dbias, d_out, norm_out);
   be_.compute_wait_for_tp_comm();
-  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, Tensor(), norm_);
+  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, Tensor(),
+                    norm_);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

@@ -78,8 +78,8 @@ struct ModelOptions {
   // The linear layers' (and word embeddings') weight gradients are not zeroed before a step: the
   // step's first weight-gradient GEMM of each writes it (beta 0), later ones (micro-batches,
   // output-layer chunks) add to it (GptModel::plan_grad_zeroing); the rest of the gradient buffer
-  // is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B
-  // benchmarks): the whole buffer is zeroed and every GEMM adds.
+  // is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B benchmarks): the whole buffer is
+  // zeroed and every GEMM adds.
   bool overwrite_first_weight_grad = true;
   // fc2's and proj's bias gradients are summed by the norm backwards that write their output
   // gradients (GptModel::fc2_bias_grad_from_norm). false (MEGATRAIN_BIAS_GRAD_FROM_NORM=0, A/B): a
