@@ -6,16 +6,14 @@
 // Backward: dlogits = (exp(x - lse) - onehot(label)) * dloss[row], written over the logits (the
 // in-place case) with the same one-row-per-block layout.
 // Forward-backward (a whole vocabulary in training): both passes in one kernel, the row staged in
-// shared memory where it fits, or split over a cluster of up to 4 blocks that each stage a part
-// (else the second read of each row goes to L2 or beyond); the same reductions as the forward
-// kernel (which splits such rows the same way), so the same bits as the two kernels.
+// shared memory where it fits (else the second read of each row goes to L2 or beyond); the same
+// block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
 #include <cmath>
 #include <cstdlib>
 #include <string>
 
-#include <cooperative_groups.h>
 #include <cuda_pipeline.h>
 
 #include "cuda/cuda_check.h"
@@ -40,19 +38,12 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mm;
 }
 
-// A row's (or a row part's) running max m and sum s of exp(x - m), in log2 units.
-struct LsePartial {
-  float m, s;
-};
-
-__device__ __forceinline__ float lse_of(LsePartial p) { return p.m == -INFINITY ? -INFINITY : (p.m + log2f(p.s)) * kLn2; }
-
-// The (m, s) of cols values by an online max/sum over the block's threads merged in a fixed order;
-// every thread gets it. Ends with a barrier.
+// The row's log-sum-exp (natural log; -inf for an all -inf row), by an online max/sum over the
+// block's threads merged in a fixed order; every thread gets it.
 template <typename T, int VEC>
-__device__ LsePartial block_row_partial(const T* x, int64_t cols) {
+__device__ float block_row_lse(const T* x, int64_t cols) {
   __shared__ float sm[kWarp], ss[kWarp];
-  __shared__ LsePartial result;
+  __shared__ float result;
   float m = -INFINITY, s = 0.0f;  // log2 units
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
     const Floats<VEC> v = load_vec<VEC>(x + c);
@@ -87,50 +78,10 @@ __device__ LsePartial block_row_partial(const T* x, int64_t cols) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
       lse_merge(m, s, m2, s2);
     }
-    if (lane == 0) result = {m, s};
+    if (lane == 0) result = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
   }
   __syncthreads();
   return result;
-}
-
-// The row's log-sum-exp (natural log; -inf for an all -inf row); every thread gets it.
-template <typename T, int VEC>
-__device__ float block_row_lse(const T* x, int64_t cols) {
-  return lse_of(block_row_partial<T, VEC>(x, cols));
-}
-
-// Rows too wide to stage in one block's shared memory (llama's 128256 bf16 logits: 250 KiB) are
-// split over a cluster of `ctas` blocks, each with a contiguous part of the row: the block's
-// (m, s) goes to its shared memory, every block merges all of them in rank order through
-// distributed shared memory, and so gets the same log-sum-exp. The forward-only kernel splits the
-// same way, so both give the same bits.
-struct RowPart {
-  int rank;
-  int64_t row, begin, cols;  // the part: columns [begin, begin + cols) of row
-};
-
-template <int VEC>
-__device__ RowPart cluster_row_part(int64_t cols, int ctas) {
-  const int rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
-  const int64_t vecs = cols / VEC, per = (vecs + ctas - 1) / ctas;
-  const int64_t v0 = rank * per < vecs ? rank * per : vecs, v1 = v0 + per < vecs ? v0 + per : vecs;
-  return {rank, static_cast<int64_t>(blockIdx.x) / ctas, v0 * VEC, (v1 - v0) * VEC};
-}
-
-template <typename T, int VEC>
-__device__ float cluster_row_lse(const T* part, int64_t part_cols, int ctas) {
-  __shared__ LsePartial mine;
-  const LsePartial p = block_row_partial<T, VEC>(part, part_cols);  // ends with a barrier
-  if (threadIdx.x == 0) mine = p;
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  cluster.sync();
-  LsePartial all = *cluster.map_shared_rank(&mine, 0);
-  for (int r = 1; r < ctas; ++r) {
-    const LsePartial q = *cluster.map_shared_rank(&mine, r);
-    lse_merge(all.m, all.s, q.m, q.s);
-  }
-  cluster.sync();  // no block leaves (its shared memory) while another may still read it
-  return lse_of(all);
 }
 
 // dlogits = (exp(x - lse) - onehot(label)) * g over one row (d may be x: each element is read
@@ -159,22 +110,6 @@ __global__ void cross_entropy_forward_kernel(float* lse, float* target, const T*
     lse[row] = row_lse;
     const int64_t label = load_label(labels, labels64, row) - vocab_start;
     target[row] = (label >= 0 && label < cols) ? to_float(x[label]) : 0.0f;
-  }
-}
-
-// cross_entropy_forward_kernel for rows split over a cluster (cluster_row_lse).
-template <typename T, int VEC>
-__global__ void cross_entropy_forward_cluster_kernel(float* lse, float* target, const T* logits, const void* labels,
-                                                     bool labels64, int64_t cols, int64_t vocab_start, int ctas) {
-  const RowPart part = cluster_row_part<VEC>(cols, ctas);
-  const T* x = logits + part.row * cols;
-  const float row_lse = cluster_row_lse<T, VEC>(x + part.begin, part.cols, ctas);
-  if (threadIdx.x == 0) {
-    if (part.rank == 0) lse[part.row] = row_lse;
-    const int64_t label = load_label(labels, labels64, part.row) - vocab_start;
-    const bool in_row = label >= 0 && label < cols;
-    if (in_row ? (label >= part.begin && label < part.begin + part.cols) : part.rank == 0)
-      target[part.row] = in_row ? to_float(x[label]) : 0.0f;
   }
 }
 
@@ -230,32 +165,6 @@ __global__ void cross_entropy_forward_backward_staged_kernel(float* lse, float* 
     target[row] = (label >= 0 && label < cols) ? to_float(staged[label]) : 0.0f;
   }
   row_backward<T, VEC>(x, staged, cols, row_lse, dloss[row], label);
-}
-
-// The forward-backward of rows split over a cluster: each block stages its part of the row in
-// shared memory (one read of the row from global memory in all), and writes its part's dlogits.
-template <typename T, int VEC>
-__global__ void cross_entropy_forward_backward_cluster_kernel(float* lse, float* target, T* logits, const void* labels,
-                                                              bool labels64, const float* dloss, int64_t cols, int ctas) {
-  extern __shared__ int4 staged_part[];
-  static_assert(VEC * sizeof(T) == sizeof(int4), "one 16-byte access per vector");
-  const RowPart part = cluster_row_part<VEC>(cols, ctas);
-  T* x = logits + part.row * cols + part.begin;
-  const int4* src = reinterpret_cast<const int4*>(x);
-  for (int64_t v = threadIdx.x; v < part.cols / VEC; v += blockDim.x) __pipeline_memcpy_async(&staged_part[v], &src[v], 16);
-  __pipeline_commit();
-  __pipeline_wait_prior(0);
-  __syncthreads();
-  const T* staged = reinterpret_cast<const T*>(staged_part);
-  const float row_lse = cluster_row_lse<T, VEC>(staged, part.cols, ctas);
-  const int64_t label = load_label(labels, labels64, part.row);
-  if (threadIdx.x == 0) {
-    if (part.rank == 0) lse[part.row] = row_lse;
-    const bool in_row = label >= 0 && label < cols;
-    if (in_row ? (label >= part.begin && label < part.begin + part.cols) : part.rank == 0)
-      target[part.row] = in_row ? to_float(staged[label - part.begin]) : 0.0f;
-  }
-  row_backward<T, VEC>(x, staged, part.cols, row_lse, dloss[part.row], label - part.begin);
 }
 
 __global__ void logsumexp_combine_kernel(float* out, const float* parts, int64_t parts_count, int64_t n) {
@@ -325,45 +234,6 @@ size_t staged_row_limit() {
   return limit;
 }
 
-// Blocks per row: 1, or for rows too wide to stage in one block (16-byte vectors only) the fewest
-// blocks of a cluster (up to 4) whose parts each fit. The forward-backward and the forward-only
-// kernels take the same split, so their log-sum-exps agree bit for bit.
-constexpr int kMaxRowCtas = 4;
-int row_ctas(int64_t cols, size_t elem, bool vec) {
-  const size_t row_bytes = static_cast<size_t>(cols) * elem, limit = staged_row_limit();
-  if (!vec || limit == 0 || row_bytes <= limit) return 1;
-  const int64_t ctas = static_cast<int64_t>((row_bytes + limit - 1) / limit);
-  if (ctas > kMaxRowCtas) return 1;
-  const int64_t vecs = cols / static_cast<int64_t>(16 / elem);
-  return ((vecs + ctas - 1) / ctas) * 16 <= static_cast<int64_t>(limit) ? static_cast<int>(ctas) : 1;
-}
-
-// Bytes of shared memory a block of a split row stages (its part, the first part being the largest).
-size_t row_part_bytes(int64_t cols, size_t elem, int ctas) {
-  const int64_t vecs = cols / static_cast<int64_t>(16 / elem);
-  return static_cast<size_t>((vecs + ctas - 1) / ctas) * 16;
-}
-
-// Launches kernel over rows x ctas blocks in clusters of ctas.
-template <typename... KArgs, typename... Args>
-void launch_row_clusters(void (*kernel)(KArgs...), int64_t rows, int ctas, size_t shared_bytes, cudaStream_t stream,
-                         Args... args) {
-  MT_CHECK(rows * ctas < (int64_t{1} << 31), "cross-entropy: too many rows ({}) for {} blocks each", rows, ctas);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * ctas));
-  cfg.blockDim = dim3(kRowBlock);
-  cfg.dynamicSmemBytes = shared_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(ctas);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  MT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
-}
-
 // One block per row (a grid dimension of at most 2^31 - 1) and one int32/int64 label per row.
 void check_rows_and_labels(const char* what, Tensor labels, int64_t rows) {
   MT_CHECK(rows < (int64_t{1} << 31), "{}: too many rows ({})", what, rows);
@@ -388,12 +258,7 @@ void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, 
                                                                        logits.ptr<const T>(), labels.data,
                                                                        labels.dtype == DType::i64, cols, vocab_start);
     };
-    const int ctas = row_ctas(cols, sizeof(T), vec);
-    if (ctas > 1)
-      launch_row_clusters(cross_entropy_forward_cluster_kernel<T, kVec>, rows, ctas, 0, ctx.stream, lse.ptr<float>(),
-                          target.ptr<float>(), logits.ptr<const T>(), labels.data, labels.dtype == DType::i64, cols,
-                          vocab_start, ctas);
-    else if (vec) launch(cross_entropy_forward_kernel<T, kVec>);
+    if (vec) launch(cross_entropy_forward_kernel<T, kVec>);
     else launch(cross_entropy_forward_kernel<T, 1>);
   });
   MT_CUDA_CHECK_LAUNCH();
@@ -439,16 +304,7 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
           dloss.ptr<const float>(), cols);
     };
     const size_t row_bytes = static_cast<size_t>(cols) * sizeof(T);
-    const int ctas = row_ctas(cols, sizeof(T), vec);
-    if (ctas > 1) {
-      auto kernel = cross_entropy_forward_backward_cluster_kernel<T, kVec>;
-      const size_t part_bytes = row_part_bytes(cols, sizeof(T), ctas);
-      MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(part_bytes)));
-      launch_row_clusters(kernel, rows, ctas, part_bytes, ctx.stream, lse.ptr<float>(), target.ptr<float>(),
-                          logits.ptr<T>(), labels.data, labels.dtype == DType::i64, dloss.ptr<const float>(), cols,
-                          ctas);
-    } else if (vec && row_bytes <= staged_row_limit()) {
+    if (vec && row_bytes <= staged_row_limit()) {
       auto kernel = cross_entropy_forward_backward_staged_kernel<T, kVec>;
       // per device and call: a host-side attribute, cheap beside a kernel over a whole chunk
       MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
