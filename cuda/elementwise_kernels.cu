@@ -350,7 +350,7 @@ void zero_ranges(const KernelContext& ctx, Tensor flat, const std::vector<FlatRa
   constexpr int64_t kMemsetBytes = int64_t{1} << 20;
   char* base = static_cast<char*>(flat.data);
   const int64_t elem = static_cast<int64_t>(dtype_size(flat.dtype));
-  const bool aligned = reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  const bool aligned = aligned16(base);
   ZeroRangeBatch batch{};
   int count = 0;
   int64_t largest = 0;

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <type_traits>
-#include <utility>
 
 #include "cuda/activations.cuh"
 #include "cuda/cuda_check.h"
@@ -635,8 +634,9 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
 }
 
 // out[c] += sum over g of partial[g, c] for each of up to three outputs (blockIdx.y: dweight, dbias,
-// the column sums of dx; those given, in that order). A block sums 32 columns: its 8 warps each add every 8th partial row in order, then the
-// 8 warp sums are added in warp order, so the result is fixed by (blocks, h). (One thread per column
+// the column sums of dx; those given, in that order). A block sums 32 columns: its 8 warps each add
+// every 8th partial row in order, then the 8 warp sums are added in warp order, so the result is
+// fixed by (blocks, h). (One thread per column
 // walking all the partials serially left the GPU nearly idle: h/256 blocks of dependent loads.)
 constexpr int kReduceWarps = 8;
 struct PartialSums {
