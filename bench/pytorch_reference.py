@@ -122,7 +122,29 @@ class Model(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def run(name, iters, warmup):
+def print_kernel_profile(name, step, steps, top):
+    """Kernels of `steps` steps under torch.profiler, summed by name: GPU ms per step, calls per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(e.name, [0.0, 0])
+        r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        r[1] += 1
+    total = sum(r[0] for r in rows.values())
+    print(f"# {name}: PyTorch kernels, GPU ms per step (sum {total / steps / 1e3:.2f} ms), top {top}", flush=True)
+    for k, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"#   {us / steps / 1e3:8.3f} ms  {n / steps:6.1f}x  {k[:150]}", flush=True)
+
+
+def run(name, iters, warmup, profile_top=0):
     c = CONFIGS[name]
     torch.manual_seed(1234)
     model = Model(c).cuda()
@@ -156,6 +178,8 @@ def run(name, iters, warmup):
     result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
                   tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+    if profile_top:
+        print_kernel_profile(name, step, 3, profile_top)
     del model, opt, step_model
     torch.cuda.empty_cache()
     return result
@@ -166,6 +190,9 @@ if __name__ == "__main__":
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                    help="after timing, print the N kernels taking the most GPU time per step (torch.profiler)")
     a = ap.parse_args()
     for name in a.configs.split(","):
-        print(json.dumps(run(name, a.iters, a.warmup)), flush=True)
+        result = run(name, a.iters, a.warmup, a.profile_kernels)
+        print(json.dumps(result), flush=True)
