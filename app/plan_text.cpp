@@ -1,6 +1,10 @@
 // The dry run as text. Large layouts (more than 64 ranks, more than 16 stages) are summarised;
 // --json has everything.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <sstream>
+#include <string>
 
 #include "app/flags.h"
 #include "app/plan.h"
@@ -161,8 +165,10 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
   }
   for (const StagePlan& s : plan.stages)
     if (s.memory.total > peak->memory.total) peak = &s;
-  const char* setting = cfg.train.recompute_granularity == RecomputeGranularity::full ? "full"
+  std::string setting = cfg.train.recompute_granularity == RecomputeGranularity::full ? "full"
                         : cfg.train.recompute_granularity == RecomputeGranularity::selective ? "selective" : "none";
+  if (cfg.train.recompute_granularity == RecomputeGranularity::selective)
+    setting += fmt::format(" ({})", fmt::join(cfg.train.recompute_modules, ", "));
   o << fmt::format("  peak: stage {} at {} ({} bytes; recompute {}{}); slots: micro-batches whose activations a rank "
                    "holds at once\n",
                    peak->pp_rank, gib(peak->memory.total), static_cast<int64_t>(peak->memory.total), setting,

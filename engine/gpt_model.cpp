@@ -21,20 +21,21 @@ struct GptModel::LayerParams {
 };
 
 // What a layer keeps from forward for backward. Statistics are in the accum dtype.
-// Not kept (the tensors below marked "shared" are views of workspace buffers every layer reuses):
-// the norm outputs, recomputed in backward from the norm inputs and statistics by
-// norm_backward_recompute, and the MLP activation, recomputed from fc1_pre by the fused
-// activation backward (linear_backward_input_recompute / swiglu_backward_recompute). Both are
-// bit-identical to what forward computed. In FP8 layers with FP8 weight gradients the weight
-// gradients take the inputs' FP8 copies kept from forward instead (fp8_xq_t), so neither is
-// recomputed there.
+// Maybe not kept (the tensors below marked "shared" are then views of workspace buffers every
+// layer reuses): the norm outputs (unless norm_kept: ModelOptions::keep_norm_outputs), recomputed
+// in backward from the norm inputs and statistics by norm_backward_recompute, and the MLP
+// activation (unless act_kept), recomputed from fc1_pre by the fused activation backward
+// (linear_backward_input_recompute / swiglu_backward_recompute). Both are bit-identical to what
+// forward computed. In FP8 layers with FP8 weight gradients the weight gradients take the inputs'
+// FP8 copies kept from forward instead (fp8_xq_t), so neither is recomputed there.
 struct GptModel::LayerActs {
-  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared)
+  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared unless norm_kept)
   Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
   Tensor qkv;                          // attention input (after bias, qk norm, rope)
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
   Tensor h1;                           // residual after attention
-  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared)
+  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared unless norm_kept)
+  bool norm_kept = false;              // ln1_out and ln2_out are this layer's own
   Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared
                                        // unless act_kept); backward overwrites fc1_pre (SwiGLU: with
                                        // its gradient; GeLU: with the activation, unless fp8_xq_t
@@ -71,8 +72,8 @@ struct GptModel::Globals {
 
 struct GptModel::Workspace {
   Tensor tmp_h;                       // [N, h] row-parallel output before its reduction; also the
-                                      // norm outputs ln1_out, ln2_out (gathered to all rows with SP):
-                                      // each is dead before tmp_h is written again
+                                      // norm outputs ln1_out, ln2_out where not kept (gathered to
+                                      // all rows with SP): each is dead before tmp_h is written again
   Tensor gA, gB, gH;                  // [Nl, h] gradients of the residual stream
   Tensor gT;                          // [N, h] column-parallel input gradients, d_fc2 / d_proj with SP
   Tensor act;                         // [N, f] MLP activation (fc2's input); in backward the
@@ -117,6 +118,9 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   if (const char* b = std::getenv("MEGATRAIN_BIAS_GRAD_FROM_NORM"); b && std::string(b) == "0")
     o.bias_grad_from_norm = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
+  const std::vector<std::string>& modules = cfg.train.recompute_modules;
+  o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
+                          std::find(modules.begin(), modules.end(), "layernorm") != modules.end());
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
   o.rope.base = cfg.model.rotary_base;
@@ -261,6 +265,10 @@ bool GptModel::keeps_gelu_activation(bool fp8_layer) const {
   return opt_.keep_gelu_activation && !d_.swiglu && !fp8_layer;
 }
 
+bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
+  return opt_.keep_norm_outputs && !d_.sequence_parallel && !fp8_inputs;
+}
+
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
                                                 bool keep_act) {
   // Sequence parallelism: the norm outputs are gathered to all N rows (the GEMMs' inputs); the
@@ -268,7 +276,8 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
   LayerActs A;
-  A.ln1_out = ws_->tmp_h;  // not kept: see LayerActs
+  A.norm_kept = keeps_norm_outputs(fp8_inputs);
+  A.ln1_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
   A.ln1_mean = a.take(c, S, {Nl});
   A.ln1_rstd = a.take(c, S, {Nl});
   if (d_.qk_norm) {
@@ -281,7 +290,7 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
   A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
   A.h1 = a.take(c, T, {Nl, h});
-  A.ln2_out = ws_->tmp_h;  // not kept
+  A.ln2_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
   A.ln2_mean = a.take(c, S, {Nl});
   A.ln2_rstd = a.take(c, S, {Nl});
   A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
@@ -1033,9 +1042,10 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
 
   // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2) (this rank's rows with SP;
   // d_fc2 has all rows). The activation (fc2's input) is recomputed from fc1_pre by the
-  // activation's backward, the norm output (fc1's input) by the norm's backward (then gathered to
-  // all rows with SP, as Megatron re-gathers it), so the weight gradients come after them. FP8
-  // layers with kept inputs (fp8_kept_inputs) need neither for their weight gradients.
+  // activation's backward, the norm output (fc1's input), unless kept (A.norm_kept), by the norm's
+  // backward (then gathered to all rows with SP, as Megatron re-gathers it), so the weight
+  // gradients come after them. FP8 layers with kept inputs (fp8_kept_inputs) need neither for
+  // their weight gradients.
   const bool kept = fp8_kept_inputs(local);
   const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
   // fc2's and proj's bias gradients where the norm backwards that produce their output gradients
@@ -1107,7 +1117,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   } else {
     linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
     // Column-parallel input gradient: summed over TP.
-    if (kept)
+    if (kept || A.norm_kept)
       be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy,
                         proj_db_from_norm ? G.proj_b : Tensor(), norm_);
     else
@@ -1135,7 +1145,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
                                 G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
   } else {
     linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
-    if (kept)
+    if (kept || A.norm_kept)
       be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
                         norm_);
     else

@@ -85,6 +85,13 @@ struct ModelOptions {
   // gradients (GptModel::fc2_bias_grad_from_norm). false (MEGATRAIN_BIAS_GRAD_FROM_NORM=0, A/B): a
   // column-sum pass of their own, with the weight gradient.
   bool bias_grad_from_norm = true;
+  // Layers keep their two norm outputs (the QKV and fc1 inputs) from forward for the weight
+  // gradients, as Megatron does unless --recompute-modules names layernorm (with --recompute-
+  // granularity selective); then, as before, each is recomputed by the norm's backward (the same
+  // bits) and every layer shares one [N, h] buffer for them. Not under sequence parallelism (its
+  // backward recomputes and re-gathers them, as Megatron's does) nor in FP8 layers whose weight
+  // gradients take the kept FP8 copies.
+  bool keep_norm_outputs = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -194,6 +201,9 @@ class GptModel {
   void plan_params();
   void layout(Arena& a);
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act);
+  // Whether a layer keeps its norm outputs (ModelOptions::keep_norm_outputs); fp8_inputs: the
+  // layer keeps its FP8 inputs instead.
+  bool keeps_norm_outputs(bool fp8_inputs) const;
   // Whether a layer (FP8 or not) keeps its GeLU activation (ModelOptions::keep_gelu_activation).
   bool keeps_gelu_activation(bool fp8_layer) const;
   void bind_params();

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "engine/backend.h"
@@ -24,13 +26,14 @@ struct Harness {
   MicroBatch mb;
 
   explicit Harness(const Config& c, int64_t logits_chunk_rows = 0, bool overwrite_first_weight_grad = true,
-                   bool bias_grad_from_norm = true)
+                   bool bias_grad_from_norm = true, std::optional<bool> keep_norm_outputs = std::nullopt)
       : cfg(c) {
     dims = ModelDims::from_config(cfg, ps);
     ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f64);
     o.logits_chunk_rows = logits_chunk_rows;
     o.overwrite_first_weight_grad = overwrite_first_weight_grad;
     o.bias_grad_from_norm = bias_grad_from_norm;
+    if (keep_norm_outputs) o.keep_norm_outputs = *keep_norm_outputs;
     model = std::make_unique<GptModel>(dims, o, ps, *be);
     model->init_parameters();
     // Bigger weights than the 0.02 init so that every path carries signal.
@@ -241,5 +244,42 @@ TEST_CASE("fc2 and proj bias gradients summed by the norm backwards equal their 
     for (int64_t k = 0; k < p.numel(); ++k) norm += std::abs(a[static_cast<size_t>(p.offset + k)]);
     INFO(p.name);
     CHECK(norm > 1e-6);
+  }
+}
+
+TEST_CASE("norm outputs kept from forward give the gradients of recomputing them (--recompute-modules layernorm)",
+          "[model]") {
+  for (const bool llama : {false, true}) {
+    Config c = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+    c.model.num_layers = 3;
+    test::derive(c);
+    Config r = c;
+    r.train.recompute_granularity = RecomputeGranularity::selective;
+    r.train.recompute_modules = {"core_attn", "layernorm"};
+    Config f = c;  // a full-recompute group: its norm outputs live in the shared scratch
+    f.train.recompute_granularity = RecomputeGranularity::full;
+    f.train.recompute_method = RecomputeMethod::block;
+    f.train.recompute_num_layers = 1;
+    Harness kept(c), recomputed(r), kept_full(f), recomputed_full(f, 0, true, true, false);
+    const ModelDims& d = kept.dims;
+    CHECK(ModelOptions::from_config(c, d, DType::f64).keep_norm_outputs);
+    CHECK(ModelOptions::from_config(f, d, DType::f64).keep_norm_outputs);
+    CHECK_FALSE(ModelOptions::from_config(r, d, DType::f64).keep_norm_outputs);
+    r.train.recompute_modules = {"core_attn"};
+    CHECK(ModelOptions::from_config(r, d, DType::f64).keep_norm_outputs);
+    for (auto [k, rc] : {std::pair{&kept, &recomputed}, std::pair{&kept_full, &recomputed_full}}) {
+      INFO((llama ? "llama" : "gpt") << (k == &kept_full ? ", layer 0 fully recomputed" : ""));
+      CHECK(k->model->memory_plan().of(MemoryCategory::activations) >
+            rc->model->memory_plan().of(MemoryCategory::activations));
+      const std::vector<double> a = k->analytic_grads(), b = rc->analytic_grads();
+      REQUIRE(a.size() == b.size());
+      size_t differ = 0, nonzero = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+        nonzero += a[i] != 0.0;
+      }
+      CHECK(differ == 0);
+      CHECK(nonzero > a.size() / 2);
+    }
   }
 }
