@@ -117,6 +117,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
     o.overwrite_first_weight_grad = false;
   if (const char* b = std::getenv("MEGATRAIN_BIAS_GRAD_FROM_NORM"); b && std::string(b) == "0")
     o.bias_grad_from_norm = false;
+  if (const char* f = std::getenv("MEGATRAIN_FUSE_NEXT_NORM"); f && std::string(f) == "0") o.fuse_next_norm = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -903,7 +904,30 @@ void GptModel::embedding_forward(Slot& s) {
   if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, hidden_key(s, -1, 3));
 }
 
-void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+// A layer's output is read first by the norm after it. Where that layer and the next (or the
+// head) run their forward only once (no full-recompute group: a group's rerun in backward must not
+// write a neighbour's norm, whose statistics may share the group's scratch), the norm is written
+// by the layer's closing bias + dropout + residual: one pass over the rows instead of two.
+bool GptModel::norm_from_previous(int local) const {
+  const auto& g = opt_.recompute.group_of;
+  return opt_.fuse_next_norm && local > 0 && g[static_cast<size_t>(local - 1)] < 0 && g[static_cast<size_t>(local)] < 0;
+}
+
+GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
+  const auto& g = opt_.recompute.group_of;
+  if (!opt_.fuse_next_norm || g[static_cast<size_t>(local)] >= 0) return {};
+  if (local + 1 < d_.stage_layers()) {
+    if (!norm_from_previous(local + 1)) return {};
+    const LayerActs n = acts(s, local + 1);
+    const LayerParams& P = layer_params_[static_cast<size_t>(local + 1)];
+    return {local_rows(n.ln1_out), n.ln1_mean, n.ln1_rstd, P.ln1_w, P.ln1_b};
+  }
+  if (!d_.last_stage) return {};
+  const Workspace& w = *ws_;
+  return {local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b};
+}
+
+void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next) {
   const LayerParams& P = layer_params_[local];
   const Workspace& w = *ws_;
   const int layer = d_.layer_begin + local;
@@ -912,7 +936,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
 
   // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
   // projection (row-parallel, all-reduce) -> bias + dropout + residual.
-  be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  if (!norm_from_previous(local)) be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
   gather_rows(A.ln1_out);
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
@@ -950,13 +974,17 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
     }
     linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   }
-  be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
+  if (next.out.empty())
+    be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
+  else
+    be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), P.fc2_b, hp,
+                              hidden_key(s, layer, 2), next.weight, next.bias, norm_);
 }
 
-void GptModel::head_forward(Slot& s, Tensor x) {
+void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
   const Globals& G = *globals_;
   const Workspace& w = *ws_;
-  be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
+  if (!norm_done) be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
   gather_rows(w.y);
   // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
   // their gradient) exist for one chunk at a time; the head's whole backward but the final norm
@@ -1007,15 +1035,23 @@ void GptModel::forward(int slot) {
     params_needed(L > 0 ? layer_first_param_[0] : head_first_param_);
     embedding_forward(s);
   }
+  bool head_norm_done = false;
   for (int l = 0; l < L; ++l) {
-    params_needed(l + 1 < L ? layer_first_param_[static_cast<size_t>(l + 1)] : head_first_param_);
+    const NextNorm next = next_norm(s, l);
+    // The norm after layer l belongs to the next layer (or the head): its parameters too.
+    const int needed = l + 1 < L ? (next.out.empty() ? layer_first_param_[static_cast<size_t>(l + 1)]
+                                                      : l + 2 < L ? layer_first_param_[static_cast<size_t>(l + 2)]
+                                                                  : head_first_param_)
+                                 : next.out.empty() ? head_first_param_ : static_cast<int>(descs_.size());
+    params_needed(needed);
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
-    layer_forward(l, s, acts(s, l), layer_input(s, l));
+    layer_forward(l, s, acts(s, l), layer_input(s, l), next);
+    head_norm_done = l == L - 1 && !next.out.empty();
   }
   fp8_keep_inputs_now_ = true;
   if (d_.last_stage) {
     params_needed(static_cast<int>(descs_.size()));
-    head_forward(s, stage_output(slot));
+    head_forward(s, stage_output(slot), head_norm_done);
   }
 }
 

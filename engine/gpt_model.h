@@ -92,6 +92,10 @@ struct ModelOptions {
   // backward recomputes and re-gathers them, as Megatron's does) nor in FP8 layers whose weight
   // gradients take the kept FP8 copies.
   bool keep_norm_outputs = true;
+  // A layer's closing bias + dropout + residual also writes the norm that reads its output (the
+  // next layer's ln1, or the final norm) in the same pass over the rows, where both layers are
+  // kept (not in a full-recompute group). false (MEGATRAIN_FUSE_NEXT_NORM=0, A/B): two passes.
+  bool fuse_next_norm = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -226,9 +230,18 @@ class GptModel {
   void reduce_tp_partial(int layer);
   void grads_final(int first_param);
   void params_needed(int end);
-  void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  // The norm that follows a layer's output: the next layer's ln1 or, after the stage's last layer
+  // of the last stage, the final norm; the layer's closing bias + dropout + residual writes it in
+  // the same pass (ModelOptions::fuse_next_norm). Empty out: no fusion.
+  struct NextNorm {
+    Tensor out, mean, rstd, weight, bias;
+  };
+  NextNorm next_norm(const Slot& s, int local) const;
+  // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
+  bool norm_from_previous(int local) const;
+  void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next = {});
   void layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx);
-  void head_forward(Slot& s, Tensor x);
+  void head_forward(Slot& s, Tensor x, bool norm_done);
   Tensor layer_input(const Slot& s, int local) const;
   LayerActs acts(const Slot& s, int local) const;
   // Linear layers of decoder layers: FP8 GEMMs in FP8 layers, the compute-dtype ones elsewhere.

@@ -4,7 +4,7 @@
 
 #include <cmath>
 #include <cstring>
-#include <optional>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -26,14 +26,14 @@ struct Harness {
   MicroBatch mb;
 
   explicit Harness(const Config& c, int64_t logits_chunk_rows = 0, bool overwrite_first_weight_grad = true,
-                   bool bias_grad_from_norm = true, std::optional<bool> keep_norm_outputs = std::nullopt)
+                   bool bias_grad_from_norm = true, const std::function<void(ModelOptions&)>& adjust = {})
       : cfg(c) {
     dims = ModelDims::from_config(cfg, ps);
     ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f64);
     o.logits_chunk_rows = logits_chunk_rows;
     o.overwrite_first_weight_grad = overwrite_first_weight_grad;
     o.bias_grad_from_norm = bias_grad_from_norm;
-    if (keep_norm_outputs) o.keep_norm_outputs = *keep_norm_outputs;
+    if (adjust) adjust(o);
     model = std::make_unique<GptModel>(dims, o, ps, *be);
     model->init_parameters();
     // Bigger weights than the 0.02 init so that every path carries signal.
@@ -260,7 +260,7 @@ TEST_CASE("norm outputs kept from forward give the gradients of recomputing them
     f.train.recompute_granularity = RecomputeGranularity::full;
     f.train.recompute_method = RecomputeMethod::block;
     f.train.recompute_num_layers = 1;
-    Harness kept(c), recomputed(r), kept_full(f), recomputed_full(f, 0, true, true, false);
+    Harness kept(c), recomputed(r), kept_full(f), recomputed_full(f, 0, true, true, [](ModelOptions& o) { o.keep_norm_outputs = false; });
     const ModelDims& d = kept.dims;
     CHECK(ModelOptions::from_config(c, d, DType::f64).keep_norm_outputs);
     CHECK(ModelOptions::from_config(f, d, DType::f64).keep_norm_outputs);
@@ -280,6 +280,32 @@ TEST_CASE("norm outputs kept from forward give the gradients of recomputing them
       }
       CHECK(differ == 0);
       CHECK(nonzero > a.size() / 2);
+    }
+  }
+}
+
+TEST_CASE("the norm after a layer written by the layer's closing residual add gives the same loss and gradients",
+          "[model]") {
+  // Fused between kept layers and into the final norm; not around full-recompute groups (layers 0
+  // and 1 of 4 recomputed, one group each: 0-1 and 1-2 stay two passes, 2-3 and 3-head fuse).
+  for (const bool llama : {false, true}) {
+    for (const bool full : {false, true}) {
+      Config c = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+      c.model.num_layers = 4;
+      if (full) {
+        c.train.recompute_granularity = RecomputeGranularity::full;
+        c.train.recompute_method = RecomputeMethod::block;
+        c.train.recompute_num_layers = 2;
+      }
+      test::derive(c);
+      INFO((llama ? "llama" : "gpt") << (full ? ", full recompute" : ""));
+      Harness fused(c), apart(c, 0, true, true, [](ModelOptions& o) { o.fuse_next_norm = false; });
+      CHECK(fused.loss() == apart.loss());
+      const std::vector<double> a = fused.analytic_grads(), b = apart.analytic_grads();
+      REQUIRE(a.size() == b.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+      CHECK(differ == 0);
     }
   }
 }
