@@ -4,6 +4,10 @@
 // 16 algorithms, time each, and print the first pick's TFLOP/s beside the fastest one's. This
 // measures what timing the candidates at plan time (autotuning) could gain before building it.
 //   bench_gemm_algo [--reps 10] [--configs gpt2-124m,gpt-1.3b,llama-1b] [--check-accumulate]
+//                   [--wgrad-beta 1|0] [--wgrad-d f32|bf16] [--only fwd|dgrad|wgrad]
+// --wgrad-beta / --wgrad-d: the weight gradients' beta and output type (the engine: beta 0 for the
+// step's first write, 1 after, into float32; bf16 is what an unfused framework writes before adding
+// into its float32 gradient).
 // --check-accumulate: for the accumulating GEMMs (weight gradients, beta = 1, D = C in place) with
 // all-ones operands, checks that each candidate's beta = 0 product is exactly k and that D1 - D0
 // (D0 pseudo-random) is k, and prints the failing candidates' configurations (cuBLASLt split-K
@@ -55,6 +59,9 @@ struct Shape {
   float beta;
 };
 
+cudaDataType_t wgrad_d_type = CUDA_R_32F;
+float wgrad_beta = 1.0f;
+
 Shape shape_of(const Gemm& g) {
   switch (g.kind) {
     case Kind::forward:  // y^T[out x tok] = W(col-major in x out)^T x^T[in x tok]
@@ -62,7 +69,7 @@ Shape shape_of(const Gemm& g) {
     case Kind::backward_input:  // dx^T[in x tok] = W(col-major in x out) dy^T[out x tok]
       return {g.in, g.tokens, g.out, CUBLAS_OP_N, CUBLAS_OP_N, g.in, g.out, g.in, CUDA_R_16BF, 0.0f};
     case Kind::backward_weight:  // dW^T[in x out] += x^T[in x tok] dy[tok x out]
-      return {g.in, g.out, g.tokens, CUBLAS_OP_N, CUBLAS_OP_T, g.in, g.out, g.in, CUDA_R_32F, 1.0f};
+      return {g.in, g.out, g.tokens, CUBLAS_OP_N, CUBLAS_OP_T, g.in, g.out, g.in, wgrad_d_type, wgrad_beta};
   }
   return {};
 }
@@ -147,11 +154,15 @@ int main(int argc, char** argv) {
   int reps = 10;
   std::string configs = "gpt2-124m,gpt-1.3b,llama-1b";
   bool check_accumulate = false;
+  std::string only;  // a substring of the GEMM names (fwd, dgrad, wgrad)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--check-accumulate") check_accumulate = true;
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (a == "--configs" && i + 1 < argc) configs = argv[++i];
+    else if (a == "--wgrad-beta" && i + 1 < argc) wgrad_beta = static_cast<float>(std::atof(argv[++i]));
+    else if (a == "--wgrad-d" && i + 1 < argc) wgrad_d_type = std::string(argv[++i]) == "bf16" ? CUDA_R_16BF : CUDA_R_32F;
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
   }
   cublasLtHandle_t lt;
   CHECK_LT(cublasLtCreate(&lt));
@@ -172,6 +183,7 @@ int main(int argc, char** argv) {
     const std::string config = configs.substr(pos, comma - pos);
     pos = comma + 1;
     for (const Gemm& g : gemms_of(config)) {
+      if (!only.empty() && g.name.find(only) == std::string::npos) continue;
       const Shape s = shape_of(g);
       const int64_t a_rows = s.ta == CUBLAS_OP_N ? s.m : s.k, a_cols = s.ta == CUBLAS_OP_N ? s.k : s.m;
       const int64_t b_rows = s.tb == CUBLAS_OP_N ? s.k : s.n, b_cols = s.tb == CUBLAS_OP_N ? s.n : s.k;
