@@ -113,6 +113,15 @@ void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpA
                     Tensor());
 }
 
+void CudaBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight,
+                                    Tensor bias, const NormParams& p, const Fp8TensorMeta& meta) {
+  on_device("fp8_quantize_norm", mean, rstd, weight, bias);
+  cuda::CastSource src{cuda::CastSource::Kind::norm, x, Tensor()};
+  src.mean = p.kind == Normalization::rmsnorm ? Tensor() : mean;  // RMSNorm's stored mean is 0
+  src.rstd = rstd, src.weight = weight, src.bias = bias, src.one_p = p.one_p;
+  fp8_quantize_impl("fp8_quantize_norm", q, q_t, src, meta, Tensor());
+}
+
 void CudaBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                              const Fp8TensorMeta& meta, Tensor dbias) {
   fp8_quantize_impl("fp8_quantize_activation_backward", q, q_t, {cuda::CastSource::Kind::activation_grad, dout, pre, act},

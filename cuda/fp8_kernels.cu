@@ -17,6 +17,7 @@
 #include "cuda/activations.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/gemm_cublaslt.h"  // column_partials_accumulate
+#include "cuda/norm_math.cuh"
 
 namespace mt::cuda {
 namespace {
@@ -200,6 +201,36 @@ struct SwigluGradInput {
     swiglu_grad(to_float(row[j]), to_float(row[F + j]), to_float(dout[r * F + j]), dg, du);
     v[0] = round_to<T>(dg);
     v[1] = round_to<T>(du);
+  }
+};
+
+// y = norm(x) from x and the statistics the norm's forward stored, in that kernel's rounding order
+// (cuda/norm_math.cuh) and rounded to T as it stores y: the bytes of norm_forward then the plain
+// cast. mean may be null (RMSNorm: 0), bias too.
+template <typename T>
+struct NormInput {
+  static constexpr int kHalves = 1;
+  const T* __restrict__ x;
+  const float* __restrict__ mean;
+  const float* __restrict__ rstd;
+  const T* __restrict__ w;
+  const T* __restrict__ b;
+  int64_t C;
+  float w_shift;  // 1 with --apply-layernorm-1p
+  __device__ __forceinline__ float value(float xv, float m, float rs, float wv, const T* bp) const {
+    const float xhat = norm_xhat(xv, m, rs);
+    return round_to<T>(bp ? norm_apply(xhat, wv + w_shift, to_float(*bp)) : norm_apply(xhat, wv + w_shift));
+  }
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> v = load_vec<8>(x + r * C + c);
+    const Floats<8> wv = load_vec<8>(w + c);
+    const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v.v[j] = value(v.v[j], m, rs, wv.v[j], b ? b + c + j : nullptr);
+    return v;
+  }
+  __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
+    return value(to_float(x[r * C + c]), mean ? mean[r] : 0.0f, rstd[r], to_float(w[c]), b ? b + c : nullptr);
   }
 };
 
@@ -504,6 +535,15 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
   const bool swiglu = src.kind == Kind::activation && src.act == MlpActivation::swiglu;
   MT_CHECK(!swiglu || src.x.cols() % 2 == 0, "{}: odd SwiGLU width {}", what, src.x.cols());
   const bool gated_grad = src.kind == Kind::activation_grad && src.act == MlpActivation::swiglu;
+  if (src.kind == Kind::norm) {
+    MT_CHECK(src.rstd.numel() == R && src.rstd.dtype == DType::f32 &&
+                 (src.mean.empty() || (src.mean.numel() == R && src.mean.dtype == DType::f32)),
+             "{}: norm statistics mean {} / rstd {} for {} rows", what, src.mean.shape_string(),
+             src.rstd.shape_string(), R);
+    MT_CHECK(src.weight.numel() == C && src.weight.dtype == src.x.dtype &&
+                 (src.bias.empty() || (src.bias.numel() == C && src.bias.dtype == src.x.dtype)),
+             "{}: norm weight {} / bias {} for rows of {}", what, src.weight.shape_string(), src.bias.shape_string(), C);
+  }
   if (src.kind == Kind::activation_grad) {
     check_input(src.pre, what);
     MT_CHECK(src.pre.dtype == src.x.dtype && src.pre.numel() == (gated_grad ? 2 : 1) * src.x.numel(),
@@ -511,7 +551,8 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
   }
   if (R == 0 || C == 0) return;
   const bool vec = aligned16(src.x.data) && (src.pre.empty() || aligned16(src.pre.data)) &&
-                   (!gated_grad || src.x.cols() % 8 == 0);
+                   (!gated_grad || src.x.cols() % 8 == 0) &&
+                   (src.kind != Kind::norm || aligned16(src.weight.data));
   MT_DISPATCH_FLOAT(src.x.dtype, T, what, {
     const T* x = src.x.ptr<const T>();
     const auto go = [&](const auto& input) {
@@ -529,6 +570,11 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
         if (gated_grad) go(SwigluGradInput<T>{x, src.pre.ptr<const T>(), src.x.cols()});
         else if (tanh_form) go(GeluGradInput<T, true>{x, src.pre.ptr<const T>(), C});
         else go(GeluGradInput<T, false>{x, src.pre.ptr<const T>(), C});
+        break;
+      case Kind::norm:
+        go(NormInput<T>{x, src.mean.empty() ? nullptr : src.mean.ptr<const float>(), src.rstd.ptr<const float>(),
+                        src.weight.ptr<const T>(), src.bias.empty() ? nullptr : src.bias.ptr<const T>(), C,
+                        src.one_p ? 1.0f : 0.0f});
         break;
     }
   });

@@ -39,15 +39,23 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
 //                    the values gelu_forward / swiglu_forward would store in x's dtype;
 //   activation_grad: the gradient of act's input from x, the gradient of its output: GeLU
 //                    x * gelu'(pre), x and pre [R, C]; SwiGLU [dgate | dup] [R, 2F] from x [R, F]
-//                    and pre [R, 2F]: the values gelu_backward / swiglu_backward would store.
+//                    and pre [R, 2F]: the values gelu_backward / swiglu_backward would store;
+//   norm:            norm(x) from x and its statistics (below).
 struct CastSource {
-  enum class Kind { plain, activation, activation_grad };
+  enum class Kind { plain, activation, activation_grad, norm };
+  CastSource(Kind k, Tensor x_, Tensor pre_ = Tensor(), MlpActivation act_ = MlpActivation::gelu)
+      : kind(k), x(x_), pre(pre_), act(act_) {}
   Kind kind = Kind::plain;
   Tensor x, pre;
   MlpActivation act = MlpActivation::gelu;
+  // norm: the output of a LayerNorm / RMSNorm of x [R, C] with the statistics its norm_forward
+  // wrote (float32 [R]; mean empty or zeros for RMSNorm) and its weight and bias (bias may be
+  // empty; one_p: the weight is stored as gamma - 1), the values norm_forward would store.
+  Tensor mean, rstd, weight, bias;
+  bool one_p = false;
   int64_t rows() const { return x.rows(); }
   int64_t cols() const {
-    if (act != MlpActivation::swiglu || kind == Kind::plain) return x.cols();
+    if (act != MlpActivation::swiglu || kind == Kind::plain || kind == Kind::norm) return x.cols();
     return kind == Kind::activation ? x.cols() / 2 : 2 * x.cols();
   }
 };

@@ -26,6 +26,7 @@
 #include "cuda/device_utils.cuh"
 #include "cuda/gemm_cublaslt.h"
 #include "cuda/kernels.h"
+#include "cuda/norm_math.cuh"
 
 namespace mt::cuda {
 namespace {
@@ -68,14 +69,6 @@ struct QkHeads {
   }
   __device__ __forceinline__ bool second(int64_t v) const { return (v % heads) % (q_per_group + 1) == q_per_group; }
 };
-
-// y = (x - mean) * rstd * w + b with one rounding order, shared by the forward and by the
-// backward's recomputation of the output, so that both give the same bits.
-__device__ __forceinline__ float norm_xhat(float x, float mean, float rstd) {
-  return __fmul_rn(__fsub_rn(x, mean), rstd);
-}
-__device__ __forceinline__ float norm_apply(float xhat, float w) { return __fmul_rn(xhat, w); }
-__device__ __forceinline__ float norm_apply(float xhat, float w, float b) { return __fmaf_rn(xhat, w, b); }
 
 template <typename T>
 struct NormForwardArgs {
@@ -171,6 +164,7 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
     if (args.mean) args.mean[row] = mean;  // 0 for RMSNorm, as the reference writes
     if (args.rstd) args.rstd[row] = rstd;
   }
+  if (!args.out) return;  // statistics only (an FP8 cast takes the output from x and them)
   const float w_shift = args.one_p ? 1.0f : 0.0f;
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
@@ -410,7 +404,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int c = (lane + it * TPR) * 8;
-      if (valid && c < h) {
+      if (args.out && valid && c < h) {  // (no out: statistics only)
         const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -612,7 +606,7 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int c = (lane + it * TPR) * 8;
-      if (valid && c < h) {
+      if (args.out && valid && c < h) {  // (no out: statistics only)
         const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
         uint4 br = make_uint4(0u, 0u, 0u, 0u);
         if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
@@ -921,8 +915,9 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
   const int64_t h = a.cols(), rows = a.rows();
   const bool add = !b.empty();
   const char* what = add ? "add_norm_forward" : "norm_forward";
-  MT_CHECK(out.numel() == a.numel() && out.dtype == a.dtype, "{}: out {} vs input {}", what, out.shape_string(),
-           a.shape_string());
+  MT_CHECK(out.empty() || (out.numel() == a.numel() && out.dtype == a.dtype), "{}: out {} vs input {}", what,
+           out.shape_string(), a.shape_string());
+  MT_CHECK(!out.empty() || !rstd.empty(), "{}: neither out nor rstd given", what);
   MT_CHECK(weight.numel() == h && weight.dtype == a.dtype, "{}: weight {} for rows of {} ({})", what,
            weight.shape_string(), h, dtype_name(a.dtype));
   MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == a.dtype), "{}: bias {}", what, bias.shape_string());

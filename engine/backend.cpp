@@ -64,6 +64,10 @@ void Backend::fp8_quantize_activation_backward(Tensor, Tensor, Tensor, Tensor, M
 void Backend::fp8_quantize_activation(Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation is not on the " + name() + " backend yet");
 }
+void Backend::fp8_quantize_norm(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const NormParams&,
+                                const Fp8TensorMeta&) {
+  throw Unsupported("FP8 (--fp8-format): fp8_quantize_norm is not on the " + name() + " backend yet");
+}
 void Backend::fp8_linear_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Activation, Tensor) {
   throw Unsupported("FP8 (--fp8-format): fp8_linear_forward is not on the " + name() + " backend yet");
 }

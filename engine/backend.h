@@ -139,6 +139,8 @@ class Backend {
 
   // ---- normalization (rows of x) ---------------------------------------------------------
   // out = norm(x) * w (+ b). mean/rstd are float32 [rows] saved for backward (mean unused by RMSNorm).
+  // out may be empty: the statistics only (fp8_quantize_norm casts the output from them; so may
+  // bias_dropout_add_norm's out).
   virtual void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
                             const NormParams& p) = 0;
   // Fused residual: sum = a + dropout_p(b) (dropout_p == 0: plain add); out = norm(sum).
@@ -238,6 +240,14 @@ class Backend {
   // GeLU epilogue), saving the activation's write and read in the compute dtype.
   virtual void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                        const Fp8TensorMeta& meta);
+  // fp8_quantize of y = norm(x) without writing y: bit for bit the y that norm_forward(y, mean,
+  // rstd, x, weight, bias, p) writes (x's dtype), given the mean and rstd that call wrote (a
+  // norm_forward or bias_dropout_add_norm with an empty out: statistics only), then
+  // fp8_quantize(q, q_t, y, meta). x [R, C]; q [R, C], q_t [C, R]. FP8 layers cast the QKV and fc1
+  // inputs this way (ModelOptions::fp8_norm_cast), saving the norm output's write and read in the
+  // compute dtype.
+  virtual void fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor bias,
+                                 const NormParams& p, const Fp8TensorMeta& meta);
   // fp8_quantize(q, q_t, dy, meta), and dbias[C] (float32) += the column sums of dy (the unquantized
   // values, as fp8_linear_backward_weight sums them), read in the same pass: the bias gradient of
   // an FP8 layer with FP8 weight gradients (fp8_linear_backward_weight then gets no dbias).

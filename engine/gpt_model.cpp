@@ -118,6 +118,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   if (const char* b = std::getenv("MEGATRAIN_BIAS_GRAD_FROM_NORM"); b && std::string(b) == "0")
     o.bias_grad_from_norm = false;
   if (const char* f = std::getenv("MEGATRAIN_FUSE_NEXT_NORM"); f && std::string(f) == "0") o.fuse_next_norm = false;
+  if (const char* f = std::getenv("MEGATRAIN_FP8_NORM_CAST"); f && std::string(f) == "0") o.fp8_norm_cast = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -619,14 +620,19 @@ namespace {
 Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slice(0, rows * cols).view({rows, cols}); }
 }  // namespace
 
+bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
+  return opt_.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
+}
+
 void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
-                          Activation act, Tensor pre_act) {
+                          Activation act, Tensor pre_act, const NormInput* norm) {
+  MT_CHECK(!norm || fp8_gemms(local), "layer {}: an FP8 cast from a norm outside FP8 GEMMs", d_.layer_begin + local);
   if (!fp8_layer(local)) {
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
   }
   fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
-  const Tensor xq = fp8_quantize_input(local, g, A, x, nullptr);
+  const Tensor xq = fp8_quantize_input(local, g, A, x, nullptr, norm);
   if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
     be_.linear_forward(y, x, w, bias, act, pre_act);
     return;
@@ -649,13 +655,18 @@ void GptModel::fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor 
 // gradient, kept with the layer's activations. (Evaluation forwards have no backward, and a
 // recomputed layer's first forward none of its own: the recompute writes them again. Neither
 // writes the copy nor its scale_inv.)
-Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act) {
+Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act,
+                                    const NormInput* norm) {
+  if (norm) x = norm->x;
   const int64_t cols = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
   const Tensor xq = fp8_view(fp8_xq_, x.rows(), cols);
   const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
   if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
   const Tensor xq_t = keep ? A.fp8_xq_t[g] : Tensor();
-  if (act) be_.fp8_quantize_activation(xq, xq_t, x, *act, fp8_meta(local, g, Fp8State::x));
+  if (norm)
+    be_.fp8_quantize_norm(xq, xq_t, norm->x, norm->mean, norm->rstd, norm->weight, norm->bias, norm_,
+                          fp8_meta(local, g, Fp8State::x));
+  else if (act) be_.fp8_quantize_activation(xq, xq_t, x, *act, fp8_meta(local, g, Fp8State::x));
   else be_.fp8_quantize(xq, xq_t, x, fp8_meta(local, g, Fp8State::x));
   if (keep && !A.fp8_x_scale_inv.empty())
     be_.copy(A.fp8_x_scale_inv.flat_slice(g, 1), fp8_.scale_inv(local, g, Fp8State::x));
@@ -920,11 +931,12 @@ GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
     if (!norm_from_previous(local + 1)) return {};
     const LayerActs n = acts(s, local + 1);
     const LayerParams& P = layer_params_[static_cast<size_t>(local + 1)];
-    return {local_rows(n.ln1_out), n.ln1_mean, n.ln1_rstd, P.ln1_w, P.ln1_b};
+    return {true, fp8_norm_cast(local + 1, n) ? Tensor() : local_rows(n.ln1_out), n.ln1_mean, n.ln1_rstd, P.ln1_w,
+            P.ln1_b};
   }
   if (!d_.last_stage) return {};
   const Workspace& w = *ws_;
-  return {local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b};
+  return {true, local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b};
 }
 
 void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next) {
@@ -936,33 +948,40 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
 
   // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
   // projection (row-parallel, all-reduce) -> bias + dropout + residual.
-  if (!norm_from_previous(local)) be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
-  gather_rows(A.ln1_out);
+  // With fp8_norm_cast the norms write only their statistics and the QKV / fc1 casts read x.
+  const bool norm_cast = fp8_norm_cast(local, A);
+  if (!norm_from_previous(local))
+    be_.norm_forward(norm_cast ? Tensor() : local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  if (!norm_cast) gather_rows(A.ln1_out);
+  const NormInput ln1{x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b};
+  const NormInput* ln1_src = norm_cast ? &ln1 : nullptr;
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
   } else {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
   }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   linear_fwd(local, Fp8State::proj, A, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
   // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
   // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
-  be_.bias_dropout_add_norm(A.h1, local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x, reduce_rows(w.tmp_h), P.proj_b, hp,
-                            hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
+  be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
+                            reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
+  const NormInput ln2{A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, P.ln2_b};
 
   // MLP block: norm (above) -> fc1 (column-parallel) + activation -> fc2 (row-parallel,
   // all-reduce) -> bias + dropout + residual.
   // With FP8 GEMMs, fc1 writes only its output (no GeLU epilogue) and fc2's input is cast to FP8
   // from it (fc2_fwd_from_fc1): the activation is never written in the compute dtype.
-  gather_rows(A.ln2_out);
+  if (!norm_cast) gather_rows(A.ln2_out);
   const MlpActivation mlp_act = d_.swiglu ? MlpActivation::swiglu
                                 : d_.gelu_tanh ? MlpActivation::gelu_tanh
                                                : MlpActivation::gelu;
   if (fp8_gemms(local)) {
-    linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
+    linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor(),
+               norm_cast ? &ln2 : nullptr);
     fc2_fwd_from_fc1(local, A, w.tmp_h, A.fc1_pre, mlp_act);
   } else {
     if (d_.swiglu) {
@@ -974,7 +993,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
     }
     linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   }
-  if (next.out.empty())
+  if (!next.fused)
     be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
   else
     be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), P.fc2_b, hp,
@@ -1039,14 +1058,14 @@ void GptModel::forward(int slot) {
   for (int l = 0; l < L; ++l) {
     const NextNorm next = next_norm(s, l);
     // The norm after layer l belongs to the next layer (or the head): its parameters too.
-    const int needed = l + 1 < L ? (next.out.empty() ? layer_first_param_[static_cast<size_t>(l + 1)]
-                                                      : l + 2 < L ? layer_first_param_[static_cast<size_t>(l + 2)]
-                                                                  : head_first_param_)
-                                 : next.out.empty() ? head_first_param_ : static_cast<int>(descs_.size());
+    const int needed = l + 1 < L ? (!next.fused ? layer_first_param_[static_cast<size_t>(l + 1)]
+                                                : l + 2 < L ? layer_first_param_[static_cast<size_t>(l + 2)]
+                                                            : head_first_param_)
+                                 : !next.fused ? head_first_param_ : static_cast<int>(descs_.size());
     params_needed(needed);
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
-    head_norm_done = l == L - 1 && !next.out.empty();
+    head_norm_done = l == L - 1 && next.fused;
   }
   fp8_keep_inputs_now_ = true;
   if (d_.last_stage) {

@@ -96,6 +96,11 @@ struct ModelOptions {
   // next layer's ln1, or the final norm) in the same pass over the rows, where both layers are
   // kept (not in a full-recompute group). false (MEGATRAIN_FUSE_NEXT_NORM=0, A/B): two passes.
   bool fuse_next_norm = true;
+  // Layers with FP8 GEMMs cast their QKV and fc1 inputs (the norm outputs) to FP8 straight from
+  // the norms' inputs and statistics (Backend::fp8_quantize_norm; the norms then write only their
+  // statistics), where the norm outputs are not kept and without sequence parallelism: the same
+  // bits as casting the written outputs. false (MEGATRAIN_FP8_NORM_CAST=0, A/B): written, then cast.
+  bool fp8_norm_cast = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -232,10 +237,20 @@ class GptModel {
   void params_needed(int end);
   // The norm that follows a layer's output: the next layer's ln1 or, after the stage's last layer
   // of the last stage, the final norm; the layer's closing bias + dropout + residual writes it in
-  // the same pass (ModelOptions::fuse_next_norm). Empty out: no fusion.
+  // the same pass (ModelOptions::fuse_next_norm) where `fused`. out empty: its statistics only
+  // (the next layer casts its output to FP8 from them: fp8_norm_cast).
   struct NextNorm {
+    bool fused;  // (value-initialized by {}: false)
     Tensor out, mean, rstd, weight, bias;
   };
+  // A norm's input, statistics and parameters: what fp8_quantize_norm casts its output from.
+  struct NormInput {
+    Tensor x, mean, rstd, weight, bias;
+  };
+  // Whether layer `local` (activations A) casts its norm outputs to FP8 straight from the norms'
+  // inputs and statistics, never writing them in the compute dtype (ModelOptions::fp8_norm_cast):
+  // FP8 GEMMs now, the norm outputs not kept, no sequence parallelism.
+  bool fp8_norm_cast(int local, const LayerActs& A) const;
   NextNorm next_norm(const Slot& s, int local) const;
   // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
   bool norm_from_previous(int local) const;
@@ -261,10 +276,13 @@ class GptModel {
   // gradients' casts also take the bias gradients (linear_quantize_dy).
   bool fp8_wgrad(int local) const { return fp8_gemms(local) && opt_.fp8.wgrad; }
   // A: the layer's activations (where the kept transposed input goes).
+  // norm: the FP8 GEMM's input is that norm's output (fp8_norm_cast), x is then not read.
   void linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
-                  Activation act, Tensor pre_act);
-  // The FP8 cast of GEMM g's input x (act(x) when act is given), and its kept transposed copy.
-  Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act);
+                  Activation act, Tensor pre_act, const NormInput* norm = nullptr);
+  // The FP8 cast of GEMM g's input x (act(x) when act is given; the norm's output when norm is),
+  // and its kept transposed copy.
+  Tensor fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act,
+                            const NormInput* norm = nullptr);
   // fc2's forward in a layer with FP8 GEMMs (fp8_gemms(local)): its input act(fc1_pre) is cast to
   // FP8 straight from fc1's output and never written in the compute dtype.
   void fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act);

@@ -106,6 +106,32 @@ TEST_CASE("fp8 kept inputs: training is bit-identical to re-quantizing in backwa
   }
 }
 
+TEST_CASE("fp8 norm cast: casting the QKV and fc1 inputs from the norms' statistics trains bit-identically",
+          "[fp8][engine][train]") {
+  struct Case {
+    const char* name;
+    Config model;
+    Fp8Recipe recipe;
+    bool recompute_norms;
+  };
+  const std::vector<Case> cases = {
+      {"GPT delayed", test::tiny_gpt_config(), Fp8Recipe::delayed, false},
+      {"GPT tensorwise, norms recomputed", test::tiny_gpt_config(), Fp8Recipe::tensorwise, true},
+      {"Llama delayed, norms recomputed", test::tiny_llama_config(), Fp8Recipe::delayed, true},
+      {"Llama tensorwise", test::tiny_llama_config(), Fp8Recipe::tensorwise, false},
+  };
+  for (const Case& k : cases) {
+    INFO(k.name);
+    Config c = fp8_config(k.model, Fp8Format::hybrid, k.recipe, 5);
+    if (k.recompute_norms) {
+      c.train.recompute_granularity = RecomputeGranularity::selective;
+      c.train.recompute_modules = {"core_attn", "layernorm"};
+    }
+    const Run cast = test::train_fp8(c, true, true), written = test::train_fp8(c, true, false);
+    check_identical(cast, written);
+  }
+}
+
 TEST_CASE("fp8 kept inputs: --no-fp8-wgrad keeps nothing and trains alike", "[fp8][engine][train]") {
   Config c = fp8_config(test::tiny_llama_config(), Fp8Format::hybrid, Fp8Recipe::delayed, 4);
   c.train.fp8_wgrad = false;

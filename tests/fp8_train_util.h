@@ -20,8 +20,9 @@ struct Fp8Run {
   MemoryPlan plan;
 };
 
-// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again).
-inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true) {
+// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again);
+// norm_cast: ModelOptions::fp8_norm_cast (false: the norm outputs are written, then cast).
+inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_cast = true) {
   struct Recorder final : Reporter {
     std::vector<double> grad_norms;
     void on_iteration(const IterationStats& s) override { grad_norms.push_back(s.grad_norm.value_or(-1.0)); }
@@ -33,6 +34,7 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true) {
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
   o.fp8_keep_inputs = keep_inputs;
+  o.fp8_norm_cast = norm_cast;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);

@@ -8,8 +8,10 @@
 #include <array>
 #include <cfloat>
 #include <cmath>
+#include <vector>
 
 #include "engine/reference/activation_math.h"
+#include "engine/reference/norm_math.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
 
@@ -190,6 +192,34 @@ void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre,
       return round_to(pre.dtype, tanh_form ? gelu_tanh(v) : gelu_erf(v));
     }, meta, op);
   }
+}
+
+// The norm's output exactly as norm_forward computes it (the row statistics again from x, in
+// double: the values norm_forward wrote, whatever precision mean and rstd were stored in).
+void ReferenceBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight,
+                                         Tensor bias, const NormParams& p, const Fp8TensorMeta& meta) {
+  const char* op = "fp8_quantize_norm";
+  const int64_t R = x.rows(), C = x.cols();
+  check_numel(rstd, R, op, "rstd");
+  if (!mean.empty()) check_numel(mean, R, op, "mean");
+  check_numel(weight, C, op, "weight");
+  if (!bias.empty()) check_numel(bias, C, op, "bias");
+  check_same_dtype(x, weight, op);
+  check_same_dtype(x, bias, op);
+  dispatch_float(x, op, [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.ptr<T>();
+    const T* w = weight.ptr<T>();
+    const T* b = bias.empty() ? nullptr : bias.ptr<T>();
+    std::vector<RowStats> stats(static_cast<size_t>(R));
+    pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
+      for (int64_t r = rb; r < re; ++r) stats[static_cast<size_t>(r)] = norm_row_stats(px + r * C, C, p);
+    });
+    quantize_values(pool_, q, q_t, R, C, [&](int64_t i) {
+      const int64_t r = i / C;
+      return static_cast<float>(norm_row_value(px + r * C, i % C, stats[static_cast<size_t>(r)], w, b, p));
+    }, meta, op);
+  });
 }
 
 void ReferenceBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

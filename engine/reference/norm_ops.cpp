@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "engine/dropout_mask.h"
+#include "engine/reference/norm_math.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
 
@@ -10,31 +11,12 @@ namespace mt::reference {
 
 namespace {
 
-struct RowStats {
-  double mean = 0, rstd = 0;
-};
-
-// Normalizes one row of C values: out = norm(x) * w (+ b). Weights may be null (then 1 / 0).
+// Normalizes one row of C values: out = norm(x) * w (+ b) (out null: the statistics only).
 template <typename T>
 RowStats norm_row(const T* x, T* out, int64_t C, const T* w, const T* b, const NormParams& p) {
-  RowStats s;
-  if (p.kind == Normalization::layernorm) {
-    double sum = 0;
-    for (int64_t c = 0; c < C; ++c) sum += x[c];
-    s.mean = sum / C;
-    double var = 0;
-    for (int64_t c = 0; c < C; ++c) var += (x[c] - s.mean) * (x[c] - s.mean);
-    s.rstd = 1.0 / std::sqrt(var / C + p.eps);
-  } else {
-    double sq = 0;
-    for (int64_t c = 0; c < C; ++c) sq += static_cast<double>(x[c]) * x[c];
-    s.rstd = 1.0 / std::sqrt(sq / C + p.eps);
-  }
-  for (int64_t c = 0; c < C; ++c) {
-    const double xhat = (x[c] - s.mean) * s.rstd;
-    const double wc = (w ? static_cast<double>(w[c]) : 1.0) + (p.one_p ? 1.0 : 0.0);
-    out[c] = static_cast<T>(xhat * wc + (b ? static_cast<double>(b[c]) : 0.0));
-  }
+  const RowStats s = norm_row_stats(x, C, p);
+  if (out)
+    for (int64_t c = 0; c < C; ++c) out[c] = norm_row_value(x, c, s, w, b, p);
   return s;
 }
 
@@ -67,7 +49,7 @@ void norm_row_backward(T* dx, const T* dout, const T* x, double mean, double rst
 void ReferenceBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
                                     const NormParams& p) {
   const int64_t R = x.rows(), C = x.cols();
-  check_numel(out, R * C, "norm_forward", "out");
+  if (!out.empty()) check_numel(out, R * C, "norm_forward", "out");
   check_numel(weight, C, "norm_forward", "weight");
   if (!bias.empty()) check_numel(bias, C, "norm_forward", "bias");
   check_numel(rstd, R, "norm_forward", "rstd");
@@ -84,7 +66,7 @@ void ReferenceBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
     const T* b = bias.empty() ? nullptr : bias.ptr<T>();
     pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
       for (int64_t r = rb; r < re; ++r) {
-        const RowStats s = norm_row(x.ptr<T>() + r * C, out.ptr<T>() + r * C, C, w, b, p);
+        const RowStats s = norm_row(x.ptr<T>() + r * C, out.empty() ? nullptr : out.ptr<T>() + r * C, C, w, b, p);
         if (!fm.empty()) fm.set(r, s.mean);  // RMSNorm: 0 (as the CUDA backend writes)
         fr.set(r, s.rstd);
       }

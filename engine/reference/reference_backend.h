@@ -61,6 +61,8 @@ class ReferenceBackend final : public Backend {
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                const Fp8TensorMeta& meta) override;
+  void fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor bias,
+                         const NormParams& p, const Fp8TensorMeta& meta) override;
   void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,
                           Activation act, Tensor pre_act) override;
   void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t, Tensor w_scale_inv,

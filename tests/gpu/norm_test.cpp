@@ -364,3 +364,77 @@ TEST_CASE("cuda bias_dropout_add_norm equals bias_dropout_add then norm_forward"
               CHECK(differing(download_bytes(dev(), mean.c()), download_bytes(dev(), mean2.c()), 4) == 0);
             }
 }
+
+// The FP8 layers' input casts from a norm's statistics (GptModel fp8_norm_cast): a norm_forward or
+// bias_dropout_add_norm without out writes the same statistics (and sum) as with it, and
+// fp8_quantize_norm from them gives the bytes, amax and scale of norm_forward then fp8_quantize.
+// Widths: the fast 16-bit kernels (48, 768, 2048), the general ones (100 > 2048 is not used; 70
+// and 2056: odd or wide) and the cast's unvectorized path (70).
+TEST_CASE("cuda fp8_quantize_norm: norm_forward then fp8_quantize, bit for bit; statistics-only norms",
+          "[gpu][norm][fp8]") {
+  MT_RNG(rng);
+  auto scalar = [](float v) {
+    Buf b(dev(), DType::f32, {1});
+    upload(dev(), b.t, {v});
+    return b;
+  };
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [rows, h] : {std::pair<int64_t, int64_t>{64, 48}, {333, 768}, {40, 2048}, {33, 70}, {24, 2056}}) {
+        const bool ln = kind == Normalization::layernorm;
+        const bool one_p = ln && rows % 2 == 1;
+        INFO((ln ? "layernorm " : "rmsnorm ") << (one_p ? "1p " : "")
+                                              << (recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << rows
+                                              << " x " << h);
+        const NormParams p = params(kind, one_p);
+        const DType dt = DType::bf16;
+        Twin res = twin_same(dt, {rows, h}, shifted_normal(rng, rows * h));
+        Twin x = twin_same(dt, {rows, h}, rng.normal(rows * h)), xb = twin_same(dt, {h}, rng.normal(h, 0.5));
+        Twin w = twin_same(dt, {h}, weights(rng, h, one_p));
+        Twin b = ln ? twin_same(dt, {h}, rng.normal(h, 0.1)) : absent();
+        // The residual add + norm with and without its output.
+        Buf sum(dev(), dt, {rows, h}), sum2(dev(), dt, {rows, h}), y(dev(), dt, {rows, h});
+        Buf mean(dev(), DType::f32, {rows}), rstd(dev(), DType::f32, {rows});
+        Buf mean2(dev(), DType::f32, {rows}), rstd2(dev(), DType::f32, {rows});
+        dev().bias_dropout_add_norm(sum.t, y.t, mean.t, rstd.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(), p);
+        dev().bias_dropout_add_norm(sum2.t, Tensor(), mean2.t, rstd2.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(),
+                                    p);
+        CHECK(differing(download_bytes(dev(), sum.t), download_bytes(dev(), sum2.t), 2) == 0);
+        CHECK(differing(download_bytes(dev(), mean.t), download_bytes(dev(), mean2.t), 4) == 0);
+        CHECK(differing(download_bytes(dev(), rstd.t), download_bytes(dev(), rstd2.t), 4) == 0);
+        // A plain norm_forward of the sum, statistics only: the same statistics again.
+        Buf mean3(dev(), DType::f32, {rows}), rstd3(dev(), DType::f32, {rows});
+        dev().norm_forward(Tensor(), mean3.t, rstd3.t, sum.t, w.c(), b.c(), p);
+        CHECK(differing(download_bytes(dev(), mean.t), download_bytes(dev(), mean3.t), 4) == 0);
+        CHECK(differing(download_bytes(dev(), rstd.t), download_bytes(dev(), rstd3.t), 4) == 0);
+        // The casts: written output then fp8_quantize, against fp8_quantize_norm from the statistics.
+        struct Cast {
+          Buf q, t, scale, scale_inv, amax;
+          Fp8TensorMeta meta(Fp8Recipe r) const { return {scale.t, scale_inv.t, amax.t, r, 0}; }
+        };
+        auto make = [&] {
+          return Cast{Buf(dev(), DType::fp8_e4m3, {rows, h}), Buf(dev(), DType::fp8_e4m3, {h, rows}), scalar(24.0f),
+                      scalar(1.0f / 24.0f), scalar(0.25f)};
+        };
+        Cast two_ops = make(), fused = make();
+        dev().fp8_quantize(two_ops.q.t, two_ops.t.t, y.t, two_ops.meta(recipe));
+        dev().fp8_quantize_norm(fused.q.t, fused.t.t, sum2.t, mean2.t, rstd2.t, w.c(), b.c(), p, fused.meta(recipe));
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
+        const auto v = [](const Buf& s) { return static_cast<float>(download(dev(), s.t)[0]); };
+        CHECK(v(fused.amax) == v(two_ops.amax));
+        CHECK(v(fused.amax) > 0.25f);
+        CHECK(v(fused.scale) == v(two_ops.scale));
+        CHECK(v(fused.scale_inv) == v(two_ops.scale_inv));
+        // Against the reference's cast of its own norm of the same bf16 sum: at most 2% of the bytes.
+        Buf rsum(ref(), dt, {rows, h}), rmean(ref(), DType::f32, {rows}), rrstd(ref(), DType::f32, {rows});
+        upload(ref(), rsum.t, download(dev(), sum.t));
+        ref().norm_forward(Tensor(), rmean.t, rrstd.t, rsum.t, w.r(), b.r(), p);
+        Buf rq(ref(), DType::fp8_e4m3, {rows, h}), rscale(ref(), DType::f32, {1}), rinv(ref(), DType::f32, {1}),
+            ramax(ref(), DType::f32, {1});
+        upload(ref(), rscale.t, {24.0}), upload(ref(), rinv.t, {1.0 / 24.0}), upload(ref(), ramax.t, {0.25});
+        ref().fp8_quantize_norm(rq.t, Tensor(), rsum.t, rmean.t, rrstd.t, w.r(), b.r(), p,
+                                {rscale.t, rinv.t, ramax.t, recipe, 0});
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), rq.t), 1) <= rows * h / 50);
+      }
+}
