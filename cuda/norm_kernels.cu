@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int c = (lane + it * TPR) * 8;
-      if (args.out && valid && c < h) {  // (no out: statistics only)
+      if (valid && c < h) {
         const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
