@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Single-GPU benchmark: megatrain on the three reference configs (gpt2-124m, gpt-1.3b, llama-1b)
 # with --mock-data, and, where PyTorch is importable, the same configs in PyTorch + torch.compile
-# (bench/pytorch_reference.py), side by side. Prints a table of tokens/s, TFLOP/s, MFU, peak memory.
+# (bench/pytorch_reference.py), side by side. Prints a table of tokens/s, TFLOP/s, MFU, peak memory,
+# and for every run the GPU's median SM clock and power while it computed (where nvidia-smi is).
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
@@ -77,13 +78,42 @@ run_one() {
   fi
 }
 tokens_per_s() { sed -n 's/.*| tokens\/s: \([0-9.]*\) .*/\1/p' <<< "$1"; }
+# The GPU's SM clock and power while a run computes: training at the power cap runs well below the
+# maximum clock, and machines differ (bench/RESULTS.md, session 10), so every line says what it
+# ran at. clocked <csv> <command...>: runs the command with nvidia-smi sampling GPU 0 every 50 ms;
+# then clock_summary <csv> gives the medians over the samples drawing more than 350 W (the busy
+# part: not start-up or compilation), or nothing without nvidia-smi.
+clocked() {
+  local csv=$1 smi="" rc=0
+  shift
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi -i 0 --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 > "$csv" 2> /dev/null &
+    smi=$!
+  fi
+  "$@" || rc=$?
+  if [ -n "$smi" ]; then kill "$smi" 2> /dev/null; wait "$smi" 2> /dev/null; fi
+  return $rc
+}
+clock_summary() {
+  [ -s "$1" ] || return 0
+  local busy="$1.busy"
+  awk -F', *' '$2 + 0 > 350 { print $1, $2 }' "$1" > "$busy"
+  [ -s "$busy" ] || { echo "(GPU never over 350 W while sampled)"; return 0; }
+  local n mhz watts
+  n=$(wc -l < "$busy")
+  mhz=$(awk '{ print $1 }' "$busy" | sort -n | awk -v m=$(( (n + 1) / 2 )) 'NR == m')
+  watts=$(awk '{ print $2 }' "$busy" | sort -n | awk -v m=$(( (n + 1) / 2 )) 'NR == m')
+  echo "(SM clock median ${mhz} MHz, power median ${watts} W over ${n} busy samples)"
+}
 for name in "${names[@]}"; do
-  mt_line[$name]=$(run_one "$name" "$out/$name.megatrain.log" "")
-  if [ -n "$fp8" ]; then fp8_line[$name]=$(run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags"); fi
+  mt_line[$name]="$(clocked "$out/$name.megatrain.clocks" run_one "$name" "$out/$name.megatrain.log" "") $(clock_summary "$out/$name.megatrain.clocks")"
+  if [ -n "$fp8" ]; then
+    fp8_line[$name]="$(clocked "$out/$name.megatrain-fp8.clocks" run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags") $(clock_summary "$out/$name.megatrain-fp8.clocks")"
+  fi
 done
 if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for name in "${names[@]}"; do
-    pt_line[$name]=$(python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true)
+    pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
   done
 fi
 
