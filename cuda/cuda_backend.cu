@@ -103,7 +103,9 @@ void* CudaBackend::allocate(size_t bytes) {
     cudaGetLastError();
     cudaMemGetInfo(&free_bytes, &total);
     fail("out of GPU memory on device {}: allocating {:.1f} MiB with {:.1f} MiB free of {:.1f} MiB; reduce "
-         "--micro-batch-size or the model size, or add parallelism",
+         "--micro-batch-size or the model size, recompute more (--recompute-granularity selective "
+         "--recompute-modules core_attn layernorm, or --recompute-granularity full), or add parallelism "
+         "(--dry-run shows each GPU's plan)",
          device_, bytes / 1048576.0, free_bytes / 1048576.0, total / 1048576.0);
   }
   return p;
