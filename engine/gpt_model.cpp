@@ -1057,12 +1057,13 @@ void GptModel::forward(int slot) {
   bool head_norm_done = false;
   for (int l = 0; l < L; ++l) {
     const NextNorm next = next_norm(s, l);
-    // The norm after layer l belongs to the next layer (or the head): its parameters too.
-    const int needed = l + 1 < L ? (!next.fused ? layer_first_param_[static_cast<size_t>(l + 1)]
-                                                : l + 2 < L ? layer_first_param_[static_cast<size_t>(l + 2)]
-                                                            : head_first_param_)
-                                 : !next.fused ? head_first_param_ : static_cast<int>(descs_.size());
-    params_needed(needed);
+    // Layer l's parameters; when it also writes the norm after it, that norm's too (the next
+    // layer's, or the head's: all of them).
+    const auto first_param_of = [&](int layer) {
+      return layer < L ? layer_first_param_[static_cast<size_t>(layer)]
+                       : layer == L ? head_first_param_ : static_cast<int>(descs_.size());
+    };
+    params_needed(first_param_of(next.fused ? l + 2 : l + 1));
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
     head_norm_done = l == L - 1 && next.fused;
