@@ -5,7 +5,7 @@
 // measures what timing the candidates at plan time (autotuning) could gain before building it.
 //   bench_gemm_algo [--reps 10] [--configs gpt2-124m,gpt-1.3b,llama-1b] [--check-accumulate]
 //                   [--wgrad-beta 1|0] [--wgrad-d f32|bf16] [--only fwd|dgrad|wgrad]
-//                   [--sustained-ms 500 [--heat-ms 200] [--candidates 8]]
+//                   [--sustained-ms 500 [--heat-ms 200] [--candidates 8] [--passes 1]]
 // --wgrad-beta / --wgrad-d: the weight gradients' beta and output type (the engine: beta 0 for the
 // step's first write, 1 after, into float32; bf16 is what an unfused framework writes before adding
 // into its float32 gradient).
@@ -20,6 +20,8 @@
 // back to back, its time over --sustained-ms back to back, the energy per call (NVML's energy
 // counter, opened at run time) and the SM clock and power at the end. Prints which candidate the
 // engine's tuning would pick (fastest cool time, 1% rule) and which is fastest sustained.
+// --passes: the candidates again, odd passes in reverse order; the mean of the passes is compared.
+// --only: a substring of the GEMM names, or several separated by '|'.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -186,6 +188,17 @@ struct Nvml {
   }
 };
 
+// name contains one of the '|'-separated parts of `alternatives`.
+bool matches_any(const std::string& name, const std::string& alternatives) {
+  size_t from = 0;
+  while (from <= alternatives.size()) {
+    const size_t bar = std::min(alternatives.find('|', from), alternatives.size());
+    if (name.find(alternatives.substr(from, bar - from)) != std::string::npos) return true;
+    from = bar + 1;
+  }
+  return false;
+}
+
 std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
     uint32_t v = 0;
@@ -209,7 +222,7 @@ int main(int argc, char** argv) {
   std::string configs = "gpt2-124m,gpt-1.3b,llama-1b";
   bool check_accumulate = false;
   double sustained_ms = 0, heat_ms = 200;
-  int max_candidates = 8;
+  int max_candidates = 8, passes = 1;
   std::string only;  // a substring of the GEMM names (fwd, dgrad, wgrad)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -222,6 +235,7 @@ int main(int argc, char** argv) {
     else if (a == "--sustained-ms" && i + 1 < argc) sustained_ms = std::atof(argv[++i]);
     else if (a == "--heat-ms" && i + 1 < argc) heat_ms = std::atof(argv[++i]);
     else if (a == "--candidates" && i + 1 < argc) max_candidates = std::atoi(argv[++i]);
+    else if (a == "--passes" && i + 1 < argc) passes = std::max(1, std::atoi(argv[++i]));
   }
   const Nvml nvml;
   if (sustained_ms > 0)
@@ -247,7 +261,7 @@ int main(int argc, char** argv) {
     const std::string config = configs.substr(pos, comma - pos);
     pos = comma + 1;
     for (const Gemm& g : gemms_of(config)) {
-      if (!only.empty() && g.name.find(only) == std::string::npos) continue;
+      if (!only.empty() && !matches_any(g.name, only)) continue;
       const Shape s = shape_of(g);
       const int64_t a_rows = s.ta == CUBLAS_OP_N ? s.m : s.k, a_cols = s.ta == CUBLAS_OP_N ? s.k : s.m;
       const int64_t b_rows = s.tb == CUBLAS_OP_N ? s.k : s.n, b_cols = s.tb == CUBLAS_OP_N ? s.n : s.k;
@@ -346,36 +360,48 @@ int main(int argc, char** argv) {
         for (int i = 1; i < n; ++i)
           if (us[static_cast<size_t>(i)] < us[static_cast<size_t>(pick)]) pick = i;
         if (!(us[static_cast<size_t>(pick)] < 0.99 * us[0])) pick = 0;
-        std::vector<double> sus(static_cast<size_t>(n), 1e30), mj(static_cast<size_t>(n), 0.0);
-        for (int i = 0; i < n; ++i) {
-          const double cool = us[static_cast<size_t>(i)];
-          if (cool >= 1e29) continue;
-          auto run = [&] {
-            CHECK_LT(cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &s.beta, D, ld, D, ld, &res[i].algo, ws, ws_bytes,
-                                    stream));
-          };
-          const int heat_reps = std::max(1, static_cast<int>(heat_ms * 1000.0 / cool));
-          const int reps_s = std::max(1, static_cast<int>(sustained_ms * 1000.0 / cool));
-          for (int r = 0; r < heat_reps; ++r) run();
-          CHECK_CUDA(cudaStreamSynchronize(stream));
-          const double e_start = nvml.energy_mj();
-          CHECK_CUDA(cudaEventRecord(e0, stream));
-          for (int r = 0; r < reps_s; ++r) run();
-          CHECK_CUDA(cudaEventRecord(e1, stream));
-          const unsigned mhz = nvml.sm_mhz();  // the host is ahead by a full launch queue: near the end
-          const double watts = nvml.watts();
-          CHECK_CUDA(cudaEventSynchronize(e1));
-          const double e_end = nvml.energy_mj();
-          float ms = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-          sus[static_cast<size_t>(i)] = ms * 1000.0 / reps_s;
-          mj[static_cast<size_t>(i)] = (e_end - e_start) / reps_s;
-          std::printf("%-10s %-14s   candidate %d: cool %8.1f us  sustained %8.1f us (%6.1f TFLOP/s)  %7.3f mJ/call"
-                      "  %4u MHz %5.0f W%s  %s\n",
-                      config.c_str(), g.name.c_str(), i, cool, sus[static_cast<size_t>(i)],
-                      flop / sus[static_cast<size_t>(i)] / 1e6, mj[static_cast<size_t>(i)], mhz, watts,
-                      i == pick ? "  [engine's pick]" : "", algo_config(res[i].algo).c_str());
+        std::vector<double> sus(static_cast<size_t>(n), 0.0), mj(static_cast<size_t>(n), 0.0);
+        // Pass p runs the candidates in order, odd passes in reverse: what the power controller
+        // carries over from one candidate to the next falls on different ones.
+        for (int pass = 0; pass < passes; ++pass) {
+          for (int o = 0; o < n; ++o) {
+            const int i = pass % 2 == 0 ? o : n - 1 - o;
+            const double cool = us[static_cast<size_t>(i)];
+            if (cool >= 1e29) {
+              sus[static_cast<size_t>(i)] = 1e30;
+              continue;
+            }
+            auto run = [&] {
+              CHECK_LT(cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &s.beta, D, ld, D, ld, &res[i].algo, ws, ws_bytes,
+                                      stream));
+            };
+            const int heat_reps = std::max(1, static_cast<int>(heat_ms * 1000.0 / cool));
+            const int reps_s = std::max(1, static_cast<int>(sustained_ms * 1000.0 / cool));
+            for (int r = 0; r < heat_reps; ++r) run();
+            CHECK_CUDA(cudaStreamSynchronize(stream));
+            const double e_start = nvml.energy_mj();
+            CHECK_CUDA(cudaEventRecord(e0, stream));
+            for (int r = 0; r < reps_s; ++r) run();
+            CHECK_CUDA(cudaEventRecord(e1, stream));
+            const unsigned mhz = nvml.sm_mhz();  // the host is ahead by a full launch queue: near the end
+            const double watts = nvml.watts();
+            CHECK_CUDA(cudaEventSynchronize(e1));
+            const double e_end = nvml.energy_mj();
+            float ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            const double t = ms * 1000.0 / reps_s, e = (e_end - e_start) / reps_s;
+            sus[static_cast<size_t>(i)] += t / passes;
+            mj[static_cast<size_t>(i)] += e / passes;
+            std::printf("%-10s %-14s   pass %d candidate %d: cool %8.1f us  sustained %8.1f us (%6.1f TFLOP/s)  "
+                        "%7.3f mJ/call  %4u MHz %5.0f W%s  %s\n",
+                        config.c_str(), g.name.c_str(), pass, i, cool, t, flop / t / 1e6, e, mhz, watts,
+                        i == pick ? "  [engine's pick]" : "", algo_config(res[i].algo).c_str());
+          }
         }
+        for (int i = 0; i < n; ++i)
+          std::printf("%-10s %-14s   candidate %d: cool %8.1f us, sustained mean of %d passes %8.1f us%s\n",
+                      config.c_str(), g.name.c_str(), i, us[static_cast<size_t>(i)], passes, sus[static_cast<size_t>(i)],
+                      i == pick ? "  [engine's pick]" : "");
         const size_t sbest = static_cast<size_t>(std::min_element(sus.begin(), sus.end()) - sus.begin());
         total_pick_sustained += sus[static_cast<size_t>(pick)];
         total_best_sustained += sus[sbest];
