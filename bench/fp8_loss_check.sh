@@ -78,6 +78,35 @@ for run in bf16 fp8; do
     echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; }
   grep -E '^\[megatrain\] summary' "$out/$run.log" | tail -n 1 || true
 done
+# Where the runs part: FP8 against bf16 by window of iterations (early windows short: the runs
+# usually part, if at all, in the first spikes). Informational; the verdict is the last 50's mean.
+window_diffs() {
+  perl -MJSON::PP -e '
+    my %l;
+    for my $k (0, 1) {
+      open(my $f, "<", $ARGV[$k]) or die "$ARGV[$k]: $!\n";
+      while (<$f>) {
+        my $r = JSON::PP->new->decode($_);
+        $l{$k}{$r->{iteration}} = $r->{lm_loss} if $r->{type} eq "iteration" && defined $r->{lm_loss};
+      }
+    }
+    my ($last) = sort { $b <=> $a } keys %{$l{0}};
+    my @edges = grep { $_ < $last } (10, 30, 60, 100);
+    for (my $e = 150; $e < $last; $e += 50) { push @edges, $e }
+    push @edges, $last;
+    my ($lo, @out) = (1);
+    for my $hi (@edges) {
+      my ($a, $b, $n) = (0, 0, 0);
+      for my $i ($lo .. $hi) {
+        next unless defined $l{0}{$i} && defined $l{1}{$i};
+        $a += $l{0}{$i}; $b += $l{1}{$i}; $n++;
+      }
+      push @out, sprintf("%d-%d %+.2f%%", $lo, $hi, ($b - $a) / $a * 100) if $n && $a;
+      $lo = $hi + 1;
+    }
+    print "fp8 against bf16 by window: ", join(", ", @out), "\n";' "$1" "$2"
+}
+window_diffs "$out/bf16.jsonl" "$out/fp8.jsonl" || true
 a=$(mean_last50 "$out/bf16.jsonl")
 b=$(mean_last50 "$out/fp8.jsonl")
 awk -v a="$a" -v b="$b" 'BEGIN {
