@@ -62,6 +62,8 @@ void add_fp8_flags(FlagTable& t) {
   t.negative_flag("--no-fp8-wgrad", "weight gradients in higher precision (bf16 GEMM) with FP8",
                   MT_FIELD(train.fp8_wgrad));
   t.recognised("--fp8-param-gather", Arity::none, "", "off", "FP8 parameters and all-gather");
+  t.recognised("--fp8-dot-product-attention", Arity::none, "", "off", "FP8 inputs to the attention kernel");
+  t.recognised("--fp8-multi-head-attention", Arity::none, "", "off", "FP8 across the whole attention block");
   t.flag("--first-last-layers-bf16", "keep the first/last transformer layers in bf16 with FP8",
          MT_FIELD(train.first_last_layers_bf16));
   t.value("--num-layers-at-start-in-bf16", "bf16 layers at the start (--first-last-layers-bf16)",

@@ -132,6 +132,11 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--fp8-interval", W::other_than, {"1"}, ""},
       {"--fp8-param-gather", W::any_use, {},
        "FP8 weights are cast from the bf16 parameters once per step; drop --fp8-param-gather"},
+      {"--fp8-dot-product-attention", W::any_use, {},
+       "attention runs in bf16 with FP8 linear layers (cuDNN's FP8 attention backward also needs head "
+       "dimension 128 on Hopper); drop --fp8-dot-product-attention"},
+      {"--fp8-multi-head-attention", W::any_use, {},
+       "attention runs in bf16 with FP8 linear layers; drop --fp8-multi-head-attention"},
       {"--fp4-format", W::any_use, {}, ""},
       {"--fp4-recipe", W::other_than, {"nvfp4"}, ""},
       {"--fp4-param-gather", W::any_use, {}, ""},

@@ -61,6 +61,13 @@ TEST_CASE("fp8 flags: validation and refusals", "[fp8][cli]") {
              Contains("megatrain does not support --fp8-param-gather yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-quantizer-factory x.y")),
              Contains("megatrain does not support --fp8-quantizer-factory x.y yet"));
+  // Megatron launch scripts pass these with Transformer Engine; refused by name, not as unknown words.
+  for (const char* attention : {"--fp8-dot-product-attention", "--fp8-multi-head-attention"}) {
+    INFO(attention);
+    CHECK_THAT(parse_error(small_gpt() + words(std::string("--bf16 --fp8-format hybrid ") + attention)),
+               Contains(std::string("megatrain does not support ") + attention + " yet") &&
+                   Contains("attention runs in bf16"));
+  }
   std::vector<SetupMessage> ms;
   parse(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16"), 1, &ms);
   CHECK(has_message(ms, SetupMessage::Kind::warning, "no layer runs in FP8"));
