@@ -110,15 +110,17 @@ std::vector<Gemm> gemms_of(const std::string& c) {
   return v;
 }
 
-// Pseudo-random values in [-1, 1) by a hash of the index.
+// A pseudo-random value in [-1, 1) by a hash of the index.
+__device__ float hash_unit(int64_t i, uint32_t seed) {
+  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
+  h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+  return static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
 __global__ void fill_hash_kernel(float* p, int64_t n, uint32_t seed) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-    const float v = static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
-    p[i] = v;
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = hash_unit(i, seed);
 }
 
 __global__ void fill_ones_kernel(__nv_bfloat16* p, int64_t n) {
@@ -147,11 +149,8 @@ void fill_hash(float* p, int64_t n, uint32_t seed) {
 
 __global__ void fill_hash_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-    p[i] = __float2bfloat16(static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f);
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(hash_unit(i, seed));
 }
 
 // The few NVML calls the sustained mode needs, opened at run time (no NVML headers or link here).
