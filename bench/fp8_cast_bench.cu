@@ -1,0 +1,235 @@
+// bench_fp8_cast: the FP8 cast-transpose kernels (cuda/fp8_kernels.h) at the shapes gpt-1.3b and
+// llama-1b run them in training, against the GPU's device-to-device copy rate.
+//
+// Each case: bf16 input(s) -> fp8 [R, C] and its transpose [C, R] (and the bias gradient where the
+// model takes it from the cast), one call = what one layer runs once per micro-batch. Bytes counted:
+// every input byte read once and both fp8 outputs written once (the kernels' minimum). Method: 5
+// warm-up calls, then `reps` calls queued behind a GPU-side sleep, CUDA events between consecutive
+// calls, median reported; the copy ceiling is cudaMemcpyAsync of 512 MiB timed the same way.
+// A hash of each case's output bytes is printed so that runs under different knobs
+// (MEGATRAIN_FP8_CAST_PREFETCH) can be checked to write the same bytes.
+//
+// Usage: bench_fp8_cast [--reps N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/fp8_kernels.h"
+
+using namespace mt;
+using namespace mt::cuda;
+
+namespace {
+
+__global__ void gpu_sleep_kernel(long long ns) {
+  const long long start = clock64();
+  while (clock64() - start < ns * 2) {
+  }
+}
+
+// Pseudo-random bf16 in [lo, hi) from the element index (a fixed, seedable pattern).
+__global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    p[i] = __float2bfloat16(lo + (hi - lo) * (h & 0xffffff) / 16777216.0f);
+  }
+}
+
+__global__ void fill_f32_kernel(float* p, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+class Timer {
+ public:
+  Timer(cudaStream_t s, int reps) : s_(s), reps_(reps), events_(static_cast<size_t>(reps) + 1) {
+    for (auto& e : events_) MT_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  ~Timer() {
+    for (auto& e : events_) cudaEventDestroy(e);
+  }
+  double median_us(const std::function<void()>& f) {
+    for (int i = 0; i < 5; ++i) f();
+    gpu_sleep_kernel<<<1, 1, 0, s_>>>(5'000'000);
+    MT_CUDA_CHECK(cudaEventRecord(events_[0], s_));
+    for (int i = 0; i < reps_; ++i) {
+      f();
+      MT_CUDA_CHECK(cudaEventRecord(events_[i + 1], s_));
+    }
+    MT_CUDA_CHECK(cudaEventSynchronize(events_.back()));
+    std::vector<float> ms(static_cast<size_t>(reps_));
+    for (int i = 0; i < reps_; ++i) MT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]));
+    std::sort(ms.begin(), ms.end());
+    return 1000.0 * ms[ms.size() / 2];
+  }
+
+ private:
+  cudaStream_t s_;
+  int reps_;
+  std::vector<cudaEvent_t> events_;
+};
+
+uint64_t fnv1a(const std::vector<uint8_t>& bytes, uint64_t h = 1469598103934665603ull) {
+  for (uint8_t b : bytes) h = (h ^ b) * 1099511628211ull;
+  return h;
+}
+
+struct Case {
+  std::string name;
+  CastSource::Kind kind;
+  MlpActivation act;
+  int64_t R, C;  // the cast's [R, C] output
+  cuda::Fp8Format format;
+  bool dbias;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: bench_fp8_cast [--reps N]\n");
+      return 2;
+    }
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("SKIPPED: no CUDA GPU visible\n");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t scratch_bytes = size_t{64} << 20;
+  void* scratch_mem = nullptr;
+  MT_CUDA_CHECK(cudaMalloc(&scratch_mem, scratch_bytes));
+  Scratch scratch(scratch_mem, scratch_bytes);
+  KernelContext ctx;
+  ctx.stream = stream;
+  ctx.num_sms = prop.multiProcessorCount;
+  ctx.scratch = &scratch;
+  Timer timer(stream, reps);
+  const char* knob = std::getenv("MEGATRAIN_FP8_CAST_PREFETCH");
+  std::printf("GPU %s, %d SMs; MEGATRAIN_FP8_CAST_PREFETCH=%s\n", prop.name, prop.multiProcessorCount,
+              knob ? knob : "(unset)");
+
+  // The copy ceiling: bytes read + written per second.
+  const size_t copy_bytes = size_t{512} << 20;
+  void *ca = nullptr, *cb = nullptr;
+  MT_CUDA_CHECK(cudaMalloc(&ca, copy_bytes));
+  MT_CUDA_CHECK(cudaMalloc(&cb, copy_bytes));
+  const double copy_us =
+      timer.median_us([&] { MT_CUDA_CHECK(cudaMemcpyAsync(cb, ca, copy_bytes, cudaMemcpyDeviceToDevice, stream)); });
+  const double copy_gbs = 2.0 * copy_bytes / copy_us * 1e-3;
+  cudaFree(ca), cudaFree(cb);
+  std::printf("device-to-device copy: %.1f us for 2 x %zu MiB = %.0f GB/s\n", copy_us, copy_bytes >> 20, copy_gbs);
+
+  using K = CastSource::Kind;
+  const std::vector<Case> cases = {
+      {"gpt-1.3b layernorm -> qkv/fc1 x", K::norm, MlpActivation::gelu, 16384, 2048, cuda::Fp8Format::e4m3, false},
+      {"gpt-1.3b gelu(fc1) -> fc2 x", K::activation, MlpActivation::gelu, 16384, 8192, cuda::Fp8Format::e4m3, false},
+      {"gpt-1.3b fc1 dy (gelu grad) +dbias", K::activation_grad, MlpActivation::gelu, 16384, 8192, cuda::Fp8Format::e5m2, true},
+      {"gpt-1.3b qkv dy +dbias", K::plain, MlpActivation::gelu, 16384, 6144, cuda::Fp8Format::e5m2, true},
+      {"gpt-1.3b proj/fc2 dy +dbias", K::plain, MlpActivation::gelu, 16384, 2048, cuda::Fp8Format::e5m2, true},
+      {"gpt-1.3b fc1 weight", K::plain, MlpActivation::gelu, 8192, 2048, cuda::Fp8Format::e4m3, false},
+      {"llama-1b rmsnorm -> qkv/fc1 x", K::norm, MlpActivation::swiglu, 8192, 2048, cuda::Fp8Format::e4m3, false},
+      {"llama-1b swiglu(fc1) -> fc2 x", K::activation, MlpActivation::swiglu, 8192, 8192, cuda::Fp8Format::e4m3, false},
+      {"llama-1b fc1 dy (swiglu grad)", K::activation_grad, MlpActivation::swiglu, 8192, 16384, cuda::Fp8Format::e5m2,
+       false},
+      {"llama-1b proj/fc2 dy", K::plain, MlpActivation::swiglu, 8192, 2048, cuda::Fp8Format::e5m2, false},
+      {"odd 1000 x 2056 plain", K::plain, MlpActivation::gelu, 1000, 2056, cuda::Fp8Format::e4m3, false},
+  };
+
+  // Buffers for the largest case: inputs up to 2 x 256 MiB of bf16, outputs 2 x 128 MiB.
+  const int64_t max_elems = 16384LL * 16384;
+  __nv_bfloat16 *x = nullptr, *pre = nullptr, *w = nullptr, *b = nullptr;
+  float *mean = nullptr, *rstd = nullptr, *scales = nullptr, *dbias = nullptr;
+  uint8_t *q = nullptr, *qt = nullptr;
+  MT_CUDA_CHECK(cudaMalloc(&x, max_elems * 2));
+  MT_CUDA_CHECK(cudaMalloc(&pre, max_elems * 2));
+  MT_CUDA_CHECK(cudaMalloc(&w, 16384 * 2));
+  MT_CUDA_CHECK(cudaMalloc(&b, 16384 * 2));
+  MT_CUDA_CHECK(cudaMalloc(&mean, 16384 * 4));
+  MT_CUDA_CHECK(cudaMalloc(&rstd, 16384 * 4));
+  MT_CUDA_CHECK(cudaMalloc(&scales, 64 * 4));
+  MT_CUDA_CHECK(cudaMalloc(&dbias, 16384 * 4));
+  MT_CUDA_CHECK(cudaMalloc(&q, max_elems));
+  MT_CUDA_CHECK(cudaMalloc(&qt, max_elems));
+  fill_bf16_kernel<<<1024, 256, 0, stream>>>(x, max_elems, 1u, -2.0f, 2.0f);
+  fill_bf16_kernel<<<1024, 256, 0, stream>>>(pre, max_elems, 2u, -3.0f, 3.0f);
+  fill_bf16_kernel<<<64, 256, 0, stream>>>(w, 16384, 3u, 0.5f, 1.5f);
+  fill_bf16_kernel<<<64, 256, 0, stream>>>(b, 16384, 4u, -0.1f, 0.1f);
+  fill_f32_kernel<<<64, 256, 0, stream>>>(mean, 16384, 0.01f);
+  fill_f32_kernel<<<64, 256, 0, stream>>>(rstd, 16384, 0.9f);
+  fill_f32_kernel<<<1, 64, 0, stream>>>(scales, 64, 64.0f);
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  std::printf("%-38s %14s %9s %9s %8s %7s  %s\n", "case", "shape", "us", "MB", "GB/s", "% copy", "output hash");
+  for (const Case& c : cases) {
+    const bool swiglu = c.act == MlpActivation::swiglu;
+    Tensor xt, pt;
+    double in_bytes = 0;
+    if (c.kind == K::plain || c.kind == K::norm) {
+      xt = Tensor(x, DType::bf16, Device::cuda, {c.R, c.C});
+      in_bytes = 2.0 * c.R * c.C;
+    } else if (c.kind == K::activation) {
+      xt = Tensor(x, DType::bf16, Device::cuda, {c.R, swiglu ? 2 * c.C : c.C});
+      in_bytes = 2.0 * xt.numel();
+    } else {  // activation_grad: dout [R, C] (GeLU) or [R, C/2] (SwiGLU), pre [R, C]
+      xt = Tensor(x, DType::bf16, Device::cuda, {c.R, swiglu ? c.C / 2 : c.C});
+      pt = Tensor(pre, DType::bf16, Device::cuda, {c.R, c.C});
+      in_bytes = 2.0 * (xt.numel() + pt.numel());
+    }
+    CastSource src(c.kind, xt, pt, c.act);
+    if (c.kind == K::norm) {
+      src.rstd = Tensor(rstd, DType::f32, Device::cuda, {c.R});
+      src.weight = Tensor(w, DType::bf16, Device::cuda, {c.C});
+      if (!swiglu) {  // LayerNorm (gpt) has a mean and a bias; RMSNorm (llama) neither
+        src.mean = Tensor(mean, DType::f32, Device::cuda, {c.R});
+        src.bias = Tensor(b, DType::bf16, Device::cuda, {c.C});
+      }
+    }
+    const auto run = [&] {
+      scratch.reset();
+      cast_transpose_to_fp8(ctx, q, qt, c.format, src, scales, scales + 32, c.dbias ? dbias : nullptr);
+    };
+    const double us = timer.median_us(run);
+    const double bytes = in_bytes + 2.0 * c.R * c.C;
+    const double gbs = bytes / us * 1e-3;
+    // One more call from a zeroed bias gradient, then the hash of q, q_t (and the bias gradient).
+    MT_CUDA_CHECK(cudaMemsetAsync(dbias, 0, 16384 * 4, stream));
+    run();
+    std::vector<uint8_t> host(static_cast<size_t>(c.R * c.C));
+    MT_CUDA_CHECK(cudaMemcpyAsync(host.data(), q, host.size(), cudaMemcpyDeviceToHost, stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    uint64_t h = fnv1a(host);
+    MT_CUDA_CHECK(cudaMemcpyAsync(host.data(), qt, host.size(), cudaMemcpyDeviceToHost, stream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    h = fnv1a(host, h);
+    if (c.dbias) {
+      std::vector<uint8_t> db(static_cast<size_t>(c.C) * 4);
+      MT_CUDA_CHECK(cudaMemcpy(db.data(), dbias, db.size(), cudaMemcpyDeviceToHost));
+      h = fnv1a(db, h);
+    }
+    char shape[32];
+    std::snprintf(shape, sizeof shape, "%lldx%lld", static_cast<long long>(c.R), static_cast<long long>(c.C));
+    std::printf("%-38s %14s %9.1f %9.1f %8.0f %6.1f%%  %016llx\n", c.name.c_str(), shape, us, bytes * 1e-6, gbs,
+                100.0 * gbs / copy_gbs, static_cast<unsigned long long>(h));
+  }
+  cudaFree(x), cudaFree(pre), cudaFree(w), cudaFree(b), cudaFree(mean), cudaFree(rstd), cudaFree(scales);
+  cudaFree(dbias), cudaFree(q), cudaFree(qt), cudaFree(scratch_mem);
+  cudaStreamDestroy(stream);
+  return 0;
+}
