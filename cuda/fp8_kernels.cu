@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "cuda/cuda_check.h"
 #include "cuda/activations.cuh"
@@ -103,45 +102,16 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
 constexpr int kTile = 64;
 constexpr int kTileStride = kTile + 2;
 
-// The raw bytes of 8 consecutive elements of T (one 16-byte load per 8 bf16, two per float),
-// fetched apart from their conversion so that a thread can have all its loads in flight before it
-// computes anything (cast_transpose_kernel's PREFETCH) at 4 registers per 16 bytes.
-template <typename T>
-struct Raw8 {
-  int4 q[(8 * sizeof(T) + 15) / 16];
-};
-
-template <typename T>
-__device__ __forceinline__ Raw8<T> fetch8(const T* p) {
-  Raw8<T> r;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(r.q) / sizeof(int4)); ++i) r.q[i] = reinterpret_cast<const int4*>(p)[i];
-  return r;
-}
-
-template <typename T>
-__device__ __forceinline__ Floats<8> floats8(const Raw8<T>& r) {
-  return load_vec<8>(reinterpret_cast<const T*>(r.q));
-}
-
 // What a cast reads: element (r, c) of the [R, C] tensor it quantizes, as a float. PlainInput is
 // the tensor itself; the activation readers compute it from fc1's output exactly as gelu_forward /
 // swiglu_forward would store it (the activation in float32, rounded to T), so the bytes equal
 // those of the activation op followed by the plain cast.
-// Each reader: ptrs(r, c) gives the addresses of the kStreams tensors' 8 elements behind the 8
-// values at (r, c), compute(raw, r, c, v) turns their raw bytes into the values of its kHalves
-// halves; load1 is the one-element path.
 template <typename T>
 struct PlainInput {
   static constexpr int kHalves = 1;  // see SwigluGradInput
-  using Elem = T;
   const T* __restrict__ in;
   int64_t C;
-  static constexpr int kStreams = 1;
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = in + r * C + c; }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t, int64_t, Floats<8> (&v)[1]) const {
-    v[0] = floats8(raw[0]);
-  }
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const { return load_vec<8>(in + r * C + c); }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const { return to_float(in[r * C + c]); }
 };
 
@@ -153,15 +123,13 @@ __device__ __forceinline__ float round_to(float v) {
 template <typename T, bool TANH>
 struct GeluInput {
   static constexpr int kHalves = 1;
-  using Elem = T;
   const T* __restrict__ pre;
   int64_t C;
-  static constexpr int kStreams = 1;
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = pre + r * C + c; }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t, int64_t, Floats<8> (&v)[1]) const {
-    v[0] = floats8(raw[0]);
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> v = load_vec<8>(pre + r * C + c);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(gelu(v[0].v[j], TANH));
+    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(gelu(v.v[j], TANH));
+    return v;
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return round_to<T>(gelu(to_float(pre[r * C + c]), TANH));
@@ -172,18 +140,15 @@ struct GeluInput {
 template <typename T>
 struct SwigluInput {
   static constexpr int kHalves = 1;
-  using Elem = T;
   const T* __restrict__ pre;
   int64_t C;
-  static constexpr int kStreams = 2;  // gate, up
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[2]) const {
-    p[0] = pre + r * 2 * C + c;
-    p[1] = p[0] + C;
-  }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[2], int64_t, int64_t, Floats<8> (&v)[1]) const {
-    const Floats<8> gate = floats8(raw[0]), up = floats8(raw[1]);
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    const T* row = pre + r * 2 * C;
+    const Floats<8> gate = load_vec<8>(row + c), up = load_vec<8>(row + C + c);
+    Floats<8> v;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
+    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
+    return v;
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     const T* row = pre + r * 2 * C;
@@ -195,20 +160,15 @@ struct SwigluInput {
 template <typename T, bool TANH>
 struct GeluGradInput {
   static constexpr int kHalves = 1;
-  using Elem = T;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t C;
-  static constexpr int kStreams = 2;  // dout, pre
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[2]) const {
-    p[0] = dout + r * C + c;
-    p[1] = pre + r * C + c;
-  }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[2], int64_t, int64_t, Floats<8> (&v)[1]) const {
-    v[0] = floats8(raw[0]);
-    const Floats<8> x = floats8(raw[1]);
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> d = load_vec<8>(dout + r * C + c);
+    const Floats<8> x = load_vec<8>(pre + r * C + c);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(v[0].v[j] * gelu_grad(x.v[j], TANH));
+    for (int j = 0; j < 8; ++j) d.v[j] = round_to<T>(d.v[j] * gelu_grad(x.v[j], TANH));
+    return d;
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return round_to<T>(to_float(dout[r * C + c]) * gelu_grad(to_float(pre[r * C + c]), TANH));
@@ -221,18 +181,12 @@ struct GeluGradInput {
 template <typename T>
 struct SwigluGradInput {
   static constexpr int kHalves = 2;
-  using Elem = T;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t F;
-  static constexpr int kStreams = 3;  // gate, up, dout
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t j0, const T* (&p)[3]) const {
-    p[0] = pre + r * 2 * F + j0;
-    p[1] = p[0] + F;
-    p[2] = dout + r * F + j0;
-  }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[3], int64_t, int64_t, Floats<8> (&v)[2]) const {
-    const Floats<8> gate = floats8(raw[0]), up = floats8(raw[1]), dy = floats8(raw[2]);
+  __device__ __forceinline__ void load8(int64_t r, int64_t j0, Floats<8> (&v)[2]) const {
+    const T* row = pre + r * 2 * F;
+    const Floats<8> gate = load_vec<8>(row + j0), up = load_vec<8>(row + F + j0), dy = load_vec<8>(dout + r * F + j0);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       float dg, du;
@@ -256,7 +210,6 @@ struct SwigluGradInput {
 template <typename T>
 struct NormInput {
   static constexpr int kHalves = 1;
-  using Elem = T;
   const T* __restrict__ x;
   const float* __restrict__ mean;
   const float* __restrict__ rstd;
@@ -264,62 +217,36 @@ struct NormInput {
   const T* __restrict__ b;
   int64_t C;
   float w_shift;  // 1 with --apply-layernorm-1p
-  static constexpr int kStreams = 1;
   __device__ __forceinline__ float value(float xv, float m, float rs, float wv, const T* bp) const {
     const float xhat = norm_xhat(xv, m, rs);
     return round_to<T>(bp ? norm_apply(xhat, wv + w_shift, to_float(*bp)) : norm_apply(xhat, wv + w_shift));
   }
-  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = x + r * C + c; }
-  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t r, int64_t c, Floats<8> (&v)[1]) const {
-    v[0] = floats8(raw[0]);
+  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
+    Floats<8> v = load_vec<8>(x + r * C + c);
     const Floats<8> wv = load_vec<8>(w + c);
     const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = value(v[0].v[j], m, rs, wv.v[j], b ? b + c + j : nullptr);
+    for (int j = 0; j < 8; ++j) v.v[j] = value(v.v[j], m, rs, wv.v[j], b ? b + c + j : nullptr);
+    return v;
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return value(to_float(x[r * C + c]), mean ? mean[r] : 0.0f, rstd[r], to_float(w[c]), b ? b + c : nullptr);
   }
 };
 
-// The raw bytes behind one reader vector: 8 elements of each of its streams.
-template <typename Input>
-struct RawVecs {
-  Raw8<typename Input::Elem> s[Input::kStreams];
-};
-
-template <typename Input>
-__device__ __forceinline__ void fetch_raw(const Input& in, int64_t r, int64_t c, RawVecs<Input>& raw) {
-  const typename Input::Elem* p[Input::kStreams];
-  in.ptrs(r, c, p);
-#pragma unroll
-  for (int k = 0; k < Input::kStreams; ++k) raw.s[k] = fetch8(p[k]);
-}
-
-// The same bytes copied to shared memory by cp.async (LDGSTS: in flight without registers).
-template <typename Input>
-__device__ __forceinline__ void fetch_raw_async(const Input& in, int64_t r, int64_t c, RawVecs<Input>* slot) {
-  const typename Input::Elem* p[Input::kStreams];
-  in.ptrs(r, c, p);
-  constexpr int kChunks = static_cast<int>(sizeof(Raw8<typename Input::Elem>) / 16);
-#pragma unroll
-  for (int k = 0; k < Input::kStreams; ++k)
-#pragma unroll
-    for (int q = 0; q < kChunks; ++q) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&slot->s[k].q[q]));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(reinterpret_cast<const int4*>(p[k]) + q));
-    }
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// One-element reader call: the element of each half at (r, c) (kHalves == 1: the tensor's own).
-template <typename Input>
-__device__ __forceinline__ void read_halves1(const Input& in, int64_t r, int64_t c, Floats<1> (&v)[Input::kHalves]) {
+// One reader call: the element vector(s) at (r, c) of each half (kHalves == 1: the tensor's own).
+template <typename Input, int VEC>
+__device__ __forceinline__ void read_halves(const Input& in, int64_t r, int64_t c, Floats<VEC> (&v)[Input::kHalves]) {
   if constexpr (Input::kHalves == 2) {
-    float f[2];
-    in.load1(r, c, f);
-    v[0].v[0] = f[0], v[1].v[0] = f[1];
+    if constexpr (VEC == 8) {
+      in.load8(r, c, v);
+    } else {
+      float f[2];
+      in.load1(r, c, f);
+      v[0].v[0] = f[0], v[1].v[0] = f[1];
+    }
+  } else if constexpr (VEC == 8) {
+    v[0] = in.load8(r, c);
   } else {
     v[0].v[0] = in.load1(r, c);
   }
@@ -332,7 +259,7 @@ __device__ __forceinline__ void read_halves1(const Input& in, int64_t r, int64_t
 // the sums are deterministic; column_partials_accumulate adds the row groups up.
 // A reader with two halves (Input::kHalves == 2) is tiled over [R, C/2]: each tile then writes two
 // output tiles, columns c and C/2 + c.
-template <typename Input, Fp8Format F, int VEC, bool DBIAS, int PREFETCH>
+template <typename Input, Fp8Format F, int VEC, bool DBIAS>
 __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, const Input in,
                                       int64_t R, int64_t C, const float* scale_p, float* amax, int group,
                                       float* __restrict__ col_partial) {
@@ -340,7 +267,6 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
   constexpr int kPerRow = kTile / VEC, kRowsPerPass = kThreads / kPerRow;
   __shared__ __align__(16) uint8_t tile[H][kTile][kTileStride];
   __shared__ float col_sums[DBIAS ? H : 1][DBIAS ? kRowsPerPass : 1][DBIAS ? kTile : 1];
-  __shared__ __align__(16) RawVecs<Input> stage[PREFETCH == 2 ? kTile * kPerRow / kThreads : 1][PREFETCH == 2 ? kThreads : 1];
   const float scale = *scale_p;
   const int64_t Cs = C / H;  // the tiled width
   float m = 0.0f;
@@ -356,10 +282,12 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
     const int64_t tr_end = (group_r + 1) * group < tiles_r ? (group_r + 1) * group : tiles_r;
     for (int64_t tr = group_r * group; tr < tr_end; ++tr) {
       const int64_t row0 = tr * kTile;
-      // Element vector(s) v at tile row r, column c: amax, column sums, the row-major output and
-      // the tile's bytes in shared memory.
-      const auto put = [&](Floats<VEC>(&v)[H], int r, int c) {
+      for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
+        const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
         const int64_t gr = row0 + r, gc = col0 + c;
+        if (gr >= R || gc >= Cs) continue;
+        Floats<VEC> v[H];
+        read_halves<Input, VEC>(in, gr, gc, v);
 #pragma unroll
         for (int h = 0; h < H; ++h) {
 #pragma unroll
@@ -382,48 +310,6 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
             if (out) out[at] = q;
             tile[h][r][c] = q;
           }
-        }
-      };
-      if constexpr (VEC == 8) {
-        // PREFETCH 1: every load of the thread's part of the tile is issued before the first value
-        // is computed or stored (raw bytes in registers: 4 per 16 bytes); 2: the same loads by
-        // cp.async into the thread's own slots in shared memory (no registers held; each thread
-        // reads back only what it copied, so no barrier); 0: each vector loaded just before use.
-        constexpr int kIters = kTile * kPerRow / kThreads;
-        static_assert(kIters * kThreads == kTile * kPerRow, "a tile's vectors split evenly over the threads");
-        RawVecs<Input> raw[PREFETCH == 1 ? kIters : 1];
-        if constexpr (PREFETCH == 2) {
-#pragma unroll
-          for (int it = 0; it < kIters; ++it) {
-            const int idx = threadIdx.x + it * kThreads, r = idx / kPerRow, c = (idx % kPerRow) * VEC;
-            if (row0 + r < R && col0 + c < Cs) fetch_raw_async(in, row0 + r, col0 + c, &stage[it][threadIdx.x]);
-          }
-          cp_async_wait_all();
-        } else if constexpr (PREFETCH == 1) {
-#pragma unroll
-          for (int it = 0; it < kIters; ++it) {
-            const int idx = threadIdx.x + it * kThreads, r = idx / kPerRow, c = (idx % kPerRow) * VEC;
-            if (row0 + r < R && col0 + c < Cs) fetch_raw(in, row0 + r, col0 + c, raw[it]);
-          }
-        }
-#pragma unroll
-        for (int it = 0; it < kIters; ++it) {
-          const int idx = threadIdx.x + it * kThreads, r = idx / kPerRow, c = (idx % kPerRow) * VEC;
-          if (row0 + r >= R || col0 + c >= Cs) continue;
-          RawVecs<Input>& mine = raw[PREFETCH == 1 ? it : 0];
-          if constexpr (PREFETCH == 2) mine = stage[it][threadIdx.x];
-          if constexpr (PREFETCH == 0) fetch_raw(in, row0 + r, col0 + c, mine);
-          Floats<8> v[H];
-          in.compute(mine.s, row0 + r, col0 + c, v);
-          put(v, r, c);
-        }
-      } else {
-        for (int idx = threadIdx.x; idx < kTile * kPerRow; idx += kThreads) {
-          const int r = idx / kPerRow, c = (idx % kPerRow) * VEC;
-          if (row0 + r >= R || col0 + c >= Cs) continue;
-          Floats<1> v[H];
-          read_halves1(in, row0 + r, col0 + c, v);
-          put(v, r, c);
         }
       }
       __syncthreads();
@@ -547,25 +433,6 @@ int cast_blocks_per_sm() {
   return v;
 }
 
-// Static shared memory of cast_transpose_kernel<Input, ., 8, DBIAS, 2>: the tile, the column sums,
-// the cp.async slots and block_amax_to's partials, against the 48 KiB a kernel may declare.
-template <typename Input, bool DBIAS>
-constexpr bool kStageFits =
-    Input::kHalves * kTile * kTileStride + (DBIAS ? Input::kHalves * (kThreads / (kTile / 8)) * kTile * 4 : 4) +
-        (kTile * (kTile / 8) / kThreads) * kThreads * sizeof(RawVecs<Input>) + (kThreads / 32) * 4 <=
-    48 * 1024;
-
-// How the cast-transpose kernels fetch their input (cast_transpose_kernel's PREFETCH):
-// MEGATRAIN_FP8_CAST_PREFETCH=0, 1 or 2 (default 2; float inputs use 1 for 2). The bytes written
-// are the same either way; the knob is for A/B runs.
-int cast_prefetch() {
-  static const int v = [] {
-    const char* e = std::getenv("MEGATRAIN_FP8_CAST_PREFETCH");
-    return e && *e ? std::clamp(std::atoi(e), 0, 2) : 2;
-  }();
-  return v;
-}
-
 unsigned capped_grid(const KernelContext& ctx, int64_t work) {
   return grid_for(work, kThreads, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm);
 }
@@ -640,32 +507,12 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
     auto launch = [&](auto kernel) {
       kernel<<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax, group, partial);
     };
-    // The shared-memory slots of PREFETCH 2 where they fit in the 48 KiB of static shared memory
-    // (not for float inputs, nor SwiGLU's gradient with a bias gradient): 1 otherwise.
-    const int prefetch = std::min(cast_prefetch(), dbias ? (kStageFits<Input, true> ? 2 : 1) : (kStageFits<Input, false> ? 2 : 1));
-    const auto launch_staged = [&](auto kernel) {
-      static const bool carveout = [&] {  // as much shared memory as the SM has: L1 is not reused here
-        return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) == cudaSuccess;
-      }();
-      (void)carveout;
-      launch(kernel);
-    };
-    if (vec && prefetch == 2) {
-      if constexpr (kStageFits<Input, true>) {
-        if (dbias) launch_staged(cast_transpose_kernel<Input, F, 8, true, 2>);
-      }
-      if constexpr (kStageFits<Input, false>) {
-        if (!dbias) launch_staged(cast_transpose_kernel<Input, F, 8, false, 2>);
-      }
-    } else if (vec && prefetch == 1) {
-      if (dbias) launch(cast_transpose_kernel<Input, F, 8, true, 1>);
-      else launch(cast_transpose_kernel<Input, F, 8, false, 1>);
-    } else if (vec) {
-      if (dbias) launch(cast_transpose_kernel<Input, F, 8, true, 0>);
-      else launch(cast_transpose_kernel<Input, F, 8, false, 0>);
+    if (vec) {
+      if (dbias) launch(cast_transpose_kernel<Input, F, 8, true>);
+      else launch(cast_transpose_kernel<Input, F, 8, false>);
     } else {
-      if (dbias) launch(cast_transpose_kernel<Input, F, 1, true, 0>);
-      else launch(cast_transpose_kernel<Input, F, 1, false, 0>);
+      if (dbias) launch(cast_transpose_kernel<Input, F, 1, true>);
+      else launch(cast_transpose_kernel<Input, F, 1, false>);
     }
   });
   MT_CUDA_CHECK_LAUNCH();
