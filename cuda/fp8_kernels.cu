@@ -359,6 +359,108 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
   if (amax) block_amax_to(amax, m);
 }
 
+// ---- cast + transpose in registers ---------------------------------------------------------------
+// The vector path (R and the tiled width multiples of 8). Each thread casts an 8 x 8 block: 8 rows of
+// 8 consecutive elements, read, computed and packed to 8 fp8 words-pairs in registers, stored
+// row-major, then transposed in registers (byte permutes, 4 x 4 at a time) and stored as 8 rows of
+// the transposed copy. No shared memory and no barrier between a thread's reads and writes, and
+// about a third of the instructions per element of the tile kernel above (whose exchange through
+// shared memory and 64-bit index arithmetic made the activation and norm casts instruction-bound).
+// A warp covers 64 rows x 32 columns: lane = 4 * row block + column block, so a load instruction
+// reads 64 contiguous bytes of 8 rows, a row-major store writes 32 contiguous bytes of 8 rows and
+// a transposed store 64 contiguous bytes of 4 rows: whole 32-byte sectors throughout. A block's 8
+// warps stack in rows: 512 rows x 32 columns, one block per tile.
+constexpr int kBlockRows = 8 * (kThreads / kWarp) * 8;  // 512
+constexpr int kBlockCols = 32;
+
+// col[j] = bytes j of a0..a3 (byte k of col[j] = byte j of ak), j = 0..3: a 4 x 4 byte transpose.
+__device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t* col) {
+  const uint32_t t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a0, a1, 0x7362);
+  const uint32_t t2 = __byte_perm(a2, a3, 0x5140), t3 = __byte_perm(a2, a3, 0x7362);
+  col[0] = __byte_perm(t0, t2, 0x5410);
+  col[1] = __byte_perm(t0, t2, 0x7632);
+  col[2] = __byte_perm(t1, t3, 0x5410);
+  col[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+// DBIAS: the column sums go, per tile row (512 input rows), to col_partial[tile row][C] in a fixed
+// order (a thread's 8 rows in turn, then the warp's row blocks by a fixed shuffle tree, then the
+// block's warps in order): the same bits for any grid.
+template <typename Input, Fp8Format F, bool DBIAS>
+__global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t* __restrict__ out,
+                                                                          uint8_t* __restrict__ out_t, const Input in,
+                                                                          int64_t R, int64_t C, const float* scale_p,
+                                                                          float* amax, float* __restrict__ col_partial) {
+  constexpr int H = Input::kHalves;
+  const float scale = *scale_p;
+  const int64_t Cs = C / H;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t tiles_c = (Cs + kBlockCols - 1) / kBlockCols;
+  const int64_t tile_r = blockIdx.x / tiles_c, col0 = (blockIdx.x % tiles_c) * kBlockCols;
+  const int64_t r0 = tile_r * kBlockRows + warp * 64 + (lane / 4) * 8;
+  const int64_t c0 = col0 + (lane % 4) * 8;
+  const bool mine = r0 < R && c0 < Cs;  // R and Cs are multiples of 8: a block is all in or all out
+  float m = 0.0f;
+  float sums[DBIAS ? H : 1][8] = {};
+  if (mine) {
+    uint2 q[H][8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      Floats<8> v[H];
+      read_halves<Input, 8>(in, r0 + k, c0, v);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[h].v[j]));
+        if constexpr (DBIAS) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sums[h][j] += v[h].v[j];
+        }
+        q[h][k] = pack8<F>(v[h], scale);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      if (out) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) *reinterpret_cast<uint2*>(out + (r0 + k) * C + h * Cs + c0) = q[h][k];
+      }
+      if (out_t) {
+        uint32_t lo[8], hi[8];  // column j: rows 0-3 (lo[j]) and 4-7 (hi[j])
+        transpose4x4(q[h][0].x, q[h][1].x, q[h][2].x, q[h][3].x, lo);
+        transpose4x4(q[h][4].x, q[h][5].x, q[h][6].x, q[h][7].x, hi);
+        transpose4x4(q[h][0].y, q[h][1].y, q[h][2].y, q[h][3].y, lo + 4);
+        transpose4x4(q[h][4].y, q[h][5].y, q[h][6].y, q[h][7].y, hi + 4);
+        uint8_t* dst = out_t + (h * Cs + c0) * R + r0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) *reinterpret_cast<uint2*>(dst + j * R) = make_uint2(lo[j], hi[j]);
+      }
+    }
+  }
+  if constexpr (DBIAS) {
+    __shared__ float warp_sums[kThreads / kWarp][H][kBlockCols];
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float t = sums[h][j];
+        t += __shfl_xor_sync(0xffffffffu, t, 4);
+        t += __shfl_xor_sync(0xffffffffu, t, 8);
+        t += __shfl_xor_sync(0xffffffffu, t, 16);
+        if (lane < 4) warp_sums[warp][h][lane * 8 + j] = t;
+      }
+    __syncthreads();
+    for (int i = threadIdx.x; i < H * kBlockCols; i += kThreads) {
+      const int h = i / kBlockCols, c = i % kBlockCols;
+      if (col0 + c >= Cs) continue;
+      float t = 0.0f;
+      for (int w = 0; w < kThreads / kWarp; ++w) t += warp_sums[w][h][c];
+      col_partial[tile_r * C + h * Cs + col0 + c] = t;
+    }
+  }
+  if (amax) block_amax_to(amax, m);
+}
+
 // ---- amax only ------------------------------------------------------------------------------------
 template <typename T, int VEC>
 __global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
@@ -478,12 +580,42 @@ namespace {
 // Launches cast_transpose_kernel over an [R, C] input read by `in`; vec: R and C multiples of 8
 // and the input 16-byte aligned (the caller's check). dbias (float32 [C], may be null) += the
 // input's column sums.
+// MEGATRAIN_FP8_CAST_KERNEL=tiles: the vector path through the shared-memory tile kernel
+// (cast_transpose_kernel) instead of the register-block one, for A/B runs. The bytes and the amax
+// are the same; the bias-gradient sums run in a different (fixed) order.
+bool cast_kernel_tiles() {
+  static const bool v = [] {
+    const char* e = std::getenv("MEGATRAIN_FP8_CAST_KERNEL");
+    return e && std::string(e) == "tiles";
+  }();
+  return v;
+}
+
+// Launches cast_transpose_blocks_kernel (vec) or cast_transpose_kernel over an [R, C] input read
+// by `in`; vec: R and C multiples of 8 and the input 16-byte aligned (the caller's check). dbias
+// (float32 [C], may be null) += the input's column sums.
 template <typename Input>
 void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
                            int64_t R, int64_t C, bool vec, const float* scale, float* amax, float* dbias = nullptr) {
   const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   const int64_t Cs = C / Input::kHalves;  // the tiled width
   vec = vec && R % 8 == 0 && Cs % 8 == 0 && a8(out) && a8(out_t);
+  auto* o = static_cast<uint8_t*>(out);
+  auto* ot = static_cast<uint8_t*>(out_t);
+  if (vec && !cast_kernel_tiles()) {
+    const int64_t tiles_r = (R + kBlockRows - 1) / kBlockRows, tiles_c = (Cs + kBlockCols - 1) / kBlockCols;
+    MT_CHECK(tiles_r * tiles_c < (int64_t{1} << 31), "cast_transpose_to_fp8: [{}, {}] is too large for one grid", R, C);
+    float* partial = dbias ? ctx.scratch->take_array<float>(tiles_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
+    const auto grid = static_cast<unsigned>(tiles_r * tiles_c);
+    with_format(format, [&](auto fc) {
+      constexpr Fp8Format F = decltype(fc)::value;
+      if (dbias) cast_transpose_blocks_kernel<Input, F, true><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax, partial);
+      else cast_transpose_blocks_kernel<Input, F, false><<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax, partial);
+    });
+    MT_CUDA_CHECK_LAUNCH();
+    if (dbias) column_partials_accumulate(ctx, dbias, partial, tiles_r, C);
+    return;
+  }
   const int64_t tiles_c = (Cs + kTile - 1) / kTile, tiles_r = (R + kTile - 1) / kTile;
   const int64_t max_blocks = static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm;
   // With dbias, row tiles go in groups so that there are about two work items per block: few
@@ -502,8 +634,6 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
   float* partial = dbias ? ctx.scratch->take_array<float>(groups_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
   with_format(format, [&](auto fc) {
     constexpr Fp8Format F = decltype(fc)::value;
-    auto* o = static_cast<uint8_t*>(out);
-    auto* ot = static_cast<uint8_t*>(out_t);
     auto launch = [&](auto kernel) {
       kernel<<<grid, kThreads, 0, ctx.stream>>>(o, ot, in, R, C, scale, amax, group, partial);
     };
