@@ -109,6 +109,7 @@ constexpr int kTileStride = kTile + 2;
 template <typename T>
 struct PlainInput {
   static constexpr int kHalves = 1;  // see SwigluGradInput
+  static constexpr bool kTileKernel = false;
   const T* __restrict__ in;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const { return load_vec<8>(in + r * C + c); }
@@ -123,6 +124,7 @@ __device__ __forceinline__ float round_to(float v) {
 template <typename T, bool TANH>
 struct GeluInput {
   static constexpr int kHalves = 1;
+  static constexpr bool kTileKernel = false;
   const T* __restrict__ pre;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
@@ -140,6 +142,7 @@ struct GeluInput {
 template <typename T>
 struct SwigluInput {
   static constexpr int kHalves = 1;
+  static constexpr bool kTileKernel = true;  // see launch_cast_transpose
   const T* __restrict__ pre;
   int64_t C;
   __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
@@ -160,6 +163,7 @@ struct SwigluInput {
 template <typename T, bool TANH>
 struct GeluGradInput {
   static constexpr int kHalves = 1;
+  static constexpr bool kTileKernel = false;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t C;
@@ -181,6 +185,7 @@ struct GeluGradInput {
 template <typename T>
 struct SwigluGradInput {
   static constexpr int kHalves = 2;
+  static constexpr bool kTileKernel = true;  // see launch_cast_transpose
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t F;
@@ -210,6 +215,7 @@ struct SwigluGradInput {
 template <typename T>
 struct NormInput {
   static constexpr int kHalves = 1;
+  static constexpr bool kTileKernel = false;
   const T* __restrict__ x;
   const float* __restrict__ mean;
   const float* __restrict__ rstd;
@@ -580,15 +586,22 @@ namespace {
 // Launches cast_transpose_kernel over an [R, C] input read by `in`; vec: R and C multiples of 8
 // and the input 16-byte aligned (the caller's check). dbias (float32 [C], may be null) += the
 // input's column sums.
-// MEGATRAIN_FP8_CAST_KERNEL=tiles: the vector path through the shared-memory tile kernel
-// (cast_transpose_kernel) instead of the register-block one, for A/B runs. The bytes and the amax
-// are the same; the bias-gradient sums run in a different (fixed) order.
-bool cast_kernel_tiles() {
-  static const bool v = [] {
+// Which kernel takes the vector path. By default the register-block kernel, except for the SwiGLU
+// readers (Input::kTileKernel) without a bias gradient: with two or three input streams per thread
+// it held fewer loads in flight and measured slower than the tile kernel (bench_fp8_cast,
+// bench/RESULTS.md session 12). With a bias gradient every reader takes the register-block kernel,
+// so that a fused cast sums each column in the same order as the plain cast of the same values
+// (the same bits). MEGATRAIN_FP8_CAST_KERNEL=tiles or =blocks forces one kernel for every reader,
+// for A/B runs. The bytes and the amax are the same either way; the bias-gradient sums run in a
+// different (fixed) order.
+template <typename Input>
+bool use_tile_kernel(bool dbias) {
+  static const int forced = [] {  // 1 tiles, 2 blocks, 0 by reader
     const char* e = std::getenv("MEGATRAIN_FP8_CAST_KERNEL");
-    return e && std::string(e) == "tiles";
+    if (!e) return 0;
+    return std::string(e) == "tiles" ? 1 : std::string(e) == "blocks" ? 2 : 0;
   }();
-  return v;
+  return forced == 0 ? Input::kTileKernel && !dbias : forced == 1;
 }
 
 // Launches cast_transpose_blocks_kernel (vec) or cast_transpose_kernel over an [R, C] input read
@@ -602,7 +615,7 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
   vec = vec && R % 8 == 0 && Cs % 8 == 0 && a8(out) && a8(out_t);
   auto* o = static_cast<uint8_t*>(out);
   auto* ot = static_cast<uint8_t*>(out_t);
-  if (vec && !cast_kernel_tiles()) {
+  if (vec && !use_tile_kernel<Input>(dbias != nullptr)) {
     const int64_t tiles_r = (R + kBlockRows - 1) / kBlockRows, tiles_c = (Cs + kBlockCols - 1) / kBlockCols;
     MT_CHECK(tiles_r * tiles_c < (int64_t{1} << 31), "cast_transpose_to_fp8: [{}, {}] is too large for one grid", R, C);
     float* partial = dbias ? ctx.scratch->take_array<float>(tiles_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
