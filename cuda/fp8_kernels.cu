@@ -102,17 +102,46 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
 constexpr int kTile = 64;
 constexpr int kTileStride = kTile + 2;
 
+// The raw bytes of 8 consecutive elements of T (one 16-byte load per 8 bf16, two per float),
+// fetched apart from their conversion so that a thread can have several rows' loads in flight
+// before it computes anything (cast_transpose_blocks_kernel) at 4 registers per 16 bytes.
+template <typename T>
+struct Raw8 {
+  int4 q[(8 * sizeof(T) + 15) / 16];
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> fetch8(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(r.q) / sizeof(int4)); ++i) r.q[i] = reinterpret_cast<const int4*>(p)[i];
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Floats<8> floats8(const Raw8<T>& r) {
+  return load_vec<8>(reinterpret_cast<const T*>(r.q));
+}
+
 // What a cast reads: element (r, c) of the [R, C] tensor it quantizes, as a float. PlainInput is
 // the tensor itself; the activation readers compute it from fc1's output exactly as gelu_forward /
 // swiglu_forward would store it (the activation in float32, rounded to T), so the bytes equal
 // those of the activation op followed by the plain cast.
+// Each reader: ptrs(r, c) gives the addresses of the kStreams tensors' 8 elements behind the 8
+// values at (r, c), compute(raw, r, c, v) turns their raw bytes into the values of its kHalves
+// halves; load1 is the one-element path.
 template <typename T>
 struct PlainInput {
   static constexpr int kHalves = 1;  // see SwigluGradInput
   static constexpr bool kTileKernel = false;
+  using Elem = T;
   const T* __restrict__ in;
   int64_t C;
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const { return load_vec<8>(in + r * C + c); }
+  static constexpr int kStreams = 1;
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = in + r * C + c; }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t, int64_t, Floats<8> (&v)[1]) const {
+    v[0] = floats8(raw[0]);
+  }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const { return to_float(in[r * C + c]); }
 };
 
@@ -125,13 +154,15 @@ template <typename T, bool TANH>
 struct GeluInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = false;
+  using Elem = T;
   const T* __restrict__ pre;
   int64_t C;
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
-    Floats<8> v = load_vec<8>(pre + r * C + c);
+  static constexpr int kStreams = 1;
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = pre + r * C + c; }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t, int64_t, Floats<8> (&v)[1]) const {
+    v[0] = floats8(raw[0]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(gelu(v.v[j], TANH));
-    return v;
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(gelu(v[0].v[j], TANH));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return round_to<T>(gelu(to_float(pre[r * C + c]), TANH));
@@ -143,15 +174,18 @@ template <typename T>
 struct SwigluInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = true;  // see launch_cast_transpose
+  using Elem = T;
   const T* __restrict__ pre;
   int64_t C;
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
-    const T* row = pre + r * 2 * C;
-    const Floats<8> gate = load_vec<8>(row + c), up = load_vec<8>(row + C + c);
-    Floats<8> v;
+  static constexpr int kStreams = 2;  // gate, up
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[2]) const {
+    p[0] = pre + r * 2 * C + c;
+    p[1] = p[0] + C;
+  }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[2], int64_t, int64_t, Floats<8> (&v)[1]) const {
+    const Floats<8> gate = floats8(raw[0]), up = floats8(raw[1]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v.v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
-    return v;
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     const T* row = pre + r * 2 * C;
@@ -164,15 +198,20 @@ template <typename T, bool TANH>
 struct GeluGradInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = false;
+  using Elem = T;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t C;
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
-    Floats<8> d = load_vec<8>(dout + r * C + c);
-    const Floats<8> x = load_vec<8>(pre + r * C + c);
+  static constexpr int kStreams = 2;  // dout, pre
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[2]) const {
+    p[0] = dout + r * C + c;
+    p[1] = pre + r * C + c;
+  }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[2], int64_t, int64_t, Floats<8> (&v)[1]) const {
+    v[0] = floats8(raw[0]);
+    const Floats<8> x = floats8(raw[1]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) d.v[j] = round_to<T>(d.v[j] * gelu_grad(x.v[j], TANH));
-    return d;
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(v[0].v[j] * gelu_grad(x.v[j], TANH));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return round_to<T>(to_float(dout[r * C + c]) * gelu_grad(to_float(pre[r * C + c]), TANH));
@@ -186,12 +225,18 @@ template <typename T>
 struct SwigluGradInput {
   static constexpr int kHalves = 2;
   static constexpr bool kTileKernel = true;  // see launch_cast_transpose
+  using Elem = T;
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t F;
-  __device__ __forceinline__ void load8(int64_t r, int64_t j0, Floats<8> (&v)[2]) const {
-    const T* row = pre + r * 2 * F;
-    const Floats<8> gate = load_vec<8>(row + j0), up = load_vec<8>(row + F + j0), dy = load_vec<8>(dout + r * F + j0);
+  static constexpr int kStreams = 3;  // gate, up, dout
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t j0, const T* (&p)[3]) const {
+    p[0] = pre + r * 2 * F + j0;
+    p[1] = p[0] + F;
+    p[2] = dout + r * F + j0;
+  }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[3], int64_t, int64_t, Floats<8> (&v)[2]) const {
+    const Floats<8> gate = floats8(raw[0]), up = floats8(raw[1]), dy = floats8(raw[2]);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       float dg, du;
@@ -216,6 +261,7 @@ template <typename T>
 struct NormInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = false;
+  using Elem = T;
   const T* __restrict__ x;
   const float* __restrict__ mean;
   const float* __restrict__ rstd;
@@ -223,36 +269,49 @@ struct NormInput {
   const T* __restrict__ b;
   int64_t C;
   float w_shift;  // 1 with --apply-layernorm-1p
+  static constexpr int kStreams = 1;
   __device__ __forceinline__ float value(float xv, float m, float rs, float wv, const T* bp) const {
     const float xhat = norm_xhat(xv, m, rs);
     return round_to<T>(bp ? norm_apply(xhat, wv + w_shift, to_float(*bp)) : norm_apply(xhat, wv + w_shift));
   }
-  __device__ __forceinline__ Floats<8> load8(int64_t r, int64_t c) const {
-    Floats<8> v = load_vec<8>(x + r * C + c);
+  __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[1]) const { p[0] = x + r * C + c; }
+  __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t r, int64_t c, Floats<8> (&v)[1]) const {
+    v[0] = floats8(raw[0]);
     const Floats<8> wv = load_vec<8>(w + c);
     const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v.v[j] = value(v.v[j], m, rs, wv.v[j], b ? b + c + j : nullptr);
-    return v;
+    for (int j = 0; j < 8; ++j) v[0].v[j] = value(v[0].v[j], m, rs, wv.v[j], b ? b + c + j : nullptr);
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     return value(to_float(x[r * C + c]), mean ? mean[r] : 0.0f, rstd[r], to_float(w[c]), b ? b + c : nullptr);
   }
 };
 
+// The raw bytes behind one reader vector: 8 elements of each of its streams.
+template <typename Input>
+struct RawVecs {
+  Raw8<typename Input::Elem> s[Input::kStreams];
+};
+
+template <typename Input>
+__device__ __forceinline__ void fetch_raw(const Input& in, int64_t r, int64_t c, RawVecs<Input>& raw) {
+  const typename Input::Elem* p[Input::kStreams];
+  in.ptrs(r, c, p);
+#pragma unroll
+  for (int k = 0; k < Input::kStreams; ++k) raw.s[k] = fetch8(p[k]);
+}
+
 // One reader call: the element vector(s) at (r, c) of each half (kHalves == 1: the tensor's own).
 template <typename Input, int VEC>
 __device__ __forceinline__ void read_halves(const Input& in, int64_t r, int64_t c, Floats<VEC> (&v)[Input::kHalves]) {
-  if constexpr (Input::kHalves == 2) {
-    if constexpr (VEC == 8) {
-      in.load8(r, c, v);
-    } else {
-      float f[2];
-      in.load1(r, c, f);
-      v[0].v[0] = f[0], v[1].v[0] = f[1];
-    }
-  } else if constexpr (VEC == 8) {
-    v[0] = in.load8(r, c);
+  if constexpr (VEC == 8) {
+    RawVecs<Input> raw;
+    fetch_raw(in, r, c, raw);
+    in.compute(raw.s, r, c, v);
+  } else if constexpr (Input::kHalves == 2) {
+    float f[2];
+    in.load1(r, c, f);
+    v[0].v[0] = f[0], v[1].v[0] = f[1];
   } else {
     v[0].v[0] = in.load1(r, c);
   }
@@ -410,19 +469,29 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t
   float sums[DBIAS ? H : 1][8] = {};
   if (mine) {
     uint2 q[H][8];
+    // Rows in groups whose loads are all issued before any of them is used: 8 rows' worth of
+    // 16-byte loads in flight per group for one input stream, about as many bytes for two or three.
+    constexpr int kGroup = Input::kStreams == 1 ? 8 : Input::kStreams == 2 ? 4 : 2;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      Floats<8> v[H];
-      read_halves<Input, 8>(in, r0 + k, c0, v);
+    for (int k0 = 0; k0 < 8; k0 += kGroup) {
+      RawVecs<Input> raw[kGroup];
 #pragma unroll
-      for (int h = 0; h < H; ++h) {
+      for (int i = 0; i < kGroup; ++i) fetch_raw(in, r0 + k0 + i, c0, raw[i]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[h].v[j]));
-        if constexpr (DBIAS) {
+      for (int i = 0; i < kGroup; ++i) {
+        const int k = k0 + i;
+        Floats<8> v[H];
+        in.compute(raw[i].s, r0 + k, c0, v);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sums[h][j] += v[h].v[j];
+        for (int h = 0; h < H; ++h) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[h].v[j]));
+          if constexpr (DBIAS) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sums[h][j] += v[h].v[j];
+          }
+          q[h][k] = pack8<F>(v[h], scale);
         }
-        q[h][k] = pack8<F>(v[h], scale);
       }
     }
 #pragma unroll
