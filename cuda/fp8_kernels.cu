@@ -652,9 +652,6 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 
 namespace {
 
-// Launches cast_transpose_kernel over an [R, C] input read by `in`; vec: R and C multiples of 8
-// and the input 16-byte aligned (the caller's check). dbias (float32 [C], may be null) += the
-// input's column sums.
 // Which kernel takes the vector path. By default the register-block kernel, except for the SwiGLU
 // readers (Input::kTileKernel) without a bias gradient: with two or three input streams per thread
 // it held fewer loads in flight and measured slower than the tile kernel (bench_fp8_cast,
