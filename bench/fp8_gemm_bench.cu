@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/event_timer.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/fp8_gemm_cublaslt.h"
 #include "cuda/fp8_kernels.h"
@@ -31,12 +32,6 @@ using namespace mt;
 using namespace mt::cuda;
 
 namespace {
-
-__global__ void gpu_sleep_kernel(long long ns) {
-  const long long start = clock64();
-  while (clock64() - start < ns * 2) {
-  }
-}
 
 __global__ void fill_bytes_kernel(uint8_t* p, int64_t n, uint8_t a, uint8_t b) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -54,53 +49,14 @@ struct Model {
   std::vector<Layer> layers;
 };
 
-class Timer {
- public:
-  Timer(cudaStream_t s, int reps) : s_(s), reps_(reps), events_(static_cast<size_t>(reps) + 1) {
-    for (auto& e : events_) MT_CUDA_CHECK(cudaEventCreate(&e));
-  }
-  ~Timer() {
-    for (auto& e : events_) cudaEventDestroy(e);
-  }
-  double median_us(const std::function<void()>& f) {
-    for (int i = 0; i < 5; ++i) f();
-    gpu_sleep_kernel<<<1, 1, 0, s_>>>(5'000'000);  // 5 ms: the host queues every call meanwhile
-    MT_CUDA_CHECK(cudaEventRecord(events_[0], s_));
-    for (int i = 0; i < reps_; ++i) {
-      f();
-      MT_CUDA_CHECK(cudaEventRecord(events_[i + 1], s_));
-    }
-    MT_CUDA_CHECK(cudaEventSynchronize(events_.back()));
-    std::vector<float> ms(static_cast<size_t>(reps_));
-    for (int i = 0; i < reps_; ++i) MT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]));
-    std::sort(ms.begin(), ms.end());
-    return 1000.0 * ms[ms.size() / 2];
-  }
-
- private:
-  cudaStream_t s_;
-  int reps_;
-  std::vector<cudaEvent_t> events_;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20;
-  std::string only;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: bench_fp8_gemm [--reps N] [--only SUBSTRING]\n");
-      return 2;
-    }
-  }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("SKIPPED: no CUDA GPU visible\n");
-    return 77;
-  }
+  mt::bench::KernelBenchArgs args;
+  if (!mt::bench::parse_kernel_bench_args(argc, argv, "bench_fp8_gemm", args)) return 2;
+  if (!mt::bench::have_gpu()) return 77;
+  const int reps = args.reps;
+  const std::string& only = args.only;
   cudaDeviceProp prop{};
   MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -110,7 +66,7 @@ int main(int argc, char** argv) {
   KernelContext ctx;
   ctx.stream = stream;
   ctx.num_sms = prop.multiProcessorCount;
-  Timer timer(stream, reps);
+  mt::bench::EventTimer timer(stream, reps);
 
   // gpt-1.3b: micro-batch 8 x seq 2048; llama-1b: 2 x 4096, 32 heads of 64, 8 query groups,
   // SwiGLU fc1 = 2 x 8192.
