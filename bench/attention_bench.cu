@@ -118,16 +118,7 @@ int run(int argc, char** argv) {
     if (!only.empty() && fmt::format("{} B{} H{}/{} T{} D{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d).find(only) ==
                              std::string::npos)
       continue;
-    AttentionShape a;
-    a.batch = sh.b;
-    a.seq = sh.s;
-    a.heads = sh.heads;
-    a.groups = sh.groups;
-    a.head_dim = sh.d;
-    a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
-    a.causal = true;
-    a.dropout_p = sh.dropout;
-    a.dropout_key = 7;
+    const AttentionShape a = AttentionShape::make(sh.b, sh.s, sh.heads, sh.groups, sh.d, /*causal=*/true, sh.dropout, 7);
     const size_t n = static_cast<size_t>(sh.b) * sh.s;
     const size_t qkv_n = n * a.qkv_row_stride(), out_n = n * sh.heads * sh.d, lse_n = n * sh.heads;
     const std::string label = fmt::format("{} B{} H{}/{} T{} D{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d);

@@ -14,6 +14,7 @@
 //   [q: heads/groups * d][k: d][v: d]  (Megatron's grouped layout; TP shards whole groups).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -48,6 +49,21 @@ struct AttentionShape {
   uint64_t dropout_key = 0; // Philox key; element (i, h, q, k) uses index ((i*heads + h)*seq + q)*seq + k
   bool deterministic = false;  // --deterministic-mode: only implementations whose backward repeats bit for bit
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
+  // The usual shape: softmax scale 1/sqrt(head_dim).
+  static AttentionShape make(int batch, int seq, int heads, int groups, int head_dim, bool causal = true,
+                             float dropout_p = 0, uint64_t dropout_key = 0) {
+    AttentionShape a;
+    a.batch = batch;
+    a.seq = seq;
+    a.heads = heads;
+    a.groups = groups;
+    a.head_dim = head_dim;
+    a.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    a.causal = causal;
+    a.dropout_p = dropout_p;
+    a.dropout_key = dropout_key;
+    return a;
+  }
 };
 
 // ---- FP8 (--fp8-format; see the FP8 section of Backend below) ----------------------------

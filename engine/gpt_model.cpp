@@ -806,15 +806,8 @@ uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
 
 // The attention of one layer for one slot (s == nullptr: the shape alone, for set-up).
 AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
-  AttentionShape as;
-  as.batch = d_.micro_batch;
-  as.seq = d_.seq;
-  as.heads = d_.heads_local();
-  as.groups = d_.groups_local();
-  as.head_dim = d_.head_dim;
-  as.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_.head_dim)));
-  as.causal = true;
-  as.dropout_p = (s == nullptr || s->training) ? d_.attention_dropout : 0.0f;
+  AttentionShape as = AttentionShape::make(d_.micro_batch, d_.seq, d_.heads_local(), d_.groups_local(), d_.head_dim,
+                                          /*causal=*/true, (s == nullptr || s->training) ? d_.attention_dropout : 0.0f);
   as.deterministic = opt_.deterministic;
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));

@@ -39,17 +39,7 @@ struct Buffers {
 };
 
 AttentionShape shape(int b, int s, int heads, int groups, int d, bool causal, float dropout = 0) {
-  AttentionShape a;
-  a.batch = b;
-  a.seq = s;
-  a.heads = heads;
-  a.groups = groups;
-  a.head_dim = d;
-  a.softmax_scale = static_cast<float>(1.0 / std::sqrt(d));
-  a.causal = causal;
-  a.dropout_p = dropout;
-  a.dropout_key = 1234;
-  return a;
+  return AttentionShape::make(b, s, heads, groups, d, causal, dropout, 1234);
 }
 
 // Max over all qkv entries of |analytic - central difference|, relative to the largest gradient.

@@ -8,17 +8,7 @@ using mt::test::Buf;
 namespace {
 
 AttentionShape shape(int b, int s, int heads, int groups, int d, float p, bool causal) {
-  AttentionShape a;
-  a.batch = b;
-  a.seq = s;
-  a.heads = heads;
-  a.groups = groups;
-  a.head_dim = d;
-  a.softmax_scale = static_cast<float>(1.0 / std::sqrt(d));
-  a.causal = causal;
-  a.dropout_p = p;
-  a.dropout_key = 1234;
-  return a;
+  return AttentionShape::make(b, s, heads, groups, d, causal, p, 1234);
 }
 
 // Independent forward: softmax over the causal scores, written from the layout description.

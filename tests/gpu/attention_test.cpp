@@ -50,19 +50,7 @@ struct Problem {
   std::vector<int> checked_groups = {};  // checked KV groups (with samples)
   bool all_configs = false;        // also run every compiled flash tile configuration
 
-  AttentionShape shape() const {
-    AttentionShape a;
-    a.batch = b;
-    a.seq = s;
-    a.heads = heads;
-    a.groups = groups;
-    a.head_dim = d;
-    a.softmax_scale = static_cast<float>(1.0 / std::sqrt(d));
-    a.causal = causal;
-    a.dropout_p = dropout;
-    a.dropout_key = 0x5eed;
-    return a;
-  }
+  AttentionShape shape() const { return AttentionShape::make(b, s, heads, groups, d, causal, dropout, 0x5eed); }
 };
 
 uint16_t to_bits(float x, DType t) { return t == DType::bf16 ? float_to_bf16_bits(x) : float_to_f16_bits(x); }
