@@ -11,6 +11,7 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/safetensors.h"
 #include "core/error.h"
+#include "core/shape_text.h"
 
 namespace mt {
 
@@ -33,18 +34,6 @@ const char* torch_dtype_of(DType t) {
     case DType::f64: return "float64";
     default: return "float32";
   }
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 }  // namespace
@@ -76,7 +65,7 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
       fail("{}: tensor '{}' is {} but its recorded model configuration makes it {}", manifest, mappings[i].ours,
            shape_text(info.global_shape), shape_text(mappings[i].our_shape));
     uint64_t bytes = 0;
-    for (const auto& s : mappings[i].hf_shapes) bytes += static_cast<uint64_t>(numel_of(s)) * dtype_size(info.dtype);
+    for (const auto& s : mappings[i].hf_shapes) bytes += static_cast<uint64_t>(shape_numel(s)) * dtype_size(info.dtype);
     if (!shards.back().empty() && shard_bytes.back() + bytes > o.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes.push_back(0);

@@ -16,6 +16,7 @@
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/shape_text.h"
 
 namespace mt {
 
@@ -38,21 +39,6 @@ CheckpointKind parse_kind(const std::string& s, const std::string& where) {
 }
 
 std::string crc_hex(uint32_t c) { return fmt::format("{:08x}", c); }
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
-int64_t product(const std::vector<int64_t>& v) {
-  int64_t n = 1;
-  for (int64_t d : v) n *= d;
-  return n;
-}
 
 json slice_to_json(const ShardSlice& s) {
   const ShardIndex& b = s.block;
@@ -262,7 +248,7 @@ void CheckpointWriter::add(const std::string& name, CheckpointKind kind, const S
   MT_CHECK(host.numel() == slice.count(), "checkpoint tensor '{}': host tensor has {} elements, slice {}", name,
            host.numel(), slice.count());
   if (global_shape.empty()) global_shape = {slice.block.global_rows, slice.block.global_cols};
-  MT_CHECK(product(global_shape) == slice.block.global_rows * slice.block.global_cols,
+  MT_CHECK(shape_numel(global_shape) == slice.block.global_rows * slice.block.global_cols,
            "checkpoint tensor '{}': global shape {} does not match {}x{}", name, shape_text(global_shape),
            slice.block.global_rows, slice.block.global_cols);
   pieces_.push_back({name, kind, slice, std::move(global_shape), host});
@@ -591,7 +577,7 @@ void CheckpointReader::load_manifest(const std::string& dir) {
       e.info.global_shape = t.at("global_shape").get<std::vector<int64_t>>();
       e.info.global_rows = t.at("global_rows").get<int64_t>();
       e.info.global_cols = t.at("global_cols").get<int64_t>();
-      if (product(e.info.global_shape) != e.info.global_rows * e.info.global_cols)
+      if (shape_numel(e.info.global_shape) != e.info.global_rows * e.info.global_cols)
         fail("{}: tensor '{}': global shape {} does not match {}x{}", path, e.info.name,
              shape_text(e.info.global_shape), e.info.global_rows, e.info.global_cols);
       for (const auto& s : t.at("shards")) {

@@ -3,27 +3,13 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/shape_text.h"
 
 namespace mt {
 
 using nlohmann::json;
 
 namespace {
-
-int64_t product(const std::vector<int64_t>& v) {
-  int64_t n = 1;
-  for (int64_t d : v) n *= d;
-  return n;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
 
 double load_float(const void* p, DType t, int64_t i) {
   switch (t) {
@@ -49,18 +35,18 @@ void check_shape(const HostArray& a, const std::vector<int64_t>& want, const std
   if (a.shape != want)
     fail("tensor '{}' has shape {}, expected {} for this model configuration", name, shape_text(a.shape),
          shape_text(want));
-  MT_CHECK(a.bytes.size() == static_cast<size_t>(product(a.shape)) * dtype_size(a.dtype), "'{}' byte size", name);
+  MT_CHECK(a.bytes.size() == static_cast<size_t>(shape_numel(a.shape)) * dtype_size(a.dtype), "'{}' byte size", name);
 }
 
 }  // namespace
 
-int64_t HostArray::numel() const { return product(shape); }
+int64_t HostArray::numel() const { return shape_numel(shape); }
 
 HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
   HostArray a;
   a.dtype = dtype;
   a.shape = std::move(shape);
-  a.bytes.assign(static_cast<size_t>(product(a.shape)) * dtype_size(dtype), 0);
+  a.bytes.assign(static_cast<size_t>(shape_numel(a.shape)) * dtype_size(dtype), 0);
   return a;
 }
 

@@ -14,6 +14,7 @@
 #include "checkpoint/file_io.h"
 #include "core/crc32c.h"
 #include "core/error.h"
+#include "core/shape_text.h"
 
 namespace mt {
 namespace {
@@ -33,21 +34,6 @@ std::optional<uint64_t> dtype_bits(std::string_view s) {
   for (const auto& [name, bits] : table)
     if (s == name) return bits;
   return std::nullopt;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
-int64_t shape_numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 }  // namespace
