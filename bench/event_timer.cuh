@@ -25,17 +25,17 @@ struct KernelBenchArgs {
   std::string only;  // run only the cases whose name contains this
 };
 
-// Parses `--reps N --only SUBSTRING`; on anything else prints the usage of `program` and returns false.
+// Parses `--reps N --only SUBSTRING`; on anything else (or N < 1) prints the usage of `program` and
+// returns false.
 inline bool parse_kernel_bench_args(int argc, char** argv, const char* program, KernelBenchArgs& args) {
-  for (int i = 1; i < argc; ++i) {
+  bool ok = true;
+  for (int i = 1; ok && i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) args.reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) args.only = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--only SUBSTRING]\n", program);
-      return false;
-    }
+    else ok = false;
   }
-  return args.reps > 0;
+  if (!ok || args.reps <= 0) std::fprintf(stderr, "usage: %s [--reps N (N >= 1)] [--only SUBSTRING]\n", program);
+  return ok && args.reps > 0;
 }
 
 // False (after a SKIPPED line, exit status 77 by convention) where no CUDA GPU is visible.
