@@ -13,10 +13,8 @@
 // Usage: bench_fp8_cast [--reps N] [--only SUBSTRING]
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstring>
-#include <functional>
+#include <cstdlib>
 #include <string>
 #include <vector>
 

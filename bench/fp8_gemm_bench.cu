@@ -16,9 +16,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <exception>
-#include <functional>
 #include <string>
 #include <vector>
 
