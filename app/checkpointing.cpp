@@ -260,20 +260,26 @@ void TrainingCheckpoints::finish() { commit_pending(/*wait=*/true); }
 // tensor is read from the model weights instead (fp32 runs keep no separate main weights).
 void TrainingCheckpoints::read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind,
                                    const std::string& suffix, Tensor dst, bool from_model_fallback) {
-  Backend& be = m.backend();
   std::vector<unsigned char> host;
-  for (const ParamDesc& p : m.params()) {
-    // The last stage's copy of tied embeddings holds the word embeddings (and their state).
-    const std::string name = (p.shared_copy ? p.init_name : p.name) + suffix;
-    CheckpointKind from = kind;
-    if (from_model_fallback && !reader.has(name, kind)) from = CheckpointKind::model;
-    host.resize(static_cast<size_t>(p.numel()) * dtype_size(dst.dtype));
-    Tensor hv(host.data(), dst.dtype, Device::cpu, {p.numel()});
-    reader.read(name, from, ShardSlice::whole(p.shard), hv, p.global_shape);
-    be.copy_from_host(dst.flat_slice(p.offset, p.numel()), host.data());
-    be.synchronize();  // `host` is reused for the next parameter
-    loaded_tensor(host.size());
-  }
+  for (const ParamDesc& p : m.params())
+    read_param(reader, m, p, kind, suffix, dst.flat_slice(p.offset, p.numel()), from_model_fallback, host);
+}
+
+// One parameter's tensor into dst (p.numel() elements), through the host buffer `host`.
+void TrainingCheckpoints::read_param(CheckpointReader& reader, GptModel& m, const ParamDesc& p, CheckpointKind kind,
+                                     const std::string& suffix, Tensor dst, bool from_model_fallback,
+                                     std::vector<unsigned char>& host) {
+  Backend& be = m.backend();
+  // The last stage's copy of tied embeddings holds the word embeddings (and their state).
+  const std::string name = (p.shared_copy ? p.init_name : p.name) + suffix;
+  CheckpointKind from = kind;
+  if (from_model_fallback && !reader.has(name, kind)) from = CheckpointKind::model;
+  host.resize(static_cast<size_t>(p.numel()) * dtype_size(dst.dtype));
+  Tensor hv(host.data(), dst.dtype, Device::cpu, {p.numel()});
+  reader.read(name, from, ShardSlice::whole(p.shard), hv, p.global_shape);
+  be.copy_from_host(dst, host.data());
+  be.synchronize();  // `host` is reused for the next parameter
+  loaded_tensor(host.size());
 }
 
 // A load that takes a while says how far it got every few seconds (log::progress_interval; rank 0,
@@ -294,11 +300,18 @@ void TrainingCheckpoints::loaded_tensor(size_t bytes) {
 // the optimizer, else the model weights (Megatron re-copies fp16/bf16 main params from the model
 // params); the model weights then follow the master weights as after every optimizer step. With
 // sharded master weights or states the full tensors are read into the (unused) gradient buffer
-// first, and each rank keeps its shards.
+// first, and each rank keeps its shards; with bf16 main grads (GptModel::stages_per_param) one
+// parameter at a time instead.
 void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim) {
   Backend& be = m.backend();
   const GradLayout& L = m.grad_layout();
   const OptimizerKind opt = cfg_.train.optimizer;
+  std::vector<unsigned char> host;
+  auto read_sharded = [&](CheckpointKind kind, const std::string& suffix, Tensor dst, bool fallback, bool to_params) {
+    m.stage_full_params([&](int i, Tensor v) {
+      read_param(reader, m, m.params()[static_cast<size_t>(i)], kind, suffix, v.flat_slice(0, v.numel()), fallback, host);
+    }, dst, to_params);
+  };
   auto keep_shards = [&](Tensor dst) {
     for (int b = 0; b < L.num_buckets(); ++b) {
       const int64_t n = L.shard_numel(b);
@@ -306,7 +319,9 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
     }
   };
   const CheckpointKind master_kind = load_optim ? CheckpointKind::main_params : CheckpointKind::model;
-  if (L.sharded && m.has_master_copy()) {
+  if (L.sharded && m.has_master_copy() && m.stages_per_param()) {
+    read_sharded(master_kind, "", m.master_flat(), load_optim, true);
+  } else if (L.sharded && m.has_master_copy()) {
     read_flat(reader, m, master_kind, "", m.grads_flat(), load_optim);
     be.cast(m.params_flat(), m.grads_flat());
     keep_shards(m.master_flat());
@@ -320,13 +335,14 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
     auto read_state = [&](const std::string& suffix, Tensor dst) {
       if (dst.empty()) return;
       if (!L.sharded) return read_flat(reader, m, CheckpointKind::optimizer, suffix, dst, false);
+      if (m.stages_per_param()) return read_sharded(CheckpointKind::optimizer, suffix, dst, false, false);
       read_flat(reader, m, CheckpointKind::optimizer, suffix, m.grads_flat(), false);
       keep_shards(dst);
     };
     read_state(first_state_suffix(opt), m.exp_avg_flat());
     read_state(kSecondStateSuffix, m.exp_avg_sq_flat());
   }
-  if (L.sharded) be.fill(m.grads_flat(), 0.0);
+  if (L.sharded && !m.stages_per_param()) be.fill(m.grads_flat(), 0.0);
   be.synchronize();
   load_fp8_state(reader, m);
 }

@@ -118,6 +118,8 @@ class TrainingCheckpoints {
   void load_fp8_state(CheckpointReader& reader, GptModel& m);
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
+  void read_param(CheckpointReader& reader, GptModel& m, const ParamDesc& p, CheckpointKind kind,
+                  const std::string& suffix, Tensor dst, bool from_model_fallback, std::vector<unsigned char>& host);
 
   const Config& cfg_;
   ParallelState& ps_;

@@ -42,7 +42,7 @@ void add_distributed_flags(FlagTable& t) {
   t.recognised("--defer-embedding-wgrad-compute", Arity::none, "", "off", "delay the output layer's weight gradient");
   t.recognised("--wgrad-deferral-limit", Arity::one, "INT", "0", "micro-batches whose weight gradient is deferred");
   t.negative_alias(t.no_effect("--no-gradient-accumulation-fusion", Arity::none,
-                               "megatrain always accumulates weight gradients into fp32 main grads in its GEMMs"));
+                               "megatrain always accumulates weight gradients into the main grads in its GEMMs"));
   for (const char* n : {"--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
                         "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"})
     t.negative_alias(t.no_effect(n, Arity::none, "megatrain's kernels are fused by design"));

@@ -141,9 +141,9 @@ void derive_precision(CliState& st) {
     st.warn("Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss scaling is being used");
   }
   if (t.precision == Precision::bf16) {
-    if (c.parallel.grad_reduce_in_bf16) {
-      c.parallel.accumulate_allreduce_grads_in_fp32 = false;
-    } else if (!c.parallel.accumulate_allreduce_grads_in_fp32) {
+    // Megatron: float32 main grads unless --grad-reduce-in-bf16 (an explicit
+    // --accumulate-allreduce-grads-in-fp32 keeps them float32 even then).
+    if (!c.parallel.grad_reduce_in_bf16 && !c.parallel.accumulate_allreduce_grads_in_fp32) {
       c.parallel.accumulate_allreduce_grads_in_fp32 = true;
       st.info("accumulate and all-reduce gradients in fp32 for bfloat16 data type.");
     }

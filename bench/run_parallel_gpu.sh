@@ -13,7 +13,8 @@
 # 1. Equivalence: gpt2-124m, 20 iterations, 1 GPU vs itself, TP=2, TP=2+SP, PP=2, interleaved PP=2
 #    and DP=2 (same global batch, same data; --deterministic-mode): both loss columns per iteration
 #    and the largest relative difference (bf16: PASS below 2e-2); FP8 (hybrid, delayed) 1 GPU vs
-#    TP=2+SP and DP=2 (PASS below 2e-2); and in fp32 on 4 layers, 1 GPU vs TP=2+SP, PP=2 and
+#    TP=2+SP and DP=2 (PASS below 2e-2); bf16 main grads (--grad-reduce-in-bf16) on 1 GPU and DP=2
+#    against float32 ones (PASS below 2e-2); and in fp32 on 4 layers, 1 GPU vs TP=2+SP, PP=2 and
 #    interleaved PP=2 (PASS below 1e-4).
 # 2. Scaling (iterations after the first 4 of 12, median):
 #      DP=2 tokens/s vs 1 GPU on gpt2-124m and gpt-1.3b (weak scaling, target >= 1.9x), with the
@@ -140,6 +141,12 @@ fp8="--fp8-format hybrid --fp8-recipe delayed"
 run eq_fp8_1gpu 1 $eq $fp8
 run eq_fp8_tp2_sp 2 $eq $fp8 --tensor-model-parallel-size 2 --sequence-parallel
 run eq_fp8_dp2 2 $eq $fp8 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+# bf16 main gradients (--grad-reduce-in-bf16: Megatron's grad buffer in the parameters' dtype,
+# accumulated over micro-batches and reduced in bf16) on one GPU and DP=2, against float32 ones.
+bf16g="--grad-reduce-in-bf16"
+run eq_bf16g_1gpu 1 $eq $bf16g
+run eq_bf16g_dp2 2 $eq $bf16g --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+run eq_bf16g_fp8_dp2 2 $eq $fp8 $bf16g --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 # The same in fp32 (GEMMs without TF32) on a 4-layer model: bf16 runs drift apart once rounding
 # differences grow, fp32 runs must stay together (a layout defect shows at once).
 eq32="--num-layers 4 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
@@ -242,6 +249,8 @@ if not four:
             ["eq_1gpu_again", "eq_tp2", "eq_tp2_sp", "eq_pp2", "eq_pp2_vpp", "eq_dp2"], 2e-2)
   equivalence("4 layers of gpt2-124m, fp32", "eq32_1gpu", ["eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp"], 1e-4)
   equivalence("gpt2-124m, FP8 hybrid delayed, --deterministic-mode", "eq_fp8_1gpu", ["eq_fp8_tp2_sp", "eq_fp8_dp2"], 2e-2)
+  equivalence("gpt2-124m, bf16 main grads against float32 ones", "eq_1gpu", ["eq_bf16g_1gpu", "eq_bf16g_dp2"], 2e-2)
+  equivalence("gpt2-124m, FP8 with bf16 main grads against float32 ones", "eq_fp8_1gpu", ["eq_bf16g_fp8_dp2"], 2e-2)
 
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
@@ -260,7 +269,7 @@ if not four:
 
 print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
-             "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
+             "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "eq_bf16g_1gpu", "eq_bf16g_dp2", "eq_bf16g_fp8_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
              "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "pp_13b_pp2_last11",
              "pp_13b_pp2_last10", "eq4_tp2_pp2", "eq4_tp2_dp2",
              "eq4_pp4_vpp", "eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"]:

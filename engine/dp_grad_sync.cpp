@@ -12,11 +12,10 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   const ParallelConfig& p = cfg.parallel;
   reduce_ = ps.dp_size > 1;
   overlap_ = p.overlap_grad_reduce;
-  bf16_ = reduce_ && chunks_.front()->options().grad_reduce_bf16;
   sharded_ = chunks_.front()->grad_layout().sharded;
   for (GptModel* m : chunks_)
     MT_CHECK(m->grad_layout().sharded == sharded_ && m->options().dp_size == ps.dp_size &&
-                 m->options().dp_rank == ps.dp_rank && (!bf16_ || !m->grad_comm_flat().empty()),
+                 m->options().dp_rank == ps.dp_rank,
              "model chunks planned for another data-parallel layout");
   Backend& be = chunks_.front()->backend();
   comm_ = ps.dp.get();
@@ -56,12 +55,7 @@ void DpGradSync::launch(int chunk, int b) {
   Backend& be = m.backend();
   const GradLayout& L = m.grad_layout();
   const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-  Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);
-  if (bf16_) {
-    const Tensor h = m.grad_comm_flat().flat_slice(k.offset, k.numel);
-    be.cast(h, g);
-    g = h;
-  }
+  const Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);  // in the main grads' dtype
   be.comm_wait_for_compute();
   if (sharded_) comm_->reduce_scatter(g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)), g);
   else comm_->all_reduce(g);
@@ -83,17 +77,6 @@ void DpGradSync::finish_dp() {
       while (next_bucket_[c] < n) launch(static_cast<int>(c), next_bucket_[c]++);
     }
     chunks_.front()->backend().compute_wait_for_comm();
-    if (bf16_) {
-      for (GptModel* m : chunks_) {
-        const GradLayout& L = m->grad_layout();
-        for (int b = 0; b < L.num_buckets(); ++b) {
-          const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-          // With the distributed optimizer only this rank's shard holds the sum.
-          const int64_t off = sharded_ ? L.shard_offset(b) : k.offset, n = sharded_ ? L.shard_numel(b) : k.numel;
-          m->backend().cast(m->grads_flat().flat_slice(off, n), m->grad_comm_flat().flat_slice(off, n));
-        }
-      }
-    }
   }
 }
 

@@ -6,10 +6,9 @@
 // final, on the backend's communication stream (CUDA), overlapping the rest of the backward pass.
 // Without it, or on the reference backend (synchronous MPI), the same calls run in order. The
 // reduction is an all-reduce, or with --use-distributed-optimizer a reduce-scatter (each DP rank
-// keeps the sum of its shard). --grad-reduce-in-bf16 reduces a bf16 copy of the bucket.
+// keeps the sum of its shard), in the main gradients' dtype (bf16 with --grad-reduce-in-bf16).
 //
-// finish(), before the optimizer, completes every reduction, casts bf16 results back and then
-// sums the tied word-embedding gradients of the first and last pipeline stage over the embedding
+// finish(), before the optimizer, completes every reduction and then sums the tied word-embedding gradients of the first and last pipeline stage over the embedding
 // group, so that both copies receive identical updates.
 //
 // The gradients are summed, not averaged: the optimizer folds 1/DP into its gradient scale (the
@@ -59,7 +58,7 @@ class DpGradSync {
   std::vector<GptModel*> chunks_;
   std::unique_ptr<Communicator> own_comm_;  // split of ps.dp onto the communication stream
   Communicator* comm_ = nullptr;
-  bool overlap_ = false, bf16_ = false, sharded_ = false, reduce_ = false;
+  bool overlap_ = false, sharded_ = false, reduce_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
   bool finished_ = false;
 };

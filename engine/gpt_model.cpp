@@ -112,6 +112,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   ModelOptions o;
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
+  o.grad = o.accum;
   if (const char* r = std::getenv("MEGATRAIN_RECOMPUTE_GELU"); r && std::string(r) == "1") o.keep_gelu_activation = false;
   if (const char* z = std::getenv("MEGATRAIN_ZERO_ALL_GRADS"); z && std::string(z) == "1")
     o.overwrite_first_weight_grad = false;
@@ -157,6 +158,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     : d_(dims), opt_(options), ps_(ps), be_(backend) {
   MT_CHECK(opt_.num_slots >= 1, "num_slots {}", opt_.num_slots);
   MT_CHECK(opt_.accum == DType::f32 || opt_.accum == DType::f64, "accum dtype");
+  MT_CHECK(opt_.grad == opt_.accum || opt_.grad == DType::bf16, "main gradients in {} with accum {}",
+           dtype_name(opt_.grad), dtype_name(opt_.accum));
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -313,8 +316,7 @@ void GptModel::layout(Arena& a) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden, total = total_elements_;
   const int64_t state = grad_layout_.state_numel;  // == total unless sharded
   params_ = a.take(C::parameters, T, {total});
-  grads_ = a.take(C::gradients, S, {total});
-  grad_comm_ = opt_.grad_reduce_bf16 ? a.take(C::gradients, DType::bf16, {total}) : Tensor();
+  grads_ = a.take(C::gradients, opt_.grad, {total});
   master_ = has_master_copy() ? a.take(C::master_weights, S, {state}) : params_;
   state1_ = state2_ = Tensor();
   if (opt_.optimizer == OptimizerKind::adam) {
@@ -494,19 +496,23 @@ void GptModel::bind_params() {
 
 void GptModel::init_parameters() {
   fp8_begin_step();  // the FP8 weight cache is stale
-  // The full-precision values are drawn into a full-size buffer: the master copy, or with a
-  // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
-  const bool sharded_master = grad_layout_.sharded && has_master_copy();
-  const Tensor full = sharded_master ? grads_ : master_;
-  for (size_t i = 0; i < descs_.size(); ++i) {
-    const ParamDesc& p = descs_[i];
-    Tensor w = shaped(full, p);
+  auto draw = [this](const ParamDesc& p, Tensor w) {
     switch (p.init) {
       case InitKind::normal: be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard); break;
       case InitKind::zeros: be_.fill(w, 0.0); break;
       case InitKind::ones: be_.fill(w, 1.0); break;
     }
+  };
+  // The full-precision values are drawn into a full-size buffer: the master copy, or with a
+  // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
+  // bf16 main grads cannot hold them: then one parameter at a time.
+  const bool sharded_master = grad_layout_.sharded && has_master_copy();
+  if (sharded_master && stages_per_param()) {
+    stage_full_params([&](int i, Tensor w) { draw(descs_[static_cast<size_t>(i)], w); }, master_, true);
+    return;
   }
+  const Tensor full = sharded_master ? grads_ : master_;
+  for (const ParamDesc& p : descs_) draw(p, shaped(full, p));
   if (!has_master_copy()) return;
   be_.cast(params_, full);
   if (!sharded_master) return;
@@ -515,6 +521,30 @@ void GptModel::init_parameters() {
     be_.copy(master_.flat_slice(grad_layout_.state_offset[b], n), grads_.flat_slice(grad_layout_.shard_offset(b), n));
   }
   be_.fill(grads_, 0.0);
+}
+
+void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params) {
+  MT_CHECK(grad_layout_.sharded, "stage_full_params: the master weights are not sharded");
+  std::vector<std::vector<std::pair<int, ShardSegment>>> pieces(descs_.size());  // per parameter: (bucket, piece)
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b)
+    for (const ShardSegment& s : grad_layout_.shard_segments(b)) pieces.at(static_cast<size_t>(s.param)).emplace_back(b, s);
+  int64_t biggest = 1;
+  for (const ParamDesc& p : descs_) biggest = std::max(biggest, p.numel());
+  void* mem = be_.allocate(static_cast<size_t>(biggest) * dtype_size(opt_.accum));
+  const Tensor scratch(mem, opt_.accum, be_.device(), {biggest});
+  be_.fill(sharded, 0.0);
+  for (size_t i = 0; i < descs_.size(); ++i) {
+    const ParamDesc& p = descs_[i];
+    ParamDesc at_start = p;
+    at_start.offset = 0;
+    fill(static_cast<int>(i), shaped(scratch, at_start));
+    if (to_params) be_.cast(shaped(params_, p), shaped(scratch, at_start));
+    for (const auto& [b, s] : pieces[i])
+      be_.copy(sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel),
+               scratch.flat_slice(s.param_offset, s.numel));
+  }
+  be_.synchronize();  // the scratch is freed below
+  be_.deallocate(mem);
 }
 
 void GptModel::zero_grads() {

@@ -58,12 +58,15 @@ struct ModelOptions {
   // Data parallelism (engine/grad_layout.h): the flat buffers are cut into DP buckets of
   // bucket_size elements (nullopt: one bucket); with shard_optimizer_state
   // (--use-distributed-optimizer) master weights and optimizer states hold only this DP rank's
-  // shard of each bucket; grad_reduce_bf16 (--grad-reduce-in-bf16) adds a bf16 copy of the
-  // gradients the DP reduction runs on.
+  // shard of each bucket.
   int dp_size = 1, dp_rank = 0;
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
-  bool grad_reduce_bf16 = false;
+  // The main gradients' dtype: accum, or bf16 with --grad-reduce-in-bf16 (Megatron's grad buffer
+  // then has the parameters' dtype: gradients accumulate over micro-batches and are reduced in
+  // bf16, and the optimizer reads them as float). Set-up work that needs a parameter's
+  // full-precision values then stages them per parameter (GptModel::stage_full_params).
+  DType grad = DType::f32;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
@@ -134,8 +137,6 @@ class GptModel {
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
   bool has_master_copy() const { return opt_.compute != opt_.accum; }
   const GradLayout& grad_layout() const { return grad_layout_; }
-  // bf16 gradients for the DP reduction (--grad-reduce-in-bf16), else empty.
-  Tensor grad_comm_flat() const { return grad_comm_; }
   // Per-parameter views. master(i) needs an unsharded master copy.
   Tensor param(int i) const;
   Tensor grad(int i) const;
@@ -145,6 +146,14 @@ class GptModel {
 
   // Draws every parameter from its layout-independent stream (and the master copy).
   void init_parameters();
+  // Whether a sharded master copy or optimizer state needs stage_full_params to take full
+  // tensors: the gradient buffer, the full-size staging otherwise, holds bf16 main grads.
+  bool stages_per_param() const { return grad_layout_.sharded && opt_.grad != opt_.accum; }
+  // Full-precision (accum) values, one parameter at a time, through a set-up-time scratch of the
+  // largest parameter's size: fill(i, v) writes parameter i's values into v (its shape); they are
+  // cast into the model weights (to_params) and this rank's pieces go to `sharded` (laid out like
+  // the master weights: this rank's shard of each bucket; its padding is zeroed).
+  void stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params);
 
   // ---- FP8 (--fp8-format) ----------------------------------------------------------------
   // The trainer calls fp8_begin_step() before a step's first forward (the FP8 weight cache is
@@ -340,7 +349,7 @@ class GptModel {
   std::vector<FlatRange> zeroed_grad_ranges_;
   NormParams norm_;
 
-  Tensor params_, grads_, grad_comm_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
+  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
   std::vector<LayerParams> layer_params_, layer_grads_;
   struct Globals;
   std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads

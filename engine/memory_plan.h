@@ -19,7 +19,7 @@ class Backend;
 
 enum class MemoryCategory : int {
   parameters,        // model weights in the compute dtype
-  gradients,         // float32 main grads (Megatron's main_grad)
+  gradients,         // main grads (Megatron's main_grad): float32, or bf16 with --grad-reduce-in-bf16
   master_weights,    // float32 copies of bf16/fp16 weights
   optimizer_states,  // Adam moments / SGD momentum
   activations,       // what one or more in-flight micro-batches keep for backward

@@ -45,7 +45,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     o.dp_rank = r.dp_rank;
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
-    o.grad_reduce_bf16 = p.grad_reduce_in_bf16 && r.dp_size > 1;
+    // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
+    // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)
+    if (p.grad_reduce_in_bf16 && !p.accumulate_allreduce_grads_in_fp32) o.grad = DType::bf16;
     out.push_back({dims[c], o});
   }
   return out;

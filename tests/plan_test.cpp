@@ -150,14 +150,15 @@ TEST_CASE("plan: Llama-3 8B script on 8 GPUs (--fp8-param-gather refused, the re
   const Plan p = make_plan(c);
   CHECK(p.params.total == 8030261248LL);  // 8.03e9, see engine_count_test
   CHECK(p.flops_per_token == Approx(51470401536.0).epsilon(1e-12));
-  // bf16 weights; fp32 main grads plus the bf16 copy the DP reduction runs on; master weights and
-  // Adam moments sharded over the 8 DP ranks (--use-distributed-optimizer).
+  // bf16 weights; bf16 main grads (--grad-reduce-in-bf16: Megatron's grad buffer in the weights'
+  // dtype, 2 bytes per parameter); master weights and Adam moments sharded over the 8 DP ranks
+  // (--use-distributed-optimizer).
   using C = MemoryCategory;
   const StageMemory& m = p.stages[0].memory;
   const size_t P = m.plan.of(C::parameters);
   CHECK(static_cast<double>(P) / 2 >= 8030261248.0);
   CHECK(static_cast<double>(P) / 2 < 8030261248.0 * 1.001);
-  CHECK(m.plan.of(C::gradients) == 3 * P);  // fp32 + bf16
+  CHECK(m.plan.of(C::gradients) == P);
   CHECK(m.plan.of(C::master_weights) * 8 == 2 * P);
   CHECK(m.plan.of(C::optimizer_states) * 8 == 4 * P);
 }

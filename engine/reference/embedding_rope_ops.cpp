@@ -1,4 +1,6 @@
 // ReferenceBackend: token/position embeddings and rotary position embeddings.
+#include <vector>
+
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
 
@@ -40,10 +42,19 @@ void ReferenceBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout,
   const int64_t V = dwte.empty() ? 0 : dwte.rows();
   MT_CHECK(tokens.dtype == DType::i32, "embedding_backward: tokens must be int32");
   check_numel(dout, N * H, "embedding_backward", "dout");
-  check_float_accumulator(dwte, "embedding_backward", "dwte");
-  check_float_accumulator(dwpe, "embedding_backward", "dwpe");
-  const Floats fwte(dwte), fwpe(dwpe);
+  check_grad_accumulator(dwte, "embedding_backward", "dwte");
+  check_grad_accumulator(dwpe, "embedding_backward", "dwpe");
   const int64_t P = dwpe.empty() ? 0 : dwpe.rows();
+  // A bf16 gradient takes each element's sum over the batch in one rounding (as the CUDA
+  // backend adds its float32 sums): the sums go to double buffers first. float32/float64 ones
+  // are added to row by row, as before.
+  const bool wide = (dwte.empty() || dwte.dtype != DType::bf16) && (dwpe.empty() || dwpe.dtype != DType::bf16);
+  std::vector<double> sum_wte, sum_wpe;
+  if (!wide) {
+    sum_wte.assign(static_cast<size_t>(dwte.empty() ? 0 : V * H), 0.0);
+    sum_wpe.assign(static_cast<size_t>(P * H), 0.0);
+  }
+  const Floats fwte(dwte), fwpe(dwpe);
   dispatch_float(dout, "embedding_backward", [&](auto tag) {
     using T = decltype(tag);
     const int32_t* tok = tokens.ptr<int32_t>();
@@ -54,12 +65,37 @@ void ReferenceBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout,
         const T* g = dout.ptr<T>() + r * H;
         const int64_t t = static_cast<int64_t>(tok[r]) - vocab_start;
         if (!fwte.empty() && t >= 0 && t < V)
-          for (int64_t c = cb; c < ce; ++c) fwte.add(t * H + c, g[c]);
+          for (int64_t c = cb; c < ce; ++c) {
+            if (wide) fwte.add(t * H + c, g[c]);
+            else sum_wte[static_cast<size_t>(t * H + c)] += g[c];
+          }
         if (pos && pos[r] >= 0 && pos[r] < P)
-          for (int64_t c = cb; c < ce; ++c) fwpe.add(static_cast<int64_t>(pos[r]) * H + c, g[c]);
+          for (int64_t c = cb; c < ce; ++c) {
+            const int64_t i = static_cast<int64_t>(pos[r]) * H + c;
+            if (wide) fwpe.add(i, g[c]);
+            else sum_wpe[static_cast<size_t>(i)] += g[c];
+          }
       }
     });
   });
+  if (wide) return;
+  // Only the rows the batch touched change (a zero sum elsewhere leaves the value as it is).
+  std::vector<char> seen_t(static_cast<size_t>(V), 0), seen_p(static_cast<size_t>(P), 0);
+  const int32_t* tok = tokens.ptr<int32_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t t = static_cast<int64_t>(tok[r]) - vocab_start;
+    if (!fwte.empty() && t >= 0 && t < V) seen_t[static_cast<size_t>(t)] = 1;
+    if (!dwpe.empty()) {
+      const int32_t p = positions.ptr<int32_t>()[r];
+      if (p >= 0 && p < P) seen_p[static_cast<size_t>(p)] = 1;
+    }
+  }
+  for (int64_t t = 0; t < V; ++t)
+    if (seen_t[static_cast<size_t>(t)])
+      for (int64_t c = 0; c < H; ++c) fwte.add(t * H + c, sum_wte[static_cast<size_t>(t * H + c)]);
+  for (int64_t p = 0; p < P; ++p)
+    if (seen_p[static_cast<size_t>(p)])
+      for (int64_t c = 0; c < H; ++c) fwpe.add(p * H + c, sum_wpe[static_cast<size_t>(p * H + c)]);
 }
 
 namespace {

@@ -102,7 +102,7 @@ void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t 
 // dbias[N] += column sums of the M x N values dy(i) (in double, one rounding per column).
 template <typename Dy>
 void add_column_sums_of(Tensor dbias, int64_t M, int64_t N, Dy&& dy, const char* op) {
-  check_float_accumulator(dbias, op, "dbias");
+  check_grad_accumulator(dbias, op, "dbias");
   check_numel(dbias, N, op, "dbias");
   const Floats fdb(dbias);
   for (int64_t n = 0; n < N; ++n) {
@@ -266,8 +266,8 @@ void ReferenceBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tenso
   const char* op = "fp8_linear_backward_weight";
   const int64_t N = dyq_t.rows(), K = xq_t.rows();
   check_numel(dw, N * K, op, "dw");
-  check_float_accumulator(dw, op, "dw");
-  check_float_accumulator(dbias, op, "dbias");
+  check_grad_accumulator(dw, op, "dw");
+  check_grad_accumulator(dbias, op, "dbias");
   const double s = static_cast<double>(read_scalar(dy_scale_inv, op, "dy_scale_inv")) * read_scalar(x_scale_inv, op, "x_scale_inv");
   const Floats fdw(dw);
   fp8_gemm_tn(pool_, dyq_t, xq_t, s, [&](int64_t n, int64_t k, double v) {

@@ -105,8 +105,8 @@ void ReferenceBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy
   check_numel(dw, N * K, "linear_backward_weight", "dw");
   if (!dbias.empty()) check_numel(dbias, N, "linear_backward_weight", "dbias");
   check_same_dtype(dy, x, "linear_backward_weight");
-  check_float_accumulator(dw, "linear_backward_weight", "dw");
-  check_float_accumulator(dbias, "linear_backward_weight", "dbias");
+  check_grad_accumulator(dw, "linear_backward_weight", "dw");
+  check_grad_accumulator(dbias, "linear_backward_weight", "dbias");
   const Floats fdw(dw), fdb(dbias);
   dispatch_float(dy, "linear_backward_weight", [&](auto tag) {
     using T = decltype(tag);

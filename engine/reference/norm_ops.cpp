@@ -115,9 +115,9 @@ void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Te
   check_same_dtype(x, dout, "norm_backward");
   check_same_dtype(x, weight, "norm_backward");
   check_same_dtype(x, dresidual, "norm_backward");
-  check_float_accumulator(dweight, "norm_backward", "dweight");
-  check_float_accumulator(dbias, "norm_backward", "dbias");
-  check_float_accumulator(dx_colsum, "norm_backward", "dx_colsum");
+  check_grad_accumulator(dweight, "norm_backward", "dweight");
+  check_grad_accumulator(dbias, "norm_backward", "dbias");
+  check_grad_accumulator(dx_colsum, "norm_backward", "dx_colsum");
   if (!dx_colsum.empty()) check_numel(dx_colsum, C, "norm_backward", "dx_colsum");
   const Floats fm(mean), fr(rstd), fdw(dweight), fdb(dbias);
   dispatch_float(x, "norm_backward", [&](auto tag) {

@@ -9,7 +9,12 @@ namespace mt::reference {
 
 namespace {
 constexpr int64_t kBlock = 1 << 12;  // reduction block: partial sums per block, then in order
+
+// The gradient is in the master weights' type, or bf16 (--grad-reduce-in-bf16: read as float).
+void check_optimizer_grad(const Tensor& master, const Tensor& grad, const char* op) {
+  if (grad.dtype != DType::bf16) check_same_dtype(master, grad, op);
 }
+}  // namespace
 
 void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                                   Tensor model_param, std::span<const OptimSegment> segments,
@@ -19,18 +24,19 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
   check_numel(exp_avg, n, "adamw_step", "exp_avg");
   check_numel(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
   if (!model_param.empty()) check_numel(model_param, n, "adamw_step", "model_param");
-  check_same_dtype(master, grad, "adamw_step");
+  check_optimizer_grad(master, grad, "adamw_step");
   check_same_dtype(master, exp_avg, "adamw_step");
   check_same_dtype(master, exp_avg_sq, "adamw_step");
   MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
-  const Floats mp(model_param);
+  const Floats mp(model_param), fg(grad);
+  const bool grad_wide = grad.dtype == master.dtype;
   const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
   dispatch_float(master, "adamw_step", [&](auto tag) {
     using T = decltype(tag);
     T* w = master.ptr<T>();
-    const T* g = grad.ptr<T>();
+    const T* g = grad_wide ? grad.ptr<T>() : nullptr;
     T* m = exp_avg.ptr<T>();
     T* v = exp_avg_sq.ptr<T>();
     for_each_segment(master, segments, [&](const OptimSegment& s) {
@@ -38,7 +44,7 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
       const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
       pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
-          const double gi = static_cast<double>(g[i]) * p.grad_scale;
+          const double gi = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale;
           const double mi = b1 * m[i] + (1.0 - b1) * gi;
           const double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
           m[i] = static_cast<T>(mi);
@@ -59,13 +65,14 @@ void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Ten
   check_numel(grad, n, "sgd_step", "grad");
   if (!momentum.empty()) check_numel(momentum, n, "sgd_step", "momentum");
   if (!model_param.empty()) check_numel(model_param, n, "sgd_step", "model_param");
-  check_same_dtype(master, grad, "sgd_step");
+  check_optimizer_grad(master, grad, "sgd_step");
   check_same_dtype(master, momentum, "sgd_step");
-  const Floats mp(model_param);
+  const Floats mp(model_param), fg(grad);
+  const bool grad_wide = grad.dtype == master.dtype;
   dispatch_float(master, "sgd_step", [&](auto tag) {
     using T = decltype(tag);
     T* w = master.ptr<T>();
-    const T* g = grad.ptr<T>();
+    const T* g = grad_wide ? grad.ptr<T>() : nullptr;
     T* buf = momentum.empty() ? nullptr : momentum.ptr<T>();
     const double mom = p.sgd_momentum;
     for_each_segment(master, segments, [&](const OptimSegment& s) {
@@ -74,7 +81,7 @@ void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Ten
       pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           // SGD's weight decay is L2 (added to the gradient), as torch.optim.SGD / apex FusedSGD.
-          double d = static_cast<double>(g[i]) * p.grad_scale + wd * w[i];
+          double d = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale + wd * w[i];
           if (buf && mom != 0.0) {
             d = mom * buf[i] + d;  // buf starts at 0, so the first step stores the gradient
             buf[i] = static_cast<T>(d);

@@ -71,6 +71,15 @@ inline void check_float_accumulator(const Tensor& t, const char* op, const char*
     fail("reference backend: {}: {} must be float32 or float64, got {}", op, what, dtype_name(t.dtype));
 }
 
+// A parameter gradient: float32/float64, or bf16 (--grad-reduce-in-bf16, Megatron's bf16 main grads).
+// Ops add their contribution, summed in double, to a bf16 gradient in one rounding (Floats::add),
+// as the CUDA backend's float32 sums are rounded once into it.
+inline void check_grad_accumulator(const Tensor& t, const char* op, const char* what) {
+  if (t.empty()) return;
+  if (t.dtype != DType::f32 && t.dtype != DType::f64 && t.dtype != DType::bf16)
+    fail("reference backend: {}: gradient {} must be float32, float64 or bf16, got {}", op, what, dtype_name(t.dtype));
+}
+
 inline void check_same_dtype(const Tensor& a, const Tensor& b, const char* op) {
   if (!b.empty() && a.dtype != b.dtype)
     fail("reference backend: {}: mixed dtypes {} and {}", op, dtype_name(a.dtype), dtype_name(b.dtype));

@@ -26,9 +26,14 @@ megatrain_parallel_train_test(parallel_train_dp2_distopt 2 --use-distributed-opt
 megatrain_parallel_train_test(parallel_train_dp3 3 --overlap-grad-reduce --ddp-bucket-size 3000)
 megatrain_parallel_train_test(parallel_train_dp3_distopt 3 --use-distributed-optimizer --overlap-grad-reduce
                               --ddp-bucket-size 3000)
-# Gradients summed in bfloat16: the same run within bf16 rounding.
+# bf16 main gradients (--grad-reduce-in-bf16: accumulated over micro-batches and summed in bf16):
+# the same run within bf16 rounding.
 megatrain_parallel_train_test(parallel_train_dp3_distopt_bf16_reduce --bf16-reduce 3 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000 --grad-reduce-in-bf16)
+# ... and resumed on another DP size: the sharded optimizer states are read one parameter at a
+# time (the bf16 gradient buffer cannot stage float32 tensors).
+megatrain_parallel_train_test(parallel_train_resume_dp2distopt_bf16_to_dp3distopt --bf16-reduce --resume
+  2 "--use-distributed-optimizer --grad-reduce-in-bf16" 3 "--use-distributed-optimizer --grad-reduce-in-bf16")
 megatrain_parallel_train_test(parallel_train_tp2_pp2_dp2 8 --tensor-model-parallel-size 2
                               --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000)
