@@ -77,8 +77,7 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const 
   MT_CHECK(q.empty() || (q.rows() == R && q.cols() == C), "{}: q {} for x {}", op, q.shape_string(), x.shape_string());
   MT_CHECK(q_t.empty() || (q_t.rows() == C && q_t.cols() == R), "{}: q_t {} for x {}", op, q_t.shape_string(),
            x.shape_string());
-  MT_CHECK(dbias.empty() || (dbias.dtype == DType::f32 && dbias.numel() == C), "{}: dbias {} for x {}", op,
-           dbias.shape_string(), x.shape_string());
+  cuda::check_grad(dbias, C, op, "dbias");
   float* scale = const_cast<float*>(scalar_ptr(meta.scale, op, "meta.scale"));
   float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
   const cuda::KernelContext ctx = context();
@@ -96,7 +95,7 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const 
   void* out = q.empty() ? nullptr : q.data;
   void* out_t = q_t.empty() ? nullptr : q_t.data;
   if (plain && !out_t && dbias.empty()) cuda::cast_to_fp8(ctx, out, f, x, scale, record);
-  else cuda::cast_transpose_to_fp8(ctx, out, out_t, f, src, scale, record, dbias.empty() ? nullptr : dbias.ptr<float>());
+  else cuda::cast_transpose_to_fp8(ctx, out, out_t, f, src, scale, record, cuda::GradOut(dbias));
 }
 
 void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
@@ -201,16 +200,23 @@ void CudaBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy,
   const int64_t N = dyq_t.rows(), M = dyq_t.cols(), K = xq_t.rows();
   MT_CHECK(xq_t.cols() == M && dw.numel() == N * K, "{}: dw {} += dyq_t {} . xq_t {}^T", op, dw.shape_string(),
            dyq_t.shape_string(), xq_t.shape_string());
-  MT_CHECK(dw.dtype == DType::f32, "{}: dw must be the float32 main grad, got {}", op, dtype_name(dw.dtype));
-  MT_CHECK(dbias.empty() || (dbias.numel() == N && dbias.dtype == DType::f32 && dy.numel() == M * N),
-           "{}: dbias {} from dy {}", op, dbias.shape_string(), dy.shape_string());
+  cuda::check_grad(dw, N * K, op, "dw");
+  cuda::check_grad(dbias, N, op, "dbias");
+  MT_CHECK(dbias.empty() || dy.numel() == M * N, "{}: dbias {} from dy {}", op, dbias.shape_string(),
+           dy.shape_string());
   const cuda::KernelContext ctx = context();
+  // A bf16 dw takes float32 scratch for the product: the bias gradient's column sums go first.
+  const bool dbias_first = dw.dtype != DType::f32 && !dbias.empty();
+  if (dbias_first) {
+    cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
+    ctx.scratch->reset();  // its kernels precede the GEMMs on the stream
+  }
   fp8_stage_scales(ctx, dy_scale_inv, x_scale_inv, op);
   cuda::fp8_linear_backward_weight(fp8_gemm(), dw.view({N, K}),
                                    {dyq_t.data, fp8_format_of(dyq_t.dtype, op, "dyq_t"), fp8_scale_slots_},
                                    {xq_t.data, fp8_format_of(xq_t.dtype, op, "xq_t"), fp8_scale_slots_ + 4}, M,
-                                   accumulate);
-  if (!dbias.empty()) cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
+                                   accumulate, &ctx);
+  if (!dbias.empty() && !dbias_first) cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
 }
 
 void CudaBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max_t,

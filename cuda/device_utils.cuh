@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -41,6 +42,14 @@ template <>
 __device__ __forceinline__ bf16 from_float<bf16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ f16 from_float<f16>(float v) { return __float2half_rn(v); }
+
+// A parameter gradient's element += v (engine/backend.h: gradients accumulate). float32: as is.
+// bfloat16 (--grad-reduce-in-bf16): the stored value plus v in float32, rounded once to nearest even.
+template <typename G>
+__device__ __forceinline__ void grad_add(G* p, float v) {
+  if constexpr (std::is_same_v<G, float>) *p += v;
+  else *p = from_float<G>(to_float(*p) + v);
+}
 
 // ---- N-element vectors: one 16-byte access when N * sizeof(T) is a multiple of 16 -------------
 // The caller guarantees 16-byte alignment of p + i when it takes the vector path (checked on the
@@ -155,5 +164,18 @@ inline unsigned grid_for(int64_t work_items, int block, int64_t max_blocks = 655
       default:                                                                                   \
         ::mt::fail("{}: dtype {} is not supported by the CUDA backend (float32, bfloat16, float16)", \
                    what, ::mt::dtype_name(dtype));                                               \
+    }                                                                                            \
+  } while (0)
+
+// Runs the statement with `G` bound to the C++ type of a parameter gradient's dtype: float32, or
+// bfloat16 (--grad-reduce-in-bf16). `what` names the op and the tensor in the error.
+#define MT_DISPATCH_GRAD(dtype, G, what, ...)                                                    \
+  do {                                                                                           \
+    switch (dtype) {                                                                             \
+      case ::mt::DType::f32: { using G = float; __VA_ARGS__; } break;                            \
+      case ::mt::DType::bf16: { using G = ::mt::cuda::bf16; __VA_ARGS__; } break;                \
+      default:                                                                                   \
+        ::mt::fail("{}: the gradient is {}; gradients must be float32 or bfloat16", what,       \
+                   ::mt::dtype_name(dtype));                                                     \
     }                                                                                            \
   } while (0)

@@ -4,6 +4,7 @@
 // All of them are memory-bound, so each thread moves 8 elements per step with 16-byte accesses
 // (the "VEC" instances, taken when every pointer is 16-byte aligned) and the grid strides over
 // the tensor. Math is float32; results are rounded once on store.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -311,6 +312,31 @@ __global__ void add_f32_kernel(float* dst, const float* src, int64_t n) {
     dst[i] += src[i];
 }
 
+// dst[i] += src[i] into a bf16 gradient, eight elements a thread (16-byte bf16 and two 16-byte float
+// accesses) where VEC8, one otherwise.
+template <bool VEC8>
+__global__ void add_to_bf16_grad_kernel(bf16* dst, const float* src, int64_t n) {
+  constexpr int64_t kPer = VEC8 ? 8 : 1;
+  const int64_t groups = n / kPer;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = g * kPer;
+    if constexpr (VEC8) {
+      Floats<8> d = load_vec<8>(dst + i);
+      const Floats<8> s = load_vec<8>(src + i);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d.v[j] += s.v[j];
+      store_vec<8>(dst + i, d);
+    } else {
+      grad_add(dst + i, src[i]);
+    }
+  }
+  if constexpr (VEC8) {  // the last n % 8 elements
+    const int64_t i = groups * kPer + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) grad_add(dst + i, src[i]);
+  }
+}
+
 // Calls f.template operator()<VEC>() with VEC = whether all pointers are 16-byte aligned.
 template <typename F>
 void with_vec(bool aligned, F&& f) {
@@ -601,6 +627,20 @@ void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p,
 void add_f32(const KernelContext& ctx, float* dst, const float* src, int64_t n) {
   if (n == 0) return;
   add_f32_kernel<<<grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 8), kBlock, 0, ctx.stream>>>(dst, src, n);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void add_to_grad(const KernelContext& ctx, GradOut dst, const float* src, int64_t n) {
+  if (n == 0) return;
+  if (dst.dtype == DType::f32) return add_f32(ctx, static_cast<float*>(dst.data), src, n);
+  MT_CHECK(dst.dtype == DType::bf16, "add_to_grad: gradient dtype {} (float32 or bfloat16)", dtype_name(dst.dtype));
+  bf16* d = static_cast<bf16*>(dst.data);
+  const int64_t max_blocks = static_cast<int64_t>(ctx.num_sms) * 8;
+  if (aligned16(d) && aligned16(src))
+    add_to_bf16_grad_kernel<true><<<grid_for(std::max<int64_t>(n / 8, 1), kBlock, max_blocks), kBlock, 0, ctx.stream>>>(
+        d, src, n);
+  else
+    add_to_bf16_grad_kernel<false><<<grid_for(n, kBlock, max_blocks), kBlock, 0, ctx.stream>>>(d, src, n);
   MT_CUDA_CHECK_LAUNCH();
 }
 

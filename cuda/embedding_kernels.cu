@@ -6,8 +6,9 @@
 // pairs are radix-sorted by id on the device (stable, so each id's rows stay in row order), runs
 // of equal ids are found with a run-length encode, and one block owns each distinct id: its warps
 // sum every 4th row of the run in order, the 4 warp sums are added in warp order, and the total
-// is added to the float32 gradient row. Rows whose token is outside the shard get a sentinel id
-// that sorts last and is skipped. The same routine scatters dwpe by position.
+// is added to the gradient row (float32; or bfloat16 under --grad-reduce-in-bf16, the float32 sum
+// of the old value and the total rounded once). Rows whose token is outside the shard get a
+// sentinel id that sorts last and is skipped. The same routine scatters dwpe by position.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
@@ -62,8 +63,8 @@ __global__ void prepare_keys_kernel(uint32_t* keys, int32_t* rows_out, const voi
 
 constexpr int kScatterWarps = 4;
 
-template <typename T, int VEC>
-__global__ void scatter_accumulate_kernel(float* dst, const T* dout, int64_t h, const uint32_t* unique,
+template <typename T, int VEC, typename G>
+__global__ void scatter_accumulate_kernel(G* dst, const T* dout, int64_t h, const uint32_t* unique,
                                           const int32_t* counts, const int32_t* offsets, const int32_t* sorted_rows,
                                           const int32_t* num_runs, uint32_t sentinel) {
   // Two buffers, alternating per run: warp 0 may still read one run's sums while the others
@@ -94,13 +95,13 @@ __global__ void scatter_accumulate_kernel(float* dst, const T* dout, int64_t h, 
     for (int j = 0; j < VEC; ++j) part[warp][lane * VEC + j] = s[j];
     __syncthreads();
     if (warp == 0 && c0 < h) {
-      float* out = dst + static_cast<int64_t>(key) * h + c0;
+      G* out = dst + static_cast<int64_t>(key) * h + c0;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float t = part[0][lane * VEC + j];
 #pragma unroll
         for (int w = 1; w < kScatterWarps; ++w) t += part[w][lane * VEC + j];
-        out[j] += t;
+        grad_add(out + j, t);
       }
     }
   }
@@ -114,11 +115,14 @@ int bits_for(int64_t max_value) {
   return b;
 }
 
-// dst[num_keys, h] (float32) += rows of dout grouped by ids[r] - offset (ids outside [0, num_keys) skipped).
-void scatter_rows(const KernelContext& ctx, Tensor dst, Tensor dout, Tensor ids, int64_t offset, const char* what) {
+// dst[num_keys, h] (float32 or bfloat16) += rows of dout grouped by ids[r] - offset (ids outside [0, num_keys) skipped).
+// `name` is the gradient's name in error messages.
+void scatter_rows(const KernelContext& ctx, Tensor dst, Tensor dout, Tensor ids, int64_t offset, const char* what,
+                  const char* name) {
   const int64_t n = dout.rows(), h = dout.cols(), num_keys = dst.rows();
-  MT_CHECK(dst.cols() == h && dst.dtype == DType::f32, "{}: gradient {} must be float32 [*, {}]", what,
-           dst.shape_string(), h);
+  check_grad(dst, dst.numel(), what, name);
+  MT_CHECK(dst.cols() == h, "{}: {} {} must have {} columns (dout {})", what, name, dst.shape_string(), h,
+           dout.shape_string());
   MT_CHECK(ids.numel() == n && is_index_type(ids.dtype), "{}: ids {} must be int32/int64 [{}]", what,
            ids.shape_string(), n);
   MT_CHECK(n < (int64_t{1} << 31) && num_keys < (int64_t{1} << 31) - 1, "{}: too many rows", what);
@@ -154,20 +158,22 @@ void scatter_rows(const KernelContext& ctx, Tensor dst, Tensor dout, Tensor ids,
   MT_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, scan_bytes, counts, offsets, num_items, ctx.stream));
 
   MT_DISPATCH_FLOAT(dout.dtype, T, what, {
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = aligned16(dout.data) && h % kVec == 0;
-    const int per_block = kWarp * (vec ? kVec : 1);
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(n, ctx.num_sms * 32LL)),
-                    static_cast<unsigned>((h + per_block - 1) / per_block));
-    if (vec)
-      scatter_accumulate_kernel<T, kVec><<<grid, kScatterWarps * kWarp, 0, ctx.stream>>>(
-          dst.ptr<float>(), dout.ptr<const T>(), h, unique, counts, offsets, rows_out, num_runs,
-          static_cast<uint32_t>(num_keys));
-    else
-      scatter_accumulate_kernel<T, 1><<<grid, kScatterWarps * kWarp, 0, ctx.stream>>>(
-          dst.ptr<float>(), dout.ptr<const T>(), h, unique, counts, offsets, rows_out, num_runs,
-          static_cast<uint32_t>(num_keys));
-    MT_CUDA_CHECK_LAUNCH();
+    MT_DISPATCH_GRAD(dst.dtype, G, what, {
+      constexpr int kVec = 16 / sizeof(T);
+      const bool vec = aligned16(dout.data) && h % kVec == 0;
+      const int per_block = kWarp * (vec ? kVec : 1);
+      const dim3 grid(static_cast<unsigned>(std::min<int64_t>(n, ctx.num_sms * 32LL)),
+                      static_cast<unsigned>((h + per_block - 1) / per_block));
+      if (vec)
+        scatter_accumulate_kernel<T, kVec, G><<<grid, kScatterWarps * kWarp, 0, ctx.stream>>>(
+            dst.ptr<G>(), dout.ptr<const T>(), h, unique, counts, offsets, rows_out, num_runs,
+            static_cast<uint32_t>(num_keys));
+      else
+        scatter_accumulate_kernel<T, 1, G><<<grid, kScatterWarps * kWarp, 0, ctx.stream>>>(
+            dst.ptr<G>(), dout.ptr<const T>(), h, unique, counts, offsets, rows_out, num_runs,
+            static_cast<uint32_t>(num_keys));
+      MT_CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -204,9 +210,9 @@ void embedding_forward(const KernelContext& ctx, Tensor out, Tensor tokens, Tens
 
 void embedding_backward(const KernelContext& ctx, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
                         Tensor positions, int64_t vocab_start) {
-  if (!dwte.empty()) scatter_rows(ctx, dwte, dout, tokens, vocab_start, "embedding_backward (wte)");
+  if (!dwte.empty()) scatter_rows(ctx, dwte, dout, tokens, vocab_start, "embedding_backward (wte)", "dwte");
   ctx.scratch->reset();  // the wte scatter's kernels precede the wpe scatter's on the stream
-  if (!dwpe.empty()) scatter_rows(ctx, dwpe, dout, positions, 0, "embedding_backward (wpe)");
+  if (!dwpe.empty()) scatter_rows(ctx, dwpe, dout, positions, 0, "embedding_backward (wpe)", "dwpe");
 }
 
 }  // namespace mt::cuda

@@ -39,15 +39,17 @@ float fp8_format_max(Fp8Format f) { return f == Fp8Format::e4m3 ? 448.0f : 57344
 bool Fp8GemmRunner::Key::operator==(const Key& o) const {
   return m == o.m && n == o.n && k == o.k && x_format == o.x_format && w_format == o.w_format &&
          out_type == o.out_type && accumulate == o.accumulate && has_bias == o.has_bias && has_amax == o.has_amax &&
-         fast_accum == o.fast_accum && align_x == o.align_x && align_w == o.align_w && align_out == o.align_out &&
-         align_bias == o.align_bias && sms == o.sms;
+         fast_accum == o.fast_accum && round_once == o.round_once && align_x == o.align_x && align_w == o.align_w &&
+         align_out == o.align_out && align_bias == o.align_bias && sms == o.sms;
 }
 
 size_t Fp8GemmRunner::KeyHash::operator()(const Key& k) const {
   size_t h = 1469598103934665603ULL;
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {k.m, k.n, k.k}) mix(static_cast<uint64_t>(v));
-  for (unsigned v : {k.x_format, k.w_format, k.out_type, k.accumulate, k.has_bias, k.has_amax, k.fast_accum}) mix(v);
+  for (unsigned v : {k.x_format, k.w_format, k.out_type, k.accumulate, k.has_bias, k.has_amax, k.fast_accum,
+                     k.round_once})
+    mix(v);
   for (unsigned v : {k.align_x, k.align_w, k.align_out, k.align_bias, k.sms}) mix(v);
   return h;
 }
@@ -132,6 +134,11 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
       MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
       MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
     }
+    if (c.round_once) {  // split-K only with float32 partial sums (unsplit algorithms are always allowed)
+      const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                                           sizeof(schemes)));
+    }
     cublasLtMatmulHeuristicResult_t results[kGuardedHeuristicResults]{};
     int found = 0;
     // More results where k has a tail, to pass over split-K ones (cuda/gemm_splitk_guard.h).
@@ -145,7 +152,8 @@ Fp8GemmRunner::Plan Fp8GemmRunner::make_plan(const Fp8GemmCall& c, const Key& ke
                                cublasLtGetStatusString(st), found);
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
       MT_CUBLAS_CHECK(st);
-    p.ok = splitk_safe_algos({handle_, p.desc, p.a, p.b, p.d}, results, found, c.k, true, &p.algo, 1) == 1;
+    p.ok = splitk_safe_algos({handle_, p.desc, p.a, p.b, p.d}, results, found, c.k, true, &p.algo, 1, c.round_once) ==
+           1;
     if (!p.ok && found > 0 && k_has_tail(c.k))
       p.diagnosis += fmt::format(" (split-K ones passed over: k {} is not a multiple of {})", c.k, kSplitKSafeMultiple);
   }
@@ -156,7 +164,7 @@ bool Fp8GemmRunner::try_run(const Fp8GemmCall& c, const char* what) {
   check(c, what);
   Key key{c.m, c.n, c.k,
           static_cast<uint8_t>(c.x_format), static_cast<uint8_t>(c.w_format), static_cast<uint8_t>(c.out_type),
-          c.beta != 0.0f, c.bias != nullptr, c.amax_out != nullptr, c.fast_accum,
+          c.beta != 0.0f, c.bias != nullptr, c.amax_out != nullptr, c.fast_accum, c.round_once,
           alignment_of(c.x), alignment_of(c.w), alignment_of(c.out), alignment_of(c.bias),
           static_cast<uint16_t>(sm_count_target)};
   auto it = plans_.find(key);
@@ -231,16 +239,45 @@ void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp
 }
 
 void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens,
-                                bool accumulate) {
-  MT_CHECK(dw.dtype == DType::f32, "fp8_linear_backward_weight: dw must be float32 (main grad), got {}",
-           dtype_name(dw.dtype));
+                                bool accumulate, const KernelContext* ctx) {
+  const char* what = "fp8_linear_backward_weight";
+  check_grad(dw, dw.numel(), what, "dw");
   Fp8GemmCall c;
   c.m = dw.rows(), c.n = dw.cols(), c.k = tokens;
   c.x = dy_t.data, c.x_format = dy_t.format, c.x_scale_inv = dy_t.scale_inv;
   c.w = x_t.data, c.w_format = x_t.format, c.w_scale_inv = x_t.scale_inv;
-  c.out = dw.data, c.out_type = DType::f32;
+  c.out = dw.data, c.out_type = dw.dtype;
   c.beta = accumulate ? 1.0f : 0.0f;
-  gemm.run(c, "fp8_linear_backward_weight");
+  if (dw.dtype == DType::f32) {
+    gemm.run(c, what);
+    return;
+  }
+  // bf16 dw: without accumulate the GEMM writes it (beta 0, one rounding of the float32 result). With
+  // accumulate the product goes to float32 scratch and is added (one rounding of dw + product): a
+  // bf16 C with beta 1 was seen rounding the product before adding C (gemm_cublaslt.cu,
+  // linear_backward_weight). Blocks of dw's rows, a multiple of 16 (the FP8 GEMMs' m).
+  c.round_once = true;
+  if (!accumulate) {
+    gemm.run(c, what);
+    return;
+  }
+  MT_CHECK(ctx && ctx->scratch, "{}: accumulating into a bfloat16 dw needs the kernel context (float32 scratch)", what);
+  const int64_t rows_total = c.m, cols = c.n;
+  const size_t row_bytes = static_cast<size_t>(cols) * sizeof(float);
+  int64_t rows = static_cast<int64_t>(ctx->scratch->remaining() / row_bytes);  // as many as the scratch holds,
+  rows = std::min(rows >= 128 ? rows / 128 * 128 : rows / 16 * 16, rows_total);  // whole tiles (m: multiples of 16)
+  MT_CHECK(rows >= 1, "{}: scratch too small for 16 rows of {} floats", what, cols);
+  float* tmp = ctx->scratch->take_array<float>(static_cast<size_t>(rows * cols), "fp8_linear_backward_weight (bf16 dw)");
+  for (int64_t r0 = 0; r0 < rows_total; r0 += rows) {
+    Fp8GemmCall cc = c;
+    cc.m = std::min(rows, rows_total - r0);
+    cc.x = static_cast<const uint8_t*>(c.x) + r0 * tokens;  // dy_t's rows r0.. (one byte per element)
+    cc.out = tmp, cc.out_type = DType::f32;
+    cc.beta = 0.0f;
+    cc.round_once = false;
+    gemm.run(cc, what);
+    add_to_grad(*ctx, GradOut(dw.view({rows_total, cols}).row_slice(r0, cc.m)), tmp, cc.m * cols);
+  }
 }
 
 }  // namespace mt::cuda

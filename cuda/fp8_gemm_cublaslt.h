@@ -37,6 +37,7 @@
 #include <unordered_set>
 
 #include "core/tensor.h"
+#include "cuda/kernels.h"  // KernelContext
 
 namespace mt::cuda {
 
@@ -61,6 +62,9 @@ struct Fp8GemmCall {
   const void* bias = nullptr;        // optional bf16 [n] (bf16 out only)
   float* amax_out = nullptr;         // optional device float: max |out| of this GEMM (before rounding)
   bool fast_accum = false;
+  // A bf16 out that must be the float32 result rounded once (bf16 weight gradients): no split-K
+  // algorithm that combines partial sums in the output type (as GemmCall::round_once).
+  bool round_once = false;
 };
 
 class Fp8GemmRunner {
@@ -90,7 +94,7 @@ class Fp8GemmRunner {
  private:
   struct Key {
     int64_t m, n, k;
-    uint8_t x_format, w_format, out_type, accumulate, has_bias, has_amax, fast_accum;
+    uint8_t x_format, w_format, out_type, accumulate, has_bias, has_amax, fast_accum, round_once;
     uint16_t align_x, align_w, align_out, align_bias, sms;
     bool operator==(const Key& o) const;
   };
@@ -130,8 +134,10 @@ void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand 
 // accumulate (+=) only into fp32.
 void fp8_linear_backward_input(Fp8GemmRunner& gemm, Tensor dx, Fp8Operand dy, Fp8Operand w_t, int64_t n_out,
                                bool accumulate);
-// dw[N, K] += dy^T . x (dw = ... without accumulate), from dy_t = dy^T [N, M] and x_t = x^T [K, M]; fp32 dw.
+// dw[N, K] += dy^T . x (dw = ... without accumulate), from dy_t = dy^T [N, M] and x_t = x^T [K, M]; dw
+// float32, or bfloat16 (--grad-reduce-in-bf16: round_bf16(dw + the float32 product), one rounding;
+// with accumulate the product goes through float32 scratch, so ctx is required for it).
 void fp8_linear_backward_weight(Fp8GemmRunner& gemm, Tensor dw, Fp8Operand dy_t, Fp8Operand x_t, int64_t tokens,
-                                bool accumulate);
+                                bool accumulate, const KernelContext* ctx = nullptr);
 
 }  // namespace mt::cuda

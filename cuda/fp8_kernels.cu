@@ -672,16 +672,16 @@ bool use_tile_kernel(bool dbias) {
 
 // Launches cast_transpose_blocks_kernel (vec) or cast_transpose_kernel over an [R, C] input read
 // by `in`; vec: R and C multiples of 8 and the input 16-byte aligned (the caller's check). dbias
-// (float32 [C], may be null) += the input's column sums.
+// (float32 or bfloat16 [C], may be null) += the input's column sums.
 template <typename Input>
 void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
-                           int64_t R, int64_t C, bool vec, const float* scale, float* amax, float* dbias = nullptr) {
+                           int64_t R, int64_t C, bool vec, const float* scale, float* amax, GradOut dbias = GradOut()) {
   const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   const int64_t Cs = C / Input::kHalves;  // the tiled width
   vec = vec && R % 8 == 0 && Cs % 8 == 0 && a8(out) && a8(out_t);
   auto* o = static_cast<uint8_t*>(out);
   auto* ot = static_cast<uint8_t*>(out_t);
-  if (vec && !use_tile_kernel<Input>(dbias != nullptr)) {
+  if (vec && !use_tile_kernel<Input>(static_cast<bool>(dbias))) {
     const int64_t tiles_r = (R + kBlockRows - 1) / kBlockRows, tiles_c = (Cs + kBlockCols - 1) / kBlockCols;
     MT_CHECK(tiles_r * tiles_c < (int64_t{1} << 31), "cast_transpose_to_fp8: [{}, {}] is too large for one grid", R, C);
     float* partial = dbias ? ctx.scratch->take_array<float>(tiles_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
@@ -731,14 +731,16 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
 }  // namespace
 
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
-                           const float* scale, float* amax, float* dbias) {
+                           const float* scale, float* amax, GradOut dbias) {
   cast_transpose_to_fp8(ctx, out, out_t, format, CastSource{CastSource::Kind::plain, in, Tensor()}, scale, amax, dbias);
 }
 
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const CastSource& src,
-                           const float* scale, float* amax, float* dbias) {
+                           const float* scale, float* amax, GradOut dbias) {
   const char* what = "cast_transpose_to_fp8";
   check_input(src.x, what);
+  if (dbias && dbias.dtype != DType::f32 && dbias.dtype != DType::bf16)
+    fail("{}: the bias gradient is {}; it must be float32 or bfloat16", what, dtype_name(dbias.dtype));
   const int64_t R = src.rows(), C = src.cols();
   using Kind = CastSource::Kind;
   const bool swiglu = src.kind == Kind::activation && src.act == MlpActivation::swiglu;

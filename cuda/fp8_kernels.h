@@ -28,10 +28,11 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 
 // in [R, C] (float32 or bfloat16, row-major) -> out [R, C] and out_t [C, R] (row-major, i.e. the
 // transpose), both fp8 of the same values, in one pass; either output may be null. amax as above.
-// dbias (float32 [C]), when not null: dbias += the column sums of in (float32 sums in a fixed
-// order: deterministic), in the same pass (an output gradient's bias gradient).
+// dbias ([C], float32 or bfloat16), when not null: dbias += the column sums of in (float32 sums in a
+// fixed order: deterministic; a bfloat16 dbias gets old + sum rounded once), in the same pass (an
+// output gradient's bias gradient).
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
-                           const float* scale, float* amax, float* dbias = nullptr);
+                           const float* scale, float* amax, GradOut dbias = GradOut());
 
 // What a fused cast quantizes, read from the tensors that define it (never written itself):
 //   plain:           x;
@@ -63,7 +64,7 @@ struct CastSource {
 // cast_transpose_to_fp8 of a CastSource's [R, C] values (float32 or bfloat16 tensors). out and
 // out_t may both be null: then only *amax is taken. dbias as above (of the source's values).
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const CastSource& src,
-                           const float* scale, float* amax, float* dbias = nullptr);
+                           const float* scale, float* amax, GradOut dbias = GradOut());
 
 // *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
 void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);

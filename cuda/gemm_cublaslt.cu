@@ -62,7 +62,8 @@ void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const
 bool GemmRunner::Key::operator==(const Key& o) const {
   return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldd == o.ldd && aux_ld == o.aux_ld &&
          trans_a == o.trans_a && trans_b == o.trans_b && a_type == o.a_type && b_type == o.b_type &&
-         d_type == o.d_type && epilogue == o.epilogue && accumulate == o.accumulate && align_a == o.align_a &&
+         d_type == o.d_type && epilogue == o.epilogue && accumulate == o.accumulate && round_once == o.round_once &&
+         align_a == o.align_a &&
          align_b == o.align_b && align_d == o.align_d && align_bias == o.align_bias && align_aux == o.align_aux && sms == o.sms;
 }
 
@@ -70,7 +71,7 @@ size_t GemmRunner::KeyHash::operator()(const Key& k) const {
   size_t h = 1469598103934665603ULL;
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd, k.aux_ld}) mix(static_cast<uint64_t>(v));
-  for (unsigned v : {k.trans_a, k.trans_b, k.a_type, k.b_type, k.d_type, k.epilogue, k.accumulate}) mix(v);
+  for (unsigned v : {k.trans_a, k.trans_b, k.a_type, k.b_type, k.d_type, k.epilogue, k.accumulate, k.round_once}) mix(v);
   for (unsigned v : {k.align_a, k.align_b, k.align_d, k.align_bias, k.align_aux, k.sms}) mix(v);
   return h;
 }
@@ -125,6 +126,11 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, 4));
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, 4));
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, 4));
+  if (c.round_once) {  // split-K only with partial sums in float32 (unsplit algorithms are always allowed)
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  }
 
   static_assert(kGuardedHeuristicResults >= kTuneCandidates);
   cublasLtMatmulHeuristicResult_t results[kGuardedHeuristicResults]{};
@@ -139,7 +145,7 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     cublasLtMatmulAlgo_t usable[kTuneCandidates];
     const int n = splitk_safe_algos({handle_, p.desc, p.a, p.b, p.d}, results, found, c.k, avoid_splitk_with_k_tail,
-                                    usable, kTuneCandidates);
+                                    usable, kTuneCandidates, c.round_once);
     if (n > 0) {
       p.ok = true;
       p.algo = usable[0];
@@ -241,7 +247,7 @@ bool GemmRunner::try_run(const GemmCall& c) {
 bool GemmRunner::try_run_one(const GemmCall& c) {
   Key key{c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.aux ? c.aux_ld : 0,
           c.trans_a, c.trans_b, static_cast<uint8_t>(c.a_type), static_cast<uint8_t>(c.b_type),
-          static_cast<uint8_t>(c.d_type), static_cast<uint8_t>(c.epilogue), c.beta != 0.0f,
+          static_cast<uint8_t>(c.d_type), static_cast<uint8_t>(c.epilogue), c.beta != 0.0f, c.round_once,
           alignment_of(c.a), alignment_of(c.b), alignment_of(c.d), alignment_of(c.bias), alignment_of(c.aux),
           static_cast<uint16_t>(sm_count_target)};
   auto it = plans_.find(key);
@@ -327,20 +333,21 @@ __global__ void column_partial_kernel(float* partial, const T* dy, int64_t rows,
   }
 }
 
-__global__ void column_finish_kernel(float* dbias, const float* partial, int chunks, int64_t cols) {
+template <typename G>
+__global__ void column_finish_kernel(G* dbias, const float* partial, int chunks, int64_t cols) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float s = 0.0f;
   for (int g = 0; g < chunks; ++g) s += partial[g * cols + c];
-  dbias[c] += s;
+  grad_add(dbias + c, s);
 }
 
 }  // namespace
 
 void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy) {
   const int64_t rows = dy.rows(), cols = dy.cols();
-  MT_CHECK(dbias.numel() == cols && dbias.dtype == DType::f32, "bias gradient must be float32 [{}], got {}", cols,
-           dbias.shape_string());
+  check_grad(dbias, cols, "bias gradient (column sums)", "dbias");
+  MT_CHECK(!dbias.empty(), "bias gradient (column sums): no dbias");
   if (rows == 0 || cols == 0) return;
   MT_DISPATCH_FLOAT(dy.dtype, T, "bias gradient", {
     constexpr int kVec = 16 / sizeof(T);
@@ -359,15 +366,17 @@ void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy) {
     else
       column_partial_kernel<T, 1><<<grid, block, 0, ctx.stream>>>(partial, dy.ptr<const T>(), rows, cols, rows_per_chunk);
     MT_CUDA_CHECK_LAUNCH();
-    column_partials_accumulate(ctx, dbias.ptr<float>(), partial, chunks, cols);
+    column_partials_accumulate(ctx, GradOut(dbias), partial, chunks, cols);
   });
 }
 
-void column_partials_accumulate(const KernelContext& ctx, float* dbias, const float* partial, int64_t chunks,
+void column_partials_accumulate(const KernelContext& ctx, GradOut dbias, const float* partial, int64_t chunks,
                                 int64_t cols) {
   if (cols == 0) return;
-  column_finish_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, ctx.stream>>>(
-      dbias, partial, static_cast<int>(chunks), cols);
+  MT_DISPATCH_GRAD(dbias.dtype, G, "bias gradient (column sums)", {
+    column_finish_kernel<G><<<static_cast<unsigned>((cols + 255) / 256), 256, 0, ctx.stream>>>(
+        static_cast<G*>(dbias.data), partial, static_cast<int>(chunks), cols);
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -466,15 +475,65 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
   }
 }
 
+namespace {
+
+// Rows of a bf16 weight gradient per float32 GEMM chunk: as many as the scratch holds, a multiple of
+// 128 (dy's column offset stays 256-byte aligned; a chunk of 571 rows made the GEMM 4x slower). On an
+// H200 (M 8192, bf16) the accumulating bf16 path took 5-20% longer than the float32 one with 48 MiB
+// chunks (12 MiB: 9-30%), mostly the add's memory traffic.
+constexpr int64_t kBf16GradChunkRowMultiple = 128;
+
+// linear_backward_weight into a bf16 dw (--grad-reduce-in-bf16): dw = round_bf16(dw + dy^T x), the
+// product in float32 and the sum rounded once. Without accumulate (bf16 inputs) that is the GEMM
+// with a bf16 D (beta 0: one rounding of the float32 result; split-K only with float32 partial
+// sums). With accumulate, cuBLASLt's bf16 C is NOT used: on an H200 (cuBLASLt 13.1) GEMMs with
+// beta 1 and bf16 C/D gave results one rounding of the product away from round_bf16(C + product)
+// (the product rounded to bf16 before C was added: all-ones k = 8193 onto C = -8192 gave 0, not 1).
+// So the product goes to float32 scratch, a block of dw's rows at a time, and add_to_grad adds it
+// (or, without accumulate and with float32/float16 inputs, cast writes it).
+void linear_backward_weight_bf16(GemmRunner& gemm, const KernelContext& ctx, GemmCall c, Tensor dw, Tensor dbias,
+                                 Tensor dy, bool accumulate) {
+  const int64_t N = dw.rows(), K = dw.cols();
+  if (!dbias.empty()) column_sum_accumulate(ctx, dbias, dy);  // first: its scratch is free again below
+  if (!accumulate && dy.dtype == DType::bf16) {
+    c.round_once = true;
+    gemm.run(c, "linear_backward_weight");
+    return;
+  }
+  ctx.scratch->reset();  // the column sums' kernels precede the GEMMs on the stream
+  const size_t row_bytes = static_cast<size_t>(K) * sizeof(float);
+  int64_t rows = static_cast<int64_t>(ctx.scratch->remaining() / row_bytes);
+  if (rows < N && rows >= kBf16GradChunkRowMultiple) rows = rows / kBf16GradChunkRowMultiple * kBf16GradChunkRowMultiple;
+  rows = std::min(rows, N);
+  MT_CHECK(rows >= 1, "linear_backward_weight: scratch too small for one row of {} floats", K);
+  float* tmp = ctx.scratch->take_array<float>(static_cast<size_t>(rows * K), "linear_backward_weight (bf16 dw)");
+  const size_t dy_elem = dtype_size(dy.dtype);
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nn = std::min(rows, N - n0);
+    GemmCall cc = c;  // D[K, nn] = x^T dy[:, n0 : n0 + nn] (column-major), float32, overwritten
+    cc.n = nn;
+    cc.b = static_cast<const char*>(dy.data) + n0 * dy_elem;
+    cc.d = tmp, cc.d_type = DType::f32;
+    cc.beta = 0.0f;
+    gemm.run(cc, "linear_backward_weight");
+    if (accumulate) add_to_grad(ctx, GradOut(dw.row_slice(n0, nn)), tmp, nn * K);
+    else cast(ctx, dw.row_slice(n0, nn), Tensor(tmp, DType::f32, Device::cuda, {nn, K}));
+  }
+}
+
+}  // namespace
+
 void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
                             bool accumulate) {
   const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
   MT_CHECK(x.rows() == M && dw.rows() == N && dw.cols() == K, "linear_backward_weight: dw {} += dy {}^T . x {}",
            dw.shape_string(), dy.shape_string(), x.shape_string());
   MT_CHECK(dy.dtype == x.dtype, "linear_backward_weight: dtypes of dy and x differ");
-  MT_CHECK(dw.dtype == DType::f32 || dw.dtype == x.dtype, "linear_backward_weight: dw must be float32 (main grad)");
-  MT_CHECK(dbias.empty() || (dbias.numel() == N && dbias.dtype == DType::f32),
-           "linear_backward_weight: dbias must be float32 [{}]", N);
+  // dw: the float32 main grad, or bfloat16 (--grad-reduce-in-bf16), or the inputs' own dtype.
+  if (dw.dtype != DType::f32 && dw.dtype != DType::bf16 && dw.dtype != x.dtype)
+    fail("linear_backward_weight: dw is {} for {} inputs; it must be float32, bfloat16 or the inputs' dtype",
+         dtype_name(dw.dtype), dtype_name(x.dtype));
+  check_grad(dbias, N, "linear_backward_weight", "dbias");
   if (M == 0 || N == 0 || K == 0) return;
   GemmCall c;
   c.trans_b = true;
@@ -485,7 +544,11 @@ void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor d
   // beta 0 (the first write of a step's gradient): cuBLASLt does not read D, and the GEMM is one
   // the runner may autotune (GemmRunner::make_plan).
   c.beta = accumulate ? 1.0f : 0.0f;
-  if (!dbias.empty() && gemm.use_bias_grad_epilogue && dw.dtype == DType::f32) {
+  if (dw.dtype == DType::bf16) {
+    linear_backward_weight_bf16(gemm, ctx, c, dw, dbias, dy, accumulate);
+    return;
+  }
+  if (!dbias.empty() && gemm.use_bias_grad_epilogue && dw.dtype == DType::f32 && dbias.dtype == DType::f32) {
     float* tmp = ctx.scratch->take_array<float>(N, "bias gradient");
     c.epilogue = GemmEpilogue::bgradb;
     c.bias = tmp;

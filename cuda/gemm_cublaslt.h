@@ -3,7 +3,8 @@
 // Row-major y[M, N] = x[M, K] . w[N, K]^T is, read column-major, y^T[N, M] = w^T . x^T: so each op
 // is one column-major cuBLASLt GEMM with the operands swapped (see gemm_cublaslt.cu for the three
 // mappings). Inputs bf16/fp16 (or fp32), fp32 compute; weight gradients accumulate (beta = 1)
-// into fp32 main grads.
+// into fp32 main grads, or bf16 ones (--grad-reduce-in-bf16: the float32 product added and rounded
+// once; see linear_backward_weight in gemm_cublaslt.cu).
 //
 // Plans (descriptors, layouts and the heuristic's algorithm) are cached per (shape, dtypes,
 // epilogue, alignment) in a map filled at first use. cublasLtMatmulAlgoGetHeuristic costs tens of
@@ -54,6 +55,11 @@ struct GemmCall {
   void* bias = nullptr;  // bias input (bias epilogues) or bias-gradient output (bgradb)
   void* aux = nullptr;   // GELU input: written by gelu_aux*, read by dgelu
   int64_t aux_ld = 0;
+  // D narrower than float32 must receive the float32 result rounded ONCE (a bf16 weight gradient's
+  // first write, beta 0, --grad-reduce-in-bf16): split-K algorithms are kept only where they reduce
+  // in the compute type (cuda/gemm_splitk_guard.h), not in D's type. (With beta 1 and a bf16 C,
+  // cuBLASLt was seen rounding the product before adding C: linear_backward_weight does not use it.)
+  bool round_once = false;
 };
 
 class GemmRunner {
@@ -103,7 +109,7 @@ class GemmRunner {
  private:
   struct Key {
     int64_t m, n, k, lda, ldb, ldd, aux_ld;
-    uint8_t trans_a, trans_b, a_type, b_type, d_type, epilogue, accumulate;
+    uint8_t trans_a, trans_b, a_type, b_type, d_type, epilogue, accumulate, round_once;
     uint16_t align_a, align_b, align_d, align_bias, align_aux, sms;
     bool operator==(const Key& o) const;
   };
@@ -143,11 +149,13 @@ void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor d
 void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor act_out, Tensor dy,
                                      Tensor w, Activation act, Tensor pre_act);
 
-// dbias[N] += column sums of dy[M, N], deterministic (fixed two-stage order); float32 dbias.
+// dbias[N] += column sums of dy[M, N], deterministic (fixed two-stage order); dbias float32, or
+// bfloat16 (the float32 sum added to its old value in float32, rounded once).
 void column_sum_accumulate(const KernelContext& ctx, Tensor dbias, Tensor dy);
-// dbias[c] += sum over g < chunks of partial[g * cols + c], in g order (float32; dbias float32 [cols]
-// on the device): the last step of column_sum_accumulate and of the FP8 cast's fused bias gradient.
-void column_partials_accumulate(const KernelContext& ctx, float* dbias, const float* partial, int64_t chunks,
+// dbias[c] += sum over g < chunks of partial[g * cols + c], in g order (float32 sums; dbias [cols] on
+// the device, float32 or bfloat16 as above): the last step of column_sum_accumulate and of the FP8
+// cast's fused bias gradient.
+void column_partials_accumulate(const KernelContext& ctx, GradOut dbias, const float* partial, int64_t chunks,
                                 int64_t cols);
 
 }  // namespace mt::cuda

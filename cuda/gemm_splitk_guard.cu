@@ -12,14 +12,25 @@ uint32_t splitk_of(const cublasLtMatmulAlgo_t& algo) {
   return splits;
 }
 
+uint32_t reduction_scheme_of(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme,
+                                           &written) != CUBLAS_STATUS_SUCCESS)
+    return CUBLASLT_REDUCTION_SCHEME_NONE;
+  return scheme;
+}
+
 int splitk_safe_algos(const GemmDescs& g, const cublasLtMatmulHeuristicResult_t* results, int found, int64_t k,
-                      bool guard, cublasLtMatmulAlgo_t* out, int max_out) {
+                      bool guard, cublasLtMatmulAlgo_t* out, int max_out, bool round_once) {
   const bool avoid_split = guard && k_has_tail(k);
   int kept = 0, first = -1;
   for (int i = 0; i < found && kept < max_out; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
     if (first < 0) first = i;
-    if (avoid_split && splitk_of(results[i].algo) > 1) continue;
+    if ((avoid_split || round_once) && splitk_of(results[i].algo) > 1 &&
+        (avoid_split || reduction_scheme_of(results[i].algo) != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE))
+      continue;
     out[kept++] = results[i].algo;
   }
   if (kept > 0 || first < 0 || max_out < 1) return kept;

@@ -26,6 +26,8 @@ constexpr int kGuardedHeuristicResults = 16;
 
 // The algorithm's CUBLASLT_ALGO_CONFIG_SPLITK_NUM (1 or 0: K is not split).
 uint32_t splitk_of(const cublasLtMatmulAlgo_t& algo);
+// The algorithm's CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME (how split-K partial sums are combined).
+uint32_t reduction_scheme_of(const cublasLtMatmulAlgo_t& algo);
 
 // The operands of one GEMM as the heuristic saw them (C and D share the layout d).
 struct GemmDescs {
@@ -39,7 +41,10 @@ struct GemmDescs {
 // none of those, the first result that cublasLtMatmulAlgoCheck accepts with its split count set
 // to 1. Writes at most max_out algorithms to out and returns how many (0: none is safe).
 // Where k has a tail, ask the heuristic for kGuardedHeuristicResults.
+// round_once: the output is narrower than float32 and must be rounded once from the float32 result
+// (bf16 weight gradients): split-K algorithms whose partial sums are combined in the output type
+// (in place or OUTPUT_TYPE) are passed over too; those that reduce in the compute type are kept.
 int splitk_safe_algos(const GemmDescs& g, const cublasLtMatmulHeuristicResult_t* results, int found, int64_t k,
-                      bool guard, cublasLtMatmulAlgo_t* out, int max_out);
+                      bool guard, cublasLtMatmulAlgo_t* out, int max_out, bool round_once = false);
 
 }  // namespace mt::cuda

@@ -38,6 +38,28 @@ class Scratch {
   size_t used_ = 0;
 };
 
+// Where an op adds (or writes) a parameter gradient: float32, or bfloat16 under
+// --grad-reduce-in-bf16 (engine/backend.h; each element the float32 sum of its old value and the
+// op's float32 contribution, rounded once). A float* converts (float32).
+struct GradOut {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  GradOut() = default;
+  GradOut(float* p) : data(p) {}  // implicit: the float32 call sites
+  explicit GradOut(const Tensor& t) : data(t.data), dtype(t.dtype) {}
+  explicit operator bool() const { return data != nullptr; }
+  bool is_bf16() const { return dtype == DType::bf16; }
+};
+
+// Checks a parameter-gradient tensor (empty: absent, accepted): float32 or bfloat16, numel elements.
+inline void check_grad(const Tensor& g, int64_t numel, const char* op, const char* name) {
+  if (g.empty()) return;
+  if (g.dtype != DType::f32 && g.dtype != DType::bf16)
+    fail("{}: gradient {} is {}; the CUDA backend takes parameter gradients in float32 or bfloat16 "
+         "(--grad-reduce-in-bf16)", op, name, dtype_name(g.dtype));
+  if (g.numel() != numel) fail("{}: gradient {} is {}, expected {} elements", op, name, g.shape_string(), numel);
+}
+
 struct KernelContext {
   cudaStream_t stream = nullptr;
   int num_sms = 1;
@@ -69,6 +91,10 @@ void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bia
 void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key);
 // dst[i] += src[i] (float32, n elements).
 void add_f32(const KernelContext& ctx, float* dst, const float* src, int64_t n);
+// dst[i] += src[i] for a parameter gradient dst (n elements): float32 as add_f32; bfloat16 the float32
+// sum of the stored value and src[i], rounded once (a weight gradient's float32 GEMM result added to
+// a bf16 main grad).
+void add_to_grad(const KernelContext& ctx, GradOut dst, const float* src, int64_t n);
 
 // ---- init_kernels.cu ---------------------------------------------------------------------------
 void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, const ShardIndex& index);

@@ -1,5 +1,5 @@
 // LayerNorm and RMSNorm: forward (optionally fused with the residual add and dropout before it)
-// and backward (dx, plus float32 dweight/dbias accumulation).
+// and backward (dx, plus dweight/dbias accumulation into float32 or bfloat16 gradients).
 //
 // Work split: a "team" of TPR threads (a power of two, 32..1024) owns one row; each thread keeps
 // up to ITERS vectors of VEC elements of the row in registers, so the row is read from memory
@@ -11,7 +11,8 @@
 // Backward: dweight/dbias are accumulated without float atomics, so the result is bit-identical
 // from run to run: each block sums its rows' contributions in registers, writes one partial row
 // to scratch, and a second kernel adds the partials in block order. The block count depends only
-// on (rows, width, dtype, device).
+// on (rows, width, dtype, device). A bfloat16 gradient (--grad-reduce-in-bf16) gets the same float32
+// sum, added to its old value in float32 and rounded once.
 //
 // --qk-layernorm reuses the same kernels over "virtual rows": every q and k head of the packed
 // QKV rows is one row of head_dim values (QkHeads maps a virtual row to its address and tells q
@@ -632,14 +633,17 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
 // every 8th partial row in order, then the 8 warp sums are added in warp order, so the result is
 // fixed by (blocks, h). (One thread per column
 // walking all the partials serially left the GPU nearly idle: h/256 blocks of dependent loads.)
+// ANY_BF16: some outputs are bfloat16 gradients (out_bf16), each added to in float32 and rounded once.
 constexpr int kReduceWarps = 8;
 struct PartialSums {
-  float* out[3];
+  void* out[3];
   const float* partial[3];
+  bool out_bf16[3];
 };
+template <bool ANY_BF16>
 __global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(PartialSums sums, int blocks, int h) {
   __shared__ float part[kReduceWarps][kWarp + 1];
-  float* out = sums.out[blockIdx.y];
+  void* out = sums.out[blockIdx.y];
   const float* partial = sums.partial[blockIdx.y];
   const int c = blockIdx.x * kWarp + threadIdx.x;
   float s = 0.0f;
@@ -651,7 +655,13 @@ __global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(P
     float t = 0.0f;
 #pragma unroll
     for (int i = 0; i < kReduceWarps; ++i) t += part[i][threadIdx.x];
-    out[c] += t;
+    if constexpr (ANY_BF16) {
+      if (sums.out_bf16[blockIdx.y]) {
+        grad_add(static_cast<bf16*>(out) + c, t);
+        return;
+      }
+    }
+    static_cast<float*>(out)[c] += t;
   }
 }
 
@@ -750,10 +760,10 @@ void launch_norm_forward(const KernelContext& ctx, const NormForwardArgs<T>& arg
 // Scratch for the per-block partial rows of dweight, dbias and dx's column sums (those given);
 // returns the block count (at most `blocks`).
 template <typename T>
-int64_t take_partials(const KernelContext& ctx, NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
-                      float* dbias, float* dx_colsum = nullptr) {
-  const int sums = static_cast<int>(dweight != nullptr) + static_cast<int>(dbias != nullptr) +
-                   static_cast<int>(dx_colsum != nullptr);
+int64_t take_partials(const KernelContext& ctx, NormBackwardArgs<T>& args, int64_t blocks, GradOut dweight,
+                      GradOut dbias, GradOut dx_colsum = GradOut()) {
+  const int sums = static_cast<int>(static_cast<bool>(dweight)) + static_cast<int>(static_cast<bool>(dbias)) +
+                   static_cast<int>(static_cast<bool>(dx_colsum));
   if (sums == 0) return blocks;
   const int64_t h = args.h;
   const int64_t per_block = h * sums * static_cast<int64_t>(sizeof(float));
@@ -766,21 +776,27 @@ int64_t take_partials(const KernelContext& ctx, NormBackwardArgs<T>& args, int64
 
 // dweight (+)= column sums of the partials, dbias and dx's column sums likewise, in one launch.
 template <typename T>
-void reduce_partials(const KernelContext& ctx, const NormBackwardArgs<T>& args, int64_t blocks, float* dweight,
-                     float* dbias, float* dx_colsum = nullptr) {
+void reduce_partials(const KernelContext& ctx, const NormBackwardArgs<T>& args, int64_t blocks, GradOut dweight,
+                     GradOut dbias, GradOut dx_colsum = GradOut()) {
   PartialSums sums{};
   unsigned n = 0;
-  float* const outs[3] = {dweight, dbias, dx_colsum};
+  bool any_bf16 = false;
+  const GradOut outs[3] = {dweight, dbias, dx_colsum};
   const float* const partials[3] = {args.partial_dw, args.partial_db, args.partial_ds};
   for (int i = 0; i < 3; ++i) {
     if (!outs[i]) continue;
-    sums.out[n] = outs[i];
+    sums.out[n] = outs[i].data;
     sums.partial[n] = partials[i];
+    sums.out_bf16[n] = outs[i].is_bf16();
+    any_bf16 = any_bf16 || outs[i].is_bf16();
     ++n;
   }
   if (n == 0) return;
   const dim3 grid(static_cast<unsigned>((args.h + kWarp - 1) / kWarp), n);
-  reduce_partials_kernel<<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(sums, static_cast<int>(blocks), args.h);
+  if (any_bf16)
+    reduce_partials_kernel<true><<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(sums, static_cast<int>(blocks), args.h);
+  else
+    reduce_partials_kernel<false><<<grid, dim3(kWarp, kReduceWarps), 0, ctx.stream>>>(sums, static_cast<int>(blocks), args.h);
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -789,8 +805,8 @@ void reduce_partials(const KernelContext& ctx, const NormBackwardArgs<T>& args, 
 // vector per thread, 96-256 threads a row).
 // dx_colsum (may be null) += the column sums of dx as stored, in the same pass.
 template <typename T>
-bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, float* dweight, float* dbias,
-                                 float* dx_colsum) {
+bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> args, GradOut dweight, GradOut dbias,
+                                 GradOut dx_colsum) {
   const int64_t vectors = args.h / 8;
   auto launch = [&](auto kernel, int tpr) {
     const int teams = std::max(1, 256 / tpr), kBlock = teams * tpr;
@@ -806,7 +822,7 @@ bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> a
     return true;
   };
   auto run = [&]<int ITERS, int TPR>() {
-    return dx_colsum ? launch(norm_backward_rows16_kernel<T, ITERS, TPR, true>, TPR)
+    return static_cast<bool>(dx_colsum) ? launch(norm_backward_rows16_kernel<T, ITERS, TPR, true>, TPR)
                      : launch(norm_backward_rows16_kernel<T, ITERS, TPR, false>, TPR);
   };
   if (vectors <= 32) return run.template operator()<1, 32>();
@@ -820,11 +836,11 @@ bool launch_norm_backward_rows16(const KernelContext& ctx, NormBackwardArgs<T> a
 // dx for every row; with dweight/dbias given (plain rows only) also their deterministic accumulation.
 template <typename T, typename Layout>
 void launch_norm_backward(const KernelContext& ctx, NormBackwardArgs<T> args, const Layout& layout, bool aligned,
-                          float* dweight, float* dbias) {
+                          GradOut dweight, GradOut dbias) {
   const int64_t h = args.h;
   if constexpr (sizeof(T) == 2 && std::is_same_v<Layout, PlainRows>) {
     if (aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled()) {
-      if (launch_norm_backward_rows16(ctx, args, dweight, dbias, nullptr)) return;
+      if (launch_norm_backward_rows16(ctx, args, dweight, dbias, GradOut())) return;
     }
   }
   const TeamShape s = team_shape<T>(h, aligned, "norm_backward", 2);
@@ -886,17 +902,24 @@ __global__ void qk_param_partial_kernel(float* partial, const T* qkv, const T* d
   }
 }
 
-__global__ void qk_param_finish_kernel(float* dq_w, float* dq_b, float* dk_w, float* dk_b, const float* partial,
-                                       int blocks, int d) {
+// The four gradients (dq_w, dq_b, dk_w, dk_b; null: not wanted) += the sums of the partials. ANY_BF16:
+// some are bfloat16 (bf16[i]), added to in float32 and rounded once.
+struct QkParamGrads {
+  void* g[4];
+  bool bf16[4];
+};
+template <bool ANY_BF16>
+__global__ void qk_param_finish_kernel(QkParamGrads out, const float* partial, int blocks, int d) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= d) return;
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int b = 0; b < blocks; ++b)
     for (int q = 0; q < 4; ++q) s[q] += partial[(static_cast<int64_t>(b) * 4 + q) * d + c];
-  if (dq_w) dq_w[c] += s[0];
-  if (dq_b) dq_b[c] += s[1];
-  if (dk_w) dk_w[c] += s[2];
-  if (dk_b) dk_b[c] += s[3];
+  for (int q = 0; q < 4; ++q) {
+    if (!out.g[q]) continue;
+    if (ANY_BF16 && out.bf16[q]) grad_add(static_cast<bf16*>(out.g[q]) + c, s[q]);
+    else static_cast<float*>(out.g[q])[c] += s[q];
+  }
 }
 
 QkHeads qk_layout(const Tensor& qkv, const RopeShape& r, const char* what) {
@@ -951,10 +974,8 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
   MT_CHECK(weight.numel() == h && weight.dtype == x.dtype, "norm_backward: weight {}", weight.shape_string());
   MT_CHECK(rstd.numel() == rows && rstd.dtype == DType::f32, "norm_backward: rstd must be float32 [{}]", rows);
   MT_CHECK(rms || (mean.numel() == rows && mean.dtype == DType::f32), "norm_backward: mean must be float32 [{}]", rows);
-  MT_CHECK(dweight.empty() || (dweight.numel() == h && dweight.dtype == DType::f32),
-           "norm_backward: dweight must be float32 [{}]", h);
-  MT_CHECK(dbias.empty() || (dbias.numel() == h && dbias.dtype == DType::f32), "norm_backward: dbias must be float32 [{}]",
-           h);
+  check_grad(dweight, h, "norm_backward", "dweight");
+  check_grad(dbias, h, "norm_backward", "dbias");
   MT_CHECK(dresidual.empty() || (dresidual.numel() == x.numel() && dresidual.dtype == x.dtype),
            "norm_backward: dresidual {}", dresidual.shape_string());
   MT_CHECK(out.empty() || (out.numel() == x.numel() && out.dtype == x.dtype && out.data != x.data &&
@@ -962,8 +983,7 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
            "norm_backward: recomputed output {} must match x {} and alias nothing", out.shape_string(),
            x.shape_string());
   MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == x.dtype), "norm_backward: bias {}", bias.shape_string());
-  MT_CHECK(dx_colsum.empty() || (dx_colsum.numel() == h && dx_colsum.dtype == DType::f32),
-           "norm_backward: dx_colsum must be float32 [{}]", h);
+  check_grad(dx_colsum, h, "norm_backward", "dx_colsum");
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
     const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data,
@@ -976,10 +996,10 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
     bool summed = false;  // dx's column sums taken in the same pass (the 16-bit fast path)
     if constexpr (sizeof(T) == 2) {
       if (!dx_colsum.empty() && aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled())
-        summed = launch_norm_backward_rows16(ctx, args, dweight.ptr<float>(), dbias.ptr<float>(), dx_colsum.ptr<float>());
+        summed = launch_norm_backward_rows16(ctx, args, GradOut(dweight), GradOut(dbias), GradOut(dx_colsum));
     }
     if (!summed) {
-      launch_norm_backward(ctx, args, PlainRows{h}, aligned, dweight.ptr<float>(), dbias.ptr<float>());
+      launch_norm_backward(ctx, args, PlainRows{h}, aligned, GradOut(dweight), GradOut(dbias));
       if (!dx_colsum.empty()) column_sum_accumulate(ctx, dx_colsum, dx.view({rows, h}));
     }
   });
@@ -1032,9 +1052,10 @@ void qk_norm_backward(const KernelContext& ctx, Tensor dqkv, Tensor dq_weight, T
            L.heads);
   for (const Tensor* t : {&q_weight, &k_weight})
     MT_CHECK(t->numel() == L.d && t->dtype == qkv.dtype, "{}: weights must be [{}] {}", what, L.d, dtype_name(qkv.dtype));
-  for (const Tensor* t : {&dq_weight, &dq_bias, &dk_weight, &dk_bias})
-    MT_CHECK(t->empty() || (t->numel() == L.d && t->dtype == DType::f32), "{}: weight/bias grads must be float32 [{}]",
-             what, L.d);
+  check_grad(dq_weight, L.d, what, "dq_weight");
+  check_grad(dq_bias, L.d, what, "dq_bias");
+  check_grad(dk_weight, L.d, what, "dk_weight");
+  check_grad(dk_bias, L.d, what, "dk_bias");
   MT_CHECK(L.d <= 1024, "{}: head_dim {} above 1024", what, L.d);
   if (rows == 0) return;
   MT_DISPATCH_FLOAT(qkv.dtype, T, what, {
@@ -1049,9 +1070,21 @@ void qk_norm_backward(const KernelContext& ctx, Tensor dqkv, Tensor dq_weight, T
           partial, qkv.ptr<const T>(), dout.ptr<const T>(), mean.ptr<const float>(), rstd.ptr<const float>(), rows,
           rows_per_block, L, rms);
       MT_CUDA_CHECK_LAUNCH();
-      qk_param_finish_kernel<<<static_cast<unsigned>((L.d + 127) / 128), 128, 0, ctx.stream>>>(
-          dq_weight.ptr<float>(), dq_bias.ptr<float>(), dk_weight.ptr<float>(), dk_bias.ptr<float>(), partial,
-          static_cast<int>(used), static_cast<int>(L.d));
+      QkParamGrads grads{};
+      bool any_bf16 = false;
+      const Tensor* const outs[4] = {&dq_weight, &dq_bias, &dk_weight, &dk_bias};
+      for (int q = 0; q < 4; ++q) {
+        grads.g[q] = outs[q]->data;
+        grads.bf16[q] = !outs[q]->empty() && outs[q]->dtype == DType::bf16;
+        any_bf16 = any_bf16 || grads.bf16[q];
+      }
+      const auto finish_grid = static_cast<unsigned>((L.d + 127) / 128);
+      if (any_bf16)
+        qk_param_finish_kernel<true><<<finish_grid, 128, 0, ctx.stream>>>(grads, partial, static_cast<int>(used),
+                                                                           static_cast<int>(L.d));
+      else
+        qk_param_finish_kernel<false><<<finish_grid, 128, 0, ctx.stream>>>(grads, partial, static_cast<int>(used),
+                                                                            static_cast<int>(L.d));
       MT_CUDA_CHECK_LAUNCH();
     }
     const bool aligned = aligned_rows(L.d, sizeof(T), {dqkv.data, dout.data, qkv.data, q_weight.data, k_weight.data});

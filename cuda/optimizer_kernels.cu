@@ -11,6 +11,7 @@
 // m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p)
 // with bc = 1 - beta^step; the new p is also written to the bf16/fp16 model copy in the same pass.
 // SGD is torch.optim.SGD's: g = grad * grad_scale + wd p; buf = momentum buf + g; p -= lr buf.
+// grad is float32, or bfloat16 (--grad-reduce-in-bf16), each element converted to float32 on load.
 //
 // sum_squares / count_zeros: a fixed grid (a function of the size only) writes one partial per
 // block, and one block adds the partials in order: bit-identical results from run to run.
@@ -57,9 +58,10 @@ __device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, 
   group = s.group;
 }
 
+template <typename G>
 struct AdamArgs {
   float* master;
-  const float* grad;
+  const G* grad;
   float* exp_avg;
   float* exp_avg_sq;
   void* model;
@@ -68,9 +70,9 @@ struct AdamArgs {
   float beta1, beta2, eps, bias_correction1, bias_correction2, grad_scale;
 };
 
-template <typename M>
-__device__ __forceinline__ void adam_update(const AdamArgs& a, int64_t i, float lr, float wd) {
-  const float g = a.grad[i] * a.grad_scale;
+template <typename M, typename G>
+__device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, float lr, float wd) {
+  const float g = to_float(a.grad[i]) * a.grad_scale;
   const float m = a.beta1 * a.exp_avg[i] + (1.0f - a.beta1) * g;
   const float v = a.beta2 * a.exp_avg_sq[i] + (1.0f - a.beta2) * g * g;
   float p = a.master[i];
@@ -94,6 +96,18 @@ __device__ __forceinline__ void store4(M* p, const float4& v) {
   }
 }
 
+// Four gradient values at p (16-byte aligned for float, 8-byte for bfloat16), as float32.
+template <typename G>
+__device__ __forceinline__ float4 load4(const G* p) {
+  if constexpr (std::is_same_v<G, float>) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const G* e = reinterpret_cast<const G*>(&raw);
+    return make_float4(to_float(e[0]), to_float(e[1]), to_float(e[2]), to_float(e[3]));
+  }
+}
+
 __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, float b1, float b2, float bc1,
                                           float bc2, float eps, float lr, float wd) {
   m = b1 * m + (1.0f - b1) * g;
@@ -104,14 +118,15 @@ __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, 
 
 // Elements [begin, end) of a chunk: 16-byte accesses when the run starts 4-aligned (and the
 // buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
-template <typename M>
-__device__ __forceinline__ void adam_range(const AdamArgs& a, int64_t begin, int64_t end, float lr, float wd, bool vec) {
+template <typename M, typename G>
+__device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, int64_t end, float lr, float wd,
+                                           bool vec) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
     const int64_t nvec = (end - begin) / 4;
     for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
       const int64_t i = begin + 4 * q;
-      const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+      const float4 g = load4(a.grad + i);
       float4 m = *reinterpret_cast<const float4*>(a.exp_avg + i);
       float4 v = *reinterpret_cast<const float4*>(a.exp_avg_sq + i);
       float4 p = *reinterpret_cast<const float4*>(a.master + i);
@@ -130,8 +145,8 @@ __device__ __forceinline__ void adam_range(const AdamArgs& a, int64_t begin, int
   for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd);
 }
 
-template <typename M>
-__global__ void adamw_kernel(AdamArgs a, SegmentArg segs, bool vec) {
+template <typename M, typename G>
+__global__ void adamw_kernel(AdamArgs<G> a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     int group;
@@ -140,9 +155,10 @@ __global__ void adamw_kernel(AdamArgs a, SegmentArg segs, bool vec) {
   }
 }
 
+template <typename G>
 struct SgdArgs {
   float* master;
-  const float* grad;
+  const G* grad;
   float* momentum_buf;  // null when momentum == 0
   void* model;
   float lr[OptimStepParams::kMaxGroups];
@@ -150,8 +166,8 @@ struct SgdArgs {
   float momentum, grad_scale;
 };
 
-template <typename M>
-__global__ void sgd_kernel(SgdArgs a, SegmentArg segs) {
+template <typename M, typename G>
+__global__ void sgd_kernel(SgdArgs<G> a, SegmentArg segs) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     int group;
@@ -159,7 +175,7 @@ __global__ void sgd_kernel(SgdArgs a, SegmentArg segs) {
     const float lr = a.lr[group], wd = a.wd[group];
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       float p = a.master[i];
-      float d = a.grad[i] * a.grad_scale + wd * p;
+      float d = to_float(a.grad[i]) * a.grad_scale + wd * p;
       if (a.momentum_buf) {
         d = a.momentum * a.momentum_buf[i] + d;
         a.momentum_buf[i] = d;
@@ -225,6 +241,14 @@ void check_flat_f32(const Tensor& t, int64_t n, const char* what, const char* na
            t.shape_string());
 }
 
+// The gradient of an optimizer step: float32, or bfloat16 (--grad-reduce-in-bf16), n elements.
+void check_optimizer_grad(const Tensor& g, int64_t n, const char* what) {
+  if (g.dtype != DType::f32 && g.dtype != DType::bf16)
+    fail("{}: grad is {}; the CUDA backend's optimizer reads float32 or bfloat16 gradients (float32 master weights "
+         "and moments)", what, dtype_name(g.dtype));
+  MT_CHECK(g.numel() == n, "{}: grad must have {} elements, got {}", what, n, g.shape_string());
+}
+
 void check_segments_fit(const SegmentArg& s, int64_t n, const char* what) {
   // Bounds of the segments are checked when the table is built (registry) against this size.
   MT_CHECK(s.count > 0 || s.total_chunks == 0, "{}: empty segment table", what);
@@ -252,27 +276,32 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
                 Tensor model_param, const SegmentArg& segs, const OptimStepParams& p) {
   const int64_t n = master.numel();
   check_flat_f32(master, n, "adamw_step", "master");
-  check_flat_f32(grad, n, "adamw_step", "grad");
+  check_optimizer_grad(grad, n, "adamw_step");
   check_flat_f32(exp_avg, n, "adamw_step", "exp_avg");
   check_flat_f32(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
   MT_CHECK(model_param.empty() || model_param.numel() == n, "adamw_step: model_param {} vs {} elements",
            model_param.shape_string(), n);
   check_segments_fit(segs, n, "adamw_step");
   if (segs.total_chunks == 0) return;
-  AdamArgs a{master.ptr<float>(), grad.ptr<const float>(), exp_avg.ptr<float>(), exp_avg_sq.ptr<float>(),
-             model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
-             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
-             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
-             p.grad_scale};
-  for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
-    a.lr[g] = p.lr[g];
-    a.wd[g] = p.weight_decay[g];
-  }
   const unsigned grid = chunk_grid(ctx, segs.total_chunks);
-  const bool vec = aligned16(master.data) && aligned16(grad.data) && aligned16(exp_avg.data) &&
-                   aligned16(exp_avg_sq.data) && (model_param.empty() || aligned16(model_param.data));
-  dispatch_model(model_param, "adamw_step", [&]<typename M>() {
-    adamw_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs, vec);
+  // (a bfloat16 gradient's four-element loads need 8-byte alignment)
+  const bool grad_aligned = grad.dtype == DType::f32 ? aligned16(grad.data)
+                                                     : (reinterpret_cast<uintptr_t>(grad.data) & 7u) == 0;
+  const bool vec = aligned16(master.data) && grad_aligned && aligned16(exp_avg.data) && aligned16(exp_avg_sq.data) &&
+                   (model_param.empty() || aligned16(model_param.data));
+  MT_DISPATCH_GRAD(grad.dtype, G, "adamw_step (grad)", {
+    AdamArgs<G> a{master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<float>(), exp_avg_sq.ptr<float>(),
+                  model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
+                  static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
+                  static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
+                  p.grad_scale};
+    for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
+      a.lr[g] = p.lr[g];
+      a.wd[g] = p.weight_decay[g];
+    }
+    dispatch_model(model_param, "adamw_step", [&]<typename M>() {
+      adamw_kernel<M, G><<<grid, 256, 0, ctx.stream>>>(a, segs, vec);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -281,22 +310,24 @@ void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momen
               const SegmentArg& segs, const OptimStepParams& p) {
   const int64_t n = master.numel();
   check_flat_f32(master, n, "sgd_step", "master");
-  check_flat_f32(grad, n, "sgd_step", "grad");
+  check_optimizer_grad(grad, n, "sgd_step");
   const bool use_momentum = p.sgd_momentum != 0.0f && !momentum.empty();  // as the reference: no buffer, plain SGD
   if (use_momentum) check_flat_f32(momentum, n, "sgd_step", "momentum");
   MT_CHECK(model_param.empty() || model_param.numel() == n, "sgd_step: model_param {} vs {} elements",
            model_param.shape_string(), n);
   check_segments_fit(segs, n, "sgd_step");
   if (segs.total_chunks == 0) return;
-  SgdArgs a{master.ptr<float>(), grad.ptr<const float>(), use_momentum ? momentum.ptr<float>() : nullptr,
-            model_param.data, {}, {}, p.sgd_momentum, p.grad_scale};
-  for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
-    a.lr[g] = p.lr[g];
-    a.wd[g] = p.weight_decay[g];
-  }
   const unsigned grid = chunk_grid(ctx, segs.total_chunks);
-  dispatch_model(model_param, "sgd_step", [&]<typename M>() {
-    sgd_kernel<M><<<grid, 256, 0, ctx.stream>>>(a, segs);
+  MT_DISPATCH_GRAD(grad.dtype, G, "sgd_step (grad)", {
+    SgdArgs<G> a{master.ptr<float>(), grad.ptr<const G>(), use_momentum ? momentum.ptr<float>() : nullptr,
+                 model_param.data, {}, {}, p.sgd_momentum, p.grad_scale};
+    for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
+      a.lr[g] = p.lr[g];
+      a.wd[g] = p.weight_decay[g];
+    }
+    dispatch_model(model_param, "sgd_step", [&]<typename M>() {
+      sgd_kernel<M, G><<<grid, 256, 0, ctx.stream>>>(a, segs);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }

@@ -9,6 +9,9 @@
 //   (so a sequence-parallel shard is a contiguous block of rows).
 // - "accumulate" outputs are float32 (or float64 in gradient checks) and are added to (+=);
 //   parameter gradients always accumulate, as Megatron's main_grad does across micro-batches.
+//   Parameter gradients may also be bf16 (--grad-reduce-in-bf16): an op sums its contribution in
+//   float32 (reference: double) and stores bf16(old + contribution), one rounding; the optimizer
+//   ops and the gradient reductions read bf16 gradients as float.
 // - Empty tensors (data == nullptr) mean "absent" (no bias, no positions, ...).
 // - The packed QKV activation has, per token row, for each of the `groups` KV groups:
 //   [q: heads/groups * d][k: d][v: d]  (Megatron's grouped layout; TP shards whole groups).
@@ -170,7 +173,7 @@ class Backend {
   virtual void bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
                                      Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
                                      const NormParams& p);
-  // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (float32).
+  // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (parameter gradients: float32 or bf16).
   // dx_colsum (float32 [h], optional) += the column sums of dx as stored (rounded to its dtype): the
   // bias gradient of the linear layer whose output gradient dx is, taken while dx is at hand.
   // dx may alias dout or dresidual.
@@ -235,7 +238,7 @@ class Backend {
   //     meta: the same scale, the same bits); fc2's input by fp8_quantize_activation from fc1's
   //     output (the activation itself is not written);
   //   - output gradients: fp8_quantize(dyq, dyq_t, dy) before the two backward GEMMs.
-  // All FP8 GEMMs accumulate in float32; outputs are in the compute dtype (dw: the float32 main grad).
+  // All FP8 GEMMs accumulate in float32; outputs are in the compute dtype (dw: the main grad, float32 or bf16).
   // Scaling (e = the dtype of q / q_t, fp8_max(e) = 448 or 57344, core/dtype.h):
   //   delayed:    uses meta.scale as it is (computed by fp8_update_scales from earlier steps);
   //               meta.amax = max(meta.amax, max|x|); scale_inv is not written.
@@ -264,7 +267,7 @@ class Backend {
   // compute dtype.
   virtual void fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor bias,
                                  const NormParams& p, const Fp8TensorMeta& meta);
-  // fp8_quantize(q, q_t, dy, meta), and dbias[C] (float32) += the column sums of dy (the unquantized
+  // fp8_quantize(q, q_t, dy, meta), and dbias[C] (a parameter gradient) += the column sums of dy (the unquantized
   // values, as fp8_linear_backward_weight sums them), read in the same pass: the bias gradient of
   // an FP8 layer with FP8 weight gradients (fp8_linear_backward_weight then gets no dbias).
   virtual void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias);
@@ -283,7 +286,7 @@ class Backend {
   // by act'(pre_act) as in linear_backward_input.
   virtual void fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t,
                                          Tensor w_scale_inv, bool accumulate, Activation act, Tensor pre_act);
-  // dw[N,K] += dyq_t[N,M] . xq_t[K,M]^T * dy_scale_inv * x_scale_inv (dw: the float32 main grad).
+  // dw[N,K] += dyq_t[N,M] . xq_t[K,M]^T * dy_scale_inv * x_scale_inv (dw: the main grad, float32 or bf16).
   // dbias[N] += column sums of dy, the UNQUANTIZED output gradient [M,N] in the compute dtype (as
   // Transformer Engine takes dbias from the high-precision gradient); dy is only read for dbias
   // and may be empty when dbias is. (--no-fp8-wgrad: the model calls linear_backward_weight instead.)

@@ -1,6 +1,8 @@
 // CUDA vs reference: token/position embedding forward and its deterministic backward (with a
 // vocab shard and a heavily repeated token), and rotary embeddings on packed QKV.
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "tests/gpu/gpu_test_util.h"
 
@@ -91,4 +93,65 @@ TEST_CASE("cuda rope forward/backward: half and interleaved pairs, partial rotat
           ref().rope_backward(g.r(), pos.r(), cs.r(), r);
           MT_CHECK_CLOSE(g, tol_for(dt));
         }
+}
+
+// --grad-reduce-in-bf16: dwte and dwpe are bf16 gradients, each touched element round_bf16(old + the
+// float32 sum of its rows), against the reference with bf16 gradients; deterministic.
+TEST_CASE("cuda embedding_backward into bf16 gradients matches the reference", "[gpu][embedding][bf16grad]") {
+  MT_RNG(rng);
+  const int64_t vocab = 1000, positions = 64;
+  struct Case {
+    int64_t rows, h;
+  };
+  for (DType dt : {DType::bf16, DType::f32})
+    for (Case c : {Case{7, 100}, Case{333, 768}, Case{2000, 64}, Case{129, 2050}, Case{77, 33}})
+      for (int64_t vocab_start : {int64_t{0}, int64_t{500}}) {
+        const int64_t shard_rows = vocab - vocab_start;
+        INFO(dtype_name(dt) << " rows " << c.rows << " h " << c.h << " vocab_start " << vocab_start);
+        Twin tok = twin(DType::i32, {c.rows}, skewed_tokens(rng, c.rows, vocab));
+        Twin pos = twin(DType::i32, {c.rows}, rng.ints(c.rows, 0, positions));
+        // Starting values of about one step's sums (a third of the rows share token 7).
+        const double scale = std::sqrt(static_cast<double>(c.rows) / 3.0) + 1.0;
+        const std::vector<double> dwte0 = rng.normal(shard_rows * c.h, scale), dwpe0 = rng.normal(positions * c.h, scale);
+        Twin dwte = twin_same(DType::bf16, {shard_rows, c.h}, dwte0);
+        Twin dwpe = twin_same(DType::bf16, {positions, c.h}, dwpe0);
+        Twin dout = twin(dt, {c.rows, c.h}, rng.normal(c.rows * c.h));
+        dev().embedding_backward(dwte.c(), dwpe.c(), dout.c(), tok.c(), pos.c(), vocab_start);
+        ref().embedding_backward(dwte.r(), dwpe.r(), dout.r(), tok.r(), pos.r(), vocab_start);
+        // The rows the batch touched against the reference (alone, so that the untouched rows do not
+        // dilute the mean error); the others keep their starting bits.
+        auto check_rows = [&](const Twin& g, const std::vector<double>& ids, int64_t offset,
+                              const std::vector<double>& start, const char* name) {
+          const int64_t n = g.c().rows(), h = g.c().cols();
+          std::vector<char> touched(static_cast<size_t>(n), 0);
+          for (double id : ids) {
+            const int64_t k = static_cast<int64_t>(id) - offset;
+            if (k >= 0 && k < n) touched[static_cast<size_t>(k)] = 1;
+          }
+          const std::vector<double> got = download(dev(), g.c()), want = download(ref(), g.r());
+          std::vector<double> got_t, want_t;
+          int64_t changed = 0;
+          for (int64_t k = 0; k < n; ++k)
+            for (int64_t j = 0; j < h; ++j) {
+              const size_t e = static_cast<size_t>(k * h + j);
+              if (touched[static_cast<size_t>(k)]) {
+                got_t.push_back(got[e]);
+                want_t.push_back(want[e]);
+              } else {
+                changed += got[e] != round_to(DType::bf16, start[e]);
+              }
+            }
+          check_bf16_grad_close(got_t, want_t, std::string(name) + " (rows the batch touched)");
+          INFO(name << ": untouched elements changed: " << changed);
+          CHECK(changed == 0);
+        };
+        check_rows(dwte, download(ref(), tok.r()), vocab_start, dwte0, "dwte");
+        check_rows(dwpe, download(ref(), pos.r()), 0, dwpe0, "dwpe");
+        const auto first_wte = download_bytes(dev(), dwte.c()), first_wpe = download_bytes(dev(), dwpe.c());
+        upload(dev(), dwte.c(), dwte0);
+        upload(dev(), dwpe.c(), dwpe0);
+        dev().embedding_backward(dwte.c(), dwpe.c(), dout.c(), tok.c(), pos.c(), vocab_start);
+        CHECK(differing(download_bytes(dev(), dwte.c()), first_wte, 2) == 0);
+        CHECK(differing(download_bytes(dev(), dwpe.c()), first_wpe, 2) == 0);
+      }
 }

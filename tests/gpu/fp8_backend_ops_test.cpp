@@ -240,3 +240,108 @@ TEST_CASE("cuda fp8_quantize_activation_backward: the activation's backward then
         MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
       }
 }
+
+// --grad-reduce-in-bf16 for the FP8 weight gradient: dw bf16 (the FP8 GEMM with C and D bf16: beta * dw
+// + the product in float32, rounded once) and dbias bf16 (column sums of dy). The operands are small
+// integers, exact in e4m3/e5m2 with scale 1 (delayed scaling), so both backends' contributions are
+// exact and the rounded results agree bit for bit; the generic bf16-gradient check too. Shapes:
+// multiples of 16, one with a k (tokens) that is not a multiple of 256.
+TEST_CASE("cuda fp8_linear_backward_weight into bf16 gradients matches the reference", "[gpu][fp8][bf16grad]") {
+  MT_RNG(rng);
+  struct MKN {
+    int64_t M, K, N;
+  };
+  // The last shape on a backend with 2 MiB of scratch: the accumulating form's float32 product in
+  // chunks of 256 rows of dw (256, 256, 16).
+  CudaBackend small(0, size_t{2} << 20);
+  for (MKN g : {MKN{96, 80, 112}, MKN{512, 272, 208}, MKN{4112, 64, 128}, MKN{96, 2048, 528}})
+    for (bool accumulate : {true, false}) {
+      Backend& be = g.K == 2048 ? static_cast<Backend&>(small) : dev();
+      INFO("M " << g.M << " K " << g.K << " N " << g.N << " accumulate " << accumulate
+                << (g.K == 2048 ? " (small scratch)" : ""));
+      Twin x = twin(DType::bf16, {g.M, g.K}, rng.ints(g.M * g.K, -8, 9));
+      Twin dy = twin(DType::bf16, {g.M, g.N}, rng.ints(g.M * g.N, -8, 9));
+      Quant2 xq = quantize2(x, DType::fp8_e4m3, Fp8Recipe::delayed, 1.0f, false, true);
+      Quant2 dyq = quantize2(dy, DType::fp8_e5m2, Fp8Recipe::delayed, 1.0f, false, true);
+      const double scale = 25.0 * std::sqrt(static_cast<double>(g.M));
+      const std::vector<double> dw0 =
+          accumulate ? rng.normal(g.N * g.K, scale) : std::vector<double>(static_cast<size_t>(g.N * g.K), NAN);
+      Twin dw = twin_same(DType::bf16, {g.N, g.K}, dw0);
+      Twin db = twin_same(DType::bf16, {g.N}, rng.normal(g.N, scale));
+      be.fp8_linear_backward_weight(dw.c(), db.c(), dy.c(), dyq.tc.t, dyq.scale_inv.c.t, xq.tc.t, xq.scale_inv.c.t,
+                                    accumulate);
+      be.synchronize();
+      ref().fp8_linear_backward_weight(dw.r(), db.r(), dy.r(), dyq.tr.t, dyq.scale_inv.r.t, xq.tr.t, xq.scale_inv.r.t,
+                                       accumulate);
+      check_bf16_grad(dw, "dw");
+      check_bf16_grad(db, "dbias");
+      CHECK(differing(download_bytes(dev(), dw.c()), download_bytes(ref(), dw.r()), 2) == 0);
+      CHECK(differing(download_bytes(dev(), db.c()), download_bytes(ref(), db.r()), 2) == 0);
+    }
+}
+
+// The output gradient's cast with a bf16 bias gradient: the same bytes as the plain cast, dbias
+// round_bf16(old + column sums) against the reference's, the same bits on a second run.
+TEST_CASE("cuda fp8_quantize_with_dbias into a bf16 bias gradient", "[gpu][fp8][bf16grad]") {
+  MT_RNG(rng);
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+    for (auto [R, C] : {std::pair<int64_t, int64_t>{33, 70}, {200, 136}, {16392, 1032}}) {
+      INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << R << " x " << C);
+      Twin dy = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.5));
+      const std::vector<double> b0 = rng.normal(C, 0.5 * std::sqrt(static_cast<double>(R)));
+      Quant2 plain = quantize2(dy, DType::fp8_e5m2, recipe, 300.0f, true, true);
+      std::vector<uint8_t> first_bits;
+      for (int run = 0; run < 2; ++run) {
+        Twin db = twin_same(DType::bf16, {C}, b0);
+        Quant2 q{Buf(dev(), DType::fp8_e5m2, {R, C}), Buf(ref(), DType::fp8_e5m2, {R, C}), Buf(dev(), DType::fp8_e5m2, {C, R}),
+                 Buf(ref(), DType::fp8_e5m2, {C, R}), scalar2(300.0f), scalar2(1.0f / 300.0f), scalar2(0.0f)};
+        dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), {q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe, 0}, db.c());
+        ref().fp8_quantize_with_dbias(q.qr.t, q.tr.t, dy.r(), {q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe, 0}, db.r());
+        CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(dev(), plain.qc.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(dev(), plain.tc.t), 1) == 0);
+        CHECK(value(dev(), q.amax.c) == value(dev(), plain.amax.c));
+        check_bf16_grad(db, "dbias");
+        const std::vector<uint8_t> bits = download_bytes(dev(), db.c());
+        if (run == 0) first_bits = bits;
+        else CHECK(bits == first_bits);
+      }
+    }
+}
+
+// fc1's output-gradient cast with a bf16 bias gradient: bit for bit the two-op path (the activation's
+// backward, then fp8_quantize_with_dbias into bf16) on the GPU; that path against the reference's
+// fp8_quantize_with_dbias of the same gradient values; the fused reference within bf16 rounding.
+TEST_CASE("cuda fp8_quantize_activation_backward into a bf16 bias gradient", "[gpu][fp8][bf16grad]") {
+  MT_RNG(rng);
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
+        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
+                           << " x " << F);
+        const bool swiglu = act == MlpActivation::swiglu;
+        const int64_t C = swiglu ? 2 * F : F;
+        Twin dout = twin_same(DType::bf16, {R, F}, rng.normal(R * F, 0.2));
+        Twin pre = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0));
+        const std::vector<double> b0 = rng.normal(C, 0.1 * std::sqrt(static_cast<double>(R)));
+        Buf d(dev(), DType::bf16, {R, C});
+        if (swiglu) dev().swiglu_backward(d.t, dout.c(), pre.c());
+        else dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
+        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); };
+        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref()), ref_two = make(ref());
+        Twin db_two = twin_same(DType::bf16, {C}, b0), db_fused = twin_same(DType::bf16, {C}, b0);
+        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, two_ops.meta(recipe), db_two.c());
+        dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe),
+                                               db_fused.c());
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+        CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
+        // The two-op path's bias gradient against the reference's on the same gradient values.
+        Buf d_ref(ref(), DType::bf16, {R, C});
+        upload(ref(), d_ref.t, download(dev(), d.t));
+        ref().fp8_quantize_with_dbias(ref_two.q.t, ref_two.t.t, d_ref.t, ref_two.meta(recipe), db_two.r());
+        check_bf16_grad(db_two, "dbias (gradient values as the GPU stored them)");
+        // The reference's fused op: its activation math in double may move a summand one bf16 step.
+        ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act,
+                                               reference.meta(recipe), db_fused.r());
+        MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
+      }
+}

@@ -5,8 +5,10 @@
 // accumulates): float32 holds those integers exactly, and float16 up to 2048, so any element short
 // of a product shows as a whole number missing. Shapes with a small output and a long k are the
 // ones cuBLASLt's heuristic answers with split-K.
+#include <cmath>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/fp8_gemm_cublaslt.h"
@@ -115,5 +117,72 @@ TEST_CASE("fp8 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][fp8]"
       cuda::fp8_linear_backward_weight(runner, dw.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
                                        {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, true);
       CHECK(differing_from(be, dw.t, double(tokens) + 3.0) == 0);
+    }
+}
+
+namespace {
+// The largest bf16 value not above the integer m (8 significant bits): starting a bf16 gradient at
+// minus it, a GEMM that sums all m products of ones leaves m - floor_bf16(m), a small integer bf16
+// holds exactly; one that drops a tail of k leaves something else.
+double floor_bf16(int64_t m) {
+  double p = 1;
+  while (p * 2 <= static_cast<double>(m)) p *= 2;
+  const double ulp = p / 128;
+  return std::floor(static_cast<double>(m) / ulp) * ulp;
+}
+}  // namespace
+
+// --grad-reduce-in-bf16: bf16 weight and bias gradients run as one GEMM without split-K where k has
+// a tail (a 16-bit output cannot take the float32 tail GEMM), and must still sum all of k.
+TEST_CASE("cuda bf16 weight gradients sum all of k (split-K tails)", "[gpu][linear][bf16grad]") {
+  std::unique_ptr<Backend> guarded = make_cuda_backend(0);
+  Backend& be = *guarded;
+  struct NK {
+    int64_t N, K;
+  };
+  for (int64_t M : {8193, 8200, 4097, 16385, 12289, 2049, 1001, 8192})
+    for (NK nk : {NK{2048, 16}, NK{768, 64}, NK{1001, 16}, NK{3072, 32}, NK{128, 128}}) {
+      INFO("bf16 weight gradient M " << M << " N " << nk.N << " K " << nk.K);
+      const double start = -floor_bf16(M), want = static_cast<double>(M) + start;
+      Buf dy = filled(be, DType::bf16, {M, nk.N}, 1.0), x = filled(be, DType::bf16, {M, nk.K}, 1.0);
+      Buf dw = filled(be, DType::bf16, {nk.N, nk.K}, start), db = filled(be, DType::bf16, {nk.N}, start);
+      be.linear_backward_weight(dw.t, db.t, dy.t, x.t, true);
+      CHECK(differing_from(be, dw.t, want) == 0);
+      CHECK(differing_from(be, db.t, want) == 0);
+      Buf dw_new = filled(be, DType::bf16, {nk.N, nk.K}, NAN);  // written (beta 0): round_bf16(M)
+      be.linear_backward_weight(dw_new.t, Tensor(), dy.t, x.t, false);
+      CHECK(differing_from(be, dw_new.t, round_to(DType::bf16, static_cast<double>(M))) == 0);
+    }
+}
+
+// (The accumulating bf16 form adds the GEMM's float32 result from scratch: a context with one.)
+TEST_CASE("fp8 bf16 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][fp8][bf16grad]") {
+  CudaBackend& be = dynamic_cast<CudaBackend&>(dev());
+  cuda::Fp8GemmRunner runner(be.cuda_stream(), size_t{32} << 20);
+  Buf scratch_buf(be, DType::u8, {int64_t{64} << 20});
+  cuda::Scratch scratch(scratch_buf.t.data, scratch_buf.t.nbytes());
+  const cuda::KernelContext ctx{be.cuda_stream(), be.num_sms(), &scratch};
+  constexpr uint8_t kOneE4m3 = 0x38, kOneE5m2 = 0x3C;
+  Buf one(be, DType::f32, {1});
+  be.fill(one.t, 1.0);
+  struct NK {
+    int64_t N, K;
+  };
+  for (int64_t tokens : {8208, 4112, 16400, 2064, 1040})
+    for (NK nk : {NK{2048, 16}, NK{768, 64}, NK{3072, 32}, NK{128, 128}}) {
+      INFO("fp8 bf16 weight gradient tokens " << tokens << " N " << nk.N << " K " << nk.K);
+      const double start = -floor_bf16(tokens), want = static_cast<double>(tokens) + start;
+      Buf dy_t(be, DType::u8, {nk.N, tokens}), x_t(be, DType::u8, {nk.K, tokens});
+      upload(be, dy_t.t, std::vector<double>(static_cast<size_t>(nk.N * tokens), kOneE5m2));
+      upload(be, x_t.t, std::vector<double>(static_cast<size_t>(nk.K * tokens), kOneE4m3));
+      Buf dw = filled(be, DType::bf16, {nk.N, nk.K}, start);
+      scratch.reset();
+      cuda::fp8_linear_backward_weight(runner, dw.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
+                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, true, &ctx);
+      CHECK(differing_from(be, dw.t, want) == 0);
+      Buf dw_new = filled(be, DType::bf16, {nk.N, nk.K}, NAN);  // written (beta 0): round_bf16(tokens)
+      cuda::fp8_linear_backward_weight(runner, dw_new.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
+                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, false);
+      CHECK(differing_from(be, dw_new.t, round_to(DType::bf16, static_cast<double>(tokens))) == 0);
     }
 }

@@ -201,3 +201,50 @@ double tol_for(DType dt) {
 }
 
 }  // namespace mt::gputest
+
+namespace mt::gputest {
+
+void check_bf16_grad_close(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  INFO(what << ": bf16 gradient, " << want.size() << " elements");
+  REQUIRE(got.size() == want.size());
+  if (want.empty()) return;
+  double ss = 0;
+  for (double w : want) ss += w * w;
+  const double rms = std::sqrt(ss / static_cast<double>(want.size()));
+  const double abs_tol = 1e-4 * rms, floor = 1e-3 * rms;
+  const double step = std::ldexp(1.0, -7);
+  int64_t not_bf16 = 0, outside = 0, differ = 0, first = -1;
+  double sum_rel = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got[i], w = want[i], err = std::fabs(g - w);
+    not_bf16 += !(round_to(DType::bf16, g) == g);  // NaN too
+    differ += g != w;
+    if (!(err <= step * std::fabs(w) + abs_tol)) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++outside;
+    }
+    sum_rel += std::isfinite(err) ? err / std::max({std::fabs(w), floor, 1e-30}) : 1.0;
+  }
+  const double mean_rel = sum_rel / static_cast<double>(want.size());
+  INFO("elements not bf16 values: " << not_bf16 << "; outside one bf16 step: " << outside << " (first at " << first
+                                    << (first >= 0 ? ": got " + std::to_string(got[static_cast<size_t>(first)]) +
+                                                         " want " + std::to_string(want[static_cast<size_t>(first)])
+                                                   : std::string())
+                                    << "); differing: " << differ << "; mean relative error " << mean_rel
+                                    << " (bound 2^-11 = " << std::ldexp(1.0, -11) << "), rms " << rms);
+  CHECK(not_bf16 == 0);
+  CHECK(outside == 0);
+  CHECK(mean_rel <= std::ldexp(1.0, -11));
+}
+
+void check_bf16_grad(const Twin& g, const std::string& what) {
+  REQUIRE(g.cu.t.dtype == DType::bf16);
+  REQUIRE(g.ref.t.dtype == DType::bf16);
+  check_bf16_grad_close(download(dev(), g.cu.t), download(ref(), g.ref.t), what);
+}
+
+double bf16_accumulate(double old, double sum) {
+  return round_to(DType::bf16, static_cast<double>(static_cast<float>(old) + static_cast<float>(sum)));
+}
+
+}  // namespace mt::gputest

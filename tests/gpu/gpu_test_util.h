@@ -92,6 +92,19 @@ double rel_err(const Twin& x);
 // Tolerance on an output stored in dt (rounding of the result dominates for 16-bit types).
 double tol_for(DType dt);
 
+// bfloat16 parameter gradients (--grad-reduce-in-bf16): every element is round_bf16(old + the op's
+// float32 contribution), and the backends' contributions differ only by summation order, so an
+// element may land one bf16 step away where the two sums straddle a rounding boundary. Checks that
+// every element of `got` is a bf16 value (no NaN), within 2^-7 relative (one bf16 step) plus
+// 1e-4 * rms(want) absolute of `want`, and that the mean relative error (each element's error over
+// max(|want|, 1e-3 * rms(want))) stays below 2^-11, a small fraction of a step: a missing
+// accumulation or another rounding (truncation, a second rounding in bf16) fails it.
+void check_bf16_grad_close(const std::vector<double>& got, const std::vector<double>& want, const std::string& what);
+// The same on a Twin whose two sides are bf16 (twin_same(DType::bf16, ...)): CUDA against reference.
+void check_bf16_grad(const Twin& g, const std::string& what);
+// Host oracle of one accumulation into a bf16 gradient: round_bf16(float(old) + float(sum)).
+double bf16_accumulate(double old, double sum);
+
 // Shorthand for shapes.
 using Shape = std::vector<int64_t>;
 inline int64_t numel(const Shape& s) {

@@ -202,3 +202,119 @@ TEST_CASE("cuda GEMM autotuning: tuned GEMMs match the reference and accumulate 
       }
   CHECK(dynamic_cast<CudaBackend&>(tuned).gemm().tuned_plans() > 0);
 }
+
+// --grad-reduce-in-bf16: dw is a bf16 gradient, round_bf16(dw + dy^T x) with the product in float32
+// (accumulate: the GEMM into float32 scratch, then added; without: the GEMM with a bf16 output, beta
+// 0), and dbias too (the column sums added in float32, rounded once), against the reference with
+// bf16 gradients. bf16 inputs (odd shapes, a k with a tail: 8193 rows), float32 and float16 inputs
+// (the float32 scratch path also without accumulate), the BGRADB switch (not taken for bf16
+// gradients), one case with a float32 dbias beside a bf16 dw; deterministic.
+TEST_CASE("cuda linear_backward_weight into bf16 gradients matches the reference", "[gpu][linear][bf16grad]") {
+  MT_RNG(rng);
+  cuda::GemmRunner& gemm = cuda_backend().gemm();
+  std::vector<GemmShape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({8193, 16, 2048});
+  shapes.push_back({1001, 64, 100});
+  for (bool bgradb : {false, true}) {
+    gemm.use_bias_grad_epilogue = bgradb;
+    for (DType dt : {DType::bf16, DType::f32, DType::f16})
+      for (const GemmShape& g : shapes)
+        for (bool with_bias : {true, false})
+          for (bool accumulate : {true, false}) {
+            if (bgradb && (!with_bias || g.M == 8193 || dt != DType::bf16)) continue;
+            if (dt != DType::bf16 && !(g.M == 333 || g.M == 130)) continue;  // the other inputs: two shapes
+            const bool db_f32 = with_bias && g.M == 333;
+            INFO(dtype_name(dt) << " inputs, M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias
+                                << (db_f32 ? " (float32)" : "") << " accumulate " << accumulate
+                                << " BGRADB epilogue switch " << bgradb);
+            Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
+            Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+            // Starting values of about one contribution's size (sums of M products).
+            const double scale = std::sqrt(static_cast<double>(g.M));
+            const std::vector<double> dw0 =
+                accumulate ? rng.normal(g.N * g.K, scale) : std::vector<double>(static_cast<size_t>(g.N * g.K), NAN);
+            const std::vector<double> db0 = rng.normal(g.N, scale);
+            Twin dw = twin_same(DType::bf16, {g.N, g.K}, dw0);
+            Twin db = !with_bias ? absent() : db_f32 ? twin(DType::f32, {g.N}, db0) : twin_same(DType::bf16, {g.N}, db0);
+            dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), accumulate);
+            ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), accumulate);
+            check_bf16_grad(dw, accumulate ? "dw (accumulate)" : "dw (written)");
+            if (with_bias) {
+              if (db_f32) MT_CHECK_CLOSE(db, 1e-5);
+              else check_bf16_grad(db, "dbias");
+            }
+            // The same bits again from the same start.
+            const auto dw_first = download_bytes(dev(), dw.c());
+            const auto db_first = with_bias ? download_bytes(dev(), db.c()) : std::vector<uint8_t>();
+            upload(dev(), dw.c(), dw0);
+            if (with_bias) upload(dev(), db.c(), db0);
+            dev().linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), accumulate);
+            CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 2) == 0);
+            if (with_bias) CHECK(differing(download_bytes(dev(), db.c()), db_first, dtype_size(db.c().dtype)) == 0);
+          }
+  }
+  gemm.use_bias_grad_epilogue = false;
+  // Other gradient dtypes are refused, naming the op, the tensor and the dtypes it takes.
+  {
+    Buf dy(dev(), DType::bf16, {16, 32}), x(dev(), DType::bf16, {16, 8}), dw16(dev(), DType::f16, {32, 8});
+    CHECK_THROWS_WITH(dev().linear_backward_weight(dw16.t, Tensor(), dy.t, x.t, true),
+                      Catch::Contains("linear_backward_weight") && Catch::Contains("dw") &&
+                          Catch::Contains("float32, bfloat16"));
+    Buf db16(dev(), DType::f16, {32}), dwf(dev(), DType::f32, {32, 8});
+    CHECK_THROWS_WITH(dev().linear_backward_weight(dwf.t, db16.t, dy.t, x.t, true),
+                      Catch::Contains("linear_backward_weight") && Catch::Contains("dbias") &&
+                          Catch::Contains("float32 or bfloat16"));
+  }
+}
+
+// Autotuning with a bf16 dw: the first write (beta 0) is tuned on its own buffers, the accumulating
+// GEMM (beta 1, a plan of its own keyed by the bf16 output) takes its twin's pick; both match the
+// reference and add exactly once.
+TEST_CASE("cuda GEMM autotuning with bf16 weight gradients", "[gpu][linear][bf16grad]") {
+  MT_RNG(rng);
+  std::unique_ptr<Backend> tuned_backend = make_cuda_backend(0, true);
+  Backend& tuned = *tuned_backend;
+  for (const GemmShape& g : {GemmShape{333, 100, 2050}, GemmShape{512, 768, 2304}, GemmShape{4096, 1024, 1024}}) {
+    INFO("M " << g.M << " K " << g.K << " N " << g.N);
+    Twin dy = twin(DType::bf16, {g.M, g.N}, rng.normal(g.M * g.N)), x = twin(DType::bf16, {g.M, g.K}, rng.normal(g.M * g.K));
+    Twin dw = twin_same(DType::bf16, {g.N, g.K}, std::vector<double>(static_cast<size_t>(g.N * g.K), NAN));
+    Twin db = twin_same(DType::bf16, {g.N}, rng.normal(g.N, 10.0));
+    tuned.linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), false);
+    tuned.synchronize();
+    ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), false);
+    check_bf16_grad(dw, "dw (first write, tuned)");
+    check_bf16_grad(db, "dbias");
+    // A second micro-batch: accumulates onto the first (the same values on both sides).
+    Twin dy2 = twin(DType::bf16, {g.M, g.N}, rng.normal(g.M * g.N)), x2 = twin(DType::bf16, {g.M, g.K}, rng.normal(g.M * g.K));
+    upload(ref(), dw.r(), download(dev(), dw.c()));
+    tuned.linear_backward_weight(dw.c(), Tensor(), dy2.c(), x2.c(), true);
+    tuned.synchronize();
+    ref().linear_backward_weight(dw.r(), Tensor(), dy2.r(), x2.r(), true);
+    check_bf16_grad(dw, "dw (accumulated, the twin's pick)");
+  }
+  CHECK(dynamic_cast<CudaBackend&>(tuned).gemm().tuned_plans() > 0);
+}
+
+// The accumulating bf16 dw in several float32 chunks of rows (a backend with 2 MiB of scratch: 640
+// rows of K 768, 256 of K 2048; the last chunk partial), accumulating and, with float32 inputs,
+// written.
+TEST_CASE("cuda linear_backward_weight into bf16 gradients in several scratch chunks", "[gpu][linear][bf16grad]") {
+  MT_RNG(rng);
+  CudaBackend small(0, size_t{2} << 20);
+  for (const GemmShape& g : {GemmShape{130, 768, 1000}, GemmShape{64, 2048, 768}, GemmShape{333, 2048, 2050}})
+    for (DType dt : {DType::bf16, DType::f32})
+      for (bool accumulate : {true, false}) {
+        INFO(dtype_name(dt) << " inputs, M " << g.M << " K " << g.K << " N " << g.N << " accumulate " << accumulate);
+        Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N)), x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+        const double scale = std::sqrt(static_cast<double>(g.M));
+        Twin dw = twin_same(DType::bf16, {g.N, g.K},
+                            accumulate ? rng.normal(g.N * g.K, scale)
+                                       : std::vector<double>(static_cast<size_t>(g.N * g.K), NAN));
+        Twin db = twin_same(DType::bf16, {g.N}, rng.normal(g.N, scale));
+        small.linear_backward_weight(dw.c(), db.c(), dy.c(), x.c(), accumulate);
+        small.synchronize();
+        ref().linear_backward_weight(dw.r(), db.r(), dy.r(), x.r(), accumulate);
+        check_bf16_grad(dw, "dw");
+        check_bf16_grad(db, "dbias");
+      }
+}

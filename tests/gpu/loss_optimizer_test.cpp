@@ -209,3 +209,88 @@ TEST_CASE("cuda sum_squares and count_zeros over segments; deterministic", "[gpu
       }
   }
 }
+
+// --grad-reduce-in-bf16: the optimizers read a bf16 gradient, each element converted to float32 on
+// load (master weights, moments and the rest as with a float32 gradient), against the reference
+// reading the same bf16 values: as tight as the float32 case. The gradient also starts 8 bytes
+// into its buffer (four-element loads) and 2 bytes in (element loads).
+TEST_CASE("cuda adamw_step and sgd_step with a bf16 gradient", "[gpu][optimizer][bf16grad]") {
+  MT_RNG(rng);
+  const int64_t n = 100003;
+  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 5, n, 3);
+  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 40, n, 3);
+  dev().register_optim_segments(long_list);
+  ref().register_optim_segments(long_list);
+  const OptimStepParams p = step_params();
+  for (int64_t offset : {0, 4, 1})
+    for (const auto* segs : {&short_list, &long_list})
+      for (DType model_dt : {DType::bf16, DType::u8 /* u8: no model copy */}) {
+        const bool with_model = model_dt != DType::u8;
+        INFO("gradient at element offset " << offset << ", " << segs->size() << " segments, model copy "
+                                           << (with_model ? dtype_name(model_dt) : "none"));
+        Twin w = twin(DType::f32, {n}, rng.normal(n));
+        Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
+        Twin gbuf = twin_same(DType::bf16, {n + offset}, rng.normal(n + offset, 0.01));
+        const Tensor gc = gbuf.c().flat_slice(offset, n), gr = gbuf.r().flat_slice(offset, n);
+        Twin model = with_model ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent();
+        dev().adamw_step(w.c(), gc, m.c(), v.c(), model.c(), *segs, p);
+        ref().adamw_step(w.r(), gr, m.r(), v.r(), model.r(), *segs, p);
+        MT_CHECK_CLOSE(w, 1e-6);
+        MT_CHECK_CLOSE(m, 1e-6);
+        MT_CHECK_CLOSE(v, 1e-6);
+        if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
+        for (bool momentum : {true, false}) {
+          INFO("sgd momentum " << momentum);
+          OptimStepParams ps = p;
+          if (!momentum) ps.sgd_momentum = 0.0f;
+          Twin buf = momentum ? twin(DType::f32, {n}, rng.normal(n, 0.01)) : absent();
+          dev().sgd_step(w.c(), gc, buf.c(), model.c(), *segs, ps);
+          ref().sgd_step(w.r(), gr, buf.r(), model.r(), *segs, ps);
+          MT_CHECK_CLOSE(w, 1e-6);
+          if (momentum) MT_CHECK_CLOSE(buf, 1e-6);
+          if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
+        }
+      }
+  // Other gradient dtypes are refused with the op, the tensor and the dtypes it takes.
+  Twin w = twin(DType::f32, {n}, rng.normal(n)), m = twin(DType::f32, {n}, rng.normal(n)),
+       v = twin(DType::f32, {n}, rng.uniform(n, 0, 1));
+  Buf g16(dev(), DType::f16, {n});
+  CHECK_THROWS_WITH(dev().adamw_step(w.c(), g16.t, m.c(), v.c(), Tensor(), short_list, p),
+                    Catch::Contains("adamw_step") && Catch::Contains("grad") && Catch::Contains("bfloat16"));
+  CHECK_THROWS_WITH(dev().sgd_step(w.c(), g16.t, Tensor(), Tensor(), short_list, p),
+                    Catch::Contains("sgd_step") && Catch::Contains("grad") && Catch::Contains("bfloat16"));
+}
+
+// The gradient norm and zero count of a bf16 gradient buffer, the reference reading the same bf16
+// tensor; at element offsets 0, 8 (vector loads) and 1 (element loads); deterministic.
+TEST_CASE("cuda sum_squares and count_zeros of a bf16 gradient", "[gpu][optimizer][bf16grad]") {
+  MT_RNG(rng);
+  const int64_t n = 1000003;
+  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 7, n, 2);
+  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 100, n, 2);
+  dev().register_optim_segments(long_list);
+  const std::vector<OptimSegment> whole;
+  for (int64_t offset : {0, 8, 1}) {
+    std::vector<double> values = rng.normal(n + offset, 0.1);
+    const std::vector<double> coin = rng.uniform(n + offset, 0.0, 1.0);
+    for (size_t i = 0; i < values.size(); ++i)
+      if (coin[i] < 0.1) values[i] = coin[i] < 0.05 ? 0.0 : -0.0;
+    Twin xbuf = twin_same(DType::bf16, {n + offset}, values);
+    const Tensor xc = xbuf.c().flat_slice(offset, n), xr = xbuf.r().flat_slice(offset, n);
+    for (const auto* segs : {&whole, &short_list, &long_list})
+      for (bool accumulate : {false, true}) {
+        INFO("offset " << offset << ", " << segs->size() << " segments (0 = all), accumulate " << accumulate);
+        Twin ss = twin(DType::f32, {1}, {3.0}), nz = twin(DType::f32, {1}, {5.0});
+        dev().sum_squares(ss.c(), xc, *segs, accumulate);
+        ref().sum_squares(ss.r(), xr, *segs, accumulate);
+        MT_CHECK_CLOSE(ss, 1e-6);
+        dev().count_zeros(nz.c(), xc, *segs, accumulate);
+        ref().count_zeros(nz.r(), xr, *segs, accumulate);
+        CHECK(download(dev(), nz.c())[0] == download(ref(), nz.r())[0]);
+        const auto first = download_bytes(dev(), ss.c());
+        upload(dev(), ss.c(), {3.0});
+        dev().sum_squares(ss.c(), xc, *segs, accumulate);
+        CHECK(differing(download_bytes(dev(), ss.c()), first, 4) == 0);
+      }
+  }
+}

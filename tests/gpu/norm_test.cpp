@@ -448,3 +448,137 @@ TEST_CASE("cuda fp8_quantize_norm: norm_forward then fp8_quantize, bit for bit; 
               1e-5f * v(on_dev.amax));
       }
 }
+
+// --grad-reduce-in-bf16: dweight, dbias and dx's column sums (a linear layer's bias gradient) are
+// bf16 gradients, each element round_bf16(old + the float32 sum). Against the reference with bf16
+// gradients; the general kernels (float32, odd and wide rows) and the 16-bit fast ones (with the
+// column sums in the same pass, and without them in norm_backward_recompute). The column sums are
+// checked against each backend's own stored dx. One case keeps the column sums float32 beside
+// bf16 dweight/dbias (each output keeps its own dtype).
+namespace {
+void check_dx_colsum_bf16(const Twin& ds, const std::vector<double>& ds0, const Twin& dx, int64_t rows, int64_t h) {
+  for (bool device : {true, false}) {
+    Backend& be = device ? dev() : ref();
+    const std::vector<double> x = download(be, device ? dx.c() : dx.r()), got = download(be, device ? ds.c() : ds.r());
+    std::vector<double> want(static_cast<size_t>(h));
+    for (int64_t c = 0; c < h; ++c) {
+      double s = 0;
+      for (int64_t r = 0; r < rows; ++r) s += x[static_cast<size_t>(r * h + c)];
+      want[static_cast<size_t>(c)] = bf16_accumulate(round_to(DType::bf16, ds0[static_cast<size_t>(c)]), s);
+    }
+    check_bf16_grad_close(got, want, device ? "cuda dx column sums" : "reference dx column sums");
+  }
+}
+}  // namespace
+
+TEST_CASE("cuda norm_backward into bf16 gradients matches the reference", "[gpu][norm][bf16grad]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : {DType::bf16, DType::f32})
+      for (int64_t rows : {7, 333, 4099})
+        for (int64_t h : {16, 48, 100, 768, 1000, 2048, 2050}) {
+          if (rows == 4099 && (h == 100 || h == 1000 || h == 2050)) continue;  // the reference's time
+          const bool ln = kind == Normalization::layernorm;
+          const bool one_p = h % 3 == 0;
+          const bool ds_f32 = rows == 333 && h == 768;
+          INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h
+                                                << (ds_f32 ? " (float32 dx_colsum)" : ""));
+          const NormParams p = params(kind, one_p);
+          Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
+          Twin w = twin(dt, {h}, weights(rng, h, one_p));
+          Twin fout = twin_nan(dt, {rows, h}), fmean = twin_nan(DType::f32, {rows}), frstd = twin_nan(DType::f32, {rows});
+          ref().norm_forward(fout.r(), fmean.r(), frstd.r(), x.r(), w.r(), Tensor(), p);
+          Twin mean = twin(DType::f32, {rows}, download(ref(), fmean.r()));
+          Twin rstd = twin(DType::f32, {rows}, download(ref(), frstd.r()));
+          // Starting values of the size of one backward's contribution (sums over the rows).
+          const double scale = std::sqrt(static_cast<double>(rows));
+          const std::vector<double> dw0 = rng.normal(h, scale), db0 = rng.normal(h, scale), ds0 = rng.normal(h, scale);
+          Twin dw = twin_same(DType::bf16, {h}, dw0), db = ln ? twin_same(DType::bf16, {h}, db0) : absent();
+          Twin ds = ds_f32 ? twin(DType::f32, {h}, ds0) : twin_same(DType::bf16, {h}, ds0);
+          Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin dx = twin_nan(dt, {rows, h});
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), ds.c(), p);
+          ref().norm_backward(dx.r(), dw.r(), db.r(), dout.r(), x.r(), mean.r(), rstd.r(), w.r(), dres.r(), ds.r(), p);
+          MT_CHECK_CLOSE(dx, tol_for(dt));
+          check_bf16_grad(dw, "dweight");
+          if (ln) check_bf16_grad(db, "dbias");
+          if (ds_f32) check_dx_colsum(ds, ds0, dx, rows, h);
+          else check_dx_colsum_bf16(ds, ds0, dx, rows, h);
+
+          // Bit-identical when run again from the same start.
+          const auto dw_first = download_bytes(dev(), dw.c()), ds_first = download_bytes(dev(), ds.c());
+          const auto db_first = ln ? download_bytes(dev(), db.c()) : std::vector<uint8_t>();
+          upload(dev(), dw.c(), dw0);
+          upload(dev(), ds.c(), ds0);
+          if (ln) upload(dev(), db.c(), db0);
+          dev().norm_backward(dx.c(), dw.c(), db.c(), dout.c(), x.c(), mean.c(), rstd.c(), w.c(), dres.c(), ds.c(), p);
+          CHECK(differing(download_bytes(dev(), dw.c()), dw_first, 2) == 0);
+          CHECK(differing(download_bytes(dev(), ds.c()), ds_first, dtype_size(ds.c().dtype)) == 0);
+          if (ln) CHECK(differing(download_bytes(dev(), db.c()), db_first, 2) == 0);
+
+          // norm_backward_recompute without the column sums (the fast kernel's other instance).
+          Twin bias = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+          Twin fo = twin_nan(dt, {rows, h}), fm = twin_nan(DType::f32, {rows}), fr = twin_nan(DType::f32, {rows});
+          dev().norm_forward(fo.c(), fm.c(), fr.c(), x.c(), w.c(), bias.c(), p);
+          ref().norm_forward(fo.r(), fm.r(), fr.r(), x.r(), w.r(), bias.r(), p);
+          Twin rec = twin_nan(dt, {rows, h}), dx3 = twin_nan(dt, {rows, h});
+          Twin dout3 = twin(dt, {rows, h}, rng.normal(rows * h));
+          Twin dw3 = twin_same(DType::bf16, {h}, dw0), db3 = ln ? twin_same(DType::bf16, {h}, db0) : absent();
+          dev().norm_backward_recompute(rec.c(), dx3.c(), dw3.c(), db3.c(), dout3.c(), x.c(), fm.c(), fr.c(), w.c(),
+                                        bias.c(), Tensor(), Tensor(), p);
+          ref().norm_backward_recompute(rec.r(), dx3.r(), dw3.r(), db3.r(), dout3.r(), x.r(), fm.r(), fr.r(), w.r(),
+                                        bias.r(), Tensor(), Tensor(), p);
+          CHECK(differing(download_bytes(dev(), rec.c()), download_bytes(dev(), fo.c()), dtype_size(dt)) == 0);
+          MT_CHECK_CLOSE(dx3, tol_for(dt));
+          check_bf16_grad(dw3, "dweight (recompute)");
+          if (ln) check_bf16_grad(db3, "dbias (recompute)");
+        }
+}
+
+// --qk-layernorm's four weight gradients in bf16 (one case with the k gradients float32 beside bf16
+// q gradients).
+TEST_CASE("cuda qk_norm_backward into bf16 gradients matches the reference", "[gpu][norm][bf16grad]") {
+  MT_RNG(rng);
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : {DType::bf16, DType::f32})
+      for (int64_t rows : {7, 333})
+        for (int d : {36, 64, 128}) {
+          const bool ln = kind == Normalization::layernorm;
+          const bool k_f32 = rows == 333 && d == 64;
+          INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " head_dim " << d
+                                                << (k_f32 ? " (float32 k gradients)" : ""));
+          RopeShape r;
+          r.heads = 8, r.groups = 2, r.head_dim = d, r.rot_dim = d;
+          const int64_t width = r.groups * (r.heads / r.groups + 2) * d, H = r.groups * (r.heads / r.groups + 1);
+          const NormParams p = params(kind, false);
+          Twin qkv = twin(dt, {rows, width}, shifted_normal(rng, rows * width));
+          Twin qw = twin(dt, {d}, weights(rng, d, false)), kw = twin(dt, {d}, weights(rng, d, false));
+          Twin qb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+          Twin kb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+          Twin out = twin_nan(dt, {rows, width}), mean = twin_nan(DType::f32, {rows, H}), rstd = twin_nan(DType::f32, {rows, H});
+          ref().qk_norm_forward(out.r(), mean.r(), rstd.r(), qkv.r(), qw.r(), qb.r(), kw.r(), kb.r(), r, p);
+          Twin m = twin(DType::f32, {rows, H}, download(ref(), mean.r()));
+          Twin s = twin(DType::f32, {rows, H}, download(ref(), rstd.r()));
+          const double scale = std::sqrt(static_cast<double>(rows * r.heads));
+          auto grad = [&](bool f32) {
+            return f32 ? twin(DType::f32, {d}, rng.normal(d, scale)) : twin_same(DType::bf16, {d}, rng.normal(d, scale));
+          };
+          Twin dqw = grad(false), dkw = grad(k_f32);
+          Twin dqb = ln ? grad(false) : absent(), dkb = ln ? grad(k_f32) : absent();
+          Twin dout = twin(dt, {rows, width}, rng.normal(rows * width)), dqkv = twin_nan(dt, {rows, width});
+          dev().qk_norm_backward(dqkv.c(), dqw.c(), dqb.c(), dkw.c(), dkb.c(), dout.c(), qkv.c(), m.c(), s.c(), qw.c(),
+                                 kw.c(), r, p);
+          ref().qk_norm_backward(dqkv.r(), dqw.r(), dqb.r(), dkw.r(), dkb.r(), dout.r(), qkv.r(), m.r(), s.r(), qw.r(),
+                                 kw.r(), r, p);
+          MT_CHECK_CLOSE(dqkv, tol_for(dt));
+          check_bf16_grad(dqw, "dq_weight");
+          if (ln) check_bf16_grad(dqb, "dq_bias");
+          if (k_f32) {
+            MT_CHECK_CLOSE(dkw, 1e-5);
+            if (ln) MT_CHECK_CLOSE(dkb, 1e-5);
+          } else {
+            check_bf16_grad(dkw, "dk_weight");
+            if (ln) check_bf16_grad(dkb, "dk_bias");
+          }
+        }
+}
