@@ -8,8 +8,9 @@
 #   bench/llama8b_recipe.sh [--bin DIR] [--gpus N] [--iters N] [--micro-batches N] [--fp8] [--extra "FLAGS"]
 #
 # --micro-batches: per rank and step (global batch = N x GPUs; the recipe's 128 would take ~25 s a
-# step on 4 GPUs). --fp8 adds the recipe's FP8 flags (hybrid, delayed, amax history 1024, max) except
-# --fp8-param-gather, which megatrain does not support yet. Logs go to $OUT (or /tmp).
+# step on 4 GPUs). --fp8 adds the recipe's FP8 flags (hybrid, delayed, amax history 1024, max)
+# except --fp8-param-gather, which megatrain does not support yet. TIMEOUT_S (default 560) limits
+# the run. Logs go to $OUT (or /tmp).
 set -u
 cd "$(dirname "$0")/.."
 bin=build/app/megatrain
@@ -49,7 +50,7 @@ name="llama8b_${gpus}gpu${fp8:+_fp8}"
 # shellcheck disable=SC2086
 echo "\$ megatrain <recipe> --global-batch-size $gbs --train-iters $iters $fp8 $extra"
 # shellcheck disable=SC2086
-timeout 560 "$bin" $recipe --global-batch-size "$gbs" --train-iters "$iters" $fp8 $extra \
+timeout "${TIMEOUT_S:-560}" "$bin" $recipe --global-batch-size "$gbs" --train-iters "$iters" $fp8 $extra \
   --metrics-jsonl "$out/$name.jsonl" > "$out/$name.log" 2>&1
 rc=$?
 grep -E "memory plan|peak:|\[rank [0-9]+\] memory:|error|Error" "$out/$name.log" | head -n 20
