@@ -30,6 +30,9 @@ megatrain_parallel_train_test(parallel_train_dp3_distopt 3 --use-distributed-opt
 # the same run within bf16 rounding.
 megatrain_parallel_train_test(parallel_train_dp3_distopt_bf16_reduce --bf16-reduce 3 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000 --grad-reduce-in-bf16)
+# ... over TP=2 with sequence parallelism (the norms' partial gradients are summed over TP in bf16),
+megatrain_parallel_train_test(parallel_train_tp2_sp_bf16_grads --bf16-reduce 2 --tensor-model-parallel-size 2
+                              --sequence-parallel --grad-reduce-in-bf16)
 # ... and resumed on another DP size: the sharded optimizer states are read one parameter at a
 # time (the bf16 gradient buffer cannot stage float32 tensors).
 megatrain_parallel_train_test(parallel_train_resume_dp2distopt_bf16_to_dp3distopt --bf16-reduce --resume
