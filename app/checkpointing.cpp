@@ -93,6 +93,11 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
   for (GptModel* m : chunks_) {
     Staging h;
     h.params.resize(size_of(m->params_flat()));
+    // FP8 parameters' model weights come from the master weights (GptModel::fp8_params).
+    if (m->fp8_params()) {
+      h.master.resize(size_of(m->master_flat()));
+      h.fp8_model.resize(static_cast<size_t>(m->master_flat().numel()) * dtype_size(m->options().compute));
+    }
     if (!cfg.checkpoint.no_save_optim) {
       if (m->has_master_copy()) h.master.resize(size_of(m->master_flat()));
       h.state1.resize(size_of(m->exp_avg_flat()));
@@ -119,7 +124,7 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   Backend& be = m.backend();
   // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
   be.copy_to_host(h.params.data(), m.params_flat());
-  if (optim) {
+  if (optim || m.fp8_params()) {
     if (!h.master.empty()) be.copy_to_host(h.master.data(), m.master_flat());
     if (!h.state1.empty()) be.copy_to_host(h.state1.data(), m.exp_avg_flat());
     if (!h.state2.empty()) be.copy_to_host(h.state2.data(), m.exp_avg_sq_flat());
@@ -140,9 +145,11 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   for (const ParamDesc& p : ps) {
     if (!owns(p)) continue;
     const ShardSlice slice = ShardSlice::whole(p.shard);
-    w.add(p.name, CheckpointKind::model, slice, host_view(h.params, T, p.offset, p.numel()), p.global_shape);
+    if (!p.fp8_storage)
+      w.add(p.name, CheckpointKind::model, slice, host_view(h.params, T, p.offset, p.numel()), p.global_shape);
     if (optim && !L.sharded) add_optim(p, slice, p.offset, p.numel());
   }
+  stage_fp8_params(w, m, h);
   // FP8 scaling state: per FP8 layer, replicated over DP and (after the amax reduction) TP.
   const Fp8State& f = m.fp8_state();
   if (f.any() && ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
@@ -169,6 +176,33 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
       add_optim(p, ShardSlice{p.shard, seg.param_offset, seg.numel}, L.state_offset[static_cast<size_t>(b)] + seg.shard_offset,
                 seg.numel);
     }
+}
+
+// The model weights of FP8 parameters are what a run without --fp8-param-gather saves: the master
+// weights rounded to the compute dtype (not the FP8 values), so that such a checkpoint loads,
+// converts and exports like any other. Every DP rank writes its shards' pieces (the master copy is
+// sharded), as for the optimizer state.
+void TrainingCheckpoints::stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h) {
+  if (!m.fp8_params() || ps_.cp_rank != 0) return;
+  const DType T = m.options().compute, S = m.options().accum;
+  MT_CHECK(S == DType::f32, "FP8 parameters with {} master weights", dtype_name(S));
+  const float* master = reinterpret_cast<const float*>(h.master.data());
+  const GradLayout& L = m.grad_layout();
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!L.fp8_bucket(b)) continue;
+    for (const ShardSegment& seg : L.shard_segments(b)) {
+      const ParamDesc& p = m.params()[static_cast<size_t>(seg.param)];
+      const int64_t at = L.state_offset[static_cast<size_t>(b)] + seg.shard_offset;
+      const Tensor out = host_view(h.fp8_model, T, at, seg.numel);
+      for (int64_t i = 0; i < seg.numel; ++i) {
+        const float v = master[at + i];
+        if (T == DType::bf16) out.ptr<uint16_t>()[i] = float_to_bf16_bits(v);
+        else if (T == DType::f16) out.ptr<uint16_t>()[i] = float_to_f16_bits(v);
+        else out.ptr<float>()[i] = v;
+      }
+      w.add(p.name, CheckpointKind::model, ShardSlice{p.shard, seg.param_offset, seg.numel}, out, p.global_shape);
+    }
+  }
 }
 
 std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
@@ -323,7 +357,7 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
     read_sharded(master_kind, "", m.master_flat(), load_optim, true);
   } else if (L.sharded && m.has_master_copy()) {
     read_flat(reader, m, master_kind, "", m.grads_flat(), load_optim);
-    be.cast(m.params_flat(), m.grads_flat());
+    be.cast(m.params_flat(), m.grads_flat().flat_slice(0, m.params_flat().numel()));  // (FP8 parameters: below)
     keep_shards(m.master_flat());
   } else {
     read_flat(reader, m, master_kind, "", m.master_flat(), load_optim);
@@ -344,14 +378,16 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
   }
   if (L.sharded && !m.stages_per_param()) be.fill(m.grads_flat(), 0.0);
   be.synchronize();
-  load_fp8_state(reader, m);
+  // FP8 parameters: cast from the loaded master weights with the saved scales (the bits the saving
+  // run used), or scaled afresh without FP8 state in the checkpoint.
+  m.fp8_params_from_master(!load_fp8_state(reader, m));
 }
 
 // FP8 scaling state: every rank reads its FP8 layers' (replicated) state. A checkpoint without it
 // (saved without --fp8-format) leaves the initial scales (1), as a fresh FP8 run.
-void TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) {
+bool TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) {
   Fp8State& f = m.fp8_state_mutable();
-  if (!f.any()) return;
+  if (!f.any()) return false;
   const int64_t H = f.options().history_len, K = Fp8State::kPerLayer;
   const std::vector<int>& layers = f.fp8_global_layers();
   bool any_saved = false, all_saved = true;
@@ -362,7 +398,7 @@ void TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) 
   }
   if (!any_saved) {
     log::info("  the checkpoint holds no FP8 scaling state: FP8 scales start at 1");
-    return;
+    return false;
   }
   if (!all_saved)
     fail("the checkpoint holds FP8 scaling state for some of this run's FP8 layers only (saved with other "
@@ -384,6 +420,7 @@ void TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) 
   }
   f.load_from_host(m.backend(), packed.data());
   m.fp8_begin_step();  // the weight cache follows the loaded weights
+  return true;
 }
 
 ResumePoint TrainingCheckpoints::load() {

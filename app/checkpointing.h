@@ -97,6 +97,8 @@ class TrainingCheckpoints {
   // states 1 and 2 (sharded buffers with the distributed optimizer).
   struct Staging {
     std::vector<unsigned char> params, master, state1, state2, fp8;
+    // FP8 parameters: this rank's master shards rounded to the compute dtype (their model weights).
+    std::vector<unsigned char> fp8_model;
   };
   // Whether this rank writes the model replica of parameter p; the optimizer replica too unless
   // the optimizer state is sharded (then every DP rank writes its shards).
@@ -106,6 +108,8 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  // FP8 parameters' model weights: the compute-dtype rounding of this rank's master shards.
+  void stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h);
   // Loading progress: tensors read of all to read, printed by rank 0 every few seconds.
   struct LoadProgress {
     std::string directory;
@@ -115,7 +119,8 @@ class TrainingCheckpoints {
   };
   LoadProgress load_progress_;
   void loaded_tensor(size_t bytes);
-  void load_fp8_state(CheckpointReader& reader, GptModel& m);
+  // false: the checkpoint holds none (the state stays as it was).
+  bool load_fp8_state(CheckpointReader& reader, GptModel& m);
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
   void read_param(CheckpointReader& reader, GptModel& m, const ParamDesc& p, CheckpointKind kind,

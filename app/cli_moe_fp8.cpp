@@ -61,7 +61,8 @@ void add_fp8_flags(FlagTable& t) {
            MT_FIELD(train.fp8_amax_compute_algo));
   t.negative_flag("--no-fp8-wgrad", "weight gradients in higher precision (bf16 GEMM) with FP8",
                   MT_FIELD(train.fp8_wgrad));
-  t.recognised("--fp8-param-gather", Arity::none, "", "off", "FP8 parameters and all-gather");
+  t.flag("--fp8-param-gather", "FP8 layers' weights kept only in FP8, all-gathered in FP8 (distributed optimizer)",
+         MT_FIELD(train.fp8_param_gather));
   t.recognised("--fp8-dot-product-attention", Arity::none, "", "off", "FP8 inputs to the attention kernel");
   t.recognised("--fp8-multi-head-attention", Arity::none, "", "off", "FP8 across the whole attention block");
   t.flag("--first-last-layers-bf16", "keep the first/last transformer layers in bf16 with FP8",

@@ -130,8 +130,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--fp8-recipe", W::values, {"mxfp8", "blockwise", "custom"}, "FP8 recipes built: delayed, tensorwise"},
       {"--fp8-quantizer-factory", W::any_use, {}, "FP8 recipes built: delayed, tensorwise"},
       {"--fp8-interval", W::other_than, {"1"}, ""},
-      {"--fp8-param-gather", W::any_use, {},
-       "FP8 weights are cast from the bf16 parameters once per step; drop --fp8-param-gather"},
       {"--fp8-dot-product-attention", W::any_use, {},
        "attention runs in bf16 with FP8 linear layers (cuDNN's FP8 attention backward also needs head "
        "dimension 128 on Hopper); drop --fp8-dot-product-attention"},

@@ -46,8 +46,8 @@ void validate_recompute(CliState& st) {
 
 }  // namespace
 
-// FP8 (megatron.md 1.12). The recipes not built (mxfp8, blockwise, custom) and
-// --fp8-param-gather are refused by unsupported.cpp before this runs.
+// FP8 (megatron.md 1.12). The recipes not built (mxfp8, blockwise, custom) are refused by
+// unsupported.cpp before this runs.
 static void validate_fp8(CliState& st) {
   const Config& c = st.cfg;
   const TrainConfig& t = c.train;
@@ -57,7 +57,18 @@ static void validate_fp8(CliState& st) {
   if (t.num_layers_at_end_in_bf16 < 0) fail("--num-layers-at-end-in-bf16 must be >= 0 (got {})", t.num_layers_at_end_in_bf16);
   if (!t.fp8_format) {
     if (t.first_last_layers_bf16) st.note("--first-last-layers-bf16 has no effect without --fp8-format");
+    if (t.fp8_param_gather) fail("--fp8-param-gather needs --fp8-format (it keeps the FP8 layers' weights in FP8)");
     return;
+  }
+  if (t.fp8_param_gather) {
+    // Megatron: "--fp8-param-gather only supported with distributed optimizer, torch fully sharded
+    // data parallel or when performing inference".
+    if (!c.parallel.use_distributed_optimizer)
+      fail("--fp8-param-gather is only supported with --use-distributed-optimizer (as in Megatron): the optimizer's "
+           "float32 master weights are what it casts to FP8");
+    if (t.fp8_recipe != Fp8Recipe::delayed)
+      fail("--fp8-param-gather is built for --fp8-recipe delayed only (the cast of each weight shard then needs no "
+           "whole-tensor amax first); use --fp8-recipe delayed or drop --fp8-param-gather");
   }
   if (t.precision == Precision::fp32 && t.device == DeviceKind::gpu)
     fail("--fp8-format needs --bf16 (or --fp16): the FP8 GEMMs read and write 16-bit activations (only the CPU "

@@ -198,6 +198,9 @@ struct TrainConfig {
   int fp8_amax_history_len = 1;                 // --fp8-amax-history-len (delayed)
   Fp8AmaxAlgo fp8_amax_compute_algo = Fp8AmaxAlgo::most_recent;  // --fp8-amax-compute-algo (delayed)
   bool fp8_wgrad = true;                        // --no-fp8-wgrad: weight gradients in higher precision
+  // --fp8-param-gather: the FP8 layers' weights exist only as FP8 (no compute-dtype copy); the
+  // distributed optimizer casts its float32 master shards into them and all-gathers FP8 bytes.
+  bool fp8_param_gather = false;
   bool first_last_layers_bf16 = false;          // --first-last-layers-bf16
   int num_layers_at_start_in_bf16 = 1;          // with --first-last-layers-bf16
   int num_layers_at_end_in_bf16 = 1;

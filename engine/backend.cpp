@@ -77,6 +77,12 @@ void Backend::fp8_linear_backward_input(Tensor, Tensor, Tensor, Tensor, Tensor, 
 void Backend::fp8_linear_backward_weight(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool) {
   throw Unsupported("FP8 (--fp8-format): fp8_linear_backward_weight is not on the " + name() + " backend yet");
 }
+void Backend::fp8_transpose(Tensor, Tensor) {
+  throw Unsupported("FP8 (--fp8-param-gather): fp8_transpose is not on the " + name() + " backend yet");
+}
+void Backend::fp8_dequantize(Tensor, Tensor, Tensor) {
+  throw Unsupported("FP8 (--fp8-param-gather): fp8_dequantize is not on the " + name() + " backend yet");
+}
 void Backend::fp8_update_scales(Tensor, Tensor, Tensor, Tensor, const Fp8ScaleUpdate&) {
   throw Unsupported("FP8 (--fp8-format): fp8_update_scales is not on the " + name() + " backend yet");
 }

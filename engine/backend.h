@@ -302,6 +302,17 @@ class Backend {
   virtual void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                                  const Fp8ScaleUpdate& p);
 
+  // ---- FP8 parameters (--fp8-param-gather) --------------------------------------------------
+  // FP8 layers' weights then live only as FP8 (the optimizer casts its float32 master weights into
+  // them with fp8_quantize); these two ops serve the weight's other uses.
+  // q_t[C, R] = q[R, C] transposed: the FP8 bytes as they are (q and q_t one FP8 dtype). The
+  // weight cache's transposed copy, for the input-gradient GEMM (and nothing else moves).
+  virtual void fp8_transpose(Tensor q_t, Tensor q);
+  // out[i] = float(q[i]) * scale_inv (float32 product), rounded once to out's dtype (the compute
+  // dtype or float32); out and q the same shape. The weight in the compute dtype where a layer's
+  // GEMMs do not run in FP8 (delayed scaling's calibrating first step).
+  virtual void fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv);
+
   // ---- activations -----------------------------------------------------------------------
   virtual void gelu_forward(Tensor out, Tensor in, bool tanh_approx) = 0;
   virtual void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) = 0;

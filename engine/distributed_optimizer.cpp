@@ -76,7 +76,8 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
   v.grad = m.grads_flat().flat_slice(r.flat_offset, r.numel);
   if (m.has_master_copy()) {
     v.master = state(m.master_flat());
-    v.model_copy = m.params_flat().flat_slice(r.flat_offset, r.numel);
+    // FP8 parameters are cast after the update (GptModel::fp8_cast_shard), not copied.
+    if (r.bucket < 0 || !m.grad_layout().fp8_bucket(r.bucket)) v.model_copy = m.param_storage(r.flat_offset, r.numel);
   } else {
     v.master = m.params_flat().flat_slice(r.flat_offset, r.numel);  // the parameters are the master weights
   }
@@ -117,7 +118,7 @@ void ParamGather::start() {
     // forward's parameters arrive first.
     for (int b = L.num_buckets() - 1; b >= 0; --b) {
       const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-      const Tensor whole = m.params_flat().flat_slice(k.offset, k.numel);
+      const Tensor whole = m.param_storage(k.offset, k.numel);  // FP8 buckets: FP8 bytes
       dp_.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
       if (overlap_) {
         be.record_comm_mark(first_mark_[c] + b);

@@ -49,7 +49,7 @@ struct OptimViews {
 OptimViews optim_views(const GptModel& model, const OptimRange& r);
 
 // The parameter all-gather after a distributed-optimizer step: per bucket, from each rank's shard
-// (in place, in the compute dtype) on the data-parallel communicator. With overlap
+// (in place, in the compute dtype, or FP8 for FP8 parameters) on the data-parallel communicator. With overlap
 // (--overlap-param-gather, a backend with a communication stream) the gathers run on that stream
 // and each forward waits, before its first use of a bucket's parameters, for that bucket alone.
 class ParamGather {

@@ -1,6 +1,8 @@
 #include "engine/fp8_state.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 
 #include "core/error.h"
 #include "parallel/parallel_state.h"
@@ -16,6 +18,7 @@ Fp8Options Fp8Options::from_config(const Config& cfg) {
   o.history_len = t.fp8_amax_history_len;
   o.algo = t.fp8_amax_compute_algo;
   o.wgrad = t.fp8_wgrad;
+  o.param_gather = t.fp8_param_gather;
   const int L = cfg.model.num_layers;
   o.layer_fp8.assign(static_cast<size_t>(std::max(L, 0)), 0);
   for (int l = 0; l < L; ++l) o.layer_fp8[static_cast<size_t>(l)] = t.fp8_layer(l, L) ? 1 : 0;
@@ -112,11 +115,45 @@ void Fp8State::load_from_host(Backend& be, const float* packed) {
       si[static_cast<size_t>(j * kPerLayer + k)] = b[(H + 1) * kPerLayer + k];
     }
   }
-  // No scale update yet (every scale 1): the casts keep using their own amax (see the header).
-  const auto one = [](float v) { return v == 1.0f; };
-  first_step_ = opt_.recipe == Fp8Recipe::delayed && std::all_of(sc.begin(), sc.end(), one) &&
-                std::all_of(si.begin(), si.end(), one);
+  // No scale update yet (every input and gradient scale 1; FP8 parameters set their weights'
+  // scales before it): the layers calibrate (see the header).
+  bool all_one = true;
+  for (int64_t i = 0; i < n; ++i)
+    if (i % kRoles != w) all_one = all_one && sc[static_cast<size_t>(i)] == 1.0f && si[static_cast<size_t>(i)] == 1.0f;
+  first_step_ = opt_.recipe == Fp8Recipe::delayed && all_one;
   be.copy_from_host(history_, hist.data());
+  be.copy_from_host(scale_, sc.data());
+  be.copy_from_host(scale_inv_, si.data());
+  be.synchronize();  // the host vectors go out of scope
+}
+
+void Fp8State::reduce_amax(ParallelState& ps) {
+  if (!any()) return;
+  // The amax of a sharded tensor is the max over its shards; replicated tensors agree anyway. Max
+  // is associative, so TP then DP equals one reduction over DP x TP.
+  const Tensor current = history_.flat_slice(0, operands());
+  if (ps.tp_size > 1) ps.tp->all_reduce(current, ReduceOp::max);
+  if (ps.dp_size > 1) ps.dp->all_reduce(current, ReduceOp::max);
+}
+
+void Fp8State::set_weight_scales_from_amax(Backend& be) {
+  if (!any()) return;
+  const int64_t n = operands();
+  std::vector<float> amax(static_cast<size_t>(n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n)),
+      fmax(static_cast<size_t>(n));
+  be.copy_to_host(amax.data(), history_.flat_slice(0, n));
+  be.copy_to_host(sc.data(), scale_);
+  be.copy_to_host(si.data(), scale_inv_);
+  be.copy_to_host(fmax.data(), fp8_max_);
+  for (int64_t i = w; i < n; i += kRoles) {
+    const float a = amax[static_cast<size_t>(i)];
+    if (!(a > 0.0f && std::isfinite(a))) continue;
+    // fp8_update_scales' arithmetic (engine/backend.h), in float32.
+    float s = (fmax[static_cast<size_t>(i)] / a) / std::ldexp(1.0f, opt_.margin);
+    if (std::isinf(s)) s = FLT_MAX;
+    sc[static_cast<size_t>(i)] = s;
+    si[static_cast<size_t>(i)] = 1.0f / s;
+  }
   be.copy_from_host(scale_, sc.data());
   be.copy_from_host(scale_inv_, si.data());
   be.synchronize();  // the host vectors go out of scope
@@ -129,10 +166,7 @@ void Fp8State::end_step(Backend& be, ParallelState& ps) {
     be.fill(current, 0.0);
     return;
   }
-  // The amax of a sharded tensor is the max over its shards; replicated tensors agree anyway. Max
-  // is associative, so TP then DP equals one reduction over DP x TP.
-  if (ps.tp_size > 1) ps.tp->all_reduce(current, ReduceOp::max);
-  if (ps.dp_size > 1) ps.dp->all_reduce(current, ReduceOp::max);
+  reduce_amax(ps);
   Fp8ScaleUpdate u;
   u.algo = opt_.algo;
   u.margin = opt_.margin;

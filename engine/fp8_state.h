@@ -44,6 +44,7 @@ struct Fp8Options {
   int history_len = 1;
   Fp8AmaxAlgo algo = Fp8AmaxAlgo::most_recent;
   bool wgrad = true;                // false (--no-fp8-wgrad): weight gradients by the bf16 GEMM
+  bool param_gather = false;        // --fp8-param-gather: FP8 layers' weights stored only as FP8
   std::vector<char> layer_fp8;      // per GLOBAL decoder layer: 1 = FP8 linear layers
   static Fp8Options from_config(const Config& cfg);
   bool enabled() const { return format.has_value(); }
@@ -75,8 +76,15 @@ class Fp8State {
   // Delayed scaling before its first scale update: the FP8 layers calibrate (see above).
   bool calibrating() const { return first_step_; }
 
-  // Once per optimizer step, after it (every rank of the amax groups calls it).
+  // Once per optimizer step, before its update (every rank of the amax groups calls it): the
+  // amax reduction, then (delayed) the scale update.
   void end_step(Backend& be, ParallelState& ps);
+  // The amax row's max over TP and DP (every rank of those groups calls it).
+  void reduce_amax(ParallelState& ps);
+  // FP8 parameters at set-up: each weight's scale (and scale_inv) from its amax in row 0 alone, by
+  // fp8_update_scales' rule, without rolling the history (that update still sees the amax).
+  // Inputs' and gradients' scales stay as they are.
+  void set_weight_scales_from_amax(Backend& be);
 
   // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
   // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].

@@ -230,6 +230,19 @@ void GptModel::plan_params() {
   MT_CHECK(opt_.dp_size >= 1 && opt_.dp_rank >= 0 && opt_.dp_rank < opt_.dp_size, "dp {} of {}", opt_.dp_rank,
            opt_.dp_size);
   descs_ = build_param_descs(d_, &total_elements_);
+  // --fp8-param-gather: the linear weights of FP8 layers are stored as FP8 only.
+  static const char* const kGemmWeights[Fp8State::kGemms] = {".self_attention.linear_qkv.weight",
+                                                             ".self_attention.linear_proj.weight",
+                                                             ".mlp.linear_fc1.weight", ".mlp.linear_fc2.weight"};
+  auto gemm_of = [](const ParamDesc& p) {
+    for (int g = 0; g < Fp8State::kGemms; ++g)
+      if (p.name.ends_with(kGemmWeights[g])) return g;
+    return -1;
+  };
+  if (opt_.fp8.param_gather) {
+    MT_CHECK(opt_.shard_optimizer_state, "FP8 parameters (--fp8-param-gather) need the distributed optimizer");
+    for (ParamDesc& p : descs_) p.fp8_storage = opt_.fp8.global_layer_fp8(p.layer) && gemm_of(p) >= 0;
+  }
   grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
                                     d_.pipeline && d_.tied_embeddings, &total_elements_);
   const int n = static_cast<int>(descs_.size());
@@ -244,6 +257,9 @@ void GptModel::plan_params() {
   tp_partial_ = tp_partial_ranges(descs_);
   fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
   fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
+  fp8_param_gemm_.assign(descs_.size(), {-1, -1});
+  for (size_t i = 0; i < descs_.size(); ++i)
+    if (descs_[i].fp8_storage) fp8_param_gemm_[i] = {descs_[i].layer - d_.layer_begin, gemm_of(descs_[i])};
 }
 
 MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
@@ -315,7 +331,9 @@ void GptModel::layout(Arena& a) {
   const DType T = opt_.compute, S = opt_.accum;
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden, total = total_elements_;
   const int64_t state = grad_layout_.state_numel;  // == total unless sharded
-  params_ = a.take(C::parameters, T, {total});
+  const int64_t fp8_begin = grad_layout_.fp8_begin;  // == total without FP8 parameters
+  params_ = a.take(C::parameters, T, {fp8_begin});
+  fp8_params_ = fp8_params() ? a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin}) : Tensor();
   grads_ = a.take(C::gradients, opt_.grad, {total});
   master_ = has_master_copy() ? a.take(C::master_weights, S, {state}) : params_;
   state1_ = state2_ = Tensor();
@@ -334,7 +352,7 @@ void GptModel::layout(Arena& a) {
   // FP8: scaling state, weight cache of the FP8 layers, quantization workspaces.
   fp8_.layout(a);
   fp8_w_.assign(static_cast<size_t>(d_.stage_layers()), Fp8Weights{});
-  fp8_xq_ = fp8_xq_t_ = fp8_dyq_ = fp8_dyq_t_ = Tensor();
+  fp8_xq_ = fp8_xq_t_ = fp8_dyq_ = fp8_dyq_t_ = fp8_w_compute_ = Tensor();
   if (fp8_.any()) {
     const int64_t qkv = d_.qkv_width_local(), att = d_.attn_width_local(), fc1 = d_.fc1_width_local(), f = d_.ffn_local();
     const int64_t nk[Fp8State::kGemms][2] = {{qkv, h}, {h, att}, {fc1, h}, {h, f}};  // weight [N, K] per GEMM
@@ -342,9 +360,15 @@ void GptModel::layout(Arena& a) {
     for (int l = 0; l < d_.stage_layers(); ++l) {
       if (!fp8_.layer_fp8(l)) continue;
       for (int g = 0; g < Fp8State::kGemms; ++g) {
-        fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
+        // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
+        if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
         fp8_w_[l].q_t[g] = a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
       }
+    }
+    if (fp8_params() && opt_.fp8.recipe == Fp8Recipe::delayed) {
+      int64_t biggest = 0;
+      for (const auto& w : nk) biggest = std::max(biggest, w[0] * w[1]);
+      fp8_w_compute_ = a.take(C::workspace, T, {biggest});
     }
     const int64_t k_max = std::max({h, att, f}), n_max = std::max({qkv, h, fc1});
     fp8_xq_ = a.take(C::workspace, fp8_.dtype(Fp8State::x), {N * k_max});
@@ -446,7 +470,19 @@ Tensor GptModel::logits() const {
   return ws_->logits;
 }
 
-Tensor GptModel::param(int i) const { return shaped(params_, descs_.at(i)); }
+Tensor GptModel::param_storage(int64_t offset, int64_t numel) const {
+  const int64_t begin = grad_layout_.fp8_begin;
+  if (offset >= begin) return fp8_params_.flat_slice(offset - begin, numel);
+  MT_CHECK(offset + numel <= begin, "param_storage: [{}, {}) crosses into the FP8 parameters at {}", offset,
+           offset + numel, begin);
+  return params_.flat_slice(offset, numel);
+}
+
+Tensor GptModel::param(int i) const {
+  const ParamDesc& p = descs_.at(i);
+  const Tensor t = param_storage(p.offset, p.numel());
+  return p.is_1d() ? t : t.view({p.local_rows(), p.local_cols()});
+}
 Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
 Tensor GptModel::master(int i) const {
   MT_CHECK(!(grad_layout_.sharded && has_master_copy()), "master({}) of a sharded master copy", i);
@@ -491,6 +527,9 @@ void GptModel::bind_params() {
     find(p + "mlp.linear_fc1.bias", P.fc1_b, Gr.fc1_b);
     find(p + "mlp.linear_fc2.weight", P.fc2_w, Gr.fc2_w);
     find(p + "mlp.linear_fc2.bias", P.fc2_b, Gr.fc2_b);
+    if (!fp8_.layer_fp8(l) || !opt_.fp8.param_gather) continue;
+    const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
+    for (int g = 0; g < Fp8State::kGemms; ++g) fp8_w_[static_cast<size_t>(l)].q[g] = w[g];
   }
 }
 
@@ -509,18 +548,19 @@ void GptModel::init_parameters() {
   const bool sharded_master = grad_layout_.sharded && has_master_copy();
   if (sharded_master && stages_per_param()) {
     stage_full_params([&](int i, Tensor w) { draw(descs_[static_cast<size_t>(i)], w); }, master_, true);
-    return;
+  } else {
+    const Tensor full = sharded_master ? grads_ : master_;
+    for (const ParamDesc& p : descs_) draw(p, shaped(full, p));
+    if (!has_master_copy()) return;
+    be_.cast(params_, full.flat_slice(0, params_.numel()));  // (the FP8 parameters: below)
+    if (!sharded_master) return;
+    for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+      const int64_t n = grad_layout_.shard_numel(b);
+      be_.copy(master_.flat_slice(grad_layout_.state_offset[b], n), grads_.flat_slice(grad_layout_.shard_offset(b), n));
+    }
+    be_.fill(grads_, 0.0);
   }
-  const Tensor full = sharded_master ? grads_ : master_;
-  for (const ParamDesc& p : descs_) draw(p, shaped(full, p));
-  if (!has_master_copy()) return;
-  be_.cast(params_, full);
-  if (!sharded_master) return;
-  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
-    const int64_t n = grad_layout_.shard_numel(b);
-    be_.copy(master_.flat_slice(grad_layout_.state_offset[b], n), grads_.flat_slice(grad_layout_.shard_offset(b), n));
-  }
-  be_.fill(grads_, 0.0);
+  fp8_params_from_master(true);
 }
 
 void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params) {
@@ -538,7 +578,7 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
     ParamDesc at_start = p;
     at_start.offset = 0;
     fill(static_cast<int>(i), shaped(scratch, at_start));
-    if (to_params) be_.cast(shaped(params_, p), shaped(scratch, at_start));
+    if (to_params && !p.fp8_storage) be_.cast(shaped(params_, p), shaped(scratch, at_start));
     for (const auto& [b, s] : pieces[i])
       be_.copy(sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel),
                scratch.flat_slice(s.param_offset, s.numel));
@@ -626,6 +666,52 @@ void GptModel::fp8_end_step() {
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
+void GptModel::fp8_cast_shard(int b) {
+  if (!fp8_params() || !grad_layout_.fp8_bucket(b)) return;
+  const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)], flat = grad_layout_.shard_offset(b);
+  for (const ShardSegment& s : grad_layout_.shard_segments(b)) {
+    const auto [local, g] = fp8_param_gemm_[static_cast<size_t>(s.param)];
+    MT_CHECK(local >= 0, "{} lies in the FP8 parameters but is not an FP8 weight", descs_[static_cast<size_t>(s.param)].name);
+    // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
+    const Tensor master = master_.flat_slice(state + s.shard_offset, s.numel).view({1, s.numel});
+    const Tensor q = param_storage(flat + s.shard_offset, s.numel).view({1, s.numel});
+    be_.fp8_quantize(q, Tensor(), master, fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+  }
+}
+
+void GptModel::fp8_params_from_master(bool initial_scales) {
+  if (!fp8_params()) return;
+  const GradLayout& L = grad_layout_;
+  if (initial_scales) {
+    fp8_.initialize(be_);  // a fresh FP8 run's state
+    // A first cast with the scales there are (its bits are overwritten below) records every
+    // shard's amax; their max over TP and DP sets each weight's scale, as the first delayed-scaling
+    // update would from the weight's amax alone. The amax stays recorded for that update.
+    for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
+    fp8_.reduce_amax(ps_);
+    fp8_.set_weight_scales_from_amax(be_);
+  }
+  for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
+  if (ps_.dp_size > 1)
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      if (!L.fp8_bucket(b)) continue;
+      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+      const Tensor whole = param_storage(k.offset, k.numel);
+      ps_.dp->all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+    }
+  be_.synchronize();
+  fp8_begin_step();  // the transposed copies follow
+}
+
+Tensor GptModel::compute_weight(int local, Fp8State::Gemm g, Tensor w) {
+  if (!is_fp8(w.dtype)) return w;
+  MT_CHECK(!fp8_w_compute_.empty(), "layer {}: an FP8 weight in a compute-dtype GEMM without a workspace",
+           d_.layer_begin + local);
+  const Tensor out = fp8_w_compute_.flat_slice(0, w.numel()).view({w.rows(), w.cols()});
+  be_.fp8_dequantize(out, w, fp8_.scale_inv(local, g, Fp8State::w));
+  return out;
+}
+
 // Evaluation forwards record no amax (their tensors are not the training step's), so a refresh
 // made by one does not count as fresh for training.
 Fp8TensorMeta GptModel::fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const {
@@ -640,8 +726,10 @@ void GptModel::fp8_refresh_weights(int local) {
   const LayerParams& P = layer_params_[static_cast<size_t>(local)];
   const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
   const Fp8Weights& c = fp8_w_[static_cast<size_t>(local)];
-  for (int g = 0; g < Fp8State::kGemms; ++g)
-    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+  for (int g = 0; g < Fp8State::kGemms; ++g) {
+    if (is_fp8(w[g].dtype)) be_.fp8_transpose(c.q_t[g], c.q[g]);  // an FP8 parameter: cast by the optimizer
+    else be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+  }
   fp8_fresh_[static_cast<size_t>(local)] = fresh;
 }
 
@@ -664,7 +752,7 @@ void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tenso
   fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
   const Tensor xq = fp8_quantize_input(local, g, A, x, nullptr, norm);
   if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
-    be_.linear_forward(y, x, w, bias, act, pre_act);
+    be_.linear_forward(y, x, compute_weight(local, g, w), bias, act, pre_act);
     return;
   }
   be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
@@ -725,7 +813,7 @@ void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre,
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
                                 Tensor pre_act) {
   if (!fp8_gemms(local)) {  // (calibrating: linear_quantize_dy recorded dy's amax)
-    be_.linear_backward_input(dx, dy, w, false, act, pre_act);
+    be_.linear_backward_input(dx, dy, fp8_layer(local) ? compute_weight(local, g, w) : w, false, act, pre_act);
     return;
   }
   be_.fp8_linear_backward_input(dx, fp8_view(fp8_dyq_, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
@@ -1184,7 +1272,8 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
       linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
       if (!kept) be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
     } else {
-      be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, P.fc2_w, act, A.fc1_pre);
+      be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, compute_weight(local, Fp8State::fc2, P.fc2_w), act,
+                                          A.fc1_pre);
     }
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);

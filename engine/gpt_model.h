@@ -126,7 +126,10 @@ class GptModel {
   Backend& backend() { return be_; }
 
   // Flat buffers (all parameters of the stage, in params() order with padding).
+  // With FP8 parameters (fp8_params()) params_flat() holds the compute-dtype region only,
+  // [0, grad_layout().fp8_begin); param_storage() gives any bucket-aligned range of either region.
   Tensor params_flat() const { return params_; }
+  Tensor param_storage(int64_t offset, int64_t numel) const;
   Tensor grads_flat() const { return grads_; }
   // Master weights and optimizer states: indexed like the flat buffers, or, when sharded
   // (grad_layout().sharded), holding this DP rank's shard of each bucket at
@@ -135,7 +138,12 @@ class GptModel {
   Tensor master_flat() const { return master_; }  // == params_flat() when compute == accum
   Tensor exp_avg_flat() const { return state1_; }     // Adam m, or SGD momentum
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
-  bool has_master_copy() const { return opt_.compute != opt_.accum; }
+  // A separate master copy: a compute dtype narrower than accum, or FP8 parameters (their only
+  // full-precision values are the master weights, also with float32 compute on the reference backend).
+  bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params(); }
+  // --fp8-param-gather: the FP8 layers' linear weights live only as FP8 (ParamDesc::fp8_storage),
+  // in the FP8 region of the flat buffers (engine/grad_layout.h).
+  bool fp8_params() const { return grad_layout_.fp8_begin < total_elements_; }
   const GradLayout& grad_layout() const { return grad_layout_; }
   // Per-parameter views. master(i) needs an unsharded master copy.
   Tensor param(int i) const;
@@ -159,9 +167,21 @@ class GptModel {
   // The trainer calls fp8_begin_step() before a step's first forward (the FP8 weight cache is
   // rebuilt at each layer's first use after it: once per step, not per micro-batch, and after
   // any change of the parameters: init, checkpoint load, optimizer) and fp8_end_step() after the
-  // optimizer step (amax reduction and the delayed-scaling update). No-ops without FP8.
+  // last backward, before the optimizer step (amax reduction and the delayed-scaling update).
+  // No-ops without FP8.
   void fp8_begin_step();
   void fp8_end_step();
+  // FP8 parameters (fp8_params()): casts this DP rank's shard of bucket b (no-op outside the FP8
+  // region) from the master weights into the FP8 parameters with each weight's current scale,
+  // recording its amax: the optimizer's last step on the bucket, after fp8_end_step's scale update
+  // (the trainer ends a step's FP8 state before the optimizer step). The parameters' all-gather
+  // follows (engine/distributed_optimizer.h).
+  void fp8_cast_shard(int b);
+  // All FP8 parameters from the master weights (set-up time: after init_parameters or a checkpoint
+  // load): the shards cast, then all-gathered over DP. initial_scales: the weights' scales first
+  // come from their own amax (over every shard; no scale update has happened yet), else the
+  // loaded ones are used (a resumed run casts the same bits as the run that saved).
+  void fp8_params_from_master(bool initial_scales);
   const Fp8State& fp8_state() const { return fp8_; }
   Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
   // Starts a step's gradients: zeroes the buffer except the weight gradients the step's first GEMM
@@ -274,6 +294,9 @@ class GptModel {
   // step: the compute-dtype GEMMs, amaxes recorded; engine/fp8_state.h).
   bool fp8_gemms(int local) const { return fp8_layer(local) && !fp8_.calibrating(); }
   void fp8_refresh_weights(int local);
+  // The weight w of GEMM g of FP8 layer `local` for a compute-dtype GEMM (calibrating): w itself,
+  // or, for an FP8 parameter, its values dequantized into a workspace (valid until the next call).
+  Tensor compute_weight(int local, Fp8State::Gemm g, Tensor w);
   Fp8TensorMeta fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const;
   // FP8 layers whose weight-gradient GEMMs take the linear inputs quantized and transposed by the
   // forward's cast and kept with the layer's activations (LayerActs::fp8_xq_t): FP8 GEMMs with
@@ -372,6 +395,10 @@ class GptModel {
   bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
   bool fp8_keep_inputs_now_ = true;  // false in the first forward of a recomputed layer (see linear_fwd)
   Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
+  // FP8 parameters: the FP8 region of the flat buffers, each parameter's (local layer, GEMM) (-1
+  // elsewhere), and the workspace compute_weight dequantizes into (delayed scaling only).
+  Tensor fp8_params_, fp8_w_compute_;
+  std::vector<std::pair<int, int>> fp8_param_gemm_;
 };
 
 }  // namespace mt

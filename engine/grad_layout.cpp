@@ -13,6 +13,27 @@ std::vector<ShardSegment> GradLayout::shard_segments(int b) const {
   return segs;
 }
 
+namespace {
+
+// Appends the region's plan to the whole: its parameters and buckets after those already there.
+void append_region(GradBufferPlan& whole, const GradBufferPlan& region) {
+  const int64_t shift = whole.numel;
+  const int first_param = static_cast<int>(whole.params.size());
+  for (ParamPlacement p : region.params) {
+    p.offset += shift;
+    p.bucket += static_cast<int>(whole.buckets.size());
+    whole.params.push_back(p);
+  }
+  for (GradBucket b : region.buckets) {
+    b.offset += shift;
+    for (int& k : b.params) k += first_param;
+    whole.buckets.push_back(std::move(b));
+  }
+  whole.numel += region.numel;
+}
+
+}  // namespace
+
 GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
                               std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
                               int64_t* total_elements) {
@@ -22,8 +43,10 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
   g.sharded = sharded;
 
   // Backward order: runs of parameters of one layer (params() is in forward order, so a layer's
-  // parameters are adjacent), last run first; in each run the TP-partial ones first.
-  std::vector<GradParam> order;
+  // parameters are adjacent), last run first; in each run the TP-partial ones first. Per region:
+  // 0 the compute-dtype parameters, 1 the FP8 ones.
+  std::vector<GradParam> order[2];
+  std::vector<int> order_param[2];
   const int n = static_cast<int>(params.size());
   for (int end = n; end > 0;) {
     int begin = end - 1;
@@ -35,20 +58,46 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
         if (p.tp_partial_grad != (pass == 0)) continue;
         const bool tied_copy = pipeline && (p.name == "embedding.word_embeddings.weight" ||
                                             (p.name == "output_layer.weight" && p.shared_copy));
-        order.push_back(GradParam{p.name, p.numel(), tied_copy});
-        g.plan_param.push_back(i);
+        const int region = p.fp8_storage ? 1 : 0;
+        order[region].push_back(GradParam{p.name, p.numel(), tied_copy});
+        order_param[region].push_back(i);
       }
     end = begin;
   }
-  g.plan = plan_grad_buffer(order, dp_size, bucket_size);
-  for (size_t k = 0; k < order.size(); ++k)
+  g.plan.dp_size = dp_size;
+  for (int region = 0; region < 2; ++region) {
+    if (region == 1) g.fp8_begin = g.plan.numel;
+    if (order[region].empty()) continue;
+    append_region(g.plan, plan_grad_buffer(order[region], dp_size, bucket_size));
+    g.plan_param.insert(g.plan_param.end(), order_param[region].begin(), order_param[region].end());
+  }
+  if (order[1].empty()) g.fp8_begin = g.plan.numel;
+  for (size_t k = 0; k < g.plan_param.size(); ++k)
     params[static_cast<size_t>(g.plan_param[k])].offset = g.plan.params[k].offset;
   *total_elements = g.plan.numel;
 
-  for (const GradBucket& b : g.plan.buckets) {
+  auto first_param = [&](const GradBucket& b) {
     int first = n;
     for (int k : b.params) first = std::min(first, g.plan_param[static_cast<size_t>(k)]);
-    g.bucket_first_param.push_back(first);
+    return first;
+  };
+  // With two regions, their buckets interleave in the order their gradients become final (the
+  // reductions' launch order: a bucket is final once the backward has passed its first parameter in
+  // forward order); each region keeps its own order.
+  if (!order[1].empty()) {
+    std::vector<GradBucket> merged;
+    const size_t n0 = static_cast<size_t>(g.plan.params[order[0].size()].bucket);  // region 0's buckets
+    size_t i = 0, j = n0;
+    while (i < n0 || j < g.plan.buckets.size()) {
+      const bool take0 = j == g.plan.buckets.size() ||
+                         (i < n0 && first_param(g.plan.buckets[i]) >= first_param(g.plan.buckets[j]));
+      merged.push_back(std::move(g.plan.buckets[take0 ? i++ : j++]));
+    }
+    g.plan.buckets = std::move(merged);
+  }
+  for (size_t b = 0; b < g.plan.buckets.size(); ++b) {
+    for (int k : g.plan.buckets[b].params) g.plan.params[static_cast<size_t>(k)].bucket = static_cast<int>(b);
+    g.bucket_first_param.push_back(first_param(g.plan.buckets[b]));
   }
   int64_t state = 0;
   for (int b = 0; b < g.num_buckets(); ++b) {

@@ -8,6 +8,13 @@
 // order their gradients become final); within each layer the parameters whose gradients are only
 // partial on each TP rank (ParamDesc::tp_partial_grad) come first, so that one all-reduce covers
 // them.
+//
+// FP8 parameters (--fp8-param-gather, ParamDesc::fp8_storage) form a region of their own after all
+// the others, [fp8_begin, end), cut into buckets of its own (Megatron gives them a buffer of their
+// own): the model stores that region as FP8 bytes and the rest in the compute dtype, and a bucket
+// never mixes the two, so each bucket's parameter all-gather moves one dtype. Buckets are numbered
+// in the order their gradients become final across both regions (the order the reductions are
+// launched in), so bucket b no longer need lie before bucket b + 1 in the buffer.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +37,9 @@ struct GradLayout {
   bool sharded = false;
   std::vector<int64_t> state_offset;  // per bucket: where its shard starts in the sharded buffers
   int64_t state_numel = 0;            // size of the sharded buffers (the full size when not sharded)
+  int64_t fp8_begin = 0;              // first element of the FP8 region (plan.numel: none)
+
+  bool fp8_bucket(int b) const { return plan.buckets[static_cast<size_t>(b)].offset >= fp8_begin; }
 
   int num_buckets() const { return static_cast<int>(plan.buckets.size()); }
   int64_t shard_offset(int b) const { return plan.shard_offset(b, dp_rank); }  // in the flat buffers

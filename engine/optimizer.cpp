@@ -141,6 +141,8 @@ StepOutcome Optimizer::step(int64_t iteration) {
     scaler_.update(!finite);
     if (!finite) {
       out.skipped = true;
+      // FP8 parameters: the unchanged master weights again, with the scales the trainer just updated.
+      if (cast_fp8_params() && param_gather_) param_gather_->start();
       return out;
     }
   }
@@ -168,6 +170,7 @@ StepOutcome Optimizer::step(int64_t iteration) {
       if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
       else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
     }
+    cast_fp8_params();
   }
   if (param_gather_) {
     const ScopedTimer timed(timer, "params-all-gather");
@@ -176,6 +179,21 @@ StepOutcome Optimizer::step(int64_t iteration) {
   ++steps_;
   schedule_.step(t.global_batch);
   return out;
+}
+
+bool Optimizer::cast_fp8_params() {
+  bool any = false;
+  for (const OptimRange& r : ranges_) {
+    GptModel& m = *chunks_[static_cast<size_t>(r.chunk)];
+    if (!m.fp8_params()) continue;
+    m.fp8_cast_shard(r.bucket);
+    any = true;
+  }
+  // Each rank recorded its shards' amaxes; their max makes the weights' amax whole at once (as the
+  // step's end would), so that the FP8 state does not depend on the DP layout (checkpoints).
+  for (GptModel* m : chunks_)
+    if (m->fp8_params()) m->fp8_state_mutable().reduce_amax(ps_);
+  return any;
 }
 
 double Optimizer::params_norm() {

@@ -85,6 +85,9 @@ class Optimizer {
 
  private:
   OptimStepParams step_params(double grad_scale) const;
+  // FP8 parameters (--fp8-param-gather): this rank's shards cast from the master weights; false
+  // when no chunk has any.
+  bool cast_fp8_params();
   double read_scalars(double* host, int count);
 
   const Config& cfg_;

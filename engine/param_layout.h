@@ -34,6 +34,9 @@ struct ParamDesc {
   // that TP splits (Megatron's finalize_model_grads does the same all-reduce).
   bool tp_partial_grad = false;
   int layer = -1;                    // global layer number, -1 outside the decoder layers
+  // --fp8-param-gather: a linear weight of an FP8 layer, kept only as FP8 (the model's FP8
+  // parameter buffer, engine/grad_layout.h's FP8 region) beside its float32 master weights.
+  bool fp8_storage = false;
   int64_t offset = 0;                // element offset in the flat buffers
 
   int64_t numel() const { return shard.local_numel(); }

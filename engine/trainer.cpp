@@ -185,11 +185,12 @@ StepOutcome Trainer::train_step() {
   optimizer_.grad_sync().start_step();
   forward_backward();
   for (GptModel* m : chunks_) m->check_grads_written();
+  // FP8: this step's amaxes give the next step's scales (delayed scaling); new weights to cast.
+  // Before the optimizer step, which with FP8 parameters casts the new weights with those scales.
+  for (GptModel* m : chunks_) m->fp8_end_step();
   timers_.start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
   timers_.stop("optimizer");
-  // FP8: this step's amaxes give the next step's scales (delayed scaling); new weights to cast.
-  for (GptModel* m : chunks_) m->fp8_end_step();
   return o;
 }
 

@@ -306,4 +306,30 @@ void ReferenceBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor sc
   }
 }
 
+void ReferenceBackend::fp8_transpose(Tensor q_t, Tensor q) {
+  MT_CHECK(is_fp8(q.dtype) && q_t.dtype == q.dtype, "fp8_transpose: q {} and q_t {} must be one FP8 dtype",
+           dtype_name(q.dtype), dtype_name(q_t.dtype));
+  const int64_t R = q.rows(), C = q.cols();
+  MT_CHECK(q_t.rows() == C && q_t.cols() == R, "fp8_transpose: q_t {} for q {}", q_t.shape_string(), q.shape_string());
+  const uint8_t* src = static_cast<const uint8_t*>(q.data);
+  uint8_t* dst = static_cast<uint8_t*>(q_t.data);
+  pool_.parallel_for(C, 1, [&](int64_t cb, int64_t ce, int) {
+    for (int64_t c = cb; c < ce; ++c)
+      for (int64_t r = 0; r < R; ++r) dst[c * R + r] = src[r * C + c];
+  });
+}
+
+void ReferenceBackend::fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv) {
+  const char* op = "fp8_dequantize";
+  MT_CHECK(is_fp8(q.dtype), "{}: q must be an FP8 tensor, got {}", op, dtype_name(q.dtype));
+  check_numel(out, q.numel(), op, "out");
+  const float s = read_scalar(scale_inv, op, "scale_inv");
+  const std::array<float, 256>& d = decode_table(q.dtype);
+  const uint8_t* src = static_cast<const uint8_t*>(q.data);
+  const Floats o(out);
+  pool_.parallel_for(q.numel(), 4096, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) o.set(i, d[src[i]] * s);  // float32 product, one rounding
+  });
+}
+
 }  // namespace mt::reference
