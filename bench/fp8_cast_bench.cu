@@ -9,10 +9,12 @@
 // calls, median reported; the copy ceiling is cudaMemcpyAsync of 512 MiB timed the same way.
 // A hash of each case's fp8 bytes (and the sum of its bias gradient) is printed so that runs under
 // different kernels (MEGATRAIN_FP8_CAST_KERNEL=tiles) can be checked to write the same bytes.
+// Last, the FP8 weight transpose (fp8_transpose, --fp8-param-gather) at the models' weight shapes.
 //
 // Usage: bench_fp8_cast [--reps N] [--only SUBSTRING]
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -192,6 +194,34 @@ int main(int argc, char** argv) {
     std::snprintf(shape, sizeof shape, "%lldx%lld", static_cast<long long>(c.R), static_cast<long long>(c.C));
     std::printf("%-38s %14s %9.1f %9.1f %8.0f %6.1f%%  %016llx%s\n", c.name.c_str(), shape, us, bytes * 1e-6, gbs,
                 100.0 * gbs / copy_gbs, static_cast<unsigned long long>(h), dbias_note);
+  }
+
+  // The FP8 weight transpose (--fp8-param-gather: q_t [C, R] from the FP8 weight [R, C], once per
+  // step per weight): bytes read + written, 2 R C.
+  struct Transpose {
+    const char* name;
+    int64_t R, C;
+  };
+  const std::vector<Transpose> transposes = {
+      {"transpose gpt-1.3b qkv weight", 6144, 2048},   {"transpose gpt-1.3b proj weight", 2048, 2048},
+      {"transpose gpt-1.3b fc1 weight", 8192, 2048},   {"transpose gpt-1.3b fc2 weight", 2048, 8192},
+      {"transpose llama-1b qkv weight", 3072, 2048},   {"transpose llama-1b fc1 weight", 16384, 2048},
+      {"transpose llama-1b fc2 weight", 2048, 8192},
+  };
+  for (const Transpose& c : transposes) {
+    if (!only.empty() && std::string(c.name).find(only) == std::string::npos) continue;
+    // Consecutive calls take the next of up to 64 slots of x's bytes (as fp8) and of qt, so that the
+    // working set (>= 256 MiB) outgrows the L2 cache as the model's many weights do: DRAM rates.
+    const int64_t n = c.R * c.C, slots = std::min<int64_t>(64, max_elems / n);
+    int64_t call = 0;
+    const double us = timer.median_us([&] {
+      const int64_t k = call++ % slots;
+      fp8_transpose(ctx, qt + k * n, reinterpret_cast<const uint8_t*>(x) + k * n, c.R, c.C);
+    });
+    const double bytes = 2.0 * c.R * c.C, gbs = bytes / us * 1e-3;
+    char shape[32];
+    std::snprintf(shape, sizeof shape, "%lldx%lld", static_cast<long long>(c.R), static_cast<long long>(c.C));
+    std::printf("%-38s %14s %9.1f %9.1f %8.0f %6.1f%%\n", c.name, shape, us, bytes * 1e-6, gbs, 100.0 * gbs / copy_gbs);
   }
   cudaFree(x), cudaFree(pre), cudaFree(w), cudaFree(b), cudaFree(mean), cudaFree(rstd), cudaFree(scales);
   cudaFree(dbias), cudaFree(q), cudaFree(qt), cudaFree(scratch_mem);

@@ -92,6 +92,8 @@ class CudaBackend final : public Backend {
                                   Tensor x_scale_inv, bool accumulate) override;
   void fp8_update_scales(Tensor history, Tensor scale, Tensor scale_inv, Tensor fp8_max,
                          const Fp8ScaleUpdate& p) override;
+  void fp8_transpose(Tensor q_t, Tensor q) override;
+  void fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv) override;
 
   void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;
   void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;

@@ -1,5 +1,6 @@
-// CudaBackend's FP8 ops (engine/backend.h, "FP8 linear layers"): the quantizing cast and the three
-// linear-layer GEMMs on cuBLASLt FP8 (cuda/fp8_gemm_cublaslt.h, cuda/fp8_kernels.h).
+// CudaBackend's FP8 ops (engine/backend.h, "FP8 linear layers" and "FP8 parameters"): the quantizing
+// cast, the three linear-layer GEMMs on cuBLASLt FP8 (cuda/fp8_gemm_cublaslt.h, cuda/fp8_kernels.h),
+// and the FP8 weight's transpose and dequantization.
 //
 // Notes on the mapping to the kernels:
 //   - fp8_quantize: delayed scaling is one pass (the cast records max|x| into meta.amax);
@@ -235,6 +236,30 @@ void CudaBackend::fp8_update_scales(Tensor history, Tensor scale, Tensor scale_i
                           scale_inv.ptr<float>(), 0.0f, p.margin,
                           p.algo == Fp8AmaxAlgo::max ? cuda::Fp8AmaxAlgo::max : cuda::Fp8AmaxAlgo::most_recent, 1,
                           fp8_max_t.ptr<float>());
+}
+
+// FP8 parameters (--fp8-param-gather): the weight's transposed copy and its dequantized values.
+void CudaBackend::fp8_transpose(Tensor q_t, Tensor q) {
+  const char* op = "fp8_transpose";
+  on_device(op, q_t, q);
+  MT_PROFILE_OP("fp8_transpose {}", q.shape_string());
+  MT_CHECK(is_fp8(q.dtype) && q_t.dtype == q.dtype, "{}: q {} and q_t {} must be one FP8 dtype", op,
+           dtype_name(q.dtype), dtype_name(q_t.dtype));
+  const int64_t R = q.rows(), C = q.cols();
+  MT_CHECK(q_t.rows() == C && q_t.cols() == R, "{}: q_t {} for q {}", op, q_t.shape_string(), q.shape_string());
+  cuda::fp8_transpose(context(), q_t.data, q.data, R, C);
+}
+
+void CudaBackend::fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv) {
+  const char* op = "fp8_dequantize";
+  on_device(op, out, q, scale_inv);
+  MT_PROFILE_OP("fp8_dequantize {} {}", q.shape_string(), dtype_name(out.dtype));
+  const cuda::Fp8Format f = fp8_format_of(q.dtype, op, "q");
+  MT_CHECK(out.numel() == q.numel(), "{}: out {} for q {}", op, out.shape_string(), q.shape_string());
+  MT_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f32 || out.dtype == DType::f16,
+           "{}: out is {}; it must be bfloat16, float32 or float16", op, dtype_name(out.dtype));
+  // scale_inv stays on the device: the kernel reads it after the stream's earlier writes.
+  cuda::cast_from_fp8(context(), out, q.data, f, scalar_ptr(scale_inv, op, "scale_inv"));
 }
 
 }  // namespace mt

@@ -536,6 +536,97 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t
   if (amax) block_amax_to(amax, m);
 }
 
+// ---- byte transpose (fp8_transpose) -------------------------------------------------------------
+// out_t [C, R] = in [R, C], bytes as they are: FP8 weights' transposed copy. A block moves one
+// 64 x 64-byte tile through shared memory: it reads tile rows and writes tile columns, both as
+// runs of 64 contiguous bytes (whole 32-byte sectors). One tile per block, no striding: the copy
+// is a single load phase and a single store phase, and several resident blocks per SM overlap
+// them. Two kernels: 4-byte words where R and C are multiples of 4 (the model's weights), single
+// bytes otherwise.
+constexpr int kXTile = 64;              // bytes per side of a transpose tile
+constexpr int kXWords = kXTile / 4;     // 4-byte words per tile row
+constexpr int kXThreads = 256;          // four words per thread each way
+static_assert(kXThreads * 4 == kXTile * kXWords, "a transpose tile is 4 words per thread");
+
+// The shared-memory slot of word w (bytes 4w..4w+3) of tile row r, in a [64][16]-word tile. Rows
+// of 16 words fill half of the 32 banks, so the plain layout gives 2- to 16-way conflicts when the
+// store phase reads one word column of rows 4i + k. Flipping the row's low bit by w's (r ^ (w & 1))
+// puts the warp's two word columns in different bank halves, and XOR-ing the word with the row's
+// 4-row group (w ^ (r >> 2)) spreads the 16 groups over the 16 banks of a half: both phases
+// conflict-free (one bijection: r >> 2 survives the first flip, so w and then r can be recovered).
+__device__ __forceinline__ int xtile_slot(int r, int w) {
+  return (r ^ (w & 1)) * kXWords + (w ^ ((r >> 2) & (kXWords - 1)));
+}
+
+// R and C multiples of 4, in and out_t 4-byte aligned. Load phase: thread t reads word t % 16 of
+// tile rows t / 16 + 16m (m = 0..3), all four loads in flight before any is stored; a warp reads 2
+// rows x 64 bytes per load. Store phase: thread t takes the 4 x 4-byte block of tile rows
+// 4i..4i+3 (i = t % 16) and word j = t / 16, transposes it in registers (byte permutes) and writes
+// one word to each of the 4 output rows 4j..4j+3; a warp writes 2 output rows x 64 bytes per store.
+__global__ void __launch_bounds__(kXThreads) transpose_words_kernel(uint32_t* __restrict__ out_t,
+                                                                    const uint32_t* __restrict__ in, int64_t R,
+                                                                    int64_t C) {
+  __shared__ uint32_t tile[kXTile * kXWords];
+  const int64_t tiles_c = (C + kXTile - 1) / kXTile;
+  const int64_t row0 = blockIdx.x / tiles_c * kXTile, col0 = blockIdx.x % tiles_c * kXTile;
+  const int64_t Cw = C / 4, Rw = R / 4;  // row lengths in words
+  const int t = threadIdx.x;
+  {
+    const int w = t % kXWords, r = t / kXWords;
+    const bool col_in = col0 + 4 * w < C;  // C % 4 == 0: a word is all in or all out
+    uint32_t v[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int64_t gr = row0 + r + 16 * m;
+      v[m] = col_in && gr < R ? in[gr * Cw + col0 / 4 + w] : 0u;
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) tile[xtile_slot(r + 16 * m, w)] = v[m];
+  }
+  __syncthreads();
+  const int i = t % kXWords, j = t / kXWords;
+  if (row0 + 4 * i >= R) return;
+  uint32_t col[4];
+  transpose4x4(tile[xtile_slot(4 * i, j)], tile[xtile_slot(4 * i + 1, j)], tile[xtile_slot(4 * i + 2, j)],
+               tile[xtile_slot(4 * i + 3, j)], col);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t oc = col0 + 4 * j + k;  // the output row: input column
+    if (oc < C) out_t[oc * Rw + row0 / 4 + i] = col[k];
+  }
+}
+
+// Any R and C, one byte per access (shapes that are not multiples of 4, unaligned views). Tile
+// rows of 68 bytes (17 words, odd): the store phase's 32 lanes read one byte column of 32
+// consecutive rows, 17 words apart, one bank each.
+constexpr int kXByteStride = kXTile + 4;
+
+__global__ void __launch_bounds__(kXThreads) transpose_bytes_kernel(uint8_t* __restrict__ out_t,
+                                                                    const uint8_t* __restrict__ in, int64_t R,
+                                                                    int64_t C) {
+  __shared__ uint8_t tile[kXTile][kXByteStride];
+  constexpr int kPer = kXTile * kXTile / kXThreads;  // 16 bytes per thread each way
+  const int64_t tiles_c = (C + kXTile - 1) / kXTile;
+  const int64_t row0 = blockIdx.x / tiles_c * kXTile, col0 = blockIdx.x % tiles_c * kXTile;
+  uint8_t v[kPer];
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {  // a warp reads 32 consecutive bytes of one row
+    const int idx = threadIdx.x + m * kXThreads, r = idx / kXTile, c = idx % kXTile;
+    v[m] = row0 + r < R && col0 + c < C ? in[(row0 + r) * C + col0 + c] : uint8_t{0};
+  }
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {
+    const int idx = threadIdx.x + m * kXThreads;
+    tile[idx / kXTile][idx % kXTile] = v[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {  // a warp writes 32 consecutive bytes of one output row
+    const int idx = threadIdx.x + m * kXThreads, c = idx / kXTile, r = idx % kXTile;
+    if (row0 + r < R && col0 + c < C) out_t[(col0 + c) * R + row0 + r] = tile[r][c];
+  }
+}
+
 // ---- amax only ------------------------------------------------------------------------------------
 template <typename T, int VEC>
 __global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
@@ -551,12 +642,40 @@ __global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
 }
 
 // ---- dequantize -----------------------------------------------------------------------------------
-template <typename T, Fp8Format F>
+// The values of 8 fp8 codes packed little-endian (element j in byte j), two per cvt to half2:
+// exact, as every e4m3 and e5m2 value (NaN and the e5m2 infinities too) is a half.
+template <Fp8Format F>
+__device__ __forceinline__ Floats<8> unpack8(uint2 q) {
+  Floats<8> r;
+  const uint32_t w[2] = {q.x, q.y};
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(w[p / 2] >> (16 * (p % 2)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+    const float2 f = __half22float2(__half2(h));
+    r.v[2 * p] = f.x;
+    r.v[2 * p + 1] = f.y;
+  }
+  return r;
+}
+
+// out[i] = T(value(in[i]) * s): the float32 product rounded once to T. VEC = 8: 8 codes (one 8-byte
+// load) and one or two 16-byte stores per thread (n a multiple of 8, in 8- and out 16-byte aligned).
+template <typename T, Fp8Format F, int VEC>
 __global__ void dequant_kernel(T* __restrict__ out, const uint8_t* __restrict__ in, int64_t n, const float* scale_inv_p) {
-  const float s = *scale_inv_p;
+  const float s = *scale_inv_p;  // read here: earlier kernels on the stream write it
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = from_float<T>(from_fp8<F>(in[i]) * s);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if constexpr (VEC == 8) {
+    for (int64_t i = first; i < n / 8; i += stride) {
+      Floats<8> v = unpack8<F>(reinterpret_cast<const uint2*>(in)[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v.v[j] *= s;
+      store_vec<8>(out + i * 8, v);
+    }
+  } else {
+    for (int64_t i = first; i < n; i += stride) out[i] = from_float<T>(from_fp8<F>(in[i]) * s);
+  }
 }
 
 // ---- delayed-scaling update ---------------------------------------------------------------------
@@ -805,16 +924,35 @@ void fp8_amax(const KernelContext& ctx, float* amax, Tensor in) {
 }
 
 void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Format format, const float* scale_inv) {
-  check_input(out, "cast_from_fp8");
+  MT_CHECK(out.device == Device::cuda, "cast_from_fp8: output is not on the GPU");
   const int64_t n = out.numel();
   if (n == 0) return;
+  const bool vec = n % 8 == 0 && aligned16(out.data) && (reinterpret_cast<uintptr_t>(in) & 7u) == 0;
+  const auto* q = static_cast<const uint8_t*>(in);
   MT_DISPATCH_FLOAT(out.dtype, T, "cast_from_fp8", {
     with_format(format, [&](auto fc) {
       constexpr Fp8Format F = decltype(fc)::value;
-      dequant_kernel<T, F><<<capped_grid(ctx, n), kThreads, 0, ctx.stream>>>(out.ptr<T>(), static_cast<const uint8_t*>(in),
-                                                                            n, scale_inv);
+      if (vec)
+        dequant_kernel<T, F, 8><<<capped_grid(ctx, n / 8), kThreads, 0, ctx.stream>>>(out.ptr<T>(), q, n, scale_inv);
+      else
+        dequant_kernel<T, F, 1><<<capped_grid(ctx, n), kThreads, 0, ctx.stream>>>(out.ptr<T>(), q, n, scale_inv);
     });
   });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_transpose(const KernelContext& ctx, void* out_t, const void* in, int64_t R, int64_t C) {
+  if (R == 0 || C == 0) return;
+  const int64_t tiles = ((R + kXTile - 1) / kXTile) * ((C + kXTile - 1) / kXTile);
+  MT_CHECK(tiles < (int64_t{1} << 31), "fp8_transpose: [{}, {}] is too large for one grid", R, C);
+  const auto a4 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; };
+  const auto grid = static_cast<unsigned>(tiles);
+  if (R % 4 == 0 && C % 4 == 0 && a4(in) && a4(out_t))
+    transpose_words_kernel<<<grid, kXThreads, 0, ctx.stream>>>(static_cast<uint32_t*>(out_t),
+                                                              static_cast<const uint32_t*>(in), R, C);
+  else
+    transpose_bytes_kernel<<<grid, kXThreads, 0, ctx.stream>>>(static_cast<uint8_t*>(out_t),
+                                                              static_cast<const uint8_t*>(in), R, C);
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -69,9 +69,13 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
 // *amax = max(*amax, max |in|) (the caller zeroes *amax for a fresh maximum).
 void fp8_amax(const KernelContext& ctx, float* amax, Tensor in);
 
-// out[i] = fp8 value of in[i] * *scale_inv, to float32 or bfloat16 (dequantization; tests and
-// fallbacks).
+// out[i] = fp8 value of in[i] * *scale_inv (float32 product), rounded once to out's dtype: float32,
+// bfloat16 or float16 (dequantization: fp8_dequantize, tests). out.numel() codes are read.
 void cast_from_fp8(const KernelContext& ctx, Tensor out, const void* in, Fp8Format format, const float* scale_inv);
+
+// out_t [C, R] = in [R, C], row-major bytes (the transposed copy of an FP8 weight; fp8_transpose).
+// Any R and C; 4-byte accesses where R and C are multiples of 4 and both pointers 4-byte aligned.
+void fp8_transpose(const KernelContext& ctx, void* out_t, const void* in, int64_t R, int64_t C);
 
 // Delayed scaling (Megatron --fp8-recipe delayed, Transformer Engine semantics) for `count`
 // tensors sharing one format. amax_history is [history_len, count] row-major; row 0 holds the

@@ -153,11 +153,11 @@ TEST_CASE("removed and fatal Megatron flags fail with Megatron's advice", "[cli]
 TEST_CASE("unsupported Megatron flags are refused naming them, unless left at their default", "[cli]") {
   std::string e;
   try {
-    parse(small_gpt() + words("--num-experts 8 --moe-router-topk 4 --fp8-format hybrid --fp8-param-gather"));
+    parse(small_gpt() + words("--num-experts 8 --moe-router-topk 4 --fp8-format hybrid --fp4-param-gather"));
   } catch (const Unsupported& u) {
     e = u.what();
   }
-  CHECK_THAT(e, Contains("megatrain does not support --num-experts 8, --moe-router-topk 4, --fp8-param-gather yet"));
+  CHECK_THAT(e, Contains("megatrain does not support --num-experts 8, --moe-router-topk 4, --fp4-param-gather yet"));
   // Defaults / off values are accepted.
   CHECK_NOTHROW(parse(small_gpt() + words("--num-experts 0 --moe-router-topk 2 --expert-model-parallel-size 1 "
                                           "--fp8-recipe delayed --moe-aux-loss-coeff 0.0 --context-parallel-size 1 "

@@ -57,8 +57,16 @@ TEST_CASE("fp8 flags: validation and refusals", "[fp8][cli]") {
     CHECK_THAT(parse_error(small_gpt() + words(std::string("--bf16 --fp8-format hybrid --fp8-recipe ") + recipe)),
                Contains(std::string("megatrain does not support --fp8-recipe ") + recipe + " yet"));
   }
-  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-param-gather --use-distributed-optimizer")),
-             Contains("megatrain does not support --fp8-param-gather yet"));
+  // --fp8-param-gather: Megatron's rule (the distributed optimizer), and the recipe it is built for.
+  CHECK(parse(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-param-gather --use-distributed-optimizer"))
+            .train.fp8_param_gather);
+  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-param-gather")),
+             Contains("--fp8-param-gather is only supported with --use-distributed-optimizer"));
+  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-param-gather --use-distributed-optimizer")),
+             Contains("--fp8-param-gather needs --fp8-format"));
+  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather "
+                                             "--use-distributed-optimizer")),
+             Contains("--fp8-param-gather is built for --fp8-recipe delayed only"));
   CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-quantizer-factory x.y")),
              Contains("megatrain does not support --fp8-quantizer-factory x.y yet"));
   // Megatron launch scripts pass these with Transformer Engine; refused by name, not as unknown words.

@@ -1,7 +1,10 @@
 // CudaBackend's FP8 ops against the reference backend's (engine/backend.h "FP8 linear layers"):
 // the same emulated rounding, so quantized bytes, scales and amaxes must agree bit for bit (float32
 // scale arithmetic on both sides) and the GEMM results to accumulation-order tolerance.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <random>
 
 #include "cuda/cuda_backend.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -54,6 +57,36 @@ struct CastOut {
 CastOut cast_out(Backend& be, DType e, int64_t R, int64_t C, float scale, float amax) {
   return CastOut{Buf(be, e, {R, C}), Buf(be, e, {C, R}), scalar2(scale), scalar2(1.0f / scale), scalar2(amax),
                  &be == &dev()};
+}
+
+// The same FP8 bytes [R, C] on both backends: `codes` (every code, NaN and infinity patterns too).
+struct Bytes2 {
+  Buf c, r;
+};
+Bytes2 bytes2(DType e, int64_t R, int64_t C, const std::vector<uint8_t>& codes) {
+  Bytes2 q{Buf(dev(), e, {R, C}), Buf(ref(), e, {R, C})};
+  dev().copy_from_host(q.c.t, codes.data());
+  ref().copy_from_host(q.r.t, codes.data());
+  dev().synchronize();  // the copy is asynchronous; codes may go out of scope
+  return q;
+}
+std::vector<uint8_t> random_codes(Rng& rng, int64_t n) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<uint8_t> v(static_cast<size_t>(n));
+  for (uint8_t& b : v) b = static_cast<uint8_t>(byte(rng.engine()));
+  return v;
+}
+
+// Elements (of dtype dt) whose bytes differ, any NaN matching any NaN (payloads may differ).
+int64_t differing_values(DType dt, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const size_t w = dtype_size(dt);
+  if (a.size() != b.size()) return static_cast<int64_t>(std::max(a.size(), b.size()) / w);
+  const int64_t n = static_cast<int64_t>(a.size() / w);
+  const std::vector<double> va = decode(dt, a.data(), n), vb = decode(dt, b.data(), n);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (!(std::isnan(va[i]) && std::isnan(vb[i])) && std::memcmp(&a[i * w], &b[i * w], w) != 0) ++bad;
+  return bad;
 }
 
 }  // namespace
@@ -344,4 +377,70 @@ TEST_CASE("cuda fp8_quantize_activation_backward into a bf16 bias gradient", "[g
                                                reference.meta(recipe), db_fused.r());
         MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
       }
+}
+
+// FP8 parameters (--fp8-param-gather): the weight's transposed copy, the bytes as they are. Shapes:
+// odd and unaligned ones (the byte kernel), multiples of 4 with partial tiles and the model's (the
+// 4-byte kernel), and a view at an odd address (the byte kernel on an otherwise aligned shape).
+TEST_CASE("cuda fp8_transpose vs reference: the bytes, both FP8 dtypes, odd shapes", "[gpu][fp8][fp8-param]") {
+  MT_RNG(rng);
+  for (DType e : {DType::fp8_e4m3, DType::fp8_e5m2})
+    for (auto [R, C] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {127, 129}, {64, 64}, {1000, 37}, {4, 8},
+                        {200, 136}, {68, 4}, {2048, 8192}}) {
+      INFO(dtype_name(e) << " " << R << " x " << C);
+      Bytes2 q = bytes2(e, R, C, random_codes(rng, R * C));
+      Buf tc(dev(), e, {C, R}), tr(ref(), e, {C, R});
+      dev().fp8_transpose(tc.t, q.c.t);
+      ref().fp8_transpose(tr.t, q.r.t);
+      CHECK(differing(download_bytes(dev(), tc.t), download_bytes(ref(), tr.t), 1) == 0);
+    }
+  const int64_t R = 64, C = 64;
+  Bytes2 q = bytes2(DType::u8, 1, R * C + 1, random_codes(rng, R * C + 1));
+  const Tensor qc(static_cast<uint8_t*>(q.c.t.data) + 1, DType::fp8_e4m3, Device::cuda, {R, C});
+  const Tensor qr(static_cast<uint8_t*>(q.r.t.data) + 1, DType::fp8_e4m3, q.r.t.device, {R, C});
+  Buf tc(dev(), DType::fp8_e4m3, {C, R}), tr(ref(), DType::fp8_e4m3, {C, R});
+  dev().fp8_transpose(tc.t, qc);
+  ref().fp8_transpose(tr.t, qr);
+  CHECK(differing(download_bytes(dev(), tc.t), download_bytes(ref(), tr.t), 1) == 0);
+}
+
+// The weight in the compute dtype (or float32, float16): float(q) * scale_inv in float32, rounded
+// once; the same bits as the reference, NaN as NaN. Every code in order, random codes at a shape
+// without the vector path (33 x 70) and with it, and 512 (e5m2's large codes overflow float16).
+TEST_CASE("cuda fp8_dequantize vs reference: bit for bit, every code", "[gpu][fp8][fp8-param]") {
+  MT_RNG(rng);
+  std::vector<uint8_t> every(256);
+  for (int c = 0; c < 256; ++c) every[static_cast<size_t>(c)] = static_cast<uint8_t>(c);
+  for (DType e : {DType::fp8_e4m3, DType::fp8_e5m2})
+    for (auto [R, C] : {std::pair<int64_t, int64_t>{1, 256}, {33, 70}, {128, 520}}) {
+      Bytes2 q = bytes2(e, R, C, R * C == 256 ? every : random_codes(rng, R * C));
+      for (DType out : {DType::bf16, DType::f32, DType::f16})
+        for (float s : {1.0f, 0.37f, 0x1p-10f, 512.0f}) {
+          INFO(dtype_name(e) << " " << R << " x " << C << " to " << dtype_name(out) << ", scale_inv " << s);
+          Scalar2 si = scalar2(s);
+          // 60000 is no product of a code and these scales: an element left unwritten fails.
+          Twin y = twin_same(out, {R, C}, std::vector<double>(static_cast<size_t>(R * C), 60000.0));
+          dev().fp8_dequantize(y.c(), q.c.t, si.c.t);
+          ref().fp8_dequantize(y.r(), q.r.t, si.r.t);
+          CHECK(differing_values(out, download_bytes(dev(), y.c()), download_bytes(ref(), y.r())) == 0);
+        }
+    }
+}
+
+// scale_inv as the engine has it: written on the stream by the delayed-scaling update just before,
+// with no synchronization between (the op reads it on the device).
+TEST_CASE("cuda fp8_dequantize reads scale_inv on the stream", "[gpu][fp8][fp8-param]") {
+  MT_RNG(rng);
+  const int64_t R = 96, C = 200;
+  Bytes2 q = bytes2(DType::fp8_e4m3, R, C, random_codes(rng, R * C));
+  Twin h = twin_same(DType::f32, {1, 1}, {3.0});
+  Twin s = twin_same(DType::f32, {1}, {1.0}), si = twin_same(DType::f32, {1}, {1.0});
+  Twin fm = twin_same(DType::f32, {1}, {448.0});
+  Twin y = twin_same(DType::bf16, {R, C}, std::vector<double>(static_cast<size_t>(R * C), 60000.0));
+  dev().fp8_update_scales(h.c(), s.c(), si.c(), fm.c(), {Fp8AmaxAlgo::max, 0});
+  dev().fp8_dequantize(y.c(), q.c.t, si.c());
+  ref().fp8_update_scales(h.r(), s.r(), si.r(), fm.r(), {Fp8AmaxAlgo::max, 0});
+  ref().fp8_dequantize(y.r(), q.r.t, si.r());
+  CHECK(download(ref(), si.r())[0] != 1.0);
+  CHECK(differing_values(DType::bf16, download_bytes(dev(), y.c()), download_bytes(ref(), y.r())) == 0);
 }

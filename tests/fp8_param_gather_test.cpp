@@ -1,0 +1,163 @@
+// FP8 parameters (--fp8-param-gather): the FP8 layers' linear weights live only as FP8, cast by the
+// distributed optimizer from its float32 master weights. Checked on the reference backend (float32
+// compute, the CPU's FP8 emulation; one rank, so each master shard is a whole bucket):
+//  - the layout: those weights, and only they, fill an FP8 region whose buckets hold nothing else;
+//  - after training, every FP8 parameter is bit for bit its master weights cast with the weight's
+//    scale (the cast of the last optimizer step), and the transposed copies follow;
+//  - training follows FP8 training without the flag (the same casts of the same weights, except
+//    in the calibrating first step, whose compute-dtype GEMMs take the FP8 weights dequantized);
+//  - memory: in bf16, 2 bytes less per FP8 weight (no compute-dtype copy beside the FP8 one).
+// tests/mpi/parallel_train.cmake runs it over DP, TP x DP and a resume onto another DP size.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "app/training_data.h"
+#include "core/dtype.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+#include "tests/split_run_util.h"
+
+using namespace mt;
+
+namespace {
+
+Config fp8_config(Config c, bool param_gather) {
+  c = test::with_mock_training(c);  // two micro-batches per step
+  c.train.train_iters = 6;
+  c.train.lr_warmup_iters = 1;
+  c.train.eval_iters = 0;
+  c.train.fp8_format = Fp8Format::hybrid;
+  c.train.fp8_amax_history_len = 4;
+  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
+  c.train.fp8_param_gather = param_gather;
+  c.parallel.use_distributed_optimizer = true;
+  test::derive(c);
+  return c;
+}
+
+ModelOptions options_for(const Config& c, const ModelDims& dims, DType compute) {
+  ModelOptions o = ModelOptions::from_config(c, dims, compute);
+  o.shard_optimizer_state = c.parallel.use_distributed_optimizer;
+  return o;
+}
+
+template <typename T>
+std::vector<T> to_host(Backend& be, const Tensor& t) {
+  std::vector<T> h(static_cast<size_t>(t.nbytes() / sizeof(T)));
+  be.copy_to_host(h.data(), t);
+  return h;
+}
+
+struct Trained {
+  std::vector<double> losses;
+};
+
+// Trains c on a fresh model; check(model, backend) runs after the last step.
+template <typename Check>
+Trained train(const Config& c, Check&& check) {
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(c, ps);
+  GptModel model(dims, options_for(c, dims, DType::f32), ps, *be);
+  model.init_parameters();
+  TrainingData data = build_training_data(c, 0, 1, 0);
+  test::NullReporter rep;
+  Trainer trainer(c, ps, model, *data.train, nullptr, rep);
+  trainer.train();
+  check(model, *be);
+  return {trainer.loss_history()};
+}
+
+bool is_linear_weight(const std::string& n) {
+  for (const char* s : {".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight"})
+    if (n.ends_with(s)) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 param gather: the FP8 weights are the master weights cast with their scales", "[fp8][engine][train]") {
+  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+    INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
+    const Config c = fp8_config(model_cfg, true);
+    const Trained with = train(c, [&](GptModel& m, Backend& be) {
+      REQUIRE(m.fp8_params());
+      REQUIRE(m.has_master_copy());
+      const GradLayout& L = m.grad_layout();
+      // Layout: the FP8 region holds exactly the linear weights, in buckets of their own.
+      for (const ParamDesc& p : m.params()) {
+        INFO(p.name);
+        CHECK(p.fp8_storage == is_linear_weight(p.name));
+        CHECK((p.offset >= L.fp8_begin) == p.fp8_storage);
+      }
+      for (int b = 0; b < L.num_buckets(); ++b) {
+        const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+        CHECK((k.offset >= L.fp8_begin) == (k.offset + k.numel > L.fp8_begin));
+      }
+      // Each FP8 weight: the cast of its master weights (one rank: the master shard of a bucket is
+      // the whole bucket) with the weight's scale, and its transposed copy the same bytes.
+      const std::vector<float> master = to_host<float>(be, m.master_flat());
+      const std::vector<float> scale = to_host<float>(be, m.fp8_state().scale());
+      int checked = 0;
+      for (int b = 0; b < L.num_buckets(); ++b) {
+        if (!L.fp8_bucket(b)) continue;
+        for (const ShardSegment& s : L.shard_segments(b)) {
+          const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
+          const int local = p.layer - m.dims().layer_begin;
+          const int gemm = p.name.ends_with(".linear_qkv.weight")    ? 0
+                           : p.name.ends_with(".linear_proj.weight") ? 1
+                           : p.name.ends_with(".linear_fc1.weight")  ? 2
+                                                                     : 3;
+          const float sc = scale[static_cast<size_t>((local * Fp8State::kGemms + gemm) * Fp8State::kRoles + Fp8State::w)];
+          CHECK(sc != 1.0f);  // scaled from the weights' amax
+          const Tensor q = m.param(s.param);
+          REQUIRE(q.dtype == DType::fp8_e4m3);
+          const std::vector<uint8_t> bits = to_host<uint8_t>(be, q);
+          int64_t wrong = 0;
+          for (int64_t i = 0; i < s.numel; ++i) {
+            const float v = master[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + s.shard_offset + i)];
+            wrong += bits[static_cast<size_t>(s.param_offset + i)] != float_to_fp8_bits(DType::fp8_e4m3, v * sc);
+          }
+          CHECK(wrong == 0);
+          ++checked;
+        }
+      }
+      CHECK(checked == 4 * m.dims().stage_layers());
+    });
+    // Without the flag: the same FP8 training within FP8 noise (the runs part only by the
+    // calibrating step's dequantized weights, and casts from the same float32 weights after it).
+    const Trained without = train(fp8_config(model_cfg, false), [](GptModel& m, Backend&) { CHECK_FALSE(m.fp8_params()); });
+    REQUIRE(with.losses.size() == without.losses.size());
+    for (size_t i = 0; i < with.losses.size(); ++i) {
+      INFO("iteration " << i + 1);
+      CHECK(std::abs(with.losses[i] - without.losses[i]) < 2e-3 * std::abs(without.losses[i]));
+    }
+  }
+}
+
+TEST_CASE("fp8 param gather: bf16 memory plan holds 2 bytes less per FP8 weight", "[fp8][engine]") {
+  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+    INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
+    ParallelState ps = make_single_process_state();
+    const Config with_cfg = fp8_config(model_cfg, true), without_cfg = fp8_config(model_cfg, false);
+    const ModelDims dims = ModelDims::from_config(with_cfg, ps);
+    const MemoryPlan with = GptModel::plan_memory(dims, options_for(with_cfg, dims, DType::bf16));
+    const MemoryPlan without = GptModel::plan_memory(dims, options_for(without_cfg, dims, DType::bf16));
+    int64_t fp8_weights = 0, total = 0;
+    for (const ParamDesc& p : build_param_descs(dims, &total))
+      if (is_linear_weight(p.name)) fp8_weights += p.numel();
+    const int64_t saved = static_cast<int64_t>(without.of(MemoryCategory::parameters)) -
+                          static_cast<int64_t>(with.of(MemoryCategory::parameters));
+    // Up to the regions' padding (a bucket ends on a multiple of 128 elements, parameters start on
+    // multiples of 64, views on 256 bytes).
+    CHECK(saved >= 2 * fp8_weights - 4096);
+    CHECK(saved <= 2 * fp8_weights + 4096);
+    CHECK(with.of(MemoryCategory::gradients) == without.of(MemoryCategory::gradients));
+  }
+}
