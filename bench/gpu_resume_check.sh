@@ -9,6 +9,7 @@
 # whether two straight runs WITHOUT --deterministic-mode repeat (cuDNN's default attention backward
 # adds into dQ by atomics in arrival order).
 #   bench/gpu_resume_check.sh <dir with megatrain>
+# EXTRA="<flags>" adds flags to every run (e.g. FP8 with --fp8-param-gather).
 set -u
 cd "$(dirname "$0")/.."
 bin=${1:?directory with megatrain}/megatrain
@@ -17,7 +18,7 @@ mkdir -p "$out"
 common="--device gpu --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50304 --seq-length 1024
   --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 3e-4
   --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --clip-grad 1.0 --attention-dropout 0.1
-  --hidden-dropout 0.1 --log-interval 1 --eval-iters 0 --split 100,0,0 --seed 1234"
+  --hidden-dropout 0.1 --log-interval 1 --eval-iters 0 --split 100,0,0 --seed 1234 ${EXTRA:-}"
 gpt="--num-layers 6 --hidden-size 768 --num-attention-heads 12"
 llama="--num-layers 6 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4
   --ffn-hidden-size 2816 --swiglu --normalization RMSNorm --position-embedding-type rope

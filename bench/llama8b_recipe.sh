@@ -5,12 +5,12 @@
 # device memory in use, and the median tokens/s per GPU, TFLOP/s per GPU and MFU of the iterations
 # after the first 2.
 #
-#   bench/llama8b_recipe.sh [--bin DIR] [--gpus N] [--iters N] [--micro-batches N] [--fp8] [--extra "FLAGS"]
+#   bench/llama8b_recipe.sh [--bin DIR] [--gpus N] [--iters N] [--micro-batches N] [--fp8 | --fp8-no-param-gather] [--extra "FLAGS"]
 #
 # --micro-batches: per rank and step (global batch = N x GPUs; the recipe's 128 would take ~25 s a
-# step on 4 GPUs). --fp8 adds the recipe's FP8 flags (hybrid, delayed, amax history 1024, max)
-# except --fp8-param-gather, which megatrain does not support yet. TIMEOUT_S (default 560) limits
-# the run. Logs go to $OUT (or /tmp).
+# step on 4 GPUs). --fp8 adds the recipe's FP8 flags (hybrid, delayed, amax history 1024, max,
+# --fp8-param-gather); --fp8-no-param-gather instead drops that one flag (for comparison).
+# TIMEOUT_S (default 560) limits the run. Logs go to $OUT (or /tmp).
 set -u
 cd "$(dirname "$0")/.."
 bin=build/app/megatrain
@@ -25,7 +25,8 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="$2"; shift 2 ;;
     --iters) iters="$2"; shift 2 ;;
     --micro-batches) mbs_per_rank="$2"; shift 2 ;;
-    --fp8) fp8="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"; shift ;;
+    --fp8) fp8="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather"; shift ;;
+    --fp8-no-param-gather) fp8="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"; shift ;;
     --extra) extra="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -46,7 +47,7 @@ recipe="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attenti
   --overlap-grad-reduce --overlap-param-gather --tensor-model-parallel-size 1 --context-parallel-size 1
   --mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --log-interval 1 --log-throughput --eval-iters 0"
 gbs=$((mbs_per_rank * gpus))
-name="llama8b_${gpus}gpu${fp8:+_fp8}"
+name="llama8b_${gpus}gpu${fp8:+_fp8}$(case "$fp8" in *param-gather*) echo _pg ;; esac)"
 # shellcheck disable=SC2086
 echo "\$ megatrain <recipe> --global-batch-size $gbs --train-iters $iters $fp8 $extra"
 # shellcheck disable=SC2086

@@ -6,10 +6,11 @@
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
-#                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise]
+#                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
-# scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio.
+# scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio. --fp8-extra
+# adds flags to the FP8 runs only (e.g. "--use-distributed-optimizer --fp8-param-gather").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"
@@ -20,6 +21,7 @@ bin=build/app/megatrain
 extra=""
 fp8=""
 fp8_recipe=delayed
+fp8_extra=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
     --extra) extra="$2"; shift 2 ;;
     --fp8) fp8="$2"; shift 2 ;;
     --fp8-recipe) fp8_recipe="$2"; shift 2 ;;
+    --fp8-extra) fp8_extra="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +66,7 @@ fp8_flags=""
 if [ -n "$fp8" ]; then
   fp8_flags="--fp8-format $fp8 --fp8-recipe $fp8_recipe"
   if [ "$fp8_recipe" = delayed ]; then fp8_flags="$fp8_flags --fp8-amax-history-len 16 --fp8-amax-compute-algo max"; fi
+  fp8_flags="$fp8_flags${fp8_extra:+ $fp8_extra}"
 fi
 
 declare -A mt_line pt_line fp8_line
