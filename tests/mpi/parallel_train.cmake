@@ -85,7 +85,8 @@ megatrain_parallel_train_test(parallel_train_fp8_tp2_sp_pp2 --fp8 --model
   4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)
 # FP8 parameters (--fp8-param-gather, distributed optimizer): each DP rank casts its master shards
 # into the FP8 weights, which are all-gathered as FP8 bytes, over DP, over TP x DP with sequence
-# parallelism and overlapped gathers (buckets of both regions, interleaved), and resumed onto
+# parallelism and overlapped gathers (buckets of both regions, interleaved), over interleaved PP x DP
+# (a layout per model chunk), and resumed onto
 # another DP size (the saved scales recast the same bits). --calculate-per-token-loss makes the
 # output gradients, and so their FP8 scales, independent of the DP size (see the FP8 test above).
 # The TP x DP run uses seed 1: with the default seed 1234 a float32 rounding difference of the TP
@@ -96,5 +97,8 @@ set(fp8_param_gather_model "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-a
 megatrain_parallel_train_test(parallel_train_fp8_param_gather_dp2 --fp8 --model "${fp8_param_gather_model}" 2)
 megatrain_parallel_train_test(parallel_train_fp8_param_gather_tp2_sp_dp2 --fp8 --model "${fp8_param_gather_model} --seed 1"
   4 --tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+megatrain_parallel_train_test(parallel_train_fp8_param_gather_pp2_vpp2_dp2 --fp8 --model "${fp8_param_gather_model}"
+  4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce
+  --overlap-param-gather --ddp-bucket-size 2000)
 megatrain_parallel_train_test(parallel_train_resume_fp8_param_gather_dp2_to_dp3 --fp8 --model "${fp8_param_gather_model}"
   --resume 2 - 3 -)
