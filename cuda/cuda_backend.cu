@@ -445,12 +445,7 @@ void CudaBackend::masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool acc
 // ---- optimizer ----------------------------------------------------------------------------------
 void CudaBackend::register_optim_segments(std::span<const OptimSegment> segments) {
   for (const auto& r : registered_segments_)
-    if (r.host.size() == segments.size() && std::equal(segments.begin(), segments.end(), r.host.begin(),
-                                                         [](const OptimSegment& x, const OptimSegment& y) {
-                                                           return x.offset == y.offset && x.count == y.count &&
-                                                                  x.group == y.group;
-                                                         }))
-      return;
+    if (std::ranges::equal(segments, r.host)) return;
   RegisteredSegments r;
   r.host.assign(segments.begin(), segments.end());
   std::vector<cuda::DeviceSegment> table(segments.size());
@@ -474,12 +469,7 @@ cuda::SegmentArg CudaBackend::segment_arg(std::span<const OptimSegment> segments
     return arg;
   }
   for (const auto& r : registered_segments_) {
-    if (r.host.size() != segments.size()) continue;
-    bool same = true;
-    for (size_t i = 0; i < segments.size() && same; ++i)
-      same = r.host[i].offset == segments[i].offset && r.host[i].count == segments[i].count &&
-             r.host[i].group == segments[i].group;
-    if (!same) continue;
+    if (!std::ranges::equal(segments, r.host)) continue;
     MT_CHECK(r.max_end <= numel, "{}: segments reach element {} of a {}-element buffer", what, r.max_end, numel);
     arg.table = r.device;
     arg.count = static_cast<int>(segments.size());
@@ -497,9 +487,23 @@ cuda::SegmentArg CudaBackend::segment_arg(std::span<const OptimSegment> segments
   return arg;
 }
 
+namespace {
+// An FP8 model copy is written with each segment's scale and amax (all of them, or none).
+void check_model_copy_segments(const Tensor& model, std::span<const OptimSegment> segments, const char* op) {
+  const bool fp8 = !model.empty() && is_fp8(model.dtype);
+  MT_CHECK(!fp8 || model.dtype == DType::fp8_e4m3, "{}: an FP8 model copy must be e4m3", op);
+  MT_CHECK(!fp8 || !segments.empty(), "{}: an FP8 model copy needs segments with its scales", op);
+  for (const OptimSegment& s : segments)
+    MT_CHECK(fp8 == (s.fp8_scale != nullptr) && fp8 == (s.fp8_amax != nullptr),
+             "{}: a segment {} an FP8 scale and amax for a {} model copy", op, fp8 ? "without" : "with",
+             model.empty() ? "missing" : dtype_name(model.dtype));
+}
+}  // namespace
+
 void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                              std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
+  check_model_copy_segments(model_param, segments, "adamw_step");
   MT_PROFILE_OP("adamw_step {}", master.numel());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
                    segment_arg(segments, master.numel(), "adamw_step"), p);
@@ -508,6 +512,7 @@ void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor 
 void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                            std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("sgd_step", master, grad, momentum, model_param);
+  check_model_copy_segments(model_param, segments, "sgd_step");
   MT_PROFILE_OP("sgd_step {}", master.numel());
   cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
   profiler_->step_done();

@@ -149,6 +149,8 @@ struct DeviceSegment {
   int64_t first_chunk = 0;  // chunks of the segments before this one
   int32_t group = 0;
   int32_t pad = 0;
+  const float* fp8_scale = nullptr;  // an FP8 model copy's scale and amax (OptimSegment), or null
+  float* fp8_amax = nullptr;
 };
 // A segment list as the kernels see it: a table uploaded at set-up (register_optim_segments), or,
 // for short unregistered lists, the segments themselves passed by value with the launch.

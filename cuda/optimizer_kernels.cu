@@ -9,12 +9,16 @@
 //
 // AdamW is Megatron's (Apex FusedAdam, adam_w_mode): g = grad * grad_scale;
 // m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p)
-// with bc = 1 - beta^step; the new p is also written to the bf16/fp16 model copy in the same pass.
+// with bc = 1 - beta^step; the new p is also written to the bf16/fp16 model copy in the same pass,
+// or to an FP8 one (--fp8-param-gather) with each segment's scale, its max |p| into the segment's
+// amax (one atomic per chunk).
 // SGD is torch.optim.SGD's: g = grad * grad_scale + wd p; buf = momentum buf + g; p -= lr buf.
 // grad is float32, or bfloat16 (--grad-reduce-in-bf16), each element converted to float32 on load.
 //
 // sum_squares / count_zeros: a fixed grid (a function of the size only) writes one partial per
 // block, and one block adds the partials in order: bit-identical results from run to run.
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -24,6 +28,8 @@
 
 namespace mt::cuda {
 
+constexpr int kOptimThreads = 256;  // threads per block of the update kernels
+
 void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks) {
   int64_t chunks = 0;
   for (size_t i = 0; i < segments.size(); ++i) {
@@ -31,7 +37,7 @@ void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* 
     MT_CHECK(s.offset >= 0 && s.count >= 0, "optimizer segment {} has offset {} count {}", i, s.offset, s.count);
     MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "optimizer segment {} has group {} (max {})", i,
              s.group, OptimStepParams::kMaxGroups);
-    out[i] = DeviceSegment{s.offset, s.count, chunks, s.group, 0};
+    out[i] = DeviceSegment{s.offset, s.count, chunks, s.group, 0, s.fp8_scale, s.fp8_amax};
     chunks += (s.count + kOptimChunk - 1) / kOptimChunk;
   }
   *total_chunks = chunks;
@@ -43,9 +49,9 @@ __device__ __forceinline__ DeviceSegment segment_at(const SegmentArg& a, int i) 
   return a.table ? a.table[i] : a.inline_segments[i];
 }
 
-// The element range [begin, end) of `chunk` and its segment's group.
-__device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, int64_t& begin, int64_t& end,
-                                            int& group) {
+// The segment of `chunk`, and the chunk's element range [begin, end).
+__device__ __forceinline__ DeviceSegment chunk_segment(const SegmentArg& a, int64_t chunk, int64_t& begin,
+                                                       int64_t& end) {
   int lo = 0, hi = a.count - 1;  // last segment with first_chunk <= chunk
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -55,7 +61,44 @@ __device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, 
   const DeviceSegment s = segment_at(a, lo);
   begin = s.offset + (chunk - s.first_chunk) * kOptimChunk;
   end = min(begin + kOptimChunk, s.offset + s.count);
-  group = s.group;
+  return s;
+}
+
+// The element range [begin, end) of `chunk` and its segment's group.
+__device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, int64_t& begin, int64_t& end,
+                                            int& group) {
+  group = chunk_segment(a, chunk, begin, end).group;
+}
+
+// The model copy's element type for an FP8 (e4m3) copy: each new master value p is stored as
+// e4m3(p * scale) (float32 product, round to nearest even, saturating: fp8_quantize's cast) and
+// max |p| goes to the segment's amax (OptimSegment::fp8_scale / fp8_amax).
+struct Fp8Copy {};
+
+// The model copy's store of new master value p at element i (M: the copy's type; void: none).
+// amax: this thread's running max |p| (FP8 copies).
+template <typename M>
+__device__ __forceinline__ void store_model(void* model, int64_t i, float p, float scale, float& amax) {
+  if constexpr (std::is_same_v<M, Fp8Copy>) {
+    static_cast<uint8_t*>(model)[i] = __nv_cvt_float_to_fp8(p * scale, __NV_SATFINITE, __NV_E4M3);
+    amax = fmaxf(amax, fabsf(p));
+  } else if constexpr (!std::is_void_v<M>) {
+    static_cast<M*>(model)[i] = from_float<M>(p);
+  }
+}
+
+// The block's max of the threads' amax values, maxed into *amax (all threads of the block call it).
+__device__ __forceinline__ void block_max_into(float* amax, float v) {
+  __shared__ float partial[kOptimThreads / kWarp];
+  v = warp_max(v);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = warp_max(lane < kOptimThreads / kWarp ? partial[lane] : 0.0f);
+    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));  // v >= 0: int order is float order
+  }
+  __syncthreads();  // partial is reused by the next chunk
 }
 
 template <typename G>
@@ -71,7 +114,8 @@ struct AdamArgs {
 };
 
 template <typename M, typename G>
-__device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, float lr, float wd) {
+__device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, float lr, float wd, float scale,
+                                            float& amax) {
   const float g = to_float(a.grad[i]) * a.grad_scale;
   const float m = a.beta1 * a.exp_avg[i] + (1.0f - a.beta1) * g;
   const float v = a.beta2 * a.exp_avg_sq[i] + (1.0f - a.beta2) * g * g;
@@ -81,18 +125,27 @@ __device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, flo
   a.exp_avg[i] = m;
   a.exp_avg_sq[i] = v;
   a.master[i] = p;
-  if constexpr (!std::is_void_v<M>) static_cast<M*>(a.model)[i] = from_float<M>(p);
+  store_model<M>(a.model, i, p, scale, amax);
 }
 
 
-// Four model-copy values at p (p 8-byte aligned for 16-bit types, 16-byte for float).
+// Four model-copy values at element i (4-aligned; the copy 16-byte aligned): store_model of each.
 template <typename M>
-__device__ __forceinline__ void store4(M* p, const float4& v) {
-  if constexpr (std::is_same_v<M, float>) {
-    *reinterpret_cast<float4*>(p) = v;
+__device__ __forceinline__ void store_model4(void* model, int64_t i, const float4& v, float scale, float& amax) {
+  if constexpr (std::is_void_v<M>) {
+    return;
+  } else if constexpr (std::is_same_v<M, Fp8Copy>) {
+    const auto lo = static_cast<uint32_t>(
+        __nv_cvt_float2_to_fp8x2(make_float2(v.x * scale, v.y * scale), __NV_SATFINITE, __NV_E4M3));
+    const auto hi = static_cast<uint32_t>(
+        __nv_cvt_float2_to_fp8x2(make_float2(v.z * scale, v.w * scale), __NV_SATFINITE, __NV_E4M3));
+    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(model) + i) = lo | (hi << 16);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  } else if constexpr (std::is_same_v<M, float>) {
+    *reinterpret_cast<float4*>(static_cast<float*>(model) + i) = v;
   } else {
     M e[4] = {from_float<M>(v.x), from_float<M>(v.y), from_float<M>(v.z), from_float<M>(v.w)};
-    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+    *reinterpret_cast<uint2*>(static_cast<M*>(model) + i) = *reinterpret_cast<const uint2*>(e);
   }
 }
 
@@ -120,7 +173,7 @@ __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, 
 // buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
 template <typename M, typename G>
 __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, int64_t end, float lr, float wd,
-                                           bool vec) {
+                                           bool vec, float scale, float& amax) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
     const int64_t nvec = (end - begin) / 4;
@@ -138,20 +191,24 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, 
       *reinterpret_cast<float4*>(a.exp_avg + i) = m;
       *reinterpret_cast<float4*>(a.exp_avg_sq + i) = v;
       *reinterpret_cast<float4*>(a.master + i) = p;
-      if constexpr (!std::is_void_v<M>) store4(static_cast<M*>(a.model) + i, p);
+      store_model4<M>(a.model, i, p, scale, amax);
     }
     scalar_from = begin + 4 * nvec;
   }
-  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd);
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd, scale, amax);
 }
 
+// FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
+__device__ __forceinline__ float copy_scale(const DeviceSegment& s) { return s.fp8_scale ? *s.fp8_scale : 1.0f; }
+
 template <typename M, typename G>
-__global__ void adamw_kernel(AdamArgs<G> a, SegmentArg segs, bool vec) {
+__global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G> a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
-    int group;
-    chunk_range(segs, chunk, begin, end, group);
-    adam_range<M>(a, begin, end, a.lr[group], a.wd[group], vec);
+    const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
+    float amax = 0.0f;
+    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), amax);
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_max_into(s.fp8_amax, amax);
   }
 }
 
@@ -167,12 +224,12 @@ struct SgdArgs {
 };
 
 template <typename M, typename G>
-__global__ void sgd_kernel(SgdArgs<G> a, SegmentArg segs) {
+__global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, SegmentArg segs) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
-    int group;
-    chunk_range(segs, chunk, begin, end, group);
-    const float lr = a.lr[group], wd = a.wd[group];
+    const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
+    const float lr = a.lr[s.group], wd = a.wd[s.group], scale = copy_scale(s);
+    float amax = 0.0f;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       float p = a.master[i];
       float d = to_float(a.grad[i]) * a.grad_scale + wd * p;
@@ -182,8 +239,9 @@ __global__ void sgd_kernel(SgdArgs<G> a, SegmentArg segs) {
       }
       p -= lr * d;
       a.master[i] = p;
-      if constexpr (!std::is_void_v<M>) static_cast<M*>(a.model)[i] = from_float<M>(p);
+      store_model<M>(a.model, i, p, scale, amax);
     }
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_max_into(s.fp8_amax, amax);
   }
 }
 
@@ -266,6 +324,7 @@ void dispatch_model(const Tensor& model, const char* what, F&& f) {
     case DType::f32: return f.template operator()<float>();
     case DType::bf16: return f.template operator()<bf16>();
     case DType::f16: return f.template operator()<f16>();
+    case DType::fp8_e4m3: return f.template operator()<Fp8Copy>();  // (segments checked by the caller)
     default: fail("{}: model copy dtype {} is not supported", what, dtype_name(model.dtype));
   }
 }
@@ -300,7 +359,7 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
       a.wd[g] = p.weight_decay[g];
     }
     dispatch_model(model_param, "adamw_step", [&]<typename M>() {
-      adamw_kernel<M, G><<<grid, 256, 0, ctx.stream>>>(a, segs, vec);
+      adamw_kernel<M, G><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
@@ -326,7 +385,7 @@ void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momen
       a.wd[g] = p.weight_decay[g];
     }
     dispatch_model(model_param, "sgd_step", [&]<typename M>() {
-      sgd_kernel<M, G><<<grid, 256, 0, ctx.stream>>>(a, segs);
+      sgd_kernel<M, G><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

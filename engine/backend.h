@@ -101,6 +101,13 @@ struct OptimSegment {
   int64_t offset = 0;
   int64_t count = 0;
   int group = 0;  // index into the per-group lr / weight decay of AdamParams (at most 4 groups)
+  // FP8 model copy (--fp8-param-gather: one FP8 weight's piece): the update writes
+  // e4m3(float(new master) * *fp8_scale) (float32 product, round to nearest even, saturating) and
+  // maxes max |new master| into *fp8_amax, as fp8_quantize of the new master weights would. Single
+  // float32 values in backend memory; null for a compute-dtype model copy.
+  const float* fp8_scale = nullptr;
+  float* fp8_amax = nullptr;
+  bool operator==(const OptimSegment&) const = default;
 };
 
 struct OptimStepParams {
@@ -365,7 +372,8 @@ class Backend {
 
   // ---- optimizer -------------------------------------------------------------------------
   // AdamW (decoupled weight decay) on flat float32 buffers, over the given segments. The new
-  // master weights are also written to model_param (the bf16/fp16 copy; may be empty).
+  // master weights are also written to model_param (the bf16/fp16 copy; may be empty; FP8 (e4m3)
+  // when every segment carries its fp8_scale and fp8_amax).
   virtual void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                           std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
   virtual void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,

@@ -21,15 +21,22 @@ struct Piece {
   int param = 0;
 };
 
-void add_segments(OptimRange& r, std::vector<Piece> pieces, const std::vector<ParamDesc>& params, int tp_rank,
-                  bool decoupled_lr) {
+void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& model, int tp_rank, bool decoupled_lr) {
+  const std::vector<ParamDesc>& params = model.params();
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
   int64_t norm_end = -1;
   for (const Piece& k : pieces) {
     const ParamDesc& p = params[static_cast<size_t>(k.param)];
     const int g = optim_group(p, decoupled_lr);
-    if (!r.update.empty() && r.update.back().group == g) r.update.back().count = k.offset + k.numel - r.update.back().offset;
-    else r.update.push_back(OptimSegment{k.offset, k.numel, g});
+    if (p.fp8_storage) {
+      // An FP8 weight's piece: a segment of its own, cast with that weight's scale.
+      const Fp8TensorMeta meta = model.fp8_param_meta(k.param);
+      r.update.push_back(OptimSegment{k.offset, k.numel, g, meta.scale.ptr<float>(), meta.amax.ptr<float>()});
+    } else if (!r.update.empty() && r.update.back().group == g && !r.update.back().fp8_scale) {
+      r.update.back().count = k.offset + k.numel - r.update.back().offset;
+    } else {
+      r.update.push_back(OptimSegment{k.offset, k.numel, g});
+    }
     if (!p.shared_copy && (!p.tp_duplicated || tp_rank == 0)) {
       if (!r.norm.empty() && norm_end == k.offset) r.norm.back().count += k.numel;
       else r.norm.push_back(OptimSegment{k.offset, k.numel, 0});
@@ -51,7 +58,7 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
     std::vector<Piece> pieces;
     for (size_t i = 0; i < params.size(); ++i)
       pieces.push_back({params[i].offset, params[i].numel(), static_cast<int>(i)});
-    add_segments(r, std::move(pieces), params, tp_rank, decoupled_lr);
+    add_segments(r, std::move(pieces), model, tp_rank, decoupled_lr);
     out.push_back(std::move(r));
     return out;
   }
@@ -64,7 +71,7 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
     r.numel = L.shard_numel(b);
     std::vector<Piece> pieces;
     for (const ShardSegment& s : L.shard_segments(b)) pieces.push_back({s.shard_offset, s.numel, s.param});
-    add_segments(r, std::move(pieces), params, tp_rank, decoupled_lr);
+    add_segments(r, std::move(pieces), model, tp_rank, decoupled_lr);
     out.push_back(std::move(r));
   }
   return out;
@@ -76,8 +83,8 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
   v.grad = m.grads_flat().flat_slice(r.flat_offset, r.numel);
   if (m.has_master_copy()) {
     v.master = state(m.master_flat());
-    // FP8 parameters are cast after the update (GptModel::fp8_cast_shard), not copied.
-    if (r.bucket < 0 || !m.grad_layout().fp8_bucket(r.bucket)) v.model_copy = m.param_storage(r.flat_offset, r.numel);
+    // (FP8 parameters: the update casts them, each segment with its weight's scale.)
+    v.model_copy = m.param_storage(r.flat_offset, r.numel);
   } else {
     v.master = m.params_flat().flat_slice(r.flat_offset, r.numel);  // the parameters are the master weights
   }

@@ -33,7 +33,8 @@ struct OptimRange {
   int64_t state_offset = 0;  // in the master-weight and optimizer-state buffers
   int64_t numel = 0;
   // Relative to the range's start. Update segments merge neighbours of one group across the
-  // alignment padding (it holds zeros with zero gradients, which AdamW and SGD leave at zero);
+  // alignment padding (it holds zeros with zero gradients, which AdamW and SGD leave at zero),
+  // except FP8 parameters' pieces: one segment each, with the weight's scale and amax;
   // norm segments cover exactly the parameters counted in the gradient norm: every parameter
   // once, TP-duplicated ones on TP rank 0 only, never the last stage's tied-embedding copy.
   std::vector<OptimSegment> update, norm;

@@ -666,16 +666,20 @@ void GptModel::fp8_end_step() {
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
+Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
+  const auto [local, g] = fp8_param_gemm_.at(static_cast<size_t>(i));
+  MT_CHECK(local >= 0, "{} is not an FP8 parameter", descs_.at(static_cast<size_t>(i)).name);
+  return fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
+}
+
 void GptModel::fp8_cast_shard(int b) {
   if (!fp8_params() || !grad_layout_.fp8_bucket(b)) return;
   const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)], flat = grad_layout_.shard_offset(b);
   for (const ShardSegment& s : grad_layout_.shard_segments(b)) {
-    const auto [local, g] = fp8_param_gemm_[static_cast<size_t>(s.param)];
-    MT_CHECK(local >= 0, "{} lies in the FP8 parameters but is not an FP8 weight", descs_[static_cast<size_t>(s.param)].name);
     // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
     const Tensor master = master_.flat_slice(state + s.shard_offset, s.numel).view({1, s.numel});
     const Tensor q = param_storage(flat + s.shard_offset, s.numel).view({1, s.numel});
-    be_.fp8_quantize(q, Tensor(), master, fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+    be_.fp8_quantize(q, Tensor(), master, fp8_param_meta(s.param));
   }
 }
 

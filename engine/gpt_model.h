@@ -173,10 +173,13 @@ class GptModel {
   void fp8_end_step();
   // FP8 parameters (fp8_params()): casts this DP rank's shard of bucket b (no-op outside the FP8
   // region) from the master weights into the FP8 parameters with each weight's current scale,
-  // recording its amax: the optimizer's last step on the bucket, after fp8_end_step's scale update
-  // (the trainer ends a step's FP8 state before the optimizer step). The parameters' all-gather
-  // follows (engine/distributed_optimizer.h).
+  // recording its amax (as the optimizer's update does in the same pass, after fp8_end_step's
+  // scale update: the trainer ends a step's FP8 state before the optimizer step): set-up, and a
+  // step skipped by the loss scaler. The parameters' all-gather follows
+  // (engine/distributed_optimizer.h).
   void fp8_cast_shard(int b);
+  // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
+  Fp8TensorMeta fp8_param_meta(int i) const;
   // All FP8 parameters from the master weights (set-up time: after init_parameters or a checkpoint
   // load): the shards cast, then all-gathered over DP. initial_scales: the weights' scales first
   // come from their own amax (over every shard; no scale update has happened yet), else the

@@ -161,8 +161,9 @@ StepOutcome Optimizer::step(int64_t iteration) {
 
   const OptimStepParams p = step_params(inv * clip);
   {
-    // One fused pass per range: the update also writes the compute-dtype model copy (Megatron's
-    // separate optimizer-copy-main-to-model-params phase has no counterpart).
+    // One fused pass per range: the update also writes the compute-dtype model copy, or casts the
+    // FP8 parameters (Megatron's separate optimizer-copy-main-to-model-params phase has no
+    // counterpart).
     const ScopedTimer timed(timer, "optimizer-inner-step");
     for (const OptimRange& r : ranges_) {
       if (r.update.empty()) continue;
@@ -170,7 +171,7 @@ StepOutcome Optimizer::step(int64_t iteration) {
       if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
       else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
     }
-    cast_fp8_params();
+    reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
   }
   if (param_gather_) {
     const ScopedTimer timed(timer, "params-all-gather");
@@ -189,11 +190,15 @@ bool Optimizer::cast_fp8_params() {
     m.fp8_cast_shard(r.bucket);
     any = true;
   }
+  reduce_fp8_param_amax();
+  return any;
+}
+
+void Optimizer::reduce_fp8_param_amax() {
   // Each rank recorded its shards' amaxes; their max makes the weights' amax whole at once (as the
   // step's end would), so that the FP8 state does not depend on the DP layout (checkpoints).
   for (GptModel* m : chunks_)
     if (m->fp8_params()) m->fp8_state_mutable().reduce_amax(ps_);
-  return any;
 }
 
 double Optimizer::params_norm() {

@@ -85,9 +85,11 @@ class Optimizer {
 
  private:
   OptimStepParams step_params(double grad_scale) const;
-  // FP8 parameters (--fp8-param-gather): this rank's shards cast from the master weights; false
-  // when no chunk has any.
+  // FP8 parameters (--fp8-param-gather): this rank's shards cast from the master weights (a step
+  // skipped by the loss scaler; an update casts them itself); false when no chunk has any.
   bool cast_fp8_params();
+  // The FP8 parameters' amaxes after their cast: max over TP and DP.
+  void reduce_fp8_param_amax();
   double read_scalars(double* host, int count);
 
   const Config& cfg_;

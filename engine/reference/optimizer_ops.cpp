@@ -1,6 +1,8 @@
 // ReferenceBackend: AdamW and SGD steps on flat buffers, and the reductions used for the grad
 // norm and --log-num-zeros-in-grad.
+#include <algorithm>
 #include <cmath>
+#include <mutex>
 
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
@@ -14,6 +16,36 @@ constexpr int64_t kBlock = 1 << 12;  // reduction block: partial sums per block,
 void check_optimizer_grad(const Tensor& master, const Tensor& grad, const char* op) {
   if (grad.dtype != DType::bf16) check_same_dtype(master, grad, op);
 }
+
+// Where an update writes its new master weights: the compute-dtype model copy (one rounding), or
+// an FP8 one (OptimSegment::fp8_scale: fp8_quantize's cast of the float32 value, whose |value|
+// maxes into the segment's amax once per block of the segment).
+class ModelCopy {
+ public:
+  ModelCopy(const Tensor& model, const OptimSegment& s, const char* op) : out_(model), s_(s) {
+    fp8_ = !model.empty() && is_fp8(model.dtype);
+    MT_CHECK(!fp8_ || (model.dtype == DType::fp8_e4m3 && s.fp8_scale && s.fp8_amax),
+             "{}: an FP8 model copy needs e4m3 and every segment's fp8_scale and fp8_amax", op);
+    MT_CHECK(fp8_ || !s.fp8_scale, "{}: a segment with an FP8 scale, but a {} model copy", op, dtype_name(model.dtype));
+  }
+  void set(int64_t i, float value, float& block_amax) const {
+    if (out_.empty()) return;
+    if (!fp8_) return out_.set(i, value);
+    static_cast<uint8_t*>(out_.p)[i] = float_to_fp8_bits(DType::fp8_e4m3, value * *s_.fp8_scale);
+    block_amax = std::max(block_amax, std::fabs(value));
+  }
+  void finish_block(float block_amax) const {
+    if (!fp8_) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    *s_.fp8_amax = std::max(*s_.fp8_amax, block_amax);
+  }
+
+ private:
+  Floats out_;
+  const OptimSegment& s_;
+  bool fp8_ = false;
+  mutable std::mutex mutex_;
+};
 }  // namespace
 
 void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
@@ -28,7 +60,7 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
   check_same_dtype(master, exp_avg, "adamw_step");
   check_same_dtype(master, exp_avg_sq, "adamw_step");
   MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
-  const Floats mp(model_param), fg(grad);
+  const Floats fg(grad);
   const bool grad_wide = grad.dtype == master.dtype;
   const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
@@ -42,7 +74,9 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
     for_each_segment(master, segments, [&](const OptimSegment& s) {
       MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
       const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+      const ModelCopy mp(model_param, s, "adamw_step");
       pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
+        float amax = 0.0f;
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           const double gi = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale;
           const double mi = b1 * m[i] + (1.0 - b1) * gi;
@@ -52,8 +86,9 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
           const double denom = std::sqrt(vi / bc2) + eps;
           const double update = (mi / bc1) / denom + wd * w[i];
           w[i] = static_cast<T>(w[i] - lr * update);
-          if (!mp.empty()) mp.set(i, w[i]);
+          mp.set(i, static_cast<float>(w[i]), amax);
         }
+        mp.finish_block(amax);
       });
     });
   });
@@ -67,7 +102,7 @@ void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Ten
   if (!model_param.empty()) check_numel(model_param, n, "sgd_step", "model_param");
   check_optimizer_grad(master, grad, "sgd_step");
   check_same_dtype(master, momentum, "sgd_step");
-  const Floats mp(model_param), fg(grad);
+  const Floats fg(grad);
   const bool grad_wide = grad.dtype == master.dtype;
   dispatch_float(master, "sgd_step", [&](auto tag) {
     using T = decltype(tag);
@@ -78,7 +113,9 @@ void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Ten
     for_each_segment(master, segments, [&](const OptimSegment& s) {
       MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
       const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+      const ModelCopy mp(model_param, s, "sgd_step");
       pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
+        float amax = 0.0f;
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           // SGD's weight decay is L2 (added to the gradient), as torch.optim.SGD / apex FusedSGD.
           double d = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale + wd * w[i];
@@ -87,8 +124,9 @@ void ReferenceBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Ten
             buf[i] = static_cast<T>(d);
           }
           w[i] = static_cast<T>(w[i] - lr * d);
-          if (!mp.empty()) mp.set(i, w[i]);
+          mp.set(i, static_cast<float>(w[i]), amax);
         }
+        mp.finish_block(amax);
       });
     });
   });

@@ -2,6 +2,7 @@
 // forward-backward,
 // logsumexp_combine, masked_loss_sum; AdamW and SGD over segment lists (inline and registered),
 // sum_squares and count_zeros (deterministic).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -177,6 +178,85 @@ TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists
        m = twin(DType::f32, {n}, rng.normal(n)), v = twin(DType::f32, {n}, rng.uniform(n, 0, 1));
   CHECK_THROWS_WITH(dev().adamw_step(w.c(), g.c(), m.c(), v.c(), Tensor(), unregistered, p),
                     Catch::Contains("register_optim_segments"));
+}
+
+namespace {
+// Checks an FP8 model copy after an update into it (both backends' results): inside each segment
+// the e4m3 cast of the new master value times the segment's scale (float32 product), outside the
+// bytes left as they were (7.0), and each segment's amax = max(its old value, max |new master|).
+void check_fp8_copy(Backend& be, const Tensor& master, const Tensor& model, const Tensor& amax,
+                    const std::vector<OptimSegment>& segs, const std::vector<float>& scales, float amax_before) {
+  const std::vector<double> w = download(be, master), a = download(be, amax);
+  const std::vector<uint8_t> q = download_bytes(be, model);
+  const uint8_t seven = float_to_fp8_bits(DType::fp8_e4m3, 7.0f);
+  std::vector<char> inside(q.size(), 0);
+  int64_t wrong = 0, wrong_amax = 0;
+  for (size_t k = 0; k < segs.size(); ++k) {
+    float m = amax_before;
+    for (int64_t i = segs[k].offset; i < segs[k].offset + segs[k].count; ++i) {
+      const float v = static_cast<float>(w[static_cast<size_t>(i)]);
+      wrong += q[static_cast<size_t>(i)] != float_to_fp8_bits(DType::fp8_e4m3, v * scales[k]);
+      m = std::max(m, std::fabs(v));
+      inside[static_cast<size_t>(i)] = 1;
+    }
+    wrong_amax += static_cast<float>(a[k]) != m;
+  }
+  for (size_t i = 0; i < q.size(); ++i) wrong += !inside[i] && q[i] != seven;
+  CHECK(wrong == 0);
+  CHECK(wrong_amax == 0);
+}
+}  // namespace
+
+// --fp8-param-gather: the update writes the FP8 weights itself, each segment (a weight's piece)
+// with its weight's scale, and maxes the new values' |max| into the weight's amax.
+TEST_CASE("cuda adamw_step and sgd_step into an FP8 model copy", "[gpu][optimizer][fp8][fp8-param]") {
+  MT_RNG(rng);
+  const int64_t n = 100003;
+  const OptimStepParams p = step_params();
+  const float amax_before = 0.25f;  // kept where the new values stay below it
+  constexpr int kInlineSegmentsMax = 24;  // (cuda/kernels.h: shorter lists need no registration)
+  for (int count : {5, 40}) {     // inline and registered segment lists
+    INFO(count << " segments");
+    const std::vector<OptimSegment> plain = segments_with_gaps(rng, count, n, 3);
+    std::vector<float> scales;
+    for (int k = 0; k < count; ++k)  // fp8_max / amax-like values, some powers of two
+      scales.push_back(k % 3 == 0 ? std::ldexp(1.0f, 4 + k % 5) : static_cast<float>(rng.uniform(1, 20.0, 900.0)[0]));
+    const std::vector<double> scale_values(scales.begin(), scales.end());
+    auto with_meta = [&](const Tensor& scale, const Tensor& amax) {
+      std::vector<OptimSegment> s = plain;
+      for (int k = 0; k < count; ++k) {
+        s[static_cast<size_t>(k)].fp8_scale = scale.ptr<float>() + k;
+        s[static_cast<size_t>(k)].fp8_amax = amax.ptr<float>() + k;
+      }
+      return s;
+    };
+    Twin sc = twin_same(DType::f32, {count}, scale_values);
+    for (bool adam : {true, false}) {
+      INFO((adam ? "adamw" : "sgd"));
+      Twin am = twin_same(DType::f32, {count}, std::vector<double>(static_cast<size_t>(count), amax_before));
+      const std::vector<OptimSegment> dsegs = with_meta(sc.c(), am.c()), rsegs = with_meta(sc.r(), am.r());
+      if (count > kInlineSegmentsMax) dev().register_optim_segments(dsegs);
+      Twin w = twin(DType::f32, {n}, rng.normal(n, 0.05)), g = twin(DType::f32, {n}, rng.normal(n, 0.01));
+      Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
+      Twin model = twin_same(DType::fp8_e4m3, {n}, std::vector<double>(static_cast<size_t>(n), 7.0));
+      if (adam) {
+        dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model.c(), dsegs, p);
+        ref().adamw_step(w.r(), g.r(), m.r(), v.r(), model.r(), rsegs, p);
+      } else {
+        dev().sgd_step(w.c(), g.c(), m.c(), model.c(), dsegs, p);
+        ref().sgd_step(w.r(), g.r(), m.r(), model.r(), rsegs, p);
+      }
+      MT_CHECK_CLOSE(w, 1e-6);
+      check_fp8_copy(dev(), w.c(), model.c(), am.c(), plain, scales, amax_before);
+      check_fp8_copy(ref(), w.r(), model.r(), am.r(), plain, scales, amax_before);
+    }
+  }
+  // Both or neither: an FP8 copy with plain segments is refused.
+  Twin w = twin(DType::f32, {n}, rng.normal(n)), g = twin(DType::f32, {n}, rng.normal(n));
+  Twin m = twin(DType::f32, {n}, rng.normal(n)), v = twin(DType::f32, {n}, rng.uniform(n, 0, 1));
+  Twin model = twin_same(DType::fp8_e4m3, {n}, std::vector<double>(static_cast<size_t>(n), 7.0));
+  CHECK_THROWS_WITH(dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model.c(), segments_with_gaps(rng, 3, n, 1), p),
+                    Catch::Contains("FP8 scale"));
 }
 
 TEST_CASE("cuda sum_squares and count_zeros over segments; deterministic", "[gpu][optimizer]") {
