@@ -82,3 +82,5 @@ for model in ("gpt", "llama"):
     print(f"{model} without --deterministic-mode: two straight runs equal at {n}/{len(a)} iterations (information)")
 print("RESUME", "PASS" if ok else "FAIL")
 EOF
+# The checkpoints (several GB with the optimizer states) are only the test's intermediates.
+rm -rf "$out"/ckpt_*
