@@ -18,6 +18,9 @@
 #include "core/dtype.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/loss_scaler.h"
+#include "engine/lr_schedule.h"
+#include "engine/optimizer.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
@@ -80,6 +83,39 @@ bool is_linear_weight(const std::string& n) {
   return false;
 }
 
+// Each FP8 weight is the cast of its master weights (one rank: the master shard of a bucket is the
+// whole bucket) with the weight's scale.
+void check_fp8_weights_are_master_casts(GptModel& m, Backend& be) {
+  const GradLayout& L = m.grad_layout();
+  const std::vector<float> master = to_host<float>(be, m.master_flat());
+  const std::vector<float> scale = to_host<float>(be, m.fp8_state().scale());
+  int checked = 0;
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!L.fp8_bucket(b)) continue;
+    for (const ShardSegment& s : L.shard_segments(b)) {
+      const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
+      const int local = p.layer - m.dims().layer_begin;
+      const int gemm = p.name.ends_with(".linear_qkv.weight")    ? 0
+                       : p.name.ends_with(".linear_proj.weight") ? 1
+                       : p.name.ends_with(".linear_fc1.weight")  ? 2
+                                                                 : 3;
+      const float sc = scale[static_cast<size_t>((local * Fp8State::kGemms + gemm) * Fp8State::kRoles + Fp8State::w)];
+      CHECK(sc != 1.0f);  // scaled from the weights' amax
+      const Tensor q = m.param(s.param);
+      REQUIRE(q.dtype == DType::fp8_e4m3);
+      const std::vector<uint8_t> bits = to_host<uint8_t>(be, q);
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < s.numel; ++i) {
+        const float v = master[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + s.shard_offset + i)];
+        wrong += bits[static_cast<size_t>(s.param_offset + i)] != float_to_fp8_bits(DType::fp8_e4m3, v * sc);
+      }
+      CHECK(wrong == 0);
+      ++checked;
+    }
+  }
+  CHECK(checked == 4 * m.dims().stage_layers());
+}
+
 }  // namespace
 
 TEST_CASE("fp8 param gather: the FP8 weights are the master weights cast with their scales", "[fp8][engine][train]") {
@@ -100,35 +136,7 @@ TEST_CASE("fp8 param gather: the FP8 weights are the master weights cast with th
         const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
         CHECK((k.offset >= L.fp8_begin) == (k.offset + k.numel > L.fp8_begin));
       }
-      // Each FP8 weight: the cast of its master weights (one rank: the master shard of a bucket is
-      // the whole bucket) with the weight's scale, and its transposed copy the same bytes.
-      const std::vector<float> master = to_host<float>(be, m.master_flat());
-      const std::vector<float> scale = to_host<float>(be, m.fp8_state().scale());
-      int checked = 0;
-      for (int b = 0; b < L.num_buckets(); ++b) {
-        if (!L.fp8_bucket(b)) continue;
-        for (const ShardSegment& s : L.shard_segments(b)) {
-          const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
-          const int local = p.layer - m.dims().layer_begin;
-          const int gemm = p.name.ends_with(".linear_qkv.weight")    ? 0
-                           : p.name.ends_with(".linear_proj.weight") ? 1
-                           : p.name.ends_with(".linear_fc1.weight")  ? 2
-                                                                     : 3;
-          const float sc = scale[static_cast<size_t>((local * Fp8State::kGemms + gemm) * Fp8State::kRoles + Fp8State::w)];
-          CHECK(sc != 1.0f);  // scaled from the weights' amax
-          const Tensor q = m.param(s.param);
-          REQUIRE(q.dtype == DType::fp8_e4m3);
-          const std::vector<uint8_t> bits = to_host<uint8_t>(be, q);
-          int64_t wrong = 0;
-          for (int64_t i = 0; i < s.numel; ++i) {
-            const float v = master[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + s.shard_offset + i)];
-            wrong += bits[static_cast<size_t>(s.param_offset + i)] != float_to_fp8_bits(DType::fp8_e4m3, v * sc);
-          }
-          CHECK(wrong == 0);
-          ++checked;
-        }
-      }
-      CHECK(checked == 4 * m.dims().stage_layers());
+      check_fp8_weights_are_master_casts(m, be);
     });
     // Without the flag: the same FP8 training within FP8 noise (the runs part only by the
     // calibrating step's dequantized weights, and casts from the same float32 weights after it).
@@ -160,4 +168,30 @@ TEST_CASE("fp8 param gather: bf16 memory plan holds 2 bytes less per FP8 weight"
     CHECK(saved <= 2 * fp8_weights + 4096);
     CHECK(with.of(MemoryCategory::gradients) == without.of(MemoryCategory::gradients));
   }
+}
+
+TEST_CASE("fp8 param gather: a step skipped by the loss scaler recasts the weights with the new scales",
+          "[fp8][engine][optimizer]") {
+  const Config c = fp8_config(test::tiny_gpt_config(), true);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(1);
+  const ModelDims dims = ModelDims::from_config(c, ps);
+  GptModel model(dims, options_for(c, dims, DType::f32), ps, *be);
+  model.init_parameters();
+  LrSchedule schedule(LrSchedule::params_from_config(c));
+  LossScaler scaler = LossScaler::dynamic(1024.0, 1.0, 1000, 1);
+  Optimizer opt(c, model, ps, schedule, scaler);
+  const std::vector<float> master_before = to_host<float>(*be, model.master_flat());
+  // New scales, as the step's end sets them before the optimizer step: every scale halved.
+  std::vector<float> scale = to_host<float>(*be, model.fp8_state().scale()), scale_inv(scale.size());
+  for (size_t i = 0; i < scale.size(); ++i) scale_inv[i] = 1.0f / (scale[i] *= 0.5f);
+  be->copy_from_host(model.fp8_state().scale(), scale.data());
+  be->copy_from_host(model.fp8_state().scale_inv_all(), scale_inv.data());
+  be->fill(model.grads_flat(), INFINITY);
+  const float sums[2] = {2.0f, 4.0f};
+  be->copy_from_host(model.loss_sums(false), sums);
+  const StepOutcome o = opt.step(1);
+  REQUIRE(o.skipped);
+  CHECK(to_host<float>(*be, model.master_flat()) == master_before);
+  check_fp8_weights_are_master_casts(model, *be);  // with the halved scales
 }
