@@ -237,7 +237,8 @@ class Backend {
   // --fp8-format hybrid, e4m3 with --fp8-format e4m3; x and w are always e4m3.
   // Who produces what (engine/gpt_model.cpp):
   //   - weights: fp8_quantize(wq, wq_t, w) once per step per FP8 weight (the FP8 weight cache,
-  //     refreshed at the first use after the optimizer step), not per micro-batch;
+  //     refreshed at the first use after the optimizer step), not per micro-batch; FP8 parameters
+  //     (--fp8-param-gather) are written by the optimizer update instead, and only transposed here;
   //   - inputs: forward fp8_quantize(xq, xq_t, x), once: xq for the forward GEMM, xq_t kept with
   //     the layer's activations for the weight-gradient GEMM (ModelOptions::fp8_keep_inputs =
   //     false, tests only: forward fp8_quantize(xq, {}, x), backward
