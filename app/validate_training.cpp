@@ -66,9 +66,6 @@ static void validate_fp8(CliState& st) {
     if (!c.parallel.use_distributed_optimizer)
       fail("--fp8-param-gather is only supported with --use-distributed-optimizer (as in Megatron): the optimizer's "
            "float32 master weights are what it casts to FP8");
-    if (t.fp8_recipe != Fp8Recipe::delayed)
-      fail("--fp8-param-gather is built for --fp8-recipe delayed only (the cast of each weight shard then needs no "
-           "whole-tensor amax first); use --fp8-recipe delayed or drop --fp8-param-gather");
   }
   if (t.precision == Precision::fp32 && t.device == DeviceKind::gpu)
     fail("--fp8-format needs --bf16 (or --fp16): the FP8 GEMMs read and write 16-bit activations (only the CPU "

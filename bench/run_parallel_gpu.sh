@@ -153,6 +153,14 @@ fp8pg="$fp8 --use-distributed-optimizer --fp8-param-gather"
 run eq_fp8pg_1gpu 1 $eq $fp8pg
 run eq_fp8pg_dp2 2 $eq $fp8pg --overlap-grad-reduce --overlap-param-gather
 run eq_fp8pg_bf16g_dp2 2 $eq $fp8pg $bf16g --overlap-grad-reduce --overlap-param-gather
+# Tensorwise (current) scaling, without and with FP8 parameters (one GPU, DP=2), and fp16 with its
+# loss scaler (a skipped step recasts the FP8 weights) with FP8 parameters against fp16 without.
+fp8tw="--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer"
+run eq_fp8tw_1gpu 1 $eq $fp8tw
+run eq_fp8twpg_1gpu 1 $eq $fp8tw --fp8-param-gather
+run eq_fp8twpg_dp2 2 $eq $fp8tw --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
+PREC="--fp16" run eq_fp8_fp16_1gpu 1 $eq $fp8 --use-distributed-optimizer
+PREC="--fp16" run eq_fp8pg_fp16_dp2 2 $eq $fp8pg --overlap-grad-reduce --overlap-param-gather
 # The same in fp32 (GEMMs without TF32) on a 4-layer model: bf16 runs drift apart once rounding
 # differences grow, fp32 runs must stay together (a layout defect shows at once).
 eq32="--num-layers 4 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
@@ -259,6 +267,9 @@ if not four:
   equivalence("gpt2-124m, FP8 with bf16 main grads against float32 ones", "eq_fp8_1gpu", ["eq_bf16g_fp8_dp2"], 2e-2)
   equivalence("gpt2-124m, FP8 parameters (--fp8-param-gather) against FP8 without", "eq_fp8_1gpu",
               ["eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2"], 2e-2)
+  equivalence("gpt2-124m, FP8 tensorwise with FP8 parameters against without", "eq_fp8tw_1gpu",
+              ["eq_fp8twpg_1gpu", "eq_fp8twpg_dp2"], 2e-2)
+  equivalence("gpt2-124m, fp16 + FP8 with FP8 parameters against without", "eq_fp8_fp16_1gpu", ["eq_fp8pg_fp16_dp2"], 2e-2)
 
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
@@ -278,7 +289,8 @@ if not four:
 print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
              "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "eq_bf16g_1gpu", "eq_bf16g_dp2", "eq_bf16g_fp8_dp2",
-             "eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
+             "eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2", "eq_fp8tw_1gpu", "eq_fp8twpg_1gpu",
+             "eq_fp8twpg_dp2", "eq_fp8_fp16_1gpu", "eq_fp8pg_fp16_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
              "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "pp_13b_pp2_last11",
              "pp_13b_pp2_last10", "eq4_tp2_pp2", "eq4_tp2_dp2",
              "eq4_pp4_vpp", "eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"]:

@@ -159,6 +159,16 @@ void Fp8State::set_weight_scales_from_amax(Backend& be) {
   be.synchronize();  // the host vectors go out of scope
 }
 
+void Fp8State::update_weight_scales(Backend& be) {
+  if (!any()) return;
+  // Row 0 alone as a one-row history: "most recent" reads it, and the roll of one row clears it.
+  const int64_t n = operands();
+  Fp8ScaleUpdate u;
+  u.algo = Fp8AmaxAlgo::most_recent;
+  u.margin = opt_.margin;
+  be.fp8_update_scales(history_.flat_slice(0, n).view({1, n}), scale_, scale_inv_, fp8_max_, u);
+}
+
 void Fp8State::end_step(Backend& be, ParallelState& ps) {
   if (!any()) return;
   const Tensor current = history_.flat_slice(0, operands());

@@ -23,7 +23,8 @@
 // optimizer step, the step's amax being the max over its micro-batches (so every micro-batch of a
 // step uses the same scales, and the weights, cast once per step, one scale). Tensorwise over TP
 // scales each rank's shard by its own amax (no amax all-reduce inside the cast): the numbers are
-// right, the FP8 grids differ slightly from TP=1's.
+// right, the FP8 grids differ slightly from TP=1's. (FP8 parameters are the exception: their
+// scales come from the amax over TP and DP, set once per step by update_weight_scales.)
 #pragma once
 
 #include <optional>
@@ -85,6 +86,11 @@ class Fp8State {
   // fp8_update_scales' rule, without rolling the history (that update still sees the amax).
   // Inputs' and gradients' scales stay as they are.
   void set_weight_scales_from_amax(Backend& be);
+  // FP8 parameters with tensorwise scaling, once per optimizer step after the update recorded the
+  // new master weights' amaxes in row 0 and reduce_amax: on the device, every operand with an amax
+  // in row 0 gets its scale from it alone (fp8_update_scales' rule; the inputs' and gradients' rows
+  // were cleared by end_step, and their casts set their own scales anyway); row 0 is cleared.
+  void update_weight_scales(Backend& be);
 
   // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
   // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].

@@ -669,7 +669,11 @@ void GptModel::fp8_end_step() {
 Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
   const auto [local, g] = fp8_param_gemm_.at(static_cast<size_t>(i));
   MT_CHECK(local >= 0, "{} is not an FP8 parameter", descs_.at(static_cast<size_t>(i)).name);
-  return fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
+  Fp8TensorMeta m = fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
+  // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
+  // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
+  m.recipe = Fp8Recipe::delayed;
+  return m;
 }
 
 void GptModel::fp8_cast_shard(int b) {
@@ -683,11 +687,11 @@ void GptModel::fp8_cast_shard(int b) {
   }
 }
 
-void GptModel::fp8_params_from_master(bool initial_scales) {
+void GptModel::fp8_params_from_master(bool fresh_state) {
   if (!fp8_params()) return;
   const GradLayout& L = grad_layout_;
-  if (initial_scales) {
-    fp8_.initialize(be_);  // a fresh FP8 run's state
+  if (fresh_state) fp8_.initialize(be_);
+  if (fresh_state || opt_.fp8.recipe == Fp8Recipe::tensorwise) {
     // A first cast with the scales there are (its bits are overwritten below) records every
     // shard's amax; their max over TP and DP sets each weight's scale, as the first delayed-scaling
     // update would from the weight's amax alone. The amax stays recorded for that update.

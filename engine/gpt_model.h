@@ -181,10 +181,12 @@ class GptModel {
   // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
   Fp8TensorMeta fp8_param_meta(int i) const;
   // All FP8 parameters from the master weights (set-up time: after init_parameters or a checkpoint
-  // load): the shards cast, then all-gathered over DP. initial_scales: the weights' scales first
-  // come from their own amax (over every shard; no scale update has happened yet), else the
-  // loaded ones are used (a resumed run casts the same bits as the run that saved).
-  void fp8_params_from_master(bool initial_scales);
+  // load): the shards cast, then all-gathered over DP. fresh_state: a fresh FP8 state (a new run,
+  // or a checkpoint without one), whose weights' scales first come from their own amax (over every
+  // shard; no scale update has happened yet); else the loaded state, whose scales delayed scaling
+  // uses as they are (a resumed run casts the same bits as the run that saved). Tensorwise scaling
+  // always takes the weights' scales from their amax (what its optimizer steps do: the same scales).
+  void fp8_params_from_master(bool fresh_state);
   const Fp8State& fp8_state() const { return fp8_; }
   Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
   // Starts a step's gradients: zeroes the buffer except the weight gradients the step's first GEMM

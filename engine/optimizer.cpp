@@ -172,6 +172,7 @@ StepOutcome Optimizer::step(int64_t iteration) {
       else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
     }
     reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
+    rescale_fp8_params();
   }
   if (param_gather_) {
     const ScopedTimer timed(timer, "params-all-gather");
@@ -199,6 +200,19 @@ void Optimizer::reduce_fp8_param_amax() {
   // step's end would), so that the FP8 state does not depend on the DP layout (checkpoints).
   for (GptModel* m : chunks_)
     if (m->fp8_params()) m->fp8_state_mutable().reduce_amax(ps_);
+}
+
+void Optimizer::rescale_fp8_params() {
+  // Current scaling (Transformer Engine's with FP8 parameters) scales each weight by the amax of
+  // its new values, which is whole only after the update and the reduction above. The update's cast
+  // with the previous scales (one more byte written per weight) yields that amax in the same pass.
+  bool any = false;
+  for (GptModel* m : chunks_)
+    if (m->fp8_params() && m->fp8_state().options().recipe == Fp8Recipe::tensorwise) {
+      m->fp8_state_mutable().update_weight_scales(be_);
+      any = true;
+    }
+  if (any) cast_fp8_params();
 }
 
 double Optimizer::params_norm() {

@@ -90,6 +90,9 @@ class Optimizer {
   bool cast_fp8_params();
   // The FP8 parameters' amaxes after their cast: max over TP and DP.
   void reduce_fp8_param_amax();
+  // Tensorwise FP8 parameters after the update: scales from the new weights' amaxes, then the cast
+  // again with them (the update's own cast used the previous step's scales).
+  void rescale_fp8_params();
   double read_scalars(double* host, int count);
 
   const Config& cfg_;

@@ -57,16 +57,18 @@ TEST_CASE("fp8 flags: validation and refusals", "[fp8][cli]") {
     CHECK_THAT(parse_error(small_gpt() + words(std::string("--bf16 --fp8-format hybrid --fp8-recipe ") + recipe)),
                Contains(std::string("megatrain does not support --fp8-recipe ") + recipe + " yet"));
   }
-  // --fp8-param-gather: Megatron's rule (the distributed optimizer), and the recipe it is built for.
+  // --fp8-param-gather: Megatron's rule (the distributed optimizer); both recipes.
   CHECK(parse(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-param-gather --use-distributed-optimizer"))
             .train.fp8_param_gather);
   CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-param-gather")),
              Contains("--fp8-param-gather is only supported with --use-distributed-optimizer"));
   CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-param-gather --use-distributed-optimizer")),
              Contains("--fp8-param-gather needs --fp8-format"));
-  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather "
-                                             "--use-distributed-optimizer")),
-             Contains("--fp8-param-gather is built for --fp8-recipe delayed only"));
+  // With tensorwise (current) scaling too, and with --first-last-layers-bf16 (which needs tensorwise).
+  const Config tw = parse(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather "
+                                              "--use-distributed-optimizer --first-last-layers-bf16 --num-layers 4"));
+  CHECK(tw.train.fp8_param_gather);
+  CHECK(tw.train.fp8_recipe == Fp8Recipe::tensorwise);
   CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --fp8-quantizer-factory x.y")),
              Contains("megatrain does not support --fp8-quantizer-factory x.y yet"));
   // Megatron launch scripts pass these with Transformer Engine; refused by name, not as unknown words.

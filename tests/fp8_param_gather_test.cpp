@@ -6,10 +6,13 @@
 //    scale (the cast of the last optimizer step), and the transposed copies follow;
 //  - training follows FP8 training without the flag (the same casts of the same weights, except
 //    in the calibrating first step, whose compute-dtype GEMMs take the FP8 weights dequantized);
-//  - memory: in bf16, 2 bytes less per FP8 weight (no compute-dtype copy beside the FP8 one).
+//  - memory: in bf16, 2 bytes less per FP8 weight (no compute-dtype copy beside the FP8 one);
+//  - tensorwise (current) scaling: each step's weight scales come from that step's new master
+//    weights, and training is bit for bit tensorwise training without the flag.
 // tests/mpi/parallel_train.cmake runs it over DP, TP x DP and a resume onto another DP size.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -30,7 +33,7 @@ using namespace mt;
 
 namespace {
 
-Config fp8_config(Config c, bool param_gather) {
+Config fp8_config(Config c, bool param_gather, Fp8Recipe recipe = Fp8Recipe::delayed) {
   c = test::with_mock_training(c);  // two micro-batches per step
   c.train.train_iters = 6;
   c.train.lr_warmup_iters = 1;
@@ -39,6 +42,12 @@ Config fp8_config(Config c, bool param_gather) {
   c.train.fp8_amax_history_len = 4;
   c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
   c.train.fp8_param_gather = param_gather;
+  c.train.fp8_recipe = recipe;
+  if (recipe == Fp8Recipe::tensorwise) {  // (its casts have no history)
+    c.train.fp8_amax_history_len = 1;
+    c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::most_recent;
+    c.train.fp8_margin = 1;  // (the margin enters the weights' scales too)
+  }
   c.parallel.use_distributed_optimizer = true;
   test::derive(c);
   return c;
@@ -83,6 +92,13 @@ bool is_linear_weight(const std::string& n) {
   return false;
 }
 
+int gemm_of(const std::string& name) {
+  return name.ends_with(".linear_qkv.weight")    ? 0
+         : name.ends_with(".linear_proj.weight") ? 1
+         : name.ends_with(".linear_fc1.weight")  ? 2
+                                                 : 3;
+}
+
 // Each FP8 weight is the cast of its master weights (one rank: the master shard of a bucket is the
 // whole bucket) with the weight's scale.
 void check_fp8_weights_are_master_casts(GptModel& m, Backend& be) {
@@ -95,10 +111,7 @@ void check_fp8_weights_are_master_casts(GptModel& m, Backend& be) {
     for (const ShardSegment& s : L.shard_segments(b)) {
       const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
       const int local = p.layer - m.dims().layer_begin;
-      const int gemm = p.name.ends_with(".linear_qkv.weight")    ? 0
-                       : p.name.ends_with(".linear_proj.weight") ? 1
-                       : p.name.ends_with(".linear_fc1.weight")  ? 2
-                                                                 : 3;
+      const int gemm = gemm_of(p.name);
       const float sc = scale[static_cast<size_t>((local * Fp8State::kGemms + gemm) * Fp8State::kRoles + Fp8State::w)];
       CHECK(sc != 1.0f);  // scaled from the weights' amax
       const Tensor q = m.param(s.param);
@@ -146,6 +159,51 @@ TEST_CASE("fp8 param gather: the FP8 weights are the master weights cast with th
       INFO("iteration " << i + 1);
       CHECK(std::abs(with.losses[i] - without.losses[i]) < 2e-3 * std::abs(without.losses[i]));
     }
+  }
+}
+
+// Tensorwise (current) scaling: each weight's scale is fp8_max / max |its master weights| / 2^margin,
+// from the weights of this step (not an earlier one's).
+void check_weight_scales_are_current(GptModel& m, Backend& be) {
+  const GradLayout& L = m.grad_layout();
+  const std::vector<float> master = to_host<float>(be, m.master_flat());
+  const std::vector<float> scale = to_host<float>(be, m.fp8_state().scale());
+  std::vector<float> amax(scale.size(), 0.0f);
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!L.fp8_bucket(b)) continue;
+    for (const ShardSegment& s : L.shard_segments(b)) {
+      const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
+      float& a = amax[static_cast<size_t>(((p.layer - m.dims().layer_begin) * Fp8State::kGemms + gemm_of(p.name)) *
+                                              Fp8State::kRoles + Fp8State::w)];
+      for (int64_t i = 0; i < s.numel; ++i)
+        a = std::max(a, std::abs(master[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + s.shard_offset + i)]));
+    }
+  }
+  const int margin = m.fp8_state().options().margin;
+  int checked = 0;
+  for (size_t i = Fp8State::w; i < scale.size(); i += Fp8State::kRoles) {
+    REQUIRE(amax[i] > 0.0f);
+    CHECK(scale[i] == (448.0f / amax[i]) / std::ldexp(1.0f, margin));
+    ++checked;
+  }
+  CHECK(checked == 4 * m.dims().stage_layers());
+}
+
+TEST_CASE("fp8 param gather with tensorwise scaling: current weight scales, the same training as without the flag",
+          "[fp8][engine][train]") {
+  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+    INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
+    const Trained with = train(fp8_config(model_cfg, true, Fp8Recipe::tensorwise), [&](GptModel& m, Backend& be) {
+      REQUIRE(m.fp8_params());
+      check_fp8_weights_are_master_casts(m, be);
+      check_weight_scales_are_current(m, be);
+    });
+    // Without the flag each step casts its float32 weights (the reference backend's compute dtype:
+    // the master weights themselves) by their own amax: the same bits, so the same losses exactly.
+    const Trained without =
+        train(fp8_config(model_cfg, false, Fp8Recipe::tensorwise), [](GptModel& m, Backend&) { CHECK_FALSE(m.fp8_params()); });
+    CHECK(with.losses == without.losses);
+    REQUIRE(with.losses.size() == 6);
   }
 }
 

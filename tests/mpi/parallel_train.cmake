@@ -102,3 +102,13 @@ megatrain_parallel_train_test(parallel_train_fp8_param_gather_pp2_vpp2_dp2 --fp8
   --overlap-param-gather --ddp-bucket-size 2000)
 megatrain_parallel_train_test(parallel_train_resume_fp8_param_gather_dp2_to_dp3 --fp8 --model "${fp8_param_gather_model}"
   --resume 2 - 3 -)
+# With tensorwise (current) scaling: each step's weight scales come from the new master weights'
+# amax over every DP shard (one rank's scales), the inputs' and gradients' from each tensor (one
+# rank casts the same micro-batches). Not over TP: there tensorwise scales each rank's input shard
+# by its own amax (engine/fp8_state.h), so the FP8 grids differ from one rank's.
+set(fp8_param_gather_tensorwise_model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss --use-distributed-optimizer --fp8-param-gather")
+megatrain_parallel_train_test(parallel_train_fp8_param_gather_tensorwise_pp2_dp2 --fp8
+  --model "${fp8_param_gather_tensorwise_model}" 4 --pipeline-model-parallel-size 2 --overlap-grad-reduce
+  --overlap-param-gather --ddp-bucket-size 2000)
+megatrain_parallel_train_test(parallel_train_resume_fp8_param_gather_tensorwise_dp2_to_dp3 --fp8
+  --model "${fp8_param_gather_tensorwise_model}" --resume 2 - 3 -)
