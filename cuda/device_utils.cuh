@@ -128,6 +128,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The block's max of non-negative values (kThreads threads, a multiple of 32), maxed into *amax
+// by one atomicMax of the float bits (for v >= 0 int order is float order). Every thread of the
+// block calls it, and may call it again (the optimizer update, once per chunk of a segment). The
+// FP8 casts' and the FP8 optimizer update's amax.
+template <int kThreads>
+__device__ __forceinline__ void block_amax_atomic(float* amax, float v) {
+  __shared__ float partial[kThreads / kWarp];
+  v = warp_max(v);
+  __syncthreads();  // partial[] may still be read by a previous call
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = warp_max(lane < kThreads / kWarp ? partial[lane] : 0.0f);
+    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
+  }
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
 // result. The order is fixed by the launch shape, so the result is deterministic.
 template <typename V>

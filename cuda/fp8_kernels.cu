@@ -53,20 +53,6 @@ __device__ __forceinline__ uint2 pack8(const Floats<8>& v, float scale) {
   return r;
 }
 
-// Block-wide max of non-negative values, then one atomicMax of the float bits into *amax.
-__device__ __forceinline__ void block_amax_to(float* amax, float v) {
-  __shared__ float partial[kThreads / kWarp];
-  v = warp_max(v);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kThreads / kWarp ? partial[lane] : 0.0f;
-    v = warp_max(v);
-    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
-  }
-}
-
 // ---- flat cast ----------------------------------------------------------------------------------
 template <typename T, Fp8Format F, int VEC>
 __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in, int64_t n, const float* scale_p,
@@ -89,7 +75,7 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
       out[i] = to_fp8<F>(v * scale);
     }
   }
-  if (amax) block_amax_to(amax, m);
+  if (amax) block_amax_atomic<kThreads>(amax, m);
 }
 
 // ---- cast + transpose -----------------------------------------------------------------------------
@@ -421,7 +407,7 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
       __syncthreads();
     }
   }
-  if (amax) block_amax_to(amax, m);
+  if (amax) block_amax_atomic<kThreads>(amax, m);
 }
 
 // ---- cast + transpose in registers ---------------------------------------------------------------
@@ -533,7 +519,7 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t
       col_partial[tile_r * C + h * Cs + col0 + c] = t;
     }
   }
-  if (amax) block_amax_to(amax, m);
+  if (amax) block_amax_atomic<kThreads>(amax, m);
 }
 
 // ---- byte transpose (fp8_transpose) -------------------------------------------------------------
@@ -638,7 +624,7 @@ __global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(v.v[j]));
   }
-  block_amax_to(amax, m);
+  block_amax_atomic<kThreads>(amax, m);
 }
 
 // ---- dequantize -----------------------------------------------------------------------------------

@@ -87,20 +87,6 @@ __device__ __forceinline__ void store_model(void* model, int64_t i, float p, flo
   }
 }
 
-// The block's max of the threads' amax values, maxed into *amax (all threads of the block call it).
-__device__ __forceinline__ void block_max_into(float* amax, float v) {
-  __shared__ float partial[kOptimThreads / kWarp];
-  v = warp_max(v);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = warp_max(lane < kOptimThreads / kWarp ? partial[lane] : 0.0f);
-    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));  // v >= 0: int order is float order
-  }
-  __syncthreads();  // partial is reused by the next chunk
-}
-
 template <typename G>
 struct AdamArgs {
   float* master;
@@ -208,7 +194,7 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G> a, Seg
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     float amax = 0.0f;
     adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), amax);
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_max_into(s.fp8_amax, amax);
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic<kOptimThreads>(s.fp8_amax, amax);
   }
 }
 
@@ -241,7 +227,7 @@ __global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, Segmen
       a.master[i] = p;
       store_model<M>(a.model, i, p, scale, amax);
     }
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_max_into(s.fp8_amax, amax);
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic<kOptimThreads>(s.fp8_amax, amax);
   }
 }
 
