@@ -108,6 +108,16 @@ if [ "$four" = 1 ]; then
   run eq4_tp2_dp2 4 $eq --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer \
     --overlap-grad-reduce --overlap-param-gather
   run eq4_pp4_vpp 4 $eq --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1
+  # FP8 parameters (delayed and tensorwise) over TP=2+SP x DP=2 and PP=2 x DP=2 against one GPU's FP8
+  # parameters (--calculate-per-token-loss: output-gradient scales independent of the DP size).
+  fp8pg4="--fp8-format hybrid --use-distributed-optimizer --fp8-param-gather --calculate-per-token-loss"
+  for r in delayed tensorwise; do
+    run eq4_fp8pg_${r}_1gpu 1 $eq $fp8pg4 --fp8-recipe $r
+    run eq4_fp8pg_${r}_tp2_dp2 4 $eq $fp8pg4 --fp8-recipe $r --tensor-model-parallel-size 2 --sequence-parallel \
+      --overlap-grad-reduce --overlap-param-gather
+    run eq4_fp8pg_${r}_pp2_dp2 4 $eq $fp8pg4 --fp8-recipe $r --pipeline-model-parallel-size 2 --overlap-grad-reduce \
+      --overlap-param-gather
+  done
   eq32="--num-layers 8 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
     --micro-batch-size 4 --global-batch-size 16 --train-iters $eq_iters $sched"
   PREC=" " run eq32_1gpu 1 $eq32
@@ -153,14 +163,11 @@ fp8pg="$fp8 --use-distributed-optimizer --fp8-param-gather"
 run eq_fp8pg_1gpu 1 $eq $fp8pg
 run eq_fp8pg_dp2 2 $eq $fp8pg --overlap-grad-reduce --overlap-param-gather
 run eq_fp8pg_bf16g_dp2 2 $eq $fp8pg $bf16g --overlap-grad-reduce --overlap-param-gather
-# Tensorwise (current) scaling, without and with FP8 parameters (one GPU, DP=2), and fp16 with its
-# loss scaler (a skipped step recasts the FP8 weights) with FP8 parameters against fp16 without.
+# Tensorwise (current) scaling, without and with FP8 parameters (one GPU, DP=2).
 fp8tw="--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer"
 run eq_fp8tw_1gpu 1 $eq $fp8tw
 run eq_fp8twpg_1gpu 1 $eq $fp8tw --fp8-param-gather
 run eq_fp8twpg_dp2 2 $eq $fp8tw --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
-PREC="--fp16" run eq_fp8_fp16_1gpu 1 $eq $fp8 --use-distributed-optimizer
-PREC="--fp16" run eq_fp8pg_fp16_dp2 2 $eq $fp8pg --overlap-grad-reduce --overlap-param-gather
 # The same in fp32 (GEMMs without TF32) on a 4-layer model: bf16 runs drift apart once rounding
 # differences grow, fp32 runs must stay together (a layout defect shows at once).
 eq32="--num-layers 4 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
@@ -250,6 +257,9 @@ def equivalence(title, base_name, names, bound):
 
 if four:
     equivalence("gpt2-124m, bf16, --deterministic-mode", "eq_1gpu", ["eq4_tp2_pp2", "eq4_tp2_dp2", "eq4_pp4_vpp"], 2e-2)
+    for r in ("delayed", "tensorwise"):
+        equivalence(f"gpt2-124m, FP8 {r} with FP8 parameters", f"eq4_fp8pg_{r}_1gpu",
+                    [f"eq4_fp8pg_{r}_tp2_dp2", f"eq4_fp8pg_{r}_pp2_dp2"], 2e-2)
     equivalence("8 layers of gpt2-124m, fp32", "eq32_1gpu", ["eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"], 1e-4)
     print("\n== gpt-1.3b on 4 GPUs (median of iterations 5..; per GPU) ==")
     print(f"{'layout':14s} {'tokens/s/GPU':>13s} {'TFLOP/s/GPU':>12s} {'vs 1 GPU':>9s}  memory per GPU")
@@ -269,7 +279,6 @@ if not four:
               ["eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2"], 2e-2)
   equivalence("gpt2-124m, FP8 tensorwise with FP8 parameters against without", "eq_fp8tw_1gpu",
               ["eq_fp8twpg_1gpu", "eq_fp8twpg_dp2"], 2e-2)
-  equivalence("gpt2-124m, fp16 + FP8 with FP8 parameters against without", "eq_fp8_fp16_1gpu", ["eq_fp8pg_fp16_dp2"], 2e-2)
 
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
@@ -290,9 +299,11 @@ print("\n== memory per GPU (planned buffers / device memory in use after the run
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
              "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "eq_bf16g_1gpu", "eq_bf16g_dp2", "eq_bf16g_fp8_dp2",
              "eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2", "eq_fp8tw_1gpu", "eq_fp8twpg_1gpu",
-             "eq_fp8twpg_dp2", "eq_fp8_fp16_1gpu", "eq_fp8pg_fp16_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
+             "eq_fp8twpg_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
              "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "pp_13b_pp2_last11",
-             "pp_13b_pp2_last10", "eq4_tp2_pp2", "eq4_tp2_dp2",
+             "pp_13b_pp2_last10", "eq4_tp2_pp2", "eq4_tp2_dp2", "eq4_fp8pg_delayed_1gpu", "eq4_fp8pg_delayed_tp2_dp2",
+             "eq4_fp8pg_delayed_pp2_dp2", "eq4_fp8pg_tensorwise_1gpu", "eq4_fp8pg_tensorwise_tp2_dp2",
+             "eq4_fp8pg_tensorwise_pp2_dp2",
              "eq4_pp4_vpp", "eq32_tp2_pp2", "eq32_tp2_dp2", "eq32_pp4_vpp"]:
     print(f"{name:14s} {memory(name)}")
 print(f"\nNCCL tests: {nccl}")
