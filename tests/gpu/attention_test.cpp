@@ -164,6 +164,23 @@ Diff compare(const std::vector<float>& got, const std::vector<float>& want) {
   return e;
 }
 
+// One case's errors against the reference: every value finite; out, dq, dk and dv within rel_tol
+// (relative), lse within lse_tol (absolute). `line` (the case and its errors) is printed and
+// attached to the checks.
+struct AttentionErrors {
+  Diff out, lse, dq, dk, dv;
+};
+void check_attention_errors(const std::string& line, const AttentionErrors& e, double rel_tol, double lse_tol) {
+  INFO(line);
+  std::printf("%s\n", line.c_str());
+  for (const Diff* d : {&e.out, &e.lse, &e.dq, &e.dk, &e.dv}) CHECK(d->finite);
+  CHECK(e.out.rel <= rel_tol);
+  CHECK(e.lse.max_abs <= lse_tol);
+  CHECK(e.dq.rel <= rel_tol);
+  CHECK(e.dk.rel <= rel_tol);
+  CHECK(e.dv.rel <= rel_tol);
+}
+
 // The reference's answers for one slice.
 struct SliceReference {
   std::vector<float> out, lse, dqkv;
@@ -190,16 +207,18 @@ std::vector<Variant> variants_for(const Problem& p) {
                       size_t bytes) { cuda::flash::backward(dqkv, dout, out, lse, qkv, s, bc, ws, bytes, nullptr); },
                  cuda::flash::backward_workspace_bytes(a)});
   };
+  // The production entry point (cuda::attention_forward / _backward) with backend b.
+  const auto production = [&](const char* name, AttentionBackend b) {
+    v.push_back({name,
+                 [b](Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws, size_t bytes) {
+                   cuda::attention_forward(out, lse, qkv, s, b, ws, bytes, nullptr);
+                 },
+                 [b](Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws,
+                     size_t bytes) { cuda::attention_backward(dqkv, dout, out, lse, qkv, s, b, ws, bytes, nullptr); },
+                 cuda::attention_workspace_bytes(a, b, p.dtype)});
+  };
   // The production entry point first (its flash path uses the default configs).
-  v.push_back({"flash",
-               [](Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws, size_t bytes) {
-                 cuda::attention_forward(out, lse, qkv, s, AttentionBackend::flash, ws, bytes, nullptr);
-               },
-               [](Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws,
-                  size_t bytes) {
-                 cuda::attention_backward(dqkv, dout, out, lse, qkv, s, AttentionBackend::flash, ws, bytes, nullptr);
-               },
-               cuda::attention_workspace_bytes(a, AttentionBackend::flash, p.dtype)});
+  production("flash", AttentionBackend::flash);
   // The generic CUDA-core kernels on every shape (production uses them where the tensor-core
   // kernels are not compiled, which the "flash" variant above covers then).
   if (cuda::flash::supports_head_dim(p.d)) {
@@ -221,15 +240,7 @@ std::vector<Variant> variants_for(const Problem& p) {
     }
   }
   if (cuda::fused_attention_supported(a, p.dtype)) {
-    v.push_back({"fused (cuDNN)",
-                 [](Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws, size_t bytes) {
-                   cuda::attention_forward(out, lse, qkv, s, AttentionBackend::fused, ws, bytes, nullptr);
-                 },
-                 [](Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& s, void* ws,
-                    size_t bytes) {
-                   cuda::attention_backward(dqkv, dout, out, lse, qkv, s, AttentionBackend::fused, ws, bytes, nullptr);
-                 },
-                 cuda::attention_workspace_bytes(a, AttentionBackend::fused, p.dtype)});
+    production("fused (cuDNN)", AttentionBackend::fused);
     // Every cuDNN candidate pinned in turn (forward i with backward i, the shorter list repeating
     // its last), since the production path keeps whichever its first call times fastest.
     namespace cd = cuda::cudnn_attention;
@@ -393,25 +404,13 @@ void run_problem(const Problem& p) {
           parts[part][0].push_back(dqkv[base + j]);
           parts[part][1].push_back(ref.dqkv[base + j]);
         }
-      const Diff e_out = compare(out, ref.out), e_lse = compare(lse, ref.lse);
-      const Diff e_dq = compare(parts[0][0], parts[0][1]), e_dk = compare(parts[1][0], parts[1][1]),
-                  e_dv = compare(parts[2][0], parts[2][1]);
+      const AttentionErrors e{compare(out, ref.out), compare(lse, ref.lse), compare(parts[0][0], parts[0][1]),
+                              compare(parts[1][0], parts[1][1]), compare(parts[2][0], parts[2][1])};
       std::fflush(stdout);
-      const std::string line = fmt::format(
-          "{} | {} | sample {} | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", p.name, variants[vi].name,
-          sl.sample, e_out.rel, e_lse.max_abs, e_dq.rel, e_dk.rel, e_dv.rel);
-      INFO(line);
-      std::printf("%s\n", line.c_str());
-      CHECK(e_out.finite);
-      CHECK(e_lse.finite);
-      CHECK(e_dq.finite);
-      CHECK(e_dk.finite);
-      CHECK(e_dv.finite);
-      CHECK(e_out.rel <= kRelTol);
-      CHECK(e_lse.max_abs <= kLseTol);
-      CHECK(e_dq.rel <= kRelTol);
-      CHECK(e_dk.rel <= kRelTol);
-      CHECK(e_dv.rel <= kRelTol);
+      check_attention_errors(fmt::format("{} | {} | sample {} | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}",
+                                         p.name, variants[vi].name, sl.sample, e.out.rel, e.lse.max_abs, e.dq.rel,
+                                         e.dk.rel, e.dv.rel),
+                             e, kRelTol, kLseTol);
     }
   }
 }
@@ -550,22 +549,12 @@ void run_problem_f32(const Problem& p) {
       parts[part][0].push_back(dqkv[base + j]);
       parts[part][1].push_back(ref_dqkv[base + j]);
     }
-  const Diff e_out = compare(out, ref_out), e_lse = compare(lse, ref_lse), e_dq = compare(parts[0][0], parts[0][1]),
-             e_dk = compare(parts[1][0], parts[1][1]), e_dv = compare(parts[2][0], parts[2][1]);
-  const std::string line = fmt::format("{} | float32 | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", p.name,
-                                       e_out.rel, e_lse.max_abs, e_dq.rel, e_dk.rel, e_dv.rel);
-  INFO(line);
-  std::printf("%s\n", line.c_str());
+  const AttentionErrors e{compare(out, ref_out), compare(lse, ref_lse), compare(parts[0][0], parts[0][1]),
+                          compare(parts[1][0], parts[1][1]), compare(parts[2][0], parts[2][1])};
   constexpr double kTol32 = 1e-5, kLseTol32 = 1e-5;
-  CHECK(e_out.finite);
-  CHECK(e_dq.finite);
-  CHECK(e_dk.finite);
-  CHECK(e_dv.finite);
-  CHECK(e_out.rel <= kTol32);
-  CHECK(e_lse.max_abs <= kLseTol32);
-  CHECK(e_dq.rel <= kTol32);
-  CHECK(e_dk.rel <= kTol32);
-  CHECK(e_dv.rel <= kTol32);
+  check_attention_errors(fmt::format("{} | float32 | out {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", p.name,
+                                     e.out.rel, e.lse.max_abs, e.dq.rel, e.dk.rel, e.dv.rel),
+                         e, kTol32, kLseTol32);
 }
 
 }  // namespace

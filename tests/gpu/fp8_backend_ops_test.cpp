@@ -200,21 +200,24 @@ TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bi
       }
 }
 
-// The output gradient's cast with the bias gradient in the same pass: the same bytes and scales as
-// fp8_quantize, dbias += column sums as the reference adds them (float32 sums in another order:
-// relative 1e-5), and the same bits on a second run (fixed order). Shapes: odd (no vector path),
-// and one tall enough that row tiles go in groups (the last group partial).
-TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, deterministic", "[gpu][fp8]") {
+// The output gradient's cast with the bias gradient (float32, or bf16 with --grad-reduce-in-bf16) in
+// the same pass, twice: the same bytes, amax and scale as fp8_quantize, the bias gradient against the
+// reference's, and the same bits on the second run (fixed order). Shapes: odd (no vector path), and
+// one tall enough that row tiles go in groups (the last group partial).
+namespace {
+void check_quantize_with_dbias(DType db_dtype) {
   MT_RNG(rng);
   for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
     for (auto [R, C] : {std::pair<int64_t, int64_t>{33, 70}, {200, 136}, {16392, 1032}}) {
       INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << R << " x " << C);
       Twin dy = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.5));
-      const std::vector<double> b0 = rng.normal(C, 1.0);
+      // (bf16: first values as large as the sums, so that the rounding of old + sums matters)
+      const std::vector<double> b0 =
+          rng.normal(C, db_dtype == DType::bf16 ? 0.5 * std::sqrt(static_cast<double>(R)) : 1.0);
       Quant2 plain = quantize2(dy, DType::fp8_e5m2, recipe, 300.0f, true, true);
       std::vector<uint8_t> first_bits;
       for (int run = 0; run < 2; ++run) {
-        Twin db = twin_same(DType::f32, {C}, b0);
+        Twin db = twin_same(db_dtype, {C}, b0);
         Quant2 q{Buf(dev(), DType::fp8_e5m2, {R, C}), Buf(ref(), DType::fp8_e5m2, {R, C}), Buf(dev(), DType::fp8_e5m2, {C, R}),
                  Buf(ref(), DType::fp8_e5m2, {C, R}), scalar2(300.0f), scalar2(1.0f / 300.0f), scalar2(0.0f)};
         dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), {q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe, 0}, db.c());
@@ -224,13 +227,53 @@ TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, d
         CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(ref(), q.qr.t), 1) == 0);
         CHECK(value(dev(), q.amax.c) == value(dev(), plain.amax.c));
         CHECK(value(dev(), q.scale.c) == value(dev(), plain.scale.c));
-        MT_CHECK_CLOSE(db, 1e-5);
+        // float32: the reference's sums in another order (relative 1e-5); bf16: round_bf16(old + sums).
+        if (db_dtype == DType::bf16) check_bf16_grad(db, "dbias");
+        else MT_CHECK_CLOSE(db, 1e-5);
         const std::vector<uint8_t> bits = download_bytes(dev(), db.c());
         if (run == 0) first_bits = bits;
         else CHECK(bits == first_bits);
       }
     }
 }
+}  // namespace
+
+TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, deterministic", "[gpu][fp8]") {
+  check_quantize_with_dbias(DType::f32);
+}
+
+// The cases of fc1's output-gradient cast (fp8_quantize_activation_backward), for each activation,
+// recipe and (R, F) (SwiGLU's gradient is [R, 2F]; {33, 70} / {33, 35} take the paths without
+// vectors): dout and pre on both backends, d = the GPU's activation backward of them (the two-op
+// path's input) and b0, the bias gradient's first values (standard deviation bias_std(R)).
+namespace {
+struct ActivationBackwardCase {
+  MlpActivation act;
+  Fp8Recipe recipe;
+  int64_t R, C;
+  Twin dout, pre;
+  Buf d;
+  std::vector<double> b0;
+  CastOut cast(Backend& be) const { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); }
+};
+template <typename BiasStd, typename Fn>
+void for_each_activation_backward_case(Rng& rng, BiasStd bias_std, Fn&& fn) {
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
+        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
+                           << " x " << F);
+        const int64_t C = act == MlpActivation::swiglu ? 2 * F : F;
+        ActivationBackwardCase k{act, recipe, R, C, twin_same(DType::bf16, {R, F}, rng.normal(R * F, 0.2)),
+                                 twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0)), Buf(dev(), DType::bf16, {R, C}),
+                                 {}};
+        k.b0 = rng.normal(C, bias_std(R));
+        if (act == MlpActivation::swiglu) dev().swiglu_backward(k.d.t, k.dout.c(), k.pre.c());
+        else dev().gelu_backward(k.d.t, k.dout.c(), k.pre.c(), act == MlpActivation::gelu_tanh);
+        fn(k);
+      }
+}
+}  // namespace
 
 // fc1's output gradient cast straight from fc2's input gradient and fc1's output (the FP8 GeLU
 // MLP's backward): the same bytes, scales and bias gradient bits as gelu_backward followed by
@@ -238,40 +281,28 @@ TEST_CASE("cuda fp8_quantize_with_dbias: the cast's bytes and the column sums, d
 TEST_CASE("cuda fp8_quantize_activation_backward: the activation's backward then the cast with dbias, bit for bit",
           "[gpu][fp8]") {
   MT_RNG(rng);
-  // (R, F): SwiGLU's gradient is [R, 2F]; {33, 70}/{33, 35} take the paths without vectors.
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
-    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
-      for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
-        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
-                           << " x " << F);
-        const bool swiglu = act == MlpActivation::swiglu;
-        const int64_t C = swiglu ? 2 * F : F;
-        Twin dout = twin_same(DType::bf16, {R, F}, rng.normal(R * F, 0.2));
-        Twin pre = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0));
-        const std::vector<double> b0 = rng.normal(C, 1.0);
-        Buf d(dev(), DType::bf16, {R, C});
-        if (swiglu) dev().swiglu_backward(d.t, dout.c(), pre.c());
-        else dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
-        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); };
-        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
-        Twin db_two = twin_same(DType::f32, {C}, b0), db_fused = twin_same(DType::f32, {C}, b0);
-        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, two_ops.meta(recipe), db_two.c());
-        dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe), db_fused.c());
-        ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act, reference.meta(recipe),
-                                         db_fused.r());
-        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
-        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
-        CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
-        CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
-        CHECK(value(dev(), fused.scale.c) == value(dev(), two_ops.scale.c));
-        const int64_t n = R * C;
-        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
-        CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
-        // The summands are bf16 values that float32 and double activation math may round one bf16 step
-        // apart, so against the reference the bias gradient is within bf16 rounding (on the GPU
-        // itself it is bit for bit the two-op path's, above).
-        MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
-      }
+  for_each_activation_backward_case(rng, [](int64_t) { return 1.0; }, [](const ActivationBackwardCase& k) {
+    const Fp8Recipe recipe = k.recipe;
+    CastOut two_ops = k.cast(dev()), fused = k.cast(dev()), reference = k.cast(ref());
+    Twin db_two = twin_same(DType::f32, {k.C}, k.b0), db_fused = twin_same(DType::f32, {k.C}, k.b0);
+    dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, k.d.t, two_ops.meta(recipe), db_two.c());
+    dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, k.dout.c(), k.pre.c(), k.act, fused.meta(recipe),
+                                           db_fused.c());
+    ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, k.dout.r(), k.pre.r(), k.act,
+                                           reference.meta(recipe), db_fused.r());
+    CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+    CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
+    CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
+    CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
+    CHECK(value(dev(), fused.scale.c) == value(dev(), two_ops.scale.c));
+    const int64_t n = k.R * k.C;
+    CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
+    CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-2f * value(ref(), reference.amax.r));
+    // The summands are bf16 values that float32 and double activation math may round one bf16 step
+    // apart, so against the reference the bias gradient is within bf16 rounding (on the GPU
+    // itself it is bit for bit the two-op path's, above).
+    MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
+  });
 }
 
 // --grad-reduce-in-bf16 for the FP8 weight gradient: dw bf16 (the FP8 GEMM with C and D bf16: beta * dw
@@ -313,32 +344,9 @@ TEST_CASE("cuda fp8_linear_backward_weight into bf16 gradients matches the refer
     }
 }
 
-// The output gradient's cast with a bf16 bias gradient: the same bytes as the plain cast, dbias
-// round_bf16(old + column sums) against the reference's, the same bits on a second run.
+// The same into a bf16 bias gradient (--grad-reduce-in-bf16).
 TEST_CASE("cuda fp8_quantize_with_dbias into a bf16 bias gradient", "[gpu][fp8][bf16grad]") {
-  MT_RNG(rng);
-  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
-    for (auto [R, C] : {std::pair<int64_t, int64_t>{33, 70}, {200, 136}, {16392, 1032}}) {
-      INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << R << " x " << C);
-      Twin dy = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.5));
-      const std::vector<double> b0 = rng.normal(C, 0.5 * std::sqrt(static_cast<double>(R)));
-      Quant2 plain = quantize2(dy, DType::fp8_e5m2, recipe, 300.0f, true, true);
-      std::vector<uint8_t> first_bits;
-      for (int run = 0; run < 2; ++run) {
-        Twin db = twin_same(DType::bf16, {C}, b0);
-        Quant2 q{Buf(dev(), DType::fp8_e5m2, {R, C}), Buf(ref(), DType::fp8_e5m2, {R, C}), Buf(dev(), DType::fp8_e5m2, {C, R}),
-                 Buf(ref(), DType::fp8_e5m2, {C, R}), scalar2(300.0f), scalar2(1.0f / 300.0f), scalar2(0.0f)};
-        dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), {q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe, 0}, db.c());
-        ref().fp8_quantize_with_dbias(q.qr.t, q.tr.t, dy.r(), {q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe, 0}, db.r());
-        CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(dev(), plain.qc.t), 1) == 0);
-        CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(dev(), plain.tc.t), 1) == 0);
-        CHECK(value(dev(), q.amax.c) == value(dev(), plain.amax.c));
-        check_bf16_grad(db, "dbias");
-        const std::vector<uint8_t> bits = download_bytes(dev(), db.c());
-        if (run == 0) first_bits = bits;
-        else CHECK(bits == first_bits);
-      }
-    }
+  check_quantize_with_dbias(DType::bf16);
 }
 
 // fc1's output-gradient cast with a bf16 bias gradient: bit for bit the two-op path (the activation's
@@ -346,37 +354,26 @@ TEST_CASE("cuda fp8_quantize_with_dbias into a bf16 bias gradient", "[gpu][fp8][
 // fp8_quantize_with_dbias of the same gradient values; the fused reference within bf16 rounding.
 TEST_CASE("cuda fp8_quantize_activation_backward into a bf16 bias gradient", "[gpu][fp8][bf16grad]") {
   MT_RNG(rng);
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
-    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
-      for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
-        INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
-                           << " x " << F);
-        const bool swiglu = act == MlpActivation::swiglu;
-        const int64_t C = swiglu ? 2 * F : F;
-        Twin dout = twin_same(DType::bf16, {R, F}, rng.normal(R * F, 0.2));
-        Twin pre = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 2.0));
-        const std::vector<double> b0 = rng.normal(C, 0.1 * std::sqrt(static_cast<double>(R)));
-        Buf d(dev(), DType::bf16, {R, C});
-        if (swiglu) dev().swiglu_backward(d.t, dout.c(), pre.c());
-        else dev().gelu_backward(d.t, dout.c(), pre.c(), act == MlpActivation::gelu_tanh);
-        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, C, 2000.0f, 0.0f); };
-        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref()), ref_two = make(ref());
-        Twin db_two = twin_same(DType::bf16, {C}, b0), db_fused = twin_same(DType::bf16, {C}, b0);
-        dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, d.t, two_ops.meta(recipe), db_two.c());
-        dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, dout.c(), pre.c(), act, fused.meta(recipe),
-                                               db_fused.c());
-        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
-        CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
-        // The two-op path's bias gradient against the reference's on the same gradient values.
-        Buf d_ref(ref(), DType::bf16, {R, C});
-        upload(ref(), d_ref.t, download(dev(), d.t));
-        ref().fp8_quantize_with_dbias(ref_two.q.t, ref_two.t.t, d_ref.t, ref_two.meta(recipe), db_two.r());
-        check_bf16_grad(db_two, "dbias (gradient values as the GPU stored them)");
-        // The reference's fused op: its activation math in double may move a summand one bf16 step.
-        ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, dout.r(), pre.r(), act,
-                                               reference.meta(recipe), db_fused.r());
-        MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
-      }
+  const auto bias_std = [](int64_t R) { return 0.1 * std::sqrt(static_cast<double>(R)); };
+  for_each_activation_backward_case(rng, bias_std, [](const ActivationBackwardCase& k) {
+    const Fp8Recipe recipe = k.recipe;
+    CastOut two_ops = k.cast(dev()), fused = k.cast(dev()), reference = k.cast(ref()), ref_two = k.cast(ref());
+    Twin db_two = twin_same(DType::bf16, {k.C}, k.b0), db_fused = twin_same(DType::bf16, {k.C}, k.b0);
+    dev().fp8_quantize_with_dbias(two_ops.q.t, two_ops.t.t, k.d.t, two_ops.meta(recipe), db_two.c());
+    dev().fp8_quantize_activation_backward(fused.q.t, fused.t.t, k.dout.c(), k.pre.c(), k.act, fused.meta(recipe),
+                                           db_fused.c());
+    CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+    CHECK(download_bytes(dev(), db_fused.c()) == download_bytes(dev(), db_two.c()));
+    // The two-op path's bias gradient against the reference's on the same gradient values.
+    Buf d_ref(ref(), DType::bf16, {k.R, k.C});
+    upload(ref(), d_ref.t, download(dev(), k.d.t));
+    ref().fp8_quantize_with_dbias(ref_two.q.t, ref_two.t.t, d_ref.t, ref_two.meta(recipe), db_two.r());
+    check_bf16_grad(db_two, "dbias (gradient values as the GPU stored them)");
+    // The reference's fused op: its activation math in double may move a summand one bf16 step.
+    ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, k.dout.r(), k.pre.r(), k.act,
+                                           reference.meta(recipe), db_fused.r());
+    MT_CHECK_CLOSE(db_fused, tol_for(DType::bf16));
+  });
 }
 
 // FP8 parameters (--fp8-param-gather): the weight's transposed copy, the bytes as they are. Shapes:

@@ -96,28 +96,44 @@ TEST_CASE("cuda GEMMs sum all of k (split-K tails)", "[gpu][linear]") {
   CHECK(dropped.empty());
 }
 
-// FP8 weight gradients (k = tokens, a multiple of 16): all-ones codes with scale 1 (the transposed
-// copies of all-ones tensors are the same bytes), accumulating into float32 from 3.
-TEST_CASE("fp8 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][fp8]") {
-  CudaBackend& be = dynamic_cast<CudaBackend&>(dev());
-  cuda::Fp8GemmRunner runner(be.cuda_stream(), size_t{32} << 20);
+namespace {
+// The FP8 weight-gradient GEMMs' split-K cases: for each number of tokens (k, a multiple of 16) and
+// N x K, dy_t [N, tokens] and x_t [K, tokens] all-ones codes with scale 1 (the transposed copies of
+// all-ones tensors are the same bytes); fn(dy, x, tokens, N, K) runs the GEMM and checks it.
+struct Fp8Ones {
+  explicit Fp8Ones(Backend& be) : one(be, DType::f32, {1}) { be.fill(one.t, 1.0); }
+  Buf one;
+  cuda::Fp8Operand dy(const Buf& b) const { return {b.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()}; }
+  cuda::Fp8Operand x(const Buf& b) const { return {b.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}; }
+};
+template <typename Fn>
+void for_each_fp8_weight_gradient_case(Backend& be, const char* what, Fn&& fn) {
   constexpr uint8_t kOneE4m3 = 0x38, kOneE5m2 = 0x3C;
-  Buf one(be, DType::f32, {1});
-  be.fill(one.t, 1.0);
   struct NK {
     int64_t N, K;
   };
   for (int64_t tokens : {8208, 4112, 16400, 2064, 1040})
     for (NK nk : {NK{2048, 16}, NK{768, 64}, NK{3072, 32}, NK{128, 128}}) {
-      INFO("fp8 weight gradient tokens " << tokens << " N " << nk.N << " K " << nk.K);
+      INFO(what << " tokens " << tokens << " N " << nk.N << " K " << nk.K);
       Buf dy_t(be, DType::u8, {nk.N, tokens}), x_t(be, DType::u8, {nk.K, tokens});
       upload(be, dy_t.t, std::vector<double>(static_cast<size_t>(nk.N * tokens), kOneE5m2));
       upload(be, x_t.t, std::vector<double>(static_cast<size_t>(nk.K * tokens), kOneE4m3));
-      Buf dw = filled(be, DType::f32, {nk.N, nk.K}, 3.0);
-      cuda::fp8_linear_backward_weight(runner, dw.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
-                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, true);
-      CHECK(differing_from(be, dw.t, double(tokens) + 3.0) == 0);
+      fn(dy_t, x_t, tokens, nk.N, nk.K);
     }
+}
+}  // namespace
+
+// FP8 weight gradients accumulating into float32 from 3.
+TEST_CASE("fp8 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][fp8]") {
+  CudaBackend& be = dynamic_cast<CudaBackend&>(dev());
+  cuda::Fp8GemmRunner runner(be.cuda_stream(), size_t{32} << 20);
+  const Fp8Ones ones(be);
+  for_each_fp8_weight_gradient_case(be, "fp8 weight gradient",
+                                    [&](const Buf& dy_t, const Buf& x_t, int64_t tokens, int64_t N, int64_t K) {
+    Buf dw = filled(be, DType::f32, {N, K}, 3.0);
+    cuda::fp8_linear_backward_weight(runner, dw.t, ones.dy(dy_t), ones.x(x_t), tokens, true);
+    CHECK(differing_from(be, dw.t, double(tokens) + 3.0) == 0);
+  });
 }
 
 namespace {
@@ -162,27 +178,16 @@ TEST_CASE("fp8 bf16 weight-gradient GEMMs sum all of k (split-K tails)", "[gpu][
   Buf scratch_buf(be, DType::u8, {int64_t{64} << 20});
   cuda::Scratch scratch(scratch_buf.t.data, scratch_buf.t.nbytes());
   const cuda::KernelContext ctx{be.cuda_stream(), be.num_sms(), &scratch};
-  constexpr uint8_t kOneE4m3 = 0x38, kOneE5m2 = 0x3C;
-  Buf one(be, DType::f32, {1});
-  be.fill(one.t, 1.0);
-  struct NK {
-    int64_t N, K;
-  };
-  for (int64_t tokens : {8208, 4112, 16400, 2064, 1040})
-    for (NK nk : {NK{2048, 16}, NK{768, 64}, NK{3072, 32}, NK{128, 128}}) {
-      INFO("fp8 bf16 weight gradient tokens " << tokens << " N " << nk.N << " K " << nk.K);
-      const double start = -floor_bf16(tokens), want = static_cast<double>(tokens) + start;
-      Buf dy_t(be, DType::u8, {nk.N, tokens}), x_t(be, DType::u8, {nk.K, tokens});
-      upload(be, dy_t.t, std::vector<double>(static_cast<size_t>(nk.N * tokens), kOneE5m2));
-      upload(be, x_t.t, std::vector<double>(static_cast<size_t>(nk.K * tokens), kOneE4m3));
-      Buf dw = filled(be, DType::bf16, {nk.N, nk.K}, start);
-      scratch.reset();
-      cuda::fp8_linear_backward_weight(runner, dw.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
-                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, true, &ctx);
-      CHECK(differing_from(be, dw.t, want) == 0);
-      Buf dw_new = filled(be, DType::bf16, {nk.N, nk.K}, NAN);  // written (beta 0): round_bf16(tokens)
-      cuda::fp8_linear_backward_weight(runner, dw_new.t, {dy_t.t.data, cuda::Fp8Format::e5m2, one.t.ptr<float>()},
-                                       {x_t.t.data, cuda::Fp8Format::e4m3, one.t.ptr<float>()}, tokens, false);
-      CHECK(differing_from(be, dw_new.t, round_to(DType::bf16, static_cast<double>(tokens))) == 0);
-    }
+  const Fp8Ones ones(be);
+  for_each_fp8_weight_gradient_case(be, "fp8 bf16 weight gradient",
+                                    [&](const Buf& dy_t, const Buf& x_t, int64_t tokens, int64_t N, int64_t K) {
+    const double start = -floor_bf16(tokens), want = static_cast<double>(tokens) + start;
+    Buf dw = filled(be, DType::bf16, {N, K}, start);
+    scratch.reset();
+    cuda::fp8_linear_backward_weight(runner, dw.t, ones.dy(dy_t), ones.x(x_t), tokens, true, &ctx);
+    CHECK(differing_from(be, dw.t, want) == 0);
+    Buf dw_new = filled(be, DType::bf16, {N, K}, NAN);  // written (beta 0): round_bf16(tokens)
+    cuda::fp8_linear_backward_weight(runner, dw_new.t, ones.dy(dy_t), ones.x(x_t), tokens, false);
+    CHECK(differing_from(be, dw_new.t, round_to(DType::bf16, static_cast<double>(tokens))) == 0);
+  });
 }

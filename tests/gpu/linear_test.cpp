@@ -25,69 +25,68 @@ const char* act_name(Activation a) {
 CudaBackend& cuda_backend() { return dynamic_cast<CudaBackend&>(dev()); }
 
 std::vector<double> scaled_normal(Rng& rng, int64_t n, double std) { return rng.normal(n, std); }
-}  // namespace
 
-TEST_CASE("cuda linear_forward: bias, GeLU (fused and separate)", "[gpu][linear]") {
-  MT_RNG(rng);
+// The GeLU-epilogue tests' cases: with the fused epilogues and without them (then bf16 with an
+// activation only: the fallback path, once), for each dtype, shape, activation and both values of
+// the test's own switch (`option`: its name in the case's description).
+template <typename Fn>
+void for_each_gelu_epilogue_case(const char* option, Fn&& fn) {
   cuda::GemmRunner& gemm = cuda_backend().gemm();
   for (bool fused : {true, false}) {
     gemm.use_gelu_epilogue = fused;
     for (DType dt : kFloatTypes)
       for (const GemmShape& g : kShapes)
-        for (bool with_bias : {true, false})
+        for (bool on : {false, true})
           for (Activation act : kActs) {
-            if (!fused && (dt != DType::bf16 || act == Activation::none)) continue;  // the fallback path, once
-            INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " bias " << with_bias << " act "
+            if (!fused && (dt != DType::bf16 || act == Activation::none)) continue;
+            INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " " << option << " " << on << " act "
                                 << act_name(act) << " fused epilogues " << fused);
-            Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
-            Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.K))));
-            Twin b = with_bias ? twin(dt, {g.N}, rng.normal(g.N, 0.5)) : absent();
-            Twin y = twin_nan(dt, {g.M, g.N});
-            Twin pre = act != Activation::none ? twin_nan(dt, {g.M, g.N}) : absent();
-            dev().linear_forward(y.c(), x.c(), w.c(), b.c(), act, pre.c());
-            ref().linear_forward(y.r(), x.r(), w.r(), b.r(), act, pre.r());
-            MT_CHECK_CLOSE(y, tol_for(dt));
-            if (act != Activation::none) MT_CHECK_CLOSE(pre, tol_for(dt));
+            fn(dt, g, on, act);
           }
   }
   gemm.use_gelu_epilogue = true;
 }
+}  // namespace
+
+TEST_CASE("cuda linear_forward: bias, GeLU (fused and separate)", "[gpu][linear]") {
+  MT_RNG(rng);
+  for_each_gelu_epilogue_case("bias", [&](DType dt, const GemmShape& g, bool with_bias, Activation act) {
+    Twin x = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K));
+    Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.K))));
+    Twin b = with_bias ? twin(dt, {g.N}, rng.normal(g.N, 0.5)) : absent();
+    Twin y = twin_nan(dt, {g.M, g.N});
+    Twin pre = act != Activation::none ? twin_nan(dt, {g.M, g.N}) : absent();
+    dev().linear_forward(y.c(), x.c(), w.c(), b.c(), act, pre.c());
+    ref().linear_forward(y.r(), x.r(), w.r(), b.r(), act, pre.r());
+    MT_CHECK_CLOSE(y, tol_for(dt));
+    if (act != Activation::none) MT_CHECK_CLOSE(pre, tol_for(dt));
+  });
+}
 
 TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][linear]") {
   MT_RNG(rng);
-  cuda::GemmRunner& gemm = cuda_backend().gemm();
-  for (bool fused : {true, false}) {
-    gemm.use_gelu_epilogue = fused;
-    for (DType dt : kFloatTypes)
-      for (const GemmShape& g : kShapes)
-        for (bool accumulate : {false, true})
-          for (Activation act : kActs) {
-            if (!fused && (dt != DType::bf16 || act == Activation::none)) continue;  // the fallback path, once
-            INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " accumulate " << accumulate
-                                << " act " << act_name(act) << " fused epilogues " << fused);
-            Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
-            Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.N))));
-            Twin pre = act != Activation::none ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K, 2.0)) : absent();
-            Twin dx = accumulate ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K)) : twin_nan(dt, {g.M, g.K});
-            dev().linear_backward_input(dx.c(), dy.c(), w.c(), accumulate, act, pre.c());
-            ref().linear_backward_input(dx.r(), dy.r(), w.r(), accumulate, act, pre.r());
-            MT_CHECK_CLOSE(dx, tol_for(dt));
-            if (act != Activation::none && !accumulate) {
-              // The recomputing variant: the same dx, and the activation over pre in place, bit for
-              // bit what gelu_forward gives.
-              const bool tanh_approx = act == Activation::gelu_tanh;
-              Twin act_fwd = twin_nan(dt, {g.M, g.K}), dx2 = twin_nan(dt, {g.M, g.K});
-              dev().gelu_forward(act_fwd.c(), pre.c(), tanh_approx);
-              ref().gelu_forward(act_fwd.r(), pre.r(), tanh_approx);
-              dev().linear_backward_input_recompute(dx2.c(), pre.c(), dy.c(), w.c(), act, pre.c());
-              ref().linear_backward_input_recompute(dx2.r(), pre.r(), dy.r(), w.r(), act, pre.r());
-              MT_CHECK_CLOSE(dx2, tol_for(dt));
-              CHECK(differing(download_bytes(dev(), pre.c()), download_bytes(dev(), act_fwd.c()), dtype_size(dt)) == 0);
-              CHECK(differing(download_bytes(ref(), pre.r()), download_bytes(ref(), act_fwd.r()), 4) == 0);
-            }
-          }
-  }
-  gemm.use_gelu_epilogue = true;
+  for_each_gelu_epilogue_case("accumulate", [&](DType dt, const GemmShape& g, bool accumulate, Activation act) {
+    Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
+    Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.N))));
+    Twin pre = act != Activation::none ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K, 2.0)) : absent();
+    Twin dx = accumulate ? twin(dt, {g.M, g.K}, rng.normal(g.M * g.K)) : twin_nan(dt, {g.M, g.K});
+    dev().linear_backward_input(dx.c(), dy.c(), w.c(), accumulate, act, pre.c());
+    ref().linear_backward_input(dx.r(), dy.r(), w.r(), accumulate, act, pre.r());
+    MT_CHECK_CLOSE(dx, tol_for(dt));
+    if (act != Activation::none && !accumulate) {
+      // The recomputing variant: the same dx, and the activation over pre in place, bit for
+      // bit what gelu_forward gives.
+      const bool tanh_approx = act == Activation::gelu_tanh;
+      Twin act_fwd = twin_nan(dt, {g.M, g.K}), dx2 = twin_nan(dt, {g.M, g.K});
+      dev().gelu_forward(act_fwd.c(), pre.c(), tanh_approx);
+      ref().gelu_forward(act_fwd.r(), pre.r(), tanh_approx);
+      dev().linear_backward_input_recompute(dx2.c(), pre.c(), dy.c(), w.c(), act, pre.c());
+      ref().linear_backward_input_recompute(dx2.r(), pre.r(), dy.r(), w.r(), act, pre.r());
+      MT_CHECK_CLOSE(dx2, tol_for(dt));
+      CHECK(differing(download_bytes(dev(), pre.c()), download_bytes(dev(), act_fwd.c()), dtype_size(dt)) == 0);
+      CHECK(differing(download_bytes(ref(), pre.r()), download_bytes(ref(), act_fwd.r()), 4) == 0);
+    }
+  });
 }
 
 // The bias gradient's column sums over many rows: each thread's four-rows-at-a-time loop (and its

@@ -127,50 +127,81 @@ OptimStepParams step_params() {
   p.sgd_momentum = 0.9f;
   return p;
 }
+
+// Two segment lists with gaps over n elements: 5 segments (passed inline) and 40 (registered on
+// both backends first).
+struct SegmentLists {
+  std::vector<OptimSegment> short_list, long_list;
+};
+SegmentLists registered_segment_lists(Rng& rng, int64_t n) {
+  SegmentLists l{segments_with_gaps(rng, 5, n, 3), segments_with_gaps(rng, 40, n, 3)};
+  dev().register_optim_segments(l.long_list);
+  ref().register_optim_segments(l.long_list);
+  return l;
+}
+
+// One update's state on both backends: master weights, moments and the model copy (model_dt; u8:
+// none), whose elements outside the segments hold 7 and must keep it.
+struct OptimState {
+  Twin w, m, v, model;
+};
+OptimState optim_state(Rng& rng, int64_t n, DType model_dt) {
+  return {twin(DType::f32, {n}, rng.normal(n)), twin(DType::f32, {n}, rng.normal(n, 0.001)),
+          twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4)),
+          model_dt != DType::u8 ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent()};
+}
+
+// adamw_step with gradient g (gc / gr: the two sides) on both backends: master weights and moments
+// within 1e-6, the model copy within its dtype's rounding.
+void check_adamw(OptimState& k, Tensor gc, Tensor gr, const std::vector<OptimSegment>& segs, const OptimStepParams& p,
+                 DType model_dt) {
+  dev().adamw_step(k.w.c(), gc, k.m.c(), k.v.c(), k.model.c(), segs, p);
+  ref().adamw_step(k.w.r(), gr, k.m.r(), k.v.r(), k.model.r(), segs, p);
+  MT_CHECK_CLOSE(k.w, 1e-6);
+  MT_CHECK_CLOSE(k.m, 1e-6);
+  MT_CHECK_CLOSE(k.v, 1e-6);
+  if (model_dt != DType::u8) MT_CHECK_CLOSE(k.model, tol_for(model_dt));
+}
+
+// Then sgd_step from there, with and without momentum.
+void check_sgd(Rng& rng, OptimState& k, Tensor gc, Tensor gr, const std::vector<OptimSegment>& segs,
+               const OptimStepParams& p, DType model_dt) {
+  const int64_t n = k.w.c().numel();
+  for (bool momentum : {true, false}) {
+    INFO("sgd momentum " << momentum);
+    OptimStepParams ps = p;
+    if (!momentum) ps.sgd_momentum = 0.0f;
+    Twin buf = momentum ? twin(DType::f32, {n}, rng.normal(n, 0.01)) : absent();
+    dev().sgd_step(k.w.c(), gc, buf.c(), k.model.c(), segs, ps);
+    ref().sgd_step(k.w.r(), gr, buf.r(), k.model.r(), segs, ps);
+    MT_CHECK_CLOSE(k.w, 1e-6);
+    if (momentum) MT_CHECK_CLOSE(buf, 1e-6);
+    if (model_dt != DType::u8) MT_CHECK_CLOSE(k.model, tol_for(model_dt));
+  }
+}
 }  // namespace
 
 TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists", "[gpu][optimizer]") {
   MT_RNG(rng);
   const int64_t n = 100003;
-  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 5, n, 3);
-  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 40, n, 3);
-  dev().register_optim_segments(long_list);
-  ref().register_optim_segments(long_list);
+  const SegmentLists lists = registered_segment_lists(rng, n);
   const OptimStepParams p = step_params();
-  for (const auto* segs : {&short_list, &long_list})
+  for (const auto* segs : {&lists.short_list, &lists.long_list})
     for (DType model_dt : {DType::bf16, DType::f32, DType::f16, DType::u8 /* u8: no model copy */}) {
       const bool with_model = model_dt != DType::u8;
       INFO(segs->size() << " segments, model copy " << (with_model ? dtype_name(model_dt) : "none"));
-      Twin w = twin(DType::f32, {n}, rng.normal(n)), g = twin(DType::f32, {n}, rng.normal(n, 0.01));
-      Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
-      // Elements outside the segments keep their value (7) on both sides.
-      Twin model = with_model ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent();
-      dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model.c(), *segs, p);
-      ref().adamw_step(w.r(), g.r(), m.r(), v.r(), model.r(), *segs, p);
-      MT_CHECK_CLOSE(w, 1e-6);
-      MT_CHECK_CLOSE(m, 1e-6);
-      MT_CHECK_CLOSE(v, 1e-6);
+      OptimState k = optim_state(rng, n, model_dt);
+      Twin g = twin(DType::f32, {n}, rng.normal(n, 0.01));
+      check_adamw(k, g.c(), g.r(), *segs, p, model_dt);
       if (with_model) {
-        MT_CHECK_CLOSE(model, tol_for(model_dt));
         // The model copy is exactly the rounded master inside the segments.
-        const std::vector<double> master = download(dev(), w.c()), copy = download(dev(), model.c());
+        const std::vector<double> master = download(dev(), k.w.c()), copy = download(dev(), k.model.c());
         int64_t wrong = 0;
         for (const OptimSegment& s : *segs)
           for (int64_t i = s.offset; i < s.offset + s.count; ++i) wrong += copy[i] != round_to(model_dt, master[i]);
         CHECK(wrong == 0);
       }
-
-      for (bool momentum : {true, false}) {
-        INFO("sgd momentum " << momentum);
-        OptimStepParams ps = p;
-        if (!momentum) ps.sgd_momentum = 0.0f;
-        Twin buf = momentum ? twin(DType::f32, {n}, rng.normal(n, 0.01)) : absent();
-        dev().sgd_step(w.c(), g.c(), buf.c(), model.c(), *segs, ps);
-        ref().sgd_step(w.r(), g.r(), buf.r(), model.r(), *segs, ps);
-        MT_CHECK_CLOSE(w, 1e-6);
-        if (momentum) MT_CHECK_CLOSE(buf, 1e-6);
-        if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
-      }
+      check_sgd(rng, k, g.c(), g.r(), *segs, p, model_dt);
     }
   // A long list that was never registered is refused with a message, not silently uploaded.
   const std::vector<OptimSegment> unregistered = segments_with_gaps(rng, 30, n, 2);
@@ -259,34 +290,53 @@ TEST_CASE("cuda adamw_step and sgd_step into an FP8 model copy", "[gpu][optimize
                     Catch::Contains("FP8 scale"));
 }
 
+namespace {
+// The gradient-norm tests' values: normal(0, 0.1) with 5% +0 and 5% -0 (count_zeros counts both).
+std::vector<double> values_with_zeros(Rng& rng, int64_t n) {
+  std::vector<double> values = rng.normal(n, 0.1);
+  const std::vector<double> coin = rng.uniform(n, 0.0, 1.0);
+  for (size_t i = 0; i < values.size(); ++i)
+    if (coin[i] < 0.1) values[i] = coin[i] < 0.05 ? 0.0 : -0.0;
+  return values;
+}
+
+// Their segment lists over n elements: 7 segments (inline) and 100 (registered on the GPU).
+SegmentLists norm_segment_lists(Rng& rng, int64_t n) {
+  SegmentLists l{segments_with_gaps(rng, 7, n, 2), segments_with_gaps(rng, 100, n, 2)};
+  dev().register_optim_segments(l.long_list);
+  return l;
+}
+
+// sum_squares and count_zeros of x (xc / xr: the two sides) over all of it and over both lists,
+// fresh and accumulating, against the reference; the sum of squares bit for bit again.
+void check_sum_squares_and_zeros(Tensor xc, Tensor xr, const SegmentLists& lists) {
+  const std::vector<OptimSegment> whole;
+  for (const auto* segs : {&whole, &lists.short_list, &lists.long_list})
+    for (bool accumulate : {false, true}) {
+      INFO(segs->size() << " segments (0 = all), accumulate " << accumulate);
+      Twin ss = twin(DType::f32, {1}, {3.0}), nz = twin(DType::f32, {1}, {5.0});
+      dev().sum_squares(ss.c(), xc, *segs, accumulate);
+      ref().sum_squares(ss.r(), xr, *segs, accumulate);
+      MT_CHECK_CLOSE(ss, 1e-6);
+      dev().count_zeros(nz.c(), xc, *segs, accumulate);
+      ref().count_zeros(nz.r(), xr, *segs, accumulate);
+      CHECK(download(dev(), nz.c())[0] == download(ref(), nz.r())[0]);
+      const auto first = download_bytes(dev(), ss.c());
+      upload(dev(), ss.c(), {3.0});
+      dev().sum_squares(ss.c(), xc, *segs, accumulate);
+      CHECK(differing(download_bytes(dev(), ss.c()), first, 4) == 0);
+    }
+}
+}  // namespace
+
 TEST_CASE("cuda sum_squares and count_zeros over segments; deterministic", "[gpu][optimizer]") {
   MT_RNG(rng);
   const int64_t n = 1000003;
-  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 7, n, 2);
-  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 100, n, 2);
-  dev().register_optim_segments(long_list);
-  const std::vector<OptimSegment> whole;
+  const SegmentLists lists = norm_segment_lists(rng, n);
   for (DType dt : kFloatTypes) {
-    std::vector<double> values = rng.normal(n, 0.1);
-    const std::vector<double> coin = rng.uniform(n, 0.0, 1.0);
-    for (int64_t i = 0; i < n; ++i)
-      if (coin[i] < 0.1) values[i] = coin[i] < 0.05 ? 0.0 : -0.0;
-    Twin x = twin(dt, {n}, values);
-    for (const auto* segs : {&whole, &short_list, &long_list})
-      for (bool accumulate : {false, true}) {
-        INFO(dtype_name(dt) << " " << segs->size() << " segments (0 = all), accumulate " << accumulate);
-        Twin ss = twin(DType::f32, {1}, {3.0}), nz = twin(DType::f32, {1}, {5.0});
-        dev().sum_squares(ss.c(), x.c(), *segs, accumulate);
-        ref().sum_squares(ss.r(), x.r(), *segs, accumulate);
-        MT_CHECK_CLOSE(ss, 1e-6);
-        dev().count_zeros(nz.c(), x.c(), *segs, accumulate);
-        ref().count_zeros(nz.r(), x.r(), *segs, accumulate);
-        CHECK(download(dev(), nz.c())[0] == download(ref(), nz.r())[0]);
-        const auto first = download_bytes(dev(), ss.c());
-        upload(dev(), ss.c(), {3.0});
-        dev().sum_squares(ss.c(), x.c(), *segs, accumulate);
-        CHECK(differing(download_bytes(dev(), ss.c()), first, 4) == 0);
-      }
+    INFO(dtype_name(dt));
+    Twin x = twin(dt, {n}, values_with_zeros(rng, n));
+    check_sum_squares_and_zeros(x.c(), x.r(), lists);
   }
 }
 
@@ -297,39 +347,19 @@ TEST_CASE("cuda sum_squares and count_zeros over segments; deterministic", "[gpu
 TEST_CASE("cuda adamw_step and sgd_step with a bf16 gradient", "[gpu][optimizer][bf16grad]") {
   MT_RNG(rng);
   const int64_t n = 100003;
-  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 5, n, 3);
-  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 40, n, 3);
-  dev().register_optim_segments(long_list);
-  ref().register_optim_segments(long_list);
+  const SegmentLists lists = registered_segment_lists(rng, n);
+  const std::vector<OptimSegment>& short_list = lists.short_list;
   const OptimStepParams p = step_params();
   for (int64_t offset : {0, 4, 1})
-    for (const auto* segs : {&short_list, &long_list})
+    for (const auto* segs : {&lists.short_list, &lists.long_list})
       for (DType model_dt : {DType::bf16, DType::u8 /* u8: no model copy */}) {
-        const bool with_model = model_dt != DType::u8;
         INFO("gradient at element offset " << offset << ", " << segs->size() << " segments, model copy "
-                                           << (with_model ? dtype_name(model_dt) : "none"));
-        Twin w = twin(DType::f32, {n}, rng.normal(n));
-        Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
+                                           << (model_dt != DType::u8 ? dtype_name(model_dt) : "none"));
+        OptimState k = optim_state(rng, n, model_dt);
         Twin gbuf = twin_same(DType::bf16, {n + offset}, rng.normal(n + offset, 0.01));
         const Tensor gc = gbuf.c().flat_slice(offset, n), gr = gbuf.r().flat_slice(offset, n);
-        Twin model = with_model ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent();
-        dev().adamw_step(w.c(), gc, m.c(), v.c(), model.c(), *segs, p);
-        ref().adamw_step(w.r(), gr, m.r(), v.r(), model.r(), *segs, p);
-        MT_CHECK_CLOSE(w, 1e-6);
-        MT_CHECK_CLOSE(m, 1e-6);
-        MT_CHECK_CLOSE(v, 1e-6);
-        if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
-        for (bool momentum : {true, false}) {
-          INFO("sgd momentum " << momentum);
-          OptimStepParams ps = p;
-          if (!momentum) ps.sgd_momentum = 0.0f;
-          Twin buf = momentum ? twin(DType::f32, {n}, rng.normal(n, 0.01)) : absent();
-          dev().sgd_step(w.c(), gc, buf.c(), model.c(), *segs, ps);
-          ref().sgd_step(w.r(), gr, buf.r(), model.r(), *segs, ps);
-          MT_CHECK_CLOSE(w, 1e-6);
-          if (momentum) MT_CHECK_CLOSE(buf, 1e-6);
-          if (with_model) MT_CHECK_CLOSE(model, tol_for(model_dt));
-        }
+        check_adamw(k, gc, gr, *segs, p, model_dt);
+        check_sgd(rng, k, gc, gr, *segs, p, model_dt);
       }
   // Other gradient dtypes are refused with the op, the tensor and the dtypes it takes.
   Twin w = twin(DType::f32, {n}, rng.normal(n)), m = twin(DType::f32, {n}, rng.normal(n)),
@@ -346,31 +376,10 @@ TEST_CASE("cuda adamw_step and sgd_step with a bf16 gradient", "[gpu][optimizer]
 TEST_CASE("cuda sum_squares and count_zeros of a bf16 gradient", "[gpu][optimizer][bf16grad]") {
   MT_RNG(rng);
   const int64_t n = 1000003;
-  const std::vector<OptimSegment> short_list = segments_with_gaps(rng, 7, n, 2);
-  const std::vector<OptimSegment> long_list = segments_with_gaps(rng, 100, n, 2);
-  dev().register_optim_segments(long_list);
-  const std::vector<OptimSegment> whole;
+  const SegmentLists lists = norm_segment_lists(rng, n);
   for (int64_t offset : {0, 8, 1}) {
-    std::vector<double> values = rng.normal(n + offset, 0.1);
-    const std::vector<double> coin = rng.uniform(n + offset, 0.0, 1.0);
-    for (size_t i = 0; i < values.size(); ++i)
-      if (coin[i] < 0.1) values[i] = coin[i] < 0.05 ? 0.0 : -0.0;
-    Twin xbuf = twin_same(DType::bf16, {n + offset}, values);
-    const Tensor xc = xbuf.c().flat_slice(offset, n), xr = xbuf.r().flat_slice(offset, n);
-    for (const auto* segs : {&whole, &short_list, &long_list})
-      for (bool accumulate : {false, true}) {
-        INFO("offset " << offset << ", " << segs->size() << " segments (0 = all), accumulate " << accumulate);
-        Twin ss = twin(DType::f32, {1}, {3.0}), nz = twin(DType::f32, {1}, {5.0});
-        dev().sum_squares(ss.c(), xc, *segs, accumulate);
-        ref().sum_squares(ss.r(), xr, *segs, accumulate);
-        MT_CHECK_CLOSE(ss, 1e-6);
-        dev().count_zeros(nz.c(), xc, *segs, accumulate);
-        ref().count_zeros(nz.r(), xr, *segs, accumulate);
-        CHECK(download(dev(), nz.c())[0] == download(ref(), nz.r())[0]);
-        const auto first = download_bytes(dev(), ss.c());
-        upload(dev(), ss.c(), {3.0});
-        dev().sum_squares(ss.c(), xc, *segs, accumulate);
-        CHECK(differing(download_bytes(dev(), ss.c()), first, 4) == 0);
-      }
+    INFO("offset " << offset);
+    Twin xbuf = twin_same(DType::bf16, {n + offset}, values_with_zeros(rng, n + offset));
+    check_sum_squares_and_zeros(xbuf.c().flat_slice(offset, n), xbuf.r().flat_slice(offset, n), lists);
   }
 }

@@ -59,6 +59,52 @@ std::vector<double> shifted_normal(Rng& rng, int64_t n) {
   for (double& x : v) x += 0.5;  // a non-zero mean exercises the centring
   return v;
 }
+// A norm's input and weight on both backends, and the statistics of the reference's forward of
+// them on both sides: what the backward tests read.
+struct NormBackwardInputs {
+  Twin x, w, mean, rstd;
+};
+NormBackwardInputs norm_backward_inputs(Rng& rng, DType dt, int64_t rows, int64_t h, bool one_p, const NormParams& p) {
+  NormBackwardInputs in{twin(dt, {rows, h}, shifted_normal(rng, rows * h)), twin(dt, {h}, weights(rng, h, one_p)), {}, {}};
+  Twin out = twin_nan(dt, {rows, h}), mean = twin_nan(DType::f32, {rows}), rstd = twin_nan(DType::f32, {rows});
+  ref().norm_forward(out.r(), mean.r(), rstd.r(), in.x.r(), in.w.r(), Tensor(), p);
+  in.mean = twin(DType::f32, {rows}, download(ref(), mean.r()));
+  in.rstd = twin(DType::f32, {rows}, download(ref(), rstd.r()));
+  return in;
+}
+
+// --qk-layernorm's set-up: 8 query heads in 2 groups of head_dim d over `rows` rows; the packed QKV
+// input, the q and k norms' weights (and LayerNorm's biases) on both backends, and the forward's
+// outputs (NaN until written).
+struct QkNormCase {
+  RopeShape r;
+  int64_t width = 0, H = 0;  // QKV columns; normalized heads (q and k) per row
+  NormParams p;
+  Twin qkv, qw, kw, qb, kb, out, mean, rstd;
+  // The reference forward's statistics, uploaded to both sides (the backward's inputs).
+  std::pair<Twin, Twin> reference_stats(int64_t rows) const {
+    ref().qk_norm_forward(out.r(), mean.r(), rstd.r(), qkv.r(), qw.r(), qb.r(), kw.r(), kb.r(), r, p);
+    return {twin(DType::f32, {rows, H}, download(ref(), mean.r())), twin(DType::f32, {rows, H}, download(ref(), rstd.r()))};
+  }
+};
+QkNormCase qk_norm_case(Rng& rng, Normalization kind, DType dt, int64_t rows, int d) {
+  QkNormCase c;
+  c.r.heads = 8, c.r.groups = 2, c.r.head_dim = d, c.r.rot_dim = d;
+  c.width = c.r.groups * (c.r.heads / c.r.groups + 2) * d;
+  c.H = c.r.groups * (c.r.heads / c.r.groups + 1);
+  c.p = params(kind, false);
+  const bool ln = kind == Normalization::layernorm;
+  c.qkv = twin(dt, {rows, c.width}, shifted_normal(rng, rows * c.width));
+  c.qw = twin(dt, {d}, weights(rng, d, false));
+  c.kw = twin(dt, {d}, weights(rng, d, false));
+  c.qb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+  c.kb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
+  c.out = twin_nan(dt, {rows, c.width});
+  c.mean = twin_nan(DType::f32, {rows, c.H});
+  c.rstd = twin_nan(DType::f32, {rows, c.H});
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("cuda norm_forward and add_norm_forward match the reference", "[gpu][norm]") {
@@ -146,13 +192,8 @@ TEST_CASE("cuda norm_backward matches the reference; dweight/dbias are determini
           const bool one_p = h % 2 == 1;
           INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
           const NormParams p = params(kind, one_p);
-          Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
-          Twin w = twin(dt, {h}, weights(rng, h, one_p));
-          // The statistics both backends read: the reference's forward ones.
-          Twin fout = twin_nan(dt, {rows, h}), fmean = twin_nan(DType::f32, {rows}), frstd = twin_nan(DType::f32, {rows});
-          ref().norm_forward(fout.r(), fmean.r(), frstd.r(), x.r(), w.r(), Tensor(), p);
-          Twin mean = twin(DType::f32, {rows}, download(ref(), fmean.r()));
-          Twin rstd = twin(DType::f32, {rows}, download(ref(), frstd.r()));
+          NormBackwardInputs in = norm_backward_inputs(rng, dt, rows, h, one_p, p);
+          const Twin &x = in.x, &w = in.w, &mean = in.mean, &rstd = in.rstd;
           const std::vector<double> dw0 = rng.normal(h), db0 = rng.normal(h);
           Twin dw = twin(DType::f32, {h}, dw0), db = ln ? twin(DType::f32, {h}, db0) : absent();
           Twin dout = twin(dt, {rows, h}, rng.normal(rows * h));
@@ -216,23 +257,17 @@ TEST_CASE("cuda qk_norm forward/backward match the reference", "[gpu][norm]") {
         for (int d : {36, 64, 128}) {
           const bool ln = kind == Normalization::layernorm;
           INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " head_dim " << d);
-          RopeShape r;
-          r.heads = 8, r.groups = 2, r.head_dim = d, r.rot_dim = d;
-          const int64_t width = r.groups * (r.heads / r.groups + 2) * d, H = r.groups * (r.heads / r.groups + 1);
-          const NormParams p = params(kind, false);
-          Twin qkv = twin(dt, {rows, width}, shifted_normal(rng, rows * width));
-          Twin qw = twin(dt, {d}, weights(rng, d, false)), kw = twin(dt, {d}, weights(rng, d, false));
-          Twin qb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
-          Twin kb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
-          Twin out = twin_nan(dt, {rows, width}), mean = twin_nan(DType::f32, {rows, H}), rstd = twin_nan(DType::f32, {rows, H});
-          dev().qk_norm_forward(out.c(), mean.c(), rstd.c(), qkv.c(), qw.c(), qb.c(), kw.c(), kb.c(), r, p);
-          ref().qk_norm_forward(out.r(), mean.r(), rstd.r(), qkv.r(), qw.r(), qb.r(), kw.r(), kb.r(), r, p);
-          MT_CHECK_CLOSE(out, tol_for(dt));
-          MT_CHECK_CLOSE(mean, 1e-5);
-          MT_CHECK_CLOSE(rstd, 1e-5);
+          QkNormCase k = qk_norm_case(rng, kind, dt, rows, d);
+          const RopeShape& r = k.r;
+          const NormParams& p = k.p;
+          const int64_t width = k.width;
+          const Twin &qkv = k.qkv, &qw = k.qw, &kw = k.kw;
+          dev().qk_norm_forward(k.out.c(), k.mean.c(), k.rstd.c(), qkv.c(), qw.c(), k.qb.c(), kw.c(), k.kb.c(), r, p);
+          const auto [m, s] = k.reference_stats(rows);
+          MT_CHECK_CLOSE(k.out, tol_for(dt));
+          MT_CHECK_CLOSE(k.mean, 1e-5);
+          MT_CHECK_CLOSE(k.rstd, 1e-5);
 
-          Twin m = twin(DType::f32, {rows, H}, download(ref(), mean.r()));
-          Twin s = twin(DType::f32, {rows, H}, download(ref(), rstd.r()));
           Twin dout = twin(dt, {rows, width}, rng.normal(rows * width)), dqkv = twin_nan(dt, {rows, width});
           Twin dqw = twin(DType::f32, {d}, rng.normal(d)), dkw = twin(DType::f32, {d}, rng.normal(d));
           Twin dqb = ln ? twin(DType::f32, {d}, rng.normal(d)) : absent();
@@ -484,12 +519,8 @@ TEST_CASE("cuda norm_backward into bf16 gradients matches the reference", "[gpu]
           INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h
                                                 << (ds_f32 ? " (float32 dx_colsum)" : ""));
           const NormParams p = params(kind, one_p);
-          Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h));
-          Twin w = twin(dt, {h}, weights(rng, h, one_p));
-          Twin fout = twin_nan(dt, {rows, h}), fmean = twin_nan(DType::f32, {rows}), frstd = twin_nan(DType::f32, {rows});
-          ref().norm_forward(fout.r(), fmean.r(), frstd.r(), x.r(), w.r(), Tensor(), p);
-          Twin mean = twin(DType::f32, {rows}, download(ref(), fmean.r()));
-          Twin rstd = twin(DType::f32, {rows}, download(ref(), frstd.r()));
+          NormBackwardInputs in = norm_backward_inputs(rng, dt, rows, h, one_p, p);
+          const Twin &x = in.x, &w = in.w, &mean = in.mean, &rstd = in.rstd;
           // Starting values of the size of one backward's contribution (sums over the rows).
           const double scale = std::sqrt(static_cast<double>(rows));
           const std::vector<double> dw0 = rng.normal(h, scale), db0 = rng.normal(h, scale), ds0 = rng.normal(h, scale);
@@ -547,18 +578,12 @@ TEST_CASE("cuda qk_norm_backward into bf16 gradients matches the reference", "[g
           const bool k_f32 = rows == 333 && d == 64;
           INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " head_dim " << d
                                                 << (k_f32 ? " (float32 k gradients)" : ""));
-          RopeShape r;
-          r.heads = 8, r.groups = 2, r.head_dim = d, r.rot_dim = d;
-          const int64_t width = r.groups * (r.heads / r.groups + 2) * d, H = r.groups * (r.heads / r.groups + 1);
-          const NormParams p = params(kind, false);
-          Twin qkv = twin(dt, {rows, width}, shifted_normal(rng, rows * width));
-          Twin qw = twin(dt, {d}, weights(rng, d, false)), kw = twin(dt, {d}, weights(rng, d, false));
-          Twin qb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
-          Twin kb = ln ? twin(dt, {d}, rng.normal(d, 0.1)) : absent();
-          Twin out = twin_nan(dt, {rows, width}), mean = twin_nan(DType::f32, {rows, H}), rstd = twin_nan(DType::f32, {rows, H});
-          ref().qk_norm_forward(out.r(), mean.r(), rstd.r(), qkv.r(), qw.r(), qb.r(), kw.r(), kb.r(), r, p);
-          Twin m = twin(DType::f32, {rows, H}, download(ref(), mean.r()));
-          Twin s = twin(DType::f32, {rows, H}, download(ref(), rstd.r()));
+          QkNormCase k = qk_norm_case(rng, kind, dt, rows, d);
+          const RopeShape& r = k.r;
+          const NormParams& p = k.p;
+          const int64_t width = k.width;
+          const Twin &qkv = k.qkv, &qw = k.qw, &kw = k.kw;
+          const auto [m, s] = k.reference_stats(rows);
           const double scale = std::sqrt(static_cast<double>(rows * r.heads));
           auto grad = [&](bool f32) {
             return f32 ? twin(DType::f32, {d}, rng.normal(d, scale)) : twin_same(DType::bf16, {d}, rng.normal(d, scale));
