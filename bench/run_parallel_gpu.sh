@@ -14,8 +14,9 @@
 #    and DP=2 (same global batch, same data; --deterministic-mode): both loss columns per iteration
 #    and the largest relative difference (bf16: PASS below 2e-2); FP8 (hybrid, delayed) 1 GPU vs
 #    TP=2+SP and DP=2 (PASS below 2e-2); bf16 main grads (--grad-reduce-in-bf16) on 1 GPU and DP=2
-#    against float32 ones (PASS below 2e-2); and in fp32 on 4 layers, 1 GPU vs TP=2+SP, PP=2 and
-#    interleaved PP=2 (PASS below 1e-4).
+#    against float32 ones (PASS below 2e-2); FP8 parameters (--fp8-param-gather; delayed and
+#    tensorwise) on 1 GPU and DP=2 against FP8 without them (PASS below 2e-2); and in fp32 on 4
+#    layers, 1 GPU vs TP=2+SP, PP=2 and interleaved PP=2 (PASS below 1e-4).
 # 2. Scaling (iterations after the first 4 of 12, median):
 #      DP=2 tokens/s vs 1 GPU on gpt2-124m and gpt-1.3b (weak scaling, target >= 1.9x), with the
 #        distributed optimizer and overlapped gradient reduce-scatter / parameter all-gather;
@@ -27,7 +28,8 @@
 #    "[rank N] memory:" lines).
 # 3. bench/run_nccl_tests.sh (MAX_MB=256).
 # --four (4 GPUs) instead: equivalence with 1 GPU of TP=2 x PP=2, TP=2 x DP=2 with the distributed
-# optimizer and PP=4 interleaved, in bf16 (--deterministic-mode, gpt2-124m) and fp32 (8 layers);
+# optimizer and PP=4 interleaved, in bf16 (--deterministic-mode, gpt2-124m) and fp32 (8 layers),
+# and FP8 parameters (delayed, tensorwise) over TP=2+SP x DP=2 and PP=2 x DP=2 against 1 GPU's;
 # then tokens/s and TFLOP/s per GPU of those layouts on gpt-1.3b against 1 GPU.
 # The summary table is printed last. Logs go to $OUT (or /tmp).
 set -u
