@@ -7,6 +7,8 @@
 #       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|llama-1b|tiny]
 #       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
 #       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
+#       [--global-batch N]   (default: one micro-batch, e.g. 8 for gpt-1.3b; a multiple of it runs
+#                             gradient accumulation, and over the visible GPUs data parallelism)
 # The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (--vocab-file/--merge-file)
 # or a Hugging Face tokenizer.json (--tokenizer-model, e.g. Llama 3's for llama-1b); bench/RESULTS.md
 # says which text. Logs and metrics go to $OUT (or /tmp).
@@ -15,7 +17,7 @@ cd "$(dirname "$0")/.."
 bin=build/app/megatrain
 iters=300
 model=gpt-1.3b
-data="" vocab="" merges="" tokenizer_model="" extra=""
+data="" vocab="" merges="" tokenizer_model="" extra="" global_batch=""
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,6 +30,7 @@ while [ $# -gt 0 ]; do
     --model) model="$2"; shift 2 ;;
     --extra) extra="$2"; shift 2 ;;
     --fp8) fp8="$2"; shift 2 ;;
+    --global-batch) global_batch="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -55,6 +58,9 @@ case "$model" in
       --max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 4" ;;
   *) echo "unknown model $model" >&2; exit 2 ;;
 esac
+if [ -n "$global_batch" ]; then
+  shape=$(echo "$shape" | sed -E "s/--global-batch-size [0-9]+/--global-batch-size $global_batch/")
+fi
 precision="--bf16"
 case " $extra " in *" --device cpu "*) precision="" ;; esac  # the reference backend is float32
 common="$shape $precision --data-path $data --split 100,0,0 $tokenizer --attention-dropout 0.0 --hidden-dropout 0.0 --lr 3e-4 --min-lr 3e-5
