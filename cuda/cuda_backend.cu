@@ -42,17 +42,11 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
     MT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     baseline_in_use_ = total_bytes - free_bytes;
   }
-  // Every stream but the side stream at the highest priority: among themselves as equal as before,
-  // and the block scheduler serves their pending blocks before the side stream's.
-  int least_priority = 0, greatest_priority = 0;
-  MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest_priority));
-  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest_priority));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&tp_comm_stream_, cudaStreamNonBlocking, greatest_priority));
-  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, least_priority));
-  MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_start_, cudaEventDisableTiming));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&tp_comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_comm_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
@@ -64,7 +58,6 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   }
   if (const char* m = std::getenv("MEGATRAIN_TP_OVERLAP_SM_MARGIN"); m && *m)
     tp_overlap_sm_margin_ = std::max(0, std::atoi(m));
-  if (const char* m = std::getenv("MEGATRAIN_UPDATE_SM_MARGIN"); m && *m) side_sm_margin_ = std::max(0, std::atoi(m));
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -79,14 +72,10 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   if (tp_comm_stream_) cudaStreamSynchronize(tp_comm_stream_);
-  if (side_stream_) cudaStreamSynchronize(side_stream_);
   gemm_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
-  for (cudaEvent_t e : side_marks_) cudaEventDestroy(e);
-  if (side_start_) cudaEventDestroy(side_start_);
-  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
   if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
@@ -100,7 +89,6 @@ CudaBackend::~CudaBackend() {
 }
 
 cuda::KernelContext CudaBackend::context() {
-  if (side_ops_) return cuda::KernelContext{side_stream_, num_sms_, &no_scratch_, true};
   scratch_.reset();
   return cuda::KernelContext{stream_, num_sms_, &scratch_};
 }
@@ -174,39 +162,7 @@ void CudaBackend::compute_wait_for_tp_comm() {
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
 }
 void CudaBackend::set_gemm_beside_copy_engine_comm(bool beside) {
-  gemm_beside_copy_engine_ = beside;
-  apply_gemm_margins();
-}
-void CudaBackend::set_gemm_beside_side_ops(bool beside) {
-  gemm_beside_side_ops_ = beside;
-  apply_gemm_margins();
-}
-void CudaBackend::apply_gemm_margins() {
-  set_gemm_sm_margin(std::max(gemm_beside_copy_engine_ ? tp_overlap_sm_margin_ : 0,
-                              gemm_beside_side_ops_ ? side_sm_margin_ : 0));
-}
-void CudaBackend::set_side_ops(bool on) {
-  if (on == side_ops_ || profiler_->enabled()) return;  // (profiling: everything on the compute stream)
-  if (on) {
-    MT_CUDA_CHECK(cudaEventRecord(side_start_, stream_));
-    MT_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_start_, 0));
-  }
-  side_ops_ = on;
-}
-void CudaBackend::reserve_side_marks(int n) {
-  while (static_cast<int>(side_marks_.size()) < n) {
-    cudaEvent_t e = nullptr;
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    side_marks_.push_back(e);
-  }
-}
-void CudaBackend::record_side_mark(int i) {
-  MT_CHECK(i >= 0 && i < static_cast<int>(side_marks_.size()), "side mark {} of {} reserved", i, side_marks_.size());
-  MT_CUDA_CHECK(cudaEventRecord(side_marks_[static_cast<size_t>(i)], side_ops_ ? side_stream_ : stream_));
-}
-void CudaBackend::compute_wait_for_side_mark(int i) {
-  MT_CHECK(i >= 0 && i < static_cast<int>(side_marks_.size()), "side mark {} of {} reserved", i, side_marks_.size());
-  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_marks_[static_cast<size_t>(i)], 0));
+  set_gemm_sm_margin(beside ? tp_overlap_sm_margin_ : 0);
 }
 void CudaBackend::set_gemm_sm_margin(int sms) {
   sms = std::max(sms, base_gemm_sm_margin_);

@@ -140,12 +140,6 @@ class CudaBackend final : public Backend {
   void reserve_comm_marks(int n) override;
   void record_comm_mark(int i) override;
   void compute_wait_for_mark(int i) override;
-  bool has_side_stream() const override { return true; }
-  void set_side_ops(bool on) override;
-  void reserve_side_marks(int n) override;
-  void record_side_mark(int i) override;
-  void compute_wait_for_side_mark(int i) override;
-  void set_gemm_beside_side_ops(bool beside) override;
 
   // CUDA-specific access (benchmarks, tests, communicators).
   cudaStream_t cuda_stream() const { return stream_; }
@@ -181,10 +175,6 @@ class CudaBackend final : public Backend {
   // (set_gemm_beside_copy_engine_comm). 0: with 32 NCCL CTAs a margin of 16 measured no gain on 2
   // H200s (TP=2+SP gpt-1.3b 0.814x with, 0.820x without; session 4: 450.7 vs 454.8 TFLOP/s per GPU).
   int tp_overlap_sm_margin_ = 0;
-  // MEGATRAIN_UPDATE_SM_MARGIN: SMs the GEMMs beside side ops leave to them (set_gemm_beside_side_ops).
-  int side_sm_margin_ = 0;
-  bool gemm_beside_copy_engine_ = false, gemm_beside_side_ops_ = false;
-  void apply_gemm_margins();
   size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
@@ -193,12 +183,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t tp_compute_done_ = nullptr, tp_comm_done_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   std::vector<cudaEvent_t> comm_marks_;
-  // The side stream (set_side_ops), of the lowest priority; the other streams have the highest.
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t side_start_ = nullptr;
-  std::vector<cudaEvent_t> side_marks_;
-  bool side_ops_ = false;
-  cuda::Scratch no_scratch_;  // side ops' scratch: none (take() fails with the op's name)
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;

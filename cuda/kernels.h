@@ -64,9 +64,6 @@ struct KernelContext {
   cudaStream_t stream = nullptr;
   int num_sms = 1;
   Scratch* scratch = nullptr;
-  // Beside the compute stream (Backend::set_side_ops): the optimizer kernels give each block one
-  // chunk of work, so that no block holds an SM long against the compute stream's next kernel.
-  bool beside = false;
 };
 
 // ---- elementwise_kernels.cu -------------------------------------------------------------------

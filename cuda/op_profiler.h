@@ -24,7 +24,6 @@ class OpProfiler {
   OpProfiler& operator=(const OpProfiler&) = delete;
 
   bool active() const { return enabled_ && steps_ >= skip_steps_; }
-  bool enabled() const { return enabled_; }
   void step_done() { ++steps_; }  // called once per optimizer step
 
   class Scope {

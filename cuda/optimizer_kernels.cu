@@ -300,8 +300,7 @@ void check_segments_fit(const SegmentArg& s, int64_t n, const char* what) {
 }
 
 unsigned chunk_grid(const KernelContext& ctx, int64_t chunks) {
-  const int64_t most = ctx.beside ? int64_t{1} << 30 : ctx.num_sms * 8LL;  // (grid x: up to 2^31 - 1)
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, most)));
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, ctx.num_sms * 8LL)));
 }
 
 template <typename F>

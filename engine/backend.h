@@ -426,25 +426,6 @@ class Backend {
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }
-
-  // ---- work beside the compute stream (the optimizer's update beside the next forward) ---------
-  // CUDA: a side stream of lower priority than the others, so that the optimizer's update (memory
-  // bound) runs beside the next step's forward (compute bound) and takes the SMs its kernels leave
-  // idle (engine/optimizer.h: update overlap). Between set_side_ops(true) and set_side_ops(false)
-  // ops are enqueued there, after everything enqueued on the compute stream so far; side marks work
-  // as the communication marks above. Ops beside the compute stream must not use the scratch (the
-  // compute stream's ops use it meanwhile). The reference backend has none (false): ops run in
-  // order as always and the marks do nothing, so the same code runs on both. While op profiling
-  // (MEGATRAIN_PROFILE_OPS) the CUDA backend keeps them on the compute stream (its events time
-  // that stream only).
-  virtual bool has_side_stream() const { return false; }
-  virtual void set_side_ops(bool on) { (void)on; }
-  virtual void reserve_side_marks(int n) { (void)n; }
-  virtual void record_side_mark(int i) { (void)i; }
-  virtual void compute_wait_for_side_mark(int i) { (void)i; }
-  // The GEMMs launched from now on (until false) run beside side ops: the CUDA backend leaves
-  // MEGATRAIN_UPDATE_SM_MARGIN SMs to them (default none).
-  virtual void set_gemm_beside_side_ops(bool beside) { (void)beside; }
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);

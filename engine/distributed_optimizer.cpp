@@ -1,7 +1,6 @@
 #include "engine/distributed_optimizer.h"
 
 #include <algorithm>
-#include <cstdint>
 
 #include "core/error.h"
 #include "parallel/communicator.h"
@@ -74,34 +73,6 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
     for (const ShardSegment& s : L.shard_segments(b)) pieces.push_back({s.shard_offset, s.numel, s.param});
     add_segments(r, std::move(pieces), model, tp_rank, decoupled_lr);
     out.push_back(std::move(r));
-  }
-  return out;
-}
-
-std::vector<UpdatePart> plan_update_parts(const GptModel& model, int chunk, int tp_rank, bool decoupled_lr) {
-  MT_CHECK(!model.grad_layout().sharded, "plan_update_parts: the chunk's optimizer state is sharded");
-  const std::vector<ParamDesc>& params = model.params();
-  std::vector<int> starts = model.forward_param_groups();
-  MT_CHECK(std::ranges::is_sorted(starts) && !starts.empty() && starts.front() == 0, "forward parameter groups out of order");
-  starts.push_back(static_cast<int>(params.size()));
-  std::vector<UpdatePart> out;
-  for (size_t g = 0; g + 1 < starts.size(); ++g) {
-    int64_t lo = INT64_MAX, hi = 0;
-    for (int i = starts[g]; i < starts[g + 1]; ++i) {
-      lo = std::min(lo, params[static_cast<size_t>(i)].offset);
-      hi = std::max(hi, params[static_cast<size_t>(i)].offset + params[static_cast<size_t>(i)].numel());
-    }
-    UpdatePart part;
-    part.first_param = starts[g];
-    part.range.chunk = chunk;
-    part.range.flat_offset = part.range.state_offset = lo;  // (unsharded: the state has the gradients' layout)
-    part.range.numel = hi - lo;
-    std::vector<Piece> pieces;
-    for (int i = starts[g]; i < starts[g + 1]; ++i)
-      pieces.push_back({params[static_cast<size_t>(i)].offset - lo, params[static_cast<size_t>(i)].numel(), i});
-    add_segments(part.range, std::move(pieces), model, tp_rank, decoupled_lr);
-    part.range.norm.clear();
-    out.push_back(std::move(part));
   }
   return out;
 }

@@ -43,16 +43,6 @@ struct OptimRange {
 // The ranges of one chunk (the model's grad_layout() says whether it is sharded).
 std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int tp_rank, bool decoupled_lr);
 
-// The update of one unsharded chunk cut where the forward's needs start (GptModel::
-// forward_param_groups): one range per group, in forward order, over the span of the flat buffers
-// its parameters take, with update segments only (the gradient norm is still summed over the
-// chunk's whole range, in the same order as without the cut). Element by element the same update.
-struct UpdatePart {
-  int first_param = 0;  // the group's first parameter (GptModel::params() index)
-  OptimRange range;
-};
-std::vector<UpdatePart> plan_update_parts(const GptModel& model, int chunk, int tp_rank, bool decoupled_lr);
-
 // The views of one range.
 struct OptimViews {
   Tensor master, grad, state1, state2, model_copy;  // model_copy: the compute-dtype params (separate master only)

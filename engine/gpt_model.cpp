@@ -1006,16 +1006,6 @@ void GptModel::params_needed(int end) {
   if (on_params_needed) on_params_needed(end);
 }
 
-std::vector<int> GptModel::forward_param_groups() const {
-  const int n = static_cast<int>(descs_.size());
-  std::vector<int> g = {0};
-  for (size_t l = 1; l < layer_first_param_.size(); ++l) g.push_back(layer_first_param_[l]);
-  g.push_back(head_first_param_);
-  std::erase_if(g, [n](int i) { return i >= n; });
-  g.erase(std::unique(g.begin(), g.end()), g.end());
-  return g;
-}
-
 Tensor GptModel::layer_input(const Slot& s, int local) const {
   return local == 0 ? s.input : acts(s, local - 1).out;
 }
@@ -1392,7 +1382,6 @@ void GptModel::embedding_backward(Slot& s, Tensor grad) {
 void GptModel::backward(int slot, bool grad_sync) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged && s.training, "backward of slot {} without a training forward", slot);
-  params_needed(static_cast<int>(descs_.size()));  // (a stage whose forward left some unused: wait before gradients)
   const Workspace& w = *ws_;
   const RecomputePlan& rp = opt_.recompute;
   // After each layer of a grad-sync backward its gradients are final: TP-partial ones are summed

@@ -221,10 +221,6 @@ class GptModel {
   std::function<void(int first_final_param)> on_grads_final;
   // In forward, before params()[..end) are used (--overlap-param-gather waits for them there).
   std::function<void(int end)> on_params_needed;
-  // Where the forward's needs start, ascending from 0: each parameter index at which a group the
-  // forward uses in turn begins (the first layer with the embeddings before it, each later layer,
-  // the head), so that params()[g[i], g[i+1]) are first used together.
-  std::vector<int> forward_param_groups() const;
 
   // Stage boundary tensors are [tokens_local(), h] (sequence shards with --sequence-parallel).
   Tensor stage_input(int slot) const;   // non-first stages: receive the previous stage's output here

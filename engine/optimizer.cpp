@@ -1,8 +1,6 @@
 #include "engine/optimizer.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 
 #include "core/error.h"
 #include "parallel/parallel_state.h"
@@ -44,81 +42,12 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   min_lr_[kDecoupledDecay] = min_lr_[kDecoupledNoDecay] = t.decoupled_min_lr.value_or(t.min_lr);
   // Megatron turns the NaN check off under fp16 dynamic loss scaling (overflows are expected).
   check_nan_ = t.check_for_nan_in_loss_and_grad && scaler.kind() != LossScaler::Kind::dynamic;
-
-  const char* overlap = std::getenv("MEGATRAIN_OVERLAP_UPDATE");
-  if (!sharded_ && !(overlap && std::string_view(overlap) == "0")) {
-    for (size_t c = 0; c < chunks_.size(); ++c)
-      for (UpdatePart& u : plan_update_parts(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
-        be_.register_optim_segments(u.range.update);
-        parts_.push_back(Part{static_cast<int>(c), std::move(u)});
-      }
-    part_pending_.assign(parts_.size(), 0);
-    be_.reserve_side_marks(static_cast<int>(parts_.size()) + 1);
-    for (size_t c = 0; c < chunks_.size(); ++c)
-      chunks_[c]->on_params_needed = [this, c](int end) { wait_update(static_cast<int>(c), end); };
-  }
 }
 
-Optimizer::~Optimizer() {
-  if (!parts_.empty())
-    for (GptModel* m : chunks_) m->on_params_needed = nullptr;
-}
+Optimizer::~Optimizer() = default;
 
 void Optimizer::wait_for_params() {
   if (param_gather_) param_gather_->wait_all();
-  wait_update_all();
-}
-
-void Optimizer::update_range(const OptimRange& r, const OptimStepParams& p) {
-  if (r.update.empty()) return;
-  const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-  if (cfg_.train.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
-  else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
-}
-
-void Optimizer::start_update_parts(const OptimStepParams& p) {
-  MT_CHECK(num_pending_ == 0 && !zero_pending_, "the previous step's update was never waited for");
-  be_.set_side_ops(true);
-  for (size_t k = 0; k < parts_.size(); ++k) {
-    update_range(parts_[k].part.range, p);
-    be_.record_side_mark(static_cast<int>(k));
-    part_pending_[k] = 1;
-  }
-  be_.set_side_ops(false);
-  num_pending_ = static_cast<int>(parts_.size());
-  be_.set_gemm_beside_side_ops(true);
-}
-
-void Optimizer::zero_grads_beside_update(const std::function<void()>& zero) {
-  if (num_pending_ == 0) {
-    zero();
-    return;
-  }
-  be_.set_side_ops(true);
-  zero();
-  be_.record_side_mark(static_cast<int>(parts_.size()));
-  be_.set_side_ops(false);
-  zero_pending_ = true;
-}
-
-void Optimizer::wait_update(int chunk, int end) {
-  if (num_pending_ == 0 && !zero_pending_) return;
-  for (size_t k = 0; k < parts_.size(); ++k) {
-    if (!part_pending_[k] || parts_[k].chunk != chunk || parts_[k].part.first_param >= end) continue;
-    be_.compute_wait_for_side_mark(static_cast<int>(k));
-    part_pending_[k] = 0;
-    --num_pending_;
-  }
-  if (zero_pending_ && end >= static_cast<int>(chunks_[static_cast<size_t>(chunk)]->params().size())) {
-    be_.compute_wait_for_side_mark(static_cast<int>(parts_.size()));  // (every chunk's zeroing)
-    zero_pending_ = false;
-  }
-  if (num_pending_ == 0) be_.set_gemm_beside_side_ops(false);
-}
-
-void Optimizer::wait_update_all() {
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    wait_update(static_cast<int>(c), static_cast<int>(chunks_[c]->params().size()));
 }
 
 // Reads scalars()[0, count) of the first chunk into host doubles: the iteration's one readback.
@@ -236,10 +165,11 @@ StepOutcome Optimizer::step(int64_t iteration) {
     // FP8 parameters (Megatron's separate optimizer-copy-main-to-model-params phase has no
     // counterpart).
     const ScopedTimer timed(timer, "optimizer-inner-step");
-    if (!parts_.empty()) {
-      start_update_parts(p);
-    } else {
-      for (const OptimRange& r : ranges_) update_range(r, p);
+    for (const OptimRange& r : ranges_) {
+      if (r.update.empty()) continue;
+      const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
+      if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
+      else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
     }
     reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
     rescale_fp8_params();
@@ -286,7 +216,6 @@ void Optimizer::rescale_fp8_params() {
 }
 
 double Optimizer::params_norm() {
-  wait_update_all();
   const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 1);
   be_.fill(s, 0.0);
   for (const OptimRange& r : ranges_)

@@ -14,19 +14,9 @@
 // With --use-distributed-optimizer each DP rank updates its shard of every bucket and the
 // parameters are then all-gathered (engine/distributed_optimizer.h); the gradient norm and the
 // zero count are then summed over DP as well.
-//
-// Update overlap (unsharded optimizer state; MEGATRAIN_OVERLAP_UPDATE=0 turns it off): the update
-// is cut where the next forward's needs start (plan_update_parts) and enqueued part by part beside
-// the compute stream (Backend::set_side_ops), and the next step's gradient zeroing after it
-// (zero_grads_beside_update); each forward waits, before its first use of a part's parameters,
-// for that part alone (GptModel::on_params_needed), and every backward for all of it. The update
-// is memory bound and the forward's GEMMs compute bound, so each runs in the other's idle SMs and
-// bandwidth instead of one after the other. The same update element by element; on the reference
-// backend the parts simply run in order.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -65,15 +55,9 @@ class Optimizer {
 
   // The data-parallel reductions (the trainer starts each step with grad_sync().start_step()).
   DpGradSync& grad_sync() { return *grad_sync_; }
-  // Before reading whole parameter buffers or optimizer states outside the forward pass
-  // (checkpoints, the end of training): waits for the distributed optimizer's overlapped parameter
-  // gathers, or for the update beside the forward.
+  // Before reading whole parameter buffers outside the forward pass (checkpoints): waits for the
+  // distributed optimizer's overlapped parameter gathers.
   void wait_for_params();
-  // The trainer's gradient zeroing at a step's start (zero: zeroes every chunk's gradients): beside
-  // the compute stream after the update still in flight there, which reads them; else in order.
-  void zero_grads_beside_update(const std::function<void()>& zero);
-  // Whether the update runs beside the next forward (see above).
-  bool update_overlapped() const { return !parts_.empty(); }
 
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch
   // size, successful steps only). Throws mt::Error for NaN/Inf in the loss or the grad norm when
@@ -110,13 +94,6 @@ class Optimizer {
   // again with them (the update's own cast used the previous step's scales).
   void rescale_fp8_params();
   double read_scalars(double* host, int count);
-  // The AdamW or SGD update of one range.
-  void update_range(const OptimRange& r, const OptimStepParams& p);
-  // Update overlap: the parts enqueued beside the compute stream; the waits of chunk's forward
-  // before params()[..end) (all of them: the gradient zeroing's too); all waits.
-  void start_update_parts(const OptimStepParams& p);
-  void wait_update(int chunk, int end);
-  void wait_update_all();
 
   const Config& cfg_;
   std::vector<GptModel*> chunks_;
@@ -132,16 +109,6 @@ class Optimizer {
   double max_lr_[OptimStepParams::kMaxGroups] = {}, min_lr_[OptimStepParams::kMaxGroups] = {};
   int64_t steps_ = 0;
   bool check_nan_ = true;
-  // Update overlap (empty: the update runs whole, in order). Side mark k is part k's; the last
-  // one the gradient zeroing's.
-  struct Part {
-    int chunk = 0;
-    UpdatePart part;
-  };
-  std::vector<Part> parts_;
-  std::vector<char> part_pending_;
-  int num_pending_ = 0;
-  bool zero_pending_ = false;
 };
 
 }  // namespace mt

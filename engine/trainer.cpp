@@ -177,10 +177,8 @@ void Trainer::collect_timers(IterationStats& s, double iterations) {
 
 StepOutcome Trainer::train_step() {
   Backend& be = model_.backend();
-  optimizer_.zero_grads_beside_update([&] {
-    for (GptModel* m : chunks_) m->zero_grads();
-  });
   for (GptModel* m : chunks_) {
+    m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
     m->fp8_begin_step();
   }
@@ -245,7 +243,6 @@ int64_t Trainer::train() {
       break;
     }
   }
-  optimizer_.wait_for_params();  // (the last update may still run beside the compute stream)
   print_summary();
   return iteration_;
 }
