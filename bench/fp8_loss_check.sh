@@ -7,6 +7,7 @@
 #       [--megatrain build/app/megatrain] [--iters 300] [--model gpt-1.3b|gpt-350m|llama-1b|tiny]
 #       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
 #       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
+#       [--gpus "0,1/2,3"]   (the bf16 and FP8 runs at once: bf16 on the GPUs before the slash)
 #       [--global-batch N]   (default: one micro-batch, e.g. 8 for gpt-1.3b; a multiple of it runs
 #                             gradient accumulation, and over the visible GPUs data parallelism)
 # The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (--vocab-file/--merge-file)
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 bin=build/app/megatrain
 iters=300
 model=gpt-1.3b
-data="" vocab="" merges="" tokenizer_model="" extra="" global_batch=""
+data="" vocab="" merges="" tokenizer_model="" extra="" global_batch="" gpus=""
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,6 +32,7 @@ while [ $# -gt 0 ]; do
     --extra) extra="$2"; shift 2 ;;
     --fp8) fp8="$2"; shift 2 ;;
     --global-batch) global_batch="$2"; shift 2 ;;
+    --gpus) gpus="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -75,13 +77,31 @@ mean_last50() {  # mean lm_loss of the last 50 iteration records of a metrics fi
           my $s = 0; $s += $_ for @t; printf "%.5f\n", $s / @t; }' "$1"
 }
 
-for run in bf16 fp8; do
-  flags=""
+train() {  # bf16|fp8 [GPUs]
+  local run=$1 flags=""
   if [ "$run" = fp8 ]; then flags="$fp8"; fi
-  echo "== $run: $bin ($model, $iters iterations) $flags"
+  echo "== $run: $bin ($model, $iters iterations${2:+, GPUs $2}) $flags"
   # shellcheck disable=SC2086
-  "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1 || {
-    echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; }
+  if [ -n "${2:-}" ]; then
+    CUDA_VISIBLE_DEVICES=$2 "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1
+  else
+    "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1
+  fi
+}
+if [ -n "$gpus" ]; then
+  # The two runs at once: bf16 on the GPUs before the slash, FP8 on those after it.
+  train bf16 "${gpus%%/*}" & bf16_pid=$!
+  train fp8 "${gpus#*/}" & fp8_pid=$!
+  wait $bf16_pid; bf16_rc=$?
+  wait $fp8_pid; fp8_rc=$?
+else
+  train bf16; bf16_rc=$?
+  fp8_rc=0
+  [ $bf16_rc -eq 0 ] && { train fp8; fp8_rc=$?; }
+fi
+for run in bf16 fp8; do
+  rc_var=${run}_rc
+  if [ "${!rc_var}" -ne 0 ]; then echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; fi
   grep -E '^\[megatrain\] summary' "$out/$run.log" | tail -n 1 || true
 done
 # Where the runs part: FP8 against bf16 by window of iterations (early windows short: the runs
