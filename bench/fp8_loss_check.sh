@@ -8,6 +8,8 @@
 #       [--extra "<more megatrain flags>"]   (tiny + --extra "--device cpu": a smoke test of this script)
 #       [--fp8 "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"]
 #       [--gpus "0,1/2,3"]   (the bf16 and FP8 runs at once: bf16 on the GPUs before the slash)
+#       [--bf16-rerun]       (bf16 a second time, the same flags: how far two bf16 runs part through
+#                             nondeterministic sums, the check's noise floor; with --gpus "A/B/C" on C)
 #       [--global-batch N]   (default: one micro-batch, e.g. 8 for gpt-1.3b; a multiple of it runs
 #                             gradient accumulation, and over the visible GPUs data parallelism)
 # The data is a Megatron .bin/.idx prefix tokenized with the GPT-2 BPE (--vocab-file/--merge-file)
@@ -18,7 +20,7 @@ cd "$(dirname "$0")/.."
 bin=build/app/megatrain
 iters=300
 model=gpt-1.3b
-data="" vocab="" merges="" tokenizer_model="" extra="" global_batch="" gpus=""
+data="" vocab="" merges="" tokenizer_model="" extra="" global_batch="" gpus="" rerun=0
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +35,7 @@ while [ $# -gt 0 ]; do
     --fp8) fp8="$2"; shift 2 ;;
     --global-batch) global_batch="$2"; shift 2 ;;
     --gpus) gpus="$2"; shift 2 ;;
+    --bf16-rerun) rerun=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -77,7 +80,7 @@ mean_last50() {  # mean lm_loss of the last 50 iteration records of a metrics fi
           my $s = 0; $s += $_ for @t; printf "%.5f\n", $s / @t; }' "$1"
 }
 
-train() {  # bf16|fp8 [GPUs]
+train() {  # bf16|fp8|bf16_rerun [GPUs]
   local run=$1 flags=""
   if [ "$run" = fp8 ]; then flags="$fp8"; fi
   echo "== $run: $bin ($model, $iters iterations${2:+, GPUs $2}) $flags"
@@ -88,18 +91,30 @@ train() {  # bf16|fp8 [GPUs]
     "$bin" $common $flags --metrics-jsonl "$out/$run.jsonl" > "$out/$run.log" 2>&1
   fi
 }
+runs="bf16 fp8"
+[ $rerun -eq 1 ] && runs="$runs bf16_rerun"
+bf16_rerun_rc=0
 if [ -n "$gpus" ]; then
-  # The two runs at once: bf16 on the GPUs before the slash, FP8 on those after it.
-  train bf16 "${gpus%%/*}" & bf16_pid=$!
-  train fp8 "${gpus#*/}" & fp8_pid=$!
-  wait $bf16_pid; bf16_rc=$?
-  wait $fp8_pid; fp8_rc=$?
+  # The runs at once: bf16 on the GPUs before the first slash, FP8 on the next, the rerun on the third.
+  IFS=/ read -r -a gpu_sets <<< "$gpus"
+  k=0
+  for run in $runs; do
+    [ -n "${gpu_sets[$k]:-}" ] || { echo "error: --gpus \"$gpus\" has no GPU set for the $run run" >&2; exit 2; }
+    train $run "${gpu_sets[$k]}" & pids[$k]=$!
+    k=$((k + 1))
+  done
+  k=0
+  for run in $runs; do
+    if wait "${pids[$k]}"; then declare "${run}_rc=0"; else declare "${run}_rc=$?"; fi
+    k=$((k + 1))
+  done
 else
-  train bf16; bf16_rc=$?
-  fp8_rc=0
-  [ $bf16_rc -eq 0 ] && { train fp8; fp8_rc=$?; }
+  bf16_rc=0 fp8_rc=0
+  for run in $runs; do
+    if train $run; then declare "${run}_rc=0"; else declare "${run}_rc=$?"; break; fi
+  done
 fi
-for run in bf16 fp8; do
+for run in $runs; do
   rc_var=${run}_rc
   if [ "${!rc_var}" -ne 0 ]; then echo "FAILED: $run (see $out/$run.log)"; tail -n 5 "$out/$run.log"; exit 1; fi
   grep -E '^\[megatrain\] summary' "$out/$run.log" | tail -n 1 || true
@@ -130,11 +145,18 @@ window_diffs() {
       push @out, sprintf("%d-%d %+.2f%%", $lo, $hi, ($b - $a) / $a * 100) if $n && $a;
       $lo = $hi + 1;
     }
-    print "fp8 against bf16 by window: ", join(", ", @out), "\n";' "$1" "$2"
+    print "$ARGV[2] against bf16 by window: ", join(", ", @out), "\n";' "$1" "$2" "$3"
 }
-window_diffs "$out/bf16.jsonl" "$out/fp8.jsonl" || true
+window_diffs "$out/bf16.jsonl" "$out/fp8.jsonl" fp8 || true
 a=$(mean_last50 "$out/bf16.jsonl")
 b=$(mean_last50 "$out/fp8.jsonl")
+if [ $rerun -eq 1 ]; then
+  window_diffs "$out/bf16.jsonl" "$out/bf16_rerun.jsonl" "bf16 rerun" || true
+  r=$(mean_last50 "$out/bf16_rerun.jsonl")
+  awk -v a="$a" -v r="$r" -v b="$b" 'BEGIN {
+    printf "noise floor: the bf16 rerun %.4f is %+.3f%% from the first bf16 run; fp8 against the rerun %+.3f%%\n",
+      r, (r - a) / a * 100, (b - r) / r * 100 }'
+fi
 awk -v a="$a" -v b="$b" 'BEGIN {
   d = (b - a) / a * 100;
   printf "mean training loss, last 50 iterations: bf16 %.4f  fp8 %.4f  difference %+.3f%%\n", a, b, d;
