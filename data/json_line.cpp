@@ -111,11 +111,9 @@ bool decode_json_string(std::string_view s, size_t& i, std::string* out, bool* l
       i += len;
       continue;
     }
-    if (c < 0x20) {
-      // Python's universal newlines end the line at \r or \n, so they show up as unterminated.
-      if (c == '\n' || c == '\r') return error("Unterminated string starting at", start);
-      return error("Invalid control character at", i);
-    }
+    // A line's own newline inside an open string too: Python's line keeps it (a lone \r becomes
+    // one), and json.loads reports it as a control character, not as an unterminated string.
+    if (c < 0x20) return error("Invalid control character at", i);
     // Backslash escape.
     if (i + 1 >= n) return error("Unterminated string starting at", start);
     const char e = s[i + 1];
@@ -172,6 +170,38 @@ void JsonLineParser::string_value(std::string* out, bool* lone_surrogate) {
   if (!decode_json_string(s_, i_, out, lone_surrogate, &err)) fail_at(err.message, err.pos);
 }
 
+template <typename F>
+void JsonLineParser::members(std::string* key, F&& member) {
+  skip_ws();
+  if (take('}')) return;
+  while (true) {
+    if (!at('"')) fail_at("Expecting property name enclosed in double quotes", i_);
+    if (key) key->clear();
+    string_value(key, nullptr);
+    skip_ws();
+    expect(':', "Expecting ':' delimiter");
+    skip_ws();
+    member();
+    skip_ws();
+    if (take('}')) return;
+    expect(',', "Expecting ',' delimiter");
+    skip_ws();
+  }
+}
+
+template <typename F>
+void JsonLineParser::elements(F&& element) {
+  skip_ws();
+  if (take(']')) return;
+  while (true) {
+    element();
+    skip_ws();
+    if (take(']')) return;
+    expect(',', "Expecting ',' delimiter");
+    skip_ws();
+  }
+}
+
 void JsonLineParser::value(int depth) {
   if (depth > 5000) fail_at("nesting too deep", i_);
   if (i_ >= s_.size()) fail_at("Expecting value", i_);
@@ -179,50 +209,12 @@ void JsonLineParser::value(int depth) {
     case '"':
       string_value(nullptr, nullptr);
       return;
-    case '{': {
+    case '{':
       ++i_;
-      skip_ws();
-      if (i_ < s_.size() && s_[i_] == '}') {
-        ++i_;
-        return;
-      }
-      while (true) {
-        if (i_ >= s_.size() || s_[i_] != '"') fail_at("Expecting property name enclosed in double quotes", i_);
-        string_value(nullptr, nullptr);
-        skip_ws();
-        if (i_ >= s_.size() || s_[i_] != ':') fail_at("Expecting ':' delimiter", i_);
-        ++i_;
-        skip_ws();
-        value(depth + 1);
-        skip_ws();
-        if (i_ < s_.size() && s_[i_] == '}') {
-          ++i_;
-          return;
-        }
-        if (i_ >= s_.size() || s_[i_] != ',') fail_at("Expecting ',' delimiter", i_);
-        ++i_;
-        skip_ws();
-      }
-    }
-    case '[': {
+      return members(nullptr, [&] { value(depth + 1); });
+    case '[':
       ++i_;
-      skip_ws();
-      if (i_ < s_.size() && s_[i_] == ']') {
-        ++i_;
-        return;
-      }
-      while (true) {
-        value(depth + 1);
-        skip_ws();
-        if (i_ < s_.size() && s_[i_] == ']') {
-          ++i_;
-          return;
-        }
-        if (i_ >= s_.size() || s_[i_] != ',') fail_at("Expecting ',' delimiter", i_);
-        ++i_;
-        skip_ws();
-      }
-    }
+      return elements([&] { value(depth + 1); });
     case 'n': return literal("null");
     case 't': return literal("true");
     case 'f': return literal("false");
@@ -267,31 +259,19 @@ void JsonLineParser::field_value(JsonField& f) {
   if (c == '[') {
     f.kind = JsonField::string_list;
     ++i_;
-    skip_ws();
-    if (i_ < s_.size() && s_[i_] == ']') {
-      ++i_;
-      return;
-    }
-    while (true) {
-      if (i_ < s_.size() && s_[i_] == '"') {
+    elements([&] {
+      if (at('"')) {
         f.strings.emplace_back();
         string_value(&f.strings.back(), &f.lone_surrogate);
-      } else {
-        if (f.kind == JsonField::string_list && i_ < s_.size()) {
-          f.kind = JsonField::other;
-          f.other_type = std::string("a list holding ") + type_name(s_[i_]);
-        }
-        value(1);
-      }
-      skip_ws();
-      if (i_ < s_.size() && s_[i_] == ']') {
-        ++i_;
         return;
       }
-      if (i_ >= s_.size() || s_[i_] != ',') fail_at("Expecting ',' delimiter", i_);
-      ++i_;
-      skip_ws();
-    }
+      if (f.kind == JsonField::string_list && i_ < s_.size()) {
+        f.kind = JsonField::other;
+        f.other_type = std::string("a list holding ") + type_name(s_[i_]);
+      }
+      value(1);
+    });
+    return;
   }
   f.kind = JsonField::other;
   f.other_type = type_name(c);
@@ -317,32 +297,12 @@ bool JsonLineParser::parse(std::string_view line, std::vector<JsonField>& fields
       return false;
     }
     ++i_;
-    skip_ws();
-    if (i_ < s_.size() && s_[i_] == '}') {
-      ++i_;
-    } else {
-      while (true) {
-        if (i_ >= s_.size() || s_[i_] != '"') fail_at("Expecting property name enclosed in double quotes", i_);
-        key_.clear();
-        string_value(&key_, nullptr);
-        skip_ws();
-        if (i_ >= s_.size() || s_[i_] != ':') fail_at("Expecting ':' delimiter", i_);
-        ++i_;
-        skip_ws();
-        size_t k = 0;
-        while (k < keys_.size() && keys_[k] != key_) ++k;
-        if (k < keys_.size()) field_value(fields[k]);  // a repeated key: the last one wins
-        else value(1);
-        skip_ws();
-        if (i_ < s_.size() && s_[i_] == '}') {
-          ++i_;
-          break;
-        }
-        if (i_ >= s_.size() || s_[i_] != ',') fail_at("Expecting ',' delimiter", i_);
-        ++i_;
-        skip_ws();
-      }
-    }
+    members(&key_, [&] {
+      size_t k = 0;
+      while (k < keys_.size() && keys_[k] != key_) ++k;
+      if (k < keys_.size()) field_value(fields[k]);  // a repeated key: the last one wins
+      else value(1);
+    });
     skip_ws();
     if (i_ != s_.size()) fail_at("Extra data", i_);
     return true;

@@ -47,6 +47,22 @@ class JsonLineParser {
   void number();
   void literal(std::string_view word);
   void field_value(JsonField& f);
+  // After an object's '{' (an array's '['): each member up to the closing brace, its value left to
+  // member() (each element to element()), with Python's messages for missing delimiters. key: where
+  // the member names are decoded, or null to skip them.
+  template <typename F>
+  void members(std::string* key, F&& member);
+  template <typename F>
+  void elements(F&& element);
+  bool at(char c) const { return i_ < s_.size() && s_[i_] == c; }
+  bool take(char c) {  // consumes c if it is next
+    if (!at(c)) return false;
+    ++i_;
+    return true;
+  }
+  void expect(char c, const char* message) {
+    if (!take(c)) fail_at(message, i_);
+  }
   [[noreturn]] void fail_at(const std::string& message, size_t pos);
 
   std::vector<std::string> keys_;
