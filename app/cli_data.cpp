@@ -14,8 +14,11 @@ void add_data_flags(FlagTable& t) {
   t.value("--valid-data-path", "blend for the validation split only", MT_FIELD(data.valid_data_path)).arity =
       Arity::zero_or_more;
   t.value("--test-data-path", "blend for the test split only", MT_FIELD(data.test_data_path)).arity = Arity::zero_or_more;
-  t.recognised("--data-args-path", Arity::one, "PATH", "None", "read --data-path from a file");
-  t.recognised("--per-split-data-args-path", Arity::one, "PATH", "None", "read the per-split blends from a JSON file");
+  t.value("--data-args-path", "a file holding --data-path's value (whitespace-separated weights and prefixes)",
+          MT_FIELD(data.data_args_path));
+  t.value("--per-split-data-args-path",
+          "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...}, each a blend as a string or a list (or null)",
+          MT_FIELD(data.per_split_data_args_path));
   t.flag("--mock-data", "synthetic data (no dataset files)", MT_FIELD(data.mock_data));
   t.value("--data-cache-path", "where the dataset index caches go", MT_FIELD(data.data_cache_path));
   t.negative_flag("--no-mmap-bin-files", "read .bin files with reads instead of mmap", MT_FIELD(data.mmap_bin_files));

@@ -52,8 +52,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--exp-avg-dtype", W::other_than, {"fp32"}, ""},
       {"--exp-avg-sq-dtype", W::other_than, {"fp32"}, ""},
       // data and tokenizer (1.5)
-      {"--data-args-path", W::any_use, {}, "pass the blend with --data-path"},
-      {"--per-split-data-args-path", W::any_use, {}, "pass --train-data-path/--valid-data-path/--test-data-path"},
       {"--tokenizer-type",
        W::values,
        {"BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer",

@@ -237,6 +237,9 @@ struct DataConfig {
   std::vector<std::string> data_path;  // "prefix" or "w1 p1 w2 p2 ..."
   std::optional<std::string> split;
   std::vector<std::string> train_data_path, valid_data_path, test_data_path;
+  // --data-args-path / --per-split-data-args-path: files holding the blends above (read into them
+  // by the flag validation, as Megatron's get_blend_and_blend_per_split reads them).
+  std::optional<std::string> data_args_path, per_split_data_args_path;
   bool mock_data = false;
   std::optional<std::string> data_cache_path;
   bool mmap_bin_files = true;

@@ -244,6 +244,59 @@ TEST_CASE("rule: one data source", "[cli][rules]") {
              Contains("a single data source must be provided"));
 }
 
+TEST_CASE("rule: --data-args-path and --per-split-data-args-path read the blends from files", "[cli][rules]") {
+  TempDir d;
+  write_dataset(d.str("a"));
+  write_dataset(d.str("b"));
+  Args no_data;
+  for (const auto& a : small_gpt())
+    if (a != "--mock-data") no_data.push_back(a);
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(d.str(name)) << text;
+    return d.str(name);
+  };
+  // The file's words are --data-path's list, newlines and runs of spaces alike.
+  const std::string blend = write("blend.txt", "0.3 " + d.str("a") + "\n\n   0.7\t" + d.str("b") + "\n");
+  const Config c = parse(no_data + words("--split 99,1,0 --data-args-path " + blend));
+  CHECK(c.data.data_path == std::vector<std::string>{"0.3", d.str("a"), "0.7", d.str("b")});
+  CHECK(*c.data.split == "99,1,0");
+  CHECK_THAT(parse_error(no_data + words("--data-args-path " + blend)), Contains("--data-args-path needs --split"));
+  CHECK_THAT(parse_error(no_data + words("--split 99,1,0 --data-path " + d.str("a") + " --data-args-path " + blend)),
+             Contains("--data-path and --data-args-path are exclusive"));
+  CHECK_THAT(parse_error(small_gpt() + words("--split 99,1,0 --data-args-path " + blend)),
+             Contains("a single data source must be provided"));  // with --mock-data
+  CHECK_THAT(parse_error(no_data + words("--split 99,1,0 --data-args-path " + d.str("absent.txt"))),
+             Contains("--data-args-path '" + d.str("absent.txt") + "': cannot open it"));
+  CHECK_THAT(parse_error(no_data + words("--split 99,1,0 --data-args-path " + write("empty.txt", " \n"))),
+             Contains("--data-args-path '" + d.str("empty.txt") + "' needs at least one dataset prefix"));
+  CHECK_THAT(parse_error(no_data + words("--split 99,1,0 --data-args-path " + write("gone.txt", d.str("gone")))),
+             Contains("gone.idx not found"));
+
+  // Per split: a string (split at whitespace), a list, or null.
+  const std::string per_split = write("split.json", "{\"train\": \"0.5 " + d.str("a") + " 0.5 " + d.str("b") +
+                                                        "\", \"valid\": [1, \"" + d.str("b") + "\"], \"test\": null}");
+  const Config p = parse(no_data + words("--per-split-data-args-path " + per_split));
+  CHECK(p.data.train_data_path == std::vector<std::string>{"0.5", d.str("a"), "0.5", d.str("b")});
+  CHECK(p.data.valid_data_path == std::vector<std::string>{"1", d.str("b")});
+  CHECK(p.data.test_data_path.empty());
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " + per_split + " --train-data-path " + d.str("a"))),
+             Contains("--per-split-data-args-path and --train-data-path/--valid-data-path/--test-data-path are exclusive"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " + write("nokey.json", R"({"train": null, "valid": null})"))),
+             Contains("has no \"test\" key"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " +
+                                         write("nulls.json", R"({"train": null, "valid": null, "test": null})"))),
+             Contains("are all null: no data"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " + write("bad.json", R"({"train": [)"))),
+             Contains("not valid JSON"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " + write("num.json", R"({"train": 3, "valid": null, "test": null})"))),
+             Contains("\"train\" is number"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " + write("arr.json", R"([1])"))),
+             Contains("expected a JSON object"));
+  CHECK_THAT(parse_error(no_data + words("--per-split-data-args-path " +
+                                         write("emptytrain.json", R"({"train": "", "valid": null, "test": null})"))),
+             Contains("\"train\" needs at least one dataset prefix"));
+}
+
 TEST_CASE("rule: dataset files exist and their .idx header is valid", "[cli][rules]") {
   TempDir d;
   write_dataset(d.str("good"));
