@@ -236,10 +236,10 @@ void CudaBackend::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tens
 
 // ---- normalization ------------------------------------------------------------------------------
 void CudaBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
-                               const NormParams& p) {
-  on_device("norm_forward", out, mean, rstd, x, weight, bias);
-  MT_PROFILE_OP("norm_forward {}", x.shape_string());
-  cuda::norm_forward(context(), Tensor(), out, mean, rstd, x, Tensor(), 0.0f, 0, weight, bias, p);
+                               const NormParams& p, Tensor out_amax) {
+  on_device("norm_forward", out, mean, rstd, x, weight, bias, out_amax);
+  MT_PROFILE_OP("norm_forward {}{}", x.shape_string(), out_amax.empty() ? "" : " +amax");
+  cuda::norm_forward(context(), Tensor(), out, mean, rstd, x, Tensor(), 0.0f, 0, weight, bias, p, Tensor(), out_amax);
 }
 void CudaBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                    float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
@@ -251,18 +251,21 @@ void CudaBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor r
 }
 void CudaBackend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
                                         Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight,
-                                        Tensor bias, const NormParams& p) {
-  on_device("bias_dropout_add_norm", sum, out, mean, rstd, residual, x, x_bias, weight, bias);
-  MT_PROFILE_OP("bias_dropout_add_norm {}", x.shape_string());
+                                        Tensor bias, const NormParams& p, Tensor out_amax) {
+  on_device("bias_dropout_add_norm", sum, out, mean, rstd, residual, x, x_bias, weight, bias, out_amax);
+  MT_PROFILE_OP("bias_dropout_add_norm {}{}", x.shape_string(), out_amax.empty() ? "" : " +amax");
   MT_CHECK(!x.empty(), "bias_dropout_add_norm: x is required");
-  cuda::norm_forward(context(), sum, out, mean, rstd, residual, x, dropout_p, dropout_key, weight, bias, p, x_bias);
+  cuda::norm_forward(context(), sum, out, mean, rstd, residual, x, dropout_p, dropout_key, weight, bias, p, x_bias,
+                     out_amax);
 }
 void CudaBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                                Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) {
-  on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, dx_colsum);
-  MT_PROFILE_OP("norm_backward {}{}", x.shape_string(), dx_colsum.empty() ? "" : " +dx sums");
+                                Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p,
+                                Tensor dx_amax) {
+  on_device("norm_backward", dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, dx_colsum, dx_amax);
+  MT_PROFILE_OP("norm_backward {}{}{}", x.shape_string(), dx_colsum.empty() ? "" : " +dx sums",
+                dx_amax.empty() ? "" : " +amax");
   cuda::norm_backward(context(), dx, dweight, dbias, dout, x, mean, rstd, weight, dresidual, p, Tensor(), Tensor(),
-                      dx_colsum);
+                      dx_colsum, dx_amax);
 }
 
 void CudaBackend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,

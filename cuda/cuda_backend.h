@@ -53,14 +53,15 @@ class CudaBackend final : public Backend {
                           int64_t vocab_start) override;
 
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
-                    const NormParams& p) override;
+                    const NormParams& p, Tensor out_amax = Tensor()) override;
   void bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
                              Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
-                             const NormParams& p) override;
+                             const NormParams& p, Tensor out_amax = Tensor()) override;
   void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, float dropout_p,
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
-                     Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) override;
+                     Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p,
+                     Tensor dx_amax = Tensor()) override;
   void norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
                                Tensor rstd, Tensor weight, Tensor bias, Tensor dresidual, Tensor dx_colsum, const NormParams& p) override;
   void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,

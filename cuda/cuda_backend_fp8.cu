@@ -66,7 +66,7 @@ void CudaBackend::fp8_stage_scales(const cuda::KernelContext& ctx, const Tensor&
 void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const cuda::CastSource& src,
                                     const Fp8TensorMeta& meta, Tensor dbias) {
   const Tensor& x = src.x;
-  on_device(op, q, q_t, x, src.pre, meta.scale, meta.scale_inv, meta.amax, dbias);
+  on_device(op, q, q_t, x, src.pre, meta.scale, meta.scale_inv, meta.amax, dbias, meta.fresh, meta.scale_inv_copy);
   MT_PROFILE_OP("{} {}{}{}", op, x.shape_string(), q.empty() ? "" : " q", q_t.empty() ? "" : " q_t");
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
@@ -84,13 +84,24 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const 
   const cuda::KernelContext ctx = context();
   const bool plain = src.kind == cuda::CastSource::Kind::plain;
   float* record = amax;
+  MT_CHECK(meta.recipe == Fp8Recipe::tensorwise || (meta.fresh.empty() && meta.scale_inv_copy.empty()),
+           "{}: a fresh amax slot or scale_inv copy outside tensorwise scaling", op);
+  MT_CHECK(!meta.fresh_taken || !meta.fresh.empty(), "{}: fresh_taken without a fresh amax slot", op);
   if (meta.recipe == Fp8Recipe::tensorwise) {
-    float* fresh = ctx.scratch->take_array<float>(1, "fp8_quantize amax");
-    MT_CUDA_CHECK(cudaMemsetAsync(fresh, 0, sizeof(float), stream_));
-    if (plain) cuda::fp8_amax(ctx, fresh, x);
-    else cuda::cast_transpose_to_fp8(ctx, nullptr, nullptr, f, src, scale, fresh);  // the amax pass
+    // The operand's persistent slot (zero between casts) or, without one, zeroed scratch.
+    float* fresh = meta.fresh.empty() ? nullptr : const_cast<float*>(scalar_ptr(meta.fresh, op, "meta.fresh"));
+    if (!fresh) {
+      fresh = ctx.scratch->take_array<float>(1, "fp8_quantize amax");
+      MT_CUDA_CHECK(cudaMemsetAsync(fresh, 0, sizeof(float), stream_));
+    }
+    if (!meta.fresh_taken) {  // the amax pass (else the op that wrote x's source took it)
+      if (plain) cuda::fp8_amax(ctx, fresh, x);
+      else cuda::cast_transpose_to_fp8(ctx, nullptr, nullptr, f, src, scale, fresh);
+    }
+    float* copy = meta.scale_inv_copy.empty() ? nullptr
+                                              : const_cast<float*>(scalar_ptr(meta.scale_inv_copy, op, "scale_inv_copy"));
     cuda::fp8_tensorwise_scale(ctx, fresh, amax, scale, const_cast<float*>(scalar_ptr(meta.scale_inv, op, "meta.scale_inv")),
-                               fp8_max(e), meta.margin);
+                               fp8_max(e), meta.margin, !meta.fresh.empty(), copy);
     record = nullptr;  // meta.amax already holds max(meta.amax, max|x|)
   }
   void* out = q.empty() ? nullptr : q.data;

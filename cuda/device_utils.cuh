@@ -146,6 +146,20 @@ __device__ __forceinline__ void block_amax_atomic(float* amax, float v) {
   }
 }
 
+// block_amax_atomic for a block of any size (blockDim.x a multiple of 32, at most 1024).
+__device__ __forceinline__ void block_amax_atomic_any(float* amax, float v) {
+  __shared__ float partial[kWarp];
+  v = warp_max(v);
+  __syncthreads();  // partial[] may still be read by a previous call
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = warp_max(lane < warps ? partial[lane] : 0.0f);
+    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
+  }
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
 // result. The order is fixed by the launch shape, so the result is deterministic.
 template <typename V>

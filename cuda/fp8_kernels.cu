@@ -691,9 +691,10 @@ __global__ void copy_scale_pair_kernel(float* dst, const float* a, const float* 
 }
 
 // Tensorwise (current) scaling of one operand from the fresh amax of this call's tensor.
-__global__ void tensorwise_scale_kernel(const float* fresh_amax, float* amax, float* scale, float* scale_inv,
-                                        float fp8_max, float margin_factor) {
+__global__ void tensorwise_scale_kernel(float* fresh_amax, float* amax, float* scale, float* scale_inv,
+                                        float fp8_max, float margin_factor, bool reset_fresh, float* scale_inv_copy) {
   const float a = *fresh_amax;
+  if (reset_fresh) *fresh_amax = 0.0f;
   if (a > 0.0f && isfinite(a)) {
     float s = (fp8_max / a) / margin_factor;
     if (isinf(s)) s = FLT_MAX;
@@ -701,6 +702,7 @@ __global__ void tensorwise_scale_kernel(const float* fresh_amax, float* amax, fl
     *scale_inv = 1.0f / s;
   }
   if (amax) *amax = fmaxf(*amax, a);
+  if (scale_inv_copy) *scale_inv_copy = *scale_inv;
 }
 
 // Blocks per SM of the cast-transpose grid, 0: one block per work item (the default: with the
@@ -955,10 +957,10 @@ void fp8_update_scales(const KernelContext& ctx, float* amax_history, int histor
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
-                          float* scale_inv, float fp8_max, int margin) {
+void fp8_tensorwise_scale(const KernelContext& ctx, float* fresh_amax, float* amax, float* scale, float* scale_inv,
+                          float fp8_max, int margin, bool reset_fresh, float* scale_inv_copy) {
   tensorwise_scale_kernel<<<1, 1, 0, ctx.stream>>>(fresh_amax, amax, scale, scale_inv, fp8_max,
-                                                   std::ldexp(1.0f, margin));
+                                                   std::ldexp(1.0f, margin), reset_fresh, scale_inv_copy);
   MT_CUDA_CHECK_LAUNCH();
 }
 

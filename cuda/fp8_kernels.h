@@ -94,9 +94,11 @@ void fp8_update_scales(const KernelContext& ctx, float* amax_history, int histor
 
 // Tensorwise scaling of one operand (one thread): a = *fresh_amax (this call's tensor only); if
 // a > 0 and finite, scale = (fp8_max / a) / 2^margin (FLT_MAX where that overflows) and
-// scale_inv = 1 / scale; then *amax = max(*amax, a) when amax is not null.
-void fp8_tensorwise_scale(const KernelContext& ctx, const float* fresh_amax, float* amax, float* scale,
-                          float* scale_inv, float fp8_max, int margin);
+// scale_inv = 1 / scale; then *amax = max(*amax, a) when amax is not null. reset_fresh: then
+// *fresh_amax = 0 (a persistent slot, zero between casts). scale_inv_copy (may be null) = the
+// scale_inv after this call.
+void fp8_tensorwise_scale(const KernelContext& ctx, float* fresh_amax, float* amax, float* scale, float* scale_inv,
+                          float fp8_max, int margin, bool reset_fresh = false, float* scale_inv_copy = nullptr);
 
 // dst[0] = *a, dst[4] = *b (one thread): copies two scale_inv values into 16-byte aligned slots
 // for the FP8 GEMM (cuBLASLt declines scale pointers at 4-byte offsets).

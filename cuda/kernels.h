@@ -102,15 +102,17 @@ void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, co
 // ---- norm_kernels.cu ---------------------------------------------------------------------------
 // b empty: out = norm(a) (sum unused). b given: sum = a + dropout(b), out = norm(sum).
 // b_bias (optional, with b): sum = a + dropout(b + b_bias), the bias_dropout_add order of operations.
+// out_amax (optional float32 [1], plain rows): max |out| as stored (written or not), maxed into it.
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p,
-                  Tensor b_bias = Tensor());
+                  Tensor b_bias = Tensor(), Tensor out_amax = Tensor());
 // out (optional): also writes the forward's output, recomputed from x and the saved statistics with
 // the forward's rounding (bit-identical); bias is its bias. dx_colsum (optional, engine/backend.h):
-// += the column sums of dx as stored.
+// += the column sums of dx as stored. dx_amax (optional float32 [1]): max |dx| as stored, maxed into it.
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p,
-                   Tensor out = Tensor(), Tensor bias = Tensor(), Tensor dx_colsum = Tensor());
+                   Tensor out = Tensor(), Tensor bias = Tensor(), Tensor dx_colsum = Tensor(),
+                   Tensor dx_amax = Tensor());
 // --qk-layernorm: every q and k head of packed QKV normalized over head_dim (engine/backend.h).
 void qk_norm_forward(const KernelContext& ctx, Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight,
                      Tensor q_bias, Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p);

@@ -90,7 +90,14 @@ struct NormForwardArgs {
   uint64_t dropout_key;
   bool rms, one_p;
   const T* b_bias = nullptr;  // fused add: added to b before the dropout (bias_dropout_add's order)
+  float* out_amax = nullptr;  // max |out| as stored (written or not), one atomicMax per block
 };
+
+// |v| after rounding to T (what a kernel stores), for the amaxes the FP8 casts take from here.
+template <typename T>
+__device__ __forceinline__ float stored_abs(float v) {
+  return fabsf(to_float(from_float<T>(v)));
+}
 
 // Teams are at most kMaxTeam threads: the launch bound caps registers at 128 per thread, so every
 // instance launches with a block that large (the backward instances would need more otherwise).
@@ -165,8 +172,9 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
     if (args.mean) args.mean[row] = mean;  // 0 for RMSNorm, as the reference writes
     if (args.rstd) args.rstd[row] = rstd;
   }
-  if (!args.out) return;  // statistics only (an FP8 cast takes the output from x and them)
+  if (!args.out && !args.out_amax) return;  // statistics only (an FP8 cast takes the output from x and them)
   const float w_shift = args.one_p ? 1.0f : 0.0f;
+  float m = 0.0f;  // max |y| as stored
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c = (lane + it * tpr) * VEC;
@@ -181,9 +189,13 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
 #pragma unroll
         for (int j = 0; j < VEC; ++j) y.v[j] = norm_apply(norm_xhat(x[it][j], mean, rstd), w.v[j] + w_shift);
       }
-      store_vec<VEC>(args.out + row_base + c, y);
+      if (args.out) store_vec<VEC>(args.out + row_base + c, y);
+      if (args.out_amax)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) m = fmaxf(m, stored_abs<T>(y.v[j]));
     }
   }
+  if (args.out_amax) block_amax_atomic_any(args.out_amax, m);
 }
 
 template <typename T>
@@ -204,6 +216,7 @@ struct NormBackwardArgs {
   T* out = nullptr;          // if given: the forward's output recomputed (plain rows only)
   const T* bias = nullptr;   // its bias (may be null)
   float* partial_ds = nullptr;  // [gridDim.x, h]: column sums of dx as stored (16-bit fast path only)
+  float* dx_amax = nullptr;     // max |dx| as stored, one atomicMax per block
 };
 
 template <typename T, int VEC, int ITERS, typename Layout>
@@ -219,6 +232,7 @@ __global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArg
   for (int it = 0; it < ITERS; ++it)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dw[it][j] = db[it][j] = 0.0f;
+  float m = 0.0f;  // max |dx| as stored (args.dx_amax)
 
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows;
        row0 += static_cast<int64_t>(gridDim.x) * teams) {
@@ -278,9 +292,13 @@ __global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArg
           for (int j = 0; j < VEC; ++j) d.v[j] += r.v[j];
         }
         store_vec<VEC>(args.dx + row_base + c, d);
+        if (args.dx_amax)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) m = fmaxf(m, stored_abs<T>(d.v[j]));
       }
     }
   }
+  if (args.dx_amax) block_amax_atomic_any(args.dx_amax, m);
 
   if (!args.partial_dw && !args.partial_db) return;
   // Combine the teams of this block in team order, then write this block's partial row.
@@ -390,6 +408,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
 
   RowWords cur[ITERS];
   float mean = 0.0f, rstd = 0.0f;
+  float m = 0.0f;  // max |dx| as stored (args.dx_amax)
   int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
   if constexpr (kPrefetch) load_row_words<T, ITERS, TPR>(args, row, lane, cur, mean, rstd);
   int buf = 0;
@@ -452,6 +471,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
           dw[it][j] += dyv * xhat;
           db[it][j] += dyv;
           if constexpr (SUM_DX) ds_acc[it * 8 + j][threadIdx.x] += to_float(from_float<T>(d.v[j]));  // as stored
+          if (args.dx_amax) m = fmaxf(m, stored_abs<T>(d.v[j]));
           y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
         }
         store_vec<8>(args.dx + o, d);
@@ -465,6 +485,8 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
       rstd = next_rstd;
     }
   }
+
+  if (args.dx_amax) block_amax_atomic_any(args.dx_amax, m);
 
   // Combine the teams of this block in team order, then write this block's partial row; one
   // accumulator at a time through combine[0, h).
@@ -549,6 +571,7 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
   int64_t row = static_cast<int64_t>(blockIdx.x) * teams + team;
   load(row, ca, cb);
   int buf = 0;
+  float m = 0.0f;  // max |y| as stored (args.out_amax)
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows; row0 += stride, row += stride) {
     const bool valid = row < args.rows;
     uint4 na[ITERS], nb[ITERS];
@@ -607,7 +630,7 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int c = (lane + it * TPR) * 8;
-      if (args.out && valid && c < h) {  // (no out: statistics only)
+      if ((args.out || args.out_amax) && valid && c < h) {  // (neither: statistics only)
         const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
         uint4 br = make_uint4(0u, 0u, 0u, 0u);
         if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
@@ -616,8 +639,9 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
         for (int j = 0; j < 8; ++j) {
           const float xhat = norm_xhat(word_elem<T>(xw[it], j), mean, rstd), wv = word_elem<T>(wr, j) + w_shift;
           y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
+          if (args.out_amax) m = fmaxf(m, stored_abs<T>(y.v[j]));
         }
-        store_vec<8>(args.out + row * h + c, y);
+        if (args.out) store_vec<8>(args.out + row * h + c, y);
       }
     }
 #pragma unroll
@@ -626,6 +650,7 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
       cb[it] = nb[it];
     }
   }
+  if (args.out_amax) block_amax_atomic_any(args.out_amax, m);
 }
 
 // out[c] += sum over g of partial[g, c] for each of up to three outputs (blockIdx.y: dweight, dbias,
@@ -930,11 +955,16 @@ QkHeads qk_layout(const Tensor& qkv, const RopeShape& r, const char* what) {
   return L;
 }
 
+void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
+  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
+           op, what, amax.shape_string());
+}
+
 }  // namespace
 
 void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                   float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p,
-                  Tensor b_bias) {
+                  Tensor b_bias, Tensor out_amax) {
   const int64_t h = a.cols(), rows = a.rows();
   const bool add = !b.empty();
   const char* what = add ? "add_norm_forward" : "norm_forward";
@@ -951,6 +981,7 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
              "{}: a {}, b {}, sum {} must match", what, a.shape_string(), b.shape_string(), sum.shape_string());
   MT_CHECK(b_bias.empty() || (add && b_bias.numel() == h && b_bias.dtype == a.dtype), "{}: bias of b {} for rows of {}",
            what, b_bias.shape_string(), h);
+  check_amax_slot(out_amax, what, "out_amax");
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(a.dtype, T, what, {
     const bool aligned =
@@ -960,13 +991,14 @@ void norm_forward(const KernelContext& ctx, Tensor sum, Tensor out, Tensor mean,
                             static_cast<int>(h), p.eps, dropout_p, dropout_keep_scale(dropout_p), dropout_key,
                             p.kind == Normalization::rmsnorm, p.one_p};
     args.b_bias = b_bias.ptr<const T>();
+    args.out_amax = out_amax.ptr<float>();
     launch_norm_forward(ctx, args, PlainRows{h}, add, aligned, what);
   });
 }
 
 void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x,
                    Tensor mean, Tensor rstd, Tensor weight, Tensor dresidual, const NormParams& p, Tensor out,
-                   Tensor bias, Tensor dx_colsum) {
+                   Tensor bias, Tensor dx_colsum, Tensor dx_amax) {
   const int64_t h = x.cols(), rows = x.rows();
   const bool rms = p.kind == Normalization::rmsnorm;
   MT_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dx.dtype == x.dtype && dout.dtype == x.dtype,
@@ -984,6 +1016,7 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
            x.shape_string());
   MT_CHECK(bias.empty() || (bias.numel() == h && bias.dtype == x.dtype), "norm_backward: bias {}", bias.shape_string());
   check_grad(dx_colsum, h, "norm_backward", "dx_colsum");
+  check_amax_slot(dx_amax, "norm_backward", "dx_amax");
   if (rows == 0 || h == 0) return;
   MT_DISPATCH_FLOAT(x.dtype, T, "norm_backward", {
     const bool aligned = aligned_rows(h, sizeof(T), {dx.data, dout.data, x.data, weight.data, dresidual.data,
@@ -993,6 +1026,7 @@ void norm_backward(const KernelContext& ctx, Tensor dx, Tensor dweight, Tensor d
                              nullptr, nullptr, rows, static_cast<int>(h), rms, p.one_p};
     args.out = out.ptr<T>();
     args.bias = bias.ptr<const T>();
+    args.dx_amax = dx_amax.ptr<float>();
     bool summed = false;  // dx's column sums taken in the same pass (the 16-bit fast path)
     if constexpr (sizeof(T) == 2) {
       if (!dx_colsum.empty() && aligned && h % 8 == 0 && h <= 2048 && !fast_norm_disabled())

@@ -17,9 +17,9 @@ void Backend::norm_backward_recompute(Tensor out, Tensor dx, Tensor dweight, Ten
 
 void Backend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
                                     Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
-                                    const NormParams& p) {
+                                    const NormParams& p, Tensor out_amax) {
   bias_dropout_add(sum, x, x_bias, residual, dropout_p, dropout_key);
-  norm_forward(out, mean, rstd, sum, weight, bias, p);
+  norm_forward(out, mean, rstd, sum, weight, bias, p, out_amax);
 }
 
 void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,

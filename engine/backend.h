@@ -82,6 +82,16 @@ struct Fp8TensorMeta {
                      // empty: record nothing (evaluation forwards)
   Fp8Recipe recipe = Fp8Recipe::delayed;
   int margin = 0;    // --fp8-margin (tensorwise: applied when the op computes the scale)
+  // Tensorwise scaling: the operand's slot for the max |x| of the cast in progress (float32 [1],
+  // zero between casts: the cast zeroes it once read). The cast's amax pass maxes into it, unless
+  // fresh_taken: then the op that wrote x's source already did (norm_forward's out_amax for the
+  // norm output fp8_quantize_norm casts, norm_backward's dx_amax for a layer's output gradient),
+  // and the cast skips that pass. Empty: the cast takes the amax in scratch.
+  Tensor fresh;
+  bool fresh_taken = false;
+  // Tensorwise only, optional float32 [1]: also receives this cast's scale_inv (a layer's kept
+  // copy for its weight-gradient GEMM), written by the cast instead of a separate copy.
+  Tensor scale_inv_copy;
 };
 
 // The per-step scale update of delayed scaling (Transformer Engine's DelayedScaling).
@@ -166,9 +176,11 @@ class Backend {
   // ---- normalization (rows of x) ---------------------------------------------------------
   // out = norm(x) * w (+ b). mean/rstd are float32 [rows] saved for backward (mean unused by RMSNorm).
   // out may be empty: the statistics only (fp8_quantize_norm casts the output from them; so may
-  // bias_dropout_add_norm's out).
+  // bias_dropout_add_norm's out). out_amax (optional float32 [1]) = max(out_amax, max |out|) over
+  // the output as it is (or would be) stored, rounded to x's dtype; NaN is not a maximum. (The
+  // tensorwise FP8 cast of a norm output takes its amax from here: Fp8TensorMeta::fresh.)
   virtual void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
-                            const NormParams& p) = 0;
+                            const NormParams& p, Tensor out_amax = Tensor()) = 0;
   // Fused residual: sum = a + dropout_p(b) (dropout_p == 0: plain add); out = norm(sum).
   virtual void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                 float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
@@ -177,15 +189,19 @@ class Backend {
   // boundary of a pre-norm layer in one pass. x_bias may be empty; sum may alias residual. The
   // default runs bias_dropout_add, then norm_forward; a fused implementation must give the same
   // sum bits and normalize the stored (rounded) sum.
+  // out_amax as in norm_forward.
   virtual void bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor residual, Tensor x,
                                      Tensor x_bias, float dropout_p, uint64_t dropout_key, Tensor weight, Tensor bias,
-                                     const NormParams& p);
+                                     const NormParams& p, Tensor out_amax = Tensor());
   // dx = norm_backward(dout) (+ dresidual if given); dweight, dbias accumulate (parameter gradients: float32 or bf16).
   // dx_colsum (float32 [h], optional) += the column sums of dx as stored (rounded to its dtype): the
   // bias gradient of the linear layer whose output gradient dx is, taken while dx is at hand.
+  // dx_amax (optional float32 [1]) = max(dx_amax, max |dx| as stored); NaN is not a maximum (the
+  // tensorwise FP8 cast of that linear layer's output gradient takes its amax from here).
   // dx may alias dout or dresidual.
   virtual void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                             Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) = 0;
+                             Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p,
+                             Tensor dx_amax = Tensor()) = 0;
   // norm_backward, and also out = norm(x) * w (+ b) recomputed from x and the saved statistics:
   // the same bits norm_forward wrote, so that the model need not keep norm outputs for the weight
   // gradients of the GEMMs that read them. out must not alias any input or dx. The default runs

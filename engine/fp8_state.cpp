@@ -40,7 +40,7 @@ void Fp8State::plan(const Fp8Options& o, int layer_begin, int layer_end) {
 }
 
 void Fp8State::layout(Arena& a) {
-  history_ = scale_ = scale_inv_ = fp8_max_ = Tensor();
+  history_ = scale_ = scale_inv_ = fp8_max_ = fresh_ = Tensor();
   if (!any()) return;
   const int64_t n = operands();
   using C = MemoryCategory;
@@ -48,6 +48,7 @@ void Fp8State::layout(Arena& a) {
   scale_ = a.take(C::optimizer_states, DType::f32, {n});
   scale_inv_ = a.take(C::optimizer_states, DType::f32, {n});
   fp8_max_ = a.take(C::optimizer_states, DType::f32, {n});
+  if (opt_.recipe == Fp8Recipe::tensorwise) fresh_ = a.take(C::optimizer_states, DType::f32, {n});
 }
 
 DType Fp8State::dtype(Role r) const {
@@ -57,6 +58,7 @@ DType Fp8State::dtype(Role r) const {
 void Fp8State::initialize(Backend& be) {
   if (!any()) return;
   be.fill(history_, 0.0);
+  if (!fresh_.empty()) be.fill(fresh_, 0.0);
   be.fill(scale_, 1.0);
   be.fill(scale_inv_, 1.0);
   first_step_ = opt_.recipe == Fp8Recipe::delayed;
@@ -79,6 +81,7 @@ Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
   m.amax = history_.flat_slice(i, 1);  // row 0
   m.recipe = opt_.recipe;
   m.margin = opt_.margin;
+  if (!fresh_.empty()) m.fresh = fresh_.flat_slice(i, 1);
   return m;
 }
 
@@ -174,6 +177,9 @@ void Fp8State::end_step(Backend& be, ParallelState& ps) {
   const Tensor current = history_.flat_slice(0, operands());
   if (opt_.recipe == Fp8Recipe::tensorwise) {
     be.fill(current, 0.0);
+    // Every cast zeroes its slot; this only guards the next step against a slot a producer
+    // filled for a cast that never ran (an interrupted step).
+    be.fill(fresh_, 0.0);
     return;
   }
   reduce_amax(ps);

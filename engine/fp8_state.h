@@ -6,6 +6,8 @@
 //   amax history       float32 [H, n]: row 0 is the running max |x| of the current step (every
 //                      fp8_quantize of the operand maxes into it), rows 1.. earlier steps
 //   fp8_max            float32 [n]: 448 (e4m3) or 57344 (e5m2: dy with --fp8-format hybrid)
+//   fresh              float32 [n], tensorwise only: the amax slot of the cast in progress
+//                      (Fp8TensorMeta::fresh; zero between casts, not part of the checkpoint)
 // The initial scale is 1 (Transformer Engine's), but delayed scaling never casts with it: until
 // the first scale update the FP8 layers calibrate, i.e. run their GEMMs in the compute dtype and
 // only record the amaxes (Transformer Engine's fp8_autocast(calibrating=True)), so the first step
@@ -112,7 +114,7 @@ class Fp8State {
   std::vector<int> global_;  // FP8 layer index -> global layer
   int n_layers_ = 0;
   bool first_step_ = false;  // see the header comment (delayed scaling, no update yet)
-  Tensor history_, scale_, scale_inv_, fp8_max_;
+  Tensor history_, scale_, scale_inv_, fp8_max_, fresh_;
 };
 
 }  // namespace mt

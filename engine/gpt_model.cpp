@@ -120,6 +120,8 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
     o.bias_grad_from_norm = false;
   if (const char* f = std::getenv("MEGATRAIN_FUSE_NEXT_NORM"); f && std::string(f) == "0") o.fuse_next_norm = false;
   if (const char* f = std::getenv("MEGATRAIN_FP8_NORM_CAST"); f && std::string(f) == "0") o.fp8_norm_cast = false;
+  if (const char* f = std::getenv("MEGATRAIN_FP8_PRODUCER_AMAX"); f && std::string(f) == "0")
+    o.fp8_producer_amax = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -673,6 +675,7 @@ Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
   // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
   // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
   m.recipe = Fp8Recipe::delayed;
+  m.fresh = Tensor();  // (no amax slot: delayed casts take none)
   return m;
 }
 
@@ -750,6 +753,34 @@ bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
   return opt_.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
 }
 
+bool GptModel::norm_takes_cast_amax(int local, const LayerActs& A) const {
+  return opt_.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise && fp8_norm_cast(local, A);
+}
+
+Tensor GptModel::norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const {
+  return norm_takes_cast_amax(local, A) ? fp8_.meta(local, g, Fp8State::x).fresh : Tensor();
+}
+
+// The norm backwards that write proj's and fc2's output gradients: the plain norm_backward (not
+// the recomputing one) runs where layer_backward takes it, and the gradient the cast reads is the
+// norm's dx itself only without hidden dropout and sequence parallelism (expand_grad). Not the
+// final norm's for the last layer: the head's backward runs at the end of the forward, and other
+// micro-batches' forwards may come before this one's backward (pipeline schedules).
+bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const {
+  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
+      d_.hidden_dropout > 0 || d_.sequence_parallel)
+    return false;
+  const auto plain_norm_backward = [&](int l) { return fp8_kept_inputs(l) || acts(s, l).norm_kept; };
+  if (g == Fp8State::proj) return plain_norm_backward(local);
+  MT_CHECK(g == Fp8State::fc2, "dy_amax_from_norm: GEMM {} has no norm backward writing its output gradient",
+           static_cast<int>(g));
+  return local + 1 < d_.stage_layers() && plain_norm_backward(local + 1);
+}
+
+Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const {
+  return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.meta(local, g, Fp8State::dy).fresh : Tensor();
+}
+
 void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
                           Activation act, Tensor pre_act, const NormInput* norm) {
   MT_CHECK(!norm || fp8_gemms(local), "layer {}: an FP8 cast from a norm outside FP8 GEMMs", d_.layer_begin + local);
@@ -789,24 +820,27 @@ Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs
   const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
   if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
   const Tensor xq_t = keep ? A.fp8_xq_t[g] : Tensor();
-  if (norm)
-    be_.fp8_quantize_norm(xq, xq_t, norm->x, norm->mean, norm->rstd, norm->weight, norm->bias, norm_,
-                          fp8_meta(local, g, Fp8State::x));
-  else if (act) be_.fp8_quantize_activation(xq, xq_t, x, *act, fp8_meta(local, g, Fp8State::x));
-  else be_.fp8_quantize(xq, xq_t, x, fp8_meta(local, g, Fp8State::x));
-  if (keep && !A.fp8_x_scale_inv.empty())
-    be_.copy(A.fp8_x_scale_inv.flat_slice(g, 1), fp8_.scale_inv(local, g, Fp8State::x));
+  Fp8TensorMeta meta = fp8_meta(local, g, Fp8State::x);
+  if (keep && !A.fp8_x_scale_inv.empty()) meta.scale_inv_copy = A.fp8_x_scale_inv.flat_slice(g, 1);  // (tensorwise)
+  if (norm) {
+    meta.fresh_taken = norm_takes_cast_amax(local, A);  // the norm's statistics op took it
+    be_.fp8_quantize_norm(xq, xq_t, norm->x, norm->mean, norm->rstd, norm->weight, norm->bias, norm_, meta);
+  } else if (act) {
+    be_.fp8_quantize_activation(xq, xq_t, x, *act, meta);
+  } else {
+    be_.fp8_quantize(xq, xq_t, x, meta);
+  }
   return xq;
 }
 
-void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias) {
+void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias, bool amax_taken) {
   if (!fp8_layer(local)) return;
   const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
   const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
-  if (fp8_wgrad(local) && !dbias.empty())
-    be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy), dbias);
-  else
-    be_.fp8_quantize(dyq, dyq_t, dy, fp8_.meta(local, g, Fp8State::dy));
+  Fp8TensorMeta meta = fp8_.meta(local, g, Fp8State::dy);
+  meta.fresh_taken = amax_taken;
+  if (fp8_wgrad(local) && !dbias.empty()) be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, meta, dbias);
+  else be_.fp8_quantize(dyq, dyq_t, dy, meta);
 }
 
 void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
@@ -1051,11 +1085,11 @@ GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
     const LayerActs n = acts(s, local + 1);
     const LayerParams& P = layer_params_[static_cast<size_t>(local + 1)];
     return {true, fp8_norm_cast(local + 1, n) ? Tensor() : local_rows(n.ln1_out), n.ln1_mean, n.ln1_rstd, P.ln1_w,
-            P.ln1_b};
+            P.ln1_b, norm_cast_amax(local + 1, n, Fp8State::qkv)};
   }
   if (!d_.last_stage) return {};
   const Workspace& w = *ws_;
-  return {true, local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b};
+  return {true, local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b, Tensor()};
 }
 
 void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next) {
@@ -1070,7 +1104,8 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
   // With fp8_norm_cast the norms write only their statistics and the QKV / fc1 casts read x.
   const bool norm_cast = fp8_norm_cast(local, A);
   if (!norm_from_previous(local))
-    be_.norm_forward(norm_cast ? Tensor() : local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+    be_.norm_forward(norm_cast ? Tensor() : local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_,
+                     norm_cast_amax(local, A, Fp8State::qkv));
   if (!norm_cast) gather_rows(A.ln1_out);
   const NormInput ln1{x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b};
   const NormInput* ln1_src = norm_cast ? &ln1 : nullptr;
@@ -1087,7 +1122,8 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
   // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
   // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
   be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
-                            reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
+                            reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_,
+                            norm_cast_amax(local, A, Fp8State::fc1));
   const NormInput ln2{A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, P.ln2_b};
 
   // MLP block: norm (above) -> fc1 (column-parallel) + activation -> fc2 (row-parallel,
@@ -1116,7 +1152,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
     be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
   else
     be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), P.fc2_b, hp,
-                              hidden_key(s, layer, 2), next.weight, next.bias, norm_);
+                              hidden_key(s, layer, 2), next.weight, next.bias, norm_, next.amax);
 }
 
 void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
@@ -1230,7 +1266,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const Tensor proj_db = proj_db_from_norm ? Tensor() : G.proj_b;
   Tensor d_fc1;  // gradient of fc1's output
   bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
-  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b);
+  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b, dy_amax_from_norm(s, local, Fp8State::fc2));
   if (d_.swiglu && kept) {
     // FP8 with kept inputs: fc1's output gradient [dgate | dup] is cast to FP8 straight from fc2's
     // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
@@ -1295,7 +1331,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     // Column-parallel input gradient: summed over TP.
     if (kept || A.norm_kept)
       be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy,
-                        proj_db_from_norm ? G.proj_b : Tensor(), norm_);
+                        proj_db_from_norm ? G.proj_b : Tensor(), norm_, dy_amax_slot(s, local, Fp8State::proj));
     else
       be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
                                   A.ln2_rstd, P.ln2_w, P.ln2_b, dy, proj_db_from_norm ? G.proj_b : Tensor(), norm_);
@@ -1304,7 +1340,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
-  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b);
+  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b, dy_amax_from_norm(s, local, Fp8State::proj));
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
@@ -1323,7 +1359,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
     if (kept || A.norm_kept)
       be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
-                        norm_);
+                        norm_, dy_amax_slot(s, local - 1, Fp8State::fc2));
     else
       be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
                                   A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, prev_fc2_db, norm_);

@@ -104,6 +104,12 @@ struct ModelOptions {
   // statistics), where the norm outputs are not kept and without sequence parallelism: the same
   // bits as casting the written outputs. false (MEGATRAIN_FP8_NORM_CAST=0, A/B): written, then cast.
   bool fp8_norm_cast = true;
+  // Tensorwise FP8: the ops that write a cast's source also take its amax, so the cast skips its
+  // own amax pass over it (Fp8TensorMeta::fresh): the norm statistics for fp8_quantize_norm, and
+  // the norm backward that writes proj's or fc2's output gradient (without hidden dropout or
+  // sequence parallelism). The same scales and bits either way. false
+  // (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
+  bool fp8_producer_amax = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -276,6 +282,7 @@ class GptModel {
   struct NextNorm {
     bool fused;  // (value-initialized by {}: false)
     Tensor out, mean, rstd, weight, bias;
+    Tensor amax;  // the next layer's QKV cast's amax slot (norm_cast_amax), or empty
   };
   // A norm's input, statistics and parameters: what fp8_quantize_norm casts its output from.
   struct NormInput {
@@ -285,6 +292,16 @@ class GptModel {
   // inputs and statistics, never writing them in the compute dtype (ModelOptions::fp8_norm_cast):
   // FP8 GEMMs now, the norm outputs not kept, no sequence parallelism.
   bool fp8_norm_cast(int local, const LayerActs& A) const;
+  // Tensorwise FP8 with fp8_norm_cast (ModelOptions::fp8_producer_amax): the norm statistics op
+  // also takes the amax of the output its cast reads into the cast's slot. norm_cast_amax: that
+  // slot of GEMM g's input (g: qkv or fc1), or empty where the norm does not take it.
+  bool norm_takes_cast_amax(int local, const LayerActs& A) const;
+  Tensor norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const;
+  // Tensorwise FP8 (ModelOptions::fp8_producer_amax): whether the output gradient of GEMM g (proj
+  // or fc2) of layer `local` comes with its amax from the norm backward that writes it (proj: ln2's
+  // of the same layer; fc2: the next layer's ln1), and that slot (or empty).
+  bool dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const;
+  Tensor dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const;
   NextNorm next_norm(const Slot& s, int local) const;
   // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
   bool norm_from_previous(int local) const;
@@ -327,7 +344,8 @@ class GptModel {
   // of gemm g that follow; no-op elsewhere. With FP8 weight gradients (fp8_wgrad) the cast also
   // adds dy's column sums to dbias (the bias gradient, if the layer has one), and
   // linear_bwd_weight does not.
-  void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias);
+  // amax_taken: dy's amax is already in the cast's slot (dy_amax_from_norm).
+  void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias, bool amax_taken = false);
   // fc1's output gradient (the activation's input gradient from dout, its output gradient, and
   // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing
   // it: layers where fp8_wgrad(local).

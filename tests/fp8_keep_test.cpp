@@ -132,6 +132,49 @@ TEST_CASE("fp8 norm cast: casting the QKV and fc1 inputs from the norms' statist
   }
 }
 
+// Tensorwise scaling: the norm statistics take the amax of the output their FP8 cast reads, the
+// norm backwards that of the proj / fc2 output gradients they write (ModelOptions::
+// fp8_producer_amax), so those casts skip their amax pass. The reference backend checks every such
+// amax against the cast's own max |x|, bit for bit; here training must also equal the run where
+// every cast takes its own, and the taken path must have run (none with hidden dropout for the
+// gradients, and none at all under full recompute... of the norms' forward only where kept).
+TEST_CASE("fp8 tensorwise: amaxes taken by the ops that write the cast sources train bit-identically",
+          "[fp8][engine][train]") {
+  struct Case {
+    const char* name;
+    Config model;
+    bool full_recompute;
+    double hidden_dropout;
+    int64_t taken_per_layer_step;  // casts per layer per micro-batch that use a producer's amax
+  };
+  // Per layer and micro-batch: the QKV and fc1 input casts (2), proj's output gradient (1) and
+  // fc2's (1, not in the last layer: the final norm's backward runs with the head's, see
+  // GptModel::dy_amax_from_norm). Full recompute runs each layer's forward twice.
+  const std::vector<Case> cases = {
+      {"GPT", test::tiny_gpt_config(), false, 0.0, 4},
+      {"Llama", test::tiny_llama_config(), false, 0.0, 4},
+      {"GPT, hidden dropout", test::tiny_gpt_config(), false, 0.1, 2},
+      {"Llama, full recompute", test::tiny_llama_config(), true, 0.0, 6},
+  };
+  for (const Case& k : cases) {
+    INFO(k.name);
+    Config c = k.model;
+    c.model.hidden_dropout = k.hidden_dropout;
+    c = fp8_config(c, Fp8Format::hybrid, Fp8Recipe::tensorwise, 4);
+    if (k.full_recompute) {
+      c.train.recompute_granularity = RecomputeGranularity::full;
+      c.train.recompute_method = RecomputeMethod::uniform;
+      c.train.recompute_num_layers = 1;
+    }
+    const Run taken = test::train_fp8(c, true, true, true), own = test::train_fp8(c, true, true, false);
+    check_identical(taken, own);
+    CHECK(own.amaxes_taken == 0);
+    const int64_t layers = c.model.num_layers, micro = *c.train.global_batch_size / c.train.micro_batch_size;
+    const int64_t fc2_missing = k.hidden_dropout > 0 ? 0 : 1;  // the last layer's fc2
+    CHECK(taken.amaxes_taken == (k.taken_per_layer_step * layers - fc2_missing) * micro * *c.train.train_iters);
+  }
+}
+
 TEST_CASE("fp8 kept inputs: --no-fp8-wgrad keeps nothing and trains alike", "[fp8][engine][train]") {
   Config c = fp8_config(test::tiny_llama_config(), Fp8Format::hybrid, Fp8Recipe::delayed, 4);
   c.train.fp8_wgrad = false;

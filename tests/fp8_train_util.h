@@ -7,6 +7,7 @@
 #include "app/training_data.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/reference/reference_backend.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
@@ -18,11 +19,13 @@ struct Fp8Run {
   std::vector<float> params;  // after the last step (float32 model)
   std::vector<float> scale, scale_inv, history;
   MemoryPlan plan;
+  int64_t amaxes_taken = 0;  // tensorwise casts that used their producer's amax (ReferenceBackend)
 };
 
 // keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again);
 // norm_cast: ModelOptions::fp8_norm_cast (false: the norm outputs are written, then cast).
-inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_cast = true) {
+// producer_amax: ModelOptions::fp8_producer_amax (false: every tensorwise cast takes its own amax).
+inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_cast = true, bool producer_amax = true) {
   struct Recorder final : Reporter {
     std::vector<double> grad_norms;
     void on_iteration(const IterationStats& s) override { grad_norms.push_back(s.grad_norm.value_or(-1.0)); }
@@ -35,6 +38,7 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
   o.fp8_keep_inputs = keep_inputs;
   o.fp8_norm_cast = norm_cast;
+  o.fp8_producer_amax = producer_amax;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);
@@ -44,6 +48,7 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
   run.losses = trainer.loss_history();
   run.grad_norms = rep.grad_norms;
   run.plan = model.memory_plan();
+  run.amaxes_taken = dynamic_cast<reference::ReferenceBackend&>(*be).fp8_amaxes_taken();
   run.params.resize(static_cast<size_t>(model.params_flat().numel()));
   be->copy_to_host(run.params.data(), model.params_flat());
   const Fp8State& st = model.fp8_state();

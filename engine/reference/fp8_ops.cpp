@@ -65,9 +65,31 @@ void fp8_gemm_tn(ThreadPool& pool, const Tensor& a, const Tensor& b, double scal
   });
 }
 
+// Tensorwise scaling's amax slot (backend.h, Fp8TensorMeta::fresh). The reference computes max|x|
+// itself (a) either way; it checks what the slot says against it, so that a CPU run proves the
+// engine's pairing of producers and casts: with fresh_taken the producer's amax must be a, bit for
+// bit, and without it the slot must be zero (a producer wrote into a slot no cast was told about).
+// Then the slot is zeroed, as the CUDA cast does. Returns whether the producer's amax was used.
+bool take_fresh_amax(const Fp8TensorMeta& meta, float a, const char* op) {
+  MT_CHECK(!meta.fresh_taken || !meta.fresh.empty(), "{}: fresh_taken without a fresh amax slot", op);
+  if (meta.fresh.empty()) return false;
+  MT_CHECK(meta.recipe == Fp8Recipe::tensorwise, "{}: a fresh amax slot outside tensorwise scaling", op);
+  read_scalar(meta.fresh, op, "meta.fresh");  // (checks its type and size)
+  float* slot = meta.fresh.ptr<float>();
+  if (meta.fresh_taken)
+    MT_CHECK(*slot == a || (std::isnan(*slot) && std::isnan(a)),
+             "{}: the amax the producing op took ({}) is not max |x| of the tensor cast ({}): the engine paired a "
+             "producer with the wrong cast",
+             op, *slot, a);
+  else
+    MT_CHECK(*slot == 0.0f, "{}: the fresh amax slot holds {} though no producer was paired with this cast", op, *slot);
+  *slot = 0.0f;
+  return meta.fresh_taken;
+}
+
 // fp8_quantize of an R x C tensor whose element i is x(i) (a float in the tensor's dtype).
 template <typename X>
-void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t C, X&& x, const Fp8TensorMeta& meta,
+void quantize_values(ThreadPool& pool, int64_t& amaxes_taken, Tensor q, Tensor q_t, int64_t R, int64_t C, X&& x, const Fp8TensorMeta& meta,
                      const char* op) {
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
@@ -79,6 +101,7 @@ void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t 
   // max |x| over this tensor (NaN is not a maximum: comparisons with it are false).
   float a = 0.0f;
   for (int64_t i = 0; i < R * C; ++i) a = std::max(a, std::fabs(x(i)));
+  amaxes_taken += take_fresh_amax(meta, a, op) ? 1 : 0;
   float* amax = meta.amax.empty() ? nullptr : meta.amax.ptr<float>();
   if (amax) *amax = std::max(*amax, a);
   float scale = read_scalar(meta.scale, op, "meta.scale");
@@ -86,6 +109,10 @@ void quantize_values(ThreadPool& pool, Tensor q, Tensor q_t, int64_t R, int64_t 
     scale = scale_from_amax(fp8_max(e), a, meta.margin);
     *meta.scale.ptr<float>() = scale;
     *meta.scale_inv.ptr<float>() = 1.0f / scale;
+  }
+  if (!meta.scale_inv_copy.empty()) {
+    MT_CHECK(meta.recipe == Fp8Recipe::tensorwise, "{}: a scale_inv copy outside tensorwise scaling", op);
+    *meta.scale_inv_copy.ptr<float>() = read_scalar(meta.scale_inv, op, "meta.scale_inv");
   }
   uint8_t* pq = q.empty() ? nullptr : static_cast<uint8_t*>(q.data);
   uint8_t* pt = q_t.empty() ? nullptr : static_cast<uint8_t*>(q_t.data);
@@ -130,7 +157,7 @@ float round_to(DType t, double v) {
 
 void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
   const Floats fx(x);
-  quantize_values(pool_, q, q_t, x.rows(), x.cols(), [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta,
+  quantize_values(pool_, fp8_amaxes_taken_, q, q_t, x.rows(), x.cols(), [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta,
                   "fp8_quantize");
 }
 
@@ -156,7 +183,7 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
       const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j), s = sigmoid(g);
       return round_to(pre.dtype, c < f ? dy * u * s * (1.0 + g * (1.0 - s)) : dy * g * s);
     };
-    quantize_values(pool_, q, q_t, R, 2 * f, d, meta, op);
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, 2 * f, d, meta, op);
     if (!dbias.empty()) add_column_sums_of(dbias, R, 2 * f, d, op);
     return;
   }
@@ -166,7 +193,7 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
     const double x = fp.get(i);
     return round_to(pre.dtype, fd.get(i) * (tanh_form ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
   };
-  quantize_values(pool_, q, q_t, R, dout.cols(), d, meta, op);
+  quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, dout.cols(), d, meta, op);
   if (!dbias.empty()) add_column_sums_of(dbias, R, dout.cols(), d, op);
 }
 
@@ -180,14 +207,14 @@ void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre,
   if (act == MlpActivation::swiglu) {
     MT_CHECK(pre.cols() % 2 == 0, "{}: odd SwiGLU input width {}", op, pre.cols());
     const int64_t f = pre.cols() / 2;
-    quantize_values(pool_, q, q_t, R, f, [&](int64_t i) {
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, f, [&](int64_t i) {
       const int64_t r = i / f, c = i % f;
       const double g = fp.get(r * 2 * f + c);
       return round_to(pre.dtype, g * sigmoid(g) * fp.get(r * 2 * f + f + c));
     }, meta, op);
   } else {
     const bool tanh_form = act == MlpActivation::gelu_tanh;
-    quantize_values(pool_, q, q_t, R, pre.cols(), [&](int64_t i) {
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, pre.cols(), [&](int64_t i) {
       const double v = fp.get(i);
       return round_to(pre.dtype, tanh_form ? gelu_tanh(v) : gelu_erf(v));
     }, meta, op);
@@ -215,7 +242,7 @@ void ReferenceBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor 
     pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
       for (int64_t r = rb; r < re; ++r) stats[static_cast<size_t>(r)] = norm_row_stats(px + r * C, C, p);
     });
-    quantize_values(pool_, q, q_t, R, C, [&](int64_t i) {
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, C, [&](int64_t i) {
       const int64_t r = i / C;
       return static_cast<float>(norm_row_value(px + r * C, i % C, stats[static_cast<size_t>(r)], w, b, p));
     }, meta, op);

@@ -1,6 +1,7 @@
 // ReferenceBackend: LayerNorm / RMSNorm forward and backward, plain and fused with the residual
 // add, and the per-head norm of --qk-layernorm.
 #include <cmath>
+#include <vector>
 
 #include "engine/dropout_mask.h"
 #include "engine/reference/norm_math.h"
@@ -11,13 +12,30 @@ namespace mt::reference {
 
 namespace {
 
-// Normalizes one row of C values: out = norm(x) * w (+ b) (out null: the statistics only).
+// Normalizes one row of C values: out = norm(x) * w (+ b) (out null: the statistics only); with
+// amax, *amax = max |out| over the row (the values as stored, whether or not out is given).
 template <typename T>
-RowStats norm_row(const T* x, T* out, int64_t C, const T* w, const T* b, const NormParams& p) {
+RowStats norm_row(const T* x, T* out, int64_t C, const T* w, const T* b, const NormParams& p, float* amax) {
   const RowStats s = norm_row_stats(x, C, p);
-  if (out)
-    for (int64_t c = 0; c < C; ++c) out[c] = norm_row_value(x, c, s, w, b, p);
+  if (!out && !amax) return s;
+  float m = 0.0f;
+  for (int64_t c = 0; c < C; ++c) {
+    const T v = norm_row_value(x, c, s, w, b, p);
+    if (out) out[c] = v;
+    m = std::fmax(m, std::fabs(static_cast<float>(v)));  // (fmax: NaN is not a maximum)
+  }
+  if (amax) *amax = m;
   return s;
+}
+
+// *amax = max(*amax, the rows' maxima) (amax: an optional float32 [1]).
+void max_into(Tensor amax, const std::vector<float>& row_max, const char* op) {
+  if (amax.empty()) return;
+  MT_CHECK(amax.dtype == DType::f32 && amax.numel() == 1, "{}: the amax must be a float32 [1] tensor, got {} {}", op,
+           dtype_name(amax.dtype), amax.shape_string());
+  float m = *amax.ptr<float>();
+  for (float v : row_max) m = std::fmax(m, v);
+  *amax.ptr<float>() = m;
 }
 
 // Input gradient of one row: dx = d norm / dx . dout (+ dres). dx may alias dout or dres.
@@ -47,7 +65,7 @@ void norm_row_backward(T* dx, const T* dout, const T* x, double mean, double rst
 }  // namespace
 
 void ReferenceBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
-                                    const NormParams& p) {
+                                    const NormParams& p, Tensor out_amax) {
   const int64_t R = x.rows(), C = x.cols();
   if (!out.empty()) check_numel(out, R * C, "norm_forward", "out");
   check_numel(weight, C, "norm_forward", "weight");
@@ -60,18 +78,21 @@ void ReferenceBackend::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
   check_float_accumulator(mean, "norm_forward", "mean");
   check_float_accumulator(rstd, "norm_forward", "rstd");
   const Floats fm(mean), fr(rstd);
+  std::vector<float> row_max(out_amax.empty() ? 0 : static_cast<size_t>(R));
   dispatch_float(x, "norm_forward", [&](auto tag) {
     using T = decltype(tag);
     const T* w = weight.ptr<T>();
     const T* b = bias.empty() ? nullptr : bias.ptr<T>();
     pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
       for (int64_t r = rb; r < re; ++r) {
-        const RowStats s = norm_row(x.ptr<T>() + r * C, out.empty() ? nullptr : out.ptr<T>() + r * C, C, w, b, p);
+        const RowStats s = norm_row(x.ptr<T>() + r * C, out.empty() ? nullptr : out.ptr<T>() + r * C, C, w, b, p,
+                                    row_max.empty() ? nullptr : &row_max[static_cast<size_t>(r)]);
         if (!fm.empty()) fm.set(r, s.mean);  // RMSNorm: 0 (as the CUDA backend writes)
         fr.set(r, s.rstd);
       }
     });
   });
+  max_into(out_amax, row_max, "norm_forward");
 }
 
 void ReferenceBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
@@ -100,7 +121,8 @@ void ReferenceBackend::add_norm_forward(Tensor sum, Tensor out, Tensor mean, Ten
 }
 
 void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean,
-                                     Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) {
+                                     Tensor rstd, Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p,
+                                     Tensor dx_amax) {
   const int64_t R = x.rows(), C = x.cols();
   const bool ln = p.kind == Normalization::layernorm;
   check_numel(dx, R * C, "norm_backward", "dx");
@@ -153,6 +175,17 @@ void ReferenceBackend::norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Te
                           C, p);
       }
     });
+    if (!dx_amax.empty()) {  // max |dx| as stored
+      std::vector<float> row_max(static_cast<size_t>(R), 0.0f);
+      const Floats fdx(dx);
+      pool_.parallel_for(R, 8, [&](int64_t rb, int64_t re, int) {
+        for (int64_t r = rb; r < re; ++r)
+          for (int64_t c = 0; c < C; ++c)
+            row_max[static_cast<size_t>(r)] =
+                std::fmax(row_max[static_cast<size_t>(r)], std::fabs(static_cast<float>(fdx.get(r * C + c))));
+      });
+      max_into(dx_amax, row_max, "norm_backward");
+    }
     if (dx_colsum.empty()) return;
     const Floats fds(dx_colsum), fdx(dx);  // the column sums of dx as stored, rows in order
     pool_.parallel_for(C, 64, [&](int64_t cb, int64_t ce, int) {
@@ -212,7 +245,7 @@ void ReferenceBackend::qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Ten
           const Tensor& w = k ? k_weight : q_weight;
           const Tensor& b = k ? k_bias : q_bias;
           const RowStats s = norm_row(x + L.offset(j), y + L.offset(j), L.d, w.ptr<T>(),
-                                      b.empty() ? static_cast<const T*>(nullptr) : b.ptr<T>(), p);
+                                      b.empty() ? static_cast<const T*>(nullptr) : b.ptr<T>(), p, nullptr);
           if (!fm.empty()) fm.set(row * H + j, s.mean);
           fr.set(row * H + j, s.rstd);
         }

@@ -39,11 +39,12 @@ class ReferenceBackend final : public Backend {
                           int64_t vocab_start) override;
 
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor x, Tensor weight, Tensor bias,
-                    const NormParams& p) override;
+                    const NormParams& p, Tensor out_amax = Tensor()) override;
   void add_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, float dropout_p,
                         uint64_t dropout_key, Tensor weight, Tensor bias, const NormParams& p) override;
   void norm_backward(Tensor dx, Tensor dweight, Tensor dbias, Tensor dout, Tensor x, Tensor mean, Tensor rstd,
-                     Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p) override;
+                     Tensor weight, Tensor dresidual, Tensor dx_colsum, const NormParams& p,
+                     Tensor dx_amax = Tensor()) override;
   void qk_norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor qkv, Tensor q_weight, Tensor q_bias,
                        Tensor k_weight, Tensor k_bias, const RopeShape& r, const NormParams& p) override;
   void qk_norm_backward(Tensor dqkv, Tensor dq_weight, Tensor dq_bias, Tensor dk_weight, Tensor dk_bias,
@@ -103,6 +104,9 @@ class ReferenceBackend final : public Backend {
   void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
 
   ThreadPool& pool() { return pool_; }
+  // Tensorwise FP8 casts so far that used the amax their source's producer took
+  // (Fp8TensorMeta::fresh_taken; each checked against the cast's own max |x|). For tests.
+  int64_t fp8_amaxes_taken() const { return fp8_amaxes_taken_; }
   // Per-thread double scratch of at least n elements (grown on first use, then reused).
   double* scratch(int thread, size_t n);
 
@@ -111,6 +115,7 @@ class ReferenceBackend final : public Backend {
 
   ThreadPool pool_;
   std::vector<std::vector<double>> scratch_;
+  int64_t fp8_amaxes_taken_ = 0;
 };
 
 }  // namespace mt::reference

@@ -607,3 +607,94 @@ TEST_CASE("cuda qk_norm_backward into bf16 gradients matches the reference", "[g
           }
         }
 }
+
+// Tensorwise FP8 casts take the amax of their source from the op that writes it (GptModel,
+// ModelOptions::fp8_producer_amax): norm_forward / bias_dropout_add_norm's out_amax (also with
+// statistics only) and norm_backward's dx_amax must be max |value| as stored, bit for bit, maxed
+// into what the slot held, over every kernel (the 16-bit fast ones: 48, 768, 2048; the general
+// ones: 70, 2056 and float32), with many blocks. Then the cast given that amax (fresh_taken) writes
+// the bytes and scales of the cast that takes its own, zeroes the slot and copies its scale_inv.
+TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as stored", "[gpu][norm][fp8]") {
+  MT_RNG(rng);
+  auto scalar = [](float v) {
+    Buf b(dev(), DType::f32, {1});
+    upload(dev(), b.t, {v});
+    return b;
+  };
+  const auto v = [](const Buf& s) { return static_cast<float>(download(dev(), s.t)[0]); };
+  const auto max_abs = [](const std::vector<double>& x, double start) {
+    double m = start;
+    for (double e : x) m = std::max(m, std::fabs(e));
+    return static_cast<float>(m);
+  };
+  for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
+    for (DType dt : {DType::bf16, DType::f16, DType::f32})
+      for (int64_t h : {48, 70, 768, 2048, 2056}) {
+        const int64_t rows = h >= 2048 ? 1031 : 4099;
+        const bool ln = kind == Normalization::layernorm;
+        INFO((ln ? "layernorm " : "rmsnorm ") << dtype_name(dt) << " rows " << rows << " h " << h);
+        const NormParams p = params(kind, false);
+        Twin x = twin(dt, {rows, h}, shifted_normal(rng, rows * h)), w = twin(dt, {h}, weights(rng, h, false));
+        Twin b = ln ? twin(dt, {h}, rng.normal(h, 0.1)) : absent();
+        // Forward: the amax of the written output; statistics only; the fused residual add.
+        Buf y(dev(), dt, {rows, h}), mean(dev(), DType::f32, {rows}), rstd(dev(), DType::f32, {rows});
+        Buf a_out = scalar(0.0f), a_stats = scalar(0.0f), a_start = scalar(1e4f);
+        dev().norm_forward(y.t, mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_out.t);
+        dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_stats.t);
+        dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_start.t);
+        const float want = max_abs(download(dev(), y.t), 0.0);
+        CHECK(v(a_out) == want);
+        CHECK(v(a_stats) == want);
+        CHECK(v(a_start) == 1e4f);  // maxed into what the slot held
+        Twin res = twin(dt, {rows, h}, rng.normal(rows * h)), xb = twin(dt, {h}, rng.normal(h, 0.5));
+        Buf sum(dev(), dt, {rows, h}), y2(dev(), dt, {rows, h}), a_fused = scalar(0.0f);
+        dev().bias_dropout_add_norm(sum.t, y2.t, mean.t, rstd.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(), p);
+        dev().bias_dropout_add_norm(sum.t, Tensor(), mean.t, rstd.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(), p,
+                                    a_fused.t);
+        CHECK(v(a_fused) == max_abs(download(dev(), y2.t), 0.0));
+        // Backward: max |dx| as stored, with and without the column sums (a second kernel variant).
+        for (bool colsum : {false, true}) {
+          INFO((colsum ? "with dx column sums" : "no column sums"));
+          Twin dout = twin(dt, {rows, h}, rng.normal(rows * h)), dres = twin(dt, {rows, h}, rng.normal(rows * h));
+          Buf dx(dev(), dt, {rows, h}), a_dx = scalar(0.0f), ds(dev(), DType::f32, {h});
+          dev().fill(ds.t, 0.0);
+          dev().norm_backward(dx.t, Tensor(), Tensor(), dout.c(), x.c(), mean.t, rstd.t, w.c(), dres.c(),
+                              colsum ? ds.t : Tensor(), p, a_dx.t);
+          CHECK(v(a_dx) == max_abs(download(dev(), dx.t), 0.0));
+        }
+        if (dt != DType::bf16) continue;
+        // The cast that takes the norm's amax against the one that takes its own (tensorwise).
+        struct Cast {
+          Buf q, t, scale, scale_inv, amax;
+        };
+        auto make = [&] {
+          return Cast{Buf(dev(), DType::fp8_e4m3, {rows, h}), Buf(dev(), DType::fp8_e4m3, {h, rows}), scalar(24.0f),
+                      scalar(1.0f / 24.0f), scalar(0.25f)};
+        };
+        Cast own = make(), taken = make();
+        Buf fresh = scalar(0.0f), copy = scalar(-1.0f);
+        dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, fresh.t);
+        dev().fp8_quantize_norm(own.q.t, own.t.t, x.c(), mean.t, rstd.t, w.c(), b.c(), p,
+                                {own.scale.t, own.scale_inv.t, own.amax.t, Fp8Recipe::tensorwise, 0});
+        Fp8TensorMeta m{taken.scale.t, taken.scale_inv.t, taken.amax.t, Fp8Recipe::tensorwise, 0};
+        m.fresh = fresh.t;
+        m.fresh_taken = true;
+        m.scale_inv_copy = copy.t;
+        dev().fp8_quantize_norm(taken.q.t, taken.t.t, x.c(), mean.t, rstd.t, w.c(), b.c(), p, m);
+        CHECK(differing(download_bytes(dev(), taken.q.t), download_bytes(dev(), own.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), taken.t.t), download_bytes(dev(), own.t.t), 1) == 0);
+        CHECK(v(taken.scale) == v(own.scale));
+        CHECK(v(taken.scale_inv) == v(own.scale_inv));
+        CHECK(v(taken.amax) == v(own.amax));
+        CHECK(v(copy) == v(taken.scale_inv));
+        CHECK(v(fresh) == 0.0f);  // zeroed by the cast for the next one
+        // A persistent slot without a producer: the cast's own amax pass fills and then zeroes it.
+        Cast own2 = make();
+        Fp8TensorMeta m2{own2.scale.t, own2.scale_inv.t, own2.amax.t, Fp8Recipe::tensorwise, 0};
+        m2.fresh = fresh.t;
+        dev().fp8_quantize_norm(own2.q.t, own2.t.t, x.c(), mean.t, rstd.t, w.c(), b.c(), p, m2);
+        CHECK(differing(download_bytes(dev(), own2.q.t), download_bytes(dev(), own.q.t), 1) == 0);
+        CHECK(v(own2.scale) == v(own.scale));
+        CHECK(v(fresh) == 0.0f);
+      }
+}
