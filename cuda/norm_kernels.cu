@@ -572,6 +572,17 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
   load(row, ca, cb);
   int buf = 0;
   float m = 0.0f;  // max |y| as stored (args.out_amax)
+  // The weight and bias of this thread's columns, the same in every row: loaded once.
+  uint4 wr[ITERS], br[ITERS];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (lane + it * TPR) * 8;
+    wr[it] = br[it] = make_uint4(0u, 0u, 0u, 0u);
+    if ((args.out || args.out_amax) && c < h) {
+      wr[it] = *reinterpret_cast<const uint4*>(args.weight + c);
+      if (args.bias) br[it] = *reinterpret_cast<const uint4*>(args.bias + c);
+    }
+  }
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * teams; row0 < args.rows; row0 += stride, row += stride) {
     const bool valid = row < args.rows;
     uint4 na[ITERS], nb[ITERS];
@@ -631,14 +642,11 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
     for (int it = 0; it < ITERS; ++it) {
       const int c = (lane + it * TPR) * 8;
       if ((args.out || args.out_amax) && valid && c < h) {  // (neither: statistics only)
-        const uint4 wr = *reinterpret_cast<const uint4*>(args.weight + c);
-        uint4 br = make_uint4(0u, 0u, 0u, 0u);
-        if (args.bias) br = *reinterpret_cast<const uint4*>(args.bias + c);
         Floats<8> y;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float xhat = norm_xhat(word_elem<T>(xw[it], j), mean, rstd), wv = word_elem<T>(wr, j) + w_shift;
-          y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br, j)) : norm_apply(xhat, wv);
+          const float xhat = norm_xhat(word_elem<T>(xw[it], j), mean, rstd), wv = word_elem<T>(wr[it], j) + w_shift;
+          y.v[j] = args.bias ? norm_apply(xhat, wv, word_elem<T>(br[it], j)) : norm_apply(xhat, wv);
           if (args.out_amax) m = fmaxf(m, stored_abs<T>(y.v[j]));
         }
         if (args.out) store_vec<8>(args.out + row * h + c, y);

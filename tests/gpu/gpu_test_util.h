@@ -113,6 +113,13 @@ inline int64_t numel(const Shape& s) {
   return n;
 }
 
+// An FP8 cast's scaling state of three float32 [1] tensors (no amax slot, margin 0).
+inline Fp8TensorMeta meta_of(Tensor scale, Tensor scale_inv, Tensor amax, Fp8Recipe recipe) {
+  Fp8TensorMeta m;
+  m.scale = scale, m.scale_inv = scale_inv, m.amax = amax, m.recipe = recipe;
+  return m;
+}
+
 }  // namespace mt::gputest
 
 // A fresh random generator whose seed is reported with any failure in the enclosing scope.

@@ -445,7 +445,7 @@ TEST_CASE("cuda fp8_quantize_norm: norm_forward then fp8_quantize, bit for bit; 
         // The casts: written output then fp8_quantize, against fp8_quantize_norm from the statistics.
         struct Cast {
           Buf q, t, scale, scale_inv, amax;
-          Fp8TensorMeta meta(Fp8Recipe r) const { return {scale.t, scale_inv.t, amax.t, r, 0}; }
+          Fp8TensorMeta meta(Fp8Recipe r) const { return meta_of(scale.t, scale_inv.t, amax.t, r); }
         };
         auto make = [&] {
           return Cast{Buf(dev(), DType::fp8_e4m3, {rows, h}), Buf(dev(), DType::fp8_e4m3, {h, rows}), scalar(24.0f),
@@ -477,7 +477,7 @@ TEST_CASE("cuda fp8_quantize_norm: norm_forward then fp8_quantize, bit for bit; 
         Cast on_dev = make();
         dev().fp8_quantize_norm(qc.t, Tensor(), xf.c(), mf.c(), rf.c(), wf.c(), bf.c(), p, on_dev.meta(recipe));
         ref().fp8_quantize_norm(qr.t, Tensor(), xf.r(), mf.r(), rf.r(), wf.r(), bf.r(), p,
-                                {rscale.t, rinv.t, ramax.t, recipe, 0});
+                                meta_of(rscale.t, rinv.t, ramax.t, recipe));
         CHECK(differing(download_bytes(dev(), qc.t), download_bytes(ref(), qr.t), 1) <= rows * h / 100);
         CHECK(std::fabs(v(on_dev.amax) - static_cast<float>(download(ref(), ramax.t)[0])) <=
               1e-5f * v(on_dev.amax));
@@ -675,8 +675,8 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
         Buf fresh = scalar(0.0f), copy = scalar(-1.0f);
         dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, fresh.t);
         dev().fp8_quantize_norm(own.q.t, own.t.t, x.c(), mean.t, rstd.t, w.c(), b.c(), p,
-                                {own.scale.t, own.scale_inv.t, own.amax.t, Fp8Recipe::tensorwise, 0});
-        Fp8TensorMeta m{taken.scale.t, taken.scale_inv.t, taken.amax.t, Fp8Recipe::tensorwise, 0};
+                                meta_of(own.scale.t, own.scale_inv.t, own.amax.t, Fp8Recipe::tensorwise));
+        Fp8TensorMeta m = meta_of(taken.scale.t, taken.scale_inv.t, taken.amax.t, Fp8Recipe::tensorwise);
         m.fresh = fresh.t;
         m.fresh_taken = true;
         m.scale_inv_copy = copy.t;
@@ -690,7 +690,7 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
         CHECK(v(fresh) == 0.0f);  // zeroed by the cast for the next one
         // A persistent slot without a producer: the cast's own amax pass fills and then zeroes it.
         Cast own2 = make();
-        Fp8TensorMeta m2{own2.scale.t, own2.scale_inv.t, own2.amax.t, Fp8Recipe::tensorwise, 0};
+        Fp8TensorMeta m2 = meta_of(own2.scale.t, own2.scale_inv.t, own2.amax.t, Fp8Recipe::tensorwise);
         m2.fresh = fresh.t;
         dev().fp8_quantize_norm(own2.q.t, own2.t.t, x.c(), mean.t, rstd.t, w.c(), b.c(), p, m2);
         CHECK(differing(download_bytes(dev(), own2.q.t), download_bytes(dev(), own.q.t), 1) == 0);
