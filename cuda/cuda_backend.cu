@@ -49,11 +49,6 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&tp_comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_comm_done_, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&amax_ahead_stream_, cudaStreamNonBlocking));
-  MT_CUDA_CHECK(cudaEventCreateWithFlags(&amax_ahead_start_, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaEventCreateWithFlags(&amax_ahead_done_, cudaEventDisableTiming));
-  if (const char* m = std::getenv("MEGATRAIN_AMAX_AHEAD_SM_MARGIN"))
-    amax_ahead_sm_margin_ = std::clamp(std::atoi(m), 0, std::max(0, num_sms_ - 1));
   MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
@@ -77,7 +72,6 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   if (tp_comm_stream_) cudaStreamSynchronize(tp_comm_stream_);
-  if (amax_ahead_stream_) cudaStreamSynchronize(amax_ahead_stream_);
   gemm_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
@@ -87,9 +81,6 @@ CudaBackend::~CudaBackend() {
   if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
   if (tp_comm_done_) cudaEventDestroy(tp_comm_done_);
   if (tp_comm_stream_) cudaStreamDestroy(tp_comm_stream_);
-  if (amax_ahead_start_) cudaEventDestroy(amax_ahead_start_);
-  if (amax_ahead_done_) cudaEventDestroy(amax_ahead_done_);
-  if (amax_ahead_stream_) cudaStreamDestroy(amax_ahead_stream_);
   if (comm_stream_) cudaStreamDestroy(comm_stream_);
   for (auto& r : registered_segments_) cudaFree(r.device);
   if (attention_workspace_) cudaFree(attention_workspace_);

@@ -78,7 +78,6 @@ class CudaBackend final : public Backend {
 
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
-  void fp8_amax_ahead(const Fp8TensorMeta& meta, Tensor x, Tensor pre, MlpActivation act) override;
   void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                   const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;
@@ -190,14 +189,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
   float* fp8_scale_slots_ = nullptr;  // [8]: slot 0 at [0], slot 1 at [4]
-  // fp8_amax_ahead: its side stream, the events handing work to and from it, and the slot whose
-  // amax is on its way (the cast that takes it waits for amax_ahead_done_).
-  cudaStream_t amax_ahead_stream_ = nullptr;
-  cudaEvent_t amax_ahead_start_ = nullptr, amax_ahead_done_ = nullptr;
-  const float* amax_ahead_slot_ = nullptr;
-  // MEGATRAIN_AMAX_AHEAD_SM_MARGIN: SMs the FP8 weight-gradient GEMMs leave to an amax taken
-  // ahead beside them (its grid is then sized for those SMs); 0: none, both on every SM.
-  int amax_ahead_sm_margin_ = 0;
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;

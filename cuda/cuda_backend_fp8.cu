@@ -98,11 +98,6 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const 
       if (plain) cuda::fp8_amax(ctx, fresh, x);
       else cuda::cast_transpose_to_fp8(ctx, nullptr, nullptr, f, src, scale, fresh);
     }
-    if (amax_ahead_slot_ && amax_ahead_slot_ == fresh) {  // taken ahead on the side stream
-      MT_CHECK(meta.fresh_taken, "{}: its amax was taken ahead, but the cast was not told", op);
-      MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, amax_ahead_done_, 0));
-      amax_ahead_slot_ = nullptr;
-    }
     float* copy = meta.scale_inv_copy.empty() ? nullptr
                                               : const_cast<float*>(scalar_ptr(meta.scale_inv_copy, op, "scale_inv_copy"));
     cuda::fp8_tensorwise_scale(ctx, fresh, amax, scale, const_cast<float*>(scalar_ptr(meta.scale_inv, op, "meta.scale_inv")),
@@ -136,30 +131,6 @@ void CudaBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean,
   src.mean = p.kind == Normalization::rmsnorm ? Tensor() : mean;  // RMSNorm's stored mean is 0
   src.rstd = rstd, src.weight = weight, src.bias = bias, src.one_p = p.one_p;
   fp8_quantize_impl("fp8_quantize_norm", q, q_t, src, meta, Tensor());
-}
-
-void CudaBackend::fp8_amax_ahead(const Fp8TensorMeta& meta, Tensor x, Tensor pre, MlpActivation act) {
-  const char* op = "fp8_amax_ahead";
-  on_device(op, x, pre, meta.fresh, meta.scale);
-  MT_PROFILE_OP("fp8_amax_ahead {} (enqueue)", x.shape_string());
-  MT_CHECK(meta.recipe == Fp8Recipe::tensorwise, "{}: only tensorwise scaling takes an amax ahead", op);
-  MT_CHECK(!amax_ahead_slot_, "{}: the amax taken ahead before has not been cast yet", op);
-  float* fresh = const_cast<float*>(scalar_ptr(meta.fresh, op, "meta.fresh"));
-  // The side stream starts after everything enqueued so far (x and pre are written).
-  MT_CUDA_CHECK(cudaEventRecord(amax_ahead_start_, stream_));
-  MT_CUDA_CHECK(cudaStreamWaitEvent(amax_ahead_stream_, amax_ahead_start_, 0));
-  // No scratch: the compute stream's ops reuse it meanwhile (the amax passes take none).
-  const cuda::KernelContext ctx{amax_ahead_stream_, amax_ahead_sm_margin_ > 0 ? amax_ahead_sm_margin_ : num_sms_,
-                                nullptr};
-  if (pre.empty()) {
-    cuda::fp8_amax(ctx, fresh, x);
-  } else {
-    const cuda::CastSource src{cuda::CastSource::Kind::activation_grad, x, pre, act};
-    cuda::cast_transpose_to_fp8(ctx, nullptr, nullptr, cuda::Fp8Format::e5m2, src,
-                                scalar_ptr(meta.scale, op, "meta.scale"), fresh);
-  }
-  MT_CUDA_CHECK(cudaEventRecord(amax_ahead_done_, amax_ahead_stream_));
-  amax_ahead_slot_ = fresh;
 }
 
 void CudaBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
@@ -253,14 +224,10 @@ void CudaBackend::fp8_linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy,
     ctx.scratch->reset();  // its kernels precede the GEMMs on the stream
   }
   fp8_stage_scales(ctx, dy_scale_inv, x_scale_inv, op);
-  // Beside an amax taken ahead: leave it its SMs (MEGATRAIN_AMAX_AHEAD_SM_MARGIN).
-  const bool leave = amax_ahead_slot_ && amax_ahead_sm_margin_ > 0;
-  if (leave) fp8_gemm().sm_count_target = std::max(1, num_sms_ - amax_ahead_sm_margin_);
   cuda::fp8_linear_backward_weight(fp8_gemm(), dw.view({N, K}),
                                    {dyq_t.data, fp8_format_of(dyq_t.dtype, op, "dyq_t"), fp8_scale_slots_},
                                    {xq_t.data, fp8_format_of(xq_t.dtype, op, "xq_t"), fp8_scale_slots_ + 4}, M,
                                    accumulate, &ctx);
-  if (leave) fp8_gemm().sm_count_target = gemm_sm_target_;
   if (!dbias.empty() && !dbias_first) cuda::column_sum_accumulate(ctx, dbias, dy.view({M, N}));
 }
 

@@ -61,9 +61,6 @@ void Backend::fp8_quantize_with_dbias(Tensor, Tensor, Tensor, const Fp8TensorMet
 void Backend::fp8_quantize_activation_backward(Tensor, Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&, Tensor) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation_backward is not on the " + name() + " backend yet");
 }
-void Backend::fp8_amax_ahead(const Fp8TensorMeta&, Tensor, Tensor, MlpActivation) {
-  throw Unsupported("FP8 (--fp8-format): fp8_amax_ahead is not on the " + name() + " backend yet");
-}
 void Backend::fp8_quantize_activation(Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation is not on the " + name() + " backend yet");
 }

@@ -302,14 +302,6 @@ class Backend {
   // fc2's plain input gradient (no DGELU epilogue, no compute-dtype copy of the gradient).
   virtual void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                           const Fp8TensorMeta& meta, Tensor dbias);
-  // Tensorwise scaling: maxes max |v| into meta.fresh ahead of the cast of v that follows with
-  // meta.fresh_taken: v = x (pre empty: fp8_quantize(_with_dbias) of x), or the activation's input
-  // gradient from dout = x and pre (fp8_quantize_activation_backward). CUDA runs it on a side
-  // stream, beside the ops enqueued until that cast (a weight-gradient GEMM), which waits for it;
-  // those ops must not write x or pre, and no other amax is taken ahead before that cast. The
-  // reference backend takes it at once.
-  virtual void fp8_amax_ahead(const Fp8TensorMeta& meta, Tensor x, Tensor pre = Tensor(),
-                              MlpActivation act = MlpActivation::gelu);
   // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
   // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.
   virtual void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

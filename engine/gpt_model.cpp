@@ -122,7 +122,6 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   if (const char* f = std::getenv("MEGATRAIN_FP8_NORM_CAST"); f && std::string(f) == "0") o.fp8_norm_cast = false;
   if (const char* f = std::getenv("MEGATRAIN_FP8_PRODUCER_AMAX"); f && std::string(f) == "0")
     o.fp8_producer_amax = false;
-  if (const char* f = std::getenv("MEGATRAIN_FP8_AMAX_AHEAD"); f && std::string(f) == "0") o.fp8_amax_ahead = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -778,11 +777,6 @@ bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) con
   return local + 1 < d_.stage_layers() && plain_norm_backward(local + 1);
 }
 
-bool GptModel::amax_ahead(int local) const {
-  return opt_.fp8_amax_ahead && opt_.fp8.recipe == Fp8Recipe::tensorwise && fp8_kept_inputs(local) &&
-         fp8_wgrad(local) && !d_.sequence_parallel;
-}
-
 Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const {
   return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.meta(local, g, Fp8State::dy).fresh : Tensor();
 }
@@ -849,16 +843,13 @@ void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor
   else be_.fp8_quantize(dyq, dyq_t, dy, meta);
 }
 
-void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias,
-                                             bool amax_taken) {
+void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
   const Fp8State::Gemm g = Fp8State::fc1;
   MT_CHECK(fp8_wgrad(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
            d_.layer_begin + local);
   const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
-  Fp8TensorMeta meta = fp8_.meta(local, g, Fp8State::dy);
-  meta.fresh_taken = amax_taken;
   be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
-                                       dout, pre, act, meta, dbias);
+                                       dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias);
 }
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
@@ -1281,10 +1272,8 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
     // weight gradient (which still needs the FP8 workspaces of its own output gradient).
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    const bool ahead = amax_ahead(local);  // fc1's output gradient's amax beside fc2's weight gradient
-    if (ahead) be_.fp8_amax_ahead(fp8_.meta(local, Fp8State::fc1, Fp8State::dy), w.act, A.fc1_pre, MlpActivation::swiglu);
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
-    linear_quantize_dy_activation(local, w.act, A.fc1_pre, MlpActivation::swiglu, G.fc1_b, ahead);
+    linear_quantize_dy_activation(local, w.act, A.fc1_pre, MlpActivation::swiglu, G.fc1_b);
     d_fc1 = A.fc1_pre;  // (its shape: the FP8 GEMMs below read only the quantized copies)
     d_fc1_quantized = true;
   } else if (d_.swiglu) {
@@ -1303,10 +1292,8 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     const MlpActivation act = tanh_form ? MlpActivation::gelu_tanh : MlpActivation::gelu;
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
     if (kept) {
-      const bool ahead = amax_ahead(local);  // fc1's output gradient's amax beside fc2's weight gradient
-      if (ahead) be_.fp8_amax_ahead(fp8_.meta(local, Fp8State::fc1, Fp8State::dy), w.gFC, A.fc1_pre, act);
       linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
-      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, act, G.fc1_b, ahead);
+      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, act, G.fc1_b);
     } else {
       be_.gelu_backward(w.gFC, w.gFC, A.fc1_pre, tanh_form);
       be_.gelu_forward(A.fc1_pre, A.fc1_pre, tanh_form);
@@ -1354,10 +1341,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
   linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b, dy_amax_from_norm(s, local, Fp8State::proj));
-  // With the QKV gradient's amax taken ahead, proj's weight gradient waits for the attention
-  // backward and runs beside that amax.
-  const bool qkv_ahead = amax_ahead(local);
-  if (!qkv_ahead) linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
+  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
@@ -1365,11 +1349,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  if (qkv_ahead) {
-    be_.fp8_amax_ahead(fp8_.meta(local, Fp8State::qkv, Fp8State::dy), w.gQKV);
-    linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
-  }
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b, qkv_ahead);
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
   const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
   if (d_.sequence_parallel) {

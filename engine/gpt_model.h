@@ -110,11 +110,6 @@ struct ModelOptions {
   // sequence parallelism). The same scales and bits either way. false
   // (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
   bool fp8_producer_amax = true;
-  // Tensorwise FP8 with FP8 weight gradients and kept inputs, no sequence parallelism: the amaxes
-  // of fc1's and QKV's output gradients are taken ahead (Backend::fp8_amax_ahead: on the GPU a side
-  // stream), beside fc2's and proj's weight-gradient GEMMs, which come before those casts (proj's
-  // after the attention backward). The same bits. false (MEGATRAIN_FP8_AMAX_AHEAD=0, A/B): in order.
-  bool fp8_amax_ahead = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -306,8 +301,6 @@ class GptModel {
   // or fc2) of layer `local` comes with its amax from the norm backward that writes it (proj: ln2's
   // of the same layer; fc2: the next layer's ln1), and that slot (or empty).
   bool dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const;
-  // ModelOptions::fp8_amax_ahead applies to layer `local`.
-  bool amax_ahead(int local) const;
   Tensor dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const;
   NextNorm next_norm(const Slot& s, int local) const;
   // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
@@ -356,8 +349,7 @@ class GptModel {
   // fc1's output gradient (the activation's input gradient from dout, its output gradient, and
   // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing
   // it: layers where fp8_wgrad(local).
-  void linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias,
-                                     bool amax_taken = false);
+  void linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias);
   void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
   void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);

@@ -24,8 +24,7 @@ struct Fp8Run {
 
 // keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again);
 // norm_cast: ModelOptions::fp8_norm_cast (false: the norm outputs are written, then cast).
-// producer_amax: ModelOptions::fp8_producer_amax and fp8_amax_ahead (false: every tensorwise cast
-// takes its own amax, in order).
+// producer_amax: ModelOptions::fp8_producer_amax (false: every tensorwise cast takes its own amax).
 inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_cast = true, bool producer_amax = true) {
   struct Recorder final : Reporter {
     std::vector<double> grad_norms;
@@ -40,7 +39,6 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
   o.fp8_keep_inputs = keep_inputs;
   o.fp8_norm_cast = norm_cast;
   o.fp8_producer_amax = producer_amax;
-  o.fp8_amax_ahead = producer_amax;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);

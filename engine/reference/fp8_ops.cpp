@@ -170,58 +170,31 @@ void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, 
 // d = dout * act'(pre) exactly as gelu_backward computes it (double math, one rounding to pre's dtype).
 // d = the activation's input gradient exactly as gelu_backward / swiglu_backward compute it (double
 // math, one rounding to pre's dtype).
-namespace {
-// The activation's input gradient from its output gradient dout and its input pre, element i of
-// the [R, C] result as a float rounded to pre's dtype (what the activation's backward stores):
-// body(R, C, d) is called with it. SwiGLU: dout [R, f], pre and the result [R, 2f] = [dgate | dup].
-template <typename Body>
-void with_activation_grad(Tensor dout, Tensor pre, MlpActivation act, const char* op, Body&& body) {
+void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre,
+                                                        MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias) {
+  const char* op = "fp8_quantize_activation_backward";
   const Floats fd(dout), fp(pre);
   const int64_t R = dout.rows();
   if (act == MlpActivation::swiglu) {
     const int64_t f = dout.cols();
     check_numel(pre, 2 * dout.numel(), op, "pre");
-    body(R, 2 * f, [&](int64_t i) {  // element (r, c) of [dgate | dup], [R, 2f]
+    const auto d = [&](int64_t i) {  // element (r, c) of [dgate | dup], [R, 2f]
       const int64_t r = i / (2 * f), c = i % (2 * f), j = c < f ? c : c - f;
       const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j), s = sigmoid(g);
       return round_to(pre.dtype, c < f ? dy * u * s * (1.0 + g * (1.0 - s)) : dy * g * s);
-    });
+    };
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, 2 * f, d, meta, op);
+    if (!dbias.empty()) add_column_sums_of(dbias, R, 2 * f, d, op);
     return;
   }
   check_numel(pre, dout.numel(), op, "pre");
   const bool tanh_form = act == MlpActivation::gelu_tanh;
-  body(R, dout.cols(), [&](int64_t i) {
+  const auto d = [&](int64_t i) {
     const double x = fp.get(i);
     return round_to(pre.dtype, fd.get(i) * (tanh_form ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
-  });
-}
-}  // namespace
-
-void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre,
-                                                        MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias) {
-  const char* op = "fp8_quantize_activation_backward";
-  with_activation_grad(dout, pre, act, op, [&](int64_t R, int64_t C, auto&& d) {
-    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, C, d, meta, op);
-    if (!dbias.empty()) add_column_sums_of(dbias, R, C, d, op);
-  });
-}
-
-void ReferenceBackend::fp8_amax_ahead(const Fp8TensorMeta& meta, Tensor x, Tensor pre, MlpActivation act) {
-  const char* op = "fp8_amax_ahead";
-  MT_CHECK(meta.recipe == Fp8Recipe::tensorwise, "{}: only tensorwise scaling takes an amax ahead", op);
-  read_scalar(meta.fresh, op, "meta.fresh");  // (checks its type and size)
-  float a = 0.0f;  // max |v| (NaN is not a maximum), as quantize_values takes it
-  const auto take = [&](int64_t n, auto&& v) {
-    for (int64_t i = 0; i < n; ++i) a = std::max(a, std::fabs(static_cast<float>(v(i))));
   };
-  if (pre.empty()) {
-    const Floats fx(x);
-    take(x.numel(), [&](int64_t i) { return static_cast<float>(fx.get(i)); });
-  } else {
-    with_activation_grad(x, pre, act, op, [&](int64_t R, int64_t C, auto&& d) { take(R * C, d); });
-  }
-  float* slot = meta.fresh.ptr<float>();
-  *slot = std::max(*slot, a);
+  quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, dout.cols(), d, meta, op);
+  if (!dbias.empty()) add_column_sums_of(dbias, R, dout.cols(), d, op);
 }
 
 // The activations exactly as gelu_forward / swiglu_forward compute them (double math, one

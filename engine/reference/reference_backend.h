@@ -57,7 +57,6 @@ class ReferenceBackend final : public Backend {
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) override;
 
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
-  void fp8_amax_ahead(const Fp8TensorMeta& meta, Tensor x, Tensor pre, MlpActivation act) override;
   void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                   const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;

@@ -305,58 +305,6 @@ TEST_CASE("cuda fp8_quantize_activation_backward: the activation's backward then
   });
 }
 
-// fp8_amax_ahead (tensorwise): the activation gradient's amax taken on the side stream before other
-// work, then the cast told so (fresh_taken), against the cast that takes its own: the same bytes,
-// scales, amax and bias gradient; the slot is zero afterwards. Also a plain tensor, and the
-// reference backend's amax ahead into its slot against its own cast (the reference checks it).
-TEST_CASE("cuda fp8_amax_ahead: the cast given the amax taken ahead equals the one that takes its own",
-          "[gpu][fp8]") {
-  MT_RNG(rng);
-  for_each_activation_backward_case(rng, [](int64_t) { return 1.0; }, [&](const ActivationBackwardCase& k) {
-    if (k.recipe != Fp8Recipe::tensorwise) return;
-    CastOut own = k.cast(dev()), ahead = k.cast(dev()), reference = k.cast(ref());
-    Twin db_own = twin_same(DType::f32, {k.C}, k.b0), db_ahead = twin_same(DType::f32, {k.C}, k.b0);
-    Scalar2 slot = scalar2(0.0f);
-    dev().fp8_quantize_activation_backward(own.q.t, own.t.t, k.dout.c(), k.pre.c(), k.act, own.meta(k.recipe),
-                                           db_own.c());
-    Fp8TensorMeta m = ahead.meta(k.recipe);
-    m.fresh = slot.c.t;
-    dev().fp8_amax_ahead(m, k.dout.c(), k.pre.c(), k.act);
-    Buf busy(dev(), DType::f32, {1 << 22});  // other work on the compute stream meanwhile
-    dev().fill(busy.t, 1.0);
-    m.fresh_taken = true;
-    dev().fp8_quantize_activation_backward(ahead.q.t, ahead.t.t, k.dout.c(), k.pre.c(), k.act, m, db_ahead.c());
-    CHECK(differing(download_bytes(dev(), ahead.q.t), download_bytes(dev(), own.q.t), 1) == 0);
-    CHECK(differing(download_bytes(dev(), ahead.t.t), download_bytes(dev(), own.t.t), 1) == 0);
-    CHECK(download_bytes(dev(), db_ahead.c()) == download_bytes(dev(), db_own.c()));
-    CHECK(value(dev(), ahead.amax.c) == value(dev(), own.amax.c));
-    CHECK(value(dev(), ahead.scale.c) == value(dev(), own.scale.c));
-    CHECK(value(dev(), ahead.scale_inv.c) == value(dev(), own.scale_inv.c));
-    CHECK(value(dev(), slot.c) == 0.0f);
-    // The reference: ahead into its slot, then its cast (which checks the slot against its own amax).
-    Fp8TensorMeta mr = reference.meta(k.recipe);
-    mr.fresh = slot.r.t;
-    ref().fp8_amax_ahead(mr, k.dout.r(), k.pre.r(), k.act);
-    mr.fresh_taken = true;
-    Twin db_ref = twin_same(DType::f32, {k.C}, k.b0);
-    ref().fp8_quantize_activation_backward(reference.q.t, reference.t.t, k.dout.r(), k.pre.r(), k.act, mr, db_ref.r());
-    CHECK(value(ref(), slot.r) == 0.0f);
-    CHECK(differing(download_bytes(dev(), ahead.q.t), download_bytes(ref(), reference.q.t), 1) <= k.R * k.C / 100);
-    // A plain tensor (the QKV output gradient's cast).
-    CastOut own_p = k.cast(dev()), ahead_p = k.cast(dev());
-    dev().fp8_quantize(own_p.q.t, own_p.t.t, k.d.t, own_p.meta(k.recipe));
-    Fp8TensorMeta mp = ahead_p.meta(k.recipe);
-    mp.fresh = slot.c.t;
-    dev().fp8_amax_ahead(mp, k.d.t);
-    dev().fill(busy.t, 2.0);
-    mp.fresh_taken = true;
-    dev().fp8_quantize(ahead_p.q.t, ahead_p.t.t, k.d.t, mp);
-    CHECK(differing(download_bytes(dev(), ahead_p.q.t), download_bytes(dev(), own_p.q.t), 1) == 0);
-    CHECK(value(dev(), ahead_p.scale.c) == value(dev(), own_p.scale.c));
-    CHECK(value(dev(), slot.c) == 0.0f);
-  });
-}
-
 // --grad-reduce-in-bf16 for the FP8 weight gradient: dw bf16 (the FP8 GEMM with C and D bf16: beta * dw
 // + the product in float32, rounded once) and dbias bf16 (column sums of dy). The operands are small
 // integers, exact in e4m3/e5m2 with scale 1 (delayed scaling), so both backends' contributions are
