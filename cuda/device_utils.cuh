@@ -128,26 +128,11 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The block's max of non-negative values (kThreads threads, a multiple of 32), maxed into *amax
-// by one atomicMax of the float bits (for v >= 0 int order is float order). Every thread of the
-// block calls it, and may call it again (the optimizer update, once per chunk of a segment). The
-// FP8 casts' and the FP8 optimizer update's amax.
-template <int kThreads>
+// The block's max of non-negative values (blockDim.x a multiple of 32, at most 1024), maxed into
+// *amax by one atomicMax of the float bits (for v >= 0 int order is float order). Every thread of
+// the block calls it, and may call it again (the optimizer update, once per chunk of a segment).
+// The FP8 casts', the FP8 optimizer update's and the norms' amaxes (for tensorwise casts).
 __device__ __forceinline__ void block_amax_atomic(float* amax, float v) {
-  __shared__ float partial[kThreads / kWarp];
-  v = warp_max(v);
-  __syncthreads();  // partial[] may still be read by a previous call
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = warp_max(lane < kThreads / kWarp ? partial[lane] : 0.0f);
-    if (lane == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
-  }
-}
-
-// block_amax_atomic for a block of any size (blockDim.x a multiple of 32, at most 1024).
-__device__ __forceinline__ void block_amax_atomic_any(float* amax, float v) {
   __shared__ float partial[kWarp];
   v = warp_max(v);
   __syncthreads();  // partial[] may still be read by a previous call

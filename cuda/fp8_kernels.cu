@@ -75,7 +75,7 @@ __global__ void cast_kernel(uint8_t* __restrict__ out, const T* __restrict__ in,
       out[i] = to_fp8<F>(v * scale);
     }
   }
-  if (amax) block_amax_atomic<kThreads>(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
 
 // ---- cast + transpose -----------------------------------------------------------------------------
@@ -407,7 +407,7 @@ __global__ void cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __rest
       __syncthreads();
     }
   }
-  if (amax) block_amax_atomic<kThreads>(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
 
 // ---- cast + transpose in registers ---------------------------------------------------------------
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t
       col_partial[tile_r * C + h * Cs + col0 + c] = t;
     }
   }
-  if (amax) block_amax_atomic<kThreads>(amax, m);
+  if (amax) block_amax_atomic(amax, m);
 }
 
 // ---- byte transpose (fp8_transpose) -------------------------------------------------------------
@@ -624,7 +624,7 @@ __global__ void amax_kernel(float* amax, const T* __restrict__ in, int64_t n) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) m = fmaxf(m, fabsf(v.v[j]));
   }
-  block_amax_atomic<kThreads>(amax, m);
+  block_amax_atomic(amax, m);
 }
 
 // ---- dequantize -----------------------------------------------------------------------------------

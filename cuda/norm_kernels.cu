@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
         for (int j = 0; j < VEC; ++j) m = fmaxf(m, stored_abs<T>(y.v[j]));
     }
   }
-  if (args.out_amax) block_amax_atomic_any(args.out_amax, m);
+  if (args.out_amax) block_amax_atomic(args.out_amax, m);
 }
 
 template <typename T>
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kMaxTeam) norm_backward_kernel(NormBackwardArg
       }
     }
   }
-  if (args.dx_amax) block_amax_atomic_any(args.dx_amax, m);
+  if (args.dx_amax) block_amax_atomic(args.dx_amax, m);
 
   if (!args.partial_dw && !args.partial_db) return;
   // Combine the teams of this block in team order, then write this block's partial row.
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(256, (TPR > kWarp ? 3 : 2)) norm_backward_rows
     }
   }
 
-  if (args.dx_amax) block_amax_atomic_any(args.dx_amax, m);
+  if (args.dx_amax) block_amax_atomic(args.dx_amax, m);
 
   // Combine the teams of this block in team order, then write this block's partial row; one
   // accumulator at a time through combine[0, h).
@@ -658,7 +658,7 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
       cb[it] = nb[it];
     }
   }
-  if (args.out_amax) block_amax_atomic_any(args.out_amax, m);
+  if (args.out_amax) block_amax_atomic(args.out_amax, m);
 }
 
 // out[c] += sum over g of partial[g, c] for each of up to three outputs (blockIdx.y: dweight, dbias,

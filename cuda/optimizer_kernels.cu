@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G> a, Seg
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     float amax = 0.0f;
     adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), amax);
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic<kOptimThreads>(s.fp8_amax, amax);
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic(s.fp8_amax, amax);
   }
 }
 
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, Segmen
       a.master[i] = p;
       store_model<M>(a.model, i, p, scale, amax);
     }
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic<kOptimThreads>(s.fp8_amax, amax);
+    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic(s.fp8_amax, amax);
   }
 }
 
