@@ -89,8 +89,8 @@ bool take_fresh_amax(const Fp8TensorMeta& meta, float a, const char* op) {
 
 // fp8_quantize of an R x C tensor whose element i is x(i) (a float in the tensor's dtype).
 template <typename X>
-void quantize_values(ThreadPool& pool, int64_t& amaxes_taken, Tensor q, Tensor q_t, int64_t R, int64_t C, X&& x, const Fp8TensorMeta& meta,
-                     const char* op) {
+void quantize_values(ThreadPool& pool, int64_t& amaxes_taken, Tensor q, Tensor q_t, int64_t R, int64_t C, X&& x,
+                     const Fp8TensorMeta& meta, const char* op) {
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: neither q nor q_t given", op);
   const DType e = !q.empty() ? q.dtype : q_t.dtype;
   MT_CHECK(is_fp8(e) && (q.empty() || q_t.empty() || q.dtype == q_t.dtype), "{}: q {} / q_t {}", op,
@@ -157,8 +157,8 @@ float round_to(DType t, double v) {
 
 void ReferenceBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
   const Floats fx(x);
-  quantize_values(pool_, fp8_amaxes_taken_, q, q_t, x.rows(), x.cols(), [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta,
-                  "fp8_quantize");
+  quantize_values(pool_, fp8_amaxes_taken_, q, q_t, x.rows(), x.cols(),
+                  [&](int64_t i) { return static_cast<float>(fx.get(i)); }, meta, "fp8_quantize");
 }
 
 void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta,

@@ -220,8 +220,10 @@ void check_quantize_with_dbias(DType db_dtype) {
         Twin db = twin_same(db_dtype, {C}, b0);
         Quant2 q{Buf(dev(), DType::fp8_e5m2, {R, C}), Buf(ref(), DType::fp8_e5m2, {R, C}), Buf(dev(), DType::fp8_e5m2, {C, R}),
                  Buf(ref(), DType::fp8_e5m2, {C, R}), scalar2(300.0f), scalar2(1.0f / 300.0f), scalar2(0.0f)};
-        dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), meta_of(q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe), db.c());
-        ref().fp8_quantize_with_dbias(q.qr.t, q.tr.t, dy.r(), meta_of(q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe), db.r());
+        dev().fp8_quantize_with_dbias(q.qc.t, q.tc.t, dy.c(), meta_of(q.scale.c.t, q.scale_inv.c.t, q.amax.c.t, recipe),
+                                      db.c());
+        ref().fp8_quantize_with_dbias(q.qr.t, q.tr.t, dy.r(), meta_of(q.scale.r.t, q.scale_inv.r.t, q.amax.r.t, recipe),
+                                      db.r());
         CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(dev(), plain.qc.t), 1) == 0);
         CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(dev(), plain.tc.t), 1) == 0);
         CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(ref(), q.qr.t), 1) == 0);
