@@ -7,10 +7,12 @@
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
 #                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
+#                      [--fp8-only]
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio. --fp8-extra
 # adds flags to the FP8 runs only (e.g. "--use-distributed-optimizer --fp8-param-gather").
+# --fp8-only skips megatrain's bf16 runs (FP8 A/B comparisons; no fp8/bf16 ratio then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"
@@ -22,6 +24,7 @@ extra=""
 fp8=""
 fp8_recipe=delayed
 fp8_extra=""
+fp8_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -33,9 +36,11 @@ while [ $# -gt 0 ]; do
     --fp8) fp8="$2"; shift 2 ;;
     --fp8-recipe) fp8_recipe="$2"; shift 2 ;;
     --fp8-extra) fp8_extra="$2"; shift 2 ;;
+    --fp8-only) fp8_only=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+if [ "$fp8_only" = 1 ] && [ -z "$fp8" ]; then echo "--fp8-only needs --fp8 e4m3|hybrid" >&2; exit 2; fi
 out=${OUT:-/tmp}/bench-$$
 mkdir -p "$out"
 
@@ -110,7 +115,9 @@ clock_summary() {
   echo "(SM clock median ${mhz} MHz, power median ${watts} W over ${n} busy samples)"
 }
 for name in "${names[@]}"; do
-  mt_line[$name]="$(clocked "$out/$name.megatrain.clocks" run_one "$name" "$out/$name.megatrain.log" "") $(clock_summary "$out/$name.megatrain.clocks")"
+  if [ "$fp8_only" = 0 ]; then
+    mt_line[$name]="$(clocked "$out/$name.megatrain.clocks" run_one "$name" "$out/$name.megatrain.log" "") $(clock_summary "$out/$name.megatrain.clocks")"
+  fi
   if [ -n "$fp8" ]; then
     fp8_line[$name]="$(clocked "$out/$name.megatrain-fp8.clocks" run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags") $(clock_summary "$out/$name.megatrain-fp8.clocks")"
   fi
@@ -124,10 +131,10 @@ fi
 echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 for name in "${names[@]}"; do
-  echo "$name megatrain: ${mt_line[$name]}"
+  if [ "$fp8_only" = 0 ]; then echo "$name megatrain: ${mt_line[$name]}"; fi
   if [ -n "$fp8" ]; then
     echo "$name megatrain fp8 ($fp8_flags): ${fp8_line[$name]}"
-    bf=$(tokens_per_s "${mt_line[$name]}"); f8=$(tokens_per_s "${fp8_line[$name]}")
+    bf=$(tokens_per_s "${mt_line[$name]:-}"); f8=$(tokens_per_s "${fp8_line[$name]}")
     if [ -n "$bf" ] && [ -n "$f8" ]; then
       echo "$name fp8/bf16 tokens/s: $(awk -v a="$f8" -v b="$bf" 'BEGIN { printf "%.3f", a / b }')x"
     fi

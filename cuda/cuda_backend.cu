@@ -491,15 +491,16 @@ cuda::SegmentArg CudaBackend::segment_arg(std::span<const OptimSegment> segments
 }
 
 namespace {
-// An FP8 model copy is written with each segment's scale and amax (all of them, or none).
+// An FP8 model copy is written with each segment's scale and amax (all of them); another copy
+// takes no scale (an amax is optional: OptimSegment::fp8_amax).
 void check_model_copy_segments(const Tensor& model, std::span<const OptimSegment> segments, const char* op) {
   const bool fp8 = !model.empty() && is_fp8(model.dtype);
   MT_CHECK(!fp8 || model.dtype == DType::fp8_e4m3, "{}: an FP8 model copy must be e4m3", op);
   MT_CHECK(!fp8 || !segments.empty(), "{}: an FP8 model copy needs segments with its scales", op);
   for (const OptimSegment& s : segments)
-    MT_CHECK(fp8 == (s.fp8_scale != nullptr) && fp8 == (s.fp8_amax != nullptr),
-             "{}: a segment {} an FP8 scale and amax for a {} model copy", op, fp8 ? "without" : "with",
-             model.empty() ? "missing" : dtype_name(model.dtype));
+    MT_CHECK(fp8 == (s.fp8_scale != nullptr) && (!fp8 || s.fp8_amax),
+             "{}: a segment {} an FP8 scale{} for a {} model copy", op, fp8 ? "without" : "with",
+             fp8 ? " and amax" : "", model.empty() ? "missing" : dtype_name(model.dtype));
 }
 }  // namespace
 

@@ -10,8 +10,10 @@
 // AdamW is Megatron's (Apex FusedAdam, adam_w_mode): g = grad * grad_scale;
 // m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p)
 // with bc = 1 - beta^step; the new p is also written to the bf16/fp16 model copy in the same pass,
-// or to an FP8 one (--fp8-param-gather) with each segment's scale, its max |p| into the segment's
-// amax (one atomic per chunk).
+// or to an FP8 one (--fp8-param-gather) with each segment's scale. A segment with an amax also gets
+// max |new weight| as the next FP8 cast of the weight reads it (one atomic per chunk): of p for an
+// FP8 copy (cast from the master weights) or without a copy, of the stored value for a bf16/fp16
+// copy (tensorwise scaling's weight casts then skip their amax pass).
 // SGD is torch.optim.SGD's: g = grad * grad_scale + wd p; buf = momentum buf + g; p -= lr buf.
 // grad is float32, or bfloat16 (--grad-reduce-in-bf16), each element converted to float32 on load.
 //
@@ -71,20 +73,29 @@ __device__ __forceinline__ void chunk_range(const SegmentArg& a, int64_t chunk, 
 }
 
 // The model copy's element type for an FP8 (e4m3) copy: each new master value p is stored as
-// e4m3(p * scale) (float32 product, round to nearest even, saturating: fp8_quantize's cast) and
-// max |p| goes to the segment's amax (OptimSegment::fp8_scale / fp8_amax).
+// e4m3(p * scale) (float32 product, round to nearest even, saturating: fp8_quantize's cast)
+// (OptimSegment::fp8_scale).
 struct Fp8Copy {};
 
-// The model copy's store of new master value p at element i (M: the copy's type; void: none).
-// amax: this thread's running max |p| (FP8 copies).
+// |new weight| as the weight's next FP8 cast reads it (OptimSegment::fp8_amax): the stored value
+// of a 16-bit copy, else p itself (an FP8 copy is cast from the master weights; without a copy
+// the parameters are the master weights).
 template <typename M>
-__device__ __forceinline__ void store_model(void* model, int64_t i, float p, float scale, float& amax) {
+__device__ __forceinline__ float cast_source_abs(float p) {
+  if constexpr (std::is_void_v<M> || std::is_same_v<M, Fp8Copy> || std::is_same_v<M, float>) return fabsf(p);
+  else return fabsf(to_float(from_float<M>(p)));
+}
+
+// The model copy's store of new master value p at element i (M: the copy's type; void: none).
+// track: the segment takes the amax; amax: this thread's running max (cast_source_abs).
+template <typename M>
+__device__ __forceinline__ void store_model(void* model, int64_t i, float p, float scale, bool track, float& amax) {
   if constexpr (std::is_same_v<M, Fp8Copy>) {
     static_cast<uint8_t*>(model)[i] = __nv_cvt_float_to_fp8(p * scale, __NV_SATFINITE, __NV_E4M3);
-    amax = fmaxf(amax, fabsf(p));
   } else if constexpr (!std::is_void_v<M>) {
     static_cast<M*>(model)[i] = from_float<M>(p);
   }
+  if (track) amax = fmaxf(amax, cast_source_abs<M>(p));
 }
 
 template <typename G>
@@ -101,7 +112,7 @@ struct AdamArgs {
 
 template <typename M, typename G>
 __device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, float lr, float wd, float scale,
-                                            float& amax) {
+                                            bool track, float& amax) {
   const float g = to_float(a.grad[i]) * a.grad_scale;
   const float m = a.beta1 * a.exp_avg[i] + (1.0f - a.beta1) * g;
   const float v = a.beta2 * a.exp_avg_sq[i] + (1.0f - a.beta2) * g * g;
@@ -111,28 +122,29 @@ __device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, flo
   a.exp_avg[i] = m;
   a.exp_avg_sq[i] = v;
   a.master[i] = p;
-  store_model<M>(a.model, i, p, scale, amax);
+  store_model<M>(a.model, i, p, scale, track, amax);
 }
 
 
 // Four model-copy values at element i (4-aligned; the copy 16-byte aligned): store_model of each.
 template <typename M>
-__device__ __forceinline__ void store_model4(void* model, int64_t i, const float4& v, float scale, float& amax) {
-  if constexpr (std::is_void_v<M>) {
-    return;
-  } else if constexpr (std::is_same_v<M, Fp8Copy>) {
+__device__ __forceinline__ void store_model4(void* model, int64_t i, const float4& v, float scale, bool track,
+                                             float& amax) {
+  if constexpr (std::is_same_v<M, Fp8Copy>) {
     const auto lo = static_cast<uint32_t>(
         __nv_cvt_float2_to_fp8x2(make_float2(v.x * scale, v.y * scale), __NV_SATFINITE, __NV_E4M3));
     const auto hi = static_cast<uint32_t>(
         __nv_cvt_float2_to_fp8x2(make_float2(v.z * scale, v.w * scale), __NV_SATFINITE, __NV_E4M3));
     *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(model) + i) = lo | (hi << 16);
-    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   } else if constexpr (std::is_same_v<M, float>) {
     *reinterpret_cast<float4*>(static_cast<float*>(model) + i) = v;
-  } else {
+  } else if constexpr (!std::is_void_v<M>) {
     M e[4] = {from_float<M>(v.x), from_float<M>(v.y), from_float<M>(v.z), from_float<M>(v.w)};
     *reinterpret_cast<uint2*>(static_cast<M*>(model) + i) = *reinterpret_cast<const uint2*>(e);
   }
+  if (track)
+    amax = fmaxf(amax, fmaxf(fmaxf(cast_source_abs<M>(v.x), cast_source_abs<M>(v.y)),
+                             fmaxf(cast_source_abs<M>(v.z), cast_source_abs<M>(v.w))));
 }
 
 // Four gradient values at p (16-byte aligned for float, 8-byte for bfloat16), as float32.
@@ -159,7 +171,7 @@ __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, 
 // buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
 template <typename M, typename G>
 __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, int64_t end, float lr, float wd,
-                                           bool vec, float scale, float& amax) {
+                                           bool vec, float scale, bool track, float& amax) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
     const int64_t nvec = (end - begin) / 4;
@@ -177,11 +189,12 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, 
       *reinterpret_cast<float4*>(a.exp_avg + i) = m;
       *reinterpret_cast<float4*>(a.exp_avg_sq + i) = v;
       *reinterpret_cast<float4*>(a.master + i) = p;
-      store_model4<M>(a.model, i, p, scale, amax);
+      store_model4<M>(a.model, i, p, scale, track, amax);
     }
     scalar_from = begin + 4 * nvec;
   }
-  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd, scale, amax);
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
+    adam_update<M>(a, i, lr, wd, scale, track, amax);
 }
 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
@@ -193,8 +206,9 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G> a, Seg
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     float amax = 0.0f;
-    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), amax);
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic(s.fp8_amax, amax);
+    const bool track = s.fp8_amax != nullptr;  // (block-uniform)
+    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), track, amax);
+    if (track) block_amax_atomic(s.fp8_amax, amax);
   }
 }
 
@@ -215,6 +229,7 @@ __global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, Segmen
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     const float lr = a.lr[s.group], wd = a.wd[s.group], scale = copy_scale(s);
+    const bool track = s.fp8_amax != nullptr;  // (block-uniform)
     float amax = 0.0f;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       float p = a.master[i];
@@ -225,9 +240,9 @@ __global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, Segmen
       }
       p -= lr * d;
       a.master[i] = p;
-      store_model<M>(a.model, i, p, scale, amax);
+      store_model<M>(a.model, i, p, scale, track, amax);
     }
-    if constexpr (std::is_same_v<M, Fp8Copy>) block_amax_atomic(s.fp8_amax, amax);
+    if (track) block_amax_atomic(s.fp8_amax, amax);
   }
 }
 

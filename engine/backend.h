@@ -112,9 +112,12 @@ struct OptimSegment {
   int64_t count = 0;
   int group = 0;  // index into the per-group lr / weight decay of AdamParams (at most 4 groups)
   // FP8 model copy (--fp8-param-gather: one FP8 weight's piece): the update writes
-  // e4m3(float(new master) * *fp8_scale) (float32 product, round to nearest even, saturating) and
-  // maxes max |new master| into *fp8_amax, as fp8_quantize of the new master weights would. Single
-  // float32 values in backend memory; null for a compute-dtype model copy.
+  // e4m3(float(new master) * *fp8_scale) (float32 product, round to nearest even, saturating).
+  // Single float32 values in backend memory; fp8_scale is null for a compute-dtype model copy.
+  // fp8_amax (required with fp8_scale, optional otherwise): the update also maxes |new weight| as
+  // the weight's next FP8 cast reads it into *fp8_amax: |new master| for an FP8 copy (cast from the
+  // master weights) or without a copy, |value stored| for a compute-dtype copy (tensorwise
+  // scaling's weight casts take that amax: Fp8TensorMeta::fresh). Bit-exact max |x| of that cast.
   const float* fp8_scale = nullptr;
   float* fp8_amax = nullptr;
   bool operator==(const OptimSegment&) const = default;

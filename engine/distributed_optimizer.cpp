@@ -28,11 +28,15 @@ void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& mode
   for (const Piece& k : pieces) {
     const ParamDesc& p = params[static_cast<size_t>(k.param)];
     const int g = optim_group(p, decoupled_lr);
+    const Tensor cast_amax = p.fp8_storage ? Tensor() : model.weight_cast_amax_slot(k.param);
     if (p.fp8_storage) {
       // An FP8 weight's piece: a segment of its own, cast with that weight's scale.
       const Fp8TensorMeta meta = model.fp8_param_meta(k.param);
       r.update.push_back(OptimSegment{k.offset, k.numel, g, meta.scale.ptr<float>(), meta.amax.ptr<float>()});
-    } else if (!r.update.empty() && r.update.back().group == g && !r.update.back().fp8_scale) {
+    } else if (!cast_amax.empty()) {
+      // A whole weight whose next tensorwise cast takes its amax from the update: a segment of its own.
+      r.update.push_back(OptimSegment{k.offset, k.numel, g, nullptr, cast_amax.ptr<float>()});
+    } else if (!r.update.empty() && r.update.back().group == g && !r.update.back().fp8_amax) {
       r.update.back().count = k.offset + k.numel - r.update.back().offset;
     } else {
       r.update.push_back(OptimSegment{k.offset, k.numel, g});

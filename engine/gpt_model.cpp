@@ -122,6 +122,8 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   if (const char* f = std::getenv("MEGATRAIN_FP8_NORM_CAST"); f && std::string(f) == "0") o.fp8_norm_cast = false;
   if (const char* f = std::getenv("MEGATRAIN_FP8_PRODUCER_AMAX"); f && std::string(f) == "0")
     o.fp8_producer_amax = false;
+  if (const char* f = std::getenv("MEGATRAIN_FP8_WEIGHT_AMAX"); f && std::string(f) == "0")
+    o.fp8_weight_amax_from_update = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -259,9 +261,11 @@ void GptModel::plan_params() {
   tp_partial_ = tp_partial_ranges(descs_);
   fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
   fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
-  fp8_param_gemm_.assign(descs_.size(), {-1, -1});
+  fp8_weight_amax_taken_.assign(static_cast<size_t>(d_.stage_layers()), 0);
+  fp8_weight_gemm_.assign(descs_.size(), {-1, -1});
   for (size_t i = 0; i < descs_.size(); ++i)
-    if (descs_[i].fp8_storage) fp8_param_gemm_[i] = {descs_[i].layer - d_.layer_begin, gemm_of(descs_[i])};
+    if (opt_.fp8.global_layer_fp8(descs_[i].layer) && gemm_of(descs_[i]) >= 0)
+      fp8_weight_gemm_[i] = {descs_[i].layer - d_.layer_begin, gemm_of(descs_[i])};
 }
 
 MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {
@@ -669,14 +673,31 @@ void GptModel::fp8_end_step() {
 }
 
 Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
-  const auto [local, g] = fp8_param_gemm_.at(static_cast<size_t>(i));
-  MT_CHECK(local >= 0, "{} is not an FP8 parameter", descs_.at(static_cast<size_t>(i)).name);
+  const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
+  MT_CHECK(descs_.at(static_cast<size_t>(i)).fp8_storage, "{} is not an FP8 parameter",
+           descs_.at(static_cast<size_t>(i)).name);
   Fp8TensorMeta m = fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
   // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
   // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
   m.recipe = Fp8Recipe::delayed;
   m.fresh = Tensor();  // (no amax slot: delayed casts take none)
   return m;
+}
+
+bool GptModel::weights_amax_from_update() const {
+  return opt_.fp8_producer_amax && opt_.fp8_weight_amax_from_update && opt_.fp8.recipe == Fp8Recipe::tensorwise &&
+         fp8_.any() && !fp8_params() && !grad_layout_.sharded;
+}
+
+Tensor GptModel::weight_cast_amax_slot(int i) const {
+  const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
+  if (local < 0 || !weights_amax_from_update()) return Tensor();
+  return fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w).fresh;
+}
+
+void GptModel::fp8_weights_updated() {
+  if (!weights_amax_from_update()) return;
+  for (int l = 0; l < d_.stage_layers(); ++l) fp8_weight_amax_taken_[static_cast<size_t>(l)] = fp8_layer(l) ? 1 : 0;
 }
 
 void GptModel::fp8_cast_shard(int b) {
@@ -737,10 +758,19 @@ void GptModel::fp8_refresh_weights(int local) {
   const LayerParams& P = layer_params_[static_cast<size_t>(local)];
   const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
   const Fp8Weights& c = fp8_w_[static_cast<size_t>(local)];
+  // The optimizer's last update took the weights' amaxes (weight_cast_amax_slot): this cast uses
+  // them, whether a training or an evaluation forward's; a later recast takes its own.
+  char& taken = fp8_weight_amax_taken_[static_cast<size_t>(local)];
   for (int g = 0; g < Fp8State::kGemms; ++g) {
-    if (is_fp8(w[g].dtype)) be_.fp8_transpose(c.q_t[g], c.q[g]);  // an FP8 parameter: cast by the optimizer
-    else be_.fp8_quantize(c.q[g], c.q_t[g], w[g], fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w));
+    if (is_fp8(w[g].dtype)) {
+      be_.fp8_transpose(c.q_t[g], c.q[g]);  // an FP8 parameter: cast by the optimizer
+      continue;
+    }
+    Fp8TensorMeta m = fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
+    m.fresh_taken = taken != 0;
+    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], m);
   }
+  taken = 0;
   fp8_fresh_[static_cast<size_t>(local)] = fresh;
 }
 

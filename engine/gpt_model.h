@@ -110,6 +110,10 @@ struct ModelOptions {
   // sequence parallelism). The same scales and bits either way. false
   // (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
   bool fp8_producer_amax = true;
+  // With fp8_producer_amax, the optimizer's update also takes the new weights' amaxes
+  // (GptModel::weight_cast_amax_slot). false (MEGATRAIN_FP8_WEIGHT_AMAX=0, A/B): the weight casts
+  // take their own.
+  bool fp8_weight_amax_from_update = true;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -186,6 +190,15 @@ class GptModel {
   void fp8_cast_shard(int b);
   // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
   Fp8TensorMeta fp8_param_meta(int i) const;
+  // Tensorwise FP8 (ModelOptions::fp8_producer_amax) where the optimizer's update covers whole
+  // weights (no distributed-optimizer shards) and they are not FP8 parameters: the update takes the
+  // amax of each FP8 layer's new linear weights into the amax slot of the weight's next cast
+  // (OptimSegment::fp8_amax, Fp8TensorMeta::fresh), and that cast skips its amax pass. The slot of
+  // params()[i], or empty where params()[i] is not such a weight.
+  Tensor weight_cast_amax_slot(int i) const;
+  // The optimizer's update ran with those slots (called after every update): the next cast of each
+  // FP8 layer's weights (training or evaluation, whichever comes first) takes them.
+  void fp8_weights_updated();
   // All FP8 parameters from the master weights (set-up time: after init_parameters or a checkpoint
   // load): the shards cast, then all-gathered over DP. fresh_state: a fresh FP8 state (a new run,
   // or a checkpoint without one), whose weights' scales first come from their own amax (over every
@@ -415,13 +428,16 @@ class GptModel {
   std::vector<Fp8Weights> fp8_w_;
   std::vector<char> fp8_fresh_;  // per local layer: the weight cache holds this step's weights
                                  // (1: cast in training, amax recorded; 2: cast by an evaluation)
+  std::vector<char> fp8_weight_amax_taken_;  // per local layer: the update took the weights' amaxes
+  bool weights_amax_from_update() const;     // see weight_cast_amax_slot
   bool fp8_training_ = true;     // the forward at hand is a training one (records amaxes)
   bool fp8_keep_inputs_now_ = true;  // false in the first forward of a recomputed layer (see linear_fwd)
   Tensor fp8_xq_, fp8_xq_t_, fp8_dyq_, fp8_dyq_t_;
-  // FP8 parameters: the FP8 region of the flat buffers, each parameter's (local layer, GEMM) (-1
-  // elsewhere), and the workspace compute_weight dequantizes into (delayed scaling only).
+  // FP8 parameters: the FP8 region of the flat buffers and the workspace compute_weight
+  // dequantizes into (delayed scaling only). Per parameter: the (local layer, GEMM) of an FP8
+  // layer's linear weight, (-1, -1) elsewhere.
   Tensor fp8_params_, fp8_w_compute_;
-  std::vector<std::pair<int, int>> fp8_param_gemm_;
+  std::vector<std::pair<int, int>> fp8_weight_gemm_;
 };
 
 }  // namespace mt

@@ -173,6 +173,7 @@ StepOutcome Optimizer::step(int64_t iteration) {
     }
     reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
     rescale_fp8_params();
+    for (GptModel* m : chunks_) m->fp8_weights_updated();  // (the update took the weights' amaxes)
   }
   if (param_gather_) {
     const ScopedTimer timed(timer, "params-all-gather");

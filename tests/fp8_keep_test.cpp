@@ -133,11 +133,13 @@ TEST_CASE("fp8 norm cast: casting the QKV and fc1 inputs from the norms' statist
 }
 
 // Tensorwise scaling: the norm statistics take the amax of the output their FP8 cast reads, the
-// norm backwards that of the proj / fc2 output gradients they write (ModelOptions::
-// fp8_producer_amax), so those casts skip their amax pass. The reference backend checks every such
-// amax against the cast's own max |x|, bit for bit; here training must also equal the run where
-// every cast takes its own, and the taken path must have run (none with hidden dropout for the
-// gradients, and none at all under full recompute... of the norms' forward only where kept).
+// norm backwards that of the proj / fc2 output gradients they write, the optimizer's update that of
+// the new weights (ModelOptions::fp8_producer_amax), so those casts skip their amax pass. The
+// reference backend checks every such amax against the cast's own max |x|, bit for bit; here
+// training must also equal the run where every cast takes its own, and the taken path must have run
+// (none with hidden dropout for the gradients). With evaluations between steps the first weight
+// cast after an update is an evaluation's: it takes the update's amaxes, the training forward's recast
+// takes its own (a mis-pairing would fail the reference's check).
 TEST_CASE("fp8 tensorwise: amaxes taken by the ops that write the cast sources train bit-identically",
           "[fp8][engine][train]") {
   struct Case {
@@ -146,6 +148,7 @@ TEST_CASE("fp8 tensorwise: amaxes taken by the ops that write the cast sources t
     bool full_recompute;
     double hidden_dropout;
     int64_t taken_per_layer_step;  // casts per layer per micro-batch that use a producer's amax
+    bool evaluate = false;         // one evaluation micro-batch after every second step
   };
   // Per layer and micro-batch: the QKV and fc1 input casts (2), proj's output gradient (1) and
   // fc2's (1, not in the last layer: the final norm's backward runs with the head's, see
@@ -155,6 +158,7 @@ TEST_CASE("fp8 tensorwise: amaxes taken by the ops that write the cast sources t
       {"Llama", test::tiny_llama_config(), false, 0.0, 4},
       {"GPT, hidden dropout", test::tiny_gpt_config(), false, 0.1, 2},
       {"Llama, full recompute", test::tiny_llama_config(), true, 0.0, 6},
+      {"GPT, evaluations", test::tiny_gpt_config(), false, 0.0, 4, true},
   };
   for (const Case& k : cases) {
     INFO(k.name);
@@ -166,12 +170,21 @@ TEST_CASE("fp8 tensorwise: amaxes taken by the ops that write the cast sources t
       c.train.recompute_method = RecomputeMethod::uniform;
       c.train.recompute_num_layers = 1;
     }
+    if (k.evaluate) {
+      c.train.eval_iters = 1;
+      c.train.eval_interval = 2;
+    }
     const Run taken = test::train_fp8(c, true, true, true), own = test::train_fp8(c, true, true, false);
     check_identical(taken, own);
     CHECK(own.amaxes_taken == 0);
     const int64_t layers = c.model.num_layers, micro = *c.train.global_batch_size / c.train.micro_batch_size;
+    const int64_t iters = *c.train.train_iters;
     const int64_t fc2_missing = k.hidden_dropout > 0 ? 0 : 1;  // the last layer's fc2
-    CHECK(taken.amaxes_taken == (k.taken_per_layer_step * layers - fc2_missing) * micro * *c.train.train_iters);
+    // The four weights of each layer once per update (the first step's casts take their own).
+    const int64_t weights = Fp8State::kGemms * layers * (iters - 1);
+    const int64_t training = (k.taken_per_layer_step * layers - fc2_missing) * micro * iters + weights;
+    if (k.evaluate) CHECK(taken.amaxes_taken > training);  // (the evaluations' norm casts too)
+    else CHECK(taken.amaxes_taken == training);
   }
 }
 

@@ -43,7 +43,7 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);
   Recorder rep;
-  Trainer trainer(cfg, ps, model, *data.train, nullptr, rep);
+  Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), rep);  // (evaluates with cfg's eval_iters)
   trainer.train();
   run.losses = trainer.loss_history();
   run.grad_norms = rep.grad_norms;

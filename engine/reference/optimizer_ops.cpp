@@ -18,8 +18,9 @@ void check_optimizer_grad(const Tensor& master, const Tensor& grad, const char* 
 }
 
 // Where an update writes its new master weights: the compute-dtype model copy (one rounding), or
-// an FP8 one (OptimSegment::fp8_scale: fp8_quantize's cast of the float32 value, whose |value|
-// maxes into the segment's amax once per block of the segment).
+// an FP8 one (OptimSegment::fp8_scale: fp8_quantize's cast of the float32 value). A segment with an
+// amax (OptimSegment::fp8_amax) also gets max |new weight| as its next FP8 cast reads it, once per
+// block of the segment: the stored value of a compute-dtype copy, else the value itself.
 class ModelCopy {
  public:
   ModelCopy(const Tensor& model, const OptimSegment& s, const char* op) : out_(model), s_(s) {
@@ -29,13 +30,17 @@ class ModelCopy {
     MT_CHECK(fp8_ || !s.fp8_scale, "{}: a segment with an FP8 scale, but a {} model copy", op, dtype_name(model.dtype));
   }
   void set(int64_t i, float value, float& block_amax) const {
-    if (out_.empty()) return;
-    if (!fp8_) return out_.set(i, value);
-    static_cast<uint8_t*>(out_.p)[i] = float_to_fp8_bits(DType::fp8_e4m3, value * *s_.fp8_scale);
-    block_amax = std::max(block_amax, std::fabs(value));
+    float read = value;  // what the weight's next cast reads
+    if (fp8_) {
+      static_cast<uint8_t*>(out_.p)[i] = float_to_fp8_bits(DType::fp8_e4m3, value * *s_.fp8_scale);
+    } else if (!out_.empty()) {
+      out_.set(i, value);
+      read = static_cast<float>(out_.get(i));
+    }
+    if (s_.fp8_amax) block_amax = std::max(block_amax, std::fabs(read));
   }
   void finish_block(float block_amax) const {
-    if (!fp8_) return;
+    if (!s_.fp8_amax) return;
     const std::lock_guard<std::mutex> lock(mutex_);
     *s_.fp8_amax = std::max(*s_.fp8_amax, block_amax);
   }

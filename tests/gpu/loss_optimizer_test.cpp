@@ -290,6 +290,64 @@ TEST_CASE("cuda adamw_step and sgd_step into an FP8 model copy", "[gpu][optimize
                     Catch::Contains("FP8 scale"));
 }
 
+// Tensorwise FP8 without FP8 parameters: segments with an amax (OptimSegment::fp8_amax, no scale)
+// get max |new weight| as the weight's cast will read it: the stored bf16/fp16 value, or the float32
+// master itself without a copy; segments without one, and the bytes of the copy, are as ever.
+TEST_CASE("cuda adamw_step and sgd_step take the amax of the weights they write", "[gpu][optimizer][fp8]") {
+  MT_RNG(rng);
+  const int64_t n = 100003;
+  const OptimStepParams p = step_params();
+  const float amax_before = 0.125f;  // kept where the new values stay below it
+  for (int count : {5, 40}) {        // inline and registered segment lists
+    const std::vector<OptimSegment> plain = segments_with_gaps(rng, count, n, 3);
+    for (DType model_dt : {DType::bf16, DType::f16, DType::u8 /* u8: no model copy */}) {
+      for (bool adam : {true, false}) {
+        INFO(count << " segments, model copy " << dtype_name(model_dt) << ", " << (adam ? "adamw" : "sgd"));
+        Twin am = twin_same(DType::f32, {count}, std::vector<double>(static_cast<size_t>(count), amax_before));
+        auto with_amax = [&](const Tensor& amax) {  // every other segment takes an amax
+          std::vector<OptimSegment> s = plain;
+          for (int k = 0; k < count; k += 2) s[static_cast<size_t>(k)].fp8_amax = amax.ptr<float>() + k;
+          return s;
+        };
+        const std::vector<OptimSegment> dsegs = with_amax(am.c()), rsegs = with_amax(am.r());
+        if (count > 24) dev().register_optim_segments(dsegs);  // (cuda/kernels.h: kInlineSegments)
+        Twin w = twin(DType::f32, {n}, rng.normal(n, 0.05)), g = twin(DType::f32, {n}, rng.normal(n, 0.01));
+        Twin m = twin(DType::f32, {n}, rng.normal(n, 0.001)), v = twin(DType::f32, {n}, rng.uniform(n, 0.0, 1e-4));
+        const bool copy = model_dt != DType::u8;
+        const int64_t model_n = copy ? n : 1;
+        Twin model = twin_same(copy ? model_dt : DType::f32, {model_n},
+                               std::vector<double>(static_cast<size_t>(model_n), 7.0));
+        const Tensor mc = copy ? model.c() : Tensor(), mr = copy ? model.r() : Tensor();
+        if (adam) {
+          dev().adamw_step(w.c(), g.c(), m.c(), v.c(), mc, dsegs, p);
+          ref().adamw_step(w.r(), g.r(), m.r(), v.r(), mr, rsegs, p);
+        } else {
+          dev().sgd_step(w.c(), g.c(), m.c(), mc, dsegs, p);
+          ref().sgd_step(w.r(), g.r(), m.r(), mr, rsegs, p);
+        }
+        MT_CHECK_CLOSE(w, 1e-6);
+        // Each backend's amaxes against its own stored weights (the cast's source), bit for bit.
+        for (Backend* be : {&dev(), &ref()}) {
+          const bool on_dev = be == &dev();
+          const std::vector<double> src = download(*be, copy ? (on_dev ? mc : mr) : (on_dev ? w.c() : w.r()));
+          const std::vector<double> a = download(*be, on_dev ? am.c() : am.r());
+          int64_t wrong = 0;
+          for (int k = 0; k < count; ++k) {
+            float expect = amax_before;
+            const OptimSegment& seg = plain[static_cast<size_t>(k)];
+            if (k % 2 == 0)
+              for (int64_t i = seg.offset; i < seg.offset + seg.count; ++i)
+                expect = std::max(expect, std::fabs(static_cast<float>(src[static_cast<size_t>(i)])));
+            wrong += static_cast<float>(a[static_cast<size_t>(k)]) != expect;
+          }
+          CHECK(wrong == 0);
+        }
+        if (copy) CHECK(differing(download_bytes(dev(), mc), download_bytes(ref(), mr), 2) <= n / 1000);
+      }
+    }
+  }
+}
+
 namespace {
 // The gradient-norm tests' values: normal(0, 0.1) with 5% +0 and 5% -0 (count_zeros counts both).
 std::vector<double> values_with_zeros(Rng& rng, int64_t n) {
