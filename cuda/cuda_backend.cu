@@ -355,10 +355,11 @@ void CudaBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor res
   MT_PROFILE_OP("bias_dropout_add {}{}", x.shape_string(), dropout_p > 0 ? " +dropout" : "");
   cuda::bias_dropout_add(context(), out, x, bias, residual, dropout_p, dropout_key);
 }
-void CudaBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) {
-  on_device("dropout_backward", dx, dout);
-  MT_PROFILE_OP("dropout_backward {}", dx.shape_string());
-  cuda::dropout_backward(context(), dx, dout, dropout_p, dropout_key);
+void CudaBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key, Tensor dx_amax) {
+  on_device("dropout_backward", dx, dout, dx_amax);
+  MT_PROFILE_OP("dropout_backward {}{}", dx.shape_string(), dx_amax.empty() ? "" : " +amax");
+  cuda::dropout_backward(context(), dx, dout, dropout_p, dropout_key,
+                         cuda::amax_slot_ptr(dx_amax, "dropout_backward", "dx_amax"));
 }
 
 // ---- rotary embeddings --------------------------------------------------------------------------
@@ -367,10 +368,10 @@ void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, con
   MT_PROFILE_OP("rope_forward {}", qkv.shape_string());
   cuda::rope(context(), qkv, positions, cos_sin, r, false);
 }
-void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
-  on_device("rope_backward", dqkv, positions, cos_sin);
-  MT_PROFILE_OP("rope_backward {}", dqkv.shape_string());
-  cuda::rope(context(), dqkv, positions, cos_sin, r, true);
+void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r, Tensor dqkv_amax) {
+  on_device("rope_backward", dqkv, positions, cos_sin, dqkv_amax);
+  MT_PROFILE_OP("rope_backward {}{}", dqkv.shape_string(), dqkv_amax.empty() ? "" : " +amax");
+  cuda::rope(context(), dqkv, positions, cos_sin, r, true, cuda::amax_slot_ptr(dqkv_amax, "rope_backward", "dqkv_amax"));
 }
 
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------

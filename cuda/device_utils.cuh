@@ -128,6 +128,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// |v| after rounding to T (what a kernel stores), for the amaxes tensorwise FP8 casts take from
+// the kernels that write their sources.
+template <typename T>
+__device__ __forceinline__ float stored_abs(float v) {
+  return fabsf(to_float(from_float<T>(v)));
+}
+
 // The block's max of non-negative values (blockDim.x a multiple of 32, at most 1024), maxed into
 // *amax by one atomicMax of the float bits (for v >= 0 int order is float order). Every thread of
 // the block calls it, and may call it again (the optimizer update, once per chunk of a segment).

@@ -46,6 +46,16 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
+  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
+           op, what, amax.shape_string());
+}
+
+float* amax_slot_ptr(const Tensor& amax, const char* op, const char* what) {
+  check_amax_slot(amax, op, what);
+  return amax.empty() ? nullptr : amax.ptr<float>();
+}
+
 void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
   MT_CHECK(a.numel() == b.numel(), "{}: element counts differ: {} vs {}", what, a.shape_string(), b.shape_string());
 }
@@ -296,14 +306,21 @@ __global__ void bias_dropout_add_kernel(T* out, const T* x, const T* bias, const
   }
 }
 
+// amax (optional): max |dx as stored| maxed into it (elements past n are zeros of the partial load).
 template <typename T, bool VEC>
-__global__ void dropout_backward_kernel(T* dx, const T* dout, int64_t n, float p, float keep_scale, uint64_t key) {
+__global__ void dropout_backward_kernel(T* dx, const T* dout, int64_t n, float p, float keep_scale, uint64_t key,
+                                        float* amax) {
+  float m = 0.0f;
   MT_FLAT_LOOP(n) {
     Floats<kN> v = ld<VEC>(dout, base, n);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) v.v[j] *= dropout_factor(key, base + j, p, keep_scale);
+    for (int j = 0; j < kN; ++j) {
+      v.v[j] *= dropout_factor(key, base + j, p, keep_scale);
+      m = fmaxf(m, stored_abs<T>(v.v[j]));
+    }
     st<VEC>(dx, base, n, v);
   }
+  if (amax) block_amax_atomic(amax, m);
 }
 
 __global__ void add_f32_kernel(float* dst, const float* src, int64_t n) {
@@ -609,7 +626,7 @@ void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bia
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key) {
+void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key, float* dx_amax) {
   check_same_numel(dx, dout, "dropout_backward");
   MT_CHECK(dx.dtype == dout.dtype, "dropout_backward: dtypes differ");
   const int64_t n = dx.numel();
@@ -618,7 +635,7 @@ void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p,
   MT_DISPATCH_FLOAT(dx.dtype, T, "dropout_backward", {
     with_vec(all_aligned({dx.data, dout.data}), [&]<bool V>() {
       dropout_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(dx.ptr<T>(), dout.ptr<const T>(), n,
-                                                                                  p, keep_scale, key);
+                                                                                  p, keep_scale, key, dx_amax);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

@@ -88,7 +88,11 @@ void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_
 void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx);
 void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
                       uint64_t key);
-void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key);
+void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key, float* dx_amax = nullptr);
+// An optional amax slot of a tensorwise FP8 cast's producer (Fp8TensorMeta::fresh): empty, or
+// float32 [1] (else a clear error naming op and what); amax_slot_ptr gives its pointer (or null).
+void check_amax_slot(const Tensor& amax, const char* op, const char* what);
+float* amax_slot_ptr(const Tensor& amax, const char* op, const char* what);
 // dst[i] += src[i] (float32, n elements).
 void add_f32(const KernelContext& ctx, float* dst, const float* src, int64_t n);
 // dst[i] += src[i] for a parameter gradient dst (n elements): float32 as add_f32; bfloat16 the float32
@@ -128,7 +132,9 @@ void embedding_backward(const KernelContext& ctx, Tensor dwte, Tensor dwpe, Tens
 
 // ---- rope_kernels.cu ---------------------------------------------------------------------------
 // backward = rotate by -angle (the transpose of the forward rotation).
-void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward);
+// amax (optional): max |qkv as stored| after the pass, over all of it (for a tensorwise FP8 cast).
+void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward,
+          float* amax = nullptr);
 
 // ---- cross_entropy_kernels.cu ------------------------------------------------------------------
 void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,

@@ -93,11 +93,6 @@ struct NormForwardArgs {
   float* out_amax = nullptr;  // max |out| as stored (written or not), one atomicMax per block
 };
 
-// |v| after rounding to T (what a kernel stores), for the amaxes the FP8 casts take from here.
-template <typename T>
-__device__ __forceinline__ float stored_abs(float v) {
-  return fabsf(to_float(from_float<T>(v)));
-}
 
 // Teams are at most kMaxTeam threads: the launch bound caps registers at 128 per thread, so every
 // instance launches with a block that large (the backward instances would need more otherwise).
@@ -961,11 +956,6 @@ QkHeads qk_layout(const Tensor& qkv, const RopeShape& r, const char* what) {
   QkHeads L{r.groups * (hpg + 1), hpg, r.head_dim, r.groups * (hpg + 2) * r.head_dim};
   MT_CHECK(qkv.cols() == L.row_width, "{}: packed qkv {} must have {} columns", what, qkv.shape_string(), L.row_width);
   return L;
-}
-
-void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
-  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
-           op, what, amax.shape_string());
 }
 
 }  // namespace

@@ -83,7 +83,7 @@ struct Fp8Copy {};
 template <typename M>
 __device__ __forceinline__ float cast_source_abs(float p) {
   if constexpr (std::is_void_v<M> || std::is_same_v<M, Fp8Copy> || std::is_same_v<M, float>) return fabsf(p);
-  else return fabsf(to_float(from_float<M>(p)));
+  else return stored_abs<M>(p);
 }
 
 // The model copy's store of new master value p at element i (M: the copy's type; void: none).

@@ -2,7 +2,8 @@
 // per KV group [q: heads/groups * d][k: d][v: d]); v is untouched. Only the first rot_dim dims of
 // each head rotate (--rotary-percent). Pairs are (i, i + rot_dim/2) (Llama's rotate-half) or
 // (2i, 2i+1) (interleaved); pair i turns by the angle whose cos/sin sit in cos_sin[position].
-// The backward pass turns the gradient back by the same angle (the rotation's transpose).
+// The backward pass turns the gradient back by the same angle (the rotation's transpose), and can
+// take max |dqkv as stored| over whole rows (v and unrotated dims too) for a tensorwise FP8 cast.
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -14,10 +15,12 @@ namespace {
 
 // One block per token row; each thread turns P consecutive pairs of one head: P = 16 bytes of
 // elements when the row, head and table layout allow 16-byte accesses, else 1.
+// amax (optional): the row's max |value| after the rotation, read back once the block's stores are
+// done, maxed into *amax.
 template <typename T, int P>
 __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, const float* cos_sin, int64_t row_stride,
                             int q_per_group, int head_dim, int rot_dim, int rotated_heads, bool interleaved,
-                            float sin_sign) {
+                            float sin_sign, float* amax) {
   const int64_t row = blockIdx.x;
   const int half = rot_dim / 2, per_head = half / P;
   const int64_t pos = positions64 ? static_cast<const int64_t*>(positions)[row]
@@ -57,11 +60,17 @@ __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, con
       store_vec<P>(x + half + i0, rb);
     }
   }
+  if (!amax) return;
+  __syncthreads();  // the block's stores to this row are visible to all its threads
+  float m = 0.0f;
+  for (int64_t i = threadIdx.x; i < row_stride; i += blockDim.x) m = fmaxf(m, fabsf(to_float(base[i])));
+  block_amax_atomic(amax, m);
 }
 
 }  // namespace
 
-void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward) {
+void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward,
+          float* amax) {
   const char* what = backward ? "rope_backward" : "rope_forward";
   MT_CHECK(r.groups > 0 && r.heads % r.groups == 0, "{}: heads {} not a multiple of groups {}", what, r.heads, r.groups);
   MT_CHECK(r.rot_dim > 0 && r.rot_dim % 2 == 0 && r.rot_dim <= r.head_dim, "{}: rot_dim {} (head_dim {})", what,
@@ -86,7 +95,7 @@ void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin
     auto launch = [&](auto kernel) {
       kernel<<<static_cast<unsigned>(rows), block, 0, ctx.stream>>>(
           qkv.ptr<T>(), positions.data, positions.dtype == DType::i64, cos_sin.ptr<const float>(), stride, q_per_group,
-          r.head_dim, r.rot_dim, rotated_heads, r.interleaved, backward ? -1.0f : 1.0f);
+          r.head_dim, r.rot_dim, rotated_heads, r.interleaved, backward ? -1.0f : 1.0f, amax);
     };
     if (vec) launch(rope_kernel<T, kP>);
     else launch(rope_kernel<T, 1>);

@@ -359,12 +359,17 @@ class Backend {
                                 uint64_t dropout_key) = 0;
   // dx = dout * mask / (1 - p), the mask redrawn from the same key (nothing is stored). dx may alias
   // dout; the model also uses it as the forward of a plain dropout (embedding dropout).
-  virtual void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) = 0;
+  // dx_amax (optional float32 [1]) = max(dx_amax, max |dx| as stored), as norm_backward's.
+  virtual void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key,
+                                Tensor dx_amax = Tensor()) = 0;
 
   // ---- rotary embeddings (in place on the q and k parts of packed QKV) -------------------
   // cos_sin: float32 [max_positions, rot_dim]: cos of the rot_dim/2 frequencies, then their sin.
   virtual void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
-  virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
+  // dqkv_amax (optional float32 [1]) = max(dqkv_amax, max |dqkv| as stored after the pass, over
+  // all of it: v and the unrotated dims too), for the tensorwise FP8 cast of QKV's output gradient.
+  virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r,
+                             Tensor dqkv_amax = Tensor()) = 0;
 
   // ---- attention (causal, GQA, flash-style: the s x s scores never go to memory) ----------
   // out[N, heads*d]; lse float32 [b, heads, s] (log-sum-exp of each score row, for backward).

@@ -811,6 +811,20 @@ Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const 
   return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.meta(local, g, Fp8State::dy).fresh : Tensor();
 }
 
+Tensor GptModel::dy_amax_from_dropout(int local, Fp8State::Gemm g) const {
+  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
+      d_.hidden_dropout <= 0 || d_.sequence_parallel)
+    return Tensor();
+  return fp8_.meta(local, g, Fp8State::dy).fresh;
+}
+
+Tensor GptModel::qkv_dy_amax_from_rope(int local) const {
+  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
+      d_.position != PositionEmbedding::rope || d_.qk_norm)
+    return Tensor();
+  return fp8_.meta(local, Fp8State::qkv, Fp8State::dy).fresh;
+}
+
 void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
                           Activation act, Tensor pre_act, const NormInput* norm) {
   MT_CHECK(!norm || fp8_gemms(local), "layer {}: an FP8 cast from a norm outside FP8 GEMMs", d_.layer_begin + local);
@@ -1042,11 +1056,12 @@ Tensor GptModel::reduce_rows(Tensor full) {
 
 // The gradient entering a row-parallel linear layer from its bias + dropout + residual output:
 // dropout's backward of `local` (p > 0), then with SP gathered to all N rows (in ws_->gT).
-Tensor GptModel::expand_grad(Tensor local, float p, uint64_t key) {
+Tensor GptModel::expand_grad(Tensor local, float p, uint64_t key, Tensor amax) {
   const Workspace& w = *ws_;
+  MT_CHECK(amax.empty() || (p > 0 && !d_.sequence_parallel), "expand_grad: an amax without dropout or with SP");
   if (!d_.sequence_parallel) {
     if (p <= 0) return local;
-    be_.dropout_backward(w.gT, local, p, key);
+    be_.dropout_backward(w.gT, local, p, key, amax);
     return w.gT;
   }
   Tensor mine = local_rows(w.gT);
@@ -1288,7 +1303,8 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   // gradients come after them. FP8 layers with kept inputs (fp8_kept_inputs) need neither for
   // their weight gradients.
   const bool kept = fp8_kept_inputs(local);
-  const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2));
+  const Tensor fc2_dy_amax = dy_amax_from_dropout(local, Fp8State::fc2);
+  const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2), fc2_dy_amax);
   // fc2's and proj's bias gradients where the norm backwards that produce their output gradients
   // took them (fc2: the next layer's or the final norm's; proj: ln2's below).
   const Tensor fc2_db = fc2_bias_grad_from_norm(local) ? Tensor() : G.fc2_b;
@@ -1296,7 +1312,8 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const Tensor proj_db = proj_db_from_norm ? Tensor() : G.proj_b;
   Tensor d_fc1;  // gradient of fc1's output
   bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
-  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b, dy_amax_from_norm(s, local, Fp8State::fc2));
+  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b,
+                     dy_amax_from_norm(s, local, Fp8State::fc2) || !fc2_dy_amax.empty());
   if (d_.swiglu && kept) {
     // FP8 with kept inputs: fc1's output gradient [dgate | dup] is cast to FP8 straight from fc2's
     // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
@@ -1369,17 +1386,20 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   }
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
-  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
-  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b, dy_amax_from_norm(s, local, Fp8State::proj));
+  const Tensor proj_dy_amax = dy_amax_from_dropout(local, Fp8State::proj);
+  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1), proj_dy_amax);
+  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b,
+                     dy_amax_from_norm(s, local, Fp8State::proj) || !proj_dy_amax.empty());
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
+  const Tensor qkv_dy_amax = qkv_dy_amax_from_rope(local);
+  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs, qkv_dy_amax);
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b, !qkv_dy_amax.empty());
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
   const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
   if (d_.sequence_parallel) {

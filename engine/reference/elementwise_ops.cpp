@@ -133,7 +133,7 @@ void ReferenceBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tenso
   });
 }
 
-void ReferenceBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key) {
+void ReferenceBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key, Tensor dx_amax) {
   const int64_t n = dout.numel();
   check_numel(dx, n, "dropout_backward", "dx");
   check_same_dtype(dout, dx, "dropout_backward");
@@ -149,6 +149,7 @@ void ReferenceBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p,
       }
     });
   });
+  max_abs_into(dx_amax, dx, "dropout_backward");
 }
 
 }  // namespace mt::reference

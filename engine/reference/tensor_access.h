@@ -89,6 +89,18 @@ inline void check_numel(const Tensor& t, int64_t n, const char* op, const char* 
   MT_CHECK(t.numel() == n, "{}: {} has {} elements, expected {}", op, what, t.numel(), n);
 }
 
+// *amax = max(*amax, max |x| as stored) (amax: optional, float32 [1]; NaN is not a maximum): the
+// amax an op takes for the tensorwise FP8 cast of what it wrote (Fp8TensorMeta::fresh).
+inline void max_abs_into(Tensor amax, const Tensor& x, const char* op) {
+  if (amax.empty()) return;
+  MT_CHECK(amax.dtype == DType::f32 && amax.numel() == 1, "{}: the amax must be a float32 [1] tensor, got {} {}", op,
+           dtype_name(amax.dtype), amax.shape_string());
+  const Floats f(x);
+  float m = *amax.ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) m = std::fmax(m, std::fabs(static_cast<float>(f.get(i))));
+  *amax.ptr<float>() = m;
+}
+
 // Elements selected by optimizer segments: all of x when segments is empty.
 template <typename F>
 void for_each_segment(const Tensor& x, std::span<const OptimSegment> segments, F&& f) {

@@ -225,10 +225,13 @@ TEST_CASE("cuda bias_dropout_add and dropout_backward draw the reference's mask"
         dev().bias_dropout_add(res.c(), x.c(), Tensor(), res.c(), p, key);
         ref().bias_dropout_add(res.r(), x.r(), Tensor(), res.r(), p, key);
         MT_CHECK_CLOSE(res, tol_for(dt));
-        Twin dx = twin_nan(dt, s);
-        dev().dropout_backward(dx.c(), x.c(), p, key);
-        ref().dropout_backward(dx.r(), x.r(), p, key);
+        // With the amax a tensorwise FP8 cast of dx takes: max |dx| as stored, maxed into the slot.
+        Twin dx = twin_nan(dt, s), amax = twin_same(DType::f32, {1}, {0.125});
+        dev().dropout_backward(dx.c(), x.c(), p, key, amax.c());
+        ref().dropout_backward(dx.r(), x.r(), p, key, amax.r());
         MT_CHECK_CLOSE(dx, tol_for(dt));
+        CHECK(static_cast<float>(download(dev(), amax.c())[0]) == max_abs_of(dev(), dx.c(), 0.125f));
+        CHECK(static_cast<float>(download(ref(), amax.r())[0]) == max_abs_of(ref(), dx.r(), 0.125f));
         if (p > 0 && n >= 100000) {  // the kept fraction is 1 - p
           int64_t kept = 0;
           for (double v : download(dev(), dx.c())) kept += v != 0.0;

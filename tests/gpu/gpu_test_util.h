@@ -113,6 +113,14 @@ inline int64_t numel(const Shape& s) {
   return n;
 }
 
+// max(start, max |x| as stored) over a tensor of `be`: what an op's amax slot (a tensorwise FP8
+// cast's producer, Fp8TensorMeta::fresh) holding `start` must hold after the op wrote x.
+inline float max_abs_of(Backend& be, const Tensor& x, float start) {
+  float m = start;
+  for (double e : download(be, x)) m = std::fmax(m, static_cast<float>(std::fabs(e)));
+  return m;
+}
+
 // An FP8 cast's scaling state of three float32 [1] tensors (no amax slot, margin 0).
 inline Fp8TensorMeta meta_of(Tensor scale, Tensor scale_inv, Tensor amax, Fp8Recipe recipe) {
   Fp8TensorMeta m;
