@@ -46,16 +46,6 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
-  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
-           op, what, amax.shape_string());
-}
-
-float* amax_slot_ptr(const Tensor& amax, const char* op, const char* what) {
-  check_amax_slot(amax, op, what);
-  return amax.empty() ? nullptr : amax.ptr<float>();
-}
-
 void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
   MT_CHECK(a.numel() == b.numel(), "{}: element counts differ: {} vs {}", what, a.shape_string(), b.shape_string());
 }
@@ -362,6 +352,16 @@ void with_vec(bool aligned, F&& f) {
 }
 
 }  // namespace
+
+void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
+  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
+           op, what, amax.shape_string());
+}
+
+float* amax_slot_ptr(const Tensor& amax, const char* op, const char* what) {
+  check_amax_slot(amax, op, what);
+  return amax.empty() ? nullptr : amax.ptr<float>();
+}
 
 // ---- launchers -----------------------------------------------------------------------------------
 void fill(const KernelContext& ctx, Tensor t, double value) {
