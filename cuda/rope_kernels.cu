@@ -15,8 +15,9 @@ namespace {
 
 // One block per token row; each thread turns P consecutive pairs of one head: P = 16 bytes of
 // elements when the row, head and table layout allow 16-byte accesses, else 1.
-// amax (optional): the row's max |value| after the rotation, read back once the block's stores are
-// done, maxed into *amax.
+// amax (optional): the row's max |value as stored| after the rotation (the rotated pairs as
+// written, then the elements the rotation leaves: each group's v head and the unrotated dims of
+// q/k heads), maxed into *amax.
 template <typename T, int P>
 __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, const float* cos_sin, int64_t row_stride,
                             int q_per_group, int head_dim, int rot_dim, int rotated_heads, bool interleaved,
@@ -27,6 +28,7 @@ __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, con
                                   : static_cast<const int32_t*>(positions)[row];
   const float* cs = cos_sin + pos * rot_dim;
   T* base = qkv + row * row_stride;
+  float m = 0.0f;
   for (int t = threadIdx.x; t < rotated_heads * per_head; t += blockDim.x) {
     const int head = t / per_head, i0 = (t % per_head) * P;
     const int group = head / (q_per_group + 1), in_group = head % (q_per_group + 1);  // q heads, then k
@@ -49,6 +51,7 @@ __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, con
     for (int j = 0; j < P; ++j) {
       ra.v[j] = a.v[j] * c.v[j] - b.v[j] * s.v[j];
       rb.v[j] = b.v[j] * c.v[j] + a.v[j] * s.v[j];
+      if (amax) m = fmaxf(m, fmaxf(stored_abs<T>(ra.v[j]), stored_abs<T>(rb.v[j])));
     }
     if (interleaved) {
       Floats<2 * P> v;
@@ -61,9 +64,19 @@ __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, con
     }
   }
   if (!amax) return;
-  __syncthreads();  // the block's stores to this row are visible to all its threads
-  float m = 0.0f;
-  for (int64_t i = threadIdx.x; i < row_stride; i += blockDim.x) m = fmaxf(m, fabsf(to_float(base[i])));
+  const int groups = rotated_heads / (q_per_group + 1), tail = head_dim - rot_dim;
+  const int v_elems = groups * head_dim, untouched = v_elems + rotated_heads * tail;
+  for (int t = threadIdx.x; t < untouched; t += blockDim.x) {
+    int64_t col;
+    if (t < v_elems) {  // group g's v head
+      col = (static_cast<int64_t>(t / head_dim) * (q_per_group + 2) + q_per_group + 1) * head_dim + t % head_dim;
+    } else {  // dims [rot_dim, head_dim) of a q or k head (tail > 0 here)
+      const int u = t - v_elems, head = u / tail;
+      const int group = head / (q_per_group + 1), in_group = head % (q_per_group + 1);
+      col = (static_cast<int64_t>(group) * (q_per_group + 2) + in_group) * head_dim + rot_dim + u % tail;
+    }
+    m = fmaxf(m, fabsf(to_float(base[col])));
+  }
   block_amax_atomic(amax, m);
 }
 
