@@ -368,10 +368,10 @@ void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, con
   MT_PROFILE_OP("rope_forward {}", qkv.shape_string());
   cuda::rope(context(), qkv, positions, cos_sin, r, false);
 }
-void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r, Tensor dqkv_amax) {
-  on_device("rope_backward", dqkv, positions, cos_sin, dqkv_amax);
-  MT_PROFILE_OP("rope_backward {}{}", dqkv.shape_string(), dqkv_amax.empty() ? "" : " +amax");
-  cuda::rope(context(), dqkv, positions, cos_sin, r, true, cuda::amax_slot_ptr(dqkv_amax, "rope_backward", "dqkv_amax"));
+void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
+  on_device("rope_backward", dqkv, positions, cos_sin);
+  MT_PROFILE_OP("rope_backward {}", dqkv.shape_string());
+  cuda::rope(context(), dqkv, positions, cos_sin, r, true);
 }
 
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------

@@ -106,8 +106,7 @@ class CudaBackend final : public Backend {
   void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key, Tensor dx_amax = Tensor()) override;
 
   void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
-  void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r,
-                     Tensor dqkv_amax = Tensor()) override;
+  void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
 
   void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override;
   void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,

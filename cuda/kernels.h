@@ -132,9 +132,7 @@ void embedding_backward(const KernelContext& ctx, Tensor dwte, Tensor dwpe, Tens
 
 // ---- rope_kernels.cu ---------------------------------------------------------------------------
 // backward = rotate by -angle (the transpose of the forward rotation).
-// amax (optional): max |qkv as stored| after the pass, over all of it (for a tensorwise FP8 cast).
-void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward,
-          float* amax = nullptr);
+void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward);
 
 // ---- cross_entropy_kernels.cu ------------------------------------------------------------------
 void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,

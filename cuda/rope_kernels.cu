@@ -2,8 +2,7 @@
 // per KV group [q: heads/groups * d][k: d][v: d]); v is untouched. Only the first rot_dim dims of
 // each head rotate (--rotary-percent). Pairs are (i, i + rot_dim/2) (Llama's rotate-half) or
 // (2i, 2i+1) (interleaved); pair i turns by the angle whose cos/sin sit in cos_sin[position].
-// The backward pass turns the gradient back by the same angle (the rotation's transpose), and can
-// take max |dqkv as stored| over whole rows (v and unrotated dims too) for a tensorwise FP8 cast.
+// The backward pass turns the gradient back by the same angle (the rotation's transpose).
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -13,78 +12,56 @@
 namespace mt::cuda {
 namespace {
 
-// One block per token row (with an amax: fewer blocks striding over the rows); each thread turns P
-// consecutive pairs of one head: P = 16 bytes of elements when the row, head and table layout allow
-// 16-byte accesses, else 1. amax (optional): max |value as stored| after the rotation (the rotated pairs as written, then the
-// elements the rotation leaves: each group's v head and the unrotated dims of q/k heads), maxed
-// into *amax once per block (blocks then stride over rows: one atomic per row would serialize).
+// One block per token row; each thread turns P consecutive pairs of one head: P = 16 bytes of
+// elements when the row, head and table layout allow 16-byte accesses, else 1.
 template <typename T, int P>
-__global__ void rope_kernel(T* qkv, const void* positions, bool positions64, const float* cos_sin, int64_t rows,
-                            int64_t row_stride, int q_per_group, int head_dim, int rot_dim, int rotated_heads,
-                            bool interleaved, float sin_sign, float* amax) {
+__global__ void rope_kernel(T* qkv, const void* positions, bool positions64, const float* cos_sin, int64_t row_stride,
+                            int q_per_group, int head_dim, int rot_dim, int rotated_heads, bool interleaved,
+                            float sin_sign) {
+  const int64_t row = blockIdx.x;
   const int half = rot_dim / 2, per_head = half / P;
-  const int groups = rotated_heads / (q_per_group + 1), tail = head_dim - rot_dim;
-  const int v_elems = groups * head_dim, untouched = v_elems + rotated_heads * tail;
-  float m = 0.0f;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t pos = positions64 ? static_cast<const int64_t*>(positions)[row]
-                                    : static_cast<const int32_t*>(positions)[row];
-    const float* cs = cos_sin + pos * rot_dim;
-    T* base = qkv + row * row_stride;
-    for (int t = threadIdx.x; t < rotated_heads * per_head; t += blockDim.x) {
-      const int head = t / per_head, i0 = (t % per_head) * P;
-      const int group = head / (q_per_group + 1), in_group = head % (q_per_group + 1);  // q heads, then k
-      T* x = base + (group * (q_per_group + 2) + in_group) * head_dim;
-      const Floats<P> c = load_vec<P>(cs + i0);
-      Floats<P> s = load_vec<P>(cs + half + i0);
+  const int64_t pos = positions64 ? static_cast<const int64_t*>(positions)[row]
+                                  : static_cast<const int32_t*>(positions)[row];
+  const float* cs = cos_sin + pos * rot_dim;
+  T* base = qkv + row * row_stride;
+  for (int t = threadIdx.x; t < rotated_heads * per_head; t += blockDim.x) {
+    const int head = t / per_head, i0 = (t % per_head) * P;
+    const int group = head / (q_per_group + 1), in_group = head % (q_per_group + 1);  // q heads, then k
+    T* x = base + (group * (q_per_group + 2) + in_group) * head_dim;
+    const Floats<P> c = load_vec<P>(cs + i0);
+    Floats<P> s = load_vec<P>(cs + half + i0);
 #pragma unroll
-      for (int j = 0; j < P; ++j) s.v[j] *= sin_sign;
-      Floats<P> a, b;  // the pairs' first and second elements
-      if (interleaved) {
-        const Floats<2 * P> v = load_vec<2 * P>(x + 2 * i0);
+    for (int j = 0; j < P; ++j) s.v[j] *= sin_sign;
+    Floats<P> a, b;  // the pairs' first and second elements
+    if (interleaved) {
+      const Floats<2 * P> v = load_vec<2 * P>(x + 2 * i0);
 #pragma unroll
-        for (int j = 0; j < P; ++j) a.v[j] = v.v[2 * j], b.v[j] = v.v[2 * j + 1];
-      } else {
-        a = load_vec<P>(x + i0);
-        b = load_vec<P>(x + half + i0);
-      }
-      Floats<P> ra, rb;
-#pragma unroll
-      for (int j = 0; j < P; ++j) {
-        ra.v[j] = a.v[j] * c.v[j] - b.v[j] * s.v[j];
-        rb.v[j] = b.v[j] * c.v[j] + a.v[j] * s.v[j];
-        if (amax) m = fmaxf(m, fmaxf(stored_abs<T>(ra.v[j]), stored_abs<T>(rb.v[j])));
-      }
-      if (interleaved) {
-        Floats<2 * P> v;
-#pragma unroll
-        for (int j = 0; j < P; ++j) v.v[2 * j] = ra.v[j], v.v[2 * j + 1] = rb.v[j];
-        store_vec<2 * P>(x + 2 * i0, v);
-      } else {
-        store_vec<P>(x + i0, ra);
-        store_vec<P>(x + half + i0, rb);
-      }
+      for (int j = 0; j < P; ++j) a.v[j] = v.v[2 * j], b.v[j] = v.v[2 * j + 1];
+    } else {
+      a = load_vec<P>(x + i0);
+      b = load_vec<P>(x + half + i0);
     }
-    if (!amax) continue;
-    for (int t = threadIdx.x; t < untouched; t += blockDim.x) {
-      int64_t col;
-      if (t < v_elems) {  // group g's v head
-        col = (static_cast<int64_t>(t / head_dim) * (q_per_group + 2) + q_per_group + 1) * head_dim + t % head_dim;
-      } else {  // dims [rot_dim, head_dim) of a q or k head (tail > 0 here)
-        const int u = t - v_elems, head = u / tail;
-        const int group = head / (q_per_group + 1), in_group = head % (q_per_group + 1);
-        col = (static_cast<int64_t>(group) * (q_per_group + 2) + in_group) * head_dim + rot_dim + u % tail;
-      }
-      m = fmaxf(m, fabsf(to_float(base[col])));
+    Floats<P> ra, rb;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      ra.v[j] = a.v[j] * c.v[j] - b.v[j] * s.v[j];
+      rb.v[j] = b.v[j] * c.v[j] + a.v[j] * s.v[j];
+    }
+    if (interleaved) {
+      Floats<2 * P> v;
+#pragma unroll
+      for (int j = 0; j < P; ++j) v.v[2 * j] = ra.v[j], v.v[2 * j + 1] = rb.v[j];
+      store_vec<2 * P>(x + 2 * i0, v);
+    } else {
+      store_vec<P>(x + i0, ra);
+      store_vec<P>(x + half + i0, rb);
     }
   }
-  if (amax) block_amax_atomic(amax, m);
 }
 
 }  // namespace
 
-void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward,
-          float* amax) {
+void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward) {
   const char* what = backward ? "rope_backward" : "rope_forward";
   MT_CHECK(r.groups > 0 && r.heads % r.groups == 0, "{}: heads {} not a multiple of groups {}", what, r.heads, r.groups);
   MT_CHECK(r.rot_dim > 0 && r.rot_dim % 2 == 0 && r.rot_dim <= r.head_dim, "{}: rot_dim {} (head_dim {})", what,
@@ -107,11 +84,9 @@ void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin
     const int work = rotated_heads * (r.rot_dim / 2) / (vec ? kP : 1);
     const int block = std::min(256, (work + 31) / 32 * 32);
     auto launch = [&](auto kernel) {
-      // One block per row; with an amax, at most 8 blocks per SM striding over the rows.
-      const int64_t grid = amax ? std::min<int64_t>(rows, static_cast<int64_t>(ctx.num_sms) * 8) : rows;
-      kernel<<<static_cast<unsigned>(grid), block, 0, ctx.stream>>>(
-          qkv.ptr<T>(), positions.data, positions.dtype == DType::i64, cos_sin.ptr<const float>(), rows, stride,
-          q_per_group, r.head_dim, r.rot_dim, rotated_heads, r.interleaved, backward ? -1.0f : 1.0f, amax);
+      kernel<<<static_cast<unsigned>(rows), block, 0, ctx.stream>>>(
+          qkv.ptr<T>(), positions.data, positions.dtype == DType::i64, cos_sin.ptr<const float>(), stride, q_per_group,
+          r.head_dim, r.rot_dim, rotated_heads, r.interleaved, backward ? -1.0f : 1.0f);
     };
     if (vec) launch(rope_kernel<T, kP>);
     else launch(rope_kernel<T, 1>);

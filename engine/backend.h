@@ -366,10 +366,7 @@ class Backend {
   // ---- rotary embeddings (in place on the q and k parts of packed QKV) -------------------
   // cos_sin: float32 [max_positions, rot_dim]: cos of the rot_dim/2 frequencies, then their sin.
   virtual void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
-  // dqkv_amax (optional float32 [1]) = max(dqkv_amax, max |dqkv| as stored after the pass, over
-  // all of it: v and the unrotated dims too), for the tensorwise FP8 cast of QKV's output gradient.
-  virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r,
-                             Tensor dqkv_amax = Tensor()) = 0;
+  virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
 
   // ---- attention (causal, GQA, flash-style: the s x s scores never go to memory) ----------
   // out[N, heads*d]; lse float32 [b, heads, s] (log-sum-exp of each score row, for backward).

@@ -818,13 +818,6 @@ Tensor GptModel::dy_amax_from_dropout(int local, Fp8State::Gemm g) const {
   return fp8_.meta(local, g, Fp8State::dy).fresh;
 }
 
-Tensor GptModel::qkv_dy_amax_from_rope(int local) const {
-  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
-      d_.position != PositionEmbedding::rope || d_.qk_norm)
-    return Tensor();
-  return fp8_.meta(local, Fp8State::qkv, Fp8State::dy).fresh;
-}
-
 void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
                           Activation act, Tensor pre_act, const NormInput* norm) {
   MT_CHECK(!norm || fp8_gemms(local), "layer {}: an FP8 cast from a norm outside FP8 GEMMs", d_.layer_begin + local);
@@ -1394,12 +1387,11 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  const Tensor qkv_dy_amax = qkv_dy_amax_from_rope(local);
-  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs, qkv_dy_amax);
+  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b, !qkv_dy_amax.empty());
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
   const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
   if (d_.sequence_parallel) {

@@ -107,8 +107,8 @@ struct ModelOptions {
   // Tensorwise FP8: the ops that write a cast's source also take its amax, so the cast skips its
   // own amax pass over it (Fp8TensorMeta::fresh): the norm statistics for fp8_quantize_norm, the
   // norm backward or, with hidden dropout, the dropout backward that writes proj's or fc2's output
-  // gradient (not with sequence parallelism), and the RoPE backward for QKV's. The same scales and
-  // bits either way. false (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
+  // gradient (not with sequence parallelism), the optimizer's update for the weights. The same
+  // scales and bits either way. false (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
   bool fp8_producer_amax = true;
   // With fp8_producer_amax, the optimizer's update also takes the new weights' amaxes
   // (GptModel::weight_cast_amax_slot). false (MEGATRAIN_FP8_WEIGHT_AMAX=0, A/B): the weight casts
@@ -318,9 +318,6 @@ class GptModel {
   // The same where hidden dropout's backward (expand_grad) writes that gradient (no SP: a rank's
   // rows alone would give its rows' amax): the slot expand_grad's dropout_backward takes, or empty.
   Tensor dy_amax_from_dropout(int local, Fp8State::Gemm g) const;
-  // Tensorwise FP8: QKV's output gradient gets its amax from rope_backward (RoPE, no
-  // --qk-layernorm after it): that slot, or empty.
-  Tensor qkv_dy_amax_from_rope(int local) const;
   NextNorm next_norm(const Slot& s, int local) const;
   // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
   bool norm_from_previous(int local) const;
@@ -363,7 +360,7 @@ class GptModel {
   // of gemm g that follow; no-op elsewhere. With FP8 weight gradients (fp8_wgrad) the cast also
   // adds dy's column sums to dbias (the bias gradient, if the layer has one), and
   // linear_bwd_weight does not.
-  // amax_taken: dy's amax is already in the cast's slot (dy_amax_from_norm / _from_dropout, the RoPE backward).
+  // amax_taken: dy's amax is already in the cast's slot (dy_amax_from_norm / dy_amax_from_dropout).
   void linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias, bool amax_taken = false);
   // fc1's output gradient (the activation's input gradient from dout, its output gradient, and
   // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing

@@ -144,11 +144,9 @@ void ReferenceBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin
 }
 
 // The rotation is orthogonal: its transpose is the rotation by the opposite angle.
-void ReferenceBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r,
-                                     Tensor dqkv_amax) {
+void ReferenceBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
   dispatch_float(dqkv, "rope_backward",
                  [&](auto tag) { rope_apply<decltype(tag)>(pool_, dqkv, positions, cos_sin, r, -1.0); });
-  max_abs_into(dqkv_amax, dqkv, "rope_backward");
 }
 
 }  // namespace mt::reference

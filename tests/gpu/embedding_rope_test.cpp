@@ -88,14 +88,10 @@ TEST_CASE("cuda rope forward/backward: half and interleaved pairs, partial rotat
           dev().rope_forward(qkv.c(), pos.c(), cs.c(), r);
           ref().rope_forward(qkv.r(), pos.r(), cs.r(), r);
           MT_CHECK_CLOSE(qkv, tol_for(dt));
-          // The backward with the amax a tensorwise FP8 cast of the gradient takes: max |g| as
-          // stored over all of it (v and unrotated dims too), maxed into the slot.
-          Twin g = twin(dt, {rows, width}, rng.normal(rows * width)), amax = twin_same(DType::f32, {1}, {0.125});
-          dev().rope_backward(g.c(), pos.c(), cs.c(), r, amax.c());
-          ref().rope_backward(g.r(), pos.r(), cs.r(), r, amax.r());
+          Twin g = twin(dt, {rows, width}, rng.normal(rows * width));
+          dev().rope_backward(g.c(), pos.c(), cs.c(), r);
+          ref().rope_backward(g.r(), pos.r(), cs.r(), r);
           MT_CHECK_CLOSE(g, tol_for(dt));
-          CHECK(static_cast<float>(download(dev(), amax.c())[0]) == max_abs_of(dev(), g.c(), 0.125f));
-          CHECK(static_cast<float>(download(ref(), amax.r())[0]) == max_abs_of(ref(), g.r(), 0.125f));
         }
 }
 
