@@ -354,8 +354,8 @@ void with_vec(bool aligned, F&& f) {
 }  // namespace
 
 void check_amax_slot(const Tensor& amax, const char* op, const char* what) {
-  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1), "{}: {} must be a float32 [1] tensor, got {}",
-           op, what, amax.shape_string());
+  MT_CHECK(amax.empty() || (amax.dtype == DType::f32 && amax.numel() == 1),
+           "{}: {} must be a float32 [1] tensor, got {}", op, what, amax.shape_string());
 }
 
 float* amax_slot_ptr(const Tensor& amax, const char* op, const char* what) {

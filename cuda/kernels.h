@@ -88,7 +88,8 @@ void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_
 void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx);
 void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
                       uint64_t key);
-void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key, float* dx_amax = nullptr);
+void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key,
+                      float* dx_amax = nullptr);
 // An optional amax slot of a tensorwise FP8 cast's producer (Fp8TensorMeta::fresh): empty, or
 // float32 [1] (else a clear error naming op and what); amax_slot_ptr gives its pointer (or null).
 void check_amax_slot(const Tensor& amax, const char* op, const char* what);

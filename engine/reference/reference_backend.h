@@ -81,7 +81,8 @@ class ReferenceBackend final : public Backend {
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
   void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                         uint64_t dropout_key) override;
-  void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key, Tensor dx_amax = Tensor()) override;
+  void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key,
+                        Tensor dx_amax = Tensor()) override;
 
   void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
   void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
