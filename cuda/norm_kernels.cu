@@ -93,7 +93,6 @@ struct NormForwardArgs {
   float* out_amax = nullptr;  // max |out| as stored (written or not), one atomicMax per block
 };
 
-
 // Teams are at most kMaxTeam threads: the launch bound caps registers at 128 per thread, so every
 // instance launches with a block that large (the backward instances would need more otherwise).
 constexpr int kMaxTeam = 512;
