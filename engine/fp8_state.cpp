@@ -139,6 +139,11 @@ void Fp8State::reduce_amax(ParallelState& ps) {
   if (ps.dp_size > 1) ps.dp->all_reduce(current, ReduceOp::max);
 }
 
+void Fp8State::reduce_fresh_over_dp(ParallelState& ps) {
+  if (fresh_.empty() || ps.dp_size == 1) return;
+  ps.dp->all_reduce(fresh_, ReduceOp::max);
+}
+
 void Fp8State::set_weight_scales_from_amax(Backend& be) {
   if (!any()) return;
   const int64_t n = operands();

@@ -93,6 +93,10 @@ class Fp8State {
   // in row 0 gets its scale from it alone (fp8_update_scales' rule; the inputs' and gradients' rows
   // were cleared by end_step, and their casts set their own scales anyway); row 0 is cleared.
   void update_weight_scales(Backend& be);
+  // Tensorwise producers' amax slots (Fp8TensorMeta::fresh) maxed over DP: after the distributed
+  // optimizer's update took each weight's amax over this rank's shards only (the other slots are
+  // zero then; every rank of the DP group calls it).
+  void reduce_fresh_over_dp(ParallelState& ps);
 
   // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
   // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].

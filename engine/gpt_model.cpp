@@ -686,7 +686,7 @@ Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
 
 bool GptModel::weights_amax_from_update() const {
   return opt_.fp8_producer_amax && opt_.fp8_weight_amax_from_update && opt_.fp8.recipe == Fp8Recipe::tensorwise &&
-         fp8_.any() && !fp8_params() && !grad_layout_.sharded;
+         fp8_.any() && !fp8_params();
 }
 
 Tensor GptModel::weight_cast_amax_slot(int i) const {
@@ -697,6 +697,9 @@ Tensor GptModel::weight_cast_amax_slot(int i) const {
 
 void GptModel::fp8_weights_updated() {
   if (!weights_amax_from_update()) return;
+  // The distributed optimizer's shards: each rank took its pieces' amaxes; the max over DP is the
+  // whole weight's (the all-gather brings every rank the weights those pieces became).
+  if (grad_layout_.sharded) fp8_.reduce_fresh_over_dp(ps_);
   for (int l = 0; l < d_.stage_layers(); ++l) fp8_weight_amax_taken_[static_cast<size_t>(l)] = fp8_layer(l) ? 1 : 0;
 }
 

@@ -190,14 +190,15 @@ class GptModel {
   void fp8_cast_shard(int b);
   // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
   Fp8TensorMeta fp8_param_meta(int i) const;
-  // Tensorwise FP8 (ModelOptions::fp8_producer_amax) where the optimizer's update covers whole
-  // weights (no distributed-optimizer shards) and they are not FP8 parameters: the update takes the
-  // amax of each FP8 layer's new linear weights into the amax slot of the weight's next cast
+  // Tensorwise FP8 (ModelOptions::fp8_producer_amax) where the weights are not FP8 parameters: the
+  // optimizer's update takes the amax of each FP8 layer's new linear weights (of this rank's pieces
+  // with the distributed optimizer) into the amax slot of the weight's next cast
   // (OptimSegment::fp8_amax, Fp8TensorMeta::fresh), and that cast skips its amax pass. The slot of
   // params()[i], or empty where params()[i] is not such a weight.
   Tensor weight_cast_amax_slot(int i) const;
-  // The optimizer's update ran with those slots (called after every update): the next cast of each
-  // FP8 layer's weights (training or evaluation, whichever comes first) takes them.
+  // The optimizer's update ran with those slots (called after every update, by every rank): with
+  // the distributed optimizer the slots are maxed over DP; the next cast of each FP8 layer's
+  // weights (training or evaluation, whichever comes first) takes them.
   void fp8_weights_updated();
   // All FP8 parameters from the master weights (set-up time: after init_parameters or a checkpoint
   // load): the shards cast, then all-gathered over DP. fresh_state: a fresh FP8 state (a new run,

@@ -112,3 +112,10 @@ megatrain_parallel_train_test(parallel_train_fp8_param_gather_tensorwise_pp2_dp2
   --overlap-param-gather --ddp-bucket-size 2000)
 megatrain_parallel_train_test(parallel_train_resume_fp8_param_gather_tensorwise_dp2_to_dp3 --fp8
   --model "${fp8_param_gather_tensorwise_model}" --resume 2 - 3 -)
+# Tensorwise without FP8 parameters, distributed optimizer: the update takes each FP8 weight's amax
+# over this rank's pieces (buckets of 2000 cut weights across shards), maxed over DP for the weights'
+# next casts (GptModel::fp8_weights_updated); the reference backend checks each taken amax bit for
+# bit against the cast's own, so a piece's amax alone would fail the run.
+megatrain_parallel_train_test(parallel_train_fp8_tensorwise_distopt_pp2_dp2 --fp8
+  --model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss --use-distributed-optimizer"
+  4 --pipeline-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
