@@ -135,12 +135,14 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   auto add_optim = [&](const ParamDesc& p, const ShardSlice& slice, int64_t at, int64_t n) {
     if (!h.master.empty())
       w.add(p.name, CheckpointKind::main_params, slice, host_view(h.master, S, at, n), p.global_shape);
+    // (Moments in their own dtype: bf16 ones with --exp-avg-dtype bf16 load into float32 ones
+    // exactly, and float32 ones into bf16 rounded to nearest even.)
     if (!h.state1.empty())
       w.add(p.name + first_state_suffix(cfg_.train.optimizer), CheckpointKind::optimizer, slice,
-            host_view(h.state1, S, at, n), p.global_shape);
+            host_view(h.state1, m.exp_avg_flat().dtype, at, n), p.global_shape);
     if (!h.state2.empty())
-      w.add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice, host_view(h.state2, S, at, n),
-            p.global_shape);
+      w.add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice,
+            host_view(h.state2, m.exp_avg_sq_flat().dtype, at, n), p.global_shape);
   };
   for (const ParamDesc& p : ps) {
     if (!owns(p)) continue;
@@ -349,7 +351,8 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
   auto keep_shards = [&](Tensor dst) {
     for (int b = 0; b < L.num_buckets(); ++b) {
       const int64_t n = L.shard_numel(b);
-      be.copy(dst.flat_slice(L.state_offset[static_cast<size_t>(b)], n), m.grads_flat().flat_slice(L.shard_offset(b), n));
+      // (a cast: bf16 moments take their rounding)
+      be.cast(dst.flat_slice(L.state_offset[static_cast<size_t>(b)], n), m.grads_flat().flat_slice(L.shard_offset(b), n));
     }
   };
   const CheckpointKind master_kind = load_optim ? CheckpointKind::main_params : CheckpointKind::model;

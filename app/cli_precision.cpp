@@ -32,11 +32,19 @@ void add_precision_flags(FlagTable& t) {
   t.flag("--apply-query-key-layer-scaling", "scale QK^T by 1/layer number (forces softmax in fp32)",
          MT_FIELD(model.apply_query_key_layer_scaling));
   t.flag("--fp16-lm-cross-entropy", "cross entropy in fp16 (needs --fp16)", MT_FIELD(train.fp16_lm_cross_entropy));
-  t.recognised("--use-precision-aware-optimizer", Arity::none, "", "off", "TE optimizer with low-precision states");
-  t.recognised("--main-grads-dtype", Arity::one, "{fp32,bf16}", "fp32", "main-gradient dtype");
-  t.recognised("--main-params-dtype", Arity::one, "{fp32,fp16}", "fp32", "master-weight dtype");
-  t.recognised("--exp-avg-dtype", Arity::one, "{fp32,fp16,bf16,fp8}", "fp32", "Adam first-moment dtype");
-  t.recognised("--exp-avg-sq-dtype", Arity::one, "{fp32,fp16,bf16,fp8}", "fp32", "Adam second-moment dtype");
+  // Megatron's precision-aware optimizer (fp16 / fp8 states and fp16 master weights parse, and are
+  // refused by unsupported.cpp).
+  t.flag("--use-precision-aware-optimizer", "store the optimizer's tensors in the dtypes below (Adam, distributed optimizer)",
+         MT_FIELD(train.use_precision_aware_optimizer));
+  using SD = std::vector<std::pair<std::string, StateDtype>>;
+  t.choice("--main-grads-dtype", "main-gradient dtype (bf16: as --grad-reduce-in-bf16)",
+           SD{{"fp32", StateDtype::fp32}, {"bf16", StateDtype::bf16}}, MT_FIELD(train.main_grads_dtype));
+  t.choice("--main-params-dtype", "master-weight dtype", SD{{"fp32", StateDtype::fp32}, {"fp16", StateDtype::fp16}},
+           MT_FIELD(train.main_params_dtype));
+  const SD moment{{"fp32", StateDtype::fp32}, {"fp16", StateDtype::fp16}, {"bf16", StateDtype::bf16}, {"fp8", StateDtype::fp8}};
+  t.choice("--exp-avg-dtype", "Adam first-moment storage dtype (computed in fp32)", moment, MT_FIELD(train.exp_avg_dtype));
+  t.choice("--exp-avg-sq-dtype", "Adam second-moment storage dtype (computed in fp32)", moment,
+           MT_FIELD(train.exp_avg_sq_dtype));
 }
 
 }  // namespace mt::cli

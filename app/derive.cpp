@@ -141,9 +141,13 @@ void derive_precision(CliState& st) {
     st.warn("Setting args.check_for_nan_in_loss_and_grad to False since dynamic loss scaling is being used");
   }
   if (t.precision == Precision::bf16) {
-    // Megatron: float32 main grads unless --grad-reduce-in-bf16 (an explicit
-    // --accumulate-allreduce-grads-in-fp32 keeps them float32 even then).
-    if (!c.parallel.grad_reduce_in_bf16 && !c.parallel.accumulate_allreduce_grads_in_fp32) {
+    // Megatron: float32 main grads unless --grad-reduce-in-bf16 or --main-grads-dtype bf16 (an
+    // explicit --accumulate-allreduce-grads-in-fp32 keeps them float32 with the first, and is
+    // refused with the second).
+    if (c.parallel.accumulate_allreduce_grads_in_fp32 && t.main_grads_dtype != StateDtype::fp32)
+      fail("--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set");
+    if (!c.parallel.grad_reduce_in_bf16 && !c.parallel.accumulate_allreduce_grads_in_fp32 &&
+        t.main_grads_dtype == StateDtype::fp32) {
       c.parallel.accumulate_allreduce_grads_in_fp32 = true;
       st.info("accumulate and all-reduce gradients in fp32 for bfloat16 data type.");
     }

@@ -46,11 +46,9 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--check-for-large-grads", W::any_use, {}, ""},
       // mixed precision (1.4)
       {"--fp16-lm-cross-entropy", W::any_use, {}, "the loss is computed in fp32"},
-      {"--use-precision-aware-optimizer", W::any_use, {}, ""},
-      {"--main-grads-dtype", W::other_than, {"fp32"}, ""},
-      {"--main-params-dtype", W::other_than, {"fp32"}, ""},
-      {"--exp-avg-dtype", W::other_than, {"fp32"}, ""},
-      {"--exp-avg-sq-dtype", W::other_than, {"fp32"}, ""},
+      {"--main-params-dtype", W::other_than, {"fp32"}, "fp32 master weights only"},
+      {"--exp-avg-dtype", W::values, {"fp16", "fp8"}, "fp32 or bf16 moments (fp16 and fp8 need per-tensor scaling)"},
+      {"--exp-avg-sq-dtype", W::values, {"fp16", "fp8"}, "fp32 or bf16 moments (fp16 and fp8 need per-tensor scaling)"},
       // data and tokenizer (1.5)
       {"--tokenizer-type",
        W::values,

@@ -85,6 +85,29 @@ static void validate_fp8(CliState& st) {
                         "runs in FP8", t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16, c.model.num_layers));
 }
 
+// --use-precision-aware-optimizer and its dtypes (Megatron's OptimizerConfig and optimizer set-up
+// rules). fp16 / fp8 states and fp16 master weights are refused by unsupported.cpp before this runs.
+static void validate_precision_aware_optimizer(CliState& st) {
+  const Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  if (!t.use_precision_aware_optimizer) {
+    const std::pair<const char*, StateDtype> dtypes[] = {{"--main-grads-dtype", t.main_grads_dtype},
+                                                         {"--exp-avg-dtype", t.exp_avg_dtype},
+                                                         {"--exp-avg-sq-dtype", t.exp_avg_sq_dtype}};
+    for (const auto& [flag, d] : dtypes)
+      if (d != StateDtype::fp32)
+        fail("{} can only be fp32 when not using precision-aware optimizer: add --use-precision-aware-optimizer "
+             "(with --use-distributed-optimizer)", flag);
+    return;
+  }
+  if (t.optimizer != OptimizerKind::adam) fail("--use-precision-aware-optimizer only supported with adam");
+  if (!c.parallel.use_distributed_optimizer)
+    fail("--use-precision-aware-optimizer only supported with distributed optimizer: add --use-distributed-optimizer");
+  if (t.main_grads_dtype == StateDtype::bf16 && t.precision != Precision::bf16)
+    st.note("--main-grads-dtype bf16 has no effect without --bf16: the gradient buffer has the parameters' dtype "
+            "(megatrain keeps float32 main gradients with --fp16)");
+}
+
 void validate_training(CliState& st) {
   const Config& c = st.cfg;
   const TrainConfig& t = c.train;
@@ -130,6 +153,7 @@ void validate_training(CliState& st) {
     if (it < 1) fail("--iterations-to-skip takes 1-indexed iterations (got {})", it);
   validate_recompute(st);
   validate_fp8(st);
+  validate_precision_aware_optimizer(st);
 }
 
 }  // namespace mt::cli

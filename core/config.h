@@ -22,6 +22,9 @@ enum class Fp8Format { e4m3, hybrid };
 enum class Fp8Recipe { delayed, tensorwise, mxfp8, blockwise, custom };
 enum class Fp8AmaxAlgo { most_recent, max };
 enum class OptimizerKind { adam, sgd };
+// Storage dtype of an optimizer tensor under --use-precision-aware-optimizer (--main-grads-dtype,
+// --main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype). fp8 is Megatron's torch.uint8 (e4m3).
+enum class StateDtype { fp32, fp16, bf16, fp8 };
 enum class LrDecayStyle { constant, linear, cosine, inverse_square_root, wsd };
 enum class WsdDecayStyle { exponential, linear, cosine, minus_sqrt };
 enum class WeightDecayIncrStyle { constant, linear, cosine };
@@ -189,6 +192,14 @@ struct TrainConfig {
   double min_loss_scale = 1.0;
   double loss_scale_window = 1000;
   int hysteresis = 2;
+  // --use-precision-aware-optimizer (Transformer Engine's FusedAdam in Megatron): the optimizer's
+  // tensors may be stored narrower than float32; the update still computes in float32. Built:
+  // bf16 moments and bf16 main gradients; the others are refused (app/unsupported.cpp).
+  bool use_precision_aware_optimizer = false;
+  StateDtype main_grads_dtype = StateDtype::fp32;
+  StateDtype main_params_dtype = StateDtype::fp32;
+  StateDtype exp_avg_dtype = StateDtype::fp32;
+  StateDtype exp_avg_sq_dtype = StateDtype::fp32;
 
   // FP8 (megatron.md 1.12). fp8_format unset: no FP8. The linear layers of the transformer
   // layers (QKV, proj, fc1, fc2) run as FP8 GEMMs, except the first/last layers kept in bf16.

@@ -14,6 +14,9 @@
 // max |new weight| as the next FP8 cast of the weight reads it (one atomic per chunk): of p for an
 // FP8 copy (cast from the master weights) or without a copy, of the stored value for a bf16/fp16
 // copy (tensorwise scaling's weight casts then skip their amax pass).
+// Adam's moments are float32, or bfloat16 (--exp-avg-dtype / --exp-avg-sq-dtype bf16, each on its
+// own): read as float32, updated in float32 and stored rounded to nearest even, as Transformer
+// Engine's FusedAdam keeps them.
 // SGD is torch.optim.SGD's: g = grad * grad_scale + wd p; buf = momentum buf + g; p -= lr buf.
 // grad is float32, or bfloat16 (--grad-reduce-in-bf16), each element converted to float32 on load.
 //
@@ -98,29 +101,29 @@ __device__ __forceinline__ void store_model(void* model, int64_t i, float p, flo
   if (track) amax = fmaxf(amax, cast_source_abs<M>(p));
 }
 
-template <typename G>
+template <typename G, typename A, typename V>
 struct AdamArgs {
   float* master;
   const G* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
+  A* exp_avg;     // float or bf16
+  V* exp_avg_sq;  // float or bf16
   void* model;
   float lr[OptimStepParams::kMaxGroups];
   float wd[OptimStepParams::kMaxGroups];
   float beta1, beta2, eps, bias_correction1, bias_correction2, grad_scale;
 };
 
-template <typename M, typename G>
-__device__ __forceinline__ void adam_update(const AdamArgs<G>& a, int64_t i, float lr, float wd, float scale,
+template <typename M, typename G, typename A, typename V>
+__device__ __forceinline__ void adam_update(const AdamArgs<G, A, V>& a, int64_t i, float lr, float wd, float scale,
                                             bool track, float& amax) {
   const float g = to_float(a.grad[i]) * a.grad_scale;
-  const float m = a.beta1 * a.exp_avg[i] + (1.0f - a.beta1) * g;
-  const float v = a.beta2 * a.exp_avg_sq[i] + (1.0f - a.beta2) * g * g;
+  const float m = a.beta1 * to_float(a.exp_avg[i]) + (1.0f - a.beta1) * g;
+  const float v = a.beta2 * to_float(a.exp_avg_sq[i]) + (1.0f - a.beta2) * g * g;
   float p = a.master[i];
   const float denom = sqrtf(v / a.bias_correction2) + a.eps;
   p -= lr * ((m / a.bias_correction1) / denom + wd * p);
-  a.exp_avg[i] = m;
-  a.exp_avg_sq[i] = v;
+  a.exp_avg[i] = from_float<A>(m);
+  a.exp_avg_sq[i] = from_float<V>(v);
   a.master[i] = p;
   store_model<M>(a.model, i, p, scale, track, amax);
 }
@@ -147,7 +150,7 @@ __device__ __forceinline__ void store_model4(void* model, int64_t i, const float
                              fmaxf(cast_source_abs<M>(v.z), cast_source_abs<M>(v.w))));
 }
 
-// Four gradient values at p (16-byte aligned for float, 8-byte for bfloat16), as float32.
+// Four gradient or moment values at p (16-byte aligned for float, 8-byte for bfloat16), as float32.
 template <typename G>
 __device__ __forceinline__ float4 load4(const G* p) {
   if constexpr (std::is_same_v<G, float>) {
@@ -156,6 +159,17 @@ __device__ __forceinline__ float4 load4(const G* p) {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const G* e = reinterpret_cast<const G*>(&raw);
     return make_float4(to_float(e[0]), to_float(e[1]), to_float(e[2]), to_float(e[3]));
+  }
+}
+
+// Four moment values to p (as load4's alignment), rounded to nearest even for bfloat16.
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float4& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    const T e[4] = {from_float<T>(v.x), from_float<T>(v.y), from_float<T>(v.z), from_float<T>(v.w)};
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
   }
 }
 
@@ -169,8 +183,8 @@ __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, 
 
 // Elements [begin, end) of a chunk: 16-byte accesses when the run starts 4-aligned (and the
 // buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
-template <typename M, typename G>
-__device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, int64_t end, float lr, float wd,
+template <typename M, typename G, typename A, typename V>
+__device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd,
                                            bool vec, float scale, bool track, float& amax) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
@@ -178,16 +192,16 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, 
     for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
       const int64_t i = begin + 4 * q;
       const float4 g = load4(a.grad + i);
-      float4 m = *reinterpret_cast<const float4*>(a.exp_avg + i);
-      float4 v = *reinterpret_cast<const float4*>(a.exp_avg_sq + i);
+      float4 m = load4(a.exp_avg + i);
+      float4 v = load4(a.exp_avg_sq + i);
       float4 p = *reinterpret_cast<const float4*>(a.master + i);
       const float s = a.grad_scale;
       p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
       p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
       p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
       p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-      *reinterpret_cast<float4*>(a.exp_avg + i) = m;
-      *reinterpret_cast<float4*>(a.exp_avg_sq + i) = v;
+      store4(a.exp_avg + i, m);
+      store4(a.exp_avg_sq + i, v);
       *reinterpret_cast<float4*>(a.master + i) = p;
       store_model4<M>(a.model, i, p, scale, track, amax);
     }
@@ -200,8 +214,8 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G>& a, int64_t begin, 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
 __device__ __forceinline__ float copy_scale(const DeviceSegment& s) { return s.fp8_scale ? *s.fp8_scale : 1.0f; }
 
-template <typename M, typename G>
-__global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G> a, SegmentArg segs, bool vec) {
+template <typename M, typename G, typename A, typename V>
+__global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G, A, V> a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
@@ -300,6 +314,25 @@ void check_flat_f32(const Tensor& t, int64_t n, const char* what, const char* na
            t.shape_string());
 }
 
+// An Adam moment: float32 or bfloat16, n elements.
+void check_moment(const Tensor& t, int64_t n, const char* name) {
+  MT_CHECK((t.dtype == DType::f32 || t.dtype == DType::bf16) && t.numel() == n,
+           "adamw_step: {} must be float32 or bfloat16 with {} elements, got {} {}", name, n, dtype_name(t.dtype),
+           t.shape_string());
+}
+
+// Four-element accesses to a float32 (16-byte) or bfloat16 (8-byte) buffer need its alignment.
+bool aligned_for4(const Tensor& t) {
+  return t.dtype == DType::f32 ? aligned16(t.data) : (reinterpret_cast<uintptr_t>(t.data) & 7u) == 0;
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 moment.
+template <typename F>
+void dispatch_moment(const Tensor& t, F&& f) {
+  if (t.dtype == DType::bf16) return f.template operator()<bf16>();
+  return f.template operator()<float>();
+}
+
 // The gradient of an optimizer step: float32, or bfloat16 (--grad-reduce-in-bf16), n elements.
 void check_optimizer_grad(const Tensor& g, int64_t n, const char* what) {
   if (g.dtype != DType::f32 && g.dtype != DType::bf16)
@@ -337,30 +370,31 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
   const int64_t n = master.numel();
   check_flat_f32(master, n, "adamw_step", "master");
   check_optimizer_grad(grad, n, "adamw_step");
-  check_flat_f32(exp_avg, n, "adamw_step", "exp_avg");
-  check_flat_f32(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
+  check_moment(exp_avg, n, "exp_avg");
+  check_moment(exp_avg_sq, n, "exp_avg_sq");
   MT_CHECK(model_param.empty() || model_param.numel() == n, "adamw_step: model_param {} vs {} elements",
            model_param.shape_string(), n);
   check_segments_fit(segs, n, "adamw_step");
   if (segs.total_chunks == 0) return;
   const unsigned grid = chunk_grid(ctx, segs.total_chunks);
-  // (a bfloat16 gradient's four-element loads need 8-byte alignment)
-  const bool grad_aligned = grad.dtype == DType::f32 ? aligned16(grad.data)
-                                                     : (reinterpret_cast<uintptr_t>(grad.data) & 7u) == 0;
-  const bool vec = aligned16(master.data) && grad_aligned && aligned16(exp_avg.data) && aligned16(exp_avg_sq.data) &&
+  const bool vec = aligned16(master.data) && aligned_for4(grad) && aligned_for4(exp_avg) && aligned_for4(exp_avg_sq) &&
                    (model_param.empty() || aligned16(model_param.data));
   MT_DISPATCH_GRAD(grad.dtype, G, "adamw_step (grad)", {
-    AdamArgs<G> a{master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<float>(), exp_avg_sq.ptr<float>(),
-                  model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
-                  static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
-                  static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
-                  p.grad_scale};
-    for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
-      a.lr[g] = p.lr[g];
-      a.wd[g] = p.weight_decay[g];
-    }
-    dispatch_model(model_param, "adamw_step", [&]<typename M>() {
-      adamw_kernel<M, G><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
+    dispatch_moment(exp_avg, [&]<typename A>() {
+      dispatch_moment(exp_avg_sq, [&]<typename V>() {
+        AdamArgs<G, A, V> a{master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<A>(), exp_avg_sq.ptr<V>(),
+                            model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
+                            static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
+                            static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
+                            p.grad_scale};
+        for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
+          a.lr[g] = p.lr[g];
+          a.wd[g] = p.weight_decay[g];
+        }
+        dispatch_model(model_param, "adamw_step", [&]<typename M>() {
+          adamw_kernel<M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
+        });
+      });
     });
   });
   MT_CUDA_CHECK_LAUNCH();

@@ -137,6 +137,9 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.attention_backend = cfg.model.attention_backend;
   o.deterministic = cfg.train.deterministic_mode;
   o.fp8 = Fp8Options::from_config(cfg);
+  // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer; the others are refused).
+  o.bf16_exp_avg = cfg.train.exp_avg_dtype == StateDtype::bf16;
+  o.bf16_exp_avg_sq = cfg.train.exp_avg_sq_dtype == StateDtype::bf16;
   return o;
 }
 
@@ -344,8 +347,8 @@ void GptModel::layout(Arena& a) {
   master_ = has_master_copy() ? a.take(C::master_weights, S, {state}) : params_;
   state1_ = state2_ = Tensor();
   if (opt_.optimizer == OptimizerKind::adam) {
-    state1_ = a.take(C::optimizer_states, S, {state});
-    state2_ = a.take(C::optimizer_states, S, {state});
+    state1_ = a.take(C::optimizer_states, opt_.bf16_exp_avg ? DType::bf16 : S, {state});
+    state2_ = a.take(C::optimizer_states, opt_.bf16_exp_avg_sq ? DType::bf16 : S, {state});
   } else if (opt_.sgd_momentum) {
     state1_ = a.take(C::optimizer_states, S, {state});
   }
@@ -585,8 +588,8 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
     at_start.offset = 0;
     fill(static_cast<int>(i), shaped(scratch, at_start));
     if (to_params && !p.fp8_storage) be_.cast(shaped(params_, p), shaped(scratch, at_start));
-    for (const auto& [b, s] : pieces[i])
-      be_.copy(sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel),
+    for (const auto& [b, s] : pieces[i])  // (a cast: bf16 moments take their rounding)
+      be_.cast(sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel),
                scratch.flat_slice(s.param_offset, s.numel));
   }
   be_.synchronize();  // the scratch is freed below

@@ -67,6 +67,10 @@ struct ModelOptions {
   // bf16, and the optimizer reads them as float). Set-up work that needs a parameter's
   // full-precision values then stages them per parameter (GptModel::stage_full_params).
   DType grad = DType::f32;
+  // Adam's moments in bf16 instead of accum (--exp-avg-dtype / --exp-avg-sq-dtype bf16, precision-
+  // aware optimizer): the update reads them as float, computes in float and stores them rounded
+  // to nearest even, as Transformer Engine's FusedAdam does.
+  bool bf16_exp_avg = false, bf16_exp_avg_sq = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the

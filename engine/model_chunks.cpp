@@ -47,7 +47,11 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     o.shard_optimizer_state = p.use_distributed_optimizer;
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
     // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)
-    if (p.grad_reduce_in_bf16 && !p.accumulate_allreduce_grads_in_fp32) o.grad = DType::bf16;
+    // --main-grads-dtype bf16 (precision-aware optimizer) is the same buffer, with --bf16 only: elsewhere
+    // Megatron's gradient buffer has the parameters' dtype whatever the flag says.
+    const bool bf16_main_grads = p.grad_reduce_in_bf16 || (cfg.train.main_grads_dtype == StateDtype::bf16 &&
+                                                           cfg.train.precision == Precision::bf16);
+    if (bf16_main_grads && !p.accumulate_allreduce_grads_in_fp32) o.grad = DType::bf16;
     out.push_back({dims[c], o});
   }
   return out;

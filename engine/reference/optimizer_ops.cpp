@@ -17,6 +17,13 @@ void check_optimizer_grad(const Tensor& master, const Tensor& grad, const char* 
   if (grad.dtype != DType::bf16) check_same_dtype(master, grad, op);
 }
 
+// Adam's moments: in the master weights' type, or bf16 (--exp-avg-dtype / --exp-avg-sq-dtype bf16:
+// read as float, stored rounded to nearest even).
+void check_moment(const Tensor& master, const Tensor& moment, const char* name) {
+  MT_CHECK(moment.dtype == master.dtype || moment.dtype == DType::bf16, "adamw_step: {} is {} with {} master weights",
+           name, dtype_name(moment.dtype), dtype_name(master.dtype));
+}
+
 // Where an update writes its new master weights: the compute-dtype model copy (one rounding), or
 // an FP8 one (OptimSegment::fp8_scale: fp8_quantize's cast of the float32 value). A segment with an
 // amax (OptimSegment::fp8_amax) also gets max |new weight| as its next FP8 cast reads it, once per
@@ -62,8 +69,8 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
   check_numel(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
   if (!model_param.empty()) check_numel(model_param, n, "adamw_step", "model_param");
   check_optimizer_grad(master, grad, "adamw_step");
-  check_same_dtype(master, exp_avg, "adamw_step");
-  check_same_dtype(master, exp_avg_sq, "adamw_step");
+  check_moment(master, exp_avg, "exp_avg");
+  check_moment(master, exp_avg_sq, "exp_avg_sq");
   MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
   const Floats fg(grad);
   const bool grad_wide = grad.dtype == master.dtype;
@@ -74,8 +81,7 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
     using T = decltype(tag);
     T* w = master.ptr<T>();
     const T* g = grad_wide ? grad.ptr<T>() : nullptr;
-    T* m = exp_avg.ptr<T>();
-    T* v = exp_avg_sq.ptr<T>();
+    const Floats m(exp_avg), v(exp_avg_sq);
     for_each_segment(master, segments, [&](const OptimSegment& s) {
       MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
       const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
@@ -84,10 +90,10 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
         float amax = 0.0f;
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           const double gi = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale;
-          const double mi = b1 * m[i] + (1.0 - b1) * gi;
-          const double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
-          m[i] = static_cast<T>(mi);
-          v[i] = static_cast<T>(vi);
+          const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
+          const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
+          m.set(i, mi);
+          v.set(i, vi);
           const double denom = std::sqrt(vi / bc2) + eps;
           const double update = (mi / bc1) / denom + wd * w[i];
           w[i] = static_cast<T>(w[i] - lr * update);

@@ -211,6 +211,58 @@ TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists
                     Catch::Contains("register_optim_segments"));
 }
 
+// --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer): each moment bf16 on its own,
+// read as float and stored rounded to nearest even on both backends (the reference computes in
+// double: an element may land one bf16 step away where the two straddle a rounding boundary).
+TEST_CASE("cuda adamw_step with bf16 moments", "[gpu][optimizer][precision-aware]") {
+  MT_RNG(rng);
+  const int64_t n = 100003;
+  const SegmentLists lists = registered_segment_lists(rng, n);
+  const OptimStepParams p = step_params();
+  for (const auto* segs : {&lists.short_list, &lists.long_list})
+    for (auto [bf16_m, bf16_v] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}})
+      for (DType grad_dt : {DType::f32, DType::bf16}) {
+        INFO(segs->size() << " segments, bf16 exp_avg " << bf16_m << ", bf16 exp_avg_sq " << bf16_v << ", grad "
+                          << dtype_name(grad_dt));
+        auto moment = [&](bool bf16, const std::vector<double>& values) {
+          return bf16 ? twin_same(DType::bf16, {n}, values) : twin(DType::f32, {n}, values);
+        };
+        Twin w = twin(DType::f32, {n}, rng.normal(n)), m = moment(bf16_m, rng.normal(n, 0.001)),
+             v = moment(bf16_v, rng.uniform(n, 0.0, 1e-4)), g = twin_same(grad_dt, {n}, rng.normal(n, 0.01));
+        Twin model = twin(DType::bf16, {n}, std::vector<double>(n, 7.0));
+        const std::vector<uint8_t> m_before = download_bytes(dev(), m.c());
+        dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model.c(), *segs, p);
+        ref().adamw_step(w.r(), g.r(), m.r(), v.r(), model.r(), *segs, p);
+        MT_CHECK_CLOSE(w, 1e-6);
+        MT_CHECK_CLOSE(model, tol_for(DType::bf16));
+        for (const auto& [x, bf16] : {std::pair<const Twin*, bool>{&m, bf16_m}, std::pair<const Twin*, bool>{&v, bf16_v}}) {
+          if (!bf16) {
+            MT_CHECK_CLOSE(*x, 1e-6);
+            continue;
+          }
+          const std::vector<double> a = download(dev(), x->c()), b = download(ref(), x->r());
+          int64_t far = 0;
+          for (int64_t i = 0; i < n; ++i) far += !(std::fabs(a[i] - b[i]) <= std::ldexp(std::fabs(b[i]), -7) + 1e-30);
+          CHECK(far == 0);
+          CHECK(differing(download_bytes(dev(), x->c()), download_bytes(ref(), x->r()), 2) <= n / 1000);
+        }
+        // Elements outside the segments keep their bytes, and the ones inside changed.
+        const std::vector<uint8_t> m_after = download_bytes(dev(), m.c());
+        std::vector<char> inside(static_cast<size_t>(n), 0);
+        for (const OptimSegment& s : *segs)
+          for (int64_t i = s.offset; i < s.offset + s.count; ++i) inside[static_cast<size_t>(i)] = 1;
+        const size_t eb = bf16_m ? 2 : 4;
+        int64_t outside_changed = 0, inside_same = 0, inside_n = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const bool same = std::equal(m_after.begin() + i * eb, m_after.begin() + (i + 1) * eb, m_before.begin() + i * eb);
+          if (inside[static_cast<size_t>(i)]) inside_same += same, ++inside_n;
+          else outside_changed += !same;
+        }
+        CHECK(outside_changed == 0);
+        CHECK(inside_same < inside_n / 100);
+      }
+}
+
 namespace {
 // Checks an FP8 model copy after an update into it (both backends' results): inside each segment
 // the e4m3 cast of the new master value times the segment's scale (float32 product), outside the

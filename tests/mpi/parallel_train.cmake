@@ -37,6 +37,18 @@ megatrain_parallel_train_test(parallel_train_tp2_sp_bf16_grads --bf16-reduce 2 -
 # time (the bf16 gradient buffer cannot stage float32 tensors).
 megatrain_parallel_train_test(parallel_train_resume_dp2distopt_bf16_to_dp3distopt --bf16-reduce --resume
   2 "--use-distributed-optimizer --grad-reduce-in-bf16" 3 "--use-distributed-optimizer --grad-reduce-in-bf16")
+# --use-precision-aware-optimizer with bf16 Adam moments (distributed optimizer on every run):
+# the one-rank run up to bf16 rounding of the moments; and the sharded bf16 moments resume on
+# another DP size.
+set(precision_aware_bf16_moments
+    "--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
+megatrain_parallel_train_test(parallel_train_dp2_bf16_moments --bf16-moments --model "${precision_aware_bf16_moments}" 2
+                              --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_resume_dp2_to_dp3_bf16_moments --bf16-moments --model "${precision_aware_bf16_moments}"
+                              --resume 2 - 3 -)
+# ... and with bf16 main gradients, whose sharded states load one parameter at a time.
+megatrain_parallel_train_test(parallel_train_resume_dp2_to_dp3_bf16_moments_bf16_grads --bf16-reduce --bf16-moments
+                              --model "${precision_aware_bf16_moments} --grad-reduce-in-bf16" --resume 2 - 3 -)
 megatrain_parallel_train_test(parallel_train_tp2_pp2_dp2 8 --tensor-model-parallel-size 2
                               --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000)

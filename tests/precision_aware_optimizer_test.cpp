@@ -1,0 +1,287 @@
+// --use-precision-aware-optimizer: Megatron's flag rules, bf16 Adam moments in the reference
+// update (read as float, stored rounded to nearest even), a tiny model training with them close
+// to float32 moments, and checkpoints: a bit-exact resume with bf16 moments, and float32 moments
+// loaded into bf16 ones by rounding.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "app/checkpointing.h"
+#include "app/training_data.h"
+#include "core/dtype.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "engine/model_chunks.h"
+#include "engine/trainer.h"
+#include "parallel/parallel_state.h"
+#include "tests/ckpt_test_util.h"
+#include "tests/cli_test_util.h"
+#include "tests/engine_test_util.h"
+#include "tests/split_run_util.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+
+namespace {
+const Args kPrecisionAware = words("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer");
+}  // namespace
+
+TEST_CASE("precision-aware optimizer: Megatron's rules for the flag and its dtypes", "[cli][precision-aware]") {
+  // The dtypes need the flag (Megatron's OptimizerConfig assertions).
+  for (const char* flag : {"--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-grads-dtype"}) {
+    INFO(flag);
+    CHECK_THAT(parse_error(small_gpt() + words("--bf16 --use-distributed-optimizer") + Args{flag, "bf16"}),
+               Contains(std::string(flag) + " can only be fp32 when not using precision-aware optimizer"));
+  }
+  // Adam only, with the distributed optimizer only.
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--optimizer sgd")),
+             Contains("--use-precision-aware-optimizer only supported with adam"));
+  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --use-precision-aware-optimizer")),
+             Contains("--use-precision-aware-optimizer only supported with distributed optimizer"));
+  // bf16 main grads exclude an explicit --accumulate-allreduce-grads-in-fp32 (Megatron's bf16 rule).
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--main-grads-dtype bf16 --accumulate-allreduce-grads-in-fp32")),
+             Contains("--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"));
+  // What is not built is refused by name.
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--exp-avg-dtype fp16")),
+             Contains("megatrain does not support --exp-avg-dtype fp16 yet"));
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--exp-avg-sq-dtype fp8")),
+             Contains("megatrain does not support --exp-avg-sq-dtype fp8 yet"));
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--main-params-dtype fp16")),
+             Contains("megatrain does not support --main-params-dtype fp16 yet"));
+  CHECK_THAT(parse_error(small_gpt() + kPrecisionAware + words("--exp-avg-dtype int8")), Contains("--exp-avg-dtype"));
+
+  // Accepted: the dtypes reach the configuration, and bf16 main grads turn off Megatron's float32
+  // accumulation as --grad-reduce-in-bf16 does.
+  const Config c = parse(small_gpt() + kPrecisionAware +
+                         words("--main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"));
+  CHECK(c.train.use_precision_aware_optimizer);
+  CHECK(c.train.exp_avg_dtype == StateDtype::bf16);
+  CHECK(c.train.exp_avg_sq_dtype == StateDtype::bf16);
+  CHECK(c.train.main_grads_dtype == StateDtype::bf16);
+  CHECK_FALSE(c.parallel.accumulate_allreduce_grads_in_fp32);
+  CHECK(parse(small_gpt() + kPrecisionAware).parallel.accumulate_allreduce_grads_in_fp32);  // fp32 main grads
+  const Config only_m = parse(small_gpt() + kPrecisionAware + words("--exp-avg-dtype bf16"));
+  CHECK(only_m.train.exp_avg_sq_dtype == StateDtype::fp32);
+
+  // Without --bf16 the gradient buffer keeps the parameters' dtype (as in Megatron): a note says so.
+  std::vector<SetupMessage> messages;
+  parse(small_gpt() + words("--use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16"), 1,
+        &messages);
+  bool noted = false;
+  for (const SetupMessage& m : messages) noted |= m.text.find("--main-grads-dtype bf16 has no effect without --bf16") != std::string::npos;
+  CHECK(noted);
+}
+
+TEST_CASE("precision-aware optimizer: the model's buffers take the dtypes", "[engine][precision-aware]") {
+  ParallelState ps = make_single_process_state();
+  auto dtypes_of = [&](const std::string& flags) {
+    const Config c = parse(small_gpt() + kPrecisionAware + words(flags));
+    const std::vector<ChunkSpec> specs = model_chunk_specs(c, RankPosition::of(ps), DType::bf16);
+    REQUIRE(specs.size() == 1);
+    const ModelOptions& o = specs[0].options;
+    return std::vector<bool>{o.grad == DType::bf16, o.bf16_exp_avg, o.bf16_exp_avg_sq};
+  };
+  CHECK(dtypes_of("") == std::vector<bool>{false, false, false});
+  CHECK(dtypes_of("--main-grads-dtype bf16") == std::vector<bool>{true, false, false});
+  CHECK(dtypes_of("--exp-avg-dtype bf16") == std::vector<bool>{false, true, false});
+  CHECK(dtypes_of("--exp-avg-sq-dtype bf16") == std::vector<bool>{false, false, true});
+  // The memory plan counts 2 bytes per moment element instead of 4.
+  const Config f32 = parse(small_gpt() + kPrecisionAware);
+  const Config bf16 = parse(small_gpt() + kPrecisionAware + words("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"));
+  const MemoryPlan a = plan_rank_memory(f32, RankPosition::of(ps), DType::bf16);
+  const MemoryPlan b = plan_rank_memory(bf16, RankPosition::of(ps), DType::bf16);
+  CHECK(b.of(MemoryCategory::optimizer_states) * 2 == a.of(MemoryCategory::optimizer_states));
+  CHECK(a.of(MemoryCategory::optimizer_states) > 0);
+}
+
+TEST_CASE("precision-aware optimizer: the reference AdamW reads bf16 moments as float and rounds them once",
+          "[reference][precision-aware]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  const int64_t n = 1037;
+  std::vector<float> w(n), g(n);
+  std::vector<uint16_t> m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = static_cast<float>(nd(rng));
+    g[i] = static_cast<float>(0.01 * nd(rng));
+    m[i] = float_to_bf16_bits(static_cast<float>(1e-3 * nd(rng)));
+    v[i] = float_to_bf16_bits(static_cast<float>(1e-5 * std::fabs(nd(rng))));
+  }
+  const std::vector<float> w0 = w;
+  const std::vector<uint16_t> m0 = m, v0 = v;
+  auto t = [](void* p, DType d, int64_t count) { return Tensor(p, d, Device::cpu, {count}); };
+  OptimStepParams p;
+  p.lr[0] = 1e-3f;
+  p.weight_decay[0] = 0.1f;
+  p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f;
+  p.step = 3;
+  p.grad_scale = 0.5f;
+  const std::vector<OptimSegment> segs = {OptimSegment{0, n, 0}};
+  be->adamw_step(t(w.data(), DType::f32, n), t(g.data(), DType::f32, n), t(m.data(), DType::bf16, n),
+                 t(v.data(), DType::bf16, n), Tensor(), segs, p);
+  const double b1 = p.beta1, b2 = p.beta2, bc1 = 1 - std::pow(b1, 3.0), bc2 = 1 - std::pow(b2, 3.0);
+  int64_t wrong_m = 0, wrong_v = 0, wrong_w = 0, rounded = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = static_cast<double>(g[i]) * p.grad_scale;
+    const double mi = b1 * bf16_bits_to_float(m0[i]) + (1 - b1) * gi;
+    const double vi = b2 * bf16_bits_to_float(v0[i]) + (1 - b2) * gi * gi;
+    wrong_m += m[i] != float_to_bf16_bits(static_cast<float>(mi));
+    wrong_v += v[i] != float_to_bf16_bits(static_cast<float>(vi));
+    rounded += static_cast<double>(bf16_bits_to_float(m[i])) != static_cast<double>(static_cast<float>(mi));
+    // The update takes the unrounded moments (the stored ones are rounded after it).
+    const double upd = (mi / bc1) / (std::sqrt(vi / bc2) + p.eps) + p.weight_decay[0] * w0[i];
+    wrong_w += w[i] != static_cast<float>(w0[i] - p.lr[0] * upd);
+  }
+  CHECK(wrong_m == 0);
+  CHECK(wrong_v == 0);
+  CHECK(wrong_w == 0);
+  CHECK(rounded > n / 2);  // the stored moments did lose bits
+
+  // Moments in another dtype than bf16 or the master weights' are refused.
+  std::vector<uint16_t> h(n);
+  CHECK_THROWS_WITH(be->adamw_step(t(w.data(), DType::f32, n), t(g.data(), DType::f32, n), t(h.data(), DType::f16, n),
+                                   t(v.data(), DType::bf16, n), Tensor(), segs, p),
+                    Contains("exp_avg is float16"));
+}
+
+namespace {
+
+// A tiny model trained on mock data, with the given moment dtypes; its losses.
+std::vector<double> train_losses(Config cfg, bool bf16_m, bool bf16_v) {
+  cfg = with_mock_training(cfg);
+  cfg.train.train_iters = 40;
+  cfg.train.lr_warmup_iters = 4;
+  cfg.train.eval_iters = 0;
+  cfg.train.exp_avg_dtype = bf16_m ? StateDtype::bf16 : StateDtype::fp32;
+  cfg.train.exp_avg_sq_dtype = bf16_v ? StateDtype::bf16 : StateDtype::fp32;
+  derive(cfg);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(cfg, ps);
+  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+  REQUIRE(model.exp_avg_flat().dtype == (bf16_m ? DType::bf16 : DType::f32));
+  REQUIRE(model.exp_avg_sq_flat().dtype == (bf16_v ? DType::bf16 : DType::f32));
+  model.init_parameters();
+  TrainingData data = build_training_data(cfg, 0, 1, 0);
+  NullReporter reporter;
+  Trainer trainer(cfg, ps, model, *data.train, nullptr, reporter);
+  trainer.train();
+  return trainer.loss_history();
+}
+
+}  // namespace
+
+TEST_CASE("precision-aware optimizer: tiny GPT and Llama train with bf16 moments close to float32 ones",
+          "[train][precision-aware]") {
+  for (const Config& c : {tiny_gpt_config(), tiny_llama_config()}) {
+    const std::vector<double> f32 = train_losses(c, false, false), bf16 = train_losses(c, true, true),
+                              v_only = train_losses(c, false, true);
+    REQUIRE(f32.size() == 40);
+    REQUIRE(bf16.size() == 40);
+    CHECK(f32.front() == bf16.front());  // the same forward before any update
+    CHECK(bf16.back() < 0.6 * bf16.front());
+    double max_rel = 0, any_diff = 0, v_diff = 0;
+    for (size_t i = 0; i < f32.size(); ++i) {
+      max_rel = std::max(max_rel, std::fabs(bf16[i] - f32[i]) / f32[i]);
+      any_diff = std::max(any_diff, std::fabs(bf16[i] - f32[i]));
+      v_diff = std::max(v_diff, std::fabs(v_only[i] - f32[i]));
+    }
+    CAPTURE(max_rel);
+    CHECK(max_rel < 3e-3);  // measured 1.9e-4 (GPT) and 7.5e-4 (Llama)
+    CHECK(any_diff > 0);  // the moments were rounded
+    CHECK(v_diff > 0);    // each moment's dtype is its own
+  }
+}
+
+namespace {
+
+struct Part {
+  std::vector<double> losses;
+  std::vector<unsigned char> params, m, v;
+};
+
+std::vector<unsigned char> bytes_of(Backend& be, const Tensor& t) {
+  std::vector<unsigned char> out(t.nbytes());
+  be.copy_to_host(out.data(), t);
+  return out;
+}
+
+Part run_part(const Config& c, const std::string& dir, int64_t to, bool load, bool save) {
+  Part out;
+  run_split_part(c, dir, to, load, save, [&](Backend& be, GptModel& model, Trainer& trainer) {
+    out.losses = trainer.loss_history();
+    out.params = bytes_of(be, model.params_flat());
+    out.m = bytes_of(be, model.exp_avg_flat());
+    out.v = bytes_of(be, model.exp_avg_sq_flat());
+  });
+  return out;
+}
+
+// A model built from c that loads the checkpoint in dir, without training.
+Part load_only(Config c, const std::string& dir) {
+  c.checkpoint.load = dir;
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(1);
+  const ModelDims dims = ModelDims::from_config(c, ps);
+  GptModel model(dims, ModelOptions::from_config(c, dims, DType::f32), ps, *be);
+  model.init_parameters();
+  TrainingCheckpoints ck(c, ps, model);
+  REQUIRE(ck.load().loaded);
+  Part out;
+  out.params = bytes_of(*be, model.params_flat());
+  out.m = bytes_of(*be, model.exp_avg_flat());
+  out.v = bytes_of(*be, model.exp_avg_sq_flat());
+  return out;
+}
+
+Config moments_config(bool bf16) {
+  Config c = tiny_llama_config();
+  c.train.train_iters = 6;
+  c.train.lr_warmup_iters = 2;
+  c.train.exp_avg_dtype = c.train.exp_avg_sq_dtype = bf16 ? StateDtype::bf16 : StateDtype::fp32;
+  derive(c);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("precision-aware optimizer: bf16 moments resume bit-exactly; float32 ones load into them rounded",
+          "[ckpt-train][precision-aware]") {
+  mt_test::TempDir dir;
+  const Config bf16 = moments_config(true);
+  const Part straight = run_part(bf16, dir.path() + "/unused", 6, false, false);
+  const Part first = run_part(bf16, dir.path() + "/bf16", 3, false, true);
+  const Part second = run_part(bf16, dir.path() + "/bf16", 6, true, false);
+  REQUIRE(second.losses.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(second.losses[i] == straight.losses[3 + i]);
+  CHECK(second.params == straight.params);
+  CHECK(second.m == straight.m);
+  CHECK(second.v == straight.v);
+  CHECK(second.m.size() * 2 == straight.params.size());  // 2 bytes per element (float32 parameters: 4)
+
+  // A float32-moment checkpoint into a bf16-moment model: the moments are the saved ones rounded.
+  const Config f32 = moments_config(false);
+  const Part saved = run_part(f32, dir.path() + "/f32", 3, false, true);
+  const Part loaded = load_only(bf16, dir.path() + "/f32");
+  REQUIRE(saved.m.size() == 2 * loaded.m.size());
+  int64_t wrong = 0, changed = 0;
+  for (size_t i = 0; i < loaded.m.size() / 2; ++i) {
+    float sm, sv;
+    uint16_t lm, lv;
+    std::memcpy(&sm, saved.m.data() + 4 * i, 4);
+    std::memcpy(&sv, saved.v.data() + 4 * i, 4);
+    std::memcpy(&lm, loaded.m.data() + 2 * i, 2);
+    std::memcpy(&lv, loaded.v.data() + 2 * i, 2);
+    wrong += lm != float_to_bf16_bits(sm) || lv != float_to_bf16_bits(sv);
+    changed += bf16_bits_to_float(lm) != sm;
+  }
+  CHECK(wrong == 0);
+  CHECK(changed > 0);
+  CHECK(loaded.params == saved.params);
+}
