@@ -98,8 +98,16 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       h.master.resize(size_of(m->master_flat()));
       h.fp8_model.resize(static_cast<size_t>(m->master_flat().numel()) * dtype_size(m->options().compute));
     }
+    if (!cfg.checkpoint.no_save_optim && m->has_master_copy()) {
+      const Tensor master = m->master_flat();
+      if (master.dtype == DType::i16) {  // remainders: saved joined, as float32
+        h.master.resize(static_cast<size_t>(master.numel()) * sizeof(float));
+        h.master_raw.resize(size_of(master));
+      } else {
+        h.master.resize(size_of(master));
+      }
+    }
     if (!cfg.checkpoint.no_save_optim) {
-      if (m->has_master_copy()) h.master.resize(size_of(m->master_flat()));
       h.state1.resize(size_of(m->exp_avg_flat()));
       h.state2.resize(size_of(m->exp_avg_sq_flat()));
     }
@@ -125,7 +133,12 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
   be.copy_to_host(h.params.data(), m.params_flat());
   if (optim || m.fp8_params()) {
-    if (!h.master.empty()) be.copy_to_host(h.master.data(), m.master_flat());
+    if (!h.master_raw.empty()) {  // (int16 remainders: joined with the parameters' bf16 bits)
+      be.copy_to_host(h.master_raw.data(), m.master_flat());
+      m.master_to_host(reinterpret_cast<float*>(h.master.data()), h.params.data(), h.master_raw.data());
+    } else if (!h.master.empty()) {
+      be.copy_to_host(h.master.data(), m.master_flat());
+    }
     if (!h.state1.empty()) be.copy_to_host(h.state1.data(), m.exp_avg_flat());
     if (!h.state2.empty()) be.copy_to_host(h.state2.data(), m.exp_avg_sq_flat());
   }
@@ -360,8 +373,7 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
     read_sharded(master_kind, "", m.master_flat(), load_optim, true);
   } else if (L.sharded && m.has_master_copy()) {
     read_flat(reader, m, master_kind, "", m.grads_flat(), load_optim);
-    be.cast(m.params_flat(), m.grads_flat().flat_slice(0, m.params_flat().numel()));  // (FP8 parameters: below)
-    keep_shards(m.master_flat());
+    m.params_from_full_master(m.grads_flat());  // (FP8 parameters: below)
   } else {
     read_flat(reader, m, master_kind, "", m.master_flat(), load_optim);
     if (m.has_master_copy()) be.cast(m.params_flat(), m.master_flat());

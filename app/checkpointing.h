@@ -96,7 +96,9 @@ class TrainingCheckpoints {
   // Host staging of one chunk: params (compute dtype), master (accum dtype, when separate),
   // states 1 and 2 (sharded buffers with the distributed optimizer).
   struct Staging {
-    std::vector<unsigned char> params, master, state1, state2, fp8;
+    // master: float32 (GptModel::master_to_host); master_raw: master_flat's own bytes when they are
+    // not that (int16 remainders).
+    std::vector<unsigned char> params, master, master_raw, state1, state2, fp8;
     // FP8 parameters: this rank's master shards rounded to the compute dtype (their model weights).
     std::vector<unsigned char> fp8_model;
   };

@@ -15,7 +15,9 @@
 #    and the largest relative difference (bf16: PASS below 2e-2); FP8 (hybrid, delayed) 1 GPU vs
 #    TP=2+SP and DP=2 (PASS below 2e-2); bf16 main grads (--grad-reduce-in-bf16) on 1 GPU and DP=2
 #    against float32 ones (PASS below 2e-2); FP8 parameters (--fp8-param-gather; delayed and
-#    tensorwise) on 1 GPU and DP=2 against FP8 without them (PASS below 2e-2); and in fp32 on 4
+#    tensorwise) on 1 GPU and DP=2 against FP8 without them (PASS below 2e-2); tensorwise FP8 without
+#    them over DP=2; the precision-aware optimizer (bf16 moments, bf16 main grads, master-weight
+#    remainders) on 1 GPU and DP=2 against plain bf16 (PASS below 2e-2); and in fp32 on 4
 #    layers, 1 GPU vs TP=2+SP, PP=2 and interleaved PP=2 (PASS below 1e-4).
 # 2. Scaling (iterations after the first 4 of 12, median):
 #      DP=2 tokens/s vs 1 GPU on gpt2-124m and gpt-1.3b (weak scaling, target >= 1.9x), with the
@@ -170,6 +172,15 @@ fp8tw="--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer"
 run eq_fp8tw_1gpu 1 $eq $fp8tw
 run eq_fp8twpg_1gpu 1 $eq $fp8tw --fp8-param-gather
 run eq_fp8twpg_dp2 2 $eq $fp8tw --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
+# ... and without FP8 parameters over DP=2: the weights' amaxes taken by each rank's update and
+# maxed over DP.
+run eq_fp8tw_dp2 2 $eq $fp8tw --overlap-grad-reduce --overlap-param-gather
+# Megatron's precision-aware optimizer: bf16 moments, bf16 main grads and the float32 master
+# weights kept as remainders of the bf16 parameters, on one GPU and DP=2, against plain bf16.
+pa="--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+  --main-grads-dtype bf16"
+run eq_pa_1gpu 1 $eq $pa
+run eq_pa_dp2 2 $eq $pa --overlap-grad-reduce --overlap-param-gather
 # The same in fp32 (GEMMs without TF32) on a 4-layer model: bf16 runs drift apart once rounding
 # differences grow, fp32 runs must stay together (a layout defect shows at once).
 eq32="--num-layers 4 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
@@ -280,7 +291,9 @@ if not four:
   equivalence("gpt2-124m, FP8 parameters (--fp8-param-gather) against FP8 without", "eq_fp8_1gpu",
               ["eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2"], 2e-2)
   equivalence("gpt2-124m, FP8 tensorwise with FP8 parameters against without", "eq_fp8tw_1gpu",
-              ["eq_fp8twpg_1gpu", "eq_fp8twpg_dp2"], 2e-2)
+              ["eq_fp8twpg_1gpu", "eq_fp8twpg_dp2", "eq_fp8tw_dp2"], 2e-2)
+  equivalence("gpt2-124m, precision-aware optimizer (bf16 moments, main grads, master remainders) against bf16",
+              "eq_1gpu", ["eq_pa_1gpu", "eq_pa_dp2"], 2e-2)
 
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
@@ -299,7 +312,7 @@ if not four:
 
 print("\n== memory per GPU (planned buffers / device memory in use after the run, beyond the CUDA context) ==")
 for name in ["eq32_1gpu", "eq32_tp2_sp", "eq32_pp2", "eq32_pp2_vpp", "eq_1gpu", "eq_tp2", "eq_tp2_sp", "eq_pp2",
-             "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "eq_bf16g_1gpu", "eq_bf16g_dp2", "eq_bf16g_fp8_dp2",
+             "eq_pp2_vpp", "eq_dp2", "eq_fp8_1gpu", "eq_fp8_tp2_sp", "eq_fp8_dp2", "eq_bf16g_1gpu", "eq_bf16g_dp2", "eq_bf16g_fp8_dp2", "eq_fp8tw_dp2", "eq_pa_1gpu", "eq_pa_dp2",
              "eq_fp8pg_1gpu", "eq_fp8pg_dp2", "eq_fp8pg_bf16g_dp2", "eq_fp8tw_1gpu", "eq_fp8twpg_1gpu",
              "eq_fp8twpg_dp2", "dp_124m_1gpu", "dp_124m_dp2", "dp_13b_1gpu",
              "dp_13b_dp2", "tp_13b_tp2sp", "pp_13b_1gpu", "pp_13b_pp2", "pp_13b_pp2_vpp", "pp_13b_pp2_last11",

@@ -49,13 +49,14 @@ std::string_view safetensors_dtype_string(DType t) {
     case DType::u8: return "U8";
     case DType::fp8_e4m3: return "F8_E4M3";
     case DType::fp8_e5m2: return "F8_E5M2";
+    case DType::i16: return "I16";
   }
   return "?";
 }
 
 std::optional<DType> parse_safetensors_dtype(std::string_view s) {
   for (DType t : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8,
-                  DType::fp8_e4m3, DType::fp8_e5m2})
+                  DType::fp8_e4m3, DType::fp8_e5m2, DType::i16})
     if (s == safetensors_dtype_string(t)) return t;
   return std::nullopt;
 }
@@ -268,6 +269,7 @@ static int dtype_order(DType t) {
     case DType::u8: return 4;
     case DType::fp8_e5m2: return 6;
     case DType::fp8_e4m3: return 7;
+    case DType::i16: return 11;
     case DType::f16: return 13;
     case DType::bf16: return 14;
     case DType::i32: return 15;

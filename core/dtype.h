@@ -9,7 +9,8 @@ namespace mt {
 
 // fp8_e4m3 is OCP/NVIDIA "E4M3FN" (bias 7, no infinities, one NaN pattern S.1111.111, max 448);
 // fp8_e5m2 is IEEE-like (bias 15, infinities, max 57344). Both are 1 byte; FP8 training uses them.
-enum class DType : uint8_t { f32, f64, bf16, f16, i32, i64, u8, fp8_e4m3, fp8_e5m2 };
+// i16: the remainders of float32 master weights kept beside bf16 ones (core/master_remainder.h).
+enum class DType : uint8_t { f32, f64, bf16, f16, i32, i64, u8, fp8_e4m3, fp8_e5m2, i16 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
@@ -22,6 +23,7 @@ constexpr size_t dtype_size(DType t) {
     case DType::u8: return 1;
     case DType::fp8_e4m3: return 1;
     case DType::fp8_e5m2: return 1;
+    case DType::i16: return 2;
   }
   return 0;
 }
@@ -37,6 +39,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::u8: return "uint8";
     case DType::fp8_e4m3: return "float8_e4m3fn";
     case DType::fp8_e5m2: return "float8_e5m2";
+    case DType::i16: return "int16";
   }
   return "?";
 }

@@ -505,6 +505,11 @@ void check_model_copy_segments(const Tensor& model, std::span<const OptimSegment
 }
 }  // namespace
 
+void CudaBackend::split_master(Tensor model, Tensor remainder, Tensor master) {
+  on_device("split_master", model, remainder, master);
+  MT_PROFILE_OP("split_master {}", master.numel());
+  cuda::split_master(context(), model, remainder, master);
+}
 void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                              std::span<const OptimSegment> segments, const OptimStepParams& p) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);

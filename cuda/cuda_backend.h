@@ -122,6 +122,7 @@ class CudaBackend final : public Backend {
 
   void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                   std::span<const OptimSegment> segments, const OptimStepParams& p) override;
+  void split_master(Tensor model, Tensor remainder, Tensor master) override;
   void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                 std::span<const OptimSegment> segments, const OptimStepParams& p) override;
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;

@@ -171,6 +171,9 @@ struct SegmentArg {
 // Host-side: the table for `segments` (prefix chunk counts), as stored by the registry.
 void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks);
 
+// Float32 master weights into bf16 weights and int16 remainders (core/master_remainder.h; remainder
+// may be empty).
+void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master);
 void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                 Tensor model_param, const SegmentArg& segs, const OptimStepParams& p);
 void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momentum, Tensor model_param,

@@ -226,6 +226,79 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G, A, V> 
   }
 }
 
+// ---- float32 master weights kept as int16 remainders beside bf16 weights ----------------------
+// (core/master_remainder.h: the same bits on the host.)
+__device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder) {
+  const uint16_t hi = static_cast<uint16_t>(weight - (remainder < 0 ? 1u : 0u));
+  return __uint_as_float((static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(remainder));
+}
+__device__ __forceinline__ void split_master(float x, uint16_t& weight, int16_t& remainder) {
+  const uint32_t bits = __float_as_uint(x);
+  const uint16_t lo = static_cast<uint16_t>(bits & 0xFFFFu);
+  weight = static_cast<uint16_t>((bits >> 16) + (lo >> 15));
+  remainder = static_cast<int16_t>(lo);
+}
+
+// AdamW over such master weights: a.master is unused; rem and a.model (bf16) are read and written.
+// Four elements per access where the run starts 4-aligned and the buffers allow it (`vec`).
+template <typename G, typename A, typename V>
+__global__ void __launch_bounds__(kOptimThreads) adamw_remainder_kernel(AdamArgs<G, A, V> a, int16_t* rem,
+                                                                       SegmentArg segs, bool vec) {
+  uint16_t* w16 = static_cast<uint16_t*>(a.model);
+  for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
+    int64_t begin, end;
+    const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
+    const float lr = a.lr[s.group], wd = a.wd[s.group];
+    const bool track = s.fp8_amax != nullptr;  // (block-uniform)
+    float amax = 0.0f;
+    auto one = [&](float& m, float& v, float g, uint16_t& w, int16_t& r) {
+      const float p = adam_one(m, v, join_master(w, r), g * a.grad_scale, a.beta1, a.beta2, a.bias_correction1,
+                               a.bias_correction2, a.eps, lr, wd);
+      split_master(p, w, r);
+      if (track) amax = fmaxf(amax, fabsf(__uint_as_float(static_cast<uint32_t>(w) << 16)));
+    };
+    int64_t scalar_from = begin;
+    if (vec && (begin & 3) == 0) {
+      const int64_t nvec = (end - begin) / 4;
+      for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+        const int64_t i = begin + 4 * q;
+        const float4 g = load4(a.grad + i);
+        float4 m = load4(a.exp_avg + i), v = load4(a.exp_avg_sq + i);
+        uint2 wr = *reinterpret_cast<const uint2*>(w16 + i), rr = *reinterpret_cast<const uint2*>(rem + i);
+        uint16_t* w = reinterpret_cast<uint16_t*>(&wr);
+        int16_t* r = reinterpret_cast<int16_t*>(&rr);
+        one(m.x, v.x, g.x, w[0], r[0]);
+        one(m.y, v.y, g.y, w[1], r[1]);
+        one(m.z, v.z, g.z, w[2], r[2]);
+        one(m.w, v.w, g.w, w[3], r[3]);
+        store4(a.exp_avg + i, m);
+        store4(a.exp_avg_sq + i, v);
+        *reinterpret_cast<uint2*>(w16 + i) = wr;
+        *reinterpret_cast<uint2*>(rem + i) = rr;
+      }
+      scalar_from = begin + 4 * nvec;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
+      float m = to_float(a.exp_avg[i]), v = to_float(a.exp_avg_sq[i]);
+      one(m, v, to_float(a.grad[i]), w16[i], rem[i]);
+      a.exp_avg[i] = from_float<A>(m);
+      a.exp_avg_sq[i] = from_float<V>(v);
+    }
+    if (track) block_amax_atomic(s.fp8_amax, amax);
+  }
+}
+
+__global__ void split_master_kernel(uint16_t* weight, int16_t* remainder, const float* master, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint16_t w;
+    int16_t r;
+    split_master(master[i], w, r);
+    weight[i] = w;
+    if (remainder) remainder[i] = r;
+  }
+}
+
 template <typename G>
 struct SgdArgs {
   float* master;
@@ -321,10 +394,10 @@ void check_moment(const Tensor& t, int64_t n, const char* name) {
            t.shape_string());
 }
 
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
 // Four-element accesses to a float32 (16-byte) or bfloat16 (8-byte) buffer need its alignment.
-bool aligned_for4(const Tensor& t) {
-  return t.dtype == DType::f32 ? aligned16(t.data) : (reinterpret_cast<uintptr_t>(t.data) & 7u) == 0;
-}
+bool aligned_for4(const Tensor& t) { return t.dtype == DType::f32 ? aligned16(t.data) : aligned8(t.data); }
 
 // Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 moment.
 template <typename F>
@@ -368,7 +441,13 @@ void dispatch_model(const Tensor& model, const char* what, F&& f) {
 void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                 Tensor model_param, const SegmentArg& segs, const OptimStepParams& p) {
   const int64_t n = master.numel();
-  check_flat_f32(master, n, "adamw_step", "master");
+  const bool remainders = master.dtype == DType::i16;  // float32 master weights as remainders of bf16 ones
+  if (remainders) {
+    MT_CHECK(model_param.dtype == DType::bf16 && model_param.numel() == n,
+             "adamw_step: int16 master remainders need a bf16 model copy of {} elements", n);
+  } else {
+    check_flat_f32(master, n, "adamw_step", "master");
+  }
   check_optimizer_grad(grad, n, "adamw_step");
   check_moment(exp_avg, n, "exp_avg");
   check_moment(exp_avg_sq, n, "exp_avg_sq");
@@ -377,12 +456,14 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
   check_segments_fit(segs, n, "adamw_step");
   if (segs.total_chunks == 0) return;
   const unsigned grid = chunk_grid(ctx, segs.total_chunks);
-  const bool vec = aligned16(master.data) && aligned_for4(grad) && aligned_for4(exp_avg) && aligned_for4(exp_avg_sq) &&
-                   (model_param.empty() || aligned16(model_param.data));
+  const bool vec = (remainders ? aligned8(master.data) && aligned8(model_param.data)
+                                : aligned16(master.data) && (model_param.empty() || aligned16(model_param.data))) &&
+                   aligned_for4(grad) && aligned_for4(exp_avg) && aligned_for4(exp_avg_sq);
   MT_DISPATCH_GRAD(grad.dtype, G, "adamw_step (grad)", {
     dispatch_moment(exp_avg, [&]<typename A>() {
       dispatch_moment(exp_avg_sq, [&]<typename V>() {
-        AdamArgs<G, A, V> a{master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<A>(), exp_avg_sq.ptr<V>(),
+        AdamArgs<G, A, V> a{remainders ? nullptr : master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<A>(),
+                            exp_avg_sq.ptr<V>(),
                             model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
                             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
                             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
@@ -391,12 +472,32 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
           a.lr[g] = p.lr[g];
           a.wd[g] = p.weight_decay[g];
         }
+        if (remainders) {
+          adamw_remainder_kernel<G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, master.ptr<int16_t>(), segs, vec);
+          return;
+        }
         dispatch_model(model_param, "adamw_step", [&]<typename M>() {
           adamw_kernel<M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
         });
       });
     });
   });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master) {
+  const int64_t n = master.numel();
+  MT_CHECK(master.dtype == DType::f32, "split_master: master is {}, not float32", dtype_name(master.dtype));
+  MT_CHECK(model.dtype == DType::bf16 && model.numel() == n, "split_master: model must be bf16 with {} elements, got "
+           "{} {}", n, dtype_name(model.dtype), model.shape_string());
+  MT_CHECK(remainder.empty() || (remainder.dtype == DType::i16 && remainder.numel() == n),
+           "split_master: remainder must be int16 with {} elements, got {} {}", n, dtype_name(remainder.dtype),
+           remainder.shape_string());
+  if (n == 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, ctx.num_sms * 16LL));
+  split_master_kernel<<<grid, 256, 0, ctx.stream>>>(model.ptr<uint16_t>(),
+                                                    remainder.empty() ? nullptr : remainder.ptr<int16_t>(),
+                                                    master.ptr<const float>(), n);
   MT_CUDA_CHECK_LAUNCH();
 }
 

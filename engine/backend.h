@@ -396,8 +396,15 @@ class Backend {
   // AdamW (decoupled weight decay) on flat float32 buffers, over the given segments. The new
   // master weights are also written to model_param (the bf16/fp16 copy; may be empty; FP8 (e4m3)
   // when every segment carries its fp8_scale and fp8_amax).
+  // exp_avg / exp_avg_sq: float32, or bf16 each (read as float32, stored rounded to nearest even).
+  // master may instead be int16 remainders beside a bf16 model_param (core/master_remainder.h:
+  // precision-aware optimizer): the float32 master weight is joined from the two, updated, and
+  // split back into both.
   virtual void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                           std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
+  // Float32 master weights into bf16 weights `model` and int16 `remainder` (core/master_remainder.h;
+  // set-up and checkpoint loads). remainder may be empty: the weights alone, rounded the same way.
+  virtual void split_master(Tensor model, Tensor remainder, Tensor master) = 0;
   virtual void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                         std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
   // out float32 [1] (+)= sum of squares of x over the segments (all of x when segments is empty).

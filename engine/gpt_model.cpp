@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/master_remainder.h"
 #include "core/philox.h"
 #include "parallel/parallel_state.h"
 #include "parallel/parallel_state_builder.h"
@@ -167,6 +168,10 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   MT_CHECK(opt_.accum == DType::f32 || opt_.accum == DType::f64, "accum dtype");
   MT_CHECK(opt_.grad == opt_.accum || opt_.grad == DType::bf16, "main gradients in {} with accum {}",
            dtype_name(opt_.grad), dtype_name(opt_.accum));
+  MT_CHECK(!opt_.master_remainders || (opt_.compute == DType::bf16 && opt_.accum == DType::f32 &&
+                                       opt_.shard_optimizer_state && !opt_.fp8.param_gather),
+           "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
+           "no FP8 parameters");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -344,7 +349,7 @@ void GptModel::layout(Arena& a) {
   params_ = a.take(C::parameters, T, {fp8_begin});
   fp8_params_ = fp8_params() ? a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin}) : Tensor();
   grads_ = a.take(C::gradients, opt_.grad, {total});
-  master_ = has_master_copy() ? a.take(C::master_weights, S, {state}) : params_;
+  master_ = has_master_copy() ? a.take(C::master_weights, opt_.master_remainders ? DType::i16 : S, {state}) : params_;
   state1_ = state2_ = Tensor();
   if (opt_.optimizer == OptimizerKind::adam) {
     state1_ = a.take(C::optimizer_states, opt_.bf16_exp_avg ? DType::bf16 : S, {state});
@@ -561,15 +566,37 @@ void GptModel::init_parameters() {
     const Tensor full = sharded_master ? grads_ : master_;
     for (const ParamDesc& p : descs_) draw(p, shaped(full, p));
     if (!has_master_copy()) return;
-    be_.cast(params_, full.flat_slice(0, params_.numel()));  // (the FP8 parameters: below)
-    if (!sharded_master) return;
-    for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
-      const int64_t n = grad_layout_.shard_numel(b);
-      be_.copy(master_.flat_slice(grad_layout_.state_offset[b], n), grads_.flat_slice(grad_layout_.shard_offset(b), n));
-    }
-    be_.fill(grads_, 0.0);
+    params_from_full_master(full);
+    if (sharded_master) be_.fill(grads_, 0.0);
   }
   fp8_params_from_master(true);
+}
+
+void GptModel::params_from_full_master(Tensor full) {
+  MT_CHECK(has_master_copy() && full.dtype == opt_.accum && full.numel() >= params_.numel(),
+           "params_from_full_master: a full-size {} buffer", dtype_name(opt_.accum));
+  const Tensor values = full.flat_slice(0, params_.numel());
+  // (the FP8 parameters: fp8_params_from_master)
+  if (opt_.master_remainders) be_.split_master(params_, Tensor(), values);
+  else be_.cast(params_, values);
+  if (!grad_layout_.sharded) return;  // (then `full` is the master copy)
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+    const int64_t n = grad_layout_.shard_numel(b), at = grad_layout_.shard_offset(b);
+    const Tensor shard = master_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], n);
+    if (opt_.master_remainders) be_.split_master(params_.flat_slice(at, n), shard, full.flat_slice(at, n));
+    else be_.cast(shard, full.flat_slice(at, n));  // (a copy: the same dtype)
+  }
+}
+
+void GptModel::master_to_host(float* out, const void* params_host, const void* master_host) const {
+  MT_CHECK(opt_.master_remainders, "master_to_host: the master weights are not kept as remainders");
+  const auto* w = static_cast<const uint16_t*>(params_host);
+  const auto* r = static_cast<const int16_t*>(master_host);
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+    const int64_t n = grad_layout_.shard_numel(b), at = grad_layout_.shard_offset(b);
+    const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)];
+    for (int64_t i = 0; i < n; ++i) out[state + i] = join_master_bits(w[at + i], r[state + i]);
+  }
 }
 
 void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params) {
@@ -587,10 +614,18 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
     ParamDesc at_start = p;
     at_start.offset = 0;
     fill(static_cast<int>(i), shaped(scratch, at_start));
-    if (to_params && !p.fp8_storage) be_.cast(shaped(params_, p), shaped(scratch, at_start));
-    for (const auto& [b, s] : pieces[i])  // (a cast: bf16 moments take their rounding)
-      be_.cast(sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel),
-               scratch.flat_slice(s.param_offset, s.numel));
+    const bool remainders = sharded.dtype == DType::i16;  // the master copy as remainders of the parameters
+    if (to_params && !p.fp8_storage) {
+      if (remainders) be_.split_master(shaped(params_, p), Tensor(), shaped(scratch, at_start));
+      else be_.cast(shaped(params_, p), shaped(scratch, at_start));
+    }
+    for (const auto& [b, s] : pieces[i]) {
+      const Tensor dst =
+          sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel);
+      const Tensor src = scratch.flat_slice(s.param_offset, s.numel);
+      if (remainders) be_.split_master(params_.flat_slice(p.offset + s.param_offset, s.numel), dst, src);
+      else be_.cast(dst, src);  // (a cast: bf16 moments take their rounding)
+    }
   }
   be_.synchronize();  // the scratch is freed below
   be_.deallocate(mem);

@@ -71,6 +71,12 @@ struct ModelOptions {
   // aware optimizer): the update reads them as float, computes in float and stores them rounded
   // to nearest even, as Transformer Engine's FusedAdam does.
   bool bf16_exp_avg = false, bf16_exp_avg_sq = false;
+  // The float32 master weights kept as int16 remainders beside the bf16 parameters (Transformer
+  // Engine's store_param_remainders, which Megatron's precision-aware optimizer turns on with bf16
+  // parameters; core/master_remainder.h): 2 bytes per master element instead of 4, the same master
+  // values, and the bf16 parameters rounded to nearest with ties away from zero (not to even).
+  // Needs bf16 compute, float32 accum, a sharded master copy and no FP8 parameters.
+  bool master_remainders = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
@@ -176,6 +182,13 @@ class GptModel {
   // cast into the model weights (to_params) and this rank's pieces go to `sharded` (laid out like
   // the master weights: this rank's shard of each bucket; its padding is zeroed).
   void stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params);
+  // Full-precision values of every parameter in `full` (a full-size accum buffer, e.g. the unused
+  // gradient buffer): the parameters take them rounded, and a sharded master copy its shards
+  // (int16 remainders: split from them). Set-up time (initialization, checkpoint loads).
+  void params_from_full_master(Tensor full);
+  // This rank's master weights kept as remainders (ModelOptions::master_remainders), as float32 on
+  // the host (checkpoints): host copies of params_flat and master_flat joined.
+  void master_to_host(float* out, const void* params_host, const void* master_host) const;
 
   // ---- FP8 (--fp8-format) ----------------------------------------------------------------
   // The trainer calls fp8_begin_step() before a step's first forward (the FP8 weight cache is

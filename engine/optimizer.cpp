@@ -219,9 +219,12 @@ void Optimizer::rescale_fp8_params() {
 double Optimizer::params_norm() {
   const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 1);
   be_.fill(s, 0.0);
-  for (const OptimRange& r : ranges_)
-    if (!r.norm.empty())
-      be_.sum_squares(s, optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).master, r.norm, true);
+  for (const OptimRange& r : ranges_) {
+    if (r.norm.empty()) continue;
+    // (Master weights kept as int16 remainders: the norm of their bf16 parameters, within 2^-9.)
+    const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
+    be_.sum_squares(s, v.master.dtype == DType::i16 ? v.model_copy : v.master, r.norm, true);
+  }
   if (sharded_) ps_.dp->all_reduce(s);
   ps_.model_parallel->all_reduce(s);
   double v[kCount + 1];

@@ -67,6 +67,7 @@ MPI_Datatype mpi_type(DType t) {
     case DType::i32: return MPI_INT32_T;
     case DType::i64: return MPI_INT64_T;
     case DType::u8: return MPI_UINT8_T;
+    case DType::i16: return MPI_INT16_T;
     case DType::fp8_e4m3:
     case DType::fp8_e5m2: return MPI_UINT8_T;  // moved as bits (FP8 tensors are gathered, never reduced)
     case DType::bf16:

@@ -48,6 +48,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::u8: return ncclUint8;
     case DType::fp8_e4m3:
     case DType::fp8_e5m2: return ncclUint8;  // moved as bits (FP8 tensors are gathered, never reduced)
+    case DType::i16: break;  // (master-weight remainders are never communicated)
   }
   return ncclFloat32;
 }

@@ -13,6 +13,7 @@
 #include "app/checkpointing.h"
 #include "app/training_data.h"
 #include "core/dtype.h"
+#include "core/master_remainder.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
 #include "engine/model_chunks.h"
@@ -284,4 +285,160 @@ TEST_CASE("precision-aware optimizer: bf16 moments resume bit-exactly; float32 o
   CHECK(wrong == 0);
   CHECK(changed > 0);
   CHECK(loaded.params == saved.params);
+}
+
+TEST_CASE("master remainders: every float32 splits into a bf16 weight and 16 bits and joins back exactly",
+          "[core][precision-aware]") {
+  std::mt19937_64 rng(5);
+  int64_t wrong_trip = 0, not_nearest = 0, ties = 0, ties_away = 0, differs_from_even = 0;
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t bits = static_cast<uint32_t>(rng());
+    if (i % 4 == 0) bits = (bits & 0xFFFF0000u) | 0x8000u;  // exact ties, often
+    if (((bits >> 23) & 0xFFu) == 0xFFu) continue;           // (inf / NaN)
+    float x;
+    std::memcpy(&x, &bits, 4);
+    const SplitMaster s = split_master_bits(x);
+    const float back = join_master_bits(s.weight, s.remainder);
+    wrong_trip += std::memcmp(&back, &x, 4) != 0;
+    // The weight is a nearest bf16 value; at an exact tie the one farther from zero.
+    const double w = bf16_bits_to_float(s.weight);
+    const uint16_t hi = static_cast<uint16_t>(bits >> 16);
+    const double down = bf16_bits_to_float(hi), up = bf16_bits_to_float(static_cast<uint16_t>(hi + 1));
+    const double dw = std::fabs(w - x), best = std::min(std::fabs(down - x), std::fabs(up - x));
+    if (std::isfinite(up)) not_nearest += dw > best;
+    if ((bits & 0xFFFFu) == 0x8000u) {
+      ++ties;
+      ties_away += std::fabs(w) > std::fabs(static_cast<double>(x));
+      differs_from_even += s.weight != float_to_bf16_bits(x);
+    }
+  }
+  CHECK(wrong_trip == 0);
+  CHECK(not_nearest == 0);
+  CHECK(ties > 10000);
+  CHECK(ties_away == ties);
+  CHECK(differs_from_even > ties / 4);  // (half the ties: round to even rounds them down)
+  // Zero, signed zero, the largest finite bf16 neighbourhood, subnormals.
+  for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 3.0e38f, -3.0e38f, 1e-40f, -1e-40f}) {
+    const SplitMaster s = split_master_bits(x);
+    const float back = join_master_bits(s.weight, s.remainder);
+    CHECK(std::memcmp(&back, &x, 4) == 0);
+  }
+}
+
+TEST_CASE("master remainders: the reference AdamW and split_master keep the float32 master weights exactly",
+          "[reference][precision-aware]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  const int64_t n = 4099;
+  std::vector<float> master(n), g(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    master[i] = static_cast<float>(0.05 * nd(rng));
+    g[i] = static_cast<float>(0.01 * nd(rng));
+    m[i] = static_cast<float>(1e-3 * nd(rng));
+    v[i] = static_cast<float>(1e-5 * std::fabs(nd(rng)));
+  }
+  auto t = [](void* p, DType d, int64_t count) { return Tensor(p, d, Device::cpu, {count}); };
+  // split_master: the weights (and remainders) of core/master_remainder.h.
+  std::vector<uint16_t> w16(n), only_w(n);
+  std::vector<int16_t> rem(n);
+  be->split_master(t(w16.data(), DType::bf16, n), t(rem.data(), DType::i16, n), t(master.data(), DType::f32, n));
+  be->split_master(t(only_w.data(), DType::bf16, n), Tensor(), t(master.data(), DType::f32, n));
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const SplitMaster s = split_master_bits(master[i]);
+    wrong += w16[i] != s.weight || rem[i] != s.remainder || only_w[i] != s.weight;
+  }
+  CHECK(wrong == 0);
+
+  // Three AdamW steps over float32 master weights with a bf16 copy, and over remainders: the same
+  // master weights and moments bit for bit, and weights that are the split of them.
+  OptimStepParams p;
+  p.lr[0] = 1e-3f, p.lr[1] = 2e-3f;
+  p.weight_decay[0] = 0.1f;
+  p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f;
+  p.grad_scale = 0.5f;
+  const std::vector<OptimSegment> segs = {OptimSegment{3, 2000, 0}, OptimSegment{2100, 1999, 1}};
+  std::vector<float> m2 = m, v2 = v;
+  std::vector<uint16_t> copy(n);
+  for (int step = 1; step <= 3; ++step) {
+    p.step = step;
+    be->adamw_step(t(master.data(), DType::f32, n), t(g.data(), DType::f32, n), t(m.data(), DType::f32, n),
+                   t(v.data(), DType::f32, n), t(copy.data(), DType::bf16, n), segs, p);
+    be->adamw_step(t(rem.data(), DType::i16, n), t(g.data(), DType::f32, n), t(m2.data(), DType::f32, n),
+                   t(v2.data(), DType::f32, n), t(w16.data(), DType::bf16, n), segs, p);
+  }
+  int64_t wrong_master = 0, wrong_weight = 0, same_as_copy = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float joined = join_master_bits(w16[i], rem[i]);
+    wrong_master += std::memcmp(&joined, &master[i], 4) != 0;
+    wrong_weight += w16[i] != split_master_bits(master[i]).weight;
+    same_as_copy += i >= 3 && i < 2003 && copy[i] == w16[i];
+  }
+  CHECK(wrong_master == 0);
+  CHECK(wrong_weight == 0);
+  CHECK(same_as_copy > 1990);  // the round-to-even copy differs at exact ties only
+  CHECK(std::memcmp(m.data(), m2.data(), 4 * static_cast<size_t>(n)) == 0);
+  CHECK(std::memcmp(v.data(), v2.data(), 4 * static_cast<size_t>(n)) == 0);
+  // Remainders need a bf16 model copy.
+  CHECK_THROWS_WITH(be->adamw_step(t(rem.data(), DType::i16, n), t(g.data(), DType::f32, n), t(m2.data(), DType::f32, n),
+                                   t(v2.data(), DType::f32, n), Tensor(), segs, p),
+                    Contains("int16 master remainders need a bf16 model copy"));
+}
+
+TEST_CASE("master remainders: a sharded model initializes and loads the same master weights",
+          "[engine][precision-aware]") {
+  // bf16 parameters over float32 master weights: the reference backend runs no bf16 forward, but
+  // builds, initializes and stages such a model (the part remainders change).
+  const Config c = tiny_llama_config();
+  auto be = make_reference_backend(1);
+  ParallelState ps = make_single_process_state();
+  const ModelDims d = ModelDims::from_config(c, ps);
+  for (int dp_rank : {0, 1}) {
+    INFO("dp rank " << dp_rank);
+    auto build = [&](bool remainders) {
+      ModelOptions o = ModelOptions::from_config(c, d, DType::bf16);
+      o.accum = DType::f32;
+      o.grad = DType::f32;
+      o.dp_size = 2;
+      o.dp_rank = dp_rank;
+      o.bucket_size = 700;
+      o.shard_optimizer_state = true;
+      o.master_remainders = remainders;
+      auto m = std::make_unique<GptModel>(d, o, ps, *be);
+      m->init_parameters();
+      return m;
+    };
+    auto plain = build(false), rem = build(true);
+    REQUIRE(rem->master_flat().dtype == DType::i16);
+    REQUIRE(rem->master_flat().numel() == plain->master_flat().numel());
+    const std::vector<unsigned char> pp = bytes_of(*be, plain->params_flat()), rp = bytes_of(*be, rem->params_flat());
+    const std::vector<unsigned char> pm = bytes_of(*be, plain->master_flat()), rm = bytes_of(*be, rem->master_flat());
+    std::vector<float> joined(static_cast<size_t>(rem->master_flat().numel()));
+    rem->master_to_host(joined.data(), rp.data(), rm.data());
+    CHECK(std::memcmp(joined.data(), pm.data(), pm.size()) == 0);  // the same float32 master weights
+    // Every parameter (every rank's shards alike) is the split weight of the drawn value: equal to
+    // the round-to-even one but at ties.
+    int64_t differ = 0;
+    for (size_t i = 0; i < pp.size(); i += 2) differ += pp[i] != rp[i] || pp[i + 1] != rp[i + 1];
+    CHECK(differ < static_cast<int64_t>(pp.size() / 2 / 1000));
+    // params_from_full_master from the joined values (a checkpoint load) gives back the same bytes.
+    std::vector<float> full(static_cast<size_t>(rem->grads_flat().numel()), 0.0f);
+    for (size_t i = 0; i < pp.size() / 2; ++i) {
+      uint16_t w;
+      std::memcpy(&w, rp.data() + 2 * i, 2);
+      full[i] = bf16_bits_to_float(w);
+    }
+    const GradLayout& L = rem->grad_layout();
+    for (int b = 0; b < L.num_buckets(); ++b)
+      for (int64_t i = 0; i < L.shard_numel(b); ++i)
+        full[static_cast<size_t>(L.shard_offset(b) + i)] = joined[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + i)];
+    be->copy_from_host(rem->grads_flat(), full.data());
+    be->fill(rem->params_flat(), 0.0);
+    const std::vector<int16_t> zeros(static_cast<size_t>(rem->master_flat().numel()), 0);
+    be->copy_from_host(rem->master_flat(), zeros.data());
+    rem->params_from_full_master(rem->grads_flat());
+    CHECK(bytes_of(*be, rem->params_flat()) == rp);
+    CHECK(bytes_of(*be, rem->master_flat()) == rm);
+  }
 }

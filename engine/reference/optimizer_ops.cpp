@@ -4,6 +4,7 @@
 #include <cmath>
 #include <mutex>
 
+#include "core/master_remainder.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
 
@@ -58,7 +59,71 @@ class ModelCopy {
   bool fp8_ = false;
   mutable std::mutex mutex_;
 };
+
+// AdamW over float32 master weights kept as int16 remainders beside the bf16 model weights
+// (core/master_remainder.h): each element's master weight is joined, updated as adamw_step's, and
+// split back.
+void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
+                           Tensor model, std::span<const OptimSegment> segments, const OptimStepParams& p) {
+  MT_CHECK(model.dtype == DType::bf16, "adamw_step: int16 master remainders need a bf16 model copy, got {}",
+           model.empty() ? std::string_view("none") : dtype_name(model.dtype));
+  check_numel(model, remainder.numel(), "adamw_step", "model_param");
+  const Floats fg(grad), m(exp_avg), v(exp_avg_sq);
+  const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
+  int16_t* rem = remainder.ptr<int16_t>();
+  uint16_t* w16 = model.ptr<uint16_t>();
+  for_each_segment(remainder, segments, [&](const OptimSegment& s) {
+    MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
+    MT_CHECK(!s.fp8_scale, "adamw_step: an FP8 segment with int16 master remainders");
+    const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+    float block_max = 0.0f;
+    std::mutex amax_mutex;
+    pool.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
+      float amax = 0.0f;
+      for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
+        const double w = join_master_bits(w16[i], rem[i]);
+        const double gi = fg.get(i) * p.grad_scale;
+        const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
+        const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
+        m.set(i, mi);
+        v.set(i, vi);
+        const double update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * w;
+        const SplitMaster out = split_master_bits(static_cast<float>(w - lr * update));
+        w16[i] = out.weight;
+        rem[i] = out.remainder;
+        amax = std::max(amax, std::fabs(bf16_bits_to_float(out.weight)));
+      }
+      if (!s.fp8_amax) return;
+      const std::lock_guard<std::mutex> lock(amax_mutex);
+      block_max = std::max(block_max, amax);
+    });
+    if (s.fp8_amax) *s.fp8_amax = std::max(*s.fp8_amax, block_max);
+  });
+}
 }  // namespace
+
+void ReferenceBackend::split_master(Tensor model, Tensor remainder, Tensor master) {
+  const int64_t n = master.numel();
+  MT_CHECK(master.dtype == DType::f32, "split_master: master is {}, not float32", dtype_name(master.dtype));
+  MT_CHECK(model.dtype == DType::bf16, "split_master: model is {}, not bf16", dtype_name(model.dtype));
+  check_numel(model, n, "split_master", "model");
+  if (!remainder.empty()) {
+    MT_CHECK(remainder.dtype == DType::i16, "split_master: remainder is {}, not int16", dtype_name(remainder.dtype));
+    check_numel(remainder, n, "split_master", "remainder");
+  }
+  const float* x = master.ptr<float>();
+  uint16_t* w = model.ptr<uint16_t>();
+  int16_t* r = remainder.empty() ? nullptr : remainder.ptr<int16_t>();
+  pool_.parallel_for(n, 1 << 14, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const SplitMaster s = split_master_bits(x[i]);
+      w[i] = s.weight;
+      if (r) r[i] = s.remainder;
+    }
+  });
+}
 
 void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                                   Tensor model_param, std::span<const OptimSegment> segments,
@@ -68,10 +133,18 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
   check_numel(exp_avg, n, "adamw_step", "exp_avg");
   check_numel(exp_avg_sq, n, "adamw_step", "exp_avg_sq");
   if (!model_param.empty()) check_numel(model_param, n, "adamw_step", "model_param");
+  MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
+  if (master.dtype == DType::i16) {
+    for (const Tensor* t : {&exp_avg, &exp_avg_sq})
+      MT_CHECK(t->dtype == DType::f32 || t->dtype == DType::bf16, "adamw_step: {} moments with int16 master remainders",
+               dtype_name(t->dtype));
+    MT_CHECK(grad.dtype == DType::f32 || grad.dtype == DType::bf16, "adamw_step: {} gradients with int16 master "
+             "remainders", dtype_name(grad.dtype));
+    return adamw_step_remainders(pool_, master, grad, exp_avg, exp_avg_sq, model_param, segments, p);
+  }
   check_optimizer_grad(master, grad, "adamw_step");
   check_moment(master, exp_avg, "exp_avg");
   check_moment(master, exp_avg_sq, "exp_avg_sq");
-  MT_CHECK(p.step >= 1, "adamw_step: step {} (1-based)", p.step);
   const Floats fg(grad);
   const bool grad_wide = grad.dtype == master.dtype;
   const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;

@@ -58,6 +58,7 @@ std::vector<uint8_t> encode(DType dt, const std::vector<double>& v) {
       case DType::i32: { const int32_t x = static_cast<int32_t>(v[i]); std::memcpy(p, &x, 4); break; }
       case DType::i64: { const int64_t x = static_cast<int64_t>(v[i]); std::memcpy(p, &x, 8); break; }
       case DType::u8: *p = static_cast<uint8_t>(v[i]); break;
+      case DType::i16: { const int16_t x = static_cast<int16_t>(v[i]); std::memcpy(p, &x, 2); break; }
       case DType::fp8_e4m3:
       case DType::fp8_e5m2: *p = float_to_fp8_bits(dt, static_cast<float>(v[i])); break;
     }
@@ -77,6 +78,7 @@ std::vector<double> decode(DType dt, const uint8_t* b, int64_t n) {
       case DType::i32: { int32_t x; std::memcpy(&x, p, 4); out[i] = x; break; }
       case DType::i64: { int64_t x; std::memcpy(&x, p, 8); out[i] = static_cast<double>(x); break; }
       case DType::u8: out[i] = *p; break;
+      case DType::i16: { int16_t x; std::memcpy(&x, p, 2); out[i] = x; break; }
       case DType::fp8_e4m3:
       case DType::fp8_e5m2: out[i] = fp8_bits_to_float(dt, *p); break;
     }

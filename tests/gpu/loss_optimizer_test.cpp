@@ -4,8 +4,10 @@
 // sum_squares and count_zeros (deterministic).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
+#include "core/master_remainder.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
@@ -212,8 +214,12 @@ TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists
 }
 
 // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer): each moment bf16 on its own,
-// read as float and stored rounded to nearest even on both backends (the reference computes in
-// double: an element may land one bf16 step away where the two straddle a rounding boundary).
+// read as float and stored rounded to nearest even on both backends. The CUDA update computes in
+// float32 (as Transformer Engine's), the reference in double, so an element may land one bf16 step
+// away where the exact value is a rounding tie, which bf16 inputs (few significant bits) make
+// common: measured 0.25% of the elements with bf16 gradients; a wrong rounding mode would move
+// about half of them. Near cancellation (m's two terms of opposite sign) float32 leaves an
+// absolute error of a few 1e-10 (terms up to ~5e-3).
 TEST_CASE("cuda adamw_step with bf16 moments", "[gpu][optimizer][precision-aware]") {
   MT_RNG(rng);
   const int64_t n = 100003;
@@ -242,9 +248,9 @@ TEST_CASE("cuda adamw_step with bf16 moments", "[gpu][optimizer][precision-aware
           }
           const std::vector<double> a = download(dev(), x->c()), b = download(ref(), x->r());
           int64_t far = 0;
-          for (int64_t i = 0; i < n; ++i) far += !(std::fabs(a[i] - b[i]) <= std::ldexp(std::fabs(b[i]), -7) + 1e-30);
+          for (int64_t i = 0; i < n; ++i) far += !(std::fabs(a[i] - b[i]) <= std::ldexp(std::fabs(b[i]), -7) + 4e-9);
           CHECK(far == 0);
-          CHECK(differing(download_bytes(dev(), x->c()), download_bytes(ref(), x->r()), 2) <= n / 1000);
+          CHECK(differing(download_bytes(dev(), x->c()), download_bytes(ref(), x->r()), 2) <= n / 100);
         }
         // Elements outside the segments keep their bytes, and the ones inside changed.
         const std::vector<uint8_t> m_after = download_bytes(dev(), m.c());
@@ -260,6 +266,78 @@ TEST_CASE("cuda adamw_step with bf16 moments", "[gpu][optimizer][precision-aware
         }
         CHECK(outside_changed == 0);
         CHECK(inside_same < inside_n / 100);
+      }
+}
+
+// Float32 master weights kept as int16 remainders beside bf16 weights (precision-aware optimizer):
+// split_master as the reference's bit for bit, and AdamW over them against the reference's. The
+// joined master weights match within float32 (1e-6, as the plain update's); a weight or remainder
+// may differ where the two backends' new master values differ in their last bits.
+TEST_CASE("cuda split_master and adamw_step over master-weight remainders", "[gpu][optimizer][precision-aware]") {
+  MT_RNG(rng);
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    INFO("n " << n);
+    const std::vector<double> values = rng.normal(n, 0.05);
+    Twin master = twin_same(DType::f32, {n}, values);
+    Twin w = twin_same(DType::bf16, {n}, std::vector<double>(n, 7.0)), w_only = twin_same(DType::bf16, {n}, std::vector<double>(n, 7.0));
+    Twin rem = twin_same(DType::i16, {n}, std::vector<double>(n, 3.0));
+    dev().split_master(w.c(), rem.c(), master.c());
+    ref().split_master(w.r(), rem.r(), master.r());
+    dev().split_master(w_only.c(), Tensor(), master.c());
+    CHECK(differing(download_bytes(dev(), w.c()), download_bytes(ref(), w.r()), 2) == 0);
+    CHECK(differing(download_bytes(dev(), rem.c()), download_bytes(ref(), rem.r()), 2) == 0);
+    CHECK(differing(download_bytes(dev(), w_only.c()), download_bytes(ref(), w.r()), 2) == 0);
+  }
+  const int64_t n = 100003;
+  const SegmentLists lists = registered_segment_lists(rng, n);
+  const OptimStepParams p = step_params();
+  for (const auto* segs : {&lists.short_list, &lists.long_list})
+    for (bool bf16_moments : {false, true})
+      for (DType grad_dt : {DType::f32, DType::bf16}) {
+        INFO(segs->size() << " segments, bf16 moments " << bf16_moments << ", grad " << dtype_name(grad_dt));
+        const DType md = bf16_moments ? DType::bf16 : DType::f32;
+        Twin master = twin_same(DType::f32, {n}, rng.normal(n, 0.05));
+        Twin w = twin_same(DType::bf16, {n}, std::vector<double>(n, 0.0)), rem = twin_same(DType::i16, {n}, std::vector<double>(n, 0.0));
+        dev().split_master(w.c(), rem.c(), master.c());
+        ref().split_master(w.r(), rem.r(), master.r());
+        Twin m = twin_same(md, {n}, rng.normal(n, 0.001)), v = twin_same(md, {n}, rng.uniform(n, 0.0, 1e-4));
+        Twin g = twin_same(grad_dt, {n}, rng.normal(n, 0.01));
+        const std::vector<uint8_t> w_before = download_bytes(dev(), w.c());
+        dev().adamw_step(rem.c(), g.c(), m.c(), v.c(), w.c(), *segs, p);
+        ref().adamw_step(rem.r(), g.r(), m.r(), v.r(), w.r(), *segs, p);
+        // The joined master weights on both sides (core/master_remainder.h).
+        auto joined = [&](Backend& be, const Tensor& wt, const Tensor& rt) {
+          const std::vector<uint8_t> wb = download_bytes(be, wt), rb = download_bytes(be, rt);
+          std::vector<double> out(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i) {
+            uint16_t hi;
+            int16_t lo;
+            std::memcpy(&hi, wb.data() + 2 * i, 2);
+            std::memcpy(&lo, rb.data() + 2 * i, 2);
+            out[static_cast<size_t>(i)] = join_master_bits(hi, lo);
+          }
+          return out;
+        };
+        const std::vector<double> jc = joined(dev(), w.c(), rem.c()), jr = joined(ref(), w.r(), rem.r());
+        CHECK(rel_err(jc, jr) <= 1e-6);
+        CHECK(differing(download_bytes(dev(), w.c()), download_bytes(ref(), w.r()), 2) <= n / 1000);
+        if (!bf16_moments) {
+          CHECK(rel_err(download(dev(), m.c()), download(ref(), m.r())) <= 1e-6);
+          CHECK(rel_err(download(dev(), v.c()), download(ref(), v.r())) <= 1e-6);
+        }
+        // Outside the segments the weights kept their bytes; inside they moved.
+        const std::vector<uint8_t> w_after = download_bytes(dev(), w.c());
+        std::vector<char> inside(static_cast<size_t>(n), 0);
+        for (const OptimSegment& s : *segs)
+          for (int64_t i = s.offset; i < s.offset + s.count; ++i) inside[static_cast<size_t>(i)] = 1;
+        int64_t outside_changed = 0, inside_changed = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const bool same = w_after[2 * i] == w_before[2 * i] && w_after[2 * i + 1] == w_before[2 * i + 1];
+          if (inside[static_cast<size_t>(i)]) inside_changed += !same;
+          else outside_changed += !same;
+        }
+        CHECK(outside_changed == 0);
+        CHECK(inside_changed > 0);
       }
 }
 
