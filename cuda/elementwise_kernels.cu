@@ -383,6 +383,7 @@ void fill(const KernelContext& ctx, Tensor t, double value) {
     case DType::i32: launch(static_cast<uint32_t>(static_cast<int32_t>(value))); break;
     case DType::i64: launch(static_cast<uint64_t>(static_cast<int64_t>(value))); break;
     case DType::u8: launch(static_cast<uint8_t>(value)); break;
+    case DType::i16: launch(static_cast<uint16_t>(static_cast<int16_t>(value))); break;
     case DType::fp8_e4m3:
     case DType::fp8_e5m2: launch(float_to_fp8_bits(t.dtype, static_cast<float>(value))); break;
   }

@@ -41,6 +41,7 @@ struct Floats {
       case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
       case DType::f16: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
       case DType::i32: return static_cast<const int32_t*>(p)[i];
+      case DType::i16: return static_cast<const int16_t*>(p)[i];
       case DType::fp8_e4m3:
       case DType::fp8_e5m2: return fp8_bits_to_float(t, static_cast<const uint8_t*>(p)[i]);
       default: return NAN;
@@ -53,6 +54,7 @@ struct Floats {
       case DType::bf16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(static_cast<float>(v)); return;
       case DType::f16: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(static_cast<float>(v)); return;
       case DType::i32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); return;
+      case DType::i16: static_cast<int16_t*>(p)[i] = static_cast<int16_t>(v); return;
       case DType::fp8_e4m3:
       case DType::fp8_e5m2: static_cast<uint8_t*>(p)[i] = float_to_fp8_bits(t, static_cast<float>(v)); return;
       default: return;
