@@ -306,7 +306,7 @@ __global__ void dropout_backward_kernel(T* dx, const T* dout, int64_t n, float p
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
       v.v[j] *= dropout_factor(key, base + j, p, keep_scale);
-      m = fmaxf(m, stored_abs<T>(v.v[j]));
+      if (amax) m = fmaxf(m, stored_abs<T>(v.v[j]));  // (uniform branch: no amax, no rounding)
     }
     st<VEC>(dx, base, n, v);
   }

@@ -81,11 +81,16 @@ Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
   m.amax = history_.flat_slice(i, 1);  // row 0
   m.recipe = opt_.recipe;
   m.margin = opt_.margin;
-  if (!fresh_.empty()) m.fresh = fresh_.flat_slice(i, 1);
+  m.fresh = fresh(local, g, r);
   return m;
 }
 
 Tensor Fp8State::scale_inv(int local, Gemm g, Role r) const { return scale_inv_.flat_slice(index(local, g, r), 1); }
+
+Tensor Fp8State::fresh(int local, Gemm g, Role r) const {
+  const int i = index(local, g, r);
+  return fresh_.empty() ? Tensor() : fresh_.flat_slice(i, 1);
+}
 
 void Fp8State::save_to_host(Backend& be, float* packed) const {
   if (!any()) return;

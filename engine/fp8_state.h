@@ -73,6 +73,8 @@ class Fp8State {
   DType dtype(Role r) const;
   Fp8TensorMeta meta(int local, Gemm g, Role r) const;
   Tensor scale_inv(int local, Gemm g, Role r) const;
+  // The operand's producer amax slot (meta(...).fresh): empty unless tensorwise.
+  Tensor fresh(int local, Gemm g, Role r) const;
   // Global layer numbers of the FP8 layers in operand order (for the checkpoint).
   const std::vector<int>& fp8_global_layers() const { return global_; }
   const Fp8Options& options() const { return opt_; }

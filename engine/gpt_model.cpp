@@ -730,7 +730,7 @@ bool GptModel::weights_amax_from_update() const {
 Tensor GptModel::weight_cast_amax_slot(int i) const {
   const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
   if (local < 0 || !weights_amax_from_update()) return Tensor();
-  return fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w).fresh;
+  return fp8_.fresh(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
 }
 
 void GptModel::fp8_weights_updated() {
@@ -829,7 +829,7 @@ bool GptModel::norm_takes_cast_amax(int local, const LayerActs& A) const {
 }
 
 Tensor GptModel::norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const {
-  return norm_takes_cast_amax(local, A) ? fp8_.meta(local, g, Fp8State::x).fresh : Tensor();
+  return norm_takes_cast_amax(local, A) ? fp8_.fresh(local, g, Fp8State::x) : Tensor();
 }
 
 // The norm backwards that write proj's and fc2's output gradients: the plain norm_backward (not
@@ -849,14 +849,14 @@ bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) con
 }
 
 Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const {
-  return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.meta(local, g, Fp8State::dy).fresh : Tensor();
+  return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.fresh(local, g, Fp8State::dy) : Tensor();
 }
 
 Tensor GptModel::dy_amax_from_dropout(int local, Fp8State::Gemm g) const {
   if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
       d_.hidden_dropout <= 0 || d_.sequence_parallel)
     return Tensor();
-  return fp8_.meta(local, g, Fp8State::dy).fresh;
+  return fp8_.fresh(local, g, Fp8State::dy);
 }
 
 void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,

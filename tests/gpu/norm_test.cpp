@@ -622,11 +622,6 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
     return b;
   };
   const auto v = [](const Buf& s) { return static_cast<float>(download(dev(), s.t)[0]); };
-  const auto max_abs = [](const std::vector<double>& x, double start) {
-    double m = start;
-    for (double e : x) m = std::max(m, std::fabs(e));
-    return static_cast<float>(m);
-  };
   for (Normalization kind : {Normalization::layernorm, Normalization::rmsnorm})
     for (DType dt : {DType::bf16, DType::f16, DType::f32})
       for (int64_t h : {48, 70, 768, 2048, 2056}) {
@@ -642,7 +637,7 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
         dev().norm_forward(y.t, mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_out.t);
         dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_stats.t);
         dev().norm_forward(Tensor(), mean.t, rstd.t, x.c(), w.c(), b.c(), p, a_start.t);
-        const float want = max_abs(download(dev(), y.t), 0.0);
+        const float want = max_abs_of(dev(), y.t, 0.0f);
         CHECK(v(a_out) == want);
         CHECK(v(a_stats) == want);
         CHECK(v(a_start) == 1e4f);  // maxed into what the slot held
@@ -651,7 +646,7 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
         dev().bias_dropout_add_norm(sum.t, y2.t, mean.t, rstd.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(), p);
         dev().bias_dropout_add_norm(sum.t, Tensor(), mean.t, rstd.t, res.c(), x.c(), xb.c(), 0.0f, 0, w.c(), b.c(), p,
                                     a_fused.t);
-        CHECK(v(a_fused) == max_abs(download(dev(), y2.t), 0.0));
+        CHECK(v(a_fused) == max_abs_of(dev(), y2.t, 0.0f));
         // Backward: max |dx| as stored, with and without the column sums (a second kernel variant).
         for (bool colsum : {false, true}) {
           INFO((colsum ? "with dx column sums" : "no column sums"));
@@ -660,7 +655,7 @@ TEST_CASE("cuda norm amaxes for tensorwise FP8 casts: max |out| and max |dx| as 
           dev().fill(ds.t, 0.0);
           dev().norm_backward(dx.t, Tensor(), Tensor(), dout.c(), x.c(), mean.t, rstd.t, w.c(), dres.c(),
                               colsum ? ds.t : Tensor(), p, a_dx.t);
-          CHECK(v(a_dx) == max_abs(download(dev(), dx.t), 0.0));
+          CHECK(v(a_dx) == max_abs_of(dev(), dx.t, 0.0f));
         }
         if (dt != DType::bf16) continue;
         // The cast that takes the norm's amax against the one that takes its own (tensorwise).
