@@ -181,34 +181,41 @@ __device__ __forceinline__ float adam_one(float& m, float& v, float p, float g, 
   return p - lr * ((m / bc1) / denom + wd * p);
 }
 
-// Elements [begin, end) of a chunk: 16-byte accesses when the run starts 4-aligned (and the
-// buffers are 16-byte aligned: `vec`), element by element otherwise and for the tail.
-template <typename M, typename G, typename A, typename V>
-__device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd,
-                                           bool vec, float scale, bool track, float& amax) {
+// The block's threads over elements [begin, end) of a chunk: four(i) for each group of four from a
+// 4-aligned start when `vec` (the buffers aligned for four-element accesses), one(i) for the others
+// and the tail.
+template <typename Four, typename One>
+__device__ __forceinline__ void for_range_by4(int64_t begin, int64_t end, bool vec, Four&& four, One&& one) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
     const int64_t nvec = (end - begin) / 4;
-    for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
-      const int64_t i = begin + 4 * q;
-      const float4 g = load4(a.grad + i);
-      float4 m = load4(a.exp_avg + i);
-      float4 v = load4(a.exp_avg_sq + i);
-      float4 p = *reinterpret_cast<const float4*>(a.master + i);
-      const float s = a.grad_scale;
-      p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-      p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-      p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-      p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-      store4(a.exp_avg + i, m);
-      store4(a.exp_avg_sq + i, v);
-      *reinterpret_cast<float4*>(a.master + i) = p;
-      store_model4<M>(a.model, i, p, scale, track, amax);
-    }
+    for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) four(begin + 4 * q);
     scalar_from = begin + 4 * nvec;
   }
-  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x)
-    adam_update<M>(a, i, lr, wd, scale, track, amax);
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) one(i);
+}
+
+// Elements [begin, end) of a chunk: 16-byte accesses where for_range_by4 allows, element by element
+// otherwise.
+template <typename M, typename G, typename A, typename V>
+__device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd,
+                                           bool vec, float scale, bool track, float& amax) {
+  auto four = [&](int64_t i) {
+    const float4 g = load4(a.grad + i);
+    float4 m = load4(a.exp_avg + i);
+    float4 v = load4(a.exp_avg_sq + i);
+    float4 p = *reinterpret_cast<const float4*>(a.master + i);
+    const float s = a.grad_scale;
+    p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+    p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+    p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+    p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+    store4(a.exp_avg + i, m);
+    store4(a.exp_avg_sq + i, v);
+    *reinterpret_cast<float4*>(a.master + i) = p;
+    store_model4<M>(a.model, i, p, scale, track, amax);
+  };
+  for_range_by4(begin, end, vec, four, [&](int64_t i) { adam_update<M>(a, i, lr, wd, scale, track, amax); });
 }
 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
@@ -257,33 +264,27 @@ __global__ void __launch_bounds__(kOptimThreads) adamw_remainder_kernel(AdamArgs
       split_master(p, w, r);
       if (track) amax = fmaxf(amax, fabsf(__uint_as_float(static_cast<uint32_t>(w) << 16)));
     };
-    int64_t scalar_from = begin;
-    if (vec && (begin & 3) == 0) {
-      const int64_t nvec = (end - begin) / 4;
-      for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
-        const int64_t i = begin + 4 * q;
-        const float4 g = load4(a.grad + i);
-        float4 m = load4(a.exp_avg + i), v = load4(a.exp_avg_sq + i);
-        uint2 wr = *reinterpret_cast<const uint2*>(w16 + i), rr = *reinterpret_cast<const uint2*>(rem + i);
-        uint16_t* w = reinterpret_cast<uint16_t*>(&wr);
-        int16_t* r = reinterpret_cast<int16_t*>(&rr);
-        one(m.x, v.x, g.x, w[0], r[0]);
-        one(m.y, v.y, g.y, w[1], r[1]);
-        one(m.z, v.z, g.z, w[2], r[2]);
-        one(m.w, v.w, g.w, w[3], r[3]);
-        store4(a.exp_avg + i, m);
-        store4(a.exp_avg_sq + i, v);
-        *reinterpret_cast<uint2*>(w16 + i) = wr;
-        *reinterpret_cast<uint2*>(rem + i) = rr;
-      }
-      scalar_from = begin + 4 * nvec;
-    }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
+    auto four = [&](int64_t i) {
+      const float4 g = load4(a.grad + i);
+      float4 m = load4(a.exp_avg + i), v = load4(a.exp_avg_sq + i);
+      uint2 wr = *reinterpret_cast<const uint2*>(w16 + i), rr = *reinterpret_cast<const uint2*>(rem + i);
+      uint16_t* w = reinterpret_cast<uint16_t*>(&wr);
+      int16_t* r = reinterpret_cast<int16_t*>(&rr);
+      one(m.x, v.x, g.x, w[0], r[0]);
+      one(m.y, v.y, g.y, w[1], r[1]);
+      one(m.z, v.z, g.z, w[2], r[2]);
+      one(m.w, v.w, g.w, w[3], r[3]);
+      store4(a.exp_avg + i, m);
+      store4(a.exp_avg_sq + i, v);
+      *reinterpret_cast<uint2*>(w16 + i) = wr;
+      *reinterpret_cast<uint2*>(rem + i) = rr;
+    };
+    for_range_by4(begin, end, vec, four, [&](int64_t i) {
       float m = to_float(a.exp_avg[i]), v = to_float(a.exp_avg_sq[i]);
       one(m, v, to_float(a.grad[i]), w16[i], rem[i]);
       a.exp_avg[i] = from_float<A>(m);
       a.exp_avg_sq[i] = from_float<V>(v);
-    }
+    });
     if (track) block_amax_atomic(s.fp8_amax, amax);
   }
 }

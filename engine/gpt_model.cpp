@@ -609,12 +609,12 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
   void* mem = be_.allocate(static_cast<size_t>(biggest) * dtype_size(opt_.accum));
   const Tensor scratch(mem, opt_.accum, be_.device(), {biggest});
   be_.fill(sharded, 0.0);
+  const bool remainders = sharded.dtype == DType::i16;  // the master copy as remainders of the parameters
   for (size_t i = 0; i < descs_.size(); ++i) {
     const ParamDesc& p = descs_[i];
     ParamDesc at_start = p;
     at_start.offset = 0;
     fill(static_cast<int>(i), shaped(scratch, at_start));
-    const bool remainders = sharded.dtype == DType::i16;  // the master copy as remainders of the parameters
     if (to_params && !p.fp8_storage) {
       if (remainders) be_.split_master(shaped(params_, p), Tensor(), shaped(scratch, at_start));
       else be_.cast(shaped(params_, p), shaped(scratch, at_start));
