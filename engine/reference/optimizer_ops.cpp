@@ -60,6 +60,23 @@ class ModelCopy {
   mutable std::mutex mutex_;
 };
 
+// One AdamW element (Apex/Transformer Engine FusedAdam, adam_w_mode) in double: moments m and v at
+// element i updated with the scaled gradient gi, and the new master weight returned (unrounded).
+struct AdamMath {
+  double b1, b2, eps, bc1, bc2;
+  explicit AdamMath(const OptimStepParams& p)
+      : b1(p.beta1), b2(p.beta2), eps(p.eps), bc1(1.0 - std::pow(b1, static_cast<double>(p.step))),
+        bc2(1.0 - std::pow(b2, static_cast<double>(p.step))) {}
+  double step(const Floats& m, const Floats& v, int64_t i, double gi, double w, double lr, double wd) const {
+    const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
+    const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
+    m.set(i, mi);
+    v.set(i, vi);
+    const double update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * w;
+    return w - lr * update;
+  }
+};
+
 // AdamW over float32 master weights kept as int16 remainders beside the bf16 model weights
 // (core/master_remainder.h): each element's master weight is joined, updated as adamw_step's, and
 // split back.
@@ -69,9 +86,7 @@ void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tens
            model.empty() ? std::string_view("none") : dtype_name(model.dtype));
   check_numel(model, remainder.numel(), "adamw_step", "model_param");
   const Floats fg(grad), m(exp_avg), v(exp_avg_sq);
-  const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
+  const AdamMath adam(p);
   int16_t* rem = remainder.ptr<int16_t>();
   uint16_t* w16 = model.ptr<uint16_t>();
   for_each_segment(remainder, segments, [&](const OptimSegment& s) {
@@ -84,13 +99,8 @@ void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tens
       float amax = 0.0f;
       for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
         const double w = join_master_bits(w16[i], rem[i]);
-        const double gi = fg.get(i) * p.grad_scale;
-        const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
-        const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
-        m.set(i, mi);
-        v.set(i, vi);
-        const double update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * w;
-        const SplitMaster out = split_master_bits(static_cast<float>(w - lr * update));
+        const double next = adam.step(m, v, i, fg.get(i) * p.grad_scale, w, lr, wd);
+        const SplitMaster out = split_master_bits(static_cast<float>(next));
         w16[i] = out.weight;
         rem[i] = out.remainder;
         amax = std::max(amax, std::fabs(bf16_bits_to_float(out.weight)));
@@ -147,9 +157,7 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
   check_moment(master, exp_avg_sq, "exp_avg_sq");
   const Floats fg(grad);
   const bool grad_wide = grad.dtype == master.dtype;
-  const double b1 = p.beta1, b2 = p.beta2, eps = p.eps;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
+  const AdamMath adam(p);
   dispatch_float(master, "adamw_step", [&](auto tag) {
     using T = decltype(tag);
     T* w = master.ptr<T>();
@@ -163,13 +171,7 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
         float amax = 0.0f;
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           const double gi = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale;
-          const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
-          const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
-          m.set(i, mi);
-          v.set(i, vi);
-          const double denom = std::sqrt(vi / bc2) + eps;
-          const double update = (mi / bc1) / denom + wd * w[i];
-          w[i] = static_cast<T>(w[i] - lr * update);
+          w[i] = static_cast<T>(adam.step(m, v, i, gi, static_cast<double>(w[i]), lr, wd));
           mp.set(i, static_cast<float>(w[i]), amax);
         }
         mp.finish_block(amax);
