@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdlib>
 
 #include "app/checkpoint_args.h"
 #include "checkpoint/file_io.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -15,10 +17,6 @@ namespace mt {
 using nlohmann::json;
 
 namespace {
-
-// GptModel::scalars() element used for the save agreement (the optimizer uses 0..4, the
-// trainer's exit check 8..9).
-constexpr int kSaveFlagSlot = 12;
 
 Tensor host_view(std::vector<unsigned char>& buf, DType dtype, int64_t offset, int64_t count) {
   return Tensor(buf.data() + static_cast<size_t>(offset) * dtype_size(dtype), dtype, Device::cpu, {count});
@@ -63,20 +61,7 @@ SaveGroup make_save_group(ParallelState& ps, GptModel& model) {
   g.world_size = ps.world_size;
   if (ps.world_size > 1) {
     g.all_ok = [&ps, &model](bool ok) {
-      Backend& be = model.backend();
-      Tensor s = model.scalars().flat_slice(kSaveFlagSlot, 1);
-      if (model.options().accum == DType::f64) {
-        double v = ok ? 1.0 : 0.0;
-        be.copy_from_host(s, &v);
-        ps.world->all_reduce(s, ReduceOp::min);
-        be.copy_to_host(&v, s);
-        return v > 0.5;
-      }
-      float v = ok ? 1.0f : 0.0f;
-      be.copy_from_host(s, &v);
-      ps.world->all_reduce(s, ReduceOp::min);
-      be.copy_to_host(&v, s);
-      return v > 0.5f;
+      return all_reduce_scalar(ps, model, kSaveAgreementSlot, ok ? 1.0 : 0.0, ReduceOp::min) > 0.5;
     };
   }
   return g;
@@ -87,7 +72,13 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       ps_(ps),
       chunks_(std::move(chunks)),
       model_(*chunks_.at(0)),
-      group_(make_save_group(ps, model_)) {
+      group_(make_save_group(ps, model_)),
+      progress_(cfg.checkpoint.save, cfg.logging.log_progress, ps.rank, ps.world_size,
+                std::getenv("SLURM_JOB_ID") ? std::getenv("SLURM_JOB_ID") : ""),
+      retention_(cfg.checkpoint.save.value_or(""), cfg.checkpoint.save_retain_interval, ps.rank,
+                 [this](int64_t it) { progress_.checkpoint_deleted(it); }) {
+  // Megatron appends this once initialized, before loading a checkpoint.
+  progress_.job_started();
   if (!cfg.checkpoint.save) return;
   auto size_of = [](const Tensor& t) { return t.empty() ? size_t{0} : t.nbytes(); };
   for (GptModel* m : chunks_) {
@@ -233,8 +224,7 @@ std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
   rs.consumed_train_samples = c.consumed_samples;
   rs.consumed_valid_samples = c.consumed_valid_samples;
   rs.skipped_train_samples = c.skipped_samples;
-  rs.num_floating_point_operations_so_far =
-      start_flops_ + static_cast<double>(c.iteration - start_iteration_) * flops_per_iteration_;
+  rs.num_floating_point_operations_so_far = flops_so_far(c.iteration);
   if (optim) {
     // Megatron saves the scheduler with the optimizer (both skipped by --no-save-optim).
     rs.lr_scheduler = lr_schedule_to_json(trainer.schedule().params(), trainer.schedule().num_steps());
@@ -262,23 +252,29 @@ void TrainingCheckpoints::save(Trainer& trainer) {
   log::info("saving checkpoint at iteration {:7d} to {} in megatrain format", it, *k.save);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string before = tracker_text(*k.save);
+  const std::optional<int64_t> previous = tracked_iteration(*k.save);
   try {
     if (k.async_save) {
       async_.start(stage(trainer), group_);
       pending_iteration_ = it;
+      pending_previous_ = previous;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       log::info("  scheduled an asynchronous save of iteration {:7d} (training paused {:.1f} ms)", it, ms);
     } else {
       stage(trainer)->save(group_);
       log::info("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]", it, *k.save,
                 ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
+      retention_.committed(previous, it);
     }
   } catch (const Error& e) {
     fail("saving the checkpoint of iteration {} to {} failed: {} ({} remains the latest, unchanged)", it, *k.save,
          e.what(), before);
   }
   last_saved_ = it;
+  progress_.checkpoint_saved(it, flops_so_far(it),
+                             static_cast<double>(trainer.consumed_samples()) * cfg_.model.seq_length, k.async_save);
 }
+
 
 void TrainingCheckpoints::commit_pending(bool wait) {
   // Every rank starts its saves at the same iterations, so "pending" agrees across ranks and the
@@ -295,11 +291,16 @@ void TrainingCheckpoints::commit_pending(bool wait) {
   }
   log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
             pending_iteration_, dir, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
+  progress_.async_checkpoint_committed(pending_iteration_);
+  retention_.committed(pending_previous_, pending_iteration_);
 }
 
 void TrainingCheckpoints::poll() { commit_pending(/*wait=*/false); }
 
-void TrainingCheckpoints::finish() { commit_pending(/*wait=*/true); }
+void TrainingCheckpoints::finish() {
+  commit_pending(/*wait=*/true);
+  retention_.wait();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Loading
@@ -442,15 +443,28 @@ ResumePoint TrainingCheckpoints::load() {
   const CheckpointConfig& k = cfg_.checkpoint;
   ResumePoint r;
   const std::optional<CheckpointLocation> loc = checkpoint_to_load(k);
-  if (!loc) return r;
+  if (!loc) {
+    // Flags that only mean something for a loaded checkpoint (with --load given but empty).
+    const std::string where = k.load ? *k.load : std::string("(none)");
+    if (!k.perform_initialization)
+      fail("--no-initialization: --load {} holds no checkpoint, so the weights would stay undrawn; drop "
+           "--no-initialization to start from random initialization", where);
+    if (k.override_ckpt_iteration)
+      fail("--override-ckpt-iteration {}: --load {} holds no checkpoint to resume", *k.override_ckpt_iteration, where);
+    return r;
+  }
   CheckpointReader reader = CheckpointReader::open_directory(loc->directory);
   const std::string manifest = join_path(loc->directory, "manifest.json");
   const RunState& rs = reader.run_state();
   if (rs.config.contains("model")) check_checkpoint_model(rs.config.at("model"), cfg_.model, manifest);
 
-  // Megatron: --finetune and release checkpoints load the weights only; --no-load-optim skips the
-  // optimizer and the scheduler; --no-load-rng leaves the RNG as seeded.
-  const bool model_only = k.finetune || loc->release;
+  // Megatron: --finetune, release checkpoints and the --pretrained-checkpoint fallback load the
+  // weights only; --no-load-optim skips the optimizer and the scheduler; --no-load-rng leaves the
+  // RNG as seeded.
+  const bool model_only = k.finetune || loc->release || loc->pretrained;
+  if (model_only && k.override_ckpt_iteration)
+    fail("--override-ckpt-iteration: checkpoint {} loads as a finetune ({}), which starts at iteration 0; drop "
+         "--override-ckpt-iteration", loc->directory, loc->release ? "a release checkpoint" : "the --pretrained-checkpoint fallback");
   const bool load_optim = !model_only && !k.no_load_optim;
   const bool load_rng = !model_only && !k.no_load_rng;
   const OptimizerKind opt = cfg_.train.optimizer;
@@ -479,12 +493,14 @@ ResumePoint TrainingCheckpoints::load() {
 
   r.loaded = true;
   r.directory = loc->directory;
+  // Megatron keeps counting FLOPs across finetunes too (num_floating_point_operations_so_far).
+  r.flops_so_far = rs.num_floating_point_operations_so_far;
   if (!model_only) {
     r.counters.iteration = rs.iteration;
     r.counters.consumed_samples = rs.consumed_train_samples;
     r.counters.consumed_valid_samples = rs.consumed_valid_samples;
     r.counters.skipped_samples = rs.skipped_train_samples;
-    r.flops_so_far = rs.num_floating_point_operations_so_far;
+    if (k.override_ckpt_iteration) override_iteration(r, rs, manifest);
   }
   if (load_rng) {
     json s = reader.rank_state(ps_.rank);
@@ -512,9 +528,26 @@ ResumePoint TrainingCheckpoints::load() {
     r.scaler_hysteresis_tracker = rs.loss_scaler.value("hysteresis_tracker", 0);
     if (rs.loss_scaler.value("kind", std::string()) != "dynamic") r.scaler_hysteresis_tracker = -1;  // nothing to restore
   }
-  log::info("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}", *k.load,
+  log::info("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}",
+            parent_directory(loc->directory),
             ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size, r.counters.iteration);
   return r;
+}
+
+// Megatron's --override-ckpt-iteration: the run resumes at that iteration and its data at the
+// samples of that many global batches; the optimizer and scheduler keep the checkpoint's state.
+void TrainingCheckpoints::override_iteration(ResumePoint& r, const RunState& rs, const std::string& manifest) const {
+  const int64_t it = *cfg_.checkpoint.override_ckpt_iteration;
+  const int64_t B = cfg_.train.global_batch;
+  const json& derived = rs.config.contains("derived") ? rs.config.at("derived") : json::object();
+  const int64_t saved_batch = derived.value("global_batch_size", B);
+  if (saved_batch != B)
+    log::warn0("--override-ckpt-iteration: {} was saved with global batch size {}, this run uses {}: consumed "
+               "samples are counted as {} x {}", manifest, saved_batch, B, it, B);
+  r.counters.iteration = it;
+  r.counters.consumed_samples = it * B;
+  r.counters.skipped_samples = 0;
+  log::info("--override-ckpt-iteration: start at iteration {} (consumed_train_samples {})", it, it * B);
 }
 
 void TrainingCheckpoints::restore(const ResumePoint& r, Trainer& trainer) {
@@ -522,6 +555,7 @@ void TrainingCheckpoints::restore(const ResumePoint& r, Trainer& trainer) {
   trainer.set_counters(r.counters);
   start_iteration_ = r.counters.iteration;
   start_flops_ = r.flops_so_far;
+  progress_.set_flops_at_start(r.flops_so_far);
   if (!r.optimizer_state) return;
   if (r.schedule) trainer.schedule() = LrSchedule(*r.schedule);
   trainer.schedule().set_num_steps(r.scheduler_num_steps);

@@ -19,7 +19,9 @@
 // Loading (Megatron's load_checkpoint):
 //   resume          everything: iteration, consumed samples, optimizer + scheduler + scaler, RNG
 //   --finetune      weights only; iteration and consumed samples start at 0 (also for a release
-//                   checkpoint, e.g. one made by import-hf)
+//                   checkpoint, e.g. one made by import-hf, and for --pretrained-checkpoint's,
+//                   loaded when --load has none)
+//   --override-ckpt-iteration N  resume at iteration N, consumed samples N x global batch
 //   --no-load-optim no optimizer, scheduler or loss-scaler state (master weights re-copied from
 //                   the model weights); iteration and consumed samples are restored
 //   --no-load-rng   dropout restarts from the seed (serial 0)
@@ -32,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "app/checkpoint_retention.h"
+#include "app/progress_log.h"
 #include "checkpoint/checkpoint_io.h"
 #include "core/config.h"
 #include "engine/gpt_model.h"
@@ -110,6 +114,7 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  void override_iteration(ResumePoint& r, const RunState& rs, const std::string& manifest) const;
   // FP8 parameters' model weights: the compute-dtype rounding of this rank's master shards.
   void stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h);
   // Loading progress: tensors read of all to read, printed by rank 0 every few seconds.
@@ -138,6 +143,13 @@ class TrainingCheckpoints {
   double start_flops_ = 0;
   std::optional<int64_t> last_saved_;
   int64_t pending_iteration_ = 0;  // of the background save in flight
+  std::optional<int64_t> pending_previous_;  // what the tracker named when that save began
+  // num_floating_point_operations_so_far at `iteration` of this run.
+  double flops_so_far(int64_t iteration) const {
+    return start_flops_ + static_cast<double>(iteration - start_iteration_) * flops_per_iteration_;
+  }
+  ProgressLog progress_;           // --log-progress
+  CheckpointRetention retention_;  // --save-retain-interval (after progress_: it logs there)
 
   std::vector<Staging> staging_;  // per chunk
   AsyncCheckpointSaver async_;

@@ -23,12 +23,19 @@ void add_checkpoint_flags(FlagTable& t) {
   t.flag("--no-load-optim", "do not load the optimizer (and scheduler) state", MT_FIELD(checkpoint.no_load_optim));
   t.flag("--no-load-rng", "do not load the RNG state", MT_FIELD(checkpoint.no_load_rng));
   t.flag("--finetune", "load weights only; iteration and consumed samples restart at 0", MT_FIELD(checkpoint.finetune));
-  t.recognised("--pretrained-checkpoint", Arity::one, "PATH", "None", "fallback load directory for finetuning");
+  t.value("--pretrained-checkpoint", "load directory for finetuning when --load holds no checkpoint",
+          MT_FIELD(checkpoint.pretrained_checkpoint));
   t.value("--ckpt-step", "load this iteration instead of the tracker's", MT_FIELD(checkpoint.ckpt_step));
   t.flag("--exit-on-missing-checkpoint", "exit if --load has no checkpoint", MT_FIELD(checkpoint.exit_on_missing_checkpoint));
-  t.recognised("--use-checkpoint-args", Arity::none, "", "off", "take model arguments from the checkpoint");
-  t.recognised("--use-mp-args-from-checkpoint-args", Arity::none, "", "off", "take TP/PP from the checkpoint");
-  t.negative_alias(t.recognised("--no-initialization", Arity::none, "", "off", "skip weight initialisation"));
+  t.flag("--use-checkpoint-args", "take the model's arguments from the checkpoint being loaded",
+         MT_FIELD(checkpoint.use_checkpoint_args));
+  t.flag("--use-mp-args-from-checkpoint-args", "with --use-checkpoint-args: also its TP/PP sizes",
+         MT_FIELD(checkpoint.use_mp_args_from_checkpoint_args));
+  t.negative_flag("--no-use-tokenizer-model-from-checkpoint-args",
+                  "with --use-checkpoint-args: keep this command line's tokenizer",
+                  MT_FIELD(checkpoint.use_tokenizer_model_from_checkpoint_args));
+  t.negative_flag("--no-initialization", "do not draw the initial weights (a checkpoint must be loaded)",
+                  MT_FIELD(checkpoint.perform_initialization));
   t.flag("--async-save", "write checkpoints from a background thread: training pauses only to copy the shards to host "
          "memory", MT_FIELD(checkpoint.async_save));
   t.no_effect("--use-persistent-ckpt-worker", Arity::none,
@@ -42,7 +49,8 @@ void add_checkpoint_flags(FlagTable& t) {
   t.recognised("--non-persistent-ckpt-type", Arity::one, "{global,local}", "None", "scratch checkpoint type");
   t.recognised("--ckpt-convert-format", Arity::one, "{torch,torch_dist}", "None", "offline checkpoint conversion");
   t.recognised("--ckpt-convert-save", Arity::one, "PATH", "None", "where converted checkpoints go");
-  t.recognised("--override-ckpt-iteration", Arity::one, "INT", "None", "resume at a different iteration");
+  t.value("--override-ckpt-iteration", "resume at this iteration instead of the checkpoint's",
+          MT_FIELD(checkpoint.override_ckpt_iteration));
 }
 
 }  // namespace mt::cli

@@ -10,8 +10,8 @@ void add_logging_flags(FlagTable& t) {
   t.flag("--log-params-norm", "add the parameter norm to the log line", MT_FIELD(logging.log_params_norm));
   t.flag("--log-num-zeros-in-grad", "add the number of zero gradients to the log line",
          MT_FIELD(logging.log_num_zeros_in_grad));
-  t.recognised("--log-progress", Arity::none, "", "off", "append progress to <save>/progress.txt");
-  t.recognised("--log-energy", Arity::none, "", "off", "energy and power per GPU");
+  t.flag("--log-progress", "append progress to <save>/progress.txt", MT_FIELD(logging.log_progress));
+  t.flag("--log-energy", "energy and power per GPU in the log line (NVML)", MT_FIELD(logging.log_energy));
   t.value("--timing-log-level", "0: iteration time; 1: + main phases; 2: + fine-grained", MT_FIELD(logging.timing_log_level));
   t.choice("--timing-log-option", "how timers are reduced over ranks",
            std::vector<std::pair<std::string, std::string>>{{"max", "max"}, {"minmax", "minmax"}, {"all", "all"}},

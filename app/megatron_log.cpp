@@ -29,6 +29,8 @@ std::string format_iteration_line(const IterationStats& s, const std::string& ti
   if (s.skipped_samples > 0) out += fmt::format(" skipped samples: {:12d} |", s.skipped_samples);
   out += fmt::format(" elapsed time per iteration (ms): {:.1f} |", s.elapsed_ms_per_iteration);
   if (s.tflops_per_gpu) out += fmt::format(" throughput per GPU (TFLOP/s/GPU): {:.1f} |", *s.tflops_per_gpu);
+  if (s.energy_per_gpu_j) out += fmt::format(" energy per GPU (J/iter/GPU): {:.1f} |", *s.energy_per_gpu_j);
+  if (s.power_per_gpu_w) out += fmt::format(" power per GPU (W/GPU): {:.1f} |", *s.power_per_gpu_w);
   if (s.learning_rate) out += fmt::format(" learning rate: {:.6E} |", *s.learning_rate);
   // Printed by Megatron <= core_v0.15 with --decoupled-lr (HEAD dropped the field).
   if (s.decoupled_learning_rate) out += fmt::format(" decoupled learning rate: {:.6E} |", *s.decoupled_learning_rate);
@@ -122,6 +124,10 @@ IterationStats with_logging_flags(const IterationStats& s, const LoggingConfig& 
   if (!cfg.log_throughput) out.tflops_per_gpu.reset();
   if (!cfg.log_params_norm) out.params_norm.reset();
   if (!cfg.log_num_zeros_in_grad) out.num_zeros.reset();
+  if (!cfg.log_energy) {
+    out.energy_per_gpu_j.reset();
+    out.power_per_gpu_w.reset();
+  }
   return out;
 }
 

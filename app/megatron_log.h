@@ -19,6 +19,7 @@ std::string megatron_timestamp();
 // The iteration line (no trailing newline). Fragments, each " <text> |", in Megatron's order:
 //   [timestamp] iteration {:8d}/{:8d} | consumed samples: {:12d} | [skipped samples: {:12d} |]
 //   elapsed time per iteration (ms): {:.1f} | [throughput per GPU (TFLOP/s/GPU): {:.1f} |]
+//   [energy per GPU (J/iter/GPU): {:.1f} | power per GPU (W/GPU): {:.1f} |]
 //   [learning rate: {:.6E} |] [decoupled learning rate: {:.6E} |] global batch size: {:5d} |
 //   {loss}: {:.6E} | (each loss whose average is >= 0) loss scale: {:.1f} | [grad norm: {:.3f} |]
 //   [num zeros: {} |] [params norm: {:.3f} |] number of skipped iterations: {:3d} |

@@ -44,6 +44,8 @@ json iteration_record(const IterationStats& s, double time) {
   r["skipped_samples"] = s.skipped_samples;
   r["elapsed_ms_per_iteration"] = number(s.elapsed_ms_per_iteration);
   if (s.tflops_per_gpu) r["tflops_per_gpu"] = number(*s.tflops_per_gpu);
+  if (s.energy_per_gpu_j) r["energy_per_gpu_j"] = number(*s.energy_per_gpu_j);
+  if (s.power_per_gpu_w) r["power_per_gpu_w"] = number(*s.power_per_gpu_w);
   if (s.learning_rate) r["learning_rate"] = number(*s.learning_rate);
   if (s.decoupled_learning_rate) r["decoupled_learning_rate"] = number(*s.decoupled_learning_rate);
   r["global_batch_size"] = s.global_batch_size;

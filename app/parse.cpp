@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "app/cli.h"
+#include "app/checkpoint_cli_args.h"
 #include "app/cli_internal.h"
 #include "app/suggest.h"
 #include "app/unsupported.h"
@@ -105,6 +106,9 @@ CliState parse_flags(const std::vector<std::string>& args) {
   // What megatrain does not implement yet: one line naming every refused use.
   const std::string refused = unsupported_message(st.given);
   if (!refused.empty()) throw Unsupported(refused);
+
+  // --use-checkpoint-args: the checkpoint's model arguments, before any flag is applied.
+  apply_checkpoint_args(st);
 
   for (const FlagSpec& f : table.flags()) {
     auto it = st.given.find(f.name);

@@ -342,6 +342,9 @@ void TensorBoardReporter::on_iteration(const IterationStats& stats) {
       if (s.memory_allocated_count) writer_.add_scalar("mem-allocated-count", *s.memory_allocated_count, it);
     }
   }
+  // Megatron writes these at log lines whenever there is a writer (not only with timers).
+  if (s.interval_end && s.energy_per_gpu_j) writer_.add_scalar("iter-energy/gpu", *s.energy_per_gpu_j, it);
+  if (s.interval_end && s.power_per_gpu_w) writer_.add_scalar("power/gpu", *s.power_per_gpu_w, it);
   if (s.interval_end && cfg_.log_timers_to_tensorboard) {
     if (!s.is_first_iteration) writer_.add_scalar("iteration-time", s.elapsed_ms_per_iteration / 1000.0, it);
     if (s.tflops_per_gpu) writer_.add_scalar("throughput", *s.tflops_per_gpu, it);

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "app/checkpointing.h"
+#include "app/energy_meter.h"
 #include "app/reporters.h"
 #include "app/startup_report.h"
 #include "app/training_data.h"
@@ -24,6 +25,7 @@
 #include "engine/flops.h"
 #include "engine/gpt_model.h"
 #include "engine/model_chunks.h"
+#include "engine/scalar_reduce.h"
 #include "engine/trainer.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/parallel_state.h"
@@ -45,6 +47,19 @@ int gpu_ordinal(const Config& cfg) {
 #endif
   (void)cfg;
   return 0;
+}
+
+// --log-energy: the energy counter of this rank's GPU.
+std::unique_ptr<EnergyMeter> energy_meter(const Config& cfg) {
+  if (!cfg.logging.log_energy) return nullptr;
+#if MEGATRAIN_WITH_CUDA
+  char bus_id[64] = {};
+  const cudaError_t err = cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, gpu_ordinal(cfg));
+  if (err != cudaSuccess) fail("--log-energy: cannot read the GPU's PCI bus id: {}", cudaGetErrorString(err));
+  return std::make_unique<EnergyMeter>(bus_id);
+#else
+  fail("--log-energy reads GPU energy counters and this megatrain was built without CUDA: drop --log-energy");
+#endif
 }
 }  // namespace
 
@@ -169,20 +184,7 @@ std::function<void(int64_t)> debug_fault(int rank) {
 
 // Whether any rank has a validation split (ranks that read no data have no source of their own).
 bool any_rank(ParallelState& ps, GptModel& m, bool mine) {
-  if (ps.world_size == 1) return mine;
-  Backend& be = m.backend();
-  const Tensor s = m.scalars().flat_slice(13, 1);
-  float v = mine ? 1.0f : 0.0f;
-  double d = v;
-  if (m.options().accum == DType::f64) be.copy_from_host(s, &d);
-  else be.copy_from_host(s, &v);
-  ps.world->all_reduce(s, ReduceOp::max);
-  if (m.options().accum == DType::f64) {
-    be.copy_to_host(&d, s);
-    return d > 0.5;
-  }
-  be.copy_to_host(&v, s);
-  return v > 0.5f;
+  return all_reduce_scalar(ps, m, kHasValidationSlot, mine ? 1.0 : 0.0, ReduceOp::max) > 0.5;
 }
 
 int train_with(const Config& cfg, Backend* backend, ParallelState& ps);
@@ -256,7 +258,9 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   }
   std::unique_ptr<Reporter> reporters = make_reporters(cfg);
   MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_interval);
+  const std::unique_ptr<EnergyMeter> energy = energy_meter(cfg);
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
+  if (energy) trainer.energy_joules = [m = energy.get()] { return m->joules(); };
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   const double flops = num_floating_point_operations(cfg.model, cfg.train.global_batch);
   trainer.flops_per_iteration = [flops] { return flops; };

@@ -15,12 +15,26 @@ void validate_checkpoint_and_logging(CliState& st) {
     if (k.save_interval && *k.save_retain_interval % *k.save_interval != 0)
       fail("--save-retain-interval {} is not a multiple of --save-interval {}", *k.save_retain_interval,
            *k.save_interval);
+    if (!k.save) st.warn("--save-retain-interval has no effect without --save");
   }
   // --async-save: Megatron HEAD needs --use-persistent-ckpt-worker for it (else it saves
   // synchronously with a warning); megatrain's asynchronous save is always a background thread of
   // the training process (app/checkpointing.h), so it needs no worker flag.
   if (k.async_save && !k.save) st.warn("--async-save has no effect without --save");
   if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
+  const bool loads = k.load || k.pretrained_checkpoint;
+  if (k.override_ckpt_iteration) {
+    if (k.finetune) fail("Cannot override checkpoint iteration together with finetune flag.");
+    if (*k.override_ckpt_iteration < 0)
+      fail("--override-ckpt-iteration must be >= 0 (got {})", *k.override_ckpt_iteration);
+    if (!k.load) fail("--override-ckpt-iteration changes where a resumed run starts: it needs --load");
+  }
+  // Megatron leaves the weights uninitialized (torch.empty); megatrain refuses to train on them.
+  if (!k.perform_initialization && !loads)
+    fail("--no-initialization leaves the weights undrawn, so a checkpoint must be loaded: pass --load (or "
+         "--pretrained-checkpoint), or drop --no-initialization");
+  if (k.use_mp_args_from_checkpoint_args && !k.use_checkpoint_args)
+    st.warn("--use-mp-args-from-checkpoint-args has no effect without --use-checkpoint-args");
   const LoggingConfig& l = c.logging;
   if (l.log_interval <= 0) fail("--log-interval must be > 0 (got {})", l.log_interval);
   if (l.log_memory_interval && *l.log_memory_interval <= 0)
@@ -31,6 +45,10 @@ void validate_checkpoint_and_logging(CliState& st) {
     fail("--tensorboard-log-interval must be > 0 (got {})", l.tensorboard_log_interval);
   if (l.tensorboard_queue_size <= 0) fail("--tensorboard-queue-size must be > 0 (got {})", l.tensorboard_queue_size);
   if (l.metrics_jsonl && l.metrics_jsonl->empty()) fail("--metrics-jsonl needs a file path");
+  if (l.log_progress && !k.save) st.warn("--log-progress writes <save>/progress.txt: it has no effect without --save");
+  if (l.log_energy && c.train.device == DeviceKind::cpu)
+    fail("--log-energy reads the GPUs' energy counters (NVML) and the CPU reference backend has none: drop "
+         "--log-energy, or train on --device gpu");
 }
 
 void validate_megatrain(CliState& st) {

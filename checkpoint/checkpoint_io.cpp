@@ -212,6 +212,20 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
 }
 
 std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg) {
+  // Megatron falls back to --pretrained-checkpoint when --load has no tracker file (whatever
+  // --ckpt-step says), and loads from there as a finetune.
+  if (cfg.pretrained_checkpoint && (!cfg.load || !path_exists(checkpoint_tracker_path(*cfg.load)))) {
+    log::info("Checkpoint file not found in load directory {} attempting to finetune with checkpoint in {}",
+              cfg.load ? *cfg.load : std::string("None"), *cfg.pretrained_checkpoint);
+    auto loc = locate_checkpoint(*cfg.pretrained_checkpoint, cfg.ckpt_step);
+    if (!loc)
+      fail("No checkpoint found in load directory or pretrained directory: neither --load {} nor "
+           "--pretrained-checkpoint {} has a tracker file ({})", cfg.load ? *cfg.load : std::string("(not given)"),
+           *cfg.pretrained_checkpoint, checkpoint_tracker_path(*cfg.pretrained_checkpoint));
+    loc->pretrained = true;
+    log::info(" loading checkpoint from {} at iteration {}", *cfg.pretrained_checkpoint, loc->iteration);
+    return loc;
+  }
   if (!cfg.load) return std::nullopt;
   const auto loc = locate_checkpoint(*cfg.load, cfg.ckpt_step);
   if (!loc) {

@@ -74,6 +74,7 @@ struct CheckpointLocation {
   std::string directory;  // <load>/iter_XXXXXXX or <load>/release
   int64_t iteration = 0;  // 0 for release
   bool release = false;
+  bool pretrained = false;  // found under --pretrained-checkpoint: loaded as a --finetune
 };
 // What --load [--ckpt-step N] points at: the tracker's iteration, or ckpt_step when given (as
 // Megatron does, even without a tracker). nullopt when there is neither: the caller warns and
@@ -83,9 +84,11 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
                                                     std::optional<int64_t> ckpt_step = std::nullopt);
 
 // Megatron's --load decision (load_checkpoint / _load_base_checkpoint): nullopt without --load;
-// without a tracker (and no --ckpt-step) prints Megatron's warning and returns nullopt (start from
-// random initialization), or throws with --exit-on-missing-checkpoint; otherwise prints
-// " loading checkpoint from DIR at iteration N" (rank 0) and returns the location.
+// when --load has no tracker file and --pretrained-checkpoint is given, that directory's checkpoint
+// (pretrained = true; an error when it has none either); without a tracker (and no --ckpt-step)
+// prints Megatron's warning and returns nullopt (start from random initialization), or throws with
+// --exit-on-missing-checkpoint; otherwise prints " loading checkpoint from DIR at iteration N"
+// (rank 0) and returns the location.
 std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg);
 
 // ---------------------------------------------------------------------------------------------

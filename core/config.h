@@ -284,7 +284,9 @@ struct DataConfig {
 struct CheckpointConfig {
   std::optional<std::string> save;
   std::optional<int> save_interval;
-  std::optional<int> save_retain_interval;  // refused (unsupported.cpp); rule kept
+  // Older checkpoints whose iteration is not a multiple of this are deleted once a newer one is
+  // committed (Megatron's --save-retain-interval; the latest is always kept).
+  std::optional<int> save_retain_interval;
   std::optional<std::string> load;
   bool no_save_optim = false;
   bool no_save_rng = false;
@@ -292,6 +294,17 @@ struct CheckpointConfig {
   bool no_load_rng = false;
   bool finetune = false;
   std::optional<int64_t> ckpt_step;
+  // Where to load from when --load holds no checkpoint; loading from it is a --finetune.
+  std::optional<std::string> pretrained_checkpoint;
+  // --override-ckpt-iteration: resume at this iteration (consumed samples = it x global batch).
+  std::optional<int64_t> override_ckpt_iteration;
+  // --no-initialization: the weights are not drawn (a checkpoint must then be loaded).
+  bool perform_initialization = true;
+  // --use-checkpoint-args / --use-mp-args-from-checkpoint-args (applied while parsing: app/
+  // checkpoint_cli_args.h); kept for the arguments block.
+  bool use_checkpoint_args = false;
+  bool use_mp_args_from_checkpoint_args = false;
+  bool use_tokenizer_model_from_checkpoint_args = true;  // --no-use-tokenizer-model-from-checkpoint-args
   bool exit_on_missing_checkpoint = false;
   bool async_save = false;  // --async-save: a background thread writes the files (app/checkpointing.h)
   std::string ckpt_format = "torch_dist";
@@ -302,6 +315,8 @@ struct LoggingConfig {
   bool log_throughput = false;
   bool log_params_norm = false;
   bool log_num_zeros_in_grad = false;
+  bool log_progress = false;  // --log-progress: <save>/progress.txt (app/progress_log.h)
+  bool log_energy = false;    // --log-energy: the GPUs' energy counters (app/energy_meter.h)
   int timing_log_level = 0;
   std::string timing_log_option = "minmax";
   std::optional<std::string> tensorboard_dir;

@@ -547,11 +547,14 @@ void GptModel::bind_params() {
   }
 }
 
-void GptModel::init_parameters() {
+void GptModel::init_parameters(bool random) {
   fp8_begin_step();  // the FP8 weight cache is stale
-  auto draw = [this](const ParamDesc& p, Tensor w) {
+  auto draw = [this, random](const ParamDesc& p, Tensor w) {
     switch (p.init) {
-      case InitKind::normal: be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard); break;
+      case InitKind::normal:
+        if (random) be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard);
+        else be_.fill(w, 0.0);
+        break;
       case InitKind::zeros: be_.fill(w, 0.0); break;
       case InitKind::ones: be_.fill(w, 1.0); break;
     }

@@ -172,8 +172,10 @@ class GptModel {
   // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [16].
   Tensor scalars() const { return scalars_; }
 
-  // Draws every parameter from its layout-independent stream (and the master copy).
-  void init_parameters();
+  // Draws every parameter from its layout-independent stream (and the master copy). With
+  // random = false (--no-initialization: a checkpoint is about to overwrite them) the randomly
+  // initialized ones are set to zero instead, which is cheaper and leaves nothing undefined.
+  void init_parameters(bool random = true);
   // Whether a sharded master copy or optimizer state needs stage_full_params to take full
   // tensors: the gradient buffer, the full-size staging otherwise, holds bf16 main grads.
   bool stages_per_param() const { return grad_layout_.sharded && opt_.grad != opt_.accum; }

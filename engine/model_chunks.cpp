@@ -88,7 +88,7 @@ std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, Par
   std::vector<std::unique_ptr<GptModel>> out;
   for (const ChunkSpec& s : model_chunk_specs(cfg, RankPosition::of(ps), compute)) {
     out.push_back(std::make_unique<GptModel>(s.dims, s.options, ps, backend));
-    out.back()->init_parameters();
+    out.back()->init_parameters(cfg.checkpoint.perform_initialization);
   }
   return out;
 }

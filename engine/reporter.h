@@ -24,6 +24,10 @@ struct IterationStats {
   int64_t skipped_samples = 0;           // printed only when > 0
   double elapsed_ms_per_iteration = 0;   // wall time of the interval / iterations in it
   std::optional<double> tflops_per_gpu;  // with --log-throughput
+  // With --log-energy, at log lines: the interval's GPU energy summed over ranks / iterations /
+  // world size, and that over the seconds per iteration (Megatron's energy and power per GPU).
+  std::optional<double> energy_per_gpu_j;
+  std::optional<double> power_per_gpu_w;
   std::optional<double> learning_rate;   // after this iteration's scheduler step
   std::optional<double> decoupled_learning_rate;
   int64_t global_batch_size = 0;

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -199,6 +200,8 @@ int64_t Trainer::train() {
   const int64_t B = t.global_batch;
   interval_start_ = Clock::now();
   interval_paused_s_ = 0;
+  if (energy_joules) energy_interval_start_ = energy_joules();
+  energy_paused_ = 0;
   bool first = true;
   while (iteration_ < t.total_iters) {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
@@ -228,23 +231,40 @@ int64_t Trainer::train() {
     first = false;
     if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
         has_validation_ && t.eval_iters > 0) {
-      const auto pause = Clock::now();
-      evaluate(false);
-      interval_paused_s_ += std::chrono::duration<double>(Clock::now() - pause).count();
+      outside_interval([&] { evaluate(false); });
     }
-    if (after_iteration && !after_iteration(iteration_)) break;
+    bool go_on = true;
+    if (after_iteration) outside_interval([&] { go_on = after_iteration(iteration_); });
+    if (!go_on) break;
     bool stop = should_exit();
     if (!stop && t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
       log::info(" exiting program at iteration {}", iteration_);
       stop = true;
     }
     if (stop) {
-      if (before_early_exit) before_early_exit(iteration_);
+      if (before_early_exit) outside_interval([&] { before_early_exit(iteration_); });
       break;
     }
   }
+  if (energy_joules) report_total_energy();
   print_summary();
   return iteration_;
+}
+
+template <class F>
+void Trainer::outside_interval(F&& f) {
+  const auto t0 = Clock::now();
+  const double e0 = energy_joules ? energy_joules() : 0.0;
+  f();
+  interval_paused_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (energy_joules) energy_paused_ += energy_joules() - e0;
+}
+
+double Trainer::interval_energy() const { return energy_joules() - energy_interval_start_ - energy_paused_; }
+
+void Trainer::report_total_energy() {
+  const double total = all_reduce_scalar(ps_, model_, kEnergySlot, energy_done_ + interval_energy(), ReduceOp::sum);
+  log::info("Total training energy (GPU): {:.3f} MJ", total / 1e6);
 }
 
 // Every iteration goes to the reporters (TensorBoard keeps per-iteration values); the log line's
@@ -267,6 +287,13 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   const double per_iter_s = elapsed / iters;
   if (cfg_.logging.log_throughput && flops_per_iteration && per_iter_s > 0)
     s.tflops_per_gpu = flops_per_iteration() / (per_iter_s * 1e12 * ps_.world_size);
+  double lap = 0;  // this rank's energy of the interval (J)
+  if (energy_joules && interval_end) {
+    lap = interval_energy();
+    const double all = all_reduce_scalar(ps_, model_, kEnergySlot, lap, ReduceOp::sum);
+    s.energy_per_gpu_j = all / static_cast<double>(iters) / ps_.world_size;
+    if (per_iter_s > 0) s.power_per_gpu_w = *s.energy_per_gpu_j / per_iter_s;
+  }
   s.learning_rate = optimizer_.learning_rate();
   s.decoupled_learning_rate = optimizer_.decoupled_learning_rate();
   s.global_batch_size = cfg_.train.global_batch;
@@ -290,6 +317,11 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
     interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
     interval_start_ = now;
     interval_paused_s_ = 0;
+    if (energy_joules) {
+      energy_done_ += lap;
+      energy_interval_start_ += lap + energy_paused_;
+      energy_paused_ = 0;
+    }
     timers_.reset();
   }
 }

@@ -45,6 +45,10 @@ class Trainer {
   // Called once when training stops early (--exit-interval, --exit-duration-in-mins, SIGTERM with
   // --exit-signal-handler), before returning: Megatron saves a checkpoint there.
   std::function<void(int64_t iteration)> before_early_exit;
+  // --log-energy: this rank's GPU energy counter in joules (app/energy_meter.h). Read at the
+  // start, around evaluations and saves (their energy is left out, as their time is) and at log
+  // lines; each log line's figure is summed over the ranks (one small collective).
+  std::function<double()> energy_joules;
 
   // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
   // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
@@ -97,6 +101,14 @@ class Trainer {
   void collect_timers(IterationStats& s, double iterations);
   bool should_exit();
   void print_summary() const;
+  // Runs f (an evaluation, the after-iteration hook with its saves) outside the log interval's
+  // time and energy, as Megatron stops its interval timer and energy monitor around them.
+  template <class F>
+  void outside_interval(F&& f);
+  // The interval's energy of this rank so far (J), without what outside_interval excluded.
+  double interval_energy() const;
+  // Megatron's "Total training energy (GPU)" line, summed over the ranks (collective).
+  void report_total_energy();
 
   const Config& cfg_;
   ParallelState& ps_;
@@ -122,6 +134,8 @@ class Trainer {
   Clock::time_point interval_start_;
   Clock::time_point run_start_ = Clock::now();
   double interval_paused_s_ = 0;
+  double energy_interval_start_ = 0, energy_paused_ = 0;  // J, this rank (--log-energy)
+  double energy_done_ = 0;  // J of this rank's finished intervals
   PhaseTimers timers_;
   void* timer_buffer_ = nullptr;  // device buffer of the timers' cross-rank reduction (level >= 1)
   size_t timer_buffer_elems_ = 0;

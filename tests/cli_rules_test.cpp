@@ -404,6 +404,35 @@ TEST_CASE("rule: checkpoint and logging values", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--log-interval 0")), Contains("--log-interval must be > 0"));
 }
 
+TEST_CASE("rule: retain interval, progress log, energy, load-only flags", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  const Args save = words("--save /tmp/x --save-interval 5");
+  CHECK(parse(small_gpt() + save + words("--save-retain-interval 20 --log-progress"), 1, &ms).checkpoint.save_retain_interval == 20);
+  CHECK_THAT(parse_error(small_gpt() + save + words("--save-retain-interval 12")),
+             Contains("--save-retain-interval 12 is not a multiple of --save-interval 5"));
+  CHECK_THAT(parse_error(small_gpt() + save + words("--save-retain-interval 0")), Contains("must be > 0"));
+  CHECK(parse(small_gpt() + words("--log-progress --save-retain-interval 5"), 1, &ms).logging.log_progress);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--log-progress writes <save>/progress.txt"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--save-retain-interval has no effect without --save"));
+  // --log-energy reads NVML: refused on the CPU reference backend (small_gpt trains there).
+  CHECK_THAT(parse_error(small_gpt() + words("--device cpu --log-energy")),
+             Contains("--log-energy reads the GPUs' energy counters"));
+  CHECK(parse(small_gpt() + words("--log-energy")).logging.log_energy);
+  // Flags that only mean something when a checkpoint is loaded.
+  CHECK_THAT(parse_error(small_gpt() + words("--no-initialization")), Contains("a checkpoint must be loaded"));
+  CHECK_FALSE(parse(small_gpt() + words("--no-initialization --load /tmp/x")).checkpoint.perform_initialization);
+  CHECK_FALSE(parse(small_gpt() + words("--no-initialization --pretrained-checkpoint /tmp/x")).checkpoint.perform_initialization);
+  CHECK_THAT(parse_error(small_gpt() + words("--override-ckpt-iteration 5")), Contains("it needs --load"));
+  CHECK_THAT(parse_error(small_gpt() + words("--override-ckpt-iteration 5 --load /tmp/x --finetune")),
+             Contains("Cannot override checkpoint iteration together with finetune flag."));
+  CHECK_THAT(parse_error(small_gpt() + words("--override-ckpt-iteration -1 --load /tmp/x")), Contains("must be >= 0"));
+  CHECK(*parse(small_gpt() + words("--override-ckpt-iteration 7 --load /tmp/x")).checkpoint.override_ckpt_iteration == 7);
+  CHECK_THAT(parse_error(small_gpt() + words("--use-checkpoint-args")),
+             Contains("--use-checkpoint-args requires --load or --pretrained-checkpoint argument"));
+  CHECK(parse(small_gpt() + words("--use-mp-args-from-checkpoint-args"), 1, &ms).checkpoint.use_mp_args_from_checkpoint_args);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "has no effect without --use-checkpoint-args"));
+}
+
 TEST_CASE("rule: --world-size and --json belong to --dry-run", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--world-size 8")), Contains("--world-size 8 is for --dry-run only"));
   CHECK_THAT(parse_error(small_gpt() + words("--json")), Contains("--json goes with --dry-run"));

@@ -85,3 +85,51 @@ TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[trai
   Config c = test::tiny_llama_config();
   check_training(mock_config(c));
 }
+
+// --log-energy's arithmetic with a counter that rises 100 J per training iteration, 1000 J per
+// evaluation and 500 J per after-iteration hook (where saves happen): the log lines see only the
+// iterations' energy, as Megatron pauses its energy monitor around evaluations and saves.
+TEST_CASE("--log-energy: J/iter/GPU and W/GPU per log interval, evaluations and saves left out", "[train][energy]") {
+  Config c = test::tiny_gpt_config();
+  c = test::with_mock_training(c);
+  c.train.train_iters = 12;
+  c.train.eval_interval = 4;
+  c.train.eval_iters = 1;
+  c.logging.log_interval = 5;
+  c.logging.log_energy = true;
+  test::derive(c);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(2);
+  const ModelDims dims = ModelDims::from_config(c, ps);
+  GptModel model(dims, ModelOptions::from_config(c, dims, DType::f32), ps, *be);
+  model.init_parameters();
+  TrainingData data = build_training_data(c, 0, 1, 0);
+  CapturingReporter reporter;
+  Trainer trainer(c, ps, model, *data.train, data.valid.get(), reporter);
+  int hooks = 0;
+  trainer.after_iteration = [&](int64_t) {
+    ++hooks;
+    return true;
+  };
+  trainer.energy_joules = [&] {
+    return 100.0 * static_cast<double>(trainer.iteration()) + 1000.0 * static_cast<double>(reporter.evals.size()) +
+           500.0 * hooks;
+  };
+  trainer.train();
+  REQUIRE(reporter.evals.size() == 3);  // at 4, 8, 12
+  REQUIRE(hooks == 12);
+  REQUIRE(reporter.iterations.size() == 3);  // after the first, at 5 and 10
+  for (const IterationStats& s : reporter.iterations) {
+    INFO("iteration " << s.iteration);
+    REQUIRE(s.energy_per_gpu_j.has_value());
+    CHECK(*s.energy_per_gpu_j == Approx(100.0));
+    REQUIRE(s.power_per_gpu_w.has_value());
+    CHECK(*s.power_per_gpu_w == Approx(100.0 / (s.elapsed_ms_per_iteration / 1000.0)).epsilon(1e-9));
+  }
+  // Without a counter the fields stay empty.
+  CapturingReporter plain;
+  Trainer quiet(c, ps, model, *data.train, data.valid.get(), plain);
+  quiet.train();
+  REQUIRE_FALSE(plain.iterations.empty());
+  CHECK_FALSE(plain.iterations.back().energy_per_gpu_j.has_value());
+}

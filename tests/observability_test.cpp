@@ -141,6 +141,25 @@ TEST_CASE("iteration line: every optional field in Megatron's order", "[obs][log
   CHECK(line.find(" global batch size:   128 | lm loss:") != std::string::npos);
 }
 
+TEST_CASE("iteration line: --log-energy's fragments between throughput and learning rate", "[obs][log][energy]") {
+  IterationStats s = example_stats();
+  s.energy_per_gpu_j = 812.34;
+  s.power_per_gpu_w = 658.06;
+  LoggingConfig cfg;
+  cfg.log_throughput = true;
+  cfg.log_energy = true;
+  const auto f = fragments(format_iteration_line(with_logging_flags(s, cfg), kStamp));
+  REQUIRE(f.size() > 6);
+  CHECK(f[3] == " throughput per GPU (TFLOP/s/GPU): 456.7");
+  CHECK(f[4] == " energy per GPU (J/iter/GPU): 812.3");
+  CHECK(f[5] == " power per GPU (W/GPU): 658.1");
+  CHECK(f[6] == " learning rate: 1.500000E-04");
+  cfg.log_energy = false;  // the fields print only under the flag
+  const std::string without = format_iteration_line(with_logging_flags(s, cfg), kStamp);
+  CHECK(without.find("energy") == std::string::npos);
+  CHECK(without.find("power") == std::string::npos);
+}
+
 TEST_CASE("number formatting agrees with Python's format()", "[obs][log][python]") {
   std::string why;
   const auto py = mt_test::find_test_python("json", &why);
@@ -269,6 +288,7 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags; our decoder and TensorBo
   cfg.log_validation_ppl_to_tensorboard = true;
   cfg.log_memory_to_tensorboard = true;
   cfg.log_world_size_to_tensorboard = true;
+  cfg.log_energy = true;
   cfg.tensorboard_log_interval = 2;
   cfg.tensorboard_queue_size = 3;  // smaller than one iteration's events: add_scalar must wait, not drop
   std::vector<Scalar> expected;
@@ -293,6 +313,8 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags; our decoder and TensorBo
       s.memory_reserved_bytes = 3e9;
       s.elapsed_ms_per_iteration = 250.0;
       s.tflops_per_gpu = 300.0;
+      s.energy_per_gpu_j = 175.0;
+      s.power_per_gpu_w = 700.0;
       s.timers_ms = {{"forward-backward", {200.0, 240.0}}};
       rep.on_iteration(s);
       if (it % 2 == 0) {
@@ -312,6 +334,8 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags; our decoder and TensorBo
         expected.push_back({"mem-reserved-bytes", it, 3e9f});
         expected.push_back({"mem-allocated-bytes", it, 1e9f});
         expected.push_back({"mem-max-allocated-bytes", it, 2e9f});
+        expected.push_back({"iter-energy/gpu", it, 175.0f});
+        expected.push_back({"power/gpu", it, 700.0f});
         expected.push_back({"iteration-time", it, 0.25f});
         expected.push_back({"throughput", it, 300.0f});
         expected.push_back({"forward-backward-time", it, 0.24f});

@@ -19,62 +19,16 @@
 #include "app/tensorboard_writer.h"
 #include "checkpoint/file_io.h"
 #include "ckpt_test_util.h"
+#include "training_binary_util.h"
 
 using mt_test::read_bytes;
 using mt_test::run_command;
 using mt_test::TempDir;
+using namespace mt_test::training_binary;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-
-const std::string kCommon =
-    "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --min-lr 1e-3 "
-    "--lr-decay-style cosine --hidden-dropout 0.1 --attention-dropout 0.1 --seed 7 "
-    "--log-interval 1";
-const std::string kGpt = kCommon + " --num-layers 2 --hidden-size 32 --num-attention-heads 4";
-const std::string kLlama = kCommon +
-                           " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --normalization RMSNorm --swiglu "
-                           "--ffn-hidden-size 48 --position-embedding-type rope --group-query-attention "
-                           "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear";
-
-struct Result {
-  int code = -1;
-  std::string out;
-};
-
-Result megatrain(const std::string& args) {
-  Result r;
-  r.code = run_command(std::string(MEGATRAIN_BINARY) + " " + args, &r.out);
-  return r;
-}
-
-// The run must succeed; its output is shown when it does not.
-void require_ok(const Result& r) {
-  INFO(r.out);
-  REQUIRE(r.code == 0);
-}
-
-struct Metrics {
-  std::map<int64_t, json> iterations;  // iteration -> record
-  std::vector<json> evaluations;
-};
-
-Metrics read_metrics(const std::string& path) {
-  Metrics m;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    const json j = json::parse(line);
-    if (j.at("type") == "iteration") m.iterations[j.at("iteration").get<int64_t>()] = j;
-    else m.evaluations.push_back(j);
-  }
-  return m;
-}
-
-std::string tracker(const std::string& save) { return read_bytes(save + "/latest_checkpointed_iteration.txt"); }
 
 // Every shard file of two iteration directories, byte for byte.
 void require_same_shards(const std::string& a, const std::string& b) {
