@@ -273,15 +273,17 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
   const std::function<void(int64_t)> fault = debug_fault(ps.rank);
+  // Saves stay out of the log interval's time and energy, as Megatron's save_checkpoint_and_time.
+  auto save = [&] { trainer.outside_interval([&] { checkpoints.save(trainer); }); };
   trainer.after_iteration = [&](int64_t iteration) {
     checkpoints.poll();
-    if (k.save && iteration % *k.save_interval == 0) checkpoints.save(trainer);
+    if (k.save && iteration % *k.save_interval == 0) save();
     if (fault) fault(iteration + 1);
     return true;
   };
   trainer.before_early_exit = [&](int64_t iteration) {
     exited_early = true;
-    if (k.save && checkpoints.last_saved_iteration() != iteration) checkpoints.save(trainer);
+    if (k.save && checkpoints.last_saved_iteration() != iteration) save();
   };
 
   log::info("training ...");

@@ -7,6 +7,7 @@ Prints one line per config: tokens/s, TFLOP/s by Megatron's formula, peak memory
 Test/benchmark oracle only: megatrain itself never needs Python.
 """
 import argparse
+import ctypes
 import json
 import math
 import time
@@ -144,6 +145,31 @@ def print_kernel_profile(name, step, steps, top):
         print(f"#   {us / steps / 1e3:8.3f} ms  {n / steps:6.1f}x  {k[:150]}", flush=True)
 
 
+def gpu_energy_reader():
+    """A function returning the current GPU's energy counter in joules (NVML's
+    nvmlDeviceGetTotalEnergyConsumption, the counter megatrain's --log-energy reads), or None
+    where NVML is not there. ctypes, so that no pynvml is needed."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus_id = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id, ctypes.byref(handle)) != 0:
+            return None
+        mj = ctypes.c_ulonglong()
+
+        def joules():
+            nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj))
+            return mj.value / 1000.0
+
+        joules()
+        return joules
+    except (OSError, AttributeError):
+        return None
+
+
 def run(name, iters, warmup, profile_top=0):
     c = CONFIGS[name]
     torch.manual_seed(1234)
@@ -167,17 +193,22 @@ def run(name, iters, warmup, profile_top=0):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    energy = gpu_energy_reader()
+    e0 = energy() if energy else None
     t0 = time.perf_counter()
     for _ in range(iters):
         loss = step()
     loss.item()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / iters
+    joules = (energy() - e0) / iters if energy else None
     tokens = c["b"] * c["s"]
     flops = megatron_flops_per_iteration(c, c["b"])
     result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
                   tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+    if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
+        result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
     if profile_top:
         print_kernel_profile(name, step, 3, profile_top)
     del model, opt, step_model

@@ -7,12 +7,15 @@
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
 #                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
-#                      [--fp8-only]
+#                      [--fp8-only] [--no-energy]
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio. --fp8-extra
 # adds flags to the FP8 runs only (e.g. "--use-distributed-optimizer --fp8-param-gather").
 # --fp8-only skips megatrain's bf16 runs (FP8 A/B comparisons; no fp8/bf16 ratio then).
+# Every megatrain run has --log-energy (its summary line ends with the GPU's joules per iteration,
+# watts and joules per token; PyTorch's JSON line has the same from the same NVML counter), unless
+# --no-energy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs="gpt2-124m,gpt-1.3b,llama-1b"
@@ -25,6 +28,7 @@ fp8=""
 fp8_recipe=delayed
 fp8_extra=""
 fp8_only=0
+energy="--log-energy"
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -37,6 +41,7 @@ while [ $# -gt 0 ]; do
     --fp8-recipe) fp8_recipe="$2"; shift 2 ;;
     --fp8-extra) fp8_extra="$2"; shift 2 ;;
     --fp8-only) fp8_only=1; shift ;;
+    --no-energy) energy=""; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -80,7 +85,7 @@ IFS=, read -r -a names <<< "$configs"
 # with the log's tail.
 run_one() {
   # shellcheck disable=SC2046,SC2086
-  if "$bin" $(flags_for "$1") $extra $3 > "$2" 2>&1; then
+  if "$bin" $(flags_for "$1") $energy $extra $3 > "$2" 2>&1; then
     grep -E '^\[megatrain\] summary' "$2" | tail -n 1 || true
   else
     echo "FAILED (see $2): $(tail -n 2 "$2" | tr '\n' ' ')"

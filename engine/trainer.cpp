@@ -200,8 +200,9 @@ int64_t Trainer::train() {
   const int64_t B = t.global_batch;
   interval_start_ = Clock::now();
   interval_paused_s_ = 0;
-  if (energy_joules) energy_interval_start_ = energy_joules();
-  energy_paused_ = 0;
+  if (energy_joules) energy_read_ = energy_joules();
+  energy_outside_ = 0;
+  energy_run_start_ = energy_interval_start_ = training_energy();
   bool first = true;
   while (iteration_ < t.total_iters) {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
@@ -217,6 +218,10 @@ int64_t Trainer::train() {
     const auto step_start = Clock::now();
     const StepOutcome o = train_step();  // ends with the step's one readback, so the time is complete
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
+    if (energy_joules) {  // one read per step: the counter after it
+      energy_read_ = energy_joules();
+      step_energy_.push_back(training_energy());
+    }
     ++iteration_;
     consumed_samples_ += B;
     if (o.skipped) {
@@ -233,16 +238,14 @@ int64_t Trainer::train() {
         has_validation_ && t.eval_iters > 0) {
       outside_interval([&] { evaluate(false); });
     }
-    bool go_on = true;
-    if (after_iteration) outside_interval([&] { go_on = after_iteration(iteration_); });
-    if (!go_on) break;
+    if (after_iteration && !after_iteration(iteration_)) break;
     bool stop = should_exit();
     if (!stop && t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
       log::info(" exiting program at iteration {}", iteration_);
       stop = true;
     }
     if (stop) {
-      if (before_early_exit) outside_interval([&] { before_early_exit(iteration_); });
+      if (before_early_exit) before_early_exit(iteration_);
       break;
     }
   }
@@ -251,19 +254,20 @@ int64_t Trainer::train() {
   return iteration_;
 }
 
-template <class F>
-void Trainer::outside_interval(F&& f) {
+void Trainer::outside_interval(const std::function<void()>& f) {
   const auto t0 = Clock::now();
   const double e0 = energy_joules ? energy_joules() : 0.0;
   f();
   interval_paused_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
-  if (energy_joules) energy_paused_ += energy_joules() - e0;
+  if (energy_joules) {
+    energy_read_ = energy_joules();
+    energy_outside_ += energy_read_ - e0;
+  }
 }
 
-double Trainer::interval_energy() const { return energy_joules() - energy_interval_start_ - energy_paused_; }
-
 void Trainer::report_total_energy() {
-  const double total = all_reduce_scalar(ps_, model_, kEnergySlot, energy_done_ + interval_energy(), ReduceOp::sum);
+  const double mine = training_energy() - energy_run_start_;
+  const double total = all_reduce_scalar(ps_, model_, kEnergySlot, mine, ReduceOp::sum);
   log::info("Total training energy (GPU): {:.3f} MJ", total / 1e6);
 }
 
@@ -287,9 +291,8 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   const double per_iter_s = elapsed / iters;
   if (cfg_.logging.log_throughput && flops_per_iteration && per_iter_s > 0)
     s.tflops_per_gpu = flops_per_iteration() / (per_iter_s * 1e12 * ps_.world_size);
-  double lap = 0;  // this rank's energy of the interval (J)
   if (energy_joules && interval_end) {
-    lap = interval_energy();
+    const double lap = training_energy() - energy_interval_start_;  // this rank's, J
     const double all = all_reduce_scalar(ps_, model_, kEnergySlot, lap, ReduceOp::sum);
     s.energy_per_gpu_j = all / static_cast<double>(iters) / ps_.world_size;
     if (per_iter_s > 0) s.power_per_gpu_w = *s.energy_per_gpu_j / per_iter_s;
@@ -317,11 +320,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
     interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
     interval_start_ = now;
     interval_paused_s_ = 0;
-    if (energy_joules) {
-      energy_done_ += lap;
-      energy_interval_start_ += lap + energy_paused_;
-      energy_paused_ = 0;
-    }
+    energy_interval_start_ = training_energy();
     timers_.reset();
   }
 }
@@ -394,6 +393,12 @@ void Trainer::print_summary() const {
     const double tflops = flops_per_iteration() / (per_step * 1e12 * ps_.world_size);
     line += fmt::format(" | TFLOP/s/GPU: {:.1f}", tflops);
     if (cfg_.train.device == DeviceKind::gpu) line += fmt::format(" | MFU: {:.1f}%", tflops / 989.0 * 100.0);
+  }
+  if (step_energy_.size() == step_seconds_.size()) {
+    // This (the last) rank's GPU over the same steps: what the power cap trades against speed.
+    const double joules = step_energy_.back() - (skip > 0 ? step_energy_[static_cast<size_t>(skip) - 1] : energy_run_start_);
+    line += fmt::format(" | GPU energy (this GPU): {:.1f} J/iteration, {:.1f} W, {:.4f} J/token", joules / steps,
+                        joules / seconds, joules / steps / (tokens / ps_.world_size));
   }
   const size_t in_use = model_.backend().memory_in_use();
   if (in_use > 0) line += fmt::format(" | peak memory: {:.2f} GiB", in_use / 1073741824.0);

@@ -46,9 +46,13 @@ class Trainer {
   // --exit-signal-handler), before returning: Megatron saves a checkpoint there.
   std::function<void(int64_t iteration)> before_early_exit;
   // --log-energy: this rank's GPU energy counter in joules (app/energy_meter.h). Read at the
-  // start, around evaluations and saves (their energy is left out, as their time is) and at log
-  // lines; each log line's figure is summed over the ranks (one small collective).
+  // start, after every step and around evaluations and outside_interval calls (their energy is
+  // left out, as their time is); each log line's figure is summed over the ranks (one small
+  // collective).
   std::function<double()> energy_joules;
+  // Runs f (a checkpoint save) outside the log interval's time and energy, as Megatron stops its
+  // interval timer and energy monitor around evaluations and saves (evaluations: done here).
+  void outside_interval(const std::function<void()>& f);
 
   // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
   // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
@@ -101,12 +105,8 @@ class Trainer {
   void collect_timers(IterationStats& s, double iterations);
   bool should_exit();
   void print_summary() const;
-  // Runs f (an evaluation, the after-iteration hook with its saves) outside the log interval's
-  // time and energy, as Megatron stops its interval timer and energy monitor around them.
-  template <class F>
-  void outside_interval(F&& f);
-  // The interval's energy of this rank so far (J), without what outside_interval excluded.
-  double interval_energy() const;
+  // This rank's energy counter at the last read without what outside_interval excluded (J).
+  double training_energy() const { return energy_read_ - energy_outside_; }
   // Megatron's "Total training energy (GPU)" line, summed over the ranks (collective).
   void report_total_energy();
 
@@ -127,6 +127,7 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
+  std::vector<double> step_energy_;   // training_energy() after each train_step (--log-energy)
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
@@ -134,8 +135,9 @@ class Trainer {
   Clock::time_point interval_start_;
   Clock::time_point run_start_ = Clock::now();
   double interval_paused_s_ = 0;
-  double energy_interval_start_ = 0, energy_paused_ = 0;  // J, this rank (--log-energy)
-  double energy_done_ = 0;  // J of this rank's finished intervals
+  // --log-energy, J, this rank: the last counter read, the energy left out so far, and the
+  // training energy where the run and the log interval began.
+  double energy_read_ = 0, energy_outside_ = 0, energy_run_start_ = 0, energy_interval_start_ = 0;
   PhaseTimers timers_;
   void* timer_buffer_ = nullptr;  // device buffer of the timers' cross-rank reduction (level >= 1)
   size_t timer_buffer_elems_ = 0;

@@ -87,8 +87,9 @@ TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[trai
 }
 
 // --log-energy's arithmetic with a counter that rises 100 J per training iteration, 1000 J per
-// evaluation and 500 J per after-iteration hook (where saves happen): the log lines see only the
-// iterations' energy, as Megatron pauses its energy monitor around evaluations and saves.
+// evaluation and 500 J per save (the after-iteration hook's, run through outside_interval as
+// app/train.cpp does): the log lines see only the iterations' energy, as Megatron pauses its
+// energy monitor around evaluations and saves.
 TEST_CASE("--log-energy: J/iter/GPU and W/GPU per log interval, evaluations and saves left out", "[train][energy]") {
   Config c = test::tiny_gpt_config();
   c = test::with_mock_training(c);
@@ -108,7 +109,7 @@ TEST_CASE("--log-energy: J/iter/GPU and W/GPU per log interval, evaluations and 
   Trainer trainer(c, ps, model, *data.train, data.valid.get(), reporter);
   int hooks = 0;
   trainer.after_iteration = [&](int64_t) {
-    ++hooks;
+    trainer.outside_interval([&] { ++hooks; });
     return true;
   };
   trainer.energy_joules = [&] {

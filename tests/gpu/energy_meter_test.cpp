@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstdio>
 
 #include "app/energy_meter.h"
 #include "gpu_test_util.h"
@@ -36,4 +37,11 @@ TEST_CASE("EnergyMeter: the GPU's energy counter rises at a plausible power unde
   CHECK(watts > 50.0);    // a busy H100/H200 draws hundreds of watts
   CHECK(watts < 1500.0);  // and no board draws this much
   CHECK_THROWS_WITH(EnergyMeter("0000:ff:1f.7"), Catch::Contains("NVML does not know the GPU"));
+  // What one read costs the training loop (it reads once per step): printed for bench/RESULTS.md.
+  const auto r0 = std::chrono::steady_clock::now();
+  double sink = 0;
+  for (int i = 0; i < 200; ++i) sink += meter.joules();
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - r0).count() / 200;
+  std::printf("EnergyMeter: %.1f W under load; one read %.1f us\n", watts, us);
+  CHECK(sink > 0);
 }
