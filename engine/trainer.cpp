@@ -203,6 +203,7 @@ int64_t Trainer::train() {
   if (energy_joules) energy_read_ = energy_joules();
   energy_outside_ = 0;
   energy_run_start_ = energy_interval_start_ = training_energy();
+  energy_run_start_time_ = Clock::now();
   bool first = true;
   while (iteration_ < t.total_iters) {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
@@ -220,7 +221,7 @@ int64_t Trainer::train() {
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
     if (energy_joules) {  // one read per step: the counter after it
       energy_read_ = energy_joules();
-      step_energy_.push_back(training_energy());
+      step_energy_.push_back({training_energy(), Clock::now()});
     }
     ++iteration_;
     consumed_samples_ += B;
@@ -395,10 +396,14 @@ void Trainer::print_summary() const {
     if (cfg_.train.device == DeviceKind::gpu) line += fmt::format(" | MFU: {:.1f}%", tflops / 989.0 * 100.0);
   }
   if (step_energy_.size() == step_seconds_.size()) {
-    // This (the last) rank's GPU over the same steps: what the power cap trades against speed.
-    const double joules = step_energy_.back() - (skip > 0 ? step_energy_[static_cast<size_t>(skip) - 1] : energy_run_start_);
+    // This (the last) rank's GPU over the same steps, between the counter reads after the last
+    // warm-up step and after the last step (the watts over the wall time between those reads).
+    const auto& [e0, t0] = skip > 0 ? step_energy_[static_cast<size_t>(skip) - 1]
+                                    : std::pair<double, Clock::time_point>{energy_run_start_, energy_run_start_time_};
+    const double joules = step_energy_.back().first - e0;
+    const double wall = std::chrono::duration<double>(step_energy_.back().second - t0).count();
     line += fmt::format(" | GPU energy (this GPU): {:.1f} J/iteration, {:.1f} W, {:.4f} J/token", joules / steps,
-                        joules / seconds, joules / steps / (tokens / ps_.world_size));
+                        wall > 0 ? joules / wall : 0.0, joules / steps / (tokens / ps_.world_size));
   }
   const size_t in_use = model_.backend().memory_in_use();
   if (in_use > 0) line += fmt::format(" | peak memory: {:.2f} GiB", in_use / 1073741824.0);

@@ -10,6 +10,8 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/config.h"
 #include "data/batch.h"
@@ -127,7 +129,8 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
-  std::vector<double> step_energy_;   // training_energy() after each train_step (--log-energy)
+  // training_energy() after each train_step and when it was read (--log-energy).
+  std::vector<std::pair<double, Clock::time_point>> step_energy_;
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
@@ -138,6 +141,7 @@ class Trainer {
   // --log-energy, J, this rank: the last counter read, the energy left out so far, and the
   // training energy where the run and the log interval began.
   double energy_read_ = 0, energy_outside_ = 0, energy_run_start_ = 0, energy_interval_start_ = 0;
+  Clock::time_point energy_run_start_time_;
   PhaseTimers timers_;
   void* timer_buffer_ = nullptr;  // device buffer of the timers' cross-rank reduction (level >= 1)
   size_t timer_buffer_elems_ = 0;

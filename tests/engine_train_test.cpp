@@ -90,7 +90,7 @@ TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[trai
 // evaluation and 500 J per save (the after-iteration hook's, run through outside_interval as
 // app/train.cpp does): the log lines see only the iterations' energy, as Megatron pauses its
 // energy monitor around evaluations and saves.
-TEST_CASE("--log-energy: J/iter/GPU and W/GPU per log interval, evaluations and saves left out", "[train][energy]") {
+TEST_CASE("energy logging: J/iter/GPU and W/GPU per log interval, evaluations and saves left out", "[train][energy]") {
   Config c = test::tiny_gpt_config();
   c = test::with_mock_training(c);
   c.train.train_iters = 12;
@@ -112,9 +112,10 @@ TEST_CASE("--log-energy: J/iter/GPU and W/GPU per log interval, evaluations and 
     trainer.outside_interval([&] { ++hooks; });
     return true;
   };
+  // Steps done: the micro-batch serial advances by the micro-batches of each step's forward-backward.
   trainer.energy_joules = [&] {
-    return 100.0 * static_cast<double>(trainer.iteration()) + 1000.0 * static_cast<double>(reporter.evals.size()) +
-           500.0 * hooks;
+    const double steps = static_cast<double>(trainer.counters().micro_batch_serial) / c.train.num_microbatches;
+    return 100.0 * steps + 1000.0 * static_cast<double>(reporter.evals.size()) + 500.0 * hooks;
   };
   trainer.train();
   REQUIRE(reporter.evals.size() == 3);  // at 4, 8, 12

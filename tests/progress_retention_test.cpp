@@ -147,7 +147,7 @@ TEST_CASE("progress.txt: where cumulative throughput starts (Megatron's search)"
   CHECK_THROWS_WITH(progress_start("garbage\n", 4, "p"), Catch::Contains("malformed"));
 }
 
-TEST_CASE("--save-retain-interval: the previous checkpoint goes unless retained", "[progress][retain]") {
+TEST_CASE("checkpoint retention: the previous checkpoint goes unless retained", "[progress][retain]") {
   TempDir tmp;
   const std::string dir = tmp.path();
   make_checkpoints(dir, {5, 10, 15, 20}, 20);
