@@ -203,7 +203,9 @@ int64_t Trainer::train() {
   if (energy_joules) energy_read_ = energy_joules();
   energy_outside_ = 0;
   energy_run_start_ = energy_interval_start_ = training_energy();
-  energy_run_start_time_ = Clock::now();
+  const size_t warmup = static_cast<size_t>(std::max(0, cfg_.logging.benchmark_warmup_iters));
+  energy_after_warmup_.reset();
+  if (energy_joules && warmup == 0) energy_after_warmup_ = {training_energy(), Clock::now()};
   bool first = true;
   while (iteration_ < t.total_iters) {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
@@ -219,9 +221,11 @@ int64_t Trainer::train() {
     const auto step_start = Clock::now();
     const StepOutcome o = train_step();  // ends with the step's one readback, so the time is complete
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
-    if (energy_joules) {  // one read per step: the counter after it
+    // One energy read where the summary's steps begin (an NVML read takes milliseconds while the
+    // GPU idles, so the counter is read there, at log lines, around pauses and at the end only).
+    if (energy_joules && step_seconds_.size() == warmup) {
       energy_read_ = energy_joules();
-      step_energy_.push_back({training_energy(), Clock::now()});
+      energy_after_warmup_ = {training_energy(), Clock::now()};
     }
     ++iteration_;
     consumed_samples_ += B;
@@ -250,7 +254,11 @@ int64_t Trainer::train() {
       break;
     }
   }
-  if (energy_joules) report_total_energy();
+  if (energy_joules) {
+    energy_read_ = energy_joules();
+    energy_at_end_ = {training_energy(), Clock::now()};
+    report_total_energy();
+  }
   print_summary();
   return iteration_;
 }
@@ -293,6 +301,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   if (cfg_.logging.log_throughput && flops_per_iteration && per_iter_s > 0)
     s.tflops_per_gpu = flops_per_iteration() / (per_iter_s * 1e12 * ps_.world_size);
   if (energy_joules && interval_end) {
+    energy_read_ = energy_joules();
     const double lap = training_energy() - energy_interval_start_;  // this rank's, J
     const double all = all_reduce_scalar(ps_, model_, kEnergySlot, lap, ReduceOp::sum);
     s.energy_per_gpu_j = all / static_cast<double>(iters) / ps_.world_size;
@@ -395,13 +404,11 @@ void Trainer::print_summary() const {
     line += fmt::format(" | TFLOP/s/GPU: {:.1f}", tflops);
     if (cfg_.train.device == DeviceKind::gpu) line += fmt::format(" | MFU: {:.1f}%", tflops / 989.0 * 100.0);
   }
-  if (step_energy_.size() == step_seconds_.size()) {
-    // This (the last) rank's GPU over the same steps, between the counter reads after the last
-    // warm-up step and after the last step (the watts over the wall time between those reads).
-    const auto& [e0, t0] = skip > 0 ? step_energy_[static_cast<size_t>(skip) - 1]
-                                    : std::pair<double, Clock::time_point>{energy_run_start_, energy_run_start_time_};
-    const double joules = step_energy_.back().first - e0;
-    const double wall = std::chrono::duration<double>(step_energy_.back().second - t0).count();
+  if (energy_after_warmup_ && energy_at_end_) {
+    // This (the last) rank's GPU from the counter read after the warm-up steps to the one after
+    // the last step: joules per step, and watts over the wall time between those reads.
+    const double joules = energy_at_end_->first - energy_after_warmup_->first;
+    const double wall = std::chrono::duration<double>(energy_at_end_->second - energy_after_warmup_->second).count();
     line += fmt::format(" | GPU energy (this GPU): {:.1f} J/iteration, {:.1f} W, {:.4f} J/token", joules / steps,
                         wall > 0 ? joules / wall : 0.0, joules / steps / (tokens / ps_.world_size));
   }

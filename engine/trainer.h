@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,9 +49,9 @@ class Trainer {
   // --exit-signal-handler), before returning: Megatron saves a checkpoint there.
   std::function<void(int64_t iteration)> before_early_exit;
   // --log-energy: this rank's GPU energy counter in joules (app/energy_meter.h). Read at the
-  // start, after every step and around evaluations and outside_interval calls (their energy is
-  // left out, as their time is); each log line's figure is summed over the ranks (one small
-  // collective).
+  // start, at log lines, after the summary's warm-up steps, around evaluations and
+  // outside_interval calls (their energy is left out, as their time is) and at the end; each log
+  // line's figure is summed over the ranks (one small collective).
   std::function<double()> energy_joules;
   // Runs f (a checkpoint save) outside the log interval's time and energy, as Megatron stops its
   // interval timer and energy monitor around evaluations and saves (evaluations: done here).
@@ -129,8 +130,8 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
-  // training_energy() after each train_step and when it was read (--log-energy).
-  std::vector<std::pair<double, Clock::time_point>> step_energy_;
+  // training_energy() and when it was read, after the warm-up steps and at the end (--log-energy).
+  std::optional<std::pair<double, Clock::time_point>> energy_after_warmup_, energy_at_end_;
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
@@ -141,7 +142,6 @@ class Trainer {
   // --log-energy, J, this rank: the last counter read, the energy left out so far, and the
   // training energy where the run and the log interval began.
   double energy_read_ = 0, energy_outside_ = 0, energy_run_start_ = 0, energy_interval_start_ = 0;
-  Clock::time_point energy_run_start_time_;
   PhaseTimers timers_;
   void* timer_buffer_ = nullptr;  // device buffer of the timers' cross-rank reduction (level >= 1)
   size_t timer_buffer_elems_ = 0;
