@@ -205,7 +205,8 @@ std::vector<double> train_losses(Config cfg, DType grad) {
 }  // namespace
 
 TEST_CASE("bf16 gradients: tiny GPT and Llama train with them close to float32 gradients", "[train][bf16-grads]") {
-  for (const Config& c : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+  for (test::ConfigMaker make : test::kTinyModels) {
+    const Config c = make();
     const std::vector<double> f32 = train_losses(c, DType::f32), bf16 = train_losses(c, DType::bf16);
     REQUIRE(f32.size() == 40);
     REQUIRE(bf16.size() == 40);

@@ -60,6 +60,12 @@ inline Config tiny_llama_config() {
   return c;
 }
 
+// Both tiny models, for tests that run each: a Config is made in place by its function, because
+// copying Configs out of an initializer list trips GCC 12's -Wmaybe-uninitialized on their
+// std::optional members (a false positive).
+using ConfigMaker = Config (*)();
+inline constexpr ConfigMaker kTinyModels[] = {&tiny_gpt_config, &tiny_llama_config};
+
 // Mock data (NullTokenizer, EOD = the last token) for a tiny model: sequences of 16, two
 // micro-batches of 2 per step, lr 1e-2 decaying (cosine) to 1e-3, a log line every 10 iterations.
 // Callers set the iterations and the rest, then derive().

@@ -132,7 +132,8 @@ void check_fp8_weights_are_master_casts(GptModel& m, Backend& be) {
 }  // namespace
 
 TEST_CASE("fp8 param gather: the FP8 weights are the master weights cast with their scales", "[fp8][engine][train]") {
-  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+  for (test::ConfigMaker make : test::kTinyModels) {
+    const Config model_cfg = make();
     INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
     const Config c = fp8_config(model_cfg, true);
     const Trained with = train(c, [&](GptModel& m, Backend& be) {
@@ -191,7 +192,8 @@ void check_weight_scales_are_current(GptModel& m, Backend& be) {
 
 TEST_CASE("fp8 param gather with tensorwise scaling: current weight scales, the same training as without the flag",
           "[fp8][engine][train]") {
-  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+  for (test::ConfigMaker make : test::kTinyModels) {
+    const Config model_cfg = make();
     INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
     const Trained with = train(fp8_config(model_cfg, true, Fp8Recipe::tensorwise), [&](GptModel& m, Backend& be) {
       REQUIRE(m.fp8_params());
@@ -208,7 +210,8 @@ TEST_CASE("fp8 param gather with tensorwise scaling: current weight scales, the 
 }
 
 TEST_CASE("fp8 param gather: bf16 memory plan holds 2 bytes less per FP8 weight", "[fp8][engine]") {
-  for (const Config& model_cfg : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+  for (test::ConfigMaker make : test::kTinyModels) {
+    const Config model_cfg = make();
     INFO((model_cfg.model.swiglu ? "Llama" : "GPT"));
     ParallelState ps = make_single_process_state();
     const Config with_cfg = fp8_config(model_cfg, true), without_cfg = fp8_config(model_cfg, false);

@@ -196,7 +196,8 @@ TEST_CASE("weight gradients left to the step's first GEMM equal zeroed and accum
   // Tied GPT (the embedding gradient gets the head's GEMM and the scatter: zeroed) and untied
   // Llama (the output layer's gradient is written by its first chunk's GEMM); two micro-batches,
   // so the second backward adds; the output layer in chunks of 4 rows.
-  for (const Config& c : {test::tiny_gpt_config(), test::tiny_llama_config()}) {
+  for (test::ConfigMaker make : test::kTinyModels) {
+    const Config c = make();
     Harness first(c, 4, true), zeroed(c, 4, false);
     // What zero_grads leaves alone holds junk (another step's numbers, or a checkpoint read).
     first.be->fill(first.model->grads_flat(), std::nan(""));
