@@ -47,7 +47,7 @@ std::map<int64_t, double> losses(const std::string& jsonl) {
 
 }  // namespace
 
-TEST_CASE("binary: --save-retain-interval keeps multiples and the latest; --log-progress records it", "[ckpt-train][binary][retain]") {
+TEST_CASE("binary: --save-retain-interval keeps multiples and the latest, --log-progress records it", "[ckpt-train][binary][retain]") {
   TempDir dir;
   const std::string save = dir / "ck";
   const std::string run = kGpt + " --save " + save + " --save-interval 2 --save-retain-interval 6 --log-progress";

@@ -47,7 +47,7 @@ TEST_CASE("binary: a valid command line trains on the CPU reference backend and 
   CHECK_THAT(r.out, Contains("iteration        1/      10"));  // the first iteration's line (--log-interval 100)
 }
 
-TEST_CASE("binary: --dry-run prints the plan; --json prints one JSON object", "[cli][binary]") {
+TEST_CASE("binary: --dry-run prints the plan, --json prints one JSON object", "[cli][binary]") {
   const RunResult t = run_binary(small_gpt() + words("--dry-run --world-size 2 --use-mcore-models"));
   CHECK(t.exit_code == 0);
   CHECK_THAT(t.out, Contains("== rank layout"));

@@ -67,7 +67,7 @@ TEST_CASE("derive: padded vocabulary (multiple of make-vocab-size-divisible-by x
   CHECK(parse(small_gpt() + words("--null-tokenizer-eod-id 5")).data.eod_id == 5);
 }
 
-TEST_CASE("derive: GPT-2 BPE is the default tokenizer; its vocabulary comes from --vocab-file", "[cli][derive]") {
+TEST_CASE("derive: GPT-2 BPE is the default tokenizer, its vocabulary comes from --vocab-file", "[cli][derive]") {
   MT_REQUIRE_SHARED_DATA(dir);
   Args a;
   const Args base = small_gpt();
@@ -115,7 +115,7 @@ TEST_CASE("derive: Hugging Face tokenizer vocabulary (model vocabulary + added t
   CHECK_THAT(parse_error(a + words("--tokenizer-type HuggingFaceTokenizer")), Contains("needs --tokenizer-model"));
 }
 
-TEST_CASE("derive: train iterations from samples; LR/WD horizons in samples", "[cli][derive]") {
+TEST_CASE("derive: train iterations from samples, LR/WD horizons in samples", "[cli][derive]") {
   Args no_len;
   for (const auto& a : small_gpt())
     if (a != "--train-iters" && a != "10") no_len.push_back(a);

@@ -64,7 +64,7 @@ TEST_CASE("choices are checked and named", "[cli]") {
              Contains("--normalization must be one of LayerNorm, RMSNorm; got 'rmsnorm'"));
 }
 
-TEST_CASE("unknown flags name the closest known flag; no prefix abbreviations", "[cli]") {
+TEST_CASE("unknown flags name the closest known flag, no prefix abbreviations", "[cli]") {
   CHECK_THAT(parse_error(small_gpt() + words("--num-layer 4")),
              Contains("unrecognized argument --num-layer (did you mean --num-layers?)"));
   CHECK_THAT(parse_error(small_gpt() + words("--hidden 4")), Contains("unrecognized argument --hidden"));

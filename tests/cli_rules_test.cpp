@@ -118,7 +118,7 @@ TEST_CASE("rule: --lr-warmup-fraction excludes --lr-warmup-iters/--lr-warmup-sam
              Contains("can only specify one of --lr-warmup-fraction and --lr-warmup-samples"));
 }
 
-TEST_CASE("rule: warmup shorter than decay; WSD needs its decay length", "[cli][rules]") {
+TEST_CASE("rule: warmup shorter than decay, WSD needs its decay length", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--lr-warmup-iters 10")),
              Contains("must be shorter than the decay horizon"));
   CHECK_THAT(parse_error(small_gpt() + words("--lr-decay-style WSD")), Contains("--lr-decay-style WSD needs --lr-wsd-decay-iters"));
@@ -209,7 +209,7 @@ TEST_CASE("rule: overlap-param-gather needs the distributed optimizer and overla
              Contains("--overlap-param-gather needs --overlap-grad-reduce"));
 }
 
-TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism; SP is switched off at TP 1", "[cli][rules]") {
+TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism, SP is switched off at TP 1", "[cli][rules]") {
   std::vector<SetupMessage> ms;
   CHECK(parse(small_gpt() + words("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"), 2, &ms)
             .parallel.tp_comm_overlap);

@@ -105,7 +105,7 @@ TEST_CASE("a worked example with DP = 3: alignment, padding and shard segments",
   check_plan_invariants(plan, params);
 }
 
-TEST_CASE("buckets close at the bucket size; invariants hold for DP 1, 2, 3, 5, 8", "[grad_buckets]") {
+TEST_CASE("buckets close at the bucket size, invariants hold for DP 1, 2, 3, 5, 8", "[grad_buckets]") {
   const auto params = make_params({1000, 300, 700, 64, 1, 2500, 129, 900, 33, 4000});
   for (int dp : {1, 2, 3, 5, 8}) {
     INFO("DP " << dp);

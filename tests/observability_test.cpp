@@ -278,7 +278,7 @@ TEST_CASE("TensorBoard records match the golden bytes", "[obs][tensorboard]") {
   CHECK(hex(frame_tfrecord(sc)) == "1d00000000000000602fdf23" + hex(sc) + "e4a3c727");
 }
 
-TEST_CASE("TensorBoard reporter writes Megatron's tags; our decoder and TensorBoard read them back", "[obs][tensorboard]") {
+TEST_CASE("TensorBoard reporter writes Megatron's tags, our decoder and TensorBoard read them back", "[obs][tensorboard]") {
   TempDir dir;
   LoggingConfig cfg = tb_config(dir / "tb");
   cfg.log_timers_to_tensorboard = true;

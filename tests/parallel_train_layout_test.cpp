@@ -56,7 +56,7 @@ TEST_CASE("grad layout: buckets in backward order, every parameter placed once, 
   CHECK(L.state_numel == total);
 }
 
-TEST_CASE("grad layout: TP-partial gradients of a layer form one range; tied copies get their own bucket",
+TEST_CASE("grad layout: TP-partial gradients of a layer form one range, tied copies get their own bucket",
           "[parallel-train]") {
   Config c = test::tiny_llama_config();
   c.model.qk_layernorm = true;

@@ -103,7 +103,7 @@ TEST_CASE("layout-independent init: TP=2 shards equal slices of the TP=1 model",
   }
 }
 
-TEST_CASE("TP shards: QKV by whole groups, SwiGLU fc1 as [gate shard; up shard], duplicated flags", "[params]") {
+TEST_CASE("TP shards: QKV by whole groups, SwiGLU fc1 as [gate shard, up shard], duplicated flags", "[params]") {
   Config c = test::tiny_llama_config();  // 4 heads, 2 groups, d 8, ffn 48
   ParallelState ps = tp_state(2, 1);
   const auto descs = build_param_descs(ModelDims::from_config(c, ps), nullptr);

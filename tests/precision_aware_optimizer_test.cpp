@@ -252,7 +252,7 @@ Config moments_config(bool bf16) {
 
 }  // namespace
 
-TEST_CASE("precision-aware optimizer: bf16 moments resume bit-exactly; float32 ones load into them rounded",
+TEST_CASE("precision-aware optimizer: bf16 moments resume bit-exactly, float32 ones load into them rounded",
           "[ckpt-train][precision-aware]") {
   mt_test::TempDir dir;
   const Config bf16 = moments_config(true);
