@@ -35,6 +35,23 @@ Config mock_config(Config c) {
   return c;
 }
 
+// A tiny model initialized on the reference backend, its mock data, and a trainer over them that
+// reports to `reporter`.
+struct Rig {
+  ParallelState ps = make_single_process_state();
+  std::unique_ptr<Backend> be = make_reference_backend(2);
+  ModelDims dims;
+  std::unique_ptr<GptModel> model;
+  TrainingData data;
+  std::unique_ptr<Trainer> trainer;
+  Rig(const Config& cfg, Reporter& reporter) : dims(ModelDims::from_config(cfg, ps)) {
+    model = std::make_unique<GptModel>(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+    model->init_parameters();
+    data = build_training_data(cfg, 0, 1, 0);
+    trainer = std::make_unique<Trainer>(cfg, ps, *model, *data.train, data.valid.get(), reporter);
+  }
+};
+
 struct Run {
   std::vector<double> losses;
   CapturingReporter reporter;
@@ -42,15 +59,9 @@ struct Run {
 
 std::unique_ptr<Run> train(const Config& cfg) {
   auto run = std::make_unique<Run>();
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(2);
-  const ModelDims dims = ModelDims::from_config(cfg, ps);
-  GptModel model(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
-  model.init_parameters();
-  TrainingData data = build_training_data(cfg, 0, 1, 0);
-  Trainer trainer(cfg, ps, model, *data.train, data.valid.get(), run->reporter);
-  trainer.train();
-  run->losses = trainer.loss_history();
+  Rig rig(cfg, run->reporter);
+  rig.trainer->train();
+  run->losses = rig.trainer->loss_history();
   return run;
 }
 
@@ -99,14 +110,9 @@ TEST_CASE("energy logging: J/iter/GPU and W/GPU per log interval, evaluations an
   c.logging.log_interval = 5;
   c.logging.log_energy = true;
   test::derive(c);
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(2);
-  const ModelDims dims = ModelDims::from_config(c, ps);
-  GptModel model(dims, ModelOptions::from_config(c, dims, DType::f32), ps, *be);
-  model.init_parameters();
-  TrainingData data = build_training_data(c, 0, 1, 0);
   CapturingReporter reporter;
-  Trainer trainer(c, ps, model, *data.train, data.valid.get(), reporter);
+  Rig rig(c, reporter);
+  Trainer& trainer = *rig.trainer;
   int hooks = 0;
   trainer.after_iteration = [&](int64_t) {
     trainer.outside_interval([&] { ++hooks; });
@@ -130,8 +136,8 @@ TEST_CASE("energy logging: J/iter/GPU and W/GPU per log interval, evaluations an
   }
   // Without a counter the fields stay empty.
   CapturingReporter plain;
-  Trainer quiet(c, ps, model, *data.train, data.valid.get(), plain);
-  quiet.train();
+  Rig quiet(c, plain);
+  quiet.trainer->train();
   REQUIRE_FALSE(plain.iterations.empty());
   CHECK_FALSE(plain.iterations.back().energy_per_gpu_j.has_value());
 }
