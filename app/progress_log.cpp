@@ -36,6 +36,18 @@ std::string field_value(const std::vector<std::string>& tokens, size_t i, const 
   return end == std::string::npos ? v : v.substr(0, end);
 }
 
+// A numeric field's value; throws mt::Error naming the file when it is not a number.
+double number_field(const std::vector<std::string>& tokens, size_t i, const std::string& path) {
+  const std::string v = field_value(tokens, i, path);
+  try {
+    size_t used = 0;
+    const double d = std::stod(v, &used);
+    if (used == v.size()) return d;
+  } catch (const std::exception&) {
+  }
+  fail("{}: field '{}' is not a number", path, tokens[i]);
+}
+
 std::chrono::system_clock::time_point parse_timestamp(const std::string& s, const std::string& path) {
   std::tm tm{};
   const char* end = ::strptime(s.c_str(), "%Y-%m-%d %H:%M:%S", &tm);
@@ -66,10 +78,10 @@ ProgressStart progress_start(const std::string& text, int world_size, const std:
     if (line.empty()) continue;
     const std::vector<std::string> t = split_tabs(line);
     if (t.size() < 4) fail("{}: malformed line '{}' (expected timestamp, job ID, # GPUs, message)", path, line);
-    const int gpus = std::stoi(field_value(t, 2, path));
+    const int gpus = static_cast<int>(number_field(t, 2, path));
     const std::string& message = t[3];
-    if (message == "Saved checkpoint") latest = std::stod(field_value(t, 7, path));
-    if (message == "Saving async checkpoint") async_flops = std::stod(field_value(t, 7, path));
+    if (message == "Saved checkpoint") latest = number_field(t, 7, path);
+    if (message == "Saving async checkpoint") async_flops = number_field(t, 7, path);
     if (message == "Saved async checkpoint" && async_flops >= 0) {
       latest = async_flops;
       async_flops = -1;
@@ -113,9 +125,16 @@ void ProgressLog::checkpoint_saved(int64_t iteration, double flops_so_far, doubl
   const TimePoint now = now_();
   const double job_s = std::chrono::duration<double>(now - process_start_).count();
   const double job = job_s > 0 ? (flops_so_far - flops_at_start_) / (job_s * 1e12 * world_size_) : 0.0;
-  const ProgressStart start = progress_start(read_text_file(path_), world_size_, path_);
-  const double cumulative_s = std::chrono::duration<double>(now - parse_timestamp(start.timestamp, path_)).count();
-  const double cumulative = cumulative_s > 0 ? (flops_so_far - start.flops) / (cumulative_s * 1e12 * world_size_) : 0.0;
+  // Megatron asserts on a file it cannot read back; the checkpoint is committed by now, so
+  // megatrain warns and counts the cumulative throughput from this job's start instead.
+  double cumulative = job;
+  try {
+    const ProgressStart start = progress_start(read_text_file(path_), world_size_, path_);
+    const double cumulative_s = std::chrono::duration<double>(now - parse_timestamp(start.timestamp, path_)).count();
+    if (cumulative_s > 0) cumulative = (flops_so_far - start.flops) / (cumulative_s * 1e12 * world_size_);
+  } catch (const Error& e) {
+    log::warn("--log-progress: {}; the cumulative throughput of this line counts from this job's start", e.what());
+  }
   append(fmt::format("{}\tIteration: {}\tJob throughput: {:.1f} TFLOP/s/GPU\tCumulative throughput: {:.1f} TFLOP/s/GPU"
                      "\tFloating-point operations: {:.2e}\tTokens (in billions): {:.2f}",
                      async ? "Saving async checkpoint" : "Saved checkpoint", iteration, job, cumulative, flops_so_far,

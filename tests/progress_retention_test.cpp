@@ -85,6 +85,22 @@ TEST_CASE("progress.txt: Megatron's lines, job and cumulative throughput", "[pro
                                  "Iteration: 25"});
 }
 
+TEST_CASE("progress.txt: a file that lost its Starting job line still gets the save's line", "[progress]") {
+  TempDir tmp;
+  ProgressLog log(tmp.path(), true, 0, 1, "");
+  log.job_started();
+  std::ofstream(tmp / "progress.txt") << "edited by hand\n";  // no "Starting job" any more
+  log.checkpoint_saved(3, 1e12, 1e6, false);
+  const auto lines = lines_of(tmp / "progress.txt");
+  REQUIRE(lines.size() == 2);
+  const auto f = tabs(lines[1]);
+  REQUIRE(f.size() == 9);
+  CHECK(f[3] == "Saved checkpoint");
+  // The cumulative throughput falls back to this job's.
+  CHECK(f[5].substr(std::string("Job throughput: ").size()) ==
+        f[6].substr(std::string("Cumulative throughput: ").size()));
+}
+
 TEST_CASE("progress.txt: async saves, other ranks and no --save write nothing extra", "[progress]") {
   TempDir tmp;
   ProgressLog log(tmp.path(), true, 0, 2, "");
@@ -145,6 +161,8 @@ TEST_CASE("progress.txt: where cumulative throughput starts (Megatron's search)"
   CHECK_THROWS_WITH(progress_start(text, 4, "/x/progress.txt"),
                     Catch::Contains("/x/progress.txt") && Catch::Contains("'Starting job' entry with same world_size"));
   CHECK_THROWS_WITH(progress_start("garbage\n", 4, "p"), Catch::Contains("malformed"));
+  CHECK_THROWS_WITH(progress_start("2026-01-01 00:00:00\tJob ID: \t# GPUs: x\tStarting job\n", 4, "p"),
+                    Catch::Contains("field '# GPUs: x' is not a number"));
 }
 
 TEST_CASE("checkpoint retention: the previous checkpoint goes unless retained", "[progress][retain]") {
