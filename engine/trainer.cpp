@@ -205,7 +205,7 @@ int64_t Trainer::train() {
   energy_run_start_ = energy_interval_start_ = training_energy();
   const size_t warmup = static_cast<size_t>(std::max(0, cfg_.logging.benchmark_warmup_iters));
   energy_after_warmup_.reset();
-  if (energy_joules && warmup == 0) energy_after_warmup_ = {training_energy(), Clock::now()};
+  if (energy_joules && warmup == 0) energy_after_warmup_ = energy_mark();
   bool first = true;
   while (iteration_ < t.total_iters) {
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
@@ -225,7 +225,7 @@ int64_t Trainer::train() {
     // GPU idles, so the counter is read there, at log lines, around pauses and at the end only).
     if (energy_joules && step_seconds_.size() == warmup) {
       energy_read_ = energy_joules();
-      energy_after_warmup_ = {training_energy(), Clock::now()};
+      energy_after_warmup_ = energy_mark();
     }
     ++iteration_;
     consumed_samples_ += B;
@@ -256,7 +256,7 @@ int64_t Trainer::train() {
   }
   if (energy_joules) {
     energy_read_ = energy_joules();
-    energy_at_end_ = {training_energy(), Clock::now()};
+    energy_at_end_ = energy_mark();
     report_total_energy();
   }
   print_summary();
@@ -267,7 +267,9 @@ void Trainer::outside_interval(const std::function<void()>& f) {
   const auto t0 = Clock::now();
   const double e0 = energy_joules ? energy_joules() : 0.0;
   f();
-  interval_paused_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  interval_paused_s_ += s;
+  outside_s_ += s;
   if (energy_joules) {
     energy_read_ = energy_joules();
     energy_outside_ += energy_read_ - e0;
@@ -406,9 +408,11 @@ void Trainer::print_summary() const {
   }
   if (energy_after_warmup_ && energy_at_end_) {
     // This (the last) rank's GPU from the counter read after the warm-up steps to the one after
-    // the last step: joules per step, and watts over the wall time between those reads.
-    const double joules = energy_at_end_->first - energy_after_warmup_->first;
-    const double wall = std::chrono::duration<double>(energy_at_end_->second - energy_after_warmup_->second).count();
+    // the last step: joules per step, and watts over the wall time between those reads without
+    // the evaluations and saves (whose energy is left out too).
+    const EnergyMark &a = *energy_after_warmup_, &b = *energy_at_end_;
+    const double joules = b.joules - a.joules;
+    const double wall = std::chrono::duration<double>(b.at - a.at).count() - (b.outside_s - a.outside_s);
     line += fmt::format(" | GPU energy (this GPU): {:.1f} J/iteration, {:.1f} W, {:.4f} J/token", joules / steps,
                         wall > 0 ? joules / wall : 0.0, joules / steps / (tokens / ps_.world_size));
   }

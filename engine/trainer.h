@@ -130,8 +130,16 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
-  // training_energy() and when it was read, after the warm-up steps and at the end (--log-energy).
-  std::optional<std::pair<double, Clock::time_point>> energy_after_warmup_, energy_at_end_;
+  // training_energy(), when it was read and the seconds outside_interval had taken by then,
+  // after the warm-up steps and at the end (--log-energy): the summary's energy figures.
+  struct EnergyMark {
+    double joules = 0;
+    Clock::time_point at;
+    double outside_s = 0;
+  };
+  EnergyMark energy_mark() const { return {training_energy(), Clock::now(), outside_s_}; }
+  std::optional<EnergyMark> energy_after_warmup_, energy_at_end_;
+  double outside_s_ = 0;  // seconds spent in outside_interval so far
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
