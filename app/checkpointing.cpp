@@ -275,7 +275,6 @@ void TrainingCheckpoints::save(Trainer& trainer) {
                              static_cast<double>(trainer.consumed_samples()) * cfg_.model.seq_length, k.async_save);
 }
 
-
 void TrainingCheckpoints::commit_pending(bool wait) {
   // Every rank starts its saves at the same iterations, so "pending" agrees across ranks and the
   // collective calls below are made by all or none.
