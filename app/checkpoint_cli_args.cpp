@@ -117,10 +117,24 @@ void apply_checkpoint_args(CliState& st) {
   if (load.empty() && pretrained.empty()) fail("--use-checkpoint-args requires --load or --pretrained-checkpoint argument");
   std::optional<int64_t> step;
   if (st.has("--ckpt-step")) step = parse_int64_arg("--ckpt-step", raw_value(st, "--ckpt-step"));
-  // The directory the run will load from: --load, or the pretrained one when --load has none.
-  const bool from_load = !load.empty() && path_exists(checkpoint_tracker_path(load));
-  const std::string dir = from_load || pretrained.empty() ? load : pretrained;
-  const std::optional<CheckpointLocation> loc = locate_checkpoint(dir, step);
+  // The checkpoint the run will load (checkpoint_to_load): a newer non-persistent one, --load's,
+  // or the pretrained one when --load has none.
+  std::optional<CheckpointLocation> loc;
+  const std::string np_global = raw_value(st, "--non-persistent-global-ckpt-dir");
+  if (raw_value(st, "--non-persistent-ckpt-type") == "global" && !step) {
+    const std::string np_dir = non_persistent_directory(
+        np_global.empty() ? std::nullopt : std::optional<std::string>(np_global),
+        load.empty() ? std::nullopt : std::optional<std::string>(load));
+    std::optional<int64_t> persistent;
+    if (!load.empty())
+      if (const auto t = read_checkpoint_tracker(load)) persistent = t->iteration;
+    if (!np_dir.empty()) loc = newer_non_persistent(np_dir, persistent, /*report=*/false);
+  }
+  if (!loc) {
+    const bool from_load = !load.empty() && path_exists(checkpoint_tracker_path(load));
+    const std::string dir = from_load || pretrained.empty() ? load : pretrained;
+    loc = locate_checkpoint(dir, step);
+  }
   if (!loc) {
     st.info("Checkpoint not found to provide arguments, using provided arguments.");
     return;

@@ -76,7 +76,11 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       progress_(cfg.checkpoint.save, cfg.logging.log_progress, ps.rank, ps.world_size,
                 std::getenv("SLURM_JOB_ID") ? std::getenv("SLURM_JOB_ID") : ""),
       retention_(cfg.checkpoint.save.value_or(""), cfg.checkpoint.save_retain_interval, ps.rank,
-                 [this](int64_t it) { progress_.checkpoint_deleted(it); }) {
+                 [this](int64_t it) { progress_.checkpoint_deleted(it); }),
+      non_persistent_dir_(cfg.checkpoint.save && cfg.checkpoint.non_persistent_ckpt_type == "global"
+                              ? non_persistent_directory(cfg.checkpoint.non_persistent_global_ckpt_dir, cfg.checkpoint.save)
+                              : std::string()),
+      non_persistent_cleanup_(non_persistent_dir_, ps.rank) {
   // Megatron appends this once initialized, before loading a checkpoint.
   progress_.job_started();
   if (!cfg.checkpoint.save) return;
@@ -211,10 +215,10 @@ void TrainingCheckpoints::stage_fp8_params(CheckpointWriter& w, GptModel& m, Sta
   }
 }
 
-std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
+std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer, const std::string& dir) {
   const CheckpointConfig& k = cfg_.checkpoint;
   const Trainer::Counters c = trainer.counters();
-  auto w = std::make_unique<CheckpointWriter>(*k.save, c.iteration, ps_.rank, ps_.world_size);
+  auto w = std::make_unique<CheckpointWriter>(dir, c.iteration, ps_.rank, ps_.world_size);
   const bool optim = !k.no_save_optim;
   trainer.optimizer().wait_for_params();  // overlapped parameter gathers
   for (size_t i = 0; i < chunks_.size(); ++i) stage_chunk(*w, *chunks_[i], staging_[i], optim);
@@ -243,43 +247,54 @@ std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer) {
   return w;
 }
 
-void TrainingCheckpoints::save(Trainer& trainer) {
+void TrainingCheckpoints::save(Trainer& trainer, bool non_persistent) {
   const CheckpointConfig& k = cfg_.checkpoint;
   MT_CHECK(k.save.has_value(), "save without --save");
+  MT_CHECK(!non_persistent || !non_persistent_dir_.empty(), "non-persistent save without --non-persistent-ckpt-type global");
+  const std::string& dir = non_persistent ? non_persistent_dir_ : *k.save;
   // The staging buffers still feed the previous background write until it is committed.
   commit_pending(/*wait=*/true);
   const int64_t it = trainer.iteration();
-  log::info("saving checkpoint at iteration {:7d} to {} in megatrain format", it, *k.save);
+  log::info("saving checkpoint at iteration {:7d} to {} in megatrain format", it, dir);
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string before = tracker_text(*k.save);
-  const std::optional<int64_t> previous = tracked_iteration(*k.save);
+  const std::string before = tracker_text(dir);
+  const std::optional<int64_t> previous = tracked_iteration(dir);
   try {
     if (k.async_save) {
-      async_.start(stage(trainer), group_);
+      async_.start(stage(trainer, dir), group_);
       pending_iteration_ = it;
+      pending_non_persistent_ = non_persistent;
       pending_previous_ = previous;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       log::info("  scheduled an asynchronous save of iteration {:7d} (training paused {:.1f} ms)", it, ms);
     } else {
-      stage(trainer)->save(group_);
-      log::info("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]", it, *k.save,
+      stage(trainer, dir)->save(group_);
+      log::info("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]", it, dir,
                 ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
-      retention_.committed(previous, it);
+      committed(it, non_persistent, previous);
     }
   } catch (const Error& e) {
-    fail("saving the checkpoint of iteration {} to {} failed: {} ({} remains the latest, unchanged)", it, *k.save,
+    fail("saving the checkpoint of iteration {} to {} failed: {} ({} remains the latest, unchanged)", it, dir,
          e.what(), before);
   }
   last_saved_ = it;
-  progress_.checkpoint_saved(it, flops_so_far(it),
-                             static_cast<double>(trainer.consumed_samples()) * cfg_.model.seq_length, k.async_save);
+  // (Megatron's progress log leaves non-persistent saves out.)
+  if (!non_persistent)
+    progress_.checkpoint_saved(it, flops_so_far(it),
+                               static_cast<double>(trainer.consumed_samples()) * cfg_.model.seq_length, k.async_save);
+}
+
+// After the tracker names `it`: the deletions that follow a commit (app/checkpoint_retention.h).
+void TrainingCheckpoints::committed(int64_t it, bool non_persistent, std::optional<int64_t> previous) {
+  if (non_persistent) return non_persistent_cleanup_.committed(it);
+  retention_.committed(previous, it);
 }
 
 void TrainingCheckpoints::commit_pending(bool wait) {
   // Every rank starts its saves at the same iterations, so "pending" agrees across ranks and the
   // collective calls below are made by all or none.
   if (!async_.pending()) return;
-  const std::string& dir = *cfg_.checkpoint.save;
+  const std::string& dir = pending_non_persistent_ ? non_persistent_dir_ : *cfg_.checkpoint.save;
   const std::string before = tracker_text(dir);
   try {
     if (wait) async_.finalize(group_);
@@ -290,8 +305,8 @@ void TrainingCheckpoints::commit_pending(bool wait) {
   }
   log::info("  successfully saved checkpoint from iteration {:7d} to {} (asynchronously) [ t {}/{}, p {}/{} ]",
             pending_iteration_, dir, ps_.tp_rank + 1, ps_.tp_size, ps_.pp_rank + 1, ps_.pp_size);
-  progress_.async_checkpoint_committed(pending_iteration_);
-  retention_.committed(pending_previous_, pending_iteration_);
+  if (!pending_non_persistent_) progress_.async_checkpoint_committed(pending_iteration_);
+  committed(pending_iteration_, pending_non_persistent_, pending_previous_);
 }
 
 void TrainingCheckpoints::poll() { commit_pending(/*wait=*/false); }
@@ -299,6 +314,7 @@ void TrainingCheckpoints::poll() { commit_pending(/*wait=*/false); }
 void TrainingCheckpoints::finish() {
   commit_pending(/*wait=*/true);
   retention_.wait();
+  non_persistent_cleanup_.wait();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,6 +25,9 @@
 //   --no-load-optim no optimizer, scheduler or loss-scaler state (master weights re-copied from
 //                   the model weights); iteration and consumed samples are restored
 //   --no-load-rng   dropout restarts from the seed (serial 0)
+// With --non-persistent-ckpt-type global, a non-persistent checkpoint at least as new as --load's
+// is loaded instead, as a resume (checkpoint_to_load); saves every --non-persistent-save-interval
+// iterations go there (app/checkpoint_retention.h keeps only the newest).
 #pragma once
 
 #include <chrono>
@@ -86,9 +89,10 @@ class TrainingCheckpoints {
   // FLOPs of one iteration, for num_floating_point_operations_so_far.
   void set_flops_per_iteration(double f) { flops_per_iteration_ = f; }
 
-  // Saves the trainer's current iteration into --save: synchronously, or with --async-save by
-  // copying the shards into the staging buffers and writing them on a background thread.
-  void save(Trainer& trainer);
+  // Saves the trainer's current iteration into --save (non_persistent: into the non-persistent
+  // directory, where older ones are then deleted): synchronously, or with --async-save by copying
+  // the shards into the staging buffers and writing them on a background thread.
+  void save(Trainer& trainer, bool non_persistent = false);
   // Once per iteration with --async-save: commits a background save that has finished
   // (collective; a no-op otherwise).
   void poll();
@@ -111,7 +115,8 @@ class TrainingCheckpoints {
   bool owns(const ParamDesc& p) const;
   // Commits a finished (wait: or waits for the) background save, naming its iteration.
   void commit_pending(bool wait);
-  std::unique_ptr<CheckpointWriter> stage(Trainer& trainer);
+  void committed(int64_t iteration, bool non_persistent, std::optional<int64_t> previous);
+  std::unique_ptr<CheckpointWriter> stage(Trainer& trainer, const std::string& dir);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
   void override_iteration(ResumePoint& r, const RunState& rs, const std::string& manifest) const;
@@ -143,6 +148,7 @@ class TrainingCheckpoints {
   double start_flops_ = 0;
   std::optional<int64_t> last_saved_;
   int64_t pending_iteration_ = 0;  // of the background save in flight
+  bool pending_non_persistent_ = false;
   std::optional<int64_t> pending_previous_;  // what the tracker named when that save began
   // num_floating_point_operations_so_far at `iteration` of this run.
   double flops_so_far(int64_t iteration) const {
@@ -150,6 +156,8 @@ class TrainingCheckpoints {
   }
   ProgressLog progress_;           // --log-progress
   CheckpointRetention retention_;  // --save-retain-interval (after progress_: it logs there)
+  std::string non_persistent_dir_;  // --non-persistent-ckpt-type global with --save ("" otherwise)
+  NonPersistentCleanup non_persistent_cleanup_;
 
   std::vector<Staging> staging_;  // per chunk
   AsyncCheckpointSaver async_;

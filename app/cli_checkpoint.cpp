@@ -45,8 +45,16 @@ void add_checkpoint_flags(FlagTable& t) {
   t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");
   t.no_effect("--ckpt-fully-parallel-load", Arity::none, "megatrain decides how ranks share checkpoint reads itself");
   t.recognised("--dist-ckpt-strictness", Arity::one, "STR", "assume_ok_unexpected", "handling of key mismatches");
-  t.recognised("--non-persistent-save-interval", Arity::one, "INT", "None", "fast scratch checkpoints");
-  t.recognised("--non-persistent-ckpt-type", Arity::one, "{global,local}", "None", "scratch checkpoint type");
+  t.value("--non-persistent-save-interval", "iterations between non-persistent (scratch) checkpoints",
+          MT_FIELD(checkpoint.non_persistent_save_interval));
+  t.choice("--non-persistent-ckpt-type", "non-persistent checkpoint type (global: a checkpoint directory of its own)",
+           std::vector<std::pair<std::string, std::string>>{{"global", "global"}, {"local", "local"}},
+           MT_FIELD(checkpoint.non_persistent_ckpt_type));
+  t.value("--non-persistent-global-ckpt-dir", "directory of the global non-persistent checkpoints (default "
+          "<save>/non_persistent, <load>/non_persistent when loading)", MT_FIELD(checkpoint.non_persistent_global_ckpt_dir));
+  t.recognised("--non-persistent-local-ckpt-dir", Arity::one, "PATH", "None", "directory of local non-persistent checkpoints");
+  t.recognised("--non-persistent-local-ckpt-algo", Arity::one, "{fully_parallel,atomic}", "fully_parallel",
+               "local non-persistent checkpoint algorithm");
   t.recognised("--ckpt-convert-format", Arity::one, "{torch,torch_dist}", "None", "offline checkpoint conversion");
   t.recognised("--ckpt-convert-save", Arity::one, "PATH", "None", "where converted checkpoints go");
   t.value("--override-ckpt-iteration", "resume at this iteration instead of the checkpoint's",

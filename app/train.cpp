@@ -266,18 +266,23 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   trainer.flops_per_iteration = [flops] { return flops; };
   checkpoints.set_flops_per_iteration(flops);
   checkpoints.restore(resume, trainer);
-  // Megatron's checkpoint_and_decide_exit: a save every --save-interval iterations; before an
-  // early exit (--exit-interval, --exit-duration-in-mins, SIGTERM with --exit-signal-handler) a
-  // save unless this iteration was just saved; after the last iteration a save unless it was one
-  // of the interval's. An early exit skips the final evaluation, as Megatron exits right there.
+  // Megatron's checkpoint_and_decide_exit: a save every --save-interval iterations, else a
+  // non-persistent one every --non-persistent-save-interval iterations; before an early exit
+  // (--exit-interval, --exit-duration-in-mins, SIGTERM with --exit-signal-handler) a save unless
+  // this iteration was just saved (non-persistently too, as Megatron); after the last iteration a
+  // save unless it was one of the interval's. An early exit skips the final evaluation, as
+  // Megatron exits right there.
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
   const std::function<void(int64_t)> fault = debug_fault(ps.rank);
   // Saves stay out of the log interval's time and energy, as Megatron's save_checkpoint_and_time.
-  auto save = [&] { trainer.outside_interval([&] { checkpoints.save(trainer); }); };
+  auto save = [&](bool non_persistent = false) {
+    trainer.outside_interval([&] { checkpoints.save(trainer, non_persistent); });
+  };
   trainer.after_iteration = [&](int64_t iteration) {
     checkpoints.poll();
     if (k.save && iteration % *k.save_interval == 0) save();
+    else if (k.save && k.non_persistent_save_interval && iteration % *k.non_persistent_save_interval == 0) save(true);
     if (fault) fault(iteration + 1);
     return true;
   };

@@ -61,8 +61,9 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--ckpt-format", W::values, {"torch", "torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default)"},
       {"--auto-detect-ckpt-format", W::any_use, {}, ""},
       {"--dist-ckpt-strictness", W::other_than, {"assume_ok_unexpected"}, ""},
-      {"--non-persistent-save-interval", W::any_use, {}, ""},
-      {"--non-persistent-ckpt-type", W::any_use, {}, ""},
+      {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},
+      {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
+      {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
       {"--ckpt-convert-format", W::any_use, {}, ""},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // logging (1.7)

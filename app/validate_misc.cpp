@@ -21,6 +21,22 @@ void validate_checkpoint_and_logging(CliState& st) {
   // synchronously with a warning); megatrain's asynchronous save is always a background thread of
   // the training process (app/checkpointing.h), so it needs no worker flag.
   if (k.async_save && !k.save) st.warn("--async-save has no effect without --save");
+  // Non-persistent checkpoints ("local" is refused as unsupported before this).
+  if (k.non_persistent_save_interval) {
+    if (*k.non_persistent_save_interval <= 0)
+      fail("--non-persistent-save-interval must be > 0 (got {})", *k.non_persistent_save_interval);
+    // (Megatron stops at the first non-persistent save without a type.)
+    if (!k.non_persistent_ckpt_type)
+      fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global (where the non-persistent "
+           "checkpoints go)");
+    if (!k.save) st.warn("--non-persistent-save-interval has no effect without --save");
+  }
+  if (k.non_persistent_global_ckpt_dir && k.non_persistent_ckpt_type != "global")
+    st.warn("--non-persistent-global-ckpt-dir has no effect without --non-persistent-ckpt-type global");
+  if (k.non_persistent_ckpt_type == "global" && !k.non_persistent_save_interval && !k.load &&
+      !k.non_persistent_global_ckpt_dir)
+    st.warn("--non-persistent-ckpt-type global has no effect without --non-persistent-save-interval, --load or "
+            "--non-persistent-global-ckpt-dir");
   if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
   const bool loads = k.load || k.pretrained_checkpoint;
   if (k.override_ckpt_iteration) {

@@ -166,6 +166,31 @@ std::string checkpoint_tracker_path(const std::string& save_dir) {
   return join_path(save_dir, "latest_checkpointed_iteration.txt");
 }
 
+std::optional<CheckpointLocation> read_checkpoint_tracker(const std::string& dir) {
+  const std::string tracker = checkpoint_tracker_path(dir);
+  if (!path_exists(tracker)) return std::nullopt;
+  CheckpointLocation loc;
+  std::string text = read_text_file(tracker);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(text.begin());
+  if (text == "release") {
+    loc.release = true;
+    return loc;
+  }
+  size_t used = 0;
+  int64_t it = -1;
+  try {
+    it = std::stoll(text, &used);
+  } catch (...) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || it < 0)
+    fail("invalid checkpoint tracker file {}: expected an iteration number or 'release', found '{}'", tracker,
+         text.substr(0, 40));
+  loc.iteration = it;
+  return loc;
+}
+
 std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step) {
   CheckpointLocation loc;
   const std::string tracker = checkpoint_tracker_path(load_dir);
@@ -173,25 +198,9 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
     if (*ckpt_step < 0) fail("--ckpt-step {} is negative", *ckpt_step);
     loc.iteration = *ckpt_step;
   } else {
-    if (!path_exists(tracker)) return std::nullopt;
-    std::string text = read_text_file(tracker);
-    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(text.begin());
-    if (text == "release") {
-      loc.release = true;
-    } else {
-      size_t used = 0;
-      int64_t it = -1;
-      try {
-        it = std::stoll(text, &used);
-      } catch (...) {
-        used = 0;
-      }
-      if (used != text.size() || text.empty() || it < 0)
-        fail("invalid checkpoint tracker file {}: expected an iteration number or 'release', found '{}'", tracker,
-             text.substr(0, 40));
-      loc.iteration = it;
-    }
+    const std::optional<CheckpointLocation> t = read_checkpoint_tracker(load_dir);
+    if (!t) return std::nullopt;
+    loc = *t;
   }
   loc.directory = join_path(load_dir, loc.release ? "release" : iteration_directory_name(loc.iteration));
   if (!is_directory(loc.directory)) {
@@ -211,7 +220,51 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
   return loc;
 }
 
+std::string non_persistent_directory(const std::optional<std::string>& global_dir, const std::optional<std::string>& base) {
+  if (global_dir) return *global_dir;
+  return base ? join_path(*base, "non_persistent") : std::string();
+}
+
+std::optional<CheckpointLocation> newer_non_persistent(const std::string& np_dir, std::optional<int64_t> persistent,
+                                                       bool report) {
+  const std::optional<CheckpointLocation> t = read_checkpoint_tracker(np_dir);
+  if (!t) {
+    if (report) {
+      log::info("WARNING: could not find the metadata file {}", checkpoint_tracker_path(np_dir));
+      log::info("    will not load any non-persistent checkpoint");
+    }
+    return std::nullopt;
+  }
+  if (t->release)
+    fail("Non-persistent checkpoint can't be a release checkpoint: {} names 'release'", checkpoint_tracker_path(np_dir));
+  if (persistent && t->iteration < *persistent) {
+    if (report) log::info("WARNING: non-persistent checkpoints are older than persistent checkpoint");
+    return std::nullopt;
+  }
+  std::optional<CheckpointLocation> loc = locate_checkpoint(np_dir);
+  loc->non_persistent = true;
+  return loc;
+}
+
 std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg) {
+  // Megatron looks at the non-persistent checkpoints first and takes theirs when it is at least as
+  // new as --load's. (Megatron compares with --ckpt-step too; megatrain loads the one --ckpt-step
+  // names.)
+  const std::string np_dir = cfg.non_persistent_ckpt_type == "global"
+                                 ? non_persistent_directory(cfg.non_persistent_global_ckpt_dir, cfg.load)
+                                 : std::string();
+  if (!np_dir.empty() && !cfg.ckpt_step) {
+    std::optional<int64_t> persistent;
+    if (cfg.load)
+      if (const auto t = read_checkpoint_tracker(*cfg.load)) persistent = t->iteration;  // (0 for a release)
+    if (auto loc = newer_non_persistent(np_dir, persistent, /*report=*/true)) {
+      log::info("Loading from a non-persistent checkpoint (non-persistent iter {})", loc->iteration);
+      log::info(" loading checkpoint from {} at iteration {}", np_dir, loc->iteration);
+      return loc;
+    }
+  } else if (!np_dir.empty()) {
+    log::info("--ckpt-step {}: loading that checkpoint of --load, not a non-persistent one", *cfg.ckpt_step);
+  }
   // Megatron falls back to --pretrained-checkpoint when --load has no tracker file (whatever
   // --ckpt-step says), and loads from there as a finetune.
   if (cfg.pretrained_checkpoint && (!cfg.load || !path_exists(checkpoint_tracker_path(*cfg.load)))) {

@@ -75,7 +75,11 @@ struct CheckpointLocation {
   int64_t iteration = 0;  // 0 for release
   bool release = false;
   bool pretrained = false;  // found under --pretrained-checkpoint: loaded as a --finetune
+  bool non_persistent = false;  // a non-persistent checkpoint (loaded as --load's would be)
 };
+// What the tracker file of `dir` names (iteration, or release), its directory not checked; nullopt
+// without a tracker file. Throws for an unreadable or malformed tracker.
+std::optional<CheckpointLocation> read_checkpoint_tracker(const std::string& dir);
 // What --load [--ckpt-step N] points at: the tracker's iteration, or ckpt_step when given (as
 // Megatron does, even without a tracker). nullopt when there is neither: the caller warns and
 // starts from random initialization, or exits with --exit-on-missing-checkpoint.
@@ -83,9 +87,23 @@ struct CheckpointLocation {
 std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
                                                     std::optional<int64_t> ckpt_step = std::nullopt);
 
+// Megatron's non-persistent global checkpoints (--non-persistent-ckpt-type global) live in
+// --non-persistent-global-ckpt-dir, else in <base>/non_persistent (base: --save when saving,
+// --load when loading); "" when there is neither.
+std::string non_persistent_directory(const std::optional<std::string>& global_dir, const std::optional<std::string>& base);
+// The non-persistent checkpoint to load instead of --load's, as Megatron's _load_base_checkpoint:
+// the one np_dir's tracker names when it is at least as new as `persistent` (the iteration
+// --load's tracker names, 0 for a release; nullopt: --load has none). nullopt when np_dir has no
+// tracker or its checkpoint is older (both with Megatron's warning when `report`). Throws for a
+// "release" tracker there or a tracker naming a missing directory.
+std::optional<CheckpointLocation> newer_non_persistent(const std::string& np_dir, std::optional<int64_t> persistent,
+                                                       bool report);
+
 // Megatron's --load decision (load_checkpoint / _load_base_checkpoint): nullopt without --load;
 // when --load has no tracker file and --pretrained-checkpoint is given, that directory's checkpoint
-// (pretrained = true; an error when it has none either); without a tracker (and no --ckpt-step)
+// (pretrained = true; an error when it has none either); with --non-persistent-ckpt-type global a
+// newer_non_persistent() checkpoint first (not with --ckpt-step, which names the one to load);
+// without a tracker (and no --ckpt-step)
 // prints Megatron's warning and returns nullopt (start from random initialization), or throws with
 // --exit-on-missing-checkpoint; otherwise prints " loading checkpoint from DIR at iteration N"
 // (rank 0) and returns the location.

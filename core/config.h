@@ -307,6 +307,13 @@ struct CheckpointConfig {
   bool use_tokenizer_model_from_checkpoint_args = true;  // --no-use-tokenizer-model-from-checkpoint-args
   bool exit_on_missing_checkpoint = false;
   bool async_save = false;  // --async-save: a background thread writes the files (app/checkpointing.h)
+  // Megatron's non-persistent (scratch) checkpoints: every --non-persistent-save-interval
+  // iterations (that are not --save-interval ones) a checkpoint into <save>/non_persistent or
+  // --non-persistent-global-ckpt-dir, where only the newest is kept; loading takes it when it is at
+  // least as new as --load's (app/non_persistent_checkpoints.h). Type "global" only.
+  std::optional<int> non_persistent_save_interval;
+  std::optional<std::string> non_persistent_ckpt_type;
+  std::optional<std::string> non_persistent_global_ckpt_dir;
   std::string ckpt_format = "torch_dist";
 };
 

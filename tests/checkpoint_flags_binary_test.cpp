@@ -39,10 +39,22 @@ std::vector<std::string> progress_messages(const std::string& save) {
   return out;
 }
 
-std::map<int64_t, double> losses(const std::string& jsonl) {
+std::map<int64_t, double> field(const std::string& jsonl, const char* name) {
   std::map<int64_t, double> out;
-  for (const auto& [it, r] : read_metrics(jsonl).iterations) out[it] = r.at("lm_loss").get<double>();
+  for (const auto& [it, r] : read_metrics(jsonl).iterations) out[it] = r.at(name).get<double>();
   return out;
+}
+std::map<int64_t, double> losses(const std::string& jsonl) { return field(jsonl, "lm_loss"); }
+
+// A resumed run trains as the straight one from `first` on: the same gradient norm at every
+// iteration and the same loss at the first one (the next log line averages the first two
+// iterations: Megatron does not reset the log interval's sums after a run's first iteration).
+void check_same_training(const std::string& resumed, const std::string& straight, int64_t first, size_t iterations) {
+  const auto norms = field(resumed, "grad_norm"), straight_norms = field(straight, "grad_norm");
+  REQUIRE(norms.size() == iterations);
+  CHECK(norms.begin()->first == first);
+  for (const auto& [it, n] : norms) CHECK(n == straight_norms.at(it));
+  CHECK(losses(resumed).at(first) == losses(straight).at(first));
 }
 
 }  // namespace
@@ -154,4 +166,83 @@ TEST_CASE("binary: --use-checkpoint-args rebuilds the model from the checkpoint'
   const Result none = megatrain(bare + train + " --load " + (dir / "empty") + " --use-checkpoint-args");
   CHECK(none.code != 0);
   CHECK(none.out.find("--num-layers is required") != std::string::npos);
+}
+
+TEST_CASE("binary: non-persistent checkpoints are saved apart, only the newest kept, and resumed from when newer",
+          "[ckpt-train][binary][non-persistent]") {
+  TempDir dir;
+  const std::string ck = dir / "ck", np = ck + "/non_persistent";
+  const std::string run = kGpt + " --train-iters 10 --lr-warmup-iters 2";
+  const std::string flags = " --save " + ck + " --save-interval 4 --non-persistent-save-interval 3 "
+                            "--non-persistent-ckpt-type global --log-progress";
+  auto metrics = [&](const std::string& name) { return " --metrics-jsonl " + (dir / name); };
+  require_ok(megatrain(run + metrics("straight.jsonl")));
+  REQUIRE(losses(dir / "straight.jsonl").size() == 10);
+
+  // Non-persistent saves at 3 and 6 (4 is a persistent one); the exit at 6 saves nothing more, as
+  // iteration 6 was just saved (non-persistently).
+  require_ok(megatrain(run + flags + " --exit-interval 6"));
+  CHECK(tracker(ck) == "4");
+  CHECK(tracker(np) == "6");
+  CHECK(iteration_dirs(np) == std::vector<std::string>{"iter_0000006"});  // 3 deleted once 6 was committed
+  CHECK(iteration_dirs(ck) == std::vector<std::string>{"iter_0000004", "non_persistent"});
+  // The progress log leaves non-persistent saves out (as Megatron).
+  CHECK(progress_messages(ck) == std::vector<std::string>{"Starting job", "Saved checkpoint Iteration: 4"});
+
+  // The resumed job loads iteration 6 (newer than --load's 4) and trains as the straight run;
+  // asynchronously saved, non-persistent 9 replaces 6.
+  const Result resumed = megatrain(run + flags + " --load " + ck + " --async-save" + metrics("resumed.jsonl"));
+  require_ok(resumed);
+  CHECK(resumed.out.find("Loading from a non-persistent checkpoint (non-persistent iter 6)") != std::string::npos);
+  check_same_training(dir / "resumed.jsonl", dir / "straight.jsonl", 7, 4);
+  CHECK(tracker(np) == "9");
+  CHECK(iteration_dirs(np) == std::vector<std::string>{"iter_0000009"});
+  CHECK(tracker(ck) == "10");
+  // Now --load's 10 is the newer: it is loaded, with Megatron's warning.
+  const Result older =
+      megatrain(kGpt + " --train-iters 12 --lr-warmup-iters 2 --override-opt-param-scheduler" + flags + " --load " + ck);
+  require_ok(older);
+  CHECK(older.out.find("WARNING: non-persistent checkpoints are older than persistent checkpoint") != std::string::npos);
+  CHECK(older.out.find(" loading checkpoint from " + ck + " at iteration 10") != std::string::npos);
+  // --ckpt-step names the checkpoint to load (Megatron would still compare it with the
+  // non-persistent one).
+  const Result step = megatrain(run + flags + " --load " + ck + " --ckpt-step 4");
+  require_ok(step);
+  CHECK(step.out.find("--ckpt-step 4: loading that checkpoint of --load, not a non-persistent one") != std::string::npos);
+}
+
+TEST_CASE("binary: --non-persistent-global-ckpt-dir, with --use-checkpoint-args, and the refusals", "[ckpt-train][binary][non-persistent]") {
+  TempDir dir;
+  const std::string ck = dir / "ck", global = dir / "scratch";
+  const std::string train = " --train-iters 6 --lr-warmup-iters 2";
+  const std::string np = " --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir " + global;
+  require_ok(megatrain(kLlama + train + " --metrics-jsonl " + (dir / "straight.jsonl")));
+  // Only a non-persistent checkpoint (iteration 3), in the given directory: --load has none.
+  require_ok(megatrain(kLlama + train + " --save " + ck + " --save-interval 100 --non-persistent-save-interval 3" + np +
+                       " --exit-interval 3"));
+  CHECK(!fs::exists(ck + "/latest_checkpointed_iteration.txt"));
+  CHECK(tracker(global) == "3");
+  // The resumed job takes its model from that checkpoint's arguments too.
+  const Result r = megatrain(kCommon + train + " --load " + ck + np + " --use-checkpoint-args --metrics-jsonl " +
+                             (dir / "resumed.jsonl"));
+  require_ok(r);
+  CHECK(r.out.find("Setting num_layers to 2 from checkpoint") != std::string::npos);
+  CHECK(r.out.find("Loading from a non-persistent checkpoint (non-persistent iter 3)") != std::string::npos);
+  check_same_training(dir / "resumed.jsonl", dir / "straight.jsonl", 4, 3);
+
+  // Refusals and warnings.
+  const std::string save = " --save " + ck + " --save-interval 4";
+  Result bad = megatrain(kGpt + train + save + " --non-persistent-save-interval 3");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("--non-persistent-save-interval needs --non-persistent-ckpt-type global") != std::string::npos);
+  bad = megatrain(kGpt + train + save + " --non-persistent-save-interval 0 --non-persistent-ckpt-type global");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("--non-persistent-save-interval must be > 0") != std::string::npos);
+  bad = megatrain(kGpt + train + save + " --non-persistent-save-interval 3 --non-persistent-ckpt-type local");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("megatrain does not support --non-persistent-ckpt-type local") != std::string::npos);
+  const Result warn = megatrain(kGpt + train + " --non-persistent-global-ckpt-dir " + global);
+  require_ok(warn);
+  CHECK(warn.out.find("--non-persistent-global-ckpt-dir has no effect without --non-persistent-ckpt-type global") !=
+        std::string::npos);
 }
