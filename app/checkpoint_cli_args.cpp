@@ -49,7 +49,13 @@ const std::vector<CheckpointArg>& model_args() {
       {"apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", Take::forced},
       {"attention_dropout", "--attention-dropout", Take::forced},
       {"hidden_dropout", "--hidden-dropout", Take::forced},
-      {"qk_layernorm", "--qk-layernorm", Take::forced},  // megatrain's addition (see the header)
+      // megatrain's additions (see the header): they change what the model computes.
+      {"qk_layernorm", "--qk-layernorm", Take::forced},
+      {"norm_epsilon", "--norm-epsilon", Take::forced},
+      {"use_rope_scaling", "--use-rope-scaling", Take::forced},
+      {"rope_scaling_factor", "--rope-scaling-factor", Take::forced},
+      {"openai_gelu", "--openai-gelu", Take::forced},
+      {"bias_gelu_fusion", "--no-bias-gelu-fusion", Take::forced, true},
       {"padded_vocab_size", "--padded-vocab-size", Take::if_absent},
   };
   return args;

@@ -12,8 +12,12 @@
 //     virtual pipeline split (filled in).
 // Each value taken prints "Setting <arg> to <value> from checkpoint". A checkpoint directory
 // without a checkpoint, or a checkpoint without saved flags, leaves the command line as it is
-// (with Megatron's message). megatrain also takes --qk-layernorm, which Megatron's list lacks but
-// which changes the parameters.
+// (with Megatron's message). megatrain also takes what Megatron's list lacks but which changes what
+// the model computes: --qk-layernorm (parameters), --norm-epsilon, --use-rope-scaling,
+// --rope-scaling-factor, --openai-gelu and --no-bias-gelu-fusion (the GeLU approximation), so that
+// a checkpoint's model is rebuilt as it was trained. import-hf's release checkpoints carry the
+// flags of the model they hold (app/hf_commands.h), so --use-checkpoint-args works on them too.
+// Non-persistent checkpoints (--non-persistent-ckpt-type global) count as checkpoint_to_load does.
 #pragma once
 
 #include "app/flags.h"

@@ -198,8 +198,22 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
         n.find("masked_bias") == std::string::npos && n.find("rotary_emb.inv_freq") == std::string::npos)
       log::warn0("import-hf: the Hugging Face tensor '{}' has no megatrain counterpart and is not imported", n);
 
+  // The flags of this model as a training run would save them, for --use-checkpoint-args
+  // (app/checkpoint_cli_args.h): the same settings the printed flag line gives.
+  Config as_run;
+  as_run.model = r.model;
+  as_run.parallel.tensor_model_parallel_size = tp;
+  if (path_exists(join_path(hf_dir, "tokenizer.json"))) {
+    as_run.data.tokenizer_type = "HuggingFaceTokenizer";
+    as_run.data.tokenizer_model = hf_dir;
+  } else {
+    as_run.data.tokenizer_type = "NullTokenizer";
+    as_run.data.vocab_size = r.spec.vocab_size;
+  }
   RunState rs;
-  rs.config = json{{"model", model_config_to_json(r.model)}, {"imported_from", hf_dir}};
+  rs.config = json{{"model", model_config_to_json(r.model)},
+                   {"flags", checkpoint_config_json(as_run).at("flags")},
+                   {"imported_from", hf_dir}};
   writer.set_run_state(rs);
   writer.save(SaveGroup{});
   r.flags = megatron_model_flags(r.spec, divisible_by, hf_dir, save_dir);

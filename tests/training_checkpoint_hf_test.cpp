@@ -165,6 +165,17 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
                                                  "--eval-iters 0");
     CHECK(run.find("successfully loaded checkpoint from " + back) != std::string::npos);
     CHECK(run.find("iteration        1/       1") != std::string::npos);
+    // --use-checkpoint-args rebuilds the same model from the import alone (the loss of the first
+    // iteration, the same batch and weights, is the same to the last digit).
+    const std::string bare = megatrain_ok("--load " + back + " --use-checkpoint-args --vocab-size 100 --device cpu "
+                                          "--mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 --eval-iters 0");
+    CHECK(bare.find("Setting num_layers to 2 from checkpoint") != std::string::npos);
+    auto loss = [](const std::string& log) {
+      const size_t at = log.find("lm loss: ");
+      return at == std::string::npos ? std::string("(none)") : log.substr(at, 21);
+    };
+    CHECK(loss(bare) == loss(run));
+    CHECK(loss(run) != "(none)");
   }
 }
 

@@ -64,6 +64,11 @@ megatrain_parallel_train_test(parallel_train_resume_dp2distopt_to_tp2pp2 --resum
   2 "--use-distributed-optimizer" 4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
 megatrain_parallel_train_test(parallel_train_resume_dp2_to_dp3distopt --resume
   2 - 3 "--use-distributed-optimizer")
+# ... and from a non-persistent checkpoint: the first half's only save is the non-persistent one at
+# its exit iteration (the exit saves nothing more), so the second half resumes from it or fails.
+megatrain_parallel_train_test(parallel_train_resume_non_persistent_tp2_to_dp2distopt --resume
+  2 "--tensor-model-parallel-size 2 --non-persistent-ckpt-type global --non-persistent-save-interval 4"
+  2 "--use-distributed-optimizer --non-persistent-ckpt-type global")
 
 # A rank that dies or stops answering ends every rank with a clear error, never a hang
 # (MEGATRAIN_DEBUG_FAULT is a hidden fault injection of app/train.cpp).
