@@ -21,7 +21,7 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // The family a model belongs to; HfModelSpec::validate() then refuses what that family cannot
   // express (naming the flag).
   if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope)
-    return HfArchitecture::llama;
+    return m.add_qkv_bias && !m.add_bias_linear ? HfArchitecture::qwen2 : HfArchitecture::llama;
   return HfArchitecture::gpt2;
 }
 

@@ -95,6 +95,7 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   add("--norm-epsilon", num(s.norm_epsilon));
   if (s.swiglu) add("--swiglu");
   if (!s.add_bias_linear) add("--disable-bias-linear");
+  if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
   if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
   add("--attention-dropout", num(s.attention_dropout));
   add("--hidden-dropout", num(s.hidden_dropout));
@@ -231,7 +232,7 @@ int import_hf_main(const std::vector<std::string>& args) {
   std::string line;
   for (const auto& f : r.flags) line += (line.empty() ? "" : " ") + f;
   std::printf("imported %s (%s, %d layers, vocabulary %d padded to %d) into %s as a release checkpoint\n",
-              hf_dir.c_str(), r.spec.arch == HfArchitecture::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM",
+              hf_dir.c_str(), hf_architecture_name(r.spec.arch),
               r.spec.num_layers, r.spec.vocab_size, r.spec.padded_vocab_size, save.c_str());
   std::printf("train from it with these model flags (plus your data, batch and optimizer flags; loading a release "
               "checkpoint restores the weights only and starts at iteration 0):\n%s\n", line.c_str());

@@ -91,8 +91,17 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   return s;
 }
 
+const char* hf_architecture_name(HfArchitecture a) {
+  switch (a) {
+    case HfArchitecture::gpt2: return "GPT2LMHeadModel";
+    case HfArchitecture::llama: return "LlamaForCausalLM";
+    case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
+  }
+  return "?";
+}
+
 void HfModelSpec::validate() const {
-  const char* model = arch == HfArchitecture::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  const char* model = hf_architecture_name(arch);
   auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
   if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 || ffn_hidden_size <= 0)
     fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
@@ -113,7 +122,10 @@ void HfModelSpec::validate() const {
     if (layernorm) refuse("--normalization LayerNorm (Llama uses RMSNorm)");
     if (learned_position_embeddings) refuse("learned absolute position embeddings (Llama uses RoPE)");
     if (!swiglu) refuse("a non-SwiGLU MLP (pass --swiglu)");
-    if (add_qkv_bias && !add_bias_linear) refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o)");
+    if (arch == HfArchitecture::llama && add_qkv_bias && !add_bias_linear)
+      refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o; Qwen2ForCausalLM has q/k/v biases only)");
+    if (arch == HfArchitecture::qwen2 && (add_bias_linear || !add_qkv_bias))
+      refuse("linear biases other than q/k/v's (Qwen2 has --add-qkv-bias with --disable-bias-linear)");
     if (rotary_percent != 1.0) refuse("--rotary-percent != 1 (HF Llama rotates the whole head)");
     if (head_dim % 2 != 0) refuse("an odd head dimension with RoPE");
   }
@@ -165,7 +177,7 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
       add(L + "self_attention.linear_qkv.weight", {qkv_rows, h},
           {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{H * d, h}, {G * d, h}, {G * d, h}},
           HfTransform::qkv_split);
-      if (s.add_bias_linear)
+      if (s.add_bias_linear || s.add_qkv_bias)
         add(L + "self_attention.linear_qkv.bias", {qkv_rows}, {A + "q_proj.bias", A + "k_proj.bias", A + "v_proj.bias"},
             {{H * d}, {G * d}, {G * d}}, HfTransform::qkv_split);
       add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
@@ -213,8 +225,9 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
   } else {
-    c["architectures"] = {"LlamaForCausalLM"};
-    c["model_type"] = "llama";
+    const bool qwen2 = s.arch == HfArchitecture::qwen2;
+    c["architectures"] = {hf_architecture_name(s.arch)};
+    c["model_type"] = qwen2 ? "qwen2" : "llama";
     c["vocab_size"] = s.vocab_size;
     c["hidden_size"] = s.hidden_size;
     c["intermediate_size"] = s.ffn_hidden_size;
@@ -235,10 +248,16 @@ json hf_config_json(const HfModelSpec& s) {
                                                   {"high_freq_factor", 4.0},
                                                   {"original_max_position_embeddings", 8192}}
                                            : json(nullptr);
-    c["attention_bias"] = s.add_bias_linear;
     c["attention_dropout"] = s.attention_dropout;
-    c["mlp_bias"] = s.add_bias_linear;
-    c["pretraining_tp"] = 1;
+    if (qwen2) {  // (q/k/v biases are implied; every layer attends to the whole causal context)
+      c["use_sliding_window"] = false;
+      c["sliding_window"] = nullptr;
+      c["max_window_layers"] = s.num_layers;
+    } else {
+      c["attention_bias"] = s.add_bias_linear;
+      c["mlp_bias"] = s.add_bias_linear;
+      c["pretraining_tp"] = 1;
+    }
   }
   c["tie_word_embeddings"] = !s.untie_embeddings_and_output_weights;
   c["use_cache"] = true;
@@ -273,8 +292,15 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = c.value("resid_pdrop", 0.1);
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
-    } else if (type == "llama") {
-      s.arch = HfArchitecture::llama;
+    } else if (type == "llama" || type == "mistral" || type == "qwen2") {
+      s.arch = type == "qwen2" ? HfArchitecture::qwen2 : HfArchitecture::llama;
+      // Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not built: a
+      // window shorter than the context would silently attend further than the model was trained to.
+      const bool window = type == "qwen2" ? c.value("use_sliding_window", false)
+                                          : c.contains("sliding_window") && !c["sliding_window"].is_null();
+      if (window)
+        throw Unsupported(fmt::format("HF {} config: sliding-window attention (sliding_window {}): megatrain attends "
+                                      "to the whole causal context", type, c.value("sliding_window", json()).dump()));
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
       s.num_attention_heads = need("num_attention_heads").get<int>();
@@ -288,12 +314,17 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.layernorm = false;
       s.swiglu = true;
       const std::string act = c.value("hidden_act", std::string("silu"));
-      if (act != "silu") throw Unsupported(fmt::format("HF Llama config: hidden_act '{}' (megatrain's SwiGLU is silu)", act));
-      const bool attention_bias = c.value("attention_bias", false), mlp_bias = c.value("mlp_bias", false);
-      if (attention_bias != mlp_bias)
-        throw Unsupported(fmt::format("HF Llama config: attention_bias {} with mlp_bias {} (Megatron's "
-                                      "--disable-bias-linear covers both)", attention_bias, mlp_bias));
-      s.add_bias_linear = attention_bias;
+      if (act != "silu") throw Unsupported(fmt::format("HF {} config: hidden_act '{}' (megatrain's SwiGLU is silu)", type, act));
+      if (type == "qwen2") {
+        s.add_qkv_bias = true;  // Qwen2's q/k/v projections have biases, o_proj and the MLP none
+        s.add_bias_linear = false;
+      } else {
+        const bool attention_bias = c.value("attention_bias", false), mlp_bias = c.value("mlp_bias", false);
+        if (attention_bias != mlp_bias)
+          throw Unsupported(fmt::format("HF Llama config: attention_bias {} with mlp_bias {} (Megatron's "
+                                        "--disable-bias-linear covers both)", attention_bias, mlp_bias));
+        s.add_bias_linear = attention_bias;
+      }
       s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
       s.rotary_base = c.value("rope_theta", 10000.0);
       s.attention_dropout = c.value("attention_dropout", 0.0);
@@ -303,14 +334,14 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
         const std::string rt = r.value("rope_type", r.value("type", std::string()));
         if (rt != "llama3" || r.value("low_freq_factor", 1.0) != 1.0 || r.value("high_freq_factor", 4.0) != 4.0 ||
             r.value("original_max_position_embeddings", 8192) != 8192)
-          throw Unsupported(fmt::format("HF Llama config: rope_scaling {} (megatrain supports Llama 3.1's llama3 "
-                                        "scaling with factors 1/4 and original length 8192)", r.dump()));
+          throw Unsupported(fmt::format("HF {} config: rope_scaling {} (megatrain supports Llama 3.1's llama3 "
+                                        "scaling with factors 1/4 and original length 8192)", type, r.dump()));
         s.use_rope_scaling = true;
         s.rope_scaling_factor = r.value("factor", 8.0);
       }
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else {
-      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2 and llama)", type));
+      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral and qwen2)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);

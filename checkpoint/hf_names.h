@@ -1,5 +1,8 @@
 // Mapping between megatrain's parameters (Megatron-Core names and layouts, global layer numbers)
-// and Hugging Face's GPT2LMHeadModel and LlamaForCausalLM (names, layouts, config.json).
+// and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM (names, layouts,
+// config.json). Qwen2 is Llama with biases on q/k/v only (Megatron's --add-qkv-bias with
+// --disable-bias-linear); import also reads MistralForCausalLM configs, Llama's layout, when they
+// have no sliding window.
 // Pure functions on host arrays; the export-hf / import-hf commands do the file I/O.
 //
 // Layout differences handled here (../shared/reference/frameworks.md section 2):
@@ -26,7 +29,9 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama };
+enum class HfArchitecture { gpt2, llama, qwen2 };
+// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM".
+const char* hf_architecture_name(HfArchitecture a);
 
 // What the mapping needs to know about the model.
 struct HfModelSpec {

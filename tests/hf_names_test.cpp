@@ -344,8 +344,51 @@ TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][
   l = llama_spec();
   l.qk_layernorm = true;
   CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--qk-layernorm"));
-  nlohmann::json bad = {{"model_type", "mistral"}};
-  CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("mistral"));
+  nlohmann::json bad = {{"model_type", "falcon"}};
+  CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("falcon"));
+  // Llama with q/k/v biases only is Qwen2, not Llama (whose attention_bias covers o_proj too).
+  l = llama_spec();
+  l.add_qkv_bias = true;
+  CHECK_THROWS_WITH(hf_tensor_mappings(l), Catch::Contains("Qwen2ForCausalLM has q/k/v biases only"));
+  l.arch = HfArchitecture::qwen2;
+  l.add_bias_linear = true;
+  CHECK_THROWS_WITH(hf_tensor_mappings(l), Catch::Contains("cannot express this model as Qwen2ForCausalLM"));
+}
+
+TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, no sliding window", "[checkpoint][hf]") {
+  HfModelSpec q = llama_spec();
+  q.arch = HfArchitecture::qwen2;
+  q.add_qkv_bias = true;
+  const auto qc = hf_config_json(q);
+  CHECK(qc["architectures"][0] == "Qwen2ForCausalLM");
+  CHECK(qc["model_type"] == "qwen2");
+  CHECK(qc["use_sliding_window"] == false);
+  CHECK(!qc.contains("attention_bias"));
+  const HfModelSpec q2 = hf_spec_from_config(qc, 128, 1);
+  CHECK(q2.arch == HfArchitecture::qwen2);
+  CHECK(q2.add_qkv_bias);
+  CHECK(!q2.add_bias_linear);
+  // q/k/v biases map to the fused QKV bias; o_proj and the MLP have none.
+  std::set<std::string> hf_names;
+  for (const HfTensorMapping& m : hf_tensor_mappings(q2))
+    for (const std::string& n : m.hf) hf_names.insert(n);
+  CHECK(hf_names.count("model.layers.1.self_attn.k_proj.bias") == 1);
+  CHECK(hf_names.count("model.layers.1.self_attn.o_proj.bias") == 0);
+  CHECK(hf_names.count("model.layers.1.mlp.up_proj.bias") == 0);
+  nlohmann::json windowed = qc;
+  windowed["use_sliding_window"] = true;
+  windowed["sliding_window"] = 4096;
+  CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("sliding-window attention"));
+
+  // Mistral's config is Llama's; v0.1's sliding window (4096 of 32768) is refused, v0.3's (null) maps.
+  nlohmann::json mistral = hf_config_json(llama_spec());
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = nullptr;
+  const HfModelSpec m = hf_spec_from_config(mistral, 128, 1);
+  CHECK(m.arch == HfArchitecture::llama);
+  CHECK(!m.add_bias_linear);
+  mistral["sliding_window"] = 4096;
+  CHECK_THROWS_WITH(hf_spec_from_config(mistral), Catch::Contains("sliding_window 4096"));
 }
 
 TEST_CASE("GPT-2 export names the GeLU form the model computes", "[checkpoint][hf]") {

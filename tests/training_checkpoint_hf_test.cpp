@@ -33,6 +33,8 @@ const std::string kLlama = kCommon +
                            "--ffn-hidden-size 48 --position-embedding-type rope --group-query-attention "
                            "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear "
                            "--norm-epsilon 1e-6 --rotary-base 500000";
+// Qwen2: the Llama shape with biases on q/k/v only.
+const std::string kQwen2 = kLlama + " --add-qkv-bias";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -109,20 +111,22 @@ TEST_CASE("export-hf: numpy's GPT-2 forward of the export gives megatrain's logi
 
 TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logits (GQA, SwiGLU, RoPE, untied)", "[ckpt-train][hf][python]") {
   check_numpy_logits(kLlama, "Llama");
+  check_numpy_logits(kQwen2, "Qwen2 (q/k/v biases)");
 }
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
-  for (const std::string& model : {kGpt, kGptErf, kLlama}) {
+  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
     CHECK(fs::exists(hf + "/model.safetensors"));
     CHECK_FALSE(fs::exists(hf + "/model.safetensors.index.json"));
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
-    const bool llama = model == kLlama;
-    CHECK(config.at("architectures").at(0) == (llama ? "LlamaForCausalLM" : "GPT2LMHeadModel"));
+    const bool llama = model == kLlama, qwen2 = model == kQwen2;
+    CHECK(config.at("architectures").at(0) ==
+          (llama ? "LlamaForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "GPT2LMHeadModel"));
     CHECK(config.at("vocab_size") == 100);
-    if (!llama) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
+    if (!llama && !qwen2) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     const std::string out = megatrain_ok("import-hf --hf-dir " + hf + " --save " + back);
     CHECK(read_bytes(back + "/latest_checkpointed_iteration.txt") == "release");
 

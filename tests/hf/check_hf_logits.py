@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2 and a tiny
-Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output).
+"""megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2, a tiny
+Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q/k/v biases, tied
+output); Mistral (Llama's layout, no sliding window) in the import direction.
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -34,6 +35,9 @@ MODEL_FLAGS = {
     "llama": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
              "--ffn-hidden-size 96 --swiglu --normalization RMSNorm --position-embedding-type rope "
              "--untie-embeddings-and-output-weights --disable-bias-linear",
+    "qwen2": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 96 --swiglu --normalization RMSNorm --position-embedding-type rope "
+             "--disable-bias-linear --add-qkv-bias --rotary-base 1000000 --norm-epsilon 1e-6",
 }
 
 
@@ -94,10 +98,15 @@ def import_direction(args, kind, work):
         config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                          activation_function="gelu_new", initializer_range=0.1)
     else:
-        config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                          rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                          initializer_range=0.1)
+        common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.1)
+        if kind == "llama":
+            config = transformers.LlamaConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, **common)
+        elif kind == "qwen2":
+            config = transformers.Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, **common)
+        else:
+            config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
+                                                **common)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # non-trivial norms and biases (a fresh model has ones and zeros there)
         for name, p in model.named_parameters():
@@ -127,8 +136,10 @@ def main():
         args.rtol = 2e-2 if args.forward_bf16 else 1e-4
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
-    for kind in ("gpt", "llama"):
+    for kind in ("gpt", "llama", "qwen2", "mistral"):
         for direction in (export_direction, import_direction):
+            if kind == "mistral" and direction is export_direction:
+                continue  # (export writes Mistral-shaped models as Llama)
             work = tempfile.mkdtemp(prefix=f"check_hf_{kind}_")
             try:
                 ok = direction(args, kind, work) and ok

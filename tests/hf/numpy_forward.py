@@ -146,7 +146,7 @@ def logits_of(hf_dir, tokens):
     w = load_weights(hf_dir)
     if c["model_type"] == "gpt2":
         return gpt2_logits(c, w, tokens)
-    if c["model_type"] == "llama":
+    if c["model_type"] in ("llama", "mistral", "qwen2"):  # (Qwen2: q/k/v biases, which lin() adds)
         return llama_logits(c, w, tokens)
     raise SystemExit(f"numpy_forward.py: model_type {c['model_type']} is not implemented")
 
