@@ -610,12 +610,39 @@ CheckpointReader::~CheckpointReader() = default;
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
 
+namespace {
+
+// "torch_dist" / "torch" when `dir` looks like a Megatron-LM iteration directory, else "".
+std::string megatron_checkpoint_format(const std::string& dir) {
+  if (path_exists(join_path(dir, "metadata.json")) || path_exists(join_path(dir, "common.pt")) ||
+      path_exists(join_path(dir, ".metadata")))
+    return "torch_dist";
+  try {
+    for (const std::string& name : list_directory(dir)) {
+      if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) return "torch_dist";
+      if (name.rfind("mp_rank_", 0) == 0) return "torch";
+    }
+  } catch (const std::exception&) {
+  }
+  return "";
+}
+
+}  // namespace
+
 void CheckpointReader::load_manifest(const std::string& dir) {
   dir_ = dir;
   const std::string path = join_path(dir, kManifestName);
-  if (!path_exists(path))
-    fail("{} is not a complete megatrain checkpoint: {} is missing (an interrupted save, or another checkpoint "
-         "format such as Megatron's torch_dist?)", dir, path);
+  if (!path_exists(path)) {
+    // A Megatron-LM checkpoint (torch_dist: metadata.json, common.pt, *.distcp; torch:
+    // mp_rank_XX/model_optim_rng.pt) is PyTorch's pickled format, which megatrain does not read.
+    const std::string megatron = megatron_checkpoint_format(dir);
+    if (!megatron.empty())
+      fail("{} is a Megatron-LM checkpoint ({} format), which megatrain cannot load: megatrain reads its own "
+           "checkpoints only. To continue from its weights, convert it to Hugging Face format with Megatron's "
+           "converter and run `megatrain import-hf --hf-dir HF_DIR --save CKPT`, then train with --load CKPT",
+           dir, megatron);
+    fail("{} is not a complete megatrain checkpoint: {} is missing (an interrupted save?)", dir, path);
+  }
   json m;
   try {
     m = json::parse(read_text_file(path));

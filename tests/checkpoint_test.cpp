@@ -480,6 +480,28 @@ TEST_CASE("corrupt, truncated and mismatched checkpoints are refused naming the 
   }
 }
 
+TEST_CASE("a Megatron-LM checkpoint under --load is named as such, with the way to its weights", "[checkpoint][errors]") {
+  TempDir dir;
+  auto iteration_dir = [&](const std::string& name, const std::vector<std::string>& files) {
+    const std::string d = dir.path() + "/" + name + "/iter_0000100";
+    make_directories(d);
+    for (const std::string& f : files) {
+      make_directories(parent_directory(d + "/" + f));
+      mt_test::write_text(d + "/" + f, "x");
+    }
+    return d;
+  };
+  const std::string dist = iteration_dir("dist", {"metadata.json", "common.pt", "__0_0.distcp"});
+  CHECK_THROWS_WITH(CheckpointReader::open_directory(dist),
+                    Catch::Contains("is a Megatron-LM checkpoint (torch_dist format)") && Catch::Contains("import-hf"));
+  const std::string legacy = iteration_dir("legacy", {"mp_rank_00/model_optim_rng.pt"});
+  CHECK_THROWS_WITH(CheckpointReader::open_directory(legacy),
+                    Catch::Contains("is a Megatron-LM checkpoint (torch format)"));
+  const std::string empty = iteration_dir("empty", {});
+  CHECK_THROWS_WITH(CheckpointReader::open_directory(empty),
+                    Catch::Contains("is not a complete megatrain checkpoint") && !Catch::Contains("Megatron-LM"));
+}
+
 TEST_CASE("run state and per-rank state round trip", "[checkpoint]") {
   TempDir dir;
   ThreadGroup tg(2);
