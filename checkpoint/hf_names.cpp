@@ -326,11 +326,24 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
         s.add_bias_linear = attention_bias;
       }
       s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
-      s.rotary_base = c.value("rope_theta", 10000.0);
+      // RoPE: transformers < 5 writes rope_theta and rope_scaling; transformers >= 5 writes
+      // rope_parameters (rope_theta, and rope_type "default" or the scaling's type and factors).
+      const json* params = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"] : nullptr;
+      auto number = [](const json& j, const char* key, double fallback) {
+        return j.contains(key) && j[key].is_number() ? j[key].get<double>() : fallback;
+      };
+      s.rotary_base = number(c, "rope_theta", params ? number(*params, "rope_theta", 10000.0) : 10000.0);
       s.attention_dropout = c.value("attention_dropout", 0.0);
       s.hidden_dropout = 0.0;
-      if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
-        const json& r = c["rope_scaling"];
+      const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : nullptr;
+      if (!scaling && params && params->value("rope_type", std::string("default")) != "default") scaling = params;
+      if (type == "qwen2" && c.contains("layer_types") && c["layer_types"].is_array())
+        for (const json& t : c["layer_types"])
+          if (t != "full_attention")
+            throw Unsupported(fmt::format("HF qwen2 config: layer type {} (megatrain attends to the whole causal "
+                                          "context in every layer)", t.dump()));
+      if (scaling) {
+        const json& r = *scaling;
         const std::string rt = r.value("rope_type", r.value("type", std::string()));
         if (rt != "llama3" || r.value("low_freq_factor", 1.0) != 1.0 || r.value("high_freq_factor", 4.0) != 4.0 ||
             r.value("original_max_position_embeddings", 8192) != 8192)

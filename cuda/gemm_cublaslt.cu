@@ -42,7 +42,8 @@ cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
     case GemmEpilogue::gelu_aux_bias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case GemmEpilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
     case GemmEpilogue::bgradb: return CUBLASLT_EPILOGUE_BGRADB;
-    case GemmEpilogue::dgelu_bgrad: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case GemmEpilogue::dgelu_bgrad:
+    case GemmEpilogue::dgelu_bgrad_dtype: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -157,7 +158,10 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
       if (tunable && n > 1)
         for (int i = 0; i < n; ++i) p.candidates[p.num_candidates++] = usable[i];
     }
-  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED &&
+             !(st == CUBLAS_STATUS_INVALID_VALUE && c.epilogue == GemmEpilogue::dgelu_bgrad)) {
+    // (cuBLASLt 13.1 on an H200 answers a float32 bias gradient beside a bf16 D with
+    // INVALID_VALUE, not NOT_SUPPORTED: the caller then asks for one in D's type.)
     MT_CUBLAS_CHECK(st);
   }
   return p;
@@ -464,6 +468,18 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
         if (gemm.try_run(c)) {
           add_f32(ctx, act_dbias.ptr<float>(), tmp, K);
           return;
+        }
+        // The bias gradient in D's type (rounded once, as Transformer Engine's bias gradients are).
+        if (dx.dtype != DType::f32) {
+          Tensor narrow(ctx.scratch->take(static_cast<size_t>(K) * dtype_size(dx.dtype), "activation bias gradient"),
+                        dx.dtype, Device::cuda, {K});
+          c.epilogue = GemmEpilogue::dgelu_bgrad_dtype;
+          c.bias = narrow.data;
+          if (gemm.try_run(c)) {
+            cast(ctx, Tensor(tmp, DType::f32, Device::cuda, {K}), narrow);
+            add_f32(ctx, act_dbias.ptr<float>(), tmp, K);
+            return;
+          }
         }
         c.epilogue = GemmEpilogue::dgelu;
         c.bias = nullptr;

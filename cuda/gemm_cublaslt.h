@@ -35,7 +35,10 @@
 
 namespace mt::cuda {
 
-enum class GemmEpilogue : uint8_t { none, bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias, dgelu, bgradb, dgelu_bgrad };
+// dgelu_bgrad: the bias gradient in float32; dgelu_bgrad_dtype: in D's type.
+enum class GemmEpilogue : uint8_t {
+  none, bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias, dgelu, bgradb, dgelu_bgrad, dgelu_bgrad_dtype
+};
 
 // Column-major D[m, n] = alpha * op(A) op(B) + beta * D, with op(A) [m, k] and op(B) [k, n].
 struct GemmCall {

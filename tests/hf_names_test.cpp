@@ -380,6 +380,25 @@ TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, no sliding window", "[checkp
   windowed["sliding_window"] = 4096;
   CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("sliding-window attention"));
 
+  // transformers >= 5 writes rope_parameters instead of rope_theta / rope_scaling.
+  nlohmann::json v5 = hf_config_json(llama_spec());
+  v5.erase("rope_theta");
+  v5["rope_scaling"] = nullptr;
+  v5["rope_parameters"] = {{"rope_theta", 250000.0}, {"rope_type", "default"}};
+  CHECK(hf_spec_from_config(v5, 128, 1).rotary_base == 250000.0);
+  CHECK(!hf_spec_from_config(v5, 128, 1).use_rope_scaling);
+  v5["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0},
+                           {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  const HfModelSpec scaled = hf_spec_from_config(v5, 128, 1);
+  CHECK(scaled.rotary_base == 500000.0);
+  CHECK(scaled.use_rope_scaling);
+  CHECK(scaled.rope_scaling_factor == 32.0);
+  v5["rope_parameters"]["rope_type"] = "yarn";
+  CHECK_THROWS_WITH(hf_spec_from_config(v5), Catch::Contains("rope_scaling"));
+  nlohmann::json layers = qc;
+  layers["layer_types"] = {"full_attention", "sliding_attention"};
+  CHECK_THROWS_WITH(hf_spec_from_config(layers), Catch::Contains("sliding_attention"));
+
   // Mistral's config is Llama's; v0.1's sliding window (4096 of 32768) is refused, v0.3's (null) maps.
   nlohmann::json mistral = hf_config_json(llama_spec());
   mistral["model_type"] = "mistral";
