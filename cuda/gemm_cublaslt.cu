@@ -159,9 +159,10 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
         for (int i = 0; i < n; ++i) p.candidates[p.num_candidates++] = usable[i];
     }
   } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED &&
-             !(st == CUBLAS_STATUS_INVALID_VALUE && c.epilogue == GemmEpilogue::dgelu_bgrad)) {
+             !(st == CUBLAS_STATUS_INVALID_VALUE &&
+               (c.epilogue == GemmEpilogue::dgelu_bgrad || c.epilogue == GemmEpilogue::dgelu_bgrad_dtype))) {
     // (cuBLASLt 13.1 on an H200 answers a float32 bias gradient beside a bf16 D with
-    // INVALID_VALUE, not NOT_SUPPORTED: the caller then asks for one in D's type.)
+    // INVALID_VALUE, not NOT_SUPPORTED: the caller then tries the next way.)
     MT_CUBLAS_CHECK(st);
   }
   return p;
