@@ -301,12 +301,11 @@ void CudaBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Acti
   cuda::linear_forward(*gemm_, ctx, y, x, w, bias, act, pre_act);
 }
 void CudaBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
-                                        Tensor pre_act, Tensor act_dbias) {
-  on_device("linear_backward_input", dx, dy, w, pre_act, act_dbias);
-  MT_PROFILE_OP("linear_backward_input {}x{}x{}{}{}{}", dy.rows(), w.cols(), w.rows(), accumulate ? " +acc" : "",
-                act == Activation::none ? "" : " +act", act_dbias.empty() ? "" : " +dbias");
+                                        Tensor pre_act) {
+  on_device("linear_backward_input", dx, dy, w, pre_act);
+  MT_PROFILE_OP("linear_backward_input {}x{}x{}{}{}", dy.rows(), w.cols(), w.rows(), accumulate ? " +acc" : "", act == Activation::none ? "" : " +act");
   const cuda::KernelContext ctx = context();
-  cuda::linear_backward_input(*gemm_, ctx, dx, dy, w, accumulate, act, pre_act, act_dbias);
+  cuda::linear_backward_input(*gemm_, ctx, dx, dy, w, accumulate, act, pre_act);
 }
 void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) {
   on_device("linear_backward_weight", dw, dbias, dy, x);
@@ -317,12 +316,11 @@ void CudaBackend::linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Ten
 }
 
 void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
-                                                  Tensor pre_act, Tensor act_dbias) {
-  on_device("linear_backward_input_recompute", dx, act_out, dy, w, pre_act, act_dbias);
-  MT_PROFILE_OP("linear_backward_input_recompute {}x{}x{}{}", dy.rows(), w.cols(), w.rows(),
-                act_dbias.empty() ? "" : " +dbias");
+                                                  Tensor pre_act) {
+  on_device("linear_backward_input_recompute", dx, act_out, dy, w, pre_act);
+  MT_PROFILE_OP("linear_backward_input_recompute {}x{}x{}", dy.rows(), w.cols(), w.rows());
   const cuda::KernelContext ctx = context();
-  cuda::linear_backward_input_recompute(*gemm_, ctx, dx, act_out, dy, w, act, pre_act, act_dbias);
+  cuda::linear_backward_input_recompute(*gemm_, ctx, dx, act_out, dy, w, act, pre_act);
 }
 
 // ---- activations --------------------------------------------------------------------------------
@@ -545,8 +543,6 @@ std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotun
   backend->gemm().autotune = gemm_autotune;
   if (const char* e = std::getenv("MEGATRAIN_GEMM_ACCUMULATE_TWIN"); e && std::string(e) == "0")
     backend->gemm().reuse_tuned_for_accumulate = false;
-  if (const char* e = std::getenv("MEGATRAIN_DGELU_BGRAD"); e && std::string(e) == "0")
-    backend->gemm().use_dgelu_bgrad_epilogue = false;
   return backend;
 }
 

@@ -71,11 +71,10 @@ class CudaBackend final : public Backend {
                         const NormParams& p) override;
 
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
-  void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act,
-                             Tensor act_dbias = Tensor()) override;
+  void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act) override;
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) override;
   void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
-                                       Tensor pre_act, Tensor act_dbias = Tensor()) override;
+                                       Tensor pre_act) override;
 
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;

@@ -6,10 +6,8 @@
 //   backward weight dw[N,K] += dy^T x         : m=K n=N k=M, A = x (ld K), B = dy (transposed, ld N), D = dw (ld K)
 // Epilogues: BIAS (bias per row of D = per output feature), GELU_AUX(_BIAS) and DGELU for the tanh
 // GeLU only (cuBLASLt's GELU is the tanh approximation; the erf GeLU runs as a separate kernel),
-// BGRADB for the bias gradient (column sums of dy over the GEMM's k = M) and DGELU_BGRAD for the
-// bias gradient of the layer before the GeLU (sums of the backward input's rows of D over n = M,
-// taken before D is rounded), written to scratch and then added, since the epilogue overwrites
-// and parameter gradients accumulate.
+// BGRADB for the bias gradient (column sums of dy over the GEMM's k = M), written to scratch and
+// then added, since the epilogue overwrites and parameter gradients accumulate.
 #include "cuda/gemm_cublaslt.h"
 
 #include <algorithm>
@@ -42,8 +40,6 @@ cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
     case GemmEpilogue::gelu_aux_bias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case GemmEpilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
     case GemmEpilogue::bgradb: return CUBLASLT_EPILOGUE_BGRADB;
-    case GemmEpilogue::dgelu_bgrad:
-    case GemmEpilogue::dgelu_bgrad_dtype: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -111,8 +107,6 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
   if (key.sms > 0) set_desc(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<int32_t>(key.sms));
   // The heuristic reads the epilogue pointers' values for their alignment.
   if (c.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
-  // (A bias gradient beside a 16-bit D would default to D's type: ours are float32.)
-  if (c.epilogue == GemmEpilogue::dgelu_bgrad) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_32F);
   if (c.aux) {
     set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
     set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
@@ -158,11 +152,7 @@ GemmRunner::Plan GemmRunner::make_plan(const GemmCall& c, const Key& key) {
       if (tunable && n > 1)
         for (int i = 0; i < n; ++i) p.candidates[p.num_candidates++] = usable[i];
     }
-  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED &&
-             !(st == CUBLAS_STATUS_INVALID_VALUE &&
-               (c.epilogue == GemmEpilogue::dgelu_bgrad || c.epilogue == GemmEpilogue::dgelu_bgrad_dtype))) {
-    // (cuBLASLt 13.1 on an H200 answers a float32 bias gradient beside a bf16 D with
-    // INVALID_VALUE, not NOT_SUPPORTED: the caller then tries the next way.)
+  } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
     MT_CUBLAS_CHECK(st);
   }
   return p;
@@ -434,7 +424,7 @@ void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor
 }
 
 void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
-                           bool accumulate, Activation act, Tensor pre_act, Tensor act_dbias) {
+                           bool accumulate, Activation act, Tensor pre_act) {
   const int64_t M = dy.rows(), N = dy.cols(), K = w.cols();
   MT_CHECK(w.rows() == N && dx.rows() == M && dx.cols() == K, "linear_backward_input: dx {} = dy {} . w {}",
            dx.shape_string(), dy.shape_string(), w.shape_string());
@@ -454,48 +444,18 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
   MT_CHECK(pre_act.numel() == M * K && pre_act.dtype == dx.dtype, "linear_backward_input: pre_act {} for dx {}",
            pre_act.shape_string(), dx.shape_string());
   const bool tanh_approx = act == Activation::gelu_tanh;
-  MT_CHECK(act_dbias.empty() || !accumulate, "linear_backward_input: act_dbias with accumulate");
   if (!accumulate) {
     if (tanh_approx && gemm.use_gelu_epilogue && K % 8 == 0) {
       c.epilogue = GemmEpilogue::dgelu;
       c.aux = pre_act.data;
       c.aux_ld = K;
-      // The preceding layer's bias gradient in the same epilogue, from the values in registers
-      // (MEGATRAIN_DGELU_BGRAD=0: a column-sum kernel reading dx back, as the weight gradient's did).
-      if (!act_dbias.empty() && act_dbias.dtype == DType::f32 && gemm.use_dgelu_bgrad_epilogue) {
-        float* tmp = ctx.scratch->take_array<float>(K, "activation bias gradient");
-        c.epilogue = GemmEpilogue::dgelu_bgrad;
-        c.bias = tmp;
-        if (gemm.try_run(c)) {
-          add_f32(ctx, act_dbias.ptr<float>(), tmp, K);
-          return;
-        }
-        // The bias gradient in D's type (rounded once, as Transformer Engine's bias gradients are).
-        if (dx.dtype != DType::f32) {
-          Tensor narrow(ctx.scratch->take(static_cast<size_t>(K) * dtype_size(dx.dtype), "activation bias gradient"),
-                        dx.dtype, Device::cuda, {K});
-          c.epilogue = GemmEpilogue::dgelu_bgrad_dtype;
-          c.bias = narrow.data;
-          if (gemm.try_run(c)) {
-            cast(ctx, Tensor(tmp, DType::f32, Device::cuda, {K}), narrow);
-            add_f32(ctx, act_dbias.ptr<float>(), tmp, K);
-            return;
-          }
-        }
-        c.epilogue = GemmEpilogue::dgelu;
-        c.bias = nullptr;
-      }
-      if (gemm.try_run(c)) {
-        if (!act_dbias.empty()) column_sum_accumulate(ctx, act_dbias, dx);
-        return;
-      }
+      if (gemm.try_run(c)) return;
       c.epilogue = GemmEpilogue::none;
       c.aux = nullptr;
       c.aux_ld = 0;
     }
     gemm.run(c, "linear_backward_input");
     gelu_grad_multiply(ctx, dx, dx, pre_act, tanh_approx, false);
-    if (!act_dbias.empty()) column_sum_accumulate(ctx, act_dbias, dx);
     return;
   }
   // dx += (dy . w) * act'(pre_act): the product goes through float32 scratch, a row chunk at a time.
@@ -604,7 +564,7 @@ void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor d
 }
 
 void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor act_out, Tensor dy,
-                                     Tensor w, Activation act, Tensor pre_act, Tensor act_dbias) {
+                                     Tensor w, Activation act, Tensor pre_act) {
   MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");
   MT_CHECK(pre_act.numel() == dx.numel() && act_out.numel() == dx.numel(),
            "linear_backward_input_recompute: pre_act {} and act_out {} for dx {}", pre_act.shape_string(),
@@ -614,13 +574,12 @@ void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx,
     // The DGELU epilogue (faster than GEMM + kernel for the tanh form), then the activation. (The
     // forward's GELU_AUX epilogue computed the activation from the unrounded GEMM result; this
     // one starts from the stored pre-activation, so it can differ from it in the last bit.)
-    linear_backward_input(gemm, ctx, dx, dy, w, false, act, pre_act, act_dbias);
+    linear_backward_input(gemm, ctx, dx, dy, w, false, act, pre_act);
     gelu_forward(ctx, act_out, pre_act, true);
     return;
   }
   linear_backward_input(gemm, ctx, dx, dy, w, false, Activation::none, Tensor());
   gelu_grad_recompute(ctx, dx, act_out, pre_act, tanh_approx);
-  if (!act_dbias.empty()) column_sum_accumulate(ctx, act_dbias, dx);
 }
 
 }  // namespace mt::cuda

@@ -35,10 +35,7 @@
 
 namespace mt::cuda {
 
-// dgelu_bgrad: the bias gradient in float32; dgelu_bgrad_dtype: in D's type.
-enum class GemmEpilogue : uint8_t {
-  none, bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias, dgelu, bgradb, dgelu_bgrad, dgelu_bgrad_dtype
-};
+enum class GemmEpilogue : uint8_t { none, bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias, dgelu, bgradb };
 
 // Column-major D[m, n] = alpha * op(A) op(B) + beta * D, with op(A) [m, k] and op(B) [k, n].
 struct GemmCall {
@@ -55,7 +52,7 @@ struct GemmCall {
   int64_t ldd = 0;
   float alpha = 1.0f, beta = 0.0f;
   GemmEpilogue epilogue = GemmEpilogue::none;
-  void* bias = nullptr;  // bias input (bias epilogues) or float32 bias-gradient output (bgradb, dgelu_bgrad)
+  void* bias = nullptr;  // bias input (bias epilogues) or bias-gradient output (bgradb)
   void* aux = nullptr;   // GELU input: written by gelu_aux*, read by dgelu
   int64_t aux_ld = 0;
   // D narrower than float32 must receive the float32 result rounded ONCE (a bf16 weight gradient's
@@ -82,9 +79,6 @@ class GemmRunner {
   // DGELU pay (15-28%); BGRADB measured 2-3% slower than the GEMM plus the column-sum kernel.
   bool use_bias_grad_epilogue = false;
   bool use_gelu_epilogue = true;
-  // DGELU_BGRAD: the bias gradient before a tanh GeLU taken by the backward-input GEMM's epilogue
-  // (bench/RESULTS.md, session 22), instead of a column-sum kernel reading the gradient back.
-  bool use_dgelu_bgrad_epilogue = true;
   // Autotuning: the first call of each GEMM shape times up to kTuneCandidates of cuBLASLt's
   // heuristic candidates and keeps the fastest (bench_gemm_algo measured the first pick up to 20%
   // slower on some shapes). Only GEMMs that overwrite their output (beta = 0) are tuned, on their
@@ -148,12 +142,12 @@ class GemmRunner {
 void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor x, Tensor w, Tensor bias,
                     Activation act, Tensor pre_act);
 void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
-                           bool accumulate, Activation act, Tensor pre_act, Tensor act_dbias = Tensor());
+                           bool accumulate, Activation act, Tensor pre_act);
 void linear_backward_weight(GemmRunner& gemm, const KernelContext& ctx, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
                             bool accumulate);
 // dx = (dy . w) * act'(pre_act) and act_out = act(pre_act) (engine/backend.h); act_out may alias pre_act.
 void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor act_out, Tensor dy,
-                                     Tensor w, Activation act, Tensor pre_act, Tensor act_dbias = Tensor());
+                                     Tensor w, Activation act, Tensor pre_act);
 
 // dbias[N] += column sums of dy[M, N], deterministic (fixed two-stage order); dbias float32, or
 // bfloat16 (the float32 sum added to its old value in float32, rounded once).

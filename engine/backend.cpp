@@ -23,9 +23,9 @@ void Backend::bias_dropout_add_norm(Tensor sum, Tensor out, Tensor mean, Tensor 
 }
 
 void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
-                                              Tensor pre_act, Tensor act_dbias) {
+                                              Tensor pre_act) {
   MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");
-  linear_backward_input(dx, dy, w, false, act, pre_act, act_dbias);
+  linear_backward_input(dx, dy, w, false, act, pre_act);
   gelu_forward(act_out, pre_act, act == Activation::gelu_tanh);
 }
 

@@ -232,11 +232,8 @@ class Backend {
   virtual void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) = 0;
   // dx[M, K] = dy[M, N] . w[N, K], or dx += ... with accumulate. With act != none, the result is
   // multiplied by act'(pre_act) (pre_act has dx's shape): the gradient through a preceding activation.
-  // act_dbias (act != none, not with accumulate): += the column sums of that gradient, the bias
-  // gradient of the layer whose output the activation took (what its linear_backward_weight's
-  // dbias would sum; CUDA takes it in the GEMM's epilogue, from the unrounded values).
   virtual void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
-                                     Tensor pre_act, Tensor act_dbias = Tensor()) = 0;
+                                     Tensor pre_act) = 0;
   // dw[N, K] += dy[M, N]^T . x[M, K], or dw = ... without accumulate (dw's old contents are not
   // read, NaN included: the first write of a step's gradient needs no zeroed buffer);
   // dbias[N] += column sums of dy (if dbias is given; bias gradients always accumulate).
@@ -247,7 +244,7 @@ class Backend {
   // unrounded GEMM result: CUDA's fused tanh-GeLU epilogue). act_out may alias pre_act (the
   // pre-activation is dead after this).
   virtual void linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor dy, Tensor w, Activation act,
-                                               Tensor pre_act, Tensor act_dbias = Tensor());
+                                               Tensor pre_act);
 
   // ---- FP8 linear layers (--fp8-format) --------------------------------------------------
   // Hopper's FP8 GEMMs (cuBLASLt) take both operands K-major ("TN"): every FP8 matrix below is

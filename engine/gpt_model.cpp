@@ -934,13 +934,11 @@ void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre,
 }
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
-                                Tensor pre_act, Tensor act_dbias) {
+                                Tensor pre_act) {
   if (!fp8_gemms(local)) {  // (calibrating: linear_quantize_dy recorded dy's amax)
-    be_.linear_backward_input(dx, dy, fp8_layer(local) ? compute_weight(local, g, w) : w, false, act, pre_act,
-                              act_dbias);
+    be_.linear_backward_input(dx, dy, fp8_layer(local) ? compute_weight(local, g, w) : w, false, act, pre_act);
     return;
   }
-  MT_CHECK(act_dbias.empty(), "layer {}: the activation's bias gradient from an FP8 GEMM", d_.layer_begin + local);
   be_.fp8_linear_backward_input(dx, fp8_view(fp8_dyq_, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
                                 fp8_w_[static_cast<size_t>(local)].q_t[g], fp8_.scale_inv(local, g, Fp8State::w), false,
                                 act, pre_act);
@@ -1351,7 +1349,6 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   const Tensor proj_db = proj_db_from_norm ? Tensor() : G.proj_b;
   Tensor d_fc1;  // gradient of fc1's output
   bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
-  bool fc1_db_taken = false;     // fc1's bias gradient was taken with its output gradient
   linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b,
                      dy_amax_from_norm(s, local, Fp8State::fc2) || !fc2_dy_amax.empty());
   if (d_.swiglu && kept) {
@@ -1391,11 +1388,9 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     d_fc1_quantized = true;
   } else if (A.act_kept && !fp8_gemms(local)) {
     // The activation kept from forward: fc2's input gradient takes the GeLU's backward (cuBLASLt's
-    // DGELU epilogue for the tanh form) into gFC, and fc1's bias gradient from it (the DGELU_BGRAD
-    // epilogue: no pass reading gFC back), and its weight gradient the kept activation.
+    // DGELU epilogue for the tanh form) into gFC, and its weight gradient the kept activation.
     const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
-    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre, G.fc1_b);
-    fc1_db_taken = !G.fc1_b.empty();
+    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_act);
   } else {
@@ -1406,17 +1401,15 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
       if (!kept) be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
     } else {
       be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, compute_weight(local, Fp8State::fc2, P.fc2_w), act,
-                                          A.fc1_pre, G.fc1_b);
-      fc1_db_taken = !G.fc1_b.empty();
+                                          A.fc1_pre);
     }
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
   }
-  const Tensor fc1_db = fc1_db_taken ? Tensor() : G.fc1_b;
-  if (!d_fc1_quantized) linear_quantize_dy(local, Fp8State::fc1, d_fc1, fc1_db);
+  if (!d_fc1_quantized) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
-                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, fc1_db, w.gH, dy);
+                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);
   } else {
     linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
     // Column-parallel input gradient: summed over TP.
@@ -1426,7 +1419,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     else
       be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
                                   A.ln2_rstd, P.ln2_w, P.ln2_b, dy, proj_db_from_norm ? G.proj_b : Tensor(), norm_);
-    linear_bwd_weight(local, Fp8State::fc1, A, G.fc1_w, fc1_db, d_fc1, A.ln2_out);
+    linear_bwd_weight(local, Fp8State::fc1, A, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
   }
 
   // Attention block. gH is the gradient of h1 = x + dropout(proj + b).

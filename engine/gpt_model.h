@@ -386,9 +386,7 @@ class GptModel {
   // pre, its input) quantized for fc1's backward GEMMs (with fc1's bias gradient) without writing
   // it: layers where fp8_wgrad(local).
   void linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias);
-  // act_dbias: the preceding layer's bias gradient from the activation's gradient (not FP8 GEMMs).
-  void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act,
-                        Tensor act_dbias = Tensor());
+  void linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act, Tensor pre_act);
   // x: the input in the compute dtype (used unless fp8_kept_inputs(local): then A's kept copy).
   void linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy, Tensor x);
   // Whether a weight-gradient GEMM into dw adds to it (false: the step's first write of a gradient

@@ -62,7 +62,7 @@ void ReferenceBackend::linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias,
 }
 
 void ReferenceBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
-                                             Tensor pre_act, Tensor act_dbias) {
+                                             Tensor pre_act) {
   const int64_t M = dy.rows(), N = dy.cols(), K = w.cols();
   MT_CHECK(w.rows() == N, "linear_backward_input: dy {} and w {} disagree on N", dy.shape_string(),
            w.shape_string());
@@ -95,19 +95,6 @@ void ReferenceBackend::linear_backward_input(Tensor dx, Tensor dy, Tensor w, boo
         }
       }
     });
-  });
-  if (act_dbias.empty()) return;
-  // The column sums of dx as stored: what linear_backward_weight's dbias sums from the same tensor.
-  MT_CHECK(act != Activation::none && !accumulate, "linear_backward_input: act_dbias needs an activation, no accumulate");
-  check_numel(act_dbias, K, "linear_backward_input", "act_dbias");
-  check_grad_accumulator(act_dbias, "linear_backward_input", "act_dbias");
-  const Floats fx(dx), fdb(act_dbias);
-  pool_.parallel_for(K, 64, [&](int64_t kb, int64_t ke, int) {
-    for (int64_t k = kb; k < ke; ++k) {
-      double sum = 0;
-      for (int64_t m = 0; m < M; ++m) sum += fx.get(m * K + k);
-      fdb.add(k, sum);
-    }
   });
 }
 

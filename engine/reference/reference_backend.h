@@ -52,8 +52,8 @@ class ReferenceBackend final : public Backend {
                         const RopeShape& r, const NormParams& p) override;
 
   void linear_forward(Tensor y, Tensor x, Tensor w, Tensor bias, Activation act, Tensor pre_act) override;
-  void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act, Tensor pre_act,
-                             Tensor act_dbias = Tensor()) override;
+  void linear_backward_input(Tensor dx, Tensor dy, Tensor w, bool accumulate, Activation act,
+                             Tensor pre_act) override;
   void linear_backward_weight(Tensor dw, Tensor dbias, Tensor dy, Tensor x, bool accumulate) override;
 
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;

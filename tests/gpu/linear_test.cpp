@@ -89,53 +89,6 @@ TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][
   });
 }
 
-// The bias gradient of the layer before the GeLU, taken with the input gradient through it: the
-// DGELU_BGRAD epilogue (tanh GeLU, K % 8 == 0) from the unrounded values, or the column-sum kernel
-// over dx (erf GeLU, odd K, the switch off, bf16 gradients), added to what dbias held; also through
-// the recomputing variant. Against the reference's column sums of dx as stored.
-TEST_CASE("cuda linear_backward_input: the activation's bias gradient", "[gpu][linear]") {
-  MT_RNG(rng);
-  cuda::GemmRunner& gemm = cuda_backend().gemm();
-  std::vector<GemmShape> shapes(std::begin(kShapes), std::end(kShapes));
-  shapes.push_back({8193, 3072, 768});  // many rows: the epilogue's reduction over n = M
-  for (bool epilogue : {true, false}) {
-    gemm.use_dgelu_bgrad_epilogue = epilogue;
-    for (DType dt : kFloatTypes)
-      for (const GemmShape& g : shapes)
-        for (Activation act : {Activation::gelu, Activation::gelu_tanh})
-          for (bool recompute : {false, true})
-            for (DType db_type : {DType::f32, DType::bf16}) {
-              if (db_type == DType::bf16 && (dt != DType::bf16 || g.M != 333)) continue;
-              if (g.M == 8193 && dt != DType::bf16) continue;
-              INFO(dtype_name(dt) << " M " << g.M << " K " << g.K << " N " << g.N << " act " << act_name(act)
-                                  << " recompute " << recompute << " dbias " << dtype_name(db_type)
-                                  << " DGELU_BGRAD switch " << epilogue);
-              Twin dy = twin(dt, {g.M, g.N}, rng.normal(g.M * g.N));
-              Twin w = twin(dt, {g.N, g.K}, scaled_normal(rng, g.N * g.K, 1.0 / std::sqrt(double(g.N))));
-              Twin pre = twin(dt, {g.M, g.K}, rng.normal(g.M * g.K, 2.0));
-              Twin dx = twin_nan(dt, {g.M, g.K});
-              const double scale = std::sqrt(static_cast<double>(g.M));
-              Twin db = db_type == DType::f32 ? twin(DType::f32, {g.K}, rng.normal(g.K, scale))
-                                              : twin_same(DType::bf16, {g.K}, rng.normal(g.K, scale));
-              if (recompute) {
-                dev().linear_backward_input_recompute(dx.c(), pre.c(), dy.c(), w.c(), act, pre.c(), db.c());
-                ref().linear_backward_input_recompute(dx.r(), pre.r(), dy.r(), w.r(), act, pre.r(), db.r());
-              } else {
-                dev().linear_backward_input(dx.c(), dy.c(), w.c(), false, act, pre.c(), db.c());
-                ref().linear_backward_input(dx.r(), dy.r(), w.r(), false, act, pre.r(), db.r());
-              }
-              MT_CHECK_CLOSE(dx, tol_for(dt));
-              MT_CHECK_CLOSE(db, tol_for(dt));
-            }
-  }
-  gemm.use_dgelu_bgrad_epilogue = true;
-  // Not with accumulate (the engine never asks; the sum would miss dx's old part).
-  Buf dy(dev(), DType::bf16, {16, 32}), w(dev(), DType::bf16, {32, 8}), dx(dev(), DType::bf16, {16, 8}),
-      pre(dev(), DType::bf16, {16, 8}), db(dev(), DType::f32, {8});
-  CHECK_THROWS_WITH(dev().linear_backward_input(dx.t, dy.t, w.t, true, Activation::gelu_tanh, pre.t, db.t),
-                    Catch::Contains("act_dbias with accumulate"));
-}
-
 // The bias gradient's column sums over many rows: each thread's four-rows-at-a-time loop (and its
 // tail) runs, at the vector (N % 8 == 0) and scalar widths.
 TEST_CASE("cuda linear_backward_weight dbias over many rows", "[gpu][linear]") {
