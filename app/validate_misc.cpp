@@ -1,7 +1,25 @@
 // Checkpointing, logging and megatrain-specific rules.
+#include <filesystem>
+
 #include "app/cli_internal.h"
 
 namespace mt::cli {
+
+namespace {
+
+// Whether two paths name the same directory (also before it exists: compared as absolute paths).
+bool same_directory(const std::string& a, const std::string& b) {
+  auto normal = [](const std::string& p) {
+    std::error_code e;
+    std::filesystem::path n = std::filesystem::weakly_canonical(std::filesystem::absolute(p), e);
+    if (e) n = std::filesystem::absolute(p);
+    n = n.lexically_normal();
+    return n.has_filename() ? n : n.parent_path();  // "dir/" and "dir" alike
+  };
+  return normal(a) == normal(b);
+}
+
+}  // namespace
 
 void validate_checkpoint_and_logging(CliState& st) {
   Config& c = st.cfg;
@@ -31,6 +49,11 @@ void validate_checkpoint_and_logging(CliState& st) {
            "checkpoints go)");
     if (!k.save) st.warn("--non-persistent-save-interval has no effect without --save");
   }
+  // Only the newest iteration stays in the non-persistent directory: sharing --save's would delete
+  // its checkpoints.
+  if (k.non_persistent_global_ckpt_dir && k.save && same_directory(*k.non_persistent_global_ckpt_dir, *k.save))
+    fail("--non-persistent-global-ckpt-dir {} is --save's directory: only the newest non-persistent checkpoint is "
+         "kept there, so --save's checkpoints would be deleted; give it a directory of its own", *k.save);
   if (k.non_persistent_global_ckpt_dir && k.non_persistent_ckpt_type != "global")
     st.warn("--non-persistent-global-ckpt-dir has no effect without --non-persistent-ckpt-type global");
   if (k.non_persistent_ckpt_type == "global" && !k.non_persistent_save_interval && !k.load &&

@@ -241,6 +241,10 @@ TEST_CASE("binary: --non-persistent-global-ckpt-dir, with --use-checkpoint-args,
   bad = megatrain(kGpt + train + save + " --non-persistent-save-interval 3 --non-persistent-ckpt-type local");
   CHECK(bad.code != 0);
   CHECK(bad.out.find("megatrain does not support --non-persistent-ckpt-type local") != std::string::npos);
+  bad = megatrain(kGpt + train + save + " --non-persistent-ckpt-type global --non-persistent-save-interval 3 "
+                  "--non-persistent-global-ckpt-dir " + ck + "/");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("is --save's directory") != std::string::npos);
   const Result warn = megatrain(kGpt + train + " --non-persistent-global-ckpt-dir " + global);
   require_ok(warn);
   CHECK(warn.out.find("--non-persistent-global-ckpt-dir has no effect without --non-persistent-ckpt-type global") !=
