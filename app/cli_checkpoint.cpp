@@ -15,7 +15,8 @@ void add_checkpoint_flags(FlagTable& t) {
                                                             {"torch_dcp", "torch_dcp"}, {"fsdp_dtensor", "fsdp_dtensor"},
                                                             {"zarr", "zarr"}},
            MT_FIELD(checkpoint.ckpt_format));
-  t.recognised("--auto-detect-ckpt-format", Arity::none, "", "off", "detect torch vs torch_dist when loading");
+  t.no_effect("--auto-detect-ckpt-format", Arity::none,
+              "megatrain loads its own checkpoint format and names Megatron-LM's (torch, torch_dist) when --load holds one");
   t.no_effect("--use-dist-ckpt", Arity::none, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
   t.no_effect("--dist-ckpt-format", Arity::one, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
   t.flag("--no-save-optim", "do not save the optimizer state", MT_FIELD(checkpoint.no_save_optim));
