@@ -126,16 +126,9 @@ void apply_checkpoint_args(CliState& st) {
   // The checkpoint the run will load (checkpoint_to_load): a newer non-persistent one, --load's,
   // or the pretrained one when --load has none.
   std::optional<CheckpointLocation> loc;
-  const std::string np_global = raw_value(st, "--non-persistent-global-ckpt-dir");
-  if (raw_value(st, "--non-persistent-ckpt-type") == "global" && !step) {
-    const std::string np_dir = non_persistent_directory(
-        np_global.empty() ? std::nullopt : std::optional<std::string>(np_global),
-        load.empty() ? std::nullopt : std::optional<std::string>(load));
-    std::optional<int64_t> persistent;
-    if (!load.empty())
-      if (const auto t = read_checkpoint_tracker(load)) persistent = t->iteration;
-    if (!np_dir.empty()) loc = newer_non_persistent(np_dir, persistent, /*report=*/false);
-  }
+  auto given = [](const std::string& v) { return v.empty() ? std::nullopt : std::optional<std::string>(v); };
+  if (raw_value(st, "--non-persistent-ckpt-type") == "global" && !step)
+    loc = newer_non_persistent(given(raw_value(st, "--non-persistent-global-ckpt-dir")), given(load), /*report=*/false);
   if (!loc) {
     const bool from_load = !load.empty() && path_exists(checkpoint_tracker_path(load));
     const std::string dir = from_load || pretrained.empty() ? load : pretrained;

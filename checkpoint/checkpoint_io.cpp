@@ -225,8 +225,13 @@ std::string non_persistent_directory(const std::optional<std::string>& global_di
   return base ? join_path(*base, "non_persistent") : std::string();
 }
 
-std::optional<CheckpointLocation> newer_non_persistent(const std::string& np_dir, std::optional<int64_t> persistent,
-                                                       bool report) {
+std::optional<CheckpointLocation> newer_non_persistent(const std::optional<std::string>& global_dir,
+                                                       const std::optional<std::string>& load, bool report) {
+  const std::string np_dir = non_persistent_directory(global_dir, load);
+  if (np_dir.empty()) return std::nullopt;
+  std::optional<int64_t> persistent;
+  if (load)
+    if (const auto p = read_checkpoint_tracker(*load)) persistent = p->iteration;  // (0 for a release)
   const std::optional<CheckpointLocation> t = read_checkpoint_tracker(np_dir);
   if (!t) {
     if (report) {
@@ -243,6 +248,10 @@ std::optional<CheckpointLocation> newer_non_persistent(const std::string& np_dir
   }
   std::optional<CheckpointLocation> loc = locate_checkpoint(np_dir);
   loc->non_persistent = true;
+  if (report) {
+    log::info("Loading from a non-persistent checkpoint (non-persistent iter {})", loc->iteration);
+    log::info(" loading checkpoint from {} at iteration {}", np_dir, loc->iteration);
+  }
   return loc;
 }
 
@@ -250,21 +259,10 @@ std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg
   // Megatron looks at the non-persistent checkpoints first and takes theirs when it is at least as
   // new as --load's. (Megatron compares with --ckpt-step too; megatrain loads the one --ckpt-step
   // names.)
-  const std::string np_dir = cfg.non_persistent_ckpt_type == "global"
-                                 ? non_persistent_directory(cfg.non_persistent_global_ckpt_dir, cfg.load)
-                                 : std::string();
-  if (!np_dir.empty() && !cfg.ckpt_step) {
-    std::optional<int64_t> persistent;
-    if (cfg.load)
-      if (const auto t = read_checkpoint_tracker(*cfg.load)) persistent = t->iteration;  // (0 for a release)
-    if (auto loc = newer_non_persistent(np_dir, persistent, /*report=*/true)) {
-      log::info("Loading from a non-persistent checkpoint (non-persistent iter {})", loc->iteration);
-      log::info(" loading checkpoint from {} at iteration {}", np_dir, loc->iteration);
-      return loc;
-    }
-  } else if (!np_dir.empty()) {
+  if (cfg.non_persistent_ckpt_type == "global" && cfg.ckpt_step)
     log::info("--ckpt-step {}: loading that checkpoint of --load, not a non-persistent one", *cfg.ckpt_step);
-  }
+  else if (cfg.non_persistent_ckpt_type == "global")
+    if (auto loc = newer_non_persistent(cfg.non_persistent_global_ckpt_dir, cfg.load, /*report=*/true)) return loc;
   // Megatron falls back to --pretrained-checkpoint when --load has no tracker file (whatever
   // --ckpt-step says), and loads from there as a finetune.
   if (cfg.pretrained_checkpoint && (!cfg.load || !path_exists(checkpoint_tracker_path(*cfg.load)))) {

@@ -92,12 +92,13 @@ std::optional<CheckpointLocation> locate_checkpoint(const std::string& load_dir,
 // --load when loading); "" when there is neither.
 std::string non_persistent_directory(const std::optional<std::string>& global_dir, const std::optional<std::string>& base);
 // The non-persistent checkpoint to load instead of --load's, as Megatron's _load_base_checkpoint:
-// the one np_dir's tracker names when it is at least as new as `persistent` (the iteration
-// --load's tracker names, 0 for a release; nullopt: --load has none). nullopt when np_dir has no
-// tracker or its checkpoint is older (both with Megatron's warning when `report`). Throws for a
-// "release" tracker there or a tracker naming a missing directory.
-std::optional<CheckpointLocation> newer_non_persistent(const std::string& np_dir, std::optional<int64_t> persistent,
-                                                       bool report);
+// the one the tracker of non_persistent_directory(global_dir, load) names when it is at least as
+// new as what --load's tracker names (0 for a release), or --load has none. nullopt when there is
+// no such directory or tracker, or its checkpoint is older (both with Megatron's warning when
+// `report`, which also prints the loading lines). Throws for a "release" tracker there or a
+// tracker naming a missing directory.
+std::optional<CheckpointLocation> newer_non_persistent(const std::optional<std::string>& global_dir,
+                                                       const std::optional<std::string>& load, bool report);
 
 // Megatron's --load decision (load_checkpoint / _load_base_checkpoint): nullopt without --load;
 // when --load has no tracker file and --pretrained-checkpoint is given, that directory's checkpoint
