@@ -70,6 +70,7 @@ void BackgroundRemover::remove(std::vector<std::pair<int64_t, std::string>> dirs
         log::info("  successfully deleted checkpoint from iteration {:7d} at {}", it, parent_directory(dir));
         if (on_deleted) on_deleted(it);
       } catch (const std::exception& e) {
+        // As Megatron: a failed clean-up is reported, not fatal (the new checkpoint is committed).
         log::warn("{}: could not delete {}: {}", flag, dir, e.what());
       }
     }
@@ -81,11 +82,11 @@ void CheckpointRetention::committed(std::optional<int64_t> previous, int64_t sav
   if (!active_ || !previous || *previous <= 0 || *previous == saved || *previous % *interval_ == 0) return;
   const int64_t it = *previous;
   const std::string dir = join_path(save_dir_, iteration_directory_name(it));
-  if (!path_exists(dir) && !is_symlink(dir)) return;  // already gone
   if (is_symlink(dir)) {
     log::info("  skipping deleting checkpoint from iteration {:7d} at {} since it is a symbolic link", it, save_dir_);
     return;
   }
+  if (!path_exists(dir)) return;  // already gone
   remover_.remove({{it, dir}}, "--save-retain-interval", on_deleted_);
 }
 
