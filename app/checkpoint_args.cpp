@@ -65,9 +65,16 @@ E enum_from(const std::string& s, const std::string& what) {
   fail("{}: unknown value '{}'", what, s);
 }
 
+// Marks a field newer than the first checkpoints: loading one without it keeps the default.
+struct AddedLater {};
+
 // Reads and writes one field; `where` names the manifest in errors.
 struct ToJson {
   json& j;
+  template <class T>
+  void operator()(const char* k, T& v, AddedLater) {
+    (*this)(k, v);
+  }
   template <class T>
   void operator()(const char* k, T& v) {
     if constexpr (std::is_enum_v<T>) j[k] = enum_name(v);
@@ -79,6 +86,10 @@ struct ToJson {
 struct FromJson {
   const json& j;
   const std::string& where;
+  template <class T>
+  void operator()(const char* k, T& v, AddedLater) {
+    if (j.contains(k)) (*this)(k, v);
+  }
   template <class T>
   void operator()(const char* k, T& v) {
     if (!j.contains(k)) fail("{}: the saved model configuration lacks '{}'", where, k);
@@ -126,6 +137,9 @@ void visit_model(ModelConfig& m, F&& f) {
   f("add_bias_linear", m.add_bias_linear);
   f("add_qkv_bias", m.add_qkv_bias);
   f("qk_layernorm", m.qk_layernorm);
+  f("window_size", m.window_size, AddedLater{});
+  f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
+  f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
   f("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
   f("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by);
   f("seq_length", m.seq_length);

@@ -56,6 +56,8 @@ const std::vector<CheckpointArg>& model_args() {
       {"rope_scaling_factor", "--rope-scaling-factor", Take::forced},
       {"openai_gelu", "--openai-gelu", Take::forced},
       {"bias_gelu_fusion", "--no-bias-gelu-fusion", Take::forced, true},
+      {"window_size", "--window-size", Take::forced},
+      {"window_attn_skip_freq", "--window-attn-skip-freq", Take::forced},
       {"padded_vocab_size", "--padded-vocab-size", Take::if_absent},
   };
   return args;

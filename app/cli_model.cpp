@@ -1,6 +1,10 @@
 // Model architecture flags (megatron.md section 1.1).
 #include "app/flags.h"
 
+#include <fmt/format.h>
+
+#include "app/layer_pattern.h"
+
 namespace mt::cli {
 
 void add_model_flags(FlagTable& t) {
@@ -89,7 +93,44 @@ void add_model_flags(FlagTable& t) {
     t.add(std::move(s));
   }
   t.recognised("--decoder-seq-length", Arity::one, "INT", "None", "decoder sequence length of encoder-decoder models");
-  t.recognised("--window-size", Arity::one, "LEFT,RIGHT", "None", "sliding-window attention");
+  {
+    FlagSpec s;
+    s.name = "--window-size";
+    s.group = FlagGroup::model;
+    s.metavar = "LEFT,RIGHT";
+    s.help = "sliding-window attention: a query sees LEFT earlier keys (-1: all); causal, so RIGHT counts as 0";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      const std::vector<int> w = parse_int_tuple("--window-size", v.one());
+      if (w.size() != 2)
+        fail("--window-size takes two integers LEFT,RIGHT (Transformer Engine's window), got '{}'", v.one());
+      st.cfg.model.window_size = std::make_pair(w[0], w[1]);
+    };
+    s.value = [](const Config& c) -> nlohmann::json {
+      const auto& w = c.model.window_size;
+      return w ? nlohmann::json(fmt::format("{},{}", w->first, w->second)) : nlohmann::json(nullptr);
+    };
+    t.add(std::move(s));
+  }
+  {
+    FlagSpec s;
+    s.name = "--window-attn-skip-freq";
+    s.group = FlagGroup::model;
+    s.metavar = "N|LIST";
+    s.help = "layers without the window: every N-th (1-based), or a 0/1 list per layer such as \"([1]*3+[0])*4\"";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      const LayerFrequency f = parse_layer_frequency("--window-attn-skip-freq", v.one());
+      st.cfg.model.window_attn_skip_every = f.every;
+      st.cfg.model.window_attn_pattern = f.pattern;
+    };
+    s.value = [](const Config& c) -> nlohmann::json {
+      const ModelConfig& m = c.model;
+      if (!m.window_attn_skip_every && m.window_attn_pattern.empty()) return nullptr;
+      return layer_frequency_text({m.window_attn_skip_every, m.window_attn_pattern});
+    };
+    t.add(std::move(s));
+  }
   t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
   t.choice("--attention-backend", "attention implementation (megatrain always runs its flash-style kernel)",
            std::vector<std::pair<std::string, AttentionBackend>>{{"flash", AttentionBackend::flash},

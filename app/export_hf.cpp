@@ -20,8 +20,12 @@ using nlohmann::json;
 HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // The family a model belongs to; HfModelSpec::validate() then refuses what that family cannot
   // express (naming the flag).
-  if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope)
-    return m.add_qkv_bias && !m.add_bias_linear ? HfArchitecture::qwen2 : HfArchitecture::llama;
+  bool windowed = false;
+  for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
+  if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope) {
+    if (m.add_qkv_bias && !m.add_bias_linear) return HfArchitecture::qwen2;
+    return windowed ? HfArchitecture::mistral : HfArchitecture::llama;  // Mistral: Llama with a sliding window
+  }
   return HfArchitecture::gpt2;
 }
 

@@ -28,8 +28,9 @@ int export_hf_main(const std::vector<std::string>& args);
 int import_hf_main(const std::vector<std::string>& args);
 int forward_logits_main(const std::vector<std::string>& args);
 
-// GPT2LMHeadModel for LayerNorm + learned positions, LlamaForCausalLM for RMSNorm + RoPE + SwiGLU;
-// other combinations are refused naming the flag (HfModelSpec::validate).
+// GPT2LMHeadModel for LayerNorm + learned positions, LlamaForCausalLM for RMSNorm + RoPE + SwiGLU
+// (MistralForCausalLM with a sliding window, Qwen2ForCausalLM with q/k/v biases only); other
+// combinations are refused naming the flag (HfModelSpec::validate).
 HfArchitecture hf_architecture_of(const ModelConfig& m);
 
 struct HfExportOptions {

@@ -1,5 +1,6 @@
 // megatrain import-hf: a Hugging Face GPT-2 or Llama directory as a megatrain release checkpoint.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <map>
@@ -44,6 +45,10 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.add_bias_linear = s.add_bias_linear;
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
   m.qk_layernorm = s.qk_layernorm;
+  if (s.sliding_window) {
+    m.window_size = std::make_pair(*s.sliding_window - 1, 0);
+    m.window_attn_pattern = s.window_layers;
+  }
   m.untie_embeddings_and_output_weights = s.untie_embeddings_and_output_weights;
   m.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
   m.seq_length = s.max_position_embeddings;
@@ -97,6 +102,10 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   if (!s.add_bias_linear) add("--disable-bias-linear");
   if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
   if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
+  if (s.sliding_window) {
+    add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
+    if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));
+  }
   add("--attention-dropout", num(s.attention_dropout));
   add("--hidden-dropout", num(s.hidden_dropout));
   add("--init-method-std", num(s.init_method_std));
@@ -230,7 +239,9 @@ int import_hf_main(const std::vector<std::string>& args) {
   const int tp = static_cast<int>(a.integer("--tensor-model-parallel-size", 1));
   const HfImportResult r = import_hf(hf_dir, save, divisible, tp);
   std::string line;
-  for (const auto& f : r.flags) line += (line.empty() ? "" : " ") + f;
+  // Values a shell would expand (a [0,1] list is a glob) are quoted.
+  for (const auto& f : r.flags)
+    line += (line.empty() ? "" : " ") + (f.find_first_of("[]*?()") == std::string::npos ? f : "'" + f + "'");
   std::printf("imported %s (%s, %d layers, vocabulary %d padded to %d) into %s as a release checkpoint\n",
               hf_dir.c_str(), hf_architecture_name(r.spec.arch),
               r.spec.num_layers, r.spec.vocab_size, r.spec.padded_vocab_size, save.c_str());

@@ -20,7 +20,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--squared-relu", W::any_use, {}, ""},
       {"--quick-geglu", W::any_use, {}, ""},
       {"--qk-l2-norm", W::any_use, {}, ""},
-      {"--window-size", W::any_use, {}, "sliding-window attention"},
       {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
       {"--attention-output-gate", W::any_use, {}, ""},

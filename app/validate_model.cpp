@@ -3,8 +3,38 @@
 #include "app/cli_internal.h"
 
 namespace mt::cli {
+namespace {
+
+// --window-size / --window-attn-skip-freq (Transformer Engine's window rules for causal masks).
+void validate_window(CliState& st) {
+  const ModelConfig& m = st.cfg.model;
+  if (!m.window_size) {
+    if (m.window_attn_skip_every || !m.window_attn_pattern.empty())
+      st.warn("--window-attn-skip-freq has no effect without --window-size (as in Megatron): every layer attends to "
+              "all earlier tokens");
+    return;
+  }
+  const auto [left, right] = *m.window_size;
+  if (left < -1 || right < -1)
+    fail("--window-size {},{}: each bound is -1 (unbounded) or a number of tokens >= 0", left, right);
+  if (right != 0 && !(left < 0 && right < 0))
+    st.warn(fmt::format("--window-size {},{}: attention is causal, so no query sees later tokens; megatrain uses ({}, 0), "
+                        "as Transformer Engine does for causal masks", left, right, left));
+  if (left < 0) {
+    st.note("--window-size with LEFT -1 is no sliding window: every layer attends to all earlier tokens");
+    return;
+  }
+  if (m.window_attn_skip_every && *m.window_attn_skip_every <= 0)
+    fail("--window-attn-skip-freq {} must be > 0 (every N-th layer attends fully)", *m.window_attn_skip_every);
+  if (!m.window_attn_pattern.empty() && static_cast<int>(m.window_attn_pattern.size()) != m.num_layers)
+    fail("--window-attn-skip-freq gives {} layers but --num-layers is {}: the list needs one 0/1 entry per layer",
+         m.window_attn_pattern.size(), m.num_layers);
+}
+
+}  // namespace
 
 void validate_model(CliState& st) {
+  validate_window(st);
   const Config& c = st.cfg;
   const ModelConfig& m = c.model;
   const int tp = c.parallel.tensor_model_parallel_size;

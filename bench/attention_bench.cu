@@ -6,12 +6,16 @@
 // warm-up first, median of the timed repetitions. The backward time includes its small helpers
 // (delta = rowsum(dO*O), counter reset) since a training step pays them.
 //
-// Usage: bench_attention [--configs] [--candidates] [--reps N] [--quick] [--only SHAPE-SUBSTRING]
+// Sliding window (--window N: a query sees N earlier keys and itself): FLOPs count the visible
+// (query, key) pairs, 4*B*H*pairs*D forward (the causal convention's T^2/2 pairs without it).
+//
+// Usage: bench_attention [--configs] [--candidates] [--reps N] [--quick] [--only SHAPE-SUBSTRING] [--window N]
 //   --configs     also time every compiled flash tile configuration (tuning)
 //   --candidates  also time every cuDNN candidate (K/V layout, dQ algorithm, engine config) pinned;
 //                 the "fused (cuDNN)" row is the production path, which times them at its first call
 //   --quick    only the three model shapes
 //   --only     only the shapes whose label contains the string (e.g. "gpt2-124m B32")
+//   --window   sliding-window attention (--window-size N,0) on every shape
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -78,7 +82,7 @@ struct Row {
 
 int run(int argc, char** argv) {
   bool configs = false, quick = false, candidates = false;
-  int reps = 20;
+  int reps = 20, window = -1;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--configs")) configs = true;
@@ -86,8 +90,10 @@ int run(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--window") && i + 1 < argc) window = std::atoi(argv[++i]);
     else {
-      fmt::print(stderr, "usage: bench_attention [--configs] [--candidates] [--quick] [--reps N] [--only SHAPE-SUBSTRING]\n");
+      fmt::print(stderr, "usage: bench_attention [--configs] [--candidates] [--quick] [--reps N] [--only SHAPE-SUBSTRING] "
+                         "[--window N]\n");
       return 2;
     }
   }
@@ -118,10 +124,12 @@ int run(int argc, char** argv) {
     if (!only.empty() && fmt::format("{} B{} H{}/{} T{} D{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d).find(only) ==
                              std::string::npos)
       continue;
-    const AttentionShape a = AttentionShape::make(sh.b, sh.s, sh.heads, sh.groups, sh.d, /*causal=*/true, sh.dropout, 7);
+    AttentionShape a = AttentionShape::make(sh.b, sh.s, sh.heads, sh.groups, sh.d, /*causal=*/true, sh.dropout, 7);
+    a.window_left = window;
     const size_t n = static_cast<size_t>(sh.b) * sh.s;
     const size_t qkv_n = n * a.qkv_row_stride(), out_n = n * sh.heads * sh.d, lse_n = n * sh.heads;
-    const std::string label = fmt::format("{} B{} H{}/{} T{} D{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d);
+    const std::string label = fmt::format("{} B{} H{}/{} T{} D{}{}", sh.name, sh.b, sh.heads, sh.groups, sh.s, sh.d,
+                                          window >= 0 ? fmt::format(" W{}", window) : "");
 
     struct Variant {
       std::string name;
@@ -207,7 +215,12 @@ int run(int argc, char** argv) {
     // Every backward starts from the default flash forward's out/lse.
     variants[0].fwd(t_out, t_lse, t_qkv, ws, ws_bytes);
 
-    const double fwd_flop = 2.0 * sh.b * sh.heads * static_cast<double>(sh.s) * sh.s * sh.d;
+    double pairs = 0.5 * static_cast<double>(sh.s) * sh.s;  // (query, key) pairs per head
+    if (window >= 0) {
+      pairs = 0;
+      for (int q = 0; q < sh.s; ++q) pairs += std::min(q, window) + 1;
+    }
+    const double fwd_flop = 4.0 * sh.b * sh.heads * pairs * sh.d;
     const double bwd_flop = 2.5 * fwd_flop;
     for (const auto& v : variants) {
       Row r{label, v.name, NAN, NAN, NAN, NAN, &sh};

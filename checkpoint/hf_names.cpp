@@ -1,5 +1,6 @@
 #include "checkpoint/hf_names.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -78,6 +79,13 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.rotary_base = m.rotary_base;
   s.use_rope_scaling = m.use_rope_scaling;
   s.rope_scaling_factor = m.rope_scaling_factor;
+  std::vector<int> windows;  // per layer: the window's LEFT, or -1
+  for (int layer = 0; layer < m.num_layers; ++layer) windows.push_back(attention_window_left(m, layer));
+  if (std::any_of(windows.begin(), windows.end(), [](int w) { return w >= 0; })) {
+    s.sliding_window = m.window_size->first + 1;
+    if (std::any_of(windows.begin(), windows.end(), [](int w) { return w < 0; }))
+      for (int w : windows) s.window_layers.push_back(w >= 0 ? 1 : 0);
+  }
   s.norm_epsilon = m.norm_epsilon;
   s.init_method_std = m.init_method_std;
   s.hidden_dropout = m.hidden_dropout;
@@ -95,6 +103,7 @@ const char* hf_architecture_name(HfArchitecture a) {
   switch (a) {
     case HfArchitecture::gpt2: return "GPT2LMHeadModel";
     case HfArchitecture::llama: return "LlamaForCausalLM";
+    case HfArchitecture::mistral: return "MistralForCausalLM";
     case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
   }
   return "?";
@@ -111,6 +120,18 @@ void HfModelSpec::validate() const {
   if (vocab_size <= 0 || padded_vocab_size < vocab_size)
     fail("HF mapping: vocabulary {} / padded {} is not valid", vocab_size, padded_vocab_size);
   if (qk_layernorm) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (sliding_window && *sliding_window < 1) fail("HF mapping: sliding window {} (must be >= 1)", *sliding_window);
+  if (!window_layers.empty() && static_cast<int>(window_layers.size()) != num_layers)
+    fail("HF mapping: {} per-layer window entries for {} layers", window_layers.size(), num_layers);
+  if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama))
+    refuse("--window-size (the HF model has no sliding window; Llama-shaped models with one export as "
+           "MistralForCausalLM, Qwen2-shaped ones as Qwen2ForCausalLM)");
+  if (arch == HfArchitecture::mistral) {
+    if (!window_layers.empty()) refuse("--window-attn-skip-freq (Mistral has one sliding window for every layer)");
+    if (add_bias_linear || add_qkv_bias) refuse("linear biases (Mistral has none)");
+    if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
+  }
+
   if (arch == HfArchitecture::gpt2) {
     if (!layernorm) refuse("--normalization RMSNorm (GPT-2 uses LayerNorm)");
     if (!learned_position_embeddings) refuse("--position-embedding-type other than learned_absolute");
@@ -122,7 +143,7 @@ void HfModelSpec::validate() const {
     if (layernorm) refuse("--normalization LayerNorm (Llama uses RMSNorm)");
     if (learned_position_embeddings) refuse("learned absolute position embeddings (Llama uses RoPE)");
     if (!swiglu) refuse("a non-SwiGLU MLP (pass --swiglu)");
-    if (arch == HfArchitecture::llama && add_qkv_bias && !add_bias_linear)
+    if (arch != HfArchitecture::qwen2 && add_qkv_bias && !add_bias_linear)
       refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o; Qwen2ForCausalLM has q/k/v biases only)");
     if (arch == HfArchitecture::qwen2 && (add_bias_linear || !add_qkv_bias))
       refuse("linear biases other than q/k/v's (Qwen2 has --add-qkv-bias with --disable-bias-linear)");
@@ -225,9 +246,9 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
   } else {
-    const bool qwen2 = s.arch == HfArchitecture::qwen2;
+    const bool qwen2 = s.arch == HfArchitecture::qwen2, mistral = s.arch == HfArchitecture::mistral;
     c["architectures"] = {hf_architecture_name(s.arch)};
-    c["model_type"] = qwen2 ? "qwen2" : "llama";
+    c["model_type"] = qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
     c["vocab_size"] = s.vocab_size;
     c["hidden_size"] = s.hidden_size;
     c["intermediate_size"] = s.ffn_hidden_size;
@@ -249,10 +270,29 @@ json hf_config_json(const HfModelSpec& s) {
                                                   {"original_max_position_embeddings", 8192}}
                                            : json(nullptr);
     c["attention_dropout"] = s.attention_dropout;
-    if (qwen2) {  // (q/k/v biases are implied; every layer attends to the whole causal context)
-      c["use_sliding_window"] = false;
-      c["sliding_window"] = nullptr;
-      c["max_window_layers"] = s.num_layers;
+    const json window = s.sliding_window ? json(*s.sliding_window) : json(nullptr);
+    if (qwen2) {  // (q/k/v biases are implied)
+      // The first max_window_layers layers attend fully; layer_types (transformers >= 4.53) says
+      // the same per layer. Older readers know only max_window_layers, so the windowed layers must
+      // be the last ones (import takes any layer_types).
+      int full_layers = s.sliding_window ? 0 : s.num_layers;
+      if (!s.window_layers.empty()) {
+        const auto first = std::find(s.window_layers.begin(), s.window_layers.end(), 1);
+        if (std::find(first, s.window_layers.end(), 0) != s.window_layers.end())
+          throw Unsupported("cannot express this model as Qwen2ForCausalLM: --window-attn-skip-freq with a "
+                            "full-attention layer after a windowed one (Qwen2's windowed layers are the last ones, "
+                            "from max_window_layers on)");
+        full_layers = static_cast<int>(first - s.window_layers.begin());
+      }
+      c["use_sliding_window"] = s.sliding_window.has_value();
+      c["sliding_window"] = window;
+      c["max_window_layers"] = full_layers;
+      json types = json::array();
+      for (int layer = 0; layer < s.num_layers; ++layer)
+        types.push_back(layer >= full_layers ? "sliding_attention" : "full_attention");
+      c["layer_types"] = types;
+    } else if (mistral) {
+      c["sliding_window"] = window;
     } else {
       c["attention_bias"] = s.add_bias_linear;
       c["mlp_bias"] = s.add_bias_linear;
@@ -266,6 +306,47 @@ json hf_config_json(const HfModelSpec& s) {
   c["torch_dtype"] = s.torch_dtype;
   return c;
 }
+
+namespace {
+
+// The sliding windows of a Llama-family config. Mistral: sliding_window on every layer (null: none).
+// Qwen2 (as transformers reads it): only with use_sliding_window, on the layers layer_types names
+// "sliding_attention", or without layer_types from max_window_layers on. Qwen2 configs often carry
+// a sliding_window with use_sliding_window false: no window then.
+void read_sliding_window(const json& c, const std::string& type, HfModelSpec& s) {
+  const bool has_size = c.contains("sliding_window") && !c["sliding_window"].is_null();
+  std::vector<int> layers(static_cast<size_t>(s.num_layers), 0);
+  if (type == "mistral") {
+    if (!has_size) return;
+    layers.assign(layers.size(), 1);
+  } else if (type == "qwen2") {
+    if (!c.value("use_sliding_window", false)) return;
+    if (c.contains("layer_types") && c["layer_types"].is_array()) {
+      const json& types = c["layer_types"];
+      if (static_cast<int>(types.size()) != s.num_layers)
+        fail("HF qwen2 config: {} layer_types for {} layers", types.size(), s.num_layers);
+      for (size_t i = 0; i < types.size(); ++i) {
+        if (types[i] == "sliding_attention") layers[i] = 1;
+        else if (types[i] != "full_attention")
+          throw Unsupported(fmt::format("HF qwen2 config: layer type {} (megatrain has full_attention and "
+                                        "sliding_attention)", types[i].dump()));
+      }
+    } else {
+      const int full = c.value("max_window_layers", s.num_layers);
+      for (int i = std::max(full, 0); i < s.num_layers; ++i) layers[static_cast<size_t>(i)] = 1;
+    }
+    if (std::find(layers.begin(), layers.end(), 1) == layers.end()) return;
+    if (!has_size) fail("HF qwen2 config: sliding-window layers but no sliding_window size");
+  } else {
+    return;  // Llama has no sliding window
+  }
+  const int window = c["sliding_window"].get<int>();
+  if (window < 1) fail("HF {} config: sliding_window {} (must be >= 1)", type, window);
+  s.sliding_window = window;
+  if (std::find(layers.begin(), layers.end(), 0) != layers.end()) s.window_layers = layers;
+}
+
+}  // namespace
 
 HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by, int tp) {
   HfModelSpec s;
@@ -293,14 +374,7 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
     } else if (type == "llama" || type == "mistral" || type == "qwen2") {
-      s.arch = type == "qwen2" ? HfArchitecture::qwen2 : HfArchitecture::llama;
-      // Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not built: a
-      // window shorter than the context would silently attend further than the model was trained to.
-      const bool window = type == "qwen2" ? c.value("use_sliding_window", false)
-                                          : c.contains("sliding_window") && !c["sliding_window"].is_null();
-      if (window)
-        throw Unsupported(fmt::format("HF {} config: sliding-window attention (sliding_window {}): megatrain attends "
-                                      "to the whole causal context", type, c.value("sliding_window", json()).dump()));
+      s.arch = type == "qwen2" ? HfArchitecture::qwen2 : type == "mistral" ? HfArchitecture::mistral : HfArchitecture::llama;
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
       s.num_attention_heads = need("num_attention_heads").get<int>();
@@ -337,11 +411,7 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = 0.0;
       const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : nullptr;
       if (!scaling && params && params->value("rope_type", std::string("default")) != "default") scaling = params;
-      if (type == "qwen2" && c.contains("layer_types") && c["layer_types"].is_array())
-        for (const json& t : c["layer_types"])
-          if (t != "full_attention")
-            throw Unsupported(fmt::format("HF qwen2 config: layer type {} (megatrain attends to the whole causal "
-                                          "context in every layer)", t.dump()));
+      read_sliding_window(c, type, s);
       if (scaling) {
         const json& r = *scaling;
         const std::string rt = r.value("rope_type", r.value("type", std::string()));

@@ -1,8 +1,8 @@
 // Mapping between megatrain's parameters (Megatron-Core names and layouts, global layer numbers)
-// and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM and Qwen2ForCausalLM (names, layouts,
-// config.json). Qwen2 is Llama with biases on q/k/v only (Megatron's --add-qkv-bias with
-// --disable-bias-linear); import also reads MistralForCausalLM configs, Llama's layout, when they
-// have no sliding window.
+// and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM
+// (names, layouts, config.json). Mistral is Llama's layout with a sliding window on every layer
+// (--window-size); Qwen2 is Llama with biases on q/k/v only (Megatron's --add-qkv-bias with
+// --disable-bias-linear), and a sliding window on its upper layers when it has one.
 // Pure functions on host arrays; the export-hf / import-hf commands do the file I/O.
 //
 // Layout differences handled here (../shared/reference/frameworks.md section 2):
@@ -29,8 +29,8 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, qwen2 };
-// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM".
+enum class HfArchitecture { gpt2, llama, mistral, qwen2 };
+// "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM".
 const char* hf_architecture_name(HfArchitecture a);
 
 // What the mapping needs to know about the model.
@@ -58,6 +58,10 @@ struct HfModelSpec {
   double rotary_base = 10000;
   bool use_rope_scaling = false;
   double rope_scaling_factor = 8.0;
+  // Sliding-window attention: HF's sliding_window, the keys a query sees with itself (Megatron's
+  // --window-size LEFT + 1), and which layers have it (1 = windowed; empty: every layer).
+  std::optional<int> sliding_window;
+  std::vector<int> window_layers;
   double norm_epsilon = 1e-5;
   double init_method_std = 0.02;
   double hidden_dropout = 0.1;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mt {
@@ -69,6 +70,14 @@ struct ModelConfig {
   bool add_bias_linear = true;        // --disable-bias-linear turns it off
   bool add_qkv_bias = false;          // forced true when add_bias_linear
   bool qk_layernorm = false;
+  // --window-size LEFT,RIGHT: sliding-window attention (Megatron's tuple; -1 = unbounded on that
+  // side). GPT attention is causal, so only LEFT counts: a query sees LEFT earlier keys and itself
+  // (Transformer Engine turns (L, R) into (L, 0) for causal masks).
+  std::optional<std::pair<int, int>> window_size;
+  // --window-attn-skip-freq: which layers attend fully instead. N: every N-th layer (1-based); or
+  // a 0/1 pattern, one entry per layer (1 = sliding window). Neither: every layer has the window.
+  std::optional<int> window_attn_skip_every;
+  std::vector<int> window_attn_pattern;
   bool untie_embeddings_and_output_weights = false;
   int make_vocab_size_divisible_by = 128;
   int seq_length = 0;
@@ -93,6 +102,16 @@ struct ModelConfig {
 // fused bias-GeLU (bias_gelu_impl, the tanh approximation) when biases are on and the fusion is
 // not switched off; otherwise exact erf GeLU (F.gelu).
 inline bool gelu_is_tanh(const ModelConfig& m) { return m.openai_gelu || (m.bias_gelu_fusion && m.add_bias_linear); }
+
+// The sliding window of global layer `layer` (0-based) as AttentionShape::window_left: the
+// earlier keys a query sees, -1 for full attention (Megatron's is_layer_window_attention, whose
+// layer numbers are 1-based).
+inline int attention_window_left(const ModelConfig& m, int layer) {
+  if (!m.window_size || m.window_size->first < 0) return -1;
+  if (m.window_attn_skip_every) return (layer + 1) % *m.window_attn_skip_every != 0 ? m.window_size->first : -1;
+  if (!m.window_attn_pattern.empty()) return m.window_attn_pattern.at(static_cast<size_t>(layer)) ? m.window_size->first : -1;
+  return m.window_size->first;
+}
 
 struct ParallelConfig {
   int tensor_model_parallel_size = 1;

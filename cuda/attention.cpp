@@ -64,13 +64,17 @@ size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backe
   }
 }
 
+std::string window_text(const AttentionShape& a) {
+  return a.windowed() ? fmt::format(", sliding window of {} keys", a.window_left + 1) : std::string();
+}
+
 std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   if (resolve_attention_backend(a, backend, dtype) == AttentionBackend::fused) return cudnn_attention::describe(a, dtype);
   if (use_mma_kernels(a, dtype))
-    return fmt::format("flash: our tensor-core kernels (d={}, {}), deterministic backward", a.head_dim,
-                       dtype_name(dtype));
-  return fmt::format("flash: our generic CUDA-core kernels (d={}, {}, float32 math), deterministic backward",
-                     a.head_dim, dtype_name(dtype));
+    return fmt::format("flash: our tensor-core kernels (d={}, {}{}), deterministic backward", a.head_dim,
+                       dtype_name(dtype), window_text(a));
+  return fmt::format("flash: our generic CUDA-core kernels (d={}, {}{}, float32 math), deterministic backward",
+                     a.head_dim, dtype_name(dtype), window_text(a));
 }
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,

@@ -30,6 +30,9 @@ bool fused_attention_supported(const AttentionShape& a, DType dtype);
 // 256-byte aligned). Builds cuDNN plans when the fused path is selected.
 size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend, DType dtype = DType::bf16);
 
+// ", sliding window of N keys" for a windowed shape, "" otherwise (for the descriptions).
+std::string window_text(const AttentionShape& a);
+
 // One line for the start-up log: which implementation runs this shape and how.
 std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype);
 

@@ -1,5 +1,7 @@
 #include "cuda/attention_cudnn.h"
 
+#include "cuda/attention.h"
+
 #include <cudnn.h>
 #include <fmt/format.h>
 
@@ -70,7 +72,7 @@ class Descriptor {
 
 // Fixed ids of the tensors we bind at execution; virtual tensors are numbered from kFirstVirtual.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum,
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound, kWindowNegInf,
   kFirstVirtual = 100
 };
 
@@ -180,6 +182,24 @@ class GraphBuilder {
                                     CUDNN_DATA_FLOAT, 3);
     const TensorRef keep = pointwise(CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
     return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
+  }
+  // Sliding window, after the causal mask: scores of key + bound <= query become -inf, so a query
+  // keeps `bound` keys (itself included). The graph cudnn-frontend builds for
+  // set_diagonal_band_left_bound (top-left aligned), which cuDNN's fused engines recognise.
+  TensorRef window_mask(const TensorRef& scores, const TensorRef& bound, const TensorRef& neg_inf) {
+    const TensorRef row = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
+                                    CUDNN_DATA_FLOAT, 2);
+    const TensorRef col = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
+                                    CUDNN_DATA_FLOAT, 3);
+    const TensorRef shifted = pointwise(CUDNN_POINTWISE_ADD, col, &bound, nullptr, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT);
+    const TensorRef keep = pointwise(CUDNN_POINTWISE_CMP_GT, shifted, &row, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
+    return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
+  }
+  // The shape's masks: causal, then its sliding window (bound by value at execution, kWindowBound).
+  TensorRef masks(TensorRef x, const AttentionShape& a) {
+    if (a.causal) x = causal_mask(x, scalar(kNegInf));
+    if (a.windowed()) x = window_mask(x, scalar(kWindowBound), scalar(kWindowNegInf));
+    return x;
   }
 
   std::vector<std::unique_ptr<Descriptor>> release_descriptors() { return std::move(owned_); }
@@ -365,7 +385,7 @@ std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape
   const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
   g.matmul(q, kt, scores);
   TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
-  if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
+  x = g.masks(x, a);
   // Softmax with statistics: stats = max + log(sum(exp(x - max))), P = exp(x - max) / sum.
   const TensorRef row_max = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_MAX, x, row_max);
@@ -414,7 +434,7 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
   g.matmul(q, kt, scores);
   TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
   x = g.pointwise(CUDNN_POINTWISE_SUB, x, &stats);
-  if (a.causal) x = g.causal_mask(x, g.scalar(kNegInf));
+  x = g.masks(x, a);
   const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
 
   // dV = P^T dO (shared GQA: per query head, then summed over the group's heads).
@@ -494,8 +514,8 @@ struct Plans {
   size_t bytes() const { return std::max(forward.bytes(), backward.bytes()); }
 };
 
-// device, b, s, heads, groups, d, causal, dtype, deterministic
-using Key = std::tuple<int, int, int, int, int, int, bool, int, bool>;
+// device, b, s, heads, groups, d, causal, window, dtype, deterministic
+using Key = std::tuple<int, int, int, int, int, int, bool, int, int, bool>;
 
 std::mutex g_mutex;
 std::map<int, cudnnHandle_t> g_handles;
@@ -601,7 +621,7 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, static_cast<int>(dtype),
+  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, a.window_left, static_cast<int>(dtype),
                 a.deterministic};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
@@ -722,7 +742,7 @@ std::string describe(const AttentionShape& a, DType dtype) {
     how = fmt::format("the fastest of {} forward / {} backward candidates, timed at the first step",
                       p.forward.candidates.size(), p.backward.candidates.size());
   }
-  return fmt::format("cuDNN {} fused attention, {}, workspace {:.1f} MiB", cudnnGetVersion(), how,
+  return fmt::format("cuDNN {} fused attention{}, {}, workspace {:.1f} MiB", cudnnGetVersion(), window_text(a), how,
                      p.bytes() / 1048576.0);
 }
 
@@ -756,6 +776,21 @@ std::string chosen(const AttentionShape& a, DType dtype) {
   return s;
 }
 
+// The by-value scalars of GraphBuilder::masks: -inf for each mask, and the window's key count.
+static void bind_mask_scalars(const AttentionShape& a, std::vector<int64_t>& uids, std::vector<void*>& ptrs, float& neg_inf,
+                              float& window_bound) {
+  if (a.causal) {
+    uids.push_back(kNegInf);
+    ptrs.push_back(&neg_inf);
+  }
+  if (a.windowed()) {
+    uids.push_back(kWindowBound);
+    ptrs.push_back(&window_bound);
+    uids.push_back(kWindowNegInf);
+    ptrs.push_back(&neg_inf);
+  }
+}
+
 void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {
   Plans& p = supported_plans(a, qkv.dtype);
@@ -764,6 +799,7 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
+  float window_bound = static_cast<float>(a.window_left + 1);
   char* base = static_cast<char*>(qkv.data);
   const size_t elem = dtype_size(qkv.dtype);
   auto run = [&](const Candidate& c) {
@@ -771,10 +807,7 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
     void *k = base + k_bytes, *v = base + k_bytes + d_bytes;
     std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
     std::vector<void*> ptrs = {base, k, v, out.data, lse.data, &scale};
-    if (a.causal) {
-      uids.push_back(kNegInf);
-      ptrs.push_back(&neg_inf);
-    }
+    bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
     execute(handle, *c.engine.plan, uids, ptrs, workspace);
   };
   run(choose_candidate(p.forward, a, "forward", run, stream));
@@ -788,6 +821,7 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
+  float window_bound = static_cast<float>(a.window_left + 1);
   char* x = static_cast<char*>(qkv.data);
   char* dx = static_cast<char*>(dqkv.data);
   const size_t elem = dtype_size(qkv.dtype);
@@ -803,10 +837,7 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
     if (n.per_head_kv) dk = next, dv = next + p.heads_bytes;
     std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
     std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &one, ws};
-    if (a.causal) {
-      uids.push_back(kNegInf);
-      ptrs.push_back(&neg_inf);
-    }
+    bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
     if (accum) {
       uids.push_back(kdQAccum);
       ptrs.push_back(accum);

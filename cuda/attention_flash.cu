@@ -90,6 +90,7 @@ Params make_params(const AttentionShape& a, Tensor qkv) {
   p.softmax_scale = a.softmax_scale;
   p.scale_log2 = a.softmax_scale * kLog2e;
   p.causal = a.causal;
+  p.window = a.window_left;
   p.dropout_p = a.dropout_p;
   p.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   p.dropout_key = a.dropout_key;

@@ -12,7 +12,8 @@
 // order the CTAs arrive (FA2), the contributions are added in a FIXED order -- descending key
 // block -- with a turn counter per (head, query block, warp tile): the warp whose turn it is adds
 // its part to the fp32 accumulator and passes the turn on. The first contributor stores, the last (key block
-// 0) adds the accumulator to its part, scales and writes the 16-bit result straight into dqkv.
+// 0, or with a sliding window the lowest block the query block sees) adds the accumulator to its part,
+// scales and writes the 16-bit result straight into dqkv.
 // Why descending: CTA n reaches query block m after (m - m_first(n)) steps and CTA n+1 earlier,
 // so with all CTAs of a head running together nobody waits. CTAs are launched in that same order
 // (blockIdx.x = last key block first) so a CTA only ever waits for CTAs launched before it: no
@@ -112,7 +113,9 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 
   // Work items: (head of the group, query block) for query blocks that see at least one key here.
   const int m_first = p.causal ? n0 / BM : 0;
-  const int m_count = m_blocks - m_first;
+  // With a sliding window the block's last key is seen by no query after n0 + BN - 1 + window.
+  const int m_last = p.window >= 0 ? min(m_blocks - 1, (n0 + BN - 1 + p.window) / BM) : m_blocks - 1;
+  const int m_count = m_last - m_first + 1;
   const int items = p.hpg * m_count;
   auto issue_loads = [&](int item, int buf) {
     const int h = g * p.hpg + item / m_count;
@@ -175,7 +178,9 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     const int turn = n_first - n_block;
     const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
     int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
-    const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == 0;
+    // The lowest key block this query block sees: 0, or where its first query's window starts.
+    const int n_lo = p.window >= 0 ? max(0, m0 - p.window) / BN : 0;
+    const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == n_lo;
     int seen = turn;
     if (ORDERED && !first && lane == 0) seen = load_acquire(turn_counter);
 
@@ -197,7 +202,8 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
         mma_16816<Elem>(st[2 * qp + 1], a, b[2], b[3]);
       }
     }
-    const bool need_mask = (key_row0 + 16 > p.seq) || (p.causal && key_row0 + 15 > m0);
+    const bool need_mask = (key_row0 + 16 > p.seq) || (p.causal && key_row0 + 15 > m0) ||
+                           (p.window >= 0 && key_row0 < m0 + BM - 1 - p.window);
     uint64_t keep_bits = ~0ull;  // bit qt*4+e: element (qt, e) survives dropout
 #pragma unroll
     for (int qt = 0; qt < QT; ++qt)
@@ -206,7 +212,8 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
         const int key = key_row0 + lane / 4 + (e / 2) * 8;
         const int col = qt * 8 + 2 * (lane % 4) + (e % 2);
         float pr = fast_exp2(fmaf(st[qt][e], p.scale_log2, -lse_tile[col] * kLog2e));
-        if (need_mask && (key >= p.seq || (p.causal && key > m0 + col))) pr = 0.f;
+        if (need_mask && (key >= p.seq || (p.causal && key > m0 + col) || (p.window >= 0 && key < m0 + col - p.window)))
+          pr = 0.f;
         st[qt][e] = pr;
         if constexpr (DROPOUT) {
           const uint64_t index = attention_dropout_index(i, h, p.heads, p.seq, m0 + col, key);

@@ -35,6 +35,7 @@ struct Params {
   int64_t out_seq_stride = 0;  // out/dout elements between positions t and t+1 (= b*heads*d)
   float softmax_scale = 0, scale_log2 = 0;  // scale, and scale*log2(e) for exp2
   bool causal = true;
+  int window = -1;             // sliding window: query q sees keys q - window ... q (-1: none)
   float dropout_p = 0, dropout_scale = 1;   // scale = 1/(1-p)
   uint64_t dropout_key = 0;
 };

@@ -40,10 +40,12 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
 
   const int kv_end = p.causal ? min(p.seq, m0 + BM) : p.seq;
   const int n_blocks = (kv_end + BN - 1) / BN;
+  // With a sliding window the block's first query sees nothing before key m0 - window.
+  const int n_start = p.window >= 0 ? max(0, m0 - p.window) / BN : 0;
 
   load_tile<BM, D, kThreads>(sQ, q_base, p.seq_stride, p.seq - m0, tid);
-  load_tile<BN, D, kThreads>(sK, k_base, p.seq_stride, p.seq, tid);
-  load_tile<BN, D, kThreads>(sV, v_base, p.seq_stride, p.seq, tid);
+  load_tile<BN, D, kThreads>(sK, k_base + n_start * BN * p.seq_stride, p.seq_stride, p.seq - n_start * BN, tid);
+  load_tile<BN, D, kThreads>(sV, v_base + n_start * BN * p.seq_stride, p.seq_stride, p.seq - n_start * BN, tid);
   cp_async_commit();
 
   const int warp_row0 = warp * MI * 16;  // first row of this warp inside the block
@@ -64,8 +66,8 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
   }
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
-    const int buf = nb & 1;
+  for (int nb = n_start; nb < n_blocks; ++nb) {
+    const int buf = (nb - n_start) & 1;
     if (nb + 1 < n_blocks) {  // prefetch the next key/value block into the other buffer
       const int n1 = (nb + 1) * BN;
       load_tile<BN, D, kThreads>(sK + (buf ^ 1) * BN * D, k_base + n1 * p.seq_stride, p.seq_stride, p.seq - n1, tid);
@@ -106,8 +108,10 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
       }
     }
 
-    // Mask keys past the sequence end and (causal) keys after the query, only where a block needs it.
-    const bool need_mask = (n0 + BN > p.seq) || (p.causal && n0 + BN - 1 > m0 + warp_row0);
+    // Mask keys past the sequence end, (causal) keys after the query and keys before its window,
+    // only where a block needs it.
+    const bool need_mask = (n0 + BN > p.seq) || (p.causal && n0 + BN - 1 > m0 + warp_row0) ||
+                           (p.window >= 0 && n0 < m0 + warp_row0 + MI * 16 - 1 - p.window);
     if (need_mask) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
           for (int e = 0; e < 4; ++e) {
             const int q = m0 + warp_row0 + mi * 16 + lane / 4 + (e / 2) * 8;
             const int k = n0 + nt * 8 + 2 * (lane % 4) + (e % 2);
-            if (k >= p.seq || (p.causal && k > q)) s[mi][nt][e] = -INFINITY;
+            if (k >= p.seq || (p.causal && k > q) || (p.window >= 0 && k < q - p.window)) s[mi][nt][e] = -INFINITY;
           }
     }
 

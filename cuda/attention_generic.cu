@@ -45,6 +45,7 @@ struct Args {
   int64_t out_row = 0;     // out elements per token row (heads * d)
   float scale = 0;
   bool causal = true;
+  int window = -1;  // sliding window: query q sees keys q - window ... q (-1: none)
   float dropout_p = 0, dropout_scale = 1;
   uint64_t dropout_key = 0;
 
@@ -67,7 +68,11 @@ struct Args {
     const uint64_t index = attention_dropout_index(i, h, heads, seq, q, k);
     return attention_dropout_keep(dropout_key, index, dropout_p) ? dropout_scale : 0.0f;
   }
-  __device__ bool visible(int q, int k) const { return q < seq && k < seq && (!causal || k <= q); }
+  __device__ bool visible(int q, int k) const {
+    return q < seq && k < seq && (!causal || k <= q) && (window < 0 || k >= q - window);
+  }
+  // The first key tile (of kKeys) a query tile starting at q0 sees.
+  __device__ int first_key_tile(int q0) const { return window >= 0 ? max(0, q0 - window) / kKeys * kKeys : 0; }
 };
 
 // rows [0, kRows) x d of a strided matrix into a padded float tile; rows >= valid become zeros.
@@ -127,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Args a) {
   for (int k = 0; k < DPT; ++k) acc[k] = 0.0f;
 
   const int k_end = a.causal ? min(a.seq, q0 + kRows) : a.seq;
-  for (int k0 = 0; k0 < k_end; k0 += kKeys) {
+  for (int k0 = a.first_key_tile(q0); k0 < k_end; k0 += kKeys) {
     __syncthreads();  // the previous tile's K, V and probabilities are no longer read
     const int64_t kbase = a.k_off(i, k0, g);
     load_tile(Ks, ld, qkv + kbase, step, min(kKeys, a.seq - k0), d);
@@ -237,9 +242,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
   for (int k = 0; k < DPT; ++k) dk[k] = dv[k] = 0.0f;
 
   const int q_begin = a.causal ? k0 / kRows * kRows : 0;
+  // With a sliding window no query after k0 + kKeys - 1 + window sees this tile's keys.
+  const int q_end = a.window >= 0 ? min(a.seq, k0 + kKeys + a.window) : a.seq;
   for (int hh = 0; hh < a.hpg; ++hh) {
     const int h = g * a.hpg + hh;
-    for (int q0 = q_begin; q0 < a.seq; q0 += kRows) {
+    for (int q0 = q_begin; q0 < q_end; q0 += kRows) {
       __syncthreads();  // the previous query tile is no longer read
       const int valid = min(kRows, a.seq - q0);
       load_tile(Qs, ld, qkv + a.q_off(i, q0, h), step, valid, d);
@@ -326,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
   for (int k = 0; k < DPT; ++k) dq[k] = 0.0f;
 
   const int k_end = a.causal ? min(a.seq, q0 + kRows) : a.seq;
-  for (int k0 = 0; k0 < k_end; k0 += kKeys) {
+  for (int k0 = a.first_key_tile(q0); k0 < k_end; k0 += kKeys) {
     __syncthreads();
     const int64_t kbase = a.k_off(i, k0, g);
     load_tile(Ks, ld, qkv + kbase, step, min(kKeys, a.seq - k0), d);
@@ -408,6 +415,7 @@ Args make_args(const AttentionShape& a, Tensor qkv) {
   r.out_row = static_cast<int64_t>(a.heads) * a.head_dim;
   r.scale = a.softmax_scale;
   r.causal = a.causal;
+  r.window = a.window_left;
   r.dropout_p = a.dropout_p;
   r.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   r.dropout_key = a.dropout_key;

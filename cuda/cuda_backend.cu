@@ -396,7 +396,8 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
 
 void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
   on_device("attention_forward", out, lse, qkv);
-  MT_PROFILE_OP("attention_forward b{} s{} h{}/{} d{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, a.dropout_p > 0 ? " +dropout" : "");
+  MT_PROFILE_OP("attention_forward b{} s{} h{}/{} d{}{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim,
+                a.dropout_p > 0 ? " +dropout" : "", a.windowed() ? " window " + std::to_string(a.window_left) : "");
   const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_forward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,
@@ -408,7 +409,8 @@ void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const At
 void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                      const AttentionShape& a) {
   on_device("attention_backward", dqkv, dout, out, lse, qkv);
-  MT_PROFILE_OP("attention_backward b{} s{} h{}/{} d{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, a.dropout_p > 0 ? " +dropout" : "");
+  MT_PROFILE_OP("attention_backward b{} s{} h{}/{} d{}{}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim,
+                a.dropout_p > 0 ? " +dropout" : "", a.windowed() ? " window " + std::to_string(a.window_left) : "");
   const size_t need = cuda::attention_workspace_bytes(a, attention_backend_, qkv.dtype);
   MT_CHECK(need <= attention_workspace_bytes_,
            "attention_backward needs {} bytes of workspace, {} reserved (call reserve_attention at set-up)", need,

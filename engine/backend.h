@@ -17,6 +17,7 @@
 //   [q: heads/groups * d][k: d][v: d]  (Megatron's grouped layout; TP shards whole groups).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -48,10 +49,21 @@ struct AttentionShape {
   int head_dim = 0;  // d
   float softmax_scale = 0;  // 1/sqrt(d) unless configured otherwise
   bool causal = true;
+  // Sliding window (--window-size LEFT,RIGHT; causal only): query q sees keys q - window_left
+  // ... q, i.e. window_left + 1 keys (Transformer Engine's (left, 0); Hugging Face's sliding_window
+  // is window_left + 1). -1: no window, every earlier key.
+  int window_left = -1;
   float dropout_p = 0;      // attention dropout on the probabilities
   uint64_t dropout_key = 0; // Philox key; element (i, h, q, k) uses index ((i*heads + h)*seq + q)*seq + k
   bool deterministic = false;  // --deterministic-mode: only implementations whose backward repeats bit for bit
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
+  bool windowed() const { return window_left >= 0; }
+  // The keys query q sees: [first_key(q), last_key(q)].
+  int64_t first_key(int64_t q) const { return windowed() && q > window_left ? q - window_left : 0; }
+  int64_t last_key(int64_t q) const { return causal ? q : seq - 1; }
+  // The queries that see key k: [first_query(k), last_query(k)].
+  int64_t first_query(int64_t k) const { return causal ? k : 0; }
+  int64_t last_query(int64_t k) const { return windowed() ? std::min<int64_t>(seq - 1, k + window_left) : seq - 1; }
   // The usual shape: softmax scale 1/sqrt(head_dim).
   static AttentionShape make(int batch, int seq, int heads, int groups, int head_dim, bool causal = true,
                              float dropout_p = 0, uint64_t dropout_key = 0) {

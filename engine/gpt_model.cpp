@@ -213,7 +213,14 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
       }
     }
   }
-  if (d_.stage_layers() > 0) be_.reserve_attention(attention_shape(nullptr, d_.layer_begin), opt_.attention_backend, opt_.compute);
+  // One reservation per distinct window among this stage's layers (each may be its own cuDNN graph).
+  std::vector<int> reserved_windows;
+  for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
+    const AttentionShape shape = attention_shape(nullptr, layer);
+    if (std::find(reserved_windows.begin(), reserved_windows.end(), shape.window_left) != reserved_windows.end()) continue;
+    reserved_windows.push_back(shape.window_left);
+    be_.reserve_attention(shape, opt_.attention_backend, opt_.compute);
+  }
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
@@ -1050,6 +1057,7 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   AttentionShape as = AttentionShape::make(d_.micro_batch, d_.seq, d_.heads_local(), d_.groups_local(), d_.head_dim,
                                           /*causal=*/true, (s == nullptr || s->training) ? d_.attention_dropout : 0.0f);
   as.deterministic = opt_.deterministic;
+  as.window_left = d_.window_left.at(static_cast<size_t>(layer));
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
   return as;

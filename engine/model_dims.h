@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "core/config.h"
 
@@ -40,6 +41,8 @@ struct ModelDims {
   PositionEmbedding position = PositionEmbedding::learned_absolute;
   int rot_dim = 0;  // rotated dims per head (rope)
   bool rope_interleaved = false;
+  // Per global layer: the sliding window (AttentionShape::window_left), -1 for full attention.
+  std::vector<int> window_left;
 
   float attention_dropout = 0, hidden_dropout = 0;
   float init_std = 0.02f, output_init_std = 0.02f, embedding_init_std = 0.02f;

@@ -350,6 +350,56 @@ TEST_CASE("rule: position embedding flags", "[cli][rules]") {
              Contains("--rotary-percent must be in (0, 1]"));
 }
 
+TEST_CASE("rule: --window-size and --window-attn-skip-freq", "[cli][rules]") {
+  // Megatron's tuple_type: "L,R" or "(L,R)"; layers 1-based as in is_layer_window_attention.
+  const Args four = words("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                          "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data "
+                          "--tokenizer-type NullTokenizer --vocab-size 1000");
+  Config c = parse(four + words("--window-size 7,0"));
+  REQUIRE(c.model.window_size == std::make_pair(7, 0));
+  for (int layer = 0; layer < 4; ++layer) CHECK(attention_window_left(c.model, layer) == 7);
+  c = parse(four + words("--window-size (15,0) --window-attn-skip-freq 2"));
+  CHECK(attention_window_left(c.model, 0) == 15);
+  CHECK(attention_window_left(c.model, 1) == -1);  // layer number 2: full attention
+  CHECK(attention_window_left(c.model, 2) == 15);
+  CHECK(attention_window_left(c.model, 3) == -1);
+  c = parse(four + Args{"--window-size", "3,0", "--window-attn-skip-freq", "([1] * 1 + [0]) + 2*[1]"});
+  CHECK(c.model.window_attn_pattern == std::vector<int>{1, 0, 1, 1});
+  CHECK(attention_window_left(c.model, 1) == -1);
+  CHECK(attention_window_left(c.model, 3) == 3);
+  c = parse(four + Args{"--window-size", "3,0", "--window-attn-skip-freq", "[1,0]*2"});
+  CHECK(c.model.window_attn_pattern == std::vector<int>{1, 0, 1, 0});
+  CHECK(parse(small_gpt()).model.window_size == std::nullopt);
+  CHECK(attention_window_left(parse(small_gpt()).model, 0) == -1);
+
+  std::vector<SetupMessage> ms;
+  c = parse(four + words("--window-size 5,3"), 1, &ms);
+  CHECK(attention_window_left(c.model, 0) == 5);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "megatrain uses (5, 0)"));
+  ms.clear();
+  c = parse(four + words("--window-attn-skip-freq 2"), 1, &ms);
+  CHECK(attention_window_left(c.model, 0) == -1);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--window-attn-skip-freq has no effect without --window-size"));
+  ms.clear();
+  c = parse(four + words("--window-size (-1,-1)"), 1, &ms);  // (argparse reads a bare -1,-1 as a flag)
+  CHECK(attention_window_left(c.model, 0) == -1);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "LEFT -1 is no sliding window"));
+
+  CHECK_THAT(parse_error(four + words("--window-size 5")), Contains("--window-size takes two integers LEFT,RIGHT"));
+  CHECK_THAT(parse_error(four + words("--window-size 5,x")), Contains("--window-size"));
+  CHECK_THAT(parse_error(four + words("--window-size (-3,0)")), Contains("each bound is -1 (unbounded)"));
+  CHECK_THAT(parse_error(four + words("--window-size 5,0 --window-attn-skip-freq 0")),
+             Contains("--window-attn-skip-freq 0 must be > 0"));
+  CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]*3"}),
+             Contains("--window-attn-skip-freq gives 6 layers but --num-layers is 4"));
+  CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]*[2]"}),
+             Contains("'*' needs a list and a number"));
+  CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0"}),
+             Contains("a list is not closed"));
+  CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]-[1]"}),
+             Contains("unexpected '-[1]'"));
+}
+
 TEST_CASE("rule: --num-layers and --encoder-num-layers, --seq-length and --encoder-seq-length", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--encoder-num-layers 2")),
              Contains("cannot have both --num-layers and --encoder-num-layers"));

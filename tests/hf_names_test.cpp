@@ -6,6 +6,7 @@
 #include <random>
 #include <set>
 
+#include "app/hf_commands.h"
 #include "checkpoint/hf_names.h"
 #include "core/error.h"
 #include "engine_test_util.h"
@@ -355,7 +356,7 @@ TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][
   CHECK_THROWS_WITH(hf_tensor_mappings(l), Catch::Contains("cannot express this model as Qwen2ForCausalLM"));
 }
 
-TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, no sliding window", "[checkpoint][hf]") {
+TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, sliding windows", "[checkpoint][hf]") {
   HfModelSpec q = llama_spec();
   q.arch = HfArchitecture::qwen2;
   q.add_qkv_bias = true;
@@ -375,10 +376,36 @@ TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, no sliding window", "[checkp
   CHECK(hf_names.count("model.layers.1.self_attn.k_proj.bias") == 1);
   CHECK(hf_names.count("model.layers.1.self_attn.o_proj.bias") == 0);
   CHECK(hf_names.count("model.layers.1.mlp.up_proj.bias") == 0);
+  // Qwen2's window: only with use_sliding_window, from max_window_layers on (or per layer_types).
   nlohmann::json windowed = qc;
-  windowed["use_sliding_window"] = true;
   windowed["sliding_window"] = 4096;
-  CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("sliding-window attention"));
+  windowed.erase("layer_types");
+  CHECK(!hf_spec_from_config(windowed).sliding_window);  // Qwen2-7B's config: a size, but switched off
+  windowed["use_sliding_window"] = true;
+  windowed["max_window_layers"] = 0;
+  HfModelSpec w = hf_spec_from_config(windowed);
+  CHECK(w.sliding_window == 4096);
+  CHECK(w.window_layers.empty());  // every layer
+  windowed["max_window_layers"] = 1;
+  w = hf_spec_from_config(windowed);
+  CHECK(w.window_layers == std::vector<int>{0, 1});
+  windowed["layer_types"] = {"sliding_attention", "full_attention"};
+  CHECK(hf_spec_from_config(windowed).window_layers == std::vector<int>{1, 0});  // layer_types wins
+  windowed["layer_types"] = {"chunked_attention", "full_attention"};
+  CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("chunked_attention"));
+  windowed["layer_types"] = {"sliding_attention", "sliding_attention"};
+  windowed["sliding_window"] = nullptr;
+  CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("no sliding_window size"));
+  // Export writes the window back: the first max_window_layers layers attend fully.
+  w.window_layers = {0, 1};
+  const auto wc = hf_config_json(w);
+  CHECK(wc["use_sliding_window"] == true);
+  CHECK(wc["sliding_window"] == 4096);
+  CHECK(wc["max_window_layers"] == 1);
+  CHECK(wc["layer_types"] == nlohmann::json{"full_attention", "sliding_attention"});
+  CHECK(hf_spec_from_config(wc).window_layers == std::vector<int>{0, 1});
+  w.window_layers = {1, 0};  // a full layer after a windowed one: Qwen2 cannot say that
+  CHECK_THROWS_WITH(hf_config_json(w), Catch::Contains("max_window_layers"));
 
   // transformers >= 5 writes rope_parameters instead of rope_theta / rope_scaling.
   nlohmann::json v5 = hf_config_json(llama_spec());
@@ -395,19 +422,48 @@ TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, no sliding window", "[checkp
   CHECK(scaled.rope_scaling_factor == 32.0);
   v5["rope_parameters"]["rope_type"] = "yarn";
   CHECK_THROWS_WITH(hf_spec_from_config(v5), Catch::Contains("rope_scaling"));
-  nlohmann::json layers = qc;
-  layers["layer_types"] = {"full_attention", "sliding_attention"};
-  CHECK_THROWS_WITH(hf_spec_from_config(layers), Catch::Contains("sliding_attention"));
 
-  // Mistral's config is Llama's; v0.1's sliding window (4096 of 32768) is refused, v0.3's (null) maps.
+  // Mistral's config is Llama's with a sliding window on every layer: v0.1's 4096, v0.3's none.
   nlohmann::json mistral = hf_config_json(llama_spec());
   mistral["model_type"] = "mistral";
   mistral["sliding_window"] = nullptr;
   const HfModelSpec m = hf_spec_from_config(mistral, 128, 1);
-  CHECK(m.arch == HfArchitecture::llama);
+  CHECK(m.arch == HfArchitecture::mistral);
   CHECK(!m.add_bias_linear);
+  CHECK(!m.sliding_window);
   mistral["sliding_window"] = 4096;
-  CHECK_THROWS_WITH(hf_spec_from_config(mistral), Catch::Contains("sliding_window 4096"));
+  HfModelSpec mw = hf_spec_from_config(mistral);
+  CHECK(mw.sliding_window == 4096);
+  CHECK(mw.window_layers.empty());
+  const auto mc = hf_config_json(mw);
+  CHECK(mc["architectures"][0] == "MistralForCausalLM");
+  CHECK(mc["model_type"] == "mistral");
+  CHECK(mc["sliding_window"] == 4096);
+  CHECK(!mc.contains("attention_bias"));
+  mw.window_layers = {1, 0};
+  CHECK_THROWS_WITH(hf_config_json(mw), Catch::Contains("one sliding window for every layer"));
+  mistral["sliding_window"] = 0;
+  CHECK_THROWS_WITH(hf_spec_from_config(mistral), Catch::Contains("sliding_window 0"));
+  // Llama and GPT-2 have no window to write.
+  HfModelSpec lw = llama_spec();
+  lw.sliding_window = 8;
+  CHECK_THROWS_WITH(hf_config_json(lw), Catch::Contains("MistralForCausalLM"));
+}
+
+TEST_CASE("export picks Mistral for a Llama-shaped model with a sliding window", "[checkpoint][hf]") {
+  Config c = test::tiny_llama_config();
+  CHECK(hf_architecture_of(c.model) == HfArchitecture::llama);
+  c.model.window_size = std::make_pair(7, 0);
+  CHECK(hf_architecture_of(c.model) == HfArchitecture::mistral);
+  HfModelSpec s = HfModelSpec::from_model_config(c.model, HfArchitecture::mistral);
+  CHECK(s.sliding_window == 8);
+  CHECK(s.window_layers.empty());
+  c.model.window_attn_skip_every = 2;  // layer 2 of 2 attends fully
+  s = HfModelSpec::from_model_config(c.model, HfArchitecture::mistral);
+  CHECK(s.window_layers == std::vector<int>{1, 0});
+  c.model.window_size = std::make_pair(-1, 0);  // no window after all
+  CHECK(hf_architecture_of(c.model) == HfArchitecture::llama);
+  CHECK(!HfModelSpec::from_model_config(c.model, HfArchitecture::llama).sliding_window);
 }
 
 TEST_CASE("GPT-2 export names the GeLU form the model computes", "[checkpoint][hf]") {

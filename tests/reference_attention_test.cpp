@@ -1,4 +1,4 @@
-// Reference attention: float64 finite-difference gradient checks (MHA, GQA, MQA, dropout, causal
+// Reference attention: float64 finite-difference gradient checks (MHA, GQA, MQA, dropout, causal, sliding windows
 // and not), GQA equivalence with replicated K/V, the dropout rule, and closed-form cases.
 #include <catch2/catch.hpp>
 
@@ -42,6 +42,11 @@ AttentionShape shape(int b, int s, int heads, int groups, int d, bool causal, fl
   return AttentionShape::make(b, s, heads, groups, d, causal, dropout, 1234);
 }
 
+AttentionShape windowed(AttentionShape a, int window_left) {
+  a.window_left = window_left;
+  return a;
+}
+
 // Max over all qkv entries of |analytic - central difference|, relative to the largest gradient.
 double gradient_error(const AttentionShape& a) {
   Buffers buf(a, 7);
@@ -81,6 +86,10 @@ TEST_CASE("reference attention backward matches finite differences (float64)", "
       {"MHA causal dropout", shape(2, 5, 2, 2, 3, true, 0.3f)},
       {"GQA causal dropout", shape(1, 6, 4, 2, 2, true, 0.5f)},
       {"MQA not causal dropout", shape(1, 4, 2, 1, 3, false, 0.2f)},
+      {"MHA causal window 1", windowed(shape(2, 6, 2, 2, 3, true), 1)},
+      {"GQA causal window 2", windowed(shape(1, 7, 4, 2, 3, true), 2)},
+      {"MQA causal window 0 (itself only)", windowed(shape(1, 4, 2, 1, 2, true), 0)},
+      {"GQA causal window 3 dropout", windowed(shape(2, 6, 4, 2, 2, true, 0.3f), 3)},
   };
   for (const Case& c : cases) {
     INFO(c.name);
@@ -183,6 +192,13 @@ TEST_CASE("reference attention float32 agrees with float64", "[attention]") {
   for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == Approx(d.out[i]).margin(1e-5));
   for (size_t i = 0; i < lse.size(); ++i) REQUIRE(lse[i] == Approx(d.lse[i]).margin(1e-5));
   for (size_t i = 0; i < dqkv.size(); ++i) REQUIRE(dqkv[i] == Approx(d.dqkv[i]).margin(1e-4));
+}
+
+TEST_CASE("reference attention refuses a window without causal masking", "[attention]") {
+  Buffers buf(windowed(shape(1, 4, 2, 2, 2, false), 1), 5);
+  REQUIRE_THROWS_WITH(buf.forward(), Catch::Contains("window_left 1"));
+  Buffers bad(windowed(shape(1, 4, 2, 2, 2, true), -2), 5);
+  REQUIRE_THROWS_WITH(bad.forward(), Catch::Contains("window_left -2"));
 }
 
 TEST_CASE("reference attention rejects mismatched tensors", "[attention]") {

@@ -22,11 +22,13 @@ std::vector<double> naive_attention(const std::vector<double>& qkv, const Attent
       for (int q = 0; q < a.seq; ++q) {
         const double* qv = &qkv[(q * a.batch + i) * row + g * (hpg + 2) * d + (h % hpg) * d];
         std::vector<double> sc;
-        for (int k = 0; k < (a.causal ? q + 1 : a.seq); ++k) {
+        // Every key, the masked ones at -inf (causal: later keys; window: more than window_left back).
+        for (int k = 0; k < a.seq; ++k) {
+          const bool masked = (a.causal && k > q) || (a.window_left >= 0 && q - k > a.window_left);
           const double* kv = &qkv[(k * a.batch + i) * row + g * (hpg + 2) * d + hpg * d];
           double s = 0;
           for (int c = 0; c < d; ++c) s += qv[c] * kv[c];
-          sc.push_back(s * a.softmax_scale);
+          sc.push_back(masked ? -INFINITY : s * a.softmax_scale);
         }
         double mx = *std::max_element(sc.begin(), sc.end()), z = 0;
         for (double s : sc) z += std::exp(s - mx);
@@ -52,6 +54,29 @@ TEST_CASE("reference attention forward matches a naive softmax(QK^T)V", "[refere
     Buf out = Buf::zeros({N, a.heads * a.head_dim}), lse = Buf::zeros({a.batch, a.heads, a.seq});
     be->attention_forward(out.t(), lse.t(), qkv.t(), a);
     mt::test::require_close(out.d, naive_attention(qkv.d, a), 1e-12, 1e-12, "attention out");
+  }
+}
+
+TEST_CASE("reference attention with a sliding window matches the naive masked softmax", "[reference]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(33);
+  for (int window : {0, 1, 3, 6}) {
+    INFO("window_left " << window);
+    AttentionShape a = shape(2, 7, 4, 2, 3, 0.0f, true);
+    a.window_left = window;
+    const int64_t N = a.batch * a.seq;
+    Buf qkv = Buf::randn({N, a.qkv_row_stride()}, rng);
+    Buf out = Buf::zeros({N, a.heads * a.head_dim}), lse = Buf::zeros({a.batch, a.heads, a.seq});
+    be->attention_forward(out.t(), lse.t(), qkv.t(), a);
+    mt::test::require_close(out.d, naive_attention(qkv.d, a), 1e-12, 1e-12, "windowed attention out");
+    // A window that reaches the first token of every query is plain causal attention, bit for bit;
+    // a shorter one is not.
+    AttentionShape full = a;
+    full.window_left = -1;
+    Buf out_full = Buf::zeros({N, a.heads * a.head_dim});
+    be->attention_forward(out_full.t(), lse.t(), qkv.t(), full);
+    if (window >= a.seq - 1) CHECK(out.d == out_full.d);
+    else CHECK(out.d != out_full.d);
   }
 }
 

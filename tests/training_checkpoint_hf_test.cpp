@@ -35,6 +35,10 @@ const std::string kLlama = kCommon +
                            "--norm-epsilon 1e-6 --rotary-base 500000";
 // Qwen2: the Llama shape with biases on q/k/v only.
 const std::string kQwen2 = kLlama + " --add-qkv-bias";
+// Sliding windows shorter than kTokens: Mistral (every layer; HF sliding_window 4) and Qwen2 (its
+// second layer only; HF max_window_layers 1).
+const std::string kMistralWindow = kLlama + " --window-size 3,0";
+const std::string kQwen2Window = kQwen2 + " --window-size 2,0 --window-attn-skip-freq '[0,1]'";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -112,21 +116,30 @@ TEST_CASE("export-hf: numpy's GPT-2 forward of the export gives megatrain's logi
 TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logits (GQA, SwiGLU, RoPE, untied)", "[ckpt-train][hf][python]") {
   check_numpy_logits(kLlama, "Llama");
   check_numpy_logits(kQwen2, "Qwen2 (q/k/v biases)");
+  check_numpy_logits(kMistralWindow, "Mistral (sliding window)");
+  check_numpy_logits(kQwen2Window, "Qwen2 (sliding window on layer 2)");
 }
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
-  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2}) {
+  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
     CHECK(fs::exists(hf + "/model.safetensors"));
     CHECK_FALSE(fs::exists(hf + "/model.safetensors.index.json"));
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
-    const bool llama = model == kLlama, qwen2 = model == kQwen2;
-    CHECK(config.at("architectures").at(0) ==
-          (llama ? "LlamaForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "GPT2LMHeadModel"));
+    const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
+    CHECK(config.at("architectures").at(0) == (llama     ? "LlamaForCausalLM"
+                                               : qwen2   ? "Qwen2ForCausalLM"
+                                               : mistral ? "MistralForCausalLM"
+                                                         : "GPT2LMHeadModel"));
     CHECK(config.at("vocab_size") == 100);
-    if (!llama && !qwen2) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
+    if (!llama && !qwen2 && !mistral) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
+    if (mistral) CHECK(config.at("sliding_window") == 4);
+    if (model == kQwen2Window) {
+      CHECK(config.at("sliding_window") == 3);
+      CHECK(config.at("max_window_layers") == 1);
+    }
     const std::string out = megatrain_ok("import-hf --hf-dir " + hf + " --save " + back);
     CHECK(read_bytes(back + "/latest_checkpointed_iteration.txt") == "release");
 

@@ -62,6 +62,8 @@ void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Te
     fail("attention: invalid shape b={} s={} heads={} groups={} d={} (heads must be a multiple of groups)",
          a.batch, a.seq, a.heads, a.groups, a.head_dim);
   if (!(a.dropout_p >= 0 && a.dropout_p < 1)) fail("attention: dropout probability {} not in [0, 1)", a.dropout_p);
+  if (a.window_left < -1 || (a.windowed() && !a.causal))
+    fail("attention: window_left {} (must be -1, or >= 0 with causal attention)", a.window_left);
   const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
   auto check = [&](const Tensor& t, const char* name, int64_t numel, bool is_lse) {
     MT_CHECK(t.device == Device::cpu, "attention {} must be host memory", name);
@@ -85,19 +87,19 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
     for (int64_t h = 0; h < L.heads; ++h) {
       const int64_t g = h / L.hpg;
       for (int64_t q = 0; q < L.s; ++q) {
-        const int64_t keys = a.causal ? q + 1 : L.s;
+        const int64_t k0 = a.first_key(q), keys = a.last_key(q) + 1;
         double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t k = 0; k < keys; ++k) {
+        for (int64_t k = k0; k < keys; ++k) {
           scores[k] = a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d);
           max_score = std::max(max_score, scores[k]);
         }
         double sum = 0;
-        for (int64_t k = 0; k < keys; ++k) sum += std::exp(scores[k] - max_score);
+        for (int64_t k = k0; k < keys; ++k) sum += std::exp(scores[k] - max_score);
         const double row_lse = max_score + std::log(sum);
         write_lse(lse, L.lse_index(i, h, q), row_lse);
 
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t k = 0; k < keys; ++k) {
+        for (int64_t k = k0; k < keys; ++k) {
           const double p = std::exp(scores[k] - row_lse) * dropout_factor(a, i, h, q, k);
           if (p == 0) continue;
           const T* v = x + L.v_offset(i, k, g);
@@ -149,8 +151,7 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
     for (int64_t h = 0; h < L.heads; ++h)
       for (int64_t q = 0; q < L.s; ++q) {
         std::fill(acc_k.begin(), acc_k.end(), 0.0);
-        const int64_t keys = a.causal ? q + 1 : L.s;
-        for (int64_t k = 0; k < keys; ++k) {
+        for (int64_t k = a.first_key(q); k <= a.last_key(q); ++k) {
           double p, ds, drop;
           element(i, h, q, k, p, ds, drop);
           const T* kk = x + L.k_offset(i, k, h / L.hpg);
@@ -165,7 +166,7 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
         std::fill(acc_k.begin(), acc_k.end(), 0.0);
         std::fill(acc_v.begin(), acc_v.end(), 0.0);
         for (int64_t h = g * L.hpg; h < (g + 1) * L.hpg; ++h)
-          for (int64_t q = a.causal ? k : 0; q < L.s; ++q) {
+          for (int64_t q = a.first_query(k); q <= a.last_query(k); ++q) {
             double p, ds, drop;
             element(i, h, q, k, p, ds, drop);
             const T* qq = x + L.q_offset(i, q, h);

@@ -49,9 +49,20 @@ struct Problem {
   std::vector<int> samples = {};         // checked samples; empty: the whole problem
   std::vector<int> checked_groups = {};  // checked KV groups (with samples)
   bool all_configs = false;        // also run every compiled flash tile configuration
+  int window = -1;                 // sliding window (AttentionShape::window_left)
 
-  AttentionShape shape() const { return AttentionShape::make(b, s, heads, groups, d, causal, dropout, 0x5eed); }
+  AttentionShape shape() const {
+    AttentionShape a = AttentionShape::make(b, s, heads, groups, d, causal, dropout, 0x5eed);
+    a.window_left = window;
+    return a;
+  }
 };
+
+Problem windowed(Problem p, int window) {
+  p.window = window;
+  p.name += fmt::format(" window {}", window);
+  return p;
+}
 
 uint16_t to_bits(float x, DType t) { return t == DType::bf16 ? float_to_bf16_bits(x) : float_to_f16_bits(x); }
 float from_bits(uint16_t x, DType t) { return t == DType::bf16 ? bf16_bits_to_float(x) : f16_bits_to_float(x); }
@@ -558,6 +569,23 @@ void run_problem_f32(const Problem& p) {
 }
 
 }  // namespace
+
+TEST_CASE("sliding-window attention matches the reference", "[gpu][attention]") {
+  const DType bf16 = DType::bf16;
+  const Problem problems[] = {
+      windowed({"d64 s=300 GQA 8/2", 2, 300, 8, 2, 64, bf16, 0, true, 1, {}, {}, true}, 63),
+      windowed({"d64 s=257 12/12 dropout 0.1", 2, 257, 12, 12, 64, bf16, 0.1f}, 100),
+      windowed({"d64 s=100 MQA 8/1", 3, 100, 8, 1, 64, bf16, 0, true, 1, {}, {}, true}, 0),
+      windowed({"d64 fp16 s=100 12/12", 2, 100, 12, 12, 64, DType::f16}, 5),
+      windowed({"d64 b1 s2048 16/16", 1, 2048, 16, 16, 64, bf16, 0, true, 1, {0}, {3, 12}}, 511),
+      windowed({"d128 s=1000 4/2", 2, 1000, 4, 2, 128, bf16, 0, true, 1, {}, {}, true}, 127),
+      windowed({"d128 s=129 16/16", 2, 129, 16, 16, 128}, 200),
+      windowed({"d96 s=130 GQA 12/4", 1, 130, 12, 4, 96}, 17),
+      windowed({"d32 s=77 dropout 0.2 4/4", 2, 77, 4, 4, 32, bf16, 0.2f}, 30),
+  };
+  for (const Problem& p : problems) run_problem(p);
+  run_problem_f32(windowed({"d64 s=100 GQA 8/2", 2, 100, 8, 2, 64, DType::f32}, 9));
+}
 
 TEST_CASE("float32 attention (generic kernels) matches the reference", "[gpu][attention]") {
   const DType f32 = DType::f32;

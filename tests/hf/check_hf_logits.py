@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2, a tiny
 Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q/k/v biases, tied
-output); Mistral (Llama's layout, no sliding window) in the import direction.
+output); Mistral (Llama's layout) with and without its sliding window, and Qwen2 with a sliding
+window on its second layer (--window-size, --window-attn-skip-freq).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -39,6 +40,10 @@ MODEL_FLAGS = {
              "--ffn-hidden-size 96 --swiglu --normalization RMSNorm --position-embedding-type rope "
              "--disable-bias-linear --add-qkv-bias --rotary-base 1000000 --norm-epsilon 1e-6",
 }
+# Windows shorter than TOKENS, so that they change the logits: Mistral's on every layer (HF
+# sliding_window 5 = --window-size 4,0), Qwen2's on layer 2 only (max_window_layers 1).
+MODEL_FLAGS["mistral_window"] = MODEL_FLAGS["llama"] + " --window-size 4,0"
+MODEL_FLAGS["qwen2_window"] = MODEL_FLAGS["qwen2"] + " --window-size 3,0 --window-attn-skip-freq [0,1]"
 
 
 def run(cmd):
@@ -104,6 +109,12 @@ def import_direction(args, kind, work):
             config = transformers.LlamaConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, **common)
         elif kind == "qwen2":
             config = transformers.Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, **common)
+        elif kind == "qwen2_window":
+            config = transformers.Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                              use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
+        elif kind == "mistral_window":
+            config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=5, tie_word_embeddings=False,
+                                                **common)
         else:
             config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
                                                 **common)
@@ -136,7 +147,7 @@ def main():
         args.rtol = 2e-2 if args.forward_bf16 else 1e-4
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
-    for kind in ("gpt", "llama", "qwen2", "mistral"):
+    for kind in ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window"):
         for direction in (export_direction, import_direction):
             if kind == "mistral" and direction is export_direction:
                 continue  # (export writes Mistral-shaped models as Llama)

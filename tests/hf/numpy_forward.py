@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPT2LMHeadModel / LlamaForCausalLM forward in numpy (float64), from a Hugging Face directory
+"""GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows) forward in numpy (float64), from a Hugging Face directory
 (config.json + model.safetensors or its index): the oracle CI checks `megatrain export-hf` against
 without torch. Written from the models' definitions (transformers' modeling_gpt2.py and
 modeling_llama.py semantics: pre-norm blocks, causal softmax attention scaled by 1/sqrt(d), GPT-2's
@@ -44,14 +44,18 @@ def rms_norm(x, g, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
 
 
-def causal_attention(q, k, v):
-    """q [T, H, d], k/v [T, G, d] with H a multiple of G (grouped heads share k/v)."""
+def causal_attention(q, k, v, window=None):
+    """q [T, H, d], k/v [T, G, d] with H a multiple of G (grouped heads share k/v). window: HF's
+    sliding_window, the keys a query sees counting itself (key u is kept for query t when
+    u > t - window), or None."""
     T, H, d = q.shape
     G = k.shape[1]
     k = np.repeat(k, H // G, axis=1)
     v = np.repeat(v, H // G, axis=1)
     s = np.einsum("thd,uhd->htu", q, k) / math.sqrt(d)
     s = s + np.triu(np.full((T, T), -np.inf), 1)[None]
+    if window is not None:
+        s = s + np.tril(np.full((T, T), -np.inf), -window)[None]
     s = s - s.max(-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(-1, keepdims=True)
@@ -110,6 +114,20 @@ def rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def layer_window(c, i):
+    """HF's sliding window of layer i, or None: Mistral's on every layer; Qwen2's only with
+    use_sliding_window, on layer_types' "sliding_attention" layers or from max_window_layers on."""
+    size = c.get("sliding_window")
+    if c["model_type"] == "mistral":
+        return size
+    if c["model_type"] == "qwen2" and c.get("use_sliding_window") and size is not None:
+        types = c.get("layer_types")
+        if types is not None:
+            return size if types[i] == "sliding_attention" else None
+        return size if i >= c.get("max_window_layers", c["num_hidden_layers"]) else None
+    return None
+
+
 def llama_logits(c, w, tokens):
     E, H = c["hidden_size"], c["num_attention_heads"]
     G = c.get("num_key_value_heads") or H
@@ -131,7 +149,7 @@ def llama_logits(c, w, tokens):
         q = rope(lin(h, p + "self_attn.q_proj").reshape(T, H, d), cos, sin)
         k = rope(lin(h, p + "self_attn.k_proj").reshape(T, G, d), cos, sin)
         v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
-        x = x + lin(causal_attention(q, k, v), p + "self_attn.o_proj")
+        x = x + lin(causal_attention(q, k, v, layer_window(c, i)), p + "self_attn.o_proj")
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate = lin(h, p + "mlp.gate_proj")
         x = x + lin(gate / (1.0 + np.exp(-gate)) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")

@@ -57,6 +57,11 @@ megatrain_parallel_train_test(parallel_train_tp2_pp2_dp2 8 --tensor-model-parall
 megatrain_parallel_train_test(parallel_train_llama_tp2_pp2 --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --qk-layernorm"
   4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
+# Sliding-window attention (window of 4 earlier tokens of 16) on layers 1 and 3 only: each
+# pipeline stage must give its layers their global numbers' windows.
+megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --window-size 4,0 --window-attn-skip-freq 2"
+  4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
 # Checkpoints move between layouts: 4 iterations in one, the other 4 in another.
 megatrain_parallel_train_test(parallel_train_resume_tp2pp2_to_dp2 --resume
   4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 2 -)
