@@ -146,6 +146,8 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
   o << fmt::format("  per iteration: {:.4g} FLOPs (global batch {} x seq {}); per token: {:.4g}\n", plan.flops_per_iteration,
                    cfg.train.global_batch, cfg.model.seq_length, plan.flops_per_token);
   o << fmt::format("  per GPU per iteration: {:.4g} FLOPs\n", plan.flops_per_iteration / W);
+  if (cfg.model.window_size && cfg.model.window_size->first >= 0)
+    o << "  (--window-size: as in Megatron, the formula counts every layer's whole causal attention)\n";
 
   o << "\n== memory per GPU (the engine's plan: what each rank lays out before its first step) ==\n";
   o << fmt::format("  {:>5} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n", "stage", "params", "grads",

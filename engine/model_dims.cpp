@@ -90,7 +90,12 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
            m.rotary_percent, d.rot_dim, d.head_dim);
     d.rope_interleaved = m.rotary_interleaved;
   }
-  for (int layer = 0; layer < d.num_layers; ++layer) d.window_left.push_back(attention_window_left(m, layer));
+  // A window that reaches back to the first token is causal attention: left out, since its mask
+  // costs cuDNN's kernels time (bench/RESULTS.md, session 23).
+  for (int layer = 0; layer < d.num_layers; ++layer) {
+    const int window = attention_window_left(m, layer);
+    d.window_left.push_back(window >= d.seq - 1 ? -1 : window);
+  }
   d.attention_dropout = static_cast<float>(m.attention_dropout);
   d.hidden_dropout = static_cast<float>(m.hidden_dropout);
   if (d.attention_dropout < 0 || d.attention_dropout >= 1) fail("--attention-dropout must be in [0, 1)");
