@@ -137,6 +137,7 @@ void visit_model(ModelConfig& m, F&& f) {
   f("add_bias_linear", m.add_bias_linear);
   f("add_qkv_bias", m.add_qkv_bias);
   f("qk_layernorm", m.qk_layernorm);
+  f("qk_l2_norm", m.qk_l2_norm, AddedLater{});
   f("window_size", m.window_size, AddedLater{});
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
@@ -202,6 +203,10 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
   };
   if (current.position_embedding_type == PositionEmbedding::learned_absolute)
     checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
+  // Recorded since session 23 (older checkpoints: off).
+  if (!saved.contains("qk_l2_norm") && current.qk_l2_norm)
+    fail("checkpoint {} was saved for another model: --qk-l2-norm is false in the checkpoint but true in this run", where);
+  if (saved.contains("qk_l2_norm")) checked.push_back({"qk_l2_norm", "--qk-l2-norm"});
   std::string diffs;
   for (const auto& [key, flag] : checked) {
     if (!saved.contains(key)) fail("{}: the saved model configuration lacks '{}'", where, key);

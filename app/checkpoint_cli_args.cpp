@@ -51,6 +51,7 @@ const std::vector<CheckpointArg>& model_args() {
       {"hidden_dropout", "--hidden-dropout", Take::forced},
       // megatrain's additions (see the header): they change what the model computes.
       {"qk_layernorm", "--qk-layernorm", Take::forced},
+      {"qk_l2_norm", "--qk-l2-norm", Take::forced},
       {"norm_epsilon", "--norm-epsilon", Take::forced},
       {"use_rope_scaling", "--use-rope-scaling", Take::forced},
       {"rope_scaling_factor", "--rope-scaling-factor", Take::forced},

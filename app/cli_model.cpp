@@ -76,7 +76,8 @@ void add_model_flags(FlagTable& t) {
   t.flag("--disable-bias-linear", "no biases in the linear layers", MT_FIELD(model.add_bias_linear), false);
   t.flag("--add-qkv-bias", "bias on the QKV projection only", MT_FIELD(model.add_qkv_bias));
   t.flag("--qk-layernorm", "normalise queries and keys per head", MT_FIELD(model.qk_layernorm));
-  t.recognised("--qk-l2-norm", Arity::none, "", "off", "Llama-4 style L2 norm of queries and keys");
+  t.flag("--qk-l2-norm", "Llama-4 style L2 norm of queries and keys (RMS normalization without weights)",
+         MT_FIELD(model.qk_l2_norm));
   t.flag("--untie-embeddings-and-output-weights", "separate output layer (default: tied to the word embeddings)",
          MT_FIELD(model.untie_embeddings_and_output_weights));
   t.value("--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP",

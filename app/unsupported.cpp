@@ -19,7 +19,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--rope-type", W::values, {"yarn"}, ""},
       {"--squared-relu", W::any_use, {}, ""},
       {"--quick-geglu", W::any_use, {}, ""},
-      {"--qk-l2-norm", W::any_use, {}, ""},
       {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
       {"--attention-output-gate", W::any_use, {}, ""},

@@ -68,6 +68,9 @@ void validate_model(CliState& st) {
          "--tensor-model-parallel-size {}", m.seq_length, m.seq_length / cp, tp);
   if (m.squared_relu && m.swiglu) fail("--squared-relu and --swiglu are exclusive");
   if (m.quick_geglu && m.swiglu) fail("--quick-geglu and --swiglu are exclusive");
+  if (m.qk_l2_norm && m.multi_latent_attention) fail("--qk-l2-norm is not supported with --multi-latent-attention");
+  if (m.qk_l2_norm && m.qk_layernorm)
+    st.note("--qk-l2-norm with --qk-layernorm: queries and keys get the L2 norm (no weights), as in Megatron");
   if (m.multi_latent_attention && m.group_query_attention)
     fail("--multi-latent-attention and --group-query-attention are exclusive");
   if (m.fp32_residual_connection && c.train.precision == Precision::fp32)

@@ -72,6 +72,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.add_qkv_bias = m.add_qkv_bias;
   s.swiglu = m.swiglu;
   s.qk_layernorm = m.qk_layernorm;
+  s.qk_l2_norm = m.qk_l2_norm;
   s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
   s.apply_layernorm_1p = m.apply_layernorm_1p;
   s.rotary_interleaved = m.rotary_interleaved;
@@ -120,6 +121,7 @@ void HfModelSpec::validate() const {
   if (vocab_size <= 0 || padded_vocab_size < vocab_size)
     fail("HF mapping: vocabulary {} / padded {} is not valid", vocab_size, padded_vocab_size);
   if (qk_layernorm) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
   if (sliding_window && *sliding_window < 1) fail("HF mapping: sliding window {} (must be >= 1)", *sliding_window);
   if (!window_layers.empty() && static_cast<int>(window_layers.size()) != num_layers)
     fail("HF mapping: {} per-layer window entries for {} layers", window_layers.size(), num_layers);

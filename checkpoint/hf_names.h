@@ -51,6 +51,7 @@ struct HfModelSpec {
   bool add_qkv_bias = false;
   bool swiglu = false;
   bool qk_layernorm = false;
+  bool qk_l2_norm = false;
   bool untie_embeddings_and_output_weights = false;
   bool apply_layernorm_1p = false;
   bool rotary_interleaved = false;

@@ -70,6 +70,9 @@ struct ModelConfig {
   bool add_bias_linear = true;        // --disable-bias-linear turns it off
   bool add_qkv_bias = false;          // forced true when add_bias_linear
   bool qk_layernorm = false;
+  // --qk-l2-norm: Megatron's L2Norm of every q and k head (RMS normalization without weights, eps
+  // --norm-epsilon), where --qk-layernorm's norms go; it wins over --qk-layernorm, as in Megatron.
+  bool qk_l2_norm = false;
   // --window-size LEFT,RIGHT: sliding-window attention (Megatron's tuple; -1 = unbounded on that
   // side). GPT attention is causal, so only LEFT counts: a query sees LEFT earlier keys and itself
   // (Transformer Engine turns (L, R) into (L, 0) for causal masks).

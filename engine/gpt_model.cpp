@@ -177,6 +177,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   norm_.kind = d_.norm;
   norm_.eps = d_.norm_eps;
   norm_.one_p = d_.norm_1p;
+  qk_l2_norm_.kind = Normalization::rmsnorm;  // Megatron's L2Norm: x * rsqrt(mean(x^2) + eps)
+  qk_l2_norm_.eps = d_.norm_eps;
   plan_params();
   globals_ = std::make_unique<Globals>();
   ws_ = std::make_unique<Workspace>();
@@ -221,6 +223,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     reserved_windows.push_back(shape.window_left);
     be_.reserve_attention(shape, opt_.attention_backend, opt_.compute);
   }
+  if (d_.qk_l2) be_.fill(qk_l2_ones_, 1.0);
   if (d_.position == PositionEmbedding::rope) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
@@ -369,6 +372,7 @@ void GptModel::layout(Arena& a) {
   eval_loss_ = a.take(C::workspace, S, {2});
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
+  qk_l2_ones_ = d_.qk_l2 ? a.take(C::workspace, T, {d_.head_dim}) : Tensor();
 
   // FP8: scaling state, weight cache of the FP8 layers, quantization workspaces.
   fp8_.layout(a);
@@ -1202,7 +1206,11 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
     linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
-    be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
+    if (d_.qk_l2)
+      be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, qk_l2_ones_, Tensor(), qk_l2_ones_, Tensor(), rs,
+                          qk_l2_norm_);
+    else
+      be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
   } else {
     linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
   }
@@ -1440,7 +1448,10 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
-  if (d_.qk_norm)
+  if (d_.qk_l2)
+    be_.qk_norm_backward(w.gQKV, Tensor(), Tensor(), Tensor(), Tensor(), w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
+                         qk_l2_ones_, qk_l2_ones_, rs, qk_l2_norm_);
+  else if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, norm_);
   linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);

@@ -430,6 +430,10 @@ class GptModel {
   FirstWriteGrad* first_write_entry(const Tensor& g);  // null: g is zeroed by zero_grads()
   std::vector<FlatRange> zeroed_grad_ranges_;
   NormParams norm_;
+  // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are
+  // qk_l2_ones_ (no parameter, no gradient).
+  NormParams qk_l2_norm_;
+  Tensor qk_l2_ones_;
 
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
   std::vector<LayerParams> layer_params_, layer_grads_;

@@ -36,7 +36,8 @@ struct ModelDims {
   bool gelu_tanh = false;
   bool linear_bias = true;  // all linears
   bool qkv_bias = true;     // linear_qkv (--add-qkv-bias or linear_bias)
-  bool qk_norm = false;
+  bool qk_norm = false;  // --qk-layernorm or --qk-l2-norm: q and k heads normalized before RoPE
+  bool qk_l2 = false;    // --qk-l2-norm: Megatron's L2Norm, RMS normalization without weights
   bool tied_embeddings = true;
   PositionEmbedding position = PositionEmbedding::learned_absolute;
   int rot_dim = 0;  // rotated dims per head (rope)

@@ -36,7 +36,7 @@ ParamCounts count_parameters(const ModelConfig& m) {
   l.input_norm = norm_params * h;
   l.qkv_weight = (q + 2 * k) * h;
   l.qkv_bias = m.add_qkv_bias ? (q + 2 * k) : 0;
-  l.qk_norms = m.qk_layernorm ? 2 * norm_params * d : 0;
+  l.qk_norms = m.qk_layernorm && !m.qk_l2_norm ? 2 * norm_params * d : 0;  // (L2Norm has no weights)
   l.proj_weight = h * q;
   l.proj_bias = m.add_bias_linear ? h : 0;
   l.mlp_norm = norm_params * h;

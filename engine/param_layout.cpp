@@ -77,7 +77,7 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
           false, l);
     if (d.qkv_bias)
       b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
-    if (d.qk_norm) {
+    if (d.qk_norm && !d.qk_l2) {  // (L2Norm has no weights)
       // Shared by all heads of a layer, and TP splits the heads.
       b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);
       b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);

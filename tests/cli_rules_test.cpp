@@ -400,6 +400,14 @@ TEST_CASE("rule: --window-size and --window-attn-skip-freq", "[cli][rules]") {
              Contains("unexpected '-[1]'"));
 }
 
+TEST_CASE("rule: --qk-l2-norm", "[cli][rules]") {
+  CHECK(parse(small_gpt() + words("--qk-l2-norm")).model.qk_l2_norm);
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--qk-l2-norm --qk-layernorm"), 1, &ms);
+  CHECK(c.model.qk_l2_norm);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "queries and keys get the L2 norm"));
+}
+
 TEST_CASE("rule: --num-layers and --encoder-num-layers, --seq-length and --encoder-seq-length", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--encoder-num-layers 2")),
              Contains("cannot have both --num-layers and --encoder-num-layers"));

@@ -9,6 +9,7 @@
 #include "app/training_data.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/param_count.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
@@ -165,4 +166,27 @@ TEST_CASE("CPU end to end: sliding-window attention", "[train]") {
   CHECK(windowed.front() != causal.front());
   CHECK(windowed.back() < 0.8 * windowed.front());
   CHECK(short_run(std::make_pair(2, 0), 2) == windowed);  // reproducible
+}
+
+// --qk-l2-norm is Megatron's L2Norm: RMS normalization of each q and k head without weights. At
+// initialization --qk-layernorm's RMSNorm weights are ones, so the first loss is the same to the
+// last bit; the L2 model has no q/k norm parameters, and training then differs.
+TEST_CASE("CPU end to end: --qk-l2-norm is --qk-layernorm's RMSNorm without weights", "[train]") {
+  auto short_run = [](bool l2) {
+    Config c = test::with_mock_training(test::tiny_llama_config());  // RMSNorm
+    c.model.qk_layernorm = !l2;
+    c.model.qk_l2_norm = l2;
+    c.train.train_iters = 12;
+    c.train.lr_warmup_iters = 2;
+    test::derive(c);
+    return std::make_pair(train(c)->losses, count_parameters(c.model).total);
+  };
+  const auto [layernorm, layernorm_params] = short_run(false);
+  const auto [l2, l2_params] = short_run(true);
+  REQUIRE(l2.size() == 12);
+  CHECK(l2.front() == layernorm.front());
+  CHECK(l2.back() != layernorm.back());
+  CHECK(l2.back() < 0.8 * l2.front());
+  const auto& m = test::tiny_llama_config().model;
+  CHECK(layernorm_params - l2_params == 2 * m.num_layers * m.head_dim);  // q and k weights per layer
 }

@@ -152,6 +152,22 @@ TEST_CASE("model gradient check: variants (tanh GeLU, 1p, qkv bias, qk-layernorm
   he.check_all(4);
 }
 
+TEST_CASE("model gradient check: --qk-l2-norm and a sliding window", "[model][gradcheck]") {
+  Config c = test::tiny_llama_config();
+  c.model.qk_l2_norm = true;
+  c.model.window_size = std::make_pair(2, 0);
+  c.model.window_attn_skip_every = 2;
+  test::derive(c);
+  Harness h(c);
+  h.check_all(4);
+  // LayerNorm models too: L2Norm is RMS normalization whatever --normalization says.
+  Config g = test::tiny_gpt_config();
+  g.model.qk_l2_norm = true;
+  test::derive(g);
+  Harness hg(g);
+  hg.check_all(4);
+}
+
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {
   for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
     Config c = test::tiny_llama_config();

@@ -62,6 +62,10 @@ megatrain_parallel_train_test(parallel_train_llama_tp2_pp2 --model
 megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --window-size 4,0 --window-attn-skip-freq 2"
   4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
+# --qk-l2-norm (no q/k norm weights) over TP=2 with sequence parallelism.
+megatrain_parallel_train_test(parallel_train_qk_l2_tp2_sp --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --ffn-hidden-size 64 --qk-l2-norm"
+  2 --tensor-model-parallel-size 2 --sequence-parallel)
 # Checkpoints move between layouts: 4 iterations in one, the other 4 in another.
 megatrain_parallel_train_test(parallel_train_resume_tp2pp2_to_dp2 --resume
   4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 2 -)
