@@ -82,7 +82,11 @@ void add_regularization_flags(FlagTable& t) {
   t.value("--embedding-init-method-std", "embedding initialisation std (default --init-method-std)",
           MT_FIELD(model.embedding_init_method_std));
   t.recognised("--init-method-xavier-uniform", Arity::none, "", "off", "Xavier-uniform initialisation");
-  t.recognised("--data-parallel-random-init", Arity::none, "", "off", "different initialisation per DP rank");
+  // Megatron seeds each DP rank differently, then broadcasts DP rank 0's parameters: the same
+  // weights everywhere and per-rank dropout streams, which is how megatrain always runs.
+  t.no_effect("--data-parallel-random-init", Arity::none,
+              "megatrain's parameters are the same on every data-parallel rank by construction (Megatron broadcasts "
+              "them after this flag's per-rank init), and each rank already draws its own dropout masks");
   t.no_effect("--use-cpu-initialization", Arity::none,
               "megatrain's initialisation is layout-independent already (the same weights for any TP/PP)");
 }

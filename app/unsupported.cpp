@@ -73,7 +73,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)
       {"--init-method-xavier-uniform", W::any_use, {}, ""},
-      {"--data-parallel-random-init", W::any_use, {}, ""},
       // distributed (1.10)
       {"--num-distributed-optimizer-instances", W::other_than, {"1"}, ""},
       {"--overlap-param-gather-with-optimizer-step", W::any_use, {}, ""},
