@@ -205,7 +205,8 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
     checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
   // Recorded since session 23 (older checkpoints: off).
   if (!saved.contains("qk_l2_norm") && current.qk_l2_norm)
-    fail("checkpoint {} was saved for another model: --qk-l2-norm is false in the checkpoint but true in this run", where);
+    fail("checkpoint {} was saved for another model: --qk-l2-norm is false in the checkpoint but true in this run",
+         where);
   if (saved.contains("qk_l2_norm")) checked.push_back({"qk_l2_norm", "--qk-l2-norm"});
   std::string diffs;
   for (const auto& [key, flag] : checked) {

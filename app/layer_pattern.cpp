@@ -19,7 +19,8 @@ std::vector<int> parse_int_tuple(const std::string& flag, const std::string& tex
   size_t start = 0;
   while (true) {
     const size_t comma = body.find(',', start);
-    values.push_back(parse_int_arg(flag, body.substr(start, comma == std::string::npos ? std::string::npos : comma - start)));
+    const size_t length = comma == std::string::npos ? std::string::npos : comma - start;
+    values.push_back(parse_int_arg(flag, body.substr(start, length)));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }

@@ -376,7 +376,9 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
     } else if (type == "llama" || type == "mistral" || type == "qwen2") {
-      s.arch = type == "qwen2" ? HfArchitecture::qwen2 : type == "mistral" ? HfArchitecture::mistral : HfArchitecture::llama;
+      s.arch = type == "qwen2"     ? HfArchitecture::qwen2
+               : type == "mistral" ? HfArchitecture::mistral
+                                   : HfArchitecture::llama;
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
       s.num_attention_heads = need("num_attention_heads").get<int>();

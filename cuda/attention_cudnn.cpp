@@ -1,7 +1,5 @@
 #include "cuda/attention_cudnn.h"
 
-#include "cuda/attention.h"
-
 #include <cudnn.h>
 #include <fmt/format.h>
 
@@ -19,6 +17,7 @@
 #include <vector>
 
 #include "core/log.h"
+#include "cuda/attention.h"
 #include "cuda/attention_kv_heads.h"
 #include "cuda/cuda_check.h"
 
@@ -72,7 +71,8 @@ class Descriptor {
 
 // Fixed ids of the tensors we bind at execution; virtual tensors are numbered from kFirstVirtual.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound, kWindowNegInf,
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound,
+  kWindowNegInf,
   kFirstVirtual = 100
 };
 
@@ -777,8 +777,8 @@ std::string chosen(const AttentionShape& a, DType dtype) {
 }
 
 // The by-value scalars of GraphBuilder::masks: -inf for each mask, and the window's key count.
-static void bind_mask_scalars(const AttentionShape& a, std::vector<int64_t>& uids, std::vector<void*>& ptrs, float& neg_inf,
-                              float& window_bound) {
+static void bind_mask_scalars(const AttentionShape& a, std::vector<int64_t>& uids, std::vector<void*>& ptrs,
+                              float& neg_inf, float& window_bound) {
   if (a.causal) {
     uids.push_back(kNegInf);
     ptrs.push_back(&neg_inf);
