@@ -17,6 +17,10 @@ void validate_window(CliState& st) {
   const auto [left, right] = *m.window_size;
   if (left < -1 || right < -1)
     fail("--window-size {},{}: each bound is -1 (unbounded) or a number of tokens >= 0", left, right);
+  // Transformer Engine (check_set_window_size) refuses an unbounded LEFT with a RIGHT bound for
+  // causal masks, and turns (L, R) into (L, 0) with a warning.
+  if (left < 0 && right > 0)
+    fail("--window-size {},{}: causal attention takes (LEFT, 0) or (-1, 0), as Transformer Engine requires", left, right);
   if (right != 0 && !(left < 0 && right < 0))
     st.warn(fmt::format("--window-size {},{}: attention is causal, so no query sees later tokens; megatrain uses ({}, 0), "
                         "as Transformer Engine does for causal masks", left, right, left));

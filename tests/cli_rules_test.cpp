@@ -388,6 +388,7 @@ TEST_CASE("rule: --window-size and --window-attn-skip-freq", "[cli][rules]") {
   CHECK_THAT(parse_error(four + words("--window-size 5")), Contains("--window-size takes two integers LEFT,RIGHT"));
   CHECK_THAT(parse_error(four + words("--window-size 5,x")), Contains("--window-size"));
   CHECK_THAT(parse_error(four + words("--window-size (-3,0)")), Contains("each bound is -1 (unbounded)"));
+  CHECK_THAT(parse_error(four + words("--window-size (-1,4)")), Contains("causal attention takes (LEFT, 0) or (-1, 0)"));
   CHECK_THAT(parse_error(four + words("--window-size 5,0 --window-attn-skip-freq 0")),
              Contains("--window-attn-skip-freq 0 must be > 0"));
   CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]*3"}),
