@@ -134,6 +134,7 @@ LayerFrequency parse_layer_frequency(const std::string& flag, const std::string&
     return f;
   }
   for (int v : ListExpression(flag, text).parse()) f.pattern.push_back(v != 0 ? 1 : 0);  // Python bool()
+  if (f.pattern.empty()) fail("{} '{}' is an empty list: give one entry per layer", flag, text);
   return f;
 }
 

@@ -395,6 +395,10 @@ TEST_CASE("rule: --window-size and --window-attn-skip-freq", "[cli][rules]") {
              Contains("--window-attn-skip-freq gives 6 layers but --num-layers is 4"));
   CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]*[2]"}),
              Contains("'*' needs a list and a number"));
+  CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1]*0"}),
+             Contains("is an empty list"));
+  CHECK(parse(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", " ( ( [1] ) ) * 4 "}).model.window_attn_pattern ==
+        std::vector<int>{1, 1, 1, 1});
   CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0"}),
              Contains("a list is not closed"));
   CHECK_THAT(parse_error(four + Args{"--window-size", "5,0", "--window-attn-skip-freq", "[1,0]-[1]"}),
