@@ -544,6 +544,7 @@ void GptModel::bind_params() {
     find(p + "self_attention.q_layernorm.bias", P.q_ln_b, Gr.q_ln_b);
     find(p + "self_attention.k_layernorm.weight", P.k_ln_w, Gr.k_ln_w);
     find(p + "self_attention.k_layernorm.bias", P.k_ln_b, Gr.k_ln_b);
+    if (d_.qk_l2) P.q_ln_w = P.k_ln_w = qk_l2_ones_;  // weightless: unit weights, no gradients
     find(p + "self_attention.linear_proj.weight", P.proj_w, Gr.proj_w);
     find(p + "self_attention.linear_proj.bias", P.proj_b, Gr.proj_b);
     find(p + "mlp.linear_fc1.layer_norm_weight", P.ln2_w, Gr.ln2_w);
@@ -1206,11 +1207,8 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.qk_norm) {
     linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
-    if (d_.qk_l2)
-      be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, qk_l2_ones_, Tensor(), qk_l2_ones_, Tensor(), rs,
-                          qk_l2_norm_);
-    else
-      be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs, norm_);
+    be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
+                        qk_norm_params());
   } else {
     linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
   }
@@ -1448,12 +1446,9 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
   be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
-  if (d_.qk_l2)
-    be_.qk_norm_backward(w.gQKV, Tensor(), Tensor(), Tensor(), Tensor(), w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
-                         qk_l2_ones_, qk_l2_ones_, rs, qk_l2_norm_);
-  else if (d_.qk_norm)
+  if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
-                         P.q_ln_w, P.k_ln_w, rs, norm_);
+                         P.q_ln_w, P.k_ln_w, rs, qk_norm_params());
   linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
   const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();

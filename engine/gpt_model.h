@@ -431,9 +431,10 @@ class GptModel {
   std::vector<FlatRange> zeroed_grad_ranges_;
   NormParams norm_;
   // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are
-  // qk_l2_ones_ (no parameter, no gradient).
+  // qk_l2_ones_ (bound as every layer's q/k norm weights; no parameter, no gradient).
   NormParams qk_l2_norm_;
   Tensor qk_l2_ones_;
+  const NormParams& qk_norm_params() const { return d_.qk_l2 ? qk_l2_norm_ : norm_; }
 
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
   std::vector<LayerParams> layer_params_, layer_grads_;
