@@ -1,6 +1,7 @@
 #include "app/subcommands.h"
 
 #include "app/hf_commands.h"
+#include "app/import_megatron.h"
 #include "app/inspect_data.h"
 #include "app/preprocess_data.h"
 
@@ -21,6 +22,9 @@ const std::vector<Subcommand>& subcommands() {
       {"import-hf", "write a Hugging Face GPT-2/Llama model as a megatrain checkpoint: --hf-dir DIR --save CKPT "
                     "[--make-vocab-size-divisible-by N] [--tensor-model-parallel-size N]",
        &import_hf_main},
+      {"import-megatron", "write a Megatron-LM checkpoint (torch or torch_dist format) as a megatrain checkpoint: "
+                          "--load DIR --save CKPT [--ckpt-step N]",
+       &import_megatron_main},
       {"forward-logits", "dump one sequence's logits (.npy) for checks: --load CKPT --tokens 1,2,3 --output FILE "
                          "[--device cpu|gpu]",
        &forward_logits_main},

@@ -1,0 +1,261 @@
+// megatrain import-megatron: a Megatron-LM checkpoint (torch or torch_dist format, any tensor and
+// pipeline layout) as a megatrain release checkpoint, and the Megatron flags of its model.
+//
+// The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
+// same Megatron flags a launch script gives, and megatrain's own command-line parser validates them
+// (so a model megatrain cannot build is refused naming the flag). Only the weights are imported:
+// a release checkpoint starts at iteration 0 with fresh optimizer state, which is what Megatron
+// does when it loads a checkpoint with --finetune or a converted release checkpoint.
+#include "app/import_megatron.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdio>
+#include <set>
+
+#include "app/checkpoint_args.h"
+#include "app/cli.h"
+#include "app/subcommand_args.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/megatron_checkpoint.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/shape_text.h"
+#include "engine/model_dims.h"
+#include "engine/param_layout.h"
+
+namespace mt {
+
+namespace {
+
+enum class ArgKind { value, store_true, store_false };
+
+struct ModelArg {
+  const char* dest;  // argparse's attribute name
+  const char* flag;
+  ArgKind kind;
+};
+
+// The arguments that decide what the model computes (Megatron's argparse dests). Architectures
+// megatrain does not build are listed too, so that the parser refuses them by flag name.
+const ModelArg kModelArgs[] = {
+    {"num_layers", "--num-layers", ArgKind::value},
+    {"hidden_size", "--hidden-size", ArgKind::value},
+    {"ffn_hidden_size", "--ffn-hidden-size", ArgKind::value},
+    {"num_attention_heads", "--num-attention-heads", ArgKind::value},
+    {"kv_channels", "--kv-channels", ArgKind::value},
+    {"group_query_attention", "--group-query-attention", ArgKind::store_true},
+    {"max_position_embeddings", "--max-position-embeddings", ArgKind::value},
+    {"seq_length", "--seq-length", ArgKind::value},
+    {"position_embedding_type", "--position-embedding-type", ArgKind::value},
+    {"add_position_embedding", "--no-position-embedding", ArgKind::store_false},
+    {"rotary_base", "--rotary-base", ArgKind::value},
+    {"rotary_percent", "--rotary-percent", ArgKind::value},
+    {"rotary_interleaved", "--rotary-interleaved", ArgKind::store_true},
+    {"rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", ArgKind::value},
+    {"use_rope_scaling", "--use-rope-scaling", ArgKind::store_true},
+    {"rope_scaling_factor", "--rope-scaling-factor", ArgKind::value},
+    {"normalization", "--normalization", ArgKind::value},
+    {"norm_epsilon", "--norm-epsilon", ArgKind::value},
+    {"apply_layernorm_1p", "--apply-layernorm-1p", ArgKind::store_true},
+    {"apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", ArgKind::store_true},
+    {"swiglu", "--swiglu", ArgKind::store_true},
+    {"squared_relu", "--squared-relu", ArgKind::store_true},
+    {"openai_gelu", "--openai-gelu", ArgKind::store_true},
+    {"bias_gelu_fusion", "--no-bias-gelu-fusion", ArgKind::store_false},
+    {"add_bias_linear", "--disable-bias-linear", ArgKind::store_false},
+    {"add_qkv_bias", "--add-qkv-bias", ArgKind::store_true},
+    {"qk_layernorm", "--qk-layernorm", ArgKind::store_true},
+    {"qk_l2_norm", "--qk-l2-norm", ArgKind::store_true},
+    {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", ArgKind::store_true},
+    {"window_size", "--window-size", ArgKind::value},
+    {"window_attn_skip_freq", "--window-attn-skip-freq", ArgKind::value},
+    {"attention_dropout", "--attention-dropout", ArgKind::value},
+    {"hidden_dropout", "--hidden-dropout", ArgKind::value},
+    {"init_method_std", "--init-method-std", ArgKind::value},
+    {"make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", ArgKind::value},
+    {"num_experts", "--num-experts", ArgKind::value},
+    {"multi_latent_attention", "--multi-latent-attention", ArgKind::store_true},
+    {"mtp_num_layers", "--mtp-num-layers", ArgKind::value},
+};
+
+// Tokenizer arguments: printed for the user, recorded for --use-checkpoint-args; not needed to
+// build the model (the padded vocabulary comes from the checkpoint).
+const ModelArg kTokenizerArgs[] = {
+    {"tokenizer_type", "--tokenizer-type", ArgKind::value},
+    {"vocab_file", "--vocab-file", ArgKind::value},
+    {"merge_file", "--merge-file", ArgKind::value},
+    {"tokenizer_model", "--tokenizer-model", ArgKind::value},
+    {"vocab_size", "--vocab-size", ArgKind::value},
+};
+
+// A saved argument as command-line text; nullopt for values with no text form here.
+std::optional<std::string> arg_text(const PickleValue& v) {
+  switch (v.kind) {
+    case PickleKind::integer: return std::to_string(v.integer);
+    case PickleKind::floating: return fmt::format("{}", v.floating);
+    case PickleKind::string: return v.text;
+    case PickleKind::tuple:
+    case PickleKind::list: {
+      std::vector<std::string> parts;
+      for (const auto& i : v.items) {
+        auto t = arg_text(*i);
+        if (!t) return std::nullopt;
+        parts.push_back(*t);
+      }
+      // --window-size is Megatron's "L,R" tuple; a per-layer pattern is a Python list.
+      return v.kind == PickleKind::tuple ? fmt::format("{}", fmt::join(parts, ","))
+                                         : fmt::format("[{}]", fmt::join(parts, ","));
+    }
+    default: return std::nullopt;
+  }
+}
+
+// The flags for `table`'s arguments as the checkpoint saved them. A store_true argument that is
+// set, a store_false one that is cleared and a value that is not None become flags.
+std::vector<std::string> flags_from_args(const PickleValue& args, const ModelArg* begin, const ModelArg* end,
+                                         const std::string& where) {
+  std::vector<std::string> out;
+  for (const ModelArg* a = begin; a != end; ++a) {
+    const PickleValue* v = megatron_arg(args, a->dest);
+    if (!v) continue;
+    if (a->kind != ArgKind::value) {
+      if (!v->is(PickleKind::boolean)) continue;
+      if (v->boolean == (a->kind == ArgKind::store_true)) out.push_back(a->flag);
+      continue;
+    }
+    if (v->is(PickleKind::boolean)) continue;
+    const std::optional<std::string> text = arg_text(*v);
+    if (!text) fail("{}: the saved argument {} is a {}, which megatrain cannot read as {}", where, a->dest, v->describe(), a->flag);
+    // A None-like default (num_experts 0, an empty MTP) is no flag.
+    if ((std::string(a->dest) == "num_experts" || std::string(a->dest) == "mtp_num_layers") && *text == "0") continue;
+    out.push_back(a->flag);
+    out.push_back(*text);
+  }
+  // num_query_groups means something only with --group-query-attention.
+  if (const PickleValue* g = megatron_arg(args, "group_query_attention"); g && g->is(PickleKind::boolean) && g->boolean)
+    if (const PickleValue* n = megatron_arg(args, "num_query_groups"); n && n->is(PickleKind::integer)) {
+      out.push_back("--num-query-groups");
+      out.push_back(std::to_string(n->integer));
+    }
+  return out;
+}
+
+std::string shell_line(const std::vector<std::string>& flags) {
+  std::string line;
+  for (const auto& f : flags)
+    line += (line.empty() ? "" : " ") + (f.find_first_of("[]*?() ") == std::string::npos ? f : "'" + f + "'");
+  return line;
+}
+
+}  // namespace
+
+MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
+                                     const std::string& save_dir) {
+  const MegatronCheckpoint ck(load_dir, ckpt_step);
+  const PickleValue& args = ck.args();
+  const std::string where = "the Megatron-LM checkpoint " + ck.directory();
+  const PickleValue* padded = megatron_arg(args, "padded_vocab_size");
+  if (!padded || !padded->is(PickleKind::integer))
+    fail("{} does not record padded_vocab_size in its args: megatrain cannot size the embedding", where);
+
+  MegatronImportResult r;
+  r.model_flags = flags_from_args(args, std::begin(kModelArgs), std::end(kModelArgs), where);
+  r.tokenizer_flags = flags_from_args(args, std::begin(kTokenizerArgs), std::end(kTokenizerArgs), where);
+  r.format = ck.format();
+  r.iteration = ck.iteration();
+
+  // Parse the model flags as a training run would (single process, the tokenizer replaced by a
+  // NullTokenizer of the padded size: the files the checkpoint names may not be on this machine).
+  std::vector<std::string> parse = r.model_flags;
+  for (const char* f : {"--tokenizer-type", "NullTokenizer", "--vocab-size"}) parse.push_back(f);
+  parse.push_back(std::to_string(padded->integer));
+  for (const char* f : {"--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--lr", "1e-4", "--device", "cpu"}) parse.push_back(f);
+  Config cfg;
+  std::vector<SetupMessage> messages;
+  try {
+    cfg = parse_config(parse, Environment{}, &messages);
+  } catch (const Unsupported& e) {
+    throw Unsupported(fmt::format("{} holds a model megatrain does not build: {}", where, e.what()));
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: its saved args do not make a valid model: {}", where, e.what()));
+  }
+  cfg.model.padded_vocab_size = static_cast<int>(padded->integer);
+  cfg.model.vocab_size = static_cast<int>(padded->integer);
+  // The tokenizer as the run that saved the checkpoint had it (for --use-checkpoint-args).
+  cfg.data.tokenizer_type.reset();
+  cfg.data.vocab_size.reset();
+  auto text_arg = [&](const char* name) -> std::optional<std::string> {
+    const PickleValue* v = megatron_arg(args, name);
+    if (v && v->is(PickleKind::string)) return v->text;
+    return std::nullopt;
+  };
+  cfg.data.tokenizer_type = text_arg("tokenizer_type");
+  cfg.data.vocab_file = text_arg("vocab_file");
+  cfg.data.merge_file = text_arg("merge_file");
+  cfg.data.tokenizer_model = text_arg("tokenizer_model");
+  if (const PickleValue* v = megatron_arg(args, "vocab_size"); v && v->is(PickleKind::integer))
+    cfg.data.vocab_size = static_cast<int>(v->integer);
+  r.model = cfg.model;
+
+  // Every parameter of the model, unsharded, in forward order.
+  const ModelDims dims = ModelDims::from_config(cfg, 1, 0, 1, 0);
+  int64_t total = 0;
+  const std::vector<ParamDesc> descs = build_param_descs(dims, &total);
+  std::set<std::string> unused;
+  for (const std::string& n : ck.parameter_names()) unused.insert(n);
+
+  CheckpointWriter writer(save_dir, 0, 0, 1, /*release=*/true);
+  std::vector<HostArray> held;  // the writer reads them at save()
+  held.reserve(descs.size());
+  for (const ParamDesc& p : descs) {
+    if (p.shared_copy) continue;
+    held.push_back(ck.parameter(p.name));
+    unused.erase(p.name);
+    const HostArray& a = held.back();
+    if (a.shape != p.global_shape)
+      fail("{}: '{}' is {} but the model its args describe has it {}", where, p.name, shape_text(a.shape),
+           shape_text(p.global_shape));
+    if (a.dtype != DType::f32 && a.dtype != DType::bf16 && a.dtype != DType::f16)
+      fail("{}: '{}' is stored as {}, not a floating-point type megatrain trains in", where, p.name, dtype_name(a.dtype));
+    const int64_t rows = a.shape[0], cols = a.shape.size() == 2 ? a.shape[1] : 1;
+    writer.add(p.name, CheckpointKind::model, ShardIndex::whole(rows, cols),
+               Tensor(const_cast<unsigned char*>(a.bytes.data()), a.dtype, Device::cpu, {a.numel()}), p.global_shape);
+    ++r.tensors;
+  }
+  for (const std::string& n : unused)
+    log::warn0("import-megatron: {} holds '{}', which the model its args describe does not have; not imported",
+               ck.directory(), n);
+
+  RunState rs;
+  rs.config = nlohmann::json{{"model", model_config_to_json(cfg.model)},
+                             {"flags", checkpoint_config_json(cfg).at("flags")},
+                             {"imported_from", ck.directory()}};
+  writer.set_run_state(rs);
+  writer.save(SaveGroup{});
+  return r;
+}
+
+int import_megatron_main(const std::vector<std::string>& args) {
+  const SubcommandArgs a("import-megatron", args, {"--load", "--save", "--ckpt-step"});
+  const std::string load = a.required("--load", "DIR (the directory Megatron-LM's --save wrote)");
+  const std::string save = a.required("--save", "CKPT (where the megatrain checkpoint goes)");
+  std::optional<int64_t> step;
+  if (a.get("--ckpt-step")) step = a.integer("--ckpt-step", 0);
+  const MegatronImportResult r = import_megatron(load, step, save);
+  std::vector<std::string> flags = r.model_flags;
+  flags.insert(flags.end(), r.tokenizer_flags.begin(), r.tokenizer_flags.end());
+  flags.push_back("--load");
+  flags.push_back(save);
+  std::printf("imported %s (Megatron-LM %s format, iteration %lld, %d tensors) into %s as a release checkpoint\n",
+              load.c_str(), r.format.c_str(), static_cast<long long>(r.iteration), r.tensors, save.c_str());
+  std::printf("the optimizer state (Adam moments, float32 main weights) and the iteration count are not imported: "
+              "training from it starts at iteration 0 with fresh optimizer state, as Megatron's --finetune does\n");
+  std::printf("train from it with these model flags (plus your data, batch and optimizer flags):\n%s\n",
+              shell_line(flags).c_str());
+  return 0;
+}
+
+}  // namespace mt

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Per-iteration 'lm loss' and 'grad norm' of Megatron-style logs, side by side.
+
+  compare_losses.py REFERENCE.log OTHER.log [OTHER.log ...]
+
+Prints one row per iteration and, for each other log, the largest relative difference of the loss
+and of the gradient norm from the reference's. Exits 1 when a log has no iterations or fewer than
+the reference. (Standard library only.)
+"""
+import re
+import sys
+
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+) \|.*?grad norm: ([0-9.]+)")
+
+
+def read(path):
+    rows = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = LINE.search(line)
+            if m:
+                rows[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+    return rows
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    ref = read(sys.argv[1])
+    others = [read(p) for p in sys.argv[2:]]
+    if not ref or any(len(o) < len(ref) for o in others):
+        print("a log has no or fewer iterations than the reference:", [len(ref)] + [len(o) for o in others])
+        sys.exit(1)
+    print("iteration  " + "  ".join(["reference loss / grad norm"] + [f"log {i + 1} loss / grad norm"
+                                                                    for i in range(len(others))]))
+    worst = [[0.0, 0.0] for _ in others]
+    for it in sorted(ref):
+        cells = [f"{ref[it][0]:.6f} / {ref[it][1]:.4f}"]
+        for i, o in enumerate(others):
+            loss, norm = o[it]
+            worst[i][0] = max(worst[i][0], abs(loss - ref[it][0]) / abs(ref[it][0]))
+            worst[i][1] = max(worst[i][1], abs(norm - ref[it][1]) / max(abs(ref[it][1]), 1e-12))
+            cells.append(f"{loss:.6f} / {norm:.4f}")
+        print(f"{it:9d}  " + "  ".join(cells))
+    for i, (l, g) in enumerate(worst):
+        print(f"log {i + 1} ({sys.argv[2 + i]}): max relative difference: loss {l:.2e}, grad norm {g:.2e} "
+              f"over {len(ref)} iterations")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Megatron-LM itself against megatrain from the same weights (manual: needs a GPU, PyTorch and a
+# Megatron-LM checkout; nothing of Megatron-LM is in this repository).
+#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
+# Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP and PP (Megatron's layout
+# for the checkpoint, default 1; TP*PP GPUs), PYTHON (default python3).
+#
+# For each case Megatron-LM (pretrain_gpt.py, local transformer implementation: no Transformer
+# Engine or Apex needed) trains 10 iterations on --mock-data and saves, once in torch_dist and once
+# in torch format. Then, from the torch_dist checkpoint with --finetune (weights only, fresh
+# optimizer, data from the first sample), Megatron-LM trains ITERS iterations; megatrain imports
+# each checkpoint (import-megatron) and trains the same ITERS iterations with the same flags on one
+# GPU. bench/compare_losses.py prints the curves and the largest differences.
+set -euo pipefail
+MEGATRON=$(cd "${1:?usage: megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]}" && pwd)
+BIN=$(realpath "${2:?megatrain binary}")
+OUT=$(mkdir -p "${3:?output directory}" && cd "$3" && pwd)
+shift 3
+CASES=("$@")
+[ ${#CASES[@]} -gt 0 ] || CASES=(gpt llama)
+ITERS=${ITERS:-30}
+PREC=${PREC:-fp32}
+TP=${TP:-1}
+PP=${PP:-1}
+PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+common=(--seq-length 256 --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 16
+        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 2000 --split 99,1,0
+        --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --eval-interval 100000 --eval-iters 0
+        --transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+        --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --seed 1234)
+[ "$PREC" = bf16 ] && common+=(--bf16)
+model_gpt=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --position-embedding-type learned_absolute)
+model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
+             --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
+             --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
+
+megatron() {  # log, nproc, args...
+  local log=$1 nproc=$2
+  shift 2
+  (cd "$MEGATRON" && PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" timeout 600 \
+     "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_port 29533 pretrain_gpt.py "$@") > "$log" 2>&1 \
+    || { echo "Megatron-LM failed, see $log"; tail -20 "$log"; return 1; }
+}
+
+for c in "${CASES[@]}"; do
+  model_var="model_$c[@]"
+  model=("${!model_var}")
+  d=$OUT/$c
+  rm -rf "$d" && mkdir -p "$d"
+  par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+  for fmt in torch_dist torch; do
+    echo "== $c: Megatron-LM trains 10 iterations (TP $TP, PP $PP, $PREC) and saves in $fmt format"
+    megatron "$d/megatron_save_$fmt.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters 10 \
+      --save "$d/megatron_$fmt" --save-interval 10 --ckpt-format "$fmt"
+  done
+  echo "== $c: Megatron-LM trains $ITERS iterations from its checkpoint (--finetune)"
+  megatron "$d/megatron_finetune.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$ITERS" \
+    --load "$d/megatron_torch_dist" --finetune --ckpt-format torch_dist
+  for fmt in torch_dist torch; do
+    echo "== $c: megatrain imports the $fmt checkpoint and trains $ITERS iterations"
+    "$BIN" import-megatron --load "$d/megatron_$fmt" --save "$d/imported_$fmt" > "$d/import_$fmt.log" 2>&1 \
+      || { cat "$d/import_$fmt.log"; exit 1; }
+    head -1 "$d/import_$fmt.log"
+    "$BIN" "${common[@]}" "${model[@]}" --train-iters "$ITERS" --load "$d/imported_$fmt" --finetune \
+      > "$d/megatrain_$fmt.log" 2>&1 || { tail -20 "$d/megatrain_$fmt.log"; exit 1; }
+  done
+  "$PY" "$HERE/compare_losses.py" "$d/megatron_finetune.log" "$d/megatrain_torch_dist.log" "$d/megatrain_torch.log" \
+    | tee "$d/compare.txt"
+done

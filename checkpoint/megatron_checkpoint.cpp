@@ -1,0 +1,433 @@
+#include "checkpoint/megatron_checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/torch_file.h"
+#include "core/error.h"
+#include "core/shape_text.h"
+
+namespace mt {
+
+const PickleValue* megatron_arg(const PickleValue& args, const std::string& name) {
+  const PickleValue* v = args.find(name);
+  return v && !v->is(PickleKind::none) ? v : nullptr;
+}
+
+namespace {
+
+// How Megatron splits a tensor over tensor-parallel ranks (torch format only: torch_dist saves
+// global tensors).
+enum class TpJoin { replicated, rows, columns, swiglu_rows };
+
+TpJoin tp_join_of(const std::string& name, bool swiglu) {
+  auto ends = [&](const char* s) {
+    const size_t n = std::strlen(s);
+    return name.size() >= n && name.compare(name.size() - n, n, s) == 0;
+  };
+  if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) return swiglu ? TpJoin::swiglu_rows : TpJoin::rows;
+  if (ends("linear_qkv.weight") || ends("linear_qkv.bias") || name == "embedding.word_embeddings.weight" ||
+      name == "output_layer.weight")
+    return TpJoin::rows;
+  if (ends("linear_proj.weight") || ends("linear_fc2.weight")) return TpJoin::columns;
+  return TpJoin::replicated;
+}
+
+// The local spec's norm names -> the Transformer Engine names megatrain (and torch_dist) use.
+std::string te_layer_name(const std::string& rest) {
+  static const std::pair<const char*, const char*> renames[] = {
+      {"input_layernorm.", "self_attention.linear_qkv.layer_norm_"},
+      {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"}};
+  for (const auto& [from, to] : renames) {
+    const size_t n = std::strlen(from);
+    if (rest.compare(0, n, from) == 0) return to + rest.substr(n);
+  }
+  return rest;
+}
+
+// "decoder.layers.12.mlp..." -> (12, "mlp..."); nullopt for other names.
+std::optional<std::pair<int, std::string>> split_layer_name(const std::string& name) {
+  static const std::string prefix = "decoder.layers.";
+  if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  const size_t dot = name.find('.', prefix.size());
+  if (dot == std::string::npos) return std::nullopt;
+  const std::string number = name.substr(prefix.size(), dot - prefix.size());
+  if (number.empty() || number.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::make_pair(std::stoi(number), name.substr(dot + 1));
+}
+
+int64_t int_arg(const PickleValue& args, const std::string& name, int64_t fallback) {
+  const PickleValue* v = megatron_arg(args, name);
+  return v && v->is(PickleKind::integer) ? v->integer : fallback;
+}
+
+bool bool_arg(const PickleValue& args, const std::string& name) {
+  const PickleValue* v = megatron_arg(args, name);
+  return v && v->is(PickleKind::boolean) && v->boolean;
+}
+
+std::vector<int64_t> pickle_ints(const PickleValue& v) {
+  const PickleValue* t = v.is_object("torch.Size") && v.items.size() == 1 ? v.items[0].get() : &v;
+  std::vector<int64_t> out;
+  for (const auto& i : t->items) out.push_back(i->is(PickleKind::integer) ? i->integer : -1);
+  return out;
+}
+
+// Copies the box where `chunk` (at chunk_offsets of the global tensor) overlaps the box
+// [out_offsets, out_offsets + out.shape) into `out`. Both dense row-major, same dtype.
+void copy_overlap(const HostArray& chunk, const std::vector<int64_t>& chunk_offsets, HostArray& out,
+                  const std::vector<int64_t>& out_offsets) {
+  const size_t nd = out.shape.size();
+  std::vector<int64_t> lo(nd), hi(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    lo[d] = std::max(chunk_offsets[d], out_offsets[d]);
+    hi[d] = std::min(chunk_offsets[d] + chunk.shape[d], out_offsets[d] + out.shape[d]);
+    if (lo[d] >= hi[d]) return;
+  }
+  const size_t elem = dtype_size(out.dtype);
+  const size_t run = static_cast<size_t>(hi[nd - 1] - lo[nd - 1]) * elem;  // innermost dimension: one memcpy
+  std::vector<int64_t> at = lo;
+  while (true) {
+    int64_t src = 0, dst = 0;
+    for (size_t d = 0; d < nd; ++d) {
+      src = src * chunk.shape[d] + (at[d] - chunk_offsets[d]);
+      dst = dst * out.shape[d] + (at[d] - out_offsets[d]);
+    }
+    std::memcpy(out.bytes.data() + static_cast<size_t>(dst) * elem, chunk.bytes.data() + static_cast<size_t>(src) * elem,
+                run);
+    size_t d = nd - 1;
+    while (d-- > 0) {
+      if (++at[d] < hi[d]) break;
+      at[d] = lo[d];
+    }
+    if (d == static_cast<size_t>(-1)) break;
+  }
+}
+
+}  // namespace
+
+struct MegatronCheckpoint::Files {
+  std::vector<std::unique_ptr<TorchFile>> torch_files;                   // torch: one per rank file
+  std::map<std::string, std::shared_ptr<const MappedFile>> distcp_files;  // torch_dist: by relative path
+};
+
+struct MegatronCheckpoint::Source {
+  // torch: the tensor in each TP rank's file, in rank order.
+  std::vector<std::pair<const TorchFile*, const PickleValue*>> shards;
+  TpJoin join = TpJoin::replicated;
+  // torch_dist: the stored chunks of `key`, and the index along its leading dimension when the
+  // parameter is one layer of a stacked tensor.
+  struct Chunk {
+    std::shared_ptr<const MappedFile> file;
+    uint64_t offset = 0, length = 0;
+    std::vector<int64_t> offsets;
+  };
+  std::string key;
+  std::vector<int64_t> key_shape;
+  int layer = -1;
+  std::vector<Chunk> chunks;
+};
+
+MegatronCheckpoint::~MegatronCheckpoint() = default;
+
+MegatronCheckpoint::MegatronCheckpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step)
+    : files_(std::make_shared<Files>()) {
+  const std::string tracker = join_path(load_dir, "latest_checkpointed_iteration.txt");
+  if (ckpt_step) {
+    iteration_ = *ckpt_step;
+  } else {
+    if (!path_exists(tracker))
+      fail("{} has no latest_checkpointed_iteration.txt: not a Megatron-LM checkpoint directory (give the directory "
+           "Megatron's --save wrote)", load_dir);
+    std::string text = read_text_file(tracker);
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+    if (text == "release") {
+      release_ = true;
+    } else {
+      try {
+        size_t used = 0;
+        iteration_ = std::stoll(text, &used);
+        if (used != text.size()) throw std::invalid_argument(text);
+      } catch (const std::exception&) {
+        fail("{} holds '{}', neither an iteration number nor 'release'", tracker, text);
+      }
+    }
+  }
+  directory_ = join_path(load_dir, release_ ? std::string("release") : fmt::format("iter_{:07d}", iteration_));
+  if (!is_directory(directory_)) fail("{} does not exist (named by {})", directory_, ckpt_step ? "--ckpt-step" : tracker);
+  if (path_exists(join_path(directory_, "metadata.json"))) {
+    format_ = "torch_dist";
+    open_torch_dist();
+  } else {
+    format_ = "torch";
+    open_torch();
+  }
+}
+
+void MegatronCheckpoint::open_torch() {
+  // mp_rank_TT (no pipeline parallelism) or mp_rank_TT_PPP; a third number is an expert rank.
+  std::map<std::pair<int, int>, std::string> rank_dirs;
+  for (const std::string& n : list_directory(directory_)) {
+    if (n.compare(0, 8, "mp_rank_") != 0) continue;
+    std::vector<int> numbers;
+    size_t p = 8;
+    while (p <= n.size()) {
+      const size_t q = std::min(n.find('_', p), n.size());
+      const std::string part = n.substr(p, q - p);
+      if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos)
+        fail("{}: cannot read the rank directory name '{}'", directory_, n);
+      numbers.push_back(std::stoi(part));
+      p = q + 1;
+    }
+    if (numbers.size() == 3)
+      fail("{} holds expert-parallel shards ({}): megatrain has no mixture-of-experts models", directory_, n);
+    rank_dirs[{numbers[0], numbers.size() == 2 ? numbers[1] : 0}] = join_path(directory_, n);
+  }
+  if (rank_dirs.empty())
+    fail("{} holds neither metadata.json (torch_dist) nor mp_rank_* directories (torch): not a Megatron-LM "
+         "checkpoint megatrain can read", directory_);
+  auto open_rank = [&](int tp, int pp) -> const TorchFile& {
+    auto it = rank_dirs.find({tp, pp});
+    if (it == rank_dirs.end()) fail("{} lacks the files of tensor rank {} pipeline rank {}", directory_, tp, pp);
+    const std::string path = join_path(it->second, "model_optim_rng.pt");
+    if (!path_exists(path)) fail("{} does not exist", path);
+    files_->torch_files.push_back(std::make_unique<TorchFile>(path));
+    return *files_->torch_files.back();
+  };
+  const TorchFile& first = open_rank(0, 0);
+  const PickleValue* args = first.root().find("args");
+  if (!args || !args->is(PickleKind::object))
+    fail("{} holds no saved args: megatrain needs them to rebuild the model", first.what());
+  args_ = std::make_shared<PickleValue>(*args);
+  const int tp = static_cast<int>(int_arg(*args, "tensor_model_parallel_size", 1));
+  const int pp = static_cast<int>(int_arg(*args, "pipeline_model_parallel_size", 1));
+  if (static_cast<int>(rank_dirs.size()) != tp * pp)
+    fail("{} holds {} rank directories, but its args say tensor parallel {} x pipeline parallel {}", directory_,
+         rank_dirs.size(), tp, pp);
+  const bool swiglu = bool_arg(*args, "swiglu");
+  const bool tied = !bool_arg(*args, "untie_embeddings_and_output_weights");
+
+  std::vector<std::vector<const TorchFile*>> files(static_cast<size_t>(pp));  // [pp][tp]
+  for (int p = 0; p < pp; ++p)
+    for (int t = 0; t < tp; ++t) files[static_cast<size_t>(p)].push_back(t == 0 && p == 0 ? &first : &open_rank(t, p));
+  // Virtual pipeline chunks are "model0", "model1", ...; without them "model".
+  const bool chunked = first.root().find("model") == nullptr;
+  int chunks = 1;
+  if (chunked)
+    while (first.root().find("model" + std::to_string(chunks))) ++chunks;
+  // Global layer numbers: the layers of chunk v of stage p follow those of all earlier (v, p) in
+  // the order v-major, then p (Megatron's interleaved assignment; also its uneven splits).
+  int next_layer = 0;
+  std::map<std::string, std::shared_ptr<Source>> found;
+  for (int v = 0; v < chunks; ++v) {
+    const std::string key = chunked ? "model" + std::to_string(v) : "model";
+    for (int p = 0; p < pp; ++p) {
+      int layers_here = 0;
+      for (int t = 0; t < tp; ++t) {
+        const TorchFile& f = *files[static_cast<size_t>(p)][static_cast<size_t>(t)];
+        const PickleValue* model = f.root().find(key);
+        if (!model || !model->is(PickleKind::dict)) fail("{} has no '{}' state dict", f.what(), key);
+        for (const auto& [k, value] : model->entries) {
+          if (!k->is(PickleKind::string)) continue;
+          std::string name = k->text;
+          if (name.size() > 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
+          if (!TorchFile::is_tensor(*value)) continue;
+          if (auto layer = split_layer_name(name)) {
+            layers_here = std::max(layers_here, layer->first + 1);
+            name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, te_layer_name(layer->second));
+          }
+          if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
+          auto& src = found[name];
+          if (!src) {
+            src = std::make_shared<Source>();
+            src->join = tp_join_of(name, swiglu);
+            src->shards.resize(static_cast<size_t>(tp), {nullptr, nullptr});
+          }
+          if (!src->shards[static_cast<size_t>(t)].first) src->shards[static_cast<size_t>(t)] = {&f, value.get()};
+        }
+      }
+      next_layer += layers_here;
+    }
+  }
+  for (auto& [name, src] : found) {
+    for (int t = 0; t < tp; ++t)
+      if (!src->shards[static_cast<size_t>(t)].first)
+        fail("{}: tensor rank {} has no '{}' although tensor rank 0 has", directory_, t, name);
+    params_[name] = src;
+  }
+}
+
+void MegatronCheckpoint::open_torch_dist() {
+  const std::string meta_json = join_path(directory_, "metadata.json");
+  const std::string backend = read_text_file(meta_json);
+  if (backend.find("torch_dist") == std::string::npos)
+    fail("{} names a sharded backend other than torch_dist ({}): megatrain reads torch_dist and torch checkpoints",
+         meta_json, backend);
+  const std::string meta_path = join_path(directory_, ".metadata");
+  if (!path_exists(meta_path)) fail("{} is missing: the checkpoint is incomplete", meta_path);
+  const auto meta_file = std::make_shared<MappedFile>(meta_path);
+  const PickleRef meta = read_pickle(meta_file->data(), meta_file->size(), meta_path);
+  const PickleValue& sdm = meta->at("state_dict_metadata", meta_path);
+  const PickleValue& storage = meta->at("storage_data", meta_path);
+  auto file = [&](const std::string& rel) {
+    auto& f = files_->distcp_files[rel];
+    if (!f) f = std::make_shared<MappedFile>(join_path(directory_, rel));
+    return f;
+  };
+  // Every stored item, by key.
+  std::map<std::string, std::vector<Source::Chunk>> chunks;
+  for (const auto& [index, info] : storage.entries) {
+    const PickleValue* fqn = index->find("fqn");
+    const PickleValue* rel = info->find("relative_path");
+    const PickleValue* off = info->find("offset");
+    const PickleValue* len = info->find("length");
+    if (!fqn || !rel || !off || !len || !fqn->is(PickleKind::string) || !rel->is(PickleKind::string))
+      fail("{}: a storage entry megatrain cannot read ({})", meta_path, index->describe());
+    if (const PickleValue* t = info->find("transform_descriptors"); t && !t->items.empty())
+      fail("{}: item '{}' is stored with transforms (compression?), which megatrain does not read", meta_path, fqn->text);
+    Source::Chunk c;
+    c.file = file(rel->text);
+    c.offset = static_cast<uint64_t>(off->integer);
+    c.length = static_cast<uint64_t>(len->integer);
+    if (const PickleValue* o = index->find("offset")) c.offsets = pickle_ints(*o);
+    chunks[fqn->text].push_back(std::move(c));
+  }
+
+  // The args: common.pt (older Megatron) or the common_state item.
+  std::unique_ptr<TorchFile> common;
+  const std::string common_pt = join_path(directory_, "common.pt");
+  if (path_exists(common_pt)) {
+    common = std::make_unique<TorchFile>(common_pt);
+  } else {
+    for (const auto& [key, cs] : chunks)
+      if (key.compare(0, 12, "common_state") == 0 && !cs.empty()) {
+        common = std::make_unique<TorchFile>(cs[0].file, cs[0].offset, cs[0].length);
+        break;
+      }
+  }
+  if (!common) fail("{} holds neither common.pt nor a common_state item: the checkpoint is incomplete", directory_);
+  const PickleValue* state = &common->root();
+  if (state->is(PickleKind::list) && state->items.size() == 1) state = state->items[0].get();
+  const PickleValue* args = state->find("args");
+  if (!args || !args->is(PickleKind::object))
+    fail("{} holds no saved args: megatrain needs them to rebuild the model", common->what());
+  args_ = std::make_shared<PickleValue>(*args);
+
+  for (const auto& [k, md] : sdm.entries) {
+    if (!k->is(PickleKind::string) || !md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata"))
+      continue;
+    const std::string& key = k->text;
+    if (key.compare(0, 10, "optimizer.") == 0 || key.find("_extra_state") != std::string::npos) continue;
+    if (key.compare(0, 5, "rng_s") == 0) continue;
+    auto src = std::make_shared<Source>();
+    src->key = key;
+    src->key_shape = pickle_ints(md->at("size", meta_path + ": " + key));
+    src->chunks = chunks[key];
+    if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
+    static const std::string stacked = "decoder.layers.";
+    if (key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(key)) {
+      // One tensor per layer kind, the layers along its first dimension.
+      for (int64_t l = 0; l < src->key_shape[0]; ++l) {
+        auto one = std::make_shared<Source>(*src);
+        one->layer = static_cast<int>(l);
+        params_[fmt::format("decoder.layers.{}.{}", l, key.substr(stacked.size()))] = one;
+      }
+    } else {
+      params_[key] = src;
+    }
+  }
+}
+
+std::vector<std::string> MegatronCheckpoint::parameter_names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, src] : params_) out.push_back(name);
+  return out;
+}
+
+HostArray MegatronCheckpoint::parameter(const std::string& name) const {
+  auto it = params_.find(name);
+  if (it == params_.end()) fail("the Megatron-LM checkpoint {} has no parameter '{}'", directory_, name);
+  const Source& s = *it->second;
+  if (format_ == "torch") {
+    std::vector<HostArray> parts;
+    for (const auto& [file, value] : s.shards) parts.push_back(file->tensor(*value, name));
+    if (s.join == TpJoin::replicated || parts.size() == 1) return std::move(parts[0]);
+    const HostArray& p0 = parts[0];
+    for (const HostArray& p : parts)
+      if (p.dtype != p0.dtype || p.shape != p0.shape)
+        fail("{}: the tensor-parallel shards of '{}' differ in shape or dtype ({} and {})", directory_, name,
+             shape_text(p0.shape), shape_text(p.shape));
+    const size_t elem = dtype_size(p0.dtype);
+    const int64_t rows = p0.shape[0], cols = p0.shape.size() == 2 ? p0.shape[1] : 1;
+    const int64_t n = static_cast<int64_t>(parts.size());
+    HostArray out;
+    out.dtype = p0.dtype;
+    out.shape = p0.shape;
+    if (s.join == TpJoin::columns) {
+      if (p0.shape.size() != 2) fail("{}: '{}' is not a matrix", directory_, name);
+      out.shape[1] = cols * n;
+    } else {
+      out.shape[0] = rows * n;
+    }
+    out.bytes.resize(p0.bytes.size() * parts.size());
+    const size_t row_bytes = static_cast<size_t>(cols) * elem;
+    for (int64_t t = 0; t < n; ++t) {
+      const HostArray& p = parts[static_cast<size_t>(t)];
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t dst_row = t * rows + r, dst_col = 0;
+        if (s.join == TpJoin::columns) {
+          dst_row = r;
+          dst_col = t * cols;
+        } else if (s.join == TpJoin::swiglu_rows) {
+          // shard t is [gate_t; up_t]: gate rows go to the first half, up rows to the second
+          const int64_t half = rows / 2;
+          dst_row = r < half ? t * half + r : n * half + t * half + (r - half);
+        }
+        const int64_t out_cols = out.shape.size() == 2 ? out.shape[1] : 1;
+        std::memcpy(out.bytes.data() + (static_cast<size_t>(dst_row * out_cols + dst_col)) * elem,
+                    p.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
+      }
+    }
+    return out;
+  }
+  // torch_dist: assemble the region (one layer of a stacked tensor, or all of it) from its chunks.
+  HostArray out;
+  std::vector<int64_t> offsets(s.key_shape.size(), 0);
+  std::vector<int64_t> region = s.key_shape;
+  if (s.layer >= 0) {
+    offsets[0] = s.layer;
+    region[0] = 1;
+  }
+  bool first = true;
+  int64_t covered = 0;
+  for (const Source::Chunk& c : s.chunks) {
+    if (c.offsets.size() != s.key_shape.size())
+      fail("{}: a chunk of '{}' has {} offsets for {} dimensions", directory_, s.key, c.offsets.size(), s.key_shape.size());
+    if (s.layer >= 0 && c.offsets[0] > s.layer) continue;
+    const TorchFile chunk_file(c.file, c.offset, c.length);
+    const std::vector<int64_t> chunk_shape = chunk_file.tensor_shape(chunk_file.root(), s.key);
+    if (s.layer >= 0 && c.offsets[0] + chunk_shape[0] <= s.layer) continue;
+    const HostArray chunk = chunk_file.tensor(chunk_file.root(), s.key);
+    if (first) {
+      out = HostArray::zeros(chunk.dtype, region);
+      first = false;
+    } else if (chunk.dtype != out.dtype) {
+      fail("{}: the chunks of '{}' have different dtypes", directory_, s.key);
+    }
+    int64_t overlap = 1;
+    for (size_t d = 0; d < region.size(); ++d)
+      overlap *= std::max<int64_t>(0, std::min(c.offsets[d] + chunk.shape[d], offsets[d] + region[d]) -
+                                          std::max(c.offsets[d], offsets[d]));
+    covered += overlap;
+    copy_overlap(chunk, c.offsets, out, offsets);
+  }
+  if (first || covered != out.numel())
+    fail("{}: the stored chunks of '{}' cover {} of its {} elements{}", directory_, s.key, covered,
+         shape_numel(region), s.layer >= 0 ? fmt::format(" (layer {})", s.layer) : std::string());
+  if (s.layer >= 0) out.shape.erase(out.shape.begin());  // drop the layer dimension
+  return out;
+}
+
+}  // namespace mt
