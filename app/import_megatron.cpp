@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <set>
 
 #include "app/checkpoint_args.h"
@@ -129,13 +130,48 @@ std::vector<std::string> flags_from_args(const PickleValue& args, const ModelArg
     if (v->is(PickleKind::boolean)) continue;
     const std::optional<std::string> text = arg_text(*v);
     if (!text) fail("{}: the saved argument {} is a {}, which megatrain cannot read as {}", where, a->dest, v->describe(), a->flag);
-    // A None-like default (num_experts 0, an empty MTP) is no flag.
-    if ((std::string(a->dest) == "num_experts" || std::string(a->dest) == "mtp_num_layers") && *text == "0") continue;
     out.push_back(a->flag);
     out.push_back(*text);
   }
+  return out;
+}
+
+// Drops the flags that say nothing about this model: settings of features it does not use
+// (RoPE's with learned positions, the scaling factor without --use-rope-scaling), Megatron's own
+// derived values (--kv-channels = hidden / heads, GeLU fusion off with SwiGLU, q/k/v biases with
+// all biases), and empty architecture options (no experts, no MTP layers).
+std::vector<std::string> model_flags_from_args(const PickleValue& args, const std::string& where) {
+  const std::vector<std::string> all = flags_from_args(args, std::begin(kModelArgs), std::end(kModelArgs), where);
+  auto has = [&](const char* flag) { return std::find(all.begin(), all.end(), flag) != all.end(); };
+  auto value = [&](const char* flag) -> std::string {
+    auto it = std::find(all.begin(), all.end(), flag);
+    return it != all.end() && it + 1 != all.end() ? *(it + 1) : std::string();
+  };
+  const bool rope = value("--position-embedding-type") == "rope";
+  std::set<std::string> drop;
+  if (!rope)
+    for (const char* f : {"--rotary-base", "--rotary-percent", "--rotary-interleaved",
+                          "--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor"})
+      drop.insert(f);
+  if (!has("--use-rope-scaling")) drop.insert("--rope-scaling-factor");
+  const std::string heads = value("--num-attention-heads"), hidden = value("--hidden-size"), kv = value("--kv-channels");
+  if (!heads.empty() && !hidden.empty() && !kv.empty() && std::stoll(kv) * std::stoll(heads) == std::stoll(hidden))
+    drop.insert("--kv-channels");
+  if (has("--swiglu")) drop.insert("--no-bias-gelu-fusion");
+  if (!has("--disable-bias-linear")) drop.insert("--add-qkv-bias");
+  if (value("--num-experts") == "0") drop.insert("--num-experts");
+  if (value("--mtp-num-layers") == "0") drop.insert("--mtp-num-layers");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const bool flag_with_value = i + 1 < all.size() && all[i + 1].rfind("--", 0) != 0;
+    if (!drop.count(all[i])) {
+      out.push_back(all[i]);
+      if (flag_with_value) out.push_back(all[i + 1]);
+    }
+    if (flag_with_value) ++i;
+  }
   // num_query_groups means something only with --group-query-attention.
-  if (const PickleValue* g = megatron_arg(args, "group_query_attention"); g && g->is(PickleKind::boolean) && g->boolean)
+  if (has("--group-query-attention"))
     if (const PickleValue* n = megatron_arg(args, "num_query_groups"); n && n->is(PickleKind::integer)) {
       out.push_back("--num-query-groups");
       out.push_back(std::to_string(n->integer));
@@ -162,7 +198,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
     fail("{} does not record padded_vocab_size in its args: megatrain cannot size the embedding", where);
 
   MegatronImportResult r;
-  r.model_flags = flags_from_args(args, std::begin(kModelArgs), std::end(kModelArgs), where);
+  r.model_flags = model_flags_from_args(args, where);
   r.tokenizer_flags = flags_from_args(args, std::begin(kTokenizerArgs), std::end(kTokenizerArgs), where);
   r.format = ck.format();
   r.iteration = ck.iteration();

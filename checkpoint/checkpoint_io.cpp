@@ -632,13 +632,14 @@ void CheckpointReader::load_manifest(const std::string& dir) {
   const std::string path = join_path(dir, kManifestName);
   if (!path_exists(path)) {
     // A Megatron-LM checkpoint (torch_dist: metadata.json, common.pt, *.distcp; torch:
-    // mp_rank_XX/model_optim_rng.pt) is PyTorch's pickled format, which megatrain does not read.
+    // mp_rank_XX/model_optim_rng.pt) is read by import-megatron (checkpoint/megatron_checkpoint.h),
+    // not under --load: training loads megatrain's own format.
     const std::string megatron = megatron_checkpoint_format(dir);
     if (!megatron.empty())
-      fail("{} is a Megatron-LM checkpoint ({} format), which megatrain cannot load: megatrain reads its own "
-           "checkpoints only. To continue from its weights, convert it to Hugging Face format with Megatron's "
-           "converter and run `megatrain import-hf --hf-dir HF_DIR --save CKPT`, then train with --load CKPT",
-           dir, megatron);
+      fail("{} is a Megatron-LM checkpoint ({} format), which training does not load directly: run `megatrain "
+           "import-megatron --load {} --save CKPT` (its weights, for any parallel layout), then train with --load "
+           "CKPT, as Megatron's --finetune would (iteration 0, fresh optimizer state)",
+           dir, megatron, parent_directory(dir));
     fail("{} is not a complete megatrain checkpoint: {} is missing (an interrupted save?)", dir, path);
   }
   json m;

@@ -493,7 +493,7 @@ TEST_CASE("a Megatron-LM checkpoint under --load is named as such, with the way 
   };
   const std::string dist = iteration_dir("dist", {"metadata.json", "common.pt", "__0_0.distcp"});
   CHECK_THROWS_WITH(CheckpointReader::open_directory(dist),
-                    Catch::Contains("is a Megatron-LM checkpoint (torch_dist format)") && Catch::Contains("import-hf"));
+                    Catch::Contains("is a Megatron-LM checkpoint (torch_dist format)") && Catch::Contains("import-megatron"));
   const std::string legacy = iteration_dir("legacy", {"mp_rank_00/model_optim_rng.pt"});
   CHECK_THROWS_WITH(CheckpointReader::open_directory(legacy),
                     Catch::Contains("is a Megatron-LM checkpoint (torch format)"));
