@@ -3,9 +3,10 @@
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
 // same Megatron flags a launch script gives, and megatrain's own command-line parser validates them
-// (so a model megatrain cannot build is refused naming the flag). Only the weights are imported:
-// a release checkpoint starts at iteration 0 with fresh optimizer state, which is what Megatron
-// does when it loads a checkpoint with --finetune or a converted release checkpoint.
+// (so a model megatrain cannot build is refused naming the flag). With the optimizer state stored
+// by parameter, everything a resume needs is carried over (app/import_megatron.h); otherwise the
+// weights only, as a release checkpoint: iteration 0 with fresh optimizer state, which is what
+// Megatron does when it loads a checkpoint with --finetune or a converted release checkpoint.
 #include "app/import_megatron.h"
 
 #include <fmt/format.h>
@@ -188,8 +189,65 @@ std::string shell_line(const std::vector<std::string>& flags) {
 
 }  // namespace
 
+namespace {
+
+double number_arg(const PickleValue& v, const std::string& what) {
+  if (v.is(PickleKind::floating)) return v.floating;
+  if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
+  fail("{} is a {}, not a number", what, v.describe());
+}
+
+// Why the optimizer state cannot be carried over ("" when it can).
+std::string why_not_resumable(const MegatronCheckpoint& ck) {
+  const PickleValue& args = ck.args();
+  if (ck.release()) return "it is a release checkpoint";
+  if (ck.optimizer_layout() == "none") return "it holds no optimizer state (saved with --no-save-optim?)";
+  if (ck.optimizer_layout() != "by parameter")
+    return "its optimizer state is stored as " + ck.optimizer_layout() + ", which megatrain does not read yet";
+  const PickleValue* opt = megatron_arg(args, "optimizer");
+  if (opt && opt->is(PickleKind::string) && opt->text != "adam") return "its optimizer is " + opt->text + ", not adam";
+  const PickleValue* fp16 = megatron_arg(args, "fp16");
+  if (fp16 && fp16->is(PickleKind::boolean) && fp16->boolean)
+    return "it was trained with --fp16, whose loss-scaler state megatrain does not read";
+  return "";
+}
+
+// Megatron's saved scheduler (OptimizerParamScheduler.state_dict, steps in samples) in the form
+// lr_schedule_params_from_json reads; what Megatron does not save there comes from its args.
+nlohmann::json lr_scheduler_json(const PickleValue& sched, const PickleValue& args, const std::string& where) {
+  auto num = [&](const char* k) { return number_arg(sched.at(k, where), where + ": " + k); };
+  auto text = [&](const char* k) {
+    const PickleValue& v = sched.at(k, where);
+    if (!v.is(PickleKind::string)) fail("{}: {} is a {}, not a string", where, k, v.describe());
+    return v.text;
+  };
+  nlohmann::json wsd = nullptr;
+  const PickleValue* global_batch = megatron_arg(args, "global_batch_size");
+  if (const PickleValue* v = megatron_arg(args, "lr_wsd_decay_samples")) wsd = number_arg(*v, "lr_wsd_decay_samples");
+  else if (const PickleValue* it = megatron_arg(args, "lr_wsd_decay_iters"); it && global_batch)
+    wsd = number_arg(*it, "lr_wsd_decay_iters") * number_arg(*global_batch, "global_batch_size");
+  const PickleValue* init = megatron_arg(args, "lr_warmup_init");
+  const PickleValue* wsd_style = megatron_arg(args, "lr_wsd_decay_style");
+  return nlohmann::json{{"max_lr", num("max_lr")},
+                        {"min_lr", num("min_lr")},
+                        {"init_lr", init ? number_arg(*init, "lr_warmup_init") : 0.0},
+                        {"lr_warmup_steps", num("lr_warmup_steps")},
+                        {"lr_decay_steps", num("lr_decay_steps")},
+                        {"lr_decay_style", text("lr_decay_style")},
+                        {"wsd_decay_steps", wsd},
+                        {"lr_wsd_decay_style", wsd_style && wsd_style->is(PickleKind::string) ? wsd_style->text
+                                                                                              : std::string("exponential")},
+                        {"start_wd", num("start_wd")},
+                        {"end_wd", num("end_wd")},
+                        {"wd_incr_steps", num("wd_incr_steps")},
+                        {"wd_incr_style", text("wd_incr_style")},
+                        {"num_steps", static_cast<int64_t>(num("num_steps"))}};
+}
+
+}  // namespace
+
 MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
-                                     const std::string& save_dir) {
+                                     const std::string& save_dir, bool weights_only) {
   const MegatronCheckpoint ck(load_dir, ckpt_step);
   const PickleValue& args = ck.args();
   const std::string where = "the Megatron-LM checkpoint " + ck.directory();
@@ -208,7 +266,13 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   std::vector<std::string> parse = r.model_flags;
   for (const char* f : {"--tokenizer-type", "NullTokenizer", "--vocab-size"}) parse.push_back(f);
   parse.push_back(std::to_string(padded->integer));
-  for (const char* f : {"--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--lr", "1e-4", "--device", "cpu"}) parse.push_back(f);
+  // The batch sizes as saved (recorded for --override-ckpt-iteration's check).
+  for (const char* name : {"micro_batch_size", "global_batch_size"})
+    if (const PickleValue* v = megatron_arg(args, name); v && v->is(PickleKind::integer)) {
+      parse.push_back(std::string("--") + (name[0] == 'm' ? "micro-batch-size" : "global-batch-size"));
+      parse.push_back(std::to_string(v->integer));
+    }
+  for (const char* f : {"--train-iters", "1", "--mock-data", "--lr", "1e-4", "--device", "cpu"}) parse.push_back(f);
   Config cfg;
   std::vector<SetupMessage> messages;
   try {
@@ -243,9 +307,24 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   std::set<std::string> unused;
   for (const std::string& n : ck.parameter_names()) unused.insert(n);
 
-  CheckpointWriter writer(save_dir, 0, 0, 1, /*release=*/true);
+  const std::string why_not = why_not_resumable(ck);
+  r.resumable = !weights_only && why_not.empty();
+  if (!weights_only) r.weights_only_reason = why_not;
+  const int64_t step = r.resumable ? ck.optimizer_step() : 0;  // read before anything is written
+
+  CheckpointWriter writer(save_dir, r.resumable ? ck.iteration() : 0, 0, 1, /*release=*/!r.resumable);
   std::vector<HostArray> held;  // the writer reads them at save()
-  held.reserve(descs.size());
+  held.reserve(descs.size() * (r.resumable ? 4 : 1));
+  auto add = [&](const ParamDesc& p, CheckpointKind kind, const std::string& name, HostArray a) {
+    held.push_back(std::move(a));
+    const HostArray& h = held.back();
+    if (h.shape != p.global_shape)
+      fail("{}: '{}' ({}) is {} but the model its args describe has it {}", where, p.name, checkpoint_kind_name(kind),
+           shape_text(h.shape), shape_text(p.global_shape));
+    const int64_t rows = h.shape[0], cols = h.shape.size() == 2 ? h.shape[1] : 1;
+    writer.add(name, kind, ShardIndex::whole(rows, cols),
+               Tensor(const_cast<unsigned char*>(h.bytes.data()), h.dtype, Device::cpu, {h.numel()}), p.global_shape);
+  };
   for (const ParamDesc& p : descs) {
     if (p.shared_copy) continue;
     held.push_back(ck.parameter(p.name));
@@ -260,35 +339,77 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
     writer.add(p.name, CheckpointKind::model, ShardIndex::whole(rows, cols),
                Tensor(const_cast<unsigned char*>(a.bytes.data()), a.dtype, Device::cpu, {a.numel()}), p.global_shape);
     ++r.tensors;
+    if (!r.resumable) continue;
+    // Adam's moments and the float32 main weights (bf16/fp16 models only), under the names and
+    // kinds megatrain's own checkpoints use.
+    for (const char* state : {"exp_avg", "exp_avg_sq"}) {
+      std::optional<HostArray> a = ck.optimizer_state(state, p.name);
+      if (!a) fail("{} has no optimizer state '{}' for '{}'", where, state, p.name);
+      add(p, CheckpointKind::optimizer, p.name + "." + state, std::move(*a));
+    }
+    if (std::optional<HostArray> main = ck.optimizer_state("fp32_param", p.name))
+      add(p, CheckpointKind::main_params, p.name, std::move(*main));
   }
   for (const std::string& n : unused)
     log::warn0("import-megatron: {} holds '{}', which the model its args describe does not have; not imported",
                ck.directory(), n);
 
   RunState rs;
-  rs.config = nlohmann::json{{"model", model_config_to_json(cfg.model)},
-                             {"flags", checkpoint_config_json(cfg).at("flags")},
-                             {"imported_from", ck.directory()}};
+  rs.config = checkpoint_config_json(cfg);
+  rs.config["imported_from"] = ck.directory();
+  if (r.resumable) {
+    const std::string common = where + "'s common state";
+    auto count = [&](const char* name) {
+      const PickleValue* v = megatron_arg(args, name);
+      return v && v->is(PickleKind::integer) ? v->integer : 0;
+    };
+    rs.iteration = ck.iteration();
+    rs.consumed_train_samples = count("consumed_train_samples");
+    rs.consumed_valid_samples = count("consumed_valid_samples");
+    rs.skipped_train_samples = count("skipped_train_samples");
+    if (const PickleValue* f = ck.common_state()->find("num_floating_point_operations_so_far"))
+      rs.num_floating_point_operations_so_far = number_arg(*f, common + ": num_floating_point_operations_so_far");
+    rs.lr_scheduler = lr_scheduler_json(ck.common_state()->at("opt_param_scheduler", common), args, common);
+    const bool half = megatron_arg(args, "bf16") && megatron_arg(args, "bf16")->boolean;
+    rs.loss_scaler = nlohmann::json{{"kind", half ? "constant" : "none"}, {"scale", 1.0}, {"growth_tracker", 0},
+                                    {"hysteresis_tracker", 0}};
+    rs.extra["optimizer"] = nlohmann::json{{"kind", "adam"}, {"successful_steps", step}};
+    // Megatron's RNG states do not carry over: dropout masks continue from megatrain's own stream
+    // at the micro-batch count a megatrain run would have reached.
+    const int64_t dp = std::max<int64_t>(1, count("data_parallel_size"));
+    const int64_t micro = std::max<int64_t>(1, count("micro_batch_size"));
+    const int64_t per_step = std::max<int64_t>(1, count("global_batch_size") / (micro * dp));
+    writer.set_rank_state(nlohmann::json{
+        {"dropout_rng", {{"seed", count("seed")}, {"micro_batch_serial", ck.iteration() * per_step}}}});
+  }
   writer.set_run_state(rs);
   writer.save(SaveGroup{});
   return r;
 }
 
 int import_megatron_main(const std::vector<std::string>& args) {
-  const SubcommandArgs a("import-megatron", args, {"--load", "--save", "--ckpt-step"});
+  const SubcommandArgs a("import-megatron", args, {"--load", "--save", "--ckpt-step"}, {"--weights-only"});
   const std::string load = a.required("--load", "DIR (the directory Megatron-LM's --save wrote)");
   const std::string save = a.required("--save", "CKPT (where the megatrain checkpoint goes)");
   std::optional<int64_t> step;
   if (a.get("--ckpt-step")) step = a.integer("--ckpt-step", 0);
-  const MegatronImportResult r = import_megatron(load, step, save);
+  const MegatronImportResult r = import_megatron(load, step, save, a.has("--weights-only"));
   std::vector<std::string> flags = r.model_flags;
   flags.insert(flags.end(), r.tokenizer_flags.begin(), r.tokenizer_flags.end());
   flags.push_back("--load");
   flags.push_back(save);
-  std::printf("imported %s (Megatron-LM %s format, iteration %lld, %d tensors) into %s as a release checkpoint\n",
-              load.c_str(), r.format.c_str(), static_cast<long long>(r.iteration), r.tensors, save.c_str());
-  std::printf("the optimizer state (Adam moments, float32 main weights) and the iteration count are not imported: "
-              "training from it starts at iteration 0 with fresh optimizer state, as Megatron's --finetune does\n");
+  std::printf("imported %s (Megatron-LM %s format, iteration %lld, %d tensors) into %s as %s\n", load.c_str(),
+              r.format.c_str(), static_cast<long long>(r.iteration), r.tensors, save.c_str(),
+              r.resumable ? "a checkpoint to resume from" : "a release checkpoint");
+  if (r.resumable)
+    std::printf("with the optimizer state (Adam moments and step, float32 main weights), the learning-rate "
+                "schedule and the consumed samples: training with --load resumes at iteration %lld as Megatron "
+                "would (its RNG states do not carry over: dropout masks differ)\n",
+                static_cast<long long>(r.iteration));
+  else
+    std::printf("weights only (%s): training from it starts at iteration 0 with fresh optimizer state, as "
+                "Megatron's --finetune does\n",
+                r.weights_only_reason.empty() ? "--weights-only" : r.weights_only_reason.c_str());
   std::printf("train from it with these model flags (plus your data, batch and optimizer flags):\n%s\n",
               shell_line(flags).c_str());
   return 0;

@@ -1,7 +1,12 @@
 // megatrain import-megatron --load MEGATRON_DIR --save CKPT [--ckpt-step N]
 //   A Megatron-LM checkpoint (torch or torch_dist format, any TP/PP layout; checkpoint/
 //   megatron_checkpoint.h reads it) as a megatrain release checkpoint of the same weights, and the
-//   Megatron flags of its model (from the checkpoint's saved args).
+//   Megatron flags of its model (from the checkpoint's saved args). Where the checkpoint holds its
+//   optimizer state by parameter (torch_dist, non-distributed optimizer, bf16 or float32), the
+//   result is a full checkpoint at the same iteration that training resumes from as Megatron's
+//   --load would (Adam moments and step, float32 main weights, LR scheduler, consumed samples);
+//   otherwise, or with --weights-only, a release checkpoint of the weights (iteration 0, fresh
+//   optimizer, as Megatron's --finetune).
 #pragma once
 
 #include <cstdint>
@@ -17,13 +22,15 @@ struct MegatronImportResult {
   std::string format;  // "torch" or "torch_dist"
   int64_t iteration = 0;
   int tensors = 0;
+  bool resumable = false;      // a full checkpoint at `iteration` (else a release checkpoint)
+  std::string weights_only_reason;  // why not, when not asked for by --weights-only
   ModelConfig model;
   std::vector<std::string> model_flags;      // e.g. --num-layers 2 --hidden-size 128 ...
   std::vector<std::string> tokenizer_flags;  // as saved (paths on the machine that trained)
 };
 
 MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
-                                     const std::string& save_dir);
+                                     const std::string& save_dir, bool weights_only = false);
 int import_megatron_main(const std::vector<std::string>& args);
 
 }  // namespace mt

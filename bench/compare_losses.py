@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Per-iteration 'lm loss' and 'grad norm' of Megatron-style logs, side by side.
 
-  compare_losses.py REFERENCE.log OTHER.log [OTHER.log ...]
+  compare_losses.py [--after N] REFERENCE.log OTHER.log [OTHER.log ...]
 
-Prints one row per iteration and, for each other log, the largest relative difference of the loss
-and of the gradient norm from the reference's. Exits 1 when a log has no iterations or fewer than
-the reference. (Standard library only.)
+Prints one row per iteration (those after N only with --after N: a resumed run's) and, for each
+other log, the largest relative difference of the loss and of the gradient norm from the
+reference's. Exits 1 when a log lacks an iteration the reference has. (Standard library only.)
 """
 import re
 import sys
@@ -24,12 +24,17 @@ def read(path):
 
 
 def main():
-    if len(sys.argv) < 3:
+    argv = sys.argv[1:]
+    after = 0
+    if argv[:1] == ["--after"]:
+        after, argv = int(argv[1]), argv[2:]
+    if len(argv) < 2:
         sys.exit(__doc__)
-    ref = read(sys.argv[1])
-    others = [read(p) for p in sys.argv[2:]]
-    if not ref or any(len(o) < len(ref) for o in others):
-        print("a log has no or fewer iterations than the reference:", [len(ref)] + [len(o) for o in others])
+    sys.argv = [sys.argv[0]] + argv
+    ref = {it: v for it, v in read(argv[0]).items() if it > after}
+    others = [read(p) for p in argv[1:]]
+    if not ref or any(it not in o for o in others for it in ref):
+        print("a log lacks iterations the reference has:", [len(ref)] + [len(o) for o in others])
         sys.exit(1)
     print("iteration  " + "  ".join(["reference loss / grad norm"] + [f"log {i + 1} loss / grad norm"
                                                                     for i in range(len(others))]))

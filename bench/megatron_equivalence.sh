@@ -3,14 +3,18 @@
 # Megatron-LM checkout; nothing of Megatron-LM is in this repository).
 #   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
 # Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP and PP (Megatron's layout
-# for the checkpoint, default 1; TP*PP GPUs), PYTHON (default python3).
+# for the checkpoint, default 1; TP*PP GPUs), MODE (finetune or resume, default finetune),
+# MEGATRON_EXTRA (more Megatron-LM flags, e.g. --use-distributed-optimizer), PYTHON (default python3).
 #
-# For each case Megatron-LM (pretrain_gpt.py, local transformer implementation: no Transformer
-# Engine or Apex needed) trains 10 iterations on --mock-data and saves, once in torch_dist and once
-# in torch format. Then, from the torch_dist checkpoint with --finetune (weights only, fresh
-# optimizer, data from the first sample), Megatron-LM trains ITERS iterations; megatrain imports
-# each checkpoint (import-megatron) and trains the same ITERS iterations with the same flags on one
-# GPU. bench/compare_losses.py prints the curves and the largest differences.
+# MODE=finetune: for each case Megatron-LM (pretrain_gpt.py, local transformer implementation: no
+# Transformer Engine or Apex needed) trains 10 iterations on --mock-data and saves, once in
+# torch_dist and once in torch format. Then, from the torch_dist checkpoint with --finetune (weights
+# only, fresh optimizer, data from the first sample), Megatron-LM trains ITERS iterations;
+# megatrain imports each checkpoint (import-megatron) and trains the same ITERS iterations with the
+# same flags on one GPU.
+# MODE=resume: Megatron-LM trains 10 + ITERS iterations in one run, saving (torch_dist) after 10;
+# megatrain imports that checkpoint with its optimizer state and resumes it to 10 + ITERS.
+# bench/compare_losses.py prints the curves and the largest differences.
 set -euo pipefail
 MEGATRON=$(cd "${1:?usage: megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]}" && pwd)
 BIN=$(realpath "${2:?megatrain binary}")
@@ -22,6 +26,8 @@ ITERS=${ITERS:-30}
 PREC=${PREC:-fp32}
 TP=${TP:-1}
 PP=${PP:-1}
+MODE=${MODE:-finetune}
+read -r -a extra <<< "${MEGATRON_EXTRA:-}"
 PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
@@ -50,7 +56,21 @@ for c in "${CASES[@]}"; do
   model=("${!model_var}")
   d=$OUT/$c
   rm -rf "$d" && mkdir -p "$d"
-  par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+  par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${extra[@]}")
+  if [ "$MODE" = resume ]; then
+    total=$((10 + ITERS))
+    echo "== $c: Megatron-LM trains $total iterations (TP $TP, PP $PP, $PREC), saving after 10"
+    megatron "$d/megatron_straight.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$total" \
+      --save "$d/megatron_at10" --save-interval 10 --ckpt-format torch_dist
+    echo "== $c: megatrain imports iteration 10 with its optimizer state and resumes to $total"
+    "$BIN" import-megatron --load "$d/megatron_at10" --ckpt-step 10 --save "$d/imported" > "$d/import.log" 2>&1 \
+      || { cat "$d/import.log"; exit 1; }
+    head -2 "$d/import.log"
+    "$BIN" "${common[@]}" "${model[@]}" --train-iters "$total" --load "$d/imported" \
+      > "$d/megatrain_resumed.log" 2>&1 || { tail -20 "$d/megatrain_resumed.log"; exit 1; }
+    "$PY" "$HERE/compare_losses.py" --after 10 "$d/megatron_straight.log" "$d/megatrain_resumed.log" | tee "$d/compare.txt"
+    continue
+  fi
   for fmt in torch_dist torch; do
     echo "== $c: Megatron-LM trains 10 iterations (TP $TP, PP $PP, $PREC) and saves in $fmt format"
     megatron "$d/megatron_save_$fmt.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters 10 \

@@ -110,6 +110,7 @@ void copy_overlap(const HostArray& chunk, const std::vector<int64_t>& chunk_offs
 
 struct MegatronCheckpoint::Files {
   std::vector<std::unique_ptr<TorchFile>> torch_files;                   // torch: one per rank file
+  std::unique_ptr<TorchFile> common;                                     // torch_dist: the common state
   std::map<std::string, std::shared_ptr<const MappedFile>> distcp_files;  // torch_dist: by relative path
 };
 
@@ -201,6 +202,8 @@ void MegatronCheckpoint::open_torch() {
   if (!args || !args->is(PickleKind::object))
     fail("{} holds no saved args: megatrain needs them to rebuild the model", first.what());
   args_ = std::make_shared<PickleValue>(*args);
+  if (first.root().find("optimizer"))
+    optimizer_layout_ = "the torch format's per-rank state keyed by parameter index";
   const int tp = static_cast<int>(int_arg(*args, "tensor_model_parallel_size", 1));
   const int pp = static_cast<int>(int_arg(*args, "pipeline_model_parallel_size", 1));
   if (static_cast<int>(rank_dirs.size()) != tp * pp)
@@ -296,7 +299,7 @@ void MegatronCheckpoint::open_torch_dist() {
   }
 
   // The args: common.pt (older Megatron) or the common_state item.
-  std::unique_ptr<TorchFile> common;
+  std::unique_ptr<TorchFile>& common = files_->common;
   const std::string common_pt = join_path(directory_, "common.pt");
   if (path_exists(common_pt)) {
     common = std::make_unique<TorchFile>(common_pt);
@@ -314,29 +317,72 @@ void MegatronCheckpoint::open_torch_dist() {
   if (!args || !args->is(PickleKind::object))
     fail("{} holds no saved args: megatrain needs them to rebuild the model", common->what());
   args_ = std::make_shared<PickleValue>(*args);
+  common_ = std::make_shared<PickleValue>(*state);
 
-  for (const auto& [k, md] : sdm.entries) {
-    if (!k->is(PickleKind::string) || !md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata"))
-      continue;
-    const std::string& key = k->text;
-    if (key.compare(0, 10, "optimizer.") == 0 || key.find("_extra_state") != std::string::npos) continue;
-    if (key.compare(0, 5, "rng_s") == 0) continue;
+  // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
+  // become one entry per layer, the layers along the first dimension.
+  auto add = [&](std::map<std::string, std::shared_ptr<const Source>>& to, const std::string& prefix,
+                 const std::string& key, const std::string& model_key, const PickleValue& md) {
     auto src = std::make_shared<Source>();
     src->key = key;
-    src->key_shape = pickle_ints(md->at("size", meta_path + ": " + key));
+    src->key_shape = pickle_ints(md.at("size", meta_path + ": " + key));
     src->chunks = chunks[key];
     if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
     static const std::string stacked = "decoder.layers.";
-    if (key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(key)) {
-      // One tensor per layer kind, the layers along its first dimension.
+    if (model_key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(model_key)) {
       for (int64_t l = 0; l < src->key_shape[0]; ++l) {
         auto one = std::make_shared<Source>(*src);
         one->layer = static_cast<int>(l);
-        params_[fmt::format("decoder.layers.{}.{}", l, key.substr(stacked.size()))] = one;
+        to[prefix + fmt::format("decoder.layers.{}.{}", l, model_key.substr(stacked.size()))] = one;
       }
     } else {
-      params_[key] = src;
+      to[prefix + model_key] = src;
     }
+  };
+  static const std::string by_param = "optimizer.state.";
+  for (const auto& [k, md] : sdm.entries) {
+    if (!k->is(PickleKind::string)) continue;
+    const std::string& key = k->text;
+    if (key.compare(0, 22, "optimizer.distributed.") == 0)
+      optimizer_layout_ = "the distributed optimizer's flat per-bucket buffers (--use-distributed-optimizer)";
+    if (!md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata")) continue;
+    if (key.find("_extra_state") != std::string::npos || key.compare(0, 5, "rng_s") == 0) continue;
+    if (key.compare(0, by_param.size(), by_param) == 0) {
+      const size_t dot = key.find('.', by_param.size());
+      if (dot == std::string::npos) continue;
+      const std::string state_name = key.substr(by_param.size(), dot - by_param.size());
+      if (state_name != "exp_avg" && state_name != "exp_avg_sq" && state_name != "fp32_param") continue;
+      add(optim_, state_name + "/", key, key.substr(dot + 1), *md);
+      if (optimizer_layout_ == "none") optimizer_layout_ = "by parameter";
+    } else if (key.compare(0, 10, "optimizer.") != 0) {
+      add(params_, "", key, key, *md);
+    }
+  }
+}
+
+std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& state, const std::string& name) const {
+  auto it = optim_.find(state + "/" + name);
+  if (it == optim_.end()) return std::nullopt;
+  return read(*it->second, "optimizer.state." + state + "." + name);
+}
+
+int64_t MegatronCheckpoint::optimizer_step() const {
+  const std::string where = directory_ + "'s common state";
+  if (!common_) fail("{} has no common state with the optimizer's step", directory_);
+  // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer
+  // level is Megatron's mixed-precision wrapper around torch's optimizer state dict).
+  const PickleValue* opt = &common_->at("optimizer", where);
+  if (!opt->find("state") && opt->find("optimizer")) opt = opt->find("optimizer");
+  const PickleValue& step = opt->at("state", where).at("common_step", where);
+  if (step.is(PickleKind::integer)) return step.integer;
+  const HostArray a = files_->common->tensor(step, "optimizer.state.common_step");
+  if (a.numel() != 1) fail("{}: optimizer.state.common_step is not a scalar", where);
+  switch (a.dtype) {
+    case DType::i64: return a.ptr<int64_t>()[0];
+    case DType::i32: return a.ptr<int32_t>()[0];
+    case DType::f32: return static_cast<int64_t>(a.ptr<float>()[0]);
+    case DType::f64: return static_cast<int64_t>(a.ptr<double>()[0]);
+    default: fail("{}: optimizer.state.common_step has dtype {}", where, dtype_name(a.dtype));
   }
 }
 
@@ -349,7 +395,10 @@ std::vector<std::string> MegatronCheckpoint::parameter_names() const {
 HostArray MegatronCheckpoint::parameter(const std::string& name) const {
   auto it = params_.find(name);
   if (it == params_.end()) fail("the Megatron-LM checkpoint {} has no parameter '{}'", directory_, name);
-  const Source& s = *it->second;
+  return read(*it->second, name);
+}
+
+HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) const {
   if (format_ == "torch") {
     std::vector<HostArray> parts;
     for (const auto& [file, value] : s.shards) parts.push_back(file->tensor(*value, name));

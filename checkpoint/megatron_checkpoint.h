@@ -15,7 +15,10 @@
 //    stacked along a leading dimension ("decoder.layers.mlp.linear_fc1.weight" is [L, 2f, h]) and
 //    stored as chunks, which are assembled here. The args come from the common state (common.pt
 //    in older versions, a "common_state" item in newer ones).
-// The optimizer state is not read (see import-megatron).
+// Optimizer state is read where Megatron stores it under parameter names: torch_dist checkpoints
+// of the non-distributed optimizer ("optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>",
+// the Adam step as the common state's optimizer.state.common_step). The distributed optimizer's
+// default layout (flat per-bucket buffers) and the torch format's index-keyed state are not.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +51,18 @@ class MegatronCheckpoint {
   std::vector<std::string> parameter_names() const;
   HostArray parameter(const std::string& name) const;
 
+  // The common (non-sharded) state: iteration, opt_param_scheduler, optimizer (param groups,
+  // common_step), num_floating_point_operations_so_far; nullptr for the torch format.
+  const PickleValue* common_state() const { return common_.get(); }
+  // How the optimizer state is stored: "by parameter" (readable), "none", or a description of a
+  // layout megatrain does not read.
+  const std::string& optimizer_layout() const { return optimizer_layout_; }
+  // `state` ("exp_avg", "exp_avg_sq", "fp32_param") of a parameter, as parameter(); nullopt when
+  // the checkpoint has none for it (fp32_param of a float32 model).
+  std::optional<HostArray> optimizer_state(const std::string& state, const std::string& name) const;
+  // Adam's step count (the common state's optimizer.state.common_step).
+  int64_t optimizer_step() const;
+
   struct Source;  // where a parameter's pieces are (format-specific)
 
  private:
@@ -58,7 +73,11 @@ class MegatronCheckpoint {
   int64_t iteration_ = 0;
   bool release_ = false;
   PickleRef args_;
+  PickleRef common_;
+  std::string optimizer_layout_ = "none";
   std::map<std::string, std::shared_ptr<const Source>> params_;
+  std::map<std::string, std::shared_ptr<const Source>> optim_;  // "<state>/<name>"
+  HostArray read(const Source& s, const std::string& name) const;
   struct Files;
   std::shared_ptr<Files> files_;
 };
