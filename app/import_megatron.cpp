@@ -201,11 +201,13 @@ double number_arg(const PickleValue& v, const std::string& what) {
 std::string why_not_resumable(const MegatronCheckpoint& ck) {
   const PickleValue& args = ck.args();
   if (ck.release()) return "it is a release checkpoint";
-  if (ck.optimizer_layout() == "none") return "it holds no optimizer state (saved with --no-save-optim?)";
+  if (ck.optimizer_layout() == "none") return "it holds no optimizer state: saved with --no-save-optim?";
   if (ck.optimizer_layout() != "by parameter")
     return "its optimizer state is stored as " + ck.optimizer_layout() + ", which megatrain does not read yet";
   const PickleValue* opt = megatron_arg(args, "optimizer");
   if (opt && opt->is(PickleKind::string) && opt->text != "adam") return "its optimizer is " + opt->text + ", not adam";
+  if (!ck.optimizer_step())
+    return "its optimizer state has no step count: an optimizer that never stepped, e.g. a format conversion's";
   const PickleValue* fp16 = megatron_arg(args, "fp16");
   if (fp16 && fp16->is(PickleKind::boolean) && fp16->boolean)
     return "it was trained with --fp16, whose loss-scaler state megatrain does not read";
@@ -310,7 +312,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   const std::string why_not = why_not_resumable(ck);
   r.resumable = !weights_only && why_not.empty();
   if (!weights_only) r.weights_only_reason = why_not;
-  const int64_t step = r.resumable ? ck.optimizer_step() : 0;  // read before anything is written
+  const int64_t step = r.resumable ? *ck.optimizer_step() : 0;  // read before anything is written
 
   CheckpointWriter writer(save_dir, r.resumable ? ck.iteration() : 0, 0, 1, /*release=*/!r.resumable);
   std::vector<HostArray> held;  // the writer reads them at save()
@@ -407,9 +409,9 @@ int import_megatron_main(const std::vector<std::string>& args) {
                 "would (its RNG states do not carry over: dropout masks differ)\n",
                 static_cast<long long>(r.iteration));
   else
-    std::printf("weights only (%s): training from it starts at iteration 0 with fresh optimizer state, as "
+    std::printf("weights only, as %s: training from it starts at iteration 0 with fresh optimizer state, as "
                 "Megatron's --finetune does\n",
-                r.weights_only_reason.empty() ? "--weights-only" : r.weights_only_reason.c_str());
+                r.weights_only_reason.empty() ? "--weights-only asks" : r.weights_only_reason.c_str());
   std::printf("train from it with these model flags (plus your data, batch and optimizer flags):\n%s\n",
               shell_line(flags).c_str());
   return 0;

@@ -366,14 +366,16 @@ std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& 
   return read(*it->second, "optimizer.state." + state + "." + name);
 }
 
-int64_t MegatronCheckpoint::optimizer_step() const {
+std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   const std::string where = directory_ + "'s common state";
   if (!common_) fail("{} has no common state with the optimizer's step", directory_);
   // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer
   // level is Megatron's mixed-precision wrapper around torch's optimizer state dict).
   const PickleValue* opt = &common_->at("optimizer", where);
   if (!opt->find("state") && opt->find("optimizer")) opt = opt->find("optimizer");
-  const PickleValue& step = opt->at("state", where).at("common_step", where);
+  const PickleValue* found = opt->at("state", where).find("common_step");
+  if (!found) return std::nullopt;  // an optimizer that never stepped (e.g. a format conversion's)
+  const PickleValue& step = *found;
   if (step.is(PickleKind::integer)) return step.integer;
   const HostArray a = files_->common->tensor(step, "optimizer.state.common_step");
   if (a.numel() != 1) fail("{}: optimizer.state.common_step is not a scalar", where);

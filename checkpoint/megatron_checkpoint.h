@@ -60,8 +60,9 @@ class MegatronCheckpoint {
   // `state` ("exp_avg", "exp_avg_sq", "fp32_param") of a parameter, as parameter(); nullopt when
   // the checkpoint has none for it (fp32_param of a float32 model).
   std::optional<HostArray> optimizer_state(const std::string& state, const std::string& name) const;
-  // Adam's step count (the common state's optimizer.state.common_step).
-  int64_t optimizer_step() const;
+  // Adam's step count (the common state's optimizer.state.common_step); nullopt when the state
+  // has none (an optimizer that never stepped).
+  std::optional<int64_t> optimizer_step() const;
 
   struct Source;  // where a parameter's pieces are (format-specific)
 
