@@ -340,6 +340,7 @@ void MegatronCheckpoint::open_torch_dist() {
     }
   };
   static const std::string by_param = "optimizer.state.";
+  bool fully_reshardable = false;
   for (const auto& [k, md] : sdm.entries) {
     if (!k->is(PickleKind::string)) continue;
     const std::string& key = k->text;
@@ -351,6 +352,12 @@ void MegatronCheckpoint::open_torch_dist() {
       const size_t dot = key.find('.', by_param.size());
       if (dot == std::string::npos) continue;
       const std::string state_name = key.substr(by_param.size(), dot - by_param.size());
+      if (state_name == "param") {
+        // The distributed optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable)
+        // keeps its main weights as "param" and its step elsewhere: seen, not verified yet.
+        fully_reshardable = true;
+        continue;
+      }
       if (state_name != "exp_avg" && state_name != "exp_avg_sq" && state_name != "fp32_param") continue;
       add(optim_, state_name + "/", key, key.substr(dot + 1), *md);
       if (optimizer_layout_ == "none") optimizer_layout_ = "by parameter";
@@ -358,6 +365,8 @@ void MegatronCheckpoint::open_torch_dist() {
       add(params_, "", key, key, *md);
     }
   }
+  if (fully_reshardable)
+    optimizer_layout_ = "the distributed optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable)";
 }
 
 std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& state, const std::string& name) const {
@@ -373,7 +382,8 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   // level is Megatron's mixed-precision wrapper around torch's optimizer state dict).
   const PickleValue* opt = &common_->at("optimizer", where);
   if (!opt->find("state") && opt->find("optimizer")) opt = opt->find("optimizer");
-  const PickleValue* found = opt->at("state", where).find("common_step");
+  const PickleValue* state = opt->find("state");
+  const PickleValue* found = state ? state->find("common_step") : nullptr;
   if (!found) return std::nullopt;  // an optimizer that never stepped (e.g. a format conversion's)
   const PickleValue& step = *found;
   if (step.is(PickleKind::integer)) return step.integer;
