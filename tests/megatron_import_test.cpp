@@ -18,6 +18,7 @@
 #include "checkpoint/torch_file.h"
 #include "ckpt_test_util.h"
 #include "core/error.h"
+#include "python_oracle.h"
 
 using mt_test::read_bytes;
 using mt_test::run_command;
@@ -237,4 +238,73 @@ TEST_CASE("training from an imported Megatron-LM checkpoint repeats Megatron-LM'
     CHECK(std::abs(ours[i].first - megatron[i].first) <= 3e-6);
     CHECK(std::abs(ours[i].second - megatron[i].second) <= 1.5e-3);
   }
+}
+
+TEST_CASE("import-megatron: a torch_dist checkpoint with its optimizer state becomes one to resume from", "[megatron-import][python]") {
+  // tests/oracles/megatron_torch_dist_writer.py writes Megatron-Core's layout without torch (the
+  // real files were compared on the GPU machine: bench/RESULTS.md, session 24 call 5).
+  const auto python = mt::oracle::python_or_skip("import-megatron resume");
+  if (!python) return;
+  TempDir tmp;
+  const nlohmann::json expected = nlohmann::json::parse(mt::oracle::run_capture(
+      *python + " tests/oracles/megatron_torch_dist_writer.py " + mt::oracle::shell_quote(tmp / "megatron")));
+  const mt::MegatronImportResult r = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "ckpt");
+  REQUIRE(r.resumable);
+  CHECK(r.iteration == 7);
+  CHECK(r.weights_only_reason.empty());
+
+  mt::CheckpointReader reader(tmp / "ckpt");
+  CHECK(reader.iteration() == 7);
+  const mt::RunState& rs = reader.run_state();
+  CHECK(rs.consumed_train_samples == 28);
+  CHECK(rs.lr_scheduler.at("num_steps") == 28);
+  CHECK(rs.lr_scheduler.at("lr_decay_style") == "cosine");
+  CHECK(rs.lr_scheduler.at("lr_warmup_steps").get<double>() == 8);
+  CHECK(rs.extra.at("optimizer").at("successful_steps") == 7);
+  CHECK(rs.num_floating_point_operations_so_far == 1.5e12);
+  // every array, by the writer's float64 sum and first element
+  int checked = 0;
+  for (const auto& [key, want] : expected.items()) {
+    INFO(key);
+    const std::string state = key.substr(0, key.find('/')), name = key.substr(key.find('/') + 1);
+    mt::CheckpointKind kind = mt::CheckpointKind::model;
+    std::string stored = name;
+    if (state == "exp_avg" || state == "exp_avg_sq") {
+      kind = mt::CheckpointKind::optimizer;
+      stored = name + "." + state;
+    } else if (state == "fp32_param") {
+      kind = mt::CheckpointKind::main_params;
+    }
+    REQUIRE(reader.has(stored, kind));
+    const mt::CheckpointTensorInfo& info = reader.info(stored, kind);
+    CHECK(info.global_shape == want.at("shape").get<std::vector<int64_t>>());
+    CHECK(info.dtype == (kind == mt::CheckpointKind::model ? mt::DType::bf16 : mt::DType::f32));
+    const int64_t n = info.global_shape.size() == 2 ? info.global_shape[0] * info.global_shape[1] : info.global_shape[0];
+    std::vector<float> values(static_cast<size_t>(n));
+    const int64_t rows = info.global_shape[0], cols = info.global_shape.size() == 2 ? info.global_shape[1] : 1;
+    reader.read(stored, kind, mt::ShardSlice::whole(mt::ShardIndex::whole(rows, cols)),
+                mt::Tensor(values.data(), mt::DType::f32, mt::Device::cpu, {n}));
+    double sum = 0;
+    for (float v : values) sum += v;
+    CHECK(values[0] == want.at("first").get<float>());
+    CHECK(sum == Approx(want.at("sum").get<double>()).margin(1e-9).epsilon(1e-9));
+    ++checked;
+  }
+  CHECK(checked == 4 * 15);
+
+  // and training resumes from it at iteration 8
+  const std::string flags =
+      "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 60 --make-vocab-size-divisible-by 32 "
+      "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 8 "
+      "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 20 --weight-decay 0.01 "
+      "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --eval-iters 0 --num-layers 2 --hidden-size 32 "
+      "--ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+      "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+      "--untie-embeddings-and-output-weights";
+  std::string out;
+  const int code = run_command(std::string(MEGATRAIN_BINARY) + " " + flags + " --load " + (tmp / "ckpt"), &out);
+  INFO(out);
+  REQUIRE(code == 0);
+  CHECK_THAT(out, Catch::Contains("at iteration 7") && Catch::Contains("iteration        8/       8") &&
+                      Catch::Contains("consumed samples:           32"));
 }
