@@ -136,7 +136,19 @@ MegatronCheckpoint::~MegatronCheckpoint() = default;
 MegatronCheckpoint::MegatronCheckpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step)
     : files_(std::make_shared<Files>()) {
   const std::string tracker = join_path(load_dir, "latest_checkpointed_iteration.txt");
-  if (ckpt_step) {
+  // An iteration directory itself (iter_0000100 or release) is taken as it is.
+  std::string trimmed = load_dir;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const size_t slash = trimmed.find_last_of('/');
+  const std::string base = slash == std::string::npos ? trimmed : trimmed.substr(slash + 1);
+  const bool iteration_dir = !ckpt_step && !path_exists(tracker) &&
+                             (base == "release" || (base.size() == 12 && base.compare(0, 5, "iter_") == 0 &&
+                                                    base.find_first_not_of("0123456789", 5) == std::string::npos));
+  if (iteration_dir) {
+    release_ = base == "release";
+    if (!release_) iteration_ = std::stoll(base.substr(5));
+    directory_ = trimmed;
+  } else if (ckpt_step) {
     iteration_ = *ckpt_step;
   } else {
     if (!path_exists(tracker))
@@ -156,7 +168,8 @@ MegatronCheckpoint::MegatronCheckpoint(const std::string& load_dir, std::optiona
       }
     }
   }
-  directory_ = join_path(load_dir, release_ ? std::string("release") : fmt::format("iter_{:07d}", iteration_));
+  if (!iteration_dir)
+    directory_ = join_path(load_dir, release_ ? std::string("release") : fmt::format("iter_{:07d}", iteration_));
   if (!is_directory(directory_)) fail("{} does not exist (named by {})", directory_, ckpt_step ? "--ckpt-step" : tracker);
   if (path_exists(join_path(directory_, "metadata.json"))) {
     format_ = "torch_dist";

@@ -192,6 +192,11 @@ TEST_CASE("import-megatron: missing and damaged checkpoints are named", "[megatr
   TempDir tmp;
   CHECK_THROWS_WITH(mt::import_megatron(tmp.path(), std::nullopt, tmp / "out"),
                     Catch::Contains("latest_checkpointed_iteration.txt") && Catch::Contains(tmp.path()));
+  // an iteration directory given itself
+  const mt::MegatronImportResult direct =
+      mt::import_megatron(kFixtures + "/gpt/tp1_dist/iter_0000003/", std::nullopt, tmp / "direct");
+  CHECK(direct.iteration == 3);
+  CHECK(direct.tensors == 52);
   CHECK_THROWS_WITH(mt::import_megatron(kFixtures + "/gpt/tp1_dist", 7, tmp / "out"),
                     Catch::Contains("iter_0000007 does not exist") && Catch::Contains("--ckpt-step"));
   // a pipeline rank's files gone
