@@ -1,6 +1,7 @@
 #include "checkpoint/megatron_checkpoint.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <set>
 

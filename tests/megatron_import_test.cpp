@@ -257,6 +257,11 @@ TEST_CASE("import-megatron: a torch_dist checkpoint with its optimizer state bec
   REQUIRE(r.resumable);
   CHECK(r.iteration == 7);
   CHECK(r.weights_only_reason.empty());
+  // --weights-only: a release checkpoint of the same weights
+  const mt::MegatronImportResult w = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "weights", true);
+  CHECK_FALSE(w.resumable);
+  CHECK(mt::CheckpointReader(tmp / "weights").iteration() == 0);
+  CHECK_FALSE(mt::CheckpointReader(tmp / "weights").has("output_layer.weight.exp_avg", mt::CheckpointKind::optimizer));
 
   mt::CheckpointReader reader(tmp / "ckpt");
   CHECK(reader.iteration() == 7);
