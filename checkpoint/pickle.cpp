@@ -377,7 +377,13 @@ class Unpickler {
 }  // namespace
 
 PickleRef read_pickle(const unsigned char* data, size_t size, const std::string& where) {
-  return Unpickler(data, size, where).run();
+  try {
+    return Unpickler(data, size, where).run();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // a malformed number in a text opcode (std::stoll, std::stod)
+    fail("{} is not a pickle megatrain can read: {}", where, e.what());
+  }
 }
 
 }  // namespace mt

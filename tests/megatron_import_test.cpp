@@ -140,6 +140,28 @@ TEST_CASE("the pickle reader refuses damaged input with the file's name", "[mega
                     Catch::Contains("bad.pkl") && Catch::Contains("unknown opcode 0xff"));
 }
 
+TEST_CASE("the pickle reader fails cleanly on every truncation and on corrupted bytes", "[megatron-import][errors]") {
+  for (const char* file : {"pickle_protocol2.bin", "pickle_protocol4.bin"}) {
+    const std::string bytes = read_bytes(kFixtures + "/" + file);
+    const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+    for (size_t n = 0; n < bytes.size(); ++n) {
+      INFO(file << " cut to " << n << " bytes");
+      CHECK_THROWS_AS(mt::read_pickle(p, n, file), mt::Error);
+    }
+    // single-byte corruptions: read or refused with mt::Error, never anything else
+    uint64_t state = 0x9e3779b97f4a7c15ull;
+    for (int trial = 0; trial < 2000; ++trial) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      std::string bad = bytes;
+      bad[static_cast<size_t>(state >> 33) % bad.size()] = static_cast<char>(state >> 13);
+      try {
+        mt::read_pickle(reinterpret_cast<const unsigned char*>(bad.data()), bad.size(), file);
+      } catch (const mt::Error&) {
+      }
+    }
+  }
+}
+
 TEST_CASE("import-megatron: every layout of a Megatron-LM checkpoint gives the tensors torch.load reads", "[megatron-import]") {
   for (const char* model : {"llama", "gpt"}) {
     const std::string dir = kFixtures + "/" + model;
