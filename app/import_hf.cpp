@@ -238,10 +238,7 @@ int import_hf_main(const std::vector<std::string>& args) {
   const int divisible = static_cast<int>(a.integer("--make-vocab-size-divisible-by", 128));
   const int tp = static_cast<int>(a.integer("--tensor-model-parallel-size", 1));
   const HfImportResult r = import_hf(hf_dir, save, divisible, tp);
-  std::string line;
-  // Values a shell would expand (a [0,1] list is a glob) are quoted.
-  for (const auto& f : r.flags)
-    line += (line.empty() ? "" : " ") + (f.find_first_of("[]*?()") == std::string::npos ? f : "'" + f + "'");
+  const std::string line = shell_quoted_line(r.flags);
   std::printf("imported %s (%s, %d layers, vocabulary %d padded to %d) into %s as a release checkpoint\n",
               hf_dir.c_str(), hf_architecture_name(r.spec.arch),
               r.spec.num_layers, r.spec.vocab_size, r.spec.padded_vocab_size, save.c_str());

@@ -75,4 +75,13 @@ class SubcommandArgs {
   std::set<std::string> switches_;
 };
 
+// Flags as one shell line for the user to copy: values a shell would split or expand (a [0,1]
+// list is a glob) are single-quoted.
+inline std::string shell_quoted_line(const std::vector<std::string>& flags) {
+  std::string line;
+  for (const auto& f : flags)
+    line += (line.empty() ? "" : " ") + (f.find_first_of("[]*?() ") == std::string::npos ? f : "'" + f + "'");
+  return line;
+}
+
 }  // namespace mt

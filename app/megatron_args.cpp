@@ -1,0 +1,176 @@
+// Megatron-LM's saved args as the Megatron flags that describe the same model (app/megatron_args.h).
+#include "app/megatron_args.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <optional>
+#include <set>
+
+#include "checkpoint/megatron_checkpoint.h"
+#include "core/error.h"
+
+namespace mt {
+
+namespace {
+
+enum class ArgKind { value, store_true, store_false };
+
+struct ModelArg {
+  const char* dest;  // argparse's attribute name
+  const char* flag;
+  ArgKind kind;
+};
+
+// The arguments that decide what the model computes (Megatron's argparse dests). Architectures
+// megatrain does not build are listed too, so that the parser refuses them by flag name.
+const ModelArg kModelArgs[] = {
+    {"num_layers", "--num-layers", ArgKind::value},
+    {"hidden_size", "--hidden-size", ArgKind::value},
+    {"ffn_hidden_size", "--ffn-hidden-size", ArgKind::value},
+    {"num_attention_heads", "--num-attention-heads", ArgKind::value},
+    {"kv_channels", "--kv-channels", ArgKind::value},
+    {"group_query_attention", "--group-query-attention", ArgKind::store_true},
+    {"max_position_embeddings", "--max-position-embeddings", ArgKind::value},
+    {"seq_length", "--seq-length", ArgKind::value},
+    {"position_embedding_type", "--position-embedding-type", ArgKind::value},
+    {"add_position_embedding", "--no-position-embedding", ArgKind::store_false},
+    {"rotary_base", "--rotary-base", ArgKind::value},
+    {"rotary_percent", "--rotary-percent", ArgKind::value},
+    {"rotary_interleaved", "--rotary-interleaved", ArgKind::store_true},
+    {"rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", ArgKind::value},
+    {"use_rope_scaling", "--use-rope-scaling", ArgKind::store_true},
+    {"rope_scaling_factor", "--rope-scaling-factor", ArgKind::value},
+    {"normalization", "--normalization", ArgKind::value},
+    {"norm_epsilon", "--norm-epsilon", ArgKind::value},
+    {"apply_layernorm_1p", "--apply-layernorm-1p", ArgKind::store_true},
+    {"apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", ArgKind::store_true},
+    {"swiglu", "--swiglu", ArgKind::store_true},
+    {"squared_relu", "--squared-relu", ArgKind::store_true},
+    {"openai_gelu", "--openai-gelu", ArgKind::store_true},
+    {"bias_gelu_fusion", "--no-bias-gelu-fusion", ArgKind::store_false},
+    {"add_bias_linear", "--disable-bias-linear", ArgKind::store_false},
+    {"add_qkv_bias", "--add-qkv-bias", ArgKind::store_true},
+    {"qk_layernorm", "--qk-layernorm", ArgKind::store_true},
+    {"qk_l2_norm", "--qk-l2-norm", ArgKind::store_true},
+    {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", ArgKind::store_true},
+    {"window_size", "--window-size", ArgKind::value},
+    {"window_attn_skip_freq", "--window-attn-skip-freq", ArgKind::value},
+    {"attention_dropout", "--attention-dropout", ArgKind::value},
+    {"hidden_dropout", "--hidden-dropout", ArgKind::value},
+    {"init_method_std", "--init-method-std", ArgKind::value},
+    {"make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", ArgKind::value},
+    {"num_experts", "--num-experts", ArgKind::value},
+    {"multi_latent_attention", "--multi-latent-attention", ArgKind::store_true},
+    {"mtp_num_layers", "--mtp-num-layers", ArgKind::value},
+};
+
+// Tokenizer arguments: printed for the user, recorded for --use-checkpoint-args; not needed to
+// build the model (the padded vocabulary comes from the checkpoint).
+const ModelArg kTokenizerArgs[] = {
+    {"tokenizer_type", "--tokenizer-type", ArgKind::value},
+    {"vocab_file", "--vocab-file", ArgKind::value},
+    {"merge_file", "--merge-file", ArgKind::value},
+    {"tokenizer_model", "--tokenizer-model", ArgKind::value},
+    {"vocab_size", "--vocab-size", ArgKind::value},
+};
+
+// A saved argument as command-line text; nullopt for values with no text form here.
+std::optional<std::string> arg_text(const PickleValue& v) {
+  switch (v.kind) {
+    case PickleKind::integer: return std::to_string(v.integer);
+    case PickleKind::floating: return fmt::format("{}", v.floating);
+    case PickleKind::string: return v.text;
+    case PickleKind::tuple:
+    case PickleKind::list: {
+      std::vector<std::string> parts;
+      for (const auto& i : v.items) {
+        auto t = arg_text(*i);
+        if (!t) return std::nullopt;
+        parts.push_back(*t);
+      }
+      // --window-size is Megatron's "L,R" tuple; a per-layer pattern is a Python list.
+      return v.kind == PickleKind::tuple ? fmt::format("{}", fmt::join(parts, ","))
+                                         : fmt::format("[{}]", fmt::join(parts, ","));
+    }
+    default: return std::nullopt;
+  }
+}
+
+// The flags for `table`'s arguments as the checkpoint saved them. A store_true argument that is
+// set, a store_false one that is cleared and a value that is not None become flags.
+std::vector<std::string> flags_from_args(const PickleValue& args, const ModelArg* begin, const ModelArg* end,
+                                         const std::string& where) {
+  std::vector<std::string> out;
+  for (const ModelArg* a = begin; a != end; ++a) {
+    const PickleValue* v = megatron_arg(args, a->dest);
+    if (!v) continue;
+    if (a->kind != ArgKind::value) {
+      if (!v->is(PickleKind::boolean)) continue;
+      if (v->boolean == (a->kind == ArgKind::store_true)) out.push_back(a->flag);
+      continue;
+    }
+    if (v->is(PickleKind::boolean)) continue;
+    const std::optional<std::string> text = arg_text(*v);
+    if (!text) fail("{}: the saved argument {} is a {}, which megatrain cannot read as {}", where, a->dest, v->describe(), a->flag);
+    out.push_back(a->flag);
+    out.push_back(*text);
+  }
+  return out;
+}
+
+// Drops the flags that say nothing about this model: settings of features it does not use
+// (RoPE's with learned positions, the scaling factor without --use-rope-scaling), Megatron's own
+// derived values (--kv-channels = hidden / heads, GeLU fusion off with SwiGLU, q/k/v biases with
+// all biases), and empty architecture options (no experts, no MTP layers).
+std::vector<std::string> model_flags_from_args(const PickleValue& args, const std::string& where) {
+  const std::vector<std::string> all = flags_from_args(args, std::begin(kModelArgs), std::end(kModelArgs), where);
+  auto has = [&](const char* flag) { return std::find(all.begin(), all.end(), flag) != all.end(); };
+  auto value = [&](const char* flag) -> std::string {
+    auto it = std::find(all.begin(), all.end(), flag);
+    return it != all.end() && it + 1 != all.end() ? *(it + 1) : std::string();
+  };
+  const bool rope = value("--position-embedding-type") == "rope";
+  std::set<std::string> drop;
+  if (!rope)
+    for (const char* f : {"--rotary-base", "--rotary-percent", "--rotary-interleaved",
+                          "--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor"})
+      drop.insert(f);
+  if (!has("--use-rope-scaling")) drop.insert("--rope-scaling-factor");
+  const std::string heads = value("--num-attention-heads"), hidden = value("--hidden-size"), kv = value("--kv-channels");
+  if (!heads.empty() && !hidden.empty() && !kv.empty() && std::stoll(kv) * std::stoll(heads) == std::stoll(hidden))
+    drop.insert("--kv-channels");
+  if (has("--swiglu")) drop.insert("--no-bias-gelu-fusion");
+  if (!has("--disable-bias-linear")) drop.insert("--add-qkv-bias");
+  if (value("--num-experts") == "0") drop.insert("--num-experts");
+  if (value("--mtp-num-layers") == "0") drop.insert("--mtp-num-layers");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const bool flag_with_value = i + 1 < all.size() && all[i + 1].rfind("--", 0) != 0;
+    if (!drop.count(all[i])) {
+      out.push_back(all[i]);
+      if (flag_with_value) out.push_back(all[i + 1]);
+    }
+    if (flag_with_value) ++i;
+  }
+  // num_query_groups means something only with --group-query-attention.
+  if (has("--group-query-attention"))
+    if (const PickleValue* n = megatron_arg(args, "num_query_groups"); n && n->is(PickleKind::integer)) {
+      out.push_back("--num-query-groups");
+      out.push_back(std::to_string(n->integer));
+    }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where) {
+  return model_flags_from_args(args, where);
+}
+
+std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where) {
+  return flags_from_args(args, std::begin(kTokenizerArgs), std::end(kTokenizerArgs), where);
+}
+
+}  // namespace mt

@@ -1,0 +1,22 @@
+// The Megatron flags of a Megatron-LM checkpoint's model, from its saved args (the argparse
+// Namespace checkpoint/megatron_checkpoint.h reads): the arguments that decide what the model
+// computes become the flags a launch script gives, so that megatrain's own parser can validate
+// them and a user can train with them. Settings of features the model does not use, and values
+// Megatron derives itself, are left out; architectures megatrain does not build stay in, for the
+// parser to refuse by name.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "checkpoint/pickle.h"
+
+namespace mt {
+
+// e.g. --num-layers 4 --hidden-size 32 ... --swiglu --num-query-groups 2. `where` names the
+// checkpoint in errors (an argument of a type megatrain cannot read as its flag).
+std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where);
+// --tokenizer-type, --vocab-file, --merge-file, --tokenizer-model, --vocab-size as saved.
+std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where);
+
+}  // namespace mt
