@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <deque>
+#include <memory>
 #include <algorithm>
 #include <set>
 
@@ -90,7 +92,7 @@ nlohmann::json lr_scheduler_json(const PickleValue& sched, const PickleValue& ar
 }  // namespace
 
 MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
-                                     const std::string& save_dir, bool weights_only) {
+                                     const std::string& save_dir, bool weights_only, uint64_t max_part_bytes) {
   const MegatronCheckpoint ck(load_dir, ckpt_step);
   const PickleValue& args = ck.args();
   const std::string where = "the Megatron-LM checkpoint " + ck.directory();
@@ -155,49 +157,27 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   if (!weights_only) r.weights_only_reason = why_not;
   const int64_t step = r.resumable ? *ck.optimizer_step() : 0;  // read before anything is written
 
-  CheckpointWriter writer(save_dir, r.resumable ? ck.iteration() : 0, 0, 1, /*release=*/!r.resumable);
-  std::vector<HostArray> held;  // the writer reads them at save()
-  held.reserve(descs.size() * (r.resumable ? 4 : 1));
-  auto add = [&](const ParamDesc& p, CheckpointKind kind, const std::string& name, HostArray a) {
-    held.push_back(std::move(a));
-    const HostArray& h = held.back();
-    if (h.shape != p.global_shape)
-      fail("{}: '{}' ({}) is {} but the model its args describe has it {}", where, p.name, checkpoint_kind_name(kind),
-           shape_text(h.shape), shape_text(p.global_shape));
-    const int64_t rows = h.shape[0], cols = h.shape.size() == 2 ? h.shape[1] : 1;
-    writer.add(name, kind, ShardIndex::whole(rows, cols),
-               Tensor(const_cast<unsigned char*>(h.bytes.data()), h.dtype, Device::cpu, {h.numel()}), p.global_shape);
-  };
+  // The checkpoint is written in parts ("ranks" of one save, each its own files) of at most
+  // max_part_bytes of tensors, so that only one part is in memory at a time: an 8B model with
+  // its Adam state is over 100 GB.
+  const int64_t per_element = 4 + (r.resumable ? 12 : 0);  // model (at most float32), moments, main weights
+  std::vector<std::vector<const ParamDesc*>> parts(1);
+  uint64_t part_bytes = 0;
   for (const ParamDesc& p : descs) {
     if (p.shared_copy) continue;
-    held.push_back(ck.parameter(p.name));
-    unused.erase(p.name);
-    const HostArray& a = held.back();
-    if (a.shape != p.global_shape)
-      fail("{}: '{}' is {} but the model its args describe has it {}", where, p.name, shape_text(a.shape),
-           shape_text(p.global_shape));
-    if (a.dtype != DType::f32 && a.dtype != DType::bf16 && a.dtype != DType::f16)
-      fail("{}: '{}' is stored as {}, not a floating-point type megatrain trains in", where, p.name, dtype_name(a.dtype));
-    const int64_t rows = a.shape[0], cols = a.shape.size() == 2 ? a.shape[1] : 1;
-    writer.add(p.name, CheckpointKind::model, ShardIndex::whole(rows, cols),
-               Tensor(const_cast<unsigned char*>(a.bytes.data()), a.dtype, Device::cpu, {a.numel()}), p.global_shape);
-    ++r.tensors;
-    if (!r.resumable) continue;
-    // Adam's moments and the float32 main weights (bf16/fp16 models only), under the names and
-    // kinds megatrain's own checkpoints use.
-    for (const char* state : {"exp_avg", "exp_avg_sq"}) {
-      std::optional<HostArray> a = ck.optimizer_state(state, p.name);
-      if (!a) fail("{} has no optimizer state '{}' for '{}'", where, state, p.name);
-      add(p, CheckpointKind::optimizer, p.name + "." + state, std::move(*a));
+    const uint64_t bytes = static_cast<uint64_t>(shape_numel(p.global_shape) * per_element);
+    if (!parts.back().empty() && part_bytes + bytes > max_part_bytes) {
+      parts.emplace_back();
+      part_bytes = 0;
     }
-    if (std::optional<HostArray> main = ck.optimizer_state("fp32_param", p.name))
-      add(p, CheckpointKind::main_params, p.name, std::move(*main));
+    parts.back().push_back(&p);
+    part_bytes += bytes;
   }
-  for (const std::string& n : unused)
-    log::warn0("import-megatron: {} holds '{}', which the model its args describe does not have; not imported",
-               ck.directory(), n);
+  const int world = static_cast<int>(parts.size());
+  const int64_t iteration = r.resumable ? ck.iteration() : 0;
 
   RunState rs;
+  nlohmann::json rank_state = nullptr;
   rs.config = checkpoint_config_json(cfg);
   rs.config["imported_from"] = ck.directory();
   if (r.resumable) {
@@ -222,11 +202,62 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
     const int64_t dp = std::max<int64_t>(1, count("data_parallel_size"));
     const int64_t micro = std::max<int64_t>(1, count("micro_batch_size"));
     const int64_t per_step = std::max<int64_t>(1, count("global_batch_size") / (micro * dp));
-    writer.set_rank_state(nlohmann::json{
-        {"dropout_rng", {{"seed", count("seed")}, {"micro_batch_serial", ck.iteration() * per_step}}}});
+    rank_state = nlohmann::json{
+        {"dropout_rng", {{"seed", count("seed")}, {"micro_batch_serial", ck.iteration() * per_step}}}};
   }
-  writer.set_run_state(rs);
-  writer.save(SaveGroup{});
+
+  CheckpointWriter first(save_dir, iteration, 0, world, /*release=*/!r.resumable);
+  remove_tree(first.temp_directory());  // an earlier import's interrupted parts
+  first.set_run_state(rs);
+  if (!rank_state.is_null()) first.set_rank_state(rank_state);
+  try {
+    for (int part = 0; part < world; ++part) {
+      std::unique_ptr<CheckpointWriter> other;
+      if (part > 0) other = std::make_unique<CheckpointWriter>(save_dir, iteration, part, world, !r.resumable);
+      CheckpointWriter& writer = part == 0 ? first : *other;
+      std::deque<HostArray> held;  // the writer reads them in write_local()
+      auto add = [&](const ParamDesc& p, CheckpointKind kind, const std::string& name, HostArray a) {
+        const HostArray& h = held.emplace_back(std::move(a));
+        if (h.shape != p.global_shape)
+          fail("{}: '{}' ({}) is {} but the model its args describe has it {}", where, p.name,
+               checkpoint_kind_name(kind), shape_text(h.shape), shape_text(p.global_shape));
+        const int64_t rows = h.shape[0], cols = h.shape.size() == 2 ? h.shape[1] : 1;
+        writer.add(name, kind, ShardIndex::whole(rows, cols),
+                   Tensor(const_cast<unsigned char*>(h.bytes.data()), h.dtype, Device::cpu, {h.numel()}),
+                   p.global_shape);
+      };
+      for (const ParamDesc* p : parts[static_cast<size_t>(part)]) {
+        HostArray a = ck.parameter(p->name);
+        unused.erase(p->name);
+        if (a.dtype != DType::f32 && a.dtype != DType::bf16 && a.dtype != DType::f16)
+          fail("{}: '{}' is stored as {}, not a floating-point type megatrain trains in", where, p->name,
+               dtype_name(a.dtype));
+        add(*p, CheckpointKind::model, p->name, std::move(a));
+        ++r.tensors;
+        if (!r.resumable) continue;
+        // Adam's moments and the float32 main weights (bf16/fp16 models only), under the names
+        // and kinds megatrain's own checkpoints use.
+        for (const char* state : {"exp_avg", "exp_avg_sq"}) {
+          std::optional<HostArray> m = ck.optimizer_state(state, p->name);
+          if (!m) fail("{} has no optimizer state '{}' for '{}'", where, state, p->name);
+          add(*p, CheckpointKind::optimizer, p->name + "." + state, std::move(*m));
+        }
+        if (std::optional<HostArray> main = ck.optimizer_state("fp32_param", p->name))
+          add(*p, CheckpointKind::main_params, p->name, std::move(*main));
+      }
+      writer.write_local();  // throws on failure (this process writes every part itself)
+    }
+    for (const std::string& n : unused)
+      log::warn0("import-megatron: {} holds '{}', which the model its args describe does not have; not imported",
+                 ck.directory(), n);
+    first.commit(SaveGroup{0, world, [](bool ok) { return ok; }});
+  } catch (...) {
+    try {
+      remove_tree(first.temp_directory());  // nothing half-written is left behind
+    } catch (...) {
+    }
+    throw;
+  }
   return r;
 }
 

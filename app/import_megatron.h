@@ -29,8 +29,11 @@ struct MegatronImportResult {
   std::vector<std::string> tokenizer_flags;  // as saved (paths on the machine that trained)
 };
 
+// The result is written in parts of at most max_part_bytes of tensors (one file set each), so
+// that memory holds one part at a time.
 MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
-                                     const std::string& save_dir, bool weights_only = false);
+                                     const std::string& save_dir, bool weights_only = false,
+                                     uint64_t max_part_bytes = uint64_t{4} << 30);
 int import_megatron_main(const std::vector<std::string>& args);
 
 }  // namespace mt

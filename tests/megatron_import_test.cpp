@@ -166,11 +166,17 @@ TEST_CASE("import-megatron: every layout of a Megatron-LM checkpoint gives the t
   for (const char* model : {"llama", "gpt"}) {
     const std::string dir = kFixtures + "/" + model;
     const mt::SafetensorsFile expected(dir + "/expected.safetensors");
-    for (const char* layout : {"tp1_dist", "tp2pp2/torch", "tp2pp2/torch_dist", "tp2pp2vpp/torch"}) {
+    // (tp1_dist twice: the second time written in parts of one tensor each, as a large model's
+    // import is, a few GB at a time)
+    for (const char* layout : {"tp1_dist", "tp2pp2/torch", "tp2pp2/torch_dist", "tp2pp2vpp/torch", "tp1_dist parts"}) {
       INFO(model << " " << layout);
       TempDir tmp;
-      const mt::MegatronImportResult r = mt::import_megatron(dir + "/" + layout, std::nullopt, tmp / "ckpt");
-      CHECK(r.format == (std::string(layout).find("dist") != std::string::npos ? "torch_dist" : "torch"));
+      const std::string source = std::string(layout) == "tp1_dist parts" ? "tp1_dist" : layout;
+      const bool parts = source != layout;
+      const mt::MegatronImportResult r =
+          mt::import_megatron(dir + "/" + source, std::nullopt, tmp / "ckpt", false, parts ? 1 : uint64_t{4} << 30);
+      if (parts) CHECK(mt::CheckpointReader(tmp / "ckpt").saved_world_size() == r.tensors);
+      CHECK(r.format == (source.find("dist") != std::string::npos ? "torch_dist" : "torch"));
       CHECK(r.iteration == 3);
       const auto got = read_import(tmp / "ckpt");
       CHECK(got.size() == expected.entries().size());
@@ -275,8 +281,10 @@ TEST_CASE("import-megatron: a torch_dist checkpoint with its optimizer state bec
   TempDir tmp;
   const nlohmann::json expected = nlohmann::json::parse(mt::oracle::run_capture(
       *python + " tests/oracles/megatron_torch_dist_writer.py " + mt::oracle::shell_quote(tmp / "megatron")));
-  const mt::MegatronImportResult r = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "ckpt");
+  // in parts of about 20 kB: the resume below reads a checkpoint of several "ranks"
+  const mt::MegatronImportResult r = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "ckpt", false, 20000);
   REQUIRE(r.resumable);
+  CHECK(mt::CheckpointReader(tmp / "ckpt").saved_world_size() > 3);
   CHECK(r.iteration == 7);
   CHECK(r.weights_only_reason.empty());
   // --weights-only: a release checkpoint of the same weights
