@@ -1,5 +1,5 @@
 // megatrain import-megatron: a Megatron-LM checkpoint (torch or torch_dist format, any tensor and
-// pipeline layout) as a megatrain release checkpoint, and the Megatron flags of its model.
+// pipeline layout) as a megatrain checkpoint, and the Megatron flags of its model.
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
 // same Megatron flags a launch script gives, and megatrain's own command-line parser validates them
@@ -11,10 +11,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <deque>
 #include <memory>
-#include <algorithm>
 #include <set>
 
 #include "app/checkpoint_args.h"
