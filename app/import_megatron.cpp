@@ -51,8 +51,7 @@ std::string why_not_resumable(const MegatronCheckpoint& ck) {
   if (opt && opt->is(PickleKind::string) && opt->text != "adam") return "its optimizer is " + opt->text + ", not adam";
   if (!ck.optimizer_step())
     return "its optimizer state has no step count: an optimizer that never stepped, e.g. a format conversion's";
-  const PickleValue* fp16 = megatron_arg(args, "fp16");
-  if (fp16 && fp16->is(PickleKind::boolean) && fp16->boolean)
+  if (megatron_bool_arg(args, "fp16"))
     return "it was trained with --fp16, whose loss-scaler state megatrain does not read";
   return "";
 }
@@ -182,10 +181,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   rs.config["imported_from"] = ck.directory();
   if (r.resumable) {
     const std::string common = where + "'s common state";
-    auto count = [&](const char* name) {
-      const PickleValue* v = megatron_arg(args, name);
-      return v && v->is(PickleKind::integer) ? v->integer : 0;
-    };
+    auto count = [&](const char* name) { return megatron_int_arg(args, name, 0); };
     rs.iteration = ck.iteration();
     rs.consumed_train_samples = count("consumed_train_samples");
     rs.consumed_valid_samples = count("consumed_valid_samples");
@@ -193,8 +189,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
     if (const PickleValue* f = ck.common_state()->find("num_floating_point_operations_so_far"))
       rs.num_floating_point_operations_so_far = number_arg(*f, common + ": num_floating_point_operations_so_far");
     rs.lr_scheduler = lr_scheduler_json(ck.common_state()->at("opt_param_scheduler", common), args, common);
-    const bool half = megatron_arg(args, "bf16") && megatron_arg(args, "bf16")->boolean;
-    rs.loss_scaler = nlohmann::json{{"kind", half ? "constant" : "none"}, {"scale", 1.0}, {"growth_tracker", 0},
+    rs.loss_scaler = nlohmann::json{{"kind", megatron_bool_arg(args, "bf16") ? "constant" : "none"}, {"scale", 1.0}, {"growth_tracker", 0},
                                     {"hysteresis_tracker", 0}};
     rs.extra["optimizer"] = nlohmann::json{{"kind", "adam"}, {"successful_steps", step}};
     // Megatron's RNG states do not carry over: dropout masks continue from megatrain's own stream

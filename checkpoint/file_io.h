@@ -51,4 +51,22 @@ std::vector<std::string> list_directory(const std::string& dir);  // names, sort
 std::string parent_directory(const std::string& path);
 std::string join_path(const std::string& a, const std::string& b);
 
+// A whole file mapped read-only (safetensors files, torch.save archives). An empty file maps
+// to no memory: data() is null, size() 0.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);  // throws naming the file
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const unsigned char* data() const { return static_cast<const unsigned char*>(map_); }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 }  // namespace mt

@@ -17,6 +17,16 @@ const PickleValue* megatron_arg(const PickleValue& args, const std::string& name
   return v && !v->is(PickleKind::none) ? v : nullptr;
 }
 
+int64_t megatron_int_arg(const PickleValue& args, const std::string& name, int64_t fallback) {
+  const PickleValue* v = megatron_arg(args, name);
+  return v && v->is(PickleKind::integer) ? v->integer : fallback;
+}
+
+bool megatron_bool_arg(const PickleValue& args, const std::string& name) {
+  const PickleValue* v = megatron_arg(args, name);
+  return v && v->is(PickleKind::boolean) && v->boolean;
+}
+
 namespace {
 
 // How Megatron splits a tensor over tensor-parallel ranks (torch format only: torch_dist saves
@@ -57,23 +67,6 @@ std::optional<std::pair<int, std::string>> split_layer_name(const std::string& n
   const std::string number = name.substr(prefix.size(), dot - prefix.size());
   if (number.empty() || number.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
   return std::make_pair(std::stoi(number), name.substr(dot + 1));
-}
-
-int64_t int_arg(const PickleValue& args, const std::string& name, int64_t fallback) {
-  const PickleValue* v = megatron_arg(args, name);
-  return v && v->is(PickleKind::integer) ? v->integer : fallback;
-}
-
-bool bool_arg(const PickleValue& args, const std::string& name) {
-  const PickleValue* v = megatron_arg(args, name);
-  return v && v->is(PickleKind::boolean) && v->boolean;
-}
-
-std::vector<int64_t> pickle_ints(const PickleValue& v) {
-  const PickleValue* t = v.is_object("torch.Size") && v.items.size() == 1 ? v.items[0].get() : &v;
-  std::vector<int64_t> out;
-  for (const auto& i : t->items) out.push_back(i->is(PickleKind::integer) ? i->integer : -1);
-  return out;
 }
 
 // Copies the box where `chunk` (at chunk_offsets of the global tensor) overlaps the box
@@ -218,13 +211,13 @@ void MegatronCheckpoint::open_torch() {
   args_ = std::make_shared<PickleValue>(*args);
   if (first.root().find("optimizer"))
     optimizer_layout_ = "the torch format's per-rank state keyed by parameter index";
-  const int tp = static_cast<int>(int_arg(*args, "tensor_model_parallel_size", 1));
-  const int pp = static_cast<int>(int_arg(*args, "pipeline_model_parallel_size", 1));
+  const int tp = static_cast<int>(megatron_int_arg(*args, "tensor_model_parallel_size", 1));
+  const int pp = static_cast<int>(megatron_int_arg(*args, "pipeline_model_parallel_size", 1));
   if (static_cast<int>(rank_dirs.size()) != tp * pp)
     fail("{} holds {} rank directories, but its args say tensor parallel {} x pipeline parallel {}", directory_,
          rank_dirs.size(), tp, pp);
-  const bool swiglu = bool_arg(*args, "swiglu");
-  const bool tied = !bool_arg(*args, "untie_embeddings_and_output_weights");
+  const bool swiglu = megatron_bool_arg(*args, "swiglu");
+  const bool tied = !megatron_bool_arg(*args, "untie_embeddings_and_output_weights");
 
   std::vector<std::vector<const TorchFile*>> files(static_cast<size_t>(pp));  // [pp][tp]
   for (int p = 0; p < pp; ++p)
@@ -308,7 +301,8 @@ void MegatronCheckpoint::open_torch_dist() {
     c.file = file(rel->text);
     c.offset = static_cast<uint64_t>(off->integer);
     c.length = static_cast<uint64_t>(len->integer);
-    if (const PickleValue* o = index->find("offset")) c.offsets = pickle_ints(*o);
+    if (const PickleValue* o = index->find("offset"); o && !o->is(PickleKind::none))
+      c.offsets = torch_size(*o, meta_path + ": offset of " + fqn->text);
     chunks[fqn->text].push_back(std::move(c));
   }
 
@@ -339,7 +333,7 @@ void MegatronCheckpoint::open_torch_dist() {
                  const std::string& key, const std::string& model_key, const PickleValue& md) {
     auto src = std::make_shared<Source>();
     src->key = key;
-    src->key_shape = pickle_ints(md.at("size", meta_path + ": " + key));
+    src->key_shape = torch_size(md.at("size", meta_path + ": " + key), meta_path + ": size of " + key);
     src->chunks = chunks[key];
     if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
     static const std::string stacked = "decoder.layers.";

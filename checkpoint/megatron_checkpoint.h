@@ -83,7 +83,10 @@ class MegatronCheckpoint {
   std::shared_ptr<Files> files_;
 };
 
-// Megatron's args as values: the argument `name` of the namespace, or nullptr when absent or None.
+// Megatron's args as values: the argument `name` of the namespace, or nullptr when absent or None;
+// an int argument (`fallback` when absent or not an int); a switch (false when absent).
 const PickleValue* megatron_arg(const PickleValue& args, const std::string& name);
+int64_t megatron_int_arg(const PickleValue& args, const std::string& name, int64_t fallback);
+bool megatron_bool_arg(const PickleValue& args, const std::string& name);
 
 }  // namespace mt

@@ -1,7 +1,6 @@
 #include "checkpoint/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -68,29 +67,12 @@ std::string SafetensorsEntry::shape_string() const { return shape_text(shape) + 
 // ---------------------------------------------------------------------------------------------
 // Reading
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open {}: {}", path, std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    fail("cannot stat {}: {}", path, std::strerror(e));
-  }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ < 8) {
-    ::close(fd);
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(std::make_unique<MappedFile>(path)) {
+  size_ = static_cast<size_t>(file_->size());
+  if (size_ < 8)
     fail("{} is not a safetensors file: {} bytes, less than the 8-byte header length (truncated?)", path, size_);
-  }
-  map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    fail("cannot map {}: {}", path, std::strerror(map_errno));
-  }
-  try {
-    const auto* bytes = static_cast<const unsigned char*>(map_);
+  {
+    const unsigned char* bytes = file_->data();
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
     if (n > kMaxHeaderBytes)
@@ -183,35 +165,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       entries_[i].data = data + entries_[i].begin;
       index_[entries_[i].name] = i;
     }
-  } catch (...) {
-    release();
-    throw;
   }
 }
 
-SafetensorsFile::~SafetensorsFile() { release(); }
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::move(o); }
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
-  if (this != &o) {
-    release();
-    path_ = std::move(o.path_);
-    map_ = o.map_;
-    size_ = o.size_;
-    metadata_ = std::move(o.metadata_);
-    entries_ = std::move(o.entries_);
-    index_ = std::move(o.index_);
-    o.map_ = nullptr;
-    o.size_ = 0;
-  }
-  return *this;
-}
-
-void SafetensorsFile::release() {
-  if (map_) ::munmap(map_, size_);
-  map_ = nullptr;
-}
+SafetensorsFile::~SafetensorsFile() = default;
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept = default;
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept = default;
 
 const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
   auto it = index_.find(name);

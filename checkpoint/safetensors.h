@@ -12,11 +12,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "checkpoint/file_io.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
 
@@ -63,10 +65,8 @@ class SafetensorsFile {
   Tensor view(const std::string& name) const;
 
  private:
-  void release();
-
   std::string path_;
-  void* map_ = nullptr;
+  std::unique_ptr<MappedFile> file_;
   size_t size_ = 0;
   std::map<std::string, std::string> metadata_;
   std::vector<SafetensorsEntry> entries_;

@@ -1,10 +1,5 @@
 #include "checkpoint/torch_file.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -12,32 +7,6 @@
 #include "core/error.h"
 
 namespace mt {
-
-MappedFile::MappedFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open {}: {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    fail("cannot stat {}: {}", path, std::strerror(e));
-  }
-  size_ = static_cast<uint64_t>(st.st_size);
-  if (size_ > 0) {
-    map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map_ == MAP_FAILED) {
-      const int e = errno;
-      ::close(fd);
-      map_ = nullptr;
-      fail("cannot map {}: {}", path, std::strerror(e));
-    }
-  }
-  ::close(fd);
-}
-
-MappedFile::~MappedFile() {
-  if (map_) ::munmap(map_, size_);
-}
 
 namespace {
 
@@ -148,19 +117,6 @@ std::optional<DType> storage_dtype(const std::string& storage_type) {
   return std::nullopt;
 }
 
-std::vector<int64_t> int_tuple(const PickleValue& v, const std::string& what) {
-  // torch.Size pickles as torch.Size((...,)), a plain tuple otherwise.
-  const PickleValue* t = &v;
-  if (v.is_object("torch.Size") && v.items.size() == 1) t = v.items[0].get();
-  if (!t->is(PickleKind::tuple) && !t->is(PickleKind::list)) fail("{}: expected a tuple of ints, found a {}", what, v.describe());
-  std::vector<int64_t> out;
-  for (const auto& i : t->items) {
-    if (!i->is(PickleKind::integer)) fail("{}: expected a tuple of ints, found a {} in it", what, i->describe());
-    out.push_back(i->integer);
-  }
-  return out;
-}
-
 // The _rebuild_tensor_v2 call under a Parameter wrapper.
 const PickleValue& tensor_call(const PickleValue& v) {
   if ((v.is_object("torch._utils._rebuild_parameter") || v.is_object("torch._utils._rebuild_parameter_with_state")) &&
@@ -185,6 +141,19 @@ TorchFile::TorchFile(const std::string& path) : TorchFile(map_whole(path)) {}
 
 TorchFile::TorchFile(std::shared_ptr<const MappedFile> file) : TorchFile(file, 0, file->size()) {}
 
+std::vector<int64_t> torch_size(const PickleValue& v, const std::string& what) {
+  // torch.Size pickles as torch.Size((...,)).
+  const PickleValue* t = &v;
+  if (v.is_object("torch.Size") && v.items.size() == 1) t = v.items[0].get();
+  if (!t->is(PickleKind::tuple) && !t->is(PickleKind::list)) fail("{}: expected a tuple of ints, found a {}", what, v.describe());
+  std::vector<int64_t> out;
+  for (const auto& i : t->items) {
+    if (!i->is(PickleKind::integer)) fail("{}: expected a tuple of ints, found a {} in it", what, i->describe());
+    out.push_back(i->integer);
+  }
+  return out;
+}
+
 bool TorchFile::is_tensor(const PickleValue& v) {
   const PickleValue& t = tensor_call(v);
   return t.is_object("torch._utils._rebuild_tensor_v2") || t.is_object("torch._utils._rebuild_tensor_v3") ||
@@ -195,7 +164,7 @@ std::vector<int64_t> TorchFile::tensor_shape(const PickleValue& v, const std::st
   if (!is_tensor(v)) fail("{}: '{}' is a {}, not a tensor", what(), name, v.describe());
   const PickleValue& t = tensor_call(v);
   if (t.items.size() < 4) fail("{}: tensor '{}' is pickled with {} arguments", what(), name, t.items.size());
-  return int_tuple(*t.items[2], what() + ": size of " + name);
+  return torch_size(*t.items[2], what() + ": size of " + name);
 }
 
 HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const {
@@ -213,7 +182,7 @@ HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const
   if (!dtype) fail("{} is stored as {}, which megatrain does not read", where, id[1]->text);
   if (!t.items[1]->is(PickleKind::integer)) fail("{} has a malformed storage offset", where);
   const int64_t storage_offset = t.items[1]->integer;
-  const std::vector<int64_t> stride = int_tuple(*t.items[3], where + " stride");
+  const std::vector<int64_t> stride = torch_size(*t.items[3], where + " stride");
   if (stride.size() != shape.size()) fail("{} has {} strides for {} dimensions", where, stride.size(), shape.size());
   const ZipArchive::Entry* data = archive_.find(prefix_ + "data/" + id[2]->text);
   if (!data) fail("{} names storage '{}', which the archive does not hold (truncated?)", where, id[2]->text);

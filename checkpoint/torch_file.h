@@ -12,27 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/file_io.h"
 #include "checkpoint/hf_names.h"
 #include "checkpoint/pickle.h"
 
 namespace mt {
-
-// A whole file mapped read-only.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path);  // throws naming the file
-  ~MappedFile();
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  const unsigned char* data() const { return static_cast<const unsigned char*>(map_); }
-  uint64_t size() const { return size_; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  void* map_ = nullptr;
-  uint64_t size_ = 0;
-};
 
 // The stored entries of a zip archive at [offset, offset + length) of a mapped file.
 class ZipArchive {
@@ -54,6 +38,9 @@ class ZipArchive {
   std::string what_;  // "FILE" or "FILE at byte N"
   std::map<std::string, Entry> entries_;
 };
+
+// A torch.Size (or plain tuple or list) of ints; throws naming `what` for anything else.
+std::vector<int64_t> torch_size(const PickleValue& v, const std::string& what);
 
 // One torch.save'd object.
 class TorchFile {
