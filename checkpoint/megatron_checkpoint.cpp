@@ -118,6 +118,7 @@ struct MegatronCheckpoint::Source {
     std::shared_ptr<const MappedFile> file;
     uint64_t offset = 0, length = 0;
     std::vector<int64_t> offsets;
+    std::vector<int64_t> sizes;  // from .metadata (empty if it does not list the chunk)
   };
   std::string key;
   std::vector<int64_t> key_shape;
@@ -336,6 +337,16 @@ void MegatronCheckpoint::open_torch_dist() {
     src->key_shape = torch_size(md.at("size", meta_path + ": " + key), meta_path + ": size of " + key);
     src->chunks = chunks[key];
     if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
+    // Each chunk's extent, so that reading one layer of a stacked tensor opens only its chunks.
+    if (const PickleValue* listed = md.find("chunks"); listed && listed->is(PickleKind::list))
+      for (const auto& cm : listed->items) {
+        const PickleValue* o = cm->find("offsets");
+        const PickleValue* z = cm->find("sizes");
+        if (!o || !z) continue;
+        const std::vector<int64_t> offsets = torch_size(*o, meta_path + ": chunk offsets of " + key);
+        for (Source::Chunk& c : src->chunks)
+          if (c.offsets == offsets) c.sizes = torch_size(*z, meta_path + ": chunk sizes of " + key);
+      }
     static const std::string stacked = "decoder.layers.";
     if (model_key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(model_key)) {
       for (int64_t l = 0; l < src->key_shape[0]; ++l) {
@@ -474,7 +485,8 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
   for (const Source::Chunk& c : s.chunks) {
     if (c.offsets.size() != s.key_shape.size())
       fail("{}: a chunk of '{}' has {} offsets for {} dimensions", directory_, s.key, c.offsets.size(), s.key_shape.size());
-    if (s.layer >= 0 && c.offsets[0] > s.layer) continue;
+    if (s.layer >= 0 && (c.offsets[0] > s.layer || (!c.sizes.empty() && c.offsets[0] + c.sizes[0] <= s.layer)))
+      continue;
     const TorchFile chunk_file(c.file, c.offset, c.length);
     const std::vector<int64_t> chunk_shape = chunk_file.tensor_shape(chunk_file.root(), s.key);
     if (s.layer >= 0 && c.offsets[0] + chunk_shape[0] <= s.layer) continue;
