@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <set>
@@ -24,11 +25,13 @@
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/megatron_checkpoint.h"
+#include "checkpoint/megatron_flat_layout.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/shape_text.h"
 #include "engine/model_dims.h"
 #include "engine/param_layout.h"
+#include "parallel/pipeline_layout.h"
 
 namespace mt {
 
@@ -40,13 +43,43 @@ double number_arg(const PickleValue& v, const std::string& what) {
   fail("{} is a {}, not a number", what, v.describe());
 }
 
-// Why the optimizer state cannot be carried over ("" when it can).
-std::string why_not_resumable(const MegatronCheckpoint& ck) {
+// The pipeline split the checkpoint was saved with (its args), as megatrain's pipeline layout reads it.
+std::optional<PipelineSplit> saved_pipeline_split(const PickleValue& args, int num_layers, std::string* why) {
+  if (megatron_arg(args, "pipeline_model_parallel_layout")) {
+    *why = "it was saved with a custom --pipeline-model-parallel-layout";
+    return std::nullopt;
+  }
+  PipelineSplit s;
+  s.num_layers = num_layers;
+  s.pp = static_cast<int>(megatron_int_arg(args, "pipeline_model_parallel_size", 1));
+  s.vpp = static_cast<int>(megatron_int_arg(args, "virtual_pipeline_model_parallel_size", 1));
+  if (const PickleValue* v = megatron_arg(args, "decoder_first_pipeline_num_layers"); v && v->is(PickleKind::integer))
+    s.first_stage_layers = static_cast<int>(v->integer);
+  if (const PickleValue* v = megatron_arg(args, "decoder_last_pipeline_num_layers"); v && v->is(PickleKind::integer))
+    s.last_stage_layers = static_cast<int>(v->integer);
+  s.account_for_embedding = megatron_bool_arg(args, "account_for_embedding_in_pipeline_split");
+  s.account_for_loss = megatron_bool_arg(args, "account_for_loss_in_pipeline_split");
+  return s;
+}
+
+// Why the optimizer state cannot be carried over ("" when it can). The distributed optimizer's
+// flat buffers are placed onto the model's parameters here (checkpoint/megatron_flat_layout.h).
+std::string why_not_resumable(MegatronCheckpoint& ck, const Config& cfg) {
   const PickleValue& args = ck.args();
   if (ck.release()) return "it is a release checkpoint";
   if (ck.optimizer_layout() == "none") return "it holds no optimizer state: saved with --no-save-optim?";
-  if (ck.optimizer_layout() != "by parameter")
+  if (ck.optimizer_layout() == "flat buckets") {
+    std::string why;
+    const std::optional<PipelineSplit> split = saved_pipeline_split(args, cfg.model.num_layers, &why);
+    if (!split) return why;
+    const PickleValue* impl = megatron_arg(args, "transformer_impl");
+    const bool te_spec = !impl || !impl->is(PickleKind::string) || impl->text != "local";
+    why = place_flat_optimizer_state(ck, cfg, static_cast<int>(megatron_int_arg(args, "tensor_model_parallel_size", 1)),
+                                     *split, te_spec);
+    if (!why.empty()) return why;
+  } else if (ck.optimizer_layout() != "by parameter") {
     return "its optimizer state is stored as " + ck.optimizer_layout() + ", which megatrain does not read yet";
+  }
   const PickleValue* opt = megatron_arg(args, "optimizer");
   if (opt && opt->is(PickleKind::string) && opt->text != "adam") return "its optimizer is " + opt->text + ", not adam";
   if (!ck.optimizer_step())
@@ -92,7 +125,7 @@ nlohmann::json lr_scheduler_json(const PickleValue& sched, const PickleValue& ar
 
 MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
                                      const std::string& save_dir, bool weights_only, uint64_t max_part_bytes) {
-  const MegatronCheckpoint ck(load_dir, ckpt_step);
+  MegatronCheckpoint ck(load_dir, ckpt_step);
   const PickleValue& args = ck.args();
   const std::string where = "the Megatron-LM checkpoint " + ck.directory();
   const PickleValue* padded = megatron_arg(args, "padded_vocab_size");
@@ -151,7 +184,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   std::set<std::string> unused;
   for (const std::string& n : ck.parameter_names()) unused.insert(n);
 
-  const std::string why_not = why_not_resumable(ck);
+  const std::string why_not = weights_only ? std::string() : why_not_resumable(ck, cfg);
   r.resumable = !weights_only && why_not.empty();
   if (!weights_only) r.weights_only_reason = why_not;
   const int64_t step = r.resumable ? *ck.optimizer_step() : 0;  // read before anything is written
@@ -227,6 +260,15 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
         if (a.dtype != DType::f32 && a.dtype != DType::bf16 && a.dtype != DType::f16)
           fail("{}: '{}' is stored as {}, not a floating-point type megatrain trains in", where, p->name,
                dtype_name(a.dtype));
+        const DType model_dtype = a.dtype;
+        std::optional<HostArray> main;
+        if (r.resumable && ck.distributed_optimizer()) {
+          // The distributed optimizer keeps main weights for every parameter: the model weights
+          // are them, rounded. A parameter whose state came from the wrong place fails here.
+          main = ck.optimizer_state("fp32_param", p->name);
+          if (!main) fail("{} has no main weights ('param' state) for '{}'", where, p->name);
+          check_main_weights(*main, a, p->name, where);
+        }
         add(*p, CheckpointKind::model, p->name, std::move(a));
         ++r.tensors;
         if (!r.resumable) continue;
@@ -237,8 +279,8 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
           if (!m) fail("{} has no optimizer state '{}' for '{}'", where, state, p->name);
           add(*p, CheckpointKind::optimizer, p->name + "." + state, std::move(*m));
         }
-        if (std::optional<HostArray> main = ck.optimizer_state("fp32_param", p->name))
-          add(*p, CheckpointKind::main_params, p->name, std::move(*main));
+        if (!main) main = ck.optimizer_state("fp32_param", p->name);
+        if (main && model_dtype != DType::f32) add(*p, CheckpointKind::main_params, p->name, std::move(*main));
       }
       writer.write_local();  // throws on failure (this process writes every part itself)
     }

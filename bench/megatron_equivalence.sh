@@ -2,16 +2,18 @@
 # Megatron-LM itself against megatrain from the same weights (manual: needs a GPU, PyTorch and a
 # Megatron-LM checkout; nothing of Megatron-LM is in this repository).
 #   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
-# Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP and PP (Megatron's layout
-# for the checkpoint, default 1; TP*PP GPUs), MODE (finetune or resume, default finetune),
-# MEGATRON_EXTRA (more Megatron-LM flags, e.g. --use-distributed-optimizer), PYTHON (default python3).
+# Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP, PP and DP (Megatron's layout,
+# default 1; TP*PP*DP GPUs), MODE (finetune or resume, default finetune), MEGATRON_EXTRA (more
+# Megatron-LM flags, e.g. --use-distributed-optimizer), MEGATRAIN_LAYOUT (one: megatrain trains on
+# one GPU, the default; same: with Megatron's TP, PP, DP and MEGATRON_EXTRA), FORMATS (finetune mode:
+# the checkpoint formats Megatron saves, default "torch_dist torch"), PYTHON (default python3).
 #
 # MODE=finetune: for each case Megatron-LM (pretrain_gpt.py, local transformer implementation: no
 # Transformer Engine or Apex needed) trains 10 iterations on --mock-data and saves, once in
 # torch_dist and once in torch format. Then, from the torch_dist checkpoint with --finetune (weights
 # only, fresh optimizer, data from the first sample), Megatron-LM trains ITERS iterations;
 # megatrain imports each checkpoint (import-megatron) and trains the same ITERS iterations with the
-# same flags on one GPU.
+# same flags (on one GPU, or in Megatron's layout with MEGATRAIN_LAYOUT=same).
 # MODE=resume: Megatron-LM trains 10 + ITERS iterations in one run, saving (torch_dist) after 10;
 # megatrain imports that checkpoint with its optimizer state and resumes it to 10 + ITERS.
 # bench/compare_losses.py prints the curves and the largest differences.
@@ -26,10 +28,14 @@ ITERS=${ITERS:-30}
 PREC=${PREC:-fp32}
 TP=${TP:-1}
 PP=${PP:-1}
+DP=${DP:-1}
+NPROC=$((TP * PP * DP))
+read -r -a formats <<< "${FORMATS:-torch_dist torch}"
 MODE=${MODE:-finetune}
 read -r -a extra <<< "${MEGATRON_EXTRA:-}"
 PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM requires it with tensor parallelism
 
 common=(--seq-length 256 --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 16
         --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
@@ -57,36 +63,40 @@ for c in "${CASES[@]}"; do
   d=$OUT/$c
   rm -rf "$d" && mkdir -p "$d"
   par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" "${extra[@]}")
+  mt_par=()
+  [ "${MEGATRAIN_LAYOUT:-one}" = same ] && mt_par=("${par[@]}")
   if [ "$MODE" = resume ]; then
     total=$((10 + ITERS))
-    echo "== $c: Megatron-LM trains $total iterations (TP $TP, PP $PP, $PREC), saving after 10"
-    megatron "$d/megatron_straight.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$total" \
+    echo "== $c: Megatron-LM trains $total iterations (TP $TP, PP $PP, DP $DP, $PREC), saving after 10"
+    megatron "$d/megatron_straight.log" $NPROC "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$total" \
       --save "$d/megatron_at10" --save-interval 10 --ckpt-format torch_dist
     echo "== $c: megatrain imports iteration 10 with its optimizer state and resumes to $total"
     "$BIN" import-megatron --load "$d/megatron_at10" --ckpt-step 10 --save "$d/imported" > "$d/import.log" 2>&1 \
       || { cat "$d/import.log"; exit 1; }
     head -2 "$d/import.log"
-    "$BIN" "${common[@]}" "${model[@]}" --train-iters "$total" --load "$d/imported" \
+    "$BIN" "${common[@]}" "${model[@]}" "${mt_par[@]}" --train-iters "$total" --load "$d/imported" \
       > "$d/megatrain_resumed.log" 2>&1 || { tail -20 "$d/megatrain_resumed.log"; exit 1; }
     "$PY" "$HERE/compare_losses.py" --after 10 "$d/megatron_straight.log" "$d/megatrain_resumed.log" | tee "$d/compare.txt"
     continue
   fi
-  for fmt in torch_dist torch; do
-    echo "== $c: Megatron-LM trains 10 iterations (TP $TP, PP $PP, $PREC) and saves in $fmt format"
-    megatron "$d/megatron_save_$fmt.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters 10 \
+  for fmt in "${formats[@]}"; do
+    echo "== $c: Megatron-LM trains 10 iterations (TP $TP, PP $PP, DP $DP, $PREC) and saves in $fmt format"
+    megatron "$d/megatron_save_$fmt.log" $NPROC "${common[@]}" "${model[@]}" "${par[@]}" --train-iters 10 \
       --save "$d/megatron_$fmt" --save-interval 10 --ckpt-format "$fmt"
   done
   echo "== $c: Megatron-LM trains $ITERS iterations from its checkpoint (--finetune)"
-  megatron "$d/megatron_finetune.log" $((TP * PP)) "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$ITERS" \
+  megatron "$d/megatron_finetune.log" $NPROC "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$ITERS" \
     --load "$d/megatron_torch_dist" --finetune --ckpt-format torch_dist
-  for fmt in torch_dist torch; do
+  megatrain_logs=()
+  for fmt in "${formats[@]}"; do
     echo "== $c: megatrain imports the $fmt checkpoint and trains $ITERS iterations"
     "$BIN" import-megatron --load "$d/megatron_$fmt" --save "$d/imported_$fmt" > "$d/import_$fmt.log" 2>&1 \
       || { cat "$d/import_$fmt.log"; exit 1; }
     head -1 "$d/import_$fmt.log"
-    "$BIN" "${common[@]}" "${model[@]}" --train-iters "$ITERS" --load "$d/imported_$fmt" --finetune \
+    "$BIN" "${common[@]}" "${model[@]}" "${mt_par[@]}" --train-iters "$ITERS" --load "$d/imported_$fmt" --finetune \
       > "$d/megatrain_$fmt.log" 2>&1 || { tail -20 "$d/megatrain_$fmt.log"; exit 1; }
+    megatrain_logs+=("$d/megatrain_$fmt.log")
   done
-  "$PY" "$HERE/compare_losses.py" "$d/megatron_finetune.log" "$d/megatrain_torch_dist.log" "$d/megatrain_torch.log" \
+  "$PY" "$HERE/compare_losses.py" "$d/megatron_finetune.log" "${megatrain_logs[@]}" \
     | tee "$d/compare.txt"
 done

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <regex>
 #include <set>
 
 #include "checkpoint/file_io.h"
@@ -106,6 +107,13 @@ struct MegatronCheckpoint::Files {
   std::vector<std::unique_ptr<TorchFile>> torch_files;                   // torch: one per rank file
   std::unique_ptr<TorchFile> common;                                     // torch_dist: the common state
   std::map<std::string, std::shared_ptr<const MappedFile>> distcp_files;  // torch_dist: by relative path
+  // torch_dist with the distributed optimizer in its flat layout: the stored object holding its
+  // param groups (torch.save'd inside a .distcp file).
+  struct Item {
+    std::shared_ptr<const MappedFile> file;
+    uint64_t offset = 0, length = 0;
+  };
+  std::optional<Item> optimizer_groups;
 };
 
 struct MegatronCheckpoint::Source {
@@ -328,16 +336,14 @@ void MegatronCheckpoint::open_torch_dist() {
   args_ = std::make_shared<PickleValue>(*args);
   common_ = std::make_shared<PickleValue>(*state);
 
-  // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
-  // become one entry per layer, the layers along the first dimension.
-  auto add = [&](std::map<std::string, std::shared_ptr<const Source>>& to, const std::string& prefix,
-                 const std::string& key, const std::string& model_key, const PickleValue& md) {
+  // A stored tensor: its global size and chunks (with each chunk's extent from .metadata, so that
+  // reading a part opens only the chunks that hold it).
+  auto source_of = [&](const std::string& key, const PickleValue& md) {
     auto src = std::make_shared<Source>();
     src->key = key;
     src->key_shape = torch_size(md.at("size", meta_path + ": " + key), meta_path + ": size of " + key);
     src->chunks = chunks[key];
     if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
-    // Each chunk's extent, so that reading one layer of a stacked tensor opens only its chunks.
     if (const PickleValue* listed = md.find("chunks"); listed && listed->is(PickleKind::list))
       for (const auto& cm : listed->items) {
         const PickleValue* o = cm->find("offsets");
@@ -347,6 +353,13 @@ void MegatronCheckpoint::open_torch_dist() {
         for (Source::Chunk& c : src->chunks)
           if (c.offsets == offsets) c.sizes = torch_size(*z, meta_path + ": chunk sizes of " + key);
       }
+    return src;
+  };
+  // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
+  // become one entry per layer, the layers along the first dimension.
+  auto add = [&](std::map<std::string, std::shared_ptr<const Source>>& to, const std::string& prefix,
+                 const std::string& key, const std::string& model_key, const PickleValue& md) {
+    const std::shared_ptr<Source> src = source_of(key, md);
     static const std::string stacked = "decoder.layers.";
     if (model_key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(model_key)) {
       for (int64_t l = 0; l < src->key_shape[0]; ++l) {
@@ -359,23 +372,39 @@ void MegatronCheckpoint::open_torch_dist() {
     }
   };
   static const std::string by_param = "optimizer.state.";
-  bool fully_reshardable = false;
+  // The distributed optimizer's flat buffers:
+  // optimizer.distributed.dp_group_idx_M.gbuf_idx_G.dtype_(PARAM, GRAD).bucket_idx_B.STATE
+  static const std::regex flat_key(
+      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(.*\)\.bucket_idx_(\d+)\.(\w+))");
   for (const auto& [k, md] : sdm.entries) {
     if (!k->is(PickleKind::string)) continue;
     const std::string& key = k->text;
-    if (key.compare(0, 22, "optimizer.distributed.") == 0)
-      optimizer_layout_ = "the distributed optimizer's flat per-bucket buffers (--use-distributed-optimizer)";
+    if (key.compare(0, 22, "optimizer.distributed.") == 0) {
+      distributed_optimizer_ = true;
+      // Its param groups (with the step): one object per model-parallel rank, the same on all.
+      if (key.find(".optimizer/shard_") != std::string::npos && !chunks[key].empty() &&
+          (!files_->optimizer_groups || key.find("dp_group_idx_0.") != std::string::npos)) {
+        const Source::Chunk& c = chunks[key][0];
+        files_->optimizer_groups = Files::Item{c.file, c.offset, c.length};
+      }
+    }
     if (!md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata")) continue;
     if (key.find("_extra_state") != std::string::npos || key.compare(0, 5, "rng_s") == 0) continue;
-    if (key.compare(0, by_param.size(), by_param) == 0) {
+    std::smatch m;
+    if (std::regex_match(key, m, flat_key)) {
+      const FlatBucket b{std::stoi(m[1].str()), std::stoi(m[2].str()), std::stoi(m[3].str())};
+      const std::shared_ptr<Source> src = source_of(key, *md);
+      if (src->key_shape.size() != 1) fail("{}: '{}' is not a flat buffer", meta_path, key);
+      flat_[{b, m[4].str()}] = src;
+      optimizer_layout_ = "flat buckets";
+    } else if (key.compare(0, by_param.size(), by_param) == 0) {
       const size_t dot = key.find('.', by_param.size());
       if (dot == std::string::npos) continue;
-      const std::string state_name = key.substr(by_param.size(), dot - by_param.size());
+      std::string state_name = key.substr(by_param.size(), dot - by_param.size());
+      // The fully reshardable layout names the distributed optimizer's main weights "param".
       if (state_name == "param") {
-        // The distributed optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable)
-        // keeps its main weights as "param" and its step elsewhere: seen, not verified yet.
-        fully_reshardable = true;
-        continue;
+        state_name = "fp32_param";
+        distributed_optimizer_ = true;
       }
       if (state_name != "exp_avg" && state_name != "exp_avg_sq" && state_name != "fp32_param") continue;
       add(optim_, state_name + "/", key, key.substr(dot + 1), *md);
@@ -384,37 +413,127 @@ void MegatronCheckpoint::open_torch_dist() {
       add(params_, "", key, key, *md);
     }
   }
-  if (fully_reshardable)
-    optimizer_layout_ = "the distributed optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable)";
+  if (optimizer_layout_ == "none" && distributed_optimizer_)
+    optimizer_layout_ = "the distributed optimizer's state in a layout megatrain does not recognise";
+}
+
+std::map<MegatronCheckpoint::FlatBucket, int64_t> MegatronCheckpoint::flat_buckets() const {
+  std::map<FlatBucket, int64_t> out;
+  for (const auto& [id, src] : flat_)
+    if (id.second == "param") out[id.first] = src->key_shape[0];
+  return out;
+}
+
+struct MegatronCheckpoint::Placement {
+  std::vector<FlatPiece> pieces;  // by TP rank
+  std::vector<int64_t> global_shape;
+  std::function<int64_t(int, int64_t)> global_index;
+};
+
+void MegatronCheckpoint::set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces,
+                                            std::vector<int64_t> global_shape,
+                                            std::function<int64_t(int, int64_t)> global_index) {
+  auto p = std::make_shared<Placement>();
+  p->pieces = std::move(pieces);
+  p->global_shape = std::move(global_shape);
+  p->global_index = std::move(global_index);
+  placements_[name] = std::move(p);
+}
+
+HostArray MegatronCheckpoint::read_flat(const FlatPiece& piece, const std::string& state) const {
+  const FlatBucket& b = piece.bucket;
+  const std::string what =
+      fmt::format("{} of dp_group_idx_{}.gbuf_idx_{}.bucket_idx_{}", state, b.mp_rank, b.gbuf, b.bucket);
+  auto it = flat_.find({b, state});
+  if (it == flat_.end()) fail("{} has no optimizer buffer {}", directory_, what);
+  const Source& s = *it->second;
+  if (piece.offset < 0 || piece.count < 0 || piece.offset + piece.count > s.key_shape[0])
+    fail("{}: elements [{}, {}) lie outside {} ({} elements)", directory_, piece.offset, piece.offset + piece.count, what,
+         s.key_shape[0]);
+  return read_region(s, {piece.offset}, {piece.count}, what);
 }
 
 std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& state, const std::string& name) const {
+  if (auto pl = placements_.find(name); pl != placements_.end()) {
+    const Placement& p = *pl->second;
+    const std::string stored = state == "fp32_param" ? "param" : state;
+    HostArray out;
+    for (size_t t = 0; t < p.pieces.size(); ++t) {
+      const HostArray piece = read_flat(p.pieces[t], stored);
+      if (t == 0) out = HostArray::zeros(piece.dtype, p.global_shape);
+      if (piece.dtype != out.dtype) fail("{}: the {} shards of '{}' differ in dtype", directory_, stored, name);
+      const size_t elem = dtype_size(out.dtype);
+      for (int64_t i = 0; i < piece.numel(); ++i)
+        std::memcpy(out.bytes.data() + static_cast<size_t>(p.global_index(static_cast<int>(t), i)) * elem,
+                    piece.bytes.data() + static_cast<size_t>(i) * elem, elem);
+    }
+    return out;
+  }
   auto it = optim_.find(state + "/" + name);
   if (it == optim_.end()) return std::nullopt;
   return read(*it->second, "optimizer.state." + state + "." + name);
 }
+
+namespace {
+
+// A step count stored as an int, a float (Megatron copies torch's step tensor with .item()) or a
+// one-element tensor.
+int64_t step_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
+  if (v.is(PickleKind::integer)) return v.integer;
+  if (v.is(PickleKind::floating)) return static_cast<int64_t>(v.floating);
+  const HostArray a = file.tensor(v, what);
+  if (a.numel() != 1) fail("{} is not a scalar", what);
+  switch (a.dtype) {
+    case DType::i64: return a.ptr<int64_t>()[0];
+    case DType::i32: return a.ptr<int32_t>()[0];
+    case DType::f32: return static_cast<int64_t>(a.ptr<float>()[0]);
+    case DType::f64: return static_cast<int64_t>(a.ptr<double>()[0]);
+    default: fail("{} has dtype {}", what, dtype_name(a.dtype));
+  }
+}
+
+// The distributed optimizer keeps Adam's step in every param group (torch's optimizer state dict
+// without "state"); groups without parameters may lack it. nullopt when no group has one.
+std::optional<int64_t> param_groups_step(const PickleValue& optimizer, const TorchFile& file, const std::string& where) {
+  const PickleValue* groups = optimizer.find("param_groups");
+  if (!groups || !groups->is(PickleKind::list)) return std::nullopt;
+  std::optional<int64_t> step;
+  for (const auto& g : groups->items) {
+    const PickleValue* v = g->find("step");
+    if (!v || v->is(PickleKind::none)) continue;
+    const int64_t s = step_value(*v, file, where + ": a param group's step");
+    if (step && *step != s) fail("{}: the param groups disagree on the step ({} and {})", where, *step, s);
+    step = s;
+  }
+  return step;
+}
+
+}  // namespace
 
 std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   const std::string where = directory_ + "'s common state";
   if (!common_) fail("{} has no common state with the optimizer's step", directory_);
   // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer
   // level is Megatron's mixed-precision wrapper around torch's optimizer state dict).
-  const PickleValue* opt = &common_->at("optimizer", where);
-  if (!opt->find("state") && opt->find("optimizer")) opt = opt->find("optimizer");
-  const PickleValue* state = opt->find("state");
-  const PickleValue* found = state ? state->find("common_step") : nullptr;
-  if (!found) return std::nullopt;  // an optimizer that never stepped (e.g. a format conversion's)
-  const PickleValue& step = *found;
-  if (step.is(PickleKind::integer)) return step.integer;
-  const HostArray a = files_->common->tensor(step, "optimizer.state.common_step");
-  if (a.numel() != 1) fail("{}: optimizer.state.common_step is not a scalar", where);
-  switch (a.dtype) {
-    case DType::i64: return a.ptr<int64_t>()[0];
-    case DType::i32: return a.ptr<int32_t>()[0];
-    case DType::f32: return static_cast<int64_t>(a.ptr<float>()[0]);
-    case DType::f64: return static_cast<int64_t>(a.ptr<double>()[0]);
-    default: fail("{}: optimizer.state.common_step has dtype {}", where, dtype_name(a.dtype));
+  const PickleValue* opt = common_->find("optimizer");
+  if (opt && !opt->find("state") && !opt->find("param_groups") && opt->find("optimizer")) opt = opt->find("optimizer");
+  if (!distributed_optimizer_) {
+    if (!opt) fail("{} has no optimizer state", where);
+    const PickleValue* state = opt->find("state");
+    const PickleValue* found = state ? state->find("common_step") : nullptr;
+    if (!found) return std::nullopt;  // an optimizer that never stepped (e.g. a format conversion's)
+    return step_value(*found, *files_->common, where + ": optimizer.state.common_step");
   }
+  // Fully reshardable: the param groups are in the common state. Flat buckets: in a stored
+  // object per model-parallel rank.
+  if (opt)
+    if (std::optional<int64_t> step = param_groups_step(*opt, *files_->common, where)) return step;
+  if (!files_->optimizer_groups) return std::nullopt;
+  const Files::Item& item = *files_->optimizer_groups;
+  const TorchFile groups(item.file, item.offset, item.length);
+  const PickleValue* root = &groups.root();  // a one-element list, as DCP stores objects
+  if (root->is(PickleKind::list) && root->items.size() == 1) root = root->items[0].get();
+  return param_groups_step(*root, groups, groups.what());
 }
 
 std::vector<std::string> MegatronCheckpoint::parameter_names() const {
@@ -472,24 +591,42 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
     }
     return out;
   }
-  // torch_dist: assemble the region (one layer of a stacked tensor, or all of it) from its chunks.
-  HostArray out;
+  // torch_dist: one layer of a stacked tensor, or all of it.
   std::vector<int64_t> offsets(s.key_shape.size(), 0);
   std::vector<int64_t> region = s.key_shape;
   if (s.layer >= 0) {
     offsets[0] = s.layer;
     region[0] = 1;
   }
+  HostArray out = read_region(s, offsets, region, s.layer >= 0 ? fmt::format("'{}' (layer {})", s.key, s.layer)
+                                                                : "'" + s.key + "'");
+  if (s.layer >= 0) out.shape.erase(out.shape.begin());  // drop the layer dimension
+  return out;
+}
+
+HostArray MegatronCheckpoint::read_region(const Source& s, const std::vector<int64_t>& offsets,
+                                          const std::vector<int64_t>& region, const std::string& what) const {
+  // Assembled from the chunks that overlap it; a chunk whose extent .metadata lists is opened
+  // only when it does.
+  auto overlap = [&](const std::vector<int64_t>& at, const std::vector<int64_t>& size) {
+    int64_t n = 1;
+    for (size_t d = 0; d < region.size(); ++d)
+      n *= std::max<int64_t>(0, std::min(at[d] + size[d], offsets[d] + region[d]) - std::max(at[d], offsets[d]));
+    return n;
+  };
+  HostArray out;
   bool first = true;
   int64_t covered = 0;
   for (const Source::Chunk& c : s.chunks) {
     if (c.offsets.size() != s.key_shape.size())
       fail("{}: a chunk of '{}' has {} offsets for {} dimensions", directory_, s.key, c.offsets.size(), s.key_shape.size());
-    if (s.layer >= 0 && (c.offsets[0] > s.layer || (!c.sizes.empty() && c.offsets[0] + c.sizes[0] <= s.layer)))
-      continue;
+    if (!c.sizes.empty() && overlap(c.offsets, c.sizes) == 0) continue;
     const TorchFile chunk_file(c.file, c.offset, c.length);
     const std::vector<int64_t> chunk_shape = chunk_file.tensor_shape(chunk_file.root(), s.key);
-    if (s.layer >= 0 && c.offsets[0] + chunk_shape[0] <= s.layer) continue;
+    if (chunk_shape.size() != region.size())
+      fail("{}: a chunk of '{}' has {} dimensions, not {}", directory_, s.key, chunk_shape.size(), region.size());
+    const int64_t n = overlap(c.offsets, chunk_shape);
+    if (n == 0) continue;
     const HostArray chunk = chunk_file.tensor(chunk_file.root(), s.key);
     if (first) {
       out = HostArray::zeros(chunk.dtype, region);
@@ -497,17 +634,11 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
     } else if (chunk.dtype != out.dtype) {
       fail("{}: the chunks of '{}' have different dtypes", directory_, s.key);
     }
-    int64_t overlap = 1;
-    for (size_t d = 0; d < region.size(); ++d)
-      overlap *= std::max<int64_t>(0, std::min(c.offsets[d] + chunk.shape[d], offsets[d] + region[d]) -
-                                          std::max(c.offsets[d], offsets[d]));
-    covered += overlap;
+    covered += n;
     copy_overlap(chunk, c.offsets, out, offsets);
   }
-  if (first || covered != out.numel())
-    fail("{}: the stored chunks of '{}' cover {} of its {} elements{}", directory_, s.key, covered,
-         shape_numel(region), s.layer >= 0 ? fmt::format(" (layer {})", s.layer) : std::string());
-  if (s.layer >= 0) out.shape.erase(out.shape.begin());  // drop the layer dimension
+  if (first || covered != shape_numel(region))
+    fail("{}: the stored chunks of {} cover {} of the {} elements read", directory_, what, covered, shape_numel(region));
   return out;
 }
 

@@ -15,13 +15,21 @@
 //    stacked along a leading dimension ("decoder.layers.mlp.linear_fc1.weight" is [L, 2f, h]) and
 //    stored as chunks, which are assembled here. The args come from the common state (common.pt
 //    in older versions, a "common_state" item in newer ones).
-// Optimizer state is read where Megatron stores it under parameter names: torch_dist checkpoints
-// of the non-distributed optimizer ("optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>",
-// the Adam step as the common state's optimizer.state.common_step). The distributed optimizer's
-// default layout (flat per-bucket buffers) and the torch format's index-keyed state are not.
+// Optimizer state (torch_dist only; the torch format's index-keyed state is not read):
+//  * by parameter: the non-distributed optimizer ("optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.
+//    <param>", the step as the common state's optimizer.state.common_step) and the distributed
+//    optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable: the main weights as
+//    "param", the step in the param groups);
+//  * flat buckets: the distributed optimizer's default ("dp_reshardable") layout, one flat buffer
+//    per model-parallel rank, model chunk, bucket and state, holding each TP rank's parameter
+//    shards with padding. The checkpoint does not say which parameter lies where: the caller works
+//    that out from the model (checkpoint/megatron_flat_layout.h) and hands it over with
+//    set_flat_placement().
 #pragma once
 
+#include <compare>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,15 +62,37 @@ class MegatronCheckpoint {
   // The common (non-sharded) state: iteration, opt_param_scheduler, optimizer (param groups,
   // common_step), num_floating_point_operations_so_far; nullptr for the torch format.
   const PickleValue* common_state() const { return common_.get(); }
-  // How the optimizer state is stored: "by parameter" (readable), "none", or a description of a
-  // layout megatrain does not read.
+  // How the optimizer state is stored: "by parameter" or "flat buckets" (readable), "none", or a
+  // description of a layout megatrain does not read.
   const std::string& optimizer_layout() const { return optimizer_layout_; }
+  // Whether the distributed optimizer saved it (its "param" states are main weights even for a
+  // float32 model).
+  bool distributed_optimizer() const { return distributed_optimizer_; }
   // `state` ("exp_avg", "exp_avg_sq", "fp32_param") of a parameter, as parameter(); nullopt when
-  // the checkpoint has none for it (fp32_param of a float32 model).
+  // the checkpoint has none for it (fp32_param of the non-distributed optimizer's float32 model).
+  // Flat buckets: only for parameters given to set_flat_placement().
   std::optional<HostArray> optimizer_state(const std::string& state, const std::string& name) const;
-  // Adam's step count (the common state's optimizer.state.common_step); nullopt when the state
-  // has none (an optimizer that never stepped).
+  // Adam's step count (optimizer.state.common_step, or the param groups' "step" for the distributed
+  // optimizer); nullopt when the state has none (an optimizer that never stepped).
   std::optional<int64_t> optimizer_step() const;
+
+  // Flat buckets. A bucket: Megatron's dp_group_idx (the model-parallel rank tp + TP * pp),
+  // gbuf_idx (the model chunk) and bucket_idx.
+  struct FlatBucket {
+    int mp_rank = 0, gbuf = 0, bucket = 0;
+    auto operator<=>(const FlatBucket&) const = default;
+  };
+  // Every stored bucket with its size (the unpadded number of elements of each state).
+  std::map<FlatBucket, int64_t> flat_buckets() const;
+  // One TP rank's shard of a parameter in a bucket: `count` elements from `offset`.
+  struct FlatPiece {
+    FlatBucket bucket;
+    int64_t offset = 0, count = 0;
+  };
+  // Places a parameter: its shard on each TP rank, and how those shards make the global tensor
+  // (global flat index of element i of `pieces[t]` is global_index(t, i)).
+  void set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces, std::vector<int64_t> global_shape,
+                          std::function<int64_t(int, int64_t)> global_index);
 
   struct Source;  // where a parameter's pieces are (format-specific)
 
@@ -78,7 +108,15 @@ class MegatronCheckpoint {
   std::string optimizer_layout_ = "none";
   std::map<std::string, std::shared_ptr<const Source>> params_;
   std::map<std::string, std::shared_ptr<const Source>> optim_;  // "<state>/<name>"
+  bool distributed_optimizer_ = false;
+  std::map<std::pair<FlatBucket, std::string>, std::shared_ptr<const Source>> flat_;  // (bucket, state)
+  struct Placement;
+  std::map<std::string, std::shared_ptr<const Placement>> placements_;
+  HostArray read_flat(const FlatPiece& piece, const std::string& state) const;
   HostArray read(const Source& s, const std::string& name) const;
+  // The box [offsets, offsets + region) of a torch_dist tensor; `what` goes into error messages.
+  HostArray read_region(const Source& s, const std::vector<int64_t>& offsets, const std::vector<int64_t>& region,
+                        const std::string& what) const;
   struct Files;
   std::shared_ptr<Files> files_;
 };

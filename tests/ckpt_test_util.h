@@ -10,7 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace mt_test {
 
@@ -77,6 +81,18 @@ inline void write_text(const std::string& path, const std::string& text) {
 inline std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// (loss, gradient norm) of each Megatron-format iteration line of a training log.
+inline std::vector<std::pair<double, double>> losses_and_norms(const std::string& log) {
+  static const std::regex line(R"(iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+) \|.*?grad norm: ([0-9.]+))");
+  std::vector<std::pair<double, double>> out;
+  std::istringstream in(log);
+  std::string l;
+  std::smatch m;
+  while (std::getline(in, l))
+    if (std::regex_search(l, m, line)) out.emplace_back(std::stod(m[1]), std::stod(m[2]));
+  return out;
 }
 
 }  // namespace mt_test

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "python_oracle.h"
 
+using mt_test::losses_and_norms;
 using mt_test::read_bytes;
 using mt_test::run_command;
 using mt_test::TempDir;
@@ -65,17 +66,6 @@ std::string te_name(std::string n) {
     if (p != std::string::npos) n = n.substr(0, p) + to + n.substr(p + from.size());
   }
   return n;
-}
-
-std::vector<std::pair<double, double>> losses_and_norms(const std::string& log) {
-  static const std::regex line(R"(iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+) \|.*?grad norm: ([0-9.]+))");
-  std::vector<std::pair<double, double>> out;
-  std::istringstream in(log);
-  std::string l;
-  std::smatch m;
-  while (std::getline(in, l))
-    if (std::regex_search(l, m, line)) out.emplace_back(std::stod(m[1]), std::stod(m[2]));
-  return out;
 }
 
 }  // namespace

@@ -1,0 +1,231 @@
+#include "checkpoint/megatron_flat_layout.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "checkpoint/megatron_checkpoint.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/shape_text.h"
+#include "core/shard.h"
+#include "engine/model_dims.h"
+#include "engine/param_layout.h"
+#include "parallel/pipeline_layout.h"
+
+namespace mt {
+
+namespace {
+
+constexpr int64_t kMegatronParamAlignment = 64;  // pad_param_start: elements, not bytes
+
+// A layer's parameters in registration order (names after "decoder.layers.N.").
+const std::vector<std::string>& layer_order(bool te_spec) {
+  static const std::vector<std::string> local = {
+      "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",  // input_layernorm
+      "self_attention.linear_proj.weight",          "self_attention.linear_proj.bias",
+      "self_attention.linear_qkv.weight",           "self_attention.linear_qkv.bias",
+      "self_attention.q_layernorm.weight",          "self_attention.q_layernorm.bias",
+      "self_attention.k_layernorm.weight",          "self_attention.k_layernorm.bias",
+      "mlp.linear_fc1.layer_norm_weight",           "mlp.linear_fc1.layer_norm_bias",  // pre_mlp_layernorm
+      "mlp.linear_fc1.weight",                      "mlp.linear_fc1.bias",
+      "mlp.linear_fc2.weight",                      "mlp.linear_fc2.bias"};
+  static const std::vector<std::string> te = [] {
+    std::vector<std::string> o = local;  // the input norm moves into linear_qkv, after linear_proj
+    std::rotate(o.begin(), o.begin() + 2, o.begin() + 4);
+    return o;
+  }();
+  return te_spec ? te : local;
+}
+
+}  // namespace
+
+std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, const std::vector<int64_t>& bucket_sizes,
+                                          const std::string& what) {
+  std::vector<FlatSlot> slots(params.size());
+  size_t bucket = 0;
+  int64_t next = 0;  // where the next parameter may start, within the bucket
+  bool open = false;  // the bucket holds a parameter
+  auto close = [&](int64_t end, const std::string& after) {
+    if (bucket >= bucket_sizes.size())
+      fail("{}: the parameters need more than the {} stored buckets", what, bucket_sizes.size());
+    if (end != bucket_sizes[bucket])
+      fail("{}: bucket {} is stored with {} elements, but its parameters end at {} (after '{}')", what, bucket,
+           bucket_sizes[bucket], end, after);
+    ++bucket;
+    next = 0;
+    open = false;
+  };
+  std::string last = "(none)";
+  for (size_t k = params.size(); k-- > 0;) {  // reverse registration order
+    const FlatParam& p = params[k];
+    const std::string name = p.name.empty() ? "the tied output-layer copy" : p.name;
+    int64_t start = (next + kMegatronParamAlignment - 1) / kMegatronParamAlignment * kMegatronParamAlignment;
+    if (p.shared_embedding && open) {  // its own bucket: close the current one where it would start
+      close(start, last);
+      start = 0;
+    }
+    if (bucket >= bucket_sizes.size())
+      fail("{}: the parameters need more than the {} stored buckets", what, bucket_sizes.size());
+    slots[k] = {static_cast<int>(bucket), start};
+    const int64_t end = start + p.numel;
+    open = true;
+    last = name;
+    if (p.shared_embedding || end >= bucket_sizes[bucket]) {
+      close(end, name);
+    } else {
+      next = end;
+    }
+  }
+  if (open) close(next, last);
+  if (bucket != bucket_sizes.size())
+    fail("{}: the parameters fill {} of the {} stored buckets", what, bucket, bucket_sizes.size());
+  return slots;
+}
+
+std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_rank, int first_layer, int num_layers,
+                                             bool has_embedding, bool has_output, bool pipelined, bool te_spec) {
+  const ModelDims dims = ModelDims::from_config(cfg, tp, tp_rank, 1, 0);
+  int64_t total = 0;
+  const std::vector<ParamDesc> descs = build_param_descs(dims, &total);
+  std::map<std::string, const ParamDesc*> by_name;
+  for (const ParamDesc& d : descs)
+    if (!d.shared_copy) by_name[d.name] = &d;
+  std::vector<FlatParam> out;
+  auto add = [&](const std::string& name, bool required) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      if (required) fail("the model has no '{}'", name);
+      return;
+    }
+    out.push_back({name, it->second->numel(), false});
+  };
+  const bool tied = dims.tied_embeddings;
+  if (has_embedding) {
+    add("embedding.word_embeddings.weight", true);
+    out.back().shared_embedding = tied && pipelined;
+    add("embedding.position_embeddings.weight", false);
+  }
+  const std::vector<std::string>& order = layer_order(te_spec);
+  for (int l = first_layer; l < first_layer + num_layers; ++l) {
+    const std::string prefix = fmt::format("decoder.layers.{}.", l);
+    size_t found = 0;
+    for (const std::string& suffix : order)
+      if (by_name.count(prefix + suffix)) {
+        add(prefix + suffix, true);
+        ++found;
+      }
+    size_t held = 0;
+    for (const ParamDesc& d : descs)
+      if (d.layer == l) ++held;
+    if (found != held) {
+      for (const ParamDesc& d : descs)
+        if (d.layer == l && std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end())
+          fail("'{}' has no known place in Megatron's registration order", d.name);
+    }
+  }
+  if (has_output) {
+    add("decoder.final_layernorm.weight", false);
+    add("decoder.final_layernorm.bias", false);
+    if (!tied) {
+      add("output_layer.weight", true);
+    } else if (pipelined) {  // the last stage's copy of the word embeddings, in a bucket of its own
+      out.push_back({"", by_name.at("embedding.word_embeddings.weight")->numel(), true});
+    }
+  }
+  return out;
+}
+
+std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
+                                       bool te_spec) {
+  // The stored buckets: sizes by (model-parallel rank, chunk), in bucket order.
+  std::map<std::pair<int, int>, std::vector<int64_t>> stored;
+  for (const auto& [b, size] : ck.flat_buckets()) {
+    std::vector<int64_t>& sizes = stored[{b.mp_rank, b.gbuf}];
+    if (b.bucket != static_cast<int>(sizes.size()))
+      return fmt::format("its flat optimizer buffers of dp_group_idx_{} gbuf_idx_{} skip bucket {}", b.mp_rank, b.gbuf,
+                         sizes.size());
+    sizes.push_back(size);
+  }
+  struct Found {
+    std::vector<MegatronCheckpoint::FlatPiece> pieces;  // by TP rank
+  };
+  std::map<std::string, Found> found;
+  try {
+    size_t used = 0;
+    for (int p = 0; p < split.pp; ++p) {
+      const std::vector<ModelChunk> chunks = stage_chunks(split, p);
+      for (int t = 0; t < tp; ++t) {
+        const int mp = t + tp * p;
+        for (size_t v = 0; v < chunks.size(); ++v) {
+          const ModelChunk& c = chunks[v];
+          const std::string what = fmt::format("dp_group_idx_{}.gbuf_idx_{} (tensor rank {}, pipeline rank {}, chunk {})",
+                                               mp, v, t, p, v);
+          auto s = stored.find({mp, static_cast<int>(v)});
+          if (s == stored.end()) fail("{} is not stored", what);
+          ++used;
+          const std::vector<FlatParam> params = megatron_chunk_params(
+              cfg, tp, t, c.first_layer, c.num_layers, c.has_embedding, c.has_output, split.pp > 1, te_spec);
+          const std::vector<FlatSlot> slots = megatron_flat_slots(params, s->second, what);
+          for (size_t k = 0; k < params.size(); ++k) {
+            if (params[k].name.empty()) continue;
+            std::vector<MegatronCheckpoint::FlatPiece>& pieces = found[params[k].name].pieces;
+            pieces.resize(static_cast<size_t>(tp));
+            pieces[static_cast<size_t>(t)] = {{mp, static_cast<int>(v), slots[k].bucket}, slots[k].offset, params[k].numel};
+          }
+        }
+      }
+    }
+    if (used != stored.size())
+      fail("it stores flat buffers for {} model chunks, but its tensor x pipeline layout has {}", stored.size(), used);
+  } catch (const Error& e) {
+    return std::string("its distributed optimizer's flat buffers do not fit the model megatrain derives from its "
+                       "args: ") + e.what();
+  }
+  // Each TP rank's shard layout, for the joins.
+  std::vector<std::map<std::string, ShardIndex>> shard_of(static_cast<size_t>(tp));
+  std::map<std::string, std::vector<int64_t>> global_shape;
+  for (int t = 0; t < tp; ++t) {
+    int64_t total = 0;
+    for (const ParamDesc& d : build_param_descs(ModelDims::from_config(cfg, tp, t, 1, 0), &total)) {
+      shard_of[static_cast<size_t>(t)][d.name] = d.shard;
+      global_shape[d.name] = d.global_shape;
+    }
+  }
+  for (auto& [name, f] : found) {
+    std::vector<ShardIndex> idx;
+    for (int t = 0; t < tp; ++t) idx.push_back(shard_of[static_cast<size_t>(t)].at(name));
+    ck.set_flat_placement(name, std::move(f.pieces), global_shape.at(name),
+                          [idx](int t, int64_t i) { return shard_global_index(idx[static_cast<size_t>(t)], i); });
+  }
+  return "";
+}
+
+// The distributed optimizer's float32 main weights of `name` against its model weights (the same
+// values, or them rounded to bf16/fp16).
+void check_main_weights(const HostArray& main, const HostArray& model, const std::string& name, const std::string& where) {
+  if (main.dtype != DType::f32 || main.shape != model.shape)
+    fail("{}: the main weights of '{}' are {} {}, the model weights {}", where, name, dtype_name(main.dtype),
+         shape_text(main.shape), shape_text(model.shape));
+  const float* m = main.ptr<float>();
+  int64_t differ = 0, first = -1;
+  for (int64_t i = 0; i < main.numel(); ++i) {
+    bool same = false;
+    switch (model.dtype) {
+      case DType::f32: same = std::memcmp(&m[i], model.ptr<float>() + i, 4) == 0; break;
+      case DType::bf16: same = float_to_bf16_bits(m[i]) == model.ptr<uint16_t>()[i]; break;
+      default: same = true;  // fp16 runs are refused before this
+    }
+    if (!same && differ++ == 0) first = i;
+  }
+  if (differ)
+    fail("{}: the distributed optimizer's main weights of '{}' do not match its model weights ({} of {} elements "
+         "differ, the first at {}): megatrain placed the optimizer state wrongly for this checkpoint's layout. "
+         "--weights-only imports the weights alone",
+         where, name, differ, main.numel(), first);
+}
+
+
+}  // namespace mt
