@@ -3,8 +3,9 @@
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
 // same Megatron flags a launch script gives, and megatrain's own command-line parser validates them
-// (so a model megatrain cannot build is refused naming the flag). With the optimizer state stored
-// by parameter, everything a resume needs is carried over (app/import_megatron.h); otherwise the
+// (so a model megatrain cannot build is refused naming the flag). With the optimizer state of a
+// torch_dist checkpoint (non-distributed, or the distributed optimizer's flat buckets placed by
+// checkpoint/megatron_flat_layout.h), everything a resume needs is carried over; otherwise the
 // weights only, as a release checkpoint: iteration 0 with fresh optimizer state, which is what
 // Megatron does when it loads a checkpoint with --finetune or a converted release checkpoint.
 #include "app/import_megatron.h"

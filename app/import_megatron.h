@@ -1,8 +1,9 @@
 // megatrain import-megatron --load MEGATRON_DIR --save CKPT [--ckpt-step N]
 //   A Megatron-LM checkpoint (torch or torch_dist format, any TP/PP layout; checkpoint/
 //   megatron_checkpoint.h reads it) as a megatrain release checkpoint of the same weights, and the
-//   Megatron flags of its model (from the checkpoint's saved args). Where the checkpoint holds its
-//   optimizer state by parameter (torch_dist, non-distributed optimizer, bf16 or float32), the
+//   Megatron flags of its model (from the checkpoint's saved args). Where the checkpoint holds
+//   Adam's state in a layout megatrain reads (torch_dist, bf16 or float32: the non-distributed
+//   optimizer's, or the distributed optimizer's flat buckets or fully reshardable tensors), the
 //   result is a full checkpoint at the same iteration that training resumes from as Megatron's
 //   --load would (Adam moments and step, float32 main weights, LR scheduler, consumed samples);
 //   otherwise, or with --weights-only, a release checkpoint of the weights (iteration 0, fresh

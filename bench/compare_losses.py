@@ -6,6 +6,10 @@
 Prints one row per iteration (those after N only with --after N: a resumed run's) and, for each
 other log, the largest relative difference of the loss and of the gradient norm from the
 reference's. Exits 1 when a log lacks an iteration the reference has. (Standard library only.)
+
+With --after N the reference is a straight run and the others resumed at N: a resumed run
+(Megatron-LM's, and megatrain's as it follows it) prints at iteration N + 2 the mean of iterations
+N + 1 and N + 2, so that iteration's loss is compared with the reference's mean of the two.
 """
 import re
 import sys
@@ -41,9 +45,13 @@ def main():
     worst = [[0.0, 0.0] for _ in others]
     for it in sorted(ref):
         cells = [f"{ref[it][0]:.6f} / {ref[it][1]:.4f}"]
+        want = ref[it][0]
+        if after and it == after + 2 and after + 1 in ref:
+            want = (ref[after + 1][0] + ref[it][0]) / 2
+            cells[0] += f" (mean {want:.7f})"
         for i, o in enumerate(others):
             loss, norm = o[it]
-            worst[i][0] = max(worst[i][0], abs(loss - ref[it][0]) / abs(ref[it][0]))
+            worst[i][0] = max(worst[i][0], abs(loss - want) / abs(want))
             worst[i][1] = max(worst[i][1], abs(norm - ref[it][1]) / max(abs(ref[it][1]), 1e-12))
             cells.append(f"{loss:.6f} / {norm:.4f}")
         print(f"{it:9d}  " + "  ".join(cells))
