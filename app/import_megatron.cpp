@@ -69,14 +69,16 @@ std::string why_not_resumable(MegatronCheckpoint& ck, const Config& cfg) {
   const PickleValue& args = ck.args();
   if (ck.release()) return "it is a release checkpoint";
   if (ck.optimizer_layout() == "none") return "it holds no optimizer state: saved with --no-save-optim?";
-  if (ck.optimizer_layout() == "flat buckets") {
+  if (ck.optimizer_layout() == "flat buckets" || ck.optimizer_layout() == "by index") {
+    // Where each parameter's state is follows from the model and its parallel layout.
     std::string why;
     const std::optional<PipelineSplit> split = saved_pipeline_split(args, cfg.model.num_layers, &why);
     if (!split) return why;
     const PickleValue* impl = megatron_arg(args, "transformer_impl");
     const bool te_spec = !impl || !impl->is(PickleKind::string) || impl->text != "local";
-    why = place_flat_optimizer_state(ck, cfg, static_cast<int>(megatron_int_arg(args, "tensor_model_parallel_size", 1)),
-                                     *split, te_spec);
+    const int tp = static_cast<int>(megatron_int_arg(args, "tensor_model_parallel_size", 1));
+    why = ck.optimizer_layout() == "flat buckets" ? place_flat_optimizer_state(ck, cfg, tp, *split, te_spec)
+                                                   : place_indexed_optimizer_state(ck, cfg, tp, *split, te_spec);
     if (!why.empty()) return why;
   } else if (ck.optimizer_layout() != "by parameter") {
     return "its optimizer state is stored as " + ck.optimizer_layout() + ", which megatrain does not read yet";
@@ -263,12 +265,13 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
                dtype_name(a.dtype));
         const DType model_dtype = a.dtype;
         std::optional<HostArray> main;
-        if (r.resumable && ck.distributed_optimizer()) {
-          // The distributed optimizer keeps main weights for every parameter: the model weights
-          // are them, rounded. A parameter whose state came from the wrong place fails here.
+        if (r.resumable) {
+          // The model weights are the optimizer's main weights, rounded (the distributed
+          // optimizer keeps them for every parameter, the others for bf16 models): a parameter
+          // whose state came from the wrong place fails here.
           main = ck.optimizer_state("fp32_param", p->name);
-          if (!main) fail("{} has no main weights ('param' state) for '{}'", where, p->name);
-          check_main_weights(*main, a, p->name, where);
+          if (!main && ck.distributed_optimizer()) fail("{} has no main weights ('param' state) for '{}'", where, p->name);
+          if (main) check_main_weights(*main, a, p->name, where);
         }
         add(*p, CheckpointKind::model, p->name, std::move(a));
         ++r.tensors;
@@ -280,7 +283,6 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
           if (!m) fail("{} has no optimizer state '{}' for '{}'", where, state, p->name);
           add(*p, CheckpointKind::optimizer, p->name + "." + state, std::move(*m));
         }
-        if (!main) main = ck.optimizer_state("fp32_param", p->name);
         if (main && model_dtype != DType::f32) add(*p, CheckpointKind::main_params, p->name, std::move(*main));
       }
       writer.write_local();  // throws on failure (this process writes every part itself)

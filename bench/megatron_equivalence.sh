@@ -6,7 +6,8 @@
 # default 1; TP*PP*DP GPUs), MODE (finetune or resume, default finetune), MEGATRON_EXTRA (more
 # Megatron-LM flags, e.g. --use-distributed-optimizer), MEGATRAIN_LAYOUT (one: megatrain trains on
 # one GPU, the default; same: with Megatron's TP, PP, DP and MEGATRON_EXTRA), FORMATS (finetune mode:
-# the checkpoint formats Megatron saves, default "torch_dist torch"), PYTHON (default python3).
+# the checkpoint formats Megatron saves, default "torch_dist torch"; resume mode: CKPT_FORMAT, default
+# torch_dist), PYTHON (default python3).
 #
 # MODE=finetune: for each case Megatron-LM (pretrain_gpt.py, local transformer implementation: no
 # Transformer Engine or Apex needed) trains 10 iterations on --mock-data and saves, once in
@@ -69,7 +70,7 @@ for c in "${CASES[@]}"; do
     total=$((10 + ITERS))
     echo "== $c: Megatron-LM trains $total iterations (TP $TP, PP $PP, DP $DP, $PREC), saving after 10"
     megatron "$d/megatron_straight.log" $NPROC "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$total" \
-      --save "$d/megatron_at10" --save-interval 10 --ckpt-format torch_dist
+      --save "$d/megatron_at10" --save-interval 10 --ckpt-format "${CKPT_FORMAT:-torch_dist}"
     echo "== $c: megatrain imports iteration 10 with its optimizer state and resumes to $total"
     "$BIN" import-megatron --load "$d/megatron_at10" --ckpt-step 10 --save "$d/imported" > "$d/import.log" 2>&1 \
       || { cat "$d/import.log"; exit 1; }

@@ -101,10 +101,35 @@ void copy_overlap(const HostArray& chunk, const std::vector<int64_t>& chunk_offs
   }
 }
 
+
+// A torch-format rank file's optimizer: Megatron's wrapper (with fp32_from_fp16_params for bf16 and
+// fp16 models) around torch's state dict {state, param_groups}; its FP32Optimizer saves torch's
+// directly. inner is nullptr when neither is there.
+struct TorchOptimizer {
+  const PickleValue* wrapper = nullptr;
+  const PickleValue* inner = nullptr;
+};
+TorchOptimizer torch_optimizer(const PickleValue& root) {
+  const PickleValue* o = root.find("optimizer");
+  if (!o || !o->is(PickleKind::dict)) return {};
+  if (o->find("param_groups")) return {o, o};
+  const PickleValue* in = o->find("optimizer");
+  if (in && in->is(PickleKind::dict) && in->find("param_groups")) return {o, in};
+  return {o, nullptr};
+}
+
+// The entry of a dict keyed by integers.
+const PickleValue* int_key(const PickleValue& dict, int64_t key) {
+  for (const auto& [k, v] : dict.entries)
+    if (k->is(PickleKind::integer) && k->integer == key) return v.get();
+  return nullptr;
+}
+
 }  // namespace
 
 struct MegatronCheckpoint::Files {
   std::vector<std::unique_ptr<TorchFile>> torch_files;                   // torch: one per rank file
+  std::vector<std::vector<const TorchFile*>> rank_files;                 // torch: [pp][tp]
   std::unique_ptr<TorchFile> common;                                     // torch_dist: the common state
   std::map<std::string, std::shared_ptr<const MappedFile>> distcp_files;  // torch_dist: by relative path
   // torch_dist with the distributed optimizer in its flat layout: the stored object holding its
@@ -218,8 +243,6 @@ void MegatronCheckpoint::open_torch() {
   if (!args || !args->is(PickleKind::object))
     fail("{} holds no saved args: megatrain needs them to rebuild the model", first.what());
   args_ = std::make_shared<PickleValue>(*args);
-  if (first.root().find("optimizer"))
-    optimizer_layout_ = "the torch format's per-rank state keyed by parameter index";
   const int tp = static_cast<int>(megatron_int_arg(*args, "tensor_model_parallel_size", 1));
   const int pp = static_cast<int>(megatron_int_arg(*args, "pipeline_model_parallel_size", 1));
   if (static_cast<int>(rank_dirs.size()) != tp * pp)
@@ -231,6 +254,10 @@ void MegatronCheckpoint::open_torch() {
   std::vector<std::vector<const TorchFile*>> files(static_cast<size_t>(pp));  // [pp][tp]
   for (int p = 0; p < pp; ++p)
     for (int t = 0; t < tp; ++t) files[static_cast<size_t>(p)].push_back(t == 0 && p == 0 ? &first : &open_rank(t, p));
+  files_->rank_files = files;
+  common_ = std::make_shared<PickleValue>(first.root());
+  open_torch_optimizer(rank_dirs, tp, pp);
+
   // Virtual pipeline chunks are "model0", "model1", ...; without them "model".
   const bool chunked = first.root().find("model") == nullptr;
   int chunks = 1;
@@ -276,6 +303,96 @@ void MegatronCheckpoint::open_torch() {
         fail("{}: tensor rank {} has no '{}' although tensor rank 0 has", directory_, t, name);
     params_[name] = src;
   }
+}
+
+void MegatronCheckpoint::open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp,
+                                              int pp) {
+  const TorchFile& first = *files_->rank_files[0][0];
+  // The distributed optimizer: the rank file keeps its param groups, distrib_optim.pt (written by
+  // data-parallel rank 0 of each model-parallel rank) the parameter state as flat buffers.
+  if (path_exists(join_path(rank_dirs.at({0, 0}), "distrib_optim.pt"))) {
+    distributed_optimizer_ = true;
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t) {
+        const std::string path = join_path(rank_dirs.at({t, p}), "distrib_optim.pt");
+        if (!path_exists(path)) fail("{} does not exist, but tensor rank 0 pipeline rank 0 has one", path);
+        files_->torch_files.push_back(std::make_unique<TorchFile>(path));
+        const TorchFile& f = *files_->torch_files.back();
+        const PickleValue* coalesced = f.root().find("buckets_coalesced");
+        if (!coalesced || !coalesced->is(PickleKind::boolean) || !coalesced->boolean) {
+          optimizer_layout_ = "the torch format's distributed optimizer state in its older per-bucket layout";
+          flat_.clear();
+          return;
+        }
+        for (const auto& [g, by_dtype] : f.root().entries) {
+          if (!g->is(PickleKind::integer)) continue;
+          if (!by_dtype->is(PickleKind::dict) || by_dtype->entries.size() != 1)
+            fail("{}: buffer {} holds {} dtypes; megatrain reads one", f.what(), g->integer, by_dtype->entries.size());
+          const PickleValue& states = *by_dtype->entries[0].second;
+          for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
+            const PickleValue* v = states.find(state);
+            if (!v || !TorchFile::is_tensor(*v)) fail("{}: buffer {} has no '{}' tensor", f.what(), g->integer, state);
+            auto src = std::make_shared<Source>();
+            src->key = fmt::format("{} (buffer {})", state, g->integer);
+            src->key_shape = {shape_numel(f.tensor_shape(*v, src->key))};
+            src->shards = {{&f, v}};
+            flat_[{{t + tp * p, static_cast<int>(g->integer), 0}, state}] = src;
+          }
+        }
+      }
+    optimizer_layout_ = "flat buckets";
+    flat_coalesced_ = true;
+    return;
+  }
+  const TorchOptimizer o = torch_optimizer(first.root());
+  if (o.inner) optimizer_layout_ = "by index";
+}
+
+std::vector<MegatronCheckpoint::IndexedGroup> MegatronCheckpoint::indexed_groups(int tp, int pp) const {
+  const TorchFile& f = *files_->rank_files.at(static_cast<size_t>(pp)).at(static_cast<size_t>(tp));
+  const TorchOptimizer o = torch_optimizer(f.root());
+  if (!o.inner) fail("{} holds no optimizer state", f.what());
+  std::vector<IndexedGroup> out;
+  for (const auto& g : o.inner->at("param_groups", f.what()).items) {
+    IndexedGroup ig;
+    if (const PickleValue* w = g->find("wd_mult"))
+      ig.wd_mult = w->is(PickleKind::floating) ? w->floating : static_cast<double>(w->integer);
+    if (const PickleValue* d = g->find("is_decoupled_lr")) ig.decoupled_lr = d->is(PickleKind::boolean) && d->boolean;
+    const PickleValue* params = g->find("params");
+    ig.size = params ? static_cast<int64_t>(params->items.size()) : 0;
+    out.push_back(ig);
+  }
+  return out;
+}
+
+std::optional<HostArray> MegatronCheckpoint::read_indexed(int tp, const IndexedPiece& piece, const std::string& state) const {
+  const TorchFile& f = *files_->rank_files.at(static_cast<size_t>(piece.pp)).at(static_cast<size_t>(tp));
+  const TorchOptimizer o = torch_optimizer(f.root());
+  if (!o.inner) fail("{} holds no optimizer state", f.what());
+  const std::string what = fmt::format("{}: param group {} position {} ({})", f.what(), piece.group, piece.position, state);
+  HostArray a;
+  if (state == "fp32_param") {  // bf16 / fp16 models only
+    const PickleValue* groups = o.wrapper->find("fp32_from_fp16_params");
+    if (!groups || o.wrapper == o.inner) return std::nullopt;
+    const PickleValue* g = groups->is(PickleKind::list) && piece.group < static_cast<int>(groups->items.size())
+                               ? groups->items[static_cast<size_t>(piece.group)].get()
+                               : nullptr;
+    if (!g || piece.position >= static_cast<int64_t>(g->items.size())) fail("{}: no such main weights", what);
+    a = f.tensor(*g->items[static_cast<size_t>(piece.position)], what);
+  } else {
+    int64_t index = piece.position;
+    const std::vector<IndexedGroup> groups = indexed_groups(tp, piece.pp);
+    for (int g = 0; g < piece.group; ++g) index += groups.at(static_cast<size_t>(g)).size;
+    const PickleValue* entry = int_key(o.inner->at("state", f.what()), index);
+    const PickleValue* v = entry ? entry->find(state) : nullptr;
+    if (!v) fail("{}: the optimizer state has no '{}' for parameter index {}", what, state, index);
+    a = f.tensor(*v, what);
+  }
+  if (a.shape != piece.local_shape)
+    fail("{} is {}, but the parameter megatrain places there is {}: the checkpoint's parameter order is not the one "
+         "megatrain derives",
+         what, shape_text(a.shape), shape_text(piece.local_shape));
+  return a;
 }
 
 void MegatronCheckpoint::open_torch_dist() {
@@ -425,19 +542,39 @@ std::map<MegatronCheckpoint::FlatBucket, int64_t> MegatronCheckpoint::flat_bucke
 }
 
 struct MegatronCheckpoint::Placement {
-  std::vector<FlatPiece> pieces;  // by TP rank
+  // Each TP rank's shard of a state ("exp_avg", "exp_avg_sq", "fp32_param"); nullopt when the
+  // checkpoint keeps none of that state.
+  std::vector<std::function<std::optional<HostArray>(const std::string&)>> readers;
   std::vector<int64_t> global_shape;
   std::function<int64_t(int, int64_t)> global_index;
 };
+
+void MegatronCheckpoint::place(const std::string& name, std::shared_ptr<Placement> p) { placements_[name] = std::move(p); }
 
 void MegatronCheckpoint::set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces,
                                             std::vector<int64_t> global_shape,
                                             std::function<int64_t(int, int64_t)> global_index) {
   auto p = std::make_shared<Placement>();
-  p->pieces = std::move(pieces);
+  for (const FlatPiece& piece : pieces)
+    p->readers.push_back([this, piece](const std::string& state) -> std::optional<HostArray> {
+      return read_flat(piece, state == "fp32_param" ? "param" : state);
+    });
   p->global_shape = std::move(global_shape);
   p->global_index = std::move(global_index);
-  placements_[name] = std::move(p);
+  place(name, std::move(p));
+}
+
+void MegatronCheckpoint::set_indexed_placement(const std::string& name, std::vector<IndexedPiece> pieces,
+                                               std::vector<int64_t> global_shape,
+                                               std::function<int64_t(int, int64_t)> global_index) {
+  auto p = std::make_shared<Placement>();
+  for (size_t t = 0; t < pieces.size(); ++t)
+    p->readers.push_back([this, t, piece = pieces[t]](const std::string& state) {
+      return read_indexed(static_cast<int>(t), piece, state);
+    });
+  p->global_shape = std::move(global_shape);
+  p->global_index = std::move(global_index);
+  place(name, std::move(p));
 }
 
 HostArray MegatronCheckpoint::read_flat(const FlatPiece& piece, const std::string& state) const {
@@ -450,18 +587,20 @@ HostArray MegatronCheckpoint::read_flat(const FlatPiece& piece, const std::strin
   if (piece.offset < 0 || piece.count < 0 || piece.offset + piece.count > s.key_shape[0])
     fail("{}: elements [{}, {}) lie outside {} ({} elements)", directory_, piece.offset, piece.offset + piece.count, what,
          s.key_shape[0]);
+  if (!s.shards.empty()) return s.shards[0].first->tensor_range(*s.shards[0].second, what, piece.offset, piece.count);
   return read_region(s, {piece.offset}, {piece.count}, what);
 }
 
 std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& state, const std::string& name) const {
   if (auto pl = placements_.find(name); pl != placements_.end()) {
     const Placement& p = *pl->second;
-    const std::string stored = state == "fp32_param" ? "param" : state;
     HostArray out;
-    for (size_t t = 0; t < p.pieces.size(); ++t) {
-      const HostArray piece = read_flat(p.pieces[t], stored);
+    for (size_t t = 0; t < p.readers.size(); ++t) {
+      std::optional<HostArray> read = p.readers[t](state);
+      if (!read) return std::nullopt;
+      const HostArray& piece = *read;
       if (t == 0) out = HostArray::zeros(piece.dtype, p.global_shape);
-      if (piece.dtype != out.dtype) fail("{}: the {} shards of '{}' differ in dtype", directory_, stored, name);
+      if (piece.dtype != out.dtype) fail("{}: the {} shards of '{}' differ in dtype", directory_, state, name);
       const size_t elem = dtype_size(out.dtype);
       for (int64_t i = 0; i < piece.numel(); ++i)
         std::memcpy(out.bytes.data() + static_cast<size_t>(p.global_index(static_cast<int>(t), i)) * elem,
@@ -511,6 +650,23 @@ std::optional<int64_t> param_groups_step(const PickleValue& optimizer, const Tor
 }  // namespace
 
 std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
+  if (format_ == "torch") {
+    const TorchFile& f = *files_->rank_files[0][0];
+    const TorchOptimizer o = torch_optimizer(f.root());
+    if (!o.inner) return std::nullopt;
+    if (distributed_optimizer_) return param_groups_step(*o.inner, f, f.what());
+    // torch's Adam keeps the step with each parameter's state: all the same.
+    const PickleValue* state = o.inner->find("state");
+    std::optional<int64_t> step;
+    if (state)
+      for (const auto& [k, entry] : state->entries)
+        if (const PickleValue* v = entry->find("step")) {
+          const int64_t s = step_value(*v, f, f.what() + ": a parameter's step");
+          if (step && *step != s) fail("{}: the parameters' steps differ ({} and {})", f.what(), *step, s);
+          step = s;
+        }
+    return step;
+  }
   const std::string where = directory_ + "'s common state";
   if (!common_) fail("{} has no common state with the optimizer's step", directory_);
   // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer

@@ -60,17 +60,18 @@ class MegatronCheckpoint {
   HostArray parameter(const std::string& name) const;
 
   // The common (non-sharded) state: iteration, opt_param_scheduler, optimizer (param groups,
-  // common_step), num_floating_point_operations_so_far; nullptr for the torch format.
+  // common_step), num_floating_point_operations_so_far (the torch format: the first rank file's).
   const PickleValue* common_state() const { return common_.get(); }
-  // How the optimizer state is stored: "by parameter" or "flat buckets" (readable), "none", or a
-  // description of a layout megatrain does not read.
+  // How the optimizer state is stored: "by parameter", "flat buckets" or "by index" (readable),
+  // "none", or a description of a layout megatrain does not read.
   const std::string& optimizer_layout() const { return optimizer_layout_; }
   // Whether the distributed optimizer saved it (its "param" states are main weights even for a
   // float32 model).
   bool distributed_optimizer() const { return distributed_optimizer_; }
   // `state` ("exp_avg", "exp_avg_sq", "fp32_param") of a parameter, as parameter(); nullopt when
   // the checkpoint has none for it (fp32_param of the non-distributed optimizer's float32 model).
-  // Flat buckets: only for parameters given to set_flat_placement().
+  // Flat buckets and by index: only for parameters given to set_flat_placement() or
+  // set_indexed_placement().
   std::optional<HostArray> optimizer_state(const std::string& state, const std::string& name) const;
   // Adam's step count (optimizer.state.common_step, or the param groups' "step" for the distributed
   // optimizer); nullopt when the state has none (an optimizer that never stepped).
@@ -84,6 +85,9 @@ class MegatronCheckpoint {
   };
   // Every stored bucket with its size (the unpadded number of elements of each state).
   std::map<FlatBucket, int64_t> flat_buckets() const;
+  // The torch format's distrib_optim.pt stores each chunk's buckets end to end (bucket-end padding
+  // stripped) as one "bucket" 0, without their sizes.
+  bool flat_coalesced() const { return flat_coalesced_; }
   // One TP rank's shard of a parameter in a bucket: `count` elements from `offset`.
   struct FlatPiece {
     FlatBucket bucket;
@@ -94,10 +98,29 @@ class MegatronCheckpoint {
   void set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces, std::vector<int64_t> global_shape,
                           std::function<int64_t(int, int64_t)> global_index);
 
+  // By index: the torch format's non-distributed optimizer, torch's optimizer state in each rank
+  // file keyed by a parameter's index in the concatenated param groups; bf16 models' main weights
+  // in fp32_from_fp16_params[group][position].
+  struct IndexedGroup {
+    double wd_mult = 1;
+    bool decoupled_lr = false;
+    int64_t size = 0;
+  };
+  // The param groups saved in the rank file of tensor rank `tp`, pipeline rank `pp`.
+  std::vector<IndexedGroup> indexed_groups(int tp, int pp) const;
+  struct IndexedPiece {
+    int pp = 0, group = 0;
+    int64_t position = 0;               // within the group
+    std::vector<int64_t> local_shape;   // the TP shard's shape, checked against the stored state
+  };
+  void set_indexed_placement(const std::string& name, std::vector<IndexedPiece> pieces,
+                             std::vector<int64_t> global_shape, std::function<int64_t(int, int64_t)> global_index);
+
   struct Source;  // where a parameter's pieces are (format-specific)
 
  private:
   void open_torch();
+  void open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp, int pp);
   void open_torch_dist();
 
   std::string format_, directory_;
@@ -109,10 +132,13 @@ class MegatronCheckpoint {
   std::map<std::string, std::shared_ptr<const Source>> params_;
   std::map<std::string, std::shared_ptr<const Source>> optim_;  // "<state>/<name>"
   bool distributed_optimizer_ = false;
+  bool flat_coalesced_ = false;
   std::map<std::pair<FlatBucket, std::string>, std::shared_ptr<const Source>> flat_;  // (bucket, state)
   struct Placement;
   std::map<std::string, std::shared_ptr<const Placement>> placements_;
+  void place(const std::string& name, std::shared_ptr<Placement> p);
   HostArray read_flat(const FlatPiece& piece, const std::string& state) const;
+  std::optional<HostArray> read_indexed(int tp, const IndexedPiece& piece, const std::string& state) const;
   HostArray read(const Source& s, const std::string& name) const;
   // The box [offsets, offsets + region) of a torch_dist tensor; `what` goes into error messages.
   HostArray read_region(const Source& s, const std::vector<int64_t>& offsets, const std::vector<int64_t>& region,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 
 #include "checkpoint/megatron_checkpoint.h"
@@ -85,6 +86,31 @@ std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, 
   return slots;
 }
 
+std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& params, std::optional<int64_t> bucket_size) {
+  std::vector<int64_t> sizes;
+  int64_t next = 0;
+  bool open = false;
+  for (size_t k = params.size(); k-- > 0;) {
+    const FlatParam& p = params[k];
+    int64_t start = (next + kMegatronParamAlignment - 1) / kMegatronParamAlignment * kMegatronParamAlignment;
+    if (p.shared_embedding && open) {
+      sizes.push_back(start);
+      start = 0;
+    }
+    const int64_t end = start + p.numel;
+    open = true;
+    if ((bucket_size && end >= *bucket_size) || p.shared_embedding) {
+      sizes.push_back(end);
+      next = 0;
+      open = false;
+    } else {
+      next = end;
+    }
+  }
+  if (open) sizes.push_back(next);
+  return sizes;
+}
+
 std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_rank, int first_layer, int num_layers,
                                              bool has_embedding, bool has_output, bool pipelined, bool te_spec) {
   const ModelDims dims = ModelDims::from_config(cfg, tp, tp_rank, 1, 0);
@@ -100,7 +126,10 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
       if (required) fail("the model has no '{}'", name);
       return;
     }
-    out.push_back({name, it->second->numel(), false});
+    const ParamDesc& d = *it->second;
+    std::vector<int64_t> local = {d.local_rows()};
+    if (!d.is_1d()) local.push_back(d.local_cols());
+    out.push_back({name, d.numel(), false, d.weight_decay, local});
   };
   const bool tied = dims.tied_embeddings;
   if (has_embedding) {
@@ -132,11 +161,72 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
     if (!tied) {
       add("output_layer.weight", true);
     } else if (pipelined) {  // the last stage's copy of the word embeddings, in a bucket of its own
-      out.push_back({"", by_name.at("embedding.word_embeddings.weight")->numel(), true});
+      FlatParam copy;
+      const ParamDesc& emb = *by_name.at("embedding.word_embeddings.weight");
+      copy.numel = emb.numel();
+      copy.shared_embedding = true;
+      copy.local_shape = {emb.local_rows(), emb.local_cols()};
+      out.push_back(copy);
     }
   }
   return out;
 }
+
+namespace {
+
+// Calls fn(pp_rank, tp_rank, chunk, params) for every model chunk of every model-parallel rank of
+// `cfg`'s model saved with tensor parallel `tp` and `split`.
+template <typename Fn>
+void for_each_chunk(const Config& cfg, int tp, const PipelineSplit& split, bool te_spec, Fn fn) {
+  for (int p = 0; p < split.pp; ++p) {
+    const std::vector<ModelChunk> chunks = stage_chunks(split, p);
+    for (int t = 0; t < tp; ++t)
+      for (size_t v = 0; v < chunks.size(); ++v) {
+        const ModelChunk& c = chunks[v];
+        fn(p, t, static_cast<int>(v),
+           megatron_chunk_params(cfg, tp, t, c.first_layer, c.num_layers, c.has_embedding, c.has_output, split.pp > 1,
+                                 te_spec));
+      }
+  }
+}
+
+// How each parameter's TP shards make its global tensor: its global shape and each rank's ShardIndex.
+struct Joins {
+  std::map<std::string, std::vector<int64_t>> global_shape;
+  std::map<std::string, std::vector<ShardIndex>> shards;  // by TP rank
+  std::function<int64_t(int, int64_t)> index_of(const std::string& name) const {
+    const std::vector<ShardIndex> idx = shards.at(name);
+    return [idx](int t, int64_t i) { return shard_global_index(idx[static_cast<size_t>(t)], i); };
+  }
+};
+Joins tp_joins(const Config& cfg, int tp) {
+  Joins j;
+  for (int t = 0; t < tp; ++t) {
+    int64_t total = 0;
+    for (const ParamDesc& d : build_param_descs(ModelDims::from_config(cfg, tp, t, 1, 0), &total)) {
+      j.shards[d.name].push_back(d.shard);
+      j.global_shape[d.name] = d.global_shape;
+    }
+  }
+  return j;
+}
+
+// The bucket size Megatron used for chunk `chunk` of pipeline rank `pp_rank` (training.py:
+// resolve_ddp_bucket_size and the per-chunk rule); nullopt for one bucket.
+std::optional<int64_t> saved_bucket_size(const PickleValue& args, int pp_rank, int chunk) {
+  if (!megatron_bool_arg(args, "overlap_grad_reduce") || pp_rank > 0 || chunk > 0 ||
+      megatron_bool_arg(args, "overlap_param_gather_with_optimizer_step"))
+    return std::nullopt;
+  if (megatron_arg(args, "ddp_num_buckets"))
+    fail("it was saved with --ddp-num-buckets, whose bucket sizes megatrain does not rebuild");
+  const int64_t size = megatron_int_arg(args, "ddp_bucket_size", 0);
+  if (size > 0) return size;
+  const int64_t dp_cp =
+      megatron_int_arg(args, "data_parallel_size", 1) * megatron_int_arg(args, "context_parallel_size", 1);
+  return std::max<int64_t>(40000000, 1000000 * dp_cp);
+}
+
+}  // namespace
 
 std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
                                        bool te_spec) {
@@ -149,57 +239,92 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
                          sizes.size());
     sizes.push_back(size);
   }
-  struct Found {
-    std::vector<MegatronCheckpoint::FlatPiece> pieces;  // by TP rank
-  };
-  std::map<std::string, Found> found;
+  std::map<std::string, std::vector<MegatronCheckpoint::FlatPiece>> found;  // by TP rank
   try {
     size_t used = 0;
-    for (int p = 0; p < split.pp; ++p) {
-      const std::vector<ModelChunk> chunks = stage_chunks(split, p);
-      for (int t = 0; t < tp; ++t) {
-        const int mp = t + tp * p;
-        for (size_t v = 0; v < chunks.size(); ++v) {
-          const ModelChunk& c = chunks[v];
-          const std::string what = fmt::format("dp_group_idx_{}.gbuf_idx_{} (tensor rank {}, pipeline rank {}, chunk {})",
-                                               mp, v, t, p, v);
-          auto s = stored.find({mp, static_cast<int>(v)});
-          if (s == stored.end()) fail("{} is not stored", what);
-          ++used;
-          const std::vector<FlatParam> params = megatron_chunk_params(
-              cfg, tp, t, c.first_layer, c.num_layers, c.has_embedding, c.has_output, split.pp > 1, te_spec);
-          const std::vector<FlatSlot> slots = megatron_flat_slots(params, s->second, what);
-          for (size_t k = 0; k < params.size(); ++k) {
-            if (params[k].name.empty()) continue;
-            std::vector<MegatronCheckpoint::FlatPiece>& pieces = found[params[k].name].pieces;
-            pieces.resize(static_cast<size_t>(tp));
-            pieces[static_cast<size_t>(t)] = {{mp, static_cast<int>(v), slots[k].bucket}, slots[k].offset, params[k].numel};
-          }
-        }
+    for_each_chunk(cfg, tp, split, te_spec, [&](int p, int t, int v, const std::vector<FlatParam>& params) {
+      const int mp = t + tp * p;
+      const std::string what =
+          fmt::format("dp_group_idx_{}.gbuf_idx_{} (tensor rank {}, pipeline rank {}, chunk {})", mp, v, t, p, v);
+      auto s = stored.find({mp, v});
+      if (s == stored.end()) fail("{} is not stored", what);
+      ++used;
+      std::vector<int64_t> sizes = s->second;
+      std::vector<int64_t> starts(sizes.size(), 0);  // of each bucket in the stored buffer
+      if (ck.flat_coalesced()) {
+        // One buffer: the buckets end to end, their sizes from Megatron's bucketing rule.
+        sizes = megatron_flat_bucket_sizes(params, saved_bucket_size(ck.args(), p, v));
+        starts.assign(sizes.size(), 0);
+        for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
+        const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
+        if (total != s->second[0])
+          fail("{} holds {} elements, but its parameters in Megatron's buckets make {}", what, s->second[0], total);
       }
-    }
+      const std::vector<FlatSlot> slots = megatron_flat_slots(params, sizes, what);
+      for (size_t k = 0; k < params.size(); ++k) {
+        if (params[k].name.empty()) continue;
+        const int bucket = ck.flat_coalesced() ? 0 : slots[k].bucket;
+        const int64_t offset = starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset;
+        std::vector<MegatronCheckpoint::FlatPiece>& pieces = found[params[k].name];
+        pieces.resize(static_cast<size_t>(tp));
+        pieces[static_cast<size_t>(t)] = {{mp, v, bucket}, offset, params[k].numel};
+      }
+    });
     if (used != stored.size())
       fail("it stores flat buffers for {} model chunks, but its tensor x pipeline layout has {}", stored.size(), used);
   } catch (const Error& e) {
     return std::string("its distributed optimizer's flat buffers do not fit the model megatrain derives from its "
                        "args: ") + e.what();
   }
-  // Each TP rank's shard layout, for the joins.
-  std::vector<std::map<std::string, ShardIndex>> shard_of(static_cast<size_t>(tp));
-  std::map<std::string, std::vector<int64_t>> global_shape;
-  for (int t = 0; t < tp; ++t) {
-    int64_t total = 0;
-    for (const ParamDesc& d : build_param_descs(ModelDims::from_config(cfg, tp, t, 1, 0), &total)) {
-      shard_of[static_cast<size_t>(t)][d.name] = d.shard;
-      global_shape[d.name] = d.global_shape;
+  const Joins joins = tp_joins(cfg, tp);
+  for (auto& [name, pieces] : found)
+    ck.set_flat_placement(name, std::move(pieces), joins.global_shape.at(name), joins.index_of(name));
+  return "";
+}
+
+std::string place_indexed_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp,
+                                          const PipelineSplit& split, bool te_spec) {
+  std::map<std::string, std::vector<MegatronCheckpoint::IndexedPiece>> found;  // by TP rank
+  try {
+    // Each rank's parameters over its chunks, in registration order.
+    std::map<std::pair<int, int>, std::vector<FlatParam>> rank_params;
+    for_each_chunk(cfg, tp, split, te_spec, [&](int p, int t, int, const std::vector<FlatParam>& params) {
+      std::vector<FlatParam>& all = rank_params[{p, t}];
+      all.insert(all.end(), params.begin(), params.end());
+    });
+    for (const auto& [rank, params] : rank_params) {
+      const auto [p, t] = rank;
+      const std::string what = fmt::format("the rank file of tensor rank {}, pipeline rank {}", t, p);
+      const std::vector<MegatronCheckpoint::IndexedGroup> groups = ck.indexed_groups(t, p);
+      // Megatron's groups sort the default (weight decay) before the no-weight-decay override.
+      const std::vector<bool> group_decays = {true, false};
+      if (groups.size() != group_decays.size())
+        fail("{} has {} param groups, not the 2 (with and without weight decay) megatrain rebuilds", what, groups.size());
+      for (size_t g = 0; g < groups.size(); ++g) {
+        if (groups[g].decoupled_lr) fail("{} has a --decoupled-lr param group", what);
+        if ((groups[g].wd_mult != 0) != group_decays[g])
+          fail("{}: param group {} has wd_mult {}", what, g, groups[g].wd_mult);
+        int64_t position = 0;
+        for (const FlatParam& fp : params) {
+          if (fp.weight_decay != group_decays[g]) continue;
+          if (!fp.name.empty()) {
+            std::vector<MegatronCheckpoint::IndexedPiece>& pieces = found[fp.name];
+            pieces.resize(static_cast<size_t>(tp));
+            pieces[static_cast<size_t>(t)] = {p, static_cast<int>(g), position, fp.local_shape};
+          }
+          ++position;
+        }
+        if (position != groups[g].size)
+          fail("{}: param group {} holds {} parameters, the model megatrain derives {}", what, g, groups[g].size,
+               position);
+      }
     }
+  } catch (const Error& e) {
+    return std::string("its optimizer state does not fit the model megatrain derives from its args: ") + e.what();
   }
-  for (auto& [name, f] : found) {
-    std::vector<ShardIndex> idx;
-    for (int t = 0; t < tp; ++t) idx.push_back(shard_of[static_cast<size_t>(t)].at(name));
-    ck.set_flat_placement(name, std::move(f.pieces), global_shape.at(name),
-                          [idx](int t, int64_t i) { return shard_global_index(idx[static_cast<size_t>(t)], i); });
-  }
+  const Joins joins = tp_joins(cfg, tp);
+  for (auto& [name, pieces] : found)
+    ck.set_indexed_placement(name, std::move(pieces), joins.global_shape.at(name), joins.index_of(name));
   return "";
 }
 
@@ -221,9 +346,9 @@ void check_main_weights(const HostArray& main, const HostArray& model, const std
     if (!same && differ++ == 0) first = i;
   }
   if (differ)
-    fail("{}: the distributed optimizer's main weights of '{}' do not match its model weights ({} of {} elements "
-         "differ, the first at {}): megatrain placed the optimizer state wrongly for this checkpoint's layout. "
-         "--weights-only imports the weights alone",
+    fail("{}: the optimizer's main weights of '{}' do not match its model weights ({} of {} elements differ, the "
+         "first at {}): megatrain placed the optimizer state wrongly for this checkpoint's layout. --weights-only "
+         "imports the weights alone",
          where, name, differ, main.numel(), first);
 }
 

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,8 @@ struct FlatParam {
   std::string name;  // "" for a slot that holds no parameter of its own (the tied output copy)
   int64_t numel = 0;
   bool shared_embedding = false;
+  bool weight_decay = true;          // Megatron's param group: biases and 1-D parameters have none
+  std::vector<int64_t> local_shape;  // the TP shard's shape as Megatron holds it
 };
 struct FlatSlot {
   int bucket = 0;
@@ -48,11 +51,24 @@ struct FlatSlot {
 std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, const std::vector<int64_t>& bucket_sizes,
                                           const std::string& what);
 
+// The unpadded sizes of the buckets Megatron makes of `params` (registration order, one model
+// chunk) with `bucket_size` (nullopt: one bucket, as without --overlap-grad-reduce, on later
+// pipeline stages and for later chunks): for the torch format's distrib_optim.pt, which stores a
+// chunk's buckets end to end without their sizes.
+std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& params, std::optional<int64_t> bucket_size);
+
 // The parameters of `cfg`'s model in Megatron's registration order for one model chunk on tensor
 // rank `tp_rank` of `tp` (numel of that rank's shard). `te_spec`: saved by Transformer Engine's
 // layer spec (--transformer-impl transformer_engine, Megatron's default) rather than the local one.
 std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_rank, int first_layer, int num_layers,
                                              bool has_embedding, bool has_output, bool pipelined, bool te_spec);
+
+// The torch format's non-distributed optimizer: places every parameter of `cfg`'s model at its
+// index in `ck`'s rank files (MegatronCheckpoint::set_indexed_placement). Megatron numbers the
+// parameters of a rank through its param groups: those with weight decay, then those without,
+// each in registration order over the rank's model chunks. Returns "" or why not.
+std::string place_indexed_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
+                                          bool te_spec);
 
 // Places every parameter of `cfg`'s model in `ck`'s flat buffers (MegatronCheckpoint::
 // set_flat_placement), the model saved with tensor parallel `tp` and pipeline split `split`.
@@ -60,7 +76,7 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
 std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
                                        bool te_spec);
 
-// The distributed optimizer's float32 main weights of `name` against its model weights: the same
+// An optimizer's float32 main weights of `name` against its model weights: the same
 // values, or them rounded to bf16. Throws mt::Error naming the parameter, how many elements differ
 // and --weights-only otherwise (a parameter whose state came from the wrong place fails here).
 void check_main_weights(const HostArray& main, const HostArray& model, const std::string& name, const std::string& where);

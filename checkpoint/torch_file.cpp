@@ -3,8 +3,10 @@
 #include <cerrno>
 #include <cstring>
 #include <optional>
+#include <string_view>
 
 #include "core/error.h"
+#include "core/shape_text.h"
 
 namespace mt {
 
@@ -117,12 +119,22 @@ std::optional<DType> storage_dtype(const std::string& storage_type) {
   return std::nullopt;
 }
 
-// The _rebuild_tensor_v2 call under a Parameter wrapper.
-const PickleValue& tensor_call(const PickleValue& v) {
+// The _rebuild_tensor_v2 call (its function and arguments) under a Parameter wrapper, or under
+// _rebuild_from_type_v2(func, type, args, state), which torch.save writes for a tensor whose type
+// is a subclass (Megatron's float32 main weights).
+struct TensorCall {
+  std::string_view callable;
+  const std::vector<PickleRef>& items;
+  bool is(std::string_view c) const { return callable == c; }
+};
+TensorCall tensor_call(const PickleValue& v) {
   if ((v.is_object("torch._utils._rebuild_parameter") || v.is_object("torch._utils._rebuild_parameter_with_state")) &&
       !v.items.empty())
     return tensor_call(*v.items[0]);
-  return v;
+  if (v.is_object("torch._tensor._rebuild_from_type_v2") && v.items.size() >= 3 && v.items[0]->is(PickleKind::global) &&
+      v.items[2]->is(PickleKind::tuple))
+    return {v.items[0]->text, v.items[2]->items};
+  return {v.is(PickleKind::object) ? std::string_view(v.text) : std::string_view(), v.items};
 }
 
 }  // namespace
@@ -155,22 +167,30 @@ std::vector<int64_t> torch_size(const PickleValue& v, const std::string& what) {
 }
 
 bool TorchFile::is_tensor(const PickleValue& v) {
-  const PickleValue& t = tensor_call(v);
-  return t.is_object("torch._utils._rebuild_tensor_v2") || t.is_object("torch._utils._rebuild_tensor_v3") ||
-         t.is_object("torch._utils._rebuild_tensor");
+  const TensorCall t = tensor_call(v);
+  return t.is("torch._utils._rebuild_tensor_v2") || t.is("torch._utils._rebuild_tensor_v3") ||
+         t.is("torch._utils._rebuild_tensor");
 }
 
 std::vector<int64_t> TorchFile::tensor_shape(const PickleValue& v, const std::string& name) const {
   if (!is_tensor(v)) fail("{}: '{}' is a {}, not a tensor", what(), name, v.describe());
-  const PickleValue& t = tensor_call(v);
+  const TensorCall t = tensor_call(v);
   if (t.items.size() < 4) fail("{}: tensor '{}' is pickled with {} arguments", what(), name, t.items.size());
   return torch_size(*t.items[2], what() + ": size of " + name);
 }
 
-HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const {
-  const std::vector<int64_t> shape = tensor_shape(v, name);
-  const PickleValue& t = tensor_call(v);
-  const std::string where = what() + ": tensor '" + name + "'";
+// A tensor's storage: its dtype, storage offset, strides and bytes in the archive.
+struct TorchFile::StorageView {
+  DType dtype;
+  int64_t storage_offset = 0;
+  std::vector<int64_t> stride;
+  const unsigned char* bytes = nullptr;
+  uint64_t size = 0;  // bytes
+};
+
+TorchFile::StorageView TorchFile::storage_view(const PickleValue& v, const std::vector<int64_t>& shape,
+                                               const std::string& where) const {
+  const TensorCall t = tensor_call(v);
   const PickleValue& storage = *t.items[0];
   if (!storage.is(PickleKind::persistent) || storage.items.empty() || !storage.items[0]->is(PickleKind::tuple) ||
       storage.items[0]->items.size() < 5)
@@ -181,12 +201,48 @@ HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const
   const std::optional<DType> dtype = storage_dtype(id[1]->text);
   if (!dtype) fail("{} is stored as {}, which megatrain does not read", where, id[1]->text);
   if (!t.items[1]->is(PickleKind::integer)) fail("{} has a malformed storage offset", where);
-  const int64_t storage_offset = t.items[1]->integer;
-  const std::vector<int64_t> stride = torch_size(*t.items[3], where + " stride");
-  if (stride.size() != shape.size()) fail("{} has {} strides for {} dimensions", where, stride.size(), shape.size());
+  StorageView sv;
+  sv.dtype = *dtype;
+  sv.storage_offset = t.items[1]->integer;
+  sv.stride = torch_size(*t.items[3], where + " stride");
+  if (sv.stride.size() != shape.size()) fail("{} has {} strides for {} dimensions", where, sv.stride.size(), shape.size());
   const ZipArchive::Entry* data = archive_.find(prefix_ + "data/" + id[2]->text);
   if (!data) fail("{} names storage '{}', which the archive does not hold (truncated?)", where, id[2]->text);
+  sv.bytes = archive_.bytes(*data);
+  sv.size = data->size;
+  return sv;
+}
 
+HostArray TorchFile::tensor_range(const PickleValue& v, const std::string& name, int64_t first, int64_t count) const {
+  const std::vector<int64_t> shape = tensor_shape(v, name);
+  const std::string where = what() + ": tensor '" + name + "'";
+  const StorageView sv = storage_view(v, shape, where);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 1, expect = 1; d >= 0; --d) {
+    if (shape[static_cast<size_t>(d)] != 1 && sv.stride[static_cast<size_t>(d)] != expect)
+      fail("{} is not contiguous: a range of it cannot be read", where);
+    expect *= shape[static_cast<size_t>(d)];
+  }
+  const int64_t n = shape_numel(shape);
+  if (first < 0 || count < 0 || first + count > n)
+    fail("{}: elements [{}, {}) lie outside its {}", where, first, first + count, n);
+  const size_t elem = dtype_size(sv.dtype);
+  if (sv.storage_offset < 0 || static_cast<uint64_t>(sv.storage_offset + n) * elem > sv.size)
+    fail("{} reaches past its storage ({} bytes)", where, sv.size);
+  HostArray out;
+  out.dtype = sv.dtype;
+  out.shape = {count};
+  out.bytes.resize(static_cast<size_t>(count) * elem);
+  std::memcpy(out.bytes.data(), sv.bytes + static_cast<size_t>(sv.storage_offset + first) * elem, out.bytes.size());
+  return out;
+}
+
+HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const {
+  const std::vector<int64_t> shape = tensor_shape(v, name);
+  const std::string where = what() + ": tensor '" + name + "'";
+  const StorageView sv = storage_view(v, shape, where);
+  const std::optional<DType> dtype = sv.dtype;
+  const int64_t storage_offset = sv.storage_offset;
+  const std::vector<int64_t>& stride = sv.stride;
   HostArray out;
   out.dtype = *dtype;
   out.shape = shape;
@@ -200,9 +256,9 @@ HostArray TorchFile::tensor(const PickleValue& v, const std::string& name) const
     if (shape[d] < 0 || stride[d] < 0) fail("{} has a negative size or stride", where);
     last += (shape[d] - 1) * stride[d];
   }
-  if (storage_offset < 0 || static_cast<uint64_t>(last + 1) * elem > data->size)
-    fail("{} reaches past its storage ({} bytes)", where, data->size);
-  const unsigned char* src = archive_.bytes(*data);
+  if (storage_offset < 0 || static_cast<uint64_t>(last + 1) * elem > sv.size)
+    fail("{} reaches past its storage ({} bytes)", where, sv.size);
+  const unsigned char* src = sv.bytes;
   bool contiguous = true;
   for (int64_t d = static_cast<int64_t>(shape.size()) - 1, expect = 1; d >= 0; --d) {
     if (shape[static_cast<size_t>(d)] != 1 && stride[static_cast<size_t>(d)] != expect) contiguous = false;

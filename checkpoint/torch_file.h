@@ -57,9 +57,14 @@ class TorchFile {
   // dtypes megatrain does not hold.
   static bool is_tensor(const PickleValue& v);
   HostArray tensor(const PickleValue& v, const std::string& name) const;
+  // Elements [first, first + count) of a contiguous tensor, flattened (a 1-D array): one slice of
+  // a large flat buffer without reading the rest.
+  HostArray tensor_range(const PickleValue& v, const std::string& name, int64_t first, int64_t count) const;
   std::vector<int64_t> tensor_shape(const PickleValue& v, const std::string& name) const;
 
  private:
+  struct StorageView;
+  StorageView storage_view(const PickleValue& v, const std::vector<int64_t>& shape, const std::string& where) const;
   ZipArchive archive_;
   std::string prefix_;  // "<archive name>/"
   PickleRef root_;

@@ -1,5 +1,6 @@
-// Megatron-LM's distributed optimizer in import-megatron: where its default checkpoint layout
-// (flat per-bucket buffers) keeps each parameter's state, checked on real Megatron-LM checkpoints
+// Megatron-LM's optimizer state in import-megatron where it is not stored by parameter name: the
+// distributed optimizer's flat buffers (torch_dist's per-bucket ones and the torch format's
+// distrib_optim.pt) and the torch format's index-keyed state, checked on real Megatron-LM checkpoints
 // (tests/fixtures/megatron/make_optimizer_fixtures.sh): every parameter's main weights must be its
 // model weights, and a CPU run resumed from the import must repeat the losses Megatron-LM printed
 // after the save.
@@ -76,6 +77,13 @@ TEST_CASE("megatron_flat_slots lays parameters out as Megatron's DistributedData
   CHECK_THROWS_WITH(mt::megatron_flat_slots(abc, {202, 5}, "t"), Catch::Contains("fill 1 of the 2 stored buckets"));
   CHECK_THROWS_WITH(mt::megatron_flat_slots(abc, {164}, "t"), Catch::Contains("more than the 1 stored buckets"));
   CHECK_THROWS_WITH(mt::megatron_flat_slots(abc, {300}, "t"), Catch::Contains("stored with 300 elements"));
+
+  // The sizes Megatron's bucket-size rule gives (the torch format does not store them)
+  CHECK(mt::megatron_flat_bucket_sizes(abc, std::nullopt) == std::vector<int64_t>{202});
+  CHECK(mt::megatron_flat_bucket_sizes(abc, 100) == std::vector<int64_t>{164, 10});
+  CHECK(mt::megatron_flat_bucket_sizes(abc, 5) == std::vector<int64_t>{5, 100, 10});
+  CHECK(mt::megatron_flat_bucket_sizes(first_stage, std::nullopt) == std::vector<int64_t>{64, 30});
+  CHECK(mt::megatron_flat_bucket_sizes(last_stage, 1000) == std::vector<int64_t>{30, 7});
 }
 
 TEST_CASE("import-megatron carries the distributed optimizer's flat buckets over", "[megatron-import]") {
@@ -84,11 +92,13 @@ TEST_CASE("import-megatron carries the distributed optimizer's flat buckets over
     bool bf16;
   };
   for (const Case c : {Case{"llama/distopt_dp2", false}, Case{"llama/distopt_tp2pp2vpp", false},
-                       Case{"gpt/distopt_tp2pp2vpp", true}}) {
+                       Case{"gpt/distopt_tp2pp2vpp", true}, Case{"llama/torch_distopt_dp2", false}}) {
     INFO(c.dir);
     const mt::MegatronCheckpoint ck(kFixtures + "/" + c.dir, std::nullopt);
     CHECK(ck.optimizer_layout() == "flat buckets");
     CHECK(ck.distributed_optimizer());
+    // the torch format's distrib_optim.pt: each chunk's buckets end to end
+    CHECK(ck.flat_coalesced() == (ck.format() == "torch"));
     REQUIRE(ck.optimizer_step() == 3);
     TempDir tmp;
     // the import checks every parameter's main weights against its model weights
@@ -109,6 +119,40 @@ TEST_CASE("import-megatron carries the distributed optimizer's flat buckets over
       ++params;
     }
     CHECK(params == (c.bf16 ? 52 : 35));
+  }
+}
+
+TEST_CASE("import-megatron carries the torch format's index-keyed optimizer state over", "[megatron-import]") {
+  struct Case {
+    const char* dir;
+    bool bf16;
+  };
+  for (const Case c : {Case{"llama/torch_tp2pp2", false}, Case{"gpt/torch_tp2pp2vpp", true}}) {
+    INFO(c.dir);
+    const mt::MegatronCheckpoint ck(kFixtures + "/" + c.dir, std::nullopt);
+    CHECK(ck.format() == "torch");
+    CHECK(ck.optimizer_layout() == "by index");
+    CHECK_FALSE(ck.distributed_optimizer());
+    REQUIRE(ck.optimizer_step() == 3);
+    // two param groups per rank file: with weight decay, then without
+    const std::vector<mt::MegatronCheckpoint::IndexedGroup> groups = ck.indexed_groups(1, 1);
+    REQUIRE(groups.size() == 2);
+    CHECK(groups[0].wd_mult == 1.0);
+    CHECK(groups[1].wd_mult == 0.0);
+    TempDir tmp;
+    // bf16: every parameter's float32 main weights (fp32_from_fp16_params) checked against it;
+    // float32: every state's shape against the parameter's shard
+    const mt::MegatronImportResult r = mt::import_megatron(kFixtures + "/" + c.dir, std::nullopt, tmp / "ckpt", false);
+    CHECK(r.resumable);
+    mt::CheckpointReader reader(tmp / "ckpt");
+    CHECK(reader.iteration() == 3);
+    CHECK(reader.run_state().extra.at("optimizer").at("successful_steps") == 3);
+    CHECK(reader.run_state().consumed_train_samples == 12);
+    for (const std::string& name : reader.names()) {
+      INFO(name);
+      CHECK(reader.has(name + ".exp_avg_sq", mt::CheckpointKind::optimizer));
+      CHECK(reader.has(name, mt::CheckpointKind::main_params) == c.bf16);
+    }
   }
 }
 
@@ -187,9 +231,10 @@ TEST_CASE("import-megatron reads the distributed optimizer's fully reshardable l
 }
 
 TEST_CASE("a run resumed from Megatron-LM's distributed optimizer repeats Megatron-LM's losses", "[megatron-import][binary]") {
-  // Megatron-LM trained 6 iterations in float32 (on H100s) and saved after 3; megatrain's CPU
-  // reference backend resumes the import in one process (data parallel 1, two micro-batches).
-  for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp"}) {
+  // Megatron-LM trained 6 iterations in float32 (on H100s) and saved after 3 (torch_dist and torch
+  // formats, distributed and not); megatrain's CPU reference backend resumes the import in one
+  // process (data parallel 1, two micro-batches).
+  for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2"}) {
     INFO(dir);
     TempDir tmp;
     std::string imported, out;

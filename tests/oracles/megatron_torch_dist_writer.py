@@ -221,10 +221,12 @@ def main():
     for key, shape in SHAPES.items():
         layered = key.startswith("decoder.layers.")
         full_shape = [LAYERS] + shape if layered else shape
-        states = {"": ("bfloat16", rng.standard_normal(full_shape).astype(np.float32) * 0.02),
+        # the model weights are the float32 main weights rounded to bf16, as Megatron keeps them
+        main = rng.standard_normal(full_shape).astype(np.float32) * 0.02
+        states = {"": ("bfloat16", main),
                   "optimizer.state.exp_avg.": ("float32", rng.standard_normal(full_shape).astype(np.float32) * 1e-3),
                   "optimizer.state.exp_avg_sq.": ("float32", rng.random(full_shape).astype(np.float32) * 1e-6),
-                  "optimizer.state.fp32_param.": ("float32", rng.standard_normal(full_shape).astype(np.float32) * 0.02)}
+                  "optimizer.state.fp32_param.": ("float32", main)}
         for prefix, (dtype, array) in states.items():
             def name(l, prefix=prefix, key=key):
                 ours = key if l is None else key.replace("decoder.layers.", f"decoder.layers.{l}.")
