@@ -17,9 +17,10 @@
 // Registration order is the module tree's: the embeddings (word, position), then each layer, then
 // the final norm and the output layer. A layer registers its input norm, attention (linear_proj,
 // then linear_qkv, then the q and k norms), its pre-MLP norm and MLP (fc1, fc2); with Transformer
-// Engine the input norm belongs to linear_qkv (registered before its weight) and so comes after
-// linear_proj. Parameters of the same size in a different order would place without complaint, so
-// the import also checks every parameter's main weights against its model weights.
+// Engine the input norm belongs to linear_qkv (TE's LayerNormLinear registers layer_norm_weight and
+// layer_norm_bias before its weight and bias) and so comes after linear_proj. Parameters of the
+// same size in a different order would place without complaint, so the import also checks every
+// parameter's main weights against its model weights.
 #pragma once
 
 #include <cstdint>

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "app/cli.h"
 #include "app/import_megatron.h"
@@ -154,6 +155,22 @@ TEST_CASE("import-megatron carries the torch format's index-keyed optimizer stat
       CHECK(reader.has(name, mt::CheckpointKind::main_params) == c.bf16);
     }
   }
+}
+
+TEST_CASE("a damaged distrib_optim.pt is named", "[megatron-import]") {
+  TempDir tmp;
+  namespace fs = std::filesystem;
+  fs::copy(kFixtures + "/llama/torch_distopt_dp2", tmp / "m", fs::copy_options::recursive);
+  const std::string file = tmp / "m/iter_0000003/mp_rank_00/distrib_optim.pt";
+  fs::resize_file(file, fs::file_size(file) / 2);
+  CHECK_THROWS_WITH(mt::import_megatron(tmp / "m", std::nullopt, tmp / "ckpt", false),
+                    Catch::Contains("distrib_optim.pt"));
+  CHECK_FALSE(fs::exists(tmp / "ckpt/latest_checkpointed_iteration.txt"));
+  // the weights alone do not need it
+  fs::remove(file);
+  const mt::MegatronImportResult r = mt::import_megatron(tmp / "m", std::nullopt, tmp / "weights", true);
+  CHECK_FALSE(r.resumable);
+  CHECK(mt::CheckpointReader(tmp / "weights").iteration() == 0);
 }
 
 TEST_CASE("flat buckets placed in the wrong order are caught", "[megatron-import]") {
