@@ -191,6 +191,16 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   r.resumable = !weights_only && why_not.empty();
   if (!weights_only) r.weights_only_reason = why_not;
   const int64_t step = r.resumable ? *ck.optimizer_step() : 0;  // read before anything is written
+  if (r.resumable) {
+    const std::string& layout = ck.optimizer_layout();
+    const std::string which = ck.distributed_optimizer() ? "the distributed optimizer's " : "the optimizer's ";
+    if (layout == "flat buckets")
+      r.optimizer_source = which + (ck.flat_coalesced() ? "distrib_optim.pt" : "flat buckets");
+    else if (layout == "by index")
+      r.optimizer_source = which + "state keyed by parameter index";
+    else
+      r.optimizer_source = which + "state by parameter name";
+  }
 
   // The checkpoint is written in parts ("ranks" of one save, each its own files) of at most
   // max_part_bytes of tensors, so that only one part is in memory at a time: an 8B model with
@@ -316,10 +326,10 @@ int import_megatron_main(const std::vector<std::string>& args) {
               r.format.c_str(), static_cast<long long>(r.iteration), r.tensors, save.c_str(),
               r.resumable ? "a checkpoint to resume from" : "a release checkpoint");
   if (r.resumable)
-    std::printf("with the optimizer state (Adam moments and step, float32 main weights), the learning-rate "
-                "schedule and the consumed samples: training with --load resumes at iteration %lld as Megatron "
-                "would (its RNG states do not carry over: dropout masks differ)\n",
-                static_cast<long long>(r.iteration));
+    std::printf("with the optimizer state (Adam moments and step, float32 main weights; from %s), the "
+                "learning-rate schedule and the consumed samples: training with --load resumes at iteration %lld "
+                "as Megatron would (its RNG states do not carry over: dropout masks differ)\n",
+                r.optimizer_source.c_str(), static_cast<long long>(r.iteration));
   else
     std::printf("weights only, as %s: training from it starts at iteration 0 with fresh optimizer state, as "
                 "Megatron's --finetune does\n",

@@ -25,6 +25,9 @@ struct MegatronImportResult {
   int tensors = 0;
   bool resumable = false;      // a full checkpoint at `iteration` (else a release checkpoint)
   std::string weights_only_reason;  // why not, when not asked for by --weights-only
+  // Where the optimizer state came from (resumable only): e.g. "the distributed optimizer's flat
+  // buckets (torch_dist)".
+  std::string optimizer_source;
   ModelConfig model;
   std::vector<std::string> model_flags;      // e.g. --num-layers 2 --hidden-size 128 ...
   std::vector<std::string> tokenizer_flags;  // as saved (paths on the machine that trained)

@@ -22,7 +22,7 @@ const std::vector<Subcommand>& subcommands() {
       {"import-hf", "write a Hugging Face GPT-2/Llama model as a megatrain checkpoint: --hf-dir DIR --save CKPT "
                     "[--make-vocab-size-divisible-by N] [--tensor-model-parallel-size N]",
        &import_hf_main},
-      {"import-megatron", "write a Megatron-LM checkpoint (torch or torch_dist format) as a megatrain checkpoint: "
+      {"import-megatron", "write a Megatron-LM checkpoint (torch or torch_dist format, with its optimizer state) as a megatrain checkpoint: "
                           "--load DIR --save CKPT [--ckpt-step N] [--weights-only]",
        &import_megatron_main},
       {"forward-logits", "dump one sequence's logits (.npy) for checks: --load CKPT --tokens 1,2,3 --output FILE "

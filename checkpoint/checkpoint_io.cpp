@@ -637,8 +637,9 @@ void CheckpointReader::load_manifest(const std::string& dir) {
     const std::string megatron = megatron_checkpoint_format(dir);
     if (!megatron.empty())
       fail("{} is a Megatron-LM checkpoint ({} format), which training does not load directly: run `megatrain "
-           "import-megatron --load {} --save CKPT` (its weights, for any parallel layout), then train with --load "
-           "CKPT, as Megatron's --finetune would (iteration 0, fresh optimizer state)",
+           "import-megatron --load {} --save CKPT`, then train with --load CKPT (it resumes at the saved iteration "
+           "with Megatron's optimizer state where the checkpoint holds it, for any parallel layout; the import says "
+           "when it gives the weights only)",
            dir, megatron, parent_directory(dir));
     fail("{} is not a complete megatrain checkpoint: {} is missing (an interrupted save?)", dir, path);
   }

@@ -106,6 +106,8 @@ TEST_CASE("import-megatron carries the distributed optimizer's flat buckets over
     const mt::MegatronImportResult r = mt::import_megatron(kFixtures + "/" + c.dir, std::nullopt, tmp / "ckpt", false);
     CHECK(r.resumable);
     CHECK(r.weights_only_reason.empty());
+    CHECK(r.optimizer_source ==
+          (ck.format() == "torch" ? "the distributed optimizer's distrib_optim.pt" : "the distributed optimizer's flat buckets"));
     mt::CheckpointReader reader(tmp / "ckpt");
     CHECK(reader.iteration() == 3);
     CHECK(reader.run_state().extra.at("optimizer").at("successful_steps") == 3);
@@ -145,6 +147,7 @@ TEST_CASE("import-megatron carries the torch format's index-keyed optimizer stat
     // float32: every state's shape against the parameter's shard
     const mt::MegatronImportResult r = mt::import_megatron(kFixtures + "/" + c.dir, std::nullopt, tmp / "ckpt", false);
     CHECK(r.resumable);
+    CHECK(r.optimizer_source == "the optimizer's state keyed by parameter index");
     mt::CheckpointReader reader(tmp / "ckpt");
     CHECK(reader.iteration() == 3);
     CHECK(reader.run_state().extra.at("optimizer").at("successful_steps") == 3);
@@ -243,6 +246,7 @@ TEST_CASE("import-megatron reads the distributed optimizer's fully reshardable l
     TempDir tmp;
     const mt::MegatronImportResult r = mt::import_megatron(kFixtures + "/" + dir, std::nullopt, tmp / "ckpt", false);
     CHECK(r.resumable);
+    CHECK(r.optimizer_source == "the distributed optimizer's state by parameter name");
     CHECK(mt::CheckpointReader(tmp / "ckpt").run_state().extra.at("optimizer").at("successful_steps") == 3);
   }
 }
