@@ -43,72 +43,71 @@ const std::vector<std::string>& layer_order(bool te_spec) {
 
 }  // namespace
 
-std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, const std::vector<int64_t>& bucket_sizes,
-                                          const std::string& what) {
-  std::vector<FlatSlot> slots(params.size());
-  size_t bucket = 0;
-  int64_t next = 0;  // where the next parameter may start, within the bucket
+namespace {
+
+// Megatron's walk over one chunk's parameters: reverse registration order, each start rounded up to
+// 64 elements, the tied embedding copies in a bucket of their own (the bucket before them closed
+// where they would have started); a bucket also closes after the parameter for which
+// closes(bucket, end) holds. Each parameter's slot, and the buckets' unpadded sizes.
+struct BucketWalk {
+  std::vector<FlatSlot> slots;
+  std::vector<int64_t> sizes;
+  std::vector<std::string> last;  // the last parameter of each bucket
+};
+template <typename Closes>
+BucketWalk walk_buckets(const std::vector<FlatParam>& params, Closes closes) {
+  BucketWalk w;
+  w.slots.resize(params.size());
+  int64_t next = 0;   // where the next parameter may start, within the bucket
   bool open = false;  // the bucket holds a parameter
-  auto close = [&](int64_t end, const std::string& after) {
-    if (bucket >= bucket_sizes.size())
-      fail("{}: the parameters need more than the {} stored buckets", what, bucket_sizes.size());
-    if (end != bucket_sizes[bucket])
-      fail("{}: bucket {} is stored with {} elements, but its parameters end at {} (after '{}')", what, bucket,
-           bucket_sizes[bucket], end, after);
-    ++bucket;
+  std::string last;
+  auto close = [&](int64_t end) {
+    w.sizes.push_back(end);
+    w.last.push_back(last);
     next = 0;
     open = false;
   };
-  std::string last = "(none)";
-  for (size_t k = params.size(); k-- > 0;) {  // reverse registration order
-    const FlatParam& p = params[k];
-    const std::string name = p.name.empty() ? "the tied output-layer copy" : p.name;
-    int64_t start = (next + kMegatronParamAlignment - 1) / kMegatronParamAlignment * kMegatronParamAlignment;
-    if (p.shared_embedding && open) {  // its own bucket: close the current one where it would start
-      close(start, last);
-      start = 0;
-    }
-    if (bucket >= bucket_sizes.size())
-      fail("{}: the parameters need more than the {} stored buckets", what, bucket_sizes.size());
-    slots[k] = {static_cast<int>(bucket), start};
-    const int64_t end = start + p.numel;
-    open = true;
-    last = name;
-    if (p.shared_embedding || end >= bucket_sizes[bucket]) {
-      close(end, name);
-    } else {
-      next = end;
-    }
-  }
-  if (open) close(next, last);
-  if (bucket != bucket_sizes.size())
-    fail("{}: the parameters fill {} of the {} stored buckets", what, bucket, bucket_sizes.size());
-  return slots;
-}
-
-std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& params, std::optional<int64_t> bucket_size) {
-  std::vector<int64_t> sizes;
-  int64_t next = 0;
-  bool open = false;
   for (size_t k = params.size(); k-- > 0;) {
     const FlatParam& p = params[k];
     int64_t start = (next + kMegatronParamAlignment - 1) / kMegatronParamAlignment * kMegatronParamAlignment;
     if (p.shared_embedding && open) {
-      sizes.push_back(start);
+      close(start);
       start = 0;
     }
+    const int bucket = static_cast<int>(w.sizes.size());
+    w.slots[k] = {bucket, start};
     const int64_t end = start + p.numel;
     open = true;
-    if ((bucket_size && end >= *bucket_size) || p.shared_embedding) {
-      sizes.push_back(end);
-      next = 0;
-      open = false;
-    } else {
-      next = end;
-    }
+    last = p.name.empty() ? "the tied output-layer copy" : p.name;
+    if (p.shared_embedding || closes(bucket, end)) close(end);
+    else next = end;
   }
-  if (open) sizes.push_back(next);
-  return sizes;
+  if (open) close(next);
+  return w;
+}
+
+}  // namespace
+
+std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, const std::vector<int64_t>& bucket_sizes,
+                                          const std::string& what) {
+  // A bucket closes at the first parameter end that reaches its stored size; a walk that does not
+  // land on every stored size exactly is not the layout that was saved.
+  const BucketWalk w = walk_buckets(params, [&](int b, int64_t end) {
+    return static_cast<size_t>(b) < bucket_sizes.size() && end >= bucket_sizes[static_cast<size_t>(b)];
+  });
+  for (size_t b = 0; b < std::min(w.sizes.size(), bucket_sizes.size()); ++b)
+    if (w.sizes[b] != bucket_sizes[b])
+      fail("{}: bucket {} is stored with {} elements, but its parameters end at {} (after '{}')", what, b,
+           bucket_sizes[b], w.sizes[b], w.last[b]);
+  if (w.sizes.size() > bucket_sizes.size())
+    fail("{}: the parameters need more than the {} stored buckets", what, bucket_sizes.size());
+  if (w.sizes.size() < bucket_sizes.size())
+    fail("{}: the parameters fill {} of the {} stored buckets", what, w.sizes.size(), bucket_sizes.size());
+  return w.slots;
+}
+
+std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& params, std::optional<int64_t> bucket_size) {
+  return walk_buckets(params, [&](int, int64_t end) { return bucket_size && end >= *bucket_size; }).sizes;
 }
 
 std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_rank, int first_layer, int num_layers,
