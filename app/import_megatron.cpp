@@ -3,9 +3,10 @@
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
 // same Megatron flags a launch script gives, and megatrain's own command-line parser validates them
-// (so a model megatrain cannot build is refused naming the flag). With the optimizer state of a
-// torch_dist checkpoint (non-distributed, or the distributed optimizer's flat buckets placed by
-// checkpoint/megatron_flat_layout.h), everything a resume needs is carried over; otherwise the
+// (so a model megatrain cannot build is refused naming the flag). With Adam's state in a layout
+// megatrain reads (by parameter name; or by position, placed by checkpoint/megatron_flat_layout.h:
+// the distributed optimizer's flat buffers, the torch format's index-keyed state), everything a
+// resume needs is carried over; otherwise the
 // weights only, as a release checkpoint: iteration 0 with fresh optimizer state, which is what
 // Megatron does when it loads a checkpoint with --finetune or a converted release checkpoint.
 #include "app/import_megatron.h"
@@ -14,7 +15,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <deque>
 #include <memory>
 #include <set>

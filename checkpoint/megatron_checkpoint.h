@@ -47,6 +47,9 @@ class MegatronCheckpoint {
   // when it holds no Megatron checkpoint, or one in a format megatrain does not read.
   MegatronCheckpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step);
   ~MegatronCheckpoint();
+  // Placements read through this object: not copied or moved.
+  MegatronCheckpoint(const MegatronCheckpoint&) = delete;
+  MegatronCheckpoint& operator=(const MegatronCheckpoint&) = delete;
 
   const std::string& format() const { return format_; }  // "torch" or "torch_dist"
   const std::string& directory() const { return directory_; }
