@@ -544,37 +544,39 @@ std::map<MegatronCheckpoint::FlatBucket, int64_t> MegatronCheckpoint::flat_bucke
 struct MegatronCheckpoint::Placement {
   // Each TP rank's shard of a state ("exp_avg", "exp_avg_sq", "fp32_param"); nullopt when the
   // checkpoint keeps none of that state.
-  std::vector<std::function<std::optional<HostArray>(const std::string&)>> readers;
+  std::vector<PieceReader> readers;
   std::vector<int64_t> global_shape;
-  std::function<int64_t(int, int64_t)> global_index;
+  std::vector<ShardIndex> shards;  // by TP rank
 };
 
-void MegatronCheckpoint::place(const std::string& name, std::shared_ptr<Placement> p) { placements_[name] = std::move(p); }
+void MegatronCheckpoint::place(const std::string& name, std::vector<PieceReader> readers,
+                               std::vector<int64_t> global_shape, std::vector<ShardIndex> shards) {
+  MT_CHECK(readers.size() == shards.size(), "'{}': {} shards for {} TP ranks", name, shards.size(), readers.size());
+  auto p = std::make_shared<Placement>();
+  p->readers = std::move(readers);
+  p->global_shape = std::move(global_shape);
+  p->shards = std::move(shards);
+  placements_[name] = std::move(p);
+}
 
 void MegatronCheckpoint::set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces,
-                                            std::vector<int64_t> global_shape,
-                                            std::function<int64_t(int, int64_t)> global_index) {
-  auto p = std::make_shared<Placement>();
+                                            std::vector<int64_t> global_shape, std::vector<ShardIndex> shards) {
+  std::vector<PieceReader> readers;
   for (const FlatPiece& piece : pieces)
-    p->readers.push_back([this, piece](const std::string& state) -> std::optional<HostArray> {
+    readers.push_back([this, piece](const std::string& state) -> std::optional<HostArray> {
       return read_flat(piece, state == "fp32_param" ? "param" : state);
     });
-  p->global_shape = std::move(global_shape);
-  p->global_index = std::move(global_index);
-  place(name, std::move(p));
+  place(name, std::move(readers), std::move(global_shape), std::move(shards));
 }
 
 void MegatronCheckpoint::set_indexed_placement(const std::string& name, std::vector<IndexedPiece> pieces,
-                                               std::vector<int64_t> global_shape,
-                                               std::function<int64_t(int, int64_t)> global_index) {
-  auto p = std::make_shared<Placement>();
+                                               std::vector<int64_t> global_shape, std::vector<ShardIndex> shards) {
+  std::vector<PieceReader> readers;
   for (size_t t = 0; t < pieces.size(); ++t)
-    p->readers.push_back([this, t, piece = pieces[t]](const std::string& state) {
+    readers.push_back([this, t, piece = pieces[t]](const std::string& state) {
       return read_indexed(static_cast<int>(t), piece, state);
     });
-  p->global_shape = std::move(global_shape);
-  p->global_index = std::move(global_index);
-  place(name, std::move(p));
+  place(name, std::move(readers), std::move(global_shape), std::move(shards));
 }
 
 HostArray MegatronCheckpoint::read_flat(const FlatPiece& piece, const std::string& state) const {
@@ -601,10 +603,16 @@ std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& 
       const HostArray& piece = *read;
       if (t == 0) out = HostArray::zeros(piece.dtype, p.global_shape);
       if (piece.dtype != out.dtype) fail("{}: the {} shards of '{}' differ in dtype", directory_, state, name);
+      const ShardIndex& sh = p.shards[t];
+      if (piece.numel() != sh.local_numel())
+        fail("{}: the {} shard of '{}' on tensor rank {} has {} elements, not {}", directory_, state, name, t,
+             piece.numel(), sh.local_numel());
+      // A shard's rows are contiguous runs of the global tensor.
       const size_t elem = dtype_size(out.dtype);
-      for (int64_t i = 0; i < piece.numel(); ++i)
-        std::memcpy(out.bytes.data() + static_cast<size_t>(p.global_index(static_cast<int>(t), i)) * elem,
-                    piece.bytes.data() + static_cast<size_t>(i) * elem, elem);
+      const size_t row_bytes = static_cast<size_t>(sh.local_cols) * elem;
+      for (int64_t r = 0; r < sh.local_rows * sh.chunks; ++r)
+        std::memcpy(out.bytes.data() + static_cast<size_t>(shard_global_index(sh, r * sh.local_cols)) * elem,
+                    piece.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
     }
     return out;
   }

@@ -38,6 +38,7 @@
 
 #include "checkpoint/hf_names.h"
 #include "checkpoint/pickle.h"
+#include "core/shard.h"
 
 namespace mt {
 
@@ -96,10 +97,10 @@ class MegatronCheckpoint {
     FlatBucket bucket;
     int64_t offset = 0, count = 0;
   };
-  // Places a parameter: its shard on each TP rank, and how those shards make the global tensor
-  // (global flat index of element i of `pieces[t]` is global_index(t, i)).
+  // Places a parameter: its shard on each TP rank, and where each shard lies in the global tensor
+  // (`shards[t]`, megatrain's own TP layout, which is Megatron's).
   void set_flat_placement(const std::string& name, std::vector<FlatPiece> pieces, std::vector<int64_t> global_shape,
-                          std::function<int64_t(int, int64_t)> global_index);
+                          std::vector<ShardIndex> shards);
 
   // By index: the torch format's non-distributed optimizer, torch's optimizer state in each rank
   // file keyed by a parameter's index in the concatenated param groups; bf16 models' main weights
@@ -117,7 +118,7 @@ class MegatronCheckpoint {
     std::vector<int64_t> local_shape;   // the TP shard's shape, checked against the stored state
   };
   void set_indexed_placement(const std::string& name, std::vector<IndexedPiece> pieces,
-                             std::vector<int64_t> global_shape, std::function<int64_t(int, int64_t)> global_index);
+                             std::vector<int64_t> global_shape, std::vector<ShardIndex> shards);
 
   struct Source;  // where a parameter's pieces are (format-specific)
 
@@ -139,7 +140,9 @@ class MegatronCheckpoint {
   std::map<std::pair<FlatBucket, std::string>, std::shared_ptr<const Source>> flat_;  // (bucket, state)
   struct Placement;
   std::map<std::string, std::shared_ptr<const Placement>> placements_;
-  void place(const std::string& name, std::shared_ptr<Placement> p);
+  using PieceReader = std::function<std::optional<HostArray>(const std::string&)>;
+  void place(const std::string& name, std::vector<PieceReader> readers, std::vector<int64_t> global_shape,
+             std::vector<ShardIndex> shards);
   HostArray read_flat(const FlatPiece& piece, const std::string& state) const;
   std::optional<HostArray> read_indexed(int tp, const IndexedPiece& piece, const std::string& state) const;
   HostArray read(const Source& s, const std::string& name) const;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <map>
 
 #include "checkpoint/megatron_checkpoint.h"
@@ -193,10 +192,6 @@ void for_each_chunk(const Config& cfg, int tp, const PipelineSplit& split, bool 
 struct Joins {
   std::map<std::string, std::vector<int64_t>> global_shape;
   std::map<std::string, std::vector<ShardIndex>> shards;  // by TP rank
-  std::function<int64_t(int, int64_t)> index_of(const std::string& name) const {
-    const std::vector<ShardIndex> idx = shards.at(name);
-    return [idx](int t, int64_t i) { return shard_global_index(idx[static_cast<size_t>(t)], i); };
-  }
 };
 Joins tp_joins(const Config& cfg, int tp) {
   Joins j;
@@ -277,7 +272,7 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
   }
   const Joins joins = tp_joins(cfg, tp);
   for (auto& [name, pieces] : found)
-    ck.set_flat_placement(name, std::move(pieces), joins.global_shape.at(name), joins.index_of(name));
+    ck.set_flat_placement(name, std::move(pieces), joins.global_shape.at(name), joins.shards.at(name));
   return "";
 }
 
@@ -323,7 +318,7 @@ std::string place_indexed_optimizer_state(MegatronCheckpoint& ck, const Config& 
   }
   const Joins joins = tp_joins(cfg, tp);
   for (auto& [name, pieces] : found)
-    ck.set_indexed_placement(name, std::move(pieces), joins.global_shape.at(name), joins.index_of(name));
+    ck.set_indexed_placement(name, std::move(pieces), joins.global_shape.at(name), joins.shards.at(name));
   return "";
 }
 
