@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -139,6 +140,7 @@ void visit_model(ModelConfig& m, F&& f) {
   f("qk_layernorm", m.qk_layernorm);
   f("qk_l2_norm", m.qk_l2_norm, AddedLater{});
   f("window_size", m.window_size, AddedLater{});
+  f("squared_relu", m.squared_relu, AddedLater{});
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
   f("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
@@ -203,11 +205,14 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
   };
   if (current.position_embedding_type == PositionEmbedding::learned_absolute)
     checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
-  // Recorded since session 23 (older checkpoints: off).
-  if (!saved.contains("qk_l2_norm") && current.qk_l2_norm)
-    fail("checkpoint {} was saved for another model: --qk-l2-norm is false in the checkpoint but true in this run",
-         where);
-  if (saved.contains("qk_l2_norm")) checked.push_back({"qk_l2_norm", "--qk-l2-norm"});
+  // Recorded since session 23 (--qk-l2-norm) and 26 (--squared-relu); older checkpoints: off.
+  for (const auto& [key, flag, on] : {std::tuple{"qk_l2_norm", "--qk-l2-norm", current.qk_l2_norm},
+                                      std::tuple{"squared_relu", "--squared-relu", current.squared_relu}}) {
+    if (!saved.contains(key) && on)
+      fail("checkpoint {} was saved for another model: {} is false in the checkpoint but true in this run", where,
+           flag);
+    if (saved.contains(key)) checked.push_back({key, flag});
+  }
   std::string diffs;
   for (const auto& [key, flag] : checked) {
     if (!saved.contains(key)) fail("{}: the saved model configuration lacks '{}'", where, key);

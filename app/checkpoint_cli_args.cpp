@@ -43,6 +43,7 @@ const std::vector<CheckpointArg>& model_args() {
       {"add_bias_linear", "--disable-bias-linear", Take::forced, true},
       {"add_qkv_bias", "--add-qkv-bias", Take::forced},
       {"swiglu", "--swiglu", Take::forced},
+      {"squared_relu", "--squared-relu", Take::forced},
       {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", Take::forced},
       {"apply_layernorm_1p", "--apply-layernorm-1p", Take::forced},
       {"normalization", "--normalization", Take::forced},

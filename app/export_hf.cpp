@@ -22,6 +22,7 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // express (naming the flag).
   bool windowed = false;
   for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
+  if (m.squared_relu) return HfArchitecture::nemotron;
   if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope) {
     if (m.add_qkv_bias && !m.add_bias_linear) return HfArchitecture::qwen2;
     return windowed ? HfArchitecture::mistral : HfArchitecture::llama;  // Mistral: Llama with a sliding window

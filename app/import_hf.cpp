@@ -40,8 +40,10 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.norm_epsilon = s.norm_epsilon;
   m.apply_layernorm_1p = s.apply_layernorm_1p;
   m.swiglu = s.swiglu;
+  m.squared_relu = s.squared_relu;
   m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
-  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu");  // exact GeLU
+  // Exact GeLU; and squared ReLU, which Megatron's bias-activation fusion refuses.
+  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !s.squared_relu;
   m.add_bias_linear = s.add_bias_linear;
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
   m.qk_layernorm = s.qk_layernorm;
@@ -91,6 +93,7 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   } else {
     add("--position-embedding-type", "rope");
     add("--rotary-base", num(s.rotary_base));
+    if (s.rotary_percent != 1.0) add("--rotary-percent", num(s.rotary_percent));
     if (s.use_rope_scaling) {
       add("--use-rope-scaling");
       add("--rope-scaling-factor", num(s.rope_scaling_factor));
@@ -98,7 +101,10 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   }
   add("--normalization", s.layernorm ? "LayerNorm" : "RMSNorm");
   add("--norm-epsilon", num(s.norm_epsilon));
+  if (s.apply_layernorm_1p) add("--apply-layernorm-1p");
   if (s.swiglu) add("--swiglu");
+  if (s.squared_relu) add("--squared-relu");
+  if (s.squared_relu && s.add_bias_linear) add("--no-bias-gelu-fusion");
   if (!s.add_bias_linear) add("--disable-bias-linear");
   if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
   if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");

@@ -17,7 +17,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--decoder-seq-length", W::any_use, {}, "encoder-decoder models"},
       {"--position-embedding-type", W::values, {"yarn", "mrope", "relative"}, ""},
       {"--rope-type", W::values, {"yarn"}, ""},
-      {"--squared-relu", W::any_use, {}, ""},
       {"--quick-geglu", W::any_use, {}, ""},
       {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
@@ -72,7 +71,8 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--recompute-modules", W::values, {"moe_act", "mla_up_proj", "moe", "shared_experts"}, ""},
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)
-      {"--init-method-xavier-uniform", W::any_use, {}, ""},
+      {"--init-method-xavier-uniform", W::any_use, {},
+       "Megatron-LM with Megatron-Core 0.20 fails on it too: TransformerConfig has no scaled_init_method"},
       // distributed (1.10)
       {"--num-distributed-optimizer-instances", W::other_than, {"1"}, ""},
       {"--overlap-param-gather-with-optimizer-step", W::any_use, {}, ""},

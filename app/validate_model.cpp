@@ -71,6 +71,11 @@ void validate_model(CliState& st) {
     fail("--sequence-parallel needs --seq-length {} (per context-parallel rank: {}) divisible by "
          "--tensor-model-parallel-size {}", m.seq_length, m.seq_length / cp, tp);
   if (m.squared_relu && m.swiglu) fail("--squared-relu and --swiglu are exclusive");
+  // Megatron-LM's bias-activation fusion (on with biases unless --no-bias-gelu-fusion) takes GeLU
+  // and SwiGLU only: its TransformerConfig stops a squared-ReLU model with biases there.
+  if (m.squared_relu && m.add_bias_linear && m.bias_gelu_fusion)
+    fail("--squared-relu with biased linear layers needs --no-bias-gelu-fusion (or --disable-bias-linear): "
+         "Megatron-LM's bias-activation fusion takes only GeLU and SwiGLU and refuses this combination too");
   if (m.quick_geglu && m.swiglu) fail("--quick-geglu and --swiglu are exclusive");
   if (m.qk_l2_norm && m.multi_latent_attention) fail("--qk-l2-norm is not supported with --multi-latent-attention");
   if (m.qk_l2_norm && m.qk_layernorm)

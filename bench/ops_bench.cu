@@ -298,10 +298,16 @@ void bench_model(Bench& B, const Model& M) {
     } else {
       const int S = B.sets_for(3 * ff);
       auto in = B.alloc_rot(bf, {R, F}, S, 1.0), out = B.alloc_rot(bf, {R, F}, S), dout = B.alloc_rot(bf, {R, F}, S);
-      B.memory_op(mn, "gelu fwd (erf)", shape2(R, F), 2 * ff, [&](int k) { be.gelu_forward(out.at(k), in.at(k), false); });
+      const auto fwd = [&](const char* name, Activation act) {
+        B.memory_op(mn, name, shape2(R, F), 2 * ff, [&](int k) { be.activation_forward(out.at(k), in.at(k), act); });
+      };
+      fwd("gelu fwd (erf)", Activation::gelu);
       B.memory_op(mn, "gelu bwd (erf)", shape2(R, F), 3 * ff,
-                  [&](int k) { be.gelu_backward(out.at(k), dout.at(k), in.at(k), false); });
-      B.memory_op(mn, "gelu fwd (tanh)", shape2(R, F), 2 * ff, [&](int k) { be.gelu_forward(out.at(k), in.at(k), true); });
+                  [&](int k) { be.activation_backward(out.at(k), dout.at(k), in.at(k), Activation::gelu); });
+      fwd("gelu fwd (tanh)", Activation::gelu_tanh);
+      fwd("squared relu fwd", Activation::squared_relu);
+      B.memory_op(mn, "squared relu bwd", shape2(R, F), 3 * ff,
+                  [&](int k) { be.activation_backward(out.at(k), dout.at(k), in.at(k), Activation::squared_relu); });
     }
     B.free_all();
   }

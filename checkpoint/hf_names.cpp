@@ -71,6 +71,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.add_bias_linear = m.add_bias_linear;
   s.add_qkv_bias = m.add_qkv_bias;
   s.swiglu = m.swiglu;
+  s.squared_relu = m.squared_relu;
   s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;
   s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
@@ -106,6 +107,7 @@ const char* hf_architecture_name(HfArchitecture a) {
     case HfArchitecture::llama: return "LlamaForCausalLM";
     case HfArchitecture::mistral: return "MistralForCausalLM";
     case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
+    case HfArchitecture::nemotron: return "NemotronForCausalLM";
   }
   return "?";
 }
@@ -121,11 +123,13 @@ void HfModelSpec::validate() const {
   if (vocab_size <= 0 || padded_vocab_size < vocab_size)
     fail("HF mapping: vocabulary {} / padded {} is not valid", vocab_size, padded_vocab_size);
   if (qk_layernorm) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (squared_relu && arch != HfArchitecture::nemotron)
+    refuse("--squared-relu (of the mapped families only NemotronForCausalLM's MLP is squared ReLU)");
   if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
   if (sliding_window && *sliding_window < 1) fail("HF mapping: sliding window {} (must be >= 1)", *sliding_window);
   if (!window_layers.empty() && static_cast<int>(window_layers.size()) != num_layers)
     fail("HF mapping: {} per-layer window entries for {} layers", window_layers.size(), num_layers);
-  if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama))
+  if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama || arch == HfArchitecture::nemotron))
     refuse("--window-size (the HF model has no sliding window; Llama-shaped models with one export as "
            "MistralForCausalLM, Qwen2-shaped ones as Qwen2ForCausalLM)");
   if (arch == HfArchitecture::mistral) {
@@ -134,7 +138,19 @@ void HfModelSpec::validate() const {
     if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
   }
 
-  if (arch == HfArchitecture::gpt2) {
+  if (arch == HfArchitecture::nemotron) {
+    // transformers' NemotronForCausalLM: LayerNorm1P (weight stored zero-centred, as Megatron's
+    // --apply-layernorm-1p) with bias, q/k/v/o and up/down projections (no gate), relu2, and
+    // rotate-half RoPE over the first partial_rotary_factor of each head.
+    if (!layernorm) refuse("--normalization RMSNorm (Nemotron uses LayerNorm1P)");
+    if (!apply_layernorm_1p) refuse("LayerNorm without --apply-layernorm-1p (Nemotron's norms are LayerNorm1P)");
+    if (!squared_relu) refuse("a non-squared-ReLU MLP (pass --squared-relu)");
+    if (learned_position_embeddings) refuse("learned absolute position embeddings (Nemotron uses RoPE)");
+    if (add_qkv_bias && !add_bias_linear) refuse("--add-qkv-bias alone (Nemotron's attention_bias covers q, k, v and o)");
+    if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
+    if (rotary_interleaved) refuse("--rotary-interleaved (Nemotron rotates halves)");
+    if (head_dim % 2 != 0) refuse("an odd head dimension with RoPE");
+  } else if (arch == HfArchitecture::gpt2) {
     if (!layernorm) refuse("--normalization RMSNorm (GPT-2 uses LayerNorm)");
     if (!learned_position_embeddings) refuse("--position-embedding-type other than learned_absolute");
     if (swiglu) refuse("--swiglu (GPT-2's MLP is GeLU)");
@@ -168,7 +184,9 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
                  std::vector<std::vector<int64_t>> hf_shapes, HfTransform t) {
     out.push_back({std::move(ours), std::move(our_shape), std::move(hf), std::move(hf_shapes), t});
   };
-  const HfTransform norm = s.apply_layernorm_1p ? HfTransform::norm_1p : HfTransform::copy;
+  const bool nemotron = s.arch == HfArchitecture::nemotron;
+  // Nemotron's LayerNorm1P stores gamma - 1 as Megatron's --apply-layernorm-1p does.
+  const HfTransform norm = s.apply_layernorm_1p && !nemotron ? HfTransform::norm_1p : HfTransform::copy;
 
   add("embedding.word_embeddings.weight", {Vp, h}, {gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight"},
       {{V, h}}, HfTransform::vocab_rows);
@@ -197,6 +215,8 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
     } else {
       const std::string A = P + "self_attn.";
       add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
+      if (nemotron)
+        add(L + "self_attention.linear_qkv.layer_norm_bias", {h}, {P + "input_layernorm.bias"}, {{h}}, HfTransform::copy);
       add(L + "self_attention.linear_qkv.weight", {qkv_rows, h},
           {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{H * d, h}, {G * d, h}, {G * d, h}},
           HfTransform::qkv_split);
@@ -206,17 +226,24 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
       add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
       if (s.add_bias_linear) add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
       add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
-      add(L + "mlp.linear_fc1.weight", {2 * f, h}, {P + "mlp.gate_proj.weight", P + "mlp.up_proj.weight"},
-          {{f, h}, {f, h}}, HfTransform::fc1_split);
-      if (s.add_bias_linear)
-        add(L + "mlp.linear_fc1.bias", {2 * f}, {P + "mlp.gate_proj.bias", P + "mlp.up_proj.bias"}, {{f}, {f}},
-            HfTransform::fc1_split);
+      if (nemotron) {
+        add(L + "mlp.linear_fc1.layer_norm_bias", {h}, {P + "post_attention_layernorm.bias"}, {{h}}, HfTransform::copy);
+        add(L + "mlp.linear_fc1.weight", {f, h}, {P + "mlp.up_proj.weight"}, {{f, h}}, HfTransform::copy);
+        if (s.add_bias_linear) add(L + "mlp.linear_fc1.bias", {f}, {P + "mlp.up_proj.bias"}, {{f}}, HfTransform::copy);
+      } else {
+        add(L + "mlp.linear_fc1.weight", {2 * f, h}, {P + "mlp.gate_proj.weight", P + "mlp.up_proj.weight"},
+            {{f, h}, {f, h}}, HfTransform::fc1_split);
+        if (s.add_bias_linear)
+          add(L + "mlp.linear_fc1.bias", {2 * f}, {P + "mlp.gate_proj.bias", P + "mlp.up_proj.bias"}, {{f}, {f}},
+              HfTransform::fc1_split);
+      }
       add(L + "mlp.linear_fc2.weight", {h, f}, {P + "mlp.down_proj.weight"}, {{h, f}}, HfTransform::copy);
       if (s.add_bias_linear) add(L + "mlp.linear_fc2.bias", {h}, {P + "mlp.down_proj.bias"}, {{h}}, HfTransform::copy);
     }
   }
   add("decoder.final_layernorm.weight", {h}, {gpt2 ? "transformer.ln_f.weight" : "model.norm.weight"}, {{h}}, norm);
   if (gpt2) add("decoder.final_layernorm.bias", {h}, {"transformer.ln_f.bias"}, {{h}}, HfTransform::copy);
+  if (nemotron) add("decoder.final_layernorm.bias", {h}, {"model.norm.bias"}, {{h}}, HfTransform::copy);
   if (s.untie_embeddings_and_output_weights)
     add("output_layer.weight", {Vp, h}, {"lm_head.weight"}, {{V, h}}, HfTransform::vocab_rows);
   return out;
@@ -248,9 +275,10 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
   } else {
-    const bool qwen2 = s.arch == HfArchitecture::qwen2, mistral = s.arch == HfArchitecture::mistral;
+    const bool qwen2 = s.arch == HfArchitecture::qwen2, mistral = s.arch == HfArchitecture::mistral,
+               nemotron = s.arch == HfArchitecture::nemotron;
     c["architectures"] = {hf_architecture_name(s.arch)};
-    c["model_type"] = qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
+    c["model_type"] = qwen2 ? "qwen2" : mistral ? "mistral" : nemotron ? "nemotron" : "llama";
     c["vocab_size"] = s.vocab_size;
     c["hidden_size"] = s.hidden_size;
     c["intermediate_size"] = s.ffn_hidden_size;
@@ -258,11 +286,12 @@ json hf_config_json(const HfModelSpec& s) {
     c["num_attention_heads"] = s.num_attention_heads;
     c["num_key_value_heads"] = s.num_query_groups;
     c["head_dim"] = s.head_dim;
-    c["hidden_act"] = "silu";
+    c["hidden_act"] = nemotron ? "relu2" : "silu";
     c["max_position_embeddings"] = s.max_position_embeddings;
     c["initializer_range"] = s.init_method_std;
-    c["rms_norm_eps"] = s.norm_epsilon;
+    c[nemotron ? "norm_eps" : "rms_norm_eps"] = s.norm_epsilon;
     c["rope_theta"] = s.rotary_base;
+    if (nemotron) c["partial_rotary_factor"] = s.rotary_percent;
     // Megatron's --use-rope-scaling is Llama 3.1's scheme with fixed low/high frequency factors
     // 1 and 4 and an original context of 8192 (rotary_pos_embedding.py _apply_scaling).
     c["rope_scaling"] = s.use_rope_scaling ? json{{"rope_type", "llama3"},
@@ -295,6 +324,9 @@ json hf_config_json(const HfModelSpec& s) {
       c["layer_types"] = types;
     } else if (mistral) {
       c["sliding_window"] = window;
+    } else if (nemotron) {
+      c["attention_bias"] = s.add_bias_linear;
+      c["mlp_bias"] = s.add_bias_linear;
     } else {
       c["attention_bias"] = s.add_bias_linear;
       c["mlp_bias"] = s.add_bias_linear;
@@ -375,9 +407,11 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = c.value("resid_pdrop", 0.1);
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
-    } else if (type == "llama" || type == "mistral" || type == "qwen2") {
+    } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "nemotron") {
+      const bool nemotron = type == "nemotron";
       s.arch = type == "qwen2"     ? HfArchitecture::qwen2
                : type == "mistral" ? HfArchitecture::mistral
+               : nemotron          ? HfArchitecture::nemotron
                                    : HfArchitecture::llama;
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
@@ -389,10 +423,15 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
                                                                       : s.hidden_size / s.num_attention_heads;
       s.ffn_hidden_size = need("intermediate_size").get<int>();
       s.max_position_embeddings = need("max_position_embeddings").get<int>();
-      s.layernorm = false;
-      s.swiglu = true;
-      const std::string act = c.value("hidden_act", std::string("silu"));
-      if (act != "silu") throw Unsupported(fmt::format("HF {} config: hidden_act '{}' (megatrain's SwiGLU is silu)", type, act));
+      // Nemotron: LayerNorm1P (zero-centred weight, as --apply-layernorm-1p) and relu2 (squared ReLU).
+      s.layernorm = nemotron;
+      s.apply_layernorm_1p = nemotron;
+      s.swiglu = !nemotron;
+      s.squared_relu = nemotron;
+      const std::string act = c.value("hidden_act", std::string(nemotron ? "relu2" : "silu"));
+      if (act != (nemotron ? "relu2" : "silu"))
+        throw Unsupported(fmt::format("HF {} config: hidden_act '{}' (megatrain maps {})", type, act,
+                                      nemotron ? "relu2, squared ReLU" : "silu, SwiGLU"));
       if (type == "qwen2") {
         s.add_qkv_bias = true;  // Qwen2's q/k/v projections have biases, o_proj and the MLP none
         s.add_bias_linear = false;
@@ -403,7 +442,7 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
                                         "--disable-bias-linear covers both)", attention_bias, mlp_bias));
         s.add_bias_linear = attention_bias;
       }
-      s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
+      s.norm_epsilon = nemotron ? c.value("norm_eps", 1e-5) : c.value("rms_norm_eps", 1e-6);
       // RoPE: transformers < 5 writes rope_theta and rope_scaling; transformers >= 5 writes
       // rope_parameters (rope_theta, and rope_type "default" or the scaling's type and factors).
       const json* params = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"] : nullptr;
@@ -411,6 +450,8 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
         return j.contains(key) && j[key].is_number() ? j[key].get<double>() : fallback;
       };
       s.rotary_base = number(c, "rope_theta", params ? number(*params, "rope_theta", 10000.0) : 10000.0);
+      if (nemotron)  // (transformers' default 0.5)
+        s.rotary_percent = number(c, "partial_rotary_factor", params ? number(*params, "partial_rotary_factor", 0.5) : 0.5);
       s.attention_dropout = c.value("attention_dropout", 0.0);
       s.hidden_dropout = 0.0;
       const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : nullptr;
@@ -428,7 +469,7 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       }
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else {
-      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral and qwen2)", type));
+      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2 and nemotron)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);

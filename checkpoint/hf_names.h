@@ -29,8 +29,9 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, mistral, qwen2 };
-// "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM".
+enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron };
+// "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+// "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE).
 const char* hf_architecture_name(HfArchitecture a);
 
 // What the mapping needs to know about the model.
@@ -50,6 +51,7 @@ struct HfModelSpec {
   bool add_bias_linear = true;
   bool add_qkv_bias = false;
   bool swiglu = false;
+  bool squared_relu = false;
   bool qk_layernorm = false;
   bool qk_l2_norm = false;
   bool untie_embeddings_and_output_weights = false;

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/philox.h"
+#include "engine/backend.h"
 #include "engine/dropout_mask.h"
 
 namespace mt::cuda {
@@ -40,18 +41,41 @@ __device__ __forceinline__ float gelu_tanh_grad_from_gate(float x, float s) {
 }
 __device__ __forceinline__ float gelu_tanh(float x) { return x * gelu_tanh_gate(x); }
 __device__ __forceinline__ float gelu_tanh_grad(float x) { return gelu_tanh_grad_from_gate(x, gelu_tanh_gate(x)); }
-__device__ __forceinline__ float gelu(float x, bool tanh_approx) { return tanh_approx ? gelu_tanh(x) : gelu_erf(x); }
-__device__ __forceinline__ float gelu_grad(float x, bool tanh_approx) {
-  return tanh_approx ? gelu_tanh_grad(x) : gelu_erf_grad(x);
+
+// Squared ReLU (--squared-relu): relu(x)^2, derivative 2 relu(x). `x < 0 ? 0 : x` keeps a NaN
+// input NaN (torch's relu does). For 16-bit inputs r * r and dy * 2r are exact in float32, so the
+// results round once, as the reference backend's double math does.
+__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }
+__device__ __forceinline__ float squared_relu(float x) { return relu(x) * relu(x); }
+__device__ __forceinline__ float squared_relu_grad(float x) { return 2.0f * relu(x); }
+
+// The ungated activations by Activation (never none). The kernels pass it at run time (one branch,
+// the same for every thread) or as a template argument.
+__device__ __forceinline__ float act_value(float x, Activation a) {
+  switch (a) {
+    case Activation::gelu_tanh: return gelu_tanh(x);
+    case Activation::squared_relu: return squared_relu(x);
+    default: return gelu_erf(x);
+  }
+}
+__device__ __forceinline__ float act_grad(float x, Activation a) {
+  switch (a) {
+    case Activation::gelu_tanh: return gelu_tanh_grad(x);
+    case Activation::squared_relu: return squared_relu_grad(x);
+    default: return gelu_erf_grad(x);
+  }
 }
 
-// gelu(x) and gelu'(x) from one erf (tanh) evaluation: the backward that recomputes the forward's
-// activation. The same operations as gelu() and gelu_grad(), so the same bits.
-__device__ __forceinline__ void gelu_and_grad(float x, bool tanh_approx, float& y, float& dy) {
-  if (tanh_approx) {
+// act(x) and act'(x) from one erf (tanh) evaluation: the backward that recomputes the forward's
+// activation. The same operations as act_value() and act_grad(), so the same bits.
+__device__ __forceinline__ void act_and_grad(float x, Activation a, float& y, float& dy) {
+  if (a == Activation::gelu_tanh) {
     const float s = gelu_tanh_gate(x);
     y = x * s;
     dy = gelu_tanh_grad_from_gate(x, s);
+  } else if (a == Activation::squared_relu) {
+    y = squared_relu(x);
+    dy = squared_relu_grad(x);
   } else {
     const float c = erfcf(-x * kSqrt1_2);
     y = 0.5f * x * c;

@@ -324,15 +324,15 @@ void CudaBackend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Ten
 }
 
 // ---- activations --------------------------------------------------------------------------------
-void CudaBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
-  on_device("gelu_forward", out, in);
-  MT_PROFILE_OP("gelu_forward {}", in.shape_string());
-  cuda::gelu_forward(context(), out, in, tanh_approx);
+void CudaBackend::activation_forward(Tensor out, Tensor in, Activation act) {
+  on_device("activation_forward", out, in);
+  MT_PROFILE_OP("activation_forward {}", in.shape_string());
+  cuda::activation_forward(context(), out, in, act);
 }
-void CudaBackend::gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
-  on_device("gelu_backward", din, dout, in);
-  MT_PROFILE_OP("gelu_backward {}", in.shape_string());
-  cuda::gelu_backward(context(), din, dout, in, tanh_approx);
+void CudaBackend::activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) {
+  on_device("activation_backward", din, dout, in);
+  MT_PROFILE_OP("activation_backward {}", in.shape_string());
+  cuda::activation_backward(context(), din, dout, in, act);
 }
 void CudaBackend::swiglu_forward(Tensor out, Tensor in) {
   on_device("swiglu_forward", out, in);

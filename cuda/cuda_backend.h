@@ -96,8 +96,8 @@ class CudaBackend final : public Backend {
   void fp8_transpose(Tensor q_t, Tensor q) override;
   void fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv) override;
 
-  void gelu_forward(Tensor out, Tensor in, bool tanh_approx) override;
-  void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) override;
+  void activation_forward(Tensor out, Tensor in, Activation act) override;
+  void activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) override;
   void swiglu_forward(Tensor out, Tensor in) override;
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;

@@ -158,7 +158,7 @@ void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Te
   cuda::fp8_linear_forward(fp8_gemm(), target.view({M, N}),
                            {xq.data, fp8_format_of(xq.dtype, op, "xq"), fp8_scale_slots_},
                            {wq.data, fp8_format_of(wq.dtype, op, "wq"), fp8_scale_slots_ + 4}, K, bias.data);
-  if (act != Activation::none) cuda::gelu_forward(ctx, y, pre_act, act == Activation::gelu_tanh);
+  if (act != Activation::none) cuda::activation_forward(ctx, y, pre_act, act);
 }
 
 void CudaBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_scale_inv, Tensor wq_t,
@@ -178,10 +178,9 @@ void CudaBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_sca
   const cuda::Fp8Operand dy_op{dyq.data, fp8_format_of(dyq.dtype, op, "dyq"), fp8_scale_slots_};
   const cuda::Fp8Operand w_op{wq_t.data, fp8_format_of(wq_t.dtype, op, "wq_t"), fp8_scale_slots_ + 4};
   const Tensor dx2 = dx.view({M, K});
-  const bool tanh_approx = act == Activation::gelu_tanh;
   if (!accumulate) {
     cuda::fp8_linear_backward_input(fp8_gemm(), dx2, dy_op, w_op, N, false);
-    if (act != Activation::none) cuda::gelu_grad_multiply(ctx, dx2, dx2, pre_act.view({M, K}), tanh_approx, false);
+    if (act != Activation::none) cuda::activation_grad_multiply(ctx, dx2, dx2, pre_act.view({M, K}), act, false);
     return;
   }
   // dx += (dyq . wq_t^T) [* act'(pre_act)]: the product in float32 scratch, 16-row multiples at a time.
@@ -197,7 +196,7 @@ void CudaBackend::fp8_linear_backward_input(Tensor dx, Tensor dyq, Tensor dy_sca
     cuda::fp8_linear_backward_input(fp8_gemm(), part, dy_rows, w_op, N, false);
     const Tensor out = dx2.row_slice(r0, rows);
     if (act != Activation::none)
-      cuda::gelu_grad_multiply(ctx, out, part, pre_act.view({M, K}).row_slice(r0, rows), tanh_approx, true);
+      cuda::activation_grad_multiply(ctx, out, part, pre_act.view({M, K}).row_slice(r0, rows), act, true);
     else
       cuda::axpby(ctx, out, 1.0f, out, 1.0f, part);
   }

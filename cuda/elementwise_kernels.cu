@@ -1,4 +1,4 @@
-// Elementwise kernels: fill, cast, axpby, GeLU (erf and tanh) forward/backward, SwiGLU
+// Elementwise kernels: fill, cast, axpby, GeLU (erf and tanh) and squared ReLU forward/backward, SwiGLU
 // forward/backward, bias + dropout + residual add, dropout backward.
 //
 // All of them are memory-bound, so each thread moves 8 elements per step with 16-byte accesses
@@ -130,25 +130,25 @@ __global__ void axpby_mixed_kernel(void* out, DType to, float alpha, const void*
   }
 }
 
-// ---- GeLU -----------------------------------------------------------------------------------------
+// ---- GeLU and squared ReLU (the ungated activations, cuda/activations.cuh) -------------------------
 template <typename T, bool VEC>
-__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n, bool tanh_approx) {
+__global__ void activation_forward_kernel(T* out, const T* in, int64_t n, Activation act) {
   MT_FLAT_LOOP(n) {
     Floats<kN> x = ld<VEC>(in, base, n);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) x.v[j] = gelu(x.v[j], tanh_approx);
+    for (int j = 0; j < kN; ++j) x.v[j] = act_value(x.v[j], act);
     st<VEC>(out, base, n, x);
   }
 }
 
-// out (=|+=) g * gelu'(pre). Also the plain GeLU backward (din = dout * gelu'(in)).
+// out (=|+=) g * act'(pre). Also the plain backward (din = dout * act'(in)).
 template <typename T, typename G, bool VEC, bool ACC>
-__global__ void gelu_grad_kernel(T* out, const G* g, const T* pre, int64_t n, bool tanh_approx) {
+__global__ void activation_grad_kernel(T* out, const G* g, const T* pre, int64_t n, Activation act) {
   MT_FLAT_LOOP(n) {
     const Floats<kN> x = ld<VEC>(pre, base, n);
     Floats<kN> d = ld<VEC>(g, base, n);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) d.v[j] *= gelu_grad(x.v[j], tanh_approx);
+    for (int j = 0; j < kN; ++j) d.v[j] *= act_grad(x.v[j], act);
     if constexpr (ACC) {
       const Floats<kN> o = ld<VEC>(out, base, n);
 #pragma unroll
@@ -158,21 +158,21 @@ __global__ void gelu_grad_kernel(T* out, const G* g, const T* pre, int64_t n, bo
   }
 }
 
-// g = g * gelu'(pre), act = gelu(pre): the backward through a GeLU that also recomputes its output
-// (act may alias pre: each element is read before it is written).
+// g = g * act'(pre), out = act(pre): the backward through an activation that also recomputes its
+// output (out may alias pre: each element is read before it is written).
 template <typename T, bool VEC>
-__global__ void gelu_grad_recompute_kernel(T* g, T* act, const T* pre, int64_t n, bool tanh_approx) {
+__global__ void activation_grad_recompute_kernel(T* g, T* out, const T* pre, int64_t n, Activation act) {
   MT_FLAT_LOOP(n) {
     const Floats<kN> x = ld<VEC>(pre, base, n);
     Floats<kN> d = ld<VEC>(g, base, n), y;
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
       float grad;
-      gelu_and_grad(x.v[j], tanh_approx, y.v[j], grad);
+      act_and_grad(x.v[j], act, y.v[j], grad);
       d.v[j] *= grad;
     }
     st<VEC>(g, base, n, d);
-    st<VEC>(act, base, n, y);
+    st<VEC>(out, base, n, y);
   }
 }
 
@@ -488,38 +488,40 @@ void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float be
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void gelu_forward(const KernelContext& ctx, Tensor out, Tensor in, bool tanh_approx) {
-  check_same_numel(out, in, "gelu_forward");
-  MT_CHECK(out.dtype == in.dtype, "gelu_forward: dtypes differ");
+void activation_forward(const KernelContext& ctx, Tensor out, Tensor in, Activation act) {
+  check_same_numel(out, in, "activation_forward");
+  MT_CHECK(out.dtype == in.dtype, "activation_forward: dtypes differ");
+  MT_CHECK(act != Activation::none, "activation_forward needs an activation");
   const int64_t n = out.numel();
   if (n == 0) return;
-  MT_DISPATCH_FLOAT(out.dtype, T, "gelu_forward", {
+  MT_DISPATCH_FLOAT(out.dtype, T, "activation_forward", {
     with_vec(all_aligned({out.data, in.data}), [&]<bool V>() {
-      gelu_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(), n,
-                                                                              tanh_approx);
+      activation_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(),
+                                                                                    n, act);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, bool tanh_approx,
-                        bool accumulate) {
-  check_same_numel(out, g, "gelu backward");
-  check_same_numel(out, pre, "gelu backward");
-  MT_CHECK(out.dtype == pre.dtype && (g.dtype == out.dtype || g.dtype == DType::f32), "gelu backward: dtypes {} {} {}",
-           dtype_name(out.dtype), dtype_name(g.dtype), dtype_name(pre.dtype));
+void activation_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, Activation act,
+                              bool accumulate) {
+  check_same_numel(out, g, "activation backward");
+  check_same_numel(out, pre, "activation backward");
+  MT_CHECK(out.dtype == pre.dtype && (g.dtype == out.dtype || g.dtype == DType::f32),
+           "activation backward: dtypes {} {} {}", dtype_name(out.dtype), dtype_name(g.dtype), dtype_name(pre.dtype));
+  MT_CHECK(act != Activation::none, "activation backward needs an activation");
   const int64_t n = out.numel();
   if (n == 0) return;
-  MT_DISPATCH_FLOAT(out.dtype, T, "gelu backward", {
+  MT_DISPATCH_FLOAT(out.dtype, T, "activation backward", {
     auto go = [&](auto* gp) {
       using G = std::remove_const_t<std::remove_pointer_t<decltype(gp)>>;
       with_vec(all_aligned({out.data, g.data, pre.data}), [&]<bool V>() {
         if (accumulate)
-          gelu_grad_kernel<T, G, V, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), gp,
-                                                                                        pre.ptr<const T>(), n, tanh_approx);
+          activation_grad_kernel<T, G, V, true><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+              out.ptr<T>(), gp, pre.ptr<const T>(), n, act);
         else
-          gelu_grad_kernel<T, G, V, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), gp,
-                                                                                         pre.ptr<const T>(), n, tanh_approx);
+          activation_grad_kernel<T, G, V, false><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+              out.ptr<T>(), gp, pre.ptr<const T>(), n, act);
       });
     };
     if (g.dtype == DType::f32) go(g.ptr<const float>());
@@ -528,9 +530,9 @@ void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor p
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void gelu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
-  MT_CHECK(dout.dtype == din.dtype, "gelu_backward: dtypes differ");
-  gelu_grad_multiply(ctx, din, dout, in, tanh_approx, false);
+void activation_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, Activation act) {
+  MT_CHECK(dout.dtype == din.dtype, "activation_backward: dtypes differ");
+  activation_grad_multiply(ctx, din, dout, in, act, false);
 }
 
 void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in) {
@@ -585,17 +587,18 @@ void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx) {
-  check_same_numel(g, pre, "gelu_grad_recompute");
-  check_same_numel(act_out, pre, "gelu_grad_recompute");
-  MT_CHECK(g.dtype == pre.dtype && act_out.dtype == pre.dtype, "gelu_grad_recompute: dtypes differ");
-  MT_CHECK(g.data != pre.data && g.data != act_out.data, "gelu_grad_recompute: only act_out = pre may alias");
+void activation_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, Activation act) {
+  check_same_numel(g, pre, "activation_grad_recompute");
+  check_same_numel(act_out, pre, "activation_grad_recompute");
+  MT_CHECK(g.dtype == pre.dtype && act_out.dtype == pre.dtype, "activation_grad_recompute: dtypes differ");
+  MT_CHECK(g.data != pre.data && g.data != act_out.data, "activation_grad_recompute: only act_out = pre may alias");
+  MT_CHECK(act != Activation::none, "activation_grad_recompute needs an activation");
   const int64_t n = g.numel();
   if (n == 0) return;
-  MT_DISPATCH_FLOAT(g.dtype, T, "gelu_grad_recompute", {
+  MT_DISPATCH_FLOAT(g.dtype, T, "activation_grad_recompute", {
     with_vec(all_aligned({g.data, act_out.data, pre.data}), [&]<bool V>() {
-      gelu_grad_recompute_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
-          g.ptr<T>(), act_out.ptr<T>(), pre.ptr<const T>(), n, tanh_approx);
+      activation_grad_recompute_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+          g.ptr<T>(), act_out.ptr<T>(), pre.ptr<const T>(), n, act);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

@@ -110,7 +110,7 @@ __device__ __forceinline__ Floats<8> floats8(const Raw8<T>& r) {
 }
 
 // What a cast reads: element (r, c) of the [R, C] tensor it quantizes, as a float. PlainInput is
-// the tensor itself; the activation readers compute it from fc1's output exactly as gelu_forward /
+// the tensor itself; the activation readers compute it from fc1's output exactly as activation_forward /
 // swiglu_forward would store it (the activation in float32, rounded to T), so the bytes equal
 // those of the activation op followed by the plain cast.
 // Each reader: ptrs(r, c) gives the addresses of the kStreams tensors' 8 elements behind the 8
@@ -136,8 +136,8 @@ __device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
-template <typename T, bool TANH>
-struct GeluInput {
+template <typename T, Activation A>
+struct ActivationInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = false;
   using Elem = T;
@@ -148,10 +148,10 @@ struct GeluInput {
   __device__ __forceinline__ void compute(const Raw8<T> (&raw)[1], int64_t, int64_t, Floats<8> (&v)[1]) const {
     v[0] = floats8(raw[0]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(gelu(v[0].v[j], TANH));
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(act_value(v[0].v[j], A));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
-    return round_to<T>(gelu(to_float(pre[r * C + c]), TANH));
+    return round_to<T>(act_value(to_float(pre[r * C + c]), A));
   }
 };
 
@@ -179,9 +179,9 @@ struct SwigluInput {
   }
 };
 
-// dout * gelu'(pre), both [R, C].
-template <typename T, bool TANH>
-struct GeluGradInput {
+// dout * act'(pre), both [R, C].
+template <typename T, Activation A>
+struct ActivationGradInput {
   static constexpr int kHalves = 1;
   static constexpr bool kTileKernel = false;
   using Elem = T;
@@ -197,10 +197,10 @@ struct GeluGradInput {
     v[0] = floats8(raw[0]);
     const Floats<8> x = floats8(raw[1]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(v[0].v[j] * gelu_grad(x.v[j], TANH));
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(v[0].v[j] * act_grad(x.v[j], A));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
-    return round_to<T>(to_float(dout[r * C + c]) * gelu_grad(to_float(pre[r * C + c]), TANH));
+    return round_to<T>(to_float(dout[r * C + c]) * act_grad(to_float(pre[r * C + c]), A));
   }
 };
 
@@ -876,19 +876,23 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
     const auto go = [&](const auto& input) {
       launch_cast_transpose(ctx, out, out_t, format, input, R, C, vec, scale, amax, dbias);
     };
-    const bool tanh_form = src.act == MlpActivation::gelu_tanh;
+    const Activation ungated = ungated_activation(src.act);
     switch (src.kind) {
       case Kind::plain: go(PlainInput<T>{x, C}); break;
       case Kind::activation:
         if (swiglu) go(SwigluInput<T>{x, C});
-        else if (tanh_form) go(GeluInput<T, true>{x, C});
-        else go(GeluInput<T, false>{x, C});
+        else if (ungated == Activation::gelu_tanh) go(ActivationInput<T, Activation::gelu_tanh>{x, C});
+        else if (ungated == Activation::squared_relu) go(ActivationInput<T, Activation::squared_relu>{x, C});
+        else go(ActivationInput<T, Activation::gelu>{x, C});
         break;
-      case Kind::activation_grad:
-        if (gated_grad) go(SwigluGradInput<T>{x, src.pre.ptr<const T>(), src.x.cols()});
-        else if (tanh_form) go(GeluGradInput<T, true>{x, src.pre.ptr<const T>(), C});
-        else go(GeluGradInput<T, false>{x, src.pre.ptr<const T>(), C});
+      case Kind::activation_grad: {
+        const T* pre = src.pre.ptr<const T>();
+        if (gated_grad) go(SwigluGradInput<T>{x, pre, src.x.cols()});
+        else if (ungated == Activation::gelu_tanh) go(ActivationGradInput<T, Activation::gelu_tanh>{x, pre, C});
+        else if (ungated == Activation::squared_relu) go(ActivationGradInput<T, Activation::squared_relu>{x, pre, C});
+        else go(ActivationGradInput<T, Activation::gelu>{x, pre, C});
         break;
+      }
       case Kind::norm:
         go(NormInput<T>{x, src.mean.empty() ? nullptr : src.mean.ptr<const float>(), src.rstd.ptr<const float>(),
                         src.weight.ptr<const T>(), src.bias.empty() ? nullptr : src.bias.ptr<const T>(), C,

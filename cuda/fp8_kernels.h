@@ -36,11 +36,13 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
 
 // What a fused cast quantizes, read from the tensors that define it (never written itself):
 //   plain:           x;
-//   activation:      act(x), x = fc1's output ([R, C] for GeLU, [R, 2C] = [gate | up] for SwiGLU),
-//                    the values gelu_forward / swiglu_forward would store in x's dtype;
-//   activation_grad: the gradient of act's input from x, the gradient of its output: GeLU
-//                    x * gelu'(pre), x and pre [R, C]; SwiGLU [dgate | dup] [R, 2F] from x [R, F]
-//                    and pre [R, 2F]: the values gelu_backward / swiglu_backward would store;
+//   activation:      act(x), x = fc1's output ([R, C] for GeLU and squared ReLU, [R, 2C] =
+//                    [gate | up] for SwiGLU), the values activation_forward / swiglu_forward would
+//                    store in x's dtype;
+//   activation_grad: the gradient of act's input from x, the gradient of its output: GeLU and
+//                    squared ReLU x * act'(pre), x and pre [R, C]; SwiGLU [dgate | dup] [R, 2F]
+//                    from x [R, F] and pre [R, 2F]: the values activation_backward /
+//                    swiglu_backward would store;
 //   norm:            norm(x) from x and its statistics (below).
 struct CastSource {
   enum class Kind { plain, activation, activation_grad, norm };

@@ -420,7 +420,7 @@ void linear_forward(GemmRunner& gemm, const KernelContext& ctx, Tensor y, Tensor
   c.aux = nullptr;
   c.aux_ld = 0;
   gemm.run(c, "linear_forward");
-  if (act != Activation::none) gelu_forward(ctx, y, target, act == Activation::gelu_tanh);
+  if (act != Activation::none) activation_forward(ctx, y, target, act);
 }
 
 void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx, Tensor dy, Tensor w,
@@ -443,9 +443,8 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
   }
   MT_CHECK(pre_act.numel() == M * K && pre_act.dtype == dx.dtype, "linear_backward_input: pre_act {} for dx {}",
            pre_act.shape_string(), dx.shape_string());
-  const bool tanh_approx = act == Activation::gelu_tanh;
   if (!accumulate) {
-    if (tanh_approx && gemm.use_gelu_epilogue && K % 8 == 0) {
+    if (act == Activation::gelu_tanh && gemm.use_gelu_epilogue && K % 8 == 0) {
       c.epilogue = GemmEpilogue::dgelu;
       c.aux = pre_act.data;
       c.aux_ld = K;
@@ -455,7 +454,7 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
       c.aux_ld = 0;
     }
     gemm.run(c, "linear_backward_input");
-    gelu_grad_multiply(ctx, dx, dx, pre_act, tanh_approx, false);
+    activation_grad_multiply(ctx, dx, dx, pre_act, act, false);
     return;
   }
   // dx += (dy . w) * act'(pre_act): the product goes through float32 scratch, a row chunk at a time.
@@ -470,8 +469,8 @@ void linear_backward_input(GemmRunner& gemm, const KernelContext& ctx, Tensor dx
     cc.b = static_cast<const char*>(dy.data) + r0 * N * dy_elem;
     cc.d = tmp, cc.d_type = DType::f32, cc.ldd = K;
     gemm.run(cc, "linear_backward_input");
-    gelu_grad_multiply(ctx, dx.row_slice(r0, rows), Tensor(tmp, DType::f32, Device::cuda, {rows, K}),
-                       pre_act.view({M, K}).row_slice(r0, rows), tanh_approx, true);
+    activation_grad_multiply(ctx, dx.row_slice(r0, rows), Tensor(tmp, DType::f32, Device::cuda, {rows, K}),
+                             pre_act.view({M, K}).row_slice(r0, rows), act, true);
   }
 }
 
@@ -569,17 +568,16 @@ void linear_backward_input_recompute(GemmRunner& gemm, const KernelContext& ctx,
   MT_CHECK(pre_act.numel() == dx.numel() && act_out.numel() == dx.numel(),
            "linear_backward_input_recompute: pre_act {} and act_out {} for dx {}", pre_act.shape_string(),
            act_out.shape_string(), dx.shape_string());
-  const bool tanh_approx = act == Activation::gelu_tanh;
-  if (tanh_approx && gemm.use_gelu_epilogue) {
+  if (act == Activation::gelu_tanh && gemm.use_gelu_epilogue) {
     // The DGELU epilogue (faster than GEMM + kernel for the tanh form), then the activation. (The
     // forward's GELU_AUX epilogue computed the activation from the unrounded GEMM result; this
     // one starts from the stored pre-activation, so it can differ from it in the last bit.)
     linear_backward_input(gemm, ctx, dx, dy, w, false, act, pre_act);
-    gelu_forward(ctx, act_out, pre_act, true);
+    activation_forward(ctx, act_out, pre_act, act);
     return;
   }
   linear_backward_input(gemm, ctx, dx, dy, w, false, Activation::none, Tensor());
-  gelu_grad_recompute(ctx, dx, act_out, pre_act, tanh_approx);
+  activation_grad_recompute(ctx, dx, act_out, pre_act, act);
 }
 
 }  // namespace mt::cuda

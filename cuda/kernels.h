@@ -73,19 +73,20 @@ void fill(const KernelContext& ctx, Tensor t, double value);
 void zero_ranges(const KernelContext& ctx, Tensor flat, const std::vector<FlatRange>& ranges);
 void cast(const KernelContext& ctx, Tensor dst, Tensor src);
 void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float beta, Tensor b);
-void gelu_forward(const KernelContext& ctx, Tensor out, Tensor in, bool tanh_approx);
-void gelu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, bool tanh_approx);
-// out = g * gelu'(pre) (accumulate: out += ...). out may alias g. Used after a plain GEMM.
-void gelu_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, bool tanh_approx,
-                        bool accumulate);
+// The ungated activations (GeLU erf / tanh, squared ReLU; act != none).
+void activation_forward(const KernelContext& ctx, Tensor out, Tensor in, Activation act);
+void activation_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, Activation act);
+// out = g * act'(pre) (accumulate: out += ...). out may alias g. Used after a plain GEMM.
+void activation_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, Activation act,
+                              bool accumulate);
 void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in);
 void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in);
 // swiglu_backward plus act_out = swiglu(in) (as swiglu_forward computes it); din may alias in,
 // act_out may alias dout.
 void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in);
-// g = g * gelu'(pre) in place and act_out = gelu(pre) (act_out may alias pre): the GeLU backward
-// after a plain GEMM, recomputing the activation on the way.
-void gelu_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, bool tanh_approx);
+// g = g * act'(pre) in place and act_out = act(pre) (act_out may alias pre): the activation's
+// backward after a plain GEMM, recomputing the activation on the way.
+void activation_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, Activation act);
 void bias_dropout_add(const KernelContext& ctx, Tensor out, Tensor x, Tensor bias, Tensor residual, float p,
                       uint64_t key);
 void dropout_backward(const KernelContext& ctx, Tensor dx, Tensor dout, float p, uint64_t key,

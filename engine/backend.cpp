@@ -26,7 +26,7 @@ void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor 
                                               Tensor pre_act) {
   MT_CHECK(act != Activation::none, "linear_backward_input_recompute needs an activation");
   linear_backward_input(dx, dy, w, false, act, pre_act);
-  gelu_forward(act_out, pre_act, act == Activation::gelu_tanh);
+  activation_forward(act_out, pre_act, act);
 }
 
 void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {

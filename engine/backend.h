@@ -27,13 +27,9 @@
 #include "core/config.h"
 #include "core/shard.h"
 #include "core/tensor.h"
+#include "engine/activation.h"
 
 namespace mt {
-
-enum class Activation { none, gelu, gelu_tanh };
-// The MLP activation between fc1 and fc2, as fp8_quantize_activation applies it to fc1's output:
-// gelu / gelu_tanh as gelu_forward, swiglu as swiglu_forward ([gate | up] per row).
-enum class MlpActivation { gelu, gelu_tanh, swiglu };
 
 struct NormParams {
   Normalization kind = Normalization::layernorm;
@@ -291,9 +287,9 @@ class Backend {
   // q and q_t have the same FP8 dtype; either may be empty (not written), not both. x is 2-D [R, C]:
   // q is [R, C], q_t is [C, R].
   virtual void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta);
-  // fp8_quantize of x = act(pre) without writing x: bit for bit gelu_forward(x, pre) /
+  // fp8_quantize of x = act(pre) without writing x: bit for bit activation_forward(x, pre) /
   // swiglu_forward(x, pre) in pre's dtype, then fp8_quantize(q, q_t, x, meta) (amax and scales of x
-  // too). pre is [R, C] for GeLU, [R, 2C] for SwiGLU; q is [R, C], q_t [C, R]. FP8 layers cast
+  // too). pre is [R, C] for GeLU and squared ReLU, [R, 2C] for SwiGLU; q is [R, C], q_t [C, R]. FP8 layers cast
   // fc2's input this way straight from fc1's output (the GEMM then writes only fc1's output, no
   // GeLU epilogue), saving the activation's write and read in the compute dtype.
   virtual void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
@@ -311,8 +307,9 @@ class Backend {
   // an FP8 layer with FP8 weight gradients (fp8_linear_backward_weight then gets no dbias).
   virtual void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias);
   // fp8_quantize_with_dbias of d, the gradient of the activation's input, without writing d: bit
-  // for bit gelu_backward(d, dout, pre) / swiglu_backward(d, dout, pre) in pre's dtype, then
-  // fp8_quantize_with_dbias(q, q_t, d, meta, dbias) (dbias may be empty). GeLU: dout and pre [R, C];
+  // for bit activation_backward(d, dout, pre) / swiglu_backward(d, dout, pre) in pre's dtype, then
+  // fp8_quantize_with_dbias(q, q_t, d, meta, dbias) (dbias may be empty). GeLU and squared ReLU:
+  // dout and pre [R, C];
   // SwiGLU: dout [R, F], pre and d [R, 2F]. FP8 layers take fc1's output gradient this way from
   // fc2's plain input gradient (no DGELU epilogue, no compute-dtype copy of the gradient).
   virtual void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
@@ -353,8 +350,9 @@ class Backend {
   virtual void fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv);
 
   // ---- activations -----------------------------------------------------------------------
-  virtual void gelu_forward(Tensor out, Tensor in, bool tanh_approx) = 0;
-  virtual void gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) = 0;
+  // out = act(in), din = dout * act'(in), elementwise (act != none); din may alias dout.
+  virtual void activation_forward(Tensor out, Tensor in, Activation act) = 0;
+  virtual void activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) = 0;
   // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up.
   virtual void swiglu_forward(Tensor out, Tensor in) = 0;
   // din may alias in (elementwise, each element read before written).

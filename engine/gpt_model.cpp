@@ -305,8 +305,8 @@ GptModel::~GptModel() {
 const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
 
 bool GptModel::keeps_gelu_activation(bool fp8_layer) const {
-  // FP8 layers never write the activation (fc2's input is cast from fc1's output); SwiGLU's
-  // recompute is part of its backward pass anyway.
+  // (GeLU or squared ReLU.) FP8 layers never write the activation (fc2's input is cast from fc1's
+  // output); SwiGLU's recompute is part of its backward pass anyway.
   return opt_.keep_gelu_activation && !d_.swiglu && !fp8_layer;
 }
 
@@ -1227,9 +1227,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
   // With FP8 GEMMs, fc1 writes only its output (no GeLU epilogue) and fc2's input is cast to FP8
   // from it (fc2_fwd_from_fc1): the activation is never written in the compute dtype.
   if (!norm_cast) gather_rows(A.ln2_out);
-  const MlpActivation mlp_act = d_.swiglu ? MlpActivation::swiglu
-                                : d_.gelu_tanh ? MlpActivation::gelu_tanh
-                                               : MlpActivation::gelu;
+  const MlpActivation mlp_act = d_.mlp_activation();
   if (fp8_gemms(local)) {
     linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor(),
                norm_cast ? &ln2 : nullptr);
@@ -1239,8 +1237,8 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
       linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
       be_.swiglu_forward(A.fc1_act, A.fc1_pre);
     } else {
-      linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b,
-                 d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu, A.fc1_pre);
+      linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b, d_.ungated_mlp_activation(),
+                 A.fc1_pre);
     }
     linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
   }
@@ -1382,37 +1380,38 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
   } else if (fp8_wgrad(local)) {
     // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
-    // into gFC, and fc1's output gradient gFC * gelu'(fc1_pre) is cast to FP8 (with fc1's bias
+    // into gFC, and fc1's output gradient gFC * act'(fc1_pre) is cast to FP8 (with fc1's bias
     // gradient) straight from it: never written in the compute dtype. Without kept inputs fc1_pre
     // must first become the activation (in place) for fc2's weight gradient, so fc1's output
-    // gradient is formed by gelu_backward in gFC and cast after it (the same bits as the fused cast).
-    const bool tanh_form = d_.gelu_tanh;
-    const MlpActivation act = tanh_form ? MlpActivation::gelu_tanh : MlpActivation::gelu;
+    // gradient is formed by activation_backward in gFC and cast after it (the same bits as the
+    // fused cast).
+    const Activation act = d_.ungated_mlp_activation();
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
     if (kept) {
       linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
-      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, act, G.fc1_b);
+      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, d_.mlp_activation(), G.fc1_b);
     } else {
-      be_.gelu_backward(w.gFC, w.gFC, A.fc1_pre, tanh_form);
-      be_.gelu_forward(A.fc1_pre, A.fc1_pre, tanh_form);
+      be_.activation_backward(w.gFC, w.gFC, A.fc1_pre, act);
+      be_.activation_forward(A.fc1_pre, A.fc1_pre, act);
       linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
       linear_quantize_dy(local, Fp8State::fc1, w.gFC, G.fc1_b);
     }
     d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
     d_fc1_quantized = true;
   } else if (A.act_kept && !fp8_gemms(local)) {
-    // The activation kept from forward: fc2's input gradient takes the GeLU's backward (cuBLASLt's
-    // DGELU epilogue for the tanh form) into gFC, and its weight gradient the kept activation.
-    const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
+    // The activation kept from forward: fc2's input gradient takes the activation's backward
+    // (cuBLASLt's DGELU epilogue for the tanh GeLU) into gFC, and its weight gradient the kept
+    // activation.
+    const Activation act = d_.ungated_mlp_activation();
     linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
     d_fc1 = w.gFC;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_act);
   } else {
     // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
-    const Activation act = d_.gelu_tanh ? Activation::gelu_tanh : Activation::gelu;
+    const Activation act = d_.ungated_mlp_activation();
     if (fp8_gemms(local)) {
       linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
-      if (!kept) be_.gelu_forward(A.fc1_pre, A.fc1_pre, act == Activation::gelu_tanh);
+      if (!kept) be_.activation_forward(A.fc1_pre, A.fc1_pre, act);
     } else {
       be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, compute_weight(local, Fp8State::fc2, P.fc2_w), act,
                                           A.fc1_pre);

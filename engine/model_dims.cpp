@@ -75,6 +75,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.norm_1p = m.apply_layernorm_1p;
   d.swiglu = m.swiglu;
   d.gelu_tanh = gelu_is_tanh(m);
+  d.squared_relu = m.squared_relu;
   d.linear_bias = m.add_bias_linear;
   d.qkv_bias = m.add_bias_linear || m.add_qkv_bias;
   // Megatron takes L2Norm over the q/k layernorm when both are given.

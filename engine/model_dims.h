@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "engine/activation.h"
 
 namespace mt {
 
@@ -34,6 +35,7 @@ struct ModelDims {
   bool norm_1p = false;
   bool swiglu = false;
   bool gelu_tanh = false;
+  bool squared_relu = false;  // --squared-relu: relu(x)^2 instead of GeLU
   bool linear_bias = true;  // all linears
   bool qkv_bias = true;     // linear_qkv (--add-qkv-bias or linear_bias)
   bool qk_norm = false;  // --qk-layernorm or --qk-l2-norm: q and k heads normalized before RoPE
@@ -58,6 +60,14 @@ struct ModelDims {
   int qkv_width_local() const { return groups_local() * (heads / groups + 2) * head_dim; }
   int qkv_width() const { return groups * (heads / groups + 2) * head_dim; }
   int fc1_width_local() const { return (swiglu ? 2 : 1) * ffn_local(); }
+  // The MLP activation, and the elementwise one of an ungated MLP (GeLU or squared ReLU).
+  MlpActivation mlp_activation() const {
+    return swiglu         ? MlpActivation::swiglu
+           : squared_relu ? MlpActivation::squared_relu
+           : gelu_tanh    ? MlpActivation::gelu_tanh
+                          : MlpActivation::gelu;
+  }
+  Activation ungated_mlp_activation() const { return ungated_activation(mlp_activation()); }
   int attn_width_local() const { return heads_local() * head_dim; }
   int64_t tokens() const { return static_cast<int64_t>(micro_batch) * seq; }  // rows N of a micro-batch
   // Rows of the residual stream on this rank: N, or N/TP with sequence parallelism; they start at

@@ -169,7 +169,9 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type mrope")), Contains("--position-embedding-type mrope"));
   CHECK_THAT(parse_error(small_gpt() + words("--multi-latent-attention")),
              Contains("megatrain does not support --multi-latent-attention yet"));
-  CHECK_THAT(parse_error(small_gpt() + words("--squared-relu")), Contains("megatrain does not support --squared-relu yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu")), Contains("megatrain does not support --quick-geglu yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--init-method-xavier-uniform")),
+             Contains("fails on it too: TransformerConfig has no scaled_init_method"));
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format torch_dcp")),
              Contains("megatrain does not support --ckpt-format torch_dcp"));
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules core_attn moe")),

@@ -542,6 +542,16 @@ TEST_CASE("rules behind refused flags hold in validation", "[cli][rules]") {
     CHECK_THAT(error_of([&] { cli::validate_model(st); }), Contains("--quick-geglu and --swiglu are exclusive"));
   }
   {
+    // Megatron-LM's bias-activation fusion refuses squared ReLU: biased layers need the fusion off.
+    cli::CliState st = state(words("--squared-relu"));
+    CHECK_THAT(error_of([&] { cli::validate_model(st); }),
+               Contains("--squared-relu with biased linear layers needs --no-bias-gelu-fusion"));
+    cli::CliState unfused = state(words("--squared-relu --no-bias-gelu-fusion"));
+    CHECK_NOTHROW(cli::validate_model(unfused));
+    cli::CliState no_bias = state(words("--squared-relu --disable-bias-linear"));
+    CHECK_NOTHROW(cli::validate_model(no_bias));
+  }
+  {
     cli::CliState st = state(words("--group-query-attention"));
     st.cfg.model.multi_latent_attention = true;
     CHECK_THAT(error_of([&] { cli::validate_model(st); }),

@@ -96,14 +96,14 @@ TEST_CASE("fp8_quantize: tensorwise scaling takes the scale from this tensor's a
 TEST_CASE("fp8_quantize_activation equals the activation op, then fp8_quantize, bit for bit", "[fp8][reference]") {
   auto be = make_reference_backend(2);
   const int64_t R = 5, C = 7;  // odd sizes
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
       INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe));
       const int64_t pc = act == MlpActivation::swiglu ? 2 * C : C;
       std::vector<float> pre = randn(static_cast<size_t>(R * pc), 41 + static_cast<uint64_t>(act), 2.5f);
       std::vector<float> x(static_cast<size_t>(R * C));
       if (act == MlpActivation::swiglu) be->swiglu_forward(f32(x, {R, C}), f32(pre, {R, pc}));
-      else be->gelu_forward(f32(x, {R, C}), f32(pre, {R, pc}), act == MlpActivation::gelu_tanh);
+      else be->activation_forward(f32(x, {R, C}), f32(pre, {R, pc}), ungated_activation(act));
       Meta m1, m2;
       m1.s[0] = m2.s[0] = 37.0f;
       m1.amax[0] = m2.amax[0] = 0.5f;
@@ -274,7 +274,7 @@ TEST_CASE("fp8_quantize_activation_backward equals the activation's backward, th
           "[fp8][reference]") {
   auto be = make_reference_backend(2);
   const int64_t R = 7, F = 9;  // odd sizes; SwiGLU's gradient is [R, 2F]
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
       for (bool with_dbias : {false, true}) {
         INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe) << " dbias " << with_dbias);
@@ -283,7 +283,7 @@ TEST_CASE("fp8_quantize_activation_backward equals the activation's backward, th
         std::vector<float> dout = randn(static_cast<size_t>(R * F), 5, 0.3f), pre = randn(static_cast<size_t>(R * C), 6, 2.0f);
         std::vector<float> d(static_cast<size_t>(R * C));
         if (swiglu) be->swiglu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}));
-        else be->gelu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}), act == MlpActivation::gelu_tanh);
+        else be->activation_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}), ungated_activation(act));
         Meta m1, m2;
         m1.s[0] = m2.s[0] = 900.0f;
         std::vector<uint8_t> q1(d.size()), t1(d.size()), q2(d.size()), t2(d.size());

@@ -39,6 +39,17 @@ const std::string kQwen2 = kLlama + " --add-qkv-bias";
 // second layer only; HF max_window_layers 1).
 const std::string kMistralWindow = kLlama + " --window-size 3,0";
 const std::string kQwen2Window = kQwen2 + " --window-size 2,0 --window-attn-skip-freq '[0,1]'";
+// Nemotron-4's shape (NemotronForCausalLM): LayerNorm1P, squared ReLU, RoPE over half of each head;
+// without biases, and with them (Megatron's bias-activation fusion off, as squared ReLU needs).
+const std::string kNemotron = kCommon +
+                              " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --squared-relu "
+                              "--apply-layernorm-1p --ffn-hidden-size 48 --position-embedding-type rope "
+                              "--rotary-percent 0.5 --group-query-attention --num-query-groups 2 "
+                              "--untie-embeddings-and-output-weights --disable-bias-linear";
+const std::string kNemotronBias = kCommon +
+                                  " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --squared-relu "
+                                  "--apply-layernorm-1p --ffn-hidden-size 48 --position-embedding-type rope "
+                                  "--rotary-percent 0.5 --no-bias-gelu-fusion";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -120,8 +131,14 @@ TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logi
   check_numpy_logits(kQwen2Window, "Qwen2 (sliding window on layer 2)");
 }
 
+TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's logits (LayerNorm1P, squared ReLU, "
+          "partial RoPE)", "[ckpt-train][hf][python]") {
+  check_numpy_logits(kNemotron, "Nemotron");
+  check_numpy_logits(kNemotronBias, "Nemotron (biases)");
+}
+
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
-  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window}) {
+  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -129,12 +146,20 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     CHECK_FALSE(fs::exists(hf + "/model.safetensors.index.json"));
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
     const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
-    CHECK(config.at("architectures").at(0) == (llama     ? "LlamaForCausalLM"
-                                               : qwen2   ? "Qwen2ForCausalLM"
-                                               : mistral ? "MistralForCausalLM"
-                                                         : "GPT2LMHeadModel"));
+    const bool nemotron = model == kNemotron || model == kNemotronBias;
+    CHECK(config.at("architectures").at(0) == (llama      ? "LlamaForCausalLM"
+                                               : qwen2    ? "Qwen2ForCausalLM"
+                                               : mistral  ? "MistralForCausalLM"
+                                               : nemotron ? "NemotronForCausalLM"
+                                                          : "GPT2LMHeadModel"));
     CHECK(config.at("vocab_size") == 100);
-    if (!llama && !qwen2 && !mistral) CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
+    if (!llama && !qwen2 && !mistral && !nemotron)
+      CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
+    if (nemotron) {
+      CHECK(config.at("hidden_act") == "relu2");
+      CHECK(config.at("partial_rotary_factor") == 0.5);
+      CHECK(config.at("attention_bias") == (model == kNemotronBias));
+    }
     if (mistral) CHECK(config.at("sliding_window") == 4);
     if (model == kQwen2Window) {
       CHECK(config.at("sliding_window") == 3);
@@ -177,7 +202,7 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     std::string flags = out.substr(at + marker.size());
     flags = flags.substr(0, flags.find('\n'));
     CHECK(flags.find("--load " + back) != std::string::npos);
-    CHECK((flags.find("--no-bias-gelu-fusion") != std::string::npos) == (model == kGptErf));
+    CHECK((flags.find("--no-bias-gelu-fusion") != std::string::npos) == (model == kGptErf || model == kNemotronBias));
     const std::string run = megatrain_ok(flags + " --device cpu --mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 "
                                                  "--eval-iters 0");
     CHECK(run.find("successfully loaded checkpoint from " + back) != std::string::npos);
@@ -204,4 +229,10 @@ TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag",
   const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + ckpt + " --output " + (dir / "hf"), &out);
   CHECK(code != 0);
   CHECK(out.find("--qk-layernorm") != std::string::npos);
+  // Squared ReLU exports only as Nemotron, whose norms are LayerNorm1P.
+  const std::string relu2 = dir / "relu2";
+  megatrain_ok(kGpt + " --squared-relu --no-bias-gelu-fusion --train-iters 1 --save-interval 1 --save " + relu2);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + relu2 + " --output " + (dir / "hf2"), &out) != 0);
+  CHECK(out.find("cannot express this model as NemotronForCausalLM") != std::string::npos);
+  CHECK(out.find("--apply-layernorm-1p") != std::string::npos);
 }

@@ -30,10 +30,17 @@ inline double gelu_tanh_grad(double x) {
   return s + 2.0 * x * s * (1.0 - s) * kSqrt2OverPi * (1.0 + 3.0 * kGeluTanhCoeff * x * x);
 }
 
+// Squared ReLU (--squared-relu, Megatron's squared_relu: relu(x)^2). `x < 0 ? 0 : x` keeps a NaN
+// input NaN, as torch's relu does.
+inline double relu(double x) { return x < 0.0 ? 0.0 : x; }
+inline double squared_relu(double x) { return relu(x) * relu(x); }
+inline double squared_relu_grad(double x) { return 2.0 * relu(x); }
+
 inline double activate(Activation act, double x) {
   switch (act) {
     case Activation::gelu: return gelu_erf(x);
     case Activation::gelu_tanh: return gelu_tanh(x);
+    case Activation::squared_relu: return squared_relu(x);
     case Activation::none: break;
   }
   return x;
@@ -42,6 +49,7 @@ inline double activation_grad(Activation act, double x) {
   switch (act) {
     case Activation::gelu: return gelu_erf_grad(x);
     case Activation::gelu_tanh: return gelu_tanh_grad(x);
+    case Activation::squared_relu: return squared_relu_grad(x);
     case Activation::none: break;
   }
   return 1.0;

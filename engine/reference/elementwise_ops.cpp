@@ -10,34 +10,33 @@ namespace {
 constexpr int64_t kBlock = 1 << 13;  // elements per thread block at least
 }
 
-void ReferenceBackend::gelu_forward(Tensor out, Tensor in, bool tanh_approx) {
-  check_numel(out, in.numel(), "gelu_forward", "out");
-  check_same_dtype(in, out, "gelu_forward");
-  dispatch_float(in, "gelu_forward", [&](auto tag) {
+void ReferenceBackend::activation_forward(Tensor out, Tensor in, Activation act) {
+  MT_CHECK(act != Activation::none, "activation_forward needs an activation");
+  check_numel(out, in.numel(), "activation_forward", "out");
+  check_same_dtype(in, out, "activation_forward");
+  dispatch_float(in, "activation_forward", [&](auto tag) {
     using T = decltype(tag);
     const T* x = in.ptr<T>();
     T* y = out.ptr<T>();
     pool_.parallel_for(in.numel(), kBlock, [&](int64_t b, int64_t e, int) {
-      for (int64_t i = b; i < e; ++i) y[i] = static_cast<T>(tanh_approx ? gelu_tanh(x[i]) : gelu_erf(x[i]));
+      for (int64_t i = b; i < e; ++i) y[i] = static_cast<T>(activate(act, x[i]));
     });
   });
 }
 
-void ReferenceBackend::gelu_backward(Tensor din, Tensor dout, Tensor in, bool tanh_approx) {
-  check_numel(din, in.numel(), "gelu_backward", "din");
-  check_numel(dout, in.numel(), "gelu_backward", "dout");
-  check_same_dtype(in, din, "gelu_backward");
-  check_same_dtype(in, dout, "gelu_backward");
-  dispatch_float(in, "gelu_backward", [&](auto tag) {
+void ReferenceBackend::activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) {
+  MT_CHECK(act != Activation::none, "activation_backward needs an activation");
+  check_numel(din, in.numel(), "activation_backward", "din");
+  check_numel(dout, in.numel(), "activation_backward", "dout");
+  check_same_dtype(in, din, "activation_backward");
+  check_same_dtype(in, dout, "activation_backward");
+  dispatch_float(in, "activation_backward", [&](auto tag) {
     using T = decltype(tag);
     const T* x = in.ptr<T>();
     const T* dy = dout.ptr<T>();
     T* dx = din.ptr<T>();
     pool_.parallel_for(in.numel(), kBlock, [&](int64_t b, int64_t e, int) {
-      for (int64_t i = b; i < e; ++i) {
-        const double g = tanh_approx ? gelu_tanh_grad(x[i]) : gelu_erf_grad(x[i]);
-        dx[i] = static_cast<T>(static_cast<double>(dy[i]) * g);
-      }
+      for (int64_t i = b; i < e; ++i) dx[i] = static_cast<T>(static_cast<double>(dy[i]) * activation_grad(act, x[i]));
     });
   });
 }

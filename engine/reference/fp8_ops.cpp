@@ -167,9 +167,8 @@ void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, 
   add_column_sums(dbias, dy, "fp8_quantize_with_dbias");
 }
 
-// d = dout * act'(pre) exactly as gelu_backward computes it (double math, one rounding to pre's dtype).
-// d = the activation's input gradient exactly as gelu_backward / swiglu_backward compute it (double
-// math, one rounding to pre's dtype).
+// d = the activation's input gradient exactly as activation_backward / swiglu_backward compute it
+// (double math, one rounding to pre's dtype).
 void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre,
                                                         MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias) {
   const char* op = "fp8_quantize_activation_backward";
@@ -188,16 +187,13 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
     return;
   }
   check_numel(pre, dout.numel(), op, "pre");
-  const bool tanh_form = act == MlpActivation::gelu_tanh;
-  const auto d = [&](int64_t i) {
-    const double x = fp.get(i);
-    return round_to(pre.dtype, fd.get(i) * (tanh_form ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
-  };
+  const Activation a = ungated_activation(act);
+  const auto d = [&](int64_t i) { return round_to(pre.dtype, fd.get(i) * activation_grad(a, fp.get(i))); };
   quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, dout.cols(), d, meta, op);
   if (!dbias.empty()) add_column_sums_of(dbias, R, dout.cols(), d, op);
 }
 
-// The activations exactly as gelu_forward / swiglu_forward compute them (double math, one
+// The activations exactly as activation_forward / swiglu_forward compute them (double math, one
 // rounding to pre's dtype).
 void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
                                                const Fp8TensorMeta& meta) {
@@ -213,11 +209,9 @@ void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre,
       return round_to(pre.dtype, g * sigmoid(g) * fp.get(r * 2 * f + f + c));
     }, meta, op);
   } else {
-    const bool tanh_form = act == MlpActivation::gelu_tanh;
-    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, pre.cols(), [&](int64_t i) {
-      const double v = fp.get(i);
-      return round_to(pre.dtype, tanh_form ? gelu_tanh(v) : gelu_erf(v));
-    }, meta, op);
+    const Activation a = ungated_activation(act);
+    quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, pre.cols(),
+                    [&](int64_t i) { return round_to(pre.dtype, activate(a, fp.get(i))); }, meta, op);
   }
 }
 

@@ -171,7 +171,7 @@ TEST_CASE("cuda FP8 ops vs reference: delayed-scaling update, bit for bit", "[gp
 // activation in double: a byte may differ where float32 and double round to different bf16).
 TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bit for bit", "[gpu][fp8]") {
   MT_RNG(rng);
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
       for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {200, 136}, {33, 70}, {8, 4104}}) {
         INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
@@ -180,7 +180,7 @@ TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bi
         Twin pre = twin_same(DType::bf16, {R, pc}, rng.normal(R * pc, 2.0));
         Buf x(dev(), DType::bf16, {R, C});
         if (act == MlpActivation::swiglu) dev().swiglu_forward(x.t, pre.c());
-        else dev().gelu_forward(x.t, pre.c(), act == MlpActivation::gelu_tanh);
+        else dev().activation_forward(x.t, pre.c(), ungated_activation(act));
         auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e4m3, R, C, 24.0f, 0.25f); };
         CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
         dev().fp8_quantize(two_ops.q.t, two_ops.t.t, x.t, two_ops.meta(recipe));
@@ -260,7 +260,7 @@ struct ActivationBackwardCase {
 };
 template <typename BiasStd, typename Fn>
 void for_each_activation_backward_case(Rng& rng, BiasStd bias_std, Fn&& fn) {
-  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu})
+  for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
       for (auto [R, F] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}, {33, 35}, {4104, 1032}}) {
         INFO("activation " << static_cast<int>(act) << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R
@@ -271,14 +271,14 @@ void for_each_activation_backward_case(Rng& rng, BiasStd bias_std, Fn&& fn) {
                                  {}};
         k.b0 = rng.normal(C, bias_std(R));
         if (act == MlpActivation::swiglu) dev().swiglu_backward(k.d.t, k.dout.c(), k.pre.c());
-        else dev().gelu_backward(k.d.t, k.dout.c(), k.pre.c(), act == MlpActivation::gelu_tanh);
+        else dev().activation_backward(k.d.t, k.dout.c(), k.pre.c(), ungated_activation(act));
         fn(k);
       }
 }
 }  // namespace
 
 // fc1's output gradient cast straight from fc2's input gradient and fc1's output (the FP8 GeLU
-// MLP's backward): the same bytes, scales and bias gradient bits as gelu_backward followed by
+// MLP's backward): the same bytes, scales and bias gradient bits as activation_backward followed by
 // fp8_quantize_with_dbias on the GPU, and the reference's within 1% of the bytes.
 TEST_CASE("cuda fp8_quantize_activation_backward: the activation's backward then the cast with dbias, bit for bit",
           "[gpu][fp8]") {

@@ -16,10 +16,16 @@ struct GemmShape {
 };
 // M, K, N that are not multiples of the tile sizes (and one that is).
 const GemmShape kShapes[] = {{1, 48, 100}, {7, 768, 1000}, {333, 100, 2050}, {130, 768, 2304}, {64, 2048, 768}};
-const Activation kActs[] = {Activation::none, Activation::gelu, Activation::gelu_tanh};
+const Activation kActs[] = {Activation::none, Activation::gelu, Activation::gelu_tanh, Activation::squared_relu};
 
 const char* act_name(Activation a) {
-  return a == Activation::none ? "none" : a == Activation::gelu ? "gelu" : "gelu_tanh";
+  switch (a) {
+    case Activation::none: return "none";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+    case Activation::squared_relu: return "squared_relu";
+  }
+  return "?";
 }
 
 CudaBackend& cuda_backend() { return dynamic_cast<CudaBackend&>(dev()); }
@@ -75,11 +81,10 @@ TEST_CASE("cuda linear_backward_input: plain, accumulate, through GeLU", "[gpu][
     MT_CHECK_CLOSE(dx, tol_for(dt));
     if (act != Activation::none && !accumulate) {
       // The recomputing variant: the same dx, and the activation over pre in place, bit for
-      // bit what gelu_forward gives.
-      const bool tanh_approx = act == Activation::gelu_tanh;
+      // bit what activation_forward gives.
       Twin act_fwd = twin_nan(dt, {g.M, g.K}), dx2 = twin_nan(dt, {g.M, g.K});
-      dev().gelu_forward(act_fwd.c(), pre.c(), tanh_approx);
-      ref().gelu_forward(act_fwd.r(), pre.r(), tanh_approx);
+      dev().activation_forward(act_fwd.c(), pre.c(), act);
+      ref().activation_forward(act_fwd.r(), pre.r(), act);
       dev().linear_backward_input_recompute(dx2.c(), pre.c(), dy.c(), w.c(), act, pre.c());
       ref().linear_backward_input_recompute(dx2.r(), pre.r(), dy.r(), w.r(), act, pre.r());
       MT_CHECK_CLOSE(dx2, tol_for(dt));

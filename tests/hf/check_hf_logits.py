@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2, a tiny
 Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q/k/v biases, tied
-output); Mistral (Llama's layout) with and without its sliding window, and Qwen2 with a sliding
-window on its second layer (--window-size, --window-attn-skip-freq).
+output); Mistral (Llama's layout) with and without its sliding window, Qwen2 with a sliding
+window on its second layer (--window-size, --window-attn-skip-freq), and Nemotron (LayerNorm1P,
+squared ReLU, RoPE over half of each head; with biases).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -40,6 +41,10 @@ MODEL_FLAGS = {
              "--ffn-hidden-size 96 --swiglu --normalization RMSNorm --position-embedding-type rope "
              "--disable-bias-linear --add-qkv-bias --rotary-base 1000000 --norm-epsilon 1e-6",
 }
+MODEL_FLAGS["nemotron"] = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+                            "--num-query-groups 2 --ffn-hidden-size 96 --squared-relu --apply-layernorm-1p "
+                            "--position-embedding-type rope --rotary-percent 0.5 --untie-embeddings-and-output-weights "
+                            "--no-bias-gelu-fusion")
 # Windows shorter than TOKENS, so that they change the logits: Mistral's on every layer (HF
 # sliding_window 5 = --window-size 4,0), Qwen2's on layer 2 only (max_window_layers 1).
 MODEL_FLAGS["mistral_window"] = MODEL_FLAGS["llama"] + " --window-size 4,0"
@@ -112,6 +117,9 @@ def import_direction(args, kind, work):
         elif kind == "qwen2_window":
             config = transformers.Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
                                               use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
+        elif kind == "nemotron":
+            config = transformers.NemotronConfig(norm_eps=1e-5, partial_rotary_factor=0.5, attention_bias=True,
+                                                 mlp_bias=True, tie_word_embeddings=False, **common)
         elif kind == "mistral_window":
             config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=5, tie_word_embeddings=False,
                                                 **common)
@@ -140,6 +148,7 @@ def main():
     ap.add_argument("--atol", type=float, default=None, help="default 2e-5 (5e-2 with --forward-bf16)")
     ap.add_argument("--rtol", type=float, default=None, help="default 1e-4 (2e-2 with --forward-bf16)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directories")
+    ap.add_argument("--only", help="comma-separated model kinds (default: all)")
     args = ap.parse_args()
     if args.atol is None:
         args.atol = 5e-2 if args.forward_bf16 else 2e-5
@@ -147,7 +156,9 @@ def main():
         args.rtol = 2e-2 if args.forward_bf16 else 1e-4
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
-    for kind in ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window"):
+    kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
+                                                    "nemotron")
+    for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind == "mistral" and direction is export_direction:
                 continue  # (export writes Mistral-shaped models as Llama)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows) forward in numpy (float64), from a Hugging Face directory
+"""GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows, Nemotron) forward in numpy (float64), from a Hugging Face directory
 (config.json + model.safetensors or its index): the oracle CI checks `megatrain export-hf` against
 without torch. Written from the models' definitions (transformers' modeling_gpt2.py and
 modeling_llama.py semantics: pre-norm blocks, causal softmax attention scaled by 1/sqrt(d), GPT-2's
@@ -129,12 +129,16 @@ def layer_window(c, i):
 
 
 def llama_logits(c, w, tokens):
+    """Llama, Mistral, Qwen2; and Nemotron: LayerNorm1P (LayerNorm with weight + 1, and bias), an
+    up/down MLP through relu2 (relu(x)^2), RoPE on the first partial_rotary_factor of each head."""
     E, H = c["hidden_size"], c["num_attention_heads"]
     G = c.get("num_key_value_heads") or H
     d = c.get("head_dim") or E // H
-    eps = c.get("rms_norm_eps", 1e-6)
+    nemotron = c["model_type"] == "nemotron"
+    eps = c.get("norm_eps", 1e-5) if nemotron else c.get("rms_norm_eps", 1e-6)
+    rot = int(d * c.get("partial_rotary_factor", 0.5)) if nemotron else d
     T = len(tokens)
-    ang = np.arange(T, dtype=np.float64)[:, None] * llama_inv_freq(c, d)[None]
+    ang = np.arange(T, dtype=np.float64)[:, None] * llama_inv_freq(c, rot)[None]
     emb = np.concatenate([ang, ang], axis=-1)
     cos, sin = np.cos(emb), np.sin(emb)
 
@@ -142,18 +146,29 @@ def llama_logits(c, w, tokens):
         y = x @ w[name + ".weight"].T
         return y + w[name + ".bias"] if name + ".bias" in w else y
 
+    def norm(x, name):
+        if nemotron:
+            return layer_norm(x, w[name + ".weight"] + 1.0, w[name + ".bias"], eps)
+        return rms_norm(x, w[name + ".weight"], eps)
+
+    def rope_part(x):
+        return np.concatenate([rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
+
     x = w["model.embed_tokens.weight"][tokens]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = rope(lin(h, p + "self_attn.q_proj").reshape(T, H, d), cos, sin)
-        k = rope(lin(h, p + "self_attn.k_proj").reshape(T, G, d), cos, sin)
+        h = norm(x, p + "input_layernorm")
+        q = rope_part(lin(h, p + "self_attn.q_proj").reshape(T, H, d))
+        k = rope_part(lin(h, p + "self_attn.k_proj").reshape(T, G, d))
         v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
         x = x + lin(causal_attention(q, k, v, layer_window(c, i)), p + "self_attn.o_proj")
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        gate = lin(h, p + "mlp.gate_proj")
-        x = x + lin(gate / (1.0 + np.exp(-gate)) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-    x = rms_norm(x, w["model.norm.weight"], eps)
+        h = norm(x, p + "post_attention_layernorm")
+        if nemotron:
+            x = x + lin(np.maximum(lin(h, p + "mlp.up_proj"), 0.0) ** 2, p + "mlp.down_proj")
+        else:
+            gate = lin(h, p + "mlp.gate_proj")
+            x = x + lin(gate / (1.0 + np.exp(-gate)) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    x = norm(x, "model.norm")
     out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return x @ out.T
 
@@ -164,7 +179,7 @@ def logits_of(hf_dir, tokens):
     w = load_weights(hf_dir)
     if c["model_type"] == "gpt2":
         return gpt2_logits(c, w, tokens)
-    if c["model_type"] in ("llama", "mistral", "qwen2"):  # (Qwen2: q/k/v biases, which lin() adds)
+    if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron"):  # (Qwen2: q/k/v biases, which lin() adds)
         return llama_logits(c, w, tokens)
     raise SystemExit(f"numpy_forward.py: model_type {c['model_type']} is not implemented")
 

@@ -66,6 +66,11 @@ megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
 megatrain_parallel_train_test(parallel_train_qk_l2_tp2_sp --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --ffn-hidden-size 64 --qk-l2-norm"
   2 --tensor-model-parallel-size 2 --sequence-parallel)
+# Nemotron-4-style MLP and norms (--squared-relu, --apply-layernorm-1p, half the head dimension
+# rotated, no biases) over TP=2 with sequence parallelism x PP=2.
+megatrain_parallel_train_test(parallel_train_squared_relu_tp2_sp_pp2 --model
+  "--squared-relu --disable-bias-linear --apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.5 --untie-embeddings-and-output-weights --ffn-hidden-size 64"
+  4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)
 # Checkpoints move between layouts: 4 iterations in one, the other 4 in another.
 megatrain_parallel_train_test(parallel_train_resume_tp2pp2_to_dp2 --resume
   4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 2 -)
@@ -109,6 +114,11 @@ megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
 megatrain_parallel_train_test(parallel_train_fp8_tp2_sp_pp2 --fp8 --model
   "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --no-bias-gelu-fusion"
   4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)
+# ... with squared ReLU: fc2's input cast from fc1's output and fc1's output gradient from fc2's
+# input gradient through the squared ReLU (the fused activation casts).
+megatrain_parallel_train_test(parallel_train_fp8_squared_relu_tp2_sp --fp8 --model
+  "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --squared-relu --disable-bias-linear"
+  2 --tensor-model-parallel-size 2 --sequence-parallel)
 # FP8 parameters (--fp8-param-gather, distributed optimizer): each DP rank casts its master shards
 # into the FP8 weights, which are all-gathered as FP8 bytes, over DP, over TP x DP with sequence
 # parallelism and overlapped gathers (buckets of both regions, interleaved), over interleaved PP x DP

@@ -1,0 +1,22 @@
+// The activation kinds the backends apply: of a linear layer's output and between fc1 and fc2.
+#pragma once
+
+namespace mt {
+
+// The activation of a linear layer's output (linear_forward's act) and of activation_forward:
+// GeLU (erf), GeLU (tanh approximation) or squared ReLU (--squared-relu: relu(x)^2).
+enum class Activation { none, gelu, gelu_tanh, squared_relu };
+// The MLP activation between fc1 and fc2, as fp8_quantize_activation applies it to fc1's output:
+// gelu / gelu_tanh / squared_relu as activation_forward, swiglu as swiglu_forward ([gate | up] per
+// row).
+enum class MlpActivation { gelu, gelu_tanh, swiglu, squared_relu };
+// The elementwise Activation of an ungated MLP activation (not swiglu).
+inline Activation ungated_activation(MlpActivation a) {
+  switch (a) {
+    case MlpActivation::gelu_tanh: return Activation::gelu_tanh;
+    case MlpActivation::squared_relu: return Activation::squared_relu;
+    default: return Activation::gelu;
+  }
+}
+
+}  // namespace mt
