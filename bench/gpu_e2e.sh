@@ -27,7 +27,9 @@ fi
 if [[ $steps == *tiny* ]]; then
   # TINY_SEQ / TINY_MBS change the shape: e.g. 200 x 5 = 1000 tokens per micro-batch, a k with a
   # tail for the weight-gradient GEMMs (cuda/gemm_splitk_guard.h) and a sequence off the tiles.
-  # TINY_EXTRA adds model flags to both models (e.g. "--window-size 31,0 --window-attn-skip-freq 2").
+  # TINY_EXTRA adds model flags to every model (e.g. "--window-size 31,0 --window-attn-skip-freq 2");
+  # TINY_MODELS picks the models (default "gpt llama"; also "nemotron": LayerNorm1P, squared ReLU,
+  # RoPE over half of each head).
   seq=${TINY_SEQ:-128} mbs=${TINY_MBS:-4}
   common="--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --seq-length $seq --max-position-embeddings $seq
     --micro-batch-size $mbs --global-batch-size $((2 * mbs)) --train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
@@ -37,7 +39,10 @@ if [[ $steps == *tiny* ]]; then
   llama="--num-layers 2 --hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2
     --ffn-hidden-size 512 --swiglu --normalization RMSNorm --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear"
-  for model in gpt llama; do
+  nemotron="--num-layers 2 --hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+    --ffn-hidden-size 512 --squared-relu --apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.5
+    --untie-embeddings-and-output-weights --disable-bias-linear"
+  for model in ${TINY_MODELS:-gpt llama}; do
     flags="$common ${!model} ${TINY_EXTRA:-}"
     run() {  # kind, extra flags
       local kind=$1
