@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-LM itself against megatrain from the same weights (manual: needs a GPU, PyTorch and a
 # Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
+#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama nemotron
 # Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP, PP and DP (Megatron's layout,
 # default 1; TP*PP*DP GPUs), MODE (finetune or resume, default finetune), MEGATRON_EXTRA (more
 # Megatron-LM flags, e.g. --use-distributed-optimizer), MEGATRAIN_LAYOUT (one: megatrain trains on
@@ -49,6 +49,11 @@ model_gpt=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --position-e
 model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
              --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
              --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
+# Nemotron-4's MLP and RoPE (squared ReLU, half of each head rotated). Without --apply-layernorm-1p:
+# Megatron-LM's local transformer implementation (torch norms, no Apex) refuses zero-centred gamma.
+model_nemotron=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 8 --group-query-attention
+                --num-query-groups 2 --position-embedding-type rope --rotary-percent 0.5 --squared-relu
+                --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
 
 megatron() {  # log, nproc, args...
   local log=$1 nproc=$2
