@@ -44,6 +44,13 @@ double number_arg(const PickleValue& v, const std::string& what) {
   fail("{} is a {}, not a number", what, v.describe());
 }
 
+// --loss-scale (Megatron's constant scaler, which saves no state), or nullopt.
+std::optional<double> constant_loss_scale(const PickleValue& args) {
+  const PickleValue* v = megatron_arg(args, "loss_scale");
+  if (!v || v->is(PickleKind::none)) return std::nullopt;
+  return number_arg(*v, "loss_scale");
+}
+
 // The pipeline split the checkpoint was saved with (its args), as megatrain's pipeline layout reads it.
 std::optional<PipelineSplit> saved_pipeline_split(const PickleValue& args, int num_layers, std::string* why) {
   if (megatron_arg(args, "pipeline_model_parallel_layout")) {
@@ -87,8 +94,8 @@ std::string why_not_resumable(MegatronCheckpoint& ck, const Config& cfg) {
   if (opt && opt->is(PickleKind::string) && opt->text != "adam") return "its optimizer is " + opt->text + ", not adam";
   if (!ck.optimizer_step())
     return "its optimizer state has no step count: an optimizer that never stepped, e.g. a format conversion's";
-  if (megatron_bool_arg(args, "fp16"))
-    return "it was trained with --fp16, whose loss-scaler state megatrain does not read";
+  if (megatron_bool_arg(args, "fp16") && !constant_loss_scale(args) && !ck.grad_scaler())
+    return "it was trained with --fp16 but holds no state of its dynamic loss scaler";
   return "";
 }
 
@@ -237,6 +244,18 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
     rs.lr_scheduler = lr_scheduler_json(ck.common_state()->at("opt_param_scheduler", common), args, common);
     rs.loss_scaler = nlohmann::json{{"kind", megatron_bool_arg(args, "bf16") ? "constant" : "none"}, {"scale", 1.0}, {"growth_tracker", 0},
                                     {"hysteresis_tracker", 0}};
+    if (megatron_bool_arg(args, "fp16")) {
+      // --fp16: Megatron's constant scaler (--loss-scale) saves nothing; its dynamic one its scale
+      // and trackers, which the resumed run continues from.
+      if (const std::optional<double> constant = constant_loss_scale(args)) {
+        rs.loss_scaler["kind"] = "constant";
+        rs.loss_scaler["scale"] = *constant;
+      } else {
+        const MegatronCheckpoint::GradScalerState g = *ck.grad_scaler();
+        rs.loss_scaler = nlohmann::json{{"kind", "dynamic"}, {"scale", g.scale}, {"growth_tracker", g.growth_tracker},
+                                        {"hysteresis_tracker", g.hysteresis_tracker}};
+      }
+    }
     rs.extra["optimizer"] = nlohmann::json{{"kind", "adam"}, {"successful_steps", step}};
     // Megatron's RNG states do not carry over: dropout masks continue from megatrain's own stream
     // at the micro-batch count a megatrain run would have reached.

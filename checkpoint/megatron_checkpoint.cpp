@@ -700,6 +700,39 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   return param_groups_step(*root, groups, groups.what());
 }
 
+std::optional<MegatronCheckpoint::GradScalerState> MegatronCheckpoint::grad_scaler() const {
+  // Megatron's mixed-precision wrapper saves {"optimizer": torch's state dict, "grad_scaler": ...,
+  // "fp32_from_fp16_params": ...}: the torch format in each rank file (the first one read here),
+  // torch_dist in the common state.
+  const bool torch_format = format_ == "torch";
+  const TorchFile* file = torch_format ? files_->rank_files[0][0] : files_->common.get();
+  const PickleValue* root = torch_format ? &file->root() : common_.get();
+  if (!file || !root) return std::nullopt;
+  const std::string where = torch_format ? file->what() : directory_ + "'s common state";
+  const PickleValue* opt = root->find("optimizer");
+  const PickleValue* scaler = opt ? opt->find("grad_scaler") : nullptr;
+  if (!scaler || scaler->is(PickleKind::none)) return std::nullopt;
+  auto number = [&](const char* key) -> double {
+    const PickleValue& v = scaler->at(key, where + ": optimizer.grad_scaler");
+    if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
+    if (v.is(PickleKind::floating)) return v.floating;
+    const HostArray a = file->tensor(v, where + ": optimizer.grad_scaler." + key);
+    if (a.numel() != 1) fail("{}: optimizer.grad_scaler.{} is not a scalar", where, key);
+    switch (a.dtype) {
+      case DType::f32: return a.ptr<float>()[0];
+      case DType::f64: return a.ptr<double>()[0];
+      case DType::i64: return static_cast<double>(a.ptr<int64_t>()[0]);
+      case DType::i32: return a.ptr<int32_t>()[0];
+      default: fail("{}: optimizer.grad_scaler.{} has dtype {}", where, key, dtype_name(a.dtype));
+    }
+  };
+  GradScalerState s;
+  s.scale = number("scale");
+  s.growth_tracker = static_cast<int64_t>(number("growth_tracker"));
+  s.hysteresis_tracker = static_cast<int64_t>(number("hysteresis_tracker"));
+  return s;
+}
+
 std::vector<std::string> MegatronCheckpoint::parameter_names() const {
   std::vector<std::string> out;
   for (const auto& [name, src] : params_) out.push_back(name);

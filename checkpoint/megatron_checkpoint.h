@@ -80,6 +80,13 @@ class MegatronCheckpoint {
   // Adam's step count (optimizer.state.common_step, or the param groups' "step" for the distributed
   // optimizer); nullopt when the state has none (an optimizer that never stepped).
   std::optional<int64_t> optimizer_step() const;
+  // --fp16's dynamic loss scaler (Megatron's DynamicGradScaler.state_dict() beside the optimizer's
+  // state: scale, growth_tracker, hysteresis_tracker); nullopt when the checkpoint has none.
+  struct GradScalerState {
+    double scale = 1;
+    int64_t growth_tracker = 0, hysteresis_tracker = 0;
+  };
+  std::optional<GradScalerState> grad_scaler() const;
 
   // Flat buckets. A bucket: Megatron's dp_group_idx (the model-parallel rank tp + TP * pp),
   // gbuf_idx (the model chunk) and bucket_idx.

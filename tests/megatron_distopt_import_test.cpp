@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 
 #include "app/cli.h"
 #include "app/import_megatron.h"
@@ -18,6 +19,7 @@
 #include "ckpt_test_util.h"
 #include "core/environment.h"
 #include "core/error.h"
+#include "engine/loss_scaler.h"
 #include "parallel/pipeline_layout.h"
 
 using mt_test::losses_and_norms;
@@ -158,6 +160,47 @@ TEST_CASE("import-megatron carries the torch format's index-keyed optimizer stat
       CHECK(reader.has(name, mt::CheckpointKind::main_params) == c.bf16);
     }
   }
+}
+
+TEST_CASE("import-megatron carries --fp16's dynamic loss-scaler state over", "[megatron-import]") {
+  // Megatron-LM ran --fp16 --initial-loss-scale 512 --loss-scale-window 4 --hysteresis 2: after 3
+  // clean iterations the scaler holds scale 512, growth tracker 3, hysteresis tracker 2, and its
+  // log shows the scale doubling in iteration 4.
+  for (const char* dir : {"gpt/fp16_torch", "gpt/fp16_dist"}) {
+    INFO(dir);
+    const std::string path = kFixtures + "/" + dir;
+    std::istringstream log(mt_test::read_bytes(path + "_iterations.log"));
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(log, line);) lines.push_back(line);
+    REQUIRE(lines.size() == 6);
+    CHECK(lines[2].find("loss scale: 512.0 |") != std::string::npos);
+    CHECK(lines[3].find("loss scale: 1024.0 |") != std::string::npos);
+    const mt::MegatronCheckpoint ck(path, std::nullopt);
+    const std::optional<mt::MegatronCheckpoint::GradScalerState> g = ck.grad_scaler();
+    REQUIRE(g);
+    CHECK(g->scale == 512.0);
+    CHECK(g->growth_tracker == 3);
+    CHECK(g->hysteresis_tracker == 2);
+    TempDir tmp;
+    const mt::MegatronImportResult r = mt::import_megatron(path, std::nullopt, tmp / "ckpt", false);
+    CHECK(r.resumable);
+    mt::CheckpointReader reader(tmp / "ckpt");
+    const nlohmann::json& s = reader.run_state().loss_scaler;
+    CHECK(s.at("kind") == "dynamic");
+    CHECK(s.at("scale") == 512.0);
+    CHECK(s.at("growth_tracker") == 3);
+    CHECK(s.at("hysteresis_tracker") == 2);
+    for (const std::string& name : reader.names()) CHECK(reader.has(name, mt::CheckpointKind::main_params));
+    // megatrain's scaler continued from that state doubles in the next clean iteration, as
+    // Megatron-LM's did.
+    mt::LossScaler scaler = mt::LossScaler::dynamic(512.0, 1.0, 4, 2);
+    scaler.set_state(s.at("scale"), s.at("growth_tracker"), s.at("hysteresis_tracker"));
+    scaler.update(false);
+    CHECK(scaler.scale() == 1024.0);
+  }
+  // float32 and bf16 checkpoints have no scaler state
+  CHECK_FALSE(mt::MegatronCheckpoint(kFixtures + "/llama/torch_tp2pp2", std::nullopt).grad_scaler());
+  CHECK_FALSE(mt::MegatronCheckpoint(kFixtures + "/gpt/torch_tp2pp2vpp", std::nullopt).grad_scaler());
 }
 
 TEST_CASE("a damaged distrib_optim.pt is named", "[megatron-import]") {
