@@ -324,13 +324,10 @@ json hf_config_json(const HfModelSpec& s) {
       c["layer_types"] = types;
     } else if (mistral) {
       c["sliding_window"] = window;
-    } else if (nemotron) {
+    } else {  // Llama, Nemotron
       c["attention_bias"] = s.add_bias_linear;
       c["mlp_bias"] = s.add_bias_linear;
-    } else {
-      c["attention_bias"] = s.add_bias_linear;
-      c["mlp_bias"] = s.add_bias_linear;
-      c["pretraining_tp"] = 1;
+      if (!nemotron) c["pretraining_tp"] = 1;
     }
   }
   c["tie_word_embeddings"] = !s.untie_embeddings_and_output_weights;

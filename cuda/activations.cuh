@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "core/philox.h"
-#include "engine/backend.h"
+#include "engine/activation.h"
 #include "engine/dropout_mask.h"
 
 namespace mt::cuda {
