@@ -625,18 +625,23 @@ namespace {
 
 // A step count stored as an int, a float (Megatron copies torch's step tensor with .item()) or a
 // one-element tensor.
-int64_t step_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
-  if (v.is(PickleKind::integer)) return v.integer;
-  if (v.is(PickleKind::floating)) return static_cast<int64_t>(v.floating);
+// A scalar saved as a Python number or a one-element tensor (Adam's step, the loss scaler's state).
+double scalar_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
+  if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
+  if (v.is(PickleKind::floating)) return v.floating;
   const HostArray a = file.tensor(v, what);
   if (a.numel() != 1) fail("{} is not a scalar", what);
   switch (a.dtype) {
-    case DType::i64: return a.ptr<int64_t>()[0];
+    case DType::i64: return static_cast<double>(a.ptr<int64_t>()[0]);
     case DType::i32: return a.ptr<int32_t>()[0];
-    case DType::f32: return static_cast<int64_t>(a.ptr<float>()[0]);
-    case DType::f64: return static_cast<int64_t>(a.ptr<double>()[0]);
+    case DType::f32: return a.ptr<float>()[0];
+    case DType::f64: return a.ptr<double>()[0];
     default: fail("{} has dtype {}", what, dtype_name(a.dtype));
   }
+}
+
+int64_t step_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
+  return static_cast<int64_t>(scalar_value(v, file, what));
 }
 
 // The distributed optimizer keeps Adam's step in every param group (torch's optimizer state dict
@@ -712,19 +717,9 @@ std::optional<MegatronCheckpoint::GradScalerState> MegatronCheckpoint::grad_scal
   const PickleValue* opt = root->find("optimizer");
   const PickleValue* scaler = opt ? opt->find("grad_scaler") : nullptr;
   if (!scaler || scaler->is(PickleKind::none)) return std::nullopt;
-  auto number = [&](const char* key) -> double {
-    const PickleValue& v = scaler->at(key, where + ": optimizer.grad_scaler");
-    if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
-    if (v.is(PickleKind::floating)) return v.floating;
-    const HostArray a = file->tensor(v, where + ": optimizer.grad_scaler." + key);
-    if (a.numel() != 1) fail("{}: optimizer.grad_scaler.{} is not a scalar", where, key);
-    switch (a.dtype) {
-      case DType::f32: return a.ptr<float>()[0];
-      case DType::f64: return a.ptr<double>()[0];
-      case DType::i64: return static_cast<double>(a.ptr<int64_t>()[0]);
-      case DType::i32: return a.ptr<int32_t>()[0];
-      default: fail("{}: optimizer.grad_scaler.{} has dtype {}", where, key, dtype_name(a.dtype));
-    }
+  auto number = [&](const char* key) {
+    return scalar_value(scaler->at(key, where + ": optimizer.grad_scaler"), *file,
+                        where + ": optimizer.grad_scaler." + key);
   };
   GradScalerState s;
   s.scale = number("scale");
