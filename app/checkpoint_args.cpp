@@ -205,7 +205,7 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
   };
   if (current.position_embedding_type == PositionEmbedding::learned_absolute)
     checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
-  // Recorded since session 23 (--qk-l2-norm) and 26 (--squared-relu); older checkpoints: off.
+  // Recorded since --qk-l2-norm and --squared-relu were added; older checkpoints: off.
   for (const auto& [key, flag, on] : {std::tuple{"qk_l2_norm", "--qk-l2-norm", current.qk_l2_norm},
                                       std::tuple{"squared_relu", "--squared-relu", current.squared_relu}}) {
     if (!saved.contains(key) && on)

@@ -1,5 +1,5 @@
 // Training checkpoints: what --save writes and --load restores, with Megatron's semantics
-// (../shared/reference/megatron.md section 5), on the storage layer (checkpoint/checkpoint_io.h,
+// (Megatron-LM's megatron/training/checkpointing.py), on the storage layer (checkpoint/checkpoint_io.h,
 // checkpoint/FORMAT.md).
 //
 // A checkpoint holds, under global names with each rank's ShardIndex (so that any TP/PP/DP layout

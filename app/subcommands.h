@@ -1,4 +1,4 @@
-// megatrain's subcommands: `megatrain <name> <args...>`. Each helper that adds one puts a line in
+// megatrain's subcommands: `megatrain <name> <args...>`. Each change that adds one puts a line in
 // the table in subcommands.cpp (an explicit table: static self-registration would be dropped by
 // the linker from a static library).
 #pragma once

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 on one GPU in one go (what the fp8-cuda helper's second device call ran, for the next one):
+# FP8 on one GPU in one go (what the FP8 run of 2026-11-22 06:13 UTC on one H200 ran):
 #   1. bench_fp8_gemm (FP8 vs bf16 GEMMs at the model shapes, the cast kernels);
 #   2. bench/run_bench.sh gpt-1.3b,llama-1b: bf16 vs FP8 tokens/s (Megatron's --fp8-format hybrid
 #      --fp8-recipe delayed);

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # FP8 vs bf16 training loss on real text: the same model, data, seed and schedule trained twice
 # (bf16, then bf16 + --fp8-format ...), and the mean training loss over the last 50 iterations of
-# each compared. Passes when they are within 1% (issue 10's target).
+# each compared. Passes when they are within 1% (the FP8 recipe's loss target).
 # One pair of runs says little at the sizes this script can afford: at global batch 8-24 the same
 # seed's bf16 run repeated (nondeterministic sums only) lands up to 0.9% away on one machine and 2%
-# on another, and FP8 against bf16 swings by +-2% with the seed (bench/RESULTS.md, sessions 16-17).
+# on another, and FP8 against bf16 swings by +-2% with the seed (bench/RESULTS.md, 2026-11-27).
 # --bf16-rerun prints that noise floor beside the verdict; bench/fp8_loss_seeds.sh runs several seeds.
 #
 #   bench/fp8_loss_check.sh --data PREFIX (--vocab-file F --merge-file F | --tokenizer-model F)

@@ -7,7 +7,7 @@
 #
 # Why several seeds: at the check's small global batch (8 x 2048 tokens on gpt-1.3b) the early loss
 # spikes a run meets move its loss after 300 iterations by more than 1% either way, so one seed's
-# difference says little about an FP8 recipe (bench/RESULTS.md, session 16: every recipe missed 1%
+# difference says little about an FP8 recipe (bench/RESULTS.md, 2026-11-27: every recipe missed 1%
 # at some seed and met it at most). --gpus: how many seeds run at once (default: the GPUs
 # nvidia-smi lists; 1 without one, e.g. for a CPU smoke test with --extra "--device cpu").
 # Exits 0 when every seed passed, 1 otherwise. Logs under $OUT (or /tmp).

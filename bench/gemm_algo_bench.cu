@@ -13,7 +13,7 @@
 // all-ones operands, checks that each candidate's beta = 0 product is exactly k and that D1 - D0
 // (D0 pseudo-random) is k, and prints the failing candidates' configurations (cuBLASLt split-K
 // algorithms were seen to drop the tail of k; config "test-rows" has the GPU test's k = 8193).
-// --sustained-ms: the GPU trains at its power cap (bench/RESULTS.md, session 10), where a kernel's
+// --sustained-ms: the GPU trains at its power cap (bench/RESULTS.md, 2026-11-25, one H100), where a kernel's
 // time follows its energy, not its speed at the cool clock the engine autotunes at. Per GEMM,
 // pseudo-random operands (power depends on the bits), and for each of the first --candidates
 // (the engine's tuning set): the cool time as above, then after --heat-ms of the same candidate

@@ -3,7 +3,7 @@
 /usr/share/man), each rendered to plain text by groff, one document per page, distinct pages only
 (no repetition), until the file reaches --megabytes. The layout goes: each line's indentation, runs
 of spaces and blank lines, and the page's running header and footer (so the tokens are words, not
-the terminal layout's whitespace). For issue 10's loss check at a larger batch,
+the terminal layout's whitespace). For the FP8 loss check at a larger batch,
 where bench/make_pod_corpus.py's Perl documentation (about 9 MB, repeated) would be read many times
 over. Usage: make_man_corpus.py OUT.jsonl [--megabytes 60] [--jobs 2]"""
 import argparse

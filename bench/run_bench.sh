@@ -97,7 +97,7 @@ run_one() {
 }
 tokens_per_s() { sed -n 's/.*| tokens\/s: \([0-9.]*\) .*/\1/p' <<< "$1"; }
 # The GPU's SM clock and power while a run computes: training at the power cap runs well below the
-# maximum clock, and machines differ (bench/RESULTS.md, session 10), so every line says what it
+# maximum clock, and machines differ (bench/RESULTS.md, 2026-11-25, one H100), so every line says what it
 # ran at. clocked <csv> <command...>: runs the command with nvidia-smi sampling GPU 0 every 50 ms;
 # then clock_summary <csv> gives the medians over the samples drawing more than 350 W (the busy
 # part: not start-up or compilation), or nothing without nvidia-smi.

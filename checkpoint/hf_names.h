@@ -5,7 +5,8 @@
 // --disable-bias-linear), and a sliding window on its upper layers when it has one.
 // Pure functions on host arrays; the export-hf / import-hf commands do the file I/O.
 //
-// Layout differences handled here (../shared/reference/frameworks.md section 2):
+// Layout differences handled here (Hugging Face transformers' modeling_gpt2.py, modeling_llama.py,
+// modeling_mistral.py and modeling_qwen2.py against Megatron-Core's layers):
 // * Fused QKV: ours groups rows per query group [q (heads/groups * d); k (d); v (d)] x groups.
 //   Llama has separate q/k/v_proj; GPT-2's Conv1D c_attn is [in, 3E] with [Q | K | V] columns.
 // * GPT-2 Conv1D weights are [in, out]: every linear weight is transposed.

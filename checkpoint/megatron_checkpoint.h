@@ -1,4 +1,4 @@
-// Megatron-LM checkpoints (../shared/reference/megatron.md section 5), read without Python: the
+// Megatron-LM checkpoints (megatron/training/checkpointing.py), read without Python: the
 // tracker file, the iteration directory, the saved `args`, and every model parameter as one
 // global tensor under its Megatron-Core name with global layer numbers (megatrain's own names).
 //

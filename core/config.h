@@ -1,5 +1,5 @@
 // Config: the one validated, immutable description of a run. app/ fills it from Megatron-style
-// flags (defaults below are Megatron-LM's, ../shared/reference/megatron.md section 1), validates it
+// flags (defaults below are Megatron-LM's, megatron/training/arguments.py), validates it
 // and computes the derived values (marked "derived"); nothing downstream re-derives them.
 //
 // std::optional marks flags whose Megatron default is None (unset).

@@ -1,6 +1,6 @@
 // BlendedDataset: samples drawn from several datasets in proportion to weights, in Megatron's
-// exact order (megatron/core/datasets/blended_dataset.py, helpers.cpp build_blending_indices;
-// ../shared/reference/megatron.md 3.4). Sample t comes from the dataset whose deficit
+// exact order (Megatron-LM's megatron/core/datasets/blended_dataset.py, helpers.cpp
+// build_blending_indices). Sample t comes from the dataset whose deficit
 // w_j * max(t, 1) - drawn_j is largest (the first one on ties), as that dataset's next sample.
 #pragma once
 

@@ -1,5 +1,6 @@
 // Building the train/valid/test datasets from the data flags, as Megatron's
-// BlendedMegatronDatasetBuilder does (../shared/reference/megatron.md 3.2-3.4):
+// BlendedMegatronDatasetBuilder does (Megatron-LM's
+// megatron/core/datasets/blended_megatron_dataset_builder.py):
 //   --mock-data                 MockGPTDataset per split (split 1,1,1, whatever --split says);
 //   --data-path P               one GPTDataset per split of P (split by --split);
 //   --data-path w1 P1 w2 P2 ... per split, a BlendedDataset over one GPTDataset per prefix, each

@@ -1,5 +1,5 @@
 // GPTDataset: fixed-length token windows cut from a LowLevelDataset in Megatron's exact order
-// (megatron/core/datasets/gpt_dataset.py + helpers.cpp; ../shared/reference/megatron.md 3.3).
+// (Megatron-LM's megatron/core/datasets/gpt_dataset.py + helpers.cpp).
 //
 // Over the split's sequences [begin, end) with T tokens per epoch, E epochs are needed for
 // num_samples windows of seq_length + 1 tokens (consecutive windows share one token). Three indices

@@ -1,5 +1,6 @@
 // Megatron's indexed dataset: a .bin of raw token ids and an .idx ("MMIDIDX", version 1) that says
-// where each sequence starts and where each document ends (../shared/reference/megatron.md 3.1).
+// where each sequence starts and where each document ends (Megatron-LM's
+// megatron/core/datasets/indexed_dataset.py).
 //
 //   .idx: magic "MMIDIDX\0\0" | u64 version=1 | u8 dtype code | u64 N (sequences) | u64 D (=docs+1)
 //         | i32 sequence_lengths[N] | i64 sequence_pointers[N] (byte offsets into .bin)

@@ -1,5 +1,6 @@
 // --split: train/valid/test proportions of one dataset, as Megatron parses and applies them
-// (../shared/reference/megatron.md 3.2): the numbers are every match of [.0-9]+ (so quotes, spaces
+// (Megatron-LM's megatron/core/datasets/blended_megatron_dataset_config.py and
+// blended_megatron_dataset_builder.py): the numbers are every match of [.0-9]+ (so quotes, spaces
 // and any separators are tolerated), padded with zeros to three, normalised in float64; the split
 // matrix holds running-sum bookends, and a dataset of E sequences gives split i the contiguous
 // sequence ids [round(c_i * E), round(c_{i+1} * E)) with Python's round-half-to-even.

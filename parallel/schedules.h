@@ -3,7 +3,7 @@
 // transfers (activations to the next stage, gradients to the previous one). The engine executes the
 // list; nothing here does math, so every property of a schedule is testable on its own.
 //
-// The compute order on each rank is Megatron-LM's (../shared/reference/megatron.md section 6):
+// The compute order on each rank is Megatron-LM's (megatron/core/pipeline_parallel/schedules.py):
 //   no pipelining (PP = 1):  F(0) B(0) F(1) B(1) ... ; gradient sync allowed on the last backward.
 //   1F1B (PP > 1, V = 1):    W = min(P - r - 1, M) warm-up forwards, then one forward + one
 //                            backward per step, then W cool-down backwards.
