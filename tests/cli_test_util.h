@@ -18,6 +18,7 @@
 #include "app/cli.h"
 #include "app/cli_internal.h"
 #include "core/error.h"
+#include "tests/skip.h"
 
 namespace mt::test {
 
@@ -136,8 +137,7 @@ inline std::string shared_data() {
 #define MT_REQUIRE_SHARED_DATA(dir)                                                      \
   const std::string dir = ::mt::test::shared_data();                                     \
   if (dir.empty()) {                                                                     \
-    WARN("skipped: ../shared/data (GPT-2 vocabulary, tokenizers) is not present");       \
-    return;                                                                              \
+    MT_SKIP("../shared/data (GPT-2 vocabulary, tokenizers) is not present");            \
   }
 
 struct RunResult {

@@ -10,12 +10,15 @@ using namespace mt;
 using namespace mt::test;
 using Catch::Contains;
 
-TEST_CASE("vocab_info: GPT-2, Llama 3, Llama 2, NullTokenizer", "[data][vocab]") {
+TEST_CASE("vocab_info: NullTokenizer", "[data][vocab]") {
   DataConfig n;
   n.tokenizer_type = "NullTokenizer";
   n.vocab_size = 128256;
   CHECK(vocab_info(n).size == 128256);
   CHECK(vocab_info(n).eod == 128255);
+}
+
+TEST_CASE("vocab_info: GPT-2, Llama 3 and Llama 2 tokenizer files", "[data][vocab]") {
   MT_REQUIRE_SHARED_DATA(dir);
   DataConfig g;
   g.vocab_file = dir + "/gpt2/gpt2-vocab.json";

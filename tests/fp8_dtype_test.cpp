@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "tests/python_oracle.h"
+#include "tests/skip.h"
 
 using namespace mt;
 namespace oracle = mt::oracle;
@@ -112,8 +113,7 @@ TEST_CASE("fp8: conversions agree with ml_dtypes (Python oracle)", "[fp8][oracle
                                               oracle::shell_quote(std::string(MEGATRAIN_SOURCE_DIR) +
                                                                   "/tests/oracles/fp8_ml_dtypes.py"));
   if (out.rfind("SKIP", 0) == 0) {
-    std::printf("WARN: FP8 ml_dtypes oracle skipped: %s", out.c_str());
-    return;
+    MT_SKIP("FP8 ml_dtypes oracle: " << out);
   }
   std::istringstream lines(out);
   std::string line;

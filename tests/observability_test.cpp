@@ -15,6 +15,7 @@
 #include "ckpt_test_util.h"
 #include "core/crc32c.h"
 #include "core/log.h"
+#include "tests/skip.h"
 
 using namespace mt;
 using mt_test::TempDir;
@@ -164,8 +165,7 @@ TEST_CASE("number formatting agrees with Python's format()", "[obs][log][python]
   std::string why;
   const auto py = mt_test::find_test_python("json", &why);
   if (!py) {
-    WARN("SKIPPED the Python formatting oracle: " << why);
-    return;
+    MT_SKIP("the Python formatting oracle: " << why);
   }
   std::mt19937_64 rng(5);
   std::vector<double> values = {0.0, 0.05, 0.25, 0.35, 1.0 / 3, 2.5, 1e-12, 9.9999995e-5, 123456.789, 1e300, 0.0005, 99.95};
@@ -278,8 +278,9 @@ TEST_CASE("TensorBoard records match the golden bytes", "[obs][tensorboard]") {
   CHECK(hex(frame_tfrecord(sc)) == "1d00000000000000602fdf23" + hex(sc) + "e4a3c727");
 }
 
-TEST_CASE("TensorBoard reporter writes Megatron's tags, our decoder and TensorBoard read them back", "[obs][tensorboard]") {
-  TempDir dir;
+// The reporter with every TensorBoard flag on, over four iterations and an evaluation: writes its event
+// file under dir/tb and returns the scalars it must hold, in order.
+std::vector<Scalar> write_reporter_events(const TempDir& dir) {
   LoggingConfig cfg = tb_config(dir / "tb");
   cfg.log_timers_to_tensorboard = true;
   cfg.log_throughput = true;
@@ -352,6 +353,12 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags, our decoder and TensorBo
     expected.push_back({"lm loss validation ppl vs samples", 64, static_cast<float>(std::exp(2.0))});
     rep.flush();
   }
+  return expected;
+}
+
+TEST_CASE("TensorBoard reporter writes Megatron's tags and our decoder reads them back", "[obs][tensorboard]") {
+  TempDir dir;
+  const std::vector<Scalar> expected = write_reporter_events(dir);
   const std::string path = only_event_file(dir / "tb");
   const auto events = read_tensorboard_events(path);
   REQUIRE(!events.empty());
@@ -366,12 +373,17 @@ TEST_CASE("TensorBoard reporter writes Megatron's tags, our decoder and TensorBo
   mt_test::write_text(dir / "bad.tfevents", bytes);
   CHECK_THROWS_WITH(read_tensorboard_events(dir / "bad.tfevents"), Catch::Contains("CRC mismatch"));
 
+}
+
+TEST_CASE("TensorBoard's EventAccumulator reads the reporter's events", "[obs][tensorboard][python]") {
   std::string why;
   const auto py = mt_test::find_test_python("tensorboard", &why);
   if (!py) {
-    WARN("SKIPPED reading the events with TensorBoard's EventAccumulator: " << why);
-    return;
+    MT_SKIP("reading the events with TensorBoard's EventAccumulator: " << why);
   }
+  TempDir dir;
+  const std::vector<Scalar> expected = write_reporter_events(dir);
+  const std::string path = only_event_file(dir / "tb");
   mt_test::write_text(dir / "read.py", R"PY(
 import json, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "data/preprocess.h"
 #include "tests/python_oracle.h"
+#include "tests/skip.h"
 
 using namespace mt;
 using Catch::Matchers::Contains;
@@ -38,7 +39,7 @@ void spit(const std::string& path, const std::string& text) {
 std::optional<std::string> shared_data(const char* test) {
   const std::string dir = kSource + "/../shared/data";
   if (!fs::exists(dir + "/gpt2/gpt2-vocab.json") || !fs::exists(dir + "/llama3/tokenizer.json")) {
-    std::printf("WARN: %s skipped: no tokenizer files under %s\n", test, dir.c_str());
+    mt::test::report_skip(std::string(test) + ": no tokenizer files under " + dir);
     return std::nullopt;
   }
   return dir;

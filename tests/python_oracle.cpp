@@ -1,5 +1,7 @@
 #include "tests/python_oracle.h"
 
+#include "tests/skip.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,14 +18,13 @@ std::optional<std::string> python_or_skip(const char* test_name) {
     python = std::string(MEGATRAIN_SOURCE_DIR) + "/.venv/bin/python";
   }
   if (!std::filesystem::exists(python)) {
-    std::printf("WARN: %s skipped: no Python oracle interpreter at %s (run scripts/install-deps.sh)\n",
-                test_name, python.c_str());
+    mt::test::report_skip(std::string(test_name) + ": no Python oracle interpreter at " + python +
+                          " (run scripts/install-deps.sh)");
     return std::nullopt;
   }
   const std::string probe = shell_quote(python) + " -c 'import numpy' > /dev/null 2>&1";
   if (std::system(probe.c_str()) != 0) {
-    std::printf("WARN: %s skipped: %s cannot import numpy (run scripts/install-deps.sh)\n", test_name,
-                python.c_str());
+    mt::test::report_skip(std::string(test_name) + ": " + python + " cannot import numpy (run scripts/install-deps.sh)");
     return std::nullopt;
   }
   return python;

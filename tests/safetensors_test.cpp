@@ -8,6 +8,7 @@
 #include "ckpt_test_util.h"
 #include "core/crc32c.h"
 #include "core/error.h"
+#include "tests/skip.h"
 
 using namespace mt;
 using mt_test::TempDir;
@@ -192,8 +193,7 @@ TEST_CASE("safetensors files are byte-identical to Python's and load both ways",
   std::string why;
   const auto py = mt_test::find_test_python("safetensors numpy", &why);
   if (!py) {
-    WARN("SKIPPED safetensors Python compatibility: " << why);
-    return;
+    MT_SKIP("safetensors Python compatibility: " << why);
   }
   TempDir dir;
   std::vector<float> f32 = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, -8.5f};

@@ -21,6 +21,7 @@
 #include "data/utf8.h"
 #include "data/vocab_info.h"
 #include "tests/python_oracle.h"
+#include "tests/skip.h"
 
 using namespace mt;
 using Catch::Matchers::Contains;
@@ -48,7 +49,7 @@ std::optional<std::string> shared_data(const char* test) {
   const std::string dir = kSource + "/../shared/data";
   if (!fs::exists(dir + "/gpt2/gpt2-vocab.json") || !fs::exists(dir + "/llama3/tokenizer.json") ||
       !fs::exists(dir + "/llama2/tokenizer.json")) {
-    std::printf("WARN: %s skipped: no tokenizer files under %s\n", test, dir.c_str());
+    mt::test::report_skip(std::string(test) + ": no tokenizer files under " + dir);
     return std::nullopt;
   }
   return dir;
@@ -270,7 +271,7 @@ TEST_CASE("tokenizers equal the oracle on a few hundred KB of pod text and trick
   // ~300 KB of real text as documents of a few KB, plus the tricky strings (long words included).
   const std::string pod = pod_text(300 * 1024);
   if (pod.size() < 200 * 1024) {
-    std::printf("WARN: tokenizer live oracle skipped: no Perl pod text under /usr/share/perl (install perl-doc)\n");
+    mt::test::report_skip("tokenizer live oracle: no Perl pod text under /usr/share/perl (install perl-doc)");
     return;
   }
   std::vector<std::string> texts = tricky_strings(300, 99);
@@ -403,10 +404,12 @@ TEST_CASE("tokenizer clones encode independently on threads", "[tokenizer]") {
 }
 
 TEST_CASE("SentencePiece tokenizers: a model trained here gives the Python package's ids", "[tokenizer][oracle]") {
+  const auto python = oracle::python_or_skip("SentencePiece oracle");
+  if (!python) return;
   oracle::TempDir dir;
   const std::string corpus = pod_text(400 * 1024);
   if (corpus.size() < 100 * 1024) {
-    std::printf("WARN: SentencePiece test skipped: no Perl pod text under /usr/share/perl (install perl-doc)\n");
+    mt::test::report_skip("SentencePiece test: no Perl pod text under /usr/share/perl (install perl-doc)");
     return;
   }
   spit(dir.file("train.txt"), corpus.substr(0, corpus.size() / 2));
@@ -442,8 +445,6 @@ TEST_CASE("SentencePiece tokenizers: a model trained here gives the Python packa
       CHECK(ids.front() != 1);  // no BOS: HEAD's SentencePiece wrapper calls encode_as_ids(text)
       CHECK(t->decode(ids) == sample);
 
-      const auto python = oracle::python_or_skip("SentencePiece oracle");
-      if (!python) continue;
       std::vector<std::string> texts = tricky_strings(100, 5);
       for (size_t i = 0; i < held_out.size(); i += 2048) {
         size_t b = i, e = std::min(held_out.size(), i + 2048);
@@ -499,7 +500,9 @@ TEST_CASE("tokenizer errors name the flag or file and what is unsupported", "[to
   CHECK_THROWS_AS(build_tokenizer(o), Unsupported);
   o.type = "Gpt2";
   CHECK_THROWS_WITH(build_tokenizer(o), Contains("not a Megatron tokenizer type"));
+}
 
+TEST_CASE("tokenizer.json errors name what is unsupported", "[tokenizer]") {
   const auto data = shared_data("tokenizer.json errors");
   if (!data) return;
   oracle::TempDir dir;

@@ -13,6 +13,7 @@
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint/file_io.h"
 #include "ckpt_test_util.h"
+#include "tests/skip.h"
 
 using mt_test::read_bytes;
 using mt_test::run_command;
@@ -87,7 +88,7 @@ void check_numpy_logits(const std::string& model, const char* what) {
   std::string why;
   const auto py = mt_test::find_test_python("numpy safetensors", &why);
   if (!py) {
-    WARN("SKIPPED the numpy logits check of " << what << ": " << why);
+    mt::test::report_skip("the numpy logits check of " + std::string(what) + ": " + why);
     return;
   }
   TempDir dir;
