@@ -76,10 +76,8 @@ std::unique_ptr<Backend> make_backend(const Config& cfg) {
     fail("no CUDA GPU is visible ({}); check CUDA_VISIBLE_DEVICES and the driver, or train on the CPU with "
          "--device cpu", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
   // GEMM autotuning picks algorithms by timing, so it is off where runs must repeat bit for bit
-  // (--deterministic-mode); MEGATRAIN_GEMM_AUTOTUNE=0 turns it off for comparisons (bench/).
-  const char* autotune_env = std::getenv("MEGATRAIN_GEMM_AUTOTUNE");
-  const bool autotune = !cfg.train.deterministic_mode && !(autotune_env && std::string(autotune_env) == "0");
-  return make_cuda_backend(gpu_ordinal(cfg), autotune);
+  // (--deterministic-mode).
+  return make_cuda_backend(gpu_ordinal(cfg), !cfg.train.deterministic_mode);
 #else
   fail("this megatrain was built without CUDA; use --device cpu");
 #endif
@@ -100,10 +98,12 @@ DType compute_dtype(const Config& cfg) {
   return DType::f32;
 }
 
-// Adds what the memory plans know to every iteration's statistics: the step allocates nothing,
-// so the planned buffers are both the current and the peak allocation; on CUDA the device's
-// memory in use (this process's context and buffers, and any other process's) stands for
-// Megatron's "reserved" bytes. On the reference backend nothing is cached: reserved = allocated.
+// Adds the memory figures to every iteration's statistics: "allocated" is what the backend
+// measures it has allocated on the device (the models' planned buffers and its own workspaces;
+// the plan itself on the reference backend, whose buffers are host memory); a step allocates
+// nothing (the trainer checks), so it is also the peak. On CUDA the device's memory in use (this
+// process's context and buffers, NCCL's, and any other process's) stands for Megatron's
+// "reserved" bytes. On the reference backend nothing is cached: reserved = allocated.
 // Also prints, as Megatron's training_log, on the first data-parallel replica: report_memory at
 // the log lines of this run's first iteration and the next logged one (then the optimizer state
 // exists), with report_theoretical_memory's line (the plan) on rank 0 before the first; and with
@@ -120,6 +120,7 @@ class MemoryStatsReporter : public Reporter {
     }
   }
   void on_iteration(const IterationStats& s) override {
+    if (const size_t measured = backend_.bytes_allocated(); measured > 0) allocated_ = static_cast<double>(measured);
     IterationStats t = s;
     t.memory_allocated_bytes = allocated_;
     t.memory_peak_bytes = allocated_;
@@ -304,9 +305,10 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // One line per rank after the run: what each GPU held (bench/run_parallel_gpu.sh reads it). The
   // step allocates nothing, so the memory in use now (communicator buffers included, which NCCL
   // sets up at the first collectives) is the run's peak.
-  log::write_stdout(fmt::format("[rank {}] memory: planned {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
-                                ps.rank, planned / 1048576.0, static_cast<double>(backend->memory_in_use()) / 1048576.0,
-                                ps.tp_rank, ps.pp_rank, ps.dp_rank));
+  log::write_stdout(fmt::format(
+      "[rank {}] memory: planned {:.1f} MiB, allocated {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
+      ps.rank, planned / 1048576.0, static_cast<double>(backend->bytes_allocated()) / 1048576.0,
+      static_cast<double>(backend->memory_in_use()) / 1048576.0, ps.tp_rank, ps.pp_rank, ps.dp_rank));
   return 0;
 }
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench/event_timer.cuh"
+#include "cuda/bench_choice.h"
 #include "cuda/cuda_check.h"
 #include "cuda/fp8_kernels.h"
 
@@ -80,7 +81,11 @@ int main(int argc, char** argv) {
   ctx.num_sms = prop.multiProcessorCount;
   ctx.scratch = &scratch;
   mt::bench::EventTimer timer(stream, reps);
+  // This program's own knob (the megatrain binary has none): which cast-transpose kernel every
+  // reader takes (cuda/bench_choice.h).
   const char* knob = std::getenv("MEGATRAIN_FP8_CAST_KERNEL");
+  if (knob && std::string(knob) == "tiles") bench_choice::fp8_cast_kernel = bench_choice::Fp8CastKernel::tiles;
+  if (knob && std::string(knob) == "blocks") bench_choice::fp8_cast_kernel = bench_choice::Fp8CastKernel::blocks;
   std::printf("GPU %s, %d SMs; MEGATRAIN_FP8_CAST_KERNEL=%s\n", prop.name, prop.multiProcessorCount,
               knob ? knob : "(unset)");
 

@@ -22,6 +22,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda/bench_choice.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
 
@@ -255,9 +256,9 @@ void bench_model(Bench& B, const Model& M) {
     Tensor dw = B.alloc(DType::f32, {H}), db = M.llama ? Tensor() : B.alloc(DType::f32, {H});
     auto rec = B.alloc_rot(bf, {R, H}, S);
     Tensor bias_h = B.alloc(bf, {H});
-    // The 16-bit fast path (the default) and the general kernel (MEGATRAIN_NORM_GENERAL=1).
+    // The 16-bit fast path (the default) and the general kernel (bench_choice::norm_general).
     for (const bool general : {false, true}) {
-      if (general) setenv("MEGATRAIN_NORM_GENERAL", "1", 1);
+      mt::cuda::bench_choice::norm_general = general;
       const std::string tag = general ? " (general kernel)" : "";
       B.memory_op(mn, norm + " fwd" + tag, shape2(R, H), 2 * act,
                   [&](int k) { be.norm_forward(out.at(k), mean, rstd, x.at(k), w, bias, p); });
@@ -271,7 +272,7 @@ void bench_model(Bench& B, const Model& M) {
       B.memory_op(mn, norm + " bwd recompute (+dresidual)" + tag, shape2(R, H), 5 * act, [&](int k) {
         be.norm_backward_recompute(rec.at(k), sum.at(k), dw, db, out.at(k), x.at(k), mean, rstd, w, bias, b.at(k), Tensor(), p);
       });
-      if (general) unsetenv("MEGATRAIN_NORM_GENERAL");
+      mt::cuda::bench_choice::norm_general = false;
     }
     B.memory_op(mn, "bias_dropout_add (p=0.1)", shape2(R, H), 3 * act,
                 [&](int k) { be.bias_dropout_add(out.at(k), x.at(k), bias_h, b.at(k), 0.1f, 5); });

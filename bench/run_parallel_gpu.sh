@@ -247,7 +247,7 @@ def memory(name):
     path = os.path.join(out, name + ".log")
     if not os.path.exists(path):
         return "-"
-    ranks = re.findall(r"\[rank (\d+)\] memory: planned ([\d.]+) MiB, device in use ([\d.]+) MiB", open(path).read())
+    ranks = re.findall(r"\[rank (\d+)\] memory: planned ([\d.]+) MiB, allocated [\d.]+ MiB, device in use ([\d.]+) MiB", open(path).read())
     return ", ".join(f"r{r}: {float(p)/1024:.1f}/{float(d)/1024:.1f} GiB" for r, p, d in sorted(ranks))
 
 table = []  # (measure, 1 GPU, 2 GPUs, ratio or difference, target, status)

@@ -507,7 +507,7 @@ struct Pass {
 
 struct Plans {
   Pass forward, backward;
-  bool fixed_choice = false;  // --deterministic-mode or MEGATRAIN_ATTENTION_AUTOTUNE=0: no timing
+  bool fixed_choice = false;  // --deterministic-mode: no timing
   size_t delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;  // workspace pieces (see Candidate)
   std::string error;  // non-empty: this shape is not supported, and why
   std::string refused;  // layouts cuDNN had no engine for (reported, not an error)
@@ -538,11 +538,6 @@ std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   return "";
 }
 
-bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v && std::string(v) == value;
-}
-bool autotune_enabled() { return !env_is("MEGATRAIN_ATTENTION_AUTOTUNE", "0"); }
 
 // Candidates worth timing: those whose workspace is within max(2x, +256 MiB) of the smallest. The
 // deterministic-dQ engines keep an s x s buffer per (sample, head) in their workspace (2 GiB at
@@ -577,7 +572,7 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
   plans.delta_bytes = align256(rows * sizeof(float));
   plans.accum_bytes = align256(rows * a.head_dim * sizeof(float));
   plans.heads_bytes = align256(kv_heads::buffer_bytes(a, dtype));
-  plans.fixed_choice = a.deterministic || !autotune_enabled();
+  plans.fixed_choice = a.deterministic;
   // The per-query-head layouts only as timed candidates: untimed, the shared one runs.
   std::vector<KvLayout> layouts = {KvLayout::shared};
   if (a.heads != a.groups && !plans.fixed_choice) layouts.push_back(KvLayout::broadcast);
@@ -606,8 +601,7 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
       plans.refused += fmt::format("; {}: {}", layout_name(layout), e.what());
     }
   }
-  // MEGATRAIN_ATTENTION_ALL_CANDIDATES=1 (benchmarking): every candidate, whatever its workspace.
-  if (!a.deterministic && !env_is("MEGATRAIN_ATTENTION_ALL_CANDIDATES", "1")) {
+  if (!a.deterministic) {
     keep_affordable(plans.forward);
     keep_affordable(plans.backward);
   }
@@ -736,8 +730,7 @@ std::string describe(const AttentionShape& a, DType dtype) {
   if (p.fixed_choice) {
     how = fmt::format("forward {}, backward {}", p.forward.candidates[p.forward.chosen].name(false),
                       p.backward.candidates[p.backward.chosen].name(true));
-    if (a.deterministic) how += " (--deterministic-mode: the deterministic dQ, not timed)";
-    else how += " (MEGATRAIN_ATTENTION_AUTOTUNE=0: not timed)";
+    how += " (--deterministic-mode: the deterministic dQ, not timed)";
   } else {
     how = fmt::format("the fastest of {} forward / {} backward candidates, timed at the first step",
                       p.forward.candidates.size(), p.backward.candidates.size());

@@ -12,8 +12,8 @@
 // (attention_kv_heads.h).
 // Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached: every
 // layout and engine configuration that builds is a candidate, and the first call of each pass
-// times them on its own buffers and keeps the fastest (not under --deterministic-mode, nor with
-// MEGATRAIN_ATTENTION_AUTOTUNE=0: then the shared layout's smallest-workspace plan, untimed).
+// times them on its own buffers and keeps the fastest (not under --deterministic-mode: then the
+// shared layout's smallest-workspace plan, untimed).
 #pragma once
 
 #include <cuda_runtime.h>

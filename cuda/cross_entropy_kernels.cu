@@ -219,10 +219,9 @@ constexpr int kRowBlock = 512;
 
 // The largest row the staged forward-backward kernel keeps in shared memory: two blocks per SM
 // (one would leave half the SM's threads idle while its block reduces), within the per-block
-// opt-in limit. Environment MEGATRAIN_CE_STAGED=0 turns staging off (A/B measurements).
+// opt-in limit.
 size_t staged_row_limit() {
   static const size_t limit = [] {
-    if (const char* e = std::getenv("MEGATRAIN_CE_STAGED"); e && std::string(e) == "0") return size_t{0};
     int device = 0, per_sm = 0, per_block = 0;
     MT_CUDA_CHECK(cudaGetDevice(&device));
     MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));

@@ -49,15 +49,10 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&tp_comm_stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_comm_done_, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaMalloc(&scratch_memory_, scratch_bytes));
+  scratch_memory_ = device_alloc(scratch_bytes);
   scratch_ = cuda::Scratch(scratch_memory_, scratch_bytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(stream_, kGemmWorkspaceBytes);
-  if (const char* m = std::getenv("MEGATRAIN_GEMM_SM_MARGIN"); m && *m) {
-    base_gemm_sm_margin_ = std::max(0, std::atoi(m));
-    set_gemm_sm_margin(0);
-  }
-  if (const char* m = std::getenv("MEGATRAIN_TP_OVERLAP_SM_MARGIN"); m && *m)
-    tp_overlap_sm_margin_ = std::max(0, std::atoi(m));
+  bytes_allocated_ += kGemmWorkspaceBytes;  // (the runner's own cudaMalloc)
   profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
 }
 
@@ -95,6 +90,12 @@ cuda::KernelContext CudaBackend::context() {
 
 // ---- memory and transfers -------------------------------------------------------------------------
 void* CudaBackend::allocate(size_t bytes) {
+  void* p = device_alloc(bytes);
+  if (p) block_bytes_[p] = bytes;
+  return p;
+}
+
+void* CudaBackend::device_alloc(size_t bytes) {
   void* p = nullptr;
   if (bytes == 0) return nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes);
@@ -108,6 +109,7 @@ void* CudaBackend::allocate(size_t bytes) {
          "(--dry-run shows each GPU's plan)",
          device_, bytes / 1048576.0, free_bytes / 1048576.0, total / 1048576.0);
   }
+  bytes_allocated_ += bytes;
   return p;
 }
 
@@ -119,7 +121,12 @@ size_t CudaBackend::memory_in_use() const {
 }
 
 void CudaBackend::deallocate(void* p) {
-  if (p) MT_CUDA_CHECK(cudaFree(p));
+  if (!p) return;
+  const auto it = block_bytes_.find(p);
+  MT_CHECK(it != block_bytes_.end(), "deallocate of a pointer this backend did not allocate");
+  bytes_allocated_ -= it->second;
+  block_bytes_.erase(it);
+  MT_CUDA_CHECK(cudaFree(p));
 }
 
 void CudaBackend::copy_from_host(Tensor dst, const void* host_src) {
@@ -160,15 +167,6 @@ void CudaBackend::tp_comm_wait_for_compute() {
 void CudaBackend::compute_wait_for_tp_comm() {
   MT_CUDA_CHECK(cudaEventRecord(tp_comm_done_, tp_comm_stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, tp_comm_done_, 0));
-}
-void CudaBackend::set_gemm_beside_copy_engine_comm(bool beside) {
-  set_gemm_sm_margin(beside ? tp_overlap_sm_margin_ : 0);
-}
-void CudaBackend::set_gemm_sm_margin(int sms) {
-  sms = std::max(sms, base_gemm_sm_margin_);
-  gemm_sm_target_ = sms > 0 ? std::max(1, num_sms_ - sms) : 0;
-  gemm_->sm_count_target = gemm_sm_target_;
-  if (fp8_gemm_) fp8_gemm_->sm_count_target = gemm_sm_target_;
 }
 void CudaBackend::compute_wait_for_comm() {
   MT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_stream_));
@@ -387,7 +385,7 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
   if (a.dropout_p > 0) log::info(" > attention (evaluation, no dropout): {}", cuda::describe_attention(eval, backend, dtype));
   if (need <= attention_workspace_bytes_) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (attention_workspace_) MT_CUDA_CHECK(cudaFree(attention_workspace_));
+  deallocate(attention_workspace_);
   attention_workspace_ = nullptr;
   attention_workspace_bytes_ = 0;
   attention_workspace_ = allocate(need);
@@ -543,8 +541,6 @@ void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment
 std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotune) {
   auto backend = std::make_unique<CudaBackend>(device_ordinal);
   backend->gemm().autotune = gemm_autotune;
-  if (const char* e = std::getenv("MEGATRAIN_GEMM_ACCUMULATE_TWIN"); e && std::string(e) == "0")
-    backend->gemm().reuse_tuned_for_accumulate = false;
   return backend;
 }
 

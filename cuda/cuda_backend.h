@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda/fp8_gemm_cublaslt.h"
@@ -33,6 +34,8 @@ class CudaBackend final : public Backend {
   Device device() const override { return Device::cuda; }
 
   size_t memory_in_use() const override;
+  size_t bytes_allocated() const override { return bytes_allocated_; }
+  void prepare_fp8_gemms() override { fp8_gemm(); }
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
   void copy_from_host(Tensor dst, const void* host_src) override;
@@ -135,9 +138,7 @@ class CudaBackend final : public Backend {
   void* tp_comm_stream() override { return tp_comm_stream_; }
   void tp_comm_wait_for_compute() override;
   void compute_wait_for_tp_comm() override;
-  void set_gemm_beside_copy_engine_comm(bool beside) override;
   // GEMMs launched from now on leave `sms` SMs free (0: all used; never below the base margin).
-  void set_gemm_sm_margin(int sms);
   void comm_wait_for_compute() override;
   void compute_wait_for_comm() override;
   void reserve_comm_marks(int n) override;
@@ -153,7 +154,8 @@ class CudaBackend final : public Backend {
  private:
   cuda::KernelContext context();  // resets the scratch for the next op
   // The FP8 GEMM runner (own cuBLASLt handle and workspace) and the two 16-byte aligned scale
-  // slots, made at the first FP8 op; fp8_stage_scales copies an op's two scale_inv values there.
+  // slots, made by prepare_fp8_gemms (or the first FP8 op of a test); fp8_stage_scales copies an
+  // op's two scale_inv values there.
   cuda::Fp8GemmRunner& fp8_gemm();
   void fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const cuda::CastSource& src, const Fp8TensorMeta& meta,
                          Tensor dbias);
@@ -170,15 +172,14 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int num_sms_ = 1;
-  int gemm_sm_target_ = 0;  // set_gemm_sm_margin (0: all SMs)
-  // MEGATRAIN_GEMM_SM_MARGIN: SMs every GEMM leaves free (for the collectives of data and pipeline
-  // parallelism beside the step's GEMMs; tuning runs); set_gemm_sm_margin never goes below it.
-  int base_gemm_sm_margin_ = 0;
-  // MEGATRAIN_TP_OVERLAP_SM_MARGIN: SMs the GEMMs beside a copy-engine all-gather leave free
-  // (set_gemm_beside_copy_engine_comm). 0: with 32 NCCL CTAs a margin of 16 measured no gain on 2
-  // H200s (TP=2+SP gpt-1.3b 0.814x with, 0.820x without; session 4: 450.7 vs 454.8 TFLOP/s per GPU).
-  int tp_overlap_sm_margin_ = 0;
-  size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
+  size_t baseline_in_use_ = 0;
+  // What this backend allocated and has not freed (bytes_allocated), and the size of each block
+  // allocate() handed out.
+  size_t bytes_allocated_ = 0;
+  std::unordered_map<void*, size_t> block_bytes_;
+  // cudaMalloc through the count (the backend's own buffers); device_free the same way back.
+  void* device_alloc(size_t bytes);
+  void device_free(void* p);  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
   // hand work between the streams, and the numbered marks of the parameter all-gathers.

@@ -47,10 +47,10 @@ void check_compute_dtype(const Tensor& t, const char* op, const char* what) {
 
 cuda::Fp8GemmRunner& CudaBackend::fp8_gemm() {
   if (!fp8_gemm_) {
-    // Made at the first FP8 op: in the engine that is the plan/warm-up step, before timing.
+    // Made at set-up (prepare_fp8_gemms), never inside a step.
     fp8_gemm_ = std::make_unique<cuda::Fp8GemmRunner>(stream_, kGemmWorkspaceBytes);
-    fp8_gemm_->sm_count_target = gemm_sm_target_;
-    MT_CUDA_CHECK(cudaMalloc(&fp8_scale_slots_, 8 * sizeof(float)));
+    bytes_allocated_ += kGemmWorkspaceBytes;  // (the runner's own cudaMalloc)
+    fp8_scale_slots_ = static_cast<float*>(device_alloc(8 * sizeof(float)));
   }
   return *fp8_gemm_;
 }

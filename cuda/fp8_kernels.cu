@@ -3,6 +3,7 @@
 // All casts are bandwidth-bound. The vector paths move 16 input bytes (8 bf16 / 2x4 float) per
 // thread and write 8 fp8 bytes; the grids are capped at a few blocks per SM and stride over the
 // work, so amax costs one atomicMax per block, not per tile.
+#include "cuda/bench_choice.h"
 #include "cuda/fp8_kernels.h"
 
 #include <cuda_fp8.h>
@@ -705,18 +706,6 @@ __global__ void tensorwise_scale_kernel(float* fresh_amax, float* amax, float* s
   if (scale_inv_copy) *scale_inv_copy = *scale_inv;
 }
 
-// Blocks per SM of the cast-transpose grid, 0: one block per work item (the default: with the
-// blocks' load and store phases interleaved by the scheduler, the fused SwiGLU-gradient cast took
-// 180 us per llama-1b layer against 212 us with 8 blocks per SM striding over the items; the plain
-// casts the same; session 6 call 7). MEGATRAIN_FP8_CAST_BLOCKS_PER_SM overrides (benchmarks).
-int cast_blocks_per_sm() {
-  static const int v = [] {
-    const char* e = std::getenv("MEGATRAIN_FP8_CAST_BLOCKS_PER_SM");
-    return e && *e ? std::max(0, std::atoi(e)) : 0;
-  }();
-  return v;
-}
-
 unsigned capped_grid(const KernelContext& ctx, int64_t work) {
   return grid_for(work, kThreads, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * kBlocksPerSm);
 }
@@ -764,17 +753,13 @@ namespace {
 // it held fewer loads in flight and measured slower than the tile kernel (bench_fp8_cast,
 // bench/RESULTS.md session 12). With a bias gradient every reader takes the register-block kernel,
 // so that a fused cast sums each column in the same order as the plain cast of the same values
-// (the same bits). MEGATRAIN_FP8_CAST_KERNEL=tiles or =blocks forces one kernel for every reader,
-// for A/B runs. The bytes and the amax are the same either way; the bias-gradient sums run in a
-// different (fixed) order.
+// (the same bits). bench_fp8_cast forces one kernel for every reader (bench_choice::fp8_cast_kernel)
+// to compare them.
 template <typename Input>
 bool use_tile_kernel(bool dbias) {
-  static const int forced = [] {  // 1 tiles, 2 blocks, 0 by reader
-    const char* e = std::getenv("MEGATRAIN_FP8_CAST_KERNEL");
-    if (!e) return 0;
-    return std::string(e) == "tiles" ? 1 : std::string(e) == "blocks" ? 2 : 0;
-  }();
-  return forced == 0 ? Input::kTileKernel && !dbias : forced == 1;
+  using bench_choice::Fp8CastKernel;
+  const Fp8CastKernel forced = bench_choice::fp8_cast_kernel;
+  return forced == Fp8CastKernel::by_reader ? Input::kTileKernel && !dbias : forced == Fp8CastKernel::tiles;
 }
 
 // Launches cast_transpose_blocks_kernel (vec) or cast_transpose_kernel over an [R, C] input read
@@ -811,12 +796,10 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
   const int64_t tiles_c_full = (C + kTile - 1) / kTile;
   const int group = dbias ? static_cast<int>(std::max<int64_t>(1, tiles_r * tiles_c_full / (2 * max_blocks))) : 1;
   const int64_t groups_r = (tiles_r + group - 1) / group;
-  // The grid: at most cast_blocks_per_sm() blocks per SM striding over the work items (0: one block
-  // per item). It does not change the bias-gradient grouping above, so not the bits.
-  const int bps = cast_blocks_per_sm();
-  const int64_t items = groups_r * tiles_c;
-  const unsigned grid = static_cast<unsigned>(
-      bps > 0 ? std::min<int64_t>(items, static_cast<int64_t>(std::max(ctx.num_sms, 1)) * bps) : items);
+  // The grid: one block per work item (with the blocks' load and store phases interleaved by the
+  // scheduler, the fused SwiGLU-gradient cast took 180 us per llama-1b layer against 212 us with 8
+  // blocks per SM striding over the items, bench/RESULTS.md 2026-11-22; the plain casts the same).
+  const unsigned grid = static_cast<unsigned>(groups_r * tiles_c);
   float* partial = dbias ? ctx.scratch->take_array<float>(groups_r * C, "FP8 cast bias-gradient partial sums") : nullptr;
   with_format(format, [&](auto fc) {
     constexpr Fp8Format F = decltype(fc)::value;

@@ -90,7 +90,7 @@ class GemmRunner {
   // With autotune, an accumulating GEMM takes the tuned pick of the same GEMM with beta = 0 where
   // that ran first (the descriptors are the same; only beta differs): the output layer's weight
   // gradient, whose first chunk writes (beta 0) and the others add. false: the heuristic's first
-  // pick (MEGATRAIN_GEMM_ACCUMULATE_TWIN=0, A/B).
+  // pick.
   bool reuse_tuned_for_accumulate = true;
   static constexpr int kTuneCandidates = 8;
   // For a k that is not a multiple of 256, no split-K algorithm sees the tail of k: cuBLASLt's
@@ -102,7 +102,7 @@ class GemmRunner {
   // runs beside them: cuBLASLt's persistent kernels start one block per SM and give each a fixed
   // share of the tiles, so blocks that wait for the SMs a collective holds finish last, and the
   // GEMM ends about when it would have ended after the collective. A GEMM that leaves the
-  // collective its SMs runs a little longer but beside it (see CudaBackend::set_gemm_sm_margin).
+  // collective its SMs runs a little longer but beside it (bench_tp_overlap measures such margins).
   int sm_count_target = 0;
   size_t tuned_plans() const { return tuned_; }
 

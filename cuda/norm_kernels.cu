@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "cuda/bench_choice.h"
 #include "cuda/activations.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
@@ -692,12 +693,9 @@ __global__ void __launch_bounds__(kWarp * kReduceWarps) reduce_partials_kernel(P
   }
 }
 
-// MEGATRAIN_NORM_GENERAL=1 sends every norm (forward and backward) to the general kernels, so
-// that benchmarks can compare the two paths in one binary.
-bool fast_norm_disabled() {
-  const char* v = std::getenv("MEGATRAIN_NORM_GENERAL");
-  return v && *v && *v != '0';
-}
+// bench_choice::norm_general sends every norm (forward and backward) to the general kernels, so
+// that bench_ops can compare the two paths in one binary.
+bool fast_norm_disabled() { return bench_choice::norm_general; }
 
 struct TeamShape {
   int vec, iters, tpr, block;

@@ -160,6 +160,15 @@ class Backend {
   // PyTorch's max_memory_allocated; nothing is allocated inside the step, so it is also the peak.
   // 0 where unknown.
   virtual size_t memory_in_use() const { return 0; }
+  // Device bytes this backend has allocated and not freed: buffers it handed out (allocate: the
+  // models' arenas) and its own workspaces (GEMMs, attention, scratch). Nothing is allocated inside
+  // a training step: the trainer checks that a step leaves this unchanged. 0 on the reference
+  // backend, whose buffers are host memory.
+  virtual size_t bytes_allocated() const { return 0; }
+  // Sets up what FP8 GEMMs use (the CUDA backend: cuBLASLt's FP8 workspace and scale slots) at
+  // set-up time, so that no training step allocates; GptModel's constructor calls it for models
+  // with FP8 layers. No-op on the reference backend.
+  virtual void prepare_fp8_gemms() {}
 
   // ---- elementwise -----------------------------------------------------------------------
   virtual void fill(Tensor t, double value) = 0;
@@ -267,7 +276,7 @@ class Backend {
   //     refreshed at the first use after the optimizer step), not per micro-batch; FP8 parameters
   //     (--fp8-param-gather) are written by the optimizer update instead, and only transposed here;
   //   - inputs: forward fp8_quantize(xq, xq_t, x), once: xq for the forward GEMM, xq_t kept with
-  //     the layer's activations for the weight-gradient GEMM (ModelOptions::fp8_keep_inputs =
+  //     the layer's activations for the weight-gradient GEMM (ModelOptions::TestSeams::fp8_keep_inputs =
   //     false, tests only: forward fp8_quantize(xq, {}, x), backward
   //     fp8_quantize({}, xq_t, x) from x recomputed or kept in the compute dtype, with the same
   //     meta: the same scale, the same bits); fc2's input by fp8_quantize_activation from fc1's
@@ -298,7 +307,7 @@ class Backend {
   // rstd, x, weight, bias, p) writes (x's dtype), given the mean and rstd that call wrote (a
   // norm_forward or bias_dropout_add_norm with an empty out: statistics only), then
   // fp8_quantize(q, q_t, y, meta). x [R, C]; q [R, C], q_t [C, R]. FP8 layers cast the QKV and fc1
-  // inputs this way (ModelOptions::fp8_norm_cast), saving the norm output's write and read in the
+  // inputs this way (ModelOptions::TestSeams::fp8_norm_cast), saving the norm output's write and read in the
   // compute dtype.
   virtual void fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor bias,
                                  const NormParams& p, const Fp8TensorMeta& meta);
@@ -456,11 +465,6 @@ class Backend {
   virtual void* tp_comm_stream() { return nullptr; }
   virtual void tp_comm_wait_for_compute() {}
   virtual void compute_wait_for_tp_comm() {}
-  // The GEMMs launched from now on (until false) run beside a collective on the copy engines (the
-  // sequence-parallel all-gather): a backend may leave SMs to its synchronizing steps (the CUDA
-  // backend: MEGATRAIN_TP_OVERLAP_SM_MARGIN of them, default none; cuda/gemm_cublaslt.h:
-  // sm_count_target). No-op on the reference backend.
-  virtual void set_gemm_beside_copy_engine_comm(bool beside) { (void)beside; }
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }

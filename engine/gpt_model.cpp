@@ -114,17 +114,6 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
   o.grad = o.accum;
-  if (const char* r = std::getenv("MEGATRAIN_RECOMPUTE_GELU"); r && std::string(r) == "1") o.keep_gelu_activation = false;
-  if (const char* z = std::getenv("MEGATRAIN_ZERO_ALL_GRADS"); z && std::string(z) == "1")
-    o.overwrite_first_weight_grad = false;
-  if (const char* b = std::getenv("MEGATRAIN_BIAS_GRAD_FROM_NORM"); b && std::string(b) == "0")
-    o.bias_grad_from_norm = false;
-  if (const char* f = std::getenv("MEGATRAIN_FUSE_NEXT_NORM"); f && std::string(f) == "0") o.fuse_next_norm = false;
-  if (const char* f = std::getenv("MEGATRAIN_FP8_NORM_CAST"); f && std::string(f) == "0") o.fp8_norm_cast = false;
-  if (const char* f = std::getenv("MEGATRAIN_FP8_PRODUCER_AMAX"); f && std::string(f) == "0")
-    o.fp8_producer_amax = false;
-  if (const char* f = std::getenv("MEGATRAIN_FP8_WEIGHT_AMAX"); f && std::string(f) == "0")
-    o.fp8_weight_amax_from_update = false;
   o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
@@ -200,6 +189,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   bind_params();
   plan_grad_zeroing();
   fp8_.initialize(be_);
+  if (fp8_.any()) be_.prepare_fp8_gemms();  // the FP8 GEMMs' workspace now, not in the first step
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
     if (overlap_sp) {
@@ -210,8 +200,9 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
       if (arena_->placed(MemoryCategory::workspace)) {
         const MemoryCategory W = MemoryCategory::workspace;
         const size_t bytes = arena_->plan().of(W);
-        tp_copy_engines_ = ps_.tp->register_symmetric(arena_->block(W), bytes);
-        tp_copy_engines_ = tp_overlap_own_->register_symmetric(arena_->block(W), bytes) && tp_copy_engines_;
+        // (Where NCCL cannot register it, the all-gathers run on NCCL's kernels: a warning says so.)
+        (void)ps_.tp->register_symmetric(arena_->block(W), bytes);
+        (void)tp_overlap_own_->register_symmetric(arena_->block(W), bytes);
       }
     }
   }
@@ -307,7 +298,7 @@ const MemoryPlan& GptModel::memory_plan() const { return arena_->plan(); }
 bool GptModel::keeps_gelu_activation(bool fp8_layer) const {
   // (GeLU or squared ReLU.) FP8 layers never write the activation (fc2's input is cast from fc1's
   // output); SwiGLU's recompute is part of its backward pass anyway.
-  return opt_.keep_gelu_activation && !d_.swiglu && !fp8_layer;
+  return !d_.swiglu && !fp8_layer;
 }
 
 bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
@@ -654,8 +645,8 @@ void GptModel::zero_grads() {
 
 void GptModel::check_grads_written() const {
   for (const FirstWriteGrad& f : first_write_grads_)
-    MT_CHECK(f.written, "the gradient of {} was not written in this step's backward (it is not zeroed before "
-             "the step: MEGATRAIN_ZERO_ALL_GRADS=1 zeroes every gradient)", descs_[static_cast<size_t>(f.param)].name);
+    MT_CHECK(f.written, "the gradient of {} was not written in this step's backward (it is not zeroed before the "
+             "step: its first weight-gradient GEMM writes it)", descs_[static_cast<size_t>(f.param)].name);
 }
 
 GptModel::FirstWriteGrad* GptModel::first_write_entry(const Tensor& g) {
@@ -692,7 +683,6 @@ void GptModel::zero_grad_if_unwritten(const Tensor& g) {
 void GptModel::plan_grad_zeroing() {
   first_write_grads_.clear();
   zeroed_grad_ranges_.clear();
-  if (!opt_.overwrite_first_weight_grad) return;
   auto ends_with = [](const std::string& s, const char* suffix) {
     const size_t n = std::strlen(suffix);
     return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
@@ -738,7 +728,7 @@ Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
 }
 
 bool GptModel::weights_amax_from_update() const {
-  return opt_.fp8_producer_amax && opt_.fp8_weight_amax_from_update && opt_.fp8.recipe == Fp8Recipe::tensorwise &&
+  return opt_.seams.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise &&
          fp8_.any() && !fp8_params();
 }
 
@@ -836,11 +826,11 @@ Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slic
 }  // namespace
 
 bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
-  return opt_.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
+  return opt_.seams.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
 }
 
 bool GptModel::norm_takes_cast_amax(int local, const LayerActs& A) const {
-  return opt_.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise && fp8_norm_cast(local, A);
+  return opt_.seams.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise && fp8_norm_cast(local, A);
 }
 
 Tensor GptModel::norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const {
@@ -853,7 +843,7 @@ Tensor GptModel::norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g)
 // final norm's for the last layer: the head's backward runs at the end of the forward, and other
 // micro-batches' forwards may come before this one's backward (pipeline schedules).
 bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const {
-  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
+  if (!opt_.seams.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
       d_.hidden_dropout > 0 || d_.sequence_parallel)
     return false;
   const auto plain_norm_backward = [&](int l) { return fp8_kept_inputs(l) || acts(s, l).norm_kept; };
@@ -868,7 +858,7 @@ Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const 
 }
 
 Tensor GptModel::dy_amax_from_dropout(int local, Fp8State::Gemm g) const {
-  if (!opt_.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
+  if (!opt_.seams.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
       d_.hidden_dropout <= 0 || d_.sequence_parallel)
     return Tensor();
   return fp8_.fresh(local, g, Fp8State::dy);
@@ -1169,12 +1159,12 @@ void GptModel::embedding_forward(Slot& s) {
 // by the layer's closing bias + dropout + residual: one pass over the rows instead of two.
 bool GptModel::norm_from_previous(int local) const {
   const auto& g = opt_.recompute.group_of;
-  return opt_.fuse_next_norm && local > 0 && g[static_cast<size_t>(local - 1)] < 0 && g[static_cast<size_t>(local)] < 0;
+  return opt_.seams.fuse_next_norm && local > 0 && g[static_cast<size_t>(local - 1)] < 0 && g[static_cast<size_t>(local)] < 0;
 }
 
 GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
   const auto& g = opt_.recompute.group_of;
-  if (!opt_.fuse_next_norm || g[static_cast<size_t>(local)] >= 0) return {};
+  if (!opt_.seams.fuse_next_norm || g[static_cast<size_t>(local)] >= 0) return {};
   if (local + 1 < d_.stage_layers()) {
     if (!norm_from_previous(local + 1)) return {};
     const LayerActs n = acts(s, local + 1);
@@ -1333,7 +1323,7 @@ void GptModel::forward(int slot) {
 // ln1 backward output (or the final norm's on the last stage); proj's is ln2's of the same layer.
 bool GptModel::proj_bias_grad_from_norm(int local) const {
   return d_.linear_bias && d_.hidden_dropout <= 0 && !d_.sequence_parallel && !fp8_layer(local) &&
-         opt_.bias_grad_from_norm;
+         opt_.seams.bias_grad_from_norm;
 }
 bool GptModel::fc2_bias_grad_from_norm(int local) const {
   return proj_bias_grad_from_norm(local) && (local + 1 < d_.stage_layers() || d_.last_stage);
@@ -1486,13 +1476,9 @@ void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, c
     be_.tp_comm_wait_for_compute();
     tp_overlap_->all_gather(norm_out, local_rows(norm_out));
   }
-  // On the copy engines the all-gather needs SMs only for its few synchronizing steps; the backend
-  // may have the GEMM leave it some (bench_tp_overlap, bench/RESULTS.md). The reduce-scatter runs
-  // on NCCL kernels: there a margin only slows the GEMM as much as it gains.
-  const bool beside = gather && tp_copy_engines_;
-  if (beside) be_.set_gemm_beside_copy_engine_comm(true);
+  // (On the copy engines the all-gather needs SMs only for its few synchronizing steps; leaving the
+  // GEMM fewer SMs for them measured no gain: bench_tp_overlap, bench/RESULTS.md.)
   linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
-  if (beside) be_.set_gemm_beside_copy_engine_comm(false);
   if (gather) be_.compute_wait_for_tp_comm();  // the norm output, all rows
   be_.tp_comm_wait_for_compute();  // the input gradient
   tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);

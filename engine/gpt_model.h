@@ -79,51 +79,43 @@ struct ModelOptions {
   bool master_remainders = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
-  // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
-  // forward's cast for the weight-gradient GEMM (GptModel::fp8_keeps_inputs). false (tests only,
-  // no flag): the former path, which casts each input again in backward from the recomputed
-  // compute-dtype input. The same bits by construction; tests compare the two.
-  bool fp8_keep_inputs = true;
-  // GeLU MLPs of non-FP8 layers keep the activation (fc2's input) from forward for fc2's weight
-  // gradient, as Megatron does: N x ffn per layer more memory, no GeLU recompute in backward.
-  // false (MEGATRAIN_RECOMPUTE_GELU=1, benchmarks): recomputed from fc1's output, as before.
-  bool keep_gelu_activation = true;
-  // The linear layers' (and word embeddings') weight gradients are not zeroed before a step: the
-  // step's first weight-gradient GEMM of each writes it (beta 0), later ones (micro-batches,
-  // output-layer chunks) add to it (GptModel::plan_grad_zeroing); the rest of the gradient buffer
-  // is zeroed as before. false (MEGATRAIN_ZERO_ALL_GRADS=1, A/B benchmarks): the whole buffer is
-  // zeroed and every GEMM adds.
-  bool overwrite_first_weight_grad = true;
-  // fc2's and proj's bias gradients are summed by the norm backwards that write their output
-  // gradients (GptModel::fc2_bias_grad_from_norm). false (MEGATRAIN_BIAS_GRAD_FROM_NORM=0, A/B): a
-  // column-sum pass of their own, with the weight gradient.
-  bool bias_grad_from_norm = true;
   // Layers keep their two norm outputs (the QKV and fc1 inputs) from forward for the weight
   // gradients, as Megatron does unless --recompute-modules names layernorm (with --recompute-
-  // granularity selective); then, as before, each is recomputed by the norm's backward (the same
-  // bits) and every layer shares one [N, h] buffer for them. Not under sequence parallelism (its
-  // backward recomputes and re-gathers them, as Megatron's does) nor in FP8 layers whose weight
-  // gradients take the kept FP8 copies.
+  // granularity selective); then each is recomputed by the norm's backward (the same bits) and
+  // every layer shares one [N, h] buffer for them. Not under sequence parallelism (its backward
+  // recomputes and re-gathers them, as Megatron's does) nor in FP8 layers whose weight gradients
+  // take the kept FP8 copies.
   bool keep_norm_outputs = true;
-  // A layer's closing bias + dropout + residual also writes the norm that reads its output (the
-  // next layer's ln1, or the final norm) in the same pass over the rows, where both layers are
-  // kept (not in a full-recompute group). false (MEGATRAIN_FUSE_NEXT_NORM=0, A/B): two passes.
-  bool fuse_next_norm = true;
-  // Layers with FP8 GEMMs cast their QKV and fc1 inputs (the norm outputs) to FP8 straight from
-  // the norms' inputs and statistics (Backend::fp8_quantize_norm; the norms then write only their
-  // statistics), where the norm outputs are not kept and without sequence parallelism: the same
-  // bits as casting the written outputs. false (MEGATRAIN_FP8_NORM_CAST=0, A/B): written, then cast.
-  bool fp8_norm_cast = true;
-  // Tensorwise FP8: the ops that write a cast's source also take its amax, so the cast skips its
-  // own amax pass over it (Fp8TensorMeta::fresh): the norm statistics for fp8_quantize_norm, the
-  // norm backward or, with hidden dropout, the dropout backward that writes proj's or fc2's output
-  // gradient (not with sequence parallelism), the optimizer's update for the weights. The same
-  // scales and bits either way. false (MEGATRAIN_FP8_PRODUCER_AMAX=0, A/B): every cast takes its own amax.
-  bool fp8_producer_amax = true;
-  // With fp8_producer_amax, the optimizer's update also takes the new weights' amaxes
-  // (GptModel::weight_cast_amax_slot). false (MEGATRAIN_FP8_WEIGHT_AMAX=0, A/B): the weight casts
-  // take their own.
-  bool fp8_weight_amax_from_update = true;
+
+  // Fused paths whose unfused counterpart other configurations still take (recompute, sequence
+  // parallelism, dropout, delayed FP8 scaling, --no-fp8-wgrad). Tests only: no flag and no
+  // environment variable sets them; tests turn one off to compare both paths bit for bit.
+  struct TestSeams {
+    // FP8 layers with FP8 weight gradients keep each linear input's transposed FP8 copy from the
+    // forward's cast for the weight-gradient GEMM (GptModel::fp8_keeps_inputs). false: the
+    // backward casts each input again from the recomputed compute-dtype input.
+    bool fp8_keep_inputs = true;
+    // fc2's and proj's bias gradients are summed by the norm backwards that write their output
+    // gradients (GptModel::fc2_bias_grad_from_norm). false: a column-sum pass of their own, with
+    // the weight gradient (what dropout and sequence parallelism take).
+    bool bias_grad_from_norm = true;
+    // A layer's closing bias + dropout + residual also writes the norm that reads its output (the
+    // next layer's ln1, or the final norm) in the same pass over the rows, where both layers are
+    // kept (not in a full-recompute group). false: two passes (what recomputed layers take).
+    bool fuse_next_norm = true;
+    // Layers with FP8 GEMMs cast their QKV and fc1 inputs (the norm outputs) to FP8 straight from
+    // the norms' inputs and statistics (Backend::fp8_quantize_norm; the norms then write only
+    // their statistics), where the norm outputs are not kept and without sequence parallelism.
+    // false: written, then cast (what sequence parallelism takes).
+    bool fp8_norm_cast = true;
+    // Tensorwise FP8: the ops that write a cast's source also take its amax, so the cast skips
+    // its own amax pass over it (Fp8TensorMeta::fresh): the norm statistics for
+    // fp8_quantize_norm, the norm backward or, with hidden dropout, the dropout backward that
+    // writes proj's or fc2's output gradient (not with sequence parallelism), and the optimizer's
+    // update for the weights (GptModel::weight_cast_amax_slot). false: every cast takes its own.
+    bool fp8_producer_amax = true;
+  };
+  TestSeams seams;
 
   // The single-process options of this config (the DP fields are set by the caller).
   static ModelOptions from_config(const Config& cfg, const ModelDims& d, DType compute);
@@ -209,7 +201,7 @@ class GptModel {
   void fp8_cast_shard(int b);
   // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
   Fp8TensorMeta fp8_param_meta(int i) const;
-  // Tensorwise FP8 (ModelOptions::fp8_producer_amax) where the weights are not FP8 parameters: the
+  // Tensorwise FP8 (ModelOptions::TestSeams::fp8_producer_amax) where the weights are not FP8 parameters: the
   // optimizer's update takes the amax of each FP8 layer's new linear weights (of this rank's pieces
   // with the distributed optimizer) into the amax slot of the weight's next cast
   // (OptimSegment::fp8_amax, Fp8TensorMeta::fresh), and that cast skips its amax pass. The slot of
@@ -229,8 +221,8 @@ class GptModel {
   const Fp8State& fp8_state() const { return fp8_; }
   Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
   // Starts a step's gradients: zeroes the buffer except the weight gradients the step's first GEMM
-  // writes (ModelOptions::overwrite_first_weight_grad). Until the step's backward has written
-  // those, the buffer is not the gradient: check_grads_written() says whether it is.
+  // writes (plan_grad_zeroing). Until the step's backward has written those, the buffer is not the
+  // gradient: check_grads_written() says whether it is.
   void zero_grads();
   // Fails naming the parameter if a gradient left to its first write was not written since
   // zero_grads() (the optimizer would read stale numbers).
@@ -286,7 +278,7 @@ class GptModel {
   // Whether a layer keeps its norm outputs (ModelOptions::keep_norm_outputs); fp8_inputs: the
   // layer keeps its FP8 inputs instead.
   bool keeps_norm_outputs(bool fp8_inputs) const;
-  // Whether a layer (FP8 or not) keeps its GeLU activation (ModelOptions::keep_gelu_activation).
+  // Whether a layer (FP8 or not) keeps its GeLU activation (GeLU or squared ReLU: yes, but in FP8 layers).
   bool keeps_gelu_activation(bool fp8_layer) const;
   void bind_params();
 
@@ -310,7 +302,7 @@ class GptModel {
   void params_needed(int end);
   // The norm that follows a layer's output: the next layer's ln1 or, after the stage's last layer
   // of the last stage, the final norm; the layer's closing bias + dropout + residual writes it in
-  // the same pass (ModelOptions::fuse_next_norm) where `fused`. out empty: its statistics only
+  // the same pass (ModelOptions::TestSeams::fuse_next_norm) where `fused`. out empty: its statistics only
   // (the next layer casts its output to FP8 from them: fp8_norm_cast).
   struct NextNorm {
     bool fused;  // (value-initialized by {}: false)
@@ -322,15 +314,15 @@ class GptModel {
     Tensor x, mean, rstd, weight, bias;
   };
   // Whether layer `local` (activations A) casts its norm outputs to FP8 straight from the norms'
-  // inputs and statistics, never writing them in the compute dtype (ModelOptions::fp8_norm_cast):
+  // inputs and statistics, never writing them in the compute dtype (ModelOptions::TestSeams::fp8_norm_cast):
   // FP8 GEMMs now, the norm outputs not kept, no sequence parallelism.
   bool fp8_norm_cast(int local, const LayerActs& A) const;
-  // Tensorwise FP8 with fp8_norm_cast (ModelOptions::fp8_producer_amax): the norm statistics op
+  // Tensorwise FP8 with fp8_norm_cast (ModelOptions::TestSeams::fp8_producer_amax): the norm statistics op
   // also takes the amax of the output its cast reads into the cast's slot. norm_cast_amax: that
   // slot of GEMM g's input (g: qkv or fc1), or empty where the norm does not take it.
   bool norm_takes_cast_amax(int local, const LayerActs& A) const;
   Tensor norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const;
-  // Tensorwise FP8 (ModelOptions::fp8_producer_amax): whether the output gradient of GEMM g (proj
+  // Tensorwise FP8 (ModelOptions::TestSeams::fp8_producer_amax): whether the output gradient of GEMM g (proj
   // or fc2) of layer `local` comes with its amax from the norm backward that writes it (proj: ln2's
   // of the same layer; fc2: the next layer's ln1), and that slot (or empty).
   bool dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const;
@@ -360,7 +352,7 @@ class GptModel {
   // forward's cast and kept with the layer's activations (LayerActs::fp8_xq_t): FP8 GEMMs with
   // FP8 weight gradients. Then the backward neither quantizes the inputs again nor recomputes
   // them (the GeLU output, the gathered norm outputs) for those GEMMs.
-  bool fp8_keeps_inputs() const { return opt_.fp8_keep_inputs && opt_.fp8.wgrad && fp8_.any(); }
+  bool fp8_keeps_inputs() const { return opt_.seams.fp8_keep_inputs && opt_.fp8.wgrad && fp8_.any(); }
   bool fp8_kept_inputs(int local) const { return fp8_gemms(local) && fp8_keeps_inputs(); }
   // A layer whose weight gradients are FP8 GEMMs now (not --no-fp8-wgrad). Their output
   // gradients' casts also take the bias gradients (linear_quantize_dy).
@@ -407,7 +399,6 @@ class GptModel {
   // where the backend has none (the reference backend: synchronous, same order of operations).
   std::unique_ptr<Communicator> tp_overlap_own_;
   Communicator* tp_overlap_ = nullptr;
-  bool tp_copy_engines_ = false;  // the workspace is registered symmetric memory on both TP groups
   std::unique_ptr<Arena> arena_;
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
@@ -418,7 +409,7 @@ class GptModel {
   std::vector<int> layer_first_param_;
   int head_first_param_ = 0;
   std::vector<std::pair<int, FlatRange>> tp_partial_;  // (global layer or -1, range)
-  // Gradients left to their step's first write (ModelOptions::overwrite_first_weight_grad): a GEMM
+  // Gradients left to their step's first write (the linear layers' and embeddings' weights): a GEMM
   // with beta 0, or zero_grad_if_unwritten before an op that adds; and the ranges of the gradient
   // buffer zero_grads() zeroes (all the rest, padding included).
   struct FirstWriteGrad {
@@ -446,7 +437,7 @@ class GptModel {
   Tensor last_input_grad_;
 
   // FP8: scaling state, the weight cache (per local layer and GEMM: wq [N, K] and wq_t [K, N]),
-  // and workspaces for the quantized input (xq; xq_t only without ModelOptions::fp8_keep_inputs) and
+  // and workspaces for the quantized input (xq; xq_t only without ModelOptions::TestSeams::fp8_keep_inputs) and
   // output gradient (dyq / dyq_t) of the GEMM at hand (one GEMM's forward or backward pair at a
   // time). The transposed inputs the weight gradients use are kept per layer (LayerActs).
   Fp8State fp8_;

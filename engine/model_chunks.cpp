@@ -57,12 +57,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     if (bf16_main_grads && !p.accumulate_allreduce_grads_in_fp32) o.grad = DType::bf16;
     // Megatron's precision-aware optimizer keeps float32 master weights as remainders of bf16
     // parameters (Transformer Engine's store_param_remainders). Not with FP8 parameters, whose
-    // only full-precision values are the master weights. MEGATRAIN_MASTER_REMAINDERS=0: whole
-    // float32 master weights (A/B).
-    const char* rem = std::getenv("MEGATRAIN_MASTER_REMAINDERS");
+    // only full-precision values are the master weights.
     o.master_remainders = cfg.train.use_precision_aware_optimizer && compute == DType::bf16 &&
-                          o.accum == DType::f32 && o.shard_optimizer_state && !cfg.train.fp8_param_gather &&
-                          !(rem && std::string(rem) == "0");
+                          o.accum == DType::f32 && o.shard_optimizer_state && !cfg.train.fp8_param_gather;
     out.push_back({dims[c], o});
   }
   return out;

@@ -178,6 +178,8 @@ void Trainer::collect_timers(IterationStats& s, double iterations) {
 
 StepOutcome Trainer::train_step() {
   Backend& be = model_.backend();
+  // The plan is the run's: a step allocates nothing on the device (checked, not assumed).
+  const size_t allocated_before = be.bytes_allocated();
   for (GptModel* m : chunks_) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
@@ -192,6 +194,9 @@ StepOutcome Trainer::train_step() {
   timers_.start("optimizer");
   StepOutcome o = optimizer_.step(iteration_ + 1);
   timers_.stop("optimizer");
+  MT_CHECK(be.bytes_allocated() == allocated_before,
+           "training step {} changed the device memory allocated from {} to {} bytes (a step must allocate nothing)",
+           iteration_ + 1, allocated_before, be.bytes_allocated());
   return o;
 }
 

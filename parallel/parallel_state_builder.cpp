@@ -51,12 +51,6 @@ GroupOptions tp_group_options() {
   return o;
 }
 
-GroupOptions group_options_from_env(const char* variable) {
-  GroupOptions o;
-  if (const char* v = std::getenv(variable); v && *v) o.ctas = std::atoi(v);
-  return o;
-}
-
 ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicator> world) {
   MT_CHECK(world, "no world communicator");
   const RankGrid grid = RankGrid::from_config(cfg);
@@ -81,9 +75,9 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   s.vpp_size = std::max(1, cfg.parallel.virtual_pipeline_size);
 
   s.tp = split_into(*world, rank_groups(grid, "tp"), "tp", tp_group_options());
-  s.dp = split_into(*world, rank_groups(grid, "dp"), "dp", group_options_from_env("MEGATRAIN_DP_CTAS"));
+  s.dp = split_into(*world, rank_groups(grid, "dp"), "dp");
   const auto pp_groups = rank_groups(grid, "pp");
-  s.pp = split_into(*world, pp_groups, "pp", group_options_from_env("MEGATRAIN_PP_CTAS"));
+  s.pp = split_into(*world, pp_groups, "pp");
   if (grid.pp > 1) s.pp_grad = split_into(*world, pp_groups, "pp_grad");
   s.embedding = split_into(*world, embedding_groups(grid), "embedding");
   s.model_parallel = split_into(*world, rank_groups(grid, "tp-pp"), "model_parallel");

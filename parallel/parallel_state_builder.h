@@ -23,9 +23,6 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
 // How tensor-parallel groups run their collectives (the "tp" group, and groups split from it for
 // the same traffic, e.g. the model's TP overlap group).
 GroupOptions tp_group_options();
-// NCCL CTAs for a group from an environment variable (MEGATRAIN_DP_CTAS, MEGATRAIN_PP_CTAS; unset:
-// NCCL's choice): tuning runs of bench/run_parallel_gpu.sh.
-GroupOptions group_options_from_env(const char* variable);
 
 // The world communicator for this run:
 //  * world size 1: a group of one (no communication library involved);

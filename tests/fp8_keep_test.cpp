@@ -1,6 +1,6 @@
 // FP8 linear inputs quantized once, in forward (GptModel keeps the transposed copy for the
 // weight-gradient GEMM), against the former path that quantizes them again in backward from the
-// recomputed compute-dtype inputs (ModelOptions::fp8_keep_inputs = false). Same x, same scale:
+// recomputed compute-dtype inputs (ModelOptions::TestSeams::fp8_keep_inputs = false). Same x, same scale:
 // the same bits, so training must be bit-identical: every loss, grad norm, parameter and FP8
 // scaling state. Also with full recompute (equal to no recompute) and with two micro-batches in
 // flight (a pipeline's order: tensorwise scaling's scales change between a forward and its backward).
@@ -134,7 +134,7 @@ TEST_CASE("fp8 norm cast: casting the QKV and fc1 inputs from the norms' statist
 
 // Tensorwise scaling: the norm statistics take the amax of the output their FP8 cast reads, the
 // norm backwards that of the proj / fc2 output gradients they write, the optimizer's update that of
-// the new weights (ModelOptions::fp8_producer_amax), so those casts skip their amax pass. The
+// the new weights (ModelOptions::TestSeams::fp8_producer_amax), so those casts skip their amax pass. The
 // reference backend checks every such amax against the cast's own max |x|, bit for bit; here
 // training must also equal the run where every cast takes its own, and the taken path must have run
 // (with hidden dropout the dropout backward takes the proj / fc2 gradients' amaxes). With
@@ -239,7 +239,7 @@ std::vector<float> two_in_flight(const Config& cfg, bool requantize) {
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
   o.num_slots = 2;
-  o.fp8_keep_inputs = !requantize;
+  o.seams.fp8_keep_inputs = !requantize;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   const int b = cfg.train.micro_batch_size, s = cfg.model.seq_length;

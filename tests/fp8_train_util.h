@@ -22,9 +22,9 @@ struct Fp8Run {
   int64_t amaxes_taken = 0;  // tensorwise casts that used their producer's amax (ReferenceBackend)
 };
 
-// keep_inputs: ModelOptions::fp8_keep_inputs (false: the backward casts the FP8 inputs again);
-// norm_cast: ModelOptions::fp8_norm_cast (false: the norm outputs are written, then cast).
-// producer_amax: ModelOptions::fp8_producer_amax (false: every tensorwise cast takes its own amax).
+// keep_inputs: ModelOptions::TestSeams::fp8_keep_inputs (false: the backward casts the FP8 inputs again);
+// norm_cast: ModelOptions::TestSeams::fp8_norm_cast (false: the norm outputs are written, then cast).
+// producer_amax: ModelOptions::TestSeams::fp8_producer_amax (false: every tensorwise cast takes its own amax).
 inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_cast = true, bool producer_amax = true) {
   struct Recorder final : Reporter {
     std::vector<double> grad_norms;
@@ -36,9 +36,9 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
   auto be = make_reference_backend(2);
   const ModelDims dims = ModelDims::from_config(cfg, ps);
   ModelOptions o = ModelOptions::from_config(cfg, dims, DType::f32);
-  o.fp8_keep_inputs = keep_inputs;
-  o.fp8_norm_cast = norm_cast;
-  o.fp8_producer_amax = producer_amax;
+  o.seams.fp8_keep_inputs = keep_inputs;
+  o.seams.fp8_norm_cast = norm_cast;
+  o.seams.fp8_producer_amax = producer_amax;
   GptModel model(dims, o, ps, *be);
   model.init_parameters();
   TrainingData data = build_training_data(cfg, 0, 1, 0);

@@ -609,7 +609,7 @@ TEST_CASE("cuda qk_norm_backward into bf16 gradients matches the reference", "[g
 }
 
 // Tensorwise FP8 casts take the amax of their source from the op that writes it (GptModel,
-// ModelOptions::fp8_producer_amax): norm_forward / bias_dropout_add_norm's out_amax (also with
+// ModelOptions::TestSeams::fp8_producer_amax): norm_forward / bias_dropout_add_norm's out_amax (also with
 // statistics only) and norm_backward's dx_amax must be max |value| as stored, bit for bit, maxed
 // into what the slot held, over every kernel (the 16-bit fast ones: 48, 768, 2048; the general
 // ones: 70, 2056 and float32), with many blocks. Then the cast given that amax (fresh_taken) writes

@@ -1,0 +1,17 @@
+// Kernel choices that benchmark programs (bench/) compare inside one binary. Nothing in the
+// megatrain binary sets them: it runs the kernels measured fastest (bench/RESULTS.md), and no
+// environment variable reaches them.
+#pragma once
+
+namespace mt::cuda::bench_choice {
+
+// Every norm (forward and backward) takes the general kernel instead of the 16-bit fast path.
+inline bool norm_general = false;
+
+// The FP8 cast-transpose kernel: by reader (the default), or one kernel for every reader. The
+// bytes and the amax are the same either way; a bias gradient's column sums run in another
+// (fixed) order.
+enum class Fp8CastKernel { by_reader, tiles, blocks };
+inline Fp8CastKernel fp8_cast_kernel = Fp8CastKernel::by_reader;
+
+}  // namespace mt::cuda::bench_choice
