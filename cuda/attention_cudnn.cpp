@@ -303,7 +303,7 @@ void execute(cudnnHandle_t handle, const Descriptor& plan, const std::vector<int
 
 // How the graphs see GQA's K and V (MHA has only `shared`). Which is faster depends on the shape
 // and cuDNN's engines, so both are candidates and the first call times them (choose_candidate).
-// (A third layout, K/V copied per query head, never won: bench/RESULTS.md session 6 call 1.)
+// (A third layout, K/V copied per query head, never won: bench/RESULTS.md, the cuDNN attention candidates, 2026-11-22.)
 enum class KvLayout {
   shared,     // one K/V head per (sample, group): MHA, or GQA as MQA with the KV group folded into the
               // batch; cuDNN reads each K/V head once and sums dK/dV over the group in the graph

@@ -751,7 +751,7 @@ namespace {
 // Which kernel takes the vector path. By default the register-block kernel, except for the SwiGLU
 // readers (Input::kTileKernel) without a bias gradient: with two or three input streams per thread
 // it held fewer loads in flight and measured slower than the tile kernel (bench_fp8_cast,
-// bench/RESULTS.md session 12). With a bias gradient every reader takes the register-block kernel,
+// bench/RESULTS.md). With a bias gradient every reader takes the register-block kernel,
 // so that a fused cast sums each column in the same order as the plain cast of the same values
 // (the same bits). bench_fp8_cast forces one kernel for every reader (bench_choice::fp8_cast_kernel)
 // to compare them.

@@ -2,7 +2,7 @@
 //
 // cuBLASLt 13.1 on an H100 computed dw = dy^T x over only the first 8192 of 8193 rows (k = 8193)
 // with a split-K algorithm (algo 66, tile 32x64, numSplitsK 4, cluster 1x2x1): no error, a
-// gradient short by one token's product (our GPU test "dbias over many rows", session 7); on an
+// gradient short by one token's product (our GPU test "dbias over many rows"); on an
 // H200 its first picks did the same for 9 of the 35 weight-gradient shapes of
 // tests/gpu/gemm_k_tail_test.cpp (bench/RESULTS.md, sessions 7 and 8).
 // facebookexperimental/triton PR 2767 reports the same for cuBLAS 12 and 13 on H100, GB200 and

@@ -94,7 +94,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.rope_interleaved = m.rotary_interleaved;
   }
   // A window that reaches back to the first token is causal attention: left out, since its mask
-  // costs cuDNN's kernels time (bench/RESULTS.md, session 23).
+  // costs cuDNN's kernels time (bench/RESULTS.md).
   for (int layer = 0; layer < d.num_layers; ++layer) {
     const int window = attention_window_left(m, layer);
     d.window_left.push_back(window >= d.seq - 1 ? -1 : window);

@@ -318,7 +318,7 @@ TEST_CASE("a run resumed from Megatron-LM's distributed optimizer repeats Megatr
     REQUIRE(ours.size() == 3);
     // Megatron prints the loss with 7 significant digits and the gradient norm with 3 decimals.
     // Iteration 5, the second of a resumed run, prints the mean of iterations 4 and 5, as a
-    // resumed Megatron-LM does (bench/RESULTS.md, session 24 call 5).
+    // resumed Megatron-LM does (bench/RESULTS.md, 2026-11-28).
     const double want[3] = {megatron[3].first, (megatron[3].first + megatron[4].first) / 2, megatron[5].first};
     for (size_t i = 0; i < 3; ++i) {
       INFO("iteration " << i + 4);

@@ -265,7 +265,7 @@ TEST_CASE("training from an imported Megatron-LM checkpoint repeats Megatron-LM'
 
 TEST_CASE("import-megatron: a torch_dist checkpoint with its optimizer state becomes one to resume from", "[megatron-import][python]") {
   // tests/oracles/megatron_torch_dist_writer.py writes Megatron-Core's layout without torch (the
-  // real files were compared on the GPU machine: bench/RESULTS.md, session 24 call 5).
+  // real files were compared on the GPU machine: bench/RESULTS.md, 2026-11-28).
   const auto python = mt::oracle::python_or_skip("import-megatron resume");
   if (!python) return;
   TempDir tmp;

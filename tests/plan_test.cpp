@@ -221,7 +221,7 @@ TEST_CASE("plan: interleaved stages hold their chunks' layers", "[plan]") {
 
 // The three single-GPU benchmark configs of bench/run_bench.sh: the dry run's estimate is the plan
 // the training runs printed ("> memory plan", bench/RESULTS.md: 12.06 / 44.22 / 32.25 GiB since
-// gpt2-124m keeps its norm outputs, session 10, with gpt-1.3b and llama-1b recomputing theirs;
+// gpt2-124m keeps its norm outputs, with gpt-1.3b and llama-1b recomputing theirs;
 // the measured peaks on an H100 were 12.36 / 44.59 / 32.56). If the engine's layout changes,
 // update README.md's "Planning a run" table together with these figures.
 TEST_CASE("plan: the benchmark configs' estimates are the plans the H200 runs reported", "[plan]") {

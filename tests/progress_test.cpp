@@ -1,4 +1,4 @@
-// Long waits and loads say what they are doing (issue 8): the TCP rendezvous names the ranks it
+// Long waits and loads say what they are doing: the TCP rendezvous names the ranks it
 // waits for, checkpoint loading counts tensors. MEGATRAIN_PROGRESS_SECONDS makes the reports come
 // at once instead of every 5 s.
 #include <catch2/catch.hpp>

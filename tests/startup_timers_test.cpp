@@ -1,4 +1,4 @@
-// Issue 8's leftovers at unit level: Megatron's timer names, levels and order; the p2p timer
+// At unit level: Megatron's timer names, levels and order; the p2p timer
 // names; the timers' level gating; the arguments block, theoretical-memory and report_memory lines.
 #include <catch2/catch.hpp>
 

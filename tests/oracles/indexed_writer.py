@@ -1,5 +1,5 @@
 """Oracle writer for the Megatron indexed dataset format (.bin/.idx "MMIDIDX", version 1), written
-from the format description (../shared/reference/megatron.md section 3.1) with numpy.
+from the format description (Megatron-LM's megatron/core/datasets/indexed_dataset.py) with numpy.
 
 Usage: indexed_writer.py SPEC.json
 SPEC: {"prefix": str, "dtype": code, "documents": [[[token, ...], ...], ...]}, or a list of them

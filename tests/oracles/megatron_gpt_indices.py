@@ -1,5 +1,5 @@
 """Oracle for megatrain's data pipeline: Megatron-LM's GPTDataset / BlendedDataset / mock-data sample
-order, written from the algorithm description (../shared/reference/megatron.md sections 3.1-3.4)
+order, written from the algorithm (Megatron-LM's megatron/core/datasets/gpt_dataset.py, blended_dataset.py)
 with numpy's own RandomState, default_rng and numpy.sum. Independent of megatrain's C++ (it reads
 the .bin/.idx files itself).
 

@@ -5,7 +5,7 @@ without PyTorch, for tests/megatron_import_test.cpp's resume case.
   megatron_torch_dist_writer.py OUT_DIR
 
 The layout follows what Megatron-LM (Megatron-Core 0.20) wrote on the GPU machine (bench/RESULTS.md,
-session 24): iter_0000007/{metadata.json, .metadata, __0_0.distcp}; every stored item a torch.save
+2026-11-28): iter_0000007/{metadata.json, .metadata, __0_0.distcp}; every stored item a torch.save
 zip archive (data.pkl with persistent storage ids, data/<key>); the model under global keys with
 the layers stacked along a leading dimension and one chunk per layer; optimizer.state.{exp_avg,
 exp_avg_sq,fp32_param}.<key>; the args, iteration, scheduler and Adam step in a common_state item.
