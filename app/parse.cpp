@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <regex>
+#include <set>
 
 #include "app/cli.h"
 #include "app/checkpoint_cli_args.h"
@@ -28,14 +29,44 @@ std::string join(const std::vector<std::string>& v, const char* sep = " ") {
   return s;
 }
 
-[[noreturn]] void unknown_flag(const std::string& token) {
+// One line for an unknown flag: a suggestion only when it is a near miss (app/suggest.h).
+std::string unknown_flag(const std::string& token) {
   const std::string name = token.substr(0, token.find('='));
   if (name.rfind("--retro-", 0) == 0)
-    fail("{}: Retro was removed from Megatron-LM and megatrain does not support it", name);
+    return fmt::format("{}: Retro was removed from Megatron-LM and megatrain does not support it", name);
   std::vector<std::string> names;
   for (const FlagSpec& f : flag_table().flags())
     for (const auto& n : f.all_names()) names.push_back(n);
-  fail("unrecognized argument {} (did you mean {}?)", name, closest(name, names));
+  const std::string near = closest(name, names);
+  if (near.empty()) return fmt::format("unrecognized argument {}", name);
+  return fmt::format("unrecognized argument {} (did you mean {}?)", name, near);
+}
+
+// Words that follow an unknown flag on the command line are taken as its values (argparse would
+// not know either), so "--mscale 1.0" is one problem, not two.
+std::multiset<std::string> values_of_unknown_flags(const std::vector<std::string>& args, const FlagTable& table) {
+  std::multiset<std::string> values;
+  bool in_unknown = false;
+  for (const std::string& a : args) {
+    if (looks_like_option(a)) {
+      in_unknown = a.find('=') == std::string::npos && table.find(a) == nullptr;
+      continue;
+    }
+    if (in_unknown) values.insert(a);
+  }
+  return values;
+}
+
+// Every problem found before any value is interpreted, in one error: the first line says how
+// many, then one line each. A single problem is its line alone. Only unsupported flags: Unsupported.
+[[noreturn]] void refuse(const std::vector<std::string>& problems, bool all_unsupported) {
+  std::string msg = problems.front();
+  if (problems.size() > 1) {
+    msg = fmt::format("{} problems with the command line:", problems.size());
+    for (const std::string& p : problems) msg += "\n  " + p;
+  }
+  if (all_unsupported) throw Unsupported(msg);
+  throw Error(msg);
 }
 
 }  // namespace
@@ -90,22 +121,35 @@ CliState parse_flags(const std::vector<std::string>& args) {
     if (std::regex_search(what, m, too_few)) fail("{} expects {} values, got {}", m[1].str(), m[2].str(), m[3].str());
     fail("{}", what.empty() ? e.get_name() : what);
   }
-  const std::vector<std::string> extras = app.remaining();
-  for (const std::string& x : extras)
-    if (x.size() > 1 && x[0] == '-' && looks_like_option(x)) unknown_flag(x);
-  if (!extras.empty())
-    fail("unrecognized arguments: {} (a value containing spaces must be quoted as one argument)", join(extras));
+  // Unknown, removed and unsupported flags: all of them named at once.
+  std::vector<std::string> problems;
+  std::vector<std::string> stray;
+  std::multiset<std::string> unknown_values = values_of_unknown_flags(args, table);
+  for (const std::string& x : app.remaining()) {
+    if (looks_like_option(x)) {
+      problems.push_back(unknown_flag(x));
+    } else if (auto it = unknown_values.find(x); it != unknown_values.end()) {
+      unknown_values.erase(it);
+    } else {
+      stray.push_back(x);
+    }
+  }
+  if (!stray.empty())
+    problems.push_back(fmt::format("unrecognized arguments: {} (a value containing spaces must be quoted as one argument)",
+                                   join(stray)));
 
   CliState st;
   st.given = std::move(given);
 
-  // Flags removed from Megatron (or fatal there) fail with Megatron's advice.
+  // Flags removed from Megatron (or fatal there): Megatron's advice.
   for (const FlagSpec& f : table.flags())
-    if (f.kind == FlagKind::removed && st.has(f.name)) fail("{}", f.note);
+    if (f.kind == FlagKind::removed && st.has(f.name)) problems.push_back(f.note);
 
-  // What megatrain does not implement yet: one line naming every refused use.
-  const std::string refused = unsupported_message(st.given);
-  if (!refused.empty()) throw Unsupported(refused);
+  // What megatrain does not implement yet: one line per refused use.
+  const std::vector<std::string> refused = unsupported_problems(st.given);
+  const bool all_unsupported = problems.empty();
+  problems.insert(problems.end(), refused.begin(), refused.end());
+  if (!problems.empty()) refuse(problems, all_unsupported);
 
   // --use-checkpoint-args: the checkpoint's model arguments, before any flag is applied.
   apply_checkpoint_args(st);

@@ -16,12 +16,30 @@ int edit_distance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
+int near_miss_limit(const std::string& word) {
+  const size_t dashes = word.rfind("--", 0) == 0 ? 2 : 0;
+  return std::max(2, static_cast<int>((word.size() - dashes) / 3));
+}
+
+namespace {
+
+// '_' as '-'; "--disable-x" as "--no-x".
+std::string canonical(std::string s) {
+  std::replace(s.begin(), s.end(), '_', '-');
+  static const std::string disable = "--disable-";
+  if (s.rfind(disable, 0) == 0) s = "--no-" + s.substr(disable.size());
+  return s;
+}
+
+}  // namespace
+
 std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
+  const std::string w = canonical(word);
   std::string best;
-  int best_d = -1;
+  int best_d = near_miss_limit(word) + 1;
   for (const auto& c : candidates) {
-    const int d = edit_distance(word, c);
-    if (best_d < 0 || d < best_d) {
+    const int d = edit_distance(w, canonical(c));
+    if (d < best_d) {
       best_d = d;
       best = c;
     }

@@ -157,8 +157,8 @@ std::string describe(const std::string& flag, const std::vector<std::string>& va
 
 }  // namespace
 
-std::string unsupported_message(const std::map<std::string, FlagValue>& given) {
-  std::vector<std::string> uses, hints;
+std::vector<std::string> unsupported_problems(const std::map<std::string, FlagValue>& given) {
+  std::vector<std::string> problems;
   for (const UnsupportedRule& r : unsupported_rules()) {
     auto it = given.find(r.flag);
     if (it == given.end()) continue;
@@ -179,19 +179,11 @@ std::string unsupported_message(const std::map<std::string, FlagValue>& given) {
         if (bad.empty()) continue;
         break;
     }
-    uses.push_back(describe(r.flag, r.when == W::any_use ? vals : bad));
-    if (!r.why.empty() && std::find(hints.begin(), hints.end(), r.why) == hints.end()) hints.push_back(r.why);
+    std::string line = "megatrain does not support " + describe(r.flag, r.when == W::any_use ? vals : bad) + " yet";
+    if (!r.why.empty()) line += " (" + r.why + ")";
+    problems.push_back(std::move(line));
   }
-  if (uses.empty()) return "";
-  std::string msg = "megatrain does not support ";
-  for (size_t i = 0; i < uses.size(); ++i) msg += (i ? ", " : "") + uses[i];
-  msg += " yet";
-  if (!hints.empty()) {
-    msg += " (";
-    for (size_t i = 0; i < hints.size(); ++i) msg += (i ? "; " : "") + hints[i];
-    msg += ")";
-  }
-  return msg;
+  return problems;
 }
 
 std::string unsupported_summary(const std::string& flag) {

@@ -25,10 +25,9 @@ struct UnsupportedRule {
 
 const std::vector<UnsupportedRule>& unsupported_rules();
 
-// The refusal for the given flags: "megatrain does not support --fp8-format hybrid,
-// --fp8-param-gather yet (hints)", naming every refused use in table order; empty when everything
-// given is supported.
-std::string unsupported_message(const std::map<std::string, FlagValue>& given);
+// The refusals for the given flags, one line per refused use in table order ("megatrain does not
+// support --fp8-recipe mxfp8 yet (hint)"); empty when everything given is supported.
+std::vector<std::string> unsupported_problems(const std::map<std::string, FlagValue>& given);
 
 // Describes the rule for one flag for docs/flags.md ("" when the flag has none).
 std::string unsupported_summary(const std::string& flag);

@@ -1,0 +1,73 @@
+// Command-line problems all reported at once, and suggestions only for near misses.
+#include "tests/cli_test_util.h"
+
+#include "app/suggest.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+
+namespace {
+
+std::vector<std::string> all_flag_names() {
+  std::vector<std::string> names;
+  for (const cli::FlagSpec& f : cli::flag_table().flags())
+    for (const auto& n : f.all_names()) names.push_back(n);
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli]") {
+  const std::string e =
+      parse_error(small_gpt() + words("--mscale 1.0 --rerun-mode disabled --num-layer 3 --checkpoint-activations "
+                                      "--fp8-format e4m3 --fp8-recipe mxfp8 --wandb-project p"));
+  CHECK(e ==
+        "6 problems with the command line:\n"
+        "  unrecognized argument --mscale\n"
+        "  unrecognized argument --rerun-mode\n"
+        "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
+        "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
+        "--recompute-granularity and --recompute-method.\n"
+        "  megatrain does not support --wandb-project p yet (use --tensorboard-dir or --metrics-jsonl)\n"
+        "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)");
+  // Unknown flags among the problems: an Error; only unsupported flags: Unsupported.
+  CHECK_THROWS_AS(parse(small_gpt() + words("--mscale 1.0 --fp4-param-gather")), Error);
+  bool unsupported = false;
+  try {
+    parse(small_gpt() + words("--fp4-param-gather --moe-grouped-gemm"));
+  } catch (const Unsupported& u) {
+    unsupported = true;
+    CHECK_THAT(u.what(), Contains("2 problems with the command line:\n"));
+  }
+  CHECK(unsupported);
+  // A word after a known flag's value is still a stray argument of its own.
+  CHECK(parse_error(small_gpt() + words("--mscale 2 --lr 0.1 stray")) ==
+        "2 problems with the command line:\n"
+        "  unrecognized argument --mscale\n"
+        "  unrecognized arguments: stray (a value containing spaces must be quoted as one argument)");
+  // One problem: its line alone.
+  CHECK(parse_error(small_gpt() + words("--rerun-mode disabled")) == "unrecognized argument --rerun-mode");
+}
+
+TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
+  const std::vector<std::string> names = all_flag_names();
+  // Near misses get the flag meant.
+  CHECK(cli::closest("--num-layer", names) == "--num-layers");
+  CHECK(cli::closest("--hiden-size", names) == "--hidden-size");
+  CHECK(cli::closest("--seq-lenght", names) == "--seq-length");
+  CHECK(cli::closest("--micro-batchsize", names) == "--micro-batch-size");
+  CHECK(cli::closest("--num_layers", names) == "--num-layers");
+  CHECK(cli::closest("--no-bias-linear", names) == "--disable-bias-linear");
+  CHECK(cli::closest("--tensor-parallel-size", names) == "--tensor-model-parallel-size");
+  // Unrelated flags are not suggested, however close the nearest one happens to be.
+  CHECK(cli::closest("--rerun-mode", names).empty());  // nearest: --merge-file, 6 edits
+  CHECK(cli::closest("--mscale", names).empty());      // nearest: --save, 3 edits
+  CHECK(cli::closest("--hidden", names).empty());
+  CHECK(cli::closest("--foo", names).empty());
+  CHECK(cli::near_miss_limit("--mscale") == 2);
+  CHECK(cli::near_miss_limit("--tensor-parallel-size") == 6);
+  CHECK_THAT(parse_error(small_gpt() + words("--hiden-size 64")),
+             Contains("unrecognized argument --hiden-size (did you mean --hidden-size?)"));
+  CHECK(parse_error(small_gpt() + words("--mscale 1.0")) == "unrecognized argument --mscale");
+}
