@@ -45,6 +45,9 @@ void add_checkpoint_flags(FlagTable& t) {
                                "megatrain decides how ranks share checkpoint writes itself"));
   t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");
   t.no_effect("--ckpt-fully-parallel-load", Arity::none, "megatrain decides how ranks share checkpoint reads itself");
+  t.no_effect("--ckpt-assume-constant-structure", Arity::none,
+              "megatrain's checkpoint writer has no save plan to reuse: each save writes every rank's shards and "
+              "rank 0 builds the manifest from what the ranks wrote");
   t.recognised("--dist-ckpt-strictness", Arity::one, "STR", "assume_ok_unexpected", "handling of key mismatches");
   t.value("--non-persistent-save-interval", "iterations between non-persistent (scratch) checkpoints",
           MT_FIELD(checkpoint.non_persistent_save_interval));

@@ -15,8 +15,11 @@ void validate_recompute(CliState& st) {
   const bool method = t.recompute_method != RecomputeMethod::none;
   switch (t.recompute_granularity) {
     case RecomputeGranularity::none:
-      if (method || t.recompute_num_layers)
-        fail("--recompute-method/--recompute-num-layers need --recompute-granularity full");
+      // Megatron-LM checks --recompute-method and --recompute-num-layers only when a granularity
+      // is set (TransformerConfig.__post_init__); without one they are accepted and do nothing.
+      if (method) st.note("--recompute-method has no effect without --recompute-granularity full");
+      if (st.has("--recompute-num-layers"))
+        st.note("--recompute-num-layers has no effect without --recompute-granularity full");
       break;
     case RecomputeGranularity::selective:
       if (method) fail("--recompute-method is not supported with --recompute-granularity selective");

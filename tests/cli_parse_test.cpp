@@ -254,7 +254,7 @@ TEST_CASE("every flag of Megatron's tables 1.1 to 1.10 is known", "[cli]") {
       "--no-load-optim", "--no-load-rng", "--finetune", "--pretrained-checkpoint", "--ckpt-step",
       "--exit-on-missing-checkpoint", "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args",
       "--no-initialization", "--async-save", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
-      "--ckpt-fully-parallel-save", "--dist-ckpt-strictness", "--non-persistent-save-interval",
+      "--ckpt-fully-parallel-save", "--ckpt-assume-constant-structure", "--dist-ckpt-strictness", "--non-persistent-save-interval",
       "--non-persistent-ckpt-type", "--ckpt-convert-format", "--ckpt-convert-save", "--override-ckpt-iteration",
       // 1.7
       "--log-interval", "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-progress",

@@ -1,4 +1,5 @@
-// Command-line problems all reported at once, and suggestions only for near misses.
+// Command-line problems all reported at once, suggestions only for near misses, and flags
+// accepted without effect.
 #include "tests/cli_test_util.h"
 
 #include "app/suggest.h"
@@ -70,4 +71,13 @@ TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
   CHECK_THAT(parse_error(small_gpt() + words("--hiden-size 64")),
              Contains("unrecognized argument --hiden-size (did you mean --hidden-size?)"));
   CHECK(parse_error(small_gpt() + words("--mscale 1.0")) == "unrecognized argument --mscale");
+}
+
+TEST_CASE("cli: --ckpt-assume-constant-structure is accepted with a note", "[cli]") {
+  std::vector<SetupMessage> ms;
+  CHECK_NOTHROW(parse(small_gpt() + words("--ckpt-assume-constant-structure"), 1, &ms));
+  CHECK(has_message(ms, SetupMessage::Kind::note,
+                    "--ckpt-assume-constant-structure has no effect in megatrain: megatrain's checkpoint writer has "
+                    "no save plan to reuse"));
+  CHECK_THAT(parse_error(small_gpt() + words("--ckpt-assume-constant-structure=1")), Contains("takes no value"));
 }

@@ -149,8 +149,21 @@ TEST_CASE("rule: recompute granularity, method and layer count", "[cli][rules]")
              Contains("--recompute-method is not supported with --recompute-granularity selective"));
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-activations --recompute-num-layers 1")),
              Contains("--recompute-num-layers must not be set with --recompute-granularity selective"));
-  CHECK_THAT(parse_error(small_gpt() + words("--recompute-method uniform")),
-             Contains("--recompute-method/--recompute-num-layers need --recompute-granularity full"));
+  // Without a granularity Megatron-LM checks neither (TransformerConfig checks them only with one):
+  // accepted, each with a note that it does nothing, and nothing is recomputed.
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--recompute-method uniform --recompute-num-layers 1"), 1, &ms);
+  CHECK(c.train.recompute_granularity == RecomputeGranularity::none);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--recompute-method has no effect without --recompute-granularity full"));
+  CHECK(has_message(ms, SetupMessage::Kind::note,
+                    "--recompute-num-layers has no effect without --recompute-granularity full"));
+  std::vector<SetupMessage> only_layers;
+  parse(small_gpt() + words("--recompute-num-layers 7"), 1, &only_layers);  // not checked against the stage either
+  CHECK(has_message(only_layers, SetupMessage::Kind::note,
+                    "--recompute-num-layers has no effect without --recompute-granularity full"));
+  CHECK_FALSE(has_message(only_layers, SetupMessage::Kind::note,
+                          "--recompute-method has no effect without --recompute-granularity full"));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-method sideways")), Contains("--recompute-method"));
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-activations --recompute-modules attention")),
              Contains("--recompute-modules attention: not one of"));
 }
