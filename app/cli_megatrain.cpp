@@ -30,6 +30,11 @@ void add_megatrain_flags(FlagTable& t) {
   t.flag("--json", "with --dry-run: print the plan as one JSON object", MT_FIELD(run.json)).kind = FlagKind::megatrain;
   t.value("--world-size", "with --dry-run: plan for this many ranks without a launcher", MT_FIELD(run.dry_run_world_size))
       .kind = FlagKind::megatrain;
+  t.value("--gpu-memory-gib",
+          "with --dry-run: each GPU's memory in GiB; a plan above it fails (default: the local GPU's memory when "
+          "one is visible, else no check)",
+          MT_FIELD(run.gpu_memory_gib))
+      .kind = FlagKind::megatrain;
   t.value("--metrics-jsonl", "append one JSON object per logged iteration to this file", MT_FIELD(logging.metrics_jsonl))
       .kind = FlagKind::megatrain;
   t.value("--benchmark-warmup-iters",

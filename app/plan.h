@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,14 @@ struct StagePlan {
   StageMemory memory;
 };
 
+// The per-GPU memory a dry run checks the plan against: --gpu-memory-gib, else the local GPU's
+// (a CUDA build with a GPU visible, --device gpu), else none.
+struct MemoryLimit {
+  double bytes = 0;
+  std::string source;  // "--gpu-memory-gib 80", "GPU 0 (NVIDIA H200)"
+};
+std::optional<MemoryLimit> memory_limit(const Config& cfg);
+
 struct Plan {
   RankGrid grid;
   std::vector<ModelChunk> chunks;  // model order
@@ -44,6 +53,11 @@ struct Plan {
   ParamCounts params;
   double flops_per_iteration = 0;
   double flops_per_token = 0;
+  std::optional<MemoryLimit> limit;
+
+  const StagePlan& peak_stage() const;  // the stage with the largest per-GPU plan (the first of equals)
+  int peak_rank() const;                // the lowest rank of peak_stage()
+  bool over_limit() const { return limit && peak_stage().memory.total > limit->bytes; }
 };
 
 Plan make_plan(const Config& cfg);
@@ -59,7 +73,12 @@ nlohmann::json derived_values(const Config& cfg);
 std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<SetupMessage>& messages);
 nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<SetupMessage>& messages);
 
-// `megatrain ... --dry-run [--json]`: prints the plan on stdout; returns the exit code.
+// The error for a plan over its limit: the rank with the largest plan, its GiB, the limit and
+// what to change ("" when it fits or there is no limit).
+std::string memory_limit_error(const Plan& plan);
+
+// `megatrain ... --dry-run [--json]`: prints the plan on stdout; returns the exit code. Throws
+// (after printing the plan) when the plan exceeds the GPU's memory (memory_limit_error).
 int run_dry_run(const Config& cfg, const std::vector<SetupMessage>& messages);
 
 }  // namespace mt

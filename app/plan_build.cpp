@@ -1,8 +1,15 @@
 #include "app/plan.h"
 
+#include <fmt/format.h>
+
 #include <cstdio>
 
+#include "core/error.h"
 #include "engine/flops.h"
+
+#if MEGATRAIN_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace mt {
 
@@ -27,7 +34,48 @@ Plan make_plan(const Config& cfg) {
   }
   p.flops_per_iteration = num_floating_point_operations(cfg.model, cfg.train.global_batch);
   p.flops_per_token = flops_per_token(cfg.model);
+  p.limit = memory_limit(cfg);
   return p;
+}
+
+std::optional<MemoryLimit> memory_limit(const Config& cfg) {
+  if (cfg.run.gpu_memory_gib)
+    return MemoryLimit{*cfg.run.gpu_memory_gib * 1073741824.0, fmt::format("--gpu-memory-gib {:g}", *cfg.run.gpu_memory_gib)};
+#if MEGATRAIN_WITH_CUDA
+  int count = 0;
+  cudaDeviceProp prop{};
+  if (cfg.train.device == DeviceKind::gpu && cudaGetDeviceCount(&count) == cudaSuccess && count > 0 &&
+      cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+    return MemoryLimit{static_cast<double>(prop.totalGlobalMem), fmt::format("GPU 0 ({})", prop.name)};
+  cudaGetLastError();  // no GPU: not an error for a dry run
+#endif
+  return std::nullopt;
+}
+
+const StagePlan& Plan::peak_stage() const {
+  const StagePlan* peak = &stages.front();
+  for (const StagePlan& s : stages)
+    if (s.memory.total > peak->memory.total) peak = &s;
+  return *peak;
+}
+
+int Plan::peak_rank() const {
+  const int stage = peak_stage().pp_rank;
+  for (int r = 0; r < grid.world_size(); ++r)
+    if (rank_coord(grid, r).pp == stage) return r;
+  return 0;
+}
+
+std::string memory_limit_error(const Plan& plan) {
+  if (!plan.over_limit()) return "";
+  const StagePlan& s = plan.peak_stage();
+  constexpr double GiB = 1073741824.0;
+  return fmt::format(
+      "the plan needs {:.2f} GiB on rank {} (pipeline stage {}, the largest plan), more than the {:.2f} GiB of {}: "
+      "add parallelism (--tensor-model-parallel-size, --pipeline-model-parallel-size, --use-distributed-optimizer), "
+      "recompute activations (--recompute-granularity selective, or full with --recompute-method and "
+      "--recompute-num-layers), or lower --micro-batch-size",
+      s.memory.total / GiB, plan.peak_rank(), s.pp_rank, plan.limit->bytes / GiB, plan.limit->source);
 }
 
 int run_dry_run(const Config& cfg, const std::vector<SetupMessage>& messages) {
@@ -36,6 +84,8 @@ int run_dry_run(const Config& cfg, const std::vector<SetupMessage>& messages) {
   std::fwrite(out.data(), 1, out.size(), stdout);
   std::fputc('\n', stdout);
   std::fflush(stdout);
+  const std::string over = memory_limit_error(plan);
+  if (!over.empty()) throw Error(over);
   return 0;
 }
 

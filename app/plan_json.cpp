@@ -81,6 +81,9 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
                  {"use_distributed_optimizer", cfg.parallel.use_distributed_optimizer},
                  {"source", "the engine's memory plan (engine/memory_plan.h), the same the training run reports"},
                  {"not_counted", "CUDA context, cuBLASLt/attention workspaces and kernels, NCCL buffers"}};
+  if (plan.limit)
+    j["memory"]["limit"] = {{"bytes", plan.limit->bytes}, {"source", plan.limit->source},
+                            {"fits", !plan.over_limit()}, {"peak_rank", plan.peak_rank()}};
   return j;
 }
 

@@ -175,6 +175,13 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
                    "holds at once\n",
                    peak->pp_rank, gib(peak->memory.total), static_cast<int64_t>(peak->memory.total), setting,
                    cfg.parallel.use_distributed_optimizer ? ", optimizer state sharded over DP" : "");
+  if (plan.limit)
+    o << fmt::format("  limit: {} per GPU ({}): the peak {}\n", gib(plan.limit->bytes), plan.limit->source,
+                     plan.over_limit() ? fmt::format("exceeds it (rank {})", plan.peak_rank())
+                                       : fmt::format("fits ({:.0f}% of it)", 100.0 * peak->memory.total / plan.limit->bytes));
+  else
+    o << fmt::format("  limit: not checked ({}; --gpu-memory-gib N checks the plan against N GiB per GPU)\n",
+                     cfg.train.device == DeviceKind::cpu ? "--device cpu" : "no GPU visible to this dry run");
   o << "  not in the plan: the CUDA context, cuBLASLt/attention workspaces and kernels (measured +0.2 GiB on an H200),\n"
        "  NCCL buffers\n";
   return o.str();

@@ -100,6 +100,11 @@ void validate_megatrain(CliState& st) {
       fail("--device cpu (the float32 reference backend) does not support --fp16: drop it, or train on --device gpu");
   }
   if (c.run.json && !c.run.dry_run) fail("--json goes with --dry-run");
+  if (c.run.gpu_memory_gib) {
+    if (!c.run.dry_run)
+      fail("--gpu-memory-gib is for --dry-run only (a real run has the GPU's memory itself)");
+    if (!(*c.run.gpu_memory_gib > 0)) fail("--gpu-memory-gib must be > 0 (got {})", format_float(*c.run.gpu_memory_gib));
+  }
 }
 
 }  // namespace mt::cli

@@ -365,6 +365,7 @@ struct RunConfig {
   bool dry_run = false;
   bool json = false;                      // --dry-run --json
   std::optional<int> dry_run_world_size;  // --world-size N (dry runs only)
+  std::optional<double> gpu_memory_gib;   // --gpu-memory-gib N: the dry run's per-GPU memory limit
 };
 
 struct Config {
