@@ -9,6 +9,8 @@
 #include "checkpoint/file_io.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/model_chunks.h"
+#include "engine/param_layout.h"
 #include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
 
@@ -337,6 +339,23 @@ void TrainingCheckpoints::read_param(CheckpointReader& reader, GptModel& m, cons
   Backend& be = m.backend();
   // The last stage's copy of tied embeddings holds the word embeddings (and their state).
   const std::string name = (p.shared_copy ? p.init_name : p.name) + suffix;
+  const int key = static_cast<int>(kind == CheckpointKind::optimizer ? CheckpointKind::optimizer : CheckpointKind::model);
+  if (absent_.count({key, name})) {
+    // Not in the checkpoint, and --dist-ckpt-strictness lets the load go on: optimizer states
+    // start at zero, weights keep the values initialization draws for them.
+    if (kind == CheckpointKind::optimizer) {
+      be.fill(dst, 0.0);
+    } else {
+      const Tensor w = p.is_1d() ? dst : dst.view({p.local_rows(), p.local_cols()});
+      if (p.init == InitKind::ones) be.fill(w, 1.0);
+      else if (p.init == InitKind::normal && cfg_.checkpoint.perform_initialization)
+        be.init_normal(w, p.init_key(m.dims().seed), p.init_std, p.shard);
+      else be.fill(w, 0.0);
+    }
+    be.synchronize();
+    loaded_tensor(0);
+    return;
+  }
   CheckpointKind from = kind;
   if (from_model_fallback && !reader.has(name, kind)) from = CheckpointKind::model;
   host.resize(static_cast<size_t>(p.numel()) * dtype_size(dst.dtype));
@@ -454,6 +473,98 @@ bool TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) 
   return true;
 }
 
+// Megatron-LM's StrictHandling (megatron/core/dist_checkpointing/validation.py), for megatrain's
+// own checkpoints. "Unexpected": tensors the run loads that the checkpoint lacks; "missing":
+// tensors the checkpoint holds that no rank loads (only the kinds this load reads: model weights,
+// plus main weights and optimizer states when the optimizer is loaded). Every rank computes both
+// over all pipeline stages (the tensors' names do not depend on TP or DP), so the ranks agree:
+//   assume_ok_unexpected  no comparison; a lacking tensor fails its read, naming it; extra ones
+//                         are ignored (megatrain's behaviour without the flag)
+//   log_unexpected        lacking ones are logged (rank 0) and left as initialized
+//   log_all               also the extra ones are logged
+//   raise_unexpected      lacking ones fail the load before anything is read, all named
+//   raise_all             lacking or extra ones fail the load, all named
+//   return_unexpected, return_all, ignore_all
+//                         lacking ones are left as initialized without a word (Megatron returns
+//                         them to its caller, which megatrain's training does not ask for)
+// FP8 scaling state is outside this: a checkpoint without it starts the scales at 1 (load_fp8_state).
+void TrainingCheckpoints::check_strictness(const CheckpointReader& reader, bool load_optim) {
+  absent_.clear();
+  const std::string& strict = cfg_.checkpoint.dist_ckpt_strictness;
+  if (strict == "assume_ok_unexpected") return;
+  const bool all = strict == "log_all" || strict == "raise_all" || strict == "return_all" || strict == "ignore_all";
+
+  // What the run loads, over every pipeline stage (and its virtual chunks).
+  std::set<std::string> weights;
+  RankPosition r;
+  r.tp_size = cfg_.parallel.tensor_model_parallel_size;
+  r.pp_size = cfg_.parallel.pipeline_model_parallel_size;
+  r.dp_size = cfg_.parallel.data_parallel_size;
+  r.cp_size = cfg_.parallel.context_parallel_size;
+  for (r.pp_rank = 0; r.pp_rank < r.pp_size; ++r.pp_rank)
+    for (const ChunkSpec& s : model_chunk_specs(cfg_, r, precision_dtype(cfg_))) {
+      int64_t n = 0;
+      for (const ParamDesc& p : build_param_descs(s.dims, &n)) weights.insert(p.shared_copy ? p.init_name : p.name);
+    }
+  std::vector<std::string> suffixes;
+  if (load_optim && !chunks_.empty()) {
+    if (!chunks_.front()->exp_avg_flat().empty()) suffixes.push_back(first_state_suffix(cfg_.train.optimizer));
+    if (!chunks_.front()->exp_avg_sq_flat().empty()) suffixes.push_back(kSecondStateSuffix);
+  }
+
+  std::vector<std::string> unexpected, missing;
+  for (const std::string& w : weights) {
+    const bool has = reader.has(w, CheckpointKind::model) || (load_optim && reader.has(w, CheckpointKind::main_params));
+    if (!has) {
+      unexpected.push_back(w);
+      absent_.insert({static_cast<int>(CheckpointKind::model), w});
+    }
+    for (const std::string& sfx : suffixes)
+      if (!reader.has(w + sfx, CheckpointKind::optimizer)) {
+        unexpected.push_back(w + sfx);
+        absent_.insert({static_cast<int>(CheckpointKind::optimizer), w + sfx});
+      }
+  }
+  if (all) {
+    const bool fp8 = cfg_.train.fp8_format.has_value();
+    for (const std::string& n : reader.names(CheckpointKind::model))
+      if (!weights.count(n) && !(fp8 && n.find(".fp8_meta.") != std::string::npos)) missing.push_back(n);
+    if (load_optim) {
+      for (const std::string& n : reader.names(CheckpointKind::main_params))
+        if (!weights.count(n)) missing.push_back(n + " (main weights)");
+      for (const std::string& n : reader.names(CheckpointKind::optimizer)) {
+        bool wanted = false;
+        for (const std::string& sfx : suffixes)
+          wanted |= n.size() > sfx.size() && n.compare(n.size() - sfx.size(), sfx.size(), sfx) == 0 &&
+                    weights.count(n.substr(0, n.size() - sfx.size())) > 0;
+        if (!wanted) missing.push_back(n + " (optimizer state)");
+      }
+    }
+  }
+  if (unexpected.empty() && missing.empty()) return;
+
+  auto list = [](const std::vector<std::string>& names) {
+    std::string s;
+    const size_t shown = std::min<size_t>(names.size(), 20);
+    for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + names[i];
+    if (names.size() > shown) s += fmt::format(" and {} more", names.size() - shown);
+    return s;
+  };
+  std::string what;
+  if (!unexpected.empty())
+    what = fmt::format("{} tensor{} this run loads {} not in it: {}", unexpected.size(), unexpected.size() == 1 ? "" : "s",
+                       unexpected.size() == 1 ? "is" : "are", list(unexpected));
+  if (!missing.empty())
+    what += fmt::format("{}{} tensor{} in it {} not loaded by this run: {}", what.empty() ? "" : "; ", missing.size(),
+                        missing.size() == 1 ? "" : "s", missing.size() == 1 ? "is" : "are", list(missing));
+  const std::string& dir = reader.directory();
+  if (strict == "raise_unexpected" || strict == "raise_all")
+    fail("checkpoint {} does not match this run (--dist-ckpt-strictness {}): {}", dir, strict, what);
+  if (strict == "log_unexpected" || strict == "log_all")
+    log::warn0("checkpoint {} does not match this run (--dist-ckpt-strictness {}): {}{}", dir, strict, what,
+               unexpected.empty() ? "" : "; the tensors it lacks keep their initial values (optimizer states: zero)");
+}
+
 ResumePoint TrainingCheckpoints::load() {
   const CheckpointConfig& k = cfg_.checkpoint;
   ResumePoint r;
@@ -500,6 +611,7 @@ ResumePoint TrainingCheckpoints::load() {
     const int64_t passes = 1 + (load_optim ? (m->exp_avg_flat().empty() ? 0 : 1) + (m->exp_avg_sq_flat().empty() ? 0 : 1) : 0);
     load_progress_.total += passes * static_cast<int64_t>(m->params().size());
   }
+  check_strictness(reader, load_optim);
   try {
     for (GptModel* m : chunks_) load_chunk(reader, *m, load_optim);
   } catch (const Error& e) {

@@ -34,7 +34,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "app/checkpoint_retention.h"
@@ -137,6 +139,13 @@ class TrainingCheckpoints {
                  bool from_model_fallback);
   void read_param(CheckpointReader& reader, GptModel& m, const ParamDesc& p, CheckpointKind kind,
                   const std::string& suffix, Tensor dst, bool from_model_fallback, std::vector<unsigned char>& host);
+  // --dist-ckpt-strictness: compares what the run loads (every rank's tensors) with what the
+  // checkpoint holds; reports, fails or fills absent_ as the value says.
+  void check_strictness(const CheckpointReader& reader, bool load_optim);
+  // Tensors the run loads that the checkpoint lacks, left as initialized (optimizer states: zero)
+  // under the log_*, return_* and ignore_all strictness values. Keys: (model or optimizer, name);
+  // model weights (and their main copies) are keyed as model.
+  std::set<std::pair<int, std::string>> absent_;
 
   const Config& cfg_;
   ParallelState& ps_;

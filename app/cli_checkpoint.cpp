@@ -48,7 +48,15 @@ void add_checkpoint_flags(FlagTable& t) {
   t.no_effect("--ckpt-assume-constant-structure", Arity::none,
               "megatrain's checkpoint writer has no save plan to reuse: each save writes every rank's shards and "
               "rank 0 builds the manifest from what the ranks wrote");
-  t.recognised("--dist-ckpt-strictness", Arity::one, "STR", "assume_ok_unexpected", "handling of key mismatches");
+  t.choice("--dist-ckpt-strictness",
+           "what a load does with tensors the run loads that the checkpoint lacks (*_unexpected) and also with "
+           "tensors the checkpoint holds that the run does not load (*_all): log, raise, return or ignore them; "
+           "assume_ok_unexpected: a lacking tensor fails its read",
+           std::vector<std::pair<std::string, std::string>>{
+               {"assume_ok_unexpected", "assume_ok_unexpected"}, {"log_unexpected", "log_unexpected"},
+               {"log_all", "log_all"}, {"raise_unexpected", "raise_unexpected"}, {"raise_all", "raise_all"},
+               {"return_unexpected", "return_unexpected"}, {"return_all", "return_all"}, {"ignore_all", "ignore_all"}},
+           MT_FIELD(checkpoint.dist_ckpt_strictness));
   t.value("--non-persistent-save-interval", "iterations between non-persistent (scratch) checkpoints",
           MT_FIELD(checkpoint.non_persistent_save_interval));
   t.choice("--non-persistent-ckpt-type", "non-persistent checkpoint type (global: a checkpoint directory of its own)",

@@ -56,7 +56,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--vocab-extra-ids", W::other_than, {"0"}, ""},
       // checkpointing (1.6)
       {"--ckpt-format", W::values, {"torch", "torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default)"},
-      {"--dist-ckpt-strictness", W::other_than, {"assume_ok_unexpected"}, ""},
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},

@@ -337,6 +337,10 @@ struct CheckpointConfig {
   std::optional<std::string> non_persistent_ckpt_type;
   std::optional<std::string> non_persistent_global_ckpt_dir;
   std::string ckpt_format = "torch_dist";
+  // --dist-ckpt-strictness: what a load does with tensors the run asks for that the checkpoint
+  // lacks (Megatron's "unexpected" keys) and, for the *_all values, tensors the checkpoint holds
+  // that no rank asks for ("missing" keys); app/checkpointing.cpp.
+  std::string dist_ckpt_strictness = "assume_ok_unexpected";
 };
 
 struct LoggingConfig {
