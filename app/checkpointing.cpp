@@ -488,6 +488,9 @@ bool TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) 
 //                         lacking ones are left as initialized without a word (Megatron returns
 //                         them to its caller, which megatrain's training does not ask for)
 // FP8 scaling state is outside this: a checkpoint without it starts the scales at 1 (load_fp8_state).
+// Training is the only load the flag reaches: it never reads Megatron-LM's own checkpoints
+// (`megatrain import-megatron` converts them first), and the subcommands that read megatrain
+// checkpoints take no training flags (forward-logits loads through here with the default).
 void TrainingCheckpoints::check_strictness(const CheckpointReader& reader, bool load_optim) {
   absent_.clear();
   const std::string& strict = cfg_.checkpoint.dist_ckpt_strictness;
