@@ -7,8 +7,9 @@
 # gpu (default): the three benchmark configs of bench/run_bench.sh (gpt2-124m, gpt-1.3b,
 #   llama-1b) in bf16, and gpt-1.3b / llama-1b with FP8 (hybrid, delayed and tensorwise scaling),
 #   each for ITERS (default 6) iterations with --deterministic-mode on --mock-data.
-# cpu: tiny GPT and Llama models on the reference backend (float32), also with FP8, recompute and
-#   dropout, and over MPI ranks (TP2+SP x PP2, DP2 with the distributed optimizer) where mpirun is.
+# cpu: tiny GPT and Llama models on the reference backend (float32), also with FP8, recompute,
+#   dropout, q/k norm and a sliding window, and over MPI ranks (TP2+SP x PP2, TP2 x DP2 with the
+#   distributed optimizer, TP2+SP x DP2 with FP8) where mpirun is.
 # runs: a comma-separated subset of the run names printed (default: all).
 # Prints one line per run ("same" or the first difference) and exits non-zero on any difference.
 set -uo pipefail
@@ -63,10 +64,12 @@ else
   add gpt-fp8-delayed "$common $nodrop --fp8-format hybrid --fp8-recipe delayed"
   add llama-fp8-tensorwise "$common $nodrop $llama --fp8-format hybrid --fp8-recipe tensorwise"
   add gpt-squared-relu "$common $nodrop --squared-relu --no-bias-gelu-fusion"
+  add llama-qk-norm-window "$common $nodrop $llama --qk-layernorm --window-size 7,0"
   if command -v mpirun > /dev/null; then
     mpi="mpirun -np 4 --oversubscribe --allow-run-as-root"
     add mpi-tp2sp-pp2 "$common $nodrop --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
     add mpi-dp2-distopt "$common $nodrop $llama --use-distributed-optimizer --tensor-model-parallel-size 2"
+    add mpi-tp2sp-fp8 "$common $nodrop --tensor-model-parallel-size 2 --sequence-parallel --fp8-format hybrid --fp8-recipe tensorwise"
   fi
 fi
 

@@ -9,83 +9,14 @@
 #include "core/error.h"
 #include "core/master_remainder.h"
 #include "core/philox.h"
+#include "engine/blocks/attention_core.h"
+#include "engine/gpt_model_parts.h"
 #include "parallel/parallel_state.h"
 #include "parallel/parallel_state_builder.h"
 
 namespace mt {
 
 // ---- pieces ------------------------------------------------------------------------------
-
-struct GptModel::LayerParams {
-  Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
-      fc2_w, fc2_b;
-};
-
-// What a layer keeps from forward for backward. Statistics are in the accum dtype.
-// Maybe not kept (the tensors below marked "shared" are then views of workspace buffers every
-// layer reuses): the norm outputs (unless norm_kept: ModelOptions::keep_norm_outputs), recomputed
-// in backward from the norm inputs and statistics by norm_backward_recompute, and the MLP
-// activation (unless act_kept), recomputed from fc1_pre by the fused activation backward
-// (linear_backward_input_recompute / swiglu_backward_recompute). Both are bit-identical to what
-// forward computed. In FP8 layers with FP8 weight gradients the weight gradients take the inputs'
-// FP8 copies kept from forward instead (fp8_xq_t), so neither is recomputed there.
-struct GptModel::LayerActs {
-  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared unless norm_kept)
-  Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
-  Tensor qkv;                          // attention input (after bias, qk norm, rope)
-  Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
-  Tensor h1;                           // residual after attention
-  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared unless norm_kept)
-  bool norm_kept = false;              // ln1_out and ln2_out are this layer's own
-  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared
-                                       // unless act_kept); backward overwrites fc1_pre (SwiGLU: with
-                                       // its gradient; GeLU: with the activation, unless fp8_xq_t
-                                       // or fc1_act is kept)
-  bool act_kept = false;               // fc1_act is this layer's own (keeps_gelu_activation)
-  Tensor out;                          // layer output (the next layer's input)
-  // FP8 layers with FP8 weight gradients (GptModel::fp8_kept_inputs): the four linear inputs
-  // (ln1_out, attn_out, ln2_out, fc1_act; all N rows) as the forward's cast quantized them,
-  // transposed [K, N] for the weight-gradient GEMMs, per Fp8State::Gemm. Tensorwise scaling also
-  // keeps those casts' scale_inv [4]: a later micro-batch's forward rewrites the state's.
-  Tensor fp8_xq_t[Fp8State::kGemms];
-  Tensor fp8_x_scale_inv;
-};
-
-struct GptModel::Slot {
-  Tensor tokens, labels, positions, mask, dloss;  // [N] (int32 / accum)
-  Tensor input;                                   // stage input [N, h]
-  std::vector<LayerActs> layers;                  // per local layer
-  Tensor d_output;                                // grad of the stage output [N, h]
-  // The five inputs live in one device block (`io`) mirrored by one host buffer, so that staging
-  // a micro-batch is a single host->device copy. Byte offsets of each part in both:
-  Tensor io;
-  std::vector<unsigned char> host_io;
-  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
-  uint64_t key = 0;
-  bool training = true;
-  bool staged = false;
-};
-
-struct GptModel::Globals {
-  Tensor wte, wpe, final_w, final_b, out_w;     // params (out_w: the tied wte when shared on this stage)
-  Tensor dwte, dwpe, dfinal_w, dfinal_b, dout_w;
-};
-
-struct GptModel::Workspace {
-  Tensor tmp_h;                       // [N, h] row-parallel output before its reduction; also the
-                                      // norm outputs ln1_out, ln2_out where not kept (gathered to
-                                      // all rows with SP): each is dead before tmp_h is written again
-  Tensor gA, gB, gH;                  // [Nl, h] gradients of the residual stream
-  Tensor gT;                          // [N, h] column-parallel input gradients, d_fc2 / d_proj with SP
-  Tensor act;                         // [N, f] MLP activation (fc2's input); in backward the
-                                      // recomputed activation (SwiGLU: first the gradient d fc2 / d act)
-  Tensor gFC;                         // GeLU only: fc1's output gradient, the same memory as act
-                                      // (SwiGLU's takes the place of fc1_pre)
-  Tensor gQKV, gATT;                  // attention backward, in act's block (see layout)
-  Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
-  Tensor y, fmean, frstd;             // final norm output and statistics
-  Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
-};
 
 RecomputePlan RecomputePlan::from_config(const TrainConfig& t, int stage_layers) {
   RecomputePlan p;
@@ -189,7 +120,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   bind_params();
   plan_grad_zeroing();
   fp8_.initialize(be_);
-  if (fp8_.any()) be_.prepare_fp8_gemms();  // the FP8 GEMMs' workspace now, not in the first step
+  if (fp8_.any()) be_.prepare_fp8_gemms();
+  attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
     if (overlap_sp) {
@@ -212,7 +144,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     const AttentionShape shape = attention_shape(nullptr, layer);
     if (std::find(reserved_windows.begin(), reserved_windows.end(), shape.window_left) != reserved_windows.end()) continue;
     reserved_windows.push_back(shape.window_left);
-    be_.reserve_attention(shape, opt_.attention_backend, opt_.compute);
+    attention_core_->reserve(shape, opt_.attention_backend, opt_.compute);
   }
   if (d_.qk_l2) be_.fill(qk_l2_ones_, 1.0);
   if (d_.position == PositionEmbedding::rope) {
@@ -706,271 +638,6 @@ void GptModel::plan_grad_zeroing() {
   if (grads_.numel() > next) zeroed_grad_ranges_.push_back({next, grads_.numel() - next});
 }
 
-// ---- FP8 linear layers -------------------------------------------------------------------
-
-void GptModel::fp8_begin_step() { std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0); }
-
-void GptModel::fp8_end_step() {
-  fp8_.end_step(be_, ps_);
-  std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
-}
-
-Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
-  const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
-  MT_CHECK(descs_.at(static_cast<size_t>(i)).fp8_storage, "{} is not an FP8 parameter",
-           descs_.at(static_cast<size_t>(i)).name);
-  Fp8TensorMeta m = fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
-  // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
-  // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
-  m.recipe = Fp8Recipe::delayed;
-  m.fresh = Tensor();  // (no amax slot: delayed casts take none)
-  return m;
-}
-
-bool GptModel::weights_amax_from_update() const {
-  return opt_.seams.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise &&
-         fp8_.any() && !fp8_params();
-}
-
-Tensor GptModel::weight_cast_amax_slot(int i) const {
-  const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
-  if (local < 0 || !weights_amax_from_update()) return Tensor();
-  return fp8_.fresh(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
-}
-
-void GptModel::fp8_weights_updated() {
-  if (!weights_amax_from_update()) return;
-  // The distributed optimizer's shards: each rank took its pieces' amaxes; the max over DP is the
-  // whole weight's (the all-gather brings every rank the weights those pieces became).
-  if (grad_layout_.sharded) fp8_.reduce_fresh_over_dp(ps_);
-  for (int l = 0; l < d_.stage_layers(); ++l) fp8_weight_amax_taken_[static_cast<size_t>(l)] = fp8_layer(l) ? 1 : 0;
-}
-
-void GptModel::fp8_cast_shard(int b) {
-  if (!fp8_params() || !grad_layout_.fp8_bucket(b)) return;
-  const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)], flat = grad_layout_.shard_offset(b);
-  for (const ShardSegment& s : grad_layout_.shard_segments(b)) {
-    // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
-    const Tensor master = master_.flat_slice(state + s.shard_offset, s.numel).view({1, s.numel});
-    const Tensor q = param_storage(flat + s.shard_offset, s.numel).view({1, s.numel});
-    be_.fp8_quantize(q, Tensor(), master, fp8_param_meta(s.param));
-  }
-}
-
-void GptModel::fp8_params_from_master(bool fresh_state) {
-  if (!fp8_params()) return;
-  const GradLayout& L = grad_layout_;
-  if (fresh_state) fp8_.initialize(be_);
-  if (fresh_state || opt_.fp8.recipe == Fp8Recipe::tensorwise) {
-    // A first cast with the scales there are (its bits are overwritten below) records every
-    // shard's amax; their max over TP and DP sets each weight's scale, as the first delayed-scaling
-    // update would from the weight's amax alone. The amax stays recorded for that update.
-    for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
-    fp8_.reduce_amax(ps_);
-    fp8_.set_weight_scales_from_amax(be_);
-  }
-  for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
-  if (ps_.dp_size > 1)
-    for (int b = 0; b < L.num_buckets(); ++b) {
-      if (!L.fp8_bucket(b)) continue;
-      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-      const Tensor whole = param_storage(k.offset, k.numel);
-      ps_.dp->all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
-    }
-  be_.synchronize();
-  fp8_begin_step();  // the transposed copies follow
-}
-
-Tensor GptModel::compute_weight(int local, Fp8State::Gemm g, Tensor w) {
-  if (!is_fp8(w.dtype)) return w;
-  MT_CHECK(!fp8_w_compute_.empty(), "layer {}: an FP8 weight in a compute-dtype GEMM without a workspace",
-           d_.layer_begin + local);
-  const Tensor out = fp8_w_compute_.flat_slice(0, w.numel()).view({w.rows(), w.cols()});
-  be_.fp8_dequantize(out, w, fp8_.scale_inv(local, g, Fp8State::w));
-  return out;
-}
-
-// Evaluation forwards record no amax (their tensors are not the training step's), so a refresh
-// made by one does not count as fresh for training.
-Fp8TensorMeta GptModel::fp8_meta(int local, Fp8State::Gemm g, Fp8State::Role r) const {
-  Fp8TensorMeta m = fp8_.meta(local, g, r);
-  if (!fp8_training_) m.amax = Tensor();
-  return m;
-}
-
-void GptModel::fp8_refresh_weights(int local) {
-  const char fresh = fp8_training_ ? 1 : 2;  // 2: cast by an evaluation forward (no amax recorded)
-  if (fp8_fresh_[static_cast<size_t>(local)] == 1 || fp8_fresh_[static_cast<size_t>(local)] == fresh) return;
-  const LayerParams& P = layer_params_[static_cast<size_t>(local)];
-  const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
-  const Fp8Weights& c = fp8_w_[static_cast<size_t>(local)];
-  // The optimizer's last update took the weights' amaxes (weight_cast_amax_slot): this cast uses
-  // them, whether a training or an evaluation forward's; a later recast takes its own.
-  char& taken = fp8_weight_amax_taken_[static_cast<size_t>(local)];
-  for (int g = 0; g < Fp8State::kGemms; ++g) {
-    if (is_fp8(w[g].dtype)) {
-      be_.fp8_transpose(c.q_t[g], c.q[g]);  // an FP8 parameter: cast by the optimizer
-      continue;
-    }
-    Fp8TensorMeta m = fp8_meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
-    m.fresh_taken = taken != 0;
-    be_.fp8_quantize(c.q[g], c.q_t[g], w[g], m);
-  }
-  taken = 0;
-  fp8_fresh_[static_cast<size_t>(local)] = fresh;
-}
-
-namespace {
-// A [rows, cols] view at the start of a flat FP8 workspace.
-Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slice(0, rows * cols).view({rows, cols}); }
-}  // namespace
-
-bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
-  return opt_.seams.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
-}
-
-bool GptModel::norm_takes_cast_amax(int local, const LayerActs& A) const {
-  return opt_.seams.fp8_producer_amax && opt_.fp8.recipe == Fp8Recipe::tensorwise && fp8_norm_cast(local, A);
-}
-
-Tensor GptModel::norm_cast_amax(int local, const LayerActs& A, Fp8State::Gemm g) const {
-  return norm_takes_cast_amax(local, A) ? fp8_.fresh(local, g, Fp8State::x) : Tensor();
-}
-
-// The norm backwards that write proj's and fc2's output gradients: the plain norm_backward (not
-// the recomputing one) runs where layer_backward takes it, and the gradient the cast reads is the
-// norm's dx itself only without hidden dropout and sequence parallelism (expand_grad). Not the
-// final norm's for the last layer: the head's backward runs at the end of the forward, and other
-// micro-batches' forwards may come before this one's backward (pipeline schedules).
-bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) const {
-  if (!opt_.seams.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
-      d_.hidden_dropout > 0 || d_.sequence_parallel)
-    return false;
-  const auto plain_norm_backward = [&](int l) { return fp8_kept_inputs(l) || acts(s, l).norm_kept; };
-  if (g == Fp8State::proj) return plain_norm_backward(local);
-  MT_CHECK(g == Fp8State::fc2, "dy_amax_from_norm: GEMM {} has no norm backward writing its output gradient",
-           static_cast<int>(g));
-  return local + 1 < d_.stage_layers() && plain_norm_backward(local + 1);
-}
-
-Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const {
-  return local >= 0 && dy_amax_from_norm(s, local, g) ? fp8_.fresh(local, g, Fp8State::dy) : Tensor();
-}
-
-Tensor GptModel::dy_amax_from_dropout(int local, Fp8State::Gemm g) const {
-  if (!opt_.seams.fp8_producer_amax || opt_.fp8.recipe != Fp8Recipe::tensorwise || !fp8_layer(local) ||
-      d_.hidden_dropout <= 0 || d_.sequence_parallel)
-    return Tensor();
-  return fp8_.fresh(local, g, Fp8State::dy);
-}
-
-void GptModel::linear_fwd(int local, Fp8State::Gemm g, const LayerActs& A, Tensor y, Tensor x, Tensor w, Tensor bias,
-                          Activation act, Tensor pre_act, const NormInput* norm) {
-  MT_CHECK(!norm || fp8_gemms(local), "layer {}: an FP8 cast from a norm outside FP8 GEMMs", d_.layer_begin + local);
-  if (!fp8_layer(local)) {
-    be_.linear_forward(y, x, w, bias, act, pre_act);
-    return;
-  }
-  fp8_refresh_weights(local);  // (calibrating: records the weights' amaxes)
-  const Tensor xq = fp8_quantize_input(local, g, A, x, nullptr, norm);
-  if (!fp8_gemms(local)) {  // calibrating: the cast above recorded x's amax; its bits go unused
-    be_.linear_forward(y, x, compute_weight(local, g, w), bias, act, pre_act);
-    return;
-  }
-  be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
-                         fp8_.scale_inv(local, g, Fp8State::w), bias, act, pre_act);
-}
-
-void GptModel::fc2_fwd_from_fc1(int local, const LayerActs& A, Tensor y, Tensor fc1_pre, MlpActivation act) {
-  MT_CHECK(fp8_gemms(local), "layer {}: fc2's fused FP8 input cast outside FP8 GEMMs", d_.layer_begin + local);
-  const Fp8State::Gemm g = Fp8State::fc2;
-  fp8_refresh_weights(local);
-  const Tensor xq = fp8_quantize_input(local, g, A, fc1_pre, &act);
-  be_.fp8_linear_forward(y, xq, fp8_.scale_inv(local, g, Fp8State::x), fp8_w_[static_cast<size_t>(local)].q[g],
-                         fp8_.scale_inv(local, g, Fp8State::w), Tensor(), Activation::none, Tensor());
-}
-
-// One cast for both FP8 GEMMs that take the input x (or act(x), act not null): the row-major copy
-// for the forward GEMM (workspace, returned) and, in training, the transposed one for the weight
-// gradient, kept with the layer's activations. (Evaluation forwards have no backward, and a
-// recomputed layer's first forward none of its own: the recompute writes them again. Neither
-// writes the copy nor its scale_inv.)
-Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs& A, Tensor x, const MlpActivation* act,
-                                    const NormInput* norm) {
-  if (norm) x = norm->x;
-  const int64_t cols = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
-  const Tensor xq = fp8_view(fp8_xq_, x.rows(), cols);
-  const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
-  if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
-  const Tensor xq_t = keep ? A.fp8_xq_t[g] : Tensor();
-  Fp8TensorMeta meta = fp8_meta(local, g, Fp8State::x);
-  if (keep && !A.fp8_x_scale_inv.empty()) meta.scale_inv_copy = A.fp8_x_scale_inv.flat_slice(g, 1);  // (tensorwise)
-  if (norm) {
-    meta.fresh_taken = norm_takes_cast_amax(local, A);  // the norm's statistics op took it
-    be_.fp8_quantize_norm(xq, xq_t, norm->x, norm->mean, norm->rstd, norm->weight, norm->bias, norm_, meta);
-  } else if (act) {
-    be_.fp8_quantize_activation(xq, xq_t, x, *act, meta);
-  } else {
-    be_.fp8_quantize(xq, xq_t, x, meta);
-  }
-  return xq;
-}
-
-void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias, bool amax_taken) {
-  if (!fp8_layer(local)) return;
-  const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
-  const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
-  Fp8TensorMeta meta = fp8_.meta(local, g, Fp8State::dy);
-  meta.fresh_taken = amax_taken;
-  if (fp8_wgrad(local) && !dbias.empty()) be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, meta, dbias);
-  else be_.fp8_quantize(dyq, dyq_t, dy, meta);
-}
-
-void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre, MlpActivation act, Tensor dbias) {
-  const Fp8State::Gemm g = Fp8State::fc1;
-  MT_CHECK(fp8_wgrad(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
-           d_.layer_begin + local);
-  const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
-  be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
-                                       dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias);
-}
-
-void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,
-                                Tensor pre_act) {
-  if (!fp8_gemms(local)) {  // (calibrating: linear_quantize_dy recorded dy's amax)
-    be_.linear_backward_input(dx, dy, fp8_layer(local) ? compute_weight(local, g, w) : w, false, act, pre_act);
-    return;
-  }
-  be_.fp8_linear_backward_input(dx, fp8_view(fp8_dyq_, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
-                                fp8_w_[static_cast<size_t>(local)].q_t[g], fp8_.scale_inv(local, g, Fp8State::w), false,
-                                act, pre_act);
-}
-
-void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A, Tensor dw, Tensor dbias, Tensor dy,
-                                 Tensor x) {
-  const bool accumulate = accumulate_weight_grad(dw);
-  if (!fp8_wgrad(local)) {
-    be_.linear_backward_weight(dw, dbias, dy, x, accumulate);
-    return;
-  }
-  Tensor xq_t, x_scale_inv = fp8_.scale_inv(local, g, Fp8State::x);
-  if (fp8_kept_inputs(local)) {
-    // The forward's transposed copy (delayed scaling: the scales hold still within a step).
-    xq_t = A.fp8_xq_t[g];
-    if (!A.fp8_x_scale_inv.empty()) x_scale_inv = A.fp8_x_scale_inv.flat_slice(g, 1);
-  } else {
-    // x was recomputed (or kept) in the compute dtype: quantized again with its forward scale
-    // (tensorwise: recomputed from the same x), so the same bits as the forward's cast.
-    xq_t = fp8_view(fp8_xq_t_, x.cols(), x.rows());
-    be_.fp8_quantize(Tensor(), xq_t, x, fp8_.meta(local, g, Fp8State::x));
-  }
-  // (The bias gradient was taken by linear_quantize_dy's cast.)
-  be_.fp8_linear_backward_weight(dw, Tensor(), Tensor(), fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
-                                 fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv, accumulate);
-}
-
-// ---- micro-batch I/O ---------------------------------------------------------------------
-
 void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
                                  uint64_t serial, bool training) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
@@ -1141,18 +808,6 @@ GptModel::LayerActs GptModel::acts(const Slot& s, int local) const {
 
 // ---- forward -----------------------------------------------------------------------------
 
-void GptModel::embedding_forward(Slot& s) {
-  const Globals& G = *globals_;
-  const bool positions = d_.position == PositionEmbedding::learned_absolute && d_.tp_rank == 0;
-  // Vocab-parallel: each rank contributes its vocabulary rows, summed over TP (with SP the sum
-  // is reduce-scattered to the sequence shards).
-  const Tensor full = d_.sequence_parallel ? ws_->tmp_h : s.input;
-  be_.embedding_forward(full, s.tokens, s.positions, G.wte, positions ? G.wpe : Tensor(), d_.vocab_start());
-  if (d_.sequence_parallel) ps_.tp->reduce_scatter(s.input, full);
-  else ps_.tp->all_reduce(s.input);
-  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, hidden_key(s, -1, 3));
-}
-
 // A layer's output is read first by the norm after it. Where that layer and the next (or the
 // head) run their forward only once (no full-recompute group: a group's rerun in backward must not
 // write a neighbour's norm, whose statistics may share the group's scratch), the norm is written
@@ -1177,112 +832,13 @@ GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
   return {true, local_rows(w.y), w.fmean, w.frstd, globals_->final_w, globals_->final_b, Tensor()};
 }
 
+// One decoder layer: the attention block, then the MLP block. Each block ends with its bias +
+// dropout + residual, which also writes the norm that reads its output (the MLP's ln2; the next
+// layer's ln1 or the final norm: next), so a layer makes two passes over its residual rows.
 void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next) {
-  const LayerParams& P = layer_params_[local];
-  const Workspace& w = *ws_;
-  const int layer = d_.layer_begin + local;
-  const float hp = s.training ? d_.hidden_dropout : 0.0f;
   fp8_training_ = s.training;
-
-  // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
-  // projection (row-parallel, all-reduce) -> bias + dropout + residual.
-  // With fp8_norm_cast the norms write only their statistics and the QKV / fc1 casts read x.
-  const bool norm_cast = fp8_norm_cast(local, A);
-  if (!norm_from_previous(local))
-    be_.norm_forward(norm_cast ? Tensor() : local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_,
-                     norm_cast_amax(local, A, Fp8State::qkv));
-  if (!norm_cast) gather_rows(A.ln1_out);
-  const NormInput ln1{x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b};
-  const NormInput* ln1_src = norm_cast ? &ln1 : nullptr;
-  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  if (d_.qk_norm) {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
-    be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
-                        qk_norm_params());
-  } else {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
-  }
-  if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
-  be_.attention_forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  linear_fwd(local, Fp8State::proj, A, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
-  // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
-  // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
-  be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
-                            reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_,
-                            norm_cast_amax(local, A, Fp8State::fc1));
-  const NormInput ln2{A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, P.ln2_b};
-
-  // MLP block: norm (above) -> fc1 (column-parallel) + activation -> fc2 (row-parallel,
-  // all-reduce) -> bias + dropout + residual.
-  // With FP8 GEMMs, fc1 writes only its output (no GeLU epilogue) and fc2's input is cast to FP8
-  // from it (fc2_fwd_from_fc1): the activation is never written in the compute dtype.
-  if (!norm_cast) gather_rows(A.ln2_out);
-  const MlpActivation mlp_act = d_.mlp_activation();
-  if (fp8_gemms(local)) {
-    linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor(),
-               norm_cast ? &ln2 : nullptr);
-    fc2_fwd_from_fc1(local, A, w.tmp_h, A.fc1_pre, mlp_act);
-  } else {
-    if (d_.swiglu) {
-      linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
-      be_.swiglu_forward(A.fc1_act, A.fc1_pre);
-    } else {
-      linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b, d_.ungated_mlp_activation(),
-                 A.fc1_pre);
-    }
-    linear_fwd(local, Fp8State::fc2, A, w.tmp_h, A.fc1_act, P.fc2_w, Tensor(), Activation::none, Tensor());
-  }
-  if (!next.fused)
-    be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), P.fc2_b, A.h1, hp, hidden_key(s, layer, 2));
-  else
-    be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), P.fc2_b, hp,
-                              hidden_key(s, layer, 2), next.weight, next.bias, norm_, next.amax);
-}
-
-void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
-  const Globals& G = *globals_;
-  const Workspace& w = *ws_;
-  if (!norm_done) be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
-  gather_rows(w.y);
-  // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
-  // their gradient) exist for one chunk at a time; the head's whole backward but the final norm
-  // happens per chunk. Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and
-  // combined; the target logit lives on one shard (zero elsewhere), so a sum finds it.
-  const int64_t N = d_.tokens(), V = d_.vocab_local(), tp = d_.tp_size;
-  for (int64_t r0 = 0; r0 < N; r0 += logits_rows_) {
-    const int64_t rows = std::min(logits_rows_, N - r0);
-    const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
-    const Tensor y = w.y.row_slice(r0, rows), labels = s.labels.flat_slice(r0, rows);
-    be_.linear_forward(logits, y, G.out_w, Tensor(), Activation::none, Tensor());
-    Tensor lse = w.lse_part.flat_slice(r0, rows);
-    // Training on the whole vocabulary (no TP): the loss and dlogits (in place) in one pass.
-    const bool fused_ce = s.training && tp == 1;
-    if (fused_ce)
-      be_.cross_entropy_forward_backward(lse, w.target.flat_slice(r0, rows), logits, labels,
-                                         s.dloss.flat_slice(r0, rows));
-    else
-      be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, labels, d_.vocab_start());
-    if (tp > 1) {
-      const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
-      ps_.tp->all_gather(parts, lse);
-      lse = w.lse.flat_slice(r0, rows);
-      be_.logsumexp_combine(lse, parts);
-    }
-    if (!s.training) continue;
-    // The output layer's backward, now: dlogits in place of the logits.
-    if (!fused_ce)
-      be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
-    be_.linear_backward_weight(G.dout_w, Tensor(), logits, y, accumulate_weight_grad(G.dout_w));
-    be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
-  }
-  if (tp > 1) ps_.tp->all_reduce(w.target);
-  be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
-  be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
-  if (!s.training) return;
-  const int last = d_.stage_layers() - 1;
-  const Tensor last_fc2_db = last >= 0 && fc2_bias_grad_from_norm(last) ? layer_grads_[last].fc2_b : Tensor();
-  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(),
-                    last_fc2_db, norm_);
+  attention_forward(local, s, A, x);  // x -> h1, ln2(h1)
+  mlp_forward(local, s, A, next);     // h1 -> out, next(out)
 }
 
 void GptModel::forward(int slot) {
@@ -1329,175 +885,10 @@ bool GptModel::fc2_bias_grad_from_norm(int local) const {
   return proj_bias_grad_from_norm(local) && (local + 1 < d_.stage_layers() || d_.last_stage);
 }
 
+// One decoder layer's backward: the MLP block's, then the attention block's.
 void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx) {
-  const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
-  const Workspace& w = *ws_;
-  const int layer = d_.layer_begin + local;
-  const float hp = s.training ? d_.hidden_dropout : 0.0f;
-
-  // MLP block. dy is the gradient of out = h1 + dropout(fc2 + b2) (this rank's rows with SP;
-  // d_fc2 has all rows). The activation (fc2's input) is recomputed from fc1_pre by the
-  // activation's backward, the norm output (fc1's input), unless kept (A.norm_kept), by the norm's
-  // backward (then gathered to all rows with SP, as Megatron re-gathers it), so the weight
-  // gradients come after them. FP8 layers with kept inputs (fp8_kept_inputs) need neither for
-  // their weight gradients.
-  const bool kept = fp8_kept_inputs(local);
-  const Tensor fc2_dy_amax = dy_amax_from_dropout(local, Fp8State::fc2);
-  const Tensor d_fc2 = expand_grad(dy, hp, hidden_key(s, layer, 2), fc2_dy_amax);
-  // fc2's and proj's bias gradients where the norm backwards that produce their output gradients
-  // took them (fc2: the next layer's or the final norm's; proj: ln2's below).
-  const Tensor fc2_db = fc2_bias_grad_from_norm(local) ? Tensor() : G.fc2_b;
-  const bool proj_db_from_norm = proj_bias_grad_from_norm(local);
-  const Tensor proj_db = proj_db_from_norm ? Tensor() : G.proj_b;
-  Tensor d_fc1;  // gradient of fc1's output
-  bool d_fc1_quantized = false;  // FP8: cast to FP8 here, straight from the activation's gradient
-  linear_quantize_dy(local, Fp8State::fc2, d_fc2, G.fc2_b,
-                     dy_amax_from_norm(s, local, Fp8State::fc2) || !fc2_dy_amax.empty());
-  if (d_.swiglu && kept) {
-    // FP8 with kept inputs: fc1's output gradient [dgate | dup] is cast to FP8 straight from fc2's
-    // input gradient and fc1_pre (the same bits as swiglu_backward, then the cast), after fc2's
-    // weight gradient (which still needs the FP8 workspaces of its own output gradient).
-    linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
-    linear_quantize_dy_activation(local, w.act, A.fc1_pre, MlpActivation::swiglu, G.fc1_b);
-    d_fc1 = A.fc1_pre;  // (its shape: the FP8 GEMMs below read only the quantized copies)
-    d_fc1_quantized = true;
-  } else if (d_.swiglu) {
-    linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
-    // In place: fc1_pre becomes its gradient and the activation gradient becomes the activation.
-    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
-    d_fc1 = A.fc1_pre;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
-  } else if (fp8_wgrad(local)) {
-    // FP8 GEMMs with FP8 weight gradients: fc2's input gradient comes out plain (no DGELU epilogue)
-    // into gFC, and fc1's output gradient gFC * act'(fc1_pre) is cast to FP8 (with fc1's bias
-    // gradient) straight from it: never written in the compute dtype. Without kept inputs fc1_pre
-    // must first become the activation (in place) for fc2's weight gradient, so fc1's output
-    // gradient is formed by activation_backward in gFC and cast after it (the same bits as the
-    // fused cast).
-    const Activation act = d_.ungated_mlp_activation();
-    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, Activation::none, Tensor());
-    if (kept) {
-      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
-      linear_quantize_dy_activation(local, w.gFC, A.fc1_pre, d_.mlp_activation(), G.fc1_b);
-    } else {
-      be_.activation_backward(w.gFC, w.gFC, A.fc1_pre, act);
-      be_.activation_forward(A.fc1_pre, A.fc1_pre, act);
-      linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
-      linear_quantize_dy(local, Fp8State::fc1, w.gFC, G.fc1_b);
-    }
-    d_fc1 = w.gFC;  // (its shape: the FP8 GEMMs below read only the quantized copies)
-    d_fc1_quantized = true;
-  } else if (A.act_kept && !fp8_gemms(local)) {
-    // The activation kept from forward: fc2's input gradient takes the activation's backward
-    // (cuBLASLt's DGELU epilogue for the tanh GeLU) into gFC, and its weight gradient the kept
-    // activation.
-    const Activation act = d_.ungated_mlp_activation();
-    linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
-    d_fc1 = w.gFC;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_act);
-  } else {
-    // fc1_pre becomes the activation (in place, unless kept); the gradient goes to gFC.
-    const Activation act = d_.ungated_mlp_activation();
-    if (fp8_gemms(local)) {
-      linear_bwd_input(local, Fp8State::fc2, w.gFC, d_fc2, P.fc2_w, act, A.fc1_pre);
-      if (!kept) be_.activation_forward(A.fc1_pre, A.fc1_pre, act);
-    } else {
-      be_.linear_backward_input_recompute(w.gFC, A.fc1_pre, d_fc2, compute_weight(local, Fp8State::fc2, P.fc2_w), act,
-                                          A.fc1_pre);
-    }
-    d_fc1 = w.gFC;
-    linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, A.fc1_pre);
-  }
-  if (!d_fc1_quantized) linear_quantize_dy(local, Fp8State::fc1, d_fc1, G.fc1_b);
-  if (d_.sequence_parallel) {
-    column_parallel_backward_sp(local, Fp8State::fc1, A, A.ln2_out, A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b,
-                                G.ln2_w, G.ln2_b, d_fc1, P.fc1_w, G.fc1_w, G.fc1_b, w.gH, dy);
-  } else {
-    linear_bwd_input(local, Fp8State::fc1, w.gT, d_fc1, P.fc1_w, Activation::none, Tensor());  // (d_fc2 is dead)
-    // Column-parallel input gradient: summed over TP.
-    if (kept || A.norm_kept)
-      be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy,
-                        proj_db_from_norm ? G.proj_b : Tensor(), norm_, dy_amax_slot(s, local, Fp8State::proj));
-    else
-      be_.norm_backward_recompute(local_rows(A.ln2_out), w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean,
-                                  A.ln2_rstd, P.ln2_w, P.ln2_b, dy, proj_db_from_norm ? G.proj_b : Tensor(), norm_);
-    linear_bwd_weight(local, Fp8State::fc1, A, G.fc1_w, G.fc1_b, d_fc1, A.ln2_out);
-  }
-
-  // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
-  const Tensor proj_dy_amax = dy_amax_from_dropout(local, Fp8State::proj);
-  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1), proj_dy_amax);
-  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b,
-                     dy_amax_from_norm(s, local, Fp8State::proj) || !proj_dy_amax.empty());
-  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
-  linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
-  be_.attention_backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
-  if (d_.qk_norm)
-    be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
-                         P.q_ln_w, P.k_ln_w, rs, qk_norm_params());
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
-  // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
-  const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
-  if (d_.sequence_parallel) {
-    column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
-                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
-  } else {
-    linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
-    if (kept || A.norm_kept)
-      be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
-                        norm_, dy_amax_slot(s, local - 1, Fp8State::fc2));
-    else
-      be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
-                                  A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, prev_fc2_db, norm_);
-    linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
-  }
-}
-
-// Norm -> column-parallel linear under sequence parallelism, backward from the linear's output
-// gradient d_out (all rows) to dx (this rank's rows), in Megatron's overlapped order: the norm
-// output is recomputed for this rank's rows (norm_forward from the norm's input: the same bits, the
-// statistics rewritten with the values they hold) and all-gathered on the TP stream while the
-// input-gradient GEMM runs; that gradient is reduce-scattered on the TP stream while the
-// weight-gradient GEMM runs; then the norm's backward. (gT holds the input gradient, all rows.)
-// FP8 layers with kept inputs skip the recompute and the all-gather: the weight-gradient GEMM
-// takes the forward's FP8 copy of the gathered norm output (A.fp8_xq_t), and the norm's backward
-// needs only its input and statistics.
-void GptModel::column_parallel_backward_sp(int local, Fp8State::Gemm fp8_slot, const LayerActs& A, Tensor norm_out,
-                                           Tensor norm_mean, Tensor norm_rstd, Tensor norm_in, Tensor norm_w,
-                                           Tensor norm_b, Tensor norm_dw, Tensor norm_db, Tensor d_out, Tensor weight,
-                                           Tensor dweight, Tensor dbias, Tensor dx, Tensor dresidual) {
-  const Workspace& w = *ws_;
-  const bool gather = !fp8_kept_inputs(local);
-  if (gather) {
-    be_.norm_forward(local_rows(norm_out), norm_mean, norm_rstd, norm_in, norm_w, norm_b, norm_);
-    be_.tp_comm_wait_for_compute();
-    tp_overlap_->all_gather(norm_out, local_rows(norm_out));
-  }
-  // (On the copy engines the all-gather needs SMs only for its few synchronizing steps; leaving the
-  // GEMM fewer SMs for them measured no gain: bench_tp_overlap, bench/RESULTS.md.)
-  linear_bwd_input(local, fp8_slot, w.gT, d_out, weight, Activation::none, Tensor());
-  if (gather) be_.compute_wait_for_tp_comm();  // the norm output, all rows
-  be_.tp_comm_wait_for_compute();  // the input gradient
-  tp_overlap_->reduce_scatter(local_rows(w.gT), w.gT);
-  linear_bwd_weight(local, fp8_slot, A, dweight, dbias, d_out, norm_out);
-  be_.compute_wait_for_tp_comm();
-  be_.norm_backward(dx, norm_dw, norm_db, local_rows(w.gT), norm_in, norm_mean, norm_rstd, norm_w, dresidual, Tensor(),
-                    norm_);
-}
-
-void GptModel::embedding_backward(Slot& s, Tensor grad) {
-  const Globals& G = *globals_;
-  if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(grad, grad, d_.hidden_dropout, hidden_key(s, -1, 3));
-  if (d_.sequence_parallel) {  // the embeddings need the gradient of every row
-    ps_.tp->all_gather(ws_->gT, grad);
-    grad = ws_->gT;
-  }
-  const bool positions = d_.position == PositionEmbedding::learned_absolute;
-  zero_grad_if_unwritten(G.dwte);  // the scatter adds (the tied output layer's GEMM may have written first)
-  be_.embedding_backward(G.dwte, positions ? G.dwpe : Tensor(), grad, s.tokens, s.positions, d_.vocab_start());
+  mlp_backward(local, s, A, dy);           // d out -> d h1 (gH)
+  attention_backward(local, s, A, x, dx);  // d h1 -> d x
 }
 
 void GptModel::backward(int slot, bool grad_sync) {

@@ -30,6 +30,7 @@ namespace mt {
 
 struct ParallelState;
 class Communicator;
+class AttentionCore;
 
 // Which layers of the stage are recomputed in backward (--recompute-granularity full): groups of
 // consecutive local layers whose inputs alone are kept. Selective recompute (core attention) keeps
@@ -333,8 +334,14 @@ class GptModel {
   NextNorm next_norm(const Slot& s, int local) const;
   // Whether layer `local`'s input norm was written by its predecessor's forward (next_norm).
   bool norm_from_previous(int local) const;
+  // One decoder layer (engine/gpt_model.cpp): the attention block (engine/blocks/attention.cpp),
+  // then the MLP block (engine/blocks/mlp.cpp); backward in the reverse order.
   void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next = {});
   void layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx);
+  void attention_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  void mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
+  void mlp_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
+  void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH
   void head_forward(Slot& s, Tensor x, bool norm_done);
   Tensor layer_input(const Slot& s, int local) const;
   LayerActs acts(const Slot& s, int local) const;
@@ -400,6 +407,7 @@ class GptModel {
   std::unique_ptr<Communicator> tp_overlap_own_;
   Communicator* tp_overlap_ = nullptr;
   std::unique_ptr<Arena> arena_;
+  std::unique_ptr<AttentionCore> attention_core_;  // the layers' attention core (engine/blocks/attention_core.h)
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
   int64_t logits_rows_ = 0;  // rows per output-layer chunk

@@ -1,0 +1,115 @@
+// The attention block of a decoder layer, forward and backward: ln1 -> QKV (column-parallel) ->
+// [q/k norm] -> [RoPE] -> the attention core -> output projection (row-parallel) -> bias + dropout
+// + residual, whose pass also writes the MLP block's norm (ln2).
+#include "engine/gpt_model.h"
+
+#include "core/error.h"
+#include "engine/gpt_model_parts.h"
+#include "parallel/parallel_state.h"
+#include "engine/blocks/attention_core.h"
+
+namespace mt {
+
+namespace {
+
+class LocalAttention final : public AttentionCore {
+ public:
+  explicit LocalAttention(Backend& be) : be_(be) {}
+  void reserve(const AttentionShape& a, AttentionBackend backend, DType dtype) override {
+    be_.reserve_attention(a, backend, dtype);
+  }
+  void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+    be_.attention_forward(out, lse, qkv, a);
+  }
+  void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+    be_.attention_backward(dqkv, dout, out, lse, qkv, a);
+  }
+
+ private:
+  Backend& be_;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionCore> make_local_attention(Backend& backend) {
+  return std::make_unique<LocalAttention>(backend);
+}
+
+// The attention block of layer `local`: x -> h1 = x + dropout(proj(attention(qkv(norm(x)))) + b),
+// and the MLP block's norm of h1 in the same pass (ln2).
+void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+  const LayerParams& P = layer_params_[local];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+
+  // Attention block: norm -> QKV (column-parallel) -> [qk norm] -> [rope] -> attention ->
+  // projection (row-parallel, all-reduce) -> bias + dropout + residual.
+  // With fp8_norm_cast the norms write only their statistics and the QKV / fc1 casts read x.
+  const bool norm_cast = fp8_norm_cast(local, A);
+  if (!norm_from_previous(local))
+    be_.norm_forward(norm_cast ? Tensor() : local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_,
+                     norm_cast_amax(local, A, Fp8State::qkv));
+  if (!norm_cast) gather_rows(A.ln1_out);
+  const NormInput ln1{x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b};
+  const NormInput* ln1_src = norm_cast ? &ln1 : nullptr;
+  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
+  if (d_.qk_norm) {
+    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
+    be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
+                        qk_norm_params());
+  } else {
+    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
+  }
+  if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
+  attention_core_->forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  linear_fwd(local, Fp8State::proj, A, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
+  // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
+  be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
+                            reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_,
+                            norm_cast_amax(local, A, Fp8State::fc1));
+}
+
+// The attention block's backward: the gradient of h1 (the workspace's gH, left by mlp_backward)
+// -> dx, with the QKV, projection, q/k norm and ln1 parameter gradients.
+void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx) {
+  const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  const bool kept = fp8_kept_inputs(local);
+  const Tensor proj_db = proj_bias_grad_from_norm(local) ? Tensor() : G.proj_b;  // (else ln2's backward took it)
+
+  // Attention block. gH is the gradient of h1 = x + dropout(proj + b).
+  const Tensor proj_dy_amax = dy_amax_from_dropout(local, Fp8State::proj);
+  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1), proj_dy_amax);
+  linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b,
+                     dy_amax_from_norm(s, local, Fp8State::proj) || !proj_dy_amax.empty());
+  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
+  linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
+  attention_core_->backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
+  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
+  if (d_.qk_norm)
+    be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
+                         P.q_ln_w, P.k_ln_w, rs, qk_norm_params());
+  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
+  // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
+  const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
+  if (d_.sequence_parallel) {
+    column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
+                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
+  } else {
+    linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
+    if (kept || A.norm_kept)
+      be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
+                        norm_, dy_amax_slot(s, local - 1, Fp8State::fc2));
+    else
+      be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
+                                  A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, prev_fc2_db, norm_);
+    linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,84 @@
+// The pieces of a GptModel stage that its blocks share (engine/blocks/): a layer's parameters, what
+// it keeps from forward for backward, a micro-batch slot, the stage's global parameters and the
+// workspace every layer reuses. Internal to the engine: include only from GptModel's own files.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/gpt_model.h"
+
+namespace mt {
+
+struct GptModel::LayerParams {
+  Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
+      fc2_w, fc2_b;
+};
+
+// What a layer keeps from forward for backward. Statistics are in the accum dtype.
+// Maybe not kept (the tensors below marked "shared" are then views of workspace buffers every
+// layer reuses): the norm outputs (unless norm_kept: ModelOptions::keep_norm_outputs), recomputed
+// in backward from the norm inputs and statistics by norm_backward_recompute, and the MLP
+// activation (unless act_kept), recomputed from fc1_pre by the fused activation backward
+// (linear_backward_input_recompute / swiglu_backward_recompute). Both are bit-identical to what
+// forward computed. In FP8 layers with FP8 weight gradients the weight gradients take the inputs'
+// FP8 copies kept from forward instead (fp8_xq_t), so neither is recomputed there.
+struct GptModel::LayerActs {
+  Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared unless norm_kept)
+  Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
+  Tensor qkv;                          // attention input (after bias, qk norm, rope)
+  Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
+  Tensor h1;                           // residual after attention
+  Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared unless norm_kept)
+  bool norm_kept = false;              // ln1_out and ln2_out are this layer's own
+  Tensor fc1_pre, fc1_act;             // fc1 output before / after the activation (fc1_act shared
+                                       // unless act_kept); backward overwrites fc1_pre (SwiGLU: with
+                                       // its gradient; GeLU: with the activation, unless fp8_xq_t
+                                       // or fc1_act is kept)
+  bool act_kept = false;               // fc1_act is this layer's own (keeps_gelu_activation)
+  Tensor out;                          // layer output (the next layer's input)
+  // FP8 layers with FP8 weight gradients (GptModel::fp8_kept_inputs): the four linear inputs
+  // (ln1_out, attn_out, ln2_out, fc1_act; all N rows) as the forward's cast quantized them,
+  // transposed [K, N] for the weight-gradient GEMMs, per Fp8State::Gemm. Tensorwise scaling also
+  // keeps those casts' scale_inv [4]: a later micro-batch's forward rewrites the state's.
+  Tensor fp8_xq_t[Fp8State::kGemms];
+  Tensor fp8_x_scale_inv;
+};
+
+struct GptModel::Slot {
+  Tensor tokens, labels, positions, mask, dloss;  // [N] (int32 / accum)
+  Tensor input;                                   // stage input [N, h]
+  std::vector<LayerActs> layers;                  // per local layer
+  Tensor d_output;                                // grad of the stage output [N, h]
+  // The five inputs live in one device block (`io`) mirrored by one host buffer, so that staging
+  // a micro-batch is a single host->device copy. Byte offsets of each part in both:
+  Tensor io;
+  std::vector<unsigned char> host_io;
+  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
+  uint64_t key = 0;
+  bool training = true;
+  bool staged = false;
+};
+
+struct GptModel::Globals {
+  Tensor wte, wpe, final_w, final_b, out_w;     // params (out_w: the tied wte when shared on this stage)
+  Tensor dwte, dwpe, dfinal_w, dfinal_b, dout_w;
+};
+
+struct GptModel::Workspace {
+  Tensor tmp_h;                       // [N, h] row-parallel output before its reduction; also the
+                                      // norm outputs ln1_out, ln2_out where not kept (gathered to
+                                      // all rows with SP): each is dead before tmp_h is written again
+  Tensor gA, gB, gH;                  // [Nl, h] gradients of the residual stream
+  Tensor gT;                          // [N, h] column-parallel input gradients, d_fc2 / d_proj with SP
+  Tensor act;                         // [N, f] MLP activation (fc2's input); in backward the
+                                      // recomputed activation (SwiGLU: first the gradient d fc2 / d act)
+  Tensor gFC;                         // GeLU only: fc1's output gradient, the same memory as act
+                                      // (SwiGLU's takes the place of fc1_pre)
+  Tensor gQKV, gATT;                  // attention backward, in act's block (see layout)
+  Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
+  Tensor y, fmean, frstd;             // final norm output and statistics
+  Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
+};
+
+}  // namespace mt
