@@ -26,6 +26,15 @@ Args functional_gpt(const TempDir& d) {
                "--overlap-grad-reduce --overlap-param-gather --sequence-parallel --num-workers 1 --seed 1234");
 }
 
+// GPT-3 175B on 8 GPUs with TP 8 only (hundreds of GiB per GPU), planned against --gpu-memory-gib.
+RunResult gpt3_175b_dry_run(const std::string& gpu_memory_gib) {
+  return run_binary(words(
+      "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
+      "--micro-batch-size 1 --global-batch-size 8 --lr 6e-5 --train-iters 10 --mock-data --tokenizer-type "
+      "NullTokenizer --vocab-size 50257 --bf16 --tensor-model-parallel-size 8 --dry-run --world-size 8 "
+      "--gpu-memory-gib " + gpu_memory_gib));
+}
+
 }  // namespace
 
 TEST_CASE("cli: Megatron functional-test GPT configs pass the dry run", "[cli][binary]") {
@@ -73,22 +82,14 @@ TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every p
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)\n");
 
   // A plan larger than the GPU: the plan is printed, then the error naming the rank; exit 1.
-  const RunResult big = run_binary(words(
-      "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
-      "--micro-batch-size 1 --global-batch-size 8 --lr 6e-5 --train-iters 10 --mock-data --tokenizer-type "
-      "NullTokenizer --vocab-size 50257 --bf16 --tensor-model-parallel-size 8 --dry-run --world-size 8 "
-      "--gpu-memory-gib 80"));
+  const RunResult big = gpt3_175b_dry_run("80");
   CHECK(big.exit_code == 1);
   CHECK_THAT(big.out, Contains("limit: 80.00 GiB per GPU (--gpu-memory-gib 80): the peak exceeds it (rank 0)"));
   CHECK_THAT(big.err, Contains("[rank 0] error: the plan needs "));
   CHECK_THAT(big.err, Contains(" GiB on rank 0 (pipeline stage 0, the largest plan), more than the 80.00 GiB of "
                                "--gpu-memory-gib 80: add parallelism"));
   // The same plan with enough memory passes.
-  const RunResult roomy = run_binary(words(
-      "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
-      "--micro-batch-size 1 --global-batch-size 8 --lr 6e-5 --train-iters 10 --mock-data --tokenizer-type "
-      "NullTokenizer --vocab-size 50257 --bf16 --tensor-model-parallel-size 8 --dry-run --world-size 8 "
-      "--gpu-memory-gib 100000"));
+  const RunResult roomy = gpt3_175b_dry_run("100000");
   CHECK(roomy.exit_code == 0);
   CHECK_THAT(roomy.out, Contains("the peak fits"));
 }
