@@ -237,39 +237,16 @@ bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
   return opt_.keep_norm_outputs && !d_.sequence_parallel && !fp8_inputs;
 }
 
+// What a layer keeps from forward for backward, declared block by block in this order (the
+// arena's offsets follow it): the attention block's, the MLP block's, then the FP8 copies of the
+// four linear inputs (blocks/attention.cpp, blocks/mlp.cpp, blocks/linear.cpp).
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
                                                 bool keep_act) {
-  // Sequence parallelism: the norm outputs are gathered to all N rows (the GEMMs' inputs); the
-  // residual stream (h1, out) and the norm statistics hold this rank's Nl rows.
-  const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
-  const DType T = opt_.compute, S = opt_.accum;
   LayerActs A;
   A.norm_kept = keeps_norm_outputs(fp8_inputs);
-  A.ln1_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
-  A.ln1_mean = a.take(c, S, {Nl});
-  A.ln1_rstd = a.take(c, S, {Nl});
-  if (d_.qk_norm) {
-    const int64_t heads_normed = d_.groups_local() * (d_.heads / d_.groups + 1);
-    A.qkv_raw = a.take(c, T, {N, d_.qkv_width_local()});
-    A.qk_mean = a.take(c, S, {N, heads_normed});
-    A.qk_rstd = a.take(c, S, {N, heads_normed});
-  }
-  A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
-  A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
-  A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
-  A.h1 = a.take(c, T, {Nl, h});
-  A.ln2_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
-  A.ln2_mean = a.take(c, S, {Nl});
-  A.ln2_rstd = a.take(c, S, {Nl});
-  A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
-  A.act_kept = keep_act;
-  A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
-  if (keep_out) A.out = a.take(c, T, {Nl, h});
-  if (fp8_inputs) {
-    const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // each GEMM's K
-    for (int g = 0; g < Fp8State::kGemms; ++g) A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
-    if (opt_.fp8.recipe == Fp8Recipe::tensorwise) A.fp8_x_scale_inv = a.take(c, DType::f32, {Fp8State::kGemms});
-  }
+  layout_attention_acts(a, c, A);
+  layout_mlp_acts(a, c, A, keep_act, keep_out);
+  if (fp8_inputs) layout_fp8_inputs(a, c, A);
   return A;
 }
 

@@ -276,6 +276,10 @@ class GptModel {
   void plan_params();
   void layout(Arena& a);
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act);
+  // Each block's part of it (the norm outputs are the layer's own where A.norm_kept, else shared).
+  void layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out);
+  void layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A);
   // Whether a layer keeps its norm outputs (ModelOptions::keep_norm_outputs); fp8_inputs: the
   // layer keeps its FP8 inputs instead.
   bool keeps_norm_outputs(bool fp8_inputs) const;

@@ -35,6 +35,26 @@ std::unique_ptr<AttentionCore> make_local_attention(Backend& backend) {
   return std::make_unique<LocalAttention>(backend);
 }
 
+// What the attention block keeps for backward. Sequence parallelism: the norm output is gathered to
+// all N rows (the QKV GEMM's input); the residual h1 and the norm statistics hold this rank's Nl rows.
+void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
+  const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
+  const DType T = opt_.compute, S = opt_.accum;
+  A.ln1_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
+  A.ln1_mean = a.take(c, S, {Nl});
+  A.ln1_rstd = a.take(c, S, {Nl});
+  if (d_.qk_norm) {
+    const int64_t heads_normed = d_.groups_local() * (d_.heads / d_.groups + 1);
+    A.qkv_raw = a.take(c, T, {N, d_.qkv_width_local()});
+    A.qk_mean = a.take(c, S, {N, heads_normed});
+    A.qk_rstd = a.take(c, S, {N, heads_normed});
+  }
+  A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
+  A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
+  A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
+  A.h1 = a.take(c, T, {Nl, h});
+}
+
 // The attention block of layer `local`: x -> h1 = x + dropout(proj(attention(qkv(norm(x)))) + b),
 // and the MLP block's norm of h1 in the same pass (ln2).
 void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor x) {

@@ -11,6 +11,15 @@
 
 namespace mt {
 
+// FP8 layers with FP8 weight gradients keep the four linear inputs as the forward's casts quantized
+// them, transposed [K, N] (LayerActs::fp8_xq_t), and with tensorwise scaling those casts' scale_inv.
+void GptModel::layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A) {
+  const int64_t N = d_.tokens(), h = d_.hidden;
+  const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // each GEMM's K
+  for (int g = 0; g < Fp8State::kGemms; ++g) A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
+  if (opt_.fp8.recipe == Fp8Recipe::tensorwise) A.fp8_x_scale_inv = a.take(c, DType::f32, {Fp8State::kGemms});
+}
+
 void GptModel::fp8_begin_step() { std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0); }
 
 void GptModel::fp8_end_step() {

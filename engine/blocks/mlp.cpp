@@ -10,6 +10,20 @@
 
 namespace mt {
 
+// What the MLP block keeps for backward: ln2's output (all N rows) and statistics (this rank's),
+// fc1's output, the activation where kept (keep_act), and the layer output where kept (keep_out).
+void GptModel::layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out) {
+  const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
+  const DType T = opt_.compute, S = opt_.accum;
+  A.ln2_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
+  A.ln2_mean = a.take(c, S, {Nl});
+  A.ln2_rstd = a.take(c, S, {Nl});
+  A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
+  A.act_kept = keep_act;
+  A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
+  if (keep_out) A.out = a.take(c, T, {Nl, h});
+}
+
 // The MLP block of layer `local`: h1 (normed by the attention block's closing op) -> out = h1 +
 // dropout(fc2(act(fc1(ln2))) + b), and the norm that reads out (next) in the same pass.
 void GptModel::mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next) {
