@@ -30,10 +30,17 @@ void add_logging_flags(FlagTable& t) {
   t.flag("--log-world-size-to-tensorboard", "world size to TensorBoard", MT_FIELD(logging.log_world_size_to_tensorboard));
   t.negative_flag("--no-log-loss-scale-to-tensorboard", "no loss scale in TensorBoard",
                   MT_FIELD(logging.log_loss_scale_to_tensorboard));
-  t.recognised("--wandb-project", Arity::one, "STR", "None", "Weights & Biases project");
-  t.recognised("--wandb-exp-name", Arity::one, "STR", "None", "Weights & Biases run name");
-  t.recognised("--wandb-save-dir", Arity::one, "PATH", "None", "Weights & Biases directory");
-  t.recognised("--wandb-entity", Arity::one, "STR", "None", "Weights & Biases entity");
+  t.value("--wandb-project",
+          "Weights & Biases project: megatrain has no W&B client, so the TensorBoard event files go to the W&B "
+          "directory (--wandb-save-dir, default <save>/wandb; --tensorboard-dir when given) and the last rank prints "
+          "the `wandb sync` command that uploads them",
+          MT_FIELD(logging.wandb_project));
+  t.value("--wandb-exp-name", "Weights & Biases run name: the run ID (--id) of the printed `wandb sync` command",
+          MT_FIELD(logging.wandb_exp_name));
+  t.value("--wandb-save-dir", "Weights & Biases directory (default <save>/wandb): where --wandb-project's TensorBoard "
+          "event files go", MT_FIELD(logging.wandb_save_dir)).metavar = "PATH";
+  t.value("--wandb-entity", "Weights & Biases entity (--entity of the printed `wandb sync` command)",
+          MT_FIELD(logging.wandb_entity));
   t.no_effect("--logging-level", Arity::one, "a Python logging level", "None");
   t.no_effect("--profile", Arity::none, "profile megatrain with nsys directly (its ranges are NVTX-annotated)");
   t.no_effect("--profile-step-start", Arity::one, "see --profile", "10");

@@ -223,14 +223,14 @@ std::vector<TensorBoardEvent> read_tensorboard_events(const std::string& path) {
 TensorBoardWriter::TensorBoardWriter(const std::string& dir, size_t queue_size) : capacity_(std::max<size_t>(queue_size, 1)) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) fail("--tensorboard-dir {}: cannot create the directory: {}", dir, ec.message());
+  if (ec) fail("TensorBoard event directory {}: cannot create it: {}", dir, ec.message());
   char host[256] = "localhost";
   ::gethostname(host, sizeof host - 1);
   const double t = now_seconds();
   path_ = fmt::format("{}/events.out.tfevents.{:010d}.{}.{}.{}", dir, static_cast<int64_t>(t), host,
                       static_cast<int>(::getpid()), g_file_counter++);
   file_ = std::fopen(path_.c_str(), "wb");
-  if (!file_) fail("--tensorboard-dir {}: cannot create {}: {}", dir, path_, std::strerror(errno));
+  if (!file_) fail("TensorBoard event directory {}: cannot create {}: {}", dir, path_, std::strerror(errno));
   const std::string first = frame_tfrecord(encode_file_version_event(t));
   if (std::fwrite(first.data(), 1, first.size(), file_) != first.size() || std::fflush(file_) != 0) {
     std::fclose(file_);

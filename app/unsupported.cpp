@@ -61,11 +61,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
       {"--ckpt-convert-format", W::any_use, {}, ""},
       {"--ckpt-convert-save", W::any_use, {}, ""},
-      // logging (1.7)
-      {"--wandb-project", W::other_than, {""}, "use --tensorboard-dir or --metrics-jsonl"},
-      {"--wandb-exp-name", W::other_than, {""}, ""},
-      {"--wandb-save-dir", W::other_than, {""}, ""},
-      {"--wandb-entity", W::other_than, {""}, ""},
       // recompute (1.8)
       {"--recompute-modules", W::values, {"moe_act", "mla_up_proj", "moe", "shared_experts"}, ""},
       {"--distribute-saved-activations", W::any_use, {}, ""},

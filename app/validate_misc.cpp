@@ -84,6 +84,24 @@ void validate_checkpoint_and_logging(CliState& st) {
     fail("--tensorboard-log-interval must be > 0 (got {})", l.tensorboard_log_interval);
   if (l.tensorboard_queue_size <= 0) fail("--tensorboard-queue-size must be > 0 (got {})", l.tensorboard_queue_size);
   if (l.metrics_jsonl && l.metrics_jsonl->empty()) fail("--metrics-jsonl needs a file path");
+  // W&B (megatron/training/global_vars.py, _set_wandb_writer): an empty --wandb-project means none;
+  // with one, an empty --wandb-exp-name is refused and the W&B directory is --wandb-save-dir, else
+  // <save>/wandb (without --save Megatron-LM fails joining the path). megatrain writes its
+  // TensorBoard event files there (app/reporters.h).
+  auto set = [](const std::optional<std::string>& s) { return s && !s->empty(); };
+  if (set(l.wandb_project)) {
+    if (l.wandb_exp_name && l.wandb_exp_name->empty())
+      fail("Please specify the wandb experiment name! (--wandb-exp-name is empty with --wandb-project {})",
+           *l.wandb_project);
+    if (!set(l.wandb_save_dir) && !k.save)
+      fail("--wandb-project puts the W&B directory in <save>/wandb without --wandb-save-dir: pass --wandb-save-dir "
+           "DIR or --save (Megatron-LM fails here too)");
+  } else {
+    for (const auto& [flag, value] : {std::pair{"--wandb-exp-name", &l.wandb_exp_name},
+                                      std::pair{"--wandb-save-dir", &l.wandb_save_dir},
+                                      std::pair{"--wandb-entity", &l.wandb_entity}})
+      if (set(*value)) st.warn(fmt::format("{} has no effect without --wandb-project", flag));
+  }
   if (l.log_progress && !k.save) st.warn("--log-progress writes <save>/progress.txt: it has no effect without --save");
   if (l.log_energy && c.train.device == DeviceKind::cpu)
     fail("--log-energy reads the GPUs' energy counters (NVML) and the CPU reference backend has none: drop "

@@ -360,6 +360,13 @@ struct LoggingConfig {
   bool log_memory_to_tensorboard = false;
   bool log_world_size_to_tensorboard = false;
   bool log_loss_scale_to_tensorboard = true;
+  // Megatron's Weights & Biases flags. There is no W&B client in megatrain: with a non-empty
+  // --wandb-project the TensorBoard event files go to tensorboard_events_dir() (app/reporters.h)
+  // and the last rank prints the `wandb sync` command that uploads them.
+  std::optional<std::string> wandb_project;
+  std::optional<std::string> wandb_exp_name;
+  std::optional<std::string> wandb_save_dir;
+  std::optional<std::string> wandb_entity;
   std::optional<std::string> metrics_jsonl;  // megatrain flag --metrics-jsonl PATH
   int benchmark_warmup_iters = 3;  // megatrain flag: iterations left out of the end-of-run summary
   std::optional<int> log_memory_interval;  // --log-memory-interval N: report_memory every N iterations (at log lines)

@@ -39,10 +39,12 @@ RunResult gpt3_175b_dry_run(const std::string& gpu_memory_gib) {
 
 TEST_CASE("cli: Megatron functional-test GPT configs pass the dry run", "[cli][binary]") {
   TempDir d;
-  // Checkpointing and recompute flags that change nothing for megatrain: accepted with notes.
+  // Checkpointing and recompute flags that change nothing for megatrain: accepted with notes; W&B
+  // logging becomes TensorBoard event files in --tensorboard-dir.
   const RunResult gpt = run_binary(functional_gpt(d) + words("--ckpt-assume-constant-structure --recompute-num-layers 1 "
                                                              "--no-ckpt-fully-parallel-save --ckpt-fully-parallel-load "
                                                              "--dist-ckpt-strictness log_all "
+                                                             "--wandb-project megatron-lm --wandb-exp-name gpt-tp2-pp2 "
                                                              "--dry-run --world-size 8"));
   INFO(gpt.err);
   CHECK(gpt.exit_code == 0);
@@ -68,7 +70,7 @@ TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every p
   TempDir d;
   const RunResult r = run_binary(functional_gpt(d) + words("--rerun-mode disabled --mscale 1.0 --num-layer 4 "
                                                            "--checkpoint-activations --fp8-format e4m3 --fp8-recipe mxfp8 "
-                                                           "--wandb-project megatron --dry-run --world-size 8"));
+                                                           "--use-sharp --dry-run --world-size 8"));
   CHECK(r.exit_code == 1);
   CHECK(r.out.empty());
   CHECK(r.err ==
@@ -78,7 +80,7 @@ TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every p
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
-        "  megatrain does not support --wandb-project megatron yet (use --tensorboard-dir or --metrics-jsonl)\n"
+        "  megatrain does not support --use-sharp yet\n"
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)\n");
 
   // A plan larger than the GPU: the plan is printed, then the error naming the rank; exit 1.

@@ -22,7 +22,7 @@ std::vector<std::string> all_flag_names() {
 TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli]") {
   const std::string e =
       parse_error(small_gpt() + words("--mscale 1.0 --rerun-mode disabled --num-layer 3 --checkpoint-activations "
-                                      "--fp8-format e4m3 --fp8-recipe mxfp8 --wandb-project p"));
+                                      "--fp8-format e4m3 --fp8-recipe mxfp8 --use-sharp"));
   CHECK(e ==
         "6 problems with the command line:\n"
         "  unrecognized argument --mscale\n"
@@ -30,7 +30,7 @@ TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
-        "  megatrain does not support --wandb-project p yet (use --tensorboard-dir or --metrics-jsonl)\n"
+        "  megatrain does not support --use-sharp yet\n"
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)");
   // Unknown flags among the problems: an Error; only unsupported flags: Unsupported.
   CHECK_THROWS_AS(parse(small_gpt() + words("--mscale 1.0 --fp4-param-gather")), Error);

@@ -2,6 +2,8 @@
 // failing case; failures are checked on the message naming the flags.
 #include "tests/cli_test_util.h"
 
+#include "app/reporters.h"
+
 using namespace mt;
 using namespace mt::test;
 using Catch::Contains;
@@ -478,6 +480,45 @@ TEST_CASE("rule: checkpoint and logging values", "[cli][rules]") {
   CHECK(has_message(ms, SetupMessage::Kind::warning, "--async-save has no effect without --save"));
   CHECK_THAT(parse_error(small_gpt() + words("--timing-log-level 3")), Contains("--timing-log-level must be 0, 1 or 2"));
   CHECK_THAT(parse_error(small_gpt() + words("--log-interval 0")), Contains("--log-interval must be > 0"));
+}
+
+// Megatron-LM's _set_wandb_writer (megatron/training/global_vars.py): an empty project is no W&B,
+// an empty run name is refused, the directory is --wandb-save-dir or <save>/wandb. megatrain writes
+// its TensorBoard event files there (or to --tensorboard-dir) and prints the `wandb sync` command.
+TEST_CASE("rule: W&B flags: the event directory, the wandb sync command, Megatron-LM's refusals", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  const Config all = parse(small_gpt() + words("--wandb-project p --wandb-exp-name run-1 --wandb-save-dir /tmp/w "
+                                               "--wandb-entity team"), 1, &ms);
+  CHECK(*all.logging.wandb_project == "p");
+  CHECK(tensorboard_events_dir(all) == std::optional<std::string>("/tmp/w"));
+  CHECK(wandb_sync_command(all) == std::optional<std::string>("wandb sync --project p --entity team --id run-1 /tmp/w"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "wandb"));
+  // Without --wandb-save-dir: <save>/wandb, as Megatron-LM.
+  const Config in_save = parse(small_gpt() + words("--wandb-project p --save /tmp/s --save-interval 5"));
+  CHECK(tensorboard_events_dir(in_save) == std::optional<std::string>("/tmp/s/wandb"));
+  CHECK(wandb_sync_command(in_save) == std::optional<std::string>("wandb sync --project p /tmp/s/wandb"));
+  // --tensorboard-dir keeps the event files where it says.
+  const Config tb = parse(small_gpt() + words("--wandb-project p --wandb-save-dir /tmp/w --tensorboard-dir /tmp/tb"));
+  CHECK(tensorboard_events_dir(tb) == std::optional<std::string>("/tmp/tb"));
+  CHECK(wandb_sync_command(tb) == std::optional<std::string>("wandb sync --project p /tmp/tb"));
+  // Words the shell would split are quoted; a name that cannot be a run ID gets none.
+  const Config odd = parse(small_gpt() + Args{"--wandb-project", "my project", "--wandb-exp-name", "gpt/8b",
+                                              "--wandb-save-dir", "/tmp/it's"});
+  CHECK(wandb_sync_command(odd) == std::optional<std::string>("wandb sync --project 'my project' '/tmp/it'\\''s'"));
+  // Megatron-LM's refusals.
+  CHECK_THAT(parse_error(small_gpt() + Args{"--wandb-project", "p", "--wandb-exp-name", "", "--wandb-save-dir", "/tmp/w"}),
+             Contains("Please specify the wandb experiment name!"));
+  CHECK_THAT(parse_error(small_gpt() + words("--wandb-project p")),
+             Contains("pass --wandb-save-dir DIR or --save"));
+  CHECK_THAT(parse_error(small_gpt() + Args{"--wandb-project", "p", "--wandb-save-dir", ""}),
+             Contains("pass --wandb-save-dir DIR or --save"));
+  // An empty project is no W&B: the other W&B flags say they have no effect.
+  const Config off = parse(small_gpt() + Args{"--wandb-project", "", "--wandb-exp-name", "x", "--wandb-entity", "e"}, 1, &ms);
+  CHECK_FALSE(tensorboard_events_dir(off));
+  CHECK_FALSE(wandb_sync_command(off));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--wandb-exp-name has no effect without --wandb-project"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--wandb-entity has no effect without --wandb-project"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "--wandb-save-dir"));
 }
 
 TEST_CASE("rule: retain interval, progress log, energy, load-only flags", "[cli][rules]") {

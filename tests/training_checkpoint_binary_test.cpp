@@ -343,6 +343,38 @@ TEST_CASE("binary: a CPU run writes TensorBoard events and JSON lines for its lo
   CHECK(steps["lm loss validation"].size() == 3);
 }
 
+// No W&B client: --wandb-project writes the TensorBoard event files into the W&B directory and the
+// last rank prints, once, the `wandb sync` command that uploads them.
+TEST_CASE("binary: --wandb-project writes the tensorboard event files into --wandb-save-dir and prints wandb sync",
+          "[ckpt-train][binary][obs]") {
+  TempDir dir;
+  const std::string w = dir / "wandb";
+  const Result r = megatrain(kGpt + " --train-iters 4 --eval-iters 0 --wandb-project tiny --wandb-exp-name gpt-2l "
+                                    "--wandb-entity lab --wandb-save-dir " + w);
+  require_ok(r);
+  const std::string sync = "wandb sync --project tiny --entity lab --id gpt-2l " + w;
+  const size_t at = r.out.find(sync);
+  CHECK(at != std::string::npos);
+  CHECK(r.out.find("wandb sync", at + 1) == std::string::npos);  // once
+  const auto names = mt::list_directory(w);
+  REQUIRE(names.size() == 1);
+  CHECK(names[0].rfind("events.out.tfevents.", 0) == 0);
+  std::vector<int64_t> steps;
+  for (const auto& e : mt::read_tensorboard_events(w + "/" + names[0]))
+    for (const auto& [tag, v] : e.scalars)
+      if (tag == "lm loss") steps.push_back(e.step);
+  CHECK(steps == std::vector<int64_t>{1, 2, 3, 4});
+
+  // Without --wandb-save-dir the W&B directory is <save>/wandb (Megatron-LM's default); without
+  // --save either, the run is refused as Megatron-LM fails on it.
+  const std::string s = dir / "ckpt";
+  require_ok(megatrain(kGpt + " --train-iters 2 --eval-iters 0 --wandb-project tiny --save " + s + " --save-interval 2"));
+  CHECK(mt::list_directory(s + "/wandb").size() == 1);
+  const Result refused = megatrain(kGpt + " --train-iters 2 --wandb-project tiny");
+  CHECK(refused.code == 1);
+  CHECK(refused.out.find("pass --wandb-save-dir DIR or --save") != std::string::npos);
+}
+
 // --exit-duration-in-mins: after the minutes have passed, the iteration in progress finishes, a
 // checkpoint is saved and the run ends with exit 0, as Megatron's pretrain does. A minute is 0.2 s
 // here (the hidden MEGATRAIN_DEBUG_SECONDS_PER_MINUTE hook), so 1 "minute" passes mid-run.
