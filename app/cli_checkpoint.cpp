@@ -41,6 +41,20 @@ void add_checkpoint_flags(FlagTable& t) {
          "memory", MT_FIELD(checkpoint.async_save));
   t.no_effect("--use-persistent-ckpt-worker", Arity::none,
               "megatrain's --async-save always writes from a background thread of the training process");
+  // Megatron-LM's CheckpointConfig (megatron/training/config/training_config.py): which library's
+  // asynchronous writer --async-save uses (a choice, so other values are argparse errors there).
+  {
+    FlagSpec& s = t.no_effect("--async-strategy", Arity::one,
+                              "megatrain's --async-save has one writer of its own, whichever strategy is named: the "
+                              "training process copies the shards to host memory and a background thread of that "
+                              "process writes them (neither nvidia-resiliency-ext's nor Megatron-Core's worker)",
+                              "nvrx");
+    s.metavar = "{nvrx,mcore}";
+    s.apply = [](CliState&, const FlagValue& v) { parse_choice_arg("--async-strategy", v.one(), {"nvrx", "mcore"}); };
+  }
+  t.no_effect("--async-ckpt-use-cpu-shm", Arity::none,
+              "megatrain's --async-save already copies the tensors to host memory in the training process and writes "
+              "them from a thread of that process: there is no worker process to hand device memory to");
   t.negative_alias(t.no_effect("--no-ckpt-fully-parallel-save", Arity::none,
                                "megatrain decides how ranks share checkpoint writes itself"));
   t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");

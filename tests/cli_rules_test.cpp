@@ -482,6 +482,26 @@ TEST_CASE("rule: checkpoint and logging values", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--log-interval 0")), Contains("--log-interval must be > 0"));
 }
 
+// Megatron-LM's --async-strategy is a choice of nvrx and mcore (argparse refuses other values);
+// megatrain's --async-save has one writer of its own, which does what both ask and what
+// --async-ckpt-use-cpu-shm asks (host copies in the training process, no worker process).
+TEST_CASE("rule: --async-strategy and --async-ckpt-use-cpu-shm are accepted with a note", "[cli][rules]") {
+  const Args async = words("--async-save --save /tmp/x --save-interval 5");
+  for (const char* strategy : {"nvrx", "mcore"}) {
+    std::vector<SetupMessage> ms;
+    CHECK(parse(small_gpt() + async + words(std::string("--async-strategy ") + strategy), 1, &ms).checkpoint.async_save);
+    CHECK(has_message(ms, SetupMessage::Kind::note, "--async-strategy has no effect in megatrain: megatrain's "
+                                                    "--async-save has one writer of its own"));
+  }
+  CHECK_THAT(parse_error(small_gpt() + async + words("--async-strategy torch")),
+             Contains("--async-strategy must be one of nvrx, mcore; got 'torch'"));
+  std::vector<SetupMessage> ms;
+  CHECK(parse(small_gpt() + async + words("--async-ckpt-use-cpu-shm"), 1, &ms).checkpoint.async_save);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--async-ckpt-use-cpu-shm has no effect in megatrain: megatrain's "
+                                                  "--async-save already copies the tensors to host memory"));
+  CHECK_THAT(parse_error(small_gpt() + words("--async-ckpt-use-cpu-shm=1")), Contains("takes no value"));
+}
+
 // Megatron-LM's _set_wandb_writer (megatron/training/global_vars.py): an empty project is no W&B,
 // an empty run name is refused, the directory is --wandb-save-dir or <save>/wandb. megatrain writes
 // its TensorBoard event files there (or to --tensorboard-dir) and prints the `wandb sync` command.
