@@ -35,6 +35,8 @@ void add_training_flags(FlagTable& t) {
   t.value("--train-iters", "total iterations (or --train-samples)", MT_FIELD(train.train_iters));
   t.value("--train-samples", "total samples (or --train-iters)", MT_FIELD(train.train_samples));
   t.value("--eval-iters", "batches per evaluation", MT_FIELD(train.eval_iters));
+  t.value("--eval-global-batch-size", "samples per evaluation batch (default --global-batch-size; a multiple of "
+          "micro-batch x DP)", MT_FIELD(train.eval_global_batch_size));
   t.value("--eval-interval", "evaluate every N iterations", MT_FIELD(train.eval_interval));
   t.flag("--skip-train", "only evaluate", MT_FIELD(train.skip_train));
   t.value("--exit-interval", "exit when iteration % N == 0", MT_FIELD(train.exit_interval));

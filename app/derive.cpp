@@ -186,6 +186,16 @@ void derive_batch(CliState& st) {
     t.global_batch = rounded;
   }
   t.num_microbatches = t.global_batch / per_step;
+  // --eval-global-batch-size (megatron/training/arguments.py): the samples of one evaluation
+  // iteration, by default the training global batch, a multiple of micro-batch x DP. (Megatron-LM
+  // defaults it to --global-batch-size as given, which then fails this check when
+  // --decrease-batch-size-if-needed had to round it; megatrain takes the rounded batch.)
+  if (t.eval_global_batch_size) {
+    positive(*t.eval_global_batch_size, "--eval-global-batch-size");
+    if (*t.eval_global_batch_size % per_step != 0)
+      fail("--eval-global-batch-size {} is not divisible by --micro-batch-size {} x data-parallel size {} = {}",
+           *t.eval_global_batch_size, t.micro_batch_size, dp, per_step);
+  }
 }
 
 void derive_schedule(CliState& st) {

@@ -170,6 +170,9 @@ struct TrainConfig {
   std::optional<int64_t> train_iters;
   std::optional<int64_t> train_samples;
   int eval_iters = 100;
+  // --eval-global-batch-size: samples per evaluation iteration (default the training global batch);
+  // a multiple of micro_batch_size x DP (engine/trainer.cpp evaluate, data/dataset_builder.cpp).
+  std::optional<int> eval_global_batch_size;
   std::optional<int> eval_interval;
   bool skip_train = false;
   std::optional<int> exit_interval;

@@ -319,7 +319,8 @@ std::array<int64_t, 3> samples_per_split(const Config& config) {
     const int64_t evaluations = t.eval_interval && *t.eval_interval > 0 ? iters / *t.eval_interval + 1 : 1;
     eval_iters_total = evaluations * t.eval_iters;
   }
-  return {train, eval_iters_total * batch, static_cast<int64_t>(t.eval_iters) * batch};
+  const int64_t eval_batch = t.eval_global_batch_size.value_or(batch);  // --eval-global-batch-size
+  return {train, eval_iters_total * eval_batch, static_cast<int64_t>(t.eval_iters) * eval_batch};
 }
 
 BuiltDatasets build_datasets(const DatasetsConfig& config, const std::array<std::optional<int64_t>, 3>& sizes) {

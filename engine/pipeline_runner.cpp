@@ -210,7 +210,11 @@ void PipelineRunner::skip_step(BatchSource* data, int64_t iteration) {
 bool PipelineRunner::eval_step(BatchSource* data) {
   const int P = ps_.pp_size, V = static_cast<int>(chunks_.size());
   fetched_ = -1;
-  for (int mb = 0; mb < cfg_.train.num_microbatches; ++mb) {
+  // --eval-global-batch-size: its micro-batches per DP rank (a multiple, checked by the parser).
+  const TrainConfig& t = cfg_.train;
+  const int M = t.eval_global_batch_size ? *t.eval_global_batch_size / (t.micro_batch_size * ps_.dp_size)
+                                         : t.num_microbatches;
+  for (int mb = 0; mb < M; ++mb) {
     for (int c = 0; c < V; ++c) {
       GptModel& m = *chunks_[static_cast<size_t>(c)];
       const int stage = c * P + ps_.pp_rank;

@@ -48,7 +48,8 @@ class PipelineRunner {
   // One training step: every micro-batch's forward and backward. serial numbers the first
   // micro-batch (dropout keys); iteration names the step in errors.
   void train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial, int64_t iteration);
-  // One evaluation step (forward only, no dropout): the loss sums accumulate on the last stage.
+  // One evaluation step (forward only, no dropout) over one evaluation global batch
+  // (--eval-global-batch-size, default the training one): the loss sums accumulate on the last stage.
   // Returns false when the data ran out on a rank that reads data.
   bool eval_step(BatchSource* data);
   // Reads and drops one step's micro-batches (--iterations-to-skip), on ranks that read data.

@@ -359,7 +359,7 @@ void Trainer::evaluate(bool after_training) {
       break;
     }
     ++done;
-    consumed_valid_samples_ += t.global_batch;  // Megatron's args.consumed_valid_samples
+    consumed_valid_samples_ += t.eval_global_batch_size.value_or(t.global_batch);  // args.consumed_valid_samples
   }
   // Loss sums live on the last stage; every DP rank contributes.
   Tensor s = model_.scalars().flat_slice(0, 2);

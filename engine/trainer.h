@@ -60,7 +60,8 @@ class Trainer {
   // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
   // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
   int64_t train();
-  // Forward-only loss over --eval-iters global batches of the validation source.
+  // Forward-only loss over --eval-iters evaluation global batches (--eval-global-batch-size, default
+  // the training global batch) of the validation source.
   void evaluate(bool after_training);
   // Whether the run has a validation split (default: a validation source was given). Ranks that
   // read no data learn it from the others (app/train.cpp), as all ranks must evaluate together.

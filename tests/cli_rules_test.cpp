@@ -2,7 +2,11 @@
 // failing case; failures are checked on the message naming the flags.
 #include "tests/cli_test_util.h"
 
+#include <array>
+#include <optional>
+
 #include "app/reporters.h"
+#include "data/dataset_builder.h"
 
 using namespace mt;
 using namespace mt::test;
@@ -92,6 +96,20 @@ TEST_CASE("rule: global batch divisible by micro-batch x DP", "[cli][rules]") {
   CHECK(c.train.global_batch == 8);
   CHECK(has_message(ms, SetupMessage::Kind::warning, "decreasing it to 8"));
   CHECK_THAT(parse_error(small_gpt() + words("--micro-batch-size 0")), Contains("--micro-batch-size must be > 0"));
+}
+
+// Megatron-LM's arguments.py: the evaluation batch defaults to the global batch and must be a
+// multiple of micro-batch x DP; the validation and test splits are sized with it.
+TEST_CASE("rule: --eval-global-batch-size is a multiple of micro-batch x DP and sizes the evaluation splits",
+          "[cli][rules]") {
+  const Config c = parse(small_gpt() + words("--global-batch-size 4 --eval-global-batch-size 12"), 2);
+  CHECK(c.train.eval_global_batch_size == std::optional<int>(12));
+  CHECK(samples_per_split(c) == std::array<int64_t, 3>{40, 100 * 12, 100 * 12});  // --eval-iters 100
+  CHECK(samples_per_split(parse(small_gpt() + words("--global-batch-size 4"), 2)) ==
+        std::array<int64_t, 3>{40, 100 * 4, 100 * 4});
+  CHECK_THAT(parse_error(small_gpt() + words("--eval-global-batch-size 6"), 2),
+             Contains("--eval-global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"));
+  CHECK_THAT(parse_error(small_gpt() + words("--eval-global-batch-size 0")), Contains("--eval-global-batch-size"));
 }
 
 TEST_CASE("rule: exactly one of --train-iters and --train-samples, no mixing of iter/sample LR flags", "[cli][rules]") {

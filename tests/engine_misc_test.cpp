@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <optional>
+#include <vector>
 
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
@@ -89,6 +91,59 @@ TEST_CASE("trainer: --exit-interval stops early, --iterations-to-skip consumes w
   CHECK(t.optimizer().successful_steps() == 6);
   CHECK(t.schedule().num_steps() == 12);      // the skipped iteration does not step the schedule
   CHECK(rep.lines == 6);
+}
+
+namespace {
+struct EvalCapture final : Reporter {
+  std::vector<EvalStats> evals;
+  void on_iteration(const IterationStats&) override {}
+  void on_eval(const EvalStats& e) override { evals.push_back(e); }
+};
+
+struct Evaluation {
+  double loss = 0;
+  int64_t consumed_valid_samples = 0, micro_batches = 0;
+};
+
+// One evaluation of the tiny GPT's initial weights (micro-batch 2, global batch 2) over an arange
+// validation stream.
+Evaluation evaluate_once(std::optional<int> eval_global_batch_size, int eval_iters) {
+  Config c = test::tiny_gpt_config();
+  c.train.eval_iters = eval_iters;
+  c.train.eval_global_batch_size = eval_global_batch_size;
+  test::derive(c);
+  ParallelState ps = make_single_process_state();
+  auto be = make_reference_backend(1);
+  const ModelDims d = ModelDims::from_config(c, ps);
+  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
+  model.init_parameters();
+  test::ArangeBatchSource train(d.micro_batch, d.seq, d.vocab);
+  test::ArangeBatchSource valid(d.micro_batch, d.seq, d.vocab, -1, 1000);
+  EvalCapture rep;
+  Trainer t(c, ps, model, train, &valid, rep);
+  t.set_has_validation(true);
+  t.evaluate(false);
+  REQUIRE(rep.evals.size() == 1);
+  return {rep.evals[0].losses.at("lm loss"), t.counters().consumed_valid_samples, valid.produced()};
+}
+}  // namespace
+
+// Megatron-LM's evaluate: eval_global_batch_size / (micro-batch x DP) micro-batches per evaluation
+// iteration, consumed_valid_samples grows by eval_global_batch_size, and the loss is the mean over
+// all of them.
+TEST_CASE("trainer: --eval-global-batch-size sets the samples of each evaluation iteration", "[train]") {
+  const Evaluation by_default = evaluate_once(std::nullopt, 3);  // the training global batch, 2
+  CHECK(by_default.micro_batches == 3);
+  CHECK(by_default.consumed_valid_samples == 6);
+  const Evaluation eight = evaluate_once(8, 3);
+  CHECK(eight.micro_batches == 12);
+  CHECK(eight.consumed_valid_samples == 24);
+  // One iteration of 8 samples is the same 8 samples as four iterations of the training batch.
+  const Evaluation one_of_eight = evaluate_once(8, 1);
+  const Evaluation four_of_two = evaluate_once(std::nullopt, 4);
+  CHECK(one_of_eight.micro_batches == 4);
+  CHECK(four_of_two.micro_batches == 4);
+  CHECK(one_of_eight.loss == Approx(four_of_two.loss).epsilon(1e-6));
 }
 
 TEST_CASE("trainer: running out of training data is an error naming the iteration", "[train]") {

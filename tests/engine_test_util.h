@@ -107,6 +107,7 @@ class ArangeBatchSource final : public BatchSource {
     ++produced_;
     return true;
   }
+  int64_t produced() const { return produced_; }  // micro-batches handed out
 
  private:
   int b_, s_, v_;
