@@ -59,6 +59,12 @@ void add_checkpoint_flags(FlagTable& t) {
                                "megatrain decides how ranks share checkpoint writes itself"));
   t.no_effect("--ckpt-fully-parallel-save", Arity::none, "deprecated in Megatron-LM and without effect there");
   t.no_effect("--ckpt-fully-parallel-load", Arity::none, "megatrain decides how ranks share checkpoint reads itself");
+  // Megatron-LM's distributed optimizer saves its states DP-reshardable by default; this flag makes
+  // them reshardable over TP/PP too. megatrain's are always (checkpoint/FORMAT.md).
+  t.no_effect("--dist-ckpt-optim-fully-reshardable", Arity::none,
+              "megatrain's checkpoints are always fully reshardable: master weights and optimizer states are stored "
+              "per parameter under their global names, with or without --use-distributed-optimizer, so a run resumes "
+              "them under any tensor, pipeline or data-parallel layout");
   t.no_effect("--ckpt-assume-constant-structure", Arity::none,
               "megatrain's checkpoint writer has no save plan to reuse: each save writes every rank's shards and "
               "rank 0 builds the manifest from what the ranks wrote");

@@ -520,6 +520,16 @@ TEST_CASE("rule: --async-strategy and --async-ckpt-use-cpu-shm are accepted with
   CHECK_THAT(parse_error(small_gpt() + words("--async-ckpt-use-cpu-shm=1")), Contains("takes no value"));
 }
 
+// Megatron-LM's distributed optimizer checkpoints are DP-reshardable unless this flag asks for
+// TP/PP too; megatrain's always are (tests/mpi/parallel_train.cmake resumes them on another layout).
+TEST_CASE("rule: --dist-ckpt-optim-fully-reshardable is accepted with a note", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  CHECK(parse(small_gpt() + words("--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"), 2, &ms)
+            .parallel.use_distributed_optimizer);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--dist-ckpt-optim-fully-reshardable has no effect in megatrain: "
+                                                  "megatrain's checkpoints are always fully reshardable"));
+}
+
 // Megatron-LM's _set_wandb_writer (megatron/training/global_vars.py): an empty project is no W&B,
 // an empty run name is refused, the directory is --wandb-save-dir or <save>/wandb. megatrain writes
 // its TensorBoard event files there (or to --tensorboard-dir) and prints the `wandb sync` command.

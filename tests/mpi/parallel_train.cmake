@@ -74,8 +74,11 @@ megatrain_parallel_train_test(parallel_train_squared_relu_tp2_sp_pp2 --model
 # Checkpoints move between layouts: 4 iterations in one, the other 4 in another.
 megatrain_parallel_train_test(parallel_train_resume_tp2pp2_to_dp2 --resume
   4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 2 -)
+# (--dist-ckpt-optim-fully-reshardable asks Megatron-LM for what megatrain's checkpoints always are:
+# the distributed optimizer's states resume on another TP/PP layout.)
 megatrain_parallel_train_test(parallel_train_resume_dp2distopt_to_tp2pp2 --resume
-  2 "--use-distributed-optimizer" 4 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
+  2 "--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable" 4
+  "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
 megatrain_parallel_train_test(parallel_train_resume_dp2_to_dp3distopt --resume
   2 - 3 "--use-distributed-optimizer")
 # ... and from a non-persistent checkpoint: the first half's only save is the non-persistent one at
