@@ -5,8 +5,8 @@
 //
 // CTest reports a case whose output carries the marker as skipped whatever else it did, so a case
 // skips before its first assertion: a check that could fail never runs ahead of a skip.
-// The suite runs with Catch's --warn NoAssertions (a case that asserts nothing fails); the skip
-// itself counts as the case's one assertion (SUCCEED), since CTest reports it as skipped anyway.
+// A case that asserts nothing fails (tests/main.cpp turns on Catch's NoAssertions check); the
+// report counts as the case's one assertion (SUCCEED), since CTest reports it as skipped anyway.
 #pragma once
 
 #include <catch2/catch.hpp>
