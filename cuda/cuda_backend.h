@@ -138,7 +138,6 @@ class CudaBackend final : public Backend {
   void* tp_comm_stream() override { return tp_comm_stream_; }
   void tp_comm_wait_for_compute() override;
   void compute_wait_for_tp_comm() override;
-  // GEMMs launched from now on leave `sms` SMs free (0: all used; never below the base margin).
   void comm_wait_for_compute() override;
   void compute_wait_for_comm() override;
   void reserve_comm_marks(int n) override;
@@ -172,14 +171,13 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int num_sms_ = 1;
-  size_t baseline_in_use_ = 0;
+  size_t baseline_in_use_ = 0;  // device memory in use after context creation (other processes included)
   // What this backend allocated and has not freed (bytes_allocated), and the size of each block
   // allocate() handed out.
   size_t bytes_allocated_ = 0;
   std::unordered_map<void*, size_t> block_bytes_;
-  // cudaMalloc through the count (the backend's own buffers); device_free the same way back.
+  // cudaMalloc through the count (the backend's own buffers, freed only with the backend).
   void* device_alloc(size_t bytes);
-  void device_free(void* p);  // device memory in use after context creation (other processes included)
   cudaStream_t stream_ = nullptr;
   // Data-parallel communication (engine/dp_grad_sync.h): its own stream, the two events that
   // hand work between the streams, and the numbered marks of the parameter all-gathers.
