@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -60,6 +61,21 @@ TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {
 }
 
 namespace {
+// A single-process model of config c on the reference backend (float32), initialized: what the
+// trainer tests below train or evaluate. Not movable: the model keeps references to ps and be.
+struct TinyModel {
+  ParallelState ps = make_single_process_state();
+  std::unique_ptr<Backend> be = make_reference_backend(1);
+  ModelDims d;
+  std::unique_ptr<GptModel> model;
+  explicit TinyModel(const Config& c) : d(ModelDims::from_config(c, ps)) {
+    model = std::make_unique<GptModel>(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
+    model->init_parameters();
+  }
+  TinyModel(const TinyModel&) = delete;
+  TinyModel& operator=(const TinyModel&) = delete;
+};
+
 struct Counting final : Reporter {
   int lines = 0;
   void on_iteration(const IterationStats& s) override { lines += s.interval_end; }
@@ -74,11 +90,10 @@ TEST_CASE("trainer: --exit-interval stops early, --iterations-to-skip consumes w
   c.train.iterations_to_skip = {3};
   c.logging.log_interval = 1;
   test::derive(c);
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(1);
-  const ModelDims d = ModelDims::from_config(c, ps);
-  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
-  model.init_parameters();
+  TinyModel m(c);
+  ParallelState& ps = m.ps;
+  const ModelDims& d = m.d;
+  GptModel& model = *m.model;
   test::ArangeBatchSource src(d.micro_batch, d.seq, d.vocab);
   Counting rep;
   Trainer t(c, ps, model, src, nullptr, rep);
@@ -112,11 +127,10 @@ Evaluation evaluate_once(std::optional<int> eval_global_batch_size, int eval_ite
   c.train.eval_iters = eval_iters;
   c.train.eval_global_batch_size = eval_global_batch_size;
   test::derive(c);
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(1);
-  const ModelDims d = ModelDims::from_config(c, ps);
-  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
-  model.init_parameters();
+  TinyModel m(c);
+  ParallelState& ps = m.ps;
+  const ModelDims& d = m.d;
+  GptModel& model = *m.model;
   test::ArangeBatchSource train(d.micro_batch, d.seq, d.vocab);
   test::ArangeBatchSource valid(d.micro_batch, d.seq, d.vocab, -1, 1000);
   EvalCapture rep;
@@ -150,11 +164,10 @@ TEST_CASE("trainer: running out of training data is an error naming the iteratio
   Config c = test::tiny_gpt_config();
   c.train.train_iters = 5;
   test::derive(c);
-  ParallelState ps = make_single_process_state();
-  auto be = make_reference_backend(1);
-  const ModelDims d = ModelDims::from_config(c, ps);
-  GptModel model(d, ModelOptions::from_config(c, d, DType::f32), ps, *be);
-  model.init_parameters();
+  TinyModel m(c);
+  ParallelState& ps = m.ps;
+  const ModelDims& d = m.d;
+  GptModel& model = *m.model;
   test::ArangeBatchSource src(d.micro_batch, d.seq, d.vocab, 3);
   Counting rep;
   Trainer t(c, ps, model, src, nullptr, rep);
