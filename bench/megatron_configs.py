@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Runs Megatron-LM's own training configurations through `megatrain --dry-run`.
+
+Takes a Megatron-LM source tree and a megatrain binary. For every training config of the GPT,
+MoE and Mixtral functional tests (tests/functional_tests/test_cases/{gpt,moe,mixtral}/*/
+model_config.yaml, inference configs left out) and for the GPT/Llama/Mixtral/GPT-OSS example
+launch scripts, it builds the command line as Megatron-LM's test runner would, replaces only the
+data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V`, points
+every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-size N` (N: the
+smallest multiple of TP x PP x CP that is at least 8, the GPUs of one node).
+
+Prints one line per config (PASS / FAIL and the problems named), then how many passed and which
+problems stop how many configs. `--json FILE` writes the same as JSON.
+
+  python3 bench/megatron_configs.py --megatron ~/Megatron-LM --megatrain build/app/megatrain
+"""
+import argparse
+import collections
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+# Data and tokenizer flags: replaced by mock data and the null tokenizer. The value is the number
+# of words the flag takes (None: everything up to the next flag).
+DATA_FLAGS = {
+    "--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
+    "--tokenizer-type": 1, "--tokenizer-model": 1, "--vocab-file": 1, "--merge-file": 1,
+    "--tiktoken-pattern": 1, "--mock-data": 0, "--vocab-size": 1, "--data-args-path": 1,
+    "--per-split-data-args-path": 1, "--tokenizer-metadata": 1, "--legacy-tokenizer": 0,
+    "--null-tokenizer-vocab-size": 1,
+}
+EXAMPLES = [
+    "examples/gpt3/train_gpt3_175b_distributed.sh",
+    "examples/llama/train_llama3_8b_h100_fp8.sh",
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+        "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
+]
+
+
+def git_files(repo, pattern):
+    out = subprocess.run(["git", "-C", repo, "ls-files"], capture_output=True, text=True)
+    names = out.stdout.split() if out.returncode == 0 else [
+        os.path.relpath(os.path.join(d, f), repo) for d, _, fs in os.walk(repo) for f in fs]
+    return sorted(n for n in names if re.fullmatch(pattern, n))
+
+
+def substitute(word, scratch, known=None):
+    """A shell variable becomes its value where the script sets one that is not a path, else a
+    folder under the scratch directory."""
+    def value(m):
+        name = m.group(1)
+        v = (known or {}).get(name)
+        return v if v is not None and "/" not in v and "$" not in v else os.path.join(scratch, name.lower())
+    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}?", value, word)
+
+
+def yaml_args(model_args, scratch):
+    words = []
+    for flag, value in model_args.items():
+        if value is False or value is None:
+            continue
+        words.append(flag)
+        if value is True:
+            continue
+        if isinstance(value, list):
+            words += [substitute(str(v), scratch) for v in value]
+        else:
+            words.append(substitute(str(value), scratch))
+    return words
+
+
+def script_args(text, scratch):
+    """The `--flag value` words of a launch script's argument arrays (`NAME_ARGS=( ... )`), shell-split,
+    comments dropped, the launcher's own array (DISTRIBUTED_ARGS) and profiler arrays left out.
+    Variables the script sets (`X=v`, `X=${X:-v}`) take that value."""
+    known = {}
+    for m in re.finditer(r"^\s*(?:export\s+)?([A-Z_][A-Z0-9_]*)=(?:\$\{\1:-([^}]*)\}|([^\s(]\S*))?\s*$", text, re.M):
+        known[m.group(1)] = (m.group(2) if m.group(2) is not None else m.group(3) or "").strip('"')
+    words, array = [], None
+    for line in text.splitlines():
+        line = line.split(" #")[0].strip()
+        m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)=\(\s*(.*)$", line)
+        if m:
+            array, line = m.group(1), m.group(2)
+        if array is None:
+            continue
+        closing = line.endswith(")")
+        line = line.rstrip(")").rstrip("\\").strip()
+        if array.endswith("ARGS") and array != "DISTRIBUTED_ARGS" and "PROFIL" not in array and line.startswith("--"):
+            try:
+                words += [substitute(p, scratch, known) for p in shlex.split(line)]
+            except ValueError:
+                pass
+        if closing:
+            array = None
+    return words
+
+
+def strip_data_flags(words):
+    out, i = [], 0
+    while i < len(words):
+        w = words[i]
+        if w in DATA_FLAGS:
+            n = DATA_FLAGS[w]
+            i += 1
+            if n is None:
+                while i < len(words) and not words[i].startswith("--"):
+                    i += 1
+            else:
+                i += n
+            continue
+        out.append(w)
+        i += 1
+    return out
+
+
+def flag_int(words, flag, default=1):
+    for i, w in enumerate(words[:-1]):
+        if w == flag:
+            try:
+                return int(words[i + 1])
+            except ValueError:
+                return default
+    return default
+
+
+def world_size(words):
+    mp = flag_int(words, "--tensor-model-parallel-size") * flag_int(words, "--pipeline-model-parallel-size") * \
+        flag_int(words, "--context-parallel-size")
+    return mp * max(1, -(-8 // mp))
+
+
+def problems(stderr):
+    lines = stderr.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "problems with the command line:" in line:
+            out += [l.strip() for l in lines[i + 1:] if l.startswith("  ")]
+            break
+        m = re.search(r"\] error: (.*)", line)
+        if m:
+            out.append(m.group(1).strip())
+    return out or [stderr.strip().splitlines()[-1] if stderr.strip() else "exit without message"]
+
+
+def problem_key(p):
+    """What a problem is about: the flag it names, or its text without numbers."""
+    m = re.search(r"(--[a-z0-9-]+)", p)
+    kind = "unrecognized" if p.startswith("unrecognized") else "unsupported" if "does not support" in p else "invalid"
+    return f"{m.group(1)} ({kind})" if m else re.sub(r"[0-9.]+", "N", p)[:100]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron", required=True, help="Megatron-LM source tree")
+    ap.add_argument("--megatrain", required=True, help="megatrain binary")
+    ap.add_argument("--vocab-size", default="32000")
+    ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--only", help="run only configs whose name contains this")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each config's command line")
+    a = ap.parse_args()
+
+    configs = []
+    for f in git_files(a.megatron, r"tests/functional_tests/test_cases/(gpt|moe|mixtral)/[^/]+/model_config\.yaml"):
+        with open(os.path.join(a.megatron, f)) as fh:
+            doc = yaml.safe_load(fh)
+        if not isinstance(doc, dict) or str(doc.get("MODE", "pretraining")) != "pretraining" \
+                or not isinstance(doc.get("MODEL_ARGS"), dict):
+            continue
+        configs.append((f.split("/")[3] + "/" + f.split("/")[4], ("yaml", doc["MODEL_ARGS"])))
+    for f in EXAMPLES:
+        path = os.path.join(a.megatron, f)
+        if os.path.exists(path):
+            with open(path) as fh:
+                configs.append((f, ("script", fh.read())))
+    if a.only:
+        configs = [c for c in configs if a.only in c[0]]
+
+    results = []
+    tally = collections.Counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, (kind, body) in configs:
+            words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch)
+            words = strip_data_flags(words) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                               "--vocab-size", a.vocab_size]
+            ws = world_size(words)
+            cmd = [a.megatrain] + words + ["--dry-run", "--world-size", str(ws)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            ok = r.returncode == 0
+            probs = [] if ok else problems(r.stderr)
+            for p in {problem_key(p) for p in probs}:
+                tally[p] += 1
+            results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs})
+            print(f"{'PASS' if ok else 'FAIL'} {name} (world size {ws})" + ("" if ok else ": " + " | ".join(probs)))
+            if a.verbose:
+                print("  " + shlex.join(cmd[1:]))
+    passed = sum(r["passed"] for r in results)
+    print(f"\n{passed} of {len(results)} configurations pass the dry run")
+    print("problems, by how many configurations they stop:")
+    for k, n in tally.most_common():
+        print(f"  {n:4d}  {k}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"passed": passed, "total": len(results), "results": results,
+                       "problems": tally.most_common()}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
