@@ -39,8 +39,13 @@ void add_distributed_flags(FlagTable& t) {
                         "--disable-tp-comm-bulk-wgrad", "--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs"})
     t.negative_alias(t.no_effect(n, Arity::none, "a Transformer Engine userbuffers switch"));
   t.no_effect("--tp-comm-overlap-rs-dgrad", Arity::none, "a Transformer Engine userbuffers switch");
-  t.recognised("--defer-embedding-wgrad-compute", Arity::none, "", "off", "delay the output layer's weight gradient");
-  t.recognised("--wgrad-deferral-limit", Arity::one, "INT", "0", "micro-batches whose weight gradient is deferred");
+  // Megatron defers the output layer's weight-gradient GEMMs of the last pipeline stage to overlap
+  // them with the pipeline flush: a schedule change with the same gradients.
+  t.no_effect("--defer-embedding-wgrad-compute", Arity::none,
+              "megatrain computes the output layer's weight gradient in each micro-batch's backward pass: the same "
+              "gradients, without Megatron's overlap of those GEMMs with the pipeline flush");
+  t.no_effect("--wgrad-deferral-limit", Arity::one,
+              "it limits --defer-embedding-wgrad-compute, which megatrain does not need (see that flag's note)", "0");
   t.negative_alias(t.no_effect("--no-gradient-accumulation-fusion", Arity::none,
                                "megatrain always accumulates weight gradients into the main grads in its GEMMs"));
   for (const char* n : {"--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",

@@ -70,8 +70,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // distributed (1.10)
       {"--num-distributed-optimizer-instances", W::other_than, {"1"}, ""},
       {"--overlap-param-gather-with-optimizer-step", W::any_use, {}, ""},
-      {"--defer-embedding-wgrad-compute", W::any_use, {}, ""},
-      {"--wgrad-deferral-limit", W::other_than, {"0"}, ""},
       {"--use-torch-fsdp2", W::any_use, {}, ""},
       {"--use-megatron-fsdp", W::any_use, {}, ""},
       {"--data-parallel-sharding-strategy", W::other_than, {"optim_grads_params"}, ""},

@@ -1,4 +1,6 @@
 // Parallelism rules (megatron.md sections 1.2, 1.10, 1.13, 6.2).
+#include <cstdlib>
+
 #include "app/cli_internal.h"
 #include "parallel/pipeline_layout.h"
 
@@ -34,6 +36,23 @@ void validate_parallel(CliState& st) {
     fail("--overlap-p2p-communication-warmup-flush needs the interleaved schedule with p2p overlap (and no "
          "--no-overlap-p2p-communication)");
 
+  // Megatron's rules for --defer-embedding-wgrad-compute (ModelParallelConfig), kept although the
+  // deferral itself changes nothing in megatrain.
+  if (st.has("--defer-embedding-wgrad-compute")) {
+    if (P == 1) fail("Cannot defer embedding wgrad compute when pipeline model parallel is not used "
+                     "(--defer-embedding-wgrad-compute needs --pipeline-model-parallel-size > 1)");
+    if (st.has("--no-gradient-accumulation-fusion"))
+      fail("Cannot defer embedding wgrad compute when gradient accumulation fusion is not used "
+           "(--defer-embedding-wgrad-compute with --no-gradient-accumulation-fusion)");
+    if (st.has("--wgrad-deferral-limit")) {
+      const std::string& v = st.given.at("--wgrad-deferral-limit").one();
+      char* end = nullptr;
+      const long long limit = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0') fail("argument --wgrad-deferral-limit: invalid int value: '{}'", v);
+      if (limit < 0)
+        fail("--wgrad-deferral-limit should be greater than or equal to 0 when --defer-embedding-wgrad-compute is on");
+    }
+  }
   if (p.overlap_param_gather) {
     if (!p.use_distributed_optimizer)
       fail("--overlap-param-gather is only supported with --use-distributed-optimizer");

@@ -703,3 +703,16 @@ TEST_CASE("rule: builder threads, p2p warmup overlap, DDP buckets", "[cli][rules
   CHECK(*parse(small_gpt() + words("--ddp-bucket-size 1000000")).parallel.ddp_bucket_size == 1000000);
   CHECK_THAT(parse_error(small_gpt() + words("--ddp-bucket-size 0")), Contains("--ddp-bucket-size must be > 0"));
 }
+
+TEST_CASE("rule: --defer-embedding-wgrad-compute keeps Megatron's conditions", "[cli][rules]") {
+  const Args pp2 = small_gpt() + words("--pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute");
+  CHECK_NOTHROW(parse(pp2 + words("--wgrad-deferral-limit 2"), 2));
+  CHECK_THAT(parse_error(small_gpt() + words("--defer-embedding-wgrad-compute")),
+             Contains("Cannot defer embedding wgrad compute when pipeline model parallel is not used"));
+  CHECK_THAT(parse_error(pp2 + words("--no-gradient-accumulation-fusion"), 2),
+             Contains("Cannot defer embedding wgrad compute when gradient accumulation fusion is not used"));
+  CHECK_THAT(parse_error(pp2 + words("--wgrad-deferral-limit -1"), 2),
+             Contains("--wgrad-deferral-limit should be greater than or equal to 0"));
+  CHECK_THAT(parse_error(pp2 + words("--wgrad-deferral-limit two"), 2),
+             Contains("argument --wgrad-deferral-limit: invalid int value: 'two'"));
+}
