@@ -141,6 +141,7 @@ void visit_model(ModelConfig& m, F&& f) {
   f("qk_l2_norm", m.qk_l2_norm, AddedLater{});
   f("window_size", m.window_size, AddedLater{});
   f("squared_relu", m.squared_relu, AddedLater{});
+  f("attention_output_gate", m.attention_output_gate, AddedLater{});
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
   f("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
@@ -205,9 +206,12 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
   };
   if (current.position_embedding_type == PositionEmbedding::learned_absolute)
     checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
-  // Recorded since --qk-l2-norm and --squared-relu were added; older checkpoints: off.
-  for (const auto& [key, flag, on] : {std::tuple{"qk_l2_norm", "--qk-l2-norm", current.qk_l2_norm},
-                                      std::tuple{"squared_relu", "--squared-relu", current.squared_relu}}) {
+  // Recorded since --qk-l2-norm, --squared-relu and --attention-output-gate were added; older
+  // checkpoints: off.
+  for (const auto& [key, flag, on] :
+       {std::tuple{"qk_l2_norm", "--qk-l2-norm", current.qk_l2_norm},
+        std::tuple{"squared_relu", "--squared-relu", current.squared_relu},
+        std::tuple{"attention_output_gate", "--attention-output-gate", current.attention_output_gate}}) {
     if (!saved.contains(key) && on)
       fail("checkpoint {} was saved for another model: {} is false in the checkpoint but true in this run", where,
            flag);

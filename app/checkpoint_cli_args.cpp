@@ -44,6 +44,7 @@ const std::vector<CheckpointArg>& model_args() {
       {"add_qkv_bias", "--add-qkv-bias", Take::forced},
       {"swiglu", "--swiglu", Take::forced},
       {"squared_relu", "--squared-relu", Take::forced},
+      {"attention_output_gate", "--attention-output-gate", Take::forced},
       {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", Take::forced},
       {"apply_layernorm_1p", "--apply-layernorm-1p", Take::forced},
       {"normalization", "--normalization", Take::forced},

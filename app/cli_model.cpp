@@ -141,7 +141,8 @@ void add_model_flags(FlagTable& t) {
                                                                  {"auto", AttentionBackend::auto_}},
            MT_FIELD(model.attention_backend));
   t.recognised("--spec", Arity::zero_or_more, "STR [STR ...]", "None", "model layer spec module");
-  t.recognised("--attention-output-gate", Arity::none, "", "off", "gated attention output");
+  t.flag("--attention-output-gate", "gate each attention head's output with sigmoid(x W_gate), W_gate part of the QKV "
+         "projection", MT_FIELD(model.attention_output_gate));
   t.flag("--multi-latent-attention", "DeepSeek multi-latent attention", MT_FIELD(model.multi_latent_attention));
   t.recognised("--q-lora-rank", Arity::one, "INT", "None", "MLA query low-rank dimension");
   t.recognised("--kv-lora-rank", Arity::one, "INT", "32", "MLA key/value low-rank dimension");

@@ -39,6 +39,8 @@ void add_training_flags(FlagTable& t) {
           "micro-batch x DP)", MT_FIELD(train.eval_global_batch_size));
   t.value("--eval-interval", "evaluate every N iterations", MT_FIELD(train.eval_interval));
   t.flag("--skip-train", "only evaluate", MT_FIELD(train.skip_train));
+  t.flag("--test-mode", "check that the q/k layernorm parameters are identical on every DP and TP rank before each "
+         "forward pass (Megatron's real-time test; with --qk-layernorm)", MT_FIELD(train.test_mode));
   t.value("--exit-interval", "exit when iteration % N == 0", MT_FIELD(train.exit_interval));
   t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
           MT_FIELD(train.exit_duration_in_mins));

@@ -48,6 +48,7 @@ const ModelArg kModelArgs[] = {
     {"apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", ArgKind::store_true},
     {"swiglu", "--swiglu", ArgKind::store_true},
     {"squared_relu", "--squared-relu", ArgKind::store_true},
+    {"attention_output_gate", "--attention-output-gate", ArgKind::store_true},
     {"openai_gelu", "--openai-gelu", ArgKind::store_true},
     {"bias_gelu_fusion", "--no-bias-gelu-fusion", ArgKind::store_false},
     {"add_bias_linear", "--disable-bias-linear", ArgKind::store_false},

@@ -162,23 +162,43 @@ class MemoryStatsReporter : public Reporter {
 
 // A hidden fault injection for the tests of failure handling: MEGATRAIN_DEBUG_FAULT=kill@R:I kills
 // rank R (SIGKILL) at the start of iteration I; hang@R:I makes it stop communicating there (it
-// sleeps), so that its peers must time out.
-std::function<void(int64_t)> debug_fault(int rank) {
+// sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
+// its first q/k layernorm weight (else of its first parameter), a silent memory error that only
+// --test-mode's check notices.
+std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
   if (!env || !*env) return nullptr;
   const std::string spec(env);
   const size_t at = spec.find('@'), colon = spec.find(':');
   if (at == std::string::npos || colon == std::string::npos || colon < at)
-    fail("MEGATRAIN_DEBUG_FAULT={}: expected kill@RANK:ITERATION or hang@RANK:ITERATION", spec);
+    fail("MEGATRAIN_DEBUG_FAULT={}: expected kill@RANK:ITERATION, hang@RANK:ITERATION or corrupt@RANK:ITERATION", spec);
   const std::string kind = spec.substr(0, at);
   const int target = std::stoi(spec.substr(at + 1, colon - at - 1));
   const int64_t iteration = std::stoll(spec.substr(colon + 1));
-  if (kind != "kill" && kind != "hang") fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill or hang", spec);
+  if (kind != "kill" && kind != "hang" && kind != "corrupt")
+    fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill, hang or corrupt", spec);
   if (target != rank) return nullptr;
-  return [kind, iteration, rank](int64_t next) {
+  return [kind, iteration, rank, chunks](int64_t next) {
     if (next != iteration) return;
     log::write_stderr(fmt::format("[rank {}] MEGATRAIN_DEBUG_FAULT: {} at iteration {}", rank, kind, next));
     if (kind == "kill") std::raise(SIGKILL);
+    if (kind == "corrupt") {
+      GptModel& m = *chunks.front();
+      int victim = 0;
+      for (size_t i = 0; i < m.params().size(); ++i)
+        if (m.params()[i].name.find("_layernorm.weight") != std::string::npos &&
+            m.params()[i].name.find("self_attention.") != std::string::npos) {
+          victim = static_cast<int>(i);
+          break;
+        }
+      const Tensor t = m.param(victim).flat_slice(0, 1);
+      std::vector<uint8_t> bytes(t.nbytes());
+      m.backend().copy_to_host(bytes.data(), t);
+      bytes.back() ^= 0x80;  // the sign bit (little-endian)
+      m.backend().copy_from_host(t, bytes.data());
+      m.backend().synchronize();
+      return;
+    }
     std::this_thread::sleep_for(std::chrono::hours(1));
   };
 }
@@ -275,7 +295,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // Megatron exits right there.
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
-  const std::function<void(int64_t)> fault = debug_fault(ps.rank);
+  const std::function<void(int64_t)> fault = debug_fault(ps.rank, chunks);
   // Saves stay out of the log interval's time and energy, as Megatron's save_checkpoint_and_time.
   auto save = [&](bool non_persistent = false) {
     trainer.outside_interval([&] { checkpoints.save(trainer, non_persistent); });

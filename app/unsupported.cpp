@@ -20,7 +20,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--quick-geglu", W::any_use, {}, ""},
       {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
-      {"--attention-output-gate", W::any_use, {}, ""},
       {"--multi-latent-attention", W::any_use, {}, ""},
       {"--q-lora-rank", W::any_use, {}, "multi-latent attention"},
       {"--kv-lora-rank", W::other_than, {"32"}, "multi-latent attention"},

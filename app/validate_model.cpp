@@ -78,6 +78,9 @@ void validate_model(CliState& st) {
          "Megatron-LM's bias-activation fusion takes only GeLU and SwiGLU and refuses this combination too");
   if (m.quick_geglu && m.swiglu) fail("--quick-geglu and --swiglu are exclusive");
   if (m.qk_l2_norm && m.multi_latent_attention) fail("--qk-l2-norm is not supported with --multi-latent-attention");
+  // Megatron's MLATransformerConfig raises NotImplementedError for the gate.
+  if (m.attention_output_gate && m.multi_latent_attention)
+    fail("Output gate is not supported for MLA yet (--attention-output-gate with --multi-latent-attention)");
   if (m.qk_l2_norm && m.qk_layernorm)
     st.note("--qk-l2-norm with --qk-layernorm: queries and keys get the L2 norm (no weights), as in Megatron");
   if (m.multi_latent_attention && m.group_query_attention)

@@ -117,6 +117,10 @@ void validate_training(CliState& st) {
   if (t.step_batch_size_schedule && t.global_batch_size)
     fail("Cannot specify both --global-batch-size and --step-batch-size-schedule");
   if (!t.lr && !t.skip_train) fail("--lr is required (the peak learning rate)");
+  // Megatron's real-time test checks only the q/k layernorm parameters (and is silent without them).
+  if (t.test_mode && !c.model.qk_layernorm)
+    st.note("--test-mode compares the q/k layernorm parameters across DP and TP ranks; without --qk-layernorm "
+            "there is nothing to compare");
   if (t.lr && t.min_lr > *t.lr)
     fail("--min-lr {} is larger than --lr {}", format_float(t.min_lr), format_float(*t.lr));
   if (t.decoupled_lr && t.decoupled_min_lr && *t.decoupled_min_lr > *t.decoupled_lr)

@@ -312,6 +312,26 @@ void bench_model(Bench& B, const Model& M) {
     }
     B.free_all();
   }
+  {
+    // The attention output gate (--attention-output-gate): the gated QKV projection's output split
+    // into qkv and gate, the gradients merged back, and the sigmoid gate on the attention output.
+    const GateShape gs{static_cast<int>(M.groups), static_cast<int>(M.heads / M.groups), static_cast<int>(M.head_dim)};
+    const double qkvg = static_cast<double>(R) * gs.qkvg_width() * 2, att = static_cast<double>(R) * gs.gate_width() * 2;
+    const int S = B.sets_for(2 * qkvg);
+    auto all = B.alloc_rot(bf, {R, gs.qkvg_width()}, S, 1.0), qkv = B.alloc_rot(bf, {R, gs.qkv_width()}, S),
+         gate = B.alloc_rot(bf, {R, gs.gate_width()}, S, 1.0), x = B.alloc_rot(bf, {R, gs.gate_width()}, S, 1.0),
+         dy = B.alloc_rot(bf, {R, gs.gate_width()}, S, 1.0);
+    B.memory_op(mn, "attention gate split", shape2(R, gs.qkvg_width()), 2 * qkvg,
+                [&](int k) { be.attention_gate_split(qkv.at(k), gate.at(k), all.at(k), gs); });
+    B.memory_op(mn, "attention gate merge", shape2(R, gs.qkvg_width()), 2 * qkvg,
+                [&](int k) { be.attention_gate_merge(all.at(k), qkv.at(k), gate.at(k), gs); });
+    B.memory_op(mn, "output gate fwd", shape2(R, gs.gate_width()), 3 * att,
+                [&](int k) { be.output_gate_forward(dy.at(k), x.at(k), gate.at(k)); });
+    // In place as the model runs it: 3 tensors read, 2 written.
+    B.memory_op(mn, "output gate bwd (in place)", shape2(R, gs.gate_width()), 5 * att,
+                [&](int k) { be.output_gate_backward(dy.at(k), gate.at(k), dy.at(k), x.at(k), gate.at(k)); });
+    B.free_all();
+  }
   if (M.llama) {
     const int64_t width = qkv_cols;
     const double bytes = static_cast<double>(R) * (M.heads + M.groups) * M.head_dim * 2 * 2;

@@ -74,6 +74,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.squared_relu = m.squared_relu;
   s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;
+  s.attention_output_gate = m.attention_output_gate;
   s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
   s.apply_layernorm_1p = m.apply_layernorm_1p;
   s.rotary_interleaved = m.rotary_interleaved;
@@ -126,6 +127,7 @@ void HfModelSpec::validate() const {
   if (squared_relu && arch != HfArchitecture::nemotron)
     refuse("--squared-relu (of the mapped families only NemotronForCausalLM's MLP is squared ReLU)");
   if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
+  if (attention_output_gate) refuse("--attention-output-gate (the mapped HF families have no gated attention)");
   if (sliding_window && *sliding_window < 1) fail("HF mapping: sliding window {} (must be >= 1)", *sliding_window);
   if (!window_layers.empty() && static_cast<int>(window_layers.size()) != num_layers)
     fail("HF mapping: {} per-layer window entries for {} layers", window_layers.size(), num_layers);

@@ -73,6 +73,9 @@ struct ModelConfig {
   // --qk-l2-norm: Megatron's L2Norm of every q and k head (RMS normalization without weights, eps
   // --norm-epsilon), where --qk-layernorm's norms go; it wins over --qk-layernorm, as in Megatron.
   bool qk_l2_norm = false;
+  // --attention-output-gate: the QKV projection also gives a gate per query head; the attention
+  // output is multiplied by sigmoid(gate) before the output projection (Megatron's gated attention).
+  bool attention_output_gate = false;
   // --window-size LEFT,RIGHT: sliding-window attention (Megatron's tuple; -1 = unbounded on that
   // side). GPT attention is causal, so only LEFT counts: a query sees LEFT earlier keys and itself
   // (Transformer Engine turns (L, R) into (L, 0) for causal masks).
@@ -175,6 +178,9 @@ struct TrainConfig {
   std::optional<int> eval_global_batch_size;
   std::optional<int> eval_interval;
   bool skip_train = false;
+  // --test-mode: replicated q/k layernorm parameters compared across DP and TP before each
+  // step's and evaluation's forward passes (engine/replica_check.h).
+  bool test_mode = false;
   std::optional<int> exit_interval;
   std::optional<int> exit_duration_in_mins;
   bool exit_signal_handler = false;

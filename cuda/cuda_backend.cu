@@ -347,6 +347,26 @@ void CudaBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor d
   MT_PROFILE_OP("swiglu_backward_recompute {}", in.shape_string());
   cuda::swiglu_backward_recompute(context(), din, act_out, dout, in);
 }
+void CudaBackend::attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) {
+  on_device("attention_gate_split", qkv, gate, qkvg);
+  MT_PROFILE_OP("attention_gate_split {}", qkvg.shape_string());
+  cuda::attention_gate_split(context(), qkv, gate, qkvg, s);
+}
+void CudaBackend::attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) {
+  on_device("attention_gate_merge", qkvg, qkv, gate);
+  MT_PROFILE_OP("attention_gate_merge {}", qkvg.shape_string());
+  cuda::attention_gate_merge(context(), qkvg, qkv, gate, s);
+}
+void CudaBackend::output_gate_forward(Tensor out, Tensor x, Tensor gate) {
+  on_device("output_gate_forward", out, x, gate);
+  MT_PROFILE_OP("output_gate_forward {}", x.shape_string());
+  cuda::output_gate_forward(context(), out, x, gate);
+}
+void CudaBackend::output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) {
+  on_device("output_gate_backward", dx, dgate, dout, x, gate);
+  MT_PROFILE_OP("output_gate_backward {}", x.shape_string());
+  cuda::output_gate_backward(context(), dx, dgate, dout, x, gate);
+}
 void CudaBackend::bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                                    uint64_t dropout_key) {
   on_device("bias_dropout_add", out, x, bias, residual);

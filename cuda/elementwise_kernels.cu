@@ -1,5 +1,6 @@
 // Elementwise kernels: fill, cast, axpby, GeLU (erf and tanh) and squared ReLU forward/backward, SwiGLU
-// forward/backward, bias + dropout + residual add, dropout backward.
+// forward/backward, the attention output gate (its QKV split/merge and sigmoid gate), bias + dropout
+// + residual add, dropout backward.
 //
 // All of them are memory-bound, so each thread moves 8 elements per step with 16-byte accesses
 // (the "VEC" instances, taken when every pointer is 16-byte aligned) and the grid strides over
@@ -662,6 +663,129 @@ void add_to_grad(const KernelContext& ctx, GradOut dst, const float* src, int64_
         d, src, n);
   else
     add_to_bf16_grad_kernel<false><<<grid_for(n, kBlock, max_blocks), kBlock, 0, ctx.stream>>>(d, src, n);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+// ---- attention output gate ------------------------------------------------------------------------
+namespace {
+
+// One thread moves one unit (U: 2, 4, 8 or 16 bytes) of the gated row layout [q | gate | k | v] per
+// group to or from the separate [q | k | v] and gate rows. Widths are in units.
+template <typename U, bool SPLIT>
+__global__ void gate_copy_kernel(U* qkvg, U* qkv, U* gate, int64_t rows, int64_t q, int64_t kv, int64_t groups) {
+  const int64_t blk = 2 * q + kv, w = groups * blk, n = rows * w;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / w, c = i % w, g = c / blk, o = c % blk;
+    U* other = o < q        ? qkv + r * groups * (q + kv) + g * (q + kv) + o
+               : o < 2 * q ? gate + r * groups * q + g * q + (o - q)
+                           : qkv + r * groups * (q + kv) + g * (q + kv) + (o - q);
+    if (SPLIT) *other = qkvg[i];
+    else qkvg[i] = *other;
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void output_gate_forward_kernel(T* out, const T* x, const T* gate, int64_t n) {
+  MT_FLAT_LOOP(n) {
+    const Floats<kN> xv = ld<VEC>(x, base, n), g = ld<VEC>(gate, base, n);
+    Floats<kN> y;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) y.v[j] = xv.v[j] * (1.0f / (1.0f + expf(-g.v[j])));
+    st<VEC>(out, base, n, y);
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void output_gate_backward_kernel(T* dx, T* dgate, const T* dout, const T* x, const T* gate, int64_t n) {
+  MT_FLAT_LOOP(n) {
+    const Floats<kN> dy = ld<VEC>(dout, base, n), xv = ld<VEC>(x, base, n), g = ld<VEC>(gate, base, n);
+    Floats<kN> a, b;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const float sg = 1.0f / (1.0f + expf(-g.v[j]));
+      a.v[j] = dy.v[j] * sg;
+      b.v[j] = dy.v[j] * xv.v[j] * sg * (1.0f - sg);
+    }
+    st<VEC>(dx, base, n, a);
+    st<VEC>(dgate, base, n, b);
+  }
+}
+
+void gate_copy(const KernelContext& ctx, Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s, bool split,
+               const char* op) {
+  const int64_t rows = qkvg.rows();
+  MT_CHECK(qkvg.cols() == s.qkvg_width() && qkv.numel() == rows * s.qkv_width() && gate.numel() == rows * s.gate_width(),
+           "{}: shapes qkvg {} qkv {} gate {} do not match {} groups of {} query heads of {}", op, qkvg.shape_string(),
+           qkv.shape_string(), gate.shape_string(), s.groups, s.q_per_group, s.head_dim);
+  MT_CHECK(qkv.dtype == qkvg.dtype && gate.dtype == qkvg.dtype, "{}: dtypes differ", op);
+  if (rows == 0) return;
+  const int64_t es = static_cast<int64_t>(dtype_size(qkvg.dtype)), head_bytes = s.head_dim * es;
+  // The widest unit that divides a head and to which every pointer is aligned.
+  int64_t unit = es;
+  for (int64_t u : {16, 8, 4})
+    if (u > es && head_bytes % u == 0 &&
+        reinterpret_cast<uintptr_t>(qkvg.data) % u == 0 && reinterpret_cast<uintptr_t>(qkv.data) % u == 0 &&
+        reinterpret_cast<uintptr_t>(gate.data) % u == 0) {
+      unit = u;
+      break;
+    }
+  const int64_t per_head = head_bytes / unit, q = s.q_per_group * per_head, kv = 2 * per_head;
+  const int64_t n = rows * s.groups * (2 * q + kv);
+  const unsigned grid = grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 16);
+  auto go = [&](auto* tag) {
+    using U = std::remove_pointer_t<decltype(tag)>;
+    U *a = static_cast<U*>(qkvg.data), *b = static_cast<U*>(qkv.data), *c = static_cast<U*>(gate.data);
+    if (split) gate_copy_kernel<U, true><<<grid, kBlock, 0, ctx.stream>>>(a, b, c, rows, q, kv, s.groups);
+    else gate_copy_kernel<U, false><<<grid, kBlock, 0, ctx.stream>>>(a, b, c, rows, q, kv, s.groups);
+  };
+  switch (unit) {
+    case 16: go(static_cast<uint4*>(nullptr)); break;
+    case 8: go(static_cast<uint2*>(nullptr)); break;
+    case 4: go(static_cast<uint32_t*>(nullptr)); break;
+    default: go(static_cast<uint16_t*>(nullptr)); break;
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_gate_split(const KernelContext& ctx, Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) {
+  gate_copy(ctx, qkvg, qkv, gate, s, true, "attention_gate_split");
+}
+
+void attention_gate_merge(const KernelContext& ctx, Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) {
+  gate_copy(ctx, qkvg, qkv, gate, s, false, "attention_gate_merge");
+}
+
+void output_gate_forward(const KernelContext& ctx, Tensor out, Tensor x, Tensor gate) {
+  check_same_numel(out, x, "output_gate_forward");
+  check_same_numel(gate, x, "output_gate_forward");
+  MT_CHECK(out.dtype == x.dtype && gate.dtype == x.dtype, "output_gate_forward: dtypes differ");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(x.dtype, T, "output_gate_forward", {
+    with_vec(all_aligned({out.data, x.data, gate.data}), [&]<bool V>() {
+      output_gate_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), x.ptr<const T>(),
+                                                                                     gate.ptr<const T>(), n);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void output_gate_backward(const KernelContext& ctx, Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) {
+  for (const Tensor* t : {&dx, &dgate, &dout, &gate}) {
+    check_same_numel(*t, x, "output_gate_backward");
+    MT_CHECK(t->dtype == x.dtype, "output_gate_backward: dtypes differ");
+  }
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  MT_DISPATCH_FLOAT(x.dtype, T, "output_gate_backward", {
+    with_vec(all_aligned({dx.data, dgate.data, dout.data, x.data, gate.data}), [&]<bool V>() {
+      output_gate_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
+          dx.ptr<T>(), dgate.ptr<T>(), dout.ptr<const T>(), x.ptr<const T>(), gate.ptr<const T>(), n);
+    });
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 

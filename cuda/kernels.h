@@ -84,6 +84,11 @@ void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor i
 // swiglu_backward plus act_out = swiglu(in) (as swiglu_forward computes it); din may alias in,
 // act_out may alias dout.
 void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in);
+// The attention output gate (Backend::attention_gate_split and the three after it).
+void attention_gate_split(const KernelContext& ctx, Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s);
+void attention_gate_merge(const KernelContext& ctx, Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s);
+void output_gate_forward(const KernelContext& ctx, Tensor out, Tensor x, Tensor gate);
+void output_gate_backward(const KernelContext& ctx, Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate);
 // g = g * act'(pre) in place and act_out = act(pre) (act_out may alias pre): the activation's
 // backward after a plain GEMM, recomputing the activation on the way.
 void activation_grad_recompute(const KernelContext& ctx, Tensor g, Tensor act_out, Tensor pre, Activation act);

@@ -114,6 +114,15 @@ struct RopeShape {
   bool interleaved = false; // RoFormer pairs (2i, 2i+1) instead of Llama's halves (i, i + rot_dim/2)
 };
 
+// The gated QKV projection's layout (Backend::attention_gate_split): query groups on this rank,
+// query heads per group, head dimension.
+struct GateShape {
+  int groups = 0, q_per_group = 0, head_dim = 0;
+  int64_t qkv_width() const { return static_cast<int64_t>(groups) * (q_per_group + 2) * head_dim; }
+  int64_t gate_width() const { return static_cast<int64_t>(groups) * q_per_group * head_dim; }
+  int64_t qkvg_width() const { return qkv_width() + gate_width(); }
+};
+
 // One contiguous run of the flat parameter buffer with its optimizer group.
 struct OptimSegment {
   int64_t offset = 0;
@@ -370,6 +379,19 @@ class Backend {
   // din may alias in and act_out may alias dout (elementwise, each element read before written).
   // The default handles only the non-aliased case.
   virtual void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in);
+
+  // ---- attention output gate (--attention-output-gate) ---------------------------------------
+  // The QKV projection's output with the gate, per row and per query group g of s.groups:
+  // [q (qpg heads) | gate (qpg heads) | k | v], heads of s.head_dim, qpg = s.q_per_group (Megatron's
+  // layout). split: qkv[M, groups*(qpg+2)*d] = the [q | k | v] parts, gate[M, groups*qpg*d] the gate
+  // heads; merge: the reverse (qkvg from qkv and gate, e.g. their gradients).
+  virtual void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) = 0;
+  virtual void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) = 0;
+  // out = x * sigmoid(gate) (float math, rounded once). Backward: dx = dout * sigmoid(gate),
+  // dgate = dout * x * sigmoid(gate) * (1 - sigmoid(gate)); dx may alias dout and dgate may alias
+  // gate (elementwise, each element read before written).
+  virtual void output_gate_forward(Tensor out, Tensor x, Tensor gate) = 0;
+  virtual void output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) = 0;
   // out = residual + dropout_p(x + bias) (bias may be empty). out may alias residual.
   // Dropout (here and in add_norm_forward, dropout_backward): element with flat index i of the
   // dropped tensor is kept iff dropout_keep(key, i, p) (engine/dropout_mask.h) and then scaled by

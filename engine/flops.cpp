@@ -15,7 +15,8 @@ double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_
   const double k = static_cast<double>(m.query_groups) * m.head_dim;
   const double F = m.swiglu ? 3.0 : 2.0;
   const double mlp = 6.0 * F * h * f * L;
-  const double projections = 6.0 * L * (h * (q + 2.0 * k) + q * h);
+  const double G = m.attention_output_gate ? q : 0.0;  // the gate's rows of the QKV projection
+  const double projections = 6.0 * L * (h * (q + 2.0 * k + G) + q * h);
   const double logits = 6.0 * h * V;
   const double attention = 6.0 * q * L;  // times s^2 per sample (causal: half of QK^T + PV)
   return B * s * (mlp + projections + logits) + B * s * s * attention;

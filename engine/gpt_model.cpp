@@ -279,7 +279,8 @@ void GptModel::layout(Arena& a) {
   fp8_w_.assign(static_cast<size_t>(d_.stage_layers()), Fp8Weights{});
   fp8_xq_ = fp8_xq_t_ = fp8_dyq_ = fp8_dyq_t_ = fp8_w_compute_ = Tensor();
   if (fp8_.any()) {
-    const int64_t qkv = d_.qkv_width_local(), att = d_.attn_width_local(), fc1 = d_.fc1_width_local(), f = d_.ffn_local();
+    const int64_t qkv = d_.qkv_proj_width_local(), att = d_.attn_width_local(), fc1 = d_.fc1_width_local(),
+                  f = d_.ffn_local();
     const int64_t nk[Fp8State::kGemms][2] = {{qkv, h}, {h, att}, {fc1, h}, {h, f}};  // weight [N, K] per GEMM
     const DType e4 = fp8_.dtype(Fp8State::w);
     for (int l = 0; l < d_.stage_layers(); ++l) {
@@ -318,12 +319,18 @@ void GptModel::layout(Arena& a) {
     // with act/gFC (MLP part) before gATT/gQKV (attention part) are written, and forward uses
     // neither of the latter.
     const int64_t f = d_.ffn_local(), qkv_n = N * d_.qkv_width_local(), att_n = N * d_.attn_width_local();
+    const int64_t qkvg_n = d_.output_gate ? N * d_.qkv_proj_width_local() : 0;
     const int64_t att_offset = (qkv_n + 127) / 128 * 128;  // keeps gATT 256-byte aligned
-    const Tensor block = a.take(C::workspace, T, {std::max(N * f, att_offset + att_n)});
+    const Tensor block = a.take(C::workspace, T, {std::max({N * f, att_offset + att_n, att_offset + qkvg_n, qkvg_n})});
     w.act = block.flat_slice(0, N * f).view({N, f});
     if (!d_.swiglu) w.gFC = w.act;
     w.gQKV = block.flat_slice(0, qkv_n).view({N, d_.qkv_width_local()});
     w.gATT = block.flat_slice(att_offset, att_n).view({N, d_.attn_width_local()});
+    if (d_.output_gate) {
+      w.qkvg = block.flat_slice(0, qkvg_n).view({N, d_.qkv_proj_width_local()});
+      w.gated = w.gATT;
+      w.gQKVG = block.flat_slice(att_offset, qkvg_n).view({N, d_.qkv_proj_width_local()});
+    }
   }
 
   // Per-slot activations.

@@ -438,6 +438,7 @@ class GptModel {
   NormParams qk_l2_norm_;
   Tensor qk_l2_ones_;
   const NormParams& qk_norm_params() const { return d_.qk_l2 ? qk_l2_norm_ : norm_; }
+  GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
   std::vector<LayerParams> layer_params_, layer_grads_;

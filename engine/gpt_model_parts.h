@@ -28,6 +28,8 @@ struct GptModel::LayerActs {
   Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
   Tensor qkv;                          // attention input (after bias, qk norm, rope)
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
+  Tensor gate;                         // --attention-output-gate: the gate [N, heads*d] before its
+                                       // sigmoid (backward overwrites it with its gradient)
   Tensor h1;                           // residual after attention
   Tensor ln2_out, ln2_mean, ln2_rstd;  // pre-MLP norm (ln2_out shared unless norm_kept)
   bool norm_kept = false;              // ln1_out and ln2_out are this layer's own
@@ -76,6 +78,10 @@ struct GptModel::Workspace {
   Tensor gFC;                         // GeLU only: fc1's output gradient, the same memory as act
                                       // (SwiGLU's takes the place of fc1_pre)
   Tensor gQKV, gATT;                  // attention backward, in act's block (see layout)
+  // --attention-output-gate, in the same block: the QKV projection's output [N, qkv + gate] in
+  // forward (split at once), the gated attention output (gATT's memory: the projection's input,
+  // recomputed in backward) and the merged projection gradient gQKVG (after gATT is consumed).
+  Tensor qkvg, gated, gQKVG;
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum

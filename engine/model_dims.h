@@ -40,6 +40,9 @@ struct ModelDims {
   bool qkv_bias = true;     // linear_qkv (--add-qkv-bias or linear_bias)
   bool qk_norm = false;  // --qk-layernorm or --qk-l2-norm: q and k heads normalized before RoPE
   bool qk_l2 = false;    // --qk-l2-norm: Megatron's L2Norm, RMS normalization without weights
+  // --attention-output-gate: the QKV projection's rows per query group are [q | gate | k | v]; the
+  // attention output is multiplied by sigmoid(gate).
+  bool output_gate = false;
   bool tied_embeddings = true;
   PositionEmbedding position = PositionEmbedding::learned_absolute;
   int rot_dim = 0;  // rotated dims per head (rope)
@@ -59,6 +62,9 @@ struct ModelDims {
   int64_t vocab_start() const { return static_cast<int64_t>(tp_rank) * vocab_local(); }
   int qkv_width_local() const { return groups_local() * (heads / groups + 2) * head_dim; }
   int qkv_width() const { return groups * (heads / groups + 2) * head_dim; }
+  // The QKV projection's output: the attention's qkv, and with the output gate one gate per query head.
+  int qkv_proj_width_local() const { return qkv_width_local() + (output_gate ? attn_width_local() : 0); }
+  int qkv_proj_width() const { return qkv_width() + (output_gate ? heads * head_dim : 0); }
   int fc1_width_local() const { return (swiglu ? 2 : 1) * ffn_local(); }
   // The MLP activation, and the elementwise one of an ungated MLP (GeLU or squared ReLU).
   MlpActivation mlp_activation() const {

@@ -34,8 +34,9 @@ ParamCounts count_parameters(const ModelConfig& m) {
     c.position_embeddings = static_cast<int64_t>(m.max_position_embeddings) * h;
   LayerParamCounts& l = c.layer;
   l.input_norm = norm_params * h;
-  l.qkv_weight = (q + 2 * k) * h;
-  l.qkv_bias = m.add_qkv_bias ? (q + 2 * k) : 0;
+  const int64_t gate = m.attention_output_gate ? q : 0;
+  l.qkv_weight = (q + 2 * k + gate) * h;
+  l.qkv_bias = m.add_qkv_bias ? (q + 2 * k + gate) : 0;
   l.qk_norms = m.qk_layernorm && !m.qk_l2_norm ? 2 * norm_params * d : 0;  // (L2Norm has no weights)
   l.proj_weight = h * q;
   l.proj_bias = m.add_bias_linear ? h : 0;

@@ -67,7 +67,7 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
       b.add("embedding.position_embeddings.weight", {d.max_positions, h}, b.whole(d.max_positions, h),
             InitKind::normal, d.embedding_init_std, true, -1);
   }
-  const int64_t qkv_rows = d.qkv_width(), attn = static_cast<int64_t>(d.heads) * d.head_dim;
+  const int64_t qkv_rows = d.qkv_proj_width(), attn = static_cast<int64_t>(d.heads) * d.head_dim;
   const int64_t fc1_rows = (d.swiglu ? 2 : 1) * static_cast<int64_t>(d.ffn), chunks = d.swiglu ? 2 : 1;
   for (int l = d.layer_begin; l < d.layer_end; ++l) {
     const std::string p = "decoder.layers." + std::to_string(l) + ".";

@@ -32,6 +32,7 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
       scaler_(LossScaler::from_config(cfg)),
       optimizer_(cfg, chunks, ps, schedule_, scaler_),
       runner_(cfg, ps, chunks),
+      replica_check_(ps, cfg.train.test_mode ? chunks : std::vector<GptModel*>{}),
       timers_(cfg.logging.timing_log_level, [this] { model_.backend().synchronize(); }) {
   // --timing-log-level 0 installs no hooks at all: the step pays nothing for timing.
   if (timers_.level() > 0) {
@@ -180,6 +181,7 @@ StepOutcome Trainer::train_step() {
   Backend& be = model_.backend();
   // The plan is the run's: a step allocates nothing on the device (checked, not assumed).
   const size_t allocated_before = be.bytes_allocated();
+  replica_check_.run();
   for (GptModel* m : chunks_) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
@@ -349,6 +351,7 @@ void Trainer::evaluate(bool after_training) {
   const TrainConfig& t = cfg_.train;
   Backend& be = model_.backend();
   for (GptModel* m : chunks_) be.fill(m->loss_sums(true), 0.0);
+  replica_check_.run();
   int64_t done = 0;
   for (int it = 0; it < t.eval_iters; ++it) {
     if (!runner_.eval_step(valid_)) {

@@ -22,6 +22,7 @@
 #include "engine/optimizer.h"
 #include "engine/phase_timers.h"
 #include "engine/pipeline_runner.h"
+#include "engine/replica_check.h"
 #include "engine/reporter.h"
 
 namespace mt {
@@ -126,6 +127,7 @@ class Trainer {
   LossScaler scaler_;
   Optimizer optimizer_;
   PipelineRunner runner_;
+  ReplicaCheck replica_check_;  // --test-mode (empty otherwise)
 
   int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;

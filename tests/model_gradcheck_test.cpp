@@ -165,6 +165,23 @@ TEST_CASE("model gradient check: --qk-l2-norm and a sliding window", "[model][gr
   hg.check_all(4);
 }
 
+TEST_CASE("model gradient check: --attention-output-gate (with GQA, q/k layernorm and RoPE; and GPT-style)",
+          "[model][gradcheck]") {
+  Config c = test::tiny_llama_config();
+  c.model.attention_output_gate = true;
+  c.model.qk_layernorm = true;
+  test::derive(c);
+  Harness h(c);
+  REQUIRE(h.dims.qkv_proj_width_local() == h.dims.qkv_width_local() + h.dims.attn_width_local());
+  h.check_all(4);
+  Config g = test::tiny_gpt_config();
+  g.model.attention_output_gate = true;
+  g.model.hidden_dropout = 0.1;
+  test::derive(g);
+  Harness hg(g);
+  hg.check_all(4);
+}
+
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {
   for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
     Config c = test::tiny_llama_config();

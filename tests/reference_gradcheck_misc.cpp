@@ -162,3 +162,39 @@ TEST_CASE("reference masked_loss_sum", "[reference]") {
   CHECK(out.d[0] == 14.0);
   CHECK(out.d[1] == 6.0);
 }
+
+TEST_CASE("reference attention output gate: Megatron's [q | gate | k | v] split and merge, sigmoid gate gradients",
+          "[reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(44);
+  // Two groups of two query heads of dimension 1, two rows: the layout by hand.
+  const GateShape s{2, 2, 1};
+  REQUIRE(s.qkvg_width() == 12);
+  Buf qkvg = Buf::zeros({2, 12});
+  for (int64_t i = 0; i < 24; ++i) qkvg.d[static_cast<size_t>(i)] = static_cast<double>(i);
+  Buf qkv = Buf::zeros({2, 8}), gate = Buf::zeros({2, 4});
+  be->attention_gate_split(qkv.t(), gate.t(), qkvg.t(), s);
+  CHECK(qkv.d == std::vector<double>{0, 1, 4, 5, 6, 7, 10, 11, 12, 13, 16, 17, 18, 19, 22, 23});
+  CHECK(gate.d == std::vector<double>{2, 3, 8, 9, 14, 15, 20, 21});
+  Buf back = Buf::zeros({2, 12});
+  be->attention_gate_merge(back.t(), qkv.t(), gate.t(), s);
+  CHECK(back.d == qkvg.d);
+
+  const int64_t R = 9, C = 20;
+  Buf x = Buf::randn({R, C}, rng), g = Buf::randn({R, C}, rng), out = Buf::zeros({R, C}), dout = Buf::randn({R, C}, rng);
+  auto loss = [&] {
+    be->output_gate_forward(out.t(), x.t(), g.t());
+    return mt::test::dot(out.d, dout.d);
+  };
+  loss();
+  CHECK(out.d[7] == Approx(x.d[7] / (1.0 + std::exp(-g.d[7]))).epsilon(1e-14));
+  Buf dx = Buf::zeros({R, C}), dg = Buf::zeros({R, C});
+  be->output_gate_backward(dx.t(), dg.t(), dout.t(), x.t(), g.t());
+  mt::test::check_gradient("output gate dx", x.d, dx.d, loss);
+  mt::test::check_gradient("output gate dgate", g.d, dg.d, loss);
+  // In place, as the model runs it: dx over dout, dgate over gate.
+  Buf d2 = dout, g2 = g;
+  be->output_gate_backward(d2.t(), g2.t(), d2.t(), x.t(), g2.t());
+  CHECK(d2.d == dx.d);
+  CHECK(g2.d == dg.d);
+}

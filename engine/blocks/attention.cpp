@@ -51,6 +51,7 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   }
   A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
+  if (d_.output_gate) A.gate = a.take(c, T, {N, d_.attn_width_local()});
   A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
   A.h1 = a.take(c, T, {Nl, h});
 }
@@ -74,16 +75,19 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
   const NormInput ln1{x, A.ln1_mean, A.ln1_rstd, P.ln1_w, P.ln1_b};
   const NormInput* ln1_src = norm_cast ? &ln1 : nullptr;
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  if (d_.qk_norm) {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv_raw, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
+  // The QKV projection (with the output gate: [q | gate | k | v] per group, split at once).
+  const Tensor qkv_in = d_.qk_norm ? A.qkv_raw : A.qkv;
+  linear_fwd(local, Fp8State::qkv, A, d_.output_gate ? w.qkvg : qkv_in, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none,
+             Tensor(), ln1_src);
+  if (d_.output_gate) be_.attention_gate_split(qkv_in, A.gate, w.qkvg, gate_shape());
+  if (d_.qk_norm)
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
                         qk_norm_params());
-  } else {
-    linear_fwd(local, Fp8State::qkv, A, A.qkv, A.ln1_out, P.qkv_w, P.qkv_b, Activation::none, Tensor(), ln1_src);
-  }
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   attention_core_->forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  linear_fwd(local, Fp8State::proj, A, w.tmp_h, A.attn_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
+  const Tensor proj_in = d_.output_gate ? w.gated : A.attn_out;
+  linear_fwd(local, Fp8State::proj, A, w.tmp_h, proj_in, P.proj_w, Tensor(), Activation::none, Tensor());
   // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
   // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
   be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
@@ -106,29 +110,36 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1), proj_dy_amax);
   linear_quantize_dy(local, Fp8State::proj, d_proj, G.proj_b,
                      dy_amax_from_norm(s, local, Fp8State::proj) || !proj_dy_amax.empty());
-  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, A.attn_out);
+  // The output gate's product is the projection's input: recomputed (into gATT's memory, which the
+  // projection's input gradient overwrites after the weight gradient has read it).
+  if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
+  linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, d_.output_gate ? w.gated : A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
+  if (d_.output_gate) be_.output_gate_backward(w.gATT, A.gate, w.gATT, A.attn_out, A.gate);  // A.gate: d gate
   attention_core_->backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, qk_norm_params());
-  linear_quantize_dy(local, Fp8State::qkv, w.gQKV, G.qkv_b);
+  // The QKV projection's output gradient (with the output gate: merged back into its layout).
+  if (d_.output_gate) be_.attention_gate_merge(w.gQKVG, w.gQKV, A.gate, gate_shape());
+  const Tensor d_qkv = d_.output_gate ? w.gQKVG : w.gQKV;
+  linear_quantize_dy(local, Fp8State::qkv, d_qkv, G.qkv_b);
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
   const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
-                                G.ln1_b, w.gQKV, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
+                                G.ln1_b, d_qkv, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);
   } else {
-    linear_bwd_input(local, Fp8State::qkv, w.gT, w.gQKV, P.qkv_w, Activation::none, Tensor());
+    linear_bwd_input(local, Fp8State::qkv, w.gT, d_qkv, P.qkv_w, Activation::none, Tensor());
     if (kept || A.norm_kept)
       be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
                         norm_, dy_amax_slot(s, local - 1, Fp8State::fc2));
     else
       be_.norm_backward_recompute(local_rows(A.ln1_out), dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean,
                                   A.ln1_rstd, P.ln1_w, P.ln1_b, w.gH, prev_fc2_db, norm_);
-    linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, w.gQKV, A.ln1_out);
+    linear_bwd_weight(local, Fp8State::qkv, A, G.qkv_w, G.qkv_b, d_qkv, A.ln1_out);
   }
 }
 

@@ -1,4 +1,7 @@
-// ReferenceBackend: activations and dropout.
+// ReferenceBackend: activations, the attention output gate and dropout.
+#include <cstring>
+#include <utility>
+
 #include "engine/dropout_mask.h"
 #include "engine/reference/activation_math.h"
 #include "engine/reference/reference_backend.h"
@@ -149,6 +152,84 @@ void ReferenceBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p,
     });
   });
   max_abs_into(dx_amax, dx, "dropout_backward");
+}
+
+}  // namespace mt::reference
+
+namespace mt::reference {
+
+namespace {
+
+// Copies between the gated projection's rows and the separate [q | k | v] and gate rows, either way.
+void gate_copy(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s, bool split, const char* op) {
+  const int64_t rows = qkvg.rows();
+  MT_CHECK(qkvg.cols() == s.qkvg_width(), "{}: qkvg {} is not [rows, {}]", op, qkvg.shape_string(), s.qkvg_width());
+  check_numel(qkv, rows * s.qkv_width(), op, "qkv");
+  check_numel(gate, rows * s.gate_width(), op, "gate");
+  check_same_dtype(qkvg, qkv, op);
+  check_same_dtype(qkvg, gate, op);
+  const size_t es = dtype_size(qkvg.dtype);
+  const int64_t q = static_cast<int64_t>(s.q_per_group) * s.head_dim, kv = 2 * static_cast<int64_t>(s.head_dim);
+  auto* all = static_cast<char*>(qkvg.data);
+  auto* parts = static_cast<char*>(qkv.data);
+  auto* gates = static_cast<char*>(gate.data);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      char* src = all + (r * s.qkvg_width() + g * (2 * q + kv)) * static_cast<int64_t>(es);
+      char* qkv_at = parts + (r * s.qkv_width() + g * (q + kv)) * static_cast<int64_t>(es);
+      char* gate_at = gates + (r * s.gate_width() + g * q) * static_cast<int64_t>(es);
+      const std::pair<char*, char*> moves[3] = {{src, qkv_at}, {src + q * es, gate_at}, {src + 2 * q * es, qkv_at + q * es}};
+      const int64_t counts[3] = {q, q, kv};
+      for (int i = 0; i < 3; ++i) {
+        const size_t bytes = static_cast<size_t>(counts[i]) * es;
+        if (split) std::memcpy(moves[i].second, moves[i].first, bytes);
+        else std::memcpy(moves[i].first, moves[i].second, bytes);
+      }
+    }
+}
+
+}  // namespace
+
+void ReferenceBackend::attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) {
+  gate_copy(qkvg, qkv, gate, s, true, "attention_gate_split");
+}
+
+void ReferenceBackend::attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) {
+  gate_copy(qkvg, qkv, gate, s, false, "attention_gate_merge");
+}
+
+void ReferenceBackend::output_gate_forward(Tensor out, Tensor x, Tensor gate) {
+  check_numel(out, x.numel(), "output_gate_forward", "out");
+  check_numel(gate, x.numel(), "output_gate_forward", "gate");
+  check_same_dtype(x, out, "output_gate_forward");
+  check_same_dtype(x, gate, "output_gate_forward");
+  dispatch_float(x, "output_gate_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const T *xs = x.ptr<T>(), *gs = gate.ptr<T>();
+    T* y = out.ptr<T>();
+    pool_.parallel_for(x.numel(), kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) y[i] = static_cast<T>(static_cast<double>(xs[i]) * sigmoid(static_cast<double>(gs[i])));
+    });
+  });
+}
+
+void ReferenceBackend::output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) {
+  for (const Tensor* t : {&dx, &dgate, &dout, &gate}) {
+    check_numel(*t, x.numel(), "output_gate_backward", "an operand");
+    check_same_dtype(x, *t, "output_gate_backward");
+  }
+  dispatch_float(x, "output_gate_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T *xs = x.ptr<T>(), *dy = dout.ptr<T>();
+    T *gs = gate.ptr<T>(), *dxs = dx.ptr<T>(), *dgs = dgate.ptr<T>();
+    pool_.parallel_for(x.numel(), kBlock, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        const double s = sigmoid(static_cast<double>(gs[i])), d = static_cast<double>(dy[i]), v = static_cast<double>(xs[i]);
+        dxs[i] = static_cast<T>(d * s);
+        dgs[i] = static_cast<T>(d * v * s * (1.0 - s));
+      }
+    });
+  });
 }
 
 }  // namespace mt::reference

@@ -79,6 +79,10 @@ class ReferenceBackend final : public Backend {
   void swiglu_forward(Tensor out, Tensor in) override;
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
+  void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) override;
+  void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
+  void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;
+  void output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) override;
   void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                         uint64_t dropout_key) override;
   void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key,

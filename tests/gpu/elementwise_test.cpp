@@ -228,6 +228,42 @@ TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
       }
 }
 
+TEST_CASE("cuda attention output gate: QKV split/merge and the sigmoid gate", "[gpu][activation]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (const GateShape gs : {GateShape{1, 1, 8}, GateShape{2, 3, 5}, GateShape{3, 2, 64}, GateShape{4, 4, 12}})
+      for (int64_t rows : {1, 7, 129}) {
+        INFO(dtype_name(dt) << " groups " << gs.groups << " q/group " << gs.q_per_group << " d " << gs.head_dim
+                            << " rows " << rows);
+        // Split and merge move elements: bit for bit the reference's.
+        Twin qkvg = twin(dt, {rows, gs.qkvg_width()}, rng.normal(rows * gs.qkvg_width()));
+        Twin qkv = twin_nan(dt, {rows, gs.qkv_width()}), gate = twin_nan(dt, {rows, gs.gate_width()});
+        dev().attention_gate_split(qkv.c(), gate.c(), qkvg.c(), gs);
+        ref().attention_gate_split(qkv.r(), gate.r(), qkvg.r(), gs);
+        MT_CHECK_CLOSE(qkv, 0.0);
+        MT_CHECK_CLOSE(gate, 0.0);
+        Twin merged = twin_nan(dt, {rows, gs.qkvg_width()});
+        dev().attention_gate_merge(merged.c(), qkv.c(), gate.c(), gs);
+        CHECK(differing(download_bytes(dev(), merged.c()), download_bytes(dev(), qkvg.c()), dtype_size(dt)) == 0);
+        // The gate on odd-width views too (a row of attention output per token).
+        const int64_t n = rows * gs.gate_width();
+        Twin x = twin(dt, {rows, gs.gate_width()}, rng.normal(n, 2.0)), out = twin_nan(dt, {rows, gs.gate_width()});
+        dev().output_gate_forward(out.c(), x.c(), gate.c());
+        ref().output_gate_forward(out.r(), x.r(), gate.r());
+        MT_CHECK_CLOSE(out, tol_for(dt));
+        Twin dout = twin(dt, {rows, gs.gate_width()}, rng.normal(n)), dx = twin_nan(dt, {rows, gs.gate_width()}),
+             dgate = twin_nan(dt, {rows, gs.gate_width()});
+        dev().output_gate_backward(dx.c(), dgate.c(), dout.c(), x.c(), gate.c());
+        ref().output_gate_backward(dx.r(), dgate.r(), dout.r(), x.r(), gate.r());
+        MT_CHECK_CLOSE(dx, tol_for(dt));
+        MT_CHECK_CLOSE(dgate, tol_for(dt));
+        // In place, as the model runs it (dx over dout, dgate over gate): the same bits.
+        dev().output_gate_backward(dout.c(), gate.c(), dout.c(), x.c(), gate.c());
+        CHECK(differing(download_bytes(dev(), dout.c()), download_bytes(dev(), dx.c()), dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(dev(), gate.c()), download_bytes(dev(), dgate.c()), dtype_size(dt)) == 0);
+      }
+}
+
 TEST_CASE("cuda bias_dropout_add and dropout_backward draw the reference's mask", "[gpu][activation]") {
   MT_RNG(rng);
   for (DType dt : kFloatTypes)

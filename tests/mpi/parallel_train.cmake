@@ -59,6 +59,11 @@ megatrain_parallel_train_test(parallel_train_llama_tp2_pp2 --model
   4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
 # Sliding-window attention (window of 4 earlier tokens of 16) on layers 1 and 3 only: each
 # pipeline stage must give its layers their global numbers' windows.
+# --attention-output-gate: TP splits the gated QKV projection by query groups, [q | gate | k | v]
+# each; with q/k layernorm, GQA and sequence parallelism.
+megatrain_parallel_train_test(parallel_train_output_gate_tp2_sp_pp2 --model
+  "--attention-output-gate --qk-layernorm --group-query-attention --num-query-groups 2 --position-embedding-type rope"
+  4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --window-size 4,0 --window-attn-skip-freq 2"
   4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
@@ -102,6 +107,14 @@ add_test(NAME parallel_train_killed_rank
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(parallel_train_killed_rank PROPERTIES LABELS mpi
   ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+# --test-mode: q/k layernorm replicas are compared over DP and TP before each step; a run whose
+# replicas agree trains to the end, and one rank's silently corrupted weight stops every rank.
+megatrain_mpi_test(parallel_train_test_mode_tp2_dp2 4 $<TARGET_FILE:megatrain> ${parallel_train_tiny}
+  --tensor-model-parallel-size 2 --qk-layernorm --test-mode)
+megatrain_mpi_failure_test(parallel_train_test_mode_corrupt_tp2_dp2 4 120
+  "error: --test-mode: discrepancy between decoder.layers.0.self_attention.q_layernorm.weight in DP ranks [01] and [01]. Diff: [0-9]"
+  -x MEGATRAIN_DEBUG_FAULT=corrupt@1:3
+  $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2 --qk-layernorm --test-mode)
 megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
   "rank 0\\] error: .*timed out after 2 s waiting for .*group '"
   -x MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS=2 -x MEGATRAIN_DEBUG_FAULT=hang@1:3
