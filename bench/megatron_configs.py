@@ -10,7 +10,9 @@ every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-si
 smallest multiple of TP x PP x CP that is at least 8, the GPUs of one node).
 
 Prints one line per config (PASS / FAIL and the problems named), then how many passed and which
-problems stop how many configs. `--json FILE` writes the same as JSON.
+problems stop how many configs. `--json FILE` writes the same as JSON; `--write-fixture FILE`
+writes the passing command lines (scratch paths as @TMP@) for tests/cli_megatron_configs_test.cpp,
+which keeps them passing.
 
   python3 bench/megatron_configs.py --megatron ~/Megatron-LM --megatrain build/app/megatrain
 """
@@ -162,6 +164,8 @@ def main():
     ap.add_argument("--megatrain", required=True, help="megatrain binary")
     ap.add_argument("--vocab-size", default="32000")
     ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--write-fixture", help="write the passing configurations' flags here, one per line")
+    ap.add_argument("--megatron-commit", help="the Megatron-LM commit, for the fixture's header (default: git's)")
     ap.add_argument("--only", help="run only configs whose name contains this")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each config's command line")
     a = ap.parse_args()
@@ -196,7 +200,8 @@ def main():
             probs = [] if ok else problems(r.stderr)
             for p in {problem_key(p) for p in probs}:
                 tally[p] += 1
-            results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs})
+            results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs,
+                            "args": [w.replace(scratch, "@TMP@") for w in cmd[1:]]})
             print(f"{'PASS' if ok else 'FAIL'} {name} (world size {ws})" + ("" if ok else ": " + " | ".join(probs)))
             if a.verbose:
                 print("  " + shlex.join(cmd[1:]))
@@ -205,6 +210,16 @@ def main():
     print("problems, by how many configurations they stop:")
     for k, n in tally.most_common():
         print(f"  {n:4d}  {k}")
+    if a.write_fixture:
+        megatron_commit = a.megatron_commit or subprocess.run(
+            ["git", "-C", a.megatron, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+        with open(a.write_fixture, "w") as fh:
+            fh.write(f"# Megatron-LM training configurations that pass megatrain --dry-run ({passed} of {len(results)}\n"
+                     f"# at Megatron-LM {megatron_commit}), written by bench/megatron_configs.py --write-fixture:\n"
+                     "# NAME<TAB>the command line, shell-quoted, @TMP@ for a scratch directory.\n")
+            for r in results:
+                if r["passed"]:
+                    fh.write(r["config"] + "\t" + shlex.join(r["args"]) + "\n")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"passed": passed, "total": len(results), "results": results,

@@ -95,3 +95,27 @@ TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every p
   CHECK(roomy.exit_code == 0);
   CHECK_THAT(roomy.out, Contains("the peak fits"));
 }
+
+// Megatron-LM's own training configurations (functional tests and examples) that pass the dry run,
+// kept passing: tests/fixtures/megatron_configs.txt (bench/megatron_configs.py --write-fixture).
+TEST_CASE("cli: Megatron-LM's functional-test configurations that pass the dry run keep passing", "[cli][binary]") {
+  std::ifstream in(MEGATRAIN_SOURCE_DIR "/tests/fixtures/megatron_configs.txt");
+  REQUIRE(in.good());
+  TempDir d;
+  int configs = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t tab = line.find('\t');
+    REQUIRE(tab != std::string::npos);
+    const std::string name = line.substr(0, tab);
+    std::string args = line.substr(tab + 1);
+    for (size_t at; (at = args.find("@TMP@")) != std::string::npos;) args.replace(at, 5, d.str(std::to_string(configs)));
+    const RunResult r = run_binary_shell(args);
+    INFO(name << "\n" << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.out, Contains("dry run: "));
+    ++configs;
+  }
+  CHECK(configs >= 80);
+}

@@ -155,14 +155,14 @@ inline std::string shell_quote(const std::string& s) {
   return q;
 }
 
-// Runs the megatrain binary with `args` (and `env_prefix`, e.g. "WORLD_SIZE=2 RANK=1").
-inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
+// Runs the megatrain binary with `shell_args`, already shell-quoted words (and `env_prefix`, e.g.
+// "WORLD_SIZE=2 RANK=1").
+inline RunResult run_binary_shell(const std::string& shell_args, const std::string& env_prefix = "") {
   TempDir dir;
   // Launcher variables of the environment running the tests must not leak into the binary.
   std::string cmd("env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE "
                   "-u SLURM_PROCID -u SLURM_STEP_NUM_TASKS ");
-  cmd.append(env_prefix).append(" ").append(shell_quote(MEGATRAIN_BINARY));
-  for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
+  cmd.append(env_prefix).append(" ").append(shell_quote(MEGATRAIN_BINARY)).append(" ").append(shell_args);
   cmd.append(" >").append(dir.str("out")).append(" 2>").append(dir.str("err"));
   const int status = std::system(cmd.c_str());
   RunResult r;
@@ -176,6 +176,13 @@ inline RunResult run_binary(const Args& args, const std::string& env_prefix = ""
   r.out = slurp(dir.str("out"));
   r.err = slurp(dir.str("err"));
   return r;
+}
+
+// Runs the megatrain binary with `args` (and `env_prefix`).
+inline RunResult run_binary(const Args& args, const std::string& env_prefix = "") {
+  std::string words;
+  for (const auto& a : args) words.append(" ").append(shell_quote(a));
+  return run_binary_shell(words, env_prefix);
 }
 
 }  // namespace mt::test
