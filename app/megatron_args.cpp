@@ -8,7 +8,9 @@
 #include <optional>
 #include <set>
 
+#include "app/flags.h"
 #include "checkpoint/megatron_checkpoint.h"
+#include "checkpoint/pickle_writer.h"
 #include "core/error.h"
 
 namespace mt {
@@ -43,7 +45,7 @@ const ModelArg kModelArgs[] = {
     {"use_rope_scaling", "--use-rope-scaling", ArgKind::store_true},
     {"rope_scaling_factor", "--rope-scaling-factor", ArgKind::value},
     {"normalization", "--normalization", ArgKind::value},
-    {"norm_epsilon", "--norm-epsilon", ArgKind::value},
+    {"layernorm_epsilon", "--norm-epsilon", ArgKind::value},
     {"apply_layernorm_1p", "--apply-layernorm-1p", ArgKind::store_true},
     {"apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", ArgKind::store_true},
     {"swiglu", "--swiglu", ArgKind::store_true},
@@ -164,7 +166,89 @@ std::vector<std::string> model_flags_from_args(const PickleValue& args, const st
   return out;
 }
 
+// A recorded flag value (JSON) as the Python value argparse would hold.
+PickleRef python_value(const nlohmann::json& v) {
+  switch (v.type()) {
+    case nlohmann::json::value_t::null: return pickle_none();
+    case nlohmann::json::value_t::boolean: return pickle_bool(v.get<bool>());
+    case nlohmann::json::value_t::number_integer:
+    case nlohmann::json::value_t::number_unsigned: return pickle_int(v.get<int64_t>());
+    case nlohmann::json::value_t::number_float: return pickle_float(v.get<double>());
+    case nlohmann::json::value_t::string: return pickle_str(v.get<std::string>());
+    case nlohmann::json::value_t::array: {
+      std::vector<PickleRef> items;
+      for (const auto& i : v) items.push_back(python_value(i));
+      return pickle_list(std::move(items));
+    }
+    default: return pickle_none();
+  }
+}
+
+// Megatron's switches named --no-X whose destination is no_X (store_true); the other --no-X and
+// --disable-X switches store False under a destination of their own, written only through
+// kModelArgs.
+bool store_true_negative(const std::string& flag) {
+  static const char* const names[] = {"--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng",
+                                      "--no-initialization"};
+  for (const char* n : names)
+    if (flag == n) return true;
+  return false;
+}
+
+// "L,R" -> (L, R); "N" -> N; a per-layer list stays a list (Megatron's tuple_type and
+// moe_freq_type values).
+PickleRef model_arg_value(const std::string& dest, const nlohmann::json& v) {
+  if (!v.is_string()) return python_value(v);
+  const std::string t = v.get<std::string>();
+  if (dest == "window_size") {
+    const size_t comma = t.find(',');
+    if (comma != std::string::npos)
+      return pickle_tuple({pickle_int(std::stoll(t.substr(0, comma))), pickle_int(std::stoll(t.substr(comma + 1)))});
+  }
+  if (dest == "window_attn_skip_freq" && !t.empty() && t.find_first_not_of("0123456789") == std::string::npos)
+    return pickle_int(std::stoll(t));
+  return pickle_str(t);
+}
+
 }  // namespace
+
+void set_megatron_arg(PickleValue& args, const std::string& name, PickleRef value) {
+  if (!args.state) fail("set_megatron_arg: not an argparse.Namespace");
+  for (auto& [k, v] : args.state->entries)
+    if (k->is(PickleKind::string) && k->text == name) {
+      v = std::move(value);
+      return;
+    }
+  pickle_set(*args.state, name, std::move(value));
+}
+
+PickleRef megatron_args_from_flags(const nlohmann::json& flags) {
+  PickleRef args = pickle_object("argparse.Namespace", {}, pickle_dict());
+  std::set<std::string> model_flags;
+  for (const ModelArg& a : kModelArgs) model_flags.insert(a.flag);
+  for (const cli::FlagSpec& f : cli::flag_table().flags()) {
+    if (!f.value || f.kind == cli::FlagKind::megatrain || model_flags.count(f.name) || !flags.contains(f.name)) continue;
+    const nlohmann::json& v = flags.at(f.name);
+    std::string dest = f.name.substr(2);
+    if (f.arity == cli::Arity::none) {
+      const bool negative = dest.compare(0, 3, "no-") == 0 || dest.compare(0, 8, "disable-") == 0;
+      if (!v.is_boolean() || (negative && !store_true_negative(f.name))) continue;
+    }
+    std::replace(dest.begin(), dest.end(), '-', '_');
+    set_megatron_arg(*args, dest, python_value(v));
+  }
+  for (const ModelArg& a : kModelArgs) {
+    if (!flags.contains(a.flag)) continue;
+    const nlohmann::json& v = flags.at(a.flag);
+    if (a.kind == ArgKind::value) {
+      set_megatron_arg(*args, a.dest, model_arg_value(a.dest, v));
+    } else if (v.is_boolean()) {
+      // the recorded value says whether the switch is in effect; store_false's argument is its negation
+      set_megatron_arg(*args, a.dest, pickle_bool(v.get<bool>() == (a.kind == ArgKind::store_true)));
+    }
+  }
+  return args;
+}
 
 std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where) {
   return model_flags_from_args(args, where);

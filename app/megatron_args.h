@@ -6,6 +6,7 @@
 // parser to refuse by name.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -18,5 +19,15 @@ namespace mt {
 std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where);
 // --tokenizer-type, --vocab-file, --merge-file, --tokenizer-model, --vocab-size as saved.
 std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where);
+
+// The other direction, for export-megatron: the argparse.Namespace Megatron-LM saves as a
+// checkpoint's `args`, from megatrain's resolved flag values (`flags`: checkpoint_config_json's
+// "flags" of the run that saved it). The model's arguments go under the destinations the table
+// above reads them from; every other Megatron flag megatrain records under its name with '_' for
+// '-' (switches spelled --no-X / --disable-X, whose destinations differ, only where known). What
+// Megatron derives (layout, sizes, counters) the caller sets with set_megatron_arg.
+PickleRef megatron_args_from_flags(const nlohmann::json& flags);
+// Sets or replaces argument `name` of such a Namespace.
+void set_megatron_arg(PickleValue& args, const std::string& name, PickleRef value);
 
 }  // namespace mt

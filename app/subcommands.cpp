@@ -1,5 +1,6 @@
 #include "app/subcommands.h"
 
+#include "app/export_megatron.h"
 #include "app/hf_commands.h"
 #include "app/import_megatron.h"
 #include "app/inspect_data.h"
@@ -25,6 +26,11 @@ const std::vector<Subcommand>& subcommands() {
       {"import-megatron", "write a Megatron-LM checkpoint (torch or torch_dist format, with its optimizer state) as a megatrain checkpoint: "
                           "--load DIR --save CKPT [--ckpt-step N] [--weights-only]",
        &import_megatron_main},
+      {"export-megatron", "write a checkpoint as a Megatron-LM checkpoint (torch format, with its optimizer state) that "
+                          "pretrain_gpt.py --transformer-impl local continues from: --load CKPT --save DIR [--ckpt-step N] "
+                          "[--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] "
+                          "[--use-distributed-optimizer] [--weights-only]",
+       &export_megatron_main},
       {"forward-logits", "dump one sequence's logits (.npy) for checks: --load CKPT --tokens 1,2,3 --output FILE "
                          "[--device cpu|gpu]",
        &forward_logits_main},

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/megatron_names.h"
 #include "checkpoint/torch_file.h"
 #include "core/error.h"
 #include "core/shape_text.h"
@@ -30,44 +31,13 @@ bool megatron_bool_arg(const PickleValue& args, const std::string& name) {
 
 namespace {
 
-// How Megatron splits a tensor over tensor-parallel ranks (torch format only: torch_dist saves
-// global tensors).
-enum class TpJoin { replicated, rows, columns, swiglu_rows };
-
-TpJoin tp_join_of(const std::string& name, bool swiglu) {
-  auto ends = [&](const char* s) {
-    const size_t n = std::strlen(s);
-    return name.size() >= n && name.compare(name.size() - n, n, s) == 0;
-  };
-  if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) return swiglu ? TpJoin::swiglu_rows : TpJoin::rows;
-  if (ends("linear_qkv.weight") || ends("linear_qkv.bias") || name == "embedding.word_embeddings.weight" ||
-      name == "output_layer.weight")
-    return TpJoin::rows;
-  if (ends("linear_proj.weight") || ends("linear_fc2.weight")) return TpJoin::columns;
-  return TpJoin::replicated;
-}
-
-// The local spec's norm names -> the Transformer Engine names megatrain (and torch_dist) use.
-std::string te_layer_name(const std::string& rest) {
-  static const std::pair<const char*, const char*> renames[] = {
-      {"input_layernorm.", "self_attention.linear_qkv.layer_norm_"},
-      {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"}};
-  for (const auto& [from, to] : renames) {
-    const size_t n = std::strlen(from);
-    if (rest.compare(0, n, from) == 0) return to + rest.substr(n);
-  }
-  return rest;
-}
-
-// "decoder.layers.12.mlp..." -> (12, "mlp..."); nullopt for other names.
-std::optional<std::pair<int, std::string>> split_layer_name(const std::string& name) {
-  static const std::string prefix = "decoder.layers.";
-  if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
-  const size_t dot = name.find('.', prefix.size());
-  if (dot == std::string::npos) return std::nullopt;
-  const std::string number = name.substr(prefix.size(), dot - prefix.size());
-  if (number.empty() || number.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-  return std::make_pair(std::stoi(number), name.substr(dot + 1));
+// Writes a tensor-parallel shard (its local layout, rows contiguous) into its place in `out`.
+void place_shard(HostArray& out, const ShardIndex& sh, const HostArray& piece) {
+  const size_t elem = dtype_size(out.dtype);
+  const size_t row_bytes = static_cast<size_t>(sh.local_cols) * elem;
+  for (int64_t r = 0; r < sh.local_rows * sh.chunks; ++r)
+    std::memcpy(out.bytes.data() + static_cast<size_t>(shard_global_index(sh, r * sh.local_cols)) * elem,
+                piece.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
 }
 
 // Copies the box where `chunk` (at chunk_offsets of the global tensor) overlaps the box
@@ -144,7 +114,7 @@ struct MegatronCheckpoint::Files {
 struct MegatronCheckpoint::Source {
   // torch: the tensor in each TP rank's file, in rank order.
   std::vector<std::pair<const TorchFile*, const PickleValue*>> shards;
-  TpJoin join = TpJoin::replicated;
+  MegatronTpSplit join = MegatronTpSplit::replicated;
   // torch_dist: the stored chunks of `key`, and the index along its leading dimension when the
   // parameter is one layer of a stacked tensor.
   struct Chunk {
@@ -280,15 +250,15 @@ void MegatronCheckpoint::open_torch() {
           std::string name = k->text;
           if (name.size() > 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
           if (!TorchFile::is_tensor(*value)) continue;
-          if (auto layer = split_layer_name(name)) {
+          if (auto layer = megatron_split_layer_name(name)) {
             layers_here = std::max(layers_here, layer->first + 1);
-            name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, te_layer_name(layer->second));
+            name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
           }
           if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
           auto& src = found[name];
           if (!src) {
             src = std::make_shared<Source>();
-            src->join = tp_join_of(name, swiglu);
+            src->join = megatron_tp_split(name, swiglu);
             src->shards.resize(static_cast<size_t>(tp), {nullptr, nullptr});
           }
           if (!src->shards[static_cast<size_t>(t)].first) src->shards[static_cast<size_t>(t)] = {&f, value.get()};
@@ -478,7 +448,7 @@ void MegatronCheckpoint::open_torch_dist() {
                  const std::string& key, const std::string& model_key, const PickleValue& md) {
     const std::shared_ptr<Source> src = source_of(key, md);
     static const std::string stacked = "decoder.layers.";
-    if (model_key.compare(0, stacked.size(), stacked) == 0 && !split_layer_name(model_key)) {
+    if (model_key.compare(0, stacked.size(), stacked) == 0 && !megatron_split_layer_name(model_key)) {
       for (int64_t l = 0; l < src->key_shape[0]; ++l) {
         auto one = std::make_shared<Source>(*src);
         one->layer = static_cast<int>(l);
@@ -607,12 +577,7 @@ std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& 
       if (piece.numel() != sh.local_numel())
         fail("{}: the {} shard of '{}' on tensor rank {} has {} elements, not {}", directory_, state, name, t,
              piece.numel(), sh.local_numel());
-      // A shard's rows are contiguous runs of the global tensor.
-      const size_t elem = dtype_size(out.dtype);
-      const size_t row_bytes = static_cast<size_t>(sh.local_cols) * elem;
-      for (int64_t r = 0; r < sh.local_rows * sh.chunks; ++r)
-        std::memcpy(out.bytes.data() + static_cast<size_t>(shard_global_index(sh, r * sh.local_cols)) * elem,
-                    piece.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
+      place_shard(out, sh, piece);
     }
     return out;
   }
@@ -744,43 +709,21 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
   if (format_ == "torch") {
     std::vector<HostArray> parts;
     for (const auto& [file, value] : s.shards) parts.push_back(file->tensor(*value, name));
-    if (s.join == TpJoin::replicated || parts.size() == 1) return std::move(parts[0]);
+    if (s.join == MegatronTpSplit::replicated || parts.size() == 1) return std::move(parts[0]);
     const HostArray& p0 = parts[0];
     for (const HostArray& p : parts)
       if (p.dtype != p0.dtype || p.shape != p0.shape)
         fail("{}: the tensor-parallel shards of '{}' differ in shape or dtype ({} and {})", directory_, name,
              shape_text(p0.shape), shape_text(p.shape));
-    const size_t elem = dtype_size(p0.dtype);
-    const int64_t rows = p0.shape[0], cols = p0.shape.size() == 2 ? p0.shape[1] : 1;
-    const int64_t n = static_cast<int64_t>(parts.size());
-    HostArray out;
-    out.dtype = p0.dtype;
-    out.shape = p0.shape;
-    if (s.join == TpJoin::columns) {
-      if (p0.shape.size() != 2) fail("{}: '{}' is not a matrix", directory_, name);
-      out.shape[1] = cols * n;
-    } else {
-      out.shape[0] = rows * n;
-    }
-    out.bytes.resize(p0.bytes.size() * parts.size());
-    const size_t row_bytes = static_cast<size_t>(cols) * elem;
-    for (int64_t t = 0; t < n; ++t) {
-      const HostArray& p = parts[static_cast<size_t>(t)];
-      for (int64_t r = 0; r < rows; ++r) {
-        int64_t dst_row = t * rows + r, dst_col = 0;
-        if (s.join == TpJoin::columns) {
-          dst_row = r;
-          dst_col = t * cols;
-        } else if (s.join == TpJoin::swiglu_rows) {
-          // shard t is [gate_t; up_t]: gate rows go to the first half, up rows to the second
-          const int64_t half = rows / 2;
-          dst_row = r < half ? t * half + r : n * half + t * half + (r - half);
-        }
-        const int64_t out_cols = out.shape.size() == 2 ? out.shape[1] : 1;
-        std::memcpy(out.bytes.data() + (static_cast<size_t>(dst_row * out_cols + dst_col)) * elem,
-                    p.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
-      }
-    }
+    const int tp = static_cast<int>(parts.size());
+    std::vector<int64_t> global_shape = p0.shape;
+    const size_t split_dim = s.join == MegatronTpSplit::columns ? 1 : 0;
+    if (global_shape.size() <= split_dim || global_shape.size() > 2)
+      fail("{}: '{}' is {}, not split as Megatron splits it", directory_, name, shape_text(global_shape));
+    global_shape[split_dim] *= tp;
+    HostArray out = HostArray::zeros(p0.dtype, global_shape);
+    for (int t = 0; t < tp; ++t)
+      place_shard(out, megatron_tp_shard(s.join, global_shape, tp, t, name), parts[static_cast<size_t>(t)]);
     return out;
   }
   // torch_dist: one layer of a stacked tensor, or all of it.

@@ -7,9 +7,7 @@
 //    tensor x pipeline rank. Tensors are TP shards, layer numbers are local to their pipeline stage
 //    (virtual stages as model0, model1, ...), and the local transformer spec names its norms
 //    input_layernorm / pre_mlp_layernorm where Transformer Engine fuses them into linear_qkv /
-//    linear_fc1. Shards are joined as Megatron splits them: QKV (grouped per query group), fc1,
-//    embedding and output rows; proj and fc2 columns; SwiGLU's fc1 shards are [gate_i; up_i] and
-//    become [gate; up].
+//    linear_fc1. Shards are joined as Megatron splits them (checkpoint/megatron_names.h).
 //  * torch_dist (the default): PyTorch Distributed Checkpoint (.metadata + __R_K.distcp, each
 //    stored item a torch.save archive) with global, unsharded keys; the transformer layers are
 //    stacked along a leading dimension ("decoder.layers.mlp.linear_fc1.weight" is [L, 2f, h]) and

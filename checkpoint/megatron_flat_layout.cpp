@@ -205,8 +205,8 @@ Joins tp_joins(const Config& cfg, int tp) {
   return j;
 }
 
-// The bucket size Megatron used for chunk `chunk` of pipeline rank `pp_rank` (training.py:
-// resolve_ddp_bucket_size and the per-chunk rule); nullopt for one bucket.
+}  // namespace
+
 std::optional<int64_t> saved_bucket_size(const PickleValue& args, int pp_rank, int chunk) {
   if (!megatron_bool_arg(args, "overlap_grad_reduce") || pp_rank > 0 || chunk > 0 ||
       megatron_bool_arg(args, "overlap_param_gather_with_optimizer_step"))
@@ -219,8 +219,6 @@ std::optional<int64_t> saved_bucket_size(const PickleValue& args, int pp_rank, i
       megatron_int_arg(args, "data_parallel_size", 1) * megatron_int_arg(args, "context_parallel_size", 1);
   return std::max<int64_t>(40000000, 1000000 * dp_cp);
 }
-
-}  // namespace
 
 std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
                                        bool te_spec) {

@@ -32,6 +32,7 @@ namespace mt {
 
 struct Config;
 struct HostArray;
+struct PickleValue;
 struct PipelineSplit;
 class MegatronCheckpoint;
 
@@ -57,6 +58,12 @@ std::vector<FlatSlot> megatron_flat_slots(const std::vector<FlatParam>& params, 
 // pipeline stages and for later chunks): for the torch format's distrib_optim.pt, which stores a
 // chunk's buckets end to end without their sizes.
 std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& params, std::optional<int64_t> bucket_size);
+
+// The bucket size Megatron uses for chunk `chunk` of pipeline rank `pp_rank` of a run with `args`
+// (a checkpoint's saved args; training.py's bucket-size rule: --ddp-bucket-size, else 40M elements
+// or 1M per data-parallel rank, with --overlap-grad-reduce on the first pipeline stage's first
+// chunk only); nullopt for one bucket. Throws for --ddp-num-buckets, whose sizes are not rebuilt.
+std::optional<int64_t> saved_bucket_size(const PickleValue& args, int pp_rank, int chunk);
 
 // The parameters of `cfg`'s model in Megatron's registration order for one model chunk on tensor
 // rank `tp_rank` of `tp` (numel of that rank's shard). `te_spec`: saved by Transformer Engine's

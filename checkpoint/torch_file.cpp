@@ -109,16 +109,6 @@ std::string archive_prefix(const ZipArchive& z) {
   fail("{} has no data.pkl (not a torch.save file?)", z.what());
 }
 
-std::optional<DType> storage_dtype(const std::string& storage_type) {
-  static const std::pair<const char*, DType> table[] = {
-      {"torch.FloatStorage", DType::f32},  {"torch.BFloat16Storage", DType::bf16}, {"torch.HalfStorage", DType::f16},
-      {"torch.DoubleStorage", DType::f64}, {"torch.LongStorage", DType::i64},      {"torch.IntStorage", DType::i32},
-      {"torch.ByteStorage", DType::u8},    {"torch.ShortStorage", DType::i16}};
-  for (const auto& [n, d] : table)
-    if (storage_type == n) return d;
-  return std::nullopt;
-}
-
 // The _rebuild_tensor_v2 call (its function and arguments) under a Parameter wrapper, or under
 // _rebuild_from_type_v2(func, type, args, state), which torch.save writes for a tensor whose type
 // is a subclass (Megatron's float32 main weights).
@@ -137,7 +127,25 @@ TensorCall tensor_call(const PickleValue& v) {
   return {v.is(PickleKind::object) ? std::string_view(v.text) : std::string_view(), v.items};
 }
 
+// torch's storage types and the dtypes they hold.
+constexpr std::pair<const char*, DType> kStorageTypes[] = {
+    {"torch.FloatStorage", DType::f32},  {"torch.BFloat16Storage", DType::bf16}, {"torch.HalfStorage", DType::f16},
+    {"torch.DoubleStorage", DType::f64}, {"torch.LongStorage", DType::i64},      {"torch.IntStorage", DType::i32},
+    {"torch.ByteStorage", DType::u8},    {"torch.ShortStorage", DType::i16}};
+
 }  // namespace
+
+std::optional<DType> torch_storage_dtype(const std::string& storage_type) {
+  for (const auto& [n, d] : kStorageTypes)
+    if (storage_type == n) return d;
+  return std::nullopt;
+}
+
+std::string torch_storage_type(DType dtype) {
+  for (const auto& [n, d] : kStorageTypes)
+    if (dtype == d) return n;
+  fail("torch has no storage type for {} here", dtype_name(dtype));
+}
 
 TorchFile::TorchFile(std::shared_ptr<const MappedFile> file, uint64_t offset, uint64_t length)
     : archive_(std::move(file), offset, length), prefix_(archive_prefix(archive_)) {
@@ -198,7 +206,7 @@ TorchFile::StorageView TorchFile::storage_view(const PickleValue& v, const std::
   const auto& id = storage.items[0]->items;  // ("storage", <dtype>Storage, key, location, numel)
   if (!id[1]->is(PickleKind::global) || !id[2]->is(PickleKind::string))
     fail("{} has a malformed storage reference", where);
-  const std::optional<DType> dtype = storage_dtype(id[1]->text);
+  const std::optional<DType> dtype = torch_storage_dtype(id[1]->text);
   if (!dtype) fail("{} is stored as {}, which megatrain does not read", where, id[1]->text);
   if (!t.items[1]->is(PickleKind::integer)) fail("{} has a malformed storage offset", where);
   StorageView sv;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,10 @@ class ZipArchive {
   std::string what_;  // "FILE" or "FILE at byte N"
   std::map<std::string, Entry> entries_;
 };
+
+// torch's storage types ("torch.FloatStorage") and their dtypes; nullopt / a throw for others.
+std::optional<DType> torch_storage_dtype(const std::string& storage_type);
+std::string torch_storage_type(DType dtype);
 
 // A torch.Size (or plain tuple or list) of ints; throws naming `what` for anything else.
 std::vector<int64_t> torch_size(const PickleValue& v, const std::string& what);

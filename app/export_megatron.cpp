@@ -1,0 +1,664 @@
+// megatrain export-megatron: a megatrain checkpoint as a Megatron-LM torch-format checkpoint
+// (app/export_megatron.h). The files follow what Megatron-LM's save_checkpoint writes for the local
+// transformer implementation with PyTorch's AdamW (megatron/training/checkpointing.py,
+// megatron/core/optimizer/): per tensor x pipeline rank one torch.save'd dict
+//   args                      argparse.Namespace (app/megatron_args.h)
+//   checkpoint_version        3.0
+//   iteration                 N
+//   model | model0, model1..  each model chunk's state dict: stage-local layer numbers, the local
+//                             spec's names, this tensor rank's shards, "<linear>._extra_state": None
+//   optimizer                 the non-distributed optimizer: torch's Adam state dict {state: {index:
+//                             {step, exp_avg, exp_avg_sq}}, param_groups} (bf16/fp16 models: inside
+//                             Megatron's wrapper with fp32_from_fp16_params and the loss scaler's
+//                             state); the distributed optimizer: the param groups only (with the step),
+//                             its state in distrib_optim.pt beside the file
+//   opt_param_scheduler       OptimizerParamScheduler.state_dict (steps in samples)
+//   rng_state                 checkpoint/megatron_rng.h
+//   num_floating_point_operations_so_far
+#include "app/export_megatron.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "app/checkpoint_args.h"
+#include "app/megatron_args.h"
+#include "app/subcommand_args.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/megatron_flat_layout.h"
+#include "checkpoint/megatron_names.h"
+#include "checkpoint/megatron_rng.h"
+#include "checkpoint/pickle_writer.h"
+#include "checkpoint/torch_writer.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/shape_text.h"
+#include "engine/lr_schedule.h"
+#include "engine/model_dims.h"
+#include "parallel/pipeline_layout.h"
+
+namespace mt {
+
+namespace {
+
+using nlohmann::json;
+
+const json& null_json() {
+  static const json n;
+  return n;
+}
+
+// A recorded flag's value; null when the checkpoint records none.
+const json& recorded(const json& flags, const char* flag) {
+  auto it = flags.find(flag);
+  return it == flags.end() ? null_json() : *it;
+}
+
+template <typename T>
+T recorded_or(const json& flags, const char* flag, T fallback) {
+  const json& v = recorded(flags, flag);
+  return v.is_null() ? fallback : v.get<T>();
+}
+
+std::optional<int> recorded_int(const json& flags, const char* flag) {
+  const json& v = recorded(flags, flag);
+  if (v.is_null()) return std::nullopt;
+  return v.get<int>();
+}
+
+// A step count (Megatron keeps them as ints) as it would be saved.
+PickleRef count_value(const json& v) {
+  const double d = v.get<double>();
+  if (std::floor(d) == d && std::abs(d) < 9e15) return pickle_int(static_cast<int64_t>(d));
+  return pickle_float(d);
+}
+
+PickleRef int_or_none(const std::optional<int>& v) { return v ? pickle_int(*v) : pickle_none(); }
+
+// The Megatron run's layout.
+struct Layout {
+  int tp = 1, pp = 1, vpp = 1, dp = 1;
+  std::optional<int> first_stage_layers, last_stage_layers;
+  bool account_for_embedding = false, account_for_loss = false;
+  bool distributed_optimizer = false;
+  // the distributed optimizer's buckets (distrib_optim.pt stores them end to end)
+  bool overlap_grad_reduce = false;
+  std::optional<int64_t> ddp_bucket_size;
+};
+
+Layout target_layout(const MegatronExportOptions& o, const json& flags, const json& derived) {
+  Layout saved;
+  saved.tp = recorded_or<int>(flags, "--tensor-model-parallel-size", 1);
+  saved.pp = recorded_or<int>(flags, "--pipeline-model-parallel-size", 1);
+  saved.vpp = derived.is_object() ? derived.value("virtual_pipeline_size", 1) : 1;
+  saved.dp = derived.is_object() ? derived.value("data_parallel_size", 1) : 1;
+  saved.first_stage_layers = recorded_int(flags, "--decoder-first-pipeline-num-layers");
+  saved.last_stage_layers = recorded_int(flags, "--decoder-last-pipeline-num-layers");
+  saved.account_for_embedding = recorded_or<bool>(flags, "--account-for-embedding-in-pipeline-split", false);
+  saved.account_for_loss = recorded_or<bool>(flags, "--account-for-loss-in-pipeline-split", false);
+  saved.distributed_optimizer = recorded_or<bool>(flags, "--use-distributed-optimizer", false);
+  saved.overlap_grad_reduce = recorded_or<bool>(flags, "--overlap-grad-reduce", false);
+  if (const json& b = recorded(flags, "--ddp-bucket-size"); !b.is_null()) saved.ddp_bucket_size = b.get<int64_t>();
+  Layout l = saved;
+  l.tp = o.tp.value_or(saved.tp);
+  l.pp = o.pp.value_or(saved.pp);
+  if (l.pp != saved.pp || o.vpp || o.first_stage_layers || o.last_stage_layers) {
+    // another pipeline split: only what is asked for
+    l.vpp = o.vpp.value_or(1);
+    l.first_stage_layers = o.first_stage_layers;
+    l.last_stage_layers = o.last_stage_layers;
+    l.account_for_embedding = l.account_for_loss = false;
+  }
+  l.dp = o.dp.value_or(saved.dp);
+  l.distributed_optimizer = o.distributed_optimizer.value_or(saved.distributed_optimizer);
+  l.overlap_grad_reduce = o.overlap_grad_reduce || saved.overlap_grad_reduce;
+  if (o.ddp_bucket_size) l.ddp_bucket_size = o.ddp_bucket_size;
+  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.dp < 1)
+    fail("export-megatron: the parallel sizes must be >= 1 (TP {}, PP {}, virtual stages {}, DP {})", l.tp, l.pp, l.vpp,
+         l.dp);
+  return l;
+}
+
+// Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; the exported
+// embedding keeps the checkpoint's rows, so the Megatron run must pad to the same number.
+int vocab_divisor(const ModelConfig& m, const Layout& l, std::optional<int> asked, const std::string& where) {
+  const int div = asked.value_or(m.make_vocab_size_divisible_by);
+  auto padded = [&](int64_t d) {
+    const int64_t multiple = d * l.tp;
+    return (m.vocab_size + multiple - 1) / multiple * multiple;
+  };
+  if (div >= 1 && padded(div) == m.padded_vocab_size) return div;
+  std::string hint;
+  for (int64_t d = m.padded_vocab_size / l.tp; d >= 1; --d)
+    if (padded(d) == m.padded_vocab_size) {
+      hint = fmt::format("; --make-vocab-size-divisible-by {} gives {} rows at TP {} (pass it to export-megatron and "
+                         "to Megatron-LM)",
+                         d, m.padded_vocab_size, l.tp);
+      break;
+    }
+  if (hint.empty())
+    hint = fmt::format("; no --make-vocab-size-divisible-by gives {} rows at TP {}: choose a tensor-parallel size that "
+                       "divides {}",
+                       m.padded_vocab_size, l.tp, m.padded_vocab_size);
+  fail("{}: Megatron-LM pads the vocabulary of {} tokens to a multiple of --make-vocab-size-divisible-by {} x TP {} = "
+       "{} rows, but the checkpoint's embedding has {}{}",
+       where, m.vocab_size, div, l.tp, padded(div), m.padded_vocab_size, hint);
+}
+
+// A parameter as one tensor rank holds it in one model chunk.
+struct RankParam {
+  std::string source;      // megatrain's name (the tied output copy reads the word embeddings)
+  std::string local_name;  // in the chunk's state dict
+  std::vector<int64_t> global_shape, local_shape;
+  ShardIndex shard;
+  bool weight_decay = true;
+};
+
+class Exporter {
+ public:
+  Exporter(CheckpointReader& reader, const ModelConfig& model, const Layout& layout)
+      : reader_(reader), model_(model), layout_(layout) {
+    where_ = join_path(reader.directory(), "manifest.json");
+  }
+
+  // The parameters of chunk `c` on tensor rank `t`, in Megatron's registration order.
+  std::vector<RankParam> chunk_params(const Config& cfg, const ModelChunk& c, int t) const {
+    std::vector<RankParam> out;
+    for (const FlatParam& fp : megatron_chunk_params(cfg, layout_.tp, t, c.first_layer, c.num_layers, c.has_embedding,
+                                                     c.has_output, layout_.pp > 1, /*te_spec=*/false)) {
+      RankParam p;
+      p.source = fp.name.empty() ? "embedding.word_embeddings.weight" : fp.name;
+      p.local_name = fp.name.empty() ? "output_layer.weight" : fp.name;
+      if (auto layer = megatron_split_layer_name(fp.name))
+        p.local_name = fmt::format("decoder.layers.{}.{}", layer->first - c.first_layer,
+                                   megatron_local_layer_name(layer->second));
+      if (!reader_.has(p.source)) fail("{} has no '{}', which the model it records has", where_, p.source);
+      p.global_shape = reader_.info(p.source).global_shape;
+      p.shard = megatron_tp_shard(megatron_tp_split(p.source, model_.swiglu), p.global_shape, layout_.tp, t, p.source);
+      p.local_shape = megatron_shard_shape(p.shard, p.global_shape);
+      if (p.local_shape != fp.local_shape)
+        fail("export-megatron: '{}' on tensor rank {} is {} by Megatron's split but {} in megatrain's layout", p.source,
+             t, shape_text(p.local_shape), shape_text(fp.local_shape));
+      p.weight_decay = fp.weight_decay;
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+
+  // A rank's shard of `name` (kind) in `dtype`, read when the file is written.
+  PickleRef shard(TorchSaveWriter& w, const RankParam& p, CheckpointKind kind, const std::string& name, DType dtype) {
+    CheckpointReader* reader = &reader_;
+    return w.tensor(dtype, p.local_shape, [reader, p, kind, name, dtype]() {
+      HostArray a = HostArray::zeros(dtype, p.local_shape);
+      reader->read(name, kind, ShardSlice::whole(p.shard), Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}),
+                   p.global_shape);
+      return a;
+    });
+  }
+
+  DType model_dtype(const std::string& name) const { return reader_.info(name).dtype; }
+
+  // The float32 main weights: a separate copy in bf16/fp16 checkpoints, the weights themselves
+  // in float32 ones.
+  std::pair<CheckpointKind, std::string> main_source(const std::string& name) const {
+    if (reader_.has(name, CheckpointKind::main_params)) return {CheckpointKind::main_params, name};
+    return {CheckpointKind::model, name};
+  }
+
+  const std::string& where() const { return where_; }
+
+ private:
+  CheckpointReader& reader_;
+  const ModelConfig& model_;
+  const Layout& layout_;
+  std::string where_;
+};
+
+bool has_extra_state_after(const std::vector<RankParam>& params, size_t k) {
+  auto module = [](const std::string& n) { return n.substr(0, n.rfind('.')); };
+  const std::string m = module(params[k].local_name);
+  return megatron_has_extra_state(m) && (k + 1 == params.size() || module(params[k + 1].local_name) != m);
+}
+
+}  // namespace
+
+MegatronExportResult export_megatron(const MegatronExportOptions& o) {
+  if (o.format != "torch")
+    throw Unsupported(fmt::format("export-megatron writes --ckpt-format torch (got '{}'); Megatron-LM converts it to "
+                                  "torch_dist with its own --ckpt-convert-format",
+                                  o.format));
+  const std::optional<CheckpointLocation> loc = locate_checkpoint(o.load, o.ckpt_step);
+  if (!loc) fail("{} has no latest_checkpointed_iteration.txt: pass --ckpt-step N or the directory megatrain's --save wrote", o.load);
+  CheckpointReader reader = CheckpointReader::open_directory(loc->directory);
+  const std::string where = join_path(reader.directory(), "manifest.json");
+  const RunState& rs = reader.run_state();
+  if (!rs.config.contains("model")) fail("{} records no model configuration: cannot tell which model it is", where);
+  const ModelConfig model = model_config_from_json(rs.config.at("model"), where);
+  const json flags = rs.config.value("flags", json::object());
+  const json derived = rs.config.value("derived", json::object());
+  const Layout layout = target_layout(o, flags, derived);
+  const int divisor = vocab_divisor(model, layout, o.make_vocab_size_divisible_by, where);
+
+  // The Megatron run's model and layout, checked as megatrain checks its own (divisibility, splits).
+  Config cfg;
+  cfg.model = model;
+  cfg.train.micro_batch_size = recorded_or<int>(flags, "--micro-batch-size", 1);
+  cfg.parallel.tensor_model_parallel_size = layout.tp;
+  cfg.parallel.pipeline_model_parallel_size = layout.pp;
+  cfg.parallel.virtual_pipeline_size = layout.vpp;
+  if (layout.vpp > 1) cfg.parallel.num_virtual_stages_per_pipeline_rank = layout.vpp;
+  cfg.parallel.decoder_first_pipeline_num_layers = layout.first_stage_layers;
+  cfg.parallel.decoder_last_pipeline_num_layers = layout.last_stage_layers;
+  cfg.parallel.account_for_embedding_in_pipeline_split = layout.account_for_embedding;
+  cfg.parallel.account_for_loss_in_pipeline_split = layout.account_for_loss;
+  const PipelineSplit split = PipelineSplit::from_config(cfg);
+  pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
+  for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, layout.tp, t, 1, 0);
+
+  MegatronExportResult r;
+  r.tp = layout.tp;
+  r.pp = layout.pp;
+  r.vpp = layout.vpp;
+  r.dp = layout.dp;
+  r.distributed_optimizer = layout.distributed_optimizer;
+
+  // Whether the optimizer state goes over.
+  // (the precision the weights were trained in, as stored: an imported checkpoint records no --bf16)
+  if (!reader.has("embedding.word_embeddings.weight")) fail("{} has no embedding.word_embeddings.weight", where);
+  const DType weights = reader.info("embedding.word_embeddings.weight").dtype;
+  const bool bf16 = weights == DType::bf16, fp16 = weights == DType::f16;
+  const json optimizer = rs.extra.value("optimizer", json::object());
+  Exporter ex(reader, model, layout);
+  std::string why;
+  if (o.weights_only) why = "--weights-only asks for the weights alone";
+  else if (loc->release) why = "it is a release checkpoint (weights only)";
+  else if (optimizer.value("kind", std::string()) != "adam")
+    why = fmt::format("its optimizer is {}, and export-megatron writes Adam's state",
+                      optimizer.value("kind", std::string("not recorded")));
+  else if (!rs.lr_scheduler.contains("num_steps")) why = "it holds no learning-rate scheduler state (saved with --no-save-optim?)";
+  else if (!recorded(flags, "--decoupled-lr").is_null()) why = "it was trained with --decoupled-lr, whose param groups are not written";
+  else {
+    for (const std::string& name : reader.names())
+      if (!reader.has(name + ".exp_avg", CheckpointKind::optimizer) || !reader.has(name + ".exp_avg_sq", CheckpointKind::optimizer)) {
+        if (name.find("fp8_meta") != std::string::npos) continue;
+        why = fmt::format("it holds no Adam state for '{}' (saved with --no-save-optim?)", name);
+        break;
+      } else if ((bf16 || fp16) && !reader.has(name, CheckpointKind::main_params)) {
+        why = fmt::format("it holds no float32 main weights for '{}'", name);
+        break;
+      }
+  }
+  const bool with_optimizer = why.empty();
+  r.release = !with_optimizer;
+  if (!o.weights_only) r.weights_only_reason = why;
+  r.iteration = r.release ? 0 : reader.iteration();
+  for (const std::string& name : reader.names())
+    if (name.find(".fp8_meta.") != std::string::npos) {
+      log::warn0("export-megatron: {} holds FP8 scaling state, which Megatron-LM's local transformer implementation has "
+                 "no place for; it is not exported (an FP8 run starts its scales afresh)",
+                 where);
+      break;
+    }
+
+  // The args namespace.
+  PickleRef args = megatron_args_from_flags(flags);
+  auto set_arg = [&](const std::string& name, PickleRef v) { set_megatron_arg(*args, name, std::move(v)); };
+  set_arg("tensor_model_parallel_size", pickle_int(layout.tp));
+  set_arg("pipeline_model_parallel_size", pickle_int(layout.pp));
+  set_arg("transformer_pipeline_model_parallel_size", pickle_int(layout.pp));
+  set_arg("virtual_pipeline_model_parallel_size", layout.vpp > 1 ? pickle_int(layout.vpp) : pickle_none());
+  set_arg("num_virtual_stages_per_pipeline_rank", layout.vpp > 1 ? pickle_int(layout.vpp) : pickle_none());
+  set_arg("num_layers_per_virtual_pipeline_stage", pickle_none());
+  set_arg("decoder_first_pipeline_num_layers", int_or_none(layout.first_stage_layers));
+  set_arg("decoder_last_pipeline_num_layers", int_or_none(layout.last_stage_layers));
+  set_arg("account_for_embedding_in_pipeline_split", pickle_bool(layout.account_for_embedding));
+  set_arg("account_for_loss_in_pipeline_split", pickle_bool(layout.account_for_loss));
+  set_arg("context_parallel_size", pickle_int(1));
+  set_arg("data_parallel_size", pickle_int(layout.dp));
+  set_arg("world_size", pickle_int(layout.tp * layout.pp * layout.dp));
+  set_arg("rank", pickle_int(0));
+  set_arg("use_distributed_optimizer", pickle_bool(layout.distributed_optimizer));
+  set_arg("overlap_grad_reduce", pickle_bool(layout.overlap_grad_reduce));
+  set_arg("ddp_bucket_size", layout.ddp_bucket_size ? pickle_int(*layout.ddp_bucket_size) : pickle_none());
+  set_arg("ckpt_format", pickle_str("torch"));
+  set_arg("use_dist_ckpt", pickle_bool(false));
+  set_arg("transformer_impl", pickle_str("local"));
+  set_arg("make_vocab_size_divisible_by", pickle_int(divisor));
+  set_arg("padded_vocab_size", pickle_int(model.padded_vocab_size));
+  set_arg("num_layers", pickle_int(model.num_layers));
+  set_arg("encoder_num_layers", pickle_int(model.num_layers));
+  set_arg("seq_length", pickle_int(model.seq_length));
+  set_arg("encoder_seq_length", pickle_int(model.seq_length));
+  set_arg("kv_channels", pickle_int(model.head_dim));
+  set_arg("ffn_hidden_size", pickle_int(model.ffn_size));
+  set_arg("num_query_groups", pickle_int(model.query_groups));
+  set_arg("bf16", pickle_bool(bf16));
+  set_arg("fp16", pickle_bool(fp16));
+  set_arg("params_dtype", pickle_global(torch_dtype_name(bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32)));
+  set_arg("iteration", pickle_int(r.iteration));
+  set_arg("consumed_train_samples", pickle_int(r.release ? 0 : rs.consumed_train_samples));
+  set_arg("skipped_train_samples", pickle_int(r.release ? 0 : rs.skipped_train_samples));
+  set_arg("consumed_valid_samples", pickle_int(r.release ? 0 : rs.consumed_valid_samples));
+  set_arg("num_floating_point_operations_so_far", pickle_float(r.release ? 0 : rs.num_floating_point_operations_so_far));
+  set_arg("no_save_optim", r.release ? pickle_bool(true) : pickle_none());
+  set_arg("no_save_rng", r.release ? pickle_bool(true) : pickle_none());
+  set_arg("save", pickle_str(o.save));
+  set_arg("load", pickle_str(o.save));
+
+  // The optimizer's settings as Megatron's param groups hold them.
+  // (max_lr and min_lr as the scheduler saved them: the Megatron run's --lr and --min-lr must equal them)
+  double max_lr = 0, min_lr = 0, lr = 0, wd = 0;
+  const int64_t step = optimizer.value("successful_steps", int64_t{0});
+  PickleRef scheduler = pickle_dict();
+  if (with_optimizer) {
+    LrSchedule sched(lr_schedule_params_from_json(rs.lr_scheduler, where));
+    sched.set_num_steps(rs.lr_scheduler.at("num_steps").get<int64_t>());
+    max_lr = sched.params().max_lr;
+    min_lr = sched.params().min_lr;
+    lr = sched.lr(max_lr, min_lr);
+    wd = sched.weight_decay();
+    const json& s = rs.lr_scheduler;
+    pickle_set(*scheduler, "max_lr", pickle_float(s.at("max_lr").get<double>()));
+    pickle_set(*scheduler, "lr_warmup_steps", count_value(s.at("lr_warmup_steps")));
+    pickle_set(*scheduler, "num_steps", pickle_int(s.at("num_steps").get<int64_t>()));
+    pickle_set(*scheduler, "lr_decay_style", pickle_str(s.at("lr_decay_style").get<std::string>()));
+    pickle_set(*scheduler, "lr_decay_steps", count_value(s.at("lr_decay_steps")));
+    pickle_set(*scheduler, "min_lr", pickle_float(s.at("min_lr").get<double>()));
+    pickle_set(*scheduler, "start_wd", pickle_float(s.at("start_wd").get<double>()));
+    pickle_set(*scheduler, "end_wd", pickle_float(s.at("end_wd").get<double>()));
+    pickle_set(*scheduler, "wd_incr_style", pickle_str(s.at("wd_incr_style").get<std::string>()));
+    pickle_set(*scheduler, "wd_incr_steps", count_value(s.at("wd_incr_steps")));
+  }
+  // Megatron's two param groups: the default (weight decay), then biases and 1-D parameters
+  // (wd_mult 0); `params` is added per rank (non-distributed) or left out (distributed).
+  auto param_group = [&](bool decay) {
+    PickleRef g = pickle_dict();
+    pickle_set(*g, "is_expert_parallel", pickle_bool(false));
+    pickle_set(*g, "default_config", pickle_bool(true));
+    pickle_set(*g, "wd_mult", pickle_float(decay ? 1.0 : 0.0));
+    pickle_set(*g, "lr_mult", pickle_float(1.0));
+    pickle_set(*g, "is_decoupled_lr", pickle_bool(false));
+    pickle_set(*g, "max_lr", pickle_float(max_lr));
+    pickle_set(*g, "min_lr", pickle_float(min_lr));
+    pickle_set(*g, "lr", pickle_float(lr));
+    pickle_set(*g, "betas", pickle_tuple({pickle_float(recorded_or<double>(flags, "--adam-beta1", 0.9)),
+                                          pickle_float(recorded_or<double>(flags, "--adam-beta2", 0.999))}));
+    pickle_set(*g, "eps", pickle_float(recorded_or<double>(flags, "--adam-eps", 1e-8)));
+    pickle_set(*g, "weight_decay", pickle_float(decay ? wd : 0.0));
+    pickle_set(*g, "amsgrad", pickle_bool(false));
+    pickle_set(*g, "maximize", pickle_bool(false));
+    pickle_set(*g, "foreach", pickle_none());
+    pickle_set(*g, "capturable", pickle_bool(false));
+    pickle_set(*g, "differentiable", pickle_bool(false));
+    pickle_set(*g, "fused", pickle_none());
+    pickle_set(*g, "decoupled_weight_decay", pickle_bool(true));
+    // Adam's step also in the group, where Transformer Engine's and Apex's FusedAdam keep it
+    pickle_set(*g, "step", pickle_float(static_cast<double>(step)));
+    return g;
+  };
+  // The loss scaler's state beside the optimizer's (--fp16's dynamic scaler; a constant one saves {}).
+  auto grad_scaler = [&](TorchSaveWriter& w, PickleValue& opt) {
+    if (!recorded(flags, "--loss-scale").is_null()) {
+      pickle_set(opt, "grad_scaler", pickle_dict());
+    } else if (fp16) {
+      const json& s = rs.loss_scaler;
+      if (s.value("kind", std::string()) != "dynamic") fail("{}: an --fp16 checkpoint without its dynamic loss scaler's state", where);
+      PickleRef g = pickle_dict();
+      HostArray scale = HostArray::zeros(DType::f32, {1});
+      scale.ptr<float>()[0] = static_cast<float>(s.at("scale").get<double>());
+      pickle_set(*g, "scale", w.tensor(std::move(scale)));
+      pickle_set(*g, "growth_tracker", pickle_int(s.at("growth_tracker").get<int64_t>()));
+      pickle_set(*g, "hysteresis_tracker", pickle_int(s.at("hysteresis_tracker").get<int64_t>()));
+      pickle_set(opt, "grad_scaler", g);
+    }
+  };
+
+  // Write every rank's files into <save>/<iteration directory>.tmp, then move it into place.
+  const std::string dir_name = r.release ? std::string("release") : iteration_directory_name(r.iteration);
+  const std::string final_dir = join_path(o.save, dir_name), tmp_dir = final_dir + ".tmp";
+  make_directories(o.save);
+  remove_tree(tmp_dir);
+  const int64_t seed = recorded_or<int64_t>(flags, "--seed", 1234);
+  const bool dp_random_init = recorded_or<bool>(flags, "--data-parallel-random-init", false);
+  for (int p = 0; p < layout.pp; ++p) {
+    const std::vector<ModelChunk> chunks = stage_chunks(split, p);
+    for (int t = 0; t < layout.tp; ++t) {
+      const std::string rank_dir =
+          layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
+      make_directories(join_path(tmp_dir, rank_dir));
+      TorchSaveWriter w;
+      PickleRef root = pickle_dict();
+      pickle_set(*root, "args", args);
+      pickle_set(*root, "checkpoint_version", pickle_float(3.0));
+      pickle_set(*root, "iteration", pickle_int(r.iteration));
+      std::vector<std::vector<RankParam>> params;  // by chunk
+      for (size_t v = 0; v < chunks.size(); ++v) {
+        params.push_back(ex.chunk_params(cfg, chunks[v], t));
+        const std::vector<RankParam>& ps = params.back();
+        PickleRef sd = pickle_ordered_dict();
+        for (size_t k = 0; k < ps.size(); ++k) {
+          pickle_set(*sd, ps[k].local_name,
+                     ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
+          if (has_extra_state_after(ps, k)) pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
+        }
+        // the output layer of a model whose embeddings it shares on the same stage has no weight
+        if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
+          pickle_set(*sd, "output_layer._extra_state", pickle_none());
+        pickle_set(*root, chunks.size() > 1 ? fmt::format("model{}", v) : std::string("model"), sd);
+      }
+      if (with_optimizer) {
+        PickleRef opt = pickle_dict();
+        if (!layout.distributed_optimizer) {
+          // torch's Adam state, indexed through the groups: those with weight decay, then those
+          // without, each in registration order over the rank's chunks
+          PickleRef adam = pickle_dict();
+          PickleRef state = pickle_dict();
+          PickleRef groups = pickle_list();
+          PickleRef mains = pickle_list();
+          int64_t index = 0;
+          for (const bool decay : {true, false}) {
+            PickleRef g = param_group(decay);
+            PickleRef indices = pickle_list();
+            PickleRef group_mains = pickle_list();
+            for (const auto& chunk : params)
+              for (const RankParam& rp : chunk) {
+                if (rp.weight_decay != decay) continue;
+                PickleRef s = pickle_dict();
+                HostArray one = HostArray::zeros(DType::f32, {});
+                one.ptr<float>()[0] = static_cast<float>(step);
+                pickle_set(*s, "step", w.tensor(std::move(one)));
+                pickle_set(*s, "exp_avg", ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg", DType::f32));
+                pickle_set(*s, "exp_avg_sq",
+                           ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg_sq", DType::f32));
+                pickle_set(*state, pickle_int(index), s);
+                indices->items.push_back(pickle_int(index++));
+                if (bf16 || fp16)
+                  group_mains->items.push_back(ex.shard(w, rp, CheckpointKind::main_params, rp.source, DType::f32));
+              }
+            pickle_set(*g, "params", indices);
+            groups->items.push_back(g);
+            mains->items.push_back(group_mains);
+          }
+          pickle_set(*adam, "state", state);
+          pickle_set(*adam, "param_groups", groups);
+          if (bf16 || fp16) {
+            pickle_set(*opt, "optimizer", adam);
+            grad_scaler(w, *opt);
+            pickle_set(*opt, "fp32_from_fp16_params", mains);
+          } else {
+            opt = adam;  // Megatron's FP32Optimizer saves torch's state dict as it is
+          }
+        } else {
+          PickleRef inner = pickle_dict();
+          pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
+          pickle_set(*opt, "optimizer", inner);
+          grad_scaler(w, *opt);
+          // distrib_optim.pt: per chunk its buckets end to end, each parameter's TP shard where
+          // Megatron's DistributedDataParallel puts it
+          TorchSaveWriter dw;
+          PickleRef buffers = pickle_dict();
+          pickle_set(*buffers, "buckets_coalesced", pickle_bool(true));
+          for (size_t v = 0; v < chunks.size(); ++v) {
+            const ModelChunk& c = chunks[v];
+            const std::vector<FlatParam> flat = megatron_chunk_params(cfg, layout.tp, t, c.first_layer, c.num_layers,
+                                                                      c.has_embedding, c.has_output, layout.pp > 1, false);
+            const std::string what = fmt::format("tensor rank {}, pipeline rank {}, chunk {}", t, p, v);
+            const std::vector<int64_t> sizes =
+                megatron_flat_bucket_sizes(flat, saved_bucket_size(*args, p, static_cast<int>(v)));
+            const std::vector<FlatSlot> slots = megatron_flat_slots(flat, sizes, what);
+            std::vector<int64_t> starts(sizes.size(), 0);
+            for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
+            const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
+            struct Placed {
+              RankParam param;
+              int64_t offset;
+            };
+            std::vector<Placed> placed;
+            for (size_t k = 0; k < flat.size(); ++k)
+              placed.push_back({params[v][k], starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset});
+            PickleRef states = pickle_dict();
+            CheckpointReader* rd = &reader;
+            for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
+              const std::string st = state;
+              std::vector<std::pair<CheckpointKind, std::string>> sources;
+              for (const Placed& pl : placed)
+                sources.push_back(st == "param" ? ex.main_source(pl.param.source)
+                                                : std::make_pair(CheckpointKind::optimizer, pl.param.source + "." + st));
+              pickle_set(*states, st, dw.tensor(DType::f32, {total}, [rd, placed, sources, total]() {
+                HostArray buf = HostArray::zeros(DType::f32, {total});
+                for (size_t k = 0; k < placed.size(); ++k) {
+                  const RankParam& rp = placed[k].param;
+                  rd->read(sources[k].second, sources[k].first, ShardSlice::whole(rp.shard),
+                           Tensor(buf.ptr<float>() + placed[k].offset, DType::f32, Device::cpu, {rp.shard.local_numel()}),
+                           rp.global_shape);
+                }
+                return buf;
+              }));
+            }
+            pickle_set(*states, "numel_unpadded", pickle_int(total));
+            // keyed by (parameter dtype, gradient dtype), as Megatron's grad buffers are
+            const DType param_dtype = bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32;
+            const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
+            PickleRef by_dtype = pickle_dict();
+            pickle_set(*by_dtype,
+                       pickle_tuple({pickle_global(torch_dtype_name(param_dtype)), pickle_global(torch_dtype_name(grad_dtype))}),
+                       states);
+            pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
+          }
+          const std::string rel = join_path(rank_dir, "distrib_optim.pt");
+          dw.write(join_path(tmp_dir, rel), *buffers);
+          r.files.push_back(rel);
+        }
+        pickle_set(*root, "optimizer", opt);
+        pickle_set(*root, "opt_param_scheduler", scheduler);
+        PickleRef rng = pickle_list();
+        for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
+          rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
+        pickle_set(*root, "rng_state", rng);
+      }
+      pickle_set(*root, "num_floating_point_operations_so_far",
+                 pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
+      const std::string rel = join_path(rank_dir, "model_optim_rng.pt");
+      w.write(join_path(tmp_dir, rel), *root);
+      r.files.push_back(rel);
+    }
+  }
+  fsync_directory(tmp_dir);
+  remove_tree(final_dir);
+  rename_path(tmp_dir, final_dir);
+  fsync_directory(o.save);
+  write_file_atomically(join_path(o.save, "latest_checkpointed_iteration.txt"),
+                        r.release ? std::string("release") : std::to_string(r.iteration));
+  r.directory = final_dir;
+
+  // The flags to load it with in Megatron-LM.
+  r.megatron_flags = megatron_model_flags(*args, where);
+  const std::vector<std::string> tokenizer = megatron_tokenizer_flags(*args, where);
+  r.megatron_flags.insert(r.megatron_flags.end(), tokenizer.begin(), tokenizer.end());
+  for (const std::string& f :
+       {std::string("--tensor-model-parallel-size"), std::to_string(layout.tp), std::string("--pipeline-model-parallel-size"),
+        std::to_string(layout.pp)})
+    r.megatron_flags.push_back(f);
+  if (layout.vpp > 1) {
+    r.megatron_flags.push_back("--num-virtual-stages-per-pipeline-rank");
+    r.megatron_flags.push_back(std::to_string(layout.vpp));
+  }
+  if (layout.first_stage_layers) {
+    r.megatron_flags.push_back("--decoder-first-pipeline-num-layers");
+    r.megatron_flags.push_back(std::to_string(*layout.first_stage_layers));
+  }
+  if (layout.last_stage_layers) {
+    r.megatron_flags.push_back("--decoder-last-pipeline-num-layers");
+    r.megatron_flags.push_back(std::to_string(*layout.last_stage_layers));
+  }
+  if (layout.distributed_optimizer) r.megatron_flags.push_back("--use-distributed-optimizer");
+  if (layout.distributed_optimizer && layout.overlap_grad_reduce) r.megatron_flags.push_back("--overlap-grad-reduce");
+  if (layout.distributed_optimizer && layout.ddp_bucket_size) {
+    r.megatron_flags.push_back("--ddp-bucket-size");
+    r.megatron_flags.push_back(std::to_string(*layout.ddp_bucket_size));
+  }
+  if (bf16) r.megatron_flags.push_back("--bf16");
+  if (fp16) r.megatron_flags.push_back("--fp16");
+  for (const char* f : {"--transformer-impl", "local", "--ckpt-format", "torch", "--load"}) r.megatron_flags.push_back(f);
+  r.megatron_flags.push_back(o.save);
+  return r;
+}
+
+int export_megatron_main(const std::vector<std::string>& argv) {
+  const SubcommandArgs a("export-megatron", argv,
+                         {"--load", "--save", "--ckpt-step", "--ckpt-format", "--tensor-model-parallel-size",
+                          "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+                          "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                          "--data-parallel-size", "--make-vocab-size-divisible-by", "--ddp-bucket-size"},
+                         {"--use-distributed-optimizer", "--no-use-distributed-optimizer", "--overlap-grad-reduce",
+                          "--weights-only"});
+  MegatronExportOptions o;
+  o.load = a.required("--load", "CKPT (the megatrain checkpoint directory to export)");
+  o.save = a.required("--save", "DIR (where the Megatron-LM checkpoint goes)");
+  if (a.get("--ckpt-step")) o.ckpt_step = a.integer("--ckpt-step", 0);
+  if (auto f = a.get("--ckpt-format")) o.format = *f;
+  auto optional_int = [&](const char* flag) -> std::optional<int> {
+    if (!a.get(flag)) return std::nullopt;
+    const int64_t v = a.integer(flag, 0);
+    if (v < 1 || v > 1 << 20) fail("export-megatron: {} must be a positive integer (got {})", flag, v);
+    return static_cast<int>(v);
+  };
+  o.tp = optional_int("--tensor-model-parallel-size");
+  o.pp = optional_int("--pipeline-model-parallel-size");
+  o.vpp = optional_int("--num-virtual-stages-per-pipeline-rank");
+  o.first_stage_layers = optional_int("--decoder-first-pipeline-num-layers");
+  o.last_stage_layers = optional_int("--decoder-last-pipeline-num-layers");
+  o.dp = optional_int("--data-parallel-size");
+  o.make_vocab_size_divisible_by = optional_int("--make-vocab-size-divisible-by");
+  if (a.has("--use-distributed-optimizer") && a.has("--no-use-distributed-optimizer"))
+    fail("export-megatron: --use-distributed-optimizer and --no-use-distributed-optimizer contradict each other");
+  if (a.has("--use-distributed-optimizer")) o.distributed_optimizer = true;
+  if (a.has("--no-use-distributed-optimizer")) o.distributed_optimizer = false;
+  o.overlap_grad_reduce = a.has("--overlap-grad-reduce");
+  if (a.get("--ddp-bucket-size")) {
+    o.ddp_bucket_size = a.integer("--ddp-bucket-size", 0);
+    if (*o.ddp_bucket_size < 1) fail("export-megatron: --ddp-bucket-size must be >= 1 (got {})", *o.ddp_bucket_size);
+  }
+  o.weights_only = a.has("--weights-only");
+  const MegatronExportResult r = export_megatron(o);
+  std::printf("exported %s to %s (Megatron-LM torch format, %s, TP %d x PP %d%s, %zu files)\n", o.load.c_str(),
+              r.directory.c_str(), r.release ? "release" : fmt::format("iteration {}", r.iteration).c_str(), r.tp, r.pp,
+              r.vpp > 1 ? fmt::format(" with {} virtual stages", r.vpp).c_str() : "", r.files.size());
+  if (!r.release)
+    std::printf("with the optimizer state (%s: Adam moments and step, float32 main weights), the learning-rate "
+                "scheduler, the consumed samples and the RNG states Megatron-LM seeds from --seed\n",
+                r.distributed_optimizer ? "the distributed optimizer's distrib_optim.pt" : "torch's Adam state");
+  else
+    std::printf("weights only, as %s: Megatron-LM starts from it at iteration 0 with a fresh optimizer\n",
+                r.weights_only_reason.empty() ? "--weights-only asks" : r.weights_only_reason.c_str());
+  std::printf("continue in Megatron-LM (pretrain_gpt.py) with these flags (plus your data, batch and optimizer flags, "
+              "as the megatrain run had them):\n%s\n",
+              shell_quoted_line(r.megatron_flags).c_str());
+  return 0;
+}
+
+}  // namespace mt

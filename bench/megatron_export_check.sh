@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# megatrain -> Megatron-LM: Megatron-LM continues a checkpoint megatrain trained (manual: needs GPUs,
+# PyTorch and a Megatron-LM checkout; nothing of Megatron-LM is in this repository).
+#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
+# Environment: ITERS (iterations after the export, default 10), TP, PP and DP (the Megatron-LM run's
+# layout, which export-megatron writes; default 1 each, TP*PP*DP GPUs), DISTOPT=1 (the distributed
+# optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
+# (Megatron-LM skips the exported RNG states), PYTHON (default python3).
+#
+# For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
+# after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
+# TP x PP layout; Megatron-LM (pretrain_gpt.py --transformer-impl local, the flags of
+# bench/megatron_equivalence.sh, chosen so both sides compute the same) loads it and trains on to
+# 10 + ITERS. bench/compare_losses.py --after 10 compares Megatron-LM's resumed curve with
+# megatrain's straight one (a resumed Megatron-LM prints at iteration 12 the mean of 11 and 12);
+# the target is 1e-6 relative.
+set -euo pipefail
+usage="usage: megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]"
+[ $# -ge 3 ] || { echo "$usage" >&2; exit 2; }
+[ -f "$1/pretrain_gpt.py" ] || { echo "error: $1 is not a Megatron-LM checkout (no pretrain_gpt.py)" >&2; exit 2; }
+[ -x "$2" ] || { echo "error: $2 is not an executable megatrain binary" >&2; exit 2; }
+MEGATRON=$(cd "$1" && pwd)
+BIN=$(realpath "$2")
+OUT=$(mkdir -p "$3" && cd "$3" && pwd)
+shift 3
+CASES=("$@")
+[ ${#CASES[@]} -gt 0 ] || CASES=(gpt llama)
+ITERS=${ITERS:-10}
+TP=${TP:-1}
+PP=${PP:-1}
+DP=${DP:-1}
+NPROC=$((TP * PP * DP))
+PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+TOTAL=$((10 + ITERS))
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM requires it with tensor parallelism
+
+"$PY" -c 'import torch' 2>/dev/null || { echo "error: $PY cannot import torch (set PYTHON)" >&2; exit 2; }
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+[ "$gpus" -ge "$NPROC" ] || { echo "error: TP $TP x PP $PP x DP $DP needs $NPROC GPUs, $gpus visible" >&2; exit 2; }
+
+# bench/megatron_equivalence.sh's flags (float32; dropout off; Megatron's fusions off, as megatrain computes)
+common=(--seq-length 256 --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 16
+        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 2000 --split 99,1,0
+        --attention-dropout 0 --hidden-dropout 0 --log-interval 1 --eval-interval 100000 --eval-iters 0
+        --transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+        --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --seed 1234)
+model_gpt=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --position-embedding-type learned_absolute)
+model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
+             --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
+             --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
+
+par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+export_par=("${par[@]}" --data-parallel-size "$DP")
+optimizer=""
+if [ "${DISTOPT:-0}" = 1 ]; then
+  par+=(--use-distributed-optimizer)
+  export_par+=(--use-distributed-optimizer)
+  optimizer=" (distributed optimizer)"
+fi
+rng=()
+[ "${NO_LOAD_RNG:-0}" = 1 ] && rng=(--no-load-rng)
+
+for c in "${CASES[@]}"; do
+  case $c in
+    gpt) model=("${model_gpt[@]}") ;;
+    llama) model=("${model_llama[@]}") ;;
+    *) echo "error: unknown case '$c' (gpt, llama)" >&2; exit 2 ;;
+  esac
+  d=$OUT/$c
+  rm -rf "$d" && mkdir -p "$d"
+  echo "== $c: megatrain trains $TOTAL iterations (one GPU, fp32), saving after 10"
+  "$BIN" "${common[@]}" "${model[@]}" --train-iters "$TOTAL" --save "$d/megatrain" --save-interval 10 \
+    > "$d/megatrain.log" 2>&1 || { echo "megatrain failed, see $d/megatrain.log"; tail -20 "$d/megatrain.log"; exit 1; }
+  echo "== $c: export-megatron writes iteration 10 for TP $TP x PP $PP$optimizer"
+  "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" "${export_par[@]}" \
+    > "$d/export.log" 2>&1 || { echo "export-megatron failed:"; cat "$d/export.log"; exit 1; }
+  head -2 "$d/export.log"
+  echo "== $c: Megatron-LM resumes it to iteration $TOTAL (TP $TP, PP $PP, DP $DP)"
+  (cd "$MEGATRON" && PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" timeout 900 \
+     "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port 29534 pretrain_gpt.py \
+     "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
+     --load "$d/exported" --ckpt-format torch) > "$d/megatron_resumed.log" 2>&1 \
+    || { echo "Megatron-LM failed, see $d/megatron_resumed.log"; tail -30 "$d/megatron_resumed.log"
+         echo "(if it failed restoring the RNG states, NO_LOAD_RNG=1 skips them)"; exit 1; }
+  grep -E "loading checkpoint|successfully loaded checkpoint" "$d/megatron_resumed.log" | head -3 || true
+  grep -q "successfully loaded checkpoint" "$d/megatron_resumed.log" \
+    || { echo "Megatron-LM did not load the exported checkpoint, see $d/megatron_resumed.log"; exit 1; }
+  "$PY" "$HERE/compare_losses.py" --after 10 "$d/megatrain.log" "$d/megatron_resumed.log" | tee "$d/compare.txt"
+done
