@@ -336,6 +336,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   set_arg("kv_channels", pickle_int(model.head_dim));
   set_arg("ffn_hidden_size", pickle_int(model.ffn_size));
   set_arg("num_query_groups", pickle_int(model.query_groups));
+  set_arg("data_parallel_random_init", pickle_bool(recorded_or<bool>(flags, "--data-parallel-random-init", false)));
   set_arg("bf16", pickle_bool(bf16));
   set_arg("fp16", pickle_bool(fp16));
   set_arg("params_dtype", pickle_global(torch_dtype_name(bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32)));

@@ -88,7 +88,7 @@ std::string train(const TempDir& tmp, const std::string& model, const std::strin
 // megatrain checkpoints must be the same.
 void require_same_state(const std::string& a_dir, const std::string& b_dir, bool optimizer) {
   mt::CheckpointReader a(a_dir), b(b_dir);
-  CHECK(a.iteration() == b.iteration());
+  if (optimizer) CHECK(a.iteration() == b.iteration());
   int compared = 0;
   for (const auto kind : {mt::CheckpointKind::model, mt::CheckpointKind::optimizer, mt::CheckpointKind::main_params}) {
     if (!optimizer && kind != mt::CheckpointKind::model) continue;
@@ -354,7 +354,6 @@ TEST_CASE("export-megatron: the args Megatron-LM's loader reads", "[megatron-exp
   CHECK(integer("consumed_valid_samples") == 0);
   CHECK_FALSE(flag("data_parallel_random_init"));
   CHECK(integer("global_batch_size") == 4);
-  CHECK(at(args, "phase_transition_iterations").is(mt::PickleKind::none));
   // the layout and the run
   CHECK(integer("data_parallel_size") == 4);
   CHECK(integer("world_size") == 8);
@@ -444,7 +443,7 @@ uint64_t seed_of(const mt::HostArray& a) {
 }
 
 // One rank's model_optim_rng.pt as export-megatron wrote it against Megatron-LM's.
-void compare_rank_file(const std::string& theirs_path, const std::string& ours_path, bool stage_rng_untouched) {
+void compare_rank_file(const std::string& theirs_path, const std::string& ours_path) {
   const mt::TorchFile theirs(theirs_path), ours(ours_path);
   const Files f{theirs, ours};
   const mt::PickleValue &a = theirs.root(), &b = ours.root();
@@ -458,13 +457,17 @@ void compare_rank_file(const std::string& theirs_path, const std::string& ours_p
     if (k->text.compare(0, 5, "model") != 0) continue;
     ++chunks;
     const mt::PickleValue& mine = at(b, k->text);
-    REQUIRE(mine.entries.size() == v->entries.size());
-    for (size_t i = 0; i < v->entries.size(); ++i) {
-      const std::string& name = v->entries[i].first->text;
+    // (torch's state dicts also carry each module's version as the attribute _metadata, which
+    // the pickle reader lists as an entry; load_state_dict does without it)
+    std::vector<std::pair<mt::PickleRef, mt::PickleRef>> theirs = v->entries;
+    std::erase_if(theirs, [](const auto& e) { return e.first->text == "_metadata"; });
+    REQUIRE(mine.entries.size() == theirs.size());
+    for (size_t i = 0; i < theirs.size(); ++i) {
+      const std::string& name = theirs[i].first->text;
       INFO(k->text << ": " << name);
       CHECK(mine.entries[i].first->text == name);
-      if (v->entries[i].second->is(mt::PickleKind::none)) CHECK(mine.entries[i].second->is(mt::PickleKind::none));
-      else f.tensors(*v->entries[i].second, *mine.entries[i].second, name);
+      if (theirs[i].second->is(mt::PickleKind::none)) CHECK(mine.entries[i].second->is(mt::PickleKind::none));
+      else f.tensors(*theirs[i].second, *mine.entries[i].second, name);
     }
   }
   CHECK(chunks >= 1);
@@ -499,7 +502,7 @@ void compare_rank_file(const std::string& theirs_path, const std::string& ours_p
   CHECK((opt_a.find("grad_scaler") != nullptr) == (opt_b.find("grad_scaler") != nullptr));
   if (const mt::PickleValue* scaler = opt_a.find("grad_scaler")) f.dict(*scaler, at(opt_b, "grad_scaler"), "grad_scaler");
   f.dict(at(a, "opt_param_scheduler"), at(b, "opt_param_scheduler"), "opt_param_scheduler");
-  // the RNG states Megatron seeded (its CPU generator drawn from on the first stage only)
+  // the RNG states Megatron seeded
   const mt::PickleValue& rng_a = *at(a, "rng_state").items.at(0);
   const mt::PickleValue& rng_b = *at(b, "rng_state").items.at(0);
   CHECK(equal_values(at(rng_a, "random_rng_state"), at(rng_b, "random_rng_state")));
@@ -509,7 +512,15 @@ void compare_rank_file(const std::string& theirs_path, const std::string& ours_p
   uint32_t first = 0;
   std::memcpy(&first, key_bytes.data(), 4);
   CHECK(key.items[0]->integer == first);
-  if (stage_rng_untouched) f.tensors(at(rng_a, "torch_rng_state"), at(rng_b, "torch_rng_state"), "torch_rng_state");
+  // torch's CPU generator: the same bytes where Megatron's was never drawn from (its `left`, the
+  // int32 after the seed, still 1), the same seed where it was
+  const mt::HostArray cpu_a = theirs.tensor(at(rng_a, "torch_rng_state"), "torch_rng_state");
+  const mt::HostArray cpu_b = ours.tensor(at(rng_b, "torch_rng_state"), "torch_rng_state");
+  REQUIRE(cpu_a.bytes.size() == 5056);
+  int32_t left = 0;
+  std::memcpy(&left, cpu_a.bytes.data() + 8, 4);
+  if (left == 1) CHECK(same(cpu_a, cpu_b));
+  else CHECK(seed_of(cpu_a) == seed_of(cpu_b));
   CHECK(seed_of(theirs.tensor(at(rng_a, "cuda_rng_state"), "c")) == seed_of(ours.tensor(at(rng_b, "cuda_rng_state"), "c")));
   // the arguments Megatron-LM's loader and import-megatron read
   const mt::PickleValue &args_a = at(a, "args"), &args_b = at(b, "args");
@@ -566,7 +577,7 @@ TEST_CASE("export-megatron gives back the files Megatron-LM wrote", "[megatron-e
       INFO(rank);
       const std::string ours = tmp / ("megatron/iter_0000003/" + rank);
       REQUIRE(fs::exists(ours + "/model_optim_rng.pt"));
-      compare_rank_file(e.path() / "model_optim_rng.pt", ours + "/model_optim_rng.pt", rank.size() > 10 && rank.back() != '0');
+      compare_rank_file(e.path() / "model_optim_rng.pt", ours + "/model_optim_rng.pt");
       ++compared;
       if (!fs::exists(e.path() / "distrib_optim.pt")) continue;
       // distrib_optim.pt: each chunk's buffers, byte for byte
@@ -627,8 +638,10 @@ TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-expor
   o.pp = 1;
   o.format = "torch_dist";
   CHECK_THROWS_AS(mt::export_megatron(o), mt::Unsupported);
-  CHECK_THROWS_WITH(mt::export_megatron(mt::MegatronExportOptions{tmp / "nothing", {}, tmp / "out"}),
-                    Catch::Contains("latest_checkpointed_iteration.txt"));
+  mt::MegatronExportOptions missing;
+  missing.load = tmp / "nothing";
+  missing.save = tmp / "out";
+  CHECK_THROWS_WITH(mt::export_megatron(missing), Catch::Contains("latest_checkpointed_iteration.txt"));
 }
 
 TEST_CASE("a run resumed from an exported and re-imported checkpoint repeats the straight run", "[megatron-export][binary]") {
