@@ -232,7 +232,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
                                   "torch_dist with its own --ckpt-convert-format",
                                   o.format));
   const std::optional<CheckpointLocation> loc = locate_checkpoint(o.load, o.ckpt_step);
-  if (!loc) fail("{} has no latest_checkpointed_iteration.txt: pass --ckpt-step N or the directory megatrain's --save wrote", o.load);
+  if (!loc)
+    fail("{} has no latest_checkpointed_iteration.txt: pass --ckpt-step N or the directory megatrain's --save wrote",
+         o.load);
   CheckpointReader reader = CheckpointReader::open_directory(loc->directory);
   const std::string where = join_path(reader.directory(), "manifest.json");
   const RunState& rs = reader.run_state();
@@ -279,11 +281,14 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   else if (optimizer.value("kind", std::string()) != "adam")
     why = fmt::format("its optimizer is {}, and export-megatron writes Adam's state",
                       optimizer.value("kind", std::string("not recorded")));
-  else if (!rs.lr_scheduler.contains("num_steps")) why = "it holds no learning-rate scheduler state (saved with --no-save-optim?)";
-  else if (!recorded(flags, "--decoupled-lr").is_null()) why = "it was trained with --decoupled-lr, whose param groups are not written";
+  else if (!rs.lr_scheduler.contains("num_steps"))
+    why = "it holds no learning-rate scheduler state (saved with --no-save-optim?)";
+  else if (!recorded(flags, "--decoupled-lr").is_null())
+    why = "it was trained with --decoupled-lr, whose param groups are not written";
   else {
     for (const std::string& name : reader.names())
-      if (!reader.has(name + ".exp_avg", CheckpointKind::optimizer) || !reader.has(name + ".exp_avg_sq", CheckpointKind::optimizer)) {
+      if (!reader.has(name + ".exp_avg", CheckpointKind::optimizer) ||
+          !reader.has(name + ".exp_avg_sq", CheckpointKind::optimizer)) {
         if (name.find("fp8_meta") != std::string::npos) continue;
         why = fmt::format("it holds no Adam state for '{}' (saved with --no-save-optim?)", name);
         break;
@@ -407,7 +412,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       pickle_set(opt, "grad_scaler", pickle_dict());
     } else if (fp16) {
       const json& s = rs.loss_scaler;
-      if (s.value("kind", std::string()) != "dynamic") fail("{}: an --fp16 checkpoint without its dynamic loss scaler's state", where);
+      if (s.value("kind", std::string()) != "dynamic")
+        fail("{}: an --fp16 checkpoint without its dynamic loss scaler's state", where);
       PickleRef g = pickle_dict();
       HostArray scale = HostArray::zeros(DType::f32, {1});
       scale.ptr<float>()[0] = static_cast<float>(s.at("scale").get<double>());
@@ -444,7 +450,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
         for (size_t k = 0; k < ps.size(); ++k) {
           pickle_set(*sd, ps[k].local_name,
                      ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
-          if (has_extra_state_after(ps, k)) pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
+          if (has_extra_state_after(ps, k))
+            pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
         }
         // the output layer of a model whose embeddings it shares on the same stage has no weight
         if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
@@ -546,7 +553,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
             const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
             PickleRef by_dtype = pickle_dict();
             pickle_set(*by_dtype,
-                       pickle_tuple({pickle_global(torch_dtype_name(param_dtype)), pickle_global(torch_dtype_name(grad_dtype))}),
+                       pickle_tuple({pickle_global(torch_dtype_name(param_dtype)),
+                                     pickle_global(torch_dtype_name(grad_dtype))}),
                        states);
             pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
           }
@@ -580,9 +588,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   r.megatron_flags = megatron_model_flags(*args, where);
   const std::vector<std::string> tokenizer = megatron_tokenizer_flags(*args, where);
   r.megatron_flags.insert(r.megatron_flags.end(), tokenizer.begin(), tokenizer.end());
-  for (const std::string& f :
-       {std::string("--tensor-model-parallel-size"), std::to_string(layout.tp), std::string("--pipeline-model-parallel-size"),
-        std::to_string(layout.pp)})
+  for (const std::string& f : {std::string("--tensor-model-parallel-size"), std::to_string(layout.tp),
+                               std::string("--pipeline-model-parallel-size"), std::to_string(layout.pp)})
     r.megatron_flags.push_back(f);
   if (layout.vpp > 1) {
     r.megatron_flags.push_back("--num-virtual-stages-per-pipeline-rank");

@@ -5,7 +5,8 @@
 # Environment: ITERS (iterations after the export, default 10), TP, PP and DP (the Megatron-LM run's
 # layout, which export-megatron writes; default 1 each, TP*PP*DP GPUs), DISTOPT=1 (the distributed
 # optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
-# (Megatron-LM skips the exported RNG states), PYTHON (default python3).
+# (Megatron-LM skips the exported RNG states), CONVERT=1 (also: Megatron-LM converts the export to
+# torch_dist with its --ckpt-convert-format and resumes from that), PYTHON (default python3).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
 # after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
@@ -62,6 +63,17 @@ fi
 rng=()
 [ "${NO_LOAD_RNG:-0}" = 1 ] && rng=(--no-load-rng)
 
+megatron() {  # log, pretrain_gpt.py flags...; fails unless the run loads its checkpoint and finishes
+  local log=$1
+  shift
+  (cd "$MEGATRON" && PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" timeout 900 \
+     "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port 29534 pretrain_gpt.py "$@") > "$log" 2>&1 \
+    || { echo "Megatron-LM failed, see $log"; tail -30 "$log"
+         echo "(if it failed restoring the RNG states, NO_LOAD_RNG=1 skips them)"; exit 1; }
+  grep -E "loading checkpoint|successfully loaded checkpoint" "$log" | head -2 || true
+  grep -q "successfully loaded checkpoint" "$log" || { echo "Megatron-LM did not load its checkpoint, see $log"; exit 1; }
+}
+
 for c in "${CASES[@]}"; do
   case $c in
     gpt) model=("${model_gpt[@]}") ;;
@@ -78,14 +90,16 @@ for c in "${CASES[@]}"; do
     > "$d/export.log" 2>&1 || { echo "export-megatron failed:"; cat "$d/export.log"; exit 1; }
   head -2 "$d/export.log"
   echo "== $c: Megatron-LM resumes it to iteration $TOTAL (TP $TP, PP $PP, DP $DP)"
-  (cd "$MEGATRON" && PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" timeout 900 \
-     "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port 29534 pretrain_gpt.py \
-     "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
-     --load "$d/exported" --ckpt-format torch) > "$d/megatron_resumed.log" 2>&1 \
-    || { echo "Megatron-LM failed, see $d/megatron_resumed.log"; tail -30 "$d/megatron_resumed.log"
-         echo "(if it failed restoring the RNG states, NO_LOAD_RNG=1 skips them)"; exit 1; }
-  grep -E "loading checkpoint|successfully loaded checkpoint" "$d/megatron_resumed.log" | head -3 || true
-  grep -q "successfully loaded checkpoint" "$d/megatron_resumed.log" \
-    || { echo "Megatron-LM did not load the exported checkpoint, see $d/megatron_resumed.log"; exit 1; }
-  "$PY" "$HERE/compare_losses.py" --after 10 "$d/megatrain.log" "$d/megatron_resumed.log" | tee "$d/compare.txt"
+  megatron "$d/megatron_resumed.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
+    --load "$d/exported" --ckpt-format torch
+  logs=("$d/megatron_resumed.log")
+  if [ "${CONVERT:-0}" = 1 ]; then
+    echo "== $c: Megatron-LM converts the export to torch_dist and resumes from that"
+    megatron "$d/megatron_convert.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
+      --load "$d/exported" --ckpt-format torch --ckpt-convert-format torch_dist --ckpt-convert-save "$d/converted"
+    megatron "$d/megatron_resumed_dist.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
+      --load "$d/converted/torch_dist" --ckpt-format torch_dist
+    logs+=("$d/megatron_resumed_dist.log")
+  fi
+  "$PY" "$HERE/compare_losses.py" --after 10 "$d/megatrain.log" "${logs[@]}" | tee "$d/compare.txt"
 done
