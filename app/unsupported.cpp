@@ -54,7 +54,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
        "or NullTokenizer"},
       {"--vocab-extra-ids", W::other_than, {"0"}, ""},
       // checkpointing (1.6)
-      {"--ckpt-format", W::values, {"torch", "torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default)"},
+      {"--ckpt-format", W::values, {"torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default) or torch"},
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},

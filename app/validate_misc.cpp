@@ -24,6 +24,13 @@ bool same_directory(const std::string& a, const std::string& b) {
 void validate_checkpoint_and_logging(CliState& st) {
   Config& c = st.cfg;
   CheckpointConfig& k = c.checkpoint;
+  // Megatron's two formats both become megatrain's own (sharded per parameter under global names,
+  // resumable on any layout, as torch_dist is); a Megatron-LM checkpoint is one command away.
+  if (st.has("--ckpt-format") && (k.ckpt_format == "torch" || k.ckpt_format == "torch_dist"))
+    st.note(fmt::format("--ckpt-format {}: megatrain saves and loads its own checkpoint format, which resumes on any "
+                        "parallel layout as torch_dist does; `megatrain export-megatron --load CKPT --save DIR` writes "
+                        "one as a Megatron-LM torch-format checkpoint, `megatrain import-megatron` reads Megatron-LM's",
+                        k.ckpt_format));
   if (k.save) {
     if (!k.save_interval) fail("--save needs --save-interval N (iterations between checkpoints)");
     if (*k.save_interval <= 0) fail("--save-interval must be > 0 (got {})", *k.save_interval);

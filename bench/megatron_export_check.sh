@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # megatrain -> Megatron-LM: Megatron-LM continues a checkpoint megatrain trained (manual: needs GPUs,
 # PyTorch and a Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama
+#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama gate
+# (gate: the llama case with --attention-output-gate and --qk-layernorm: Megatron-LM reads the gated
+# QKV projection's [q | gate | k | v] rows as megatrain wrote them)
 # Environment: ITERS (iterations after the export, default 10), TP, PP and DP (the Megatron-LM run's
 # layout, which export-megatron writes; default 1 each, TP*PP*DP GPUs), DISTOPT=1 (the distributed
 # optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
@@ -51,6 +53,7 @@ model_gpt=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --position-e
 model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
              --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
              --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
+model_gate=("${model_llama[@]}" --attention-output-gate --qk-layernorm)
 
 par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 export_par=("${par[@]}" --data-parallel-size "$DP")
@@ -78,7 +81,8 @@ for c in "${CASES[@]}"; do
   case $c in
     gpt) model=("${model_gpt[@]}") ;;
     llama) model=("${model_llama[@]}") ;;
-    *) echo "error: unknown case '$c' (gpt, llama)" >&2; exit 2 ;;
+    gate) model=("${model_gate[@]}") ;;
+    *) echo "error: unknown case '$c' (gpt, llama, gate)" >&2; exit 2 ;;
   esac
   d=$OUT/$c
   rm -rf "$d" && mkdir -p "$d"

@@ -177,6 +177,18 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
              Contains("fails on it too: TransformerConfig has no scaled_init_method"));
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format torch_dcp")),
              Contains("megatrain does not support --ckpt-format torch_dcp"));
+  // Megatron's two formats save megatrain's own, and say so; the default says nothing.
+  for (const char* format : {"torch", "torch_dist"}) {
+    std::vector<SetupMessage> notes;
+    CHECK(parse(small_gpt() + words(std::string("--ckpt-format ") + format), 1, &notes).checkpoint.ckpt_format == format);
+    bool noted = false;
+    for (const SetupMessage& m : notes)
+      noted = noted || m.text.find(std::string("--ckpt-format ") + format + ": megatrain saves and loads its own") == 0;
+    CHECK(noted);
+  }
+  std::vector<SetupMessage> quiet;
+  parse(small_gpt(), 1, &quiet);
+  for (const SetupMessage& m : quiet) CHECK(m.text.find("--ckpt-format") == std::string::npos);
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules core_attn moe")),
              Contains("--recompute-modules moe yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--tokenizer-type TikTokenizer")),
