@@ -65,6 +65,13 @@ void validate_parallel(CliState& st) {
       fail("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather");
     if (V == 1)
       fail("--overlap-param-gather-with-optimizer-step is only supported with an interleaved pipeline schedule");
+    // Megatron-LM: use_dist_ckpt = ckpt_format != "torch".
+    if (c.checkpoint.ckpt_format != "torch")
+      fail("--overlap-param-gather-with-optimizer-step not supported with distributed checkpointing yet (Megatron-LM's "
+           "rule: it needs --ckpt-format torch)");
+    st.note("--overlap-param-gather-with-optimizer-step: megatrain starts every bucket's parameter all-gather on the "
+            "communication stream as soon as the optimizer step has updated this rank's shards, so the gathers already "
+            "overlap what follows the step");
   }
   if (p.tp_comm_overlap) {
     if (!p.sequence_parallel)

@@ -716,3 +716,20 @@ TEST_CASE("rule: --defer-embedding-wgrad-compute keeps Megatron's conditions", "
   CHECK_THAT(parse_error(pp2 + words("--wgrad-deferral-limit two"), 2),
              Contains("argument --wgrad-deferral-limit: invalid int value: 'two'"));
 }
+
+TEST_CASE("rule: --overlap-param-gather-with-optimizer-step keeps Megatron's conditions", "[cli][rules]") {
+  const Args base = small_gpt() + words("--num-layers 4 --pipeline-model-parallel-size 2 "
+                                        "--num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer "
+                                        "--overlap-grad-reduce --overlap-param-gather "
+                                        "--overlap-param-gather-with-optimizer-step --global-batch-size 8");
+  std::vector<SetupMessage> notes;
+  CHECK(parse(base + words("--ckpt-format torch"), 4, &notes).parallel.overlap_param_gather_with_optimizer_step);
+  bool noted = false;
+  for (const SetupMessage& m : notes)
+    noted = noted || m.text.find("--overlap-param-gather-with-optimizer-step: megatrain starts every bucket's") == 0;
+  CHECK(noted);
+  CHECK_THAT(parse_error(base, 4), Contains("not supported with distributed checkpointing yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+                                             "--overlap-param-gather-with-optimizer-step --ckpt-format torch")),
+             Contains("only supported with an interleaved pipeline schedule"));
+}
