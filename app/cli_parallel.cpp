@@ -25,7 +25,10 @@ void add_parallel_flags(FlagTable& t) {
           MT_FIELD(parallel.decoder_first_pipeline_num_layers));
   t.value("--decoder-last-pipeline-num-layers", "uneven pipeline: layers on the last stage",
           MT_FIELD(parallel.decoder_last_pipeline_num_layers));
-  t.recognised("--pipeline-model-parallel-layout", Arity::one, "LAYOUT", "None", "explicit pipeline layout string");
+  t.value("--pipeline-model-parallel-layout",
+          "explicit pipeline layout: stages split by '|' in model order (PP x VPP of them), E embedding, t a layer, L "
+          "the loss, (..)*n and x*n repeat, commas ignored",
+          MT_FIELD(parallel.pipeline_model_parallel_layout));
   t.flag("--account-for-embedding-in-pipeline-split", "count the embedding as a layer when splitting the pipeline",
          MT_FIELD(parallel.account_for_embedding_in_pipeline_split));
   t.flag("--account-for-loss-in-pipeline-split", "count the loss as a layer when splitting the pipeline",

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "app/cli_internal.h"
+#include "parallel/pipeline_layout.h"
 #include "data/vocab_info.h"
 
 namespace mt::cli {
@@ -89,11 +90,22 @@ void derive_parallel(CliState& st) {
   // Virtual pipeline (interleaved schedule).
   const int L = c.model.num_layers, P = p.pipeline_model_parallel_size;
   const bool uneven = p.decoder_first_pipeline_num_layers || p.decoder_last_pipeline_num_layers;
-  if (p.num_layers_per_virtual_pipeline_stage && p.num_virtual_stages_per_pipeline_rank)
-    fail("no more than one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-         "can be set");
+  if (int(p.num_layers_per_virtual_pipeline_stage.has_value()) + int(p.num_virtual_stages_per_pipeline_rank.has_value()) +
+          int(p.pipeline_model_parallel_layout.has_value()) > 1)
+    fail("no more than one of --num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank and "
+         "--pipeline-model-parallel-layout can be set");
   int vpp = 1;
-  if (p.num_layers_per_virtual_pipeline_stage) {
+  if (p.pipeline_model_parallel_layout) {
+    // Megatron: the layout's stages give the virtual pipeline size; the other split flags conflict.
+    if (uneven || p.account_for_embedding_in_pipeline_split || p.account_for_loss_in_pipeline_split)
+      fail("--pipeline-model-parallel-layout cannot be set with other pipeline layout arguments "
+           "(--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split)");
+    const int stages = static_cast<int>(parse_pipeline_layout(*p.pipeline_model_parallel_layout).size());
+    if (stages % P != 0)
+      fail("The length of pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size "
+           "(--pipeline-model-parallel-layout has {} stages, --pipeline-model-parallel-size {})", stages, P);
+    vpp = stages / P;
+  } else if (p.num_layers_per_virtual_pipeline_stage) {
     const int per_chunk = *p.num_layers_per_virtual_pipeline_stage;
     positive(per_chunk, "--num-layers-per-virtual-pipeline-stage");
     if (uneven)

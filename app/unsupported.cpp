@@ -31,7 +31,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--context-parallel-size", W::other_than, {"1"}, ""},
       {"--cp-comm-type", W::other_than, {"p2p"}, ""},
       {"--hierarchical-context-parallel-sizes", W::any_use, {}, ""},
-      {"--pipeline-model-parallel-layout", W::any_use, {}, ""},
       {"--expert-model-parallel-size", W::other_than, {"1"}, "mixture of experts"},
       {"--expert-tensor-parallel-size", W::any_use, {}, "mixture of experts"},
       // training (1.3)

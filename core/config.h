@@ -131,6 +131,10 @@ struct ParallelConfig {
   std::optional<int> decoder_last_pipeline_num_layers;
   bool account_for_embedding_in_pipeline_split = false;
   bool account_for_loss_in_pipeline_split = false;
+  // --pipeline-model-parallel-layout: Megatron's layout string ("E|(tt|)*3,tL": stages split by '|',
+  // E embedding, t a decoder layer, L the loss; (..)*n and x*n repeat), PP x VPP stages in model
+  // order (parallel/pipeline_layout.h).
+  std::optional<std::string> pipeline_model_parallel_layout;
   bool overlap_p2p_communication = true;
   bool use_tp_pp_dp_mapping = false;
   bool overlap_p2p_communication_warmup_flush = false;

@@ -1,5 +1,9 @@
 #include "parallel/pipeline_layout.h"
 
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
 #include "core/config.h"
 #include "core/error.h"
 
@@ -16,6 +20,8 @@ PipelineSplit PipelineSplit::from_config(const Config& cfg) {
   s.account_for_loss = cfg.parallel.account_for_loss_in_pipeline_split;
   if (cfg.parallel.num_layers_per_virtual_pipeline_stage)
     s.vpp_flag = "--num-layers-per-virtual-pipeline-stage";
+  if (cfg.parallel.pipeline_model_parallel_layout)
+    s.layout = parse_pipeline_layout(*cfg.parallel.pipeline_model_parallel_layout);
   return s;
 }
 
@@ -104,7 +110,109 @@ std::vector<int> stage_slots(const PipelineSplit& s) {
 
 }  // namespace
 
+std::vector<std::string> parse_pipeline_layout(const std::string& layout) {
+  std::string s;
+  for (char c : layout)
+    if (c != ',') s.push_back(c);  // purely cosmetic
+  auto digits_at = [](const std::string& t, size_t i) {
+    size_t e = i;
+    while (e < t.size() && std::isdigit(static_cast<unsigned char>(t[e]))) ++e;
+    return e;
+  };
+  auto repeat = [&](const std::string& what, const std::string& count) {
+    const long n = std::strtol(count.c_str(), nullptr, 10);
+    if (n > 100000) fail("--pipeline-model-parallel-layout {}: the repeat count {} is too large", layout, count);
+    std::string out;
+    for (long k = 0; k < n; ++k) out += what;
+    return out;
+  };
+  // "(...)*n" (the group holds no ')'), left to right, each match once; then "x*n".
+  std::string groups;
+  for (size_t i = 0; i < s.size();) {
+    if (s[i] == '(') {
+      const size_t close = s.find(')', i + 1);
+      if (close != std::string::npos && close > i + 1 && close + 1 < s.size() && s[close + 1] == '*') {
+        const size_t end = digits_at(s, close + 2);
+        if (end > close + 2) {
+          groups += repeat(s.substr(i + 1, close - i - 1), s.substr(close + 2, end - close - 2));
+          i = end;
+          continue;
+        }
+      }
+    }
+    groups.push_back(s[i++]);
+  }
+  std::string flat;
+  for (size_t i = 0; i < groups.size();) {
+    if (i + 1 < groups.size() && groups[i + 1] == '*') {
+      const size_t end = digits_at(groups, i + 2);
+      if (end > i + 2) {
+        flat += repeat(std::string(1, groups[i]), groups.substr(i + 2, end - i - 2));
+        i = end;
+        continue;
+      }
+    }
+    flat.push_back(groups[i++]);
+  }
+  std::vector<std::string> stages(1);
+  for (char c : flat) {
+    if (c == '|') {
+      stages.emplace_back();
+    } else if (c == 'E' || c == 'L' || c == 't' || c == 'm') {
+      stages.back().push_back(c);
+    } else {
+      fail("--pipeline-model-parallel-layout {}: invalid layer character '{}' (known: E embedding, t a transformer "
+           "layer, m a multi-token prediction layer, L the loss; '|' ends a stage, (..)*n and x*n repeat)",
+           layout, c);
+    }
+  }
+  return stages;
+}
+
+namespace {
+
+// The model chunks of an explicit layout, after Megatron's checks of it (PipelineParallelLayerLayout).
+std::vector<ModelChunk> layout_chunks(const PipelineSplit& s) {
+  const int P = s.pp, V = s.vpp;
+  const char* flag = "--pipeline-model-parallel-layout";
+  if (static_cast<int>(s.layout.size()) != P * V)
+    fail("{} has {} stages, not --pipeline-model-parallel-size {} x {} virtual stages", flag, s.layout.size(), P, V);
+  std::string all;
+  for (const std::string& stage : s.layout) all += stage;
+  auto count = [&](char c) { return static_cast<int>(std::count(all.begin(), all.end(), c)); };
+  if (all.empty() || all.front() != 'E') fail("{}: the first layer must be the embedding (E)", flag);
+  if (all.back() != 'L') fail("{}: the last layer must be the loss (L)", flag);
+  if (count('E') != 1) fail("{}: the embedding (E) must be given exactly once", flag);
+  if (count('L') != 1) fail("{}: the loss (L) must be given exactly once", flag);
+  if (count('t') != s.num_layers)
+    fail("{}: it holds {} decoder layers (t), --num-layers is {}", flag, count('t'), s.num_layers);
+  if (count('m') > 0)
+    throw Unsupported(fmt::format("megatrain does not support multi-token prediction layers (m) in {} yet", flag));
+  if (s.layout.front().empty() || s.layout.front().front() != 'E')
+    fail("{}: megatrain holds the embedding in the first stage (pipeline rank 0, virtual stage 0): the layout's first "
+         "stage must start with E", flag);
+  std::vector<ModelChunk> chunks;
+  int next_layer = 0;
+  for (int v = 0; v < V; ++v)
+    for (int p = 0; p < P; ++p) {
+      const std::string& stage = s.layout[static_cast<size_t>(v * P + p)];
+      ModelChunk c;
+      c.pp_rank = p;
+      c.vp_stage = v;
+      c.has_embedding = stage.find('E') != std::string::npos;
+      c.has_output = stage.find('L') != std::string::npos;
+      c.first_layer = next_layer;
+      c.num_layers = static_cast<int>(std::count(stage.begin(), stage.end(), 't'));
+      next_layer += c.num_layers;
+      chunks.push_back(c);
+    }
+  return chunks;
+}
+
+}  // namespace
+
 std::vector<ModelChunk> pipeline_chunks(const PipelineSplit& s) {
+  if (!s.layout.empty()) return layout_chunks(s);
   const std::vector<int> slots = stage_slots(s);
   const int P = s.pp, V = s.vpp;
   std::vector<ModelChunk> chunks;

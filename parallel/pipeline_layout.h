@@ -29,6 +29,10 @@ struct PipelineSplit {
   bool account_for_embedding = false;     // --account-for-embedding-in-pipeline-split
   bool account_for_loss = false;          // --account-for-loss-in-pipeline-split
   std::string vpp_flag = "--num-virtual-stages-per-pipeline-rank";  // named in error messages
+  // --pipeline-model-parallel-layout, parsed: PP x VPP stages in model order (stage v * PP + p is
+  // chunk v of pipeline rank p), each a string of 'E', 't', 'L' (and 'm', refused). Empty: the
+  // split follows the flags above.
+  std::vector<std::string> layout;
 
   static PipelineSplit from_config(const Config& cfg);
 };
@@ -41,6 +45,11 @@ struct ModelChunk {
   bool has_embedding = false;  // word (and position) embeddings
   bool has_output = false;     // final norm, output layer and loss
 };
+
+// Megatron's layout string -> its stages ("E|(tt|)*2,tL" -> "E", "tt", "tt", "tL"): commas are
+// dropped, "(...)*n" and then "x*n" unrolled, and the result split at '|'; a character other than
+// E, L, t, m fails naming the flag.
+std::vector<std::string> parse_pipeline_layout(const std::string& layout);
 
 // Checks the split (mt::Error naming the flags and the rule) and returns every model chunk in
 // model order (chunk 0 of stages 0..P-1, then chunk 1 of stages 0..P-1, ...).

@@ -67,7 +67,7 @@ TEST_CASE("rule: virtual pipeline sizes", "[cli][rules]") {
   CHECK_THAT(parse_error(base + words("--num-virtual-stages-per-pipeline-rank 3"), 2),
              Contains("not divisible by the virtual pipeline size 3 (--num-virtual-stages-per-pipeline-rank)"));
   CHECK_THAT(parse_error(base + words("--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 2"), 2),
-             Contains("no more than one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"));
+             Contains("no more than one of --num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank"));
   CHECK_THAT(parse_error(base + words("--num-layers-per-virtual-pipeline-stage 2 --decoder-first-pipeline-num-layers 2"), 2),
              Contains("use --num-virtual-stages-per-pipeline-rank"));
   CHECK_THAT(parse_error(small_gpt() + words("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")),
@@ -732,4 +732,20 @@ TEST_CASE("rule: --overlap-param-gather-with-optimizer-step keeps Megatron's con
   CHECK_THAT(parse_error(small_gpt() + words("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
                                              "--overlap-param-gather-with-optimizer-step --ckpt-format torch")),
              Contains("only supported with an interleaved pipeline schedule"));
+}
+
+TEST_CASE("rule: --pipeline-model-parallel-layout sets the virtual pipeline size and excludes the other split flags",
+          "[cli][rules]") {
+  const Args base = small_gpt() + words("--num-layers 6 --pipeline-model-parallel-size 2 --global-batch-size 4");
+  const Config c = parse(base + words("--pipeline-model-parallel-layout Et|tt|t|ttL"), 2);
+  CHECK(c.parallel.virtual_pipeline_size == 2);
+  CHECK(parse(base + words("--pipeline-model-parallel-layout Ettt|tttL"), 2).parallel.virtual_pipeline_size == 1);
+  CHECK_THAT(parse_error(base + words("--pipeline-model-parallel-layout Et|tt|ttL"), 2),
+             Contains("The length of pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size"));
+  CHECK_THAT(parse_error(base + words("--pipeline-model-parallel-layout Et|tt|t|ttL --num-virtual-stages-per-pipeline-rank 2"), 2),
+             Contains("no more than one of"));
+  CHECK_THAT(parse_error(base + words("--pipeline-model-parallel-layout Et|tt|t|ttL --decoder-first-pipeline-num-layers 2"), 2),
+             Contains("cannot be set with other pipeline layout arguments"));
+  CHECK_THAT(parse_error(base + words("--pipeline-model-parallel-layout Et|tt|t|tL"), 2),
+             Contains("it holds 5 decoder layers (t), --num-layers is 6"));
 }

@@ -180,3 +180,48 @@ TEST_CASE("pipeline layout: errors name the flags", "[parallel][pipeline]") {
   s.last_stage_layers = 5;
   CHECK_THROWS_WITH(pipeline_chunks(s), Contains("leave no layers for the 1 middle pipeline stages"));
 }
+
+TEST_CASE("pipeline layout: --pipeline-model-parallel-layout strings, as Megatron-LM unrolls them", "[parallel][pipeline]") {
+  // Megatron's own example: "Ettt|(tt|)*29,m|L" -> [E t t t], 29 x [t t], [m], [L].
+  const std::vector<std::string> ex = parse_pipeline_layout("Ettt|(tt|)*29,m|L");
+  REQUIRE(ex.size() == 32);
+  CHECK(ex[0] == "Ettt");
+  CHECK(ex[1] == "tt");
+  CHECK(ex[29] == "tt");
+  CHECK(ex[30] == "m");
+  CHECK(ex[31] == "L");
+  CHECK(parse_pipeline_layout("Et*2|(tt|)*5t|tmL") ==
+        std::vector<std::string>{"Ett", "tt", "tt", "tt", "tt", "tt", "t", "tmL"});
+  CHECK(parse_pipeline_layout("(|Et)*2,L") == std::vector<std::string>{"", "Et", "EtL"});
+  CHECK(parse_pipeline_layout("E||tL") == std::vector<std::string>{"E", "", "tL"});
+  CHECK_THROWS_WITH(parse_pipeline_layout("Ex|tL"), Contains("invalid layer character 'x'"));
+}
+
+TEST_CASE("pipeline layout: an explicit layout places the layers, with Megatron's checks", "[parallel][pipeline]") {
+  PipelineSplit s;
+  s.num_layers = 6;
+  s.pp = 2;
+  s.vpp = 2;
+  s.layout = parse_pipeline_layout("Et|tt|t|ttL");
+  // Stage v * PP + p is chunk v of rank p: (0,0) E t, (0,1) t t, (1,0) t, (1,1) t t L.
+  const auto ch = pipeline_chunks(s);
+  REQUIRE(ch.size() == 4);
+  CHECK((ch[0].has_embedding && ch[0].num_layers == 1 && ch[0].first_layer == 0));
+  CHECK((ch[1].pp_rank == 1 && ch[1].vp_stage == 0 && ch[1].first_layer == 1 && ch[1].num_layers == 2));
+  CHECK((ch[2].pp_rank == 0 && ch[2].vp_stage == 1 && ch[2].first_layer == 3 && ch[2].num_layers == 1));
+  CHECK((ch[3].has_output && ch[3].first_layer == 4 && ch[3].num_layers == 2));
+  CHECK(layers_per_stage(s) == std::vector<int>{2, 4});
+  s.layout = parse_pipeline_layout("Et|tt|t|tL");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("it holds 5 decoder layers (t), --num-layers is 6"));
+  s.layout = parse_pipeline_layout("tE|tt|t|ttL");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("the first layer must be the embedding (E)"));
+  s.layout = parse_pipeline_layout("Et|tt|t|tLt");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("the last layer must be the loss (L)"));
+  s.layout = parse_pipeline_layout("Et|tt|t|tmL");
+  s.num_layers = 5;
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("multi-token prediction layers (m)"));
+  s.layout = parse_pipeline_layout("Et|tt|ttL");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("has 3 stages, not --pipeline-model-parallel-size 2 x 2"));
+  s.layout = parse_pipeline_layout("|Ett|tt|tL");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("the layout's first stage must start with E"));
+}

@@ -19,6 +19,10 @@ megatrain_parallel_train_test(parallel_train_pp2_vpp2 2 --pipeline-model-paralle
 megatrain_parallel_train_test(parallel_train_pp2_vpp2_dp2_distopt 4 --pipeline-model-parallel-size 2
                               --num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 2000)
+# An explicit --pipeline-model-parallel-layout: 4 layers as 1, 2, 0 and 1 over PP 2 x 2 virtual
+# stages (an empty chunk, and the loss alone with its layer).
+megatrain_parallel_train_test(parallel_train_pp2_layout 2 --pipeline-model-parallel-size 2
+                              --pipeline-model-parallel-layout "'Et|tt||tL'")
 megatrain_parallel_train_test(parallel_train_pp3_uneven 3 --pipeline-model-parallel-size 3
                               --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1)
 megatrain_parallel_train_test(parallel_train_dp2 2)
