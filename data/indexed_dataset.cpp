@@ -256,16 +256,54 @@ void IndexedDataset::open_bin() {
   } else {
     bin_fd_ = fd;
   }
-  // The last sequence ends the file in a well-formed dataset; --full-data-check checks them all.
+  check_pointers();
+}
+
+// Megatron's writer lays the sequences out back to back from byte 0, so in a well-formed dataset
+// sequence i starts at (sum of the lengths before it) x itemsize and the last one ends exactly at
+// the end of the .bin. Anything else (a .idx whose dtype byte was changed, a .bin from another
+// dataset, a truncated or padded copy) would read other bytes than were written, so it is refused
+// here. One linear pass over the mapped pointers and the copied lengths: about 1 ns per sequence.
+void IndexedDataset::check_pointers() const {
+  const std::string idx = idx_path_of(prefix_);
+  const std::string bin = bin_path_of(prefix_);
   const int64_t n = num_sequences();
-  if (n > 0) {
-    const int64_t ptr = sequence_pointer(n - 1);
-    const uint64_t end = static_cast<uint64_t>(ptr) + static_cast<uint64_t>(sequence_lengths_[n - 1]) * itemsize_;
-    if (ptr < 0 || end > bin_size_) {
-      fail("{}: the data file is shorter than its index says: the last sequence ends at byte {} but the file "
-           "has {} bytes (truncated copy?)",
-           path, end, bin_size_);
+  const uint8_t* pointers = idx_map_ + pointers_offset_;
+  uint64_t expected = 0;  // bytes of the sequences before i; at most 2^31 x 2^31 x 8, fits
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t ptr = load<int64_t>(pointers + static_cast<uint64_t>(i) * 8);
+    if (ptr < 0 || static_cast<uint64_t>(ptr) != expected) {
+      // A hint for the usual cause: pointers written for another token width.
+      std::string hint;
+      const uint64_t tokens_before = expected / itemsize_;
+      if (ptr > 0 && tokens_before > 0 && static_cast<uint64_t>(ptr) % tokens_before == 0) {
+        const uint64_t width = static_cast<uint64_t>(ptr) / tokens_before;
+        if (width == 1 || width == 2 || width == 4 || width == 8) {
+          hint = fmt::format("; the pointers fit {}-byte tokens, not the index's dtype {} ({} bytes): was the .idx's "
+                             "dtype changed?",
+                             width, dtype_name(dtype_), itemsize_);
+        }
+      }
+      fail("{} and {} disagree: sequence {} starts at byte {} by the index's pointers but at byte {} by the "
+           "lengths before it x {} bytes per {} token{} (mismatched or corrupt files: rebuild the dataset)",
+           idx, bin, i, ptr, expected, itemsize_, dtype_name(dtype_), hint);
     }
+    expected += static_cast<uint64_t>(sequence_lengths_[static_cast<size_t>(i)]) * itemsize_;
+    // Stops before the sum could overflow (each step adds at most 2^34 bytes, bin_size_ < 2^63).
+    if (expected > bin_size_) {
+      fail("{} and {} disagree: the data file is shorter than its index says: sequence {} ends at byte {} but the "
+           "file has {} bytes (truncated copy? rebuild or re-copy the dataset)",
+           idx, bin, i, expected, bin_size_);
+    }
+  }
+  if (expected != bin_size_) {
+    const std::string why = expected > 0 && bin_size_ % expected == 0
+                                ? fmt::format("{} times the index's bytes: was the .idx's dtype changed?",
+                                              bin_size_ / expected)
+                                : std::string("a padded copy or a .bin of another dataset?");
+    fail("{} and {} disagree: the index's {} sequences of dtype {} end at byte {} but the data file has {} bytes ({}; "
+         "rebuild or re-copy the dataset)",
+         idx, bin, n, dtype_name(dtype_), expected, bin_size_, why);
   }
 }
 

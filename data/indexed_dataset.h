@@ -57,7 +57,9 @@ class IndexedDataset : public LowLevelDataset {
 
   // Opens and validates prefix.idx/.bin. Throws mt::Error naming the file for: a missing file, a
   // wrong magic/version/dtype code, a truncated .idx, negative sequence lengths, a
-  // sequence_lengths/document_indices mismatch, a .bin shorter than the index says.
+  // sequence_lengths/document_indices mismatch, and an index that disagrees with its .bin: the
+  // sequence pointers must be the running byte offsets of the lengths x the dtype size from 0, and
+  // the last sequence must end exactly at the end of the .bin (a linear scan of the pointers).
   IndexedDataset(std::string prefix, Options options);
   explicit IndexedDataset(std::string prefix) : IndexedDataset(std::move(prefix), Options{}) {}
   ~IndexedDataset() override;
@@ -95,6 +97,7 @@ class IndexedDataset : public LowLevelDataset {
   void open_idx();
   void release();
   void open_bin();
+  void check_pointers() const;
   void read_raw(uint64_t byte_offset, uint64_t nbytes, void* dst) const;
   void check_range_in_bytes(uint64_t byte_offset, uint64_t nbytes, int64_t limit, const char* what) const;
 

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <chrono>
+#include <cstdio>
 
 #include "core/error.h"
 #include "data/indexed_dataset.h"
@@ -271,4 +273,108 @@ TEST_CASE("token ids outside the vocabulary: cheap check, full check and reads",
   IndexedDataset file_mode(prefix, {.mmap_bin = false});
   file_mode.set_token_limit(1000);
   CHECK_THAT(error_of([&] { file_mode.read(bad_doc, 400, 200, out.data()); }), Contains("position 500"));
+}
+
+TEST_CASE("an index that disagrees with its .bin is refused at open, naming both files", "[data][indexed]") {
+  oracle::TempDir dir;
+  const std::string good = dir.file("good");
+  write_with_builder(good, TokenDType::uint16, sample_documents());
+  const std::string idx = slurp(good + ".idx"), bin = slurp(good + ".bin");
+  CHECK_NOTHROW(IndexedDataset(good));
+  auto variant = [&](const std::string& name, const std::string& idx_bytes, const std::string& bin_bytes) {
+    const std::string prefix = dir.file(name);
+    spit(prefix + ".idx", idx_bytes);
+    spit(prefix + ".bin", bin_bytes);
+    return error_of([&] { IndexedDataset ds(prefix); });
+  };
+  // One line naming both files (the matchers of a Catch && chain must outlive it: built in place).
+  auto names_both = [&](const std::string& error, const std::string& name) {
+    return error.find(dir.file(name) + ".idx and " + dir.file(name) + ".bin disagree") != std::string::npos &&
+           error.find('\n') == std::string::npos;
+  };
+
+  // The dtype byte changed from uint16 to uint8: the .bin holds twice the bytes the index
+  // accounts for, and the second sequence's pointer is 2 bytes per token before it.
+  std::string uint8_code = idx;
+  uint8_code[17] = static_cast<char>(TokenDType::uint8);
+  {
+    const std::string e = variant("dtype", uint8_code, bin);
+    CHECK(names_both(e, "dtype"));
+    CHECK_THAT(e, Contains("sequence 1 starts at byte 6") && Contains("at byte 3") &&
+                 Contains("2-byte tokens"));
+  }
+  // The same with only one sequence: no pointer to disagree, but the sizes do.
+  const std::string one = dir.file("one");
+  write_with_builder(one, TokenDType::uint16, {{{5, 6, 7}}});
+  std::string one_idx = slurp(one + ".idx");
+  one_idx[17] = static_cast<char>(TokenDType::uint8);
+  {
+    const std::string e = variant("one_dtype", one_idx, slurp(one + ".bin"));
+    CHECK(names_both(e, "one_dtype"));
+    CHECK_THAT(e, Contains("end at byte 3") && Contains("has 6 bytes") &&
+                 Contains("2 times the index's bytes"));
+  }
+
+  // A pointer moved (the lengths say 6 bytes: 3 uint16 tokens before sequence 1).
+  std::string moved = idx;
+  const uint64_t pointers = 34 + 6 * 4;
+  const int64_t eight = 8;
+  std::memcpy(moved.data() + pointers + 8, &eight, 8);
+  {
+    const std::string e = variant("moved", moved, bin);
+    CHECK(names_both(e, "moved"));
+    CHECK_THAT(e, Contains("sequence 1 starts at byte 8"));
+  }
+  // A first pointer that is not 0.
+  std::string first = idx;
+  std::memcpy(first.data() + pointers, &eight, 8);
+  {
+    const std::string e = variant("first", first, bin);
+    CHECK(names_both(e, "first"));
+    CHECK_THAT(e, Contains("sequence 0 starts at byte 8"));
+  }
+  // Extra bytes after the last sequence, and a .bin cut short (the existing wording is kept).
+  {
+    const std::string e = variant("padded", idx, bin + std::string(4, '\0'));
+    CHECK(names_both(e, "padded"));
+    CHECK_THAT(e, Contains("has " + std::to_string(bin.size() + 4) + " bytes"));
+  }
+  {
+    const std::string e = variant("cut", idx, bin.substr(0, bin.size() - 2));
+    CHECK(names_both(e, "cut"));
+    CHECK_THAT(e, Contains("shorter than its index"));
+  }
+  // An empty index with a non-empty .bin.
+  const std::string empty = dir.file("empty");
+  write_with_builder(empty, TokenDType::int32, {});
+  CHECK_NOTHROW(IndexedDataset(empty));
+  {
+    const std::string e = variant("empty_bin", slurp(empty + ".idx"), "abcd");
+    CHECK(names_both(e, "empty_bin"));
+    CHECK_THAT(e, Contains("has 4 bytes"));
+  }
+}
+
+// Not run by default: the cost of the open-time pointer check on a few million documents.
+// megatrain_tests "[.bench-idx-open]" prints the time to open a 4M-document index.
+TEST_CASE("opening a 4M-document index (pointer check timing)", "[.bench-idx-open]") {
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("big");
+  const int64_t docs = 4'000'000;
+  {
+    IndexedDatasetBuilder b(prefix, TokenDType::uint16);
+    std::vector<int32_t> tokens(3);
+    for (int64_t d = 0; d < docs; ++d) {
+      tokens.resize(static_cast<size_t>(1 + d % 5), 7);
+      b.add_document(tokens);
+    }
+    b.finalize();
+  }
+  for (int round = 0; round < 3; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    IndexedDataset ds(prefix);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("open of %lld documents: %.1f ms\n", static_cast<long long>(ds.num_documents()), secs * 1e3);
+    CHECK(ds.num_documents() == docs);
+  }
 }
