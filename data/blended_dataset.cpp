@@ -115,14 +115,34 @@ BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleDataset>>
     if (description && std::getline(description, first_line) && first_line == key_) {
       IndexArray index = IndexArray::map_npy(cache_prefix + "dataset_index.npy");
       IndexArray sample = IndexArray::map_npy(cache_prefix + "dataset_sample_index.npy");
-      if (index.valid() && sample.valid() && index.type() == IndexType::i16 && sample.type() == IndexType::i64 &&
-          index.size() == sample.size() && (!size || index.size() == *size)) {
+      // window() trusts the arrays: every dataset id must name a component and every sample id lie
+      // within that component's samples.
+      std::string damage;
+      if (!index.valid() || index.type() != IndexType::i16 || index.cols() != 1 || (size && index.size() != *size)) {
+        damage = cache_prefix + "dataset_index.npy: missing, not int16, or of the wrong length";
+      } else if (!sample.valid() || sample.type() != IndexType::i64 || sample.cols() != 1 ||
+                 sample.size() != index.size()) {
+        damage = cache_prefix + "dataset_sample_index.npy: missing, not int64, or of the wrong length";
+      } else {
+        const int64_t n = static_cast<int64_t>(datasets_.size());
+        for (int64_t i = 0; i < index.size() && damage.empty(); ++i) {
+          const int64_t j = index[i], k = sample[i];
+          if (j < 0 || j >= n) {
+            damage = fmt::format("{}dataset_index.npy: element {} is {}, but the blend has {} datasets", cache_prefix,
+                                 i, j, n);
+          } else if (k < 0 || k >= datasets_[static_cast<size_t>(j)]->size()) {
+            damage = fmt::format("{}dataset_sample_index.npy: element {} is {}, outside dataset {}'s {} samples",
+                                 cache_prefix, i, k, j, datasets_[static_cast<size_t>(j)]->size());
+          }
+        }
+      }
+      if (damage.empty()) {
         dataset_index_ = std::move(index);
         dataset_sample_index_ = std::move(sample);
         loaded_from_cache_ = true;
         return;
       }
-      log::warn("ignoring the damaged blend cache {}*: rebuilding it", cache_prefix);
+      log::warn("ignoring the damaged blend cache {}; rebuilding it", damage);
     }
   }
 

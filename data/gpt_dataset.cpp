@@ -223,6 +223,93 @@ void GPTDataset::build() {
             docs, num_epochs_, static_cast<double>(size_) / std::max(secs, 1e-9));
 }
 
+namespace {
+
+// Why the cached arrays cannot be the indices this dataset builds ("<file>: <what>"), or "" when
+// they can. window() trusts them without bounds checks, so everything it indexes is checked here:
+// shapes, every document-index value within the split, every sample-index row within the
+// document index and its document, the rows in stream order with each window exactly window_length
+// tokens long (the last one may be shorter when partial sequences are kept), and the shuffle index
+// a permutation of [0, samples) (its two ranges, with a separately shuffled final epoch). One
+// linear pass over each array, plus a bitmap of samples / 8 bytes.
+std::string cache_damage(const std::string& prefix, const IndexArray& doc, const IndexArray& sample,
+                         const IndexArray& shuffle, IndexRange docs, int64_t num_epochs, int64_t expected_samples,
+                         int64_t samples_before_final_epoch, bool separate_final_epoch,
+                         std::span<const int32_t> sizes, int64_t window_length, int64_t extra) {
+  const std::string doc_file = prefix + "document_index.npy";
+  const std::string sample_file = prefix + "sample_index.npy";
+  const std::string shuffle_file = prefix + "shuffle_index.npy";
+  if (!doc.valid()) return doc_file + ": missing or not a simple integer .npy array";
+  if (!sample.valid()) return sample_file + ": missing or not a simple integer .npy array";
+  if (!shuffle.valid()) return shuffle_file + ": missing or not a simple integer .npy array";
+  if (doc.type() != IndexType::i32 || doc.cols() != 1 || doc.size() != num_epochs * docs.size()) {
+    return fmt::format("{}: {} x {} elements of {}, expected {} int32 ({} epochs x {} documents)", doc_file,
+                       doc.rows(), doc.cols(), index_type_descr(doc.type()), num_epochs * docs.size(), num_epochs,
+                       docs.size());
+  }
+  if ((sample.type() != IndexType::i32 && sample.type() != IndexType::i64) || sample.cols() != 2 ||
+      sample.rows() != expected_samples + 1) {
+    return fmt::format("{}: {} x {} elements of {}, expected {} x 2 integers", sample_file, sample.rows(),
+                       sample.cols(), index_type_descr(sample.type()), expected_samples + 1);
+  }
+  if ((shuffle.type() != IndexType::u32 && shuffle.type() != IndexType::i64) || shuffle.cols() != 1 ||
+      shuffle.size() != expected_samples) {
+    return fmt::format("{}: {} x {} elements of {}, expected {} integers", shuffle_file, shuffle.rows(),
+                       shuffle.cols(), index_type_descr(shuffle.type()), expected_samples);
+  }
+  const int64_t positions = doc.size();
+  for (int64_t i = 0; i < positions; ++i) {
+    const int64_t d = doc[i];
+    if (d < docs.begin || d >= docs.end) {
+      return fmt::format("{}: element {} is {}, outside the split's documents [{}, {})", doc_file, i, d, docs.begin,
+                         docs.end);
+    }
+  }
+  auto length_at = [&](int64_t position) -> int64_t { return sizes[static_cast<size_t>(doc[position])]; };
+  // Row k: (position in the document index, token offset). Windows run from row k to row k + 1.
+  int64_t d0 = sample.at(0, 0), o0 = sample.at(0, 1);
+  if (d0 != 0 || o0 != 0) return fmt::format("{}: row 0 is ({}, {}), expected (0, 0)", sample_file, d0, o0);
+  for (int64_t k = 1; k <= expected_samples; ++k) {
+    const int64_t d1 = sample.at(k, 0), o1 = sample.at(k, 1);
+    if (d1 < d0 || d1 >= positions || (d1 == d0 && o1 < o0) || o1 + extra < 0 || o1 + extra > length_at(d1)) {
+      return fmt::format("{}: row {} is ({}, {}) after ({}, {}): out of order or outside the document index ({} "
+                         "positions)",
+                         sample_file, k, d1, o1, d0, o0, positions);
+    }
+    // Tokens the window reads: from (d0, o0) to (d1, o1 + extra), walking the documents between.
+    int64_t tokens = 0;
+    if (d0 == d1) {
+      tokens = o1 - o0 + extra;
+    } else {
+      tokens = length_at(d0) - o0;
+      for (int64_t p = d0 + 1; p < d1; ++p) tokens += length_at(p);
+      tokens += o1 + extra;
+    }
+    if (tokens > window_length || (k < expected_samples && tokens != window_length) || o0 > length_at(d0)) {
+      return fmt::format("{}: sample {} (rows {} and {}) spans {} tokens, expected {}", sample_file, k - 1, k - 1, k,
+                         tokens, window_length);
+    }
+    d0 = d1;
+    o0 = o1;
+  }
+  std::vector<uint64_t> seen(static_cast<size_t>((expected_samples + 63) / 64), 0);
+  const int64_t split_at = separate_final_epoch ? samples_before_final_epoch : expected_samples;
+  for (int64_t i = 0; i < expected_samples; ++i) {
+    const int64_t v = shuffle[i];
+    const int64_t lo = i < split_at ? 0 : split_at, hi = i < split_at ? split_at : expected_samples;
+    if (v < lo || v >= hi) {
+      return fmt::format("{}: element {} is {}, outside [{}, {})", shuffle_file, i, v, lo, hi);
+    }
+    uint64_t& word = seen[static_cast<size_t>(v / 64)];
+    const uint64_t bit = uint64_t{1} << (v % 64);
+    if (word & bit) return fmt::format("{}: element {} repeats the sample {}", shuffle_file, i, v);
+    word |= bit;
+  }
+  return {};
+}
+
+}  // namespace
+
 bool GPTDataset::try_load_cache() {
   std::ifstream description(cache_prefix_ + "description.txt");
   std::string first_line;
@@ -230,11 +317,19 @@ bool GPTDataset::try_load_cache() {
   IndexArray doc = IndexArray::map_npy(cache_prefix_ + "document_index.npy");
   IndexArray sample = IndexArray::map_npy(cache_prefix_ + "sample_index.npy");
   IndexArray shuffle = IndexArray::map_npy(cache_prefix_ + "shuffle_index.npy");
-  const bool consistent = doc.valid() && sample.valid() && shuffle.valid() && doc.type() == IndexType::i32 &&
-                          doc.size() == num_epochs_ * indices_.size() && sample.cols() == 2 && sample.rows() >= 1 &&
-                          shuffle.size() == sample.rows() - 1 && shuffle.cols() == 1;
-  if (!consistent) {
-    log::warn("ignoring the damaged index cache {}*: rebuilding it", cache_prefix_);
+  // The sample count build_sample_index makes (drop_last: whole windows; else a final partial one).
+  const int64_t extra = options_.add_extra_token ? 1 : 0;
+  const int64_t total_tokens = num_epochs_ * tokens_per_epoch_ - extra;
+  const int64_t expected_samples =
+      options_.drop_last_partial_sequence
+          ? total_tokens / options_.seq_length
+          : static_cast<int64_t>(std::ceil(static_cast<float>(total_tokens) / static_cast<float>(options_.seq_length)));
+  const std::string damage =
+      cache_damage(cache_prefix_, doc, sample, shuffle, indices_, num_epochs_, expected_samples,
+                   samples_before_final_epoch_, separate_final_epoch_, data_->sequence_lengths(), window_length(), extra);
+  if (!damage.empty()) {
+    // docs/data.md promises a rebuild; the rebuilt files replace these (temporary name + rename).
+    log::warn("ignoring the damaged index cache {}; rebuilding the {} indices", damage, split_name(split_));
     return false;
   }
   document_index_ = std::move(doc);

@@ -128,6 +128,10 @@ IndexArray IndexArray::map_npy(const std::string& path) {
   long long rows = -1, cols = 1;
   const char* shape = dict.c_str() + shape_at + 10;
   if (std::sscanf(shape, "%lld, %lld)", &rows, &cols) < 1 || rows < 0 || cols < 1) return {};
+  // A damaged shape must not overflow the size check below (the data would then be read past the
+  // end of the file).
+  if (rows > static_cast<long long>(mapping->size) || (rows > 0 && cols > static_cast<long long>(mapping->size) / rows))
+    return {};
   a.rows_ = rows;
   a.cols_ = cols;
   const size_t need = static_cast<size_t>(rows * cols) * index_type_size(a.type_);

@@ -3,8 +3,14 @@
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <sstream>
 #include <thread>
 
 #include "data/dataset_builder.h"
@@ -36,6 +42,58 @@ std::vector<std::vector<int32_t>> all_windows(const SampleDataset& ds) {
 }
 
 const GPTDataset& train_of(const BuiltDatasets& b) { return *b.components.at(0); }
+
+// Overwrites element i (of `itemsize` bytes) of a .npy file's data with value, keeping the header.
+void poke_npy(const std::string& path, int64_t i, size_t itemsize, int64_t value) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f);
+  unsigned char len[2];
+  f.seekg(8);
+  f.read(reinterpret_cast<char*>(len), 2);
+  const int64_t data = 10 + len[0] + 256 * len[1];
+  f.seekp(data + i * static_cast<int64_t>(itemsize));
+  f.write(reinterpret_cast<const char*>(&value), static_cast<std::streamsize>(itemsize));  // little-endian
+  REQUIRE(f);
+}
+
+int64_t peek_npy(const std::string& path, int64_t i, size_t itemsize) {
+  std::ifstream f(path, std::ios::binary);
+  unsigned char len[2];
+  f.seekg(8);
+  f.read(reinterpret_cast<char*>(len), 2);
+  f.seekg(10 + len[0] + 256 * len[1] + i * static_cast<int64_t>(itemsize));
+  int64_t v = 0;
+  f.read(reinterpret_cast<char*>(&v), static_cast<std::streamsize>(itemsize));
+  if (itemsize == 4) v = static_cast<int32_t>(v);
+  return v;
+}
+
+// What `f` writes to stderr (the warnings).
+std::string stderr_of(const std::function<void()>& f) {
+  oracle::TempDir dir;
+  const std::string path = dir.file("stderr");
+  std::fflush(stderr);
+  const int saved = dup(2);
+  std::FILE* out = std::fopen(path.c_str(), "w");
+  dup2(fileno(out), 2);
+  try {
+    f();
+  } catch (...) {
+    std::fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    std::fclose(out);
+    throw;
+  }
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::fclose(out);
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 }  // namespace
 
@@ -152,4 +210,89 @@ TEST_CASE("ranks building the same cache at once all get it whole", "[data][cach
   const BuiltDatasets later = build_datasets(c, {5000, 100, 0});
   for (const auto& g : later.components) CHECK(g->loaded_from_cache());
   CHECK(all_windows(*later.splits[0]) == windows[0]);
+}
+
+TEST_CASE("cached indices with out-of-range values are rebuilt, never read out of bounds", "[data][cache]") {
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  make_dataset(prefix, 60, 37);
+  DatasetsConfig c;
+  c.seq_length = 16;
+  c.split = "1";
+  c.blend = parse_blend({prefix}, "--data-path");
+  const BuiltDatasets first = build_datasets(c, {300, 0, 0});
+  const auto expected = all_windows(*first.splits[0]);
+  const std::string cache = train_of(first).cache_path_prefix();
+  const std::string doc = cache + "document_index.npy", sample = cache + "sample_index.npy",
+                    shuffle = cache + "shuffle_index.npy";
+  REQUIRE(train_of(first).document_index().type() == IndexType::i32);
+  REQUIRE(train_of(first).sample_index().type() == IndexType::i32);
+  REQUIRE(train_of(first).shuffle_index().type() == IndexType::u32);
+
+  struct Damage {
+    const char* what;
+    std::string file;
+    int64_t element;
+    size_t itemsize;
+    std::function<int64_t(int64_t)> value;  // from the original value
+  };
+  const std::vector<Damage> damages = {
+      {"shuffle index far out of range", shuffle, 5, 4, [](int64_t) { return int64_t{0x7fffffff}; }},
+      {"shuffle index one past the end", shuffle, 0, 4, [&](int64_t) { return train_of(first).size(); }},
+      {"shuffle index repeating a sample", shuffle, 1, 4, [&](int64_t) { return train_of(first).shuffle_index()[0]; }},
+      {"document index past the documents", doc, 3, 4, [](int64_t) { return int64_t{60}; }},
+      {"negative document index", doc, 7, 4, [](int64_t) { return int64_t{-1}; }},
+      {"sample offset past its document", sample, 2 * 4 + 1, 4, [](int64_t) { return int64_t{1000}; }},
+      {"negative sample offset", sample, 2 * 4 + 1, 4, [](int64_t) { return int64_t{-7}; }},
+      {"sample positions going backwards", sample, 2 * 9, 4, [](int64_t v) { return v - 2; }},
+      {"sample position past the document index", sample, 2 * 9, 4, [](int64_t) { return int64_t{1} << 30; }},
+      {"a window one token short", sample, 2 * 9 + 1, 4, [](int64_t v) { return v > 0 ? v - 1 : v; }},
+  };
+  for (const Damage& d : damages) {
+    INFO(d.what);
+    const int64_t original = peek_npy(d.file, d.element, d.itemsize);
+    const int64_t value = d.value(original);
+    REQUIRE(value != original);
+    poke_npy(d.file, d.element, d.itemsize, value);
+    std::optional<BuiltDatasets> rebuilt;
+    const std::string err = stderr_of([&] { rebuilt = build_datasets(c, {300, 0, 0}); });
+    CHECK_FALSE(train_of(*rebuilt).loaded_from_cache());
+    CHECK_THAT(err, Catch::Matchers::Contains("damaged index cache " + d.file) &&
+                        Catch::Matchers::Contains("rebuilding"));
+    CHECK(all_windows(*rebuilt->splits[0]) == expected);
+    // The rebuilt files replaced the damaged ones.
+    CHECK(peek_npy(d.file, d.element, d.itemsize) == original);
+    CHECK(train_of(build_datasets(c, {300, 0, 0})).loaded_from_cache());
+  }
+
+  // Blend indices (cached under --data-cache-path): a dataset id or sample id out of range.
+  DatasetsConfig b = c;
+  b.blend = parse_blend({"0.6", prefix, "0.4", prefix}, "--data-path");
+  b.data_cache_path = dir.file("blend_cache");
+  const BuiltDatasets blend = build_datasets(b, {200, 0, 0});
+  const auto blend_expected = all_windows(*blend.splits[0]);
+  std::string blend_prefix;
+  for (const auto& e : std::filesystem::directory_iterator(*b.data_cache_path)) {
+    const std::string name = e.path().string();
+    const std::string suffix = "BlendedDataset-train-dataset_index.npy";
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      blend_prefix = name.substr(0, name.size() - std::string("dataset_index.npy").size());
+  }
+  REQUIRE_FALSE(blend_prefix.empty());
+  const std::vector<Damage> blend_damages = {
+      {"blend dataset id past the datasets", blend_prefix + "dataset_index.npy", 4, 2, [](int64_t) { return int64_t{2}; }},
+      {"negative blend dataset id", blend_prefix + "dataset_index.npy", 4, 2, [](int64_t) { return int64_t{0xffff}; }},
+      {"blend sample id past its dataset", blend_prefix + "dataset_sample_index.npy", 6, 8,
+       [](int64_t) { return int64_t{1} << 40; }},
+  };
+  for (const Damage& d : blend_damages) {
+    INFO(d.what);
+    const int64_t original = peek_npy(d.file, d.element, d.itemsize) & (d.itemsize == 2 ? 0xffff : -1);
+    poke_npy(d.file, d.element, d.itemsize, d.value(original));
+    std::optional<BuiltDatasets> rebuilt;
+    const std::string err = stderr_of([&] { rebuilt = build_datasets(b, {200, 0, 0}); });
+    CHECK_THAT(err, Catch::Matchers::Contains("damaged blend cache " + d.file) && Catch::Matchers::Contains("rebuilding"));
+    CHECK(all_windows(*rebuilt->splits[0]) == blend_expected);
+    CHECK(peek_npy(d.file, d.element, d.itemsize) == original);
+  }
 }
