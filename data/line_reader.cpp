@@ -37,10 +37,18 @@ struct LineChunkReader::Source {
   size_t read(char* dst, size_t n) {
     if (gz) {
       const int got = gzread(gz, dst, static_cast<unsigned>(n));
-      if (got < 0) {
-        int err = 0;
-        const char* msg = gzerror(gz, &err);
-        fail("--input '{}': gzip read error: {}", name, msg ? msg : "?");
+      // zlib checks each member's trailer (CRC-32 and length) when its deflate stream ends; a
+      // bad one is an error here. gzread reports input that ends before the stream and trailer
+      // do (a cut file) only through gzerror's Z_BUF_ERROR after returning 0, so look there too:
+      // otherwise a truncated file would read as a shorter, valid one.
+      int err = Z_OK;
+      const char* msg = nullptr;
+      if (got < 0 || (got == 0 && (msg = gzerror(gz, &err), err != Z_OK))) {
+        if (!msg) msg = gzerror(gz, &err);
+        // zlib prefixes its message with "<fd:N>: " for a gzdopen'ed file; the file is named here.
+        if (msg && std::strncmp(msg, "<fd:", 4) == 0 && std::strstr(msg, ": ")) msg = std::strstr(msg, ": ") + 2;
+        fail("--input '{}': truncated or damaged gzip stream ({}): re-download or re-compress the file", name,
+             msg && *msg ? msg : "read error");
       }
       return static_cast<size_t>(got);
     }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <glob.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -258,17 +259,22 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
   const size_t nkeys = o.json_keys.size();
   std::vector<std::string> final_prefixes, part_prefixes;  // part_prefixes[p * nkeys + k]
   for (const std::string& key : o.json_keys) final_prefixes.push_back(output_prefix(o.output_prefix, key));
+  // The outputs are written under temporary names (<final prefix>.tmp.<pid>.bin/.idx) and renamed
+  // into place only once every input has been read to its end, so a failed or killed run never
+  // leaves a partial dataset under the final names (nor replaces an earlier complete one).
+  std::vector<std::string> temp_prefixes;
+  for (const std::string& f : final_prefixes) temp_prefixes.push_back(fmt::format("{}.tmp.{}", f, ::getpid()));
   std::vector<std::unique_ptr<IndexedDatasetBuilder>> builders;
   for (int p = 0; p < parts; ++p)
     for (size_t k = 0; k < nkeys; ++k) {
-      const std::string prefix = parts == 1 ? final_prefixes[k] : output_prefix(fmt::format("{}_{}", o.output_prefix, p), o.json_keys[k]);
+      const std::string prefix = parts == 1 ? temp_prefixes[k] : output_prefix(fmt::format("{}_{}", o.output_prefix, p), o.json_keys[k]);
       part_prefixes.push_back(prefix);
       builders.push_back(std::make_unique<IndexedDatasetBuilder>(prefix, dtype));
     }
   auto cleanup = [&] {
     builders.clear();
     for (const auto& p : part_prefixes) remove_dataset(p);
-    for (const auto& p : final_prefixes) remove_dataset(p);
+    for (const auto& p : temp_prefixes) remove_dataset(p);
   };
   log << fmt::format("Time to startup: {:.3f} s\n",
                      std::chrono::duration<double>(Clock::now() - startup).count());
@@ -384,12 +390,22 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
     for (auto& b : builders) b->finalize();
     if (parts > 1) {
       for (size_t k = 0; k < nkeys; ++k) {
-        IndexedDatasetBuilder merged(final_prefixes[k], dtype);
+        IndexedDatasetBuilder merged(temp_prefixes[k], dtype);
         for (int p = 0; p < parts; ++p) merged.add_index(part_prefixes[p * nkeys + k]);
         merged.finalize();
       }
       builders.clear();
       for (const auto& p : part_prefixes) remove_dataset(p);
+    }
+    // Into place: the .bin first, so a reader that finds the new .idx finds its .bin too.
+    for (size_t k = 0; k < nkeys; ++k) {
+      for (const auto& path_of : {bin_path_of, idx_path_of}) {
+        std::error_code rename_error;
+        fs::rename(path_of(temp_prefixes[k]), path_of(final_prefixes[k]), rename_error);
+        if (rename_error)
+          fail("{}: cannot rename into place as {}: {}", path_of(temp_prefixes[k]), path_of(final_prefixes[k]),
+               rename_error.message());
+      }
     }
   } catch (...) {
     cleanup();

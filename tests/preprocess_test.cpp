@@ -313,3 +313,81 @@ TEST_CASE("megatrain preprocess-data command line", "[preprocess]") {
   CHECK(run(common + " --workers 2 --no-such-flag") != 0);
   CHECK_THAT(slurp(log), Contains("--no-such-flag"));
 }
+
+TEST_CASE("preprocess-data refuses a truncated or damaged .jsonl.gz and leaves no partial dataset", "[preprocess]") {
+  oracle::TempDir dir;
+  // 2000 NullTokenizer documents; the first half flushed as a whole deflate block so that the
+  // file can be cut where the decompressed text ends exactly at a line boundary.
+  std::string first_half, second_half;
+  for (int i = 0; i < 2000; ++i) (i < 1000 ? first_half : second_half) += fmt::format("{{\"text\": \"{} {} {}\"}}\n", i % 90, (i * 7) % 90, 3);
+  const std::string gz = dir.file("in.jsonl.gz");
+  uint64_t flushed_at = 0;
+  {
+    gzFile f = gzopen(gz.c_str(), "wb");
+    REQUIRE(f);
+    REQUIRE(gzwrite(f, first_half.data(), static_cast<unsigned>(first_half.size())) == static_cast<int>(first_half.size()));
+    REQUIRE(gzflush(f, Z_FULL_FLUSH) == Z_OK);
+    flushed_at = fs::file_size(gz);
+    REQUIRE(gzwrite(f, second_half.data(), static_cast<unsigned>(second_half.size())) == static_cast<int>(second_half.size()));
+    REQUIRE(gzclose(f) == Z_OK);
+  }
+  const std::string whole = slurp(gz);
+  REQUIRE(flushed_at > 10);
+  REQUIRE(flushed_at < whole.size() - 8);
+
+  PreprocessOptions o;
+  o.json_keys = {"text"};
+  o.output_prefix = dir.file("out");
+  o.tokenizer.type = "NullTokenizer";
+  o.tokenizer.vocab_size = 100;
+  o.workers = 2;
+  o.chunk_bytes = 4096;
+  o.input = gz;
+  // The whole file: every document, under the final names, and no temporary files left.
+  CHECK(run_quiet(o).documents == 2000);
+  const std::string good_bin = slurp(dir.file("out_text_document.bin")), good_idx = slurp(dir.file("out_text_document.idx"));
+  REQUIRE_FALSE(good_bin.empty());
+
+  struct Cut {
+    const char* what;
+    std::string bytes;
+  };
+  std::string bad_crc = whole;
+  bad_crc[bad_crc.size() - 8] ^= 0x55;  // the trailer: CRC-32, then the length mod 2^32
+  std::string bad_length = whole;
+  bad_length[bad_length.size() - 4] ^= 0x01;
+  const std::vector<Cut> cuts = {
+      {"cut at a line boundary (after the flushed first half)", whole.substr(0, flushed_at)},
+      {"cut mid-line", whole.substr(0, flushed_at + (whole.size() - flushed_at) / 2)},
+      {"missing the 8-byte trailer", whole.substr(0, whole.size() - 8)},
+      {"missing part of the trailer", whole.substr(0, whole.size() - 3)},
+      {"a wrong CRC-32", bad_crc},
+      {"a wrong length", bad_length},
+  };
+  for (const Cut& cut : cuts) {
+    INFO(cut.what);
+    const std::string bad = dir.file("bad.jsonl.gz");
+    spit(bad, cut.bytes);
+    o.input = bad;
+    std::string error = "(no error)";
+    try {
+      run_quiet(o);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    CHECK_THAT(error, Contains(bad) && Contains("truncated or damaged gzip stream"));
+    CHECK_FALSE(error.find("not valid JSON") != std::string::npos);
+    // The earlier complete output is untouched and nothing partial is left beside it.
+    CHECK(slurp(dir.file("out_text_document.bin")) == good_bin);
+    CHECK(slurp(dir.file("out_text_document.idx")) == good_idx);
+    for (const auto& e : fs::directory_iterator(dir.file(""))) {
+      CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
+    }
+    // A fresh output prefix is not created at all.
+    o.output_prefix = dir.file("fresh");
+    CHECK_THROWS_WITH(run_quiet(o), Contains("truncated or damaged gzip stream"));
+    CHECK_FALSE(fs::exists(dir.file("fresh_text_document.bin")));
+    CHECK_FALSE(fs::exists(dir.file("fresh_text_document.idx")));
+    o.output_prefix = dir.file("out");
+  }
+}
