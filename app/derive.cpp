@@ -17,6 +17,25 @@ void positive(int v, const char* flag) {
   if (v <= 0) fail("{} must be > 0 (got {})", flag, v);
 }
 
+// Bounds on sizes that no real run reaches, checked before anything is sized by them. Without
+// them a mistyped value is accepted and the host work that grows with it (the per-layer parameter
+// layouts and buffers of every model chunk, the memory plan of the dry run, per-micro-batch
+// schedules, per-sample data indices) runs for tens of seconds into std::bad_alloc.
+//
+// Layers: the deepest transformers trained have about 1000 layers, and megatrain keeps a few KB of
+// host bookkeeping per layer and rank (tensor layouts, names, per-layer state), so 2^16 layers
+// plan in under 3 s and 0.5 GB while 10^6 took 3 GB and 14 s into std::bad_alloc.
+constexpr int kMaxLayers = 1 << 16;
+// Micro-batches per iteration (global batch / (micro batch x DP)): real runs use at most a few
+// thousand. The pipeline schedules of one iteration hold per-micro-batch state (about 240 bytes
+// each, built in the dry run too): 2^20 plan in about a second and 250 MB, 2^24 took 25 s and
+// 3.9 GB, and 2 x 10^9 ended in std::bad_alloc.
+constexpr int64_t kMaxMicrobatches = int64_t{1} << 20;
+// Samples a run reads (train, valid and test): each costs at least 16 bytes of cached index per
+// rank (a sample-index row and a shuffle entry), so 2^40 samples would need 16 TiB on every rank;
+// the largest published runs read about 2^31.
+constexpr int64_t kMaxSamples = int64_t{1} << 40;
+
 void derive_model_shape(CliState& st) {
   Config& c = st.cfg;
   ModelConfig& m = c.model;
@@ -30,6 +49,10 @@ void derive_model_shape(CliState& st) {
   require(st, "--num-attention-heads");
   require(st, "--max-position-embeddings");
   positive(m.num_layers, "--num-layers");
+  if (m.num_layers > kMaxLayers)
+    fail("--num-layers {} is more than megatrain plans for (at most {}; the deepest trained transformers have about "
+         "1000): check the value",
+         m.num_layers, kMaxLayers);
   positive(m.hidden_size, "--hidden-size");
   positive(m.num_attention_heads, "--num-attention-heads");
   positive(m.max_position_embeddings, "--max-position-embeddings");
@@ -198,6 +221,10 @@ void derive_batch(CliState& st) {
     t.global_batch = rounded;
   }
   t.num_microbatches = t.global_batch / per_step;
+  if (t.num_microbatches > kMaxMicrobatches)
+    fail("--global-batch-size {} needs {} micro-batches per iteration (/ (--micro-batch-size {} x data-parallel size "
+         "{})), more than megatrain plans for (at most {}): check the value, or raise --micro-batch-size",
+         t.global_batch, t.num_microbatches, t.micro_batch_size, dp, kMaxMicrobatches);
   // --eval-global-batch-size (megatron/training/arguments.py): the samples of one evaluation
   // iteration, by default the training global batch, a multiple of micro-batch x DP. (Megatron-LM
   // defaults it to --global-batch-size as given, which then fails this check when
@@ -219,6 +246,10 @@ void derive_schedule(CliState& st) {
   const int64_t B = t.global_batch;
   if (by_iters) {
     if (*t.train_iters < 0) fail("--train-iters must be >= 0 (got {})", *t.train_iters);
+    if (*t.train_iters > kMaxSamples / B)
+      fail("--train-iters {} x --global-batch-size {} is more samples than megatrain plans for (at most {}): check the "
+           "values",
+           *t.train_iters, B, kMaxSamples);
     if (t.lr_decay_samples) fail("--lr-decay-samples goes with --train-samples; with --train-iters use --lr-decay-iters");
     if (t.lr_warmup_samples != 0)
       fail("--lr-warmup-samples goes with --train-samples; with --train-iters use --lr-warmup-iters");
@@ -235,6 +266,9 @@ void derive_schedule(CliState& st) {
                                              : static_cast<double>(t.lr_warmup_iters * B);
   } else {
     if (*t.train_samples < 0) fail("--train-samples must be >= 0 (got {})", *t.train_samples);
+    if (*t.train_samples > kMaxSamples)
+      fail("--train-samples {} is more than megatrain plans for (at most {}): check the value", *t.train_samples,
+           kMaxSamples);
     if (t.lr_decay_iters) fail("--lr-decay-iters goes with --train-iters; with --train-samples use --lr-decay-samples");
     if (t.lr_warmup_iters != 0)
       fail("--lr-warmup-iters goes with --train-iters; with --train-samples use --lr-warmup-samples");

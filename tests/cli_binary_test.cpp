@@ -4,6 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <chrono>
+
 #include "app/cli.h"
 
 using namespace mt;
@@ -73,4 +76,33 @@ TEST_CASE("binary: docs/flags.md is what --list-flags prints", "[cli][binary]") 
   doc << in.rdbuf();
   // If this fails: build/app/megatrain --list-flags > docs/flags.md
   CHECK(doc.str() == r.out);
+}
+
+TEST_CASE("binary: sizes that cannot fit anywhere are refused at once, naming the flag", "[cli][binary]") {
+  const std::string model =
+      "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 1 "
+      "--lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 ";
+  struct Case {
+    std::string flags, flag;
+  };
+  const std::vector<Case> cases = {
+      {"--num-layers 1000000 --dry-run", "--num-layers 1000000"},
+      {"--num-layers 1000000 --device cpu", "--num-layers 1000000"},
+      {"--num-layers 2 --global-batch-size 2000000000 --dry-run", "--global-batch-size 2000000000"},
+      {"--num-layers 2 --global-batch-size 2000000000 --device cpu", "--global-batch-size 2000000000"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.flags);
+    const auto start = std::chrono::steady_clock::now();
+    const RunResult r = run_binary(words(model + c.flags));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Contains("[rank 0] error: " + c.flag));
+    CHECK_THAT(r.err, !Contains("bad_alloc") && !Contains("internal error"));
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(secs < 5.0);
+  }
+  // The largest accepted sizes still plan at once.
+  const RunResult ok = run_binary(words(model + "--num-layers 4096 --global-batch-size 1048576 --dry-run"));
+  CHECK(ok.exit_code == 0);
 }
