@@ -117,5 +117,5 @@ TEST_CASE("cli: Megatron-LM's functional-test configurations that pass the dry r
     CHECK_THAT(r.out, Contains("dry run: "));
     ++configs;
   }
-  CHECK(configs >= 80);
+  CHECK(configs >= 97);
 }

@@ -165,7 +165,7 @@ TEST_CASE("model gradient check: --qk-l2-norm and a sliding window", "[model][gr
   hg.check_all(4);
 }
 
-TEST_CASE("model gradient check: --attention-output-gate (with GQA, q/k layernorm and RoPE; and GPT-style)",
+TEST_CASE("model gradient check: --attention-output-gate (Llama with GQA and q/k layernorm and RoPE, GPT-style)",
           "[model][gradcheck]") {
   Config c = test::tiny_llama_config();
   c.model.attention_output_gate = true;
