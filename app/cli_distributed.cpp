@@ -30,10 +30,17 @@ void add_distributed_flags(FlagTable& t) {
   t.negative_alias(t.no_effect("--no-align-param-gather", Arity::none, "megatrain orders collectives per stage itself"));
   t.value("--ddp-bucket-size", "gradient bucket size in elements", MT_FIELD(parallel.ddp_bucket_size));
   t.value("--ddp-num-buckets", "number of gradient buckets", MT_FIELD(parallel.ddp_num_buckets));
-  t.flag("--ddp-average-in-collective", "average in the collective instead of pre-scaling",
-         MT_FIELD(parallel.ddp_average_in_collective));
-  t.flag("--tp-comm-overlap", "overlap TP communication with GEMMs (needs --sequence-parallel)",
-         MT_FIELD(parallel.tp_comm_overlap));
+  // Megatron multiplies each rank's gradients by 1/DP before the sum either way: in place, or
+  // inside the collective (NCCL's average of floating-point data pre-multiplies by 1/ranks).
+  t.without_effect(t.flag("--ddp-average-in-collective", "average in the collective instead of pre-scaling",
+                          MT_FIELD(parallel.ddp_average_in_collective)),
+                   "megatrain sums the data-parallel gradients unscaled and applies 1/DP in the optimizer step, "
+                   "whichever way Megatron would have scaled them");
+  t.without_effect(t.flag("--tp-comm-overlap", "overlap TP communication with GEMMs (needs --sequence-parallel)",
+                          MT_FIELD(parallel.tp_comm_overlap)),
+                   "Transformer Engine's userbuffers GEMM/communication overlap is not built; megatrain overlaps "
+                   "sequence parallelism's backward all-gather and reduce-scatter with GEMMs as Megatron does "
+                   "without it (the same results either way)");
   t.no_effect("--tp-comm-overlap-cfg", Arity::one, "a Transformer Engine userbuffers configuration");
   for (const char* n : {"--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-rs", "--disable-tp-comm-bulk-dgrad",
                         "--disable-tp-comm-bulk-wgrad", "--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs"})

@@ -133,7 +133,9 @@ void add_model_flags(FlagTable& t) {
     t.add(std::move(s));
   }
   t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
-  t.choice("--attention-backend", "attention implementation (megatrain always runs its flash-style kernel)",
+  t.choice("--attention-backend",
+           "attention implementation: flash (megatrain's kernels), fused (cuDNN), auto; unfused runs flash (the same "
+           "attention, deterministic, scores never stored)",
            std::vector<std::pair<std::string, AttentionBackend>>{{"flash", AttentionBackend::flash},
                                                                  {"fused", AttentionBackend::fused},
                                                                  {"unfused", AttentionBackend::unfused},
@@ -150,7 +152,7 @@ void add_model_flags(FlagTable& t) {
   t.recognised("--qk-pos-emb-head-dim", Arity::one, "INT", "64", "MLA rotary head dimension");
   t.recognised("--v-head-dim", Arity::one, "INT", "128", "MLA value head dimension");
   t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth");
-  t.flag("--fp32-residual-connection", "keep the residual stream in fp32 (needs --fp16 or --bf16)",
+  t.flag("--fp32-residual-connection", "keep the residual stream in fp32 with --fp16 or --bf16",
          MT_FIELD(model.fp32_residual_connection));
   t.no_effect("--use-mcore-models", Arity::none, "megatrain builds Megatron-Core-style models only");
   t.no_effect("--transformer-impl", Arity::one, "megatrain runs its own kernels (CUDA, or the reference backend)",

@@ -33,10 +33,16 @@ void add_parallel_flags(FlagTable& t) {
          MT_FIELD(parallel.account_for_embedding_in_pipeline_split));
   t.flag("--account-for-loss-in-pipeline-split", "count the loss as a layer when splitting the pipeline",
          MT_FIELD(parallel.account_for_loss_in_pipeline_split));
-  t.negative_flag("--no-overlap-p2p-communication", "interleaved schedule: do not overlap pipeline send/recv",
-                  MT_FIELD(parallel.overlap_p2p_communication));
-  t.flag("--overlap-p2p-communication-warmup-flush", "also overlap pipeline send/recv in warmup and flush",
-         MT_FIELD(parallel.overlap_p2p_communication_warmup_flush));
+  // Megatron's p2p overlap changes when pipeline transfers run, not what they carry.
+  t.without_effect(t.negative_flag("--no-overlap-p2p-communication",
+                                   "interleaved schedule: do not overlap pipeline send/recv",
+                                   MT_FIELD(parallel.overlap_p2p_communication)),
+                   "megatrain runs each step's pipeline sends and receives as one group between computations, "
+                   "never overlapped with them (the same results either way)");
+  t.without_effect(t.flag("--overlap-p2p-communication-warmup-flush", "also overlap pipeline send/recv in warmup and flush",
+                          MT_FIELD(parallel.overlap_p2p_communication_warmup_flush)),
+                   "megatrain runs each step's pipeline sends and receives as one group between computations, "
+                   "never overlapped with them (the same results either way)");
   t.flag("--use-tp-pp-dp-mapping", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
          MT_FIELD(parallel.use_tp_pp_dp_mapping));
   t.recognised("--expert-model-parallel-size", Arity::one, "INT", "1", "expert parallel size (MoE)");

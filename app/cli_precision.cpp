@@ -28,9 +28,15 @@ void add_precision_flags(FlagTable& t) {
   t.flag("--accumulate-allreduce-grads-in-fp32", "fp32 main-gradient buffers and reductions (on with --bf16)",
          MT_FIELD(parallel.accumulate_allreduce_grads_in_fp32));
   t.flag("--grad-reduce-in-bf16", "bf16 main gradients: accumulated over micro-batches and reduced in bf16", MT_FIELD(parallel.grad_reduce_in_bf16));
-  t.flag("--attention-softmax-in-fp32", "attention softmax in fp32", MT_FIELD(model.attention_softmax_in_fp32));
-  t.flag("--apply-query-key-layer-scaling", "scale QK^T by 1/layer number (forces softmax in fp32)",
-         MT_FIELD(model.apply_query_key_layer_scaling));
+  // Both only matter where attention scores are stored in 16 bits (Megatron's local and unfused
+  // attention under --fp16/--bf16); megatrain's attention keeps them in float32 or wider.
+  t.without_effect(t.flag("--attention-softmax-in-fp32", "attention softmax in fp32",
+                          MT_FIELD(model.attention_softmax_in_fp32)),
+                   "megatrain's attention always computes the scores and the softmax in float32 or wider");
+  t.without_effect(t.flag("--apply-query-key-layer-scaling", "scale QK^T by 1/layer number (forces softmax in fp32)",
+                          MT_FIELD(model.apply_query_key_layer_scaling)),
+                   "the softmax multiplies the 1/layer scaling back; it only keeps 16-bit scores in range, and "
+                   "megatrain's attention keeps its scores in float32 or wider");
   t.flag("--fp16-lm-cross-entropy", "cross entropy in fp16 (needs --fp16)", MT_FIELD(train.fp16_lm_cross_entropy));
   // Megatron's precision-aware optimizer (fp16 / fp8 states and fp16 master weights parse, and are
   // refused by unsupported.cpp).

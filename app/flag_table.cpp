@@ -83,6 +83,13 @@ FlagSpec& FlagTable::no_effect(const std::string& name, Arity arity, const std::
   return add(std::move(s));
 }
 
+FlagSpec& FlagTable::without_effect(FlagSpec& s, const std::string& why) {
+  MT_CHECK(s.kind == FlagKind::supported && s.apply, "{}: only a supported flag can be marked without effect", s.name);
+  s.kind = FlagKind::no_effect;
+  s.note = why;
+  return s;
+}
+
 FlagSpec& FlagTable::removed(const std::string& name, Arity arity, const std::string& message) {
   FlagSpec s = base(name, message);
   s.kind = FlagKind::removed;

@@ -6,7 +6,8 @@
 //   supported   parsed into Config (unsupported.cpp may still refuse some of its values)
 //   recognised  a Megatron flag megatrain does not implement: refused unless left at its
 //               default (the refusal rule is in unsupported.cpp, the one table to delete from)
-//   no_effect   accepted; it means nothing for a native binary (rank 0 prints a note)
+//   no_effect   accepted; it changes nothing in megatrain (rank 0 prints a note saying why); some
+//               keep a Config field for Megatron's validation rules (FlagTable::without_effect)
 //   removed     gone from Megatron or fatal there: an error with Megatron's advice
 //   megatrain   megatrain's own flags
 #pragma once
@@ -55,6 +56,7 @@ struct CliState {
   bool recompute_activations = false;      // --recompute-activations = --recompute-granularity selective
   bool use_rotary_position_embeddings = false;
   std::optional<int> local_rank;           // --local-rank (torch.distributed.launch style)
+  std::optional<std::string> nvte_apply_qk_layer_scaling;  // the environment's NVTE_APPLY_QK_LAYER_SCALING
   std::vector<SetupMessage> messages;
 
   bool has(const std::string& flag) const { return given.count(flag) > 0; }
@@ -205,6 +207,10 @@ class FlagTable {
                        const std::string& help);
   // Accepted and ignored, with a note saying why.
   FlagSpec& no_effect(const std::string& name, Arity arity, const std::string& why, const std::string& default_text = "");
+  // A flag added above (flag/value/choice) that changes nothing in megatrain: it keeps its Config
+  // field (Megatron's validation rules, the configuration dump and checkpoint arguments read it)
+  // and is documented and noted as no_effect, `why` being the note.
+  FlagSpec& without_effect(FlagSpec& s, const std::string& why);
   // Fatal: removed from Megatron (or fatal there); `message` is the error.
   FlagSpec& removed(const std::string& name, Arity arity, const std::string& message);
 

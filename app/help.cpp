@@ -50,6 +50,12 @@ std::string status_of(const FlagSpec& f) {
   return "?";
 }
 
+// The help text; for a flag that keeps a Config field but changes nothing, also why.
+std::string meaning_of(const FlagSpec& f) {
+  if (f.kind == FlagKind::no_effect && !f.note.empty() && f.note != f.help) return f.help + " (no effect: " + f.note + ")";
+  return f.help;
+}
+
 std::string escape_md(std::string s) {
   std::string out;
   for (char c : s) {
@@ -99,8 +105,8 @@ std::string flags_markdown() {
        "when this file and the binary disagree. Regenerate with `build/app/megatrain --list-flags > docs/flags.md`.\n\n"
        "Statuses: **supported** (parsed into the run's configuration), **supported (...)** (some values are not "
        "supported yet), **not supported yet** (recognised and refused with \"megatrain does not support --X yet\" "
-       "unless left at Megatron's default), **accepted, no effect** (means nothing for a native binary; rank 0 prints "
-       "a note), **removed (error)** (gone from or fatal in Megatron-LM; megatrain prints Megatron's advice), "
+       "unless left at Megatron's default), **accepted, no effect** (changes nothing in megatrain; rank 0 prints a "
+       "note saying why, also given here; Megatron's rules for it still apply), **removed (error)** (gone from or fatal in Megatron-LM; megatrain prints Megatron's advice), "
        "**megatrain** (megatrain's own flags). Any other flag is an error that names the closest known flag.\n";
   for (cli::FlagGroup g : cli::all_groups()) {
     o << "\n## " << cli::group_title(g) << "\n\n| flag | value | default | status | meaning |\n|---|---|---|---|---|\n";
@@ -108,7 +114,7 @@ std::string flags_markdown() {
       if (f.group != g) continue;
       o << "| `" << escape_md(names_of(f)) << "` | " << escape_md(f.metavar.empty() ? "(switch)" : f.metavar) << " | "
         << escape_md(f.kind == FlagKind::removed ? "" : default_of(f)) << " | " << escape_md(status_of(f)) << " | "
-        << escape_md(f.help) << " |\n";
+        << escape_md(meaning_of(f)) << " |\n";
     }
   }
   return o.str();

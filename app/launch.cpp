@@ -7,6 +7,7 @@ namespace mt::cli {
 void resolve_launch(CliState& st, const Environment& env) {
   Config& c = st.cfg;
   ParallelConfig& p = c.parallel;
+  st.nvte_apply_qk_layer_scaling = env_get(env, "NVTE_APPLY_QK_LAYER_SCALING");  // (validate_model)
   if (p.nproc_per_node && *p.nproc_per_node < 1) fail("--nproc-per-node must be >= 1 (got {})", *p.nproc_per_node);
   if (c.run.dry_run_world_size) {
     if (!c.run.dry_run)

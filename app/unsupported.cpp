@@ -27,6 +27,9 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--qk-pos-emb-head-dim", W::other_than, {"64"}, "multi-latent attention"},
       {"--v-head-dim", W::other_than, {"128"}, "multi-latent attention"},
       {"--mtp-num-layers", W::other_than, {"0"}, "multi-token prediction"},
+      {"--apply-residual-connection-post-layernorm", W::any_use, {}, "the residual is each block's input, not its norm's output"},
+      {"--fp32-residual-connection", W::any_use, {},
+       "the residual stream is kept in the activation dtype"},
       // parallelism (1.2)
       {"--context-parallel-size", W::other_than, {"1"}, ""},
       {"--cp-comm-type", W::other_than, {"p2p"}, ""},
@@ -36,7 +39,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // training (1.3)
       {"--step-batch-size-schedule", W::any_use, {}, "Megatron also rejects it together with --global-batch-size"},
       {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
-      {"--dataloader-type", W::values, {"external"}, ""},
+      {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
       {"--check-for-spiky-loss", W::any_use, {}, ""},
       {"--check-for-large-grads", W::any_use, {}, ""},
       // mixed precision (1.4)
@@ -52,6 +55,8 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
        "use GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer "
        "or NullTokenizer"},
       {"--vocab-extra-ids", W::other_than, {"0"}, ""},
+      {"--reset-attention-mask", W::any_use, {},
+       "attention is causal over the whole sequence, across document boundaries"},
       // checkpointing (1.6)
       {"--ckpt-format", W::values, {"torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default) or torch"},
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},

@@ -81,7 +81,7 @@ void validate_data(CliState& st) {
   if (d.mid_level_dataset_surplus < 0)
     fail("--mid-level-dataset-surplus must be >= 0 (got {})", format_float(d.mid_level_dataset_surplus));
   if (d.eod_id < 0) {
-    for (const char* f : {"--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"})
+    for (const char* f : {"--eod-mask-loss", "--reset-position-ids"})
       if (st.has(f))
         fail("{} needs an end-of-document token, and tokenizer {} has none known (no eos_token in "
              "tokenizer_config.json)", f, d.tokenizer_model.value_or("?"));

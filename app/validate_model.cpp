@@ -2,6 +2,8 @@
 // TransformerConfig.__post_init__).
 #include "app/cli_internal.h"
 
+#include <cstdlib>
+
 namespace mt::cli {
 namespace {
 
@@ -85,14 +87,30 @@ void validate_model(CliState& st) {
     st.note("--qk-l2-norm with --qk-layernorm: queries and keys get the L2 norm (no weights), as in Megatron");
   if (m.multi_latent_attention && m.group_query_attention)
     fail("--multi-latent-attention and --group-query-attention are exclusive");
-  if (m.fp32_residual_connection && c.train.precision == Precision::fp32)
-    fail("--fp32-residual-connection needs --fp16 or --bf16 (the residual stream is fp32 already)");
   if (!m.add_position_embedding && m.position_embedding_type != PositionEmbedding::rope)
     fail("--no-position-embedding is deprecated, use --position-embedding-type (it is only accepted with rope)");
   if (m.rope_type && *m.rope_type != "rope" && !m.multi_latent_attention)
     fail("--rope-type {}: attention without --multi-latent-attention supports --rope-type rope only", *m.rope_type);
   if (m.attention_backend == AttentionBackend::local)
     fail("--attention-backend local is only supported with --spec local");
+  if (m.attention_backend == AttentionBackend::unfused)
+    st.note("--attention-backend unfused runs megatrain's flash attention: the same attention, with a deterministic "
+            "backward, computed without storing the s x s scores (results differ from Megatron's unfused kernels "
+            "by rounding only)");
+  // Megatron's Transformer Engine attention (the default --transformer-impl) raises unless the
+  // environment's NVTE_APPLY_QK_LAYER_SCALING agrees with --apply-query-key-layer-scaling.
+  const std::string impl = st.has("--transformer-impl") ? st.given.at("--transformer-impl").one() : "transformer_engine";
+  if (impl == "transformer_engine") {
+    const std::string env = st.nvte_apply_qk_layer_scaling.value_or("0");
+    char* end = nullptr;
+    const long v = std::strtol(env.c_str(), &end, 10);
+    if (env.empty() || *end != '\0') fail("NVTE_APPLY_QK_LAYER_SCALING must be an integer (got '{}')", env);
+    if ((v != 0) != m.apply_query_key_layer_scaling)
+      fail("apply_query_key_layer_scaling is {} but environment variable NVTE_APPLY_QK_LAYER_SCALING is {}: with "
+           "--transformer-impl transformer_engine (the default) the two must match (or use --transformer-impl local)",
+           m.apply_query_key_layer_scaling ? "True" : "False",
+           st.nvte_apply_qk_layer_scaling.value_or("None"));
+  }
   if (m.rotary_percent <= 0.0 || m.rotary_percent > 1.0)
     fail("--rotary-percent must be in (0, 1] (got {})", format_float(m.rotary_percent));
   if (m.position_embedding_type == PositionEmbedding::rope) {

@@ -77,9 +77,12 @@ void validate_parallel(CliState& st) {
     if (!p.sequence_parallel)
       fail("--tp-comm-overlap needs --sequence-parallel (tensor-parallel communication/GEMM overlap works only with "
            "sequence parallelism, which needs --tensor-model-parallel-size > 1)");
-    st.note("--tp-comm-overlap has no effect in megatrain yet: tensor-parallel communication is not overlapped "
-            "with the GEMMs");
   }
+  // Megatron's DistributedDataParallel refuses this pair (its gradients are summed, not averaged,
+  // under per-token loss), although averaging in the collective changes nothing in megatrain.
+  if (p.ddp_average_in_collective && c.train.calculate_per_token_loss)
+    fail("Cannot average in collective when calculating per-token loss! (--ddp-average-in-collective with "
+         "--calculate-per-token-loss)");
   const TrainConfig& t = c.train;
   if (t.distribute_saved_activations) {
     if (p.tensor_model_parallel_size <= 1)

@@ -55,7 +55,10 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.llama3_scaling = cfg.model.use_rope_scaling;
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
-  o.attention_backend = cfg.model.attention_backend;
+  // Megatron's unfused attention computes the same function as megatrain's flash kernels (which
+  // never store the scores); --attention-backend unfused runs those, deterministic like it.
+  o.attention_backend = cfg.model.attention_backend == AttentionBackend::unfused ? AttentionBackend::flash
+                                                                                : cfg.model.attention_backend;
   o.deterministic = cfg.train.deterministic_mode;
   o.fp8 = Fp8Options::from_config(cfg);
   // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer; the others are refused).

@@ -38,7 +38,7 @@ TEST_CASE("derive: biases, softmax precision, position embedding aliases", "[cli
   CHECK(parse(small_gpt()).model.add_qkv_bias);  // forced by the default bias
   CHECK_FALSE(parse(small_gpt() + words("--disable-bias-linear")).model.add_qkv_bias);
   CHECK(parse(small_gpt() + words("--disable-bias-linear --add-qkv-bias")).model.add_qkv_bias);
-  CHECK(parse(small_gpt() + words("--apply-query-key-layer-scaling")).model.attention_softmax_in_fp32);
+  CHECK(parse(small_gpt() + words("--apply-query-key-layer-scaling --transformer-impl local")).model.attention_softmax_in_fp32);
   CHECK(parse(small_gpt() + words("--use-rotary-position-embeddings")).model.position_embedding_type == PositionEmbedding::rope);
 }
 

@@ -246,7 +246,7 @@ TEST_CASE("rule: --tp-comm-overlap needs sequence parallelism, SP is switched of
   std::vector<SetupMessage> ms;
   CHECK(parse(small_gpt() + words("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"), 2, &ms)
             .parallel.tp_comm_overlap);
-  CHECK(has_message(ms, SetupMessage::Kind::note, "--tp-comm-overlap has no effect in megatrain yet"));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--tp-comm-overlap has no effect in megatrain"));
   CHECK_THAT(parse_error(small_gpt() + words("--tensor-model-parallel-size 2 --tp-comm-overlap"), 2),
              Contains("--tp-comm-overlap needs --sequence-parallel"));
   CHECK_THAT(parse_error(small_gpt() + words("--sequence-parallel --tp-comm-overlap")),
@@ -365,10 +365,60 @@ TEST_CASE("rule: --device cpu refuses --bf16 and --fp16", "[cli][rules]") {
   CHECK_THAT(parse_error(small_gpt() + words("--device cpu --fp16")), Contains("does not support --fp16"));
 }
 
-TEST_CASE("rule: --fp32-residual-connection needs --fp16 or --bf16", "[cli][rules]") {
-  CHECK_NOTHROW(parse(small_gpt() + words("--fp32-residual-connection --bf16")));
-  CHECK_THAT(parse_error(small_gpt() + words("--fp32-residual-connection")),
-             Contains("--fp32-residual-connection needs --fp16 or --bf16"));
+TEST_CASE("refused at parse time: flags the engine does not implement", "[cli][rules]") {
+  CHECK_THAT(parse_error(small_gpt() + words("--fp32-residual-connection --bf16")),
+             Contains("megatrain does not support --fp32-residual-connection yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--apply-residual-connection-post-layernorm")),
+             Contains("megatrain does not support --apply-residual-connection-post-layernorm yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--reset-attention-mask")),
+             Contains("megatrain does not support --reset-attention-mask yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--dataloader-type cyclic")),
+             Contains("megatrain does not support --dataloader-type cyclic yet"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--dataloader-type single")));
+}
+
+TEST_CASE("no effect, Megatron's rules kept: softmax precision, p2p overlap, averaging in the collective",
+          "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--attention-softmax-in-fp32 --ddp-average-in-collective"), 1, &ms);
+  CHECK(c.model.attention_softmax_in_fp32);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--attention-softmax-in-fp32 has no effect in megatrain"));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--ddp-average-in-collective has no effect in megatrain"));
+  // Megatron's DistributedDataParallel refuses averaging with per-token loss.
+  CHECK_THAT(parse_error(small_gpt() + words("--ddp-average-in-collective --calculate-per-token-loss")),
+             Contains("Cannot average in collective when calculating per-token loss"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--calculate-per-token-loss")));
+  std::vector<SetupMessage> ms2;
+  parse(small_gpt() + words("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                            "--global-batch-size 8 --overlap-p2p-communication-warmup-flush"), 2, &ms2);
+  CHECK(has_message(ms2, SetupMessage::Kind::note, "--overlap-p2p-communication-warmup-flush has no effect in megatrain"));
+}
+
+TEST_CASE("--apply-query-key-layer-scaling: no effect, Transformer Engine's NVTE_APPLY_QK_LAYER_SCALING rule kept",
+          "[cli][rules]") {
+  const Args qk = small_gpt() + words("--apply-query-key-layer-scaling");
+  std::vector<SetupMessage> ms;
+  CHECK(parse(qk + words("--transformer-impl local"), 1, &ms).model.attention_softmax_in_fp32);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--apply-query-key-layer-scaling has no effect in megatrain"));
+  Environment env = torchrun_env(1);
+  env["NVTE_APPLY_QK_LAYER_SCALING"] = "1";
+  CHECK_NOTHROW(parse_env(qk, env));
+  CHECK_THAT(parse_error(qk), Contains("apply_query_key_layer_scaling is True but environment variable "
+                                       "NVTE_APPLY_QK_LAYER_SCALING is None"));
+  try {  // the other way round: the variable set, the flag absent
+    parse_env(small_gpt(), env);
+    FAIL_CHECK("expected an error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("apply_query_key_layer_scaling is False"));
+  }
+  CHECK_NOTHROW(parse_env(small_gpt() + words("--transformer-impl local"), env));
+}
+
+TEST_CASE("--attention-backend unfused runs megatrain's flash attention, with a note", "[cli][rules]") {
+  std::vector<SetupMessage> ms;
+  CHECK(parse(small_gpt() + words("--attention-backend unfused"), 1, &ms).model.attention_backend ==
+        AttentionBackend::unfused);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--attention-backend unfused runs megatrain's flash attention"));
 }
 
 TEST_CASE("rule: position embedding flags", "[cli][rules]") {
