@@ -54,6 +54,7 @@ const std::map<std::string, std::string>& not_exercised() {
       {"--use-checkpoint-args", "needs a checkpoint to load"},
       {"--no-initialization", "needs a checkpoint to load"},
       {"--log-energy", "needs NVML (a GPU driver)"},
+      {"--overlap-param-gather-with-optimizer-step", "needs an interleaved pipeline schedule (several ranks)"},
       {"--tokenizer-type GPT2BPETokenizer", "needs tokenizer files a checkout does not ship"},
       {"--tokenizer-type HuggingFaceTokenizer", "needs tokenizer files a checkout does not ship"},
       {"--tokenizer-type SentencePieceTokenizer", "needs tokenizer files a checkout does not ship"},
