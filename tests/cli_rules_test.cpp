@@ -394,7 +394,7 @@ TEST_CASE("no effect, Megatron's rules kept: softmax precision, p2p overlap, ave
   CHECK(has_message(ms2, SetupMessage::Kind::note, "--overlap-p2p-communication-warmup-flush has no effect in megatrain"));
 }
 
-TEST_CASE("--apply-query-key-layer-scaling: no effect, Transformer Engine's NVTE_APPLY_QK_LAYER_SCALING rule kept",
+TEST_CASE("flag --apply-query-key-layer-scaling: no effect, Transformer Engine's NVTE_APPLY_QK_LAYER_SCALING rule kept",
           "[cli][rules]") {
   const Args qk = small_gpt() + words("--apply-query-key-layer-scaling");
   std::vector<SetupMessage> ms;
@@ -414,7 +414,7 @@ TEST_CASE("--apply-query-key-layer-scaling: no effect, Transformer Engine's NVTE
   CHECK_NOTHROW(parse_env(small_gpt() + words("--transformer-impl local"), env));
 }
 
-TEST_CASE("--attention-backend unfused runs megatrain's flash attention, with a note", "[cli][rules]") {
+TEST_CASE("flag --attention-backend unfused runs megatrain's flash attention, with a note", "[cli][rules]") {
   std::vector<SetupMessage> ms;
   CHECK(parse(small_gpt() + words("--attention-backend unfused"), 1, &ms).model.attention_backend ==
         AttentionBackend::unfused);
