@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,16 +19,6 @@ namespace {
 template <class E>
 using Names = std::vector<std::pair<E, const char*>>;
 
-const Names<Normalization>& names(Normalization*) {
-  static const Names<Normalization> n{{Normalization::layernorm, "LayerNorm"}, {Normalization::rmsnorm, "RMSNorm"}};
-  return n;
-}
-const Names<PositionEmbedding>& names(PositionEmbedding*) {
-  static const Names<PositionEmbedding> n{{PositionEmbedding::learned_absolute, "learned_absolute"},
-                                          {PositionEmbedding::rope, "rope"},
-                                          {PositionEmbedding::none, "none"}};
-  return n;
-}
 const Names<LrDecayStyle>& names(LrDecayStyle*) {
   static const Names<LrDecayStyle> n{{LrDecayStyle::constant, "constant"},
                                      {LrDecayStyle::linear, "linear"},
@@ -110,53 +99,26 @@ struct FromJson {
   }
 };
 
+// The model section's fields that are not one flag's field: the window pattern's two fields
+// (--window-attn-skip-freq) and what derive.cpp computes. Every other key is a flag's model
+// setting (app/flags.h ModelSetting), read from the flag table.
 template <class F>
-void visit_model(ModelConfig& m, F&& f) {
-  f("num_layers", m.num_layers);
-  f("hidden_size", m.hidden_size);
-  f("num_attention_heads", m.num_attention_heads);
-  f("ffn_hidden_size", m.ffn_hidden_size);
-  f("kv_channels", m.kv_channels);
-  f("group_query_attention", m.group_query_attention);
-  f("num_query_groups", m.num_query_groups);
-  f("max_position_embeddings", m.max_position_embeddings);
-  f("position_embedding_type", m.position_embedding_type);
-  f("add_position_embedding", m.add_position_embedding);
-  f("rotary_base", m.rotary_base);
-  f("rotary_percent", m.rotary_percent);
-  f("rotary_interleaved", m.rotary_interleaved);
-  f("rotary_seq_len_interpolation_factor", m.rotary_seq_len_interpolation_factor);
-  f("use_rope_scaling", m.use_rope_scaling);
-  f("rope_scaling_factor", m.rope_scaling_factor);
-  f("normalization", m.normalization);
-  f("norm_epsilon", m.norm_epsilon);
-  f("apply_layernorm_1p", m.apply_layernorm_1p);
-  f("apply_residual_connection_post_layernorm", m.apply_residual_connection_post_layernorm);
-  f("swiglu", m.swiglu);
-  f("openai_gelu", m.openai_gelu);
-  f("bias_gelu_fusion", m.bias_gelu_fusion);
-  f("add_bias_linear", m.add_bias_linear);
-  f("add_qkv_bias", m.add_qkv_bias);
-  f("qk_layernorm", m.qk_layernorm);
-  f("qk_l2_norm", m.qk_l2_norm, AddedLater{});
-  f("window_size", m.window_size, AddedLater{});
-  f("squared_relu", m.squared_relu, AddedLater{});
-  f("attention_output_gate", m.attention_output_gate, AddedLater{});
+void visit_derived(ModelConfig& m, F&& f) {
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
-  f("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
-  f("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by);
-  f("seq_length", m.seq_length);
-  f("attention_dropout", m.attention_dropout);
-  f("hidden_dropout", m.hidden_dropout);
-  f("init_method_std", m.init_method_std);
-  f("embedding_init_method_std", m.embedding_init_method_std);
-  // derived
   f("ffn_size", m.ffn_size);
   f("head_dim", m.head_dim);
   f("query_groups", m.query_groups);
   f("vocab_size", m.vocab_size);
   f("padded_vocab_size", m.padded_vocab_size);
+}
+
+// The flags whose settings the model section records.
+std::vector<const cli::FlagSpec*> recorded_settings() {
+  std::vector<const cli::FlagSpec*> out;
+  for (const cli::FlagSpec& f : cli::flag_table().flags())
+    if (f.model && !f.model->key.empty()) out.push_back(&f);
+  return out;
 }
 
 std::string value_text(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
@@ -165,16 +127,30 @@ std::string value_text(const json& v) { return v.is_string() ? v.get<std::string
 
 json model_config_to_json(const ModelConfig& m) {
   json j = json::object();
-  ModelConfig copy = m;
-  visit_model(copy, ToJson{j});
+  Config c;
+  c.model = m;
+  for (const cli::FlagSpec* f : recorded_settings()) j[f->model->key] = f->field(c);
+  visit_derived(c.model, ToJson{j});
   return j;
 }
 
 ModelConfig model_config_from_json(const json& j, const std::string& where) {
   if (!j.is_object()) fail("{}: the checkpoint records no model configuration", where);
-  ModelConfig m;
-  visit_model(m, FromJson{j, where});
-  return m;
+  Config c;
+  for (const cli::FlagSpec* f : recorded_settings()) {
+    const std::string& k = f->model->key;
+    if (!j.contains(k)) {
+      if (f->model->added_later) continue;
+      fail("{}: the saved model configuration lacks '{}'", where, k);
+    }
+    try {
+      f->set_field(c, j.at(k));
+    } catch (const std::exception& e) {
+      fail("{}: model setting '{}' is malformed ({})", where, k, e.what());
+    }
+  }
+  visit_derived(c.model, FromJson{j, where});
+  return c.model;
 }
 
 json checkpoint_config_json(const Config& cfg) {
@@ -186,37 +162,32 @@ json checkpoint_config_json(const Config& cfg) {
 
 void check_checkpoint_model(const json& saved, const ModelConfig& current, const std::string& where) {
   const json now = model_config_to_json(current);
+  const json defaults = model_config_to_json(ModelConfig{});
   // (key in the model section, the flag a user changes)
-  std::vector<std::pair<const char*, const char*>> checked = {
-      {"num_layers", "--num-layers"},
-      {"hidden_size", "--hidden-size"},
-      {"num_attention_heads", "--num-attention-heads"},
-      {"query_groups", "--num-query-groups"},
-      {"head_dim", "--kv-channels"},
-      {"ffn_size", "--ffn-hidden-size"},
-      {"padded_vocab_size", "padded vocabulary size (tokenizer, --make-vocab-size-divisible-by and TP set it)"},
-      {"position_embedding_type", "--position-embedding-type"},
-      {"normalization", "--normalization"},
-      {"swiglu", "--swiglu"},
-      {"add_bias_linear", "add_bias_linear (--disable-bias-linear)"},
-      {"add_qkv_bias", "--add-qkv-bias"},
-      {"qk_layernorm", "--qk-layernorm"},
-      {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"},
-      {"apply_layernorm_1p", "--apply-layernorm-1p"},
-  };
-  if (current.position_embedding_type == PositionEmbedding::learned_absolute)
-    checked.push_back({"max_position_embeddings", "--max-position-embeddings"});
-  // Recorded since --qk-l2-norm, --squared-relu and --attention-output-gate were added; older
-  // checkpoints: off.
-  for (const auto& [key, flag, on] :
-       {std::tuple{"qk_l2_norm", "--qk-l2-norm", current.qk_l2_norm},
-        std::tuple{"squared_relu", "--squared-relu", current.squared_relu},
-        std::tuple{"attention_output_gate", "--attention-output-gate", current.attention_output_gate}}) {
-    if (!saved.contains(key) && on)
-      fail("checkpoint {} was saved for another model: {} is false in the checkpoint but true in this run", where,
-           flag);
-    if (saved.contains(key)) checked.push_back({key, flag});
+  std::vector<std::pair<std::string, std::string>> checked;
+  for (const cli::FlagSpec* f : recorded_settings()) {
+    const cli::ModelSetting& s = *f->model;
+    if (s.compare == cli::CheckpointCompare::no) continue;
+    if (s.compare == cli::CheckpointCompare::with_learned_positions &&
+        current.position_embedding_type != PositionEmbedding::learned_absolute)
+      continue;
+    // A switch that clears the setting is named by both (add_bias_linear (--disable-bias-linear)).
+    const std::string label = f->store_false ? fmt::format("{} ({})", s.key, f->name) : f->name;
+    // A checkpoint from before the setting was recorded was saved with its default.
+    if (!saved.contains(s.key) && s.added_later) {
+      if (now.at(s.key) != defaults.at(s.key))
+        fail("checkpoint {} was saved for another model: {} is {} in the checkpoint but {} in this run", where, label,
+             value_text(defaults.at(s.key)), value_text(now.at(s.key)));
+      continue;
+    }
+    checked.emplace_back(s.key, label);
   }
+  // Sizes derive.cpp computes from several flags.
+  checked.insert(checked.end(),
+                 {{"query_groups", "--num-query-groups"},
+                  {"head_dim", "--kv-channels"},
+                  {"ffn_size", "--ffn-hidden-size"},
+                  {"padded_vocab_size", "padded vocabulary size (tokenizer, --make-vocab-size-divisible-by and TP set it)"}});
   std::string diffs;
   for (const auto& [key, flag] : checked) {
     if (!saved.contains(key)) fail("{}: the saved model configuration lacks '{}'", where, key);

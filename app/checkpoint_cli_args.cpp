@@ -23,46 +23,19 @@ struct CheckpointArg {
   bool inverted = false;      // the flag is a switch that turns the argument off
 };
 
-// Megatron's load_args_from_checkpoint list (core_v0.14; the entries megatrain has flags for).
+// Megatron's load_args_from_checkpoint list (the entries megatrain has flags for, and megatrain's
+// additions that change what the model computes): the flag table's model settings with a take
+// rule (app/flags.h ModelSetting).
 const std::vector<CheckpointArg>& model_args() {
-  static const std::vector<CheckpointArg> args = {
-      {"num_layers", "--num-layers", Take::if_absent},
-      {"hidden_size", "--hidden-size", Take::if_absent},
-      {"ffn_hidden_size", "--ffn-hidden-size", Take::if_absent},
-      {"seq_length", "--seq-length", Take::if_absent},
-      {"num_attention_heads", "--num-attention-heads", Take::if_absent},
-      {"num_query_groups", "--num-query-groups", Take::forced},
-      {"group_query_attention", "--group-query-attention", Take::forced},
-      {"kv_channels", "--kv-channels", Take::if_absent},
-      {"max_position_embeddings", "--max-position-embeddings", Take::if_absent},
-      {"position_embedding_type", "--position-embedding-type", Take::forced},
-      {"add_position_embedding", "--no-position-embedding", Take::forced, true},
-      {"rotary_base", "--rotary-base", Take::forced},
-      {"rotary_percent", "--rotary-percent", Take::forced},
-      {"rotary_interleaved", "--rotary-interleaved", Take::forced},
-      {"add_bias_linear", "--disable-bias-linear", Take::forced, true},
-      {"add_qkv_bias", "--add-qkv-bias", Take::forced},
-      {"swiglu", "--swiglu", Take::forced},
-      {"squared_relu", "--squared-relu", Take::forced},
-      {"attention_output_gate", "--attention-output-gate", Take::forced},
-      {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", Take::forced},
-      {"apply_layernorm_1p", "--apply-layernorm-1p", Take::forced},
-      {"normalization", "--normalization", Take::forced},
-      {"apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", Take::forced},
-      {"attention_dropout", "--attention-dropout", Take::forced},
-      {"hidden_dropout", "--hidden-dropout", Take::forced},
-      // megatrain's additions (see the header): they change what the model computes.
-      {"qk_layernorm", "--qk-layernorm", Take::forced},
-      {"qk_l2_norm", "--qk-l2-norm", Take::forced},
-      {"norm_epsilon", "--norm-epsilon", Take::forced},
-      {"use_rope_scaling", "--use-rope-scaling", Take::forced},
-      {"rope_scaling_factor", "--rope-scaling-factor", Take::forced},
-      {"openai_gelu", "--openai-gelu", Take::forced},
-      {"bias_gelu_fusion", "--no-bias-gelu-fusion", Take::forced, true},
-      {"window_size", "--window-size", Take::forced},
-      {"window_attn_skip_freq", "--window-attn-skip-freq", Take::forced},
-      {"padded_vocab_size", "--padded-vocab-size", Take::if_absent},
-  };
+  static const std::vector<CheckpointArg> args = [] {
+    std::vector<CheckpointArg> out;
+    for (const FlagSpec& f : flag_table().flags()) {
+      if (!f.model || f.model->take == CheckpointTake::no) continue;
+      out.push_back({f.model->dest.c_str(), f.name.c_str(),
+                     f.model->take == CheckpointTake::forced ? Take::forced : Take::if_absent, f.store_false});
+    }
+    return out;
+  }();
   return args;
 }
 

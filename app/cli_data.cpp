@@ -50,7 +50,10 @@ void add_tokenizer_flags(FlagTable& t) {
   t.value("--merge-file", "GPT-2 merges.txt", MT_FIELD(data.merge_file));
   t.value("--tokenizer-model", "tokenizer.json (or its directory) for HuggingFaceTokenizer", MT_FIELD(data.tokenizer_model));
   t.value("--vocab-size", "vocabulary size of NullTokenizer", MT_FIELD(data.vocab_size));
-  t.value("--padded-vocab-size", "explicit padded vocabulary (skips the padding rule)", MT_FIELD(data.padded_vocab_size));
+  t.value("--padded-vocab-size", "explicit padded vocabulary (skips the padding rule)", MT_FIELD(data.padded_vocab_size))
+      .model_setting("padded_vocab_size", CheckpointTake::if_absent)
+      .model_key("")
+      .not_imported();
   t.value("--vocab-extra-ids", "extra sentinel tokens (T5)", MT_FIELD(data.vocab_extra_ids));
   t.value("--tiktoken-pattern", "TikTokenizer pattern (v1, v2)", MT_FIELD(data.tiktoken_pattern));
   t.value("--tiktoken-num-special-tokens", "TikTokenizer special tokens", MT_FIELD(data.tiktoken_num_special_tokens));

@@ -82,12 +82,13 @@ void add_recompute_flags(FlagTable& t) {
 
 void add_regularization_flags(FlagTable& t) {
   t.set_group(FlagGroup::regularization);
-  t.value("--attention-dropout", "dropout on attention probabilities", MT_FIELD(model.attention_dropout));
-  t.value("--hidden-dropout", "dropout after attention/MLP and on embeddings", MT_FIELD(model.hidden_dropout));
+  t.value("--attention-dropout", "dropout on attention probabilities", MT_FIELD(model.attention_dropout)).model_setting("attention_dropout");
+  t.value("--hidden-dropout", "dropout after attention/MLP and on embeddings", MT_FIELD(model.hidden_dropout)).model_setting("hidden_dropout");
   t.value("--seed", "random seed", MT_FIELD(train.seed));
-  t.value("--init-method-std", "standard deviation of the weight initialisation", MT_FIELD(model.init_method_std));
+  t.value("--init-method-std", "standard deviation of the weight initialisation", MT_FIELD(model.init_method_std)).model_setting("init_method_std", CheckpointTake::no);
   t.value("--embedding-init-method-std", "embedding initialisation std (default --init-method-std)",
-          MT_FIELD(model.embedding_init_method_std));
+          MT_FIELD(model.embedding_init_method_std))
+      .model_setting("embedding_init_method_std", CheckpointTake::no);
   t.recognised("--init-method-xavier-uniform", Arity::none, "", "off", "Xavier-uniform initialisation");
   // Megatron seeds each DP rank differently, then broadcasts DP rank 0's parameters: the same
   // weights everywhere and per-rank dropout streams, which is how megatrain always runs.

@@ -9,7 +9,7 @@ namespace mt::cli {
 
 void add_model_flags(FlagTable& t) {
   t.set_group(FlagGroup::model);
-  t.value("--num-layers", "number of transformer layers (required)", MT_FIELD(model.num_layers)).default_text =
+  t.value("--num-layers", "number of transformer layers (required)", MT_FIELD(model.num_layers)).model_setting("num_layers", CheckpointTake::if_absent, CheckpointCompare::yes).default_text =
       "None (required)";
   {
     FlagSpec s;
@@ -22,21 +22,21 @@ void add_model_flags(FlagTable& t) {
     t.add(std::move(s));
   }
   t.recognised("--decoder-num-layers", Arity::one, "INT", "None", "decoder layers of T5-style encoder-decoder models");
-  t.value("--hidden-size", "transformer hidden size h (required)", MT_FIELD(model.hidden_size)).default_text =
+  t.value("--hidden-size", "transformer hidden size h (required)", MT_FIELD(model.hidden_size)).model_setting("hidden_size", CheckpointTake::if_absent, CheckpointCompare::yes).default_text =
       "None (required)";
-  t.value("--num-attention-heads", "attention heads n (required)", MT_FIELD(model.num_attention_heads)).default_text =
+  t.value("--num-attention-heads", "attention heads n (required)", MT_FIELD(model.num_attention_heads)).model_setting("num_attention_heads", CheckpointTake::if_absent, CheckpointCompare::yes).default_text =
       "None (required)";
-  t.value("--ffn-hidden-size", "MLP inner size (default 4h; with --swiglu int(8h/3/64)*64)", MT_FIELD(model.ffn_hidden_size));
-  t.value("--kv-channels", "per-head dimension (default hidden-size / num-attention-heads)", MT_FIELD(model.kv_channels));
-  t.flag("--group-query-attention", "grouped-query attention (with --num-query-groups)", MT_FIELD(model.group_query_attention));
-  t.value("--num-query-groups", "key/value groups with --group-query-attention", MT_FIELD(model.num_query_groups));
+  t.value("--ffn-hidden-size", "MLP inner size (default 4h; with --swiglu int(8h/3/64)*64)", MT_FIELD(model.ffn_hidden_size)).model_setting("ffn_hidden_size", CheckpointTake::if_absent);
+  t.value("--kv-channels", "per-head dimension (default hidden-size / num-attention-heads)", MT_FIELD(model.kv_channels)).model_setting("kv_channels", CheckpointTake::if_absent);
+  t.flag("--group-query-attention", "grouped-query attention (with --num-query-groups)", MT_FIELD(model.group_query_attention)).model_setting("group_query_attention");
+  t.value("--num-query-groups", "key/value groups with --group-query-attention", MT_FIELD(model.num_query_groups)).model_setting("num_query_groups").not_imported();
   t.value("--max-position-embeddings", "maximum sequence length / learned position table size (required)",
-          MT_FIELD(model.max_position_embeddings)).default_text = "None (required)";
+          MT_FIELD(model.max_position_embeddings)).model_setting("max_position_embeddings", CheckpointTake::if_absent, CheckpointCompare::with_learned_positions).default_text = "None (required)";
   t.choice("--position-embedding-type", "position embedding (Megatron also has yarn, mrope, relative)",
            std::vector<std::pair<std::string, PositionEmbedding>>{{"learned_absolute", PositionEmbedding::learned_absolute},
                                                                  {"rope", PositionEmbedding::rope},
                                                                  {"none", PositionEmbedding::none}},
-           MT_FIELD(model.position_embedding_type));
+           MT_FIELD(model.position_embedding_type)).model_setting("position_embedding_type", CheckpointTake::forced, CheckpointCompare::yes);
   {
     FlagSpec s;
     s.name = "--use-rotary-position-embeddings";
@@ -47,42 +47,42 @@ void add_model_flags(FlagTable& t) {
     t.add(std::move(s));
   }
   t.flag("--no-position-embedding", "deprecated: no learned position embeddings (only valid with rope)",
-         MT_FIELD(model.add_position_embedding), false);
-  t.value("--rotary-base", "RoPE theta (an integer, as in Megatron)", MT_FIELD(model.rotary_base));
-  t.value("--rotary-percent", "fraction of the head dimension rotated", MT_FIELD(model.rotary_percent));
-  t.flag("--rotary-interleaved", "interleaved rotary pairs (default: rotate-half)", MT_FIELD(model.rotary_interleaved));
+         MT_FIELD(model.add_position_embedding), false).model_setting("add_position_embedding");
+  t.value("--rotary-base", "RoPE theta (an integer, as in Megatron)", MT_FIELD(model.rotary_base)).model_setting("rotary_base");
+  t.value("--rotary-percent", "fraction of the head dimension rotated", MT_FIELD(model.rotary_percent)).model_setting("rotary_percent");
+  t.flag("--rotary-interleaved", "interleaved rotary pairs (default: rotate-half)", MT_FIELD(model.rotary_interleaved)).model_setting("rotary_interleaved");
   t.value("--rotary-seq-len-interpolation-factor", "linear RoPE position interpolation factor",
-          MT_FIELD(model.rotary_seq_len_interpolation_factor));
-  t.flag("--use-rope-scaling", "Llama-3.x RoPE frequency scaling", MT_FIELD(model.use_rope_scaling));
-  t.value("--rope-scaling-factor", "Llama-3.x RoPE scaling factor", MT_FIELD(model.rope_scaling_factor));
+          MT_FIELD(model.rotary_seq_len_interpolation_factor)).model_setting("rotary_seq_len_interpolation_factor", CheckpointTake::no);
+  t.flag("--use-rope-scaling", "Llama-3.x RoPE frequency scaling", MT_FIELD(model.use_rope_scaling)).model_setting("use_rope_scaling");
+  t.value("--rope-scaling-factor", "Llama-3.x RoPE scaling factor", MT_FIELD(model.rope_scaling_factor)).model_setting("rope_scaling_factor");
   t.choice("--rope-type", "RoPE flavour", std::vector<std::pair<std::string, std::string>>{{"rope", "rope"}, {"yarn", "yarn"}},
            MT_FIELD(model.rope_type));
   t.choice("--normalization", "normalisation layer",
            std::vector<std::pair<std::string, Normalization>>{{"LayerNorm", Normalization::layernorm},
                                                               {"RMSNorm", Normalization::rmsnorm}},
-           MT_FIELD(model.normalization));
-  t.value("--norm-epsilon", "LayerNorm/RMSNorm epsilon", MT_FIELD(model.norm_epsilon));
-  t.flag("--apply-layernorm-1p", "zero-centred norm weight (stored as w - 1)", MT_FIELD(model.apply_layernorm_1p));
+           MT_FIELD(model.normalization)).model_setting("normalization", CheckpointTake::forced, CheckpointCompare::yes);
+  t.value("--norm-epsilon", "LayerNorm/RMSNorm epsilon", MT_FIELD(model.norm_epsilon)).model_setting("layernorm_epsilon").model_key("norm_epsilon");
+  t.flag("--apply-layernorm-1p", "zero-centred norm weight (stored as w - 1)", MT_FIELD(model.apply_layernorm_1p)).model_setting("apply_layernorm_1p", CheckpointTake::forced, CheckpointCompare::yes);
   t.flag("--apply-residual-connection-post-layernorm", "BERT-style residual after the norm",
-         MT_FIELD(model.apply_residual_connection_post_layernorm));
-  t.flag("--swiglu", "SwiGLU MLP (gate and up projections, SiLU)", MT_FIELD(model.swiglu));
-  t.flag("--squared-relu", "squared-ReLU activation", MT_FIELD(model.squared_relu));
+         MT_FIELD(model.apply_residual_connection_post_layernorm)).model_setting("apply_residual_connection_post_layernorm", CheckpointTake::no);
+  t.flag("--swiglu", "SwiGLU MLP (gate and up projections, SiLU)", MT_FIELD(model.swiglu)).model_setting("swiglu", CheckpointTake::forced, CheckpointCompare::yes);
+  t.flag("--squared-relu", "squared-ReLU activation", MT_FIELD(model.squared_relu)).model_setting("squared_relu", CheckpointTake::forced, CheckpointCompare::yes, true);
   t.flag("--quick-geglu", "quick-GeLU gated linear unit", MT_FIELD(model.quick_geglu));
-  t.flag("--openai-gelu", "tanh-approximated GeLU", MT_FIELD(model.openai_gelu));
+  t.flag("--openai-gelu", "tanh-approximated GeLU", MT_FIELD(model.openai_gelu)).model_setting("openai_gelu");
   // Not only a kernel switch: Megatron's fused bias-GeLU is the tanh approximation, its unfused
   // path exact GeLU, so this flag picks the activation (core/config.h gelu_is_tanh).
   t.negative_flag("--no-bias-gelu-fusion", "exact (erf) GeLU instead of Megatron's fused bias-GeLU (tanh approximation)",
-                  MT_FIELD(model.bias_gelu_fusion));
-  t.flag("--disable-bias-linear", "no biases in the linear layers", MT_FIELD(model.add_bias_linear), false);
-  t.flag("--add-qkv-bias", "bias on the QKV projection only", MT_FIELD(model.add_qkv_bias));
-  t.flag("--qk-layernorm", "normalise queries and keys per head", MT_FIELD(model.qk_layernorm));
+                  MT_FIELD(model.bias_gelu_fusion)).model_setting("bias_gelu_fusion");
+  t.flag("--disable-bias-linear", "no biases in the linear layers", MT_FIELD(model.add_bias_linear), false).model_setting("add_bias_linear", CheckpointTake::forced, CheckpointCompare::yes);
+  t.flag("--add-qkv-bias", "bias on the QKV projection only", MT_FIELD(model.add_qkv_bias)).model_setting("add_qkv_bias", CheckpointTake::forced, CheckpointCompare::yes);
+  t.flag("--qk-layernorm", "normalise queries and keys per head", MT_FIELD(model.qk_layernorm)).model_setting("qk_layernorm", CheckpointTake::forced, CheckpointCompare::yes);
   t.flag("--qk-l2-norm", "Llama-4 style L2 norm of queries and keys (RMS normalization without weights)",
-         MT_FIELD(model.qk_l2_norm));
+         MT_FIELD(model.qk_l2_norm)).model_setting("qk_l2_norm", CheckpointTake::forced, CheckpointCompare::yes, true);
   t.flag("--untie-embeddings-and-output-weights", "separate output layer (default: tied to the word embeddings)",
-         MT_FIELD(model.untie_embeddings_and_output_weights));
+         MT_FIELD(model.untie_embeddings_and_output_weights)).model_setting("untie_embeddings_and_output_weights", CheckpointTake::forced, CheckpointCompare::yes);
   t.value("--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP",
-          MT_FIELD(model.make_vocab_size_divisible_by));
-  t.value("--seq-length", "training sequence length", MT_FIELD(model.seq_length)).default_text = "None";
+          MT_FIELD(model.make_vocab_size_divisible_by)).model_setting("make_vocab_size_divisible_by", CheckpointTake::no);
+  t.value("--seq-length", "training sequence length", MT_FIELD(model.seq_length)).model_setting("seq_length", CheckpointTake::if_absent).default_text = "None";
   {
     FlagSpec s;
     s.name = "--encoder-seq-length";
@@ -111,7 +111,10 @@ void add_model_flags(FlagTable& t) {
       const auto& w = c.model.window_size;
       return w ? nlohmann::json(fmt::format("{},{}", w->first, w->second)) : nlohmann::json(nullptr);
     };
-    t.add(std::move(s));
+    // The checkpoint's model section holds the pair, [LEFT, RIGHT].
+    s.field = [](const Config& c) { return field_json(c.model.window_size); };
+    s.set_field = [](Config& c, const nlohmann::json& j) { field_from_json(c.model.window_size, j); };
+    t.add(std::move(s)).model_setting("window_size", CheckpointTake::forced, CheckpointCompare::no, true);
   }
   {
     FlagSpec s;
@@ -130,7 +133,8 @@ void add_model_flags(FlagTable& t) {
       if (!m.window_attn_skip_every && m.window_attn_pattern.empty()) return nullptr;
       return layer_frequency_text({m.window_attn_skip_every, m.window_attn_pattern});
     };
-    t.add(std::move(s));
+    // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
+    t.add(std::move(s)).model_setting("window_attn_skip_freq");
   }
   t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
   t.choice("--attention-backend",
@@ -144,14 +148,15 @@ void add_model_flags(FlagTable& t) {
            MT_FIELD(model.attention_backend));
   t.recognised("--spec", Arity::zero_or_more, "STR [STR ...]", "None", "model layer spec module");
   t.flag("--attention-output-gate", "gate each attention head's output with sigmoid(x W_gate), W_gate part of the QKV "
-         "projection", MT_FIELD(model.attention_output_gate));
-  t.flag("--multi-latent-attention", "DeepSeek multi-latent attention", MT_FIELD(model.multi_latent_attention));
+         "projection", MT_FIELD(model.attention_output_gate)).model_setting("attention_output_gate", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.flag("--multi-latent-attention", "DeepSeek multi-latent attention", MT_FIELD(model.multi_latent_attention)).model_setting("multi_latent_attention", CheckpointTake::no).model_key("");
   t.recognised("--q-lora-rank", Arity::one, "INT", "None", "MLA query low-rank dimension");
   t.recognised("--kv-lora-rank", Arity::one, "INT", "32", "MLA key/value low-rank dimension");
   t.recognised("--qk-head-dim", Arity::one, "INT", "128", "MLA query/key head dimension");
   t.recognised("--qk-pos-emb-head-dim", Arity::one, "INT", "64", "MLA rotary head dimension");
   t.recognised("--v-head-dim", Arity::one, "INT", "128", "MLA value head dimension");
-  t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth");
+  t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth")
+      .model_setting("mtp_num_layers", CheckpointTake::no);
   t.flag("--fp32-residual-connection", "keep the residual stream in fp32 with --fp16 or --bf16",
          MT_FIELD(model.fp32_residual_connection));
   t.no_effect("--use-mcore-models", Arity::none, "megatrain builds Megatron-Core-style models only");

@@ -7,7 +7,8 @@ namespace mt::cli {
 
 void add_moe_flags(FlagTable& t) {
   t.set_group(FlagGroup::moe);
-  t.recognised("--num-experts", Arity::one, "INT", "None (0 = None)", "experts per MoE layer");
+  t.recognised("--num-experts", Arity::one, "INT", "None (0 = None)", "experts per MoE layer")
+      .model_setting("num_experts", CheckpointTake::no);
   t.recognised("--moe-ffn-hidden-size", Arity::one, "INT", "None", "expert FFN size");
   t.recognised("--moe-layer-freq", Arity::one, "INT|PATTERN", "1", "which layers are MoE layers");
   t.recognised("--moe-router-topk", Arity::one, "INT", "2", "experts per token");

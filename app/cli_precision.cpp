@@ -36,7 +36,10 @@ void add_precision_flags(FlagTable& t) {
   t.without_effect(t.flag("--apply-query-key-layer-scaling", "scale QK^T by 1/layer number (forces softmax in fp32)",
                           MT_FIELD(model.apply_query_key_layer_scaling)),
                    "the softmax multiplies the 1/layer scaling back; it only keeps 16-bit scores in range, and "
-                   "megatrain's attention keeps its scores in float32 or wider");
+                   "megatrain's attention keeps its scores in float32 or wider")
+      .model_setting("apply_query_key_layer_scaling")
+      .model_key("")
+      .not_imported();
   t.flag("--fp16-lm-cross-entropy", "cross entropy in fp16 (needs --fp16)", MT_FIELD(train.fp16_lm_cross_entropy));
   // Megatron's precision-aware optimizer (fp16 / fp8 states and fp16 master weights parse, and are
   // refused by unsupported.cpp).

@@ -67,6 +67,30 @@ struct CliState {
 
 using ApplyFn = std::function<void(CliState&, const FlagValue&)>;
 using ValueFn = std::function<nlohmann::json(const Config&)>;
+using FieldSetFn = std::function<void(Config&, const nlohmann::json&)>;
+
+// What --use-checkpoint-args does with a model setting (Megatron's load_args_from_checkpoint):
+// forced = the checkpoint's value wins (_set_arg(..., force=True)); if_absent = only when the
+// command line does not give it.
+enum class CheckpointTake { no, forced, if_absent };
+// Whether loading a checkpoint compares the setting with the run's (check_checkpoint_args):
+// always, or only when the model has learned position embeddings (the table's size).
+enum class CheckpointCompare { no, yes, with_learned_positions };
+
+// A setting that decides what the model computes, declared on its flag: Megatron's argparse
+// destination (checkpoint `args` both ways: import-megatron, export-megatron), its key in the
+// "model" section of megatrain's checkpoints (which tools without the training flags rebuild the
+// model from), and what loading does with it. Adding a model setting is its Config field and its
+// flag with this; the checkpoint's model section, the checks on load, --use-checkpoint-args and
+// the Megatron-args mapping all read it from the table.
+struct ModelSetting {
+  std::string dest;  // Megatron's argparse destination (add_bias_linear for --disable-bias-linear)
+  std::string key;   // megatrain's checkpoint model section key; empty: not recorded there
+  CheckpointTake take = CheckpointTake::no;
+  CheckpointCompare compare = CheckpointCompare::no;
+  bool added_later = false;  // older checkpoints lack the key: loading keeps the default
+  bool import_flag = true;   // import-megatron turns the saved argument into this flag
+};
 
 struct FlagSpec {
   std::string name;                  // primary spelling, "--num-layers"
@@ -80,6 +104,31 @@ struct FlagSpec {
   std::string default_text;  // recognised / no_effect flags: Megatron's default, for the docs
   ApplyFn apply;             // supported and megatrain flags
   ValueFn value;             // the value in a Config (for dumps); absent for flags without one
+  bool store_false = false;  // a switch that clears its field (--disable-bias-linear)
+  // The Config field itself as JSON (enums by their flag spelling), both ways; absent for flags
+  // without one field.
+  ValueFn field;
+  FieldSetFn set_field;
+  std::optional<ModelSetting> model;
+
+  // Declares the flag a model setting (see ModelSetting); `key` defaults to `dest`.
+  FlagSpec& model_setting(const std::string& dest, CheckpointTake take = CheckpointTake::forced,
+                          CheckpointCompare compare = CheckpointCompare::no, bool added_later = false) {
+    model = ModelSetting{dest, field ? dest : std::string(), take, compare, added_later};
+    return *this;
+  }
+  // import-megatron leaves the saved argument out of the flags it builds (the caller decides).
+  FlagSpec& not_imported() {
+    MT_CHECK(model.has_value(), "{}: not_imported needs a model setting", name);
+    model->import_flag = false;
+    return *this;
+  }
+  // The checkpoint's model section names it `key` (older checkpoints did); "" leaves it out.
+  FlagSpec& model_key(const std::string& key) {
+    MT_CHECK(model.has_value() && (field || key.empty()), "{}: model_key needs a model setting with a field", name);
+    model->key = key;
+    return *this;
+  }
 
   std::vector<std::string> all_names() const {
     std::vector<std::string> n{name};
@@ -140,6 +189,26 @@ template <> struct ArgTraits<std::vector<int64_t>> {
   static nlohmann::json json(const std::vector<int64_t>& t) { return t; }
 };
 
+// A Config field as JSON and back (the checkpoint's model section): enums through `choices`.
+template <class T>
+nlohmann::json field_json(const T& v) {
+  if constexpr (requires { v.has_value(); }) return v ? field_json(*v) : nlohmann::json(nullptr);
+  else return nlohmann::json(v);
+}
+template <class T>
+void field_from_json(T& v, const nlohmann::json& j) {
+  if constexpr (requires { v.has_value(); }) {
+    if (j.is_null()) v.reset();
+    else {
+      typename T::value_type x{};
+      field_from_json(x, j);
+      v = x;
+    }
+  } else {
+    v = j.get<T>();
+  }
+}
+
 class FlagTable {
  public:
   FlagSpec& add(FlagSpec s);
@@ -156,6 +225,8 @@ class FlagTable {
     s.metavar = ArgTraits<T>::metavar();
     s.apply = [acc, name](CliState& st, const FlagValue& v) { ArgTraits<T>::assign(acc(st.cfg), name, v); };
     s.value = [acc](const Config& c) { return ArgTraits<T>::json(acc(const_cast<Config&>(c))); };
+    s.field = [acc](const Config& c) { return field_json(acc(const_cast<Config&>(c))); };
+    s.set_field = [acc](Config& c, const nlohmann::json& j) { field_from_json(acc(c), j); };
     return add(std::move(s));
   }
 
@@ -167,6 +238,9 @@ class FlagTable {
     s.apply = [acc, set_to](CliState& st, const FlagValue&) { acc(st.cfg) = set_to; };
     // Shown as the switch's state: true when the resolved setting is what the flag asks for.
     s.value = [acc, set_to](const Config& c) { return nlohmann::json(acc(const_cast<Config&>(c)) == set_to); };
+    s.store_false = !set_to;
+    s.field = [acc](const Config& c) { return nlohmann::json(acc(const_cast<Config&>(c))); };
+    s.set_field = [acc](Config& c, const nlohmann::json& j) { acc(c) = j.get<bool>(); };
     return add(std::move(s));
   }
   // store_false with Megatron HEAD's two spellings: "--no-x" also answers to "--disable-x" and
@@ -199,6 +273,14 @@ class FlagTable {
         if (n == c) assign_choice(acc(st.cfg), e);
     };
     s.value = [acc, choices](const Config& c) -> nlohmann::json { return choice_json(acc(const_cast<Config&>(c)), choices); };
+    s.field = s.value;
+    s.set_field = [acc, name, choices](Config& c, const nlohmann::json& j) {
+      if (j.is_null()) return reset_choice(acc(c));
+      const std::string n = j.get<std::string>();
+      for (auto& [spelling, e] : choices)
+        if (spelling == n) return assign_choice(acc(c), e);
+      fail("{}: unknown value '{}'", name, n);
+    };
     return add(std::move(s));
   }
 
@@ -229,6 +311,8 @@ class FlagTable {
   }
   template <class E> static void assign_choice(E& t, const E& v) { t = v; }
   template <class E> static void assign_choice(std::optional<E>& t, const E& v) { t = v; }
+  template <class E> static void reset_choice(E&) { fail("a choice without a value"); }
+  template <class E> static void reset_choice(std::optional<E>& t) { t.reset(); }
   template <class E>
   static nlohmann::json choice_json(const E& v, const std::vector<std::pair<std::string, E>>& choices) {
     for (auto& [n, e] : choices)

@@ -117,6 +117,25 @@ std::string flags_markdown() {
         << escape_md(meaning_of(f)) << " |\n";
     }
   }
+  o << "\n## Model settings\n\n"
+       "The flags that decide what the model computes, and where each goes beyond the command line: the argument "
+       "Megatron-LM saves it as (import-megatron and export-megatron translate through it), its key in the \"model\" "
+       "section of megatrain's checkpoint manifest, what `--use-checkpoint-args` does with the checkpoint's value "
+       "(Megatron's load_args_from_checkpoint: *forced* takes it, *if not given* only when the command line leaves "
+       "the flag out), and whether loading refuses a checkpoint saved with another value.\n\n"
+       "| flag | Megatron argument | checkpoint key | --use-checkpoint-args | checked on load |\n|---|---|---|---|---|\n";
+  for (const FlagSpec& f : cli::flag_table().flags()) {
+    if (!f.model) continue;
+    const cli::ModelSetting& m = *f.model;
+    const char* take = m.take == cli::CheckpointTake::forced      ? "forced"
+                       : m.take == cli::CheckpointTake::if_absent ? "if not given"
+                                                                  : "";
+    const char* compare = m.compare == cli::CheckpointCompare::yes                      ? "yes"
+                          : m.compare == cli::CheckpointCompare::with_learned_positions ? "with learned positions"
+                                                                                        : "";
+    o << "| `" << f.name << "` | `" << m.dest << "` | " << (m.key.empty() ? "" : "`" + m.key + "`")
+      << (m.added_later ? " (older checkpoints: default)" : "") << " | " << take << " | " << compare << " |\n";
+  }
   return o.str();
 }
 

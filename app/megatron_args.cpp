@@ -25,59 +25,37 @@ struct ModelArg {
   ArgKind kind;
 };
 
-// The arguments that decide what the model computes (Megatron's argparse dests). Architectures
-// megatrain does not build are listed too, so that the parser refuses them by flag name.
-const ModelArg kModelArgs[] = {
-    {"num_layers", "--num-layers", ArgKind::value},
-    {"hidden_size", "--hidden-size", ArgKind::value},
-    {"ffn_hidden_size", "--ffn-hidden-size", ArgKind::value},
-    {"num_attention_heads", "--num-attention-heads", ArgKind::value},
-    {"kv_channels", "--kv-channels", ArgKind::value},
-    {"group_query_attention", "--group-query-attention", ArgKind::store_true},
-    {"max_position_embeddings", "--max-position-embeddings", ArgKind::value},
-    {"seq_length", "--seq-length", ArgKind::value},
-    {"position_embedding_type", "--position-embedding-type", ArgKind::value},
-    {"add_position_embedding", "--no-position-embedding", ArgKind::store_false},
-    {"rotary_base", "--rotary-base", ArgKind::value},
-    {"rotary_percent", "--rotary-percent", ArgKind::value},
-    {"rotary_interleaved", "--rotary-interleaved", ArgKind::store_true},
-    {"rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", ArgKind::value},
-    {"use_rope_scaling", "--use-rope-scaling", ArgKind::store_true},
-    {"rope_scaling_factor", "--rope-scaling-factor", ArgKind::value},
-    {"normalization", "--normalization", ArgKind::value},
-    {"layernorm_epsilon", "--norm-epsilon", ArgKind::value},
-    {"apply_layernorm_1p", "--apply-layernorm-1p", ArgKind::store_true},
-    {"apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", ArgKind::store_true},
-    {"swiglu", "--swiglu", ArgKind::store_true},
-    {"squared_relu", "--squared-relu", ArgKind::store_true},
-    {"attention_output_gate", "--attention-output-gate", ArgKind::store_true},
-    {"openai_gelu", "--openai-gelu", ArgKind::store_true},
-    {"bias_gelu_fusion", "--no-bias-gelu-fusion", ArgKind::store_false},
-    {"add_bias_linear", "--disable-bias-linear", ArgKind::store_false},
-    {"add_qkv_bias", "--add-qkv-bias", ArgKind::store_true},
-    {"qk_layernorm", "--qk-layernorm", ArgKind::store_true},
-    {"qk_l2_norm", "--qk-l2-norm", ArgKind::store_true},
-    {"untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", ArgKind::store_true},
-    {"window_size", "--window-size", ArgKind::value},
-    {"window_attn_skip_freq", "--window-attn-skip-freq", ArgKind::value},
-    {"attention_dropout", "--attention-dropout", ArgKind::value},
-    {"hidden_dropout", "--hidden-dropout", ArgKind::value},
-    {"init_method_std", "--init-method-std", ArgKind::value},
-    {"make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", ArgKind::value},
-    {"num_experts", "--num-experts", ArgKind::value},
-    {"multi_latent_attention", "--multi-latent-attention", ArgKind::store_true},
-    {"mtp_num_layers", "--mtp-num-layers", ArgKind::value},
-};
+// The arguments that decide what the model computes (Megatron's argparse dests): the flag
+// table's model settings (app/flags.h ModelSetting). Architectures megatrain does not build are
+// there too, so that the parser refuses them by flag name.
+ArgKind arg_kind(const cli::FlagSpec& f) {
+  if (f.arity != cli::Arity::none) return ArgKind::value;
+  return f.store_false ? ArgKind::store_false : ArgKind::store_true;
+}
+
+const std::vector<ModelArg>& model_args(bool imported_only) {
+  static const auto build = [](bool imported) {
+    std::vector<ModelArg> out;
+    for (const cli::FlagSpec& f : cli::flag_table().flags())
+      if (f.model && (!imported || f.model->import_flag)) out.push_back({f.model->dest.c_str(), f.name.c_str(), arg_kind(f)});
+    return out;
+  };
+  static const std::vector<ModelArg> all = build(false), imported = build(true);
+  return imported_only ? imported : all;
+}
 
 // Tokenizer arguments: printed for the user, recorded for --use-checkpoint-args; not needed to
 // build the model (the padded vocabulary comes from the checkpoint).
-const ModelArg kTokenizerArgs[] = {
-    {"tokenizer_type", "--tokenizer-type", ArgKind::value},
-    {"vocab_file", "--vocab-file", ArgKind::value},
-    {"merge_file", "--merge-file", ArgKind::value},
-    {"tokenizer_model", "--tokenizer-model", ArgKind::value},
-    {"vocab_size", "--vocab-size", ArgKind::value},
-};
+const std::vector<ModelArg>& tokenizer_args() {
+  static const std::vector<ModelArg> args = {
+      {"tokenizer_type", "--tokenizer-type", ArgKind::value},
+      {"vocab_file", "--vocab-file", ArgKind::value},
+      {"merge_file", "--merge-file", ArgKind::value},
+      {"tokenizer_model", "--tokenizer-model", ArgKind::value},
+      {"vocab_size", "--vocab-size", ArgKind::value},
+  };
+  return args;
+}
 
 // A saved argument as command-line text; nullopt for values with no text form here.
 std::optional<std::string> arg_text(const PickleValue& v) {
@@ -103,10 +81,10 @@ std::optional<std::string> arg_text(const PickleValue& v) {
 
 // The flags for `table`'s arguments as the checkpoint saved them. A store_true argument that is
 // set, a store_false one that is cleared and a value that is not None become flags.
-std::vector<std::string> flags_from_args(const PickleValue& args, const ModelArg* begin, const ModelArg* end,
+std::vector<std::string> flags_from_args(const PickleValue& args, const std::vector<ModelArg>& table,
                                          const std::string& where) {
   std::vector<std::string> out;
-  for (const ModelArg* a = begin; a != end; ++a) {
+  for (const ModelArg* a = table.data(); a != table.data() + table.size(); ++a) {
     const PickleValue* v = megatron_arg(args, a->dest);
     if (!v) continue;
     if (a->kind != ArgKind::value) {
@@ -128,7 +106,7 @@ std::vector<std::string> flags_from_args(const PickleValue& args, const ModelArg
 // derived values (--kv-channels = hidden / heads, GeLU fusion off with SwiGLU, q/k/v biases with
 // all biases), and empty architecture options (no experts, no MTP layers).
 std::vector<std::string> model_flags_from_args(const PickleValue& args, const std::string& where) {
-  const std::vector<std::string> all = flags_from_args(args, std::begin(kModelArgs), std::end(kModelArgs), where);
+  const std::vector<std::string> all = flags_from_args(args, model_args(/*imported_only=*/true), where);
   auto has = [&](const char* flag) { return std::find(all.begin(), all.end(), flag) != all.end(); };
   auto value = [&](const char* flag) -> std::string {
     auto it = std::find(all.begin(), all.end(), flag);
@@ -186,7 +164,7 @@ PickleRef python_value(const nlohmann::json& v) {
 
 // Megatron's switches named --no-X whose destination is no_X (store_true); the other --no-X and
 // --disable-X switches store False under a destination of their own, written only through
-// kModelArgs.
+// model_args().
 bool store_true_negative(const std::string& flag) {
   static const char* const names[] = {"--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng",
                                       "--no-initialization"};
@@ -225,7 +203,7 @@ void set_megatron_arg(PickleValue& args, const std::string& name, PickleRef valu
 PickleRef megatron_args_from_flags(const nlohmann::json& flags) {
   PickleRef args = pickle_object("argparse.Namespace", {}, pickle_dict());
   std::set<std::string> model_flags;
-  for (const ModelArg& a : kModelArgs) model_flags.insert(a.flag);
+  for (const ModelArg& a : model_args(/*imported_only=*/false)) model_flags.insert(a.flag);
   for (const cli::FlagSpec& f : cli::flag_table().flags()) {
     if (!f.value || f.kind == cli::FlagKind::megatrain || model_flags.count(f.name) || !flags.contains(f.name)) continue;
     const nlohmann::json& v = flags.at(f.name);
@@ -237,7 +215,7 @@ PickleRef megatron_args_from_flags(const nlohmann::json& flags) {
     std::replace(dest.begin(), dest.end(), '-', '_');
     set_megatron_arg(*args, dest, python_value(v));
   }
-  for (const ModelArg& a : kModelArgs) {
+  for (const ModelArg& a : model_args(/*imported_only=*/false)) {
     if (!flags.contains(a.flag)) continue;
     const nlohmann::json& v = flags.at(a.flag);
     if (a.kind == ArgKind::value) {
@@ -255,7 +233,7 @@ std::vector<std::string> megatron_model_flags(const PickleValue& args, const std
 }
 
 std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where) {
-  return flags_from_args(args, std::begin(kTokenizerArgs), std::end(kTokenizerArgs), where);
+  return flags_from_args(args, tokenizer_args(), where);
 }
 
 }  // namespace mt
