@@ -49,6 +49,24 @@ void add_training_flags(FlagTable& t) {
            std::vector<std::pair<std::string, OptimizerKind>>{{"adam", OptimizerKind::adam}, {"sgd", OptimizerKind::sgd}},
            MT_FIELD(train.optimizer));
   t.value("--weight-decay", "AdamW weight decay (not on biases and 1-D parameters)", MT_FIELD(train.weight_decay));
+  t.flag("--apply-wd-to-qk-layernorm",
+         "apply weight decay to the q/k layernorm parameters too (by default 1-D parameters and biases get none)",
+         MT_FIELD(train.apply_wd_to_qk_layernorm));
+  {
+    // Megatron's deprecated spelling of the flag above; its one choice turns it on.
+    FlagSpec s;
+    s.name = "--no-weight-decay-cond-type";
+    s.group = FlagGroup::training;
+    s.arity = Arity::one;
+    s.metavar = "{apply_wd_to_qk_layernorm}";
+    s.help = "deprecated: apply_wd_to_qk_layernorm is --apply-wd-to-qk-layernorm";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      parse_choice_arg("--no-weight-decay-cond-type", v.one(), {"apply_wd_to_qk_layernorm"});
+      st.warn("--no-weight-decay-cond-type is deprecated. Please use --apply-wd-to-qk-layernorm instead.");
+      st.cfg.train.apply_wd_to_qk_layernorm = true;
+    };
+    t.add(std::move(s));
+  }
   t.value("--start-weight-decay", "weight decay at the start (non-constant --weight-decay-incr-style)",
           MT_FIELD(train.start_weight_decay));
   t.value("--end-weight-decay", "weight decay at the end (non-constant --weight-decay-incr-style)",

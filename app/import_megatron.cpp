@@ -159,6 +159,9 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
       parse.push_back(std::string("--") + (name[0] == 'm' ? "micro-batch-size" : "global-batch-size"));
       parse.push_back(std::to_string(v->integer));
     }
+  // Which parameters its optimizer decays decides the distributed optimizer's param groups.
+  if (const PickleValue* v = megatron_arg(args, "apply_wd_to_qk_layernorm"); v && v->is(PickleKind::boolean) && v->boolean)
+    parse.push_back("--apply-wd-to-qk-layernorm");
   for (const char* f : {"--train-iters", "1", "--mock-data", "--lr", "1e-4", "--device", "cpu"}) parse.push_back(f);
   Config cfg;
   std::vector<SetupMessage> messages;

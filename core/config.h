@@ -207,6 +207,9 @@ struct TrainConfig {
   bool override_opt_param_scheduler = false;
   bool use_checkpoint_opt_param_scheduler = false;
   double weight_decay = 0.01;
+  // --apply-wd-to-qk-layernorm: the q/k layernorm weights (and biases) are decayed too; by
+  // default every 1-D parameter and bias is not.
+  bool apply_wd_to_qk_layernorm = false;
   std::optional<double> start_weight_decay;
   std::optional<double> end_weight_decay;
   WeightDecayIncrStyle weight_decay_incr_style = WeightDecayIncrStyle::constant;

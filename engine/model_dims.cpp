@@ -81,6 +81,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   // Megatron takes L2Norm over the q/k layernorm when both are given.
   d.qk_norm = m.qk_layernorm || m.qk_l2_norm;
   d.qk_l2 = m.qk_l2_norm;
+  d.qk_norm_weight_decay = cfg.train.apply_wd_to_qk_layernorm;
   d.output_gate = m.attention_output_gate;
   d.tied_embeddings = !m.untie_embeddings_and_output_weights;
   d.position = m.position_embedding_type;

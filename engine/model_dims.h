@@ -40,6 +40,8 @@ struct ModelDims {
   bool qkv_bias = true;     // linear_qkv (--add-qkv-bias or linear_bias)
   bool qk_norm = false;  // --qk-layernorm or --qk-l2-norm: q and k heads normalized before RoPE
   bool qk_l2 = false;    // --qk-l2-norm: Megatron's L2Norm, RMS normalization without weights
+  // --apply-wd-to-qk-layernorm: the q/k layernorm parameters get weight decay (ParamDesc::weight_decay).
+  bool qk_norm_weight_decay = false;
   // --attention-output-gate: the QKV projection's rows per query group are [q | gate | k | v]; the
   // attention output is multiplied by sigmoid(gate).
   bool output_gate = false;

@@ -23,7 +23,13 @@ struct Builder {
     p.init = init;
     p.init_std = std;
     p.tp_duplicated = tp_duplicated && d.tp_size > 1;
-    p.weight_decay = !(p.global_shape.size() == 1 || p.name.ends_with(".bias"));
+    // Megatron's default param groups: no weight decay on 1-D parameters and biases; with
+    // --apply-wd-to-qk-layernorm the q/k layernorm parameters keep it (megatron/core/optimizer/
+    // __init__.py, get_standard_config_overrides).
+    const bool qk_norm_param =
+        p.name.find("q_layernorm.") != std::string::npos || p.name.find("k_layernorm.") != std::string::npos;
+    p.weight_decay = !(p.global_shape.size() == 1 || p.name.ends_with(".bias")) ||
+                     (d.qk_norm_weight_decay && qk_norm_param);
     p.layer = layer;
     p.offset = offset;
     offset += (p.numel() + kParamAlignment - 1) / kParamAlignment * kParamAlignment;

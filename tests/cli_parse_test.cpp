@@ -301,3 +301,15 @@ TEST_CASE("every flag of Megatron's tables 1.1 to 1.10 is known", "[cli]") {
     CHECK(cli::flag_table().find(f) != nullptr);
   }
 }
+
+TEST_CASE("--apply-wd-to-qk-layernorm and Megatron's deprecated --no-weight-decay-cond-type", "[cli]") {
+  CHECK_FALSE(parse(small_gpt()).train.apply_wd_to_qk_layernorm);
+  CHECK(parse(small_gpt() + words("--qk-layernorm --apply-wd-to-qk-layernorm")).train.apply_wd_to_qk_layernorm);
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--no-weight-decay-cond-type apply_wd_to_qk_layernorm"), 1, &ms);
+  CHECK(c.train.apply_wd_to_qk_layernorm);
+  CHECK(has_message(ms, SetupMessage::Kind::warning,
+                    "--no-weight-decay-cond-type is deprecated. Please use --apply-wd-to-qk-layernorm instead."));
+  CHECK_THAT(parse_error(small_gpt() + words("--no-weight-decay-cond-type other")),
+             Catch::Contains("--no-weight-decay-cond-type") && Catch::Contains("apply_wd_to_qk_layernorm"));
+}

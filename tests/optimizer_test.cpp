@@ -120,3 +120,56 @@ TEST_CASE("optimizer step: NaN check names the iteration", "[optimizer]") {
   Optimizer lax(c, *s.model, s.ps, schedule, scaler);
   CHECK_NOTHROW(lax.step(9));
 }
+
+TEST_CASE("optimizer step: --apply-wd-to-qk-layernorm decays the q/k layernorm parameters and nothing else", "[optimizer]") {
+  // The same gradients and weights, one step each: without the flag the q/k layernorm parameters
+  // (1-D) get no weight decay; with it their step adds lr * wd * w, and every other parameter moves
+  // exactly as without it.
+  auto config = [](bool apply) {
+    Config c = test::tiny_gpt_config();
+    c.model.qk_layernorm = true;
+    c.train.weight_decay = 0.1;
+    c.train.apply_wd_to_qk_layernorm = apply;
+    test::derive(c);
+    return c;
+  };
+  const Config off_cfg = config(false), on_cfg = config(true);
+  Setup off(off_cfg), on(on_cfg);
+  REQUIRE(off.params == on.params);
+  LrSchedule off_schedule(LrSchedule::params_from_config(off_cfg)), on_schedule(LrSchedule::params_from_config(on_cfg));
+  LossScaler off_scaler = LossScaler::none(), on_scaler = LossScaler::none();
+  Optimizer off_opt(off_cfg, *off.model, off.ps, off_schedule, off_scaler);
+  Optimizer on_opt(on_cfg, *on.model, on.ps, on_schedule, on_scaler);
+  // The q/k layernorm weights start at 1 and their biases at 0: give every parameter a nonzero
+  // start so that the decay term shows (the same on both models).
+  for (size_t i = 0; i < off.params.size(); ++i) off.params[i] = on.params[i] = 0.5f + 0.001f * static_cast<float>(i % 97);
+  off.be->copy_from_host(off.model->params_flat(), off.params.data());
+  on.be->copy_from_host(on.model->params_flat(), on.params.data());
+  off.set_grads(0.25f);
+  on.set_grads(0.25f);
+  REQUIRE_FALSE(off_opt.step(1).skipped);
+  REQUIRE_FALSE(on_opt.step(1).skipped);
+  const std::vector<float> a = off.now(), b = on.now();
+  const double lr = static_cast<float>(1e-3), wd = static_cast<float>(0.1);
+  int qk_params = 0;
+  for (const auto& p : on.model->params()) {
+    INFO(p.name);
+    const bool qk = p.name.find("self_attention.q_layernorm.") != std::string::npos ||
+                    p.name.find("self_attention.k_layernorm.") != std::string::npos;
+    const ParamDesc& q = off.model->params()[static_cast<size_t>(&p - on.model->params().data())];
+    REQUIRE(q.name == p.name);
+    CHECK(p.weight_decay == (qk || q.weight_decay));
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      const size_t i = static_cast<size_t>(p.offset + k);
+      if (!qk) {
+        CHECK(b[i] == a[i]);
+        continue;
+      }
+      const double w0 = on.params[i];
+      CHECK(a[i] != b[i]);
+      CHECK(static_cast<double>(a[i]) - b[i] == Approx(lr * wd * w0).epsilon(1e-2));
+    }
+    qk_params += qk ? 1 : 0;
+  }
+  CHECK(qk_params == 2 * 2 * 2);  // 2 layers x {q, k} x {weight, bias} (LayerNorm)
+}
