@@ -230,7 +230,7 @@ std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer, c
   rs.consumed_train_samples = c.consumed_samples;
   rs.consumed_valid_samples = c.consumed_valid_samples;
   rs.skipped_train_samples = c.skipped_samples;
-  rs.num_floating_point_operations_so_far = flops_so_far(c.iteration);
+  rs.num_floating_point_operations_so_far = flops_so_far(c.consumed_samples);
   if (optim) {
     // Megatron saves the scheduler with the optimizer (both skipped by --no-save-optim).
     rs.lr_scheduler = lr_schedule_to_json(trainer.schedule().params(), trainer.schedule().num_steps());
@@ -282,7 +282,7 @@ void TrainingCheckpoints::save(Trainer& trainer, bool non_persistent) {
   last_saved_ = it;
   // (Megatron's progress log leaves non-persistent saves out.)
   if (!non_persistent)
-    progress_.checkpoint_saved(it, flops_so_far(it),
+    progress_.checkpoint_saved(it, flops_so_far(trainer.consumed_samples()),
                                static_cast<double>(trainer.consumed_samples()) * cfg_.model.seq_length, k.async_save);
 }
 
@@ -675,15 +675,18 @@ void TrainingCheckpoints::override_iteration(ResumePoint& r, const RunState& rs,
     log::warn0("--override-ckpt-iteration: {} was saved with global batch size {}, this run uses {}: consumed "
                "samples are counted as {} x {}", manifest, saved_batch, B, it, B);
   r.counters.iteration = it;
-  r.counters.consumed_samples = it * B;
+  r.counters.consumed_samples = 0;  // it global batches (of the --step-batch-size-schedule)
+  for (int64_t i = 0; i < it; ++i) r.counters.consumed_samples += cfg_.train.global_batch_at(r.counters.consumed_samples);
   r.counters.skipped_samples = 0;
-  log::info("--override-ckpt-iteration: start at iteration {} (consumed_train_samples {})", it, it * B);
+  log::info("--override-ckpt-iteration: start at iteration {} (consumed_train_samples {})", it,
+            r.counters.consumed_samples);
 }
 
 void TrainingCheckpoints::restore(const ResumePoint& r, Trainer& trainer) {
   if (!r.loaded) return;
   trainer.set_counters(r.counters);
   start_iteration_ = r.counters.iteration;
+  start_consumed_ = r.counters.consumed_samples;
   start_flops_ = r.flops_so_far;
   progress_.set_flops_at_start(r.flops_so_far);
   if (!r.optimizer_state) return;

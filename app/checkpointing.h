@@ -89,7 +89,8 @@ class TrainingCheckpoints {
   void restore(const ResumePoint& r, Trainer& trainer);
 
   // FLOPs of one iteration, for num_floating_point_operations_so_far.
-  void set_flops_per_iteration(double f) { flops_per_iteration_ = f; }
+  // Model FLOPs of one sample (num_floating_point_operations is linear in the batch).
+  void set_flops_per_sample(double f) { flops_per_sample_ = f; }
 
   // Saves the trainer's current iteration into --save (non_persistent: into the non-persistent
   // directory, where older ones are then deleted): synchronously, or with --async-save by copying
@@ -152,16 +153,18 @@ class TrainingCheckpoints {
   std::vector<GptModel*> chunks_;
   GptModel& model_;  // chunk 0 (backend, scalars)
   SaveGroup group_;
-  double flops_per_iteration_ = 0;
+  double flops_per_sample_ = 0;
   int64_t start_iteration_ = 0;
   double start_flops_ = 0;
+  int64_t start_consumed_ = 0;
   std::optional<int64_t> last_saved_;
   int64_t pending_iteration_ = 0;  // of the background save in flight
   bool pending_non_persistent_ = false;
   std::optional<int64_t> pending_previous_;  // what the tracker named when that save began
   // num_floating_point_operations_so_far at `iteration` of this run.
-  double flops_so_far(int64_t iteration) const {
-    return start_flops_ + static_cast<double>(iteration - start_iteration_) * flops_per_iteration_;
+  // (By the samples: --step-batch-size-schedule varies the batch per iteration.)
+  double flops_so_far(int64_t consumed_samples) const {
+    return start_flops_ + static_cast<double>(consumed_samples - start_consumed_) * flops_per_sample_;
   }
   ProgressLog progress_;           // --log-progress
   CheckpointRetention retention_;  // --save-retain-interval (after progress_: it logs there)

@@ -10,7 +10,8 @@ void add_training_flags(FlagTable& t) {
   t.value("--global-batch-size", "global batch B (default b * DP)", MT_FIELD(train.global_batch_size));
   t.removed("--batch-size", Arity::one, "--batch-size argument is no longer valid, use --micro-batch-size instead");
   t.no_effect("--rampup-batch-size", Arity::three,
-              "deprecated in Megatron-LM and ignored there too: the global batch stays constant", "None");
+              "deprecated in Megatron-LM and ignored there too (its replacement is --step-batch-size-schedule)",
+              "None");
   {
     // One string in Megatron ("THRESH:BS THRESH:BS ..."). Launch scripts often expand it unquoted,
     // so the words arrive separately: taking them all keeps the refusal about this flag.
@@ -19,7 +20,8 @@ void add_training_flags(FlagTable& t) {
     s.group = FlagGroup::training;
     s.arity = Arity::one_or_more;
     s.metavar = "\"THRESH:BS ...\"";
-    s.help = "batch-size schedule (Megatron HEAD)";
+    s.help = "global batch size by consumed tokens, thresholds with K/M/B/T suffixes (\"0:16 2.4B:320\"; Megatron "
+             "HEAD; instead of --global-batch-size)";
     s.apply = [](CliState& st, const FlagValue& v) {
       std::string joined;
       for (const auto& w : v.values) joined += (joined.empty() ? "" : " ") + w;

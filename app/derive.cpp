@@ -1,6 +1,11 @@
 // Megatron's derived values, computed once (megatron.md sections 1 and 4; validate_args order),
 // with the rules they depend on. Rank 0's setup messages use Megatron's wording.
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
 
 #include "app/cli_internal.h"
 #include "parallel/pipeline_layout.h"
@@ -193,12 +198,112 @@ void derive_precision(CliState& st) {
   st.info(fmt::format("using {} for parameters ...", dtype));
 }
 
+// Megatron's StepBatchsizeNumMicroBatchesCalculator._parse_numeric_value: a number with an
+// optional K, M, B or T suffix (powers of 1000), as int(float(text) * multiplier).
+int64_t schedule_number(const std::string& raw) {
+  constexpr const char* flag = "--step-batch-size-schedule";
+  std::string v = raw;
+  while (!v.empty() && std::isspace(static_cast<unsigned char>(v.back()))) v.pop_back();
+  size_t lead = 0;
+  while (lead < v.size() && std::isspace(static_cast<unsigned char>(v[lead]))) ++lead;
+  v = v.substr(lead);
+  for (char& ch : v) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  double multiplier = 1;
+  if (!v.empty()) {
+    switch (v.back()) {
+      case 'T': multiplier = 1e12; break;
+      case 'B': multiplier = 1e9; break;
+      case 'M': multiplier = 1e6; break;
+      case 'K': multiplier = 1e3; break;
+      default: break;
+    }
+    if (multiplier != 1) v.pop_back();
+  }
+  char* end = nullptr;
+  const double x = v.empty() || v.find_first_of("xX") != std::string::npos ? NAN : std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || std::isnan(x))
+    fail("{}: could not convert string to float: '{}'", flag, v);
+  const double value = std::trunc(x * multiplier);
+  if (!std::isfinite(value) || std::fabs(value) > 9.0e18)
+    fail("{}: cannot convert {} to an integer", flag, raw);
+  return static_cast<int64_t>(value);
+}
+
+// Digits grouped by thousands, as Python's format(n, ',').
+std::string thousands(int64_t n) {
+  std::string d = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i > 0 && (d.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(d[i]);
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+// --step-batch-size-schedule "THRESHOLD:BS ..." (Megatron-LM HEAD,
+// megatron/core/num_microbatches_calculator.py): entries split on spaces and commas, thresholds in
+// tokens (pretrain_gpt always knows --seq-length) turned into samples by floor division, sorted,
+// then Megatron's checks. Divisibility by micro-batch x DP is checked when an entry is reached.
+void derive_batch_size_schedule(CliState& st) {
+  TrainConfig& t = st.cfg.train;
+  constexpr const char* flag = "--step-batch-size-schedule";
+  const std::string& text = *t.step_batch_size_schedule;
+  std::string spaced = text;
+  std::replace(spaced.begin(), spaced.end(), ',', ' ');
+  std::istringstream in(spaced);
+  const int64_t seq = st.cfg.model.seq_length;
+  if (seq <= 0) fail("{} needs --seq-length (its thresholds are tokens)", flag);
+  std::vector<std::pair<int64_t, int64_t>> entries;
+  for (std::string entry; in >> entry;) {
+    const size_t colon = entry.find(':');
+    if (colon == std::string::npos)
+      fail("{}: Invalid schedule entry \"{}\". Expected format: \"THRESHOLD:BATCH_SIZE\"", flag, entry);
+    const int64_t tokens = schedule_number(entry.substr(0, colon));
+    const int64_t batch = schedule_number(entry.substr(colon + 1));
+    // Python's floor division
+    const int64_t samples = tokens / seq - ((tokens % seq != 0 && tokens < 0) ? 1 : 0);
+    entries.emplace_back(samples, batch);
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (entries.empty()) fail("{}: schedule must have at least one entry", flag);
+  if (entries.front().first != 0)
+    fail("{}: first schedule entry must have threshold 0, got {}", flag, entries.front().first);
+  for (size_t i = 1; i < entries.size(); ++i)
+    if (entries[i].first <= entries[i - 1].first)
+      fail("{}: schedule thresholds must be strictly increasing, got {} before {}", flag, entries[i - 1].first,
+           entries[i].first);
+  const int per_step = t.micro_batch_size * st.cfg.parallel.data_parallel_size;
+  t.batch_size_schedule.clear();
+  int most = 0;
+  for (const auto& [threshold, batch] : entries) {
+    if (batch <= 0) fail("{}: batch size must be positive, got {}", flag, batch);
+    if (batch > std::numeric_limits<int>::max()) fail("{}: batch size {} is too large", flag, batch);
+    if (batch / per_step > kMaxMicrobatches)
+      fail("{}: batch size {} needs {} micro-batches per iteration (/ (--micro-batch-size {} x data-parallel size {})), "
+           "more than megatrain plans for (at most {}): check the value", flag, batch, batch / per_step,
+           t.micro_batch_size, st.cfg.parallel.data_parallel_size, kMaxMicrobatches);
+    t.batch_size_schedule.emplace_back(threshold, static_cast<int>(batch));
+    most = std::max(most, static_cast<int>(batch / per_step));
+  }
+  // The activation slots and pipeline schedules are planned for the largest batch.
+  t.num_microbatches = std::max(1, most);
+  st.info(fmt::format("> using step batch size schedule: {}", text));
+  st.info(fmt::format("step batch size schedule ({} steps):", t.batch_size_schedule.size()));
+  for (const auto& [threshold, batch] : t.batch_size_schedule)
+    st.info(fmt::format("  >= {} tokens ({} samples) -> batch_size={}, num_microbatches={}", thousands(threshold * seq),
+                        thousands(threshold), batch, batch / per_step));
+}
+
 void derive_batch(CliState& st) {
   Config& c = st.cfg;
   TrainConfig& t = c.train;
   require(st, "--micro-batch-size");
   positive(t.micro_batch_size, "--micro-batch-size");
   const int dp = c.parallel.data_parallel_size;
+  // Megatron-LM HEAD's rules (megatron/training/arguments.py, num_microbatches_calculator.py).
+  if (t.step_batch_size_schedule && t.global_batch_size)
+    fail("Cannot specify both --step-batch-size-schedule and --global-batch-size");
+  if (t.step_batch_size_schedule && t.decrease_batch_size_if_needed)
+    fail("Cannot specify both --step-batch-size-schedule and --decrease-batch-size-if-needed");
   if (!t.global_batch_size) {
     t.global_batch = t.micro_batch_size * dp;
     st.info(fmt::format("setting global batch size to {}", t.global_batch));
@@ -221,6 +326,7 @@ void derive_batch(CliState& st) {
     t.global_batch = rounded;
   }
   t.num_microbatches = t.global_batch / per_step;
+  if (t.step_batch_size_schedule) derive_batch_size_schedule(st);
   if (t.num_microbatches > kMaxMicrobatches)
     fail("--global-batch-size {} needs {} micro-batches per iteration (/ (--micro-batch-size {} x data-parallel size "
          "{})), more than megatrain plans for (at most {}): check the value, or raise --micro-batch-size",
@@ -277,6 +383,24 @@ void derive_schedule(CliState& st) {
     if (t.lr_warmup_fraction && t.lr_warmup_samples != 0)
       fail("can only specify one of --lr-warmup-fraction and --lr-warmup-samples");
     t.total_iters = *t.train_samples / B;  // Megatron's update_train_iters (constant batch)
+    if (!t.batch_size_schedule.empty()) {
+      // update_train_iters with a schedule: iterations until the scheduled batches reach the samples.
+      t.total_iters = 0;
+      int64_t consumed = 0;
+      while (consumed < *t.train_samples) {
+        // the iterations of the batch in force at `consumed`, up to the next threshold
+        int64_t next = *t.train_samples;
+        for (const auto& [threshold, batch] : t.batch_size_schedule)
+          if (threshold > consumed) {
+            next = std::min(next, threshold);
+            break;
+          }
+        const int64_t b = t.global_batch_at(consumed);
+        const int64_t n = (next - consumed + b - 1) / b;
+        consumed += n * b;
+        t.total_iters += n;
+      }
+    }
     t.lr_decay_steps = t.lr_decay_samples.value_or(*t.train_samples);
     t.wd_incr_steps = *t.train_samples;
     if (t.lr_wsd_decay_samples) t.lr_wsd_decay_steps = *t.lr_wsd_decay_samples;
@@ -333,7 +457,8 @@ void derive(CliState& st) {
     st.cfg.train.recompute_modules = {"core_attn"};
   derive_vocab(st);
   const TrainConfig& t = st.cfg.train;
-  st.info(fmt::format("setting number of microbatches to constant {}", t.num_microbatches));
+  if (t.batch_size_schedule.empty())
+    st.info(fmt::format("setting number of microbatches to constant {}", t.num_microbatches));
 }
 
 }  // namespace mt::cli

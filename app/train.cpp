@@ -283,9 +283,8 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
   if (energy) trainer.energy_joules = [m = energy.get()] { return m->joules(); };
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
-  const double flops = num_floating_point_operations(cfg.model, cfg.train.global_batch);
-  trainer.flops_per_iteration = [flops] { return flops; };
-  checkpoints.set_flops_per_iteration(flops);
+  trainer.flops_per_iteration = [&cfg](int64_t batch) { return num_floating_point_operations(cfg.model, batch); };
+  checkpoints.set_flops_per_sample(num_floating_point_operations(cfg.model, 1));
   checkpoints.restore(resume, trainer);
   // Megatron's checkpoint_and_decide_exit: a save every --save-interval iterations, else a
   // non-persistent one every --non-persistent-save-interval iterations; before an early exit
@@ -306,6 +305,10 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     else if (k.save && k.non_persistent_save_interval && iteration % *k.non_persistent_save_interval == 0) save(true);
     if (fault) fault(iteration + 1);
     return true;
+  };
+  // --step-batch-size-schedule: Megatron saves a checkpoint where the number of micro-batches changes.
+  trainer.on_microbatches_change = [&](int64_t iteration) {
+    if (k.save && iteration != 0 && checkpoints.last_saved_iteration() != iteration) save();
   };
   trainer.before_early_exit = [&](int64_t iteration) {
     exited_early = true;

@@ -37,7 +37,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--expert-model-parallel-size", W::other_than, {"1"}, "mixture of experts"},
       {"--expert-tensor-parallel-size", W::any_use, {}, "mixture of experts"},
       // training (1.3)
-      {"--step-batch-size-schedule", W::any_use, {}, "Megatron also rejects it together with --global-batch-size"},
       {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
       {"--check-for-spiky-loss", W::any_use, {}, ""},

@@ -1,5 +1,7 @@
 // Parallelism rules (megatron.md sections 1.2, 1.10, 1.13, 6.2).
 #include <cstdlib>
+#include <utility>
+#include <vector>
 
 #include "app/cli_internal.h"
 #include "parallel/pipeline_layout.h"
@@ -9,7 +11,15 @@ namespace mt::cli {
 void validate_parallel(CliState& st) {
   const Config& c = st.cfg;
   const ParallelConfig& p = c.parallel;
-  const int P = p.pipeline_model_parallel_size, V = p.virtual_pipeline_size, M = c.train.num_microbatches;
+  const int P = p.pipeline_model_parallel_size, V = p.virtual_pipeline_size;
+  // The numbers of micro-batches per iteration: the constant one, or each of a
+  // --step-batch-size-schedule's batches (Megatron checks the interleaved schedule's rule at every
+  // step; megatrain plans every schedule up front, so checks them here).
+  std::vector<std::pair<int, int>> counts;  // (M, global batch)
+  const int per_step = c.train.micro_batch_size * p.data_parallel_size;
+  for (const auto& [threshold, batch] : c.train.batch_size_schedule)
+    if (batch % per_step == 0) counts.emplace_back(batch / per_step, batch);
+  if (counts.empty()) counts.emplace_back(c.train.num_microbatches, c.train.global_batch);
 
   // Layer divisibility, uneven first/last stages, virtual stages (throws naming the flags).
   pipeline_chunks(PipelineSplit::from_config(c));
@@ -21,13 +31,15 @@ void validate_parallel(CliState& st) {
                                    : fmt::format("the micro-batch group size {} (= --pipeline-model-parallel-size)", N);
     if (N < P)
       fail("{} is smaller than --pipeline-model-parallel-size {}", n_name, P);
-    if (N > M)
-      fail("the interleaved schedule needs at least {} micro-batches ({}), got {} (--global-batch-size {} / "
-           "(--micro-batch-size {} x data-parallel size {}))", N, n_name, M, c.train.global_batch,
-           c.train.micro_batch_size, p.data_parallel_size);
-    if (M % N != 0 && M % N < P)
-      fail("the interleaved schedule needs the number of micro-batches ({}) to be a multiple of {}, or leave a "
-           "remainder of at least --pipeline-model-parallel-size {} (remainder {})", M, n_name, P, M % N);
+    for (const auto& [M, global_batch] : counts) {
+      if (N > M)
+        fail("the interleaved schedule needs at least {} micro-batches ({}), got {} (--global-batch-size {} / "
+             "(--micro-batch-size {} x data-parallel size {}))", N, n_name, M, global_batch,
+             c.train.micro_batch_size, p.data_parallel_size);
+      if (M % N != 0 && M % N < P)
+        fail("the interleaved schedule needs the number of micro-batches ({}) to be a multiple of {}, or leave a "
+             "remainder of at least --pipeline-model-parallel-size {} (remainder {})", M, n_name, P, M % N);
+    }
   } else if (p.microbatch_group_size_per_virtual_pipeline_stage) {
     st.warn("--microbatch-group-size-per-virtual-pipeline-stage has no effect without an interleaved schedule "
             "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)");

@@ -114,8 +114,6 @@ static void validate_precision_aware_optimizer(CliState& st) {
 void validate_training(CliState& st) {
   const Config& c = st.cfg;
   const TrainConfig& t = c.train;
-  if (t.step_batch_size_schedule && t.global_batch_size)
-    fail("Cannot specify both --global-batch-size and --step-batch-size-schedule");
   if (!t.lr && !t.skip_train) fail("--lr is required (the peak learning rate)");
   // Megatron's real-time test checks only the q/k layernorm parameters (and is silent without them).
   if (t.test_mode && !c.model.qk_layernorm)

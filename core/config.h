@@ -173,7 +173,9 @@ struct TrainConfig {
   int micro_batch_size = 0;  // required
   std::optional<int> global_batch_size;
   bool decrease_batch_size_if_needed = false;
-  std::optional<std::string> step_batch_size_schedule;  // refused (unsupported.cpp); rule kept
+  // --step-batch-size-schedule "THRESH:BS ...": the global batch by consumed samples (parsed
+  // into batch_size_schedule below).
+  std::optional<std::string> step_batch_size_schedule;
   std::optional<int64_t> train_iters;
   std::optional<int64_t> train_samples;
   int eval_iters = 100;
@@ -272,7 +274,21 @@ struct TrainConfig {
 
   // derived
   int global_batch = 0;        // global_batch_size (rounded down with --decrease-batch-size-if-needed) or micro_batch_size * DP
-  int num_microbatches = 0;    // global_batch / (micro_batch_size * DP)
+  int num_microbatches = 0;    // global_batch / (micro_batch_size * DP); with a batch-size schedule the largest
+  // --step-batch-size-schedule parsed: (threshold in consumed samples, global batch), thresholds
+  // strictly ascending from 0; empty without the flag. global_batch is then micro_batch_size * DP
+  // (Megatron's args.global_batch_size, which its iteration-based scheduler horizons use).
+  std::vector<std::pair<int64_t, int>> batch_size_schedule;
+  // The global batch of the iteration that starts after `consumed_samples` samples.
+  int global_batch_at(int64_t consumed_samples) const {
+    if (batch_size_schedule.empty()) return global_batch;
+    int b = batch_size_schedule.front().second;
+    for (const auto& [threshold, bs] : batch_size_schedule) {
+      if (consumed_samples < threshold) break;
+      b = bs;
+    }
+    return b;
+  }
   int64_t total_iters = 0;     // train_iters, or derived from train_samples
   // LR/WD scheduler horizons in SAMPLES, as Megatron's OptimizerParamScheduler counts them
   // (iteration-based flags are multiplied by the global batch; a warmup fraction may be fractional).

@@ -315,7 +315,10 @@ std::array<int64_t, 3> samples_per_split(const Config& config) {
     eval_iters_total = t.eval_iters;
   } else {
     // update_train_iters: sample-based runs train train_samples // B iterations.
-    const int64_t iters = t.train_iters && *t.train_iters != 0 ? *t.train_iters : t.train_samples.value_or(0) / batch;
+    // (with --step-batch-size-schedule: the iterations the scheduled batches take)
+    const int64_t iters = t.train_iters && *t.train_iters != 0 ? *t.train_iters
+                          : t.batch_size_schedule.empty()      ? t.train_samples.value_or(0) / batch
+                                                               : t.total_iters;
     const int64_t evaluations = t.eval_interval && *t.eval_interval > 0 ? iters / *t.eval_interval + 1 : 1;
     eval_iters_total = evaluations * t.eval_iters;
   }

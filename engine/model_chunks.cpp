@@ -24,7 +24,7 @@ RankPosition RankPosition::of(const ParallelState& ps) {
 
 std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute) {
   const std::vector<ModelChunk> layout = stage_chunks(PipelineSplit::from_config(cfg), r.pp_rank);
-  const PipelinePlan plan = PipelinePlan::build(cfg, r.pp_rank);
+  const std::vector<int> slots = pipeline_slots_needed(cfg, r.pp_rank);
   std::vector<ModelDims> dims;
   int64_t params = 0;  // of this rank, over all its chunks (Megatron sizes buckets from it)
   for (const ModelChunk& c : layout) {
@@ -43,7 +43,7 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
   std::vector<ChunkSpec> out;
   for (size_t c = 0; c < layout.size(); ++c) {
     ModelOptions o = ModelOptions::from_config(cfg, dims[c], compute);
-    o.num_slots = plan.num_slots.at(c);
+    o.num_slots = slots.at(c);
     o.dp_size = r.dp_size;
     o.dp_rank = r.dp_rank;
     o.bucket_size = bucket;

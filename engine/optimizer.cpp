@@ -87,7 +87,7 @@ OptimStepParams Optimizer::step_params(double grad_scale) const {
   return p;
 }
 
-StepOutcome Optimizer::step(int64_t iteration) {
+StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   const TrainConfig& t = cfg_.train;
   const Tensor scalars = chunks_.front()->scalars();
 
@@ -180,7 +180,7 @@ StepOutcome Optimizer::step(int64_t iteration) {
     param_gather_->start();
   }
   ++steps_;
-  schedule_.step(t.global_batch);
+  schedule_.step(global_batch > 0 ? global_batch : t.global_batch);
   return out;
 }
 

@@ -62,7 +62,8 @@ class Optimizer {
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch
   // size, successful steps only). Throws mt::Error for NaN/Inf in the loss or the grad norm when
   // --check-for-nan-in-loss-and-grad is on (and no loss scaler handles overflow).
-  StepOutcome step(int64_t iteration);
+  // global_batch: the samples of this iteration (default the config's constant global batch).
+  StepOutcome step(int64_t iteration, int64_t global_batch = 0);
 
   // Timers (engine/phase_timers.h): optimizer-clip-main-grad, optimizer-count-zeros,
   // optimizer-inner-step, params-all-gather. grad_sync() has its own hook.

@@ -10,10 +10,10 @@ namespace mt {
 
 // ---- slot plan -------------------------------------------------------------------------------
 
-PipelinePlan PipelinePlan::build(const Config& cfg, int pp_rank) {
+PipelinePlan PipelinePlan::build(const Config& cfg, int pp_rank, int num_microbatches) {
   ScheduleSpec spec;
   spec.pp_size = cfg.parallel.pipeline_model_parallel_size;
-  spec.num_microbatches = cfg.train.num_microbatches;
+  spec.num_microbatches = num_microbatches > 0 ? num_microbatches : cfg.train.num_microbatches;
   spec.num_chunks = std::max(1, cfg.parallel.virtual_pipeline_size);
   spec.microbatch_group_size = cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage.value_or(0);
   return from_schedule(build_pipeline_schedule(spec, pp_rank));
@@ -73,17 +73,43 @@ PipelinePlan PipelinePlan::from_schedule(PipelineSchedule schedule) {
   return p;
 }
 
+std::vector<int> scheduled_microbatch_counts(const Config& cfg) {
+  const TrainConfig& t = cfg.train;
+  if (t.batch_size_schedule.empty()) return {t.num_microbatches};
+  const int per_step = t.micro_batch_size * cfg.parallel.data_parallel_size;
+  std::vector<int> out;
+  for (const auto& [threshold, batch] : t.batch_size_schedule)
+    if (batch % per_step == 0 && std::find(out.begin(), out.end(), batch / per_step) == out.end())
+      out.push_back(batch / per_step);
+  if (out.empty()) out.push_back(t.num_microbatches);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<int> pipeline_slots_needed(const Config& cfg, int pp_rank) {
+  std::vector<int> slots;
+  for (int m : scheduled_microbatch_counts(cfg)) {
+    const PipelinePlan p = PipelinePlan::build(cfg, pp_rank, m);
+    if (slots.empty()) slots.assign(p.num_slots.size(), 0);
+    for (size_t c = 0; c < slots.size(); ++c) slots[c] = std::max(slots[c], p.num_slots[c]);
+  }
+  return slots;
+}
+
 // ---- runner ------------------------------------------------------------------------------
 
 PipelineRunner::PipelineRunner(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks)
-    : cfg_(cfg), ps_(ps), chunks_(std::move(chunks)), plan_(PipelinePlan::build(cfg, ps.pp_rank)) {
-  MT_CHECK(static_cast<int>(chunks_.size()) == plan_.schedule.num_chunks, "{} model chunks for a schedule of {}",
-           chunks_.size(), plan_.schedule.num_chunks);
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    MT_CHECK(chunks_[c]->options().num_slots >= plan_.num_slots[c], "chunk {} has {} activation slots, the schedule needs {}",
-             c, chunks_[c]->options().num_slots, plan_.num_slots[c]);
-    reads_data_ = reads_data_ || needs_data(static_cast<int>(c));
+    : cfg_(cfg), ps_(ps), chunks_(std::move(chunks)) {
+  for (int m : scheduled_microbatch_counts(cfg)) {
+    const PipelinePlan& plan = plans_.emplace(m, PipelinePlan::build(cfg, ps.pp_rank, m)).first->second;
+    MT_CHECK(static_cast<int>(chunks_.size()) == plan.schedule.num_chunks, "{} model chunks for a schedule of {}",
+             chunks_.size(), plan.schedule.num_chunks);
+    for (size_t c = 0; c < chunks_.size(); ++c)
+      MT_CHECK(chunks_[c]->options().num_slots >= plan.num_slots[c],
+               "chunk {} has {} activation slots, the schedule of {} micro-batches needs {}", c,
+               chunks_[c]->options().num_slots, m, plan.num_slots[c]);
   }
+  for (size_t c = 0; c < chunks_.size(); ++c) reads_data_ = reads_data_ || needs_data(static_cast<int>(c));
   if (ps_.pp_size > 1 && chunks_.front()->backend().device() == Device::cuda) connect_neighbours();
 }
 
@@ -108,6 +134,12 @@ void PipelineRunner::connect_neighbours() {
   c.recv(grad_in, next);
   c.group_end();
   c.barrier();
+}
+
+const PipelinePlan& PipelineRunner::plan(int num_microbatches) const {
+  auto it = plans_.find(num_microbatches);
+  MT_CHECK(it != plans_.end(), "no pipeline schedule planned for {} micro-batches", num_microbatches);
+  return it->second;
 }
 
 bool PipelineRunner::needs_data(int chunk) const {
@@ -165,12 +197,13 @@ void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>
 }
 
 void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial,
-                                int64_t iteration) {
-  const int M = plan_.schedule.num_microbatches;
+                                int64_t iteration, int num_microbatches) {
+  const PipelinePlan& p = plan(num_microbatches);
+  const int M = p.schedule.num_microbatches;
   fetched_ = -1;
-  for (size_t i = 0; i < plan_.schedule.actions.size(); ++i) {
-    const PipelineAction& a = plan_.schedule.actions[i];
-    const std::vector<int>& slots = plan_.slots[i];
+  for (size_t i = 0; i < p.schedule.actions.size(); ++i) {
+    const PipelineAction& a = p.schedule.actions[i];
+    const std::vector<int>& slots = p.slots[i];
     if (a.op == PipelineOp::communicate) {
       communicate(a, slots);
       continue;
@@ -197,9 +230,9 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
   }
 }
 
-void PipelineRunner::skip_step(BatchSource* data, int64_t iteration) {
+void PipelineRunner::skip_step(BatchSource* data, int64_t iteration, int num_microbatches) {
   if (!reads_data_) return;
-  for (int m = 0; m < plan_.schedule.num_microbatches; ++m)
+  for (int m = 0; m < num_microbatches; ++m)
     if (!data || !data->next(mb_)) fail("the training data ran out at iteration {}", iteration);
 }
 
@@ -212,8 +245,8 @@ bool PipelineRunner::eval_step(BatchSource* data) {
   fetched_ = -1;
   // --eval-global-batch-size: its micro-batches per DP rank (a multiple, checked by the parser).
   const TrainConfig& t = cfg_.train;
-  const int M = t.eval_global_batch_size ? *t.eval_global_batch_size / (t.micro_batch_size * ps_.dp_size)
-                                         : t.num_microbatches;
+  // (With --step-batch-size-schedule the default is Megatron's args.global_batch_size, micro-batch x DP.)
+  const int M = t.eval_global_batch_size.value_or(t.global_batch) / (t.micro_batch_size * ps_.dp_size);
   for (int mb = 0; mb < M; ++mb) {
     for (int c = 0; c < V; ++c) {
       GptModel& m = *chunks_[static_cast<size_t>(c)];

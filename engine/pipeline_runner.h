@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "core/config.h"
@@ -35,28 +36,40 @@ struct PipelinePlan {
   // input gradient, which lives in the chunk's workspace).
   std::vector<std::vector<int>> slots;
 
-  // The schedule of this config for pipeline rank pp_rank.
-  static PipelinePlan build(const Config& cfg, int pp_rank);
+  // The schedule of this config for pipeline rank pp_rank, with num_microbatches micro-batches
+  // (default: the config's constant number).
+  static PipelinePlan build(const Config& cfg, int pp_rank, int num_microbatches = 0);
   static PipelinePlan from_schedule(PipelineSchedule schedule);
 };
+
+// The numbers of micro-batches per iteration a run can take: the constant one, or with
+// --step-batch-size-schedule each scheduled batch's (batches that micro-batch x DP does not divide
+// are left out: the trainer refuses them when the schedule reaches them).
+std::vector<int> scheduled_microbatch_counts(const Config& cfg);
+
+// Activation slots per chunk that every schedule of the run fits in (the largest of each chunk).
+std::vector<int> pipeline_slots_needed(const Config& cfg, int pp_rank);
 
 class PipelineRunner {
  public:
   // chunks: this rank's model chunks in chunk order, each built with at least plan.num_slots[c] slots.
   PipelineRunner(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks);
 
-  // One training step: every micro-batch's forward and backward. serial numbers the first
-  // micro-batch (dropout keys); iteration names the step in errors.
-  void train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial, int64_t iteration);
+  // One training step of num_microbatches micro-batches (one of scheduled_microbatch_counts):
+  // every micro-batch's forward and backward. serial numbers the first micro-batch (dropout keys);
+  // iteration names the step in errors.
+  void train_step(BatchSource* data, double loss_grad_scale, bool per_token_loss, uint64_t serial, int64_t iteration,
+                  int num_microbatches);
   // One evaluation step (forward only, no dropout) over one evaluation global batch
   // (--eval-global-batch-size, default the training one): the loss sums accumulate on the last stage.
   // Returns false when the data ran out on a rank that reads data.
   bool eval_step(BatchSource* data);
   // Reads and drops one step's micro-batches (--iterations-to-skip), on ranks that read data.
-  void skip_step(BatchSource* data, int64_t iteration);
+  void skip_step(BatchSource* data, int64_t iteration, int num_microbatches);
 
   bool reads_data() const { return reads_data_; }
-  const PipelinePlan& plan() const { return plan_; }
+  // The plan of a step of num_microbatches micro-batches.
+  const PipelinePlan& plan(int num_microbatches) const;
   // Optional timers (--timing-log-level, engine/phase_timers.h): called with a name and start
   // (true) or stop (false): batch-generator, forward-compute, backward-compute, the p2p names.
   TimerHook timer;
@@ -73,7 +86,7 @@ class PipelineRunner {
   const Config& cfg_;
   ParallelState& ps_;
   std::vector<GptModel*> chunks_;
-  PipelinePlan plan_;
+  std::map<int, PipelinePlan> plans_;  // by number of micro-batches
   bool reads_data_ = false;
   MicroBatch mb_;
   int fetched_ = -1;  // micro-batch index held in mb_ for this step

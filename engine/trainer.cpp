@@ -108,12 +108,29 @@ Trainer::~Trainer() {
   if (timer_buffer_) model_.backend().deallocate(timer_buffer_);
 }
 
+int64_t Trainer::next_global_batch() const {
+  const TrainConfig& t = cfg_.train;
+  const int64_t B = t.global_batch_at(consumed_samples_);
+  const int per_step = t.micro_batch_size * cfg_.parallel.data_parallel_size;
+  // Megatron's consistency check of the scheduled batch (num_microbatches_calculator.py): the
+  // parser could not check entries the run might never reach.
+  if (B % per_step != 0)
+    fail("--step-batch-size-schedule: current global batch size ({}) is not divisible by micro_batch_size ({}) * "
+         "data_parallel_size ({})", B, t.micro_batch_size, cfg_.parallel.data_parallel_size);
+  return B;
+}
+
+int Trainer::next_num_microbatches() const {
+  return static_cast<int>(next_global_batch() / (cfg_.train.micro_batch_size * cfg_.parallel.data_parallel_size));
+}
+
 void Trainer::forward_backward() {
   const TrainConfig& t = cfg_.train;
-  const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : t.num_microbatches);
+  const int M = next_num_microbatches();
+  const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : M);
   timers_.start("forward-backward");
-  runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1);
-  micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
+  runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1, M);
+  micro_batch_serial_ += static_cast<uint64_t>(M);
   // Megatron's finalize_model_grads runs at the end of the schedule, inside forward-backward.
   optimizer_.grad_sync().finish();
   timers_.stop("forward-backward");
@@ -194,7 +211,7 @@ StepOutcome Trainer::train_step() {
   // Before the optimizer step, which with FP8 parameters casts the new weights with those scales.
   for (GptModel* m : chunks_) m->fp8_end_step();
   timers_.start("optimizer");
-  StepOutcome o = optimizer_.step(iteration_ + 1);
+  StepOutcome o = optimizer_.step(iteration_ + 1, next_global_batch());
   timers_.stop("optimizer");
   MT_CHECK(be.bytes_allocated() == allocated_before,
            "training step {} changed the device memory allocated from {} to {} bytes (a step must allocate nothing)",
@@ -204,7 +221,10 @@ StepOutcome Trainer::train_step() {
 
 int64_t Trainer::train() {
   const TrainConfig& t = cfg_.train;
-  const int64_t B = t.global_batch;
+  const int per_step = t.micro_batch_size * cfg_.parallel.data_parallel_size;
+  // Megatron's update_num_microbatches before each iteration: a schedule's new batch size
+  // (checked after the checkpoint its change asks for, as Megatron checks it).
+  int num_microbatches = static_cast<int>(t.global_batch_at(consumed_samples_) / per_step);
   interval_start_ = Clock::now();
   interval_paused_s_ = 0;
   if (energy_joules) energy_read_ = energy_joules();
@@ -215,11 +235,21 @@ int64_t Trainer::train() {
   if (energy_joules && warmup == 0) energy_after_warmup_ = energy_mark();
   bool first = true;
   while (iteration_ < t.total_iters) {
+    const int64_t B = t.global_batch_at(consumed_samples_);
+    if (B / per_step != num_microbatches) {
+      if (B / per_step < num_microbatches)
+        fail("--step-batch-size-schedule: Number of microbatches should not decrease; going from {} to {}",
+             num_microbatches, B / per_step);
+      if (on_microbatches_change) on_microbatches_change(iteration_);
+      num_microbatches = static_cast<int>(B / per_step);
+    }
+    next_global_batch();  // the consistency check
+    batch_ = B;
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
         t.iterations_to_skip.end()) {
       // --iterations-to-skip: consume the batch without a step, as Megatron's dummy step.
-      runner_.skip_step(train_, iteration_ + 1);
-      micro_batch_serial_ += static_cast<uint64_t>(t.num_microbatches);
+      runner_.skip_step(train_, iteration_ + 1, num_microbatches);
+      micro_batch_serial_ += static_cast<uint64_t>(num_microbatches);
       ++iteration_;
       consumed_samples_ += B;
       skipped_samples_ += B;
@@ -228,6 +258,7 @@ int64_t Trainer::train() {
     const auto step_start = Clock::now();
     const StepOutcome o = train_step();  // ends with the step's one readback, so the time is complete
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
+    step_samples_.push_back(B);
     // One energy read where the summary's steps begin (an NVML read takes milliseconds while the
     // GPU idles, so the counter is read there, at log lines, around pauses and at the end only).
     if (energy_joules && step_seconds_.size() == warmup) {
@@ -308,7 +339,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   s.elapsed_ms_per_iteration = elapsed / iters * 1000.0;
   const double per_iter_s = elapsed / iters;
   if (cfg_.logging.log_throughput && flops_per_iteration && per_iter_s > 0)
-    s.tflops_per_gpu = flops_per_iteration() / (per_iter_s * 1e12 * ps_.world_size);
+    s.tflops_per_gpu = flops_per_iteration(batch_) / (per_iter_s * 1e12 * ps_.world_size);
   if (energy_joules && interval_end) {
     energy_read_ = energy_joules();
     const double lap = training_energy() - energy_interval_start_;  // this rank's, J
@@ -318,7 +349,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   }
   s.learning_rate = optimizer_.learning_rate();
   s.decoupled_learning_rate = optimizer_.decoupled_learning_rate();
-  s.global_batch_size = cfg_.train.global_batch;
+  s.global_batch_size = batch_ > 0 ? batch_ : cfg_.train.global_batch;
   // Megatron prints the key once any iteration succeeded (0 for an interval of skipped ones).
   if (!loss_history_.empty()) s.losses["lm loss"] = interval_loss_ / std::max<int64_t>(1, interval_advanced_);
   if (!o.skipped) s.iteration_losses["lm loss"] = o.loss();
@@ -330,7 +361,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   s.nan_iterations = interval_nan_;
   s.weight_decay = optimizer_.weight_decay();
   s.tokens_per_second =
-      per_iter_s > 0 ? static_cast<double>(cfg_.train.global_batch) * cfg_.model.seq_length / per_iter_s : 0;
+      per_iter_s > 0 ? static_cast<double>(s.global_batch_size) * cfg_.model.seq_length / per_iter_s : 0;
   s.world_size = ps_.world_size;
   if (interval_end && timers_.level() > 0) collect_timers(s, static_cast<double>(iters));
   reporter_.on_iteration(s);
@@ -400,17 +431,21 @@ namespace mt {
 void Trainer::print_summary() const {
   const int64_t skip = std::max(0, cfg_.logging.benchmark_warmup_iters);
   if (static_cast<int64_t>(step_seconds_.size()) <= skip) return;
-  double seconds = 0;
-  for (size_t i = static_cast<size_t>(skip); i < step_seconds_.size(); ++i) seconds += step_seconds_[i];
+  double seconds = 0, samples = 0;
+  for (size_t i = static_cast<size_t>(skip); i < step_seconds_.size(); ++i) {
+    seconds += step_seconds_[i];
+    samples += static_cast<double>(step_samples_[i]);
+  }
   const double steps = static_cast<double>(step_seconds_.size()) - static_cast<double>(skip);
   const double per_step = seconds / steps;
-  const double tokens = static_cast<double>(cfg_.train.global_batch) * cfg_.model.seq_length;
+  // Per step (the mean over the steps: --step-batch-size-schedule varies the batch).
+  const double tokens = samples / steps * cfg_.model.seq_length;
   std::string line = fmt::format("[megatrain] summary: iterations {}-{} | mean ms per iteration: {:.1f} | "
                                  "tokens/s: {:.1f} | tokens/s/GPU: {:.1f}",
                                  skip + 1, step_seconds_.size(), per_step * 1e3, tokens / per_step,
                                  tokens / per_step / ps_.world_size);
   if (flops_per_iteration) {
-    const double tflops = flops_per_iteration() / (per_step * 1e12 * ps_.world_size);
+    const double tflops = flops_per_iteration(static_cast<int64_t>(samples / steps)) / (per_step * 1e12 * ps_.world_size);
     line += fmt::format(" | TFLOP/s/GPU: {:.1f}", tflops);
     if (cfg_.train.device == DeviceKind::gpu) line += fmt::format(" | MFU: {:.1f}%", tflops / 989.0 * 100.0);
   }

@@ -42,8 +42,11 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // Model FLOPs of one iteration (for --log-throughput): set by the caller.
-  std::function<double()> flops_per_iteration;
+  // Model FLOPs of one iteration of global_batch samples (for --log-throughput): set by the caller.
+  std::function<double(int64_t global_batch)> flops_per_iteration;
+  // --step-batch-size-schedule: called before the iteration after `iteration` when its number of
+  // micro-batches differs from the previous iteration's (Megatron saves a checkpoint there).
+  std::function<void(int64_t iteration)> on_microbatches_change;
   // Called after every iteration (checkpoint saving, signal checks...): return false to stop.
   std::function<bool(int64_t iteration)> after_iteration;
   // Called once when training stops early (--exit-interval, --exit-duration-in-mins, SIGTERM with
@@ -70,6 +73,10 @@ class Trainer {
   bool has_validation() const { return has_validation_; }
   // One iteration (exposed for tests): returns the step outcome.
   StepOutcome train_step();
+  // The global batch and micro-batches per DP rank of the next iteration (from the consumed
+  // samples: --step-batch-size-schedule), with Megatron's consistency check.
+  int64_t next_global_batch() const;
+  int next_num_microbatches() const;
 
   int64_t iteration() const { return iteration_; }
   int64_t consumed_samples() const { return consumed_samples_; }
@@ -133,6 +140,8 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
+  std::vector<int64_t> step_samples_;  // the global batch of each of those steps
+  int64_t batch_ = 0;  // the global batch of the iteration in progress (report_iteration)
   // training_energy(), when it was read and the seconds outside_interval had taken by then,
   // after the warm-up steps and at the end (--log-energy): the summary's energy figures.
   struct EnergyMark {

@@ -672,12 +672,6 @@ TEST_CASE("rules behind refused flags hold in validation", "[cli][rules]") {
     return std::string("(no error)");
   };
   {
-    cli::CliState st = state(words("--global-batch-size 8"));
-    st.cfg.train.step_batch_size_schedule = "0:16 1B:32";
-    CHECK_THAT(error_of([&] { cli::validate_training(st); }),
-               Contains("Cannot specify both --global-batch-size and --step-batch-size-schedule"));
-  }
-  {
     cli::CliState st = state({});
     st.cfg.train.fp16_lm_cross_entropy = true;
     CHECK_THAT(error_of([&] { cli::validate_training(st); }), Contains("--fp16-lm-cross-entropy needs --fp16"));

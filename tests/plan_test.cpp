@@ -2,6 +2,8 @@
 // a small GPT on 1 (parameter counts worked out by hand in the comments).
 #include "tests/cli_test_util.h"
 
+#include <algorithm>
+
 #include "app/plan.h"
 #include "engine/backend.h"
 #include "engine/flops.h"
@@ -58,19 +60,23 @@ TEST_CASE("plan: GPT-3 175B script on 1024 GPUs", "[plan]") {
   MT_REQUIRE_SHARED_DATA(shared);
   TempDir d;
   write_dataset(d.str("gpt3"));
-  // The script as published passes --step-batch-size-schedule, not supported yet (and rejected by
-  // Megatron HEAD together with --global-batch-size): the refusal names only that flag.
+  // The script as published passes --step-batch-size-schedule together with --global-batch-size,
+  // which Megatron HEAD rejects: so does megatrain, with Megatron's message.
   try {
     parse_env(gpt3_script(d.str("gpt3"), shared, true) + words("--dry-run --world-size 1024"), {});
-    FAIL("expected Unsupported");
-  } catch (const Unsupported& e) {
-    CHECK(std::string(e.what()) ==
-          "megatrain does not support --step-batch-size-schedule 0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536 yet "
-          "(Megatron also rejects it together with --global-batch-size)");
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) == "Cannot specify both --step-batch-size-schedule and --global-batch-size");
   }
-  // Word-split by an unquoted array expansion, the schedule still lands on its flag.
+  // Word-split by an unquoted array expansion, the schedule still lands on its flag; without
+  // --global-batch-size the schedule plans the largest batch (1536 / (1 x DP 8) micro-batches).
   Args split = gpt3_script(d.str("gpt3"), shared, false) + words("--step-batch-size-schedule 0:16 2.4B:320 12B:1536");
-  CHECK_THROWS_AS(parse_env(split + words("--dry-run --world-size 1024"), {}), Unsupported);
+  split.erase(std::find(split.begin(), split.end(), "--global-batch-size"), std::find(split.begin(), split.end(), "--global-batch-size") + 2);
+  const Config scheduled = parse_env(split + words("--dry-run --world-size 1024"), {});
+  CHECK(scheduled.train.num_microbatches == 192);
+  CHECK(scheduled.train.global_batch == 8);  // Megatron's args.global_batch_size: micro-batch x DP
+  CHECK(scheduled.train.batch_size_schedule ==
+        std::vector<std::pair<int64_t, int>>{{0, 16}, {2400000000 / 2048, 320}, {12000000000 / 2048, 1536}});
 
   std::vector<SetupMessage> ms;
   const Config c = parse_env(gpt3_script(d.str("gpt3"), shared, false) + words("--dry-run --world-size 1024"), {}, &ms);
