@@ -19,7 +19,10 @@ void add_distributed_flags(FlagTable& t) {
   }
   t.flag("--use-distributed-optimizer", "shard fp32 master weights and Adam moments over DP",
          MT_FIELD(parallel.use_distributed_optimizer));
-  t.recognised("--num-distributed-optimizer-instances", Arity::one, "INT", "1", "partial optimizer sharding");
+  t.value("--num-distributed-optimizer-instances",
+          "split DP into this many distributed-optimizer instances of consecutive DP ranks: state sharded within an "
+          "instance, gradients reduce-scattered within it and all-reduced across instances",
+          MT_FIELD(parallel.num_distributed_optimizer_instances));
   t.flag("--overlap-grad-reduce", "overlap the DP gradient reduction with the backward pass",
          MT_FIELD(parallel.overlap_grad_reduce));
   t.flag("--overlap-param-gather", "overlap the parameter all-gather with the next forward pass",

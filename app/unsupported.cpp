@@ -70,7 +70,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--init-method-xavier-uniform", W::any_use, {},
        "Megatron-LM with Megatron-Core 0.20 fails on it too: TransformerConfig has no scaled_init_method"},
       // distributed (1.10)
-      {"--num-distributed-optimizer-instances", W::other_than, {"1"}, ""},
       {"--use-torch-fsdp2", W::any_use, {}, ""},
       {"--use-megatron-fsdp", W::any_use, {}, ""},
       {"--data-parallel-sharding-strategy", W::other_than, {"optim_grads_params"}, ""},

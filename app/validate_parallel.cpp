@@ -65,6 +65,19 @@ void validate_parallel(CliState& st) {
         fail("--wgrad-deferral-limit should be greater than or equal to 0 when --defer-embedding-wgrad-compute is on");
     }
   }
+  // Megatron-LM's partial distributed optimizer: parallel_state.py's check at initialisation,
+  // then DistributedDataParallel's.
+  {
+    const int n = p.num_distributed_optimizer_instances;
+    if (n < 1) fail("--num-distributed-optimizer-instances must be >= 1 (got {})", n);
+    if (p.data_parallel_size * p.context_parallel_size % n != 0)
+      fail("Data parallel size should be divisible by partial DistOpt shard factor (data-parallel size {} x "
+           "--context-parallel-size {}, --num-distributed-optimizer-instances {})",
+           p.data_parallel_size, p.context_parallel_size, n);
+    if (n > 1 && !p.use_distributed_optimizer)
+      fail("Partial DistOpt cannot be used without DistOpt (--num-distributed-optimizer-instances {} needs "
+           "--use-distributed-optimizer)", n);
+  }
   if (p.overlap_param_gather) {
     if (!p.use_distributed_optimizer)
       fail("--overlap-param-gather is only supported with --use-distributed-optimizer");

@@ -140,6 +140,11 @@ struct ParallelConfig {
   bool overlap_p2p_communication_warmup_flush = false;
   bool tp_comm_overlap = false;       // accepted; needs --sequence-parallel (Megatron's rule)
   bool use_distributed_optimizer = false;
+  // --num-distributed-optimizer-instances: the DP group split into this many instances of
+  // consecutive DP ranks; each shards the optimizer state over its own ranks, gradients are
+  // reduce-scattered inside an instance and all-reduced across instances (Megatron's partial
+  // distributed optimizer).
+  int num_distributed_optimizer_instances = 1;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
   bool overlap_param_gather_with_optimizer_step = false;  // refused (unsupported.cpp); rules kept

@@ -13,18 +13,29 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   reduce_ = ps.dp_size > 1;
   overlap_ = p.overlap_grad_reduce;
   sharded_ = chunks_.front()->grad_layout().sharded;
+  // The distributed optimizer reduce-scatters over its instance (ps.dist_opt_group(): the DP group
+  // unless --num-distributed-optimizer-instances splits it), then all-reduces the shards over
+  // the instances; otherwise one all-reduce over DP.
+  Communicator& group = sharded_ ? ps.dist_opt_group() : *ps.dp;
+  const int group_size = sharded_ ? ps.dist_opt_size() : ps.dp_size, group_rank = sharded_ ? ps.dist_opt_rank() : ps.dp_rank;
   for (GptModel* m : chunks_)
-    MT_CHECK(m->grad_layout().sharded == sharded_ && m->options().dp_size == ps.dp_size &&
-                 m->options().dp_rank == ps.dp_rank,
+    MT_CHECK(m->grad_layout().sharded == sharded_ && (!sharded_ || (m->options().dp_size == group_size &&
+                                                                    m->options().dp_rank == group_rank)),
              "model chunks planned for another data-parallel layout");
   Backend& be = chunks_.front()->backend();
-  comm_ = ps.dp.get();
+  comm_ = &group;
+  inter_ = sharded_ ? ps.dist_opt_inter.get() : nullptr;
   if (reduce_ && be.comm_stream()) {
-    // A communicator of its own, so that the optimizer's small DP collectives stay on the
-    // compute stream (collective over the DP group: every member builds its DpGradSync alike).
-    own_comm_ = ps.dp->split(0, ps.dp_rank, "dp_grad");
+    // Communicators of their own, so that the optimizer's small DP collectives stay on the
+    // compute stream (collective over the group: every member builds its DpGradSync alike).
+    own_comm_ = group.split(0, group_rank, "dp_grad");
     own_comm_->set_stream(be.comm_stream());
     comm_ = own_comm_.get();
+    if (inter_) {
+      own_inter_ = inter_->split(0, inter_->rank(), "dp_grad_inter");
+      own_inter_->set_stream(be.comm_stream());
+      inter_ = own_inter_.get();
+    }
   }
   next_bucket_.assign(chunks_.size(), 0);
   if (reduce_ && overlap_)
@@ -57,8 +68,13 @@ void DpGradSync::launch(int chunk, int b) {
   const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
   const Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);  // in the main grads' dtype
   be.comm_wait_for_compute();
-  if (sharded_) comm_->reduce_scatter(g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)), g);
-  else comm_->all_reduce(g);
+  if (sharded_) {
+    const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));
+    comm_->reduce_scatter(shard, g);
+    if (inter_) inter_->all_reduce(shard);  // the same shard of every instance
+  } else {
+    comm_->all_reduce(g);
+  }
 }
 
 void DpGradSync::finish() {

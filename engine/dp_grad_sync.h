@@ -34,8 +34,9 @@ class DpGradSync {
   DpGradSync(const DpGradSync&) = delete;
   DpGradSync& operator=(const DpGradSync&) = delete;
 
-  // The communicator of the data-parallel reductions and parameter gathers: the DP group, on the
-  // backend's communication stream where it has one.
+  // The communicator of the data-parallel reductions and parameter gathers: the DP group (with
+  // the distributed optimizer: its instance, ps.dist_opt_group()), on the backend's communication
+  // stream where it has one.
   Communicator& comm() { return *comm_; }
 
   void start_step();
@@ -56,8 +57,11 @@ class DpGradSync {
 
   ParallelState& ps_;
   std::vector<GptModel*> chunks_;
-  std::unique_ptr<Communicator> own_comm_;  // split of ps.dp onto the communication stream
+  std::unique_ptr<Communicator> own_comm_;  // split of the reduction group onto the communication stream
   Communicator* comm_ = nullptr;
+  // --num-distributed-optimizer-instances > 1: the shards' all-reduce across the instances.
+  std::unique_ptr<Communicator> own_inter_;
+  Communicator* inter_ = nullptr;
   bool overlap_ = false, sharded_ = false, reduce_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
   bool finished_ = false;

@@ -44,8 +44,11 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
   for (size_t c = 0; c < layout.size(); ++c) {
     ModelOptions o = ModelOptions::from_config(cfg, dims[c], compute);
     o.num_slots = slots.at(c);
-    o.dp_size = r.dp_size;
-    o.dp_rank = r.dp_rank;
+    // The distributed optimizer shards over this rank's instance (--num-distributed-optimizer-instances:
+    // DP / N consecutive DP ranks; the whole DP group by default).
+    const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
+    o.dp_size = r.dp_size / instances;
+    o.dp_rank = r.dp_rank % o.dp_size;
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps

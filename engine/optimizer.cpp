@@ -32,7 +32,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     }
   }
   grad_sync_ = std::make_unique<DpGradSync>(cfg, ps, chunks_);
-  if (sharded_ && ps.dp_size > 1)
+  if (sharded_ && ps.dist_opt_size() > 1)
     param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   const double lr = t.lr.value_or(0.0);
@@ -121,7 +121,8 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   {
     const ScopedTimer timed(timer, "optimizer-clip-main-grad");
     // With the distributed optimizer each DP rank counted its shards only.
-    if (sharded_) ps_.dp->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+    // (Over its instance: --num-distributed-optimizer-instances gives every instance all shards.)
+    if (sharded_) ps_.dist_opt_group().all_reduce(scalars.flat_slice(kGradSumSq, 2));
     ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
     if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
     read_scalars(host, kCount);
@@ -225,7 +226,7 @@ double Optimizer::params_norm() {
     const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
     be_.sum_squares(s, v.master.dtype == DType::i16 ? v.model_copy : v.master, r.norm, true);
   }
-  if (sharded_) ps_.dp->all_reduce(s);
+  if (sharded_) ps_.dist_opt_group().all_reduce(s);
   ps_.model_parallel->all_reduce(s);
   double v[kCount + 1];
   read_scalars(v, kCount + 1);

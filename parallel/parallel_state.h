@@ -37,6 +37,17 @@ struct ParallelState {
   // reduces gradients over dp x cp).
   std::unique_ptr<Communicator> cp;
   std::unique_ptr<Communicator> dp_cp;
+  // --num-distributed-optimizer-instances N > 1 (Megatron's partial distributed optimizer): the DP
+  // group split into N instances of DP/N consecutive DP ranks. dist_opt_intra: this rank's
+  // instance (the distributed optimizer shards over it); dist_opt_inter: the ranks at the same
+  // position of every instance (the reduced shards are all-reduced over it). Null when N = 1.
+  int dist_opt_instances = 1;
+  std::unique_ptr<Communicator> dist_opt_intra;
+  std::unique_ptr<Communicator> dist_opt_inter;
+  // The group the distributed optimizer shards over: the instance, or the whole DP group.
+  Communicator& dist_opt_group() const { return dist_opt_intra ? *dist_opt_intra : *dp; }
+  int dist_opt_size() const { return dp_size / dist_opt_instances; }
+  int dist_opt_rank() const { return dp_rank % dist_opt_size(); }
 
   bool is_first_stage() const { return pp_rank == 0; }
   bool is_last_stage() const { return pp_rank == pp_size - 1; }

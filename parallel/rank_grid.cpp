@@ -157,6 +157,26 @@ std::vector<std::vector<int>> rank_groups(const RankGrid& grid, const std::strin
   return groups;
 }
 
+std::vector<std::vector<int>> distributed_optimizer_instance_groups(const RankGrid& grid, int instances, bool inter) {
+  MT_CHECK(instances >= 1 && grid.dp % instances == 0, "{} distributed optimizer instances over DP {}", instances,
+           grid.dp);
+  const int intra = grid.dp / instances;
+  std::vector<std::vector<int>> out;
+  for (const std::vector<int>& dp : rank_groups(grid, "dp")) {
+    if (inter) {
+      for (int j = 0; j < intra; ++j) {
+        std::vector<int> g;
+        for (int i = 0; i < instances; ++i) g.push_back(dp[static_cast<size_t>(i * intra + j)]);
+        out.push_back(std::move(g));
+      }
+    } else {
+      for (int i = 0; i < instances; ++i)
+        out.emplace_back(dp.begin() + i * intra, dp.begin() + (i + 1) * intra);
+    }
+  }
+  return out;
+}
+
 std::vector<int> rank_group_of(const RankGrid& grid, const std::string& axes, int rank) {
   for (auto& g : rank_groups(grid, axes))
     if (std::find(g.begin(), g.end(), rank) != g.end()) return g;

@@ -46,6 +46,12 @@ std::vector<std::vector<int>> rank_groups(const RankGrid& grid, const std::strin
 // The group over `axes` that contains `rank`.
 std::vector<int> rank_group_of(const RankGrid& grid, const std::string& axes, int rank);
 
+// Megatron's partial distributed optimizer (--num-distributed-optimizer-instances N): each DP
+// group's ranks (in DP order) split into N instances of DP/N consecutive ranks (intra: the
+// instances), and the ranks at the same position of every instance (inter: Megatron's second level
+// of create_hierarchical_groups with sizes [DP/N, N]).
+std::vector<std::vector<int>> distributed_optimizer_instance_groups(const RankGrid& grid, int instances, bool inter);
+
 // Megatron's embedding groups: for each pipeline group, its first and last rank (the ranks
 // holding the word embeddings / tied output layer); the pipeline group itself when PP == 1.
 std::vector<std::vector<int>> embedding_groups(const RankGrid& grid);

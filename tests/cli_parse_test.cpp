@@ -313,3 +313,18 @@ TEST_CASE("--apply-wd-to-qk-layernorm and Megatron's deprecated --no-weight-deca
   CHECK_THAT(parse_error(small_gpt() + words("--no-weight-decay-cond-type other")),
              Catch::Contains("--no-weight-decay-cond-type") && Catch::Contains("apply_wd_to_qk_layernorm"));
 }
+
+TEST_CASE("--num-distributed-optimizer-instances: Megatron's partial distributed optimizer rules", "[cli]") {
+  const Args distopt = small_gpt() + words("--use-distributed-optimizer");
+  CHECK(parse(distopt, 4).parallel.num_distributed_optimizer_instances == 1);
+  CHECK(parse(distopt + words("--num-distributed-optimizer-instances 2"), 4).parallel.num_distributed_optimizer_instances == 2);
+  CHECK(parse(distopt + words("--num-distributed-optimizer-instances 4"), 4).parallel.num_distributed_optimizer_instances == 4);
+  CHECK(parse_error(small_gpt() + words("--num-distributed-optimizer-instances 2"), 4) ==
+        "Partial DistOpt cannot be used without DistOpt (--num-distributed-optimizer-instances 2 needs "
+        "--use-distributed-optimizer)");
+  CHECK_THAT(parse_error(distopt + words("--num-distributed-optimizer-instances 3"), 4),
+             Contains("Data parallel size should be divisible by partial DistOpt shard factor") &&
+                 Contains("--num-distributed-optimizer-instances 3"));
+  CHECK(parse_error(distopt + words("--num-distributed-optimizer-instances 0"), 4) ==
+        "--num-distributed-optimizer-instances must be >= 1 (got 0)");
+}

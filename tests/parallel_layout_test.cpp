@@ -29,6 +29,23 @@ TEST_CASE("rank grid: Megatron's 8-GPU TP2 DP2 PP2 example", "[parallel][grid]")
   CHECK(c.pp == 1);
 }
 
+TEST_CASE("rank grid: --num-distributed-optimizer-instances splits each DP group into consecutive instances", "[parallel][grid]") {
+  RankGrid g;
+  g.tp = 2;
+  g.dp = 8;
+  using G = std::vector<std::vector<int>>;
+  // DP groups {0, 2, ..., 14} and {1, 3, ..., 15}; 4 instances of 2 consecutive DP ranks
+  CHECK(distributed_optimizer_instance_groups(g, 4, false) ==
+        G{{0, 2}, {4, 6}, {8, 10}, {12, 14}, {1, 3}, {5, 7}, {9, 11}, {13, 15}});
+  CHECK(distributed_optimizer_instance_groups(g, 4, true) == G{{0, 4, 8, 12}, {2, 6, 10, 14}, {1, 5, 9, 13}, {3, 7, 11, 15}});
+  // 2 instances of 4 (Megatron's create_hierarchical_groups with sizes [4, 2])
+  CHECK(distributed_optimizer_instance_groups(g, 2, false) == G{{0, 2, 4, 6}, {8, 10, 12, 14}, {1, 3, 5, 7}, {9, 11, 13, 15}});
+  CHECK(distributed_optimizer_instance_groups(g, 2, true) ==
+        G{{0, 8}, {2, 10}, {4, 12}, {6, 14}, {1, 9}, {3, 11}, {5, 13}, {7, 15}});
+  // one instance: the DP groups themselves
+  CHECK(distributed_optimizer_instance_groups(g, 1, false) == rank_groups(g, "dp"));
+}
+
 TEST_CASE("rank grid: --use-tp-pp-dp-mapping puts PP before DP", "[parallel][grid]") {
   RankGrid g;
   g.tp = 2;

@@ -93,6 +93,15 @@ std::map<std::string, Groups> expected_groups(int world, int tp, int pp, bool tp
             {"pp_grad", {{0, 2, 4, 6}, {1, 3, 5, 7}}},
             {"embedding", {{0, 6}, {1, 7}}},
             {"model_parallel", {{0, 2, 4, 6}, {1, 3, 5, 7}}}};
+  if (world == 8 && tp == 2 && pp == 1 && !tp_pp_dp)  // DP4, with --num-distributed-optimizer-instances 2
+    return {{"tp", {{0, 1}, {2, 3}, {4, 5}, {6, 7}}},
+            {"dp", {{0, 2, 4, 6}, {1, 3, 5, 7}}},
+            {"pp", {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}},
+            {"embedding", {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}},
+            {"model_parallel", {{0, 1}, {2, 3}, {4, 5}, {6, 7}}},
+            // two instances of two consecutive DP ranks each, and the ranks at the same place of both
+            {"dist_opt_intra", {{0, 2}, {4, 6}, {1, 3}, {5, 7}}},
+            {"dist_opt_inter", {{0, 4}, {2, 6}, {1, 5}, {3, 7}}}};
   if (world == 3 && tp == 1 && pp == 1)  // DP3
     return {{"tp", {{0}, {1}, {2}}},
             {"dp", {{0, 1, 2}}},
@@ -113,7 +122,7 @@ std::map<std::string, Groups> expected_groups(int world, int tp, int pp, bool tp
 
 int main(int argc, char** argv) {
   try {
-    if (argc < 3) fail("usage: parallel_state_test <TP> <PP> [tp-pp-dp]");
+    if (argc < 3) fail("usage: parallel_state_test <TP> <PP> [tp-pp-dp | instances=N]");
     auto world = make_mpi_world_communicator(distributed_timeout(1));
     g_rank = world->rank();
     const int n = world->size();
@@ -121,6 +130,10 @@ int main(int argc, char** argv) {
     cfg.parallel.tensor_model_parallel_size = std::atoi(argv[1]);
     cfg.parallel.pipeline_model_parallel_size = std::atoi(argv[2]);
     cfg.parallel.use_tp_pp_dp_mapping = argc > 3 && std::strcmp(argv[3], "tp-pp-dp") == 0;
+    // --num-distributed-optimizer-instances N (with the distributed optimizer)
+    const int instances = argc > 3 && std::strncmp(argv[3], "instances=", 10) == 0 ? std::atoi(argv[3] + 10) : 1;
+    cfg.parallel.use_distributed_optimizer = instances > 1;
+    cfg.parallel.num_distributed_optimizer_instances = instances;
     cfg.parallel.world_size = n;
     cfg.parallel.rank = world->rank();
     cfg.parallel.data_parallel_size =
@@ -149,6 +162,16 @@ int main(int argc, char** argv) {
     check_group(s.embedding.get(), want.at("embedding"), "embedding", r);
     check_group(s.model_parallel.get(), want.at("model_parallel"), "model_parallel", r);
     expect(s.cp == nullptr && s.dp_cp == nullptr, "cp groups exist with CP = 1");
+    if (instances > 1) {
+      check_group(s.dist_opt_intra.get(), want.at("dist_opt_intra"), "dist_opt_intra", r);
+      check_group(s.dist_opt_inter.get(), want.at("dist_opt_inter"), "dist_opt_inter", r);
+      expect(s.dist_opt_instances == instances && s.dist_opt_size() == DP / instances &&
+                 s.dist_opt_rank() == s.dp_rank % (DP / instances) && &s.dist_opt_group() == s.dist_opt_intra.get(),
+             "distributed optimizer instance sizes");
+    } else {
+      expect(s.dist_opt_intra == nullptr && s.dist_opt_inter == nullptr && &s.dist_opt_group() == s.dp.get(),
+             "distributed optimizer instance groups exist with one instance");
+    }
 
     // Pipeline neighbours exchange over pp and pp_grad in one group (activations one way,
     // gradients the other) without mixing them up.

@@ -175,3 +175,18 @@ megatrain_parallel_train_test(parallel_train_resume_fp8_param_gather_tensorwise_
 megatrain_parallel_train_test(parallel_train_fp8_tensorwise_distopt_pp2_dp2 --fp8
   --model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss --use-distributed-optimizer"
   4 --pipeline-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+# --num-distributed-optimizer-instances 2 (Megatron's partial distributed optimizer): DP 4 as two
+# instances of two consecutive DP ranks, each sharding the optimizer state over its own ranks
+# (reduce-scatter inside the instance, all-reduce of the shards across instances, the parameter
+# all-gather inside the instance). Equal to one rank, as DP 4 with one instance is; a checkpoint
+# saved with 2 instances (written by the first instance) resumes on one instance; and DP 2 as two
+# instances of one rank (every rank holds all state).
+megatrain_parallel_train_test(parallel_train_dp4_distopt 4 --use-distributed-optimizer --overlap-grad-reduce
+                              --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_dp4_distopt_2instances 4 --use-distributed-optimizer
+                              --num-distributed-optimizer-instances 2 --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_dp2_distopt_2instances 2 --use-distributed-optimizer
+                              --num-distributed-optimizer-instances 2)
+megatrain_parallel_train_test(parallel_train_resume_dp4_2instances_to_1instance --resume
+  4 "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --overlap-grad-reduce --ddp-bucket-size 3000"
+  4 "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000")
