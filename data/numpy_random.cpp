@@ -1,5 +1,8 @@
 #include "data/numpy_random.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/error.h"
 
 namespace mt::numpy_random {
@@ -22,6 +25,36 @@ uint64_t RandomState::random_interval(uint64_t max) {
     }
   }
   return value;
+}
+
+// numpy/random/src/legacy/legacy-distributions.c: legacy_random_binomial (no shortcut for p == 0
+// or n == 0) over distributions.c's random_binomial_inversion. Its cached constants (q, q^n, the
+// bound) are recomputed here each call: the same values, so the same draws.
+int64_t RandomState::binomial(int64_t n, double p) {
+  if (!(p >= 0.0 && p <= 1.0)) fail("binomial: p = {} is outside [0, 1]", p);
+  if (n < 0) fail("binomial: n = {} is negative", n);
+  const bool flip = p > 0.5;
+  const double pp = flip ? 1.0 - p : p;
+  if (pp * static_cast<double>(n) > 30.0) fail("binomial: n * p = {} > 30 (numpy's BTPE branch) is not implemented", pp * n);
+  const double q = 1.0 - pp;
+  const double qn = std::exp(static_cast<double>(n) * std::log(q));
+  const double np = static_cast<double>(n) * pp;
+  const int64_t bound = static_cast<int64_t>(std::min(static_cast<double>(n), np + 10.0 * std::sqrt(np * q + 1)));
+  int64_t x = 0;
+  double px = qn;
+  double u = random_sample();
+  while (u > px) {
+    ++x;
+    if (x > bound) {
+      x = 0;
+      px = qn;
+      u = random_sample();
+    } else {
+      u -= px;
+      px = (static_cast<double>(n - x + 1) * pp * px) / (static_cast<double>(x) * q);
+    }
+  }
+  return flip ? n - x : x;
 }
 
 // ---- SeedSequence (numpy/random/bit_generator.pyx) ----

@@ -34,6 +34,18 @@ class RandomState {
   // while max fits in 32 bits, 64-bit draws beyond.
   uint64_t random_interval(uint64_t max);
 
+  // RandomState.random_sample(): a double in [0, 1) from two 32-bit draws (53 bits).
+  double random_sample() {
+    const uint32_t a = next_uint32() >> 5, b = next_uint32() >> 6;
+    return (a * 67108864.0 + b) / 9007199254740992.0;
+  }
+
+  // RandomState.binomial(n, p) for scalar n and p (the legacy stream, which Megatron's FIM dataset
+  // draws from): the inversion algorithm, which numpy uses while n * min(p, 1 - p) <= 30. Unlike
+  // Generator.binomial it draws even for p == 0. Throws mt::Error for p outside [0, 1], n < 0,
+  // or n * min(p, 1 - p) > 30 (numpy's BTPE branch, not needed by megatrain).
+  int64_t binomial(int64_t n, double p);
+
   // RandomState.shuffle of a 1-D array: for i = n-1 down to 1, swap a[i] with a[random_interval(i)].
   // The permutation depends only on n and the stream, not on the element type.
   template <typename T>

@@ -142,3 +142,32 @@ TEST_CASE("pairwise_sum and normalize are bit-identical to numpy.sum and w / num
     CHECK(normalize(w) == parse_hex_doubles(l3));
   }
 }
+
+TEST_CASE("RandomState binomial equals numpy's legacy binomial (it draws for p = 0 too)", "[data][numpy]") {
+  auto python = oracle::python_or_skip("numpy binomial");
+  if (!python) return;
+  const std::vector<double> ps{0.5, 0.0, 1.0, 0.1, 0.9, 0.25, 0.75, 0.3};
+  std::string p_args;
+  for (double p : ps) p_args += " " + std::to_string(p);
+  const auto lines = oracle_lines(*python, {"binomial 1234 1 5000" + p_args, "binomial 7 3 2000" + p_args});
+  REQUIRE(lines.size() == 2);
+  const int64_t ns[2] = {1, 3};
+  const uint32_t seeds[2] = {1234, 7};
+  for (int k = 0; k < 2; ++k) {
+    const auto expected = parse_ints(lines[k]);
+    REQUIRE(expected.size() == (k == 0 ? 5001u : 2001u));
+    RandomState rs(seeds[k]);
+    int64_t ones = 0;
+    for (size_t i = 0; i + 1 < expected.size(); ++i) {
+      INFO("n " << ns[k] << " draw " << i << " p " << ps[i % ps.size()]);
+      const int64_t x = rs.binomial(ns[k], std::stod(std::to_string(ps[i % ps.size()])));
+      REQUIRE(x == static_cast<int64_t>(expected[i]));
+      ones += x;
+    }
+    CHECK(ones > 0);
+    CHECK(rs.random_interval(0x7fffffff) == expected.back());  // randint(0, 2**31): same stream position
+  }
+  RandomState rs(1);
+  CHECK_THROWS(rs.binomial(1, 1.5));
+  CHECK_THROWS(rs.binomial(1, -0.1));
+}

@@ -8,6 +8,8 @@ Usage: numpy_streams.py <command> [args] [";" <command> [args] ...]   (one outpu
   seedseq SEED WORDS            SeedSequence(SEED).generate_state(WORDS, uint32)
   integers SEED LOW HIGH COUNT  default_rng(SEED).integers(LOW, HIGH, COUNT, dtype=int32)
   sum SEED N                    N random float64 (as hex) then numpy.sum and w / numpy.sum(w) (as hex)
+  binomial SEED N COUNT P...    COUNT draws RandomState(SEED).binomial(N, P[i % len(P)]) (legacy), then
+                                randint(0, 2**31) to show where the stream stands
 """
 import sys
 
@@ -15,6 +17,13 @@ import numpy
 
 
 def run(argv):
+    if argv[0] == "binomial":
+        seed, n, count = (int(a) for a in argv[1:4])
+        ps = [float(a) for a in argv[4:]]
+        rs = numpy.random.RandomState(seed)
+        out = [rs.binomial(n, ps[i % len(ps)]) for i in range(count)] + [rs.randint(0, 2**31)]
+        print(" ".join(str(int(x)) for x in out))
+        return
     cmd, args = argv[0], [int(a) for a in argv[1:]]
     if cmd == "interval":
         seed, mx, count = args
