@@ -110,7 +110,7 @@ int inspect_data_main(const std::vector<std::string>& args) {
                              split_name(flags.split), ds.size());
     n = ds.size();
   }
-  write_sample_windows(ds, n, std::cout);
+  write_sample_windows(ds, n, std::cout, cfg.data.num_workers);
   std::cout.flush();
   return 0;
 }

@@ -323,6 +323,19 @@ struct DataConfig {
   std::string dataloader_type = "single";
   bool full_data_check = false;  // megatrain flag --full-data-check: scan every token id at start-up
 
+  // Megatron's fill-in-the-middle dataset (--fim-data: megatron/training/datasets/fim_dataset.py).
+  bool fim_data = false;
+  double fim_rate = 0.5;      // probability that a segment is turned into a FIM sample
+  double fim_spm_rate = 0.5;  // probability that a FIM sample uses SPM rather than PSM
+  std::optional<std::string> fim_split_sample;  // token around which to split a segment into fragments
+  std::optional<double> fim_fragment_rate;      // FIM probability of each fragment
+  std::optional<std::string> fim_no_prefix;     // no FIM for fragments whose text starts with this
+  std::string fim_prefix_token = "<fim_prefix>";
+  std::string fim_middle_token = "<fim_middle>";
+  std::string fim_suffix_token = "<fim_suffix>";
+  std::string fim_pad_token = "<fim_pad>";
+  std::string fim_eod_token = "<|endoftext|>";
+
   std::optional<std::string> tokenizer_type;  // GPT entry point fills GPT2BPETokenizer
   std::optional<std::string> vocab_file;
   std::optional<std::string> merge_file;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/config.h"
@@ -28,6 +29,7 @@ BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFac
   o.masking.reset_position_ids = config.data.reset_position_ids;
   o.masking.reset_attention_mask = config.data.reset_attention_mask;
   o.masking.eod_mask_loss = config.data.eod_mask_loss;
+  o.workers = std::max(1, config.data.num_workers);
   return o;
 }
 
@@ -41,6 +43,8 @@ BatchLoader::BatchLoader(std::shared_ptr<const SampleDataset> dataset, BatchLoad
   }
   if (o.consumed_samples < 0) fail("consumed samples {} must not be negative", o.consumed_samples);
   if (o.prefetch < 1) fail("prefetch depth {} must be at least 1", o.prefetch);
+  if (o.workers < 1) fail("loader workers {} must be at least 1", o.workers);
+  streams_.resize(static_cast<size_t>(o.workers));
   const int64_t total = dataset_->size();
   if (total <= 0) fail("no sample to consume: {} is empty", dataset_->describe());
   if (o.consumed_samples >= total) {
@@ -77,8 +81,9 @@ void BatchLoader::fill(int64_t k, MicroBatch& slot, std::vector<int32_t>& window
     slot.resize(b, seq_);  // only while the consumer's first buffers cycle in
   }
   const int64_t first = first_sample_of(k);
+  SampleStreams& streams = streams_[static_cast<size_t>(k % options_.workers)];
   for (int i = 0; i < b; ++i) {
-    dataset_->window(first + i, window.data());
+    dataset_->read_window(first + i, window.data(), streams);
     const size_t at = static_cast<size_t>(i) * seq_;
     make_training_sample(window, options_.masking, slot.tokens.data() + at, slot.labels.data() + at,
                          slot.loss_mask.data() + at, slot.positions.data() + at, slot.segments.data() + at);

@@ -29,6 +29,10 @@ struct BatchLoaderOptions {
   int64_t consumed_samples = 0;  // global samples consumed before (resume)
   SampleMasking masking;
   int prefetch = 4;  // micro-batches prepared ahead
+  // Megatron's DataLoader workers (--num-workers, at least 1): micro-batch k (counted from where
+  // this loader starts) is read by worker k mod workers, each with its own copy of the datasets'
+  // order-dependent state (SampleStreams: the FIM random streams).
+  int workers = 1;
 };
 
 // The options a run's flags give: --micro-batch-size, the EOD/pad ids and --reset-position-ids,
@@ -57,6 +61,7 @@ class BatchLoader : public BatchSource {
  private:
   void produce();
   void fill(int64_t k, MicroBatch& slot, std::vector<int32_t>& window);
+  std::vector<SampleStreams> streams_;  // one per worker
 
   std::shared_ptr<const SampleDataset> dataset_;
   BatchLoaderOptions options_;

@@ -187,6 +187,11 @@ void BlendedDataset::window(int64_t idx, int32_t* out) const {
   datasets_[static_cast<size_t>(dataset_index_[idx])]->window(dataset_sample_index_[idx], out);
 }
 
+void BlendedDataset::read_window(int64_t idx, int32_t* out, SampleStreams& streams) const {
+  MT_CHECK(idx >= 0 && idx < size(), "blended sample {} of {}", idx, size());
+  datasets_[static_cast<size_t>(dataset_index_[idx])]->read_window(dataset_sample_index_[idx], out, streams);
+}
+
 std::string BlendedDataset::describe() const {
   std::string parts;
   for (size_t j = 0; j < datasets_.size(); ++j) {

@@ -28,6 +28,7 @@ class BlendedDataset : public SampleDataset {
   int64_t size() const override { return dataset_index_.size(); }
   int window_length() const override { return datasets_.front()->window_length(); }
   void window(int64_t idx, int32_t* out) const override;
+  void read_window(int64_t idx, int32_t* out, SampleStreams& streams) const override;
   std::string describe() const override;
   std::string cache_key() const override { return key_; }
 

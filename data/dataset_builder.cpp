@@ -15,6 +15,7 @@
 #include "data/indexed_dataset.h"
 #include "data/mock_dataset.h"
 #include "data/numpy_random.h"
+#include "data/tokenizer.h"
 
 namespace mt {
 
@@ -111,6 +112,7 @@ class Builder {
     o.seq_length = config_.seq_length;
     o.seed = config_.seed;
     o.pad_token_id = static_cast<int32_t>(config_.tokenizer.pad);
+    o.fim = config_.fim;
     if (config_.data_cache_path) {
       o.cache_dir = config_.data_cache_path;
     } else if (!prefix.empty()) {
@@ -300,6 +302,10 @@ DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& token
   c.num_dataset_builder_threads = d.num_dataset_builder_threads;
   if (config.model.padded_vocab_size > 0) c.token_limit = config.model.padded_vocab_size;
   c.full_data_check = d.full_data_check;
+  if (d.fim_data) {
+    if (c.mock) fail("Mock dataset is not supported with FIM dataset.");
+    c.fim = fim_config(d, c.seed, build_tokenizer(tokenizer_options(d)));
+  }
   return c;
 }
 

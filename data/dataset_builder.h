@@ -53,13 +53,15 @@ struct DatasetsConfig {
   int num_dataset_builder_threads = 1;
   std::optional<int64_t> token_limit;  // the padded vocabulary: token ids must be below it
   bool full_data_check = false;        // --full-data-check: scan every token at start-up
+  std::shared_ptr<const FimConfig> fim;  // --fim-data: every GPTDataset makes FIM samples
 };
 
 // The tokenizer facts the CLI derived (ModelConfig::vocab_size, DataConfig::eod_id; no pad id:
 // megatrain's tokenizers define none, so Megatron's -1 applies).
 TokenizerFacts tokenizer_facts(const Config& config);
 
-// The data settings of a run (flags and derived values) plus the tokenizer's facts.
+// The data settings of a run (flags and derived values) plus the tokenizer's facts. With --fim-data
+// it builds the tokenizer and looks the FIM tokens up (data/fim.h).
 DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& tokenizer);
 
 // Megatron's get_train_valid_test_num_samples: train = train_samples or train_iters x B;

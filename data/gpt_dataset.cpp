@@ -121,8 +121,8 @@ GPTDataset::GPTDataset(std::shared_ptr<const LowLevelDataset> data, Split split,
 }
 
 std::string GPTDataset::describe() const {
-  return fmt::format("GPTDataset({}, {} split, sequences [{}, {}))", data_->name(), split_name(split_), indices_.begin,
-                     indices_.end);
+  return fmt::format("{}({}, {} split, sequences [{}, {}){})", options_.fim ? "GPTFIMDataset" : "GPTDataset", data_->name(),
+                     split_name(split_), indices_.begin, indices_.end, options_.fim ? "; " + options_.fim->describe() : "");
 }
 
 void GPTDataset::build() {
@@ -372,6 +372,21 @@ void GPTDataset::save_cache() {
 }
 
 void GPTDataset::window(int64_t idx, int32_t* out) const {
+  const int64_t filled = read_tokens(idx, out);
+  std::fill(out + filled, out + window_length(), options_.pad_token_id);
+}
+
+// GPTFIMDataset._query_document_sample_shuffle_indices: the tokens read, transformed at their own
+// length (Megatron's FIM dataset pads nothing itself; a short final sample keeps the pad id after
+// them here).
+void GPTDataset::read_window(int64_t idx, int32_t* out, SampleStreams& streams) const {
+  if (!options_.fim) return window(idx, out);
+  const int64_t filled = read_tokens(idx, out);
+  streams.fim(this, *options_.fim, std::span<int32_t>(out, static_cast<size_t>(filled)));
+  std::fill(out + filled, out + window_length(), options_.pad_token_id);
+}
+
+int64_t GPTDataset::read_tokens(int64_t idx, int32_t* out) const {
   MT_CHECK(idx >= 0 && idx < size_, "sample {} of {} ({})", idx, size_, describe());
   const int64_t length = window_length();
   const int64_t extra = options_.add_extra_token ? 1 : 0;
@@ -394,7 +409,7 @@ void GPTDataset::window(int64_t idx, int32_t* out) const {
       take(i, offset, count);
     }
   }
-  std::fill(out + filled, out + length, options_.pad_token_id);
+  return filled;
 }
 
 // ---------------------------------------------------------------------------------------------

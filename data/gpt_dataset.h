@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "data/fim.h"
 #include "data/low_level_dataset.h"
 #include "data/npy.h"
 #include "data/numpy_random.h"
@@ -34,6 +35,13 @@ class SampleDataset {
   virtual int window_length() const = 0;
   // The window of sample idx (0 <= idx < size()), padded with the pad id where the data runs short.
   virtual void window(int64_t idx, int32_t* out) const = 0;
+  // The window as a training loader reads it. Datasets whose samples depend on the order they are
+  // read in (--fim-data: a random stream per DataLoader worker) draw from `streams`, the state of
+  // this reader; the others give window(idx, out).
+  virtual void read_window(int64_t idx, int32_t* out, SampleStreams& streams) const {
+    (void)streams;
+    window(idx, out);
+  }
   virtual std::string describe() const = 0;
   // Text that determines every sample (for naming and checking cache files).
   virtual std::string cache_key() const = 0;
@@ -46,6 +54,9 @@ struct GPTDatasetOptions {
   bool drop_last_partial_sequence = true;  // Megatron's default for every split
   int32_t pad_token_id = -1;               // fills short windows (Megatron's _PAD_TOKEN_ID)
   std::optional<std::string> cache_dir;    // where the index files go; unset: not cached
+  // --fim-data: read_window turns samples into fill-in-the-middle samples (data/fim.h). The
+  // indices, and so the cache files, do not depend on it.
+  std::shared_ptr<const FimConfig> fim;
 };
 
 class GPTDataset : public SampleDataset {
@@ -58,6 +69,7 @@ class GPTDataset : public SampleDataset {
   int64_t size() const override { return size_; }
   int window_length() const override { return options_.seq_length + (options_.add_extra_token ? 1 : 0); }
   void window(int64_t idx, int32_t* out) const override;
+  void read_window(int64_t idx, int32_t* out, SampleStreams& streams) const override;
   std::string describe() const override;
 
   const LowLevelDataset& data() const { return *data_; }
@@ -78,6 +90,8 @@ class GPTDataset : public SampleDataset {
   const IndexArray& shuffle_index() const { return shuffle_index_; }
 
  private:
+  // Reads sample idx's tokens into out; returns how many (window_length() unless the data ran short).
+  int64_t read_tokens(int64_t idx, int32_t* out) const;
   void build();
   bool try_load_cache();
   void save_cache();

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,10 @@ struct HfModel {
   std::vector<std::string> id_to_token;  // model vocabulary + added tokens
   int64_t vocab_size = 0;
   int32_t eod = -1;  // -1: none
+  // transformers' all_special_tokens and unk_token_id, where megatrain knows them (GPT-2's files:
+  // "<|endoftext|>" is bos, eos and unk): what Megatron's FIM dataset uses.
+  std::optional<std::vector<std::string>> all_special_tokens;
+  int32_t unk = -1;
   std::string eod_missing_reason;
 };
 

@@ -395,6 +395,8 @@ std::shared_ptr<HfModel> load_gpt2_files(const std::string& vocab_file, const st
   m->pre_tokenizers.push_back(bl);
   m->decoders.push_back(decoder_step(DecoderStep::byte_level));
   m->eod = eot;
+  m->all_special_tokens = std::vector<std::string>{"<|endoftext|>"};
+  m->unk = eot;
   finish(*m);
   return m;
 }

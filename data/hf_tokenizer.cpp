@@ -3,6 +3,7 @@
 // normalized, pre-tokenized and BPE-encoded, then the post-processor's special tokens around it.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "core/error.h"
@@ -37,10 +38,32 @@ class HfTokenizer final : public Tokenizer {
         fail("{}: token id {} is outside the vocabulary", m_->name, id);
       tokens.push_back(m_->id_to_token[id]);
     }
-    for (const DecoderStep& d : m_->decoders) tokens = apply_decoder(d, std::move(tokens));
-    std::string text;
-    for (const std::string& t : tokens) text += t;
-    return text;
+    return decode_tokens(std::move(tokens));
+  }
+
+  std::optional<int32_t> convert_token_to_id(std::string_view token, bool* unknown = nullptr) const override {
+    require_special_tokens();
+    if (unknown) *unknown = false;
+    for (const AddedToken& t : m_->added)
+      if (t.content == token) return t.id;
+    const int32_t id = m_->bpe->token_to_id(token);
+    if (id >= 0) return id;
+    if (unknown) *unknown = true;
+    if (m_->unk >= 0) return m_->unk;
+    return std::nullopt;
+  }
+
+  std::string decode_skip_special(std::span<const int32_t> ids) const override {
+    const std::vector<std::string>& special = require_special_tokens();
+    std::vector<std::string> tokens;
+    tokens.reserve(ids.size());
+    for (int32_t id : ids) {
+      if (id < 0 || id >= static_cast<int32_t>(m_->id_to_token.size())) continue;
+      const std::string& t = m_->id_to_token[id];
+      if (t.empty() || std::find(special.begin(), special.end(), t) != special.end()) continue;
+      tokens.push_back(t);
+    }
+    return decode_tokens(std::move(tokens));
   }
 
   int64_t vocab_size() const override { return m_->vocab_size; }
@@ -128,6 +151,20 @@ class HfTokenizer final : public Tokenizer {
         return;
       }
     }
+  }
+
+  const std::vector<std::string>& require_special_tokens() const {
+    if (!m_->all_special_tokens)
+      throw Unsupported(fmt::format("{} '{}': megatrain does not know this tokenizer's special tokens (needed by "
+                                    "--fim-data)", m_->name, m_->source));
+    return *m_->all_special_tokens;
+  }
+
+  std::string decode_tokens(std::vector<std::string> tokens) const {
+    for (const DecoderStep& d : m_->decoders) tokens = apply_decoder(d, std::move(tokens));
+    std::string text;
+    for (const std::string& t : tokens) text += t;
+    return text;
   }
 
   static std::vector<std::string> apply_decoder(const DecoderStep& d, std::vector<std::string> tokens) {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "data/blended_dataset.h"
 
 namespace mt {
@@ -36,11 +38,12 @@ void write_dataset_statistics(const BuiltDatasets& built, const std::array<int64
   }
 }
 
-void write_sample_windows(const SampleDataset& dataset, int64_t n, std::ostream& out) {
+void write_sample_windows(const SampleDataset& dataset, int64_t n, std::ostream& out, int workers) {
   std::vector<int32_t> window(static_cast<size_t>(dataset.window_length()));
+  std::vector<SampleStreams> streams(static_cast<size_t>(std::max(1, workers)));
   fmt::memory_buffer line;
   for (int64_t i = 0; i < n; ++i) {
-    dataset.window(i, window.data());
+    dataset.read_window(i, window.data(), streams[static_cast<size_t>(i % static_cast<int64_t>(streams.size()))]);
     line.clear();
     fmt::format_to(std::back_inserter(line), "{{\"index\": {}, \"tokens\": [{}]}}\n", i, fmt::join(window, ", "));
     out.write(line.data(), static_cast<std::streamsize>(line.size()));

@@ -15,7 +15,9 @@ namespace mt {
 void write_dataset_statistics(const BuiltDatasets& built, const std::array<int64_t, 3>& requested, std::ostream& out);
 
 // One JSON line per sample i = 0 .. n-1 of the split: {"index": i, "tokens": [seq_length + 1 ids]}
-// (the raw window: the input tokens and, shifted by one, the labels; pad id where short).
-void write_sample_windows(const SampleDataset& dataset, int64_t n, std::ostream& out);
+// (the raw window: the input tokens and, shifted by one, the labels; pad id where short). FIM
+// samples (--fim-data) come out as a run with one data-parallel rank and micro-batches of one
+// reads them from the start: sample i from worker i mod `workers`.
+void write_sample_windows(const SampleDataset& dataset, int64_t n, std::ostream& out, int workers = 1);
 
 }  // namespace mt

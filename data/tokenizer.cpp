@@ -18,6 +18,14 @@ TokenizerOptions tokenizer_options(const DataConfig& data) {
   return o;
 }
 
+std::optional<int32_t> Tokenizer::convert_token_to_id(std::string_view, bool*) const {
+  throw Unsupported(name() + " cannot look up token strings (needed by --fim-data)");
+}
+
+std::string Tokenizer::decode_skip_special(std::span<const int32_t>) const {
+  throw Unsupported(name() + " cannot decode without its special tokens (needed by --fim-data)");
+}
+
 namespace {
 const std::string& require(const std::optional<std::string>& value, const char* flag, const std::string& type) {
   if (!value || value->empty()) fail("--tokenizer-type {} needs {}", type, flag);

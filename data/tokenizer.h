@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,6 +41,15 @@ class Tokenizer {
   }
   // The text of ids (special tokens included), as the reference library decodes them.
   virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  // What Megatron's FIM dataset asks of its tokenizer (the Hugging Face wrapper's tokens_to_ids
+  // and ids_to_text(ids, remove_special_tokens=True)); tokenizers that cannot answer throw
+  // mt::Unsupported. convert_token_to_id: the id of a vocabulary token (added tokens included),
+  // else the unknown token's id, else nullopt.
+  // unknown (optional) is set to whether the token is missing from the vocabulary.
+  virtual std::optional<int32_t> convert_token_to_id(std::string_view token, bool* unknown = nullptr) const;
+  // The text of ids without the tokenizer's special tokens; ids outside the vocabulary are
+  // dropped (transformers' convert_ids_to_tokens gives None for them).
+  virtual std::string decode_skip_special(std::span<const int32_t> ids) const;
   // Megatron's tokenizer.vocab_size (before padding): the .bin dtype and the padded vocab follow it.
   virtual int64_t vocab_size() const = 0;
   // End-of-document id (what --append-eod appends). Throws mt::Error, naming the tokenizer files,
