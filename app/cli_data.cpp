@@ -22,7 +22,11 @@ void add_data_flags(FlagTable& t) {
   t.flag("--mock-data", "synthetic data (no dataset files)", MT_FIELD(data.mock_data));
   t.value("--data-cache-path", "where the dataset index caches go", MT_FIELD(data.data_cache_path));
   t.negative_flag("--no-mmap-bin-files", "read .bin files with reads instead of mmap", MT_FIELD(data.mmap_bin_files));
-  t.no_effect("--num-workers", Arity::one, "megatrain stages batches with one background thread per rank", "2");
+  t.value("--num-workers",
+          "Megatron's DataLoader workers: megatrain stages batches with one background thread per rank; with "
+          "--fim-data, micro-batch k draws from FIM random stream k mod max(1, N), as Megatron's workers each draw "
+          "from their own copy of the dataset's RandomState",
+          MT_FIELD(data.num_workers));
   t.value("--num-dataset-builder-threads", "threads building dataset indices", MT_FIELD(data.num_dataset_builder_threads));
   t.value("--mid-level-dataset-surplus", "extra samples per blended component", MT_FIELD(data.mid_level_dataset_surplus));
   t.flag("--reset-position-ids", "restart position ids after each end of document", MT_FIELD(data.reset_position_ids));
@@ -30,6 +34,19 @@ void add_data_flags(FlagTable& t) {
   t.flag("--eod-mask-loss", "no loss on end-of-document tokens", MT_FIELD(data.eod_mask_loss));
   t.negative_alias(t.no_effect("--no-create-attention-mask-in-dataloader", Arity::none,
                                "megatrain never materialises an s x s attention mask"));
+  t.flag("--fim-data", "fill-in-the-middle samples (Megatron's GPTFIMDataset; GPT2BPETokenizer)", MT_FIELD(data.fim_data));
+  t.value("--fim-rate", "probability to convert a training sample into a FIM format", MT_FIELD(data.fim_rate));
+  t.value("--fim-spm-rate", "probability that a FIM sample uses the SPM format over the PSM format",
+          MT_FIELD(data.fim_spm_rate));
+  t.value("--fim-split-sample", "token around which to split the sample for FIM", MT_FIELD(data.fim_split_sample));
+  t.value("--fim-fragment-rate", "rate of FIM on each fragment when --fim-split-sample is given",
+          MT_FIELD(data.fim_fragment_rate));
+  t.value("--fim-no-prefix", "do not apply FIM to fragments that start with this prefix", MT_FIELD(data.fim_no_prefix));
+  t.value("--fim-prefix-token", "FIM prefix token", MT_FIELD(data.fim_prefix_token));
+  t.value("--fim-middle-token", "FIM middle token", MT_FIELD(data.fim_middle_token));
+  t.value("--fim-suffix-token", "FIM suffix token", MT_FIELD(data.fim_suffix_token));
+  t.value("--fim-pad-token", "FIM PAD token", MT_FIELD(data.fim_pad_token));
+  t.value("--fim-eod-token", "FIM EOD token", MT_FIELD(data.fim_eod_token));
   t.removed("--data-impl", Arity::one,
             "--data-impl was removed from Megatron-LM (indexed datasets are always the memory-mapped MMIDIDX "
             "format): delete it");

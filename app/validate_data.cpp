@@ -3,8 +3,10 @@
 #include "app/cli_internal.h"
 #include "app/data_args_files.h"
 #include "data/blend_spec.h"
+#include "data/fim.h"
 #include "data/idx_header.h"
 #include "data/split.h"
+#include "data/tokenizer.h"
 
 namespace mt::cli {
 
@@ -49,6 +51,52 @@ void read_data_args_files(CliState& st) {
   }
 }
 
+// --fim-data (Megatron's validate_args and what its GPTFIMDataset needs to run at all).
+void validate_fim(CliState& st) {
+  DataConfig& d = st.cfg.data;
+  if (!d.fim_data) {
+    for (const char* f : {"--fim-rate", "--fim-spm-rate", "--fim-split-sample", "--fim-fragment-rate", "--fim-no-prefix",
+                          "--fim-prefix-token", "--fim-middle-token", "--fim-suffix-token", "--fim-pad-token",
+                          "--fim-eod-token"})
+      if (st.has(f)) st.warn(fmt::format("{} has no effect without --fim-data", f));
+    if (st.has("--num-workers"))
+      st.note("--num-workers has no effect in megatrain: without --fim-data one background thread per rank stages "
+              "the batches");
+    return;
+  }
+  // Megatron's asserts, in its order and words.
+  if (d.mock_data) fail("Mock dataset is not supported with FIM dataset.");
+  if (d.fim_rate == 0) fail("--fim-rate should be specified.");
+  if (d.fim_spm_rate == 0) fail("--fim-spm-rate should be specified.");
+  // numpy's binomial(1, p) refuses p outside [0, 1] (and NaN) at the first sample.
+  const auto rate = [](const char* flag, double p) {
+    if (!(p >= 0 && p <= 1)) fail("{} must be a probability in [0, 1] (got {})", flag, format_float(p));
+  };
+  rate("--fim-rate", d.fim_rate);
+  rate("--fim-spm-rate", d.fim_spm_rate);
+  if (d.fim_fragment_rate) rate("--fim-fragment-rate", *d.fim_fragment_rate);
+  if (d.fim_split_sample && !d.fim_split_sample->empty() && !d.fim_fragment_rate)
+    fail("--fim-split-sample needs --fim-fragment-rate (Megatron draws each fragment's FIM with that rate and stops "
+         "without one)");
+  if (d.num_workers < 0) fail("--num-workers must be >= 0 (got {})", d.num_workers);
+  const std::string& type = *d.tokenizer_type;
+  if (type == "NullTokenizer")
+    fail("--fim-data needs a tokenizer with text: NullTokenizer has no FIM tokens (Megatron stops converting "
+         "'{}' to an id)", d.fim_prefix_token);
+  if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" || type == "Llama2Tokenizer")
+    fail("--fim-data does not work with --tokenizer-type {}: Megatron's FIM dataset calls ids_to_text(ids, "
+         "remove_special_tokens=True), which its SentencePiece tokenizer does not take", type);
+  if (type != "GPT2BPETokenizer")
+    throw Unsupported(fmt::format("megatrain does not support --fim-data with --tokenizer-type {} yet (supported: "
+                                  "GPT2BPETokenizer)", type));
+  if (!d.tokenizer_special_tokens.empty())
+    throw Unsupported("megatrain does not support --tokenizer-special-tokens with --fim-data yet");
+  // The FIM tokens' ids, as the dataset will look them up.
+  std::vector<std::string> notes;
+  fim_config(d, static_cast<uint32_t>(st.cfg.train.seed), build_tokenizer(tokenizer_options(d)), &notes);
+  for (std::string& n : notes) st.note(std::move(n));
+}
+
 }  // namespace
 
 void validate_data(CliState& st) {
@@ -86,6 +134,7 @@ void validate_data(CliState& st) {
         fail("{} needs an end-of-document token, and tokenizer {} has none known (no eos_token in "
              "tokenizer_config.json)", f, d.tokenizer_model.value_or("?"));
   }
+  validate_fim(st);
   const std::string& type = *d.tokenizer_type;
   if (d.vocab_size && type != "NullTokenizer")
     st.warn(fmt::format("--vocab-size has no effect with --tokenizer-type {} (the vocabulary comes from its files)", type));

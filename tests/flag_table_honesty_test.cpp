@@ -54,6 +54,7 @@ const std::map<std::string, std::string>& not_exercised() {
       {"--use-checkpoint-args", "needs a checkpoint to load"},
       {"--no-initialization", "needs a checkpoint to load"},
       {"--log-energy", "needs NVML (a GPU driver)"},
+      {"--fim-data", "needs a GPT-2 tokenizer and real data (Megatron refuses mock data with it): tests/fim_test.cpp"},
       {"--overlap-param-gather-with-optimizer-step", "needs an interleaved pipeline schedule (several ranks)"},
       {"--tokenizer-type GPT2BPETokenizer", "needs tokenizer files a checkout does not ship"},
       {"--tokenizer-type HuggingFaceTokenizer", "needs tokenizer files a checkout does not ship"},
