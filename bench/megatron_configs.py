@@ -5,13 +5,14 @@ Takes a Megatron-LM source tree and a megatrain binary. For every training confi
 MoE and Mixtral functional tests (tests/functional_tests/test_cases/{gpt,moe,mixtral}/*/
 model_config.yaml, inference configs left out) and for the GPT/Llama/Mixtral/GPT-OSS example
 launch scripts, it builds the command line as Megatron-LM's test runner would, replaces only the
-data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V`, points
-every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-size N` (N: the
+data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V` (with
+--fim-data, which Megatron refuses on mock data: the small GPT-2-style dataset of tests/fixtures/fim),
+points every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-size N` (N: the
 smallest multiple of TP x PP x CP that is at least 8, the GPUs of one node).
 
 Prints one line per config (PASS / FAIL and the problems named), then how many passed and which
 problems stop how many configs. `--json FILE` writes the same as JSON; `--write-fixture FILE`
-writes the passing command lines (scratch paths as @TMP@) for tests/cli_megatron_configs_test.cpp,
+writes the passing command lines (scratch paths as @TMP@, the repository as @SRC@) for tests/cli_megatron_configs_test.cpp,
 which keeps them passing.
 
   python3 bench/megatron_configs.py --megatron ~/Megatron-LM --megatrain build/app/megatrain
@@ -37,6 +38,12 @@ DATA_FLAGS = {
     "--per-split-data-args-path": 1, "--tokenizer-metadata": 1, "--legacy-tokenizer": 0,
     "--null-tokenizer-vocab-size": 1,
 }
+# Megatron refuses mock data with --fim-data ("Mock dataset is not supported with FIM dataset."), so
+# configs with it read the small GPT-2-style dataset tests/fixtures/fim holds instead (@SRC@: the
+# repository root, in the fixture too).
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIM_DATA = ["--data-path", "@SRC@/tests/fixtures/fim/text_document", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", "@SRC@/tests/fixtures/fim/vocab.json", "--merge-file", "@SRC@/tests/fixtures/fim/merges.txt"]
 EXAMPLES = [
     "examples/gpt3/train_gpt3_175b_distributed.sh",
     "examples/llama/train_llama3_8b_h100_fp8.sh",
@@ -191,8 +198,11 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         for name, (kind, body) in configs:
             words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch)
-            words = strip_data_flags(words) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
-                                               "--vocab-size", a.vocab_size]
+            if "--fim-data" in words:
+                words = strip_data_flags(words) + [w.replace("@SRC@", SRC) for w in FIM_DATA]
+            else:
+                words = strip_data_flags(words) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                                   "--vocab-size", a.vocab_size]
             ws = world_size(words)
             cmd = [a.megatrain] + words + ["--dry-run", "--world-size", str(ws)]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -201,7 +211,7 @@ def main():
             for p in {problem_key(p) for p in probs}:
                 tally[p] += 1
             results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs,
-                            "args": [w.replace(scratch, "@TMP@") for w in cmd[1:]]})
+                            "args": [w.replace(scratch, "@TMP@").replace(SRC, "@SRC@") for w in cmd[1:]]})
             print(f"{'PASS' if ok else 'FAIL'} {name} (world size {ws})" + ("" if ok else ": " + " | ".join(probs)))
             if a.verbose:
                 print("  " + shlex.join(cmd[1:]))
@@ -216,7 +226,8 @@ def main():
         with open(a.write_fixture, "w") as fh:
             fh.write(f"# Megatron-LM training configurations that pass megatrain --dry-run ({passed} of {len(results)}\n"
                      f"# at Megatron-LM {megatron_commit}), written by bench/megatron_configs.py --write-fixture:\n"
-                     "# NAME<TAB>the command line, shell-quoted, @TMP@ for a scratch directory.\n")
+                     "# NAME<TAB>the command line, shell-quoted, @TMP@ for a scratch directory, @SRC@ for the "
+                     "repository.\n")
             for r in results:
                 if r["passed"]:
                     fh.write(r["config"] + "\t" + shlex.join(r["args"]) + "\n")
