@@ -32,7 +32,7 @@ std::string schedule_error(const std::string& schedule, const Args& extra = {}) 
 
 }  // namespace
 
-TEST_CASE("--step-batch-size-schedule: thresholds in tokens with K/M/B/T suffixes, sorted, as samples", "[cli][batch-schedule]") {
+TEST_CASE("flag --step-batch-size-schedule: thresholds in tokens with K/M/B/T suffixes, sorted, as samples", "[cli][batch-schedule]") {
   const Config c = scheduled("0:2 1K:4 2.5k:8");
   // 1000 // 32 = 31 and 2500 // 32 = 78 samples
   CHECK(c.train.batch_size_schedule == Schedule{{0, 2}, {31, 4}, {78, 8}});
@@ -65,7 +65,7 @@ TEST_CASE("--step-batch-size-schedule: thresholds in tokens with K/M/B/T suffixe
   CHECK(s.train.total_iters == 28);
 }
 
-TEST_CASE("--step-batch-size-schedule: Megatron's errors, one line each naming the flag", "[cli][batch-schedule]") {
+TEST_CASE("flag --step-batch-size-schedule: Megatron's errors, one line each naming the flag", "[cli][batch-schedule]") {
   const std::map<std::string, std::string> errors = {
       {"0:2 abc", "--step-batch-size-schedule: Invalid schedule entry \"abc\". Expected format: \"THRESHOLD:BATCH_SIZE\""},
       {"64:2", "--step-batch-size-schedule: first schedule entry must have threshold 0, got 2"},
@@ -115,7 +115,7 @@ Config tiny_scheduled(int64_t iterations) {
 
 }  // namespace
 
-TEST_CASE("--step-batch-size-schedule: each iteration trains the scheduled batch (reference backend)", "[engine][batch-schedule]") {
+TEST_CASE("flag --step-batch-size-schedule: each iteration trains the scheduled batch (reference backend)", "[engine][batch-schedule]") {
   const Config c = tiny_scheduled(6);
   ParallelState ps = make_single_process_state();
   auto be = make_reference_backend(1);
@@ -141,7 +141,7 @@ TEST_CASE("--step-batch-size-schedule: each iteration trains the scheduled batch
   for (double l : trainer.loss_history()) CHECK(std::isfinite(l));
 }
 
-TEST_CASE("--step-batch-size-schedule: a schedule entry micro-batch x DP does not divide stops the run when reached", "[engine][batch-schedule]") {
+TEST_CASE("flag --step-batch-size-schedule: a schedule entry micro-batch x DP does not divide stops the run when reached", "[engine][batch-schedule]") {
   Config c = tiny_scheduled(6);
   c.train.batch_size_schedule = {{0, 2}, {4, 3}};
   ParallelState ps = make_single_process_state();
@@ -157,7 +157,7 @@ TEST_CASE("--step-batch-size-schedule: a schedule entry micro-batch x DP does no
   CHECK(rec.batches == std::vector<int64_t>{2, 2});
 }
 
-TEST_CASE("--step-batch-size-schedule: a resume in the middle of the schedule repeats the straight run", "[ckpt-train][resume][batch-schedule]") {
+TEST_CASE("flag --step-batch-size-schedule: a resume in the middle of the schedule repeats the straight run", "[ckpt-train][resume][batch-schedule]") {
   const Config c = tiny_scheduled(6);
   mt_test::TempDir dir;
   std::vector<double> straight, second;

@@ -302,7 +302,7 @@ TEST_CASE("every flag of Megatron's tables 1.1 to 1.10 is known", "[cli]") {
   }
 }
 
-TEST_CASE("--apply-wd-to-qk-layernorm and Megatron's deprecated --no-weight-decay-cond-type", "[cli]") {
+TEST_CASE("flag --apply-wd-to-qk-layernorm and Megatron's deprecated --no-weight-decay-cond-type", "[cli]") {
   CHECK_FALSE(parse(small_gpt()).train.apply_wd_to_qk_layernorm);
   CHECK(parse(small_gpt() + words("--qk-layernorm --apply-wd-to-qk-layernorm")).train.apply_wd_to_qk_layernorm);
   std::vector<SetupMessage> ms;
@@ -314,7 +314,7 @@ TEST_CASE("--apply-wd-to-qk-layernorm and Megatron's deprecated --no-weight-deca
              Catch::Contains("--no-weight-decay-cond-type") && Catch::Contains("apply_wd_to_qk_layernorm"));
 }
 
-TEST_CASE("--num-distributed-optimizer-instances: Megatron's partial distributed optimizer rules", "[cli]") {
+TEST_CASE("flag --num-distributed-optimizer-instances: Megatron's partial distributed optimizer rules", "[cli]") {
   const Args distopt = small_gpt() + words("--use-distributed-optimizer");
   CHECK(parse(distopt, 4).parallel.num_distributed_optimizer_instances == 1);
   CHECK(parse(distopt + words("--num-distributed-optimizer-instances 2"), 4).parallel.num_distributed_optimizer_instances == 2);
