@@ -43,6 +43,9 @@ void add_training_flags(FlagTable& t) {
   t.flag("--skip-train", "only evaluate", MT_FIELD(train.skip_train));
   t.flag("--test-mode", "check that the q/k layernorm parameters are identical on every DP and TP rank before each "
          "forward pass (Megatron's real-time test; with --qk-layernorm)", MT_FIELD(train.test_mode));
+  t.value("--check-weight-hash-across-dp-replicas-interval",
+          "compare a hash of every parameter across the data-parallel replicas before training and every N "
+          "iterations; replicas that differ stop the run", MT_FIELD(train.check_weight_hash_across_dp_replicas_interval));
   t.value("--exit-interval", "exit when iteration % N == 0", MT_FIELD(train.exit_interval));
   t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
           MT_FIELD(train.exit_duration_in_mins));

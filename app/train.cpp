@@ -164,7 +164,8 @@ class MemoryStatsReporter : public Reporter {
 // rank R (SIGKILL) at the start of iteration I; hang@R:I makes it stop communicating there (it
 // sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
 // its first q/k layernorm weight (else of its first parameter), a silent memory error that only
-// --test-mode's check notices.
+// --test-mode's check or the weight hash check (--check-weight-hash-across-dp-replicas-interval)
+// notices.
 std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
   if (!env || !*env) return nullptr;

@@ -152,6 +152,10 @@ void validate_training(CliState& st) {
   if (t.eval_iters < 0) fail("--eval-iters must be >= 0 (got {})", t.eval_iters);
   if (t.eval_interval && *t.eval_interval <= 0) fail("--eval-interval must be > 0 (got {})", *t.eval_interval);
   if (t.exit_interval && *t.exit_interval <= 0) fail("--exit-interval must be > 0 (got {})", *t.exit_interval);
+  // (Megatron takes the iteration modulo N: 0 stops its loop with ZeroDivisionError.)
+  if (t.check_weight_hash_across_dp_replicas_interval && *t.check_weight_hash_across_dp_replicas_interval <= 0)
+    fail("--check-weight-hash-across-dp-replicas-interval must be > 0 (got {})",
+         *t.check_weight_hash_across_dp_replicas_interval);
   if (t.exit_duration_in_mins && *t.exit_duration_in_mins <= 0)
     fail("--exit-duration-in-mins must be > 0 (got {})", *t.exit_duration_in_mins);
   for (int64_t it : t.iterations_to_skip)

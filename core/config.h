@@ -192,6 +192,9 @@ struct TrainConfig {
   // --test-mode: replicated q/k layernorm parameters compared across DP and TP before each
   // step's and evaluation's forward passes (engine/replica_check.h).
   bool test_mode = false;
+  // --check-weight-hash-across-dp-replicas-interval N: every parameter's hash compared across the
+  // data-parallel replicas before training and every N iterations (engine/replica_check.h).
+  std::optional<int> check_weight_hash_across_dp_replicas_interval;
   std::optional<int> exit_interval;
   std::optional<int> exit_duration_in_mins;
   bool exit_signal_handler = false;

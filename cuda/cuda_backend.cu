@@ -557,6 +557,11 @@ void CudaBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSegment
   MT_PROFILE_OP("count_zeros {}", x.numel());
   cuda::count_zeros(context(), out, x, segment_arg(segments, x.numel(), "count_zeros"), accumulate);
 }
+void CudaBackend::hash_bytes(Tensor out, Tensor x) {
+  on_device("hash_bytes", out, x);
+  MT_PROFILE_OP("hash_bytes {}", x.nbytes());
+  cuda::hash_bytes(context(), out, x);
+}
 
 std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotune) {
   auto backend = std::make_unique<CudaBackend>(device_ordinal);

@@ -134,6 +134,7 @@ class CudaBackend final : public Backend {
                 std::span<const OptimSegment> segments, const OptimStepParams& p) override;
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
   void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
+  void hash_bytes(Tensor out, Tensor x) override;
 
   void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) override;
   void register_optim_segments(std::span<const OptimSegment> segments) override;

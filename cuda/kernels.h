@@ -186,5 +186,8 @@ void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momen
               const SegmentArg& segs, const OptimStepParams& p);
 void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate);
 void count_zeros(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate);
+// out int64 [1] = byte_hash(x) (core/byte_hash.h): one launch; the blocks' sums are added with
+// 64-bit atomics, exact modulo 2^64 and so the same bits in any order.
+void hash_bytes(const KernelContext& ctx, Tensor out, Tensor x);
 
 }  // namespace mt::cuda

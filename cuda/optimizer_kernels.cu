@@ -22,11 +22,14 @@
 //
 // sum_squares / count_zeros: a fixed grid (a function of the size only) writes one partial per
 // block, and one block adds the partials in order: bit-identical results from run to run.
+// hash_bytes: core/byte_hash.h's sum of per-word terms, modulo 2^64, so the blocks' 64-bit atomic
+// additions give the same bits in any order.
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "core/byte_hash.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "cuda/kernels.h"
@@ -540,6 +543,42 @@ void two_stage_sum(const KernelContext& ctx, Tensor out, const SegmentArg& segs,
   finish_sum_kernel<<<1, kReduceBlock, 0, ctx.stream>>>(out.ptr<float>(), partial, static_cast<int>(grid), accumulate);
   MT_CUDA_CHECK_LAUNCH();
 }
+// Word j of the n bytes at p (little-endian, the last one zero-padded); aligned: p is 8-byte
+// aligned, so whole words load at once.
+__device__ __forceinline__ uint64_t load_word(const unsigned char* p, uint64_t n, uint64_t j, bool aligned) {
+  const uint64_t at = j * 8;
+  if (aligned && at + 8 <= n) return reinterpret_cast<const uint64_t*>(p)[j];
+  uint64_t w = 0;
+  for (uint64_t b = 0; b < 8 && at + b < n; ++b) w |= static_cast<uint64_t>(p[at + b]) << (8 * b);
+  return w;
+}
+
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// out (zeroed before) += byte_hash(p, n): each block sums its words' terms (block 0 also the length
+// term) and adds the sum with one atomic.
+__global__ void hash_bytes_kernel(unsigned long long* out, const unsigned char* p, uint64_t n, bool aligned) {
+  const uint64_t words = (n + 7) / 8;
+  unsigned long long s = 0;
+  for (uint64_t j = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; j < words;
+       j += static_cast<uint64_t>(gridDim.x) * blockDim.x)
+    s += byte_hash_term(load_word(p, n, j, aligned), j);
+  if (blockIdx.x == 0 && threadIdx.x == 0) s += hash_fmix64(n);
+  __shared__ unsigned long long partial[kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  s = warp_sum_u64(s);
+  if (lane == 0) partial[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = warp_sum_u64(lane < warps ? partial[lane] : 0ull);
+    if (lane == 0) atomicAdd(out, s);
+  }
+}
+
 }  // namespace
 
 void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate) {
@@ -557,6 +596,18 @@ void count_zeros(const KernelContext& ctx, Tensor out, Tensor x, const SegmentAr
       count_zeros_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs);
     });
   });
+}
+
+void hash_bytes(const KernelContext& ctx, Tensor out, Tensor x) {
+  MT_CHECK(out.dtype == DType::i64 && out.numel() == 1, "hash_bytes: out must be int64 [1], got {} {}",
+           dtype_name(out.dtype), out.shape_string());
+  const uint64_t n = x.empty() ? 0 : x.nbytes();
+  MT_CUDA_CHECK(cudaMemsetAsync(out.data, 0, sizeof(uint64_t), ctx.stream));
+  const unsigned grid = grid_for(static_cast<int64_t>((n + 7) / 8), kReduceBlock, ctx.num_sms * 4LL);
+  hash_bytes_kernel<<<grid, kReduceBlock, 0, ctx.stream>>>(out.ptr<unsigned long long>(),
+                                                           static_cast<const unsigned char*>(x.data), n,
+                                                           (reinterpret_cast<uintptr_t>(x.data) & 7u) == 0);
+  MT_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace mt::cuda

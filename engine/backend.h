@@ -453,6 +453,12 @@ class Backend {
   // out float32 [1] (+)= number of exact zeros in x over the segments.
   virtual void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) = 0;
 
+  // ---- integrity -------------------------------------------------------------------------
+  // out int64 [1] = the 64-bit hash of x's bytes (any dtype) of core/byte_hash.h, bit-identical
+  // on every backend (the weight hash check of --check-weight-hash-across-dp-replicas-interval
+  // compares them across ranks). Reads device memory where x lives; x may be empty (numel 0).
+  virtual void hash_bytes(Tensor out, Tensor x) = 0;
+
   // ---- set-up planning (call before the first step; the reference backend needs none) -----
   // Sizes the attention workspace for the largest shape of the run (training and, without
   // dropout, evaluation) in the activation dtype, and picks the attention implementation (CUDA:

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
 #include "parallel/communicator.h"
@@ -106,6 +108,95 @@ void ReplicaCheck::compare(Communicator& group, const char* parallelism) const {
            std::sqrt(sq));
     }
   }
+}
+
+namespace {
+
+// A rank's verdict: its global rank, how many of its parameters' hashes differ from its DP rank 0's,
+// the global rank of that DP rank 0, and how many parameters it holds.
+constexpr int64_t kVerdict = 4;
+constexpr int64_t kNamedParams = 16;  // "[Rank R] Hash not matching" lines per rank, at most
+constexpr size_t kNamedRanks = 8;     // ranks the error message names, at most
+
+}  // namespace
+
+WeightHashCheck::WeightHashCheck(ParallelState& ps, const std::vector<GptModel*>& chunks) : ps_(ps) {
+  if (chunks.empty()) return;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const GptModel& m = *chunks[c];
+    for (size_t i = 0; i < m.params().size(); ++i)
+      params_.push_back({m.params()[i].name, static_cast<int>(c), m.param(static_cast<int>(i))});
+  }
+  be_ = &chunks.front()->backend();
+  row_ = 1 + static_cast<int64_t>(params_.size());
+  const size_t row_bytes = static_cast<size_t>(row_) * sizeof(int64_t);
+  hashes_ = be_->allocate(row_bytes);
+  gathered_ = be_->allocate(row_bytes * static_cast<size_t>(ps.dp->size()));
+  verdict_ = be_->allocate(kVerdict * sizeof(int64_t));
+  verdicts_ = be_->allocate(kVerdict * sizeof(int64_t) * static_cast<size_t>(ps.world_size));
+  host_gathered_.resize(static_cast<size_t>(row_) * static_cast<size_t>(ps.dp->size()));
+  host_verdicts_.resize(static_cast<size_t>(kVerdict) * static_cast<size_t>(ps.world_size));
+}
+
+WeightHashCheck::~WeightHashCheck() {
+  for (void* p : {hashes_, gathered_, verdict_, verdicts_})
+    if (p) be_->deallocate(p);
+}
+
+void WeightHashCheck::run(int64_t iteration) {
+  if (!enabled()) return;
+  const Device dev = be_->device();
+  const Tensor hashes(hashes_, DType::i64, dev, {row_});
+  const int64_t me = ps_.rank;
+  be_->copy_from_host(hashes.flat_slice(0, 1), &me);
+  for (size_t i = 0; i < params_.size(); ++i)
+    be_->hash_bytes(hashes.flat_slice(1 + static_cast<int64_t>(i), 1), params_[i].t);
+
+  Communicator& dp = *ps_.dp;
+  const Tensor gathered(gathered_, DType::i64, dev, {static_cast<int64_t>(dp.size()) * row_});
+  if (dp.size() > 1) dp.all_gather(gathered, hashes);
+  else be_->copy(gathered, hashes);
+  be_->copy_to_host(host_gathered_.data(), gathered);
+  const int64_t* first = host_gathered_.data();  // DP rank 0's row
+  const int64_t* mine = first + static_cast<size_t>(dp.rank()) * static_cast<size_t>(row_);
+  int64_t differing = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (mine[1 + i] == first[1 + i]) continue;
+    if (differing < kNamedParams)
+      log::write_stderr(fmt::format("[Rank {}] Hash not matching for {} in model chunk{}", ps_.rank, params_[i].name,
+                                    params_[i].chunk));
+    ++differing;
+  }
+  if (differing > kNamedParams)
+    log::write_stderr(fmt::format("[Rank {}] ... and {} more parameters whose hash does not match data-parallel rank "
+                                  "0's", ps_.rank, differing - kNamedParams));
+
+  // Every rank learns every group's verdict, so that all stop together with the same message.
+  const int64_t verdict[kVerdict] = {ps_.rank, differing, first[0], static_cast<int64_t>(params_.size())};
+  const Tensor v(verdict_, DType::i64, dev, {kVerdict});
+  const Tensor all(verdicts_, DType::i64, dev, {kVerdict * ps_.world_size});
+  be_->copy_from_host(v, verdict);
+  if (ps_.world_size > 1) ps_.world->all_gather(all, v);
+  else be_->copy(all, v);
+  be_->copy_to_host(host_verdicts_.data(), all);
+  std::vector<std::string> differ;
+  size_t ranks = 0;
+  for (int r = 0; r < ps_.world_size; ++r) {
+    const int64_t* w = host_verdicts_.data() + static_cast<size_t>(r) * kVerdict;
+    if (w[1] == 0) continue;
+    if (++ranks <= kNamedRanks)
+      differ.push_back(fmt::format("rank {}'s weights differ from rank {}'s (data-parallel rank 0 of its group) in {} "
+                                   "of {} parameters", w[0], w[2], w[1], w[3]));
+  }
+  if (ranks > kNamedRanks) differ.push_back(fmt::format("and {} more ranks", ranks - kNamedRanks));
+  if (differ.empty()) {
+    log::info(">>> Weight hashes match after {} iterations...", iteration);
+    return;
+  }
+  std::string list;
+  for (const std::string& d : differ) list += (list.empty() ? "" : "; ") + d;
+  fail("Parameter hashes not matching across DP replicas after {} iterations: {} (the \"Hash not matching\" lines "
+       "name the parameters)", iteration, list);
 }
 
 }  // namespace mt

@@ -51,4 +51,46 @@ class ReplicaCheck {
   void* gathered_ = nullptr;  // max(DP, TP) x packed
 };
 
+// --check-weight-hash-across-dp-replicas-interval N (Megatron-LM's
+// check_param_hashes_across_dp_replicas, megatron/core/utils.py, called by
+// megatron/training/training.py before the first iteration and after every N-th, between the
+// evaluation and the checkpoint save): every parameter this rank holds is hashed where it lives
+// (Backend::hash_bytes on device memory; with the distributed optimizer the model weights after
+// their all-gather, which every DP replica holds whole), the hashes are all-gathered over the
+// data-parallel group and each replica's are compared with DP rank 0's. Where they differ, every
+// rank whose weights differ names the parameters (Megatron's "[Rank R] Hash not matching for NAME
+// in model chunkC" lines) and then every rank of the run stops with one message naming the ranks
+// and the iteration. Its buffers are allocated here, at set-up; a check allocates nothing.
+class WeightHashCheck {
+ public:
+  // chunks empty: the check is off (enabled() false).
+  WeightHashCheck(ParallelState& ps, const std::vector<GptModel*>& chunks);
+  ~WeightHashCheck();
+  WeightHashCheck(const WeightHashCheck&) = delete;
+  WeightHashCheck& operator=(const WeightHashCheck&) = delete;
+
+  bool enabled() const { return be_ != nullptr; }
+  // Collective over every rank. The parameters must be current (Optimizer::wait_for_params).
+  // When every replica agrees, rank 0 prints ">>> Weight hashes match after N iterations...";
+  // else every rank fails with the same message.
+  void run(int64_t iteration);
+
+ private:
+  struct Param {
+    std::string name;
+    int chunk;
+    Tensor t;
+  };
+
+  ParallelState& ps_;
+  Backend* be_ = nullptr;
+  std::vector<Param> params_;
+  int64_t row_ = 0;              // 1 + parameters: [global rank, hash of each parameter]
+  void* hashes_ = nullptr;       // int64 [row_]
+  void* gathered_ = nullptr;     // int64 [DP x row_]
+  void* verdict_ = nullptr;      // int64 [4]: this rank's verdict (below)
+  void* verdicts_ = nullptr;     // int64 [world x 4]
+  std::vector<int64_t> host_gathered_, host_verdicts_;
+};
+
 }  // namespace mt

@@ -33,6 +33,7 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
       optimizer_(cfg, chunks, ps, schedule_, scaler_),
       runner_(cfg, ps, chunks),
       replica_check_(ps, cfg.train.test_mode ? chunks : std::vector<GptModel*>{}),
+      weight_hash_(ps, cfg.train.check_weight_hash_across_dp_replicas_interval ? chunks : std::vector<GptModel*>{}),
       timers_(cfg.logging.timing_log_level, [this] { model_.backend().synchronize(); }) {
   // --timing-log-level 0 installs no hooks at all: the step pays nothing for timing.
   if (timers_.level() > 0) {
@@ -233,6 +234,8 @@ int64_t Trainer::train() {
   const size_t warmup = static_cast<size_t>(std::max(0, cfg_.logging.benchmark_warmup_iters));
   energy_after_warmup_.reset();
   if (energy_joules && warmup == 0) energy_after_warmup_ = energy_mark();
+  // Megatron checks the weight hashes once before the first iteration as well.
+  check_weight_hashes();
   bool first = true;
   while (iteration_ < t.total_iters) {
     const int64_t B = t.global_batch_at(consumed_samples_);
@@ -281,6 +284,10 @@ int64_t Trainer::train() {
         has_validation_ && t.eval_iters > 0) {
       outside_interval([&] { evaluate(false); });
     }
+    // After the evaluation, before the checkpoint save (Megatron's post_training_step_callbacks).
+    if (t.check_weight_hash_across_dp_replicas_interval &&
+        iteration_ % *t.check_weight_hash_across_dp_replicas_interval == 0)
+      check_weight_hashes();
     if (after_iteration && !after_iteration(iteration_)) break;
     bool stop = should_exit();
     if (!stop && t.exit_interval && *t.exit_interval > 0 && iteration_ % *t.exit_interval == 0) {
@@ -299,6 +306,13 @@ int64_t Trainer::train() {
   }
   print_summary();
   return iteration_;
+}
+
+void Trainer::check_weight_hashes() {
+  if (!weight_hash_.enabled()) return;
+  // With --overlap-param-gather the next step's parameter all-gathers may still be in flight.
+  optimizer_.wait_for_params();
+  weight_hash_.run(iteration_);
 }
 
 void Trainer::outside_interval(const std::function<void()>& f) {

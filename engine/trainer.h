@@ -2,7 +2,8 @@
 // micro-batches forward and backward in the pipeline schedule's order (engine/pipeline_runner.h;
 // without pipelining one after the other, accumulating gradients), the optimizer step with its
 // single host readback, logging averaged over --log-interval, evaluation every --eval-interval,
-// and the exit conditions (--train-iters / --train-samples, --exit-interval).
+// the weight hash check every --check-weight-hash-across-dp-replicas-interval, and the exit
+// conditions (--train-iters / --train-samples, --exit-interval).
 #pragma once
 
 #include <chrono>
@@ -135,6 +136,8 @@ class Trainer {
   Optimizer optimizer_;
   PipelineRunner runner_;
   ReplicaCheck replica_check_;  // --test-mode (empty otherwise)
+  WeightHashCheck weight_hash_;  // --check-weight-hash-across-dp-replicas-interval (off otherwise)
+  void check_weight_hashes();
 
   int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;

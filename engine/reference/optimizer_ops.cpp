@@ -1,9 +1,11 @@
-// ReferenceBackend: AdamW and SGD steps on flat buffers, and the reductions used for the grad
-// norm and --log-num-zeros-in-grad.
+// ReferenceBackend: AdamW and SGD steps on flat buffers, the reductions used for the grad norm and
+// --log-num-zeros-in-grad, and the byte hash of the weight hash check.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
+#include "core/byte_hash.h"
 #include "core/master_remainder.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
@@ -267,6 +269,13 @@ void ReferenceBackend::count_zeros(Tensor out, Tensor x, std::span<const OptimSe
   const double total = reduce_segments(*this, x, segments, [&fx](int64_t i) { return fx.get(i) == 0.0 ? 1.0 : 0.0; });
   if (accumulate) o.add(0, total);
   else o.set(0, total);
+}
+
+void ReferenceBackend::hash_bytes(Tensor out, Tensor x) {
+  MT_CHECK(out.dtype == DType::i64 && out.numel() == 1, "hash_bytes: out must be int64 [1], got {} {}",
+           dtype_name(out.dtype), out.shape_string());
+  const uint64_t h = byte_hash(x.data, x.empty() ? 0 : x.nbytes());
+  std::memcpy(out.data, &h, sizeof h);
 }
 
 }  // namespace mt::reference

@@ -108,6 +108,7 @@ class ReferenceBackend final : public Backend {
                 std::span<const OptimSegment> segments, const OptimStepParams& p) override;
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
   void count_zeros(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;
+  void hash_bytes(Tensor out, Tensor x) override;
 
   ThreadPool& pool() { return pool_; }
   // Tensorwise FP8 casts so far that used the amax their source's producer took

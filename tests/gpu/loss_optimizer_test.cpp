@@ -1,12 +1,13 @@
 // CUDA vs reference: cross-entropy forward/backward over vocab shards (in place too), the fused
 // forward-backward,
 // logsumexp_combine, masked_loss_sum; AdamW and SGD over segment lists (inline and registered),
-// sum_squares and count_zeros (deterministic).
+// sum_squares and count_zeros (deterministic); hash_bytes (bit for bit).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "core/byte_hash.h"
 #include "core/master_remainder.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -570,4 +571,53 @@ TEST_CASE("cuda sum_squares and count_zeros of a bf16 gradient", "[gpu][optimize
     Twin xbuf = twin_same(DType::bf16, {n + offset}, values_with_zeros(rng, n + offset));
     check_sum_squares_and_zeros(xbuf.c().flat_slice(offset, n), xbuf.r().flat_slice(offset, n), lists);
   }
+}
+
+// hash_bytes: the device's hash of device memory equals core/byte_hash.h's of the same bytes (and
+// so the reference backend's), bit for bit, for sizes around the word, warp and block boundaries,
+// at 8-byte-aligned and unaligned starts (a slice one element in), in every parameter dtype
+// (FP8 included); flipping one bit anywhere changes it.
+TEST_CASE("cuda hash_bytes equals the host hash bit for bit", "[gpu][hash]") {
+  MT_RNG(rng);
+  Buf out(dev(), DType::i64, {1});
+  auto device_hash = [&](Tensor x) {
+    dev().hash_bytes(out.t, x);
+    uint64_t h = 0;
+    dev().copy_to_host(&h, out.t);
+    return h;
+  };
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::fp8_e4m3})
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{4}, int64_t{7}, int64_t{255}, int64_t{2048},
+                      int64_t{100003}, int64_t{3000017}}) {
+      INFO(dtype_name(dt) << " elements " << n);
+      const size_t es = dtype_size(dt);
+      std::vector<uint8_t> bytes((static_cast<size_t>(n) + 1) * es);
+      for (auto& b : bytes) b = static_cast<uint8_t>(rng.engine()());
+      Buf x(dev(), dt, {n + 1});
+      dev().copy_from_host(x.t, bytes.data());
+      for (int64_t start : {int64_t{0}, int64_t{1}}) {
+        const Tensor view = x.t.flat_slice(start, n);
+        const uint64_t want = byte_hash(bytes.data() + start * es, static_cast<uint64_t>(n) * es);
+        CHECK(device_hash(view) == want);
+        Buf host_out(ref(), DType::i64, {1});
+        Buf host_x;
+        if (n > 0) {
+          host_x = Buf(ref(), dt, {n});
+          ref().copy_from_host(host_x.t, bytes.data() + start * es);
+        }
+        ref().hash_bytes(host_out.t, host_x.t);
+        uint64_t r = 0;
+        ref().copy_to_host(&r, host_out.t);
+        CHECK(r == want);
+      }
+      if (n == 0) continue;
+      // One flipped bit at a random byte: another hash.
+      const uint64_t before = device_hash(x.t);
+      const size_t at = static_cast<size_t>(rng.engine()() % bytes.size());
+      bytes[at] ^= static_cast<uint8_t>(1u << (rng.engine()() % 8));
+      dev().copy_from_host(x.t, bytes.data());
+      const uint64_t after = device_hash(x.t);
+      CHECK(after != before);
+      CHECK(after == byte_hash(bytes.data(), bytes.size()));
+    }
 }

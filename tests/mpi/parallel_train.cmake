@@ -119,6 +119,22 @@ megatrain_mpi_failure_test(parallel_train_test_mode_corrupt_tp2_dp2 4 120
   "error: --test-mode: discrepancy between decoder.layers.0.self_attention.q_layernorm.weight in DP ranks [01] and [01]. Diff: [0-9]"
   -x MEGATRAIN_DEBUG_FAULT=corrupt@1:3
   $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2 --qk-layernorm --test-mode)
+# --check-weight-hash-across-dp-replicas-interval: every parameter's hash compared across the DP
+# replicas before training and every 2 iterations. A clean TP2 x DP2 run trains as one rank without
+# the check (same losses, norms and final state); with the distributed optimizer and overlapped
+# parameter gathers too (the check waits for the gathers, then hashes the gathered weights). One
+# rank's weight corrupted at the start of iteration 3 (rank 1: TP rank 1, DP rank 0 of the group
+# {1, 3}) is caught by the next check, after iteration 4, and stops every rank naming both.
+megatrain_parallel_train_test(parallel_train_weight_hash_tp2_dp2 4 --tensor-model-parallel-size 2
+                              --check-weight-hash-across-dp-replicas-interval 2)
+megatrain_parallel_train_test(parallel_train_weight_hash_dp2_distopt_overlap 2 --use-distributed-optimizer
+                              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000
+                              --check-weight-hash-across-dp-replicas-interval 2)
+megatrain_mpi_failure_test(parallel_train_weight_hash_corrupt_tp2_dp2 4 120
+  "error: Parameter hashes not matching across DP replicas after 4 iterations: rank 3's weights differ from rank 1's \\(data-parallel rank 0 of its group\\) in 1 of [0-9]+ parameters"
+  -x MEGATRAIN_DEBUG_FAULT=corrupt@1:3
+  $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2
+  --check-weight-hash-across-dp-replicas-interval 2)
 megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
   "rank 0\\] error: .*timed out after 2 s waiting for .*group '"
   -x MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS=2 -x MEGATRAIN_DEBUG_FAULT=hang@1:3
