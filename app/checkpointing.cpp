@@ -223,6 +223,7 @@ std::unique_ptr<CheckpointWriter> TrainingCheckpoints::stage(Trainer& trainer, c
   const CheckpointConfig& k = cfg_.checkpoint;
   const Trainer::Counters c = trainer.counters();
   auto w = std::make_unique<CheckpointWriter>(dir, c.iteration, ps_.rank, ps_.world_size);
+  w->set_integrity_manifest(k.verify_integrity);
   const bool optim = !k.no_save_optim;
   trainer.optimizer().wait_for_params();  // overlapped parameter gathers
   for (size_t i = 0; i < chunks_.size(); ++i) stage_chunk(*w, *chunks_[i], staging_[i], optim);
@@ -570,6 +571,24 @@ void TrainingCheckpoints::check_strictness(const CheckpointReader& reader, bool 
                unexpected.empty() ? "" : "; the tensors it lacks keep their initial values (optimizer states: zero)");
 }
 
+// --verify-integrity: rank 0 rehashes the checkpoint's files against its integrity manifest before
+// anything is read (Megatron's verify_integrity_manifest); the other ranks learn the outcome.
+void TrainingCheckpoints::verify_integrity(const std::string& dir) {
+  std::optional<std::string> error;
+  size_t files = 0;
+  if (ps_.rank == 0) {
+    try {
+      files = verify_integrity_manifest(dir);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  const bool ok = group_.agree(!error);
+  if (error) fail("{}", *error);
+  if (!ok) fail("checkpoint {} failed its integrity verification on rank 0 (see its error)", dir);
+  log::info("Checkpoint integrity verified: {} file(s) OK in {}", files, dir);
+}
+
 ResumePoint TrainingCheckpoints::load() {
   const CheckpointConfig& k = cfg_.checkpoint;
   ResumePoint r;
@@ -584,6 +603,7 @@ ResumePoint TrainingCheckpoints::load() {
       fail("--override-ckpt-iteration {}: --load {} holds no checkpoint to resume", *k.override_ckpt_iteration, where);
     return r;
   }
+  if (k.verify_integrity) verify_integrity(loc->directory);
   CheckpointReader reader = CheckpointReader::open_directory(loc->directory);
   const std::string manifest = join_path(loc->directory, "manifest.json");
   const RunState& rs = reader.run_state();

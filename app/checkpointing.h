@@ -25,6 +25,8 @@
 //   --no-load-optim no optimizer, scheduler or loss-scaler state (master weights re-copied from
 //                   the model weights); iteration and consumed samples are restored
 //   --no-load-rng   dropout restarts from the seed (serial 0)
+// --verify-integrity: saves also write the files' SHA-256 manifest (integrity.json), and a load
+// first checks the files against it (checkpoint/checkpoint_io.h), refusing a changed one by name.
 // With --non-persistent-ckpt-type global, a non-persistent checkpoint at least as new as --load's
 // is loaded instead, as a resume (checkpoint_to_load); saves every --non-persistent-save-interval
 // iterations go there (app/checkpoint_retention.h keeps only the newest).
@@ -122,6 +124,7 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer, const std::string& dir);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  void verify_integrity(const std::string& dir);
   void override_iteration(ResumePoint& r, const RunState& rs, const std::string& manifest) const;
   // FP8 parameters' model weights: the compute-dtype rounding of this rank's master shards.
   void stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h);

@@ -16,6 +16,8 @@ void add_checkpoint_flags(FlagTable& t) {
                                                             {"torch_dcp", "torch_dcp"}, {"fsdp_dtensor", "fsdp_dtensor"},
                                                             {"zarr", "zarr"}},
            MT_FIELD(checkpoint.ckpt_format));
+  t.flag("--verify-integrity", "write a SHA-256 manifest of the checkpoint's files (integrity.json) at save and check "
+         "the files against it at load (torch_dist format)", MT_FIELD(checkpoint.verify_integrity));
   t.no_effect("--auto-detect-ckpt-format", Arity::none,
               "megatrain loads its own checkpoint format and names Megatron-LM's (torch, torch_dist) when --load holds one");
   t.no_effect("--use-dist-ckpt", Arity::none, "deprecated in Megatron-LM and without effect there: use --ckpt-format");

@@ -31,6 +31,9 @@ void validate_checkpoint_and_logging(CliState& st) {
                         "parallel layout as torch_dist does; `megatrain export-megatron --load CKPT --save DIR` writes "
                         "one as a Megatron-LM torch-format checkpoint, `megatrain import-megatron` reads Megatron-LM's",
                         k.ckpt_format));
+  // Megatron-LM's CheckpointConfig (megatron/training/config/training_config.py) asserts this.
+  if (k.verify_integrity && k.ckpt_format != "torch_dist")
+    fail("`verify_integrity` is only supported with torch_dist checkpoint format.");
   if (k.save) {
     if (!k.save_interval) fail("--save needs --save-interval N (iterations between checkpoints)");
     if (*k.save_interval <= 0) fail("--save-interval must be > 0 (got {})", *k.save_interval);

@@ -16,6 +16,7 @@
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/sha256.h"
 #include "core/shape_text.h"
 
 namespace mt {
@@ -511,6 +512,8 @@ void CheckpointWriter::assemble_and_publish() {
   // Remove the part manifests and anything a crashed earlier attempt left behind.
   for (const std::string& n : list_directory(tmp_dir_))
     if (n != kManifestName && !files.contains(n)) remove_tree(join_path(tmp_dir_, n));
+  // Last, over the files as they will be published (Megatron writes it after its metadata).
+  if (integrity_manifest_) save_integrity_manifest(tmp_dir_);
   fsync_directory(tmp_dir_);
 
   // Publish the directory, then the tracker: a crash between the two leaves the tracker on the
@@ -532,6 +535,70 @@ void CheckpointWriter::assemble_and_publish() {
   }
   fsync_directory(save_dir_);
   write_file_atomically(checkpoint_tracker_path(save_dir_), release_ ? std::string("release") : std::to_string(iteration_));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integrity manifest
+
+namespace {
+constexpr const char* kIntegrityAlgorithm = "sha256";
+
+bool is_regular_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+}  // namespace
+
+void save_integrity_manifest(const std::string& dir) {
+  json files = json::object();
+  for (const std::string& n : list_directory(dir)) {
+    const std::string path = join_path(dir, n);
+    if (n != kIntegrityManifestName && is_regular_file(path)) files[n] = sha256_file_hex(path);
+  }
+  const json payload = {{"algorithm", kIntegrityAlgorithm}, {"files", files}};
+  OutputFile f(join_path(dir, kIntegrityManifestName));
+  const std::string text = payload.dump(2);
+  f.write(text.data(), text.size());
+  f.sync();
+  f.close();
+}
+
+size_t verify_integrity_manifest(const std::string& dir) {
+  const std::string path = join_path(dir, kIntegrityManifestName);
+  if (!path_exists(path))
+    fail("Integrity manifest not found at {}. The checkpoint must be saved with integrity verification enabled "
+         "(--verify-integrity) before it can be verified on load.", path);
+  json manifest;
+  try {
+    manifest = json::parse(read_text_file(path));
+  } catch (const json::exception& e) {
+    fail("checkpoint integrity manifest {} is not valid JSON: {}", path, e.what());
+  }
+  const std::string algorithm = manifest.value("algorithm", std::string(kIntegrityAlgorithm));
+  if (algorithm != kIntegrityAlgorithm)
+    fail("Unsupported hash algorithm in integrity manifest: '{}'. Expected: '{}'.", algorithm, kIntegrityAlgorithm);
+  if (!manifest.contains("files") || !manifest["files"].is_object())
+    fail("checkpoint integrity manifest {} has no \"files\" object", path);
+  std::vector<std::string> mismatches;
+  for (const auto& [name, expected_json] : manifest["files"].items()) {
+    const std::string expected = expected_json.is_string() ? expected_json.get<std::string>() : std::string();
+    std::string actual;
+    try {
+      actual = sha256_file_hex(join_path(dir, name));
+    } catch (const Error& e) {
+      mismatches.push_back(fmt::format("  {}: file missing or unreadable ({})", name, e.what()));
+      continue;
+    }
+    if (actual != expected)
+      mismatches.push_back(fmt::format("  {}: hash mismatch (expected {}..., got {}...)", name, expected.substr(0, 16),
+                                       actual.substr(0, 16)));
+  }
+  if (!mismatches.empty()) {
+    std::string text = fmt::format("Checkpoint integrity verification failed for {} file(s) in {}:", mismatches.size(), dir);
+    for (const std::string& m : mismatches) text += "\n" + m;
+    fail("{}", text);
+  }
+  return manifest["files"].size();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -140,6 +140,8 @@ class CheckpointWriter {
   }
   void set_run_state(const RunState& s) { run_state_ = s; }  // rank 0's is recorded
   void set_rank_state(nlohmann::json s) { rank_state_ = std::move(s); }  // per rank (RNG states)
+  // --verify-integrity: rank 0 also writes the integrity manifest (above) before publishing.
+  void set_integrity_manifest(bool on) { integrity_manifest_ = on; }
 
   // Phase 1, rank-local (no communication; may run on a background thread): writes this rank's
   // shard files and part manifest into <save>/iter_XXXXXXX.tmp/ and fsyncs them.
@@ -173,6 +175,7 @@ class CheckpointWriter {
   RunState run_state_;
   nlohmann::json rank_state_ = nullptr;
   bool written_ = false;
+  bool integrity_manifest_ = false;
   std::exception_ptr local_error_;
 };
 
@@ -205,6 +208,21 @@ class AsyncCheckpointSaver {
   std::mutex mutex_;
   bool done_ = false;
 };
+
+// ---------------------------------------------------------------------------------------------
+// Integrity manifest (--verify-integrity; Megatron-LM's, megatron/core/dist_checkpointing/
+// validation.py): integrity.json in the iteration directory, {"algorithm": "sha256", "files":
+// {name: hex digest}} over every regular file directly in it but itself, written by rank 0 once
+// every other file of the checkpoint is complete, and checked before a load reads anything. It
+// covers manifest.json too, beside the per-slice CRC-32C checksums manifest.json records.
+
+constexpr const char* kIntegrityManifestName = "integrity.json";
+// Hashes every file in `dir` and writes the manifest (fsynced).
+void save_integrity_manifest(const std::string& dir);
+// Rehashes every file the manifest lists; throws mt::Error with Megatron's message when the
+// manifest is absent, names another algorithm, or any file is missing or changed (naming each).
+// Returns how many files it verified.
+size_t verify_integrity_manifest(const std::string& dir);
 
 // ---------------------------------------------------------------------------------------------
 // Loading

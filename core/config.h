@@ -394,6 +394,9 @@ struct CheckpointConfig {
   // lacks (Megatron's "unexpected" keys) and, for the *_all values, tensors the checkpoint holds
   // that no rank asks for ("missing" keys); app/checkpointing.cpp.
   std::string dist_ckpt_strictness = "assume_ok_unexpected";
+  // --verify-integrity: a SHA-256 manifest of the checkpoint's files (integrity.json) written at
+  // save and checked at load (checkpoint/checkpoint_io.h).
+  bool verify_integrity = false;
 };
 
 struct LoggingConfig {
