@@ -119,7 +119,7 @@ TEST_CASE("cli: --verify-integrity", "[cli][integrity]") {
         "`verify_integrity` is only supported with torch_dist checkpoint format.");
 }
 
-TEST_CASE("--verify-integrity through the binary: saved, verified at load, a changed file refused by name",
+TEST_CASE("flag --verify-integrity through the binary: saved, verified at load, a changed file refused by name",
           "[integrity][binary]") {
   using namespace mt_test::training_binary;
   mt_test::TempDir dir;
