@@ -34,6 +34,62 @@ enum class RecomputeMethod { none, uniform, block };
 enum class AttentionBackend { auto_, flash, fused, unfused, local };
 enum class DeviceKind { gpu, cpu };
 enum class Launcher { none, torchrun, openmpi, mpich, slurm, workstation };
+// Mixture of experts (--num-experts ...; Megatron-Core's TopKRouter and MoELayer).
+enum class MoeScoreFunction { softmax, sigmoid };
+enum class MoeLoadBalancing { aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none };
+enum class MoeDispatcher { allgather, alltoall, flex };
+enum class MoeDropPolicy { probs, position };
+
+// Megatron-LM's MoE flags (defaults are its CLI defaults). A model has MoE layers iff
+// num_experts > 0; which layers are MoE is moe_layer (derived from --moe-layer-freq).
+struct MoeConfig {
+  int num_experts = 0;                     // --num-experts (None / 0: no MoE)
+  std::optional<int> ffn_hidden_size;      // --moe-ffn-hidden-size (None: --ffn-hidden-size)
+  // --moe-layer-freq: an int N (layer i is MoE iff i % N == 0), or a 0/1 list with one entry per
+  // layer (Megatron's Python list expression, e.g. "([0]*3+[1]*29)").
+  int layer_freq = 1;
+  std::vector<int> layer_pattern;
+  int router_topk = 2;                     // --moe-router-topk
+  MoeScoreFunction score_function = MoeScoreFunction::softmax;
+  bool router_pre_softmax = false;
+  std::optional<double> router_topk_scaling_factor;  // None or 0: no scaling
+  std::optional<int> router_num_groups, router_group_topk;
+  std::optional<std::string> router_dtype;            // --moe-router-dtype fp32|fp64
+  std::vector<MoeLoadBalancing> load_balancing_type = {MoeLoadBalancing::aux_loss};
+  std::vector<double> aux_loss_coeff = {0.0};
+  std::optional<double> z_loss_coeff;
+  std::optional<double> input_jitter_eps;
+  bool router_enable_expert_bias = false;
+  double router_bias_update_rate = 1e-3;
+  std::optional<int> shared_expert_intermediate_size;
+  bool shared_expert_gate = false;
+  bool shared_expert_overlap = false;
+  std::optional<double> expert_capacity_factor;
+  bool pad_expert_input_to_capacity = false;
+  MoeDropPolicy token_drop_policy = MoeDropPolicy::probs;
+  MoeDispatcher token_dispatcher_type = MoeDispatcher::allgather;
+  bool grouped_gemm = false;               // our experts always run as grouped GEMMs
+  bool permute_fusion = false;             // our permutation is always fused
+  bool router_fusion = false;
+  bool router_padding_for_fp8 = false;
+  bool per_layer_logging = false;
+  bool router_force_load_balancing = false;
+  bool layer_recompute = false;            // deprecated: --recompute-modules moe
+
+  // derived
+  int expert_ffn = 0;                      // ffn_hidden_size or the model's ffn size
+  std::vector<char> moe_layer;             // per global layer: 1 = MoE layer
+  bool enabled() const { return num_experts > 0; }
+  bool is_moe_layer(int layer) const {
+    return enabled() && layer >= 0 && static_cast<size_t>(layer) < moe_layer.size() && moe_layer[layer];
+  }
+  // The aux_loss coefficient (0 when the type list has no aux_loss).
+  double aux_loss_coeff_of(MoeLoadBalancing t) const {
+    for (size_t i = 0; i < load_balancing_type.size(); ++i)
+      if (load_balancing_type[i] == t) return i < aux_loss_coeff.size() ? aux_loss_coeff[i] : aux_loss_coeff.back();
+    return 0.0;
+  }
+};
 
 struct ModelConfig {
   int num_layers = 0;                 // required
@@ -95,6 +151,7 @@ struct ModelConfig {
   bool fp32_residual_connection = false;
   bool attention_softmax_in_fp32 = false;
   bool apply_query_key_layer_scaling = false;
+  MoeConfig moe;
 
   // derived
   int ffn_size = 0;           // ffn_hidden_size or Megatron's default (4h; swiglu: int(8h/3/64)*64)
@@ -145,6 +202,10 @@ struct ParallelConfig {
   // reduce-scattered inside an instance and all-reduced across instances (Megatron's partial
   // distributed optimizer).
   int num_distributed_optimizer_instances = 1;
+  // Expert parallelism (MoE): --expert-model-parallel-size, --expert-tensor-parallel-size (None:
+  // the tensor-parallel size).
+  int expert_model_parallel_size = 1;
+  std::optional<int> expert_tensor_parallel_size;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
   bool overlap_param_gather_with_optimizer_step = false;  // refused (unsupported.cpp); rules kept

@@ -88,3 +88,55 @@ void Backend::fp8_update_scales(Tensor, Tensor, Tensor, Tensor, const Fp8ScaleUp
 }
 
 }  // namespace mt
+
+namespace mt {
+
+namespace {
+// Expert e's weight rows of a grouped layer's w [E * Nw, K].
+Tensor expert_weight(const Tensor& w, size_t experts, size_t e) {
+  const int64_t per = w.rows() / static_cast<int64_t>(experts);
+  return w.row_slice(static_cast<int64_t>(e) * per, per);
+}
+void check_offsets(std::span<const int64_t> offsets, int64_t rows) {
+  MT_CHECK(offsets.size() >= 2 && offsets.front() == 0 && offsets.back() == rows,
+           "grouped linear: offsets end at {} for {} rows", offsets.empty() ? -1 : offsets.back(), rows);
+}
+}  // namespace
+
+void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
+  check_offsets(offsets, x.rows());
+  const size_t E = offsets.size() - 1;
+  for (size_t e = 0; e < E; ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n > 0)
+      linear_forward(y.row_slice(offsets[e], n), x.row_slice(offsets[e], n), expert_weight(w, E, e), Tensor(),
+                     Activation::none, Tensor());
+  }
+}
+
+void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
+  check_offsets(offsets, dy.rows());
+  const size_t E = offsets.size() - 1;
+  for (size_t e = 0; e < E; ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n > 0)
+      linear_backward_input(dx.row_slice(offsets[e], n), dy.row_slice(offsets[e], n), expert_weight(w, E, e), false,
+                            Activation::none, Tensor());
+  }
+}
+
+void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+                                             bool accumulate) {
+  check_offsets(offsets, dy.rows());
+  const size_t E = offsets.size() - 1;
+  for (size_t e = 0; e < E; ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    const Tensor dwe = expert_weight(dw, E, e);
+    if (n > 0)
+      linear_backward_weight(dwe, Tensor(), dy.row_slice(offsets[e], n), x.row_slice(offsets[e], n), accumulate);
+    else if (!accumulate)
+      fill(dwe, 0.0);
+  }
+}
+
+}  // namespace mt

@@ -123,6 +123,15 @@ struct GateShape {
   int64_t qkvg_width() const { return qkv_width() + gate_width(); }
 };
 
+// A mixture-of-experts router's routing rule (Backend::moe_route; Megatron's TopKRouter).
+struct MoeRouting {
+  int experts = 0, topk = 0;
+  MoeScoreFunction score = MoeScoreFunction::softmax;
+  bool pre_softmax = false;
+  float scaling = 0;              // --moe-router-topk-scaling-factor (0: none)
+  int num_groups = 0, group_topk = 0;  // group-limited routing (0: off)
+};
+
 // One contiguous run of the flat parameter buffer with its optimizer group.
 struct OptimSegment {
   int64_t offset = 0;
@@ -379,6 +388,67 @@ class Backend {
   // din may alias in and act_out may alias dout (elementwise, each element read before written).
   // The default handles only the non-aliased case.
   virtual void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in);
+
+  // ---- mixture of experts (engine/blocks/moe.cpp) -----------------------------------------
+  // N token rows, E experts, k = r.topk slots per token. idx/order/slot_of/offsets are int32.
+  // Routing of each row z = logits[t] (E values, read as float):
+  //   softmax, post (default): idx = topk(z); p = softmax over the k selected z (float).
+  //   softmax, pre (r.pre_softmax): s = softmax(z) over all E; idx = topk(s); p = s[idx] (not renormalized).
+  //   sigmoid: s = sigmoid(z); idx = topk(s + expert_bias) (bias: float32 [E] or empty);
+  //            p = s[idx], divided by (sum of the k values + 1e-20) when k > 1.
+  //   Group-limited (r.num_groups > 0): the E experts are r.num_groups contiguous groups; a group's
+  //   score is the sum of the top floor(k / r.group_topk) values in it of the tensor being top-k'd
+  //   (z for post-softmax, s for pre-softmax, s + bias for sigmoid); only the r.group_topk best
+  //   groups' experts take part in the top-k.
+  //   Then p *= r.scaling (when r.scaling != 0), and p is rounded to the logits' dtype (Megatron
+  //   casts the routing weights to it) but stored in probs' dtype (float32).
+  //   top-k: descending value; ties go to the lower expert index (slot j = 0 is the largest).
+  // probs float32 [N, k], idx int32 [N, k].
+  virtual void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) = 0;
+  // dlogits [N, E] (logits' dtype) = the gradient of the routing weights' function above w.r.t. the
+  // logits, given dprobs float32 [N, k] (the selection is constant; values recomputed from logits),
+  // plus aux_grad [N, E] (float32, optional: added before the single rounding to dlogits' dtype).
+  virtual void moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,
+                                  const MoeRouting& r) = 0;
+  // Load-balancing statistics of one micro-batch (Megatron's aux and z losses), float32
+  // stats [2E + 1]: stats[e] = sum over rows of the aux score s~[t, e], stats[E + e] = the number of
+  // rows whose top-k of s~ (plain top-k: no bias, no groups) holds e, stats[2E] = sum over rows of
+  // logsumexp(z)^2. s~ = softmax(z) (softmax scoring) or s / sum_e s with s = sigmoid(z).
+  virtual void moe_aux_stats(Tensor stats, Tensor logits, const MoeRouting& r) = 0;
+  // aux_grad float32 [N, E] = aux_scale * d/dz (sum_e stats[E + e] * sum_t s~[t, e]) (the counts are
+  // constants) + z_scale * d/dz (sum_t logsumexp(z_t)^2), per row from logits; either scale may be 0.
+  virtual void moe_aux_grad(Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale, float z_scale,
+                            const MoeRouting& r) = 0;
+  // sums float32 [2] += {aux_scale * sum_e stats[e] * stats[E + e], z_scale * stats[2E]}: the
+  // logged losses, accumulated on the device (no host sync).
+  virtual void moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) = 0;
+  // The permutation of the N * k (row, slot) pairs, expert-major, row ascending within an expert
+  // (Megatron's order): order[r] = t * k + j of the r-th permuted row, slot_of[t * k + j] = r (its
+  // inverse), offsets [E + 1]: the first permuted row of each expert (offsets[E] = N * k).
+  virtual void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) = 0;
+  // out[r, :] = x[index[r] / k, :] for every row r of out (any dtype; out and x the same dtype and
+  // columns). Gathers the permuted tokens (index = order, k = topk), and with k = 1 any row gather
+  // (the routing weights in permuted order: index = order on probs viewed [N * k, 1]).
+  virtual void moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) = 0;
+  // out[t, :] (+)= sum_{j < k} y[slot_of[t * k + j], :], summed in float (j ascending), rounded
+  // once to out's dtype (with accumulate: added to out's value before that rounding). The
+  // un-permutation (combine) and the backward of moe_gather_rows.
+  virtual void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) = 0;
+  // out[r, :] = x[r, :] * p[r] (float product, rounded once to out's dtype); p float32 [R]. out may
+  // alias x. The routing weight applied inside the expert, between its activation and fc2.
+  virtual void moe_scale_rows(Tensor out, Tensor x, Tensor p) = 0;
+  // dx[r, :] = dout[r, :] * p[r] (rounded once), dp[r] = sum_c dout[r, c] * x[r, c] (float32, summed
+  // in double on the reference backend). dx may alias dout.
+  virtual void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) = 0;
+  // Grouped linear layers (the experts): rows [offsets[e], offsets[e+1]) of x belong to expert e,
+  // whose weight is rows [e * Nw, (e+1) * Nw) of w [E * Nw, K] (Nw = w.rows() / E). offsets: host
+  // values, E + 1 of them. y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e; dw_e (+)= dy_e^T . x_e (an expert
+  // without rows: dw_e unchanged with accumulate, else zeroed). The defaults run one linear_* per
+  // expert on row slices.
+  virtual void grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets);
+  virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets);
+  virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+                                              bool accumulate);
 
   // ---- attention output gate (--attention-output-gate) ---------------------------------------
   // The QKV projection's output with the gate, per row and per query group g of s.groups:

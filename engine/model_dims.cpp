@@ -101,6 +101,25 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     const int window = attention_window_left(m, layer);
     d.window_left.push_back(window >= d.seq - 1 ? -1 : window);
   }
+  if (m.moe.enabled()) {
+    const MoeConfig& e = m.moe;
+    d.experts = e.num_experts;
+    d.topk = e.router_topk;
+    d.expert_ffn = e.expert_ffn ? e.expert_ffn : e.ffn_hidden_size.value_or(d.ffn);
+    d.shared_ffn = e.shared_expert_intermediate_size.value_or(0);
+    d.shared_gate = e.shared_expert_gate;
+    d.moe_score = e.score_function;
+    d.moe_pre_softmax = e.router_pre_softmax;
+    d.moe_scaling = static_cast<float>(e.router_topk_scaling_factor.value_or(0.0));
+    d.moe_groups = e.router_num_groups.value_or(0);
+    d.moe_group_topk = e.router_group_topk.value_or(0);
+    d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss));
+    d.moe_z_coeff = static_cast<float>(e.z_loss_coeff.value_or(0.0));
+    d.moe_layer.assign(static_cast<size_t>(d.num_layers), 0);
+    for (int l = 0; l < d.num_layers; ++l)
+      d.moe_layer[static_cast<size_t>(l)] =
+          e.moe_layer.empty() ? (l % std::max(1, e.layer_freq) == 0) : e.moe_layer.at(static_cast<size_t>(l));
+  }
   d.attention_dropout = static_cast<float>(m.attention_dropout);
   d.hidden_dropout = static_cast<float>(m.hidden_dropout);
   if (d.attention_dropout < 0 || d.attention_dropout >= 1) fail("--attention-dropout must be in [0, 1)");

@@ -52,6 +52,28 @@ struct ModelDims {
   // Per global layer: the sliding window (AttentionShape::window_left), -1 for full attention.
   std::vector<int> window_left;
 
+  // Mixture of experts (--num-experts; engine/blocks/moe.cpp): moe_layer[l] marks the global
+  // layers whose MLP is an MoE block of `experts` SwiGLU (or GeLU...) experts of width expert_ffn,
+  // top-k routing, and optionally a shared expert of width shared_ffn (with a sigmoid gate).
+  int experts = 0, topk = 0, expert_ffn = 0, shared_ffn = 0;
+  bool shared_gate = false;
+  MoeScoreFunction moe_score = MoeScoreFunction::softmax;
+  bool moe_pre_softmax = false;
+  float moe_scaling = 0;
+  int moe_groups = 0, moe_group_topk = 0;
+  float moe_aux_coeff = 0, moe_z_coeff = 0;  // aux_loss and z-loss coefficients
+  std::vector<char> moe_layer;
+  bool is_moe(int layer) const {
+    return experts > 0 && layer >= 0 && static_cast<size_t>(layer) < moe_layer.size() && moe_layer[layer];
+  }
+  bool any_moe() const {
+    for (int l = layer_begin; l < layer_end; ++l)
+      if (is_moe(l)) return true;
+    return false;
+  }
+  int expert_fc1_width() const { return (swiglu ? 2 : 1) * expert_ffn; }
+  int shared_fc1_width() const { return (swiglu ? 2 : 1) * shared_ffn; }
+
   float attention_dropout = 0, hidden_dropout = 0;
   float init_std = 0.02f, output_init_std = 0.02f, embedding_init_std = 0.02f;
   uint64_t seed = 1234;
