@@ -244,11 +244,11 @@ bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
 // arena's offsets follow it): the attention block's, the MLP block's, then the FP8 copies of the
 // four linear inputs (blocks/attention.cpp, blocks/mlp.cpp, blocks/linear.cpp).
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
-                                                bool keep_act) {
+                                                bool keep_act, bool dense, bool moe) {
   LayerActs A;
   A.norm_kept = keeps_norm_outputs(fp8_inputs);
   layout_attention_acts(a, c, A);
-  layout_mlp_acts(a, c, A, keep_act, keep_out);
+  layout_mlp_acts(a, c, A, keep_act, keep_out, dense, moe);
   if (fp8_inputs) layout_fp8_inputs(a, c, A);
   return A;
 }
@@ -273,6 +273,8 @@ void GptModel::layout(Arena& a) {
   scalars_ = a.take(C::workspace, S, {16});
   train_loss_ = a.take(C::workspace, S, {2});
   eval_loss_ = a.take(C::workspace, S, {2});
+  moe_loss_ = d_.any_moe() ? a.take(C::workspace, S, {2}) : Tensor();
+  moe_host_offsets_.clear();
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
   qk_l2_ones_ = d_.qk_l2 ? a.take(C::workspace, T, {d_.head_dim}) : Tensor();
@@ -336,6 +338,8 @@ void GptModel::layout(Arena& a) {
     }
   }
 
+  layout_moe_workspace(a);
+
   // Per-slot activations.
   slots_.resize(static_cast<size_t>(opt_.num_slots));
   for (Slot& s : slots_) {
@@ -360,8 +364,9 @@ void GptModel::layout(Arena& a) {
     for (int l = 0; l < L; ++l) {
       const int g = rp.group_of[l];
       if (g < 0) {
+        const bool moe = d_.is_moe(d_.layer_begin + l);
         s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
-                                        keeps_gelu_activation(fp8_.layer_fp8(l)));
+                                        keeps_gelu_activation(fp8_.layer_fp8(l)), !moe, moe);
       } else if (l == rp.groups[g].second - 1 || l == L - 1) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
         s.layers[l].out = a.take(C::activations, T, {Nl, h});
@@ -373,10 +378,14 @@ void GptModel::layout(Arena& a) {
   // Entry j serves layer j of every group: FP8 inputs kept where one of them is an FP8 layer.
   scratch_.clear();
   for (int j = 0; j < rp.max_group_size; ++j) {
-    bool fp8_inputs = false;
-    for (const auto& [begin, end] : rp.groups) fp8_inputs |= begin + j < end && fp8_.layer_fp8(begin + j);
+    bool fp8_inputs = false, dense = false, moe = false;
+    for (const auto& [begin, end] : rp.groups) {
+      if (begin + j >= end) continue;
+      fp8_inputs |= fp8_.layer_fp8(begin + j);
+      (d_.is_moe(d_.layer_begin + begin + j) ? moe : dense) = true;
+    }
     scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_inputs,
-                                         keeps_gelu_activation(fp8_inputs)));
+                                         keeps_gelu_activation(fp8_inputs), dense, moe));
   }
 
   if (d_.last_stage) {
@@ -463,6 +472,13 @@ void GptModel::bind_params() {
     find(p + "mlp.linear_fc1.bias", P.fc1_b, Gr.fc1_b);
     find(p + "mlp.linear_fc2.weight", P.fc2_w, Gr.fc2_w);
     find(p + "mlp.linear_fc2.bias", P.fc2_b, Gr.fc2_b);
+    find(p + "pre_mlp_layernorm.weight", P.ln2_w, Gr.ln2_w);
+    find(p + "pre_mlp_layernorm.bias", P.ln2_b, Gr.ln2_b);
+    find(p + "mlp.router.weight", P.router_w, Gr.router_w);
+    find(p + "mlp.experts.linear_fc1.weight", P.ex_fc1_w, Gr.ex_fc1_w);
+    find(p + "mlp.experts.linear_fc2.weight", P.ex_fc2_w, Gr.ex_fc2_w);
+    find(p + "mlp.shared_experts.linear_fc1.weight", P.sh_fc1_w, Gr.sh_fc1_w);
+    find(p + "mlp.shared_experts.linear_fc2.weight", P.sh_fc2_w, Gr.sh_fc2_w);
     if (!fp8_.layer_fp8(l) || !opt_.fp8.param_gather) continue;
     const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
     for (int g = 0; g < Fp8State::kGemms; ++g) fp8_w_[static_cast<size_t>(l)].q[g] = w[g];
@@ -643,6 +659,7 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   double mb_tokens = 0;
   for (float m : mb.loss_mask) mb_tokens += m;
   const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
+  s.moe_aux_seed = loss_grad_scale;
   const bool f64 = opt_.accum == DType::f64;
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) {
@@ -671,8 +688,9 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   set_slot_key(s, serial, training);
 }
 
-void GptModel::stage_without_data(int slot, uint64_t serial, bool training) {
+void GptModel::stage_without_data(int slot, uint64_t serial, bool training, double loss_grad_scale) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
+  s.moe_aux_seed = loss_grad_scale;
   const int b = d_.micro_batch, sq = d_.seq;
   auto* positions = reinterpret_cast<int32_t*>(s.host_io.data() + s.off_positions);
   for (int t = 0; t < sq; ++t)
@@ -825,7 +843,8 @@ GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
 void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next) {
   fp8_training_ = s.training;
   attention_forward(local, s, A, x);  // x -> h1, ln2(h1)
-  mlp_forward(local, s, A, next);     // h1 -> out, next(out)
+  if (d_.is_moe(d_.layer_begin + local)) moe_forward(local, s, A, next);  // h1 -> out, next(out)
+  else mlp_forward(local, s, A, next);
 }
 
 void GptModel::forward(int slot) {
@@ -874,7 +893,8 @@ bool GptModel::fc2_bias_grad_from_norm(int local) const {
 
 // One decoder layer's backward: the MLP block's, then the attention block's.
 void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx) {
-  mlp_backward(local, s, A, dy);           // d out -> d h1 (gH)
+  if (d_.is_moe(d_.layer_begin + local)) moe_backward(local, s, A, dy);  // d out -> d h1 (gH)
+  else mlp_backward(local, s, A, dy);
   attention_backward(local, s, A, x, dx);  // d h1 -> d x
 }
 

@@ -238,7 +238,8 @@ class GptModel {
                          uint64_t serial, bool training);
   // The same for a chunk that needs no data (neither embedding nor loss: a middle pipeline
   // stage): positions 0..s-1 (RoPE) and the dropout key only.
-  void stage_without_data(int slot, uint64_t serial, bool training);
+  // loss_grad_scale: as stage_micro_batch's (the MoE aux losses' gradient seed).
+  void stage_without_data(int slot, uint64_t serial, bool training, double loss_grad_scale = 1.0);
   // Forward through this stage. On the last stage it adds the masked loss sum and token count to
   // loss_sums(!training) and, when training, also runs the output layer's backward at once (the
   // loss gradient is known), leaving the gradient of the last layer's output in the slot: the
@@ -260,6 +261,12 @@ class GptModel {
   Tensor output_grad(int slot) const;   // non-last stages: receive the next stage's input grad here
   Tensor input_grad() const;            // non-first stages: send this back after backward()
   Tensor loss_sums(bool eval) const { return eval ? eval_loss_ : train_loss_; }  // [sum, tokens]
+  // MoE layers: the logged load-balancing losses of this step's training forwards, summed over
+  // micro-batches and this chunk's MoE layers: float32 [2] = {aux loss / coefficient, z-loss /
+  // coefficient} (Megatron's load_balancing_loss and z_loss before their averaging). The trainer
+  // zeroes it at each step's start.
+  Tensor moe_loss_sums() const { return moe_loss_; }
+  int moe_layers() const;  // MoE layers of this chunk
   // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
   // last forward(slot) with training = false (a training forward overwrites them with dlogits).
   // Only when the head keeps all rows at once (ModelOptions::logits_chunk_rows >= N).
@@ -267,6 +274,7 @@ class GptModel {
 
  private:
   struct LayerParams;
+  struct MoeActs;
   struct LayerActs;
   struct Slot;
   struct Workspace;
@@ -275,11 +283,17 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
-  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act);
+  // dense / moe: the layer (or, for the recompute scratch, one of the layers it serves) has a dense
+  // MLP / an MoE block.
+  LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act,
+                              bool dense = true, bool moe = false);
   // Each block's part of it (the norm outputs are the layer's own where A.norm_kept, else shared).
   void layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A);
-  void layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out);
+  void layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out, bool dense, bool moe);
   void layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A);
+  // An MoE layer's part (engine/blocks/moe.cpp): layout_mlp_acts' for MoE layers.
+  void layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_moe_workspace(Arena& a);
   // Whether a layer keeps its norm outputs (ModelOptions::keep_norm_outputs); fp8_inputs: the
   // layer keeps its FP8 inputs instead.
   bool keeps_norm_outputs(bool fp8_inputs) const;
@@ -345,6 +359,10 @@ class GptModel {
   void attention_forward(int local, Slot& s, const LayerActs& A, Tensor x);
   void mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
   void mlp_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
+  // The MoE block (engine/blocks/moe.cpp), in place of the MLP block in MoE layers.
+  void moe_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
+  void moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
+  MoeRouting moe_routing() const;
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH
   void head_forward(Slot& s, Tensor x, bool norm_done);
   Tensor layer_input(const Slot& s, int local) const;
@@ -440,7 +458,10 @@ class GptModel {
   const NormParams& qk_norm_params() const { return d_.qk_l2 ? qk_l2_norm_ : norm_; }
   GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
-  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_;
+  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_;
+  // Host copies of the MoE layers' expert offsets, one per LayerActs with MoE (MoeActs::host_offsets).
+  std::vector<std::unique_ptr<std::vector<int64_t>>> moe_host_offsets_;
+  std::vector<int32_t> moe_off32_;  // the device offsets' host copy
   std::vector<LayerParams> layer_params_, layer_grads_;
   struct Globals;
   std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads

@@ -13,6 +13,23 @@ namespace mt {
 struct GptModel::LayerParams {
   Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
       fc2_w, fc2_b;
+  // MoE layers (ln2: the pre-MLP norm): router [E, h], experts' fc1 [E * fc1, h] and fc2 [E * h, f]
+  // (expert e's rows stacked), the shared expert's fc1 and fc2.
+  Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w;
+};
+
+// What an MoE layer keeps for backward (engine/blocks/moe.cpp). Nk = N * topk permuted rows.
+struct GptModel::MoeActs {
+  Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
+  Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
+  Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss)
+  Tensor order, slot_of, offsets;  // the permutation int32 [Nk], [Nk], [E + 1]
+  std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
+  Tensor p_perm;                 // routing weights in permuted order float32 [Nk]
+  Tensor x_perm;                 // permuted expert inputs [Nk, h]
+  Tensor fc1_pre;                // experts' fc1 output [Nk, fc1] (backward: its gradient)
+  Tensor sh_fc1_pre;             // shared expert's fc1 output [N, fc1_sh] (backward: its gradient,
+                                 // or with GeLU its activation)
 };
 
 // What a layer keeps from forward for backward. Statistics are in the accum dtype.
@@ -39,6 +56,7 @@ struct GptModel::LayerActs {
                                        // or fc1_act is kept)
   bool act_kept = false;               // fc1_act is this layer's own (keeps_gelu_activation)
   Tensor out;                          // layer output (the next layer's input)
+  MoeActs moe;                         // MoE layers only
   // FP8 layers with FP8 weight gradients (GptModel::fp8_kept_inputs): the four linear inputs
   // (ln1_out, attn_out, ln2_out, fc1_act; all N rows) as the forward's cast quantized them,
   // transposed [K, N] for the weight-gradient GEMMs, per Fp8State::Gemm. Tensorwise scaling also
@@ -58,6 +76,7 @@ struct GptModel::Slot {
   std::vector<unsigned char> host_io;
   size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
   uint64_t key = 0;
+  double moe_aux_seed = 1.0;  // the aux losses' gradient seed: the loss gradient's scale (loss scale / M)
   bool training = true;
   bool staged = false;
 };
@@ -82,6 +101,14 @@ struct GptModel::Workspace {
   // forward (split at once), the gated attention output (gATT's memory: the projection's input,
   // recomputed in backward) and the merged projection gradient gQKVG (after gATT is consumed).
   Tensor qkvg, gated, gQKVG;
+  // MoE layers: permuted rows [Nk, h] (fc2's output, backward: the gradients of fc2's output and
+  // of the permuted inputs), the experts' activation and its gradient [Nk, f_e], the shared
+  // expert's activation [N, f_sh], router gradients (logits' dtype [N, E]; float32 aux gradient
+  // [N, E]; routing weights' gradient float32 [N, k], [Nk]).
+  Tensor moe_rows, moe_act, moe_dact, moe_sh_act, moe_dlogits, moe_aux_grad, moe_dprobs, moe_dp_perm;
+  // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
+  // (in backward also its input gradient) and weight [E, h] cast to float32.
+  Tensor moe_x32, moe_w32;
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum

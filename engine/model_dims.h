@@ -62,6 +62,12 @@ struct ModelDims {
   float moe_scaling = 0;
   int moe_groups = 0, moe_group_topk = 0;
   float moe_aux_coeff = 0, moe_z_coeff = 0;  // aux_loss and z-loss coefficients
+  // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
+  // prints it) and z_loss (--moe-z-loss-coeff given).
+  bool moe_log_aux = false, moe_log_z = false;
+  // --moe-router-dtype fp32: the gating GEMM and the routing in float32 whatever the compute dtype
+  // (Megatron casts the router's input and weight to it).
+  bool moe_router_fp32 = false;
   std::vector<char> moe_layer;
   bool is_moe(int layer) const {
     return experts > 0 && layer >= 0 && static_cast<size_t>(layer) < moe_layer.size() && moe_layer[layer];

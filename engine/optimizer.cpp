@@ -8,8 +8,9 @@
 namespace mt {
 
 namespace {
-// Layout of GptModel::scalars() during a step.
-enum Scalar { kLossSum = 0, kTokens = 1, kGradSumSq = 2, kZeros = 3, kCount = 4 };
+// Layout of GptModel::scalars() during a step: the loss sums and the MoE losses' sums (reduced
+// over DP and PP together), then the gradient statistics.
+enum Scalar { kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kCount = 6 };
 }  // namespace
 
 Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
@@ -103,7 +104,10 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     const ScopedTimer timed(timer, "optimizer-clip-main-grad");
     be_.fill(scalars, 0.0);
     if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
-    ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 2));
+    for (GptModel* m : chunks_)
+      if (!m->moe_loss_sums().empty())
+        be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
+    ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 4));
     for (const OptimRange& r : ranges_) {
       if (r.norm.empty()) continue;  // (an empty list would mean the whole tensor)
       const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
@@ -124,13 +128,26 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     // (Over its instance: --num-distributed-optimizer-instances gives every instance all shards.)
     if (sharded_) ps_.dist_opt_group().all_reduce(scalars.flat_slice(kGradSumSq, 2));
     ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
-    if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 2));  // only the last stage has a loss
+    // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
+    if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 4));
     read_scalars(host, kCount);
   }
 
   StepOutcome out;
   out.loss_sum = host[kLossSum];
   out.tokens = host[kTokens];
+  const ModelDims& d = chunks_.front()->dims();
+  if (d.experts > 0) {
+    // Megatron's MoE loss logging: the per-layer sums over micro-batches, averaged over DP,
+    // micro-batches and MoE layers.
+    int moe_layers = 0;
+    for (int l = 0; l < d.num_layers; ++l) moe_layers += d.is_moe(l) ? 1 : 0;
+    const double m = static_cast<double>(global_batch > 0 ? global_batch : t.global_batch) /
+                     (static_cast<double>(t.micro_batch_size) * ps_.dp_size);
+    const double div = static_cast<double>(ps_.dp_size) * m * std::max(1, moe_layers);
+    if (d.moe_log_aux) out.moe_aux = host[kMoeAux] / div;
+    if (d.moe_log_z) out.moe_z = host[kMoeZ] / div;
+  }
   // The gradients in the buffer are scaled by the loss scale and summed over DP ranks; per-token
   // loss normalizes by the global batch's tokens instead of per micro-batch.
   double inv = 1.0 / scaler_.scale();

@@ -38,6 +38,9 @@ struct StepOutcome {
   double loss_sum = 0, tokens = 0;  // over the global batch (all DP ranks)
   std::optional<double> grad_norm;  // before clipping; none when skipped
   std::optional<int64_t> num_zeros; // with --log-num-zeros-in-grad
+  // MoE: Megatron's logged load_balancing_loss and z_loss (coefficients removed), averaged over
+  // micro-batches, DP replicas and MoE layers.
+  std::optional<double> moe_aux, moe_z;
   double loss() const { return loss_sum / std::max(1.0, tokens); }
 };
 

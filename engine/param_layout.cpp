@@ -58,6 +58,29 @@ struct Builder {
     if (d.norm == Normalization::layernorm)
       add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer).tp_partial_grad = tp_partial;
   }
+
+  // An MoE layer's MLP (Megatron-Core's MoELayer, --moe-grouped-gemm names): a standalone
+  // pre-MLP norm, the router, the experts' fc1 and fc2 stacked along their rows (expert e owns
+  // rows [e * rows, (e+1) * rows) of its layer's weight, gate and up halves per expert with
+  // SwiGLU), and the shared expert (a dense MLP).
+  void moe_layer(const std::string& p, int l) {
+    const int64_t h = d.hidden, E = d.experts, fe = d.expert_ffn, fc1 = d.expert_fc1_width();
+    const int64_t halves = d.swiglu ? 2 : 1;
+    norm(p, "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", h, l, d.sequence_parallel);
+    add(p + "mlp.router.weight", {E, h}, whole(E, h), InitKind::normal, d.init_std, true, l).tp_partial_grad =
+        d.sequence_parallel;
+    add(p + "mlp.experts.linear_fc1.weight", {E * fc1, h}, rows(E * fc1, h, E * halves), InitKind::normal,
+        d.init_std, false, l);
+    add(p + "mlp.experts.linear_fc2.weight", {E * h, fe}, cols(E * h, fe), InitKind::normal, d.output_init_std, false,
+        l);
+    if (d.shared_ffn > 0) {
+      const int64_t fs = d.shared_ffn, fc1s = d.shared_fc1_width();
+      add(p + "mlp.shared_experts.linear_fc1.weight", {fc1s, h}, rows(fc1s, h, halves), InitKind::normal, d.init_std,
+          false, l);
+      add(p + "mlp.shared_experts.linear_fc2.weight", {h, fs}, cols(h, fs), InitKind::normal, d.output_init_std, false,
+          l);
+    }
+  }
 };
 
 }  // namespace
@@ -91,6 +114,10 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
     b.add(p + "self_attention.linear_proj.weight", {h, attn}, b.cols(h, attn), InitKind::normal, d.output_init_std,
           false, l);
     if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+    if (d.is_moe(l)) {
+      b.moe_layer(p, l);
+      continue;
+    }
     b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l, d.sequence_parallel);
     b.add(p + "mlp.linear_fc1.weight", {fc1_rows, h}, b.rows(fc1_rows, h, chunks), InitKind::normal, d.init_std,
           false, l);

@@ -217,7 +217,7 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
                "--train-iters/--train-samples", iteration, a.microbatch + 1, M);
         m.stage_micro_batch(slots[0], mb_, loss_grad_scale, per_token_loss, key, true);
       } else {
-        m.stage_without_data(slots[0], key, true);
+        m.stage_without_data(slots[0], key, true, loss_grad_scale);
       }
       time("forward-compute", true);
       m.forward(slots[0]);

@@ -121,13 +121,8 @@ int64_t Trainer::next_global_batch() const {
   return B;
 }
 
-int Trainer::next_num_microbatches() const {
-  return static_cast<int>(next_global_batch() / (cfg_.train.micro_batch_size * cfg_.parallel.data_parallel_size));
-}
-
-void Trainer::forward_backward() {
+void Trainer::forward_backward(int M) {
   const TrainConfig& t = cfg_.train;
-  const int M = next_num_microbatches();
   const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : M);
   timers_.start("forward-backward");
   runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1, M);
@@ -195,24 +190,28 @@ void Trainer::collect_timers(IterationStats& s, double iterations) {
   }
 }
 
-StepOutcome Trainer::train_step() {
+StepOutcome Trainer::train_step() { return train_step(next_global_batch()); }
+
+StepOutcome Trainer::train_step(int64_t global_batch) {
   Backend& be = model_.backend();
+  const int M = static_cast<int>(global_batch / (cfg_.train.micro_batch_size * cfg_.parallel.data_parallel_size));
   // The plan is the run's: a step allocates nothing on the device (checked, not assumed).
   const size_t allocated_before = be.bytes_allocated();
   replica_check_.run();
   for (GptModel* m : chunks_) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
+    if (!m->moe_loss_sums().empty()) be.fill(m->moe_loss_sums(), 0.0);
     m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
-  forward_backward();
+  forward_backward(M);
   for (GptModel* m : chunks_) m->check_grads_written();
   // FP8: this step's amaxes give the next step's scales (delayed scaling); new weights to cast.
   // Before the optimizer step, which with FP8 parameters casts the new weights with those scales.
   for (GptModel* m : chunks_) m->fp8_end_step();
   timers_.start("optimizer");
-  StepOutcome o = optimizer_.step(iteration_ + 1, next_global_batch());
+  StepOutcome o = optimizer_.step(iteration_ + 1, global_batch);
   timers_.stop("optimizer");
   MT_CHECK(be.bytes_allocated() == allocated_before,
            "training step {} changed the device memory allocated from {} to {} bytes (a step must allocate nothing)",
@@ -238,7 +237,7 @@ int64_t Trainer::train() {
   check_weight_hashes();
   bool first = true;
   while (iteration_ < t.total_iters) {
-    const int64_t B = t.global_batch_at(consumed_samples_);
+    const int64_t B = next_global_batch();  // (with Megatron's consistency check)
     if (B / per_step != num_microbatches) {
       if (B / per_step < num_microbatches)
         fail("--step-batch-size-schedule: Number of microbatches should not decrease; going from {} to {}",
@@ -246,7 +245,6 @@ int64_t Trainer::train() {
       if (on_microbatches_change) on_microbatches_change(iteration_);
       num_microbatches = static_cast<int>(B / per_step);
     }
-    next_global_batch();  // the consistency check
     batch_ = B;
     if (std::find(t.iterations_to_skip.begin(), t.iterations_to_skip.end(), iteration_ + 1) !=
         t.iterations_to_skip.end()) {
@@ -259,7 +257,7 @@ int64_t Trainer::train() {
       continue;
     }
     const auto step_start = Clock::now();
-    const StepOutcome o = train_step();  // ends with the step's one readback, so the time is complete
+    const StepOutcome o = train_step(B);  // ends with the step's one readback, so the time is complete
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
     step_samples_.push_back(B);
     // One energy read where the summary's steps begin (an NVML read takes milliseconds while the
@@ -276,6 +274,8 @@ int64_t Trainer::train() {
     } else {
       ++interval_advanced_;
       interval_loss_ += o.loss();
+      if (o.moe_aux) interval_moe_["load_balancing_loss"] += *o.moe_aux;
+      if (o.moe_z) interval_moe_["z_loss"] += *o.moe_z;
       loss_history_.push_back(o.loss());
     }
     report_iteration(o, first);
@@ -367,6 +367,11 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   // Megatron prints the key once any iteration succeeded (0 for an interval of skipped ones).
   if (!loss_history_.empty()) s.losses["lm loss"] = interval_loss_ / std::max<int64_t>(1, interval_advanced_);
   if (!o.skipped) s.iteration_losses["lm loss"] = o.loss();
+  // MoE losses: in the line after lm loss (the map's order), as Megatron's total_loss_dict has them.
+  for (const auto& [key, sum] : interval_moe_)
+    if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
+  if (!o.skipped && o.moe_aux) s.iteration_losses["load_balancing_loss"] = *o.moe_aux;
+  if (!o.skipped && o.moe_z) s.iteration_losses["z_loss"] = *o.moe_z;
   s.loss_scale = scaler_.scale();
   s.grad_norm = o.grad_norm;
   s.num_zeros = o.num_zeros;
@@ -381,6 +386,7 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   reporter_.on_iteration(s);
   if (interval_end && !first_of_run) {
     interval_loss_ = 0;
+    for (auto& [key, sum] : interval_moe_) sum = 0;
     interval_advanced_ = interval_skipped_ = interval_nan_ = 0;
     interval_start_ = now;
     interval_paused_s_ = 0;

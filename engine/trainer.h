@@ -74,10 +74,10 @@ class Trainer {
   bool has_validation() const { return has_validation_; }
   // One iteration (exposed for tests): returns the step outcome.
   StepOutcome train_step();
-  // The global batch and micro-batches per DP rank of the next iteration (from the consumed
-  // samples: --step-batch-size-schedule), with Megatron's consistency check.
+  StepOutcome train_step(int64_t global_batch);  // the iteration's global batch, computed once
+  // The global batch of the next iteration (from the consumed samples: --step-batch-size-schedule),
+  // with Megatron's consistency check.
   int64_t next_global_batch() const;
-  int next_num_microbatches() const;
 
   int64_t iteration() const { return iteration_; }
   int64_t consumed_samples() const { return consumed_samples_; }
@@ -110,7 +110,7 @@ class Trainer {
 
  private:
   using Clock = std::chrono::steady_clock;
-  void forward_backward();
+  void forward_backward(int num_microbatches);
   void report_iteration(const StepOutcome& o, bool first_of_run);
   // Fills s.timers_ms (and with --timing-log-option all s.timers_all_ranks_ms) from this
   // interval's timers: per-iteration means, min/max over the ranks that ran them (one small
@@ -158,6 +158,7 @@ class Trainer {
 
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
+  std::map<std::string, double> interval_moe_;  // MoE losses' sums over the interval, by log name
   int64_t interval_advanced_ = 0, interval_skipped_ = 0, interval_nan_ = 0;
   Clock::time_point interval_start_;
   Clock::time_point run_start_ = Clock::now();

@@ -11,16 +11,21 @@
 namespace mt {
 
 // What the MLP block keeps for backward: ln2's output (all N rows) and statistics (this rank's),
-// fc1's output, the activation where kept (keep_act), and the layer output where kept (keep_out).
-void GptModel::layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out) {
+// fc1's output, the activation where kept (keep_act), what an MoE block keeps (moe), and the
+// layer output where kept (keep_out).
+void GptModel::layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out, bool dense,
+                               bool moe) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
   A.ln2_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
   A.ln2_mean = a.take(c, S, {Nl});
   A.ln2_rstd = a.take(c, S, {Nl});
-  A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
-  A.act_kept = keep_act;
-  A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
+  if (dense) {
+    A.fc1_pre = a.take(c, T, {N, d_.fc1_width_local()});
+    A.act_kept = keep_act;
+    A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
+  }
+  if (moe) layout_moe_acts(a, c, A);
   if (keep_out) A.out = a.take(c, T, {Nl, h});
 }
 

@@ -1,0 +1,240 @@
+// The MoE block of a decoder layer (Megatron-Core's MoELayer with its TopKRouter, dropless, on one
+// expert-parallel rank), forward and backward: ln2 (the pre-MLP norm, written by the attention
+// block's closing op) -> router -> top-k routing -> permute (tokens grouped by expert) -> the
+// experts' fc1 (grouped GEMM) -> activation -> times the routing weight -> fc2 (grouped GEMM) ->
+// un-permute (sum of each token's k expert outputs) [+ the shared expert] ->
+// dropout + residual, whose pass also writes the norm that follows. Load-balancing (aux) and
+// z-losses add their gradients to the router's logits; they are logged, never added to the loss.
+#include <cmath>
+
+#include "core/error.h"
+#include "engine/gpt_model.h"
+#include "engine/gpt_model_parts.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+MoeRouting GptModel::moe_routing() const {
+  MoeRouting r;
+  r.experts = d_.experts;
+  r.topk = d_.topk;
+  r.score = d_.moe_score;
+  r.pre_softmax = d_.moe_pre_softmax;
+  r.scaling = d_.moe_scaling;
+  r.num_groups = d_.moe_groups;
+  r.group_topk = d_.moe_group_topk;
+  return r;
+}
+
+int GptModel::moe_layers() const {
+  int n = 0;
+  for (int l = d_.layer_begin; l < d_.layer_end; ++l) n += d_.is_moe(l) ? 1 : 0;
+  return n;
+}
+
+// What an MoE layer keeps for backward (after ln2's output and statistics, laid out by
+// layout_mlp_acts).
+void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
+  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk;
+  const DType T = opt_.compute, S = opt_.accum;
+  MoeActs& M = A.moe;
+  M.logits = a.take(c, d_.moe_router_fp32 ? DType::f32 : T, {N, E});
+  M.probs = a.take(c, S, {N, d_.topk});
+  M.idx = a.take(c, DType::i32, {N, d_.topk});
+  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) M.stats = a.take(c, S, {2 * E + 1});
+  M.order = a.take(c, DType::i32, {Nk});
+  M.slot_of = a.take(c, DType::i32, {Nk});
+  M.offsets = a.take(c, DType::i32, {E + 1});
+  moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(E + 1), 0));
+  M.host_offsets = moe_host_offsets_.back().get();
+  M.p_perm = a.take(c, S, {Nk});
+  M.x_perm = a.take(c, T, {Nk, h});
+  M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width()});
+  if (d_.shared_ffn > 0) {
+    M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width() / d_.tp_size});
+  }
+}
+
+// The MoE layers' shared workspace (none without MoE layers on this stage).
+void GptModel::layout_moe_workspace(Arena& a) {
+  Workspace& w = *ws_;
+  w.moe_rows = w.moe_act = w.moe_dact = w.moe_sh_act = w.moe_dlogits = w.moe_aux_grad = w.moe_dprobs =
+      w.moe_dp_perm = Tensor();
+  if (!d_.any_moe()) return;
+  moe_off32_.assign(static_cast<size_t>(d_.experts + 1), 0);
+  using C = MemoryCategory;
+  const DType T = opt_.compute, S = opt_.accum;
+  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk, fe = d_.expert_ffn;
+  w.moe_rows = a.take(C::workspace, T, {Nk, h});
+  w.moe_act = a.take(C::workspace, T, {Nk, fe});
+  w.moe_dact = a.take(C::workspace, T, {Nk, fe});
+  if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn / d_.tp_size});
+  const DType R = d_.moe_router_fp32 ? DType::f32 : T;  // the router's dtype
+  w.moe_dlogits = a.take(C::workspace, R, {N, E});
+  w.moe_x32 = w.moe_w32 = Tensor();
+  if (R != T) {
+    w.moe_x32 = a.take(C::workspace, R, {N, h});
+    w.moe_w32 = a.take(C::workspace, R, {E, h});
+  }
+  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) w.moe_aux_grad = a.take(C::workspace, S, {N, E});
+  w.moe_dprobs = a.take(C::workspace, S, {N, d_.topk});
+  w.moe_dp_perm = a.take(C::workspace, S, {Nk});
+}
+
+// The MoE block of layer `local`: h1 (normed into ln2_out by the attention block's closing op)
+// -> out = h1 + dropout(routed experts + shared expert), and the norm that reads out (next).
+void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next) {
+  const LayerParams& P = layer_params_[static_cast<size_t>(local)];
+  const Workspace& w = *ws_;
+  const MoeActs& M = A.moe;
+  const int layer = d_.layer_begin + local;
+  const int k = d_.topk;
+  const int64_t N = d_.tokens();
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  const MoeRouting r = moe_routing();
+  gather_rows(A.ln2_out);
+
+  // Router: logits, top-k routing weights and experts; the load-balancing statistics.
+  if (w.moe_x32.empty()) {
+    be_.linear_forward(M.logits, A.ln2_out, P.router_w, Tensor(), Activation::none, Tensor());
+  } else {
+    be_.cast(w.moe_x32, A.ln2_out);
+    be_.cast(w.moe_w32, P.router_w);
+    be_.linear_forward(M.logits, w.moe_x32, w.moe_w32, Tensor(), Activation::none, Tensor());
+  }
+  be_.moe_route(M.probs, M.idx, M.logits, Tensor(), r);
+  if (!M.stats.empty()) {
+    be_.moe_aux_stats(M.stats, M.logits, r);
+    if (s.training) {
+      // The logged values (coefficients removed): aux = E / (k N^2) sum_e P_e f_e, z = mean lse^2.
+      const double n = static_cast<double>(N);
+      be_.moe_aux_log(moe_loss_, M.stats, static_cast<float>(d_.experts / (k * n * n)), static_cast<float>(1.0 / n));
+    }
+  }
+
+  // Permute: the (token, slot) pairs grouped by expert; the grouped GEMMs take the split sizes on
+  // the host (one copy per layer).
+  be_.moe_permute_plan(M.order, M.slot_of, M.offsets, M.idx, d_.experts);
+  be_.copy_to_host(moe_off32_.data(), M.offsets);
+  std::vector<int64_t>& offsets = *M.host_offsets;
+  for (size_t e = 0; e < moe_off32_.size(); ++e) offsets[e] = moe_off32_[e];
+  be_.moe_gather_rows(M.x_perm, A.ln2_out, M.order, k);
+  be_.moe_gather_rows(M.p_perm.view({N * k, 1}), M.probs.view({N * k, 1}), M.order, 1);
+
+  // Shared expert's fc1 and activation (the last reader of ln2's output, which may share the
+  // memory of tmp_h: ModelOptions::keep_norm_outputs).
+  if (d_.shared_ffn > 0) {
+    be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
+    if (d_.swiglu) be_.swiglu_forward(w.moe_sh_act, M.sh_fc1_pre);
+    else be_.activation_forward(w.moe_sh_act, M.sh_fc1_pre, d_.ungated_mlp_activation());
+  }
+
+  // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs summed.
+  be_.grouped_linear_forward(M.fc1_pre, M.x_perm, P.ex_fc1_w, offsets);
+  if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
+  else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
+  be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);
+  be_.grouped_linear_forward(w.moe_rows, w.moe_act, P.ex_fc2_w, offsets);
+  be_.moe_combine(w.tmp_h, w.moe_rows, M.slot_of, k, false);
+
+  // The shared expert's output added (Megatron: routed + shared).
+  if (d_.shared_ffn > 0) {
+    const Tensor sh_out = w.moe_rows.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
+    be_.linear_forward(sh_out, w.moe_sh_act, P.sh_fc2_w, Tensor(), Activation::none, Tensor());
+    be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, sh_out);
+  }
+
+  if (!next.fused)
+    be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), Tensor(), A.h1, hp, hidden_key(s, layer, 2));
+  else
+    be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), Tensor(), hp,
+                              hidden_key(s, layer, 2), next.weight, next.bias, norm_, next.amax);
+}
+
+// The MoE block's backward: dy (the gradient of out) -> the gradient of h1 in the workspace's gH,
+// with the router's, the experts', the shared expert's and ln2's parameter gradients.
+void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
+  const LayerParams &P = layer_params_[static_cast<size_t>(local)], &G = layer_grads_[static_cast<size_t>(local)];
+  const Workspace& w = *ws_;
+  const MoeActs& M = A.moe;
+  const int layer = d_.layer_begin + local;
+  const int k = d_.topk;
+  const int64_t N = d_.tokens();
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  const MoeRouting r = moe_routing();
+  const std::vector<int64_t>& offsets = *M.host_offsets;
+
+  // The norm output, where not kept, is rewritten (the same bits) for the weight gradients below.
+  if (!A.norm_kept) {
+    be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
+    gather_rows(A.ln2_out);
+  }
+  // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
+  const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
+  be_.moe_gather_rows(w.moe_rows, d_out, M.order, k);  // its permuted rows: d y_perm [Nk, h]
+  bool dx_started = false;  // whether gT (the gradient of ln2's output) holds a first term
+
+  // Shared expert (gT = its input gradient).
+  if (d_.shared_ffn > 0) {
+    if (d_.swiglu) {
+      be_.linear_backward_input(w.moe_sh_act, d_out, P.sh_fc2_w, false, Activation::none, Tensor());
+      // In place: sh_fc1_pre becomes its gradient and the activation gradient the activation.
+      be_.swiglu_backward_recompute(M.sh_fc1_pre, w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre);
+      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_out, w.moe_sh_act, accumulate_weight_grad(G.sh_fc2_w));
+      be_.linear_backward_weight(G.sh_fc1_w, Tensor(), M.sh_fc1_pre, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
+      be_.linear_backward_input(w.gT, M.sh_fc1_pre, P.sh_fc1_w, false, Activation::none, Tensor());
+    } else {
+      // fc1's output gradient into the activation buffer, sh_fc1_pre becomes the activation.
+      be_.linear_backward_input_recompute(w.moe_sh_act, M.sh_fc1_pre, d_out, P.sh_fc2_w, d_.ungated_mlp_activation(),
+                                          M.sh_fc1_pre);
+      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_out, M.sh_fc1_pre, accumulate_weight_grad(G.sh_fc2_w));
+      be_.linear_backward_weight(G.sh_fc1_w, Tensor(), w.moe_sh_act, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
+      be_.linear_backward_input(w.gT, w.moe_sh_act, P.sh_fc1_w, false, Activation::none, Tensor());
+    }
+    dx_started = true;
+  }
+
+  // Routed experts, last GEMM first.
+  be_.grouped_linear_backward_input(w.moe_dact, w.moe_rows, P.ex_fc2_w, offsets);  // d (act * p)
+  if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
+  else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
+  be_.moe_scale_rows_backward(w.moe_dact, w.moe_dp_perm, w.moe_dact, w.moe_act, M.p_perm);  // d act, d p
+  be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);                          // fc2's input again
+  be_.grouped_linear_backward_weight(G.ex_fc2_w, w.moe_rows, w.moe_act, offsets, accumulate_weight_grad(G.ex_fc2_w));
+  // fc1's output gradient: SwiGLU's in place of fc1_pre [Nk, 2f], GeLU's in place of d act.
+  const Tensor d_fc1 = d_.swiglu ? M.fc1_pre : w.moe_dact;
+  if (d_.swiglu) be_.swiglu_backward(d_fc1, w.moe_dact, M.fc1_pre);
+  else be_.activation_backward(d_fc1, w.moe_dact, M.fc1_pre, d_.ungated_mlp_activation());
+  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, M.x_perm, offsets, accumulate_weight_grad(G.ex_fc1_w));
+  be_.grouped_linear_backward_input(w.moe_rows, d_fc1, P.ex_fc1_w, offsets);   // d x_perm [Nk, h]
+  be_.moe_combine(w.gT, w.moe_rows, M.slot_of, k, dx_started);
+
+  // Router: the routing weights' gradient back in token order, the aux and z-losses' gradients
+  // (seeded as the loss is: loss scale / micro-batches), then the gating GEMM's backward.
+  be_.moe_gather_rows(w.moe_dprobs.view({N * k, 1}), w.moe_dp_perm.view({N * k, 1}), M.slot_of, 1);
+  Tensor aux_grad;
+  if (!M.stats.empty()) {
+    const double n = static_cast<double>(N), seed = s.moe_aux_seed;
+    const float aux_scale = static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n) * seed);
+    const float z_scale = static_cast<float>(d_.moe_z_coeff / n * seed);
+    be_.moe_aux_grad(w.moe_aux_grad, M.logits, M.stats, aux_scale, z_scale, r);
+    aux_grad = w.moe_aux_grad;
+  }
+  be_.moe_route_backward(w.moe_dlogits, w.moe_dprobs, M.logits, M.idx, aux_grad, r);
+  if (w.moe_x32.empty()) {
+    be_.linear_backward_weight(G.router_w, Tensor(), w.moe_dlogits, A.ln2_out, true);
+    be_.linear_backward_input(w.gT, w.moe_dlogits, P.router_w, true, Activation::none, Tensor());
+  } else {  // float32: the input gradient added to gT in float, rounded once
+    be_.cast(w.moe_x32, A.ln2_out);
+    be_.cast(w.moe_w32, P.router_w);
+    be_.linear_backward_weight(G.router_w, Tensor(), w.moe_dlogits, w.moe_x32, true);
+    be_.linear_backward_input(w.moe_x32, w.moe_dlogits, w.moe_w32, false, Activation::none, Tensor());
+    be_.axpby(w.gT, 1.0f, w.gT, 1.0f, w.moe_x32);
+  }
+
+  // ln2's backward, plus the residual's gradient.
+  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, Tensor(),
+                    norm_);
+}
+
+}  // namespace mt

@@ -1,0 +1,244 @@
+// Mixture-of-experts layers in the whole model (engine/blocks/moe.cpp) on the reference backend:
+// float64 gradient checks of every parameter against central differences of the objective the
+// gradients belong to (the loss plus the aux and z-losses), an MoE layer of one expert equal to the
+// dense MLP with the same weights, and training.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
+#include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
+
+using namespace mt;
+
+namespace {
+
+Config tiny_moe_config(int experts, int topk) {
+  Config c = test::tiny_llama_config();
+  c.model.num_layers = 3;
+  MoeConfig& e = c.model.moe;
+  e.num_experts = experts;
+  e.router_topk = topk;
+  e.ffn_hidden_size = 20;
+  e.layer_freq = 1;
+  e.moe_layer = {1, 0, 1};  // a dense layer between two MoE layers
+  return c;
+}
+
+struct MoeHarness {
+  Config cfg;
+  ParallelState ps = make_single_process_state();
+  std::unique_ptr<Backend> be = make_reference_backend(2);
+  ModelDims dims;
+  std::unique_ptr<GptModel> model;
+  MicroBatch mb;
+
+  explicit MoeHarness(const Config& c, DType dtype = DType::f64, double scale = 20.0) : cfg(c) {
+    dims = ModelDims::from_config(cfg, ps);
+    ModelOptions o = ModelOptions::from_config(cfg, dims, dtype);
+    model = std::make_unique<GptModel>(dims, o, ps, *be);
+    model->init_parameters();
+    if (scale != 1.0) {
+      // Bigger weights than the 0.02 init so that every path carries signal (and routing differs
+      // by token).
+      std::vector<double> w = params();
+      for (const ParamDesc& p : model->params())
+        for (int64_t k = 0; k < p.numel(); ++k) {
+          double& v = w[static_cast<size_t>(p.offset + k)];
+          v = p.init == InitKind::normal ? v * scale : v + 0.1 * std::sin(1.0 + static_cast<double>(k));
+        }
+      set_params(w);
+    }
+    test::ArangeBatchSource src(dims.micro_batch, dims.seq, dims.vocab);
+    src.next(mb);
+    for (size_t k = 0; k < mb.tokens.size(); ++k) {
+      mb.tokens[k] = static_cast<int32_t>((k * 13 + 5) % dims.vocab);
+      mb.labels[k] = static_cast<int32_t>((k * 29 + 3) % dims.vocab);
+      mb.loss_mask[k] = (k % 5 == 3) ? 0.0f : 1.0f;
+    }
+  }
+
+  std::vector<double> params() {
+    std::vector<double> w(static_cast<size_t>(model->params_flat().numel()));
+    be->copy_to_host(w.data(), model->params_flat());
+    return w;
+  }
+  void set_params(const std::vector<double>& w) { be->copy_from_host(model->params_flat(), w.data()); }
+
+  // The objective whose gradient backward() computes: the loss of the micro-batch plus the MoE
+  // layers' aux and z-losses with their coefficients (the logged sums times the coefficients).
+  double objective(double* lm = nullptr) {
+    be->fill(model->loss_sums(false), 0.0);
+    if (!model->moe_loss_sums().empty()) be->fill(model->moe_loss_sums(), 0.0);
+    model->stage_micro_batch(0, mb, 1.0, false, 42, true);
+    model->forward(0);
+    double s[2], m[2] = {0, 0};
+    be->copy_to_host(s, model->loss_sums(false));
+    if (!model->moe_loss_sums().empty()) be->copy_to_host(m, model->moe_loss_sums());
+    if (lm) *lm = s[0] / s[1];
+    return s[0] / s[1] + dims.moe_aux_coeff * m[0] + dims.moe_z_coeff * m[1];
+  }
+
+  std::vector<double> grads() {
+    model->zero_grads();
+    objective();
+    model->backward(0);
+    model->check_grads_written();
+    std::vector<double> g(static_cast<size_t>(model->grads_flat().numel()));
+    be->copy_to_host(g.data(), model->grads_flat());
+    return g;
+  }
+
+  void check_all(int samples_per_param) {
+    const std::vector<double> g = grads();
+    std::vector<double> w = params();
+    const double eps = 1e-6;
+    for (const ParamDesc& p : model->params()) {
+      const int64_t n = p.numel(), stride = std::max<int64_t>(1, n / samples_per_param);
+      double worst = 0, max_grad = 0;
+      for (int64_t k = (n > samples_per_param ? 1 : 0); k < n; k += stride) {
+        const size_t i = static_cast<size_t>(p.offset + k);
+        const double saved = w[i];
+        w[i] = saved + eps;
+        set_params(w);
+        const double lp = objective();
+        w[i] = saved - eps;
+        set_params(w);
+        const double lm = objective();
+        w[i] = saved;
+        const double numeric = (lp - lm) / (2 * eps);
+        const double bound = 1e-8 + 1e-5 * std::max(std::fabs(numeric), std::fabs(g[i]));
+        worst = std::max(worst, std::fabs(numeric - g[i]) / bound);
+        max_grad = std::max(max_grad, std::fabs(g[i]));
+        if (std::fabs(numeric - g[i]) > bound) {
+          INFO(p.name << "[" << k << "]: analytic " << g[i] << " numeric " << numeric);
+          CHECK(std::fabs(numeric - g[i]) <= bound);
+        }
+      }
+      set_params(w);
+      INFO(p.name << ": worst error/bound " << worst << ", largest |grad| " << max_grad);
+      CHECK(worst <= 1.0);
+      CHECK(max_grad > 1e-7);  // the check would be empty if no gradient reached the parameter
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shared expert", "[moe][gradcheck]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.model.moe.shared_expert_intermediate_size = 12;
+  MoeHarness h(c);
+  h.check_all(5);
+}
+
+TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing and scaling, GeLU experts",
+          "[moe][gradcheck]") {
+  SECTION("pre-softmax top-1 with scaling") {
+    Config c = tiny_moe_config(3, 1);
+    c.model.moe.router_pre_softmax = true;
+    c.model.moe.router_topk_scaling_factor = 2.5;
+    c.model.moe.aux_loss_coeff = {0.05};
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+  SECTION("sigmoid, 8 experts in 4 groups, top-3 of the best 2 groups, aux loss") {
+    Config c = tiny_moe_config(8, 3);
+    c.model.moe.score_function = MoeScoreFunction::sigmoid;
+    c.model.moe.router_num_groups = 4;
+    c.model.moe.router_group_topk = 2;
+    c.model.moe.router_topk_scaling_factor = 1.5;
+    c.model.moe.aux_loss_coeff = {0.1};
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+  SECTION("GeLU experts and shared expert (LayerNorm), every other layer MoE") {
+    Config c = tiny_moe_config(4, 2);
+    c.model.swiglu = false;
+    c.model.normalization = Normalization::layernorm;
+    c.model.moe.moe_layer = {0, 1, 0};
+    c.model.moe.shared_expert_intermediate_size = 8;
+    c.model.moe.z_loss_coeff = 0.02;
+    test::derive(c);
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+}
+
+TEST_CASE("MoE: one expert with top-1 routing is the dense MLP with the same weights", "[moe]") {
+  // Pre-softmax over one expert gives every token the weight 1: the MoE layer is then the dense
+  // SwiGLU MLP (the router gets no gradient). Same weights, same losses and gradients.
+  Config dense = test::tiny_llama_config();
+  dense.model.num_layers = 3;
+  dense.model.ffn_hidden_size = 20;
+  test::derive(dense);
+  Config moe = tiny_moe_config(1, 1);
+  moe.model.moe.router_pre_softmax = true;
+  MoeHarness hd(dense, DType::f32, 5.0), hm(moe, DType::f32, 5.0);
+  // Name map: the MoE layers' pre-MLP norm and experts take the dense layers' norm and MLP.
+  auto dense_name = [](std::string n) {
+    const std::pair<const char*, const char*> map[] = {
+        {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"},
+        {"mlp.experts.linear_fc1.weight", "mlp.linear_fc1.weight"},
+        {"mlp.experts.linear_fc2.weight", "mlp.linear_fc2.weight"}};
+    for (const auto& [from, to] : map)
+      if (const size_t at = n.find(from); at != std::string::npos) n.replace(at, std::strlen(from), to);
+    return n;
+  };
+  std::vector<float> wd(static_cast<size_t>(hd.model->params_flat().numel()));
+  std::vector<float> wm(static_cast<size_t>(hm.model->params_flat().numel()), 0.0f);
+  hd.be->copy_to_host(wd.data(), hd.model->params_flat());
+  hm.be->copy_to_host(wm.data(), hm.model->params_flat());
+  std::map<std::string, const ParamDesc*> by_name;
+  for (const ParamDesc& p : hd.model->params()) by_name[p.name] = &p;
+  int mapped = 0;
+  for (const ParamDesc& p : hm.model->params()) {
+    if (p.name.find("mlp.router.") != std::string::npos) continue;
+    const auto it = by_name.find(dense_name(p.name));
+    REQUIRE(it != by_name.end());
+    REQUIRE(it->second->numel() == p.numel());
+    std::memcpy(&wm[static_cast<size_t>(p.offset)], &wd[static_cast<size_t>(it->second->offset)],
+                static_cast<size_t>(p.numel()) * sizeof(float));
+    ++mapped;
+  }
+  CHECK(mapped == static_cast<int>(hd.model->params().size()));
+  hm.be->copy_from_host(hm.model->params_flat(), wm.data());
+
+  auto run = [](MoeHarness& h) {
+    h.model->zero_grads();
+    double lm = 0;
+    h.objective(&lm);
+    h.model->backward(0);
+    std::vector<float> g(static_cast<size_t>(h.model->grads_flat().numel()));
+    h.be->copy_to_host(g.data(), h.model->grads_flat());
+    return std::make_pair(lm, g);
+  };
+  const auto [ld, gd] = run(hd);
+  const auto [lm, gm] = run(hm);
+  CHECK(lm == Approx(ld).epsilon(1e-6));
+  for (const ParamDesc& p : hm.model->params()) {
+    double diff = 0, norm = 0;
+    if (p.name.find("mlp.router.") != std::string::npos) {
+      for (int64_t k = 0; k < p.numel(); ++k) CHECK(gm[static_cast<size_t>(p.offset + k)] == 0.0f);
+      continue;
+    }
+    const ParamDesc& q = *by_name.at(dense_name(p.name));
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      const double a = gm[static_cast<size_t>(p.offset + k)], b = gd[static_cast<size_t>(q.offset + k)];
+      diff = std::max(diff, std::fabs(a - b));
+      norm = std::max(norm, std::fabs(b));
+    }
+    INFO(p.name << ": max |diff| " << diff << " of max |grad| " << norm);
+    CHECK(norm > 0);
+    CHECK(diff <= 1e-5 * norm);
+  }
+}
