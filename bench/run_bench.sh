@@ -3,11 +3,20 @@
 # with --mock-data, and, where PyTorch is importable, the same configs in PyTorch + torch.compile
 # (bench/pytorch_reference.py), side by side. Prints a table of tokens/s, TFLOP/s, MFU, peak memory,
 # and for every run the GPU's median SM clock and power while it computed (where nvidia-smi is).
+# Two mixture-of-experts configs run when --configs names them (not by default): moe-mixtral-proxy
+# (16 layers, 8 experts, top-2, expert FFN 5632) and moe-fine-grained (12 layers, 64 experts, top-8,
+# expert FFN 768), both h 2048, 32 heads / 8 KV groups, seq 4096, micro-batch 2, vocabulary 32000,
+# dropless, grouped-GEMM experts, aux loss 1e-2; their PyTorch side is bench/pytorch_moe.py, after
+# its --self-check (routing, permutation, grouped GEMM and aux loss against a per-token reference).
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
 #                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
-#                      [--fp8-only] [--no-energy]
+#                      [--fp8-only] [--no-energy] [--pytorch-extra "<more PyTorch script flags>"]
+#   bench/run_bench.sh --configs moe-mixtral-proxy,moe-fine-grained --iters 20 --warmup 5
+# --pytorch-extra adds flags to the PyTorch script of every config run: "--profile-kernels N" (both
+# scripts), "--experts loop" (bench/pytorch_moe.py only: one GEMM per expert instead of
+# torch._grouped_mm, should the grouped GEMM fail on a machine; run the MoE configs alone then).
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio. --fp8-extra
@@ -31,6 +40,7 @@ fp8_recipe=delayed
 fp8_extra=""
 fp8_only=0
 energy="--log-energy"
+pytorch_extra=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -44,6 +54,7 @@ while [ $# -gt 0 ]; do
     --fp8-extra) fp8_extra="$2"; shift 2 ;;
     --fp8-only) fp8_only=1; shift ;;
     --no-energy) energy=""; shift ;;
+    --pytorch-extra) pytorch_extra="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +74,14 @@ flags_for() {
   # of layernorm): keeping them, as gpt2-124m does (and Megatron by default), would put their peak
   # memory above PyTorch's (+3.0 / +1.0 GiB).
   local recompute_norms="--recompute-granularity selective --recompute-modules core_attn layernorm"
+  # The MoE configs: a Llama-style decoder (as llama-1b) whose every layer's MLP is dropless MoE
+  # (Megatron-Core's defaults otherwise: softmax scores, top-k before the softmax, aux_loss, bf16
+  # router). --ffn-hidden-size is the expert FFN too (every layer is MoE: no dense MLP uses it).
+  local llama_moe="$recompute_norms --hidden-size 2048 --num-attention-heads 32 --group-query-attention
+    --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2
+    --global-batch-size 2 --vocab-size 32000 --swiglu --normalization RMSNorm --position-embedding-type rope
+    --untie-embeddings-and-output-weights --disable-bias-linear --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
   case "$1" in
     gpt2-124m) echo "$common --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
       --max-position-embeddings 1024 --micro-batch-size 32 --global-batch-size 32 --vocab-size 50304" ;;
@@ -72,6 +91,10 @@ flags_for() {
       --num-query-groups 8 --ffn-hidden-size 8192 --seq-length 4096 --max-position-embeddings 4096
       --micro-batch-size 2 --global-batch-size 2 --vocab-size 128256 --swiglu --normalization RMSNorm
       --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear" ;;
+    moe-mixtral-proxy) echo "$common $llama_moe --num-layers 16 --num-experts 8 --moe-router-topk 2
+      --ffn-hidden-size 5632 --moe-ffn-hidden-size 5632" ;;
+    moe-fine-grained) echo "$common $llama_moe --num-layers 12 --num-experts 64 --moe-router-topk 8
+      --ffn-hidden-size 768 --moe-ffn-hidden-size 768" ;;
     *) echo "unknown config $1" >&2; exit 2 ;;
   esac
 }
@@ -131,14 +154,24 @@ for name in "${names[@]}"; do
     fp8_line[$name]="$(clocked "$out/$name.megatrain-fp8.clocks" run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags") $(clock_summary "$out/$name.megatrain-fp8.clocks")"
   fi
 done
+# The PyTorch script of a config: the MoE configs have their own model (bench/pytorch_moe.py).
+pytorch_script() { case "$1" in moe-*) echo bench/pytorch_moe.py ;; *) echo bench/pytorch_reference.py ;; esac; }
+moe_check=""
 if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for name in "${names[@]}"; do
-    pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 bench/pytorch_reference.py --configs "$name" --iters "$iters" --warmup "$warmup" 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
+    script=$(pytorch_script "$name")
+    if [ "$script" = bench/pytorch_moe.py ] && [ -z "$moe_check" ]; then
+      if python3 bench/pytorch_moe.py --self-check > "$out/pytorch_moe.self-check" 2>&1; then moe_check="ok"
+      else moe_check="FAILED (see $out/pytorch_moe.self-check): $(grep -c FAILED "$out/pytorch_moe.self-check") checks failed"; fi
+    fi
+    # shellcheck disable=SC2086
+    pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 "$script" --configs "$name" --iters "$iters" --warmup "$warmup" $pytorch_extra 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
   done
 fi
 
 echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+if [ -n "$moe_check" ]; then echo "PyTorch MoE self-check (bench/pytorch_moe.py --self-check): $moe_check"; fi
 for name in "${names[@]}"; do
   if [ "$fp8_only" = 0 ]; then echo "$name megatrain: ${mt_line[$name]}"; fi
   if [ -n "$fp8" ]; then
