@@ -162,7 +162,7 @@ if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_availabl
     script=$(pytorch_script "$name")
     if [ "$script" = bench/pytorch_moe.py ] && [ -z "$moe_check" ]; then
       if python3 bench/pytorch_moe.py --self-check > "$out/pytorch_moe.self-check" 2>&1; then moe_check="ok"
-      else moe_check="FAILED (see $out/pytorch_moe.self-check): $(grep -c FAILED "$out/pytorch_moe.self-check") checks failed"; fi
+      else moe_check="FAILED (see $out/pytorch_moe.self-check): $(grep -c FAILED "$out/pytorch_moe.self-check" || true) checks failed; $(tail -n 1 "$out/pytorch_moe.self-check")"; fi
     fi
     # shellcheck disable=SC2086
     pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 "$script" --configs "$name" --iters "$iters" --warmup "$warmup" $pytorch_extra 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
