@@ -8,8 +8,8 @@ one JSON line per config (tokens/s, TFLOP/s by Megatron's formula, peak memory, 
 The model is a Llama-style decoder (RMSNorm, RoPE, GQA, untied embeddings, no biases) whose every
 MLP is a dropless MoE block as Megatron-Core builds it with --moe-grouped-gemm:
   - router: Linear(h, E, no bias), bf16 logits (no --moe-router-dtype);
-  - top-k after the softmax (Megatron's default, no --moe-router-pre-softmax): the k largest logits,
-    softmax in fp32 over those k, the weights cast back to the logits' dtype;
+  - softmax after the top-k (Megatron's default "post-softmax", no --moe-router-pre-softmax): the k
+    largest logits, softmax in fp32 over those k, the weights cast back to the logits' dtype;
   - the (token, expert) pairs sorted expert-major, tokens ascending within an expert (the order of
     Megatron's permutation), so each expert's rows are contiguous;
   - experts: SwiGLU, fc1 weights [E, 2F, h] (rows [gate ; up]) and fc2 weights [E, h, F], each run
@@ -70,7 +70,7 @@ def grouped_mm_op():
 
 
 def route(logits, k):
-    """Top-k after the softmax: indices of the k largest logits, their weights softmax (fp32) over
+    """Softmax after the top-k: indices of the k largest logits, their weights softmax (fp32) over
     those k, cast back to the logits' dtype. logits [T, E] -> (weights [T, k], experts [T, k])."""
     top, idx = torch.topk(logits, k, dim=-1)
     return torch.softmax(top.float(), dim=-1).to(logits.dtype), idx
