@@ -4,6 +4,7 @@
 // dense MLP with the same weights, and training.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -65,12 +66,29 @@ struct MoeHarness {
     }
   }
 
+  // The parameters as doubles (float32 models converted).
   std::vector<double> params() {
-    std::vector<double> w(static_cast<size_t>(model->params_flat().numel()));
-    be->copy_to_host(w.data(), model->params_flat());
+    const Tensor p = model->params_flat();
+    std::vector<double> w(static_cast<size_t>(p.numel()));
+    if (p.dtype == DType::f64) {
+      be->copy_to_host(w.data(), p);
+    } else {
+      std::vector<float> f(w.size());
+      be->copy_to_host(f.data(), p);
+      std::copy(f.begin(), f.end(), w.begin());
+    }
     return w;
   }
-  void set_params(const std::vector<double>& w) { be->copy_from_host(model->params_flat(), w.data()); }
+  void set_params(const std::vector<double>& w) {
+    const Tensor p = model->params_flat();
+    if (p.dtype == DType::f64) {
+      be->copy_from_host(p, w.data());
+    } else {
+      const std::vector<float> f(w.begin(), w.end());
+      be->copy_from_host(p, f.data());
+      be->synchronize();
+    }
+  }
 
   // The objective whose gradient backward() computes: the loss of the micro-batch plus the MoE
   // layers' aux and z-losses with their coefficients (the logged sums times the coefficients).
@@ -138,7 +156,7 @@ TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shar
   c.model.moe.z_loss_coeff = 0.01;
   c.model.moe.shared_expert_intermediate_size = 12;
   MoeHarness h(c);
-  h.check_all(5);
+  h.check_all(6);
 }
 
 TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing and scaling, GeLU experts",
@@ -182,6 +200,8 @@ TEST_CASE("MoE: one expert with top-1 routing is the dense MLP with the same wei
   dense.model.ffn_hidden_size = 20;
   test::derive(dense);
   Config moe = tiny_moe_config(1, 1);
+  moe.model.ffn_hidden_size = 20;  // the dense layer between the MoE layers
+  test::derive(moe);
   moe.model.moe.router_pre_softmax = true;
   MoeHarness hd(dense, DType::f32, 5.0), hm(moe, DType::f32, 5.0);
   // Name map: the MoE layers' pre-MLP norm and experts take the dense layers' norm and MLP.
