@@ -106,6 +106,11 @@ template <class F>
 void visit_derived(ModelConfig& m, F&& f) {
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
+  // --moe-layer-freq's two fields, and what derive.cpp computes for the experts (none: dense).
+  f("moe_layer_freq", m.moe.layer_freq, AddedLater{});
+  f("moe_layer_pattern", m.moe.layer_pattern, AddedLater{});
+  f("moe_expert_ffn", m.moe.expert_ffn, AddedLater{});
+  f("moe_layer", m.moe.moe_layer, AddedLater{});
   f("ffn_size", m.ffn_size);
   f("head_dim", m.head_dim);
   f("query_groups", m.query_groups);
@@ -121,7 +126,10 @@ std::vector<const cli::FlagSpec*> recorded_settings() {
   return out;
 }
 
-std::string value_text(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+std::string value_text(const json& v) {
+  if (v.is_null()) return "None";
+  return v.is_string() ? v.get<std::string>() : v.dump();
+}
 
 }  // namespace
 
@@ -194,6 +202,15 @@ void check_checkpoint_model(const json& saved, const ModelConfig& current, const
     if (saved.at(key) != now.at(key))
       diffs += fmt::format("{}{} is {} in the checkpoint but {} in this run", diffs.empty() ? "" : "; ", flag,
                            value_text(saved.at(key)), value_text(now.at(key)));
+  }
+  // The experts' sizes and which layers are MoE layers (checkpoints from before MoE: dense).
+  for (const auto& [key, flag] : std::vector<std::pair<std::string, std::string>>{
+           {"moe_expert_ffn", "the experts' FFN size (--moe-ffn-hidden-size)"},
+           {"moe_layer", "the MoE layer map (--moe-layer-freq)"}}) {
+    const json& then = saved.contains(key) ? saved.at(key) : defaults.at(key);
+    if (then != now.at(key))
+      diffs += fmt::format("{}{} is {} in the checkpoint but {} in this run", diffs.empty() ? "" : "; ", flag,
+                           value_text(then), value_text(now.at(key)));
   }
   if (!diffs.empty()) fail("checkpoint {} was saved for another model: {}", where, diffs);
 }

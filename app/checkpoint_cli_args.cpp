@@ -123,7 +123,15 @@ void apply_checkpoint_args(CliState& st) {
     return;
   }
   const nlohmann::json& saved = config.at("flags");
-  for (const CheckpointArg& a : model_args()) take(st, saved, a);
+  const bool saved_experts = saved.contains("--num-experts") && !saved.at("--num-experts").is_null();
+  for (const CheckpointArg& a : model_args()) {
+    // Megatron takes the experts' FFN size from a checkpoint with experts, and clears it otherwise.
+    if (std::string(a.flag) == "--moe-ffn-hidden-size" && !saved_experts) {
+      st.given.erase(a.flag);
+      continue;
+    }
+    take(st, saved, a);
+  }
   if (!st.has("--no-use-tokenizer-model-from-checkpoint-args"))
     for (const CheckpointArg& a : tokenizer_args()) take(st, saved, a);
   if (!st.has("--use-mp-args-from-checkpoint-args")) return;

@@ -26,5 +26,7 @@ void validate_training(CliState& st);
 void validate_data(CliState& st);
 void validate_checkpoint_and_logging(CliState& st);
 void validate_megatrain(CliState& st);
+// Mixture of experts: Megatron's rules, then what megatrain does not build yet (Unsupported); last.
+void validate_moe(CliState& st);
 
 }  // namespace mt::cli

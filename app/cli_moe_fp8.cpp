@@ -1,39 +1,209 @@
-// Mixture-of-experts and FP8/FP4 flags (megatron.md sections 1.11, 1.12): recognised so that a
-// launch script using them gets "megatrain does not support --X yet" (unsupported.cpp) instead of
-// an unknown-flag error; left at their defaults they are accepted.
+// Mixture-of-experts and FP8/FP4 flags, with Megatron-LM's types and defaults. What the engine does
+// not build yet is refused after Megatron's own rules (app/unsupported.cpp, app/validate_moe.cpp).
 #include "app/flags.h"
+
+#include <fmt/format.h>
+
+#include "app/layer_pattern.h"
 
 namespace mt::cli {
 
+namespace {
+
+using nlohmann::json;
+
+const std::vector<std::pair<std::string, MoeLoadBalancing>>& balancing_names() {
+  static const std::vector<std::pair<std::string, MoeLoadBalancing>> n = {
+      {"aux_loss", MoeLoadBalancing::aux_loss}, {"seq_aux_loss", MoeLoadBalancing::seq_aux_loss},
+      {"global_aux_loss", MoeLoadBalancing::global_aux_loss}, {"sinkhorn", MoeLoadBalancing::sinkhorn},
+      {"none", MoeLoadBalancing::none}};
+  return n;
+}
+
+std::string balancing_name(MoeLoadBalancing b) {
+  for (const auto& [n, v] : balancing_names())
+    if (v == b) return n;
+  return "?";
+}
+
+// Megatron keeps a one-element nargs='+' list as its element (validate_args).
+template <class T, class F>
+json collapsed(const std::vector<T>& v, F&& to_json) {
+  if (v.size() == 1) return to_json(v.front());
+  json a = json::array();
+  for (const T& x : v) a.push_back(to_json(x));
+  return a;
+}
+
+}  // namespace
+
 void add_moe_flags(FlagTable& t) {
   t.set_group(FlagGroup::moe);
-  t.recognised("--num-experts", Arity::one, "INT", "None (0 = None)", "experts per MoE layer")
-      .model_setting("num_experts", CheckpointTake::no);
-  t.recognised("--moe-ffn-hidden-size", Arity::one, "INT", "None", "expert FFN size");
-  t.recognised("--moe-layer-freq", Arity::one, "INT|PATTERN", "1", "which layers are MoE layers");
-  t.recognised("--moe-router-topk", Arity::one, "INT", "2", "experts per token");
-  t.recognised("--moe-router-load-balancing-type", Arity::one_or_more, "STR [STR ...]", "aux_loss", "load balancing");
-  t.recognised("--moe-aux-loss-coeff", Arity::one_or_more, "FLOAT [FLOAT ...]", "0.0", "auxiliary loss weight");
-  t.recognised("--moe-z-loss-coeff", Arity::one, "FLOAT", "None", "router z-loss weight");
-  t.recognised("--moe-router-score-function", Arity::one, "{softmax,sigmoid}", "softmax", "router score function");
-  t.recognised("--moe-router-pre-softmax", Arity::none, "", "off", "softmax before top-k");
-  t.recognised("--moe-router-dtype", Arity::one, "{fp32,fp64}", "None", "router dtype");
-  t.recognised("--moe-router-enable-expert-bias", Arity::none, "", "off", "aux-loss-free balancing");
-  t.recognised("--moe-router-bias-update-rate", Arity::one, "FLOAT", "0.001", "expert bias update rate");
-  t.recognised("--moe-router-topk-scaling-factor", Arity::one, "FLOAT", "None", "top-k score scaling");
-  t.recognised("--moe-router-num-groups", Arity::one, "INT", "None", "group-limited routing groups");
-  t.recognised("--moe-router-group-topk", Arity::one, "INT", "None", "group-limited routing top-k");
-  t.recognised("--moe-token-dispatcher-type", Arity::one, "{allgather,alltoall,flex}", "allgather", "token dispatcher");
-  t.recognised("--moe-grouped-gemm", Arity::none, "", "off", "grouped-GEMM experts");
-  t.recognised("--moe-permute-fusion", Arity::none, "", "off", "fused token permutation");
-  t.recognised("--moe-expert-capacity-factor", Arity::one, "FLOAT", "None", "expert capacity");
-  t.recognised("--moe-pad-expert-input-to-capacity", Arity::none, "", "off", "pad expert inputs to capacity");
-  t.recognised("--moe-token-drop-policy", Arity::one, "{probs,position}", "probs", "token dropping policy");
-  t.recognised("--moe-shared-expert-intermediate-size", Arity::one, "INT", "None", "shared experts' FFN size");
-  t.recognised("--moe-shared-expert-overlap", Arity::none, "", "off", "overlap shared experts");
-  t.recognised("--moe-input-jitter-eps", Arity::one, "FLOAT", "None", "input jitter");
-  t.recognised("--moe-per-layer-logging", Arity::none, "", "off", "per-layer MoE logging");
-  t.recognised("--moe-layer-recompute", Arity::none, "", "off", "recompute MoE layers");
+  {
+    FlagSpec& s = t.value("--num-experts", "experts per MoE layer E (0 or None: no MoE layers)", MT_FIELD(model.moe.num_experts));
+    s.default_text = "None (0 = None)";
+    s.value = [](const Config& c) -> json {
+      return c.model.moe.num_experts != 0 ? json(c.model.moe.num_experts) : json(nullptr);
+    };
+    s.field = s.value;  // the checkpoint's model section: null without experts, as Megatron's None
+    s.set_field = [](Config& c, const json& j) { c.model.moe.num_experts = j.is_null() ? 0 : j.get<int>(); };
+    s.model_setting("num_experts", CheckpointTake::forced, CheckpointCompare::yes, true);
+  }
+  t.value("--moe-ffn-hidden-size", "one expert's FFN size (None: the dense FFN size)", MT_FIELD(model.moe.ffn_hidden_size))
+      .model_setting("moe_ffn_hidden_size", CheckpointTake::forced, CheckpointCompare::no, true);
+  {
+    FlagSpec s;
+    s.name = "--moe-layer-freq";
+    s.group = FlagGroup::moe;
+    s.metavar = "N|LIST";
+    s.help = "MoE layers: layer i (from 0) when i % N == 0, or a 0/1 list with one entry per layer such as "
+             "\"([0]*3+[1]*29)\" or \"([1]*1+[0]*2)*4\"";
+    s.default_text = "1";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      MoeConfig& e = st.cfg.model.moe;
+      const std::string& text = v.one();
+      if (text.find('[') == std::string::npos) {
+        e.layer_freq = parse_int_arg("--moe-layer-freq", text);
+        e.layer_pattern.clear();
+      } else {
+        e.layer_pattern = parse_int_list_expression("--moe-layer-freq", text);
+        if (e.layer_pattern.empty())
+          fail("--moe-layer-freq '{}' is an empty list: give one 0/1 entry per layer", text);
+      }
+    };
+    // An int, or the list (Megatron's moe_freq_type values); the checkpoint's model section holds
+    // its two fields (app/checkpoint_args.cpp).
+    s.value = [](const Config& c) -> json {
+      const MoeConfig& e = c.model.moe;
+      return e.layer_pattern.empty() ? json(e.layer_freq) : json(e.layer_pattern);
+    };
+    t.add(std::move(s)).model_setting("moe_layer_freq", CheckpointTake::forced);
+  }
+  t.value("--moe-router-topk", "experts each token is routed to (k)", MT_FIELD(model.moe.router_topk))
+      .model_setting("moe_router_topk", CheckpointTake::forced, CheckpointCompare::no, true);
+  {
+    FlagSpec s;
+    s.name = "--moe-router-load-balancing-type";
+    s.group = FlagGroup::moe;
+    s.arity = Arity::one_or_more;
+    s.metavar = "{aux_loss,seq_aux_loss,global_aux_loss,sinkhorn,quantile_balancing,none} [...]";
+    s.help = "load balancing: aux_loss (the Switch/GShard loss) or none; one or more types";
+    s.default_text = "aux_loss";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      std::vector<std::string> names;
+      for (const auto& [n, b] : balancing_names()) names.push_back(n);
+      names.push_back("quantile_balancing");  // refused before this runs (app/unsupported.cpp)
+      std::vector<MoeLoadBalancing>& out = st.cfg.model.moe.load_balancing_type;
+      out.clear();
+      for (const std::string& x : v.values) {
+        const std::string c = parse_choice_arg("--moe-router-load-balancing-type", x, names);
+        bool found = false;
+        for (const auto& [n, b] : balancing_names())
+          if (n == c) {
+            out.push_back(b);
+            found = true;
+          }
+        if (!found) fail("megatrain does not support --moe-router-load-balancing-type {} yet", c);
+      }
+    };
+    s.value = [](const Config& c) {
+      return collapsed(c.model.moe.load_balancing_type, [](MoeLoadBalancing b) { return json(balancing_name(b)); });
+    };
+    t.add(std::move(s));
+  }
+  {
+    FlagSpec s;
+    s.name = "--moe-aux-loss-coeff";
+    s.group = FlagGroup::moe;
+    s.arity = Arity::one_or_more;
+    s.metavar = "FLOAT [FLOAT ...]";
+    s.help = "auxiliary loss coefficient, one per --moe-router-load-balancing-type";
+    s.default_text = "0.0";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      std::vector<double>& out = st.cfg.model.moe.aux_loss_coeff;
+      out.clear();
+      for (const std::string& x : v.values) out.push_back(parse_float_arg("--moe-aux-loss-coeff", x));
+    };
+    s.value = [](const Config& c) { return collapsed(c.model.moe.aux_loss_coeff, [](double x) { return json(x); }); };
+    t.add(std::move(s));
+  }
+  t.value("--moe-z-loss-coeff", "router z-loss coefficient (None: no z-loss)", MT_FIELD(model.moe.z_loss_coeff));
+  t.choice("--moe-router-score-function", "router scores: softmax or sigmoid",
+           std::vector<std::pair<std::string, MoeScoreFunction>>{{"softmax", MoeScoreFunction::softmax},
+                                                                 {"sigmoid", MoeScoreFunction::sigmoid}},
+           MT_FIELD(model.moe.score_function))
+      .model_setting("moe_router_score_function", CheckpointTake::forced, CheckpointCompare::no, true)
+      .metavar = "{softmax,sigmoid,sqrtsoftplus}";  // sqrtsoftplus is refused (app/unsupported.cpp)
+  t.flag("--moe-router-pre-softmax", "softmax over all experts before the top-k (softmax scoring)",
+         MT_FIELD(model.moe.router_pre_softmax))
+      .model_setting("moe_router_pre_softmax", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.choice("--moe-router-dtype", "the router's logits and routing weights in fp32 (None: the activation dtype)",
+           std::vector<std::pair<std::string, std::string>>{{"fp32", "fp32"}, {"fp64", "fp64"}},
+           MT_FIELD(model.moe.router_dtype));
+  t.flag("--moe-router-enable-expert-bias", "aux-loss-free load balancing with a per-expert bias (sigmoid scoring)",
+         MT_FIELD(model.moe.router_enable_expert_bias))
+      .model_setting("moe_router_enable_expert_bias", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--moe-router-bias-update-rate", "the expert bias's update rate (with --moe-router-enable-expert-bias)",
+          MT_FIELD(model.moe.router_bias_update_rate));
+  t.value("--moe-router-topk-scaling-factor", "factor on the top-k routing weights (None or 0: none)",
+          MT_FIELD(model.moe.router_topk_scaling_factor))
+      .model_setting("moe_router_topk_scaling_factor", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--moe-router-num-groups", "group-limited routing: the experts' groups (with --moe-router-group-topk)",
+          MT_FIELD(model.moe.router_num_groups))
+      .model_setting("moe_router_num_groups", CheckpointTake::no, CheckpointCompare::no, true);
+  t.value("--moe-router-group-topk", "group-limited routing: the groups each token may use",
+          MT_FIELD(model.moe.router_group_topk))
+      .model_setting("moe_router_group_topk", CheckpointTake::no, CheckpointCompare::no, true);
+  t.flag("--moe-router-force-load-balancing", "route with random logits (benchmarks only)",
+         MT_FIELD(model.moe.router_force_load_balancing));
+  t.without_effect(t.flag("--moe-router-fusion", "fused top-k routing and auxiliary-loss kernels",
+                          MT_FIELD(model.moe.router_fusion)),
+                   "megatrain's routing and load-balancing statistics always run as fused kernels");
+  t.alias(t.flag("--moe-router-padding-for-fp8", "pad each expert's tokens to the FP8/FP4 GEMM alignment",
+                 MT_FIELD(model.moe.router_padding_for_fp8)),
+          "--moe-router-padding-for-quantization");
+  t.choice("--moe-token-dispatcher-type",
+           "token dispatcher: allgather or alltoall (the same numerics with one expert-parallel rank)",
+           std::vector<std::pair<std::string, MoeDispatcher>>{{"allgather", MoeDispatcher::allgather},
+                                                              {"alltoall", MoeDispatcher::alltoall},
+                                                              {"flex", MoeDispatcher::flex}},
+           MT_FIELD(model.moe.token_dispatcher_type));
+  t.without_effect(t.flag("--moe-grouped-gemm", "experts as grouped GEMMs", MT_FIELD(model.moe.grouped_gemm)),
+                   "megatrain's experts always run as grouped GEMMs (one GEMM per expert, the same results)")
+      .model_setting("moe_grouped_gemm", CheckpointTake::forced)
+      .not_imported()
+      .model_key("");
+  t.without_effect(t.flag("--moe-permute-fusion", "fused token permutation", MT_FIELD(model.moe.permute_fusion)),
+                   "megatrain's token permutation is always fused");
+  t.value("--moe-expert-capacity-factor", "expert capacity factor (token dropping; None or negative: dropless)",
+          MT_FIELD(model.moe.expert_capacity_factor));
+  t.flag("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
+         MT_FIELD(model.moe.pad_expert_input_to_capacity));
+  t.choice("--moe-token-drop-policy", "which tokens an expert over capacity drops",
+           std::vector<std::pair<std::string, MoeDropPolicy>>{{"probs", MoeDropPolicy::probs},
+                                                              {"position", MoeDropPolicy::position}},
+           MT_FIELD(model.moe.token_drop_policy));
+  t.value("--moe-shared-expert-intermediate-size", "the shared experts' total FFN size (None: no shared expert)",
+          MT_FIELD(model.moe.shared_expert_intermediate_size))
+      .model_setting("moe_shared_expert_intermediate_size", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.flag("--moe-shared-expert-gate", "sigmoid gate on the shared expert's output", MT_FIELD(model.moe.shared_expert_gate))
+      .model_setting("moe_shared_expert_gate", CheckpointTake::no, CheckpointCompare::yes, true);
+  t.without_effect(t.flag("--moe-shared-expert-overlap", "overlap the shared expert with the token dispatch",
+                          MT_FIELD(model.moe.shared_expert_overlap)),
+                   "megatrain runs the shared expert in order, before the router and the routed experts (Megatron's "
+                   "order without the overlap)");
+  t.value("--moe-input-jitter-eps", "multiplicative jitter on the router's input", MT_FIELD(model.moe.input_jitter_eps));
+  t.flag("--moe-per-layer-logging", "per-layer MoE losses in TensorBoard", MT_FIELD(model.moe.per_layer_logging));
+  t.flag("--moe-layer-recompute", "deprecated: --recompute-granularity selective --recompute-modules moe",
+         MT_FIELD(model.moe.layer_recompute));
+  t.recognised("--moe-latent-size", Arity::one, "INT", "None", "latent projections around the experts");
+  t.recognised("--moe-use-upcycling", Arity::none, "", "off", "turn a dense checkpoint into an MoE model");
+  t.recognised("--moe-upcycling-granularity", Arity::one, "INT", "1", "expert size as a fraction of the dense FFN");
+  t.recognised("--moe-apply-probs-on-input", Arity::none, "", "off", "routing weights on the experts' input");
+  t.recognised("--moe-router-quantile-balancing-ema", Arity::one, "FLOAT", "0.0", "quantile balancing's EMA");
+  t.recognised("--moe-flex-dispatcher-backend", Arity::one, "{deepep,hybridep,ncclep}", "deepep",
+               "the flex dispatcher's backend");
+  t.recognised("--moe-enable-deepep", Arity::none, "", "off", "deprecated: --moe-flex-dispatcher-backend deepep");
   t.removed("--moe-extended-tp", Arity::none, "--moe-extended-tp was removed from Megatron-LM: drop it");
   t.removed("--moe-use-legacy-grouped-gemm", Arity::none,
             "--moe-use-legacy-grouped-gemm was removed from Megatron-LM: drop it");

@@ -45,8 +45,11 @@ void add_parallel_flags(FlagTable& t) {
                    "never overlapped with them (the same results either way)");
   t.flag("--use-tp-pp-dp-mapping", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
          MT_FIELD(parallel.use_tp_pp_dp_mapping));
-  t.recognised("--expert-model-parallel-size", Arity::one, "INT", "1", "expert parallel size (MoE)");
-  t.recognised("--expert-tensor-parallel-size", Arity::one, "INT", "None (= TP)", "tensor parallel size inside experts");
+  t.value("--expert-model-parallel-size", "expert parallel size EP (MoE): the ranks an MoE layer's experts are split over",
+          MT_FIELD(parallel.expert_model_parallel_size));
+  t.value("--expert-tensor-parallel-size", "tensor parallel size inside the experts (MoE)",
+          MT_FIELD(parallel.expert_tensor_parallel_size))
+      .default_text = "None (= TP)";
   t.removed("--no-async-tensor-model-parallel-allreduce", Arity::none,
             "--no-async-tensor-model-parallel-allreduce was removed from Megatron-LM: drop it");
   t.removed("--no-scatter-gather-tensors-in-pipeline", Arity::none,

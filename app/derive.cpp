@@ -172,6 +172,74 @@ void derive_parallel(CliState& st) {
   }
 }
 
+// Mixture of experts (Megatron's validate_args and TransformerConfig.__post_init__): None for
+// --num-experts 0 and a negative capacity factor, the experts' FFN size, which layers are MoE
+// layers (--moe-layer-freq). (--expert-tensor-parallel-size stays None when not given, which
+// means the tensor-parallel size.)
+void derive_moe(CliState& st) {
+  ModelConfig& m = st.cfg.model;
+  MoeConfig& e = m.moe;
+  if (e.num_experts < 0)
+    fail("--num-experts {} must be > 0 (0, the default None, means no MoE layers)", e.num_experts);
+  if (e.expert_capacity_factor && *e.expert_capacity_factor < 0) e.expert_capacity_factor.reset();
+  e.expert_ffn = 0;
+  e.moe_layer.clear();
+  if (!e.enabled()) {
+    if (e.ffn_hidden_size) {
+      const bool mixed = e.layer_pattern.empty()
+                             ? e.layer_freq > 1
+                             : std::find(e.layer_pattern.begin(), e.layer_pattern.end(), 0) != e.layer_pattern.end();
+      if (!mixed)
+        fail("--moe-ffn-hidden-size is set but --num-experts is not: set --num-experts or remove "
+             "--moe-ffn-hidden-size");
+      st.warn("--moe-ffn-hidden-size is ignored without --num-experts (as in Megatron: --moe-layer-freq leaves dense "
+              "layers, which keep the dense FFN size)");
+      e.ffn_hidden_size.reset();
+    }
+    return;
+  }
+  if (e.ffn_hidden_size) {
+    positive(*e.ffn_hidden_size, "--moe-ffn-hidden-size");
+    e.expert_ffn = *e.ffn_hidden_size;
+  } else {
+    e.expert_ffn = m.ffn_size;
+    st.warn(fmt::format("moe_ffn_hidden_size is not set, using ffn_hidden_size for MoE instead (the experts' FFN size "
+                        "is {}; --moe-ffn-hidden-size sets it)", m.ffn_size));
+  }
+  const int L = m.num_layers;
+  if (e.layer_pattern.empty()) {
+    if (e.layer_freq <= 0)
+      fail("--moe-layer-freq {} must be > 0 (layer i, from 0, is an MoE layer when i % N == 0), or a 0/1 list with one "
+           "entry per layer", e.layer_freq);
+    for (int l = 0; l < L; ++l) e.moe_layer.push_back(l % e.layer_freq == 0 ? 1 : 0);
+  } else {
+    if (static_cast<int>(e.layer_pattern.size()) != L)
+      fail("--moe-layer-freq gives {} layers but --num-layers is {}: the list needs one 0/1 entry per layer",
+           e.layer_pattern.size(), L);
+    for (size_t l = 0; l < e.layer_pattern.size(); ++l) {
+      const int v = e.layer_pattern[l];
+      if (v != 0 && v != 1)
+        fail("--moe-layer-freq: entry {} (layer {}) of the list is {}; each entry is 1 (an MoE layer) or 0 (a dense "
+             "layer)", l, l, v);
+      e.moe_layer.push_back(static_cast<char>(v));
+    }
+  }
+  // Group-limited routing needs a non-zero --moe-router-group-topk (Megatron tests its truth value);
+  // without it the groups are unused.
+  if (e.router_group_topk && *e.router_group_topk < 0)
+    fail("--moe-router-group-topk must be > 0 (got {})", *e.router_group_topk);
+  if (e.router_group_topk && *e.router_group_topk == 0) e.router_group_topk.reset();
+  if (e.router_num_groups && !e.router_group_topk) {
+    st.note("--moe-router-num-groups has no effect without --moe-router-group-topk (as in Megatron: routing is not "
+            "group-limited)");
+    e.router_num_groups.reset();
+  }
+  if (e.shared_expert_gate && !e.shared_expert_intermediate_size) {
+    st.note("--moe-shared-expert-gate has no effect without --moe-shared-expert-intermediate-size (as in Megatron)");
+    e.shared_expert_gate = false;
+  }
+}
+
 void derive_precision(CliState& st) {
   Config& c = st.cfg;
   TrainConfig& t = c.train;
@@ -445,6 +513,7 @@ void derive_vocab(CliState& st) {
 void derive(CliState& st) {
   derive_model_shape(st);
   derive_parallel(st);
+  derive_moe(st);
   if (st.has("--data-path") && !st.cfg.data.split) {
     st.warn("Please specify --split when using --data-path. Using legacy default value of \"969, 30, 1\"");
     st.cfg.data.split = "969, 30, 1";
@@ -453,8 +522,21 @@ void derive(CliState& st) {
   derive_precision(st);
   derive_schedule(st);
   if (st.recompute_activations) st.cfg.train.recompute_granularity = RecomputeGranularity::selective;
+  // Megatron's deprecated --moe-layer-recompute: --recompute-granularity selective with "moe" among
+  // the recomputed modules.
+  if (st.cfg.model.moe.layer_recompute) {
+    st.warn("--moe-layer-recompute is deprecated. Use --recompute-granularity selective --recompute-modules moe "
+            "instead.");
+    if (st.cfg.train.recompute_granularity == RecomputeGranularity::full)
+      fail("Do not set --moe-layer-recompute with full recompute granularity (--recompute-granularity full)");
+    st.cfg.train.recompute_granularity = RecomputeGranularity::selective;
+  }
   if (st.cfg.train.recompute_granularity == RecomputeGranularity::selective && st.cfg.train.recompute_modules.empty())
     st.cfg.train.recompute_modules = {"core_attn"};
+  if (st.cfg.model.moe.layer_recompute) {
+    std::vector<std::string>& modules = st.cfg.train.recompute_modules;
+    if (std::find(modules.begin(), modules.end(), "moe") == modules.end()) modules.push_back("moe");
+  }
   derive_vocab(st);
   const TrainConfig& t = st.cfg.train;
   if (t.batch_size_schedule.empty())

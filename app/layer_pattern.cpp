@@ -127,6 +127,10 @@ class ListExpression {
 
 }  // namespace
 
+std::vector<int> parse_int_list_expression(const std::string& flag, const std::string& text) {
+  return ListExpression(flag, text).parse();
+}
+
 LayerFrequency parse_layer_frequency(const std::string& flag, const std::string& text) {
   LayerFrequency f;
   if (text.find('[') == std::string::npos) {

@@ -22,6 +22,10 @@ struct LayerFrequency {
 // '*' with an integer (repetition) and parentheses; anything else is int(text).
 LayerFrequency parse_layer_frequency(const std::string& flag, const std::string& text);
 
+// A list expression alone (ints, '+', '*' with an integer, parentheses), its integers as written:
+// "([1]*3+[0])*2" -> {1,1,1,0,1,1,1,0}. Errors name the flag.
+std::vector<int> parse_int_list_expression(const std::string& flag, const std::string& text);
+
 // The value as it could be given again ("4" or "[1,1,0]"), for checkpoints' recorded flags.
 std::string layer_frequency_text(const LayerFrequency& f);
 

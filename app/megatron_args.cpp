@@ -124,7 +124,11 @@ std::vector<std::string> model_flags_from_args(const PickleValue& args, const st
     drop.insert("--kv-channels");
   if (has("--swiglu")) drop.insert("--no-bias-gelu-fusion");
   if (!has("--disable-bias-linear")) drop.insert("--add-qkv-bias");
-  if (value("--num-experts") == "0") drop.insert("--num-experts");
+  // A model without experts: Megatron saves its MoE defaults (--moe-router-topk 2, ...), which say
+  // nothing about it.
+  if (value("--num-experts").empty() || value("--num-experts") == "0")
+    for (const std::string& f : all)
+      if (f == "--num-experts" || f.rfind("--moe-", 0) == 0) drop.insert(f);
   if (value("--mtp-num-layers") == "0") drop.insert("--mtp-num-layers");
   std::vector<std::string> out;
   for (size_t i = 0; i < all.size(); ++i) {

@@ -170,6 +170,7 @@ void validate(CliState& st) {
   validate_data(st);
   validate_checkpoint_and_logging(st);
   validate_megatrain(st);
+  validate_moe(st);
 }
 
 }  // namespace mt::cli

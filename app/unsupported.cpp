@@ -34,8 +34,9 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--context-parallel-size", W::other_than, {"1"}, ""},
       {"--cp-comm-type", W::other_than, {"p2p"}, ""},
       {"--hierarchical-context-parallel-sizes", W::any_use, {}, ""},
-      {"--expert-model-parallel-size", W::other_than, {"1"}, "mixture of experts"},
-      {"--expert-tensor-parallel-size", W::any_use, {}, "mixture of experts"},
+      {"--expert-model-parallel-size", W::other_than, {"1"}, "every rank holds all experts of its MoE layers", true},
+      {"--expert-tensor-parallel-size", W::conditional, {}, "", false,
+       "with --num-experts, values other than --tensor-model-parallel-size not supported yet"},
       // training (1.3)
       {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
@@ -76,33 +77,35 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--nccl-communicator-config-path", W::any_use, {}, ""},
       {"--use-sharp", W::any_use, {}, ""},
       {"--sharp-enabled-group", W::any_use, {}, ""},
-      // mixture of experts (1.11)
-      {"--num-experts", W::other_than, {"0"}, ""},
-      {"--moe-ffn-hidden-size", W::any_use, {}, ""},
-      {"--moe-layer-freq", W::other_than, {"1"}, ""},
-      {"--moe-router-topk", W::other_than, {"2"}, ""},
-      {"--moe-router-load-balancing-type", W::other_than, {"aux_loss"}, ""},
-      {"--moe-aux-loss-coeff", W::other_than, {"0"}, ""},
-      {"--moe-z-loss-coeff", W::any_use, {}, ""},
-      {"--moe-router-score-function", W::other_than, {"softmax"}, ""},
-      {"--moe-router-pre-softmax", W::any_use, {}, ""},
-      {"--moe-router-dtype", W::any_use, {}, ""},
-      {"--moe-router-enable-expert-bias", W::any_use, {}, ""},
-      {"--moe-router-bias-update-rate", W::other_than, {"0.001"}, ""},
-      {"--moe-router-topk-scaling-factor", W::any_use, {}, ""},
-      {"--moe-router-num-groups", W::any_use, {}, ""},
-      {"--moe-router-group-topk", W::any_use, {}, ""},
-      {"--moe-token-dispatcher-type", W::other_than, {"allgather"}, ""},
-      {"--moe-grouped-gemm", W::any_use, {}, ""},
-      {"--moe-permute-fusion", W::any_use, {}, ""},
-      {"--moe-expert-capacity-factor", W::any_use, {}, ""},
-      {"--moe-pad-expert-input-to-capacity", W::any_use, {}, ""},
-      {"--moe-token-drop-policy", W::other_than, {"probs"}, ""},
-      {"--moe-shared-expert-intermediate-size", W::any_use, {}, ""},
-      {"--moe-shared-expert-overlap", W::any_use, {}, ""},
-      {"--moe-input-jitter-eps", W::any_use, {}, ""},
-      {"--moe-per-layer-logging", W::any_use, {}, ""},
-      {"--moe-layer-recompute", W::any_use, {}, ""},
+      // mixture of experts (1.11): built are top-k routing (softmax or sigmoid, pre-softmax, groups,
+      // scaling), the aux and z losses, shared experts, on one expert-parallel rank with TP 1. Refused
+      // after Megatron's rules (app/validate_moe.cpp), so that an invalid combination gets Megatron's
+      // error first; the values with no Config representation at parse time.
+      {"--num-experts", W::conditional, {}, "", false,
+       "with --tensor-model-parallel-size > 1, --context-parallel-size > 1, --fp8-format or --fp4-format, or linear "
+       "biases (without --disable-bias-linear) not supported yet"},
+      {"--moe-router-score-function", W::values, {"sqrtsoftplus"}, "built: softmax, sigmoid"},
+      {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"}, "built: aux_loss, none"},
+      {"--moe-router-load-balancing-type", W::values, {"seq_aux_loss", "global_aux_loss", "sinkhorn"},
+       "built: aux_loss, none", true},
+      {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},
+      {"--moe-router-enable-expert-bias", W::any_use, {}, "aux-loss-free load balancing", true},
+      {"--moe-router-force-load-balancing", W::any_use, {}, "", true},
+      {"--moe-token-dispatcher-type", W::values, {"flex"}, "built: allgather, alltoall", true},
+      {"--moe-expert-capacity-factor", W::conditional, {}, "", false,
+       "values >= 0 (token dropping) not supported yet; a negative value means None, as in Megatron"},
+      {"--moe-pad-expert-input-to-capacity", W::any_use, {}, "token dropping", true},
+      {"--moe-token-drop-policy", W::other_than, {"probs"}, "token dropping", true},
+      {"--moe-input-jitter-eps", W::any_use, {}, "", true},
+      {"--moe-per-layer-logging", W::any_use, {}, "", true},
+      {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
+      {"--moe-latent-size", W::any_use, {}, ""},
+      {"--moe-use-upcycling", W::any_use, {}, ""},
+      {"--moe-upcycling-granularity", W::other_than, {"1"}, ""},
+      {"--moe-apply-probs-on-input", W::any_use, {}, ""},
+      {"--moe-router-quantile-balancing-ema", W::other_than, {"0"}, "quantile balancing"},
+      {"--moe-flex-dispatcher-backend", W::other_than, {"deepep"}, "the flex dispatcher"},
+      {"--moe-enable-deepep", W::any_use, {}, "the flex dispatcher"},
       // FP8 / FP4 (1.12)
       {"--fp8-recipe", W::values, {"mxfp8", "blockwise", "custom"}, "FP8 recipes built: delayed, tensorwise"},
       {"--fp8-quantizer-factory", W::any_use, {}, "FP8 recipes built: delayed, tensorwise"},
@@ -149,9 +152,10 @@ std::string describe(const std::string& flag, const std::vector<std::string>& va
 
 }  // namespace
 
-std::vector<std::string> unsupported_problems(const std::map<std::string, FlagValue>& given) {
+std::vector<std::string> unsupported_problems(const std::map<std::string, FlagValue>& given, bool after_validation) {
   std::vector<std::string> problems;
   for (const UnsupportedRule& r : unsupported_rules()) {
+    if (r.when == W::conditional || r.after_validation != after_validation) continue;
     auto it = given.find(r.flag);
     if (it == given.end()) continue;
     const std::vector<std::string>& vals = it->second.values;
@@ -170,6 +174,8 @@ std::vector<std::string> unsupported_problems(const std::map<std::string, FlagVa
           if (in(v, r.values)) bad.push_back(v);
         if (bad.empty()) continue;
         break;
+      case W::conditional:
+        continue;
     }
     std::string line = "megatrain does not support " + describe(r.flag, r.when == W::any_use ? vals : bad) + " yet";
     if (!r.why.empty()) line += " (" + r.why + ")";
@@ -179,22 +185,32 @@ std::vector<std::string> unsupported_problems(const std::map<std::string, FlagVa
 }
 
 std::string unsupported_summary(const std::string& flag) {
+  // Every rule of the flag, joined with "; " (the refused values of several rules as one list).
+  std::vector<std::string> parts, refused_values;
   for (const UnsupportedRule& r : unsupported_rules()) {
     if (r.flag != flag) continue;
     std::string list;
     for (const auto& v : r.values) list += (list.empty() ? "" : ", ") + (v.empty() ? std::string("''") : v);
     switch (r.when) {
-      case W::any_use: return "not supported yet";
-      case W::other_than: return "accepted only as " + list + " (the default); other values not supported yet";
-      case W::values: return "values " + list + " not supported yet";
+      case W::any_use: parts.push_back("not supported yet"); break;
+      case W::other_than: parts.push_back("accepted only as " + list + " (the default); other values not supported yet"); break;
+      case W::values: refused_values.push_back(list); break;
+      case W::conditional: parts.push_back(r.summary); break;
     }
   }
-  return "";
+  if (!refused_values.empty()) {
+    std::string list;
+    for (const auto& l : refused_values) list += (list.empty() ? "" : ", ") + l;
+    parts.insert(parts.begin(), "values " + list + " not supported yet");
+  }
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : "; ") + p;
+  return out;
 }
 
 bool fully_unsupported(const std::string& flag) {
   for (const UnsupportedRule& r : unsupported_rules())
-    if (r.flag == flag) return r.when != W::values;
+    if (r.flag == flag && (r.when == W::any_use || r.when == W::other_than)) return true;
   return false;
 }
 

@@ -153,13 +153,13 @@ TEST_CASE("removed and fatal Megatron flags fail with Megatron's advice", "[cli]
 TEST_CASE("unsupported Megatron flags are refused naming them, unless left at their default", "[cli]") {
   std::string e;
   try {
-    parse(small_gpt() + words("--num-experts 8 --moe-router-topk 4 --fp8-format hybrid --fp4-param-gather"));
+    parse(small_gpt() + words("--moe-latent-size 8 --moe-use-upcycling --fp8-format hybrid --fp4-param-gather"));
   } catch (const Unsupported& u) {
     e = u.what();
   }
   CHECK(e == "3 problems with the command line:\n"
-             "  megatrain does not support --num-experts 8 yet\n"
-             "  megatrain does not support --moe-router-topk 4 yet\n"
+             "  megatrain does not support --moe-latent-size 8 yet\n"
+             "  megatrain does not support --moe-use-upcycling yet\n"
              "  megatrain does not support --fp4-param-gather yet");
   // Defaults / off values are accepted.
   CHECK_NOTHROW(parse(small_gpt() + words("--num-experts 0 --moe-router-topk 2 --expert-model-parallel-size 1 "

@@ -36,7 +36,7 @@ TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli
   CHECK_THROWS_AS(parse(small_gpt() + words("--mscale 1.0 --fp4-param-gather")), Error);
   bool unsupported = false;
   try {
-    parse(small_gpt() + words("--fp4-param-gather --moe-grouped-gemm"));
+    parse(small_gpt() + words("--fp4-param-gather --moe-use-upcycling"));
   } catch (const Unsupported& u) {
     unsupported = true;
     CHECK_THAT(u.what(), Contains("2 problems with the command line:\n"));

@@ -196,6 +196,8 @@ TEST_CASE("import-megatron: the model flags come from the checkpoint's args", "[
                         "--make-vocab-size-divisible-by 32"})
     CHECK_THAT(l, Catch::Contains(f));
   CHECK_THAT(l, !Catch::Contains("--kv-channels") && !Catch::Contains("--tensor-model-parallel-size"));
+  // A model without experts: Megatron's saved MoE defaults (--moe-router-topk 2, ...) are left out.
+  CHECK_THAT(l, !Catch::Contains("--moe-") && !Catch::Contains("--num-experts"));
   CHECK(llama.model.padded_vocab_size == 64);
   CHECK(llama.model.swiglu);
   CHECK(llama.model.qk_layernorm);

@@ -38,8 +38,11 @@ Args non_default_model() {
       "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear --add-qkv-bias --qk-layernorm "
       "--untie-embeddings-and-output-weights --make-vocab-size-divisible-by 64 --attention-dropout 0.05 "
       "--hidden-dropout 0.0 --init-method-std 0.01 --embedding-init-method-std 0.03 --attention-output-gate "
-      "--window-size 7,0 --window-attn-skip-freq 3 --micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data "
-      "--tokenizer-type NullTokenizer --vocab-size 1000");
+      "--window-size 7,0 --window-attn-skip-freq 3 --num-experts 4 --moe-ffn-hidden-size 48 "
+      "--moe-layer-freq ([0]+[1]*2) --moe-router-topk 3 --moe-router-score-function sigmoid --moe-router-pre-softmax "
+      "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2 --moe-router-group-topk 1 "
+      "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-grouped-gemm "
+      "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000");
 }
 
 TEST_CASE("model settings: one destination and one checkpoint key each, every key recorded", "[args][schema]") {
@@ -71,7 +74,11 @@ TEST_CASE("model settings: the model section round trips a model with every sett
                           "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "qk_layernorm",
                           "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "attention_dropout",
                           "hidden_dropout", "init_method_std", "embedding_init_method_std", "attention_output_gate",
-                          "window_size", "window_attn_skip_every"}) {
+                          "window_size", "window_attn_skip_every", "num_experts", "moe_ffn_hidden_size",
+                          "moe_layer_pattern", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                          "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+                          "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_ffn",
+                          "moe_layer"}) {
     INFO(key);
     CHECK(j.at(key) != defaults.at(key));
   }
@@ -120,15 +127,20 @@ TEST_CASE("model settings: loading compares each checked setting, and older chec
     CHECK_THROWS_WITH(check_checkpoint_model(other, c.model, "m.json"),
                       Catch::Contains("was saved for another model: " + label + " is "));
     if (!m.added_later) continue;
-    // Saved before the setting was recorded: the default, which a run with the switch on differs from.
+    // Saved before the setting was recorded: the default, which a run with the switch flipped (or
+    // the setting's value above) differs from.
     json older = saved;
     older.erase(m.key);
+    const json def = model_config_to_json(ModelConfig{}).at(m.key);
     Config on = c;
-    f->set_field(on, true);
+    if (def.is_boolean()) f->set_field(on, !def.get<bool>());
+    const json want = model_config_to_json(on.model).at(m.key);
+    REQUIRE(want != def);
+    auto text = [](const json& v) { return v.is_null() ? std::string("None") : v.dump(); };
     CHECK_THROWS_WITH(check_checkpoint_model(older, on.model, "m.json"),
-                      Catch::Contains(label + " is false in the checkpoint but true in this run"));
+                      Catch::Contains(label + " is " + text(def) + " in the checkpoint but " + text(want) + " in this run"));
     const ModelConfig off = model_config_from_json(older, "m.json");
-    CHECK(model_config_to_json(off).at(m.key) == false);
+    CHECK(model_config_to_json(off).at(m.key) == def);
     CHECK_NOTHROW(check_checkpoint_model(older, off, "m.json"));
   }
 }
@@ -164,6 +176,11 @@ TEST_CASE("model settings: each reaches Megatron's saved args under its destinat
   CHECK(after("--normalization") == "RMSNorm");
   CHECK(after("--window-size") == "7,0");
   CHECK(after("--window-attn-skip-freq") == "3");
+  CHECK(after("--num-experts") == "4");
+  CHECK(after("--moe-layer-freq") == "[0,1,1]");  // Megatron saves the list
+  CHECK(after("--moe-router-score-function") == "sigmoid");
+  CHECK(has("--moe-shared-expert-gate"));
+  CHECK_FALSE(has("--moe-grouped-gemm"));  // no effect in megatrain: not imported
   CHECK(megatron_arg(*args, "layernorm_epsilon") != nullptr);
   CHECK(std::stod(after("--norm-epsilon")) == 1e-6);
   // The flags parse back into the same model.

@@ -1,0 +1,160 @@
+// Mixture-of-experts rules (Megatron-LM's validate_args, parallel_state and
+// TransformerConfig.__post_init__), then what megatrain does not build yet. Megatron's rules come
+// first, so that a combination Megatron itself refuses gets Megatron's error, and only a valid one
+// "megatrain does not support ... yet". Runs last in validate().
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "app/cli_internal.h"
+#include "app/unsupported.h"
+
+namespace mt::cli {
+namespace {
+
+// Megatron's rules. Those of TransformerConfig apply whether or not the model has experts (its
+// __post_init__ checks them for every model); the ones about the experts need --num-experts.
+void megatron_moe_rules(CliState& st) {
+  const Config& c = st.cfg;
+  const MoeConfig& e = c.model.moe;
+  const ParallelConfig& p = c.parallel;
+  const int E = e.num_experts;
+  const int tp = p.tensor_model_parallel_size;
+  const int ep = p.expert_model_parallel_size;
+  const int etp = p.expert_tensor_parallel_size.value_or(tp);
+
+  // Expert parallelism (validate_args, parallel_state).
+  if (ep < 1) fail("--expert-model-parallel-size must be >= 1 (got {})", ep);
+  if (etp < 1) fail("--expert-tensor-parallel-size must be >= 1 (got {})", etp);
+  if (ep > 1 && !e.enabled())
+    fail("--expert-model-parallel-size {} needs --num-experts (num_experts must be non None to use expert model "
+         "parallelism)", ep);
+  if (ep > 1 && E % ep != 0)
+    fail("--num-experts {} is not a multiple of --expert-model-parallel-size {} (Number of experts should be a "
+         "multiple of expert model parallel_size)", E, ep);
+  const int64_t expert_model = int64_t{etp} * ep * p.pipeline_model_parallel_size;
+  if (p.world_size % expert_model != 0)
+    fail("world size {} is not divisible by --expert-tensor-parallel-size {} x --expert-model-parallel-size {} x "
+         "--pipeline-model-parallel-size {} = {}", p.world_size, etp, ep, p.pipeline_model_parallel_size, expert_model);
+
+  // Routing.
+  if (e.router_topk < 1) fail("--moe-router-topk must be >= 1 (got {})", e.router_topk);
+  if (e.enabled() && e.router_topk > E)
+    fail("--moe-router-topk {} is more than --num-experts {}: each token is routed to k distinct experts",
+         e.router_topk, E);
+  const bool only_sinkhorn =
+      e.load_balancing_type.size() == 1 && e.load_balancing_type.front() == MoeLoadBalancing::sinkhorn;
+  if (e.router_topk == 1 && e.score_function == MoeScoreFunction::softmax && !e.router_pre_softmax && !only_sinkhorn)
+    fail("Please use --moe-router-pre-softmax when topk is 1 (--moe-router-topk 1 with --moe-router-score-function "
+         "softmax: a softmax over one selected expert has zero gradient)");
+  if (e.router_group_topk) {
+    if (!e.router_num_groups)
+      fail("When using group limited routing, moe_router_num_groups must be specified (--moe-router-group-topk {} "
+           "needs --moe-router-num-groups)", *e.router_group_topk);
+    const int groups = *e.router_num_groups;
+    if (groups < 1) fail("--moe-router-num-groups must be >= 1 (got {})", groups);
+    if (e.enabled() && E % groups != 0)
+      fail("--num-experts {} is not divisible by --moe-router-num-groups {}", E, groups);
+    if (*e.router_group_topk > groups)
+      fail("--moe-router-group-topk {} is more than --moe-router-num-groups {}", *e.router_group_topk, groups);
+  }
+  if (e.router_enable_expert_bias && e.score_function != MoeScoreFunction::sigmoid)
+    fail("Expert bias for aux-loss-free routing only supports the 'sigmoid' and 'sqrtsoftplus' score functions "
+         "(--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid)");
+
+  // Load balancing.
+  const size_t types = e.load_balancing_type.size(), coeffs = e.aux_loss_coeff.size();
+  if ((types > 1 || coeffs > 1) && types != coeffs)
+    fail("--moe-aux-loss-coeff gives {} coefficient{} for the {} type{} of --moe-router-load-balancing-type: give one "
+         "coefficient per type (moe_aux_loss_coeff must be a list of the same length as "
+         "moe_router_load_balancing_type)", coeffs, coeffs == 1 ? "" : "s", types, types == 1 ? "" : "s");
+  if (e.expert_capacity_factor)
+    for (MoeLoadBalancing t : e.load_balancing_type)
+      if (t == MoeLoadBalancing::sinkhorn)
+        fail("--moe-expert-capacity-factor only works with aux_loss, seq_aux_loss, global_aux_loss or none load "
+             "balancing (--moe-router-load-balancing-type sinkhorn)");
+  if (e.pad_expert_input_to_capacity && !e.expert_capacity_factor)
+    fail("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (moe_expert_capacity_factor must be set "
+         "to use moe_pad_expert_input_to_capacity)");
+
+  // Shared experts.
+  if (e.shared_expert_intermediate_size) {
+    if (*e.shared_expert_intermediate_size <= 0)
+      fail("--moe-shared-expert-intermediate-size must be num_shared_experts * ffn_size_of_each_shared_expert, > 0 "
+           "(got {})", *e.shared_expert_intermediate_size);
+    if (e.shared_expert_overlap && e.token_dispatcher_type == MoeDispatcher::allgather)
+      fail("--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall or flex");
+  }
+
+  // Router padding for FP8/FP4 GEMMs.
+  if (e.router_padding_for_fp8) {
+    if (!c.train.fp8_format && !st.has("--fp4-format"))
+      fail("--moe-router-padding-for-fp8 needs --fp8-format or --fp4-format (fp8/fp4 must be specified when "
+           "moe_router_padding_for_quantization is True)");
+    if (e.token_dispatcher_type == MoeDispatcher::allgather)
+      fail("--moe-router-padding-for-fp8 does not work with --moe-token-dispatcher-type allgather (use alltoall)");
+  }
+
+  if (!e.enabled()) return;
+  // Sizes the experts split over the expert tensor-parallel ranks, the shared expert over TP.
+  if (e.expert_ffn % etp != 0)
+    fail("the experts' FFN size {} (--moe-ffn-hidden-size) is not divisible by --expert-tensor-parallel-size {}",
+         e.expert_ffn, etp);
+  if (e.shared_expert_intermediate_size && *e.shared_expert_intermediate_size % tp != 0)
+    fail("--moe-shared-expert-intermediate-size {} is not divisible by --tensor-model-parallel-size {}",
+         *e.shared_expert_intermediate_size, tp);
+  // Megatron's MoELayer raises in training with TP > 1 and no sequence parallelism.
+  if (tp > 1 && !p.sequence_parallel)
+    fail("--num-experts with --tensor-model-parallel-size {} needs --sequence-parallel (Megatron's MoE layer raises "
+         "without it)", tp);
+  if (c.model.add_bias_linear && etp != 1)
+    fail("Bias in MoE is only supported when ETP==1 (--num-experts with linear biases needs "
+         "--expert-tensor-parallel-size 1, or --disable-bias-linear)");
+}
+
+// What the engine does not build yet: one line each, all at once.
+std::vector<std::string> not_built(const CliState& st) {
+  std::vector<std::string> out = unsupported_problems(st.given, /*after_validation=*/true);
+  const Config& c = st.cfg;
+  const MoeConfig& e = c.model.moe;
+  if (!e.enabled()) return out;
+  const ParallelConfig& p = c.parallel;
+  const int tp = p.tensor_model_parallel_size;
+  const int etp = p.expert_tensor_parallel_size.value_or(tp);
+  if (etp != tp)
+    out.push_back(fmt::format("megatrain does not support --expert-tensor-parallel-size {} with "
+                              "--tensor-model-parallel-size {} yet (MoE: the experts use the tensor-parallel size)",
+                              etp, tp));
+  if (tp > 1)
+    out.push_back(fmt::format("megatrain does not support --num-experts with --tensor-model-parallel-size {} yet "
+                              "(MoE layers are built for TP 1)", tp));
+  if (p.context_parallel_size > 1)
+    out.push_back(fmt::format("megatrain does not support --num-experts with --context-parallel-size {} yet",
+                              p.context_parallel_size));
+  if (c.train.fp8_format || st.has("--fp4-format"))
+    out.push_back(fmt::format("megatrain does not support --num-experts with {} yet (MoE layers run in bf16 or fp32)",
+                              c.train.fp8_format ? "--fp8-format" : "--fp4-format"));
+  if (c.model.add_bias_linear)
+    out.push_back("megatrain does not support --num-experts with linear biases yet (MoE layers are built without "
+                  "biases: pass --disable-bias-linear)");
+  if (e.expert_capacity_factor)
+    out.push_back(fmt::format("megatrain does not support --moe-expert-capacity-factor {} yet (token dropping; MoE "
+                              "layers are dropless)", format_float(*e.expert_capacity_factor)));
+  return out;
+}
+
+}  // namespace
+
+void validate_moe(CliState& st) {
+  megatron_moe_rules(st);
+  const std::vector<std::string> refused = not_built(st);
+  if (refused.empty()) return;
+  std::string msg = refused.front();
+  if (refused.size() > 1) {
+    msg = fmt::format("{} problems with the command line:", refused.size());
+    for (const std::string& r : refused) msg += "\n  " + r;
+  }
+  throw Unsupported(msg);
+}
+
+}  // namespace mt::cli
