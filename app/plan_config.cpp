@@ -60,6 +60,42 @@ nlohmann::json derived_values(const Config& c) {
   } else {
     d["fp8"] = nullptr;
   }
+  // Mixture of experts: the shape the engine builds (null without --num-experts).
+  if (c.model.moe.enabled()) {
+    const MoeConfig& e = c.model.moe;
+    int moe_layers = 0;
+    std::string pattern;
+    for (char l : e.moe_layer) {
+      moe_layers += l ? 1 : 0;
+      pattern.push_back(l ? 'E' : '-');
+    }
+    std::string balancing;
+    for (MoeLoadBalancing b : e.load_balancing_type) {
+      const char* name = "none";
+      switch (b) {
+        case MoeLoadBalancing::aux_loss: name = "aux_loss"; break;
+        case MoeLoadBalancing::seq_aux_loss: name = "seq_aux_loss"; break;
+        case MoeLoadBalancing::global_aux_loss: name = "global_aux_loss"; break;
+        case MoeLoadBalancing::sinkhorn: name = "sinkhorn"; break;
+        case MoeLoadBalancing::none: name = "none"; break;
+      }
+      balancing += std::string(balancing.empty() ? "" : " ") + name;
+    }
+    d["moe"] = {{"num_experts", e.num_experts},
+                {"router_topk", e.router_topk},
+                {"expert_ffn_hidden_size", e.expert_ffn},
+                {"moe_layers", moe_layers},
+                {"dense_layers", c.model.num_layers - moe_layers},
+                {"layer_pattern", pattern},  // E: MoE layer, -: dense layer
+                {"shared_expert_intermediate_size", e.shared_expert_intermediate_size.value_or(0)},
+                {"shared_expert_gate", e.shared_expert_gate},
+                {"score_function", e.score_function == MoeScoreFunction::sigmoid ? "sigmoid" : "softmax"},
+                {"load_balancing", balancing},
+                {"expert_model_parallel_size", c.parallel.expert_model_parallel_size},
+                {"expert_tensor_parallel_size", c.parallel.expert_tensor_parallel_size.value_or(c.parallel.tensor_model_parallel_size)}};
+  } else {
+    d["moe"] = nullptr;
+  }
   if (c.train.lr_wsd_decay_steps) d["lr_wsd_decay_steps_samples"] = *c.train.lr_wsd_decay_steps;
   if (c.train.start_weight_decay) d["start_weight_decay"] = *c.train.start_weight_decay;
   if (c.train.end_weight_decay) d["end_weight_decay"] = *c.train.end_weight_decay;

@@ -70,7 +70,19 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
                      {"layers", p.layers},
                      {"final_norm", p.final_norm},
                      {"output_layer", p.output_layer},
-                     {"max_per_rank", max_rank}};
+                     {"max_per_rank", max_rank},
+                     {"active", p.active}};
+  if (p.num_moe_layers > 0) {
+    const LayerParamCounts& ml = p.moe_layer;
+    j["parameters"]["moe"] = {{"num_moe_layers", p.num_moe_layers},
+                              {"per_moe_layer", ml.total()},
+                              {"router", ml.router_weight},
+                              {"experts_fc1", ml.experts_fc1_weight},
+                              {"experts_fc2", ml.experts_fc2_weight},
+                              {"shared_expert_fc1", ml.shared_fc1_weight},
+                              {"shared_expert_fc2", ml.shared_fc2_weight},
+                              {"shared_expert_gate", ml.shared_gate_weight}};
+  }
   j["flops"] = {{"per_iteration", plan.flops_per_iteration},
                 {"per_token", plan.flops_per_token},
                 {"formula", "Megatron-LM num_floating_point_operations (HEAD, causal attention halved), recompute not counted"}};

@@ -138,7 +138,22 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
   o << "  total: " << count(p.total) << (cfg.model.untie_embeddings_and_output_weights ? "" : " (tied embeddings counted once)") << "\n";
   o << "  word embeddings: " << count(p.word_embeddings) << "; position embeddings: " << count(p.position_embeddings)
     << "; output layer: " << count(p.output_layer) << "\n";
-  o << "  per layer: " << count(p.layer.total()) << " x " << cfg.model.num_layers << " layers = " << count(p.layers) << "\n";
+  if (p.num_moe_layers == 0) {
+    o << "  per layer: " << count(p.layer.total()) << " x " << cfg.model.num_layers << " layers = " << count(p.layers) << "\n";
+  } else {
+    const MoeConfig& e = cfg.model.moe;
+    const LayerParamCounts& ml = p.moe_layer;
+    const int dense = cfg.model.num_layers - p.num_moe_layers;
+    o << "  active per token: " << count(p.active) << " (top-" << e.router_topk << " of " << e.num_experts
+      << " experts in each of " << p.num_moe_layers << " MoE layers)\n";
+    o << "  per dense layer: " << count(p.layer.total()) << " x " << dense << " layers; per MoE layer: "
+      << count(ml.total()) << " x " << p.num_moe_layers << " layers; all layers: " << count(p.layers) << "\n";
+    o << "  per MoE layer: router " << count(ml.router_weight) << ", experts " << count(ml.experts_fc1_weight + ml.experts_fc2_weight)
+      << " (" << e.num_experts << " x " << count((ml.experts_fc1_weight + ml.experts_fc2_weight) / e.num_experts) << ")";
+    if (ml.shared_fc1_weight > 0)
+      o << ", shared expert " << count(ml.shared_fc1_weight + ml.shared_fc2_weight + ml.shared_gate_weight);
+    o << "\n";
+  }
   if (!cfg.model.untie_embeddings_and_output_weights && g.pp > 1)
     o << "  (the last stage holds its own copy of the word embeddings for the tied output layer)\n";
 
@@ -146,6 +161,9 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
   o << fmt::format("  per iteration: {:.4g} FLOPs (global batch {} x seq {}); per token: {:.4g}\n", plan.flops_per_iteration,
                    cfg.train.global_batch, cfg.model.seq_length, plan.flops_per_token);
   o << fmt::format("  per GPU per iteration: {:.4g} FLOPs\n", plan.flops_per_iteration / W);
+  if (p.num_moe_layers > 0)
+    o << "  (MoE layers: top-k experts' FFNs and the shared expert; the router, gate and token dispatch are not counted, "
+         "as in Megatron)\n";
   if (cfg.model.window_size && cfg.model.window_size->first >= 0)
     o << "  (--window-size: as in Megatron, the formula counts every layer's whole causal attention)\n";
 

@@ -1,6 +1,7 @@
 #include "engine/flops.h"
 
 #include "core/config.h"
+#include "engine/param_count.h"
 
 namespace mt {
 
@@ -14,7 +15,12 @@ double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_
   const double q = static_cast<double>(m.num_attention_heads) * m.head_dim;
   const double k = static_cast<double>(m.query_groups) * m.head_dim;
   const double F = m.swiglu ? 3.0 : 2.0;
-  const double mlp = 6.0 * F * h * f * L;
+  // Dense and MoE layers' MLPs (without --num-experts every layer is dense).
+  double moe_layers = 0;
+  for (char is_moe : moe_layer_map(m)) moe_layers += is_moe ? 1 : 0;
+  const double routed = static_cast<double>(expert_ffn_size(m)) * m.moe.router_topk * F;
+  const double shared = static_cast<double>(m.moe.shared_expert_intermediate_size.value_or(0)) * F;
+  const double mlp = 6.0 * h * (f * F * (L - moe_layers) + (routed + shared) * moe_layers);
   const double G = m.attention_output_gate ? q : 0.0;  // the gate's rows of the QKV projection
   const double projections = 6.0 * L * (h * (q + 2.0 * k + G) + q * h);
   const double logits = 6.0 * h * V;

@@ -6,6 +6,12 @@
 // B global batch (samples), s sequence length, L layers, h hidden, f ffn size, V padded vocab,
 // q = heads * kv_channels, k = query_groups * kv_channels, F = 3 with SwiGLU else 2. The last term
 // is core attention (QK^T and PV) with the causal halving HEAD applies (12 -> 6).
+//
+// Mixture of experts (Megatron's MoE term): the MLP term 6*F*h*f*L becomes
+//   6*h*[ f*F*L_dense + (f_e*k*F + f_s*F) * L_moe ]
+// with L_moe the MoE layers (--moe-layer-freq), L_dense the others, f_e the experts' FFN size, k
+// the top-k and f_s the shared expert's size (0 without one). The router GEMM, the shared-expert
+// gate and the token dispatch are not counted (as in Megatron).
 // --log-throughput divides it by (iteration seconds * 1e12 * world size) for TFLOP/s/GPU.
 #pragma once
 

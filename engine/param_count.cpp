@@ -1,5 +1,7 @@
 #include "engine/param_count.h"
 
+#include <algorithm>
+
 #include "core/config.h"
 #include "core/error.h"
 #include "parallel/pipeline_layout.h"
@@ -8,14 +10,37 @@ namespace mt {
 
 int64_t LayerParamCounts::total() const {
   return input_norm + qkv_weight + qkv_bias + qk_norms + proj_weight + proj_bias + mlp_norm + fc1_weight +
-         fc1_bias + fc2_weight + fc2_bias;
+         fc1_bias + fc2_weight + fc2_bias + router_weight + experts_fc1_weight + experts_fc2_weight +
+         shared_fc1_weight + shared_fc2_weight + shared_gate_weight;
 }
 
 int64_t LayerParamCounts::per_tp_rank(int tp) const {
-  const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight;
-  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias;
+  const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight +
+                          experts_fc1_weight + experts_fc2_weight + shared_fc1_weight + shared_fc2_weight;
+  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight;
   MT_CHECK(sharded % tp == 0, "layer parameters {} not divisible by TP {}", sharded, tp);
   return sharded / tp + replicated;
+}
+
+std::vector<char> moe_layer_map(const ModelConfig& m) {
+  const size_t L = static_cast<size_t>(std::max(0, m.num_layers));
+  std::vector<char> map(L, 0);
+  const MoeConfig& e = m.moe;
+  if (!e.enabled()) return map;
+  if (e.moe_layer.size() == L) return e.moe_layer;
+  if (!e.layer_pattern.empty()) {
+    MT_CHECK(e.layer_pattern.size() == L, "--moe-layer-freq has {} entries for {} layers", e.layer_pattern.size(), L);
+    for (size_t l = 0; l < L; ++l) map[l] = e.layer_pattern[l] != 0;
+    return map;
+  }
+  MT_CHECK(e.layer_freq > 0, "--moe-layer-freq {} must be > 0", e.layer_freq);
+  for (size_t l = 0; l < L; ++l) map[l] = static_cast<int>(l) % e.layer_freq == 0;
+  return map;
+}
+
+int expert_ffn_size(const ModelConfig& m) {
+  if (!m.moe.enabled()) return 0;
+  return m.moe.expert_ffn > 0 ? m.moe.expert_ffn : m.moe.ffn_hidden_size.value_or(m.ffn_size);
 }
 
 ParamCounts count_parameters(const ModelConfig& m) {
@@ -45,10 +70,32 @@ ParamCounts count_parameters(const ModelConfig& m) {
   l.fc1_bias = m.add_bias_linear ? gated * f : 0;
   l.fc2_weight = h * f;
   l.fc2_bias = m.add_bias_linear ? h : 0;
-  c.layers = static_cast<int64_t>(m.num_layers) * l.total();
+  const std::vector<char> moe = moe_layer_map(m);
+  for (char is_moe : moe) c.num_moe_layers += is_moe ? 1 : 0;
+  int64_t inactive = 0;  // per MoE layer: the experts a token is not routed to
+  if (c.num_moe_layers > 0) {
+    const MoeConfig& e = m.moe;
+    const int64_t E = e.num_experts, fe = expert_ffn_size(m);
+    const int64_t fs = e.shared_expert_intermediate_size.value_or(0);
+    LayerParamCounts& ml = c.moe_layer;
+    ml = l;
+    ml.fc1_weight = ml.fc1_bias = ml.fc2_weight = ml.fc2_bias = 0;
+    ml.router_weight = E * h;
+    ml.experts_fc1_weight = E * gated * fe * h;
+    ml.experts_fc2_weight = E * h * fe;
+    if (fs > 0) {
+      ml.shared_fc1_weight = gated * fs * h;
+      ml.shared_fc2_weight = h * fs;
+      ml.shared_gate_weight = e.shared_expert_gate ? h : 0;
+    }
+    inactive = (E - e.router_topk) * (gated * fe * h + h * fe);
+  }
+  const int64_t dense_layers = static_cast<int64_t>(m.num_layers) - c.num_moe_layers;
+  c.layers = dense_layers * l.total() + c.num_moe_layers * c.moe_layer.total();
   c.final_norm = norm_params * h;
   c.output_layer = m.untie_embeddings_and_output_weights ? V * h : 0;
   c.total = c.word_embeddings + c.position_embeddings + c.layers + c.final_norm + c.output_layer;
+  c.active = c.total - c.num_moe_layers * inactive;
   return c;
 }
 
@@ -57,8 +104,10 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
   MT_CHECK(c.word_embeddings % tp == 0, "padded vocabulary rows not divisible by TP {}", tp);
   const int64_t vocab_shard = c.word_embeddings / tp;
   int64_t n = 0;
+  const std::vector<char> moe = moe_layer_map(m);
   for (const ModelChunk& ch : chunks) {
-    n += static_cast<int64_t>(ch.num_layers) * c.layer.per_tp_rank(tp);
+    for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers; ++l)
+      n += (moe.at(static_cast<size_t>(l)) ? c.moe_layer : c.layer).per_tp_rank(tp);
     if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
     if (ch.has_output) {
       n += c.final_norm;

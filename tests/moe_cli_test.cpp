@@ -1,0 +1,557 @@
+// Mixture-of-experts flags: Megatron-LM's types and defaults, --moe-layer-freq's list expressions,
+// Megatron's rules (one line each, naming the flags), what megatrain does not build yet, the
+// checkpoint's model section, and the dry run's parameter and FLOP counts checked against hand
+// computations for a small model.
+#include <nlohmann/json.hpp>
+
+#include "app/checkpoint_args.h"
+#include "app/flags.h"
+#include "app/unsupported.h"
+#include "checkpoint/checkpoint_io.h"
+#include "engine/flops.h"
+#include "engine/param_count.h"
+#include "parallel/pipeline_layout.h"
+#include "tests/cli_test_util.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+using nlohmann::json;
+
+namespace {
+
+// small_gpt() (2 layers, h 64, 4 heads) as an MoE model megatrain builds: no biases, 8 experts.
+Args moe_gpt() { return small_gpt() + words("--disable-bias-linear --num-experts 8"); }
+
+// The hand-counted model below: 4 layers, h 64, 4 heads (d 16), SwiGLU with FFN 128, learned
+// positions (32), LayerNorm, no biases, NullTokenizer 1000 (padded to 1024), tied embeddings; MoE
+// layers 0 and 2 (--moe-layer-freq 2) of 8 experts of FFN 32, top-2, a shared expert of 64 with
+// its gate.
+Args counted_moe() {
+  return words("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+               "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer "
+               "--vocab-size 1000 --disable-bias-linear --swiglu --ffn-hidden-size 128 --num-experts 8 "
+               "--moe-router-topk 2 --moe-layer-freq 2 --moe-ffn-hidden-size 32 "
+               "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate");
+}
+
+ModelChunk chunk(int pp_rank, int first_layer, int num_layers, bool embedding, bool output) {
+  ModelChunk c;
+  c.pp_rank = pp_rank;
+  c.first_layer = first_layer;
+  c.num_layers = num_layers;
+  c.has_embedding = embedding;
+  c.has_output = output;
+  return c;
+}
+
+// A one-tensor checkpoint in `dir` whose run state records `saved`'s configuration.
+void save_config(const TempDir& dir, const Config& saved) {
+  std::vector<float> w(4, 1.0f);
+  CheckpointWriter writer(dir.path.string(), 3, 0, 1);
+  writer.add("w", CheckpointKind::model, ShardIndex::whole(4, 1), Tensor(w.data(), DType::f32, Device::cpu, {4}), {4});
+  RunState rs;
+  rs.iteration = 3;
+  rs.config = checkpoint_config_json(saved);
+  writer.set_run_state(rs);
+  writer.save(SaveGroup{});
+}
+
+json flag_value(const Config& c, const std::string& flag) { return cli::flag_table().find(flag)->value(c); }
+
+std::string unsupported_error(const Args& args, int world = 1) {
+  try {
+    parse(args, world);
+  } catch (const Unsupported& u) {
+    return u.what();
+  } catch (const Error& e) {
+    FAIL_CHECK("expected Unsupported, got: " << e.what());
+    return "";
+  }
+  FAIL_CHECK("expected Unsupported");
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("MoE flags: Megatron's defaults without --num-experts", "[cli][moe]") {
+  const Config c = parse(small_gpt());
+  const MoeConfig& e = c.model.moe;
+  CHECK_FALSE(e.enabled());
+  CHECK(flag_value(c, "--num-experts").is_null());
+  CHECK(flag_value(c, "--moe-layer-freq") == 1);
+  CHECK(e.router_topk == 2);
+  CHECK(flag_value(c, "--moe-router-load-balancing-type") == "aux_loss");
+  CHECK(flag_value(c, "--moe-aux-loss-coeff") == 0.0);
+  CHECK(flag_value(c, "--moe-router-score-function") == "softmax");
+  CHECK(flag_value(c, "--moe-token-dispatcher-type") == "allgather");
+  CHECK(flag_value(c, "--moe-token-drop-policy") == "probs");
+  CHECK(flag_value(c, "--moe-router-dtype").is_null());
+  CHECK(flag_value(c, "--moe-z-loss-coeff").is_null());
+  CHECK(flag_value(c, "--moe-router-bias-update-rate") == 1e-3);
+  CHECK(c.parallel.expert_model_parallel_size == 1);
+  CHECK_FALSE(c.parallel.expert_tensor_parallel_size);  // None: the tensor-parallel size
+  CHECK(e.moe_layer.empty());
+  CHECK(e.expert_ffn == 0);
+  // --num-experts 0 is None.
+  const Config zero = parse(small_gpt() + words("--num-experts 0 --moe-router-topk 4"));
+  CHECK_FALSE(zero.model.moe.enabled());
+  CHECK(flag_value(zero, "--num-experts").is_null());
+}
+
+TEST_CASE("MoE flags: every flag parses into the configuration", "[cli][moe]") {
+  std::vector<SetupMessage> ms;
+  const Config c = parse(moe_gpt() + words("--moe-ffn-hidden-size 48 --moe-layer-freq 1 --moe-router-topk 3 "
+                                           "--moe-router-score-function sigmoid --moe-router-pre-softmax "
+                                           "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 4 "
+                                           "--moe-router-group-topk 2 --moe-router-load-balancing-type none "
+                                           "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-router-dtype fp32 "
+                                           "--moe-router-bias-update-rate 0.01 --moe-token-dispatcher-type alltoall "
+                                           "--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion "
+                                           "--moe-shared-expert-intermediate-size 96 --moe-shared-expert-gate "
+                                           "--moe-shared-expert-overlap --moe-expert-capacity-factor -1 "
+                                           "--expert-model-parallel-size 1 --expert-tensor-parallel-size 1"),
+                         1, &ms);
+  const MoeConfig& e = c.model.moe;
+  CHECK(e.num_experts == 8);
+  CHECK(e.ffn_hidden_size == 48);
+  CHECK(e.expert_ffn == 48);
+  CHECK(e.moe_layer == std::vector<char>{1, 1});
+  CHECK(e.router_topk == 3);
+  CHECK(e.score_function == MoeScoreFunction::sigmoid);
+  CHECK(e.router_pre_softmax);
+  CHECK(e.router_topk_scaling_factor == 2.5);
+  CHECK(e.router_num_groups == 4);
+  CHECK(e.router_group_topk == 2);
+  CHECK(e.load_balancing_type == std::vector<MoeLoadBalancing>{MoeLoadBalancing::none});
+  CHECK(e.aux_loss_coeff == std::vector<double>{0.01});
+  CHECK(flag_value(c, "--moe-aux-loss-coeff") == 0.01);  // Megatron: a one-element list is its element
+  CHECK(e.z_loss_coeff == 1e-3);
+  CHECK(e.router_dtype == std::string("fp32"));
+  CHECK(e.router_bias_update_rate == 0.01);
+  CHECK(e.token_dispatcher_type == MoeDispatcher::alltoall);
+  CHECK(e.grouped_gemm);
+  CHECK(e.permute_fusion);
+  CHECK(e.router_fusion);
+  CHECK(e.shared_expert_intermediate_size == 96);
+  CHECK(e.shared_expert_gate);
+  CHECK(e.shared_expert_overlap);
+  CHECK_FALSE(e.expert_capacity_factor);  // negative: None
+  // The performance switches are accepted with a note saying why they change nothing.
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-grouped-gemm has no effect in megatrain: megatrain's experts "
+                                                  "always run as grouped GEMMs"));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-permute-fusion has no effect in megatrain"));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-router-fusion has no effect in megatrain"));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-shared-expert-overlap has no effect in megatrain: megatrain "
+                                                  "runs the shared expert in order"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "moe_ffn_hidden_size is not set"));
+
+  // Without --moe-ffn-hidden-size the experts take the dense FFN size, with Megatron's warning.
+  ms.clear();
+  const Config d = parse(moe_gpt() + words("--ffn-hidden-size 96"), 1, &ms);
+  CHECK(d.model.moe.expert_ffn == 96);
+  CHECK_FALSE(d.model.moe.ffn_hidden_size);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "moe_ffn_hidden_size is not set, using ffn_hidden_size for MoE "
+                                                     "instead"));
+  // Several load-balancing types take one coefficient each; the value stays a list.
+  const Config two = parse(moe_gpt() + words("--moe-router-load-balancing-type aux_loss none --moe-aux-loss-coeff 0.1 0"));
+  CHECK(two.model.moe.load_balancing_type ==
+        std::vector<MoeLoadBalancing>{MoeLoadBalancing::aux_loss, MoeLoadBalancing::none});
+  CHECK(flag_value(two, "--moe-router-load-balancing-type") == json({"aux_loss", "none"}));
+  CHECK(flag_value(two, "--moe-aux-loss-coeff") == json({0.1, 0.0}));
+  CHECK(two.model.moe.aux_loss_coeff_of(MoeLoadBalancing::aux_loss) == 0.1);
+  // The FP8 padding switch answers to Megatron's newer spelling too.
+  CHECK(parse(small_gpt() + words("--bf16 --fp8-format hybrid --moe-token-dispatcher-type alltoall "
+                                  "--moe-router-padding-for-quantization"))
+            .model.moe.router_padding_for_fp8);
+  // Group routing without a group top-k: no groups (Megatron tests the top-k), with a note.
+  ms.clear();
+  const Config g = parse(moe_gpt() + words("--moe-router-num-groups 4"), 1, &ms);
+  CHECK_FALSE(g.model.moe.router_num_groups);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-router-num-groups has no effect without "
+                                                  "--moe-router-group-topk"));
+  ms.clear();
+  CHECK_FALSE(parse(moe_gpt() + words("--moe-shared-expert-gate"), 1, &ms).model.moe.shared_expert_gate);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-shared-expert-gate has no effect without "
+                                                  "--moe-shared-expert-intermediate-size"));
+}
+
+TEST_CASE("MoE flags: --moe-layer-freq as an integer or Megatron's list expressions", "[cli][moe]") {
+  auto layers = [](int n, const std::string& freq) {
+    return parse(small_gpt() + words("--disable-bias-linear --num-experts 4") +
+                 Args{"--num-layers", std::to_string(n), "--moe-layer-freq", freq})
+        .model.moe.moe_layer;
+  };
+  CHECK(layers(4, "1") == std::vector<char>{1, 1, 1, 1});
+  CHECK(layers(5, "2") == std::vector<char>{1, 0, 1, 0, 1});
+  CHECK(layers(6, "3") == std::vector<char>{1, 0, 0, 1, 0, 0});
+  CHECK(layers(4, "[1,0,1,0]") == std::vector<char>{1, 0, 1, 0});
+  CHECK(layers(4, "[0, 1, 1, 1,]") == std::vector<char>{0, 1, 1, 1});
+  std::vector<char> deepseek(32, 1);
+  deepseek[0] = deepseek[1] = deepseek[2] = 0;
+  CHECK(layers(32, "([0]*3+[1]*29)") == deepseek);
+  CHECK(layers(12, "([1]*1+[0]*2)*4") == std::vector<char>{1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0});
+  CHECK(layers(6, "2*[0]+([1]+[0])*2") == std::vector<char>{0, 0, 1, 0, 1, 0});
+  CHECK(layers(4, "[0]+2*[1]+[0]") == std::vector<char>{0, 1, 1, 0});
+  // The flag's value is Megatron's (an int or the list); the pattern is kept as given.
+  const Config c = parse(small_gpt() + words("--disable-bias-linear --num-experts 4 --moe-layer-freq ([1]+[0])"));
+  CHECK(flag_value(c, "--moe-layer-freq") == json({1, 0}));
+  // Megatron's checks: one entry per layer, entries 0 or 1, N > 0.
+  CHECK(parse_error(moe_gpt() + words("--moe-layer-freq ([0]*3+[1]*29)")) ==
+        "--moe-layer-freq gives 32 layers but --num-layers is 2: the list needs one 0/1 entry per layer");
+  CHECK(parse_error(moe_gpt() + words("--moe-layer-freq [1,2]")) ==
+        "--moe-layer-freq: entry 1 (layer 1) of the list is 2; each entry is 1 (an MoE layer) or 0 (a dense layer)");
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-freq 0")), Contains("--moe-layer-freq 0 must be > 0"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-freq ([1]*2")),
+             Contains("--moe-layer-freq '([1]*2' is not a list expression megatrain can read (a parenthesis is not "
+                      "closed)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-freq [1]*[2]")), Contains("'*' needs a list and a number"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-freq []")), Contains("is an empty list"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-freq two")), Contains("--moe-layer-freq"));
+  // Without experts the pattern is not checked (as in Megatron, it is unused).
+  CHECK_NOTHROW(parse(small_gpt() + words("--moe-layer-freq [1,0,1]")));
+}
+
+TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][moe]") {
+  CHECK(parse_error(moe_gpt() + words("--moe-router-topk 9")) ==
+        "--moe-router-topk 9 is more than --num-experts 8: each token is routed to k distinct experts");
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-topk 0")), Contains("--moe-router-topk must be >= 1 (got 0)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-topk 1")),
+             Contains("Please use --moe-router-pre-softmax when topk is 1"));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-router-topk 1 --moe-router-pre-softmax")));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-router-topk 1 --moe-router-score-function sigmoid")));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-group-topk 2")),
+             Contains("--moe-router-group-topk 2 needs --moe-router-num-groups"));
+  CHECK(parse_error(moe_gpt() + words("--moe-router-num-groups 3 --moe-router-group-topk 1")) ==
+        "--num-experts 8 is not divisible by --moe-router-num-groups 3");
+  CHECK(parse_error(moe_gpt() + words("--moe-router-num-groups 2 --moe-router-group-topk 4")) ==
+        "--moe-router-group-topk 4 is more than --moe-router-num-groups 2");
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-enable-expert-bias")),
+             Contains("(--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-expert-capacity-factor 1.0 --moe-router-load-balancing-type sinkhorn "
+                                           "--moe-aux-loss-coeff 0")),
+             Contains("--moe-expert-capacity-factor only works with aux_loss, seq_aux_loss, global_aux_loss or none "
+                      "load balancing"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-pad-expert-input-to-capacity")),
+             Contains("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-shared-expert-intermediate-size 0")),
+             Contains("--moe-shared-expert-intermediate-size must be num_shared_experts * "
+                      "ffn_size_of_each_shared_expert, > 0 (got 0)"));
+  CHECK(parse_error(moe_gpt() + words("--moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap")) ==
+        "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall or flex");
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-load-balancing-type aux_loss none --moe-aux-loss-coeff 0.1")),
+             Contains("--moe-aux-loss-coeff gives 1 coefficient for the 2 types of --moe-router-load-balancing-type"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-aux-loss-coeff 0.1 0.2")),
+             Contains("--moe-aux-loss-coeff gives 2 coefficients for the 1 type of"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-padding-for-fp8 --moe-token-dispatcher-type alltoall")),
+             Contains("--moe-router-padding-for-fp8 needs --fp8-format or --fp4-format"));
+  CHECK_THAT(parse_error(small_gpt() + words("--bf16 --fp8-format hybrid --moe-router-padding-for-fp8")),
+             Contains("--moe-router-padding-for-fp8 does not work with --moe-token-dispatcher-type allgather"));
+  // Expert parallelism.
+  CHECK_THAT(parse_error(small_gpt() + words("--expert-model-parallel-size 2"), 2),
+             Contains("--expert-model-parallel-size 2 needs --num-experts"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--num-experts 6 --expert-model-parallel-size 4"), 4),
+             Contains("--num-experts 6 is not a multiple of --expert-model-parallel-size 4"));
+  CHECK(parse_error(moe_gpt() + words("--num-experts 6 --expert-model-parallel-size 3"), 4) ==
+        "world size 4 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 3 x "
+        "--pipeline-model-parallel-size 1 = 3");
+  CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 0")),
+             Contains("--expert-model-parallel-size must be >= 1 (got 0)"));
+  // MoE with TP > 1 needs sequence parallelism; with biases, ETP 1.
+  CHECK(parse_error(moe_gpt() + words("--tensor-model-parallel-size 2"), 2) ==
+        "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel (Megatron's MoE layer raises "
+        "without it)");
+  CHECK_THAT(parse_error(small_gpt() + words("--num-experts 8 --tensor-model-parallel-size 2 --sequence-parallel"), 2),
+             Contains("Bias in MoE is only supported when ETP==1"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-ffn-hidden-size 33 --tensor-model-parallel-size 2 "
+                                           "--sequence-parallel"), 2),
+             Contains("the experts' FFN size 33 (--moe-ffn-hidden-size) is not divisible by "
+                      "--expert-tensor-parallel-size 2"));
+  // The sizes.
+  CHECK_THAT(parse_error(small_gpt() + words("--num-experts -2")), Contains("--num-experts -2 must be > 0"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-ffn-hidden-size 0")), Contains("--moe-ffn-hidden-size must be > 0"));
+  CHECK_THAT(parse_error(small_gpt() + words("--moe-ffn-hidden-size 32")),
+             Contains("--moe-ffn-hidden-size is set but --num-experts is not"));
+  std::vector<SetupMessage> ms;
+  const Config mixed = parse(small_gpt() + words("--moe-ffn-hidden-size 32 --moe-layer-freq 2"), 1, &ms);
+  CHECK_FALSE(mixed.model.moe.ffn_hidden_size);
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "--moe-ffn-hidden-size is ignored without --num-experts"));
+  // The deprecated --moe-layer-recompute with full recompute.
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-recompute --recompute-granularity full --recompute-method "
+                                           "uniform --recompute-num-layers 1")),
+             Contains("Do not set --moe-layer-recompute with full recompute granularity"));
+}
+
+TEST_CASE("MoE flags: what the engine does not build yet is refused naming the flag", "[cli][moe]") {
+  struct Case {
+    const char* flags;
+    int world;
+    const char* line;
+  };
+  const Case cases[] = {
+      {"--expert-model-parallel-size 2", 2,
+       "megatrain does not support --expert-model-parallel-size 2 yet (every rank holds all experts of its MoE layers)"},
+      {"--expert-tensor-parallel-size 2", 2,
+       "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
+       "experts use the tensor-parallel size)"},
+      {"--tensor-model-parallel-size 2 --sequence-parallel", 2,
+       "megatrain does not support --num-experts with --tensor-model-parallel-size 2 yet (MoE layers are built for TP "
+       "1)"},
+      {"--bf16 --fp8-format hybrid", 1,
+       "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
+      {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
+      {"--moe-router-load-balancing-type seq_aux_loss", 1,
+       "megatrain does not support --moe-router-load-balancing-type seq_aux_loss yet (built: aux_loss, none)"},
+      {"--moe-router-load-balancing-type global_aux_loss", 1,
+       "megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, none)"},
+      {"--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0", 1,
+       "megatrain does not support --moe-router-load-balancing-type sinkhorn yet (built: aux_loss, none)"},
+      {"--moe-router-score-function sigmoid --moe-router-enable-expert-bias", 1,
+       "megatrain does not support --moe-router-enable-expert-bias yet (aux-loss-free load balancing)"},
+      {"--moe-expert-capacity-factor 1.25", 1,
+       "megatrain does not support --moe-expert-capacity-factor 1.25 yet (token dropping; MoE layers are dropless)"},
+      {"--moe-token-drop-policy position", 1,
+       "megatrain does not support --moe-token-drop-policy position yet (token dropping)"},
+      {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
+      {"--moe-per-layer-logging", 1, "megatrain does not support --moe-per-layer-logging yet"},
+      {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
+      {"--moe-router-force-load-balancing", 1, "megatrain does not support --moe-router-force-load-balancing yet"},
+      {"--moe-token-dispatcher-type flex", 1,
+       "megatrain does not support --moe-token-dispatcher-type flex yet (built: allgather, alltoall)"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.flags);
+    CHECK(unsupported_error(moe_gpt() + words(c.flags), c.world) == c.line);
+  }
+  // Linear biases with MoE (biases are on unless --disable-bias-linear).
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8")) ==
+        "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
+        "--disable-bias-linear)");
+  // Several at once, one line each.
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-per-layer-logging --moe-router-dtype fp64")) ==
+        "3 problems with the command line:\n"
+        "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
+        "  megatrain does not support --moe-per-layer-logging yet\n"
+        "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
+        "--disable-bias-linear)");
+  // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
+  for (const auto& [flags, line] : std::vector<std::pair<std::string, std::string>>{
+           {"--moe-router-score-function sqrtsoftplus",
+            "megatrain does not support --moe-router-score-function sqrtsoftplus yet (built: softmax, sigmoid)"},
+           {"--moe-router-load-balancing-type quantile_balancing",
+            "megatrain does not support --moe-router-load-balancing-type quantile_balancing yet (built: aux_loss, "
+            "none)"},
+           {"--moe-latent-size 16", "megatrain does not support --moe-latent-size 16 yet"},
+           {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
+           {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"},
+           {"--moe-apply-probs-on-input", "megatrain does not support --moe-apply-probs-on-input yet"},
+           {"--moe-enable-deepep", "megatrain does not support --moe-enable-deepep yet (the flex dispatcher)"},
+           {"--recompute-granularity selective --recompute-modules moe",
+            "megatrain does not support --recompute-modules moe yet"},
+           {"--recompute-granularity selective --recompute-modules moe_act",
+            "megatrain does not support --recompute-modules moe_act yet"},
+           {"--recompute-granularity selective --recompute-modules shared_experts",
+            "megatrain does not support --recompute-modules shared_experts yet"}}) {
+    INFO(flags);
+    CHECK(unsupported_error(moe_gpt() + words(flags)) == line);
+  }
+  // What is built: dispatchers, routers, losses, shared experts, fp32 router, ETP = TP, EP 1.
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-token-dispatcher-type alltoall --moe-router-dtype fp32 "
+                                        "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+                                        "--moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 64 "
+                                        "--moe-shared-expert-gate --expert-model-parallel-size 1 "
+                                        "--expert-tensor-parallel-size 1 --moe-expert-capacity-factor -1")));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-router-load-balancing-type none --bf16")));
+  // The flag table documents each refusal (docs/flags.md).
+  CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
+        "values quantile_balancing, seq_aux_loss, global_aux_loss, sinkhorn not supported yet");
+  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--tensor-model-parallel-size > 1"));
+  CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
+             Contains("values other than --tensor-model-parallel-size not supported yet"));
+  CHECK(cli::fully_unsupported("--moe-per-layer-logging"));
+  CHECK_FALSE(cli::fully_unsupported("--num-experts"));
+}
+
+TEST_CASE("MoE parameters and FLOPs: a small model counted by hand", "[cli][moe][params]") {
+  const Config c = parse(counted_moe());
+  const ModelConfig& m = c.model;
+  REQUIRE(m.padded_vocab_size == 1024);
+  REQUIRE(m.moe.moe_layer == std::vector<char>{1, 0, 1, 0});
+  const ParamCounts p = count_parameters(m);
+  // A dense layer: LayerNorm 2h = 128, QKV 3h^2 = 12288, projection h^2 = 4096, pre-MLP LayerNorm
+  // 128, fc1 2 x 128 x 64 = 16384, fc2 64 x 128 = 8192.
+  CHECK(p.layer.total() == 128 + 12288 + 4096 + 128 + 16384 + 8192);
+  // An MoE layer: the same attention and norms (16640), router 8 x 64 = 512, experts' fc1
+  // 8 x (2 x 32) x 64 = 32768 and fc2 8 x 64 x 32 = 16384, shared fc1 2 x 64 x 64 = 8192, fc2
+  // 64 x 64 = 4096, gate 64.
+  CHECK(p.moe_layer.router_weight == 512);
+  CHECK(p.moe_layer.experts_fc1_weight == 32768);
+  CHECK(p.moe_layer.experts_fc2_weight == 16384);
+  CHECK(p.moe_layer.shared_fc1_weight == 8192);
+  CHECK(p.moe_layer.shared_fc2_weight == 4096);
+  CHECK(p.moe_layer.shared_gate_weight == 64);
+  CHECK(p.moe_layer.fc1_weight == 0);
+  CHECK(p.moe_layer.total() == 16640 + 512 + 32768 + 16384 + 8192 + 4096 + 64);
+  CHECK(p.num_moe_layers == 2);
+  CHECK(p.layers == 2 * 41216 + 2 * 78656);
+  // Embeddings 1024 x 64 and positions 32 x 64, final LayerNorm 128, tied output layer.
+  CHECK(p.total == 1024 * 64 + 32 * 64 + (2 * 41216 + 2 * 78656) + 128);
+  // A token skips 6 of the 8 experts in each MoE layer: 6 x (2 x 32 x 64 + 64 x 32) each.
+  CHECK(p.active == p.total - 2 * 6 * (2 * 32 * 64 + 64 * 32));
+  // One rank, all layers: the per-stage count is the total.
+  CHECK(stage_parameters_per_rank(m, {chunk(0, 0, 4, true, true)}, 1, 1) == p.total);
+  // Two stages: layers 0-1 (one MoE, one dense) with the embeddings, 2-3 with the final norm and the
+  // last stage's copy of the tied embeddings.
+  CHECK(stage_parameters_per_rank(m, {chunk(0, 0, 2, true, false)}, 1, 2) ==
+        78656 + 41216 + 1024 * 64 + 32 * 64);
+  CHECK(stage_parameters_per_rank(m, {chunk(1, 2, 2, false, true)}, 1, 2) == 78656 + 41216 + 128 + 1024 * 64);
+
+  // Megatron's FLOPs: B 2 samples of s 32; MLP 6h[f F L_dense + (f_e k F + f_s F) L_moe] =
+  // 6 x 64 x [128 x 3 x 2 + (32 x 2 x 3 + 64 x 3) x 2]; projections 6 L (h (q + 2k) + q h) =
+  // 6 x 4 x (64 x 192 + 64 x 64); logits 6 h V = 6 x 64 x 1024; attention 6 q L s^2 per sample.
+  const double mlp = 6.0 * 64 * (128 * 3 * 2 + (32 * 2 * 3 + 64 * 3) * 2);
+  const double projections = 6.0 * 4 * (64 * 192 + 64 * 64);
+  const double logits = 6.0 * 64 * 1024;
+  const double attention = 6.0 * 64 * 4;
+  CHECK(c.train.global_batch == 2);
+  CHECK(num_floating_point_operations(m, 2) == 2 * 32 * (mlp + projections + logits) + 2 * 32 * 32 * attention);
+  CHECK(flops_per_token(m) == Approx((32 * (mlp + projections + logits) + 32 * 32 * attention) / 32).epsilon(1e-15));
+  // The same model without experts: every layer dense.
+  const Config dense = parse(small_gpt() + words("--num-layers 4 --disable-bias-linear --swiglu --ffn-hidden-size 128"));
+  CHECK(num_floating_point_operations(dense.model, 2) ==
+        2 * 32 * (6.0 * 64 * 128 * 3 * 4 + projections + logits) + 2 * 32 * 32 * attention);
+  CHECK(count_parameters(dense.model).active == count_parameters(dense.model).total);
+  CHECK(count_parameters(dense.model).num_moe_layers == 0);
+  // Counting from the flags alone (a configuration not derived) gives the same numbers.
+  ModelConfig raw = m;
+  raw.moe.moe_layer.clear();
+  raw.moe.expert_ffn = 0;
+  CHECK(count_parameters(raw).total == p.total);
+  CHECK(num_floating_point_operations(raw, 2) == num_floating_point_operations(m, 2));
+  // A list pattern: layers 1-3 MoE.
+  const Config listed = parse(counted_moe() + words("--moe-layer-freq ([0]+[1]*3)"));
+  CHECK(count_parameters(listed.model).layers == 41216 + 3 * 78656);
+}
+
+TEST_CASE("MoE: the checkpoint's model section records and checks the experts", "[cli][moe][args]") {
+  const Config c = parse(counted_moe() + words("--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5"));
+  const json j = model_config_to_json(c.model);
+  CHECK(j.at("num_experts") == 8);
+  CHECK(j.at("moe_ffn_hidden_size") == 32);
+  CHECK(j.at("moe_layer_freq") == 2);
+  CHECK(j.at("moe_expert_ffn") == 32);
+  CHECK(j.at("moe_layer") == json({1, 0, 1, 0}));
+  CHECK(j.at("moe_router_topk") == 2);
+  CHECK(j.at("moe_router_score_function") == "sigmoid");
+  CHECK(j.at("moe_router_topk_scaling_factor") == 2.5);
+  CHECK(j.at("moe_shared_expert_intermediate_size") == 64);
+  CHECK(j.at("moe_shared_expert_gate") == true);
+  const ModelConfig back = model_config_from_json(j, "m.json");
+  CHECK(back.moe.num_experts == 8);
+  CHECK(back.moe.moe_layer == c.model.moe.moe_layer);
+  CHECK(back.moe.expert_ffn == 32);
+  CHECK(back.moe.score_function == MoeScoreFunction::sigmoid);
+  CHECK(model_config_to_json(back) == j);
+  CHECK_NOTHROW(check_checkpoint_model(j, c.model, "m.json"));
+  // Another expert count, expert size or MoE layer pattern is another model.
+  CHECK_THROWS_WITH(check_checkpoint_model(j, parse(counted_moe() + words("--num-experts 4")).model, "m.json"),
+                    Contains("--num-experts is 8 in the checkpoint but 4 in this run"));
+  CHECK_THROWS_WITH(check_checkpoint_model(j, parse(counted_moe() + words("--moe-ffn-hidden-size 16")).model, "m.json"),
+                    Contains("the experts' FFN size (--moe-ffn-hidden-size) is 32 in the checkpoint but 16 in this run"));
+  CHECK_THROWS_WITH(check_checkpoint_model(j, parse(counted_moe() + words("--moe-layer-freq [0,1,0,1]")).model, "m.json"),
+                    Contains("the MoE layer map (--moe-layer-freq) is [1,0,1,0] in the checkpoint but [0,1,0,1]"));
+  // The same layers written as a list are the same model.
+  CHECK_NOTHROW(check_checkpoint_model(j, parse(counted_moe() + words("--moe-layer-freq [1,0,1,0]")).model, "m.json"));
+  // A checkpoint from before MoE was recorded is a dense model.
+  json older = model_config_to_json(parse(small_gpt() + words("--num-layers 4 --disable-bias-linear --swiglu "
+                                                              "--ffn-hidden-size 128")).model);
+  for (const char* k : {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_layer_pattern", "moe_expert_ffn",
+                        "moe_layer", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                        "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+                        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                        "moe_router_enable_expert_bias"})
+    older.erase(k);
+  CHECK_FALSE(model_config_from_json(older, "old.json").moe.enabled());
+  CHECK_THROWS_WITH(check_checkpoint_model(older, c.model, "old.json"),
+                    Contains("--num-experts is None in the checkpoint but 8 in this run"));
+}
+
+TEST_CASE("MoE dry run: experts, top-k, total and active parameters", "[cli][moe][binary]") {
+  const RunResult text = run_binary(counted_moe() + words("--dry-run --device cpu"));
+  INFO(text.err);
+  REQUIRE(text.exit_code == 0);
+  const ParamCounts p = count_parameters(parse(counted_moe()).model);
+  auto commas = [](int64_t v) {
+    std::string d = std::to_string(v), s;
+    for (size_t i = 0; i < d.size(); ++i) {
+      if (i > 0 && (d.size() - i) % 3 == 0) s.push_back(',');
+      s.push_back(d[i]);
+    }
+    return s;
+  };
+  CHECK_THAT(text.out, Contains("total: " + commas(p.total)));
+  CHECK_THAT(text.out, Contains("active per token: " + commas(p.active) + " (top-2 of 8 experts in each of 2 MoE layers)"));
+  CHECK_THAT(text.out, Contains("per dense layer: 41,216 x 2 layers; per MoE layer: 78,656 x 2 layers"));
+  CHECK_THAT(text.out, Contains("\"layer_pattern\":\"E-E-\""));
+  CHECK_THAT(text.out, Contains("(MoE layers: top-k experts' FFNs and the shared expert; the router"));
+
+  const RunResult js = run_binary(counted_moe() + words("--dry-run --device cpu --json"));
+  INFO(js.err);
+  REQUIRE(js.exit_code == 0);
+  const json plan = json::parse(js.out);
+  CHECK(plan.at("parameters").at("total") == p.total);
+  CHECK(plan.at("parameters").at("active") == p.active);
+  CHECK(plan.at("parameters").at("moe").at("num_moe_layers") == 2);
+  CHECK(plan.at("parameters").at("moe").at("router") == 512);
+  CHECK(plan.at("derived").at("moe").at("num_experts") == 8);
+  CHECK(plan.at("derived").at("moe").at("router_topk") == 2);
+  CHECK(plan.at("derived").at("moe").at("expert_ffn_hidden_size") == 32);
+  CHECK(plan.at("derived").at("moe").at("moe_layers") == 2);
+  CHECK(plan.at("config").at("--num-experts").at("value") == 8);
+  CHECK(plan.at("config").at("--moe-layer-freq").at("value") == 2);
+  CHECK(plan.at("flops").at("per_iteration").get<double>() ==
+        num_floating_point_operations(parse(counted_moe()).model, 2));
+  // A dense model says so.
+  const RunResult dense = run_binary(small_gpt() + words("--dry-run --device cpu --json"));
+  REQUIRE(dense.exit_code == 0);
+  const json d = json::parse(dense.out);
+  CHECK(d.at("derived").at("moe").is_null());
+  CHECK(d.at("parameters").at("active") == d.at("parameters").at("total"));
+  CHECK_FALSE(d.at("parameters").contains("moe"));
+}
+
+TEST_CASE("MoE: --use-checkpoint-args takes Megatron's MoE arguments from the checkpoint", "[cli][moe][args]") {
+  TempDir dir;
+  save_config(dir, parse(counted_moe() + words("--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 "
+                                               "--moe-layer-freq [1,1,0,0] --moe-router-num-groups 2 "
+                                               "--moe-router-group-topk 1")));
+  std::vector<SetupMessage> ms;
+  const Config c = parse(small_gpt() + words("--num-layers 4 --disable-bias-linear --swiglu --ffn-hidden-size 128 "
+                                             "--moe-ffn-hidden-size 16 --use-checkpoint-args --load " + dir.str("")),
+                         1, &ms);
+  const MoeConfig& e = c.model.moe;
+  // Megatron's load_args_from_checkpoint forces these ...
+  CHECK(e.num_experts == 8);
+  CHECK(e.moe_layer == std::vector<char>{1, 1, 0, 0});
+  CHECK(e.ffn_hidden_size == 32);  // over the command line's 16
+  CHECK(e.router_topk == 2);
+  CHECK(e.score_function == MoeScoreFunction::sigmoid);
+  CHECK(e.router_topk_scaling_factor == 2.5);
+  CHECK(e.shared_expert_intermediate_size == 64);
+  CHECK(has_message(ms, SetupMessage::Kind::info, "Setting num_experts to 8 from checkpoint"));
+  CHECK(has_message(ms, SetupMessage::Kind::info, "Setting moe_layer_freq to [1,1,0,0] from checkpoint"));
+  // ... and not the routing groups or the shared expert's gate.
+  CHECK_FALSE(e.router_group_topk);
+  CHECK_FALSE(e.shared_expert_gate);
+
+  // A checkpoint without experts clears the command line's --moe-ffn-hidden-size (as Megatron does).
+  TempDir dense;
+  save_config(dense, parse(small_gpt() + words("--num-layers 4 --disable-bias-linear")));
+  ms.clear();
+  const Config d = parse(small_gpt() + words("--num-layers 4 --disable-bias-linear --moe-ffn-hidden-size 32 "
+                                             "--use-checkpoint-args --load " + dense.str("")),
+                         1, &ms);
+  CHECK_FALSE(d.model.moe.enabled());
+  CHECK_FALSE(d.model.moe.ffn_hidden_size);
+  CHECK(has_message(ms, SetupMessage::Kind::info, "Checkpoint did not provide arguments num_experts"));
+}
