@@ -479,6 +479,7 @@ void GptModel::bind_params() {
     find(p + "mlp.experts.linear_fc2.weight", P.ex_fc2_w, Gr.ex_fc2_w);
     find(p + "mlp.shared_experts.linear_fc1.weight", P.sh_fc1_w, Gr.sh_fc1_w);
     find(p + "mlp.shared_experts.linear_fc2.weight", P.sh_fc2_w, Gr.sh_fc2_w);
+    find(p + "mlp.shared_experts.gate_weight", P.sh_gate_w, Gr.sh_gate_w);
     if (!fp8_.layer_fp8(l) || !opt_.fp8.param_gather) continue;
     const Tensor w[Fp8State::kGemms] = {P.qkv_w, P.proj_w, P.fc1_w, P.fc2_w};
     for (int g = 0; g < Fp8State::kGemms; ++g) fp8_w_[static_cast<size_t>(l)].q[g] = w[g];

@@ -363,6 +363,9 @@ class GptModel {
   void moe_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
   void moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
   MoeRouting moe_routing() const;
+  MoeRouting gate_routing() const;
+  DType router_dtype() const;
+  Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH
   void head_forward(Slot& s, Tensor x, bool norm_done);
   Tensor layer_input(const Slot& s, int local) const;

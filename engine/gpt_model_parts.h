@@ -14,8 +14,8 @@ struct GptModel::LayerParams {
   Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
       fc2_w, fc2_b;
   // MoE layers (ln2: the pre-MLP norm): router [E, h], experts' fc1 [E * fc1, h] and fc2 [E * h, f]
-  // (expert e's rows stacked), the shared expert's fc1 and fc2.
-  Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w;
+  // (expert e's rows stacked), the shared expert's fc1, fc2 and gate [1, h].
+  Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w, sh_gate_w;
 };
 
 // What an MoE layer keeps for backward (engine/blocks/moe.cpp). Nk = N * topk permuted rows.
@@ -30,6 +30,7 @@ struct GptModel::MoeActs {
   Tensor fc1_pre;                // experts' fc1 output [Nk, fc1] (backward: its gradient)
   Tensor sh_fc1_pre;             // shared expert's fc1 output [N, fc1_sh] (backward: its gradient,
                                  // or with GeLU its activation)
+  Tensor sh_out, sh_gate;        // gated shared expert: its output before the gate [N, h], gate logit [N, 1]
 };
 
 // What a layer keeps from forward for backward. Statistics are in the accum dtype.
@@ -109,6 +110,9 @@ struct GptModel::Workspace {
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
   // (in backward also its input gradient) and weight [E, h] cast to float32.
   Tensor moe_x32, moe_w32;
+  // The shared expert's gate: sigmoid(logit) float32 [N, 1] (and the routing op's index [N, 1]),
+  // the logit's gradient [N, 1], the gradient of the shared expert's output before the gate [N, h].
+  Tensor moe_gate_p, moe_gate_idx, moe_dgate, moe_dsh;
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum

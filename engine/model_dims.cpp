@@ -105,7 +105,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     const MoeConfig& e = m.moe;
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).
     if (tp_size > 1) throw Unsupported("--num-experts with --tensor-model-parallel-size > 1 is not supported yet");
-    if (e.shared_expert_gate) throw Unsupported("--moe-shared-expert-gate is not supported yet");
     if (cfg.train.fp8_format) throw Unsupported("--num-experts with --fp8-format is not supported yet");
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;

@@ -62,7 +62,7 @@ struct Builder {
   // An MoE layer's MLP (Megatron-Core's MoELayer, --moe-grouped-gemm names): a standalone
   // pre-MLP norm, the router, the experts' fc1 and fc2 stacked along their rows (expert e owns
   // rows [e * rows, (e+1) * rows) of its layer's weight, gate and up halves per expert with
-  // SwiGLU), and the shared expert (a dense MLP).
+  // SwiGLU), and the shared expert (a dense MLP, optionally gated).
   void moe_layer(const std::string& p, int l) {
     const int64_t h = d.hidden, E = d.experts, fe = d.expert_ffn, fc1 = d.expert_fc1_width();
     const int64_t halves = d.swiglu ? 2 : 1;
@@ -79,6 +79,9 @@ struct Builder {
           false, l);
       add(p + "mlp.shared_experts.linear_fc2.weight", {h, fs}, cols(h, fs), InitKind::normal, d.output_init_std, false,
           l);
+      if (d.shared_gate)
+        add(p + "mlp.shared_experts.gate_weight", {1, h}, whole(1, h), InitKind::normal, d.init_std, true, l)
+            .tp_partial_grad = d.sequence_parallel;
     }
   }
 };

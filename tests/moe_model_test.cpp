@@ -150,13 +150,21 @@ struct MoeHarness {
 
 }  // namespace
 
-TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shared expert", "[moe][gradcheck]") {
+TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shared experts", "[moe][gradcheck]") {
   Config c = tiny_moe_config(4, 2);
   c.model.moe.aux_loss_coeff = {0.1};
   c.model.moe.z_loss_coeff = 0.01;
   c.model.moe.shared_expert_intermediate_size = 12;
-  MoeHarness h(c);
-  h.check_all(6);
+  SECTION("ungated shared expert") {
+    MoeHarness h(c);
+    h.check_all(6);
+  }
+  SECTION("gated shared expert, float32 router") {
+    c.model.moe.shared_expert_gate = true;
+    c.model.moe.router_dtype = "fp32";
+    MoeHarness h(c);
+    h.check_all(6);
+  }
 }
 
 TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing and scaling, GeLU experts",

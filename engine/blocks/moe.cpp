@@ -2,7 +2,7 @@
 // expert-parallel rank), forward and backward: ln2 (the pre-MLP norm, written by the attention
 // block's closing op) -> router -> top-k routing -> permute (tokens grouped by expert) -> the
 // experts' fc1 (grouped GEMM) -> activation -> times the routing weight -> fc2 (grouped GEMM) ->
-// un-permute (sum of each token's k expert outputs) [+ the shared expert] ->
+// un-permute (sum of each token's k expert outputs) [+ the shared expert, optionally gated] ->
 // dropout + residual, whose pass also writes the norm that follows. Load-balancing (aux) and
 // z-losses add their gradients to the router's logits; they are logged, never added to the loss.
 #include <cmath>
@@ -26,6 +26,31 @@ MoeRouting GptModel::moe_routing() const {
   return r;
 }
 
+// The shared expert's gate as a routing of one expert, top-1, sigmoid scoring: its weight is
+// sigmoid(logit) rounded to the logit's dtype (Megatron's F.sigmoid in that dtype), and the routing
+// backward gives d logit = d g * g (1 - g).
+MoeRouting GptModel::gate_routing() const {
+  MoeRouting r;
+  r.experts = 1;
+  r.topk = 1;
+  r.score = MoeScoreFunction::sigmoid;
+  return r;
+}
+
+// g = sigmoid(the kept gate logit) float32 [N, 1], in the workspace.
+Tensor GptModel::shared_gate_forward(const LayerParams& P, const LayerActs& A) {
+  (void)P;
+  be_.moe_route(ws_->moe_gate_p, ws_->moe_gate_idx, A.moe.sh_gate, Tensor(), gate_routing());
+  return ws_->moe_gate_p;
+}
+
+// The router's dtype: the compute dtype, or float32 with --moe-router-dtype fp32 where the compute
+// dtype is narrower (bf16, fp16).
+DType GptModel::router_dtype() const {
+  const DType T = opt_.compute;
+  return d_.moe_router_fp32 && (T == DType::bf16 || T == DType::f16) ? DType::f32 : T;
+}
+
 int GptModel::moe_layers() const {
   int n = 0;
   for (int l = d_.layer_begin; l < d_.layer_end; ++l) n += d_.is_moe(l) ? 1 : 0;
@@ -38,7 +63,7 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk;
   const DType T = opt_.compute, S = opt_.accum;
   MoeActs& M = A.moe;
-  M.logits = a.take(c, d_.moe_router_fp32 ? DType::f32 : T, {N, E});
+  M.logits = a.take(c, router_dtype(), {N, E});
   M.probs = a.take(c, S, {N, d_.topk});
   M.idx = a.take(c, DType::i32, {N, d_.topk});
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) M.stats = a.take(c, S, {2 * E + 1});
@@ -52,6 +77,10 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width()});
   if (d_.shared_ffn > 0) {
     M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width() / d_.tp_size});
+    if (d_.shared_gate) {
+      M.sh_out = a.take(c, T, {N, h});
+      M.sh_gate = a.take(c, T, {N, 1});
+    }
   }
 }
 
@@ -69,7 +98,7 @@ void GptModel::layout_moe_workspace(Arena& a) {
   w.moe_act = a.take(C::workspace, T, {Nk, fe});
   w.moe_dact = a.take(C::workspace, T, {Nk, fe});
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn / d_.tp_size});
-  const DType R = d_.moe_router_fp32 ? DType::f32 : T;  // the router's dtype
+  const DType R = router_dtype();
   w.moe_dlogits = a.take(C::workspace, R, {N, E});
   w.moe_x32 = w.moe_w32 = Tensor();
   if (R != T) {
@@ -79,6 +108,13 @@ void GptModel::layout_moe_workspace(Arena& a) {
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) w.moe_aux_grad = a.take(C::workspace, S, {N, E});
   w.moe_dprobs = a.take(C::workspace, S, {N, d_.topk});
   w.moe_dp_perm = a.take(C::workspace, S, {Nk});
+  w.moe_gate_p = w.moe_gate_idx = w.moe_dgate = w.moe_dsh = Tensor();
+  if (d_.shared_gate) {
+    w.moe_gate_p = a.take(C::workspace, S, {N, 1});
+    w.moe_gate_idx = a.take(C::workspace, DType::i32, {N, 1});
+    w.moe_dgate = a.take(C::workspace, T, {N, 1});
+    w.moe_dsh = a.take(C::workspace, T, {N, h});
+  }
 }
 
 // The MoE block of layer `local`: h1 (normed into ln2_out by the attention block's closing op)
@@ -127,6 +163,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
     if (d_.swiglu) be_.swiglu_forward(w.moe_sh_act, M.sh_fc1_pre);
     else be_.activation_forward(w.moe_sh_act, M.sh_fc1_pre, d_.ungated_mlp_activation());
+    if (d_.shared_gate) be_.linear_forward(M.sh_gate, A.ln2_out, P.sh_gate_w, Tensor(), Activation::none, Tensor());
   }
 
   // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs summed.
@@ -137,11 +174,17 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   be_.grouped_linear_forward(w.moe_rows, w.moe_act, P.ex_fc2_w, offsets);
   be_.moe_combine(w.tmp_h, w.moe_rows, M.slot_of, k, false);
 
-  // The shared expert's output added (Megatron: routed + shared).
+  // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g).
   if (d_.shared_ffn > 0) {
-    const Tensor sh_out = w.moe_rows.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
+    const Tensor rows = w.moe_rows.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
+    const Tensor sh_out = d_.shared_gate ? M.sh_out : rows;
     be_.linear_forward(sh_out, w.moe_sh_act, P.sh_fc2_w, Tensor(), Activation::none, Tensor());
-    be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, sh_out);
+    if (d_.shared_gate) {
+      be_.moe_scale_rows(rows, sh_out, shared_gate_forward(P, A).view({N}));
+      be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, rows);
+    } else {
+      be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, sh_out);
+    }
   }
 
   if (!next.fused)
@@ -176,20 +219,33 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
 
   // Shared expert (gT = its input gradient).
   if (d_.shared_ffn > 0) {
+    Tensor d_sh = d_out;  // the gradient of the shared expert's output
+    if (d_.shared_gate) {
+      // out += sh_out * g, g = sigmoid(logit): d sh_out = d_out * g, d g = sum_c d_out * sh_out,
+      // d logit = d g * g (1 - g).
+      const Tensor g = shared_gate_forward(P, A);
+      const Tensor dg = w.moe_dprobs.flat_slice(0, N);
+      be_.moe_scale_rows_backward(w.moe_dsh, dg, d_out, M.sh_out, g.view({N}));
+      be_.moe_route_backward(w.moe_dgate, dg.view({N, 1}), M.sh_gate, w.moe_gate_idx, Tensor(), gate_routing());
+      be_.linear_backward_weight(G.sh_gate_w, Tensor(), w.moe_dgate, A.ln2_out, true);
+      be_.linear_backward_input(w.gT, w.moe_dgate, P.sh_gate_w, false, Activation::none, Tensor());
+      dx_started = true;
+      d_sh = w.moe_dsh;
+    }
     if (d_.swiglu) {
-      be_.linear_backward_input(w.moe_sh_act, d_out, P.sh_fc2_w, false, Activation::none, Tensor());
+      be_.linear_backward_input(w.moe_sh_act, d_sh, P.sh_fc2_w, false, Activation::none, Tensor());
       // In place: sh_fc1_pre becomes its gradient and the activation gradient the activation.
       be_.swiglu_backward_recompute(M.sh_fc1_pre, w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre);
-      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_out, w.moe_sh_act, accumulate_weight_grad(G.sh_fc2_w));
+      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_sh, w.moe_sh_act, accumulate_weight_grad(G.sh_fc2_w));
       be_.linear_backward_weight(G.sh_fc1_w, Tensor(), M.sh_fc1_pre, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
-      be_.linear_backward_input(w.gT, M.sh_fc1_pre, P.sh_fc1_w, false, Activation::none, Tensor());
+      be_.linear_backward_input(w.gT, M.sh_fc1_pre, P.sh_fc1_w, dx_started, Activation::none, Tensor());
     } else {
       // fc1's output gradient into the activation buffer, sh_fc1_pre becomes the activation.
-      be_.linear_backward_input_recompute(w.moe_sh_act, M.sh_fc1_pre, d_out, P.sh_fc2_w, d_.ungated_mlp_activation(),
+      be_.linear_backward_input_recompute(w.moe_sh_act, M.sh_fc1_pre, d_sh, P.sh_fc2_w, d_.ungated_mlp_activation(),
                                           M.sh_fc1_pre);
-      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_out, M.sh_fc1_pre, accumulate_weight_grad(G.sh_fc2_w));
+      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_sh, M.sh_fc1_pre, accumulate_weight_grad(G.sh_fc2_w));
       be_.linear_backward_weight(G.sh_fc1_w, Tensor(), w.moe_sh_act, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
-      be_.linear_backward_input(w.gT, w.moe_sh_act, P.sh_fc1_w, false, Activation::none, Tensor());
+      be_.linear_backward_input(w.gT, w.moe_sh_act, P.sh_fc1_w, dx_started, Activation::none, Tensor());
     }
     dx_started = true;
   }
