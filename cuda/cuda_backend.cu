@@ -380,6 +380,60 @@ void CudaBackend::dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint
                          cuda::amax_slot_ptr(dx_amax, "dropout_backward", "dx_amax"));
 }
 
+// ---- mixture of experts (cuda/moe_kernels.cu) ------------------------------------------------
+void CudaBackend::moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) {
+  on_device("moe_route", probs, idx, logits, expert_bias);
+  MT_PROFILE_OP("moe_route {} top{}", logits.shape_string(), r.topk);
+  cuda::moe_route(context(), probs, idx, logits, expert_bias, r);
+}
+void CudaBackend::moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,
+                                     const MoeRouting& r) {
+  on_device("moe_route_backward", dlogits, dprobs, logits, idx, aux_grad);
+  MT_PROFILE_OP("moe_route_backward {} top{}", logits.shape_string(), r.topk);
+  cuda::moe_route_backward(context(), dlogits, dprobs, logits, idx, aux_grad, r);
+}
+void CudaBackend::moe_aux_stats(Tensor stats, Tensor logits, const MoeRouting& r) {
+  on_device("moe_aux_stats", stats, logits);
+  MT_PROFILE_OP("moe_aux_stats {}", logits.shape_string());
+  cuda::moe_aux_stats(context(), stats, logits, r);
+}
+void CudaBackend::moe_aux_grad(Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale, float z_scale,
+                               const MoeRouting& r) {
+  on_device("moe_aux_grad", aux_grad, logits, stats);
+  MT_PROFILE_OP("moe_aux_grad {}", logits.shape_string());
+  cuda::moe_aux_grad(context(), aux_grad, logits, stats, aux_scale, z_scale, r);
+}
+void CudaBackend::moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) {
+  on_device("moe_aux_log", sums, stats);
+  MT_PROFILE_OP("moe_aux_log");
+  cuda::moe_aux_log(context(), sums, stats, aux_scale, z_scale);
+}
+void CudaBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) {
+  on_device("moe_permute_plan", order, slot_of, offsets, idx);
+  MT_PROFILE_OP("moe_permute_plan {} pairs {} experts", idx.numel(), num_experts);
+  cuda::moe_permute_plan(context(), order, slot_of, offsets, idx, num_experts);
+}
+void CudaBackend::moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) {
+  on_device("moe_gather_rows", out, x, index);
+  MT_PROFILE_OP("moe_gather_rows {}", out.shape_string());
+  cuda::moe_gather_rows(context(), out, x, index, k);
+}
+void CudaBackend::moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) {
+  on_device("moe_combine", out, y, slot_of);
+  MT_PROFILE_OP("moe_combine {}{}", out.shape_string(), accumulate ? " +acc" : "");
+  cuda::moe_combine(context(), out, y, slot_of, k, accumulate);
+}
+void CudaBackend::moe_scale_rows(Tensor out, Tensor x, Tensor p) {
+  on_device("moe_scale_rows", out, x, p);
+  MT_PROFILE_OP("moe_scale_rows {}", x.shape_string());
+  cuda::moe_scale_rows(context(), out, x, p);
+}
+void CudaBackend::moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) {
+  on_device("moe_scale_rows_backward", dx, dp, dout, x, p);
+  MT_PROFILE_OP("moe_scale_rows_backward {}", x.shape_string());
+  cuda::moe_scale_rows_backward(context(), dx, dp, dout, x, p);
+}
+
 // ---- rotary embeddings --------------------------------------------------------------------------
 void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
   on_device("rope_forward", qkv, positions, cos_sin);

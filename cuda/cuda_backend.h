@@ -104,6 +104,18 @@ class CudaBackend final : public Backend {
   void swiglu_forward(Tensor out, Tensor in) override;
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
+  void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) override;
+  void moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,
+                          const MoeRouting& r) override;
+  void moe_aux_stats(Tensor stats, Tensor logits, const MoeRouting& r) override;
+  void moe_aux_grad(Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale, float z_scale,
+                    const MoeRouting& r) override;
+  void moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) override;
+  void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) override;
+  void moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) override;
+  void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
+  void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;
+  void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) override;
   void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) override;
   void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
   void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;

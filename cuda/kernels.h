@@ -190,4 +190,28 @@ void count_zeros(const KernelContext& ctx, Tensor out, Tensor x, const SegmentAr
 // 64-bit atomics, exact modulo 2^64 and so the same bits in any order.
 void hash_bytes(const KernelContext& ctx, Tensor out, Tensor x);
 
+// ---- moe_kernels.cu ----------------------------------------------------------------------------
+// Mixture of experts (Backend::moe_route and the ops after it; engine/backend.h has the math).
+// Routing, its backward and the statistics: logits float32, bfloat16 or float16, E <= 512
+// experts, top-k <= 16; probs, dprobs, aux_grad, stats and sums float32; indices int32.
+void moe_route(const KernelContext& ctx, Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias,
+               const MoeRouting& r);
+void moe_route_backward(const KernelContext& ctx, Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx,
+                        Tensor aux_grad, const MoeRouting& r);
+// Deterministic: block partials in scratch, added in block order.
+void moe_aux_stats(const KernelContext& ctx, Tensor stats, Tensor logits, const MoeRouting& r);
+void moe_aux_grad(const KernelContext& ctx, Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale,
+                  float z_scale, const MoeRouting& r);
+void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_scale, float z_scale);
+// A stable counting sort of the pairs by expert (per-chunk counts in scratch, no atomics). An
+// expert index outside [0, E) is left out: its slot_of is -1 and offsets[E] counts only the rest.
+void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Tensor offsets, Tensor idx,
+                      int num_experts);
+// Any dtype (rows move as bytes); an index outside x's rows zeroes its output row.
+void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor index, int k);
+// float32, bfloat16, float16 rows; a slot outside y's rows adds nothing.
+void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate);
+void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p);
+void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p);
+
 }  // namespace mt::cuda

@@ -1,0 +1,976 @@
+// Mixture of experts (engine/backend.h, "mixture of experts"): top-k routing and its backward,
+// the load-balancing statistics and their gradient, the permutation plan, and the row ops around
+// the experts.
+//
+// Routing, its backward, the statistics and their gradient: one warp per token row. A row of
+// E <= 512 experts lives in registers, VPL = ceil(E / 32) values per lane (element lane + 32 i in
+// slot i). top-k is k rounds of a warp arg-max under the order "larger value first, then the
+// lower index" (NaN ranks as -inf), each round excluding the picks before it; lane j keeps pick j.
+// Group-limited routing stages the row's ranking keys in shared memory: lane g sums the top
+// floor(k / group_topk) keys of group g (descending), the groups take a warp top-k of their own,
+// and only the chosen groups' experts stay eligible. Math in float32.
+//
+// The statistics reduce over rows without float atomics: each warp sums its rows (a fixed
+// row-to-warp assignment) in double, the block adds its warps in warp order into a scratch
+// partial, and a second kernel adds the block partials in block order. The block count depends
+// only on N and E (and the scratch size), so the result repeats bit for bit.
+//
+// The permutation plan is a counting sort that needs no atomics: the N * k (row, slot) pairs are
+// cut into chunks of one warp each. Pass 1 counts each chunk's pairs per expert (warp match: the
+// lowest lane of each expert's peers adds their number to the warp's counter in shared memory);
+// pass 2 turns each expert's per-chunk counts into exclusive prefix sums over the chunks; pass 3
+// scans the experts' totals into offsets; pass 4 replays each chunk in pair order, placing pair p
+// at offsets[e] + (its chunk's prefix) + (earlier pairs of e in the chunk). Stable, deterministic.
+//
+// Gather, combine and row scaling: a team of up to 32 threads (a power of two) per row, 16-byte
+// vectors where rows and pointers allow.
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <type_traits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+#include "engine/moe_routing.h"
+
+namespace mt::cuda {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxExperts = 512;  // 16 values per lane
+constexpr int kMaxTopk = 16;
+constexpr int kRowWarps = 4;  // warps (rows) per block of the routing kernels
+constexpr float kSigmoidNormEps = 1e-20f;
+
+enum RouteMode : int { kPostSoftmax = 0, kPreSoftmax = 1, kSigmoid = 2 };
+
+__device__ __forceinline__ float rank_value(float v) { return isnan(v) ? -INFINITY : v; }
+__device__ __forceinline__ bool ranks_before(float va, int ca, float vb, int cb) {
+  return va > vb || (va == vb && ca < cb);
+}
+__device__ __forceinline__ float sigmoid_of(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+// The warp's best (value, index) pair; every lane gets it.
+__device__ __forceinline__ void warp_best(float& v, int& c) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const float v2 = __shfl_xor_sync(kFull, v, o);
+    const int c2 = __shfl_xor_sync(kFull, c, o);
+    if (ranks_before(v2, c2, v, c)) {
+      v = v2;
+      c = c2;
+    }
+  }
+}
+
+// The k best of the warp's values (element lane + 32 i in key[i], eligible where bit i of ok),
+// best first: lane j < k gets pick j in (pick_v, pick_c). Returns the bits of this lane's picks.
+template <int VPL>
+__device__ __forceinline__ uint32_t warp_top_k(const float (&key)[VPL], uint32_t ok, int k, float& pick_v,
+                                               int& pick_c) {
+  const int lane = threadIdx.x % kWarp;
+  uint32_t taken = 0;
+  for (int j = 0; j < k; ++j) {
+    float bv = -INFINITY;
+    int bc = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int c = lane + kWarp * i;
+      if (((ok & ~taken) >> i) & 1u)
+        if (ranks_before(key[i], c, bv, bc)) {
+          bv = key[i];
+          bc = c;
+        }
+    }
+    warp_best(bv, bc);
+    if (bc != INT_MAX && (bc % kWarp) == lane) taken |= 1u << (bc / kWarp);
+    if (lane == j) {
+      pick_v = bv;
+      pick_c = bc;
+    }
+  }
+  return taken;
+}
+
+// Loads row z (E values) into the lanes' slots; returns the bits of the slots that hold an expert.
+template <typename T, int VPL>
+__device__ __forceinline__ uint32_t load_row(const T* row, int E, float (&z)[VPL]) {
+  const int lane = threadIdx.x % kWarp;
+  uint32_t present = 0;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    z[i] = -INFINITY;
+    if (c < E) {
+      z[i] = to_float(row[c]);
+      present |= 1u << i;
+    }
+  }
+  return present;
+}
+
+// max and sum of exp(z - max) over the row (present slots); every lane gets both.
+template <int VPL>
+__device__ __forceinline__ void row_softmax_stats(const float (&z)[VPL], uint32_t present, float& m, float& sum) {
+  float lm = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i)
+    if ((present >> i) & 1u) lm = fmaxf(lm, z[i]);
+  m = warp_max(lm);
+  float ls = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i)
+    if ((present >> i) & 1u) ls += expf(z[i] - m);
+  sum = warp_sum(ls);
+}
+
+struct RouteArgs {
+  int experts = 0, topk = 0, mode = kPostSoftmax;
+  int groups = 0, group_topk = 0, group_size = 0, group_top = 0;  // group_top = floor(k / group_topk)
+  float scaling = 1.0f;
+  int warp_smem_bytes = 0;  // grouped: the row's keys (E floats) and the group flags
+};
+
+template <typename T, int VPL>
+__global__ void moe_route_kernel(float* probs, int32_t* idx, const T* logits, const float* bias, int64_t rows,
+                                 RouteArgs a) {
+  extern __shared__ __align__(16) unsigned char route_smem[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp;
+  if (t >= rows) return;  // whole warps only
+  const int E = a.experts, k = a.topk;
+  const T* row = logits + t * E;
+  float z[VPL], key[VPL];
+  const uint32_t present = load_row<T, VPL>(row, E, z);
+  float m = 0, sum = 1;
+  if (a.mode == kPreSoftmax) row_softmax_stats<VPL>(z, present, m, sum);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    if (a.mode == kPostSoftmax) key[i] = rank_value(z[i]);
+    else if (a.mode == kPreSoftmax) key[i] = rank_value(expf(z[i] - m) / sum);
+    else key[i] = rank_value(sigmoid_of(z[i]) + (bias && c < E ? bias[c] : 0.0f));
+  }
+  uint32_t ok = present;
+  if (a.groups > 0) {
+    float* keys = reinterpret_cast<float*>(route_smem + warp * a.warp_smem_bytes);
+    unsigned char* chosen = reinterpret_cast<unsigned char*>(keys + E);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if ((present >> i) & 1u) keys[lane + kWarp * i] = key[i];
+    __syncwarp();
+    float gscore[VPL];
+    uint32_t gok = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int g = lane + kWarp * i;
+      gscore[i] = -INFINITY;
+      if (g < a.groups) {
+        const float* gk = keys + g * a.group_size;
+        float total = 0, pv = 0;
+        int pc = -1;
+        for (int q = 0; q < a.group_top; ++q) {  // the q-th largest key of the group
+          float bv = -INFINITY;
+          int bc = INT_MAX;
+          for (int e = 0; e < a.group_size; ++e) {
+            const float v = gk[e];
+            if (pc >= 0 && !ranks_before(pv, pc, v, e)) continue;
+            if (ranks_before(v, e, bv, bc)) {
+              bv = v;
+              bc = e;
+            }
+          }
+          total += bv;
+          pv = bv;
+          pc = bc;
+        }
+        gscore[i] = rank_value(total);
+        gok |= 1u << i;
+      }
+    }
+    float unused_v;
+    int unused_c;
+    const uint32_t picked = warp_top_k<VPL>(gscore, gok, a.group_topk, unused_v, unused_c);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int g = lane + kWarp * i;
+      if (g < a.groups) chosen[g] = (picked >> i) & 1u;
+    }
+    __syncwarp();
+    ok = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (((present >> i) & 1u) && chosen[(lane + kWarp * i) / a.group_size]) ok |= 1u << i;
+  }
+  float pick_v = 0;
+  int pick_c = 0;
+  warp_top_k<VPL>(key, ok, k, pick_v, pick_c);
+  const bool mine = lane < k;
+  float p = 0;
+  if (a.mode == kPostSoftmax) {
+    const float zj = mine ? to_float(row[pick_c]) : -INFINITY;
+    const float mk = warp_max(zj);
+    const float ej = mine ? expf(zj - mk) : 0.0f;
+    p = ej / warp_sum(ej);
+  } else if (a.mode == kPreSoftmax) {
+    p = pick_v;  // the softmax value itself
+  } else {
+    const float sj = mine ? sigmoid_of(to_float(row[pick_c])) : 0.0f;
+    p = k > 1 ? sj / (warp_sum(sj) + kSigmoidNormEps) : sj;
+  }
+  p *= a.scaling;
+  if (mine) {
+    probs[t * k + lane] = to_float(from_float<T>(p));
+    idx[t * k + lane] = pick_c;
+  }
+}
+
+template <typename T, int VPL>
+__global__ void moe_route_backward_kernel(T* dlogits, const float* dprobs, const T* logits, const int32_t* idx,
+                                          const float* aux_grad, int64_t rows, RouteArgs a) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp;
+  if (t >= rows) return;
+  const int E = a.experts, k = a.topk;
+  const T* row = logits + t * E;
+  float grad[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    grad[i] = aux_grad && c < E ? aux_grad[t * E + c] : 0.0f;
+  }
+  const bool mine = lane < k;
+  const int id = mine ? idx[t * k + lane] : -1;
+  const bool valid = id >= 0 && id < E;  // (an index outside the row contributes nothing)
+  const float g = valid ? dprobs[t * k + lane] * a.scaling : 0.0f;
+  const float zj = valid ? to_float(row[id]) : -INFINITY;
+  float d = 0;  // d loss / d z[id] from the routing weights
+  if (a.mode == kPostSoftmax) {
+    const float mk = warp_max(zj);
+    const float q = valid ? expf(zj - mk) : 0.0f;
+    const float qn = q / warp_sum(q);
+    const float dot = warp_sum(qn * g);
+    d = qn * (g - dot);
+  } else if (a.mode == kPreSoftmax) {
+    float z[VPL];
+    const uint32_t present = load_row<T, VPL>(row, E, z);
+    float m, sum;
+    row_softmax_stats<VPL>(z, present, m, sum);
+    const float sj = valid ? expf(zj - m) / sum : 0.0f;
+    const float dot = warp_sum(sj * g);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if ((present >> i) & 1u) grad[i] -= expf(z[i] - m) / sum * dot;
+    d = sj * g;
+  } else {
+    const float sj = valid ? sigmoid_of(zj) : 0.0f;
+    const float S = warp_sum(sj) + kSigmoidNormEps, dot = warp_sum(sj * g);
+    const float ds = k > 1 ? g / S - dot / (S * S) : g;
+    d = ds * sj * (valid ? sigmoid_of(-zj) : 0.0f);  // 1 - s as sigmoid(-z): no cancellation near s = 1
+  }
+  for (int j = 0; j < k; ++j) {  // (a select per slot keeps grad[] in registers)
+    const int e = __shfl_sync(kFull, valid ? id : -1, j);
+    const float dj = __shfl_sync(kFull, d, j);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) grad[i] += lane + kWarp * i == e ? dj : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    if (c < E) dlogits[t * E + c] = from_float<T>(grad[i]);
+  }
+}
+
+// The aux scores s~ of the row into s (present slots); returns logsumexp(z).
+template <int VPL>
+__device__ __forceinline__ float aux_scores(const float (&z)[VPL], uint32_t present, bool sigmoid, float (&s)[VPL]) {
+  float m, sum;
+  row_softmax_stats<VPL>(z, present, m, sum);
+  if (!sigmoid) {
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) s[i] = (present >> i) & 1u ? expf(z[i] - m) / sum : 0.0f;
+  } else {
+    float ls = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      s[i] = (present >> i) & 1u ? sigmoid_of(z[i]) : 0.0f;
+      ls += s[i];
+    }
+    const float total = warp_sum(ls);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) s[i] /= total;
+  }
+  return m + logf(sum);
+}
+
+// Block partials of the statistics over rows blockIdx.x * W + warp + j * gridDim.x * W.
+// Shared: double sums[W][E], double lse2[W], int counts[W][E].
+template <typename T, int VPL>
+__global__ void moe_aux_stats_kernel(double* part_sums, int* part_counts, double* part_lse2, const T* logits,
+                                     int64_t rows, int E, int k, bool sigmoid) {
+  extern __shared__ __align__(16) unsigned char stats_smem[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  double* sums = reinterpret_cast<double*>(stats_smem);
+  double* lse2 = sums + kRowWarps * E;
+  int* counts = reinterpret_cast<int*>(lse2 + kRowWarps);
+  double acc[VPL];
+  int cnt[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) acc[i] = 0, cnt[i] = 0;
+  double acc_lse2 = 0;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp; t < rows;
+       t += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    float z[VPL], s[VPL];
+    const uint32_t present = load_row<T, VPL>(logits + t * E, E, z);
+    const float lse = aux_scores<VPL>(z, present, sigmoid, s);
+    acc_lse2 += static_cast<double>(lse) * lse;
+    float key[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      acc[i] += s[i];
+      key[i] = rank_value(s[i]);
+    }
+    float unused_v;
+    int unused_c;
+    const uint32_t picked = warp_top_k<VPL>(key, present, k, unused_v, unused_c);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) cnt[i] += (picked >> i) & 1u;
+  }
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    if (c < E) {
+      sums[warp * E + c] = acc[i];
+      counts[warp * E + c] = cnt[i];
+    }
+  }
+  if (lane == 0) lse2[warp] = acc_lse2;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    double total = 0;
+    int n = 0;
+    for (int w = 0; w < kRowWarps; ++w) {
+      total += sums[w * E + e];
+      n += counts[w * E + e];
+    }
+    part_sums[static_cast<int64_t>(blockIdx.x) * E + e] = total;
+    part_counts[static_cast<int64_t>(blockIdx.x) * E + e] = n;
+  }
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int w = 0; w < kRowWarps; ++w) total += lse2[w];
+    part_lse2[blockIdx.x] = total;
+  }
+}
+
+__global__ void moe_aux_stats_finish_kernel(float* stats, const double* part_sums, const int* part_counts,
+                                            const double* part_lse2, int blocks, int E) {
+  for (int i = threadIdx.x; i < 2 * E + 1; i += blockDim.x) {
+    if (i < E) {
+      double total = 0;
+      for (int b = 0; b < blocks; ++b) total += part_sums[static_cast<int64_t>(b) * E + i];
+      stats[i] = static_cast<float>(total);
+    } else if (i < 2 * E) {
+      long long n = 0;
+      for (int b = 0; b < blocks; ++b) n += part_counts[static_cast<int64_t>(b) * E + (i - E)];
+      stats[i] = static_cast<float>(n);
+    } else {
+      double total = 0;
+      for (int b = 0; b < blocks; ++b) total += part_lse2[b];
+      stats[i] = static_cast<float>(total);
+    }
+  }
+}
+
+template <typename T, int VPL>
+__global__ void moe_aux_grad_kernel(float* aux_grad, const T* logits, const float* stats, int64_t rows, int E,
+                                    bool sigmoid, float aux_scale, float z_scale) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp;
+  if (t >= rows) return;
+  float z[VPL], grad[VPL];
+  const uint32_t present = load_row<T, VPL>(logits + t * E, E, z);
+  float m, sum;
+  row_softmax_stats<VPL>(z, present, m, sum);
+  const float lse = m + logf(sum);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) grad[i] = 0;
+  if (aux_scale != 0) {
+    float count[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) count[i] = (present >> i) & 1u ? stats[E + lane + kWarp * i] : 0.0f;
+    if (!sigmoid) {
+      float ld = 0;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i)
+        if ((present >> i) & 1u) ld += count[i] * (expf(z[i] - m) / sum);
+      const float dot = warp_sum(ld);
+#pragma unroll
+      for (int i = 0; i < VPL; ++i)
+        if ((present >> i) & 1u) grad[i] = aux_scale * (expf(z[i] - m) / sum) * (count[i] - dot);
+    } else {
+      float ls = 0, ld = 0;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i)
+        if ((present >> i) & 1u) {
+          const float sg = sigmoid_of(z[i]);
+          ls += sg;
+          ld += count[i] * sg;
+        }
+      const float total = warp_sum(ls), dot = warp_sum(ld);
+#pragma unroll
+      for (int i = 0; i < VPL; ++i)
+        if ((present >> i) & 1u) {
+          const float sg = sigmoid_of(z[i]);
+          grad[i] = aux_scale * (count[i] / total - dot / (total * total)) * sg * sigmoid_of(-z[i]);
+        }
+    }
+  }
+  if (z_scale != 0) {
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if ((present >> i) & 1u) grad[i] += z_scale * 2.0f * lse * (expf(z[i] - m) / sum);
+  }
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int c = lane + kWarp * i;
+    if (c < E) aux_grad[t * E + c] = grad[i];
+  }
+}
+
+// One warp: sums[0] += aux_scale * sum_e stats[e] stats[E + e], sums[1] += z_scale * stats[2E].
+__global__ void moe_aux_log_kernel(float* sums, const float* stats, int E, float aux_scale, float z_scale) {
+  const int lane = threadIdx.x;
+  double local = 0;
+  for (int e = lane; e < E; e += kWarp) local += static_cast<double>(stats[e]) * stats[E + e];
+  const double aux = warp_sum(local);
+  if (lane == 0) {
+    sums[0] += static_cast<float>(static_cast<double>(aux_scale) * aux);
+    sums[1] += static_cast<float>(static_cast<double>(z_scale) * stats[2 * E]);
+  }
+}
+
+// ---- the permutation plan -------------------------------------------------------------------
+constexpr int kPlanWarps = 4;
+constexpr int kPlanScanThreads = 256;
+
+__device__ __forceinline__ int expert_of(const int32_t* idx, int64_t p, int64_t end, int E) {
+  if (p >= end) return -1;
+  const int e = idx[p];
+  return e >= 0 && e < E ? e : -1;
+}
+
+// Pass 1: hist[chunk * E + e] = the number of the chunk's pairs that go to expert e.
+__global__ void plan_count_kernel(int* hist, const int32_t* idx, int64_t pairs, int64_t chunk_size, int64_t chunks,
+                                  int E) {
+  extern __shared__ int plan_counts[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
+  if (chunk >= chunks) return;
+  int* count = plan_counts + warp * E;
+  for (int e = lane; e < E; e += kWarp) count[e] = 0;
+  __syncwarp();
+  const int64_t begin = chunk * chunk_size, end = std::min(pairs, begin + chunk_size);
+  for (int64_t base = begin; base < end; base += kWarp) {
+    const int e = expert_of(idx, base + lane, end, E);
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) count[e] += __popc(peers);
+    __syncwarp();
+  }
+  for (int e = lane; e < E; e += kWarp) hist[chunk * E + e] = count[e];
+}
+
+// Pass 2 (one block per expert): hist[c * E + e] = the count of e over chunks before c; totals[e].
+__global__ void plan_chunk_scan_kernel(int* hist, int* totals, int64_t chunks, int E) {
+  using Scan = cub::BlockScan<int, kPlanScanThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int e = blockIdx.x;
+  const int64_t per = (chunks + kPlanScanThreads - 1) / kPlanScanThreads;
+  const int64_t first = threadIdx.x * per, last = std::min(chunks, first + per);
+  int local = 0;
+  for (int64_t c = first; c < last; ++c) local += hist[c * E + e];
+  int running = 0, total = 0;
+  Scan(temp).ExclusiveSum(local, running, total);
+  for (int64_t c = first; c < last; ++c) {
+    const int n = hist[c * E + e];
+    hist[c * E + e] = running;
+    running += n;
+  }
+  if (threadIdx.x == 0) totals[e] = total;
+}
+
+// Pass 3 (one block): offsets[e] = the exclusive prefix sum of totals, offsets[E] = their sum.
+__global__ void plan_offsets_kernel(int32_t* offsets, const int* totals, int E) {
+  using Scan = cub::BlockScan<int, 1024>;
+  __shared__ typename Scan::TempStorage temp;
+  int carry = 0;
+  for (int base = 0; base < E; base += 1024) {
+    const int e = base + threadIdx.x;
+    const int v = e < E ? totals[e] : 0;
+    int excl = 0, total = 0;
+    Scan(temp).ExclusiveSum(v, excl, total);
+    if (e < E) offsets[e] = carry + excl;
+    carry += total;
+    __syncthreads();  // temp is reused by the next tile
+  }
+  if (threadIdx.x == 0) offsets[E] = carry;
+}
+
+// Pass 4: each chunk's pairs in order; pair p of expert e goes to offsets[e] + hist[chunk][e] +
+// (the chunk's earlier pairs of e). A pair with an expert outside [0, E) gets slot_of = -1.
+__global__ void plan_scatter_kernel(int32_t* order, int32_t* slot_of, const int* hist, const int32_t* offsets,
+                                    const int32_t* idx, int64_t pairs, int64_t chunk_size, int64_t chunks, int E) {
+  extern __shared__ int plan_next[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
+  if (chunk >= chunks) return;
+  int* next = plan_next + warp * E;
+  for (int e = lane; e < E; e += kWarp) next[e] = offsets[e] + hist[chunk * E + e];
+  __syncwarp();
+  const int64_t begin = chunk * chunk_size, end = std::min(pairs, begin + chunk_size);
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t base = begin; base < end; base += kWarp) {
+    const int64_t p = base + lane;
+    const int e = expert_of(idx, p, end, E);
+    const unsigned peers = __match_any_sync(kFull, e);
+    const int pos = e >= 0 ? next[e] + __popc(peers & lower) : -1;
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(peers) - 1) next[e] += __popc(peers);
+    __syncwarp();
+    if (p < end) {
+      slot_of[p] = pos;
+      if (pos >= 0) order[pos] = static_cast<int32_t>(p);
+    }
+  }
+}
+
+// ---- row ops ---------------------------------------------------------------------------------
+constexpr int kRowOpThreads = 256;
+
+// Threads per row: a power of two from 1 to 32 covering `units` vectors.
+int team_for(int64_t units) {
+  int tpr = 1;
+  while (tpr < kWarp && tpr < units) tpr *= 2;
+  return tpr;
+}
+
+struct RowTeams {
+  int tpr = 1, rows_per_block = 1;
+  unsigned grid = 1;
+};
+RowTeams row_teams(int64_t rows, int64_t units, int num_sms) {
+  RowTeams r;
+  r.tpr = team_for(units);
+  r.rows_per_block = kRowOpThreads / r.tpr;
+  r.grid = grid_for(rows, r.rows_per_block, num_sms * 16LL);
+  return r;
+}
+
+// out[r] = x[index[r] / k] in units of U (rows of `units` U each); an index outside x zeroes the row.
+template <typename U>
+__global__ void gather_rows_kernel(U* out, const U* x, const int32_t* index, int64_t rows, int64_t x_rows,
+                                   int64_t units, int k, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + team; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int32_t id = index[r];
+    const int64_t src = id / k;
+    U* o = out + r * units;
+    if (id < 0 || src >= x_rows) {
+      for (int64_t u = member; u < units; u += tpr) o[u] = U{};
+      continue;
+    }
+    const U* s = x + src * units;
+    for (int64_t u = member; u < units; u += tpr) o[u] = s[u];
+  }
+}
+
+template <typename T, int VEC>
+__global__ void combine_kernel(T* out, const T* y, const int32_t* slot_of, int64_t rows, int64_t y_rows, int64_t cols,
+                               int k, bool accumulate, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_block + team; t < rows;
+       t += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int32_t* slots = slot_of + t * k;
+    T* o = out + t * cols;
+    for (int64_t c = static_cast<int64_t>(member) * VEC; c < cols; c += static_cast<int64_t>(tpr) * VEC) {
+      Floats<VEC> acc;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc.v[v] = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int32_t s = slots[j];
+        if (s < 0 || s >= y_rows) continue;
+        const Floats<VEC> yv = load_vec<VEC>(y + s * cols + c);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc.v[v] += yv.v[v];
+      }
+      if (accumulate) {
+        const Floats<VEC> ov = load_vec<VEC>(o + c);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc.v[v] = ov.v[v] + acc.v[v];
+      }
+      store_vec<VEC>(o + c, acc);
+    }
+  }
+}
+
+// out = x * p[row] (out may be x). Backward (dx given): dp[row] = sum dout * x (team sum in a fixed
+// order), dx = dout * p (dx may be dout: each element is read before the same thread writes it).
+template <typename T, int VEC>
+__global__ void scale_rows_kernel(T* out, const T* x, const float* p, int64_t rows, int64_t cols, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + team; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const float w = p[r];
+    for (int64_t c = static_cast<int64_t>(member) * VEC; c < cols; c += static_cast<int64_t>(tpr) * VEC) {
+      Floats<VEC> v = load_vec<VEC>(x + r * cols + c);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v.v[j] *= w;
+      store_vec<VEC>(out + r * cols + c, v);
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void scale_rows_backward_kernel(T* dx, float* dp, const T* dout, const T* x, const float* p, int64_t rows,
+                                           int64_t cols, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  // Every lane runs the same number of iterations (the team sum shuffles across the warp).
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int64_t r = base + team;
+    const bool active = r < rows;
+    float dot = 0.0f;
+    if (active) {
+      const float w = p[r];
+      for (int64_t c = static_cast<int64_t>(member) * VEC; c < cols; c += static_cast<int64_t>(tpr) * VEC) {
+        Floats<VEC> d = load_vec<VEC>(dout + r * cols + c);
+        const Floats<VEC> xv = load_vec<VEC>(x + r * cols + c);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          dot += d.v[j] * xv.v[j];
+          d.v[j] *= w;
+        }
+        store_vec<VEC>(dx + r * cols + c, d);
+      }
+    }
+    for (int o = tpr / 2; o > 0; o /= 2) dot += __shfl_xor_sync(kFull, dot, o);
+    if (active && member == 0) dp[r] = dot;
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+void check_i32(const Tensor& t, int64_t n, const char* op, const char* what) {
+  MT_CHECK(t.dtype == DType::i32 && t.numel() == n, "{}: {} must be int32 with {} elements, got {} {}", op, what, n,
+           dtype_name(t.dtype), t.shape_string());
+}
+void check_f32(const Tensor& t, int64_t n, const char* op, const char* what) {
+  MT_CHECK(t.dtype == DType::f32 && t.numel() == n, "{}: {} must be float32 with {} elements, got {} {}", op, what,
+           n, dtype_name(t.dtype), t.shape_string());
+}
+
+// The CUDA limits of the routing kernels (one warp per row) on top of the rule's own checks.
+void check_route_limits(const MoeRouting& r, int64_t cols, int64_t rows, const char* op) {
+  check_moe_routing(r, cols, op);
+  if (r.experts > kMaxExperts)
+    fail("{}: {} experts; the CUDA router takes at most {} (--num-experts)", op, r.experts, kMaxExperts);
+  if (r.topk > kMaxTopk)
+    fail("{}: top-k {}; the CUDA router takes at most {} (--moe-router-topk)", op, r.topk, kMaxTopk);
+  MT_CHECK(rows / kRowWarps < (int64_t{1} << 31) - 1, "{}: too many rows ({})", op, rows);
+}
+
+RouteArgs route_args(const MoeRouting& r) {
+  RouteArgs a;
+  a.experts = r.experts;
+  a.topk = r.topk;
+  a.mode = r.score == MoeScoreFunction::sigmoid ? kSigmoid : r.pre_softmax ? kPreSoftmax : kPostSoftmax;
+  a.scaling = r.scaling != 0 ? r.scaling : 1.0f;
+  if (moe_grouped(r)) {
+    a.groups = r.num_groups;
+    a.group_topk = r.group_topk;
+    a.group_size = r.experts / r.num_groups;
+    a.group_top = r.topk / r.group_topk;
+    a.warp_smem_bytes = (r.experts * 4 + r.num_groups + 15) / 16 * 16;
+  }
+  return a;
+}
+
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, (rows + kRowWarps - 1) / kRowWarps)); }
+
+// Calls f(std::integral_constant<int, VPL>) with the values per lane for E experts.
+template <typename F>
+void dispatch_vpl(int E, F&& f) {
+  if (E <= 32) f(std::integral_constant<int, 1>{});
+  else if (E <= 64) f(std::integral_constant<int, 2>{});
+  else if (E <= 128) f(std::integral_constant<int, 4>{});
+  else if (E <= 256) f(std::integral_constant<int, 8>{});
+  else f(std::integral_constant<int, 16>{});
+}
+
+// The vector width for rows of `cols` elements of T at these pointers: 16 bytes, or 1 element.
+template <typename T>
+bool vectorizable(int64_t cols, std::initializer_list<const void*> ptrs) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (cols % kVec != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+void moe_route(const KernelContext& ctx, Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias,
+               const MoeRouting& r) {
+  const char* op = "moe_route";
+  const int64_t N = logits.rows();
+  check_route_limits(r, logits.cols(), N, op);
+  check_f32(probs, N * r.topk, op, "probs");
+  check_i32(idx, N * r.topk, op, "idx");
+  if (!expert_bias.empty()) check_f32(expert_bias, r.experts, op, "expert_bias");
+  if (N == 0) return;
+  const RouteArgs a = route_args(r);
+  const size_t smem = static_cast<size_t>(a.warp_smem_bytes) * kRowWarps;
+  MT_DISPATCH_FLOAT(logits.dtype, T, op, {
+    dispatch_vpl(r.experts, [&](auto vpl) {
+      moe_route_kernel<T, decltype(vpl)::value><<<row_blocks(N), kRowWarps * kWarp, smem, ctx.stream>>>(
+          probs.ptr<float>(), idx.ptr<int32_t>(), logits.ptr<const T>(),
+          expert_bias.empty() ? nullptr : expert_bias.ptr<const float>(), N, a);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_route_backward(const KernelContext& ctx, Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx,
+                        Tensor aux_grad, const MoeRouting& r) {
+  const char* op = "moe_route_backward";
+  const int64_t N = logits.rows();
+  check_route_limits(r, logits.cols(), N, op);
+  MT_CHECK(dlogits.dtype == logits.dtype && dlogits.numel() == logits.numel(), "{}: dlogits {} {} for logits {} {}",
+           op, dtype_name(dlogits.dtype), dlogits.shape_string(), dtype_name(logits.dtype), logits.shape_string());
+  check_f32(dprobs, N * r.topk, op, "dprobs");
+  check_i32(idx, N * r.topk, op, "idx");
+  if (!aux_grad.empty()) check_f32(aux_grad, N * r.experts, op, "aux_grad");
+  if (N == 0) return;
+  const RouteArgs a = route_args(r);
+  MT_DISPATCH_FLOAT(logits.dtype, T, op, {
+    dispatch_vpl(r.experts, [&](auto vpl) {
+      moe_route_backward_kernel<T, decltype(vpl)::value><<<row_blocks(N), kRowWarps * kWarp, 0, ctx.stream>>>(
+          dlogits.ptr<T>(), dprobs.ptr<const float>(), logits.ptr<const T>(), idx.ptr<const int32_t>(),
+          aux_grad.empty() ? nullptr : aux_grad.ptr<const float>(), N, a);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_aux_stats(const KernelContext& ctx, Tensor stats, Tensor logits, const MoeRouting& r) {
+  const char* op = "moe_aux_stats";
+  const int64_t N = logits.rows();
+  check_route_limits(r, logits.cols(), N, op);
+  const int E = r.experts;
+  check_f32(stats, 2 * E + 1, op, "stats");
+  // Up to 1024 blocks (fewer if the scratch cannot hold their partials): a function of N and E.
+  const size_t per_block = static_cast<size_t>(E) * (sizeof(double) + sizeof(int)) + sizeof(double) + 3 * 256;
+  const int64_t fit = static_cast<int64_t>(ctx.scratch->remaining() / per_block);
+  MT_CHECK(fit >= 1, "{}: scratch too small for one block's partial sums", op);
+  const int blocks = static_cast<int>(std::min<int64_t>({int64_t{1024}, fit, std::max<int64_t>(1, (N + kRowWarps - 1) / kRowWarps)}));
+  double* part_sums = ctx.scratch->take_array<double>(static_cast<size_t>(blocks) * E, "moe_aux_stats partial sums");
+  int* part_counts = ctx.scratch->take_array<int>(static_cast<size_t>(blocks) * E, "moe_aux_stats partial counts");
+  double* part_lse2 = ctx.scratch->take_array<double>(static_cast<size_t>(blocks), "moe_aux_stats partial z-loss");
+  const size_t smem = static_cast<size_t>(kRowWarps) * E * (sizeof(double) + sizeof(int)) + kRowWarps * sizeof(double);
+  MT_DISPATCH_FLOAT(logits.dtype, T, op, {
+    dispatch_vpl(E, [&](auto vpl) {
+      moe_aux_stats_kernel<T, decltype(vpl)::value><<<static_cast<unsigned>(blocks), kRowWarps * kWarp, smem, ctx.stream>>>(
+          part_sums, part_counts, part_lse2, logits.ptr<const T>(), N, E, r.topk,
+          r.score == MoeScoreFunction::sigmoid);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+  moe_aux_stats_finish_kernel<<<1, 1024, 0, ctx.stream>>>(stats.ptr<float>(), part_sums, part_counts, part_lse2,
+                                                          blocks, E);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_aux_grad(const KernelContext& ctx, Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale,
+                  float z_scale, const MoeRouting& r) {
+  const char* op = "moe_aux_grad";
+  const int64_t N = logits.rows();
+  check_route_limits(r, logits.cols(), N, op);
+  const int E = r.experts;
+  check_f32(aux_grad, N * E, op, "aux_grad");
+  check_f32(stats, 2 * E + 1, op, "stats");
+  if (N == 0) return;
+  MT_DISPATCH_FLOAT(logits.dtype, T, op, {
+    dispatch_vpl(E, [&](auto vpl) {
+      moe_aux_grad_kernel<T, decltype(vpl)::value><<<row_blocks(N), kRowWarps * kWarp, 0, ctx.stream>>>(
+          aux_grad.ptr<float>(), logits.ptr<const T>(), stats.ptr<const float>(), N, E,
+          r.score == MoeScoreFunction::sigmoid, aux_scale, z_scale);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_scale, float z_scale) {
+  const char* op = "moe_aux_log";
+  const int64_t E = (stats.numel() - 1) / 2;
+  MT_CHECK(E >= 1 && stats.numel() == 2 * E + 1 && stats.dtype == DType::f32,
+           "{}: stats {} {} is not float32 [2E + 1]", op, dtype_name(stats.dtype), stats.shape_string());
+  check_f32(sums, 2, op, "sums");
+  moe_aux_log_kernel<<<1, kWarp, 0, ctx.stream>>>(sums.ptr<float>(), stats.ptr<const float>(), static_cast<int>(E),
+                                                  aux_scale, z_scale);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Tensor offsets, Tensor idx,
+                      int num_experts) {
+  const char* op = "moe_permute_plan";
+  const int64_t M = idx.numel();
+  const int E = num_experts;
+  MT_CHECK(E >= 1, "{}: {} experts", op, E);
+  check_i32(idx, M, op, "idx");
+  check_i32(order, M, op, "order");
+  check_i32(slot_of, M, op, "slot_of");
+  check_i32(offsets, int64_t{E} + 1, op, "offsets");
+  MT_CHECK(M < (int64_t{1} << 31), "{}: {} (row, slot) pairs do not fit int32", op, M);
+  // Per-warp expert counters in shared memory: at most 48 KiB per block.
+  constexpr int kMaxPlanExperts = 48 * 1024 / (kPlanWarps * static_cast<int>(sizeof(int)));
+  if (E > kMaxPlanExperts)
+    fail("{}: {} experts; the CUDA permutation takes at most {} (--num-experts)", op, E, kMaxPlanExperts);
+  if (M == 0) {
+    MT_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.nbytes(), ctx.stream));
+    return;
+  }
+  // Chunks of at least 1024 pairs, about 8 warps' worth per SM (fewer, longer chunks where the
+  // per-chunk counts would not fit the scratch).
+  const size_t room = ctx.scratch->remaining() - std::min<size_t>(ctx.scratch->remaining(), 2 * 256 + E * sizeof(int));
+  const int64_t per_warp = (M + ctx.num_sms * 8LL - 1) / (ctx.num_sms * 8LL);
+  int64_t chunk_size = std::max<int64_t>(1024, (per_warp + kWarp - 1) / kWarp * kWarp);
+  int64_t chunks = (M + chunk_size - 1) / chunk_size;
+  while (static_cast<size_t>(chunks) * E * sizeof(int) > room) {
+    chunk_size *= 2;
+    chunks = (M + chunk_size - 1) / chunk_size;
+    MT_CHECK(chunk_size <= (int64_t{1} << 30), "{}: scratch too small for the per-expert counts of {} experts", op, E);
+  }
+  int* hist = ctx.scratch->take_array<int>(static_cast<size_t>(chunks) * E, "moe_permute_plan chunk counts");
+  int* totals = ctx.scratch->take_array<int>(static_cast<size_t>(E), "moe_permute_plan expert totals");
+  const unsigned chunk_blocks = static_cast<unsigned>((chunks + kPlanWarps - 1) / kPlanWarps);
+  const size_t smem = static_cast<size_t>(kPlanWarps) * E * sizeof(int);
+  plan_count_kernel<<<chunk_blocks, kPlanWarps * kWarp, smem, ctx.stream>>>(hist, idx.ptr<const int32_t>(), M,
+                                                                           chunk_size, chunks, E);
+  MT_CUDA_CHECK_LAUNCH();
+  plan_chunk_scan_kernel<<<static_cast<unsigned>(E), kPlanScanThreads, 0, ctx.stream>>>(hist, totals, chunks, E);
+  MT_CUDA_CHECK_LAUNCH();
+  plan_offsets_kernel<<<1, 1024, 0, ctx.stream>>>(offsets.ptr<int32_t>(), totals, E);
+  MT_CUDA_CHECK_LAUNCH();
+  plan_scatter_kernel<<<chunk_blocks, kPlanWarps * kWarp, smem, ctx.stream>>>(
+      order.ptr<int32_t>(), slot_of.ptr<int32_t>(), hist, offsets.ptr<const int32_t>(), idx.ptr<const int32_t>(), M,
+      chunk_size, chunks, E);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor index, int k) {
+  const char* op = "moe_gather_rows";
+  const int64_t R = out.rows(), C = out.cols();
+  MT_CHECK(k >= 1, "{}: k = {}", op, k);
+  MT_CHECK(x.cols() == C && x.dtype == out.dtype, "{}: x {} {} for out {} {}", op, dtype_name(x.dtype),
+           x.shape_string(), dtype_name(out.dtype), out.shape_string());
+  check_i32(index, R, op, "index");
+  const int64_t row_bytes = C * static_cast<int64_t>(dtype_size(out.dtype));
+  if (R == 0 || row_bytes == 0) return;
+  auto launch = [&](auto unit) {
+    using U = decltype(unit);
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
+    const RowTeams teams = row_teams(R, units, ctx.num_sms);
+    gather_rows_kernel<U><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(
+        static_cast<U*>(out.data), static_cast<const U*>(x.data), index.ptr<const int32_t>(), R, x.rows(), units, k,
+        teams.tpr);
+  };
+  const auto fits = [&](size_t unit) {
+    return row_bytes % static_cast<int64_t>(unit) == 0 && reinterpret_cast<uintptr_t>(out.data) % unit == 0 &&
+           reinterpret_cast<uintptr_t>(x.data) % unit == 0;
+  };
+  if (fits(16)) launch(int4{});
+  else if (fits(8)) launch(int2{});
+  else if (fits(4)) launch(int{});
+  else if (fits(2)) launch(short{});
+  else launch(char{});
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) {
+  const char* op = "moe_combine";
+  const int64_t N = out.rows(), C = out.cols();
+  MT_CHECK(k >= 1, "{}: k = {}", op, k);
+  MT_CHECK(y.cols() == C && y.dtype == out.dtype, "{}: y {} {} for out {} {}", op, dtype_name(y.dtype),
+           y.shape_string(), dtype_name(out.dtype), out.shape_string());
+  check_i32(slot_of, N * k, op, "slot_of");
+  if (N == 0 || C == 0) return;
+  MT_DISPATCH_FLOAT(out.dtype, T, op, {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = vectorizable<T>(C, {out.data, y.data});
+    auto launch = [&](auto kernel, int width) {
+      const RowTeams teams = row_teams(N, C / width, ctx.num_sms);
+      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), y.ptr<const T>(), slot_of.ptr<const int32_t>(),
+                                                          N, y.rows(), C, k, accumulate, teams.tpr);
+    };
+    if (vec) launch(combine_kernel<T, kVec>, kVec);
+    else launch(combine_kernel<T, 1>, 1);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p) {
+  const char* op = "moe_scale_rows";
+  const int64_t R = x.rows(), C = x.cols();
+  MT_CHECK(out.dtype == x.dtype && out.numel() == x.numel(), "{}: out {} {} for x {} {}", op, dtype_name(out.dtype),
+           out.shape_string(), dtype_name(x.dtype), x.shape_string());
+  check_f32(p, R, op, "p");
+  if (R == 0 || C == 0) return;
+  MT_DISPATCH_FLOAT(x.dtype, T, op, {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = vectorizable<T>(C, {out.data, x.data});
+    auto launch = [&](auto kernel, int width) {
+      const RowTeams teams = row_teams(R, C / width, ctx.num_sms);
+      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), x.ptr<const T>(), p.ptr<const float>(), R, C,
+                                                          teams.tpr);
+    };
+    if (vec) launch(scale_rows_kernel<T, kVec>, kVec);
+    else launch(scale_rows_kernel<T, 1>, 1);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) {
+  const char* op = "moe_scale_rows_backward";
+  const int64_t R = x.rows(), C = x.cols();
+  MT_CHECK(dout.dtype == x.dtype && dout.numel() == x.numel() && dx.dtype == x.dtype && dx.numel() == x.numel(),
+           "{}: dx {} {} and dout {} {} for x {} {}", op, dtype_name(dx.dtype), dx.shape_string(),
+           dtype_name(dout.dtype), dout.shape_string(), dtype_name(x.dtype), x.shape_string());
+  check_f32(p, R, op, "p");
+  check_f32(dp, R, op, "dp");
+  if (R == 0) return;
+  if (C == 0) {
+    MT_CUDA_CHECK(cudaMemsetAsync(dp.data, 0, dp.nbytes(), ctx.stream));
+    return;
+  }
+  MT_DISPATCH_FLOAT(x.dtype, T, op, {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = vectorizable<T>(C, {dx.data, dout.data, x.data});
+    auto launch = [&](auto kernel, int width) {
+      const RowTeams teams = row_teams(R, C / width, ctx.num_sms);
+      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(dx.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(),
+                                                          x.ptr<const T>(), p.ptr<const float>(), R, C, teams.tpr);
+    };
+    if (vec) launch(scale_rows_backward_kernel<T, kVec>, kVec);
+    else launch(scale_rows_backward_kernel<T, 1>, 1);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,401 @@
+// CUDA vs reference: the mixture-of-experts ops. Routing (softmax pre/post, sigmoid with expert
+// bias, scaling, group-limited) with the expert indices compared exactly wherever the selection
+// has no near-tie; the routing backward on the same selection; the load-balancing statistics
+// (deterministic), their gradient and the logged sums; the permutation plan (exact, empty experts
+// included); gather, combine and the routing-weight row scaling.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "tests/gpu/gpu_test_util.h"
+
+using namespace mt;
+using namespace mt::gputest;
+
+namespace {
+
+MoeRouting rule(int E, int k, MoeScoreFunction score, bool pre, float scaling, int groups, int group_topk) {
+  MoeRouting r;
+  r.experts = E;
+  r.topk = k;
+  r.score = score;
+  r.pre_softmax = pre;
+  r.scaling = scaling;
+  r.num_groups = groups;
+  r.group_topk = group_topk;
+  return r;
+}
+
+std::string describe(const MoeRouting& r) {
+  std::string s = "E " + std::to_string(r.experts) + " k " + std::to_string(r.topk) +
+                  (r.score == MoeScoreFunction::sigmoid ? " sigmoid" : r.pre_softmax ? " softmax pre" : " softmax post");
+  if (r.scaling != 0) s += " scaling " + std::to_string(r.scaling);
+  if (r.num_groups > 0) s += " groups " + std::to_string(r.group_topk) + "/" + std::to_string(r.num_groups);
+  return s;
+}
+
+// The rules each (E, k) runs: the three score functions, scaling, and with E % 8 == 0 eight groups
+// of which 3 or 4 are kept (where they hold k experts).
+std::vector<MoeRouting> rules_for(int E, int k) {
+  std::vector<MoeRouting> rules = {rule(E, k, MoeScoreFunction::softmax, false, 0, 0, 0),
+                                   rule(E, k, MoeScoreFunction::softmax, true, 2.5f, 0, 0),
+                                   rule(E, k, MoeScoreFunction::sigmoid, false, 0, 0, 0)};
+  if (E % 8 == 0)
+    for (int gk : {3, 4})
+      if (gk * (E / 8) >= k) {
+        rules.push_back(rule(E, k, gk == 3 ? MoeScoreFunction::softmax : MoeScoreFunction::sigmoid, false,
+                             gk == 3 ? 0.0f : 1.5f, 8, gk));
+        if (gk == 4) rules.push_back(rule(E, k, MoeScoreFunction::softmax, true, 0, 8, gk));
+      }
+  return rules;
+}
+
+// A selection boundary between two ranked values is clear when they differ by more than float32
+// math can move them (a few roundings of exp, a division, sums of at most 16 terms).
+// Exactly equal values come from equal inputs (equal logits, or equal sets of them in a group
+// score), so both backends see the tie and break it alike: clear as well.
+bool clear_gap(double a, double b) {
+  return a == b || std::fabs(a - b) > 1e-5 * (std::fabs(a) + std::fabs(b)) + 1e-12;
+}
+
+std::vector<int> ranked(const std::vector<double>& v) {
+  std::vector<int> order(v.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return v[a] > v[b]; });
+  return order;
+}
+
+// Whether the row's routing has only clear boundaries (top-k among the eligible experts, and the
+// group selection), from the logits in double.
+bool clear_routing(const double* z, const std::vector<double>& bias, const MoeRouting& r) {
+  const int E = r.experts, k = r.topk;
+  std::vector<double> key(E);
+  double m = -INFINITY, sum = 0;
+  for (int e = 0; e < E; ++e) m = std::max(m, z[e]);
+  for (int e = 0; e < E; ++e) sum += std::exp(z[e] - m);
+  for (int e = 0; e < E; ++e) {
+    if (r.score == MoeScoreFunction::sigmoid) key[e] = 1 / (1 + std::exp(-z[e])) + (bias.empty() ? 0.0 : bias[e]);
+    else key[e] = r.pre_softmax ? std::exp(z[e] - m) / sum : z[e];
+  }
+  if (r.num_groups > 0) {
+    const int G = r.num_groups, size = E / G, top = k / r.group_topk;
+    std::vector<double> score(G, 0.0);
+    for (int g = 0; g < G; ++g) {
+      std::vector<double> vals(key.begin() + g * size, key.begin() + (g + 1) * size);
+      std::sort(vals.begin(), vals.end(), std::greater<double>());
+      for (int i = 0; i < top; ++i) score[g] += vals[i];  // only the sum ranks the group
+    }
+    const std::vector<int> groups = ranked(score);
+    if (r.group_topk < G && !clear_gap(score[groups[r.group_topk - 1]], score[groups[r.group_topk]])) return false;
+    std::vector<char> keep(G, 0);
+    for (int i = 0; i < r.group_topk; ++i) keep[groups[i]] = 1;
+    for (int e = 0; e < E; ++e)
+      if (!keep[e / size]) key[e] = -INFINITY;
+  }
+  const std::vector<int> order = ranked(key);
+  if (k < E && key[order[k]] != -INFINITY && !clear_gap(key[order[k - 1]], key[order[k]])) return false;
+  // Inside the top k, slots order by value: adjacent picks must be clear too (or exactly equal,
+  // which both backends break to the lower index).
+  for (int j = 0; j + 1 < k; ++j)
+    if (!clear_gap(key[order[j]], key[order[j + 1]])) return false;
+  return true;
+}
+
+// One step of dt's precision at |v| (float32: the float32 math's error instead).
+double weight_tolerance(DType dt, double v) {
+  const double a = std::fabs(v);
+  if (dt == DType::f32 || a == 0) return 1e-5 * a + 1e-30;
+  const int bits = dt == DType::bf16 ? 7 : 10;
+  const double subnormal_step = dt == DType::f16 ? std::ldexp(1.0, -24) : 0.0;
+  return std::max(std::ldexp(1.0, std::ilogb(a) - bits), subnormal_step) + 1e-5 * a;
+}
+
+std::vector<double> distinct_experts(Rng& rng, int64_t N, int k, const std::vector<int>& pool_in) {
+  std::vector<int> pool = pool_in;
+  std::vector<double> ids;
+  ids.reserve(static_cast<size_t>(N * k));
+  for (int64_t t = 0; t < N; ++t) {
+    std::shuffle(pool.begin(), pool.end(), rng.engine());
+    for (int j = 0; j < k; ++j) ids.push_back(pool[j]);
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("cuda moe_route and moe_route_backward match the reference", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t N : {1, 7, 333, 4099})
+      for (int E : {1, 8, 64, 160})
+        for (int k : {1, 2, 6, 8}) {
+          if (k > E) continue;
+          if (dt == DType::f16 && N != 333) continue;  // f16 on one row count: the conversions, not the shapes
+          for (const MoeRouting& r : rules_for(E, k)) {
+            INFO(dtype_name(dt) << " N " << N << " " << describe(r));
+            std::vector<double> bias;
+            Twin bias_t;
+            if (r.score == MoeScoreFunction::sigmoid) {
+              bias = rng.normal(E, 0.05);
+              for (double& b : bias) b = static_cast<float>(b);
+              bias_t = twin(DType::f32, {E}, bias);
+            }
+            // Rows (as rounded to dt) whose selection has no near-tie: a row with one is redrawn
+            // (rare: float32 math could order such a pair either way). Exact ties stay.
+            std::vector<double> z(static_cast<size_t>(N * E));
+            int64_t redrawn = 0;
+            for (int64_t t = 0; t < N; ++t)
+              for (int attempt = 0;; ++attempt) {
+                REQUIRE(attempt < 100);
+                const std::vector<double> row = rng.normal(E, 2.0);
+                for (int e = 0; e < E; ++e) z[t * E + e] = round_to(dt, row[e]);
+                if (clear_routing(z.data() + t * E, bias, r)) break;
+                ++redrawn;
+              }
+            INFO("rows redrawn for a near-tie: " << redrawn);
+            CHECK(redrawn * 10 <= N + 10);  // near-ties are rare
+            Twin logits = twin(dt, {N, E}, z);
+            Twin probs = twin_nan(DType::f32, {N, k});
+            Twin idx = twin(DType::i32, {N, k}, std::vector<double>(static_cast<size_t>(N * k), -1.0));
+            dev().moe_route(probs.c(), idx.c(), logits.c(), bias_t.c(), r);
+            ref().moe_route(probs.r(), idx.r(), logits.r(), bias_t.r(), r);
+            const std::vector<double> gi = download(dev(), idx.c()), ri = download(ref(), idx.r());
+            const std::vector<double> gp = download(dev(), probs.c()), rp = download(ref(), probs.r());
+            int64_t idx_wrong = 0, p_wrong = 0, first_wrong = -1;
+            for (int64_t i = 0; i < N * k; ++i) {
+              const double want = round_to(dt, rp[i]), got = gp[i];
+              // The GPU's weight is a value of dt (Megatron's cast), within one step of the reference's.
+              const bool p_ok = std::fabs(got - want) <= weight_tolerance(dt, want) && round_to(dt, got) == got;
+              idx_wrong += gi[i] != ri[i];
+              p_wrong += !p_ok;
+              if ((gi[i] != ri[i] || !p_ok) && first_wrong < 0) first_wrong = i;
+            }
+            INFO("first mismatch at row " << (first_wrong < 0 ? -1 : first_wrong / k) << " slot "
+                                          << (first_wrong < 0 ? -1 : first_wrong % k));
+            CHECK(idx_wrong == 0);
+            CHECK(p_wrong == 0);
+
+            // Backward on the GPU's selection, on both sides.
+            Twin sel = twin(DType::i32, {N, k}, gi);
+            Twin dprobs = twin(DType::f32, {N, k}, rng.normal(N * k));
+            Twin aux = twin(DType::f32, {N, E}, rng.normal(N * E, 0.01));
+            Twin dlogits = twin_nan(dt, {N, E});
+            dev().moe_route_backward(dlogits.c(), dprobs.c(), logits.c(), sel.c(), aux.c(), r);
+            ref().moe_route_backward(dlogits.r(), dprobs.r(), logits.r(), sel.r(), aux.r(), r);
+            MT_CHECK_CLOSE(dlogits, tol_for(dt));
+            Twin plain = twin_nan(dt, {N, E});
+            dev().moe_route_backward(plain.c(), dprobs.c(), logits.c(), sel.c(), Twin().c(), r);
+            ref().moe_route_backward(plain.r(), dprobs.r(), logits.r(), sel.r(), Twin().r(), r);
+            MT_CHECK_CLOSE(plain, tol_for(dt));
+          }
+        }
+}
+
+TEST_CASE("cuda moe_route refuses what its kernels cannot take", "[gpu][moe]") {
+  Twin logits = twin(DType::bf16, {2, 600}, std::vector<double>(1200, 0.0));
+  Twin probs = twin_nan(DType::f32, {2, 2}), idx = twin(DType::i32, {2, 2}, {0, 0, 0, 0});
+  CHECK_THROWS_WITH(dev().moe_route(probs.c(), idx.c(), logits.c(), Tensor(),
+                                    rule(600, 2, MoeScoreFunction::softmax, false, 0, 0, 0)),
+                    Catch::Contains("at most 512") && Catch::Contains("--num-experts"));
+  Twin l2 = twin(DType::bf16, {2, 64}, std::vector<double>(128, 0.0));
+  Twin p2 = twin_nan(DType::f32, {2, 17}), i2 = twin(DType::i32, {2, 17}, std::vector<double>(34, 0.0));
+  CHECK_THROWS_WITH(dev().moe_route(p2.c(), i2.c(), l2.c(), Tensor(), rule(64, 17, MoeScoreFunction::softmax, false, 0, 0, 0)),
+                    Catch::Contains("at most 16") && Catch::Contains("--moe-router-topk"));
+}
+
+TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log match the reference", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (DType dt : {DType::f32, DType::bf16})
+    for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid})
+      for (int64_t N : {1, 7, 333, 4099, 20011})
+        for (int E : {1, 8, 64, 160})
+          for (int k : {1, 2, 6, 8}) {
+            if (k > E) continue;
+            if (N == 20011 && (E != 160 || k != 6)) continue;  // many blocks: one shape
+            const MoeRouting r = rule(E, k, score, false, 0, 0, 0);
+            INFO(dtype_name(dt) << " N " << N << " " << describe(r));
+            Twin logits = twin(dt, {N, E}, rng.normal(N * E, 2.0));
+            const std::vector<double> zr = download(ref(), logits.r());
+            Twin stats = twin_nan(DType::f32, {2 * E + 1});
+            dev().moe_aux_stats(stats.c(), logits.c(), r);
+            ref().moe_aux_stats(stats.r(), logits.r(), r);
+            const std::vector<double> gs = download(dev(), stats.c()), rs = download(ref(), stats.r());
+            // Score sums and the z-loss sum: float32 per row, double across rows.
+            std::vector<double> g_sums(gs.begin(), gs.begin() + E), r_sums(rs.begin(), rs.begin() + E);
+            CHECK(rel_err(g_sums, r_sums) <= 1e-5);
+            // (lse per row in float32: an error of ~1e-7 (1 + |lse|), so lse^2 ~2e-7 (1 + lse^2) a row.)
+            CHECK(std::fabs(gs[2 * E] - rs[2 * E]) <= 1e-5 * (std::fabs(rs[2 * E]) + static_cast<double>(N)));
+            // Counts: exact but for rows whose aux top-k has a near-tie (each moves at most one
+            // count from one expert to another).
+            int64_t near_ties = 0;
+            double max_lse = 0;
+            for (int64_t t = 0; t < N; ++t) {
+              std::vector<double> s(E);
+              const double* z = zr.data() + t * E;
+              double m = -INFINITY, sum = 0, total = 0;
+              for (int e = 0; e < E; ++e) m = std::max(m, z[e]);
+              for (int e = 0; e < E; ++e) sum += std::exp(z[e] - m);
+              max_lse = std::max(max_lse, std::fabs(m + std::log(sum)));
+              for (int e = 0; e < E; ++e) {
+                s[e] = score == MoeScoreFunction::softmax ? std::exp(z[e] - m) / sum : 1 / (1 + std::exp(-z[e]));
+                total += s[e];
+              }
+              if (score == MoeScoreFunction::sigmoid)
+                for (double& v : s) v /= total;
+              const std::vector<int> order = ranked(s);
+              if (k < E && !clear_gap(s[order[k - 1]], s[order[k]])) ++near_ties;
+            }
+            int64_t count_diff = 0, count_total = 0;
+            for (int e = 0; e < E; ++e) {
+              count_diff += static_cast<int64_t>(std::fabs(gs[E + e] - rs[E + e]));
+              count_total += static_cast<int64_t>(gs[E + e]);
+              CHECK(gs[E + e] == std::round(gs[E + e]));
+            }
+            INFO("rows with a near-tie in the aux top-k: " << near_ties);
+            CHECK(count_diff <= 2 * near_ties);
+            CHECK(count_total == N * k);
+            // The same bits again (no float atomics).
+            Twin again = twin_nan(DType::f32, {2 * E + 1});
+            dev().moe_aux_stats(again.c(), logits.c(), r);
+            CHECK(differing(download_bytes(dev(), again.c()), download_bytes(dev(), stats.c()), 4) == 0);
+
+            // The gradient from one statistics tensor on both sides: the reference's sums, random
+            // counts in [0, 2N] (the gradient takes any counts as constants; equal counts, as with
+            // k = E, cancel exactly and leave only rounding noise to compare).
+            std::vector<double> st_values = rs;
+            double max_count = 0;
+            for (int e = 0; e < E; ++e) {
+              st_values[E + e] = rng.ints(1, 0, 2 * N + 1)[0];
+              max_count = std::max(max_count, st_values[E + e]);
+            }
+            Twin st = twin(DType::f32, {2 * E + 1}, st_values);
+            for (auto [aux_scale, z_scale] : {std::pair{0.01f, 0.0f}, std::pair{0.0f, 1e-3f}, std::pair{0.02f, 2e-3f}}) {
+              INFO("aux_scale " << aux_scale << " z_scale " << z_scale);
+              Twin grad = twin_nan(DType::f32, {N, E});
+              dev().moe_aux_grad(grad.c(), logits.c(), st.c(), aux_scale, z_scale, r);
+              ref().moe_aux_grad(grad.r(), logits.r(), st.r(), aux_scale, z_scale, r);
+              // Float32 math on terms up to aux_scale * max count and z_scale * 2 |lse| before they
+              // cancel: 1e-5 relative, and a floor of a few float32 roundings of those terms.
+              const std::vector<double> got = download(dev(), grad.c()), want = download(ref(), grad.r());
+              const double floor = 2e-6 * (aux_scale * max_count + z_scale * 2 * max_lse);
+              int64_t outside = 0, first = -1;
+              for (size_t i = 0; i < got.size(); ++i)
+                if (!(std::fabs(got[i] - want[i]) <= 1e-5 * std::fabs(want[i]) + floor)) {
+                  if (first < 0) first = static_cast<int64_t>(i);
+                  ++outside;
+                }
+              INFO("outside the bound: " << outside << " (first at " << first << "), floor " << floor);
+              CHECK(outside == 0);
+            }
+            Twin sums = twin(DType::f32, {2}, {1.5, -0.5});
+            dev().moe_aux_log(sums.c(), st.c(), 0.01f, 1e-3f);
+            ref().moe_aux_log(sums.r(), st.r(), 0.01f, 1e-3f);
+            dev().moe_aux_log(sums.c(), st.c(), 0.01f, 1e-3f);
+            ref().moe_aux_log(sums.r(), st.r(), 0.01f, 1e-3f);
+            MT_CHECK_CLOSE(sums, 1e-6);
+          }
+}
+
+TEST_CASE("cuda moe_permute_plan equals the reference's, empty experts and k = 1 included", "[gpu][moe]") {
+  MT_RNG(rng);
+  struct Case {
+    int64_t N;
+    int E, k;
+  };
+  std::vector<Case> cases;
+  for (int64_t N : {1, 7, 333, 4099})
+    for (int E : {1, 8, 64, 160})
+      for (int k : {1, 2, 6, 8})
+        if (k <= E) cases.push_back({N, E, k});
+  cases.push_back({262144, 64, 8});  // 2M pairs: many chunks per expert
+  cases.push_back({100003, 512, 6});
+  cases.push_back({5000, 3000, 2});  // more experts than the router takes
+  for (const Case& c : cases) {
+    INFO("N " << c.N << " E " << c.E << " k " << c.k);
+    // Distinct experts per row from a pool that leaves experts out where it can (empty experts).
+    std::vector<int> pool;
+    for (int e = 0; e < c.E; ++e)
+      if (c.E < 2 * c.k + 2 || (e % 3 != 1 && e < c.E - 1)) pool.push_back(e);
+    const int64_t M = c.N * c.k;
+    Twin idx = twin(DType::i32, {c.N, c.k}, distinct_experts(rng, c.N, c.k, pool));
+    Twin order = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
+    Twin slot_of = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
+    Twin offsets = twin(DType::i32, {c.E + 1}, std::vector<double>(static_cast<size_t>(c.E + 1), -7.0));
+    dev().moe_permute_plan(order.c(), slot_of.c(), offsets.c(), idx.c(), c.E);
+    ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), c.E);
+    CHECK(differing(download_bytes(dev(), order.c()), download_bytes(ref(), order.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), slot_of.c()), download_bytes(ref(), slot_of.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), offsets.c()), download_bytes(ref(), offsets.r()), 4) == 0);
+  }
+}
+
+TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward match the reference", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (int64_t N : {1, 7, 333, 4099})
+    for (int k : {1, 2, 6, 8})
+      for (int64_t C : {1, 7, 64, 1000, 4100}) {
+        const int E = 64;
+        const int64_t M = N * k;
+        if (M * C > (int64_t{1} << 22)) continue;  // the reference's time and host memory, not coverage
+        INFO("N " << N << " k " << k << " cols " << C);
+        std::vector<int> pool(E);
+        std::iota(pool.begin(), pool.end(), 0);
+        Twin idx = twin(DType::i32, {N, k}, distinct_experts(rng, N, k, pool));
+        Twin order = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), 0.0));
+        Twin slot_of = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), 0.0));
+        Twin offsets = twin(DType::i32, {E + 1}, std::vector<double>(E + 1, 0.0));
+        ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), E);
+        Twin ord = twin(DType::i32, {M}, download(ref(), order.r())), slots = twin(DType::i32, {M}, download(ref(), slot_of.r()));
+
+        // Gather moves bytes: every dtype, the same bits as the reference (which copies rows).
+        for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::u8, DType::f64}) {
+          INFO("gather " << dtype_name(dt));
+          const std::vector<double> vals = dt == DType::u8 ? rng.ints(N * C, 0, 256) : rng.normal(N * C);
+          Twin x = twin_same(dt, {N, C}, vals);
+          Twin out = twin_same(dt, {M, C}, std::vector<double>(static_cast<size_t>(M * C), 3.0));
+          dev().moe_gather_rows(out.c(), x.c(), ord.c(), k);
+          ref().moe_gather_rows(out.r(), x.r(), ord.r(), k);
+          CHECK(differing(download_bytes(dev(), out.c()), download_bytes(ref(), out.r()), dtype_size(dt)) == 0);
+        }
+        for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+          INFO(dtype_name(dt));
+          Twin y = twin(dt, {M, C}, rng.normal(M * C));
+          for (bool accumulate : {false, true}) {
+            INFO("combine" << (accumulate ? " accumulate" : ""));
+            Twin out = twin(dt, {N, C}, rng.normal(N * C));
+            dev().moe_combine(out.c(), y.c(), slots.c(), k, accumulate);
+            ref().moe_combine(out.r(), y.r(), slots.r(), k, accumulate);
+            MT_CHECK_CLOSE(out, tol_for(dt));
+            if (k == 1 && !accumulate) {  // one term: a copy, the same bits
+              const std::vector<double> got = download(dev(), out.c());
+              const std::vector<double> ys = download(dev(), y.c());
+              const std::vector<double> sl = download(ref(), slots.r());
+              int64_t wrong = 0;
+              for (int64_t t = 0; t < N; ++t)
+                for (int64_t c = 0; c < C; ++c) wrong += got[t * C + c] != ys[static_cast<int64_t>(sl[t]) * C + c];
+              CHECK(wrong == 0);
+            }
+          }
+          // Row scaling by the routing weights (in place too) and its backward.
+          Twin p = twin(DType::f32, {M}, rng.uniform(M, 0.0, 1.0));
+          Twin x = twin(dt, {M, C}, rng.normal(M * C));
+          Twin scaled = twin_nan(dt, {M, C});
+          dev().moe_scale_rows(scaled.c(), x.c(), p.c());
+          ref().moe_scale_rows(scaled.r(), x.r(), p.r());
+          MT_CHECK_CLOSE(scaled, tol_for(dt));
+          Twin inplace = twin(dt, {M, C}, download(ref(), x.r()));
+          dev().moe_scale_rows(inplace.c(), inplace.c(), p.c());
+          CHECK(differing(download_bytes(dev(), inplace.c()), download_bytes(dev(), scaled.c()), dtype_size(dt)) == 0);
+          const std::vector<double> dy = rng.normal(M * C);
+          Twin dout = twin(dt, {M, C}, dy), dx = twin_nan(dt, {M, C}), dp = twin_nan(DType::f32, {M});
+          dev().moe_scale_rows_backward(dx.c(), dp.c(), dout.c(), x.c(), p.c());
+          ref().moe_scale_rows_backward(dx.r(), dp.r(), dout.r(), x.r(), p.r());
+          MT_CHECK_CLOSE(dx, tol_for(dt));
+          MT_CHECK_CLOSE(dp, 1e-5);  // float32 sums of the same products vs double
+          Twin d2 = twin(dt, {M, C}, dy), dp2 = twin_nan(DType::f32, {M});
+          dev().moe_scale_rows_backward(d2.c(), dp2.c(), d2.c(), x.c(), p.c());  // dx over dout
+          CHECK(differing(download_bytes(dev(), d2.c()), download_bytes(dev(), dx.c()), dtype_size(dt)) == 0);
+          CHECK(differing(download_bytes(dev(), dp2.c()), download_bytes(dev(), dp.c()), 4) == 0);
+        }
+      }
+}
