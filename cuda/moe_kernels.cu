@@ -702,7 +702,9 @@ RouteArgs route_args(const MoeRouting& r) {
   return a;
 }
 
-unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, (rows + kRowWarps - 1) / kRowWarps)); }
+unsigned row_blocks(int64_t rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, (rows + kRowWarps - 1) / kRowWarps));
+}
 
 // Calls f(std::integral_constant<int, VPL>) with the values per lane for E experts.
 template <typename F>
@@ -779,14 +781,16 @@ void moe_aux_stats(const KernelContext& ctx, Tensor stats, Tensor logits, const 
   const size_t per_block = static_cast<size_t>(E) * (sizeof(double) + sizeof(int)) + sizeof(double) + 3 * 256;
   const int64_t fit = static_cast<int64_t>(ctx.scratch->remaining() / per_block);
   MT_CHECK(fit >= 1, "{}: scratch too small for one block's partial sums", op);
-  const int blocks = static_cast<int>(std::min<int64_t>({int64_t{1024}, fit, std::max<int64_t>(1, (N + kRowWarps - 1) / kRowWarps)}));
+  const int64_t row_groups = std::max<int64_t>(1, (N + kRowWarps - 1) / kRowWarps);
+  const int blocks = static_cast<int>(std::min<int64_t>({int64_t{1024}, fit, row_groups}));
   double* part_sums = ctx.scratch->take_array<double>(static_cast<size_t>(blocks) * E, "moe_aux_stats partial sums");
   int* part_counts = ctx.scratch->take_array<int>(static_cast<size_t>(blocks) * E, "moe_aux_stats partial counts");
   double* part_lse2 = ctx.scratch->take_array<double>(static_cast<size_t>(blocks), "moe_aux_stats partial z-loss");
   const size_t smem = static_cast<size_t>(kRowWarps) * E * (sizeof(double) + sizeof(int)) + kRowWarps * sizeof(double);
   MT_DISPATCH_FLOAT(logits.dtype, T, op, {
     dispatch_vpl(E, [&](auto vpl) {
-      moe_aux_stats_kernel<T, decltype(vpl)::value><<<static_cast<unsigned>(blocks), kRowWarps * kWarp, smem, ctx.stream>>>(
+      constexpr int kVpl = decltype(vpl)::value;
+      moe_aux_stats_kernel<T, kVpl><<<static_cast<unsigned>(blocks), kRowWarps * kWarp, smem, ctx.stream>>>(
           part_sums, part_counts, part_lse2, logits.ptr<const T>(), N, E, r.topk,
           r.score == MoeScoreFunction::sigmoid);
     });

@@ -27,8 +27,8 @@ MoeRouting rule(int E, int k, MoeScoreFunction score, bool pre, float scaling, i
 }
 
 std::string describe(const MoeRouting& r) {
-  std::string s = "E " + std::to_string(r.experts) + " k " + std::to_string(r.topk) +
-                  (r.score == MoeScoreFunction::sigmoid ? " sigmoid" : r.pre_softmax ? " softmax pre" : " softmax post");
+  std::string s = "E " + std::to_string(r.experts) + " k " + std::to_string(r.topk);
+  s += r.score == MoeScoreFunction::sigmoid ? " sigmoid" : r.pre_softmax ? " softmax pre" : " softmax post";
   if (r.scaling != 0) s += " scaling " + std::to_string(r.scaling);
   if (r.num_groups > 0) s += " groups " + std::to_string(r.group_topk) + "/" + std::to_string(r.num_groups);
   return s;
@@ -199,7 +199,8 @@ TEST_CASE("cuda moe_route refuses what its kernels cannot take", "[gpu][moe]") {
                     Catch::Contains("at most 512") && Catch::Contains("--num-experts"));
   Twin l2 = twin(DType::bf16, {2, 64}, std::vector<double>(128, 0.0));
   Twin p2 = twin_nan(DType::f32, {2, 17}), i2 = twin(DType::i32, {2, 17}, std::vector<double>(34, 0.0));
-  CHECK_THROWS_WITH(dev().moe_route(p2.c(), i2.c(), l2.c(), Tensor(), rule(64, 17, MoeScoreFunction::softmax, false, 0, 0, 0)),
+  CHECK_THROWS_WITH(dev().moe_route(p2.c(), i2.c(), l2.c(), Tensor(),
+                                    rule(64, 17, MoeScoreFunction::softmax, false, 0, 0, 0)),
                     Catch::Contains("at most 16") && Catch::Contains("--moe-router-topk"));
 }
 
@@ -269,7 +270,8 @@ TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log matc
               max_count = std::max(max_count, st_values[E + e]);
             }
             Twin st = twin(DType::f32, {2 * E + 1}, st_values);
-            for (auto [aux_scale, z_scale] : {std::pair{0.01f, 0.0f}, std::pair{0.0f, 1e-3f}, std::pair{0.02f, 2e-3f}}) {
+            for (auto [aux_scale, z_scale] :
+                 {std::pair{0.01f, 0.0f}, std::pair{0.0f, 1e-3f}, std::pair{0.02f, 2e-3f}}) {
               INFO("aux_scale " << aux_scale << " z_scale " << z_scale);
               Twin grad = twin_nan(DType::f32, {N, E});
               dev().moe_aux_grad(grad.c(), logits.c(), st.c(), aux_scale, z_scale, r);
@@ -345,7 +347,8 @@ TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward ma
         Twin slot_of = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), 0.0));
         Twin offsets = twin(DType::i32, {E + 1}, std::vector<double>(E + 1, 0.0));
         ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), E);
-        Twin ord = twin(DType::i32, {M}, download(ref(), order.r())), slots = twin(DType::i32, {M}, download(ref(), slot_of.r()));
+        Twin ord = twin(DType::i32, {M}, download(ref(), order.r()));
+        Twin slots = twin(DType::i32, {M}, download(ref(), slot_of.r()));
 
         // Gather moves bytes: every dtype, the same bits as the reference (which copies rows).
         for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::u8, DType::f64}) {
