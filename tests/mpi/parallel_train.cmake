@@ -206,3 +206,22 @@ megatrain_parallel_train_test(parallel_train_dp2_distopt_2instances 2 --use-dist
 megatrain_parallel_train_test(parallel_train_resume_dp4_2instances_to_1instance --resume
   4 "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --overlap-grad-reduce --ddp-bucket-size 3000"
   4 "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000")
+# Mixture of experts (Llama-style, MoE every other layer: softmax top-2 routing with aux and z-losses
+# and a gated shared expert; and sigmoid group-limited routing): DP, the distributed optimizer and
+# pipelines (1F1B and interleaved) equal one rank.
+set(moe_model "--disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope \
+--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
+--moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 \
+--moe-shared-expert-gate --moe-grouped-gemm --moe-token-dispatcher-type alltoall")
+set(moe_sigmoid_model "--disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope \
+--num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 16 --moe-router-score-function sigmoid \
+--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.0 --moe-aux-loss-coeff 1e-2")
+megatrain_parallel_train_test(parallel_train_moe_dp2 --model "${moe_model}" 2)
+megatrain_parallel_train_test(parallel_train_moe_dp2_distopt --model "${moe_model}" 2 --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_moe_pp2 --model "${moe_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_sigmoid_pp2_vpp2_dp2 --model "${moe_sigmoid_model}" 4
+                              --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+# ... and a checkpoint of MoE layers saved at DP2 resumes on PP2 with the same run.
+megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_pp2 --model "${moe_model}" --resume 2 - 2
+                              "--pipeline-model-parallel-size 2")

@@ -1,7 +1,8 @@
 // Multi-rank training against one rank, on the reference backend over MPI: runs the real megatrain
 // binary once on one process and once under `mpirun -np N` with a parallel layout, both with
 // --metrics-jsonl and --save, and requires the same run:
-//   * every iteration's lm loss (relative 1e-5) and gradient norm (relative 1e-4), and the
+//   * every iteration's lm loss (relative 1e-5; MoE models also their load_balancing_loss and
+//     z_loss) and gradient norm (relative 1e-4), and the
 //     parameter norm of every iteration (relative 1e-5),
 //   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
 //   * the final checkpoints: every model tensor and optimizer state element within 2e-5 (FP8
@@ -51,6 +52,7 @@ const char* kModel =
 
 struct Record {
   double loss = 0, grad_norm = 0, params_norm = 0;
+  std::map<std::string, double> moe;  // MoE models: load_balancing_loss, z_loss
 };
 using Evals = std::map<std::pair<int64_t, bool>, double>;  // (iteration, after training) -> lm loss
 
@@ -131,6 +133,8 @@ std::map<int64_t, Record> read_metrics(const std::string& path) {
     r.loss = j.at("lm_loss").get<double>();
     r.grad_norm = j.at("grad_norm").get<double>();
     r.params_norm = j.at("params_norm").get<double>();
+    for (const char* key : {"load_balancing_loss", "z_loss"})
+      if (j.contains(key)) r.moe[key] = j.at(key).get<double>();
     out[j.at("iteration").get<int64_t>()] = r;
   }
   return out;
@@ -163,6 +167,10 @@ void compare_metrics(const std::map<int64_t, Record>& base, const std::map<int64
     check(near(b->second.loss, p->second.loss, rtol_loss), "lm loss of iteration " + std::to_string(it));
     check(near(b->second.grad_norm, p->second.grad_norm, rtol_grad), "grad norm of iteration " + std::to_string(it));
     check(near(b->second.params_norm, p->second.params_norm, rtol_params), "params norm of iteration " + std::to_string(it));
+    for (const auto& [key, value] : b->second.moe) {
+      const auto q = p->second.moe.find(key);
+      check(q != p->second.moe.end() && near(value, q->second, rtol_loss), key + " of iteration " + std::to_string(it));
+    }
   }
 }
 
