@@ -50,6 +50,9 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (!rs.config.contains("model"))
     fail("{} records no model configuration: cannot tell which Hugging Face model it is", manifest);
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
+  if (m.moe.enabled())
+    throw Unsupported(fmt::format("export-hf: {} holds a mixture-of-experts model (--num-experts {}); megatrain does "
+                                  "not export MoE models to Hugging Face yet", reader.directory(), m.moe.num_experts));
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   const DType dtype = reader.info("embedding.word_embeddings.weight").dtype;
   spec.torch_dtype = torch_dtype_of(dtype);

@@ -240,6 +240,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const RunState& rs = reader.run_state();
   if (!rs.config.contains("model")) fail("{} records no model configuration: cannot tell which model it is", where);
   const ModelConfig model = model_config_from_json(rs.config.at("model"), where);
+  if (model.moe.enabled())
+    throw Unsupported(fmt::format("export-megatron: {} holds a mixture-of-experts model (--num-experts {}); megatrain "
+                                  "does not export MoE models to Megatron-LM yet", reader.directory(),
+                                  model.moe.num_experts));
   const json flags = rs.config.value("flags", json::object());
   const json derived = rs.config.value("derived", json::object());
   const Layout layout = target_layout(o, flags, derived);

@@ -555,3 +555,31 @@ TEST_CASE("MoE: --use-checkpoint-args takes Megatron's MoE arguments from the ch
   CHECK_FALSE(d.model.moe.ffn_hidden_size);
   CHECK(has_message(ms, SetupMessage::Kind::info, "Checkpoint did not provide arguments num_experts"));
 }
+
+TEST_CASE("MoE: a trained MoE checkpoint trains on, and export-hf / export-megatron refuse it in one line",
+          "[cli][moe][binary]") {
+  TempDir dir;
+  const Args model = words("--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --num-layers 2 "
+                           "--hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
+                           "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --disable-bias-linear --swiglu "
+                           "--normalization RMSNorm --position-embedding-type rope --num-experts 4 "
+                           "--moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-aux-loss-coeff 1e-2 --save-interval 2 --log-interval 1");
+  const RunResult train = run_binary(model + words("--train-iters 4 --exit-interval 2 --save " + dir.str("ckpt")));
+  INFO(train.out << train.err);
+  REQUIRE(train.exit_code == 0);
+  CHECK_THAT(train.out, Contains("load_balancing_loss:"));
+  // Resumed: the experts' tensors load by name.
+  const RunResult resumed =
+      run_binary(model + words("--train-iters 4 --load " + dir.str("ckpt") + " --save " + dir.str("ckpt")));
+  INFO(resumed.out << resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK_THAT(resumed.out, Contains("iteration        4/       4"));
+  const RunResult hf = run_binary(words("export-hf --load " + dir.str("ckpt") + " --output " + dir.str("hf")));
+  CHECK(hf.exit_code != 0);
+  CHECK_THAT(hf.err, Contains("export-hf:") && Contains("mixture-of-experts model (--num-experts 4)"));
+  CHECK_FALSE(std::filesystem::exists(dir.str("hf")));
+  const RunResult meg = run_binary(words("export-megatron --load " + dir.str("ckpt") + " --save " + dir.str("meg")));
+  CHECK(meg.exit_code != 0);
+  CHECK_THAT(meg.err, Contains("export-megatron:") && Contains("mixture-of-experts model (--num-experts 4)"));
+  CHECK_FALSE(std::filesystem::exists(dir.str("meg")));
+}
