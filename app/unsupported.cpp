@@ -78,11 +78,11 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--use-sharp", W::any_use, {}, ""},
       {"--sharp-enabled-group", W::any_use, {}, ""},
       // mixture of experts (1.11): built are top-k routing (softmax or sigmoid, pre-softmax, groups,
-      // scaling), the aux and z losses, shared experts, on one expert-parallel rank with TP 1. Refused
+      // scaling), the aux and z losses, shared experts, on one expert-parallel rank (TP+SP: ETP = TP). Refused
       // after Megatron's rules (app/validate_moe.cpp), so that an invalid combination gets Megatron's
       // error first; the values with no Config representation at parse time.
       {"--num-experts", W::conditional, {}, "", false,
-       "with --tensor-model-parallel-size > 1, --context-parallel-size > 1, --fp8-format or --fp4-format, or linear "
+       "with --context-parallel-size > 1, --fp8-format or --fp4-format, or linear "
        "biases (without --disable-bias-linear) not supported yet"},
       {"--moe-router-score-function", W::values, {"sqrtsoftplus"}, "built: softmax, sigmoid"},
       {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"}, "built: aux_loss, none"},

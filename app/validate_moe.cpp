@@ -125,9 +125,6 @@ std::vector<std::string> not_built(const CliState& st) {
     out.push_back(fmt::format("megatrain does not support --expert-tensor-parallel-size {} with "
                               "--tensor-model-parallel-size {} yet (MoE: the experts use the tensor-parallel size)",
                               etp, tp));
-  if (tp > 1)
-    out.push_back(fmt::format("megatrain does not support --num-experts with --tensor-model-parallel-size {} yet "
-                              "(MoE layers are built for TP 1)", tp));
   if (p.context_parallel_size > 1)
     out.push_back(fmt::format("megatrain does not support --num-experts with --context-parallel-size {} yet",
                               p.context_parallel_size));

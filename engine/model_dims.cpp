@@ -104,7 +104,8 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   if (m.moe.enabled()) {
     const MoeConfig& e = m.moe;
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).
-    if (tp_size > 1) throw Unsupported("--num-experts with --tensor-model-parallel-size > 1 is not supported yet");
+    if (tp_size > 1 && !d.sequence_parallel)
+      fail("--num-experts with --tensor-model-parallel-size {} needs --sequence-parallel (as in Megatron-LM)", tp_size);
     if (cfg.train.fp8_format) throw Unsupported("--num-experts with --fp8-format is not supported yet");
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;
@@ -112,6 +113,9 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.expert_ffn = e.expert_ffn ? e.expert_ffn : e.ffn_hidden_size.value_or(d.ffn);
     d.shared_ffn = e.shared_expert_intermediate_size.value_or(0);
     d.shared_gate = e.shared_expert_gate;
+    if (d.expert_ffn % tp_size || d.shared_ffn % tp_size)
+      fail("--moe-ffn-hidden-size ({}) and --moe-shared-expert-intermediate-size ({}) must be divisible by the "
+           "tensor-parallel size ({})", d.expert_ffn, d.shared_ffn, tp_size);
     d.moe_score = e.score_function;
     d.moe_pre_softmax = e.router_pre_softmax;
     d.moe_scaling = static_cast<float>(e.router_topk_scaling_factor.value_or(0.0));

@@ -79,6 +79,11 @@ struct ModelDims {
   }
   int expert_fc1_width() const { return (swiglu ? 2 : 1) * expert_ffn; }
   int shared_fc1_width() const { return (swiglu ? 2 : 1) * shared_ffn; }
+  // Per TP rank (the experts and the shared expert split over TP as the dense MLP is).
+  int expert_ffn_local() const { return expert_ffn / tp_size; }
+  int expert_fc1_width_local() const { return expert_fc1_width() / tp_size; }
+  int shared_ffn_local() const { return shared_ffn / tp_size; }
+  int shared_fc1_width_local() const { return shared_fc1_width() / tp_size; }
 
   float attention_dropout = 0, hidden_dropout = 0;
   float init_std = 0.02f, output_init_std = 0.02f, embedding_init_std = 0.02f;

@@ -294,9 +294,9 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--expert-tensor-parallel-size 2", 2,
        "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
        "experts use the tensor-parallel size)"},
-      {"--tensor-model-parallel-size 2 --sequence-parallel", 2,
-       "megatrain does not support --num-experts with --tensor-model-parallel-size 2 yet (MoE layers are built for TP "
-       "1)"},
+      {"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
+       "megatrain does not support --expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2 yet (MoE: the "
+       "experts use the tensor-parallel size)"},
       {"--bf16 --fp8-format hybrid", 1,
        "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
@@ -365,7 +365,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
         "values quantile_balancing, seq_aux_loss, global_aux_loss, sinkhorn not supported yet");
-  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--tensor-model-parallel-size > 1"));
+  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--context-parallel-size > 1"));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
              Contains("values other than --tensor-model-parallel-size not supported yet"));
   CHECK(cli::fully_unsupported("--moe-per-layer-logging"));

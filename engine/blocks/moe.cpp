@@ -74,9 +74,9 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.host_offsets = moe_host_offsets_.back().get();
   M.p_perm = a.take(c, S, {Nk});
   M.x_perm = a.take(c, T, {Nk, h});
-  M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width()});
+  M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width_local()});
   if (d_.shared_ffn > 0) {
-    M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width() / d_.tp_size});
+    M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width_local()});
     if (d_.shared_gate) {
       M.sh_out = a.take(c, T, {N, h});
       M.sh_gate = a.take(c, T, {N, 1});
@@ -93,11 +93,11 @@ void GptModel::layout_moe_workspace(Arena& a) {
   moe_off32_.assign(static_cast<size_t>(d_.experts + 1), 0);
   using C = MemoryCategory;
   const DType T = opt_.compute, S = opt_.accum;
-  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk, fe = d_.expert_ffn;
+  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk, fe = d_.expert_ffn_local();
   w.moe_rows = a.take(C::workspace, T, {Nk, h});
   w.moe_act = a.take(C::workspace, T, {Nk, fe});
   w.moe_dact = a.take(C::workspace, T, {Nk, fe});
-  if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn / d_.tp_size});
+  if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType R = router_dtype();
   w.moe_dlogits = a.take(C::workspace, R, {N, E});
   w.moe_x32 = w.moe_w32 = Tensor();
@@ -223,13 +223,14 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     if (d_.shared_gate) {
       // out += sh_out * g, g = sigmoid(logit): d sh_out = d_out * g, d g = sum_c d_out * sh_out,
       // d logit = d g * g (1 - g).
+      // (With TP, sh_out is this rank's partial sum: so is d g, summed over TP. The gate's input
+      // gradient is added to ln2's on this rank's rows after the reduction, below.)
       const Tensor g = shared_gate_forward(P, A);
       const Tensor dg = w.moe_dprobs.flat_slice(0, N);
       be_.moe_scale_rows_backward(w.moe_dsh, dg, d_out, M.sh_out, g.view({N}));
+      if (d_.tp_size > 1) ps_.tp->all_reduce(dg);
       be_.moe_route_backward(w.moe_dgate, dg.view({N, 1}), M.sh_gate, w.moe_gate_idx, Tensor(), gate_routing());
-      be_.linear_backward_weight(G.sh_gate_w, Tensor(), w.moe_dgate, A.ln2_out, true);
-      be_.linear_backward_input(w.gT, w.moe_dgate, P.sh_gate_w, false, Activation::none, Tensor());
-      dx_started = true;
+      be_.linear_backward_weight(G.sh_gate_w, Tensor(), local_rows(w.moe_dgate), local_rows(A.ln2_out), true);
       d_sh = w.moe_dsh;
     }
     if (d_.swiglu) {
@@ -255,6 +256,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
   else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
   be_.moe_scale_rows_backward(w.moe_dact, w.moe_dp_perm, w.moe_dact, w.moe_act, M.p_perm);  // d act, d p
+  if (d_.tp_size > 1) ps_.tp->all_reduce(w.moe_dp_perm);  // (each rank's experts hold 1/TP of f)
   be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);                          // fc2's input again
   be_.grouped_linear_backward_weight(G.ex_fc2_w, w.moe_rows, w.moe_act, offsets, accumulate_weight_grad(G.ex_fc2_w));
   // fc1's output gradient: SwiGLU's in place of fc1_pre [Nk, 2f], GeLU's in place of d act.
@@ -277,20 +279,27 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     aux_grad = w.moe_aux_grad;
   }
   be_.moe_route_backward(w.moe_dlogits, w.moe_dprobs, M.logits, M.idx, aux_grad, r);
-  if (w.moe_x32.empty()) {
-    be_.linear_backward_weight(G.router_w, Tensor(), w.moe_dlogits, A.ln2_out, true);
-    be_.linear_backward_input(w.gT, w.moe_dlogits, P.router_w, true, Activation::none, Tensor());
-  } else {  // float32: the input gradient added to gT in float, rounded once
-    be_.cast(w.moe_x32, A.ln2_out);
-    be_.cast(w.moe_w32, P.router_w);
-    be_.linear_backward_weight(G.router_w, Tensor(), w.moe_dlogits, w.moe_x32, true);
-    be_.linear_backward_input(w.moe_x32, w.moe_dlogits, w.moe_w32, false, Activation::none, Tensor());
-    be_.axpby(w.gT, 1.0f, w.gT, 1.0f, w.moe_x32);
-  }
 
-  // ln2's backward, plus the residual's gradient.
-  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, reduce_rows(w.gT), A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, Tensor(),
-                    norm_);
+  // The gating GEMMs' backward on this rank's rows (all rows without sequence parallelism): their
+  // weight gradients (partial over TP with SP, summed by the grad-sync backward), and their input
+  // gradients added to ln2's gradient after its reduction over TP; then ln2's backward, plus the
+  // residual's gradient.
+  const Tensor d_ln2 = reduce_rows(w.gT);  // [Nl, h]
+  const Tensor dlogits = local_rows(w.moe_dlogits), x = local_rows(A.ln2_out);
+  if (w.moe_x32.empty()) {
+    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x, true);
+    be_.linear_backward_input(d_ln2, dlogits, P.router_w, true, Activation::none, Tensor());
+  } else {  // float32: the input gradient added in float, rounded once
+    const Tensor x32 = local_rows(w.moe_x32);
+    be_.cast(x32, x);
+    be_.cast(w.moe_w32, P.router_w);
+    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x32, true);
+    be_.linear_backward_input(x32, dlogits, w.moe_w32, false, Activation::none, Tensor());
+    be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, x32);
+  }
+  if (d_.shared_gate)
+    be_.linear_backward_input(d_ln2, local_rows(w.moe_dgate), P.sh_gate_w, true, Activation::none, Tensor());
+  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, d_ln2, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, Tensor(), norm_);
 }
 
 }  // namespace mt

@@ -225,3 +225,11 @@ megatrain_parallel_train_test(parallel_train_moe_sigmoid_pp2_vpp2_dp2 --model "$
 # ... and a checkpoint of MoE layers saved at DP2 resumes on PP2 with the same run.
 megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_pp2 --model "${moe_model}" --resume 2 - 2
                               "--pipeline-model-parallel-size 2")
+# ... under tensor parallelism with sequence parallelism (the experts and the shared expert split
+# over TP as the dense MLP is; the router and gate run on all rows, their weight gradients on each
+# rank's rows), also with the distributed optimizer over TP2 x PP2 x DP2.
+megatrain_parallel_train_test(parallel_train_moe_tp2_sp --model "${moe_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_tp2_sp_pp2_dp2_distopt --model "${moe_model} --moe-router-dtype fp32" 8
+                              --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+                              --use-distributed-optimizer)
