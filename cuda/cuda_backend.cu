@@ -624,3 +624,43 @@ std::unique_ptr<Backend> make_cuda_backend(int device_ordinal, bool gemm_autotun
 }
 
 }  // namespace mt
+
+namespace mt {
+
+// ---- grouped GEMMs (mixture of experts) -----------------------------------------------------------
+void CudaBackend::prepare_grouped_gemms(int max_groups) {
+  if (grouped_ && grouped_->max_groups() >= max_groups) return;
+  if (grouped_) bytes_allocated_ -= grouped_->device_bytes();
+  constexpr size_t kWorkspace = size_t{32} << 20;
+  grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, max_groups, kWorkspace);
+  bytes_allocated_ += grouped_->device_bytes();
+}
+
+void CudaBackend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
+  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+    return Backend::grouped_linear_forward(y, x, w, offsets);
+  on_device("grouped_linear_forward", y, x, w);
+  MT_PROFILE_OP("grouped_linear_forward {}x{}x{} ({} experts)", x.rows(), y.cols(), x.cols(), offsets.size() - 1);
+  grouped_->forward(y, x, w, offsets);
+}
+
+void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
+  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+    return Backend::grouped_linear_backward_input(dx, dy, w, offsets);
+  on_device("grouped_linear_backward_input", dx, dy, w);
+  MT_PROFILE_OP("grouped_linear_backward_input {}x{}x{} ({} experts)", dy.rows(), dx.cols(), dy.cols(),
+                offsets.size() - 1);
+  grouped_->backward_input(dx, dy, w, offsets);
+}
+
+void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+                                                 bool accumulate) {
+  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+    return Backend::grouped_linear_backward_weight(dw, dy, x, offsets, accumulate);
+  on_device("grouped_linear_backward_weight", dw, dy, x);
+  MT_PROFILE_OP("grouped_linear_backward_weight {}x{}x{} ({} experts){}", dw.rows(), dw.cols(), dy.rows(),
+                offsets.size() - 1, accumulate ? " +acc" : "");
+  grouped_->backward_weight(dw, dy, x, offsets, accumulate);
+}
+
+}  // namespace mt

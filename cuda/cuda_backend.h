@@ -14,6 +14,7 @@
 #include "cuda/fp8_gemm_cublaslt.h"
 #include "cuda/fp8_kernels.h"  // CastSource
 #include "cuda/gemm_cublaslt.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/op_profiler.h"
 #include "engine/backend.h"
@@ -36,6 +37,11 @@ class CudaBackend final : public Backend {
   size_t memory_in_use() const override;
   size_t bytes_allocated() const override { return bytes_allocated_; }
   void prepare_fp8_gemms() override { fp8_gemm(); }
+  void prepare_grouped_gemms(int max_groups) override;
+  void grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) override;
+  void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) override;
+  void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+                                      bool accumulate) override;
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
   void copy_from_host(Tensor dst, const void* host_src) override;
@@ -206,6 +212,7 @@ class CudaBackend final : public Backend {
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
+  std::unique_ptr<cuda::GroupedGemm> grouped_;  // prepare_grouped_gemms
   float* fp8_scale_slots_ = nullptr;  // [8]: slot 0 at [0], slot 1 at [4]
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;

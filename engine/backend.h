@@ -445,6 +445,10 @@ class Backend {
   // values, E + 1 of them. y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e; dw_e (+)= dy_e^T . x_e (an expert
   // without rows: dw_e unchanged with accumulate, else zeroed). The defaults run one linear_* per
   // expert on row slices.
+  // prepare_grouped_gemms (set-up time; the CUDA backend: a grouped GEMM of up to max_groups
+  // experts per call, its workspace allocated here) makes them one call each; without it they run
+  // the defaults.
+  virtual void prepare_grouped_gemms(int max_groups) { (void)max_groups; }
   virtual void grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets);
   virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets);
   virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,

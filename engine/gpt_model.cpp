@@ -124,6 +124,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   plan_grad_zeroing();
   fp8_.initialize(be_);
   if (fp8_.any()) be_.prepare_fp8_gemms();
+  if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts);
   attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();

@@ -1,0 +1,150 @@
+// cuda/grouped_gemm.h. The row-major to column-major mappings are those of the linear layers
+// (cuda/gemm_cublaslt.cu), per expert e with M_e rows:
+//   forward         y_e[M_e,N]  = x_e[M_e,K] w_e[N,K]^T : m=N n=M_e k=K, A = w_e (T, ld K), B = x_e (N, ld K), C = y_e (ld N)
+//   backward input  dx_e[M_e,K] = dy_e[M_e,N] w_e[N,K]  : m=K n=M_e k=N, A = w_e (N, ld K), B = dy_e (N, ld N), C = dx_e (ld K)
+//   backward weight dw_e[N,K] (+)= dy_e^T x_e            : m=K n=N k=M_e, A = x_e (N, ld K), B = dy_e (T, ld N), C = dw_e (ld K)
+// float32 accumulation (CUBLAS_COMPUTE_32F) for every dtype; C may be float32 (main gradients)
+// with bf16/fp16 inputs.
+#include "cuda/grouped_gemm.h"
+
+#include <limits>
+
+#include "core/error.h"
+#include "cuda/cuda_check.h"
+
+namespace mt::cuda {
+namespace {
+
+cudaDataType_t cublas_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: fail("grouped GEMM: dtype {} is not supported (float32, bfloat16, float16)", dtype_name(t));
+  }
+}
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) fail("cuBLAS {} failed: status {}", what, static_cast<int>(s));
+}
+
+int as_int(int64_t v, const char* what) {
+  MT_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), "grouped GEMM: {} = {} exceeds int", what, v);
+  return static_cast<int>(v);
+}
+
+const char* byte_ptr(const Tensor& t, int64_t row) {
+  return static_cast<const char*>(t.data) + row * t.cols() * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+}  // namespace
+
+GroupedGemm::GroupedGemm(cudaStream_t stream, int max_groups, size_t workspace_bytes)
+    : stream_(stream), max_groups_(max_groups) {
+  check_cublas(cublasCreate(&handle_), "cublasCreate");
+  check_cublas(cublasSetStream(handle_, stream_), "cublasSetStream");
+  check_cublas(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+  MT_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes));
+  // cuBLAS allocates nothing of its own later: its workspace is this one.
+  check_cublas(cublasSetWorkspace(handle_, workspace_, workspace_bytes), "cublasSetWorkspace");
+  MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_ptrs_), 3 * sizeof(void*) * static_cast<size_t>(max_groups)));
+  device_bytes_ = workspace_bytes + 3 * sizeof(void*) * static_cast<size_t>(max_groups);
+  const size_t g = static_cast<size_t>(max_groups);
+  host_ptrs_.resize(3 * g);
+  ta_.resize(g);
+  tb_.resize(g);
+  for (auto* v : {&m_, &n_, &k_, &lda_, &ldb_, &ldc_, &size_}) v->resize(g);
+  alpha_.assign(g, 1.0f);
+  beta_.resize(g);
+  groups_.reserve(g);
+}
+
+GroupedGemm::~GroupedGemm() {
+  if (handle_) cublasDestroy(handle_);
+  cudaFree(workspace_);
+  cudaFree(device_ptrs_);
+}
+
+void GroupedGemm::run(const std::vector<Group>& groups, DType ab, DType c, float beta) {
+  const size_t n = groups.size();
+  if (n == 0) return;
+  MT_CHECK(n <= static_cast<size_t>(max_groups_), "grouped GEMM: {} groups, set up for {}", n, max_groups_);
+  for (size_t i = 0; i < n; ++i) {
+    const Group& g = groups[i];
+    ta_[i] = g.ta;
+    tb_[i] = g.tb;
+    m_[i] = g.m;
+    n_[i] = g.n;
+    k_[i] = g.k;
+    lda_[i] = g.lda;
+    ldb_[i] = g.ldb;
+    ldc_[i] = g.ldc;
+    size_[i] = 1;
+    beta_[i] = beta;
+    host_ptrs_[i] = g.a;
+    host_ptrs_[n + i] = g.b;
+    host_ptrs_[2 * n + i] = g.c;
+  }
+  MT_CUDA_CHECK(cudaMemcpyAsync(device_ptrs_, host_ptrs_.data(), 3 * n * sizeof(void*), cudaMemcpyHostToDevice, stream_));
+  void** d = device_ptrs_;
+  check_cublas(cublasGemmGroupedBatchedEx(handle_, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
+                                          const_cast<const void* const*>(d), cublas_type(ab), lda_.data(),
+                                          const_cast<const void* const*>(d + n), cublas_type(ab), ldb_.data(),
+                                          beta_.data(), d + 2 * n, cublas_type(c), ldc_.data(), static_cast<int>(n),
+                                          size_.data(), CUBLAS_COMPUTE_32F),
+               "cublasGemmGroupedBatchedEx");
+}
+
+void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = w.rows() / E, K = x.cols();
+  MT_CHECK(y.cols() == N && w.cols() == K && x.dtype == w.dtype && y.dtype == x.dtype,
+           "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
+  std::vector<Group>& groups = groups_;
+  groups.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    groups.push_back({CUBLAS_OP_T, CUBLAS_OP_N, as_int(N, "N"), as_int(rows, "rows"), as_int(K, "K"), as_int(K, "K"),
+                      as_int(K, "K"), as_int(N, "N"), byte_ptr(w, e * N), byte_ptr(x, offsets[e]),
+                      const_cast<char*>(byte_ptr(y, offsets[e]))});
+  }
+  run(groups, x.dtype, y.dtype, 0.0f);
+}
+
+void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = w.rows() / E, K = w.cols();
+  MT_CHECK(dy.cols() == N && dx.cols() == K && dy.dtype == w.dtype && dx.dtype == dy.dtype,
+           "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
+  std::vector<Group>& groups = groups_;
+  groups.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    groups.push_back({CUBLAS_OP_N, CUBLAS_OP_N, as_int(K, "K"), as_int(rows, "rows"), as_int(N, "N"), as_int(K, "K"),
+                      as_int(N, "N"), as_int(K, "K"), byte_ptr(w, e * N), byte_ptr(dy, offsets[e]),
+                      const_cast<char*>(byte_ptr(dx, offsets[e]))});
+  }
+  run(groups, dy.dtype, dx.dtype, 0.0f);
+}
+
+void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets, bool accumulate) {
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = dw.rows() / E, K = dw.cols();
+  MT_CHECK(dy.cols() == N && x.cols() == K && dy.dtype == x.dtype,
+           "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
+  std::vector<Group>& groups = groups_;
+  groups.clear();
+  const size_t expert_bytes = static_cast<size_t>(N * K) * dtype_size(dw.dtype);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    char* c = const_cast<char*>(byte_ptr(dw, e * N));
+    if (rows == 0) {
+      if (!accumulate) MT_CUDA_CHECK(cudaMemsetAsync(c, 0, expert_bytes, stream_));
+      continue;
+    }
+    groups.push_back({CUBLAS_OP_N, CUBLAS_OP_T, as_int(K, "K"), as_int(N, "N"), as_int(rows, "rows"), as_int(K, "K"),
+                      as_int(N, "N"), as_int(K, "K"), byte_ptr(x, offsets[e]), byte_ptr(dy, offsets[e]), c});
+  }
+  run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f);
+}
+
+}  // namespace mt::cuda
