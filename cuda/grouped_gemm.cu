@@ -144,7 +144,19 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<cons
     groups.push_back({CUBLAS_OP_N, CUBLAS_OP_T, as_int(K, "K"), as_int(N, "N"), as_int(rows, "rows"), as_int(K, "K"),
                       as_int(N, "N"), as_int(K, "K"), byte_ptr(x, offsets[e]), byte_ptr(dy, offsets[e]), c});
   }
-  run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f);
+  if (dw.dtype == dy.dtype) {
+    run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f);
+    return;
+  }
+  // float32 main gradients of bf16/fp16 experts: cuBLAS's grouped GEMM takes one dtype for all
+  // operands, so these run as one cublasGemmEx per expert (cuBLAS's own kernel choice: nothing is
+  // planned per row count).
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  for (const Group& g : groups)
+    check_cublas(cublasGemmEx(handle_, g.ta, g.tb, g.m, g.n, g.k, &alpha, g.a, cublas_type(dy.dtype), g.lda, g.b,
+                              cublas_type(dy.dtype), g.ldb, &beta, g.c, cublas_type(dw.dtype), g.ldc,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
 }
 
 }  // namespace mt::cuda

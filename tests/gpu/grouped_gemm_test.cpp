@@ -60,7 +60,7 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
           for (int64_t i = e * N * K; i < (e + 1) * N * K; ++i) {
             const size_t k = static_cast<size_t>(i);
             if (c.rows[static_cast<size_t>(e)] == 0) {  // untouched (accumulate) or zeroed, exactly
-              bad += got[k] != (accumulate ? start[k] : 0.0);
+              bad += got[k] != (accumulate ? round_to(DType::f32, start[k]) : 0.0);
             } else {
               bad += !(std::fabs(got[k] - want[k]) <= 1e-4 * (1.0 + std::fabs(want[k])) * (dt == DType::bf16 ? 10 : 1));
             }
