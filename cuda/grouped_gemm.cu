@@ -65,9 +65,22 @@ GroupedGemm::~GroupedGemm() {
   cudaFree(device_ptrs_);
 }
 
-void GroupedGemm::run(const std::vector<Group>& groups, DType ab, DType c, float beta) {
+void GroupedGemm::run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows) {
   const size_t n = groups.size();
   if (n == 0) return;
+  // Experts with many rows each run as one cublasGemmEx per expert: measured on an H200 (bf16,
+  // 2048 rows per expert, bench/RESULTS.md), cuBLAS's grouped batched GEMM reached 275-300 TFLOP/s
+  // where the per-expert GEMMs reached 560-610. Smaller experts (and operands of different dtypes,
+  // which the grouped GEMM does not take) as well: per expert below, grouped here.
+  if (ab != c || rows / static_cast<int64_t>(n) >= kPerExpertRows) {
+    const float alpha = 1.0f;
+    for (const Group& g : groups)
+      check_cublas(cublasGemmEx(handle_, g.ta, g.tb, g.m, g.n, g.k, &alpha, g.a, cublas_type(ab), g.lda, g.b,
+                                cublas_type(ab), g.ldb, &beta, g.c, cublas_type(c), g.ldc, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx");
+    return;
+  }
   MT_CHECK(n <= static_cast<size_t>(max_groups_), "grouped GEMM: {} groups, set up for {}", n, max_groups_);
   for (size_t i = 0; i < n; ++i) {
     const Group& g = groups[i];
@@ -108,7 +121,7 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t>
                       as_int(K, "K"), as_int(N, "N"), byte_ptr(w, e * N), byte_ptr(x, offsets[e]),
                       const_cast<char*>(byte_ptr(y, offsets[e]))});
   }
-  run(groups, x.dtype, y.dtype, 0.0f);
+  run(groups, x.dtype, y.dtype, 0.0f, offsets.back());
 }
 
 void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
@@ -124,7 +137,7 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const
                       as_int(N, "N"), as_int(K, "K"), byte_ptr(w, e * N), byte_ptr(dy, offsets[e]),
                       const_cast<char*>(byte_ptr(dx, offsets[e]))});
   }
-  run(groups, dy.dtype, dx.dtype, 0.0f);
+  run(groups, dy.dtype, dx.dtype, 0.0f, offsets.back());
 }
 
 void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets, bool accumulate) {
@@ -144,19 +157,7 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<cons
     groups.push_back({CUBLAS_OP_N, CUBLAS_OP_T, as_int(K, "K"), as_int(N, "N"), as_int(rows, "rows"), as_int(K, "K"),
                       as_int(N, "N"), as_int(K, "K"), byte_ptr(x, offsets[e]), byte_ptr(dy, offsets[e]), c});
   }
-  if (dw.dtype == dy.dtype) {
-    run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f);
-    return;
-  }
-  // float32 main gradients of bf16/fp16 experts: cuBLAS's grouped GEMM takes one dtype for all
-  // operands, so these run as one cublasGemmEx per expert (cuBLAS's own kernel choice: nothing is
-  // planned per row count).
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  for (const Group& g : groups)
-    check_cublas(cublasGemmEx(handle_, g.ta, g.tb, g.m, g.n, g.k, &alpha, g.a, cublas_type(dy.dtype), g.lda, g.b,
-                              cublas_type(dy.dtype), g.ldb, &beta, g.c, cublas_type(dw.dtype), g.ldc,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "cublasGemmEx");
+  run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f, offsets.back());
 }
 
 }  // namespace mt::cuda

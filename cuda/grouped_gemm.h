@@ -1,6 +1,7 @@
 // Grouped GEMMs for mixture-of-experts layers (Backend::grouped_linear_*): one call of cuBLAS's
 // grouped batched GEMM (cublasGemmGroupedBatchedEx) per op, every expert with rows its own group,
-// instead of one cuBLASLt GEMM (and one plan for each new row count) per expert.
+// or, for experts of many rows each, one cublasGemmEx per expert (cuBLAS picks its kernel per call:
+// no cuBLASLt plan is made for each new row count).
 #pragma once
 
 #include <cublas_v2.h>
@@ -40,7 +41,9 @@ class GroupedGemm {
     const void *a, *b;
     void* c;
   };
-  void run(const std::vector<Group>& groups, DType ab, DType c, float beta);
+  // rows: all rows of the op (their mean per expert with rows picks the per-expert path).
+  void run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows);
+  static constexpr int64_t kPerExpertRows = 2048;
 
   cudaStream_t stream_;
   cublasHandle_t handle_ = nullptr;

@@ -1,5 +1,5 @@
 // The CUDA backend's grouped GEMMs (Backend::grouped_linear_*, cuda/grouped_gemm.h: one cuBLAS
-// grouped batched GEMM per op) against the reference backend's per-expert GEMMs, on fresh random
+// grouped batched GEMM per op, or one GEMM per expert for large experts) against the reference backend's per-expert GEMMs, on fresh random
 // inputs: odd row counts, empty experts (their weight gradient zeroed, or kept with accumulate),
 // float32 and bf16 (float32 main gradients).
 #include <catch2/catch.hpp>
@@ -24,7 +24,9 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                         {{0, 0, 129}, 48, 16},
                         {{1}, 8, 8},
                         {std::vector<int64_t>(64, 0), 16, 16},
-                        {{300, 257, 0, 511, 64, 3, 0, 100, 7, 1, 1, 90}, 96, 72}};
+                        {{300, 257, 0, 511, 64, 3, 0, 100, 7, 1, 1, 90}, 96, 72},
+                        // >= 2048 rows per expert: one cublasGemmEx per expert (cuda/grouped_gemm.h)
+                        {{2100, 0, 2501}, 40, 24}};
   for (const Case& c : cases) {
     std::vector<int64_t> off{0};
     for (int64_t r : c.rows) off.push_back(off.back() + r);

@@ -122,11 +122,12 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     // Parameters: the reference model's initialization, scaled up so that routing differs by token.
     std::vector<double> w;
     run(ref(), c, DType::f32, {}, mb, &w);
-    for (double& v : w) v *= 4.0;
+    const DType T = sh.dtype;
+    const bool bf16 = T == DType::bf16;
+    // (bf16: the reference takes the weights the bf16 model holds, rounded to bf16.)
+    for (double& v : w) v = bf16 ? round_to(DType::bf16, v * 4.0) : v * 4.0;
     const Run r = run(ref(), c, DType::f32, w, mb);
     {
-      const DType T = sh.dtype;
-      const bool bf16 = T == DType::bf16;
       INFO("experts " << sh.experts << " top-" << sh.topk << " rows " << n << (bf16 ? " bf16" : " float32")
                       << " (seed " << rng.seed() << ")");
       const Run g = run(dev(), c, T, w, mb);
