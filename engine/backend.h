@@ -130,6 +130,10 @@ struct MoeRouting {
   bool pre_softmax = false;
   float scaling = 0;              // --moe-router-topk-scaling-factor (0: none)
   int num_groups = 0, group_topk = 0;  // group-limited routing (0: off)
+  static MoeRouting make(int experts, int topk, MoeScoreFunction score = MoeScoreFunction::softmax,
+                         bool pre_softmax = false, float scaling = 0, int num_groups = 0, int group_topk = 0) {
+    return MoeRouting{experts, topk, score, pre_softmax, scaling, num_groups, group_topk};
+  }
 };
 
 // One contiguous run of the flat parameter buffer with its optimizer group.

@@ -12,6 +12,7 @@
 #include "engine/gpt_model.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
+#include "tests/model_gradcheck.h"
 
 using namespace mt;
 
@@ -74,36 +75,7 @@ struct Harness {
 
   void check_all(int samples_per_param) {
     const std::vector<double> g = analytic_grads();
-    std::vector<double> w(static_cast<size_t>(model->params_flat().numel()));
-    be->copy_to_host(w.data(), model->params_flat());
-    const double eps = 1e-5;
-    for (const ParamDesc& p : model->params()) {
-      const int64_t n = p.numel(), stride = std::max<int64_t>(1, n / samples_per_param);
-      double worst = 0, max_grad = 0;
-      for (int64_t k = (n > samples_per_param ? 1 : 0); k < n; k += stride) {
-        const size_t i = static_cast<size_t>(p.offset + k);
-        const double saved = w[i];
-        w[i] = saved + eps;
-        be->copy_from_host(model->params_flat(), w.data());
-        const double lp = loss();
-        w[i] = saved - eps;
-        be->copy_from_host(model->params_flat(), w.data());
-        const double lm = loss();
-        w[i] = saved;
-        const double numeric = (lp - lm) / (2 * eps);
-        const double bound = 1e-9 + 1e-6 * std::max(std::fabs(numeric), std::fabs(g[i]));
-        worst = std::max(worst, std::fabs(numeric - g[i]) / bound);
-        max_grad = std::max(max_grad, std::fabs(g[i]));
-        if (std::fabs(numeric - g[i]) > bound) {
-          INFO(p.name << "[" << k << "]: analytic " << g[i] << " numeric " << numeric);
-          CHECK(std::fabs(numeric - g[i]) <= bound);
-        }
-      }
-      be->copy_from_host(model->params_flat(), w.data());
-      INFO(p.name << ": worst error/bound " << worst << ", largest |grad| " << max_grad);
-      CHECK(worst <= 1.0);
-      CHECK(max_grad > 1e-7);  // the check would be empty if no gradient reached the parameter
-    }
+    test::check_model_gradients(*model, *be, g, [this] { return loss(); }, samples_per_param, 1e-5, 1e-6, 1e-9);
   }
 };
 

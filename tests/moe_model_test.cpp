@@ -16,6 +16,7 @@
 #include "engine/gpt_model.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
+#include "tests/model_gradcheck.h"
 
 using namespace mt;
 
@@ -116,35 +117,7 @@ struct MoeHarness {
 
   void check_all(int samples_per_param) {
     const std::vector<double> g = grads();
-    std::vector<double> w = params();
-    const double eps = 1e-6;
-    for (const ParamDesc& p : model->params()) {
-      const int64_t n = p.numel(), stride = std::max<int64_t>(1, n / samples_per_param);
-      double worst = 0, max_grad = 0;
-      for (int64_t k = (n > samples_per_param ? 1 : 0); k < n; k += stride) {
-        const size_t i = static_cast<size_t>(p.offset + k);
-        const double saved = w[i];
-        w[i] = saved + eps;
-        set_params(w);
-        const double lp = objective();
-        w[i] = saved - eps;
-        set_params(w);
-        const double lm = objective();
-        w[i] = saved;
-        const double numeric = (lp - lm) / (2 * eps);
-        const double bound = 1e-8 + 1e-5 * std::max(std::fabs(numeric), std::fabs(g[i]));
-        worst = std::max(worst, std::fabs(numeric - g[i]) / bound);
-        max_grad = std::max(max_grad, std::fabs(g[i]));
-        if (std::fabs(numeric - g[i]) > bound) {
-          INFO(p.name << "[" << k << "]: analytic " << g[i] << " numeric " << numeric);
-          CHECK(std::fabs(numeric - g[i]) <= bound);
-        }
-      }
-      set_params(w);
-      INFO(p.name << ": worst error/bound " << worst << ", largest |grad| " << max_grad);
-      CHECK(worst <= 1.0);
-      CHECK(max_grad > 1e-7);  // the check would be empty if no gradient reached the parameter
-    }
+    test::check_model_gradients(*model, *be, g, [this] { return objective(); }, samples_per_param, 1e-6, 1e-5, 1e-8);
   }
 };
 

@@ -18,19 +18,6 @@ using mt::test::Buf;
 
 namespace {
 
-MoeRouting rule(int E, int k, MoeScoreFunction score = MoeScoreFunction::softmax, bool pre = false,
-                float scaling = 0, int groups = 0, int group_topk = 0) {
-  MoeRouting r;
-  r.experts = E;
-  r.topk = k;
-  r.score = score;
-  r.pre_softmax = pre;
-  r.scaling = scaling;
-  r.num_groups = groups;
-  r.group_topk = group_topk;
-  return r;
-}
-
 // Indices of v sorted by value descending, equal values by index ascending (a stable sort).
 std::vector<int> ranked(const std::vector<double>& v) {
   std::vector<int> order(v.size());
@@ -110,16 +97,16 @@ std::vector<double> row_of(const std::vector<double>& x, int64_t t, int64_t E) {
 std::vector<MoeRouting> rules_for(int E, int k) {
   std::vector<MoeRouting> rules;
   for (float scaling : {0.0f, 2.5f}) {
-    rules.push_back(rule(E, k, MoeScoreFunction::softmax, false, scaling));
-    rules.push_back(rule(E, k, MoeScoreFunction::softmax, true, scaling));
-    rules.push_back(rule(E, k, MoeScoreFunction::sigmoid, false, scaling));
+    rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, false, scaling));
+    rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, true, scaling));
+    rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, scaling));
   }
   if (E % 4 == 0)
     for (int gk : {1, 2, 3})
       if (gk * (E / 4) >= k) {
-        rules.push_back(rule(E, k, MoeScoreFunction::softmax, false, 0, 4, gk));
-        rules.push_back(rule(E, k, MoeScoreFunction::softmax, true, 0, 4, gk));
-        rules.push_back(rule(E, k, MoeScoreFunction::sigmoid, false, 1.5f, 4, gk));
+        rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, false, 0, 4, gk));
+        rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, true, 0, 4, gk));
+        rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, 1.5f, 4, gk));
       }
   return rules;
 }
@@ -193,7 +180,7 @@ TEST_CASE("reference moe_route: hand-made rows (ties, groups, the bias only sele
     Buf logits = Buf::zeros({1, 5});
     logits.d = {1, 3, 3, 0, 3};
     Buf probs = Buf::zeros({1, 2}), idx = Buf::ints({1, 2}, {0, 0});
-    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(5, 2));
+    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(5, 2));
     CHECK(idx.i == std::vector<int32_t>{1, 2});
     CHECK(probs.d[0] == Approx(0.5));  // the softmax of two equal logits
     CHECK(probs.d[1] == Approx(0.5));
@@ -203,10 +190,10 @@ TEST_CASE("reference moe_route: hand-made rows (ties, groups, the bias only sele
     Buf logits = Buf::zeros({1, 6});
     logits.d = {1, 1, 5, -9, 1.5, 0};
     Buf probs = Buf::zeros({1, 2}), idx = Buf::ints({1, 2}, {0, 0});
-    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(6, 2, MoeScoreFunction::softmax, false, 0, 3, 1));
+    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(6, 2, MoeScoreFunction::softmax, false, 0, 3, 1));
     CHECK(idx.i == std::vector<int32_t>{0, 1});  // group 0 (score 2) beats group 1 (-4) and group 2 (1.5)
     // Without groups expert 2 (logit 5) would lead.
-    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(6, 2));
+    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(6, 2));
     CHECK(idx.i == std::vector<int32_t>{2, 4});
   }
   SECTION("sigmoid: the expert bias changes the selection, not the weights") {
@@ -215,14 +202,14 @@ TEST_CASE("reference moe_route: hand-made rows (ties, groups, the bias only sele
     Buf bias = Buf::zeros({4});
     bias.d = {0, 0, 0, 10};  // expert 3 always selected
     Buf probs = Buf::zeros({1, 2}), idx = Buf::ints({1, 2}, {0, 0});
-    be->moe_route(probs.t(), idx.t(), logits.t(), bias.t(), rule(4, 2, MoeScoreFunction::sigmoid));
+    be->moe_route(probs.t(), idx.t(), logits.t(), bias.t(), MoeRouting::make(4, 2, MoeScoreFunction::sigmoid));
     CHECK(idx.i == std::vector<int32_t>{3, 0});
     const double s3 = 1 / (1 + std::exp(1.0)), s0 = 1 / (1 + std::exp(-2.0));
     CHECK(probs.d[0] == Approx(s3 / (s3 + s0)).epsilon(1e-14));
     CHECK(probs.d[1] == Approx(s0 / (s3 + s0)).epsilon(1e-14));
     // k = 1: the raw sigmoid, times the scaling factor.
     Buf p1 = Buf::zeros({1, 1}), i1 = Buf::ints({1, 1}, {0});
-    be->moe_route(p1.t(), i1.t(), logits.t(), bias.t(), rule(4, 1, MoeScoreFunction::sigmoid, false, 2.0f));
+    be->moe_route(p1.t(), i1.t(), logits.t(), bias.t(), MoeRouting::make(4, 1, MoeScoreFunction::sigmoid, false, 2.0f));
     CHECK(i1.i[0] == 3);
     CHECK(p1.d[0] == Approx(2.0 * s3).epsilon(1e-14));
   }
@@ -230,7 +217,7 @@ TEST_CASE("reference moe_route: hand-made rows (ties, groups, the bias only sele
     Buf logits = Buf::zeros({1, 3});
     logits.d = {0.0, 1.0, 2.0};
     Buf probs = Buf::zeros({1, 2}), idx = Buf::ints({1, 2}, {0, 0});
-    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(3, 2, MoeScoreFunction::softmax, true));
+    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(3, 2, MoeScoreFunction::softmax, true));
     const double den = 1 + std::exp(1.0) + std::exp(2.0);
     CHECK(idx.i == std::vector<int32_t>{2, 1});
     CHECK(probs.d[0] == Approx(std::exp(2.0) / den).epsilon(1e-14));
@@ -336,7 +323,7 @@ TEST_CASE("reference moe_aux_stats, moe_aux_log against brute force", "[moe][ref
         INFO((score == MoeScoreFunction::softmax ? "softmax" : "sigmoid") << " E " << E << " k " << k);
         const int64_t N = 41;
         // Groups and bias never enter the statistics: a grouped rule gives the same numbers.
-        MoeRouting r = rule(E, k, score);
+        MoeRouting r = MoeRouting::make(E, k, score);
         Buf logits = Buf::randn({N, E}, rng, 2.0);
         for (int64_t i = 0; i < N * E; i += 5) logits.d[i] = std::round(logits.d[i]);  // some ties
         Buf stats = Buf::zeros({2 * E + 1});
@@ -359,7 +346,7 @@ TEST_CASE("reference moe_aux_stats, moe_aux_log against brute force", "[moe][ref
         CHECK(stats.d[2 * E] == Approx(lse_sq).epsilon(1e-12));
         if (E % 2 == 0 && k <= E / 2) {
           Buf grouped = Buf::zeros({2 * E + 1});
-          be->moe_aux_stats(grouped.t(), logits.t(), rule(E, k, score, false, 3.0f, 2, 1));
+          be->moe_aux_stats(grouped.t(), logits.t(), MoeRouting::make(E, k, score, false, 3.0f, 2, 1));
           CHECK(grouped.d == stats.d);
         }
 
@@ -385,7 +372,7 @@ TEST_CASE("reference moe_aux_grad matches central differences of the aux and z l
           if (k > E) continue;
           INFO((score == MoeScoreFunction::softmax ? "softmax" : "sigmoid")
                << " E " << E << " k " << k << " aux " << aux_scale << " z " << z_scale);
-          const MoeRouting r = rule(E, k, score);
+          const MoeRouting r = MoeRouting::make(E, k, score);
           Buf logits = Buf::randn({N, E}, rng, 1.5);
           Buf stats = Buf::zeros({2 * E + 1});
           be->moe_aux_stats(stats.t(), logits.t(), r);
@@ -404,9 +391,9 @@ TEST_CASE("reference moe_aux_grad matches central differences of the aux and z l
   SECTION("a zero scale ignores its statistics (NaN counts with aux_scale 0)") {
     const int64_t E = 4;
     Buf logits = Buf::randn({3, E}, rng), stats = Buf::zeros({2 * E + 1}), grad = Buf::zeros({3, E});
-    be->moe_aux_stats(stats.t(), logits.t(), rule(E, 2));
+    be->moe_aux_stats(stats.t(), logits.t(), MoeRouting::make(E, 2));
     for (int64_t e = 0; e < E; ++e) stats.d[E + e] = NAN;
-    be->moe_aux_grad(grad.t(), logits.t(), stats.t(), 0.0f, 0.1f, rule(E, 2));
+    be->moe_aux_grad(grad.t(), logits.t(), stats.t(), 0.0f, 0.1f, MoeRouting::make(E, 2));
     for (double g : grad.d) CHECK(std::isfinite(g));
   }
 }
@@ -494,7 +481,7 @@ TEST_CASE("reference moe_gather_rows and moe_combine: round trips", "[moe][refer
     const int64_t N = 13, E = 6, C = 5, M = N * k;
     Buf logits = Buf::randn({N, E}, rng);
     Buf probs = Buf::zeros({N, k}), idx = Buf::ints({N, k}, std::vector<int32_t>(M));
-    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(E, k, MoeScoreFunction::softmax, k == 1));
+    be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(E, k, MoeScoreFunction::softmax, k == 1));
     Buf order = Buf::ints({M}, std::vector<int32_t>(M)), slot_of = Buf::ints({M}, std::vector<int32_t>(M));
     Buf offsets = Buf::ints({E + 1}, std::vector<int32_t>(E + 1));
     be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), static_cast<int>(E));
@@ -584,19 +571,19 @@ TEST_CASE("reference moe_scale_rows and its backward (central differences, in pl
 TEST_CASE("reference moe ops refuse bad routing rules with a clear message", "[moe][reference]") {
   auto be = make_reference_backend(1);
   Buf logits = Buf::zeros({2, 6}), probs = Buf::zeros({2, 2}), idx = Buf::ints({2, 2}, {0, 0, 0, 0});
-  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(5, 2)),
+  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(5, 2)),
                     Catch::Contains("6 columns"));
   Buf p7 = Buf::zeros({2, 7}), i7 = Buf::ints({2, 7}, std::vector<int32_t>(14));
-  CHECK_THROWS_WITH(be->moe_route(p7.t(), i7.t(), logits.t(), Tensor(), rule(6, 7)),
+  CHECK_THROWS_WITH(be->moe_route(p7.t(), i7.t(), logits.t(), Tensor(), MoeRouting::make(6, 7)),
                     Catch::Contains("--moe-router-topk"));
-  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(6, 2, MoeScoreFunction::softmax,
+  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(6, 2, MoeScoreFunction::softmax,
                                                                                    false, 0, 4, 1)),
                     Catch::Contains("--moe-router-num-groups"));
-  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(6, 2, MoeScoreFunction::softmax,
+  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(6, 2, MoeScoreFunction::softmax,
                                                                                    false, 0, 3, 4)),
                     Catch::Contains("--moe-router-group-topk"));
   // 1 of 6 groups holds one expert: fewer than k = 2.
-  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), rule(6, 2, MoeScoreFunction::softmax,
+  CHECK_THROWS_WITH(be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(6, 2, MoeScoreFunction::softmax,
                                                                                    false, 0, 6, 1)),
                     Catch::Contains("fewer than top-k"));
 }

@@ -15,27 +15,14 @@
 namespace mt {
 
 MoeRouting GptModel::moe_routing() const {
-  MoeRouting r;
-  r.experts = d_.experts;
-  r.topk = d_.topk;
-  r.score = d_.moe_score;
-  r.pre_softmax = d_.moe_pre_softmax;
-  r.scaling = d_.moe_scaling;
-  r.num_groups = d_.moe_groups;
-  r.group_topk = d_.moe_group_topk;
-  return r;
+  return MoeRouting::make(d_.experts, d_.topk, d_.moe_score, d_.moe_pre_softmax, d_.moe_scaling, d_.moe_groups,
+                          d_.moe_group_topk);
 }
 
 // The shared expert's gate as a routing of one expert, top-1, sigmoid scoring: its weight is
 // sigmoid(logit) rounded to the logit's dtype (Megatron's F.sigmoid in that dtype), and the routing
 // backward gives d logit = d g * g (1 - g).
-MoeRouting GptModel::gate_routing() const {
-  MoeRouting r;
-  r.experts = 1;
-  r.topk = 1;
-  r.score = MoeScoreFunction::sigmoid;
-  return r;
-}
+MoeRouting GptModel::gate_routing() const { return MoeRouting::make(1, 1, MoeScoreFunction::sigmoid); }
 
 // g = sigmoid(the kept gate logit) float32 [N, 1], in the workspace.
 Tensor GptModel::shared_gate_forward(const LayerParams& P, const LayerActs& A) {

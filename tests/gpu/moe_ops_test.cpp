@@ -22,18 +22,6 @@ double sq_norm(const std::vector<double>& v) {
 
 namespace {
 
-MoeRouting rule(int E, int k, MoeScoreFunction score, bool pre, float scaling, int groups, int group_topk) {
-  MoeRouting r;
-  r.experts = E;
-  r.topk = k;
-  r.score = score;
-  r.pre_softmax = pre;
-  r.scaling = scaling;
-  r.num_groups = groups;
-  r.group_topk = group_topk;
-  return r;
-}
-
 std::string describe(const MoeRouting& r) {
   std::string s = "E " + std::to_string(r.experts) + " k " + std::to_string(r.topk);
   s += r.score == MoeScoreFunction::sigmoid ? " sigmoid" : r.pre_softmax ? " softmax pre" : " softmax post";
@@ -45,15 +33,15 @@ std::string describe(const MoeRouting& r) {
 // The rules each (E, k) runs: the three score functions, scaling, and with E % 8 == 0 eight groups
 // of which 3 or 4 are kept (where they hold k experts).
 std::vector<MoeRouting> rules_for(int E, int k) {
-  std::vector<MoeRouting> rules = {rule(E, k, MoeScoreFunction::softmax, false, 0, 0, 0),
-                                   rule(E, k, MoeScoreFunction::softmax, true, 2.5f, 0, 0),
-                                   rule(E, k, MoeScoreFunction::sigmoid, false, 0, 0, 0)};
+  std::vector<MoeRouting> rules = {MoeRouting::make(E, k, MoeScoreFunction::softmax, false, 0, 0, 0),
+                                   MoeRouting::make(E, k, MoeScoreFunction::softmax, true, 2.5f, 0, 0),
+                                   MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, 0, 0, 0)};
   if (E % 8 == 0)
     for (int gk : {3, 4})
       if (gk * (E / 8) >= k) {
-        rules.push_back(rule(E, k, gk == 3 ? MoeScoreFunction::softmax : MoeScoreFunction::sigmoid, false,
+        rules.push_back(MoeRouting::make(E, k, gk == 3 ? MoeScoreFunction::softmax : MoeScoreFunction::sigmoid, false,
                              gk == 3 ? 0.0f : 1.5f, 8, gk));
-        if (gk == 4) rules.push_back(rule(E, k, MoeScoreFunction::softmax, true, 0, 8, gk));
+        if (gk == 4) rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, true, 0, 8, gk));
       }
   return rules;
 }
@@ -215,12 +203,12 @@ TEST_CASE("cuda moe_route refuses what its kernels cannot take", "[gpu][moe]") {
   Twin logits = twin(DType::bf16, {2, 600}, std::vector<double>(1200, 0.0));
   Twin probs = twin_nan(DType::f32, {2, 2}), idx = twin(DType::i32, {2, 2}, {0, 0, 0, 0});
   CHECK_THROWS_WITH(dev().moe_route(probs.c(), idx.c(), logits.c(), Tensor(),
-                                    rule(600, 2, MoeScoreFunction::softmax, false, 0, 0, 0)),
+                                    MoeRouting::make(600, 2, MoeScoreFunction::softmax, false, 0, 0, 0)),
                     Catch::Contains("at most 512") && Catch::Contains("--num-experts"));
   Twin l2 = twin(DType::bf16, {2, 64}, std::vector<double>(128, 0.0));
   Twin p2 = twin_nan(DType::f32, {2, 17}), i2 = twin(DType::i32, {2, 17}, std::vector<double>(34, 0.0));
   CHECK_THROWS_WITH(dev().moe_route(p2.c(), i2.c(), l2.c(), Tensor(),
-                                    rule(64, 17, MoeScoreFunction::softmax, false, 0, 0, 0)),
+                                    MoeRouting::make(64, 17, MoeScoreFunction::softmax, false, 0, 0, 0)),
                     Catch::Contains("at most 16") && Catch::Contains("--moe-router-topk"));
 }
 
@@ -233,7 +221,7 @@ TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log matc
           for (int k : {1, 2, 6, 8}) {
             if (k > E) continue;
             if (N == 20011 && (E != 160 || k != 6)) continue;  // many blocks: one shape
-            const MoeRouting r = rule(E, k, score, false, 0, 0, 0);
+            const MoeRouting r = MoeRouting::make(E, k, score, false, 0, 0, 0);
             INFO(dtype_name(dt) << " N " << N << " " << describe(r));
             Twin logits = twin(dt, {N, E}, rng.normal(N * E, 2.0));
             const std::vector<double> zr = download(ref(), logits.r());
