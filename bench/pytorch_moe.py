@@ -30,14 +30,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_reference import RMSNorm, apply_rope, gpu_energy_reader, print_kernel_profile, rope_tables  # noqa: E402
+from pytorch_reference import RMSNorm, apply_rope, print_kernel_profile, rope_tables, timed_result  # noqa: E402
 
 CONFIGS = {
     # name: layers, hidden, heads, groups, experts, top-k, expert ffn, seq, micro_batch, vocab
@@ -310,28 +309,9 @@ def run(name, iters, warmup, experts, profile_top=0):
         last_aux[0] = aux.detach()
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    energy = gpu_energy_reader()
-    e0 = energy() if energy else None
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        loss = step()
-    loss.item()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    joules = (energy() - e0) / iters if energy else None
-    tokens = c["b"] * c["s"]
-    flops = megatron_flops_per_iteration(c, c["b"])
-    result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
-                  tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
-                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss),
-                  load_balancing_loss=float(last_aux[0]) / AUX_LOSS_COEFF / c["L"],
+    result = timed_result(name, c, step, iters, warmup, megatron_flops_per_iteration(c, c["b"]))
+    result.update(load_balancing_loss=float(last_aux[0]) / AUX_LOSS_COEFF / c["L"],
                   experts="loop" if experts == "loop" else grouped_mm_op().__name__)
-    if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
-        result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
     if profile_top:
         print_kernel_profile(name, step, 3, profile_top)
     del model, opt, step_model

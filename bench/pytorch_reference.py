@@ -170,6 +170,31 @@ def gpu_energy_reader():
         return None
 
 
+def timed_result(name, c, step, iters, warmup, flops):
+    """warmup steps, then iters timed ones: the result line's fields (tokens/s, TFLOP/s from flops per
+    iteration, ms, peak memory, the last loss, and the GPU's energy where NVML reads it)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    energy = gpu_energy_reader()
+    e0 = energy() if energy else None
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = step()
+    loss.item()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    joules = (energy() - e0) / iters if energy else None
+    tokens = c["b"] * c["s"]
+    result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
+                  tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
+                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+    if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
+        result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
+    return result
+
+
 def run(name, iters, warmup, profile_top=0):
     c = CONFIGS[name]
     torch.manual_seed(1234)
@@ -189,26 +214,7 @@ def run(name, iters, warmup, profile_top=0):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    energy = gpu_energy_reader()
-    e0 = energy() if energy else None
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        loss = step()
-    loss.item()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    joules = (energy() - e0) / iters if energy else None
-    tokens = c["b"] * c["s"]
-    flops = megatron_flops_per_iteration(c, c["b"])
-    result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
-                  tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
-                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
-    if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
-        result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
+    result = timed_result(name, c, step, iters, warmup, megatron_flops_per_iteration(c, c["b"]))
     if profile_top:
         print_kernel_profile(name, step, 3, profile_top)
     del model, opt, step_model
