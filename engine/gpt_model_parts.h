@@ -26,7 +26,6 @@ struct GptModel::MoeActs {
   Tensor order, slot_of, offsets;  // the permutation int32 [Nk], [Nk], [E + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
   Tensor p_perm;                 // routing weights in permuted order float32 [Nk]
-  Tensor x_perm;                 // permuted expert inputs [Nk, h]
   Tensor fc1_pre;                // experts' fc1 output [Nk, fc1] (backward: its gradient)
   Tensor sh_fc1_pre;             // shared expert's fc1 output [N, fc1_sh] (backward: its gradient,
                                  // or with GeLU its activation)
@@ -102,8 +101,8 @@ struct GptModel::Workspace {
   // forward (split at once), the gated attention output (gATT's memory: the projection's input,
   // recomputed in backward) and the merged projection gradient gQKVG (after gATT is consumed).
   Tensor qkvg, gated, gQKVG;
-  // MoE layers: permuted rows [Nk, h] (fc2's output, backward: the gradients of fc2's output and
-  // of the permuted inputs), the experts' activation and its gradient [Nk, f_e], the shared
+  // MoE layers: permuted rows [Nk, h] (the permuted expert inputs, then fc2's output; backward: the
+  // gradient of fc2's output, the permuted inputs gathered again, the gradient of the inputs), the experts' activation and its gradient [Nk, f_e], the shared
   // expert's activation [N, f_sh], router gradients (logits' dtype [N, E]; float32 aux gradient
   // [N, E]; routing weights' gradient float32 [N, k], [Nk]).
   Tensor moe_rows, moe_act, moe_dact, moe_sh_act, moe_dlogits, moe_aux_grad, moe_dprobs, moe_dp_perm;

@@ -60,7 +60,6 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(E + 1), 0));
   M.host_offsets = moe_host_offsets_.back().get();
   M.p_perm = a.take(c, S, {Nk});
-  M.x_perm = a.take(c, T, {Nk, h});
   M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width_local()});
   if (d_.shared_ffn > 0) {
     M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width_local()});
@@ -141,7 +140,10 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   be_.copy_to_host(moe_off32_.data(), M.offsets);
   std::vector<int64_t>& offsets = *M.host_offsets;
   for (size_t e = 0; e < moe_off32_.size(); ++e) offsets[e] = moe_off32_[e];
-  be_.moe_gather_rows(M.x_perm, A.ln2_out, M.order, k);
+  // The permuted expert inputs [Nk, h], in the workspace (gathered again for the backward's weight
+  // gradient rather than kept: Nk * h per MoE layer).
+  const Tensor x_perm = w.moe_rows;
+  be_.moe_gather_rows(x_perm, A.ln2_out, M.order, k);
   be_.moe_gather_rows(M.p_perm.view({N * k, 1}), M.probs.view({N * k, 1}), M.order, 1);
 
   // Shared expert's fc1 and activation (the last reader of ln2's output, which may share the
@@ -154,7 +156,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   }
 
   // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs summed.
-  be_.grouped_linear_forward(M.fc1_pre, M.x_perm, P.ex_fc1_w, offsets);
+  be_.grouped_linear_forward(M.fc1_pre, x_perm, P.ex_fc1_w, offsets);
   if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
   else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
   be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);
@@ -250,7 +252,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor d_fc1 = d_.swiglu ? M.fc1_pre : w.moe_dact;
   if (d_.swiglu) be_.swiglu_backward(d_fc1, w.moe_dact, M.fc1_pre);
   else be_.activation_backward(d_fc1, w.moe_dact, M.fc1_pre, d_.ungated_mlp_activation());
-  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, M.x_perm, offsets, accumulate_weight_grad(G.ex_fc1_w));
+  be_.moe_gather_rows(w.moe_rows, A.ln2_out, M.order, k);  // the permuted inputs again (x_perm)
+  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, w.moe_rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
   be_.grouped_linear_backward_input(w.moe_rows, d_fc1, P.ex_fc1_w, offsets);   // d x_perm [Nk, h]
   be_.moe_combine(w.gT, w.moe_rows, M.slot_of, k, dx_started);
 
