@@ -157,11 +157,19 @@ void add_model_flags(FlagTable& t) {
   t.recognised("--v-head-dim", Arity::one, "INT", "128", "MLA value head dimension");
   t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth")
       .model_setting("mtp_num_layers", CheckpointTake::no);
+  t.recognised("--mtp-loss-scaling-factor", Arity::one, "FLOAT", "0.1", "multi-token-prediction loss weight");
+  t.recognised("--rotary-scaling-factor", Arity::one, "FLOAT", "1.0", "YaRN rotary scaling factor");
+  t.recognised("--mscale", Arity::one, "FLOAT", "1.0", "YaRN attention scale");
+  t.recognised("--mscale-all-dim", Arity::one, "FLOAT", "0.0", "YaRN attention scale over all dimensions");
+  t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
+  t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");
   t.flag("--fp32-residual-connection", "keep the residual stream in fp32 with --fp16 or --bf16",
          MT_FIELD(model.fp32_residual_connection));
   t.no_effect("--use-mcore-models", Arity::none, "megatrain builds Megatron-Core-style models only");
   t.no_effect("--transformer-impl", Arity::one, "megatrain runs its own kernels (CUDA, or the reference backend)",
               "transformer_engine");
+  t.no_effect("--use-transformer-engine-op-fuser", Arity::none,
+              "megatrain has no Transformer Engine: its own kernels fuse the linear layers' neighbouring ops");
   t.no_effect("--use-flash-attn", Arity::none, "megatrain's attention is always flash-style (it never stores the s x s matrix)");
   t.removed("--hybrid-attention-ratio", Arity::one, "--hybrid-attention-ratio was removed from Megatron-LM: drop it");
   t.removed("--hybrid-mlp-ratio", Arity::one, "--hybrid-mlp-ratio was removed from Megatron-LM: drop it");

@@ -196,6 +196,8 @@ void add_moe_flags(FlagTable& t) {
   t.flag("--moe-per-layer-logging", "per-layer MoE losses in TensorBoard", MT_FIELD(model.moe.per_layer_logging));
   t.flag("--moe-layer-recompute", "deprecated: --recompute-granularity selective --recompute-modules moe",
          MT_FIELD(model.moe.layer_recompute));
+  t.recognised("--overlap-moe-expert-parallel-comm", Arity::none, "", "off", "overlap expert-parallel communication");
+  t.recognised("--delay-wgrad-compute", Arity::none, "", "off", "delay weight-gradient GEMMs (EP overlap)");
   t.recognised("--moe-latent-size", Arity::one, "INT", "None", "latent projections around the experts");
   t.recognised("--moe-use-upcycling", Arity::none, "", "off", "turn a dense checkpoint into an MoE model");
   t.recognised("--moe-upcycling-granularity", Arity::one, "INT", "1", "expert size as a fraction of the dense FFN");
@@ -248,6 +250,8 @@ void add_fp8_flags(FlagTable& t) {
   t.recognised("--te-rng-tracker", Arity::none, "", "off", "Transformer Engine RNG tracker");
   t.recognised("--cuda-graph-impl", Arity::one, "{none,local,transformer_engine,full_iteration}", "none", "CUDA graphs");
   t.recognised("--enable-cuda-graph", Arity::none, "", "off", "deprecated: --cuda-graph-impl local");
+  t.recognised("--cuda-graph-modules", Arity::one_or_more, "STR [STR ...]", "None", "modules captured in CUDA graphs");
+  t.recognised("--cuda-graph-warmup-steps", Arity::one, "INT", "3", "steps before CUDA graph capture");
   t.recognised("--external-cuda-graph", Arity::none, "", "off", "deprecated: --cuda-graph-impl transformer_engine");
 }
 

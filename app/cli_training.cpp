@@ -95,6 +95,25 @@ void add_training_flags(FlagTable& t) {
                   MT_FIELD(train.check_for_nan_in_loss_and_grad));
   t.recognised("--check-for-spiky-loss", Arity::none, "", "off", "rerun-state-machine spiky-loss check");
   t.recognised("--check-for-large-grads", Arity::none, "", "off", "rerun-state-machine large-gradient check");
+  // Megatron-LM's rerun state machine (RerunStateMachineConfig), which megatrain does not have: its
+  // default validate_results and disabled are accepted with a note saying what megatrain does on an
+  // unexpected result; report_stats and error injection are refused (app/unsupported.cpp).
+  {
+    FlagSpec& s = t.no_effect("--rerun-mode", Arity::one,
+                              "megatrain has no rerun state machine: a NaN or Inf loss or gradient norm stops the run "
+                              "at once, naming the iteration (--check-for-nan-in-loss-and-grad), without re-running "
+                              "the iteration to tell a transient fault from a reproducible one",
+                              "validate_results");
+    s.metavar = "{disabled,validate_results,report_stats}";
+    s.apply = [](CliState&, const FlagValue& v) {
+      parse_choice_arg("--rerun-mode", v.one(), {"disabled", "validate_results", "report_stats"});
+    };
+  }
+  t.recognised("--error-injection-rate", Arity::one, "INT", "0", "rerun-state-machine error injection (1 in N)");
+  t.recognised("--error-injection-type", Arity::one, "{correct_result,transient_error,persistent_error}",
+               "transient_error", "rerun-state-machine injected error");
+  t.recognised("--fine-grained-activation-offloading", Arity::none, "", "off", "activation offloading to host memory");
+  t.recognised("--offload-modules", Arity::one_or_more, "STR [STR ...]", "None", "modules whose activations are offloaded");
   t.flag("--deterministic-mode", "deterministic kernels", MT_FIELD(train.deterministic_mode));
   t.value("--iterations-to-skip", "1-indexed iterations whose batch is consumed without an update",
           MT_FIELD(train.iterations_to_skip));

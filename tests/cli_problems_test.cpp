@@ -21,19 +21,19 @@ std::vector<std::string> all_flag_names() {
 
 TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli]") {
   const std::string e =
-      parse_error(small_gpt() + words("--mscale 1.0 --rerun-mode disabled --num-layer 3 --checkpoint-activations "
+      parse_error(small_gpt() + words("--dsa-indexer-topk 8 --muon-scale-mode x --num-layer 3 --checkpoint-activations "
                                       "--fp8-format e4m3 --fp8-recipe mxfp8 --use-sharp"));
   CHECK(e ==
         "6 problems with the command line:\n"
-        "  unrecognized argument --mscale\n"
-        "  unrecognized argument --rerun-mode\n"
+        "  unrecognized argument --dsa-indexer-topk\n"
+        "  unrecognized argument --muon-scale-mode\n"
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
         "  megatrain does not support --use-sharp yet\n"
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)");
   // Unknown flags among the problems: an Error; only unsupported flags: Unsupported.
-  CHECK_THROWS_AS(parse(small_gpt() + words("--mscale 1.0 --fp4-param-gather")), Error);
+  CHECK_THROWS_AS(parse(small_gpt() + words("--dsa-indexer-topk 8 --fp4-param-gather")), Error);
   bool unsupported = false;
   try {
     parse(small_gpt() + words("--fp4-param-gather --moe-use-upcycling"));
@@ -43,12 +43,12 @@ TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli
   }
   CHECK(unsupported);
   // A word after a known flag's value is still a stray argument of its own.
-  CHECK(parse_error(small_gpt() + words("--mscale 2 --lr 0.1 stray")) ==
+  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 2 --lr 0.1 stray")) ==
         "2 problems with the command line:\n"
-        "  unrecognized argument --mscale\n"
+        "  unrecognized argument --dsa-indexer-topk\n"
         "  unrecognized arguments: stray (a value containing spaces must be quoted as one argument)");
   // One problem: its line alone.
-  CHECK(parse_error(small_gpt() + words("--rerun-mode disabled")) == "unrecognized argument --rerun-mode");
+  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 8")) == "unrecognized argument --dsa-indexer-topk");
 }
 
 TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
@@ -62,15 +62,15 @@ TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
   CHECK(cli::closest("--no-bias-linear", names) == "--disable-bias-linear");
   CHECK(cli::closest("--tensor-parallel-size", names) == "--tensor-model-parallel-size");
   // Unrelated flags are not suggested, however close the nearest one happens to be.
-  CHECK(cli::closest("--rerun-mode", names).empty());  // nearest: --merge-file, 6 edits
-  CHECK(cli::closest("--mscale", names).empty());      // nearest: --save, 3 edits
+  CHECK(cli::closest("--dsa-indexer-topk", names).empty());
+  CHECK(cli::closest("--mup-base", names).empty());
   CHECK(cli::closest("--hidden", names).empty());
   CHECK(cli::closest("--foo", names).empty());
   CHECK(cli::near_miss_limit("--mscale") == 2);
   CHECK(cli::near_miss_limit("--tensor-parallel-size") == 6);
   CHECK_THAT(parse_error(small_gpt() + words("--hiden-size 64")),
              Contains("unrecognized argument --hiden-size (did you mean --hidden-size?)"));
-  CHECK(parse_error(small_gpt() + words("--mscale 1.0")) == "unrecognized argument --mscale");
+  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 8")) == "unrecognized argument --dsa-indexer-topk");
 }
 
 TEST_CASE("cli: --ckpt-assume-constant-structure is accepted with a note", "[cli]") {
@@ -80,4 +80,26 @@ TEST_CASE("cli: --ckpt-assume-constant-structure is accepted with a note", "[cli
                     "--ckpt-assume-constant-structure has no effect in megatrain: megatrain's checkpoint writer has "
                     "no save plan to reuse"));
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-assume-constant-structure=1")), Contains("takes no value"));
+}
+
+TEST_CASE("cli: --rerun-mode validate_results and disabled accepted with a note, report_stats and error injection refused",
+          "[cli]") {
+  for (const char* mode : {"validate_results", "disabled"}) {
+    std::vector<SetupMessage> ms;
+    CHECK_NOTHROW(parse(small_gpt() + words(std::string("--rerun-mode ") + mode), 1, &ms));
+    CHECK(has_message(ms, SetupMessage::Kind::note, "--rerun-mode has no effect in megatrain: megatrain has no rerun "
+                                                    "state machine"));
+  }
+  CHECK(parse_error(small_gpt() + words("--rerun-mode validate")) ==
+        "--rerun-mode must be one of disabled, validate_results, report_stats; got 'validate'");
+  CHECK(unsupported_error(small_gpt() + words("--rerun-mode report_stats")) ==
+        "megatrain does not support --rerun-mode report_stats yet (the rerun state machine)");
+  CHECK(unsupported_error(small_gpt() + words("--error-injection-rate 100 --error-injection-type persistent_error")) ==
+        "2 problems with the command line:\n"
+        "  megatrain does not support --error-injection-rate 100 yet (the rerun state machine)\n"
+        "  megatrain does not support --error-injection-type persistent_error yet (the rerun state machine)");
+  // Transformer Engine's op fuser: accepted with a note.
+  std::vector<SetupMessage> ms;
+  CHECK_NOTHROW(parse(small_gpt() + words("--use-transformer-engine-op-fuser"), 1, &ms));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--use-transformer-engine-op-fuser has no effect in megatrain"));
 }

@@ -76,6 +76,20 @@ inline std::string parse_error(const Args& args, int world = 1) {
   return "";
 }
 
+// The Unsupported error (a feature megatrain does not build yet) that parsing args raises.
+inline std::string unsupported_error(const Args& args, int world = 1) {
+  try {
+    parse(args, world);
+  } catch (const Unsupported& u) {
+    return u.what();
+  } catch (const Error& e) {
+    FAIL_CHECK("expected Unsupported, got: " << e.what());
+    return "";
+  }
+  FAIL_CHECK("expected Unsupported");
+  return "";
+}
+
 inline bool has_message(const std::vector<SetupMessage>& ms, SetupMessage::Kind kind, const std::string& text) {
   for (const auto& m : ms)
     if (m.kind == kind && m.text.find(text) != std::string::npos) return true;

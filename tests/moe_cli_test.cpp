@@ -59,18 +59,6 @@ void save_config(const TempDir& dir, const Config& saved) {
 
 json flag_value(const Config& c, const std::string& flag) { return cli::flag_table().find(flag)->value(c); }
 
-std::string unsupported_error(const Args& args, int world = 1) {
-  try {
-    parse(args, world);
-  } catch (const Unsupported& u) {
-    return u.what();
-  } catch (const Error& e) {
-    FAIL_CHECK("expected Unsupported, got: " << e.what());
-    return "";
-  }
-  FAIL_CHECK("expected Unsupported");
-  return "";
-}
 
 }  // namespace
 
