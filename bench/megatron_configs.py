@@ -59,12 +59,17 @@ def git_files(repo, pattern):
     return sorted(n for n in names if re.fullmatch(pattern, n))
 
 
+# Variables Megatron-LM's functional-test harness sets that are not paths: REPEAT numbers the
+# repetitions of a test (--seed ${REPEAT} in some configs).
+HARNESS_VALUES = {"REPEAT": "1"}
+
+
 def substitute(word, scratch, known=None):
-    """A shell variable becomes its value where the script sets one that is not a path, else a
-    folder under the scratch directory."""
+    """A shell variable becomes its value where the script (or the functional-test harness) sets one
+    that is not a path, else a folder under the scratch directory."""
     def value(m):
         name = m.group(1)
-        v = (known or {}).get(name)
+        v = (known or {}).get(name, HARNESS_VALUES.get(name))
         return v if v is not None and "/" not in v and "$" not in v else os.path.join(scratch, name.lower())
     return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}?", value, word)
 
