@@ -73,6 +73,10 @@ void megatron_moe_rules(CliState& st) {
       if (t == MoeLoadBalancing::sinkhorn)
         fail("--moe-expert-capacity-factor only works with aux_loss, seq_aux_loss, global_aux_loss or none load "
              "balancing (--moe-router-load-balancing-type sinkhorn)");
+  for (MoeLoadBalancing t : e.load_balancing_type)
+    if (t == MoeLoadBalancing::sinkhorn && e.aux_loss_coeff_of(t) != 0)
+      fail("--moe-router-load-balancing-type sinkhorn takes no aux loss: pass --moe-aux-loss-coeff 0 (Sinkhorn load "
+           "balancing does not support aux loss)");
   if (e.pad_expert_input_to_capacity && !e.expert_capacity_factor)
     fail("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (moe_expert_capacity_factor must be set "
          "to use moe_pad_expert_input_to_capacity)");
@@ -134,6 +138,10 @@ std::vector<std::string> not_built(const CliState& st) {
   if (c.model.add_bias_linear)
     out.push_back("megatrain does not support --num-experts with linear biases yet (MoE layers are built without "
                   "biases: pass --disable-bias-linear)");
+  if (e.load_balancing_type.size() > 1)
+    for (MoeLoadBalancing t : e.load_balancing_type)
+      if (t == MoeLoadBalancing::sinkhorn)
+        out.push_back("megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
   if (e.expert_capacity_factor)
     out.push_back(fmt::format("megatrain does not support --moe-expert-capacity-factor {} yet (token dropping; MoE "
                               "layers are dropless)", format_float(*e.expert_capacity_factor)));

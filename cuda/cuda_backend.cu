@@ -664,3 +664,52 @@ void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x,
 }
 
 }  // namespace mt
+
+#include "engine/moe_routing.h"
+
+namespace mt {
+
+// Sinkhorn load balancing on a host copy of the logits (engine/moe_routing.h; the same code as the
+// reference backend's, so both choose the same experts): the step waits for the logits, as it
+// already waits for the experts' row counts.
+void CudaBackend::moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
+                                     bool training) {
+  on_device("moe_sinkhorn_route", probs, idx, logits);
+  const int64_t N = logits.rows(), E = logits.cols();
+  if (topk < 1 || topk > E)
+    fail("moe_sinkhorn_route: top-k {} must be in [1, {}] (--moe-router-topk at most --num-experts)", topk, E);
+  MT_CHECK(probs.dtype == DType::f32 && probs.numel() == N * topk && idx.dtype == DType::i32 &&
+               idx.numel() == N * topk,
+           "moe_sinkhorn_route: probs float32 and idx int32 [{}, {}]", N, topk);
+  sinkhorn_raw_.resize(logits.nbytes());
+  copy_to_host(sinkhorn_raw_.data(), logits);
+  sinkhorn_z_.resize(static_cast<size_t>(N * E));
+  for (int64_t i = 0; i < N * E; ++i) {
+    const uint8_t* b = sinkhorn_raw_.data();
+    double v = 0;
+    switch (logits.dtype) {
+      case DType::f32: v = reinterpret_cast<const float*>(b)[i]; break;
+      case DType::bf16: v = bf16_bits_to_float(reinterpret_cast<const uint16_t*>(b)[i]); break;
+      case DType::f16: v = f16_bits_to_float(reinterpret_cast<const uint16_t*>(b)[i]); break;
+      default: fail("moe_sinkhorn_route: logits of dtype {}", dtype_name(logits.dtype));
+    }
+    sinkhorn_z_[static_cast<size_t>(i)] = v;
+  }
+  sinkhorn_p_.resize(static_cast<size_t>(N * topk));
+  sinkhorn_p32_.resize(static_cast<size_t>(N * topk));
+  sinkhorn_idx_.resize(static_cast<size_t>(N * topk));
+  const DType dt = logits.dtype;
+  moe_sinkhorn_route_host(sinkhorn_p_.data(), sinkhorn_idx_.data(), sinkhorn_z_.data(), N, static_cast<int>(E), topk,
+                          block_rows, training, [dt](double v) {
+                            const float f = static_cast<float>(v);
+                            if (dt == DType::bf16) return static_cast<double>(bf16_bits_to_float(float_to_bf16_bits(f)));
+                            if (dt == DType::f16) return static_cast<double>(f16_bits_to_float(float_to_f16_bits(f)));
+                            return static_cast<double>(f);
+                          });
+  for (size_t i = 0; i < sinkhorn_p_.size(); ++i) sinkhorn_p32_[i] = static_cast<float>(sinkhorn_p_[i]);
+  copy_from_host(probs, sinkhorn_p32_.data());
+  copy_from_host(idx, sinkhorn_idx_.data());
+  synchronize();  // (the staging is reused by the next call)
+}
+
+}  // namespace mt

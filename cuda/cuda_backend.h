@@ -111,6 +111,8 @@ class CudaBackend final : public Backend {
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
   void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) override;
+  void moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
+                          bool training) override;
   void moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,
                           const MoeRouting& r) override;
   void moe_aux_stats(Tensor stats, Tensor logits, const MoeRouting& r) override;
@@ -213,6 +215,11 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
   std::unique_ptr<cuda::GroupedGemm> grouped_;  // prepare_grouped_gemms
+  // moe_sinkhorn_route's host staging (sized at its first call).
+  std::vector<uint8_t> sinkhorn_raw_;
+  std::vector<double> sinkhorn_z_, sinkhorn_p_;
+  std::vector<float> sinkhorn_p32_;
+  std::vector<int32_t> sinkhorn_idx_;
   float* fp8_scale_slots_ = nullptr;  // [8]: slot 0 at [0], slot 1 at [4]
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;

@@ -409,6 +409,15 @@ class Backend {
   //   top-k: descending value; ties go to the lower expert index (slot j = 0 is the largest).
   // probs float32 [N, k], idx int32 [N, k].
   virtual void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) = 0;
+  // Sinkhorn load balancing (--moe-router-load-balancing-type sinkhorn, Megatron's
+  // sinkhorn_load_balancing): the weights are sigmoid(z) (k = 1) or softmax(z) over all E (k > 1) at
+  // the chosen experts, not renormalized, rounded to the logits' dtype (stored float32); the choice
+  // is, in training, the top-k of sinkhorn(z) computed over each block of block_rows rows (the rows
+  // one rank routes: engine/moe_routing.h has the iteration), in evaluation the top-k of the
+  // weights. Their backward is moe_route_backward's with a pre-softmax rule (k > 1) or a sigmoid
+  // rule (k = 1). probs float32 [N, k], idx int32 [N, k].
+  virtual void moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
+                                  bool training) = 0;
   // dlogits [N, E] (logits' dtype) = the gradient of the routing weights' function above w.r.t. the
   // logits, given dprobs float32 [N, k] (the selection is constant; values recomputed from logits),
   // plus aux_grad [N, E] (float32, optional: added before the single rounding to dlogits' dtype).

@@ -123,7 +123,10 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_group_topk = e.router_group_topk.value_or(0);
     d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss));
     d.moe_z_coeff = static_cast<float>(e.z_loss_coeff.value_or(0.0));
-    for (MoeLoadBalancing t : e.load_balancing_type) d.moe_log_aux |= t == MoeLoadBalancing::aux_loss;
+    for (MoeLoadBalancing t : e.load_balancing_type) {
+      d.moe_log_aux |= t == MoeLoadBalancing::aux_loss;
+      d.moe_sinkhorn |= t == MoeLoadBalancing::sinkhorn;
+    }
     d.moe_log_z = e.z_loss_coeff.has_value();
     if (e.router_dtype && *e.router_dtype != "fp32")
       throw Unsupported(fmt::format("--moe-router-dtype {} is not supported yet (fp32 is)", *e.router_dtype));

@@ -68,6 +68,9 @@ struct ModelDims {
   // --moe-router-dtype fp32: the gating GEMM and the routing in float32 whatever the compute dtype
   // (Megatron casts the router's input and weight to it).
   bool moe_router_fp32 = false;
+  // --moe-router-load-balancing-type sinkhorn: the experts chosen by Sinkhorn load balancing
+  // (Backend::moe_sinkhorn_route) instead of moe_route's rule.
+  bool moe_sinkhorn = false;
   std::vector<char> moe_layer;
   bool is_moe(int layer) const {
     return experts > 0 && layer >= 0 && static_cast<size_t>(layer) < moe_layer.size() && moe_layer[layer];

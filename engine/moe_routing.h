@@ -35,3 +35,78 @@ inline void check_moe_routing(const MoeRouting& r, int64_t experts, const char* 
 }
 
 }  // namespace mt
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace mt {
+
+// Sinkhorn load balancing (Backend::moe_sinkhorn_route) on host arrays: z [N, E] (the logits'
+// values), into probs [N, k] (each weight rounded to the logits' dtype by round_weight) and idx
+// [N, k]. Shared by both backends (the CUDA backend runs it on a host copy of the logits).
+template <typename Round>
+void moe_sinkhorn_route_host(double* probs, int32_t* idx, const double* z, int64_t N, int E, int k, int64_t block_rows,
+                             bool training, Round round_weight) {
+  MT_CHECK(block_rows > 0 && N % block_rows == 0, "sinkhorn: {} rows in blocks of {}", N, block_rows);
+  std::vector<double> key(static_cast<size_t>(N) * E), weight(static_cast<size_t>(N) * E);
+  // The weights: k = 1 sigmoid(z), else softmax(z) over all E (Megatron's _sinkhorn_activation).
+  for (int64_t t = 0; t < N; ++t) {
+    const double* row = z + t * E;
+    double* w = weight.data() + t * E;
+    if (k == 1) {
+      for (int e = 0; e < E; ++e) w[e] = 1.0 / (1.0 + std::exp(-row[e]));
+    } else {
+      double m = -INFINITY, sum = 0;
+      for (int e = 0; e < E; ++e) m = std::max(m, row[e]);
+      for (int e = 0; e < E; ++e) sum += std::exp(row[e] - m);
+      for (int e = 0; e < E; ++e) w[e] = std::exp(row[e] - m) / sum;
+    }
+  }
+  if (!training) {
+    key = weight;
+  } else {
+    // sinkhorn(z) per block of rows: C = exp(z); d0 = 1/(R (C d1 + 1e-8)), d1 = 1/(E (C^T d0 + 1e-8))
+    // until mean |d1 - d1_prev| < 1e-4 (Megatron's tolerance; at most 1000 rounds: never a hang),
+    // S = d1 * C * d0, whose top-k selects.
+    std::vector<double> d0(static_cast<size_t>(block_rows)), d1(static_cast<size_t>(E)), prev(static_cast<size_t>(E));
+    for (int64_t b = 0; b < N; b += block_rows) {
+      const int64_t R = block_rows;
+      std::fill(d1.begin(), d1.end(), 1.0);
+      for (int round = 0; round < 1000; ++round) {
+        prev = d1;
+        for (int64_t r = 0; r < R; ++r) {
+          double s = 0;
+          for (int e = 0; e < E; ++e) s += d1[e] * std::exp(z[(b + r) * E + e]);
+          d0[r] = 1.0 / (static_cast<double>(R) * (s + 1e-8));
+        }
+        for (int e = 0; e < E; ++e) {
+          double s = 0;
+          for (int64_t r = 0; r < R; ++r) s += d0[r] * std::exp(z[(b + r) * E + e]);
+          d1[e] = 1.0 / (static_cast<double>(E) * (s + 1e-8));
+        }
+        double err = 0;
+        for (int e = 0; e < E; ++e) err += std::fabs(d1[e] - prev[e]);
+        if (err / E < 1e-4) break;
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int e = 0; e < E; ++e)
+          key[(b + r) * E + e] = d1[e] * std::exp(z[(b + r) * E + e]) * d0[r];
+    }
+  }
+  // top-k of the keys: descending, ties to the lower expert; the weights at the chosen experts.
+  for (int64_t t = 0; t < N; ++t) {
+    const double* kr = key.data() + t * E;
+    std::vector<char> taken(static_cast<size_t>(E), 0);
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || kr[e] > kr[best])) best = e;
+      taken[best] = 1;
+      idx[t * k + j] = best;
+      probs[t * k + j] = round_weight(weight[t * E + best]);
+    }
+  }
+}
+
+}  // namespace mt

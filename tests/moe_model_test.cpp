@@ -173,6 +173,49 @@ TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing a
   }
 }
 
+TEST_CASE("MoE gradient check: Sinkhorn load balancing (top-2 softmax weights, top-1 sigmoid weight)",
+          "[moe][gradcheck]") {
+  for (const int k : {2, 1}) {
+    INFO("top-" << k);
+    Config c = tiny_moe_config(4, k);
+    c.model.moe.load_balancing_type = {MoeLoadBalancing::sinkhorn};
+    c.model.moe.aux_loss_coeff = {0.0};
+    c.model.moe.z_loss_coeff = 0.01;
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+}
+
+TEST_CASE("MoE: Sinkhorn balances the experts' loads, and evaluation routes by the weights", "[moe]") {
+  // The reference op on logits that favour expert 0 for every row: plain top-1 would send every
+  // row there; Sinkhorn's choice spreads them. Evaluation takes the top of the weights (expert 0).
+  auto be = make_reference_backend(1);
+  const int64_t N = 64, E = 4;
+  std::vector<float> z(static_cast<size_t>(N * E));
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t e = 0; e < E; ++e) z[static_cast<size_t>(t * E + e)] = (e == 0 ? 2.0f : 0.0f) + 0.3f * std::sin(t * 1.7f + e);
+  std::vector<float> p(static_cast<size_t>(N));
+  std::vector<int32_t> idx(static_cast<size_t>(N));
+  const Tensor tz(z.data(), DType::f32, Device::cpu, {N, E}), tp(p.data(), DType::f32, Device::cpu, {N, 1}),
+      ti(idx.data(), DType::i32, Device::cpu, {N, 1});
+  be->moe_sinkhorn_route(tp, ti, tz, 1, N, true);
+  std::vector<int> load(static_cast<size_t>(E), 0);
+  for (int32_t e : idx) ++load[static_cast<size_t>(e)];
+  for (int e = 0; e < E; ++e) CHECK(load[static_cast<size_t>(e)] >= N / E / 2);
+  for (int64_t t = 0; t < N; ++t)  // the weight: sigmoid of the chosen logit
+    CHECK(p[static_cast<size_t>(t)] == Approx(1.0 / (1.0 + std::exp(-z[static_cast<size_t>(t * E + idx[static_cast<size_t>(t)])]))));
+  be->moe_sinkhorn_route(tp, ti, tz, 1, N, false);
+  for (int32_t e : idx) CHECK(e == 0);
+  // Blocks of rows are balanced on their own: two blocks of 32 choose as each block alone does.
+  std::vector<int32_t> whole(static_cast<size_t>(N)), half(static_cast<size_t>(N / 2));
+  be->moe_sinkhorn_route(tp, ti, tz, 1, N / 2, true);
+  whole = idx;
+  const Tensor tz2(z.data() + (N / 2) * E, DType::f32, Device::cpu, {N / 2, E}),
+      tp2(p.data(), DType::f32, Device::cpu, {N / 2, 1}), ti2(half.data(), DType::i32, Device::cpu, {N / 2, 1});
+  be->moe_sinkhorn_route(tp2, ti2, tz2, 1, N / 2, true);
+  for (int64_t t = 0; t < N / 2; ++t) CHECK(whole[static_cast<size_t>(N / 2 + t)] == half[static_cast<size_t>(t)]);
+}
+
 TEST_CASE("MoE: one expert with top-1 routing is the dense MLP with the same weights", "[moe]") {
   // Pre-softmax over one expert gives every token the weight 1: the MoE layer is then the dense
   // SwiGLU MLP (the router gets no gradient). Same weights, same losses and gradients.

@@ -124,7 +124,10 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.cast(w.moe_w32, P.router_w);
     be_.linear_forward(M.logits, w.moe_x32, w.moe_w32, Tensor(), Activation::none, Tensor());
   }
-  be_.moe_route(M.probs, M.idx, M.logits, Tensor(), r);
+  if (d_.moe_sinkhorn)  // (each TP rank routes its own rows under SP, as Megatron's router does)
+    be_.moe_sinkhorn_route(M.probs, M.idx, M.logits, k, d_.tokens_local(), s.training);
+  else
+    be_.moe_route(M.probs, M.idx, M.logits, Tensor(), r);
   if (!M.stats.empty()) {
     be_.moe_aux_stats(M.stats, M.logits, r);
     if (s.training) {
@@ -268,7 +271,12 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.moe_aux_grad(w.moe_aux_grad, M.logits, M.stats, aux_scale, z_scale, r);
     aux_grad = w.moe_aux_grad;
   }
-  be_.moe_route_backward(w.moe_dlogits, w.moe_dprobs, M.logits, M.idx, aux_grad, r);
+  // (Sinkhorn's weights are the pre-softmax rule's, or the sigmoid rule's with top-1, at its choice.)
+  const MoeRouting weights_rule =
+      !d_.moe_sinkhorn ? r
+      : k == 1         ? MoeRouting::make(d_.experts, 1, MoeScoreFunction::sigmoid)
+                       : MoeRouting::make(d_.experts, k, MoeScoreFunction::softmax, /*pre_softmax=*/true);
+  be_.moe_route_backward(w.moe_dlogits, w.moe_dprobs, M.logits, M.idx, aux_grad, weights_rule);
 
   // The gating GEMMs' backward on this rank's rows (all rows without sequence parallelism): their
   // weight gradients (partial over TP with SP, summed by the grad-sync backward), and their input

@@ -11,6 +11,7 @@
 // number of threads).
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "engine/moe_routing.h"
 #include "engine/reference/reference_backend.h"
@@ -149,6 +150,23 @@ void ReferenceBackend::moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor
       }
     });
   });
+}
+
+void ReferenceBackend::moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
+                                          bool training) {
+  const char* op = "moe_sinkhorn_route";
+  const int64_t N = logits.rows(), E = logits.cols();
+  if (topk < 1 || topk > E) fail("{}: top-k {} must be in [1, {}] (--moe-router-topk at most --num-experts)", op, topk, E);
+  check_numel(probs, N * topk, op, "probs");
+  check_float_accumulator(probs, op, "probs");
+  check_indices(idx, N * topk, op, "idx");
+  const Floats fz(logits), fp(probs);
+  std::vector<double> z(static_cast<size_t>(N * E)), p(static_cast<size_t>(N * topk));
+  for (int64_t i = 0; i < N * E; ++i) z[static_cast<size_t>(i)] = fz.get(i);
+  const bool f32 = logits.dtype == DType::f32;
+  moe_sinkhorn_route_host(p.data(), idx.ptr<int32_t>(), z.data(), N, static_cast<int>(E), topk, block_rows, training,
+                          [f32](double v) { return f32 ? static_cast<double>(static_cast<float>(v)) : v; });
+  for (int64_t i = 0; i < N * topk; ++i) fp.set(i, p[static_cast<size_t>(i)]);
 }
 
 void ReferenceBackend::moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,

@@ -80,6 +80,8 @@ class ReferenceBackend final : public Backend {
   void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
   void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
   void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) override;
+  void moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
+                          bool training) override;
   void moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor logits, Tensor idx, Tensor aux_grad,
                           const MoeRouting& r) override;
   void moe_aux_stats(Tensor stats, Tensor logits, const MoeRouting& r) override;

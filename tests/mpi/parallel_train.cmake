@@ -233,3 +233,9 @@ megatrain_parallel_train_test(parallel_train_moe_tp2_sp --model "${moe_model}" 2
 megatrain_parallel_train_test(parallel_train_moe_tp2_sp_pp2_dp2_distopt --model "${moe_model} --moe-router-dtype fp32" 8
                               --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
                               --use-distributed-optimizer)
+# Sinkhorn load balancing (over each micro-batch's rows: the same under DP and PP; under TP with
+# SP each rank balances its own rows, as Megatron's router does, so TP changes the routing).
+megatrain_parallel_train_test(parallel_train_moe_sinkhorn_pp2_dp2 --model "--disable-bias-linear --swiglu \
+--normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
+--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0 --moe-z-loss-coeff 1e-3" 4
+                              --pipeline-model-parallel-size 2)
