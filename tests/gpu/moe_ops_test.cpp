@@ -422,3 +422,25 @@ TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward ma
         }
       }
 }
+
+TEST_CASE("cuda moe_sinkhorn_route equals the reference's choice and weights", "[gpu][moe]") {
+  Rng rng;
+  INFO("random seed " << rng.seed() << " (replay with MT_TEST_SEED=" << rng.seed() << ")");
+  for (const DType dt : {DType::f32, DType::bf16})
+    for (const int E : {2, 8})
+      for (const int k : {1, 2})
+        for (const bool training : {true, false}) {
+          const int64_t N = 96, block = training ? 48 : N;
+          INFO(dtype_name(dt) << " E " << E << " k " << k << (training ? " training" : " evaluation"));
+          Twin logits = twin(dt, {N, E}, rng.normal(N * E, 2.0));
+          Twin probs = twin_nan(DType::f32, {N, k});
+          Twin idx = twin(DType::i32, {N, k}, std::vector<double>(static_cast<size_t>(N * k), -1.0));
+          dev().moe_sinkhorn_route(probs.c(), idx.c(), logits.c(), k, block, training);
+          ref().moe_sinkhorn_route(probs.r(), idx.r(), logits.r(), k, block, training);
+          const std::vector<double> gi = download(dev(), idx.c()), ri = download(ref(), idx.r());
+          const std::vector<double> gp = download(dev(), probs.c()), rp = download(ref(), probs.r());
+          int64_t wrong = 0;
+          for (size_t i = 0; i < gi.size(); ++i) wrong += gi[i] != ri[i] || gp[i] != round_to(dt, rp[i]);
+          CHECK(wrong == 0);
+        }
+}
