@@ -636,8 +636,14 @@ void CudaBackend::prepare_grouped_gemms(int max_groups) {
   bytes_allocated_ += grouped_->device_bytes();
 }
 
+// Whether the grouped GEMM runner (prepare_grouped_gemms) takes an op of these experts; else the
+// Backend's per-expert defaults run it.
+bool CudaBackend::grouped_takes(std::span<const int64_t> offsets) const {
+  return grouped_ && static_cast<int>(offsets.size()) - 1 <= grouped_->max_groups();
+}
+
 void CudaBackend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
-  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+  if (!grouped_takes(offsets))
     return Backend::grouped_linear_forward(y, x, w, offsets);
   on_device("grouped_linear_forward", y, x, w);
   MT_PROFILE_OP("grouped_linear_forward {}x{}x{} ({} experts)", x.rows(), y.cols(), x.cols(), offsets.size() - 1);
@@ -645,7 +651,7 @@ void CudaBackend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span
 }
 
 void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
-  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+  if (!grouped_takes(offsets))
     return Backend::grouped_linear_backward_input(dx, dy, w, offsets);
   on_device("grouped_linear_backward_input", dx, dy, w);
   MT_PROFILE_OP("grouped_linear_backward_input {}x{}x{} ({} experts)", dy.rows(), dx.cols(), dy.cols(),
@@ -655,7 +661,7 @@ void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, 
 
 void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
                                                  bool accumulate) {
-  if (!grouped_ || static_cast<int>(offsets.size()) - 1 > grouped_->max_groups())
+  if (!grouped_takes(offsets))
     return Backend::grouped_linear_backward_weight(dw, dy, x, offsets, accumulate);
   on_device("grouped_linear_backward_weight", dw, dy, x);
   MT_PROFILE_OP("grouped_linear_backward_weight {}x{}x{} ({} experts){}", dw.rows(), dw.cols(), dy.rows(),
@@ -676,8 +682,7 @@ void CudaBackend::moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, in
                                      bool training) {
   on_device("moe_sinkhorn_route", probs, idx, logits);
   const int64_t N = logits.rows(), E = logits.cols();
-  if (topk < 1 || topk > E)
-    fail("moe_sinkhorn_route: top-k {} must be in [1, {}] (--moe-router-topk at most --num-experts)", topk, E);
+  check_sinkhorn_topk(topk, E);
   MT_CHECK(probs.dtype == DType::f32 && probs.numel() == N * topk && idx.dtype == DType::i32 &&
                idx.numel() == N * topk,
            "moe_sinkhorn_route: probs float32 and idx int32 [{}, {}]", N, topk);

@@ -215,6 +215,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
   std::unique_ptr<cuda::GroupedGemm> grouped_;  // prepare_grouped_gemms
+  bool grouped_takes(std::span<const int64_t> offsets) const;
   // moe_sinkhorn_route's host staging (sized at its first call).
   std::vector<uint8_t> sinkhorn_raw_;
   std::vector<double> sinkhorn_z_, sinkhorn_p_;

@@ -42,6 +42,12 @@ inline void check_moe_routing(const MoeRouting& r, int64_t experts, const char* 
 
 namespace mt {
 
+// Backend::moe_sinkhorn_route's top-k against the logits' E columns (both backends check it first).
+inline void check_sinkhorn_topk(int k, int64_t E) {
+  if (k < 1 || k > E)
+    fail("moe_sinkhorn_route: top-k {} must be in [1, {}] (--moe-router-topk at most --num-experts)", k, E);
+}
+
 // Sinkhorn load balancing (Backend::moe_sinkhorn_route) on host arrays: z [N, E] (the logits'
 // values), into probs [N, k] (each weight rounded to the logits' dtype by round_weight) and idx
 // [N, k]. Shared by both backends (the CUDA backend runs it on a host copy of the logits).

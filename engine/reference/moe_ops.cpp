@@ -156,7 +156,7 @@ void ReferenceBackend::moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logit
                                           bool training) {
   const char* op = "moe_sinkhorn_route";
   const int64_t N = logits.rows(), E = logits.cols();
-  if (topk < 1 || topk > E) fail("{}: top-k {} must be in [1, {}] (--moe-router-topk at most --num-experts)", op, topk, E);
+  check_sinkhorn_topk(topk, E);
   check_numel(probs, N * topk, op, "probs");
   check_float_accumulator(probs, op, "probs");
   check_indices(idx, N * topk, op, "idx");
