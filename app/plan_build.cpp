@@ -28,7 +28,8 @@ Plan make_plan(const Config& cfg) {
         s.chunks.push_back(c);
         s.num_layers += c.num_layers;
       }
-    s.params_per_rank = stage_parameters_per_rank(cfg.model, s.chunks, tp, pp);
+    s.params_per_rank = stage_parameters_per_rank(cfg.model, s.chunks, tp, pp,
+                                                  cfg.model.moe.enabled() ? cfg.parallel.expert_model_parallel_size : 1);
     s.memory = stage_memory(cfg, r);
     p.stages.push_back(std::move(s));
   }

@@ -40,7 +40,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--context-parallel-size", W::other_than, {"1"}, ""},
       {"--cp-comm-type", W::other_than, {"p2p"}, ""},
       {"--hierarchical-context-parallel-sizes", W::any_use, {}, ""},
-      {"--expert-model-parallel-size", W::other_than, {"1"}, "every rank holds all experts of its MoE layers", true},
       {"--expert-tensor-parallel-size", W::conditional, {}, "", false,
        "with --num-experts, values other than --tensor-model-parallel-size not supported yet"},
       // training (1.3)

@@ -145,6 +145,17 @@ std::vector<std::string> not_built(const CliState& st) {
   if (e.expert_capacity_factor)
     out.push_back(fmt::format("megatrain does not support --moe-expert-capacity-factor {} yet (token dropping; MoE "
                               "layers are dropless)", format_float(*e.expert_capacity_factor)));
+  const int ep = p.expert_model_parallel_size;
+  if (ep > 1) {
+    const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
+    if (instances > 1)
+      out.push_back(fmt::format("megatrain does not support --expert-model-parallel-size {} with "
+                                "--num-distributed-optimizer-instances {} yet", ep, instances));
+    if (p.use_tp_pp_dp_mapping && p.pipeline_model_parallel_size > 1)
+      out.push_back(fmt::format("megatrain does not support --expert-model-parallel-size {} with "
+                                "--use-tp-pp-dp-mapping and --pipeline-model-parallel-size {} yet (its expert-parallel "
+                                "groups would span pipeline stages)", ep, p.pipeline_model_parallel_size));
+  }
   return out;
 }
 
@@ -153,7 +164,15 @@ std::vector<std::string> not_built(const CliState& st) {
 void validate_moe(CliState& st) {
   megatron_moe_rules(st);
   const std::vector<std::string> refused = not_built(st);
-  if (refused.empty()) return;
+  if (refused.empty()) {
+    const MoeConfig& e = st.cfg.model.moe;
+    if (e.enabled() && st.cfg.parallel.expert_model_parallel_size > 1 && e.token_dispatcher_type != MoeDispatcher::allgather)
+      st.note(fmt::format("--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the {} expert-parallel "
+                          "ranks by all-gather and reduce-scatter (Megatron's allgather dispatcher: the same results, "
+                          "more traffic than an all-to-all, which megatrain does not have yet)",
+                          st.cfg.parallel.expert_model_parallel_size));
+    return;
+  }
   std::string msg = refused.front();
   if (refused.size() > 1) {
     msg = fmt::format("{} problems with the command line:", refused.size());

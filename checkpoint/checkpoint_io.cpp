@@ -43,9 +43,14 @@ std::string crc_hex(uint32_t c) { return fmt::format("{:08x}", c); }
 
 json slice_to_json(const ShardSlice& s) {
   const ShardIndex& b = s.block;
-  return json{{"global_rows", b.global_rows}, {"global_cols", b.global_cols}, {"row_offset", b.row_offset},
-              {"col_offset", b.col_offset},   {"local_rows", b.local_rows},   {"local_cols", b.local_cols},
-              {"chunks", b.chunks},           {"flat_begin", s.flat_begin},   {"flat_count", s.count()}};
+  json j{{"global_rows", b.global_rows}, {"global_cols", b.global_cols}, {"row_offset", b.row_offset},
+         {"col_offset", b.col_offset},   {"local_rows", b.local_rows},   {"local_cols", b.local_cols},
+         {"chunks", b.chunks},           {"flat_begin", s.flat_begin},   {"flat_count", s.count()}};
+  if (b.chunk_offset != 0 || b.chunk_count != 0) {  // (a block of some chunks: an expert-parallel rank's experts)
+    j["chunk_offset"] = b.chunk_offset;
+    j["chunk_count"] = b.chunk_count;
+  }
+  return j;
 }
 
 ShardSlice slice_from_json(const json& j) {
@@ -58,6 +63,8 @@ ShardSlice slice_from_json(const json& j) {
   b.local_rows = j.at("local_rows").get<int64_t>();
   b.local_cols = j.at("local_cols").get<int64_t>();
   b.chunks = j.at("chunks").get<int64_t>();
+  b.chunk_offset = j.value("chunk_offset", int64_t{0});
+  b.chunk_count = j.value("chunk_count", int64_t{0});
   s.flat_begin = j.at("flat_begin").get<int64_t>();
   s.flat_count = j.at("flat_count").get<int64_t>();
   return s;
@@ -67,14 +74,16 @@ ShardSlice slice_from_json(const json& j) {
 void check_slice(const ShardSlice& s, const std::string& what) {
   const ShardIndex& b = s.block;
   const bool ok = b.global_rows >= 0 && b.global_cols >= 0 && b.chunks >= 1 && b.global_rows % b.chunks == 0 &&
+                  b.chunk_offset >= 0 && b.chunk_count >= 0 && b.chunk_offset + b.local_chunks() <= b.chunks &&
+                  b.local_chunks() >= 1 &&
                   b.row_offset >= 0 && b.col_offset >= 0 && b.local_rows >= 0 && b.local_cols >= 0 &&
                   b.row_offset + b.local_rows <= b.global_rows / b.chunks &&
                   b.col_offset + b.local_cols <= b.global_cols && s.flat_begin >= 0 && s.count() >= 0 &&
                   s.flat_begin + s.count() <= b.local_numel();
   if (!ok)
-    fail("{}: invalid shard geometry (global {}x{}, rows {}+{}, cols {}+{}, chunks {}, flat {}+{})", what,
-         b.global_rows, b.global_cols, b.row_offset, b.local_rows, b.col_offset, b.local_cols, b.chunks,
-         s.flat_begin, s.count());
+    fail("{}: invalid shard geometry (global {}x{}, rows {}+{}, cols {}+{}, chunks {} (from {}, {} held), flat {}+{})",
+         what, b.global_rows, b.global_cols, b.row_offset, b.local_rows, b.col_offset, b.local_cols, b.chunks,
+         b.chunk_offset, b.local_chunks(), s.flat_begin, s.count());
 }
 
 // Copies `n` elements converting dtype: same dtype is a memcpy; float dtypes convert through
@@ -868,7 +877,8 @@ void CheckpointReader::read(const std::string& name, CheckpointKind kind, const 
   while (flat < flat_end) {
     const int64_t local_row = flat / wb.local_cols, col_in_block = flat % wb.local_cols;
     const int64_t len = std::min(wb.local_cols - col_in_block, flat_end - flat);
-    const int64_t grow = (local_row / wb.local_rows) * chunk_rows + wb.row_offset + local_row % wb.local_rows;
+    const int64_t grow =
+        (wb.chunk_offset + local_row / wb.local_rows) * chunk_rows + wb.row_offset + local_row % wb.local_rows;
     const int64_t gcol = wb.col_offset + col_in_block;
     const int64_t out_base = flat - wanted.flat_begin;
     covered.clear();
@@ -876,8 +886,8 @@ void CheckpointReader::read(const std::string& name, CheckpointKind kind, const 
       const ShardSlice& ps = src.shard->slice;
       const ShardIndex& pb = ps.block;
       const int64_t p_chunk_rows = pb.global_rows / pb.chunks;
-      const int64_t pc = grow / p_chunk_rows, rr = grow % p_chunk_rows;
-      if (rr < pb.row_offset || rr >= pb.row_offset + pb.local_rows) continue;
+      const int64_t pc = grow / p_chunk_rows - pb.chunk_offset, rr = grow % p_chunk_rows;  // (pc: held chunk)
+      if (pc < 0 || pc >= pb.local_chunks() || rr < pb.row_offset || rr >= pb.row_offset + pb.local_rows) continue;
       const int64_t c0 = std::max(gcol, pb.col_offset), c1 = std::min(gcol + len, pb.col_offset + pb.local_cols);
       if (c0 >= c1) continue;
       const int64_t prow = pc * pb.local_rows + rr - pb.row_offset;

@@ -35,7 +35,7 @@ namespace {
 void place_shard(HostArray& out, const ShardIndex& sh, const HostArray& piece) {
   const size_t elem = dtype_size(out.dtype);
   const size_t row_bytes = static_cast<size_t>(sh.local_cols) * elem;
-  for (int64_t r = 0; r < sh.local_rows * sh.chunks; ++r)
+  for (int64_t r = 0; r < sh.local_rows * sh.local_chunks(); ++r)
     std::memcpy(out.bytes.data() + static_cast<size_t>(shard_global_index(sh, r * sh.local_cols)) * elem,
                 piece.bytes.data() + static_cast<size_t>(r) * row_bytes, row_bytes);
 }

@@ -73,7 +73,7 @@ ShardIndex megatron_tp_shard(MegatronTpSplit split, const std::vector<int64_t>& 
 }
 
 std::vector<int64_t> megatron_shard_shape(const ShardIndex& shard, const std::vector<int64_t>& global_shape) {
-  std::vector<int64_t> shape = {shard.local_rows * shard.chunks};
+  std::vector<int64_t> shape = {shard.local_rows * shard.local_chunks()};
   if (global_shape.size() == 2) shape.push_back(shard.local_cols);
   return shape;
 }

@@ -408,10 +408,11 @@ void CudaBackend::moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float 
   MT_PROFILE_OP("moe_aux_log");
   cuda::moe_aux_log(context(), sums, stats, aux_scale, z_scale);
 }
-void CudaBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) {
+void CudaBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
+                                   int num_experts) {
   on_device("moe_permute_plan", order, slot_of, offsets, idx);
   MT_PROFILE_OP("moe_permute_plan {} pairs {} experts", idx.numel(), num_experts);
-  cuda::moe_permute_plan(context(), order, slot_of, offsets, idx, num_experts);
+  cuda::moe_permute_plan(context(), order, slot_of, offsets, idx, first_expert, num_experts);
 }
 void CudaBackend::moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) {
   on_device("moe_gather_rows", out, x, index);

@@ -119,7 +119,8 @@ class CudaBackend final : public Backend {
   void moe_aux_grad(Tensor aux_grad, Tensor logits, Tensor stats, float aux_scale, float z_scale,
                     const MoeRouting& r) override;
   void moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) override;
-  void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) override;
+  void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
+                        int num_experts) override;
   void moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) override;
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;

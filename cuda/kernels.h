@@ -206,7 +206,7 @@ void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_
 // A stable counting sort of the pairs by expert (per-chunk counts in scratch, no atomics). An
 // expert index outside [0, E) is left out: its slot_of is -1 and offsets[E] counts only the rest.
 void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Tensor offsets, Tensor idx,
-                      int num_experts);
+                      int first_expert, int num_experts);
 // Any dtype (rows move as bytes); an index outside x's rows zeroes its output row.
 void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor index, int k);
 // float32, bfloat16, float16 rows; a slot outside y's rows adds nothing.

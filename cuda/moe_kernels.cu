@@ -457,15 +457,15 @@ __global__ void moe_aux_log_kernel(float* sums, const float* stats, int E, float
 constexpr int kPlanWarps = 4;
 constexpr int kPlanScanThreads = 256;
 
-__device__ __forceinline__ int expert_of(const int32_t* idx, int64_t p, int64_t end, int E) {
+__device__ __forceinline__ int expert_of(const int32_t* idx, int64_t p, int64_t end, int first, int E) {
   if (p >= end) return -1;
-  const int e = idx[p];
+  const int e = idx[p] - first;
   return e >= 0 && e < E ? e : -1;
 }
 
 // Pass 1: hist[chunk * E + e] = the number of the chunk's pairs that go to expert e.
 __global__ void plan_count_kernel(int* hist, const int32_t* idx, int64_t pairs, int64_t chunk_size, int64_t chunks,
-                                  int E) {
+                                  int first, int E) {
   extern __shared__ int plan_counts[];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
@@ -475,7 +475,7 @@ __global__ void plan_count_kernel(int* hist, const int32_t* idx, int64_t pairs, 
   __syncwarp();
   const int64_t begin = chunk * chunk_size, end = std::min(pairs, begin + chunk_size);
   for (int64_t base = begin; base < end; base += kWarp) {
-    const int e = expert_of(idx, base + lane, end, E);
+    const int e = expert_of(idx, base + lane, end, first, E);
     const unsigned peers = __match_any_sync(kFull, e);
     if (e >= 0 && lane == __ffs(peers) - 1) count[e] += __popc(peers);
     __syncwarp();
@@ -520,9 +520,10 @@ __global__ void plan_offsets_kernel(int32_t* offsets, const int* totals, int E) 
 }
 
 // Pass 4: each chunk's pairs in order; pair p of expert e goes to offsets[e] + hist[chunk][e] +
-// (the chunk's earlier pairs of e). A pair with an expert outside [0, E) gets slot_of = -1.
+// (the chunk's earlier pairs of e). A pair with an expert outside [first, first + E) gets slot_of = -1.
 __global__ void plan_scatter_kernel(int32_t* order, int32_t* slot_of, const int* hist, const int32_t* offsets,
-                                    const int32_t* idx, int64_t pairs, int64_t chunk_size, int64_t chunks, int E) {
+                                    const int32_t* idx, int64_t pairs, int64_t chunk_size, int64_t chunks, int first,
+                                    int E) {
   extern __shared__ int plan_next[];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
@@ -534,7 +535,7 @@ __global__ void plan_scatter_kernel(int32_t* order, int32_t* slot_of, const int*
   const unsigned lower = (1u << lane) - 1u;
   for (int64_t base = begin; base < end; base += kWarp) {
     const int64_t p = base + lane;
-    const int e = expert_of(idx, p, end, E);
+    const int e = expert_of(idx, p, end, first, E);
     const unsigned peers = __match_any_sync(kFull, e);
     const int pos = e >= 0 ? next[e] + __popc(peers & lower) : -1;
     __syncwarp();
@@ -832,7 +833,7 @@ void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_
 }
 
 void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Tensor offsets, Tensor idx,
-                      int num_experts) {
+                      int first_expert, int num_experts) {
   const char* op = "moe_permute_plan";
   const int64_t M = idx.numel();
   const int E = num_experts;
@@ -866,7 +867,7 @@ void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Te
   const unsigned chunk_blocks = static_cast<unsigned>((chunks + kPlanWarps - 1) / kPlanWarps);
   const size_t smem = static_cast<size_t>(kPlanWarps) * E * sizeof(int);
   plan_count_kernel<<<chunk_blocks, kPlanWarps * kWarp, smem, ctx.stream>>>(hist, idx.ptr<const int32_t>(), M,
-                                                                           chunk_size, chunks, E);
+                                                                           chunk_size, chunks, first_expert, E);
   MT_CUDA_CHECK_LAUNCH();
   plan_chunk_scan_kernel<<<static_cast<unsigned>(E), kPlanScanThreads, 0, ctx.stream>>>(hist, totals, chunks, E);
   MT_CUDA_CHECK_LAUNCH();
@@ -874,7 +875,7 @@ void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Te
   MT_CUDA_CHECK_LAUNCH();
   plan_scatter_kernel<<<chunk_blocks, kPlanWarps * kWarp, smem, ctx.stream>>>(
       order.ptr<int32_t>(), slot_of.ptr<int32_t>(), hist, offsets.ptr<const int32_t>(), idx.ptr<const int32_t>(), M,
-      chunk_size, chunks, E);
+      chunk_size, chunks, first_expert, E);
   MT_CUDA_CHECK_LAUNCH();
 }
 

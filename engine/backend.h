@@ -435,16 +435,22 @@ class Backend {
   // sums float32 [2] += {aux_scale * sum_e stats[e] * stats[E + e], z_scale * stats[2E]}: the
   // logged losses, accumulated on the device (no host sync).
   virtual void moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) = 0;
-  // The permutation of the N * k (row, slot) pairs, expert-major, row ascending within an expert
-  // (Megatron's order): order[r] = t * k + j of the r-th permuted row, slot_of[t * k + j] = r (its
-  // inverse), offsets [E + 1]: the first permuted row of each expert (offsets[E] = N * k).
-  virtual void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) = 0;
+  // The permutation of the N * k (row, slot) pairs routed to experts [first_expert, first_expert +
+  // E) (all experts, or this rank's under expert parallelism), expert-major, row ascending within an
+  // expert (Megatron's order): order[r] = t * k + j of the r-th permuted row, slot_of[t * k + j] = r
+  // (its inverse), offsets [E + 1]: the first permuted row of each expert (offsets[E]: the pairs
+  // placed, N * k when every pair is routed inside the range). A pair routed outside the range is
+  // not placed: slot_of = -1; order past offsets[E] is left as it was.
+  virtual void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
+                                int num_experts) = 0;
   // out[r, :] = x[index[r] / k, :] for every row r of out (any dtype; out and x the same dtype and
-  // columns). Gathers the permuted tokens (index = order, k = topk), and with k = 1 any row gather
-  // (the routing weights in permuted order: index = order on probs viewed [N * k, 1]).
+  // columns); an index < 0 or past x's rows (a pair not placed) gives a zero row. Gathers the
+  // permuted tokens (index = order, k = topk), and with k = 1 any row gather (the routing weights in
+  // permuted order: index = order on probs viewed [N * k, 1]).
   virtual void moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) = 0;
   // out[t, :] (+)= sum_{j < k} y[slot_of[t * k + j], :], summed in float (j ascending), rounded
-  // once to out's dtype (with accumulate: added to out's value before that rounding). The
+  // once to out's dtype (with accumulate: added to out's value before that rounding); a slot < 0 or
+  // past y's rows (a pair not placed, routed to another rank's expert) adds nothing. The
   // un-permutation (combine) and the backward of moe_gather_rows.
   virtual void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) = 0;
   // out[r, :] = x[r, :] * p[r] (float product, rounded once to out's dtype); p float32 [R]. out may

@@ -24,7 +24,8 @@ struct Piece {
 void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& model, int tp_rank, bool decoupled_lr) {
   const std::vector<ParamDesc>& params = model.params();
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
-  int64_t norm_end = -1;
+  int64_t norm_end = -1, expert_norm_end = -1;
+  const bool expert_parallel = model.dims().ep_size > 1;
   for (const Piece& k : pieces) {
     const ParamDesc& p = params[static_cast<size_t>(k.param)];
     const int g = optim_group(p, decoupled_lr);
@@ -42,9 +43,12 @@ void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& mode
       r.update.push_back(OptimSegment{k.offset, k.numel, g});
     }
     if (!p.shared_copy && (!p.tp_duplicated || tp_rank == 0)) {
-      if (!r.norm.empty() && norm_end == k.offset) r.norm.back().count += k.numel;
-      else r.norm.push_back(OptimSegment{k.offset, k.numel, 0});
-      norm_end = k.offset + k.numel;
+      const bool expert = expert_parallel && p.expert;
+      std::vector<OptimSegment>& norm = expert ? r.expert_norm : r.norm;
+      int64_t& end = expert ? expert_norm_end : norm_end;
+      if (!norm.empty() && end == k.offset) norm.back().count += k.numel;
+      else norm.push_back(OptimSegment{k.offset, k.numel, 0});
+      end = k.offset + k.numel;
     }
   }
 }
@@ -99,8 +103,8 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
 
 // ---- parameter all-gather --------------------------------------------------------------------
 
-ParamGather::ParamGather(std::vector<GptModel*> chunks, Communicator& dp, bool overlap)
-    : chunks_(std::move(chunks)), dp_(dp), overlap_(overlap) {
+ParamGather::ParamGather(std::vector<GptModel*> chunks, Communicator& dp, Communicator* expert_dp, bool overlap)
+    : chunks_(std::move(chunks)), dp_(dp), expert_dp_(expert_dp), overlap_(overlap) {
   int marks = 0;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     first_mark_.push_back(marks);
@@ -130,7 +134,8 @@ void ParamGather::start() {
     for (int b = L.num_buckets() - 1; b >= 0; --b) {
       const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
       const Tensor whole = m.param_storage(k.offset, k.numel);  // FP8 buckets: FP8 bytes
-      dp_.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+      Communicator& group = L.is_expert_bucket(b) ? *expert_dp_ : dp_;
+      if (group.size() > 1) group.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
       if (overlap_) {
         be.record_comm_mark(first_mark_[c] + b);
         pending_[c][static_cast<size_t>(b)] = 1;

@@ -38,6 +38,9 @@ struct OptimRange {
   // norm segments cover exactly the parameters counted in the gradient norm: every parameter
   // once, TP-duplicated ones on TP rank 0 only, never the last stage's tied-embedding copy.
   std::vector<OptimSegment> update, norm;
+  // Under expert parallelism the routed experts' pieces count in expert_norm instead of norm: their
+  // squares are summed over the experts' groups (engine/optimizer.h), the others' over the dense ones.
+  std::vector<OptimSegment> expert_norm;
 };
 
 // The ranges of one chunk (the model's grad_layout() says whether it is sharded).
@@ -55,7 +58,8 @@ OptimViews optim_views(const GptModel& model, const OptimRange& r);
 // and each forward waits, before its first use of a bucket's parameters, for that bucket alone.
 class ParamGather {
  public:
-  ParamGather(std::vector<GptModel*> chunks, Communicator& dp, bool overlap);
+  // expert_dp: the group of the routed experts' buckets under expert parallelism (else null).
+  ParamGather(std::vector<GptModel*> chunks, Communicator& dp, Communicator* expert_dp, bool overlap);
   ~ParamGather();
   ParamGather(const ParamGather&) = delete;
   ParamGather& operator=(const ParamGather&) = delete;
@@ -70,6 +74,7 @@ class ParamGather {
 
   std::vector<GptModel*> chunks_;
   Communicator& dp_;
+  Communicator* expert_dp_;
   bool overlap_;
   std::vector<int> first_mark_;           // per chunk: the comm mark of its bucket 0
   std::vector<std::vector<char>> pending_;  // per chunk, per bucket: gathered but not yet waited for

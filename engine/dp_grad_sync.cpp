@@ -37,6 +37,23 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
       inter_ = own_inter_.get();
     }
   }
+  // The routed experts' buckets (expert parallelism): over the expert-DP group (of one rank when
+  // EP = DP: nothing to reduce).
+  bool experts = false;
+  for (GptModel* m : chunks_)
+    for (char e : m->grad_layout().expert_bucket) experts |= e != 0;
+  if (experts) {
+    MT_CHECK(ps.edp && !inter_, "expert buckets without an expert-DP group (or with optimizer instances)");
+    for (GptModel* m : chunks_)
+      MT_CHECK(m->grad_layout().expert_dp_rank == ps.edp_rank && m->options().expert_dp_size == ps.edp_size,
+               "model chunks planned for another expert-data-parallel layout");
+    ecomm_ = ps.edp.get();
+    if (reduce_ && be.comm_stream()) {
+      own_ecomm_ = ps.edp->split(0, ps.edp_rank, "expert_dp_grad");
+      own_ecomm_->set_stream(be.comm_stream());
+      ecomm_ = own_ecomm_.get();
+    }
+  }
   next_bucket_.assign(chunks_.size(), 0);
   if (reduce_ && overlap_)
     for (size_t c = 0; c < chunks_.size(); ++c)
@@ -67,13 +84,16 @@ void DpGradSync::launch(int chunk, int b) {
   const GradLayout& L = m.grad_layout();
   const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
   const Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);  // in the main grads' dtype
+  const bool expert = L.is_expert_bucket(b);
+  Communicator& group = expert ? *ecomm_ : *comm_;
+  if (expert && group.size() == 1) return;  // (EP = DP: nothing to reduce)
   be.comm_wait_for_compute();
   if (sharded_) {
     const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));
-    comm_->reduce_scatter(shard, g);
+    group.reduce_scatter(shard, g);
     if (inter_) inter_->all_reduce(shard);  // the same shard of every instance
   } else {
-    comm_->all_reduce(g);
+    group.all_reduce(g);
   }
 }
 

@@ -13,6 +13,10 @@
 //
 // The gradients are summed, not averaged: the optimizer folds 1/DP into its gradient scale (the
 // same arithmetic as Megatron's pre-division, without an extra pass over the buffer).
+//
+// Under expert parallelism the routed experts' buckets (GradLayout::is_expert_bucket) are reduced
+// over the expert-data-parallel group instead: each expert's gradient already holds the tokens of
+// every EP rank, so the sum over its replicas is the sum over all DP ranks, as for the others.
 #pragma once
 
 #include <memory>
@@ -38,6 +42,9 @@ class DpGradSync {
   // the distributed optimizer: its instance, ps.dist_opt_group()), on the backend's communication
   // stream where it has one.
   Communicator& comm() { return *comm_; }
+  // The same for the routed experts' buckets under expert parallelism (the expert-data-parallel
+  // group); null without expert parallelism.
+  Communicator* expert_comm() { return ecomm_; }
 
   void start_step();
   // Completes the step's reductions (see above). Once per step: later calls before the next
@@ -62,6 +69,8 @@ class DpGradSync {
   // --num-distributed-optimizer-instances > 1: the shards' all-reduce across the instances.
   std::unique_ptr<Communicator> own_inter_;
   Communicator* inter_ = nullptr;
+  std::unique_ptr<Communicator> own_ecomm_;  // the expert-DP group on the communication stream
+  Communicator* ecomm_ = nullptr;
   bool overlap_ = false, sharded_ = false, reduce_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
   bool finished_ = false;

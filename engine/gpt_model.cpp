@@ -124,7 +124,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   plan_grad_zeroing();
   fp8_.initialize(be_);
   if (fp8_.any()) be_.prepare_fp8_gemms();
-  if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts);
+  if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts_local());
   attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
@@ -192,8 +192,11 @@ void GptModel::plan_params() {
     MT_CHECK(opt_.shard_optimizer_state, "FP8 parameters (--fp8-param-gather) need the distributed optimizer");
     for (ParamDesc& p : descs_) p.fp8_storage = opt_.fp8.global_layer_fp8(p.layer) && gemm_of(p) >= 0;
   }
+  MT_CHECK((opt_.expert_dp_size > 0) == (d_.ep_size > 1), "expert-DP size {} with EP {}", opt_.expert_dp_size,
+           d_.ep_size);
   grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
-                                    d_.pipeline && d_.tied_embeddings, &total_elements_);
+                                    d_.pipeline && d_.tied_embeddings, &total_elements_,
+                                    ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank});
   const int n = static_cast<int>(descs_.size());
   layer_first_param_.assign(static_cast<size_t>(d_.stage_layers()), n);
   head_first_param_ = n;

@@ -61,6 +61,10 @@ struct ModelOptions {
   // (--use-distributed-optimizer) master weights and optimizer states hold only this DP rank's
   // shard of each bucket.
   int dp_size = 1, dp_rank = 0;
+  // Expert parallelism: the routed experts' weights (ParamDesc::expert) form a bucket region of
+  // their own, reduced and sharded over the expert-data-parallel group of this size (this rank's
+  // place in it: expert_dp_rank). 0: no such region (EP = 1).
+  int expert_dp_size = 0, expert_dp_rank = 0;
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
   // The main gradients' dtype: accum, or bf16 with --grad-reduce-in-bf16 (Megatron's grad buffer
@@ -364,6 +368,8 @@ class GptModel {
   void moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
   MoeRouting moe_routing() const;
   MoeRouting gate_routing() const;
+  int64_t moe_group_tokens() const;  // the expert-parallel group's tokens of a micro-batch (N x EP)
+  int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   DType router_dtype() const;
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH

@@ -18,15 +18,17 @@ struct GptModel::LayerParams {
   Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w, sh_gate_w;
 };
 
-// What an MoE layer keeps for backward (engine/blocks/moe.cpp). Nk = N * topk permuted rows.
+// What an MoE layer keeps for backward (engine/blocks/moe.cpp). Ng = N x EP: the tokens of the
+// expert-parallel group (N without EP); El = E / EP this rank's experts; R <= Rmax = Ng x min(k,
+// El) the (token, slot) pairs routed to them (Ng x k without EP).
 struct GptModel::MoeActs {
   Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
   Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
   Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss)
-  Tensor order, slot_of, offsets;  // the permutation int32 [Nk], [Nk], [E + 1]
+  Tensor order, slot_of, offsets;  // the permutation of the group's pairs int32 [Ng k], [Ng k], [El + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
-  Tensor p_perm;                 // routing weights in permuted order float32 [Nk]
-  Tensor fc1_pre;                // experts' fc1 output [Nk, fc1] (backward: its gradient)
+  Tensor p_perm;                 // routing weights in permuted order float32 [Rmax]
+  Tensor fc1_pre;                // experts' fc1 output [Rmax, fc1] (backward: its gradient)
   Tensor sh_fc1_pre;             // shared expert's fc1 output [N, fc1_sh] (backward: its gradient,
                                  // or with GeLU its activation)
   Tensor sh_out, sh_gate;        // gated shared expert: its output before the gate [N, h], gate logit [N, 1]
@@ -106,6 +108,11 @@ struct GptModel::Workspace {
   // expert's activation [N, f_sh], router gradients (logits' dtype [N, E]; float32 aux gradient
   // [N, E]; routing weights' gradient float32 [N, k], [Nk]).
   Tensor moe_rows, moe_act, moe_dact, moe_sh_act, moe_dlogits, moe_aux_grad, moe_dprobs, moe_dp_perm;
+  // Expert parallelism (engine/blocks/moe.cpp): the EP group's tokens [Ng, h] (the MoE input, then
+  // the output gradient), their experts' outputs before the reduce-scatter [Ng, h] (backward: the
+  // input gradient), routing weights float32 [Ng, k] and experts int32 [Ng, k] (backward: the
+  // weights' gradient), and this rank's tokens' input gradient [N, h] after the reduce-scatter.
+  Tensor moe_xg, moe_yg, moe_pg, moe_ig, moe_dxl;
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
   // (in backward also its input gradient) and weight [E, h] cast to float32.
   Tensor moe_x32, moe_w32;

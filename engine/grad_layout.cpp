@@ -8,7 +8,7 @@
 namespace mt {
 
 std::vector<ShardSegment> GradLayout::shard_segments(int b) const {
-  std::vector<ShardSegment> segs = plan.shard_segments(b, dp_rank);
+  std::vector<ShardSegment> segs = plan.shard_segments(b, bucket_rank(b));
   for (ShardSegment& s : segs) s.param = plan_param[static_cast<size_t>(s.param)];
   return segs;
 }
@@ -36,17 +36,21 @@ void append_region(GradBufferPlan& whole, const GradBufferPlan& region) {
 
 GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
                               std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
-                              int64_t* total_elements) {
+                              int64_t* total_elements, ExpertDpGroup experts) {
   MT_CHECK(dp_rank >= 0 && dp_rank < dp_size, "dp rank {} of {}", dp_rank, dp_size);
+  MT_CHECK(experts.size == 0 || (experts.rank >= 0 && experts.rank < experts.size), "expert-dp rank {} of {}",
+           experts.rank, experts.size);
   GradLayout g;
   g.dp_rank = dp_rank;
+  g.expert_dp_rank = experts.rank;
   g.sharded = sharded;
 
   // Backward order: runs of parameters of one layer (params() is in forward order, so a layer's
   // parameters are adjacent), last run first; in each run the TP-partial ones first. Per region:
-  // 0 the compute-dtype parameters, 1 the FP8 ones.
-  std::vector<GradParam> order[2];
-  std::vector<int> order_param[2];
+  // 0 the compute-dtype parameters, 1 the routed experts' (with an expert-DP group), 2 the FP8 ones.
+  constexpr int kRegions = 3, kExpertRegion = 1, kFp8Region = 2;
+  std::vector<GradParam> order[kRegions];
+  std::vector<int> order_param[kRegions];
   const int n = static_cast<int>(params.size());
   for (int end = n; end > 0;) {
     int begin = end - 1;
@@ -58,20 +62,25 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
         if (p.tp_partial_grad != (pass == 0)) continue;
         const bool tied_copy = pipeline && (p.name == "embedding.word_embeddings.weight" ||
                                             (p.name == "output_layer.weight" && p.shared_copy));
-        const int region = p.fp8_storage ? 1 : 0;
+        MT_CHECK(!(p.fp8_storage && p.expert && experts.size > 0), "FP8 expert weight {} under expert parallelism",
+                 p.name);
+        const int region = p.fp8_storage ? kFp8Region : (p.expert && experts.size > 0) ? kExpertRegion : 0;
         order[region].push_back(GradParam{p.name, p.numel(), tied_copy});
         order_param[region].push_back(i);
       }
     end = begin;
   }
   g.plan.dp_size = dp_size;
-  for (int region = 0; region < 2; ++region) {
-    if (region == 1) g.fp8_begin = g.plan.numel;
+  std::vector<size_t> region_buckets;  // per region in use: its first bucket
+  std::vector<char> expert_flag;       // per bucket
+  for (int region = 0; region < kRegions; ++region) {
+    if (region == kFp8Region) g.fp8_begin = g.plan.numel;
     if (order[region].empty()) continue;
-    append_region(g.plan, plan_grad_buffer(order[region], dp_size, bucket_size));
+    region_buckets.push_back(g.plan.buckets.size());
+    append_region(g.plan, plan_grad_buffer(order[region], region == kExpertRegion ? experts.size : dp_size, bucket_size));
+    expert_flag.resize(g.plan.buckets.size(), region == kExpertRegion ? 1 : 0);
     g.plan_param.insert(g.plan_param.end(), order_param[region].begin(), order_param[region].end());
   }
-  if (order[1].empty()) g.fp8_begin = g.plan.numel;
   for (size_t k = 0; k < g.plan_param.size(); ++k)
     params[static_cast<size_t>(g.plan_param[k])].offset = g.plan.params[k].offset;
   *total_elements = g.plan.numel;
@@ -81,20 +90,27 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
     for (int k : b.params) first = std::min(first, g.plan_param[static_cast<size_t>(k)]);
     return first;
   };
-  // With two regions, their buckets interleave in the order their gradients become final (the
+  // With several regions, their buckets interleave in the order their gradients become final (the
   // reductions' launch order: a bucket is final once the backward has passed its first parameter in
-  // forward order); each region keeps its own order.
-  if (!order[1].empty()) {
+  // forward order; on a tie the earlier region first); each region keeps its own order.
+  if (region_buckets.size() > 1) {
+    std::vector<size_t> next = region_buckets, end(region_buckets.begin() + 1, region_buckets.end());
+    end.push_back(g.plan.buckets.size());
     std::vector<GradBucket> merged;
-    const size_t n0 = static_cast<size_t>(g.plan.params[order[0].size()].bucket);  // region 0's buckets
-    size_t i = 0, j = n0;
-    while (i < n0 || j < g.plan.buckets.size()) {
-      const bool take0 = j == g.plan.buckets.size() ||
-                         (i < n0 && first_param(g.plan.buckets[i]) >= first_param(g.plan.buckets[j]));
-      merged.push_back(std::move(g.plan.buckets[take0 ? i++ : j++]));
+    std::vector<char> merged_flag;
+    while (merged.size() < g.plan.buckets.size()) {
+      size_t best = next.size();
+      for (size_t r = 0; r < next.size(); ++r)
+        if (next[r] < end[r] &&
+            (best == next.size() || first_param(g.plan.buckets[next[r]]) > first_param(g.plan.buckets[next[best]])))
+          best = r;
+      merged_flag.push_back(expert_flag[next[best]]);
+      merged.push_back(std::move(g.plan.buckets[next[best]++]));
     }
     g.plan.buckets = std::move(merged);
+    expert_flag = std::move(merged_flag);
   }
+  g.expert_bucket = std::move(expert_flag);
   for (size_t b = 0; b < g.plan.buckets.size(); ++b) {
     for (int k : g.plan.buckets[b].params) g.plan.params[static_cast<size_t>(k)].bucket = static_cast<int>(b);
     g.bucket_first_param.push_back(first_param(g.plan.buckets[b]));

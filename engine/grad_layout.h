@@ -15,6 +15,11 @@
 // never mixes the two, so each bucket's parameter all-gather moves one dtype. Buckets are numbered
 // in the order their gradients become final across both regions (the order the reductions are
 // launched in), so bucket b no longer need lie before bucket b + 1 in the buffer.
+//
+// Under expert parallelism the routed experts' weights (ParamDesc::expert) likewise form a region
+// of their own, before the FP8 one: their buckets are reduced, and with the distributed optimizer
+// sharded, over the expert-data-parallel group (GradBucket::shards = its size; this rank's shard
+// is its expert-DP rank's), the other buckets over the whole DP group.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +37,8 @@ struct GradLayout {
   std::vector<int> plan_param;          // plan parameter k -> index into the model's params()
   std::vector<int> bucket_first_param;  // per bucket: its smallest params() index
   int dp_rank = 0;
+  int expert_dp_rank = 0;
+  std::vector<char> expert_bucket;  // per bucket: the routed experts' region (expert parallelism)
   // Distributed optimizer: master weights and optimizer states hold only this rank's shard of
   // every bucket, one after the other.
   bool sharded = false;
@@ -40,12 +47,20 @@ struct GradLayout {
   int64_t fp8_begin = 0;              // first element of the FP8 region (plan.numel: none)
 
   bool fp8_bucket(int b) const { return plan.buckets[static_cast<size_t>(b)].offset >= fp8_begin; }
+  bool is_expert_bucket(int b) const { return expert_bucket[static_cast<size_t>(b)] != 0; }
+  int bucket_rank(int b) const { return is_expert_bucket(b) ? expert_dp_rank : dp_rank; }  // in its group
 
   int num_buckets() const { return static_cast<int>(plan.buckets.size()); }
-  int64_t shard_offset(int b) const { return plan.shard_offset(b, dp_rank); }  // in the flat buffers
+  int64_t shard_offset(int b) const { return plan.shard_offset(b, bucket_rank(b)); }  // in the flat buffers
   int64_t shard_numel(int b) const { return plan.shard_numel(b); }
   // The parameter pieces of this rank's shard of bucket b, with param = params() index.
   std::vector<ShardSegment> shard_segments(int b) const;
+};
+
+// The expert-data-parallel group of the routed experts' region: size 0 (no region: the experts'
+// weights are bucketed with the others), or its size and this rank's place in it.
+struct ExpertDpGroup {
+  int size = 0, rank = 0;
 };
 
 // Assigns every ParamDesc::offset from the bucket plan and returns it; *total_elements becomes the
@@ -53,7 +68,7 @@ struct GradLayout {
 // between the first and last pipeline stage get a bucket of their own (pipeline true).
 GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
                               std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
-                              int64_t* total_elements);
+                              int64_t* total_elements, ExpertDpGroup experts = {});
 
 // Contiguous ranges [offset, offset + count) of the flat buffers that hold all parameters with
 // tp_partial_grad of one layer (layer -1: the final norm), padding between them included (it holds

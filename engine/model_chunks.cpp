@@ -32,6 +32,7 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
                                          std::make_pair(c.first_layer, c.first_layer + c.num_layers));
     d.first_stage = c.has_embedding;
     d.last_stage = c.has_output;
+    d.ep_rank = r.dp_rank % d.ep_size;  // (EP spans consecutive DP ranks: parallel/parallel_state.h)
     dims.push_back(d);
     int64_t total = 0;
     for (const ParamDesc& p : build_param_descs(dims.back(), &total)) params += p.numel();
@@ -49,6 +50,10 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
     o.dp_size = r.dp_size / instances;
     o.dp_rank = r.dp_rank % o.dp_size;
+    if (dims[c].ep_size > 1) {  // (with one optimizer instance: checked by the parser)
+      o.expert_dp_size = r.dp_size / dims[c].ep_size;
+      o.expert_dp_rank = r.dp_rank / dims[c].ep_size;
+    }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps

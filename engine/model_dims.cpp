@@ -9,7 +9,10 @@ namespace mt {
 
 ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
                                  std::optional<std::pair<int, int>> layer_range) {
-  return from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
+  ModelDims d = from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
+  MT_CHECK(ps.ep_size == d.ep_size, "EP size {} in the parallel state, {} in the model", ps.ep_size, d.ep_size);
+  d.ep_rank = ps.ep_rank;
+  return d;
 }
 
 ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
@@ -110,6 +113,9 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;
     d.topk = e.router_topk;
+    d.ep_size = cfg.parallel.expert_model_parallel_size;
+    if (d.ep_size < 1 || d.experts % d.ep_size)
+      fail("--num-experts {} is not a multiple of --expert-model-parallel-size {}", d.experts, d.ep_size);
     d.expert_ffn = e.expert_ffn ? e.expert_ffn : e.ffn_hidden_size.value_or(d.ffn);
     d.shared_ffn = e.shared_expert_intermediate_size.value_or(0);
     d.shared_gate = e.shared_expert_gate;

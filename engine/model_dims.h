@@ -80,6 +80,11 @@ struct ModelDims {
       if (is_moe(l)) return true;
     return false;
   }
+  // Expert parallelism (--expert-model-parallel-size): this rank holds experts [expert_begin(),
+  // expert_begin() + experts_local()) of every MoE layer; ep_rank is its place in the EP group.
+  int ep_size = 1, ep_rank = 0;
+  int experts_local() const { return experts / ep_size; }
+  int expert_begin() const { return ep_rank * experts_local(); }
   int expert_fc1_width() const { return (swiglu ? 2 : 1) * expert_ffn; }
   int shared_fc1_width() const { return (swiglu ? 2 : 1) * shared_ffn; }
   // Per TP rank (the experts and the shared expert split over TP as the dense MLP is).

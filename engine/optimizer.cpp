@@ -9,8 +9,12 @@ namespace mt {
 
 namespace {
 // Layout of GptModel::scalars() during a step: the loss sums and the MoE losses' sums (reduced
-// over DP and PP together), then the gradient statistics.
-enum Scalar { kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kCount = 6 };
+// over DP and PP together), then the gradient statistics: of the dense parameters, and under
+// expert parallelism of the routed experts (reduced over their own groups).
+enum Scalar {
+  kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kExpertSumSq = 6, kExpertZeros = 7,
+  kCount = 8
+};
 }  // namespace
 
 Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
@@ -29,12 +33,13 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
       be_.register_optim_segments(r.update);
       be_.register_optim_segments(r.norm);
+      be_.register_optim_segments(r.expert_norm);
       ranges_.push_back(std::move(r));
     }
   }
   grad_sync_ = std::make_unique<DpGradSync>(cfg, ps, chunks_);
   if (sharded_ && ps.dist_opt_size() > 1)
-    param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(),
+    param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(), grad_sync_->expert_comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   const double lr = t.lr.value_or(0.0);
   max_lr_[kDecay] = max_lr_[kNoDecay] = lr;
@@ -109,17 +114,18 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
         be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
     ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 4));
     for (const OptimRange& r : ranges_) {
-      if (r.norm.empty()) continue;  // (an empty list would mean the whole tensor)
       const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
-      be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
+      // (An empty list would mean the whole tensor.)
+      if (!r.norm.empty()) be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
+      if (!r.expert_norm.empty()) be_.sum_squares(scalars.flat_slice(kExpertSumSq, 1), g, r.expert_norm, true);
     }
   }
   if (cfg_.logging.log_num_zeros_in_grad) {
     const ScopedTimer timed(timer, "optimizer-count-zeros");
     for (const OptimRange& r : ranges_) {
-      if (r.norm.empty()) continue;
       const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
-      be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
+      if (!r.norm.empty()) be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
+      if (!r.expert_norm.empty()) be_.count_zeros(scalars.flat_slice(kExpertZeros, 1), g, r.expert_norm, true);
     }
   }
   {
@@ -128,6 +134,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     // (Over its instance: --num-distributed-optimizer-instances gives every instance all shards.)
     if (sharded_) ps_.dist_opt_group().all_reduce(scalars.flat_slice(kGradSumSq, 2));
     ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
+    reduce_expert_statistics(scalars.flat_slice(kExpertSumSq, 2));
     // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
     if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 4));
     read_scalars(host, kCount);
@@ -153,7 +160,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   double inv = 1.0 / scaler_.scale();
   if (t.calculate_per_token_loss) inv /= std::max(1.0, out.tokens);
   else inv /= ps_.dp_size;
-  const double sumsq = host[kGradSumSq];
+  const double sumsq = host[kGradSumSq] + host[kExpertSumSq];
   const bool finite = std::isfinite(sumsq);
   if (scaler_.checks_overflow()) {
     scaler_.update(!finite);
@@ -175,7 +182,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   } else {
     out.grad_norm = 0.0;  // Megatron reports 0 without clipping
   }
-  if (cfg_.logging.log_num_zeros_in_grad) out.num_zeros = static_cast<int64_t>(host[kZeros]);
+  if (cfg_.logging.log_num_zeros_in_grad) out.num_zeros = static_cast<int64_t>(host[kZeros] + host[kExpertZeros]);
 
   const OptimStepParams p = step_params(inv * clip);
   {
@@ -234,20 +241,31 @@ void Optimizer::rescale_fp8_params() {
   if (any) cast_fp8_params();
 }
 
+// Under expert parallelism: the routed experts' sums of this rank's pieces, over the experts'
+// shards (distributed optimizer: the expert-DP group), then over the experts' model-parallel group
+// (tp x ep x pp: every expert once). Nothing to do without it (the slots hold zeros).
+void Optimizer::reduce_expert_statistics(Tensor sums) {
+  if (!ps_.expert_model_parallel) return;
+  if (sharded_) ps_.edp->all_reduce(sums);
+  ps_.expert_model_parallel->all_reduce(sums);
+}
+
 double Optimizer::params_norm() {
-  const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 1);
+  const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 2);  // dense, experts
   be_.fill(s, 0.0);
   for (const OptimRange& r : ranges_) {
-    if (r.norm.empty()) continue;
     // (Master weights kept as int16 remainders: the norm of their bf16 parameters, within 2^-9.)
     const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-    be_.sum_squares(s, v.master.dtype == DType::i16 ? v.model_copy : v.master, r.norm, true);
+    const Tensor w = v.master.dtype == DType::i16 ? v.model_copy : v.master;
+    if (!r.norm.empty()) be_.sum_squares(s.flat_slice(0, 1), w, r.norm, true);
+    if (!r.expert_norm.empty()) be_.sum_squares(s.flat_slice(1, 1), w, r.expert_norm, true);
   }
-  if (sharded_) ps_.dist_opt_group().all_reduce(s);
-  ps_.model_parallel->all_reduce(s);
-  double v[kCount + 1];
-  read_scalars(v, kCount + 1);
-  return std::sqrt(v[kCount]);
+  if (sharded_) ps_.dist_opt_group().all_reduce(s.flat_slice(0, 1));
+  ps_.model_parallel->all_reduce(s.flat_slice(0, 1));
+  reduce_expert_statistics(s.flat_slice(1, 1));
+  double v[kCount + 2];
+  read_scalars(v, kCount + 2);
+  return std::sqrt(v[kCount] + v[kCount + 1]);
 }
 
 }  // namespace mt

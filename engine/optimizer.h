@@ -98,6 +98,7 @@ class Optimizer {
   // again with them (the update's own cast used the previous step's scales).
   void rescale_fp8_params();
   double read_scalars(double* host, int count);
+  void reduce_expert_statistics(Tensor sums);
 
   const Config& cfg_;
   std::vector<GptModel*> chunks_;

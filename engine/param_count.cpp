@@ -14,12 +14,14 @@ int64_t LayerParamCounts::total() const {
          shared_fc1_weight + shared_fc2_weight + shared_gate_weight;
 }
 
-int64_t LayerParamCounts::per_tp_rank(int tp) const {
+int64_t LayerParamCounts::per_tp_rank(int tp, int ep) const {
   const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight +
-                          experts_fc1_weight + experts_fc2_weight + shared_fc1_weight + shared_fc2_weight;
+                          shared_fc1_weight + shared_fc2_weight;
+  const int64_t experts = experts_fc1_weight + experts_fc2_weight;  // split over TP x EP
   const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight;
-  MT_CHECK(sharded % tp == 0, "layer parameters {} not divisible by TP {}", sharded, tp);
-  return sharded / tp + replicated;
+  MT_CHECK(sharded % tp == 0 && experts % (int64_t{tp} * ep) == 0,
+           "layer parameters {} (experts {}) not divisible by TP {} (x EP {})", sharded, experts, tp, ep);
+  return sharded / tp + experts / (int64_t{tp} * ep) + replicated;
 }
 
 std::vector<char> moe_layer_map(const ModelConfig& m) {
@@ -99,7 +101,8 @@ ParamCounts count_parameters(const ModelConfig& m) {
   return c;
 }
 
-int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelChunk>& chunks, int tp, int pp) {
+int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelChunk>& chunks, int tp, int pp,
+                                  int ep) {
   const ParamCounts c = count_parameters(m);
   MT_CHECK(c.word_embeddings % tp == 0, "padded vocabulary rows not divisible by TP {}", tp);
   const int64_t vocab_shard = c.word_embeddings / tp;
@@ -107,7 +110,7 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
   const std::vector<char> moe = moe_layer_map(m);
   for (const ModelChunk& ch : chunks) {
     for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers; ++l)
-      n += (moe.at(static_cast<size_t>(l)) ? c.moe_layer : c.layer).per_tp_rank(tp);
+      n += (moe.at(static_cast<size_t>(l)) ? c.moe_layer : c.layer).per_tp_rank(tp, ep);
     if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
     if (ch.has_output) {
       n += c.final_norm;

@@ -38,8 +38,8 @@ struct LayerParamCounts {
   // The part of a layer one TP rank holds (column-parallel weights and biases / tp, row-parallel
   // weights / tp, replicated norms, router, shared-expert gate and row-parallel biases whole).
   // The experts are split over the expert tensor-parallel ranks, which megatrain keeps equal to TP,
-  // with one expert-parallel rank.
-  int64_t per_tp_rank(int tp) const;
+  // and the ep expert-parallel ranks.
+  int64_t per_tp_rank(int tp, int ep = 1) const;
 };
 
 struct ParamCounts {
@@ -67,7 +67,9 @@ std::vector<char> moe_layer_map(const ModelConfig& model);
 int expert_ffn_size(const ModelConfig& model);
 
 // Parameters held by one rank of a pipeline stage with the given chunks, at tensor-parallel size
-// tp, in a pipeline of pp stages (every TP rank of a stage holds the same count).
-int64_t stage_parameters_per_rank(const ModelConfig& model, const std::vector<ModelChunk>& chunks, int tp, int pp);
+// tp, in a pipeline of pp stages, with ep expert-parallel ranks (every TP and EP rank of a stage
+// holds the same count).
+int64_t stage_parameters_per_rank(const ModelConfig& model, const std::vector<ModelChunk>& chunks, int tp, int pp,
+                                  int ep = 1);
 
 }  // namespace mt

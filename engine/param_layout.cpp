@@ -63,16 +63,25 @@ struct Builder {
   // pre-MLP norm, the router, the experts' fc1 and fc2 stacked along their rows (expert e owns
   // rows [e * rows, (e+1) * rows) of its layer's weight, gate and up halves per expert with
   // SwiGLU), and the shared expert (a dense MLP, optionally gated).
+  //
+  // Under expert parallelism a rank holds experts [expert_begin, + experts_local): the fc1 chunks
+  // (gate, up) of those experts, TP-split inside each, and the fc2 rows of those experts.
   void moe_layer(const std::string& p, int l) {
     const int64_t h = d.hidden, E = d.experts, fe = d.expert_ffn, fc1 = d.expert_fc1_width();
-    const int64_t halves = d.swiglu ? 2 : 1;
+    const int64_t halves = d.swiglu ? 2 : 1, El = d.experts_local(), e0 = d.expert_begin();
     norm(p, "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", h, l, d.sequence_parallel);
     add(p + "mlp.router.weight", {E, h}, whole(E, h), InitKind::normal, d.init_std, true, l).tp_partial_grad =
         d.sequence_parallel;
-    add(p + "mlp.experts.linear_fc1.weight", {E * fc1, h}, rows(E * fc1, h, E * halves), InitKind::normal,
-        d.init_std, false, l);
-    add(p + "mlp.experts.linear_fc2.weight", {E * h, fe}, cols(E * h, fe), InitKind::normal, d.output_init_std, false,
-        l);
+    ShardIndex fc1_block = rows(E * fc1, h, E * halves);
+    fc1_block.chunk_offset = e0 * halves;
+    fc1_block.chunk_count = El * halves;
+    add(p + "mlp.experts.linear_fc1.weight", {E * fc1, h}, fc1_block, InitKind::normal, d.init_std, false, l).expert =
+        true;
+    ShardIndex fc2_block = cols(E * h, fe);
+    fc2_block.row_offset = e0 * h;
+    fc2_block.local_rows = El * h;
+    add(p + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2_block, InitKind::normal, d.output_init_std, false, l)
+        .expert = true;
     if (d.shared_ffn > 0) {
       const int64_t fs = d.shared_ffn, fc1s = d.shared_fc1_width();
       add(p + "mlp.shared_experts.linear_fc1.weight", {fc1s, h}, rows(fc1s, h, halves), InitKind::normal, d.init_std,

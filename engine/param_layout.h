@@ -37,10 +37,13 @@ struct ParamDesc {
   // --fp8-param-gather: a linear weight of an FP8 layer, kept only as FP8 (the model's FP8
   // parameter buffer, engine/grad_layout.h's FP8 region) beside its float32 master weights.
   bool fp8_storage = false;
+  // A routed expert's weight (the MoE experts' fc1/fc2): under expert parallelism this rank holds
+  // its experts' rows only, and the gradients are reduced over the expert-data-parallel group.
+  bool expert = false;
   int64_t offset = 0;                // element offset in the flat buffers
 
   int64_t numel() const { return shard.local_numel(); }
-  int64_t local_rows() const { return shard.local_rows * shard.chunks; }
+  int64_t local_rows() const { return shard.local_rows * shard.local_chunks(); }
   int64_t local_cols() const { return shard.local_cols; }
   bool is_1d() const { return global_shape.size() == 1; }
   uint64_t init_key(uint64_t seed) const;

@@ -45,6 +45,7 @@ GradBufferPlan plan_grad_buffer(const std::vector<GradParam>& params, int dp_siz
     open.numel_unpadded = last_end - open.offset;
     const int64_t end = open.offset + round_up(open.numel_unpadded, bucket_multiple);
     open.numel = end - open.offset;
+    open.shards = dp_size;
     plan.buckets.push_back(std::move(open));
     open = GradBucket{};
     open.offset = end;
@@ -67,10 +68,11 @@ GradBufferPlan plan_grad_buffer(const std::vector<GradParam>& params, int dp_siz
   return plan;
 }
 
-int64_t GradBufferPlan::shard_numel(int bucket) const { return buckets.at(bucket).numel / dp_size; }
+int64_t GradBufferPlan::shard_numel(int bucket) const { return buckets.at(bucket).numel / buckets.at(bucket).shards; }
 
 int64_t GradBufferPlan::shard_offset(int bucket, int dp_rank) const {
-  MT_CHECK(dp_rank >= 0 && dp_rank < dp_size, "dp rank {} of {}", dp_rank, dp_size);
+  const int shards = buckets.at(bucket).shards;
+  MT_CHECK(dp_rank >= 0 && dp_rank < shards, "dp rank {} of {}", dp_rank, shards);
   return buckets.at(bucket).offset + dp_rank * shard_numel(bucket);
 }
 

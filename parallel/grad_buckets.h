@@ -44,6 +44,9 @@ struct GradBucket {
   int64_t numel = 0;           // padded size: a multiple of lcm(DP, 128)
   int64_t numel_unpadded = 0;  // up to the end of its last parameter
   std::vector<int> params;     // indices into the parameter list, in placement order
+  // The ranks it is reduced (and sharded) over: the plan's dp_size, or for the routed experts'
+  // buckets under expert parallelism the expert-data-parallel size (engine/grad_layout.h).
+  int shards = 1;
 };
 
 // A piece of one parameter inside one DP rank's shard of a bucket.
@@ -60,7 +63,7 @@ struct GradBufferPlan {
   std::vector<ParamPlacement> params;  // same order as the input list
   std::vector<GradBucket> buckets;
 
-  int64_t shard_numel(int bucket) const;   // buckets[b].numel / dp_size
+  int64_t shard_numel(int bucket) const;   // buckets[b].numel / buckets[b].shards
   int64_t shard_offset(int bucket, int dp_rank) const;  // flat-buffer offset of that rank's shard
   // The parameter pieces rank dp_rank's shard of bucket b covers, in shard order (padding gaps
   // between and after parameters belong to no segment).

@@ -37,6 +37,17 @@ struct ParallelState {
   // reduces gradients over dp x cp).
   std::unique_ptr<Communicator> cp;
   std::unique_ptr<Communicator> dp_cp;
+  // Expert parallelism (MoE, --expert-model-parallel-size EP > 1): the experts' grid is TP x EP x
+  // expert-DP x PP in Megatron's order (its "parallel folding" with the expert TP size equal to TP
+  // and CP = 1: EP spans consecutive DP ranks, dp_rank = ep_rank + EP * edp_rank). ep: the ranks
+  // holding the other experts of the layers this rank's tokens pass through (tokens are dispatched
+  // over it); edp: the replicas of this rank's experts (their gradients are reduced, and with the
+  // distributed optimizer sharded, over it); expert_model_parallel: tp x ep x pp (the experts'
+  // share of the gradient norm). Null when EP = 1, where the experts' data-parallel group is dp.
+  int ep_size = 1, ep_rank = 0, edp_size = 1, edp_rank = 0;
+  std::unique_ptr<Communicator> ep, edp, expert_model_parallel;
+  Communicator& expert_dp() const { return edp ? *edp : *dp; }
+
   // --num-distributed-optimizer-instances N > 1 (Megatron's partial distributed optimizer): the DP
   // group split into N instances of DP/N consecutive DP ranks. dist_opt_intra: this rank's
   // instance (the distributed optimizer shards over it); dist_opt_inter: the ranks at the same

@@ -85,6 +85,27 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
     s.cp = split_into(*world, rank_groups(grid, "cp"), "cp");
     s.dp_cp = split_into(*world, rank_groups(grid, "dp-cp"), "dp_cp");
   }
+  // Expert parallelism: the experts' grid (its TP size is TP, its CP 1: checked by the parser, so
+  // that EP groups are consecutive DP ranks of one pipeline stage).
+  if (cfg.model.moe.enabled() && cfg.parallel.expert_model_parallel_size > 1) {
+    const RankGrid eg = RankGrid::experts_from_config(cfg);
+    MT_CHECK(eg.tp == grid.tp && grid.cp == 1 && (!grid.tp_pp_dp_order || grid.pp == 1),
+             "expert parallelism needs the expert TP size equal to TP, CP = 1 and the tp-cp-ep-dp-pp order");
+    const RankCoord ec = rank_coord(eg, rank);
+    s.ep_size = eg.ep;
+    s.ep_rank = ec.ep;
+    s.edp_size = eg.dp;
+    s.edp_rank = ec.dp;
+    MT_CHECK(ec.tp == c.tp && ec.pp == c.pp && c.dp == ec.ep + eg.ep * ec.dp,
+             "the experts' grid coordinates of rank {} (ep {}, edp {}) disagree with its DP rank {}", rank, ec.ep,
+             ec.dp, c.dp);
+    s.ep = split_into(*world, rank_groups(eg, "ep"), "ep");
+    s.edp = split_into(*world, rank_groups(eg, "dp"), "expert_dp");
+    s.expert_model_parallel = split_into(*world, rank_groups(eg, "tp-ep-pp"), "expert_model_parallel");
+  } else {
+    s.edp_size = grid.dp;
+    s.edp_rank = c.dp;
+  }
   // --num-distributed-optimizer-instances (with the distributed optimizer; checked by the parser).
   const int instances = cfg.parallel.use_distributed_optimizer ? cfg.parallel.num_distributed_optimizer_instances : 1;
   if (instances > 1) {

@@ -28,6 +28,20 @@ RankGrid RankGrid::from_config(const Config& cfg) {
   return g;
 }
 
+RankGrid RankGrid::experts_from_config(const Config& cfg) {
+  const ParallelConfig& p = cfg.parallel;
+  RankGrid g;
+  g.tp = p.expert_tensor_parallel_size.value_or(p.tensor_model_parallel_size);
+  g.ep = p.expert_model_parallel_size;
+  g.pp = p.pipeline_model_parallel_size;
+  const int64_t model = int64_t{g.tp} * g.ep * g.pp;
+  MT_CHECK(model > 0 && p.world_size % model == 0, "world size {} is not divisible by ETP x EP x PP = {}",
+           p.world_size, model);
+  g.dp = static_cast<int>(p.world_size / model);
+  g.tp_pp_dp_order = p.use_tp_pp_dp_mapping;
+  return g;
+}
+
 std::vector<GridAxis> RankGrid::order() const {
   if (tp_pp_dp_order) return {GridAxis::tp, GridAxis::cp, GridAxis::ep, GridAxis::pp, GridAxis::dp};
   return {GridAxis::tp, GridAxis::cp, GridAxis::ep, GridAxis::dp, GridAxis::pp};

@@ -24,6 +24,9 @@ struct RankGrid {
   bool tp_pp_dp_order = false;  // --use-tp-pp-dp-mapping
 
   static RankGrid from_config(const Config& cfg);  // uses the derived data_parallel_size
+  // The experts' grid (MoE): tp = the expert TP size, ep = --expert-model-parallel-size, dp = the
+  // expert-data-parallel size world / (ETP x EP x PP), cp = 1; the same order.
+  static RankGrid experts_from_config(const Config& cfg);
   int world_size() const { return tp * cp * ep * dp * pp; }
   std::vector<GridAxis> order() const;  // fastest-varying first
   std::string order_string() const;     // "tp-cp-ep-dp-pp" or "tp-cp-ep-pp-dp"

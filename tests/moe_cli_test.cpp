@@ -245,6 +245,17 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
         "--pipeline-model-parallel-size 1 = 3");
   CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 0")),
              Contains("--expert-model-parallel-size must be >= 1 (got 0)"));
+  // Expert parallelism over the DP ranks is accepted; with the alltoall dispatcher a note says how
+  // tokens travel.
+  std::vector<SetupMessage> ep_ms;
+  const Config ep = parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"), 4, &ep_ms);
+  CHECK(ep.parallel.expert_model_parallel_size == 2);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note,
+                    "--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the 2 expert-parallel "
+                    "ranks by all-gather and reduce-scatter"));
+  ep_ms.clear();
+  parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"), 2, &ep_ms);
+  CHECK_FALSE(has_message(ep_ms, SetupMessage::Kind::note, "--moe-token-dispatcher-type"));
   // MoE with TP > 1 needs sequence parallelism; with biases, ETP 1.
   CHECK(parse_error(moe_gpt() + words("--tensor-model-parallel-size 2"), 2) ==
         "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel (Megatron's MoE layer raises "
@@ -277,8 +288,11 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     const char* line;
   };
   const Case cases[] = {
-      {"--expert-model-parallel-size 2", 2,
-       "megatrain does not support --expert-model-parallel-size 2 yet (every rank holds all experts of its MoE layers)"},
+      {"--expert-model-parallel-size 2 --use-distributed-optimizer --num-distributed-optimizer-instances 2", 4,
+       "megatrain does not support --expert-model-parallel-size 2 with --num-distributed-optimizer-instances 2 yet"},
+      {"--expert-model-parallel-size 2 --use-tp-pp-dp-mapping --pipeline-model-parallel-size 2", 4,
+       "megatrain does not support --expert-model-parallel-size 2 with --use-tp-pp-dp-mapping and "
+       "--pipeline-model-parallel-size 2 yet (its expert-parallel groups would span pipeline stages)"},
       {"--expert-tensor-parallel-size 2", 2,
        "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
        "experts use the tensor-parallel size)"},
@@ -393,6 +407,9 @@ TEST_CASE("MoE parameters and FLOPs: a small model counted by hand", "[cli][moe]
   CHECK(stage_parameters_per_rank(m, {chunk(0, 0, 2, true, false)}, 1, 2) ==
         78656 + 41216 + 1024 * 64 + 32 * 64);
   CHECK(stage_parameters_per_rank(m, {chunk(1, 2, 2, false, true)}, 1, 2) == 78656 + 41216 + 128 + 1024 * 64);
+  // Expert parallelism: each of EP = 4 ranks holds 2 of the 8 experts (and everything else whole).
+  CHECK(stage_parameters_per_rank(m, {chunk(0, 0, 4, true, true)}, 1, 1, 4) ==
+        p.total - 2 * 3 * (32768 + 16384) / 4);
 
   // Megatron's FLOPs: B 2 samples of s 32; MLP 6h[f F L_dense + (f_e k F + f_s F) L_moe] =
   // 6 x 64 x [128 x 3 x 2 + (32 x 2 x 3 + 64 x 3) x 2]; projections 6 L (h (q + 2k) + q h) =

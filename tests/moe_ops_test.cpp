@@ -403,26 +403,34 @@ Tensor i32_view(std::vector<int32_t>& v, std::initializer_list<int64_t> dims) {
   return Tensor(v.data(), DType::i32, Device::cpu, dims);
 }
 
-// Checks a permutation plan of idx (M pairs over E experts) by its defining properties.
-void check_plan(const std::vector<int32_t>& idx, int E, const std::vector<int32_t>& order,
+// Checks a permutation plan of idx (M pairs) over experts [first, first + E) by its defining
+// properties: the pairs routed inside the range placed expert-major, the others not placed.
+void check_plan(const std::vector<int32_t>& idx, int first, int E, const std::vector<int32_t>& order,
                 const std::vector<int32_t>& slot_of, const std::vector<int32_t>& offsets) {
   const int64_t M = static_cast<int64_t>(idx.size());
   REQUIRE(static_cast<int64_t>(order.size()) == M);
   REQUIRE(offsets.size() == static_cast<size_t>(E + 1));
-  std::vector<int32_t> sorted = order;
+  std::vector<int32_t> count(E, 0), inside;
+  for (int64_t p = 0; p < M; ++p)
+    if (idx[p] >= first && idx[p] < first + E) {
+      ++count[idx[p] - first];
+      inside.push_back(static_cast<int32_t>(p));
+    } else {
+      REQUIRE(slot_of[p] == -1);  // not placed
+    }
+  const int64_t placed = static_cast<int64_t>(inside.size());
+  std::vector<int32_t> sorted(order.begin(), order.begin() + placed);
   std::sort(sorted.begin(), sorted.end());
-  for (int64_t r = 0; r < M; ++r) REQUIRE(sorted[r] == r);  // a permutation of the pairs
-  std::vector<int32_t> count(E, 0);
-  for (int32_t e : idx) ++count[e];
+  CHECK(sorted == inside);  // a permutation of the pairs inside the range
   CHECK(offsets[0] == 0);
   for (int e = 0; e < E; ++e) CHECK(offsets[e + 1] - offsets[e] == count[e]);
-  CHECK(offsets[E] == M);
+  CHECK(offsets[E] == placed);
   for (int e = 0; e < E; ++e)
     for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r) {
-      REQUIRE(idx[order[r]] == e);                        // expert-major
+      REQUIRE(idx[order[r]] == first + e);                 // expert-major
       if (r > offsets[e]) REQUIRE(order[r - 1] < order[r]);  // row (pair) ascending inside an expert
     }
-  for (int64_t r = 0; r < M; ++r) REQUIRE(slot_of[order[r]] == r);  // the inverse
+  for (int64_t r = 0; r < placed; ++r) REQUIRE(slot_of[order[r]] == r);  // the inverse
 }
 }  // namespace
 
@@ -452,8 +460,14 @@ TEST_CASE("reference moe_permute_plan: expert-major, stable, inverse, offsets", 
         // Plain int32 views (no rows: empty views of int32 type).
         std::vector<int32_t> order(M, -1), slot_of(M, -1), offsets(E + 1, -1);
         be->moe_permute_plan(i32_view(order, {M}), i32_view(slot_of, {M}), i32_view(offsets, {E + 1}),
-                             i32_view(ids, {N, k}), E);
-        check_plan(ids, E, order, slot_of, offsets);
+                             i32_view(ids, {N, k}), 0, E);
+        check_plan(ids, 0, E, order, slot_of, offsets);
+        // One expert-parallel rank's range of the experts (the middle third, or the last expert).
+        const int first = E / 3, count = std::max(1, E / 3);
+        std::vector<int32_t> lorder(M, -1), lslot(M, 7), loff(count + 1, -1);
+        be->moe_permute_plan(i32_view(lorder, {M}), i32_view(lslot, {M}), i32_view(loff, {count + 1}),
+                             i32_view(ids, {N, k}), first, count);
+        check_plan(ids, first, count, lorder, lslot, loff);
       }
     }
   SECTION("a hand-checked plan") {
@@ -461,15 +475,27 @@ TEST_CASE("reference moe_permute_plan: expert-major, stable, inverse, offsets", 
     Buf idx = Buf::ints({3, 2}, {2, 0, 0, 1, 2, 1});
     Buf order = Buf::ints({6}, std::vector<int32_t>(6)), slot_of = Buf::ints({6}, std::vector<int32_t>(6));
     Buf offsets = Buf::ints({4}, std::vector<int32_t>(4));
-    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 3);
+    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 0, 3);
     CHECK(order.i == std::vector<int32_t>{1, 2, 3, 5, 0, 4});
     CHECK(slot_of.i == std::vector<int32_t>{4, 0, 1, 2, 5, 3});
     CHECK(offsets.i == std::vector<int32_t>{0, 2, 4, 6});
   }
-  SECTION("an expert index outside [0, E) is refused") {
+  SECTION("a hand-checked plan of experts 1 and 2 (an expert-parallel rank's): expert 0's pairs not placed") {
+    Buf idx = Buf::ints({3, 2}, {2, 0, 0, 1, 2, 1});
+    Buf order = Buf::ints({6}, std::vector<int32_t>(6, 9)), slot_of = Buf::ints({6}, std::vector<int32_t>(6));
+    Buf offsets = Buf::ints({3}, std::vector<int32_t>(3));
+    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 1, 2);
+    CHECK(order.i == std::vector<int32_t>{3, 5, 0, 4, 9, 9});
+    CHECK(slot_of.i == std::vector<int32_t>{2, -1, -1, 0, 3, 1});
+    CHECK(offsets.i == std::vector<int32_t>{0, 2, 4});
+  }
+  SECTION("an expert index outside the range is not placed") {
     Buf idx = Buf::ints({2}, {0, 3});
-    Buf order = Buf::ints({2}, {0, 0}), slot_of = Buf::ints({2}, {0, 0}), offsets = Buf::ints({4}, {0, 0, 0, 0});
-    CHECK_THROWS_AS(be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 3), Error);
+    Buf order = Buf::ints({2}, {5, 5}), slot_of = Buf::ints({2}, {0, 0}), offsets = Buf::ints({4}, {9, 9, 9, 9});
+    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 0, 3);
+    CHECK(slot_of.i == std::vector<int32_t>{0, -1});
+    CHECK(order.i == std::vector<int32_t>{0, 5});
+    CHECK(offsets.i == std::vector<int32_t>{0, 1, 1, 1});
   }
 }
 
@@ -484,7 +510,7 @@ TEST_CASE("reference moe_gather_rows and moe_combine: round trips", "[moe][refer
     be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(E, k, MoeScoreFunction::softmax, k == 1));
     Buf order = Buf::ints({M}, std::vector<int32_t>(M)), slot_of = Buf::ints({M}, std::vector<int32_t>(M));
     Buf offsets = Buf::ints({E + 1}, std::vector<int32_t>(E + 1));
-    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), static_cast<int>(E));
+    be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 0, static_cast<int>(E));
 
     Buf x = Buf::randn({N, C}, rng), xp = Buf::zeros({M, C});
     be->moe_gather_rows(xp.t(), x.t(), order.t(), k);
@@ -532,6 +558,46 @@ TEST_CASE("reference moe_gather_rows and moe_combine: round trips", "[moe][refer
       CHECK(back.d == x.d);
     }
   }
+}
+
+TEST_CASE("reference moe ops under expert parallelism: ranks' partial combines sum to the whole", "[moe][reference]") {
+  // Each expert-parallel rank plans only its experts' pairs, gathers only those rows (a not-placed
+  // index gives a zero row), and its combine skips the other ranks' slots; the ranks' combined
+  // outputs sum to the one-rank combine.
+  auto be = make_reference_backend(1);
+  std::mt19937_64 rng(7008);
+  const int64_t N = 17, E = 6, C = 4, k = 2, M = N * k;
+  Buf logits = Buf::randn({N, E}, rng);
+  Buf probs = Buf::zeros({N, k}), idx = Buf::ints({N, k}, std::vector<int32_t>(M));
+  be->moe_route(probs.t(), idx.t(), logits.t(), Tensor(), MoeRouting::make(E, k));
+  Buf x = Buf::randn({N, C}, rng);
+  Buf order = Buf::ints({M}, std::vector<int32_t>(M)), slot_of = Buf::ints({M}, std::vector<int32_t>(M));
+  Buf offsets = Buf::ints({E + 1}, std::vector<int32_t>(E + 1));
+  be->moe_permute_plan(order.t(), slot_of.t(), offsets.t(), idx.t(), 0, static_cast<int>(E));
+  Buf xp = Buf::zeros({M, C}), whole = Buf::zeros({N, C});
+  be->moe_gather_rows(xp.t(), x.t(), order.t(), k);
+  be->moe_combine(whole.t(), xp.t(), slot_of.t(), k, false);
+  Buf sum = Buf::zeros({N, C});
+  int64_t placed_total = 0;
+  for (int first : {0, 2, 4}) {  // EP = 3: two experts per rank
+    Buf lorder = Buf::ints({M}, std::vector<int32_t>(M, -5)), lslot = Buf::ints({M}, std::vector<int32_t>(M));
+    Buf loff = Buf::ints({3}, std::vector<int32_t>(3));
+    be->moe_permute_plan(lorder.t(), lslot.t(), loff.t(), idx.t(), first, 2);
+    const int64_t R = loff.i[2];
+    placed_total += R;
+    Buf lx = Buf::zeros({R, C});
+    be->moe_gather_rows(lx.t(), x.t(), lorder.t().flat_slice(0, R), k);
+    be->moe_combine(sum.t(), lx.t(), lslot.t(), k, true);
+    // The whole order as the index: the rows past R are not placed here and come back zero.
+    Buf all = Buf::randn({M, C}, rng);
+    Buf lorder_neg = lorder;
+    for (int64_t r = R; r < M; ++r) lorder_neg.i[static_cast<size_t>(r)] = -1;
+    be->moe_gather_rows(all.t(), x.t(), lorder_neg.t(), k);
+    for (int64_t r = R; r < M; ++r)
+      for (int64_t c = 0; c < C; ++c) REQUIRE(all.d[r * C + c] == 0.0);
+  }
+  CHECK(placed_total == M);
+  for (int64_t i = 0; i < N * C; ++i) REQUIRE(sum.d[i] == Approx(whole.d[i]).epsilon(1e-14));
 }
 
 TEST_CASE("reference moe_scale_rows and its backward (central differences, in place)", "[moe][reference][gradcheck]") {

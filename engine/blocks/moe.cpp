@@ -5,6 +5,13 @@
 // un-permute (sum of each token's k expert outputs) [+ the shared expert, optionally gated] ->
 // dropout + residual, whose pass also writes the norm that follows. Load-balancing (aux) and
 // z-losses add their gradients to the router's logits; they are logged, never added to the loss.
+//
+// Expert parallelism (EP > 1; Megatron's all-gather token dispatcher over the EP group): each rank
+// routes its own tokens, then the group's tokens, routing weights and choices are all-gathered
+// (Ng = N x EP rows); each rank permutes only the pairs routed to its experts, runs them, and the
+// un-permuted partial outputs [Ng, h] are reduce-scattered back to their ranks (the sum over the
+// experts). Backward mirrors it: the output gradient all-gathered, the input gradient and the
+// routing weights' gradient reduce-scattered.
 #include <cmath>
 
 #include "core/error.h"
@@ -46,21 +53,29 @@ int GptModel::moe_layers() const {
 
 // What an MoE layer keeps for backward (after ln2's output and statistics, laid out by
 // layout_mlp_acts).
+// The expert-parallel group's tokens (N without EP) and the most (token, slot) pairs this rank's
+// experts can receive (dropless, k distinct experts per token: at most min(k, El) of each token).
+int64_t GptModel::moe_group_tokens() const { return d_.tokens() * d_.ep_size; }
+int64_t GptModel::moe_max_rows() const {
+  return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
+}
+
 void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
-  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk;
+  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, El = d_.experts_local();
+  const int64_t Ngk = moe_group_tokens() * d_.topk, R = moe_max_rows();
   const DType T = opt_.compute, S = opt_.accum;
   MoeActs& M = A.moe;
   M.logits = a.take(c, router_dtype(), {N, E});
   M.probs = a.take(c, S, {N, d_.topk});
   M.idx = a.take(c, DType::i32, {N, d_.topk});
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) M.stats = a.take(c, S, {2 * E + 1});
-  M.order = a.take(c, DType::i32, {Nk});
-  M.slot_of = a.take(c, DType::i32, {Nk});
-  M.offsets = a.take(c, DType::i32, {E + 1});
-  moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(E + 1), 0));
+  M.order = a.take(c, DType::i32, {Ngk});
+  M.slot_of = a.take(c, DType::i32, {Ngk});
+  M.offsets = a.take(c, DType::i32, {El + 1});
+  moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(El + 1), 0));
   M.host_offsets = moe_host_offsets_.back().get();
-  M.p_perm = a.take(c, S, {Nk});
-  M.fc1_pre = a.take(c, T, {Nk, d_.expert_fc1_width_local()});
+  M.p_perm = a.take(c, S, {R});
+  M.fc1_pre = a.take(c, T, {R, d_.expert_fc1_width_local()});
   if (d_.shared_ffn > 0) {
     M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width_local()});
     if (d_.shared_gate) {
@@ -74,26 +89,34 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
 void GptModel::layout_moe_workspace(Arena& a) {
   Workspace& w = *ws_;
   w.moe_rows = w.moe_act = w.moe_dact = w.moe_sh_act = w.moe_dlogits = w.moe_aux_grad = w.moe_dprobs =
-      w.moe_dp_perm = Tensor();
+      w.moe_dp_perm = w.moe_xg = w.moe_yg = w.moe_pg = w.moe_ig = w.moe_dxl = Tensor();
   if (!d_.any_moe()) return;
-  moe_off32_.assign(static_cast<size_t>(d_.experts + 1), 0);
+  moe_off32_.assign(static_cast<size_t>(d_.experts_local() + 1), 0);
   using C = MemoryCategory;
   const DType T = opt_.compute, S = opt_.accum;
-  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, Nk = N * d_.topk, fe = d_.expert_ffn_local();
-  w.moe_rows = a.take(C::workspace, T, {Nk, h});
-  w.moe_act = a.take(C::workspace, T, {Nk, fe});
-  w.moe_dact = a.take(C::workspace, T, {Nk, fe});
+  const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, fe = d_.expert_ffn_local();
+  const int64_t R = moe_max_rows(), Ng = moe_group_tokens();
+  w.moe_rows = a.take(C::workspace, T, {R, h});  // (R >= N: the shared expert's rows use it too)
+  w.moe_act = a.take(C::workspace, T, {R, fe});
+  w.moe_dact = a.take(C::workspace, T, {R, fe});
+  if (d_.ep_size > 1) {
+    w.moe_xg = a.take(C::workspace, T, {Ng, h});
+    w.moe_yg = a.take(C::workspace, T, {Ng, h});
+    w.moe_pg = a.take(C::workspace, S, {Ng, d_.topk});
+    w.moe_ig = a.take(C::workspace, DType::i32, {Ng, d_.topk});
+    w.moe_dxl = a.take(C::workspace, T, {N, h});
+  }
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
-  const DType R = router_dtype();
-  w.moe_dlogits = a.take(C::workspace, R, {N, E});
+  const DType RT = router_dtype();
+  w.moe_dlogits = a.take(C::workspace, RT, {N, E});
   w.moe_x32 = w.moe_w32 = Tensor();
-  if (R != T) {
-    w.moe_x32 = a.take(C::workspace, R, {N, h});
-    w.moe_w32 = a.take(C::workspace, R, {E, h});
+  if (RT != T) {
+    w.moe_x32 = a.take(C::workspace, RT, {N, h});
+    w.moe_w32 = a.take(C::workspace, RT, {E, h});
   }
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) w.moe_aux_grad = a.take(C::workspace, S, {N, E});
   w.moe_dprobs = a.take(C::workspace, S, {N, d_.topk});
-  w.moe_dp_perm = a.take(C::workspace, S, {Nk});
+  w.moe_dp_perm = a.take(C::workspace, S, {R});
   w.moe_gate_p = w.moe_gate_idx = w.moe_dgate = w.moe_dsh = Tensor();
   if (d_.shared_gate) {
     w.moe_gate_p = a.take(C::workspace, S, {N, 1});
@@ -137,17 +160,30 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     }
   }
 
-  // Permute: the (token, slot) pairs grouped by expert; the grouped GEMMs take the split sizes on
-  // the host (one copy per layer).
-  be_.moe_permute_plan(M.order, M.slot_of, M.offsets, M.idx, d_.experts);
+  // Dispatch: under expert parallelism the EP group's tokens, routing weights and choices.
+  const bool ep = d_.ep_size > 1;
+  const Tensor xg = ep ? w.moe_xg : A.ln2_out;
+  const Tensor pg = ep ? w.moe_pg : M.probs, ig = ep ? w.moe_ig : M.idx;
+  if (ep) {
+    ps_.ep->all_gather(xg, A.ln2_out);
+    ps_.ep->all_gather(pg, M.probs);
+    ps_.ep->all_gather(ig, M.idx);
+  }
+  const int64_t Ng = xg.rows();
+
+  // Permute: the (token, slot) pairs routed to this rank's experts, grouped by expert; the grouped
+  // GEMMs take the split sizes on the host (one copy per layer).
+  be_.moe_permute_plan(M.order, M.slot_of, M.offsets, ig, d_.expert_begin(), d_.experts_local());
   be_.copy_to_host(moe_off32_.data(), M.offsets);
   std::vector<int64_t>& offsets = *M.host_offsets;
   for (size_t e = 0; e < moe_off32_.size(); ++e) offsets[e] = moe_off32_[e];
-  // The permuted expert inputs [Nk, h], in the workspace (gathered again for the backward's weight
-  // gradient rather than kept: Nk * h per MoE layer).
-  const Tensor x_perm = w.moe_rows;
-  be_.moe_gather_rows(x_perm, A.ln2_out, M.order, k);
-  be_.moe_gather_rows(M.p_perm.view({N * k, 1}), M.probs.view({N * k, 1}), M.order, 1);
+  const int64_t R = offsets.back();
+  // The permuted expert inputs [R, h], in the workspace (gathered again for the backward's weight
+  // gradient rather than kept: R * h per MoE layer).
+  const Tensor x_perm = w.moe_rows.row_slice(0, R), p_perm = M.p_perm.flat_slice(0, R);
+  const Tensor order = M.order.flat_slice(0, R);
+  be_.moe_gather_rows(x_perm, xg, order, k);
+  be_.moe_gather_rows(p_perm.view({R, 1}), pg.view({Ng * k, 1}), order, 1);
 
   // Shared expert's fc1 and activation (the last reader of ln2's output, which may share the
   // memory of tmp_h: ModelOptions::keep_norm_outputs).
@@ -158,13 +194,16 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     if (d_.shared_gate) be_.linear_forward(M.sh_gate, A.ln2_out, P.sh_gate_w, Tensor(), Activation::none, Tensor());
   }
 
-  // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs summed.
-  be_.grouped_linear_forward(M.fc1_pre, x_perm, P.ex_fc1_w, offsets);
-  if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
-  else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
-  be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);
-  be_.grouped_linear_forward(w.moe_rows, w.moe_act, P.ex_fc2_w, offsets);
-  be_.moe_combine(w.tmp_h, w.moe_rows, M.slot_of, k, false);
+  // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs
+  // summed (under EP: this rank's experts' share of every group token, reduce-scattered to its rank).
+  const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R);
+  be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
+  if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
+  else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+  be_.moe_scale_rows(act, act, p_perm);
+  be_.grouped_linear_forward(x_perm, act, P.ex_fc2_w, offsets);
+  be_.moe_combine(ep ? w.moe_yg : w.tmp_h, x_perm, M.slot_of, k, false);
+  if (ep) ps_.ep->reduce_scatter(w.tmp_h, w.moe_yg);
 
   // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g).
   if (d_.shared_ffn > 0) {
@@ -198,6 +237,9 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
   const MoeRouting r = moe_routing();
   const std::vector<int64_t>& offsets = *M.host_offsets;
+  const int64_t R = offsets.back();
+  const bool ep = d_.ep_size > 1;
+  const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
 
   // The norm output, where not kept, is rewritten (the same bits) for the weight gradients below.
   if (!A.norm_kept) {
@@ -206,7 +248,9 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   }
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
-  be_.moe_gather_rows(w.moe_rows, d_out, M.order, k);  // its permuted rows: d y_perm [Nk, h]
+  // Its permuted rows d y_perm [R, h] (under EP from the group's gradients, gathered).
+  if (ep) ps_.ep->all_gather(w.moe_yg, d_out);
+  be_.moe_gather_rows(rows, ep ? w.moe_yg : d_out, order, k);
   bool dx_started = false;  // whether gT (the gradient of ln2's output) holds a first term
 
   // Shared expert (gT = its input gradient).
@@ -244,25 +288,39 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   }
 
   // Routed experts, last GEMM first.
-  be_.grouped_linear_backward_input(w.moe_dact, w.moe_rows, P.ex_fc2_w, offsets);  // d (act * p)
-  if (d_.swiglu) be_.swiglu_forward(w.moe_act, M.fc1_pre);
-  else be_.activation_forward(w.moe_act, M.fc1_pre, d_.ungated_mlp_activation());
-  be_.moe_scale_rows_backward(w.moe_dact, w.moe_dp_perm, w.moe_dact, w.moe_act, M.p_perm);  // d act, d p
-  if (d_.tp_size > 1) ps_.tp->all_reduce(w.moe_dp_perm);  // (each rank's experts hold 1/TP of f)
-  be_.moe_scale_rows(w.moe_act, w.moe_act, M.p_perm);                          // fc2's input again
-  be_.grouped_linear_backward_weight(G.ex_fc2_w, w.moe_rows, w.moe_act, offsets, accumulate_weight_grad(G.ex_fc2_w));
-  // fc1's output gradient: SwiGLU's in place of fc1_pre [Nk, 2f], GeLU's in place of d act.
-  const Tensor d_fc1 = d_.swiglu ? M.fc1_pre : w.moe_dact;
-  if (d_.swiglu) be_.swiglu_backward(d_fc1, w.moe_dact, M.fc1_pre);
-  else be_.activation_backward(d_fc1, w.moe_dact, M.fc1_pre, d_.ungated_mlp_activation());
-  be_.moe_gather_rows(w.moe_rows, A.ln2_out, M.order, k);  // the permuted inputs again (x_perm)
-  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, w.moe_rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
-  be_.grouped_linear_backward_input(w.moe_rows, d_fc1, P.ex_fc1_w, offsets);   // d x_perm [Nk, h]
-  be_.moe_combine(w.gT, w.moe_rows, M.slot_of, k, dx_started);
+  const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R), dact = w.moe_dact.row_slice(0, R);
+  const Tensor p_perm = M.p_perm.flat_slice(0, R), dp_perm = w.moe_dp_perm.flat_slice(0, R);
+  be_.grouped_linear_backward_input(dact, rows, P.ex_fc2_w, offsets);  // d (act * p)
+  if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
+  else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+  be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p
+  if (d_.tp_size > 1) ps_.tp->all_reduce(dp_perm);  // (each rank's experts hold 1/TP of f)
+  be_.moe_scale_rows(act, act, p_perm);               // fc2's input again
+  be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
+  // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f], GeLU's in place of d act.
+  const Tensor d_fc1 = d_.swiglu ? fc1_pre : dact;
+  if (d_.swiglu) be_.swiglu_backward(d_fc1, dact, fc1_pre);
+  else be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
+  // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
+  if (ep) ps_.ep->all_gather(w.moe_xg, A.ln2_out);
+  be_.moe_gather_rows(rows, ep ? w.moe_xg : A.ln2_out, order, k);
+  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
+  be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
+  if (!ep) {
+    be_.moe_combine(w.gT, rows, M.slot_of, k, dx_started);
+  } else {  // this rank's experts' share of every group token's gradient, reduce-scattered
+    be_.moe_combine(w.moe_yg, rows, M.slot_of, k, false);
+    ps_.ep->reduce_scatter(dx_started ? w.moe_dxl : w.gT, w.moe_yg);
+    if (dx_started) be_.axpby(w.gT, 1.0f, w.gT, 1.0f, w.moe_dxl);
+  }
 
-  // Router: the routing weights' gradient back in token order, the aux and z-losses' gradients
+  // Router: the routing weights' gradient back in token order (under EP: the group's, zero where
+  // another rank's expert took the pair, reduce-scattered), the aux and z-losses' gradients
   // (seeded as the loss is: loss scale / micro-batches), then the gating GEMM's backward.
-  be_.moe_gather_rows(w.moe_dprobs.view({N * k, 1}), w.moe_dp_perm.view({N * k, 1}), M.slot_of, 1);
+  const int64_t Ng = moe_group_tokens();
+  const Tensor dprobs_g = ep ? w.moe_pg : w.moe_dprobs;
+  be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
+  if (ep) ps_.ep->reduce_scatter(w.moe_dprobs, dprobs_g);
   Tensor aux_grad;
   if (!M.stats.empty()) {
     const double n = static_cast<double>(N), seed = s.moe_aux_seed;

@@ -321,29 +321,38 @@ void ReferenceBackend::moe_aux_log(Tensor sums, Tensor stats, float aux_scale, f
   fo.add(1, static_cast<double>(z_scale) * fs.get(2 * E));
 }
 
-void ReferenceBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int num_experts) {
+void ReferenceBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
+                                        int num_experts) {
   const char* op = "moe_permute_plan";
   const int64_t M = idx.numel(), E = num_experts;
-  MT_CHECK(E >= 1, "{}: {} experts", op, E);
+  MT_CHECK(E >= 1 && first_expert >= 0, "{}: {} experts from {}", op, E, first_expert);
   check_indices(idx, M, op, "idx");
   check_indices(order, M, op, "order");
   check_indices(slot_of, M, op, "slot_of");
   check_indices(offsets, E + 1, op, "offsets");
   MT_CHECK(M < (int64_t{1} << 31), "{}: {} (row, slot) pairs do not fit int32", op, M);
   const int32_t* ids = idx.ptr<int32_t>();
+  // The pair's expert within the range, or -1 (routed to an expert outside it: not placed).
+  auto local = [&](int64_t p) -> int64_t {
+    const int64_t e = int64_t{ids[p]} - first_expert;
+    return e >= 0 && e < E ? e : -1;
+  };
   int32_t* off = offsets.ptr<int32_t>();
   std::fill(off, off + E + 1, 0);
-  for (int64_t p = 0; p < M; ++p) {
-    MT_CHECK(ids[p] >= 0 && ids[p] < E, "{}: idx[{}] = {} is not an expert of {}", op, p, ids[p], E);
-    ++off[ids[p] + 1];
-  }
+  for (int64_t p = 0; p < M; ++p)
+    if (const int64_t e = local(p); e >= 0) ++off[e + 1];
   for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
   // Pairs in ascending order land at their expert's next free position: expert-major, stable.
   double* next = scratch(0, static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) next[e] = off[e];
   int32_t *ord = order.ptr<int32_t>(), *slot = slot_of.ptr<int32_t>();
   for (int64_t p = 0; p < M; ++p) {
-    const auto pos = static_cast<int32_t>(next[ids[p]]++);
+    const int64_t e = local(p);
+    if (e < 0) {
+      slot[p] = -1;
+      continue;
+    }
+    const auto pos = static_cast<int32_t>(next[e]++);
     ord[pos] = static_cast<int32_t>(p);
     slot[p] = pos;
   }
@@ -360,9 +369,9 @@ void ReferenceBackend::moe_gather_rows(Tensor out, Tensor x, Tensor index, int k
   const size_t row_bytes = static_cast<size_t>(C) * dtype_size(out.dtype);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t src = ids[r] / k;
-    MT_CHECK(ids[r] >= 0 && src < X, "{}: index[{}] = {} (row {}) outside x's {} rows", op, r, ids[r], src, X);
-    std::memcpy(static_cast<char*>(out.data) + r * row_bytes, static_cast<const char*>(x.data) + src * row_bytes,
-                row_bytes);
+    char* dst = static_cast<char*>(out.data) + r * row_bytes;
+    if (ids[r] < 0 || src >= X) std::memset(dst, 0, row_bytes);  // a pair not placed
+    else std::memcpy(dst, static_cast<const char*>(x.data) + src * row_bytes, row_bytes);
   }
 }
 
@@ -374,8 +383,6 @@ void ReferenceBackend::moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, 
   check_same_dtype(out, y, op);
   check_indices(slot_of, T_rows * k, op, "slot_of");
   const int32_t* slots = slot_of.ptr<int32_t>();
-  for (int64_t i = 0; i < T_rows * k; ++i)
-    MT_CHECK(slots[i] >= 0 && slots[i] < Y, "{}: slot_of[{}] = {} outside y's {} rows", op, i, slots[i], Y);
   dispatch_float(out, op, [&](auto tag) {
     using T = decltype(tag);
     pool_.parallel_for(T_rows, 16, [&](int64_t rb, int64_t re, int) {
@@ -383,7 +390,10 @@ void ReferenceBackend::moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, 
         T* o = out.ptr<T>() + t * C;
         for (int64_t c = 0; c < C; ++c) {
           double v = 0;
-          for (int64_t j = 0; j < k; ++j) v += static_cast<double>(y.ptr<T>()[slots[t * k + j] * C + c]);
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t s = slots[t * k + j];
+            if (s >= 0 && s < Y) v += static_cast<double>(y.ptr<T>()[s * C + c]);  // (else not placed here)
+          }
           o[c] = static_cast<T>(accumulate ? static_cast<double>(o[c]) + v : v);
         }
       }

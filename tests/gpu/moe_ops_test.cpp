@@ -331,11 +331,21 @@ TEST_CASE("cuda moe_permute_plan equals the reference's, empty experts and k = 1
     Twin order = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
     Twin slot_of = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
     Twin offsets = twin(DType::i32, {c.E + 1}, std::vector<double>(static_cast<size_t>(c.E + 1), -7.0));
-    dev().moe_permute_plan(order.c(), slot_of.c(), offsets.c(), idx.c(), c.E);
-    ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), c.E);
+    dev().moe_permute_plan(order.c(), slot_of.c(), offsets.c(), idx.c(), 0, c.E);
+    ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), 0, c.E);
     CHECK(differing(download_bytes(dev(), order.c()), download_bytes(ref(), order.r()), 4) == 0);
     CHECK(differing(download_bytes(dev(), slot_of.c()), download_bytes(ref(), slot_of.r()), 4) == 0);
     CHECK(differing(download_bytes(dev(), offsets.c()), download_bytes(ref(), offsets.r()), 4) == 0);
+    // An expert-parallel rank's range (the second quarter of the experts): only its pairs placed.
+    const int first = c.E / 4, count = std::max(1, c.E / 4);
+    Twin lorder = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
+    Twin lslot = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
+    Twin loff = twin(DType::i32, {count + 1}, std::vector<double>(static_cast<size_t>(count + 1), -7.0));
+    dev().moe_permute_plan(lorder.c(), lslot.c(), loff.c(), idx.c(), first, count);
+    ref().moe_permute_plan(lorder.r(), lslot.r(), loff.r(), idx.r(), first, count);
+    CHECK(differing(download_bytes(dev(), lorder.c()), download_bytes(ref(), lorder.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), lslot.c()), download_bytes(ref(), lslot.r()), 4) == 0);
+    CHECK(differing(download_bytes(dev(), loff.c()), download_bytes(ref(), loff.r()), 4) == 0);
   }
 }
 
@@ -354,7 +364,7 @@ TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward ma
         Twin order = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), 0.0));
         Twin slot_of = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), 0.0));
         Twin offsets = twin(DType::i32, {E + 1}, std::vector<double>(E + 1, 0.0));
-        ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), E);
+        ref().moe_permute_plan(order.r(), slot_of.r(), offsets.r(), idx.r(), 0, E);
         Twin ord = twin(DType::i32, {M}, download(ref(), order.r()));
         Twin slots = twin(DType::i32, {M}, download(ref(), slot_of.r()));
 

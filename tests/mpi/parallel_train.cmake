@@ -239,3 +239,22 @@ megatrain_parallel_train_test(parallel_train_moe_sinkhorn_pp2_dp2 --model "--dis
 --normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0 --moe-z-loss-coeff 1e-3" 4
                               --pipeline-model-parallel-size 2)
+# Expert parallelism (all-gather dispatch over the EP group: each rank runs its experts on the
+# group's tokens): EP = DP = 2 and 4, EP under TP2 with SP, EP x PP2, EP=2 inside DP=4 with the
+# distributed optimizer (the experts' gradients reduced and sharded over expert-DP 2, the others
+# over DP 4), sigmoid group-limited routing; and a checkpoint saved at EP=2 resumes at EP=1 and
+# the other way round (experts saved as global tensors).
+megatrain_parallel_train_test(parallel_train_moe_ep2 --model "${moe_model}" 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_ep4 --model "${moe_model}" 4 --expert-model-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_moe_ep2_tp2_sp --model "${moe_model}" 4 --expert-model-parallel-size 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_ep2_pp2 --model "${moe_model}" 4 --expert-model-parallel-size 2
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_ep2_dp4_distopt --model "${moe_model}" 4 --expert-model-parallel-size 2
+                              --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_moe_sigmoid_ep4_dp4 --model "${moe_sigmoid_model}" 4
+                              --expert-model-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_moe_resume_ep2_to_dp2 --model "${moe_model}" --resume
+  2 "--expert-model-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")
+megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --model "${moe_model}" --resume
+  2 - 4 "--expert-model-parallel-size 4 --use-distributed-optimizer")
