@@ -28,6 +28,19 @@ Tensor host_view(std::vector<unsigned char>& buf, DType dtype, int64_t offset, i
 // state): checkpoint/FORMAT.md.
 std::string fp8_meta_name(int layer, const char* what) { return fmt::format("decoder.layers.{}.fp8_meta.{}", layer, what); }
 
+// An MoE layer's expert bias (Megatron's router buffer): float32 [E], replicated on every rank.
+std::string expert_bias_name(int layer) { return fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer); }
+
+// The MoE layers of a chunk that hold an expert bias (GptModel::has_expert_bias), in order.
+std::vector<int> expert_bias_layers(const GptModel& m) {
+  std::vector<int> out;
+  if (!m.has_expert_bias()) return out;
+  const ModelDims& d = m.dims();
+  for (int l = d.layer_begin; l < d.layer_end; ++l)
+    if (d.is_moe(l)) out.push_back(l);
+  return out;
+}
+
 const char* first_state_suffix(OptimizerKind k) { return k == OptimizerKind::adam ? ".exp_avg" : ".momentum_buffer"; }
 constexpr const char* kSecondStateSuffix = ".exp_avg_sq";
 
@@ -108,6 +121,7 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       h.state1.resize(size_of(m->exp_avg_flat()));
       h.state2.resize(size_of(m->exp_avg_sq_flat()));
     }
+    h.expert_bias.resize(expert_bias_layers(*m).size() * static_cast<size_t>(m->dims().experts));
     const Fp8State& f = m->fp8_state();
     h.fp8.resize(static_cast<size_t>(f.operands() / Fp8State::kPerLayer * f.layer_floats()) * sizeof(float));
     staging_.push_back(std::move(h));
@@ -164,6 +178,18 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
     if (optim && !L.sharded) add_optim(p, slice, p.offset, p.numel());
   }
   stage_fp8_params(w, m, h);
+  // Expert biases: replicated; one writer, as for the FP8 state below.
+  const std::vector<int> bias_layers = expert_bias_layers(m);
+  if (!bias_layers.empty() && ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
+    const int64_t E = m.dims().experts;
+    for (size_t j = 0; j < bias_layers.size(); ++j) {
+      const std::span<float> b = m.expert_bias(bias_layers[j]);
+      float* dst = h.expert_bias.data() + j * static_cast<size_t>(E);
+      std::copy(b.begin(), b.end(), dst);
+      w.add(expert_bias_name(bias_layers[j]), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(E, 1)),
+            Tensor(dst, DType::f32, Device::cpu, {E}), {E});
+    }
+  }
   // FP8 scaling state: per FP8 layer, replicated over DP and (after the amax reduction) TP.
   const Fp8State& f = m.fp8_state();
   if (f.any() && ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
@@ -436,6 +462,28 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
   // FP8 parameters: cast from the loaded master weights with the saved scales (the bits the saving
   // run used), or scaled afresh without FP8 state in the checkpoint.
   m.fp8_params_from_master(!load_fp8_state(reader, m));
+  load_expert_bias(reader, m);
+}
+
+// Expert biases: every rank reads its MoE layers' (replicated) biases. A checkpoint saved without
+// --moe-router-enable-expert-bias has none: they start at zero, as in a fresh run, and a line says so.
+void TrainingCheckpoints::load_expert_bias(CheckpointReader& reader, GptModel& m) {
+  const std::vector<int> layers = expert_bias_layers(m);
+  if (layers.empty()) return;
+  const int64_t E = m.dims().experts;
+  bool missing = false;
+  for (int layer : layers) {
+    const std::span<float> b = m.expert_bias(layer);
+    if (!reader.has(expert_bias_name(layer))) {
+      std::fill(b.begin(), b.end(), 0.0f);
+      missing = true;
+      continue;
+    }
+    reader.read(expert_bias_name(layer), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(E, 1)),
+                Tensor(b.data(), DType::f32, Device::cpu, {E}), {E});
+  }
+  if (missing) log::info("  the checkpoint holds no expert bias for some MoE layers: those start at zero");
+  m.expert_bias_loaded();
 }
 
 // FP8 scaling state: every rank reads its FP8 layers' (replicated) state. A checkpoint without it
@@ -535,8 +583,11 @@ void TrainingCheckpoints::check_strictness(const CheckpointReader& reader, bool 
   }
   if (all) {
     const bool fp8 = cfg_.train.fp8_format.has_value();
+    const bool bias = cfg_.model.moe.enabled() && cfg_.model.moe.router_enable_expert_bias;
     for (const std::string& n : reader.names(CheckpointKind::model))
-      if (!weights.count(n) && !(fp8 && n.find(".fp8_meta.") != std::string::npos)) missing.push_back(n);
+      if (!weights.count(n) && !(fp8 && n.find(".fp8_meta.") != std::string::npos) &&
+          !(bias && n.ends_with(".mlp.router.expert_bias")))
+        missing.push_back(n);
     if (load_optim) {
       for (const std::string& n : reader.names(CheckpointKind::main_params))
         if (!weights.count(n)) missing.push_back(n + " (main weights)");

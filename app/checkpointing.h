@@ -112,6 +112,7 @@ class TrainingCheckpoints {
     // master: float32 (GptModel::master_to_host); master_raw: master_flat's own bytes when they are
     // not that (int16 remainders).
     std::vector<unsigned char> params, master, master_raw, state1, state2, fp8;
+    std::vector<float> expert_bias;  // the MoE layers' expert biases (aux-loss-free balancing)
     // FP8 parameters: this rank's master shards rounded to the compute dtype (their model weights).
     std::vector<unsigned char> fp8_model;
   };
@@ -124,6 +125,7 @@ class TrainingCheckpoints {
   std::unique_ptr<CheckpointWriter> stage(Trainer& trainer, const std::string& dir);
   void stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim);
   void load_chunk(CheckpointReader& reader, GptModel& m, bool load_optim);
+  void load_expert_bias(CheckpointReader& reader, GptModel& m);
   void verify_integrity(const std::string& dir);
   void override_iteration(ResumePoint& r, const RunState& rs, const std::string& manifest) const;
   // FP8 parameters' model weights: the compute-dtype rounding of this rank's master shards.

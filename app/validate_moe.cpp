@@ -142,9 +142,6 @@ std::vector<std::string> not_built(const CliState& st) {
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn)
         out.push_back("megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
-  if (e.expert_capacity_factor)
-    out.push_back(fmt::format("megatrain does not support --moe-expert-capacity-factor {} yet (token dropping; MoE "
-                              "layers are dropless)", format_float(*e.expert_capacity_factor)));
   const int ep = p.expert_model_parallel_size;
   if (ep > 1) {
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;

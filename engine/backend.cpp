@@ -1,8 +1,39 @@
 #include "engine/backend.h"
 
+#include <vector>
+
 #include "core/error.h"
+#include "engine/moe_routing.h"
 
 namespace mt {
+
+void Backend::moe_capacity_drop(Tensor kept, Tensor idx, Tensor probs, int num_experts, int64_t capacity,
+                                int64_t block_rows, bool by_position) {
+  const char* op = "moe_capacity_drop";
+  const int64_t N = idx.rows(), k = idx.cols();
+  MT_CHECK(idx.dtype == DType::i32 && kept.dtype == DType::i32 && kept.numel() == N * k && probs.numel() == N * k &&
+               (probs.dtype == DType::f32 || probs.dtype == DType::f64),
+           "{}: kept {} {}, idx {} {}, probs {} {}", op, dtype_name(kept.dtype), kept.shape_string(),
+           dtype_name(idx.dtype), idx.shape_string(), dtype_name(probs.dtype), probs.shape_string());
+  // Host copies (grown once, at the first call: the training step's later calls allocate nothing).
+  thread_local std::vector<int32_t> ids, out;
+  thread_local std::vector<double> w;
+  thread_local std::vector<float> w32;
+  ids.resize(static_cast<size_t>(N * k));
+  out.resize(ids.size());
+  w.resize(ids.size());
+  copy_to_host(ids.data(), idx);
+  if (probs.dtype == DType::f64) {
+    copy_to_host(w.data(), probs);
+  } else {
+    w32.resize(ids.size());
+    copy_to_host(w32.data(), probs);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = w32[i];
+  }
+  moe_capacity_drop_host(out.data(), ids.data(), w.data(), N, static_cast<int>(k), num_experts, capacity, block_rows,
+                         by_position);
+  copy_from_host(kept, out.data());
+}
 
 void Backend::fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value) {
   for (const FlatRange& r : ranges) fill(flat.flat_slice(r.offset, r.count), value);

@@ -435,6 +435,16 @@ class Backend {
   // sums float32 [2] += {aux_scale * sum_e stats[e] * stats[E + e], z_scale * stats[2E]}: the
   // logged losses, accumulated on the device (no host sync).
   virtual void moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float z_scale) = 0;
+  // Token dropping (--moe-expert-capacity-factor; Megatron's apply_router_token_dropping without
+  // padding): within each block of block_rows rows (the rows one rank routes), each expert keeps at
+  // most `capacity` of the (row, slot) pairs routed to it: those with the largest routing weight
+  // (by_position false; equal weights: the lower row first) or those of the first rows (true).
+  // kept = idx with every dropped pair's expert -1 (moe_permute_plan then does not place it: its
+  // output and its weight's gradient are zero). kept, idx int32 [N, k]; probs [N, k] (float32, or
+  // float64 on the reference backend). The default runs engine/moe_routing.h's rule on host copies
+  // (one device-to-host copy of idx and probs per call).
+  virtual void moe_capacity_drop(Tensor kept, Tensor idx, Tensor probs, int num_experts, int64_t capacity,
+                                 int64_t block_rows, bool by_position);
   // The permutation of the N * k (row, slot) pairs routed to experts [first_expert, first_expert +
   // E) (all experts, or this rank's under expert parallelism), expert-major, row ascending within an
   // expert (Megatron's order): order[r] = t * k + j of the r-th permuted row, slot_of[t * k + j] = r

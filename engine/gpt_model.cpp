@@ -279,6 +279,14 @@ void GptModel::layout(Arena& a) {
   eval_loss_ = a.take(C::workspace, S, {2});
   moe_loss_ = d_.any_moe() ? a.take(C::workspace, S, {2}) : Tensor();
   moe_host_offsets_.clear();
+  moe_bias_ = moe_counts_dev_ = Tensor();
+  if (has_expert_bias()) {
+    const int64_t n = int64_t{moe_layers()} * d_.experts;
+    moe_bias_ = a.take(C::workspace, DType::f32, {n});
+    moe_counts_dev_ = a.take(C::workspace, DType::f64, {n});
+    moe_bias_host_.assign(static_cast<size_t>(n), 0.0f);
+    moe_counts_.assign(static_cast<size_t>(n), 0.0);
+  }
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
   qk_l2_ones_ = d_.qk_l2 ? a.take(C::workspace, T, {d_.head_dim}) : Tensor();
@@ -492,6 +500,11 @@ void GptModel::bind_params() {
 
 void GptModel::init_parameters(bool random) {
   fp8_begin_step();  // the FP8 weight cache is stale
+  if (has_expert_bias()) {  // (Megatron's expert_bias buffer starts at zero)
+    std::fill(moe_bias_host_.begin(), moe_bias_host_.end(), 0.0f);
+    std::fill(moe_counts_.begin(), moe_counts_.end(), 0.0);
+    expert_bias_loaded();
+  }
   auto draw = [this, random](const ParamDesc& p, Tensor w) {
     switch (p.init) {
       case InitKind::normal:

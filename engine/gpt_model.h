@@ -271,6 +271,21 @@ class GptModel {
   // zeroes it at each step's start.
   Tensor moe_loss_sums() const { return moe_loss_; }
   int moe_layers() const;  // MoE layers of this chunk
+
+  // Aux-loss-free load balancing (ModelDims::moe_expert_bias): each MoE layer's expert bias [E]
+  // (float32; kept on the host, the device copy follows it) and the step's token counts per
+  // expert (after dropping), counted by each training micro-batch's backward.
+  bool has_expert_bias() const { return d_.moe_expert_bias && d_.any_moe(); }
+  // Megatron's _update_router_expert_bias, once per step after the gradient reduction: the counts
+  // summed over `dp` (the data-parallel group: under expert parallelism every rank counts its own
+  // experts), then b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
+  void update_expert_bias(Communicator& dp);
+  // Layer `layer`'s (global number) bias on the host [E]: read for checkpoints; after writing it
+  // call expert_bias_loaded().
+  std::span<float> expert_bias(int layer);
+  void expert_bias_loaded();
+  // This step's token counts so far, per MoE layer of this chunk [E] each (tests).
+  const std::vector<double>& expert_token_counts() const { return moe_counts_; }
   // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
   // last forward(slot) with training = false (a training forward overwrites them with dlogits).
   // Only when the head keeps all rows at once (ModelOptions::logits_chunk_rows >= N).
@@ -368,6 +383,7 @@ class GptModel {
   void moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
   MoeRouting moe_routing() const;
   MoeRouting gate_routing() const;
+  Tensor layer_expert_bias(int local) const;
   int64_t moe_group_tokens() const;  // the expert-parallel group's tokens of a micro-batch (N x EP)
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   DType router_dtype() const;
@@ -468,6 +484,11 @@ class GptModel {
   GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_;
+  // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.
+  Tensor moe_bias_, moe_counts_dev_;
+  std::vector<float> moe_bias_host_;
+  std::vector<double> moe_counts_;
+  int moe_index(int local) const;  // a local layer's place among this chunk's MoE layers
   // Host copies of the MoE layers' expert offsets, one per LayerActs with MoE (MoeActs::host_offsets).
   std::vector<std::unique_ptr<std::vector<int64_t>>> moe_host_offsets_;
   std::vector<int32_t> moe_off32_;  // the device offsets' host copy

@@ -24,6 +24,7 @@ struct GptModel::LayerParams {
 struct GptModel::MoeActs {
   Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
   Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
+  Tensor kept;                   // token dropping: idx with the dropped pairs' experts -1 [N, k]
   Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss)
   Tensor order, slot_of, offsets;  // the permutation of the group's pairs int32 [Ng k], [Ng k], [El + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)

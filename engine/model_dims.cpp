@@ -134,6 +134,14 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
       d.moe_sinkhorn |= t == MoeLoadBalancing::sinkhorn;
     }
     d.moe_log_z = e.z_loss_coeff.has_value();
+    d.moe_expert_bias = e.router_enable_expert_bias;
+    d.moe_bias_rate = static_cast<float>(e.router_bias_update_rate);
+    if (e.expert_capacity_factor && *e.expert_capacity_factor >= 0) {
+      if (e.pad_expert_input_to_capacity)
+        throw Unsupported("--moe-pad-expert-input-to-capacity is not supported yet");
+      d.moe_capacity_factor = *e.expert_capacity_factor;
+      d.moe_drop_by_position = e.token_drop_policy == MoeDropPolicy::position;
+    }
     if (e.router_dtype && *e.router_dtype != "fp32")
       throw Unsupported(fmt::format("--moe-router-dtype {} is not supported yet (fp32 is)", *e.router_dtype));
     d.moe_router_fp32 = e.router_dtype.has_value();
@@ -152,6 +160,12 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.embedding_init_std = static_cast<float>(m.embedding_init_method_std.value_or(m.init_method_std));
   d.seed = static_cast<uint64_t>(static_cast<uint32_t>(cfg.train.seed));
   return d;
+}
+
+// Megatron's get_capacity(num_tokens * topk, num_experts, capacity_factor) on one rank's rows.
+int64_t ModelDims::moe_capacity() const {
+  return static_cast<int64_t>(
+      std::ceil((static_cast<double>(tokens_local() * topk) / experts) * moe_capacity_factor));
 }
 
 ModelDims ModelDims::for_chunk(const Config& cfg, const ParallelState& ps, int first_layer, int num_layers,

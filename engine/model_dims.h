@@ -71,6 +71,18 @@ struct ModelDims {
   // --moe-router-load-balancing-type sinkhorn: the experts chosen by Sinkhorn load balancing
   // (Backend::moe_sinkhorn_route) instead of moe_route's rule.
   bool moe_sinkhorn = false;
+  // --moe-expert-capacity-factor (token dropping; negative: dropless): each expert takes at most
+  // ceil(rows * k / E * factor) of the pairs routed to it among the rows one rank routes (its
+  // sequence-parallel shard), keeping the largest weights or (moe_drop_by_position) the first rows.
+  double moe_capacity_factor = -1;
+  // --moe-router-enable-expert-bias (aux-loss-free balancing, sigmoid scoring): a float32 bias per
+  // expert added to the scores for the choice only, moved by moe_bias_rate towards balance after
+  // every step (GptModel::update_expert_bias).
+  bool moe_expert_bias = false;
+  float moe_bias_rate = 0;
+  bool moe_drop_by_position = false;
+  bool moe_drops() const { return moe_capacity_factor >= 0; }
+  int64_t moe_capacity() const;  // per expert, per block of tokens_local() rows
   std::vector<char> moe_layer;
   bool is_moe(int layer) const {
     return experts > 0 && layer >= 0 && static_cast<size_t>(layer) < moe_layer.size() && moe_layer[layer];

@@ -42,6 +42,44 @@ inline void check_moe_routing(const MoeRouting& r, int64_t experts, const char* 
 
 namespace mt {
 
+// Token dropping (Backend::moe_capacity_drop) on host arrays: kept [N, k] from idx [N, k] and the
+// routing weights w [N, k]. Within each block of block_rows rows, expert e keeps its `capacity`
+// pairs of largest weight (ties: lower row, then lower slot) or, by_position, of the first rows;
+// the others get -1.
+inline void moe_capacity_drop_host(int32_t* kept, const int32_t* idx, const double* w, int64_t N, int k, int E,
+                                   int64_t capacity, int64_t block_rows, bool by_position) {
+  MT_CHECK(block_rows > 0 && N % block_rows == 0 && capacity >= 0, "capacity drop: {} rows in blocks of {}, capacity {}",
+           N, block_rows, capacity);
+  std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(E));  // per expert: its pairs in the block
+  for (int64_t b0 = 0; b0 < N; b0 += block_rows) {
+    for (auto& p : pairs) p.clear();
+    for (int64_t p = b0 * k; p < (b0 + block_rows) * k; ++p) {
+      kept[p] = idx[p];
+      MT_CHECK(idx[p] >= 0 && idx[p] < E, "capacity drop: idx[{}] = {} is not one of {} experts", p, idx[p], E);
+      pairs[static_cast<size_t>(idx[p])].push_back(p);
+    }
+    for (auto& p : pairs) {
+      if (static_cast<int64_t>(p.size()) <= capacity) continue;
+      // (pairs are in row order already: the position policy keeps the first `capacity`)
+      if (!by_position)
+        std::stable_sort(p.begin(), p.end(), [&](int64_t a, int64_t b) { return w[a] > w[b]; });
+      for (size_t j = static_cast<size_t>(capacity); j < p.size(); ++j) kept[p[j]] = -1;
+    }
+  }
+}
+
+// Megatron's expert-bias update (aux-loss-free balancing) of one MoE layer: b_e += rate *
+// sign(mean(c) - c_e), sign(0) = 0, in float arithmetic; c: the step's token counts per expert.
+inline void moe_expert_bias_update(float* bias, const double* counts, int E, float rate) {
+  double mean = 0;
+  for (int e = 0; e < E; ++e) mean += counts[e];
+  mean /= E;
+  for (int e = 0; e < E; ++e) {
+    const float sign = counts[e] < mean ? 1.0f : counts[e] > mean ? -1.0f : 0.0f;
+    bias[e] = bias[e] + rate * sign;
+  }
+}
+
 // Backend::moe_sinkhorn_route's top-k against the logits' E columns (both backends check it first).
 inline void check_sinkhorn_topk(int k, int64_t E) {
   if (k < 1 || k > E)

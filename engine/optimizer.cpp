@@ -101,6 +101,9 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   // trainer finished them at the end of forward-backward.
   grad_sync_->finish();
   grad_sync_->step_done();
+  // Aux-loss-free balancing: the expert biases follow this step's token counts (Megatron does this
+  // in finalize_model_grads, whether or not the update is then skipped).
+  for (GptModel* m : chunks_) m->update_expert_bias(*ps_.dp);
 
   // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
   // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.

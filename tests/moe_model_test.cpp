@@ -14,6 +14,7 @@
 
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/moe_routing.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
 #include "tests/model_gradcheck.h"
@@ -184,6 +185,59 @@ TEST_CASE("MoE gradient check: Sinkhorn load balancing (top-2 softmax weights, t
     MoeHarness h(c);
     h.check_all(4);
   }
+}
+
+TEST_CASE("MoE gradient check: token dropping by weight and by position (capacity factor 0.5)", "[moe][gradcheck]") {
+  for (const MoeDropPolicy policy : {MoeDropPolicy::probs, MoeDropPolicy::position}) {
+    INFO("policy " << (policy == MoeDropPolicy::probs ? "probs" : "position"));
+    Config c = tiny_moe_config(4, 2);
+    c.model.moe.aux_loss_coeff = {0.05};
+    c.model.moe.expert_capacity_factor = 0.5;  // each expert takes a quarter of the rows at most
+    c.model.moe.token_drop_policy = policy;
+    MoeHarness h(c);
+    CHECK(h.dims.moe_capacity() == (h.dims.tokens() + 3) / 4);
+    h.check_all(4);
+  }
+}
+
+TEST_CASE("MoE: aux-loss-free expert bias: counted tokens, the update, its effect on routing and gradients",
+          "[moe][gradcheck]") {
+  Config c = tiny_moe_config(8, 3);
+  c.model.moe.score_function = MoeScoreFunction::sigmoid;
+  c.model.moe.router_num_groups = 4;
+  c.model.moe.router_group_topk = 2;
+  c.model.moe.router_enable_expert_bias = true;
+  c.model.moe.router_bias_update_rate = 0.5;  // large: the next routing must change
+  c.model.moe.shared_expert_intermediate_size = 12;
+  c.model.moe.aux_loss_coeff = {0.0};
+  MoeHarness h(c);
+  REQUIRE(h.model->has_expert_bias());
+  for (int layer : {0, 2})
+    for (float b : h.model->expert_bias(layer)) CHECK(b == 0.0f);
+  // One training micro-batch: every token's k pairs counted once per MoE layer (backward only).
+  const double before = h.objective();
+  for (double n : h.model->expert_token_counts()) CHECK(n == 0.0);  // (forward counts nothing)
+  h.grads();
+  const std::vector<double>& counts = h.model->expert_token_counts();
+  REQUIRE(counts.size() == 2 * 8u);
+  for (int m = 0; m < 2; ++m) {
+    double total = 0;
+    for (int e = 0; e < 8; ++e) total += counts[static_cast<size_t>(m * 8 + e)];
+    CHECK(total == static_cast<double>(h.dims.tokens() * 3));
+  }
+  ParallelState solo = make_single_process_state();
+  std::vector<float> want(16, 0.0f);
+  for (int m = 0; m < 2; ++m) moe_expert_bias_update(want.data() + m * 8, counts.data() + m * 8, 8, 0.5f);
+  h.model->update_expert_bias(*solo.dp);
+  std::vector<float> got;
+  for (int layer : {0, 2})
+    for (float b : h.model->expert_bias(layer)) got.push_back(b);
+  CHECK(got == want);
+  for (double n : h.model->expert_token_counts()) CHECK(n == 0.0);
+  // The biased choice routes differently (the loss moves: the weights are the unbiased scores of
+  // other experts) and the gradients stay exact.
+  CHECK(h.objective() != before);
+  h.check_all(6);
 }
 
 TEST_CASE("MoE: Sinkhorn balances the experts' loads, and evaluation routes by the weights", "[moe]") {

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "engine/backend.h"
+#include "engine/moe_routing.h"
 #include "tests/gradcheck.h"
 
 using namespace mt;
@@ -558,6 +559,49 @@ TEST_CASE("reference moe_gather_rows and moe_combine: round trips", "[moe][refer
       CHECK(back.d == x.d);
     }
   }
+}
+
+TEST_CASE("moe_capacity_drop: each expert keeps its capacity of pairs by weight or by position, per block",
+          "[moe][reference]") {
+  auto be = make_reference_backend(1);
+  // 4 rows x top-2 over 3 experts; expert 0 is chosen by every row.
+  Buf idx = Buf::ints({4, 2}, {0, 1, 2, 0, 0, 1, 0, 2});
+  Buf probs = Buf::zeros({4, 2});
+  probs.d = {0.5, 0.2, 0.6, 0.3, 0.9, 0.1, 0.3, 0.25};
+  Buf kept = Buf::ints({4, 2}, std::vector<int32_t>(8, 7));
+  SECTION("by weight, capacity 2 over all 4 rows: expert 0 keeps rows 2 (0.9) and 0 (0.5); expert 1 its 2, expert 2 its 2") {
+    be->moe_capacity_drop(kept.t(), idx.t(), probs.t(), 3, 2, 4, false);
+    CHECK(kept.i == std::vector<int32_t>{0, 1, 2, -1, 0, 1, -1, 2});
+  }
+  SECTION("by position, capacity 2: expert 0 keeps rows 0 and 1") {
+    be->moe_capacity_drop(kept.t(), idx.t(), probs.t(), 3, 2, 4, true);
+    CHECK(kept.i == std::vector<int32_t>{0, 1, 2, 0, -1, 1, -1, 2});
+  }
+  SECTION("by weight, capacity 1 in blocks of 2 rows (two sequence-parallel ranks' rows)") {
+    // Block 0 (rows 0, 1): expert 0 keeps row 0 (0.5 > 0.3). Block 1 (rows 2, 3): row 2 (0.9 > 0.3).
+    be->moe_capacity_drop(kept.t(), idx.t(), probs.t(), 3, 1, 2, false);
+    CHECK(kept.i == std::vector<int32_t>{0, 1, 2, -1, 0, 1, -1, 2});
+  }
+  SECTION("equal weights keep the lower row; a capacity at least the count drops nothing") {
+    probs.d = {0.5, 0.2, 0.6, 0.5, 0.5, 0.1, 0.5, 0.25};
+    be->moe_capacity_drop(kept.t(), idx.t(), probs.t(), 3, 1, 4, false);
+    CHECK(kept.i == std::vector<int32_t>{0, 1, 2, -1, -1, -1, -1, -1});
+    be->moe_capacity_drop(kept.t(), idx.t(), probs.t(), 3, 4, 4, false);
+    CHECK(kept.i == idx.i);
+  }
+}
+
+TEST_CASE("moe_expert_bias_update: Megatron's sign rule towards the mean load", "[moe]") {
+  // Counts 6, 2, 4, 4 (mean 4): the busy expert's bias falls, the idle one's rises, the others stay.
+  std::vector<float> b = {0.5f, -0.25f, 0.0f, 1.0f};
+  const std::vector<double> c = {6, 2, 4, 4};
+  moe_expert_bias_update(b.data(), c.data(), 4, 0.125f);
+  CHECK(b == std::vector<float>{0.375f, -0.125f, 0.0f, 1.0f});
+  // Float arithmetic: a rate below the bias's resolution leaves it unchanged.
+  std::vector<float> big = {1024.0f, 1024.0f};
+  const std::vector<double> c2 = {1, 3};
+  moe_expert_bias_update(big.data(), c2.data(), 2, 1e-5f);
+  CHECK(big == std::vector<float>{1024.0f, 1024.0f});
 }
 
 TEST_CASE("reference moe ops under expert parallelism: ranks' partial combines sum to the whole", "[moe][reference]") {

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "engine/gpt_model.h"
 #include "engine/gpt_model_parts.h"
+#include "engine/moe_routing.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -29,6 +30,12 @@ MoeRouting GptModel::moe_routing() const {
 // The shared expert's gate as a routing of one expert, top-1, sigmoid scoring: its weight is
 // sigmoid(logit) rounded to the logit's dtype (Megatron's F.sigmoid in that dtype), and the routing
 // backward gives d logit = d g * g (1 - g).
+// The expert bias of local layer `local` on the device (empty without expert bias).
+Tensor GptModel::layer_expert_bias(int local) const {
+  if (!has_expert_bias()) return Tensor();
+  return moe_bias_.flat_slice(static_cast<int64_t>(moe_index(local)) * d_.experts, d_.experts);
+}
+
 MoeRouting GptModel::gate_routing() const { return MoeRouting::make(1, 1, MoeScoreFunction::sigmoid); }
 
 // g = sigmoid(the kept gate logit) float32 [N, 1], in the workspace.
@@ -43,6 +50,33 @@ Tensor GptModel::shared_gate_forward(const LayerParams& P, const LayerActs& A) {
 DType GptModel::router_dtype() const {
   const DType T = opt_.compute;
   return d_.moe_router_fp32 && (T == DType::bf16 || T == DType::f16) ? DType::f32 : T;
+}
+
+int GptModel::moe_index(int local) const {
+  int n = 0;
+  for (int l = d_.layer_begin; l < d_.layer_begin + local; ++l) n += d_.is_moe(l) ? 1 : 0;
+  return n;
+}
+
+std::span<float> GptModel::expert_bias(int layer) {
+  MT_CHECK(has_expert_bias() && d_.is_moe(layer) && layer >= d_.layer_begin && layer < d_.layer_end,
+           "no expert bias of layer {} in this chunk", layer);
+  return std::span<float>(moe_bias_host_).subspan(static_cast<size_t>(moe_index(layer - d_.layer_begin)) * d_.experts,
+                                                  static_cast<size_t>(d_.experts));
+}
+
+void GptModel::expert_bias_loaded() { be_.copy_from_host(moe_bias_, moe_bias_host_.data()); }
+
+void GptModel::update_expert_bias(Communicator& dp) {
+  if (!has_expert_bias()) return;
+  be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
+  dp.all_reduce(moe_counts_dev_);
+  be_.copy_to_host(moe_counts_.data(), moe_counts_dev_);
+  const size_t E = static_cast<size_t>(d_.experts);
+  for (size_t m = 0; m < moe_bias_host_.size() / E; ++m)
+    moe_expert_bias_update(moe_bias_host_.data() + m * E, moe_counts_.data() + m * E, d_.experts, d_.moe_bias_rate);
+  std::fill(moe_counts_.begin(), moe_counts_.end(), 0.0);
+  expert_bias_loaded();
 }
 
 int GptModel::moe_layers() const {
@@ -68,6 +102,7 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.logits = a.take(c, router_dtype(), {N, E});
   M.probs = a.take(c, S, {N, d_.topk});
   M.idx = a.take(c, DType::i32, {N, d_.topk});
+  M.kept = d_.moe_drops() ? a.take(c, DType::i32, {N, d_.topk}) : Tensor();
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) M.stats = a.take(c, S, {2 * E + 1});
   M.order = a.take(c, DType::i32, {Ngk});
   M.slot_of = a.take(c, DType::i32, {Ngk});
@@ -150,7 +185,13 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   if (d_.moe_sinkhorn)  // (each TP rank routes its own rows under SP, as Megatron's router does)
     be_.moe_sinkhorn_route(M.probs, M.idx, M.logits, k, d_.tokens_local(), s.training);
   else
-    be_.moe_route(M.probs, M.idx, M.logits, Tensor(), r);
+    be_.moe_route(M.probs, M.idx, M.logits, layer_expert_bias(local), r);
+  // Token dropping: the pairs over an expert's capacity among this rank's rows leave the dispatch
+  // (M.kept); the routing itself (M.idx: the weights' backward) is unchanged.
+  if (d_.moe_drops())
+    be_.moe_capacity_drop(M.kept, M.idx, M.probs, d_.experts, d_.moe_capacity(), d_.tokens_local(),
+                          d_.moe_drop_by_position);
+  const Tensor dispatched = d_.moe_drops() ? M.kept : M.idx;
   if (!M.stats.empty()) {
     be_.moe_aux_stats(M.stats, M.logits, r);
     if (s.training) {
@@ -163,11 +204,11 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // Dispatch: under expert parallelism the EP group's tokens, routing weights and choices.
   const bool ep = d_.ep_size > 1;
   const Tensor xg = ep ? w.moe_xg : A.ln2_out;
-  const Tensor pg = ep ? w.moe_pg : M.probs, ig = ep ? w.moe_ig : M.idx;
+  const Tensor pg = ep ? w.moe_pg : M.probs, ig = ep ? w.moe_ig : dispatched;
   if (ep) {
     ps_.ep->all_gather(xg, A.ln2_out);
     ps_.ep->all_gather(pg, M.probs);
-    ps_.ep->all_gather(ig, M.idx);
+    ps_.ep->all_gather(ig, dispatched);
   }
   const int64_t Ng = xg.rows();
 
@@ -240,6 +281,13 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const int64_t R = offsets.back();
   const bool ep = d_.ep_size > 1;
   const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
+  // Aux-loss-free balancing: this micro-batch's tokens per expert (after dropping; this rank's
+  // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
+  // forward that recomputation may repeat).
+  if (has_expert_bias()) {
+    double* c = moe_counts_.data() + static_cast<size_t>(moe_index(local)) * d_.experts + d_.expert_begin();
+    for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
+  }
 
   // The norm output, where not kept, is rewritten (the same bits) for the weight gradients below.
   if (!A.norm_kept) {

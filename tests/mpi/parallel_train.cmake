@@ -258,3 +258,17 @@ megatrain_parallel_train_test(parallel_train_moe_resume_ep2_to_dp2 --model "${mo
   2 "--expert-model-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")
 megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --model "${moe_model}" --resume
   2 - 4 "--expert-model-parallel-size 4 --use-distributed-optimizer")
+# Aux-loss-free balancing (sigmoid group-limited routing with an expert bias updated every step, and
+# a shared expert) over EP4 and EP2 x PP2; token dropping (the same pairs dropped: capacity per
+# rank's rows) by weight under EP2 x PP2 and by position under EP4 with the distributed optimizer.
+set(moe_bias_model "${moe_sigmoid_model} --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 \
+--moe-shared-expert-intermediate-size 16")
+megatrain_parallel_train_test(parallel_train_moe_bias_ep4 --model "${moe_bias_model}" 4 --expert-model-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_moe_bias_ep2_pp2 --model "${moe_bias_model}" 4 --expert-model-parallel-size 2
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_bias_resume_ep2_to_pp2 --model "${moe_bias_model}" --resume
+  2 "--expert-model-parallel-size 2" 2 "--pipeline-model-parallel-size 2")
+megatrain_parallel_train_test(parallel_train_moe_drop_ep2_pp2 --model "${moe_model} --moe-expert-capacity-factor 0.5" 4
+                              --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_drop_position_ep4_distopt --model "${moe_model} \
+--moe-expert-capacity-factor 0.75 --moe-token-drop-policy position" 4 --expert-model-parallel-size 4 --use-distributed-optimizer)
