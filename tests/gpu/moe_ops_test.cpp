@@ -306,6 +306,31 @@ TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log matc
           }
 }
 
+TEST_CASE("cuda moe_capacity_drop equals the reference's (by weight and by position, blocks of rows)", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (const int64_t N : {7, 64, 1000})
+    for (const int E : {4, 16})
+      for (const int k : {1, 2}) {
+        std::vector<int> pool;
+        for (int e = 0; e < E; ++e) pool.push_back(e);
+        Twin idx = twin(DType::i32, {N, k}, distinct_experts(rng, N, k, pool));
+        std::vector<double> w = rng.normal(N * k, 1.0);
+        for (size_t i = 0; i < w.size(); i += 5) w[i] = 0.25;  // ties
+        Twin probs = twin(DType::f32, {N, k}, w);
+        for (const int64_t block : {N, N % 2 == 0 ? N / 2 : N})
+          for (const bool by_position : {false, true}) {
+            INFO("N " << N << " E " << E << " k " << k << " block " << block << " by position " << by_position);
+            const int64_t cap = std::max<int64_t>(1, block * k / E / 2);
+            Twin kept = twin(DType::i32, {N, k}, std::vector<double>(static_cast<size_t>(N * k), 5.0));
+            dev().moe_capacity_drop(kept.c(), idx.c(), probs.c(), E, cap, block, by_position);
+            ref().moe_capacity_drop(kept.r(), idx.r(), probs.r(), E, cap, block, by_position);
+            const std::vector<double> got = download(dev(), kept.c());
+            CHECK(got == download(ref(), kept.r()));
+            if (N >= 64) CHECK(std::count(got.begin(), got.end(), -1.0) > 0);  // (half the capacity needed)
+          }
+      }
+}
+
 TEST_CASE("cuda moe_permute_plan equals the reference's, empty experts and k = 1 included", "[gpu][moe]") {
   MT_RNG(rng);
   struct Case {
