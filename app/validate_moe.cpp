@@ -125,10 +125,10 @@ std::vector<std::string> not_built(const CliState& st) {
   const ParallelConfig& p = c.parallel;
   const int tp = p.tensor_model_parallel_size;
   const int etp = p.expert_tensor_parallel_size.value_or(tp);
-  if (etp != tp)
+  if (etp != tp && etp != 1)
     out.push_back(fmt::format("megatrain does not support --expert-tensor-parallel-size {} with "
-                              "--tensor-model-parallel-size {} yet (MoE: the experts use the tensor-parallel size)",
-                              etp, tp));
+                              "--tensor-model-parallel-size {} yet (MoE: the experts' tensor-parallel size is 1 or the "
+                              "tensor-parallel size)", etp, tp));
   if (p.context_parallel_size > 1)
     out.push_back(fmt::format("megatrain does not support --num-experts with --context-parallel-size {} yet",
                               p.context_parallel_size));
@@ -142,16 +142,18 @@ std::vector<std::string> not_built(const CliState& st) {
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn)
         out.push_back("megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
+  // The experts' own grid (expert parallelism, or an expert TP size of 1 under TP).
   const int ep = p.expert_model_parallel_size;
-  if (ep > 1) {
+  if (ep > 1 || etp != tp) {
+    const std::string grid = fmt::format("--expert-model-parallel-size {} and --expert-tensor-parallel-size {}", ep, etp);
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
     if (instances > 1)
-      out.push_back(fmt::format("megatrain does not support --expert-model-parallel-size {} with "
-                                "--num-distributed-optimizer-instances {} yet", ep, instances));
+      out.push_back(fmt::format("megatrain does not support {} with --num-distributed-optimizer-instances {} yet", grid,
+                                instances));
     if (p.use_tp_pp_dp_mapping && p.pipeline_model_parallel_size > 1)
-      out.push_back(fmt::format("megatrain does not support --expert-model-parallel-size {} with "
-                                "--use-tp-pp-dp-mapping and --pipeline-model-parallel-size {} yet (its expert-parallel "
-                                "groups would span pipeline stages)", ep, p.pipeline_model_parallel_size));
+      out.push_back(fmt::format("megatrain does not support {} with --use-tp-pp-dp-mapping and "
+                                "--pipeline-model-parallel-size {} yet (the experts' groups would span pipeline stages)",
+                                grid, p.pipeline_model_parallel_size));
   }
   return out;
 }

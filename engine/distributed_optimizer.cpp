@@ -25,7 +25,7 @@ void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& mode
   const std::vector<ParamDesc>& params = model.params();
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
   int64_t norm_end = -1, expert_norm_end = -1;
-  const bool expert_parallel = model.dims().ep_size > 1;
+  const bool expert_parallel = model.dims().experts_own_grid();
   for (const Piece& k : pieces) {
     const ParamDesc& p = params[static_cast<size_t>(k.param)];
     const int g = optim_group(p, decoupled_lr);

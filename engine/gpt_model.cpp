@@ -192,8 +192,8 @@ void GptModel::plan_params() {
     MT_CHECK(opt_.shard_optimizer_state, "FP8 parameters (--fp8-param-gather) need the distributed optimizer");
     for (ParamDesc& p : descs_) p.fp8_storage = opt_.fp8.global_layer_fp8(p.layer) && gemm_of(p) >= 0;
   }
-  MT_CHECK((opt_.expert_dp_size > 0) == (d_.ep_size > 1), "expert-DP size {} with EP {}", opt_.expert_dp_size,
-           d_.ep_size);
+  MT_CHECK((opt_.expert_dp_size > 0) == d_.experts_own_grid(), "expert-DP size {} with EP {} and expert TP {}",
+           opt_.expert_dp_size, d_.ep_size, d_.etp_size);
   grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
                                     d_.pipeline && d_.tied_embeddings, &total_elements_,
                                     ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank});

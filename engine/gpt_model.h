@@ -278,7 +278,8 @@ class GptModel {
   bool has_expert_bias() const { return d_.moe_expert_bias && d_.any_moe(); }
   // Megatron's _update_router_expert_bias, once per step after the gradient reduction: the counts
   // summed over `dp` (the data-parallel group: under expert parallelism every rank counts its own
-  // experts), then b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
+  // experts; with whole experts under TP also over TP, whose ranks dispatched other rows), then
+  // b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
   void update_expert_bias(Communicator& dp);
   // Layer `layer`'s (global number) bias on the host [E]: read for checkpoints; after writing it
   // call expert_bias_loaded().

@@ -7,6 +7,7 @@
 #include "parallel/grad_buckets.h"
 #include "parallel/parallel_state.h"
 #include "parallel/pipeline_layout.h"
+#include "parallel/rank_grid.h"
 
 namespace mt {
 
@@ -22,6 +23,17 @@ RankPosition RankPosition::of(const ParallelState& ps) {
   return r;
 }
 
+namespace {
+// The rank at `r` in the experts' grid (MoE with an own expert grid; CP = 1).
+RankCoord expert_coord(const Config& cfg, const RankPosition& r) {
+  RankCoord dense;
+  dense.tp = r.tp_rank;
+  dense.dp = r.dp_rank;
+  dense.pp = r.pp_rank;
+  return rank_coord(RankGrid::experts_from_config(cfg), rank_at(RankGrid::from_config(cfg), dense));
+}
+}  // namespace
+
 std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute) {
   const std::vector<ModelChunk> layout = stage_chunks(PipelineSplit::from_config(cfg), r.pp_rank);
   const std::vector<int> slots = pipeline_slots_needed(cfg, r.pp_rank);
@@ -32,7 +44,11 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
                                          std::make_pair(c.first_layer, c.first_layer + c.num_layers));
     d.first_stage = c.has_embedding;
     d.last_stage = c.has_output;
-    d.ep_rank = r.dp_rank % d.ep_size;  // (EP spans consecutive DP ranks: parallel/parallel_state.h)
+    if (d.experts_own_grid()) {  // this rank's place in the experts' grid (parallel/parallel_state.h)
+      const RankCoord e = expert_coord(cfg, r);
+      d.ep_rank = e.ep;
+      d.etp_rank = e.tp;
+    }
     dims.push_back(d);
     int64_t total = 0;
     for (const ParamDesc& p : build_param_descs(dims.back(), &total)) params += p.numel();
@@ -50,9 +66,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
     o.dp_size = r.dp_size / instances;
     o.dp_rank = r.dp_rank % o.dp_size;
-    if (dims[c].ep_size > 1) {  // (with one optimizer instance: checked by the parser)
-      o.expert_dp_size = r.dp_size / dims[c].ep_size;
-      o.expert_dp_rank = r.dp_rank / dims[c].ep_size;
+    if (dims[c].experts_own_grid()) {  // (with one optimizer instance: checked by the parser)
+      o.expert_dp_size = RankGrid::experts_from_config(cfg).dp;
+      o.expert_dp_rank = expert_coord(cfg, r).dp;
     }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;

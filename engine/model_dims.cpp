@@ -10,8 +10,10 @@ namespace mt {
 ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
                                  std::optional<std::pair<int, int>> layer_range) {
   ModelDims d = from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
-  MT_CHECK(ps.ep_size == d.ep_size, "EP size {} in the parallel state, {} in the model", ps.ep_size, d.ep_size);
+  MT_CHECK(ps.ep_size == d.ep_size && ps.etp_size == d.etp_size, "EP x ETP {} x {} in the parallel state, {} x {} in "
+           "the model", ps.ep_size, ps.etp_size, d.ep_size, d.etp_size);
   d.ep_rank = ps.ep_rank;
+  d.etp_rank = ps.etp_rank;
   return d;
 }
 
@@ -116,12 +118,18 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.ep_size = cfg.parallel.expert_model_parallel_size;
     if (d.ep_size < 1 || d.experts % d.ep_size)
       fail("--num-experts {} is not a multiple of --expert-model-parallel-size {}", d.experts, d.ep_size);
+    d.etp_size = cfg.parallel.expert_tensor_parallel_size.value_or(tp_size);
+    d.etp_rank = d.etp_size == tp_size ? tp_rank : 0;  // (ETP 1: the expert grid's coordinate is 0)
+    if (d.etp_size != tp_size && d.etp_size != 1)
+      throw Unsupported(fmt::format("--expert-tensor-parallel-size {} with --tensor-model-parallel-size {} is not "
+                                    "supported yet (1 or the TP size are)", d.etp_size, tp_size));
     d.expert_ffn = e.expert_ffn ? e.expert_ffn : e.ffn_hidden_size.value_or(d.ffn);
     d.shared_ffn = e.shared_expert_intermediate_size.value_or(0);
     d.shared_gate = e.shared_expert_gate;
-    if (d.expert_ffn % tp_size || d.shared_ffn % tp_size)
-      fail("--moe-ffn-hidden-size ({}) and --moe-shared-expert-intermediate-size ({}) must be divisible by the "
-           "tensor-parallel size ({})", d.expert_ffn, d.shared_ffn, tp_size);
+    if (d.expert_ffn % d.etp_size || d.shared_ffn % tp_size)
+      fail("--moe-ffn-hidden-size ({}) must be divisible by the experts' tensor-parallel size ({}) and "
+           "--moe-shared-expert-intermediate-size ({}) by the tensor-parallel size ({})", d.expert_ffn, d.etp_size,
+           d.shared_ffn, tp_size);
     d.moe_score = e.score_function;
     d.moe_pre_softmax = e.router_pre_softmax;
     d.moe_scaling = static_cast<float>(e.router_topk_scaling_factor.value_or(0.0));

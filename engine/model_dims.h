@@ -97,11 +97,19 @@ struct ModelDims {
   int ep_size = 1, ep_rank = 0;
   int experts_local() const { return experts / ep_size; }
   int expert_begin() const { return ep_rank * experts_local(); }
+  // The experts' tensor-parallel size (--expert-tensor-parallel-size): TP (the experts split over
+  // the TP ranks as the dense MLP is; every TP rank dispatches all rows), or 1 under TP > 1 (whole
+  // experts; each rank dispatches its own sequence-parallel rows, and the EP group spans TP ranks).
+  int etp_size = 1, etp_rank = 0;
+  bool experts_local_rows() const { return etp_size == 1 && tp_size > 1; }
+  // Whether the experts have a grid of their own (Megatron's parallel folding): their
+  // data-parallel group then differs from the dense one.
+  bool experts_own_grid() const { return experts > 0 && (ep_size > 1 || etp_size != tp_size); }
   int expert_fc1_width() const { return (swiglu ? 2 : 1) * expert_ffn; }
   int shared_fc1_width() const { return (swiglu ? 2 : 1) * shared_ffn; }
-  // Per TP rank (the experts and the shared expert split over TP as the dense MLP is).
-  int expert_ffn_local() const { return expert_ffn / tp_size; }
-  int expert_fc1_width_local() const { return expert_fc1_width() / tp_size; }
+  // Per rank (the experts split over their TP size, the shared expert over TP as the dense MLP is).
+  int expert_ffn_local() const { return expert_ffn / etp_size; }
+  int expert_fc1_width_local() const { return expert_fc1_width() / etp_size; }
   int shared_ffn_local() const { return shared_ffn / tp_size; }
   int shared_fc1_width_local() const { return shared_fc1_width() / tp_size; }
 

@@ -39,15 +39,20 @@ struct Builder {
 
   // Whole tensor on every rank.
   ShardIndex whole(int64_t rows, int64_t cols = 1) const { return ShardIndex::whole(rows, cols); }
-  // Rows split over TP (column-parallel weights and biases, vocab-parallel embeddings).
+  // Rows split over TP (column-parallel weights and biases, vocab-parallel embeddings); over `size`
+  // ranks (this one: `rank`) for the experts, whose TP size may differ.
   ShardIndex rows(int64_t rows, int64_t cols = 1, int64_t chunks = 1) const {
-    const int64_t per_chunk = rows / chunks, local = per_chunk / d.tp_size;
-    return ShardIndex{rows, cols, d.tp_rank * local, 0, local, cols, chunks};
+    return rows_over(rows, cols, chunks, d.tp_size, d.tp_rank);
+  }
+  ShardIndex rows_over(int64_t rows, int64_t cols, int64_t chunks, int size, int rank) const {
+    const int64_t per_chunk = rows / chunks, local = per_chunk / size;
+    return ShardIndex{rows, cols, rank * local, 0, local, cols, chunks};
   }
   // Columns split over TP (row-parallel weights).
-  ShardIndex cols(int64_t rows, int64_t cols) const {
-    const int64_t local = cols / d.tp_size;
-    return ShardIndex{rows, cols, 0, d.tp_rank * local, rows, local, 1};
+  ShardIndex cols(int64_t rows, int64_t cols) const { return cols_over(rows, cols, d.tp_size, d.tp_rank); }
+  ShardIndex cols_over(int64_t rows, int64_t cols, int size, int rank) const {
+    const int64_t local = cols / size;
+    return ShardIndex{rows, cols, 0, rank * local, rows, local, 1};
   }
 
   // tp_partial: whether TP ranks hold partial gradients of this norm (see ParamDesc).
@@ -65,19 +70,20 @@ struct Builder {
   // SwiGLU), and the shared expert (a dense MLP, optionally gated).
   //
   // Under expert parallelism a rank holds experts [expert_begin, + experts_local): the fc1 chunks
-  // (gate, up) of those experts, TP-split inside each, and the fc2 rows of those experts.
+  // (gate, up) of those experts, split inside each over the experts' TP size, and the fc2 rows of
+  // those experts.
   void moe_layer(const std::string& p, int l) {
     const int64_t h = d.hidden, E = d.experts, fe = d.expert_ffn, fc1 = d.expert_fc1_width();
     const int64_t halves = d.swiglu ? 2 : 1, El = d.experts_local(), e0 = d.expert_begin();
     norm(p, "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", h, l, d.sequence_parallel);
     add(p + "mlp.router.weight", {E, h}, whole(E, h), InitKind::normal, d.init_std, true, l).tp_partial_grad =
         d.sequence_parallel;
-    ShardIndex fc1_block = rows(E * fc1, h, E * halves);
+    ShardIndex fc1_block = rows_over(E * fc1, h, E * halves, d.etp_size, d.etp_rank);
     fc1_block.chunk_offset = e0 * halves;
     fc1_block.chunk_count = El * halves;
     add(p + "mlp.experts.linear_fc1.weight", {E * fc1, h}, fc1_block, InitKind::normal, d.init_std, false, l).expert =
         true;
-    ShardIndex fc2_block = cols(E * h, fe);
+    ShardIndex fc2_block = cols_over(E * h, fe, d.etp_size, d.etp_rank);
     fc2_block.row_offset = e0 * h;
     fc2_block.local_rows = El * h;
     add(p + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2_block, InitKind::normal, d.output_init_std, false, l)

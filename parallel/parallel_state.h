@@ -43,8 +43,10 @@ struct ParallelState {
   // holding the other experts of the layers this rank's tokens pass through (tokens are dispatched
   // over it); edp: the replicas of this rank's experts (their gradients are reduced, and with the
   // distributed optimizer sharded, over it); expert_model_parallel: tp x ep x pp (the experts'
-  // share of the gradient norm). Null when EP = 1, where the experts' data-parallel group is dp.
-  int ep_size = 1, ep_rank = 0, edp_size = 1, edp_rank = 0;
+  // share of the gradient norm). Null when the experts share the dense grid (EP = 1, expert TP =
+  // TP), where the experts' data-parallel group is dp.
+  // With an expert TP size of 1 under TP > 1 the EP group spans TP ranks (etp_size 1).
+  int ep_size = 1, ep_rank = 0, edp_size = 1, edp_rank = 0, etp_size = 1, etp_rank = 0;
   std::unique_ptr<Communicator> ep, edp, expert_model_parallel;
   Communicator& expert_dp() const { return edp ? *edp : *dp; }
 

@@ -12,6 +12,12 @@
 // un-permuted partial outputs [Ng, h] are reduce-scattered back to their ranks (the sum over the
 // experts). Backward mirrors it: the output gradient all-gathered, the input gradient and the
 // routing weights' gradient reduce-scattered.
+//
+// The rows a rank dispatches: all N rows of the micro-batch when the experts split over TP as the
+// dense MLP does (their outputs then partial over TP, summed with the shared expert's by the TP
+// reduction), or with an expert TP size of 1 under TP > 1 its own sequence-parallel rows (whole
+// experts: the routed output of those rows is complete and joins the shared expert's after the TP
+// reduction; the EP group then spans TP ranks).
 #include <cmath>
 
 #include "core/error.h"
@@ -71,6 +77,7 @@ void GptModel::update_expert_bias(Communicator& dp) {
   if (!has_expert_bias()) return;
   be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
   dp.all_reduce(moe_counts_dev_);
+  if (d_.experts_local_rows()) ps_.tp->all_reduce(moe_counts_dev_);  // (TP ranks dispatched other rows)
   be_.copy_to_host(moe_counts_.data(), moe_counts_dev_);
   const size_t E = static_cast<size_t>(d_.experts);
   for (size_t m = 0; m < moe_bias_host_.size() / E; ++m)
@@ -89,7 +96,9 @@ int GptModel::moe_layers() const {
 // layout_mlp_acts).
 // The expert-parallel group's tokens (N without EP) and the most (token, slot) pairs this rank's
 // experts can receive (dropless, k distinct experts per token: at most min(k, El) of each token).
-int64_t GptModel::moe_group_tokens() const { return d_.tokens() * d_.ep_size; }
+int64_t GptModel::moe_group_tokens() const {
+  return (d_.experts_local_rows() ? d_.tokens_local() : d_.tokens()) * d_.ep_size;
+}
 int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
@@ -131,7 +140,7 @@ void GptModel::layout_moe_workspace(Arena& a) {
   const DType T = opt_.compute, S = opt_.accum;
   const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, fe = d_.expert_ffn_local();
   const int64_t R = moe_max_rows(), Ng = moe_group_tokens();
-  w.moe_rows = a.take(C::workspace, T, {R, h});  // (R >= N: the shared expert's rows use it too)
+  w.moe_rows = a.take(C::workspace, T, {std::max(R, N), h});  // (N: the shared expert's rows use it too)
   w.moe_act = a.take(C::workspace, T, {R, fe});
   w.moe_dact = a.take(C::workspace, T, {R, fe});
   if (d_.ep_size > 1) {
@@ -139,8 +148,8 @@ void GptModel::layout_moe_workspace(Arena& a) {
     w.moe_yg = a.take(C::workspace, T, {Ng, h});
     w.moe_pg = a.take(C::workspace, S, {Ng, d_.topk});
     w.moe_ig = a.take(C::workspace, DType::i32, {Ng, d_.topk});
-    w.moe_dxl = a.take(C::workspace, T, {N, h});
   }
+  if (d_.ep_size > 1 || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {N, h});
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
@@ -201,14 +210,17 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     }
   }
 
-  // Dispatch: under expert parallelism the EP group's tokens, routing weights and choices.
-  const bool ep = d_.ep_size > 1;
-  const Tensor xg = ep ? w.moe_xg : A.ln2_out;
-  const Tensor pg = ep ? w.moe_pg : M.probs, ig = ep ? w.moe_ig : dispatched;
+  // Dispatch: the rows this rank dispatches (all, or its own under whole experts), under expert
+  // parallelism with the EP group's, all-gathered.
+  const bool ep = d_.ep_size > 1, own_rows = d_.experts_local_rows();
+  const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
+  const Tensor x_in = A.ln2_out.row_slice(r0, n_disp);
+  const Tensor xg = ep ? w.moe_xg : x_in;
+  const Tensor pg = ep ? w.moe_pg : M.probs.row_slice(r0, n_disp), ig = ep ? w.moe_ig : dispatched.row_slice(r0, n_disp);
   if (ep) {
-    ps_.ep->all_gather(xg, A.ln2_out);
-    ps_.ep->all_gather(pg, M.probs);
-    ps_.ep->all_gather(ig, dispatched);
+    ps_.ep->all_gather(xg, x_in);
+    ps_.ep->all_gather(pg, M.probs.row_slice(r0, n_disp));
+    ps_.ep->all_gather(ig, dispatched.row_slice(r0, n_disp));
   }
   const int64_t Ng = xg.rows();
 
@@ -243,27 +255,35 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
   be_.moe_scale_rows(act, act, p_perm);
   be_.grouped_linear_forward(x_perm, act, P.ex_fc2_w, offsets);
-  be_.moe_combine(ep ? w.moe_yg : w.tmp_h, x_perm, M.slot_of, k, false);
-  if (ep) ps_.ep->reduce_scatter(w.tmp_h, w.moe_yg);
+  // The routed output: into tmp_h [N, h] (partial over TP), or with whole experts this rank's rows
+  // [Nl, h], complete.
+  const Tensor routed = own_rows ? w.moe_dxl.row_slice(0, n_disp) : w.tmp_h;
+  be_.moe_combine(ep ? w.moe_yg : routed, x_perm, M.slot_of, k, false);
+  if (ep) ps_.ep->reduce_scatter(routed, w.moe_yg);
 
-  // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g).
-  if (d_.shared_ffn > 0) {
+  // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g)
+  // (with whole experts tmp_h holds the shared expert's output alone).
+  const bool shared = d_.shared_ffn > 0;
+  if (shared) {
     const Tensor rows = w.moe_rows.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
     const Tensor sh_out = d_.shared_gate ? M.sh_out : rows;
     be_.linear_forward(sh_out, w.moe_sh_act, P.sh_fc2_w, Tensor(), Activation::none, Tensor());
-    if (d_.shared_gate) {
-      be_.moe_scale_rows(rows, sh_out, shared_gate_forward(P, A).view({N}));
-      be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, rows);
-    } else {
-      be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, sh_out);
-    }
+    if (d_.shared_gate) be_.moe_scale_rows(rows, sh_out, shared_gate_forward(P, A).view({N}));
+    const Tensor sh = d_.shared_gate ? rows : sh_out;
+    if (own_rows) be_.copy(w.tmp_h, sh);
+    else be_.axpby(w.tmp_h, 1.0f, w.tmp_h, 1.0f, sh);
+  }
+  Tensor y = routed;
+  if (!own_rows || shared) {
+    y = reduce_rows(w.tmp_h);
+    if (own_rows) be_.axpby(y, 1.0f, y, 1.0f, routed);
   }
 
   if (!next.fused)
-    be_.bias_dropout_add(A.out, reduce_rows(w.tmp_h), Tensor(), A.h1, hp, hidden_key(s, layer, 2));
+    be_.bias_dropout_add(A.out, y, Tensor(), A.h1, hp, hidden_key(s, layer, 2));
   else
-    be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, reduce_rows(w.tmp_h), Tensor(), hp,
-                              hidden_key(s, layer, 2), next.weight, next.bias, norm_, next.amax);
+    be_.bias_dropout_add_norm(A.out, next.out, next.mean, next.rstd, A.h1, y, Tensor(), hp, hidden_key(s, layer, 2),
+                              next.weight, next.bias, norm_, next.amax);
 }
 
 // The MoE block's backward: dy (the gradient of out) -> the gradient of h1 in the workspace's gH,
@@ -279,7 +299,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const MoeRouting r = moe_routing();
   const std::vector<int64_t>& offsets = *M.host_offsets;
   const int64_t R = offsets.back();
-  const bool ep = d_.ep_size > 1;
+  const bool ep = d_.ep_size > 1, own_rows = d_.experts_local_rows();
+  const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
   const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
   // Aux-loss-free balancing: this micro-batch's tokens per expert (after dropping; this rank's
   // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
@@ -296,9 +317,10 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   }
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
-  // Its permuted rows d y_perm [R, h] (under EP from the group's gradients, gathered).
-  if (ep) ps_.ep->all_gather(w.moe_yg, d_out);
-  be_.moe_gather_rows(rows, ep ? w.moe_yg : d_out, order, k);
+  // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered).
+  const Tensor d_disp = d_out.row_slice(r0, n_disp);
+  if (ep) ps_.ep->all_gather(w.moe_yg, d_disp);
+  be_.moe_gather_rows(rows, ep ? w.moe_yg : d_disp, order, k);
   bool dx_started = false;  // whether gT (the gradient of ln2's output) holds a first term
 
   // Shared expert (gT = its input gradient).
@@ -342,7 +364,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
   else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
   be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p
-  if (d_.tp_size > 1) ps_.tp->all_reduce(dp_perm);  // (each rank's experts hold 1/TP of f)
+  if (d_.etp_size > 1) ps_.tp->all_reduce(dp_perm);  // (each rank's experts hold 1/TP of f)
   be_.moe_scale_rows(act, act, p_perm);               // fc2's input again
   be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
   // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f], GeLU's in place of d act.
@@ -350,45 +372,61 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.swiglu) be_.swiglu_backward(d_fc1, dact, fc1_pre);
   else be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
-  if (ep) ps_.ep->all_gather(w.moe_xg, A.ln2_out);
-  be_.moe_gather_rows(rows, ep ? w.moe_xg : A.ln2_out, order, k);
+  const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
+  if (ep) ps_.ep->all_gather(w.moe_xg, x_disp);
+  be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
   be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
   be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
-  if (!ep) {
+  // The dispatched rows' input gradient: into gT [N, h] (partial over TP, after the shared
+  // expert's), or with whole experts this rank's rows [Nl, h], complete (added after the TP
+  // reduction below); under EP this rank's experts' share of every group row, reduce-scattered.
+  const Tensor routed_dx = w.moe_dxl.empty() ? Tensor() : w.moe_dxl.row_slice(0, n_disp);
+  if (!ep && !own_rows) {
     be_.moe_combine(w.gT, rows, M.slot_of, k, dx_started);
-  } else {  // this rank's experts' share of every group token's gradient, reduce-scattered
+  } else if (!ep) {
+    be_.moe_combine(routed_dx, rows, M.slot_of, k, false);
+  } else {
     be_.moe_combine(w.moe_yg, rows, M.slot_of, k, false);
-    ps_.ep->reduce_scatter(dx_started ? w.moe_dxl : w.gT, w.moe_yg);
-    if (dx_started) be_.axpby(w.gT, 1.0f, w.gT, 1.0f, w.moe_dxl);
+    const bool into_gT = !own_rows && !dx_started;
+    ps_.ep->reduce_scatter(into_gT ? w.gT : routed_dx, w.moe_yg);
+    if (!own_rows && dx_started) be_.axpby(w.gT, 1.0f, w.gT, 1.0f, routed_dx);
   }
+  const bool gT_written = dx_started || !own_rows;
 
-  // Router: the routing weights' gradient back in token order (under EP: the group's, zero where
-  // another rank's expert took the pair, reduce-scattered), the aux and z-losses' gradients
-  // (seeded as the loss is: loss scale / micro-batches), then the gating GEMM's backward.
+  // Router: the routing weights' gradient back in token order (of the dispatched rows; under EP
+  // the group's, zero where another rank's expert took the pair, reduce-scattered), the aux and
+  // z-losses' gradients (seeded as the loss is: loss scale / micro-batches), then the gating
+  // GEMM's backward, all on this rank's rows (all rows without sequence parallelism).
   const int64_t Ng = moe_group_tokens();
-  const Tensor dprobs_g = ep ? w.moe_pg : w.moe_dprobs;
+  const Tensor dprobs_disp = w.moe_dprobs.row_slice(r0, n_disp);
+  const Tensor dprobs_g = ep ? w.moe_pg : dprobs_disp;
   be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
-  if (ep) ps_.ep->reduce_scatter(w.moe_dprobs, dprobs_g);
+  if (ep) ps_.ep->reduce_scatter(dprobs_disp, dprobs_g);
   Tensor aux_grad;
   if (!M.stats.empty()) {
     const double n = static_cast<double>(N), seed = s.moe_aux_seed;
     const float aux_scale = static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n) * seed);
     const float z_scale = static_cast<float>(d_.moe_z_coeff / n * seed);
-    be_.moe_aux_grad(w.moe_aux_grad, M.logits, M.stats, aux_scale, z_scale, r);
-    aux_grad = w.moe_aux_grad;
+    aux_grad = local_rows(w.moe_aux_grad);
+    be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);
   }
   // (Sinkhorn's weights are the pre-softmax rule's, or the sigmoid rule's with top-1, at its choice.)
   const MoeRouting weights_rule =
       !d_.moe_sinkhorn ? r
       : k == 1         ? MoeRouting::make(d_.experts, 1, MoeScoreFunction::sigmoid)
                        : MoeRouting::make(d_.experts, k, MoeScoreFunction::softmax, /*pre_softmax=*/true);
-  be_.moe_route_backward(w.moe_dlogits, w.moe_dprobs, M.logits, M.idx, aux_grad, weights_rule);
+  be_.moe_route_backward(local_rows(w.moe_dlogits), local_rows(w.moe_dprobs), local_rows(M.logits),
+                         local_rows(M.idx), aux_grad, weights_rule);
 
-  // The gating GEMMs' backward on this rank's rows (all rows without sequence parallelism): their
-  // weight gradients (partial over TP with SP, summed by the grad-sync backward), and their input
-  // gradients added to ln2's gradient after its reduction over TP; then ln2's backward, plus the
-  // residual's gradient.
-  const Tensor d_ln2 = reduce_rows(w.gT);  // [Nl, h]
+  // The gating GEMMs' backward on this rank's rows: their weight gradients (partial over TP with
+  // SP, summed by the grad-sync backward), and their input gradients added to ln2's gradient after
+  // its reduction over TP (with whole experts, to the routed rows' own gradient); then ln2's
+  // backward, plus the residual's gradient.
+  Tensor d_ln2 = routed_dx;  // [Nl, h]
+  if (gT_written) {
+    d_ln2 = reduce_rows(w.gT);
+    if (own_rows) be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, routed_dx);
+  }
   const Tensor dlogits = local_rows(w.moe_dlogits), x = local_rows(A.ln2_out);
   if (w.moe_x32.empty()) {
     be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x, true);

@@ -272,3 +272,20 @@ megatrain_parallel_train_test(parallel_train_moe_drop_ep2_pp2 --model "${moe_mod
                               --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_moe_drop_position_ep4_distopt --model "${moe_model} \
 --moe-expert-capacity-factor 0.75 --moe-token-drop-policy position" 4 --expert-model-parallel-size 4 --use-distributed-optimizer)
+# Whole experts under TP2 with SP (--expert-tensor-parallel-size 1: each rank dispatches its own
+# sequence-parallel rows, the EP group spans TP ranks): EP2 on 4 ranks, EP4 with PP2 on 8, and
+# without EP (the experts replicated over TP x DP); with the expert bias and the distributed
+# optimizer; resumed from TP2 with split experts.
+megatrain_parallel_train_test(parallel_train_moe_etp1_ep2_tp2_sp --model "${moe_model}" 4 --tensor-model-parallel-size 2
+                              --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_moe_etp1_ep4_tp2_pp2 --model "${moe_model}" 8 --tensor-model-parallel-size 2
+                              --sequence-parallel --pipeline-model-parallel-size 2 --expert-model-parallel-size 4
+                              --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_moe_etp1_tp2_sp_dp2 --model "${moe_model}" 4 --tensor-model-parallel-size 2
+                              --sequence-parallel --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_moe_bias_etp1_ep2_tp2_distopt --model "${moe_bias_model}" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+                              --expert-tensor-parallel-size 1 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_moe_resume_tp2_to_etp1_ep2 --model "${moe_model}" --resume
+  2 "--tensor-model-parallel-size 2 --sequence-parallel"
+  4 "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1")
