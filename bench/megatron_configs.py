@@ -8,7 +8,7 @@ launch scripts, it builds the command line as Megatron-LM's test runner would, r
 data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V` (with
 --fim-data, which Megatron refuses on mock data: the small GPT-2-style dataset of tests/fixtures/fim),
 points every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-size N` (N: the
-smallest multiple of TP x PP x CP that is at least 8, the GPUs of one node).
+smallest multiple of TP x PP x CP, and of ETP x EP x PP, that is at least 8, the GPUs of one node).
 
 Prints one line per config (PASS / FAIL and the problems named), then how many passed and which
 problems stop how many configs. `--json FILE` writes the same as JSON; `--write-fixture FILE`
@@ -18,6 +18,7 @@ which keeps them passing.
   python3 bench/megatron_configs.py --megatron ~/Megatron-LM --megatrain build/app/megatrain
 """
 import argparse
+import math
 import collections
 import json
 import os
@@ -145,8 +146,11 @@ def flag_int(words, flag, default=1):
 
 
 def world_size(words):
-    mp = flag_int(words, "--tensor-model-parallel-size") * flag_int(words, "--pipeline-model-parallel-size") * \
-        flag_int(words, "--context-parallel-size")
+    tp, pp = flag_int(words, "--tensor-model-parallel-size"), flag_int(words, "--pipeline-model-parallel-size")
+    mp = tp * pp * flag_int(words, "--context-parallel-size")
+    # MoE: the experts' grid needs the world divisible by ETP x EP x PP as well (Megatron's rule).
+    expert = flag_int(words, "--expert-tensor-parallel-size", tp) * flag_int(words, "--expert-model-parallel-size") * pp
+    mp = math.lcm(mp, expert)
     return mp * max(1, -(-8 // mp))
 
 
