@@ -41,7 +41,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--cp-comm-type", W::other_than, {"p2p"}, ""},
       {"--hierarchical-context-parallel-sizes", W::any_use, {}, ""},
       {"--expert-tensor-parallel-size", W::conditional, {}, "", false,
-       "with --num-experts, values other than 1 and --tensor-model-parallel-size not supported yet"},
+       "with --num-experts, values not dividing --tensor-model-parallel-size not supported yet"},
       // training (1.3)
       {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},

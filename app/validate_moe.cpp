@@ -125,10 +125,10 @@ std::vector<std::string> not_built(const CliState& st) {
   const ParallelConfig& p = c.parallel;
   const int tp = p.tensor_model_parallel_size;
   const int etp = p.expert_tensor_parallel_size.value_or(tp);
-  if (etp != tp && etp != 1)
+  if (tp % etp != 0)
     out.push_back(fmt::format("megatrain does not support --expert-tensor-parallel-size {} with "
-                              "--tensor-model-parallel-size {} yet (MoE: the experts' tensor-parallel size is 1 or the "
-                              "tensor-parallel size)", etp, tp));
+                              "--tensor-model-parallel-size {} yet (MoE: the experts' tensor-parallel size must divide "
+                              "the tensor-parallel size)", etp, tp));
   if (p.context_parallel_size > 1)
     out.push_back(fmt::format("megatrain does not support --num-experts with --context-parallel-size {} yet",
                               p.context_parallel_size));

@@ -10,7 +10,9 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
     : ps_(ps), chunks_(std::move(chunks)) {
   MT_CHECK(!chunks_.empty(), "no model chunks");
   const ParallelConfig& p = cfg.parallel;
-  reduce_ = ps.dp_size > 1;
+  // (Also with one DP rank when the experts' data-parallel group is larger: experts replicated over
+  // TP ranks that dispatched other rows.)
+  reduce_ = ps.dp_size > 1 || ps.edp_size > 1;
   overlap_ = p.overlap_grad_reduce;
   sharded_ = chunks_.front()->grad_layout().sharded;
   // The distributed optimizer reduce-scatters over its instance (ps.dist_opt_group(): the DP group
@@ -86,7 +88,7 @@ void DpGradSync::launch(int chunk, int b) {
   const Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);  // in the main grads' dtype
   const bool expert = L.is_expert_bucket(b);
   Communicator& group = expert ? *ecomm_ : *comm_;
-  if (expert && group.size() == 1) return;  // (EP = DP: nothing to reduce)
+  if (group.size() == 1 && (expert || !inter_)) return;  // (a group of one: nothing to reduce)
   be.comm_wait_for_compute();
   if (sharded_) {
     const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));

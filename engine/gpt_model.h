@@ -278,7 +278,8 @@ class GptModel {
   bool has_expert_bias() const { return d_.moe_expert_bias && d_.any_moe(); }
   // Megatron's _update_router_expert_bias, once per step after the gradient reduction: the counts
   // summed over `dp` (the data-parallel group: under expert parallelism every rank counts its own
-  // experts; with whole experts under TP also over TP, whose ranks dispatched other rows), then
+  // experts; the experts' TP rank 0 counts, and with experts split over fewer ranks than TP, TP
+  // ranks dispatched other rows: summed over TP too), then
   // b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
   void update_expert_bias(Communicator& dp);
   // Layer `layer`'s (global number) bias on the host [E]: read for checkpoints; after writing it
@@ -385,7 +386,8 @@ class GptModel {
   MoeRouting moe_routing() const;
   MoeRouting gate_routing() const;
   Tensor layer_expert_bias(int local) const;
-  int64_t moe_group_tokens() const;  // the expert-parallel group's tokens of a micro-batch (N x EP)
+  int64_t moe_group_tokens() const;  // the rows the dispatch group gathers (N x EP, or Nl x ETP x EP)
+  Communicator* moe_dispatch_group() const;
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   DType router_dtype() const;
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);

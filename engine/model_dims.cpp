@@ -119,10 +119,10 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     if (d.ep_size < 1 || d.experts % d.ep_size)
       fail("--num-experts {} is not a multiple of --expert-model-parallel-size {}", d.experts, d.ep_size);
     d.etp_size = cfg.parallel.expert_tensor_parallel_size.value_or(tp_size);
-    d.etp_rank = d.etp_size == tp_size ? tp_rank : 0;  // (ETP 1: the expert grid's coordinate is 0)
-    if (d.etp_size != tp_size && d.etp_size != 1)
+    d.etp_rank = d.etp_size == tp_size ? tp_rank : 0;  // (otherwise from the experts' grid: the caller)
+    if (d.etp_size < 1 || tp_size % d.etp_size != 0)
       throw Unsupported(fmt::format("--expert-tensor-parallel-size {} with --tensor-model-parallel-size {} is not "
-                                    "supported yet (1 or the TP size are)", d.etp_size, tp_size));
+                                    "supported yet (divisors of the TP size are)", d.etp_size, tp_size));
     d.expert_ffn = e.expert_ffn ? e.expert_ffn : e.ffn_hidden_size.value_or(d.ffn);
     d.shared_ffn = e.shared_expert_intermediate_size.value_or(0);
     d.shared_gate = e.shared_expert_gate;

@@ -98,10 +98,11 @@ struct ModelDims {
   int experts_local() const { return experts / ep_size; }
   int expert_begin() const { return ep_rank * experts_local(); }
   // The experts' tensor-parallel size (--expert-tensor-parallel-size): TP (the experts split over
-  // the TP ranks as the dense MLP is; every TP rank dispatches all rows), or 1 under TP > 1 (whole
-  // experts; each rank dispatches its own sequence-parallel rows, and the EP group spans TP ranks).
+  // the TP ranks as the dense MLP is; every TP rank dispatches all rows), or a divisor of TP
+  // (Megatron's parallel folding: each rank dispatches its own sequence-parallel rows over the
+  // experts' tp x ep group, which spans TP ranks).
   int etp_size = 1, etp_rank = 0;
-  bool experts_local_rows() const { return etp_size == 1 && tp_size > 1; }
+  bool experts_local_rows() const { return etp_size < tp_size; }
   // Whether the experts have a grid of their own (Megatron's parallel folding): their
   // data-parallel group then differs from the dense one.
   bool experts_own_grid() const { return experts > 0 && (ep_size > 1 || etp_size != tp_size); }

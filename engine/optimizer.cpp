@@ -38,7 +38,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     }
   }
   grad_sync_ = std::make_unique<DpGradSync>(cfg, ps, chunks_);
-  if (sharded_ && ps.dist_opt_size() > 1)
+  if (sharded_ && (ps.dist_opt_size() > 1 || (ps.edp && ps.edp_size > 1)))
     param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(), grad_sync_->expert_comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   const double lr = t.lr.value_or(0.0);

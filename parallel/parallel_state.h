@@ -48,6 +48,9 @@ struct ParallelState {
   // With an expert TP size of 1 under TP > 1 the EP group spans TP ranks (etp_size 1).
   int ep_size = 1, ep_rank = 0, edp_size = 1, edp_rank = 0, etp_size = 1, etp_rank = 0;
   std::unique_ptr<Communicator> ep, edp, expert_model_parallel;
+  // With an expert TP size below TP: the experts' tp x ep group (the rows its members dispatch are
+  // gathered over it); null when of one rank.
+  std::unique_ptr<Communicator> expert_tp_ep;
   Communicator& expert_dp() const { return edp ? *edp : *dp; }
 
   // --num-distributed-optimizer-instances N > 1 (Megatron's partial distributed optimizer): the DP

@@ -297,10 +297,10 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "stages)"},
       {"--expert-tensor-parallel-size 2", 2,
        "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
-       "experts' tensor-parallel size is 1 or the tensor-parallel size)"},
-      {"--tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2", 4,
-       "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 4 yet (MoE: the "
-       "experts' tensor-parallel size is 1 or the tensor-parallel size)"},
+       "experts' tensor-parallel size must divide the tensor-parallel size)"},
+      {"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4", 4,
+       "megatrain does not support --expert-tensor-parallel-size 4 with --tensor-model-parallel-size 2 yet (MoE: the "
+       "experts' tensor-parallel size must divide the tensor-parallel size)"},
       {"--bf16 --fp8-format hybrid", 1,
        "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
@@ -368,7 +368,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "values quantile_balancing, seq_aux_loss, global_aux_loss not supported yet");
   CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--context-parallel-size > 1"));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
-             Contains("values other than 1 and --tensor-model-parallel-size not supported yet"));
+             Contains("values not dividing --tensor-model-parallel-size not supported yet"));
   CHECK(cli::fully_unsupported("--moe-per-layer-logging"));
   CHECK_FALSE(cli::fully_unsupported("--num-experts"));
 }

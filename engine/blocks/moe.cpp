@@ -77,7 +77,7 @@ void GptModel::update_expert_bias(Communicator& dp) {
   if (!has_expert_bias()) return;
   be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
   dp.all_reduce(moe_counts_dev_);
-  if (d_.experts_local_rows()) ps_.tp->all_reduce(moe_counts_dev_);  // (TP ranks dispatched other rows)
+  if (d_.tp_size > 1) ps_.tp->all_reduce(moe_counts_dev_);  // (whole experts: TP ranks dispatched other rows)
   be_.copy_to_host(moe_counts_.data(), moe_counts_dev_);
   const size_t E = static_cast<size_t>(d_.experts);
   for (size_t m = 0; m < moe_bias_host_.size() / E; ++m)
@@ -97,7 +97,14 @@ int GptModel::moe_layers() const {
 // The expert-parallel group's tokens (N without EP) and the most (token, slot) pairs this rank's
 // experts can receive (dropless, k distinct experts per token: at most min(k, El) of each token).
 int64_t GptModel::moe_group_tokens() const {
-  return (d_.experts_local_rows() ? d_.tokens_local() : d_.tokens()) * d_.ep_size;
+  return d_.experts_local_rows() ? d_.tokens_local() * d_.etp_size * d_.ep_size : d_.tokens() * d_.ep_size;
+}
+
+// The group the dispatched rows are gathered over (null: this rank's alone): the EP group, or
+// with experts split over fewer ranks than TP the experts' tp x ep group (each member's own rows).
+Communicator* GptModel::moe_dispatch_group() const {
+  Communicator* g = d_.experts_local_rows() ? ps_.expert_tp_ep.get() : ps_.ep.get();
+  return g && g->size() > 1 ? g : nullptr;
 }
 int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
@@ -143,13 +150,13 @@ void GptModel::layout_moe_workspace(Arena& a) {
   w.moe_rows = a.take(C::workspace, T, {std::max(R, N), h});  // (N: the shared expert's rows use it too)
   w.moe_act = a.take(C::workspace, T, {R, fe});
   w.moe_dact = a.take(C::workspace, T, {R, fe});
-  if (d_.ep_size > 1) {
+  if (Ng > (d_.experts_local_rows() ? d_.tokens_local() : N)) {  // (gathered over a dispatch group)
     w.moe_xg = a.take(C::workspace, T, {Ng, h});
     w.moe_yg = a.take(C::workspace, T, {Ng, h});
     w.moe_pg = a.take(C::workspace, S, {Ng, d_.topk});
     w.moe_ig = a.take(C::workspace, DType::i32, {Ng, d_.topk});
   }
-  if (d_.ep_size > 1 || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {N, h});
+  if (Ng > N || d_.ep_size > 1 || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
@@ -212,15 +219,17 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
 
   // Dispatch: the rows this rank dispatches (all, or its own under whole experts), under expert
   // parallelism with the EP group's, all-gathered.
-  const bool ep = d_.ep_size > 1, own_rows = d_.experts_local_rows();
+  const bool own_rows = d_.experts_local_rows();
+  Communicator* const disp = moe_dispatch_group();
+  const bool ep = disp != nullptr;
   const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
   const Tensor x_in = A.ln2_out.row_slice(r0, n_disp);
   const Tensor xg = ep ? w.moe_xg : x_in;
   const Tensor pg = ep ? w.moe_pg : M.probs.row_slice(r0, n_disp), ig = ep ? w.moe_ig : dispatched.row_slice(r0, n_disp);
   if (ep) {
-    ps_.ep->all_gather(xg, x_in);
-    ps_.ep->all_gather(pg, M.probs.row_slice(r0, n_disp));
-    ps_.ep->all_gather(ig, dispatched.row_slice(r0, n_disp));
+    disp->all_gather(xg, x_in);
+    disp->all_gather(pg, M.probs.row_slice(r0, n_disp));
+    disp->all_gather(ig, dispatched.row_slice(r0, n_disp));
   }
   const int64_t Ng = xg.rows();
 
@@ -259,7 +268,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // [Nl, h], complete.
   const Tensor routed = own_rows ? w.moe_dxl.row_slice(0, n_disp) : w.tmp_h;
   be_.moe_combine(ep ? w.moe_yg : routed, x_perm, M.slot_of, k, false);
-  if (ep) ps_.ep->reduce_scatter(routed, w.moe_yg);
+  if (ep) disp->reduce_scatter(routed, w.moe_yg);
 
   // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g)
   // (with whole experts tmp_h holds the shared expert's output alone).
@@ -299,13 +308,15 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const MoeRouting r = moe_routing();
   const std::vector<int64_t>& offsets = *M.host_offsets;
   const int64_t R = offsets.back();
-  const bool ep = d_.ep_size > 1, own_rows = d_.experts_local_rows();
+  const bool own_rows = d_.experts_local_rows();
+  Communicator* const disp = moe_dispatch_group();
+  const bool ep = disp != nullptr;
   const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
   const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
   // Aux-loss-free balancing: this micro-batch's tokens per expert (after dropping; this rank's
   // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
   // forward that recomputation may repeat).
-  if (has_expert_bias()) {
+  if (has_expert_bias() && d_.etp_rank == 0) {  // (one count per pair: the experts' TP rank 0)
     double* c = moe_counts_.data() + static_cast<size_t>(moe_index(local)) * d_.experts + d_.expert_begin();
     for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
   }
@@ -319,7 +330,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
   // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered).
   const Tensor d_disp = d_out.row_slice(r0, n_disp);
-  if (ep) ps_.ep->all_gather(w.moe_yg, d_disp);
+  if (ep) disp->all_gather(w.moe_yg, d_disp);
   be_.moe_gather_rows(rows, ep ? w.moe_yg : d_disp, order, k);
   bool dx_started = false;  // whether gT (the gradient of ln2's output) holds a first term
 
@@ -364,7 +375,10 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
   else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
   be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p
-  if (d_.etp_size > 1) ps_.tp->all_reduce(dp_perm);  // (each rank's experts hold 1/TP of f)
+  // Each rank's experts hold 1/ETP of f: the weights' gradient is partial over the experts' TP ranks.
+  // Summed over TP here when the experts split over TP; otherwise the reduce-scatter over the
+  // dispatch group below (which holds the experts' TP ranks) sums it.
+  if (d_.etp_size > 1 && !own_rows) ps_.tp->all_reduce(dp_perm);
   be_.moe_scale_rows(act, act, p_perm);               // fc2's input again
   be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
   // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f], GeLU's in place of d act.
@@ -373,7 +387,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   else be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
   const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
-  if (ep) ps_.ep->all_gather(w.moe_xg, x_disp);
+  if (ep) disp->all_gather(w.moe_xg, x_disp);
   be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
   be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
   be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
@@ -388,7 +402,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   } else {
     be_.moe_combine(w.moe_yg, rows, M.slot_of, k, false);
     const bool into_gT = !own_rows && !dx_started;
-    ps_.ep->reduce_scatter(into_gT ? w.gT : routed_dx, w.moe_yg);
+    disp->reduce_scatter(into_gT ? w.gT : routed_dx, w.moe_yg);
     if (!own_rows && dx_started) be_.axpby(w.gT, 1.0f, w.gT, 1.0f, routed_dx);
   }
   const bool gT_written = dx_started || !own_rows;
@@ -401,7 +415,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor dprobs_disp = w.moe_dprobs.row_slice(r0, n_disp);
   const Tensor dprobs_g = ep ? w.moe_pg : dprobs_disp;
   be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
-  if (ep) ps_.ep->reduce_scatter(dprobs_disp, dprobs_g);
+  if (ep) disp->reduce_scatter(dprobs_disp, dprobs_g);
   Tensor aux_grad;
   if (!M.stats.empty()) {
     const double n = static_cast<double>(N), seed = s.moe_aux_seed;

@@ -289,3 +289,16 @@ megatrain_parallel_train_test(parallel_train_moe_bias_etp1_ep2_tp2_distopt --mod
 megatrain_parallel_train_test(parallel_train_moe_resume_tp2_to_etp1_ep2 --model "${moe_model}" --resume
   2 "--tensor-model-parallel-size 2 --sequence-parallel"
   4 "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1")
+# Parallel folding with experts split over 2 of TP 4's ranks (--expert-tensor-parallel-size 2): rows
+# gathered over the experts' tp x ep group, outputs partial over the experts' TP pair; EP2 on 8
+# ranks (DP 2) and EP1 on 4, with the expert bias.
+megatrain_parallel_train_test(parallel_train_moe_etp2_ep2_tp4 --model "${moe_model}" 8 --tensor-model-parallel-size 4
+                              --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_bias_etp2_tp4 --model "${moe_bias_model}" 4 --tensor-model-parallel-size 4
+                              --sequence-parallel --expert-tensor-parallel-size 2)
+# ... and without a shared expert at DP 1: the experts' gradients are still reduced over the TP
+# ranks (their data-parallel group), the routed output alone is the MoE output.
+megatrain_parallel_train_test(parallel_train_moe_etp1_tp2_no_shared --model "--disable-bias-linear --swiglu \
+--normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
+--moe-layer-freq 2" 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1
+                              --use-distributed-optimizer)
