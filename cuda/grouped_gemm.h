@@ -43,10 +43,7 @@ class GroupedGemm {
   };
   // rows: all rows of the op (their mean per expert with rows picks the per-expert path).
   void run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows);
-  // Measured on an H200 (bf16, bench/RESULTS.md): the grouped batched GEMM reached 275-300 TFLOP/s
-  // at 2048 rows per expert where per-expert GEMMs reached 560-610, and 50-100 TFLOP/s at 1024 rows
-  // per expert (64 experts) where the per-expert weight-gradient GEMMs reached 317.
-  static constexpr int64_t kPerExpertRows = 128;
+  static constexpr int64_t kPerExpertRows = 2048;
 
   cudaStream_t stream_;
   cublasHandle_t handle_ = nullptr;
