@@ -196,7 +196,11 @@ void add_moe_flags(FlagTable& t) {
   t.flag("--moe-per-layer-logging", "per-layer MoE losses in TensorBoard", MT_FIELD(model.moe.per_layer_logging));
   t.flag("--moe-layer-recompute", "deprecated: --recompute-granularity selective --recompute-modules moe",
          MT_FIELD(model.moe.layer_recompute));
-  t.recognised("--overlap-moe-expert-parallel-comm", Arity::none, "", "off", "overlap expert-parallel communication");
+  t.without_effect(t.flag("--overlap-moe-expert-parallel-comm",
+                          "overlap the expert-parallel dispatch with another micro-batch's computation",
+                          MT_FIELD(model.moe.overlap_expert_parallel_comm)),
+                   "megatrain does not overlap the expert-parallel dispatch with computation yet: the same results, "
+                   "the communication not hidden");
   t.recognised("--delay-wgrad-compute", Arity::none, "", "off", "delay weight-gradient GEMMs (EP overlap)");
   t.recognised("--moe-latent-size", Arity::one, "INT", "None", "latent projections around the experts");
   t.recognised("--moe-use-upcycling", Arity::none, "", "off", "turn a dense checkpoint into an MoE model");

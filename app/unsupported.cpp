@@ -105,7 +105,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-input-jitter-eps", W::any_use, {}, "", true},
       {"--moe-per-layer-logging", W::any_use, {}, "", true},
       {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
-      {"--overlap-moe-expert-parallel-comm", W::any_use, {}, "expert parallelism"},
       {"--delay-wgrad-compute", W::any_use, {}, "expert parallelism's overlap"},
       {"--moe-latent-size", W::any_use, {}, ""},
       {"--moe-use-upcycling", W::any_use, {}, ""},

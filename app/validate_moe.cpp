@@ -90,6 +90,35 @@ void megatron_moe_rules(CliState& st) {
       fail("--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall or flex");
   }
 
+  // Expert-parallel communication overlap (TransformerConfig.__post_init__).
+  if (e.overlap_expert_parallel_comm) {
+    if (p.pipeline_model_parallel_size > 1 && p.virtual_pipeline_size <= 1 && !st.has("--num-layers-per-virtual-pipeline-stage") &&
+        !st.has("--num-virtual-stages-per-pipeline-rank"))
+      fail("--overlap-moe-expert-parallel-comm with --pipeline-model-parallel-size {} needs a virtual pipeline "
+           "(If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+           "pipeline_model_parallel_size > 1)", p.pipeline_model_parallel_size);
+    if (ep <= 1)
+      fail("--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1 "
+           "(overlap_moe_expert_parallel_comm is only supported with expert model parallelism)");
+    if (e.token_dispatcher_type == MoeDispatcher::allgather)
+      fail("--overlap-moe-expert-parallel-comm needs --moe-token-dispatcher-type alltoall or flex "
+           "(overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher)");
+    if (c.train.recompute_granularity == RecomputeGranularity::full || c.train.recompute_method != RecomputeMethod::none ||
+        c.train.recompute_num_layers)
+      fail("--overlap-moe-expert-parallel-comm needs no full recomputation (disable full recomputation when enabling "
+           "overlap_moe_expert_parallel_comm)");
+    for (const std::string& m : c.train.recompute_modules)
+      if (m == "moe")
+        fail("--overlap-moe-expert-parallel-comm with --recompute-modules moe (disable moe in recompute_modules when "
+             "enabling overlap_moe_expert_parallel_comm)");
+    if (c.train.precision == Precision::fp32)
+      fail("--overlap-moe-expert-parallel-comm needs --bf16 or --fp16 (overlap_moe_expert_parallel_comm is only "
+           "supported with bf16 or fp16 model)");
+    if (e.shared_expert_overlap)
+      fail("--overlap-moe-expert-parallel-comm with --moe-shared-expert-overlap (disable moe_shared_expert_overlap "
+           "when enabling overlap_moe_expert_parallel_comm)");
+  }
+
   // Router padding for FP8/FP4 GEMMs.
   if (e.router_padding_for_fp8) {
     if (!c.train.fp8_format && !st.has("--fp4-format"))

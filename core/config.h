@@ -75,6 +75,7 @@ struct MoeConfig {
   bool per_layer_logging = false;
   bool router_force_load_balancing = false;
   bool layer_recompute = false;            // deprecated: --recompute-modules moe
+  bool overlap_expert_parallel_comm = false;  // --overlap-moe-expert-parallel-comm (performance only)
 
   // derived
   int expert_ffn = 0;                      // ffn_hidden_size or the model's ffn size

@@ -256,6 +256,21 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
   ep_ms.clear();
   parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"), 2, &ep_ms);
   CHECK_FALSE(has_message(ep_ms, SetupMessage::Kind::note, "--moe-token-dispatcher-type"));
+  // --overlap-moe-expert-parallel-comm: Megatron's rules, then accepted with a note (performance only).
+  const Args ovl = moe_gpt() + words("--overlap-moe-expert-parallel-comm --bf16");
+  CHECK_THAT(parse_error(ovl, 2), Contains("needs --expert-model-parallel-size > 1"));
+  CHECK_THAT(parse_error(ovl + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"), 2),
+             Contains("needs --moe-token-dispatcher-type alltoall or flex"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--overlap-moe-expert-parallel-comm --expert-model-parallel-size 2 "
+                                           "--moe-token-dispatcher-type alltoall"), 2),
+             Contains("needs --bf16 or --fp16"));
+  CHECK_THAT(parse_error(ovl + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+                                     "--pipeline-model-parallel-size 2"), 4),
+             Contains("needs a virtual pipeline"));
+  ep_ms.clear();
+  parse(ovl + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"), 2, &ep_ms);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note,
+                    "megatrain does not overlap the expert-parallel dispatch with computation yet"));
   // MoE with TP > 1 needs sequence parallelism; with biases, ETP 1.
   CHECK(parse_error(moe_gpt() + words("--tensor-model-parallel-size 2"), 2) ==
         "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel (Megatron's MoE layer raises "
