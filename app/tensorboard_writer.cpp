@@ -330,6 +330,7 @@ void TensorBoardReporter::on_iteration(const IterationStats& stats) {
     both("batch-size", static_cast<double>(s.global_batch_size), it, samples);
     const auto& losses = s.iteration_losses.empty() ? s.losses : s.iteration_losses;
     for (const auto& [key, value] : losses) both(key, value, it, samples);
+    for (const auto& [tag, value] : s.moe_layer_scalars) writer_.add_scalar(tag, value, it);
     if (cfg_.log_loss_scale_to_tensorboard) both("loss-scale", s.loss_scale, it, samples);
     if (cfg_.log_world_size_to_tensorboard) both("world-size", static_cast<double>(world_size_), it, samples);
     if (s.grad_norm) both("grad-norm", *s.grad_norm, it, samples);

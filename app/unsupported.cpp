@@ -103,7 +103,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-token-dispatcher-type", W::values, {"flex"}, "built: allgather, alltoall", true},
       {"--moe-pad-expert-input-to-capacity", W::any_use, {}, "padding each expert's input to its capacity", true},
       {"--moe-input-jitter-eps", W::any_use, {}, "", true},
-      {"--moe-per-layer-logging", W::any_use, {}, "", true},
       {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
       {"--delay-wgrad-compute", W::any_use, {}, "expert parallelism's overlap"},
       {"--moe-latent-size", W::any_use, {}, ""},

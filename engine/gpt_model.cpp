@@ -277,7 +277,11 @@ void GptModel::layout(Arena& a) {
   scalars_ = a.take(C::workspace, S, {16});
   train_loss_ = a.take(C::workspace, S, {2});
   eval_loss_ = a.take(C::workspace, S, {2});
-  moe_loss_ = d_.any_moe() ? a.take(C::workspace, S, {2}) : Tensor();
+  moe_loss_ = moe_layer_loss_ = Tensor();
+  if (d_.any_moe()) moe_loss_ = a.take(C::workspace, S, {2});  // {aux, z} summed over the MoE layers
+  // With per-layer logging {aux, z} per global layer, on every chunk (the step's reduction over
+  // DP and PP takes one such buffer from every rank, MoE layers or not).
+  if (d_.moe_per_layer_logging) moe_layer_loss_ = a.take(C::workspace, S, {2 * int64_t{d_.num_layers}});
   moe_host_offsets_.clear();
   moe_bias_ = moe_counts_dev_ = Tensor();
   if (has_expert_bias()) {

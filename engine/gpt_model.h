@@ -270,6 +270,9 @@ class GptModel {
   // coefficient} (Megatron's load_balancing_loss and z_loss before their averaging). The trainer
   // zeroes it at each step's start.
   Tensor moe_loss_sums() const { return moe_loss_; }
+  // With --moe-per-layer-logging: the same per global layer, [2 x num_layers] ({aux, z} of layer l
+  // at 2l; zero for the layers of other chunks and dense layers). Empty otherwise.
+  Tensor moe_layer_loss_sums() const { return moe_layer_loss_; }
   int moe_layers() const;  // MoE layers of this chunk
 
   // Aux-loss-free load balancing (ModelDims::moe_expert_bias): each MoE layer's expert bias [E]
@@ -486,7 +489,8 @@ class GptModel {
   const NormParams& qk_norm_params() const { return d_.qk_l2 ? qk_l2_norm_ : norm_; }
   GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
-  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_;
+  Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
+      moe_layer_loss_;
   // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.
   Tensor moe_bias_, moe_counts_dev_;
   std::vector<float> moe_bias_host_;

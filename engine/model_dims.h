@@ -65,6 +65,8 @@ struct ModelDims {
   // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
   // prints it) and z_loss (--moe-z-loss-coeff given).
   bool moe_log_aux = false, moe_log_z = false;
+  // --moe-per-layer-logging: each layer's values too (TensorBoard's moe/<name>_layer_<i>).
+  bool moe_per_layer_logging = false;
   // --moe-router-dtype fp32: the gating GEMM and the routing in float32 whatever the compute dtype
   // (Megatron casts the router's input and weight to it).
   bool moe_router_fp32 = false;

@@ -157,6 +157,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     const double div = static_cast<double>(ps_.dp_size) * m * std::max(1, moe_layers);
     if (d.moe_log_aux) out.moe_aux = host[kMoeAux] / div;
     if (d.moe_log_z) out.moe_z = host[kMoeZ] / div;
+    if (d.moe_per_layer_logging) read_moe_layer_losses(out, static_cast<double>(ps_.dp_size) * m);
   }
   // The gradients in the buffer are scaled by the loss scale and summed over DP ranks; per-token
   // loss normalizes by the global batch's tokens instead of per micro-batch.
@@ -251,6 +252,34 @@ void Optimizer::reduce_expert_statistics(Tensor sums) {
   if (!ps_.expert_model_parallel) return;
   if (sharded_) ps_.edp->all_reduce(sums);
   ps_.expert_model_parallel->all_reduce(sums);
+}
+
+void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
+  // Every rank calls the same collectives: the chunks without MoE layers hold zeros.
+  Tensor sums;
+  for (GptModel* m : chunks_) {
+    const Tensor t = m->moe_layer_loss_sums();
+    if (t.empty()) continue;
+    if (sums.empty()) sums = t;
+    else be_.axpby(sums, 1.0f, sums, 1.0f, t);
+  }
+  const ModelDims& d = chunks_.front()->dims();
+  const int64_t n = 2 * int64_t{d.num_layers};
+  MT_CHECK(!sums.empty() && sums.numel() == n, "--moe-per-layer-logging: no per-layer buffer on this rank");
+  ps_.dp->all_reduce(sums);
+  if (ps_.pp_size > 1) ps_.pp->all_reduce(sums);
+  moe_layer_host_.resize(static_cast<size_t>(n));
+  if (sums.dtype == DType::f64) {
+    be_.copy_to_host(moe_layer_host_.data(), sums);
+  } else {
+    moe_layer_f32_.resize(static_cast<size_t>(n));
+    be_.copy_to_host(moe_layer_f32_.data(), sums);
+    std::copy(moe_layer_f32_.begin(), moe_layer_f32_.end(), moe_layer_host_.begin());
+  }
+  for (int l = 0; l < d.num_layers; ++l) {
+    if (d.moe_log_aux) out.moe_aux_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l)] / divisor);
+    if (d.moe_log_z) out.moe_z_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l) + 1] / divisor);
+  }
 }
 
 double Optimizer::params_norm() {

@@ -41,6 +41,9 @@ struct StepOutcome {
   // MoE: Megatron's logged load_balancing_loss and z_loss (coefficients removed), averaged over
   // micro-batches, DP replicas and MoE layers.
   std::optional<double> moe_aux, moe_z;
+  // With --moe-per-layer-logging: each global layer's values (not divided by the MoE layers; zero
+  // for dense layers), as Megatron writes moe/<name>_layer_<i>.
+  std::vector<double> moe_aux_layers, moe_z_layers;
   double loss() const { return loss_sum / std::max(1.0, tokens); }
 };
 
@@ -99,6 +102,10 @@ class Optimizer {
   void rescale_fp8_params();
   double read_scalars(double* host, int count);
   void reduce_expert_statistics(Tensor sums);
+  // --moe-per-layer-logging: the chunks' per-layer sums, reduced over DP and PP, on the host.
+  void read_moe_layer_losses(StepOutcome& out, double divisor);
+  std::vector<double> moe_layer_host_;
+  std::vector<float> moe_layer_f32_;
 
   const Config& cfg_;
   std::vector<GptModel*> chunks_;

@@ -34,6 +34,8 @@ struct IterationStats {
   std::map<std::string, double> losses;  // "lm loss" -> average over the interval
   // This iteration's own reduced losses (what Megatron writes to TensorBoard); empty: use `losses`.
   std::map<std::string, double> iteration_losses;
+  // --moe-per-layer-logging: TensorBoard tag (Megatron's moe/<name>_layer_<i>) -> this iteration's value.
+  std::vector<std::pair<std::string, double>> moe_layer_scalars;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<int64_t> num_zeros;     // --log-num-zeros-in-grad

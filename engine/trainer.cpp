@@ -202,6 +202,7 @@ StepOutcome Trainer::train_step(int64_t global_batch) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
     if (!m->moe_loss_sums().empty()) be.fill(m->moe_loss_sums(), 0.0);
+    if (!m->moe_layer_loss_sums().empty()) be.fill(m->moe_layer_loss_sums(), 0.0);
     m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
@@ -372,6 +373,12 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
   if (!o.skipped && o.moe_aux) s.iteration_losses["load_balancing_loss"] = *o.moe_aux;
   if (!o.skipped && o.moe_z) s.iteration_losses["z_loss"] = *o.moe_z;
+  if (!o.skipped) {
+    for (size_t l = 0; l < o.moe_aux_layers.size(); ++l)
+      s.moe_layer_scalars.push_back({fmt::format("moe/load_balancing_loss_layer_{}", l), o.moe_aux_layers[l]});
+    for (size_t l = 0; l < o.moe_z_layers.size(); ++l)
+      s.moe_layer_scalars.push_back({fmt::format("moe/z_loss_layer_{}", l), o.moe_z_layers[l]});
+  }
   s.loss_scale = scaler_.scale();
   s.grad_norm = o.grad_norm;
   s.num_zeros = o.num_zeros;

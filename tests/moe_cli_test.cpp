@@ -6,6 +6,7 @@
 
 #include "app/checkpoint_args.h"
 #include "app/flags.h"
+#include "app/tensorboard_writer.h"
 #include "app/unsupported.h"
 #include "checkpoint/checkpoint_io.h"
 #include "engine/flops.h"
@@ -329,7 +330,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "megatrain does not support --moe-pad-expert-input-to-capacity yet (padding each expert's input to its "
        "capacity)"},
       {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
-      {"--moe-per-layer-logging", 1, "megatrain does not support --moe-per-layer-logging yet"},
       {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
       {"--moe-router-force-load-balancing", 1, "megatrain does not support --moe-router-force-load-balancing yet"},
       {"--moe-token-dispatcher-type flex", 1,
@@ -344,10 +344,10 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Several at once, one line each.
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-per-layer-logging --moe-router-dtype fp64")) ==
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-input-jitter-eps 0.1 --moe-router-dtype fp64")) ==
         "3 problems with the command line:\n"
         "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
-        "  megatrain does not support --moe-per-layer-logging yet\n"
+        "  megatrain does not support --moe-input-jitter-eps 0.1 yet\n"
         "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
@@ -384,7 +384,8 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--context-parallel-size > 1"));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
              Contains("values not dividing --tensor-model-parallel-size not supported yet"));
-  CHECK(cli::fully_unsupported("--moe-per-layer-logging"));
+  CHECK(cli::fully_unsupported("--moe-input-jitter-eps"));
+  CHECK_FALSE(cli::fully_unsupported("--moe-per-layer-logging"));
   CHECK_FALSE(cli::fully_unsupported("--num-experts"));
 }
 
@@ -601,4 +602,35 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, and export-hf / export-megat
   CHECK(meg.exit_code != 0);
   CHECK_THAT(meg.err, Contains("export-megatron:") && Contains("mixture-of-experts model (--num-experts 4)"));
   CHECK_FALSE(std::filesystem::exists(dir.str("meg")));
+}
+
+TEST_CASE("binary: --moe-per-layer-logging writes each layer's losses to TensorBoard as Megatron names them",
+          "[cli][binary][moe]") {
+  // 4 layers, MoE layers 0 and 2: moe/load_balancing_loss_layer_<i> and moe/z_loss_layer_<i> for
+  // every layer (0 for the dense ones); the MoE layers' mean is the logged load_balancing_loss.
+  TempDir dir;
+  const RunResult r = run_binary(counted_moe() + words("--device cpu --global-batch-size 4 --train-iters 2 "
+                                                       "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "
+                                                       "--moe-per-layer-logging --log-interval 1 --tensorboard-dir " +
+                                                       dir.str("tb")));
+  REQUIRE(r.exit_code == 0);
+  std::string event_file;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path / "tb")) event_file = e.path().string();
+  REQUIRE(!event_file.empty());
+  std::map<std::pair<int64_t, std::string>, double> v;
+  for (const TensorBoardEvent& e : read_tensorboard_events(event_file))
+    for (const auto& [tag, value] : e.scalars) v[{e.step, tag}] = value;
+  for (int64_t it : {1, 2}) {
+    INFO("iteration " << it);
+    for (const char* name : {"load_balancing_loss", "z_loss"}) {
+      INFO(name);
+      for (int l = 0; l < 4; ++l) REQUIRE(v.count({it, fmt::format("moe/{}_layer_{}", name, l)}) == 1);
+      const double l0 = v[{it, fmt::format("moe/{}_layer_0", name)}], l2 = v[{it, fmt::format("moe/{}_layer_2", name)}];
+      CHECK(v[{it, fmt::format("moe/{}_layer_1", name)}] == 0.0);
+      CHECK(v[{it, fmt::format("moe/{}_layer_3", name)}] == 0.0);
+      CHECK(l0 > 0.0);
+      CHECK(l2 > 0.0);
+      CHECK(v[{it, name}] == Approx((l0 + l2) / 2).epsilon(1e-5));
+    }
+  }
 }

@@ -213,7 +213,9 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     if (s.training) {
       // The logged values (coefficients removed): aux = E / (k N^2) sum_e P_e f_e, z = mean lse^2.
       const double n = static_cast<double>(N);
-      be_.moe_aux_log(moe_loss_, M.stats, static_cast<float>(d_.experts / (k * n * n)), static_cast<float>(1.0 / n));
+      const float aux = static_cast<float>(d_.experts / (k * n * n)), z = static_cast<float>(1.0 / n);
+      be_.moe_aux_log(moe_loss_, M.stats, aux, z);
+      if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), M.stats, aux, z);
     }
   }
 

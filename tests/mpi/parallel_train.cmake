@@ -302,3 +302,6 @@ megatrain_parallel_train_test(parallel_train_moe_etp1_tp2_no_shared --model "--d
 --normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
 --moe-layer-freq 2" 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1
                               --use-distributed-optimizer)
+# Per-layer MoE logging over PP4 with DP: stages without MoE layers join the per-layer reduction.
+megatrain_parallel_train_test(parallel_train_moe_per_layer_logging_pp4 --model "${moe_model} --moe-per-layer-logging" 4
+                              --pipeline-model-parallel-size 4)
