@@ -22,6 +22,7 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // express (naming the flag).
   bool windowed = false;
   for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
+  if (m.moe.enabled()) return HfArchitecture::mixtral;  // (validate() names what Mixtral cannot express)
   if (m.squared_relu) return HfArchitecture::nemotron;
   if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope) {
     if (m.add_qkv_bias && !m.add_bias_linear) return HfArchitecture::qwen2;
@@ -50,9 +51,6 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (!rs.config.contains("model"))
     fail("{} records no model configuration: cannot tell which Hugging Face model it is", manifest);
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
-  if (m.moe.enabled())
-    throw Unsupported(fmt::format("export-hf: {} holds a mixture-of-experts model (--num-experts {}); megatrain does "
-                                  "not export MoE models to Hugging Face yet", reader.directory(), m.moe.num_experts));
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   const DType dtype = reader.info("embedding.word_embeddings.weight").dtype;
   spec.torch_dtype = torch_dtype_of(dtype);

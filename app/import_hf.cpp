@@ -62,6 +62,15 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.query_groups = s.num_query_groups;
   m.vocab_size = s.vocab_size;
   m.padded_vocab_size = s.padded_vocab_size;
+  if (s.num_experts > 0) {  // Mixtral: every layer MoE, softmax top-k (Megatron's default router)
+    m.moe.num_experts = s.num_experts;
+    m.moe.router_topk = s.moe_topk;
+    m.moe.ffn_hidden_size = s.moe_ffn_hidden_size;
+    m.moe.expert_ffn = s.moe_ffn_hidden_size;
+    m.moe.layer_freq = 1;
+    m.moe.moe_layer.assign(static_cast<size_t>(s.num_layers), 1);
+    m.moe.aux_loss_coeff = {s.router_aux_loss_coef};
+  }
   return m;
 }
 
@@ -111,6 +120,14 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   if (s.sliding_window) {
     add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
     if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));
+  }
+  if (s.num_experts > 0) {
+    add("--num-experts", std::to_string(s.num_experts));
+    add("--moe-router-topk", std::to_string(s.moe_topk));
+    add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
+    add("--moe-aux-loss-coeff", num(s.router_aux_loss_coef));
+    add("--moe-grouped-gemm");
+    add("--moe-token-dispatcher-type", "alltoall");
   }
   add("--attention-dropout", num(s.attention_dropout));
   add("--hidden-dropout", num(s.hidden_dropout));

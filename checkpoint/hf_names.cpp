@@ -99,6 +99,28 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.gelu_activation = gelu_is_tanh(m) ? "gelu_new" : "gelu";
   if (m.position_embedding_type == PositionEmbedding::none && arch == HfArchitecture::gpt2)
     s.learned_position_embeddings = false;  // validate() refuses it
+  if (m.moe.enabled()) {
+    const MoeConfig& e = m.moe;
+    s.num_experts = e.num_experts;
+    s.moe_topk = e.router_topk;
+    s.moe_ffn_hidden_size = e.expert_ffn > 0 ? e.expert_ffn : e.ffn_hidden_size.value_or(m.ffn_size);
+    s.router_aux_loss_coef = e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss);
+    std::vector<std::string>& no = s.moe_unexpressible;
+    if (e.score_function != MoeScoreFunction::softmax) no.push_back("--moe-router-score-function sigmoid");
+    if (e.router_pre_softmax) no.push_back("--moe-router-pre-softmax");
+    if (e.router_topk_scaling_factor && *e.router_topk_scaling_factor != 0.0) no.push_back("--moe-router-topk-scaling-factor");
+    if (e.router_num_groups) no.push_back("--moe-router-num-groups");
+    if (e.shared_expert_intermediate_size) no.push_back("--moe-shared-expert-intermediate-size");
+    if (e.router_enable_expert_bias) no.push_back("--moe-router-enable-expert-bias");
+    if (e.expert_capacity_factor) no.push_back("--moe-expert-capacity-factor (Mixtral is dropless)");
+    for (MoeLoadBalancing t : e.load_balancing_type)
+      if (t == MoeLoadBalancing::sinkhorn) no.push_back("--moe-router-load-balancing-type sinkhorn");
+    for (int layer = 0; layer < m.num_layers; ++layer)
+      if (!(e.moe_layer.empty() ? layer % std::max(1, e.layer_freq) == 0 : e.moe_layer.at(static_cast<size_t>(layer)))) {
+        no.push_back("--moe-layer-freq with dense layers (every Mixtral layer is MoE)");
+        break;
+      }
+  }
   return s;
 }
 
@@ -109,6 +131,7 @@ const char* hf_architecture_name(HfArchitecture a) {
     case HfArchitecture::mistral: return "MistralForCausalLM";
     case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
     case HfArchitecture::nemotron: return "NemotronForCausalLM";
+    case HfArchitecture::mixtral: return "MixtralForCausalLM";
   }
   return "?";
 }
@@ -116,7 +139,9 @@ const char* hf_architecture_name(HfArchitecture a) {
 void HfModelSpec::validate() const {
   const char* model = hf_architecture_name(arch);
   auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
-  if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 || ffn_hidden_size <= 0)
+  const bool dense_mlp = arch != HfArchitecture::mixtral;  // (Mixtral's MLPs are its experts)
+  if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 ||
+      (dense_mlp && ffn_hidden_size <= 0))
     fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
          hidden_size, num_attention_heads, head_dim, ffn_hidden_size);
   if (num_query_groups <= 0 || num_attention_heads % num_query_groups != 0)
@@ -134,7 +159,14 @@ void HfModelSpec::validate() const {
   if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama || arch == HfArchitecture::nemotron))
     refuse("--window-size (the HF model has no sliding window; Llama-shaped models with one export as "
            "MistralForCausalLM, Qwen2-shaped ones as Qwen2ForCausalLM)");
-  if (arch == HfArchitecture::mistral) {
+  if (num_experts > 0 && arch != HfArchitecture::mixtral)
+    refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM)");
+  if (arch == HfArchitecture::mixtral) {
+    if (num_experts <= 0 || moe_topk <= 0 || moe_topk > num_experts || moe_ffn_hidden_size <= 0)
+      fail("HF mapping: Mixtral with {} experts, top-{}, expert FFN {}", num_experts, moe_topk, moe_ffn_hidden_size);
+    if (!moe_unexpressible.empty()) refuse(moe_unexpressible.front());
+  }
+  if (arch == HfArchitecture::mistral || arch == HfArchitecture::mixtral) {
     if (!window_layers.empty()) refuse("--window-attn-skip-freq (Mistral has one sliding window for every layer)");
     if (add_bias_linear || add_qkv_bias) refuse("linear biases (Mistral has none)");
     if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
@@ -227,6 +259,26 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
             {{H * d}, {G * d}, {G * d}}, HfTransform::qkv_split);
       add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
       if (s.add_bias_linear) add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
+      if (s.arch == HfArchitecture::mixtral) {
+        // The MoE block: its own pre-MLP norm, the router, each expert's w1 (gate), w3 (up) and w2
+        // (down) as rows of our stacked expert weights.
+        const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+        const std::string B = P + "block_sparse_moe.";
+        add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
+        add(L + "mlp.router.weight", {E, h}, {B + "gate.weight"}, {{E, h}}, HfTransform::copy);
+        std::vector<std::string> fc1, fc2;
+        std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string X = fmt::format("{}experts.{}.", B, e);
+          fc1.insert(fc1.end(), {X + "w1.weight", X + "w3.weight"});
+          fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
+          fc2.push_back(X + "w2.weight");
+          fc2_shapes.push_back({h, fe});
+        }
+        add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
+        add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+        continue;
+      }
       add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
       if (nemotron) {
         add(L + "mlp.linear_fc1.layer_norm_bias", {h}, {P + "post_attention_layernorm.bias"}, {{h}}, HfTransform::copy);
@@ -277,13 +329,20 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
   } else {
-    const bool qwen2 = s.arch == HfArchitecture::qwen2, mistral = s.arch == HfArchitecture::mistral,
-               nemotron = s.arch == HfArchitecture::nemotron;
+    const bool qwen2 = s.arch == HfArchitecture::qwen2, mixtral = s.arch == HfArchitecture::mixtral,
+               mistral = s.arch == HfArchitecture::mistral || mixtral, nemotron = s.arch == HfArchitecture::nemotron;
     c["architectures"] = {hf_architecture_name(s.arch)};
-    c["model_type"] = qwen2 ? "qwen2" : mistral ? "mistral" : nemotron ? "nemotron" : "llama";
+    c["model_type"] = qwen2 ? "qwen2" : mixtral ? "mixtral" : mistral ? "mistral" : nemotron ? "nemotron" : "llama";
     c["vocab_size"] = s.vocab_size;
     c["hidden_size"] = s.hidden_size;
-    c["intermediate_size"] = s.ffn_hidden_size;
+    c["intermediate_size"] = mixtral ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
+    if (mixtral) {
+      c["num_local_experts"] = s.num_experts;
+      c["num_experts_per_tok"] = s.moe_topk;
+      c["router_aux_loss_coef"] = s.router_aux_loss_coef;
+      c["output_router_logits"] = false;
+      c["router_jitter_noise"] = 0.0;
+    }
     c["num_hidden_layers"] = s.num_layers;
     c["num_attention_heads"] = s.num_attention_heads;
     c["num_key_value_heads"] = s.num_query_groups;
@@ -349,7 +408,7 @@ namespace {
 void read_sliding_window(const json& c, const std::string& type, HfModelSpec& s) {
   const bool has_size = c.contains("sliding_window") && !c["sliding_window"].is_null();
   std::vector<int> layers(static_cast<size_t>(s.num_layers), 0);
-  if (type == "mistral") {
+  if (type == "mistral" || type == "mixtral") {
     if (!has_size) return;
     layers.assign(layers.size(), 1);
   } else if (type == "qwen2") {
@@ -406,12 +465,21 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = c.value("resid_pdrop", 0.1);
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
-    } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "nemotron") {
+    } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "nemotron" || type == "mixtral") {
       const bool nemotron = type == "nemotron";
       s.arch = type == "qwen2"     ? HfArchitecture::qwen2
                : type == "mistral" ? HfArchitecture::mistral
+               : type == "mixtral" ? HfArchitecture::mixtral
                : nemotron          ? HfArchitecture::nemotron
                                    : HfArchitecture::llama;
+      if (type == "mixtral") {
+        s.num_experts = need("num_local_experts").get<int>();
+        s.moe_topk = need("num_experts_per_tok").get<int>();
+        s.moe_ffn_hidden_size = need("intermediate_size").get<int>();
+        s.router_aux_loss_coef = c.value("router_aux_loss_coef", 0.0);
+        if (c.value("router_jitter_noise", 0.0) != 0.0)
+          throw Unsupported("HF mixtral config: router_jitter_noise (megatrain's router has no jitter)");
+      }
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
       s.num_attention_heads = need("num_attention_heads").get<int>();
@@ -468,7 +536,8 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       }
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else {
-      throw Unsupported(fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2 and nemotron)", type));
+      throw Unsupported(
+          fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, nemotron and mixtral)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);
@@ -594,9 +663,12 @@ std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelS
       break;
     }
     case HfTransform::fc1_split: {
-      const size_t half = ours.bytes.size() / 2;
-      std::memcpy(out[0].bytes.data(), ours.bytes.data(), half);
-      std::memcpy(out[1].bytes.data(), ours.bytes.data() + half, half);
+      size_t at = 0;
+      for (HostArray& part : out) {
+        std::memcpy(part.bytes.data(), ours.bytes.data() + at, part.bytes.size());
+        at += part.bytes.size();
+      }
+      MT_CHECK(at == ours.bytes.size(), "exporting '{}': its parts hold {} of {} bytes", m.ours, at, ours.bytes.size());
       break;
     }
   }
@@ -653,10 +725,15 @@ HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const
       merge_qkv_rows(qkv.data(), qkv.data() + part, qkv.data() + 2 * part, elem, H, G, d, cols, out.bytes.data());
       break;
     }
-    case HfTransform::fc1_split:
-      std::memcpy(out.bytes.data(), hf[0].bytes.data(), hf[0].bytes.size());
-      std::memcpy(out.bytes.data() + hf[0].bytes.size(), hf[1].bytes.data(), hf[1].bytes.size());
+    case HfTransform::fc1_split: {
+      size_t at = 0;
+      for (const HostArray& part : hf) {
+        std::memcpy(out.bytes.data() + at, part.bytes.data(), part.bytes.size());
+        at += part.bytes.size();
+      }
+      MT_CHECK(at == out.bytes.size(), "importing '{}': its parts hold {} of {} bytes", m.ours, at, out.bytes.size());
       break;
+    }
   }
   return out;
 }

@@ -30,9 +30,11 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron };
+enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron, mixtral };
 // "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-// "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE).
+// "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE),
+// "MixtralForCausalLM" (Mistral's attention; every layer's MLP a mixture of SwiGLU experts with
+// softmax top-k routing renormalized over the chosen experts, Megatron's default router).
 const char* hf_architecture_name(HfArchitecture a);
 
 // What the mapping needs to know about the model.
@@ -75,6 +77,12 @@ struct HfModelSpec {
   // bias-GeLU, the default) or "gelu" (erf: --no-bias-gelu-fusion). from_model_config picks it.
   std::string gelu_activation = "gelu_new";
   std::optional<int> bos_token_id, eos_token_id;
+  // Mixture of experts (Mixtral): experts per layer, experts per token, each expert's FFN size,
+  // the aux-loss coefficient (HF's router_aux_loss_coef); and what the model has that Mixtral
+  // cannot express (the flags, refused by validate()).
+  int num_experts = 0, moe_topk = 0, moe_ffn_hidden_size = 0;
+  double router_aux_loss_coef = 0.0;
+  std::vector<std::string> moe_unexpressible;
   std::string torch_dtype = "float32";
 
   // From a validated Config's model section (derived values filled).
@@ -92,7 +100,8 @@ enum class HfTransform {
   qkv_split,      // ours fused QKV (weight or bias) <-> Llama q_proj, k_proj, v_proj
   qkv_c_attn,     // ours fused QKV weight <-> GPT-2 c_attn.weight [E, 3E] (split, concat, transpose)
   qkv_c_attn_bias,// ours fused QKV bias <-> GPT-2 c_attn.bias [3E] ([q | k | v])
-  fc1_split,      // ours [gate; up] <-> gate_proj, up_proj
+  fc1_split,      // ours = the HF tensors' rows, concatenated in order: [gate; up] <-> gate_proj,
+                  // up_proj; an MoE layer's experts (each [gate; up], or each down) <-> theirs
 };
 
 struct HfTensorMapping {

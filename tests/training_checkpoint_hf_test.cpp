@@ -51,6 +51,9 @@ const std::string kNemotronBias = kCommon +
                                   " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --squared-relu "
                                   "--apply-layernorm-1p --ffn-hidden-size 48 --position-embedding-type rope "
                                   "--rotary-percent 0.5 --no-bias-gelu-fusion";
+// Mixtral: the Llama shape with every MLP a mixture of 4 SwiGLU experts, top-2 softmax routing.
+const std::string kMixtral = kLlama + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
+                                      "--moe-aux-loss-coeff 0.01 --moe-grouped-gemm";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -130,6 +133,7 @@ TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logi
   check_numpy_logits(kQwen2, "Qwen2 (q/k/v biases)");
   check_numpy_logits(kMistralWindow, "Mistral (sliding window)");
   check_numpy_logits(kQwen2Window, "Qwen2 (sliding window on layer 2)");
+  check_numpy_logits(kMixtral, "Mixtral (4 experts, top-2)");
 }
 
 TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's logits (LayerNorm1P, squared ReLU, "
@@ -139,7 +143,8 @@ TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's l
 }
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
-  for (const std::string& model : {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias}) {
+  for (const std::string& model :
+       {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -147,14 +152,20 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     CHECK_FALSE(fs::exists(hf + "/model.safetensors.index.json"));
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
     const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
-    const bool nemotron = model == kNemotron || model == kNemotronBias;
+    const bool nemotron = model == kNemotron || model == kNemotronBias, mixtral = model == kMixtral;
     CHECK(config.at("architectures").at(0) == (llama      ? "LlamaForCausalLM"
                                                : qwen2    ? "Qwen2ForCausalLM"
                                                : mistral  ? "MistralForCausalLM"
                                                : nemotron ? "NemotronForCausalLM"
+                                               : mixtral  ? "MixtralForCausalLM"
                                                           : "GPT2LMHeadModel"));
+    if (mixtral) {
+      CHECK(config.at("num_local_experts") == 4);
+      CHECK(config.at("num_experts_per_tok") == 2);
+      CHECK(config.at("intermediate_size") == 24);
+    }
     CHECK(config.at("vocab_size") == 100);
-    if (!llama && !qwen2 && !mistral && !nemotron)
+    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral)
       CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     if (nemotron) {
       CHECK(config.at("hidden_act") == "relu2");
@@ -236,4 +247,10 @@ TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag",
   CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + relu2 + " --output " + (dir / "hf2"), &out) != 0);
   CHECK(out.find("cannot express this model as NemotronForCausalLM") != std::string::npos);
   CHECK(out.find("--apply-layernorm-1p") != std::string::npos);
+  // A mixture of experts exports as Mixtral, which has no shared expert.
+  const std::string shared = dir / "shared";
+  megatrain_ok(kMixtral + " --moe-shared-expert-intermediate-size 16 --train-iters 1 --save-interval 1 --save " + shared);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + shared + " --output " + (dir / "hf3"), &out) != 0);
+  CHECK(out.find("cannot express this model as MixtralForCausalLM: --moe-shared-expert-intermediate-size") !=
+        std::string::npos);
 }

@@ -2,8 +2,9 @@
 """megatrain <-> Hugging Face transformers: the same logits both ways, for a tiny GPT-2, a tiny
 Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q/k/v biases, tied
 output); Mistral (Llama's layout) with and without its sliding window, Qwen2 with a sliding
-window on its second layer (--window-size, --window-attn-skip-freq), and Nemotron (LayerNorm1P,
-squared ReLU, RoPE over half of each head; with biases).
+window on its second layer (--window-size, --window-attn-skip-freq), Nemotron (LayerNorm1P,
+squared ReLU, RoPE over half of each head; with biases), and Mixtral (every MLP 4 SwiGLU experts,
+top-2 softmax routing).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -49,6 +50,7 @@ MODEL_FLAGS["nemotron"] = ("--num-layers 2 --hidden-size 64 --num-attention-head
 # sliding_window 5 = --window-size 4,0), Qwen2's on layer 2 only (max_window_layers 1).
 MODEL_FLAGS["mistral_window"] = MODEL_FLAGS["llama"] + " --window-size 4,0"
 MODEL_FLAGS["qwen2_window"] = MODEL_FLAGS["qwen2"] + " --window-size 3,0 --window-attn-skip-freq [0,1]"
+MODEL_FLAGS["mixtral"] = MODEL_FLAGS["llama"] + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48"
 
 
 def run(cmd):
@@ -120,6 +122,9 @@ def import_direction(args, kind, work):
         elif kind == "nemotron":
             config = transformers.NemotronConfig(norm_eps=1e-5, partial_rotary_factor=0.5, attention_bias=True,
                                                  mlp_bias=True, tie_word_embeddings=False, **common)
+        elif kind == "mixtral":
+            config = transformers.MixtralConfig(rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
+                                                num_local_experts=4, num_experts_per_tok=2, **common)
         elif kind == "mistral_window":
             config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=5, tie_word_embeddings=False,
                                                 **common)
@@ -157,7 +162,7 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron")
+                                                    "nemotron", "mixtral")
     for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind == "mistral" and direction is export_direction:

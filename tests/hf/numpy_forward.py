@@ -118,7 +118,7 @@ def layer_window(c, i):
     """HF's sliding window of layer i, or None: Mistral's on every layer; Qwen2's only with
     use_sliding_window, on layer_types' "sliding_attention" layers or from max_window_layers on."""
     size = c.get("sliding_window")
-    if c["model_type"] == "mistral":
+    if c["model_type"] in ("mistral", "mixtral"):
         return size
     if c["model_type"] == "qwen2" and c.get("use_sliding_window") and size is not None:
         types = c.get("layer_types")
@@ -130,7 +130,9 @@ def layer_window(c, i):
 
 def llama_logits(c, w, tokens):
     """Llama, Mistral, Qwen2; and Nemotron: LayerNorm1P (LayerNorm with weight + 1, and bias), an
-    up/down MLP through relu2 (relu(x)^2), RoPE on the first partial_rotary_factor of each head."""
+    up/down MLP through relu2 (relu(x)^2), RoPE on the first partial_rotary_factor of each head;
+    Mixtral: every MLP a mixture of SwiGLU experts (w1 gate, w3 up, w2 down), each token sent to
+    the num_experts_per_tok experts of largest softmax(router logits), their weights renormalized."""
     E, H = c["hidden_size"], c["num_attention_heads"]
     G = c.get("num_key_value_heads") or H
     d = c.get("head_dim") or E // H
@@ -163,7 +165,9 @@ def llama_logits(c, w, tokens):
         v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
         x = x + lin(causal_attention(q, k, v, layer_window(c, i)), p + "self_attn.o_proj")
         h = norm(x, p + "post_attention_layernorm")
-        if nemotron:
+        if c["model_type"] == "mixtral":
+            x = x + mixtral_moe(c, h, lambda a, n: lin(a, p + "block_sparse_moe." + n))
+        elif nemotron:
             x = x + lin(np.maximum(lin(h, p + "mlp.up_proj"), 0.0) ** 2, p + "mlp.down_proj")
         else:
             gate = lin(h, p + "mlp.gate_proj")
@@ -173,13 +177,30 @@ def llama_logits(c, w, tokens):
     return x @ out.T
 
 
+def mixtral_moe(c, h, lin):
+    E, k = c["num_local_experts"], c["num_experts_per_tok"]
+    z = lin(h, "gate")
+    s = np.exp(z - z.max(axis=-1, keepdims=True))
+    s = s / s.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        # Top-k by descending score (ties: the lower expert, as torch.topk and megatrain pick).
+        chosen = sorted(range(E), key=lambda e: (-s[t, e], e))[:k]
+        weights = s[t, chosen] / s[t, chosen].sum()
+        for e, wt in zip(chosen, weights):
+            gate = lin(h[t:t + 1], f"experts.{e}.w1")
+            y = lin(gate / (1.0 + np.exp(-gate)) * lin(h[t:t + 1], f"experts.{e}.w3"), f"experts.{e}.w2")
+            out[t] += wt * y[0]
+    return out
+
+
 def logits_of(hf_dir, tokens):
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
     w = load_weights(hf_dir)
     if c["model_type"] == "gpt2":
         return gpt2_logits(c, w, tokens)
-    if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron"):  # (Qwen2: q/k/v biases, which lin() adds)
+    if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron", "mixtral"):  # (Qwen2: q/k/v biases: lin() adds them)
         return llama_logits(c, w, tokens)
     raise SystemExit(f"numpy_forward.py: model_type {c['model_type']} is not implemented")
 
