@@ -95,9 +95,10 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
        "with --context-parallel-size > 1, --fp8-format or --fp4-format, or linear "
        "biases (without --disable-bias-linear) not supported yet"},
       {"--moe-router-score-function", W::values, {"sqrtsoftplus"}, "built: softmax, sigmoid"},
-      {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"}, "built: aux_loss, sinkhorn, none"},
-      {"--moe-router-load-balancing-type", W::values, {"seq_aux_loss", "global_aux_loss"},
-       "built: aux_loss, sinkhorn, none", true},
+      {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"},
+       "built: aux_loss, seq_aux_loss, sinkhorn, none"},
+      {"--moe-router-load-balancing-type", W::values, {"global_aux_loss"}, "built: aux_loss, seq_aux_loss, sinkhorn, none",
+       true},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},
       {"--moe-router-force-load-balancing", W::any_use, {}, "", true},
       {"--moe-token-dispatcher-type", W::values, {"flex"}, "built: allgather, alltoall", true},

@@ -171,6 +171,11 @@ std::vector<std::string> not_built(const CliState& st) {
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn)
         out.push_back("megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
+  auto has_type = [&](MoeLoadBalancing t) {
+    return std::find(e.load_balancing_type.begin(), e.load_balancing_type.end(), t) != e.load_balancing_type.end();
+  };
+  if (has_type(MoeLoadBalancing::aux_loss) && has_type(MoeLoadBalancing::seq_aux_loss))
+    out.push_back("megatrain does not support --moe-router-load-balancing-type aux_loss with seq_aux_loss yet");
   // The experts' own grid (expert parallelism, or an expert TP size of 1 under TP).
   const int ep = p.expert_model_parallel_size;
   if (ep > 1 || etp != tp) {

@@ -389,6 +389,10 @@ class GptModel {
   MoeRouting moe_routing() const;
   MoeRouting gate_routing() const;
   Tensor layer_expert_bias(int local) const;
+  // seq_aux_loss: the router logits in sequence order (ws_->moe_seq_logits), the permutations
+  // uploaded at the first call.
+  Tensor moe_sequence_logits(const Tensor& logits);
+  bool moe_seq_index_ready_ = false;
   int64_t moe_group_tokens() const;  // the rows the dispatch group gathers (N x EP, or Nl x ETP x EP)
   Communicator* moe_dispatch_group() const;
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive

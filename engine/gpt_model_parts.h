@@ -25,7 +25,8 @@ struct GptModel::MoeActs {
   Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
   Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
   Tensor kept;                   // token dropping: idx with the dropped pairs' experts -1 [N, k]
-  Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss)
+  Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss; per
+                                 // sequence with seq_aux_loss: [B x (2E + 1)])
   Tensor order, slot_of, offsets;  // the permutation of the group's pairs int32 [Ng k], [Ng k], [El + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
   Tensor p_perm;                 // routing weights in permuted order float32 [Rmax]
@@ -114,6 +115,9 @@ struct GptModel::Workspace {
   // input gradient), routing weights float32 [Ng, k] and experts int32 [Ng, k] (backward: the
   // weights' gradient), and this rank's tokens' input gradient [N, h] after the reduce-scatter.
   Tensor moe_xg, moe_yg, moe_pg, moe_ig, moe_dxl;
+  // seq_aux_loss: the router logits in sequence order [N, E] (each sequence's rows contiguous), the
+  // aux gradient in that order float32 [N, E], and the row permutations int32 [N] to it and back.
+  Tensor moe_seq_logits, moe_seq_grad, moe_seq_index, moe_seq_inverse;
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
   // (in backward also its input gradient) and weight [E, h] cast to float32.
   Tensor moe_x32, moe_w32;

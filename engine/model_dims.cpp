@@ -1,5 +1,6 @@
 #include "engine/model_dims.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -136,6 +137,14 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_groups = e.router_num_groups.value_or(0);
     d.moe_group_topk = e.router_group_topk.value_or(0);
     d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss));
+    for (MoeLoadBalancing t : e.load_balancing_type)
+      if (t == MoeLoadBalancing::seq_aux_loss) {
+        if (std::count(e.load_balancing_type.begin(), e.load_balancing_type.end(), MoeLoadBalancing::aux_loss))
+          throw Unsupported("--moe-router-load-balancing-type aux_loss with seq_aux_loss is not supported yet");
+        d.moe_seq_aux = true;
+        d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(t));
+        d.moe_log_aux = true;
+      }
     d.moe_z_coeff = static_cast<float>(e.z_loss_coeff.value_or(0.0));
     for (MoeLoadBalancing t : e.load_balancing_type) {
       d.moe_log_aux |= t == MoeLoadBalancing::aux_loss;

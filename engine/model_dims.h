@@ -62,6 +62,10 @@ struct ModelDims {
   float moe_scaling = 0;
   int moe_groups = 0, moe_group_topk = 0;
   float moe_aux_coeff = 0, moe_z_coeff = 0;  // aux_loss and z-loss coefficients
+  // --moe-router-load-balancing-type seq_aux_loss: the aux loss of each sequence of the micro-batch
+  // (its own scores and counts over its seq rows), averaged over the micro_batch sequences;
+  // moe_aux_coeff is then its coefficient, logged as seq_load_balancing_loss.
+  bool moe_seq_aux = false;
   // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
   // prints it) and z_loss (--moe-z-loss-coeff given).
   bool moe_log_aux = false, moe_log_z = false;

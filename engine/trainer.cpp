@@ -275,7 +275,7 @@ int64_t Trainer::train() {
     } else {
       ++interval_advanced_;
       interval_loss_ += o.loss();
-      if (o.moe_aux) interval_moe_["load_balancing_loss"] += *o.moe_aux;
+      if (o.moe_aux) interval_moe_[moe_aux_name()] += *o.moe_aux;
       if (o.moe_z) interval_moe_["z_loss"] += *o.moe_z;
       loss_history_.push_back(o.loss());
     }
@@ -371,11 +371,11 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   // MoE losses: in the line after lm loss (the map's order), as Megatron's total_loss_dict has them.
   for (const auto& [key, sum] : interval_moe_)
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
-  if (!o.skipped && o.moe_aux) s.iteration_losses["load_balancing_loss"] = *o.moe_aux;
+  if (!o.skipped && o.moe_aux) s.iteration_losses[moe_aux_name()] = *o.moe_aux;
   if (!o.skipped && o.moe_z) s.iteration_losses["z_loss"] = *o.moe_z;
   if (!o.skipped) {
     for (size_t l = 0; l < o.moe_aux_layers.size(); ++l)
-      s.moe_layer_scalars.push_back({fmt::format("moe/load_balancing_loss_layer_{}", l), o.moe_aux_layers[l]});
+      s.moe_layer_scalars.push_back({fmt::format("moe/{}_layer_{}", moe_aux_name(), l), o.moe_aux_layers[l]});
     for (size_t l = 0; l < o.moe_z_layers.size(); ++l)
       s.moe_layer_scalars.push_back({fmt::format("moe/z_loss_layer_{}", l), o.moe_z_layers[l]});
   }

@@ -321,10 +321,11 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--bf16 --fp8-format hybrid", 1,
        "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
-      {"--moe-router-load-balancing-type seq_aux_loss", 1,
-       "megatrain does not support --moe-router-load-balancing-type seq_aux_loss yet (built: aux_loss, sinkhorn, none)"},
+      {"--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 1e-3", 1,
+       "megatrain does not support --moe-router-load-balancing-type aux_loss with seq_aux_loss yet"},
       {"--moe-router-load-balancing-type global_aux_loss", 1,
-       "megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, sinkhorn, none)"},
+       "megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, "
+       "seq_aux_loss, sinkhorn, none)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
       {"--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", 1,
@@ -356,7 +357,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
            {"--moe-router-score-function sqrtsoftplus",
             "megatrain does not support --moe-router-score-function sqrtsoftplus yet (built: softmax, sigmoid)"},
            {"--moe-router-load-balancing-type quantile_balancing",
-            "megatrain does not support --moe-router-load-balancing-type quantile_balancing yet (built: aux_loss, "
+            "megatrain does not support --moe-router-load-balancing-type quantile_balancing yet (built: aux_loss, seq_aux_loss, "
             "sinkhorn, none)"},
            {"--moe-latent-size 16", "megatrain does not support --moe-latent-size 16 yet"},
            {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
@@ -381,7 +382,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   CHECK_NOTHROW(parse(moe_gpt() + words("--moe-router-load-balancing-type none --bf16")));
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
-        "values quantile_balancing, seq_aux_loss, global_aux_loss not supported yet");
+        "values quantile_balancing, global_aux_loss not supported yet");
   CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--context-parallel-size > 1"));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
              Contains("values not dividing --tensor-model-parallel-size not supported yet"));

@@ -187,6 +187,28 @@ TEST_CASE("MoE gradient check: Sinkhorn load balancing (top-2 softmax weights, t
   }
 }
 
+TEST_CASE("MoE gradient check: seq_aux_loss over 3 sequences, and with one sequence it is aux_loss", "[moe][gradcheck]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.moe.load_balancing_type = {MoeLoadBalancing::seq_aux_loss};
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.train.micro_batch_size = 3;
+  {
+    MoeHarness h(c);
+    REQUIRE(h.dims.moe_seq_aux);
+    h.check_all(4);
+  }
+  // One sequence per micro-batch: the same objective and gradients as aux_loss.
+  c.train.micro_batch_size = 1;
+  MoeHarness seq(c);
+  c.model.moe.load_balancing_type = {MoeLoadBalancing::aux_loss};
+  MoeHarness whole(c);
+  CHECK(seq.objective() == Approx(whole.objective()).epsilon(1e-13));
+  const std::vector<double> gs = seq.grads(), gw = whole.grads();
+  REQUIRE(gs.size() == gw.size());
+  for (size_t i = 0; i < gs.size(); ++i) REQUIRE(gs[i] == Approx(gw[i]).epsilon(1e-12).margin(1e-15));
+}
+
 TEST_CASE("MoE gradient check: token dropping by weight and by position (capacity factor 0.5)", "[moe][gradcheck]") {
   for (const MoeDropPolicy policy : {MoeDropPolicy::probs, MoeDropPolicy::position}) {
     INFO("policy " << (policy == MoeDropPolicy::probs ? "probs" : "position"));

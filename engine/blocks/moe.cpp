@@ -86,6 +86,26 @@ void GptModel::update_expert_bias(Communicator& dp) {
   expert_bias_loaded();
 }
 
+// Rows are sequence-major (row s * B + b); sequence b's rows in order are rows b * S .. of the copy.
+Tensor GptModel::moe_sequence_logits(const Tensor& logits) {
+  const Workspace& w = *ws_;
+  const int64_t B = d_.micro_batch, S = d_.seq;
+  if (!moe_seq_index_ready_) {
+    std::vector<int32_t> index(static_cast<size_t>(B * S)), inverse(index.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s) {
+        index[static_cast<size_t>(b * S + s)] = static_cast<int32_t>(s * B + b);
+        inverse[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(b * S + s);
+      }
+    be_.copy_from_host(w.moe_seq_index, index.data());
+    be_.copy_from_host(w.moe_seq_inverse, inverse.data());
+    be_.synchronize();  // (the host arrays go out of scope)
+    moe_seq_index_ready_ = true;
+  }
+  be_.moe_gather_rows(w.moe_seq_logits, logits, w.moe_seq_index, 1);
+  return w.moe_seq_logits;
+}
+
 int GptModel::moe_layers() const {
   int n = 0;
   for (int l = d_.layer_begin; l < d_.layer_end; ++l) n += d_.is_moe(l) ? 1 : 0;
@@ -119,7 +139,8 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.probs = a.take(c, S, {N, d_.topk});
   M.idx = a.take(c, DType::i32, {N, d_.topk});
   M.kept = d_.moe_drops() ? a.take(c, DType::i32, {N, d_.topk}) : Tensor();
-  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) M.stats = a.take(c, S, {2 * E + 1});
+  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0)
+    M.stats = a.take(c, S, {(d_.moe_seq_aux ? d_.micro_batch : 1) * (2 * E + 1)});
   M.order = a.take(c, DType::i32, {Ngk});
   M.slot_of = a.take(c, DType::i32, {Ngk});
   M.offsets = a.take(c, DType::i32, {El + 1});
@@ -155,6 +176,14 @@ void GptModel::layout_moe_workspace(Arena& a) {
     w.moe_yg = a.take(C::workspace, T, {Ng, h});
     w.moe_pg = a.take(C::workspace, S, {Ng, d_.topk});
     w.moe_ig = a.take(C::workspace, DType::i32, {Ng, d_.topk});
+  }
+  w.moe_seq_logits = w.moe_seq_grad = w.moe_seq_index = w.moe_seq_inverse = Tensor();
+  if (d_.moe_seq_aux && (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0)) {
+    w.moe_seq_logits = a.take(C::workspace, router_dtype(), {N, E});
+    w.moe_seq_grad = a.take(C::workspace, S, {N, E});
+    w.moe_seq_index = a.take(C::workspace, DType::i32, {N});
+    w.moe_seq_inverse = a.take(C::workspace, DType::i32, {N});
+    moe_seq_index_ready_ = false;
   }
   if (Ng > N || d_.ep_size > 1 || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
@@ -209,13 +238,19 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
                           d_.moe_drop_by_position);
   const Tensor dispatched = d_.moe_drops() ? M.kept : M.idx;
   if (!M.stats.empty()) {
-    be_.moe_aux_stats(M.stats, M.logits, r);
-    if (s.training) {
-      // The logged values (coefficients removed): aux = E / (k N^2) sum_e P_e f_e, z = mean lse^2.
-      const double n = static_cast<double>(N);
-      const float aux = static_cast<float>(d_.experts / (k * n * n)), z = static_cast<float>(1.0 / n);
-      be_.moe_aux_log(moe_loss_, M.stats, aux, z);
-      if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), M.stats, aux, z);
+    // The logged values (coefficients removed): aux = E / (k N^2) sum_e P_e f_e, z = mean lse^2;
+    // with seq_aux_loss each sequence's aux over its S rows, averaged over the B sequences.
+    const int64_t seqs = d_.moe_seq_aux ? d_.micro_batch : 1, rows = N / seqs, width = 2 * int64_t{d_.experts} + 1;
+    const Tensor ordered = d_.moe_seq_aux ? moe_sequence_logits(M.logits) : M.logits;
+    const double n = static_cast<double>(rows);
+    const float aux = static_cast<float>(d_.experts / (k * n * n * static_cast<double>(seqs)));
+    const float z = static_cast<float>(1.0 / static_cast<double>(N));
+    for (int64_t b = 0; b < seqs; ++b) {
+      const Tensor stats = M.stats.flat_slice(b * width, width);
+      be_.moe_aux_stats(stats, ordered.row_slice(b * rows, rows), r);
+      if (!s.training) continue;
+      be_.moe_aux_log(moe_loss_, stats, aux, z);
+      if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), stats, aux, z);
     }
   }
 
@@ -419,12 +454,26 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
   if (ep) disp->reduce_scatter(dprobs_disp, dprobs_g);
   Tensor aux_grad;
-  if (!M.stats.empty()) {
+  if (!M.stats.empty() && !d_.moe_seq_aux) {
     const double n = static_cast<double>(N), seed = s.moe_aux_seed;
     const float aux_scale = static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n) * seed);
     const float z_scale = static_cast<float>(d_.moe_z_coeff / n * seed);
     aux_grad = local_rows(w.moe_aux_grad);
     be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);
+  } else if (!M.stats.empty()) {
+    // seq_aux_loss: each sequence's gradient from its own statistics, in sequence order, then back
+    // to the rows' order.
+    const int64_t seqs = d_.micro_batch, rows = N / seqs, width = 2 * int64_t{d_.experts} + 1;
+    const double n = static_cast<double>(rows), seed = s.moe_aux_seed;
+    const float aux_scale =
+        static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n * static_cast<double>(seqs)) * seed);
+    const float z_scale = static_cast<float>(d_.moe_z_coeff / static_cast<double>(N) * seed);
+    const Tensor ordered = moe_sequence_logits(M.logits);
+    for (int64_t b = 0; b < seqs; ++b)
+      be_.moe_aux_grad(w.moe_seq_grad.row_slice(b * rows, rows), ordered.row_slice(b * rows, rows),
+                       M.stats.flat_slice(b * width, width), aux_scale, z_scale, r);
+    be_.moe_gather_rows(w.moe_aux_grad, w.moe_seq_grad, w.moe_seq_inverse, 1);
+    aux_grad = local_rows(w.moe_aux_grad);
   }
   // (Sinkhorn's weights are the pre-softmax rule's, or the sigmoid rule's with top-1, at its choice.)
   const MoeRouting weights_rule =

@@ -305,3 +305,6 @@ megatrain_parallel_train_test(parallel_train_moe_etp1_tp2_no_shared --model "--d
 # Per-layer MoE logging over PP4 with DP: stages without MoE layers join the per-layer reduction.
 megatrain_parallel_train_test(parallel_train_moe_per_layer_logging_pp4 --model "${moe_model} --moe-per-layer-logging" 4
                               --pipeline-model-parallel-size 4)
+# seq_aux_loss (each sequence's own load balance; micro-batches of 2 sequences) under EP2 x PP2.
+megatrain_parallel_train_test(parallel_train_moe_seq_aux_ep2_pp2 --model "${moe_model} --micro-batch-size 2 \
+--moe-router-load-balancing-type seq_aux_loss" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)

@@ -1,7 +1,7 @@
 // Multi-rank training against one rank, on the reference backend over MPI: runs the real megatrain
 // binary once on one process and once under `mpirun -np N` with a parallel layout, both with
 // --metrics-jsonl and --save, and requires the same run:
-//   * every iteration's lm loss (relative 1e-5; MoE models also their load_balancing_loss and
+//   * every iteration's lm loss (relative 1e-5; MoE models also their (seq_)load_balancing_loss and
 //     z_loss) and gradient norm (relative 1e-4), and the
 //     parameter norm of every iteration (relative 1e-5),
 //   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
@@ -133,7 +133,7 @@ std::map<int64_t, Record> read_metrics(const std::string& path) {
     r.loss = j.at("lm_loss").get<double>();
     r.grad_norm = j.at("grad_norm").get<double>();
     r.params_norm = j.at("params_norm").get<double>();
-    for (const char* key : {"load_balancing_loss", "z_loss"})
+    for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"})
       if (j.contains(key)) r.moe[key] = j.at(key).get<double>();
     out[j.at("iteration").get<int64_t>()] = r;
   }
