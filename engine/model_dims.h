@@ -66,6 +66,10 @@ struct ModelDims {
   // (its own scores and counts over its seq rows), averaged over the micro_batch sequences;
   // moe_aux_coeff is then its coefficient, logged as seq_load_balancing_loss.
   bool moe_seq_aux = false;
+  // --moe-router-force-load-balancing (benchmarks): the router's logits replaced by standard normal
+  // values (the same on a micro-batch's TP ranks), their gradient passed straight to the router
+  // (Megatron's RandomSTE).
+  bool moe_force_balance = false;
   // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
   // prints it) and z_loss (--moe-z-loss-coeff given).
   bool moe_log_aux = false, moe_log_z = false;

@@ -333,7 +333,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "capacity)"},
       {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
       {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
-      {"--moe-router-force-load-balancing", 1, "megatrain does not support --moe-router-force-load-balancing yet"},
       {"--moe-token-dispatcher-type flex", 1,
        "megatrain does not support --moe-token-dispatcher-type flex yet (built: allgather, alltoall)"},
   };

@@ -209,6 +209,32 @@ TEST_CASE("MoE gradient check: seq_aux_loss over 3 sequences, and with one seque
   for (size_t i = 0; i < gs.size(); ++i) REQUIRE(gs[i] == Approx(gw[i]).epsilon(1e-12).margin(1e-15));
 }
 
+TEST_CASE("MoE: --moe-router-force-load-balancing routes by random logits, whatever the router's weights",
+          "[moe]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.moe.router_force_load_balancing = true;
+  c.model.moe.aux_loss_coeff = {0.1};
+  MoeHarness h(c);
+  const double before = h.objective();
+  std::vector<double> w = h.params();
+  const ParamDesc& router = h.model->params()[static_cast<size_t>(find_param(h.model->params(),
+                                                                             "decoder.layers.0.mlp.router.weight"))];
+  for (int64_t i = 0; i < router.numel(); ++i) w[static_cast<size_t>(router.offset + i)] *= -3.0;
+  h.set_params(w);
+  CHECK(h.objective() == before);  // the same routing, weights and aux loss
+  // The router still gets the straight-through gradient of the random logits.
+  const std::vector<double> g = h.grads();
+  double norm = 0;
+  for (int64_t i = 0; i < router.numel(); ++i) norm += std::abs(g[static_cast<size_t>(router.offset + i)]);
+  CHECK(norm > 0);
+  // Without the flag the router's weights matter.
+  c.model.moe.router_force_load_balancing = false;
+  MoeHarness plain(c);
+  const double p0 = plain.objective();
+  plain.set_params(w);
+  CHECK(plain.objective() != p0);
+}
+
 TEST_CASE("MoE gradient check: token dropping by weight and by position (capacity factor 0.5)", "[moe][gradcheck]") {
   for (const MoeDropPolicy policy : {MoeDropPolicy::probs, MoeDropPolicy::position}) {
     INFO("policy " << (policy == MoeDropPolicy::probs ? "probs" : "position"));

@@ -227,6 +227,10 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.cast(w.moe_w32, P.router_w);
     be_.linear_forward(M.logits, w.moe_x32, w.moe_w32, Tensor(), Activation::none, Tensor());
   }
+  // Forced balance (benchmarks): random logits, the same on every TP rank of the micro-batch
+  // (site 3 of the layer's keys); the backward treats them as the gating GEMM's output.
+  if (d_.moe_force_balance)
+    be_.init_normal(M.logits, site_key(s, layer, 3), 1.0f, ShardIndex::whole(N, d_.experts));
   if (d_.moe_sinkhorn)  // (each TP rank routes its own rows under SP, as Megatron's router does)
     be_.moe_sinkhorn_route(M.probs, M.idx, M.logits, k, d_.tokens_local(), s.training);
   else
