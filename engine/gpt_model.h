@@ -280,11 +280,10 @@ class GptModel {
   // expert (after dropping), counted by each training micro-batch's backward.
   bool has_expert_bias() const { return d_.moe_expert_bias && d_.any_moe(); }
   // Megatron's _update_router_expert_bias, once per step after the gradient reduction: the counts
-  // summed over `dp` (the data-parallel group: under expert parallelism every rank counts its own
-  // experts; the experts' TP rank 0 counts, and with experts split over fewer ranks than TP, TP
-  // ranks dispatched other rows: summed over TP too), then
-  // b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
-  void update_expert_bias(Communicator& dp);
+  // summed over DP (under expert parallelism every rank counts its own experts) and TP (the
+  // experts' TP rank 0 counts; with experts split over fewer ranks than TP, TP ranks dispatched
+  // other rows), then b_e += rate * sign(mean_e c - c_e) for each MoE layer, and the counts zeroed.
+  void update_expert_bias();
   // Layer `layer`'s (global number) bias on the host [E]: read for checkpoints; after writing it
   // call expert_bias_loaded().
   std::span<float> expert_bias(int layer);
@@ -396,6 +395,11 @@ class GptModel {
   int64_t moe_group_tokens() const;  // the rows the dispatch group gathers (N x EP, or Nl x ETP x EP)
   Communicator* moe_dispatch_group() const;
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
+  struct MoeLossFactors {
+    int64_t sequences = 1, rows = 0;  // the sequences whose aux losses are averaged, rows of each
+    double aux = 0, z = 0;
+  };
+  MoeLossFactors moe_loss_factors() const;
   DType router_dtype() const;
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH

@@ -103,7 +103,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   grad_sync_->step_done();
   // Aux-loss-free balancing: the expert biases follow this step's token counts (Megatron does this
   // in finalize_model_grads, whether or not the update is then skipped).
-  for (GptModel* m : chunks_) m->update_expert_bias(*ps_.dp);
+  for (GptModel* m : chunks_) m->update_expert_bias();
 
   // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
   // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.

@@ -33,15 +33,15 @@ MoeRouting GptModel::moe_routing() const {
                           d_.moe_group_topk);
 }
 
-// The shared expert's gate as a routing of one expert, top-1, sigmoid scoring: its weight is
-// sigmoid(logit) rounded to the logit's dtype (Megatron's F.sigmoid in that dtype), and the routing
-// backward gives d logit = d g * g (1 - g).
 // The expert bias of local layer `local` on the device (empty without expert bias).
 Tensor GptModel::layer_expert_bias(int local) const {
   if (!has_expert_bias()) return Tensor();
   return moe_bias_.flat_slice(static_cast<int64_t>(moe_index(local)) * d_.experts, d_.experts);
 }
 
+// The shared expert's gate as a routing of one expert, top-1, sigmoid scoring: its weight is
+// sigmoid(logit) rounded to the logit's dtype (Megatron's F.sigmoid in that dtype), and the routing
+// backward gives d logit = d g * g (1 - g).
 MoeRouting GptModel::gate_routing() const { return MoeRouting::make(1, 1, MoeScoreFunction::sigmoid); }
 
 // g = sigmoid(the kept gate logit) float32 [N, 1], in the workspace.
@@ -73,11 +73,13 @@ std::span<float> GptModel::expert_bias(int layer) {
 
 void GptModel::expert_bias_loaded() { be_.copy_from_host(moe_bias_, moe_bias_host_.data()); }
 
-void GptModel::update_expert_bias(Communicator& dp) {
+void GptModel::update_expert_bias() {
   if (!has_expert_bias()) return;
   be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
-  dp.all_reduce(moe_counts_dev_);
-  if (d_.tp_size > 1) ps_.tp->all_reduce(moe_counts_dev_);  // (whole experts: TP ranks dispatched other rows)
+  ps_.dp->all_reduce(moe_counts_dev_);
+  // (Only the experts' TP rank 0 counted; with experts split over fewer ranks than TP, the TP
+  // ranks counted other rows.)
+  if (d_.tp_size > 1) ps_.tp->all_reduce(moe_counts_dev_);
   be_.copy_to_host(moe_counts_.data(), moe_counts_dev_);
   const size_t E = static_cast<size_t>(d_.experts);
   for (size_t m = 0; m < moe_bias_host_.size() / E; ++m)
@@ -112,24 +114,38 @@ int GptModel::moe_layers() const {
   return n;
 }
 
-// What an MoE layer keeps for backward (after ln2's output and statistics, laid out by
-// layout_mlp_acts).
-// The expert-parallel group's tokens (N without EP) and the most (token, slot) pairs this rank's
-// experts can receive (dropless, k distinct experts per token: at most min(k, El) of each token).
-int64_t GptModel::moe_group_tokens() const {
-  return d_.experts_local_rows() ? d_.tokens_local() * d_.etp_size * d_.ep_size : d_.tokens() * d_.ep_size;
-}
-
 // The group the dispatched rows are gathered over (null: this rank's alone): the EP group, or
 // with experts split over fewer ranks than TP the experts' tp x ep group (each member's own rows).
 Communicator* GptModel::moe_dispatch_group() const {
   Communicator* g = d_.experts_local_rows() ? ps_.expert_tp_ep.get() : ps_.ep.get();
   return g && g->size() > 1 ? g : nullptr;
 }
+
+// The dispatch group's rows of a micro-batch (N without EP) and the most (row, slot) pairs this
+// rank's experts can receive (dropless, k distinct experts per row: at most min(k, El) of each).
+int64_t GptModel::moe_group_tokens() const {
+  return d_.experts_local_rows() ? d_.tokens_local() * d_.etp_size * d_.ep_size : d_.tokens() * d_.ep_size;
+}
 int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
 
+// Megatron's aux and z-loss factors, coefficients removed: aux = aux_factor * sum_e P_e f_e over
+// each sequence's statistics (E / (k S^2 B), S the rows of one of the micro-batch's B sequences with
+// seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). (The
+// backward multiplies in the coefficients before dividing, as it always has.)
+GptModel::MoeLossFactors GptModel::moe_loss_factors() const {
+  MoeLossFactors f;
+  f.sequences = d_.moe_seq_aux ? d_.micro_batch : 1;
+  f.rows = d_.tokens() / f.sequences;
+  const double n = static_cast<double>(f.rows);
+  f.aux = d_.experts / (d_.topk * n * n * static_cast<double>(f.sequences));
+  f.z = 1.0 / static_cast<double>(d_.tokens());
+  return f;
+}
+
+// What an MoE layer keeps for backward (after ln2's output and statistics, laid out by
+// layout_mlp_acts).
 void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, El = d_.experts_local();
   const int64_t Ngk = moe_group_tokens() * d_.topk, R = moe_max_rows();
@@ -185,7 +201,7 @@ void GptModel::layout_moe_workspace(Arena& a) {
     w.moe_seq_inverse = a.take(C::workspace, DType::i32, {N});
     moe_seq_index_ready_ = false;
   }
-  if (Ng > N || d_.ep_size > 1 || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
+  if (Ng > N || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
@@ -242,16 +258,14 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
                           d_.moe_drop_by_position);
   const Tensor dispatched = d_.moe_drops() ? M.kept : M.idx;
   if (!M.stats.empty()) {
-    // The logged values (coefficients removed): aux = E / (k N^2) sum_e P_e f_e, z = mean lse^2;
-    // with seq_aux_loss each sequence's aux over its S rows, averaged over the B sequences.
-    const int64_t seqs = d_.moe_seq_aux ? d_.micro_batch : 1, rows = N / seqs, width = 2 * int64_t{d_.experts} + 1;
+    // The statistics of each sequence (one of all rows without seq_aux_loss), and the logged values.
+    const MoeLossFactors f = moe_loss_factors();
+    const int64_t width = 2 * int64_t{d_.experts} + 1;
     const Tensor ordered = d_.moe_seq_aux ? moe_sequence_logits(M.logits) : M.logits;
-    const double n = static_cast<double>(rows);
-    const float aux = static_cast<float>(d_.experts / (k * n * n * static_cast<double>(seqs)));
-    const float z = static_cast<float>(1.0 / static_cast<double>(N));
-    for (int64_t b = 0; b < seqs; ++b) {
+    const float aux = static_cast<float>(f.aux), z = static_cast<float>(f.z);
+    for (int64_t b = 0; b < f.sequences; ++b) {
       const Tensor stats = M.stats.flat_slice(b * width, width);
-      be_.moe_aux_stats(stats, ordered.row_slice(b * rows, rows), r);
+      be_.moe_aux_stats(stats, ordered.row_slice(b * f.rows, f.rows), r);
       if (!s.training) continue;
       be_.moe_aux_log(moe_loss_, stats, aux, z);
       if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), stats, aux, z);
@@ -458,26 +472,26 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
   if (ep) disp->reduce_scatter(dprobs_disp, dprobs_g);
   Tensor aux_grad;
-  if (!M.stats.empty() && !d_.moe_seq_aux) {
-    const double n = static_cast<double>(N), seed = s.moe_aux_seed;
-    const float aux_scale = static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n) * seed);
-    const float z_scale = static_cast<float>(d_.moe_z_coeff / n * seed);
-    aux_grad = local_rows(w.moe_aux_grad);
-    be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);
-  } else if (!M.stats.empty()) {
-    // seq_aux_loss: each sequence's gradient from its own statistics, in sequence order, then back
-    // to the rows' order.
-    const int64_t seqs = d_.micro_batch, rows = N / seqs, width = 2 * int64_t{d_.experts} + 1;
-    const double n = static_cast<double>(rows), seed = s.moe_aux_seed;
-    const float aux_scale =
-        static_cast<float>(d_.moe_aux_coeff * d_.experts / (k * n * n * static_cast<double>(seqs)) * seed);
+  if (!M.stats.empty()) {
+    // The factors with their coefficients, seeded as the loss is.
+    const MoeLossFactors f = moe_loss_factors();
+    const double n = static_cast<double>(f.rows), seed = s.moe_aux_seed;
+    const float aux_scale = static_cast<float>(
+        d_.moe_aux_coeff * d_.experts / (k * n * n * static_cast<double>(f.sequences)) * seed);
     const float z_scale = static_cast<float>(d_.moe_z_coeff / static_cast<double>(N) * seed);
-    const Tensor ordered = moe_sequence_logits(M.logits);
-    for (int64_t b = 0; b < seqs; ++b)
-      be_.moe_aux_grad(w.moe_seq_grad.row_slice(b * rows, rows), ordered.row_slice(b * rows, rows),
-                       M.stats.flat_slice(b * width, width), aux_scale, z_scale, r);
-    be_.moe_gather_rows(w.moe_aux_grad, w.moe_seq_grad, w.moe_seq_inverse, 1);
     aux_grad = local_rows(w.moe_aux_grad);
+    if (!d_.moe_seq_aux) {
+      be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);
+    } else {
+      // seq_aux_loss: each sequence's gradient from its own statistics, in sequence order, then
+      // back to the rows' order.
+      const int64_t width = 2 * int64_t{d_.experts} + 1;
+      const Tensor ordered = moe_sequence_logits(M.logits);
+      for (int64_t b = 0; b < f.sequences; ++b)
+        be_.moe_aux_grad(w.moe_seq_grad.row_slice(b * f.rows, f.rows), ordered.row_slice(b * f.rows, f.rows),
+                         M.stats.flat_slice(b * width, width), aux_scale, z_scale, r);
+      be_.moe_gather_rows(w.moe_aux_grad, w.moe_seq_grad, w.moe_seq_inverse, 1);
+    }
   }
   // (Sinkhorn's weights are the pre-softmax rule's, or the sigmoid rule's with top-1, at its choice.)
   const MoeRouting weights_rule =
