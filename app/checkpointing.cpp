@@ -208,13 +208,13 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   }
   if (!optim || !L.sharded) return;
   // Distributed optimizer: this DP rank's pieces of every bucket, as flat ranges of the
-  // parameters' TP blocks. With --num-distributed-optimizer-instances every instance holds all
-  // pieces: the first one writes them.
-  if (ps_.dp_rank >= ps_.dist_opt_size()) return;
+  // parameters' TP blocks (with CP the pieces are spread over DP x CP). With
+  // --num-distributed-optimizer-instances every instance holds all pieces: the first one writes them.
+  if (ps_.replicas_rank() >= ps_.dist_opt_size()) return;
   for (int b = 0; b < L.num_buckets(); ++b)
     for (const ShardSegment& seg : L.shard_segments(b)) {
       const ParamDesc& p = ps[static_cast<size_t>(seg.param)];
-      if (p.shared_copy || ps_.cp_rank != 0 || (p.tp_duplicated && ps_.tp_rank != 0)) continue;
+      if (p.shared_copy || (p.tp_duplicated && ps_.tp_rank != 0)) continue;
       add_optim(p, ShardSlice{p.shard, seg.param_offset, seg.numel}, L.state_offset[static_cast<size_t>(b)] + seg.shard_offset,
                 seg.numel);
     }
@@ -225,7 +225,7 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
 // converts and exports like any other. Every DP rank writes its shards' pieces (the master copy is
 // sharded), as for the optimizer state.
 void TrainingCheckpoints::stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h) {
-  if (!m.fp8_params() || ps_.cp_rank != 0 || ps_.dp_rank >= ps_.dist_opt_size()) return;
+  if (!m.fp8_params() || ps_.replicas_rank() >= ps_.dist_opt_size()) return;
   const DType T = m.options().compute, S = m.options().accum;
   MT_CHECK(S == DType::f32, "FP8 parameters with {} master weights", dtype_name(S));
   const float* master = reinterpret_cast<const float*>(h.master.data());

@@ -8,10 +8,12 @@ void add_parallel_flags(FlagTable& t) {
   t.value("--tensor-model-parallel-size", "tensor parallel size TP", MT_FIELD(parallel.tensor_model_parallel_size));
   t.value("--pipeline-model-parallel-size", "pipeline parallel size PP", MT_FIELD(parallel.pipeline_model_parallel_size));
   t.value("--context-parallel-size", "context parallel size CP", MT_FIELD(parallel.context_parallel_size));
-  t.recognised("--cp-comm-type", Arity::one_or_more, "{p2p,a2a,allgather,a2a+p2p} [...]", "p2p",
-               "context-parallel communication per layer");
-  t.recognised("--hierarchical-context-parallel-sizes", Arity::one_or_more, "INT [INT ...]", "None",
-               "hierarchical context parallelism (a2a+p2p)");
+  t.value("--cp-comm-type",
+          "context parallelism's key/value exchange: p2p (a ring), allgather, a2a (heads) or a2a+p2p; one value, or one "
+          "per layer",
+          MT_FIELD(parallel.cp_comm_type));
+  t.value("--hierarchical-context-parallel-sizes", "a2a+p2p: the a2a and p2p sizes (product CP)",
+          MT_FIELD(parallel.hierarchical_context_parallel_sizes));
   t.flag("--sequence-parallel", "Megatron sequence parallelism inside the TP group (off when TP = 1)",
          MT_FIELD(parallel.sequence_parallel));
   t.value("--num-layers-per-virtual-pipeline-stage", "interleaved schedule: layers per model chunk",

@@ -1,4 +1,5 @@
 // Parallelism rules (megatron.md sections 1.2, 1.10, 1.13, 6.2).
+#include <algorithm>
 #include <cstdlib>
 #include <utility>
 #include <vector>
@@ -77,6 +78,21 @@ void validate_parallel(CliState& st) {
     if (n > 1 && !p.use_distributed_optimizer)
       fail("Partial DistOpt cannot be used without DistOpt (--num-distributed-optimizer-instances {} needs "
            "--use-distributed-optimizer)", n);
+  }
+  // Context parallelism (megatron-moe-cp-fsdp-mla.md section 2.1): one comm type for every layer or
+  // one per layer (Megatron indexes the list by layer number).
+  {
+    static const char* const kCommTypes[] = {"p2p", "a2a", "allgather", "a2a+p2p"};
+    for (const std::string& v : p.cp_comm_type)
+      if (std::find(std::begin(kCommTypes), std::end(kCommTypes), v) == std::end(kCommTypes))
+        fail("--cp-comm-type: unknown value '{}' (choose from p2p, a2a, allgather, a2a+p2p)", v);
+    if (p.cp_comm_type.empty() ||
+        (p.cp_comm_type.size() != 1 && p.cp_comm_type.size() != static_cast<size_t>(c.model.num_layers)))
+      fail("--cp-comm-type takes one value or one per layer ({} for --num-layers {}), got {}",
+           c.model.num_layers, c.model.num_layers, p.cp_comm_type.size());
+    if (p.context_parallel_size > 1 && p.num_distributed_optimizer_instances > 1)
+      fail("megatrain does not support --num-distributed-optimizer-instances {} with --context-parallel-size {} yet",
+           p.num_distributed_optimizer_instances, p.context_parallel_size);
   }
   if (p.overlap_param_gather) {
     if (!p.use_distributed_optimizer)

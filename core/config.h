@@ -177,10 +177,18 @@ inline int attention_window_left(const ModelConfig& m, int layer) {
   return m.window_size->first;
 }
 
+// --cp-comm-type values (ParallelConfig::cp_comm_type; engine/blocks/attention_cp.cpp).
+enum class CpCommType { p2p, a2a, allgather, a2a_p2p };
+
 struct ParallelConfig {
   int tensor_model_parallel_size = 1;
   int pipeline_model_parallel_size = 1;
   int context_parallel_size = 1;
+  // --cp-comm-type: how attention's keys and values travel between context-parallel ranks, one
+  // value for every layer or one per layer (p2p, a2a, allgather, a2a+p2p; ModelDims::cp_comm).
+  std::vector<std::string> cp_comm_type{"p2p"};
+  // --hierarchical-context-parallel-sizes (a2a+p2p): [a2a size, p2p size], product CP.
+  std::vector<int64_t> hierarchical_context_parallel_sizes;
   bool sequence_parallel = false;     // switched off (with a warning) when TP == 1
   std::optional<int> num_layers_per_virtual_pipeline_stage;
   std::optional<int> num_virtual_stages_per_pipeline_rank;

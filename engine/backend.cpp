@@ -82,6 +82,25 @@ void Backend::qk_norm_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
   throw Unsupported("--qk-layernorm is not implemented by the " + name() + " backend yet");
 }
 
+// Attention blocks (context parallelism): backends implement them where they can.
+namespace {
+[[noreturn]] void no_attention_blocks(const std::string& backend) {
+  throw Unsupported("--context-parallel-size > 1 is not on the " + backend +
+                    " backend yet (its attention blocks are missing); use --context-parallel-size 1");
+}
+}  // namespace
+void Backend::reserve_attention_blocks(const AttentionShape&, int, DType) { no_attention_blocks(name()); }
+void Backend::attention_block_forward(Tensor, Tensor, Tensor, Tensor, const AttentionShape&, const AttentionBlock&) {
+  no_attention_blocks(name());
+}
+void Backend::attention_block_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&,
+                                       const AttentionBlock&) {
+  no_attention_blocks(name());
+}
+void Backend::attention_merge(Tensor, Tensor, Tensor, Tensor) { no_attention_blocks(name()); }
+void Backend::attention_kv_pack(Tensor, Tensor, const AttentionShape&) { no_attention_blocks(name()); }
+void Backend::attention_kv_unpack_add(Tensor, Tensor, const AttentionShape&) { no_attention_blocks(name()); }
+
 // FP8 ops: backends implement them where they can (the reference backend emulates them).
 void Backend::fp8_quantize(Tensor, Tensor, Tensor, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize is not on the " + name() + " backend yet");

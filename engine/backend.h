@@ -77,6 +77,14 @@ struct AttentionShape {
   }
 };
 
+// A block of attention_block_forward (context parallelism): global positions of its first query
+// and first key, its number of keys, and the whole sequence's length (dropout's index).
+struct AttentionBlock {
+  int64_t q_begin = 0, k_begin = 0;
+  int kv_len = 0;
+  int64_t seq_total = 0;
+};
+
 // ---- FP8 (--fp8-format; see the FP8 section of Backend below) ----------------------------
 // Fp8Recipe and Fp8AmaxAlgo are in core/config.h; the ops take delayed and tensorwise only.
 
@@ -518,6 +526,35 @@ class Backend {
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                   const AttentionShape& a) = 0;
 
+  // ---- attention blocks (context parallelism: a sequence split over ranks) ----------------
+  // One block of a sequence's attention: the queries at global positions [blk.q_begin,
+  // blk.q_begin + a.seq) against the keys and values at [blk.k_begin, blk.k_begin + blk.kv_len).
+  // AttentionShape's mask applies to the global positions (causal: key <= query; a window: key >=
+  // query - window_left) and dropout draws by global positions in a sequence of blk.seq_total
+  // (engine/attention_dropout.h with seq = seq_total), so that the blocks of a split sequence
+  // together compute exactly what attention_forward computes on the whole.
+  //   q:   [b * a.seq, a.qkv_row_stride()] packed QKV rows (sequence-major, row t * b + i); only
+  //        the query parts are read.
+  //   kv:  [b * blk.kv_len, groups * 2 * d] sequence-major; per row and group its key, then its value.
+  //   out: [b * a.seq, heads * d]; lse (float32 or float64): [b, heads, a.seq].
+  // Forward writes this block's normalized output and log-sum-exp (a row that sees no key of the
+  // block: lse = -inf, out = 0); attention_merge combines blocks.
+  virtual void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
+                                       const AttentionBlock& blk);
+  // Backward of one block given the MERGED out and lse of these queries (over all their blocks):
+  // dq (packed QKV layout as q; only its query parts are touched) += this block's dQ, dkv (kv's
+  // layout) += its dK, dV. dout: [b * a.seq, heads * d].
+  virtual void attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q,
+                                        Tensor kv, const AttentionShape& a, const AttentionBlock& blk);
+  // out, lse (running) merged with a block's out_blk, lse_blk of the same queries:
+  //   lse' = log(exp(lse) + exp(lse_blk)), out' = out exp(lse - lse') + out_blk exp(lse_blk - lse')
+  // (-inf on both sides: out' = 0, lse' = -inf).
+  virtual void attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk);
+  // kv [b * a.seq, groups * 2 * d] = the key and value parts of packed QKV rows.
+  virtual void attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a);
+  // The key and value parts of dqkv (packed QKV rows) += dkv (attention_kv_pack's layout).
+  virtual void attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a);
+
   // ---- cross-entropy over a (possibly vocab-parallel) logits shard ------------------------
   // Per row: lse = log(sum(exp(logits))) over this shard's columns; target = logit of the label
   // if it falls in [vocab_start, vocab_start + cols), else 0. Both float32 [N].
@@ -570,6 +607,9 @@ class Backend {
   virtual void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
     (void)a, (void)backend, (void)dtype;
   }
+  // The same for attention_block_* ops of blocks of up to a.seq queries against up to
+  // max_kv_len keys (context parallelism). Throws Unsupported where the backend has none.
+  virtual void reserve_attention_blocks(const AttentionShape& a, int max_kv_len, DType dtype);
   // Uploads an optimizer segment list once (CUDA: a device table), so that the optimizer calls
   // above with an equal list upload nothing per step. Short lists (<= 24 segments) also work
   // unregistered; longer ones must be registered on the CUDA backend.

@@ -12,14 +12,15 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   const ParallelConfig& p = cfg.parallel;
   // (Also with one DP rank when the experts' data-parallel group is larger: experts replicated over
   // TP ranks that dispatched other rows.)
-  reduce_ = ps.dp_size > 1 || ps.edp_size > 1;
+  reduce_ = ps.replicas_size() > 1 || ps.edp_size > 1;
   overlap_ = p.overlap_grad_reduce;
   sharded_ = chunks_.front()->grad_layout().sharded;
   // The distributed optimizer reduce-scatters over its instance (ps.dist_opt_group(): the DP group
   // unless --num-distributed-optimizer-instances splits it), then all-reduces the shards over
-  // the instances; otherwise one all-reduce over DP.
-  Communicator& group = sharded_ ? ps.dist_opt_group() : *ps.dp;
-  const int group_size = sharded_ ? ps.dist_opt_size() : ps.dp_size, group_rank = sharded_ ? ps.dist_opt_rank() : ps.dp_rank;
+  // the instances; otherwise one all-reduce over DP (DP x CP with context parallelism).
+  Communicator& group = sharded_ ? ps.dist_opt_group() : ps.replicas();
+  const int group_size = sharded_ ? ps.dist_opt_size() : ps.replicas_size();
+  const int group_rank = sharded_ ? ps.dist_opt_rank() : ps.replicas_rank();
   for (GptModel* m : chunks_)
     MT_CHECK(m->grad_layout().sharded == sharded_ && (!sharded_ || (m->options().dp_size == group_size &&
                                                                     m->options().dp_rank == group_rank)),

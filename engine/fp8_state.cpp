@@ -138,15 +138,16 @@ void Fp8State::load_from_host(Backend& be, const float* packed) {
 void Fp8State::reduce_amax(ParallelState& ps) {
   if (!any()) return;
   // The amax of a sharded tensor is the max over its shards; replicated tensors agree anyway. Max
-  // is associative, so TP then DP equals one reduction over DP x TP.
+  // is associative, so TP then DP equals one reduction over DP x TP. (DP x CP with context
+  // parallelism: every replica of the weights keeps the same scales.)
   const Tensor current = history_.flat_slice(0, operands());
   if (ps.tp_size > 1) ps.tp->all_reduce(current, ReduceOp::max);
-  if (ps.dp_size > 1) ps.dp->all_reduce(current, ReduceOp::max);
+  if (ps.replicas_size() > 1) ps.replicas().all_reduce(current, ReduceOp::max);
 }
 
 void Fp8State::reduce_fresh_over_dp(ParallelState& ps) {
-  if (fresh_.empty() || ps.dp_size == 1) return;
-  ps.dp->all_reduce(fresh_, ReduceOp::max);
+  if (fresh_.empty() || ps.replicas_size() == 1) return;
+  ps.replicas().all_reduce(fresh_, ReduceOp::max);
 }
 
 void Fp8State::set_weight_scales_from_amax(Backend& be) {

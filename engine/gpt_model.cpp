@@ -126,6 +126,15 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   if (fp8_.any()) be_.prepare_fp8_gemms();
   if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts_local());
   attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step
+  if (d_.cp_size > 1) {  // one context-parallel core per comm type the stage's layers use
+    MT_CHECK(ps_.cp && ps_.cp_size == d_.cp_size, "context parallelism {} without its group", d_.cp_size);
+    cp_cores_.resize(4);
+    for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
+      auto& core = cp_cores_.at(static_cast<size_t>(d_.cp_comm.at(static_cast<size_t>(layer))));
+      if (!core) core = make_context_parallel_attention(be_, *ps_.cp, d_.cp_rank, d_.cp_comm[static_cast<size_t>(layer)],
+                                                        ws_->cp);
+    }
+  }
   if (d_.sequence_parallel) {
     tp_overlap_ = ps_.tp.get();
     if (overlap_sp) {
@@ -143,12 +152,13 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     }
   }
   // One reservation per distinct window among this stage's layers (each may be its own cuDNN graph).
-  std::vector<int> reserved_windows;
+  std::vector<std::pair<AttentionCore*, int>> reserved;  // (core, window)
   for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
     const AttentionShape shape = attention_shape(nullptr, layer);
-    if (std::find(reserved_windows.begin(), reserved_windows.end(), shape.window_left) != reserved_windows.end()) continue;
-    reserved_windows.push_back(shape.window_left);
-    attention_core_->reserve(shape, opt_.attention_backend, opt_.compute);
+    const std::pair<AttentionCore*, int> key{&attention_core(layer), shape.window_left};
+    if (std::find(reserved.begin(), reserved.end(), key) != reserved.end()) continue;
+    reserved.push_back(key);
+    key.first->reserve(shape, opt_.attention_backend, opt_.compute);
   }
   if (d_.qk_l2) be_.fill(qk_l2_ones_, 1.0);
   if (d_.position == PositionEmbedding::rope) {
@@ -294,6 +304,7 @@ void GptModel::layout(Arena& a) {
   if (d_.position == PositionEmbedding::rope)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
   qk_l2_ones_ = d_.qk_l2 ? a.take(C::workspace, T, {d_.head_dim}) : Tensor();
+  layout_cp_buffers(a);
 
   // FP8: scaling state, weight cache of the FP8 layers, quantization workspaces.
   fp8_.layout(a);
@@ -666,29 +677,35 @@ void GptModel::plan_grad_zeroing() {
 void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
                                  uint64_t serial, bool training) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
+  // With context parallelism the micro-batch holds whole sequences; this rank stages its positions
+  // of each (ModelDims::global_position).
   const int b = d_.micro_batch, sq = d_.seq;
-  if (mb.batch != b || mb.seq != sq)
+  const int64_t whole = d_.seq_total();
+  if (mb.batch != b || mb.seq != whole)
     fail("a micro-batch of {} x {} tokens does not match --micro-batch-size {} x --seq-length {}", mb.batch,
-         mb.seq, b, sq);
-  const size_t N = static_cast<size_t>(b) * sq;
+         mb.seq, b, whole);
+  const size_t N = static_cast<size_t>(b) * static_cast<size_t>(whole);
   if (mb.tokens.size() != N || mb.labels.size() != N || mb.loss_mask.size() != N ||
       (!mb.positions.empty() && mb.positions.size() != N))
-    fail("a micro-batch's arrays do not hold {} x {} entries", b, sq);
+    fail("a micro-batch's arrays do not hold {} x {} entries", b, whole);
   unsigned char* h = s.host_io.data();
   auto* tokens = reinterpret_cast<int32_t*>(h + s.off_tokens);
   auto* labels = reinterpret_cast<int32_t*>(h + s.off_labels);
   auto* positions = reinterpret_cast<int32_t*>(h + s.off_positions);
+  // The loss gradient is divided by this rank's tokens (with CP, as Megatron: each CP rank's local mean).
   double mb_tokens = 0;
-  for (float m : mb.loss_mask) mb_tokens += m;
+  for (int i = 0; i < b; ++i)
+    for (int t = 0; t < sq; ++t) mb_tokens += mb.loss_mask[static_cast<size_t>(i * whole + d_.global_position(t))];
   const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
   s.moe_aux_seed = loss_grad_scale;
   const bool f64 = opt_.accum == DType::f64;
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) {
-      const size_t src = static_cast<size_t>(i) * sq + t, dst = static_cast<size_t>(t) * b + i;  // sequence-major
+      const int64_t tg = d_.global_position(t);
+      const size_t src = static_cast<size_t>(i * whole + tg), dst = static_cast<size_t>(t) * b + i;  // sequence-major
       tokens[dst] = mb.tokens[src];
       labels[dst] = mb.labels[src];
-      positions[dst] = mb.positions.empty() ? t : mb.positions[src];
+      positions[dst] = mb.positions.empty() ? static_cast<int32_t>(tg) : mb.positions[src];
       if (mb.tokens[src] < 0 || mb.tokens[src] >= d_.vocab)
         fail("token id {} is outside the padded vocabulary of {}", mb.tokens[src], d_.vocab);
       if (mb.loss_mask[src] != 0.0f && (mb.labels[src] < 0 || mb.labels[src] >= d_.vocab))
@@ -716,7 +733,7 @@ void GptModel::stage_without_data(int slot, uint64_t serial, bool training, doub
   const int b = d_.micro_batch, sq = d_.seq;
   auto* positions = reinterpret_cast<int32_t*>(s.host_io.data() + s.off_positions);
   for (int t = 0; t < sq; ++t)
-    for (int i = 0; i < b; ++i) positions[static_cast<size_t>(t) * b + i] = t;
+    for (int i = 0; i < b; ++i) positions[static_cast<size_t>(t) * b + i] = static_cast<int32_t>(d_.global_position(t));
   be_.copy_from_host(s.positions, positions);
   set_slot_key(s, serial, training);
 }
@@ -741,6 +758,37 @@ uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
   return mix_key(s.key, static_cast<uint64_t>(layer + 1) * 8 + static_cast<uint64_t>(site));
 }
 
+AttentionCore& GptModel::attention_core(int layer) const {
+  if (d_.cp_size == 1) return *attention_core_;
+  return *cp_cores_.at(static_cast<size_t>(d_.cp_comm.at(static_cast<size_t>(layer))));
+}
+
+// Context parallelism's buffers (attention_core.h): the ring's two key/value blocks and their
+// gradients, the all-gather's whole sequence of them, one block's output and lse.
+void GptModel::layout_cp_buffers(Arena& a) {
+  CpBuffers& b = ws_->cp;
+  b = CpBuffers{};
+  if (d_.cp_size == 1 || d_.stage_layers() == 0) return;
+  using C = MemoryCategory;
+  const DType T = opt_.compute, S = opt_.accum;
+  const int64_t R = d_.tokens(), kv = 2 * int64_t{d_.groups_local()} * d_.head_dim;
+  bool ring = false, gather = false;
+  for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
+    const CpCommType t = d_.cp_comm.at(static_cast<size_t>(layer));
+    (t == CpCommType::allgather ? gather : ring) = true;
+  }
+  for (int i = 0; i < 2; ++i) {
+    if (i == 0 || ring) b.kv[i] = a.take(C::workspace, T, {R, kv});
+    if (i == 0 || ring) b.dkv[i] = a.take(C::workspace, T, {R, kv});
+  }
+  if (gather) {
+    b.kv_all = a.take(C::workspace, T, {d_.cp_size * R, kv});
+    b.dkv_all = a.take(C::workspace, T, {d_.cp_size * R, kv});
+  }
+  b.out_blk = a.take(C::workspace, T, {R / 2, d_.attn_width_local()});
+  b.lse_blk = a.take(C::workspace, S, {d_.micro_batch, d_.heads_local(), d_.seq / 2});
+}
+
 // The attention of one layer for one slot (s == nullptr: the shape alone, for set-up).
 AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   AttentionShape as = AttentionShape::make(d_.micro_batch, d_.seq, d_.heads_local(), d_.groups_local(), d_.head_dim,
@@ -755,7 +803,10 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
 // Dropout in the sequence-parallel regions: each TP rank drops its own rows, so its masks come
 // from its own stream (Megatron forks the RNG there too). Without SP all TP ranks draw alike.
 uint64_t GptModel::hidden_key(const Slot& s, int layer, int site) const {
-  const uint64_t k = site_key(s, layer, site);
+  uint64_t k = site_key(s, layer, site);
+  // Context-parallel ranks hold other positions of the same samples: masks of their own. (Attention
+  // dropout draws by global positions instead: each probability is one rank's, as without CP.)
+  if (d_.cp_size > 1) k = mix_key(k, 0x6370ULL + static_cast<uint64_t>(d_.cp_rank));
   return d_.sequence_parallel ? mix_key(k, 0x7370ULL + static_cast<uint64_t>(d_.tp_rank)) : k;
 }
 

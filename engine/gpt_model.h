@@ -469,6 +469,9 @@ class GptModel {
   Communicator* tp_overlap_ = nullptr;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<AttentionCore> attention_core_;  // the layers' attention core (engine/blocks/attention_core.h)
+  std::vector<std::unique_ptr<AttentionCore>> cp_cores_;  // context parallelism: by CpCommType
+  AttentionCore& attention_core(int layer) const;  // global layer
+  void layout_cp_buffers(Arena& a);
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;
   int64_t logits_rows_ = 0;  // rows per output-layer chunk

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "engine/blocks/attention_core.h"
 #include "engine/gpt_model.h"
 
 namespace mt {
@@ -105,6 +106,7 @@ struct GptModel::Workspace {
   // forward (split at once), the gated attention output (gATT's memory: the projection's input,
   // recomputed in backward) and the merged projection gradient gQKVG (after gATT is consumed).
   Tensor qkvg, gated, gQKVG;
+  CpBuffers cp;  // context parallelism (attention_core.h)
   // MoE layers: permuted rows [Nk, h] (the permuted expert inputs, then fc2's output; backward: the
   // gradient of fc2's output, the permuted inputs gathered again, the gradient of the inputs), the experts' activation and its gradient [Nk, f_e], the shared
   // expert's activation [N, f_sh], router gradients (logits' dtype [N, E]; float32 aux gradient

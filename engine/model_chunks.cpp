@@ -20,6 +20,7 @@ RankPosition RankPosition::of(const ParallelState& ps) {
   r.dp_size = ps.dp_size;
   r.dp_rank = ps.dp_rank;
   r.cp_size = ps.cp_size;
+  r.cp_rank = ps.cp_rank;
   return r;
 }
 
@@ -42,6 +43,7 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
   for (const ModelChunk& c : layout) {
     ModelDims d = ModelDims::from_config(cfg, r.tp_size, r.tp_rank, r.pp_size, r.pp_rank,
                                          std::make_pair(c.first_layer, c.first_layer + c.num_layers));
+    d.cp_rank = r.cp_rank;
     d.first_stage = c.has_embedding;
     d.last_stage = c.has_output;
     if (d.experts_own_grid()) {  // this rank's place in the experts' grid (parallel/parallel_state.h)
@@ -64,8 +66,10 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     // The distributed optimizer shards over this rank's instance (--num-distributed-optimizer-instances:
     // DP / N consecutive DP ranks; the whole DP group by default).
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
-    o.dp_size = r.dp_size / instances;
-    o.dp_rank = r.dp_rank % o.dp_size;
+    // With context parallelism the replicas are the DP x CP ranks (ParallelState::replicas; one
+    // optimizer instance: checked by the parser).
+    o.dp_size = r.dp_size * r.cp_size / instances;
+    o.dp_rank = (r.dp_rank * r.cp_size + r.cp_rank) % o.dp_size;
     if (dims[c].experts_own_grid()) {  // (with one optimizer instance: checked by the parser)
       o.expert_dp_size = RankGrid::experts_from_config(cfg).dp;
       o.expert_dp_rank = expert_coord(cfg, r).dp;

@@ -24,7 +24,7 @@ struct RankPosition {
   int tp_size = 1, tp_rank = 0;
   int pp_size = 1, pp_rank = 0;
   int dp_size = 1, dp_rank = 0;
-  int cp_size = 1;
+  int cp_size = 1, cp_rank = 0;
   static RankPosition of(const ParallelState& ps);
 };
 

@@ -15,6 +15,8 @@ ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
            "the model", ps.ep_size, ps.etp_size, d.ep_size, d.etp_size);
   d.ep_rank = ps.ep_rank;
   d.etp_rank = ps.etp_rank;
+  MT_CHECK(ps.cp_size == d.cp_size, "CP {} in the parallel state, {} in the model", ps.cp_size, d.cp_size);
+  d.cp_rank = ps.cp_rank;
   return d;
 }
 
@@ -47,7 +49,20 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.sequence_parallel = cfg.parallel.sequence_parallel && tp_size > 1;
   if (d.sequence_parallel && d.seq % tp_size != 0)
     fail("--sequence-parallel needs --seq-length ({}) divisible by --tensor-model-parallel-size ({})", d.seq, tp_size);
-  if (cfg.parallel.context_parallel_size > 1) throw Unsupported("--context-parallel-size > 1 is not supported yet");
+  d.cp_size = cfg.parallel.context_parallel_size;
+  if (d.cp_size < 1 || (d.cp_size > 1 && d.seq % (2 * d.cp_size) != 0))
+    fail("--seq-length {} is not a multiple of 2 x --context-parallel-size {}", d.seq, d.cp_size);
+  if (d.sequence_parallel && (d.seq / d.cp_size) % tp_size != 0)
+    fail("--sequence-parallel needs --seq-length {} (per context-parallel rank: {}) divisible by "
+         "--tensor-model-parallel-size {}", d.seq, d.seq / d.cp_size, tp_size);
+  for (int layer = 0; layer < d.num_layers; ++layer) {
+    const std::vector<std::string>& types = cfg.parallel.cp_comm_type;
+    const std::string& t = types.size() == 1 ? types[0] : types.at(static_cast<size_t>(layer));
+    d.cp_comm.push_back(t == "a2a" ? CpCommType::a2a
+                        : t == "allgather" ? CpCommType::allgather
+                        : t == "a2a+p2p" ? CpCommType::a2a_p2p
+                                         : CpCommType::p2p);
+  }
   if (d.heads % d.tp_size) fail("--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})", d.heads, d.tp_size);
   if (d.groups < d.tp_size)
     throw Unsupported(fmt::format(
@@ -107,6 +122,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     const int window = attention_window_left(m, layer);
     d.window_left.push_back(window >= d.seq - 1 ? -1 : window);
   }
+  d.seq /= d.cp_size;  // this rank's positions (the windows above are of the whole sequence)
   if (m.moe.enabled()) {
     const MoeConfig& e = m.moe;
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).

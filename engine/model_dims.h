@@ -28,6 +28,20 @@ struct ModelDims {
   // 1/TP of the token rows (rows are sequence-major, so a shard is a contiguous block of s/TP
   // positions of every sample); the TP region in between works on all rows.
   bool sequence_parallel = false;
+  // Context parallelism (--context-parallel-size CP > 1): the sequence is split into 2 CP chunks of
+  // seq / 2 positions and this rank holds two of them, chunk cp_rank, then chunk 2 CP - 1 - cp_rank
+  // (Megatron's load-balanced split for causal attention); `seq` is this rank's part, seq_length /
+  // CP. cp_comm: each global layer's key/value exchange (--cp-comm-type).
+  int cp_size = 1, cp_rank = 0;
+  std::vector<CpCommType> cp_comm;
+  int64_t seq_total() const { return static_cast<int64_t>(seq) * cp_size; }
+  // The global position of this rank's local position t (of seq).
+  int64_t global_position(int64_t t) const {
+    if (cp_size == 1) return t;
+    const int64_t c = seq / 2;
+    const int64_t chunk = t < c ? cp_rank : 2 * int64_t{cp_size} - 1 - cp_rank;
+    return chunk * c + t % c;
+  }
 
   // Architecture.
   Normalization norm = Normalization::layernorm;

@@ -115,7 +115,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     for (GptModel* m : chunks_)
       if (!m->moe_loss_sums().empty())
         be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
-    ps_.dp->all_reduce(scalars.flat_slice(kLossSum, 4));
+    ps_.replicas().all_reduce(scalars.flat_slice(kLossSum, 4));  // (DP x CP: each CP rank has its tokens' part)
     for (const OptimRange& r : ranges_) {
       const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
       // (An empty list would mean the whole tensor.)
@@ -159,11 +159,13 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     if (d.moe_log_z) out.moe_z = host[kMoeZ] / div;
     if (d.moe_per_layer_logging) read_moe_layer_losses(out, static_cast<double>(ps_.dp_size) * m);
   }
-  // The gradients in the buffer are scaled by the loss scale and summed over DP ranks; per-token
-  // loss normalizes by the global batch's tokens instead of per micro-batch.
+  // The gradients in the buffer are scaled by the loss scale and summed over DP (x CP) ranks;
+  // per-token loss normalizes by the global batch's tokens instead of per micro-batch. With CP,
+  // Megatron's objective is the mean over CP ranks of each one's local mean (each rank's loss
+  // gradient is divided by its own tokens: GptModel::stage_micro_batch).
   double inv = 1.0 / scaler_.scale();
   if (t.calculate_per_token_loss) inv /= std::max(1.0, out.tokens);
-  else inv /= ps_.dp_size;
+  else inv /= ps_.replicas_size();
   const double sumsq = host[kGradSumSq] + host[kExpertSumSq];
   const bool finite = std::isfinite(sumsq);
   if (scaler_.checks_overflow()) {

@@ -422,12 +422,12 @@ void Trainer::evaluate(bool after_training) {
     ++done;
     consumed_valid_samples_ += t.eval_global_batch_size.value_or(t.global_batch);  // args.consumed_valid_samples
   }
-  // Loss sums live on the last stage; every DP rank contributes.
+  // Loss sums live on the last stage; every DP (and CP) rank contributes.
   Tensor s = model_.scalars().flat_slice(0, 2);
   be.fill(s, 0.0);
   for (GptModel* m : chunks_)
     if (m->dims().last_stage) be.copy(s, m->loss_sums(true));
-  ps_.dp->all_reduce(s);
+  ps_.replicas().all_reduce(s);
   if (ps_.pp_size > 1) ps_.pp->all_reduce(s);
   double host[2];
   if (model_.options().accum == DType::f64) {

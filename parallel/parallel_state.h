@@ -61,9 +61,17 @@ struct ParallelState {
   std::unique_ptr<Communicator> dist_opt_intra;
   std::unique_ptr<Communicator> dist_opt_inter;
   // The group the distributed optimizer shards over: the instance, or the whole DP group.
-  Communicator& dist_opt_group() const { return dist_opt_intra ? *dist_opt_intra : *dp; }
-  int dist_opt_size() const { return dp_size / dist_opt_instances; }
-  int dist_opt_rank() const { return dp_rank % dist_opt_size(); }
+  // (With CP > 1, one instance over the replicas: DP x CP.)
+  Communicator& dist_opt_group() const { return dist_opt_intra ? *dist_opt_intra : replicas(); }
+  int dist_opt_size() const { return replicas_size() / dist_opt_instances; }
+  int dist_opt_rank() const { return replicas_rank() % dist_opt_size(); }
+
+  // The ranks holding the same parameters: DP x CP (Megatron reduces gradients, shards the
+  // distributed optimizer and sums the loss over them); the DP group when CP = 1. Rank order
+  // dp_rank * CP + cp_rank.
+  Communicator& replicas() const { return dp_cp ? *dp_cp : *dp; }
+  int replicas_size() const { return dp_size * cp_size; }
+  int replicas_rank() const { return dp_rank * cp_size + cp_rank; }
 
   bool is_first_stage() const { return pp_rank == 0; }
   bool is_last_stage() const { return pp_rank == pp_size - 1; }

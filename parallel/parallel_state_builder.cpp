@@ -84,6 +84,8 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   if (grid.cp > 1) {
     s.cp = split_into(*world, rank_groups(grid, "cp"), "cp");
     s.dp_cp = split_into(*world, rank_groups(grid, "dp-cp"), "dp_cp");
+    MT_CHECK(s.cp->rank() == s.cp_rank && s.dp_cp->rank() == s.replicas_rank(),
+             "context-parallel group ranks disagree with the grid coordinates of rank {}", rank);
   }
   // Expert parallelism: the experts' grid (its TP size is TP, its CP 1: checked by the parser, so
   // that EP groups are consecutive DP ranks of one pipeline stage).

@@ -84,7 +84,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
                         qk_norm_params());
   if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
-  attention_core_->forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
   const Tensor proj_in = d_.output_gate ? w.gated : A.attn_out;
   linear_fwd(local, Fp8State::proj, A, w.tmp_h, proj_in, P.proj_w, Tensor(), Activation::none, Tensor());
@@ -116,7 +116,7 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, d_.output_gate ? w.gated : A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   if (d_.output_gate) be_.output_gate_backward(w.gATT, A.gate, w.gATT, A.attn_out, A.gate);  // A.gate: d gate
-  attention_core_->backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)

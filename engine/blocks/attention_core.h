@@ -11,7 +11,9 @@
 #include <memory>
 
 #include "core/tensor.h"
+#include "core/config.h"
 #include "engine/backend.h"
+#include "parallel/communicator.h"
 
 namespace mt {
 
@@ -28,5 +30,24 @@ class AttentionCore {
 
 // This rank's heads over the whole sequence, by the backend's attention ops.
 std::unique_ptr<AttentionCore> make_local_attention(Backend& backend);
+
+// Context parallelism's buffers (GptModel::layout places them in the workspace, so that the step
+// allocates nothing). R = b * s rows of this rank (s = its part of the sequence), kv rows of
+// Backend::attention_kv_pack's layout.
+struct CpBuffers {
+  Tensor kv[2], dkv[2];     // [R, kv]: the ring's current and next key/value block and gradients
+  Tensor kv_all, dkv_all;   // allgather: [CP * R, kv], rank-major
+  Tensor out_blk, lse_blk;  // one block's output [R / 2, heads * d] and log-sum-exp [b, heads, s / 2]
+};
+
+// Context parallelism (--context-parallel-size CP > 1; engine/blocks/attention_cp.cpp): this
+// rank's two chunks of every sequence (ModelDims::global_position) attend to the whole sequence's
+// keys and values, block by block (Backend::attention_block_forward), the blocks' outputs merged by
+// their log-sum-exp. `type` says how the keys and values travel over the CP group: p2p (a ring:
+// each step's block is sent on to the next rank while the next arrives) or allgather (all of them
+// gathered first; their gradients reduce-scattered back). The lse it keeps is laid out per chunk
+// ([2][b, heads, s / 2]); only the core reads it.
+std::unique_ptr<AttentionCore> make_context_parallel_attention(Backend& backend, Communicator& cp, int cp_rank,
+                                                               CpCommType type, const CpBuffers& buffers);
 
 }  // namespace mt

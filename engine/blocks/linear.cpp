@@ -82,12 +82,12 @@ void GptModel::fp8_params_from_master(bool fresh_state) {
     fp8_.set_weight_scales_from_amax(be_);
   }
   for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
-  if (ps_.dp_size > 1)
+  if (ps_.dist_opt_size() > 1)
     for (int b = 0; b < L.num_buckets(); ++b) {
       if (!L.fp8_bucket(b)) continue;
       const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
       const Tensor whole = param_storage(k.offset, k.numel);
-      ps_.dp->all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+      ps_.dist_opt_group().all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
     }
   be_.synchronize();
   fp8_begin_step();  // the transposed copies follow

@@ -1,7 +1,9 @@
 #include "engine/reference/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "engine/attention_dropout.h"
@@ -48,22 +50,27 @@ void write_lse(const Tensor& lse, int64_t index, double value) {
   else lse.ptr<float>()[index] = static_cast<float>(value);
 }
 
-// Multiplier that dropout applies to probability (i, h, q, k): 0 if dropped, 1/(1-p) if kept.
-double dropout_factor(const AttentionShape& a, int64_t i, int64_t h, int64_t q, int64_t k) {
+// Multiplier that dropout applies to probability (i, h, q, k) of a sequence of `seq` positions
+// (q, k global positions): 0 if dropped, 1/(1-p) if kept.
+double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h, int64_t q, int64_t k) {
   if (a.dropout_p == 0) return 1.0;
-  const uint64_t index = attention_dropout_index(i, h, a.heads, a.seq, q, k);
+  const uint64_t index = attention_dropout_index(i, h, a.heads, seq, q, k);
   return attention_dropout_keep(a.dropout_key, index, a.dropout_p) ? 1.0 / (1.0 - a.dropout_p) : 0.0;
 }
 
 }  // namespace
 
-void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse, DType element) {
+void check_attention_shape(const AttentionShape& a) {
   if (a.batch <= 0 || a.seq <= 0 || a.heads <= 0 || a.groups <= 0 || a.head_dim <= 0 || a.heads % a.groups != 0)
     fail("attention: invalid shape b={} s={} heads={} groups={} d={} (heads must be a multiple of groups)",
          a.batch, a.seq, a.heads, a.groups, a.head_dim);
   if (!(a.dropout_p >= 0 && a.dropout_p < 1)) fail("attention: dropout probability {} not in [0, 1)", a.dropout_p);
   if (a.window_left < -1 || (a.windowed() && !a.causal))
     fail("attention: window_left {} (must be -1, or >= 0 with causal attention)", a.window_left);
+}
+
+void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse, DType element) {
+  check_attention_shape(a);
   const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
   auto check = [&](const Tensor& t, const char* name, int64_t numel, bool is_lse) {
     MT_CHECK(t.device == Device::cpu, "attention {} must be host memory", name);
@@ -100,7 +107,7 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
 
         std::fill(acc.begin(), acc.end(), 0.0);
         for (int64_t k = k0; k < keys; ++k) {
-          const double p = std::exp(scores[k] - row_lse) * dropout_factor(a, i, h, q, k);
+          const double p = std::exp(scores[k] - row_lse) * dropout_factor(a, a.seq, i, h, q, k);
           if (p == 0) continue;
           const T* v = x + L.v_offset(i, k, g);
           for (int64_t j = 0; j < L.d; ++j) acc[j] += p * static_cast<double>(v[j]);
@@ -140,7 +147,7 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
     const int64_t g = h / L.hpg;
     const double score = a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d);
     p = std::exp(score - read_lse(lse, L.lse_index(i, h, q)));
-    drop = dropout_factor(a, i, h, q, k);
+    drop = dropout_factor(a, a.seq, i, h, q, k);
     const double dp = drop * dot(dout_p + L.out_offset(i, q, h), x + L.v_offset(i, k, g), L.d);
     ds = p * (dp - delta[L.lse_index(i, h, q)]);
   };
@@ -190,5 +197,302 @@ template void reference_attention_forward<float>(Tensor, Tensor, Tensor, const A
 template void reference_attention_forward<double>(Tensor, Tensor, Tensor, const AttentionShape&);
 template void reference_attention_backward<float>(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&);
 template void reference_attention_backward<double>(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&);
+
+// ---- attention blocks (context parallelism) -------------------------------------------------
+
+namespace {
+
+// Rows of the kv tensor of a block (attention_kv_pack's layout): [b * kv_len, groups * 2 * d],
+// sequence-major, per row and group the key (d values) then the value (d values).
+struct KvLayout {
+  int64_t b, groups, d, row_stride;
+  explicit KvLayout(const AttentionShape& a)
+      : b(a.batch), groups(a.groups), d(a.head_dim), row_stride(static_cast<int64_t>(a.groups) * 2 * a.head_dim) {}
+  int64_t k_offset(int64_t i, int64_t u, int64_t g) const { return (u * b + i) * row_stride + g * 2 * d; }
+  int64_t v_offset(int64_t i, int64_t u, int64_t g) const { return k_offset(i, u, g) + d; }
+};
+
+// The mask of a block on global positions: local query t is at blk.q_begin + t, local key u at
+// blk.k_begin + u. Ranges are half-open and empty when begin >= end.
+struct BlockMask {
+  const AttentionShape& a;
+  const AttentionBlock& blk;
+  // The local keys [begin, end) that local query t sees.
+  std::pair<int64_t, int64_t> keys(int64_t t) const {
+    const int64_t q = blk.q_begin + t;
+    int64_t lo = blk.k_begin, hi = blk.k_begin + blk.kv_len;
+    if (a.windowed()) lo = std::max(lo, q - a.window_left);
+    if (a.causal) hi = std::min(hi, q + 1);
+    return {lo - blk.k_begin, std::max(lo, hi) - blk.k_begin};
+  }
+  // The local queries [begin, end) that see local key u.
+  std::pair<int64_t, int64_t> queries(int64_t u) const {
+    const int64_t k = blk.k_begin + u;
+    int64_t lo = blk.q_begin, hi = blk.q_begin + a.seq;
+    if (a.causal) lo = std::max(lo, k);
+    if (a.windowed()) hi = std::min(hi, k + a.window_left + 1);
+    return {lo - blk.q_begin, std::max(lo, hi) - blk.q_begin};
+  }
+  // Dropout by global positions in the whole sequence (seq_total).
+  double dropout(int64_t i, int64_t h, int64_t t, int64_t u) const {
+    return dropout_factor(a, blk.seq_total, i, h, blk.q_begin + t, blk.k_begin + u);
+  }
+};
+
+void check_host_tensor(const Tensor& t, const char* op, const char* name, int64_t numel, DType element) {
+  MT_CHECK(t.device == Device::cpu, "{}: {} must be host memory", op, name);
+  MT_CHECK(t.numel() == numel, "{}: {} has {} elements, shape needs {}", op, name, t.numel(), numel);
+  MT_CHECK(t.dtype == element, "{}: {} is {}, expected {}", op, name, dtype_name(t.dtype), dtype_name(element));
+}
+
+void check_block(const AttentionShape& a, const AttentionBlock& blk) {
+  if (blk.kv_len <= 0 || blk.q_begin < 0 || blk.k_begin < 0 || blk.q_begin + a.seq > blk.seq_total ||
+      blk.k_begin + blk.kv_len > blk.seq_total)
+    fail("attention block: queries [{}, +{}) and keys [{}, +{}) must lie in a sequence of {} positions "
+         "(and hold at least one key)",
+         blk.q_begin, a.seq, blk.k_begin, blk.kv_len, blk.seq_total);
+}
+
+// The kv tensor of a block of kv_len keys.
+void check_kv(const AttentionShape& a, int64_t kv_len, const Tensor& kv, const char* op, const char* name,
+              DType element) {
+  check_host_tensor(kv, op, name, static_cast<int64_t>(a.batch) * kv_len * a.groups * 2 * a.head_dim, element);
+}
+
+}  // namespace
+
+void check_attention_blocks(const AttentionShape& a, int max_kv_len) {
+  check_attention_shape(a);
+  if (max_kv_len <= 0) fail("attention blocks: at most {} keys per block (must be at least 1)", max_kv_len);
+}
+
+template <typename T>
+void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
+                                       const AttentionBlock& blk) {
+  check_attention_tensors(a, q, out, lse, dtype_of<T>());
+  check_block(a, blk);
+  check_kv(a, blk.kv_len, kv, "attention_block_forward", "kv", dtype_of<T>());
+  const QkvLayout L(a);
+  const KvLayout K(a);
+  const BlockMask M{a, blk};
+  const T* x = q.ptr<T>();
+  const T* y = kv.ptr<T>();
+  T* o = out.ptr<T>();
+  std::vector<double> scores(static_cast<size_t>(blk.kv_len)), acc(L.d);
+  for (int64_t i = 0; i < L.b; ++i)
+    for (int64_t h = 0; h < L.heads; ++h) {
+      const int64_t g = h / L.hpg;
+      for (int64_t t = 0; t < L.s; ++t) {
+        const auto [u0, u1] = M.keys(t);
+        T* dst = o + L.out_offset(i, t, h);
+        if (u0 >= u1) {  // no key of this block is visible: an empty softmax
+          write_lse(lse, L.lse_index(i, h, t), -std::numeric_limits<double>::infinity());
+          std::fill(dst, dst + L.d, T(0));
+          continue;
+        }
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (int64_t u = u0; u < u1; ++u) {
+          scores[u] = a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d);
+          max_score = std::max(max_score, scores[u]);
+        }
+        double sum = 0;
+        for (int64_t u = u0; u < u1; ++u) sum += std::exp(scores[u] - max_score);
+        const double row_lse = max_score + std::log(sum);
+        write_lse(lse, L.lse_index(i, h, t), row_lse);
+
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t u = u0; u < u1; ++u) {
+          const double p = std::exp(scores[u] - row_lse) * M.dropout(i, h, t, u);
+          if (p == 0) continue;
+          const T* v = y + K.v_offset(i, u, g);
+          for (int64_t j = 0; j < L.d; ++j) acc[j] += p * static_cast<double>(v[j]);
+        }
+        for (int64_t j = 0; j < L.d; ++j) dst[j] = static_cast<T>(acc[j]);
+      }
+    }
+}
+
+// The backward of reference_attention_backward restricted to one block's (query, key) pairs,
+// with the probabilities taken against the merged lse (so they are those of the whole softmax)
+// and D = rowsum(dO * O) of the merged output. Two passes again (dq by query row, dk/dv by key row),
+// each adding one double-precision sum to the gradient once. Rows whose merged lse is -inf saw no
+// key at all and contribute nothing.
+template <typename T>
+void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q,
+                                        Tensor kv, const AttentionShape& a, const AttentionBlock& blk) {
+  check_attention_tensors(a, q, out, lse, dtype_of<T>());
+  check_attention_tensors(a, dq, dout, lse, dtype_of<T>());
+  check_block(a, blk);
+  check_kv(a, blk.kv_len, kv, "attention_block_backward", "kv", dtype_of<T>());
+  check_kv(a, blk.kv_len, dkv, "attention_block_backward", "dkv", dtype_of<T>());
+  const QkvLayout L(a);
+  const KvLayout K(a);
+  const BlockMask M{a, blk};
+  const T* x = q.ptr<T>();
+  const T* y = kv.ptr<T>();
+  const T* o = out.ptr<T>();
+  const T* dout_p = dout.ptr<T>();
+  T* dx = dq.ptr<T>();
+  T* dy = dkv.ptr<T>();
+
+  // D[i, h, t] = rowsum(dO * O), and the merged lse (-inf: the row has no visible key anywhere).
+  std::vector<double> delta(static_cast<size_t>(L.b * L.heads * L.s)), row_lse(delta.size());
+  for (int64_t i = 0; i < L.b; ++i)
+    for (int64_t h = 0; h < L.heads; ++h)
+      for (int64_t t = 0; t < L.s; ++t) {
+        delta[L.lse_index(i, h, t)] = dot(dout_p + L.out_offset(i, t, h), o + L.out_offset(i, t, h), L.d);
+        row_lse[L.lse_index(i, h, t)] = read_lse(lse, L.lse_index(i, h, t));
+      }
+  auto live = [&](int64_t i, int64_t h, int64_t t) {
+    return row_lse[L.lse_index(i, h, t)] != -std::numeric_limits<double>::infinity();
+  };
+
+  // Probability p (undropped, of the whole softmax) and dS of element (i, h, t, u); also the dropout factor.
+  auto element = [&](int64_t i, int64_t h, int64_t t, int64_t u, double& p, double& ds, double& drop) {
+    const int64_t g = h / L.hpg;
+    const double score = a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d);
+    p = std::exp(score - row_lse[L.lse_index(i, h, t)]);
+    drop = M.dropout(i, h, t, u);
+    const double dp = drop * dot(dout_p + L.out_offset(i, t, h), y + K.v_offset(i, u, g), L.d);
+    ds = p * (dp - delta[L.lse_index(i, h, t)]);
+  };
+
+  std::vector<double> acc_k(L.d), acc_v(L.d);
+  for (int64_t i = 0; i < L.b; ++i) {
+    // dq, one query row at a time.
+    for (int64_t h = 0; h < L.heads; ++h)
+      for (int64_t t = 0; t < L.s; ++t) {
+        const auto [u0, u1] = M.keys(t);
+        if (u0 >= u1 || !live(i, h, t)) continue;
+        std::fill(acc_k.begin(), acc_k.end(), 0.0);
+        for (int64_t u = u0; u < u1; ++u) {
+          double p, ds, drop;
+          element(i, h, t, u, p, ds, drop);
+          const T* kk = y + K.k_offset(i, u, h / L.hpg);
+          for (int64_t j = 0; j < L.d; ++j) acc_k[j] += a.softmax_scale * ds * static_cast<double>(kk[j]);
+        }
+        T* dst = dx + L.q_offset(i, t, h);
+        for (int64_t j = 0; j < L.d; ++j) dst[j] = static_cast<T>(static_cast<double>(dst[j]) + acc_k[j]);
+      }
+    // dk and dv, one key row of one group at a time, summed over the group's heads.
+    for (int64_t g = 0; g < L.groups; ++g)
+      for (int64_t u = 0; u < blk.kv_len; ++u) {
+        const auto [t0, t1] = M.queries(u);
+        if (t0 >= t1) continue;
+        std::fill(acc_k.begin(), acc_k.end(), 0.0);
+        std::fill(acc_v.begin(), acc_v.end(), 0.0);
+        for (int64_t h = g * L.hpg; h < (g + 1) * L.hpg; ++h)
+          for (int64_t t = t0; t < t1; ++t) {
+            if (!live(i, h, t)) continue;
+            double p, ds, drop;
+            element(i, h, t, u, p, ds, drop);
+            const T* qq = x + L.q_offset(i, t, h);
+            const T* dd = dout_p + L.out_offset(i, t, h);
+            for (int64_t j = 0; j < L.d; ++j) {
+              acc_k[j] += a.softmax_scale * ds * static_cast<double>(qq[j]);
+              acc_v[j] += p * drop * static_cast<double>(dd[j]);
+            }
+          }
+        T* dk = dy + K.k_offset(i, u, g);
+        T* dv = dy + K.v_offset(i, u, g);
+        for (int64_t j = 0; j < L.d; ++j) {
+          dk[j] = static_cast<T>(static_cast<double>(dk[j]) + acc_k[j]);
+          dv[j] = static_cast<T>(static_cast<double>(dv[j]) + acc_v[j]);
+        }
+      }
+  }
+}
+
+template <typename T>
+void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
+  const char* op = "attention_merge";
+  MT_CHECK(lse.ndim == 3, "{}: lse must be [b, heads, s], got {}", op, lse.shape_string());
+  for (const auto& [t, name] : {std::pair{lse, "lse"}, std::pair{lse_blk, "lse_blk"}}) {
+    MT_CHECK(t.device == Device::cpu, "{}: {} must be host memory", op, name);
+    MT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64, "{}: {} must be float32/64, got {}", op, name,
+             dtype_name(t.dtype));
+    MT_CHECK(t.numel() == lse.numel(), "{}: {} has {} elements, lse {}", op, name, t.numel(), lse.shape_string());
+  }
+  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
+  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
+           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
+  const int64_t d = out.cols() / heads;
+  check_host_tensor(out, op, "out", b * s * heads * d, dtype_of<T>());
+  check_host_tensor(out_blk, op, "out_blk", out.numel(), dtype_of<T>());
+  T* o = out.ptr<T>();
+  const T* ob = out_blk.ptr<T>();
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < s; ++t) {
+        const int64_t li = (i * heads + h) * s + t;
+        T* dst = o + (t * b + i) * heads * d + h * d;
+        const T* src = ob + (t * b + i) * heads * d + h * d;
+        const double l1 = read_lse(lse, li), l2 = read_lse(lse_blk, li);
+        const double m = std::max(l1, l2);
+        if (m == neg_inf) {  // neither side saw a key
+          write_lse(lse, li, neg_inf);
+          std::fill(dst, dst + d, T(0));
+          continue;
+        }
+        const double merged = m + std::log(std::exp(l1 - m) + std::exp(l2 - m));
+        // A side that saw no key has weight 0 and is not read (its out may be anything).
+        const double w1 = l1 == neg_inf ? 0.0 : std::exp(l1 - merged);
+        const double w2 = l2 == neg_inf ? 0.0 : std::exp(l2 - merged);
+        for (int64_t j = 0; j < d; ++j) {
+          double v = 0;
+          if (w1 != 0) v += static_cast<double>(dst[j]) * w1;
+          if (w2 != 0) v += static_cast<double>(src[j]) * w2;
+          dst[j] = static_cast<T>(v);
+        }
+        write_lse(lse, li, merged);
+      }
+}
+
+template <typename T>
+void reference_attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) {
+  check_attention_shape(a);
+  const QkvLayout L(a);
+  const KvLayout K(a);
+  check_host_tensor(qkv, "attention_kv_pack", "qkv", L.b * L.s * L.row_stride, dtype_of<T>());
+  check_kv(a, a.seq, kv, "attention_kv_pack", "kv", dtype_of<T>());
+  const T* x = qkv.ptr<T>();
+  T* y = kv.ptr<T>();
+  // k and v of a group are adjacent in both layouts: 2 d values per (row, group).
+  for (int64_t i = 0; i < L.b; ++i)
+    for (int64_t t = 0; t < L.s; ++t)
+      for (int64_t g = 0; g < L.groups; ++g)
+        std::copy_n(x + L.k_offset(i, t, g), 2 * L.d, y + K.k_offset(i, t, g));
+}
+
+template <typename T>
+void reference_attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a) {
+  check_attention_shape(a);
+  const QkvLayout L(a);
+  const KvLayout K(a);
+  check_host_tensor(dqkv, "attention_kv_unpack_add", "dqkv", L.b * L.s * L.row_stride, dtype_of<T>());
+  check_kv(a, a.seq, dkv, "attention_kv_unpack_add", "dkv", dtype_of<T>());
+  const T* y = dkv.ptr<T>();
+  T* dx = dqkv.ptr<T>();
+  for (int64_t i = 0; i < L.b; ++i)
+    for (int64_t t = 0; t < L.s; ++t)
+      for (int64_t g = 0; g < L.groups; ++g) {
+        T* dst = dx + L.k_offset(i, t, g);
+        const T* src = y + K.k_offset(i, t, g);
+        for (int64_t j = 0; j < 2 * L.d; ++j) dst[j] += src[j];
+      }
+}
+
+#define MT_ATTENTION_BLOCK_INSTANTIATE(T)                                                                      \
+  template void reference_attention_block_forward<T>(Tensor, Tensor, Tensor, Tensor, const AttentionShape&,  \
+                                                     const AttentionBlock&);                                 \
+  template void reference_attention_block_backward<T>(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, \
+                                                      const AttentionShape&, const AttentionBlock&);         \
+  template void reference_attention_merge<T>(Tensor, Tensor, Tensor, Tensor);                                \
+  template void reference_attention_kv_pack<T>(Tensor, Tensor, const AttentionShape&);                       \
+  template void reference_attention_kv_unpack_add<T>(Tensor, Tensor, const AttentionShape&);
+MT_ATTENTION_BLOCK_INSTANTIATE(float)
+MT_ATTENTION_BLOCK_INSTANTIATE(double)
+#undef MT_ATTENTION_BLOCK_INSTANTIATE
 
 }  // namespace mt

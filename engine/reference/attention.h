@@ -25,8 +25,38 @@ template <typename T>
 void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                   const AttentionShape& a);
 
+// Attention blocks (context parallelism): Backend::attention_block_forward, attention_block_backward,
+// attention_merge, attention_kv_pack and attention_kv_unpack_add (engine/backend.h), in the layouts
+// above; a block's kv is [b * kv_len, groups * 2 * d] (per row and group: k, then v). The mask
+// and the dropout draws use global positions (blk.q_begin + t, blk.k_begin + u) in a sequence of
+// blk.seq_total. Block backward ACCUMULATES into dq (its query slots only) and dkv.
+// attention_merge takes its shape from lse, which must be 3-D [b, heads, s]; out is [b * s, heads * d].
+template <typename T>
+void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
+                                       const AttentionBlock& blk);
+
+template <typename T>
+void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q,
+                                        Tensor kv, const AttentionShape& a, const AttentionBlock& blk);
+
+template <typename T>
+void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk);
+
+template <typename T>
+void reference_attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a);
+
+template <typename T>
+void reference_attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a);
+
+// Fails unless the shape is valid: positive sizes, heads a multiple of groups, dropout in [0, 1),
+// a window only with causal masking.
+void check_attention_shape(const AttentionShape& a);
+
 // Checks that the tensors match the shape (sizes, dtypes, host memory); fails with a message naming
-// the offending tensor. Called by both functions above.
+// the offending tensor. Called by the forward and backward functions above.
 void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse, DType element);
+
+// The argument checks of Backend::reserve_attention_blocks: a valid shape, at least one key per block.
+void check_attention_blocks(const AttentionShape& a, int max_kv_len);
 
 }  // namespace mt

@@ -308,3 +308,30 @@ megatrain_parallel_train_test(parallel_train_moe_per_layer_logging_pp4 --model "
 # seq_aux_loss (each sequence's own load balance; micro-batches of 2 sequences) under EP2 x PP2.
 megatrain_parallel_train_test(parallel_train_moe_seq_aux_ep2_pp2 --model "${moe_model} --micro-batch-size 2 \
 --moe-router-load-balancing-type seq_aux_loss" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+
+# Context parallelism: each rank holds chunks r and 2 CP - 1 - r of every sequence (16 positions:
+# 4 chunks of 4 at CP 2, 8 of 2 at CP 4); attention block by block, merged by log-sum-exp, the
+# keys and values passed round a ring (p2p) or all-gathered; gradients summed over DP x CP.
+set(cp_llama_model "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+--group-query-attention --num-query-groups 2 --ffn-hidden-size 64")
+megatrain_parallel_train_test(parallel_train_cp2 2 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_cp2_allgather 2 --context-parallel-size 2 --cp-comm-type allgather)
+megatrain_parallel_train_test(parallel_train_cp4 4 --context-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_cp4_allgather --model "${cp_llama_model}" 4 --context-parallel-size 4
+                              --cp-comm-type allgather)
+# With micro-batches of 2 sequences, RoPE, GQA, and a per-layer list of comm types.
+megatrain_parallel_train_test(parallel_train_cp2_llama_mixed --model "${cp_llama_model} --micro-batch-size 2" 2
+                              --context-parallel-size 2 --cp-comm-type p2p allgather allgather p2p)
+# A sliding window of 5 on alternate layers: the blocks a window leaves out are skipped.
+megatrain_parallel_train_test(parallel_train_cp4_window --model "${cp_llama_model} --window-size 5,0 --window-attn-skip-freq 2"
+                              4 --context-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_cp2_tp2_sp --model "${cp_llama_model}" 4 --context-parallel-size 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_cp2_pp2 4 --context-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_cp2_pp2_vpp2 --model "${cp_llama_model}" 4 --context-parallel-size 2
+                              --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_cp2_dp2_distopt 4 --context-parallel-size 2 --use-distributed-optimizer
+                              --overlap-grad-reduce --ddp-bucket-size 3000)
+# Checkpoints do not depend on CP: a CP 2 run with the distributed optimizer resumes at DP 2.
+megatrain_parallel_train_test(parallel_train_resume_cp2_to_dp2 --resume
+  2 "--context-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")

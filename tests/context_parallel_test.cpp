@@ -1,0 +1,63 @@
+// Context parallelism's set-up: the flags and their refusals, this rank's positions of a sequence,
+// the memory plan. (Training equals one rank's: tests/mpi/parallel_train.cmake, parallel_train_cp*.)
+#include <string>
+#include <vector>
+
+#include "tests/cli_test_util.h"
+#include "engine/model_chunks.h"
+#include "engine/model_dims.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+
+TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four values or one per layer (a2a not built yet)", "[cli][cp]") {
+  const Args cp2 = small_gpt() + words("--context-parallel-size 2");
+  CHECK(parse(cp2 + words("--cp-comm-type allgather"), 2).parallel.cp_comm_type == std::vector<std::string>{"allgather"});
+  CHECK(parse(cp2 + words("--cp-comm-type p2p allgather"), 2).parallel.cp_comm_type.size() == 2);
+  CHECK(parse(cp2, 2).parallel.cp_comm_type == std::vector<std::string>{"p2p"});
+  CHECK_THAT(parse_error(cp2 + words("--cp-comm-type p2p allgather p2p"), 2),
+             Contains("--cp-comm-type takes one value or one per layer (2 for --num-layers 2), got 3"));
+  CHECK_THAT(parse_error(cp2 + words("--cp-comm-type ring"), 2), Contains("--cp-comm-type: unknown value 'ring'"));
+  CHECK_THAT(parse_error(cp2 + words("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 1 2"), 2),
+             Contains("megatrain does not support --cp-comm-type a2a+p2p yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 3"), 3),
+             Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
+  CHECK_THAT(parse_error(cp2 + words("--use-distributed-optimizer --num-distributed-optimizer-instances 2"), 4),
+             Contains("--num-distributed-optimizer-instances 2 with --context-parallel-size 2"));
+}
+
+TEST_CASE("context parallelism: rank r holds chunks r and 2 CP - 1 - r of each sequence", "[engine][cp]") {
+  const Config c = parse(small_gpt() + words("--context-parallel-size 4"), 4);  // 8 chunks of 4 positions
+  for (int r = 0; r < 4; ++r) {
+    ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    d.cp_rank = r;
+    CHECK(d.seq == 8);
+    CHECK(d.seq_total() == 32);
+    CHECK(d.global_position(0) == 4 * r);
+    CHECK(d.global_position(3) == 4 * r + 3);
+    CHECK(d.global_position(4) == 4 * (7 - r));
+    CHECK(d.global_position(7) == 4 * (7 - r) + 3);
+  }
+  // Every position of the sequence is exactly one rank's.
+  std::vector<int> seen(32, 0);
+  for (int r = 0; r < 4; ++r) {
+    ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    d.cp_rank = r;
+    for (int t = 0; t < d.seq; ++t) ++seen.at(static_cast<size_t>(d.global_position(t)));
+  }
+  CHECK(seen == std::vector<int>(32, 1));
+}
+
+TEST_CASE("context parallelism: each rank plans the activations of its part of the sequence", "[engine][cp]") {
+  const Config one = parse(small_gpt() + words("--seq-length 256 --max-position-embeddings 256"), 1);
+  const Config cp4 = parse(small_gpt() + words("--seq-length 256 --max-position-embeddings 256 --context-parallel-size 4"), 4);
+  RankPosition r;
+  const MemoryPlan a = plan_rank_memory(one, r, DType::bf16);
+  r.cp_size = 4;
+  const MemoryPlan b = plan_rank_memory(cp4, r, DType::bf16);
+  CHECK(b.of(MemoryCategory::activations) * 4 == a.of(MemoryCategory::activations));
+  CHECK(b.of(MemoryCategory::parameters) == a.of(MemoryCategory::parameters));
+  // The ring's key/value buffers are in the workspace; the whole is still smaller.
+  CHECK(b.of(MemoryCategory::workspace) < a.of(MemoryCategory::workspace));
+}
