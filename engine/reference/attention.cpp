@@ -50,6 +50,35 @@ void write_lse(const Tensor& lse, int64_t index, double value) {
   else lse.ptr<float>()[index] = static_cast<float>(value);
 }
 
+// One query row of attention over the keys [u0, u1): their scores score(u) (kept in `scores`,
+// indexed by u), the softmax's log-sum-exp (returned; -inf for an empty range, whose output is 0)
+// and dst = sum over u of softmax(u) * drop(u) * value(u) (acc: d doubles of scratch).
+template <typename T, class Score, class Value, class Drop>
+double attend_row(T* dst, int64_t d, int64_t u0, int64_t u1, std::vector<double>& scores, std::vector<double>& acc,
+                  Score score, Value value, Drop drop) {
+  if (u0 >= u1) {
+    std::fill(dst, dst + d, T(0));
+    return -std::numeric_limits<double>::infinity();
+  }
+  double max_score = -std::numeric_limits<double>::infinity();
+  for (int64_t u = u0; u < u1; ++u) {
+    scores[static_cast<size_t>(u)] = score(u);
+    max_score = std::max(max_score, scores[static_cast<size_t>(u)]);
+  }
+  double sum = 0;
+  for (int64_t u = u0; u < u1; ++u) sum += std::exp(scores[static_cast<size_t>(u)] - max_score);
+  const double row_lse = max_score + std::log(sum);
+  std::fill(acc.begin(), acc.end(), 0.0);
+  for (int64_t u = u0; u < u1; ++u) {
+    const double p = std::exp(scores[static_cast<size_t>(u)] - row_lse) * drop(u);
+    if (p == 0) continue;
+    const T* v = value(u);
+    for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += p * static_cast<double>(v[j]);
+  }
+  for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(acc[static_cast<size_t>(j)]);
+  return row_lse;
+}
+
 // Multiplier that dropout applies to probability (i, h, q, k) of a sequence of `seq` positions
 // (q, k global positions): 0 if dropped, 1/(1-p) if kept.
 double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h, int64_t q, int64_t k) {
@@ -94,26 +123,12 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
     for (int64_t h = 0; h < L.heads; ++h) {
       const int64_t g = h / L.hpg;
       for (int64_t q = 0; q < L.s; ++q) {
-        const int64_t k0 = a.first_key(q), keys = a.last_key(q) + 1;
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t k = k0; k < keys; ++k) {
-          scores[k] = a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d);
-          max_score = std::max(max_score, scores[k]);
-        }
-        double sum = 0;
-        for (int64_t k = k0; k < keys; ++k) sum += std::exp(scores[k] - max_score);
-        const double row_lse = max_score + std::log(sum);
+        const double row_lse = attend_row(
+            o + L.out_offset(i, q, h), L.d, a.first_key(q), a.last_key(q) + 1, scores, acc,
+            [&](int64_t k) { return a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d); },
+            [&](int64_t k) { return x + L.v_offset(i, k, g); },
+            [&](int64_t k) { return dropout_factor(a, a.seq, i, h, q, k); });
         write_lse(lse, L.lse_index(i, h, q), row_lse);
-
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t k = k0; k < keys; ++k) {
-          const double p = std::exp(scores[k] - row_lse) * dropout_factor(a, a.seq, i, h, q, k);
-          if (p == 0) continue;
-          const T* v = x + L.v_offset(i, k, g);
-          for (int64_t j = 0; j < L.d; ++j) acc[j] += p * static_cast<double>(v[j]);
-        }
-        T* dst = o + L.out_offset(i, q, h);
-        for (int64_t j = 0; j < L.d; ++j) dst[j] = static_cast<T>(acc[j]);
       }
     }
 }
@@ -283,31 +298,12 @@ void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor 
     for (int64_t h = 0; h < L.heads; ++h) {
       const int64_t g = h / L.hpg;
       for (int64_t t = 0; t < L.s; ++t) {
-        const auto [u0, u1] = M.keys(t);
-        T* dst = o + L.out_offset(i, t, h);
-        if (u0 >= u1) {  // no key of this block is visible: an empty softmax
-          write_lse(lse, L.lse_index(i, h, t), -std::numeric_limits<double>::infinity());
-          std::fill(dst, dst + L.d, T(0));
-          continue;
-        }
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t u = u0; u < u1; ++u) {
-          scores[u] = a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d);
-          max_score = std::max(max_score, scores[u]);
-        }
-        double sum = 0;
-        for (int64_t u = u0; u < u1; ++u) sum += std::exp(scores[u] - max_score);
-        const double row_lse = max_score + std::log(sum);
+        const auto [u0, u1] = M.keys(t);  // (none visible: an empty softmax, lse -inf and out 0)
+        const double row_lse = attend_row(
+            o + L.out_offset(i, t, h), L.d, u0, u1, scores, acc,
+            [&](int64_t u) { return a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d); },
+            [&](int64_t u) { return y + K.v_offset(i, u, g); }, [&](int64_t u) { return M.dropout(i, h, t, u); });
         write_lse(lse, L.lse_index(i, h, t), row_lse);
-
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t u = u0; u < u1; ++u) {
-          const double p = std::exp(scores[u] - row_lse) * M.dropout(i, h, t, u);
-          if (p == 0) continue;
-          const T* v = y + K.v_offset(i, u, g);
-          for (int64_t j = 0; j < L.d; ++j) acc[j] += p * static_cast<double>(v[j]);
-        }
-        for (int64_t j = 0; j < L.d; ++j) dst[j] = static_cast<T>(acc[j]);
       }
     }
 }
