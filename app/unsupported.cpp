@@ -37,8 +37,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--fp32-residual-connection", W::any_use, {},
        "the residual stream is kept in the activation dtype"},
       // parallelism (1.2)
-      {"--cp-comm-type", W::values, {"a2a", "a2a+p2p"}, "built: p2p, allgather"},
-      {"--hierarchical-context-parallel-sizes", W::any_use, {}, "it serves --cp-comm-type a2a+p2p"},
       {"--expert-tensor-parallel-size", W::conditional, {}, "", false,
        "with --num-experts, values not dividing --tensor-model-parallel-size not supported yet"},
       // training (1.3)

@@ -90,6 +90,32 @@ void validate_parallel(CliState& st) {
         (p.cp_comm_type.size() != 1 && p.cp_comm_type.size() != static_cast<size_t>(c.model.num_layers)))
       fail("--cp-comm-type takes one value or one per layer ({} for --num-layers {}), got {}",
            c.model.num_layers, c.model.num_layers, p.cp_comm_type.size());
+    const std::vector<int64_t>& hier = p.hierarchical_context_parallel_sizes;
+    const bool a2a_p2p = std::find(p.cp_comm_type.begin(), p.cp_comm_type.end(), "a2a+p2p") != p.cp_comm_type.end();
+    const bool a2a = std::find(p.cp_comm_type.begin(), p.cp_comm_type.end(), "a2a") != p.cp_comm_type.end();
+    if (p.context_parallel_size > 1 && a2a_p2p && hier.empty())
+      fail("--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in --cp-comm-type");
+    if (!hier.empty()) {
+      int64_t product = 1;
+      for (int64_t n : hier) product *= n;
+      if (product != p.context_parallel_size)
+        fail("--hierarchical-context-parallel-sizes multiply to {}, not --context-parallel-size {}", product,
+             p.context_parallel_size);
+      if (hier.size() != 2 || hier[0] < 1)
+        fail("megatrain does not support --hierarchical-context-parallel-sizes with {} levels yet (two: the a2a size, "
+             "then the p2p size)", hier.size());
+    }
+    // Ulysses splits each tensor-parallel rank's heads (and query groups) over the a2a ranks.
+    const int tp = p.tensor_model_parallel_size;
+    const ModelConfig& m = c.model;
+    const int groups = m.group_query_attention ? m.query_groups : m.num_attention_heads;
+    auto check_heads = [&](const char* type, int64_t size) {
+      if (m.num_attention_heads / tp % size != 0 || groups / tp % size != 0)
+        fail("--cp-comm-type {} splits each tensor-parallel rank's {} query heads and {} query groups over {} ranks: "
+             "both must be divisible by it", type, m.num_attention_heads / tp, groups / tp, size);
+    };
+    if (p.context_parallel_size > 1 && a2a) check_heads("a2a", p.context_parallel_size);
+    if (p.context_parallel_size > 1 && a2a_p2p) check_heads("a2a+p2p", hier[0]);
     if (p.context_parallel_size > 1 && p.num_distributed_optimizer_instances > 1)
       fail("megatrain does not support --num-distributed-optimizer-instances {} with --context-parallel-size {} yet",
            p.num_distributed_optimizer_instances, p.context_parallel_size);

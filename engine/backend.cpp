@@ -35,6 +35,15 @@ void Backend::moe_capacity_drop(Tensor kept, Tensor idx, Tensor probs, int num_e
   copy_from_host(kept, out.data());
 }
 
+void Backend::copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t cols) {
+  MT_CHECK(dst.dtype == src.dtype && dst.rows() == src.rows() && dst_col >= 0 && src_col >= 0 && cols >= 0 &&
+               dst_col + cols <= dst.cols() && src_col + cols <= src.cols(),
+           "copy_columns: [{}, +{}) of {} x {} into [{}, +{}) of {} x {}", src_col, cols, src.rows(), src.cols(),
+           dst_col, cols, dst.rows(), dst.cols());
+  for (int64_t r = 0; r < dst.rows(); ++r)
+    copy(dst.flat_slice(r * dst.cols() + dst_col, cols), src.flat_slice(r * src.cols() + src_col, cols));
+}
+
 void Backend::fill_ranges(Tensor flat, const std::vector<FlatRange>& ranges, double value) {
   for (const FlatRange& r : ranges) fill(flat.flat_slice(r.offset, r.count), value);
 }

@@ -183,6 +183,9 @@ class Backend {
   virtual void copy_from_host(Tensor dst, const void* host_src) = 0;  // async w.r.t. the host
   virtual void copy_to_host(void* host_dst, Tensor src) = 0;          // waits for completion
   virtual void copy(Tensor dst, Tensor src) = 0;                      // same dtype and numel
+  // dst[:, dst_col + j] = src[:, src_col + j] for j < cols: 2-D tensors of the same rows and dtype
+  // (the default copies row by row; the CUDA backend in one strided copy).
+  virtual void copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t cols);
   virtual void synchronize() = 0;
   virtual void* stream() { return nullptr; }  // cudaStream_t for communicators; null on CPU
   // Memory this backend holds now, in bytes: for CUDA the device memory in use by this process

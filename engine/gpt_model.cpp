@@ -131,8 +131,9 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     cp_cores_.resize(4);
     for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
       auto& core = cp_cores_.at(static_cast<size_t>(d_.cp_comm.at(static_cast<size_t>(layer))));
-      if (!core) core = make_context_parallel_attention(be_, *ps_.cp, d_.cp_rank, d_.cp_comm[static_cast<size_t>(layer)],
-                                                        ws_->cp);
+      if (!core)
+        core = make_context_parallel_attention(be_, *ps_.cp, d_.cp_rank, d_.cp_comm[static_cast<size_t>(layer)],
+                                               d_.cp_a2a_size, ws_->cp);
     }
   }
   if (d_.sequence_parallel) {
@@ -772,10 +773,12 @@ void GptModel::layout_cp_buffers(Arena& a) {
   using C = MemoryCategory;
   const DType T = opt_.compute, S = opt_.accum;
   const int64_t R = d_.tokens(), kv = 2 * int64_t{d_.groups_local()} * d_.head_dim;
-  bool ring = false, gather = false;
+  bool ring = false, gather = false, a2a = false;
   for (int layer = d_.layer_begin; layer < d_.layer_end; ++layer) {
     const CpCommType t = d_.cp_comm.at(static_cast<size_t>(layer));
-    (t == CpCommType::allgather ? gather : ring) = true;
+    gather |= t == CpCommType::allgather;
+    ring |= t == CpCommType::p2p || (t == CpCommType::a2a_p2p && d_.cp_a2a_size < d_.cp_size);
+    a2a |= t == CpCommType::a2a || t == CpCommType::a2a_p2p;
   }
   for (int i = 0; i < 2; ++i) {
     if (i == 0 || ring) b.kv[i] = a.take(C::workspace, T, {R, kv});
@@ -784,6 +787,14 @@ void GptModel::layout_cp_buffers(Arena& a) {
   if (gather) {
     b.kv_all = a.take(C::workspace, T, {d_.cp_size * R, kv});
     b.dkv_all = a.take(C::workspace, T, {d_.cp_size * R, kv});
+  }
+  if (a2a) {
+    const int64_t qkv = d_.qkv_width_local(), att = d_.attn_width_local();
+    b.x = a.take(C::workspace, T, {R * qkv});
+    b.x_dqkv = a.take(C::workspace, T, {R * qkv});
+    b.x_out = a.take(C::workspace, T, {R * att});
+    b.x_dout = a.take(C::workspace, T, {R * att});
+    b.stage = a.take(C::workspace, T, {R * std::max(qkv, att)});
   }
   b.out_blk = a.take(C::workspace, T, {R / 2, d_.attn_width_local()});
   b.lse_blk = a.take(C::workspace, S, {d_.micro_batch, d_.heads_local(), d_.seq / 2});

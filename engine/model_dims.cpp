@@ -55,6 +55,8 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   if (d.sequence_parallel && (d.seq / d.cp_size) % tp_size != 0)
     fail("--sequence-parallel needs --seq-length {} (per context-parallel rank: {}) divisible by "
          "--tensor-model-parallel-size {}", d.seq, d.seq / d.cp_size, tp_size);
+  const std::vector<int64_t>& hier = cfg.parallel.hierarchical_context_parallel_sizes;
+  d.cp_a2a_size = hier.empty() ? 1 : static_cast<int>(hier.front());
   for (int layer = 0; layer < d.num_layers; ++layer) {
     const std::vector<std::string>& types = cfg.parallel.cp_comm_type;
     const std::string& t = types.size() == 1 ? types[0] : types.at(static_cast<size_t>(layer));

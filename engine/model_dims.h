@@ -34,6 +34,7 @@ struct ModelDims {
   // CP. cp_comm: each global layer's key/value exchange (--cp-comm-type).
   int cp_size = 1, cp_rank = 0;
   std::vector<CpCommType> cp_comm;
+  int cp_a2a_size = 1;  // a2a+p2p: the all-to-all's group (--hierarchical-context-parallel-sizes' first)
   int64_t seq_total() const { return static_cast<int64_t>(seq) * cp_size; }
   // The global position of this rank's local position t (of seq).
   int64_t global_position(int64_t t) const {

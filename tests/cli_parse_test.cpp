@@ -165,8 +165,9 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_NOTHROW(parse(small_gpt() + words("--num-experts 0 --moe-router-topk 2 --expert-model-parallel-size 1 "
                                           "--fp8-recipe delayed --moe-aux-loss-coeff 0.0 --context-parallel-size 1 "
                                           "--cp-comm-type p2p --softmax-type vanilla --kv-lora-rank 32")));
-  CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 2 --world-size 2 --cp-comm-type a2a")),
-             Contains("megatrain does not support --cp-comm-type a2a yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 2 --cp-comm-type a2a+p2p "
+                                             "--hierarchical-context-parallel-sizes 1 1 2"), 2),
+             Contains("megatrain does not support --hierarchical-context-parallel-sizes with 3 levels yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type yarn")),
              Contains("megatrain does not support --position-embedding-type yarn yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type mrope")), Contains("--position-embedding-type mrope"));

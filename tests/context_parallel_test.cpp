@@ -11,7 +11,7 @@ using namespace mt;
 using namespace mt::test;
 using Catch::Contains;
 
-TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four values or one per layer (a2a not built yet)", "[cli][cp]") {
+TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four values or one per layer", "[cli][cp]") {
   const Args cp2 = small_gpt() + words("--context-parallel-size 2");
   CHECK(parse(cp2 + words("--cp-comm-type allgather"), 2).parallel.cp_comm_type == std::vector<std::string>{"allgather"});
   CHECK(parse(cp2 + words("--cp-comm-type p2p allgather"), 2).parallel.cp_comm_type.size() == 2);
@@ -19,8 +19,22 @@ TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four valu
   CHECK_THAT(parse_error(cp2 + words("--cp-comm-type p2p allgather p2p"), 2),
              Contains("--cp-comm-type takes one value or one per layer (2 for --num-layers 2), got 3"));
   CHECK_THAT(parse_error(cp2 + words("--cp-comm-type ring"), 2), Contains("--cp-comm-type: unknown value 'ring'"));
-  CHECK_THAT(parse_error(cp2 + words("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 1 2"), 2),
-             Contains("megatrain does not support --cp-comm-type a2a+p2p yet"));
+  // a2a+p2p: the hierarchical sizes are required and multiply to CP (Megatron-LM's rules).
+  const Args cp4 = small_gpt() + words("--context-parallel-size 4");
+  CHECK(parse(cp4 + words("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"), 4)
+            .parallel.hierarchical_context_parallel_sizes == std::vector<int64_t>{2, 2});
+  CHECK_THAT(parse_error(cp4 + words("--cp-comm-type a2a+p2p"), 4),
+             Contains("--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in --cp-comm-type"));
+  CHECK_THAT(parse_error(cp4 + words("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4"), 4),
+             Contains("--hierarchical-context-parallel-sizes multiply to 8, not --context-parallel-size 4"));
+  // a2a splits each TP rank's heads and query groups over the a2a ranks.
+  CHECK(parse(cp4 + words("--cp-comm-type a2a"), 4).parallel.cp_comm_type == std::vector<std::string>{"a2a"});
+  CHECK_THAT(parse_error(cp4 + words("--cp-comm-type a2a --tensor-model-parallel-size 2"), 8),
+             Contains("--cp-comm-type a2a splits each tensor-parallel rank's 2 query heads and 2 query groups over 4 ranks"));
+  CHECK_THAT(parse_error(cp4 + words("--cp-comm-type a2a --group-query-attention --num-query-groups 2"), 4),
+             Contains("4 query heads and 2 query groups over 4 ranks"));
+  CHECK(parse(cp4 + words("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 --group-query-attention "
+                          "--num-query-groups 2"), 4).parallel.cp_comm_type.size() == 1);
   CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 3"), 3),
              Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
   CHECK_THAT(parse_error(cp2 + words("--use-distributed-optimizer --num-distributed-optimizer-instances 2"), 4),

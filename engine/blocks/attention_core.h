@@ -38,6 +38,9 @@ struct CpBuffers {
   Tensor kv[2], dkv[2];     // [R, kv]: the ring's current and next key/value block and gradients
   Tensor kv_all, dkv_all;   // allgather: [CP * R, kv], rank-major
   Tensor out_blk, lse_blk;  // one block's output [R / 2, heads * d] and log-sum-exp [b, heads, s / 2]
+  // a2a (A ranks): QKV, the output, its gradient and the QKV gradient in the heads' layout [A R,
+  // width / A], and the all-to-all's staging (R x the widest of them).
+  Tensor x, x_out, x_dout, x_dqkv, stage;
 };
 
 // Context parallelism (--context-parallel-size CP > 1; engine/blocks/attention_cp.cpp): this
@@ -45,9 +48,11 @@ struct CpBuffers {
 // keys and values, block by block (Backend::attention_block_forward), the blocks' outputs merged by
 // their log-sum-exp. `type` says how the keys and values travel over the CP group: p2p (a ring:
 // each step's block is sent on to the next rank while the next arrives) or allgather (all of them
-// gathered first; their gradients reduce-scattered back). The lse it keeps is laid out per chunk
-// ([2][b, heads, s / 2]); only the core reads it.
+// gathered first; their gradients reduce-scattered back), a2a (an all-to-all over the heads) or
+// a2a+p2p (an all-to-all inside groups of a2a_size consecutive CP ranks, a ring across them). The
+// lse it keeps is laid out per chunk ([2 A][b, heads / A, s / 2]); only the core reads it.
 std::unique_ptr<AttentionCore> make_context_parallel_attention(Backend& backend, Communicator& cp, int cp_rank,
-                                                               CpCommType type, const CpBuffers& buffers);
+                                                               CpCommType type, int a2a_size,
+                                                               const CpBuffers& buffers);
 
 }  // namespace mt

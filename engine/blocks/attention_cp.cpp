@@ -2,16 +2,24 @@
 // 2 CP - 1 - r of each sequence (2 CP chunks of c positions); its queries meet every chunk of keys
 // they can see, one block (c queries x c keys) at a time, and the blocks of a query chunk merge by
 // their log-sum-exp. Which blocks a query chunk sees follows from global positions alone (causal,
-// sliding window), so the same loop serves the ring, the all-gather and any split.
+// sliding window), so one loop serves every way the keys travel:
+//   p2p        a ring over the CP group: each step's keys and values go on to the next rank while
+//              the step's blocks compute;
+//   allgather  all of them gathered first (their gradients reduce-scattered back);
+//   a2a        Ulysses: an all-to-all turns this rank's positions of all heads into all positions
+//              of heads / CP heads (and back for the output), then the blocks run locally;
+//   a2a+p2p    the all-to-all inside groups of A consecutive CP ranks, then a ring over the CP / A
+//              groups (--hierarchical-context-parallel-sizes A P).
 //
 // Backward recomputes nothing across ranks beyond the keys and values: each block's backward
 // takes the merged output and lse of its queries (as flash attention's backward does), adds its dQ
-// to this rank's QKV gradient and its dK, dV to the gradient of the key chunk it used, which then
+// to the queries' gradient and its dK, dV to the gradient of the key chunk it used, which then
 // travels back to the chunk's owner (the ring passes it on with the keys; the all-gather
-// reduce-scatters it).
+// reduce-scatters it; the all-to-all returns it with dQ).
 #include <utility>
 
 #include "core/error.h"
+#include "core/philox.h"
 #include "engine/blocks/attention_core.h"
 
 namespace mt {
@@ -20,109 +28,164 @@ namespace {
 
 class ContextParallelAttention final : public AttentionCore {
  public:
-  ContextParallelAttention(Backend& be, Communicator& cp, int cp_rank, CpCommType type, const CpBuffers& buf)
+  ContextParallelAttention(Backend& be, Communicator& cp, int cp_rank, CpCommType type, int a2a_size,
+                           const CpBuffers& buf)
       : be_(be), cp_(cp), rank_(cp_rank), size_(cp.size()), type_(type), buf_(buf) {
-    MT_CHECK(type == CpCommType::p2p || type == CpCommType::allgather, "context-parallel comm type {} not built",
-             static_cast<int>(type));
     MT_CHECK(cp.rank() == cp_rank && size_ > 1, "context-parallel rank {} of {} (group rank {})", cp_rank, size_,
              cp.rank());
+    a2a_ = type == CpCommType::a2a ? size_ : type == CpCommType::a2a_p2p ? a2a_size : 1;
+    MT_CHECK(a2a_ >= 1 && size_ % a2a_ == 0, "a2a size {} of CP {}", a2a_, size_);
+    // (Collective over the CP group: every member builds its cores in the same order.)
+    if (a2a_ > 1 && a2a_ < size_) {
+      inner_own_ = cp.split(rank_ / a2a_, rank_ % a2a_, "cp_a2a");
+      outer_own_ = cp.split(rank_ % a2a_, rank_ / a2a_, "cp_ring");
+    }
+    inner_ = a2a_ == 1 ? nullptr : a2a_ == size_ ? &cp_ : inner_own_.get();
+    outer_ = a2a_ == size_ ? nullptr : a2a_ == 1 ? &cp_ : outer_own_.get();
   }
 
   void reserve(const AttentionShape& a, AttentionBackend, DType dtype) override {
     MT_CHECK(a.seq % 2 == 0, "context parallelism: {} positions per rank do not split into two chunks", a.seq);
-    be_.reserve_attention_blocks(chunk_shape(a), a.seq / 2, dtype);
+    if (a.heads % a2a_ != 0 || a.groups % a2a_ != 0)
+      fail("--cp-comm-type a2a splits the heads over {} ranks: the {} query heads and {} query groups of a tensor-"
+           "parallel rank must both be divisible by it", a2a_, a.heads, a.groups);
+    be_.reserve_attention_blocks(block_shape(a), a.seq / 2, dtype);
   }
 
   void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
-    const AttentionShape ac = chunk_shape(a);
-    bool first[2] = {true, true};
-    // One key chunk (global index `chunk`, its rows in kv) against both query chunks.
+    const AttentionShape ac = block_shape(a);
+    const Tensor x = to_heads(qkv, buf_.x, a.qkv_row_stride());  // [A R, qkv / A]: this rank's heads
+    const Tensor xo = a2a_ > 1 ? buf_.x_out.view({a2a_ * a.batch * int64_t{a.seq}, ac.heads * int64_t{ac.head_dim}}) : out;
+    std::vector<char> first(static_cast<size_t>(2 * a2a_), 1);
+    // One key chunk (global index `chunk`, its rows in kv) against every query chunk here.
     auto blocks = [&](Tensor kv, int64_t chunk) {
-      for (int qc = 0; qc < 2; ++qc) {
+      for (int qc = 0; qc < 2 * a2a_; ++qc) {
         const int64_t qi = query_chunk(qc);
         if (!visible(a, qi, chunk)) continue;
         const AttentionBlock blk = block(ac, qi, chunk);
-        const Tensor q = qkv.row_slice(qc * rows(ac), rows(ac));
-        if (first[qc]) {  // every query chunk sees its own chunk first: it writes, later blocks merge
-          be_.attention_block_forward(out_chunk(out, ac, qc), lse_chunk(lse, ac, qc), q, kv, ac, blk);
-          first[qc] = false;
+        const Tensor q = x.row_slice(qc * rows(ac), rows(ac));
+        if (first[static_cast<size_t>(qc)]) {  // a query chunk's first block writes, later ones merge
+          be_.attention_block_forward(xo.row_slice(qc * rows(ac), rows(ac)), lse_chunk(lse, ac, qc), q, kv, ac, blk);
+          first[static_cast<size_t>(qc)] = 0;
         } else {
-          be_.attention_block_forward(buf_.out_blk, buf_.lse_blk, q, kv, ac, blk);
-          be_.attention_merge(out_chunk(out, ac, qc), lse_chunk(lse, ac, qc), buf_.out_blk, buf_.lse_blk);
+          const Tensor ob = block_out(ac), lb = lse_chunk(buf_.lse_blk, ac, 0);
+          be_.attention_block_forward(ob, lb, q, kv, ac, blk);
+          be_.attention_merge(xo.row_slice(qc * rows(ac), rows(ac)), lse_chunk(lse, ac, qc), ob, lb);
         }
       }
     };
+    const Tensor kv0 = kv_view(buf_.kv[0], ac);
+    be_.attention_kv_pack(kv0, x, head_shape(a));
     if (type_ == CpCommType::allgather) {
-      be_.attention_kv_pack(buf_.kv[0], qkv, a);
-      cp_.all_gather(buf_.kv_all, buf_.kv[0]);
-      for_each_gathered_chunk(ac, [&](int64_t r0, int64_t chunk) { blocks(buf_.kv_all.row_slice(r0, rows(ac)), chunk); });
-      return;
+      cp_.all_gather(buf_.kv_all, kv0);
+      for (int owner = 0; owner < size_; ++owner)
+        for (int kc = 0; kc < 2; ++kc) blocks(buf_.kv_all.row_slice((2 * int64_t{owner} + kc) * rows(ac), rows(ac)),
+                                              owned_chunk(owner, kc));
+    } else {
+      // The ring over the groups (a group of one with a2a alone): step i holds group g - i's keys.
+      const int P = ring_size();
+      int cur = 0;
+      for (int step = 0; step < P; ++step) {
+        const Tensor kv = kv_view(buf_.kv[cur], ac);
+        if (step + 1 < P) exchange({kv}, {kv_view(buf_.kv[1 - cur], ac)});
+        const int group = (ring_rank() - step + P) % P;
+        for (int kc = 0; kc < 2 * a2a_; ++kc) blocks(kv.row_slice(kc * rows(ac), rows(ac)), group_chunk(group, kc));
+        cur = 1 - cur;
+      }
     }
-    // The ring: step i holds the keys of rank r - i, and passes them on while computing.
-    be_.attention_kv_pack(buf_.kv[0], qkv, a);
-    int cur = 0;
-    for (int step = 0; step < size_; ++step) {
-      const int owner = (rank_ - step + size_) % size_;
-      if (step + 1 < size_) exchange({buf_.kv[cur]}, {buf_.kv[1 - cur]});
-      for (int kc = 0; kc < 2; ++kc) blocks(buf_.kv[cur].row_slice(kc * rows(ac), rows(ac)), owned_chunk(owner, kc));
-      cur = 1 - cur;
-    }
+    if (a2a_ > 1) to_seq(out, xo, ac.heads * int64_t{ac.head_dim});
   }
 
   void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
-    const AttentionShape ac = chunk_shape(a);
-    be_.fill(dqkv, 0.0);
-    // One key chunk's blocks: dQ into dqkv, dK and dV into dkv (the chunk's gradient rows).
+    const AttentionShape ac = block_shape(a);
+    // This rank's heads again (the workspace served other layers since forward).
+    const Tensor x = to_heads(qkv, buf_.x, a.qkv_row_stride());
+    const int64_t hd = ac.heads * int64_t{ac.head_dim};
+    const Tensor xo = a2a_ > 1 ? to_heads(out, buf_.x_out, hd * a2a_) : out;
+    const Tensor xdo = a2a_ > 1 ? to_heads(dout, buf_.x_dout, hd * a2a_) : dout;
+    const Tensor dx = a2a_ > 1 ? buf_.x_dqkv.view({x.rows(), x.cols()}) : dqkv;
+    be_.fill(dx, 0.0);
+    // One key chunk's blocks: dQ into dx, dK and dV into dkv (the chunk's gradient rows).
     auto blocks = [&](Tensor kv, Tensor dkv, int64_t chunk) {
-      for (int qc = 0; qc < 2; ++qc) {
+      for (int qc = 0; qc < 2 * a2a_; ++qc) {
         const int64_t qi = query_chunk(qc);
         if (!visible(a, qi, chunk)) continue;
         const int64_t r0 = qc * rows(ac);
-        be_.attention_block_backward(dqkv.row_slice(r0, rows(ac)), dkv, dout.row_slice(r0, rows(ac)),
-                                     out_chunk(out, ac, qc), lse_chunk(lse, ac, qc), qkv.row_slice(r0, rows(ac)), kv,
+        be_.attention_block_backward(dx.row_slice(r0, rows(ac)), dkv, xdo.row_slice(r0, rows(ac)),
+                                     xo.row_slice(r0, rows(ac)), lse_chunk(lse, ac, qc), x.row_slice(r0, rows(ac)), kv,
                                      ac, block(ac, qi, chunk));
       }
     };
-    be_.attention_kv_pack(buf_.kv[0], qkv, a);  // (the workspace served other layers since forward)
+    const Tensor kv0 = kv_view(buf_.kv[0], ac), dkv0 = kv_view(buf_.dkv[0], ac);
+    be_.attention_kv_pack(kv0, x, head_shape(a));
     if (type_ == CpCommType::allgather) {
-      cp_.all_gather(buf_.kv_all, buf_.kv[0]);
+      cp_.all_gather(buf_.kv_all, kv0);
       be_.fill(buf_.dkv_all, 0.0);
-      for_each_gathered_chunk(ac, [&](int64_t r0, int64_t chunk) {
-        blocks(buf_.kv_all.row_slice(r0, rows(ac)), buf_.dkv_all.row_slice(r0, rows(ac)), chunk);
-      });
-      cp_.reduce_scatter(buf_.dkv[0], buf_.dkv_all);
-      be_.attention_kv_unpack_add(dqkv, buf_.dkv[0], a);
-      return;
-    }
-    // The ring: step i holds rank r - i's keys and the gradient of them summed over ranks r - i ...
-    // r - 1; it adds its own and passes both on. After the last step the gradient travels one more
-    // hop, to its owner.
-    be_.fill(buf_.dkv[0], 0.0);
-    int cur = 0;
-    for (int step = 0; step < size_; ++step) {
-      const int owner = (rank_ - step + size_) % size_;
-      for (int kc = 0; kc < 2; ++kc) {
-        const int64_t r0 = kc * rows(ac);
-        blocks(buf_.kv[cur].row_slice(r0, rows(ac)), buf_.dkv[cur].row_slice(r0, rows(ac)), owned_chunk(owner, kc));
+      for (int owner = 0; owner < size_; ++owner)
+        for (int kc = 0; kc < 2; ++kc) {
+          const int64_t r0 = (2 * int64_t{owner} + kc) * rows(ac);
+          blocks(buf_.kv_all.row_slice(r0, rows(ac)), buf_.dkv_all.row_slice(r0, rows(ac)), owned_chunk(owner, kc));
+        }
+      cp_.reduce_scatter(dkv0, buf_.dkv_all);
+      be_.attention_kv_unpack_add(dx, dkv0, head_shape(a));
+    } else {
+      // The ring: step i holds group g - i's keys and the gradient of them summed over groups
+      // g - i ... g - 1; it adds its own and passes both on. After the last step the gradient
+      // travels one more hop, to its owner.
+      const int P = ring_size();
+      be_.fill(dkv0, 0.0);
+      int cur = 0;
+      for (int step = 0; step < P; ++step) {
+        const Tensor kv = kv_view(buf_.kv[cur], ac), dkv = kv_view(buf_.dkv[cur], ac);
+        const int group = (ring_rank() - step + P) % P;
+        for (int kc = 0; kc < 2 * a2a_; ++kc) {
+          const int64_t r0 = kc * rows(ac);
+          blocks(kv.row_slice(r0, rows(ac)), dkv.row_slice(r0, rows(ac)), group_chunk(group, kc));
+        }
+        if (P == 1) break;
+        const Tensor next_kv = kv_view(buf_.kv[1 - cur], ac), next_dkv = kv_view(buf_.dkv[1 - cur], ac);
+        if (step + 1 < P) exchange({kv, dkv}, {next_kv, next_dkv});
+        else exchange({dkv}, {next_dkv});
+        cur = 1 - cur;
       }
-      if (step + 1 < size_) exchange({buf_.kv[cur], buf_.dkv[cur]}, {buf_.kv[1 - cur], buf_.dkv[1 - cur]});
-      else exchange({buf_.dkv[cur]}, {buf_.dkv[1 - cur]});
-      cur = 1 - cur;
+      be_.attention_kv_unpack_add(dx, kv_view(buf_.dkv[cur], ac), head_shape(a));
     }
-    be_.attention_kv_unpack_add(dqkv, buf_.dkv[cur], a);
+    if (a2a_ > 1) to_seq(dqkv, dx, a.qkv_row_stride() / a2a_);
   }
 
  private:
-  // A block's shape: c queries (the chunk) of the layer's shape.
-  static AttentionShape chunk_shape(const AttentionShape& a) {
+  // The heads one rank attends to after the all-to-all (all of them without one), over this
+  // rank's positions: the shape kv_pack and kv_unpack_add take for A R rows (as A samples' worth).
+  AttentionShape head_shape(const AttentionShape& a) const {
+    AttentionShape h = a;
+    h.heads = a.heads / a2a_;
+    h.groups = a.groups / a2a_;
+    h.batch = a.batch * a2a_;
+    return h;
+  }
+  // A block's shape: c queries (a chunk) of this rank's heads.
+  AttentionShape block_shape(const AttentionShape& a) const {
     AttentionShape ac = a;
     ac.seq = a.seq / 2;
+    ac.heads = a.heads / a2a_;
+    ac.groups = a.groups / a2a_;
+    // Each member of an a2a group draws dropout for its own slice of the heads.
+    if (a2a_ > 1) ac.dropout_key = mix_key(a.dropout_key, 0x6132ULL + static_cast<uint64_t>(rank_ % a2a_));
     return ac;
   }
   static int64_t rows(const AttentionShape& ac) { return static_cast<int64_t>(ac.batch) * ac.seq; }
-  // Global chunk index of this rank's local chunk qc (0 or 1), and of rank `owner`'s.
+  // Key/value rows of [rows, groups * 2 * d] in a buffer planned for all heads.
+  static Tensor kv_view(const Tensor& t, const AttentionShape& ac) {
+    const int64_t cols = 2 * int64_t{ac.groups} * ac.head_dim;
+    return t.view({t.numel() / cols, cols});
+  }
+  int ring_size() const { return size_ / a2a_; }
+  int ring_rank() const { return rank_ / a2a_; }
+  // Global chunk index of rank `owner`'s local chunk (0 or 1).
   int64_t owned_chunk(int owner, int local) const { return local == 0 ? owner : 2 * int64_t{size_} - 1 - owner; }
-  int64_t query_chunk(int local) const { return owned_chunk(rank_, local); }
+  // Chunk kc (of 2 A) of a2a group `group`: member kc / 2's local chunk kc % 2.
+  int64_t group_chunk(int group, int kc) const { return owned_chunk(group * a2a_ + kc / 2, kc % 2); }
+  int64_t query_chunk(int qc) const { return group_chunk(ring_rank(), qc); }
   // Whether any query of chunk qi sees any key of chunk ki (c positions each).
   static bool visible(const AttentionShape& a, int64_t qi, int64_t ki) {
     if (!a.causal) return true;
@@ -138,40 +201,74 @@ class ContextParallelAttention final : public AttentionCore {
     b.seq_total = 2 * int64_t{size_} * ac.seq;
     return b;
   }
-  Tensor out_chunk(Tensor out, const AttentionShape& ac, int qc) const {
-    return out.row_slice(qc * rows(ac), rows(ac));
+  // One block's output (scratch for the merge) of this rank's heads.
+  Tensor block_out(const AttentionShape& ac) const {
+    const int64_t cols = ac.heads * int64_t{ac.head_dim};
+    return buf_.out_blk.flat_slice(0, rows(ac) * cols).view({rows(ac), cols});
   }
-  Tensor lse_chunk(Tensor lse, const AttentionShape& ac, int qc) const {
+  // The lse of query chunk qc, laid out per chunk: [2 A][b, heads / A, c].
+  static Tensor lse_chunk(Tensor lse, const AttentionShape& ac, int qc) {
     const int64_t n = static_cast<int64_t>(ac.batch) * ac.heads * ac.seq;
     return lse.flat_slice(qc * n, n).view({ac.batch, ac.heads, ac.seq});
   }
-  // allgather: every rank's two chunks, by their first row in kv_all's rank-major rows.
-  template <class F>
-  void for_each_gathered_chunk(const AttentionShape& ac, F&& f) {
-    for (int owner = 0; owner < size_; ++owner)
-      for (int kc = 0; kc < 2; ++kc) f((2 * int64_t{owner} + kc) * rows(ac), owned_chunk(owner, kc));
+  // a2a: t [R, A w] (this rank's rows, all heads) -> dst [A R, w] (the a2a group's rows, this
+  // rank's w columns: member j's rows j-th); without a2a, t itself.
+  Tensor to_heads(Tensor t, Tensor dst, int64_t width) {
+    if (a2a_ == 1) return t;
+    const int64_t R = t.numel() / width, w = width / a2a_;
+    const Tensor stage = buf_.stage.flat_slice(0, R * width);
+    for (int j = 0; j < a2a_; ++j) be_.copy_columns(stage.flat_slice(j * R * w, R * w).view({R, w}), 0, t.view({R, width}), j * w, w);
+    const Tensor out = dst.flat_slice(0, R * width).view({a2a_ * R, w});
+    all_to_all(out, stage);
+    return out;
+  }
+  // The inverse: src [A R, w] -> dst [R, A w].
+  void to_seq(Tensor dst, Tensor src, int64_t w) {
+    const int64_t R = src.rows() / a2a_;
+    const Tensor stage = buf_.stage.flat_slice(0, src.numel());
+    all_to_all(stage, src);
+    for (int j = 0; j < a2a_; ++j) be_.copy_columns(dst.view({R, a2a_ * w}), j * w, stage.flat_slice(j * R * w, R * w).view({R, w}), 0, w);
+  }
+  // recv's part j = member j's part `me` of send (equal parts, rank-major).
+  void all_to_all(Tensor recv, Tensor send) {
+    Communicator& c = *inner_;
+    const int64_t part = send.numel() / a2a_;
+    const int me = c.rank();
+    c.group_start();
+    for (int j = 0; j < a2a_; ++j) {
+      if (j == me) continue;
+      c.send(send.flat_slice(j * part, part), j);
+      c.recv(recv.flat_slice(j * part, part), j);
+    }
+    c.group_end();
+    be_.copy(recv.flat_slice(me * part, part), send.flat_slice(me * part, part));
   }
   // Sends `send` to the next rank of the ring and receives `recv` from the previous one, as one group.
   void exchange(std::initializer_list<Tensor> send, std::initializer_list<Tensor> recv) {
-    const int next = (rank_ + 1) % size_, prev = (rank_ - 1 + size_) % size_;
-    cp_.group_start();
-    for (const Tensor& t : send) cp_.send(t, next);
-    for (const Tensor& t : recv) cp_.recv(t, prev);
-    cp_.group_end();
+    const int P = ring_size(), me = ring_rank();
+    const int next = (me + 1) % P, prev = (me - 1 + P) % P;
+    outer_->group_start();
+    for (const Tensor& t : send) outer_->send(t, next);
+    for (const Tensor& t : recv) outer_->recv(t, prev);
+    outer_->group_end();
   }
 
   Backend& be_;
   Communicator& cp_;
   int rank_, size_;
   CpCommType type_;
+  int a2a_ = 1;
+  std::unique_ptr<Communicator> inner_own_, outer_own_;
+  Communicator* inner_ = nullptr;  // the all-to-all's group (A consecutive CP ranks)
+  Communicator* outer_ = nullptr;  // the ring's (the CP ranks at the same place of each group)
   const CpBuffers& buf_;
 };
 
 }  // namespace
 
 std::unique_ptr<AttentionCore> make_context_parallel_attention(Backend& backend, Communicator& cp, int cp_rank,
-                                                               CpCommType type, const CpBuffers& buffers) {
-  return std::make_unique<ContextParallelAttention>(backend, cp, cp_rank, type, buffers);
+                                                               CpCommType type, int a2a_size, const CpBuffers& buffers) {
+  return std::make_unique<ContextParallelAttention>(backend, cp, cp_rank, type, a2a_size, buffers);
 }
 
 }  // namespace mt

@@ -335,3 +335,15 @@ megatrain_parallel_train_test(parallel_train_cp2_dp2_distopt 4 --context-paralle
 # Checkpoints do not depend on CP: a CP 2 run with the distributed optimizer resumes at DP 2.
 megatrain_parallel_train_test(parallel_train_resume_cp2_to_dp2 --resume
   2 "--context-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")
+# Ulysses (a2a): an all-to-all over the heads (4 heads: 2 per rank at CP 2, 1 at CP 4, and with
+# TP 2 one per rank), then the whole sequence's blocks locally.
+megatrain_parallel_train_test(parallel_train_cp2_a2a 2 --context-parallel-size 2 --cp-comm-type a2a)
+megatrain_parallel_train_test(parallel_train_cp4_a2a 4 --context-parallel-size 4 --cp-comm-type a2a)
+megatrain_parallel_train_test(parallel_train_cp2_a2a_tp2_sp 4 --context-parallel-size 2 --cp-comm-type a2a
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+# a2a+p2p: the all-to-all inside pairs of CP ranks, a ring across the two pairs (GQA: 2 groups).
+megatrain_parallel_train_test(parallel_train_cp4_a2a_p2p --model "${cp_llama_model}" 4 --context-parallel-size 4
+                              --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2)
+# Every comm type in one model, one per layer.
+megatrain_parallel_train_test(parallel_train_cp4_every_comm_type 4 --context-parallel-size 4
+                              --cp-comm-type p2p a2a allgather a2a+p2p --hierarchical-context-parallel-sizes 2 2)
