@@ -54,6 +54,12 @@ struct Plan {
   double flops_per_iteration = 0;
   double flops_per_token = 0;
   std::optional<MemoryLimit> limit;
+  // With a limit: the longest --seq-length whose plan fits it on every stage, all else as given
+  // (a multiple of what the layout needs: 2 CP, and TP with sequence parallelism); 0 when none
+  // fits. capped_by_positions: learned absolute position embeddings stop it at
+  // --max-position-embeddings.
+  int64_t longest_seq = 0;
+  bool longest_seq_capped_by_positions = false;
 
   const StagePlan& peak_stage() const;  // the stage with the largest per-GPU plan (the first of equals)
   int peak_rank() const;                // the lowest rank of peak_stage()
@@ -61,6 +67,8 @@ struct Plan {
 };
 
 Plan make_plan(const Config& cfg);
+// Fills p.longest_seq* (p.limit set).
+void longest_sequence(const Config& cfg, Plan& p);
 
 // Memory of one rank of pipeline stage pp_rank (plan_memory.cpp).
 StageMemory stage_memory(const Config& cfg, int pp_rank);

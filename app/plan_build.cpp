@@ -36,7 +36,37 @@ Plan make_plan(const Config& cfg) {
   p.flops_per_iteration = num_floating_point_operations(cfg.model, cfg.train.global_batch);
   p.flops_per_token = flops_per_token(cfg.model);
   p.limit = memory_limit(cfg);
+  if (p.limit) longest_sequence(cfg, p);
   return p;
+}
+
+// The longest sequence whose plan fits the limit: the plan grows with --seq-length (activations,
+// workspaces, the RoPE table), so a binary search over multiples of the layout's step.
+void longest_sequence(const Config& cfg, Plan& p) {
+  const ParallelConfig& par = cfg.parallel;
+  int64_t step = par.context_parallel_size > 1 ? 2 * int64_t{par.context_parallel_size} : 1;
+  if (par.sequence_parallel && par.tensor_model_parallel_size > 1) step *= par.tensor_model_parallel_size;
+  const bool learned = cfg.model.position_embedding_type == PositionEmbedding::learned_absolute;
+  int64_t hi = int64_t{1} << 24;  // 16M tokens per sample: beyond any plan this searches
+  if (learned) hi = std::min<int64_t>(hi, cfg.model.max_position_embeddings);
+  hi /= step;
+  auto fits = [&](int64_t k) {
+    Config c = cfg;
+    c.model.seq_length = static_cast<int>(k * step);
+    if (!learned) c.model.max_position_embeddings = c.model.seq_length;
+    for (int r = 0; r < par.pipeline_model_parallel_size; ++r)
+      if (stage_memory(c, r).total > p.limit->bytes) return false;
+    return true;
+  };
+  int64_t lo = 0;  // fits (0: nothing yet)
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) lo = mid;
+    else hi = mid - 1;
+  }
+  p.longest_seq = lo * step;
+  p.longest_seq_capped_by_positions =
+      learned && lo > 0 && (lo + 1) * step > cfg.model.max_position_embeddings;
 }
 
 std::optional<MemoryLimit> memory_limit(const Config& cfg) {

@@ -95,7 +95,9 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
                  {"not_counted", "CUDA context, cuBLASLt/attention workspaces and kernels, NCCL buffers"}};
   if (plan.limit)
     j["memory"]["limit"] = {{"bytes", plan.limit->bytes}, {"source", plan.limit->source},
-                            {"fits", !plan.over_limit()}, {"peak_rank", plan.peak_rank()}};
+                            {"fits", !plan.over_limit()}, {"peak_rank", plan.peak_rank()},
+                            {"longest_seq_length", plan.longest_seq},
+                            {"longest_seq_capped_by_positions", plan.longest_seq_capped_by_positions}};
   return j;
 }
 

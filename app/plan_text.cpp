@@ -197,6 +197,10 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
     o << fmt::format("  limit: {} per GPU ({}): the peak {}\n", gib(plan.limit->bytes), plan.limit->source,
                      plan.over_limit() ? fmt::format("exceeds it (rank {})", plan.peak_rank())
                                        : fmt::format("fits ({:.0f}% of it)", 100.0 * peak->memory.total / plan.limit->bytes));
+  if (plan.limit)
+    o << fmt::format("  longest sequence that fits: {} (all else as given){}\n",
+                     plan.longest_seq > 0 ? fmt::format("--seq-length {}", plan.longest_seq) : std::string("none"),
+                     plan.longest_seq_capped_by_positions ? "; --max-position-embeddings stops it (learned positions)" : "");
   else
     o << fmt::format("  limit: not checked ({}; --gpu-memory-gib N checks the plan against N GiB per GPU)\n",
                      cfg.train.device == DeviceKind::cpu ? "--device cpu" : "no GPU visible to this dry run");

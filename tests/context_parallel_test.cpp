@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "app/plan.h"
 #include "engine/model_chunks.h"
 #include "engine/model_dims.h"
 
@@ -74,4 +75,35 @@ TEST_CASE("context parallelism: each rank plans the activations of its part of t
   CHECK(b.of(MemoryCategory::parameters) == a.of(MemoryCategory::parameters));
   // The ring's key/value buffers are in the workspace; the whole is still smaller.
   CHECK(b.of(MemoryCategory::workspace) < a.of(MemoryCategory::workspace));
+}
+
+TEST_CASE("dry run: the longest sequence that fits the memory limit, and what CP buys", "[cli][cp][plan]") {
+  const Args llama = words(
+      "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+      "--seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope --swiglu --ffn-hidden-size 512 "
+      "--micro-batch-size 1 --global-batch-size 8 --lr 1e-4 --train-iters 10 --mock-data --tokenizer-type NullTokenizer "
+      "--vocab-size 1000 --bf16 --dry-run --gpu-memory-gib 0.25");
+  auto longest = [&](const std::string& extra, int world) {
+    const Config c = parse(llama + words(extra), world);
+    const Plan p = make_plan(c);
+    // The plan at the answer fits; one step more does not.
+    const int64_t step = c.parallel.context_parallel_size > 1 ? 2 * c.parallel.context_parallel_size : 1;
+    auto peak = [&](int64_t seq) {
+      Config d = c;
+      d.model.seq_length = static_cast<int>(seq);
+      d.model.max_position_embeddings = static_cast<int>(seq);
+      return stage_memory(d, 0).total;
+    };
+    CHECK(p.longest_seq > 0);
+    CHECK(peak(p.longest_seq) <= p.limit->bytes);
+    CHECK(peak(p.longest_seq + step) > p.limit->bytes);
+    return p.longest_seq;
+  };
+  const int64_t one = longest("", 1), cp2 = longest("--context-parallel-size 2", 2);
+  CHECK(cp2 > one * 3 / 2);  // the activations split over two ranks (the weights do not)
+  // Learned absolute positions: the embedding table bounds it.
+  const Config learned = parse(llama + words("--position-embedding-type learned_absolute --gpu-memory-gib 100"), 1);
+  const Plan p = make_plan(learned);
+  CHECK(p.longest_seq == 1024);
+  CHECK(p.longest_seq_capped_by_positions);
 }
