@@ -134,8 +134,9 @@ bool TrainingCheckpoints::owns(const ParamDesc& p) const {
   // One replica of each slice: DP (and CP) rank 0 (for the routed experts under expert parallelism,
   // expert-DP rank 0: each EP rank holds other experts); TP rank 0 for what every TP rank holds
   // alike; never the last stage's copy of tied embeddings (the first stage saves them).
-  const int replica = p.expert && ps_.edp ? ps_.edp_rank : ps_.dp_rank;
-  return !p.shared_copy && replica == 0 && ps_.cp_rank == 0 && (!p.tp_duplicated || ps_.tp_rank == 0);
+  // (The experts' grid folds CP into its EP x expert-DP ranks: its expert-DP rank alone decides.)
+  const bool first_replica = p.expert && ps_.edp ? ps_.edp_rank == 0 : ps_.dp_rank == 0 && ps_.cp_rank == 0;
+  return !p.shared_copy && first_replica && (!p.tp_duplicated || ps_.tp_rank == 0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // after Megatron's rules (app/validate_moe.cpp), so that an invalid combination gets Megatron's
       // error first; the values with no Config representation at parse time.
       {"--num-experts", W::conditional, {}, "", false,
-       "with --context-parallel-size > 1, --fp8-format or --fp4-format, or linear "
+       "with --fp8-format or --fp4-format, or linear "
        "biases (without --disable-bias-linear) not supported yet"},
       {"--moe-router-score-function", W::values, {"sqrtsoftplus"}, "built: softmax, sigmoid"},
       {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"},

@@ -158,9 +158,6 @@ std::vector<std::string> not_built(const CliState& st) {
     out.push_back(fmt::format("megatrain does not support --expert-tensor-parallel-size {} with "
                               "--tensor-model-parallel-size {} yet (MoE: the experts' tensor-parallel size must divide "
                               "the tensor-parallel size)", etp, tp));
-  if (p.context_parallel_size > 1)
-    out.push_back(fmt::format("megatrain does not support --num-experts with --context-parallel-size {} yet",
-                              p.context_parallel_size));
   if (c.train.fp8_format || st.has("--fp4-format"))
     out.push_back(fmt::format("megatrain does not support --num-experts with {} yet (MoE layers run in bf16 or fp32)",
                               c.train.fp8_format ? "--fp8-format" : "--fp4-format"));

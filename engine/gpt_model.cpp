@@ -698,7 +698,7 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) mb_tokens += mb.loss_mask[static_cast<size_t>(i * whole + d_.global_position(t))];
   const double per_row = per_token_loss ? loss_grad_scale : loss_grad_scale / std::max(1.0, mb_tokens);
-  s.moe_aux_seed = loss_grad_scale;
+  s.moe_aux_seed = loss_grad_scale * d_.cp_size;  // (Megatron's aux seed carries x CP)
   const bool f64 = opt_.accum == DType::f64;
   for (int i = 0; i < b; ++i)
     for (int t = 0; t < sq; ++t) {
@@ -730,7 +730,7 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
 
 void GptModel::stage_without_data(int slot, uint64_t serial, bool training, double loss_grad_scale) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
-  s.moe_aux_seed = loss_grad_scale;
+  s.moe_aux_seed = loss_grad_scale * d_.cp_size;  // (Megatron's aux seed carries x CP)
   const int b = d_.micro_batch, sq = d_.seq;
   auto* positions = reinterpret_cast<int32_t*>(s.host_io.data() + s.off_positions);
   for (int t = 0; t < sq; ++t)

@@ -397,6 +397,9 @@ class GptModel {
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   struct MoeLossFactors {
     int64_t sequences = 1, rows = 0;  // the sequences whose aux losses are averaged, rows of each
+    // The rows each sequence has over the context-parallel ranks (rows x CP), and the tokens of
+    // the micro-batch (N x CP).
+    double seq_rows = 0, tokens = 0;
     double aux = 0, z = 0;
   };
   MoeLossFactors moe_loss_factors() const;

@@ -25,10 +25,11 @@ RankPosition RankPosition::of(const ParallelState& ps) {
 }
 
 namespace {
-// The rank at `r` in the experts' grid (MoE with an own expert grid; CP = 1).
+// The rank at `r` in the experts' grid (MoE with an own expert grid).
 RankCoord expert_coord(const Config& cfg, const RankPosition& r) {
   RankCoord dense;
   dense.tp = r.tp_rank;
+  dense.cp = r.cp_rank;
   dense.dp = r.dp_rank;
   dense.pp = r.pp_rank;
   return rank_coord(RankGrid::experts_from_config(cfg), rank_at(RankGrid::from_config(cfg), dense));

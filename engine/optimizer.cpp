@@ -268,7 +268,7 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
   const ModelDims& d = chunks_.front()->dims();
   const int64_t n = 2 * int64_t{d.num_layers};
   MT_CHECK(!sums.empty() && sums.numel() == n, "--moe-per-layer-logging: no per-layer buffer on this rank");
-  ps_.dp->all_reduce(sums);
+  ps_.replicas().all_reduce(sums);  // (each CP rank's values add up to its micro-batch's)
   if (ps_.pp_size > 1) ps_.pp->all_reduce(sums);
   moe_layer_host_.resize(static_cast<size_t>(n));
   if (sums.dtype == DType::f64) {

@@ -51,7 +51,7 @@ struct ParallelState {
   // With an expert TP size below TP: the experts' tp x ep group (the rows its members dispatch are
   // gathered over it); null when of one rank.
   std::unique_ptr<Communicator> expert_tp_ep;
-  Communicator& expert_dp() const { return edp ? *edp : *dp; }
+  Communicator& expert_dp() const { return edp ? *edp : replicas(); }
 
   // --num-distributed-optimizer-instances N > 1 (Megatron's partial distributed optimizer): the DP
   // group split into N instances of DP/N consecutive DP ranks. dist_opt_intra: this rank's

@@ -94,24 +94,25 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   s.etp_rank = cfg.model.moe.enabled() && etp != grid.tp ? 0 : c.tp;
   if (cfg.model.moe.enabled() && (cfg.parallel.expert_model_parallel_size > 1 || etp != grid.tp)) {
     const RankGrid eg = RankGrid::experts_from_config(cfg);
-    MT_CHECK(grid.tp % eg.tp == 0 && grid.cp == 1 && (!grid.tp_pp_dp_order || grid.pp == 1),
-             "expert parallelism needs an expert TP size dividing TP, CP = 1 and the tp-cp-ep-dp-pp order");
+    MT_CHECK(grid.tp % eg.tp == 0 && (!grid.tp_pp_dp_order || grid.pp == 1),
+             "expert parallelism needs an expert TP size dividing TP and the tp-cp-ep-dp-pp order");
     const RankCoord ec = rank_coord(eg, rank);
     s.ep_size = eg.ep;
     s.ep_rank = ec.ep;
     s.edp_size = eg.dp;
     s.edp_rank = ec.dp;
     s.etp_rank = ec.tp;
-    MT_CHECK(ec.pp == c.pp && (eg.tp != grid.tp || (ec.tp == c.tp && c.dp == ec.ep + eg.ep * ec.dp)),
+    // (With the dense TP size the experts' EP x expert-DP ranks fold the dense CP x DP ones.)
+    MT_CHECK(ec.pp == c.pp && (eg.tp != grid.tp || (ec.tp == c.tp && c.cp + grid.cp * c.dp == ec.ep + eg.ep * ec.dp)),
              "the experts' grid coordinates of rank {} (etp {}, ep {}, edp {}, pp {}) disagree with its dense ones (tp "
              "{}, dp {}, pp {})", rank, ec.tp, ec.ep, ec.dp, ec.pp, c.tp, c.dp, c.pp);
     if (eg.ep > 1) s.ep = split_into(*world, rank_groups(eg, "ep"), "ep");
     if (eg.tp < grid.tp && eg.tp * eg.ep > 1) s.expert_tp_ep = split_into(*world, rank_groups(eg, "tp-ep"), "expert_tp_ep");
     s.edp = split_into(*world, rank_groups(eg, "dp"), "expert_dp");
     s.expert_model_parallel = split_into(*world, rank_groups(eg, "tp-ep-pp"), "expert_model_parallel");
-  } else {
-    s.edp_size = grid.dp;
-    s.edp_rank = c.dp;
+  } else {  // the experts' data-parallel group is the dense replicas' (DP x CP)
+    s.edp_size = grid.dp * grid.cp;
+    s.edp_rank = c.dp * grid.cp + c.cp;
   }
   // --num-distributed-optimizer-instances (with the distributed optimizer; checked by the parser).
   const int instances = cfg.parallel.use_distributed_optimizer ? cfg.parallel.num_distributed_optimizer_instances : 1;

@@ -382,7 +382,9 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
         "values quantile_balancing, global_aux_loss not supported yet");
-  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--context-parallel-size > 1"));
+  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp8-format or --fp4-format"));
+  // MoE with context parallelism is built (the experts' grid folds CP).
+  CHECK_NOTHROW(parse(moe_gpt() + words("--context-parallel-size 2 --expert-model-parallel-size 2"), 2));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
              Contains("values not dividing --tensor-model-parallel-size not supported yet"));
   CHECK(cli::fully_unsupported("--moe-input-jitter-eps"));

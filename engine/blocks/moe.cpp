@@ -76,7 +76,7 @@ void GptModel::expert_bias_loaded() { be_.copy_from_host(moe_bias_, moe_bias_hos
 void GptModel::update_expert_bias() {
   if (!has_expert_bias()) return;
   be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
-  ps_.dp->all_reduce(moe_counts_dev_);
+  ps_.replicas().all_reduce(moe_counts_dev_);  // (over DP x CP)
   // (Only the experts' TP rank 0 counted; with experts split over fewer ranks than TP, the TP
   // ranks counted other rows.)
   if (d_.tp_size > 1) ps_.tp->all_reduce(moe_counts_dev_);
@@ -132,15 +132,19 @@ int64_t GptModel::moe_max_rows() const {
 
 // Megatron's aux and z-loss factors, coefficients removed: aux = aux_factor * sum_e P_e f_e over
 // each sequence's statistics (E / (k S^2 B), S the rows of one of the micro-batch's B sequences with
-// seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). (The
-// backward multiplies in the coefficients before dividing, as it always has.)
+// seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). With
+// context parallelism S and N count every CP rank's rows (the counts f_e are summed over CP; P_e is
+// this rank's part), so that the ranks' values add up to the micro-batch's losses. (The backward
+// multiplies in the coefficients before dividing, as it always has.)
 GptModel::MoeLossFactors GptModel::moe_loss_factors() const {
   MoeLossFactors f;
   f.sequences = d_.moe_seq_aux ? d_.micro_batch : 1;
   f.rows = d_.tokens() / f.sequences;
-  const double n = static_cast<double>(f.rows);
+  f.seq_rows = static_cast<double>(f.rows) * d_.cp_size;
+  f.tokens = static_cast<double>(d_.tokens()) * d_.cp_size;
+  const double n = f.seq_rows;
   f.aux = d_.experts / (d_.topk * n * n * static_cast<double>(f.sequences));
-  f.z = 1.0 / static_cast<double>(d_.tokens());
+  f.z = 1.0 / f.tokens;
   return f;
 }
 
@@ -266,6 +270,8 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     for (int64_t b = 0; b < f.sequences; ++b) {
       const Tensor stats = M.stats.flat_slice(b * width, width);
       be_.moe_aux_stats(stats, ordered.row_slice(b * f.rows, f.rows), r);
+      // (Context parallelism: the sequence's counts over all its positions.)
+      if (d_.cp_size > 1) ps_.cp->all_reduce(stats.flat_slice(d_.experts, d_.experts));
       if (!s.training) continue;
       be_.moe_aux_log(moe_loss_, stats, aux, z);
       if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), stats, aux, z);
@@ -475,10 +481,10 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (!M.stats.empty()) {
     // The factors with their coefficients, seeded as the loss is.
     const MoeLossFactors f = moe_loss_factors();
-    const double n = static_cast<double>(f.rows), seed = s.moe_aux_seed;
+    const double n = f.seq_rows, seed = s.moe_aux_seed;
     const float aux_scale = static_cast<float>(
         d_.moe_aux_coeff * d_.experts / (k * n * n * static_cast<double>(f.sequences)) * seed);
-    const float z_scale = static_cast<float>(d_.moe_z_coeff / static_cast<double>(N) * seed);
+    const float z_scale = static_cast<float>(d_.moe_z_coeff / f.tokens * seed);
     aux_grad = local_rows(w.moe_aux_grad);
     if (!d_.moe_seq_aux) {
       be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);

@@ -347,3 +347,17 @@ megatrain_parallel_train_test(parallel_train_cp4_a2a_p2p --model "${cp_llama_mod
 # Every comm type in one model, one per layer.
 megatrain_parallel_train_test(parallel_train_cp4_every_comm_type 4 --context-parallel-size 4
                               --cp-comm-type p2p a2a allgather a2a+p2p --hierarchical-context-parallel-sizes 2 2)
+# Mixture of experts with context parallelism: the aux loss's counts summed over the CP ranks of a
+# micro-batch (each rank's value its part of the micro-batch's loss, seeded x CP as Megatron), the
+# experts' EP x expert-DP ranks folding the dense CP x DP ones (Megatron's parallel folding).
+megatrain_parallel_train_test(parallel_train_moe_cp2 --model "${moe_model}" 2 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_cp2_ep2 --model "${moe_model}" 2 --context-parallel-size 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_seq_aux_cp2_dp2 --model "${moe_model} --micro-batch-size 2 \
+--moe-router-load-balancing-type seq_aux_loss --moe-per-layer-logging" 4 --context-parallel-size 2 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_moe_bias_cp2_ep4 --model "${moe_sigmoid_model} --moe-router-enable-expert-bias" 4
+                              --context-parallel-size 2 --expert-model-parallel-size 4 --use-distributed-optimizer)
+# Megatron-LM's gpt3_mcore_tp2_cp2_pp2_ep2 layout on 8 ranks (TP2+SP x CP2 x PP2, EP2 over the CP pair).
+megatrain_parallel_train_test(parallel_train_moe_tp2_cp2_pp2_ep2 --model "${moe_model}" 8 --tensor-model-parallel-size 2
+                              --sequence-parallel --context-parallel-size 2 --pipeline-model-parallel-size 2
+                              --expert-model-parallel-size 2)
