@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <sstream>
 
@@ -40,6 +41,49 @@ constexpr int64_t kMaxMicrobatches = int64_t{1} << 20;
 // rank (a sample-index row and a shuffle entry), so 2^40 samples would need 16 TiB on every rank;
 // the largest published runs read about 2^31.
 constexpr int64_t kMaxSamples = int64_t{1} << 40;
+// Widths: every dimension of a weight matrix (--hidden-size, the MLP and expert sizes, the query
+// width heads x head size, the vocabulary). The largest models use hidden sizes near 2^14, MLP sizes
+// below 2^17 and vocabularies below 2^19; 2^24 is far above them and keeps what is derived from a
+// width (Megatron's 4h MLP default, the padded vocabulary, 3 x the fused QKV width, 2 x a gated MLP)
+// inside the 32-bit ints of the configuration, the layouts and the kernels. Above 2^29 (4h) and
+// near 2^31 those overflowed: the dry run and training stopped on parameters with a negative number
+// of elements, or on a padded vocabulary of -2^31.
+constexpr int64_t kMaxWidth = int64_t{1} << 24;
+// Parameters, counted from the shape before anything is laid out (the weight matrices: embeddings,
+// attention projections, the MLPs, the experts' in MoE layers; biases and norms left out): 2^50, about
+// 1.1 x 10^15, is some 500 times the largest models trained. Their weights, gradients and Adam
+// states (16 bytes a parameter in mixed precision) would need 16 PiB, the memory of the largest
+// clusters together, and the memory plan's 64-bit byte counts (up to about 20 bytes a parameter)
+// stay far from overflow. Larger models, allowed by the bounds above (2^16 layers of width 2^24),
+// overflowed them: the dry run printed a peak smaller than its own parameters and training tried
+// to allocate a wrapped-around size.
+constexpr double kMaxParameters = 0x1p50;
+// Activations of one micro-batch, summed over its ranks: at least 2 bytes for each token's input
+// to every layer (all that full recompute keeps) and for each of its logits. 2^50 bytes (1 PiB) is
+// hundreds of times what the largest runs hold (a 2^20-token micro-batch of a 128-layer model with
+// hidden size 2^14 keeps 4 TiB), and keeps the plan's 64-bit activation bytes (a few tens of bytes
+// a token, layer and hidden unit, times the micro-batches a rank holds) from overflowing, which a
+// 10^12-token micro-batch did (the dry run printed a peak of -2^63 bytes).
+constexpr double kMaxMicrobatchActivationBytes = 0x1p50;
+
+// Bytes in the largest binary unit that leaves at least 1 (up to EiB).
+std::string bytes_text(double bytes) {
+  static const char* const units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  size_t u = 0;
+  while (bytes >= 1024 && u + 1 < std::size(units)) {
+    bytes /= 1024;
+    ++u;
+  }
+  return fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+// `what` names the flag (or the flags a width is derived from) and its value.
+void check_width(int64_t width, const std::string& what) {
+  if (width > kMaxWidth)
+    fail("{} is wider than megatrain plans for (at most {} = 2^24 for any dimension of a weight matrix; the largest "
+         "models use hidden sizes near 2^14, MLP sizes below 2^17 and vocabularies below 2^19): check the value", what,
+         kMaxWidth);
+}
 
 void derive_model_shape(CliState& st) {
   Config& c = st.cfg;
@@ -59,6 +103,7 @@ void derive_model_shape(CliState& st) {
          "1000): check the value",
          m.num_layers, kMaxLayers);
   positive(m.hidden_size, "--hidden-size");
+  check_width(m.hidden_size, fmt::format("--hidden-size {}", m.hidden_size));
   positive(m.num_attention_heads, "--num-attention-heads");
   positive(m.max_position_embeddings, "--max-position-embeddings");
   if (st.encoder_seq_length) {
@@ -71,15 +116,22 @@ void derive_model_shape(CliState& st) {
 
   if (m.ffn_hidden_size) {
     positive(*m.ffn_hidden_size, "--ffn-hidden-size");
+    check_width(*m.ffn_hidden_size, fmt::format("--ffn-hidden-size {}", *m.ffn_hidden_size));
     m.ffn_size = *m.ffn_hidden_size;
-  } else if (m.swiglu) {
-    // Keeps the parameter count near the 4h MLP's, rounded down to a multiple of 64.
-    m.ffn_size = static_cast<int>((4.0 * m.hidden_size * 2.0 / 3.0) / 64.0) * 64;
   } else {
-    m.ffn_size = 4 * m.hidden_size;
+    // SwiGLU keeps the parameter count near the 4h MLP's, rounded down to a multiple of 64.
+    const int64_t ffn = m.swiglu ? static_cast<int64_t>((4.0 * m.hidden_size * 2.0 / 3.0) / 64.0) * 64
+                                 : 4 * static_cast<int64_t>(m.hidden_size);
+    check_width(ffn, fmt::format("the MLP size {} (Megatron's default for --hidden-size {}{}; --ffn-hidden-size sets "
+                                 "it)", ffn, m.hidden_size, m.swiglu ? " with --swiglu" : ""));
+    m.ffn_size = static_cast<int>(ffn);
   }
   if (m.kv_channels) {
     positive(*m.kv_channels, "--kv-channels");
+    check_width(*m.kv_channels, fmt::format("--kv-channels {}", *m.kv_channels));
+    check_width(static_cast<int64_t>(m.num_attention_heads) * *m.kv_channels,
+                fmt::format("the query width --num-attention-heads {} x --kv-channels {}", m.num_attention_heads,
+                            *m.kv_channels));
     m.head_dim = *m.kv_channels;
   } else {
     if (m.hidden_size % m.num_attention_heads != 0)
@@ -200,12 +252,16 @@ void derive_moe(CliState& st) {
   }
   if (e.ffn_hidden_size) {
     positive(*e.ffn_hidden_size, "--moe-ffn-hidden-size");
+    check_width(*e.ffn_hidden_size, fmt::format("--moe-ffn-hidden-size {}", *e.ffn_hidden_size));
     e.expert_ffn = *e.ffn_hidden_size;
   } else {
     e.expert_ffn = m.ffn_size;
     st.warn(fmt::format("moe_ffn_hidden_size is not set, using ffn_hidden_size for MoE instead (the experts' FFN size "
                         "is {}; --moe-ffn-hidden-size sets it)", m.ffn_size));
   }
+  if (e.shared_expert_intermediate_size)
+    check_width(*e.shared_expert_intermediate_size,
+                fmt::format("--moe-shared-expert-intermediate-size {}", *e.shared_expert_intermediate_size));
   const int L = m.num_layers;
   if (e.layer_pattern.empty()) {
     if (e.layer_freq <= 0)
@@ -367,6 +423,12 @@ void derive_batch(CliState& st) {
   require(st, "--micro-batch-size");
   positive(t.micro_batch_size, "--micro-batch-size");
   const int dp = c.parallel.data_parallel_size;
+  // The samples of one step (and so the global batch, which is a multiple of them) are 32-bit ints
+  // in the configuration and the schedules; real global batches stay below 2^24.
+  if (static_cast<int64_t>(t.micro_batch_size) * dp > std::numeric_limits<int>::max())
+    fail("--micro-batch-size {} x data-parallel size {} = {} samples per step is more than megatrain plans for (at most "
+         "{}): check the value", t.micro_batch_size, dp, static_cast<int64_t>(t.micro_batch_size) * dp,
+         std::numeric_limits<int>::max());
   // Megatron-LM HEAD's rules (megatron/training/arguments.py, num_microbatches_calculator.py).
   if (t.step_batch_size_schedule && t.global_batch_size)
     fail("Cannot specify both --step-batch-size-schedule and --global-batch-size");
@@ -475,6 +537,16 @@ void derive_schedule(CliState& st) {
     t.lr_warmup_steps = t.lr_warmup_fraction ? *t.lr_warmup_fraction * static_cast<double>(t.lr_decay_steps)
                                              : static_cast<double>(t.lr_warmup_samples);
   }
+  // The validation samples are read (and indexed) like the training samples, under the same bound:
+  // --eval-iters per evaluation, one evaluation per --eval-interval iterations and one at the end
+  // (data/dataset_builder.cpp samples_per_split; counted in floating point, where int64 overflows).
+  const double evaluations = !t.skip_train && t.eval_interval && *t.eval_interval > 0
+                                 ? static_cast<double>(t.total_iters / *t.eval_interval + 1) : 1.0;
+  const double eval_batch = t.eval_global_batch_size.value_or(t.global_batch);
+  if (evaluations * t.eval_iters * eval_batch > static_cast<double>(kMaxSamples))
+    fail("--eval-iters {} x {} evaluation{} (every --eval-interval iterations and at the end) x {} samples is more "
+         "validation samples than megatrain plans for (at most {}): check the values", t.eval_iters, evaluations,
+         evaluations == 1 ? "" : "s", eval_batch, kMaxSamples);
   if (t.weight_decay_incr_style == WeightDecayIncrStyle::constant) {
     if (t.start_weight_decay || t.end_weight_decay)
       fail("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (constant uses "
@@ -498,14 +570,56 @@ void derive_vocab(CliState& st) {
   const VocabInfo v = vocab_info(d);
   m.vocab_size = v.size;
   d.eod_id = v.eod;
+  const std::string vocab = st.has("--vocab-size") ? fmt::format("--vocab-size {}", v.size)
+                                                   : fmt::format("the tokenizer's vocabulary of {}", v.size);
+  check_width(v.size, vocab);
   if (d.padded_vocab_size) {
+    check_width(*d.padded_vocab_size, fmt::format("--padded-vocab-size {}", *d.padded_vocab_size));
     m.padded_vocab_size = *d.padded_vocab_size;
   } else {
     const int64_t multiple = static_cast<int64_t>(m.make_vocab_size_divisible_by) * c.parallel.tensor_model_parallel_size;
     const int64_t padded = (v.size + multiple - 1) / multiple * multiple;
+    check_width(padded, fmt::format("{}, padded to {} (a multiple of --make-vocab-size-divisible-by {} x "
+                                    "--tensor-model-parallel-size {}),", vocab, padded,
+                                    m.make_vocab_size_divisible_by, c.parallel.tensor_model_parallel_size));
     m.padded_vocab_size = static_cast<int>(padded);
     st.info(fmt::format(" > padded vocab (size: {}) with {} dummy tokens (new size: {})", v.size, padded - v.size, padded));
   }
+}
+
+// The totals that the widths, depths and batch sizes give together (kMaxParameters,
+// kMaxMicrobatchActivationBytes), from the derived shape, before anything is laid out.
+void check_totals(const CliState& st) {
+  const ModelConfig& m = st.cfg.model;
+  const MoeConfig& e = m.moe;
+  const double h = m.hidden_size, layers = m.num_layers, vocab = m.padded_vocab_size;
+  const double moe_layers = e.enabled() ? static_cast<double>(std::count(e.moe_layer.begin(), e.moe_layer.end(), 1)) : 0;
+  // The weight matrices of engine/param_count.h (biases and norms left out), in floating point.
+  const double q = double(m.num_attention_heads) * m.head_dim, kv = double(m.query_groups) * m.head_dim;
+  const double mlp_matrices = m.swiglu ? 3 : 2;  // fc1 (doubled by the SwiGLU gate) and fc2
+  double params = vocab * h * (m.untie_embeddings_and_output_weights ? 2 : 1);
+  if (m.position_embedding_type == PositionEmbedding::learned_absolute) params += double(m.max_position_embeddings) * h;
+  params += layers * h * (q + 2 * kv + q);                                  // QKV and output projections
+  params += (layers - moe_layers) * mlp_matrices * h * m.ffn_size;          // dense MLPs
+  params += moe_layers * double(e.num_experts) * mlp_matrices * h * e.expert_ffn;  // the experts of MoE layers
+  if (params > kMaxParameters) {
+    const std::string experts =
+        e.enabled() ? fmt::format(", --num-experts {} of size {}", e.num_experts, e.expert_ffn) : std::string();
+    fail("--num-layers {}, --hidden-size {}, MLP size {}{} and a vocabulary of {} give at least {:.3g} parameters, more "
+         "than megatrain plans for (at most 2^50 = {:.3g}, about 500 times the largest models trained): their weights, "
+         "gradients and Adam states alone would need {}; check the sizes",
+         m.num_layers, m.hidden_size, m.ffn_size, experts, m.padded_vocab_size, params, kMaxParameters,
+         bytes_text(16 * params));
+  }
+  const TrainConfig& t = st.cfg.train;
+  const double tokens = double(t.micro_batch_size) * m.seq_length;
+  const double activations = 2 * tokens * (h * layers + vocab);
+  if (activations > kMaxMicrobatchActivationBytes)
+    fail("--micro-batch-size {} x --seq-length {} = {:.3g} tokens per micro-batch: with --hidden-size {} over "
+         "--num-layers {} and a vocabulary of {}, their activations need at least {} (2 bytes a token for each layer's "
+         "input and for each logit, over all ranks), more than megatrain plans for (at most 1 PiB per micro-batch): "
+         "check the values", t.micro_batch_size, m.seq_length, tokens, m.hidden_size, m.num_layers, m.padded_vocab_size,
+         bytes_text(activations));
 }
 
 }  // namespace
@@ -538,6 +652,7 @@ void derive(CliState& st) {
     if (std::find(modules.begin(), modules.end(), "moe") == modules.end()) modules.push_back("moe");
   }
   derive_vocab(st);
+  check_totals(st);
   const TrainConfig& t = st.cfg.train;
   if (t.batch_size_schedule.empty())
     st.info(fmt::format("setting number of microbatches to constant {}", t.num_microbatches));

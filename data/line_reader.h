@@ -1,6 +1,9 @@
-// Reads JSONL input files (plain, or gzip when the name ends in .gz) in chunks of whole lines, as
-// Python's text mode iterates them (universal newlines: "\n", "\r\n" and "\r" all end a line).
-// Memory stays bounded by the chunk size (plus the longest line).
+// Reads JSONL input files (plain, or gzip when the name ends in .gz or the file starts with gzip's
+// magic bytes) in chunks of whole lines, as Python's text mode iterates them (universal newlines:
+// "\n", "\r\n" and "\r" all end a line). Memory stays bounded by the chunk size (plus the longest line).
+// gzip input is verified to its end (data/line_reader.cpp, GzipInput): a truncated or damaged file
+// throws mt::Error naming it, never reads as a shorter file; other compressed formats (zstd, xz,
+// lz4, bzip2) are refused up front.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,16 @@ class LineChunkReader {
   // The next chunk (chunks never span files); false at the end of the last file.
   bool next(LineChunk& chunk);
   const std::vector<std::string>& files() const { return files_; }
+  // The index of the file being read (files().size() after the last).
+  size_t current_file() const { return file_; }
+  // True while files()[file] is compressed and being read (not yet to its verified end).
+  bool inside_compressed(size_t file) const;
+  // For a failure found in the text of files()[file]: when inside_compressed(file), reads (and
+  // verifies) the rest of it, throwing as next() would if it is truncated or damaged. Damaged
+  // compressed data can inflate to wrong text long before the damage is detected (a CRC-32 mismatch
+  // shows only at the end of a gzip member), and then the damage is the failure to report. A file
+  // the reader has moved past was verified already. next() must not be called afterwards.
+  void check_rest_of_file(size_t file);
 
  private:
   struct Source;

@@ -37,6 +37,7 @@ struct KeyTokens {
 struct ChunkResult {
   uint64_t sequence = 0;
   uint64_t first_global = 0;   // global index of the chunk's first line (partition assignment)
+  size_t file = 0;             // index of the chunk's input file
   int64_t documents = 0;       // lines fully processed (all of them unless error is set)
   uint64_t bytes = 0;
   std::vector<KeyTokens> keys;
@@ -244,6 +245,8 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
     fail("--output-prefix '{}': directory '{}' does not exist", o.output_prefix, out_dir.string());
 
   const std::vector<std::string> files = resolve_preprocess_inputs(o.input, o.partitions);
+  // Opens every input (refusing formats it cannot read) before any output file is created.
+  LineChunkReader reader(files, o.chunk_bytes);
   const auto startup = Clock::now();
   std::unique_ptr<Tokenizer> tokenizer = build_tokenizer(o.tokenizer);
   const int32_t eod = o.append_eod ? tokenizer->eod() : -1;
@@ -288,7 +291,7 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
   WorkQueue queue;
   ResultBoard board(2 * static_cast<size_t>(o.workers) + 2);
   std::exception_ptr reader_error;
-  LineChunkReader reader(files, o.chunk_bytes);
+  size_t reader_error_file = 0;  // the file being read when reader_error was raised
   std::thread reader_thread([&] {
     uint64_t count = 0;
     try {
@@ -301,6 +304,7 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
       }
     } catch (...) {
       reader_error = std::current_exception();
+      reader_error_file = reader.current_file();
     }
     queue.close();
     ChunkResult end;
@@ -323,6 +327,7 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
           }
         }
         r.sequence = chunk->sequence;
+        r.file = chunk->file;
         board.post(std::move(r));
       }
     });
@@ -337,6 +342,7 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
   const auto start = Clock::now();
   int64_t next_log = o.log_interval;
   std::string failure;
+  std::optional<size_t> failed_file;  // set when the failure is in the text of this input file
   try {
     for (uint64_t seq = 0;; ++seq) {
       ChunkResult r = board.take(seq);
@@ -370,6 +376,7 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
       }
       if (!r.error.empty()) {
         failure = r.error;
+        failed_file = r.file;
         break;
       }
       board.release_slot();
@@ -381,8 +388,25 @@ PreprocessResult preprocess_data(const PreprocessOptions& o, std::ostream& log) 
     board.stop();
     queue.close();
     join_all();
+    // Text that fails in compressed input may be damage inflated to wrong text, detected only
+    // further on (at the latest by the member's CRC-32 at its end): the damage is what is reported
+    // (LineChunkReader::check_rest_of_file).
+    if (failed_file) {
+      try {
+        if (reader_error && reader_error_file == *failed_file) std::rethrow_exception(reader_error);
+        if (!reader_error && reader.inside_compressed(*failed_file)) {
+          log << fmt::format("Checking the rest of {} (a damaged compressed stream can inflate to invalid text) ...\n",
+                             files[*failed_file]);
+          log.flush();
+          reader.check_rest_of_file(*failed_file);
+        }
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
     cleanup();
-    throw Error(failure);
+    // One line: the cause, and that no dataset was left (an earlier one under the same names is kept).
+    throw Error(fmt::format("{}; nothing was written", failure));
   }
   join_all();
 

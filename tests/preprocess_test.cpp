@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -314,12 +315,59 @@ TEST_CASE("megatrain preprocess-data command line", "[preprocess]") {
   CHECK_THAT(slurp(log), Contains("--no-such-flag"));
 }
 
+namespace {
+
+// `text` as one gzip member, compressed in memory (level 0: stored blocks, whose bytes are the text).
+std::string gzip_member(const std::string& text, int level = Z_DEFAULT_COMPRESSION) {
+  z_stream zs{};
+  REQUIRE(deflateInit2(&zs, level, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
+  std::string out(deflateBound(&zs, static_cast<uLong>(text.size())), '\0');
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(text.data()));
+  zs.avail_in = static_cast<uInt>(text.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  REQUIRE(deflate(&zs, Z_FINISH) == Z_STREAM_END);
+  out.resize(zs.total_out);
+  deflateEnd(&zs);
+  return out;
+}
+
+// NullTokenizer documents ("a b c" token ids), `count` of them from `first`.
+std::string null_documents(int first, int count) {
+  std::string text;
+  for (int i = first; i < first + count; ++i) text += fmt::format("{{\"text\": \"{} {} {}\"}}\n", i % 90, (i * 7) % 90, 3);
+  return text;
+}
+
+PreprocessOptions null_options(const std::string& input, const std::string& prefix) {
+  PreprocessOptions o;
+  o.json_keys = {"text"};
+  o.input = input;
+  o.output_prefix = prefix;
+  o.tokenizer.type = "NullTokenizer";
+  o.tokenizer.vocab_size = 100;
+  o.workers = 2;
+  o.chunk_bytes = 4096;
+  return o;
+}
+
+// The error preprocess_data throws ("(no error)" when it does not).
+std::string preprocess_error(const PreprocessOptions& o) {
+  try {
+    run_quiet(o);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
 TEST_CASE("preprocess-data refuses a truncated or damaged .jsonl.gz and leaves no partial dataset", "[preprocess]") {
   oracle::TempDir dir;
   // 2000 NullTokenizer documents; the first half flushed as a whole deflate block so that the
   // file can be cut where the decompressed text ends exactly at a line boundary.
-  std::string first_half, second_half;
-  for (int i = 0; i < 2000; ++i) (i < 1000 ? first_half : second_half) += fmt::format("{{\"text\": \"{} {} {}\"}}\n", i % 90, (i * 7) % 90, 3);
+  const std::string first_half = null_documents(0, 1000), second_half = null_documents(1000, 1000);
   const std::string gz = dir.file("in.jsonl.gz");
   uint64_t flushed_at = 0;
   {
@@ -335,59 +383,152 @@ TEST_CASE("preprocess-data refuses a truncated or damaged .jsonl.gz and leaves n
   REQUIRE(flushed_at > 10);
   REQUIRE(flushed_at < whole.size() - 8);
 
-  PreprocessOptions o;
-  o.json_keys = {"text"};
-  o.output_prefix = dir.file("out");
-  o.tokenizer.type = "NullTokenizer";
-  o.tokenizer.vocab_size = 100;
-  o.workers = 2;
-  o.chunk_bytes = 4096;
-  o.input = gz;
+  PreprocessOptions o = null_options(gz, dir.file("out"));
   // The whole file: every document, under the final names, and no temporary files left.
   CHECK(run_quiet(o).documents == 2000);
   const std::string good_bin = slurp(dir.file("out_text_document.bin")), good_idx = slurp(dir.file("out_text_document.idx"));
   REQUIRE_FALSE(good_bin.empty());
 
-  struct Cut {
+  struct Bad {
     const char* what;
     std::string bytes;
+    std::string expected;   // in the one-line error
+    bool at_open = false;   // refused when the input is opened, before any output exists
   };
+  const std::string truncated = "the gzip stream is truncated", damaged = "the gzip stream is damaged";
   std::string bad_crc = whole;
   bad_crc[bad_crc.size() - 8] ^= 0x55;  // the trailer: CRC-32, then the length mod 2^32
   std::string bad_length = whole;
   bad_length[bad_length.size() - 4] ^= 0x01;
-  const std::vector<Cut> cuts = {
-      {"cut at a line boundary (after the flushed first half)", whole.substr(0, flushed_at)},
-      {"cut mid-line", whole.substr(0, flushed_at + (whole.size() - flushed_at) / 2)},
-      {"missing the 8-byte trailer", whole.substr(0, whole.size() - 8)},
-      {"missing part of the trailer", whole.substr(0, whole.size() - 3)},
-      {"a wrong CRC-32", bad_crc},
-      {"a wrong length", bad_length},
+  // Stored (level 0) blocks hold the text itself: a changed byte early in the file inflates to
+  // invalid JSON, and only the CRC-32 at the end of the member, 400 KB later, tells that the file is
+  // damaged.
+  std::string stored = gzip_member(null_documents(0, 20000), 0);
+  const size_t line_11 = stored.find(null_documents(10, 1));
+  REQUIRE(line_11 != std::string::npos);
+  stored[line_11] = 'X';
+  const std::string second_member = gzip_member(null_documents(2000, 500));
+  const std::vector<Bad> bads = {
+      {"cut at a line boundary (after the flushed first half)", whole.substr(0, flushed_at),
+       truncated + " (the file ends at byte " + std::to_string(flushed_at) + ", inside gzip member 1, before its trailer)"},
+      {"cut mid-line", whole.substr(0, flushed_at + (whole.size() - flushed_at) / 2), truncated},
+      {"missing the 8-byte trailer", whole.substr(0, whole.size() - 8), truncated},
+      {"missing part of the trailer", whole.substr(0, whole.size() - 3), truncated},
+      {"cut in the header", whole.substr(0, 5), truncated},
+      {"empty", "", truncated + " (the file is empty)", true},
+      {"a wrong CRC-32: where", bad_crc, damaged + " (gzip member 1, near byte "},
+      {"a wrong CRC-32: why", bad_crc, "the CRC-32 in its trailer does not match the data): the file is corrupt"},
+      {"a wrong length", bad_length, "the length in its trailer does not match the data"},
+      {"damaged data that inflates to invalid JSON", stored, "the CRC-32 in its trailer does not match the data"},
+      {"a second member cut short", whole + second_member.substr(0, second_member.size() / 2),
+       "inside gzip member 2, before its trailer"},
+      {"a second member cut after its first byte", whole + second_member.substr(0, 1), "inside gzip member 2"},
+      {"a second member missing its trailer", whole + second_member.substr(0, second_member.size() - 8),
+       "inside gzip member 2"},
+      {"trailing garbage", whole + "{\"text\": \"1 2 3\"}\n",
+       damaged + " (byte " + std::to_string(whole.size()) + " follows the end of gzip member 1 but does not start "
+                 "another member; gzip -t calls this trailing garbage)"},
+      {"a member after zero padding", whole + std::string(4, '\0') + second_member, "trailing garbage"},
+      {"not gzip at all", first_half, "not in gzip format", true},
   };
-  for (const Cut& cut : cuts) {
-    INFO(cut.what);
-    const std::string bad = dir.file("bad.jsonl.gz");
-    spit(bad, cut.bytes);
-    o.input = bad;
-    std::string error = "(no error)";
-    try {
-      run_quiet(o);
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    CHECK_THAT(error, Contains(bad) && Contains("truncated or damaged gzip stream"));
-    CHECK_FALSE(error.find("not valid JSON") != std::string::npos);
+  for (const Bad& bad : bads) {
+    INFO(bad.what);
+    const std::string path = dir.file("bad.jsonl.gz");
+    spit(path, bad.bytes);
+    o.input = path;
+    const std::string error = preprocess_error(o);
+    CHECK_THAT(error, Contains("--input '" + path + "'") && Contains(bad.expected));
+    if (!bad.at_open) CHECK_THAT(error, Contains("; nothing was written"));
+    CHECK(error.find("not valid JSON") == std::string::npos);
+    CHECK(error.find('\n') == std::string::npos);
     // The earlier complete output is untouched and nothing partial is left beside it.
     CHECK(slurp(dir.file("out_text_document.bin")) == good_bin);
     CHECK(slurp(dir.file("out_text_document.idx")) == good_idx);
-    for (const auto& e : fs::directory_iterator(dir.file(""))) {
-      CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
-    }
+    for (const auto& e : fs::directory_iterator(dir.path())) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
     // A fresh output prefix is not created at all.
     o.output_prefix = dir.file("fresh");
-    CHECK_THROWS_WITH(run_quiet(o), Contains("truncated or damaged gzip stream"));
+    CHECK_THAT(preprocess_error(o), Contains(bad.expected));
     CHECK_FALSE(fs::exists(dir.file("fresh_text_document.bin")));
     CHECK_FALSE(fs::exists(dir.file("fresh_text_document.idx")));
     o.output_prefix = dir.file("out");
   }
+}
+
+TEST_CASE("preprocess-data reads concatenated gzip members and zero padding as gzip does", "[preprocess]") {
+  oracle::TempDir dir;
+  const std::string a = null_documents(0, 1500), b = null_documents(1500, 700);
+  spit(dir.file("plain.jsonl"), a + b);
+  PreprocessOptions o = null_options(dir.file("plain.jsonl"), dir.file("plain"));
+  REQUIRE(run_quiet(o).documents == 2200);
+  const std::string want_bin = slurp(dir.file("plain_text_document.bin"));
+  const std::string want_idx = slurp(dir.file("plain_text_document.idx"));
+  struct Good {
+    const char* what;
+    std::string name, bytes;
+  };
+  const std::vector<Good> goods = {
+      {"two members (cat a.gz b.gz)", "two.jsonl.gz", gzip_member(a) + gzip_member(b)},
+      // A member may end mid-line: the line continues in the next one.
+      {"a line split across members", "split.jsonl.gz", gzip_member(a + b.substr(0, 10)) + gzip_member(b.substr(10))},
+      {"an empty member between", "empty_member.jsonl.gz", gzip_member(a) + gzip_member("") + gzip_member(b)},
+      {"zero padding after the last member", "padded.jsonl.gz", gzip_member(a + b) + std::string(100, '\0')},
+      {"gzip content under a name without .gz", "named_plain.jsonl", gzip_member(a) + gzip_member(b)},
+  };
+  for (const Good& good : goods) {
+    INFO(good.what);
+    spit(dir.file(good.name), good.bytes);
+    o = null_options(dir.file(good.name), dir.file("gz"));
+    CHECK(run_quiet(o).documents == 2200);
+    CHECK(slurp(dir.file("gz_text_document.bin")) == want_bin);
+    CHECK(slurp(dir.file("gz_text_document.idx")) == want_idx);
+  }
+}
+
+TEST_CASE("preprocess-data refuses zstd/xz/lz4/bzip2 input by name before writing anything", "[preprocess]") {
+  oracle::TempDir dir;
+  const std::string rest = std::string("\x00\x01\x02\x03\x04\x05\x06\x07", 8) + "more bytes";
+  const std::vector<std::pair<std::string, std::string>> formats = {
+      {"zstd", std::string("\x28\xb5\x2f\xfd", 4) + rest},
+      {"xz", std::string("\xfd" "7zXZ\x00", 6) + rest},
+      {"lz4", std::string("\x04\x22\x4d\x18", 4) + rest},
+      {"bzip2", std::string("BZh9\x31\x41\x59\x26\x53\x59", 10) + rest},
+  };
+  for (const auto& [format, bytes] : formats) {
+    INFO(format);
+    const std::string path = dir.file("in.jsonl." + format);
+    spit(path, bytes);
+    PreprocessOptions o = null_options(path, dir.file("out"));
+    CHECK_THAT(preprocess_error(o), Contains("--input '" + path + "' is compressed with " + format) &&
+                                        Contains("decompress it with"));
+    CHECK(fs::directory_iterator(dir.path()) != fs::directory_iterator());
+    for (const auto& e : fs::directory_iterator(dir.path())) CHECK(e.path().filename().string().rfind("out", 0) != 0);
+  }
+  // Text that merely starts with "BZh" is read as text (and fails as JSON).
+  spit(dir.file("bzh.jsonl"), "BZh9 is not JSON\n");
+  CHECK_THAT(preprocess_error(null_options(dir.file("bzh.jsonl"), dir.file("out"))),
+             Contains("line 1: not valid JSON"));
+}
+
+TEST_CASE("megatrain preprocess-data: a truncated .jsonl.gz exits non-zero with one line and no dataset", "[preprocess]") {
+  oracle::TempDir dir;
+  const std::string whole = gzip_member(null_documents(0, 3000));
+  const std::string cut = dir.file("cut.jsonl.gz");
+  spit(cut, whole.substr(0, whole.size() - 8));
+  const std::string log = dir.file("log.txt");
+  const std::string cmd = oracle::shell_quote(MEGATRAIN_BINARY) + " preprocess-data --input " + oracle::shell_quote(cut) +
+                          " --output-prefix " + oracle::shell_quote(dir.file("out")) +
+                          " --tokenizer-type NullTokenizer --vocab-size 100 --workers 2 > " + oracle::shell_quote(log) +
+                          " 2>&1";
+  const int status = std::system(cmd.c_str());
+  CHECK(status != 0);
+  const std::string out = slurp(log);
+  // Progress lines, then the error: one line naming the file.
+  const size_t error_at = out.find("megatrain preprocess-data: error: ");
+  REQUIRE(error_at != std::string::npos);
+  const std::string error = out.substr(error_at);
+  CHECK(std::count(error.begin(), error.end(), '\n') == 1);
+  CHECK_THAT(error, Contains("--input '" + cut + "': the gzip stream is truncated") && Contains("nothing was written"));
+  CHECK_FALSE(fs::exists(dir.file("out_text_document.bin")));
+  CHECK_FALSE(fs::exists(dir.file("out_text_document.idx")));
+  for (const auto& e : fs::directory_iterator(dir.path())) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
 }
