@@ -116,9 +116,16 @@ BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleDataset>>
       IndexArray index = IndexArray::map_npy(cache_prefix + "dataset_index.npy");
       IndexArray sample = IndexArray::map_npy(cache_prefix + "dataset_sample_index.npy");
       // window() trusts the arrays: every dataset id must name a component and every sample id lie
-      // within that component's samples.
+      // within that component's samples. The length is what the build makes: `size`, or without one
+      // (exhaustive) the sum of the whole-number weights.
+      int64_t expected_size = 0;
+      if (size) {
+        expected_size = *size;
+      } else {
+        for (double w : weights_) expected_size += static_cast<int64_t>(w);
+      }
       std::string damage;
-      if (!index.valid() || index.type() != IndexType::i16 || index.cols() != 1 || (size && index.size() != *size)) {
+      if (!index.valid() || index.type() != IndexType::i16 || index.cols() != 1 || index.size() != expected_size) {
         damage = cache_prefix + "dataset_index.npy: missing, not int16, or of the wrong length";
       } else if (!sample.valid() || sample.type() != IndexType::i64 || sample.cols() != 1 ||
                  sample.size() != index.size()) {

@@ -271,7 +271,8 @@ std::string cache_damage(const std::string& prefix, const IndexArray& doc, const
   if (d0 != 0 || o0 != 0) return fmt::format("{}: row 0 is ({}, {}), expected (0, 0)", sample_file, d0, o0);
   for (int64_t k = 1; k <= expected_samples; ++k) {
     const int64_t d1 = sample.at(k, 0), o1 = sample.at(k, 1);
-    if (d1 < d0 || d1 >= positions || (d1 == d0 && o1 < o0) || o1 + extra < 0 || o1 + extra > length_at(d1)) {
+    // (The offset is compared before anything is added to it: an int64 file may hold any value.)
+    if (d1 < d0 || d1 >= positions || (d1 == d0 && o1 < o0) || o1 < -extra || o1 > length_at(d1) - extra) {
       return fmt::format("{}: row {} is ({}, {}) after ({}, {}): out of order or outside the document index ({} "
                          "positions)",
                          sample_file, k, d1, o1, d0, o0, positions);

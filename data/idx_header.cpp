@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "data/indexed_dataset.h"
 
 namespace mt {
 
@@ -63,6 +64,11 @@ IdxHeader check_indexed_dataset(const std::string& prefix, const std::string& fl
   if (bin_size % idx_dtype_size(h.dtype_code) != 0)
     fail("{}: size {} is not a multiple of the token size {} given by {}", bin, bin_size,
          idx_dtype_size(h.dtype_code), idx);
+  // The index against its .bin, as training opens it (a .idx whose dtype byte was changed passes
+  // every check above: the .bin's size is a multiple of any smaller token size). Opening runs the
+  // index's own consistency checks and the pointer/size cross-check (one pass over the pointers);
+  // the .bin is opened for its size, not mapped or read.
+  [[maybe_unused]] const IndexedDataset cross_checked(prefix, IndexedDataset::Options{.mmap_bin = false});
   return h;
 }
 

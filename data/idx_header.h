@@ -1,6 +1,7 @@
 // The header of a Megatron indexed dataset's .idx file (megatron.md section 3.1), read and checked
-// without touching the rest of the file: what --dry-run and start-up need to reject a wrong path
-// early. The data pipeline reads the arrays that follow.
+// without touching the rest of the file, and the check of a dataset prefix's two files that
+// --dry-run and start-up run to reject a wrong path or a damaged dataset early. The data pipeline
+// reads the arrays that follow.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +23,11 @@ int idx_dtype_size(uint8_t dtype_code);
 // enough for the arrays the header announces. Throws mt::Error naming the file.
 IdxHeader read_idx_header(const std::string& path);
 
-// Checks both files of a dataset prefix (<prefix>.idx, <prefix>.bin); `flag` names the flag the
-// prefix came from in error messages.
+// Checks both files of a dataset prefix (<prefix>.idx, <prefix>.bin): the header as above, then
+// the whole index against its .bin as IndexedDataset opens it (the pointers are the running byte
+// offsets of the lengths x the dtype size, and the last sequence ends at the .bin's end), so
+// --dry-run refuses what training would. `flag` names the flag the prefix came from in error
+// messages.
 IdxHeader check_indexed_dataset(const std::string& prefix, const std::string& flag);
 
 }  // namespace mt

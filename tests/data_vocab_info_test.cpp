@@ -1,4 +1,5 @@
-// Vocabulary size and EOD id from tokenizer files, and the .idx header check.
+// Vocabulary size and EOD id from tokenizer files, and the dataset files check (.idx header, index
+// against its .bin).
 #include "tests/cli_test_util.h"
 
 #include "core/config.h"
@@ -68,6 +69,45 @@ TEST_CASE("idx header: valid, truncated, wrong dtype", "[data][idx]") {
     f.put(9);
   }
   CHECK_THROWS_WITH(read_idx_header(d.str("dt.idx")), Contains("unknown token dtype code 9"));
+}
+
+TEST_CASE("indexed dataset check for --data-path and --dry-run: a .idx whose dtype byte was changed is refused",
+          "[data][idx]") {
+  TempDir d;
+  // A uint16 dataset whose .idx then says uint8: every header check passes (the .bin's size is a
+  // multiple of 1), but the .bin holds twice the bytes the index accounts for and the pointers
+  // were written for 2-byte tokens. The check --dry-run and start-up run refuse it in one line
+  // naming both files.
+  auto flip_to_uint8 = [&](const std::string& prefix) {
+    std::fstream f(prefix + ".idx", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(17);
+    f.put(1);  // uint8
+  };
+  auto error_of = [](const std::string& prefix) -> std::string {
+    try {
+      check_indexed_dataset(prefix, "--data-path");
+    } catch (const Error& e) {
+      return e.what();
+    }
+    FAIL_CHECK("check_indexed_dataset accepted " << prefix);
+    return "";
+  };
+  write_dataset(d.str("three"), 3, 10);
+  CHECK(check_indexed_dataset(d.str("three"), "--data-path").dtype_code == 8);
+  flip_to_uint8(d.str("three"));
+  const std::string three = error_of(d.str("three"));
+  CHECK_THAT(three, Contains(d.str("three.idx") + " and " + d.str("three.bin") + " disagree") &&
+                        Contains("sequence 1 starts at byte 20") && Contains("at byte 10") &&
+                        Contains("2-byte tokens"));
+  CHECK(three.find('\n') == std::string::npos);
+  // One sequence: no second pointer to disagree; the sizes do (4 uint8 tokens, an 8-byte .bin).
+  write_dataset(d.str("one"), 1, 4);
+  flip_to_uint8(d.str("one"));
+  const std::string one = error_of(d.str("one"));
+  CHECK_THAT(one, Contains(d.str("one.idx") + " and " + d.str("one.bin") + " disagree") &&
+                      Contains("dtype uint8 end at byte 4") && Contains("has 8 bytes") &&
+                      Contains("2 times the index's bytes"));
+  CHECK(one.find('\n') == std::string::npos);
 }
 
 TEST_CASE("blend and split arguments", "[data][blend]") {

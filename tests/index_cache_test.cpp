@@ -1,5 +1,5 @@
-// The GPT index cache: reused when nothing changed, rebuilt when the data or a parameter changes,
-// survives a damaged file, and holds .npy files numpy reads back.
+// The GPT and blend index caches: reused when nothing changed, rebuilt when the data or a parameter
+// changes, survive a damaged file, and hold .npy files numpy reads back.
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
@@ -10,9 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
+#include "data/blended_dataset.h"
 #include "data/dataset_builder.h"
 #include "data/indexed_dataset.h"
 #include "tests/python_oracle.h"
@@ -294,5 +298,92 @@ TEST_CASE("cached indices with out-of-range values are rebuilt, never read out o
     CHECK_THAT(err, Catch::Matchers::Contains("damaged blend cache " + d.file) && Catch::Matchers::Contains("rebuilding"));
     CHECK(all_windows(*rebuilt->splits[0]) == blend_expected);
     CHECK(peek_npy(d.file, d.element, d.itemsize) == original);
+  }
+}
+
+TEST_CASE("an exhaustive blend's cached index of the wrong length is rebuilt", "[data][cache]") {
+  // Without a size (Megatron's unweighted per-split blend) dataset j gives exactly weights[j]
+  // samples: a cached index with one sample fewer (a valid header, every value in range) is damage.
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  make_dataset(prefix, 40, 37);
+  auto data = std::make_shared<IndexedDataset>(prefix);
+  GPTDatasetOptions o;
+  o.seq_length = 16;
+  std::vector<std::shared_ptr<const SampleDataset>> parts = {
+      std::make_shared<GPTDataset>(data, Split::train, IndexRange{0, 20}, std::nullopt, o),
+      std::make_shared<GPTDataset>(data, Split::train, IndexRange{20, 40}, std::nullopt, o)};
+  const std::vector<double> sizes = {static_cast<double>(parts[0]->size()), static_cast<double>(parts[1]->size())};
+  const std::string cache = dir.file("blend_cache");
+  const BlendedDataset built(parts, sizes, std::nullopt, Split::train, 0.0, cache);
+  REQUIRE(built.size() == parts[0]->size() + parts[1]->size());
+  const auto expected = all_windows(built);
+  CHECK(BlendedDataset(parts, sizes, std::nullopt, Split::train, 0.0, cache).loaded_from_cache());
+
+  std::string blend_prefix;
+  for (const auto& e : std::filesystem::directory_iterator(cache)) {
+    const std::string name = e.path().string();
+    const std::string suffix = "BlendedDataset-train-dataset_index.npy";
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      blend_prefix = name.substr(0, name.size() - std::string("dataset_index.npy").size());
+  }
+  REQUIRE_FALSE(blend_prefix.empty());
+  // Both arrays rewritten one sample shorter, consistently.
+  std::vector<int16_t> index;
+  std::vector<int64_t> sample;
+  for (int64_t i = 0; i + 1 < built.size(); ++i) {
+    index.push_back(static_cast<int16_t>(built.dataset_index()[i]));
+    sample.push_back(built.dataset_sample_index()[i]);
+  }
+  IndexArray::from_vector(std::move(index)).write_npy(blend_prefix + "dataset_index.npy");
+  IndexArray::from_vector(std::move(sample)).write_npy(blend_prefix + "dataset_sample_index.npy");
+
+  std::optional<BlendedDataset> rebuilt;
+  const std::string err =
+      stderr_of([&] { rebuilt.emplace(parts, sizes, std::nullopt, Split::train, 0.0, cache); });
+  CHECK_FALSE(rebuilt->loaded_from_cache());
+  CHECK_THAT(err, Catch::Matchers::Contains("damaged blend cache " + blend_prefix + "dataset_index.npy") &&
+                      Catch::Matchers::Contains("wrong length") && Catch::Matchers::Contains("rebuilding"));
+  CHECK(rebuilt->size() == built.size());
+  CHECK(all_windows(*rebuilt) == expected);
+  CHECK(BlendedDataset(parts, sizes, std::nullopt, Split::train, 0.0, cache).loaded_from_cache());
+}
+
+TEST_CASE("an int64 sample index cache is used whole, and rebuilt for an offset at the int64 limit",
+          "[data][cache]") {
+  // Megatron writes the sample index as int64 for large document indices; the check reads either
+  // width and must not overflow on any value an int64 file can hold.
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  make_dataset(prefix, 60, 37);
+  DatasetsConfig c;
+  c.seq_length = 16;
+  c.split = "1";
+  c.blend = parse_blend({prefix}, "--data-path");
+  const BuiltDatasets first = build_datasets(c, {300, 0, 0});
+  const auto expected = all_windows(*first.splits[0]);
+  const IndexArray& sample32 = train_of(first).sample_index();
+  REQUIRE(sample32.type() == IndexType::i32);
+  const std::string file = train_of(first).cache_path_prefix() + "sample_index.npy";
+  std::vector<int64_t> wide(static_cast<size_t>(sample32.size()));
+  for (int64_t i = 0; i < sample32.size(); ++i) wide[static_cast<size_t>(i)] = sample32[i];
+
+  IndexArray::from_vector(std::vector<int64_t>(wide), 2).write_npy(file);
+  const BuiltDatasets widened = build_datasets(c, {300, 0, 0});
+  CHECK(train_of(widened).loaded_from_cache());
+  CHECK(train_of(widened).sample_index().type() == IndexType::i64);
+  CHECK(all_windows(*widened.splits[0]) == expected);
+
+  for (const int64_t offset : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()}) {
+    INFO("offset " << offset);
+    std::vector<int64_t> damaged = wide;
+    damaged[2 * 5 + 1] = offset;
+    IndexArray::from_vector(std::move(damaged), 2).write_npy(file);
+    std::optional<BuiltDatasets> rebuilt;
+    const std::string err = stderr_of([&] { rebuilt = build_datasets(c, {300, 0, 0}); });
+    CHECK_FALSE(train_of(*rebuilt).loaded_from_cache());
+    CHECK_THAT(err, Catch::Matchers::Contains("damaged index cache " + file + ": row 5") &&
+                        Catch::Matchers::Contains("rebuilding"));
+    CHECK(all_windows(*rebuilt->splits[0]) == expected);
   }
 }
