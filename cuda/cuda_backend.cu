@@ -79,6 +79,8 @@ CudaBackend::~CudaBackend() {
   if (comm_stream_) cudaStreamDestroy(comm_stream_);
   for (auto& r : registered_segments_) cudaFree(r.device);
   if (attention_workspace_) cudaFree(attention_workspace_);
+  if (block_qkv_) cudaFree(block_qkv_);
+  if (block_dqkv_) cudaFree(block_dqkv_);
   if (scratch_memory_) cudaFree(scratch_memory_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -149,6 +151,21 @@ void CudaBackend::copy(Tensor dst, Tensor src) {
            src.shape_string());
   if (dst.nbytes() == 0 || dst.data == src.data) return;
   MT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+// One strided copy: rows of `cols` elements from pitch src.cols() to pitch dst.cols().
+void CudaBackend::copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t cols) {
+  on_device("copy_columns", dst, src);
+  MT_PROFILE_OP("copy_columns {} <- {}", dst.shape_string(), src.shape_string());
+  MT_CHECK(dst.dtype == src.dtype && dst.rows() == src.rows() && dst_col >= 0 && src_col >= 0 && cols >= 0 &&
+               dst_col + cols <= dst.cols() && src_col + cols <= src.cols(),
+           "copy_columns: [{}, +{}) of {} into [{}, +{}) of {}", src_col, cols, src.shape_string(), dst_col, cols,
+           dst.shape_string());
+  if (cols == 0 || dst.rows() == 0) return;
+  const size_t e = dtype_size(dst.dtype);
+  MT_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(dst.data) + dst_col * e, dst.cols() * e,
+                                  static_cast<const char*>(src.data) + src_col * e, src.cols() * e, cols * e,
+                                  dst.rows(), cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }

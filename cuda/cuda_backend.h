@@ -47,6 +47,7 @@ class CudaBackend final : public Backend {
   void copy_from_host(Tensor dst, const void* host_src) override;
   void copy_to_host(void* host_dst, Tensor src) override;
   void copy(Tensor dst, Tensor src) override;
+  void copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t cols) override;
   void synchronize() override;
   void* stream() override { return stream_; }
 
@@ -141,6 +142,16 @@ class CudaBackend final : public Backend {
   void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                           const AttentionShape& a) override;
 
+  // Attention blocks of context parallelism (cuda/attention_blocks.cu): a block's queries and
+  // keys/values assembled into packed QKV rows and run by attention_forward / attention_backward.
+  void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
+                               const AttentionBlock& blk) override;
+  void attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q, Tensor kv,
+                                const AttentionShape& a, const AttentionBlock& blk) override;
+  void attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) override;
+  void attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) override;
+  void attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a) override;
+
   void cross_entropy_forward(Tensor lse, Tensor target, Tensor logits, Tensor labels, int64_t vocab_start) override;
   void cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss) override;
   void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
@@ -158,6 +169,7 @@ class CudaBackend final : public Backend {
   void hash_bytes(Tensor out, Tensor x) override;
 
   void reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) override;
+  void reserve_attention_blocks(const AttentionShape& a, int max_kv_len, DType dtype) override;
   void register_optim_segments(std::span<const OptimSegment> segments) override;
 
   void* comm_stream() override { return comm_stream_; }
@@ -226,6 +238,15 @@ class CudaBackend final : public Backend {
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   AttentionBackend attention_backend_ = AttentionBackend::auto_;
+  // attention_block_*: one block's packed QKV rows [b * seq, qkv_row_stride] and their gradient
+  // (reserve_attention_blocks: block_qkv_bytes_ each, the largest reservation's).
+  void* block_qkv_ = nullptr;
+  void* block_dqkv_ = nullptr;
+  size_t block_qkv_bytes_ = 0;
+  // The packed QKV rows of a block (attention_block_*): checks the block, assembles block_qkv_
+  // from q's query parts and kv, and returns the shape to run attention_forward/backward with.
+  AttentionShape assemble_attention_block(const char* op, Tensor q, Tensor kv, const AttentionShape& a,
+                                          const AttentionBlock& blk);
   std::vector<RegisteredSegments> registered_segments_;
   std::unique_ptr<cuda::OpProfiler> profiler_;
 };

@@ -42,13 +42,22 @@ class ContextParallelAttention final : public AttentionCore {
     }
     inner_ = a2a_ == 1 ? nullptr : a2a_ == size_ ? &cp_ : inner_own_.get();
     outer_ = a2a_ == size_ ? nullptr : a2a_ == 1 ? &cp_ : outer_own_.get();
+    // The ring's transfers on the backend's TP communication stream (CUDA), beside the blocks that
+    // compute meanwhile; the reference backend's are synchronous (no stream: the ring itself).
+    if (outer_ && be.tp_comm_stream()) {
+      ring_own_ = outer_->split(0, outer_->rank(), "cp_ring_stream");
+      ring_own_->set_stream(be.tp_comm_stream());
+    }
+    ring_ = ring_own_ ? ring_own_.get() : outer_;
   }
 
-  void reserve(const AttentionShape& a, AttentionBackend, DType dtype) override {
+  void reserve(const AttentionShape& a, AttentionBackend backend, DType dtype) override {
     MT_CHECK(a.seq % 2 == 0, "context parallelism: {} positions per rank do not split into two chunks", a.seq);
     if (a.heads % a2a_ != 0 || a.groups % a2a_ != 0)
       fail("--cp-comm-type a2a splits the heads over {} ranks: the {} query heads and {} query groups of a tensor-"
            "parallel rank must both be divisible by it", a2a_, a.heads, a.groups);
+    // The blocks' attention (--attention-backend), then what the blocks add to it.
+    be_.reserve_attention(block_shape(a), backend, dtype);
     be_.reserve_attention_blocks(block_shape(a), a.seq / 2, dtype);
   }
 
@@ -83,10 +92,12 @@ class ContextParallelAttention final : public AttentionCore {
                                               owned_chunk(owner, kc));
     } else {
       // The ring over the groups (a group of one with a2a alone): step i holds group g - i's keys.
+      // The next step's keys travel while this step's blocks compute.
       const int P = ring_size();
       int cur = 0;
       for (int step = 0; step < P; ++step) {
         const Tensor kv = kv_view(buf_.kv[cur], ac);
+        if (step > 0) be_.compute_wait_for_tp_comm();  // (the keys received during the last step)
         if (step + 1 < P) exchange({kv}, {kv_view(buf_.kv[1 - cur], ac)});
         const int group = (ring_rank() - step + P) % P;
         for (int kc = 0; kc < 2 * a2a_; ++kc) blocks(kv.row_slice(kc * rows(ac), rows(ac)), group_chunk(group, kc));
@@ -132,23 +143,25 @@ class ContextParallelAttention final : public AttentionCore {
       // The ring: step i holds group g - i's keys and the gradient of them summed over groups
       // g - i ... g - 1; it adds its own and passes both on. After the last step the gradient
       // travels one more hop, to its owner.
+      // The next step's keys travel while this step's blocks compute; their gradient, complete
+      // only after the blocks, follows.
       const int P = ring_size();
       be_.fill(dkv0, 0.0);
       int cur = 0;
       for (int step = 0; step < P; ++step) {
         const Tensor kv = kv_view(buf_.kv[cur], ac), dkv = kv_view(buf_.dkv[cur], ac);
+        if (step > 0) be_.compute_wait_for_tp_comm();
+        if (step + 1 < P) exchange({kv}, {kv_view(buf_.kv[1 - cur], ac)});
         const int group = (ring_rank() - step + P) % P;
         for (int kc = 0; kc < 2 * a2a_; ++kc) {
           const int64_t r0 = kc * rows(ac);
           blocks(kv.row_slice(r0, rows(ac)), dkv.row_slice(r0, rows(ac)), group_chunk(group, kc));
         }
-        if (P == 1) break;
-        const Tensor next_kv = kv_view(buf_.kv[1 - cur], ac), next_dkv = kv_view(buf_.dkv[1 - cur], ac);
-        if (step + 1 < P) exchange({kv, dkv}, {next_kv, next_dkv});
-        else exchange({dkv}, {next_dkv});
+        if (P > 1) exchange({dkv}, {kv_view(buf_.dkv[1 - cur], ac)});
         cur = 1 - cur;
       }
-      be_.attention_kv_unpack_add(dx, kv_view(buf_.dkv[cur], ac), head_shape(a));
+      if (P > 1) be_.compute_wait_for_tp_comm();
+      be_.attention_kv_unpack_add(dx, kv_view(buf_.dkv[P > 1 ? cur : 0], ac), head_shape(a));
     }
     if (a2a_ > 1) to_seq(dqkv, dx, a.qkv_row_stride() / a2a_);
   }
@@ -243,14 +256,16 @@ class ContextParallelAttention final : public AttentionCore {
     c.group_end();
     be_.copy(recv.flat_slice(me * part, part), send.flat_slice(me * part, part));
   }
-  // Sends `send` to the next rank of the ring and receives `recv` from the previous one, as one group.
+  // Sends `send` to the next rank of the ring and receives `recv` from the previous one, as one
+  // group, once the compute stream has written what it sends (and read what it receives into).
   void exchange(std::initializer_list<Tensor> send, std::initializer_list<Tensor> recv) {
     const int P = ring_size(), me = ring_rank();
     const int next = (me + 1) % P, prev = (me - 1 + P) % P;
-    outer_->group_start();
-    for (const Tensor& t : send) outer_->send(t, next);
-    for (const Tensor& t : recv) outer_->recv(t, prev);
-    outer_->group_end();
+    be_.tp_comm_wait_for_compute();
+    ring_->group_start();
+    for (const Tensor& t : send) ring_->send(t, next);
+    for (const Tensor& t : recv) ring_->recv(t, prev);
+    ring_->group_end();
   }
 
   Backend& be_;
@@ -258,9 +273,10 @@ class ContextParallelAttention final : public AttentionCore {
   int rank_, size_;
   CpCommType type_;
   int a2a_ = 1;
-  std::unique_ptr<Communicator> inner_own_, outer_own_;
+  std::unique_ptr<Communicator> inner_own_, outer_own_, ring_own_;
   Communicator* inner_ = nullptr;  // the all-to-all's group (A consecutive CP ranks)
   Communicator* outer_ = nullptr;  // the ring's (the CP ranks at the same place of each group)
+  Communicator* ring_ = nullptr;   // outer_, or its copy on the TP communication stream
   const CpBuffers& buf_;
 };
 

@@ -20,6 +20,7 @@
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -404,4 +405,70 @@ TEST_CASE("CUDA attention blocks: an empty block, and what they refuse", "[gpu][
                   Unsupported);
   CHECK_THROWS_AS(dev().attention_block_forward(out.c(), lse.c(), q.c(), kv.c(), windowed, block(16, 0, 16)),
                   Unsupported);
+}
+
+// Dropout: the CUDA blocks draw their masks by block-local indices with a key of the block's
+// positions (not the reference's global draws, so no comparison): forward and backward repeat bit
+// for bit, dropout changes the output, and two blocks of the same values at other positions draw
+// other masks.
+TEST_CASE("CUDA attention blocks with dropout repeat and draw a mask per block", "[gpu][attention][cp]") {
+  MT_RNG(rng);
+  const AttentionShape ac = AttentionShape::make(2, 37, 8, 2, 64, true, 0.2f, 0x5eed);
+  AttentionShape no_drop = ac;
+  no_drop.dropout_p = 0;
+  dev().reserve_attention_blocks(ac, ac.seq, kBf16);
+  const int64_t rows = 2 * 37, rs = ac.qkv_row_stride(), oc = 8 * 64, kvc = 2 * 2 * 64;
+  Twin q = twin(kBf16, {rows, rs}, rng.normal(rows * rs)), kv = twin(kBf16, {rows, kvc}, rng.normal(rows * kvc));
+  Twin dout = twin(kBf16, {rows, oc}, rng.normal(rows * oc));
+  auto block = [](int64_t q_begin, int64_t k_begin) {
+    AttentionBlock blk;
+    blk.q_begin = q_begin;
+    blk.k_begin = k_begin;
+    blk.kv_len = 37;
+    blk.seq_total = 4 * 37;
+    return blk;
+  };
+  struct Run {
+    std::vector<double> out, lse, dq, dkv;
+  };
+  auto run = [&](const AttentionShape& a, const AttentionBlock& blk) {
+    Twin out = twin_nan(kBf16, {rows, oc}), lse = twin_nan(DType::f32, {2, 8, 37});
+    Twin dq = twin(kBf16, {rows, rs}, std::vector<double>(rows * rs, 0.0));
+    Twin dkv = twin(kBf16, {rows, kvc}, std::vector<double>(rows * kvc, 0.0));
+    dev().attention_block_forward(out.c(), lse.c(), q.c(), kv.c(), a, blk);
+    dev().attention_block_backward(dq.c(), dkv.c(), dout.c(), out.c(), lse.c(), q.c(), kv.c(), a, blk);
+    return Run{download(dev(), out.c()), download(dev(), lse.c()), download(dev(), dq.c()), download(dev(), dkv.c())};
+  };
+  for (const AttentionBlock& blk : {block(37, 37), block(111, 37)}) {  // diagonal, wholly earlier keys
+    INFO("block of queries " << blk.q_begin << ", keys " << blk.k_begin);
+    const Run a = run(ac, blk), b = run(ac, blk), plain = run(no_drop, blk);
+    for (const auto* v : {&a.out, &a.lse, &a.dq, &a.dkv}) {
+      int64_t bad = 0;
+      for (double x : *v) bad += !std::isfinite(x);
+      CHECK(bad == 0);
+    }
+    CHECK(a.out == b.out);
+    CHECK(a.lse == b.lse);
+    CHECK(a.dq == b.dq);
+    CHECK(a.dkv == b.dkv);
+    CHECK(max_abs_diff(a.lse, plain.lse) <= 1e-5);  // dropout acts on the probabilities, not the normalizer
+    CHECK(a.out != plain.out);
+  }
+  // The same values as another pair of positions (both wholly visible): another mask.
+  CHECK(run(ac, block(111, 37)).out != run(ac, block(74, 0)).out);
+}
+
+TEST_CASE("CUDA copy_columns matches the reference exactly", "[gpu][cp]") {
+  MT_RNG(rng);
+  for (DType dt : {DType::bf16, DType::f32})
+    for (const auto& [rows, src_cols, dst_cols, src_col, dst_col, cols] :
+         std::vector<std::array<int64_t, 6>>{{37, 96, 24, 48, 0, 24}, {5, 7, 9, 2, 3, 5}, {128, 64, 256, 0, 192, 64}}) {
+      INFO(fmt::format("{} rows {} [{}, +{}) of {} into [{}, +{}) of {}", dtype_name(dt), rows, src_col, cols, src_cols,
+                       dst_col, cols, dst_cols));
+      Twin src = twin_same(dt, {rows, src_cols}, rng.normal(rows * src_cols));
+      Twin dst = twin_same(dt, {rows, dst_cols}, rng.normal(rows * dst_cols));
+      dev().copy_columns(dst.c(), dst_col, src.c(), src_col, cols);
+      ref().copy_columns(dst.r(), dst_col, src.r(), src_col, cols);
+      CHECK(download(dev(), dst.c()) == download(ref(), dst.r()));
+    }
 }
