@@ -93,25 +93,38 @@ void add_training_flags(FlagTable& t) {
            MT_FIELD(data.dataloader_type));
   t.negative_flag("--no-check-for-nan-in-loss-and-grad", "do not check the loss and gradients for NaN/Inf",
                   MT_FIELD(train.check_for_nan_in_loss_and_grad));
-  t.recognised("--check-for-spiky-loss", Arity::none, "", "off", "rerun-state-machine spiky-loss check");
-  t.recognised("--check-for-large-grads", Arity::none, "", "off", "rerun-state-machine large-gradient check");
-  // Megatron-LM's rerun state machine (RerunStateMachineConfig), which megatrain does not have: its
-  // default validate_results and disabled are accepted with a note saying what megatrain does on an
-  // unexpected result; report_stats and error injection are refused (app/unsupported.cpp).
+  // Megatron-LM's rerun state machine (megatron/core/rerun_state_machine.py; engine/rerun_state_machine.h).
+  t.flag("--check-for-spiky-loss",
+         "rerun state machine: flag an iteration whose lm loss is >= 10x the largest of the first 100 validated "
+         "iterations' losses (not fatal: re-run once, then continue)",
+         MT_FIELD(train.check_for_spiky_loss));
+  t.flag("--check-for-large-grads",
+         "rerun state machine: flag an iteration whose gradient norm (before clipping) is >= 10x the largest of the "
+         "first 100 validated iterations' norms (not fatal: re-run once, then continue)",
+         MT_FIELD(train.check_for_large_grads));
   {
-    FlagSpec& s = t.no_effect("--rerun-mode", Arity::one,
-                              "megatrain has no rerun state machine: a NaN or Inf loss or gradient norm stops the run "
-                              "at once, naming the iteration (--check-for-nan-in-loss-and-grad), without re-running "
-                              "the iteration to tell a transient fault from a reproducible one",
-                              "validate_results");
-    s.metavar = "{disabled,validate_results,report_stats}";
-    s.apply = [](CliState&, const FlagValue& v) {
-      parse_choice_arg("--rerun-mode", v.one(), {"disabled", "validate_results", "report_stats"});
-    };
+    FlagSpec& s = t.choice("--rerun-mode",
+                           "rerun state machine: validate_results re-runs an iteration whose loss or gradient norm "
+                           "fails a check (NaN/Inf, spiky loss, large grads, injected error) from the same state "
+                           "before the optimizer step, exiting 17 or saving a checkpoint and exiting 16 as Megatron "
+                           "does; report_stats re-runs every iteration and logs the run-to-run variation; disabled "
+                           "stops at a NaN/Inf. megatrain saves no rerun state in checkpoints: a resumed run "
+                           "validates the iteration afresh",
+                           std::vector<std::pair<std::string, std::string>>{{"disabled", "disabled"},
+                                                                            {"validate_results", "validate_results"},
+                                                                            {"report_stats", "report_stats"}},
+                           MT_FIELD(train.rerun_mode));
+    (void)s;
   }
-  t.recognised("--error-injection-rate", Arity::one, "INT", "0", "rerun-state-machine error injection (1 in N)");
-  t.recognised("--error-injection-type", Arity::one, "{correct_result,transient_error,persistent_error}",
-               "transient_error", "rerun-state-machine injected error");
+  t.value("--error-injection-rate",
+          "rerun state machine: inject an unexpected result into about 1 in N validations (0: never), drawn from "
+          "a generator seeded by --seed (not Python's random stream)",
+          MT_FIELD(train.error_injection_rate));
+  t.choice("--error-injection-type", "rerun state machine: the kind of error injected (how the re-run compares)",
+           std::vector<std::pair<std::string, std::string>>{{"correct_result", "correct_result"},
+                                                            {"transient_error", "transient_error"},
+                                                            {"persistent_error", "persistent_error"}},
+           MT_FIELD(train.error_injection_type));
   t.recognised("--fine-grained-activation-offloading", Arity::none, "", "off", "activation offloading to host memory");
   t.recognised("--offload-modules", Arity::one_or_more, "STR [STR ...]", "None", "modules whose activations are offloaded");
   t.flag("--deterministic-mode", "deterministic kernels", MT_FIELD(train.deterministic_mode));

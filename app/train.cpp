@@ -316,6 +316,14 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     if (k.save && checkpoints.last_saved_iteration() != iteration) save();
   };
 
+  // The rerun state machine's stop (engine/rerun_state_machine.h): Megatron saves a checkpoint of
+  // the last completed iteration when it exits 16 (with --save; megatrain stores no rerun state in it).
+  trainer.before_rerun_exit = [&](int64_t iteration, bool checkpoint) {
+    exited_early = true;
+    if (!checkpoint) return;
+    if (!k.save) log::warn0("no checkpoint saved for the rerun state machine: --save is not set");
+    else if (checkpoints.last_saved_iteration() != iteration) save();
+  };
   log::info("training ...");
   if (!cfg.train.skip_train) {
     if (fault) fault(trainer.iteration() + 1);
@@ -333,7 +341,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
       "[rank {}] memory: planned {:.1f} MiB, allocated {:.1f} MiB, device in use {:.1f} MiB (tp {} pp {} dp {})",
       ps.rank, planned / 1048576.0, static_cast<double>(backend->bytes_allocated()) / 1048576.0,
       static_cast<double>(backend->memory_in_use()) / 1048576.0, ps.tp_rank, ps.pp_rank, ps.dp_rank));
-  return 0;
+  return trainer.exit_code();
 }
 
 }  // namespace

@@ -42,11 +42,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // training (1.3)
       {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
-      {"--check-for-spiky-loss", W::any_use, {}, ""},
-      {"--check-for-large-grads", W::any_use, {}, ""},
-      {"--rerun-mode", W::values, {"report_stats"}, "the rerun state machine"},
-      {"--error-injection-rate", W::other_than, {"0"}, "the rerun state machine"},
-      {"--error-injection-type", W::other_than, {"transient_error"}, "the rerun state machine"},
       {"--fine-grained-activation-offloading", W::any_use, {}, ""},
       {"--offload-modules", W::any_use, {}, "activation offloading"},
       // mixed precision (1.4)

@@ -300,6 +300,14 @@ struct TrainConfig {
   double sgd_momentum = 0.9;
   bool calculate_per_token_loss = false;
   bool check_for_nan_in_loss_and_grad = true;
+  // Megatron-LM's rerun state machine (engine/rerun_state_machine.h): --rerun-mode
+  // (disabled, validate_results, report_stats), --check-for-spiky-loss, --check-for-large-grads,
+  // --error-injection-rate (1 in N validations, 0: off) and --error-injection-type.
+  std::string rerun_mode = "validate_results";
+  bool check_for_spiky_loss = false;
+  bool check_for_large_grads = false;
+  int error_injection_rate = 0;
+  std::string error_injection_type = "transient_error";
   bool deterministic_mode = false;
   std::vector<int64_t> iterations_to_skip;
 

@@ -47,6 +47,8 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   max_lr_[kDecoupledDecay] = max_lr_[kDecoupledNoDecay] = t.decoupled_lr.value_or(lr);
   min_lr_[kDecoupledDecay] = min_lr_[kDecoupledNoDecay] = t.decoupled_min_lr.value_or(t.min_lr);
   // Megatron turns the NaN check off under fp16 dynamic loss scaling (overflows are expected).
+  // Under --rerun-mode validate_results / report_stats the rerun state machine checks instead,
+  // once its hook is installed (`validate`); without one this check stands.
   check_nan_ = t.check_for_nan_in_loss_and_grad && scaler.kind() != LossScaler::Kind::dynamic;
 }
 
@@ -168,6 +170,14 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   else inv /= ps_.replicas_size();
   const double sumsq = host[kGradSumSq] + host[kExpertSumSq];
   const bool finite = std::isfinite(sumsq);
+  if (validate) {
+    const double checked_norm = std::sqrt(sumsq) * inv;
+    if (!validate(out.loss(), checked_norm)) {
+      out.held = true;
+      out.grad_norm = checked_norm;
+      return out;
+    }
+  }
   if (scaler_.checks_overflow()) {
     scaler_.update(!finite);
     if (!finite) {
@@ -178,7 +188,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     }
   }
   const double norm = std::sqrt(sumsq) * inv;
-  if (check_nan_ && (!std::isfinite(out.loss()) || !std::isfinite(norm)))
+  if (check_nan_ && !validate && (!std::isfinite(out.loss()) || !std::isfinite(norm)))
     fail("NaN or Inf at iteration {}: {} (disable this check with --no-check-for-nan-in-loss-and-grad)",
          iteration, !std::isfinite(out.loss()) ? fmt::format("lm loss {}", out.loss()) : fmt::format("grad norm {}", norm));
   double clip = 1.0;

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -35,6 +36,7 @@ struct ParallelState;
 
 struct StepOutcome {
   bool skipped = false;             // inf/NaN gradients under loss scaling: no update
+  bool held = false;                // kept back by `validate` (a re-run or a stop): no update
   double loss_sum = 0, tokens = 0;  // over the global batch (all DP ranks)
   std::optional<double> grad_norm;  // before clipping; none when skipped
   std::optional<int64_t> num_zeros; // with --log-num-zeros-in-grad
@@ -74,6 +76,10 @@ class Optimizer {
   // Timers (engine/phase_timers.h): optimizer-clip-main-grad, optimizer-count-zeros,
   // optimizer-inner-step, params-all-gather. grad_sync() has its own hook.
   TimerHook timer;
+  // The rerun state machine's checks (engine/rerun_state_machine.h), after the readback and before
+  // anything is applied (loss scaler, schedule, update): the iteration's lm loss and gradient norm
+  // (before clipping). Returns false to keep the update back (StepOutcome::held).
+  std::function<bool(double loss, double grad_norm)> validate;
 
   // L2 norm of the parameters (--log-params-norm): one extra readback, only when asked.
   double params_norm();

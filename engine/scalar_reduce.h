@@ -11,7 +11,7 @@ namespace mt {
 struct ParallelState;
 
 // Slots of GptModel::scalars() used this way (the optimizer and trainer use 0-9).
-enum ScalarSlot { kSaveAgreementSlot = 12, kHasValidationSlot = 13, kEnergySlot = 14 };
+enum ScalarSlot { kSaveAgreementSlot = 12, kHasValidationSlot = 13, kEnergySlot = 14, kRerunSlot = 15 };
 
 // `value` reduced by `op` over ps.world (the value itself with one rank). In the model's
 // accumulation dtype: float32 holds about 7 significant digits.

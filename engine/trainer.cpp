@@ -6,6 +6,8 @@
 #include <csignal>
 #include <cstdlib>
 
+#include <unistd.h>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/scalar_reduce.h"
@@ -50,6 +52,21 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
+  const TrainConfig& t = cfg.train;
+  const RerunStateMachine::Mode mode = RerunStateMachine::parse_mode(t.rerun_mode);
+  if (mode != RerunStateMachine::Mode::disabled || t.check_for_spiky_loss || t.check_for_large_grads) {
+    char host[256] = {0};
+    if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+    rerun_ = std::make_unique<RerunStateMachine>(
+        mode, t.error_injection_rate, RerunStateMachine::parse_injection(t.error_injection_type),
+        static_cast<uint64_t>(t.seed) * 1000003u + 17u, ps.rank, std::string(host), cfg.parallel.local_rank,
+        [this](bool v) {
+          if (ps_.world_size == 1) return v;
+          return all_reduce_scalar(ps_, model_, kRerunSlot, v ? 1.0 : 0.0, ReduceOp::max) > 0.5;
+        });
+    if (train_) replay_ = std::make_unique<ReplayBatchSource>(train_);
+    optimizer_.validate = [this](double loss, double grad_norm) { return validate_step(loss, grad_norm); };
+  }
 }
 
 namespace {
@@ -125,7 +142,7 @@ void Trainer::forward_backward(int M) {
   const TrainConfig& t = cfg_.train;
   const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : M);
   timers_.start("forward-backward");
-  runner_.train_step(train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1, M);
+  runner_.train_step(replay_ ? static_cast<BatchSource*>(replay_.get()) : train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1, M);
   micro_batch_serial_ += static_cast<uint64_t>(M);
   // Megatron's finalize_model_grads runs at the end of the schedule, inside forward-backward.
   optimizer_.grad_sync().finish();
@@ -193,8 +210,58 @@ void Trainer::collect_timers(IterationStats& s, double iterations) {
 StepOutcome Trainer::train_step() { return train_step(next_global_batch()); }
 
 StepOutcome Trainer::train_step(int64_t global_batch) {
-  Backend& be = model_.backend();
   const int M = static_cast<int>(global_batch / (cfg_.train.micro_batch_size * cfg_.parallel.data_parallel_size));
+  if (!rerun_) return run_step_once(global_batch, M);
+  // Megatron's `while rerun_state_machine.should_run_forward_backward(...)`: a re-run starts from
+  // the same micro-batches and dropout keys; nothing was applied (the checks come before the update).
+  const uint64_t serial0 = micro_batch_serial_;
+  if (replay_) replay_->begin();
+  rerun_->should_run_forward_backward(iteration_);
+  for (;;) {
+    rerun_again_ = false;
+    const StepOutcome o = run_step_once(global_batch, M);
+    if (!o.held) return o;
+    if (!rerun_again_) {  // the machine decided to stop: the iteration is not applied
+      exit_code_ = rerun_exit_.exit_code;
+      return o;
+    }
+    micro_batch_serial_ = serial0;
+    if (replay_) replay_->rewind();
+    rerun_->clear_restore_request();
+  }
+}
+
+bool Trainer::validate_step(double loss, double grad_norm) {
+  RerunStateMachine& sm = *rerun_;
+  const TrainConfig& t = cfg_.train;
+  // Megatron's order: the loss (in the loss function), then the gradients (after backward).
+  const bool nan_check = t.check_for_nan_in_loss_and_grad && sm.mode() != RerunStateMachine::Mode::disabled;
+  auto is_nan = [](double v) { return std::isnan(v); };
+  auto is_inf = [](double v) { return std::isinf(v); };
+  if (nan_check) {
+    sm.validate_result(loss, is_nan, "found NaN in local forward loss calculation", 0.0, true);
+    sm.validate_result(loss, is_inf, "found Inf in local forward loss calculation", 0.0, true);
+  }
+  if (t.check_for_spiky_loss)
+    sm.validate_result(loss, [&sm](double v) { return sm.is_unexpectedly_large(v, 10.0, "loss"); }, "Spiky loss", 0.0,
+                       false);
+  if (nan_check) {
+    sm.validate_result(grad_norm, is_nan, "found NaN in grad norm before the optimizer step", 0.001, true);
+    sm.validate_result(grad_norm, is_inf, "found Inf in grad norm before the optimizer step", 0.001, true);
+  }
+  if (t.check_for_large_grads)
+    sm.validate_result(grad_norm, [&sm](double v) { return sm.is_unexpectedly_large(v, 10.0, "grads"); },
+                       "found unexpected large grads before the optimizer step", 0.001, false);
+  if (sm.should_run_forward_backward(iteration_)) {
+    rerun_again_ = true;
+    return false;
+  }
+  rerun_exit_ = sm.should_checkpoint_and_exit();
+  return !rerun_exit_.exit;
+}
+
+StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
+  Backend& be = model_.backend();
   // The plan is the run's: a step allocates nothing on the device (checked, not assumed).
   const size_t allocated_before = be.bytes_allocated();
   replica_check_.run();
@@ -259,6 +326,10 @@ int64_t Trainer::train() {
     }
     const auto step_start = Clock::now();
     const StepOutcome o = train_step(B);  // ends with the step's one readback, so the time is complete
+    if (exit_code_ != 0) {  // the rerun state machine stopped the run (the iteration was not applied)
+      if (before_rerun_exit) before_rerun_exit(iteration_, rerun_exit_.checkpoint);
+      break;
+    }
     step_seconds_.push_back(std::chrono::duration<double>(Clock::now() - step_start).count());
     step_samples_.push_back(B);
     // One energy read where the summary's steps begin (an NVML read takes milliseconds while the

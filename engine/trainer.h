@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -24,6 +25,7 @@
 #include "engine/phase_timers.h"
 #include "engine/pipeline_runner.h"
 #include "engine/replica_check.h"
+#include "engine/rerun_state_machine.h"
 #include "engine/reporter.h"
 
 namespace mt {
@@ -61,6 +63,11 @@ class Trainer {
   // Runs f (a checkpoint save) outside the log interval's time and energy, as Megatron stops its
   // interval timer and energy monitor around evaluations and saves (evaluations: done here).
   void outside_interval(const std::function<void()>& f);
+  // The rerun state machine stopped the run (engine/rerun_state_machine.h): called once before
+  // train() returns, with whether Megatron saves a checkpoint there (the last completed iteration).
+  std::function<void(int64_t iteration, bool checkpoint)> before_rerun_exit;
+  // Megatron's exit code when the rerun state machine stopped the run (16 or 17), else 0.
+  int exit_code() const { return exit_code_; }
 
   // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
   // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
@@ -111,6 +118,9 @@ class Trainer {
  private:
   using Clock = std::chrono::steady_clock;
   void forward_backward(int num_microbatches);
+  StepOutcome run_step_once(int64_t global_batch, int M);
+  // The rerun state machine's checks of one pass (Optimizer::validate): false keeps the update back.
+  bool validate_step(double loss, double grad_norm);
   void report_iteration(const StepOutcome& o, bool first_of_run);
   // Fills s.timers_ms (and with --timing-log-option all s.timers_all_ranks_ms) from this
   // interval's timers: per-iteration means, min/max over the ranks that ran them (one small
@@ -145,6 +155,12 @@ class Trainer {
 
   int64_t iteration_ = 0, consumed_samples_ = 0, skipped_samples_ = 0, consumed_valid_samples_ = 0;
   uint64_t micro_batch_serial_ = 0;
+  // --rerun-mode other than disabled, --check-for-spiky-loss, --check-for-large-grads (else null).
+  std::unique_ptr<RerunStateMachine> rerun_;
+  std::unique_ptr<ReplayBatchSource> replay_;  // the iteration's micro-batches again for a re-run
+  bool rerun_again_ = false;
+  RerunStateMachine::Decision rerun_exit_;
+  int exit_code_ = 0;
   std::vector<double> loss_history_;
   std::vector<double> step_seconds_;  // wall time of each train_step of this run (for the summary)
   std::vector<int64_t> step_samples_;  // the global batch of each of those steps

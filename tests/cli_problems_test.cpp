@@ -82,22 +82,21 @@ TEST_CASE("cli: --ckpt-assume-constant-structure is accepted with a note", "[cli
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-assume-constant-structure=1")), Contains("takes no value"));
 }
 
-TEST_CASE("cli: --rerun-mode validate_results and disabled accepted with a note, report_stats and error injection refused",
+TEST_CASE("cli: --rerun-mode and error injection are Megatron's rerun state machine flags with its defaults",
           "[cli]") {
-  for (const char* mode : {"validate_results", "disabled"}) {
-    std::vector<SetupMessage> ms;
-    CHECK_NOTHROW(parse(small_gpt() + words(std::string("--rerun-mode ") + mode), 1, &ms));
-    CHECK(has_message(ms, SetupMessage::Kind::note, "--rerun-mode has no effect in megatrain: megatrain has no rerun "
-                                                    "state machine"));
-  }
+  for (const char* mode : {"validate_results", "disabled", "report_stats"})
+    CHECK(parse(small_gpt() + words(std::string("--rerun-mode ") + mode)).train.rerun_mode == mode);
+  CHECK(parse(small_gpt()).train.rerun_mode == "validate_results");
+  CHECK(parse(small_gpt()).train.error_injection_rate == 0);
+  CHECK(parse(small_gpt()).train.error_injection_type == "transient_error");
   CHECK(parse_error(small_gpt() + words("--rerun-mode validate")) ==
         "--rerun-mode must be one of disabled, validate_results, report_stats; got 'validate'");
-  CHECK(unsupported_error(small_gpt() + words("--rerun-mode report_stats")) ==
-        "megatrain does not support --rerun-mode report_stats yet (the rerun state machine)");
-  CHECK(unsupported_error(small_gpt() + words("--error-injection-rate 100 --error-injection-type persistent_error")) ==
-        "2 problems with the command line:\n"
-        "  megatrain does not support --error-injection-rate 100 yet (the rerun state machine)\n"
-        "  megatrain does not support --error-injection-type persistent_error yet (the rerun state machine)");
+  const Config c = parse(small_gpt() + words("--error-injection-rate 100 --error-injection-type persistent_error "
+                                             "--check-for-spiky-loss --check-for-large-grads"));
+  CHECK(c.train.error_injection_rate == 100);
+  CHECK(c.train.error_injection_type == "persistent_error");
+  CHECK(c.train.check_for_spiky_loss);
+  CHECK(c.train.check_for_large_grads);
   // Transformer Engine's op fuser: accepted with a note.
   std::vector<SetupMessage> ms;
   CHECK_NOTHROW(parse(small_gpt() + words("--use-transformer-engine-op-fuser"), 1, &ms));
