@@ -243,6 +243,17 @@ void check_numel(const Tensor& t, int64_t numel, DType dtype, const char* op, co
 
 int64_t kv_row_width(const AttentionShape& a) { return static_cast<int64_t>(a.groups) * 2 * a.head_dim; }
 
+// The parts kernels' arguments (launch_parts fills in the units).
+PartsArgs parts_args(void* packed, void* q, void* kv, int64_t rows, int64_t groups) {
+  PartsArgs args;
+  args.packed = packed;
+  args.q = q;
+  args.kv = kv;
+  args.rows = rows;
+  args.groups = groups;
+  return args;
+}
+
 void check_shape(const AttentionShape& a, const char* op) {
   if (a.batch <= 0 || a.seq <= 0 || a.heads <= 0 || a.groups <= 0 || a.head_dim <= 0 || a.heads % a.groups != 0)
     fail("{}: invalid shape b={} s={} heads={} groups={} d={} (heads must be a multiple of groups)", op, a.batch,
@@ -301,13 +312,7 @@ AttentionShape CudaBackend::assemble_attention_block(const char* op, Tensor q, T
   if (a.dropout_p > 0)
     ab.dropout_key = mix_key(mix_key(a.dropout_key, static_cast<uint64_t>(blk.q_begin)), static_cast<uint64_t>(blk.k_begin));
   MT_PROFILE_OP("attention_block assemble b{} s{} h{}/{} d{}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
-  PartsArgs args;
-  args.packed = block_qkv_;
-  args.q = q.data;
-  args.kv = kv.data;
-  args.rows = rows;
-  args.groups = a.groups;
-  launch_parts(Parts::assemble, q.dtype, args, a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
+  launch_parts(Parts::assemble, q.dtype, parts_args(block_qkv_, q.data, kv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
   return ab;
 }
 
@@ -346,13 +351,7 @@ void CudaBackend::attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, T
   const Tensor dpacked(block_dqkv_, q.dtype, Device::cuda, {rows, a.qkv_row_stride()});
   attention_backward(dpacked, dout, out, lse, packed, ab);
   MT_PROFILE_OP("attention_block scatter b{} s{} h{}/{} d{}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
-  PartsArgs args;
-  args.packed = block_dqkv_;
-  args.q = dq.data;
-  args.kv = dkv.data;
-  args.rows = rows;
-  args.groups = a.groups;
-  launch_parts(Parts::scatter_add, q.dtype, args, a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
+  launch_parts(Parts::scatter_add, q.dtype, parts_args(block_dqkv_, dq.data, dkv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
 }
 
 void CudaBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
@@ -387,36 +386,27 @@ void CudaBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) {
-  const char* op = "attention_kv_pack";
-  on_device(op, kv, qkv);
+namespace {
+// kv_pack / kv_unpack_add: the key and value parts of packed QKV rows against kv rows.
+void launch_kv_parts(Parts part, const char* op, const char* packed_name, Tensor packed, Tensor kv,
+                     const AttentionShape& a, cudaStream_t stream, int num_sms) {
+  on_device(op, packed, kv);
   check_shape(a, op);
   const int64_t rows = static_cast<int64_t>(a.batch) * a.seq;
-  check_numel(qkv, rows * a.qkv_row_stride(), qkv.dtype, op, "qkv");
-  check_numel(kv, rows * kv_row_width(a), qkv.dtype, op, "kv");
+  check_numel(packed, rows * a.qkv_row_stride(), packed.dtype, op, packed_name);
+  check_numel(kv, rows * kv_row_width(a), packed.dtype, op, part == Parts::kv_pack ? "kv" : "dkv");
+  launch_parts(part, packed.dtype, parts_args(packed.data, nullptr, kv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream, num_sms, op);
+}
+}  // namespace
+
+void CudaBackend::attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) {
   MT_PROFILE_OP("attention_kv_pack {}", qkv.shape_string());
-  PartsArgs args;
-  args.packed = qkv.data;
-  args.kv = kv.data;
-  args.rows = rows;
-  args.groups = a.groups;
-  launch_parts(Parts::kv_pack, qkv.dtype, args, a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
+  launch_kv_parts(Parts::kv_pack, "attention_kv_pack", "qkv", qkv, kv, a, stream_, num_sms_);
 }
 
 void CudaBackend::attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a) {
-  const char* op = "attention_kv_unpack_add";
-  on_device(op, dqkv, dkv);
-  check_shape(a, op);
-  const int64_t rows = static_cast<int64_t>(a.batch) * a.seq;
-  check_numel(dqkv, rows * a.qkv_row_stride(), dqkv.dtype, op, "dqkv");
-  check_numel(dkv, rows * kv_row_width(a), dqkv.dtype, op, "dkv");
   MT_PROFILE_OP("attention_kv_unpack_add {}", dqkv.shape_string());
-  PartsArgs args;
-  args.packed = dqkv.data;
-  args.kv = dkv.data;
-  args.rows = rows;
-  args.groups = a.groups;
-  launch_parts(Parts::kv_unpack_add, dqkv.dtype, args, a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
+  launch_kv_parts(Parts::kv_unpack_add, "attention_kv_unpack_add", "dqkv", dqkv, dkv, a, stream_, num_sms_);
 }
 
 }  // namespace mt

@@ -79,6 +79,28 @@ double attend_row(T* dst, int64_t d, int64_t u0, int64_t u1, std::vector<double>
   return row_lse;
 }
 
+// dK and dV of one key row, summed over the query heads [h0, h1) and the queries [t0, t1) that see
+// it: acc_k = scale * sum dS q, acc_v = sum p * drop * dO. element(h, t, p, ds, drop) gives a pair's
+// probability, dS and dropout factor; q(h, t) and dout(h, t) the rows; skip(h, t) leaves a query out.
+template <typename T, class Element, class QRow, class DoutRow, class Skip>
+void key_row_grads(std::vector<double>& acc_k, std::vector<double>& acc_v, int64_t d, double scale, int64_t h0,
+                   int64_t h1, int64_t t0, int64_t t1, Element element, QRow q, DoutRow dout, Skip skip) {
+  std::fill(acc_k.begin(), acc_k.end(), 0.0);
+  std::fill(acc_v.begin(), acc_v.end(), 0.0);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t t = t0; t < t1; ++t) {
+      if (skip(h, t)) continue;
+      double p, ds, drop;
+      element(h, t, p, ds, drop);
+      const T* qq = q(h, t);
+      const T* dd = dout(h, t);
+      for (int64_t j = 0; j < d; ++j) {
+        acc_k[static_cast<size_t>(j)] += scale * ds * static_cast<double>(qq[j]);
+        acc_v[static_cast<size_t>(j)] += p * drop * static_cast<double>(dd[j]);
+      }
+    }
+}
+
 // Multiplier that dropout applies to probability (i, h, q, k) of a sequence of `seq` positions
 // (q, k global positions): 0 if dropped, 1/(1-p) if kept.
 double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h, int64_t q, int64_t k) {
@@ -185,19 +207,11 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
     // dk and dv, one key row of one group at a time, summed over the group's heads.
     for (int64_t g = 0; g < L.groups; ++g)
       for (int64_t k = 0; k < L.s; ++k) {
-        std::fill(acc_k.begin(), acc_k.end(), 0.0);
-        std::fill(acc_v.begin(), acc_v.end(), 0.0);
-        for (int64_t h = g * L.hpg; h < (g + 1) * L.hpg; ++h)
-          for (int64_t q = a.first_query(k); q <= a.last_query(k); ++q) {
-            double p, ds, drop;
-            element(i, h, q, k, p, ds, drop);
-            const T* qq = x + L.q_offset(i, q, h);
-            const T* dd = dout_p + L.out_offset(i, q, h);
-            for (int64_t j = 0; j < L.d; ++j) {
-              acc_k[j] += a.softmax_scale * ds * static_cast<double>(qq[j]);
-              acc_v[j] += p * drop * static_cast<double>(dd[j]);
-            }
-          }
+        key_row_grads<T>(
+            acc_k, acc_v, L.d, a.softmax_scale, g * L.hpg, (g + 1) * L.hpg, a.first_query(k), a.last_query(k) + 1,
+            [&](int64_t h, int64_t q, double& p, double& ds, double& drop) { element(i, h, q, k, p, ds, drop); },
+            [&](int64_t h, int64_t q) { return x + L.q_offset(i, q, h); },
+            [&](int64_t h, int64_t q) { return dout_p + L.out_offset(i, q, h); }, [](int64_t, int64_t) { return false; });
         T* dk = dx + L.k_offset(i, k, g);
         T* dv = dx + L.v_offset(i, k, g);
         for (int64_t j = 0; j < L.d; ++j) {
@@ -375,20 +389,12 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
       for (int64_t u = 0; u < blk.kv_len; ++u) {
         const auto [t0, t1] = M.queries(u);
         if (t0 >= t1) continue;
-        std::fill(acc_k.begin(), acc_k.end(), 0.0);
-        std::fill(acc_v.begin(), acc_v.end(), 0.0);
-        for (int64_t h = g * L.hpg; h < (g + 1) * L.hpg; ++h)
-          for (int64_t t = t0; t < t1; ++t) {
-            if (!live(i, h, t)) continue;
-            double p, ds, drop;
-            element(i, h, t, u, p, ds, drop);
-            const T* qq = x + L.q_offset(i, t, h);
-            const T* dd = dout_p + L.out_offset(i, t, h);
-            for (int64_t j = 0; j < L.d; ++j) {
-              acc_k[j] += a.softmax_scale * ds * static_cast<double>(qq[j]);
-              acc_v[j] += p * drop * static_cast<double>(dd[j]);
-            }
-          }
+        key_row_grads<T>(
+            acc_k, acc_v, L.d, a.softmax_scale, g * L.hpg, (g + 1) * L.hpg, t0, t1,
+            [&](int64_t h, int64_t t, double& p, double& ds, double& drop) { element(i, h, t, u, p, ds, drop); },
+            [&](int64_t h, int64_t t) { return x + L.q_offset(i, t, h); },
+            [&](int64_t h, int64_t t) { return dout_p + L.out_offset(i, t, h); },
+            [&](int64_t h, int64_t t) { return !live(i, h, t); });
         T* dk = dy + K.k_offset(i, u, g);
         T* dv = dy + K.v_offset(i, u, g);
         for (int64_t j = 0; j < L.d; ++j) {
@@ -445,38 +451,40 @@ void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor ls
       }
 }
 
+namespace {
+// The key and value parts of packed QKV rows against kv rows: kv = those parts (pack), or those
+// parts += kv (unpack_add). k and v of a group are adjacent in both layouts: 2 d values per (row, group).
 template <typename T>
-void reference_attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) {
+void move_kv_parts(Tensor packed, Tensor kv, const AttentionShape& a, bool unpack_add) {
+  const char* op = unpack_add ? "attention_kv_unpack_add" : "attention_kv_pack";
   check_attention_shape(a);
   const QkvLayout L(a);
   const KvLayout K(a);
-  check_host_tensor(qkv, "attention_kv_pack", "qkv", L.b * L.s * L.row_stride, dtype_of<T>());
-  check_kv(a, a.seq, kv, "attention_kv_pack", "kv", dtype_of<T>());
-  const T* x = qkv.ptr<T>();
+  check_host_tensor(packed, op, unpack_add ? "dqkv" : "qkv", L.b * L.s * L.row_stride, dtype_of<T>());
+  check_kv(a, a.seq, kv, op, unpack_add ? "dkv" : "kv", dtype_of<T>());
+  T* x = packed.ptr<T>();
   T* y = kv.ptr<T>();
-  // k and v of a group are adjacent in both layouts: 2 d values per (row, group).
   for (int64_t i = 0; i < L.b; ++i)
     for (int64_t t = 0; t < L.s; ++t)
-      for (int64_t g = 0; g < L.groups; ++g)
-        std::copy_n(x + L.k_offset(i, t, g), 2 * L.d, y + K.k_offset(i, t, g));
+      for (int64_t g = 0; g < L.groups; ++g) {
+        T* p = x + L.k_offset(i, t, g);
+        T* k = y + K.k_offset(i, t, g);
+        if (unpack_add)
+          for (int64_t j = 0; j < 2 * L.d; ++j) p[j] += k[j];
+        else
+          std::copy_n(p, 2 * L.d, k);
+      }
+}
+}  // namespace
+
+template <typename T>
+void reference_attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) {
+  move_kv_parts<T>(qkv, kv, a, false);
 }
 
 template <typename T>
 void reference_attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a) {
-  check_attention_shape(a);
-  const QkvLayout L(a);
-  const KvLayout K(a);
-  check_host_tensor(dqkv, "attention_kv_unpack_add", "dqkv", L.b * L.s * L.row_stride, dtype_of<T>());
-  check_kv(a, a.seq, dkv, "attention_kv_unpack_add", "dkv", dtype_of<T>());
-  const T* y = dkv.ptr<T>();
-  T* dx = dqkv.ptr<T>();
-  for (int64_t i = 0; i < L.b; ++i)
-    for (int64_t t = 0; t < L.s; ++t)
-      for (int64_t g = 0; g < L.groups; ++g) {
-        T* dst = dx + L.k_offset(i, t, g);
-        const T* src = y + K.k_offset(i, t, g);
-        for (int64_t j = 0; j < 2 * L.d; ++j) dst[j] += src[j];
-      }
+  move_kv_parts<T>(dqkv, dkv, a, true);
 }
 
 #define MT_ATTENTION_BLOCK_INSTANTIATE(T)                                                                      \

@@ -361,3 +361,9 @@ megatrain_parallel_train_test(parallel_train_moe_bias_cp2_ep4 --model "${moe_sig
 megatrain_parallel_train_test(parallel_train_moe_tp2_cp2_pp2_ep2 --model "${moe_model}" 8 --tensor-model-parallel-size 2
                               --sequence-parallel --context-parallel-size 2 --pipeline-model-parallel-size 2
                               --expert-model-parallel-size 2)
+# CP with full recompute (each layer's attention, and its transfers, run again in backward). (Not
+# FP8 against one rank: as with DP, each CP rank's loss gradient is its own tokens' mean, so the
+# output-gradient amaxes and scales differ from one rank's by the factor CP, while the FP8 values,
+# losses and weights agree.)
+megatrain_parallel_train_test(parallel_train_cp2_full_recompute --model "${cp_llama_model}" 2 --context-parallel-size 2
+                              --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
