@@ -367,3 +367,6 @@ megatrain_parallel_train_test(parallel_train_moe_tp2_cp2_pp2_ep2 --model "${moe_
 # losses and weights agree.)
 megatrain_parallel_train_test(parallel_train_cp2_full_recompute --model "${cp_llama_model}" 2 --context-parallel-size 2
                               --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+# ... and with per-token loss (the gradient normalized by the global batch's tokens over DP x CP).
+megatrain_parallel_train_test(parallel_train_cp2_dp2_per_token_loss 4 --context-parallel-size 2
+                              --calculate-per-token-loss --use-distributed-optimizer)
