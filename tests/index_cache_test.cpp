@@ -99,16 +99,22 @@ std::string stderr_of(const std::function<void()>& f) {
   return ss.str();
 }
 
-}  // namespace
-
-TEST_CASE("index cache: reused, rebuilt on change, robust to damage", "[data][cache]") {
-  oracle::TempDir dir;
-  const std::string prefix = dir.file("corpus");
+// A corpus of 60 documents at `prefix`, read as one training split of 16-token windows.
+DatasetsConfig one_corpus(const std::string& prefix) {
   make_dataset(prefix, 60, 37);
   DatasetsConfig c;
   c.seq_length = 16;
   c.split = "1";
   c.blend = parse_blend({prefix}, "--data-path");
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("index cache: reused, rebuilt on change, robust to damage", "[data][cache]") {
+  oracle::TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  DatasetsConfig c = one_corpus(prefix);
 
   // Default location: <prefix>/cache/GPTDataset_indices, as Megatron.
   const BuiltDatasets first = build_datasets(c, {300, 0, 0});
@@ -219,11 +225,7 @@ TEST_CASE("ranks building the same cache at once all get it whole", "[data][cach
 TEST_CASE("cached indices with out-of-range values are rebuilt, never read out of bounds", "[data][cache]") {
   oracle::TempDir dir;
   const std::string prefix = dir.file("corpus");
-  make_dataset(prefix, 60, 37);
-  DatasetsConfig c;
-  c.seq_length = 16;
-  c.split = "1";
-  c.blend = parse_blend({prefix}, "--data-path");
+  DatasetsConfig c = one_corpus(prefix);
   const BuiltDatasets first = build_datasets(c, {300, 0, 0});
   const auto expected = all_windows(*first.splits[0]);
   const std::string cache = train_of(first).cache_path_prefix();
@@ -355,11 +357,7 @@ TEST_CASE("an int64 sample index cache is used whole, and rebuilt for an offset 
   // width and must not overflow on any value an int64 file can hold.
   oracle::TempDir dir;
   const std::string prefix = dir.file("corpus");
-  make_dataset(prefix, 60, 37);
-  DatasetsConfig c;
-  c.seq_length = 16;
-  c.split = "1";
-  c.blend = parse_blend({prefix}, "--data-path");
+  DatasetsConfig c = one_corpus(prefix);
   const BuiltDatasets first = build_datasets(c, {300, 0, 0});
   const auto expected = all_windows(*first.splits[0]);
   const IndexArray& sample32 = train_of(first).sample_index();

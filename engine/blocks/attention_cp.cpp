@@ -16,7 +16,9 @@
 // to the queries' gradient and its dK, dV to the gradient of the key chunk it used, which then
 // travels back to the chunk's owner (the ring passes it on with the keys; the all-gather
 // reduce-scatters it; the all-to-all returns it with dQ).
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "core/philox.h"
@@ -35,6 +37,7 @@ class ContextParallelAttention final : public AttentionCore {
              cp.rank());
     a2a_ = type == CpCommType::a2a ? size_ : type == CpCommType::a2a_p2p ? a2a_size : 1;
     MT_CHECK(a2a_ >= 1 && size_ % a2a_ == 0, "a2a size {} of CP {}", a2a_, size_);
+    first_.assign(static_cast<size_t>(2 * a2a_), 1);
     // (Collective over the CP group: every member builds its cores in the same order.)
     if (a2a_ > 1 && a2a_ < size_) {
       inner_own_ = cp.split(rank_ / a2a_, rank_ % a2a_, "cp_a2a");
@@ -65,7 +68,8 @@ class ContextParallelAttention final : public AttentionCore {
     const AttentionShape ac = block_shape(a);
     const Tensor x = to_heads(qkv, buf_.x, a.qkv_row_stride());  // [A R, qkv / A]: this rank's heads
     const Tensor xo = a2a_ > 1 ? buf_.x_out.view({a2a_ * a.batch * int64_t{a.seq}, ac.heads * int64_t{ac.head_dim}}) : out;
-    std::vector<char> first(static_cast<size_t>(2 * a2a_), 1);
+    std::fill(first_.begin(), first_.end(), 1);
+    std::vector<char>& first = first_;
     // One key chunk (global index `chunk`, its rows in kv) against every query chunk here.
     auto blocks = [&](Tensor kv, int64_t chunk) {
       for (int qc = 0; qc < 2 * a2a_; ++qc) {
@@ -278,6 +282,7 @@ class ContextParallelAttention final : public AttentionCore {
   Communicator* outer_ = nullptr;  // the ring's (the CP ranks at the same place of each group)
   Communicator* ring_ = nullptr;   // outer_, or its copy on the TP communication stream
   const CpBuffers& buf_;
+  std::vector<char> first_;  // forward: whether each query chunk's first block is still to come
 };
 
 }  // namespace
