@@ -116,9 +116,6 @@ void validate_parallel(CliState& st) {
     };
     if (p.context_parallel_size > 1 && a2a) check_heads("a2a", p.context_parallel_size);
     if (p.context_parallel_size > 1 && a2a_p2p) check_heads("a2a+p2p", hier[0]);
-    if (p.context_parallel_size > 1 && p.num_distributed_optimizer_instances > 1)
-      fail("megatrain does not support --num-distributed-optimizer-instances {} with --context-parallel-size {} yet",
-           p.num_distributed_optimizer_instances, p.context_parallel_size);
   }
   if (p.overlap_param_gather) {
     if (!p.use_distributed_optimizer)

@@ -117,13 +117,14 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   // --num-distributed-optimizer-instances (with the distributed optimizer; checked by the parser).
   const int instances = cfg.parallel.use_distributed_optimizer ? cfg.parallel.num_distributed_optimizer_instances : 1;
   if (instances > 1) {
-    MT_CHECK(grid.dp % instances == 0, "data-parallel size {} is not divisible by {} optimizer instances", grid.dp,
-             instances);
+    MT_CHECK(grid.dp * grid.cp % instances == 0, "data-parallel x context-parallel size {} is not divisible by {} "
+             "optimizer instances", grid.dp * grid.cp, instances);
     s.dist_opt_instances = instances;
     s.dist_opt_intra = split_into(*world, distributed_optimizer_instance_groups(grid, instances, false), "dist_opt_intra");
     s.dist_opt_inter = split_into(*world, distributed_optimizer_instance_groups(grid, instances, true), "dist_opt_inter");
-    MT_CHECK(s.dist_opt_intra->rank() == s.dist_opt_rank() && s.dist_opt_inter->rank() == s.dp_rank / s.dist_opt_size(),
-             "distributed optimizer instance ranks disagree with the DP rank {} of rank {}", s.dp_rank, rank);
+    MT_CHECK(s.dist_opt_intra->rank() == s.dist_opt_rank() &&
+                 s.dist_opt_inter->rank() == s.replicas_rank() / s.dist_opt_size(),
+             "distributed optimizer instance ranks disagree with the DP x CP rank {} of rank {}", s.replicas_rank(), rank);
   }
   // Each group's communicator rank is the rank's coordinate along that axis.
   MT_CHECK(s.tp->rank() == s.tp_rank && s.dp->rank() == s.dp_rank && s.pp->rank() == s.pp_rank,

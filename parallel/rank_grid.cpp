@@ -172,11 +172,13 @@ std::vector<std::vector<int>> rank_groups(const RankGrid& grid, const std::strin
 }
 
 std::vector<std::vector<int>> distributed_optimizer_instance_groups(const RankGrid& grid, int instances, bool inter) {
-  MT_CHECK(instances >= 1 && grid.dp % instances == 0, "{} distributed optimizer instances over DP {}", instances,
-           grid.dp);
-  const int intra = grid.dp / instances;
+  // Over the replicas (DP x CP, rank cp + CP dp): consecutive ones form an instance.
+  const int replicas = grid.dp * grid.cp;
+  MT_CHECK(instances >= 1 && replicas % instances == 0, "{} distributed optimizer instances over DP x CP {}",
+           instances, replicas);
+  const int intra = replicas / instances;
   std::vector<std::vector<int>> out;
-  for (const std::vector<int>& dp : rank_groups(grid, "dp")) {
+  for (const std::vector<int>& dp : rank_groups(grid, "dp-cp")) {
     if (inter) {
       for (int j = 0; j < intra; ++j) {
         std::vector<int> g;

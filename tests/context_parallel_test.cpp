@@ -38,8 +38,11 @@ TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four valu
                           "--num-query-groups 2"), 4).parallel.cp_comm_type.size() == 1);
   CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 3"), 3),
              Contains("--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"));
-  CHECK_THAT(parse_error(cp2 + words("--use-distributed-optimizer --num-distributed-optimizer-instances 2"), 4),
-             Contains("--num-distributed-optimizer-instances 2 with --context-parallel-size 2"));
+  // Distributed-optimizer instances split DP x CP (here 1 x 2: two instances of one replica each).
+  CHECK(parse(cp2 + words("--use-distributed-optimizer --num-distributed-optimizer-instances 2"), 2)
+            .parallel.num_distributed_optimizer_instances == 2);
+  CHECK_THAT(parse_error(cp2 + words("--use-distributed-optimizer --num-distributed-optimizer-instances 4"), 2),
+             Contains("Data parallel size should be divisible by partial DistOpt shard factor"));
 }
 
 TEST_CASE("context parallelism: rank r holds chunks r and 2 CP - 1 - r of each sequence", "[engine][cp]") {

@@ -370,3 +370,7 @@ megatrain_parallel_train_test(parallel_train_cp2_full_recompute --model "${cp_ll
 # ... and with per-token loss (the gradient normalized by the global batch's tokens over DP x CP).
 megatrain_parallel_train_test(parallel_train_cp2_dp2_per_token_loss 4 --context-parallel-size 2
                               --calculate-per-token-loss --use-distributed-optimizer)
+# Two distributed-optimizer instances over DP x CP = 4 replicas (Megatron's partial distributed
+# optimizer with CP: each instance two consecutive replicas, shards all-reduced across instances).
+megatrain_parallel_train_test(parallel_train_cp2_dp2_distopt_instances2 4 --context-parallel-size 2
+                              --use-distributed-optimizer --num-distributed-optimizer-instances 2)
