@@ -101,6 +101,15 @@ void key_row_grads(std::vector<double>& acc_k, std::vector<double>& acc_v, int64
     }
 }
 
+// One (query, key) pair of the backward: the probability p (undropped, against the row's lse) and
+// dS = p * (drop * dO.v - D), D = rowsum(dO * O) of the query's row.
+template <typename T>
+void pair_grad(const T* q, const T* k, const T* v, const T* dout, double scale, double lse, double delta, double drop,
+               int64_t d, double& p, double& ds) {
+  p = std::exp(scale * dot(q, k, d) - lse);
+  ds = p * (drop * dot(dout, v, d) - delta);
+}
+
 // Multiplier that dropout applies to probability (i, h, q, k) of a sequence of `seq` positions
 // (q, k global positions): 0 if dropped, 1/(1-p) if kept.
 double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h, int64_t q, int64_t k) {
@@ -182,11 +191,9 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
   // Probability p (undropped) and dS of element (i, h, q, k); also returns the dropout factor.
   auto element = [&](int64_t i, int64_t h, int64_t q, int64_t k, double& p, double& ds, double& drop) {
     const int64_t g = h / L.hpg;
-    const double score = a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d);
-    p = std::exp(score - read_lse(lse, L.lse_index(i, h, q)));
     drop = dropout_factor(a, a.seq, i, h, q, k);
-    const double dp = drop * dot(dout_p + L.out_offset(i, q, h), x + L.v_offset(i, k, g), L.d);
-    ds = p * (dp - delta[L.lse_index(i, h, q)]);
+    pair_grad(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), x + L.v_offset(i, k, g), dout_p + L.out_offset(i, q, h),
+              a.softmax_scale, read_lse(lse, L.lse_index(i, h, q)), delta[L.lse_index(i, h, q)], drop, L.d, p, ds);
   };
 
   std::vector<double> acc_k(L.d), acc_v(L.d);
@@ -360,11 +367,9 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
   // Probability p (undropped, of the whole softmax) and dS of element (i, h, t, u); also the dropout factor.
   auto element = [&](int64_t i, int64_t h, int64_t t, int64_t u, double& p, double& ds, double& drop) {
     const int64_t g = h / L.hpg;
-    const double score = a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d);
-    p = std::exp(score - row_lse[L.lse_index(i, h, t)]);
     drop = M.dropout(i, h, t, u);
-    const double dp = drop * dot(dout_p + L.out_offset(i, t, h), y + K.v_offset(i, u, g), L.d);
-    ds = p * (dp - delta[L.lse_index(i, h, t)]);
+    pair_grad(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), y + K.v_offset(i, u, g), dout_p + L.out_offset(i, t, h),
+              a.softmax_scale, row_lse[L.lse_index(i, h, t)], delta[L.lse_index(i, h, t)], drop, L.d, p, ds);
   };
 
   std::vector<double> acc_k(L.d), acc_v(L.d);
