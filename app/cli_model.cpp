@@ -32,9 +32,10 @@ void add_model_flags(FlagTable& t) {
   t.value("--num-query-groups", "key/value groups with --group-query-attention", MT_FIELD(model.num_query_groups)).model_setting("num_query_groups").not_imported();
   t.value("--max-position-embeddings", "maximum sequence length / learned position table size (required)",
           MT_FIELD(model.max_position_embeddings)).model_setting("max_position_embeddings", CheckpointTake::if_absent, CheckpointCompare::with_learned_positions).default_text = "None (required)";
-  t.choice("--position-embedding-type", "position embedding (Megatron also has yarn, mrope, relative)",
+  t.choice("--position-embedding-type", "position embedding (Megatron also has mrope, relative)",
            std::vector<std::pair<std::string, PositionEmbedding>>{{"learned_absolute", PositionEmbedding::learned_absolute},
                                                                  {"rope", PositionEmbedding::rope},
+                                                                 {"yarn", PositionEmbedding::yarn},
                                                                  {"none", PositionEmbedding::none}},
            MT_FIELD(model.position_embedding_type)).model_setting("position_embedding_type", CheckpointTake::forced, CheckpointCompare::yes);
   {
@@ -55,8 +56,8 @@ void add_model_flags(FlagTable& t) {
           MT_FIELD(model.rotary_seq_len_interpolation_factor)).model_setting("rotary_seq_len_interpolation_factor", CheckpointTake::no);
   t.flag("--use-rope-scaling", "Llama-3.x RoPE frequency scaling", MT_FIELD(model.use_rope_scaling)).model_setting("use_rope_scaling");
   t.value("--rope-scaling-factor", "Llama-3.x RoPE scaling factor", MT_FIELD(model.rope_scaling_factor)).model_setting("rope_scaling_factor");
-  t.choice("--rope-type", "RoPE flavour", std::vector<std::pair<std::string, std::string>>{{"rope", "rope"}, {"yarn", "yarn"}},
-           MT_FIELD(model.rope_type));
+  t.choice("--rope-type", "RoPE flavour of --multi-latent-attention (default yarn; other attention: rope only)", std::vector<std::pair<std::string, std::string>>{{"rope", "rope"}, {"yarn", "yarn"}},
+           MT_FIELD(model.rope_type)).model_setting("rope_type", CheckpointTake::forced, CheckpointCompare::no, true);
   t.choice("--normalization", "normalisation layer",
            std::vector<std::pair<std::string, Normalization>>{{"LayerNorm", Normalization::layernorm},
                                                               {"RMSNorm", Normalization::rmsnorm}},
@@ -149,18 +150,48 @@ void add_model_flags(FlagTable& t) {
   t.recognised("--spec", Arity::zero_or_more, "STR [STR ...]", "None", "model layer spec module");
   t.flag("--attention-output-gate", "gate each attention head's output with sigmoid(x W_gate), W_gate part of the QKV "
          "projection", MT_FIELD(model.attention_output_gate)).model_setting("attention_output_gate", CheckpointTake::forced, CheckpointCompare::yes, true);
-  t.flag("--multi-latent-attention", "DeepSeek multi-latent attention", MT_FIELD(model.multi_latent_attention)).model_setting("multi_latent_attention", CheckpointTake::no).model_key("");
-  t.recognised("--q-lora-rank", Arity::one, "INT", "None", "MLA query low-rank dimension");
-  t.recognised("--kv-lora-rank", Arity::one, "INT", "32", "MLA key/value low-rank dimension");
-  t.recognised("--qk-head-dim", Arity::one, "INT", "128", "MLA query/key head dimension");
-  t.recognised("--qk-pos-emb-head-dim", Arity::one, "INT", "64", "MLA rotary head dimension");
-  t.recognised("--v-head-dim", Arity::one, "INT", "128", "MLA value head dimension");
+  t.flag("--multi-latent-attention", "DeepSeek's multi-latent attention (low-rank queries, keys and values)",
+         MT_FIELD(model.multi_latent_attention)).model_setting("multi_latent_attention", CheckpointTake::forced,
+                                                               CheckpointCompare::yes, true);
+  t.value("--q-lora-rank", "MLA: rank of the queries' low-rank projection (None: a direct projection)",
+          MT_FIELD(model.q_lora_rank)).model_setting("q_lora_rank", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--kv-lora-rank", "MLA: rank of the keys' and values' low-rank projection", MT_FIELD(model.kv_lora_rank))
+      .model_setting("kv_lora_rank", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--qk-head-dim", "MLA: query/key head dimension without RoPE", MT_FIELD(model.qk_head_dim))
+      .model_setting("qk_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--qk-pos-emb-head-dim", "MLA: query/key head dimension with RoPE (the key's part shared by the heads)",
+          MT_FIELD(model.qk_pos_emb_head_dim)).model_setting("qk_pos_emb_head_dim", CheckpointTake::forced,
+                                                             CheckpointCompare::yes, true);
+  t.value("--v-head-dim", "MLA: value head dimension", MT_FIELD(model.v_head_dim))
+      .model_setting("v_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
   t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth")
       .model_setting("mtp_num_layers", CheckpointTake::no);
   t.recognised("--mtp-loss-scaling-factor", Arity::one, "FLOAT", "0.1", "multi-token-prediction loss weight");
-  t.recognised("--rotary-scaling-factor", Arity::one, "FLOAT", "1.0", "YaRN rotary scaling factor");
-  t.recognised("--mscale", Arity::one, "FLOAT", "1.0", "YaRN attention scale");
-  t.recognised("--mscale-all-dim", Arity::one, "FLOAT", "0.0", "YaRN attention scale over all dimensions");
+  t.value("--rotary-scaling-factor", "YaRN: the context scaling factor s", MT_FIELD(model.rotary_scaling_factor))
+      .model_setting("rotary_scaling_factor", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--mscale", "YaRN: the mscale term of the concentration factor", MT_FIELD(model.mscale))
+      .model_setting("mscale", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--mscale-all-dim", "YaRN: the mscale_all_dim term (MLA: also the softmax scale's)",
+          MT_FIELD(model.mscale_all_dim)).model_setting("mscale_all_dim", CheckpointTake::forced, CheckpointCompare::no,
+                                                        true);
+  t.value("--yarn-original-max-position-embeddings",
+          "YaRN (--position-embedding-type yarn): the original context (default 4096)",
+          MT_FIELD(model.yarn_original_max_position_embeddings))
+      .model_setting("yarn_original_max_position_embeddings", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--yarn-beta-fast", "YaRN (--position-embedding-type yarn): beta_fast (default 32)",
+          MT_FIELD(model.yarn_beta_fast)).model_setting("yarn_beta_fast", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--yarn-beta-slow", "YaRN (--position-embedding-type yarn): beta_slow (default 1)",
+          MT_FIELD(model.yarn_beta_slow)).model_setting("yarn_beta_slow", CheckpointTake::forced, CheckpointCompare::no, true);
+  for (const bool round : {true, false}) {
+    FlagSpec s;
+    s.name = round ? "--yarn-correction-range-round-to-int" : "--no-yarn-correction-range-round-to-int";
+    s.group = FlagGroup::model;
+    s.arity = Arity::none;
+    s.help = round ? "YaRN: round the correction range to integers (the default)"
+                   : "YaRN: keep the correction range's ends fractional";
+    s.apply = [round](CliState& st, const FlagValue&) { st.cfg.model.yarn_correction_range_round_to_int = round; };
+    t.add(std::move(s));
+  }
   t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
   t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");
   t.flag("--fp32-residual-connection", "keep the residual stream in fp32 with --fp16 or --bf16",

@@ -51,6 +51,10 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (!rs.config.contains("model"))
     fail("{} records no model configuration: cannot tell which Hugging Face model it is", manifest);
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
+  if (m.multi_latent_attention)
+    throw Unsupported("export-hf does not map --multi-latent-attention models (DeepseekV3ForCausalLM) yet");
+  if (m.position_embedding_type == PositionEmbedding::yarn)
+    throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   const DType dtype = reader.info("embedding.word_embeddings.weight").dtype;
   spec.torch_dtype = torch_dtype_of(dtype);

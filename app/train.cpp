@@ -269,7 +269,9 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // read their DP rank's micro-batches; the middle stages need none.
   bool reads_data = false;
   for (const GptModel* m : chunks) reads_data = reads_data || m->dims().first_stage || m->dims().last_stage;
-  if (ps.pp_size > 1 && cfg.data.reset_position_ids && cfg.model.position_embedding_type == PositionEmbedding::rope)
+  if (ps.pp_size > 1 && cfg.data.reset_position_ids &&
+      (cfg.model.position_embedding_type == PositionEmbedding::rope ||
+       cfg.model.position_embedding_type == PositionEmbedding::yarn || cfg.model.multi_latent_attention))
     throw Unsupported("--reset-position-ids with rotary embeddings and pipeline parallelism is not supported: the "
                       "middle pipeline stages read no data and use positions 0..s-1");
   TrainingData data;

@@ -91,6 +91,31 @@ void validate_model(CliState& st) {
     fail("--no-position-embedding is deprecated, use --position-embedding-type (it is only accepted with rope)");
   if (m.rope_type && *m.rope_type != "rope" && !m.multi_latent_attention)
     fail("--rope-type {}: attention without --multi-latent-attention supports --rope-type rope only", *m.rope_type);
+  if (m.multi_latent_attention) {
+    // Megatron's MLATransformerConfig and argument checks.
+    if (m.rotary_interleaved) fail("--rotary-interleaved does not work with --multi-latent-attention");
+    // Rope fusion is on unless --no-rope-fusion, and Megatron turns it off unless the position
+    // embedding is rope; MLA's fused RoPE takes YaRN only.
+    if (m.position_embedding_type == PositionEmbedding::rope && !st.has("--no-rope-fusion") && !mla_rope_is_yarn(m))
+      fail("apply_rope_fusion for MLA only works with YARN RoPE: --multi-latent-attention with "
+           "--position-embedding-type rope and --rope-type rope needs --no-rope-fusion");
+    if (m.position_embedding_type == PositionEmbedding::yarn)
+      fail("--position-embedding-type yarn with --multi-latent-attention: MLA applies its own RoPE (--rope-type); use "
+           "--position-embedding-type rope or none");
+    if (m.q_lora_rank && *m.q_lora_rank <= 0) fail("--q-lora-rank must be > 0 (got {})", *m.q_lora_rank);
+    if (m.kv_lora_rank <= 0) fail("--kv-lora-rank must be > 0 (got {})", m.kv_lora_rank);
+    if (m.qk_head_dim <= 0 || m.v_head_dim <= 0)
+      fail("--qk-head-dim ({}) and --v-head-dim ({}) must be > 0", m.qk_head_dim, m.v_head_dim);
+    const int rot = mla_rope_is_yarn(m) ? m.qk_pos_emb_head_dim
+                                        : static_cast<int>(m.qk_pos_emb_head_dim * m.rotary_percent);
+    if (m.qk_pos_emb_head_dim <= 0 || rot <= 0 || rot % 2 != 0)
+      fail("--qk-pos-emb-head-dim {} (rotated: {}) must be a positive even number", m.qk_pos_emb_head_dim, rot);
+  }
+  if (m.position_embedding_type == PositionEmbedding::yarn && m.rotary_interleaved)
+    fail("Yarn RoPE does not support interleaved rotary embeddings (--position-embedding-type yarn with "
+         "--rotary-interleaved)");
+  if (m.position_embedding_type == PositionEmbedding::yarn && m.head_dim % 2 != 0)
+    fail("--position-embedding-type yarn rotates the whole head: --kv-channels {} must be even", m.head_dim);
   if (m.attention_backend == AttentionBackend::local)
     fail("--attention-backend local is only supported with --spec local");
   if (m.attention_backend == AttentionBackend::unfused)
@@ -113,7 +138,7 @@ void validate_model(CliState& st) {
   }
   if (m.rotary_percent <= 0.0 || m.rotary_percent > 1.0)
     fail("--rotary-percent must be in (0, 1] (got {})", format_float(m.rotary_percent));
-  if (m.position_embedding_type == PositionEmbedding::rope) {
+  if (m.position_embedding_type == PositionEmbedding::rope && !m.multi_latent_attention) {
     if (m.rotary_base <= 0) fail("--rotary-base must be > 0 (got {})", m.rotary_base);
     const int rotary_dim = static_cast<int>(m.head_dim * m.rotary_percent);
     if (rotary_dim % 2 != 0)

@@ -43,6 +43,9 @@ void validate_recompute(CliState& st) {
   for (const std::string& m : t.recompute_modules)
     if (!modules.count(m))
       fail("--recompute-modules {}: not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts", m);
+  for (const std::string& m : t.recompute_modules)
+    if (m == "mla_up_proj" && !c.model.multi_latent_attention)
+      fail("mla_up_proj in recompute_modules is only supported with multi_latent_attention");
   if (st.has("--recompute-modules") && t.recompute_granularity != RecomputeGranularity::selective)
     st.warn("--recompute-modules has no effect without --recompute-granularity selective");
 }

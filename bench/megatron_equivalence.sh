@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-LM itself against megatrain from the same weights (manual: needs a GPU, PyTorch and a
 # Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama nemotron
+#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama nemotron mla
 # Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP, PP and DP (Megatron's layout,
 # default 1; TP*PP*DP GPUs), MODE (finetune or resume, default finetune), MEGATRON_EXTRA (more
 # Megatron-LM flags, e.g. --use-distributed-optimizer), MEGATRAIN_LAYOUT (one: megatrain trains on
@@ -54,6 +54,16 @@ model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attent
 model_nemotron=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 8 --group-query-attention
                 --num-query-groups 2 --position-embedding-type rope --rotary-percent 0.5 --squared-relu
                 --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
+
+# DeepSeek-style multi-latent attention: query rank, latent norms, YaRN with DeepSeek-V3's terms
+# (factor 40, mscale = mscale_all_dim = 1). torch_dist only (FORMATS=torch_dist): Megatron-LM's
+# local spec keys MLA's norms by module in its per-rank torch files too, which import-megatron maps
+# for torch_dist only.
+model_mla=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --multi-latent-attention
+           --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 32 --qk-layernorm
+           --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+           --position-embedding-type rope --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
+           --rotary-base 10000)
 
 megatron() {  # log, nproc, args...
   local log=$1 nproc=$2

@@ -502,6 +502,44 @@ void MegatronCheckpoint::open_torch_dist() {
   }
   if (optimizer_layout_ == "none" && distributed_optimizer_)
     optimizer_layout_ = "the distributed optimizer's state in a layout megatrain does not recognise";
+  rename_mla_local_norms();
+}
+
+// Megatron-Core's local layer spec keys the norms of multi-latent-attention layers by their modules
+// (it has no key map for them, unlike for its dense attention): q_layernorm and kv_layernorm are the
+// Transformer Engine spec's fused norms of the up projections, and a dense MLP's pre_mlp_layernorm
+// is linear_fc1's. Renamed to those (megatrain's names) in the weights and the optimizer states.
+void MegatronCheckpoint::rename_mla_local_norms() {
+  struct Rule {
+    const char *from, *to, *needs;
+  };
+  static const Rule rules[] = {
+      {"self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_", "self_attention.linear_q_up_proj.weight"},
+      {"self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_",
+       "self_attention.linear_kv_up_proj.weight"},
+      {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.weight"}};
+  const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
+    std::vector<std::pair<std::string, std::string>> moves;
+    for (const auto& [key, src] : map) {
+      if (key.compare(0, prefix.size(), prefix) != 0) continue;
+      const auto layer = megatron_split_layer_name(key.substr(prefix.size()));
+      if (!layer) continue;
+      const std::string head = fmt::format("decoder.layers.{}.", layer->first);
+      if (!params_.count(head + "self_attention.linear_kv_down_proj.weight")) continue;  // not an MLA layer
+      for (const Rule& r : rules) {
+        const std::string from = r.from;
+        if (layer->second.compare(0, from.size(), from) == 0 && params_.count(head + r.needs))
+          moves.emplace_back(key, prefix + head + r.to + layer->second.substr(from.size()));
+      }
+    }
+    for (const auto& [from, to] : moves) {
+      auto node = map.extract(from);
+      node.key() = to;
+      map.insert(std::move(node));
+    }
+  };
+  for (const char* state : {"exp_avg/", "exp_avg_sq/", "fp32_param/"}) rename_in(optim_, state);
+  rename_in(params_, "");
 }
 
 std::map<MegatronCheckpoint::FlatBucket, int64_t> MegatronCheckpoint::flat_buckets() const {

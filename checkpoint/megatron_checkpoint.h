@@ -131,6 +131,7 @@ class MegatronCheckpoint {
   void open_torch();
   void open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp, int pp);
   void open_torch_dist();
+  void rename_mla_local_norms();
 
   std::string format_, directory_;
   int64_t iteration_ = 0;

@@ -14,7 +14,7 @@
 namespace mt {
 
 enum class Normalization { layernorm, rmsnorm };
-enum class PositionEmbedding { learned_absolute, rope, none };
+enum class PositionEmbedding { learned_absolute, rope, yarn, none };
 enum class Precision { fp32, bf16, fp16 };
 // FP8 training (--fp8-format, Transformer Engine's recipes). hybrid: e4m3 forward (activations,
 // weights), e5m2 gradients; e4m3: e4m3 everywhere. Only delayed and tensorwise are built;
@@ -123,7 +123,25 @@ struct ModelConfig {
   // Recognised but refused (app/unsupported.cpp); kept so Megatron's rules about them live here.
   bool squared_relu = false;
   bool quick_geglu = false;
+  // --multi-latent-attention (DeepSeek's MLA; engine/blocks/mla.cpp): queries from a low-rank
+  // projection of rank q_lora_rank (none: a direct projection), keys and values from one of rank
+  // kv_lora_rank, heads of qk_head_dim values without and qk_pos_emb_head_dim values with RoPE (a
+  // key part shared by the heads), values of v_head_dim.
   bool multi_latent_attention = false;
+  std::optional<int> q_lora_rank;
+  int kv_lora_rank = 32;
+  int qk_head_dim = 128;
+  int qk_pos_emb_head_dim = 64;
+  int v_head_dim = 128;
+  // YaRN (--rope-type yarn with MLA, --position-embedding-type yarn otherwise): the scaling
+  // factor s, the attention-scale terms, and (GPT YaRN only: MLA keeps Megatron's 4096, 32, 1,
+  // true) the original context and the correction range's betas.
+  double rotary_scaling_factor = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+  std::optional<int> yarn_original_max_position_embeddings;
+  std::optional<double> yarn_beta_fast, yarn_beta_slow;
+  std::optional<bool> yarn_correction_range_round_to_int;
   bool add_bias_linear = true;        // --disable-bias-linear turns it off
   bool add_qkv_bias = false;          // forced true when add_bias_linear
   bool qk_layernorm = false;
@@ -176,6 +194,9 @@ inline int attention_window_left(const ModelConfig& m, int layer) {
   if (!m.window_attn_pattern.empty()) return m.window_attn_pattern.at(static_cast<size_t>(layer)) ? m.window_size->first : -1;
   return m.window_size->first;
 }
+
+// The RoPE of --multi-latent-attention: --rope-type, YaRN by default (MLATransformerConfig's).
+inline bool mla_rope_is_yarn(const ModelConfig& m) { return m.rope_type.value_or("yarn") == "yarn"; }
 
 // --cp-comm-type values (ParallelConfig::cp_comm_type; engine/blocks/attention_cp.cpp).
 enum class CpCommType { p2p, a2a, allgather, a2a_p2p };

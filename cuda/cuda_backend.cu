@@ -464,6 +464,19 @@ void CudaBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, c
   cuda::rope(context(), dqkv, positions, cos_sin, r, true);
 }
 
+void CudaBackend::mla_qkv_forward(Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+                                  const MlaShape& m) {
+  on_device("mla_qkv_forward", qkv, q, kv, down, positions, cos_sin);
+  MT_PROFILE_OP("mla_qkv_forward {}", qkv.shape_string());
+  cuda::mla_qkv(context(), qkv, q, kv, down, positions, cos_sin, m, false);
+}
+void CudaBackend::mla_qkv_backward(Tensor dq, Tensor dkv, Tensor ddown, Tensor dqkv, Tensor positions, Tensor cos_sin,
+                                   const MlaShape& m) {
+  on_device("mla_qkv_backward", dq, dkv, ddown, dqkv, positions, cos_sin);
+  MT_PROFILE_OP("mla_qkv_backward {}", dqkv.shape_string());
+  cuda::mla_qkv(context(), dqkv, dq, dkv, ddown, positions, cos_sin, m, true);
+}
+
 // ---- attention (cuda/attention_*.cu) ------------------------------------------------------------
 void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   attention_backend_ = backend;

@@ -137,6 +137,10 @@ class CudaBackend final : public Backend {
 
   void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
   void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) override;
+  void mla_qkv_forward(Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+                       const MlaShape& m) override;
+  void mla_qkv_backward(Tensor dq, Tensor dkv, Tensor ddown, Tensor dqkv, Tensor positions, Tensor cos_sin,
+                        const MlaShape& m) override;
 
   void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override;
   void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,

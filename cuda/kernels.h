@@ -140,6 +140,10 @@ void embedding_backward(const KernelContext& ctx, Tensor dwte, Tensor dwpe, Tens
 // ---- rope_kernels.cu ---------------------------------------------------------------------------
 // backward = rotate by -angle (the transpose of the forward rotation).
 void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward);
+// Backend::mla_qkv_forward (backward = false: qkv from q, kv, down) and mla_qkv_backward (backward =
+// true: qkv is dqkv, and q, kv, down receive the gradients).
+void mla_qkv(const KernelContext& ctx, Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+             const MlaShape& m, bool backward);
 
 // ---- cross_entropy_kernels.cu ------------------------------------------------------------------
 void cross_entropy_forward(const KernelContext& ctx, Tensor lse, Tensor target, Tensor logits, Tensor labels,

@@ -59,7 +59,110 @@ __global__ void rope_kernel(T* qkv, const void* positions, bool positions64, con
   }
 }
 
+// Multi-latent attention's attention input (Backend::mla_qkv_forward): one block per token row,
+// a thread per output element. R turns interleaved pairs and writes them de-interleaved: output
+// i < rot/2 of a RoPE part is a * c - b * s, output rot/2 + i is b * c + a * s, with (a, b) the
+// input pair (2i, 2i + 1).
+template <typename T>
+__device__ __forceinline__ float mla_rope_value(const T* x, const float* cs, int i, int rot) {
+  if (i >= rot) return to_float(x[i]);
+  const int half = rot / 2, p = i < half ? i : i - half;
+  const float a = to_float(x[2 * p]), b = to_float(x[2 * p + 1]), c = cs[p], s = cs[half + p];
+  return i < half ? a * c - b * s : b * c + a * s;
+}
+
+// The transpose: input element j (pair j / 2) of a RoPE part from the de-interleaved gradient y.
+template <typename T>
+__device__ __forceinline__ float mla_rope_grad(const T* y, const float* cs, int j, int rot) {
+  if (j >= rot) return to_float(y[j]);
+  const int half = rot / 2, p = j / 2;
+  const float a = to_float(y[p]), b = to_float(y[half + p]), c = cs[p], s = cs[half + p];
+  return j % 2 == 0 ? a * c + b * s : b * c - a * s;
+}
+
+template <typename T>
+__global__ void mla_qkv_forward_kernel(T* qkv, const T* q, const T* kv, const T* down, const int32_t* positions,
+                                       const float* cos_sin, int64_t down_ld, int64_t kr_col, int heads, int dn,
+                                       int dr, int rot, int dv) {
+  const int64_t n = blockIdx.x;
+  const int D = dn + dr, W = dn + dv;
+  const float* cs = cos_sin + static_cast<int64_t>(positions[n]) * rot;
+  const T* qrow = q + n * heads * D;
+  const T* kvrow = kv + n * heads * W;
+  const T* kr = down + n * down_ld + kr_col;
+  T* out = qkv + n * heads * 3 * D;
+  for (int t = threadIdx.x; t < heads * 3 * D; t += blockDim.x) {
+    const int h = t / (3 * D), r = t % (3 * D), part = r / D, j = r % D;
+    float v;
+    if (part == 2) v = j < dv ? to_float(kvrow[h * W + dn + j]) : 0.0f;
+    else if (j < dn) v = to_float(part == 0 ? qrow[h * D + j] : kvrow[h * W + j]);
+    else v = mla_rope_value(part == 0 ? qrow + h * D + dn : kr, cs, j - dn, rot);
+    out[t] = from_float<T>(v);
+  }
+}
+
+template <typename T>
+__global__ void mla_qkv_backward_kernel(T* dq, T* dkv, T* ddown, const T* dqkv, const int32_t* positions,
+                                        const float* cos_sin, int64_t down_ld, int64_t kr_col, int heads, int dn,
+                                        int dr, int rot, int dv) {
+  const int64_t n = blockIdx.x;
+  const int D = dn + dr, W = dn + dv;
+  const float* cs = cos_sin + static_cast<int64_t>(positions[n]) * rot;
+  const T* g = dqkv + n * heads * 3 * D;
+  T* qrow = dq + n * heads * D;
+  T* kvrow = dkv + n * heads * W;
+  const int nq = heads * D, nkv = heads * W;
+  for (int t = threadIdx.x; t < nq + nkv + dr; t += blockDim.x) {
+    if (t < nq) {
+      const int h = t / D, j = t % D;
+      const T* G = g + h * 3 * D;
+      qrow[t] = from_float<T>(j < dn ? to_float(G[j]) : mla_rope_grad(G + dn, cs, j - dn, rot));
+    } else if (t < nq + nkv) {
+      const int u = t - nq, h = u / W, j = u % W;
+      const T* G = g + h * 3 * D;
+      kvrow[u] = j < dn ? G[D + j] : G[2 * D + j - dn];
+    } else {  // the shared k_rope: its gradient summed over the heads
+      const int j = t - nq - nkv;
+      float sum = 0;
+      for (int h = 0; h < heads; ++h) sum += mla_rope_grad(g + h * 3 * D + D + dn, cs, j, rot);
+      ddown[n * down_ld + kr_col + j] = from_float<T>(sum);
+    }
+  }
+}
+
 }  // namespace
+
+void mla_qkv(const KernelContext& ctx, Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+             const MlaShape& m, bool backward) {
+  const char* what = backward ? "mla_qkv_backward" : "mla_qkv_forward";
+  const int64_t N = qkv.rows();
+  MT_CHECK(m.heads > 0 && m.nope_dim >= 0 && m.rope_dim > 0 && m.v_dim > 0 && m.v_dim <= m.qk_dim() &&
+               m.rot_dim % 2 == 0 && m.rot_dim > 0 && m.rot_dim <= m.rope_dim,
+           "{}: heads {} nope {} rope {} (rotated {}) v {}", what, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
+  MT_CHECK(qkv.cols() == m.qkv_width() && q.rows() == N && q.cols() == m.q_width() && kv.rows() == N &&
+               kv.cols() == m.kv_width() && down.rows() == N && down.cols() >= m.kr_col + m.rope_dim,
+           "{}: qkv {} q {} kv {} down {} for {} heads", what, qkv.shape_string(), q.shape_string(), kv.shape_string(),
+           down.shape_string(), m.heads);
+  MT_CHECK(qkv.dtype == q.dtype && q.dtype == kv.dtype && kv.dtype == down.dtype, "{}: mixed dtypes", what);
+  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "{}: positions [{}] int32", what, N);
+  MT_CHECK(cos_sin.cols() == m.rot_dim && cos_sin.dtype == DType::f32, "{}: cos_sin {} must be float32 [*, {}]", what,
+           cos_sin.shape_string(), m.rot_dim);
+  MT_CHECK(N < (int64_t{1} << 31), "{}: too many rows", what);
+  if (N == 0) return;
+  const int64_t work = backward ? m.q_width() + m.kv_width() + m.rope_dim : m.qkv_width();
+  const int block = static_cast<int>(std::min<int64_t>(512, (work + 31) / 32 * 32));
+  MT_DISPATCH_FLOAT(qkv.dtype, T, what, {
+    if (backward)
+      mla_qkv_backward_kernel<T><<<static_cast<unsigned>(N), block, 0, ctx.stream>>>(
+          q.ptr<T>(), kv.ptr<T>(), down.ptr<T>(), qkv.ptr<const T>(), positions.ptr<const int32_t>(),
+          cos_sin.ptr<const float>(), down.cols(), m.kr_col, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
+    else
+      mla_qkv_forward_kernel<T><<<static_cast<unsigned>(N), block, 0, ctx.stream>>>(
+          qkv.ptr<T>(), q.ptr<const T>(), kv.ptr<const T>(), down.ptr<const T>(), positions.ptr<const int32_t>(),
+          cos_sin.ptr<const float>(), down.cols(), m.kr_col, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
 
 void rope(const KernelContext& ctx, Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r, bool backward) {
   const char* what = backward ? "rope_backward" : "rope_forward";

@@ -122,6 +122,19 @@ struct RopeShape {
   bool interleaved = false; // RoFormer pairs (2i, 2i+1) instead of Llama's halves (i, i + rot_dim/2)
 };
 
+// Multi-latent attention's attention input (Backend::mla_qkv_forward): heads on this rank, the
+// query/key dims without and with RoPE, how many of the latter turn (rot_dim <= rope_dim: MLA's
+// --rotary-percent with --rope-type rope), the value dim, and where the shared key's RoPE part
+// starts in the key/value down projection's output.
+struct MlaShape {
+  int heads = 0, nope_dim = 0, rope_dim = 0, rot_dim = 0, v_dim = 0;
+  int64_t kr_col = 0;
+  int qk_dim() const { return nope_dim + rope_dim; }
+  int64_t qkv_width() const { return int64_t{heads} * 3 * qk_dim(); }
+  int64_t q_width() const { return int64_t{heads} * qk_dim(); }
+  int64_t kv_width() const { return int64_t{heads} * (nope_dim + v_dim); }
+};
+
 // The gated QKV projection's layout (Backend::attention_gate_split): query groups on this rank,
 // query heads per group, head dimension.
 struct GateShape {
@@ -522,6 +535,22 @@ class Backend {
   // cos_sin: float32 [max_positions, rot_dim]: cos of the rot_dim/2 frequencies, then their sin.
   virtual void rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
   virtual void rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) = 0;
+
+  // ---- multi-latent attention's attention input -----------------------------------------
+  // qkv [N, heads * 3 * qk_dim] (the attention ops' packed layout with groups = heads: per head
+  // [Q | K | V padded with zeros to qk_dim]) from q [N, heads * qk_dim] (per head [q_nope |
+  // q_rope]), kv [N, heads * (nope_dim + v_dim)] (per head [k_nope | v]) and k_rope, columns
+  // [kr_col, kr_col + rope_dim) of down [N, *], shared by the heads: Q = [q_nope | R(q_rope)],
+  // K = [k_nope | R(k_rope)]. R is Megatron's MLA RoPE: the first rot_dim values are interleaved
+  // pairs (2i, 2i + 1), each turned by the angle of pair i (cos_sin and positions as
+  // rope_forward's) and written de-interleaved (the pairs' first elements, then their second
+  // ones); values past rot_dim pass through.
+  virtual void mla_qkv_forward(Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+                               const MlaShape& m) = 0;
+  // Its backward: dq and dkv (overwritten) and the k_rope columns of ddown (overwritten: the sum
+  // over the heads; its other columns untouched) from dqkv (the V padding's gradient dropped).
+  virtual void mla_qkv_backward(Tensor dq, Tensor dkv, Tensor ddown, Tensor dqkv, Tensor positions, Tensor cos_sin,
+                                const MlaShape& m) = 0;
 
   // ---- attention (causal, GQA, flash-style: the s x s scores never go to memory) ----------
   // out[N, heads*d]; lse float32 [b, heads, s] (log-sum-exp of each score row, for backward).

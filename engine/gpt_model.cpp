@@ -55,6 +55,22 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.rope.llama3_scaling = cfg.model.use_rope_scaling;
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
   o.rope.seq_len_interpolation_factor = cfg.model.rotary_seq_len_interpolation_factor;
+  const ModelConfig& m = cfg.model;
+  if (m.multi_latent_attention) {
+    // MLA's own RoPE (MultiLatentAttention): plain, or YaRN with MLATransformerConfig's fixed
+    // original context and betas (Megatron's --yarn-* flags do not reach it).
+    o.rope.llama3_scaling = false;
+    o.rope.seq_len_interpolation_factor.reset();
+    if (mla_rope_is_yarn(m)) o.rope.yarn = YarnParams{m.rotary_scaling_factor, 4096, 32, 1, m.mscale, m.mscale_all_dim, true};
+  } else if (m.position_embedding_type == PositionEmbedding::yarn) {
+    o.rope.yarn = YarnParams{m.rotary_scaling_factor,
+                             m.yarn_original_max_position_embeddings.value_or(4096),
+                             m.yarn_beta_fast.value_or(32.0),
+                             m.yarn_beta_slow.value_or(1.0),
+                             m.mscale,
+                             m.mscale_all_dim,
+                             m.yarn_correction_range_round_to_int.value_or(true)};
+  }
   // Megatron's unfused attention computes the same function as megatrain's flash kernels (which
   // never store the scores); --attention-backend unfused runs those, deterministic like it.
   o.attention_backend = cfg.model.attention_backend == AttentionBackend::unfused ? AttentionBackend::flash
@@ -162,7 +178,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
     key.first->reserve(shape, opt_.attention_backend, opt_.compute);
   }
   if (d_.qk_l2) be_.fill(qk_l2_ones_, 1.0);
-  if (d_.position == PositionEmbedding::rope) {
+  if (d_.position == PositionEmbedding::rope || d_.mla) {
     RopeTableParams rp = opt_.rope;
     rp.positions = d_.max_positions;
     rp.rot_dim = d_.rot_dim;
@@ -302,7 +318,7 @@ void GptModel::layout(Arena& a) {
     moe_bias_host_.assign(static_cast<size_t>(n), 0.0f);
     moe_counts_.assign(static_cast<size_t>(n), 0.0);
   }
-  if (d_.position == PositionEmbedding::rope)
+  if (d_.position == PositionEmbedding::rope || d_.mla)
     rope_table_ = a.take(C::workspace, DType::f32, {d_.max_positions, d_.rot_dim});
   qk_l2_ones_ = d_.qk_l2 ? a.take(C::workspace, T, {d_.head_dim}) : Tensor();
   layout_cp_buffers(a);
@@ -367,6 +383,7 @@ void GptModel::layout(Arena& a) {
   }
 
   layout_moe_workspace(a);
+  layout_mla_workspace(a);
 
   // Per-slot activations.
   slots_.resize(static_cast<size_t>(opt_.num_slots));
@@ -492,6 +509,19 @@ void GptModel::bind_params() {
     find(p + "self_attention.k_layernorm.weight", P.k_ln_w, Gr.k_ln_w);
     find(p + "self_attention.k_layernorm.bias", P.k_ln_b, Gr.k_ln_b);
     if (d_.qk_l2) P.q_ln_w = P.k_ln_w = qk_l2_ones_;  // weightless: unit weights, no gradients
+    find(p + "input_layernorm.weight", P.ln1_w, Gr.ln1_w);  // (MLA layers)
+    find(p + "input_layernorm.bias", P.ln1_b, Gr.ln1_b);
+    find(p + "self_attention.linear_q_down_proj.weight", P.q_down_w, Gr.q_down_w);
+    find(p + "self_attention.linear_q_up_proj.layer_norm_weight", P.q_lat_ln_w, Gr.q_lat_ln_w);
+    find(p + "self_attention.linear_q_up_proj.layer_norm_bias", P.q_lat_ln_b, Gr.q_lat_ln_b);
+    find(p + "self_attention.linear_q_up_proj.weight", P.q_w, Gr.q_w);
+    find(p + "self_attention.linear_q_proj.layer_norm_weight", P.q_lat_ln_w, Gr.q_lat_ln_w);
+    find(p + "self_attention.linear_q_proj.layer_norm_bias", P.q_lat_ln_b, Gr.q_lat_ln_b);
+    find(p + "self_attention.linear_q_proj.weight", P.q_w, Gr.q_w);
+    find(p + "self_attention.linear_kv_down_proj.weight", P.kv_down_w, Gr.kv_down_w);
+    find(p + "self_attention.linear_kv_up_proj.layer_norm_weight", P.kv_lat_ln_w, Gr.kv_lat_ln_w);
+    find(p + "self_attention.linear_kv_up_proj.layer_norm_bias", P.kv_lat_ln_b, Gr.kv_lat_ln_b);
+    find(p + "self_attention.linear_kv_up_proj.weight", P.kv_up_w, Gr.kv_up_w);
     find(p + "self_attention.linear_proj.weight", P.proj_w, Gr.proj_w);
     find(p + "self_attention.linear_proj.bias", P.proj_b, Gr.proj_b);
     find(p + "mlp.linear_fc1.layer_norm_weight", P.ln2_w, Gr.ln2_w);
@@ -805,6 +835,7 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   AttentionShape as = AttentionShape::make(d_.micro_batch, d_.seq, d_.heads_local(), d_.groups_local(), d_.head_dim,
                                           /*causal=*/true, (s == nullptr || s->training) ? d_.attention_dropout : 0.0f);
   as.deterministic = opt_.deterministic;
+  if (d_.softmax_scale > 0) as.softmax_scale = d_.softmax_scale;  // (MLA)
   as.window_left = d_.window_left.at(static_cast<size_t>(layer));
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));

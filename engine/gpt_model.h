@@ -380,6 +380,12 @@ class GptModel {
   void layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, const NextNorm& next = {});
   void layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx);
   void attention_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  // Multi-latent attention's block (engine/blocks/mla.cpp) in place of the attention block's.
+  void layout_mla_acts(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_mla_workspace(Arena& a);
+  MlaShape mla_shape() const;
+  void mla_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  void mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);
   void mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
   void mlp_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
   // The MoE block (engine/blocks/moe.cpp), in place of the MLP block in MoE layers.

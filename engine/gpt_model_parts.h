@@ -17,6 +17,11 @@ struct GptModel::LayerParams {
   // MoE layers (ln2: the pre-MLP norm): router [E, h], experts' fc1 [E * fc1, h] and fc2 [E * h, f]
   // (expert e's rows stacked), the shared expert's fc1, fc2 and gate [1, h].
   Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w, sh_gate_w;
+  // Multi-latent attention (in place of qkv and the q/k norms; ln1: its input_layernorm): the query
+  // down projection [q_lora, h] (with q_lora), the norm of its output (without q_lora: --qk-
+  // layernorm's second norm of the input), the query up (or direct) projection, the key/value down
+  // projection [kv_lora + d_rope, h], the norm of c_kv, the key/value up projection.
+  Tensor q_down_w, q_lat_ln_w, q_lat_ln_b, q_w, kv_down_w, kv_lat_ln_w, kv_lat_ln_b, kv_up_w;
 };
 
 // What an MoE layer keeps for backward (engine/blocks/moe.cpp). Ng = N x EP: the tokens of the
@@ -49,6 +54,11 @@ struct GptModel::LayerActs {
   Tensor ln1_out, ln1_mean, ln1_rstd;  // input norm (ln1_out shared unless norm_kept)
   Tensor qkv_raw, qk_mean, qk_rstd;    // --qk-layernorm only: the un-normalized QKV
   Tensor qkv;                          // attention input (after bias, qk norm, rope)
+  // Multi-latent attention (engine/blocks/mla.cpp), all N rows: the query latent before and after
+  // its norm [N, q_lora] (without q_lora, with --qk-layernorm: the normed input [N, h] as cq), the
+  // down projection's output [c_kv | k_rope], c_kv before and after its norm [N, kv_lora], and the
+  // norms' statistics.
+  Tensor mla_cq_raw, mla_cq, mla_cq_mean, mla_cq_rstd, mla_ckv, mla_ckv_raw, mla_ckv_n, mla_ckv_mean, mla_ckv_rstd;
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
   Tensor gate;                         // --attention-output-gate: the gate [N, heads*d] before its
                                        // sigmoid (backward overwrites it with its gradient)
@@ -106,6 +116,11 @@ struct GptModel::Workspace {
   // forward (split at once), the gated attention output (gATT's memory: the projection's input,
   // recomputed in backward) and the merged projection gradient gQKVG (after gATT is consumed).
   Tensor qkvg, gated, gQKVG;
+  // Multi-latent attention (engine/blocks/mla.cpp): the queries [N, heads x d_qk] and keys/values
+  // [N, heads x (d_nope + d_v)] of the up projections (backward: their gradients), the attention
+  // output without its padding [N, heads x d_v] (backward: its gradient), the gradient of the
+  // down projection's output [N, kv_lora + d_rope] and of a latent [N, max(q_lora or h, kv_lora)].
+  Tensor mla_q, mla_kv, mla_out, mla_dckv, mla_dlat;
   CpBuffers cp;  // context parallelism (attention_core.h)
   // MoE layers: permuted rows [Nk, h] (the permuted expert inputs, then fc2's output; backward: the
   // gradient of fc2's output, the permuted inputs gathered again, the gradient of the inputs), the experts' activation and its gradient [Nk, f_e], the shared

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/rope_table.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -110,13 +111,42 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.position = m.position_embedding_type;
   if (d.position == PositionEmbedding::learned_absolute && m.max_position_embeddings < m.seq_length)
     fail("--max-position-embeddings ({}) must be >= --seq-length ({})", m.max_position_embeddings, m.seq_length);
-  if (d.position == PositionEmbedding::rope) {
+  if (d.position == PositionEmbedding::yarn) {
+    // YaRN rotates the whole head whatever --rotary-percent says (Megatron's YarnRotaryEmbedding
+    // takes kv_channels as its dimension).
+    d.position = PositionEmbedding::rope;
+    d.rot_dim = d.head_dim;
+  } else if (d.position == PositionEmbedding::rope && m.multi_latent_attention) {
+    d.position = PositionEmbedding::none;  // (GPTModel builds no RoPE for MLA: the attention has its own)
+  } else if (d.position == PositionEmbedding::rope) {
     // Megatron: dim = int(kv_channels * rotary_percent) when the percent is below 1.
     d.rot_dim = m.rotary_percent < 1.0 ? static_cast<int>(d.head_dim * m.rotary_percent) : d.head_dim;
     if (d.rot_dim % 2 != 0 || d.rot_dim <= 0)
       fail("--rotary-percent {} gives {} rotary dims of head dim {}: it must be a positive even number",
            m.rotary_percent, d.rot_dim, d.head_dim);
     d.rope_interleaved = m.rotary_interleaved;
+  }
+  if (m.multi_latent_attention) {
+    if (cfg.train.fp8_format) throw Unsupported("--multi-latent-attention with --fp8-format is not supported yet");
+    d.mla = true;
+    d.q_lora = m.q_lora_rank.value_or(0);
+    d.kv_lora = m.kv_lora_rank;
+    d.mla_nope = m.qk_head_dim;
+    d.mla_rope = m.qk_pos_emb_head_dim;
+    d.mla_v = m.v_head_dim;
+    d.mla_latent_norm = m.qk_layernorm;
+    d.head_dim = d.mla_nope + d.mla_rope;
+    d.groups = d.heads;
+    d.qk_norm = false;
+    d.qkv_bias = false;
+    d.rot_dim = mla_rope_is_yarn(m) ? d.mla_rope
+                : m.rotary_percent < 1.0 ? static_cast<int>(d.mla_rope * m.rotary_percent)
+                                         : d.mla_rope;
+    d.rope_interleaved = false;
+    // Megatron: mscale = yarn_get_mscale(--rotary-scaling-factor, --mscale-all-dim), whatever
+    // --rope-type; the scale is mscale^2 / sqrt(d_qk).
+    const double ms = yarn_get_mscale(m.rotary_scaling_factor, m.mscale_all_dim);
+    d.softmax_scale = static_cast<float>(ms * ms / std::sqrt(static_cast<double>(d.head_dim)));
   }
   // A window that reaches back to the first token is causal attention: left out, since its mask
   // costs cuDNN's kernels time (bench/RESULTS.md).

@@ -64,6 +64,20 @@ struct ModelDims {
   PositionEmbedding position = PositionEmbedding::learned_absolute;
   int rot_dim = 0;  // rotated dims per head (rope)
   bool rope_interleaved = false;
+  // Multi-latent attention (--multi-latent-attention; engine/blocks/mla.cpp). The attention core
+  // then sees heads of head_dim = mla_nope + mla_rope values (groups = heads) and values padded to
+  // that width with zeros: q from the input (q_lora = 0) or from a norm of its rank-q_lora
+  // projection; [c_kv | k_rope] (kv_lora + mla_rope) from the input; k and v per head from a norm
+  // of c_kv; k_rope (rot_dim values turned by RoPE) shared by the heads. softmax_scale: Megatron's
+  // mscale^2 / sqrt(head_dim) (0: 1 / sqrt(head_dim)).
+  bool mla = false;
+  int q_lora = 0, kv_lora = 0, mla_nope = 0, mla_rope = 0, mla_v = 0;
+  bool mla_latent_norm = false;  // --qk-layernorm: the latents (and without q_lora the q input) normalized
+  float softmax_scale = 0;
+  int mla_q_width_local() const { return heads_local() * head_dim; }
+  int mla_kv_width_local() const { return heads_local() * (mla_nope + mla_v); }
+  int mla_down_width() const { return kv_lora + mla_rope; }
+  int proj_width_local() const { return mla ? heads_local() * mla_v : attn_width_local(); }
   // Per global layer: the sliding window (AttentionShape::window_left), -1 for full attention.
   std::vector<int> window_left;
 

@@ -11,14 +11,15 @@ namespace mt {
 int64_t LayerParamCounts::total() const {
   return input_norm + qkv_weight + qkv_bias + qk_norms + proj_weight + proj_bias + mlp_norm + fc1_weight +
          fc1_bias + fc2_weight + fc2_bias + router_weight + experts_fc1_weight + experts_fc2_weight +
-         shared_fc1_weight + shared_fc2_weight + shared_gate_weight;
+         shared_fc1_weight + shared_fc2_weight + shared_gate_weight + mla_down_weight + mla_norms;
 }
 
 int64_t LayerParamCounts::per_tp_rank(int tp, int ep) const {
   const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight +
                           shared_fc1_weight + shared_fc2_weight;
   const int64_t experts = experts_fc1_weight + experts_fc2_weight;  // split over TP x EP
-  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight;
+  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight +
+                             mla_down_weight + mla_norms;
   MT_CHECK(sharded % tp == 0 && experts % (int64_t{tp} * ep) == 0,
            "layer parameters {} (experts {}) not divisible by TP {} (x EP {})", sharded, experts, tp, ep);
   return sharded / tp + experts / (int64_t{tp} * ep) + replicated;
@@ -67,6 +68,16 @@ ParamCounts count_parameters(const ModelConfig& m) {
   l.qk_norms = m.qk_layernorm && !m.qk_l2_norm ? 2 * norm_params * d : 0;  // (L2Norm has no weights)
   l.proj_weight = h * q;
   l.proj_bias = m.add_bias_linear ? h : 0;
+  if (m.multi_latent_attention) {
+    const int64_t n = m.num_attention_heads, dq = m.qk_head_dim + m.qk_pos_emb_head_dim;
+    const int64_t rq = m.q_lora_rank.value_or(0), rkv = m.kv_lora_rank;
+    l.qkv_weight = n * dq * (rq > 0 ? rq : h) + n * (m.qk_head_dim + m.v_head_dim) * rkv;
+    l.qkv_bias = 0;
+    l.qk_norms = 0;
+    l.mla_down_weight = (rq + rkv + m.qk_pos_emb_head_dim) * h;
+    l.mla_norms = m.qk_layernorm ? norm_params * ((rq > 0 ? rq : h) + rkv) : 0;
+    l.proj_weight = h * n * m.v_head_dim;
+  }
   l.mlp_norm = norm_params * h;
   l.fc1_weight = gated * f * h;
   l.fc1_bias = m.add_bias_linear ? gated * f : 0;

@@ -34,6 +34,9 @@ struct LayerParamCounts {
   // MoE layers (fc1/fc2 above are 0 there): router, all experts' fc1 and fc2, shared expert.
   int64_t router_weight = 0, experts_fc1_weight = 0, experts_fc2_weight = 0;
   int64_t shared_fc1_weight = 0, shared_fc2_weight = 0, shared_gate_weight = 0;
+  // Multi-latent attention (qkv_weight then holds the query and key/value up projections, split
+  // over TP): the down projections and the latents' norms, whole on every TP rank.
+  int64_t mla_down_weight = 0, mla_norms = 0;
   int64_t total() const;
   // The part of a layer one TP rank holds (column-parallel weights and biases / tp, row-parallel
   // weights / tp, replicated norms, router, shared-expert gate and row-parallel biases whole).

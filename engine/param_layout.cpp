@@ -64,6 +64,41 @@ struct Builder {
       add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer).tp_partial_grad = tp_partial;
   }
 
+  // Multi-latent attention's parameters before linear_proj (Megatron-Core's MLASelfAttention with
+  // Transformer Engine's layer specs): a standalone input norm; the query projection (direct, or
+  // down to q_lora, normed by the up projection's fused norm, and up), the key/value down
+  // projection [c_kv | k_rope] and the up projection from the normed c_kv to [k_nope | v] per head.
+  // Down projections are whole on every TP rank; their gradients (and the latent norms', whose
+  // inputs every TP rank holds whole while each takes only its heads' gradient) are TP-partial.
+  // Heads are rows of the up projections: [n, d_nope + d_rope] and [n, d_nope + d_v].
+  void mla_attention(const std::string& p, int l) {
+    const int64_t h = d.hidden, n = d.heads, dq = d.mla_nope + d.mla_rope, dkv = d.mla_nope + d.mla_v;
+    const bool partial = d.tp_size > 1;
+    norm(p, "input_layernorm.weight", "input_layernorm.bias", h, l, d.sequence_parallel);
+    if (d.q_lora > 0) {
+      add(p + "self_attention.linear_q_down_proj.weight", {d.q_lora, h}, whole(d.q_lora, h), InitKind::normal,
+          d.init_std, true, l).tp_partial_grad = partial;
+      if (d.mla_latent_norm)
+        norm(p, "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.layer_norm_bias",
+             d.q_lora, l, partial);
+      add(p + "self_attention.linear_q_up_proj.weight", {n * dq, d.q_lora}, rows(n * dq, d.q_lora), InitKind::normal,
+          d.init_std, false, l);
+    } else {
+      if (d.mla_latent_norm)
+        norm(p, "self_attention.linear_q_proj.layer_norm_weight", "self_attention.linear_q_proj.layer_norm_bias", h, l,
+             partial);
+      add(p + "self_attention.linear_q_proj.weight", {n * dq, h}, rows(n * dq, h), InitKind::normal, d.init_std, false,
+          l);
+    }
+    add(p + "self_attention.linear_kv_down_proj.weight", {d.mla_down_width(), h}, whole(d.mla_down_width(), h),
+        InitKind::normal, d.init_std, true, l).tp_partial_grad = partial;
+    if (d.mla_latent_norm)
+      norm(p, "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.layer_norm_bias",
+           d.kv_lora, l, partial);
+    add(p + "self_attention.linear_kv_up_proj.weight", {n * dkv, d.kv_lora}, rows(n * dkv, d.kv_lora),
+        InitKind::normal, d.init_std, false, l);
+  }
+
   // An MoE layer's MLP (Megatron-Core's MoELayer, --moe-grouped-gemm names): a standalone
   // pre-MLP norm, the router, the experts' fc1 and fc2 stacked along their rows (expert e owns
   // rows [e * rows, (e+1) * rows) of its layer's weight, gate and up halves per expert with
@@ -118,6 +153,9 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
   const int64_t fc1_rows = (d.swiglu ? 2 : 1) * static_cast<int64_t>(d.ffn), chunks = d.swiglu ? 2 : 1;
   for (int l = d.layer_begin; l < d.layer_end; ++l) {
     const std::string p = "decoder.layers." + std::to_string(l) + ".";
+    if (d.mla) {
+      b.mla_attention(p, l);
+    } else {
     b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l,
            d.sequence_parallel);
     b.add(p + "self_attention.linear_qkv.weight", {qkv_rows, h}, b.rows(qkv_rows, h), InitKind::normal, d.init_std,
@@ -129,8 +167,10 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
       b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);
       b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);
     }
-    b.add(p + "self_attention.linear_proj.weight", {h, attn}, b.cols(h, attn), InitKind::normal, d.output_init_std,
-          false, l);
+    }
+    const int64_t proj_cols = d.mla ? int64_t{d.heads} * d.mla_v : attn;
+    b.add(p + "self_attention.linear_proj.weight", {h, proj_cols}, b.cols(h, proj_cols), InitKind::normal,
+          d.output_init_std, false, l);
     if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
     if (d.is_moe(l)) {
       b.moe_layer(p, l);

@@ -2,6 +2,7 @@
 // exit and skip rules.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -39,6 +40,54 @@ TEST_CASE("rope table: inverse frequencies, cos/sin layout, Llama 3 scaling", "[
   const double wl = 2 * M_PI / 0.001, smooth = (8192.0 / wl - 1.0) / 3.0;  // 6283: medium
   CHECK(s[1] == Approx(0.001 * ((1 - smooth) / 8 + smooth)).epsilon(1e-5));
   CHECK(s[2] == Approx(0.0001 / 8).epsilon(1e-6));        // wavelength 62832: long
+}
+
+TEST_CASE("rope table: YaRN frequencies and concentration (Megatron's YarnRotaryEmbedding)", "[rope][mla]") {
+  // d = 16, base 10000, original context 4096, betas 32 and 1: the correction range is
+  // d ln(4096 / (2 pi beta)) / (2 ln 10000), floored / ceiled: low = floor(2.62) = 2, high =
+  // ceil(5.63) = 6.
+  const int d = 16;
+  const auto corr = [&](double beta) { return d * std::log(4096 / (2 * M_PI * beta)) / (2 * std::log(10000.0)); };
+  const int low = static_cast<int>(std::floor(corr(32))), high = static_cast<int>(std::ceil(corr(1)));
+  REQUIRE(low == 2);
+  REQUIRE(high == 6);
+  YarnParams y;
+  y.factor = 40;
+  const std::vector<float> plain = rope_inverse_frequencies(d, 10000), f = yarn_inverse_frequencies(d, 10000, y);
+  REQUIRE(f.size() == 8);
+  for (int i = 0; i < 8; ++i) {
+    // Dims up to the range's start keep their frequency; past its end they are divided by s;
+    // in between linearly blended.
+    const double ramp = std::clamp((i - low) / double(high - low), 0.0, 1.0);
+    INFO("dim pair " << i);
+    CHECK(f[i] == Approx(plain[i] / 40.0 * ramp + plain[i] * (1 - ramp)).epsilon(1e-6));
+  }
+  CHECK(f[0] == plain[0]);
+  // Factor 1: the plain frequencies.
+  y.factor = 1;
+  const std::vector<float> same = yarn_inverse_frequencies(d, 10000, y);
+  for (int i = 0; i < 8; ++i) CHECK(same[i] == Approx(plain[i]).epsilon(1e-7));
+  // The concentration factor multiplies cos and sin: mscale(40, 1) / mscale(40, 0) = 0.1 ln 40 + 1.
+  CHECK(yarn_get_mscale(40, 1.0) == Approx(0.1 * std::log(40.0) + 1));
+  CHECK(yarn_get_mscale(0.5, 1.0) == 1.0);
+  RopeTableParams p;
+  p.positions = 4;
+  p.rot_dim = d;
+  p.yarn = YarnParams{40, 4096, 32, 1, 1.0, 0.0, true};
+  const std::vector<float> t = rope_cos_sin_table(p);
+  const double mu = 0.1 * std::log(40.0) + 1;
+  const std::vector<float> fy = yarn_inverse_frequencies(d, 10000, *p.yarn);
+  CHECK(t[3 * d + 2] == Approx(mu * std::cos(3.0f * fy[2])).epsilon(1e-6));
+  CHECK(t[3 * d + 8 + 7] == Approx(mu * std::sin(3.0f * fy[7])).epsilon(1e-6));
+  p.yarn->mscale_all_dim = 1.0;  // DeepSeek-V3: mscale = mscale_all_dim, no concentration
+  CHECK(rope_cos_sin_table(p)[3 * d + 2] == Approx(std::cos(3.0f * fy[2])).epsilon(1e-6));
+  // Fractional ends (2.62, 5.63): dim pair 5's ramp is 0.79 instead of 0.75, so more of it is divided by s.
+  YarnParams frac = *p.yarn;
+  frac.factor = 40;
+  frac.round_to_int = false;
+  const double ramp5 = (5 - corr(32)) / (corr(1) - corr(32));
+  CHECK(yarn_inverse_frequencies(d, 10000, frac)[5] == Approx(plain[5] / 40.0 * ramp5 + plain[5] * (1 - ramp5)).epsilon(1e-6));
+  CHECK(yarn_inverse_frequencies(d, 10000, frac)[5] < f[5]);
 }
 
 TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {

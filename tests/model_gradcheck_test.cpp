@@ -154,9 +154,64 @@ TEST_CASE("model gradient check: --attention-output-gate (Llama with GQA and q/k
   hg.check_all(4);
 }
 
+namespace {
+// A tiny multi-latent-attention Llama: 4 heads of 6 + 4 query/key dims (RoPE on the 4) and 5 value
+// dims, query rank 12, key/value rank 8.
+Config tiny_mla_config() {
+  Config c = test::tiny_llama_config();
+  ModelConfig& m = c.model;
+  m.group_query_attention = false;
+  m.multi_latent_attention = true;
+  m.q_lora_rank = 12;
+  m.kv_lora_rank = 8;
+  m.qk_head_dim = 6;
+  m.qk_pos_emb_head_dim = 4;
+  m.v_head_dim = 5;
+  m.qk_layernorm = true;
+  m.rotary_scaling_factor = 40;  // YaRN (MLA's default rope type) with DeepSeek-V3's terms
+  m.mscale = 1.0;
+  m.mscale_all_dim = 1.0;
+  m.max_position_embeddings = 16;
+  test::derive(c);
+  return c;
+}
+}  // namespace
+
+TEST_CASE("model gradient check: multi-latent attention (query rank, latent norms, YaRN; direct queries)",
+          "[model][gradcheck][mla]") {
+  Config c = tiny_mla_config();
+  Harness h(c);
+  REQUIRE(h.dims.mla);
+  REQUIRE(h.dims.head_dim == 10);
+  h.check_all(4);
+  // Direct query projection with --qk-layernorm (a second norm of the input), LayerNorm, biases,
+  // learned positions beside MLA's own RoPE (rope type rope, half of the 4 dims turned), dropout.
+  Config d = tiny_mla_config();
+  d.model.q_lora_rank.reset();
+  d.model.normalization = Normalization::layernorm;
+  d.model.add_bias_linear = true;
+  d.model.position_embedding_type = PositionEmbedding::learned_absolute;
+  d.model.rope_type = "rope";
+  d.model.rotary_percent = 0.5;
+  d.model.attention_dropout = 0.2;
+  d.model.hidden_dropout = 0.2;
+  test::derive(d);
+  Harness hd(d);
+  REQUIRE(hd.dims.rot_dim == 2);
+  hd.check_all(4);
+  // Neither the latent norms nor a query rank.
+  Config e = tiny_mla_config();
+  e.model.q_lora_rank.reset();
+  e.model.qk_layernorm = false;
+  test::derive(e);
+  Harness he(e);
+  he.check_all(4);
+}
+
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {
+  for (const int model : {0, 1})
   for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
-    Config c = test::tiny_llama_config();
+    Config c = model == 0 ? test::tiny_llama_config() : tiny_mla_config();
     c.model.num_layers = 3;
     c.model.hidden_dropout = 0.1;  // masks must be redrawn identically
     test::derive(c);
@@ -254,8 +309,9 @@ TEST_CASE("fc2 and proj bias gradients summed by the norm backwards equal their 
 
 TEST_CASE("norm outputs kept from forward give the gradients of recomputing them (--recompute-modules layernorm)",
           "[model]") {
-  for (const bool llama : {false, true}) {
-    Config c = llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+  for (const int model : {0, 1, 2}) {
+    const bool llama = model == 1;
+    Config c = model == 2 ? tiny_mla_config() : llama ? test::tiny_llama_config() : test::tiny_gpt_config();
     c.model.num_layers = 3;
     test::derive(c);
     Config r = c;
@@ -273,7 +329,7 @@ TEST_CASE("norm outputs kept from forward give the gradients of recomputing them
     r.train.recompute_modules = {"core_attn"};
     CHECK(ModelOptions::from_config(r, d, DType::f64).keep_norm_outputs);
     for (auto [k, rc] : {std::pair{&kept, &recomputed}, std::pair{&kept_full, &recomputed_full}}) {
-      INFO((llama ? "llama" : "gpt") << (k == &kept_full ? ", layer 0 fully recomputed" : ""));
+      INFO((model == 2 ? "mla" : llama ? "llama" : "gpt") << (k == &kept_full ? ", layer 0 fully recomputed" : ""));
       CHECK(k->model->memory_plan().of(MemoryCategory::activations) >
             rc->model->memory_plan().of(MemoryCategory::activations));
       const std::vector<double> a = k->analytic_grads(), b = rc->analytic_grads();

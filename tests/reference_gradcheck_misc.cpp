@@ -71,6 +71,61 @@ TEST_CASE("reference rope forward/backward gradients (halves, interleaved, parti
   }
 }
 
+TEST_CASE("reference MLA attention input: packing, Megatron's MLA RoPE, gradients (whole and partial rotation)",
+          "[reference][gradcheck][mla]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(44);
+  for (int rot : {6, 2}) {
+    MlaShape m{3, 5, 6, rot, 4, 7};  // 3 heads, d_nope 5, d_rope 6, d_v 4; k_rope at column 7
+    const int64_t N = 4, P = 9, D = m.qk_dim(), down_cols = 7 + 6 + 2;
+    Buf table = Buf::zeros({P, rot});
+    for (int64_t pos = 0; pos < P; ++pos)
+      for (int i = 0; i < rot / 2; ++i) {
+        const double ang = 0.7 * pos / (i + 1);
+        table.d[pos * rot + i] = 1.3 * std::cos(ang);  // (YaRN's concentration scales both)
+        table.d[pos * rot + rot / 2 + i] = 1.3 * std::sin(ang);
+      }
+    Buf positions = Buf::ints({N}, {0, 5, 8, 2});
+    Buf q = Buf::randn({N, m.q_width()}, rng), kv = Buf::randn({N, m.kv_width()}, rng);
+    Buf down = Buf::randn({N, down_cols}, rng), qkv = Buf::zeros({N, m.qkv_width()});
+    Buf dy = Buf::randn({N, m.qkv_width()}, rng);
+    auto loss = [&] {
+      be->mla_qkv_forward(qkv.t(), q.t(), kv.t(), down.t(), positions.t(), table.t(), m);
+      return mt::test::dot(qkv.d, dy.d);
+    };
+    loss();
+    // Row 1 (position 5), head 2: q_nope copied; the first RoPE pair (q_rope values 0 and 1) turned
+    // and written de-interleaved at RoPE outputs 0 and rot/2; k_nope and v copied, v's padding 0.
+    const int64_t r = 1, h = 2, o = r * m.qkv_width() + h * 3 * D;
+    const double* qr = &q.d[r * m.q_width() + h * D + 5];
+    const double c = table.d[5 * rot], sn = table.d[5 * rot + rot / 2];
+    CHECK(qkv.d[o + 1] == q.d[r * m.q_width() + h * D + 1]);
+    CHECK(qkv.d[o + 5] == Approx(qr[0] * c - qr[1] * sn));
+    CHECK(qkv.d[o + 5 + rot / 2] == Approx(qr[1] * c + qr[0] * sn));
+    if (rot < 6) CHECK(qkv.d[o + 5 + 4] == qr[4]);  // past the rotated dims: passed through
+    const double* kr = &down.d[r * down_cols + 7];
+    CHECK(qkv.d[o + D + 5] == Approx(kr[0] * c - kr[1] * sn));  // the shared key, every head
+    CHECK(qkv.d[o + D + 2] == kv.d[r * m.kv_width() + h * 9 + 2]);
+    CHECK(qkv.d[o + 2 * D + 3] == kv.d[r * m.kv_width() + h * 9 + 5 + 3]);
+    CHECK(qkv.d[o + 2 * D + 4] == 0.0);
+    CHECK(qkv.d[o + 2 * D + D - 1] == 0.0);
+    Buf dq = Buf::zeros({N, m.q_width()}), dkv = Buf::zeros({N, m.kv_width()}), ddown = Buf::zeros({N, down_cols});
+    for (double& v : ddown.d) v = 5.0;  // columns outside k_rope stay as they are
+    be->mla_qkv_backward(dq.t(), dkv.t(), ddown.t(), dy.t(), positions.t(), table.t(), m);
+    CHECK(ddown.d[7 - 1] == 5.0);
+    CHECK(ddown.d[down_cols - 1] == 5.0);
+    mt::test::check_gradient("mla dq", q.d, dq.d, loss);
+    mt::test::check_gradient("mla dkv", kv.d, dkv.d, loss);
+    Buf dk = Buf::zeros({N, down_cols});
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 7; j < 13; ++j) dk.d[n * down_cols + j] = ddown.d[n * down_cols + j];
+    std::vector<double> saved = down.d;
+    // (The columns outside k_rope have no gradient, numerically zero too.)
+    mt::test::check_gradient("mla d k_rope", down.d, dk.d, loss);
+    CHECK(down.d == saved);
+  }
+}
+
 TEST_CASE("reference bias_dropout_add and dropout_backward", "[reference][gradcheck]") {
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(43);

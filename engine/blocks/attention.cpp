@@ -49,6 +49,7 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
     A.qk_mean = a.take(c, S, {N, heads_normed});
     A.qk_rstd = a.take(c, S, {N, heads_normed});
   }
+  if (d_.mla) layout_mla_acts(a, c, A);
   A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
   if (d_.output_gate) A.gate = a.take(c, T, {N, d_.attn_width_local()});
@@ -59,6 +60,7 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
 // The attention block of layer `local`: x -> h1 = x + dropout(proj(attention(qkv(norm(x)))) + b),
 // and the MLP block's norm of h1 in the same pass (ln2).
 void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+  if (d_.mla) return mla_forward(local, s, A, x);
   const LayerParams& P = layer_params_[local];
   const Workspace& w = *ws_;
   const int layer = d_.layer_begin + local;
@@ -98,6 +100,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
 // The attention block's backward: the gradient of h1 (the workspace's gH, left by mlp_backward)
 // -> dx, with the QKV, projection, q/k norm and ln1 parameter gradients.
 void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx) {
+  if (d_.mla) return mla_backward(local, s, A, x, dx);
   const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
   const Workspace& w = *ws_;
   const int layer = d_.layer_begin + local;

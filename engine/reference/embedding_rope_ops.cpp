@@ -1,4 +1,5 @@
 // ReferenceBackend: token/position embeddings and rotary position embeddings.
+#include <algorithm>
 #include <vector>
 
 #include "engine/reference/reference_backend.h"
@@ -147,6 +148,114 @@ void ReferenceBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin
 void ReferenceBackend::rope_backward(Tensor dqkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {
   dispatch_float(dqkv, "rope_backward",
                  [&](auto tag) { rope_apply<decltype(tag)>(pool_, dqkv, positions, cos_sin, r, -1.0); });
+}
+
+namespace {
+
+void check_mla(const char* what, Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+               const MlaShape& m) {
+  const int64_t N = qkv.rows();
+  MT_CHECK(m.heads > 0 && m.nope_dim >= 0 && m.rope_dim > 0 && m.v_dim > 0 && m.v_dim <= m.qk_dim() &&
+               m.rot_dim % 2 == 0 && m.rot_dim > 0 && m.rot_dim <= m.rope_dim,
+           "{}: heads {} nope {} rope {} (rotated {}) v {}", what, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
+  MT_CHECK(qkv.cols() == m.qkv_width() && q.rows() == N && q.cols() == m.q_width() && kv.rows() == N &&
+               kv.cols() == m.kv_width() && down.rows() == N && down.cols() >= m.kr_col + m.rope_dim,
+           "{}: qkv {} q {} kv {} down {} for {} heads", what, qkv.shape_string(), q.shape_string(), kv.shape_string(),
+           down.shape_string(), m.heads);
+  MT_CHECK(qkv.dtype == q.dtype && q.dtype == kv.dtype && kv.dtype == down.dtype, "{}: mixed dtypes", what);
+  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "{}: positions [{}] int32", what, N);
+  MT_CHECK(cos_sin.cols() == m.rot_dim, "{}: table width {} != rotated dims {}", what, cos_sin.cols(), m.rot_dim);
+  const int32_t* pos = positions.ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n)  // checked here: worker threads must not throw
+    MT_CHECK(pos[n] >= 0 && pos[n] < cos_sin.rows(), "{}: position {} outside the table of {}", what, pos[n],
+             cos_sin.rows());
+}
+
+// MLA's RoPE of one rope_dim vector x into y (sign -1: the transpose, y de-interleaved -> x layout).
+void mla_rotate(const double* x, double* y, const Floats& table, int64_t pos, const MlaShape& m, double sign) {
+  const int64_t half = m.rot_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double c = table.get(pos * m.rot_dim + i), s = table.get(pos * m.rot_dim + half + i);
+    if (sign > 0) {
+      const double a = x[2 * i], b = x[2 * i + 1];
+      y[i] = a * c - b * s;
+      y[half + i] = b * c + a * s;
+    } else {  // x holds the de-interleaved gradient; y gets the pairs back
+      const double a = x[i], b = x[half + i];
+      y[2 * i] = a * c + b * s;
+      y[2 * i + 1] = b * c - a * s;
+    }
+  }
+  for (int64_t i = m.rot_dim; i < m.rope_dim; ++i) y[i] = x[i];
+}
+
+}  // namespace
+
+void ReferenceBackend::mla_qkv_forward(Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
+                                       const MlaShape& m) {
+  check_mla("mla_qkv_forward", qkv, q, kv, down, positions, cos_sin, m);
+  const Floats table(cos_sin), fq(q), fkv(kv), fdown(down);
+  const int32_t* pos = positions.ptr<int32_t>();
+  const int64_t D = m.qk_dim(), dn = m.nope_dim, dr = m.rope_dim;
+  dispatch_float(qkv, "mla_qkv_forward", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(qkv.rows(), 8, [&](int64_t rb, int64_t re, int) {
+      std::vector<double> x(static_cast<size_t>(dr)), kr(static_cast<size_t>(dr)), qr(static_cast<size_t>(dr));
+      for (int64_t n = rb; n < re; ++n) {
+        for (int64_t j = 0; j < dr; ++j) x[j] = fdown.get(n * down.cols() + m.kr_col + j);
+        mla_rotate(x.data(), kr.data(), table, pos[n], m, 1.0);
+        T* out = qkv.ptr<T>() + n * qkv.cols();
+        for (int64_t h = 0; h < m.heads; ++h) {
+          T* Q = out + h * 3 * D;
+          T* K = Q + D;
+          T* V = K + D;
+          const int64_t qo = n * q.cols() + h * D, ko = n * kv.cols() + h * (dn + m.v_dim);
+          for (int64_t j = 0; j < dn; ++j) Q[j] = static_cast<T>(fq.get(qo + j));
+          for (int64_t j = 0; j < dr; ++j) x[j] = fq.get(qo + dn + j);
+          mla_rotate(x.data(), qr.data(), table, pos[n], m, 1.0);
+          for (int64_t j = 0; j < dr; ++j) Q[dn + j] = static_cast<T>(qr[j]);
+          for (int64_t j = 0; j < dn; ++j) K[j] = static_cast<T>(fkv.get(ko + j));
+          for (int64_t j = 0; j < dr; ++j) K[dn + j] = static_cast<T>(kr[j]);
+          for (int64_t j = 0; j < D; ++j) V[j] = j < m.v_dim ? static_cast<T>(fkv.get(ko + dn + j)) : T(0);
+        }
+      }
+    });
+  });
+}
+
+void ReferenceBackend::mla_qkv_backward(Tensor dq, Tensor dkv, Tensor ddown, Tensor dqkv, Tensor positions,
+                                        Tensor cos_sin, const MlaShape& m) {
+  check_mla("mla_qkv_backward", dqkv, dq, dkv, ddown, positions, cos_sin, m);
+  const Floats table(cos_sin), g(dqkv);
+  const int32_t* pos = positions.ptr<int32_t>();
+  const int64_t D = m.qk_dim(), dn = m.nope_dim, dr = m.rope_dim;
+  dispatch_float(dq, "mla_qkv_backward", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(dqkv.rows(), 8, [&](int64_t rb, int64_t re, int) {
+      std::vector<double> y(static_cast<size_t>(dr)), x(static_cast<size_t>(dr)), kr(static_cast<size_t>(dr));
+      for (int64_t n = rb; n < re; ++n) {
+        std::fill(kr.begin(), kr.end(), 0.0);
+        const int64_t row = n * dqkv.cols();
+        T* Q = dq.ptr<T>() + n * dq.cols();
+        T* KV = dkv.ptr<T>() + n * dkv.cols();
+        for (int64_t h = 0; h < m.heads; ++h) {
+          const int64_t o = row + h * 3 * D;
+          for (int64_t j = 0; j < dn; ++j) Q[h * D + j] = static_cast<T>(g.get(o + j));
+          for (int64_t j = 0; j < dr; ++j) y[j] = g.get(o + dn + j);
+          mla_rotate(y.data(), x.data(), table, pos[n], m, -1.0);
+          for (int64_t j = 0; j < dr; ++j) Q[h * D + dn + j] = static_cast<T>(x[j]);
+          T* K = KV + h * (dn + m.v_dim);
+          for (int64_t j = 0; j < dn; ++j) K[j] = static_cast<T>(g.get(o + D + j));
+          for (int64_t j = 0; j < m.v_dim; ++j) K[dn + j] = static_cast<T>(g.get(o + 2 * D + j));
+          for (int64_t j = 0; j < dr; ++j) y[j] = g.get(o + D + dn + j);
+          mla_rotate(y.data(), x.data(), table, pos[n], m, -1.0);
+          for (int64_t j = 0; j < dr; ++j) kr[j] += x[j];
+        }
+        T* K = ddown.ptr<T>() + n * ddown.cols() + m.kr_col;
+        for (int64_t j = 0; j < dr; ++j) K[j] = static_cast<T>(kr[j]);
+      }
+    });
+  });
 }
 
 }  // namespace mt::reference

@@ -95,6 +95,46 @@ TEST_CASE("cuda rope forward/backward: half and interleaved pairs, partial rotat
         }
 }
 
+TEST_CASE("cuda MLA attention input forward/backward: packing, MLA RoPE, the shared key's gradient",
+          "[gpu][rope][mla]") {
+  MT_RNG(rng);
+  const int64_t table_rows = 64;
+  // (heads, d_nope, d_rope, rotated, d_v): DeepSeek-V3's per-rank shape, Megatron's test config,
+  // odd sizes and a partial rotation.
+  for (DType dt : kFloatTypes)
+    for (MlaShape m : {MlaShape{16, 128, 64, 64, 128, 512}, MlaShape{4, 16, 8, 8, 16, 64}, MlaShape{3, 5, 6, 2, 4, 7},
+                       MlaShape{1, 0, 2, 2, 2, 3}})
+      for (int64_t rows : {1, 7, 129}) {
+        INFO(dtype_name(dt) << " heads " << m.heads << " nope " << m.nope_dim << " rope " << m.rope_dim << " rot "
+                            << m.rot_dim << " v " << m.v_dim << " rows " << rows);
+        const int64_t down_cols = m.kr_col + m.rope_dim + 3;
+        std::vector<double> table(static_cast<size_t>(table_rows * m.rot_dim));
+        for (int64_t p = 0; p < table_rows; ++p)
+          for (int i = 0; i < m.rot_dim / 2; ++i) {
+            const double angle = p * std::pow(10000.0, -2.0 * i / m.rot_dim);
+            table[p * m.rot_dim + i] = 1.2 * std::cos(angle);
+            table[p * m.rot_dim + m.rot_dim / 2 + i] = 1.2 * std::sin(angle);
+          }
+        Twin cs = twin(DType::f32, {table_rows, m.rot_dim}, table);
+        Twin pos = twin(DType::i32, {rows}, rng.ints(rows, 0, table_rows));
+        Twin q = twin(dt, {rows, m.q_width()}, rng.normal(rows * m.q_width()));
+        Twin kv = twin(dt, {rows, m.kv_width()}, rng.normal(rows * m.kv_width()));
+        Twin down = twin(dt, {rows, down_cols}, rng.normal(rows * down_cols));
+        Twin qkv = twin_nan(dt, {rows, m.qkv_width()});
+        dev().mla_qkv_forward(qkv.c(), q.c(), kv.c(), down.c(), pos.c(), cs.c(), m);
+        ref().mla_qkv_forward(qkv.r(), q.r(), kv.r(), down.r(), pos.r(), cs.r(), m);
+        MT_CHECK_CLOSE(qkv, tol_for(dt));
+        Twin g = twin(dt, {rows, m.qkv_width()}, rng.normal(rows * m.qkv_width()));
+        Twin dq = twin_nan(dt, {rows, m.q_width()}), dkv = twin_nan(dt, {rows, m.kv_width()});
+        Twin ddown = twin(dt, {rows, down_cols}, rng.normal(rows * down_cols));  // other columns kept
+        dev().mla_qkv_backward(dq.c(), dkv.c(), ddown.c(), g.c(), pos.c(), cs.c(), m);
+        ref().mla_qkv_backward(dq.r(), dkv.r(), ddown.r(), g.r(), pos.r(), cs.r(), m);
+        MT_CHECK_CLOSE(dq, tol_for(dt));
+        MT_CHECK_CLOSE(dkv, tol_for(dt));
+        MT_CHECK_CLOSE(ddown, 4 * tol_for(dt));  // (a sum over the heads)
+      }
+}
+
 // --grad-reduce-in-bf16: dwte and dwpe are bf16 gradients, each touched element round_bf16(old + the
 // float32 sum of its rows), against the reference with bf16 gradients; deterministic.
 TEST_CASE("cuda embedding_backward into bf16 gradients matches the reference", "[gpu][embedding][bf16grad]") {

@@ -374,3 +374,17 @@ megatrain_parallel_train_test(parallel_train_cp2_dp2_per_token_loss 4 --context-
 # optimizer with CP: each instance two consecutive replicas, shards all-reduced across instances).
 megatrain_parallel_train_test(parallel_train_cp2_dp2_distopt_instances2 4 --context-parallel-size 2
                               --use-distributed-optimizer --num-distributed-optimizer-instances 2)
+# Multi-latent attention (low-rank queries and keys/values with their norms, YaRN as DeepSeek-V3
+# sets it): its down projections and latent norms run whole on every TP rank (gradients summed
+# over TP), the up projections split the heads; pipelines and context parallelism as the other
+# attention (the padded values ride in the key/value blocks).
+set(mla_model "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 \
+--v-head-dim 6 --qk-layernorm --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+--rotary-scaling-factor 40 --mscale-all-dim 1.0")
+megatrain_parallel_train_test(parallel_train_mla_tp2_sp --model "${mla_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_mla_pp2 --model "${mla_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mla_cp2 --model "${mla_model}" 2 --context-parallel-size 2)
+# Direct queries with --qk-layernorm's second norm of the input, LayerNorm and biases, TP 2 without SP.
+megatrain_parallel_train_test(parallel_train_mla_direct_tp2 --model "--multi-latent-attention --kv-lora-rank 16 \
+--qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm" 2 --tensor-model-parallel-size 2)

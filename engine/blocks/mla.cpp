@@ -1,0 +1,170 @@
+// Multi-latent attention (--multi-latent-attention; Megatron-Core's MLASelfAttention), the attention
+// block of its decoder layers, forward and backward:
+//
+//   x -> ln1 -> [q_down -> (norm) ->] q_up        = q  [heads x (d_nope | d_rope)]
+//            -> kv_down = [c_kv | k_rope]; c_kv -> (norm) -> kv_up = kv [heads x (k_nope | v)]
+//   (q, kv, k_rope) -> RoPE, packed per head as [Q | K | V padded to d_qk]  (mla_qkv_forward)
+//   -> the layer's attention core (d_qk = d_nope + d_rope, groups = heads, Megatron's softmax
+//      scale) -> the output's first d_v values per head -> proj (row-parallel) -> bias + dropout
+//      + residual, and the MLP block's norm in the same pass.
+//
+// The padded values make the core the GQA core with groups = heads (context parallelism and the
+// CUDA kernels as they are); the padding's output is zero and dropped. Under tensor parallelism the
+// up projections split the heads; the down projections and the latent norms run whole on every TP
+// rank over all N rows (the norm output gathered under sequence parallelism), so their gradients
+// are TP-partial (summed over TP once per step: ParamDesc::tp_partial_grad), and so is the input
+// gradient, reduced with the column-parallel ones'.
+#include "engine/gpt_model.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "engine/gpt_model_parts.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+namespace {
+// A [rows, heads * d] matrix as [rows * heads, d]: one head's values per row.
+Tensor per_head(Tensor t, int heads) { return t.view({t.rows() * heads, t.cols() / heads}); }
+}  // namespace
+
+MlaShape GptModel::mla_shape() const {
+  return MlaShape{d_.heads_local(), d_.mla_nope, d_.mla_rope, d_.rot_dim, d_.mla_v, d_.kv_lora};
+}
+
+void GptModel::layout_mla_acts(Arena& a, MemoryCategory c, LayerActs& A) {
+  const int64_t N = d_.tokens(), h = d_.hidden;
+  const DType T = opt_.compute, S = opt_.accum;
+  if (d_.q_lora > 0) {
+    A.mla_cq_raw = a.take(c, T, {N, d_.q_lora});
+    A.mla_cq = d_.mla_latent_norm ? a.take(c, T, {N, d_.q_lora}) : A.mla_cq_raw;
+  } else if (d_.mla_latent_norm) {
+    A.mla_cq = a.take(c, T, {N, h});  // the second norm of the input (the query projection's fused norm)
+  }
+  if (d_.mla_latent_norm) {
+    A.mla_cq_mean = a.take(c, S, {N});
+    A.mla_cq_rstd = a.take(c, S, {N});
+  }
+  A.mla_ckv = a.take(c, T, {N, d_.mla_down_width()});
+  A.mla_ckv_raw = a.take(c, T, {N, d_.kv_lora});  // c_kv alone: the up projection's (or norm's) input
+  if (d_.mla_latent_norm) {
+    A.mla_ckv_n = a.take(c, T, {N, d_.kv_lora});
+    A.mla_ckv_mean = a.take(c, S, {N});
+    A.mla_ckv_rstd = a.take(c, S, {N});
+  } else {
+    A.mla_ckv_n = A.mla_ckv_raw;
+  }
+}
+
+void GptModel::layout_mla_workspace(Arena& a) {
+  Workspace& w = *ws_;
+  w.mla_q = w.mla_kv = w.mla_out = w.mla_dckv = w.mla_dlat = Tensor();
+  if (!d_.mla || d_.stage_layers() == 0) return;
+  const int64_t N = d_.tokens();
+  const DType T = opt_.compute;
+  w.mla_q = a.take(MemoryCategory::workspace, T, {N, d_.mla_q_width_local()});
+  w.mla_kv = a.take(MemoryCategory::workspace, T, {N, d_.mla_kv_width_local()});
+  w.mla_out = a.take(MemoryCategory::workspace, T, {N, d_.proj_width_local()});
+  w.mla_dckv = a.take(MemoryCategory::workspace, T, {N, d_.mla_down_width()});
+  const int64_t q_lat = d_.q_lora > 0 ? d_.q_lora : (d_.mla_latent_norm ? d_.hidden : 0);
+  w.mla_dlat = a.take(MemoryCategory::workspace, T, {N * std::max<int64_t>(q_lat, d_.kv_lora)});
+}
+
+void GptModel::mla_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+  const LayerParams& P = layer_params_[static_cast<size_t>(local)];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+
+  if (!norm_from_previous(local))
+    be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+  gather_rows(A.ln1_out);
+  // Queries.
+  Tensor q_in = A.ln1_out;
+  if (d_.q_lora > 0) {
+    be_.linear_forward(A.mla_cq_raw, A.ln1_out, P.q_down_w, Tensor(), Activation::none, Tensor());
+    q_in = A.mla_cq_raw;
+  }
+  if (d_.mla_latent_norm) {
+    be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, q_in, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
+    q_in = A.mla_cq;
+  }
+  be_.linear_forward(w.mla_q, q_in, P.q_w, Tensor(), Activation::none, Tensor());
+  // Keys and values.
+  be_.linear_forward(A.mla_ckv, A.ln1_out, P.kv_down_w, Tensor(), Activation::none, Tensor());
+  be_.copy_columns(A.mla_ckv_raw, 0, A.mla_ckv, 0, d_.kv_lora);
+  if (d_.mla_latent_norm)
+    be_.norm_forward(A.mla_ckv_n, A.mla_ckv_mean, A.mla_ckv_rstd, A.mla_ckv_raw, P.kv_lat_ln_w, P.kv_lat_ln_b, norm_);
+  be_.linear_forward(w.mla_kv, A.mla_ckv_n, P.kv_up_w, Tensor(), Activation::none, Tensor());
+  // RoPE and the attention core.
+  be_.mla_qkv_forward(A.qkv, w.mla_q, w.mla_kv, A.mla_ckv, s.positions, rope_table_, mla_shape());
+  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  const int heads = d_.heads_local();
+  be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
+  be_.linear_forward(w.tmp_h, w.mla_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  be_.bias_dropout_add_norm(A.h1, local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x, reduce_rows(w.tmp_h), P.proj_b,
+                            hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
+}
+
+void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx) {
+  const LayerParams &P = layer_params_[static_cast<size_t>(local)], &G = layer_grads_[static_cast<size_t>(local)];
+  const Workspace& w = *ws_;
+  const int layer = d_.layer_begin + local;
+  const float hp = s.training ? d_.hidden_dropout : 0.0f;
+  const int heads = d_.heads_local();
+  const int64_t N = d_.tokens();
+
+  // The output projection (its input, the attention output without the padding, recomputed).
+  const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
+  const Tensor proj_db = proj_bias_grad_from_norm(local) ? Tensor() : G.proj_b;
+  be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
+  be_.linear_backward_weight(G.proj_w, proj_db, d_proj, w.mla_out, accumulate_weight_grad(G.proj_w));
+  be_.linear_backward_input(w.mla_out, d_proj, P.proj_w, false, Activation::none, Tensor());
+  be_.fill(w.gATT, 0.0);
+  be_.copy_columns(per_head(w.gATT, heads), 0, per_head(w.mla_out, heads), 0, d_.mla_v);
+  // The core, then RoPE's and the packing's transpose.
+  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  be_.mla_qkv_backward(w.mla_q, w.mla_kv, w.mla_dckv, w.gQKV, s.positions, rope_table_, mla_shape());
+  // The key/value up projection and c_kv's norm, into d [c_kv | k_rope].
+  const Tensor dkv_lat = w.mla_dlat.flat_slice(0, N * d_.kv_lora).view({N, d_.kv_lora});
+  be_.linear_backward_weight(G.kv_up_w, Tensor(), w.mla_kv, A.mla_ckv_n, accumulate_weight_grad(G.kv_up_w));
+  be_.linear_backward_input(dkv_lat, w.mla_kv, P.kv_up_w, false, Activation::none, Tensor());
+  if (d_.mla_latent_norm)
+    be_.norm_backward(dkv_lat, G.kv_lat_ln_w, G.kv_lat_ln_b, dkv_lat, A.mla_ckv_raw, A.mla_ckv_mean, A.mla_ckv_rstd,
+                      P.kv_lat_ln_w, Tensor(), Tensor(), norm_);
+  be_.copy_columns(w.mla_dckv, 0, dkv_lat, 0, d_.kv_lora);
+  // The down projections read the input norm's output (all N rows): recomputed where not kept.
+  if (!A.norm_kept) {
+    be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+    gather_rows(A.ln1_out);
+  }
+  be_.linear_backward_weight(G.kv_down_w, Tensor(), w.mla_dckv, A.ln1_out, accumulate_weight_grad(G.kv_down_w));
+  be_.linear_backward_input(w.gT, w.mla_dckv, P.kv_down_w, false, Activation::none, Tensor());
+  // The query projections, their input gradient added to gT.
+  if (d_.q_lora > 0) {
+    const Tensor dq_lat = w.mla_dlat.flat_slice(0, N * d_.q_lora).view({N, d_.q_lora});
+    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.mla_cq, accumulate_weight_grad(G.q_w));
+    be_.linear_backward_input(dq_lat, w.mla_q, P.q_w, false, Activation::none, Tensor());
+    if (d_.mla_latent_norm)
+      be_.norm_backward(dq_lat, G.q_lat_ln_w, G.q_lat_ln_b, dq_lat, A.mla_cq_raw, A.mla_cq_mean, A.mla_cq_rstd,
+                        P.q_lat_ln_w, Tensor(), Tensor(), norm_);
+    be_.linear_backward_weight(G.q_down_w, Tensor(), dq_lat, A.ln1_out, accumulate_weight_grad(G.q_down_w));
+    be_.linear_backward_input(w.gT, dq_lat, P.q_down_w, true, Activation::none, Tensor());
+  } else if (d_.mla_latent_norm) {
+    const Tensor dq_in = w.mla_dlat.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
+    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.mla_cq, accumulate_weight_grad(G.q_w));
+    be_.linear_backward_input(dq_in, w.mla_q, P.q_w, false, Activation::none, Tensor());
+    be_.norm_backward(w.gT, G.q_lat_ln_w, G.q_lat_ln_b, dq_in, A.ln1_out, A.mla_cq_mean, A.mla_cq_rstd, P.q_lat_ln_w,
+                      w.gT, Tensor(), norm_);
+  } else {
+    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.ln1_out, accumulate_weight_grad(G.q_w));
+    be_.linear_backward_input(w.gT, w.mla_q, P.q_w, true, Activation::none, Tensor());
+  }
+  // The input norm: gT summed over TP (its rows on this rank with SP), plus the residual's gH.
+  const Tensor prev_fc2_db = local > 0 && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
+  be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
+                    norm_);
+}
+
+}  // namespace mt
