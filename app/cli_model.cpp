@@ -154,16 +154,16 @@ void add_model_flags(FlagTable& t) {
          MT_FIELD(model.multi_latent_attention)).model_setting("multi_latent_attention", CheckpointTake::forced,
                                                                CheckpointCompare::yes, true);
   t.value("--q-lora-rank", "MLA: rank of the queries' low-rank projection (None: a direct projection)",
-          MT_FIELD(model.q_lora_rank)).model_setting("q_lora_rank", CheckpointTake::forced, CheckpointCompare::yes, true);
+          MT_FIELD(model.q_lora_rank)).model_setting("q_lora_rank", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--kv-lora-rank", "MLA: rank of the keys' and values' low-rank projection", MT_FIELD(model.kv_lora_rank))
-      .model_setting("kv_lora_rank", CheckpointTake::forced, CheckpointCompare::yes, true);
+      .model_setting("kv_lora_rank", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--qk-head-dim", "MLA: query/key head dimension without RoPE", MT_FIELD(model.qk_head_dim))
-      .model_setting("qk_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+      .model_setting("qk_head_dim", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--qk-pos-emb-head-dim", "MLA: query/key head dimension with RoPE (the key's part shared by the heads)",
           MT_FIELD(model.qk_pos_emb_head_dim)).model_setting("qk_pos_emb_head_dim", CheckpointTake::forced,
-                                                             CheckpointCompare::yes, true);
+                                                             CheckpointCompare::no, true);
   t.value("--v-head-dim", "MLA: value head dimension", MT_FIELD(model.v_head_dim))
-      .model_setting("v_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+      .model_setting("v_head_dim", CheckpointTake::forced, CheckpointCompare::no, true);
   t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth")
       .model_setting("mtp_num_layers", CheckpointTake::no);
   t.recognised("--mtp-loss-scaling-factor", Arity::one, "FLOAT", "0.1", "multi-token-prediction loss weight");

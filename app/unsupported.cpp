@@ -57,7 +57,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--ckpt-convert-format", W::any_use, {}, ""},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
-      {"--recompute-modules", W::values, {"moe_act", "mla_up_proj", "moe", "shared_experts"}, ""},
+      {"--recompute-modules", W::values, {"moe_act", "moe", "shared_experts"}, ""},
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)
       {"--init-method-xavier-uniform", W::any_use, {},

@@ -56,7 +56,8 @@ model_nemotron=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-at
                 --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
 
 # DeepSeek-style multi-latent attention: query rank, latent norms, YaRN with DeepSeek-V3's terms
-# (factor 40, mscale = mscale_all_dim = 1). torch_dist only (FORMATS=torch_dist): Megatron-LM's
+# (factor 40, mscale = mscale_all_dim = 1); Megatron-LM's core attention replaced by a plain one
+# (bench/megatron_mla_core.py: its local one cannot run MLA). torch_dist only (FORMATS=torch_dist): Megatron-LM's
 # local spec keys MLA's norms by module in its per-rank torch files too, which import-megatron maps
 # for torch_dist only.
 model_mla=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --multi-latent-attention
@@ -69,11 +70,15 @@ megatron() {  # log, nproc, args...
   local log=$1 nproc=$2
   shift 2
   (cd "$MEGATRON" && PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" timeout 600 \
-     "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_port 29533 pretrain_gpt.py "$@") > "$log" 2>&1 \
+     "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_port 29533 "$entry" "$@") > "$log" 2>&1 \
     || { echo "Megatron-LM failed, see $log"; tail -20 "$log"; return 1; }
 }
 
 for c in "${CASES[@]}"; do
+  # MLA: Megatron-LM's local spec has no core attention for its head sizes (Transformer Engine's
+  # only): bench/megatron_mla_core.py runs pretrain_gpt.py with a plain PyTorch one.
+  entry=pretrain_gpt.py
+  [ "$c" = mla ] && entry=$HERE/megatron_mla_core.py
   model_var="model_$c[@]"
   model=("${!model_var}")
   d=$OUT/$c

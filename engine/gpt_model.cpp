@@ -49,6 +49,8 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
                           std::find(modules.begin(), modules.end(), "layernorm") != modules.end());
+  o.mla_recompute_up = d.mla && cfg.train.recompute_granularity == RecomputeGranularity::selective &&
+                       std::find(modules.begin(), modules.end(), "mla_up_proj") != modules.end();
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
   o.rope.base = cfg.model.rotary_base;

@@ -91,6 +91,10 @@ struct ModelOptions {
   // recomputes and re-gathers them, as Megatron's does) nor in FP8 layers whose weight gradients
   // take the kept FP8 copies.
   bool keep_norm_outputs = true;
+  // Multi-latent attention with --recompute-modules mla_up_proj (selective): the attention's input
+  // (the up projections' outputs with RoPE, packed: LayerActs::qkv) is not kept but recomputed in
+  // backward from the kept latents, in one workspace buffer every layer shares.
+  bool mla_recompute_up = false;
 
   // Fused paths whose unfused counterpart other configurations still take (recompute, sequence
   // parallelism, dropout, delayed FP8 scaling, --no-fp8-wgrad). Tests only: no flag and no
@@ -384,6 +388,7 @@ class GptModel {
   void layout_mla_acts(Arena& a, MemoryCategory c, LayerActs& A);
   void layout_mla_workspace(Arena& a);
   MlaShape mla_shape() const;
+  void mla_up_projections(const Slot& s, const LayerActs& A, const LayerParams& P);
   void mla_forward(int local, Slot& s, const LayerActs& A, Tensor x);
   void mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);
   void mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);

@@ -121,6 +121,7 @@ struct GptModel::Workspace {
   // output without its padding [N, heads x d_v] (backward: its gradient), the gradient of the
   // down projection's output [N, kv_lora + d_rope] and of a latent [N, max(q_lora or h, kv_lora)].
   Tensor mla_q, mla_kv, mla_out, mla_dckv, mla_dlat;
+  Tensor mla_qkv;  // --recompute-modules mla_up_proj: every layer's attention input [N, qkv]
   CpBuffers cp;  // context parallelism (attention_core.h)
   // MoE layers: permuted rows [Nk, h] (the permuted expert inputs, then fc2's output; backward: the
   // gradient of fc2's output, the permuted inputs gathered again, the gradient of the inputs), the experts' activation and its gradient [Nk, f_e], the shared

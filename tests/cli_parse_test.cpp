@@ -168,11 +168,19 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_THAT(parse_error(small_gpt() + words("--context-parallel-size 2 --cp-comm-type a2a+p2p "
                                              "--hierarchical-context-parallel-sizes 1 1 2"), 2),
              Contains("megatrain does not support --hierarchical-context-parallel-sizes with 3 levels yet"));
-  CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type yarn")),
-             Contains("megatrain does not support --position-embedding-type yarn yet"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--position-embedding-type yarn --rotary-scaling-factor 4")));
+  CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type yarn --rotary-interleaved")),
+             Contains("Yarn RoPE does not support interleaved rotary embeddings"));
   CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type mrope")), Contains("--position-embedding-type mrope"));
-  CHECK_THAT(parse_error(small_gpt() + words("--multi-latent-attention")),
-             Contains("megatrain does not support --multi-latent-attention yet"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8")));
+  CHECK_THAT(parse_error(small_gpt() + words("--multi-latent-attention --rotary-interleaved")),
+             Contains("--rotary-interleaved does not work with --multi-latent-attention"));
+  CHECK_THAT(parse_error(small_gpt() + words("--multi-latent-attention --position-embedding-type rope --rope-type rope")),
+             Contains("apply_rope_fusion for MLA only works with YARN RoPE"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--multi-latent-attention --position-embedding-type rope --rope-type rope "
+                                          "--no-rope-fusion")));
+  CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules mla_up_proj")),
+             Contains("mla_up_proj in recompute_modules is only supported with multi_latent_attention"));
   CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu")), Contains("megatrain does not support --quick-geglu yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--init-method-xavier-uniform")),
              Contains("fails on it too: TransformerConfig has no scaled_init_method"));

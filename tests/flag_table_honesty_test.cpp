@@ -45,6 +45,7 @@ const std::map<std::string, std::string>& companions() {
       {"--fp8-format hybrid", "--bf16"},
       {"--moe-router-padding-for-fp8", "--bf16 --fp8-format hybrid --moe-token-dispatcher-type alltoall"},
       {"--moe-router-enable-expert-bias", "--moe-router-score-function sigmoid"},
+      {"--rope-type yarn", "--multi-latent-attention"},
   };
   return m;
 }

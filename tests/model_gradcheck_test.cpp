@@ -177,7 +177,7 @@ Config tiny_mla_config() {
 }
 }  // namespace
 
-TEST_CASE("model gradient check: multi-latent attention (query rank, latent norms, YaRN; direct queries)",
+TEST_CASE("model gradient check: multi-latent attention (query rank and latent norms with YaRN, then direct queries)",
           "[model][gradcheck][mla]") {
   Config c = tiny_mla_config();
   Harness h(c);
@@ -206,6 +206,31 @@ TEST_CASE("model gradient check: multi-latent attention (query rank, latent norm
   test::derive(e);
   Harness he(e);
   he.check_all(4);
+}
+
+TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradients of keeping it", "[model][mla]") {
+  for (const int variant : {0, 1, 2}) {
+    Config c = tiny_mla_config();
+    c.model.num_layers = 3;
+    if (variant > 0) c.model.q_lora_rank.reset();
+    if (variant == 2) c.model.qk_layernorm = false;  // the up projection reads the input norm's output
+    test::derive(c);
+    Config r = c;
+    r.train.recompute_granularity = RecomputeGranularity::selective;
+    r.train.recompute_modules = {"mla_up_proj", "layernorm"};
+    Config k = r;
+    k.train.recompute_modules = {"layernorm"};
+    Harness kept(k), recomputed(r);
+    INFO("variant " << variant);
+    CHECK(recomputed.model->options().mla_recompute_up);
+    CHECK(kept.model->memory_plan().of(MemoryCategory::activations) >
+          recomputed.model->memory_plan().of(MemoryCategory::activations));
+    const std::vector<double> a = kept.analytic_grads(), b = recomputed.analytic_grads();
+    REQUIRE(a.size() == b.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+    CHECK(differ == 0);
+  }
 }
 
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {

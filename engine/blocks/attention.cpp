@@ -50,7 +50,7 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
     A.qk_rstd = a.take(c, S, {N, heads_normed});
   }
   if (d_.mla) layout_mla_acts(a, c, A);
-  A.qkv = a.take(c, T, {N, d_.qkv_width_local()});
+  A.qkv = opt_.mla_recompute_up ? ws_->mla_qkv : a.take(c, T, {N, d_.qkv_width_local()});
   A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
   if (d_.output_gate) A.gate = a.take(c, T, {N, d_.attn_width_local()});
   A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});

@@ -3,7 +3,8 @@
 //
 //   x -> ln1 -> [q_down -> (norm) ->] q_up        = q  [heads x (d_nope | d_rope)]
 //            -> kv_down = [c_kv | k_rope]; c_kv -> (norm) -> kv_up = kv [heads x (k_nope | v)]
-//   (q, kv, k_rope) -> RoPE, packed per head as [Q | K | V padded to d_qk]  (mla_qkv_forward)
+//   (q, kv, k_rope) -> RoPE, packed per head as [Q | K | V padded to d_qk]  (mla_qkv_forward;
+//      recomputed in backward with --recompute-modules mla_up_proj)
 //   -> the layer's attention core (d_qk = d_nope + d_rope, groups = heads, Megatron's softmax
 //      scale) -> the output's first d_v values per head -> proj (row-parallel) -> bias + dropout
 //      + residual, and the MLP block's norm in the same pass.
@@ -59,7 +60,7 @@ void GptModel::layout_mla_acts(Arena& a, MemoryCategory c, LayerActs& A) {
 
 void GptModel::layout_mla_workspace(Arena& a) {
   Workspace& w = *ws_;
-  w.mla_q = w.mla_kv = w.mla_out = w.mla_dckv = w.mla_dlat = Tensor();
+  w.mla_q = w.mla_kv = w.mla_out = w.mla_dckv = w.mla_dlat = w.mla_qkv = Tensor();
   if (!d_.mla || d_.stage_layers() == 0) return;
   const int64_t N = d_.tokens();
   const DType T = opt_.compute;
@@ -69,6 +70,17 @@ void GptModel::layout_mla_workspace(Arena& a) {
   w.mla_dckv = a.take(MemoryCategory::workspace, T, {N, d_.mla_down_width()});
   const int64_t q_lat = d_.q_lora > 0 ? d_.q_lora : (d_.mla_latent_norm ? d_.hidden : 0);
   w.mla_dlat = a.take(MemoryCategory::workspace, T, {N * std::max<int64_t>(q_lat, d_.kv_lora)});
+  if (opt_.mla_recompute_up) w.mla_qkv = a.take(MemoryCategory::workspace, T, {N, d_.qkv_width_local()});
+}
+
+// The queries, keys and values from the kept latents (and the input norm's output), packed with
+// RoPE into A.qkv: the forward's, and backward's recompute under --recompute-modules mla_up_proj.
+void GptModel::mla_up_projections(const Slot& s, const LayerActs& A, const LayerParams& P) {
+  const Workspace& w = *ws_;
+  const Tensor q_in = d_.q_lora > 0 || d_.mla_latent_norm ? A.mla_cq : A.ln1_out;
+  be_.linear_forward(w.mla_q, q_in, P.q_w, Tensor(), Activation::none, Tensor());
+  be_.linear_forward(w.mla_kv, A.mla_ckv_n, P.kv_up_w, Tensor(), Activation::none, Tensor());
+  be_.mla_qkv_forward(A.qkv, w.mla_q, w.mla_kv, A.mla_ckv, s.positions, rope_table_, mla_shape());
 }
 
 void GptModel::mla_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
@@ -80,25 +92,20 @@ void GptModel::mla_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   if (!norm_from_previous(local))
     be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
   gather_rows(A.ln1_out);
-  // Queries.
-  Tensor q_in = A.ln1_out;
+  // The latents: the queries' (or the normed input), [c_kv | k_rope], c_kv normed.
   if (d_.q_lora > 0) {
     be_.linear_forward(A.mla_cq_raw, A.ln1_out, P.q_down_w, Tensor(), Activation::none, Tensor());
-    q_in = A.mla_cq_raw;
+    if (d_.mla_latent_norm)
+      be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, A.mla_cq_raw, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
+  } else if (d_.mla_latent_norm) {
+    be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, A.ln1_out, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
   }
-  if (d_.mla_latent_norm) {
-    be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, q_in, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
-    q_in = A.mla_cq;
-  }
-  be_.linear_forward(w.mla_q, q_in, P.q_w, Tensor(), Activation::none, Tensor());
-  // Keys and values.
   be_.linear_forward(A.mla_ckv, A.ln1_out, P.kv_down_w, Tensor(), Activation::none, Tensor());
   be_.copy_columns(A.mla_ckv_raw, 0, A.mla_ckv, 0, d_.kv_lora);
   if (d_.mla_latent_norm)
     be_.norm_forward(A.mla_ckv_n, A.mla_ckv_mean, A.mla_ckv_rstd, A.mla_ckv_raw, P.kv_lat_ln_w, P.kv_lat_ln_b, norm_);
-  be_.linear_forward(w.mla_kv, A.mla_ckv_n, P.kv_up_w, Tensor(), Activation::none, Tensor());
-  // RoPE and the attention core.
-  be_.mla_qkv_forward(A.qkv, w.mla_q, w.mla_kv, A.mla_ckv, s.positions, rope_table_, mla_shape());
+  // The up projections, RoPE and the attention core.
+  mla_up_projections(s, A, P);
   attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   const int heads = d_.heads_local();
   be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
@@ -123,7 +130,19 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
   be_.linear_backward_input(w.mla_out, d_proj, P.proj_w, false, Activation::none, Tensor());
   be_.fill(w.gATT, 0.0);
   be_.copy_columns(per_head(w.gATT, heads), 0, per_head(w.mla_out, heads), 0, d_.mla_v);
-  // The core, then RoPE's and the packing's transpose.
+  // The core (its input recomputed under mla_up_proj: the up projections read the input norm's
+  // output without a query rank or latent norm), then RoPE's and the packing's transpose.
+  bool ln1_ready = A.norm_kept;
+  const auto ensure_ln1 = [&] {
+    if (ln1_ready) return;
+    be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
+    gather_rows(A.ln1_out);
+    ln1_ready = true;
+  };
+  if (opt_.mla_recompute_up) {
+    if (d_.q_lora == 0 && !d_.mla_latent_norm) ensure_ln1();
+    mla_up_projections(s, A, P);
+  }
   attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   be_.mla_qkv_backward(w.mla_q, w.mla_kv, w.mla_dckv, w.gQKV, s.positions, rope_table_, mla_shape());
   // The key/value up projection and c_kv's norm, into d [c_kv | k_rope].
@@ -135,10 +154,7 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
                       P.kv_lat_ln_w, Tensor(), Tensor(), norm_);
   be_.copy_columns(w.mla_dckv, 0, dkv_lat, 0, d_.kv_lora);
   // The down projections read the input norm's output (all N rows): recomputed where not kept.
-  if (!A.norm_kept) {
-    be_.norm_forward(local_rows(A.ln1_out), A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, norm_);
-    gather_rows(A.ln1_out);
-  }
+  ensure_ln1();
   be_.linear_backward_weight(G.kv_down_w, Tensor(), w.mla_dckv, A.ln1_out, accumulate_weight_grad(G.kv_down_w));
   be_.linear_backward_input(w.gT, w.mla_dckv, P.kv_down_w, false, Activation::none, Tensor());
   // The query projections, their input gradient added to gT.

@@ -507,6 +507,8 @@ TEST_CASE("attention with other head dims (generic kernels, cuDNN where it runs)
       {"d96 s=65 GQA dropout 0.2", 2, 65, 8, 2, 96, bf16, 0.2f},
       {"d48 fp16 s=50 not causal 4/2", 2, 50, 4, 2, 48, DType::f16, 0, false},
       {"d256 s=70 4/2", 1, 70, 4, 2, 256},
+      {"d192 s=129 MLA 8/8", 2, 129, 8, 8, 192},  // multi-latent attention's d_qk (128 + 64)
+      {"d160 s=64 GQA 4/2", 1, 64, 4, 2, 160},
       {"d8 s=40 2/1", 3, 40, 2, 1, 8},
   };
   for (const Problem& p : problems) run_problem(p);

@@ -388,3 +388,6 @@ megatrain_parallel_train_test(parallel_train_mla_cp2 --model "${mla_model}" 2 --
 # Direct queries with --qk-layernorm's second norm of the input, LayerNorm and biases, TP 2 without SP.
 megatrain_parallel_train_test(parallel_train_mla_direct_tp2 --model "--multi-latent-attention --kv-lora-rank 16 \
 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm" 2 --tensor-model-parallel-size 2)
+# ... and recomputing MLA's attention input in backward (the latents kept), with the norm outputs.
+megatrain_parallel_train_test(parallel_train_mla_recompute_up_tp2_sp --model "${mla_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel --recompute-granularity selective --recompute-modules mla_up_proj layernorm)
