@@ -164,9 +164,11 @@ void add_model_flags(FlagTable& t) {
                                                              CheckpointCompare::no, true);
   t.value("--v-head-dim", "MLA: value head dimension", MT_FIELD(model.v_head_dim))
       .model_setting("v_head_dim", CheckpointTake::forced, CheckpointCompare::no, true);
-  t.recognised("--mtp-num-layers", Arity::one, "INT", "None", "multi-token-prediction depth")
-      .model_setting("mtp_num_layers", CheckpointTake::no);
-  t.recognised("--mtp-loss-scaling-factor", Arity::one, "FLOAT", "0.1", "multi-token-prediction loss weight");
+  t.value("--mtp-num-layers", "multi-token prediction: D layers after the decoder predicting 2..D+1 tokens ahead",
+          MT_FIELD(model.mtp_num_layers)).model_setting("mtp_num_layers", CheckpointTake::forced, CheckpointCompare::yes,
+                                                        true);
+  t.value("--mtp-loss-scaling-factor", "multi-token prediction: the weight of the D losses' mean",
+          MT_FIELD(model.mtp_loss_scaling_factor));
   t.value("--rotary-scaling-factor", "YaRN: the context scaling factor s", MT_FIELD(model.rotary_scaling_factor))
       .model_setting("rotary_scaling_factor", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--mscale", "YaRN: the mscale term of the concentration factor", MT_FIELD(model.mscale))

@@ -19,8 +19,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--quick-geglu", W::any_use, {}, ""},
       {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
-      {"--mtp-num-layers", W::other_than, {"0"}, "multi-token prediction"},
-      {"--mtp-loss-scaling-factor", W::other_than, {"0.1"}, "multi-token prediction"},
       {"--use-mup", W::any_use, {}, ""},
       {"--mup-base-hidden-size", W::any_use, {}, "maximal-update parametrization"},
       {"--apply-residual-connection-post-layernorm", W::any_use, {}, "the residual is each block's input, not its norm's output"},

@@ -111,6 +111,14 @@ void validate_model(CliState& st) {
     if (m.qk_pos_emb_head_dim <= 0 || rot <= 0 || rot % 2 != 0)
       fail("--qk-pos-emb-head-dim {} (rotated: {}) must be a positive even number", m.qk_pos_emb_head_dim, rot);
   }
+  if (m.mtp_num_layers && *m.mtp_num_layers > 0) {
+    // Megatron-LM's argument check (the stricter of its two).
+    if (m.position_embedding_type != PositionEmbedding::rope && m.position_embedding_type != PositionEmbedding::none)
+      fail("Multi-Token Prediction (MTP) is not supported with {} position embedding type.The supported position "
+           "embedding types are rope and none.",
+           m.position_embedding_type == PositionEmbedding::yarn ? "yarn" : "learned_absolute");
+  }
+  if (m.mtp_num_layers && *m.mtp_num_layers < 0) fail("--mtp-num-layers must be >= 0 (got {})", *m.mtp_num_layers);
   if (m.position_embedding_type == PositionEmbedding::yarn && m.rotary_interleaved)
     fail("Yarn RoPE does not support interleaved rotary embeddings (--position-embedding-type yarn with "
          "--rotary-interleaved)");

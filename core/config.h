@@ -142,6 +142,11 @@ struct ModelConfig {
   std::optional<int> yarn_original_max_position_embeddings;
   std::optional<double> yarn_beta_fast, yarn_beta_slow;
   std::optional<bool> yarn_correction_range_round_to_int;
+  // --mtp-num-layers D (multi-token prediction; engine/blocks/mtp.cpp): D more layers on the last
+  // pipeline stage predicting the tokens 2..D+1 ahead, their losses weighted by
+  // --mtp-loss-scaling-factor / D.
+  std::optional<int> mtp_num_layers;
+  double mtp_loss_scaling_factor = 0.1;
   bool add_bias_linear = true;        // --disable-bias-linear turns it off
   bool add_qkv_bias = false;          // forced true when add_bias_linear
   bool qk_layernorm = false;

@@ -124,8 +124,12 @@ void DpGradSync::finish_embeddings() {
   // first stage's embedding and the last stage's output-layer copy get the sum of both gradients.
   for (GptModel* m : chunks_) {
     const ModelDims& d = m->dims();
-    if (!d.pipeline || !d.tied_embeddings) continue;
-    const char* name = d.first_stage ? "embedding.word_embeddings.weight" : d.last_stage ? "output_layer.weight" : nullptr;
+    // (Untied with mtp layers: the first stage's embedding and the last stage's copy for the depths.)
+    if (!d.pipeline || !(d.tied_embeddings || d.mtp > 0)) continue;
+    const char* name = d.first_stage  ? "embedding.word_embeddings.weight"
+                       : !d.last_stage ? nullptr
+                       : d.tied_embeddings ? "output_layer.weight"
+                                           : "embedding.word_embeddings.weight";
     if (!name) continue;
     const int i = find_param(m->params(), name);
     MT_CHECK(i >= 0 && ps_.embedding, "tied embeddings: no {} or no embedding group on this rank", name);

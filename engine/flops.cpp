@@ -17,23 +17,28 @@ double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_
   const double F = m.swiglu ? 3.0 : 2.0;
   // Dense and MoE layers' MLPs (without --num-experts every layer is dense).
   double moe_layers = 0;
-  for (char is_moe : moe_layer_map(m)) moe_layers += is_moe ? 1 : 0;
+  const std::vector<char> map = moe_layer_map(m);
+  for (char is_moe : map) moe_layers += is_moe ? 1 : 0;
+  // Multi-token prediction: its D layers count as decoder layers of the last one's kind, plus their
+  // norms and input projections and one more output layer each (Megatron's formula).
+  const double D = m.mtp_num_layers.value_or(0);
+  if (D > 0 && !map.empty() && map.back()) moe_layers += D;
   const double routed = static_cast<double>(expert_ffn_size(m)) * m.moe.router_topk * F;
   const double shared = static_cast<double>(m.moe.shared_expert_intermediate_size.value_or(0)) * F;
-  const double mlp = 6.0 * h * (f * F * (L - moe_layers) + (routed + shared) * moe_layers);
+  const double mlp = 6.0 * h * (f * F * (L + D - moe_layers) + (routed + shared) * moe_layers);
   const double G = m.attention_output_gate ? q : 0.0;  // the gate's rows of the QKV projection
-  double projections = 6.0 * L * (h * (q + 2.0 * k + G) + q * h);
-  const double logits = 6.0 * h * V;
-  double attention = 6.0 * q * L;  // times s^2 per sample (causal: half of QK^T + PV)
+  double projections = 6.0 * (L + D) * (h * (q + 2.0 * k + G) + q * h);
+  const double logits = 6.0 * h * V * (D + 1) + 6.0 * D * (3 * h + 2 * h * h);
+  double attention = 6.0 * q * (L + D);  // times s^2 per sample (causal: half of QK^T + PV)
   if (m.multi_latent_attention) {
     // Megatron's MLA terms: the low-rank projections with their norms ("+ 1"), the shared RoPE key,
     // the output projection; the core's QK^T over d_qk and PV over d_v, each halved by causality.
     const double n = m.num_attention_heads, dq = m.qk_head_dim + m.qk_pos_emb_head_dim;
     const double q_term = m.q_lora_rank ? *m.q_lora_rank * (h + n * dq + 1) : h * n * dq;
-    projections = 6.0 * L *
+    projections = 6.0 * (L + D) *
                   (q_term + m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + 1) +
                    h * m.qk_pos_emb_head_dim + n * m.v_head_dim * h);
-    attention = 6.0 * L * (n * dq / 2 + n * m.v_head_dim / 2);
+    attention = 6.0 * (L + D) * (n * dq / 2 + n * m.v_head_dim / 2);
   }
   return B * s * (mlp + projections + logits) + B * s * s * attention;
 }

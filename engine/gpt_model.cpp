@@ -45,7 +45,9 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.compute = compute;
   o.accum = compute == DType::f64 ? DType::f64 : DType::f32;
   o.grad = o.accum;
-  o.recompute = RecomputePlan::from_config(cfg.train, d.stage_layers());
+  // (The mtp layers run their forward and backward at once, in the head: never recomputed.)
+  o.recompute = RecomputePlan::from_config(cfg.train, d.decoder_layers());
+  o.recompute.group_of.resize(static_cast<size_t>(d.stage_layers()), -1);
   const std::vector<std::string>& modules = cfg.train.recompute_modules;
   o.keep_norm_outputs = !(cfg.train.recompute_granularity == RecomputeGranularity::selective &&
                           std::find(modules.begin(), modules.end(), "layernorm") != modules.end());
@@ -224,7 +226,7 @@ void GptModel::plan_params() {
   MT_CHECK((opt_.expert_dp_size > 0) == d_.experts_own_grid(), "expert-DP size {} with EP {} and expert TP {}",
            opt_.expert_dp_size, d_.ep_size, d_.etp_size);
   grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
-                                    d_.pipeline && d_.tied_embeddings, &total_elements_,
+                                    d_.pipeline && (d_.tied_embeddings || d_.mtp > 0), &total_elements_,
                                     ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank});
   const int n = static_cast<int>(descs_.size());
   layer_first_param_.assign(static_cast<size_t>(d_.stage_layers()), n);
@@ -310,7 +312,7 @@ void GptModel::layout(Arena& a) {
   if (d_.any_moe()) moe_loss_ = a.take(C::workspace, S, {2});  // {aux, z} summed over the MoE layers
   // With per-layer logging {aux, z} per global layer, on every chunk (the step's reduction over
   // DP and PP takes one such buffer from every rank, MoE layers or not).
-  if (d_.moe_per_layer_logging) moe_layer_loss_ = a.take(C::workspace, S, {2 * int64_t{d_.num_layers}});
+  if (d_.moe_per_layer_logging) moe_layer_loss_ = a.take(C::workspace, S, {2 * int64_t{d_.num_layers + d_.mtp}});
   moe_host_offsets_.clear();
   moe_bias_ = moe_counts_dev_ = Tensor();
   if (has_expert_bias()) {
@@ -386,6 +388,7 @@ void GptModel::layout(Arena& a) {
 
   layout_moe_workspace(a);
   layout_mla_workspace(a);
+  layout_mtp(a);
 
   // Per-slot activations.
   slots_.resize(static_cast<size_t>(opt_.num_slots));
@@ -393,7 +396,10 @@ void GptModel::layout(Arena& a) {
     const size_t part_i32 = (static_cast<size_t>(N) * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
     const size_t part_s =
         (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
-    s.io = a.take(C::activations, DType::u8, {static_cast<int64_t>(3 * part_i32 + 2 * part_s)});
+    // (Multi-token prediction: per depth its tokens, labels, mask, log weights and loss gradient after those.)
+    const int D = d_.last_stage ? d_.mtp : 0;
+    s.io = a.take(C::activations, DType::u8,
+                  {static_cast<int64_t>(3 * part_i32 + 2 * part_s + D * (2 * part_i32 + 3 * part_s))});
     s.off_tokens = 0;
     s.off_labels = part_i32;
     s.off_positions = 2 * part_i32;
@@ -405,6 +411,16 @@ void GptModel::layout(Arena& a) {
     s.positions = part(s.off_positions, DType::i32);
     s.mask = part(s.off_mask, S);
     s.dloss = part(s.off_dloss, S);
+    s.mtp.assign(static_cast<size_t>(D), Slot::MtpRows{});
+    for (int j = 0; j < D; ++j) {
+      Slot::MtpRows& r = s.mtp[static_cast<size_t>(j)];
+      const size_t off = 3 * part_i32 + 2 * part_s + static_cast<size_t>(j) * (2 * part_i32 + 3 * part_s);
+      r.tokens = part(off, DType::i32);
+      r.labels = part(off + part_i32, DType::i32);
+      r.mask = part(off + 2 * part_i32, S);
+      r.log_weight = part(off + 2 * part_i32 + part_s, S);
+      r.dloss = part(off + 2 * part_i32 + 2 * part_s, S);
+    }
     if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
     s.input = a.take(C::activations, T, {Nl, h});
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
@@ -499,8 +515,23 @@ void GptModel::bind_params() {
     G.out_w = G.wte;
     G.dout_w = G.dwte;
   }
+  mtp_params_.assign(static_cast<size_t>(d_.stage_mtp_layers()), MtpParams{});
+  mtp_grads_.assign(static_cast<size_t>(d_.stage_mtp_layers()), MtpParams{});
   for (int l = 0; l < d_.stage_layers(); ++l) {
-    const std::string p = "decoder.layers." + std::to_string(d_.layer_begin + l) + ".";
+    const int layer = d_.layer_begin + l;
+    const std::string mtp = "mtp.layers." + std::to_string(layer - d_.num_layers) + ".";
+    const std::string p = d_.is_mtp(layer) ? mtp + "transformer_layer." : "decoder.layers." + std::to_string(layer) + ".";
+    if (d_.is_mtp(layer)) {
+      MtpParams &M = mtp_params_[static_cast<size_t>(layer - d_.num_layers)],
+                &Mg = mtp_grads_[static_cast<size_t>(layer - d_.num_layers)];
+      find(mtp + "enorm.weight", M.enorm_w, Mg.enorm_w);
+      find(mtp + "enorm.bias", M.enorm_b, Mg.enorm_b);
+      find(mtp + "hnorm.weight", M.hnorm_w, Mg.hnorm_w);
+      find(mtp + "hnorm.bias", M.hnorm_b, Mg.hnorm_b);
+      find(mtp + "eh_proj.weight", M.eh_w, Mg.eh_w);
+      find(mtp + "final_layernorm.weight", M.fnorm_w, Mg.fnorm_w);
+      find(mtp + "final_layernorm.bias", M.fnorm_b, Mg.fnorm_b);
+    }
     LayerParams &P = layer_params_[l], &Gr = layer_grads_[l];
     find(p + "self_attention.linear_qkv.layer_norm_weight", P.ln1_w, Gr.ln1_w);
     find(p + "self_attention.linear_qkv.layer_norm_bias", P.ln1_b, Gr.ln1_b);
@@ -754,6 +785,39 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
         reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
       }
     }
+  // Multi-token prediction (no CP: whole sequences here): depth j's rows rolled j + 1 positions left
+  // within each sequence, zeros past its end; its loss gradient is (scale / D) times the main loss's
+  // seed over its own tokens (Megatron's MTPLossAutoScaler), times the unrolled count n0 with
+  // per-token loss.
+  const auto io_offset = [&](const Tensor& t) {  // (views into the slot's io block)
+    return static_cast<size_t>(static_cast<const char*>(t.data) - static_cast<const char*>(s.io.data));
+  };
+  for (size_t j = 0; j < s.mtp.size(); ++j) {
+    const Slot::MtpRows& r = s.mtp[j];
+    const int64_t roll = static_cast<int64_t>(j) + 1;
+    auto* tok = reinterpret_cast<int32_t*>(h + io_offset(r.tokens));
+    auto* lab = reinterpret_cast<int32_t*>(h + io_offset(r.labels));
+    double n = 0;
+    for (int i = 0; i < b; ++i)
+      for (int64_t t = roll; t < whole; ++t) n += mb.loss_mask[static_cast<size_t>(i * whole + t)];
+    const double coef = d_.mtp_scale * (per_token_loss ? loss_grad_scale * mb_tokens / std::max(1.0, n)
+                                                       : loss_grad_scale / std::max(1.0, n));
+    const size_t offs[3] = {io_offset(r.mask), io_offset(r.log_weight), io_offset(r.dloss)};
+    for (int i = 0; i < b; ++i)
+      for (int64_t t = 0; t < whole; ++t) {
+        const size_t dst = static_cast<size_t>(t) * b + i;
+        const bool in = t + roll < whole;
+        const size_t src = in ? static_cast<size_t>(i * whole + t + roll) : 0;
+        tok[dst] = in ? mb.tokens[src] : 0;
+        lab[dst] = in ? mb.labels[src] : 0;
+        const double m = in ? mb.loss_mask[src] : 0.0;
+        const double vals[3] = {m, m / std::max(1.0, n), m * coef};
+        for (int k = 0; k < 3; ++k) {
+          if (f64) reinterpret_cast<double*>(h + offs[k])[dst] = vals[k];
+          else reinterpret_cast<float*>(h + offs[k])[dst] = static_cast<float>(vals[k]);
+        }
+      }
+  }
   // One copy. (From pageable memory the copy has consumed the host buffer when it returns, so
   // the next micro-batch may overwrite it.)
   be_.copy_from_host(s.io, h);
@@ -780,7 +844,7 @@ void GptModel::set_slot_key(Slot& s, uint64_t serial, bool training) {
 Tensor GptModel::stage_input(int slot) const { return slots_.at(static_cast<size_t>(slot)).input; }
 Tensor GptModel::stage_output(int slot) const {
   const Slot& s = slots_.at(static_cast<size_t>(slot));
-  return d_.stage_layers() ? s.layers.back().out : s.input;
+  return d_.decoder_layers() ? s.layers[static_cast<size_t>(d_.decoder_layers() - 1)].out : s.input;
 }
 Tensor GptModel::output_grad(int slot) const { return slots_.at(static_cast<size_t>(slot)).d_output; }
 Tensor GptModel::input_grad() const { return last_input_grad_; }
@@ -936,13 +1000,15 @@ GptModel::LayerActs GptModel::acts(const Slot& s, int local) const {
 // by the layer's closing bias + dropout + residual: one pass over the rows instead of two.
 bool GptModel::norm_from_previous(int local) const {
   const auto& g = opt_.recompute.group_of;
-  return opt_.seams.fuse_next_norm && local > 0 && g[static_cast<size_t>(local - 1)] < 0 && g[static_cast<size_t>(local)] < 0;
+  // (An mtp layer's input is its depth's projection, not the layer before's output.)
+  return opt_.seams.fuse_next_norm && local > 0 && !mtp_layer(local) && g[static_cast<size_t>(local - 1)] < 0 &&
+         g[static_cast<size_t>(local)] < 0;
 }
 
 GptModel::NextNorm GptModel::next_norm(const Slot& s, int local) const {
   const auto& g = opt_.recompute.group_of;
   if (!opt_.seams.fuse_next_norm || g[static_cast<size_t>(local)] >= 0) return {};
-  if (local + 1 < d_.stage_layers()) {
+  if (local + 1 < d_.decoder_layers()) {
     if (!norm_from_previous(local + 1)) return {};
     const LayerActs n = acts(s, local + 1);
     const LayerParams& P = layer_params_[static_cast<size_t>(local + 1)];
@@ -967,7 +1033,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
 void GptModel::forward(int slot) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged, "forward of slot {} before stage_micro_batch", slot);
-  const int L = d_.stage_layers();
+  const int L = d_.decoder_layers();  // (the mtp layers run in the head)
   if (d_.first_stage) {
     params_needed(L > 0 ? layer_first_param_[0] : head_first_param_);
     embedding_forward(s);
@@ -1005,7 +1071,8 @@ bool GptModel::proj_bias_grad_from_norm(int local) const {
          opt_.seams.bias_grad_from_norm;
 }
 bool GptModel::fc2_bias_grad_from_norm(int local) const {
-  return proj_bias_grad_from_norm(local) && (local + 1 < d_.stage_layers() || d_.last_stage);
+  // (An mtp layer's output goes through its own final norm, whose backward takes no bias gradient.)
+  return proj_bias_grad_from_norm(local) && (local + 1 < d_.decoder_layers() || (d_.last_stage && !mtp_layer(local)));
 }
 
 // One decoder layer's backward: the MLP block's, then the attention block's.
@@ -1027,13 +1094,15 @@ void GptModel::backward(int slot, bool grad_sync) {
     reduce_tp_partial(d_.layer_begin + local);
     grads_final(layer_first_param_[static_cast<size_t>(local)]);
   };
-  if (grad_sync && d_.last_stage) {  // the head's backward ran in the last forward
+  if (grad_sync && d_.last_stage) {  // the head's backward (and the mtp layers') ran in the last forward
     reduce_tp_partial(-1);
-    grads_final(head_first_param_);
+    for (int l = d_.decoder_end(); l < d_.layer_end; ++l) reduce_tp_partial(l);
+    grads_final(d_.stage_mtp_layers() > 0 ? layer_first_param_[static_cast<size_t>(d_.decoder_layers())]
+                                          : head_first_param_);
   }
   Tensor cur = s.d_output;
   auto next_buffer = [&](Tensor c) { return c.data == w.gA.data ? w.gB : w.gA; };
-  int l = d_.stage_layers() - 1;
+  int l = d_.decoder_layers() - 1;
   while (l >= 0) {
     const int g = rp.group_of[l];
     if (g >= 0) {

@@ -278,6 +278,10 @@ class GptModel {
   // at 2l; zero for the layers of other chunks and dense layers). Empty otherwise.
   Tensor moe_layer_loss_sums() const { return moe_layer_loss_; }
   int moe_layers() const;  // MoE layers of this chunk
+  // Multi-token prediction: per depth j {the sum over this step's micro-batches of depth j's mean
+  // loss (its tokens' losses over their count), the micro-batches} (accum dtype [2 D]; zeroed by the
+  // trainer at each step's start). Empty without --mtp-num-layers or off the last stage.
+  Tensor mtp_loss_sums() const { return mtp_loss_; }
 
   // Aux-loss-free load balancing (ModelDims::moe_expert_bias): each MoE layer's expert bias [E]
   // (float32; kept on the host, the device copy follows it) and the step's token counts per
@@ -301,6 +305,8 @@ class GptModel {
 
  private:
   struct LayerParams;
+  struct MtpParams;
+  struct MtpActs;
   struct MoeActs;
   struct LayerActs;
   struct Slot;
@@ -418,6 +424,18 @@ class GptModel {
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH
   void head_forward(Slot& s, Tensor x, bool norm_done);
+  // The output layer and the loss over y (all N rows; the head's chunks of rows) against `labels`,
+  // the masked loss sum and weight sum added to sums[0..1]; in training also its backward: dlogits
+  // from dloss, the output layer's weight gradient, and y's gradient (all rows, TP-partial) in gT.
+  void output_layer_loss(Slot& s, Tensor y, Tensor labels, Tensor mask, Tensor dloss, Tensor sums);
+  // Multi-token prediction (engine/blocks/mtp.cpp), in a training head_forward: every depth's
+  // forward, loss and backward; dy0 (the gradient of the decoder's output after the final norm,
+  // this rank's rows) gets the depths' part.
+  void mtp_forward_backward(Slot& s, Tensor dy0);
+  void layout_mtp(Arena& a);
+  bool mtp_layer(int local) const { return d_.is_mtp(d_.layer_begin + local); }
+  Tensor mtp_loss_ = Tensor();  // per depth {sum of the micro-batches' mean losses, their count}
+  std::vector<MtpParams> mtp_params_, mtp_grads_;
   Tensor layer_input(const Slot& s, int local) const;
   LayerActs acts(const Slot& s, int local) const;
   // Linear layers of decoder layers: FP8 GEMMs in FP8 layers, the compute-dtype ones elsewhere.

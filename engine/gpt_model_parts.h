@@ -24,6 +24,21 @@ struct GptModel::LayerParams {
   Tensor q_down_w, q_lat_ln_w, q_lat_ln_b, q_w, kv_down_w, kv_lat_ln_w, kv_lat_ln_b, kv_up_w;
 };
 
+// A multi-token-prediction depth's own parameters (engine/blocks/mtp.cpp; its decoder layer's are a
+// LayerParams): the norms of the embedding and of the hidden state, their projection [h / TP rows,
+// 2h], and the final norm.
+struct GptModel::MtpParams {
+  Tensor enorm_w, enorm_b, hnorm_w, hnorm_b, eh_w, fnorm_w, fnorm_b;
+};
+
+// What a depth keeps from its forward to its backward (both within one head_forward), this rank's
+// rows [Nl, .] unless marked: the embedding of the rolled tokens e, its norm en and the hidden
+// state's hn with their statistics, their concatenation [en | hn] (all N rows), the projection's
+// output u (the layer's input), the depth's output h (its final norm) with statistics.
+struct GptModel::MtpActs {
+  Tensor e, en, en_mean, en_rstd, hn, hn_mean, hn_rstd, cat, u, h, f_mean, f_rstd;
+};
+
 // What an MoE layer keeps for backward (engine/blocks/moe.cpp). Ng = N x EP: the tokens of the
 // expert-parallel group (N without EP); El = E / EP this rank's experts; R <= Rmax = Ng x min(k,
 // El) the (token, slot) pairs routed to them (Ng x k without EP).
@@ -90,6 +105,13 @@ struct GptModel::Slot {
   Tensor io;
   std::vector<unsigned char> host_io;
   size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
+  // Multi-token prediction, per depth j (in io too): the tokens, labels and loss mask rolled j + 1
+  // positions left within each sequence (zeros past its end), the mask divided by its count (the
+  // logged mean's weights) and the loss gradient per row.
+  struct MtpRows {
+    Tensor tokens, labels, mask, log_weight, dloss;
+  };
+  std::vector<MtpRows> mtp;
   uint64_t key = 0;
   double moe_aux_seed = 1.0;  // the aux losses' gradient seed: the loss gradient's scale (loss scale / M)
   bool training = true;
@@ -142,6 +164,13 @@ struct GptModel::Workspace {
   // The shared expert's gate: sigmoid(logit) float32 [N, 1] (and the routing op's index [N, 1]),
   // the logit's gradient [N, 1], the gradient of the shared expert's output before the gate [N, h].
   Tensor moe_gate_p, moe_gate_idx, moe_dgate, moe_dsh;
+  // Multi-token prediction (engine/blocks/mtp.cpp): per depth what it keeps; the gradient of the
+  // decoder's output after the final norm [Nl, h], the gradient carried to the previous depth's
+  // output, the final norm's, the layer's input's, the embedding's and the hidden state's [Nl, h]
+  // each; the projection's TP part of the output (and its gradient) [N, h / TP], the gathered parts
+  // and the whole output [N, h], the concatenation's gradient [N, 2h], a depth's output on all rows.
+  std::vector<MtpActs> mtp;
+  Tensor mtp_dy0, mtp_carry, mtp_dv, mtp_du, mtp_de, mtp_dhn, mtp_part, mtp_parts, mtp_full, mtp_dcat, mtp_yall;
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum

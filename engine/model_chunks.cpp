@@ -47,6 +47,7 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     d.cp_rank = r.cp_rank;
     d.first_stage = c.has_embedding;
     d.last_stage = c.has_output;
+    d.layer_end = c.first_layer + c.num_layers + (c.has_output ? d.mtp : 0);  // (the mtp layers follow the loss)
     if (d.experts_own_grid()) {  // this rank's place in the experts' grid (parallel/parallel_state.h)
       const RankCoord e = expert_coord(cfg, r);
       d.ep_rank = e.ep;

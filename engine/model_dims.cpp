@@ -217,6 +217,25 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
       d.moe_layer[static_cast<size_t>(l)] =
           e.moe_layer.empty() ? (l % std::max(1, e.layer_freq) == 0) : e.moe_layer.at(static_cast<size_t>(l));
   }
+  d.mtp = m.mtp_num_layers.value_or(0);
+  if (d.mtp > 0) {
+    // What the multi-token prediction layers do not run yet (named, never silently wrong).
+    if (cfg.train.fp8_format) throw Unsupported("--mtp-num-layers with --fp8-format is not supported yet");
+    if (d.cp_size > 1)
+      throw Unsupported("--mtp-num-layers with --context-parallel-size > 1 is not supported yet (the rolled tokens "
+                        "cross the context-parallel ranks)");
+    if (d.mtp > 6) throw Unsupported(fmt::format("--mtp-num-layers {} is not supported yet (at most 6)", d.mtp));
+    for (int w : d.window_left)
+      if (w >= 0) throw Unsupported("--mtp-num-layers with --window-size is not supported yet");
+    d.mtp_scale = static_cast<float>(m.mtp_loss_scaling_factor / d.mtp);
+    // The mtp layers are laid out as the last decoder layer is.
+    for (int j = 0; j < d.mtp; ++j) {
+      d.window_left.push_back(d.window_left.back());
+      d.cp_comm.push_back(d.cp_comm.back());
+      if (!d.moe_layer.empty()) d.moe_layer.push_back(d.moe_layer.back());
+    }
+    if (d.last_stage) d.layer_end += d.mtp;
+  }
   d.attention_dropout = static_cast<float>(m.attention_dropout);
   d.hidden_dropout = static_cast<float>(m.hidden_dropout);
   if (d.attention_dropout < 0 || d.attention_dropout >= 1) fail("--attention-dropout must be in [0, 1)");
@@ -240,6 +259,7 @@ ModelDims ModelDims::for_chunk(const Config& cfg, const ParallelState& ps, int f
   ModelDims d = from_config(cfg, ps, std::make_pair(first_layer, first_layer + num_layers));
   d.first_stage = has_embedding;
   d.last_stage = has_output;
+  d.layer_end = first_layer + num_layers + (has_output ? d.mtp : 0);
   return d;
 }
 

@@ -78,6 +78,16 @@ struct ModelDims {
   int mla_kv_width_local() const { return heads_local() * (mla_nope + mla_v); }
   int mla_down_width() const { return kv_lora + mla_rope; }
   int proj_width_local() const { return mla ? heads_local() * mla_v : attn_width_local(); }
+  // Multi-token prediction (--mtp-num-layers; engine/blocks/mtp.cpp): the chunk with the output
+  // layer also holds the mtp layers, global numbers num_layers .. num_layers + mtp - 1, after its
+  // decoder layers; each is a decoder layer like the last one (MoE if that one is), with its own
+  // norms and input projection. mtp_scale: --mtp-loss-scaling-factor / mtp.
+  int mtp = 0;
+  float mtp_scale = 0;
+  int decoder_end() const { return layer_end < num_layers ? layer_end : num_layers; }
+  int decoder_layers() const { return decoder_end() > layer_begin ? decoder_end() - layer_begin : 0; }
+  int stage_mtp_layers() const { return layer_end - (decoder_end() > layer_begin ? decoder_end() : layer_begin); }
+  bool is_mtp(int layer) const { return layer >= num_layers; }
   // Per global layer: the sliding window (AttentionShape::window_left), -1 for full attention.
   std::vector<int> window_left;
 

@@ -11,9 +11,11 @@ namespace {
 // Layout of GptModel::scalars() during a step: the loss sums and the MoE losses' sums (reduced
 // over DP and PP together), then the gradient statistics: of the dense parameters, and under
 // expert parallelism of the routed experts (reduced over their own groups).
+// (params_norm uses kCount and kCount + 1; multi-token prediction's logged losses, one per depth,
+// from kMtp on: ModelDims allows at most kMtpMax depths.)
 enum Scalar {
   kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kExpertSumSq = 6, kExpertZeros = 7,
-  kCount = 8
+  kCount = 8, kMtp = 10, kMtpMax = 6
 };
 }  // namespace
 
@@ -28,6 +30,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   const TrainConfig& t = cfg.train;
   const bool decoupled = t.decoupled_lr.has_value();
   sharded_ = chunks_.front()->grad_layout().sharded;
+  mtp_depths_ = chunks_.front()->dims().mtp;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (chunks_[c]->dims().last_stage) output_chunk_ = chunks_[c];
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
@@ -109,7 +112,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
 
   // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
   // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.
-  double host[kCount];
+  double host[kMtp + kMtpMax];
   {
     const ScopedTimer timed(timer, "optimizer-clip-main-grad");
     be_.fill(scalars, 0.0);
@@ -118,6 +121,12 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
       if (!m->moe_loss_sums().empty())
         be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
     ps_.replicas().all_reduce(scalars.flat_slice(kLossSum, 4));  // (DP x CP: each CP rank has its tokens' part)
+    if (mtp_depths_ > 0) {
+      if (output_chunk_)  // the depths' logged sums: every other element of the model's [2 D]
+        for (int j = 0; j < mtp_depths_; ++j)
+          be_.copy(scalars.flat_slice(kMtp + j, 1), output_chunk_->mtp_loss_sums().flat_slice(2 * j, 1));
+      ps_.replicas().all_reduce(scalars.flat_slice(kMtp, mtp_depths_));
+    }
     for (const OptimRange& r : ranges_) {
       const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
       // (An empty list would mean the whole tensor.)
@@ -142,7 +151,8 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     reduce_expert_statistics(scalars.flat_slice(kExpertSumSq, 2));
     // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
     if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 4));
-    read_scalars(host, kCount);
+    if (ps_.pp_size > 1 && mtp_depths_ > 0) ps_.pp->all_reduce(scalars.flat_slice(kMtp, mtp_depths_));
+    read_scalars(host, mtp_depths_ > 0 ? kMtp + mtp_depths_ : kCount);
   }
 
   StepOutcome out;
@@ -153,13 +163,20 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     // Megatron's MoE loss logging: the per-layer sums over micro-batches, averaged over DP,
     // micro-batches and MoE layers.
     int moe_layers = 0;
-    for (int l = 0; l < d.num_layers; ++l) moe_layers += d.is_moe(l) ? 1 : 0;
+    for (int l = 0; l < d.num_layers + d.mtp; ++l) moe_layers += d.is_moe(l) ? 1 : 0;  // (with MoE mtp layers)
     const double m = static_cast<double>(global_batch > 0 ? global_batch : t.global_batch) /
                      (static_cast<double>(t.micro_batch_size) * ps_.dp_size);
     const double div = static_cast<double>(ps_.dp_size) * m * std::max(1, moe_layers);
     if (d.moe_log_aux) out.moe_aux = host[kMoeAux] / div;
     if (d.moe_log_z) out.moe_z = host[kMoeZ] / div;
     if (d.moe_per_layer_logging) read_moe_layer_losses(out, static_cast<double>(ps_.dp_size) * m);
+  }
+  // Multi-token prediction: Megatron's mtp_<j> loss, each depth's per-micro-batch mean summed over
+  // micro-batches, averaged over DP x CP and divided by the micro-batches.
+  if (mtp_depths_ > 0) {
+    const double m = static_cast<double>(global_batch > 0 ? global_batch : t.global_batch) /
+                     (static_cast<double>(t.micro_batch_size) * ps_.dp_size);
+    for (int j = 0; j < mtp_depths_; ++j) out.mtp_losses.push_back(host[kMtp + j] / (ps_.replicas_size() * m));
   }
   // The gradients in the buffer are scaled by the loss scale and summed over DP (x CP) ranks;
   // per-token loss normalizes by the global batch's tokens instead of per micro-batch. With CP,
@@ -276,7 +293,7 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
     else be_.axpby(sums, 1.0f, sums, 1.0f, t);
   }
   const ModelDims& d = chunks_.front()->dims();
-  const int64_t n = 2 * int64_t{d.num_layers};
+  const int64_t n = 2 * int64_t{d.num_layers + d.mtp};
   MT_CHECK(!sums.empty() && sums.numel() == n, "--moe-per-layer-logging: no per-layer buffer on this rank");
   ps_.replicas().all_reduce(sums);  // (each CP rank's values add up to its micro-batch's)
   if (ps_.pp_size > 1) ps_.pp->all_reduce(sums);
@@ -288,7 +305,7 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
     be_.copy_to_host(moe_layer_f32_.data(), sums);
     std::copy(moe_layer_f32_.begin(), moe_layer_f32_.end(), moe_layer_host_.begin());
   }
-  for (int l = 0; l < d.num_layers; ++l) {
+  for (int l = 0; l < d.num_layers + d.mtp; ++l) {
     if (d.moe_log_aux) out.moe_aux_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l)] / divisor);
     if (d.moe_log_z) out.moe_z_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l) + 1] / divisor);
   }

@@ -46,6 +46,8 @@ struct StepOutcome {
   // With --moe-per-layer-logging: each global layer's values (not divided by the MoE layers; zero
   // for dense layers), as Megatron writes moe/<name>_layer_<i>.
   std::vector<double> moe_aux_layers, moe_z_layers;
+  // Multi-token prediction: Megatron's mtp_<j> loss per depth (averaged over micro-batches and DP x CP).
+  std::vector<double> mtp_losses;
   double loss() const { return loss_sum / std::max(1.0, tokens); }
 };
 
@@ -116,6 +118,7 @@ class Optimizer {
   const Config& cfg_;
   std::vector<GptModel*> chunks_;
   GptModel* output_chunk_ = nullptr;  // the chunk with the loss (last pipeline stage), or null
+  int mtp_depths_ = 0;                // --mtp-num-layers (every rank: the reductions are collective)
   ParallelState& ps_;
   LrSchedule& schedule_;
   LossScaler& scaler_;

@@ -107,8 +107,12 @@ ParamCounts count_parameters(const ModelConfig& m) {
   c.layers = dense_layers * l.total() + c.num_moe_layers * c.moe_layer.total();
   c.final_norm = norm_params * h;
   c.output_layer = m.untie_embeddings_and_output_weights ? V * h : 0;
-  c.total = c.word_embeddings + c.position_embeddings + c.layers + c.final_norm + c.output_layer;
-  c.active = c.total - c.num_moe_layers * inactive;
+  const int64_t D = m.mtp_num_layers.value_or(0);
+  const bool last_moe = !moe.empty() && moe.back();
+  c.mtp_depth = 3 * norm_params * h + 2 * h * h;
+  c.mtp = D * (c.mtp_depth + (last_moe ? c.moe_layer : l).total());
+  c.total = c.word_embeddings + c.position_embeddings + c.layers + c.final_norm + c.output_layer + c.mtp;
+  c.active = c.total - (c.num_moe_layers + (last_moe ? D : 0)) * inactive;
   return c;
 }
 
@@ -125,6 +129,14 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
     if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
     if (ch.has_output) {
       n += c.final_norm;
+      // The mtp depths: their layers, norms and input projection (its rows split over TP).
+      const int64_t D = m.mtp_num_layers.value_or(0);
+      if (D > 0) {
+        const LayerParamCounts& last = moe.back() ? c.moe_layer : c.layer;
+        const int64_t h = m.hidden_size;
+        n += D * (last.per_tp_rank(tp, ep) + (c.mtp_depth - 2 * h * h) + 2 * h * h / tp);
+        if (!ch.has_embedding && m.untie_embeddings_and_output_weights) n += vocab_shard;  // the depths' copy
+      }
       // Untied: the output layer. Tied with PP > 1: the last stage's copy of the embeddings.
       if (m.untie_embeddings_and_output_weights || pp > 1) n += vocab_shard;
     }

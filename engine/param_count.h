@@ -54,6 +54,9 @@ struct ParamCounts {
   int64_t layers = 0;               // dense layers x layer.total() + MoE layers x moe_layer.total()
   int64_t final_norm = 0;
   int64_t output_layer = 0;         // V_padded * h when untied, else 0
+  // Multi-token prediction: D depths, each a layer like the last decoder layer, three norms and the
+  // input projection [h, 2h] (mtp_depth: one depth's own part, without its layer).
+  int64_t mtp = 0, mtp_depth = 0;
   int64_t total = 0;                // unique parameters (tied embeddings counted once)
   // Parameters one token is computed with: total less, in every MoE layer, the experts it is not
   // routed to ((E - k) experts' fc1 and fc2). Equal to total without MoE.

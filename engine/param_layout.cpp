@@ -152,21 +152,30 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
   const int64_t qkv_rows = d.qkv_proj_width(), attn = static_cast<int64_t>(d.heads) * d.head_dim;
   const int64_t fc1_rows = (d.swiglu ? 2 : 1) * static_cast<int64_t>(d.ffn), chunks = d.swiglu ? 2 : 1;
   for (int l = d.layer_begin; l < d.layer_end; ++l) {
-    const std::string p = "decoder.layers." + std::to_string(l) + ".";
+    // An mtp layer (Megatron-Core's MultiTokenPredictionLayer, its checkpoint names): the norms of the
+    // embedding and of the hidden state, their projection [h, 2h] (column-parallel), the decoder
+    // layer as transformer_layer, then its final norm.
+    const std::string mtp = "mtp.layers." + std::to_string(l - d.num_layers) + ".";
+    const std::string p = d.is_mtp(l) ? mtp + "transformer_layer." : "decoder.layers." + std::to_string(l) + ".";
+    if (d.is_mtp(l)) {
+      b.norm(mtp, "enorm.weight", "enorm.bias", h, l, d.sequence_parallel);
+      b.norm(mtp, "hnorm.weight", "hnorm.bias", h, l, d.sequence_parallel);
+      b.add(mtp + "eh_proj.weight", {h, 2 * h}, b.rows(h, 2 * h), InitKind::normal, d.init_std, false, l);
+    }
     if (d.mla) {
       b.mla_attention(p, l);
     } else {
-    b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l,
-           d.sequence_parallel);
-    b.add(p + "self_attention.linear_qkv.weight", {qkv_rows, h}, b.rows(qkv_rows, h), InitKind::normal, d.init_std,
-          false, l);
-    if (d.qkv_bias)
-      b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
-    if (d.qk_norm && !d.qk_l2) {  // (L2Norm has no weights)
-      // Shared by all heads of a layer, and TP splits the heads.
-      b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);
-      b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);
-    }
+      b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l,
+             d.sequence_parallel);
+      b.add(p + "self_attention.linear_qkv.weight", {qkv_rows, h}, b.rows(qkv_rows, h), InitKind::normal, d.init_std,
+            false, l);
+      if (d.qkv_bias)
+        b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
+      if (d.qk_norm && !d.qk_l2) {  // (L2Norm has no weights)
+        // Shared by all heads of a layer, and TP splits the heads.
+        b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);
+        b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);
+      }
     }
     const int64_t proj_cols = d.mla ? int64_t{d.heads} * d.mla_v : attn;
     b.add(p + "self_attention.linear_proj.weight", {h, proj_cols}, b.cols(h, proj_cols), InitKind::normal,
@@ -174,17 +183,27 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
     if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
     if (d.is_moe(l)) {
       b.moe_layer(p, l);
-      continue;
+    } else {
+      b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l, d.sequence_parallel);
+      b.add(p + "mlp.linear_fc1.weight", {fc1_rows, h}, b.rows(fc1_rows, h, chunks), InitKind::normal, d.init_std,
+            false, l);
+      if (d.linear_bias)
+        b.add(p + "mlp.linear_fc1.bias", {fc1_rows}, b.rows(fc1_rows, 1, chunks), InitKind::zeros, 0, false, l);
+      b.add(p + "mlp.linear_fc2.weight", {h, d.ffn}, b.cols(h, d.ffn), InitKind::normal, d.output_init_std, false, l);
+      if (d.linear_bias) b.add(p + "mlp.linear_fc2.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
     }
-    b.norm(p, "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", h, l, d.sequence_parallel);
-    b.add(p + "mlp.linear_fc1.weight", {fc1_rows, h}, b.rows(fc1_rows, h, chunks), InitKind::normal, d.init_std,
-          false, l);
-    if (d.linear_bias)
-      b.add(p + "mlp.linear_fc1.bias", {fc1_rows}, b.rows(fc1_rows, 1, chunks), InitKind::zeros, 0, false, l);
-    b.add(p + "mlp.linear_fc2.weight", {h, d.ffn}, b.cols(h, d.ffn), InitKind::normal, d.output_init_std, false, l);
-    if (d.linear_bias) b.add(p + "mlp.linear_fc2.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+    if (d.is_mtp(l)) b.norm(mtp, "final_layernorm.weight", "final_layernorm.bias", h, l, d.sequence_parallel);
   }
   if (d.last_stage) {
+    if (d.stage_mtp_layers() > 0 && !d.first_stage && !d.tied_embeddings) {
+      // The mtp depths' word embeddings on a last pipeline stage with an untied output layer: a copy
+      // of the first stage's, drawn from its stream and kept equal by the embedding group's
+      // gradient all-reduce (Megatron's MTP stage keeps its own copy too).
+      ParamDesc& copy = b.add("embedding.word_embeddings.weight", {V, h}, b.rows(V, h), InitKind::normal,
+                              d.embedding_init_std, false, -1);
+      copy.decoupled_lr = true;
+      copy.shared_copy = true;
+    }
     b.norm("decoder.", "final_layernorm.weight", "final_layernorm.bias", h, -1, d.sequence_parallel);
     if (!d.tied_embeddings) {
       ParamDesc& out = b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.init_std, false, -1);

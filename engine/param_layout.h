@@ -28,7 +28,8 @@ struct ParamDesc {
   bool weight_decay = true;          // false for biases and 1-D parameters (Megatron's rule)
   bool decoupled_lr = false;         // word embeddings and output layer (--decoupled-lr)
   bool tp_duplicated = false;        // identical on every TP rank (counted once in the grad norm)
-  bool shared_copy = false;          // last stage's copy of tied embeddings (not in the grad norm)
+  bool shared_copy = false;          // last stage's copy of tied embeddings (or, with mtp layers and an
+                                     // untied output layer, of the word embeddings): not in the grad norm
   // Each TP rank holds only a part of the gradient, which is summed over the TP group once per
   // step: norms on sequence shards (--sequence-parallel) and the q/k layernorms shared by heads
   // that TP splits (Megatron's finalize_model_grads does the same all-reduce).

@@ -270,6 +270,7 @@ StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
     be.fill(m->loss_sums(false), 0.0);
     if (!m->moe_loss_sums().empty()) be.fill(m->moe_loss_sums(), 0.0);
     if (!m->moe_layer_loss_sums().empty()) be.fill(m->moe_layer_loss_sums(), 0.0);
+    if (!m->mtp_loss_sums().empty()) be.fill(m->mtp_loss_sums(), 0.0);
     m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
@@ -348,6 +349,7 @@ int64_t Trainer::train() {
       interval_loss_ += o.loss();
       if (o.moe_aux) interval_moe_[moe_aux_name()] += *o.moe_aux;
       if (o.moe_z) interval_moe_["z_loss"] += *o.moe_z;
+      for (size_t j = 0; j < o.mtp_losses.size(); ++j) interval_moe_[fmt::format("mtp_{} loss", j + 1)] += o.mtp_losses[j];
       loss_history_.push_back(o.loss());
     }
     report_iteration(o, first);
@@ -444,6 +446,8 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
   if (!o.skipped && o.moe_aux) s.iteration_losses[moe_aux_name()] = *o.moe_aux;
   if (!o.skipped && o.moe_z) s.iteration_losses["z_loss"] = *o.moe_z;
+  if (!o.skipped)
+    for (size_t j = 0; j < o.mtp_losses.size(); ++j) s.iteration_losses[fmt::format("mtp_{} loss", j + 1)] = o.mtp_losses[j];
   if (!o.skipped) {
     for (size_t l = 0; l < o.moe_aux_layers.size(); ++l)
       s.moe_layer_scalars.push_back({fmt::format("moe/{}_layer_{}", moe_aux_name(), l), o.moe_aux_layers[l]});

@@ -22,6 +22,7 @@ PipelineSplit PipelineSplit::from_config(const Config& cfg) {
     s.vpp_flag = "--num-layers-per-virtual-pipeline-stage";
   if (cfg.parallel.pipeline_model_parallel_layout)
     s.layout = parse_pipeline_layout(*cfg.parallel.pipeline_model_parallel_layout);
+  s.mtp = cfg.model.mtp_num_layers.value_or(0);
   return s;
 }
 
@@ -186,8 +187,17 @@ std::vector<ModelChunk> layout_chunks(const PipelineSplit& s) {
   if (count('L') != 1) fail("{}: the loss (L) must be given exactly once", flag);
   if (count('t') != s.num_layers)
     fail("{}: it holds {} decoder layers (t), --num-layers is {}", flag, count('t'), s.num_layers);
-  if (count('m') > 0)
-    throw Unsupported(fmt::format("megatrain does not support multi-token prediction layers (m) in {} yet", flag));
+  if (count('m') != s.mtp)
+    fail("{}: it holds {} multi-token prediction layers (m), --mtp-num-layers is {}", flag, count('m'), s.mtp);
+  for (const std::string& stage : s.layout) {
+    // megatrain runs the depths in the head: where Megatron's layout puts them at the end of the
+    // stage with the loss, after its decoder layers.
+    if (stage.find('m') == std::string::npos) continue;
+    if (stage.find('L') == std::string::npos || stage.rfind('t') != std::string::npos && stage.rfind('t') > stage.find('m'))
+      throw Unsupported(fmt::format("megatrain does not support multi-token prediction layers (m) in {} other than "
+                                    "after the decoder layers of the stage with the loss (L) yet",
+                                    flag));
+  }
   if (s.layout.front().empty() || s.layout.front().front() != 'E')
     fail("{}: megatrain holds the embedding in the first stage (pipeline rank 0, virtual stage 0): the layout's first "
          "stage must start with E", flag);

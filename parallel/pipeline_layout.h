@@ -30,9 +30,10 @@ struct PipelineSplit {
   bool account_for_loss = false;          // --account-for-loss-in-pipeline-split
   std::string vpp_flag = "--num-virtual-stages-per-pipeline-rank";  // named in error messages
   // --pipeline-model-parallel-layout, parsed: PP x VPP stages in model order (stage v * PP + p is
-  // chunk v of pipeline rank p), each a string of 'E', 't', 'L' (and 'm', refused). Empty: the
-  // split follows the flags above.
+  // chunk v of pipeline rank p), each a string of 'E', 't', 'm' (multi-token prediction: only in the
+  // stage with L, after its t's) and 'L'. Empty: the split follows the flags above.
   std::vector<std::string> layout;
+  int mtp = 0;  // --mtp-num-layers (the layout's m's count them)
 
   static PipelineSplit from_config(const Config& cfg);
 };

@@ -179,6 +179,10 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
              Contains("apply_rope_fusion for MLA only works with YARN RoPE"));
   CHECK_NOTHROW(parse(small_gpt() + words("--multi-latent-attention --position-embedding-type rope --rope-type rope "
                                           "--no-rope-fusion")));
+  CHECK_THAT(parse_error(small_gpt() + words("--mtp-num-layers 1")),
+             Contains("Multi-Token Prediction (MTP) is not supported with learned_absolute position embedding type"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--mtp-num-layers 2 --position-embedding-type rope --mtp-loss-scaling-factor 0.3")));
+  CHECK(parse(small_gpt() + words("--mtp-num-layers 2 --position-embedding-type none")).model.mtp_num_layers == 2);
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules mla_up_proj")),
              Contains("mla_up_proj in recompute_modules is only supported with multi_latent_attention"));
   CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu")), Contains("megatrain does not support --quick-geglu yet"));

@@ -208,6 +208,52 @@ TEST_CASE("model gradient check: multi-latent attention (query rank and latent n
   he.check_all(4);
 }
 
+TEST_CASE("model gradient check: multi-token prediction (one and two depths, tied and untied, MLA and MoE layers)",
+          "[model][gradcheck][mtp]") {
+  // The objective: lm loss plus (scale / D) times each depth's mean loss (Megatron's MTP loss, whose
+  // gradient megatrain adds): the model's mtp sums hold the depths' means.
+  const auto check = [](Config c, int depths, double scale) {
+    c.model.mtp_num_layers = depths;
+    c.model.mtp_loss_scaling_factor = scale;
+    test::derive(c);
+    Harness h(c);
+    REQUIRE(h.dims.stage_mtp_layers() == depths);
+    REQUIRE(h.dims.decoder_layers() == c.model.num_layers);
+    const auto objective = [&] {
+      h.be->fill(h.model->mtp_loss_sums(), 0.0);
+      const double main = h.loss();
+      std::vector<double> m(static_cast<size_t>(2 * depths));
+      h.be->copy_to_host(m.data(), h.model->mtp_loss_sums());
+      double total = main;
+      for (int j = 0; j < depths; ++j) {
+        CHECK(m[static_cast<size_t>(2 * j + 1)] == Approx(1.0));  // one micro-batch
+        total += scale / depths * m[static_cast<size_t>(2 * j)];
+      }
+      return total;
+    };
+    const std::vector<double> g = h.analytic_grads();
+    test::check_model_gradients(*h.model, *h.be, g, objective, 4, 1e-5, 1e-6, 1e-9);
+  };
+  Config llama = test::tiny_llama_config();  // untied, RoPE, SwiGLU
+  check(llama, 1, 0.3);
+  Config tied = test::tiny_llama_config();
+  tied.model.untie_embeddings_and_output_weights = false;
+  tied.model.hidden_dropout = 0.1;  // (the rolled embedding's dropout and the layers')
+  check(tied, 2, 0.1);
+  Config gpt = test::tiny_gpt_config();  // LayerNorm and biases, no position embedding
+  gpt.model.position_embedding_type = PositionEmbedding::none;
+  check(gpt, 1, 0.5);
+  Config mla = tiny_mla_config();
+  check(mla, 1, 0.2);
+  Config moe = test::tiny_llama_config();  // the mtp layer is an MoE layer, as the last decoder layer
+  moe.model.moe.num_experts = 4;
+  moe.model.moe.router_topk = 4;  // (every expert: no choice for the differences to flip)
+  moe.model.moe.ffn_hidden_size = 12;
+  moe.model.moe.layer_freq = 1;
+  moe.model.moe.moe_layer = {0, 1};
+  check(moe, 1, 0.3);
+}
+
 TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradients of keeping it", "[model][mla]") {
   for (const int variant : {0, 1, 2}) {
     Config c = tiny_mla_config();

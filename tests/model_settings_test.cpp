@@ -41,7 +41,7 @@ Args non_default_model() {
       "--window-size 7,0 --window-attn-skip-freq 3 --num-experts 4 --moe-ffn-hidden-size 48 "
       "--moe-layer-freq ([0]+[1]*2) --moe-router-topk 3 --moe-router-score-function sigmoid --moe-router-pre-softmax "
       "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2 --moe-router-group-topk 1 "
-      "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-grouped-gemm "
+      "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-grouped-gemm --mtp-num-layers 1 "
       "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000");
 }
 

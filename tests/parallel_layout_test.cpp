@@ -236,7 +236,15 @@ TEST_CASE("pipeline layout: an explicit layout places the layers, with Megatron'
   CHECK_THROWS_WITH(pipeline_chunks(s), Contains("the last layer must be the loss (L)"));
   s.layout = parse_pipeline_layout("Et|tt|t|tmL");
   s.num_layers = 5;
-  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("multi-token prediction layers (m)"));
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("it holds 1 multi-token prediction layers (m), --mtp-num-layers is 0"));
+  s.mtp = 1;  // after the last stage's decoder layers: the head's depths
+  const std::vector<ModelChunk> with_mtp = pipeline_chunks(s);
+  CHECK((with_mtp.back().has_output && with_mtp.back().num_layers == 1));
+  s.layout = parse_pipeline_layout("Et|tt|tm|tL");  // a standalone MTP stage
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("other than after the decoder layers of the stage with the loss"));
+  s.layout = parse_pipeline_layout("Et|tt|t|mtL");
+  CHECK_THROWS_WITH(pipeline_chunks(s), Contains("other than after the decoder layers of the stage with the loss"));
+  s.mtp = 0;
   s.layout = parse_pipeline_layout("Et|tt|ttL");
   CHECK_THROWS_WITH(pipeline_chunks(s), Contains("has 3 stages, not --pipeline-model-parallel-size 2 x 2"));
   s.layout = parse_pipeline_layout("|Ett|tt|tL");

@@ -57,3 +57,22 @@ TEST_CASE("megatrain on a machine without a usable GPU says to use --device cpu"
   CHECK(r.code == 1);
   CHECK(r.out.find("--device cpu") != std::string::npos);
 }
+
+TEST_CASE("megatrain --mtp-num-layers 2 prints Megatron's mtp losses after lm loss", "[binary][mtp]") {
+  const Result r = run(std::string("--device cpu --train-iters 10 --position-embedding-type rope --mtp-num-layers 2 ") +
+                       kTinyRun);
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  const std::regex line(R"(lm loss: (\d\.\d{6}E\+00) \| mtp_1 loss: (\d\.\d{6}E\+00) \| mtp_2 loss: (\d\.\d{6}E\+00) \| )"
+                        R"(loss scale: 1\.0 \|)");
+  std::smatch m;
+  REQUIRE(std::regex_search(r.out, m, line));
+  // Each depth predicts from the vocabulary of 64 tokens: its loss starts near ln 64 = 4.16 and is
+  // its own (not lm loss).
+  for (int k = 1; k <= 3; ++k) {
+    const double v = std::stod(m[k].str());
+    CHECK(v > 2.0);
+    CHECK(v < 6.0);
+  }
+  CHECK(m[2].str() != m[1].str());
+}

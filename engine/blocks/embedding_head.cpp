@@ -28,6 +28,23 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
   const Workspace& w = *ws_;
   if (!norm_done) be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
   gather_rows(w.y);
+  output_layer_loss(s, w.y, s.labels, s.mask, s.dloss, s.training ? train_loss_ : eval_loss_);
+  if (!s.training) return;
+  Tensor dy = reduce_rows(w.gT);
+  if (d_.stage_mtp_layers() > 0) {  // the mtp depths read the final norm's output: they add to its gradient
+    be_.copy(w.mtp_dy0, dy);
+    mtp_forward_backward(s, w.mtp_dy0);
+    dy = w.mtp_dy0;
+  }
+  const int last = d_.decoder_layers() - 1;
+  const Tensor last_fc2_db = last >= 0 && fc2_bias_grad_from_norm(last) ? layer_grads_[last].fc2_b : Tensor();
+  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, dy, x, w.fmean, w.frstd, G.final_w, Tensor(), last_fc2_db,
+                    norm_);
+}
+
+void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor mask, Tensor dloss, Tensor sums) {
+  const Globals& G = *globals_;
+  const Workspace& w = *ws_;
   // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
   // their gradient) exist for one chunk at a time; the head's whole backward but the final norm
   // happens per chunk. Vocab-parallel cross-entropy: per-shard log-sum-exp, gathered and
@@ -36,14 +53,13 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
   for (int64_t r0 = 0; r0 < N; r0 += logits_rows_) {
     const int64_t rows = std::min(logits_rows_, N - r0);
     const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
-    const Tensor y = w.y.row_slice(r0, rows), labels = s.labels.flat_slice(r0, rows);
-    be_.linear_forward(logits, y, G.out_w, Tensor(), Activation::none, Tensor());
+    const Tensor yr = y.row_slice(r0, rows), labels = labels_all.flat_slice(r0, rows);
+    be_.linear_forward(logits, yr, G.out_w, Tensor(), Activation::none, Tensor());
     Tensor lse = w.lse_part.flat_slice(r0, rows);
     // Training on the whole vocabulary (no TP): the loss and dlogits (in place) in one pass.
     const bool fused_ce = s.training && tp == 1;
     if (fused_ce)
-      be_.cross_entropy_forward_backward(lse, w.target.flat_slice(r0, rows), logits, labels,
-                                         s.dloss.flat_slice(r0, rows));
+      be_.cross_entropy_forward_backward(lse, w.target.flat_slice(r0, rows), logits, labels, dloss.flat_slice(r0, rows));
     else
       be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, labels, d_.vocab_start());
     if (tp > 1) {
@@ -55,18 +71,13 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
     if (!s.training) continue;
     // The output layer's backward, now: dlogits in place of the logits.
     if (!fused_ce)
-      be_.cross_entropy_backward(logits, logits, labels, lse, s.dloss.flat_slice(r0, rows), d_.vocab_start());
-    be_.linear_backward_weight(G.dout_w, Tensor(), logits, y, accumulate_weight_grad(G.dout_w));
+      be_.cross_entropy_backward(logits, logits, labels, lse, dloss.flat_slice(r0, rows), d_.vocab_start());
+    be_.linear_backward_weight(G.dout_w, Tensor(), logits, yr, accumulate_weight_grad(G.dout_w));
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
   if (tp > 1) ps_.tp->all_reduce(w.target);
   be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
-  be_.masked_loss_sum(s.training ? train_loss_ : eval_loss_, w.loss, s.mask, true);
-  if (!s.training) return;
-  const int last = d_.stage_layers() - 1;
-  const Tensor last_fc2_db = last >= 0 && fc2_bias_grad_from_norm(last) ? layer_grads_[last].fc2_b : Tensor();
-  be_.norm_backward(s.d_output, G.dfinal_w, G.dfinal_b, reduce_rows(w.gT), x, w.fmean, w.frstd, G.final_w, Tensor(),
-                    last_fc2_db, norm_);
+  be_.masked_loss_sum(sums, w.loss, mask, true);
 }
 
 void GptModel::embedding_backward(Slot& s, Tensor grad) {

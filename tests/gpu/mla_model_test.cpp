@@ -1,6 +1,7 @@
 // A small multi-latent-attention model (engine/blocks/mla.cpp) on the CUDA backend against the same
 // model on the reference backend: the same parameters, one training micro-batch, the loss and every
-// parameter's gradient; float32 and bf16, with and without a query rank.
+// parameter's gradient; float32 and bf16, with and without a query rank, and with multi-token
+// prediction depths (engine/blocks/mtp.cpp: their losses' gradients too).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -22,6 +23,7 @@ struct MlaCase {
   int q_lora, kv_lora, nope, rope, v, seq, batch;
   bool latent_norm;
   DType dtype;
+  int mtp = 0;
 };
 
 Config mla_config(const MlaCase& k) {
@@ -53,6 +55,7 @@ Config mla_config(const MlaCase& k) {
   m.qk_layernorm = k.latent_norm;
   m.rotary_scaling_factor = 40;
   m.mscale_all_dim = 1.0;
+  if (k.mtp > 0) m.mtp_num_layers = k.mtp;
   c.train.micro_batch_size = k.batch;
   c.train.global_batch = k.batch;
   c.train.num_microbatches = 1;
@@ -93,11 +96,13 @@ Run run(Backend& be, const Config& c, DType T, const std::vector<double>& w, con
 
 }  // namespace
 
-TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][mla][model]") {
+TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][mla][mtp][model]") {
   for (const MlaCase& k : {MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::f32},
                            MlaCase{0, 16, 8, 8, 12, 17, 3, true, DType::f32},   // direct queries, odd rows
                            MlaCase{0, 20, 12, 4, 8, 33, 1, false, DType::f32},  // no latent norms
-                           MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16}}) {
+                           MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16},
+                           MlaCase{32, 24, 16, 8, 16, 17, 3, true, DType::f32, 2},    // two mtp depths
+                           MlaCase{0, 16, 8, 8, 12, 32, 2, false, DType::bf16, 1}}) {
     const Config c = mla_config(k);
     MicroBatch mb;
     mb.batch = k.batch;
@@ -115,7 +120,7 @@ TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][
     const bool bf16 = k.dtype == DType::bf16;
     for (double& v : w) v = bf16 ? round_to(DType::bf16, v) : v * 4.0;
     const Run r = run(ref(), c, DType::f32, w, mb);
-    INFO("q_lora " << k.q_lora << " kv_lora " << k.kv_lora << " d " << k.nope << "+" << k.rope << "/" << k.v
+    INFO("mtp " << k.mtp << " q_lora " << k.q_lora << " kv_lora " << k.kv_lora << " d " << k.nope << "+" << k.rope << "/" << k.v
                    << " rows " << n << (bf16 ? " bf16" : " float32") << " (seed " << rng.seed() << ")");
     const Run g = run(dev(), c, k.dtype, w, mb);
     const double tol = bf16 ? 3e-2 : 2e-3;

@@ -391,3 +391,32 @@ megatrain_parallel_train_test(parallel_train_mla_direct_tp2 --model "--multi-lat
 # ... and recomputing MLA's attention input in backward (the latents kept), with the norm outputs.
 megatrain_parallel_train_test(parallel_train_mla_recompute_up_tp2_sp --model "${mla_model}" 2 --tensor-model-parallel-size 2
                               --sequence-parallel --recompute-granularity selective --recompute-modules mla_up_proj layernorm)
+# Multi-token prediction (two depths after the decoder, tied embeddings): TP 2 with SP (the input
+# projection column-parallel, gathered to whole rows), PP 2 (the depths on the last stage, reading
+# its copy of the word embeddings), DP 2 with the distributed optimizer.
+set(mtp_model "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3")
+megatrain_parallel_train_test(parallel_train_mtp_tp2_sp --model "${mtp_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_mtp_pp2 --model "${mtp_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mtp_dp2_distopt --model "${mtp_model}" 2 --use-distributed-optimizer)
+# A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
+# expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
+# TP 2 (+SP) x EP 2 x PP 2.
+set(dsv3_proxy "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 \
+--v-head-dim 8 --qk-layernorm --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+--rotary-scaling-factor 40 --mscale-all-dim 1.0 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 16 \
+--moe-router-score-function sigmoid --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 \
+--moe-router-enable-expert-bias --moe-shared-expert-intermediate-size 16 --moe-layer-freq '([0]+[1]*3)' --moe-grouped-gemm \
+--mtp-num-layers 1")
+megatrain_parallel_train_test(parallel_train_dsv3_proxy_tp2_ep2_pp2 --model "${dsv3_proxy}" 8 --tensor-model-parallel-size 2
+                              --sequence-parallel --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+# ... with an untied output layer over PP 2 (the last stage's own copy of the word embeddings, its
+# gradient summed with the first stage's over the embedding group), interleaved, and placed by
+# Megatron's layout (m after the last stage's decoder layers).
+megatrain_parallel_train_test(parallel_train_mtp_pp2_untied --model "${mtp_model} --untie-embeddings-and-output-weights" 2
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mtp_pp2_vpp2 --model "${mtp_model}" 2 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_mtp_pp2_layout --model "${mtp_model}" 2 --pipeline-model-parallel-size 2
+                              --pipeline-model-parallel-layout "'Ett|ttmmL'")
