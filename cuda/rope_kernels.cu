@@ -136,17 +136,8 @@ void mla_qkv(const KernelContext& ctx, Tensor qkv, Tensor q, Tensor kv, Tensor d
              const MlaShape& m, bool backward) {
   const char* what = backward ? "mla_qkv_backward" : "mla_qkv_forward";
   const int64_t N = qkv.rows();
-  MT_CHECK(m.heads > 0 && m.nope_dim >= 0 && m.rope_dim > 0 && m.v_dim > 0 && m.v_dim <= m.qk_dim() &&
-               m.rot_dim % 2 == 0 && m.rot_dim > 0 && m.rot_dim <= m.rope_dim,
-           "{}: heads {} nope {} rope {} (rotated {}) v {}", what, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
-  MT_CHECK(qkv.cols() == m.qkv_width() && q.rows() == N && q.cols() == m.q_width() && kv.rows() == N &&
-               kv.cols() == m.kv_width() && down.rows() == N && down.cols() >= m.kr_col + m.rope_dim,
-           "{}: qkv {} q {} kv {} down {} for {} heads", what, qkv.shape_string(), q.shape_string(), kv.shape_string(),
-           down.shape_string(), m.heads);
-  MT_CHECK(qkv.dtype == q.dtype && q.dtype == kv.dtype && kv.dtype == down.dtype, "{}: mixed dtypes", what);
-  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "{}: positions [{}] int32", what, N);
-  MT_CHECK(cos_sin.cols() == m.rot_dim && cos_sin.dtype == DType::f32, "{}: cos_sin {} must be float32 [*, {}]", what,
-           cos_sin.shape_string(), m.rot_dim);
+  check_mla_qkv_args(what, qkv, q, kv, down, positions, cos_sin, m);
+  MT_CHECK(cos_sin.dtype == DType::f32, "{}: cos_sin must be float32", what);
   MT_CHECK(N < (int64_t{1} << 31), "{}: too many rows", what);
   if (N == 0) return;
   const int64_t work = backward ? m.q_width() + m.kv_width() + m.rope_dim : m.qkv_width();

@@ -35,6 +35,21 @@ void Backend::moe_capacity_drop(Tensor kept, Tensor idx, Tensor probs, int num_e
   copy_from_host(kept, out.data());
 }
 
+void check_mla_qkv_args(const char* what, const Tensor& qkv, const Tensor& q, const Tensor& kv, const Tensor& down,
+                        const Tensor& positions, const Tensor& cos_sin, const MlaShape& m) {
+  const int64_t N = qkv.rows();
+  MT_CHECK(m.heads > 0 && m.nope_dim >= 0 && m.rope_dim > 0 && m.v_dim > 0 && m.v_dim <= m.qk_dim() &&
+               m.rot_dim % 2 == 0 && m.rot_dim > 0 && m.rot_dim <= m.rope_dim,
+           "{}: heads {} nope {} rope {} (rotated {}) v {}", what, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
+  MT_CHECK(qkv.cols() == m.qkv_width() && q.rows() == N && q.cols() == m.q_width() && kv.rows() == N &&
+               kv.cols() == m.kv_width() && down.rows() == N && down.cols() >= m.kr_col + m.rope_dim,
+           "{}: qkv {} q {} kv {} down {} for {} heads", what, qkv.shape_string(), q.shape_string(), kv.shape_string(),
+           down.shape_string(), m.heads);
+  MT_CHECK(qkv.dtype == q.dtype && q.dtype == kv.dtype && kv.dtype == down.dtype, "{}: mixed dtypes", what);
+  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "{}: positions [{}] int32", what, N);
+  MT_CHECK(cos_sin.cols() == m.rot_dim, "{}: cos_sin {} must be [*, {}]", what, cos_sin.shape_string(), m.rot_dim);
+}
+
 void Backend::copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t cols) {
   MT_CHECK(dst.dtype == src.dtype && dst.rows() == src.rows() && dst_col >= 0 && src_col >= 0 && cols >= 0 &&
                dst_col + cols <= dst.cols() && src_col + cols <= src.cols(),

@@ -135,6 +135,11 @@ struct MlaShape {
   int64_t kv_width() const { return int64_t{heads} * (nope_dim + v_dim); }
 };
 
+// Backend::mla_qkv_forward's and _backward's argument checks (both backends): qkv is the packed
+// input (or its gradient), q, kv and down its sources (or their gradients).
+void check_mla_qkv_args(const char* what, const Tensor& qkv, const Tensor& q, const Tensor& kv, const Tensor& down,
+                        const Tensor& positions, const Tensor& cos_sin, const MlaShape& m);
+
 // The gated QKV projection's layout (Backend::attention_gate_split): query groups on this rank,
 // query heads per group, head dimension.
 struct GateShape {

@@ -785,10 +785,11 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
         reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
       }
     }
-  // Multi-token prediction (no CP: whole sequences here): depth j's rows rolled j + 1 positions left
-  // within each sequence, zeros past its end; its loss gradient is (scale / D) times the main loss's
-  // seed over its own tokens (Megatron's MTPLossAutoScaler), times the unrolled count n0 with
-  // per-token loss.
+  // Multi-token prediction: depth j's rows rolled j + 1 positions left within each sequence, zeros
+  // past its end (the micro-batch holds whole sequences: with CP each rank takes its positions of
+  // the rolled ones, Megatron's roll across the CP ranks); its loss gradient is (scale / D) times
+  // the main loss's seed over this rank's tokens of it (Megatron's MTPLossAutoScaler: the local
+  // count), times the unrolled count n0 with per-token loss.
   const auto io_offset = [&](const Tensor& t) {  // (views into the slot's io block)
     return static_cast<size_t>(static_cast<const char*>(t.data) - static_cast<const char*>(s.io.data));
   };
@@ -799,15 +800,19 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
     auto* lab = reinterpret_cast<int32_t*>(h + io_offset(r.labels));
     double n = 0;
     for (int i = 0; i < b; ++i)
-      for (int64_t t = roll; t < whole; ++t) n += mb.loss_mask[static_cast<size_t>(i * whole + t)];
+      for (int t = 0; t < sq; ++t) {
+        const int64_t tg = d_.global_position(t);
+        if (tg + roll < whole) n += mb.loss_mask[static_cast<size_t>(i * whole + tg + roll)];
+      }
     const double coef = d_.mtp_scale * (per_token_loss ? loss_grad_scale * mb_tokens / std::max(1.0, n)
                                                        : loss_grad_scale / std::max(1.0, n));
     const size_t offs[3] = {io_offset(r.mask), io_offset(r.log_weight), io_offset(r.dloss)};
     for (int i = 0; i < b; ++i)
-      for (int64_t t = 0; t < whole; ++t) {
+      for (int t = 0; t < sq; ++t) {
+        const int64_t tg = d_.global_position(t);
         const size_t dst = static_cast<size_t>(t) * b + i;
-        const bool in = t + roll < whole;
-        const size_t src = in ? static_cast<size_t>(i * whole + t + roll) : 0;
+        const bool in = tg + roll < whole;
+        const size_t src = in ? static_cast<size_t>(i * whole + tg + roll) : 0;
         tok[dst] = in ? mb.tokens[src] : 0;
         lab[dst] = in ? mb.labels[src] : 0;
         const double m = in ? mb.loss_mask[src] : 0.0;

@@ -221,9 +221,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   if (d.mtp > 0) {
     // What the multi-token prediction layers do not run yet (named, never silently wrong).
     if (cfg.train.fp8_format) throw Unsupported("--mtp-num-layers with --fp8-format is not supported yet");
-    if (d.cp_size > 1)
-      throw Unsupported("--mtp-num-layers with --context-parallel-size > 1 is not supported yet (the rolled tokens "
-                        "cross the context-parallel ranks)");
     if (d.mtp > 6) throw Unsupported(fmt::format("--mtp-num-layers {} is not supported yet (at most 6)", d.mtp));
     for (int w : d.window_left)
       if (w >= 0) throw Unsupported("--mtp-num-layers with --window-size is not supported yet");

@@ -15,6 +15,16 @@ namespace mt {
 // log line every --log-interval iterations (and after the first) from averages over the interval.
 // The engine may call on_iteration for every iteration (interval_end marks the log-line ones) or
 // only at log intervals (interval_end left true; TensorBoard then sees only those iterations).
+// The order of the training losses in Megatron's log line (its total_loss_dict): lm loss, the MoE
+// losses (by name), then the multi-token prediction depths' mtp_<j> loss.
+struct LossOrder {
+  static int rank(const std::string& k) { return k == "lm loss" ? 0 : k.rfind("mtp_", 0) == 0 ? 2 : 1; }
+  bool operator()(const std::string& a, const std::string& b) const {
+    return rank(a) != rank(b) ? rank(a) < rank(b) : a < b;
+  }
+};
+using LossMap = std::map<std::string, double, LossOrder>;
+
 struct IterationStats {
   int64_t iteration = 0;
   bool interval_end = true;        // this iteration ends a log interval: the averaged fields are valid
@@ -31,9 +41,9 @@ struct IterationStats {
   std::optional<double> learning_rate;   // after this iteration's scheduler step
   std::optional<double> decoupled_learning_rate;
   int64_t global_batch_size = 0;
-  std::map<std::string, double> losses;  // "lm loss" -> average over the interval
+  LossMap losses;  // "lm loss" -> average over the interval
   // This iteration's own reduced losses (what Megatron writes to TensorBoard); empty: use `losses`.
-  std::map<std::string, double> iteration_losses;
+  LossMap iteration_losses;
   // --moe-per-layer-logging: TensorBoard tag (Megatron's moe/<name>_layer_<i>) -> this iteration's value.
   std::vector<std::pair<std::string, double>> moe_layer_scalars;
   double loss_scale = 1.0;

@@ -6,10 +6,12 @@
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/reporter.h"
 #include "engine/rope_table.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
@@ -88,6 +90,16 @@ TEST_CASE("rope table: YaRN frequencies and concentration (Megatron's YarnRotary
   const double ramp5 = (5 - corr(32)) / (corr(1) - corr(32));
   CHECK(yarn_inverse_frequencies(d, 10000, frac)[5] == Approx(plain[5] / 40.0 * ramp5 + plain[5] * (1 - ramp5)).epsilon(1e-6));
   CHECK(yarn_inverse_frequencies(d, 10000, frac)[5] < f[5]);
+}
+
+TEST_CASE("the log line's losses come in Megatron's order: lm loss, the MoE losses, the mtp depths", "[mtp]") {
+  LossMap m;
+  for (const char* k : {"z_loss", "mtp_2 loss", "seq_load_balancing_loss", "lm loss", "mtp_1 loss", "load_balancing_loss"})
+    m[k] = 1.0;
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : m) keys.push_back(k);
+  CHECK(keys == std::vector<std::string>{"lm loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss",
+                                         "mtp_1 loss", "mtp_2 loss"});
 }
 
 TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {

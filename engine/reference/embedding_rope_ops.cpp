@@ -155,16 +155,7 @@ namespace {
 void check_mla(const char* what, Tensor qkv, Tensor q, Tensor kv, Tensor down, Tensor positions, Tensor cos_sin,
                const MlaShape& m) {
   const int64_t N = qkv.rows();
-  MT_CHECK(m.heads > 0 && m.nope_dim >= 0 && m.rope_dim > 0 && m.v_dim > 0 && m.v_dim <= m.qk_dim() &&
-               m.rot_dim % 2 == 0 && m.rot_dim > 0 && m.rot_dim <= m.rope_dim,
-           "{}: heads {} nope {} rope {} (rotated {}) v {}", what, m.heads, m.nope_dim, m.rope_dim, m.rot_dim, m.v_dim);
-  MT_CHECK(qkv.cols() == m.qkv_width() && q.rows() == N && q.cols() == m.q_width() && kv.rows() == N &&
-               kv.cols() == m.kv_width() && down.rows() == N && down.cols() >= m.kr_col + m.rope_dim,
-           "{}: qkv {} q {} kv {} down {} for {} heads", what, qkv.shape_string(), q.shape_string(), kv.shape_string(),
-           down.shape_string(), m.heads);
-  MT_CHECK(qkv.dtype == q.dtype && q.dtype == kv.dtype && kv.dtype == down.dtype, "{}: mixed dtypes", what);
-  MT_CHECK(positions.dtype == DType::i32 && positions.numel() == N, "{}: positions [{}] int32", what, N);
-  MT_CHECK(cos_sin.cols() == m.rot_dim, "{}: table width {} != rotated dims {}", what, cos_sin.cols(), m.rot_dim);
+  check_mla_qkv_args(what, qkv, q, kv, down, positions, cos_sin, m);
   const int32_t* pos = positions.ptr<int32_t>();
   for (int64_t n = 0; n < N; ++n)  // checked here: worker threads must not throw
     MT_CHECK(pos[n] >= 0 && pos[n] < cos_sin.rows(), "{}: position {} outside the table of {}", what, pos[n],

@@ -1,0 +1,34 @@
+// A whole small model on the CUDA backend against the same model on the reference backend (the MoE,
+// MLA and MTP GPU tests): one training micro-batch from the same parameters, its loss, logged MoE
+// losses and every parameter's gradient.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "data/batch.h"
+#include "engine/backend.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace mt::gputest {
+
+struct ModelRun {
+  double loss = 0, aux = 0, z = 0;  // lm loss; the MoE aux and z-loss sums (0 without MoE)
+  std::vector<double> grads;
+};
+
+// One training micro-batch of `c` on `be` in dtype T from the float parameters `w` (the reference
+// model's, in its flat order; both models lay parameters out alike), or with init: the model's own
+// initialization, whose float values are written to *init.
+ModelRun run_model_micro_batch(Backend& be, const Config& c, DType T, const std::vector<double>& w,
+                               const MicroBatch& mb, std::vector<double>* init = nullptr);
+
+// A micro-batch of random tokens and labels below `vocab`, every seventh row from the fourth masked out.
+MicroBatch random_micro_batch(Rng& rng, int batch, int seq, int vocab);
+
+// The gradients of a device run against the reference's: each element within 5e-3 of the largest
+// (float32 only) and the whole vector's relative error norm within 2e-3 (bf16: 5e-2).
+void check_gradients_close(const std::vector<double>& got, const std::vector<double>& want, bool bf16);
+
+}  // namespace mt::gputest
