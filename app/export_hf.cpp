@@ -56,6 +56,9 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (m.position_embedding_type == PositionEmbedding::yarn)
     throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
+  if (m.mtp_num_layers.value_or(0) > 0)  // (inference models have none; the file names what is left out)
+    fmt::print(stderr, "note: export-hf leaves out the {} multi-token prediction layer(s) (mtp.layers.*): the Hugging "
+                       "Face model has no place for them\n", *m.mtp_num_layers);
   const DType dtype = reader.info("embedding.word_embeddings.weight").dtype;
   spec.torch_dtype = torch_dtype_of(dtype);
   if (rs.config.contains("derived")) {

@@ -28,25 +28,8 @@ struct MlaCase {
 };
 
 Config mla_config(const MlaCase& k) {
-  Config c;
+  Config c = small_llama_config(2, k.seq, k.batch);
   ModelConfig& m = c.model;
-  m.num_layers = 2;
-  m.hidden_size = 64;
-  m.num_attention_heads = 4;
-  m.max_position_embeddings = k.seq;
-  m.seq_length = k.seq;
-  m.vocab_size = 96;
-  m.padded_vocab_size = 96;
-  m.attention_dropout = 0;
-  m.hidden_dropout = 0;
-  m.normalization = Normalization::rmsnorm;
-  m.swiglu = true;
-  m.position_embedding_type = PositionEmbedding::rope;
-  m.untie_embeddings_and_output_weights = true;
-  m.add_bias_linear = false;
-  m.head_dim = 16;
-  m.query_groups = 4;
-  m.ffn_size = 96;
   m.multi_latent_attention = true;
   if (k.q_lora > 0) m.q_lora_rank = k.q_lora;
   m.kv_lora_rank = k.kv_lora;
@@ -57,10 +40,6 @@ Config mla_config(const MlaCase& k) {
   m.rotary_scaling_factor = 40;
   m.mscale_all_dim = 1.0;
   if (k.mtp > 0) m.mtp_num_layers = k.mtp;
-  c.train.micro_batch_size = k.batch;
-  c.train.global_batch = k.batch;
-  c.train.num_microbatches = 1;
-  c.train.device = DeviceKind::gpu;
   return c;
 }
 

@@ -43,6 +43,33 @@ ModelRun run_model_micro_batch(Backend& be, const Config& c, DType T, const std:
   return r;
 }
 
+Config small_llama_config(int layers, int seq, int batch) {
+  Config c;
+  ModelConfig& m = c.model;
+  m.num_layers = layers;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.max_position_embeddings = seq;
+  m.seq_length = seq;
+  m.vocab_size = 96;
+  m.padded_vocab_size = 96;
+  m.attention_dropout = 0;
+  m.hidden_dropout = 0;
+  m.normalization = Normalization::rmsnorm;
+  m.swiglu = true;
+  m.position_embedding_type = PositionEmbedding::rope;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  m.head_dim = 16;
+  m.query_groups = 4;
+  m.ffn_size = 96;
+  c.train.micro_batch_size = batch;
+  c.train.global_batch = batch;
+  c.train.num_microbatches = 1;
+  c.train.device = DeviceKind::gpu;
+  return c;
+}
+
 MicroBatch random_micro_batch(Rng& rng, int batch, int seq, int vocab) {
   MicroBatch mb;
   mb.batch = batch;

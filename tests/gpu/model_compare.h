@@ -24,6 +24,11 @@ struct ModelRun {
 ModelRun run_model_micro_batch(Backend& be, const Config& c, DType T, const std::vector<double>& w,
                                const MicroBatch& mb, std::vector<double>* init = nullptr);
 
+// A small Llama-style model (h 64, 4 heads, RMSNorm, SwiGLU MLP of 96, RoPE, untied, no biases,
+// vocabulary 96, no dropout) of `layers` layers over sequences of `seq`, trained one micro-batch of
+// `batch` at a time on the GPU: the MoE and MLA model tests set their parts on it.
+Config small_llama_config(int layers, int seq, int batch);
+
 // A micro-batch of random tokens and labels below `vocab`, every seventh row from the fourth masked out.
 MicroBatch random_micro_batch(Rng& rng, int batch, int seq, int vocab);
 

@@ -21,25 +21,10 @@ using namespace mt::gputest;
 namespace {
 
 Config moe_config(int experts, int topk, int seq, int batch) {
-  Config c;
+  Config c = small_llama_config(3, seq, batch);
   ModelConfig& m = c.model;
-  m.num_layers = 3;
-  m.hidden_size = 64;
-  m.num_attention_heads = 4;
-  m.group_query_attention = true;
+  m.group_query_attention = true;  // (GQA, and a dense MLP of 80 between the MoE layers)
   m.num_query_groups = 2;
-  m.max_position_embeddings = seq;
-  m.seq_length = seq;
-  m.vocab_size = 96;
-  m.padded_vocab_size = 96;
-  m.attention_dropout = 0;
-  m.hidden_dropout = 0;
-  m.normalization = Normalization::rmsnorm;
-  m.swiglu = true;
-  m.position_embedding_type = PositionEmbedding::rope;
-  m.untie_embeddings_and_output_weights = true;
-  m.add_bias_linear = false;
-  m.head_dim = 16;
   m.query_groups = 2;
   m.ffn_size = 80;
   m.moe.num_experts = experts;
@@ -50,10 +35,6 @@ Config moe_config(int experts, int topk, int seq, int batch) {
   m.moe.z_loss_coeff = 0.001;
   m.moe.shared_expert_intermediate_size = 24;
   m.moe.shared_expert_gate = true;
-  c.train.micro_batch_size = batch;
-  c.train.global_batch = batch;
-  c.train.num_microbatches = 1;
-  c.train.device = DeviceKind::gpu;
   return c;
 }
 
