@@ -142,7 +142,6 @@ void GptModel::mtp_forward_backward(Slot& s, Tensor dy0) {
                       Tensor(), Tensor(), norm_);
   }
   be_.axpby(dy0, 1.0f, dy0, 1.0f, w.mtp_carry);
-  (void)N;
 }
 
 }  // namespace mt
