@@ -169,6 +169,10 @@ void add_model_flags(FlagTable& t) {
                                                         true);
   t.value("--mtp-loss-scaling-factor", "multi-token prediction: the weight of the D losses' mean",
           MT_FIELD(model.mtp_loss_scaling_factor));
+  t.recognised("--mtp-use-repeated-layer", Arity::none, "", "off", "multi-token prediction: one layer's weights for every depth");
+  t.recognised("--mtp-detach-heads", Arity::none, "", "off",
+               "multi-token prediction: no gradient from the depths into the decoder, embedding and output layer");
+  t.recognised("--mtp-hsm", Arity::none, "", "off", "multi-token prediction: hidden-state mixing");
   t.value("--rotary-scaling-factor", "YaRN: the context scaling factor s", MT_FIELD(model.rotary_scaling_factor))
       .model_setting("rotary_scaling_factor", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--mscale", "YaRN: the mscale term of the concentration factor", MT_FIELD(model.mscale))
