@@ -4,8 +4,11 @@
 
 #include "core/config.h"
 #include "engine/flops.h"
+#include "engine/model_dims.h"
+#include "engine/param_layout.h"
 #include "engine/param_count.h"
 #include "parallel/pipeline_layout.h"
+#include "tests/engine_test_util.h"
 
 using namespace mt;
 
@@ -115,4 +118,60 @@ TEST_CASE("FLOPs: Megatron's formula (HEAD, causal halving)", "[engine][flops]")
   // GPT-3 175B per token: 12*12288*49152*96 = 695,784,701,952; 6*96*4*12288^2 =
   // 347,892,350,976; 6*12288*51200 = 3,774,873,600; 2048*6*12288*96 = 14,495,514,624.
   CHECK(flops_per_token(gpt3_175b()) == Approx(1061947441152.0).epsilon(1e-12));
+}
+
+TEST_CASE("FLOPs: multi-latent attention and multi-token prediction (Megatron's terms)", "[engine][flops][mla][mtp]") {
+  ModelConfig m = llama3_8b();
+  m.num_layers = 4;
+  m.hidden_size = 1024;
+  m.num_attention_heads = 8;
+  m.group_query_attention = false;
+  m.query_groups = 8;
+  m.seq_length = 1024;
+  m.ffn_size = 2816;
+  m.vocab_size = m.padded_vocab_size = 32000;
+  m.multi_latent_attention = true;
+  m.q_lora_rank = 256;
+  m.kv_lora_rank = 128;
+  m.qk_head_dim = 64;
+  m.qk_pos_emb_head_dim = 32;
+  m.v_head_dim = 64;
+  m.mtp_num_layers = 1;
+  // Per token, L + D = 5 layers: MLA's linear part 6 [256 (1024 + 8*96 + 1) + 128 (1024 + 8*128 + 1)
+  // + 1024*32 + 8*64*1024] x 5 = 38,350,080; its core 6 (8*96/2 + 8*64/2) x 1024 x 5 = 19,660,800;
+  // the SwiGLU MLPs 18*1024*2816 x 5 = 259,522,560; the depth's norms and projection
+  // 6 (3*1024 + 2*1024^2) = 12,601,344; two output layers 6*1024*32000*2 = 393,216,000.
+  CHECK(flops_per_token(m) == Approx(723350784.0).epsilon(1e-12));
+  m.mtp_num_layers.reset();  // 4 layers, one output layer
+  CHECK(flops_per_token(m) ==
+        Approx(38350080.0 * 4 / 5 + 19660800.0 * 4 / 5 + 259522560.0 * 4 / 5 + 6.0 * 1024 * 32000).epsilon(1e-12));
+}
+
+TEST_CASE("parameters: MLA, MoE and MTP counts equal the model's own parameter list", "[engine][params][mla][mtp]") {
+  for (const bool q_lora : {true, false}) {
+    Config c = test::tiny_llama_config();
+    ModelConfig& m = c.model;
+    m.group_query_attention = false;
+    m.multi_latent_attention = true;
+    if (q_lora) m.q_lora_rank = 12;
+    m.kv_lora_rank = 8;
+    m.qk_head_dim = 6;
+    m.qk_pos_emb_head_dim = 4;
+    m.v_head_dim = 5;
+    m.qk_layernorm = true;
+    m.num_layers = 3;
+    m.moe.num_experts = 4;
+    m.moe.router_topk = 2;
+    m.moe.ffn_hidden_size = 12;
+    m.moe.moe_layer = {0, 1, 1};
+    m.mtp_num_layers = 2;
+    test::derive(c);
+    const ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    int64_t listed = 0, total = 0;
+    for (const ParamDesc& p : build_param_descs(d, &total))
+      if (!p.shared_copy) listed += p.shard.global_rows * p.shard.global_cols;
+    INFO("query rank " << q_lora);
+    CHECK(count_parameters(m).total == listed);
+    CHECK(stage_parameters_per_rank(m, stage_chunks(PipelineSplit::from_config(c), 0), 1, 1) == listed);
+  }
 }
