@@ -149,16 +149,9 @@ TEST_CASE("FLOPs: multi-latent attention and multi-token prediction (Megatron's 
 
 TEST_CASE("parameters: MLA, MoE and MTP counts equal the model's own parameter list", "[engine][params][mla][mtp]") {
   for (const bool q_lora : {true, false}) {
-    Config c = test::tiny_llama_config();
+    Config c = test::tiny_mla_config();
     ModelConfig& m = c.model;
-    m.group_query_attention = false;
-    m.multi_latent_attention = true;
-    if (q_lora) m.q_lora_rank = 12;
-    m.kv_lora_rank = 8;
-    m.qk_head_dim = 6;
-    m.qk_pos_emb_head_dim = 4;
-    m.v_head_dim = 5;
-    m.qk_layernorm = true;
+    if (!q_lora) m.q_lora_rank.reset();
     m.num_layers = 3;
     m.moe.num_experts = 4;
     m.moe.router_topk = 2;

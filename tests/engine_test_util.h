@@ -60,6 +60,26 @@ inline Config tiny_llama_config() {
   return c;
 }
 
+// A tiny multi-latent-attention Llama: 4 heads of 6 + 4 query/key dims (RoPE on the 4) and 5 value
+// dims, query rank 12, key/value rank 8, latent norms, YaRN with DeepSeek-V3's terms.
+inline Config tiny_mla_config() {
+  Config c = tiny_llama_config();
+  ModelConfig& m = c.model;
+  m.group_query_attention = false;
+  m.multi_latent_attention = true;
+  m.q_lora_rank = 12;
+  m.kv_lora_rank = 8;
+  m.qk_head_dim = 6;
+  m.qk_pos_emb_head_dim = 4;
+  m.v_head_dim = 5;
+  m.qk_layernorm = true;
+  m.rotary_scaling_factor = 40;  // YaRN (MLA's default rope type)
+  m.mscale = 1.0;
+  m.mscale_all_dim = 1.0;
+  derive(c);
+  return c;
+}
+
 // Both tiny models, for tests that run each: a Config is made in place by its function, because
 // copying Configs out of an initializer list trips GCC 12's -Wmaybe-uninitialized on their
 // std::optional members (a false positive).

@@ -154,39 +154,17 @@ TEST_CASE("model gradient check: --attention-output-gate (Llama with GQA and q/k
   hg.check_all(4);
 }
 
-namespace {
-// A tiny multi-latent-attention Llama: 4 heads of 6 + 4 query/key dims (RoPE on the 4) and 5 value
-// dims, query rank 12, key/value rank 8.
-Config tiny_mla_config() {
-  Config c = test::tiny_llama_config();
-  ModelConfig& m = c.model;
-  m.group_query_attention = false;
-  m.multi_latent_attention = true;
-  m.q_lora_rank = 12;
-  m.kv_lora_rank = 8;
-  m.qk_head_dim = 6;
-  m.qk_pos_emb_head_dim = 4;
-  m.v_head_dim = 5;
-  m.qk_layernorm = true;
-  m.rotary_scaling_factor = 40;  // YaRN (MLA's default rope type) with DeepSeek-V3's terms
-  m.mscale = 1.0;
-  m.mscale_all_dim = 1.0;
-  m.max_position_embeddings = 16;
-  test::derive(c);
-  return c;
-}
-}  // namespace
 
 TEST_CASE("model gradient check: multi-latent attention (query rank and latent norms with YaRN, then direct queries)",
           "[model][gradcheck][mla]") {
-  Config c = tiny_mla_config();
+  Config c = test::tiny_mla_config();
   Harness h(c);
   REQUIRE(h.dims.mla);
   REQUIRE(h.dims.head_dim == 10);
   h.check_all(4);
   // Direct query projection with --qk-layernorm (a second norm of the input), LayerNorm, biases,
   // learned positions beside MLA's own RoPE (rope type rope, half of the 4 dims turned), dropout.
-  Config d = tiny_mla_config();
+  Config d = test::tiny_mla_config();
   d.model.q_lora_rank.reset();
   d.model.normalization = Normalization::layernorm;
   d.model.add_bias_linear = true;
@@ -200,7 +178,7 @@ TEST_CASE("model gradient check: multi-latent attention (query rank and latent n
   REQUIRE(hd.dims.rot_dim == 2);
   hd.check_all(4);
   // Neither the latent norms nor a query rank.
-  Config e = tiny_mla_config();
+  Config e = test::tiny_mla_config();
   e.model.q_lora_rank.reset();
   e.model.qk_layernorm = false;
   test::derive(e);
@@ -243,7 +221,7 @@ TEST_CASE("model gradient check: multi-token prediction (one and two depths, tie
   Config gpt = test::tiny_gpt_config();  // LayerNorm and biases, no position embedding
   gpt.model.position_embedding_type = PositionEmbedding::none;
   check(gpt, 1, 0.5);
-  Config mla = tiny_mla_config();
+  Config mla = test::tiny_mla_config();
   check(mla, 1, 0.2);
   Config moe = test::tiny_llama_config();  // the mtp layer is an MoE layer, as the last decoder layer
   moe.model.moe.num_experts = 4;
@@ -256,7 +234,7 @@ TEST_CASE("model gradient check: multi-token prediction (one and two depths, tie
 
 TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradients of keeping it", "[model][mla]") {
   for (const int variant : {0, 1, 2}) {
-    Config c = tiny_mla_config();
+    Config c = test::tiny_mla_config();
     c.model.num_layers = 3;
     if (variant > 0) c.model.q_lora_rank.reset();
     if (variant == 2) c.model.qk_layernorm = false;  // the up projection reads the input norm's output
@@ -282,7 +260,7 @@ TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradient
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {
   for (const int model : {0, 1})
   for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
-    Config c = model == 0 ? test::tiny_llama_config() : tiny_mla_config();
+    Config c = model == 0 ? test::tiny_llama_config() : test::tiny_mla_config();
     c.model.num_layers = 3;
     c.model.hidden_dropout = 0.1;  // masks must be redrawn identically
     test::derive(c);
@@ -382,7 +360,7 @@ TEST_CASE("norm outputs kept from forward give the gradients of recomputing them
           "[model]") {
   for (const int model : {0, 1, 2}) {
     const bool llama = model == 1;
-    Config c = model == 2 ? tiny_mla_config() : llama ? test::tiny_llama_config() : test::tiny_gpt_config();
+    Config c = model == 2 ? test::tiny_mla_config() : llama ? test::tiny_llama_config() : test::tiny_gpt_config();
     c.model.num_layers = 3;
     test::derive(c);
     Config r = c;
