@@ -3,6 +3,68 @@
 
 namespace mt::cli {
 
+// Fully sharded data parallelism (megatron-moe-cp-fsdp-mla.md section 3): app/validate_fsdp.cpp
+// holds Megatron-LM's rules and maps the strategies onto megatrain's data-parallel machinery.
+namespace {
+void add_fsdp_flags(FlagTable& t) {
+  t.flag("--use-megatron-fsdp", "Megatron-FSDP: shard over the data-parallel ranks as "
+         "--data-parallel-sharding-strategy says (needs --ckpt-format fsdp_dtensor, as in Megatron-LM)",
+         MT_FIELD(parallel.use_megatron_fsdp));
+  t.value("--megatron-fsdp-version", "Megatron-FSDP implementation (1; 2 is refused)",
+          MT_FIELD(parallel.megatron_fsdp_version));
+  t.choice("--data-parallel-sharding-strategy",
+           "with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params "
+           "(ZeRO-3); megatrain runs the last two with optim's memory layout (a warning says so)",
+           std::vector<std::pair<std::string, std::string>>{{"no_shard", "no_shard"}, {"optim", "optim"},
+                                                            {"optim_grads", "optim_grads"},
+                                                            {"optim_grads_params", "optim_grads_params"}},
+           MT_FIELD(parallel.data_parallel_sharding_strategy));
+  t.choice("--outer-dp-sharding-strategy",
+           "hybrid sharding over --num-distributed-optimizer-instances: no_shard (replicas) or optim (optimizer "
+           "state sharded over every data-parallel rank; needs optim_grads_params)",
+           std::vector<std::pair<std::string, std::string>>{{"no_shard", "no_shard"}, {"optim", "optim"}},
+           MT_FIELD(parallel.outer_dp_sharding_strategy));
+  const std::vector<std::pair<std::string, std::string>> dtypes{
+      {"fp32", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}, {"auto", "auto"}};
+  t.choice("--megatron-fsdp-main-params-dtype", "Megatron-FSDP's main weights (megatrain keeps fp32 ones: fp32, or "
+           "auto with float32 parameters)", dtypes, MT_FIELD(parallel.megatron_fsdp_main_params_dtype));
+  t.choice("--megatron-fsdp-main-grads-dtype", "Megatron-FSDP's main gradients: auto = the parameters' dtype (bf16 "
+           "is --grad-reduce-in-bf16's buffer)", dtypes, MT_FIELD(parallel.megatron_fsdp_main_grads_dtype));
+  t.choice("--megatron-fsdp-grad-comm-dtype", "Megatron-FSDP's gradient reduction dtype: auto = the main gradients' "
+           "(megatrain reduces in that dtype only)", dtypes, MT_FIELD(parallel.megatron_fsdp_grad_comm_dtype));
+  t.flag("--use-torch-fsdp2", "PyTorch FSDP2 (fully_shard): megatrain runs it as Megatron-FSDP's optim_grads_params "
+         "(Megatron-LM's FSDP2 rules apply)", MT_FIELD(parallel.use_torch_fsdp2));
+  t.no_effect("--torch-fsdp2-no-reshard-after-forward", Arity::none,
+              "megatrain keeps every rank's parameters whole for the whole step (see --use-torch-fsdp2), so nothing "
+              "is resharded after the forward pass");
+  const char* buffers = "megatrain lays out every communication buffer before the first step and reuses it in every "
+                        "step (nothing is allocated inside the step), which is what Megatron-FSDP's persistent "
+                        "double buffers are for";
+  t.no_effect("--fsdp-double-buffer", Arity::none, buffers);
+  t.no_effect("--megatron-fsdp-max-pool-double-buffer", Arity::none, buffers);
+  t.no_effect("--fsdp-db-use-persist-buf-on-alloc-fail", Arity::none, buffers);
+  const char* ub = "megatrain's data-parallel collectives run on its own buffers without NCCL user-buffer "
+                   "registration: the same results, without the streaming-multiprocessor saving registration brings";
+  t.no_effect("--use-nccl-ub", Arity::none, ub);
+  t.no_effect("--fsdp-manual-registration", Arity::none, ub);
+  t.no_effect("--disable-symmetric-registration", Arity::none, ub);
+  t.no_effect("--suggested-communication-unit-size", Arity::one,
+              "megatrain communicates data-parallel gradients and parameters per bucket (--ddp-bucket-size)", "None");
+  t.no_effect("--keep-fp8-transpose-cache", Arity::none,
+              "megatrain keeps each FP8 layer's cast weights for the whole step: its parameters are not gathered "
+              "again between the forward and the backward pass");
+  t.no_effect("--no-gradient-reduce-div-fusion", Arity::none,
+              "megatrain sums the data-parallel gradients unscaled and applies 1/DP in the optimizer step");
+  t.no_effect("--init-model-with-meta-device", Arity::none,
+              "megatrain never builds a model on one device to move or shard it later: each rank draws only its own "
+              "tensor- and pipeline-parallel part of every parameter, straight into its device memory, from "
+              "streams that depend on the seed alone");
+  t.recognised("--enable-full-sharding-in-hsdp", Arity::none, "", "off", "full sharding inside hybrid FSDP");
+  t.recognised("--megatron-fsdp-enable-fine-grained-param-gather", Arity::none, "", "off",
+               "fine-grained Megatron-FSDP parameter gathers");
+}
+}  // namespace
+
 void add_distributed_flags(FlagTable& t) {
   t.set_group(FlagGroup::distributed);
   t.no_effect("--distributed-backend", Arity::one, "megatrain uses NCCL on GPUs and MPI with --device cpu", "nccl");
@@ -63,9 +125,7 @@ void add_distributed_flags(FlagTable& t) {
     t.negative_alias(t.no_effect(n, Arity::none, "megatrain's kernels are fused by design"));
   t.no_effect("--cross-entropy-loss-fusion", Arity::none, "megatrain's cross entropy is always fused");
   t.no_effect("--cross-entropy-fusion-impl", Arity::one, "megatrain's cross entropy is always fused", "native");
-  t.recognised("--use-torch-fsdp2", Arity::none, "", "off", "PyTorch FSDP2");
-  t.recognised("--use-megatron-fsdp", Arity::none, "", "off", "Megatron FSDP");
-  t.recognised("--data-parallel-sharding-strategy", Arity::one, "STR", "optim_grads_params", "FSDP sharding strategy");
+  add_fsdp_flags(t);
   t.no_effect("--disable-gloo-process-groups", Arity::none, "megatrain has no Gloo process groups");
   t.recognised("--nccl-communicator-config-path", Arity::one, "PATH", "None", "per-group NCCL configuration");
   t.recognised("--use-sharp", Arity::none, "", "off", "InfiniBand SHARP");

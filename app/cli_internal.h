@@ -21,6 +21,9 @@ void validate(CliState& st);
 
 // Rules grouped by topic (validate_*.cpp); validate() runs them all.
 void validate_model(CliState& st);
+// Megatron-LM's FSDP rules, then --use-megatron-fsdp / --use-torch-fsdp2 mapped onto the
+// data-parallel settings the other rules read: first.
+void validate_fsdp(CliState& st);
 void validate_parallel(CliState& st);
 void validate_training(CliState& st);
 void validate_data(CliState& st);

@@ -73,6 +73,21 @@ void longest_sequence(const Config& cfg, Plan& p);
 // Memory of one rank of pipeline stage pp_rank (plan_memory.cpp).
 StageMemory stage_memory(const Config& cfg, int pp_rank);
 
+// Per-GPU memory of one pipeline stage under each data-parallel sharding strategy (--use-megatron-
+// fsdp's dry-run table). no_shard and optim are the engine's plans of a run without and with the
+// distributed optimizer; optim_grads and optim_grads_params are estimates megatrain does not lay
+// out yet (app/validate_fsdp.cpp): optim's plan with the decoder layers' gradients (and, for
+// optim_grads_params, their parameters) sharded over the optimizer's ranks plus two whole layers'
+// worth of unsharded ones (Megatron-FSDP's double-buffered units); parameters outside the decoder
+// layers stay whole.
+struct StrategyMemory {
+  std::string strategy, zero;  // "optim_grads", "ZeRO-2"
+  MemoryPlan plan;
+  double total = 0;
+  bool estimate = false;
+};
+std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_rank);
+
 // The resolved configuration: flag -> {value, default, differs} (plan_config.cpp).
 nlohmann::json resolved_config(const Config& cfg);
 // Derived values (DP size, micro-batches, padded vocabulary, ...).

@@ -206,6 +206,25 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
                      cfg.train.device == DeviceKind::cpu ? "--device cpu" : "no GPU visible to this dry run");
   o << "  not in the plan: the CUDA context, cuBLASLt/attention workspaces and kernels (measured +0.2 GiB on an H200),\n"
        "  NCCL buffers\n";
+  if (const std::string strategy = fsdp_strategy(cfg.parallel); !strategy.empty()) {
+    const StagePlan& peak_stage = plan.peak_stage();
+    o << fmt::format("\n== data-parallel sharding: memory per GPU of stage {} under each strategy ({}) ==\n",
+                     peak_stage.pp_rank, cfg.parallel.use_torch_fsdp2 ? "--use-torch-fsdp2" : "--use-megatron-fsdp");
+    o << fmt::format("  {:<27} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "strategy", "params", "grads", "master", "optim",
+                     "total");
+    using C = MemoryCategory;
+    for (const StrategyMemory& m : sharding_strategy_memory(cfg, peak_stage.pp_rank)) {
+      const bool runs = m.strategy == strategy || (m.strategy == "optim" && strategy != "no_shard");
+      o << fmt::format("  {:<27} {:>11} {:>11} {:>11} {:>11} {:>11}  {}\n",
+                       fmt::format("{} ({})", m.strategy, m.zero), gib(m.plan.of(C::parameters)),
+                       gib(m.plan.of(C::gradients)), gib(m.plan.of(C::master_weights)),
+                       gib(m.plan.of(C::optimizer_states)), gib(m.total),
+                       m.estimate ? (m.strategy == strategy ? "estimate; asked for, run with optim's layout" : "estimate")
+                                  : runs ? "this run's plan (above)" : "plan");
+    }
+    o << "  (totals include the activations and workspace above; the estimates shard the decoder layers' gradients\n"
+         "  (and parameters) and add two whole layers' worth for Megatron-FSDP's double-buffered units)\n";
+  }
   return o.str();
 }
 

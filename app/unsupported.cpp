@@ -51,7 +51,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--reset-attention-mask", W::any_use, {},
        "attention is causal over the whole sequence, across document boundaries"},
       // checkpointing (1.6)
-      {"--ckpt-format", W::values, {"torch_dcp", "fsdp_dtensor", "zarr"}, "use torch_dist (the default) or torch"},
+      {"--ckpt-format", W::values, {"zarr"}, "use torch_dist (the default) or torch"},
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
@@ -64,9 +64,9 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--init-method-xavier-uniform", W::any_use, {},
        "Megatron-LM with Megatron-Core 0.20 fails on it too: TransformerConfig has no scaled_init_method"},
       // distributed (1.10)
-      {"--use-torch-fsdp2", W::any_use, {}, ""},
-      {"--use-megatron-fsdp", W::any_use, {}, ""},
-      {"--data-parallel-sharding-strategy", W::other_than, {"optim_grads_params"}, ""},
+      {"--megatron-fsdp-version", W::other_than, {"1"}, "use 1, the default: the same sharding"},
+      {"--enable-full-sharding-in-hsdp", W::any_use, {}, ""},
+      {"--megatron-fsdp-enable-fine-grained-param-gather", W::any_use, {}, ""},
       {"--nccl-communicator-config-path", W::any_use, {}, ""},
       {"--use-sharp", W::any_use, {}, ""},
       {"--sharp-enabled-group", W::any_use, {}, ""},

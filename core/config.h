@@ -237,6 +237,20 @@ struct ParallelConfig {
   // reduce-scattered inside an instance and all-reduced across instances (Megatron's partial
   // distributed optimizer).
   int num_distributed_optimizer_instances = 1;
+  // Fully sharded data parallelism (app/validate_fsdp.cpp maps it onto the machinery above):
+  // --use-megatron-fsdp (Megatron-FSDP, --megatron-fsdp-version 1 or 2) with
+  // --data-parallel-sharding-strategy no_shard | optim | optim_grads | optim_grads_params (DDP and
+  // ZeRO-1/2/3), the hybrid outer level --outer-dp-sharding-strategy no_shard | optim over
+  // --num-distributed-optimizer-instances, and the dtypes of its main weights, main gradients and
+  // gradient reduction (fp32, bf16, fp16 or auto); --use-torch-fsdp2 (PyTorch's fully_shard).
+  bool use_megatron_fsdp = false;
+  int megatron_fsdp_version = 1;
+  bool use_torch_fsdp2 = false;
+  std::string data_parallel_sharding_strategy = "optim_grads_params";
+  std::string outer_dp_sharding_strategy = "no_shard";
+  std::string megatron_fsdp_main_params_dtype = "fp32";
+  std::string megatron_fsdp_main_grads_dtype = "auto";
+  std::string megatron_fsdp_grad_comm_dtype = "auto";
   // Expert parallelism (MoE): --expert-model-parallel-size, --expert-tensor-parallel-size (None:
   // the tensor-parallel size).
   int expert_model_parallel_size = 1;
@@ -269,6 +283,14 @@ struct ParallelConfig {
   int data_parallel_size = 1;
   int virtual_pipeline_size = 1;  // model chunks per pipeline rank (1 = no interleaving)
 };
+
+// The data-parallel sharding strategy a run asked for with --use-megatron-fsdp (its
+// --data-parallel-sharding-strategy) or --use-torch-fsdp2 (optim_grads_params: parameters, gradients
+// and optimizer state all sharded); empty without either (app/validate_fsdp.cpp maps them).
+inline std::string fsdp_strategy(const ParallelConfig& p) {
+  if (p.use_torch_fsdp2) return "optim_grads_params";
+  return p.use_megatron_fsdp ? p.data_parallel_sharding_strategy : std::string();
+}
 
 struct TrainConfig {
   int micro_batch_size = 0;  // required

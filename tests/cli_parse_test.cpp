@@ -188,8 +188,8 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu")), Contains("megatrain does not support --quick-geglu yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--init-method-xavier-uniform")),
              Contains("fails on it too: TransformerConfig has no scaled_init_method"));
-  CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format torch_dcp")),
-             Contains("megatrain does not support --ckpt-format torch_dcp"));
+  CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format zarr")),
+             Contains("megatrain does not support --ckpt-format zarr"));
   // Megatron's two formats save megatrain's own, and say so; the default says nothing.
   for (const char* format : {"torch", "torch_dist"}) {
     std::vector<SetupMessage> notes;

@@ -46,6 +46,11 @@ const std::map<std::string, std::string>& companions() {
       {"--moe-router-padding-for-fp8", "--bf16 --fp8-format hybrid --moe-token-dispatcher-type alltoall"},
       {"--moe-router-enable-expert-bias", "--moe-router-score-function sigmoid"},
       {"--rope-type yarn", "--multi-latent-attention"},
+      {"--use-megatron-fsdp", "--ckpt-format fsdp_dtensor"},
+      {"--ckpt-format fsdp_dtensor", "--use-megatron-fsdp"},
+      {"--use-torch-fsdp2", "--no-gradient-accumulation-fusion --untie-embeddings-and-output-weights"},
+      {"--ckpt-format torch_dcp", "--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights"},
+      {"--outer-dp-sharding-strategy optim", "--use-megatron-fsdp --ckpt-format fsdp_dtensor"},
   };
   return m;
 }

@@ -423,3 +423,28 @@ megatrain_parallel_train_test(parallel_train_mtp_pp2_layout --model "${mtp_model
 # (Not with context parallelism against one rank: as Megatron, each CP rank weighs its depth losses by
 # its own count of rolled tokens, and the sequence's rolled-off tail falls on one rank's chunk, so
 # the gradients differ from one rank's by design.)
+# Fully sharded data parallelism (--use-megatron-fsdp, --use-torch-fsdp2; app/validate_fsdp.cpp):
+# every sharding strategy at DP 2, 3 and 4 equals one rank, also under TP 2 with sequence
+# parallelism and with hybrid sharding (outer no_shard: two instances; outer optim: one), and a
+# checkpoint saved under one strategy resumes under another.
+set(fsdp "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy")
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_no_shard 3 ${fsdp} no_shard --overlap-grad-reduce
+                              --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim 2 ${fsdp} optim)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim_grads 4 ${fsdp} optim_grads --overlap-grad-reduce
+                              --overlap-param-gather --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads_params 2 ${fsdp} optim_grads_params)
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim_grads_params 3 ${fsdp} optim_grads_params
+                              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_fsdp_tp2_sp_dp2_optim_grads_params 4 ${fsdp} optim_grads_params
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_hsdp 4 ${fsdp} optim_grads_params
+                              --num-distributed-optimizer-instances 2)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_hfsdp 4 ${fsdp} optim_grads_params
+                              --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim)
+megatrain_parallel_train_test(parallel_train_torch_fsdp2_dp2 --model "--untie-embeddings-and-output-weights"
+                              2 --use-torch-fsdp2 --no-gradient-accumulation-fusion)
+megatrain_parallel_train_test(parallel_train_resume_fsdp_zero3_dp2_to_no_shard_dp4 --resume
+  2 "${fsdp} optim_grads_params" 4 "${fsdp} no_shard")
+megatrain_parallel_train_test(parallel_train_resume_fsdp_no_shard_dp3_to_optim_grads_dp2 --resume
+  3 "${fsdp} no_shard" 2 "${fsdp} optim_grads --overlap-grad-reduce")

@@ -1,0 +1,177 @@
+// Fully sharded data parallelism on the command line (app/validate_fsdp.cpp): Megatron-LM's rules
+// for --use-megatron-fsdp and --use-torch-fsdp2, the strategies mapped onto the data-parallel
+// settings the engine reads, the dtypes, and the dry run's memory of each strategy.
+#include "tests/cli_test_util.h"
+
+#include "app/plan.h"
+
+using namespace mt;
+using namespace mt::test;
+using Catch::Contains;
+
+namespace {
+
+Args fsdp(const std::string& strategy) {
+  return small_gpt() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy " +
+                             strategy);
+}
+
+Args fsdp2() {
+  return small_gpt() + words("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights");
+}
+
+}  // namespace
+
+TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimizer", "[cli][fsdp]") {
+  std::vector<SetupMessage> ms;
+  const Config ddp = parse(fsdp("no_shard"), 4, &ms);
+  CHECK_FALSE(ddp.parallel.use_distributed_optimizer);
+  CHECK(fsdp_strategy(ddp.parallel) == "no_shard");
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "ZeRO-1's memory"));
+  for (const char* s : {"optim", "optim_grads", "optim_grads_params"}) {
+    INFO(s);
+    ms.clear();
+    const Config c = parse(fsdp(s), 4, &ms);
+    CHECK(c.parallel.use_distributed_optimizer);
+    CHECK(c.parallel.num_distributed_optimizer_instances == 1);
+    CHECK(fsdp_strategy(c.parallel) == s);
+    // Megatron's own note when --use-distributed-optimizer is absent (v1 turns it on).
+    CHECK(has_message(ms, SetupMessage::Kind::note, "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"));
+    // optim is ZeRO-1 itself; the other two are run with its memory, and say so.
+    CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-1's memory") == (std::string(s) != "optim"));
+  }
+  // Megatron-LM's default strategy is optim_grads_params.
+  CHECK(fsdp_strategy(parse(small_gpt() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor"), 2).parallel) ==
+        "optim_grads_params");
+  CHECK(fsdp_strategy(parse(small_gpt(), 2).parallel).empty());
+  // no_shard: nothing sharded, so hybrid instances are replicas and there is no parameter gather.
+  ms.clear();
+  const Config hsdp_ddp =
+      parse(fsdp("no_shard") + words("--num-distributed-optimizer-instances 2 --overlap-grad-reduce --overlap-param-gather"),
+            4, &ms);
+  CHECK(hsdp_ddp.parallel.num_distributed_optimizer_instances == 1);
+  CHECK_FALSE(hsdp_ddp.parallel.overlap_param_gather);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "there is no parameter gather to overlap"));
+}
+
+TEST_CASE("fsdp: hybrid sharding over --num-distributed-optimizer-instances", "[cli][fsdp]") {
+  // outer no_shard: sharded within each instance, replicated across (the partial distributed optimizer).
+  const Config hsdp = parse(fsdp("optim_grads_params") + words("--num-distributed-optimizer-instances 2"), 4);
+  CHECK(hsdp.parallel.num_distributed_optimizer_instances == 2);
+  // outer optim: the optimizer state sharded over every data-parallel rank.
+  const Config hfsdp = parse(fsdp("optim_grads_params") + words("--num-distributed-optimizer-instances 2 "
+                                                                "--outer-dp-sharding-strategy optim"),
+                             4);
+  CHECK(hfsdp.parallel.num_distributed_optimizer_instances == 1);
+  CHECK_THAT(parse_error(fsdp("optim_grads") + words("--num-distributed-optimizer-instances 2 "
+                                                     "--outer-dp-sharding-strategy optim"),
+                         4),
+             Contains("--outer-dp-sharding-strategy optim is only supported with") &&
+                 Contains("optim_grads_params"));
+  CHECK_THAT(parse_error(small_gpt() + words("--outer-dp-sharding-strategy optim"), 4),
+             Contains("--outer-dp-sharding-strategy optim is only supported with --use-megatron-fsdp"));
+}
+
+TEST_CASE("fsdp: Megatron-LM's rules for --use-megatron-fsdp", "[cli][fsdp]") {
+  CHECK(parse_error(small_gpt() + words("--use-megatron-fsdp"), 2) ==
+        "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.");
+  CHECK(parse_error(small_gpt() + words("--ckpt-format fsdp_dtensor"), 2) ==
+        "--ckpt-format fsdp_dtensor is only tested with Megatron FSDP.");
+  CHECK(parse_error(small_gpt() + words("--ckpt-format torch_dcp"), 2) ==
+        "--ckpt-format torch_dcp is only tested with FSDP.");
+  CHECK(parse_error(fsdp("optim_grads_params") + words("--check-weight-hash-across-dp-replicas-interval 10"), 2) ==
+        "check_weight_hash_across_dp_replicas_interval is not supported with optim_grads_params");
+  CHECK(parse(fsdp("optim_grads") + words("--check-weight-hash-across-dp-replicas-interval 10"), 2)
+            .train.check_weight_hash_across_dp_replicas_interval == 10);
+  CHECK_THAT(parse_error(fsdp("no_shard") + words("--init-model-with-meta-device"), 2),
+             Contains("Meta device initialization (init_model_with_meta_device=True) is not supported or necessary"));
+  CHECK(parse_error(small_gpt() + words("--fsdp-manual-registration"), 2) ==
+        "FSDP manual registration is only supported with Megatron FSDP.");
+  CHECK(parse_error(fsdp("optim") + words("--fsdp-manual-registration"), 2) ==
+        "FSDP manual registration is only supported with --nccl-ub argument.");
+  CHECK_NOTHROW(parse(fsdp("optim") + words("--fsdp-manual-registration --use-nccl-ub --fsdp-double-buffer "
+                                            "--init-model-with-meta-device"),
+                      2));
+  CHECK_THAT(parse_error(fsdp("optim") + words("--data-parallel-sharding-strategy zero3"), 2),
+             Contains("--data-parallel-sharding-strategy") && Contains("zero3"));
+  CHECK_THAT(unsupported_error(fsdp("optim") + words("--megatron-fsdp-version 2"), 2),
+             Contains("--megatron-fsdp-version 2"));
+}
+
+TEST_CASE("fsdp: main weights, main gradients and their reduction dtypes", "[cli][fsdp]") {
+  // auto main gradients have the parameters' dtype: bf16 with --bf16 (Megatron-FSDP ignores
+  // --accumulate-allreduce-grads-in-fp32, which Megatron sets for bf16 runs).
+  std::vector<SetupMessage> ms;
+  const Config bf16 = parse(fsdp("optim_grads_params") + words("--bf16"), 2, &ms);
+  CHECK(bf16.parallel.grad_reduce_in_bf16);
+  CHECK_FALSE(bf16.parallel.accumulate_allreduce_grads_in_fp32);
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::info, "accumulate and all-reduce gradients in fp32"));
+  const Config fp32_grads =
+      parse(fsdp("optim_grads_params") + words("--bf16 --megatron-fsdp-main-grads-dtype fp32"), 2);
+  CHECK_FALSE(fp32_grads.parallel.grad_reduce_in_bf16);
+  CHECK(fp32_grads.parallel.accumulate_allreduce_grads_in_fp32);
+  // A float32 model: float32 gradients unless asked for bf16 ones.
+  CHECK_FALSE(parse(fsdp("optim"), 2).parallel.grad_reduce_in_bf16);
+  CHECK(parse(fsdp("optim") + words("--megatron-fsdp-main-grads-dtype bf16"), 2).parallel.grad_reduce_in_bf16);
+  ms.clear();
+  CHECK_FALSE(parse(fsdp("optim") + words("--grad-reduce-in-bf16"), 2, &ms).parallel.grad_reduce_in_bf16);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--grad-reduce-in-bf16 has no effect with --use-megatron-fsdp"));
+  // What megatrain does not build: other main weights, fp16 gradients, a reduction in another dtype.
+  CHECK_THAT(unsupported_error(fsdp("optim") + words("--bf16 --megatron-fsdp-main-params-dtype auto"), 2),
+             Contains("--megatron-fsdp-main-params-dtype auto"));
+  CHECK_NOTHROW(parse(fsdp("optim") + words("--megatron-fsdp-main-params-dtype auto"), 2));  // float32 model
+  CHECK_THAT(unsupported_error(fsdp("optim") + words("--bf16 --megatron-fsdp-grad-comm-dtype fp32"), 2),
+             Contains("--megatron-fsdp-grad-comm-dtype fp32 with bf16 main gradients"));
+  CHECK_THAT(unsupported_error(fsdp("optim") + words("--fp16"), 2), Contains("fp16 main gradients"));
+}
+
+TEST_CASE("fsdp: --use-torch-fsdp2 runs as optim_grads_params under Megatron-LM's FSDP2 rules", "[cli][fsdp]") {
+  const Config c = parse(fsdp2(), 2);
+  CHECK(c.parallel.use_distributed_optimizer);
+  CHECK(fsdp_strategy(c.parallel) == "optim_grads_params");
+  CHECK(parse_error(fsdp2() + words("--pipeline-model-parallel-size 2"), 2) ==
+        "--use-torch-fsdp2 is not supported with pipeline parallelism");
+  CHECK(parse_error(fsdp2() + words("--use-distributed-optimizer"), 2) ==
+        "--use-torch-fsdp2 is not supported with MCore's distributed optimizer");
+  CHECK_THAT(parse_error(small_gpt() + words("--use-torch-fsdp2 --untie-embeddings-and-output-weights"), 2),
+             Contains("--use-torch-fsdp2 is not supported with gradient accumulation fusion"));
+  CHECK(parse_error(small_gpt() + words("--use-torch-fsdp2 --no-gradient-accumulation-fusion"), 2) ==
+        "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights");
+  CHECK(parse_error(fsdp2() + words("--fp16"), 2) == "--use-torch-fsdp2 not supported with fp16 yet");
+  CHECK(parse_error(fsdp2() + words("--ckpt-format torch"), 2) ==
+        "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp");
+  CHECK_NOTHROW(parse(fsdp2() + words("--ckpt-format torch_dcp"), 2));
+  CHECK(parse_error(fsdp2() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor"), 2) ==
+        "--use-torch-fsdp2 and --use-megatron-fsdp cannot be used together");
+}
+
+TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
+  // 4 layers of h 64 over DP 4: ZeRO-1 shards master weights and moments, the estimates shard the
+  // layers' gradients (ZeRO-2) and parameters (ZeRO-3) on top.
+  const Config c = parse(fsdp("optim_grads_params") + words("--num-layers 4 --bf16"), 4);
+  const std::vector<StrategyMemory> m = sharding_strategy_memory(c, 0);
+  REQUIRE(m.size() == 4);
+  using C = MemoryCategory;
+  CHECK(m[0].strategy == "no_shard");
+  CHECK(m[1].strategy == "optim");
+  CHECK(m[2].strategy == "optim_grads");
+  CHECK(m[3].strategy == "optim_grads_params");
+  CHECK_FALSE(m[1].estimate);
+  CHECK(m[3].estimate);
+  // ZeRO-1 shards the float32 master weights and Adam moments about 4 ways (bucket padding aside).
+  CHECK(m[1].plan.of(C::master_weights) * 3 < m[0].plan.of(C::master_weights));
+  CHECK(m[1].plan.of(C::optimizer_states) * 3 < m[0].plan.of(C::optimizer_states));
+  CHECK(m[1].plan.of(C::parameters) == m[0].plan.of(C::parameters));
+  // ZeRO-2 has fewer gradients, the same parameters; ZeRO-3 fewer of both; totals fall in order.
+  CHECK(m[2].plan.of(C::gradients) < m[1].plan.of(C::gradients));
+  CHECK(m[2].plan.of(C::parameters) == m[1].plan.of(C::parameters));
+  CHECK(m[3].plan.of(C::parameters) < m[2].plan.of(C::parameters));
+  CHECK(m[0].total > m[1].total);
+  CHECK(m[1].total > m[2].total);
+  CHECK(m[2].total > m[3].total);
+  // The first plan is what a run without the distributed optimizer lays out.
+  Config ddp = c;
+  ddp.parallel.use_distributed_optimizer = false;
+  CHECK(m[0].total == stage_memory(ddp, 0).total);
+  CHECK(m[1].total == stage_memory(c, 0).total);
+}
