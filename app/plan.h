@@ -74,12 +74,12 @@ void longest_sequence(const Config& cfg, Plan& p);
 StageMemory stage_memory(const Config& cfg, int pp_rank);
 
 // Per-GPU memory of one pipeline stage under each data-parallel sharding strategy (--use-megatron-
-// fsdp's dry-run table). no_shard and optim are the engine's plans of a run without and with the
-// distributed optimizer; optim_grads and optim_grads_params are estimates megatrain does not lay
-// out yet (app/validate_fsdp.cpp): optim's plan with the decoder layers' gradients (and, for
-// optim_grads_params, their parameters) sharded over the optimizer's ranks plus two whole layers'
-// worth of unsharded ones (Megatron-FSDP's double-buffered units); parameters outside the decoder
-// layers stay whole.
+// fsdp's dry-run table): the engine's plans of the run as no_shard (DDP), optim (the distributed
+// optimizer) and optim_grads (sharded gradients, where engine/model_chunks.h builds them; else an
+// estimate from optim's plan), and an estimate of optim_grads_params, which megatrain does not lay
+// out yet (app/validate_fsdp.cpp): optim_grads' plan with the decoder layers' parameters sharded
+// over the optimizer's ranks plus two whole layers' worth (Megatron-FSDP's double-buffered units);
+// the other parameters whole. The estimate of optim_grads shards the layers' gradients alike.
 struct StrategyMemory {
   std::string strategy, zero;  // "optim_grads", "ZeRO-2"
   MemoryPlan plan;

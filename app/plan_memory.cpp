@@ -33,16 +33,23 @@ StageMemory stage_memory(const Config& cfg, int pp_rank) {
 
 std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_rank) {
   using C = MemoryCategory;
-  Config ddp = cfg, zero1 = cfg;
-  ddp.parallel.use_distributed_optimizer = false;
-  ddp.parallel.num_distributed_optimizer_instances = 1;
-  zero1.parallel.use_distributed_optimizer = true;
-  std::vector<StrategyMemory> out;
-  for (const auto& [name, zero, c] : {std::tuple{"no_shard", "DDP", &ddp}, std::tuple{"optim", "ZeRO-1", &zero1}}) {
-    StrategyMemory m{name, zero, stage_memory(*c, pp_rank).plan};
+  // The same run under each strategy (Megatron-FSDP's spelling of it).
+  auto with = [&](const char* strategy) {
+    Config c = cfg;
+    ParallelConfig& p = c.parallel;
+    p.use_torch_fsdp2 = false;
+    p.use_megatron_fsdp = std::string(strategy) != "no_shard";
+    p.data_parallel_sharding_strategy = strategy;
+    p.use_distributed_optimizer = p.use_megatron_fsdp;
+    if (!p.use_distributed_optimizer) p.num_distributed_optimizer_instances = 1;
+    return c;
+  };
+  auto planned = [&](const char* name, const char* zero, const Config& c) {
+    StrategyMemory m{name, zero, stage_memory(c, pp_rank).plan};
     m.total = static_cast<double>(m.plan.total());
-    out.push_back(m);
-  }
+    return m;
+  };
+  std::vector<StrategyMemory> out{planned("no_shard", "DDP", with("no_shard")), planned("optim", "ZeRO-1", with("optim"))};
   // The stage's parameter elements: in decoder layers (per layer) and outside them.
   RankPosition r;
   r.tp_size = cfg.parallel.tensor_model_parallel_size;
@@ -55,7 +62,7 @@ std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_r
     int64_t total = 0;
     std::map<int, double> layers;
     for (const ParamDesc& p : build_param_descs(s.dims, &total)) {
-      if (p.layer >= 0) layers[p.layer] += static_cast<double>(p.numel());
+      if (p.layer >= 0 && p.layer < s.dims.num_layers) layers[p.layer] += static_cast<double>(p.numel());
       else outside += static_cast<double>(p.numel());
     }
     for (const auto& [l, n] : layers) {
@@ -65,23 +72,27 @@ std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_r
   }
   const double elements = in_layers + outside;
   if (elements <= 0) return out;
+  const Config zero2 = with("optim_grads");
   const int shards = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size /
-                     std::max(1, zero1.parallel.num_distributed_optimizer_instances);
-  // Bytes per element of the whole-size categories, from ZeRO-1's plan (padding included).
-  const MemoryPlan& base = out.back().plan;
-  auto sharded = [&](C c) {
+                     std::max(1, zero2.parallel.num_distributed_optimizer_instances);
+  // A whole-size category of `base` as the estimates shard it: the layers' part over the ranks,
+  // plus two layers' worth of staging, the rest whole.
+  auto sharded = [&](const MemoryPlan& base, C c) {
     const double per = static_cast<double>(base.of(c)) / elements;
     return static_cast<size_t>(per * (in_layers / shards + std::min(2 * largest_layer, in_layers) + outside));
   };
-  for (const auto& [name, zero, params] : {std::tuple{"optim_grads", "ZeRO-2", false},
-                                           std::tuple{"optim_grads_params", "ZeRO-3", true}}) {
-    StrategyMemory m{name, zero, base};
-    m.estimate = true;
-    m.plan.bytes[static_cast<size_t>(C::gradients)] = sharded(C::gradients);
-    if (params) m.plan.bytes[static_cast<size_t>(C::parameters)] = sharded(C::parameters);
+  auto estimate = [&](const char* name, const char* zero, MemoryPlan plan, C c) {
+    plan.bytes[static_cast<size_t>(c)] = sharded(plan, c);
+    StrategyMemory m{name, zero, plan};
     m.total = static_cast<double>(m.plan.total());
-    out.push_back(m);
-  }
+    m.estimate = true;
+    return m;
+  };
+  // optim_grads: the engine lays it out where it shards gradients (engine/model_chunks.h).
+  out.push_back(unsharded_gradients_reason(zero2) == std::optional<std::string>("")
+                    ? planned("optim_grads", "ZeRO-2", zero2)
+                    : estimate("optim_grads", "ZeRO-2", out[1].plan, C::gradients));
+  out.push_back(estimate("optim_grads_params", "ZeRO-3", out[2].plan, C::parameters));
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include "app/flags.h"
 #include "app/plan.h"
 #include "app/version.h"
+#include "engine/model_chunks.h"
 #include "parallel/launch_env.h"
 
 namespace mt {
@@ -214,16 +215,23 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
                      "total");
     using C = MemoryCategory;
     for (const StrategyMemory& m : sharding_strategy_memory(cfg, peak_stage.pp_rank)) {
-      const bool runs = m.strategy == strategy || (m.strategy == "optim" && strategy != "no_shard");
+      // What the run lays out (app/validate_fsdp.cpp): its strategy's plan, else the closest one built.
+      const std::optional<std::string> unsharded = unsharded_gradients_reason(cfg);
+      const std::string built = strategy == "no_shard" || strategy == "optim" ? strategy
+                                : unsharded && !unsharded->empty()       ? "optim"
+                                                                         : "optim_grads";
+      const bool runs = m.strategy == built;
       o << fmt::format("  {:<27} {:>11} {:>11} {:>11} {:>11} {:>11}  {}\n",
                        fmt::format("{} ({})", m.strategy, m.zero), gib(m.plan.of(C::parameters)),
                        gib(m.plan.of(C::gradients)), gib(m.plan.of(C::master_weights)),
                        gib(m.plan.of(C::optimizer_states)), gib(m.total),
-                       m.estimate ? (m.strategy == strategy ? "estimate; asked for, run with optim's layout" : "estimate")
-                                  : runs ? "this run's plan (above)" : "plan");
+                       runs ? (m.strategy == strategy ? "this run's plan (above)"
+                                                      : fmt::format("this run's plan (above): {} not built", strategy))
+                       : m.estimate ? "estimate"
+                                    : "plan");
     }
     o << "  (totals include the activations and workspace above; the estimates shard the decoder layers' gradients\n"
-         "  (and parameters) and add two whole layers' worth for Megatron-FSDP's double-buffered units)\n";
+         "  or parameters and add two whole layers' worth for Megatron-FSDP's double-buffered units)\n";
   }
   return o.str();
 }

@@ -5,15 +5,20 @@
 //   no_shard             DDP: every rank holds everything, gradients all-reduced
 //   optim                the distributed optimizer (ZeRO-1): master weights and optimizer state
 //                        sharded, gradients reduce-scattered, parameters all-gathered after the step
-//   optim_grads (ZeRO-2), optim_grads_params (ZeRO-3), --use-torch-fsdp2
-//                        run as optim: the same numbers (sharding never changes them), with
-//                        optim's memory: whole gradients and compute-dtype parameters on each
-//                        rank. A warning says so, and the dry run prints each strategy's memory.
+//   optim_grads          ZeRO-2: besides, each decoder layer's gradients are reduce-scattered
+//                        after its backward in every micro-batch into this rank's shard
+//                        (ModelOptions::shard_grads), where engine/model_chunks.h builds it (one
+//                        pipeline stage, no expert parallelism, no FP8 parameters); elsewhere optim
+//   optim_grads_params, --use-torch-fsdp2
+//                        ZeRO-3, run as optim_grads: the compute-dtype parameters stay whole on
+//                        every rank. Warnings say what a run lays out, and the dry run prints each
+//                        strategy's memory. Sharding never changes the numbers.
 //
 // Hybrid sharding (--num-distributed-optimizer-instances N): outer no_shard is the partial
 // distributed optimizer (sharded within each of N instances, all-reduced across them); outer optim
 // shards the optimizer state over every data-parallel rank, which is one instance.
 #include "app/cli_internal.h"
+#include "engine/model_chunks.h"
 
 namespace mt::cli {
 
@@ -135,17 +140,29 @@ void validate_fsdp(CliState& st) {
   }
   p.use_distributed_optimizer = true;
   if (p.outer_dp_sharding_strategy == "optim") p.num_distributed_optimizer_instances = 1;
-  if (strategy != "optim")
-    st.warn(fmt::format("{} ({}): megatrain shards the master weights and optimizer state over the {} data-parallel "
-                        "ranks{} and keeps whole gradients and compute-dtype parameters on every rank (ZeRO-1's "
-                        "memory): the same losses as {}, not yet its gradient{} sharding; the dry run prints each "
+  if (strategy == "optim") return;
+  const int ranks = dp / p.num_distributed_optimizer_instances;
+  const std::string over = fmt::format("over the {} data-parallel ranks{}", ranks,
+                                       p.num_distributed_optimizer_instances > 1
+                                           ? fmt::format(" of each of {} instances", p.num_distributed_optimizer_instances)
+                                           : std::string());
+  const std::string reason = unsharded_gradients_reason(st.cfg).value_or("");
+  if (!reason.empty()) {
+    st.warn(fmt::format("{} ({}) with {}: megatrain shards only the master weights and optimizer state {} (ZeRO-1's "
+                        "memory; gradient sharding is not built with {} yet): the same losses; the dry run prints each "
                         "strategy's memory per GPU",
-                        what, strategy, dp / p.num_distributed_optimizer_instances,
-                        p.num_distributed_optimizer_instances > 1
-                            ? fmt::format(" of each of {} instances", p.num_distributed_optimizer_instances)
-                            : std::string(),
-                        strategy == "optim_grads" ? "ZeRO-2" : "ZeRO-3",
-                        strategy == "optim_grads" ? "" : " and parameter"));
+                        what, strategy, reason, over, reason));
+    return;
+  }
+  if (strategy == "optim_grads_params")
+    st.warn(fmt::format("{} ({}): megatrain shards the gradients, master weights and optimizer state {} (ZeRO-2's "
+                        "memory) and keeps the compute-dtype parameters whole on every rank: ZeRO-3's parameter "
+                        "sharding is not built yet; the same losses; the dry run prints each strategy's memory per GPU",
+                        what, strategy, over));
+  st.note(fmt::format("{} ({}): each decoder layer's gradients are reduce-scattered {} when its backward ends, in every "
+                      "micro-batch, and summed into this rank's shard; the reduction is not yet overlapped with the "
+                      "next layer's backward",
+                      what, strategy, over));
 }
 
 }  // namespace mt::cli

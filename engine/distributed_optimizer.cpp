@@ -88,7 +88,9 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
 OptimViews optim_views(const GptModel& m, const OptimRange& r) {
   OptimViews v;
   auto state = [&](const Tensor& t) { return t.empty() ? Tensor() : t.flat_slice(r.state_offset, r.numel); };
-  v.grad = m.grads_flat().flat_slice(r.flat_offset, r.numel);
+  // (Sharded gradients: the shards, laid out like the states.)
+  v.grad = m.options().shard_grads ? m.grad_shards().flat_slice(r.state_offset, r.numel)
+                                   : m.grads_flat().flat_slice(r.flat_offset, r.numel);
   if (m.has_master_copy()) {
     v.master = state(m.master_flat());
     // (FP8 parameters: the update casts them, each segment with its weight's scale.)

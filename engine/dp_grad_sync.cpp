@@ -58,7 +58,11 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
     }
   }
   next_bucket_.assign(chunks_.size(), 0);
-  if (reduce_ && overlap_)
+  // Sharded gradients (ModelOptions::shard_grads) are reduced in every micro-batch's backward.
+  shard_grads_ = chunks_.front()->options().shard_grads;
+  for (GptModel* m : chunks_)
+    MT_CHECK(m->options().shard_grads == shard_grads_, "model chunks with and without sharded gradients");
+  if ((reduce_ && overlap_) || shard_grads_)
     for (size_t c = 0; c < chunks_.size(); ++c)
       chunks_[c]->on_grads_final = [this, c](int first) { grads_final(static_cast<int>(c), first); };
 }
@@ -79,6 +83,7 @@ void DpGradSync::grads_final(int chunk, int first_param) {
   const GradLayout& L = m.grad_layout();
   int& next = next_bucket_[static_cast<size_t>(chunk)];
   while (next < L.num_buckets() && L.bucket_first_param[static_cast<size_t>(next)] >= first_param) launch(chunk, next++);
+  if (shard_grads_ && next == L.num_buckets()) next = 0;  // (the next micro-batch's backward)
 }
 
 void DpGradSync::launch(int chunk, int b) {
@@ -86,9 +91,24 @@ void DpGradSync::launch(int chunk, int b) {
   Backend& be = m.backend();
   const GradLayout& L = m.grad_layout();
   const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-  const Tensor g = m.grads_flat().flat_slice(k.offset, k.numel);  // in the main grads' dtype
+  const Tensor g = m.grad_bucket(b);  // in the main grads' dtype
   const bool expert = L.is_expert_bucket(b);
   Communicator& group = expert ? *ecomm_ : *comm_;
+  if (shard_grads_) {
+    // This micro-batch's sum over the instance's ranks, added into this rank's shard of the main
+    // gradients; the staging buffer is then free (a layer's slot is zeroed by its next user, the
+    // others here). Across optimizer instances the shards are summed once, in finish().
+    const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));
+    if (group.size() > 1) {
+      be.comm_wait_for_compute();
+      group.reduce_scatter(shard, g);
+      be.compute_wait_for_comm();
+    }
+    const Tensor sum = m.grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b));
+    be.axpby(sum, 1.0f, sum, 1.0f, shard);
+    if (L.bucket_unit[static_cast<size_t>(b)] < 0) be.fill(g, 0.0);
+    return;
+  }
   if (group.size() == 1 && (expert || !inter_)) return;  // (a group of one: nothing to reduce)
   be.comm_wait_for_compute();
   if (sharded_) {
@@ -110,6 +130,15 @@ void DpGradSync::finish() {
 
 void DpGradSync::finish_dp() {
   const ScopedTimer timed(timer, "all-grads-sync");
+  if (shard_grads_) {  // (every bucket was reduced in its micro-batch's backward)
+    if (inter_) {
+      Backend& be = chunks_.front()->backend();
+      be.comm_wait_for_compute();
+      for (GptModel* m : chunks_) inter_->all_reduce(m->grad_shards());
+      be.compute_wait_for_comm();
+    }
+    return;
+  }
   if (reduce_) {
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const int n = chunks_[c]->grad_layout().num_buckets();

@@ -71,7 +71,7 @@ class DpGradSync {
   Communicator* inter_ = nullptr;
   std::unique_ptr<Communicator> own_ecomm_;  // the expert-DP group on the communication stream
   Communicator* ecomm_ = nullptr;
-  bool overlap_ = false, sharded_ = false, reduce_ = false;
+  bool overlap_ = false, sharded_ = false, reduce_ = false, shard_grads_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
   bool finished_ = false;
 };

@@ -115,6 +115,10 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
                                        opt_.shard_optimizer_state && !opt_.fp8.param_gather),
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
+  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !d_.pipeline && !d_.experts_own_grid() &&
+                                 !opt_.fp8.param_gather),
+           "sharded gradients need the distributed optimizer, one pipeline stage, no expert-parallel region and no "
+           "FP8 parameters");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -227,7 +231,11 @@ void GptModel::plan_params() {
            opt_.expert_dp_size, d_.ep_size, d_.etp_size);
   grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
                                     d_.pipeline && (d_.tied_embeddings || d_.mtp > 0), &total_elements_,
-                                    ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank});
+                                    ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank},
+                                    opt_.shard_grads ? std::optional<int>(d_.num_layers) : std::nullopt);
+  param_bucket_.assign(descs_.size(), 0);
+  for (size_t k = 0; k < grad_layout_.plan_param.size(); ++k)
+    param_bucket_[static_cast<size_t>(grad_layout_.plan_param[k])] = grad_layout_.plan.params[k].bucket;
   const int n = static_cast<int>(descs_.size());
   layer_first_param_.assign(static_cast<size_t>(d_.stage_layers()), n);
   head_first_param_ = n;
@@ -296,7 +304,27 @@ void GptModel::layout(Arena& a) {
   const int64_t fp8_begin = grad_layout_.fp8_begin;  // == total without FP8 parameters
   params_ = a.take(C::parameters, T, {fp8_begin});
   fp8_params_ = fp8_params() ? a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin}) : Tensor();
-  grads_ = a.take(C::gradients, opt_.grad, {total});
+  grad_bucket_storage_.clear();
+  grads_ = grad_shards_ = grad_slots_[0] = grad_slots_[1] = Tensor();
+  if (opt_.shard_grads) {
+    // Staging: the units' two slots, the other buckets whole; then the main gradients' shards.
+    const GradLayout& L = grad_layout_;
+    int64_t largest_unit = 0;
+    for (int b = 0; b < L.num_buckets(); ++b)
+      if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
+        largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
+    for (Tensor& slot : grad_slots_)
+      if (largest_unit > 0) slot = a.take(C::gradients, opt_.grad, {largest_unit});
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
+      const int unit = L.bucket_unit[static_cast<size_t>(b)];
+      grad_bucket_storage_.push_back(unit >= 0 ? grad_slots_[(unit - d_.layer_begin) % 2].flat_slice(0, n)
+                                               : a.take(C::gradients, opt_.grad, {n}));
+    }
+    grad_shards_ = a.take(C::gradients, opt_.grad, {state});
+  } else {
+    grads_ = a.take(C::gradients, opt_.grad, {total});
+  }
   master_ = has_master_copy() ? a.take(C::master_weights, opt_.master_remainders ? DType::i16 : S, {state}) : params_;
   state1_ = state2_ = Tensor();
   if (opt_.optimizer == OptimizerKind::adam) {
@@ -490,7 +518,40 @@ Tensor GptModel::param(int i) const {
   const Tensor t = param_storage(p.offset, p.numel());
   return p.is_1d() ? t : t.view({p.local_rows(), p.local_cols()});
 }
-Tensor GptModel::grad(int i) const { return shaped(grads_, descs_.at(i)); }
+Tensor GptModel::grad(int i) const {
+  const ParamDesc& p = descs_.at(i);
+  if (!opt_.shard_grads) return shaped(grads_, p);
+  const int b = param_bucket_.at(static_cast<size_t>(i));
+  const Tensor t = grad_bucket(b).flat_slice(p.offset - grad_layout_.plan.buckets[static_cast<size_t>(b)].offset, p.numel());
+  return p.is_1d() ? t : t.view({p.local_rows(), p.local_cols()});
+}
+
+Tensor GptModel::grad_bucket(int b) const {
+  if (opt_.shard_grads) return grad_bucket_storage_.at(static_cast<size_t>(b));
+  const GradBucket& k = grad_layout_.plan.buckets.at(static_cast<size_t>(b));
+  return grads_.flat_slice(k.offset, k.numel);
+}
+
+Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
+  if (!opt_.shard_grads) return grads_.flat_slice(offset, count);
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+    const GradBucket& k = grad_layout_.plan.buckets[static_cast<size_t>(b)];
+    if (offset >= k.offset && offset + count <= k.offset + k.numel) return grad_bucket(b).flat_slice(offset - k.offset, count);
+  }
+  fail("gradient range [{}, {}) is not inside one bucket", offset, offset + count);
+}
+
+// Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
+// its gradients (the layer's backward, the backward of the norm after it, or the head's). The
+// slot's previous holder, two layers later, was reduce-scattered when its backward ended.
+void GptModel::prepare_grad_unit(int local) {
+  if (!opt_.shard_grads || local < 0 || local >= d_.decoder_layers()) return;
+  int& holder = slot_unit_[local % 2];
+  if (holder == local) return;
+  MT_CHECK(holder < 0 || holder >= local + 2, "gradient slot of layer {} still holds layer {}", local, holder);
+  be_.fill(grad_slots_[local % 2], 0.0);
+  holder = local;
+}
 Tensor GptModel::master(int i) const {
   MT_CHECK(!(grad_layout_.sharded && has_master_copy()), "master({}) of a sharded master copy", i);
   return shaped(master_, descs_.at(i));
@@ -670,6 +731,13 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
 }
 
 void GptModel::zero_grads() {
+  if (opt_.shard_grads) {
+    for (int b = 0; b < grad_layout_.num_buckets(); ++b)
+      if (grad_layout_.bucket_unit[static_cast<size_t>(b)] < 0) be_.fill(grad_bucket(b), 0.0);
+    be_.fill(grad_shards_, 0.0);
+    slot_unit_[0] = slot_unit_[1] = -1;
+    return;
+  }
   for (FirstWriteGrad& f : first_write_grads_) f.written = false;
   if (first_write_grads_.empty()) be_.fill(grads_, 0.0);
   else be_.fill_ranges(grads_, zeroed_grad_ranges_, 0.0);
@@ -715,6 +783,7 @@ void GptModel::zero_grad_if_unwritten(const Tensor& g) {
 void GptModel::plan_grad_zeroing() {
   first_write_grads_.clear();
   zeroed_grad_ranges_.clear();
+  if (opt_.shard_grads) return;  // every staging buffer is zeroed before use: every GEMM adds
   auto ends_with = [](const std::string& s, const char* suffix) {
     const size_t n = std::strlen(suffix);
     return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
@@ -972,7 +1041,7 @@ Tensor GptModel::expand_grad(Tensor local, float p, uint64_t key, Tensor amax) {
 // Grad-sync backward: sums the TP-partial gradients of `layer` (-1: the final norm) over TP.
 void GptModel::reduce_tp_partial(int layer) {
   for (const auto& [l, r] : tp_partial_)
-    if (l == layer) ps_.tp->all_reduce(grads_.flat_slice(r.offset, r.count));
+    if (l == layer) ps_.tp->all_reduce(grad_range(r.offset, r.count));
 }
 
 void GptModel::grads_final(int first_param) {
@@ -1060,6 +1129,7 @@ void GptModel::forward(int slot) {
   fp8_keep_inputs_now_ = true;
   if (d_.last_stage) {
     params_needed(static_cast<int>(descs_.size()));
+    if (s.training) prepare_grad_unit(L - 1);  // (the final norm's backward takes its fc2 bias gradient)
     head_forward(s, stage_output(slot), head_norm_done);
   }
 }
@@ -1094,12 +1164,20 @@ void GptModel::backward(int slot, bool grad_sync) {
   const RecomputePlan& rp = opt_.recompute;
   // After each layer of a grad-sync backward its gradients are final: TP-partial ones are summed
   // now, and the hook may start the data-parallel reduction of the buckets they complete.
+  // Sharded gradients: every micro-batch's backward reduces its gradients as they become final.
+  const bool reduce_now = grad_sync || opt_.shard_grads;
   auto layer_done = [&](int local) {
-    if (!grad_sync) return;
+    if (!reduce_now) return;
     reduce_tp_partial(d_.layer_begin + local);
     grads_final(layer_first_param_[static_cast<size_t>(local)]);
   };
-  if (grad_sync && d_.last_stage) {  // the head's backward (and the mtp layers') ran in the last forward
+  // (A layer's backward also writes the layer before's fc2 bias gradient: fc2_bias_grad_from_norm.)
+  auto layer_backward_at = [&](int k, Tensor dy, Tensor dx) {
+    prepare_grad_unit(k);
+    prepare_grad_unit(k - 1);
+    layer_backward(k, s, acts(s, k), layer_input(s, k), dy, dx);
+  };
+  if (reduce_now && d_.last_stage) {  // the head's backward (and the mtp layers') ran in the last forward
     reduce_tp_partial(-1);
     for (int l = d_.decoder_end(); l < d_.layer_end; ++l) reduce_tp_partial(l);
     grads_final(d_.stage_mtp_layers() > 0 ? layer_first_param_[static_cast<size_t>(d_.decoder_layers())]
@@ -1117,14 +1195,14 @@ void GptModel::backward(int slot, bool grad_sync) {
       for (int k = begin; k < end; ++k) layer_forward(k, s, acts(s, k), layer_input(s, k));
       for (int k = end - 1; k >= begin; --k) {
         Tensor nxt = next_buffer(cur);
-        layer_backward(k, s, acts(s, k), layer_input(s, k), cur, nxt);
+        layer_backward_at(k, cur, nxt);
         cur = nxt;
         layer_done(k);
       }
       l = begin - 1;
     } else {
       Tensor nxt = next_buffer(cur);
-      layer_backward(l, s, acts(s, l), layer_input(s, l), cur, nxt);
+      layer_backward_at(l, cur, nxt);
       cur = nxt;
       layer_done(l);
       --l;
@@ -1132,7 +1210,8 @@ void GptModel::backward(int slot, bool grad_sync) {
   }
   if (d_.first_stage) embedding_backward(s, cur);
   last_input_grad_ = cur;
-  if (grad_sync) grads_final(0);
+  if (reduce_now) grads_final(0);
+  slot_unit_[0] = slot_unit_[1] = -1;  // (sharded gradients: every slot was reduced)
 }
 
 }  // namespace mt

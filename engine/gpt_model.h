@@ -67,6 +67,14 @@ struct ModelOptions {
   int expert_dp_size = 0, expert_dp_rank = 0;
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
+  // Sharded gradients (--use-megatron-fsdp optim_grads, ZeRO-2; engine/model_chunks.h says when):
+  // each decoder layer's gradients are a bucket of their own (a unit), written into one of two
+  // unit-sized staging buffers (layer l into l % 2) and, as soon as the layer's backward is done,
+  // in every micro-batch, reduce-scattered over DP and added into this rank's shard of the main
+  // gradients (grad_shards()). The parameters outside the layers keep whole staging buffers,
+  // reduce-scattered at the end of each backward. Needs shard_optimizer_state and one chunk per
+  // rank without pipelining, expert-parallel regions or FP8 parameters.
+  bool shard_grads = false;
   // The main gradients' dtype: accum, or bf16 with --grad-reduce-in-bf16 (Megatron's grad buffer
   // then has the parameters' dtype: gradients accumulate over micro-batches and are reduced in
   // bf16, and the optimizer reads them as float). Set-up work that needs a parameter's
@@ -151,7 +159,14 @@ class GptModel {
   // [0, grad_layout().fp8_begin); param_storage() gives any bucket-aligned range of either region.
   Tensor params_flat() const { return params_; }
   Tensor param_storage(int64_t offset, int64_t numel) const;
+  // The whole gradient buffer; empty with sharded gradients (ModelOptions::shard_grads), whose
+  // buckets have staging buffers of their own and whose main gradients are this rank's shards.
   Tensor grads_flat() const { return grads_; }
+  // Bucket b's gradients, in the whole buffer or (sharded gradients) its staging buffer.
+  Tensor grad_bucket(int b) const;
+  // Sharded gradients: this rank's shard of every bucket's main gradients, laid out like the
+  // sharded optimizer states (GradLayout::state_offset); empty otherwise.
+  Tensor grad_shards() const { return grad_shards_; }
   // Master weights and optimizer states: indexed like the flat buffers, or, when sharded
   // (grad_layout().sharded), holding this DP rank's shard of each bucket at
   // grad_layout().state_offset[b]. Without a separate master copy (compute == accum) the master
@@ -179,7 +194,7 @@ class GptModel {
   void init_parameters(bool random = true);
   // Whether a sharded master copy or optimizer state needs stage_full_params to take full
   // tensors: the gradient buffer, the full-size staging otherwise, holds bf16 main grads.
-  bool stages_per_param() const { return grad_layout_.sharded && opt_.grad != opt_.accum; }
+  bool stages_per_param() const { return grad_layout_.sharded && (opt_.grad != opt_.accum || opt_.shard_grads); }
   // Full-precision (accum) values, one parameter at a time, through a set-up-time scratch of the
   // largest parameter's size: fill(i, v) writes parameter i's values into v (its shape); they are
   // cast into the model weights (to_params) and this rank's pieces go to `sharded` (laid out like
@@ -524,6 +539,17 @@ class GptModel {
   std::vector<FirstWriteGrad> first_write_grads_;
   FirstWriteGrad* first_write_entry(const Tensor& g);  // null: g is zeroed by zero_grads()
   std::vector<FlatRange> zeroed_grad_ranges_;
+  // Sharded gradients (ModelOptions::shard_grads): per bucket its staging buffer (the layers' are
+  // views of the two unit slots), the slots, the local layer each slot holds this micro-batch (-1:
+  // none yet), and the main gradients' shards. prepare_grad_unit(l) zeroes layer l's slot before
+  // the micro-batch's first write to it.
+  std::vector<Tensor> grad_bucket_storage_;
+  std::vector<int> param_bucket_;  // params() index -> its bucket
+  Tensor grad_slots_[2];
+  int slot_unit_[2] = {-1, -1};
+  Tensor grad_shards_;
+  void prepare_grad_unit(int local);
+  Tensor grad_range(int64_t offset, int64_t count) const;  // a range of the flat layout inside one bucket
   NormParams norm_;
   // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are
   // qk_l2_ones_ (bound as every layer's q/k norm weights; no parameter, no gradient).

@@ -36,7 +36,7 @@ void append_region(GradBufferPlan& whole, const GradBufferPlan& region) {
 
 GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
                               std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
-                              int64_t* total_elements, ExpertDpGroup experts) {
+                              int64_t* total_elements, ExpertDpGroup experts, std::optional<int> unit_layers) {
   MT_CHECK(dp_rank >= 0 && dp_rank < dp_size, "dp rank {} of {}", dp_rank, dp_size);
   MT_CHECK(experts.size == 0 || (experts.rank >= 0 && experts.rank < experts.size), "expert-dp rank {} of {}",
            experts.rank, experts.size);
@@ -65,7 +65,9 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
         MT_CHECK(!(p.fp8_storage && p.expert && experts.size > 0), "FP8 expert weight {} under expert parallelism",
                  p.name);
         const int region = p.fp8_storage ? kFp8Region : (p.expert && experts.size > 0) ? kExpertRegion : 0;
-        order[region].push_back(GradParam{p.name, p.numel(), tied_copy});
+        GradParam gp{p.name, p.numel(), tied_copy};
+        if (unit_layers) gp.unit = p.layer >= 0 && p.layer < *unit_layers ? p.layer : -1;
+        order[region].push_back(std::move(gp));
         order_param[region].push_back(i);
       }
     end = begin;
@@ -77,7 +79,8 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
     if (region == kFp8Region) g.fp8_begin = g.plan.numel;
     if (order[region].empty()) continue;
     region_buckets.push_back(g.plan.buckets.size());
-    append_region(g.plan, plan_grad_buffer(order[region], region == kExpertRegion ? experts.size : dp_size, bucket_size));
+    append_region(g.plan, plan_grad_buffer(order[region], region == kExpertRegion ? experts.size : dp_size,
+                                           unit_layers ? std::nullopt : bucket_size));
     expert_flag.resize(g.plan.buckets.size(), region == kExpertRegion ? 1 : 0);
     g.plan_param.insert(g.plan_param.end(), order_param[region].begin(), order_param[region].end());
   }
@@ -114,6 +117,11 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
   for (size_t b = 0; b < g.plan.buckets.size(); ++b) {
     for (int k : g.plan.buckets[b].params) g.plan.params[static_cast<size_t>(k)].bucket = static_cast<int>(b);
     g.bucket_first_param.push_back(first_param(g.plan.buckets[b]));
+    if (unit_layers) {
+      const int first = g.plan.buckets[b].params.front();
+      const int layer = params[static_cast<size_t>(g.plan_param[static_cast<size_t>(first)])].layer;
+      g.bucket_unit.push_back(layer >= 0 && layer < *unit_layers ? layer : -1);
+    }
   }
   int64_t state = 0;
   for (int b = 0; b < g.num_buckets(); ++b) {

@@ -45,6 +45,9 @@ struct GradLayout {
   std::vector<int64_t> state_offset;  // per bucket: where its shard starts in the sharded buffers
   int64_t state_numel = 0;            // size of the sharded buffers (the full size when not sharded)
   int64_t fp8_begin = 0;              // first element of the FP8 region (plan.numel: none)
+  // Unit buckets (sharded gradients, ModelOptions::shard_grads): per bucket the decoder layer whose
+  // parameters it holds, or -1 for one of the parameters outside the layers. Empty otherwise.
+  std::vector<int> bucket_unit;
 
   bool fp8_bucket(int b) const { return plan.buckets[static_cast<size_t>(b)].offset >= fp8_begin; }
   bool is_expert_bucket(int b) const { return expert_bucket[static_cast<size_t>(b)] != 0; }
@@ -66,9 +69,12 @@ struct ExpertDpGroup {
 // Assigns every ParamDesc::offset from the bucket plan and returns it; *total_elements becomes the
 // padded size of the flat buffers. bucket_size: nullopt = one bucket. Tied word embeddings shared
 // between the first and last pipeline stage get a bucket of their own (pipeline true).
+// unit_layers (sharded gradients): every decoder layer below it is a unit, whose parameters are a
+// bucket of their own, and so is each run of the other parameters (bucket_size then unused).
 GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int dp_rank,
                               std::optional<int64_t> bucket_size, bool sharded, bool pipeline,
-                              int64_t* total_elements, ExpertDpGroup experts = {});
+                              int64_t* total_elements, ExpertDpGroup experts = {},
+                              std::optional<int> unit_layers = std::nullopt);
 
 // Contiguous ranges [offset, offset + count) of the flat buffers that hold all parameters with
 // tp_partial_grad of one layer (layer -1: the final norm), padding between them included (it holds

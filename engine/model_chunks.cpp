@@ -78,6 +78,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
+    // (One rank per optimizer instance: nothing to shard.)
+    o.shard_grads = unsharded_gradients_reason(cfg) == std::optional<std::string>("") && o.shard_optimizer_state &&
+                    o.dp_size > 1;
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
     // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)
     // --main-grads-dtype bf16 (precision-aware optimizer) is the same buffer, with --bf16 only: elsewhere
@@ -93,6 +96,18 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     out.push_back({dims[c], o});
   }
   return out;
+}
+
+std::optional<std::string> unsharded_gradients_reason(const Config& cfg) {
+  const std::string strategy = fsdp_strategy(cfg.parallel);
+  if (strategy != "optim_grads" && strategy != "optim_grads_params") return std::nullopt;
+  const ParallelConfig& p = cfg.parallel;
+  if (p.pipeline_model_parallel_size > 1) return std::string("pipeline parallelism");
+  const int etp = p.expert_tensor_parallel_size.value_or(p.tensor_model_parallel_size);
+  if (cfg.model.moe.enabled() && (p.expert_model_parallel_size > 1 || etp != p.tensor_model_parallel_size))
+    return std::string("expert parallelism");
+  if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
+  return std::string();
 }
 
 MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType compute) {

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/config.h"
@@ -42,6 +44,13 @@ MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType comp
 
 // The compute dtype of --fp32 / --bf16 / --fp16 (no device checks: the caller makes those).
 DType precision_dtype(const Config& cfg);
+
+// Fully sharded data parallelism's gradient sharding (ModelOptions::shard_grads): whether this
+// run's strategy asks for it (--use-megatron-fsdp optim_grads or optim_grads_params, or
+// --use-torch-fsdp2), and why it is not built for this layout where it is not: "" when the
+// gradients are sharded, or the reason (pipeline parallelism, expert parallelism, FP8 parameters);
+// those runs keep the distributed optimizer's layout. nullopt: not asked for.
+std::optional<std::string> unsharded_gradients_reason(const Config& cfg);
 
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
                                                           DType compute);

@@ -128,7 +128,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
       ps_.replicas().all_reduce(scalars.flat_slice(kMtp, mtp_depths_));
     }
     for (const OptimRange& r : ranges_) {
-      const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
+      const Tensor g = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).grad;
       // (An empty list would mean the whole tensor.)
       if (!r.norm.empty()) be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
       if (!r.expert_norm.empty()) be_.sum_squares(scalars.flat_slice(kExpertSumSq, 1), g, r.expert_norm, true);
@@ -137,7 +137,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   if (cfg_.logging.log_num_zeros_in_grad) {
     const ScopedTimer timed(timer, "optimizer-count-zeros");
     for (const OptimRange& r : ranges_) {
-      const Tensor g = chunks_[static_cast<size_t>(r.chunk)]->grads_flat().flat_slice(r.flat_offset, r.numel);
+      const Tensor g = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).grad;
       if (!r.norm.empty()) be_.count_zeros(scalars.flat_slice(kZeros, 1), g, r.norm, true);
       if (!r.expert_norm.empty()) be_.count_zeros(scalars.flat_slice(kExpertZeros, 1), g, r.expert_norm, true);
     }

@@ -55,7 +55,7 @@ GradBufferPlan plan_grad_buffer(const std::vector<GradParam>& params, int dp_siz
   for (size_t i = 0; i < params.size(); ++i) {
     const GradParam& p = params[i];
     if (p.numel <= 0) fail("parameter '{}' has {} elements; every parameter needs at least one", p.name, p.numel);
-    if (p.own_bucket && !open.params.empty()) close_bucket();
+    if ((p.own_bucket || (p.unit && i > 0 && params[i - 1].unit != p.unit)) && !open.params.empty()) close_bucket();
     cursor = round_up(cursor, kParamAlignment);
     plan.params[i] = {cursor, p.numel, static_cast<int>(plan.buckets.size())};
     open.params.push_back(static_cast<int>(i));

@@ -31,6 +31,9 @@ struct GradParam {
   std::string name;
   int64_t numel = 0;
   bool own_bucket = false;  // put in a bucket of its own (tied word embedding)
+  // Fully sharded data parallelism's units (engine/grad_layout.h): when set, a bucket never holds
+  // two units' parameters (a decoder layer is a unit; -1 the parameters outside them).
+  std::optional<int> unit;
 };
 
 struct ParamPlacement {

@@ -4,6 +4,7 @@
 #include "tests/cli_test_util.h"
 
 #include "app/plan.h"
+#include "engine/model_chunks.h"
 
 using namespace mt;
 using namespace mt::test;
@@ -37,9 +38,20 @@ TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimiz
     CHECK(fsdp_strategy(c.parallel) == s);
     // Megatron's own note when --use-distributed-optimizer is absent (v1 turns it on).
     CHECK(has_message(ms, SetupMessage::Kind::note, "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"));
-    // optim is ZeRO-1 itself; the other two are run with its memory, and say so.
-    CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-1's memory") == (std::string(s) != "optim"));
+    // optim is ZeRO-1 itself; optim_grads shards the gradients too; optim_grads_params runs as
+    // optim_grads and says so.
+    CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "ZeRO-1's memory"));
+    CHECK(has_message(ms, SetupMessage::Kind::note, "gradients are reduce-scattered over the 4 data-parallel ranks") ==
+          (std::string(s) != "optim"));
+    CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory") == (std::string(s) == "optim_grads_params"));
+    CHECK(unsharded_gradients_reason(c) == (std::string(s) == "optim" ? std::nullopt : std::optional<std::string>("")));
   }
+  // Where gradient sharding is not built, the distributed optimizer's layout, with the reason.
+  ms.clear();
+  const Config pp = parse(fsdp("optim_grads_params") + words("--pipeline-model-parallel-size 2"), 4, &ms);
+  CHECK(unsharded_gradients_reason(pp) == std::optional<std::string>("pipeline parallelism"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "with pipeline parallelism: megatrain shards only the master "
+                                                     "weights and optimizer state over the 2 data-parallel ranks"));
   // Megatron-LM's default strategy is optim_grads_params.
   CHECK(fsdp_strategy(parse(small_gpt() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor"), 2).parallel) ==
         "optim_grads_params");
@@ -157,6 +169,7 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
   CHECK(m[2].strategy == "optim_grads");
   CHECK(m[3].strategy == "optim_grads_params");
   CHECK_FALSE(m[1].estimate);
+  CHECK_FALSE(m[2].estimate);  // (the engine lays out sharded gradients: its plan)
   CHECK(m[3].estimate);
   // ZeRO-1 shards the float32 master weights and Adam moments about 4 ways (bucket padding aside).
   CHECK(m[1].plan.of(C::master_weights) * 3 < m[0].plan.of(C::master_weights));
@@ -164,14 +177,22 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
   CHECK(m[1].plan.of(C::parameters) == m[0].plan.of(C::parameters));
   // ZeRO-2 has fewer gradients, the same parameters; ZeRO-3 fewer of both; totals fall in order.
   CHECK(m[2].plan.of(C::gradients) < m[1].plan.of(C::gradients));
-  CHECK(m[2].plan.of(C::parameters) == m[1].plan.of(C::parameters));
+  // (one bucket per layer pads each to a multiple of lcm(DP, 128) elements: a little more padding)
+  CHECK(m[2].plan.of(C::parameters) >= m[1].plan.of(C::parameters));
+  CHECK(m[2].plan.of(C::parameters) < m[1].plan.of(C::parameters) * 101 / 100);
   CHECK(m[3].plan.of(C::parameters) < m[2].plan.of(C::parameters));
   CHECK(m[0].total > m[1].total);
   CHECK(m[1].total > m[2].total);
   CHECK(m[2].total > m[3].total);
   // The first plan is what a run without the distributed optimizer lays out.
   Config ddp = c;
-  ddp.parallel.use_distributed_optimizer = false;
+  ddp.parallel.use_megatron_fsdp = ddp.parallel.use_distributed_optimizer = false;
   CHECK(m[0].total == stage_memory(ddp, 0).total);
-  CHECK(m[1].total == stage_memory(c, 0).total);
+  Config zero1 = c;
+  zero1.parallel.data_parallel_sharding_strategy = "optim";
+  CHECK(m[1].total == stage_memory(zero1, 0).total);
+  CHECK(m[2].total == stage_memory(c, 0).total);  // optim_grads_params runs as optim_grads
+  // With pipeline parallelism optim_grads is not built: an estimate.
+  const Config pp = parse(fsdp("optim_grads") + words("--num-layers 4 --bf16 --pipeline-model-parallel-size 2"), 4);
+  CHECK(sharding_strategy_memory(pp, 0)[2].estimate);
 }

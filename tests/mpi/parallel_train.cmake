@@ -448,3 +448,16 @@ megatrain_parallel_train_test(parallel_train_resume_fsdp_zero3_dp2_to_no_shard_d
   2 "${fsdp} optim_grads_params" 4 "${fsdp} no_shard")
 megatrain_parallel_train_test(parallel_train_resume_fsdp_no_shard_dp3_to_optim_grads_dp2 --resume
   3 "${fsdp} no_shard" 2 "${fsdp} optim_grads --overlap-grad-reduce")
+# Sharded gradients (optim_grads, optim_grads_params: each layer's gradients reduce-scattered in
+# every micro-batch) with full recompute (a layer's forward rerun inside the backward), with MoE
+# layers (experts in their layer's unit), in bf16 (accumulated and summed in bf16: within bf16
+# rounding) and with FP8 layers (tensorwise: the weight-gradient GEMMs add into the slots).
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads_recompute 2 ${fsdp} optim_grads
+                              --recompute-granularity full --recompute-method uniform --recompute-num-layers 2)
+megatrain_parallel_train_test(parallel_train_fsdp_moe_dp3_optim_grads_params --model "${moe_model}" 3 ${fsdp}
+                              optim_grads_params)
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_bf16_main_grads --bf16-reduce 3 ${fsdp} optim_grads
+                              --megatron-fsdp-main-grads-dtype bf16)
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_tensorwise_dp2 --fp8
+  --model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss"
+  2 ${fsdp} optim_grads_params)
