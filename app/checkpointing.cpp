@@ -102,9 +102,13 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
   auto size_of = [](const Tensor& t) { return t.empty() ? size_t{0} : t.nbytes(); };
   for (GptModel* m : chunks_) {
     Staging h;
-    h.params.resize(size_of(m->params_flat()));
-    // FP8 parameters' model weights come from the master weights (GptModel::fp8_params).
-    if (m->fp8_params()) {
+    // (Sharded parameters: the whole buckets' parts of the flat layout; the rest stays unused.)
+    h.params.resize(m->options().shard_params
+                        ? static_cast<size_t>(m->grad_layout().plan.numel) * dtype_size(m->options().compute)
+                        : size_of(m->params_flat()));
+    // FP8 parameters' and sharded parameters' model weights come from the master weights
+    // (GptModel::fp8_params, ModelOptions::shard_params).
+    if (m->fp8_params() || m->options().shard_params) {
       h.master.resize(size_of(m->master_flat()));
       h.fp8_model.resize(static_cast<size_t>(m->master_flat().numel()) * dtype_size(m->options().compute));
     }
@@ -145,8 +149,19 @@ bool TrainingCheckpoints::owns(const ParamDesc& p) const {
 void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging& h, bool optim) {
   Backend& be = m.backend();
   // The only device->host traffic of a save: one copy per flat buffer into the staging memory.
-  be.copy_to_host(h.params.data(), m.params_flat());
-  if (optim || m.fp8_params()) {
+  const GradLayout& L = m.grad_layout();
+  const bool shard_params = m.options().shard_params;
+  if (shard_params) {  // (the whole buckets; a layer's parameters come from the master weights)
+    const size_t elem = dtype_size(m.options().compute);
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+      if (!m.param_shard_bucket(b))
+        be.copy_to_host(h.params.data() + static_cast<size_t>(k.offset) * elem, m.param_storage(k.offset, k.numel));
+    }
+  } else {
+    be.copy_to_host(h.params.data(), m.params_flat());
+  }
+  if (optim || m.fp8_params() || shard_params) {
     if (!h.master_raw.empty()) {  // (int16 remainders: joined with the parameters' bf16 bits)
       be.copy_to_host(h.master_raw.data(), m.master_flat());
       m.master_to_host(reinterpret_cast<float*>(h.master.data()), h.params.data(), h.master_raw.data());
@@ -158,7 +173,6 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   }
   const DType T = m.options().compute, S = m.options().accum;
   const std::vector<ParamDesc>& ps = m.params();
-  const GradLayout& L = m.grad_layout();
   auto add_optim = [&](const ParamDesc& p, const ShardSlice& slice, int64_t at, int64_t n) {
     if (!h.master.empty())
       w.add(p.name, CheckpointKind::main_params, slice, host_view(h.master, S, at, n), p.global_shape);
@@ -171,10 +185,11 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
       w.add(p.name + kSecondStateSuffix, CheckpointKind::optimizer, slice,
             host_view(h.state2, m.exp_avg_sq_flat().dtype, at, n), p.global_shape);
   };
-  for (const ParamDesc& p : ps) {
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const ParamDesc& p = ps[i];
     if (!owns(p)) continue;
     const ShardSlice slice = ShardSlice::whole(p.shard);
-    if (!p.fp8_storage)
+    if (!p.fp8_storage && !m.param_sharded(static_cast<int>(i)))
       w.add(p.name, CheckpointKind::model, slice, host_view(h.params, T, p.offset, p.numel()), p.global_shape);
     if (optim && !L.sharded) add_optim(p, slice, p.offset, p.numel());
   }
@@ -226,15 +241,18 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
 // converts and exports like any other. Every DP rank writes its shards' pieces (the master copy is
 // sharded), as for the optimizer state.
 void TrainingCheckpoints::stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h) {
-  if (!m.fp8_params() || ps_.replicas_rank() >= ps_.dist_opt_size()) return;
+  // (Sharded parameters likewise: each DP rank writes its pieces of the layers' weights.)
+  const bool shard_params = m.options().shard_params;
+  if ((!m.fp8_params() && !shard_params) || ps_.replicas_rank() >= ps_.dist_opt_size()) return;
   const DType T = m.options().compute, S = m.options().accum;
   MT_CHECK(S == DType::f32, "FP8 parameters with {} master weights", dtype_name(S));
   const float* master = reinterpret_cast<const float*>(h.master.data());
   const GradLayout& L = m.grad_layout();
   for (int b = 0; b < L.num_buckets(); ++b) {
-    if (!L.fp8_bucket(b)) continue;
+    if (!L.fp8_bucket(b) && !m.param_shard_bucket(b)) continue;
     for (const ShardSegment& seg : L.shard_segments(b)) {
       const ParamDesc& p = m.params()[static_cast<size_t>(seg.param)];
+      if (p.shared_copy || (p.tp_duplicated && ps_.tp_rank != 0)) continue;
       const int64_t at = L.state_offset[static_cast<size_t>(b)] + seg.shard_offset;
       const Tensor out = host_view(h.fp8_model, T, at, seg.numel);
       for (int64_t i = 0; i < seg.numel; ++i) {

@@ -75,11 +75,10 @@ StageMemory stage_memory(const Config& cfg, int pp_rank);
 
 // Per-GPU memory of one pipeline stage under each data-parallel sharding strategy (--use-megatron-
 // fsdp's dry-run table): the engine's plans of the run as no_shard (DDP), optim (the distributed
-// optimizer) and optim_grads (sharded gradients, where engine/model_chunks.h builds them; else an
-// estimate from optim's plan), and an estimate of optim_grads_params, which megatrain does not lay
-// out yet (app/validate_fsdp.cpp): optim_grads' plan with the decoder layers' parameters sharded
-// over the optimizer's ranks plus two whole layers' worth (Megatron-FSDP's double-buffered units);
-// the other parameters whole. The estimate of optim_grads shards the layers' gradients alike.
+// optimizer), optim_grads and optim_grads_params where engine/model_chunks.h builds their
+// gradient and parameter sharding, else estimates: the closer strategy's plan with the decoder
+// layers' gradients (or parameters) sharded over the optimizer's ranks plus two whole layers'
+// worth (the double-buffered units), the other parameters whole.
 struct StrategyMemory {
   std::string strategy, zero;  // "optim_grads", "ZeRO-2"
   MemoryPlan plan;

@@ -92,7 +92,10 @@ std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_r
   out.push_back(unsharded_gradients_reason(zero2) == std::optional<std::string>("")
                     ? planned("optim_grads", "ZeRO-2", zero2)
                     : estimate("optim_grads", "ZeRO-2", out[1].plan, C::gradients));
-  out.push_back(estimate("optim_grads_params", "ZeRO-3", out[2].plan, C::parameters));
+  const Config zero3 = with("optim_grads_params");
+  out.push_back(unsharded_params_reason(zero3) == std::optional<std::string>("")
+                    ? planned("optim_grads_params", "ZeRO-3", zero3)
+                    : estimate("optim_grads_params", "ZeRO-3", out[2].plan, C::parameters));
   return out;
 }
 

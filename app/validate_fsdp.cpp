@@ -10,9 +10,13 @@
 //                        (ModelOptions::shard_grads), where engine/model_chunks.h builds it (one
 //                        pipeline stage, no expert parallelism, no FP8 parameters); elsewhere optim
 //   optim_grads_params, --use-torch-fsdp2
-//                        ZeRO-3, run as optim_grads: the compute-dtype parameters stay whole on
-//                        every rank. Warnings say what a run lays out, and the dry run prints each
-//                        strategy's memory. Sharding never changes the numbers.
+//                        ZeRO-3: besides, each rank keeps only its shard of every decoder layer's
+//                        compute-dtype parameters and gathers a layer's just before its forward
+//                        and backward (ModelOptions::shard_params), where built (also not with
+//                        --use-precision-aware-optimizer's remainders or the replica weight
+//                        check); elsewhere optim_grads or optim. Warnings say what a run lays out,
+//                        and the dry run prints each strategy's memory. Sharding never changes the
+//                        numbers.
 //
 // Hybrid sharding (--num-distributed-optimizer-instances N): outer no_shard is the partial
 // distributed optimizer (sharded within each of N instances, all-reduced across them); outer optim
@@ -154,15 +158,21 @@ void validate_fsdp(CliState& st) {
                         what, strategy, reason, over, reason));
     return;
   }
-  if (strategy == "optim_grads_params")
-    st.warn(fmt::format("{} ({}): megatrain shards the gradients, master weights and optimizer state {} (ZeRO-2's "
-                        "memory) and keeps the compute-dtype parameters whole on every rank: ZeRO-3's parameter "
-                        "sharding is not built yet; the same losses; the dry run prints each strategy's memory per GPU",
-                        what, strategy, over));
-  st.note(fmt::format("{} ({}): each decoder layer's gradients are reduce-scattered {} when its backward ends, in every "
-                      "micro-batch, and summed into this rank's shard; the reduction is not yet overlapped with the "
-                      "next layer's backward",
-                      what, strategy, over));
+  const std::string params_reason = unsharded_params_reason(st.cfg).value_or("-");
+  if (strategy == "optim_grads_params" && params_reason != "")
+    st.warn(fmt::format("{} ({}) with {}: megatrain shards the gradients, master weights and optimizer state {} "
+                        "(ZeRO-2's memory) and keeps the compute-dtype parameters whole on every rank (parameter "
+                        "sharding is not built with {} yet): the same losses; the dry run prints each strategy's "
+                        "memory per GPU",
+                        what, strategy, params_reason, over, params_reason));
+  st.note(fmt::format("{} ({}): {}each decoder layer's gradients are reduce-scattered {} when its backward ends, in "
+                      "every micro-batch, and summed into this rank's shard; neither is overlapped with the "
+                      "neighbouring layers' compute yet",
+                      what, strategy,
+                      params_reason == "" ? "each decoder layer's parameters are all-gathered just before its forward "
+                                            "and again before its backward (two layers' worth held at once); "
+                                          : "",
+                      over));
 }
 
 }  // namespace mt::cli

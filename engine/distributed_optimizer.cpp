@@ -94,7 +94,9 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
   if (m.has_master_copy()) {
     v.master = state(m.master_flat());
     // (FP8 parameters: the update casts them, each segment with its weight's scale.)
-    v.model_copy = m.param_storage(r.flat_offset, r.numel);
+    // (Sharded parameters: a layer's bucket's output is this rank's shard of its parameters.)
+    v.model_copy = r.bucket >= 0 && m.param_shard_bucket(r.bucket) ? m.param_shards().flat_slice(r.state_offset, r.numel)
+                                                                    : m.param_storage(r.flat_offset, r.numel);
   } else {
     v.master = m.params_flat().flat_slice(r.flat_offset, r.numel);  // the parameters are the master weights
   }
@@ -131,9 +133,11 @@ void ParamGather::start() {
   for (size_t c = 0; c < chunks_.size(); ++c) {
     GptModel& m = *chunks_[c];
     const GradLayout& L = m.grad_layout();
+    m.param_shards_updated();  // (sharded parameters: each layer's are gathered when needed)
     // Buckets in forward order (the last bucket holds the first layers), so that the first
     // forward's parameters arrive first.
     for (int b = L.num_buckets() - 1; b >= 0; --b) {
+      if (m.param_shard_bucket(b)) continue;
       const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
       const Tensor whole = m.param_storage(k.offset, k.numel);  // FP8 buckets: FP8 bytes
       Communicator& group = L.is_expert_bucket(b) ? *expert_dp_ : dp_;

@@ -119,6 +119,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
                                  !opt_.fp8.param_gather),
            "sharded gradients need the distributed optimizer, one pipeline stage, no expert-parallel region and no "
            "FP8 parameters");
+  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
+           "sharded parameters need sharded gradients and no master-weight remainders");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -233,6 +235,10 @@ void GptModel::plan_params() {
                                     d_.pipeline && (d_.tied_embeddings || d_.mtp > 0), &total_elements_,
                                     ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank},
                                     opt_.shard_grads ? std::optional<int>(d_.num_layers) : std::nullopt);
+  unit_bucket_.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  for (int b = 0; b < static_cast<int>(grad_layout_.bucket_unit.size()); ++b)
+    if (const int u = grad_layout_.bucket_unit[static_cast<size_t>(b)]; u >= 0)
+      unit_bucket_[static_cast<size_t>(u - d_.layer_begin)] = b;
   param_bucket_.assign(descs_.size(), 0);
   for (size_t k = 0; k < grad_layout_.plan_param.size(); ++k)
     param_bucket_[static_cast<size_t>(grad_layout_.plan_param[k])] = grad_layout_.plan.params[k].bucket;
@@ -302,7 +308,27 @@ void GptModel::layout(Arena& a) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden, total = total_elements_;
   const int64_t state = grad_layout_.state_numel;  // == total unless sharded
   const int64_t fp8_begin = grad_layout_.fp8_begin;  // == total without FP8 parameters
-  params_ = a.take(C::parameters, T, {fp8_begin});
+  params_ = param_shards_ = param_slots_[0] = param_slots_[1] = Tensor();
+  param_bucket_storage_.clear();
+  if (opt_.shard_params) {
+    // The layers' two slots and this rank's shards of them; the other buckets whole.
+    const GradLayout& L = grad_layout_;
+    int64_t largest_unit = 0;
+    for (int b = 0; b < L.num_buckets(); ++b)
+      if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
+        largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
+    for (Tensor& slot : param_slots_)
+      if (largest_unit > 0) slot = a.take(C::parameters, T, {largest_unit});
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
+      const int unit = L.bucket_unit[static_cast<size_t>(b)];
+      param_bucket_storage_.push_back(unit >= 0 ? param_slots_[(unit - d_.layer_begin) % 2].flat_slice(0, n)
+                                                : a.take(C::parameters, T, {n}));
+    }
+    param_shards_ = a.take(C::parameters, T, {state});
+  } else {
+    params_ = a.take(C::parameters, T, {fp8_begin});
+  }
   fp8_params_ = fp8_params() ? a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin}) : Tensor();
   grad_bucket_storage_.clear();
   grads_ = grad_shards_ = grad_slots_[0] = grad_slots_[1] = Tensor();
@@ -506,6 +532,14 @@ Tensor GptModel::logits() const {
 }
 
 Tensor GptModel::param_storage(int64_t offset, int64_t numel) const {
+  if (opt_.shard_params) {
+    for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
+      const GradBucket& k = grad_layout_.plan.buckets[static_cast<size_t>(b)];
+      if (offset >= k.offset && offset + numel <= k.offset + k.numel)
+        return param_bucket_storage_[static_cast<size_t>(b)].flat_slice(offset - k.offset, numel);
+    }
+    fail("parameter range [{}, {}) is not inside one bucket", offset, offset + numel);
+  }
   const int64_t begin = grad_layout_.fp8_begin;
   if (offset >= begin) return fp8_params_.flat_slice(offset - begin, numel);
   MT_CHECK(offset + numel <= begin, "param_storage: [{}, {}) crosses into the FP8 parameters at {}", offset,
@@ -544,6 +578,20 @@ Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
 // Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
 // its gradients (the layer's backward, the backward of the norm after it, or the head's). The
 // slot's previous holder, two layers later, was reduce-scattered when its backward ended.
+// Sharded parameters: layer `local`'s whole parameters, all-gathered from the shards over the
+// optimizer's data-parallel ranks into its slot, unless the slot holds them already.
+void GptModel::gather_unit(int local) {
+  if (!opt_.shard_params || local < 0 || local >= d_.decoder_layers()) return;
+  int& holder = param_slot_unit_[local % 2];
+  if (holder == local) return;
+  const int b = unit_bucket_.at(static_cast<size_t>(local));
+  const Tensor shard = param_shards_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_numel(b));
+  Communicator& group = ps_.dist_opt_group();
+  if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
+  else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
+  holder = local;
+}
+
 void GptModel::prepare_grad_unit(int local) {
   if (!opt_.shard_grads || local < 0 || local >= d_.decoder_layers()) return;
   int& holder = slot_unit_[local % 2];
@@ -714,20 +762,24 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
     ParamDesc at_start = p;
     at_start.offset = 0;
     fill(static_cast<int>(i), shaped(scratch, at_start));
-    if (to_params && !p.fp8_storage) {
-      if (remainders) be_.split_master(shaped(params_, p), Tensor(), shaped(scratch, at_start));
-      else be_.cast(shaped(params_, p), shaped(scratch, at_start));
+    // (Sharded parameters: a layer's go to this rank's shards, below.)
+    const bool sharded_param = opt_.shard_params && param_shard_bucket(param_bucket_[i]);
+    if (to_params && !p.fp8_storage && !sharded_param) {
+      if (remainders) be_.split_master(param(static_cast<int>(i)), Tensor(), shaped(scratch, at_start));
+      else be_.cast(param(static_cast<int>(i)), shaped(scratch, at_start));
     }
     for (const auto& [b, s] : pieces[i]) {
-      const Tensor dst =
-          sharded.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset, s.numel);
+      const int64_t at = grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset;
+      const Tensor dst = sharded.flat_slice(at, s.numel);
       const Tensor src = scratch.flat_slice(s.param_offset, s.numel);
-      if (remainders) be_.split_master(params_.flat_slice(p.offset + s.param_offset, s.numel), dst, src);
+      if (remainders) be_.split_master(param_storage(p.offset + s.param_offset, s.numel), dst, src);
       else be_.cast(dst, src);  // (a cast: bf16 moments take their rounding)
+      if (to_params && sharded_param) be_.cast(param_shards_.flat_slice(at, s.numel), src);
     }
   }
   be_.synchronize();  // the scratch is freed below
   be_.deallocate(mem);
+  param_shards_updated();
 }
 
 void GptModel::zero_grads() {
@@ -1122,6 +1174,8 @@ void GptModel::forward(int slot) {
                        : layer == L ? head_first_param_ : static_cast<int>(descs_.size());
     };
     params_needed(first_param_of(next.fused ? l + 2 : l + 1));
+    gather_unit(l);
+    if (next.fused) gather_unit(l + 1);  // (its input norm)
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
     head_norm_done = l == L - 1 && next.fused;
@@ -1173,6 +1227,7 @@ void GptModel::backward(int slot, bool grad_sync) {
   };
   // (A layer's backward also writes the layer before's fc2 bias gradient: fc2_bias_grad_from_norm.)
   auto layer_backward_at = [&](int k, Tensor dy, Tensor dx) {
+    gather_unit(k);
     prepare_grad_unit(k);
     prepare_grad_unit(k - 1);
     layer_backward(k, s, acts(s, k), layer_input(s, k), dy, dx);
@@ -1192,7 +1247,10 @@ void GptModel::backward(int slot, bool grad_sync) {
       // Full recompute: rerun the group's forward from its kept input, then its backward.
       const auto [begin, end] = rp.groups[g];
       MT_CHECK(end - 1 == l, "recompute group [{}, {}) entered at layer {}", begin, end, l);
-      for (int k = begin; k < end; ++k) layer_forward(k, s, acts(s, k), layer_input(s, k));
+      for (int k = begin; k < end; ++k) {
+        gather_unit(k);
+        layer_forward(k, s, acts(s, k), layer_input(s, k));
+      }
       for (int k = end - 1; k >= begin; --k) {
         Tensor nxt = next_buffer(cur);
         layer_backward_at(k, cur, nxt);

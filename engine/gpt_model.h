@@ -75,6 +75,13 @@ struct ModelOptions {
   // reduce-scattered at the end of each backward. Needs shard_optimizer_state and one chunk per
   // rank without pipelining, expert-parallel regions or FP8 parameters.
   bool shard_grads = false;
+  // Sharded parameters (--use-megatron-fsdp optim_grads_params, ZeRO-3; with shard_grads): each
+  // rank keeps only its shard of every decoder layer's compute-dtype parameters (param_shards(),
+  // the optimizer's output) and all-gathers a layer's whole parameters into one of two layer-sized
+  // slots (layer l into l % 2) just before its forward or backward needs them, again after the slot
+  // was taken by another layer. The parameters outside the layers stay whole. Always with a float32
+  // master copy (also for float32 parameters); not with master-weight remainders.
+  bool shard_params = false;
   // The main gradients' dtype: accum, or bf16 with --grad-reduce-in-bf16 (Megatron's grad buffer
   // then has the parameters' dtype: gradients accumulate over micro-batches and are reduced in
   // bf16, and the optimizer reads them as float). Set-up work that needs a parameter's
@@ -157,6 +164,8 @@ class GptModel {
   // Flat buffers (all parameters of the stage, in params() order with padding).
   // With FP8 parameters (fp8_params()) params_flat() holds the compute-dtype region only,
   // [0, grad_layout().fp8_begin); param_storage() gives any bucket-aligned range of either region.
+  // With sharded parameters (ModelOptions::shard_params) params_flat() is empty and param_storage()
+  // gives a range inside one bucket: a layer's as its slot holds it.
   Tensor params_flat() const { return params_; }
   Tensor param_storage(int64_t offset, int64_t numel) const;
   // The whole gradient buffer; empty with sharded gradients (ModelOptions::shard_grads), whose
@@ -176,7 +185,17 @@ class GptModel {
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
   // A separate master copy: a compute dtype narrower than accum, or FP8 parameters (their only
   // full-precision values are the master weights, also with float32 compute on the reference backend).
-  bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params(); }
+  bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params() || opt_.shard_params; }
+  // Sharded parameters (ModelOptions::shard_params): this rank's shard of every bucket's compute-
+  // dtype parameters, laid out like the sharded optimizer states (only the layers' buckets are
+  // used); whether bucket b is one of those; and, after the optimizer step (or anything else that
+  // changed the shards), that the gathered layers are stale.
+  Tensor param_shards() const { return param_shards_; }
+  bool param_shard_bucket(int b) const {
+    return opt_.shard_params && grad_layout_.bucket_unit[static_cast<size_t>(b)] >= 0;
+  }
+  void param_shards_updated() { param_slot_unit_[0] = param_slot_unit_[1] = -1; }
+  bool param_sharded(int i) const { return opt_.shard_params && param_shard_bucket(param_bucket_.at(static_cast<size_t>(i))); }
   // --fp8-param-gather: the FP8 layers' linear weights live only as FP8 (ParamDesc::fp8_storage),
   // in the FP8 region of the flat buffers (engine/grad_layout.h).
   bool fp8_params() const { return grad_layout_.fp8_begin < total_elements_; }
@@ -550,6 +569,15 @@ class GptModel {
   Tensor grad_shards_;
   void prepare_grad_unit(int local);
   Tensor grad_range(int64_t offset, int64_t count) const;  // a range of the flat layout inside one bucket
+  // Sharded parameters: per bucket its storage (the layers' are views of the two slots), the
+  // slots, the local layer each slot holds (-1: none, or stale), the shards; per local layer its
+  // bucket. gather_unit(l) makes layer l's slot hold its current parameters.
+  std::vector<Tensor> param_bucket_storage_;
+  Tensor param_slots_[2];
+  int param_slot_unit_[2] = {-1, -1};
+  Tensor param_shards_;
+  std::vector<int> unit_bucket_;
+  void gather_unit(int local);
   NormParams norm_;
   // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are
   // qk_l2_ones_ (bound as every layer's q/k norm weights; no parameter, no gradient).

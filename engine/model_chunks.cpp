@@ -81,6 +81,7 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     // (One rank per optimizer instance: nothing to shard.)
     o.shard_grads = unsharded_gradients_reason(cfg) == std::optional<std::string>("") && o.shard_optimizer_state &&
                     o.dp_size > 1;
+    o.shard_params = o.shard_grads && unsharded_params_reason(cfg) == std::optional<std::string>("");
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
     // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)
     // --main-grads-dtype bf16 (precision-aware optimizer) is the same buffer, with --bf16 only: elsewhere
@@ -107,6 +108,17 @@ std::optional<std::string> unsharded_gradients_reason(const Config& cfg) {
   if (cfg.model.moe.enabled() && (p.expert_model_parallel_size > 1 || etp != p.tensor_model_parallel_size))
     return std::string("expert parallelism");
   if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
+  return std::string();
+}
+
+std::optional<std::string> unsharded_params_reason(const Config& cfg) {
+  if (fsdp_strategy(cfg.parallel) != "optim_grads_params") return std::nullopt;
+  const std::optional<std::string> grads = unsharded_gradients_reason(cfg);
+  if (grads && !grads->empty()) return grads;
+  if (cfg.train.use_precision_aware_optimizer && cfg.train.precision == Precision::bf16)
+    return std::string("--use-precision-aware-optimizer (master weights kept as remainders of the parameters)");
+  if (cfg.train.check_weight_hash_across_dp_replicas_interval) return std::string("the replica weight check");
+  if (cfg.train.test_mode) return std::string("--test-mode (it compares the layers' q/k norm weights across ranks)");
   return std::string();
 }
 

@@ -51,6 +51,10 @@ DType precision_dtype(const Config& cfg);
 // gradients are sharded, or the reason (pipeline parallelism, expert parallelism, FP8 parameters);
 // those runs keep the distributed optimizer's layout. nullopt: not asked for.
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg);
+// The same for parameter sharding (ModelOptions::shard_params; optim_grads_params and
+// --use-torch-fsdp2): besides the gradients' reasons, --use-precision-aware-optimizer's master-
+// weight remainders, the replica weight check and --test-mode.
+std::optional<std::string> unsharded_params_reason(const Config& cfg);
 
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
                                                           DType compute);

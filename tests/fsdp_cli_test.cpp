@@ -38,14 +38,25 @@ TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimiz
     CHECK(fsdp_strategy(c.parallel) == s);
     // Megatron's own note when --use-distributed-optimizer is absent (v1 turns it on).
     CHECK(has_message(ms, SetupMessage::Kind::note, "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"));
-    // optim is ZeRO-1 itself; optim_grads shards the gradients too; optim_grads_params runs as
-    // optim_grads and says so.
+    // optim is ZeRO-1 itself; optim_grads shards the gradients too, optim_grads_params also the
+    // parameters; notes say how.
+    const std::string strategy = s;
     CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "ZeRO-1's memory"));
+    CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory"));
     CHECK(has_message(ms, SetupMessage::Kind::note, "gradients are reduce-scattered over the 4 data-parallel ranks") ==
-          (std::string(s) != "optim"));
-    CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory") == (std::string(s) == "optim_grads_params"));
-    CHECK(unsharded_gradients_reason(c) == (std::string(s) == "optim" ? std::nullopt : std::optional<std::string>("")));
+          (strategy != "optim"));
+    CHECK(has_message(ms, SetupMessage::Kind::note, "parameters are all-gathered just before its forward") ==
+          (strategy == "optim_grads_params"));
+    CHECK(unsharded_gradients_reason(c) == (strategy == "optim" ? std::nullopt : std::optional<std::string>("")));
+    CHECK(unsharded_params_reason(c) ==
+          (strategy == "optim_grads_params" ? std::optional<std::string>("") : std::nullopt));
   }
+  // Where parameter sharding is not built: ZeRO-2's layout, with the reason.
+  ms.clear();
+  const Config remainders =
+      parse(fsdp("optim_grads_params") + words("--bf16 --use-precision-aware-optimizer"), 4, &ms);
+  CHECK_THAT(*unsharded_params_reason(remainders), Contains("--use-precision-aware-optimizer"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory"));
   // Where gradient sharding is not built, the distributed optimizer's layout, with the reason.
   ms.clear();
   const Config pp = parse(fsdp("optim_grads_params") + words("--pipeline-model-parallel-size 2"), 4, &ms);
@@ -169,8 +180,8 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
   CHECK(m[2].strategy == "optim_grads");
   CHECK(m[3].strategy == "optim_grads_params");
   CHECK_FALSE(m[1].estimate);
-  CHECK_FALSE(m[2].estimate);  // (the engine lays out sharded gradients: its plan)
-  CHECK(m[3].estimate);
+  CHECK_FALSE(m[2].estimate);  // (the engine lays out sharded gradients and parameters: its plans)
+  CHECK_FALSE(m[3].estimate);
   // ZeRO-1 shards the float32 master weights and Adam moments about 4 ways (bucket padding aside).
   CHECK(m[1].plan.of(C::master_weights) * 3 < m[0].plan.of(C::master_weights));
   CHECK(m[1].plan.of(C::optimizer_states) * 3 < m[0].plan.of(C::optimizer_states));
@@ -191,8 +202,12 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
   Config zero1 = c;
   zero1.parallel.data_parallel_sharding_strategy = "optim";
   CHECK(m[1].total == stage_memory(zero1, 0).total);
-  CHECK(m[2].total == stage_memory(c, 0).total);  // optim_grads_params runs as optim_grads
-  // With pipeline parallelism optim_grads is not built: an estimate.
+  Config zero2 = c;
+  zero2.parallel.data_parallel_sharding_strategy = "optim_grads";
+  CHECK(m[2].total == stage_memory(zero2, 0).total);
+  CHECK(m[3].total == stage_memory(c, 0).total);
+  // With pipeline parallelism neither is built: estimates.
   const Config pp = parse(fsdp("optim_grads") + words("--num-layers 4 --bf16 --pipeline-model-parallel-size 2"), 4);
   CHECK(sharding_strategy_memory(pp, 0)[2].estimate);
+  CHECK(sharding_strategy_memory(pp, 0)[3].estimate);
 }

@@ -1,5 +1,6 @@
-// Sharded gradients (ModelOptions::shard_grads, --use-megatron-fsdp optim_grads) on the CUDA
-// backend: each layer's gradients staged in one of two slots, zeroed before the micro-batch's first
+// Sharded gradients (ModelOptions::shard_grads, --use-megatron-fsdp optim_grads) and parameters
+// (ModelOptions::shard_params, optim_grads_params: each layer's gathered from the shards into one of
+// two slots before its forward and backward; one rank: a copy) on the CUDA backend: each layer's gradients staged in one of two slots, zeroed before the micro-batch's first
 // write (also the bias gradient the next layer's norm backward writes, and the head's), then added
 // into the shard (one data-parallel rank: the whole bucket) by DpGradSync in every micro-batch. Over
 // three micro-batches each parameter's summed gradient equals the unsharded model's, on the same
@@ -24,13 +25,14 @@ using namespace mt::gputest;
 namespace {
 
 // Per parameter (params() order, flattened): the gradient summed over the micro-batches.
-std::vector<std::vector<double>> summed_gradients(Backend& be, const Config& c, DType T, bool shard,
+std::vector<std::vector<double>> summed_gradients(Backend& be, const Config& c, DType T, bool shard, bool shard_params,
                                                    const std::vector<MicroBatch>& mbs, std::vector<double>* losses) {
   ParallelState ps = make_single_process_state();
   const ModelDims d = ModelDims::from_config(c, ps);
   ModelOptions o = ModelOptions::from_config(c, d, T);
   o.shard_optimizer_state = true;  // (the distributed optimizer over one rank)
   o.shard_grads = shard;
+  o.shard_params = shard_params;
   GptModel model(d, o, ps, be);
   model.init_parameters();
   DpGradSync sync(c, ps, {&model});
@@ -63,7 +65,7 @@ std::vector<std::vector<double>> summed_gradients(Backend& be, const Config& c, 
 
 }  // namespace
 
-TEST_CASE("cuda sharded gradients: every parameter's gradient over three micro-batches equals the unsharded model's",
+TEST_CASE("cuda sharded gradients and parameters: every parameter's gradient over three micro-batches equals the unsharded model's",
           "[gpu][fsdp][model]") {
   struct Case {
     DType dtype;
@@ -82,14 +84,17 @@ TEST_CASE("cuda sharded gradients: every parameter's gradient over three micro-b
     std::vector<MicroBatch> mbs;
     for (int j = 0; j < 3; ++j) mbs.push_back(random_micro_batch(rng, 2, 17, 96));
     std::vector<double> losses;
-    const auto want = summed_gradients(dev(), c, k.dtype, false, mbs, &losses);
-    const auto got = summed_gradients(dev(), c, k.dtype, true, mbs, &losses);
-    INFO("dtype " << dtype_name(k.dtype) << ", biases " << k.bias << ", recompute " << k.recompute);
-    CHECK(losses[0] == losses[1]);  // the same forward
-    REQUIRE(got.size() == want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      INFO("parameter " << i);
-      check_gradients_close(got[i], want[i], k.dtype == DType::bf16);
+    const auto want = summed_gradients(dev(), c, k.dtype, false, false, mbs, &losses);
+    for (const bool shard_params : {false, true}) {
+      const auto got = summed_gradients(dev(), c, k.dtype, true, shard_params, mbs, &losses);
+      INFO("dtype " << dtype_name(k.dtype) << ", biases " << k.bias << ", recompute " << k.recompute
+                    << ", sharded parameters " << shard_params);
+      CHECK(losses.back() == losses.front());  // the same forward
+      REQUIRE(got.size() == want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        INFO("parameter " << i);
+        check_gradients_close(got[i], want[i], k.dtype == DType::bf16);
+      }
     }
   }
 }

@@ -461,3 +461,13 @@ megatrain_parallel_train_test(parallel_train_fsdp_dp3_bf16_main_grads --bf16-red
 megatrain_parallel_train_test(parallel_train_fsdp_fp8_tensorwise_dp2 --fp8
   --model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss"
   2 ${fsdp} optim_grads_params)
+# Sharded parameters (optim_grads_params: each layer's all-gathered from the shards before its
+# forward and backward) with full recompute of all four layers as one group (a layer evicted from
+# its slot by the group's later ones is gathered again for its backward), in bf16 main gradients, and
+# resumed from no_shard (the loaded weights go to each rank's shards).
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_zero3_recompute 2 ${fsdp} optim_grads_params
+                              --recompute-granularity full --recompute-method uniform --recompute-num-layers 4)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_zero3_bf16_main_grads --bf16-reduce 4 ${fsdp} optim_grads_params
+                              --megatron-fsdp-main-grads-dtype bf16 --overlap-grad-reduce --overlap-param-gather)
+megatrain_parallel_train_test(parallel_train_resume_fsdp_no_shard_dp2_to_zero3_dp3 --resume
+  2 "${fsdp} no_shard" 3 "${fsdp} optim_grads_params")
