@@ -13,8 +13,9 @@ void add_fsdp_flags(FlagTable& t) {
   t.value("--megatron-fsdp-version", "Megatron-FSDP implementation (1; 2 is refused)",
           MT_FIELD(parallel.megatron_fsdp_version));
   t.choice("--data-parallel-sharding-strategy",
-           "with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params "
-           "(ZeRO-3); megatrain runs the last two with optim's memory layout (a warning says so)",
+           "with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1: optimizer state sharded), optim_grads (ZeRO-2: "
+           "also the decoder layers' gradients), optim_grads_params (ZeRO-3: also their parameters, gathered per "
+           "layer); where a layout cannot shard something yet a warning says what the run keeps",
            std::vector<std::pair<std::string, std::string>>{{"no_shard", "no_shard"}, {"optim", "optim"},
                                                             {"optim_grads", "optim_grads"},
                                                             {"optim_grads_params", "optim_grads_params"}},
@@ -34,9 +35,8 @@ void add_fsdp_flags(FlagTable& t) {
            "(megatrain reduces in that dtype only)", dtypes, MT_FIELD(parallel.megatron_fsdp_grad_comm_dtype));
   t.flag("--use-torch-fsdp2", "PyTorch FSDP2 (fully_shard): megatrain runs it as Megatron-FSDP's optim_grads_params "
          "(Megatron-LM's FSDP2 rules apply)", MT_FIELD(parallel.use_torch_fsdp2));
-  t.no_effect("--torch-fsdp2-no-reshard-after-forward", Arity::none,
-              "megatrain keeps every rank's parameters whole for the whole step (see --use-torch-fsdp2), so nothing "
-              "is resharded after the forward pass");
+  t.recognised("--torch-fsdp2-no-reshard-after-forward", Arity::none, "", "off",
+               "keep FSDP2's gathered parameters from the forward to the backward pass");
   const char* buffers = "megatrain lays out every communication buffer before the first step and reuses it in every "
                         "step (nothing is allocated inside the step), which is what Megatron-FSDP's persistent "
                         "double buffers are for";
@@ -51,8 +51,8 @@ void add_fsdp_flags(FlagTable& t) {
   t.no_effect("--suggested-communication-unit-size", Arity::one,
               "megatrain communicates data-parallel gradients and parameters per bucket (--ddp-bucket-size)", "None");
   t.no_effect("--keep-fp8-transpose-cache", Arity::none,
-              "megatrain keeps each FP8 layer's cast weights for the whole step: its parameters are not gathered "
-              "again between the forward and the backward pass");
+              "megatrain keeps each FP8 layer's cast weights (and their transposes) from the step's first use to its "
+              "end, also when the layer's parameters are gathered again for its backward");
   t.no_effect("--no-gradient-reduce-div-fusion", Arity::none,
               "megatrain sums the data-parallel gradients unscaled and applies 1/DP in the optimizer step");
   t.no_effect("--init-model-with-meta-device", Arity::none,

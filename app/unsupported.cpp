@@ -66,6 +66,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // distributed (1.10)
       {"--megatron-fsdp-version", W::other_than, {"1"}, "use 1, the default: the same sharding"},
       {"--enable-full-sharding-in-hsdp", W::any_use, {}, ""},
+      {"--torch-fsdp2-no-reshard-after-forward", W::any_use, {}, "FSDP2's ZeRO-2 variant"},
       {"--megatron-fsdp-enable-fine-grained-param-gather", W::any_use, {}, ""},
       {"--nccl-communicator-config-path", W::any_use, {}, ""},
       {"--use-sharp", W::any_use, {}, ""},
