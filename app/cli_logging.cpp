@@ -12,6 +12,18 @@ void add_logging_flags(FlagTable& t) {
          MT_FIELD(logging.log_num_zeros_in_grad));
   t.flag("--log-progress", "append progress to <save>/progress.txt", MT_FIELD(logging.log_progress));
   t.flag("--log-energy", "energy and power per GPU in the log line (NVML)", MT_FIELD(logging.log_energy));
+  // Megatron-LM's StragglerDetectionConfig (megatron/training/config/resilience_config.py).
+  t.flag("--log-straggler", "every --log-interval iterations, the ranks with the shortest and longest forward "
+         "time, GPU power, temperature, utilization and clock (NVML) and estimated throughput",
+         MT_FIELD(logging.log_straggler));
+  t.flag("--disable-straggler-on-startup", "start --log-straggler switched off (megatrain has no runtime toggle: it "
+         "stays off)", MT_FIELD(logging.disable_straggler_on_startup));
+  t.value("--straggler-minmax-count", "--log-straggler also lists this many ranks of lowest and highest throughput "
+          "(when 1 < N < world size)", MT_FIELD(logging.straggler_minmax_count));
+  t.without_effect(t.value("--straggler-ctrlr-port", "port of Megatron's straggler toggle server",
+                           MT_FIELD(logging.straggler_ctrlr_port)),
+                   "megatrain runs no server to toggle --log-straggler at run time: the detector is on from the start, "
+                   "or off with --disable-straggler-on-startup");
   t.value("--timing-log-level", "0: iteration time; 1: + main phases; 2: + fine-grained", MT_FIELD(logging.timing_log_level));
   t.choice("--timing-log-option", "how timers are reduced over ranks",
            std::vector<std::pair<std::string, std::string>>{{"max", "max"}, {"minmax", "minmax"}, {"all", "all"}},

@@ -8,6 +8,24 @@
 
 namespace mt {
 
+struct GpuReadings;
+
+// --log-straggler's readings of one GPU at a report: temperature (C), power (W), utilization (%)
+// and SM clock (MHz), through NVML as torch.cuda's temperature(), power_draw(), utilization() and
+// clock_rate() read them. A reading NVML refuses is 0 (Megatron would fail there).
+class GpuSensors {
+ public:
+  explicit GpuSensors(const std::string& pci_bus_id);  // throws naming what is missing
+  ~GpuSensors();
+  GpuSensors(const GpuSensors&) = delete;
+  GpuSensors& operator=(const GpuSensors&) = delete;
+  GpuReadings read();
+
+ private:
+  struct Nvml;
+  Nvml* nvml_ = nullptr;
+};
+
 class EnergyMeter {
  public:
   // The GPU with this PCI bus id ("0000:18:00.0", cudaDeviceGetPCIBusId's form). Throws mt::Error

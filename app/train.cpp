@@ -49,17 +49,29 @@ int gpu_ordinal(const Config& cfg) {
   return 0;
 }
 
-// --log-energy: the energy counter of this rank's GPU.
-std::unique_ptr<EnergyMeter> energy_meter(const Config& cfg) {
-  if (!cfg.logging.log_energy) return nullptr;
+// The PCI bus id of this rank's GPU (NVML's handle for it).
+std::string gpu_bus_id(const Config& cfg, const char* flag) {
 #if MEGATRAIN_WITH_CUDA
   char bus_id[64] = {};
   const cudaError_t err = cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, gpu_ordinal(cfg));
-  if (err != cudaSuccess) fail("--log-energy: cannot read the GPU's PCI bus id: {}", cudaGetErrorString(err));
-  return std::make_unique<EnergyMeter>(bus_id);
+  if (err != cudaSuccess) fail("{}: cannot read the GPU's PCI bus id: {}", flag, cudaGetErrorString(err));
+  return bus_id;
 #else
-  fail("--log-energy reads GPU energy counters and this megatrain was built without CUDA: drop --log-energy");
+  (void)cfg;
+  fail("{} reads GPU counters and this megatrain was built without CUDA: drop {}", flag, flag);
 #endif
+}
+
+// --log-energy: the energy counter of this rank's GPU.
+std::unique_ptr<EnergyMeter> energy_meter(const Config& cfg) {
+  if (!cfg.logging.log_energy) return nullptr;
+  return std::make_unique<EnergyMeter>(gpu_bus_id(cfg, "--log-energy"));
+}
+
+// --log-straggler: this rank's GPU readings (none on the CPU: its readings stay 0).
+std::unique_ptr<GpuSensors> gpu_sensors(const Config& cfg) {
+  if (!cfg.logging.log_straggler || cfg.train.device != DeviceKind::gpu) return nullptr;
+  return std::make_unique<GpuSensors>(gpu_bus_id(cfg, "--log-straggler"));
 }
 }  // namespace
 
@@ -168,7 +180,7 @@ class MemoryStatsReporter : public Reporter {
 // notices.
 std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
-  if (!env || !*env) return nullptr;
+  if (!env || !*env || std::string(env).rfind("slow@", 0) == 0) return nullptr;  // (slow: debug_slow_forward)
   const std::string spec(env);
   const size_t at = spec.find('@'), colon = spec.find(':');
   if (at == std::string::npos || colon == std::string::npos || colon < at)
@@ -202,6 +214,19 @@ std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>&
     }
     std::this_thread::sleep_for(std::chrono::hours(1));
   };
+}
+
+// MEGATRAIN_DEBUG_FAULT=slow@R:MS (the straggler detector's test): rank R sleeps MS ms inside
+// each timed training forward pass.
+std::function<void()> debug_slow_forward(int rank) {
+  const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
+  if (!env || std::string(env).rfind("slow@", 0) != 0) return nullptr;
+  const std::string spec(env);
+  const size_t colon = spec.find(':');
+  if (colon == std::string::npos) fail("MEGATRAIN_DEBUG_FAULT={}: expected slow@RANK:MILLISECONDS", spec);
+  if (std::stoi(spec.substr(5, colon - 5)) != rank) return nullptr;
+  const int ms = std::stoi(spec.substr(colon + 1));
+  return [ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); };
 }
 
 // Whether any rank has a validation split (ranks that read no data have no source of their own).
@@ -285,6 +310,9 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const std::unique_ptr<EnergyMeter> energy = energy_meter(cfg);
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
   if (energy) trainer.energy_joules = [m = energy.get()] { return m->joules(); };
+  const std::unique_ptr<GpuSensors> sensors = gpu_sensors(cfg);
+  if (sensors && trainer.straggler()) trainer.straggler()->readings = [g = sensors.get()] { return g->read(); };
+  if (trainer.straggler()) trainer.straggler()->inside_forward = debug_slow_forward(ps.rank);
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   trainer.flops_per_iteration = [&cfg](int64_t batch) { return num_floating_point_operations(cfg.model, batch); };
   checkpoints.set_flops_per_sample(num_floating_point_operations(cfg.model, 1));

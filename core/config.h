@@ -532,6 +532,12 @@ struct LoggingConfig {
   bool log_num_zeros_in_grad = false;
   bool log_progress = false;  // --log-progress: <save>/progress.txt (app/progress_log.h)
   bool log_energy = false;    // --log-energy: the GPUs' energy counters (app/energy_meter.h)
+  // --log-straggler (engine/straggler.h): each rank's forward time, GPU readings and estimated
+  // throughput, the slowest and fastest ranks logged every --log-interval iterations.
+  bool log_straggler = false;
+  bool disable_straggler_on_startup = false;
+  int straggler_minmax_count = 1;
+  int straggler_ctrlr_port = 65535;
   int timing_log_level = 0;
   std::string timing_log_option = "minmax";
   std::optional<std::string> tensorboard_dir;

@@ -71,6 +71,7 @@ CudaBackend::~CudaBackend() {
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
+  for (cudaEvent_t e : time_marks_) cudaEventDestroy(e);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
   if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
@@ -199,6 +200,25 @@ void CudaBackend::reserve_comm_marks(int n) {
 void CudaBackend::record_comm_mark(int i) {
   MT_CHECK(i >= 0 && i < static_cast<int>(comm_marks_.size()), "comm mark {} of {} reserved", i, comm_marks_.size());
   MT_CUDA_CHECK(cudaEventRecord(comm_marks_[static_cast<size_t>(i)], comm_stream_));
+}
+void CudaBackend::reserve_time_marks(int n) {
+  while (static_cast<int>(time_marks_.size()) < n) {
+    cudaEvent_t e = nullptr;
+    MT_CUDA_CHECK(cudaEventCreate(&e));  // (with timing)
+    time_marks_.push_back(e);
+  }
+}
+void CudaBackend::record_time_mark(int i) {
+  MT_CHECK(i >= 0 && i < static_cast<int>(time_marks_.size()), "time mark {} of {} reserved", i, time_marks_.size());
+  MT_CUDA_CHECK(cudaEventRecord(time_marks_[static_cast<size_t>(i)], stream_));
+}
+double CudaBackend::time_between_marks_ms(int a, int b) {
+  MT_CHECK(a >= 0 && b >= 0 && a < static_cast<int>(time_marks_.size()) && b < static_cast<int>(time_marks_.size()),
+           "time marks {} and {} of {} reserved", a, b, time_marks_.size());
+  float ms = 0;
+  MT_CUDA_CHECK(cudaEventSynchronize(time_marks_[static_cast<size_t>(b)]));  // (complete already after a read back)
+  MT_CUDA_CHECK(cudaEventElapsedTime(&ms, time_marks_[static_cast<size_t>(a)], time_marks_[static_cast<size_t>(b)]));
+  return ms;
 }
 void CudaBackend::compute_wait_for_mark(int i) {
   MT_CHECK(i >= 0 && i < static_cast<int>(comm_marks_.size()), "comm mark {} of {} reserved", i, comm_marks_.size());

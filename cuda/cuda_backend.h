@@ -183,6 +183,9 @@ class CudaBackend final : public Backend {
   void comm_wait_for_compute() override;
   void compute_wait_for_comm() override;
   void reserve_comm_marks(int n) override;
+  void reserve_time_marks(int n) override;
+  void record_time_mark(int i) override;
+  double time_between_marks_ms(int a, int b) override;
   void record_comm_mark(int i) override;
   void compute_wait_for_mark(int i) override;
 
@@ -227,6 +230,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t tp_compute_done_ = nullptr, tp_comm_done_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   std::vector<cudaEvent_t> comm_marks_;
+  std::vector<cudaEvent_t> time_marks_;
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;
   std::unique_ptr<cuda::GemmRunner> gemm_;

@@ -18,11 +18,13 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "core/shard.h"
@@ -676,6 +678,24 @@ class Backend {
   virtual void reserve_comm_marks(int n) { (void)n; }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }
+
+  // ---- timing spans (--log-straggler) ---------------------------------------------------------
+  // Numbered timestamps on the compute stream, allocated at set-up (reserve_time_marks):
+  // record_time_mark(i) marks the position now; time_between_marks_ms(a, b) is the device time
+  // from mark a to mark b once both have completed (after a synchronize or a read back). Here: the
+  // host clock, exact for a synchronous backend (the reference one); CUDA: events.
+  virtual void reserve_time_marks(int n) {
+    if (static_cast<int>(time_marks_.size()) < n) time_marks_.resize(static_cast<size_t>(n));
+  }
+  virtual void record_time_mark(int i) { time_marks_.at(static_cast<size_t>(i)) = std::chrono::steady_clock::now(); }
+  virtual double time_between_marks_ms(int a, int b) {
+    return std::chrono::duration<double, std::milli>(time_marks_.at(static_cast<size_t>(b)) -
+                                                     time_marks_.at(static_cast<size_t>(a)))
+        .count();
+  }
+
+ private:
+  std::vector<std::chrono::steady_clock::time_point> time_marks_;
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);

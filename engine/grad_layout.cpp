@@ -65,7 +65,7 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
         MT_CHECK(!(p.fp8_storage && p.expert && experts.size > 0), "FP8 expert weight {} under expert parallelism",
                  p.name);
         const int region = p.fp8_storage ? kFp8Region : (p.expert && experts.size > 0) ? kExpertRegion : 0;
-        GradParam gp{p.name, p.numel(), tied_copy};
+        GradParam gp{p.name, p.numel(), tied_copy, std::nullopt};
         if (unit_layers) gp.unit = p.layer >= 0 && p.layer < *unit_layers ? p.layer : -1;
         order[region].push_back(std::move(gp));
         order_param[region].push_back(i);

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "engine/straggler.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -212,15 +213,19 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
     if (a.op == PipelineOp::forward) {
       const uint64_t key = serial + static_cast<uint64_t>(a.microbatch);
       if (needs_data(a.chunk)) {
+        if (straggler) straggler->batch_begin();
         if (!fetch(data, a.microbatch))
           fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
                "--train-iters/--train-samples", iteration, a.microbatch + 1, M);
         m.stage_micro_batch(slots[0], mb_, loss_grad_scale, per_token_loss, key, true);
+        if (straggler) straggler->batch_end();
       } else {
         m.stage_without_data(slots[0], key, true, loss_grad_scale);
       }
       time("forward-compute", true);
+      if (straggler) straggler->forward_begin();
       m.forward(slots[0]);
+      if (straggler) straggler->forward_end();
       time("forward-compute", false);
     } else {
       time("backward-compute", true);

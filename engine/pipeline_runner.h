@@ -27,6 +27,8 @@
 
 namespace mt {
 
+class StragglerDetector;
+
 struct ParallelState;
 
 struct PipelinePlan {
@@ -73,6 +75,8 @@ class PipelineRunner {
   // Optional timers (--timing-log-level, engine/phase_timers.h): called with a name and start
   // (true) or stop (false): batch-generator, forward-compute, backward-compute, the p2p names.
   TimerHook timer;
+  // --log-straggler (engine/straggler.h): times each training forward and micro-batch fetch.
+  StragglerDetector* straggler = nullptr;
 
  private:
   bool needs_data(int chunk) const;

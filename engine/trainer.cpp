@@ -49,6 +49,11 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
       timer_buffer_ = model_.backend().allocate(timer_buffer_elems_ * dtype_size(model_.options().accum));
     }
   }
+  if (cfg.logging.log_straggler) {
+    straggler_ = std::make_unique<StragglerDetector>(cfg, ps, model_.backend(),
+                                                     cfg.train.num_microbatches * static_cast<int>(chunks.size()));
+    runner_.straggler = straggler_.get();
+  }
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
@@ -142,6 +147,7 @@ void Trainer::forward_backward(int M) {
   const TrainConfig& t = cfg_.train;
   const double loss_grad_scale = scaler_.scale() / (t.calculate_per_token_loss ? 1.0 : M);
   timers_.start("forward-backward");
+  if (straggler_) straggler_->step_done();  // (the step before, a re-run's first attempt: read back, so complete)
   runner_.train_step(replay_ ? static_cast<BatchSource*>(replay_.get()) : train_, loss_grad_scale, t.calculate_per_token_loss, micro_batch_serial_, iteration_ + 1, M);
   micro_batch_serial_ += static_cast<uint64_t>(M);
   // Megatron's finalize_model_grads runs at the end of the schedule, inside forward-backward.
@@ -466,6 +472,16 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   s.world_size = ps_.world_size;
   if (interval_end && timers_.level() > 0) collect_timers(s, static_cast<double>(iters));
   reporter_.on_iteration(s);
+  // --log-straggler: this step's forwards completed with its read back; every --log-interval
+  // iterations the ranks' figures (Megatron reports after the log line, per log_interval).
+  if (straggler_) {
+    straggler_->step_done();
+    if (flops_per_iteration) straggler_flops_ += flops_per_iteration(batch_);
+    if (iteration_ % cfg_.logging.log_interval == 0) {
+      straggler_->report(straggler_flops_, cfg_.logging.log_interval);
+      straggler_flops_ = 0;
+    }
+  }
   if (interval_end && !first_of_run) {
     interval_loss_ = 0;
     for (auto& [key, sum] : interval_moe_) sum = 0;

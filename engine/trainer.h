@@ -26,6 +26,7 @@
 #include "engine/pipeline_runner.h"
 #include "engine/replica_check.h"
 #include "engine/rerun_state_machine.h"
+#include "engine/straggler.h"
 #include "engine/reporter.h"
 
 namespace mt {
@@ -66,6 +67,8 @@ class Trainer {
   // The rerun state machine stopped the run (engine/rerun_state_machine.h): called once before
   // train() returns, with whether Megatron saves a checkpoint there (the last completed iteration).
   std::function<void(int64_t iteration, bool checkpoint)> before_rerun_exit;
+  // --log-straggler's detector (engine/straggler.h), or null: the caller sets its GPU readings.
+  StragglerDetector* straggler() { return straggler_.get(); }
   // Megatron's exit code when the rerun state machine stopped the run (16 or 17), else 0.
   int exit_code() const { return exit_code_; }
 
@@ -157,6 +160,8 @@ class Trainer {
   uint64_t micro_batch_serial_ = 0;
   // --rerun-mode other than disabled, --check-for-spiky-loss, --check-for-large-grads (else null).
   std::unique_ptr<RerunStateMachine> rerun_;
+  std::unique_ptr<StragglerDetector> straggler_;  // --log-straggler
+  double straggler_flops_ = 0;                    // model FLOPs since its last report
   std::unique_ptr<ReplayBatchSource> replay_;  // the iteration's micro-batches again for a re-run
   bool rerun_again_ = false;
   RerunStateMachine::Decision rerun_exit_;

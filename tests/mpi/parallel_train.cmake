@@ -471,3 +471,21 @@ megatrain_parallel_train_test(parallel_train_fsdp_dp4_zero3_bf16_main_grads --bf
                               --megatron-fsdp-main-grads-dtype bf16 --overlap-grad-reduce --overlap-param-gather)
 megatrain_parallel_train_test(parallel_train_resume_fsdp_no_shard_dp2_to_zero3_dp3 --resume
   2 "${fsdp} no_shard" 3 "${fsdp} optim_grads_params")
+# --log-straggler over 3 ranks: a rank made slow inside its timed forward passes
+# (MEGATRAIN_DEBUG_FAULT=slow@1:40, app/train.cpp) is the one with the longest forward time and the
+# lowest estimated throughput in Megatron's report line; --disable-straggler-on-startup reports nothing.
+set(straggler_run "${MPIEXEC_EXECUTABLE} --oversubscribe -np 3 $<TARGET_FILE:megatrain> --device cpu --mock-data \
+--tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --hidden-size 32 \
+--num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 6 \
+--lr 1e-2 --train-iters 4 --eval-iters 0 --log-interval 2 --log-straggler --straggler-minmax-count 2")
+add_test(NAME straggler_detector_names_the_slow_rank
+         COMMAND bash -c "out=$(MEGATRAIN_DEBUG_FAULT=slow@1:40 ${straggler_run} 2>&1) || { echo \"$out\"; exit 1; }
+n=$(echo \"$out\" | grep -cE 'MxRtt/Rnk: [0-9.]+ms/1 .*MnEtpt/Rnk: [0-9.]+TF/1 ')
+b=$(echo \"$out\" | grep -c '^^^^^ Bottom 2 Ranks with lowest  Etpt(TF): [0-9.]*TF/1,')
+echo \"$out\" | grep -E 'Rtt|\\^\\^\\^\\^'; test \"$n\" = 2 && test \"$b\" = 2")
+add_test(NAME straggler_detector_disabled_on_startup
+         COMMAND bash -c "out=$(${straggler_run} --disable-straggler-on-startup 2>&1) || { echo \"$out\"; exit 1; }
+echo \"$out\" | grep -q 'iteration        4/' && ! echo \"$out\" | grep -q 'MnRtt/Rnk'")
+set_tests_properties(straggler_detector_names_the_slow_rank straggler_detector_disabled_on_startup PROPERTIES
+  LABELS mpi TIMEOUT 300
+  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
