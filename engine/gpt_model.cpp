@@ -103,6 +103,36 @@ int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
   while (static_cast<size_t>(rows) * row_bytes > kLogitsChunkBytes && rows % 2 == 0 && rows / 2 >= 128) rows /= 2;
   return rows;
 }
+
+// Fully sharded units (ModelOptions::shard_grads / shard_params): two slots the size of the largest
+// layer's bucket, and per bucket its storage: a layer's a view of its slot (local layer l in
+// l % 2), the others' whole.
+std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, const GradLayout& L, int layer_begin,
+                                        Tensor (&slots)[2]) {
+  int64_t largest_unit = 0;
+  for (int b = 0; b < L.num_buckets(); ++b)
+    if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
+      largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
+  for (Tensor& slot : slots)
+    if (largest_unit > 0) slot = a.take(c, t, {largest_unit});
+  std::vector<Tensor> storage;
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
+    const int unit = L.bucket_unit[static_cast<size_t>(b)];
+    storage.push_back(unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(0, n) : a.take(c, t, {n}));
+  }
+  return storage;
+}
+
+// The bucket holding [offset, offset + numel) of the flat layout (it must lie inside one).
+int bucket_of_range(const GradLayout& L, int64_t offset, int64_t numel) {
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+    if (offset >= k.offset && offset + numel <= k.offset + k.numel) return b;
+  }
+  fail("range [{}, {}) of the flat buffers is not inside one bucket", offset, offset + numel);
+}
+
 }  // namespace
 
 GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend)
@@ -312,19 +342,7 @@ void GptModel::layout(Arena& a) {
   param_bucket_storage_.clear();
   if (opt_.shard_params) {
     // The layers' two slots and this rank's shards of them; the other buckets whole.
-    const GradLayout& L = grad_layout_;
-    int64_t largest_unit = 0;
-    for (int b = 0; b < L.num_buckets(); ++b)
-      if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
-        largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
-    for (Tensor& slot : param_slots_)
-      if (largest_unit > 0) slot = a.take(C::parameters, T, {largest_unit});
-    for (int b = 0; b < L.num_buckets(); ++b) {
-      const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
-      const int unit = L.bucket_unit[static_cast<size_t>(b)];
-      param_bucket_storage_.push_back(unit >= 0 ? param_slots_[(unit - d_.layer_begin) % 2].flat_slice(0, n)
-                                                : a.take(C::parameters, T, {n}));
-    }
+    param_bucket_storage_ = layout_unit_buffers(a, C::parameters, T, grad_layout_, d_.layer_begin, param_slots_);
     param_shards_ = a.take(C::parameters, T, {state});
   } else {
     params_ = a.take(C::parameters, T, {fp8_begin});
@@ -334,19 +352,7 @@ void GptModel::layout(Arena& a) {
   grads_ = grad_shards_ = grad_slots_[0] = grad_slots_[1] = Tensor();
   if (opt_.shard_grads) {
     // Staging: the units' two slots, the other buckets whole; then the main gradients' shards.
-    const GradLayout& L = grad_layout_;
-    int64_t largest_unit = 0;
-    for (int b = 0; b < L.num_buckets(); ++b)
-      if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
-        largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
-    for (Tensor& slot : grad_slots_)
-      if (largest_unit > 0) slot = a.take(C::gradients, opt_.grad, {largest_unit});
-    for (int b = 0; b < L.num_buckets(); ++b) {
-      const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
-      const int unit = L.bucket_unit[static_cast<size_t>(b)];
-      grad_bucket_storage_.push_back(unit >= 0 ? grad_slots_[(unit - d_.layer_begin) % 2].flat_slice(0, n)
-                                               : a.take(C::gradients, opt_.grad, {n}));
-    }
+    grad_bucket_storage_ = layout_unit_buffers(a, C::gradients, opt_.grad, grad_layout_, d_.layer_begin, grad_slots_);
     grad_shards_ = a.take(C::gradients, opt_.grad, {state});
   } else {
     grads_ = a.take(C::gradients, opt_.grad, {total});
@@ -533,12 +539,8 @@ Tensor GptModel::logits() const {
 
 Tensor GptModel::param_storage(int64_t offset, int64_t numel) const {
   if (opt_.shard_params) {
-    for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
-      const GradBucket& k = grad_layout_.plan.buckets[static_cast<size_t>(b)];
-      if (offset >= k.offset && offset + numel <= k.offset + k.numel)
-        return param_bucket_storage_[static_cast<size_t>(b)].flat_slice(offset - k.offset, numel);
-    }
-    fail("parameter range [{}, {}) is not inside one bucket", offset, offset + numel);
+    const int b = bucket_of_range(grad_layout_, offset, numel);
+    return param_bucket_storage_[static_cast<size_t>(b)].flat_slice(offset - grad_layout_.plan.buckets[static_cast<size_t>(b)].offset, numel);
   }
   const int64_t begin = grad_layout_.fp8_begin;
   if (offset >= begin) return fp8_params_.flat_slice(offset - begin, numel);
@@ -568,11 +570,8 @@ Tensor GptModel::grad_bucket(int b) const {
 
 Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
   if (!opt_.shard_grads) return grads_.flat_slice(offset, count);
-  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
-    const GradBucket& k = grad_layout_.plan.buckets[static_cast<size_t>(b)];
-    if (offset >= k.offset && offset + count <= k.offset + k.numel) return grad_bucket(b).flat_slice(offset - k.offset, count);
-  }
-  fail("gradient range [{}, {}) is not inside one bucket", offset, offset + count);
+  const int b = bucket_of_range(grad_layout_, offset, count);
+  return grad_bucket(b).flat_slice(offset - grad_layout_.plan.buckets[static_cast<size_t>(b)].offset, count);
 }
 
 // Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
