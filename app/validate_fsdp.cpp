@@ -7,8 +7,9 @@
 //                        sharded, gradients reduce-scattered, parameters all-gathered after the step
 //   optim_grads          ZeRO-2: besides, each decoder layer's gradients are reduce-scattered
 //                        after its backward in every micro-batch into this rank's shard
-//                        (ModelOptions::shard_grads), where engine/model_chunks.h builds it (one
-//                        pipeline stage, no expert parallelism, no FP8 parameters); elsewhere optim
+//                        (ModelOptions::shard_grads; the routed experts' over the expert-data-
+//                        parallel group), where engine/model_chunks.h builds it (one pipeline
+//                        stage, no FP8 parameters); elsewhere optim
 //   optim_grads_params, --use-torch-fsdp2
 //                        ZeRO-3: besides, each rank keeps only its shard of every decoder layer's
 //                        compute-dtype parameters and gathers a layer's just before its forward
@@ -165,14 +166,18 @@ void validate_fsdp(CliState& st) {
                         "sharding is not built with {} yet): the same losses; the dry run prints each strategy's "
                         "memory per GPU",
                         what, strategy, params_reason, over, params_reason));
-  st.note(fmt::format("{} ({}): {}each decoder layer's gradients are reduce-scattered {} when its backward ends, in "
+  const ParallelConfig& q = st.cfg.parallel;
+  const bool experts = st.cfg.model.moe.enabled() &&
+                       (q.expert_model_parallel_size > 1 ||
+                        q.expert_tensor_parallel_size.value_or(q.tensor_model_parallel_size) != q.tensor_model_parallel_size);
+  st.note(fmt::format("{} ({}): {}each decoder layer's gradients are reduce-scattered {}{} when its backward ends, in "
                       "every micro-batch, and summed into this rank's shard; neither is overlapped with the "
                       "neighbouring layers' compute yet",
                       what, strategy,
                       params_reason == "" ? "each decoder layer's parameters are all-gathered just before its forward "
                                             "and again before its backward (two layers' worth held at once); "
                                           : "",
-                      over));
+                      over, experts ? " (the routed experts' over the expert-data-parallel ranks)" : ""));
 }
 
 }  // namespace mt::cli

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 
 #include "core/error.h"
@@ -105,21 +106,28 @@ int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
 }
 
 // Fully sharded units (ModelOptions::shard_grads / shard_params): two slots the size of the largest
-// layer's bucket, and per bucket its storage: a layer's a view of its slot (local layer l in
-// l % 2), the others' whole.
+// layer's buckets (under expert parallelism a layer has two: its routed experts' and the rest), and
+// per bucket its storage: a layer's a view of its slot (local layer l in l % 2), one bucket after
+// the other, the others' whole.
 std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, const GradLayout& L, int layer_begin,
                                         Tensor (&slots)[2]) {
-  int64_t largest_unit = 0;
+  std::map<int, int64_t> unit_numel;  // per unit: its buckets' elements so far
+  std::vector<int64_t> at(static_cast<size_t>(L.num_buckets()), 0);  // a unit bucket's place in its slot
   for (int b = 0; b < L.num_buckets(); ++b)
-    if (L.bucket_unit[static_cast<size_t>(b)] >= 0)
-      largest_unit = std::max(largest_unit, L.plan.buckets[static_cast<size_t>(b)].numel);
+    if (const int unit = L.bucket_unit[static_cast<size_t>(b)]; unit >= 0) {
+      at[static_cast<size_t>(b)] = unit_numel[unit];
+      unit_numel[unit] += L.plan.buckets[static_cast<size_t>(b)].numel;
+    }
+  int64_t largest_unit = 0;
+  for (const auto& [unit, n] : unit_numel) largest_unit = std::max(largest_unit, n);
   for (Tensor& slot : slots)
     if (largest_unit > 0) slot = a.take(c, t, {largest_unit});
   std::vector<Tensor> storage;
   for (int b = 0; b < L.num_buckets(); ++b) {
     const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
     const int unit = L.bucket_unit[static_cast<size_t>(b)];
-    storage.push_back(unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(0, n) : a.take(c, t, {n}));
+    storage.push_back(unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(at[static_cast<size_t>(b)], n)
+                                : a.take(c, t, {n}));
   }
   return storage;
 }
@@ -145,10 +153,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
                                        opt_.shard_optimizer_state && !opt_.fp8.param_gather),
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
-  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !d_.pipeline && !d_.experts_own_grid() &&
-                                 !opt_.fp8.param_gather),
-           "sharded gradients need the distributed optimizer, one pipeline stage, no expert-parallel region and no "
-           "FP8 parameters");
+  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !d_.pipeline && !opt_.fp8.param_gather),
+           "sharded gradients need the distributed optimizer, one pipeline stage and no FP8 parameters");
   MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
            "sharded parameters need sharded gradients and no master-weight remainders");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
@@ -265,10 +271,10 @@ void GptModel::plan_params() {
                                     d_.pipeline && (d_.tied_embeddings || d_.mtp > 0), &total_elements_,
                                     ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank},
                                     opt_.shard_grads ? std::optional<int>(d_.num_layers) : std::nullopt);
-  unit_bucket_.assign(static_cast<size_t>(d_.stage_layers()), -1);
+  unit_buckets_.assign(static_cast<size_t>(d_.stage_layers()), {});
   for (int b = 0; b < static_cast<int>(grad_layout_.bucket_unit.size()); ++b)
     if (const int u = grad_layout_.bucket_unit[static_cast<size_t>(b)]; u >= 0)
-      unit_bucket_[static_cast<size_t>(u - d_.layer_begin)] = b;
+      unit_buckets_[static_cast<size_t>(u - d_.layer_begin)].push_back(b);
   param_bucket_.assign(descs_.size(), 0);
   for (size_t k = 0; k < grad_layout_.plan_param.size(); ++k)
     param_bucket_[static_cast<size_t>(grad_layout_.plan_param[k])] = grad_layout_.plan.params[k].bucket;
@@ -574,23 +580,26 @@ Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
   return grad_bucket(b).flat_slice(offset - grad_layout_.plan.buckets[static_cast<size_t>(b)].offset, count);
 }
 
-// Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
-// its gradients (the layer's backward, the backward of the norm after it, or the head's). The
-// slot's previous holder, two layers later, was reduce-scattered when its backward ended.
-// Sharded parameters: layer `local`'s whole parameters, all-gathered from the shards over the
-// optimizer's data-parallel ranks into its slot, unless the slot holds them already.
+// Sharded parameters: layer `local`'s whole parameters, all-gathered from the shards into its slot
+// (over the optimizer's data-parallel ranks; the routed experts' bucket over the expert-data-
+// parallel ones), unless the slot holds them already.
 void GptModel::gather_unit(int local) {
   if (!opt_.shard_params || local < 0 || local >= d_.decoder_layers()) return;
   int& holder = param_slot_unit_[local % 2];
   if (holder == local) return;
-  const int b = unit_bucket_.at(static_cast<size_t>(local));
-  const Tensor shard = param_shards_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_numel(b));
-  Communicator& group = ps_.dist_opt_group();
-  if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
-  else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
+  for (const int b : unit_buckets_.at(static_cast<size_t>(local))) {
+    const Tensor shard =
+        param_shards_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_numel(b));
+    Communicator& group = grad_layout_.is_expert_bucket(b) ? *ps_.edp : ps_.dist_opt_group();
+    if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
+    else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
+  }
   holder = local;
 }
 
+// Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
+// its gradients (the layer's backward, the backward of the norm after it, or the head's). The
+// slot's previous holder, two layers later, was reduce-scattered when its backward ended.
 void GptModel::prepare_grad_unit(int local) {
   if (!opt_.shard_grads || local < 0 || local >= d_.decoder_layers()) return;
   int& holder = slot_unit_[local % 2];

@@ -571,12 +571,12 @@ class GptModel {
   Tensor grad_range(int64_t offset, int64_t count) const;  // a range of the flat layout inside one bucket
   // Sharded parameters: per bucket its storage (the layers' are views of the two slots), the
   // slots, the local layer each slot holds (-1: none, or stale), the shards; per local layer its
-  // bucket. gather_unit(l) makes layer l's slot hold its current parameters.
+  // buckets. gather_unit(l) makes layer l's slot hold its current parameters.
   std::vector<Tensor> param_bucket_storage_;
   Tensor param_slots_[2];
   int param_slot_unit_[2] = {-1, -1};
   Tensor param_shards_;
-  std::vector<int> unit_bucket_;
+  std::vector<std::vector<int>> unit_buckets_;  // (two under expert parallelism: the experts' and the rest)
   void gather_unit(int local);
   NormParams norm_;
   // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are

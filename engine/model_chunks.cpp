@@ -104,9 +104,6 @@ std::optional<std::string> unsharded_gradients_reason(const Config& cfg) {
   if (strategy != "optim_grads" && strategy != "optim_grads_params") return std::nullopt;
   const ParallelConfig& p = cfg.parallel;
   if (p.pipeline_model_parallel_size > 1) return std::string("pipeline parallelism");
-  const int etp = p.expert_tensor_parallel_size.value_or(p.tensor_model_parallel_size);
-  if (cfg.model.moe.enabled() && (p.expert_model_parallel_size > 1 || etp != p.tensor_model_parallel_size))
-    return std::string("expert parallelism");
   if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
   return std::string();
 }

@@ -489,3 +489,11 @@ echo \"$out\" | grep -q 'iteration        4/' && ! echo \"$out\" | grep -q 'MnRt
 set_tests_properties(straggler_detector_names_the_slow_rank straggler_detector_disabled_on_startup PROPERTIES
   LABELS mpi TIMEOUT 300
   ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+# ... and under expert parallelism: each layer's routed experts are a bucket of their own beside the
+# rest of the layer, reduce-scattered and gathered over the expert-data-parallel group (EP 2 of DP 4:
+# expert-DP 2), also with TP 2 + SP.
+megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --model "${moe_model}" 4 ${fsdp}
+                              optim_grads_params --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "${moe_model}" 4 ${fsdp}
+                              optim_grads --expert-model-parallel-size 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
