@@ -147,6 +147,12 @@ void validate_fsdp(CliState& st) {
   if (p.outer_dp_sharding_strategy == "optim") p.num_distributed_optimizer_instances = 1;
   if (strategy == "optim") return;
   const int ranks = dp / p.num_distributed_optimizer_instances;
+  if (ranks == 1) {  // (engine/model_chunks.cpp shards nothing over one rank)
+    st.note(fmt::format("{} ({}) with one data-parallel rank{}: nothing to shard, the run is the distributed "
+                        "optimizer's over one rank",
+                        what, strategy, p.num_distributed_optimizer_instances > 1 ? " per optimizer instance" : ""));
+    return;
+  }
   const std::string over = fmt::format("over the {} data-parallel ranks{}", ranks,
                                        p.num_distributed_optimizer_instances > 1
                                            ? fmt::format(" of each of {} instances", p.num_distributed_optimizer_instances)

@@ -57,6 +57,11 @@ TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimiz
       parse(fsdp("optim_grads_params") + words("--bf16 --use-precision-aware-optimizer"), 4, &ms);
   CHECK_THAT(*unsharded_params_reason(remainders), Contains("--use-precision-aware-optimizer"));
   CHECK(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory"));
+  // One data-parallel rank: nothing to shard, and the notes say so instead.
+  ms.clear();
+  parse(fsdp("optim_grads_params"), 1, &ms);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "with one data-parallel rank: nothing to shard"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::note, "all-gathered"));
   // Where gradient sharding is not built, the distributed optimizer's layout, with the reason.
   ms.clear();
   const Config pp = parse(fsdp("optim_grads_params") + words("--pipeline-model-parallel-size 2"), 4, &ms);
