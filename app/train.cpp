@@ -177,20 +177,28 @@ class MemoryStatsReporter : public Reporter {
 // sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
 // its first q/k layernorm weight (else of its first parameter), a silent memory error that only
 // --test-mode's check or the weight hash check (--check-weight-hash-across-dp-replicas-interval)
-// notices.
-std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks) {
+// notices; slow@R:MS (the straggler detector's test) makes rank R sleep MS ms inside each timed
+// training forward pass (*in_forward).
+std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks,
+                                         std::function<void()>* in_forward) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
-  if (!env || !*env || std::string(env).rfind("slow@", 0) == 0) return nullptr;  // (slow: debug_slow_forward)
+  if (!env || !*env) return nullptr;
   const std::string spec(env);
   const size_t at = spec.find('@'), colon = spec.find(':');
   if (at == std::string::npos || colon == std::string::npos || colon < at)
-    fail("MEGATRAIN_DEBUG_FAULT={}: expected kill@RANK:ITERATION, hang@RANK:ITERATION or corrupt@RANK:ITERATION", spec);
+    fail("MEGATRAIN_DEBUG_FAULT={}: expected kill@RANK:ITERATION, hang@RANK:ITERATION, corrupt@RANK:ITERATION or "
+         "slow@RANK:MILLISECONDS", spec);
   const std::string kind = spec.substr(0, at);
   const int target = std::stoi(spec.substr(at + 1, colon - at - 1));
   const int64_t iteration = std::stoll(spec.substr(colon + 1));
-  if (kind != "kill" && kind != "hang" && kind != "corrupt")
-    fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill, hang or corrupt", spec);
+  if (kind != "kill" && kind != "hang" && kind != "corrupt" && kind != "slow")
+    fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill, hang, corrupt or slow", spec);
   if (target != rank) return nullptr;
+  if (kind == "slow") {
+    const auto ms = std::chrono::milliseconds(iteration);
+    if (in_forward) *in_forward = [ms] { std::this_thread::sleep_for(ms); };
+    return nullptr;
+  }
   return [kind, iteration, rank, chunks](int64_t next) {
     if (next != iteration) return;
     log::write_stderr(fmt::format("[rank {}] MEGATRAIN_DEBUG_FAULT: {} at iteration {}", rank, kind, next));
@@ -214,19 +222,6 @@ std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>&
     }
     std::this_thread::sleep_for(std::chrono::hours(1));
   };
-}
-
-// MEGATRAIN_DEBUG_FAULT=slow@R:MS (the straggler detector's test): rank R sleeps MS ms inside
-// each timed training forward pass.
-std::function<void()> debug_slow_forward(int rank) {
-  const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
-  if (!env || std::string(env).rfind("slow@", 0) != 0) return nullptr;
-  const std::string spec(env);
-  const size_t colon = spec.find(':');
-  if (colon == std::string::npos) fail("MEGATRAIN_DEBUG_FAULT={}: expected slow@RANK:MILLISECONDS", spec);
-  if (std::stoi(spec.substr(5, colon - 5)) != rank) return nullptr;
-  const int ms = std::stoi(spec.substr(colon + 1));
-  return [ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); };
 }
 
 // Whether any rank has a validation split (ranks that read no data have no source of their own).
@@ -312,7 +307,6 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   if (energy) trainer.energy_joules = [m = energy.get()] { return m->joules(); };
   const std::unique_ptr<GpuSensors> sensors = gpu_sensors(cfg);
   if (sensors && trainer.straggler()) trainer.straggler()->readings = [g = sensors.get()] { return g->read(); };
-  if (trainer.straggler()) trainer.straggler()->inside_forward = debug_slow_forward(ps.rank);
   trainer.set_has_validation(any_rank(ps, *chunks.front(), data.valid != nullptr));
   trainer.flops_per_iteration = [&cfg](int64_t batch) { return num_floating_point_operations(cfg.model, batch); };
   checkpoints.set_flops_per_sample(num_floating_point_operations(cfg.model, 1));
@@ -325,7 +319,8 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // Megatron exits right there.
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
-  const std::function<void(int64_t)> fault = debug_fault(ps.rank, chunks);
+  const std::function<void(int64_t)> fault =
+      debug_fault(ps.rank, chunks, trainer.straggler() ? &trainer.straggler()->inside_forward : nullptr);
   // Saves stay out of the log interval's time and energy, as Megatron's save_checkpoint_and_time.
   auto save = [&](bool non_persistent = false) {
     trainer.outside_interval([&] { checkpoints.save(trainer, non_persistent); });
