@@ -497,3 +497,12 @@ megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --model "${m
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "${moe_model}" 4 ${fsdp}
                               optim_grads --expert-model-parallel-size 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
+# (With the cases above, every strategy at DP 2, 3 and 4.)
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_no_shard 2 ${fsdp} no_shard)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_no_shard 4 ${fsdp} no_shard)
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim 3 ${fsdp} optim --overlap-grad-reduce --overlap-param-gather
+                              --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim 4 ${fsdp} optim)
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads 2 ${fsdp} optim_grads)
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim_grads 3 ${fsdp} optim_grads)
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim_grads_params 4 ${fsdp} optim_grads_params)
