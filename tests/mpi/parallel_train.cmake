@@ -424,21 +424,21 @@ megatrain_parallel_train_test(parallel_train_mtp_pp2_layout --model "${mtp_model
 # its own count of rolled tokens, and the sequence's rolled-off tail falls on one rank's chunk, so
 # the gradients differ from one rank's by design.)
 # Fully sharded data parallelism (--use-megatron-fsdp, --use-torch-fsdp2; app/validate_fsdp.cpp):
-# every sharding strategy at DP 2, 3 and 4 equals one rank, also under TP 2 with sequence
+# every sharding strategy at DP 2, 3 and 4 equals one rank (some cases over 20 iterations), also under TP 2 with sequence
 # parallelism and with hybrid sharding (outer no_shard: two instances; outer optim: one), and a
 # checkpoint saved under one strategy resumes under another.
 set(fsdp "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy")
 megatrain_parallel_train_test(parallel_train_fsdp_dp3_no_shard 3 ${fsdp} no_shard --overlap-grad-reduce
                               --ddp-bucket-size 3000)
 megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim 2 ${fsdp} optim)
-megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim_grads 4 ${fsdp} optim_grads --overlap-grad-reduce
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim_grads --iters 20 4 ${fsdp} optim_grads --overlap-grad-reduce
                               --overlap-param-gather --ddp-bucket-size 3000)
-megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads_params 2 ${fsdp} optim_grads_params)
-megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim_grads_params 3 ${fsdp} optim_grads_params
+megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads_params --iters 20 2 ${fsdp} optim_grads_params)
+megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim_grads_params --iters 20 3 ${fsdp} optim_grads_params
                               --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000)
-megatrain_parallel_train_test(parallel_train_fsdp_tp2_sp_dp2_optim_grads_params 4 ${fsdp} optim_grads_params
+megatrain_parallel_train_test(parallel_train_fsdp_tp2_sp_dp2_optim_grads_params --iters 20 4 ${fsdp} optim_grads_params
                               --tensor-model-parallel-size 2 --sequence-parallel)
-megatrain_parallel_train_test(parallel_train_fsdp_dp4_hsdp 4 ${fsdp} optim_grads_params
+megatrain_parallel_train_test(parallel_train_fsdp_dp4_hsdp --iters 20 4 ${fsdp} optim_grads_params
                               --num-distributed-optimizer-instances 2)
 megatrain_parallel_train_test(parallel_train_fsdp_dp4_hfsdp 4 ${fsdp} optim_grads_params
                               --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim)
@@ -492,7 +492,7 @@ set_tests_properties(straggler_detector_names_the_slow_rank straggler_detector_d
 # ... and under expert parallelism: each layer's routed experts are a bucket of their own beside the
 # rest of the layer, reduce-scattered and gathered over the expert-data-parallel group (EP 2 of DP 4:
 # expert-DP 2), also with TP 2 + SP.
-megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --model "${moe_model}" 4 ${fsdp}
+megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --iters 20 --model "${moe_model}" 4 ${fsdp}
                               optim_grads_params --expert-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "${moe_model}" 4 ${fsdp}
                               optim_grads --expert-model-parallel-size 2 --tensor-model-parallel-size 2

@@ -17,7 +17,8 @@
 //        parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] --resume <n1> "<flags 1>" <n2> "<flags 2>"
 // --bf16-reduce (first) loosens the tolerances for --grad-reduce-in-bf16, --bf16-moments (first)
 // the final tensors' for bf16 Adam moments; --fp8 (first) trains 4
-// iterations for FP8 GEMMs (see `iterations`). --model adds model flags to every run (both the
+// iterations for FP8 GEMMs (see `iterations`); --iters N (before --model) trains N instead of 8.
+// --model adds model flags to every run (both the
 // one-rank and the parallel ones); "-" stands for
 // no layout flags (CTest drops empty arguments).
 // The second form trains half of the iterations (4 of 8, or 2 of 4 with --fp8) with layout 1
@@ -249,6 +250,13 @@ int main(int argc, char** argv) {
     base += " --train-iters 4 --eval-interval 2";  // (the later flag wins, as with argparse)
     ++argv;
     --argc;
+  }
+  if (std::string(argv[4]) == "--iters") {  // more iterations than the default 8 (an even number)
+    if (argc < 7) return 2;
+    iterations = std::stoll(argv[5]);
+    base += std::string(" --train-iters ") + argv[5];  // (the later flag wins, as with argparse)
+    argv += 2;
+    argc -= 2;
   }
   if (std::string(argv[4]) == "--model") {
     if (argc < 7) return 2;
