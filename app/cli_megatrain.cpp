@@ -41,6 +41,11 @@ void add_megatrain_flags(FlagTable& t) {
           "iterations left out of the end-of-run summary line (mean tokens/s, TFLOP/s, MFU, peak memory)",
           MT_FIELD(logging.benchmark_warmup_iters))
       .kind = FlagKind::megatrain;
+  t.value("--gpu-sniff-test-interval",
+          "every N iterations (outside the timed interval) each rank runs a short GEMM, an all-gather and a ring "
+          "send/receive; the ranks slower than the mean by more than a standard deviation are named (0: off)",
+          MT_FIELD(logging.gpu_sniff_test_interval))
+      .kind = FlagKind::megatrain;
   t.flag("--full-data-check", "scan every token id of the data files against the padded vocabulary at start-up "
          "(default: the first/last MiB and 64 sampled sequences)",
          MT_FIELD(data.full_data_check))

@@ -177,8 +177,8 @@ class MemoryStatsReporter : public Reporter {
 // sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
 // its first q/k layernorm weight (else of its first parameter), a silent memory error that only
 // --test-mode's check or the weight hash check (--check-weight-hash-across-dp-replicas-interval)
-// notices; slow@R:MS (the straggler detector's test) makes rank R sleep MS ms inside each timed
-// training forward pass (*in_forward).
+// notices; slow@R:MS (the straggler detector's and the sniff test's tests) makes rank R sleep MS ms
+// inside each timed training forward pass and GEMM probe (*in_forward).
 std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks,
                                          std::function<void()>* in_forward) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
@@ -196,7 +196,7 @@ std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>&
   if (target != rank) return nullptr;
   if (kind == "slow") {
     const auto ms = std::chrono::milliseconds(iteration);
-    if (in_forward) *in_forward = [ms] { std::this_thread::sleep_for(ms); };
+    *in_forward = [ms] { std::this_thread::sleep_for(ms); };
     return nullptr;
   }
   return [kind, iteration, rank, chunks](int64_t next) {
@@ -319,8 +319,10 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // Megatron exits right there.
   const CheckpointConfig& k = cfg.checkpoint;
   bool exited_early = false;
-  const std::function<void(int64_t)> fault =
-      debug_fault(ps.rank, chunks, trainer.straggler() ? &trainer.straggler()->inside_forward : nullptr);
+  std::function<void()> slow;
+  const std::function<void(int64_t)> fault = debug_fault(ps.rank, chunks, &slow);
+  if (slow && trainer.straggler()) trainer.straggler()->inside_forward = slow;
+  if (slow && trainer.sniff_test()) trainer.sniff_test()->inside_gemm = slow;
   // Saves stay out of the log interval's time and energy, as Megatron's save_checkpoint_and_time.
   auto save = [&](bool non_persistent = false) {
     trainer.outside_interval([&] { checkpoints.save(trainer, non_persistent); });

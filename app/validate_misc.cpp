@@ -92,6 +92,8 @@ void validate_checkpoint_and_logging(CliState& st) {
     st.warn("--use-mp-args-from-checkpoint-args has no effect without --use-checkpoint-args");
   const LoggingConfig& l = c.logging;
   if (l.log_interval <= 0) fail("--log-interval must be > 0 (got {})", l.log_interval);
+  if (l.gpu_sniff_test_interval < 0)
+    fail("--gpu-sniff-test-interval must be >= 0 (0: off; got {})", l.gpu_sniff_test_interval);
   if (l.log_memory_interval && *l.log_memory_interval <= 0)
     fail("--log-memory-interval must be > 0 (got {})", *l.log_memory_interval);
   if (l.timing_log_level < 0 || l.timing_log_level > 2)

@@ -538,6 +538,9 @@ struct LoggingConfig {
   bool disable_straggler_on_startup = false;
   int straggler_minmax_count = 1;
   int straggler_ctrlr_port = 65535;
+  // --gpu-sniff-test-interval N (megatrain's; engine/sniff_test.h): every N iterations each rank's
+  // GEMM, all-gather and send/receive probes, the slow ranks named. 0: off.
+  int gpu_sniff_test_interval = 0;
   int timing_log_level = 0;
   std::string timing_log_option = "minmax";
   std::optional<std::string> tensorboard_dir;

@@ -54,6 +54,8 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
                                                      cfg.train.num_microbatches * static_cast<int>(chunks.size()));
     runner_.straggler = straggler_.get();
   }
+  if (cfg.logging.gpu_sniff_test_interval > 0)
+    sniff_ = std::make_unique<GpuSniffTest>(cfg, ps, model_.backend(), model_.options().compute);
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
@@ -364,6 +366,8 @@ int64_t Trainer::train() {
         has_validation_ && t.eval_iters > 0) {
       outside_interval([&] { evaluate(false); });
     }
+    if (sniff_ && iteration_ % cfg_.logging.gpu_sniff_test_interval == 0)
+      outside_interval([&] { sniff_->run(iteration_); });
     // After the evaluation, before the checkpoint save (Megatron's post_training_step_callbacks).
     if (t.check_weight_hash_across_dp_replicas_interval &&
         iteration_ % *t.check_weight_hash_across_dp_replicas_interval == 0)

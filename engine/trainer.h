@@ -26,6 +26,7 @@
 #include "engine/pipeline_runner.h"
 #include "engine/replica_check.h"
 #include "engine/rerun_state_machine.h"
+#include "engine/sniff_test.h"
 #include "engine/straggler.h"
 #include "engine/reporter.h"
 
@@ -69,6 +70,7 @@ class Trainer {
   std::function<void(int64_t iteration, bool checkpoint)> before_rerun_exit;
   // --log-straggler's detector (engine/straggler.h), or null: the caller sets its GPU readings.
   StragglerDetector* straggler() { return straggler_.get(); }
+  GpuSniffTest* sniff_test() { return sniff_.get(); }  // --gpu-sniff-test-interval's probes, or null
   // Megatron's exit code when the rerun state machine stopped the run (16 or 17), else 0.
   int exit_code() const { return exit_code_; }
 
@@ -161,6 +163,7 @@ class Trainer {
   // --rerun-mode other than disabled, --check-for-spiky-loss, --check-for-large-grads (else null).
   std::unique_ptr<RerunStateMachine> rerun_;
   std::unique_ptr<StragglerDetector> straggler_;  // --log-straggler
+  std::unique_ptr<GpuSniffTest> sniff_;            // --gpu-sniff-test-interval
   double straggler_flops_ = 0;                    // model FLOPs since its last report
   std::unique_ptr<ReplayBatchSource> replay_;  // the iteration's micro-batches again for a re-run
   bool rerun_again_ = false;

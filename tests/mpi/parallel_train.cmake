@@ -506,3 +506,9 @@ megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim 4 ${fsdp} optim)
 megatrain_parallel_train_test(parallel_train_fsdp_dp2_optim_grads 2 ${fsdp} optim_grads)
 megatrain_parallel_train_test(parallel_train_fsdp_dp3_optim_grads 3 ${fsdp} optim_grads)
 megatrain_parallel_train_test(parallel_train_fsdp_dp4_optim_grads_params 4 ${fsdp} optim_grads_params)
+# --gpu-sniff-test-interval over 3 ranks: the rank made slow inside its GEMM probe is named.
+add_test(NAME gpu_sniff_test_names_the_slow_rank
+         COMMAND bash -c "out=$(MEGATRAIN_DEBUG_FAULT=slow@2:40 ${straggler_run} --gpu-sniff-test-interval 2 2>&1) || { echo \"$out\"; exit 1; }
+echo \"$out\" | grep 'gpu sniff'; test $(echo \"$out\" | grep -c 'GEMM mean .*slower than mean + std: 2 (') = 2")
+set_tests_properties(gpu_sniff_test_names_the_slow_rank PROPERTIES LABELS mpi TIMEOUT 300
+  ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
