@@ -214,14 +214,14 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
     o << fmt::format("  {:<27} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "strategy", "params", "grads", "master", "optim",
                      "total");
     using C = MemoryCategory;
+    // What the run lays out (app/validate_fsdp.cpp): its strategy's plan, else the closest one built.
+    const std::string grads = unsharded_gradients_reason(cfg).value_or(""),
+                      params = unsharded_params_reason(cfg).value_or("-");
+    const std::string built = strategy == "no_shard" || strategy == "optim" ? strategy
+                              : !grads.empty()                        ? "optim"
+                              : strategy == "optim_grads" || !params.empty() ? "optim_grads"
+                                                                            : "optim_grads_params";
     for (const StrategyMemory& m : sharding_strategy_memory(cfg, peak_stage.pp_rank)) {
-      // What the run lays out (app/validate_fsdp.cpp): its strategy's plan, else the closest one built.
-      const std::string grads = unsharded_gradients_reason(cfg).value_or(""),
-                        params = unsharded_params_reason(cfg).value_or("-");
-      const std::string built = strategy == "no_shard" || strategy == "optim" ? strategy
-                                : !grads.empty()                        ? "optim"
-                                : strategy == "optim_grads" || !params.empty() ? "optim_grads"
-                                                                              : "optim_grads_params";
       const bool runs = m.strategy == built;
       o << fmt::format("  {:<27} {:>11} {:>11} {:>11} {:>11} {:>11}  {}\n",
                        fmt::format("{} ({})", m.strategy, m.zero), gib(m.plan.of(C::parameters)),
