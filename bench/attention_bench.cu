@@ -115,6 +115,10 @@ int run(int argc, char** argv) {
         {"cmp", 4, 32, 32, 4096, 64, 0, 283, 248, 433, 386},
         {"cmp", 2, 16, 16, 8192, 128, 0, 320, 290, 606, 516},
         {"gpt2-124m dropout 0.1", 32, 12, 12, 1024, 64, 0.1f},
+        {"llama-1b", 1, 32, 8, 8192, 64},
+        {"llama-1b dropout 0.1", 1, 32, 8, 8192, 64, 0.1f},
+        {"llama-1b", 1, 32, 8, 32768, 64},
+        {"llama-1b dropout 0.1", 1, 32, 8, 32768, 64, 0.1f},
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }

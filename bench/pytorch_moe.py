@@ -163,7 +163,8 @@ class Block(nn.Module):
         k = k.view(b, s, g, d).transpose(1, 2)
         v = v.view(b, s, g, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(g != n))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.c.get("attention_dropout", 0.0),
+                                           is_causal=True, enable_gqa=(g != n))
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, n * d))
         m, aux = self.moe(self.ln2(x).reshape(b * s, h))
         return x + m.view(b, s, h), aux
@@ -323,6 +324,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--attention-dropout", type=float, default=0.0,
+                    help="SDPA's dropout_p in training (Megatron's --attention-dropout)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--experts", choices=("grouped", "loop"), default="grouped",
                     help="grouped: one torch._grouped_mm per expert GEMM (default); loop: one F.linear per expert")
@@ -335,6 +338,7 @@ if __name__ == "__main__":
     if a.self_check:
         sys.exit(0 if self_check("cuda" if torch.cuda.is_available() else "cpu") else 1)
     for name in a.configs.split(","):
+        CONFIGS[name]["attention_dropout"] = a.attention_dropout
         if name not in CONFIGS:
             sys.exit(f"--configs: unknown config {name}; the MoE configs are {', '.join(CONFIGS)}")
         result = run(name, a.iters, a.warmup, a.experts, a.profile_kernels)

@@ -21,6 +21,10 @@ CONFIGS = {
     "gpt2-124m": dict(L=12, h=768, n=12, g=12, f=3072, s=1024, b=32, V=50304, llama=False),
     "gpt-1.3b": dict(L=24, h=2048, n=16, g=16, f=8192, s=2048, b=8, V=50304, llama=False),
     "llama-1b": dict(L=16, h=2048, n=32, g=8, f=8192, s=4096, b=2, V=128256, llama=True),
+    # llama-1b's model at long sequences, micro-batch 1 (bench/run_bench.sh's llama-1b-8k/32k/64k)
+    "llama-1b-8k": dict(L=16, h=2048, n=32, g=8, f=8192, s=8192, b=1, V=128256, llama=True),
+    "llama-1b-32k": dict(L=16, h=2048, n=32, g=8, f=8192, s=32768, b=1, V=128256, llama=True),
+    "llama-1b-64k": dict(L=16, h=2048, n=32, g=8, f=8192, s=65536, b=1, V=128256, llama=True),
 }
 
 
@@ -84,7 +88,8 @@ class Block(nn.Module):
         v = v.view(b, s, g, d).transpose(1, 2)
         if self.c["llama"]:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(g != n))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.c.get("attention_dropout", 0.0),
+                                           is_causal=True, enable_gqa=(g != n))
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, n * d))
         z = self.fc1(self.ln2(x))
         if self.c["llama"]:
@@ -189,7 +194,8 @@ def timed_result(name, c, step, iters, warmup, flops):
     tokens = c["b"] * c["s"]
     result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
                   tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
-                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss),
+                  attention_dropout=c.get("attention_dropout", 0.0))
     if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
         result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
     return result
@@ -226,10 +232,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--attention-dropout", type=float, default=0.0,
+                    help="SDPA's dropout_p in training (Megatron's --attention-dropout)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                     help="after timing, print the N kernels taking the most GPU time per step (torch.profiler)")
     a = ap.parse_args()
     for name in a.configs.split(","):
+        CONFIGS[name]["attention_dropout"] = a.attention_dropout
         result = run(name, a.iters, a.warmup, a.profile_kernels)
         print(json.dumps(result), flush=True)

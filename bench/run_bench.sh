@@ -14,6 +14,10 @@
 #                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
 #                      [--fp8-only] [--no-energy] [--pytorch-extra "<more PyTorch script flags>"]
 #   bench/run_bench.sh --configs moe-mixtral-proxy,moe-fine-grained --iters 20 --warmup 5
+#   bench/run_bench.sh --configs llama-1b-8k,llama-1b-32k --attention-dropout 0.1 --iters 8 --warmup 3
+# llama-1b-8k, -32k and -64k (not by default) are llama-1b's model at 8,192, 32,768 and 65,536
+# tokens with micro-batch 1. --attention-dropout P (default 0) sets Megatron's attention dropout
+# of every config, megatrain's and PyTorch's (SDPA's dropout_p) alike.
 # --pytorch-extra adds flags to the PyTorch script of every config run: "--profile-kernels N" (both
 # scripts), "--experts loop" (bench/pytorch_moe.py only: one GEMM per expert instead of
 # torch._grouped_mm, should the grouped GEMM fail on a machine; run the MoE configs alone then).
@@ -41,6 +45,7 @@ fp8_extra=""
 fp8_only=0
 energy="--log-energy"
 pytorch_extra=""
+attention_dropout=0.0
 while [ $# -gt 0 ]; do
   case "$1" in
     --configs) configs="$2"; shift 2 ;;
@@ -55,6 +60,7 @@ while [ $# -gt 0 ]; do
     --fp8-only) fp8_only=1; shift ;;
     --no-energy) energy=""; shift ;;
     --pytorch-extra) pytorch_extra="$2"; shift 2 ;;
+    --attention-dropout) attention_dropout="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -66,7 +72,7 @@ mkdir -p "$out"
 
 # Megatron flags of each config (the model shapes the issues name).
 flags_for() {
-  local common="--bf16 --mock-data --tokenizer-type NullTokenizer --attention-dropout 0.0 --hidden-dropout 0.0
+  local common="--bf16 --mock-data --tokenizer-type NullTokenizer --attention-dropout $attention_dropout --hidden-dropout 0.0
     --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
     --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 --log-interval 5 --log-throughput
     --eval-iters 0 --train-iters $((iters + warmup)) --benchmark-warmup-iters $warmup"
@@ -82,15 +88,21 @@ flags_for() {
     --global-batch-size 2 --vocab-size 32000 --swiglu --normalization RMSNorm --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear --moe-grouped-gemm --moe-token-dispatcher-type alltoall
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+  local llama_1b="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention
+    --num-query-groups 8 --ffn-hidden-size 8192 --vocab-size 128256 --swiglu --normalization RMSNorm
+    --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear"
   case "$1" in
     gpt2-124m) echo "$common --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
       --max-position-embeddings 1024 --micro-batch-size 32 --global-batch-size 32 --vocab-size 50304" ;;
     gpt-1.3b) echo "$common $recompute_norms --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
       --max-position-embeddings 2048 --micro-batch-size 8 --global-batch-size 8 --vocab-size 50304" ;;
-    llama-1b) echo "$common $recompute_norms --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention
-      --num-query-groups 8 --ffn-hidden-size 8192 --seq-length 4096 --max-position-embeddings 4096
-      --micro-batch-size 2 --global-batch-size 2 --vocab-size 128256 --swiglu --normalization RMSNorm
-      --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear" ;;
+    llama-1b) echo "$common $recompute_norms $llama_1b --seq-length 4096 --max-position-embeddings 4096
+      --micro-batch-size 2 --global-batch-size 2" ;;
+    llama-1b-8k|llama-1b-32k|llama-1b-64k)
+      local seq=${1#llama-1b-}
+      seq=$(( ${seq%k} * 1024 ))
+      echo "$common $recompute_norms $llama_1b --seq-length $seq --max-position-embeddings $seq
+      --micro-batch-size 1 --global-batch-size 1" ;;
     moe-mixtral-proxy) echo "$common $llama_moe --num-layers 16 --num-experts 8 --moe-router-topk 2
       --ffn-hidden-size 5632 --moe-ffn-hidden-size 5632" ;;
     moe-fine-grained) echo "$common $llama_moe --num-layers 12 --num-experts 64 --moe-router-topk 8
@@ -165,7 +177,7 @@ if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_availabl
       else moe_check="FAILED (see $out/pytorch_moe.self-check): $(grep -c FAILED "$out/pytorch_moe.self-check" || true) checks failed; $(tail -n 1 "$out/pytorch_moe.self-check")"; fi
     fi
     # shellcheck disable=SC2086
-    pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 "$script" --configs "$name" --iters "$iters" --warmup "$warmup" $pytorch_extra 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
+    pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 "$script" --configs "$name" --iters "$iters" --warmup "$warmup" --attention-dropout "$attention_dropout" $pytorch_extra 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
   done
 fi
 

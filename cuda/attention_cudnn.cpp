@@ -71,8 +71,8 @@ class Descriptor {
 
 // Fixed ids of the tensors we bind at execution; virtual tensors are numbered from kFirstVirtual.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kOne, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound,
-  kWindowNegInf,
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kDeltaScale, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound,
+  kWindowNegInf, kSeed, kOffset, kDropoutScale,
   kFirstVirtual = 100
 };
 
@@ -195,6 +195,27 @@ class GraphBuilder {
     const TensorRef keep = pointwise(CUDNN_POINTWISE_CMP_GT, shifted, &row, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
     return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
   }
+  // Dropout's keep mask [b, h, s, s] (1 kept, with probability `keep`), drawn by cuDNN's Philox
+  // from the int64 device scalars kSeed and kOffset: the RNG operation cudnn-frontend puts into
+  // its SDPA graphs, which the fused engines regenerate in the backward from the same seed.
+  TensorRef dropout_mask(std::vector<int64_t> dims, std::vector<int64_t> strides, double keep) {
+    const TensorRef seed = bound({1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT64, kSeed);
+    const TensorRef offset = bound({1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT64, kOffset);
+    TensorRef y = virt(std::move(dims), std::move(strides));
+    auto& rng = own(CUDNN_BACKEND_RNG_DESCRIPTOR);
+    rng.set1(CUDNN_ATTR_RNG_DISTRIBUTION, CUDNN_TYPE_RNG_DISTRIBUTION, CUDNN_RNG_DISTRIBUTION_BERNOULLI)
+        .set1(CUDNN_ATTR_RNG_BERNOULLI_DIST_PROBABILITY, CUDNN_TYPE_DOUBLE, keep);
+    rng.finalize("rng descriptor");
+    auto& op = own(CUDNN_BACKEND_OPERATION_RNG_DESCRIPTOR);
+    op.set_desc(CUDNN_ATTR_OPERATION_RNG_YDESC, *y.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_RNG_DESC, rng)
+        .set_desc(CUDNN_ATTR_OPERATION_RNG_SEED, *seed.desc)
+        .set_desc(CUDNN_ATTR_OPERATION_RNG_OFFSET_DESC, *offset.desc);
+    op.finalize("rng operation");
+    ops_.push_back(&op);
+    return y;
+  }
+
   // The shape's masks: causal, then its sliding window (bound by value at execution, kWindowBound).
   TensorRef masks(TensorRef x, const AttentionShape& a) {
     if (a.causal) x = causal_mask(x, scalar(kNegInf));
@@ -396,7 +417,16 @@ std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape
   const TensorRef log_sum = g.pointwise(CUDNN_POINTWISE_LOG, row_sum);
   const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
   g.pointwise_into(CUDNN_POINTWISE_ADD, row_max, &log_sum, nullptr, stats);
-  const TensorRef p = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum, nullptr, io);
+  TensorRef p;
+  if (a.dropout_p > 0) {  // P * keep * 1/(1-p), as cudnn-frontend's SDPA forward with dropout
+    const TensorRef probs = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum);
+    const TensorRef keep = g.dropout_mask(n.bhss(), n.scores_strides(), 1.0 - a.dropout_p);
+    const TensorRef kept = g.pointwise(CUDNN_POINTWISE_MUL, probs, &keep);
+    const TensorRef dropout_scale = g.scalar(kDropoutScale);
+    p = g.pointwise(CUDNN_POINTWISE_MUL, kept, &dropout_scale, nullptr, io);
+  } else {
+    p = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum, nullptr, io);
+  }
   const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
   g.matmul(p, v, o);
   return build_plans(handle, g, fmt::format("attention forward ({})", layout_name(layout)));
@@ -419,15 +449,24 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
   const TensorRef dk = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdK);
   const TensorRef dv = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdV);
   const TensorRef scale = g.scalar(kScale);
-  const TensorRef one = g.scalar(kOne);
+  const TensorRef delta_scale = g.scalar(kDeltaScale);
+  // Dropout (cudnn-frontend's SDPA backward): the keep mask redrawn from the forward's seed, Pd =
+  // P * keep / (1-p) into dV, dP * keep, and delta scaled by (1-p) (kDeltaScale, 1 without
+  // dropout) so that dS = P * (dP * keep - delta * (1-p)) / (1-p) = P * (dPd - delta).
+  const bool dropout = a.dropout_p > 0;
+  TensorRef keep, dropout_scale;
+  if (dropout) {
+    keep = g.dropout_mask(n.bhss(), n.scores_strides(), 1.0 - a.dropout_p);
+    dropout_scale = g.scalar(kDropoutScale);
+  }
 
-  // delta = rowsum(dO * O), materialized in our workspace.
+  // delta = rowsum(dO * O) (times 1-p with dropout), materialized in our workspace.
   const TensorRef prod = g.virt(n.bhsd(), {n.hq * n.s * n.d, n.s * n.d, n.hq * n.d, 1});
   g.pointwise_into(CUDNN_POINTWISE_MUL, dout, &o, nullptr, prod);
   const TensorRef delta_raw = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, prod, delta_raw);
   const TensorRef delta = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kSoftmaxSum);
-  g.pointwise_into(CUDNN_POINTWISE_MUL, delta_raw, &one, nullptr, delta);
+  g.pointwise_into(CUDNN_POINTWISE_MUL, delta_raw, &delta_scale, nullptr, delta);
 
   // P = exp(scale * Q K^T - stats), masked.
   const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
@@ -437,8 +476,13 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
   x = g.masks(x, a);
   const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
 
-  // dV = P^T dO (shared GQA: per query head, then summed over the group's heads).
-  const TensorRef pt = g.reshape(p, n.bhss(), n.scores_t_strides(), io);
+  // dV = Pd^T dO (shared GQA: per query head, then summed over the group's heads).
+  TensorRef pd = p;
+  if (dropout) {
+    pd = g.pointwise(CUDNN_POINTWISE_MUL, p, &keep);
+    pd = g.pointwise(CUDNN_POINTWISE_MUL, pd, &dropout_scale);
+  }
+  const TensorRef pt = g.reshape(pd, n.bhss(), n.scores_t_strides(), io);
   if (n.gqa()) {
     const TensorRef dv_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
     g.matmul(pt, dout, dv_heads);
@@ -447,10 +491,12 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
     g.matmul(pt, dout, dv);
   }
   // dS = P * (dO V^T - delta) * scale.
-  const TensorRef dp = g.virt(n.bhss(), n.scores_strides());
+  TensorRef dp = g.virt(n.bhss(), n.scores_strides());
   g.matmul(dout, vt, dp);
+  if (dropout) dp = g.pointwise(CUDNN_POINTWISE_MUL, dp, &keep);
   const TensorRef centered = g.pointwise(CUDNN_POINTWISE_SUB, dp, &delta);
-  const TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
+  TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
+  if (dropout) ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, &dropout_scale);
   const TensorRef ds = g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, &scale);
   // dK = dS^T Q (shared GQA: per query head, then summed).
   const TensorRef dst = g.reshape(ds, n.bhss(), n.scores_t_strides(), io);
@@ -479,9 +525,13 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+// Dropout's Philox state at the start of our workspace: the seed (int64) at byte 0, the offset at
+// byte 16 (each 16-byte aligned, as the graphs' tensors declare).
+constexpr size_t kRngStateBytes = 256;
+
 // One way to run a pass: a layout, the backward's dQ algorithm, and one engine plan.
-// Workspace: [ours][cuDNN's]. Ours: forward none; backward [delta][dQ accumulator, if used][dK, dV
-// per query head, if broadcast].
+// Workspace: [ours][cuDNN's]. Ours: forward [dropout's seed and offset, with dropout]; backward
+// [seed and offset, with dropout][delta][dQ accumulator, if used][dK, dV per query head, if broadcast].
 struct Candidate {
   KvLayout layout = KvLayout::shared;
   bool direct_dq = true;  // backward: dQ = dS K straight (else through the fp32 accumulator, by atomics)
@@ -508,14 +558,14 @@ struct Pass {
 struct Plans {
   Pass forward, backward;
   bool fixed_choice = false;  // --deterministic-mode: no timing
-  size_t delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;  // workspace pieces (see Candidate)
+  size_t rng_bytes = 0, delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;  // workspace pieces (see Candidate)
   std::string error;  // non-empty: this shape is not supported, and why
   std::string refused;  // layouts cuDNN had no engine for (reported, not an error)
   size_t bytes() const { return std::max(forward.bytes(), backward.bytes()); }
 };
 
-// device, b, s, heads, groups, d, causal, window, dtype, deterministic
-using Key = std::tuple<int, int, int, int, int, int, bool, int, int, bool>;
+// device, b, s, heads, groups, d, causal, window, dtype, deterministic, dropout probability
+using Key = std::tuple<int, int, int, int, int, int, bool, int, int, bool, float>;
 
 std::mutex g_mutex;
 std::map<int, cudnnHandle_t> g_handles;
@@ -532,8 +582,8 @@ cudnnHandle_t handle_for(int device) {
 
 std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16) return "it needs bf16 or fp16 activations";
-  if (a.dropout_p > 0)
-    return "cuDNN draws its own dropout mask, not megatrain's (use --attention-dropout 0 or the flash backend)";
+  if (a.dropout_p > 0 && a.windowed())
+    return "cuDNN's fused attention takes no sliding window with dropout (cudnn-frontend refuses the pair)";
   // (Up to 256 on Hopper: cuDNN itself then says which shapes its engines take, plans_for's error.)
   if (a.head_dim % 8 != 0 || a.head_dim > 256) return fmt::format("head dim {} (cuDNN needs a multiple of 8, <= 256)", a.head_dim);
   return "";
@@ -570,6 +620,7 @@ int default_candidate(const Pass& pass) {
 
 void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype, Plans& plans) {
   const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
+  plans.rng_bytes = a.dropout_p > 0 ? kRngStateBytes : 0;
   plans.delta_bytes = align256(rows * sizeof(float));
   plans.accum_bytes = align256(rows * a.head_dim * sizeof(float));
   plans.heads_bytes = align256(kv_heads::buffer_bytes(a, dtype));
@@ -582,11 +633,12 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
     const size_t grads = layout == KvLayout::broadcast ? 2 * plans.heads_bytes : 0;
     try {
       std::vector<Candidate> fwd, bwd;
-      for (EnginePlan& e : build_forward(handle, a, dtype, layout)) fwd.push_back({layout, true, std::move(e), 0});
+      for (EnginePlan& e : build_forward(handle, a, dtype, layout))
+        fwd.push_back({layout, true, std::move(e), plans.rng_bytes});
       for (bool direct : {true, false}) {
         if (!direct && a.deterministic) continue;
         try {
-          const size_t ours = plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads;
+          const size_t ours = plans.rng_bytes + plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads;
           for (EnginePlan& e : build_backward(handle, a, dtype, layout, direct)) bwd.push_back({layout, direct, std::move(e), ours});
         } catch (const CudnnFailure& e) {
           if (direct && a.deterministic) throw;
@@ -616,13 +668,13 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{device, a.batch, a.seq, a.heads, a.groups, a.head_dim, a.causal, a.window_left, static_cast<int>(dtype),
-                a.deterministic};
+  const Key key{device,    a.batch,  a.seq, a.heads, a.groups, a.head_dim, a.causal, a.window_left, static_cast<int>(dtype),
+                a.deterministic, a.dropout_p};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;
   auto plans = std::make_unique<Plans>();
-  plans->error = unsupported_reason(a, dtype);  // callers check it first too: dropout is not in the key
+  plans->error = unsupported_reason(a, dtype);
   if (plans->error.empty()) {
     try {
       build_candidates(handle_for(device), a, dtype, *plans);
@@ -716,7 +768,6 @@ std::vector<std::string> names_of(const Pass& pass, bool backward) {
 int runtime_version() { return static_cast<int>(cudnnGetVersion()); }
 
 bool supported(const AttentionShape& a, DType dtype, std::string* why) {
-  // Shape rules first: the plan cache is keyed by what the plans depend on, not by dropout.
   std::string reason = unsupported_reason(a, dtype);
   if (reason.empty()) reason = plans_for(a, dtype).error;
   if (why) *why = reason;
@@ -736,8 +787,10 @@ std::string describe(const AttentionShape& a, DType dtype) {
     how = fmt::format("the fastest of {} forward / {} backward candidates, timed at the first step",
                       p.forward.candidates.size(), p.backward.candidates.size());
   }
-  return fmt::format("cuDNN {} fused attention{}, {}, workspace {:.1f} MiB", cudnnGetVersion(), window_text(a), how,
-                     p.bytes() / 1048576.0);
+  const std::string dropout =
+      a.dropout_p > 0 ? fmt::format(", dropout {:g} (cuDNN's Philox mask)", a.dropout_p) : std::string();
+  return fmt::format("cuDNN {} fused attention{}{}, {}, workspace {:.1f} MiB", cudnnGetVersion(), window_text(a), dropout,
+                     how, p.bytes() / 1048576.0);
 }
 
 std::vector<std::string> forward_candidates(const AttentionShape& a, DType dtype) {
@@ -770,6 +823,17 @@ std::string chosen(const AttentionShape& a, DType dtype) {
   return s;
 }
 
+// Dropout's tensors: the seed and offset in the workspace's first bytes (written on the stream:
+// the seed is the shape's Philox key, the offset 0) and the by-value scale 1/(1-p).
+static void bind_dropout(const AttentionShape& a, void* rng_state, float& dropout_scale, std::vector<int64_t>& uids,
+                         std::vector<void*>& ptrs, cudaStream_t stream) {
+  if (a.dropout_p <= 0) return;
+  char* state = static_cast<char*>(rng_state);
+  write_philox_state(state, state + 16, a.dropout_key, stream);
+  uids.insert(uids.end(), {kSeed, kOffset, kDropoutScale});
+  ptrs.insert(ptrs.end(), {state, state + 16, &dropout_scale});
+}
+
 // The by-value scalars of GraphBuilder::masks: -inf for each mask, and the window's key count.
 static void bind_mask_scalars(const AttentionShape& a, std::vector<int64_t>& uids, std::vector<void*>& ptrs,
                               float& neg_inf, float& window_bound) {
@@ -793,7 +857,7 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
   float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
-  float window_bound = static_cast<float>(a.window_left + 1);
+  float window_bound = static_cast<float>(a.window_left + 1), dropout_scale = 1.0f / (1.0f - a.dropout_p);
   char* base = static_cast<char*>(qkv.data);
   const size_t elem = dtype_size(qkv.dtype);
   auto run = [&](const Candidate& c) {
@@ -802,7 +866,8 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
     std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
     std::vector<void*> ptrs = {base, k, v, out.data, lse.data, &scale};
     bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
-    execute(handle, *c.engine.plan, uids, ptrs, workspace);
+    bind_dropout(a, workspace, dropout_scale, uids, ptrs, stream);
+    execute(handle, *c.engine.plan, uids, ptrs, static_cast<char*>(workspace) + c.ours);
   };
   run(choose_candidate(p.forward, a, "forward", run, stream));
 }
@@ -814,7 +879,8 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
            "fused attention backward workspace has {} bytes, needs {}", workspace_bytes, p.backward.bytes());
   const cudnnHandle_t handle = current_handle();
   check(cudnnSetStream(handle, stream), "cudnnSetStream");
-  float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
+  float scale = a.softmax_scale, neg_inf = -std::numeric_limits<float>::infinity();
+  float delta_scale = 1.0f - a.dropout_p, dropout_scale = 1.0f / (1.0f - a.dropout_p);
   float window_bound = static_cast<float>(a.window_left + 1);
   char* x = static_cast<char*>(qkv.data);
   char* dx = static_cast<char*>(dqkv.data);
@@ -823,15 +889,17 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
   auto run = [&](const Candidate& c) {
     const Dims n(a, c.layout);
     const size_t k_bytes = static_cast<size_t>(n.k_offset) * elem, d_bytes = a.head_dim * elem;
-    // Our workspace pieces in order: delta, dQ accumulator, per-head dK/dV.
-    char* next = ws + p.delta_bytes;
+    // Our workspace pieces in order: dropout's seed and offset, delta, dQ accumulator, per-head dK/dV.
+    char* delta = ws + p.rng_bytes;
+    char* next = delta + p.delta_bytes;
     char* accum = nullptr;
     if (!c.direct_dq) accum = next, next += p.accum_bytes;
     void *k = x + k_bytes, *v = x + k_bytes + d_bytes, *dk = dx + k_bytes, *dv = dx + k_bytes + d_bytes;
     if (n.per_head_kv) dk = next, dv = next + p.heads_bytes;
-    std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kOne, kSoftmaxSum};
-    std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &one, ws};
+    std::vector<int64_t> uids = {kQ, kK, kV, kO, kdO, kStats, kdQ, kdK, kdV, kScale, kDeltaScale, kSoftmaxSum};
+    std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &delta_scale, delta};
     bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
+    bind_dropout(a, ws, dropout_scale, uids, ptrs, stream);
     if (accum) {
       uids.push_back(kdQAccum);
       ptrs.push_back(accum);

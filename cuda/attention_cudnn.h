@@ -10,6 +10,11 @@
 // layouts: shared (cuDNN sums dK/dV over the group's query heads in the backward graph), or one
 // K/V head per query head (a zero stride), with dK/dV per query head summed by our kernel
 // (attention_kv_heads.h).
+// Dropout: cuDNN draws its own keep mask (the RNG operation of cudnn-frontend's SDPA graphs:
+// Philox seeded with the shape's dropout_key, offset 0) and redraws it in the backward; the mask is
+// cuDNN's, not engine/attention_dropout.h's, so runs with dropout differ from the reference
+// backend's and the flash kernels' draws (each a valid dropout of probability p). No sliding window
+// with dropout (cudnn-frontend refuses the pair).
 // Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached: every
 // layout and engine configuration that builds is a candidate, and the first call of each pass
 // times them on its own buffers and keeps the fastest (not under --deterministic-mode: then the
@@ -19,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -47,5 +53,8 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
              cudaStream_t stream);
 void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Writes dropout's Philox state for the graphs (int64 seed = key, int64 offset = 0) on the stream.
+void write_philox_state(void* seed, void* offset, uint64_t key, cudaStream_t stream);
 
 }  // namespace mt::cuda::cudnn_attention

@@ -210,3 +210,57 @@ TEST_CASE("reference attention rejects mismatched tensors", "[attention]") {
   bad.groups = 3;
   CHECK_THROWS_AS(reference_attention_forward<double>(buf.t(buf.out), buf.t(buf.lse), buf.t(buf.qkv), bad), Error);
 }
+
+// The masked variants (the oracle for cuDNN's own dropout masks): given the mask the Philox rule
+// draws they compute the same bits as the unmasked functions; given another mask, their backward
+// is still the gradient of their forward (central differences, float64).
+TEST_CASE("reference attention with an explicit dropout mask", "[attention]") {
+  const AttentionShape a = shape(2, 7, 4, 2, 3, true, 0.3f);
+  const size_t entries = static_cast<size_t>(a.batch) * a.heads * a.seq * a.seq;
+  std::vector<uint8_t> rule(entries), other(entries);
+  for (int64_t i = 0; i < a.batch; ++i)
+    for (int64_t h = 0; h < a.heads; ++h)
+      for (int64_t q = 0; q < a.seq; ++q)
+        for (int64_t k = 0; k < a.seq; ++k) {
+          const size_t e = static_cast<size_t>(((i * a.heads + h) * a.seq + q) * a.seq + k);
+          rule[e] = attention_dropout_keep(a.dropout_key, attention_dropout_index(i, h, a.heads, a.seq, q, k), a.dropout_p);
+          other[e] = normal_at(55, e) > -0.5;  // about 69% kept, unrelated to the rule
+        }
+  Buffers plain(a, 3), masked(a, 3);
+  plain.forward();
+  plain.backward();
+  reference_attention_forward_masked<double>(masked.t(masked.out), masked.t(masked.lse), masked.t(masked.qkv), a, rule);
+  reference_attention_backward_masked<double>(masked.t(masked.dqkv), masked.t(masked.dout), masked.t(masked.out),
+                                              masked.t(masked.lse), masked.t(masked.qkv), a, rule);
+  CHECK(plain.out == masked.out);
+  CHECK(plain.lse == masked.lse);
+  CHECK(plain.dqkv == masked.dqkv);
+
+  Buffers buf(a, 9);
+  auto forward = [&] {
+    reference_attention_forward_masked<double>(buf.t(buf.out), buf.t(buf.lse), buf.t(buf.qkv), a, other);
+    double l = 0;
+    for (size_t i = 0; i < buf.out.size(); ++i) l += buf.out[i] * buf.dout[i];
+    return l;
+  };
+  forward();
+  CHECK(buf.out != plain.out);
+  reference_attention_backward_masked<double>(buf.t(buf.dqkv), buf.t(buf.dout), buf.t(buf.out), buf.t(buf.lse),
+                                              buf.t(buf.qkv), a, other);
+  const std::vector<double> analytic = buf.dqkv;
+  double max_err = 0, max_grad = 0;
+  for (size_t i = 0; i < buf.qkv.size(); ++i) {
+    const double x0 = buf.qkv[i], h = 1e-6;
+    buf.qkv[i] = x0 + h;
+    const double lp = forward();
+    buf.qkv[i] = x0 - h;
+    const double lm = forward();
+    buf.qkv[i] = x0;
+    max_err = std::max(max_err, std::abs((lp - lm) / (2 * h) - analytic[i]));
+    max_grad = std::max(max_grad, std::abs(analytic[i]));
+  }
+  REQUIRE(max_grad > 1e-3);
+  CHECK(max_err / max_grad < 1e-6);
+  CHECK_THROWS(reference_attention_forward_masked<double>(buf.t(buf.out), buf.t(buf.lse), buf.t(buf.qkv), a,
+                                                          std::vector<uint8_t>(entries - 1, 1)));
+}

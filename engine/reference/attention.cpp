@@ -118,6 +118,12 @@ double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h
   return attention_dropout_keep(a.dropout_key, index, a.dropout_p) ? 1.0 / (1.0 - a.dropout_p) : 0.0;
 }
 
+// The same from an explicit mask keep [b, heads, s, s] where one is given (the masked variants).
+double dropout_factor(const AttentionShape& a, const uint8_t* keep, int64_t i, int64_t h, int64_t q, int64_t k) {
+  if (!keep || a.dropout_p == 0) return dropout_factor(a, a.seq, i, h, q, k);
+  return keep[((i * a.heads + h) * a.seq + q) * a.seq + k] ? 1.0 / (1.0 - a.dropout_p) : 0.0;
+}
+
 }  // namespace
 
 void check_attention_shape(const AttentionShape& a) {
@@ -143,8 +149,16 @@ void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Te
   check(lse, "lse", n * a.heads, true);
 }
 
+namespace {
+
+void check_keep_mask(const AttentionShape& a, const std::vector<uint8_t>& keep) {
+  const size_t want = static_cast<size_t>(a.batch) * a.heads * a.seq * a.seq;
+  MT_CHECK(keep.size() == want, "attention: the dropout mask has {} entries, the shape needs b*heads*s*s = {}",
+           keep.size(), want);
+}
+
 template <typename T>
-void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
+void attention_forward_impl(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, const uint8_t* keep) {
   check_attention_tensors(a, qkv, out, lse, dtype_of<T>());
   const QkvLayout L(a);
   const T* x = qkv.ptr<T>();
@@ -158,7 +172,7 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
             o + L.out_offset(i, q, h), L.d, a.first_key(q), a.last_key(q) + 1, scores, acc,
             [&](int64_t k) { return a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d); },
             [&](int64_t k) { return x + L.v_offset(i, k, g); },
-            [&](int64_t k) { return dropout_factor(a, a.seq, i, h, q, k); });
+            [&](int64_t k) { return dropout_factor(a, keep, i, h, q, k); });
         write_lse(lse, L.lse_index(i, h, q), row_lse);
       }
     }
@@ -171,8 +185,8 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
 //   dV = Pd^T dO,   dP = (dO V^T) * dropout factor,   dS = P * (dP - D) with D = rowsum(dO * O),
 //   dQ = scale * dS K,   dK = scale * dS^T Q.
 template <typename T>
-void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
-                                  const AttentionShape& a) {
+void attention_backward_impl(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                             const uint8_t* keep) {
   check_attention_tensors(a, qkv, out, lse, dtype_of<T>());
   check_attention_tensors(a, dqkv, dout, lse, dtype_of<T>());
   const QkvLayout L(a);
@@ -191,7 +205,7 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
   // Probability p (undropped) and dS of element (i, h, q, k); also returns the dropout factor.
   auto element = [&](int64_t i, int64_t h, int64_t q, int64_t k, double& p, double& ds, double& drop) {
     const int64_t g = h / L.hpg;
-    drop = dropout_factor(a, a.seq, i, h, q, k);
+    drop = dropout_factor(a, keep, i, h, q, k);
     pair_grad(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), x + L.v_offset(i, k, g), dout_p + L.out_offset(i, q, h),
               a.softmax_scale, read_lse(lse, L.lse_index(i, h, q)), delta[L.lse_index(i, h, q)], drop, L.d, p, ds);
   };
@@ -229,10 +243,42 @@ void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor l
   }
 }
 
+}  // namespace
+
+template <typename T>
+void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {
+  attention_forward_impl<T>(out, lse, qkv, a, nullptr);
+}
+template <typename T>
+void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                  const AttentionShape& a) {
+  attention_backward_impl<T>(dqkv, dout, out, lse, qkv, a, nullptr);
+}
+template <typename T>
+void reference_attention_forward_masked(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                                        const std::vector<uint8_t>& keep) {
+  check_keep_mask(a, keep);
+  attention_forward_impl<T>(out, lse, qkv, a, keep.data());
+}
+template <typename T>
+void reference_attention_backward_masked(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                         const AttentionShape& a, const std::vector<uint8_t>& keep) {
+  check_keep_mask(a, keep);
+  attention_backward_impl<T>(dqkv, dout, out, lse, qkv, a, keep.data());
+}
+
 template void reference_attention_forward<float>(Tensor, Tensor, Tensor, const AttentionShape&);
 template void reference_attention_forward<double>(Tensor, Tensor, Tensor, const AttentionShape&);
 template void reference_attention_backward<float>(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&);
 template void reference_attention_backward<double>(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&);
+template void reference_attention_forward_masked<float>(Tensor, Tensor, Tensor, const AttentionShape&,
+                                                        const std::vector<uint8_t>&);
+template void reference_attention_forward_masked<double>(Tensor, Tensor, Tensor, const AttentionShape&,
+                                                         const std::vector<uint8_t>&);
+template void reference_attention_backward_masked<float>(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionShape&,
+                                                         const std::vector<uint8_t>&);
+template void reference_attention_backward_masked<double>(Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                          const AttentionShape&, const std::vector<uint8_t>&);
 
 // ---- attention blocks (context parallelism) -------------------------------------------------
 

@@ -13,6 +13,9 @@
 // lse may be float32 or float64 in either case. Sums are accumulated in double.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "core/tensor.h"
 #include "engine/backend.h"
 
@@ -24,6 +27,17 @@ void reference_attention_forward(Tensor out, Tensor lse, Tensor qkv, const Atten
 template <typename T>
 void reference_attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                   const AttentionShape& a);
+
+// The same with an explicit dropout mask in place of engine/attention_dropout.h's draws: keep is
+// [b, heads, s, s] (sample, query head, query, key), non-zero = kept (scaled by 1/(1-p)); a.dropout_p
+// must be > 0 for it to act. The oracle for an implementation that draws its own mask (cuDNN's
+// fused attention), given the mask it drew.
+template <typename T>
+void reference_attention_forward_masked(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                                        const std::vector<uint8_t>& keep);
+template <typename T>
+void reference_attention_backward_masked(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
+                                         const AttentionShape& a, const std::vector<uint8_t>& keep);
 
 // Attention blocks (context parallelism): Backend::attention_block_forward, attention_block_backward,
 // attention_merge, attention_kv_pack and attention_kv_unpack_add (engine/backend.h), in the layouts

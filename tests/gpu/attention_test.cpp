@@ -250,7 +250,9 @@ std::vector<Variant> variants_for(const Problem& p) {
       flash_variant(fc, bc, "flash " + fc.name() + " / " + bc.name());
     }
   }
-  if (cuda::fused_attention_supported(a, p.dtype)) {
+  // With dropout cuDNN draws its own mask, not the reference's: tests/gpu/attention_cudnn_dropout_test.cpp
+  // checks it against the reference given that mask.
+  if (p.dropout == 0 && cuda::fused_attention_supported(a, p.dtype)) {
     production("fused (cuDNN)", AttentionBackend::fused);
     // Every cuDNN candidate pinned in turn (forward i with backward i, the shorter list repeating
     // its last), since the production path keeps whichever its first call times fastest.
@@ -272,7 +274,7 @@ std::vector<Variant> variants_for(const Problem& p) {
                    cuda::attention_workspace_bytes(a, AttentionBackend::fused, p.dtype)});
     }
     std::printf("%s | cuDNN candidates: %zu forward, %zu backward\n", p.name.c_str(), nf, nb);
-  } else {
+  } else if (p.dropout == 0) {
     WARN(p.name << ": cuDNN fused attention not available for this shape/dtype, not tested");
   }
   return v;
@@ -473,9 +475,10 @@ TEST_CASE("attention backends refuse what they do not implement", "[gpu][attenti
   CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::unfused, DType::bf16), Unsupported);
   CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::local, DType::bf16), Unsupported);
   CHECK(cuda::resolve_attention_backend(a, AttentionBackend::flash, DType::bf16) == AttentionBackend::flash);
-  a.dropout_p = 0.1f;  // cuDNN would draw its own mask: auto keeps our kernel, fused refuses
-  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::flash);
-  CHECK_THROWS_AS(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16), Unsupported);
+  a.dropout_p = 0.1f;  // cuDNN draws its own mask: auto and fused run it (flash keeps the reference's draws)
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16) == AttentionBackend::fused);
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::fused, DType::bf16) == AttentionBackend::fused);
+  CHECK(cuda::resolve_attention_backend(a, AttentionBackend::flash, DType::bf16) == AttentionBackend::flash);
   a.dropout_p = 0;
   // auto: cuDNN where it runs (measured faster), MHA and GQA alike.
   const AttentionBackend mha = cuda::resolve_attention_backend(a, AttentionBackend::auto_, DType::bf16);
