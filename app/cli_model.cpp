@@ -139,14 +139,18 @@ void add_model_flags(FlagTable& t) {
   }
   t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
   t.choice("--attention-backend",
-           "attention implementation: flash (megatrain's kernels), fused (cuDNN), auto; unfused runs flash (the same "
-           "attention, deterministic, scores never stored)",
+           "attention implementation: flash (megatrain's kernels: the reference backend's dropout mask), fused "
+           "(cuDNN: its own dropout mask), auto (cuDNN where it runs); unfused runs flash (the same attention, "
+           "deterministic, scores never stored)",
            std::vector<std::pair<std::string, AttentionBackend>>{{"flash", AttentionBackend::flash},
                                                                  {"fused", AttentionBackend::fused},
                                                                  {"unfused", AttentionBackend::unfused},
                                                                  {"local", AttentionBackend::local},
                                                                  {"auto", AttentionBackend::auto_}},
            MT_FIELD(model.attention_backend));
+  t.no_effect("--enable-experimental", Arity::none,
+              "megatrain has no experimental switch: what it accepts runs without this flag, and what it does not "
+              "build is refused by name with or without it");
   t.recognised("--spec", Arity::zero_or_more, "STR [STR ...]", "None", "model layer spec module");
   t.flag("--attention-output-gate", "gate each attention head's output with sigmoid(x W_gate), W_gate part of the QKV "
          "projection", MT_FIELD(model.attention_output_gate)).model_setting("attention_output_gate", CheckpointTake::forced, CheckpointCompare::yes, true);

@@ -163,7 +163,7 @@ void add_moe_flags(FlagTable& t) {
                  MT_FIELD(model.moe.router_padding_for_fp8)),
           "--moe-router-padding-for-quantization");
   t.choice("--moe-token-dispatcher-type",
-           "token dispatcher: allgather or alltoall (the same numerics with one expert-parallel rank)",
+           "token dispatcher: allgather, alltoall or flex (the same numerics; megatrain runs its own dispatcher for each)",
            std::vector<std::pair<std::string, MoeDispatcher>>{{"allgather", MoeDispatcher::allgather},
                                                               {"alltoall", MoeDispatcher::alltoall},
                                                               {"flex", MoeDispatcher::flex}},
@@ -201,15 +201,28 @@ void add_moe_flags(FlagTable& t) {
                           MT_FIELD(model.moe.overlap_expert_parallel_comm)),
                    "megatrain does not overlap the expert-parallel dispatch with computation yet: the same results, "
                    "the communication not hidden");
-  t.recognised("--delay-wgrad-compute", Arity::none, "", "off", "delay weight-gradient GEMMs (EP overlap)");
+  t.no_effect("--delay-wgrad-compute", Arity::none,
+              "it delays weight-gradient GEMMs to overlap them with --overlap-moe-expert-parallel-comm's "
+              "communication, which megatrain does not overlap yet (see that flag's note): the same results");
   t.recognised("--moe-latent-size", Arity::one, "INT", "None", "latent projections around the experts");
   t.recognised("--moe-use-upcycling", Arity::none, "", "off", "turn a dense checkpoint into an MoE model");
   t.recognised("--moe-upcycling-granularity", Arity::one, "INT", "1", "expert size as a fraction of the dense FFN");
   t.recognised("--moe-apply-probs-on-input", Arity::none, "", "off", "routing weights on the experts' input");
   t.recognised("--moe-router-quantile-balancing-ema", Arity::one, "FLOAT", "0.0", "quantile balancing's EMA");
-  t.recognised("--moe-flex-dispatcher-backend", Arity::one, "{deepep,hybridep,ncclep}", "deepep",
-               "the flex dispatcher's backend");
-  t.recognised("--moe-enable-deepep", Arity::none, "", "off", "deprecated: --moe-flex-dispatcher-backend deepep");
+  {
+    // The flex dispatcher's kernels (Megatron's rules on them: app/validate_moe.cpp).
+    FlagSpec& s = t.no_effect("--moe-flex-dispatcher-backend", Arity::one,
+                              "megatrain runs its own token dispatcher for --moe-token-dispatcher-type flex: the "
+                              "same routing and results, without the DeepEP, HybridEP or NCCL-EP kernels",
+                              "deepep");
+    s.metavar = "{deepep,hybridep,ncclep}";
+    s.apply = [](CliState&, const FlagValue& v) {
+      parse_choice_arg("--moe-flex-dispatcher-backend", v.one(), {"deepep", "hybridep", "ncclep"});
+    };
+  }
+  t.no_effect("--moe-enable-deepep", Arity::none,
+              "deprecated in Megatron-LM (--moe-flex-dispatcher-backend deepep); megatrain runs its own token "
+              "dispatcher for --moe-token-dispatcher-type flex, without DeepEP's kernels");
   t.removed("--moe-extended-tp", Arity::none, "--moe-extended-tp was removed from Megatron-LM: drop it");
   t.removed("--moe-use-legacy-grouped-gemm", Arity::none,
             "--moe-use-legacy-grouped-gemm was removed from Megatron-LM: drop it");

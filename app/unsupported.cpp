@@ -58,7 +58,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--ckpt-convert-format", W::any_use, {}, ""},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
-      {"--recompute-modules", W::values, {"moe_act", "moe", "shared_experts"}, ""},
+      {"--recompute-modules", W::values, {"moe", "shared_experts"}, ""},
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)
       {"--init-method-xavier-uniform", W::any_use, {},
@@ -84,18 +84,14 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-router-load-balancing-type", W::values, {"global_aux_loss"}, "built: aux_loss, seq_aux_loss, sinkhorn, none",
        true},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},
-      {"--moe-token-dispatcher-type", W::values, {"flex"}, "built: allgather, alltoall", true},
       {"--moe-pad-expert-input-to-capacity", W::any_use, {}, "padding each expert's input to its capacity", true},
       {"--moe-input-jitter-eps", W::any_use, {}, "", true},
       {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
-      {"--delay-wgrad-compute", W::any_use, {}, "expert parallelism's overlap"},
       {"--moe-latent-size", W::any_use, {}, ""},
       {"--moe-use-upcycling", W::any_use, {}, ""},
       {"--moe-upcycling-granularity", W::other_than, {"1"}, ""},
       {"--moe-apply-probs-on-input", W::any_use, {}, ""},
       {"--moe-router-quantile-balancing-ema", W::other_than, {"0"}, "quantile balancing"},
-      {"--moe-flex-dispatcher-backend", W::other_than, {"deepep"}, "the flex dispatcher"},
-      {"--moe-enable-deepep", W::any_use, {}, "the flex dispatcher"},
       // FP8 / FP4 (1.12)
       {"--fp8-recipe", W::values, {"mxfp8", "blockwise", "custom"}, "FP8 recipes built: delayed, tensorwise"},
       {"--fp8-quantizer-factory", W::any_use, {}, "FP8 recipes built: delayed, tensorwise"},

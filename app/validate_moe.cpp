@@ -119,6 +119,29 @@ void megatron_moe_rules(CliState& st) {
            "when enabling overlap_moe_expert_parallel_comm)");
   }
 
+  // The flex dispatcher's backends (TransformerConfig.__post_init__).
+  const std::string backend =
+      st.has("--moe-flex-dispatcher-backend") ? st.given.at("--moe-flex-dispatcher-backend").one() : "deepep";
+  if (st.has("--moe-enable-deepep")) {
+    if (e.token_dispatcher_type != MoeDispatcher::flex)
+      fail("--moe-enable-deepep needs --moe-token-dispatcher-type flex (DeepEP backend is only supported with flex "
+           "token dispatcher.)");
+    if (backend == "hybridep")
+      fail("--moe-enable-deepep with --moe-flex-dispatcher-backend hybridep (Only one backend is supported for flex "
+           "token dispatcher.)");
+  }
+  const bool deepep = st.has("--moe-enable-deepep") || backend == "deepep";
+  if (e.token_dispatcher_type == MoeDispatcher::flex && e.pad_expert_input_to_capacity && deepep)
+    fail("--moe-pad-expert-input-to-capacity with --moe-token-dispatcher-type flex and the deepep backend (Flex token "
+         "dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity)");
+  if (backend == "ncclep" && e.token_dispatcher_type != MoeDispatcher::flex)
+    fail("--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex "
+         "(moe_flex_dispatcher_backend='ncclep' requires moe_token_dispatcher_type='flex'.)");
+
+  if (st.has("--delay-wgrad-compute") && !e.overlap_expert_parallel_comm)
+    fail("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (overlap_moe_expert_parallel_comm must be "
+         "enabled when enabling delay_wgrad_compute)");
+
   // Router padding for FP8/FP4 GEMMs.
   if (e.router_padding_for_fp8) {
     if (!c.train.fp8_format && !st.has("--fp4-format"))
@@ -196,6 +219,16 @@ void validate_moe(CliState& st) {
   const std::vector<std::string> refused = not_built(st);
   if (refused.empty()) {
     const MoeConfig& e = st.cfg.model.moe;
+    if (e.enabled() && e.token_dispatcher_type == MoeDispatcher::flex) {
+      st.note(fmt::format("--moe-token-dispatcher-type flex: megatrain runs its own dispatcher, the same routing and "
+                          "results as Megatron's flex dispatcher (dropless unless a capacity factor is given){}",
+                          st.cfg.parallel.expert_model_parallel_size > 1
+                              ? fmt::format(", tokens exchanged over the {} expert-parallel ranks by all-gather and "
+                                            "reduce-scatter",
+                                            st.cfg.parallel.expert_model_parallel_size)
+                              : std::string()));
+      return;
+    }
     if (e.enabled() && st.cfg.parallel.expert_model_parallel_size > 1 && e.token_dispatcher_type != MoeDispatcher::allgather)
       st.note(fmt::format("--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the {} expert-parallel "
                           "ranks by all-gather and reduce-scatter (Megatron's allgather dispatcher: the same results, "

@@ -46,6 +46,17 @@ void validate_recompute(CliState& st) {
   for (const std::string& m : t.recompute_modules)
     if (m == "mla_up_proj" && !c.model.multi_latent_attention)
       fail("mla_up_proj in recompute_modules is only supported with multi_latent_attention");
+  const bool moe_act = std::find(t.recompute_modules.begin(), t.recompute_modules.end(), "moe_act") !=
+                       t.recompute_modules.end();
+  if (moe_act && t.recompute_granularity == RecomputeGranularity::selective) {
+    if (!c.model.moe.grouped_gemm)
+      fail("--recompute-modules moe_act needs --moe-grouped-gemm (moe_act in recompute_modules is only supported with "
+           "moe_grouped_gemm.)");
+    st.note(c.model.moe.enabled()
+                ? "--recompute-modules moe_act: megatrain's experts always recompute their activation in backward from "
+                  "fc1's output (the activation's output is never kept), which is what moe_act asks for"
+                : "--recompute-modules moe_act: no MoE layers, nothing to recompute");
+  }
   if (st.has("--recompute-modules") && t.recompute_granularity != RecomputeGranularity::selective)
     st.warn("--recompute-modules has no effect without --recompute-granularity selective");
 }

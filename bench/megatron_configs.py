@@ -85,6 +85,11 @@ def yaml_args(model_args, scratch):
             continue
         if isinstance(value, list):
             words += [substitute(str(v), scratch) for v in value]
+        elif isinstance(value, str) and re.fullmatch(r"\[[^]]+\]", value.strip()):
+            # Megatron-LM's harness (tests/functional_tests/shell_test_utils/_run_training.sh) strips
+            # the brackets of a "[a b]" value and lets the shell split it into words; any other
+            # value with spaces stays one quoted word.
+            words += [substitute(v, scratch) for v in value.strip()[1:-1].split()]
         else:
             words.append(substitute(str(value), scratch))
     return words

@@ -255,6 +255,49 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
   CHECK(has_message(ep_ms, SetupMessage::Kind::note,
                     "--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the 2 expert-parallel "
                     "ranks by all-gather and reduce-scatter"));
+  // --delay-wgrad-compute: Megatron's rule, then a note (scheduling only).
+  CHECK_THAT(parse_error(moe_gpt() + words("--delay-wgrad-compute")),
+             Contains("overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute"));
+  ep_ms.clear();
+  parse(moe_gpt() + words("--bf16 --overlap-moe-expert-parallel-comm --delay-wgrad-compute --expert-model-parallel-size 2 "
+                          "--moe-token-dispatcher-type alltoall"),
+        2, &ep_ms);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--delay-wgrad-compute"));
+  // moe_act: what megatrain's experts always do (a note); Megatron's rule on grouped GEMMs.
+  ep_ms.clear();
+  parse(moe_gpt() + words("--moe-grouped-gemm --recompute-granularity selective --recompute-modules moe_act"), 1, &ep_ms);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note,
+                    "--recompute-modules moe_act: megatrain's experts always recompute their activation"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--recompute-granularity selective --recompute-modules moe_act")),
+             Contains("moe_act in recompute_modules is only supported with moe_grouped_gemm."));
+  // flex: megatrain's own dispatcher with a note naming the backend it stands in for; Megatron's
+  // rules on the backends.
+  ep_ms.clear();
+  const Config flex = parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type flex "
+                                              "--moe-flex-dispatcher-backend hybridep --enable-experimental"),
+                            2, &ep_ms);
+  CHECK(flex.model.moe.token_dispatcher_type == MoeDispatcher::flex);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note,
+                    "--moe-token-dispatcher-type flex: megatrain runs its own dispatcher, the same routing and "
+                    "results as Megatron's flex dispatcher (dropless unless a capacity factor is given), tokens "
+                    "exchanged over the 2 expert-parallel ranks"));
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--moe-flex-dispatcher-backend"));
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--enable-experimental"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend nvep")),
+             Contains("nvep"));
+  ep_ms.clear();
+  parse(moe_gpt() + words("--moe-token-dispatcher-type flex --moe-enable-deepep"), 1, &ep_ms);
+  CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--moe-enable-deepep"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-enable-deepep --moe-token-dispatcher-type alltoall")),
+             Contains("(DeepEP backend is only supported with flex token dispatcher.)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-enable-deepep --moe-token-dispatcher-type flex "
+                                           "--moe-flex-dispatcher-backend hybridep")),
+             Contains("(Only one backend is supported for flex token dispatcher.)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-token-dispatcher-type flex --moe-expert-capacity-factor 1.0 "
+                                           "--moe-pad-expert-input-to-capacity")),
+             Contains("does not support moe_pad_expert_input_to_capacity"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-flex-dispatcher-backend ncclep")),
+             Contains("requires moe_token_dispatcher_type='flex'"));
   ep_ms.clear();
   parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"), 2, &ep_ms);
   CHECK_FALSE(has_message(ep_ms, SetupMessage::Kind::note, "--moe-token-dispatcher-type"));
@@ -333,8 +376,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "capacity)"},
       {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
       {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
-      {"--moe-token-dispatcher-type flex", 1,
-       "megatrain does not support --moe-token-dispatcher-type flex yet (built: allgather, alltoall)"},
   };
   for (const Case& c : cases) {
     INFO(c.flags);
@@ -362,11 +403,8 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
            {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
            {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"},
            {"--moe-apply-probs-on-input", "megatrain does not support --moe-apply-probs-on-input yet"},
-           {"--moe-enable-deepep", "megatrain does not support --moe-enable-deepep yet (the flex dispatcher)"},
            {"--recompute-granularity selective --recompute-modules moe",
             "megatrain does not support --recompute-modules moe yet"},
-           {"--recompute-granularity selective --recompute-modules moe_act",
-            "megatrain does not support --recompute-modules moe_act yet"},
            {"--recompute-granularity selective --recompute-modules shared_experts",
             "megatrain does not support --recompute-modules shared_experts yet"}}) {
     INFO(flags);
