@@ -10,9 +10,6 @@ namespace mt {
 
 TrainingData build_training_data(const Config& cfg, int dp_rank, int dp_size, int64_t consumed_train_samples,
                                  int64_t consumed_valid_samples) {
-  // The attention op is causal over the whole sequence; a block-diagonal mask is not implemented.
-  if (cfg.data.reset_attention_mask)
-    throw Unsupported("--reset-attention-mask (no attention across document boundaries) is not supported yet");
   TokenizerFacts facts;
   facts.vocab_size = cfg.model.vocab_size;
   facts.eod = cfg.data.eod_id;

@@ -48,8 +48,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
        "use GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer "
        "or NullTokenizer"},
       {"--vocab-extra-ids", W::other_than, {"0"}, ""},
-      {"--reset-attention-mask", W::any_use, {},
-       "attention is causal over the whole sequence, across document boundaries"},
       // checkpointing (1.6)
       {"--ckpt-format", W::values, {"zarr"}, "use torch_dist (the default) or torch"},
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},

@@ -124,12 +124,19 @@ void validate_data(CliState& st) {
   if (st.has("--train-data-path")) check_blend(d.train_data_path, "--train-data-path");
   if (st.has("--valid-data-path")) check_blend(d.valid_data_path, "--valid-data-path");
   if (st.has("--test-data-path")) check_blend(d.test_data_path, "--test-data-path");
+  // Packed documents in the attention: the first pipeline stage alone reads the data, and context
+  // parallelism's blocks do not take document boundaries.
+  if (d.reset_attention_mask && c.parallel.pipeline_model_parallel_size > 1)
+    throw Unsupported("megatrain does not support --reset-attention-mask with --pipeline-model-parallel-size > 1 yet "
+                      "(the later stages read no data, so they have no document boundaries)");
+  if (d.reset_attention_mask && c.parallel.context_parallel_size > 1)
+    throw Unsupported("megatrain does not support --reset-attention-mask with --context-parallel-size > 1 yet");
   if (d.num_dataset_builder_threads <= 0)
     fail("--num-dataset-builder-threads must be > 0 (got {})", d.num_dataset_builder_threads);
   if (d.mid_level_dataset_surplus < 0)
     fail("--mid-level-dataset-surplus must be >= 0 (got {})", format_float(d.mid_level_dataset_surplus));
   if (d.eod_id < 0) {
-    for (const char* f : {"--eod-mask-loss", "--reset-position-ids"})
+    for (const char* f : {"--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"})
       if (st.has(f))
         fail("{} needs an end-of-document token, and tokenizer {} has none known (no eos_token in "
              "tokenizer_config.json)", f, d.tokenizer_model.value_or("?"));

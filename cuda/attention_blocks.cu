@@ -258,6 +258,9 @@ void check_shape(const AttentionShape& a, const char* op) {
   if (a.batch <= 0 || a.seq <= 0 || a.heads <= 0 || a.groups <= 0 || a.head_dim <= 0 || a.heads % a.groups != 0)
     fail("{}: invalid shape b={} s={} heads={} groups={} d={} (heads must be a multiple of groups)", op, a.batch,
          a.seq, a.heads, a.groups, a.head_dim);
+  if (a.documents)
+    throw Unsupported(fmt::format("{}: attention blocks (context parallelism) with packed documents "
+                                  "(--reset-attention-mask)", op));
 }
 
 }  // namespace

@@ -582,6 +582,7 @@ cudnnHandle_t handle_for(int device) {
 
 std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16) return "it needs bf16 or fp16 activations";
+  if (a.documents) return "packed documents (--reset-attention-mask) are not built into megatrain's cuDNN graphs yet";
   if (a.dropout_p > 0 && a.windowed())
     return "cuDNN's fused attention takes no sliding window with dropout (cudnn-frontend refuses the pair)";
   // (Up to 256 on Hopper: cuDNN itself then says which shapes its engines take, plans_for's error.)

@@ -47,6 +47,7 @@ void check_shape(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse) {
     throw Unsupported(fmt::format(
         "--attention-backend flash supports head dims 64 and 128, not {} (use --kv-channels 64 or 128)", a.head_dim));
   if (!(a.dropout_p >= 0 && a.dropout_p < 1)) fail("attention: dropout probability {} not in [0, 1)", a.dropout_p);
+  if (a.documents) throw Unsupported("the tensor-core flash kernels take no packed documents (the generic ones do)");
   if (qkv.dtype != DType::bf16 && qkv.dtype != DType::f16)
     throw Unsupported(fmt::format("flash attention needs bf16 or fp16 activations, got {}", dtype_name(qkv.dtype)));
   const int64_t n = static_cast<int64_t>(a.batch) * a.seq;

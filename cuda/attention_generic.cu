@@ -48,6 +48,7 @@ struct Args {
   int window = -1;  // sliding window: query q sees keys q - window ... q (-1: none)
   float dropout_p = 0, dropout_scale = 1;
   uint64_t dropout_key = 0;
+  const int32_t* doc_start = nullptr;  // packed documents: [batch * seq], sample-major (null: none)
 
   // Element offsets of the vectors of sample i, position t.
   __device__ int64_t q_off(int i, int t, int h) const {
@@ -68,11 +69,17 @@ struct Args {
     const uint64_t index = attention_dropout_index(i, h, heads, seq, q, k);
     return attention_dropout_keep(dropout_key, index, dropout_p) ? dropout_scale : 0.0f;
   }
-  __device__ bool visible(int q, int k) const {
-    return q < seq && k < seq && (!causal || k <= q) && (window < 0 || k >= q - window);
+  __device__ bool visible(int i, int q, int k) const {
+    return q < seq && k < seq && (!causal || k <= q) && (window < 0 || k >= q - window) &&
+           (!doc_start || k >= doc_start[static_cast<int64_t>(i) * seq + q]);
   }
-  // The first key tile (of kKeys) a query tile starting at q0 sees.
-  __device__ int first_key_tile(int q0) const { return window >= 0 ? max(0, q0 - window) / kKeys * kKeys : 0; }
+  // The first key tile (of kKeys) a query tile of sample i starting at q0 sees (the tile's first
+  // query sees the earliest keys: window and document starts only grow along the sequence).
+  __device__ int first_key_tile(int i, int q0) const {
+    int k = window >= 0 ? max(0, q0 - window) : 0;
+    if (doc_start) k = max(k, doc_start[static_cast<int64_t>(i) * seq + q0]);
+    return k / kKeys * kKeys;
+  }
 };
 
 // rows [0, kRows) x d of a strided matrix into a padded float tile; rows >= valid become zeros.
@@ -132,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Args a) {
   for (int k = 0; k < DPT; ++k) acc[k] = 0.0f;
 
   const int k_end = a.causal ? min(a.seq, q0 + kRows) : a.seq;
-  for (int k0 = a.first_key_tile(q0); k0 < k_end; k0 += kKeys) {
+  for (int k0 = a.first_key_tile(i, q0); k0 < k_end; k0 += kKeys) {
     __syncthreads();  // the previous tile's K, V and probabilities are no longer read
     const int64_t kbase = a.k_off(i, k0, g);
     load_tile(Ks, ld, qkv + kbase, step, min(kKeys, a.seq - k0), d);
@@ -143,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Args a) {
 #pragma unroll
     for (int e = 0; e < kEntries; ++e) {
       const int r = warp + kWarps * e;
-      S[r * kSld + lane] = a.visible(q0 + r, k0 + lane) ? s[e] * a.scale : -INFINITY;
+      S[r * kSld + lane] = a.visible(i, q0 + r, k0 + lane) ? s[e] * a.scale : -INFINITY;
     }
     __syncwarp();
     // Online softmax: warp w updates its rows (the entries it just wrote); lane = key.
@@ -243,7 +250,19 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
 
   const int q_begin = a.causal ? k0 / kRows * kRows : 0;
   // With a sliding window no query after k0 + kKeys - 1 + window sees this tile's keys.
-  const int q_end = a.window >= 0 ? min(a.seq, k0 + kKeys + a.window) : a.seq;
+  int q_end = a.window >= 0 ? min(a.seq, k0 + kKeys + a.window) : a.seq;
+  // With documents no query from the first one whose document starts after the tile's last key.
+  if (a.doc_start) {
+    const int32_t* ds = a.doc_start + static_cast<int64_t>(i) * a.seq;
+    const int k_last = min(a.seq - 1, k0 + kKeys - 1);
+    int lo = k_last, hi = q_end;  // ds[lo] <= k_last; find the first t in (lo, hi) with ds[t] > k_last
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (ds[mid] > k_last) hi = mid;
+      else lo = mid;
+    }
+    q_end = hi;
+  }
   for (int hh = 0; hh < a.hpg; ++hh) {
     const int h = g * a.hpg + hh;
     for (int q0 = q_begin; q0 < q_end; q0 += kRows) {
@@ -263,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
       for (int e = 0; e < kEntries; ++e) {
         const int r = warp + kWarps * e, q = q0 + r, k = k0 + lane;
         float pd = 0.0f, ds = 0.0f;
-        if (a.visible(q, k)) {
+        if (a.visible(i, q, k)) {
           const float p = expf(s[e] * a.scale - row_lse[r]);
           const float f = a.drop(i, h, q, k);
           pd = p * f;
@@ -333,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
   for (int k = 0; k < DPT; ++k) dq[k] = 0.0f;
 
   const int k_end = a.causal ? min(a.seq, q0 + kRows) : a.seq;
-  for (int k0 = a.first_key_tile(q0); k0 < k_end; k0 += kKeys) {
+  for (int k0 = a.first_key_tile(i, q0); k0 < k_end; k0 += kKeys) {
     __syncthreads();
     const int64_t kbase = a.k_off(i, k0, g);
     load_tile(Ks, ld, qkv + kbase, step, min(kKeys, a.seq - k0), d);
@@ -345,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
     for (int e = 0; e < kEntries; ++e) {
       const int r = warp + kWarps * e, q = q0 + r, k = k0 + lane;
       float ds = 0.0f;
-      if (a.visible(q, k)) {
+      if (a.visible(i, q, k)) {
         const float p = expf(s[e] * a.scale - row_lse[r]);
         ds = p * (dp[e] * a.drop(i, h, q, k) - row_delta[r]) * a.scale;
       }
@@ -419,6 +438,14 @@ Args make_args(const AttentionShape& a, Tensor qkv) {
   r.dropout_p = a.dropout_p;
   r.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   r.dropout_key = a.dropout_key;
+  if (a.documents) {
+    MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda &&
+                 a.doc_start.numel() == static_cast<int64_t>(a.batch) * a.seq,
+             "attention with documents needs doc_start as device int32 [{}] (b * s)",
+             static_cast<int64_t>(a.batch) * a.seq);
+    MT_CHECK(a.causal, "attention with documents (--reset-attention-mask) needs causal attention");
+    r.doc_start = a.doc_start.ptr<int32_t>();
+  }
   return r;
 }
 

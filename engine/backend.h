@@ -54,6 +54,13 @@ struct AttentionShape {
   float dropout_p = 0;      // attention dropout on the probabilities
   uint64_t dropout_key = 0; // Philox key; element (i, h, q, k) uses index ((i*heads + h)*seq + q)*seq + k
   bool deterministic = false;  // --deterministic-mode: only implementations whose backward repeats bit for bit
+  // Packed documents (--reset-attention-mask): a query sees only the keys of its own document.
+  // doc_start (int32 [batch * seq], sample-major: entry i * seq + t, in the backend's memory) is the
+  // first position of position t's document, so that the causal query t sees keys doc_start .. t;
+  // along a sample it either stays or jumps to t (a new document starts at t). `documents` is set
+  // for set-up shapes too (which have no tensor); the ops need the tensor.
+  bool documents = false;
+  Tensor doc_start;
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
   bool windowed() const { return window_left >= 0; }
   // The keys query q sees: [first_key(q), last_key(q)].

@@ -81,6 +81,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.attention_backend = cfg.model.attention_backend == AttentionBackend::unfused ? AttentionBackend::flash
                                                                                 : cfg.model.attention_backend;
   o.deterministic = cfg.train.deterministic_mode;
+  o.documents = cfg.data.reset_attention_mask;
   o.fp8 = Fp8Options::from_config(cfg);
   // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer; the others are refused).
   o.bf16_exp_avg = cfg.train.exp_avg_dtype == StateDtype::bf16;
@@ -464,8 +465,10 @@ void GptModel::layout(Arena& a) {
         (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
     // (Multi-token prediction: per depth its tokens, labels, mask, log weights and loss gradient after those.)
     const int D = d_.last_stage ? d_.mtp : 0;
+    const size_t doc_bytes = opt_.documents ? part_i32 : 0;
     s.io = a.take(C::activations, DType::u8,
-                  {static_cast<int64_t>(3 * part_i32 + 2 * part_s + D * (2 * part_i32 + 3 * part_s))});
+                  {static_cast<int64_t>(3 * part_i32 + 2 * part_s + D * (2 * part_i32 + 3 * part_s) + doc_bytes)});
+    s.off_doc_start = 3 * part_i32 + 2 * part_s + static_cast<size_t>(D) * (2 * part_i32 + 3 * part_s);
     s.off_tokens = 0;
     s.off_labels = part_i32;
     s.off_positions = 2 * part_i32;
@@ -477,6 +480,7 @@ void GptModel::layout(Arena& a) {
     s.positions = part(s.off_positions, DType::i32);
     s.mask = part(s.off_mask, S);
     s.dloss = part(s.off_dloss, S);
+    s.doc_start = opt_.documents ? part(s.off_doc_start, DType::i32) : Tensor();
     s.mtp.assign(static_cast<size_t>(D), Slot::MtpRows{});
     for (int j = 0; j < D; ++j) {
       Slot::MtpRows& r = s.mtp[static_cast<size_t>(j)];
@@ -914,6 +918,18 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
         reinterpret_cast<float*>(h + s.off_dloss)[dst] = static_cast<float>(m * per_row);
       }
     }
+  // Packed documents: each position's document start, sample-major, from the segments (a new
+  // document starts where the segment number changes: after each EOD token).
+  if (opt_.documents) {
+    if (mb.segments.size() != N) fail("a micro-batch without segments for --reset-attention-mask");
+    MT_CHECK(sq == whole, "--reset-attention-mask with context parallelism");
+    auto* doc = reinterpret_cast<int32_t*>(h + s.off_doc_start);
+    for (int i = 0; i < b; ++i)
+      for (int64_t t = 0; t < whole; ++t) {
+        const size_t at = static_cast<size_t>(i * whole + t);
+        doc[at] = (t == 0 || mb.segments[at] != mb.segments[at - 1]) ? static_cast<int32_t>(t) : doc[at - 1];
+      }
+  }
   // Multi-token prediction: depth j's rows rolled j + 1 positions left within each sequence, zeros
   // past its end (the micro-batch holds whole sequences: with CP each rank takes its positions of
   // the rolled ones, Megatron's roll across the CP ranks); its loss gradient is (scale / D) times
@@ -960,6 +976,7 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
 
 void GptModel::stage_without_data(int slot, uint64_t serial, bool training, double loss_grad_scale) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
+  MT_CHECK(!opt_.documents, "--reset-attention-mask: a stage without data has no document boundaries");
   s.moe_aux_seed = loss_grad_scale * d_.cp_size;  // (Megatron's aux seed carries x CP)
   const int b = d_.micro_batch, sq = d_.seq;
   auto* positions = reinterpret_cast<int32_t*>(s.host_io.data() + s.off_positions);
@@ -1037,6 +1054,8 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   as.deterministic = opt_.deterministic;
   if (d_.softmax_scale > 0) as.softmax_scale = d_.softmax_scale;  // (MLA)
   as.window_left = d_.window_left.at(static_cast<size_t>(layer));
+  as.documents = opt_.documents;
+  if (s && opt_.documents) as.doc_start = s->doc_start;
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
   return as;

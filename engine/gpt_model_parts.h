@@ -97,6 +97,7 @@ struct GptModel::LayerActs {
 
 struct GptModel::Slot {
   Tensor tokens, labels, positions, mask, dloss;  // [N] (int32 / accum)
+  Tensor doc_start;  // packed documents (ModelOptions::documents): int32 [b * s], sample-major; else empty
   Tensor input;                                   // stage input [N, h]
   std::vector<LayerActs> layers;                  // per local layer
   Tensor d_output;                                // grad of the stage output [N, h]
@@ -104,7 +105,7 @@ struct GptModel::Slot {
   // a micro-batch is a single host->device copy. Byte offsets of each part in both:
   Tensor io;
   std::vector<unsigned char> host_io;
-  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0;
+  size_t off_tokens = 0, off_labels = 0, off_positions = 0, off_mask = 0, off_dloss = 0, off_doc_start = 0;
   // Multi-token prediction, per depth j (in io too): the tokens, labels and loss mask rolled j + 1
   // positions left within each sequence (zeros past its end), the mask divided by its count (the
   // logged mean's weights) and the loss gradient per row.

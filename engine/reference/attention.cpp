@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "engine/attention_dropout.h"
 
 namespace mt {
@@ -32,6 +33,36 @@ struct QkvLayout {
   int64_t v_offset(int64_t i, int64_t t, int64_t g) const { return k_offset(i, t, g) + d; }
   int64_t out_offset(int64_t i, int64_t t, int64_t h) const { return row(i, t) * heads * d + h * d; }
   int64_t lse_index(int64_t i, int64_t h, int64_t t) const { return (i * heads + h) * s + t; }
+};
+
+// Packed documents (AttentionShape::documents): the first key query t of sample i may see and the
+// last query that may see key k, from doc_start (validated here: host int32 [b * s], each entry
+// either its predecessor's or its own position). Without documents: 0 and s - 1.
+struct Documents {
+  int64_t s = 0;
+  const int32_t* start = nullptr;
+  std::vector<int32_t> end;  // last position of each position's document
+  explicit Documents(const AttentionShape& a) : s(a.seq) {
+    if (!a.documents) return;
+    const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
+    MT_CHECK(a.doc_start.device == Device::cpu && a.doc_start.dtype == DType::i32 && a.doc_start.numel() == n,
+             "attention with documents needs doc_start as host int32 [{}] (b * s)", n);
+    start = a.doc_start.ptr<int32_t>();
+    end.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < a.batch; ++i) {
+      for (int64_t t = 0; t < s; ++t) {
+        const int32_t v = start[i * s + t];
+        MT_CHECK(v == t || (t > 0 && v == start[i * s + t - 1]),
+                 "attention doc_start[{}][{}] = {}: must be {} or the previous entry", i, t, v, t);
+      }
+      for (int64_t t = s - 1; t >= 0; --t)
+        end[static_cast<size_t>(i * s + t)] = (t == s - 1 || start[i * s + t + 1] == t + 1)
+                                                  ? static_cast<int32_t>(t)
+                                                  : end[static_cast<size_t>(i * s + t + 1)];
+    }
+  }
+  int64_t first(int64_t i, int64_t t) const { return start ? start[i * s + t] : 0; }
+  int64_t last(int64_t i, int64_t t) const { return start ? end[static_cast<size_t>(i * s + t)] : s - 1; }
 };
 
 template <typename T>
@@ -133,6 +164,7 @@ void check_attention_shape(const AttentionShape& a) {
   if (!(a.dropout_p >= 0 && a.dropout_p < 1)) fail("attention: dropout probability {} not in [0, 1)", a.dropout_p);
   if (a.window_left < -1 || (a.windowed() && !a.causal))
     fail("attention: window_left {} (must be -1, or >= 0 with causal attention)", a.window_left);
+  if (a.documents && !a.causal) fail("attention: documents (--reset-attention-mask) need causal attention");
 }
 
 void check_attention_tensors(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse, DType element) {
@@ -161,6 +193,7 @@ template <typename T>
 void attention_forward_impl(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, const uint8_t* keep) {
   check_attention_tensors(a, qkv, out, lse, dtype_of<T>());
   const QkvLayout L(a);
+  const Documents docs(a);
   const T* x = qkv.ptr<T>();
   T* o = out.ptr<T>();
   std::vector<double> scores(L.s), acc(L.d);
@@ -169,7 +202,7 @@ void attention_forward_impl(Tensor out, Tensor lse, Tensor qkv, const AttentionS
       const int64_t g = h / L.hpg;
       for (int64_t q = 0; q < L.s; ++q) {
         const double row_lse = attend_row(
-            o + L.out_offset(i, q, h), L.d, a.first_key(q), a.last_key(q) + 1, scores, acc,
+            o + L.out_offset(i, q, h), L.d, std::max(a.first_key(q), docs.first(i, q)), a.last_key(q) + 1, scores, acc,
             [&](int64_t k) { return a.softmax_scale * dot(x + L.q_offset(i, q, h), x + L.k_offset(i, k, g), L.d); },
             [&](int64_t k) { return x + L.v_offset(i, k, g); },
             [&](int64_t k) { return dropout_factor(a, keep, i, h, q, k); });
@@ -190,6 +223,7 @@ void attention_backward_impl(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, T
   check_attention_tensors(a, qkv, out, lse, dtype_of<T>());
   check_attention_tensors(a, dqkv, dout, lse, dtype_of<T>());
   const QkvLayout L(a);
+  const Documents docs(a);
   const T* x = qkv.ptr<T>();
   const T* o = out.ptr<T>();
   const T* dout_p = dout.ptr<T>();
@@ -216,7 +250,7 @@ void attention_backward_impl(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, T
     for (int64_t h = 0; h < L.heads; ++h)
       for (int64_t q = 0; q < L.s; ++q) {
         std::fill(acc_k.begin(), acc_k.end(), 0.0);
-        for (int64_t k = a.first_key(q); k <= a.last_key(q); ++k) {
+        for (int64_t k = std::max(a.first_key(q), docs.first(i, q)); k <= a.last_key(q); ++k) {
           double p, ds, drop;
           element(i, h, q, k, p, ds, drop);
           const T* kk = x + L.k_offset(i, k, h / L.hpg);
@@ -229,7 +263,8 @@ void attention_backward_impl(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, T
     for (int64_t g = 0; g < L.groups; ++g)
       for (int64_t k = 0; k < L.s; ++k) {
         key_row_grads<T>(
-            acc_k, acc_v, L.d, a.softmax_scale, g * L.hpg, (g + 1) * L.hpg, a.first_query(k), a.last_query(k) + 1,
+            acc_k, acc_v, L.d, a.softmax_scale, g * L.hpg, (g + 1) * L.hpg, a.first_query(k),
+            std::min(a.last_query(k), docs.last(i, k)) + 1,
             [&](int64_t h, int64_t q, double& p, double& ds, double& drop) { element(i, h, q, k, p, ds, drop); },
             [&](int64_t h, int64_t q) { return x + L.q_offset(i, q, h); },
             [&](int64_t h, int64_t q) { return dout_p + L.out_offset(i, q, h); }, [](int64_t, int64_t) { return false; });
@@ -346,11 +381,13 @@ void check_kv(const AttentionShape& a, int64_t kv_len, const Tensor& kv, const c
 void check_attention_blocks(const AttentionShape& a, int max_kv_len) {
   check_attention_shape(a);
   if (max_kv_len <= 0) fail("attention blocks: at most {} keys per block (must be at least 1)", max_kv_len);
+  if (a.documents) throw Unsupported("attention blocks (context parallelism) with documents (--reset-attention-mask)");
 }
 
 template <typename T>
 void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
                                        const AttentionBlock& blk) {
+  check_attention_blocks(a, 1);
   check_attention_tensors(a, q, out, lse, dtype_of<T>());
   check_block(a, blk);
   check_kv(a, blk.kv_len, kv, "attention_block_forward", "kv", dtype_of<T>());
@@ -383,6 +420,7 @@ void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor 
 template <typename T>
 void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q,
                                         Tensor kv, const AttentionShape& a, const AttentionBlock& blk) {
+  check_attention_blocks(a, 1);
   check_attention_tensors(a, q, out, lse, dtype_of<T>());
   check_attention_tensors(a, dq, dout, lse, dtype_of<T>());
   check_block(a, blk);

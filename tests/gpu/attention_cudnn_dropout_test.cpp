@@ -26,8 +26,10 @@
 #include "cuda/attention_cudnn.h"
 #include "cuda/cuda_check.h"
 #include "engine/reference/attention.h"
+#include "tests/gpu/attention_test_util.h"
 
 using namespace mt;
+using namespace mt::test::attention;
 
 namespace {
 
@@ -44,69 +46,12 @@ struct DropCase {
   }
 };
 
-uint16_t to_bits(float x, DType t) { return t == DType::bf16 ? float_to_bf16_bits(x) : float_to_f16_bits(x); }
-float from_bits(uint16_t x, DType t) { return t == DType::bf16 ? bf16_bits_to_float(x) : f16_bits_to_float(x); }
-
-struct Device16 {
-  void* ptr = nullptr;
-  size_t count = 0;
-  DType dtype;
-  Device16(size_t n, DType t) : count(n), dtype(t) { MT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n * 2, 256))); }
-  ~Device16() { cudaFree(ptr); }
-  Device16(const Device16&) = delete;
-  Device16& operator=(const Device16&) = delete;
-  Tensor t() const { return Tensor(ptr, dtype, Device::cuda, {static_cast<int64_t>(count)}); }
-  void poison() { MT_CUDA_CHECK(cudaMemset(ptr, 0xFF, count * 2)); }
-  void upload(const std::vector<float>& v) {
-    std::vector<uint16_t> bits(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = to_bits(v[i], dtype);
-    MT_CUDA_CHECK(cudaMemcpy(ptr, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  }
-  std::vector<float> download() const {
-    std::vector<uint16_t> bits(count);
-    MT_CUDA_CHECK(cudaMemcpy(bits.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
-    std::vector<float> v(count);
-    for (size_t i = 0; i < count; ++i) v[i] = from_bits(bits[i], dtype);
-    return v;
-  }
-};
-
-struct DeviceF32 {
-  float* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceF32(size_t n) : count(n) { MT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n * 4, 256))); }
-  ~DeviceF32() { cudaFree(ptr); }
-  DeviceF32(const DeviceF32&) = delete;
-  DeviceF32& operator=(const DeviceF32&) = delete;
-  Tensor t() const { return Tensor(ptr, DType::f32, Device::cuda, {static_cast<int64_t>(count)}); }
-  void poison() { MT_CUDA_CHECK(cudaMemset(ptr, 0xFF, count * 4)); }
-  std::vector<float> download() const {
-    std::vector<float> v(count);
-    MT_CUDA_CHECK(cudaMemcpy(v.data(), ptr, count * 4, cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
-
-// Sizes and offsets of the packed layouts (engine/backend.h).
-struct Layout {
-  int64_t b, s, heads, groups, d, hpg, row;
-  explicit Layout(const AttentionShape& a)
-      : b(a.batch), s(a.seq), heads(a.heads), groups(a.groups), d(a.head_dim), hpg(a.heads / a.groups),
-        row(a.qkv_row_stride()) {}
-  size_t qkv_count() const { return static_cast<size_t>(b * s * row); }
-  size_t out_count() const { return static_cast<size_t>(b * s * heads * d); }
-  size_t lse_count() const { return static_cast<size_t>(b * s * heads); }
-  size_t v_offset(int64_t i, int64_t t, int64_t g) const { return (t * b + i) * row + g * (hpg + 2) * d + (hpg + 1) * d; }
-  size_t out_offset(int64_t i, int64_t t, int64_t h) const { return ((t * b + i) * heads + h) * d; }
-  size_t mask_index(int64_t i, int64_t h, int64_t q, int64_t k) const { return ((i * heads + h) * s + q) * s + k; }
-};
-
 // The keep mask forward candidate `fi` draws for shape a (see the file comment); counts values
 // that are neither 0 nor the kept value into *bad.
 std::vector<uint8_t> read_mask(const AttentionShape& a, DType dt, int fi, void* ws, size_t ws_bytes, int64_t* bad) {
   const Layout L(a);
-  Device16 qkv(L.qkv_count(), dt), out(L.out_count(), dt);
-  DeviceF32 lse(L.lse_count());
+  DeviceValues qkv(L.qkv_count(), dt), out(L.out_count(), dt);
+  DeviceValues lse(L.lse_count(), DType::f32);
   std::vector<uint8_t> keep(static_cast<size_t>(L.b * L.heads * L.s * L.s), 0);
   cd::pin_candidates(a, dt, fi, -1);
   for (int64_t base = 0; base < L.s; base += L.d) {
@@ -139,24 +84,6 @@ std::vector<uint8_t> read_mask(const AttentionShape& a, DType dt, int fi, void* 
   }
   return keep;
 }
-
-double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-6 * got.size()));
-}
-
-double max_abs(const std::vector<float>& got, const std::vector<float>& want) {
-  double m = 0;
-  for (size_t i = 0; i < got.size(); ++i) m = std::max(m, std::abs(double(got[i]) - want[i]));
-  return m;
-}
-
-Tensor host(std::vector<float>& v) { return Tensor(v.data(), DType::f32, Device::cpu, {static_cast<int64_t>(v.size())}); }
 
 void run_case(const DropCase& c) {
   INFO(c.name);
@@ -202,10 +129,10 @@ void run_case(const DropCase& c) {
 
   // Random inputs, rounded to the 16-bit type; the same rounded values feed the reference.
   std::vector<float> x(L.qkv_count()), dout(L.out_count());
-  for (size_t i = 0; i < x.size(); ++i) x[i] = from_bits(to_bits(normal_at(11 + c.s, i), dt), dt);
-  for (size_t i = 0; i < dout.size(); ++i) dout[i] = from_bits(to_bits(normal_at(12 + c.s, i), dt), dt);
-  Device16 d_qkv(L.qkv_count(), dt), d_out(L.out_count(), dt), d_dout(L.out_count(), dt), d_dqkv(L.qkv_count(), dt);
-  DeviceF32 d_lse(L.lse_count());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rounded(normal_at(11 + c.s, i), dt);
+  for (size_t i = 0; i < dout.size(); ++i) dout[i] = rounded(normal_at(12 + c.s, i), dt);
+  DeviceValues d_qkv(L.qkv_count(), dt), d_out(L.out_count(), dt), d_dout(L.out_count(), dt), d_dqkv(L.qkv_count(), dt);
+  DeviceValues d_lse(L.lse_count(), DType::f32);
   d_qkv.upload(x);
   d_dout.upload(dout);
 

@@ -71,6 +71,12 @@ megatrain_parallel_train_test(parallel_train_output_gate_tp2_sp_pp2 --model
 megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --window-size 4,0 --window-attn-skip-freq 2"
   4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel)
+# Packed documents (--reset-attention-mask with --reset-position-ids and --eod-mask-loss): every
+# micro-batch's document starts reach each TP rank's attention, with sequence parallelism and DP.
+# Sequences of 256 tokens, so that the mock documents (1 to 4095 tokens) end inside some samples.
+megatrain_parallel_train_test(parallel_train_documents_tp2_sp_dp2 --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --reset-attention-mask --reset-position-ids --eod-mask-loss --seq-length 256 --max-position-embeddings 256"
+  4 --tensor-model-parallel-size 2 --sequence-parallel)
 # --qk-l2-norm (no q/k norm weights) over TP=2 with sequence parallelism.
 megatrain_parallel_train_test(parallel_train_qk_l2_tp2_sp --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --ffn-hidden-size 64 --qk-l2-norm"
