@@ -25,6 +25,7 @@
 #include "engine/flops.h"
 #include "engine/gpt_model.h"
 #include "engine/model_chunks.h"
+#include "engine/pipeline_runner.h"
 #include "engine/scalar_reduce.h"
 #include "engine/trainer.h"
 #include "parallel/mpi_communicator.h"
@@ -286,14 +287,11 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const ResumePoint resume = checkpoints.load();
 
   // Data: the ranks whose chunks hold the embedding or the loss (first and last pipeline stage)
-  // read their DP rank's micro-batches; the middle stages need none.
+  // read their DP rank's micro-batches; the middle stages too where their layers read the data
+  // (every_stage_reads_data: documents, or positions with rotary embeddings).
   bool reads_data = false;
-  for (const GptModel* m : chunks) reads_data = reads_data || m->dims().first_stage || m->dims().last_stage;
-  if (ps.pp_size > 1 && cfg.data.reset_position_ids &&
-      (cfg.model.position_embedding_type == PositionEmbedding::rope ||
-       cfg.model.position_embedding_type == PositionEmbedding::yarn || cfg.model.multi_latent_attention))
-    throw Unsupported("--reset-position-ids with rotary embeddings and pipeline parallelism is not supported: the "
-                      "middle pipeline stages read no data and use positions 0..s-1");
+  for (const GptModel* m : chunks)
+    reads_data = reads_data || m->dims().first_stage || m->dims().last_stage || every_stage_reads_data(cfg);
   TrainingData data;
   if (reads_data) {
     data = build_training_data(cfg, ps.dp_rank, ps.dp_size, resume.counters.consumed_samples,

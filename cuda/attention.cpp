@@ -15,9 +15,9 @@ namespace {
 AttentionBackend measured_faster(int /*head_dim*/) { return AttentionBackend::fused; }
 
 // Within the flash backend: our tensor-core kernels where they are compiled (head dims 64 and 128,
-// 16-bit activations, no packed documents), the generic CUDA-core kernels for everything else.
+// 16-bit activations), the generic CUDA-core kernels for everything else.
 bool use_mma_kernels(const AttentionShape& a, DType dtype) {
-  return flash::supports_head_dim(a.head_dim) && (dtype == DType::bf16 || dtype == DType::f16) && !a.documents;
+  return flash::supports_head_dim(a.head_dim) && (dtype == DType::bf16 || dtype == DType::f16);
 }
 
 }  // namespace
@@ -70,14 +70,13 @@ std::string window_text(const AttentionShape& a) {
 
 std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   if (resolve_attention_backend(a, backend, dtype) == AttentionBackend::fused) return cudnn_attention::describe(a, dtype);
+  const std::string documents =
+      a.documents ? ", packed documents (--reset-attention-mask; cuDNN's fused attention takes none here)" : "";
   if (use_mma_kernels(a, dtype))
-    return fmt::format("flash: our tensor-core kernels (d={}, {}{}), deterministic backward", a.head_dim,
-                       dtype_name(dtype), window_text(a));
+    return fmt::format("flash: our tensor-core kernels (d={}, {}{}{}), deterministic backward", a.head_dim,
+                       dtype_name(dtype), window_text(a), documents);
   return fmt::format("flash: our generic CUDA-core kernels (d={}, {}{}{}, float32 math), deterministic backward",
-                     a.head_dim, dtype_name(dtype), window_text(a),
-                     a.documents ? ", packed documents (--reset-attention-mask: neither cuDNN's fused attention nor "
-                                   "our tensor-core kernels take them yet)"
-                                 : "");
+                     a.head_dim, dtype_name(dtype), window_text(a), documents);
 }
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,

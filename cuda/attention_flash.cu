@@ -47,7 +47,6 @@ void check_shape(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse) {
     throw Unsupported(fmt::format(
         "--attention-backend flash supports head dims 64 and 128, not {} (use --kv-channels 64 or 128)", a.head_dim));
   if (!(a.dropout_p >= 0 && a.dropout_p < 1)) fail("attention: dropout probability {} not in [0, 1)", a.dropout_p);
-  if (a.documents) throw Unsupported("the tensor-core flash kernels take no packed documents (the generic ones do)");
   if (qkv.dtype != DType::bf16 && qkv.dtype != DType::f16)
     throw Unsupported(fmt::format("flash attention needs bf16 or fp16 activations, got {}", dtype_name(qkv.dtype)));
   const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
@@ -92,6 +91,14 @@ Params make_params(const AttentionShape& a, Tensor qkv) {
   p.scale_log2 = a.softmax_scale * kLog2e;
   p.causal = a.causal;
   p.window = a.window_left;
+  if (a.documents) {
+    MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda &&
+                 a.doc_start.numel() == static_cast<int64_t>(a.batch) * a.seq,
+             "attention with documents needs doc_start as device int32 [{}] (b * s)",
+             static_cast<int64_t>(a.batch) * a.seq);
+    MT_CHECK(a.causal, "attention with documents (--reset-attention-mask) needs causal attention");
+    p.doc_start = a.doc_start.ptr<int32_t>();
+  }
   p.dropout_p = a.dropout_p;
   p.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   p.dropout_key = a.dropout_key;

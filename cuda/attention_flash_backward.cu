@@ -113,8 +113,22 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 
   // Work items: (head of the group, query block) for query blocks that see at least one key here.
   const int m_first = p.causal ? n0 / BM : 0;
-  // With a sliding window the block's last key is seen by no query after n0 + BN - 1 + window.
-  const int m_last = p.window >= 0 ? min(m_blocks - 1, (n0 + BN - 1 + p.window) / BM) : m_blocks - 1;
+  // With a sliding window the block's last key is seen by no query after n0 + BN - 1 + window;
+  // with documents by none from the first query whose document starts after it. (Every query
+  // block from m_first to m_last then sees a key of this block, and this key block lies in the
+  // range [n_lo, n_first] of each of them below: the dq turns of the file comment hold.)
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(i) * p.seq : nullptr;
+  int m_last = p.window >= 0 ? min(m_blocks - 1, (n0 + BN - 1 + p.window) / BM) : m_blocks - 1;
+  if (doc) {
+    const int k_last = min(p.seq - 1, n0 + BN - 1);
+    int lo = k_last, hi = p.seq;  // doc[lo] <= k_last; the first t in (lo, hi) with doc[t] > k_last
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (doc[mid] > k_last) hi = mid;
+      else lo = mid;
+    }
+    m_last = min(m_last, (hi - 1) / BM);
+  }
   const int m_count = m_last - m_first + 1;
   const int items = p.hpg * m_count;
   auto issue_loads = [&](int item, int buf) {
@@ -178,8 +192,11 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     const int turn = n_first - n_block;
     const int64_t bh = static_cast<int64_t>(i) * p.heads + h;
     int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
-    // The lowest key block this query block sees: 0, or where its first query's window starts.
-    const int n_lo = p.window >= 0 ? max(0, m0 - p.window) / BN : 0;
+    // The lowest key block this query block sees: 0, or where its first query's window or
+    // document starts.
+    int k_lo = p.window >= 0 ? max(0, m0 - p.window) : 0;
+    if (doc) k_lo = max(k_lo, doc[m0]);
+    const int n_lo = k_lo / BN;
     const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == n_lo;
     int seen = turn;
     if (ORDERED && !first && lane == 0) seen = load_acquire(turn_counter);
@@ -203,7 +220,8 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       }
     }
     const bool need_mask = (key_row0 + 16 > p.seq) || (p.causal && key_row0 + 15 > m0) ||
-                           (p.window >= 0 && key_row0 < m0 + BM - 1 - p.window);
+                           (p.window >= 0 && key_row0 < m0 + BM - 1 - p.window) ||
+                           (doc && key_row0 < doc[min(p.seq - 1, m0 + BM - 1)]);
     uint64_t keep_bits = ~0ull;  // bit qt*4+e: element (qt, e) survives dropout
 #pragma unroll
     for (int qt = 0; qt < QT; ++qt)
@@ -212,7 +230,8 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
         const int key = key_row0 + lane / 4 + (e / 2) * 8;
         const int col = qt * 8 + 2 * (lane % 4) + (e % 2);
         float pr = fast_exp2(fmaf(st[qt][e], p.scale_log2, -lse_tile[col] * kLog2e));
-        if (need_mask && (key >= p.seq || (p.causal && key > m0 + col) || (p.window >= 0 && key < m0 + col - p.window)))
+        if (need_mask && (key >= p.seq || (p.causal && key > m0 + col) || (p.window >= 0 && key < m0 + col - p.window) ||
+                          (doc && m0 + col < p.seq && key < doc[m0 + col])))
           pr = 0.f;
         st[qt][e] = pr;
         if constexpr (DROPOUT) {

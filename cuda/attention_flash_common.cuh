@@ -36,6 +36,9 @@ struct Params {
   float softmax_scale = 0, scale_log2 = 0;  // scale, and scale*log2(e) for exp2
   bool causal = true;
   int window = -1;             // sliding window: query q sees keys q - window ... q (-1: none)
+  // Packed documents: doc_start[i * seq + q] is the first key query q of sample i sees (null: none).
+  // Nondecreasing along a sample, so a block's first query has the lowest and its last the highest.
+  const int32_t* doc_start = nullptr;
   float dropout_p = 0, dropout_scale = 1;   // scale = 1/(1-p)
   uint64_t dropout_key = 0;
 };

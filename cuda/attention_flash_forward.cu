@@ -40,8 +40,14 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
 
   const int kv_end = p.causal ? min(p.seq, m0 + BM) : p.seq;
   const int n_blocks = (kv_end + BN - 1) / BN;
-  // With a sliding window the block's first query sees nothing before key m0 - window.
-  const int n_start = p.window >= 0 ? max(0, m0 - p.window) / BN : 0;
+  // With a sliding window the block's first query sees nothing before key m0 - window, with
+  // documents nothing before its document's start (the block's lowest).
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(i) * p.seq : nullptr;
+  int k_lo = p.window >= 0 ? max(0, m0 - p.window) : 0;
+  if (doc) k_lo = max(k_lo, doc[m0]);
+  const int n_start = k_lo / BN;
+  // With documents the warp's last query (the highest document start) decides where masks start.
+  const int warp_doc_hi = doc ? doc[min(p.seq - 1, m0 + (warp + 1) * MI * 16 - 1)] : 0;
 
   load_tile<BM, D, kThreads>(sQ, q_base, p.seq_stride, p.seq - m0, tid);
   load_tile<BN, D, kThreads>(sK, k_base + n_start * BN * p.seq_stride, p.seq_stride, p.seq - n_start * BN, tid);
@@ -111,7 +117,8 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
     // Mask keys past the sequence end, (causal) keys after the query and keys before its window,
     // only where a block needs it.
     const bool need_mask = (n0 + BN > p.seq) || (p.causal && n0 + BN - 1 > m0 + warp_row0) ||
-                           (p.window >= 0 && n0 < m0 + warp_row0 + MI * 16 - 1 - p.window);
+                           (p.window >= 0 && n0 < m0 + warp_row0 + MI * 16 - 1 - p.window) ||
+                           (doc && n0 < warp_doc_hi);
     if (need_mask) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -121,7 +128,9 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
           for (int e = 0; e < 4; ++e) {
             const int q = m0 + warp_row0 + mi * 16 + lane / 4 + (e / 2) * 8;
             const int k = n0 + nt * 8 + 2 * (lane % 4) + (e % 2);
-            if (k >= p.seq || (p.causal && k > q) || (p.window >= 0 && k < q - p.window)) s[mi][nt][e] = -INFINITY;
+            if (k >= p.seq || (p.causal && k > q) || (p.window >= 0 && k < q - p.window) ||
+                (doc && q < p.seq && k < doc[q]))
+              s[mi][nt][e] = -INFINITY;
           }
     }
 

@@ -143,21 +143,30 @@ const PipelinePlan& PipelineRunner::plan(int num_microbatches) const {
   return it->second;
 }
 
-bool PipelineRunner::needs_data(int chunk) const {
-  const ModelDims& d = chunks_[static_cast<size_t>(chunk)]->dims();
-  return d.first_stage || d.last_stage;
+bool every_stage_reads_data(const Config& cfg) {
+  const ModelConfig& m = cfg.model;
+  const bool rotary = m.position_embedding_type == PositionEmbedding::rope ||
+                      m.position_embedding_type == PositionEmbedding::yarn || m.multi_latent_attention;
+  return cfg.data.reset_attention_mask || (cfg.data.reset_position_ids && rotary);
 }
 
-// The micro-batch `mb` of this step in mb_ (read once: the embedding and the loss of one rank
-// share it).
+bool PipelineRunner::needs_data(int chunk) const {
+  const ModelDims& d = chunks_[static_cast<size_t>(chunk)]->dims();
+  return d.first_stage || d.last_stage || every_stage_reads_data(cfg_);
+}
+
+// The micro-batch `mb` of this step, read in order and kept for the step (step_mbs_).
 bool PipelineRunner::fetch(BatchSource* data, int mb) {
-  if (fetched_ == mb) return true;
   MT_CHECK(data, "this rank reads data but has no data source");
-  time("batch-generator", true);
-  const bool ok = data->next(mb_);
-  time("batch-generator", false);
-  if (ok) fetched_ = mb;
-  return ok;
+  if (step_mbs_.size() <= static_cast<size_t>(mb)) step_mbs_.resize(static_cast<size_t>(mb) + 1);
+  while (fetched_ <= mb) {
+    time("batch-generator", true);
+    const bool ok = data->next(step_mbs_[static_cast<size_t>(fetched_)]);
+    time("batch-generator", false);
+    if (!ok) return false;
+    ++fetched_;
+  }
+  return true;
 }
 
 void PipelineRunner::communicate(const PipelineAction& a, const std::vector<int>& slots) {
@@ -201,7 +210,7 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
                                 int64_t iteration, int num_microbatches) {
   const PipelinePlan& p = plan(num_microbatches);
   const int M = p.schedule.num_microbatches;
-  fetched_ = -1;
+  fetched_ = 0;
   for (size_t i = 0; i < p.schedule.actions.size(); ++i) {
     const PipelineAction& a = p.schedule.actions[i];
     const std::vector<int>& slots = p.slots[i];
@@ -217,7 +226,8 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
         if (!fetch(data, a.microbatch))
           fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
                "--train-iters/--train-samples", iteration, a.microbatch + 1, M);
-        m.stage_micro_batch(slots[0], mb_, loss_grad_scale, per_token_loss, key, true);
+        m.stage_micro_batch(slots[0], step_mbs_[static_cast<size_t>(a.microbatch)], loss_grad_scale, per_token_loss,
+                            key, true);
         if (straggler) straggler->batch_end();
       } else {
         m.stage_without_data(slots[0], key, true, loss_grad_scale);
@@ -247,7 +257,7 @@ void PipelineRunner::skip_step(BatchSource* data, int64_t iteration, int num_mic
 // deadlock.
 bool PipelineRunner::eval_step(BatchSource* data) {
   const int P = ps_.pp_size, V = static_cast<int>(chunks_.size());
-  fetched_ = -1;
+  fetched_ = 0;
   // --eval-global-batch-size: its micro-batches per DP rank (a multiple, checked by the parser).
   const TrainConfig& t = cfg_.train;
   // (With --step-batch-size-schedule the default is Megatron's args.global_batch_size, micro-batch x DP.)
@@ -263,7 +273,7 @@ bool PipelineRunner::eval_step(BatchSource* data) {
       }
       if (needs_data(c)) {
         if (!fetch(data, mb)) return false;
-        m.stage_micro_batch(0, mb_, 1.0, false, 0, false);
+        m.stage_micro_batch(0, step_mbs_[static_cast<size_t>(mb)], 1.0, false, 0, false);
       } else {
         m.stage_without_data(0, 0, false);
       }

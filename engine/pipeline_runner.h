@@ -44,6 +44,12 @@ struct PipelinePlan {
   static PipelinePlan from_schedule(PipelineSchedule schedule);
 };
 
+// Whether every pipeline stage reads the micro-batches, not only the first (embedding) and the last
+// (loss): when each stage's layers need something of the data beyond the activations they
+// receive: the document starts of --reset-attention-mask, or --reset-position-ids' positions with
+// rotary embeddings (RoPE, YaRN, MLA), which every layer's attention reads.
+bool every_stage_reads_data(const Config& cfg);
+
 // The numbers of micro-batches per iteration a run can take: the constant one, or with
 // --step-batch-size-schedule each scheduled batch's (batches that micro-batch x DP does not divide
 // are left out: the trainer refuses them when the schedule reaches them).
@@ -92,8 +98,12 @@ class PipelineRunner {
   std::vector<GptModel*> chunks_;
   std::map<int, PipelinePlan> plans_;  // by number of micro-batches
   bool reads_data_ = false;
-  MicroBatch mb_;
-  int fetched_ = -1;  // micro-batch index held in mb_ for this step
+  MicroBatch mb_;  // skip_step's reads
+  // This step's micro-batches read so far, by index: the chunks of one rank that read data (the
+  // first and the last stage, or with every_stage_reads_data all of them, which the interleaved
+  // schedules visit out of micro-batch order) share each one, read once.
+  std::vector<MicroBatch> step_mbs_;
+  int fetched_ = 0;  // step_mbs_[0, fetched_) hold this step's first micro-batches
 };
 
 }  // namespace mt

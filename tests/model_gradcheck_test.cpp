@@ -423,7 +423,7 @@ TEST_CASE("the norm after a layer written by the layer's closing residual add gi
 // Packed documents (--reset-attention-mask with --reset-position-ids): a document's losses do not
 // depend on the document before it in the packed sequence (to the bit: its attention never reads
 // the earlier keys, and every other op is per token), and the gradients are those of the loss.
-TEST_CASE("model: packed documents are independent of each other; gradients", "[model][gradcheck][documents]") {
+TEST_CASE("model: packed documents are independent of each other, with their gradients", "[model][gradcheck][documents]") {
   Config c = test::tiny_llama_config();  // RoPE: positions restart in each document
   c.data.reset_attention_mask = true;
   c.data.reset_position_ids = true;

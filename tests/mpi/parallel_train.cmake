@@ -77,6 +77,15 @@ megatrain_parallel_train_test(parallel_train_window_tp2_pp2 --model
 megatrain_parallel_train_test(parallel_train_documents_tp2_sp_dp2 --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --reset-attention-mask --reset-position-ids --eod-mask-loss --seq-length 256 --max-position-embeddings 256"
   4 --tensor-model-parallel-size 2 --sequence-parallel)
+# ... and over PP 2 x 2 virtual stages with TP 2: every stage reads the micro-batches for the
+# document starts and for the restarted RoPE positions.
+megatrain_parallel_train_test(parallel_train_documents_tp2_pp2_vpp2 --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --reset-attention-mask --reset-position-ids --seq-length 256 --max-position-embeddings 256"
+  4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+# --reset-position-ids alone with RoPE over PP 3: the middle stage's attention reads the positions.
+megatrain_parallel_train_test(parallel_train_reset_positions_rope_pp3 --model
+  "--position-embedding-type rope --reset-position-ids --seq-length 256 --max-position-embeddings 256"
+  3 --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1)
 # --qk-l2-norm (no q/k norm weights) over TP=2 with sequence parallelism.
 megatrain_parallel_train_test(parallel_train_qk_l2_tp2_sp --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --ffn-hidden-size 64 --qk-l2-norm"
