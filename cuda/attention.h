@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "core/config.h"
@@ -33,6 +34,10 @@ size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backe
 
 // ", sliding window of N keys" for a windowed shape, "" otherwise (for the descriptions).
 std::string window_text(const AttentionShape& a);
+
+// Packed documents: the shape's doc_start as a device pointer for the kernels (checked: device
+// int32 [b * s], causal attention), or null without documents.
+const int32_t* document_starts(const AttentionShape& a);
 
 // One line for the start-up log: which implementation runs this shape and how.
 std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype);

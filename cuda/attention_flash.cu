@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "cuda/attention.h"
 #include "cuda/attention_flash_kernels.h"
 #include "cuda/cuda_check.h"
 
@@ -91,14 +92,7 @@ Params make_params(const AttentionShape& a, Tensor qkv) {
   p.scale_log2 = a.softmax_scale * kLog2e;
   p.causal = a.causal;
   p.window = a.window_left;
-  if (a.documents) {
-    MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda &&
-                 a.doc_start.numel() == static_cast<int64_t>(a.batch) * a.seq,
-             "attention with documents needs doc_start as device int32 [{}] (b * s)",
-             static_cast<int64_t>(a.batch) * a.seq);
-    MT_CHECK(a.causal, "attention with documents (--reset-attention-mask) needs causal attention");
-    p.doc_start = a.doc_start.ptr<int32_t>();
-  }
+  p.doc_start = document_starts(a);
   p.dropout_p = a.dropout_p;
   p.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   p.dropout_key = a.dropout_key;

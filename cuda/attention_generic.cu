@@ -19,6 +19,7 @@
 
 #include <cmath>
 
+#include "cuda/attention.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "engine/attention_dropout.h"
@@ -438,14 +439,7 @@ Args make_args(const AttentionShape& a, Tensor qkv) {
   r.dropout_p = a.dropout_p;
   r.dropout_scale = 1.0f / (1.0f - a.dropout_p);
   r.dropout_key = a.dropout_key;
-  if (a.documents) {
-    MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda &&
-                 a.doc_start.numel() == static_cast<int64_t>(a.batch) * a.seq,
-             "attention with documents needs doc_start as device int32 [{}] (b * s)",
-             static_cast<int64_t>(a.batch) * a.seq);
-    MT_CHECK(a.causal, "attention with documents (--reset-attention-mask) needs causal attention");
-    r.doc_start = a.doc_start.ptr<int32_t>();
-  }
+  r.doc_start = document_starts(a);
   return r;
 }
 
