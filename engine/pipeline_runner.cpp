@@ -110,7 +110,10 @@ PipelineRunner::PipelineRunner(const Config& cfg, ParallelState& ps, std::vector
                "chunk {} has {} activation slots, the schedule of {} micro-batches needs {}", c,
                chunks_[c]->options().num_slots, m, plan.num_slots[c]);
   }
-  for (size_t c = 0; c < chunks_.size(); ++c) reads_data_ = reads_data_ || needs_data(static_cast<int>(c));
+  int reading = 0;
+  for (size_t c = 0; c < chunks_.size(); ++c) reading += needs_data(static_cast<int>(c));
+  reads_data_ = reading > 0;
+  keep_step_ = reading > 1;
   if (ps_.pp_size > 1 && chunks_.front()->backend().device() == Device::cuda) connect_neighbours();
 }
 
@@ -155,13 +158,15 @@ bool PipelineRunner::needs_data(int chunk) const {
   return d.first_stage || d.last_stage || every_stage_reads_data(cfg_);
 }
 
-// The micro-batch `mb` of this step, read in order and kept for the step (step_mbs_).
+// Reads this step's micro-batches up to `mb` in order (step_mbs_); batch(mb) is then `mb`.
 bool PipelineRunner::fetch(BatchSource* data, int mb) {
   MT_CHECK(data, "this rank reads data but has no data source");
-  if (step_mbs_.size() <= static_cast<size_t>(mb)) step_mbs_.resize(static_cast<size_t>(mb) + 1);
+  MT_CHECK(keep_step_ || mb >= fetched_ - 1, "micro-batch {} wanted after micro-batch {} was read", mb, fetched_ - 1);
+  const size_t need = keep_step_ ? static_cast<size_t>(mb) + 1 : 1;
+  if (step_mbs_.size() < need) step_mbs_.resize(need);
   while (fetched_ <= mb) {
     time("batch-generator", true);
-    const bool ok = data->next(step_mbs_[static_cast<size_t>(fetched_)]);
+    const bool ok = data->next(step_mbs_[keep_step_ ? static_cast<size_t>(fetched_) : 0]);
     time("batch-generator", false);
     if (!ok) return false;
     ++fetched_;
@@ -226,8 +231,7 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
         if (!fetch(data, a.microbatch))
           fail("the training data ran out at iteration {} (micro-batch {} of {}): provide more data or fewer "
                "--train-iters/--train-samples", iteration, a.microbatch + 1, M);
-        m.stage_micro_batch(slots[0], step_mbs_[static_cast<size_t>(a.microbatch)], loss_grad_scale, per_token_loss,
-                            key, true);
+        m.stage_micro_batch(slots[0], batch(a.microbatch), loss_grad_scale, per_token_loss, key, true);
         if (straggler) straggler->batch_end();
       } else {
         m.stage_without_data(slots[0], key, true, loss_grad_scale);
@@ -273,7 +277,7 @@ bool PipelineRunner::eval_step(BatchSource* data) {
       }
       if (needs_data(c)) {
         if (!fetch(data, mb)) return false;
-        m.stage_micro_batch(0, step_mbs_[static_cast<size_t>(mb)], 1.0, false, 0, false);
+        m.stage_micro_batch(0, batch(mb), 1.0, false, 0, false);
       } else {
         m.stage_without_data(0, 0, false);
       }

@@ -99,11 +99,13 @@ class PipelineRunner {
   std::map<int, PipelinePlan> plans_;  // by number of micro-batches
   bool reads_data_ = false;
   MicroBatch mb_;  // skip_step's reads
-  // This step's micro-batches read so far, by index: the chunks of one rank that read data (the
-  // first and the last stage, or with every_stage_reads_data all of them, which the interleaved
-  // schedules visit out of micro-batch order) share each one, read once.
+  // This step's micro-batches, each read once: with one chunk of this rank reading data, the last
+  // one read (step_mbs_[0]); with several (every_stage_reads_data under the interleaved
+  // schedules, which visit them out of micro-batch order), all of the step's, by index.
   std::vector<MicroBatch> step_mbs_;
-  int fetched_ = 0;  // step_mbs_[0, fetched_) hold this step's first micro-batches
+  bool keep_step_ = false;  // several chunks of this rank read data
+  int fetched_ = 0;         // micro-batches of this step read so far
+  const MicroBatch& batch(int mb) const { return step_mbs_[keep_step_ ? static_cast<size_t>(mb) : 0]; }
 };
 
 }  // namespace mt
