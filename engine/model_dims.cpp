@@ -222,12 +222,18 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     // What the multi-token prediction layers do not run yet (named, never silently wrong).
     if (cfg.train.fp8_format) throw Unsupported("--mtp-num-layers with --fp8-format is not supported yet");
     if (d.mtp > 6) throw Unsupported(fmt::format("--mtp-num-layers {} is not supported yet (at most 6)", d.mtp));
-    for (int w : d.window_left)
-      if (w >= 0) throw Unsupported("--mtp-num-layers with --window-size is not supported yet");
     d.mtp_scale = static_cast<float>(m.mtp_loss_scaling_factor / d.mtp);
-    // The mtp layers are laid out as the last decoder layer is.
+    // The mtp layers are laid out as the last decoder layer is, but for their windows: Megatron
+    // numbers each MTP depth's transformer layer on its own, 1, 2, ... (MultiTokenPredictionLayer:
+    // depth + 1, plus the pipeline layout's MTP offset, 0 with every MTP layer on the last stage),
+    // so depth j + 1 takes the window --window-attn-skip-freq gives decoder layer j + 1.
+    const int64_t whole = static_cast<int64_t>(d.seq) * d.cp_size;
     for (int j = 0; j < d.mtp; ++j) {
-      d.window_left.push_back(d.window_left.back());
+      if (!m.window_attn_pattern.empty() && static_cast<size_t>(j) >= m.window_attn_pattern.size())
+        fail("--window-attn-skip-freq's list has {} entries: multi-token prediction depth {} reads entry {}",
+             m.window_attn_pattern.size(), j + 1, j + 1);
+      const int window = attention_window_left(m, j);
+      d.window_left.push_back(window >= whole - 1 ? -1 : window);
       d.cp_comm.push_back(d.cp_comm.back());
       if (!d.moe_layer.empty()) d.moe_layer.push_back(d.moe_layer.back());
     }

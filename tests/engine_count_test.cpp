@@ -168,3 +168,27 @@ TEST_CASE("parameters: MLA, MoE and MTP counts equal the model's own parameter l
     CHECK(stage_parameters_per_rank(m, stage_chunks(PipelineSplit::from_config(c), 0), 1, 1) == listed);
   }
 }
+
+// Multi-token prediction with sliding windows: Megatron numbers each MTP depth's transformer layer
+// on its own (1, 2, ...), so with --window-attn-skip-freq depth j + 1 takes decoder layer j + 1's
+// window, not the last decoder layer's.
+TEST_CASE("model dims: the MTP layers' windows follow Megatron's numbering of MTP layers", "[engine][mtp]") {
+  Config c = test::tiny_llama_config();
+  c.model.num_layers = 4;
+  c.model.window_size = std::make_pair(5, 0);
+  c.model.window_attn_skip_every = 2;  // layers 2 and 4 (1-based) attend fully
+  c.model.mtp_num_layers = 3;
+  test::derive(c);
+  const ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+  REQUIRE(d.window_left.size() == 7);
+  const std::vector<int> want = {5, -1, 5, -1, /* MTP depths 1, 2, 3 */ 5, -1, 5};
+  CHECK(d.window_left == want);
+  // A list pattern shorter than the MTP depths it must cover is refused.
+  Config l = c;
+  l.model.window_attn_skip_every.reset();
+  l.model.window_attn_pattern = {1, 0, 1, 1};
+  l.model.mtp_num_layers = 5;
+  l.model.num_layers = 4;
+  test::derive(l);
+  CHECK_THROWS_WITH(ModelDims::from_config(l, 1, 0, 1, 0), Catch::Contains("multi-token prediction depth 5 reads entry 5"));
+}

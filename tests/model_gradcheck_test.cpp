@@ -223,6 +223,10 @@ TEST_CASE("model gradient check: multi-token prediction (one and two depths, tie
   check(gpt, 1, 0.5);
   Config mla = test::tiny_mla_config();
   check(mla, 1, 0.2);
+  Config windowed = test::tiny_llama_config();  // the MTP layers' own windows (Megatron's numbering)
+  windowed.model.window_size = std::make_pair(3, 0);
+  windowed.model.window_attn_skip_every = 2;
+  check(windowed, 2, 0.4);
   Config moe = test::tiny_llama_config();  // the mtp layer is an MoE layer, as the last decoder layer
   moe.model.moe.num_experts = 4;
   moe.model.moe.router_topk = 4;  // (every expert: no choice for the differences to flip)

@@ -415,6 +415,11 @@ megatrain_parallel_train_test(parallel_train_mtp_tp2_sp --model "${mtp_model}" 2
                               --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_mtp_pp2 --model "${mtp_model}" 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_mtp_dp2_distopt --model "${mtp_model}" 2 --use-distributed-optimizer)
+# Sliding windows on the decoder layers and on the MTP depths (numbered on their own, as Megatron
+# does: depth 1 windowed, depth 2 not), under PP 2 x TP 2 with sequence parallelism.
+megatrain_parallel_train_test(parallel_train_mtp_window_tp2_sp_pp2 --model
+  "${mtp_model} --window-size 4,0 --window-attn-skip-freq 2" 4 --tensor-model-parallel-size 2 --sequence-parallel
+  --pipeline-model-parallel-size 2)
 # A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
 # expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
 # TP 2 (+SP) x EP 2 x PP 2.
