@@ -669,8 +669,8 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{device,    a.batch,  a.seq, a.heads, a.groups, a.head_dim, a.causal, a.window_left, static_cast<int>(dtype),
-                a.deterministic, a.dropout_p};
+  const Key key{device,   a.batch,       a.seq,      a.heads, a.groups, a.head_dim, a.causal, a.window_left,
+                static_cast<int>(dtype), a.deterministic, a.dropout_p};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;

@@ -54,7 +54,8 @@ struct ModelOptions {
   AttentionBackend attention_backend = AttentionBackend::auto_;
   bool deterministic = false;  // --deterministic-mode (attention: only bit-reproducible backwards)
   // --reset-attention-mask: attention within each packed document (MicroBatch::segments staged as
-  // each position's document start, AttentionShape::doc_start). First pipeline stage only, no CP.
+  // each position's document start, AttentionShape::doc_start; every pipeline stage reads the
+  // data then: every_stage_reads_data). No CP.
   bool documents = false;
   // Rows of logits the output layer holds at once (0: automatic, chunks of at most 512 MiB).
   // logits() needs all of them: forward-logits sets this to the token count.

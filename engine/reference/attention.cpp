@@ -363,6 +363,7 @@ void check_host_tensor(const Tensor& t, const char* op, const char* name, int64_
 }
 
 void check_block(const AttentionShape& a, const AttentionBlock& blk) {
+  if (a.documents) throw Unsupported("attention blocks (context parallelism) with documents (--reset-attention-mask)");
   if (blk.kv_len <= 0 || blk.q_begin < 0 || blk.k_begin < 0 || blk.q_begin + a.seq > blk.seq_total ||
       blk.k_begin + blk.kv_len > blk.seq_total)
     fail("attention block: queries [{}, +{}) and keys [{}, +{}) must lie in a sequence of {} positions "
@@ -387,7 +388,6 @@ void check_attention_blocks(const AttentionShape& a, int max_kv_len) {
 template <typename T>
 void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor kv, const AttentionShape& a,
                                        const AttentionBlock& blk) {
-  check_attention_blocks(a, 1);
   check_attention_tensors(a, q, out, lse, dtype_of<T>());
   check_block(a, blk);
   check_kv(a, blk.kv_len, kv, "attention_block_forward", "kv", dtype_of<T>());
@@ -420,7 +420,6 @@ void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor 
 template <typename T>
 void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q,
                                         Tensor kv, const AttentionShape& a, const AttentionBlock& blk) {
-  check_attention_blocks(a, 1);
   check_attention_tensors(a, q, out, lse, dtype_of<T>());
   check_attention_tensors(a, dq, dout, lse, dtype_of<T>());
   check_block(a, blk);
