@@ -124,9 +124,6 @@ void validate_data(CliState& st) {
   if (st.has("--train-data-path")) check_blend(d.train_data_path, "--train-data-path");
   if (st.has("--valid-data-path")) check_blend(d.valid_data_path, "--valid-data-path");
   if (st.has("--test-data-path")) check_blend(d.test_data_path, "--test-data-path");
-  // Packed documents in the attention: context parallelism's blocks do not take document boundaries.
-  if (d.reset_attention_mask && c.parallel.context_parallel_size > 1)
-    throw Unsupported("megatrain does not support --reset-attention-mask with --context-parallel-size > 1 yet");
   if (d.num_dataset_builder_threads <= 0)
     fail("--num-dataset-builder-threads must be > 0 (got {})", d.num_dataset_builder_threads);
   if (d.mid_level_dataset_surplus < 0)

@@ -58,7 +58,9 @@ struct AttentionShape {
   // doc_start (int32 [batch * seq], sample-major: entry i * seq + t, in the backend's memory) is the
   // first position of position t's document, so that the causal query t sees keys doc_start .. t;
   // along a sample it either stays or jumps to t (a new document starts at t). `documents` is set
-  // for set-up shapes too (which have no tensor); the ops need the tensor.
+  // for set-up shapes too (which have no tensor); the ops need the tensor. The attention_block_*
+  // ops (context parallelism) take the WHOLE sequence's starts, [batch * blk.seq_total] by global
+  // position, since a block's mask compares global positions.
   bool documents = false;
   Tensor doc_start;
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
@@ -576,7 +578,8 @@ class Backend {
   // One block of a sequence's attention: the queries at global positions [blk.q_begin,
   // blk.q_begin + a.seq) against the keys and values at [blk.k_begin, blk.k_begin + blk.kv_len).
   // AttentionShape's mask applies to the global positions (causal: key <= query; a window: key >=
-  // query - window_left) and dropout draws by global positions in a sequence of blk.seq_total
+  // query - window_left; documents: key >= the query's document start, a.doc_start holding the
+  // whole sequence's) and dropout draws by global positions in a sequence of blk.seq_total
   // (engine/attention_dropout.h with seq = seq_total), so that the blocks of a split sequence
   // together compute exactly what attention_forward computes on the whole.
   //   q:   [b * a.seq, a.qkv_row_stride()] packed QKV rows (sequence-major, row t * b + i); only

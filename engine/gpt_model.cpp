@@ -465,7 +465,11 @@ void GptModel::layout(Arena& a) {
         (static_cast<size_t>(N) * dtype_size(S) + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
     // (Multi-token prediction: per depth its tokens, labels, mask, log weights and loss gradient after those.)
     const int D = d_.last_stage ? d_.mtp : 0;
-    const size_t doc_bytes = opt_.documents ? part_i32 : 0;
+    // Packed documents: the document starts of the whole sequence (with CP, its global positions:
+    // the attention blocks' masks compare those).
+    const size_t doc_bytes =
+        opt_.documents ? (static_cast<size_t>(N) * d_.cp_size * 4 + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment
+                       : 0;
     s.io = a.take(C::activations, DType::u8,
                   {static_cast<int64_t>(3 * part_i32 + 2 * part_s + D * (2 * part_i32 + 3 * part_s) + doc_bytes)});
     s.off_doc_start = 3 * part_i32 + 2 * part_s + static_cast<size_t>(D) * (2 * part_i32 + 3 * part_s);
@@ -480,7 +484,9 @@ void GptModel::layout(Arena& a) {
     s.positions = part(s.off_positions, DType::i32);
     s.mask = part(s.off_mask, S);
     s.dloss = part(s.off_dloss, S);
-    s.doc_start = opt_.documents ? part(s.off_doc_start, DType::i32) : Tensor();
+    s.doc_start = opt_.documents ? Tensor(static_cast<char*>(s.io.data) + s.off_doc_start, DType::i32, s.io.device,
+                                          {N * d_.cp_size})
+                                 : Tensor();
     s.mtp.assign(static_cast<size_t>(D), Slot::MtpRows{});
     for (int j = 0; j < D; ++j) {
       Slot::MtpRows& r = s.mtp[static_cast<size_t>(j)];
@@ -919,10 +925,10 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
       }
     }
   // Packed documents: each position's document start, sample-major, from the segments (a new
-  // document starts where the segment number changes: after each EOD token).
+  // document starts where the segment number changes: after each EOD token). The whole sequence's,
+  // with CP too.
   if (opt_.documents) {
     if (mb.segments.size() != N) fail("a micro-batch without segments for --reset-attention-mask");
-    MT_CHECK(sq == whole, "--reset-attention-mask with context parallelism");
     auto* doc = reinterpret_cast<int32_t*>(h + s.off_doc_start);
     for (int i = 0; i < b; ++i)
       for (int64_t t = 0; t < whole; ++t) {

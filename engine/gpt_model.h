@@ -55,7 +55,8 @@ struct ModelOptions {
   bool deterministic = false;  // --deterministic-mode (attention: only bit-reproducible backwards)
   // --reset-attention-mask: attention within each packed document (MicroBatch::segments staged as
   // each position's document start, AttentionShape::doc_start; every pipeline stage reads the
-  // data then: every_stage_reads_data). No CP.
+  // data then: every_stage_reads_data). With CP the whole sequence's starts (the attention
+  // blocks compare global positions).
   bool documents = false;
   // Rows of logits the output layer holds at once (0: automatic, chunks of at most 512 MiB).
   // logits() needs all of them: forward-logits sets this to the token count.

@@ -4,7 +4,8 @@
 // merged with attention_merge, must give attention_forward's out and lse on the whole sequence; the
 // blocks' attention_block_backward (with the merged out and lse), their dK, dV gathered per owner
 // and added back with attention_kv_unpack_add, must give attention_backward's dqkv. MHA, GQA, MQA,
-// causal or not, sliding windows, dropout; float64 and float32. Also the edge cases: a block a row
+// causal or not, sliding windows, dropout, packed documents (the whole sequence's document starts);
+// float64 and float32. Also the edge cases: a block a row
 // of which sees no key, merges with such a block, masks taken from global positions, and the checks.
 #include <catch2/catch.hpp>
 
@@ -35,6 +36,27 @@ Tensor view(std::vector<T>& v, std::initializer_list<int64_t> dims) {
 AttentionShape shape(int b, int s, int heads, int groups, int d, bool causal, float dropout = 0, int window = -1) {
   AttentionShape a = AttentionShape::make(b, s, heads, groups, d, causal, dropout, 4321);
   a.window_left = window;
+  return a;
+}
+
+// Packed documents: each sample's document starts (position 0 first), as the whole sequence's
+// doc_start (kept alive for the test run).
+AttentionShape with_documents(AttentionShape a, const std::vector<std::vector<int32_t>>& starts) {
+  static std::vector<std::vector<int32_t>> storage;
+  std::vector<int32_t> doc(static_cast<size_t>(a.batch) * a.seq);
+  for (int i = 0; i < a.batch; ++i) {
+    const std::vector<int32_t>& st = starts.at(static_cast<size_t>(i));
+    for (int t = 0; t < a.seq; ++t) {
+      int32_t v = 0;
+      for (int32_t x : st)
+        if (x <= t) v = x;
+      doc[static_cast<size_t>(i) * a.seq + t] = v;
+    }
+  }
+  storage.reserve(64);  // (the tensors point into the vectors: no reallocation of the list)
+  storage.push_back(std::move(doc));
+  a.documents = true;
+  a.doc_start = Tensor(storage.back().data(), DType::i32, Device::cpu, {static_cast<int64_t>(storage.back().size())});
   return a;
 }
 
@@ -218,6 +240,13 @@ const std::vector<Case>& cases() {
       {"MQA causal window 2 dropout b=2 s=10 d=8", shape(2, 10, 3, 1, 8, true, 0.3f, 2)},
       {"GQA causal window 0 b=1 s=12 d=8", shape(1, 12, 4, 2, 8, true, 0, 0)},
       {"GQA causal window 5 dropout b=2 s=12 d=5", shape(2, 12, 4, 2, 5, true, 0.3f, 5)},
+      // Packed documents: documents across chunks, starting inside one, of one token, and chunks
+      // of which no query sees an earlier chunk.
+      {"GQA causal documents b=2 s=12 d=8", with_documents(shape(2, 12, 4, 2, 8, true), {{0, 5, 6, 11}, {0, 3}})},
+      {"MQA causal documents dropout b=2 s=12 d=5",
+       with_documents(shape(2, 12, 3, 1, 5, true, 0.3f), {{0, 2, 9}, {0}})},
+      {"GQA causal documents window 3 b=1 s=12 d=8", with_documents(shape(1, 12, 4, 2, 8, true, 0, 3), {{0, 7}})},
+      {"MHA causal documents b=1 s=10 d=5", with_documents(shape(1, 10, 2, 2, 5, true), {{0, 1, 4, 5, 6}})},
   };
   return list;
 }

@@ -370,11 +370,10 @@ TEST_CASE("refused at parse time: flags the engine does not implement", "[cli][r
              Contains("megatrain does not support --fp32-residual-connection yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--apply-residual-connection-post-layernorm")),
              Contains("megatrain does not support --apply-residual-connection-post-layernorm yet"));
-  // --reset-attention-mask: built, also under pipeline parallelism, not under context parallelism.
+  // --reset-attention-mask: built, also under pipeline and context parallelism.
   CHECK(parse(small_gpt() + words("--reset-attention-mask")).data.reset_attention_mask);
   CHECK_NOTHROW(parse(small_gpt() + words("--reset-attention-mask --pipeline-model-parallel-size 2"), 2));
-  CHECK_THAT(parse_error(small_gpt() + words("--reset-attention-mask --context-parallel-size 2"), 2),
-             Contains("megatrain does not support --reset-attention-mask with --context-parallel-size > 1 yet"));
+  CHECK_NOTHROW(parse(small_gpt() + words("--reset-attention-mask --context-parallel-size 2"), 2));
   CHECK_THAT(parse_error(small_gpt() + words("--dataloader-type cyclic")),
              Contains("megatrain does not support --dataloader-type cyclic yet"));
   CHECK_NOTHROW(parse(small_gpt() + words("--dataloader-type single")));

@@ -37,14 +37,16 @@ struct QkvLayout {
 
 // Packed documents (AttentionShape::documents): the first key query t of sample i may see and the
 // last query that may see key k, from doc_start (validated here: host int32 [b * s], each entry
-// either its predecessor's or its own position). Without documents: 0 and s - 1.
+// either its predecessor's or its own position). Without documents: 0 and s - 1. s is the
+// sequence's length: a.seq, or for attention blocks the whole sequence's (AttentionBlock::seq_total).
 struct Documents {
   int64_t s = 0;
   const int32_t* start = nullptr;
   std::vector<int32_t> end;  // last position of each position's document
-  explicit Documents(const AttentionShape& a) : s(a.seq) {
+  explicit Documents(const AttentionShape& a) : Documents(a, a.seq) {}
+  Documents(const AttentionShape& a, int64_t seq) : s(seq) {
     if (!a.documents) return;
-    const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
+    const int64_t n = static_cast<int64_t>(a.batch) * seq;
     MT_CHECK(a.doc_start.device == Device::cpu && a.doc_start.dtype == DType::i32 && a.doc_start.numel() == n,
              "attention with documents needs doc_start as host int32 [{}] (b * s)", n);
     start = a.doc_start.ptr<int32_t>();
@@ -330,22 +332,24 @@ struct KvLayout {
 };
 
 // The mask of a block on global positions: local query t is at blk.q_begin + t, local key u at
-// blk.k_begin + u. Ranges are half-open and empty when begin >= end.
+// blk.k_begin + u; packed documents by the whole sequence's document starts. Ranges are half-open
+// and empty when begin >= end.
 struct BlockMask {
   const AttentionShape& a;
   const AttentionBlock& blk;
-  // The local keys [begin, end) that local query t sees.
-  std::pair<int64_t, int64_t> keys(int64_t t) const {
+  Documents docs{a, blk.seq_total};
+  // The local keys [begin, end) that local query t of sample i sees.
+  std::pair<int64_t, int64_t> keys(int64_t i, int64_t t) const {
     const int64_t q = blk.q_begin + t;
-    int64_t lo = blk.k_begin, hi = blk.k_begin + blk.kv_len;
+    int64_t lo = std::max<int64_t>(blk.k_begin, docs.first(i, q)), hi = blk.k_begin + blk.kv_len;
     if (a.windowed()) lo = std::max(lo, q - a.window_left);
     if (a.causal) hi = std::min(hi, q + 1);
     return {lo - blk.k_begin, std::max(lo, hi) - blk.k_begin};
   }
-  // The local queries [begin, end) that see local key u.
-  std::pair<int64_t, int64_t> queries(int64_t u) const {
+  // The local queries [begin, end) of sample i that see local key u.
+  std::pair<int64_t, int64_t> queries(int64_t i, int64_t u) const {
     const int64_t k = blk.k_begin + u;
-    int64_t lo = blk.q_begin, hi = blk.q_begin + a.seq;
+    int64_t lo = blk.q_begin, hi = std::min<int64_t>(blk.q_begin + a.seq, docs.last(i, k) + 1);
     if (a.causal) lo = std::max(lo, k);
     if (a.windowed()) hi = std::min(hi, k + a.window_left + 1);
     return {lo - blk.q_begin, std::max(lo, hi) - blk.q_begin};
@@ -363,7 +367,6 @@ void check_host_tensor(const Tensor& t, const char* op, const char* name, int64_
 }
 
 void check_block(const AttentionShape& a, const AttentionBlock& blk) {
-  if (a.documents) throw Unsupported("attention blocks (context parallelism) with documents (--reset-attention-mask)");
   if (blk.kv_len <= 0 || blk.q_begin < 0 || blk.k_begin < 0 || blk.q_begin + a.seq > blk.seq_total ||
       blk.k_begin + blk.kv_len > blk.seq_total)
     fail("attention block: queries [{}, +{}) and keys [{}, +{}) must lie in a sequence of {} positions "
@@ -382,7 +385,6 @@ void check_kv(const AttentionShape& a, int64_t kv_len, const Tensor& kv, const c
 void check_attention_blocks(const AttentionShape& a, int max_kv_len) {
   check_attention_shape(a);
   if (max_kv_len <= 0) fail("attention blocks: at most {} keys per block (must be at least 1)", max_kv_len);
-  if (a.documents) throw Unsupported("attention blocks (context parallelism) with documents (--reset-attention-mask)");
 }
 
 template <typename T>
@@ -402,7 +404,7 @@ void reference_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor 
     for (int64_t h = 0; h < L.heads; ++h) {
       const int64_t g = h / L.hpg;
       for (int64_t t = 0; t < L.s; ++t) {
-        const auto [u0, u1] = M.keys(t);  // (none visible: an empty softmax, lse -inf and out 0)
+        const auto [u0, u1] = M.keys(i, t);  // (none visible: an empty softmax, lse -inf and out 0)
         const double row_lse = attend_row(
             o + L.out_offset(i, t, h), L.d, u0, u1, scores, acc,
             [&](int64_t u) { return a.softmax_scale * dot(x + L.q_offset(i, t, h), y + K.k_offset(i, u, g), L.d); },
@@ -460,7 +462,7 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
     // dq, one query row at a time.
     for (int64_t h = 0; h < L.heads; ++h)
       for (int64_t t = 0; t < L.s; ++t) {
-        const auto [u0, u1] = M.keys(t);
+        const auto [u0, u1] = M.keys(i, t);
         if (u0 >= u1 || !live(i, h, t)) continue;
         std::fill(acc_k.begin(), acc_k.end(), 0.0);
         for (int64_t u = u0; u < u1; ++u) {
@@ -475,7 +477,7 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
     // dk and dv, one key row of one group at a time, summed over the group's heads.
     for (int64_t g = 0; g < L.groups; ++g)
       for (int64_t u = 0; u < blk.kv_len; ++u) {
-        const auto [t0, t1] = M.queries(u);
+        const auto [t0, t1] = M.queries(i, u);
         if (t0 >= t1) continue;
         key_row_grads<T>(
             acc_k, acc_v, L.d, a.softmax_scale, g * L.hpg, (g + 1) * L.hpg, t0, t1,

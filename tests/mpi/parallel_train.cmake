@@ -362,6 +362,19 @@ megatrain_parallel_train_test(parallel_train_cp4_a2a_p2p --model "${cp_llama_mod
 # Every comm type in one model, one per layer.
 megatrain_parallel_train_test(parallel_train_cp4_every_comm_type 4 --context-parallel-size 4
                               --cp-comm-type p2p a2a allgather a2a+p2p --hierarchical-context-parallel-sizes 2 2)
+# Packed documents under CP: each rank holds chunks of a sequence whose documents cross them; the
+# blocks mask by the whole sequence's document starts (256 positions, so that documents end inside
+# the samples), over every comm type, and with PP. (--eod-mask-loss only with per-token loss: as in
+# Megatron-LM, each CP rank's loss is its own masked mean, which a mask makes differ from one rank's.)
+set(cp_documents "--reset-attention-mask --reset-position-ids --seq-length 256 --max-position-embeddings 256")
+megatrain_parallel_train_test(parallel_train_documents_cp2 --model "${cp_llama_model} ${cp_documents}" 2
+                              --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_documents_cp4_every_comm_type --model "${cp_documents}" 4
+                              --context-parallel-size 4 --cp-comm-type p2p a2a allgather a2a+p2p
+                              --hierarchical-context-parallel-sizes 2 2)
+megatrain_parallel_train_test(parallel_train_documents_cp2_pp2 --model
+  "${cp_llama_model} ${cp_documents} --eod-mask-loss --calculate-per-token-loss" 4
+  --context-parallel-size 2 --pipeline-model-parallel-size 2)
 # Mixture of experts with context parallelism: the aux loss's counts summed over the CP ranks of a
 # micro-batch (each rank's value its part of the micro-batch's loss, seeded x CP as Megatron), the
 # experts' EP x expert-DP ranks folding the dense CP x DP ones (Megatron's parallel folding).
