@@ -69,7 +69,6 @@ const int32_t* document_starts(const AttentionShape& a) {
   const int64_t n = static_cast<int64_t>(a.batch) * a.seq;
   MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda && a.doc_start.numel() == n,
            "attention with documents needs doc_start as device int32 [{}] (b * s)", n);
-  MT_CHECK(a.causal, "attention with documents (--reset-attention-mask) needs causal attention");
   return a.doc_start.ptr<int32_t>();
 }
 

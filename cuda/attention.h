@@ -36,7 +36,8 @@ size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backe
 std::string window_text(const AttentionShape& a);
 
 // Packed documents: the shape's doc_start as a device pointer for the kernels (checked: device
-// int32 [b * s], causal attention), or null without documents.
+// int32 [b * s]), or null without documents. Causal: query t sees keys doc_start[t] .. t; not
+// causal (a context-parallel block of earlier keys): keys doc_start[t] .. s - 1, possibly none.
 const int32_t* document_starts(const AttentionShape& a);
 
 // One line for the start-up log: which implementation runs this shape and how.

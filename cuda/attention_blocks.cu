@@ -13,6 +13,11 @@
 // of dQ, dK and dV. A block that no query sees (wholly after its queries) is empty: out = 0,
 // lse = -inf, no gradient. Partly visible blocks and sliding windows are refused (Unsupported).
 //
+// Packed documents: the block's queries get their document starts in the block's key coordinates
+// (the whole sequence's starts minus k_begin, clamped to [0, c]), and the attention runs with
+// documents: on the diagonal causally, against earlier keys unmasked but for the documents, where
+// a query whose document starts after the block's keys sees none of them (lse -inf, out 0).
+//
 // Dropout: the standard op draws its mask by local indices (engine/attention_dropout.h with the
 // block's c positions), so each block draws with its own key, the layer's key mixed with the
 // block's first query and key positions: blocks are independent and forward and backward agree,
@@ -258,9 +263,19 @@ void check_shape(const AttentionShape& a, const char* op) {
   if (a.batch <= 0 || a.seq <= 0 || a.heads <= 0 || a.groups <= 0 || a.head_dim <= 0 || a.heads % a.groups != 0)
     fail("{}: invalid shape b={} s={} heads={} groups={} d={} (heads must be a multiple of groups)", op, a.batch,
          a.seq, a.heads, a.groups, a.head_dim);
-  if (a.documents)
-    throw Unsupported(fmt::format("{}: attention blocks (context parallelism) with packed documents "
-                                  "(--reset-attention-mask)", op));
+}
+
+// Packed documents: local[i * c + t] = the document start of global query q_begin + t of sample i,
+// in the block's key coordinates (minus k_begin), clamped to [0, c] (c: the block's keys, = its
+// queries). doc holds the whole sequence's starts, [b * seq_total].
+__global__ void __launch_bounds__(kThreads) block_doc_kernel(int32_t* local, const int32_t* doc, int64_t b, int64_t c,
+                                                             int64_t seq_total, int64_t q_begin, int64_t k_begin) {
+  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < b * c;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = x / c, t = x - i * c;
+    const int64_t v = static_cast<int64_t>(doc[i * seq_total + q_begin + t]) - k_begin;
+    local[x] = static_cast<int32_t>(v < 0 ? 0 : v > c ? c : v);
+  }
 }
 
 }  // namespace
@@ -285,6 +300,15 @@ void CudaBackend::reserve_attention_blocks(const AttentionShape& a, int max_kv_l
   for (bool causal : {true, false}) {
     blk.causal = causal;
     reserve_attention(blk, attention_backend_, dtype);
+  }
+  const size_t doc_need = a.documents ? static_cast<size_t>(a.batch) * static_cast<size_t>(a.seq) * sizeof(int32_t) : 0;
+  if (doc_need > block_doc_bytes_) {
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    deallocate(block_doc_);
+    block_doc_ = nullptr;
+    block_doc_bytes_ = 0;
+    block_doc_ = allocate(doc_need);
+    block_doc_bytes_ = doc_need;
   }
   const size_t need =
       static_cast<size_t>(a.batch) * static_cast<size_t>(a.seq) * static_cast<size_t>(a.qkv_row_stride()) * dtype_size(dtype);
@@ -314,6 +338,20 @@ AttentionShape CudaBackend::assemble_attention_block(const char* op, Tensor q, T
   ab.causal = classify_block(a, blk, op) == BlockKind::diagonal;
   if (a.dropout_p > 0)
     ab.dropout_key = mix_key(mix_key(a.dropout_key, static_cast<uint64_t>(blk.q_begin)), static_cast<uint64_t>(blk.k_begin));
+  if (a.documents) {
+    const int64_t b = a.batch, c = a.seq;
+    MT_CHECK(a.doc_start.dtype == DType::i32 && a.doc_start.device == Device::cuda &&
+                 a.doc_start.numel() == b * blk.seq_total,
+             "{}: documents need doc_start as device int32 [{}] (b * the whole sequence)", op, b * blk.seq_total);
+    MT_CHECK(static_cast<size_t>(b * c) * sizeof(int32_t) <= block_doc_bytes_,
+             "{}: the block's document starts need {} bytes, {} reserved (reserve_attention_blocks with documents)", op,
+             b * c * 4, block_doc_bytes_);
+    block_doc_kernel<<<grid_of(b * c, num_sms_), kThreads, 0, stream_>>>(static_cast<int32_t*>(block_doc_),
+                                                                         a.doc_start.ptr<int32_t>(), b, c,
+                                                                         blk.seq_total, blk.q_begin, blk.k_begin);
+    MT_CUDA_CHECK_LAUNCH();
+    ab.doc_start = Tensor(block_doc_, DType::i32, Device::cuda, {b * c});
+  }
   MT_PROFILE_OP("attention_block assemble b{} s{} h{}/{} d{}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
   launch_parts(Parts::assemble, q.dtype, parts_args(block_qkv_, q.data, kv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
   return ab;
@@ -352,6 +390,9 @@ void CudaBackend::attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, T
   const AttentionShape ab = assemble_attention_block(op, q, kv, a, blk);
   const Tensor packed(block_qkv_, q.dtype, Device::cuda, {rows, a.qkv_row_stride()});
   const Tensor dpacked(block_dqkv_, q.dtype, Device::cuda, {rows, a.qkv_row_stride()});
+  // With documents, queries whose document starts after these keys get no dQ from the backward
+  // (no key block reaches them): zero, as they are.
+  if (a.documents && !ab.causal) cuda::fill(context(), dpacked, 0.0);
   attention_backward(dpacked, dout, out, lse, packed, ab);
   MT_PROFILE_OP("attention_block scatter b{} s{} h{}/{} d{}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
   launch_parts(Parts::scatter_add, q.dtype, parts_args(block_dqkv_, dq.data, dkv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream_, num_sms_, op);

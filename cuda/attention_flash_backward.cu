@@ -25,6 +25,7 @@
 #include "cuda/attention_flash.h"
 #include "cuda/attention_flash_common.cuh"
 #include "cuda/attention_flash_kernels.h"
+#include "cuda/attention_masks.cuh"
 #include "cuda/cuda_check.h"
 #include "engine/attention_dropout.h"
 
@@ -121,15 +122,10 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
   int m_last = p.window >= 0 ? min(m_blocks - 1, (n0 + BN - 1 + p.window) / BM) : m_blocks - 1;
   if (doc) {
     const int k_last = min(p.seq - 1, n0 + BN - 1);
-    int lo = k_last, hi = p.seq;  // doc[lo] <= k_last; the first t in (lo, hi) with doc[t] > k_last
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (doc[mid] > k_last) hi = mid;
-      else lo = mid;
-    }
-    m_last = min(m_last, (hi - 1) / BM);
+    const int q_end = first_query_past(doc, p.causal ? k_last : 0, p.seq, k_last);
+    m_last = q_end > 0 ? min(m_last, (q_end - 1) / BM) : -1;  // (none: no query sees these keys)
   }
-  const int m_count = m_last - m_first + 1;
+  const int m_count = max(0, m_last - m_first + 1);
   const int items = p.hpg * m_count;
   auto issue_loads = [&](int item, int buf) {
     const int h = g * p.hpg + item / m_count;
@@ -147,7 +143,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
       cp_async_4(smem_u32(sDelta + buf * BM + r), p.delta + (valid ? row0 + r : 0), valid);
     }
   };
-  issue_loads(0, 0);
+  if (items > 0) issue_loads(0, 0);  // (no item: dK and dV of these keys are zero)
   cp_async_commit();
 
   float dk[DT][4], dv[DT][4];
@@ -194,9 +190,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
     int* turn_counter = p.dq_turn + ((bh * turn_stride + m_block) * kMaxWarps + warp);
     // The lowest key block this query block sees: 0, or where its first query's window or
     // document starts.
-    int k_lo = p.window >= 0 ? max(0, m0 - p.window) : 0;
-    if (doc) k_lo = max(k_lo, doc[m0]);
-    const int n_lo = k_lo / BN;
+    const int n_lo = first_visible_key(doc, p.window, m0) / BN;
     const bool first = ORDERED && n_block == n_first, last = ORDERED && n_block == n_lo;
     int seen = turn;
     if (ORDERED && !first && lane == 0) seen = load_acquire(turn_counter);

@@ -7,6 +7,7 @@
 #include "cuda/attention_flash.h"
 #include "cuda/attention_flash_common.cuh"
 #include "cuda/attention_flash_kernels.h"
+#include "cuda/attention_masks.cuh"
 #include "cuda/cuda_check.h"
 #include "engine/attention_dropout.h"
 
@@ -43,9 +44,7 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
   // With a sliding window the block's first query sees nothing before key m0 - window, with
   // documents nothing before its document's start (the block's lowest).
   const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(i) * p.seq : nullptr;
-  int k_lo = p.window >= 0 ? max(0, m0 - p.window) : 0;
-  if (doc) k_lo = max(k_lo, doc[m0]);
-  const int n_start = k_lo / BN;
+  const int n_start = first_visible_key(doc, p.window, m0) / BN;
   // With documents the warp's last query (the highest document start) decides where masks start.
   const int warp_doc_hi = doc ? doc[min(p.seq - 1, m0 + (warp + 1) * MI * 16 - 1)] : 0;
 

@@ -20,6 +20,7 @@
 #include <cmath>
 
 #include "cuda/attention.h"
+#include "cuda/attention_masks.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "engine/attention_dropout.h"
@@ -77,9 +78,7 @@ struct Args {
   // The first key tile (of kKeys) a query tile of sample i starting at q0 sees (the tile's first
   // query sees the earliest keys: window and document starts only grow along the sequence).
   __device__ int first_key_tile(int i, int q0) const {
-    int k = window >= 0 ? max(0, q0 - window) : 0;
-    if (doc_start) k = max(k, doc_start[static_cast<int64_t>(i) * seq + q0]);
-    return k / kKeys * kKeys;
+    return first_visible_key(doc_start ? doc_start + static_cast<int64_t>(i) * seq : nullptr, window, q0) / kKeys * kKeys;
   }
 };
 
@@ -254,15 +253,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
   int q_end = a.window >= 0 ? min(a.seq, k0 + kKeys + a.window) : a.seq;
   // With documents no query from the first one whose document starts after the tile's last key.
   if (a.doc_start) {
-    const int32_t* ds = a.doc_start + static_cast<int64_t>(i) * a.seq;
     const int k_last = min(a.seq - 1, k0 + kKeys - 1);
-    int lo = k_last, hi = q_end;  // ds[lo] <= k_last; find the first t in (lo, hi) with ds[t] > k_last
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (ds[mid] > k_last) hi = mid;
-      else lo = mid;
-    }
-    q_end = hi;
+    q_end = first_query_past(a.doc_start + static_cast<int64_t>(i) * a.seq, a.causal ? k_last : 0, q_end, k_last);
   }
   for (int hh = 0; hh < a.hpg; ++hh) {
     const int h = g * a.hpg + hh;

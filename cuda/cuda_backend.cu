@@ -82,6 +82,7 @@ CudaBackend::~CudaBackend() {
   if (attention_workspace_) cudaFree(attention_workspace_);
   if (block_qkv_) cudaFree(block_qkv_);
   if (block_dqkv_) cudaFree(block_dqkv_);
+  if (block_doc_) cudaFree(block_doc_);
   if (scratch_memory_) cudaFree(scratch_memory_);
   if (stream_) cudaStreamDestroy(stream_);
 }

@@ -251,6 +251,9 @@ class CudaBackend final : public Backend {
   void* block_qkv_ = nullptr;
   void* block_dqkv_ = nullptr;
   size_t block_qkv_bytes_ = 0;
+  // Packed documents: a block's document starts in its own coordinates (int32 [b * seq]).
+  void* block_doc_ = nullptr;
+  size_t block_doc_bytes_ = 0;
   // The packed QKV rows of a block (attention_block_*): checks the block, assembles block_qkv_
   // from q's query parts and kv, and returns the shape to run attention_forward/backward with.
   AttentionShape assemble_attention_block(const char* op, Tensor q, Tensor kv, const AttentionShape& a,

@@ -30,6 +30,7 @@
 
 #include "core/error.h"
 #include "cuda/attention.h"
+#include "tests/gpu/attention_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
@@ -44,8 +45,10 @@ const DType kBf16 = DType::bf16;
 
 struct CpCase {
   int cp, b, c, heads, groups, d;
+  int max_doc = 0;  // packed documents of random lengths in [1, max_doc] over the whole sequence (0: none)
   std::string name() const {
-    return fmt::format("CP{} b{} c{} heads {}/{} d{}", cp, b, c, heads, groups, d);
+    return fmt::format("CP{} b{} c{} heads {}/{} d{}{}", cp, b, c, heads, groups, d,
+                       max_doc > 0 ? fmt::format(" documents <= {}", max_doc) : std::string());
   }
 };
 
@@ -113,8 +116,21 @@ void check_errors(const std::string& line, const Errors& e) {
 void run_case(const CpCase& k, Backend& be, const char* be_name, Rng& rng) {
   const int chunks = 2 * k.cp;
   const int64_t S = static_cast<int64_t>(chunks) * k.c, c = k.c;
-  const AttentionShape whole = AttentionShape::make(k.b, static_cast<int>(S), k.heads, k.groups, k.d);
-  const AttentionShape ac = AttentionShape::make(k.b, k.c, k.heads, k.groups, k.d);
+  AttentionShape whole = AttentionShape::make(k.b, static_cast<int>(S), k.heads, k.groups, k.d);
+  AttentionShape ac = AttentionShape::make(k.b, k.c, k.heads, k.groups, k.d);
+  // Packed documents: the whole sequence's starts, on the device for the CUDA blocks (ac) and on
+  // the host for the reference's (acr) and its whole-sequence attention.
+  std::vector<int32_t> starts;
+  test::attention::DeviceValues d_starts(k.max_doc > 0 ? static_cast<size_t>(k.b * S) : 1, DType::f32);
+  if (k.max_doc > 0) {
+    starts = test::attention::random_documents(k.b, static_cast<int>(S), k.max_doc, 5 + S + k.max_doc);
+    MT_CUDA_CHECK(cudaMemcpy(d_starts.ptr, starts.data(), starts.size() * 4, cudaMemcpyHostToDevice));
+    whole.documents = ac.documents = true;
+    whole.doc_start = Tensor(starts.data(), DType::i32, Device::cpu, {k.b * S});
+    ac.doc_start = Tensor(d_starts.ptr, DType::i32, Device::cuda, {k.b * S});
+  }
+  AttentionShape acr = ac;
+  acr.doc_start = whole.doc_start;
   const int64_t rs = ac.qkv_row_stride(), oc = static_cast<int64_t>(k.heads) * k.d, kvc = 2LL * k.groups * k.d;
   const int64_t crows = c * k.b;  // rows of one chunk (positions [qi c, qi c + c), sequence-major)
   const std::string name = fmt::format("{} | {}", k.name(), be_name);
@@ -177,11 +193,11 @@ void run_case(const CpCase& k, Backend& be, const char* be_name, Rng& rng) {
   for_each_block([&](int qi, int ki, const AttentionBlock& blk, bool first) {
     if (first) {
       be.attention_block_forward(out[qi].c(), lse[qi].c(), q[qi].c(), kv[ki].c(), ac, blk);
-      ref().attention_block_forward(out[qi].r(), lse[qi].r(), q[qi].r(), kv[ki].r(), ac, blk);
+      ref().attention_block_forward(out[qi].r(), lse[qi].r(), q[qi].r(), kv[ki].r(), acr, blk);
     } else {
       be.attention_block_forward(out_blk.c(), lse_blk.c(), q[qi].c(), kv[ki].c(), ac, blk);
       be.attention_merge(out[qi].c(), lse[qi].c(), out_blk.c(), lse_blk.c());
-      ref().attention_block_forward(out_blk.r(), lse_blk.r(), q[qi].r(), kv[ki].r(), ac, blk);
+      ref().attention_block_forward(out_blk.r(), lse_blk.r(), q[qi].r(), kv[ki].r(), acr, blk);
       ref().attention_merge(out[qi].r(), lse[qi].r(), out_blk.r(), lse_blk.r());
     }
   });
@@ -209,7 +225,7 @@ void run_case(const CpCase& k, Backend& be, const char* be_name, Rng& rng) {
     be.attention_block_backward(dq[qi].c(), dkv[ki].c(), dO[qi].c(), out_in[qi].c(), lse_in[qi].c(), q[qi].c(),
                                 kv[ki].c(), ac, blk);
     ref().attention_block_backward(dq[qi].r(), dkv[ki].r(), dO[qi].r(), out_in[qi].r(), lse_in[qi].r(), q[qi].r(),
-                                   kv[ki].r(), ac, blk);
+                                   kv[ki].r(), acr, blk);
   });
 
   // The gradient of the whole sequence's packed rows: dQ from dq, dK and dV from dkv.
@@ -280,6 +296,20 @@ TEST_CASE("CUDA context-parallel attention blocks match the reference", "[gpu][a
               run_case(k, *n.be, n.name, rng);
             }
           }
+}
+
+// Packed documents (--reset-attention-mask under CP): documents that cross chunks, start inside
+// them, and leave queries of a block with no key of it (a block of earlier keys masked wholly for
+// some rows). cuDNN takes no documents, so auto runs the flash kernels (head dims 64 and 128) or the
+// generic ones (96).
+TEST_CASE("CUDA context-parallel attention blocks with packed documents match the reference",
+          "[gpu][attention][cp][documents]") {
+  MT_RNG(rng);
+  for (int cp : {2, 3})
+    for (int b : {1, 2})
+      for (int c : {64, 37})
+        for (int d : {64, 128, 96})
+          for (int max_doc : {7, 50}) run_case(CpCase{cp, b, c, 8, 2, d, max_doc}, dev(), "auto", rng);
 }
 
 TEST_CASE("CUDA attention_merge matches the reference", "[gpu][attention][cp]") {

@@ -36,22 +36,6 @@ struct DocCase {
   int window = -1;
 };
 
-// Document starts [b * s], sample-major, of documents of random lengths in [1, max_doc] (one
-// document per sample when max_doc >= s).
-std::vector<int32_t> random_documents(int b, int s, int max_doc, uint64_t key) {
-  std::vector<int32_t> starts(static_cast<size_t>(b) * s);
-  uint64_t draw = 0;
-  for (int i = 0; i < b; ++i) {
-    int t = 0;
-    while (t < s) {
-      const int len = max_doc >= s ? s : 1 + static_cast<int>(uniform_at(key, draw++) * max_doc) % max_doc;
-      for (int j = t; j < std::min(s, t + len); ++j) starts[static_cast<size_t>(i) * s + j] = t;
-      t += len;
-    }
-  }
-  return starts;
-}
-
 void run_case(const DocCase& c) {
   INFO(c.name);
   AttentionShape a = AttentionShape::make(c.b, c.s, c.heads, c.groups, c.d, true, c.dropout, 0xd0c);

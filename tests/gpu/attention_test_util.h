@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/philox.h"
 #include "core/tensor.h"
 #include "cuda/cuda_check.h"
 #include "engine/backend.h"
@@ -53,6 +54,22 @@ struct DeviceValues {
     return v;
   }
 };
+
+// Packed documents: document starts [b * s], sample-major (AttentionShape::doc_start), of documents
+// of random lengths in [1, max_doc] (one document per sample when max_doc >= s).
+inline std::vector<int32_t> random_documents(int b, int s, int max_doc, uint64_t key) {
+  std::vector<int32_t> starts(static_cast<size_t>(b) * s);
+  uint64_t draw = 0;
+  for (int i = 0; i < b; ++i) {
+    int t = 0;
+    while (t < s) {
+      const int len = max_doc >= s ? s : 1 + static_cast<int>(uniform_at(key, draw++) * max_doc) % max_doc;
+      for (int j = t; j < std::min(s, t + len); ++j) starts[static_cast<size_t>(i) * s + j] = t;
+      t += len;
+    }
+  }
+  return starts;
+}
 
 // The value a float becomes in dtype t (what DeviceValues::upload stores).
 inline float rounded(float x, DType t) { return t == DType::f32 ? x : from_bits(to_bits(x, t), t); }
