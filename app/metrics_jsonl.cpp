@@ -50,6 +50,9 @@ json iteration_record(const IterationStats& s, double time) {
   if (s.decoupled_learning_rate) r["decoupled_learning_rate"] = number(*s.decoupled_learning_rate);
   r["global_batch_size"] = s.global_batch_size;
   for (const auto& [key, value] : s.losses) r[metric_key(key)] = number(value);
+  // The MTP acceptance rates (the trackers' other scalars are the losses above, or per layer).
+  for (const auto& [tag, value] : s.tracker_scalars)
+    if (tag.find("acceptance_rate") != std::string::npos) r[tag] = number(value);
   r["loss_scale"] = number(s.loss_scale);
   if (s.grad_norm) r["grad_norm"] = number(*s.grad_norm);
   if (s.num_zeros) r["num_zeros"] = *s.num_zeros;

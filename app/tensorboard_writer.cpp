@@ -330,7 +330,6 @@ void TensorBoardReporter::on_iteration(const IterationStats& stats) {
     both("batch-size", static_cast<double>(s.global_batch_size), it, samples);
     const auto& losses = s.iteration_losses.empty() ? s.losses : s.iteration_losses;
     for (const auto& [key, value] : losses) both(key, value, it, samples);
-    for (const auto& [tag, value] : s.moe_layer_scalars) writer_.add_scalar(tag, value, it);
     if (cfg_.log_loss_scale_to_tensorboard) both("loss-scale", s.loss_scale, it, samples);
     if (cfg_.log_world_size_to_tensorboard) both("world-size", static_cast<double>(world_size_), it, samples);
     if (s.grad_norm) both("grad-norm", *s.grad_norm, it, samples);
@@ -343,6 +342,8 @@ void TensorBoardReporter::on_iteration(const IterationStats& stats) {
       if (s.memory_allocated_count) writer_.add_scalar("mem-allocated-count", *s.memory_allocated_count, it);
     }
   }
+  // Megatron's MoE and MTP trackers write every iteration, outside the TensorBoard interval.
+  for (const auto& [tag, value] : s.tracker_scalars) writer_.add_scalar(tag, value, it);
   // Megatron writes these at log lines whenever there is a writer (not only with timers).
   if (s.interval_end && s.energy_per_gpu_j) writer_.add_scalar("iter-energy/gpu", *s.energy_per_gpu_j, it);
   if (s.interval_end && s.power_per_gpu_w) writer_.add_scalar("power/gpu", *s.power_per_gpu_w, it);

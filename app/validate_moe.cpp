@@ -8,6 +8,7 @@
 
 #include "app/cli_internal.h"
 #include "app/unsupported.h"
+#include "parallel/rank_grid.h"
 
 namespace mt::cli {
 namespace {
@@ -36,6 +37,21 @@ void megatron_moe_rules(CliState& st) {
   if (p.world_size % expert_model != 0)
     fail("world size {} is not divisible by --expert-tensor-parallel-size {} x --expert-model-parallel-size {} x "
          "--pipeline-model-parallel-size {} = {}", p.world_size, etp, ep, p.pipeline_model_parallel_size, expert_model);
+  // Megatron's parallel_state with the experts' own grid: unless PP is the last axis (so with
+  // --use-tp-pp-dp-mapping and PP > 1), the experts' data-parallel size is the attention's, and
+  // both grids have the same pipeline groups.
+  if ((ep > 1 || etp != tp) && p.use_tp_pp_dp_mapping && p.pipeline_model_parallel_size > 1) {
+    const int64_t edp = p.world_size / expert_model;
+    if (edp != p.data_parallel_size)
+      fail("--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {}: the experts' data-parallel size {} (world "
+           "size / (ETP x EP x PP)) must equal the data-parallel size {} (When not using pp-last rank ordering, the "
+           "data parallel size of the attention and moe layers must be the same)",
+           p.pipeline_model_parallel_size, edp, p.data_parallel_size);
+    if (rank_groups(RankGrid::from_config(c), "pp") != rank_groups(RankGrid::experts_from_config(c), "pp"))
+      fail("--use-tp-pp-dp-mapping: --expert-model-parallel-size {} and --expert-tensor-parallel-size {} give the "
+           "experts other pipeline groups than the attention's (Pipeline parallel groups are expected to be the same "
+           "for Non-Expert and Expert part)", ep, etp);
+  }
 
   // Routing.
   if (e.router_topk < 1) fail("--moe-router-topk must be >= 1 (got {})", e.router_topk);
@@ -204,10 +220,6 @@ std::vector<std::string> not_built(const CliState& st) {
     if (instances > 1)
       out.push_back(fmt::format("megatrain does not support {} with --num-distributed-optimizer-instances {} yet", grid,
                                 instances));
-    if (p.use_tp_pp_dp_mapping && p.pipeline_model_parallel_size > 1)
-      out.push_back(fmt::format("megatrain does not support {} with --use-tp-pp-dp-mapping and "
-                                "--pipeline-model-parallel-size {} yet (the experts' groups would span pipeline stages)",
-                                grid, p.pipeline_model_parallel_size));
   }
   return out;
 }

@@ -10,7 +10,11 @@
 // block reduction, so the same bits as the two kernels.
 // logsumexp_combine merges per-shard lse values; masked_loss_sum is a single-block, fixed-order
 // double-precision reduction (deterministic).
+// logits_argmax: one block per row, each thread's (max, first column) merged by value, then by the
+// lower column; argmax_match_count picks each row's shard and counts in one block (exact counts).
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -217,6 +221,78 @@ __global__ void masked_loss_sum_kernel(float* out, const float* loss, const void
 
 constexpr int kRowBlock = 512;
 
+// (a, ia) := the larger of (a, ia) and (b, ib), the lower index on a tie.
+__device__ __forceinline__ void argmax_merge(float& a, int64_t& ia, float b, int64_t ib) {
+  if (b > a || (b == a && ib < ia)) {
+    a = b;
+    ia = ib;
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowBlock) logits_argmax_kernel(float* max, int32_t* index, const T* logits,
+                                                                   int64_t cols, int64_t vocab_start) {
+  __shared__ float sm[kWarp];
+  __shared__ int64_t si[kWarp];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * cols;
+  float m = -INFINITY;
+  int64_t im = INT64_MAX;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
+    const Floats<VEC> v = load_vec<VEC>(x + c);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) argmax_merge(m, im, v.v[j], c + j);  // (columns ascending per thread)
+  }
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const int64_t i2 = __shfl_xor_sync(0xffffffffu, im, o);
+    argmax_merge(m, im, m2, i2);
+  }
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) {
+    sm[warp] = m;
+    si[warp] = im;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x / kWarp;
+    m = lane < warps ? sm[lane] : -INFINITY;
+    im = lane < warps ? si[lane] : INT64_MAX;
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const int64_t i2 = __shfl_xor_sync(0xffffffffu, im, o);
+      argmax_merge(m, im, m2, i2);
+    }
+    if (lane == 0) {
+      // (A row of -inf only: column 0, as torch.max.)
+      max[row] = m;
+      index[row] = static_cast<int32_t>(vocab_start + (im == INT64_MAX ? 0 : im));
+    }
+  }
+}
+
+__global__ void argmax_match_count_kernel(float* out, const float* max_parts, const int32_t* index_parts,
+                                          const int32_t* labels, const void* mask, DType mask_type, int64_t parts,
+                                          int64_t n, bool accumulate) {
+  double correct = 0.0, total = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (load_mask(mask, mask_type, i) == 0.0) continue;
+    int64_t best = 0;
+    for (int64_t r = 1; r < parts; ++r)
+      if (max_parts[r * n + i] > max_parts[best * n + i]) best = r;
+    total += 1.0;
+    if (index_parts[best * n + i] == labels[i]) correct += 1.0;
+  }
+  correct = block_sum(correct);
+  total = block_sum(total);
+  if (threadIdx.x == 0) {
+    out[0] = static_cast<float>((accumulate ? static_cast<double>(out[0]) : 0.0) + correct);
+    out[1] = static_cast<float>((accumulate ? static_cast<double>(out[1]) : 0.0) + total);
+  }
+}
+
 // The largest row the staged forward-backward kernel keeps in shared memory: two blocks per SM
 // (one would leave half the SM's threads idle while its block reduces), within the per-block
 // opt-in limit.
@@ -325,6 +401,43 @@ void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_part
   if (n == 0) return;
   logsumexp_combine_kernel<<<grid_for(n, 256, ctx.num_sms * 8LL), 256, 0, ctx.stream>>>(
       lse_out.ptr<float>(), lse_parts.ptr<const float>(), lse_parts.numel() / n, n);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void logits_argmax(const KernelContext& ctx, Tensor max, Tensor index, Tensor logits, int64_t vocab_start) {
+  const int64_t rows = logits.rows(), cols = logits.cols();
+  MT_CHECK(max.numel() == rows && max.dtype == DType::f32 && index.numel() == rows && index.dtype == DType::i32,
+           "logits_argmax: max float32 and index int32 [{}]", rows);
+  MT_CHECK(rows < (int64_t{1} << 31) && cols > 0 && vocab_start + cols <= INT32_MAX,
+           "logits_argmax: {} rows of {} columns from {}", rows, cols, vocab_start);
+  if (rows == 0) return;
+  MT_DISPATCH_FLOAT(logits.dtype, T, "logits_argmax", {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(logits.data) && cols % kVec == 0;
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), kRowBlock, 0, ctx.stream>>>(max.ptr<float>(), index.ptr<int32_t>(),
+                                                                       logits.ptr<const T>(), cols, vocab_start);
+    };
+    if (vec) launch(logits_argmax_kernel<T, kVec>);
+    else launch(logits_argmax_kernel<T, 1>);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void argmax_match_count(const KernelContext& ctx, Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels,
+                        Tensor mask, bool accumulate) {
+  const int64_t n = labels.numel(), parts = max_parts.numel() / std::max<int64_t>(1, n);
+  MT_CHECK(out.numel() == 2 && out.dtype == DType::f32, "argmax_match_count: out must be float32 [2]");
+  MT_CHECK(labels.dtype == DType::i32 && mask.numel() == n, "argmax_match_count: labels int32 [{}], mask {}", n,
+           mask.shape_string());
+  MT_CHECK(parts >= 1 && max_parts.dtype == DType::f32 && max_parts.numel() == parts * n &&
+               index_parts.dtype == DType::i32 && index_parts.numel() == parts * n,
+           "argmax_match_count: max_parts {} (float32) and index_parts {} (int32) must be [R, {}]",
+           max_parts.shape_string(), index_parts.shape_string(), n);
+  argmax_match_count_kernel<<<1, kLossBlock, 0, ctx.stream>>>(out.ptr<float>(), max_parts.ptr<const float>(),
+                                                              index_parts.ptr<const int32_t>(),
+                                                              labels.ptr<const int32_t>(), mask.data, mask.dtype, parts,
+                                                              n, accumulate);
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -571,6 +571,17 @@ void CudaBackend::masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool acc
   MT_PROFILE_OP("masked_loss_sum");
   cuda::masked_loss_sum(context(), out, loss, mask, accumulate);
 }
+void CudaBackend::logits_argmax(Tensor max, Tensor index, Tensor logits, int64_t vocab_start) {
+  on_device("logits_argmax", max, index, logits);
+  MT_PROFILE_OP("logits_argmax {}", logits.shape_string());
+  cuda::logits_argmax(context(), max, index, logits, vocab_start);
+}
+void CudaBackend::argmax_match_count(Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels, Tensor mask,
+                                     bool accumulate) {
+  on_device("argmax_match_count", out, max_parts, index_parts, labels, mask);
+  MT_PROFILE_OP("argmax_match_count");
+  cuda::argmax_match_count(context(), out, max_parts, index_parts, labels, mask, accumulate);
+}
 
 // ---- optimizer ----------------------------------------------------------------------------------
 void CudaBackend::register_optim_segments(std::span<const OptimSegment> segments) {

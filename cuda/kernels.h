@@ -156,6 +156,9 @@ void cross_entropy_forward_backward(const KernelContext& ctx, Tensor lse, Tensor
                                     Tensor dloss);
 void logsumexp_combine(const KernelContext& ctx, Tensor lse_out, Tensor lse_parts);
 void masked_loss_sum(const KernelContext& ctx, Tensor out, Tensor loss, Tensor mask, bool accumulate);
+void logits_argmax(const KernelContext& ctx, Tensor max, Tensor index, Tensor logits, int64_t vocab_start);
+void argmax_match_count(const KernelContext& ctx, Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels,
+                        Tensor mask, bool accumulate);
 
 // ---- optimizer_kernels.cu ----------------------------------------------------------------------
 // The optimizer kernels walk a segment table in chunks of kOptimChunk elements.

@@ -621,6 +621,17 @@ class Backend {
   virtual void logsumexp_combine(Tensor lse_out, Tensor lse_parts) = 0;
   // out[0] (+)= sum(loss * mask), out[1] (+)= sum(mask); out float32 [2].
   virtual void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) = 0;
+  // Per row of a (possibly vocab-parallel) logits shard [N, cols], as torch.max(dim=-1) gives them:
+  // max float32 [N] = the row's largest logit, index int32 [N] = vocab_start + the column of its
+  // first occurrence.
+  virtual void logits_argmax(Tensor max, Tensor index, Tensor logits, int64_t vocab_start) = 0;
+  // Multi-token prediction's acceptance counts (Megatron-LM's argmax == label): a row's prediction
+  // is index_parts[r, row] of the first shard r with the largest max_parts[r, row] (torch.argmax
+  // over the gathered shards; one shard without TP). out[0] (+)= the rows with mask != 0 whose
+  // prediction is their label, out[1] (+)= the rows with mask != 0; out as masked_loss_sum's.
+  // max_parts float32 [R, N], index_parts and labels int32.
+  virtual void argmax_match_count(Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels, Tensor mask,
+                                  bool accumulate) = 0;
 
   // ---- optimizer -------------------------------------------------------------------------
   // AdamW (decoupled weight decay) on flat float32 buffers, over the given segments. The new

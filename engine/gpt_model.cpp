@@ -372,7 +372,7 @@ void GptModel::layout(Arena& a) {
   } else if (opt_.sgd_momentum) {
     state1_ = a.take(C::optimizer_states, S, {state});
   }
-  scalars_ = a.take(C::workspace, S, {16});
+  scalars_ = a.take(C::workspace, S, {32});
   train_loss_ = a.take(C::workspace, S, {2});
   eval_loss_ = a.take(C::workspace, S, {2});
   moe_loss_ = moe_layer_loss_ = Tensor();

@@ -209,7 +209,7 @@ class GptModel {
   Tensor param(int i) const;
   Tensor grad(int i) const;
   Tensor master(int i) const;
-  // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [16].
+  // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [32].
   Tensor scalars() const { return scalars_; }
 
   // Draws every parameter from its layout-independent stream (and the master copy). With
@@ -321,6 +321,10 @@ class GptModel {
   // loss (its tokens' losses over their count), the micro-batches} (accum dtype [2 D]; zeroed by the
   // trainer at each step's start). Empty without --mtp-num-layers or off the last stage.
   Tensor mtp_loss_sums() const { return mtp_loss_; }
+  // ... and per depth {the rows whose prediction (the argmax of the depth's logits) is their label,
+  // the rows counted (mask != 0)} over this step's micro-batches: Megatron-LM's MTP acceptance
+  // counts (accum dtype [2 D], zeroed with mtp_loss_sums()).
+  Tensor mtp_accept_counts() const { return mtp_accept_; }
 
   // Aux-loss-free load balancing (ModelDims::moe_expert_bias): each MoE layer's expert bias [E]
   // (float32; kept on the host, the device copy follows it) and the step's token counts per
@@ -466,7 +470,10 @@ class GptModel {
   // The output layer and the loss over y (all N rows; the head's chunks of rows) against `labels`,
   // the masked loss sum and weight sum added to sums[0..1]; in training also its backward: dlogits
   // from dloss, the output layer's weight gradient, and y's gradient (all rows, TP-partial) in gT.
-  void output_layer_loss(Slot& s, Tensor y, Tensor labels, Tensor mask, Tensor dloss, Tensor sums);
+  // accept (multi-token prediction): the rows whose argmax is their label among those with
+  // accept_mask != 0, and those rows, added to accept[0..1].
+  void output_layer_loss(Slot& s, Tensor y, Tensor labels, Tensor mask, Tensor dloss, Tensor sums,
+                         Tensor accept = Tensor(), Tensor accept_mask = Tensor());
   // Multi-token prediction (engine/blocks/mtp.cpp), in a training head_forward: every depth's
   // forward, loss and backward; dy0 (the gradient of the decoder's output after the final norm,
   // this rank's rows) gets the depths' part.
@@ -474,6 +481,7 @@ class GptModel {
   void layout_mtp(Arena& a);
   bool mtp_layer(int local) const { return d_.is_mtp(d_.layer_begin + local); }
   Tensor mtp_loss_ = Tensor();  // per depth {sum of the micro-batches' mean losses, their count}
+  Tensor mtp_accept_ = Tensor();  // per depth {rows predicted right, rows counted}
   std::vector<MtpParams> mtp_params_, mtp_grads_;
   Tensor layer_input(const Slot& s, int local) const;
   LayerActs acts(const Slot& s, int local) const;

@@ -172,6 +172,9 @@ struct GptModel::Workspace {
   // and the whole output [N, h], the concatenation's gradient [N, 2h], a depth's output on all rows.
   std::vector<MtpActs> mtp;
   Tensor mtp_dy0, mtp_carry, mtp_dv, mtp_du, mtp_de, mtp_dhn, mtp_part, mtp_parts, mtp_full, mtp_dcat, mtp_yall;
+  // Each row's largest logit (float32) and its vocabulary id (int32) [N], and with TP every
+  // shard's [tp, N] (the acceptance counts).
+  Tensor mtp_max, mtp_argmax, mtp_max_parts, mtp_argmax_parts;
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum

@@ -12,10 +12,11 @@ namespace {
 // over DP and PP together), then the gradient statistics: of the dense parameters, and under
 // expert parallelism of the routed experts (reduced over their own groups).
 // (params_norm uses kCount and kCount + 1; multi-token prediction's logged losses, one per depth,
-// from kMtp on: ModelDims allows at most kMtpMax depths.)
+// from kMtp on, then each depth's acceptance counts {right, counted}: ModelDims allows at most
+// kMtpMax depths.)
 enum Scalar {
   kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kExpertSumSq = 6, kExpertZeros = 7,
-  kCount = 8, kMtp = 10, kMtpMax = 6
+  kCount = 8, kMtp = 10, kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
 };
 }  // namespace
 
@@ -67,7 +68,7 @@ double Optimizer::read_scalars(double* host, int count) {
   if (chunks_.front()->options().accum == DType::f64) {
     be_.copy_to_host(host, s);
   } else {
-    float f[16];
+    float f[kScalars];
     be_.copy_to_host(f, s);
     for (int k = 0; k < count; ++k) host[k] = f[k];
   }
@@ -112,7 +113,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
 
   // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
   // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.
-  double host[kMtp + kMtpMax];
+  double host[kScalars];
   {
     const ScopedTimer timed(timer, "optimizer-clip-main-grad");
     be_.fill(scalars, 0.0);
@@ -121,11 +122,15 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
       if (!m->moe_loss_sums().empty())
         be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
     ps_.replicas().all_reduce(scalars.flat_slice(kLossSum, 4));  // (DP x CP: each CP rank has its tokens' part)
-    if (mtp_depths_ > 0) {
-      if (output_chunk_)  // the depths' logged sums: every other element of the model's [2 D]
-        for (int j = 0; j < mtp_depths_; ++j)
+    const int D = mtp_depths_;
+    if (D > 0) {
+      if (output_chunk_) {  // the depths' logged sums: every other element of the model's [2 D]
+        for (int j = 0; j < D; ++j)
           be_.copy(scalars.flat_slice(kMtp + j, 1), output_chunk_->mtp_loss_sums().flat_slice(2 * j, 1));
-      ps_.replicas().all_reduce(scalars.flat_slice(kMtp, mtp_depths_));
+        be_.copy(scalars.flat_slice(kMtp + D, 2 * D), output_chunk_->mtp_accept_counts());
+      }
+      // (The acceptance counts are summed over DP x CP as Megatron's; the TP ranks' are the same.)
+      ps_.replicas().all_reduce(scalars.flat_slice(kMtp, 3 * D));
     }
     for (const OptimRange& r : ranges_) {
       const Tensor g = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).grad;
@@ -151,8 +156,8 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     reduce_expert_statistics(scalars.flat_slice(kExpertSumSq, 2));
     // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
     if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 4));
-    if (ps_.pp_size > 1 && mtp_depths_ > 0) ps_.pp->all_reduce(scalars.flat_slice(kMtp, mtp_depths_));
-    read_scalars(host, mtp_depths_ > 0 ? kMtp + mtp_depths_ : kCount);
+    if (ps_.pp_size > 1 && mtp_depths_ > 0) ps_.pp->all_reduce(scalars.flat_slice(kMtp, 3 * mtp_depths_));
+    read_scalars(host, mtp_depths_ > 0 ? kMtp + 3 * mtp_depths_ : kCount);
   }
 
   StepOutcome out;
@@ -177,6 +182,8 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     const double m = static_cast<double>(global_batch > 0 ? global_batch : t.global_batch) /
                      (static_cast<double>(t.micro_batch_size) * ps_.dp_size);
     for (int j = 0; j < mtp_depths_; ++j) out.mtp_losses.push_back(host[kMtp + j] / (ps_.replicas_size() * m));
+    for (int j = 0; j < mtp_depths_; ++j)
+      out.mtp_accept.push_back({host[kMtp + mtp_depths_ + 2 * j], host[kMtp + mtp_depths_ + 2 * j + 1]});
   }
   // The gradients in the buffer are scaled by the loss scale and summed over DP (x CP) ranks;
   // per-token loss normalizes by the global batch's tokens instead of per micro-batch. With CP,

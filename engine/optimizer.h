@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -48,6 +49,9 @@ struct StepOutcome {
   std::vector<double> moe_aux_layers, moe_z_layers;
   // Multi-token prediction: Megatron's mtp_<j> loss per depth (averaged over micro-batches and DP x CP).
   std::vector<double> mtp_losses;
+  // ... and its acceptance counts {rows whose argmax was the label, rows counted}, summed over the
+  // micro-batches and DP x CP (Megatron's mtp_<j>_acceptance_rate is their ratio in percent).
+  std::vector<std::pair<double, double>> mtp_accept;
   double loss() const { return loss_sum / std::max(1.0, tokens); }
 };
 

@@ -44,8 +44,11 @@ struct IterationStats {
   LossMap losses;  // "lm loss" -> average over the interval
   // This iteration's own reduced losses (what Megatron writes to TensorBoard); empty: use `losses`.
   LossMap iteration_losses;
-  // --moe-per-layer-logging: TensorBoard tag (Megatron's moe/<name>_layer_<i>) -> this iteration's value.
-  std::vector<std::pair<std::string, double>> moe_layer_scalars;
+  // What Megatron-LM's MoE and MTP trackers write to TensorBoard each iteration, tag and this
+  // iteration's value (no "vs samples" twin): load_balancing_loss, z_loss, with
+  // --moe-per-layer-logging moe/<name>_layer_<i>; mtp_<j> loss, mtp_<j>_acceptance_rate and
+  // mtp_<j>_cumulative_acceptance_rate.
+  std::vector<std::pair<std::string, double>> tracker_scalars;
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<int64_t> num_zeros;     // --log-num-zeros-in-grad

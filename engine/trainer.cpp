@@ -279,6 +279,7 @@ StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
     if (!m->moe_loss_sums().empty()) be.fill(m->moe_loss_sums(), 0.0);
     if (!m->moe_layer_loss_sums().empty()) be.fill(m->moe_layer_loss_sums(), 0.0);
     if (!m->mtp_loss_sums().empty()) be.fill(m->mtp_loss_sums(), 0.0);
+    if (!m->mtp_accept_counts().empty()) be.fill(m->mtp_accept_counts(), 0.0);
     m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
@@ -454,15 +455,27 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   // MoE losses: in the line after lm loss (the map's order), as Megatron's total_loss_dict has them.
   for (const auto& [key, sum] : interval_moe_)
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
-  if (!o.skipped && o.moe_aux) s.iteration_losses[moe_aux_name()] = *o.moe_aux;
-  if (!o.skipped && o.moe_z) s.iteration_losses["z_loss"] = *o.moe_z;
-  if (!o.skipped)
-    for (size_t j = 0; j < o.mtp_losses.size(); ++j) s.iteration_losses[fmt::format("mtp_{} loss", j + 1)] = o.mtp_losses[j];
+  // Megatron-LM's MoE and MTP trackers' TensorBoard scalars: this iteration's values.
+  if (!o.skipped && o.moe_aux) s.tracker_scalars.push_back({moe_aux_name(), *o.moe_aux});
+  if (!o.skipped && o.moe_z) s.tracker_scalars.push_back({"z_loss", *o.moe_z});
   if (!o.skipped) {
     for (size_t l = 0; l < o.moe_aux_layers.size(); ++l)
-      s.moe_layer_scalars.push_back({fmt::format("moe/{}_layer_{}", moe_aux_name(), l), o.moe_aux_layers[l]});
+      s.tracker_scalars.push_back({fmt::format("moe/{}_layer_{}", moe_aux_name(), l), o.moe_aux_layers[l]});
     for (size_t l = 0; l < o.moe_z_layers.size(); ++l)
-      s.moe_layer_scalars.push_back({fmt::format("moe/z_loss_layer_{}", l), o.moe_z_layers[l]});
+      s.tracker_scalars.push_back({fmt::format("moe/z_loss_layer_{}", l), o.moe_z_layers[l]});
+  }
+  // Multi-token prediction: each depth's loss, and its acceptance rates in percent (argmax ==
+  // label, of this iteration and since the process started; a count of 0 gives 0).
+  mtp_accept_total_.resize(o.mtp_accept.size());
+  for (size_t j = 0; j < o.mtp_accept.size(); ++j) {
+    auto& [right, counted] = mtp_accept_total_[j];
+    right += o.mtp_accept[j].first;
+    counted += o.mtp_accept[j].second;
+    if (j < o.mtp_losses.size() && !o.skipped) s.tracker_scalars.push_back({fmt::format("mtp_{} loss", j + 1), o.mtp_losses[j]});
+    s.tracker_scalars.push_back({fmt::format("mtp_{}_acceptance_rate", j + 1),
+                                 100.0 * o.mtp_accept[j].first / std::max(1.0, o.mtp_accept[j].second)});
+    s.tracker_scalars.push_back(
+        {fmt::format("mtp_{}_cumulative_acceptance_rate", j + 1), 100.0 * right / std::max(1.0, counted)});
   }
   s.loss_scale = scaler_.scale();
   s.grad_norm = o.grad_norm;

@@ -187,6 +187,9 @@ class Trainer {
   // Log-interval accumulators (Megatron's total_loss_dict).
   double interval_loss_ = 0;
   std::map<std::string, double> interval_moe_;  // MoE losses' sums over the interval, by log name
+  // Multi-token prediction: each depth's acceptance counts {right, counted} since this process
+  // started (Megatron's cumulative rate, which restarts with the process as Megatron's does).
+  std::vector<std::pair<double, double>> mtp_accept_total_;
   int64_t interval_advanced_ = 0, interval_skipped_ = 0, interval_nan_ = 0;
   Clock::time_point interval_start_;
   Clock::time_point run_start_ = Clock::now();

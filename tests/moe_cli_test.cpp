@@ -3,6 +3,7 @@
 // checkpoint's model section, and the dry run's parameter and FLOP counts checked against hand
 // computations for a small model.
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "app/checkpoint_args.h"
@@ -351,10 +352,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--expert-model-parallel-size 2 --use-distributed-optimizer --num-distributed-optimizer-instances 2", 4,
        "megatrain does not support --expert-model-parallel-size 2 and --expert-tensor-parallel-size 1 with "
        "--num-distributed-optimizer-instances 2 yet"},
-      {"--expert-model-parallel-size 2 --use-tp-pp-dp-mapping --pipeline-model-parallel-size 2", 4,
-       "megatrain does not support --expert-model-parallel-size 2 and --expert-tensor-parallel-size 1 with "
-       "--use-tp-pp-dp-mapping and --pipeline-model-parallel-size 2 yet (the experts' groups would span pipeline "
-       "stages)"},
       {"--expert-tensor-parallel-size 2", 2,
        "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
@@ -381,6 +378,20 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     INFO(c.flags);
     CHECK(unsupported_error(moe_gpt() + words(c.flags), c.world) == c.line);
   }
+  // --use-tp-pp-dp-mapping with PP: Megatron's rules for the experts' grid (the same data-parallel
+  // size and pipeline groups as the attention's), then it runs (EP folding TP or CP).
+  CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 2 --use-tp-pp-dp-mapping "
+                                           "--pipeline-model-parallel-size 2"),
+                         4),
+             Contains("the experts' data-parallel size 1 (world size / (ETP x EP x PP)) must equal the data-parallel "
+                      "size 2"));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-tp-pp-dp-mapping "
+                                        "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                                        "--expert-tensor-parallel-size 1 --sequence-parallel"),
+                      4));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-tp-pp-dp-mapping "
+                                        "--pipeline-model-parallel-size 2 --context-parallel-size 2"),
+                      8));
   // Linear biases with MoE (biases are on unless --disable-bias-linear).
   CHECK(unsupported_error(small_gpt() + words("--num-experts 8")) ==
         "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
@@ -674,6 +685,59 @@ TEST_CASE("binary: --moe-per-layer-logging writes each layer's losses to TensorB
       CHECK(l0 > 0.0);
       CHECK(l2 > 0.0);
       CHECK(v[{it, name}] == Approx((l0 + l2) / 2).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("binary: --mtp-num-layers writes Megatron's MTP losses and acceptance rates to TensorBoard",
+          "[cli][binary][mtp]") {
+  // Every iteration, as Megatron's MTP tracker: mtp_<j> loss, mtp_<j>_acceptance_rate and
+  // mtp_<j>_cumulative_acceptance_rate (percent), with no "vs samples" twin; lm loss keeps its own.
+  // Every iteration counts the same rows (no loss mask), so the cumulative rate of two iterations
+  // is the mean of their rates.
+  TempDir dir;
+  const RunResult r = run_binary(
+      words("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 64 --position-embedding-type rope --mtp-num-layers 2 --device cpu "
+            "--log-interval 1 --tensorboard-dir " +
+            dir.str("tb") + " --metrics-jsonl " + dir.str("m.jsonl")));
+  REQUIRE(r.exit_code == 0);
+  std::string event_file;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path / "tb")) event_file = e.path().string();
+  REQUIRE(!event_file.empty());
+  std::map<std::pair<int64_t, std::string>, double> v;
+  std::set<std::string> tags;
+  for (const TensorBoardEvent& e : read_tensorboard_events(event_file))
+    for (const auto& [tag, value] : e.scalars) {
+      v[{e.step, tag}] = value;
+      tags.insert(tag);
+    }
+  CHECK(tags.count("lm loss vs samples") == 1);
+  std::ifstream metrics(dir.str("m.jsonl"));
+  std::map<int64_t, nlohmann::json> lines;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("type", "") == "iteration") lines[j.at("iteration").get<int64_t>()] = j;
+  }
+  for (int64_t it : {1, 2, 3}) {
+    INFO("iteration " << it);
+    CHECK(v.count({it, "lm loss"}) == 1);
+    for (int j : {1, 2}) {
+      INFO("depth " << j);
+      const std::string loss = fmt::format("mtp_{} loss", j), rate = fmt::format("mtp_{}_acceptance_rate", j),
+                        cumulative = fmt::format("mtp_{}_cumulative_acceptance_rate", j);
+      REQUIRE(v.count({it, loss}) == 1);
+      CHECK(tags.count(loss + " vs samples") == 0);
+      CHECK(v[{it, loss}] > 2.0);  // about ln 64
+      REQUIRE(v.count({it, rate}) == 1);
+      REQUIRE(v.count({it, cumulative}) == 1);
+      CHECK(v[{it, rate}] >= 0.0);
+      CHECK(v[{it, rate}] <= 100.0);
+      if (it == 1) CHECK(v[{it, cumulative}] == Approx(v[{it, rate}]));
+      if (it == 2) CHECK(v[{it, cumulative}] == Approx((v[{1, rate}] + v[{2, rate}]) / 2));
+      REQUIRE(lines.count(it) == 1);
+      CHECK(lines[it].at(rate).get<double>() == Approx(v[{it, rate}]));
     }
   }
 }

@@ -218,6 +218,44 @@ TEST_CASE("reference masked_loss_sum", "[reference]") {
   CHECK(out.d[1] == 6.0);
 }
 
+TEST_CASE("reference logits_argmax and argmax_match_count: torch's first maximum, the first shard on ties",
+          "[reference][mtp]") {
+  auto be = make_reference_backend(1);
+  // Three rows of five logits of a shard starting at vocabulary id 10: a tie (the first wins), the
+  // largest last, all equal (column 0).
+  std::vector<double> logits = {1, 3, 0, 3, -1, -2, -1, 0, 1, 2, 5, 5, 5, 5, 5};
+  std::vector<float> max(3, NAN);
+  std::vector<int32_t> index(3, -1);
+  be->logits_argmax(Tensor(max.data(), DType::f32, Device::cpu, {3}), Tensor(index.data(), DType::i32, Device::cpu, {3}),
+                    Tensor(logits.data(), DType::f64, Device::cpu, {3, 5}), 10);
+  CHECK(max == std::vector<float>{3, 2, 5});
+  CHECK(index == std::vector<int32_t>{11, 14, 10});
+
+  // Two shards of four rows: row 0's largest on shard 1, row 1's tied (shard 0 wins), row 2 masked
+  // out, row 3's on shard 0 but not its label.
+  std::vector<float> max_parts = {1, 4, 9, 7, /* shard 1 */ 2, 4, 9, 6};
+  std::vector<int32_t> index_parts = {0, 1, 2, 3, /* shard 1 */ 50, 51, 52, 53};
+  std::vector<int32_t> labels = {50, 1, 2, 53};
+  std::vector<double> mask = {1, 1, 0, 1}, out = {NAN, NAN};
+  auto count = [&](bool accumulate) {
+    be->argmax_match_count(Tensor(out.data(), DType::f64, Device::cpu, {2}),
+                           Tensor(max_parts.data(), DType::f32, Device::cpu, {2, 4}),
+                           Tensor(index_parts.data(), DType::i32, Device::cpu, {2, 4}),
+                           Tensor(labels.data(), DType::i32, Device::cpu, {4}), Tensor(mask.data(), DType::f64, Device::cpu, {4}),
+                           accumulate);
+  };
+  count(false);
+  CHECK(out == std::vector<double>{2, 3});  // rows 0 and 1 right, row 3 wrong, row 2 not counted
+  count(true);
+  CHECK(out == std::vector<double>{4, 6});
+  // One shard: its own argmax decides.
+  be->argmax_match_count(Tensor(out.data(), DType::f64, Device::cpu, {2}), Tensor(max_parts.data(), DType::f32, Device::cpu, {4}),
+                         Tensor(index_parts.data(), DType::i32, Device::cpu, {4}),
+                         Tensor(labels.data(), DType::i32, Device::cpu, {4}), Tensor(mask.data(), DType::f64, Device::cpu, {4}),
+                         false);
+  CHECK(out == std::vector<double>{1, 3});  // row 1 only
+}
+
 TEST_CASE("reference attention output gate: Megatron's [q | gate | k | v] split and merge, sigmoid gate gradients",
           "[reference][gradcheck]") {
   auto be = make_reference_backend(2);

@@ -42,7 +42,8 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
                     norm_);
 }
 
-void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor mask, Tensor dloss, Tensor sums) {
+void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor mask, Tensor dloss, Tensor sums,
+                                 Tensor accept, Tensor accept_mask) {
   const Globals& G = *globals_;
   const Workspace& w = *ws_;
   // The output layer runs over chunks of logits_rows_ rows, so that the logits (and, in place,
@@ -55,6 +56,9 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
     const Tensor yr = y.row_slice(r0, rows), labels = labels_all.flat_slice(r0, rows);
     be_.linear_forward(logits, yr, G.out_w, Tensor(), Activation::none, Tensor());
+    // Acceptance: each row's argmax on this shard, before the loss's backward overwrites the logits.
+    if (!accept.empty())
+      be_.logits_argmax(w.mtp_max.flat_slice(r0, rows), w.mtp_argmax.flat_slice(r0, rows), logits, d_.vocab_start());
     Tensor lse = w.lse_part.flat_slice(r0, rows);
     // Training on the whole vocabulary (no TP): the loss and dlogits (in place) in one pass.
     const bool fused_ce = s.training && tp == 1;
@@ -76,6 +80,16 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
   if (tp > 1) ps_.tp->all_reduce(w.target);
+  if (!accept.empty()) {  // (with TP, the shard holding the row's largest logit decides)
+    Tensor max_parts = w.mtp_max, argmax_parts = w.mtp_argmax;
+    if (tp > 1) {
+      ps_.tp->all_gather(w.mtp_max_parts, w.mtp_max);
+      ps_.tp->all_gather(w.mtp_argmax_parts, w.mtp_argmax);
+      max_parts = w.mtp_max_parts;
+      argmax_parts = w.mtp_argmax_parts;
+    }
+    be_.argmax_match_count(accept, max_parts, argmax_parts, labels_all, accept_mask, true);
+  }
   be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
   be_.masked_loss_sum(sums, w.loss, mask, true);
 }

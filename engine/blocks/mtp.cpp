@@ -26,7 +26,7 @@ namespace mt {
 void GptModel::layout_mtp(Arena& a) {
   Workspace& w = *ws_;
   w.mtp.clear();
-  mtp_loss_ = Tensor();
+  mtp_loss_ = mtp_accept_ = Tensor();
   const int D = d_.stage_mtp_layers();
   if (D == 0) return;
   const MemoryCategory c = MemoryCategory::workspace;
@@ -51,6 +51,13 @@ void GptModel::layout_mtp(Arena& a) {
   w.mtp_dcat = a.take(c, T, {N, 2 * h});
   w.mtp_yall = a.take(c, T, {N, h});
   mtp_loss_ = a.take(c, S, {2 * int64_t{D}});
+  mtp_accept_ = a.take(c, S, {2 * int64_t{D}});
+  w.mtp_max = a.take(c, DType::f32, {N});
+  w.mtp_argmax = a.take(c, DType::i32, {N});
+  if (d_.tp_size > 1) {
+    w.mtp_max_parts = a.take(c, DType::f32, {d_.tp_size * N});
+    w.mtp_argmax_parts = a.take(c, DType::i32, {d_.tp_size * N});
+  }
 }
 
 void GptModel::mtp_forward_backward(Slot& s, Tensor dy0) {
@@ -105,8 +112,10 @@ void GptModel::mtp_forward_backward(Slot& s, Tensor dy0) {
     // The depth's loss and its output's gradient (this rank's rows), plus what the next depth carried.
     be_.copy(local_rows(w.mtp_yall), M.h);
     gather_rows(w.mtp_yall);
-    // Megatron's logged value: the sum of the masked losses over their count, summed over micro-batches.
-    output_layer_loss(s, w.mtp_yall, rows.labels, rows.log_weight, rows.dloss, mtp_loss_.flat_slice(2 * j, 2));
+    // Megatron's logged value: the sum of the masked losses over their count, summed over
+    // micro-batches; and its acceptance counts over the rolled loss mask.
+    output_layer_loss(s, w.mtp_yall, rows.labels, rows.log_weight, rows.dloss, mtp_loss_.flat_slice(2 * j, 2),
+                      mtp_accept_.flat_slice(2 * j, 2), rows.mask);
     Tensor dh = reduce_rows(w.gT);
     if (j + 1 < D) be_.axpby(dh, 1.0f, dh, 1.0f, w.mtp_carry);
     be_.norm_backward(w.mtp_dv, Pg.fnorm_w, Pg.fnorm_b, dh, A.out, M.f_mean, M.f_rstd, P.fnorm_w, Tensor(), Tensor(),

@@ -1,4 +1,5 @@
 // ReferenceBackend: vocab-parallel cross-entropy pieces and the masked loss sum.
+#include <climits>
 #include <cmath>
 
 #include "engine/reference/reference_backend.h"
@@ -90,6 +91,56 @@ void ReferenceBackend::masked_loss_sum(Tensor out, Tensor loss, Tensor mask, boo
   } else {
     o.set(0, sum);
     o.set(1, count);
+  }
+}
+
+void ReferenceBackend::logits_argmax(Tensor max, Tensor index, Tensor logits, int64_t vocab_start) {
+  const int64_t N = logits.rows(), C = logits.cols();
+  check_numel(max, N, "logits_argmax", "max");
+  MT_CHECK(max.dtype == DType::f32, "logits_argmax: max must be float32");
+  MT_CHECK(index.dtype == DType::i32 && index.numel() == N, "logits_argmax: index [{}] int32", N);
+  MT_CHECK(C > 0 && vocab_start + C <= INT32_MAX, "logits_argmax: {} columns from {}", C, vocab_start);
+  dispatch_float(logits, "logits_argmax", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < N; ++r) {
+      const T* z = logits.ptr<T>() + r * C;
+      int64_t best = 0;
+      for (int64_t c = 1; c < C; ++c)
+        if (z[c] > z[best]) best = c;  // the first occurrence of the largest
+      max.ptr<float>()[r] = static_cast<float>(z[best]);
+      index.ptr<int32_t>()[r] = static_cast<int32_t>(vocab_start + best);
+    }
+  });
+}
+
+void ReferenceBackend::argmax_match_count(Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels,
+                                          Tensor mask, bool accumulate) {
+  const int64_t N = labels.numel(), R = max_parts.numel() / std::max<int64_t>(1, N);
+  MT_CHECK(labels.dtype == DType::i32, "argmax_match_count: labels must be int32");
+  MT_CHECK(max_parts.dtype == DType::f32 && R >= 1 && max_parts.numel() == R * N,
+           "argmax_match_count: max_parts {} must be float32 [R, {}]", max_parts.shape_string(), N);
+  MT_CHECK(index_parts.dtype == DType::i32 && index_parts.numel() == R * N,
+           "argmax_match_count: index_parts {} must be int32 [{}, {}]", index_parts.shape_string(), R, N);
+  check_numel(mask, N, "argmax_match_count", "mask");
+  check_numel(out, 2, "argmax_match_count", "out");
+  const Floats o(out), m(mask);
+  const float* mx = max_parts.ptr<float>();
+  const int32_t* ix = index_parts.ptr<int32_t>();
+  double correct = 0, total = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (m.get(i) == 0.0) continue;
+    int64_t best = 0;
+    for (int64_t r = 1; r < R; ++r)
+      if (mx[r * N + i] > mx[best * N + i]) best = r;
+    total += 1;
+    correct += ix[best * N + i] == labels.ptr<int32_t>()[i] ? 1 : 0;
+  }
+  if (accumulate) {
+    o.add(0, correct);
+    o.add(1, total);
+  } else {
+    o.set(0, correct);
+    o.set(1, total);
   }
 }
 

@@ -127,6 +127,9 @@ class ReferenceBackend final : public Backend {
                               int64_t vocab_start) override;
   void logsumexp_combine(Tensor lse_out, Tensor lse_parts) override;
   void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) override;
+  void logits_argmax(Tensor max, Tensor index, Tensor logits, int64_t vocab_start) override;
+  void argmax_match_count(Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels, Tensor mask,
+                          bool accumulate) override;
 
   void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                   std::span<const OptimSegment> segments, const OptimStepParams& p) override;

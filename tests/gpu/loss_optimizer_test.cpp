@@ -1,6 +1,6 @@
 // CUDA vs reference: cross-entropy forward/backward over vocab shards (in place too), the fused
 // forward-backward,
-// logsumexp_combine, masked_loss_sum; AdamW and SGD over segment lists (inline and registered),
+// logsumexp_combine, masked_loss_sum, logits_argmax and argmax_match_count; AdamW and SGD over segment lists (inline and registered),
 // sum_squares and count_zeros (deterministic); hash_bytes (bit for bit).
 #include <algorithm>
 #include <cmath>
@@ -105,6 +105,43 @@ TEST_CASE("cuda logsumexp_combine and masked_loss_sum", "[gpu][loss]") {
     ref().masked_loss_sum(out.r(), l.r(), m.r(), true);
     MT_CHECK_CLOSE(out, 1e-6);
   }
+}
+
+// Multi-token prediction's acceptance: each row's largest logit and its first column (ties placed
+// on purpose, odd widths for the scalar path), and the counts over shards, exactly as the reference.
+TEST_CASE("cuda logits_argmax and argmax_match_count match the reference exactly", "[gpu][loss][mtp]") {
+  MT_RNG(rng);
+  for (DType dt : kFloatTypes)
+    for (int64_t rows : {1, 37})
+      for (int64_t cols : {1, 7, 1000, 32003}) {
+        INFO(dtype_name(dt) << " rows " << rows << " cols " << cols);
+        std::vector<double> x = rng.normal(rows * cols);
+        for (double& v : x) v = round_to(dt, v);
+        for (int64_t r = 0; r < rows; r += 2) {  // a tie of the largest value at two columns
+          const int64_t a = static_cast<int64_t>(rng.ints(1, 0, cols)[0]), b = static_cast<int64_t>(rng.ints(1, 0, cols)[0]);
+          x[r * cols + a] = x[r * cols + b] = 8.0;
+        }
+        Twin logits = twin(dt, {rows, cols}, x), max = twin_nan(DType::f32, {rows});
+        Twin index = twin(DType::i32, {rows}, std::vector<double>(rows, -1));
+        dev().logits_argmax(max.c(), index.c(), logits.c(), 5000);
+        ref().logits_argmax(max.r(), index.r(), logits.r(), 5000);
+        CHECK(download(dev(), max.c()) == download(ref(), max.r()));
+        CHECK(download(dev(), index.c()) == download(ref(), index.r()));
+      }
+  for (int64_t parts : {1, 2, 3})
+    for (int64_t n : {1, 333, 5000}) {
+      INFO("parts " << parts << " n " << n);
+      // Few distinct values: ties between shards are common.
+      Twin max_parts = twin(DType::f32, {parts, n}, rng.ints(parts * n, 0, 4));
+      Twin index_parts = twin(DType::i32, {parts, n}, rng.ints(parts * n, 0, 6));
+      Twin labels = twin(DType::i32, {n}, rng.ints(n, 0, 6)), mask = twin(DType::f32, {n}, rng.ints(n, 0, 2));
+      Twin out = twin(DType::f32, {2}, {3.0, 4.0});
+      for (bool accumulate : {false, true}) {
+        dev().argmax_match_count(out.c(), max_parts.c(), index_parts.c(), labels.c(), mask.c(), accumulate);
+        ref().argmax_match_count(out.r(), max_parts.r(), index_parts.r(), labels.r(), mask.r(), accumulate);
+        CHECK(download(dev(), out.c()) == download(ref(), out.r()));
+      }
+    }
 }
 
 namespace {

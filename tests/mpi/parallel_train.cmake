@@ -381,6 +381,14 @@ megatrain_parallel_train_test(parallel_train_documents_cp2_pp2 --model
 megatrain_parallel_train_test(parallel_train_moe_cp2 --model "${moe_model}" 2 --context-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_moe_cp2_ep2 --model "${moe_model}" 2 --context-parallel-size 2
                               --expert-model-parallel-size 2)
+# --use-tp-pp-dp-mapping (DP last) with PP 2: EP folding TP (expert TP 1), and EP folding CP (4 ranks
+# each; 8 ranks as Megatron-LM's dp_last functional tests is the same rule).
+megatrain_parallel_train_test(parallel_train_moe_tp2_ep2_etp1_pp2_dp_last --model "${moe_model}" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+                              --expert-tensor-parallel-size 1 --pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping)
+megatrain_parallel_train_test(parallel_train_moe_cp2_ep2_pp2_dp_last --model "${moe_model}" 4
+                              --context-parallel-size 2 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2
+                              --use-tp-pp-dp-mapping)
 megatrain_parallel_train_test(parallel_train_moe_seq_aux_cp2_dp2 --model "${moe_model} --micro-batch-size 2 \
 --moe-router-load-balancing-type seq_aux_loss --moe-per-layer-logging" 4 --context-parallel-size 2 --use-distributed-optimizer)
 megatrain_parallel_train_test(parallel_train_moe_bias_cp2_ep4 --model "${moe_sigmoid_model} --moe-router-enable-expert-bias" 4

@@ -2,7 +2,8 @@
 // binary once on one process and once under `mpirun -np N` with a parallel layout, both with
 // --metrics-jsonl and --save, and requires the same run:
 //   * every iteration's lm loss (relative 1e-5; MoE models also their (seq_)load_balancing_loss and
-//     z_loss) and gradient norm (relative 1e-4), and the
+//     z_loss, MTP models each depth's loss, and its acceptance rate within 2 percentage points: an
+//     argmax at a near-tie may turn with the order of a sum) and gradient norm (relative 1e-4), and the
 //     parameter norm of every iteration (relative 1e-5),
 //   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
 //   * the final checkpoints: every model tensor and optimizer state element within 2e-5 (FP8
@@ -53,7 +54,8 @@ const char* kModel =
 
 struct Record {
   double loss = 0, grad_norm = 0, params_norm = 0;
-  std::map<std::string, double> moe;  // MoE models: load_balancing_loss, z_loss
+  std::map<std::string, double> moe;  // MoE models: load_balancing_loss, z_loss; MTP: mtp_<j>_loss
+  std::map<std::string, double> accept;  // MTP: mtp_<j>_acceptance_rate (percent)
 };
 using Evals = std::map<std::pair<int64_t, bool>, double>;  // (iteration, after training) -> lm loss
 
@@ -136,6 +138,12 @@ std::map<int64_t, Record> read_metrics(const std::string& path) {
     r.params_norm = j.at("params_norm").get<double>();
     for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"})
       if (j.contains(key)) r.moe[key] = j.at(key).get<double>();
+    for (const auto& [key, value] : j.items()) {
+      if (key.rfind("mtp_", 0) != 0) continue;
+      if (key.size() > 5 && key.compare(key.size() - 5, 5, "_loss") == 0) r.moe[key] = value.get<double>();
+      if (key.find("_acceptance_rate") != std::string::npos && key.find("cumulative") == std::string::npos)
+        r.accept[key] = value.get<double>();
+    }
     out[j.at("iteration").get<int64_t>()] = r;
   }
   return out;
@@ -171,6 +179,11 @@ void compare_metrics(const std::map<int64_t, Record>& base, const std::map<int64
     for (const auto& [key, value] : b->second.moe) {
       const auto q = p->second.moe.find(key);
       check(q != p->second.moe.end() && near(value, q->second, rtol_loss), key + " of iteration " + std::to_string(it));
+    }
+    for (const auto& [key, value] : b->second.accept) {
+      const auto q = p->second.accept.find(key);
+      check(q != p->second.accept.end() && std::fabs(value - q->second) <= 2.0,
+            key + " of iteration " + std::to_string(it));
     }
   }
 }
