@@ -87,15 +87,15 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
     MT_CHECK(s.cp->rank() == s.cp_rank && s.dp_cp->rank() == s.replicas_rank(),
              "context-parallel group ranks disagree with the grid coordinates of rank {}", rank);
   }
-  // Expert parallelism: the experts' grid (its TP size is TP, its CP 1: checked by the parser, so
-  // that EP groups are consecutive DP ranks of one pipeline stage).
+  // Expert parallelism: the experts' grid (its TP size dividing TP, its CP 1, its pipeline groups
+  // the attention's: checked by the parser, so that an EP group lies in one pipeline stage).
   const int etp = cfg.parallel.expert_tensor_parallel_size.value_or(grid.tp);
   s.etp_size = cfg.model.moe.enabled() ? etp : grid.tp;
   s.etp_rank = cfg.model.moe.enabled() && etp != grid.tp ? 0 : c.tp;
   if (cfg.model.moe.enabled() && (cfg.parallel.expert_model_parallel_size > 1 || etp != grid.tp)) {
     const RankGrid eg = RankGrid::experts_from_config(cfg);
-    MT_CHECK(grid.tp % eg.tp == 0 && (!grid.tp_pp_dp_order || grid.pp == 1),
-             "expert parallelism needs an expert TP size dividing TP and the tp-cp-ep-dp-pp order");
+    MT_CHECK(grid.tp % eg.tp == 0 && (grid.pp == 1 || rank_groups(grid, "pp") == rank_groups(eg, "pp")),
+             "expert parallelism needs an expert TP size dividing TP and the attention's pipeline groups");
     const RankCoord ec = rank_coord(eg, rank);
     s.ep_size = eg.ep;
     s.ep_rank = ec.ep;
