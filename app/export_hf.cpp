@@ -22,6 +22,7 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // express (naming the flag).
   bool windowed = false;
   for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
+  if (m.multi_latent_attention) return HfArchitecture::deepseek_v3;  // (with MoE layers or without)
   if (m.moe.enabled()) return HfArchitecture::mixtral;  // (validate() names what Mixtral cannot express)
   if (m.squared_relu) return HfArchitecture::nemotron;
   if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope) {
@@ -51,11 +52,16 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (!rs.config.contains("model"))
     fail("{} records no model configuration: cannot tell which Hugging Face model it is", manifest);
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
-  if (m.multi_latent_attention)
-    throw Unsupported("export-hf does not map --multi-latent-attention models (DeepseekV3ForCausalLM) yet");
   if (m.position_embedding_type == PositionEmbedding::yarn)
     throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
+  // MLA's default RoPE is YaRN; with a scaling factor of 1 it is plain RoPE.
+  if (m.multi_latent_attention && mla_rope_is_yarn(m) && m.rotary_scaling_factor != 1.0)
+    throw Unsupported(fmt::format("export-hf does not map multi-latent attention with YaRN (--rope-type yarn, "
+                                  "--rotary-scaling-factor {}) yet", m.rotary_scaling_factor));
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
+  if (spec.arch == HfArchitecture::deepseek_v3 && spec.norm_epsilon != 1e-6)
+    fmt::print(stderr, "note: transformers' DeepSeek-V3 normalizes the MLA latents with eps 1e-6; this model's "
+                       "--norm-epsilon is {} (its other norms keep it as rms_norm_eps)\n", spec.norm_epsilon);
   if (m.mtp_num_layers.value_or(0) > 0)  // (inference models have none; the file names what is left out)
     fmt::print(stderr, "note: export-hf leaves out the {} multi-token prediction layer(s) (mtp.layers.*): the Hugging "
                        "Face model has no place for them\n", *m.mtp_num_layers);
@@ -73,6 +79,10 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   std::vector<uint64_t> shard_bytes(1, 0);
   uint64_t total = 0;
   for (size_t i = 0; i < mappings.size(); ++i) {
+    if (mappings[i].ours.empty()) {  // (zeros of HF's: float32)
+      shards.back().push_back(i);
+      continue;
+    }
     const CheckpointTensorInfo& info = reader.info(mappings[i].ours);
     if (info.global_shape != mappings[i].our_shape)
       fail("{}: tensor '{}' is {} but its recorded model configuration makes it {}", manifest, mappings[i].ours,
@@ -101,6 +111,12 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
     std::vector<std::pair<std::string, size_t>> order;
     for (size_t i : shards[f]) {
       const HfTensorMapping& mp = mappings[i];
+      if (mp.ours.empty()) {  // a tensor the HF model has and this one does not: zeros
+        order.push_back({mp.hf[0], held.size()});
+        held.push_back(HostArray::zeros(DType::f32, mp.hf_shapes[0]));
+        weight_map[mp.hf[0]] = name;
+        continue;
+      }
       const CheckpointTensorInfo& info = reader.info(mp.ours);
       HostArray ours = HostArray::zeros(info.dtype, mp.our_shape);
       Tensor view(ours.bytes.data(), info.dtype, Device::cpu, {ours.numel()});

@@ -62,7 +62,39 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.query_groups = s.num_query_groups;
   m.vocab_size = s.vocab_size;
   m.padded_vocab_size = s.padded_vocab_size;
-  if (s.num_experts > 0) {  // Mixtral: every layer MoE, softmax top-k (Megatron's default router)
+  if (s.arch == HfArchitecture::deepseek_v3) {
+    // Multi-latent attention with both latent norms and plain RoPE on its RoPE part; the first
+    // first_dense_layers layers dense, the others MoE with sigmoid routing, the expert bias, the
+    // scaling factor, the router's groups and the shared experts.
+    m.multi_latent_attention = true;
+    if (s.q_lora_rank > 0) m.q_lora_rank = s.q_lora_rank;
+    m.kv_lora_rank = s.kv_lora_rank;
+    m.qk_head_dim = s.qk_nope_head_dim;
+    m.qk_pos_emb_head_dim = s.qk_rope_head_dim;
+    m.v_head_dim = s.v_head_dim;
+    m.qk_layernorm = true;
+    m.rope_type = "rope";
+    m.rotary_interleaved = false;  // (the import permuted interleaved HF weights to rotate-half)
+    if (s.num_experts > 0) {
+      MoeConfig& e = m.moe;
+      e.num_experts = s.num_experts;
+      e.router_topk = s.moe_topk;
+      e.ffn_hidden_size = s.moe_ffn_hidden_size;
+      e.expert_ffn = s.moe_ffn_hidden_size;
+      e.layer_pattern.assign(static_cast<size_t>(s.num_layers), 1);
+      for (int l = 0; l < s.first_dense_layers; ++l) e.layer_pattern[static_cast<size_t>(l)] = 0;
+      e.moe_layer.assign(e.layer_pattern.begin(), e.layer_pattern.end());
+      e.score_function = MoeScoreFunction::sigmoid;
+      if (s.routed_scaling_factor != 1.0) e.router_topk_scaling_factor = s.routed_scaling_factor;
+      if (s.router_groups > 1) {
+        e.router_num_groups = s.router_groups;
+        e.router_group_topk = s.router_group_topk;
+      }
+      if (s.shared_expert_ffn > 0) e.shared_expert_intermediate_size = s.shared_expert_ffn;
+      e.router_enable_expert_bias = s.expert_bias;
+      e.aux_loss_coeff = {0.0};
+    }
+  } else if (s.num_experts > 0) {  // Mixtral: every layer MoE, softmax top-k (Megatron's default router)
     m.moe.num_experts = s.num_experts;
     m.moe.router_topk = s.moe_topk;
     m.moe.ffn_hidden_size = s.moe_ffn_hidden_size;
@@ -121,7 +153,35 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
     add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
     if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));
   }
-  if (s.num_experts > 0) {
+  if (s.arch == HfArchitecture::deepseek_v3) {
+    add("--multi-latent-attention");
+    if (s.q_lora_rank > 0) add("--q-lora-rank", std::to_string(s.q_lora_rank));
+    add("--kv-lora-rank", std::to_string(s.kv_lora_rank));
+    add("--qk-head-dim", std::to_string(s.qk_nope_head_dim));
+    add("--qk-pos-emb-head-dim", std::to_string(s.qk_rope_head_dim));
+    add("--v-head-dim", std::to_string(s.v_head_dim));
+    add("--qk-layernorm");
+    add("--rope-type", "rope");
+    add("--no-rope-fusion");  // (Megatron's rule: MLA's fused RoPE takes YaRN only)
+  }
+  if (s.arch == HfArchitecture::deepseek_v3 && s.num_experts > 0) {
+    add("--num-experts", std::to_string(s.num_experts));
+    add("--moe-router-topk", std::to_string(s.moe_topk));
+    add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
+    std::string pattern = "[";
+    for (int l = 0; l < s.num_layers; ++l) pattern += fmt::format("{}{}", l ? "," : "", l < s.first_dense_layers ? 0 : 1);
+    add("--moe-layer-freq", pattern + "]");
+    add("--moe-router-score-function", "sigmoid");
+    add("--moe-router-enable-expert-bias");
+    if (s.routed_scaling_factor != 1.0) add("--moe-router-topk-scaling-factor", num(s.routed_scaling_factor));
+    if (s.router_groups > 1) {
+      add("--moe-router-num-groups", std::to_string(s.router_groups));
+      add("--moe-router-group-topk", std::to_string(s.router_group_topk));
+    }
+    if (s.shared_expert_ffn > 0) add("--moe-shared-expert-intermediate-size", std::to_string(s.shared_expert_ffn));
+    add("--moe-grouped-gemm");
+    add("--moe-token-dispatcher-type", "alltoall");
+  } else if (s.num_experts > 0) {
     add("--num-experts", std::to_string(s.num_experts));
     add("--moe-router-topk", std::to_string(s.moe_topk));
     add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
@@ -219,6 +279,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
   for (const HfTensorMapping& m : mappings) {
     std::vector<HostArray> in;
     for (const std::string& n : m.hf) in.push_back(hf.take(n));
+    if (m.ours.empty()) continue;  // (nothing of ours: HfTransform::zeros)
     held.push_back(import_hf_tensor(m, r.spec, in));
     const HostArray& a = held.back();
     const int64_t rows = a.shape[0], cols = a.shape.size() == 2 ? a.shape[1] : 1;

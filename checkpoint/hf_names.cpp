@@ -99,7 +99,65 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.gelu_activation = gelu_is_tanh(m) ? "gelu_new" : "gelu";
   if (m.position_embedding_type == PositionEmbedding::none && arch == HfArchitecture::gpt2)
     s.learned_position_embeddings = false;  // validate() refuses it
-  if (m.moe.enabled()) {
+  if (m.multi_latent_attention) {
+    s.q_lora_rank = m.q_lora_rank.value_or(0);
+    s.kv_lora_rank = m.kv_lora_rank;
+    s.qk_nope_head_dim = m.qk_head_dim;
+    s.qk_rope_head_dim = m.qk_pos_emb_head_dim;
+    s.v_head_dim = m.v_head_dim;
+    s.mla_latent_norms = m.qk_layernorm;
+    s.head_dim = m.qk_head_dim + m.qk_pos_emb_head_dim;
+    s.num_query_groups = m.num_attention_heads;
+    s.qk_layernorm = false;  // (MLA's --qk-layernorm means its latent norms)
+    s.first_dense_layers = m.num_layers;
+  }
+  if (m.moe.enabled() && arch == HfArchitecture::deepseek_v3) {
+    const MoeConfig& e = m.moe;
+    s.num_experts = e.num_experts;
+    s.moe_topk = e.router_topk;
+    s.moe_ffn_hidden_size = e.expert_ffn > 0 ? e.expert_ffn : e.ffn_hidden_size.value_or(m.ffn_size);
+    s.router_aux_loss_coef = e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss);
+    s.expert_bias = e.router_enable_expert_bias;
+    s.routed_scaling_factor = e.router_topk_scaling_factor.value_or(0.0) != 0.0 ? *e.router_topk_scaling_factor : 1.0;
+    if (e.router_num_groups && e.router_group_topk) {
+      s.router_groups = *e.router_num_groups;
+      s.router_group_topk = *e.router_group_topk;
+    }
+    s.shared_expert_ffn = e.shared_expert_intermediate_size.value_or(0);
+    std::vector<std::string>& no = s.moe_unexpressible;
+    if (e.score_function != MoeScoreFunction::sigmoid)
+      no.push_back("--moe-router-score-function softmax (DeepSeek-V3's router is sigmoid)");
+    if (e.router_pre_softmax) no.push_back("--moe-router-pre-softmax");
+    // transformers scores a group by the sum of its two best experts; Megatron by its
+    // top-k / group-top-k best.
+    if (s.router_groups > 1 && s.num_experts / s.router_groups < 2)
+      no.push_back(fmt::format("--moe-router-num-groups {} with {} experts (DeepSeek-V3's groups hold at least two)",
+                               s.router_groups, s.num_experts));
+    if (s.router_groups > 1 && s.moe_topk != 2 * s.router_group_topk)
+      no.push_back(fmt::format("--moe-router-topk {} with --moe-router-group-topk {} (DeepSeek-V3 scores each group "
+                               "by its two best experts: the top-k must be twice the group top-k)",
+                               s.moe_topk, s.router_group_topk));
+    if (e.shared_expert_gate) no.push_back("--moe-shared-expert-gate");
+    if (s.shared_expert_ffn % s.moe_ffn_hidden_size != 0)
+      no.push_back(fmt::format("--moe-shared-expert-intermediate-size {} (a whole number of --moe-ffn-hidden-size {}: "
+                               "DeepSeek-V3's n_shared_experts)", s.shared_expert_ffn, s.moe_ffn_hidden_size));
+    if (e.expert_capacity_factor) no.push_back("--moe-expert-capacity-factor (DeepSeek-V3's HF model is dropless)");
+    for (MoeLoadBalancing t : e.load_balancing_type)
+      if (t == MoeLoadBalancing::sinkhorn) no.push_back("--moe-router-load-balancing-type sinkhorn");
+    // Dense layers first, then MoE layers only (first_k_dense_replace).
+    int first_moe = m.num_layers;
+    for (int layer = 0; layer < m.num_layers; ++layer)
+      if (e.is_moe_layer(layer)) {
+        first_moe = layer;
+        break;
+      }
+    s.first_dense_layers = first_moe;
+    for (int layer = first_moe; layer < m.num_layers; ++layer)
+      if (!e.is_moe_layer(layer)) {
+        no.push_back("--moe-layer-freq with a dense layer after an MoE layer (DeepSeek-V3's dense layers come first)");
+        break;
+      }
+  } else if (m.moe.enabled()) {
     const MoeConfig& e = m.moe;
     s.num_experts = e.num_experts;
     s.moe_topk = e.router_topk;
@@ -132,6 +190,7 @@ const char* hf_architecture_name(HfArchitecture a) {
     case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
     case HfArchitecture::nemotron: return "NemotronForCausalLM";
     case HfArchitecture::mixtral: return "MixtralForCausalLM";
+    case HfArchitecture::deepseek_v3: return "DeepseekV3ForCausalLM";
   }
   return "?";
 }
@@ -139,7 +198,8 @@ const char* hf_architecture_name(HfArchitecture a) {
 void HfModelSpec::validate() const {
   const char* model = hf_architecture_name(arch);
   auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
-  const bool dense_mlp = arch != HfArchitecture::mixtral;  // (Mixtral's MLPs are its experts)
+  const bool deepseek = arch == HfArchitecture::deepseek_v3;
+  const bool dense_mlp = arch != HfArchitecture::mixtral && !(deepseek && first_dense_layers == 0);
   if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 ||
       (dense_mlp && ffn_hidden_size <= 0))
     fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
@@ -159,8 +219,29 @@ void HfModelSpec::validate() const {
   if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama || arch == HfArchitecture::nemotron))
     refuse("--window-size (the HF model has no sliding window; Llama-shaped models with one export as "
            "MistralForCausalLM, Qwen2-shaped ones as Qwen2ForCausalLM)");
-  if (num_experts > 0 && arch != HfArchitecture::mixtral)
-    refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM)");
+  if (num_experts > 0 && arch != HfArchitecture::mixtral && !deepseek)
+    refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM, or with --multi-latent-attention as "
+           "DeepseekV3ForCausalLM)");
+  if (deepseek) {
+    // transformers' DeepseekV3ForCausalLM: RMSNorm, MLA with both latent norms, SwiGLU, no biases.
+    if (layernorm) refuse("--normalization LayerNorm (DeepSeek-V3 uses RMSNorm)");
+    if (!swiglu) refuse("a non-SwiGLU MLP (pass --swiglu)");
+    if (add_bias_linear) refuse("linear biases (DeepSeek-V3 has none: pass --disable-bias-linear)");
+    if (!mla_latent_norms) refuse("multi-latent attention without --qk-layernorm (DeepSeek-V3 normalizes its latents)");
+    if (q_lora_rank == 0) refuse("--q-lora-rank none with the latent norms (DeepSeek-V3's q_proj has no norm)");
+    if (kv_lora_rank <= 0 || qk_nope_head_dim <= 0 || qk_rope_head_dim <= 0 || qk_rope_head_dim % 2 != 0 ||
+        v_head_dim <= 0)
+      fail("HF mapping: MLA ranks q {} kv {}, head dims {} + {} (even), value {}", q_lora_rank, kv_lora_rank,
+           qk_nope_head_dim, qk_rope_head_dim, v_head_dim);
+    if (rotary_percent != 1.0) refuse("--rotary-percent != 1 (DeepSeek-V3 rotates the whole RoPE part)");
+    if (first_dense_layers < num_layers &&
+        (num_experts <= 0 || moe_topk <= 0 || moe_topk > num_experts || moe_ffn_hidden_size <= 0))
+      fail("HF mapping: DeepSeek-V3 with {} experts, top-{}, expert FFN {}", num_experts, moe_topk, moe_ffn_hidden_size);
+    if (!moe_unexpressible.empty()) refuse(moe_unexpressible.front());
+    if (sliding_window) refuse("--window-size (DeepSeek-V3 has no sliding window)");
+    if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
+    return;
+  }
   if (arch == HfArchitecture::mixtral) {
     if (num_experts <= 0 || moe_topk <= 0 || moe_topk > num_experts || moe_ffn_hidden_size <= 0)
       fail("HF mapping: Mixtral with {} experts, top-{}, expert FFN {}", num_experts, moe_topk, moe_ffn_hidden_size);
@@ -227,9 +308,63 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
   if (gpt2)
     add("embedding.position_embeddings.weight", {s.max_position_embeddings, h}, {"transformer.wpe.weight"},
         {{s.max_position_embeddings, h}}, HfTransform::copy);
+  // SwiGLU MLP weights: ours [gate; up] and down <-> gate_proj, up_proj, down_proj.
+  auto swiglu_mlp = [&](const std::string& ours, const std::string& hf, int64_t ffn) {
+    add(ours + "linear_fc1.weight", {2 * ffn, h}, {hf + "gate_proj.weight", hf + "up_proj.weight"}, {{ffn, h}, {ffn, h}},
+        HfTransform::fc1_split);
+    add(ours + "linear_fc2.weight", {h, ffn}, {hf + "down_proj.weight"}, {{h, ffn}}, HfTransform::copy);
+  };
   for (int i = 0; i < s.num_layers; ++i) {
     const std::string L = fmt::format("decoder.layers.{}.", i);
     const std::string P = gpt2 ? fmt::format("transformer.h.{}.", i) : fmt::format("model.layers.{}.", i);
+    if (s.arch == HfArchitecture::deepseek_v3) {
+      // Multi-latent attention: the standalone input norm, q down (q_a_proj), its latent norm and
+      // up projection (q_b_proj, per head [nope; rope]), kv down with the shared RoPE key
+      // ([c_kv; k_rope]: kv_a_proj_with_mqa), its latent norm and up projection (per head
+      // [k_nope; v]: kv_b_proj), o_proj.
+      const std::string A = P + "self_attn.";
+      const int64_t ql = s.q_lora_rank, kvl = s.kv_lora_rank, dq = s.qk_nope_head_dim + s.qk_rope_head_dim;
+      const int64_t dkv = s.qk_nope_head_dim + s.v_head_dim;
+      add(L + "input_layernorm.weight", {h}, {P + "input_layernorm.weight"}, {{h}}, HfTransform::copy);
+      add(L + "self_attention.linear_q_down_proj.weight", {ql, h}, {A + "q_a_proj.weight"}, {{ql, h}}, HfTransform::copy);
+      add(L + "self_attention.linear_q_up_proj.layer_norm_weight", {ql}, {A + "q_a_layernorm.weight"}, {{ql}},
+          HfTransform::copy);
+      add(L + "self_attention.linear_q_up_proj.weight", {H * dq, ql}, {A + "q_b_proj.weight"}, {{H * dq, ql}},
+          HfTransform::mla_q_rope);
+      add(L + "self_attention.linear_kv_down_proj.weight", {kvl + s.qk_rope_head_dim, h}, {A + "kv_a_proj_with_mqa.weight"},
+          {{kvl + s.qk_rope_head_dim, h}}, HfTransform::mla_kv_rope);
+      add(L + "self_attention.linear_kv_up_proj.layer_norm_weight", {kvl}, {A + "kv_a_layernorm.weight"}, {{kvl}},
+          HfTransform::copy);
+      add(L + "self_attention.linear_kv_up_proj.weight", {H * dkv, kvl}, {A + "kv_b_proj.weight"}, {{H * dkv, kvl}},
+          HfTransform::copy);
+      add(L + "self_attention.linear_proj.weight", {h, H * s.v_head_dim}, {A + "o_proj.weight"}, {{h, H * s.v_head_dim}},
+          HfTransform::copy);
+      if (i < s.first_dense_layers) {  // a dense SwiGLU MLP behind the fused pre-MLP norm
+        add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
+        swiglu_mlp(L + "mlp.", P + "mlp.", f);
+        continue;
+      }
+      // The MoE layer: its standalone pre-MLP norm, the router (gate) and its expert bias
+      // (e_score_correction_bias, zeros without one), the experts and the shared experts.
+      const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+      add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
+      add(L + "mlp.router.weight", {E, h}, {P + "mlp.gate.weight"}, {{E, h}}, HfTransform::copy);
+      add(s.expert_bias ? L + "mlp.router.expert_bias" : std::string(), {E}, {P + "mlp.gate.e_score_correction_bias"},
+          {{E}}, s.expert_bias ? HfTransform::copy : HfTransform::zeros);
+      std::vector<std::string> fc1, fc2;
+      std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string X = fmt::format("{}mlp.experts.{}.", P, e);
+        fc1.insert(fc1.end(), {X + "gate_proj.weight", X + "up_proj.weight"});
+        fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
+        fc2.push_back(X + "down_proj.weight");
+        fc2_shapes.push_back({h, fe});
+      }
+      add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
+      add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+      if (s.shared_expert_ffn > 0) swiglu_mlp(L + "mlp.shared_experts.", P + "mlp.shared_experts.", s.shared_expert_ffn);
+      continue;
+    }
     if (gpt2) {
       add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "ln_1.weight"}, {{h}}, norm);
       add(L + "self_attention.linear_qkv.layer_norm_bias", {h}, {P + "ln_1.bias"}, {{h}}, HfTransform::copy);
@@ -328,6 +463,42 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_weights"] = true;
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
+  } else if (s.arch == HfArchitecture::deepseek_v3) {
+    // (Dense-only models carry MoE fields the dense layers never read.)
+    const bool moe = s.first_dense_layers < s.num_layers;
+    c["architectures"] = {"DeepseekV3ForCausalLM"};
+    c["model_type"] = "deepseek_v3";
+    c["vocab_size"] = s.vocab_size;
+    c["hidden_size"] = s.hidden_size;
+    c["intermediate_size"] = s.ffn_hidden_size;
+    c["moe_intermediate_size"] = moe ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
+    c["num_hidden_layers"] = s.num_layers;
+    c["num_attention_heads"] = s.num_attention_heads;
+    c["num_key_value_heads"] = s.num_attention_heads;
+    c["n_shared_experts"] = moe ? s.shared_expert_ffn / s.moe_ffn_hidden_size : 0;
+    c["n_routed_experts"] = moe ? s.num_experts : 1;
+    c["num_experts_per_tok"] = moe ? s.moe_topk : 1;
+    c["routed_scaling_factor"] = s.routed_scaling_factor;
+    c["n_group"] = s.router_groups;
+    c["topk_group"] = s.router_group_topk;
+    // Megatron renormalizes sigmoid top-k scores when it picks more than one expert.
+    c["norm_topk_prob"] = moe && s.moe_topk > 1;
+    c["first_k_dense_replace"] = s.first_dense_layers;
+    c["q_lora_rank"] = s.q_lora_rank > 0 ? json(s.q_lora_rank) : json(nullptr);
+    c["kv_lora_rank"] = s.kv_lora_rank;
+    c["qk_nope_head_dim"] = s.qk_nope_head_dim;
+    c["qk_rope_head_dim"] = s.qk_rope_head_dim;
+    c["v_head_dim"] = s.v_head_dim;
+    c["head_dim"] = s.qk_rope_head_dim;
+    c["rope_interleave"] = s.rope_interleave;
+    c["hidden_act"] = "silu";
+    c["max_position_embeddings"] = s.max_position_embeddings;
+    c["initializer_range"] = s.init_method_std;
+    c["rms_norm_eps"] = s.norm_epsilon;
+    c["rope_theta"] = s.rotary_base;
+    c["rope_scaling"] = nullptr;
+    c["attention_bias"] = false;
+    c["attention_dropout"] = s.attention_dropout;
   } else {
     const bool qwen2 = s.arch == HfArchitecture::qwen2, mixtral = s.arch == HfArchitecture::mixtral,
                mistral = s.arch == HfArchitecture::mistral || mixtral, nemotron = s.arch == HfArchitecture::nemotron;
@@ -465,6 +636,69 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = c.value("resid_pdrop", 0.1);
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
+    } else if (type == "deepseek_v3") {
+      s.arch = HfArchitecture::deepseek_v3;
+      s.hidden_size = need("hidden_size").get<int>();
+      s.num_layers = need("num_hidden_layers").get<int>();
+      s.num_attention_heads = need("num_attention_heads").get<int>();
+      s.num_query_groups = s.num_attention_heads;
+      const int kv_heads = c.value("num_key_value_heads", s.num_attention_heads);
+      if (kv_heads != s.num_attention_heads)
+        throw Unsupported(fmt::format("HF deepseek_v3 config: num_key_value_heads {} of {} heads (multi-latent "
+                                      "attention has one key/value per head)", kv_heads, s.num_attention_heads));
+      s.ffn_hidden_size = need("intermediate_size").get<int>();
+      s.max_position_embeddings = need("max_position_embeddings").get<int>();
+      s.layernorm = false;
+      s.swiglu = true;
+      s.add_bias_linear = false;
+      if (c.value("attention_bias", false)) throw Unsupported("HF deepseek_v3 config: attention_bias (megatrain's MLA has none)");
+      if (c.value("hidden_act", std::string("silu")) != "silu")
+        throw Unsupported(fmt::format("HF deepseek_v3 config: hidden_act '{}' (megatrain maps silu, SwiGLU)",
+                                      c.value("hidden_act", std::string())));
+      s.q_lora_rank = c.contains("q_lora_rank") && !c["q_lora_rank"].is_null() ? c["q_lora_rank"].get<int>() : 0;
+      s.kv_lora_rank = need("kv_lora_rank").get<int>();
+      s.qk_nope_head_dim = need("qk_nope_head_dim").get<int>();
+      s.qk_rope_head_dim = need("qk_rope_head_dim").get<int>();
+      s.v_head_dim = need("v_head_dim").get<int>();
+      s.head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim;
+      s.mla_latent_norms = true;
+      s.rope_interleave = c.value("rope_interleave", true);
+      s.first_dense_layers = std::min(c.value("first_k_dense_replace", 0), s.num_layers);
+      if (s.first_dense_layers < s.num_layers) {
+        s.num_experts = need("n_routed_experts").get<int>();
+        s.moe_topk = need("num_experts_per_tok").get<int>();
+        s.moe_ffn_hidden_size = need("moe_intermediate_size").get<int>();
+        s.shared_expert_ffn = c.value("n_shared_experts", 0) * s.moe_ffn_hidden_size;
+        s.routed_scaling_factor = c.value("routed_scaling_factor", 1.0);
+        s.router_groups = c.value("n_group", 1);
+        s.router_group_topk = c.value("topk_group", 1);
+        s.expert_bias = true;  // (the HF router always adds e_score_correction_bias)
+        if (c.value("norm_topk_prob", true) != (s.moe_topk > 1))
+          throw Unsupported(fmt::format("HF deepseek_v3 config: norm_topk_prob {} with {} experts per token "
+                                        "(Megatron's sigmoid router renormalizes exactly when it picks more than one)",
+                                        c.value("norm_topk_prob", true), s.moe_topk));
+        if (s.router_groups > 1 && s.moe_topk != 2 * s.router_group_topk)
+          throw Unsupported(fmt::format("HF deepseek_v3 config: {} experts per token with topk_group {} (transformers "
+                                        "scores a group by its two best experts, Megatron by top-k / group top-k: "
+                                        "they agree when num_experts_per_tok = 2 x topk_group)",
+                                        s.moe_topk, s.router_group_topk));
+        if (s.router_groups < 1 || s.num_experts % s.router_groups != 0 || s.num_experts / s.router_groups < 2)
+          throw Unsupported(fmt::format("HF deepseek_v3 config: n_group {} of {} routed experts", s.router_groups,
+                                        s.num_experts));
+      }
+      s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
+      const json* params = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"] : nullptr;
+      s.rotary_base = c.contains("rope_theta") && c["rope_theta"].is_number() ? c["rope_theta"].get<double>()
+                      : params ? params->value("rope_theta", 10000.0)
+                               : 10000.0;
+      const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : nullptr;
+      if (!scaling && params && params->value("rope_type", std::string("default")) != "default") scaling = params;
+      if (scaling)
+        throw Unsupported(fmt::format("HF deepseek_v3 config: rope_scaling {} (megatrain maps DeepSeek-V3 without RoPE "
+                                      "scaling yet)", scaling->dump()));
+      s.attention_dropout = c.value("attention_dropout", 0.0);
+      s.hidden_dropout = 0.0;
+      s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "nemotron" || type == "mixtral") {
       const bool nemotron = type == "nemotron";
       s.arch = type == "qwen2"     ? HfArchitecture::qwen2
@@ -537,7 +771,8 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else {
       throw Unsupported(
-          fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, nemotron and mixtral)", type));
+          fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, nemotron, mixtral and "
+                      "deepseek_v3)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);
@@ -620,6 +855,26 @@ void permute_rope_rows(const void* src, size_t elem, int heads, int head_dim, in
 // ---------------------------------------------------------------------------------------------
 // Tensor conversion
 
+namespace {
+// MLA's RoPE rows in a stack of blocks of `block` rows (q: one per head [nope; rope]; kv down: one
+// [kv_lora; rope]), `offset` rows into each: permuted between HF's interleaved pairs and our
+// rotate-half pairs (to_rotate_half: HF -> ours), or copied when the HF model does not interleave.
+void mla_rope_rows(const HostArray& src, HostArray& dst, const HfTensorMapping& m, const HfModelSpec& s,
+                   bool to_rotate_half) {
+  dst.bytes = src.bytes;
+  if (!s.rope_interleave) return;
+  const bool q = m.transform == HfTransform::mla_q_rope;
+  const int64_t rope = s.qk_rope_head_dim, block = q ? s.qk_nope_head_dim + rope : s.kv_lora_rank + rope;
+  const int64_t offset = block - rope, cols = m.our_shape.size() == 2 ? m.our_shape[1] : 1;
+  const size_t elem = dtype_size(src.dtype), row = static_cast<size_t>(cols) * elem;
+  for (int64_t b = 0; b < m.our_shape[0] / block; ++b) {
+    const size_t at = static_cast<size_t>(b * block + offset) * row;
+    permute_rope_rows(src.bytes.data() + at, elem, 1, static_cast<int>(rope), cols, dst.bytes.data() + at,
+                      to_rotate_half);
+  }
+}
+}  // namespace
+
 std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const HostArray& ours) {
   check_shape(ours, m.our_shape, m.ours);
   const size_t elem = dtype_size(ours.dtype);
@@ -662,6 +917,12 @@ std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelS
       else out[0].bytes = std::move(qkv);
       break;
     }
+    case HfTransform::mla_q_rope:
+    case HfTransform::mla_kv_rope:
+      mla_rope_rows(ours, out[0], m, s, /*to_rotate_half=*/false);
+      break;
+    case HfTransform::zeros:
+      break;  // (export_hf writes zeros for a mapping without a tensor of ours)
     case HfTransform::fc1_split: {
       size_t at = 0;
       for (HostArray& part : out) {
@@ -725,6 +986,12 @@ HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const
       merge_qkv_rows(qkv.data(), qkv.data() + part, qkv.data() + 2 * part, elem, H, G, d, cols, out.bytes.data());
       break;
     }
+    case HfTransform::mla_q_rope:
+    case HfTransform::mla_kv_rope:
+      mla_rope_rows(hf[0], out, m, s, /*to_rotate_half=*/true);
+      break;
+    case HfTransform::zeros:
+      break;  // (import_hf writes nothing for it)
     case HfTransform::fc1_split: {
       size_t at = 0;
       for (const HostArray& part : hf) {

@@ -30,11 +30,13 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron, mixtral };
+enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron, mixtral, deepseek_v3 };
 // "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 // "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE),
 // "MixtralForCausalLM" (Mistral's attention; every layer's MLP a mixture of SwiGLU experts with
-// softmax top-k routing renormalized over the chosen experts, Megatron's default router).
+// softmax top-k routing renormalized over the chosen experts, Megatron's default router),
+// "DeepseekV3ForCausalLM" (multi-latent attention; dense layers, then MoE layers of SwiGLU experts
+// with sigmoid group-limited routing, the expert bias, a scaling factor and shared experts).
 const char* hf_architecture_name(HfArchitecture a);
 
 // What the mapping needs to know about the model.
@@ -83,6 +85,19 @@ struct HfModelSpec {
   int num_experts = 0, moe_topk = 0, moe_ffn_hidden_size = 0;
   double router_aux_loss_coef = 0.0;
   std::vector<std::string> moe_unexpressible;
+  // DeepSeek-V3: multi-latent attention (the query LoRA rank, 0 for a direct projection; the
+  // key/value LoRA rank; per head the dims without and with RoPE and the value dim; whether the
+  // latent norms exist, Megatron's --qk-layernorm with MLA), the dense layers before the MoE ones
+  // (first_k_dense_replace), the router's groups (n_group, topk_group), routed_scaling_factor,
+  // the shared experts' FFN size (n_shared_experts x moe_intermediate_size), whether the router
+  // has its expert bias (e_score_correction_bias; zeros otherwise), and on import whether the HF
+  // weights rotate interleaved pairs (rope_interleave: their RoPE rows are permuted to ours).
+  int q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool mla_latent_norms = false;
+  int first_dense_layers = 0, router_groups = 1, router_group_topk = 1, shared_expert_ffn = 0;
+  double routed_scaling_factor = 1.0;
+  bool expert_bias = false;
+  bool rope_interleave = false;
   std::string torch_dtype = "float32";
 
   // From a validated Config's model section (derived values filled).
@@ -102,6 +117,11 @@ enum class HfTransform {
   qkv_c_attn_bias,// ours fused QKV bias <-> GPT-2 c_attn.bias [3E] ([q | k | v])
   fc1_split,      // ours = the HF tensors' rows, concatenated in order: [gate; up] <-> gate_proj,
                   // up_proj; an MoE layer's experts (each [gate; up], or each down) <-> theirs
+  mla_q_rope,     // MLA q_b_proj / q_proj: per head [nope; rope] rows, the rope rows permuted from
+                  // interleaved pairs on import when the HF model has rope_interleave
+  mla_kv_rope,    // MLA kv_a_proj_with_mqa: [kv_lora; rope] rows, the same for its rope rows
+  zeros,          // no tensor of ours (ours empty): export writes zeros (DeepSeek-V3's expert bias
+                  // of a model without one), import checks nothing
 };
 
 struct HfTensorMapping {

@@ -477,3 +477,210 @@ TEST_CASE("GPT-2 export names the GeLU form the model computes", "[checkpoint][h
   c.model.openai_gelu = true;
   CHECK(HfModelSpec::from_model_config(c.model, HfArchitecture::gpt2).gelu_activation == "gelu_new");
 }
+
+namespace {
+
+// A tiny DeepSeek-V3: MLA with a query LoRA, one dense layer then two MoE layers of 4 experts
+// (top-2 of 2 groups, one group picked), a shared expert of twice the expert FFN, the expert bias.
+HfModelSpec deepseek_spec() {
+  HfModelSpec s;
+  s.arch = HfArchitecture::deepseek_v3;
+  s.num_layers = 3;
+  s.hidden_size = 8;
+  s.num_attention_heads = 2;
+  s.num_query_groups = 2;
+  s.q_lora_rank = 6;
+  s.kv_lora_rank = 4;
+  s.qk_nope_head_dim = 3;
+  s.qk_rope_head_dim = 4;
+  s.v_head_dim = 5;
+  s.head_dim = 7;
+  s.mla_latent_norms = true;
+  s.ffn_hidden_size = 12;
+  s.vocab_size = 13;
+  s.padded_vocab_size = 16;
+  s.max_position_embeddings = 32;
+  s.learned_position_embeddings = false;
+  s.layernorm = false;
+  s.add_bias_linear = false;
+  s.swiglu = true;
+  s.untie_embeddings_and_output_weights = true;
+  s.norm_epsilon = 1e-6;
+  s.first_dense_layers = 1;
+  s.num_experts = 4;
+  s.moe_topk = 2;
+  s.moe_ffn_hidden_size = 3;
+  s.router_groups = 2;
+  s.router_group_topk = 1;
+  s.shared_expert_ffn = 6;
+  s.routed_scaling_factor = 2.5;
+  s.expert_bias = true;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("DeepSeek-V3 names and shapes: MLA, a dense layer, MoE layers with shared experts", "[checkpoint][hf]") {
+  const HfModelSpec s = deepseek_spec();
+  const auto ms = hf_tensor_mappings(s);
+  const auto& q_up = find(ms, "decoder.layers.0.self_attention.linear_q_up_proj.weight");
+  CHECK(q_up.hf == std::vector<std::string>{"model.layers.0.self_attn.q_b_proj.weight"});
+  CHECK(q_up.our_shape == std::vector<int64_t>{2 * 7, 6});
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_kv_down_proj.weight").hf_shapes[0] ==
+        std::vector<int64_t>{4 + 4, 8});
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_kv_up_proj.weight").our_shape == std::vector<int64_t>{2 * 8, 4});
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight").hf[0] ==
+        "model.layers.0.self_attn.q_a_layernorm.weight");
+  CHECK(find(ms, "decoder.layers.0.self_attention.linear_proj.weight").our_shape == std::vector<int64_t>{8, 2 * 5});
+  // Layer 0 dense (the fused pre-MLP norm), layers 1 and 2 MoE (a standalone one).
+  CHECK(find(ms, "decoder.layers.0.mlp.linear_fc1.layer_norm_weight").hf[0] == "model.layers.0.post_attention_layernorm.weight");
+  CHECK(find(ms, "decoder.layers.1.pre_mlp_layernorm.weight").hf[0] == "model.layers.1.post_attention_layernorm.weight");
+  CHECK(find(ms, "decoder.layers.2.mlp.router.expert_bias").hf[0] == "model.layers.2.mlp.gate.e_score_correction_bias");
+  const auto& fc1 = find(ms, "decoder.layers.1.mlp.experts.linear_fc1.weight");
+  REQUIRE(fc1.hf.size() == 8);
+  CHECK(fc1.hf[2] == "model.layers.1.mlp.experts.1.gate_proj.weight");
+  CHECK(fc1.hf[3] == "model.layers.1.mlp.experts.1.up_proj.weight");
+  CHECK(find(ms, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight").hf[1] ==
+        "model.layers.1.mlp.shared_experts.up_proj.weight");
+  for (const auto& m : ms) CHECK(m.ours.find("decoder.layers.0.mlp.experts") == std::string::npos);
+
+  // Without the expert bias the HF router's bias is zeros (no tensor of ours).
+  HfModelSpec nb = deepseek_spec();
+  nb.expert_bias = false;
+  int zeros = 0;
+  for (const auto& m : hf_tensor_mappings(nb))
+    if (m.transform == HfTransform::zeros) {
+      ++zeros;
+      CHECK(m.ours.empty());
+      CHECK(m.hf[0].ends_with("mlp.gate.e_score_correction_bias"));
+    }
+  CHECK(zeros == 2);
+
+  // config.json and back.
+  const auto c = hf_config_json(s);
+  CHECK(c["model_type"] == "deepseek_v3");
+  CHECK(c["first_k_dense_replace"] == 1);
+  CHECK(c["n_shared_experts"] == 2);
+  CHECK(c["n_group"] == 2);
+  CHECK(c["topk_group"] == 1);
+  CHECK(c["norm_topk_prob"] == true);
+  CHECK(c["rope_interleave"] == false);
+  CHECK(c["q_lora_rank"] == 6);
+  const HfModelSpec back = hf_spec_from_config(c, 16, 1);
+  CHECK(back.arch == HfArchitecture::deepseek_v3);
+  CHECK(back.q_lora_rank == 6);
+  CHECK(back.kv_lora_rank == 4);
+  CHECK(back.qk_rope_head_dim == 4);
+  CHECK(back.v_head_dim == 5);
+  CHECK(back.first_dense_layers == 1);
+  CHECK(back.num_experts == 4);
+  CHECK(back.shared_expert_ffn == 6);
+  CHECK(back.routed_scaling_factor == 2.5);
+  CHECK(back.router_groups == 2);
+  CHECK(back.router_group_topk == 1);
+  CHECK(back.expert_bias);
+  CHECK_FALSE(back.rope_interleave);
+  CHECK(back.padded_vocab_size == 16);
+  // transformers' grouping (two best per group) agrees with Megatron's only at top-k = 2 x group top-k.
+  auto bad = c;
+  bad["topk_group"] = 2;
+  CHECK_THROWS_AS(hf_spec_from_config(bad, 16, 1), Unsupported);
+  bad = c;
+  bad["norm_topk_prob"] = false;
+  CHECK_THROWS_AS(hf_spec_from_config(bad, 16, 1), Unsupported);
+}
+
+TEST_CASE("DeepSeek-V3: export then import is the identity; interleaved HF RoPE rows are permuted", "[checkpoint][hf]") {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> dist(-64, 64);
+  for (bool interleave : {false, true}) {
+    HfModelSpec s = deepseek_spec();
+    s.rope_interleave = interleave;
+    for (const auto& m : hf_tensor_mappings(s)) {
+      if (m.transform == HfTransform::zeros) continue;
+      HostArray ours = f32_array(m.our_shape, [&](int64_t) { return dist(rng) / 16.0f; });
+      if (m.transform == HfTransform::vocab_rows) {
+        const int64_t cols = m.our_shape[1];
+        for (int64_t r = s.vocab_size; r < s.padded_vocab_size; ++r)
+          std::memcpy(ours.ptr<float>() + r * cols, ours.ptr<float>() + (s.vocab_size - 1) * cols, cols * 4);
+      }
+      INFO(m.ours << " interleave " << interleave);
+      const HostArray back = import_hf_tensor(m, s, export_hf_tensor(m, s, ours));
+      CHECK(back.bytes == ours.bytes);
+    }
+  }
+  // Import of interleaved HF rows: each head's RoPE rows (after its 3 nope rows) go from pairs
+  // (2j, 2j+1) to (j, j + 2); the nope rows stay.
+  HfModelSpec s = deepseek_spec();
+  s.rope_interleave = true;
+  const auto ms = hf_tensor_mappings(s);
+  const auto& q_up = find(ms, "decoder.layers.0.self_attention.linear_q_up_proj.weight");
+  const HostArray hf = f32_array(q_up.hf_shapes[0], [](int64_t i) { return static_cast<float>(i / 6); });  // row index
+  const HostArray ours = import_hf_tensor(q_up, s, {hf});
+  std::vector<float> rows;
+  for (int64_t r = 0; r < 14; ++r) rows.push_back(ours.ptr<float>()[r * 6]);
+  CHECK(rows == std::vector<float>{0, 1, 2, 3, 5, 4, 6, 7, 8, 9, 10, 12, 11, 13});
+  const auto& kv_down = find(ms, "decoder.layers.0.self_attention.linear_kv_down_proj.weight");
+  const HostArray hkv = f32_array(kv_down.hf_shapes[0], [](int64_t i) { return static_cast<float>(i / 8); });
+  const HostArray okv = import_hf_tensor(kv_down, s, {hkv});
+  std::vector<float> kv_rows;
+  for (int64_t r = 0; r < 8; ++r) kv_rows.push_back(okv.ptr<float>()[r * 8]);
+  CHECK(kv_rows == std::vector<float>{0, 1, 2, 3, 4, 6, 5, 7});
+}
+
+TEST_CASE("DeepSeek-V3 export refuses what its HF model cannot express, naming the flag", "[checkpoint][hf]") {
+  // A derived model configuration as a run saves it: MLA, one dense layer, two MoE layers.
+  auto model = [] {
+    ModelConfig m;
+    m.num_layers = 3;
+    m.hidden_size = 8;
+    m.num_attention_heads = 2;
+    m.query_groups = 2;
+    m.head_dim = 7;
+    m.ffn_size = 12;
+    m.vocab_size = 13;
+    m.padded_vocab_size = 16;
+    m.max_position_embeddings = 32;
+    m.position_embedding_type = PositionEmbedding::rope;
+    m.normalization = Normalization::rmsnorm;
+    m.swiglu = true;
+    m.add_bias_linear = false;
+    m.multi_latent_attention = true;
+    m.q_lora_rank = 6;
+    m.kv_lora_rank = 4;
+    m.qk_head_dim = 3;
+    m.qk_pos_emb_head_dim = 4;
+    m.v_head_dim = 5;
+    m.qk_layernorm = true;
+    m.moe.num_experts = 4;
+    m.moe.router_topk = 2;
+    m.moe.expert_ffn = 3;
+    m.moe.moe_layer = {0, 1, 1};
+    m.moe.score_function = MoeScoreFunction::sigmoid;
+    m.moe.router_enable_expert_bias = true;
+    return m;
+  };
+  CHECK(hf_architecture_of(model()) == HfArchitecture::deepseek_v3);
+  const HfModelSpec ok = HfModelSpec::from_model_config(model(), HfArchitecture::deepseek_v3);
+  CHECK_NOTHROW(hf_tensor_mappings(ok));
+  CHECK(ok.first_dense_layers == 1);
+  CHECK(ok.routed_scaling_factor == 1.0);
+  auto refused = [&](const std::function<void(ModelConfig&)>& change, const std::string& why) {
+    ModelConfig m = model();
+    change(m);
+    const HfModelSpec s = HfModelSpec::from_model_config(m, HfArchitecture::deepseek_v3);
+    CHECK_THROWS_WITH(hf_tensor_mappings(s), Catch::Contains("DeepseekV3ForCausalLM") && Catch::Contains(why));
+  };
+  refused([](ModelConfig& m) { m.moe.score_function = MoeScoreFunction::softmax; }, "--moe-router-score-function");
+  refused([](ModelConfig& m) { m.moe.moe_layer = {1, 0, 1}; }, "dense layer after an MoE layer");
+  refused([](ModelConfig& m) {
+    m.moe.router_num_groups = 2;
+    m.moe.router_group_topk = 2;
+  }, "twice the group top-k");
+  refused([](ModelConfig& m) {
+    m.moe.shared_expert_intermediate_size = 4;
+  }, "--moe-shared-expert-intermediate-size 4");
+  refused([](ModelConfig& m) { m.qk_layernorm = false; }, "--qk-layernorm");
+  refused([](ModelConfig& m) { m.moe.shared_expert_gate = true; m.moe.shared_expert_intermediate_size = 6; },
+          "--moe-shared-expert-gate");
+}

@@ -54,6 +54,20 @@ const std::string kNemotronBias = kCommon +
 // Mixtral: the Llama shape with every MLP a mixture of 4 SwiGLU experts, top-2 softmax routing.
 const std::string kMixtral = kLlama + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
                                       "--moe-aux-loss-coeff 0.01 --moe-grouped-gemm";
+// DeepSeek-V3: multi-latent attention (a query LoRA, both latent norms, plain RoPE), a dense layer,
+// then an MoE layer of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling
+// factor and a shared expert of two experts' size.
+const std::string kDeepseek = kCommon +
+                              " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --normalization RMSNorm "
+                              "--swiglu --ffn-hidden-size 48 --position-embedding-type rope "
+                              "--untie-embeddings-and-output-weights --disable-bias-linear --norm-epsilon 1e-6 "
+                              "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 "
+                              "--qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --rope-type rope --no-rope-fusion "
+                              "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-layer-freq '[0,1]' "
+                              "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                              "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
+                              "--moe-router-num-groups 2 --moe-router-group-topk 1 "
+                              "--moe-shared-expert-intermediate-size 32 --moe-grouped-gemm";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -144,7 +158,7 @@ TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's l
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
   for (const std::string& model :
-       {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral}) {
+       {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral, kDeepseek}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -153,7 +167,9 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
     const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
     const bool nemotron = model == kNemotron || model == kNemotronBias, mixtral = model == kMixtral;
-    CHECK(config.at("architectures").at(0) == (llama      ? "LlamaForCausalLM"
+    const bool deepseek = model == kDeepseek;
+    CHECK(config.at("architectures").at(0) == (deepseek   ? "DeepseekV3ForCausalLM"
+                                               : llama    ? "LlamaForCausalLM"
                                                : qwen2    ? "Qwen2ForCausalLM"
                                                : mistral  ? "MistralForCausalLM"
                                                : nemotron ? "NemotronForCausalLM"
@@ -165,7 +181,15 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       CHECK(config.at("intermediate_size") == 24);
     }
     CHECK(config.at("vocab_size") == 100);
-    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral)
+    if (deepseek) {
+      CHECK(config.at("first_k_dense_replace") == 1);
+      CHECK(config.at("n_routed_experts") == 4);
+      CHECK(config.at("n_shared_experts") == 2);
+      CHECK(config.at("routed_scaling_factor") == 2.5);
+      CHECK(config.at("kv_lora_rank") == 8);
+      CHECK(config.at("qk_rope_head_dim") == 4);
+    }
+    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek)
       CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     if (nemotron) {
       CHECK(config.at("hidden_act") == "relu2");
@@ -220,9 +244,12 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     CHECK(run.find("successfully loaded checkpoint from " + back) != std::string::npos);
     CHECK(run.find("iteration        1/       1") != std::string::npos);
     // --use-checkpoint-args rebuilds the same model from the import alone (the loss of the first
-    // iteration, the same batch and weights, is the same to the last digit).
+    // iteration, the same batch and weights, is the same to the last digit). (DeepSeek-V3 also
+    // needs --no-rope-fusion for MLA with plain RoPE and its router's groups on the command line:
+    // Megatron-LM's checkpoint arguments leave the fusion flags and the groups out.)
     const std::string bare = megatrain_ok("--load " + back + " --use-checkpoint-args --vocab-size 100 --device cpu "
-                                          "--mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 --eval-iters 0");
+                                          "--mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 --eval-iters 0" +
+                                          std::string(deepseek ? " --no-rope-fusion --moe-router-num-groups 2 --moe-router-group-topk 1" : ""));
     CHECK(bare.find("Setting num_layers to 2 from checkpoint") != std::string::npos);
     auto loss = [](const std::string& log) {
       const size_t at = log.find("lm loss: ");
@@ -253,4 +280,9 @@ TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag",
   CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + shared + " --output " + (dir / "hf3"), &out) != 0);
   CHECK(out.find("cannot express this model as MixtralForCausalLM: --moe-shared-expert-intermediate-size") !=
         std::string::npos);
+  // Multi-latent attention exports as DeepSeek-V3, whose shared experts have no gate.
+  const std::string gated = dir / "gated";
+  megatrain_ok(kDeepseek + " --moe-shared-expert-gate --train-iters 1 --save-interval 1 --save " + gated);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + gated + " --output " + (dir / "hf4"), &out) != 0);
+  CHECK(out.find("cannot express this model as DeepseekV3ForCausalLM: --moe-shared-expert-gate") != std::string::npos);
 }

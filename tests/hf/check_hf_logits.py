@@ -3,8 +3,10 @@
 Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q/k/v biases, tied
 output); Mistral (Llama's layout) with and without its sliding window, Qwen2 with a sliding
 window on its second layer (--window-size, --window-attn-skip-freq), Nemotron (LayerNorm1P,
-squared ReLU, RoPE over half of each head; with biases), and Mixtral (every MLP 4 SwiGLU experts,
-top-2 softmax routing).
+squared ReLU, RoPE over half of each head; with biases), Mixtral (every MLP 4 SwiGLU experts,
+top-2 softmax routing), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
+then MoE layers of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling factor
+and shared experts; the import's HF model rotates interleaved RoPE pairs).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -51,6 +53,14 @@ MODEL_FLAGS["nemotron"] = ("--num-layers 2 --hidden-size 64 --num-attention-head
 MODEL_FLAGS["mistral_window"] = MODEL_FLAGS["llama"] + " --window-size 4,0"
 MODEL_FLAGS["qwen2_window"] = MODEL_FLAGS["qwen2"] + " --window-size 3,0 --window-attn-skip-freq [0,1]"
 MODEL_FLAGS["mixtral"] = MODEL_FLAGS["llama"] + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48"
+MODEL_FLAGS["deepseek"] = ("--num-layers 3 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 96 --swiglu "
+                           "--normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+                           "--untie-embeddings-and-output-weights --disable-bias-linear --multi-latent-attention "
+                           "--q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 12 "
+                           "--qk-layernorm --rope-type rope --no-rope-fusion --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+                           "--moe-layer-freq [0,1,1] --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                           "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
+                           "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 64")
 
 
 def run(cmd):
@@ -109,6 +119,14 @@ def import_direction(args, kind, work):
     if kind == "gpt":
         config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                          activation_function="gelu_new", initializer_range=0.1)
+    elif kind == "deepseek":
+        config = transformers.DeepseekV3Config(
+            vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
+            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+            qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            norm_topk_prob=True, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            initializer_range=0.1, rope_interleave=True)
     else:
         common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.1)
@@ -136,6 +154,9 @@ def import_direction(args, kind, work):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias takes part in the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     hf_dir = os.path.join(work, "hf_made")
     model.save_pretrained(hf_dir, safe_serialization=True)
     save = os.path.join(work, "imported")
@@ -162,7 +183,7 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral")
+                                                    "nemotron", "mixtral", "deepseek")
     for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind == "mistral" and direction is export_direction:
