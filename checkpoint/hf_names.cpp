@@ -110,6 +110,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     s.num_query_groups = m.num_attention_heads;
     s.qk_layernorm = false;  // (MLA's --qk-layernorm means its latent norms)
     s.first_dense_layers = m.num_layers;
+    s.rope_interleave = true;  // (Megatron's MLA RoPE: see mla_rope_rows)
   }
   if (m.moe.enabled() && arch == HfArchitecture::deepseek_v3) {
     const MoeConfig& e = m.moe;
@@ -857,12 +858,13 @@ void permute_rope_rows(const void* src, size_t elem, int heads, int head_dim, in
 
 namespace {
 // MLA's RoPE rows in a stack of blocks of `block` rows (q: one per head [nope; rope]; kv down: one
-// [kv_lora; rope]), `offset` rows into each: permuted between HF's interleaved pairs and our
-// rotate-half pairs (to_rotate_half: HF -> ours), or copied when the HF model does not interleave.
-void mla_rope_rows(const HostArray& src, HostArray& dst, const HfTensorMapping& m, const HfModelSpec& s,
-                   bool to_rotate_half) {
+// [kv_lora; rope]), `offset` rows into each. Megatron's MLA (and ours) rotates the pairs (2j, 2j+1)
+// of the RoPE part, de-interleaving it first, as transformers' DeepSeek-V3 does with rope_interleave:
+// then they are copied; a model without it rotates (j, j + d/2), so its rows are permuted (to_hf:
+// ours -> rotate-half pairs, else back).
+void mla_rope_rows(const HostArray& src, HostArray& dst, const HfTensorMapping& m, const HfModelSpec& s, bool to_hf) {
   dst.bytes = src.bytes;
-  if (!s.rope_interleave) return;
+  if (s.rope_interleave) return;
   const bool q = m.transform == HfTransform::mla_q_rope;
   const int64_t rope = s.qk_rope_head_dim, block = q ? s.qk_nope_head_dim + rope : s.kv_lora_rank + rope;
   const int64_t offset = block - rope, cols = m.our_shape.size() == 2 ? m.our_shape[1] : 1;
@@ -870,7 +872,7 @@ void mla_rope_rows(const HostArray& src, HostArray& dst, const HfTensorMapping& 
   for (int64_t b = 0; b < m.our_shape[0] / block; ++b) {
     const size_t at = static_cast<size_t>(b * block + offset) * row;
     permute_rope_rows(src.bytes.data() + at, elem, 1, static_cast<int>(rope), cols, dst.bytes.data() + at,
-                      to_rotate_half);
+                      /*to_rotate_half=*/to_hf);
   }
 }
 }  // namespace
@@ -919,7 +921,7 @@ std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelS
     }
     case HfTransform::mla_q_rope:
     case HfTransform::mla_kv_rope:
-      mla_rope_rows(ours, out[0], m, s, /*to_rotate_half=*/false);
+      mla_rope_rows(ours, out[0], m, s, /*to_hf=*/true);
       break;
     case HfTransform::zeros:
       break;  // (export_hf writes zeros for a mapping without a tensor of ours)
@@ -988,7 +990,7 @@ HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const
     }
     case HfTransform::mla_q_rope:
     case HfTransform::mla_kv_rope:
-      mla_rope_rows(hf[0], out, m, s, /*to_rotate_half=*/true);
+      mla_rope_rows(hf[0], out, m, s, /*to_hf=*/false);
       break;
     case HfTransform::zeros:
       break;  // (import_hf writes nothing for it)

@@ -90,8 +90,9 @@ struct HfModelSpec {
   // latent norms exist, Megatron's --qk-layernorm with MLA), the dense layers before the MoE ones
   // (first_k_dense_replace), the router's groups (n_group, topk_group), routed_scaling_factor,
   // the shared experts' FFN size (n_shared_experts x moe_intermediate_size), whether the router
-  // has its expert bias (e_score_correction_bias; zeros otherwise), and on import whether the HF
-  // weights rotate interleaved pairs (rope_interleave: their RoPE rows are permuted to ours).
+  // has its expert bias (e_score_correction_bias; zeros otherwise), and whether the RoPE part
+  // rotates interleaved pairs (rope_interleave, as Megatron's MLA does; an HF model without it has
+  // its RoPE rows permuted on import).
   int q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
   bool mla_latent_norms = false;
   int first_dense_layers = 0, router_groups = 1, router_group_topk = 1, shared_expert_ffn = 0;
@@ -117,8 +118,8 @@ enum class HfTransform {
   qkv_c_attn_bias,// ours fused QKV bias <-> GPT-2 c_attn.bias [3E] ([q | k | v])
   fc1_split,      // ours = the HF tensors' rows, concatenated in order: [gate; up] <-> gate_proj,
                   // up_proj; an MoE layer's experts (each [gate; up], or each down) <-> theirs
-  mla_q_rope,     // MLA q_b_proj / q_proj: per head [nope; rope] rows, the rope rows permuted from
-                  // interleaved pairs on import when the HF model has rope_interleave
+  mla_q_rope,     // MLA q_b_proj / q_proj: per head [nope; rope] rows, the rope rows permuted
+                  // to or from rotate-half pairs when the HF model has no rope_interleave
   mla_kv_rope,    // MLA kv_a_proj_with_mqa: [kv_lora; rope] rows, the same for its rope rows
   zeros,          // no tensor of ours (ours empty): export writes zeros (DeepSeek-V3's expert bias
                   // of a model without one), import checks nothing

@@ -515,6 +515,7 @@ HfModelSpec deepseek_spec() {
   s.shared_expert_ffn = 6;
   s.routed_scaling_factor = 2.5;
   s.expert_bias = true;
+  s.rope_interleave = true;  // (Megatron's MLA rotates interleaved pairs)
   return s;
 }
 
@@ -564,7 +565,7 @@ TEST_CASE("DeepSeek-V3 names and shapes: MLA, a dense layer, MoE layers with sha
   CHECK(c["n_group"] == 2);
   CHECK(c["topk_group"] == 1);
   CHECK(c["norm_topk_prob"] == true);
-  CHECK(c["rope_interleave"] == false);
+  CHECK(c["rope_interleave"] == true);
   CHECK(c["q_lora_rank"] == 6);
   const HfModelSpec back = hf_spec_from_config(c, 16, 1);
   CHECK(back.arch == HfArchitecture::deepseek_v3);
@@ -579,7 +580,7 @@ TEST_CASE("DeepSeek-V3 names and shapes: MLA, a dense layer, MoE layers with sha
   CHECK(back.router_groups == 2);
   CHECK(back.router_group_topk == 1);
   CHECK(back.expert_bias);
-  CHECK_FALSE(back.rope_interleave);
+  CHECK(back.rope_interleave);
   CHECK(back.padded_vocab_size == 16);
   // transformers' grouping (two best per group) agrees with Megatron's only at top-k = 2 x group top-k.
   auto bad = c;
@@ -590,7 +591,7 @@ TEST_CASE("DeepSeek-V3 names and shapes: MLA, a dense layer, MoE layers with sha
   CHECK_THROWS_AS(hf_spec_from_config(bad, 16, 1), Unsupported);
 }
 
-TEST_CASE("DeepSeek-V3: export then import is the identity; interleaved HF RoPE rows are permuted", "[checkpoint][hf]") {
+TEST_CASE("DeepSeek-V3: export then import is the identity; rotate-half HF RoPE rows are permuted", "[checkpoint][hf]") {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> dist(-64, 64);
   for (bool interleave : {false, true}) {
@@ -609,10 +610,10 @@ TEST_CASE("DeepSeek-V3: export then import is the identity; interleaved HF RoPE 
       CHECK(back.bytes == ours.bytes);
     }
   }
-  // Import of interleaved HF rows: each head's RoPE rows (after its 3 nope rows) go from pairs
-  // (2j, 2j+1) to (j, j + 2); the nope rows stay.
+  // Import from an HF model without rope_interleave (rotate-half pairs (j, j + 2)): each head's RoPE
+  // rows (after its 3 nope rows) go to our interleaved pairs (2j, 2j+1); the nope rows stay.
   HfModelSpec s = deepseek_spec();
-  s.rope_interleave = true;
+  s.rope_interleave = false;
   const auto ms = hf_tensor_mappings(s);
   const auto& q_up = find(ms, "decoder.layers.0.self_attention.linear_q_up_proj.weight");
   const HostArray hf = f32_array(q_up.hf_shapes[0], [](int64_t i) { return static_cast<float>(i / 6); });  // row index

