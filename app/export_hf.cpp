@@ -54,10 +54,6 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
   if (m.position_embedding_type == PositionEmbedding::yarn)
     throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
-  // MLA's default RoPE is YaRN; with a scaling factor of 1 it is plain RoPE.
-  if (m.multi_latent_attention && mla_rope_is_yarn(m) && m.rotary_scaling_factor != 1.0)
-    throw Unsupported(fmt::format("export-hf does not map multi-latent attention with YaRN (--rope-type yarn, "
-                                  "--rotary-scaling-factor {}) yet", m.rotary_scaling_factor));
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   if (spec.arch == HfArchitecture::deepseek_v3 && spec.norm_epsilon != 1e-6)
     fmt::print(stderr, "note: transformers' DeepSeek-V3 normalizes the MLA latents with eps 1e-6; this model's "

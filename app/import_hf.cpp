@@ -73,7 +73,12 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
     m.qk_pos_emb_head_dim = s.qk_rope_head_dim;
     m.v_head_dim = s.v_head_dim;
     m.qk_layernorm = true;
-    m.rope_type = "rope";
+    m.rope_type = s.yarn ? "yarn" : "rope";
+    if (s.yarn) {
+      m.rotary_scaling_factor = s.yarn_factor;
+      m.mscale = s.yarn_mscale;
+      m.mscale_all_dim = s.yarn_mscale_all_dim;
+    }
     m.rotary_interleaved = false;  // (the import permuted interleaved HF weights to rotate-half)
     if (s.num_experts > 0) {
       MoeConfig& e = m.moe;
@@ -161,8 +166,15 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
     add("--qk-pos-emb-head-dim", std::to_string(s.qk_rope_head_dim));
     add("--v-head-dim", std::to_string(s.v_head_dim));
     add("--qk-layernorm");
-    add("--rope-type", "rope");
-    add("--no-rope-fusion");  // (Megatron's rule: MLA's fused RoPE takes YaRN only)
+    if (s.yarn) {
+      add("--rope-type", "yarn");
+      add("--rotary-scaling-factor", num(s.yarn_factor));
+      add("--mscale", num(s.yarn_mscale));
+      add("--mscale-all-dim", num(s.yarn_mscale_all_dim));
+    } else {
+      add("--rope-type", "rope");
+      add("--no-rope-fusion");  // (Megatron's rule: MLA's fused RoPE takes YaRN only)
+    }
   }
   if (s.arch == HfArchitecture::deepseek_v3 && s.num_experts > 0) {
     add("--num-experts", std::to_string(s.num_experts));

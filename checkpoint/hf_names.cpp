@@ -1,6 +1,7 @@
 #include "checkpoint/hf_names.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -111,6 +112,18 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     s.qk_layernorm = false;  // (MLA's --qk-layernorm means its latent norms)
     s.first_dense_layers = m.num_layers;
     s.rope_interleave = true;  // (Megatron's MLA RoPE: see mla_rope_rows)
+    // YaRN with a factor of 1 is plain RoPE. Megatron scales MLA's softmax by
+    // yarn_get_mscale(factor, mscale_all_dim)^2 whatever the RoPE type; transformers only with YaRN.
+    s.yarn = mla_rope_is_yarn(m) && m.rotary_scaling_factor != 1.0;
+    s.yarn_factor = m.rotary_scaling_factor;
+    s.yarn_mscale = m.mscale;
+    s.yarn_mscale_all_dim = m.mscale_all_dim;
+    if (s.yarn && m.mscale_all_dim == 0.0 && m.mscale != 1.0)
+      s.moe_unexpressible.push_back(fmt::format(
+          "--mscale {} without --mscale-all-dim (transformers' YaRN takes mscale only beside mscale_all_dim)", m.mscale));
+    if (!s.yarn && m.rotary_scaling_factor > 1.0 && m.mscale_all_dim != 0.0)
+      s.moe_unexpressible.push_back("--rotary-scaling-factor and --mscale-all-dim with --rope-type rope (Megatron scales "
+                                    "MLA's softmax by their mscale, transformers only with YaRN)");
   }
   if (m.moe.enabled() && arch == HfArchitecture::deepseek_v3) {
     const MoeConfig& e = m.moe;
@@ -498,6 +511,20 @@ json hf_config_json(const HfModelSpec& s) {
     c["rms_norm_eps"] = s.norm_epsilon;
     c["rope_theta"] = s.rotary_base;
     c["rope_scaling"] = nullptr;
+    if (s.yarn) {
+      // transformers takes the factor as max_position_embeddings / original_max_position_embeddings
+      // when the latter is given (DeepSeek-V3's config): given only where that ratio is the factor.
+      json y = {{"type", "yarn"}, {"rope_type", "yarn"}, {"factor", s.yarn_factor}, {"beta_fast", 32}, {"beta_slow", 1},
+                {"mscale", s.yarn_mscale}, {"mscale_all_dim", s.yarn_mscale_all_dim}};
+      const double whole = s.yarn_factor * s.yarn_original_max_position_embeddings;
+      if (whole == std::floor(whole) && whole >= s.max_position_embeddings) {
+        y["original_max_position_embeddings"] = s.yarn_original_max_position_embeddings;
+        c["max_position_embeddings"] = static_cast<int64_t>(whole);
+      } else {
+        c["max_position_embeddings"] = s.yarn_original_max_position_embeddings;
+      }
+      c["rope_scaling"] = y;
+    }
     c["attention_bias"] = false;
     c["attention_dropout"] = s.attention_dropout;
   } else {
@@ -694,9 +721,34 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
                                : 10000.0;
       const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : nullptr;
       if (!scaling && params && params->value("rope_type", std::string("default")) != "default") scaling = params;
-      if (scaling)
-        throw Unsupported(fmt::format("HF deepseek_v3 config: rope_scaling {} (megatrain maps DeepSeek-V3 without RoPE "
-                                      "scaling yet)", scaling->dump()));
+      if (scaling) {
+        // YaRN as Megatron's MLA computes it: the same factor for the frequencies and the softmax,
+        // the original context 4096, beta_fast 32, beta_slow 1, integer correction bounds.
+        const json& r = *scaling;
+        const std::string rt = r.value("rope_type", r.value("type", std::string()));
+        auto refuse = [&](const std::string& why) {
+          throw Unsupported(fmt::format("HF deepseek_v3 config: rope_scaling {} ({})", r.dump(), why));
+        };
+        if (rt != "yarn") refuse("megatrain's MLA takes YaRN");
+        auto number = [&](const char* key, double fallback) {
+          return r.contains(key) && r[key].is_number() ? r[key].get<double>() : fallback;
+        };
+        s.yarn = true;
+        s.yarn_factor = number("factor", 1.0);
+        const bool original_given = r.contains("original_max_position_embeddings") && r["original_max_position_embeddings"].is_number();
+        const double original = original_given ? r["original_max_position_embeddings"].get<double>() : s.max_position_embeddings;
+        if (original_given && std::abs(s.max_position_embeddings / original - s.yarn_factor) > 1e-9 * s.yarn_factor)
+          refuse("transformers' frequencies take max_position_embeddings / original_max_position_embeddings as the "
+                 "factor, its softmax scale the factor: they differ");
+        if (original != 4096) refuse("Megatron's MLA YaRN keeps an original context of 4096");
+        if (number("beta_fast", 32) != 32 || number("beta_slow", 1) != 1 || !r.value("truncate", true) ||
+            (r.contains("attention_factor") && !r["attention_factor"].is_null()))
+          refuse("Megatron's MLA YaRN keeps beta_fast 32, beta_slow 1, integer bounds and no attention_factor");
+        s.yarn_mscale = number("mscale", 1.0);
+        s.yarn_mscale_all_dim = number("mscale_all_dim", 0.0);
+        if (s.yarn_mscale_all_dim == 0.0 && s.yarn_mscale != 1.0)
+          refuse("transformers ignores mscale without mscale_all_dim");
+      }
       s.attention_dropout = c.value("attention_dropout", 0.0);
       s.hidden_dropout = 0.0;
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);

@@ -99,6 +99,12 @@ struct HfModelSpec {
   double routed_scaling_factor = 1.0;
   bool expert_bias = false;
   bool rope_interleave = false;
+  // MLA's YaRN RoPE (Megatron's --rope-type yarn, its default; transformers' rope_scaling yarn):
+  // the scaling factor, mscale, mscale_all_dim, and the original context (Megatron's MLA keeps
+  // 4096, beta_fast 32, beta_slow 1 and integer correction bounds: transformers' defaults).
+  bool yarn = false;
+  double yarn_factor = 1.0, yarn_mscale = 1.0, yarn_mscale_all_dim = 0.0;
+  int yarn_original_max_position_embeddings = 4096;
   std::string torch_dtype = "float32";
 
   // From a validated Config's model section (derived values filled).

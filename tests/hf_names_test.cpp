@@ -685,3 +685,46 @@ TEST_CASE("DeepSeek-V3 export refuses what its HF model cannot express, naming t
   refused([](ModelConfig& m) { m.moe.shared_expert_gate = true; m.moe.shared_expert_intermediate_size = 6; },
           "--moe-shared-expert-gate");
 }
+
+TEST_CASE("DeepSeek-V3 YaRN: rope_scaling as transformers reads it, and back", "[checkpoint][hf]") {
+  HfModelSpec s = deepseek_spec();
+  s.yarn = true;
+  s.yarn_factor = 40;
+  s.yarn_mscale = 1.0;
+  s.yarn_mscale_all_dim = 1.0;
+  auto c = hf_config_json(s);
+  // factor x 4096 is whole: DeepSeek-V3's form (transformers then takes max / original as the factor).
+  CHECK(c["max_position_embeddings"] == 40 * 4096);
+  CHECK(c["rope_scaling"]["type"] == "yarn");
+  CHECK(c["rope_scaling"]["factor"] == 40.0);
+  CHECK(c["rope_scaling"]["original_max_position_embeddings"] == 4096);
+  CHECK(c["rope_scaling"]["mscale_all_dim"] == 1.0);
+  HfModelSpec back = hf_spec_from_config(c, 16, 1);
+  CHECK(back.yarn);
+  CHECK(back.yarn_factor == 40.0);
+  CHECK(back.yarn_mscale == 1.0);
+  CHECK(back.yarn_mscale_all_dim == 1.0);
+  // A factor whose product with 4096 is not whole: no original in rope_scaling, the original
+  // context as max_position_embeddings (transformers' fallback).
+  s.yarn_factor = 2.5001;
+  c = hf_config_json(s);
+  CHECK(c["max_position_embeddings"] == 4096);
+  CHECK_FALSE(c["rope_scaling"].contains("original_max_position_embeddings"));
+  CHECK(hf_spec_from_config(c, 16, 1).yarn_factor == 2.5001);
+  // What Megatron's MLA YaRN cannot take: another original context, factors that disagree,
+  // mscale without mscale_all_dim, other betas.
+  auto refused = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json bad = hf_config_json(deepseek_spec());
+    bad["max_position_embeddings"] = 40 * 4096;
+    bad["rope_scaling"] = {{"type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 4096},
+                           {"mscale", 1.0}, {"mscale_all_dim", 1.0}};
+    CHECK_NOTHROW(hf_spec_from_config(bad, 16, 1));
+    change(bad);
+    CHECK_THROWS_AS(hf_spec_from_config(bad, 16, 1), Unsupported);
+  };
+  refused([](nlohmann::json& j) { j["rope_scaling"]["original_max_position_embeddings"] = 8192; j["max_position_embeddings"] = 40 * 8192; });
+  refused([](nlohmann::json& j) { j["max_position_embeddings"] = 4096; });
+  refused([](nlohmann::json& j) { j["rope_scaling"]["mscale_all_dim"] = 0.0; j["rope_scaling"]["mscale"] = 0.7; });
+  refused([](nlohmann::json& j) { j["rope_scaling"]["beta_fast"] = 16; });
+  refused([](nlohmann::json& j) { j["rope_scaling"]["type"] = "linear"; j["rope_scaling"]["rope_type"] = "linear"; });
+}

@@ -7,7 +7,7 @@ squared ReLU, RoPE over half of each head; with biases), Mixtral (every MLP 4 Sw
 top-2 softmax routing), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
 then MoE layers of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling factor
 and shared experts; imported both with transformers' rope_interleave, as Megatron's MLA rotates,
-and without it).
+and without it; and with DeepSeek's YaRN RoPE).
 
   export: megatrain trains a few steps and saves; `megatrain export-hf` writes the HF directory;
           transformers loads it and must give the logits `megatrain forward-logits` gives.
@@ -62,6 +62,10 @@ MODEL_FLAGS["deepseek"] = ("--num-layers 3 --hidden-size 64 --num-attention-head
                            "--moe-layer-freq [0,1,1] --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                            "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
                            "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 64")
+# DeepSeek-V3's own RoPE: YaRN with factor 40, mscale and mscale_all_dim 1 (Megatron's MLA default
+# type), which transformers reads from rope_scaling.
+MODEL_FLAGS["deepseek_yarn"] = (MODEL_FLAGS["deepseek"].replace("--rope-type rope --no-rope-fusion", "--rope-type yarn")
+                                + " --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0")
 
 
 def run(cmd):
@@ -120,14 +124,19 @@ def import_direction(args, kind, work):
     if kind == "gpt":
         config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                          activation_function="gelu_new", initializer_range=0.1)
-    elif kind in ("deepseek", "deepseek_halves"):
-        config = transformers.DeepseekV3Config(
+    elif kind in ("deepseek", "deepseek_halves", "deepseek_yarn"):
+        extra = {}
+        if kind == "deepseek_yarn":  # (rope_scaling: transformers < 5 keeps it, >= 5 reads it into rope_parameters)
+            extra = dict(max_position_embeddings=40 * 4096,
+                         rope_scaling=dict(rope_type="yarn", type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+        config = transformers.DeepseekV3Config(**{**dict(
             vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
             routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
             qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
             norm_topk_prob=True, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            initializer_range=0.1, rope_interleave=kind == "deepseek")
+            initializer_range=0.1, rope_interleave=kind != "deepseek_halves"), **extra})
     else:
         common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.1)
@@ -187,7 +196,7 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves")
+                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves", "deepseek_yarn")
     for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind in ("mistral", "deepseek_halves") and direction is export_direction:
