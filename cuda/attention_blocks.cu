@@ -301,26 +301,13 @@ void CudaBackend::reserve_attention_blocks(const AttentionShape& a, int max_kv_l
     blk.causal = causal;
     reserve_attention(blk, attention_backend_, dtype);
   }
-  const size_t doc_need = a.documents ? static_cast<size_t>(a.batch) * static_cast<size_t>(a.seq) * sizeof(int32_t) : 0;
-  if (doc_need > block_doc_bytes_) {
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    deallocate(block_doc_);
-    block_doc_ = nullptr;
-    block_doc_bytes_ = 0;
-    block_doc_ = allocate(doc_need);
-    block_doc_bytes_ = doc_need;
-  }
+  if (a.documents)
+    reserve_buffer(block_doc_, block_doc_bytes_, static_cast<size_t>(a.batch) * static_cast<size_t>(a.seq) * sizeof(int32_t));
   const size_t need =
       static_cast<size_t>(a.batch) * static_cast<size_t>(a.seq) * static_cast<size_t>(a.qkv_row_stride()) * dtype_size(dtype);
-  if (need <= block_qkv_bytes_) return;
-  MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  deallocate(block_qkv_);
-  deallocate(block_dqkv_);
-  block_qkv_ = block_dqkv_ = nullptr;
-  block_qkv_bytes_ = 0;
-  block_qkv_ = allocate(need);
-  block_dqkv_ = allocate(need);
-  block_qkv_bytes_ = need;
+  size_t dqkv_bytes = block_qkv_bytes_;  // (the two buffers have the same size)
+  reserve_buffer(block_dqkv_, dqkv_bytes, need);
+  reserve_buffer(block_qkv_, block_qkv_bytes_, need);
 }
 
 // ---- the ops ------------------------------------------------------------------------------------

@@ -42,11 +42,40 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mm;
 }
 
+// Every thread's pair (a, b) merged over the block in a fixed order, with merge(a, b, a2, b2) and
+// (empty_a, empty_b) for the missing warps: the whole block's pair in warp 0's threads (the
+// others keep their warp's). Calls __syncthreads: every thread of the block must call it.
+template <typename A, typename B, typename Merge>
+__device__ __forceinline__ void block_merge(A& a, B& b, A empty_a, B empty_b, Merge merge) {
+  __shared__ A sa[kWarp];
+  __shared__ B sb[kWarp];
+  auto warp_merge = [&] {
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) {
+      const A a2 = __shfl_xor_sync(0xffffffffu, a, o);
+      const B b2 = __shfl_xor_sync(0xffffffffu, b, o);
+      merge(a, b, a2, b2);
+    }
+  };
+  warp_merge();
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) {
+    sa[warp] = a;
+    sb[warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x / kWarp;
+    a = lane < warps ? sa[lane] : empty_a;
+    b = lane < warps ? sb[lane] : empty_b;
+    warp_merge();
+  }
+}
+
 // The row's log-sum-exp (natural log; -inf for an all -inf row), by an online max/sum over the
 // block's threads merged in a fixed order; every thread gets it.
 template <typename T, int VEC>
 __device__ float block_row_lse(const T* x, int64_t cols) {
-  __shared__ float sm[kWarp], ss[kWarp];
   __shared__ float result;
   float m = -INFINITY, s = 0.0f;  // log2 units
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(blockDim.x) * VEC) {
@@ -62,28 +91,8 @@ __device__ float block_row_lse(const T* x, int64_t cols) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) s += exp2f(v.v[j] * kLog2e - m);
   }
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    lse_merge(m, s, m2, s2);
-  }
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x / kWarp;
-    m = lane < warps ? sm[lane] : -INFINITY;
-    s = lane < warps ? ss[lane] : 0.0f;
-#pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      lse_merge(m, s, m2, s2);
-    }
-    if (lane == 0) result = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
-  }
+  block_merge(m, s, -INFINITY, 0.0f, lse_merge);
+  if (threadIdx.x == 0) result = m == -INFINITY ? -INFINITY : (m + log2f(s)) * kLn2;
   __syncthreads();
   return result;
 }
@@ -232,8 +241,6 @@ __device__ __forceinline__ void argmax_merge(float& a, int64_t& ia, float b, int
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kRowBlock) logits_argmax_kernel(float* max, int32_t* index, const T* logits,
                                                                    int64_t cols, int64_t vocab_start) {
-  __shared__ float sm[kWarp];
-  __shared__ int64_t si[kWarp];
   const int64_t row = blockIdx.x;
   const T* x = logits + row * cols;
   float m = -INFINITY;
@@ -243,33 +250,10 @@ __global__ void __launch_bounds__(kRowBlock) logits_argmax_kernel(float* max, in
 #pragma unroll
     for (int j = 0; j < VEC; ++j) argmax_merge(m, im, v.v[j], c + j);  // (columns ascending per thread)
   }
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    const int64_t i2 = __shfl_xor_sync(0xffffffffu, im, o);
-    argmax_merge(m, im, m2, i2);
-  }
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (lane == 0) {
-    sm[warp] = m;
-    si[warp] = im;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x / kWarp;
-    m = lane < warps ? sm[lane] : -INFINITY;
-    im = lane < warps ? si[lane] : INT64_MAX;
-#pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-      const int64_t i2 = __shfl_xor_sync(0xffffffffu, im, o);
-      argmax_merge(m, im, m2, i2);
-    }
-    if (lane == 0) {
-      // (A row of -inf only: column 0, as torch.max.)
-      max[row] = m;
-      index[row] = static_cast<int32_t>(vocab_start + (im == INT64_MAX ? 0 : im));
-    }
+  block_merge(m, im, -INFINITY, INT64_MAX, argmax_merge);
+  if (threadIdx.x == 0) {  // (a row of -inf only: column 0, as torch.max)
+    max[row] = m;
+    index[row] = static_cast<int32_t>(vocab_start + (im == INT64_MAX ? 0 : im));
   }
 }
 

@@ -509,13 +509,17 @@ void CudaBackend::reserve_attention(const AttentionShape& a, AttentionBackend ba
                                cuda::attention_workspace_bytes(eval, backend, dtype));
   log::info(" > attention: {}", cuda::describe_attention(a, backend, dtype));
   if (a.dropout_p > 0) log::info(" > attention (evaluation, no dropout): {}", cuda::describe_attention(eval, backend, dtype));
-  if (need <= attention_workspace_bytes_) return;
+  reserve_buffer(attention_workspace_, attention_workspace_bytes_, need);
+}
+
+void CudaBackend::reserve_buffer(void*& buffer, size_t& bytes, size_t need) {
+  if (need <= bytes) return;
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  deallocate(attention_workspace_);
-  attention_workspace_ = nullptr;
-  attention_workspace_bytes_ = 0;
-  attention_workspace_ = allocate(need);
-  attention_workspace_bytes_ = need;
+  deallocate(buffer);
+  buffer = nullptr;
+  bytes = 0;
+  buffer = allocate(need);
+  bytes = need;
 }
 
 void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) {

@@ -257,6 +257,8 @@ class CudaBackend final : public Backend {
   // Packed documents: a block's document starts in its own coordinates (int32 [b * seq]).
   void* block_doc_ = nullptr;
   size_t block_doc_bytes_ = 0;
+  // A set-up buffer of at least `need` bytes: reallocated, once the stream has drained, when smaller.
+  void reserve_buffer(void*& buffer, size_t& bytes, size_t need);
   // The packed QKV rows of a block (attention_block_*): checks the block, assembles block_qkv_
   // from q's query parts and kv, and returns the shape to run attention_forward/backward with.
   AttentionShape assemble_attention_block(const char* op, Tensor q, Tensor kv, const AttentionShape& a,

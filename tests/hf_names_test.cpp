@@ -483,12 +483,10 @@ namespace {
 // A tiny DeepSeek-V3: MLA with a query LoRA, one dense layer then two MoE layers of 4 experts
 // (top-2 of 2 groups, one group picked), a shared expert of twice the expert FFN, the expert bias.
 HfModelSpec deepseek_spec() {
-  HfModelSpec s;
+  HfModelSpec s = llama_spec();  // (RMSNorm, SwiGLU, no biases, untied; hidden 8, vocabulary 13 of 16)
   s.arch = HfArchitecture::deepseek_v3;
   s.num_layers = 3;
-  s.hidden_size = 8;
-  s.num_attention_heads = 2;
-  s.num_query_groups = 2;
+  s.num_attention_heads = s.num_query_groups = 2;
   s.q_lora_rank = 6;
   s.kv_lora_rank = 4;
   s.qk_nope_head_dim = 3;
@@ -496,15 +494,7 @@ HfModelSpec deepseek_spec() {
   s.v_head_dim = 5;
   s.head_dim = 7;
   s.mla_latent_norms = true;
-  s.ffn_hidden_size = 12;
-  s.vocab_size = 13;
-  s.padded_vocab_size = 16;
-  s.max_position_embeddings = 32;
-  s.learned_position_embeddings = false;
-  s.layernorm = false;
-  s.add_bias_linear = false;
-  s.swiglu = true;
-  s.untie_embeddings_and_output_weights = true;
+  s.rotary_base = 10000;
   s.norm_epsilon = 1e-6;
   s.first_dense_layers = 1;
   s.num_experts = 4;
@@ -591,7 +581,7 @@ TEST_CASE("DeepSeek-V3 names and shapes: MLA, a dense layer, MoE layers with sha
   CHECK_THROWS_AS(hf_spec_from_config(bad, 16, 1), Unsupported);
 }
 
-TEST_CASE("DeepSeek-V3: export then import is the identity; rotate-half HF RoPE rows are permuted", "[checkpoint][hf]") {
+TEST_CASE("DeepSeek-V3: export then import is the identity, and rotate-half HF RoPE rows are permuted", "[checkpoint][hf]") {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> dist(-64, 64);
   for (bool interleave : {false, true}) {
