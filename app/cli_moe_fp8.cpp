@@ -177,8 +177,14 @@ void add_moe_flags(FlagTable& t) {
                    "megatrain's token permutation is always fused");
   t.value("--moe-expert-capacity-factor", "expert capacity factor (token dropping; None or negative: dropless)",
           MT_FIELD(model.moe.expert_capacity_factor));
-  t.flag("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
-         MT_FIELD(model.moe.pad_expert_input_to_capacity));
+  // Megatron fills each expert's capacity with other tokens whose routing weight is 0: their
+  // outputs add nothing, so the routed tokens' results are those of dropping without padding.
+  t.without_effect(t.flag("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
+                          MT_FIELD(model.moe.pad_expert_input_to_capacity)),
+                   "megatrain's grouped GEMMs take each expert's rows as they are: the results of padding to the "
+                   "capacity (whose padding rows carry routing weight 0), without computing the padding; with "
+                   "--moe-router-enable-expert-bias the bias stays put, as Megatron's counts every expert's whole "
+                   "capacity");
   t.choice("--moe-token-drop-policy", "which tokens an expert over capacity drops",
            std::vector<std::pair<std::string, MoeDropPolicy>>{{"probs", MoeDropPolicy::probs},
                                                               {"position", MoeDropPolicy::position}},

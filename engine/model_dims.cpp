@@ -204,8 +204,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_expert_bias = e.router_enable_expert_bias;
     d.moe_bias_rate = static_cast<float>(e.router_bias_update_rate);
     if (e.expert_capacity_factor && *e.expert_capacity_factor >= 0) {
-      if (e.pad_expert_input_to_capacity)
-        throw Unsupported("--moe-pad-expert-input-to-capacity is not supported yet");
+      d.moe_pad_to_capacity = e.pad_expert_input_to_capacity;
       d.moe_capacity_factor = *e.expert_capacity_factor;
       d.moe_drop_by_position = e.token_drop_policy == MoeDropPolicy::position;
     }

@@ -130,6 +130,10 @@ struct ModelDims {
   bool moe_expert_bias = false;
   float moe_bias_rate = 0;
   bool moe_drop_by_position = false;
+  // --moe-pad-expert-input-to-capacity: Megatron fills each expert's capacity with tokens of
+  // routing weight 0 (the same results, which megatrain computes without the padding) and counts
+  // every expert's whole capacity for the expert bias, which therefore does not move.
+  bool moe_pad_to_capacity = false;
   bool moe_drops() const { return moe_capacity_factor >= 0; }
   int64_t moe_capacity() const;  // per expert, per block of tokens_local() rows
   std::vector<char> moe_layer;

@@ -368,9 +368,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "seq_aux_loss, sinkhorn, none)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
-      {"--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", 1,
-       "megatrain does not support --moe-pad-expert-input-to-capacity yet (padding each expert's input to its "
-       "capacity)"},
       {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
       {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
   };
@@ -740,4 +737,46 @@ TEST_CASE("binary: --mtp-num-layers writes Megatron's MTP losses and acceptance 
       CHECK(lines[it].at(rate).get<double>() == Approx(v[{it, rate}]));
     }
   }
+}
+
+TEST_CASE("binary: --moe-pad-expert-input-to-capacity trains as dropping at the capacity does, with a note",
+          "[cli][binary][moe]") {
+  // Megatron fills each expert's capacity with tokens of routing weight 0: the routed tokens'
+  // results are those of dropping alone.
+  const Args run = counted_moe() + words("--device cpu --global-batch-size 4 --train-iters 3 --log-interval 1 "
+                                         "--moe-expert-capacity-factor 1.0 --moe-token-drop-policy position");
+  const RunResult dropped = run_binary(run);
+  const RunResult padded = run_binary(run + words("--moe-pad-expert-input-to-capacity"));
+  REQUIRE(dropped.exit_code == 0);
+  REQUIRE(padded.exit_code == 0);
+  CHECK_THAT(padded.out + padded.err, Contains("--moe-pad-expert-input-to-capacity has no effect in megatrain"));
+  auto losses = [](const std::string& log) {
+    std::vector<std::string> out;
+    for (size_t at = log.find("lm loss: "); at != std::string::npos; at = log.find("lm loss: ", at + 1))
+      out.push_back(log.substr(at, 21));
+    return out;
+  };
+  CHECK(losses(dropped.out).size() == 3);
+  CHECK(losses(padded.out) == losses(dropped.out));
+  // With the expert bias, Megatron counts every expert's whole capacity: the bias does not move
+  // (without the padding it does).
+  TempDir dir;
+  const Args biased = words("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                            "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data --tokenizer-type "
+                            "NullTokenizer --vocab-size 1000 --disable-bias-linear --swiglu --ffn-hidden-size 128 "
+                            "--num-experts 8 --moe-router-topk 2 --moe-layer-freq 2 --moe-ffn-hidden-size 32 "
+                            "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                            "--moe-expert-capacity-factor 1.0 --device cpu --global-batch-size 4 --train-iters 2 "
+                            "--save-interval 2");
+  REQUIRE(run_binary(biased + words("--save " + dir.str("drop"))).exit_code == 0);
+  REQUIRE(run_binary(biased + words("--moe-pad-expert-input-to-capacity --save " + dir.str("pad"))).exit_code == 0);
+  auto bias_moved = [&](const std::string& ckpt) {
+    CheckpointReader r(ckpt);
+    std::vector<float> b(8);
+    r.read("decoder.layers.0.mlp.router.expert_bias", CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(8, 1)),
+           Tensor(b.data(), DType::f32, Device::cpu, {8}), {8});
+    return std::any_of(b.begin(), b.end(), [](float v) { return v != 0.0f; });
+  };
+  CHECK(bias_moved(dir.str("drop")));
+  CHECK_FALSE(bias_moved(dir.str("pad")));
 }

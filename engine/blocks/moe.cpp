@@ -376,8 +376,9 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
   // Aux-loss-free balancing: this micro-batch's tokens per expert (after dropping; this rank's
   // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
-  // forward that recomputation may repeat).
-  if (has_expert_bias() && d_.etp_rank == 0) {  // (one count per pair: the experts' TP rank 0)
+  // forward that recomputation may repeat). Padded to the capacity, every expert counts the same
+  // (Megatron's count of the padded map): none here, the same update (none).
+  if (has_expert_bias() && d_.etp_rank == 0 && !d_.moe_pad_to_capacity) {  // (one count per pair: the experts' TP rank 0)
     double* c = moe_counts_.data() + static_cast<size_t>(moe_index(local)) * d_.experts + d_.expert_begin();
     for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
   }
