@@ -8,6 +8,7 @@ launch scripts, it builds the command line as Megatron-LM's test runner would, r
 data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V` (with
 --fim-data, which Megatron refuses on mock data: the small GPT-2-style dataset of tests/fixtures/fim),
 points every path at a scratch folder, and runs `megatrain <flags> --dry-run --world-size N` (N: the
+config's own GPUS_PER_NODE where its MODEL_ENV_VARS give one that the layout divides, else the
 smallest multiple of TP x PP x CP, and of ETP x EP x PP, that is at least 8, the GPUs of one node).
 
 Prints one line per config (PASS / FAIL and the problems named), then how many passed and which
@@ -150,12 +151,14 @@ def flag_int(words, flag, default=1):
     return default
 
 
-def world_size(words):
+def world_size(words, gpus=None):
     tp, pp = flag_int(words, "--tensor-model-parallel-size"), flag_int(words, "--pipeline-model-parallel-size")
     mp = tp * pp * flag_int(words, "--context-parallel-size")
     # MoE: the experts' grid needs the world divisible by ETP x EP x PP as well (Megatron's rule).
     expert = flag_int(words, "--expert-tensor-parallel-size", tp) * flag_int(words, "--expert-model-parallel-size") * pp
     mp = math.lcm(mp, expert)
+    if isinstance(gpus, int) and gpus > 0 and gpus % mp == 0:
+        return gpus
     return mp * max(1, -(-8 // mp))
 
 
@@ -198,26 +201,30 @@ def main():
         if not isinstance(doc, dict) or str(doc.get("MODE", "pretraining")) != "pretraining" \
                 or not isinstance(doc.get("MODEL_ARGS"), dict):
             continue
-        configs.append((f.split("/")[3] + "/" + f.split("/")[4], ("yaml", doc["MODEL_ARGS"])))
+        # The GPUs the functional test runs its first training on (MODEL_ENV_VARS.MODEL_ARGS).
+        env = doc.get("MODEL_ENV_VARS")
+        gpus = env.get("MODEL_ARGS", {}).get("GPUS_PER_NODE") if isinstance(env, dict) and \
+            isinstance(env.get("MODEL_ARGS"), dict) else None
+        configs.append((f.split("/")[3] + "/" + f.split("/")[4], ("yaml", doc["MODEL_ARGS"]), gpus))
     for f in EXAMPLES:
         path = os.path.join(a.megatron, f)
         if os.path.exists(path):
             with open(path) as fh:
-                configs.append((f, ("script", fh.read())))
+                configs.append((f, ("script", fh.read()), None))
     if a.only:
         configs = [c for c in configs if a.only in c[0]]
 
     results = []
     tally = collections.Counter()
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (kind, body) in configs:
+        for name, (kind, body), gpus in configs:
             words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch)
             if "--fim-data" in words:
                 words = strip_data_flags(words) + [w.replace("@SRC@", SRC) for w in FIM_DATA]
             else:
                 words = strip_data_flags(words) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
                                                    "--vocab-size", a.vocab_size]
-            ws = world_size(words)
+            ws = world_size(words, gpus)
             cmd = [a.megatrain] + words + ["--dry-run", "--world-size", str(ws)]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             ok = r.returncode == 0
