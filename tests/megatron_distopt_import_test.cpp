@@ -41,6 +41,13 @@ const std::string kLlama =
     "--num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--untie-embeddings-and-output-weights --qk-layernorm";
 
+// make_mla_fixtures.sh's model: multi-latent attention with a query LoRA and latent norms, YaRN.
+const std::string kMla =
+    "--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --multi-latent-attention "
+    "--q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm "
+    "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--position-embedding-type rope --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 10000";
+
 std::vector<std::string> words(const std::string& s) {
   std::vector<std::string> out;
   std::istringstream in(s);
@@ -294,12 +301,16 @@ TEST_CASE("import-megatron reads the distributed optimizer's fully reshardable l
   }
 }
 
-TEST_CASE("a run resumed from Megatron-LM's distributed optimizer repeats Megatron-LM's losses", "[megatron-import][binary]") {
+TEST_CASE("a run resumed from Megatron-LM's optimizer state repeats Megatron-LM's losses", "[megatron-import][binary]") {
   // Megatron-LM trained 6 iterations in float32 (on H100s) and saved after 3 (torch_dist and torch
   // formats, distributed and not); megatrain's CPU reference backend resumes the import in one
   // process (data parallel 1, two micro-batches).
-  for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2"}) {
+  // Also Megatron-LM's multi-latent attention (make_mla_fixtures.sh: torch_dist, the optimizer by
+  // parameter name).
+  for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2",
+                          "mla/dist"}) {
     INFO(dir);
+    const std::string& model = std::string(dir).rfind("mla/", 0) == 0 ? kMla : kLlama;
     TempDir tmp;
     std::string imported, out;
     const int import_code = run_command(
@@ -307,7 +318,7 @@ TEST_CASE("a run resumed from Megatron-LM's distributed optimizer repeats Megatr
         &imported);
     INFO(imported);
     REQUIRE(import_code == 0);
-    const int code = run_command(std::string(MEGATRAIN_BINARY) + " --device cpu " + kCommon + " " + kLlama +
+    const int code = run_command(std::string(MEGATRAIN_BINARY) + " --device cpu " + kCommon + " " + model +
                                      " --train-iters 6 --load " + (tmp / "ckpt"),
                                  &out);
     INFO(out);
