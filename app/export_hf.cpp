@@ -58,7 +58,7 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (spec.arch == HfArchitecture::deepseek_v3 && spec.norm_epsilon != 1e-6)
     fmt::print(stderr, "note: transformers' DeepSeek-V3 normalizes the MLA latents with eps 1e-6; this model's "
                        "--norm-epsilon is {} (its other norms keep it as rms_norm_eps)\n", spec.norm_epsilon);
-  if (m.mtp_num_layers.value_or(0) > 0)  // (inference models have none; the file names what is left out)
+  if (m.mtp_num_layers.value_or(0) > 0 && spec.arch != HfArchitecture::deepseek_v3)  // (DeepSeek-V3's has a place)
     fmt::print(stderr, "note: export-hf leaves out the {} multi-token prediction layer(s) (mtp.layers.*): the Hugging "
                        "Face model has no place for them\n", *m.mtp_num_layers);
   const DType dtype = reader.info("embedding.word_embeddings.weight").dtype;

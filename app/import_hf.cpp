@@ -74,6 +74,7 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
     m.v_head_dim = s.v_head_dim;
     m.qk_layernorm = true;
     m.rope_type = s.yarn ? "yarn" : "rope";
+    if (s.mtp_layers > 0) m.mtp_num_layers = s.mtp_layers;
     if (s.yarn) {
       m.rotary_scaling_factor = s.yarn_factor;
       m.mscale = s.yarn_mscale;
@@ -166,6 +167,7 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
     add("--qk-pos-emb-head-dim", std::to_string(s.qk_rope_head_dim));
     add("--v-head-dim", std::to_string(s.v_head_dim));
     add("--qk-layernorm");
+    if (s.mtp_layers > 0) add("--mtp-num-layers", std::to_string(s.mtp_layers));
     if (s.yarn) {
       add("--rope-type", "yarn");
       add("--rotary-scaling-factor", num(s.yarn_factor));
@@ -291,7 +293,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
   for (const HfTensorMapping& m : mappings) {
     std::vector<HostArray> in;
     for (const std::string& n : m.hf) in.push_back(hf.take(n));
-    if (m.ours.empty()) continue;  // (nothing of ours: HfTransform::zeros)
+    if (m.ours.empty() || m.transform == HfTransform::vocab_rows_copy) continue;  // (zeros; a second copy)
     held.push_back(import_hf_tensor(m, r.spec, in));
     const HostArray& a = held.back();
     const int64_t rows = a.shape[0], cols = a.shape.size() == 2 ? a.shape[1] : 1;

@@ -112,6 +112,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     s.qk_layernorm = false;  // (MLA's --qk-layernorm means its latent norms)
     s.first_dense_layers = m.num_layers;
     s.rope_interleave = true;  // (Megatron's MLA RoPE: see mla_rope_rows)
+    s.mtp_layers = m.mtp_num_layers.value_or(0);
     // YaRN with a factor of 1 is plain RoPE. Megatron scales MLA's softmax by
     // yarn_get_mscale(factor, mscale_all_dim)^2 whatever the RoPE type; transformers only with YaRN.
     s.yarn = mla_rope_is_yarn(m) && m.rotary_scaling_factor != 1.0;
@@ -328,55 +329,60 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
         HfTransform::fc1_split);
     add(ours + "linear_fc2.weight", {h, ffn}, {hf + "down_proj.weight"}, {{h, ffn}}, HfTransform::copy);
   };
+  // One DeepSeek-V3 decoder layer: ours under L, HF's under P; its MLP dense or MoE (the expert
+  // bias under the name `bias`: ours keys it by the layer's global index).
+  auto deepseek_layer = [&](const std::string& L, const std::string& P, bool dense, const std::string& bias) {
+    // Multi-latent attention: the standalone input norm, q down (q_a_proj), its latent norm and
+    // up projection (q_b_proj, per head [nope; rope]), kv down with the shared RoPE key
+    // ([c_kv; k_rope]: kv_a_proj_with_mqa), its latent norm and up projection (per head
+    // [k_nope; v]: kv_b_proj), o_proj.
+    const std::string A = P + "self_attn.";
+    const int64_t ql = s.q_lora_rank, kvl = s.kv_lora_rank, dq = s.qk_nope_head_dim + s.qk_rope_head_dim;
+    const int64_t dkv = s.qk_nope_head_dim + s.v_head_dim;
+    add(L + "input_layernorm.weight", {h}, {P + "input_layernorm.weight"}, {{h}}, HfTransform::copy);
+    add(L + "self_attention.linear_q_down_proj.weight", {ql, h}, {A + "q_a_proj.weight"}, {{ql, h}}, HfTransform::copy);
+    add(L + "self_attention.linear_q_up_proj.layer_norm_weight", {ql}, {A + "q_a_layernorm.weight"}, {{ql}},
+        HfTransform::copy);
+    add(L + "self_attention.linear_q_up_proj.weight", {H * dq, ql}, {A + "q_b_proj.weight"}, {{H * dq, ql}},
+        HfTransform::mla_q_rope);
+    add(L + "self_attention.linear_kv_down_proj.weight", {kvl + s.qk_rope_head_dim, h}, {A + "kv_a_proj_with_mqa.weight"},
+        {{kvl + s.qk_rope_head_dim, h}}, HfTransform::mla_kv_rope);
+    add(L + "self_attention.linear_kv_up_proj.layer_norm_weight", {kvl}, {A + "kv_a_layernorm.weight"}, {{kvl}},
+        HfTransform::copy);
+    add(L + "self_attention.linear_kv_up_proj.weight", {H * dkv, kvl}, {A + "kv_b_proj.weight"}, {{H * dkv, kvl}},
+        HfTransform::copy);
+    add(L + "self_attention.linear_proj.weight", {h, H * s.v_head_dim}, {A + "o_proj.weight"}, {{h, H * s.v_head_dim}},
+        HfTransform::copy);
+    if (dense) {  // a dense SwiGLU MLP behind the fused pre-MLP norm
+      add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
+      swiglu_mlp(L + "mlp.", P + "mlp.", f);
+      return;
+    }
+    // The MoE layer: its standalone pre-MLP norm, the router (gate) and its expert bias
+    // (e_score_correction_bias, zeros without one), the experts and the shared experts.
+    const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+    add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
+    add(L + "mlp.router.weight", {E, h}, {P + "mlp.gate.weight"}, {{E, h}}, HfTransform::copy);
+    add(s.expert_bias ? bias : std::string(), {E}, {P + "mlp.gate.e_score_correction_bias"},
+        {{E}}, s.expert_bias ? HfTransform::copy : HfTransform::zeros);
+    std::vector<std::string> fc1, fc2;
+    std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string X = fmt::format("{}mlp.experts.{}.", P, e);
+      fc1.insert(fc1.end(), {X + "gate_proj.weight", X + "up_proj.weight"});
+      fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
+      fc2.push_back(X + "down_proj.weight");
+      fc2_shapes.push_back({h, fe});
+    }
+    add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
+    add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+    if (s.shared_expert_ffn > 0) swiglu_mlp(L + "mlp.shared_experts.", P + "mlp.shared_experts.", s.shared_expert_ffn);
+  };
   for (int i = 0; i < s.num_layers; ++i) {
     const std::string L = fmt::format("decoder.layers.{}.", i);
     const std::string P = gpt2 ? fmt::format("transformer.h.{}.", i) : fmt::format("model.layers.{}.", i);
     if (s.arch == HfArchitecture::deepseek_v3) {
-      // Multi-latent attention: the standalone input norm, q down (q_a_proj), its latent norm and
-      // up projection (q_b_proj, per head [nope; rope]), kv down with the shared RoPE key
-      // ([c_kv; k_rope]: kv_a_proj_with_mqa), its latent norm and up projection (per head
-      // [k_nope; v]: kv_b_proj), o_proj.
-      const std::string A = P + "self_attn.";
-      const int64_t ql = s.q_lora_rank, kvl = s.kv_lora_rank, dq = s.qk_nope_head_dim + s.qk_rope_head_dim;
-      const int64_t dkv = s.qk_nope_head_dim + s.v_head_dim;
-      add(L + "input_layernorm.weight", {h}, {P + "input_layernorm.weight"}, {{h}}, HfTransform::copy);
-      add(L + "self_attention.linear_q_down_proj.weight", {ql, h}, {A + "q_a_proj.weight"}, {{ql, h}}, HfTransform::copy);
-      add(L + "self_attention.linear_q_up_proj.layer_norm_weight", {ql}, {A + "q_a_layernorm.weight"}, {{ql}},
-          HfTransform::copy);
-      add(L + "self_attention.linear_q_up_proj.weight", {H * dq, ql}, {A + "q_b_proj.weight"}, {{H * dq, ql}},
-          HfTransform::mla_q_rope);
-      add(L + "self_attention.linear_kv_down_proj.weight", {kvl + s.qk_rope_head_dim, h}, {A + "kv_a_proj_with_mqa.weight"},
-          {{kvl + s.qk_rope_head_dim, h}}, HfTransform::mla_kv_rope);
-      add(L + "self_attention.linear_kv_up_proj.layer_norm_weight", {kvl}, {A + "kv_a_layernorm.weight"}, {{kvl}},
-          HfTransform::copy);
-      add(L + "self_attention.linear_kv_up_proj.weight", {H * dkv, kvl}, {A + "kv_b_proj.weight"}, {{H * dkv, kvl}},
-          HfTransform::copy);
-      add(L + "self_attention.linear_proj.weight", {h, H * s.v_head_dim}, {A + "o_proj.weight"}, {{h, H * s.v_head_dim}},
-          HfTransform::copy);
-      if (i < s.first_dense_layers) {  // a dense SwiGLU MLP behind the fused pre-MLP norm
-        add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
-        swiglu_mlp(L + "mlp.", P + "mlp.", f);
-        continue;
-      }
-      // The MoE layer: its standalone pre-MLP norm, the router (gate) and its expert bias
-      // (e_score_correction_bias, zeros without one), the experts and the shared experts.
-      const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
-      add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
-      add(L + "mlp.router.weight", {E, h}, {P + "mlp.gate.weight"}, {{E, h}}, HfTransform::copy);
-      add(s.expert_bias ? L + "mlp.router.expert_bias" : std::string(), {E}, {P + "mlp.gate.e_score_correction_bias"},
-          {{E}}, s.expert_bias ? HfTransform::copy : HfTransform::zeros);
-      std::vector<std::string> fc1, fc2;
-      std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
-      for (int64_t e = 0; e < E; ++e) {
-        const std::string X = fmt::format("{}mlp.experts.{}.", P, e);
-        fc1.insert(fc1.end(), {X + "gate_proj.weight", X + "up_proj.weight"});
-        fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
-        fc2.push_back(X + "down_proj.weight");
-        fc2_shapes.push_back({h, fe});
-      }
-      add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
-      add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
-      if (s.shared_expert_ffn > 0) swiglu_mlp(L + "mlp.shared_experts.", P + "mlp.shared_experts.", s.shared_expert_ffn);
+      deepseek_layer(L, P, i < s.first_dense_layers, L + "mlp.router.expert_bias");
       continue;
     }
     if (gpt2) {
@@ -444,6 +450,23 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
       if (s.add_bias_linear) add(L + "mlp.linear_fc2.bias", {h}, {P + "mlp.down_proj.bias"}, {{h}}, HfTransform::copy);
     }
   }
+  // DeepSeek-V3's multi-token prediction depths, as its checkpoints hold them (model.layers.{L + j},
+  // which inference engines read for speculative decoding and transformers leaves unused): a copy
+  // of the embedding, enorm, hnorm, eh_proj ([h, 2h] over [embedding; hidden], as Megatron's), the
+  // decoder layer, shared_head.norm (our final norm of the depth) and a copy of the output layer.
+  if (s.arch == HfArchitecture::deepseek_v3)
+    for (int j = 0; j < s.mtp_layers; ++j) {
+      const std::string M = fmt::format("mtp.layers.{}.", j), P = fmt::format("model.layers.{}.", s.num_layers + j);
+      add("embedding.word_embeddings.weight", {Vp, h}, {P + "embed_tokens.weight"}, {{V, h}}, HfTransform::vocab_rows_copy);
+      add(M + "enorm.weight", {h}, {P + "enorm.weight"}, {{h}}, HfTransform::copy);
+      add(M + "hnorm.weight", {h}, {P + "hnorm.weight"}, {{h}}, HfTransform::copy);
+      add(M + "eh_proj.weight", {h, 2 * h}, {P + "eh_proj.weight"}, {{h, 2 * h}}, HfTransform::copy);
+      deepseek_layer(M + "transformer_layer.", P, s.first_dense_layers >= s.num_layers,
+                     fmt::format("decoder.layers.{}.mlp.router.expert_bias", s.num_layers + j));
+      add(M + "final_layernorm.weight", {h}, {P + "shared_head.norm.weight"}, {{h}}, HfTransform::copy);
+      add(s.untie_embeddings_and_output_weights ? "output_layer.weight" : "embedding.word_embeddings.weight", {Vp, h},
+          {P + "shared_head.head.weight"}, {{V, h}}, HfTransform::vocab_rows_copy);
+    }
   add("decoder.final_layernorm.weight", {h}, {gpt2 ? "transformer.ln_f.weight" : "model.norm.weight"}, {{h}}, norm);
   if (gpt2) add("decoder.final_layernorm.bias", {h}, {"transformer.ln_f.bias"}, {{h}}, HfTransform::copy);
   if (nemotron) add("decoder.final_layernorm.bias", {h}, {"model.norm.bias"}, {{h}}, HfTransform::copy);
@@ -498,6 +521,7 @@ json hf_config_json(const HfModelSpec& s) {
     // Megatron renormalizes sigmoid top-k scores when it picks more than one expert.
     c["norm_topk_prob"] = moe && s.moe_topk > 1;
     c["first_k_dense_replace"] = s.first_dense_layers;
+    c["num_nextn_predict_layers"] = s.mtp_layers;
     c["q_lora_rank"] = s.q_lora_rank > 0 ? json(s.q_lora_rank) : json(nullptr);
     c["kv_lora_rank"] = s.kv_lora_rank;
     c["qk_nope_head_dim"] = s.qk_nope_head_dim;
@@ -691,6 +715,9 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.head_dim = s.qk_nope_head_dim + s.qk_rope_head_dim;
       s.mla_latent_norms = true;
       s.rope_interleave = c.value("rope_interleave", true);
+      s.mtp_layers = c.contains("num_nextn_predict_layers") && c["num_nextn_predict_layers"].is_number_integer()
+                         ? c["num_nextn_predict_layers"].get<int>()
+                         : 0;
       s.first_dense_layers = std::min(c.value("first_k_dense_replace", 0), s.num_layers);
       if (s.first_dense_layers < s.num_layers) {
         s.num_experts = need("n_routed_experts").get<int>();
@@ -944,6 +971,7 @@ std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelS
       transpose_rows(ours.bytes.data(), elem, ours.shape[0], ours.shape[1], out[0].bytes.data());
       break;
     case HfTransform::vocab_rows:
+    case HfTransform::vocab_rows_copy:
       std::memcpy(out[0].bytes.data(), ours.bytes.data(), out[0].bytes.size());  // the first V rows
       break;
     case HfTransform::norm_1p:
@@ -1009,7 +1037,8 @@ HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const
     case HfTransform::transpose:
       transpose_rows(hf[0].bytes.data(), elem, hf[0].shape[0], hf[0].shape[1], out.bytes.data());
       break;
-    case HfTransform::vocab_rows: {
+    case HfTransform::vocab_rows:
+    case HfTransform::vocab_rows_copy: {
       // Padding rows repeat the last real row (Megatron's tools/checkpoint saver does the same).
       std::memcpy(out.bytes.data(), hf[0].bytes.data(), hf[0].bytes.size());
       const size_t row = static_cast<size_t>(cols) * elem;

@@ -99,6 +99,7 @@ struct HfModelSpec {
   double routed_scaling_factor = 1.0;
   bool expert_bias = false;
   bool rope_interleave = false;
+  int mtp_layers = 0;  // multi-token prediction depths (num_nextn_predict_layers)
   // MLA's YaRN RoPE (Megatron's --rope-type yarn, its default; transformers' rope_scaling yarn):
   // the scaling factor, mscale, mscale_all_dim, and the original context (Megatron's MLA keeps
   // 4096, beta_fast 32, beta_slow 1 and integer correction bounds: transformers' defaults).
@@ -118,6 +119,8 @@ enum class HfTransform {
   copy,           // same layout
   transpose,      // ours [out, in] <-> GPT-2 Conv1D [in, out]
   vocab_rows,     // embedding / output rows: ours padded <-> HF true vocabulary
+  vocab_rows_copy,// the same, for a second HF copy of a tensor another mapping already imports
+                  // (DeepSeek-V3's MTP embed_tokens and shared_head.head): import writes nothing
   norm_1p,        // ours gamma - 1 <-> HF gamma
   qkv_split,      // ours fused QKV (weight or bias) <-> Llama q_proj, k_proj, v_proj
   qkv_c_attn,     // ours fused QKV weight <-> GPT-2 c_attn.weight [E, 3E] (split, concat, transpose)

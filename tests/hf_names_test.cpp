@@ -718,3 +718,37 @@ TEST_CASE("DeepSeek-V3 YaRN: rope_scaling as transformers reads it, and back", "
   refused([](nlohmann::json& j) { j["rope_scaling"]["beta_fast"] = 16; });
   refused([](nlohmann::json& j) { j["rope_scaling"]["type"] = "linear"; j["rope_scaling"]["rope_type"] = "linear"; });
 }
+
+TEST_CASE("DeepSeek-V3 MTP depths as model.layers.{L + j}, DeepSeek's checkpoint layout", "[checkpoint][hf]") {
+  HfModelSpec s = deepseek_spec();  // 3 layers, the last two MoE, untied
+  s.mtp_layers = 1;
+  const auto ms = hf_tensor_mappings(s);
+  auto hf_of = [&](const std::string& hf) -> const HfTensorMapping& {
+    for (const auto& m : ms)
+      for (const auto& n : m.hf)
+        if (n == hf) return m;
+    FAIL("no mapping to " << hf);
+    throw std::logic_error("unreachable");
+  };
+  CHECK(hf_of("model.layers.3.embed_tokens.weight").ours == "embedding.word_embeddings.weight");
+  CHECK(hf_of("model.layers.3.embed_tokens.weight").transform == HfTransform::vocab_rows_copy);
+  CHECK(hf_of("model.layers.3.shared_head.head.weight").ours == "output_layer.weight");
+  CHECK(hf_of("model.layers.3.enorm.weight").ours == "mtp.layers.0.enorm.weight");
+  CHECK(hf_of("model.layers.3.hnorm.weight").ours == "mtp.layers.0.hnorm.weight");
+  CHECK(hf_of("model.layers.3.eh_proj.weight").our_shape == std::vector<int64_t>{8, 16});
+  CHECK(hf_of("model.layers.3.shared_head.norm.weight").ours == "mtp.layers.0.final_layernorm.weight");
+  CHECK(hf_of("model.layers.3.self_attn.q_b_proj.weight").ours ==
+        "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight");
+  // The depth's layer is an MoE layer like the last one; its expert bias is ours by global index.
+  CHECK(hf_of("model.layers.3.mlp.gate.e_score_correction_bias").ours == "decoder.layers.3.mlp.router.expert_bias");
+  CHECK(hf_of("model.layers.3.mlp.experts.2.up_proj.weight").ours ==
+        "mtp.layers.0.transformer_layer.mlp.experts.linear_fc1.weight");
+  // Tied: the head's copy is the embedding.
+  HfModelSpec tied = s;
+  tied.untie_embeddings_and_output_weights = false;
+  for (const auto& m : hf_tensor_mappings(tied))
+    if (m.hf[0] == "model.layers.3.shared_head.head.weight") CHECK(m.ours == "embedding.word_embeddings.weight");
+  const auto c = hf_config_json(s);
+  CHECK(c["num_nextn_predict_layers"] == 1);
+  CHECK(hf_spec_from_config(c, 16, 1).mtp_layers == 1);
+}

@@ -56,7 +56,7 @@ const std::string kMixtral = kLlama + " --num-experts 4 --moe-router-topk 2 --mo
                                       "--moe-aux-loss-coeff 0.01 --moe-grouped-gemm";
 // DeepSeek-V3: multi-latent attention (a query LoRA, both latent norms, plain RoPE), a dense layer,
 // then an MoE layer of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling
-// factor and a shared expert of two experts' size.
+// factor and a shared expert of two experts' size; one MTP depth (DeepSeek's model.layers.{L} layout).
 const std::string kDeepseek = kCommon +
                               " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --normalization RMSNorm "
                               "--swiglu --ffn-hidden-size 48 --position-embedding-type rope "
@@ -67,7 +67,7 @@ const std::string kDeepseek = kCommon +
                               "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                               "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
                               "--moe-router-num-groups 2 --moe-router-group-topk 1 "
-                              "--moe-shared-expert-intermediate-size 32 --moe-grouped-gemm";
+                              "--moe-shared-expert-intermediate-size 32 --moe-grouped-gemm --mtp-num-layers 1";
 const std::string kTokens = "5,17,42,99,0,63,8,21,77,3";
 
 std::string megatrain_ok(const std::string& args) {
@@ -188,6 +188,7 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       CHECK(config.at("routed_scaling_factor") == 2.5);
       CHECK(config.at("kv_lora_rank") == 8);
       CHECK(config.at("qk_rope_head_dim") == 4);
+      CHECK(config.at("num_nextn_predict_layers") == 1);
     }
     if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek)
       CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
