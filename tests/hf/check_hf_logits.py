@@ -62,6 +62,9 @@ MODEL_FLAGS["deepseek"] = ("--num-layers 3 --hidden-size 64 --num-attention-head
                            "--moe-layer-freq [0,1,1] --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                            "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
                            "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 64")
+# With one MTP depth: exported as DeepSeek's checkpoints hold it (model.layers.3.*), which
+# transformers must load beside the model (it leaves the depth unused): export only.
+MODEL_FLAGS["deepseek_mtp"] = MODEL_FLAGS["deepseek"] + " --mtp-num-layers 1"
 # DeepSeek-V3's own RoPE: YaRN with factor 40, mscale and mscale_all_dim 1 (Megatron's MLA default
 # type), which transformers reads from rope_scaling.
 MODEL_FLAGS["deepseek_yarn"] = (MODEL_FLAGS["deepseek"].replace("--rope-type rope --no-rope-fusion", "--rope-type yarn")
@@ -196,11 +199,14 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves", "deepseek_yarn")
+                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves", "deepseek_yarn",
+                                                    "deepseek_mtp")
     for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind in ("mistral", "deepseek_halves") and direction is export_direction:
                 continue  # (export writes Mistral-shaped models as Llama, DeepSeek-V3 with rope_interleave)
+            if kind == "deepseek_mtp" and direction is import_direction:
+                continue  # (transformers makes no MTP depths)
             work = tempfile.mkdtemp(prefix=f"check_hf_{kind}_")
             try:
                 ok = direction(args, kind, work) and ok
