@@ -1,6 +1,7 @@
 #include "checkpoint/hf_names.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -329,6 +330,22 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
         HfTransform::fc1_split);
     add(ours + "linear_fc2.weight", {h, ffn}, {hf + "down_proj.weight"}, {{h, ffn}}, HfTransform::copy);
   };
+  // An MoE layer's experts: our stacked fc1 ([gate; up] per expert) and fc2 <-> each expert's
+  // HF tensors under `prefix` + e + "." named gate, up, down (Mixtral's w1, w3, w2).
+  auto experts = [&](const std::string& L, const std::string& prefix, const std::array<const char*, 3>& names) {
+    const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+    std::vector<std::string> fc1, fc2;
+    std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string X = fmt::format("{}{}.", prefix, e);
+      fc1.insert(fc1.end(), {X + names[0] + ".weight", X + names[1] + ".weight"});
+      fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
+      fc2.push_back(X + names[2] + ".weight");
+      fc2_shapes.push_back({h, fe});
+    }
+    add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
+    add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+  };
   // One DeepSeek-V3 decoder layer: ours under L, HF's under P; its MLP dense or MoE (the expert
   // bias under the name `bias`: ours keys it by the layer's global index).
   auto deepseek_layer = [&](const std::string& L, const std::string& P, bool dense, const std::string& bias) {
@@ -360,22 +377,12 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
     }
     // The MoE layer: its standalone pre-MLP norm, the router (gate) and its expert bias
     // (e_score_correction_bias, zeros without one), the experts and the shared experts.
-    const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+    const int64_t E = s.num_experts;
     add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, HfTransform::copy);
     add(L + "mlp.router.weight", {E, h}, {P + "mlp.gate.weight"}, {{E, h}}, HfTransform::copy);
     add(s.expert_bias ? bias : std::string(), {E}, {P + "mlp.gate.e_score_correction_bias"},
         {{E}}, s.expert_bias ? HfTransform::copy : HfTransform::zeros);
-    std::vector<std::string> fc1, fc2;
-    std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string X = fmt::format("{}mlp.experts.{}.", P, e);
-      fc1.insert(fc1.end(), {X + "gate_proj.weight", X + "up_proj.weight"});
-      fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
-      fc2.push_back(X + "down_proj.weight");
-      fc2_shapes.push_back({h, fe});
-    }
-    add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
-    add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+    experts(L, P + "mlp.experts.", {"gate_proj", "up_proj", "down_proj"});
     if (s.shared_expert_ffn > 0) swiglu_mlp(L + "mlp.shared_experts.", P + "mlp.shared_experts.", s.shared_expert_ffn);
   };
   for (int i = 0; i < s.num_layers; ++i) {
@@ -417,21 +424,11 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
       if (s.arch == HfArchitecture::mixtral) {
         // The MoE block: its own pre-MLP norm, the router, each expert's w1 (gate), w3 (up) and w2
         // (down) as rows of our stacked expert weights.
-        const int64_t E = s.num_experts, fe = s.moe_ffn_hidden_size;
+        const int64_t E = s.num_experts;
         const std::string B = P + "block_sparse_moe.";
         add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
         add(L + "mlp.router.weight", {E, h}, {B + "gate.weight"}, {{E, h}}, HfTransform::copy);
-        std::vector<std::string> fc1, fc2;
-        std::vector<std::vector<int64_t>> fc1_shapes, fc2_shapes;
-        for (int64_t e = 0; e < E; ++e) {
-          const std::string X = fmt::format("{}experts.{}.", B, e);
-          fc1.insert(fc1.end(), {X + "w1.weight", X + "w3.weight"});
-          fc1_shapes.insert(fc1_shapes.end(), {{fe, h}, {fe, h}});
-          fc2.push_back(X + "w2.weight");
-          fc2_shapes.push_back({h, fe});
-        }
-        add(L + "mlp.experts.linear_fc1.weight", {E * 2 * fe, h}, fc1, fc1_shapes, HfTransform::fc1_split);
-        add(L + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2, fc2_shapes, HfTransform::fc1_split);
+        experts(L, B + "experts.", {"w1", "w3", "w2"});
         continue;
       }
       add(L + "mlp.linear_fc1.layer_norm_weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
