@@ -20,6 +20,7 @@
 #include <random>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "cuda/bench_choice.h"
@@ -408,6 +409,46 @@ void bench_model(Bench& B, const Model& M) {
   }
 }
 
+// The MoE experts' grouped GEMMs (Backend::grouped_linear_*) at a shape's rows (tokens x top-k),
+// experts and sizes, the rows spread over the experts by uniform random routing; each op by our
+// grouped MMA kernel, by cuBLAS (grouped batched, or per expert for large experts), and a dense
+// GEMM of the same FLOPs beside them.
+void bench_moe(Bench& B, const std::string& mn, int64_t R, int64_t E, int64_t H, int64_t F) {
+  CudaBackend& be = B.be();
+  const DType bf = DType::bf16;
+  std::printf("%s: %lld expert rows, %lld experts, hidden %lld, expert ffn %lld (SwiGLU)\n", mn.c_str(), (long long)R,
+              (long long)E, (long long)H, (long long)F);
+  std::mt19937 gen(11);
+  std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+  std::uniform_int_distribution<int64_t> pick(0, E - 1);
+  for (int64_t r = 0; r < R; ++r) ++counts[static_cast<size_t>(pick(gen))];
+  std::vector<int64_t> off{0};
+  for (int64_t c : counts) off.push_back(off.back() + c);
+  be.prepare_grouped_gemms(static_cast<int>(E));
+  struct Lin {
+    const char* name;
+    int64_t n, k;
+  };
+  using bench_choice_path = cuda::bench_choice::GroupedGemmPath;
+  for (const Lin L : {Lin{"fc1", 2 * F, H}, Lin{"fc2", H, F}}) {
+    Tensor x = B.alloc(bf, {R, L.k}, 1.0), w = B.alloc(bf, {E * L.n, L.k}, 0.02), y = B.alloc(bf, {R, L.n});
+    Tensor dw = B.alloc(DType::f32, {E * L.n, L.k});
+    Tensor wd = B.alloc(bf, {L.n, L.k}, 0.02);
+    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "mma"}, std::pair{bench_choice_path::cublas, "cublas"}}) {
+      cuda::bench_choice::grouped_gemm_path = path;
+      const std::string tag = std::string(" ") + L.name + " (" + pname + ")";
+      B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, off); });
+      B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, off); });
+      B.gemm_op(mn, "grouped bwd_weight +acc f32" + tag, L.n, L.k, R,
+                [&](int) { be.grouped_linear_backward_weight(dw, y, x, off, true); });
+    }
+    cuda::bench_choice::grouped_gemm_path = bench_choice_path::automatic;
+    B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,
+              [&](int) { be.linear_forward(y, x, wd, Tensor(), Activation::none, Tensor()); });
+    B.free_all();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -456,6 +497,9 @@ int main(int argc, char** argv) {
         {"llama-1b", 2 * 4096, 2048, 8192, 128256, 32, 8, 64, 1'240'000'000, true},
     };
     for (const Model& m : models) bench_model(B, m);
+    // bench/run_bench.sh's MoE configs: seq 4096 x micro-batch 2 tokens, top-k rows each.
+    bench_moe(B, "moe-fine-grained", 8192 * 8, 64, 2048, 768);
+    bench_moe(B, "moe-mixtral-proxy", 8192 * 2, 8, 2048, 5632);
 
     std::printf("\n| model | op | shape | time (us) | GB/s | %% of copy | TFLOP/s | %% of %.0f |\n", opt.peak_tflops);
     std::printf("|---|---|---|---:|---:|---:|---:|---:|\n");

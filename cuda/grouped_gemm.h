@@ -1,7 +1,9 @@
-// Grouped GEMMs for mixture-of-experts layers (Backend::grouped_linear_*): one call of cuBLAS's
-// grouped batched GEMM (cublasGemmGroupedBatchedEx) per op, every expert with rows its own group,
-// or, for experts of many rows each, one cublasGemmEx per expert (cuBLAS picks its kernel per call:
-// no cuBLASLt plan is made for each new row count).
+// Grouped GEMMs for mixture-of-experts layers (Backend::grouped_linear_*): 16-bit experts of
+// fewer than kPerExpertRows rows each on average run as one launch of our grouped MMA kernel
+// (cuda/grouped_gemm_mma.h); other dtypes as one call of cuBLAS's grouped batched GEMM
+// (cublasGemmGroupedBatchedEx), every expert with rows its own group; experts of many rows each
+// as one cublasGemmEx per expert (cuBLAS picks its kernel per call: no cuBLASLt plan is made for
+// each new row count).
 #pragma once
 
 #include <cublas_v2.h>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "cuda/grouped_gemm_mma.h"
 
 namespace mt::cuda {
 
@@ -43,6 +46,9 @@ class GroupedGemm {
   };
   // rows: all rows of the op (their mean per expert with rows picks the per-expert path).
   void run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows);
+  // Whether our grouped MMA kernel (cuda/grouped_gemm_mma.h) runs the op: where it takes it, for
+  // experts of fewer than kPerExpertRows rows on average.
+  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, std::span<const int64_t> offsets) const;
   static constexpr int64_t kPerExpertRows = 2048;
 
   cudaStream_t stream_;

@@ -1,12 +1,15 @@
-// The CUDA backend's grouped GEMMs (Backend::grouped_linear_*, cuda/grouped_gemm.h: one cuBLAS
-// grouped batched GEMM per op, or one GEMM per expert for large experts) against the reference backend's per-expert GEMMs, on fresh random
-// inputs: odd row counts, empty experts (their weight gradient zeroed, or kept with accumulate),
-// float32 and bf16 (float32 main gradients).
+// The CUDA backend's grouped GEMMs (Backend::grouped_linear_*, cuda/grouped_gemm.h: our grouped
+// MMA kernel, cuBLAS's grouped batched GEMM, or one GEMM per expert for large experts; each case
+// through every path that takes it) against the reference backend's per-expert GEMMs, on fresh
+// random inputs: odd row counts, empty experts (their weight gradient zeroed, or kept with
+// accumulate), feature sizes off the kernel's tile sizes, float32, bf16 and fp16 (float32 main
+// gradients).
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <vector>
 
+#include "cuda/bench_choice.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
@@ -25,6 +28,11 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                         {{1}, 8, 8},
                         {std::vector<int64_t>(64, 0), 16, 16},
                         {{300, 257, 0, 511, 64, 3, 0, 100, 7, 1, 1, 90}, 96, 72},
+                        // several 128-wide tiles, partial in every dimension (K not a multiple of 32)
+                        {{130, 0, 257, 1, 128, 383}, 136, 264},
+                        {{127, 129, 0, 0, 255}, 264, 136},
+                        // a feature size off the kernel's multiples of 8: cuBLAS alone
+                        {{33, 0, 70}, 12, 40},
                         // >= 2048 rows per expert: one cublasGemmEx per expert (cuda/grouped_gemm.h)
                         {{2100, 0, 2501}, 40, 24}};
   for (const Case& c : cases) {
@@ -32,8 +40,13 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
     for (int64_t r : c.rows) off.push_back(off.back() + r);
     const int64_t E = static_cast<int64_t>(c.rows.size()), R = off.back(), N = c.N, K = c.K;
     if (R == 0) off.back() = 0;
-    for (const DType dt : {DType::f32, DType::bf16}) {
-      INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt));
+    using Path = cuda::bench_choice::GroupedGemmPath;
+    for (const auto& [dt, path] : {std::pair{DType::f32, Path::automatic}, std::pair{DType::bf16, Path::automatic},
+                                   std::pair{DType::bf16, Path::mma}, std::pair{DType::bf16, Path::cublas},
+                                   std::pair{DType::f16, Path::mma}}) {
+      cuda::bench_choice::grouped_gemm_path = path;
+      INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt) << ", path "
+                      << static_cast<int>(path));
       const Twin x = twin(dt, {std::max<int64_t>(R, 1), K}, rng.normal(std::max<int64_t>(R, 1) * K));
       const Twin w = twin(dt, {E * N, K}, rng.normal(E * N * K, 0.2));
       const Twin dy = twin(dt, {std::max<int64_t>(R, 1), N}, rng.normal(std::max<int64_t>(R, 1) * N));

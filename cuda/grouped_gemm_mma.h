@@ -1,0 +1,36 @@
+// A grouped GEMM of our own for mixture-of-experts layers: one kernel launch per op for every
+// expert, tensor-core MMAs (bf16/fp16 in, float32 accumulation), whatever the row count of each
+// expert. The three ops of Backend::grouped_linear_* (cuda/grouped_gemm.h maps them):
+//   forward         y_e  = x_e w_e^T        (rows of y grouped by expert)
+//   backward input  dx_e = dy_e w_e         (rows of dx grouped by expert)
+//   backward weight dw_e (+)= dy_e^T x_e    (the reduction over expert e's rows)
+// A launch reads the experts' row offsets from its parameters: the host knows them (the MoE block
+// copies them once per layer), so nothing is looked up on the device before the tiles start.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "core/tensor.h"
+
+namespace mt::cuda {
+
+enum class GroupedOp { forward, backward_input, backward_weight };
+
+// The most experts one launch takes (their offsets travel in the kernel's parameters).
+inline constexpr int kGroupedMmaMaxGroups = 256;
+
+// Whether the kernel takes this op: 16-bit inputs of one dtype, an output of that dtype or
+// float32, feature sizes N (w's rows per expert) and K (w's columns) multiples of 8, 16-byte
+// aligned operands, at most kGroupedMmaMaxGroups experts.
+bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts);
+
+// op's operands as in cuda/grouped_gemm.h: forward (c = y, a = x, b = w), backward input
+// (c = dx, a = dy, b = w), backward weight (c = dw, a = dy, b = x; accumulate adds to dw).
+// offsets: experts + 1 row offsets.
+void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const int64_t> offsets, bool accumulate,
+                     cudaStream_t stream);
+
+}  // namespace mt::cuda
