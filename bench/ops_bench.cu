@@ -434,7 +434,8 @@ void bench_moe(Bench& B, const std::string& mn, int64_t R, int64_t E, int64_t H,
     Tensor x = B.alloc(bf, {R, L.k}, 1.0), w = B.alloc(bf, {E * L.n, L.k}, 0.02), y = B.alloc(bf, {R, L.n});
     Tensor dw = B.alloc(DType::f32, {E * L.n, L.k});
     Tensor wd = B.alloc(bf, {L.n, L.k}, 0.02);
-    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "mma"}, std::pair{bench_choice_path::cublas, "cublas"}}) {
+    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "wgmma"}, std::pair{bench_choice_path::mma_sync, "mma.sync"},
+                                       std::pair{bench_choice_path::cublas, "cublas"}}) {
       cuda::bench_choice::grouped_gemm_path = path;
       const std::string tag = std::string(" ") + L.name + " (" + pname + ")";
       B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, off); });

@@ -47,7 +47,7 @@ bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, con
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   using bench_choice::GroupedGemmPath;
   if (bench_choice::grouped_gemm_path == GroupedGemmPath::cublas || !grouped_mma_takes(op, c, a, b, E)) return false;
-  if (bench_choice::grouped_gemm_path == GroupedGemmPath::mma) return true;
+  if (bench_choice::grouped_gemm_path != GroupedGemmPath::automatic) return true;
   int64_t with_rows = 0;  // the mean over experts with rows, as run() takes it
   for (int64_t e = 0; e < E; ++e) with_rows += offsets[static_cast<size_t>(e) + 1] > offsets[static_cast<size_t>(e)];
   return offsets.back() / std::max<int64_t>(with_rows, 1) < kPerExpertRows;
@@ -127,7 +127,8 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t>
   MT_CHECK(y.cols() == N && w.cols() == K && x.dtype == w.dtype && y.dtype == x.dtype,
            "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
   if (own_kernel(GroupedOp::forward, y, x, w, offsets))
-    return grouped_mma_run(GroupedOp::forward, y, x, w, offsets, false, stream_);
+    return grouped_mma_run(GroupedOp::forward, y, x, w, offsets, false, stream_,
+                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   std::vector<Group>& groups = groups_;
   groups.clear();
   for (int64_t e = 0; e < E; ++e) {
@@ -145,7 +146,8 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const
   MT_CHECK(dy.cols() == N && dx.cols() == K && dy.dtype == w.dtype && dx.dtype == dy.dtype,
            "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
   if (own_kernel(GroupedOp::backward_input, dx, dy, w, offsets))
-    return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, offsets, false, stream_);
+    return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, offsets, false, stream_,
+                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   std::vector<Group>& groups = groups_;
   groups.clear();
   for (int64_t e = 0; e < E; ++e) {
@@ -163,7 +165,8 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<cons
   MT_CHECK(dy.cols() == N && x.cols() == K && dy.dtype == x.dtype,
            "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
   if (own_kernel(GroupedOp::backward_weight, dw, dy, x, offsets))
-    return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, offsets, accumulate, stream_);
+    return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, offsets, accumulate, stream_,
+                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   std::vector<Group>& groups = groups_;
   groups.clear();
   const size_t expert_bytes = static_cast<size_t>(N * K) * dtype_size(dw.dtype);

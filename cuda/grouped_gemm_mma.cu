@@ -5,12 +5,18 @@
 // The first two group C's rows by expert (a CTA's tile lies inside one expert's rows), the third
 // groups the reduction (a CTA reduces over its expert's rows).
 //
-// A CTA computes a 128 x 128 tile of C with 8 warps (2 x 4, 64 x 32 each) of mma.m16n8k16 over
-// k-steps of 32, the operands staged in shared memory by cp.async in a 4-deep ring. Tiles are
-// kept in shared memory as they lie in global memory (reduction-contiguous, or output-contiguous
-// and read with ldmatrix.trans), their 16-byte chunks XOR-swizzled so that every ldmatrix phase
-// touches 8 distinct bank groups. Rows past an expert's end and columns past the matrix read as
-// zeros (cp.async's source size 0).
+// A CTA computes a 128 x 128 tile of C over k-steps of 64, the operands staged in shared memory by
+// cp.async in a 3-deep ring (96 KB: two CTAs per SM). Two bodies share the loads and the tile
+// scheduling:
+// - wgmma (sm_90a, Hopper): each of the two warpgroups issues wgmma.m64n128k16 on its 64 rows,
+//   both operands read from shared memory through descriptors in the 128-byte swizzled canonical
+//   layouts: a reduction-contiguous tile as rows of 128 bytes (chunk ^ row % 8), an
+//   output-contiguous one as 8 x 128-byte atoms (the two 64-wide halves 8 KB apart), read
+//   transposed (wgmma's imm-trans).
+// - mma.sync (any sm_90 build, and the reference for the first): 8 warps (2 x 4, 64 x 32 each) of
+//   mma.m16n8k16 fed by ldmatrix (.trans for output-contiguous tiles), 16-byte chunks XOR-swizzled
+//   so that every ldmatrix phase touches 8 distinct bank groups.
+// Rows past an expert's end and columns past the matrix read as zeros (cp.async's source size 0).
 #include "cuda/grouped_gemm_mma.h"
 
 #include <cuda_bf16.h>
@@ -24,10 +30,10 @@
 namespace mt::cuda {
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 32, STAGES = 4, THREADS = 256;
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 256;
 constexpr int kTile = BM * BK;  // elements of one operand's tile (BN * BK is the same)
 static_assert(BM == BN, "the two operands' tiles share one layout scheme");
-constexpr int kSmemBytes = STAGES * 2 * kTile * 2;
+constexpr int kSmemBytes = STAGES * 2 * kTile * 2 + 1024;  // + alignment room
 
 // The experts' row offsets and, for the row-grouped ops, the index of each expert's first
 // m-tile (tile_start[groups] = all m-tiles).
@@ -49,10 +55,15 @@ struct Args {
   bool accumulate;
 };
 
-// A tile stored reduction-contiguous ([128 rows][32]): 4 chunks of 8 per row, chunk ^ (row/2 % 4).
-__device__ __forceinline__ int swz_rows(int r, int k) { return r * BK + ((((k >> 3) ^ (r >> 1)) & 3) << 3) + (k & 7); }
-// A tile stored output-contiguous ([32][128 cols]): 16 chunks per row, chunk ^ (row % 8).
+// A tile stored reduction-contiguous ([128 rows][64]): 8 chunks of 8 per row, chunk ^ (row % 8).
+__device__ __forceinline__ int swz_rows(int r, int k) { return r * BK + ((((k >> 3) ^ r) & 7) << 3) + (k & 7); }
+// A tile stored output-contiguous ([64][128 cols]): 16 chunks per row, chunk ^ (row % 8).
 __device__ __forceinline__ int swz_cols(int k, int m) { return k * BM + (((m >> 3) ^ (k & 7)) << 3) + (m & 7); }
+// The same tile for wgmma (MN-major, 128-byte swizzle): [2 halves of 64 cols][64 k rows][64],
+// 1024-byte atoms of 8 rows, chunk ^ (row % 8) within a row.
+__device__ __forceinline__ int swz_atoms(int k, int m) {
+  return (m >> 6) * (BK * 64) + k * 64 + ((((m >> 3) & 7) ^ (k & 7)) << 3) + (m & 7);
+}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -94,6 +105,32 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D[64 x 128] += A[64 x 16] B[16 x 128] for one warpgroup, both operands in shared memory.
+template <int kTransA, int kTransB, typename T>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
+}
+
+// A shared-memory matrix descriptor with the 128-byte swizzle (its atoms 1024-byte aligned).
+[[maybe_unused]] __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
+}
+
 template <typename TC>
 __device__ __forceinline__ void store2(TC* p, float x, float y, bool accumulate) {
   if constexpr (std::is_same_v<TC, float>) {
@@ -123,17 +160,17 @@ __device__ __forceinline__ void store2(TC* p, float x, float y, bool accumulate)
   }
 }
 
-// Loads one operand's 128 x 32 tile into shared memory. kRed: the operand is stored
+// Loads one operand's 128 x 64 tile into shared memory. kRed: the operand is stored
 // reduction-contiguous (rows of the tile are `outer` indices, 0..127 from outer0, each row
 // `ld` elements apart); else output-contiguous (rows are reduction indices from k0).
-template <typename T, bool kRed>
+template <typename T, bool kRed, bool kAtoms>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, int ld, int outer0, int outer_end, int k0, int k_end,
                                           int tid) {
 #pragma unroll
   for (int i = 0; i < (kTile / 8) / THREADS; ++i) {
     const int chunk = tid + i * THREADS;
     if constexpr (kRed) {
-      const int r = chunk >> 2, kc = (chunk & 3) << 3;
+      const int r = chunk >> 3, kc = (chunk & 7) << 3;
       const bool valid = outer0 + r < outer_end && k0 + kc < k_end;
       const T* src = valid ? g + static_cast<long long>(outer0 + r) * ld + k0 + kc : g;
       cp_async16(smem + swz_rows(r, kc), src, valid);
@@ -141,19 +178,31 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, int ld, int outer
       const int kr = chunk >> 4, oc = (chunk & 15) << 3;
       const bool valid = k0 + kr < k_end && outer0 + oc < outer_end;
       const T* src = valid ? g + static_cast<long long>(k0 + kr) * ld + outer0 + oc : g;
-      cp_async16(smem + swz_cols(kr, oc), src, valid);
+      cp_async16(smem + (kAtoms ? swz_atoms(kr, oc) : swz_cols(kr, oc)), src, valid);
     }
   }
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kHaveWgmma = true;
+#else
+constexpr bool kHaveWgmma = false;
+#endif
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
 // kARed / kBRed: A / B stored reduction-contiguous. kWeightGrouped: the reduction is grouped
-// (backward weight); else C's rows are.
-template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped>
+// (backward weight); else C's rows are. kWgmma: the wgmma body where the build has it (sm_90a),
+// else mma.sync.
+template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped, bool kWgmma>
 __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args, const __grid_constant__ GroupTable table) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* const smem = reinterpret_cast<T*>(smem_raw);
+  constexpr bool kUseWgmma = kWgmma && kHaveWgmma;
+  extern __shared__ unsigned char smem_raw[];
+  // wgmma's swizzle atoms start on 1024-byte boundaries (kSmemBytes has the room).
+  T* const smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
 
   // This CTA's expert and tile.
   const int bid = blockIdx.x;
@@ -187,85 +236,131 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args
   auto load_stage = [&](int stage, int kt) {
     T* As = smem + stage * 2 * kTile;
     T* Bs = As + kTile;
-    load_tile<T, kARed>(As, A, args.lda, m0, M, kt * BK, Kr, tid);
-    load_tile<T, kBRed>(Bs, B, args.ldb, n0, args.N, kt * BK, Kr, tid);
+    load_tile<T, kARed, kUseWgmma>(As, A, args.lda, m0, M, kt * BK, Kr, tid);
+    load_tile<T, kBRed, kUseWgmma>(Bs, B, args.ldb, n0, args.N, kt * BK, Kr, tid);
   };
-
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
-
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nk) load_stage(s, s);
     cp_async_commit();
   }
 
-  for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    const int pre = kt + STAGES - 1;  // into the stage every warp finished reading last step
-    if (pre < nk) load_stage(pre % STAGES, pre);
-    cp_async_commit();
-
-    const T* As = smem + (kt % STAGES) * 2 * kTile;
-    const T* Bs = As + kTile;
+  if constexpr (kUseWgmma) {
+    // Warpgroup wg computes rows [64 wg, 64 wg + 64) of the tile, all 128 columns.
+    const int wg = tid >> 7;
+    float d[64];
 #pragma unroll
-    for (int ks = 0; ks < BK; ks += 16) {
-      unsigned af[4][4], bf[2][4];
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
+      __syncthreads();
+      const T* As = smem + (kt % STAGES) * 2 * kTile;
+      const T* Bs = As + kTile;
+      wgmma_fence();
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-        const int mrow = wm * 64 + mi * 16;
-        if constexpr (kARed) {
-          ldmatrix_x4<false>(af[mi], As + swz_rows(mrow + (lane & 15), ks + ((lane >> 4) << 3)));
-        } else {
-          const int mat = lane >> 3;
-          ldmatrix_x4<true>(af[mi], As + swz_cols(ks + ((mat >> 1) << 3) + (lane & 7), mrow + ((mat & 1) << 3)));
-        }
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        // Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the k-slice 32
+        // bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide halves 8 KB apart.
+        const uint64_t da = kARed ? smem_desc(As + wg * 64 * BK + kk * 16, 16, 1024)
+                                  : smem_desc(As + wg * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
+        const uint64_t db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
+        wgmma_m64n128k16<kARed ? 0 : 1, kBRed ? 0 : 1, T>(d, da, db);
       }
+      wgmma_commit();
+      const int pre = kt + STAGES - 1;  // into the stage both warpgroups' MMAs finished reading
+      if (pre < nk) load_stage(pre % STAGES, pre);
+      cp_async_commit();
+      wgmma_wait_all();
 #pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        const int ncol = wn * 32 + nj * 16, mat = lane >> 3;
-        if constexpr (kBRed)
-          ldmatrix_x4<false>(bf[nj], Bs + swz_rows(ncol + ((mat >> 1) << 3) + (lane & 7), ks + ((mat & 1) << 3)));
-        else
-          ldmatrix_x4<true>(bf[nj], Bs + swz_cols(ks + ((mat & 1) << 3) + (lane & 7), ncol + ((mat >> 1) << 3)));
-      }
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma16816<T>(acc[mi][ni], af[mi], bf[ni >> 1][(ni & 1) * 2], bf[ni >> 1][(ni & 1) * 2 + 1]);
+      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
     }
-  }
-  cp_async_wait<0>();
-
-  // Epilogue: each thread's pairs of columns, straight to global memory.
-  const int gr = lane >> 2, gc = (lane & 3) << 1;
+    cp_async_wait<0>();
+    // Epilogue: warp w of the warpgroup holds rows 16 w + lane / 4 (+ 8), column pairs.
+    const int r = m0 + wg * 64 + ((warp & 3) << 4) + (lane >> 2);
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int col = n0 + wn * 32 + ni * 8 + gc;
+    for (int j = 0; j < 16; ++j) {
+      const int col = n0 + j * 8 + ((lane & 3) << 1);
       if (col >= args.N) continue;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = m0 + wm * 64 + mi * 16 + gr + h * 8;
-        if (row < M)
-          store2<TC>(C + static_cast<long long>(row) * args.ldc + col, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1],
+      for (int h = 0; h < 2; ++h)
+        if (r + 8 * h < M)
+          store2<TC>(C + static_cast<long long>(r + 8 * h) * args.ldc + col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1],
                      args.accumulate);
+    }
+  } else {
+    const int wm = warp >> 2, wn = warp & 3;
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int pre = kt + STAGES - 1;  // into the stage every warp finished reading last step
+      if (pre < nk) load_stage(pre % STAGES, pre);
+      cp_async_commit();
+
+      const T* As = smem + (kt % STAGES) * 2 * kTile;
+      const T* Bs = As + kTile;
+#pragma unroll 1
+      for (int ks = 0; ks < BK; ks += 16) {
+        unsigned af[4][4], bf[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          const int mrow = wm * 64 + mi * 16;
+          if constexpr (kARed) {
+            ldmatrix_x4<false>(af[mi], As + swz_rows(mrow + (lane & 15), ks + ((lane >> 4) << 3)));
+          } else {
+            const int mat = lane >> 3;
+            ldmatrix_x4<true>(af[mi], As + swz_cols(ks + ((mat >> 1) << 3) + (lane & 7), mrow + ((mat & 1) << 3)));
+          }
+        }
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+          const int ncol = wn * 32 + nj * 16, mat = lane >> 3;
+          if constexpr (kBRed)
+            ldmatrix_x4<false>(bf[nj], Bs + swz_rows(ncol + ((mat >> 1) << 3) + (lane & 7), ks + ((mat & 1) << 3)));
+          else
+            ldmatrix_x4<true>(bf[nj], Bs + swz_cols(ks + ((mat & 1) << 3) + (lane & 7), ncol + ((mat >> 1) << 3)));
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < 4; ++ni)
+            mma16816<T>(acc[mi][ni], af[mi], bf[ni >> 1][(ni & 1) * 2], bf[ni >> 1][(ni & 1) * 2 + 1]);
       }
     }
+    cp_async_wait<0>();
+
+    // Epilogue: each thread's pairs of columns, straight to global memory.
+    const int gr = lane >> 2, gc = (lane & 3) << 1;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int col = n0 + wn * 32 + ni * 8 + gc;
+        if (col >= args.N) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + wm * 64 + mi * 16 + gr + h * 8;
+          if (row < M)
+            store2<TC>(C + static_cast<long long>(row) * args.ldc + col, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1],
+                       args.accumulate);
+        }
+      }
+  }
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped>
+template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped, bool kWgmma>
 void launch(const Args& args, const GroupTable& table, dim3 grid, cudaStream_t stream) {
-  auto* kernel = grouped_mma_kernel<T, TC, kARed, kBRed, kWeightGrouped>;
+  auto* kernel = grouped_mma_kernel<T, TC, kARed, kBRed, kWeightGrouped, kWgmma>;
   static const bool configured = [&] {
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
@@ -275,15 +370,27 @@ void launch(const Args& args, const GroupTable& table, dim3 grid, cudaStream_t s
   MT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
+template <typename T, bool kWgmma>
 void dispatch(GroupedOp op, DType c_dtype, const Args& args, const GroupTable& table, dim3 grid, cudaStream_t stream) {
   switch (op) {
-    case GroupedOp::forward: return launch<T, T, true, true, false>(args, table, grid, stream);
-    case GroupedOp::backward_input: return launch<T, T, true, false, false>(args, table, grid, stream);
+    case GroupedOp::forward: return launch<T, T, true, true, false, kWgmma>(args, table, grid, stream);
+    case GroupedOp::backward_input: return launch<T, T, true, false, false, kWgmma>(args, table, grid, stream);
     case GroupedOp::backward_weight:
-      if (c_dtype == DType::f32) return launch<T, float, false, false, true>(args, table, grid, stream);
-      return launch<T, T, false, false, true>(args, table, grid, stream);
+      if (c_dtype == DType::f32) return launch<T, float, false, false, true, kWgmma>(args, table, grid, stream);
+      return launch<T, T, false, false, true, kWgmma>(args, table, grid, stream);
   }
+}
+
+// Whether this process's GPU runs the wgmma body (compute capability 9.0: the sm_90a build).
+bool device_has_wgmma() {
+  static const bool yes = [] {
+    int dev = 0, major = 0, minor = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&dev));
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return major == 9 && minor == 0;
+  }();
+  return yes;
 }
 
 // w's rows per expert and its columns, for op's operands.
@@ -312,7 +419,7 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
 }
 
 void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const int64_t> offsets, bool accumulate,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, bool use_wgmma) {
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   MT_CHECK(grouped_mma_takes(op, c, a, b, E), "grouped MMA GEMM: an op it does not take (c [{}] {}, a [{}] {})",
            c.shape_string(), dtype_name(c.dtype), a.shape_string(), dtype_name(a.dtype));
@@ -362,8 +469,14 @@ void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const
     if (tiles == 0) return;
     grid = dim3(static_cast<unsigned>(tiles * args.n_tiles));
   }
-  if (a.dtype == DType::bf16) dispatch<__nv_bfloat16>(op, c.dtype, args, table, grid, stream);
-  else dispatch<__half>(op, c.dtype, args, table, grid, stream);
+  const bool wgmma = use_wgmma && device_has_wgmma();
+  if (a.dtype == DType::bf16) {
+    if (wgmma) dispatch<__nv_bfloat16, true>(op, c.dtype, args, table, grid, stream);
+    else dispatch<__nv_bfloat16, false>(op, c.dtype, args, table, grid, stream);
+  } else {
+    if (wgmma) dispatch<__half, true>(op, c.dtype, args, table, grid, stream);
+    else dispatch<__half, false>(op, c.dtype, args, table, grid, stream);
+  }
 }
 
 }  // namespace mt::cuda

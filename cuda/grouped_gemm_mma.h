@@ -1,6 +1,6 @@
 // A grouped GEMM of our own for mixture-of-experts layers: one kernel launch per op for every
-// expert, tensor-core MMAs (bf16/fp16 in, float32 accumulation), whatever the row count of each
-// expert. The three ops of Backend::grouped_linear_* (cuda/grouped_gemm.h maps them):
+// expert, tensor-core MMAs (Hopper's wgmma, or mma.sync; bf16/fp16 in, float32 accumulation),
+// whatever the row count of each expert. The three ops of Backend::grouped_linear_* (cuda/grouped_gemm.h maps them):
 //   forward         y_e  = x_e w_e^T        (rows of y grouped by expert)
 //   backward input  dx_e = dy_e w_e         (rows of dx grouped by expert)
 //   backward weight dw_e (+)= dy_e^T x_e    (the reduction over expert e's rows)
@@ -29,8 +29,9 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
 
 // op's operands as in cuda/grouped_gemm.h: forward (c = y, a = x, b = w), backward input
 // (c = dx, a = dy, b = w), backward weight (c = dw, a = dy, b = x; accumulate adds to dw).
-// offsets: experts + 1 row offsets.
+// offsets: experts + 1 row offsets. use_wgmma: Hopper's warpgroup MMAs where the GPU has them
+// (else, and with false, mma.sync).
 void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const int64_t> offsets, bool accumulate,
-                     cudaStream_t stream);
+                     cudaStream_t stream, bool use_wgmma = true);
 
 }  // namespace mt::cuda
