@@ -413,14 +413,23 @@ void bench_model(Bench& B, const Model& M) {
 // experts and sizes, the rows spread over the experts by uniform random routing; each op by our
 // grouped MMA kernel, by cuBLAS (grouped batched, or per expert for large experts), and a dense
 // GEMM of the same FLOPs beside them.
-void bench_moe(Bench& B, const std::string& mn, int64_t R, int64_t E, int64_t H, int64_t F) {
+// routing: "uniform" (each row to a random expert), "skewed" (expert e drawn with weight 1 / (e + 1)),
+// or "hot" (the rows spread over the first top-k experts alone, as when every token picks the same).
+void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t H, int64_t F, int64_t topk,
+               const std::string& routing) {
   CudaBackend& be = B.be();
   const DType bf = DType::bf16;
-  std::printf("%s: %lld expert rows, %lld experts, hidden %lld, expert ffn %lld (SwiGLU)\n", mn.c_str(), (long long)R,
-              (long long)E, (long long)H, (long long)F);
+  const std::string mn = name + " " + routing;
+  std::printf("%s: %lld expert rows, %lld experts, hidden %lld, expert ffn %lld (SwiGLU), %s routing\n", name.c_str(),
+              (long long)R, (long long)E, (long long)H, (long long)F, routing.c_str());
   std::mt19937 gen(11);
   std::vector<int64_t> counts(static_cast<size_t>(E), 0);
-  std::uniform_int_distribution<int64_t> pick(0, E - 1);
+  std::vector<double> weight(static_cast<size_t>(E), 1.0);
+  for (int64_t e = 0; e < E; ++e) {
+    if (routing == "skewed") weight[static_cast<size_t>(e)] = 1.0 / static_cast<double>(e + 1);
+    if (routing == "hot") weight[static_cast<size_t>(e)] = e < topk ? 1.0 : 0.0;
+  }
+  std::discrete_distribution<int64_t> pick(weight.begin(), weight.end());
   for (int64_t r = 0; r < R; ++r) ++counts[static_cast<size_t>(pick(gen))];
   std::vector<int64_t> off{0};
   for (int64_t c : counts) off.push_back(off.back() + c);
@@ -499,8 +508,10 @@ int main(int argc, char** argv) {
     };
     for (const Model& m : models) bench_model(B, m);
     // bench/run_bench.sh's MoE configs: seq 4096 x micro-batch 2 tokens, top-k rows each.
-    bench_moe(B, "moe-fine-grained", 8192 * 8, 64, 2048, 768);
-    bench_moe(B, "moe-mixtral-proxy", 8192 * 2, 8, 2048, 5632);
+    for (const char* routing : {"uniform", "skewed", "hot"}) {
+      bench_moe(B, "moe-fine-grained", 8192 * 8, 64, 2048, 768, 8, routing);
+      bench_moe(B, "moe-mixtral-proxy", 8192 * 2, 8, 2048, 5632, 2, routing);
+    }
 
     std::printf("\n| model | op | shape | time (us) | GB/s | %% of copy | TFLOP/s | %% of %.0f |\n", opt.peak_tflops);
     std::printf("|---|---|---|---:|---:|---:|---:|---:|\n");
