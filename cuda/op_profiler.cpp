@@ -46,20 +46,31 @@ int OpProfiler::begin(std::string label) {
   p.start = event();
   p.stop = event();
   MT_CUDA_CHECK(cudaEventRecord(p.start, stream_));
+  p.host_start = std::chrono::steady_clock::now();
   pending_.push_back(std::move(p));
   return static_cast<int>(pending_.size()) - 1;
 }
 
-void OpProfiler::end(int index) { MT_CUDA_CHECK(cudaEventRecord(pending_[static_cast<size_t>(index)].stop, stream_)); }
+void OpProfiler::end(int index) {
+  Pending& p = pending_[static_cast<size_t>(index)];
+  p.host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - p.host_start).count();
+  MT_CUDA_CHECK(cudaEventRecord(p.stop, stream_));
+}
 
 void OpProfiler::drain() {
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (auto& p : pending_) {
-    float ms = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const Pending& p = pending_[i];
+    float ms = 0, gap = 0;
     MT_CUDA_CHECK(cudaEventElapsedTime(&ms, p.start, p.stop));
-    auto& t = totals_[p.label];
-    t.first += ms;
-    t.second += 1;
+    if (i > 0) MT_CUDA_CHECK(cudaEventElapsedTime(&gap, pending_[i - 1].stop, p.start));
+    Total& t = totals_[p.label];
+    t.ms += ms;
+    t.calls += 1;
+    t.host_us += p.host_us;
+    t.gap_ms += gap;
+  }
+  for (const Pending& p : pending_) {
     free_.push_back(p.start);
     free_.push_back(p.stop);
   }
@@ -75,18 +86,19 @@ std::string OpProfiler::report() {
   if (!enabled_) return "";
   drain();
   if (totals_.empty()) return "";
-  std::vector<std::pair<std::string, std::pair<double, long long>>> rows(totals_.begin(), totals_.end());
-  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
-  double all = 0;
-  for (const auto& r : rows) all += r.second.first;
+  std::vector<std::pair<std::string, Total>> rows(totals_.begin(), totals_.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  double all = 0, gaps = 0;
+  for (const auto& r : rows) all += r.second.ms, gaps += r.second.gap_ms;
   const double steps = std::max(1, steps_ - skip_steps_);
   std::string s = fmt::format("[megatrain] op profile: {} steps after {} warm-up; GPU ms per step by op (shape)\n",
                               steps_ - skip_steps_, skip_steps_);
-  s += fmt::format("  {:>9} {:>6} {:>9} {:>7}  {}\n", "ms/step", "%", "us/call", "calls", "op");
+  s += fmt::format("  {:>9} {:>6} {:>9} {:>7} {:>12} {:>12}  {}\n", "ms/step", "%", "us/call", "calls",
+                   "host us/call", "gap us/call", "op");
   for (const auto& [label, t] : rows)
-    s += fmt::format("  {:9.3f} {:6.2f} {:9.1f} {:7}  {}\n", t.first / steps, 100.0 * t.first / all,
-                     1000.0 * t.first / t.second, t.second, label);
-  s += fmt::format("  {:9.3f} total of the ops\n", all / steps);
+    s += fmt::format("  {:9.3f} {:6.2f} {:9.1f} {:7} {:12.1f} {:12.1f}  {}\n", t.ms / steps, 100.0 * t.ms / all,
+                     1000.0 * t.ms / t.calls, t.calls, t.host_us / t.calls, 1000.0 * t.gap_ms / t.calls, label);
+  s += fmt::format("  {:9.3f} total of the ops, {:.3f} ms per step between them\n", all / steps, gaps / steps);
   return s;
 }
 

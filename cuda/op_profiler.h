@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <map>
 #include <string>
 #include <utility>
@@ -47,6 +48,14 @@ class OpProfiler {
   struct Pending {
     std::string label;
     cudaEvent_t start = nullptr, stop = nullptr;
+    std::chrono::steady_clock::time_point host_start;
+    double host_us = 0;  // the host's time inside the op (its launches and bookkeeping)
+  };
+  struct Total {
+    double ms = 0;        // GPU time between the op's events
+    long long calls = 0;
+    double host_us = 0;   // host time inside the op
+    double gap_ms = 0;    // GPU time since the previous op's end (idle, or unprofiled work)
   };
   int begin(std::string label);
   void end(int index);
@@ -59,7 +68,7 @@ class OpProfiler {
   int steps_ = 0;
   std::vector<Pending> pending_;
   std::vector<cudaEvent_t> free_;
-  std::map<std::string, std::pair<double, long long>> totals_;  // label -> (ms, calls)
+  std::map<std::string, Total> totals_;
 };
 
 }  // namespace mt::cuda
