@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "cuda/attention_flash_common.cuh"
 #include "cuda/cuda_check.h"
 
 namespace mt::cuda {
@@ -65,45 +66,10 @@ __device__ __forceinline__ int swz_atoms(int k, int m) {
   return (m >> 6) * (BK * 64) + k * 64 + ((((m >> 3) & 7) ^ (k & 7)) << 3) + (m & 7);
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(size));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (kTrans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// The cp.async, ldmatrix and mma.sync helpers are the flash kernels' (cuda/attention_flash_common.cuh).
+using flash::cp_async_commit;
+using flash::cp_async_wait;
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // D[64 x 128] += A[64 x 16] B[16 x 128] for one warpgroup, both operands in shared memory.
 template <int kTransA, int kTransB, typename T>
@@ -126,7 +92,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 
 // A shared-memory matrix descriptor with the 128-byte swizzle (its atoms 1024-byte aligned).
 [[maybe_unused]] __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  const uint32_t a = smem_u32(p);
   return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
 }
@@ -173,12 +139,12 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, int ld, int outer
       const int r = chunk >> 3, kc = (chunk & 7) << 3;
       const bool valid = outer0 + r < outer_end && k0 + kc < k_end;
       const T* src = valid ? g + static_cast<long long>(outer0 + r) * ld + k0 + kc : g;
-      cp_async16(smem + swz_rows(r, kc), src, valid);
+      flash::cp_async_16(smem_u32(smem + swz_rows(r, kc)), src, valid);
     } else {
       const int kr = chunk >> 4, oc = (chunk & 15) << 3;
       const bool valid = k0 + kr < k_end && outer0 + oc < outer_end;
       const T* src = valid ? g + static_cast<long long>(k0 + kr) * ld + outer0 + oc : g;
-      cp_async16(smem + (kAtoms ? swz_atoms(kr, oc) : swz_cols(kr, oc)), src, valid);
+      flash::cp_async_16(smem_u32(smem + (kAtoms ? swz_atoms(kr, oc) : swz_cols(kr, oc))), src, valid);
     }
   }
 }
@@ -309,30 +275,30 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args
       const T* Bs = As + kTile;
 #pragma unroll 1
       for (int ks = 0; ks < BK; ks += 16) {
-        unsigned af[4][4], bf[2][4];
+        uint32_t af[4][4], bf[2][4];
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
           const int mrow = wm * 64 + mi * 16;
           if constexpr (kARed) {
-            ldmatrix_x4<false>(af[mi], As + swz_rows(mrow + (lane & 15), ks + ((lane >> 4) << 3)));
+            flash::ldmatrix_x4(af[mi], smem_u32(As + swz_rows(mrow + (lane & 15), ks + ((lane >> 4) << 3))));
           } else {
             const int mat = lane >> 3;
-            ldmatrix_x4<true>(af[mi], As + swz_cols(ks + ((mat >> 1) << 3) + (lane & 7), mrow + ((mat & 1) << 3)));
+            flash::ldmatrix_x4_trans(af[mi], smem_u32(As + swz_cols(ks + ((mat >> 1) << 3) + (lane & 7), mrow + ((mat & 1) << 3))));
           }
         }
 #pragma unroll
         for (int nj = 0; nj < 2; ++nj) {
           const int ncol = wn * 32 + nj * 16, mat = lane >> 3;
           if constexpr (kBRed)
-            ldmatrix_x4<false>(bf[nj], Bs + swz_rows(ncol + ((mat >> 1) << 3) + (lane & 7), ks + ((mat & 1) << 3)));
+            flash::ldmatrix_x4(bf[nj], smem_u32(Bs + swz_rows(ncol + ((mat >> 1) << 3) + (lane & 7), ks + ((mat & 1) << 3))));
           else
-            ldmatrix_x4<true>(bf[nj], Bs + swz_cols(ks + ((mat & 1) << 3) + (lane & 7), ncol + ((mat >> 1) << 3)));
+            flash::ldmatrix_x4_trans(bf[nj], smem_u32(Bs + swz_cols(ks + ((mat & 1) << 3) + (lane & 7), ncol + ((mat >> 1) << 3))));
         }
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
           for (int ni = 0; ni < 4; ++ni)
-            mma16816<T>(acc[mi][ni], af[mi], bf[ni >> 1][(ni & 1) * 2], bf[ni >> 1][(ni & 1) * 2 + 1]);
+            flash::mma_16816<T>(acc[mi][ni], af[mi], bf[ni >> 1][(ni & 1) * 2], bf[ni >> 1][(ni & 1) * 2 + 1]);
       }
     }
     cp_async_wait<0>();
