@@ -434,6 +434,7 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
   std::vector<int64_t> off{0};
   for (int64_t c : counts) off.push_back(off.back() + c);
   be.prepare_grouped_gemms(static_cast<int>(E));
+  const std::vector<int32_t> off32(off.begin(), off.end());
   struct Lin {
     const char* name;
     int64_t n, k;
@@ -443,14 +444,18 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     Tensor x = B.alloc(bf, {R, L.k}, 1.0), w = B.alloc(bf, {E * L.n, L.k}, 0.02), y = B.alloc(bf, {R, L.n});
     Tensor dw = B.alloc(DType::f32, {E * L.n, L.k});
     Tensor wd = B.alloc(bf, {L.n, L.k}, 0.02);
+    // The offsets on the device, as the MoE block passes them (the host never waits for the routing).
+    Tensor off_dev = B.alloc(DType::i32, {E + 1});
+    B.upload_ints(off_dev, off32);
+    const ExpertOffsets offs = ExpertOffsets::on_device(off_dev);
     for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "wgmma"}, std::pair{bench_choice_path::mma_sync, "mma.sync"},
                                        std::pair{bench_choice_path::cublas, "cublas"}}) {
       cuda::bench_choice::grouped_gemm_path = path;
       const std::string tag = std::string(" ") + L.name + " (" + pname + ")";
-      B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, off); });
-      B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, off); });
+      B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, offs); });
+      B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, offs); });
       B.gemm_op(mn, "grouped bwd_weight +acc f32" + tag, L.n, L.k, R,
-                [&](int) { be.grouped_linear_backward_weight(dw, y, x, off, true); });
+                [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, true); });
     }
     cuda::bench_choice::grouped_gemm_path = bench_choice_path::automatic;
     B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,

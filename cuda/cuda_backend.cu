@@ -705,34 +705,34 @@ void CudaBackend::prepare_grouped_gemms(int max_groups) {
 
 // Whether the grouped GEMM runner (prepare_grouped_gemms) takes an op of these experts; else the
 // Backend's per-expert defaults run it.
-bool CudaBackend::grouped_takes(std::span<const int64_t> offsets) const {
-  return grouped_ && static_cast<int>(offsets.size()) - 1 <= grouped_->max_groups();
+bool CudaBackend::grouped_takes(const ExpertOffsets& offsets) const {
+  return grouped_ && offsets.experts() <= grouped_->max_groups();
 }
 
-void CudaBackend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
+void CudaBackend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets) {
   if (!grouped_takes(offsets))
     return Backend::grouped_linear_forward(y, x, w, offsets);
   on_device("grouped_linear_forward", y, x, w);
-  MT_PROFILE_OP("grouped_linear_forward {}x{}x{} ({} experts)", x.rows(), y.cols(), x.cols(), offsets.size() - 1);
+  MT_PROFILE_OP("grouped_linear_forward {}x{}x{} ({} experts)", x.rows(), y.cols(), x.cols(), offsets.experts());
   grouped_->forward(y, x, w, offsets);
 }
 
-void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
+void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets) {
   if (!grouped_takes(offsets))
     return Backend::grouped_linear_backward_input(dx, dy, w, offsets);
   on_device("grouped_linear_backward_input", dx, dy, w);
   MT_PROFILE_OP("grouped_linear_backward_input {}x{}x{} ({} experts)", dy.rows(), dx.cols(), dy.cols(),
-                offsets.size() - 1);
+                offsets.experts());
   grouped_->backward_input(dx, dy, w, offsets);
 }
 
-void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
                                                  bool accumulate) {
   if (!grouped_takes(offsets))
     return Backend::grouped_linear_backward_weight(dw, dy, x, offsets, accumulate);
   on_device("grouped_linear_backward_weight", dw, dy, x);
   MT_PROFILE_OP("grouped_linear_backward_weight {}x{}x{} ({} experts){}", dw.rows(), dw.cols(), dy.rows(),
-                offsets.size() - 1, accumulate ? " +acc" : "");
+                offsets.experts(), accumulate ? " +acc" : "");
   grouped_->backward_weight(dw, dy, x, offsets, accumulate);
 }
 

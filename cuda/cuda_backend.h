@@ -38,9 +38,9 @@ class CudaBackend final : public Backend {
   size_t bytes_allocated() const override { return bytes_allocated_; }
   void prepare_fp8_gemms() override { fp8_gemm(); }
   void prepare_grouped_gemms(int max_groups) override;
-  void grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) override;
-  void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) override;
-  void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+  void grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets) override;
+  void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets) override;
+  void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
                                       bool accumulate) override;
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
@@ -239,7 +239,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::GemmRunner> gemm_;
   std::unique_ptr<cuda::Fp8GemmRunner> fp8_gemm_;
   std::unique_ptr<cuda::GroupedGemm> grouped_;  // prepare_grouped_gemms
-  bool grouped_takes(std::span<const int64_t> offsets) const;
+  bool grouped_takes(const ExpertOffsets& offsets) const;
   // moe_sinkhorn_route's host staging (sized at its first call).
   std::vector<uint8_t> sinkhorn_raw_;
   std::vector<double> sinkhorn_z_, sinkhorn_p_;

@@ -42,15 +42,38 @@ const char* byte_ptr(const Tensor& t, int64_t row) {
 
 }  // namespace
 
-bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b,
-                             std::span<const int64_t> offsets) const {
-  const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
+bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts,
+                             int64_t rows) const {
   using bench_choice::GroupedGemmPath;
-  if (bench_choice::grouped_gemm_path == GroupedGemmPath::cublas || !grouped_mma_takes(op, c, a, b, E)) return false;
+  if (bench_choice::grouped_gemm_path == GroupedGemmPath::cublas || !grouped_mma_takes(op, c, a, b, experts)) return false;
   if (bench_choice::grouped_gemm_path != GroupedGemmPath::automatic) return true;
-  int64_t with_rows = 0;  // the mean over experts with rows, as run() takes it
-  for (int64_t e = 0; e < E; ++e) with_rows += offsets[static_cast<size_t>(e) + 1] > offsets[static_cast<size_t>(e)];
-  return offsets.back() / std::max<int64_t>(with_rows, 1) < kPerExpertRows;
+  return rows / std::max<int64_t>(experts, 1) < kPerExpertRows;
+}
+
+const int32_t* GroupedGemm::device_offsets(const ExpertOffsets& o, int64_t rows) {
+  if (!o.on_host()) {
+    MT_CHECK(o.device.dtype == DType::i32 && o.device.device == Device::cuda,
+             "grouped GEMM: device offsets must be int32 on the GPU");
+    return static_cast<const int32_t*>(o.device.data);
+  }
+  const size_t n = o.host.size();
+  MT_CHECK(n >= 2 && n <= static_cast<size_t>(max_groups_) + 1 && o.host.front() == 0 && o.host.back() == rows,
+           "grouped GEMM: {} offsets ending at {} for {} rows (set up for {} experts)", n, o.host.back(), rows,
+           max_groups_);
+  for (size_t i = 0; i < n; ++i) offsets32_[i] = static_cast<int32_t>(o.host[i]);
+  MT_CUDA_CHECK(cudaMemcpyAsync(device_offsets_, offsets32_.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  return device_offsets_;
+}
+
+std::span<const int64_t> GroupedGemm::host_offsets(const ExpertOffsets& o) {
+  if (o.on_host()) return o.host;
+  const size_t n = static_cast<size_t>(o.device.numel());
+  MT_CHECK(o.device.dtype == DType::i32 && n <= offsets32_.size(), "grouped GEMM: device offsets must be int32, at most {}",
+           offsets32_.size());
+  MT_CUDA_CHECK(cudaMemcpyAsync(offsets32_.data(), o.device.data, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  offsets64_.assign(offsets32_.begin(), offsets32_.begin() + static_cast<std::ptrdiff_t>(n));
+  return offsets64_;
 }
 
 GroupedGemm::GroupedGemm(cudaStream_t stream, int max_groups, size_t workspace_bytes)
@@ -62,7 +85,11 @@ GroupedGemm::GroupedGemm(cudaStream_t stream, int max_groups, size_t workspace_b
   // cuBLAS allocates nothing of its own later: its workspace is this one.
   check_cublas(cublasSetWorkspace(handle_, workspace_, workspace_bytes), "cublasSetWorkspace");
   MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_ptrs_), 3 * sizeof(void*) * static_cast<size_t>(max_groups)));
-  device_bytes_ = workspace_bytes + 3 * sizeof(void*) * static_cast<size_t>(max_groups);
+  MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_offsets_), sizeof(int32_t) * (static_cast<size_t>(max_groups) + 1)));
+  device_bytes_ = workspace_bytes + 3 * sizeof(void*) * static_cast<size_t>(max_groups) +
+                  sizeof(int32_t) * (static_cast<size_t>(max_groups) + 1);
+  offsets32_.resize(static_cast<size_t>(max_groups) + 1);
+  offsets64_.reserve(static_cast<size_t>(max_groups) + 1);
   const size_t g = static_cast<size_t>(max_groups);
   host_ptrs_.resize(3 * g);
   ta_.resize(g);
@@ -77,6 +104,7 @@ GroupedGemm::~GroupedGemm() {
   if (handle_) cublasDestroy(handle_);
   cudaFree(workspace_);
   cudaFree(device_ptrs_);
+  cudaFree(device_offsets_);
 }
 
 void GroupedGemm::run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows) {
@@ -122,13 +150,14 @@ void GroupedGemm::run(const std::vector<Group>& groups, DType ab, DType c, float
                "cublasGemmGroupedBatchedEx");
 }
 
-void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
-  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = w.rows() / E, K = x.cols();
+void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) {
+  const int64_t E = o.experts(), N = w.rows() / E, K = x.cols();
   MT_CHECK(y.cols() == N && w.cols() == K && x.dtype == w.dtype && y.dtype == x.dtype,
            "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::forward, y, x, w, offsets))
-    return grouped_mma_run(GroupedOp::forward, y, x, w, offsets, false, stream_,
+  if (own_kernel(GroupedOp::forward, y, x, w, E, x.rows()))
+    return grouped_mma_run(GroupedOp::forward, y, x, w, device_offsets(o, x.rows()), E, false, stream_,
                            bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+  const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
   for (int64_t e = 0; e < E; ++e) {
@@ -141,13 +170,14 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t>
   run(groups, x.dtype, y.dtype, 0.0f, offsets.back());
 }
 
-void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
-  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = w.rows() / E, K = w.cols();
+void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& o) {
+  const int64_t E = o.experts(), N = w.rows() / E, K = w.cols();
   MT_CHECK(dy.cols() == N && dx.cols() == K && dy.dtype == w.dtype && dx.dtype == dy.dtype,
            "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::backward_input, dx, dy, w, offsets))
-    return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, offsets, false, stream_,
+  if (own_kernel(GroupedOp::backward_input, dx, dy, w, E, dy.rows()))
+    return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, device_offsets(o, dy.rows()), E, false, stream_,
                            bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+  const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
   for (int64_t e = 0; e < E; ++e) {
@@ -160,13 +190,14 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const
   run(groups, dy.dtype, dx.dtype, 0.0f, offsets.back());
 }
 
-void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets, bool accumulate) {
-  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, N = dw.rows() / E, K = dw.cols();
+void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o, bool accumulate) {
+  const int64_t E = o.experts(), N = dw.rows() / E, K = dw.cols();
   MT_CHECK(dy.cols() == N && x.cols() == K && dy.dtype == x.dtype,
            "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
-  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, offsets))
-    return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, offsets, accumulate, stream_,
-                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, E, dy.rows()))
+    return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, device_offsets(o, dy.rows()), E, accumulate,
+                           stream_, bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+  const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
   const size_t expert_bytes = static_cast<size_t>(N * K) * dtype_size(dw.dtype);

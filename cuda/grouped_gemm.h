@@ -15,6 +15,7 @@
 
 #include "core/tensor.h"
 #include "cuda/grouped_gemm_mma.h"
+#include "engine/backend.h"
 
 namespace mt::cuda {
 
@@ -31,11 +32,13 @@ class GroupedGemm {
 
   // The three ops of Backend::grouped_linear_* (engine/backend.h): rows [offsets[e], offsets[e+1])
   // of the row-major operands belong to expert e, whose weight is rows [e * Nw, (e+1) * Nw) of w.
-  void forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets);
-  void backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets);
+  // Our kernel reads the offsets on the device (host offsets are copied there, stream-ordered);
+  // cuBLAS takes them on the host (device offsets are copied back: the host waits for the stream).
+  void forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets);
+  void backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
   // Experts without rows are left out of the call; with accumulate = false their gradient is
   // zeroed (cudaMemsetAsync).
-  void backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets, bool accumulate);
+  void backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets, bool accumulate);
 
  private:
   struct Group {
@@ -47,8 +50,14 @@ class GroupedGemm {
   // rows: all rows of the op (their mean per expert with rows picks the per-expert path).
   void run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows);
   // Whether our grouped MMA kernel (cuda/grouped_gemm_mma.h) runs the op: where it takes it, for
-  // experts of fewer than kPerExpertRows rows on average.
-  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, std::span<const int64_t> offsets) const;
+  // fewer than kPerExpertRows rows per expert on average (rows: the row-grouped operands').
+  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts,
+                  int64_t rows) const;
+  // The offsets as our kernel reads them (device int32): the given device tensor, or the host's
+  // copied into device_offsets_ on the stream. rows: what the host offsets must end at.
+  const int32_t* device_offsets(const ExpertOffsets& o, int64_t rows);
+  // The offsets on the host: as given, or the device's copied back (the host waits).
+  std::span<const int64_t> host_offsets(const ExpertOffsets& o);
   static constexpr int64_t kPerExpertRows = 2048;
 
   cudaStream_t stream_;
@@ -56,6 +65,9 @@ class GroupedGemm {
   int max_groups_ = 0;
   void* workspace_ = nullptr;
   void** device_ptrs_ = nullptr;  // [3 * max_groups]: A, B, C pointer arrays
+  int32_t* device_offsets_ = nullptr;  // [max_groups + 1]: host offsets for our kernel
+  std::vector<int32_t> offsets32_;     // their host staging (pageable, as host_ptrs_)
+  std::vector<int64_t> offsets64_;     // device offsets copied back for cuBLAS
   size_t device_bytes_ = 0;
   // Host staging of the pointer arrays (pageable: cudaMemcpyAsync has read it when it returns, so
   // the next op may refill it) and the per-group parameters, sized at set-up.

@@ -36,15 +36,9 @@ constexpr int kTile = BM * BK;  // elements of one operand's tile (BN * BK is th
 static_assert(BM == BN, "the two operands' tiles share one layout scheme");
 constexpr int kSmemBytes = STAGES * 2 * kTile * 2 + 1024;  // + alignment room
 
-// The experts' row offsets and, for the row-grouped ops, the index of each expert's first
-// m-tile (tile_start[groups] = all m-tiles).
-struct GroupTable {
-  int offsets[kGroupedMmaMaxGroups + 1];
-  int tile_start[kGroupedMmaMaxGroups + 1];
-  int groups;
-};
-
 struct Args {
+  const int* offsets;   // [groups + 1], device
+  int groups;
   const void* a;
   const void* b;
   void* c;
@@ -163,7 +157,7 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 // (backward weight); else C's rows are. kWgmma: the wgmma body where the build has it (sm_90a),
 // else mma.sync.
 template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped, bool kWgmma>
-__global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args, const __grid_constant__ GroupTable table) {
+__global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const __grid_constant__ Args args) {
   constexpr bool kUseWgmma = kWgmma && kHaveWgmma;
   extern __shared__ unsigned char smem_raw[];
   // wgmma's swizzle atoms start on 1024-byte boundaries (kSmemBytes has the room).
@@ -178,17 +172,41 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args
     g = blockIdx.y;
     m0 = mt * BM;
   } else {
-    int lo = 0, hi = table.groups - 1;  // the last expert whose first tile is <= mt
+    // The experts' first m-tiles: an exclusive scan of their tile counts over the CTA's threads
+    // (one expert each), then the last expert whose first tile is <= mt. CTAs past the last tile
+    // (the grid covers the most the rows can make) leave.
+    __shared__ int first_tile[kGroupedMmaMaxGroups];
+    __shared__ int warp_total[THREADS / 32];
+    static_assert(THREADS >= kGroupedMmaMaxGroups, "one thread per expert");
+    const int count = tid < args.groups ? (args.offsets[tid + 1] - args.offsets[tid] + BM - 1) / BM : 0;
+    int sum = count;  // inclusive within the warp
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, sum, d);
+      if (lane >= d) sum += v;
+    }
+    if (lane == 31) warp_total[warp] = sum;
+    __syncthreads();
+    int before = 0, all = 0;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) {
+      before += w < warp ? warp_total[w] : 0;
+      all += warp_total[w];
+    }
+    if (tid < args.groups) first_tile[tid] = before + sum - count;
+    __syncthreads();
+    if (mt >= all) return;
+    int lo = 0, hi = args.groups - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if (table.tile_start[mid] <= mt) lo = mid;
+      if (first_tile[mid] <= mt) lo = mid;
       else hi = mid - 1;
     }
     g = lo;
-    m0 = (mt - table.tile_start[g]) * BM;
+    m0 = (mt - first_tile[g]) * BM;
   }
   const int n0 = nt * BN;
-  const int row0 = table.offsets[g], rows = table.offsets[g + 1] - row0;
+  const int row0 = args.offsets[g], rows = args.offsets[g + 1] - row0;
   const int M = kWeightGrouped ? args.M : rows, Kr = kWeightGrouped ? rows : args.K;
   const int nk = (Kr + BK - 1) / BK;
   if (kWeightGrouped && nk == 0 && args.accumulate) return;  // adds nothing
@@ -325,25 +343,25 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const Args args
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <typename T, typename TC, bool kARed, bool kBRed, bool kWeightGrouped, bool kWgmma>
-void launch(const Args& args, const GroupTable& table, dim3 grid, cudaStream_t stream) {
+void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   auto* kernel = grouped_mma_kernel<T, TC, kARed, kBRed, kWeightGrouped, kWgmma>;
   static const bool configured = [&] {
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
   }();
   (void)configured;
-  kernel<<<grid, THREADS, kSmemBytes, stream>>>(args, table);
+  kernel<<<grid, THREADS, kSmemBytes, stream>>>(args);
   MT_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T, bool kWgmma>
-void dispatch(GroupedOp op, DType c_dtype, const Args& args, const GroupTable& table, dim3 grid, cudaStream_t stream) {
+void dispatch(GroupedOp op, DType c_dtype, const Args& args, dim3 grid, cudaStream_t stream) {
   switch (op) {
-    case GroupedOp::forward: return launch<T, T, true, true, false, kWgmma>(args, table, grid, stream);
-    case GroupedOp::backward_input: return launch<T, T, true, false, false, kWgmma>(args, table, grid, stream);
+    case GroupedOp::forward: return launch<T, T, true, true, false, kWgmma>(args, grid, stream);
+    case GroupedOp::backward_input: return launch<T, T, true, false, false, kWgmma>(args, grid, stream);
     case GroupedOp::backward_weight:
-      if (c_dtype == DType::f32) return launch<T, float, false, false, true, kWgmma>(args, table, grid, stream);
-      return launch<T, T, false, false, true, kWgmma>(args, table, grid, stream);
+      if (c_dtype == DType::f32) return launch<T, float, false, false, true, kWgmma>(args, grid, stream);
+      return launch<T, T, false, false, true, kWgmma>(args, grid, stream);
   }
 }
 
@@ -384,27 +402,20 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
   return aligned16(a.data) && aligned16(b.data) && aligned16(c.data);
 }
 
-void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const int64_t> offsets, bool accumulate,
-                     cudaStream_t stream, bool use_wgmma) {
-  const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
+void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
+                     bool accumulate, cudaStream_t stream, bool use_wgmma) {
+  const int64_t E = experts;
   MT_CHECK(grouped_mma_takes(op, c, a, b, E), "grouped MMA GEMM: an op it does not take (c [{}] {}, a [{}] {})",
            c.shape_string(), dtype_name(c.dtype), a.shape_string(), dtype_name(a.dtype));
   int64_t N = 0, K = 0;
   feature_sizes(op, c, a, b, E, N, K);
-  GroupTable table{};
-  table.groups = static_cast<int>(E);
-  int tiles = 0;
-  for (int64_t e = 0; e <= E; ++e) {
-    table.offsets[e] = static_cast<int>(offsets[static_cast<size_t>(e)]);
-    table.tile_start[e] = tiles;
-    if (e < E) tiles += static_cast<int>((offsets[static_cast<size_t>(e) + 1] - offsets[static_cast<size_t>(e)] + BM - 1) / BM);
-  }
   Args args{};
+  args.offsets = offsets;
+  args.groups = static_cast<int>(E);
   args.a = a.data;
   args.b = b.data;
   args.c = c.data;
   args.accumulate = accumulate;
-  dim3 grid;
   switch (op) {
     case GroupedOp::forward:  // C = y [rows, N], A = x (ld K), B = w_e (ld K)
       args.lda = args.ldb = static_cast<int>(K);
@@ -429,19 +440,22 @@ void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const
       break;
   }
   args.n_tiles = (args.N + BN - 1) / BN;
+  dim3 grid;
   if (op == GroupedOp::backward_weight) {
     grid = dim3(static_cast<unsigned>(((args.M + BM - 1) / BM) * args.n_tiles), static_cast<unsigned>(E));
   } else {
-    if (tiles == 0) return;
-    grid = dim3(static_cast<unsigned>(tiles * args.n_tiles));
+    // The most m-tiles the rows can make: sum_e ceil(rows_e / BM) <= (rows + E (BM - 1)) / BM.
+    const int64_t rows = a.rows();
+    if (rows == 0) return;
+    grid = dim3(static_cast<unsigned>((rows + E * (BM - 1)) / BM * args.n_tiles));
   }
   const bool wgmma = use_wgmma && device_has_wgmma();
   if (a.dtype == DType::bf16) {
-    if (wgmma) dispatch<__nv_bfloat16, true>(op, c.dtype, args, table, grid, stream);
-    else dispatch<__nv_bfloat16, false>(op, c.dtype, args, table, grid, stream);
+    if (wgmma) dispatch<__nv_bfloat16, true>(op, c.dtype, args, grid, stream);
+    else dispatch<__nv_bfloat16, false>(op, c.dtype, args, grid, stream);
   } else {
-    if (wgmma) dispatch<__half, true>(op, c.dtype, args, table, grid, stream);
-    else dispatch<__half, false>(op, c.dtype, args, table, grid, stream);
+    if (wgmma) dispatch<__half, true>(op, c.dtype, args, grid, stream);
+    else dispatch<__half, false>(op, c.dtype, args, grid, stream);
   }
 }
 

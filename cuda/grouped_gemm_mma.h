@@ -4,14 +4,14 @@
 //   forward         y_e  = x_e w_e^T        (rows of y grouped by expert)
 //   backward input  dx_e = dy_e w_e         (rows of dx grouped by expert)
 //   backward weight dw_e (+)= dy_e^T x_e    (the reduction over expert e's rows)
-// A launch reads the experts' row offsets from its parameters: the host knows them (the MoE block
-// copies them once per layer), so nothing is looked up on the device before the tiles start.
+// A launch reads the experts' row offsets from device memory (int32, as the MoE block's
+// permutation writes them), so the host need not wait for the routing: the grid covers the most
+// tiles the rows can make, and each CTA finds its expert from the offsets.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <span>
 
 #include "core/tensor.h"
 
@@ -19,7 +19,7 @@ namespace mt::cuda {
 
 enum class GroupedOp { forward, backward_input, backward_weight };
 
-// The most experts one launch takes (their offsets travel in the kernel's parameters).
+// The most experts one launch takes (a CTA scans their tile counts in one pass of its threads).
 inline constexpr int kGroupedMmaMaxGroups = 256;
 
 // Whether the kernel takes this op: 16-bit inputs of one dtype, an output of that dtype or
@@ -29,9 +29,10 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
 
 // op's operands as in cuda/grouped_gemm.h: forward (c = y, a = x, b = w), backward input
 // (c = dx, a = dy, b = w), backward weight (c = dw, a = dy, b = x; accumulate adds to dw).
-// offsets: experts + 1 row offsets. use_wgmma: Hopper's warpgroup MMAs where the GPU has them
-// (else, and with false, mma.sync).
-void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, std::span<const int64_t> offsets, bool accumulate,
-                     cudaStream_t stream, bool use_wgmma = true);
+// offsets: experts + 1 int32 row offsets in device memory, offsets[experts] at most the rows of the
+// row-grouped operands (a's rows; the forward's and input gradient's C has as many). use_wgmma:
+// Hopper's warpgroup MMAs where the GPU has them (else, and with false, mma.sync).
+void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
+                     bool accumulate, cudaStream_t stream, bool use_wgmma = true);
 
 }  // namespace mt::cuda

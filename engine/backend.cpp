@@ -171,14 +171,28 @@ Tensor expert_weight(const Tensor& w, size_t experts, size_t e) {
   const int64_t per = w.rows() / static_cast<int64_t>(experts);
   return w.row_slice(static_cast<int64_t>(e) * per, per);
 }
-void check_offsets(std::span<const int64_t> offsets, int64_t rows) {
-  MT_CHECK(offsets.size() >= 2 && offsets.front() == 0 && offsets.back() == rows,
+// The offsets on the host: as given, or the device's copied into `storage` (the stream waits).
+std::span<const int64_t> host_offsets(Backend& be, const ExpertOffsets& o, std::vector<int64_t>& storage) {
+  if (o.on_host()) return o.host;
+  std::vector<int32_t> v(static_cast<size_t>(o.device.numel()));
+  be.copy_to_host(v.data(), o.device);
+  storage.assign(v.begin(), v.end());
+  return storage;
+}
+// Checks the offsets against the operands' rows: exactly with host offsets, as a bound with the device's.
+std::span<const int64_t> checked_offsets(Backend& be, const ExpertOffsets& o, int64_t rows,
+                                         std::vector<int64_t>& storage) {
+  const std::span<const int64_t> offsets = host_offsets(be, o, storage);
+  MT_CHECK(offsets.size() >= 2 && offsets.front() == 0 &&
+               (o.on_host() ? offsets.back() == rows : offsets.back() <= rows),
            "grouped linear: offsets end at {} for {} rows", offsets.empty() ? -1 : offsets.back(), rows);
+  return offsets;
 }
 }  // namespace
 
-void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets) {
-  check_offsets(offsets, x.rows());
+void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) {
+  std::vector<int64_t> storage;
+  const std::span<const int64_t> offsets = checked_offsets(*this, o, x.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
@@ -188,8 +202,9 @@ void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<con
   }
 }
 
-void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets) {
-  check_offsets(offsets, dy.rows());
+void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& o) {
+  std::vector<int64_t> storage;
+  const std::span<const int64_t> offsets = checked_offsets(*this, o, dy.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
@@ -199,9 +214,10 @@ void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std:
   }
 }
 
-void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o,
                                              bool accumulate) {
-  check_offsets(offsets, dy.rows());
+  std::vector<int64_t> storage;
+  const std::span<const int64_t> offsets = checked_offsets(*this, o, dy.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];

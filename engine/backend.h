@@ -174,6 +174,25 @@ struct MoeRouting {
 };
 
 // One contiguous run of the flat parameter buffer with its optimizer group.
+// The experts' row offsets of a grouped linear op (Backend::grouped_linear_*): E + 1 values, rows
+// [offsets[e], offsets[e+1]) of the row-major operands belong to expert e. Given on the host (a
+// span), or as an int32 tensor [E + 1] on the backend's device (on_device: the MoE block's offsets
+// as the permutation wrote them, read by the CUDA backend's grouped kernel without the host
+// waiting for them); then the operands' rows bound offsets[E] (rows beyond it are left alone).
+struct ExpertOffsets {
+  std::span<const int64_t> host;
+  Tensor device;
+  ExpertOffsets(std::span<const int64_t> h) : host(h) {}  // NOLINT: implicit, the common form
+  ExpertOffsets(const std::vector<int64_t>& h) : host(h) {}  // NOLINT
+  static ExpertOffsets on_device(Tensor offsets) {
+    ExpertOffsets o{std::span<const int64_t>()};
+    o.device = offsets;
+    return o;
+  }
+  bool on_host() const { return !host.empty(); }
+  int64_t experts() const { return (on_host() ? static_cast<int64_t>(host.size()) : device.numel()) - 1; }
+};
+
 struct OptimSegment {
   int64_t offset = 0;
   int64_t count = 0;
@@ -510,17 +529,17 @@ class Backend {
   // in double on the reference backend). dx may alias dout.
   virtual void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) = 0;
   // Grouped linear layers (the experts): rows [offsets[e], offsets[e+1]) of x belong to expert e,
-  // whose weight is rows [e * Nw, (e+1) * Nw) of w [E * Nw, K] (Nw = w.rows() / E). offsets: host
-  // values, E + 1 of them. y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e; dw_e (+)= dy_e^T . x_e (an expert
-  // without rows: dw_e unchanged with accumulate, else zeroed). The defaults run one linear_* per
-  // expert on row slices.
+  // whose weight is rows [e * Nw, (e+1) * Nw) of w [E * Nw, K] (Nw = w.rows() / E). offsets: E + 1
+  // values, on the host or on the device (ExpertOffsets). y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e;
+  // dw_e (+)= dy_e^T . x_e (an expert without rows: dw_e unchanged with accumulate, else zeroed).
+  // The defaults run one linear_* per expert on row slices (device offsets copied to the host).
   // prepare_grouped_gemms (set-up time; the CUDA backend: a grouped GEMM of up to max_groups
   // experts per call, its workspace allocated here) makes them one call each; without it they run
   // the defaults.
   virtual void prepare_grouped_gemms(int max_groups) { (void)max_groups; }
-  virtual void grouped_linear_forward(Tensor y, Tensor x, Tensor w, std::span<const int64_t> offsets);
-  virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> offsets);
-  virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, std::span<const int64_t> offsets,
+  virtual void grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets);
+  virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
+  virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
                                               bool accumulate);
 
   // ---- attention output gate (--attention-output-gate) ---------------------------------------

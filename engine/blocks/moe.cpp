@@ -130,6 +130,19 @@ int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
 
+bool GptModel::moe_offsets_on_device() const {
+  return moe_dispatch_group() == nullptr && !d_.moe_drops() && !has_expert_bias();
+}
+
+ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
+  if (moe_offsets_on_device()) {
+    rows = moe_max_rows();
+    return ExpertOffsets::on_device(M.offsets);
+  }
+  rows = M.host_offsets->back();
+  return ExpertOffsets(*M.host_offsets);
+}
+
 // Megatron's aux and z-loss factors, coefficients removed: aux = aux_factor * sum_e P_e f_e over
 // each sequence's statistics (E / (k S^2 B), S the rows of one of the micro-batch's B sequences with
 // seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). With
@@ -295,12 +308,14 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   const int64_t Ng = xg.rows();
 
   // Permute: the (token, slot) pairs routed to this rank's experts, grouped by expert; the grouped
-  // GEMMs take the split sizes on the host (one copy per layer).
+  // GEMMs read the split sizes on the device, or (moe_offsets) take them on the host (one copy per layer).
   be_.moe_permute_plan(M.order, M.slot_of, M.offsets, ig, d_.expert_begin(), d_.experts_local());
-  be_.copy_to_host(moe_off32_.data(), M.offsets);
-  std::vector<int64_t>& offsets = *M.host_offsets;
-  for (size_t e = 0; e < moe_off32_.size(); ++e) offsets[e] = moe_off32_[e];
-  const int64_t R = offsets.back();
+  if (!moe_offsets_on_device()) {
+    be_.copy_to_host(moe_off32_.data(), M.offsets);
+    std::copy(moe_off32_.begin(), moe_off32_.end(), M.host_offsets->begin());
+  }
+  int64_t R = 0;
+  const ExpertOffsets offsets = moe_offsets(M, R);
   // The permuted expert inputs [R, h], in the workspace (gathered again for the backward's weight
   // gradient rather than kept: R * h per MoE layer).
   const Tensor x_perm = w.moe_rows.row_slice(0, R), p_perm = M.p_perm.flat_slice(0, R);
@@ -367,8 +382,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const int64_t N = d_.tokens();
   const float hp = s.training ? d_.hidden_dropout : 0.0f;
   const MoeRouting r = moe_routing();
-  const std::vector<int64_t>& offsets = *M.host_offsets;
-  const int64_t R = offsets.back();
+  int64_t R = 0;
+  const ExpertOffsets offsets = moe_offsets(M, R);
   const bool own_rows = d_.experts_local_rows();
   Communicator* const disp = moe_dispatch_group();
   const bool ep = disp != nullptr;
@@ -380,7 +395,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // (Megatron's count of the padded map): none here, the same update (none).
   if (has_expert_bias() && d_.etp_rank == 0 && !d_.moe_pad_to_capacity) {  // (one count per pair: the experts' TP rank 0)
     double* c = moe_counts_.data() + static_cast<size_t>(moe_index(local)) * d_.experts + d_.expert_begin();
-    for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
+    const std::vector<int64_t>& o = *M.host_offsets;  // (copied by the forward: not moe_offsets_on_device)
+    for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(o[e + 1] - o[e]);
   }
 
   // The norm output, where not kept, is rewritten (the same bits) for the weight gradients below.

@@ -3,7 +3,7 @@
 // through every path that takes it) against the reference backend's per-expert GEMMs, on fresh
 // random inputs: odd row counts, empty experts (their weight gradient zeroed, or kept with
 // accumulate), feature sizes off the kernel's tile sizes, float32, bf16 and fp16 (float32 main
-// gradients).
+// gradients); the offsets on the host, and on the device with rows past the experts' left alone.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -46,44 +46,62 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                                    std::pair{DType::bf16, Path::cublas}, std::pair{DType::f16, Path::mma},
                                    std::pair{DType::f16, Path::mma_sync}}) {
       cuda::bench_choice::grouped_gemm_path = path;
-      INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt) << ", path "
-                      << static_cast<int>(path));
-      const Twin x = twin(dt, {std::max<int64_t>(R, 1), K}, rng.normal(std::max<int64_t>(R, 1) * K));
-      const Twin w = twin(dt, {E * N, K}, rng.normal(E * N * K, 0.2));
-      const Twin dy = twin(dt, {std::max<int64_t>(R, 1), N}, rng.normal(std::max<int64_t>(R, 1) * N));
-      const Tensor xc = x.c().row_slice(0, R), xr = x.r().row_slice(0, R);
-      const Tensor dyc = dy.c().row_slice(0, R), dyr = dy.r().row_slice(0, R);
-      if (R > 0) {
-        Twin y = twin_nan(dt, {R, N});
-        dev().grouped_linear_forward(y.c(), xc, w.c(), off);
-        ref().grouped_linear_forward(y.r(), xr, w.r(), off);
-        CHECK(rel_err(y) <= tol_for(dt));
-        Twin dx = twin_nan(dt, {R, K});
-        dev().grouped_linear_backward_input(dx.c(), dyc, w.c(), off);
-        ref().grouped_linear_backward_input(dx.r(), dyr, w.r(), off);
-        CHECK(rel_err(dx) <= tol_for(dt));
-      }
-      for (const bool accumulate : {false, true}) {
-        INFO((accumulate ? "accumulate" : "write"));
-        // float32 main gradients; with accumulate they start from values, else from NaN (not read).
-        const std::vector<double> start = rng.normal(E * N * K);
-        Twin dw = accumulate ? twin(DType::f32, {E * N, K}, start) : twin_nan(DType::f32, {E * N, K});
-        dev().grouped_linear_backward_weight(dw.c(), dyc, xc, off, accumulate);
-        ref().grouped_linear_backward_weight(dw.r(), dyr, xr, off, accumulate);
-        const std::vector<double> got = download(dev(), dw.c()), want = download(ref(), dw.r());
-        int64_t bad = 0;
-        for (int64_t e = 0; e < E; ++e)
-          for (int64_t i = e * N * K; i < (e + 1) * N * K; ++i) {
-            const size_t k = static_cast<size_t>(i);
-            if (c.rows[static_cast<size_t>(e)] == 0) {  // untouched (accumulate) or zeroed, exactly
-              bad += got[k] != (accumulate ? round_to(DType::f32, start[k]) : 0.0);
-            } else {
-              // 16-bit inputs: the tensor cores' float32 sums run sequentially over up to 2,500 rows
-              // in steps of 16 (cuBLAS may split them), more rounding than float32 GEMMs see.
-              bad += !(std::fabs(got[k] - want[k]) <= 1e-4 * (1.0 + std::fabs(want[k])) * (dt != DType::f32 ? 10 : 1));
+      for (const bool on_device : {false, true}) {
+        // Device offsets (int32, as the MoE block passes them) bound the operands' rows: here `pad`
+        // rows follow the experts' and stay as they were.
+        const int64_t pad = on_device ? 37 : 0, Rp = R + pad;
+        INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt) << ", path "
+                        << static_cast<int>(path) << (on_device ? ", device offsets" : ", host offsets"));
+        const Twin offd = twin(DType::i32, {E + 1}, std::vector<double>(off.begin(), off.end()));
+        const ExpertOffsets off_c = on_device ? ExpertOffsets::on_device(offd.c()) : ExpertOffsets(off);
+        const ExpertOffsets off_r = on_device ? ExpertOffsets::on_device(offd.r()) : ExpertOffsets(off);
+        const Twin x = twin(dt, {std::max<int64_t>(Rp, 1), K}, rng.normal(std::max<int64_t>(Rp, 1) * K));
+        const Twin w = twin(dt, {E * N, K}, rng.normal(E * N * K, 0.2));
+        const Twin dy = twin(dt, {std::max<int64_t>(Rp, 1), N}, rng.normal(std::max<int64_t>(Rp, 1) * N));
+        const Tensor xc = x.c().row_slice(0, Rp), xr = x.r().row_slice(0, Rp);
+        const Tensor dyc = dy.c().row_slice(0, Rp), dyr = dy.r().row_slice(0, Rp);
+        // An output's elements past the experts' rows that are no longer zero (device offsets).
+        const auto pad_changed = [&](const Twin& t) {
+          const std::vector<double> got = download(dev(), t.c());
+          int64_t changed = 0;
+          for (size_t i = static_cast<size_t>(R * t.c().cols()); i < got.size(); ++i) changed += got[i] != 0.0;
+          return changed;
+        };
+        const auto zeros = [&](int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); };
+        if (Rp > 0) {
+          Twin y = on_device ? twin(dt, {Rp, N}, zeros(Rp * N)) : twin_nan(dt, {R, N});
+          dev().grouped_linear_forward(y.c(), xc, w.c(), off_c);
+          ref().grouped_linear_forward(y.r(), xr, w.r(), off_r);
+          CHECK(rel_err(y) <= tol_for(dt));
+          CHECK(pad_changed(y) == 0);
+          Twin dx = on_device ? twin(dt, {Rp, K}, zeros(Rp * K)) : twin_nan(dt, {R, K});
+          dev().grouped_linear_backward_input(dx.c(), dyc, w.c(), off_c);
+          ref().grouped_linear_backward_input(dx.r(), dyr, w.r(), off_r);
+          CHECK(rel_err(dx) <= tol_for(dt));
+          CHECK(pad_changed(dx) == 0);
+        }
+        for (const bool accumulate : {false, true}) {
+          INFO((accumulate ? "accumulate" : "write"));
+          // float32 main gradients; with accumulate they start from values, else from NaN (not read).
+          const std::vector<double> start = rng.normal(E * N * K);
+          Twin dw = accumulate ? twin(DType::f32, {E * N, K}, start) : twin_nan(DType::f32, {E * N, K});
+          dev().grouped_linear_backward_weight(dw.c(), dyc, xc, off_c, accumulate);
+          ref().grouped_linear_backward_weight(dw.r(), dyr, xr, off_r, accumulate);
+          const std::vector<double> got = download(dev(), dw.c()), want = download(ref(), dw.r());
+          int64_t bad = 0;
+          for (int64_t e = 0; e < E; ++e)
+            for (int64_t i = e * N * K; i < (e + 1) * N * K; ++i) {
+              const size_t k = static_cast<size_t>(i);
+              if (c.rows[static_cast<size_t>(e)] == 0) {  // untouched (accumulate) or zeroed, exactly
+                bad += got[k] != (accumulate ? round_to(DType::f32, start[k]) : 0.0);
+              } else {
+                // 16-bit inputs: the tensor cores' float32 sums run sequentially over up to 2,500 rows
+                // in steps of 16 (cuBLAS may split them), more rounding than float32 GEMMs see.
+                bad += !(std::fabs(got[k] - want[k]) <= 1e-4 * (1.0 + std::fabs(want[k])) * (dt != DType::f32 ? 10 : 1));
+              }
             }
-          }
-        CHECK(bad == 0);
+          CHECK(bad == 0);
+        }
       }
     }
   }
