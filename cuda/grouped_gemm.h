@@ -1,9 +1,9 @@
-// Grouped GEMMs for mixture-of-experts layers (Backend::grouped_linear_*): 16-bit experts of
-// fewer than kPerExpertRows rows each on average run as one launch of our grouped MMA kernel
-// (cuda/grouped_gemm_mma.h); other dtypes as one call of cuBLAS's grouped batched GEMM
-// (cublasGemmGroupedBatchedEx), every expert with rows its own group; experts of many rows each
-// as one cublasGemmEx per expert (cuBLAS picks its kernel per call: no cuBLASLt plan is made for
-// each new row count).
+// Grouped GEMMs for mixture-of-experts layers (Backend::grouped_linear_*): 16-bit experts whose
+// offsets are on the device, or of fewer than kPerExpertRows rows each on average, run as one
+// launch of our grouped MMA kernel (cuda/grouped_gemm_mma.h); other dtypes as one call of cuBLAS's
+// grouped batched GEMM (cublasGemmGroupedBatchedEx), every expert with rows its own group; experts
+// of many rows each as one cublasGemmEx per expert (cuBLAS picks its kernel per call: no cuBLASLt
+// plan is made for each new row count).
 #pragma once
 
 #include <cublas_v2.h>
@@ -49,9 +49,11 @@ class GroupedGemm {
   };
   // rows: all rows of the op (their mean per expert with rows picks the per-expert path).
   void run(const std::vector<Group>& groups, DType ab, DType c, float beta, int64_t rows);
-  // Whether our grouped MMA kernel (cuda/grouped_gemm_mma.h) runs the op: where it takes it, for
-  // fewer than kPerExpertRows rows per expert on average (rows: the row-grouped operands').
-  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts,
+  // Whether our grouped MMA kernel (cuda/grouped_gemm_mma.h) runs the op, where it takes it: with
+  // offsets on the device always (cuBLAS would have the host wait for them at every op: measured
+  // slower end to end, bench/RESULTS.md), with host offsets for fewer than kPerExpertRows rows per
+  // expert on average (rows: the row-grouped operands').
+  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, const ExpertOffsets& o,
                   int64_t rows) const;
   // The offsets as our kernel reads them (device int32): the given device tensor, or the host's
   // copied into device_offsets_ on the stream. rows: what the host offsets must end at.
