@@ -446,6 +446,11 @@ void CudaBackend::moe_aux_log(Tensor sums, Tensor stats, float aux_scale, float 
   MT_PROFILE_OP("moe_aux_log");
   cuda::moe_aux_log(context(), sums, stats, aux_scale, z_scale);
 }
+void CudaBackend::moe_count_rows(Tensor counts, Tensor offsets) {
+  on_device("moe_count_rows", counts, offsets);
+  MT_PROFILE_OP("moe_count_rows {} experts", counts.numel());
+  cuda::moe_count_rows(context(), counts, offsets);
+}
 void CudaBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
                                    int num_experts) {
   on_device("moe_permute_plan", order, slot_of, offsets, idx);

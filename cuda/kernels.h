@@ -214,6 +214,8 @@ void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_
 // expert index outside [0, E) is left out: its slot_of is -1 and offsets[E] counts only the rest.
 void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Tensor offsets, Tensor idx,
                       int first_expert, int num_experts);
+// counts (float64 [E]) += the experts' rows from offsets (int32 [E + 1]).
+void moe_count_rows(const KernelContext& ctx, Tensor counts, Tensor offsets);
 // Any dtype (rows move as bytes); an index outside x's rows zeroes its output row.
 void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor index, int k);
 // float32, bfloat16, float16 rows; a slot outside y's rows adds nothing.

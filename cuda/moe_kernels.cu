@@ -453,6 +453,12 @@ __global__ void moe_aux_log_kernel(float* sums, const float* stats, int E, float
   }
 }
 
+// counts[e] += offsets[e + 1] - offsets[e], one thread per expert.
+__global__ void moe_count_rows_kernel(double* counts, const int32_t* offsets, int E) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < E) counts[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
+}
+
 // ---- the permutation plan -------------------------------------------------------------------
 constexpr int kPlanWarps = 4;
 constexpr int kPlanScanThreads = 256;
@@ -829,6 +835,18 @@ void moe_aux_log(const KernelContext& ctx, Tensor sums, Tensor stats, float aux_
   check_f32(sums, 2, op, "sums");
   moe_aux_log_kernel<<<1, kWarp, 0, ctx.stream>>>(sums.ptr<float>(), stats.ptr<const float>(), static_cast<int>(E),
                                                   aux_scale, z_scale);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_count_rows(const KernelContext& ctx, Tensor counts, Tensor offsets) {
+  const char* op = "moe_count_rows";
+  const int64_t E = counts.numel();
+  MT_CHECK(counts.dtype == DType::f64 && E >= 1 && E < (int64_t{1} << 30), "{}: counts must be float64 [E], got {} {}",
+           op, dtype_name(counts.dtype), counts.shape_string());
+  check_i32(offsets, E + 1, op, "offsets");
+  constexpr int kThreads = 256;
+  moe_count_rows_kernel<<<static_cast<unsigned>((E + kThreads - 1) / kThreads), kThreads, 0, ctx.stream>>>(
+      counts.ptr<double>(), offsets.ptr<const int32_t>(), static_cast<int>(E));
   MT_CUDA_CHECK_LAUNCH();
 }
 

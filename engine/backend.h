@@ -512,6 +512,10 @@ class Backend {
   // not placed: slot_of = -1; order past offsets[E] is left as it was.
   virtual void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
                                 int num_experts) = 0;
+  // counts[e] += offsets[e + 1] - offsets[e] for the E experts of a permutation's offsets (int32
+  // [E + 1]); counts float64 [E]: the pairs each expert received, counted on the device
+  // (aux-loss-free balancing's token counts, with no host wait).
+  virtual void moe_count_rows(Tensor counts, Tensor offsets) = 0;
   // out[r, :] = x[index[r] / k, :] for every row r of out (any dtype; out and x the same dtype and
   // columns); an index < 0 or past x's rows (a pair not placed) gives a zero row. Gathers the
   // permuted tokens (index = order, k = topk), and with k = 1 any row gather (the routing weights in

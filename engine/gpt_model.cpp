@@ -708,7 +708,7 @@ void GptModel::init_parameters(bool random) {
   fp8_begin_step();  // the FP8 weight cache is stale
   if (has_expert_bias()) {  // (Megatron's expert_bias buffer starts at zero)
     std::fill(moe_bias_host_.begin(), moe_bias_host_.end(), 0.0f);
-    std::fill(moe_counts_.begin(), moe_counts_.end(), 0.0);
+    be_.fill(moe_counts_dev_, 0.0);
     expert_bias_loaded();
   }
   auto draw = [this, random](const ParamDesc& p, Tensor w) {

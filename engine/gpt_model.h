@@ -339,8 +339,9 @@ class GptModel {
   // call expert_bias_loaded().
   std::span<float> expert_bias(int layer);
   void expert_bias_loaded();
-  // This step's token counts so far, per MoE layer of this chunk [E] each (tests).
-  const std::vector<double>& expert_token_counts() const { return moe_counts_; }
+  // This step's token counts so far, per MoE layer of this chunk [E] each (tests; copied from the
+  // device, where the backward counts them).
+  const std::vector<double>& expert_token_counts();
   // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
   // last forward(slot) with training = false (a training forward overwrites them with dlogits).
   // Only when the head keeps all rows at once (ModelOptions::logits_chunk_rows >= N).
@@ -457,7 +458,7 @@ class GptModel {
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   // The grouped GEMMs' expert offsets of a layer's MoeActs and the rows they end at: on the device
   // (the host never waits for the routing) where every pair is this rank's (no EP, no dropping:
-  // R = moe_max_rows()) and no expert-bias count reads them; else the host copy the forward made.
+  // R = moe_max_rows()); else the host copy the forward made.
   ExpertOffsets moe_offsets(const MoeActs& M, int64_t& rows) const;
   bool moe_offsets_on_device() const;
   struct MoeLossFactors {
@@ -607,6 +608,7 @@ class GptModel {
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
       moe_layer_loss_;
   // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.
+  // The step's token counts on the device (the backward adds each micro-batch's), their host copy.
   Tensor moe_bias_, moe_counts_dev_;
   std::vector<float> moe_bias_host_;
   std::vector<double> moe_counts_;

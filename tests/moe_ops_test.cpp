@@ -480,6 +480,15 @@ TEST_CASE("reference moe_permute_plan: expert-major, stable, inverse, offsets", 
     CHECK(order.i == std::vector<int32_t>{1, 2, 3, 5, 0, 4});
     CHECK(slot_of.i == std::vector<int32_t>{4, 0, 1, 2, 5, 3});
     CHECK(offsets.i == std::vector<int32_t>{0, 2, 4, 6});
+    // moe_count_rows adds each expert's rows to running float64 counts.
+    Buf counts = Buf::zeros({3});
+    counts.d = {10, 0, 2.5};
+    be->moe_count_rows(counts.t(), offsets.t());
+    CHECK(counts.d == std::vector<double>{12, 2, 4.5});
+    be->moe_count_rows(counts.t(), offsets.t());
+    CHECK(counts.d == std::vector<double>{14, 4, 6.5});
+    Buf counts32 = Buf::ints({3}, {0, 0, 0});  // counts must be float64
+    CHECK_THROWS(be->moe_count_rows(counts32.t(), offsets.t()));
   }
   SECTION("a hand-checked plan of experts 1 and 2 (an expert-parallel rank's): expert 0's pairs not placed") {
     Buf idx = Buf::ints({3, 2}, {2, 0, 0, 1, 2, 1});

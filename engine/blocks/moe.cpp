@@ -73,9 +73,13 @@ std::span<float> GptModel::expert_bias(int layer) {
 
 void GptModel::expert_bias_loaded() { be_.copy_from_host(moe_bias_, moe_bias_host_.data()); }
 
+const std::vector<double>& GptModel::expert_token_counts() {
+  if (has_expert_bias()) be_.copy_to_host(moe_counts_.data(), moe_counts_dev_);
+  return moe_counts_;
+}
+
 void GptModel::update_expert_bias() {
   if (!has_expert_bias()) return;
-  be_.copy_from_host(moe_counts_dev_, moe_counts_.data());
   ps_.replicas().all_reduce(moe_counts_dev_);  // (over DP x CP)
   // (Only the experts' TP rank 0 counted; with experts split over fewer ranks than TP, the TP
   // ranks counted other rows.)
@@ -84,7 +88,7 @@ void GptModel::update_expert_bias() {
   const size_t E = static_cast<size_t>(d_.experts);
   for (size_t m = 0; m < moe_bias_host_.size() / E; ++m)
     moe_expert_bias_update(moe_bias_host_.data() + m * E, moe_counts_.data() + m * E, d_.experts, d_.moe_bias_rate);
-  std::fill(moe_counts_.begin(), moe_counts_.end(), 0.0);
+  be_.fill(moe_counts_dev_, 0.0);
   expert_bias_loaded();
 }
 
@@ -130,9 +134,7 @@ int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
 
-bool GptModel::moe_offsets_on_device() const {
-  return moe_dispatch_group() == nullptr && !d_.moe_drops() && !has_expert_bias();
-}
+bool GptModel::moe_offsets_on_device() const { return moe_dispatch_group() == nullptr && !d_.moe_drops(); }
 
 ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
   if (moe_offsets_on_device()) {
@@ -393,11 +395,10 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
   // forward that recomputation may repeat). Padded to the capacity, every expert counts the same
   // (Megatron's count of the padded map): none here, the same update (none).
-  if (has_expert_bias() && d_.etp_rank == 0 && !d_.moe_pad_to_capacity) {  // (one count per pair: the experts' TP rank 0)
-    double* c = moe_counts_.data() + static_cast<size_t>(moe_index(local)) * d_.experts + d_.expert_begin();
-    const std::vector<int64_t>& o = *M.host_offsets;  // (copied by the forward: not moe_offsets_on_device)
-    for (int e = 0; e < d_.experts_local(); ++e) c[e] += static_cast<double>(o[e + 1] - o[e]);
-  }
+  if (has_expert_bias() && d_.etp_rank == 0 && !d_.moe_pad_to_capacity)  // (one count per pair: the experts' TP rank 0)
+    be_.moe_count_rows(moe_counts_dev_.flat_slice(int64_t{moe_index(local)} * d_.experts + d_.expert_begin(),
+                                                  d_.experts_local()),
+                       M.offsets);
 
   // The norm output, where not kept, is rewritten (the same bits) for the weight gradients below.
   if (!A.norm_kept) {

@@ -321,6 +321,17 @@ void ReferenceBackend::moe_aux_log(Tensor sums, Tensor stats, float aux_scale, f
   fo.add(1, static_cast<double>(z_scale) * fs.get(2 * E));
 }
 
+void ReferenceBackend::moe_count_rows(Tensor counts, Tensor offsets) {
+  const char* op = "moe_count_rows";
+  const int64_t E = counts.numel();
+  MT_CHECK(counts.dtype == DType::f64 && E >= 1, "{}: counts must be float64 [E], got {} {}", op,
+           dtype_name(counts.dtype), counts.shape_string());
+  check_indices(offsets, E + 1, op, "offsets");
+  const int32_t* o = offsets.ptr<const int32_t>();
+  double* c = counts.ptr<double>();
+  for (int64_t e = 0; e < E; ++e) c[e] += static_cast<double>(o[e + 1] - o[e]);
+}
+
 void ReferenceBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
                                         int num_experts) {
   const char* op = "moe_permute_plan";

@@ -361,6 +361,13 @@ TEST_CASE("cuda moe_permute_plan equals the reference's, empty experts and k = 1
     CHECK(differing(download_bytes(dev(), order.c()), download_bytes(ref(), order.r()), 4) == 0);
     CHECK(differing(download_bytes(dev(), slot_of.c()), download_bytes(ref(), slot_of.r()), 4) == 0);
     CHECK(differing(download_bytes(dev(), offsets.c()), download_bytes(ref(), offsets.r()), 4) == 0);
+    // The experts' rows added to running float64 counts, exactly.
+    std::vector<double> start = rng.uniform(c.E, 0.0, 1000.0);
+    for (double& v : start) v = std::floor(v);
+    Twin counts = twin_same(DType::f64, {c.E}, start);
+    dev().moe_count_rows(counts.c(), offsets.c());
+    ref().moe_count_rows(counts.r(), offsets.r());
+    CHECK(download(dev(), counts.c()) == download(ref(), counts.r()));
     // An expert-parallel rank's range (the second quarter of the experts): only its pairs placed.
     const int first = c.E / 4, count = std::max(1, c.E / 4);
     Twin lorder = twin(DType::i32, {M}, std::vector<double>(static_cast<size_t>(M), -7.0));
