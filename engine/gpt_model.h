@@ -456,9 +456,9 @@ class GptModel {
   int64_t moe_group_tokens() const;  // the rows the dispatch group gathers (N x EP, or Nl x ETP x EP)
   Communicator* moe_dispatch_group() const;
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
-  // The grouped GEMMs' expert offsets of a layer's MoeActs and the rows they end at: on the device
-  // (the host never waits for the routing) where every pair is this rank's (no EP, no dropping:
-  // R = moe_max_rows()); else the host copy the forward made.
+  // The grouped GEMMs' expert offsets of a layer's MoeActs and the rows the MoE block's ops run
+  // on: on the device (the host never waits for the routing) without expert parallelism, R =
+  // moe_max_rows() (with token dropping a bound); else the host copy the forward made (R exact).
   ExpertOffsets moe_offsets(const MoeActs& M, int64_t& rows) const;
   bool moe_offsets_on_device() const;
   struct MoeLossFactors {

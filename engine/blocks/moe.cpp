@@ -134,7 +134,12 @@ int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
 
-bool GptModel::moe_offsets_on_device() const { return moe_dispatch_group() == nullptr && !d_.moe_drops(); }
+// Without expert parallelism the ops past the offsets run on all moe_max_rows() rows: with token
+// dropping the rows past the kept pairs' (order's entries past offsets[E] are stale) are gathered
+// and computed but never read, as every reader of the permuted rows goes through slot_of, and the
+// grouped GEMMs stop at offsets[E]. Under expert parallelism a rank's pairs are a fraction of that
+// bound, so the host takes the offsets there.
+bool GptModel::moe_offsets_on_device() const { return moe_dispatch_group() == nullptr; }
 
 ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
   if (moe_offsets_on_device()) {
