@@ -42,13 +42,15 @@ const char* byte_ptr(const Tensor& t, int64_t row) {
 
 }  // namespace
 
-bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, const ExpertOffsets& o,
-                             int64_t rows) const {
+bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b,
+                             const ExpertOffsets& o) const {
   using bench_choice::GroupedGemmPath;
-  const int64_t experts = o.experts();
-  if (bench_choice::grouped_gemm_path == GroupedGemmPath::cublas || !grouped_mma_takes(op, c, a, b, experts)) return false;
-  if (bench_choice::grouped_gemm_path != GroupedGemmPath::automatic) return true;
-  return !o.on_host() || rows / std::max<int64_t>(experts, 1) < kPerExpertRows;
+  const int64_t E = o.experts();
+  if (bench_choice::grouped_gemm_path == GroupedGemmPath::cublas || !grouped_mma_takes(op, c, a, b, E)) return false;
+  if (bench_choice::grouped_gemm_path != GroupedGemmPath::automatic || !o.on_host()) return true;
+  int64_t with_rows = 0;  // the mean over experts with rows, as run() takes it
+  for (int64_t e = 0; e < E; ++e) with_rows += o.host[static_cast<size_t>(e) + 1] > o.host[static_cast<size_t>(e)];
+  return o.host.back() / std::max<int64_t>(with_rows, 1) < kPerExpertRows;
 }
 
 const int32_t* GroupedGemm::device_offsets(const ExpertOffsets& o, int64_t rows) {
@@ -155,7 +157,7 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) 
   const int64_t E = o.experts(), N = w.rows() / E, K = x.cols();
   MT_CHECK(y.cols() == N && w.cols() == K && x.dtype == w.dtype && y.dtype == x.dtype,
            "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::forward, y, x, w, o, x.rows()))
+  if (own_kernel(GroupedOp::forward, y, x, w, o))
     return grouped_mma_run(GroupedOp::forward, y, x, w, device_offsets(o, x.rows()), E, false, stream_,
                            bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   const std::span<const int64_t> offsets = host_offsets(o);
@@ -175,7 +177,7 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOff
   const int64_t E = o.experts(), N = w.rows() / E, K = w.cols();
   MT_CHECK(dy.cols() == N && dx.cols() == K && dy.dtype == w.dtype && dx.dtype == dy.dtype,
            "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::backward_input, dx, dy, w, o, dy.rows()))
+  if (own_kernel(GroupedOp::backward_input, dx, dy, w, o))
     return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, device_offsets(o, dy.rows()), E, false, stream_,
                            bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   const std::span<const int64_t> offsets = host_offsets(o);
@@ -195,7 +197,7 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOf
   const int64_t E = o.experts(), N = dw.rows() / E, K = dw.cols();
   MT_CHECK(dy.cols() == N && x.cols() == K && dy.dtype == x.dtype,
            "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
-  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, o, dy.rows()))
+  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, o))
     return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, device_offsets(o, dy.rows()), E, accumulate,
                            stream_, bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
   const std::span<const int64_t> offsets = host_offsets(o);

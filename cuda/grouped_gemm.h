@@ -52,9 +52,8 @@ class GroupedGemm {
   // Whether our grouped MMA kernel (cuda/grouped_gemm_mma.h) runs the op, where it takes it: with
   // offsets on the device always (cuBLAS would have the host wait for them at every op: measured
   // slower end to end, bench/RESULTS.md), with host offsets for fewer than kPerExpertRows rows per
-  // expert on average (rows: the row-grouped operands').
-  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, const ExpertOffsets& o,
-                  int64_t rows) const;
+  // expert with rows on average.
+  bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, const ExpertOffsets& o) const;
   // The offsets as our kernel reads them (device int32): the given device tensor, or the host's
   // copied into device_offsets_ on the stream. rows: what the host offsets must end at.
   const int32_t* device_offsets(const ExpertOffsets& o, int64_t rows);

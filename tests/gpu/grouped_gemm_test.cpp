@@ -33,7 +33,7 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                         {{127, 129, 0, 0, 255}, 264, 136},
                         // a feature size off the kernel's multiples of 8: cuBLAS alone
                         {{33, 0, 70}, 12, 40},
-                        // >= 2048 rows per expert: one cublasGemmEx per expert with host offsets (cuda/grouped_gemm.h)
+                        // >= 2048 rows per expert with rows, host offsets: one cublasGemmEx per expert
                         {{2100, 0, 2501}, 40, 24}};
   for (const Case& c : cases) {
     std::vector<int64_t> off{0};
