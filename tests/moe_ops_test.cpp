@@ -706,3 +706,60 @@ TEST_CASE("reference moe ops refuse bad routing rules with a clear message", "[m
                                                                                    false, 0, 6, 1)),
                     Catch::Contains("fewer than top-k"));
 }
+
+TEST_CASE("reference grouped linear ops: one GEMM per expert, offsets on the host or on the device",
+          "[moe][reference]") {
+  auto be = make_reference_backend(1);
+  std::mt19937_64 rng(7017);
+  const int64_t E = 3, N = 4, K = 3, R = 5, pad = 2;  // experts of 2, 0 and 3 rows
+  const std::vector<int64_t> off{0, 2, 2, 5};
+  Buf off32 = Buf::ints({E + 1}, {0, 2, 2, 5});
+  const ExpertOffsets on_device = ExpertOffsets::on_device(off32.t());
+  Buf x = Buf::randn({R + pad, K}, rng), w = Buf::randn({E * N, K}, rng), dy = Buf::randn({R + pad, N}, rng);
+  const auto expert_of = [&](int64_t r) { return r < 2 ? 0 : 2; };
+
+  // Forward: y[r, n] = x[r] . w[e N + n]; with device offsets the rows past offsets[E] stay as they were.
+  Buf y_host = Buf::zeros({R, N}), y_dev = Buf::zeros({R + pad, N});
+  be->grouped_linear_forward(y_host.t(), x.t().row_slice(0, R), w.t(), off);
+  be->grouped_linear_forward(y_dev.t(), x.t(), w.t(), on_device);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      double want = 0;
+      for (int64_t k = 0; k < K; ++k) want += x.d[r * K + k] * w.d[(expert_of(r) * N + n) * K + k];
+      CHECK(y_host.d[r * N + n] == Approx(want).epsilon(1e-12));
+      CHECK(y_dev.d[r * N + n] == y_host.d[r * N + n]);
+    }
+  for (int64_t i = R * N; i < (R + pad) * N; ++i) CHECK(y_dev.d[i] == 0.0);
+
+  // Input gradient: dx[r] = dy[r] . w_e, the same both ways, the padding rows untouched.
+  Buf dx_host = Buf::zeros({R, K}), dx_dev = Buf::zeros({R + pad, K});
+  be->grouped_linear_backward_input(dx_host.t(), dy.t().row_slice(0, R), w.t(), off);
+  be->grouped_linear_backward_input(dx_dev.t(), dy.t(), w.t(), on_device);
+  for (int64_t i = 0; i < R * K; ++i) CHECK(dx_dev.d[i] == dx_host.d[i]);
+  for (int64_t i = R * K; i < (R + pad) * K; ++i) CHECK(dx_dev.d[i] == 0.0);
+  double dx00 = 0;  // dx[0, 0] = sum_n dy[0, n] w[n, 0] (expert 0)
+  for (int64_t n = 0; n < N; ++n) dx00 += dy.d[n] * w.d[n * K];
+  CHECK(dx_host.d[0] == Approx(dx00).epsilon(1e-12));
+
+  // Weight gradient: the empty expert's zeroed (written) or kept (accumulated), the padding rows not read.
+  for (const bool accumulate : {false, true}) {
+    INFO((accumulate ? "accumulate" : "write"));
+    Buf dw_host = Buf::randn({E * N, K}, rng);
+    Buf dw_dev = dw_host;
+    const std::vector<double> start = dw_host.d;
+    be->grouped_linear_backward_weight(dw_host.t(), dy.t().row_slice(0, R), x.t().row_slice(0, R), off,
+                                       accumulate);
+    be->grouped_linear_backward_weight(dw_dev.t(), dy.t(), x.t(), on_device, accumulate);
+    CHECK(dw_dev.d == dw_host.d);
+    for (int64_t i = N * K; i < 2 * N * K; ++i) CHECK(dw_host.d[i] == (accumulate ? start[i] : 0.0));
+    double want = accumulate ? start[0] : 0.0;  // dw[0, 0] = sum over expert 0's rows of dy[r, 0] x[r, 0]
+    for (int64_t r = 0; r < 2; ++r) want += dy.d[r * N] * x.d[r * K];
+    CHECK(dw_host.d[0] == Approx(want).epsilon(1e-12));
+  }
+
+  // Host offsets must end at the operands' rows; device offsets must not pass them.
+  Buf y_short = Buf::zeros({R + pad, N});
+  CHECK_THROWS(be->grouped_linear_forward(y_short.t(), x.t(), w.t(), off));
+  Buf far = Buf::ints({E + 1}, {0, 2, 2, static_cast<int32_t>(R + pad + 1)});
+  CHECK_THROWS(be->grouped_linear_forward(y_short.t(), x.t(), w.t(), ExpertOffsets::on_device(far.t())));
+}
