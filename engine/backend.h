@@ -173,7 +173,6 @@ struct MoeRouting {
   }
 };
 
-// One contiguous run of the flat parameter buffer with its optimizer group.
 // The experts' row offsets of a grouped linear op (Backend::grouped_linear_*): E + 1 values, rows
 // [offsets[e], offsets[e+1]) of the row-major operands belong to expert e. Given on the host (a
 // span), or as an int32 tensor [E + 1] on the backend's device (on_device: the MoE block's offsets
@@ -193,6 +192,7 @@ struct ExpertOffsets {
   int64_t experts() const { return (on_host() ? static_cast<int64_t>(host.size()) : device.numel()) - 1; }
 };
 
+// One contiguous run of the flat parameter buffer with its optimizer group.
 struct OptimSegment {
   int64_t offset = 0;
   int64_t count = 0;
