@@ -15,8 +15,10 @@ enum class Fp8CastKernel { by_reader, tiles, blocks };
 inline Fp8CastKernel fp8_cast_kernel = Fp8CastKernel::by_reader;
 
 // The MoE grouped GEMMs (cuda/grouped_gemm.h): as measured (automatic), always our grouped MMA
-// kernel where it takes the op (wgmma where the GPU has it, or mma.sync), or always cuBLAS.
-enum class GroupedGemmPath { automatic, mma, mma_sync, cublas };
+// kernels where they take the op (mma: the best body, cuda/grouped_gemm_mma.h's
+// GroupedKernel::best; mma_cp_async: the cp.async-fed wgmma body for every op; mma_sync), or
+// always cuBLAS.
+enum class GroupedGemmPath { automatic, mma, mma_cp_async, mma_sync, cublas };
 inline GroupedGemmPath grouped_gemm_path = GroupedGemmPath::automatic;
 
 }  // namespace mt::cuda::bench_choice

@@ -53,6 +53,14 @@ bool GroupedGemm::own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, con
   return o.host.back() / std::max<int64_t>(with_rows, 1) < kPerExpertRows;
 }
 
+GroupedKernel GroupedGemm::own_kernel_body() {
+  switch (bench_choice::grouped_gemm_path) {
+    case bench_choice::GroupedGemmPath::mma_cp_async: return GroupedKernel::wgmma;
+    case bench_choice::GroupedGemmPath::mma_sync: return GroupedKernel::mma_sync;
+    default: return GroupedKernel::best;
+  }
+}
+
 const int32_t* GroupedGemm::device_offsets(const ExpertOffsets& o, int64_t rows) {
   if (!o.on_host()) {
     MT_CHECK(o.device.dtype == DType::i32 && o.device.device == Device::cuda,
@@ -159,7 +167,7 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) 
            "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
   if (own_kernel(GroupedOp::forward, y, x, w, o))
     return grouped_mma_run(GroupedOp::forward, y, x, w, device_offsets(o, x.rows()), E, false, stream_,
-                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+                           own_kernel_body());
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
@@ -179,7 +187,7 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOff
            "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
   if (own_kernel(GroupedOp::backward_input, dx, dy, w, o))
     return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, device_offsets(o, dy.rows()), E, false, stream_,
-                           bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+                           own_kernel_body());
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
@@ -199,7 +207,7 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOf
            "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
   if (own_kernel(GroupedOp::backward_weight, dw, dy, x, o))
     return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, device_offsets(o, dy.rows()), E, accumulate,
-                           stream_, bench_choice::grouped_gemm_path != bench_choice::GroupedGemmPath::mma_sync);
+                           stream_, own_kernel_body());
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();

@@ -54,6 +54,8 @@ class GroupedGemm {
   // slower end to end, bench/RESULTS.md), with host offsets for fewer than kPerExpertRows rows per
   // expert with rows on average.
   bool own_kernel(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, const ExpertOffsets& o) const;
+  // Which of our kernel's bodies runs it (bench_choice::grouped_gemm_path; the best by default).
+  static GroupedKernel own_kernel_body();
   // The offsets as our kernel reads them (device int32): the given device tensor, or the host's
   // copied into device_offsets_ on the stream. rows: what the host offsets must end at.
   const int32_t* device_offsets(const ExpertOffsets& o, int64_t rows);

@@ -26,6 +26,7 @@
 
 #include "core/error.h"
 #include "cuda/attention_flash_common.cuh"
+#include "cuda/grouped_gemm_common.cuh"
 #include "cuda/cuda_check.h"
 
 namespace mt::cuda {
@@ -63,7 +64,7 @@ __device__ __forceinline__ int swz_atoms(int k, int m) {
 // The cp.async, ldmatrix and mma.sync helpers are the flash kernels' (cuda/attention_flash_common.cuh).
 using flash::cp_async_commit;
 using flash::cp_async_wait;
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+using namespace grouped_detail;
 
 // D[64 x 128] += A[64 x 16] B[16 x 128] for one warpgroup, both operands in shared memory.
 template <int kTransA, int kTransB, typename T>
@@ -84,41 +85,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
 }
 
-// A shared-memory matrix descriptor with the 128-byte swizzle (its atoms 1024-byte aligned).
-[[maybe_unused]] __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  const uint32_t a = smem_u32(p);
-  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-template <typename TC>
-__device__ __forceinline__ void store2(TC* p, float x, float y, bool accumulate) {
-  if constexpr (std::is_same_v<TC, float>) {
-    float2* q = reinterpret_cast<float2*>(p);
-    if (accumulate) {
-      const float2 o = *q;
-      x += o.x;
-      y += o.y;
-    }
-    *q = make_float2(x, y);
-  } else if constexpr (std::is_same_v<TC, __nv_bfloat16>) {
-    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(p);
-    if (accumulate) {
-      const float2 o = __bfloat1622float2(*q);
-      x += o.x;
-      y += o.y;
-    }
-    *q = __floats2bfloat162_rn(x, y);
-  } else {
-    __half2* q = reinterpret_cast<__half2*>(p);
-    if (accumulate) {
-      const float2 o = __half22float2(*q);
-      x += o.x;
-      y += o.y;
-    }
-    *q = __floats2half2_rn(x, y);
-  }
-}
 
 // Loads one operand's 128 x 64 tile into shared memory. kRed: the operand is stored
 // reduction-contiguous (rows of the tile are `outer` indices, 0..127 from outer0, each row
@@ -143,16 +109,6 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, int ld, int outer
   }
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr bool kHaveWgmma = true;
-#else
-constexpr bool kHaveWgmma = false;
-#endif
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
 // kARed / kBRed: A / B stored reduction-contiguous. kWeightGrouped: the reduction is grouped
 // (backward weight); else C's rows are. kWgmma: the wgmma body where the build has it (sm_90a),
 // else mma.sync.
@@ -172,37 +128,13 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const __grid_co
     g = blockIdx.y;
     m0 = mt * BM;
   } else {
-    // The experts' first m-tiles: an exclusive scan of their tile counts over the CTA's threads
-    // (one expert each), then the last expert whose first tile is <= mt. CTAs past the last tile
-    // (the grid covers the most the rows can make) leave.
+    // CTAs past the last tile (the grid covers the most the rows can make) leave.
     __shared__ int first_tile[kGroupedMmaMaxGroups];
     __shared__ int warp_total[THREADS / 32];
     static_assert(THREADS >= kGroupedMmaMaxGroups, "one thread per expert");
-    const int count = tid < args.groups ? (args.offsets[tid + 1] - args.offsets[tid] + BM - 1) / BM : 0;
-    int sum = count;  // inclusive within the warp
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, sum, d);
-      if (lane >= d) sum += v;
-    }
-    if (lane == 31) warp_total[warp] = sum;
-    __syncthreads();
-    int before = 0, all = 0;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) {
-      before += w < warp ? warp_total[w] : 0;
-      all += warp_total[w];
-    }
-    if (tid < args.groups) first_tile[tid] = before + sum - count;
-    __syncthreads();
+    const int all = grouped_first_tiles<THREADS>(args.offsets, args.groups, BM, first_tile, warp_total);
     if (mt >= all) return;
-    int lo = 0, hi = args.groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (first_tile[mid] <= mt) lo = mid;
-      else hi = mid - 1;
-    }
-    g = lo;
+    g = grouped_tile_expert(first_tile, args.groups, mt);
     m0 = (mt - first_tile[g]) * BM;
   }
   const int n0 = nt * BN;
@@ -403,7 +335,10 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
 }
 
 void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
-                     bool accumulate, cudaStream_t stream, bool use_wgmma) {
+                     bool accumulate, cudaStream_t stream, GroupedKernel kernel) {
+  const bool wgmma = kernel != GroupedKernel::mma_sync && device_has_wgmma();
+  if (wgmma && kernel == GroupedKernel::best && grouped_tma_takes(op, c, a, b, experts))
+    return grouped_tma_run(op, c, a, b, offsets, experts, accumulate, stream);
   const int64_t E = experts;
   MT_CHECK(grouped_mma_takes(op, c, a, b, E), "grouped MMA GEMM: an op it does not take (c [{}] {}, a [{}] {})",
            c.shape_string(), dtype_name(c.dtype), a.shape_string(), dtype_name(a.dtype));
@@ -449,7 +384,6 @@ void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
     if (rows == 0) return;
     grid = dim3(static_cast<unsigned>((rows + E * (BM - 1)) / BM * args.n_tiles));
   }
-  const bool wgmma = use_wgmma && device_has_wgmma();
   if (a.dtype == DType::bf16) {
     if (wgmma) dispatch<__nv_bfloat16, true>(op, c.dtype, args, grid, stream);
     else dispatch<__nv_bfloat16, false>(op, c.dtype, args, grid, stream);

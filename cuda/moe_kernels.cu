@@ -366,23 +366,20 @@ __global__ void moe_aux_stats_kernel(double* part_sums, int* part_counts, double
   }
 }
 
+// One warp per statistic (E score sums, E counts, the z-loss sum): its lanes add every 32nd
+// block's partial in block order, then warp_sum (the same order at every call).
 __global__ void moe_aux_stats_finish_kernel(float* stats, const double* part_sums, const int* part_counts,
                                             const double* part_lse2, int blocks, int E) {
-  for (int i = threadIdx.x; i < 2 * E + 1; i += blockDim.x) {
-    if (i < E) {
-      double total = 0;
-      for (int b = 0; b < blocks; ++b) total += part_sums[static_cast<int64_t>(b) * E + i];
-      stats[i] = static_cast<float>(total);
-    } else if (i < 2 * E) {
-      long long n = 0;
-      for (int b = 0; b < blocks; ++b) n += part_counts[static_cast<int64_t>(b) * E + (i - E)];
-      stats[i] = static_cast<float>(n);
-    } else {
-      double total = 0;
-      for (int b = 0; b < blocks; ++b) total += part_lse2[b];
-      stats[i] = static_cast<float>(total);
-    }
+  const int i = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / kWarp), lane = threadIdx.x % kWarp;
+  if (i >= 2 * E + 1) return;
+  double total = 0;
+  for (int b = lane; b < blocks; b += kWarp) {
+    if (i < E) total += part_sums[static_cast<int64_t>(b) * E + i];
+    else if (i < 2 * E) total += part_counts[static_cast<int64_t>(b) * E + (i - E)];
+    else total += part_lse2[b];
   }
+  total = warp_sum(total);
+  if (lane == 0) stats[i] = static_cast<float>(total);
 }
 
 template <typename T, int VPL>
@@ -803,8 +800,10 @@ void moe_aux_stats(const KernelContext& ctx, Tensor stats, Tensor logits, const 
     });
   });
   MT_CUDA_CHECK_LAUNCH();
-  moe_aux_stats_finish_kernel<<<1, 1024, 0, ctx.stream>>>(stats.ptr<float>(), part_sums, part_counts, part_lse2,
-                                                          blocks, E);
+  const int finish_warps = 2 * E + 1, warps_per_block = 8;
+  moe_aux_stats_finish_kernel<<<(finish_warps + warps_per_block - 1) / warps_per_block, warps_per_block * kWarp, 0,
+                                ctx.stream>>>(
+      stats.ptr<float>(), part_sums, part_counts, part_lse2, blocks, E);
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,5 +1,6 @@
 // The CUDA backend's grouped GEMMs (Backend::grouped_linear_*, cuda/grouped_gemm.h: our grouped
-// MMA kernel with wgmma and with mma.sync, cuBLAS's grouped batched GEMM, or one GEMM per expert for large experts; each case
+// MMA kernels (the TMA-fed warp-specialized one for the row-grouped ops, cp.async-fed wgmma,
+// mma.sync), cuBLAS's grouped batched GEMM, or one GEMM per expert for large experts; each case
 // through every path that takes it) against the reference backend's per-expert GEMMs, on fresh
 // random inputs: odd row counts, empty experts (their weight gradient zeroed, or kept with
 // accumulate), feature sizes off the kernel's tile sizes, float32, bf16 and fp16 (float32 main
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "cuda/bench_choice.h"
+#include "cuda/grouped_gemm_mma.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
@@ -34,7 +36,11 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                         // a feature size off the kernel's multiples of 8: cuBLAS alone
                         {{33, 0, 70}, 12, 40},
                         // >= 2048 rows per expert with rows, host offsets: one cublasGemmEx per expert
-                        {{2100, 0, 2501}, 40, 24}};
+                        {{2100, 0, 2501}, 40, 24},
+                        // more 128 x 256 tiles than an H200 has SMs (the TMA kernel's CTAs take several
+                        // each), a 47-step reduction for the input gradient
+                        {{600, 0, 700, 13}, 3000, 64}};
+  int tma_ops = 0;  // ops the TMA kernel took
   for (const Case& c : cases) {
     std::vector<int64_t> off{0};
     for (int64_t r : c.rows) off.push_back(off.back() + r);
@@ -42,7 +48,8 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
     if (R == 0) off.back() = 0;
     using Path = cuda::bench_choice::GroupedGemmPath;
     for (const auto& [dt, path] : {std::pair{DType::f32, Path::automatic}, std::pair{DType::bf16, Path::automatic},
-                                   std::pair{DType::bf16, Path::mma}, std::pair{DType::bf16, Path::mma_sync},
+                                   std::pair{DType::bf16, Path::mma}, std::pair{DType::bf16, Path::mma_cp_async},
+                                   std::pair{DType::bf16, Path::mma_sync},
                                    std::pair{DType::bf16, Path::cublas}, std::pair{DType::f16, Path::mma},
                                    std::pair{DType::f16, Path::mma_sync}}) {
       cuda::bench_choice::grouped_gemm_path = path;
@@ -69,6 +76,9 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
         };
         const auto zeros = [&](int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); };
         if (Rp > 0) {
+          if (path == Path::mma && dt != DType::f32)
+            tma_ops += cuda::grouped_tma_takes(cuda::GroupedOp::forward, dyc, xc, w.c(), E) +
+                       cuda::grouped_tma_takes(cuda::GroupedOp::backward_input, xc, dyc, w.c(), E);
           Twin y = on_device ? twin(dt, {Rp, N}, zeros(Rp * N)) : twin_nan(dt, {R, N});
           dev().grouped_linear_forward(y.c(), xc, w.c(), off_c);
           ref().grouped_linear_forward(y.r(), xr, w.r(), off_r);
@@ -105,4 +115,6 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
       }
     }
   }
+  // The cases above that are large enough for its boxes, bf16 and fp16, host and device offsets.
+  CHECK(tma_ops >= 32);
 }
