@@ -1,18 +1,23 @@
-// cuda/grouped_gemm_mma.h's row-grouped ops (forward, backward input) on Hopper as a
-// warp-specialized, persistent kernel: one warpgroup's thread issues TMA loads of 128 x 64 tiles of
-// A and 256 x 64 of B into a 4-deep ring of shared memory (mbarriers full/empty per stage), two
-// consumer warpgroups each run wgmma.m64n256k16 on 64 of the tile's 128 rows, keeping one k-step's
-// MMAs in flight. A CTA stays on the GPU for every tile its blockIdx.x strides over (the grid is at
-// most one CTA per SM), so the next tile's loads run during this one's stores.
+// cuda/grouped_gemm_mma.h's three ops on Hopper as one warp-specialized, persistent kernel: one
+// warpgroup's thread issues TMA loads of A's 128 x 64 and B's 256 x 64 tiles into a 4-deep ring of
+// shared memory (mbarriers full/empty per stage), two consumer warpgroups each run
+// wgmma.m64n256k16 on 64 of the tile's 128 rows, keeping one k-step's MMAs in flight. A CTA stays
+// on the GPU for every tile its blockIdx.x strides over (the grid is at most one CTA per SM), so
+// the next tile's loads run during this one's stores.
 //
-// Tiles go expert by expert, the m-tiles of one n-tile next to each other, so the CTAs in flight
-// share a few 256-row slabs of the expert's weight and its rows (both stay in L2).
+// Row-grouped ops (forward, input gradient): tiles go expert by expert, the m-tiles of one n-tile
+// next to each other, so the CTAs in flight share a few 256-row slabs of the expert's weight and
+// its rows (both stay in L2). Rows of A past an expert's end are loaded (they are the next
+// expert's, or zeros past the tensor) but their outputs are never stored: an output row depends on
+// its own A row only. Reduction columns past the feature size are zeros in A (TMA's out-of-bounds
+// fill), so whatever B holds there (the next expert's weight rows, for the input gradient) adds
+// nothing; B's rows past the expert's N (forward) only make output columns that are not stored.
 //
-// Rows of A past an expert's end are loaded (they are the next expert's, or zeros past the tensor)
-// but their outputs are never stored: an output row depends on its own A row only. Reduction
-// columns past the feature size are zeros in A (TMA's out-of-bounds fill), so whatever B holds
-// there (the next expert's weight rows, for the input gradient) adds nothing; B's rows past the
-// expert's N (forward) only make output columns that are not stored.
+// Weight gradient (the reduction over each expert's rows): tiles go expert by expert, the n-tiles
+// of one m-tile next to each other (the expert's x stays in L2, each 128-column slab of dy is read
+// by the CTAs next to each other). Both operands are output-contiguous: 64-column boxes of dy
+// (A, read transposed) and x (B). At an expert's last, partial k-step the consumers zero the rows
+// past its end in shared memory (they hold the next expert's rows) before the MMAs read them.
 #include <cuda.h>  // CUtensorMap and cuTensorMapEncodeTiled's types (the function comes from the runtime)
 
 #include <algorithm>
@@ -38,9 +43,12 @@ struct Args {
   int groups;
   void* c;
   int ldc;
+  int M;       // weight gradient: C's rows per expert
   int N;       // C's columns
-  int K;       // the reduction
-  int b_rows;  // rows of B's tensor per expert (forward: N; input gradient: the reduction)
+  int K;       // row-grouped: the reduction
+  int b_rows;  // row-grouped: rows of B's tensor per expert (forward: N; input gradient: the reduction)
+  long long c_stride;  // weight gradient: elements from one expert's gradient to the next
+  int m_tiles;         // weight gradient: per expert
   int n_tiles;
   bool accumulate;
 };
@@ -71,9 +79,9 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       : "memory");
 }
 
-// D[64 x 256] += A[64 x 16] B[16 x 256] for one warpgroup, both operands in shared memory (A
-// reduction-contiguous; B reduction-contiguous, or output-contiguous with kTransB).
-template <int kTransB, typename T>
+// D[64 x 256] += A[64 x 16] B[16 x 256] for one warpgroup, both operands in shared memory,
+// reduction-contiguous or (kTransA / kTransB) output-contiguous.
+template <int kTransA, int kTransB, typename T>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
     asm volatile(
@@ -81,31 +89,36 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %130, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "n"(0), "n"(kTransB), "r"(1));
+        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
   else
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %130, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "n"(0), "n"(kTransB), "r"(1));
+        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
 }
 
-// kBRed: B stored reduction-contiguous (forward: w_e [N, K]); else output-contiguous (input
-// gradient: w_e [reduction, K], its 256 columns loaded as four 64-wide boxes 8 KB apart).
-template <typename T, bool kBRed>
+// kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
+// [reduction, K] output-contiguous: its 256 columns as four 64-wide boxes 8 KB apart),
+// backward_weight (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
+template <typename T, typename TC, GroupedOp kOp>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kWeight = kOp == GroupedOp::backward_weight;
+  constexpr bool kARed = !kWeight, kBRed = kOp == GroupedOp::forward;
   extern __shared__ unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
-  __shared__ int first_tile[kGroupedMmaMaxGroups];
+  __shared__ int first_tile[kWeight ? 1 : kGroupedMmaMaxGroups];
   __shared__ int warp_total[THREADS / 32];
   static_assert(THREADS >= kGroupedMmaMaxGroups, "one thread per expert");
   const int tid = threadIdx.x;
-  const int tiles = grouped_first_tiles<THREADS>(args.offsets, args.groups, BM, first_tile, warp_total) * args.n_tiles;
+  const int tiles = kWeight ? args.groups * args.m_tiles * args.n_tiles
+                            : grouped_first_tiles<THREADS>(args.offsets, args.groups, BM, first_tile, warp_total) *
+                                  args.n_tiles;
   if (static_cast<int>(blockIdx.x) >= tiles) return;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -115,36 +128,56 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  const int nk = (args.K + BK - 1) / BK;
-  // Tile t: its expert g (the m-tile t / n_tiles is one of g's), its first row m0 within the
-  // expert and its first column n0.
-  auto tile_at = [&](int t, int& g, int& m0, int& n0) {
-    g = grouped_tile_expert(first_tile, args.groups, t / args.n_tiles);
-    const int count = (args.offsets[g + 1] - args.offsets[g] + BM - 1) / BM;
-    const int local = t - first_tile[g] * args.n_tiles;
-    m0 = (local % count) * BM;
-    n0 = (local / count) * BN;
+  // Tile t: its expert g, its first row m0 of C (row-grouped: within the expert's rows) and its
+  // first column n0; row0 and rows: the expert's rows; nk: its k-steps.
+  struct Tile {
+    int g, m0, n0, row0, rows, nk;
+  };
+  auto tile_at = [&](int t) {
+    Tile x;
+    if constexpr (kWeight) {
+      const int per_expert = args.m_tiles * args.n_tiles, local = t % per_expert;
+      x.g = t / per_expert;
+      x.m0 = (local / args.n_tiles) * BM;
+      x.n0 = (local % args.n_tiles) * BN;
+    } else {
+      x.g = grouped_tile_expert(first_tile, args.groups, t / args.n_tiles);
+      const int count = (args.offsets[x.g + 1] - args.offsets[x.g] + BM - 1) / BM;
+      const int local = t - first_tile[x.g] * args.n_tiles;
+      x.m0 = (local % count) * BM;
+      x.n0 = (local / count) * BN;
+    }
+    x.row0 = args.offsets[x.g];
+    x.rows = args.offsets[x.g + 1] - x.row0;
+    x.nk = ((kWeight ? x.rows : args.K) + BK - 1) / BK;
+    return x;
   };
 
   if (tid < 128) {  // the producer: one thread
     if (tid != 0) return;
     int it = 0;  // k-steps loaded by this CTA over all its tiles
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      int g, m0, n0;
-      tile_at(t, g, m0, n0);
-      const int row0 = args.offsets[g];
-      for (int kt = 0; kt < nk; ++kt, ++it) {
+      const Tile x = tile_at(t);
+      for (int kt = 0; kt < x.nk; ++kt, ++it) {
         const int s = it % STAGES;
         if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
         T* As = smem + s * (kAElems + kBElems);
         T* Bs = As + kAElems;
         mbar_expect_tx(&full[s], kStageBytes);
-        tma_load(As, &map_a, kt * BK, row0 + m0, &full[s]);
-        if constexpr (kBRed) {
-          tma_load(Bs, &map_b, kt * BK, g * args.b_rows + n0, &full[s]);
-        } else {
+        if constexpr (kWeight) {
 #pragma unroll
-          for (int q = 0; q < BN / 64; ++q) tma_load(Bs + q * BK * 64, &map_b, n0 + q * 64, g * args.b_rows + kt * BK, &full[s]);
+          for (int q = 0; q < BM / 64; ++q) tma_load(As + q * BK * 64, &map_a, x.m0 + q * 64, x.row0 + kt * BK, &full[s]);
+#pragma unroll
+          for (int q = 0; q < BN / 64; ++q) tma_load(Bs + q * BK * 64, &map_b, x.n0 + q * 64, x.row0 + kt * BK, &full[s]);
+        } else {
+          tma_load(As, &map_a, kt * BK, x.row0 + x.m0, &full[s]);
+          if constexpr (kBRed) {
+            tma_load(Bs, &map_b, kt * BK, x.g * args.b_rows + x.n0, &full[s]);
+          } else {
+#pragma unroll
+            for (int q = 0; q < BN / 64; ++q)
+              tma_load(Bs + q * BK * 64, &map_b, x.n0 + q * 64, x.g * args.b_rows + kt * BK, &full[s]);
+          }
         }
       }
     }
@@ -155,47 +188,63 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3, lane = tid & 31;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int g, m0, n0;
-    tile_at(t, g, m0, n0);
+    const Tile x = tile_at(t);
+    if (kWeight && x.nk == 0 && args.accumulate) continue;  // an expert without rows adds nothing
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-    for (int kt = 0; kt < nk; ++kt, ++it) {
+    for (int kt = 0; kt < x.nk; ++kt, ++it) {
       const int s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1);
-      const T* As = smem + s * (kAElems + kBElems);
-      const T* Bs = As + kAElems;
+      T* As = smem + s * (kAElems + kBElems);
+      T* Bs = As + kAElems;
+      if constexpr (kWeight) {
+        const int valid = x.rows - kt * BK;
+        if (valid < BK) {
+          // Rows [valid, 64) of the six 64-row boxes (A's two, B's four; 128 bytes a row whatever
+          // the swizzle) hold the next expert's rows: zeros, then the MMAs may read them.
+          const int chunks = (BK - valid) * 8;  // 16-byte chunks per box
+          for (int i = tid - 128; i < 6 * chunks; i += 2 * 128) {
+            const int box = i / chunks, c = i % chunks;
+            T* base = box < 2 ? As + box * BK * 64 : Bs + (box - 2) * BK * 64;
+            *reinterpret_cast<int4*>(reinterpret_cast<char*>(base) + valid * 128 + c * 16) = make_int4(0, 0, 0, 0);
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the two consumer warpgroups
+        }
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        // A and a reduction-contiguous B: rows of 128 bytes, 8-row groups 1024 bytes apart, the
-        // k-slice 32 bytes further. An output-contiguous B: atoms of 8 k-rows, the 64-wide column
-        // blocks 8 KB apart.
-        const uint64_t da = smem_desc(As + cw * 64 * BK + kk * 16, 16, 1024);
+        // Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the k-slice 32
+        // bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide column blocks 8 KB apart.
+        const uint64_t da = kARed ? smem_desc(As + cw * 64 * BK + kk * 16, 16, 1024)
+                                  : smem_desc(As + cw * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
         const uint64_t db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
-        wgmma_m64n256k16<kBRed ? 0 : 1, T>(d, da, db);
+        wgmma_m64n256k16<kARed ? 0 : 1, kBRed ? 0 : 1, T>(d, da, db);
       }
       wgmma_commit();
       wgmma_wait_one();  // the previous k-step's MMAs are done: its stage goes back to the producer
       if (kt > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     }
     wgmma_wait_all();
-    mbar_arrive(&empty[(it - 1) % STAGES]);
+    if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
     // Epilogue: warp w of the warpgroup holds rows 16 w + lane / 4 (+ 8), column pairs.
-    const int row0 = args.offsets[g], rows = args.offsets[g + 1] - row0;
-    const int r = m0 + cw * 64 + (warp << 4) + (lane >> 2);
-    T* C = static_cast<T*>(args.c) + static_cast<long long>(row0) * args.ldc;
+    const int r = x.m0 + cw * 64 + (warp << 4) + (lane >> 2);
+    const int row_end = kWeight ? args.M : x.rows;
+    TC* C = static_cast<TC*>(args.c) +
+            (kWeight ? x.g * args.c_stride : static_cast<long long>(x.row0) * args.ldc);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-      const int col = n0 + j * 8 + ((lane & 3) << 1);
+      const int col = x.n0 + j * 8 + ((lane & 3) << 1);
       if (col >= args.N) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        if (r + 8 * h < rows)
-          store2<T>(C + static_cast<long long>(r + 8 * h) * args.ldc + col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1],
-                    args.accumulate);
+        if (r + 8 * h < row_end)
+          store2<TC>(C + static_cast<long long>(r + 8 * h) * args.ldc + col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1],
+                     args.accumulate);
     }
   }
 #endif
@@ -234,9 +283,9 @@ CUtensorMap tensor_map(const void* base, DType dt, int64_t rows, int64_t cols, i
   return map;
 }
 
-template <typename T, bool kBRed>
+template <typename T, typename TC, GroupedOp kOp>
 void launch(const CUtensorMap& a, const CUtensorMap& b, const Args& args, int grid, cudaStream_t stream) {
-  auto* kernel = grouped_tma_kernel<T, kBRed>;
+  auto* kernel = grouped_tma_kernel<T, TC, kOp>;
   static const bool configured = [&] {
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
@@ -256,15 +305,31 @@ int sm_count() {
   return n;
 }
 
+template <typename T>
+void dispatch(GroupedOp op, DType c_dtype, const CUtensorMap& a, const CUtensorMap& b, const Args& args, int grid,
+              cudaStream_t stream) {
+  switch (op) {
+    case GroupedOp::forward: return launch<T, T, GroupedOp::forward>(a, b, args, grid, stream);
+    case GroupedOp::backward_input: return launch<T, T, GroupedOp::backward_input>(a, b, args, grid, stream);
+    case GroupedOp::backward_weight:
+      if (c_dtype == DType::f32) return launch<T, float, GroupedOp::backward_weight>(a, b, args, grid, stream);
+      return launch<T, T, GroupedOp::backward_weight>(a, b, args, grid, stream);
+  }
+}
+
 }  // namespace
 
 bool grouped_tma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts) {
-  if (op == GroupedOp::backward_weight || !grouped_mma_takes(op, c, a, b, experts)) return false;
-  if (c.dtype != a.dtype) return false;
-  // Every tensor at least one box wide and long (the maps' boxes: 64 columns; A 128 rows, B 256
-  // rows (forward) or 64 (input gradient)).
-  const int64_t b_box_rows = op == GroupedOp::forward ? BN : BK;
-  return a.rows() >= BM && a.cols() >= 64 && b.rows() >= b_box_rows && b.cols() >= 64;
+  if (!grouped_mma_takes(op, c, a, b, experts)) return false;
+  // Every tensor at least one box wide and long (the maps' boxes are 64 columns wide; A's 128 rows
+  // long for the row-grouped ops, B's 256 for the forward, the rest 64).
+  if (a.cols() < 64 || b.cols() < 64) return false;
+  switch (op) {
+    case GroupedOp::forward: return c.dtype == a.dtype && a.rows() >= BM && b.rows() >= BN;
+    case GroupedOp::backward_input: return c.dtype == a.dtype && a.rows() >= BM && b.rows() >= BK;
+    case GroupedOp::backward_weight: return a.rows() >= BK && b.rows() >= BK;
+  }
+  return false;
 }
 
 void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
@@ -278,26 +343,33 @@ void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
   args.c = c.data;
   args.ldc = static_cast<int>(c.cols());
   args.N = static_cast<int>(c.cols());
-  args.K = static_cast<int>(a.cols());
-  args.b_rows = static_cast<int>(b.rows() / E);
   args.accumulate = accumulate;
   args.n_tiles = (args.N + BN - 1) / BN;
-  // A: x [rows, K] (forward) or dy [rows, N] (input gradient), the reduction contiguous.
-  const CUtensorMap map_a = tensor_map(a.data, a.dtype, rows, a.cols(), a.cols(), BM);
-  // B: w [E N, K]; the forward's boxes are 256 of its rows, the input gradient's 64 (reduction) rows
-  // of 64 output columns.
-  const CUtensorMap map_b = tensor_map(b.data, b.dtype, b.rows(), b.cols(), b.cols(), op == GroupedOp::forward ? BN : BK);
-  // The most tiles the rows can make: sum_e ceil(rows_e / BM) <= (rows + E (BM - 1)) / BM m-tiles.
-  const int64_t most = (rows + E * (BM - 1)) / BM * args.n_tiles;
-  const int grid = static_cast<int>(std::min<int64_t>(most, sm_count()));
-  const bool fwd = op == GroupedOp::forward;
-  if (a.dtype == DType::bf16) {
-    if (fwd) launch<__nv_bfloat16, true>(map_a, map_b, args, grid, stream);
-    else launch<__nv_bfloat16, false>(map_a, map_b, args, grid, stream);
+  int64_t most = 0;  // tiles, or the most the rows can make
+  CUtensorMap map_a, map_b;
+  if (op == GroupedOp::backward_weight) {
+    // C = dw [E N, K]; A = dy [rows, N], B = x [rows, K]: boxes of 64 rows (the reduction) by 64 columns.
+    args.M = static_cast<int>(c.rows() / E);
+    args.c_stride = static_cast<long long>(args.M) * args.N;
+    args.m_tiles = (args.M + BM - 1) / BM;
+    map_a = tensor_map(a.data, a.dtype, rows, a.cols(), a.cols(), BK);
+    map_b = tensor_map(b.data, b.dtype, b.rows(), b.cols(), b.cols(), BK);
+    most = E * args.m_tiles * args.n_tiles;
   } else {
-    if (fwd) launch<__half, true>(map_a, map_b, args, grid, stream);
-    else launch<__half, false>(map_a, map_b, args, grid, stream);
+    args.K = static_cast<int>(a.cols());
+    args.b_rows = static_cast<int>(b.rows() / E);
+    // A: x [rows, K] (forward) or dy [rows, N] (input gradient), the reduction contiguous.
+    map_a = tensor_map(a.data, a.dtype, rows, a.cols(), a.cols(), BM);
+    // B: w [E N, K]; the forward's boxes are 256 of its rows, the input gradient's 64 (reduction)
+    // rows of 64 output columns.
+    map_b = tensor_map(b.data, b.dtype, b.rows(), b.cols(), b.cols(), op == GroupedOp::forward ? BN : BK);
+    // sum_e ceil(rows_e / BM) <= (rows + E (BM - 1)) / BM m-tiles.
+    most = (rows + E * (BM - 1)) / BM * args.n_tiles;
   }
+  if (most == 0) return;
+  const int grid = static_cast<int>(std::min<int64_t>(most, sm_count()));
+  if (a.dtype == DType::bf16) dispatch<__nv_bfloat16>(op, c.dtype, map_a, map_b, args, grid, stream);
+  else dispatch<__half>(op, c.dtype, map_a, map_b, args, grid, stream);
 }
 
 }  // namespace mt::cuda
