@@ -448,8 +448,8 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     Tensor off_dev = B.alloc(DType::i32, {E + 1});
     B.upload_ints(off_dev, off32);
     const ExpertOffsets offs = ExpertOffsets::on_device(off_dev);
-    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "ours"}, std::pair{bench_choice_path::mma_cp_async, "wgmma cp.async"},
-                                       std::pair{bench_choice_path::mma_sync, "mma.sync"},
+    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "ours"},
+                                       std::pair{bench_choice_path::mma_cp_async, "wgmma cp.async"},
                                        std::pair{bench_choice_path::cublas, "cublas"}}) {
       cuda::bench_choice::grouped_gemm_path = path;
       const std::string tag = std::string(" ") + L.name + " (" + pname + ")";

@@ -27,9 +27,8 @@ inline constexpr int kGroupedMmaMaxGroups = 256;
 // aligned operands, at most kGroupedMmaMaxGroups experts.
 bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts);
 
-// Which body runs an op: best (on Hopper the row-grouped ops by grouped_tma_run where it takes
-// them, the rest by wgmma), wgmma (cp.async-fed wgmma for every op), mma_sync. Without Hopper's
-// wgmma every choice is mma.sync.
+// Which body runs an op: best (on Hopper grouped_tma_run where it takes the op, else wgmma), wgmma
+// (cp.async-fed wgmma), mma_sync. Without Hopper's wgmma every choice is mma.sync.
 enum class GroupedKernel { best, wgmma, mma_sync };
 
 // op's operands as in cuda/grouped_gemm.h: forward (c = y, a = x, b = w), backward input
@@ -39,10 +38,10 @@ enum class GroupedKernel { best, wgmma, mma_sync };
 void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
                      bool accumulate, cudaStream_t stream, GroupedKernel kernel = GroupedKernel::best);
 
-// The row-grouped ops (forward, backward input) on Hopper (cuda/grouped_gemm_tma.cu): TMA loads,
-// a producer warpgroup and two wgmma consumers on 128 x 256 tiles, persistent CTAs. It takes what
-// grouped_mma_takes takes with C of the inputs' dtype and every operand at least one of its boxes
-// in size (A 128 rows, 64 columns).
+// The three ops on Hopper (cuda/grouped_gemm_tma.cu): TMA loads, a producer warpgroup and two
+// wgmma consumers on 128 x 256 tiles, persistent CTAs. It takes what grouped_mma_takes takes where
+// every operand is at least one of its boxes in size (64 columns; 64 to 256 rows) and, for the
+// row-grouped ops, C has the inputs' dtype.
 bool grouped_tma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts);
 void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
                      bool accumulate, cudaStream_t stream);

@@ -32,11 +32,13 @@ namespace {
 
 using namespace grouped_detail;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int BM = 128, BK = 64;
 constexpr int THREADS = 384;  // the producer's warpgroup and two consumers
+
+constexpr int BN = 256, STAGES = 4;
 constexpr int kAElems = BM * BK, kBElems = BN * BK;
 constexpr int kStageBytes = (kAElems + kBElems) * 2;
-constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + alignment room for the 1024-byte swizzle atoms
+constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + room to align the 1024-byte swizzle atoms
 
 struct Args {
   const int* offsets;  // [groups + 1], device
@@ -79,29 +81,143 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       : "memory");
 }
 
-// D[64 x 256] += A[64 x 16] B[16 x 256] for one warpgroup, both operands in shared memory,
-// reduction-contiguous or (kTransA / kTransB) output-contiguous.
-template <int kTransA, int kTransB, typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %130, %131;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
-  else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %130, %131;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB), "r"(1));
+// A tile: its expert g, its first row m0 of C (row-grouped: within the expert's rows) and first
+// column n0; row0 and rows: the expert's rows; nk: its k-steps.
+struct Tile {
+  int g, m0, n0, row0, rows, nk;
+};
+
+// Tile t of a launch. Row-grouped: expert by expert, the m-tiles of one n-tile next to each other
+// (first_tile: the experts' first m-tiles). Weight gradient: expert by expert, the n-tiles of one
+// m-tile next to each other.
+template <bool kWeight>
+__device__ __forceinline__ Tile tile_at(const Args& args, const int* first_tile, int t) {
+  Tile x;
+  if constexpr (kWeight) {
+    const int per_expert = args.m_tiles * args.n_tiles, local = t % per_expert;
+    x.g = t / per_expert;
+    x.m0 = (local / args.n_tiles) * BM;
+    x.n0 = (local % args.n_tiles) * BN;
+  } else {
+    x.g = grouped_tile_expert(first_tile, args.groups, t / args.n_tiles);
+    const int count = (args.offsets[x.g + 1] - args.offsets[x.g] + BM - 1) / BM;
+    const int local = t - first_tile[x.g] * args.n_tiles;
+    x.m0 = (local % count) * BM;
+    x.n0 = (local / count) * BN;
+  }
+  x.row0 = args.offsets[x.g];
+  x.rows = args.offsets[x.g + 1] - x.row0;
+  x.nk = ((kWeight ? x.rows : args.K) + BK - 1) / BK;
+  return x;
+}
+
+// The producer's thread: every k-step of the CTA's tiles, in order, into the ring.
+template <typename T, GroupedOp kOp>
+__device__ __forceinline__ void produce(const CUtensorMap* map_a, const CUtensorMap* map_b, const Args& args,
+                                        const int* first_tile, int tiles, T* smem, uint64_t* full, uint64_t* empty) {
+  constexpr bool kWeight = kOp == GroupedOp::backward_weight;
+  int it = 0;  // k-steps loaded by this CTA over all its tiles
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile x = tile_at<kWeight>(args, first_tile, t);
+    for (int kt = 0; kt < x.nk; ++kt, ++it) {
+      const int s = it % STAGES;
+      if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
+      T* As = smem + s * (kAElems + kBElems);
+      T* Bs = As + kAElems;
+      mbar_expect_tx(&full[s], kStageBytes);
+      if constexpr (kWeight) {
+#pragma unroll
+        for (int q = 0; q < BM / 64; ++q) tma_load(As + q * BK * 64, map_a, x.m0 + q * 64, x.row0 + kt * BK, &full[s]);
+#pragma unroll
+        for (int q = 0; q < BN / 64; ++q) tma_load(Bs + q * BK * 64, map_b, x.n0 + q * 64, x.row0 + kt * BK, &full[s]);
+      } else {
+        tma_load(As, map_a, kt * BK, x.row0 + x.m0, &full[s]);
+        if constexpr (kOp == GroupedOp::forward) {
+          tma_load(Bs, map_b, kt * BK, x.g * args.b_rows + x.n0, &full[s]);
+        } else {
+#pragma unroll
+          for (int q = 0; q < BN / 64; ++q)
+            tma_load(Bs + q * BK * 64, map_b, x.n0 + q * 64, x.g * args.b_rows + kt * BK, &full[s]);
+        }
+      }
+    }
+  }
+}
+
+// Weight gradient, an expert's last k-step of `valid` < 64 rows: rows [valid, 64) of the stage's
+// 64-row boxes (A's two, B's four; 128 bytes a row whatever the swizzle) hold the next expert's
+// rows. The two consumer warpgroups zero them, then (named barrier 1) the MMAs may read them.
+template <typename T>
+__device__ __forceinline__ void zero_tail(T* As, T* Bs, int valid) {
+  constexpr int kBoxes = BM / 64 + BN / 64, kThreads = 2 * 128;
+  const int chunks = (BK - valid) * 8;  // 16-byte chunks per box
+  for (int i = static_cast<int>(threadIdx.x) - 128; i < kBoxes * chunks; i += kThreads) {
+    const int box = i / chunks, c = i % chunks;
+    T* base = box < BM / 64 ? As + box * BK * 64 : Bs + (box - BM / 64) * BK * 64;
+    *reinterpret_cast<int4*>(reinterpret_cast<char*>(base) + valid * 128 + c * 16) = make_int4(0, 0, 0, 0);
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+}
+
+// The shared-memory descriptors of k-slice kk for the MMA on rows [64 half, 64 half + 64) of A and
+// columns [0, n) of B. Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the
+// k-slice 32 bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide blocks 8 KB apart.
+template <bool kARed, bool kBRed, typename T>
+__device__ __forceinline__ void descriptors(const T* As, const T* Bs, int half, int kk, uint64_t& da, uint64_t& db) {
+  da = kARed ? smem_desc(As + half * 64 * BK + kk * 16, 16, 1024)
+             : smem_desc(As + half * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
+  db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
+}
+
+// A warpgroup's 64 x 256 fragment: d[4 j + 2 h + {0, 1}] is row r + 8 h (r: warp w of the
+// warpgroup's 16 w + lane / 4), columns col0 + 8 j + 2 (lane % 4) + {0, 1}; rows up to row_end
+// and columns up to n_end are stored (added to C with accumulate). With accumulate, C's old values
+// are read four column groups at a time before any is written, so their latencies overlap.
+template <typename TC>
+__device__ __forceinline__ void store_fragment(TC* C, long long ldc, const float (&d)[128], int r, int row_end,
+                                               int col0, int n_end, bool accumulate) {
+  constexpr int kGroup = 4;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j0 = 0; j0 < 32; j0 += kGroup) {
+    float2 old[kGroup][2];
+#pragma unroll
+    for (int jj = 0; jj < kGroup; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = col0 + (j0 + jj) * 8 + ((lane & 3) << 1);
+        old[jj][h] = accumulate && col < n_end && r + 8 * h < row_end
+                         ? load2<TC>(C + static_cast<long long>(r + 8 * h) * ldc + col)
+                         : make_float2(0.0f, 0.0f);
+      }
+#pragma unroll
+    for (int jj = 0; jj < kGroup; ++jj) {
+      const int j = j0 + jj, col = col0 + j * 8 + ((lane & 3) << 1);
+      if (col >= n_end) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (r + 8 * h < row_end)
+          store2<TC>(C + static_cast<long long>(r + 8 * h) * ldc + col, d[4 * j + 2 * h] + old[jj][h].x,
+                     d[4 * j + 2 * h + 1] + old[jj][h].y, false);
+    }
+  }
+}
+
+template <int kRegs>
+__device__ __forceinline__ void zero(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) d[i] = 0.0f;
+}
+template <int kRegs>
+__device__ __forceinline__ void fence_registers(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
-// [reduction, K] output-contiguous: its 256 columns as four 64-wide boxes 8 KB apart),
-// backward_weight (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
+// [reduction, K] output-contiguous: its columns as 64-wide boxes 8 KB apart), backward_weight
+// (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
 template <typename T, typename TC, GroupedOp kOp>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -128,99 +244,31 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  // Tile t: its expert g, its first row m0 of C (row-grouped: within the expert's rows) and its
-  // first column n0; row0 and rows: the expert's rows; nk: its k-steps.
-  struct Tile {
-    int g, m0, n0, row0, rows, nk;
-  };
-  auto tile_at = [&](int t) {
-    Tile x;
-    if constexpr (kWeight) {
-      const int per_expert = args.m_tiles * args.n_tiles, local = t % per_expert;
-      x.g = t / per_expert;
-      x.m0 = (local / args.n_tiles) * BM;
-      x.n0 = (local % args.n_tiles) * BN;
-    } else {
-      x.g = grouped_tile_expert(first_tile, args.groups, t / args.n_tiles);
-      const int count = (args.offsets[x.g + 1] - args.offsets[x.g] + BM - 1) / BM;
-      const int local = t - first_tile[x.g] * args.n_tiles;
-      x.m0 = (local % count) * BM;
-      x.n0 = (local / count) * BN;
-    }
-    x.row0 = args.offsets[x.g];
-    x.rows = args.offsets[x.g + 1] - x.row0;
-    x.nk = ((kWeight ? x.rows : args.K) + BK - 1) / BK;
-    return x;
-  };
 
   if (tid < 128) {  // the producer: one thread
-    if (tid != 0) return;
-    int it = 0;  // k-steps loaded by this CTA over all its tiles
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile x = tile_at(t);
-      for (int kt = 0; kt < x.nk; ++kt, ++it) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
-        T* As = smem + s * (kAElems + kBElems);
-        T* Bs = As + kAElems;
-        mbar_expect_tx(&full[s], kStageBytes);
-        if constexpr (kWeight) {
-#pragma unroll
-          for (int q = 0; q < BM / 64; ++q) tma_load(As + q * BK * 64, &map_a, x.m0 + q * 64, x.row0 + kt * BK, &full[s]);
-#pragma unroll
-          for (int q = 0; q < BN / 64; ++q) tma_load(Bs + q * BK * 64, &map_b, x.n0 + q * 64, x.row0 + kt * BK, &full[s]);
-        } else {
-          tma_load(As, &map_a, kt * BK, x.row0 + x.m0, &full[s]);
-          if constexpr (kBRed) {
-            tma_load(Bs, &map_b, kt * BK, x.g * args.b_rows + x.n0, &full[s]);
-          } else {
-#pragma unroll
-            for (int q = 0; q < BN / 64; ++q)
-              tma_load(Bs + q * BK * 64, &map_b, x.n0 + q * 64, x.g * args.b_rows + kt * BK, &full[s]);
-          }
-        }
-      }
-    }
+    if (tid == 0) produce<T, kOp>(&map_a, &map_b, args, first_tile, tiles, smem, full, empty);
     return;
   }
-
-  // A consumer warpgroup: rows [64 cw, 64 cw + 64) of each tile, all 256 columns.
-  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3, lane = tid & 31;
-  int it = 0;
+  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
+  const int r_in = (warp << 4) + ((tid & 31) >> 2);  // this thread's first row in a 64-row fragment
+  int it = 0;  // the CTA's k-steps before the tile at hand (both consumers')
+  // Consumer cw computes rows [64 cw, 64 cw + 64) of every tile, all 256 columns.
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile x = tile_at(t);
+    const Tile x = tile_at<kWeight>(args, first_tile, t);
     if (kWeight && x.nk == 0 && args.accumulate) continue;  // an expert without rows adds nothing
     float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    zero(d);
     for (int kt = 0; kt < x.nk; ++kt, ++it) {
       const int s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1);
       T* As = smem + s * (kAElems + kBElems);
       T* Bs = As + kAElems;
-      if constexpr (kWeight) {
-        const int valid = x.rows - kt * BK;
-        if (valid < BK) {
-          // Rows [valid, 64) of the six 64-row boxes (A's two, B's four; 128 bytes a row whatever
-          // the swizzle) hold the next expert's rows: zeros, then the MMAs may read them.
-          const int chunks = (BK - valid) * 8;  // 16-byte chunks per box
-          for (int i = tid - 128; i < 6 * chunks; i += 2 * 128) {
-            const int box = i / chunks, c = i % chunks;
-            T* base = box < 2 ? As + box * BK * 64 : Bs + (box - 2) * BK * 64;
-            *reinterpret_cast<int4*>(reinterpret_cast<char*>(base) + valid * 128 + c * 16) = make_int4(0, 0, 0, 0);
-          }
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the two consumer warpgroups
-        }
-      }
+      if (kWeight && x.rows - kt * BK < BK) zero_tail(As, Bs, x.rows - kt * BK);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        // Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the k-slice 32
-        // bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide column blocks 8 KB apart.
-        const uint64_t da = kARed ? smem_desc(As + cw * 64 * BK + kk * 16, 16, 1024)
-                                  : smem_desc(As + cw * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
-        const uint64_t db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
+        uint64_t da, db;
+        descriptors<kARed, kBRed>(As, Bs, cw, kk, da, db);
         wgmma_m64n256k16<kARed ? 0 : 1, kBRed ? 0 : 1, T>(d, da, db);
       }
       wgmma_commit();
@@ -229,23 +277,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     wgmma_wait_all();
     if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-    // Epilogue: warp w of the warpgroup holds rows 16 w + lane / 4 (+ 8), column pairs.
-    const int r = x.m0 + cw * 64 + (warp << 4) + (lane >> 2);
-    const int row_end = kWeight ? args.M : x.rows;
-    TC* C = static_cast<TC*>(args.c) +
-            (kWeight ? x.g * args.c_stride : static_cast<long long>(x.row0) * args.ldc);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = x.n0 + j * 8 + ((lane & 3) << 1);
-      if (col >= args.N) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (r + 8 * h < row_end)
-          store2<TC>(C + static_cast<long long>(r + 8 * h) * args.ldc + col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1],
-                     args.accumulate);
-    }
+    fence_registers(d);
+    TC* Cp = static_cast<TC*>(args.c) + (kWeight ? x.g * args.c_stride : static_cast<long long>(x.row0) * args.ldc);
+    store_fragment<TC>(Cp, args.ldc, d, x.m0 + cw * 64 + r_in, kWeight ? args.M : x.rows, x.n0, args.N,
+                       args.accumulate);
   }
 #endif
 }
@@ -322,7 +357,7 @@ void dispatch(GroupedOp op, DType c_dtype, const CUtensorMap& a, const CUtensorM
 bool grouped_tma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts) {
   if (!grouped_mma_takes(op, c, a, b, experts)) return false;
   // Every tensor at least one box wide and long (the maps' boxes are 64 columns wide; A's 128 rows
-  // long for the row-grouped ops, B's 256 for the forward, the rest 64).
+  // long for the row-grouped ops, B's up to 256 for the forward, the rest 64).
   if (a.cols() < 64 || b.cols() < 64) return false;
   switch (op) {
     case GroupedOp::forward: return c.dtype == a.dtype && a.rows() >= BM && b.rows() >= BN;
@@ -360,7 +395,7 @@ void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
     args.b_rows = static_cast<int>(b.rows() / E);
     // A: x [rows, K] (forward) or dy [rows, N] (input gradient), the reduction contiguous.
     map_a = tensor_map(a.data, a.dtype, rows, a.cols(), a.cols(), BM);
-    // B: w [E N, K]; the forward's boxes are 256 of its rows, the input gradient's 64 (reduction)
+    // B: w [E N, K]; the forward's boxes are BN of its rows, the input gradient's 64 (reduction)
     // rows of 64 output columns.
     map_b = tensor_map(b.data, b.dtype, b.rows(), b.cols(), b.cols(), op == GroupedOp::forward ? BN : BK);
     // sum_e ceil(rows_e / BM) <= (rows + E (BM - 1)) / BM m-tiles.
