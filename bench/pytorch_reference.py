@@ -194,7 +194,10 @@ def timed_result(name, c, step, iters, warmup, flops):
     tokens = c["b"] * c["s"]
     result = dict(config=name, framework="pytorch-" + torch.__version__, tokens_per_s=tokens / dt,
                   tflops=flops / dt / 1e12, ms_per_iter=dt * 1e3,
-                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss),
+                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                  # what its caching allocator held at most (megatrain's figure is the device memory
+                  # in use above the CUDA context: its arena, workspaces and libraries)
+                  peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, loss=float(loss),
                   attention_dropout=c.get("attention_dropout", 0.0))
     if joules is not None:  # as megatrain's summary: J per iteration, watts, J per token
         result.update(gpu_joules_per_iter=joules, gpu_watts=joules / dt, gpu_joules_per_token=joules / tokens)
