@@ -82,7 +82,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-router-load-balancing-type", W::values, {"global_aux_loss"}, "built: aux_loss, seq_aux_loss, sinkhorn, none",
        true},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},
-      {"--moe-input-jitter-eps", W::any_use, {}, "", true},
       {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
       {"--moe-latent-size", W::any_use, {}, ""},
       {"--moe-use-upcycling", W::any_use, {}, ""},

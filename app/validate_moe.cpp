@@ -74,6 +74,9 @@ void megatron_moe_rules(CliState& st) {
     if (*e.router_group_topk > groups)
       fail("--moe-router-group-topk {} is more than --moe-router-num-groups {}", *e.router_group_topk, groups);
   }
+  if (e.input_jitter_eps && !(*e.input_jitter_eps >= 0 && *e.input_jitter_eps < 1))
+    fail("--moe-input-jitter-eps must be in [0, 1) (got {}): the router's input is scaled by a uniform factor in "
+         "[1 - eps, 1 + eps]", *e.input_jitter_eps);
   if (e.router_enable_expert_bias && e.score_function != MoeScoreFunction::sigmoid)
     fail("Expert bias for aux-loss-free routing only supports the 'sigmoid' and 'sqrtsoftplus' score functions "
          "(--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid)");

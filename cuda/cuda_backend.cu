@@ -451,6 +451,11 @@ void CudaBackend::moe_count_rows(Tensor counts, Tensor offsets) {
   MT_PROFILE_OP("moe_count_rows {} experts", counts.numel());
   cuda::moe_count_rows(context(), counts, offsets);
 }
+void CudaBackend::moe_jitter(Tensor out, Tensor in, float eps, uint64_t key, int64_t index0) {
+  on_device("moe_jitter", out, in);
+  MT_PROFILE_OP("moe_jitter {}", in.shape_string());
+  cuda::moe_jitter(context(), out, in, eps, key, index0);
+}
 void CudaBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
                                    int num_experts) {
   on_device("moe_permute_plan", order, slot_of, offsets, idx);

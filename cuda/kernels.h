@@ -216,6 +216,8 @@ void moe_permute_plan(const KernelContext& ctx, Tensor order, Tensor slot_of, Te
                       int first_expert, int num_experts);
 // counts (float64 [E]) += the experts' rows from offsets (int32 [E + 1]).
 void moe_count_rows(const KernelContext& ctx, Tensor counts, Tensor offsets);
+// out = in * (1 - eps + 2 eps uniform_at(key, index0 + i)) (Backend::moe_jitter).
+void moe_jitter(const KernelContext& ctx, Tensor out, Tensor in, float eps, uint64_t key, int64_t index0);
 // Any dtype (rows move as bytes); an index outside x's rows zeroes its output row.
 void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor index, int k);
 // float32, bfloat16, float16 rows; a slot outside y's rows adds nothing.

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "core/philox.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "cuda/kernels.h"
@@ -456,6 +457,17 @@ __global__ void moe_count_rows_kernel(double* counts, const int32_t* offsets, in
   if (e < E) counts[e] += static_cast<double>(offsets[e + 1] - offsets[e]);
 }
 
+// The router's input jitter: one element per thread, grid-strided.
+template <typename T>
+__global__ void moe_jitter_kernel(T* out, const T* in, float eps, uint64_t key, int64_t index0, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // (rounded as the reference backend's, no fused multiply-add)
+    const float factor = __fadd_rn(1.0f - eps, __fmul_rn(2.0f * eps, uniform_at(key, static_cast<uint64_t>(index0 + i))));
+    out[i] = from_float<T>(__fmul_rn(to_float(in[i]), factor));
+  }
+}
+
 // ---- the permutation plan -------------------------------------------------------------------
 constexpr int kPlanWarps = 4;
 constexpr int kPlanScanThreads = 256;
@@ -846,6 +858,21 @@ void moe_count_rows(const KernelContext& ctx, Tensor counts, Tensor offsets) {
   constexpr int kThreads = 256;
   moe_count_rows_kernel<<<static_cast<unsigned>((E + kThreads - 1) / kThreads), kThreads, 0, ctx.stream>>>(
       counts.ptr<double>(), offsets.ptr<const int32_t>(), static_cast<int>(E));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_jitter(const KernelContext& ctx, Tensor out, Tensor in, float eps, uint64_t key, int64_t index0) {
+  const char* op = "moe_jitter";
+  MT_CHECK(out.dtype == in.dtype && out.numel() == in.numel() && index0 >= 0,
+           "{}: out {} [{}] and in {} [{}] must be one dtype and size (index0 {})", op, dtype_name(out.dtype),
+           out.shape_string(), dtype_name(in.dtype), in.shape_string(), index0);
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{ctx.num_sms} * 16));
+  MT_DISPATCH_FLOAT(out.dtype, T, op, {
+    moe_jitter_kernel<T><<<blocks, kThreads, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(), eps, key, index0, n);
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 

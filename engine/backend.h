@@ -516,6 +516,11 @@ class Backend {
   // [E + 1]); counts float64 [E]: the pairs each expert received, counted on the device
   // (aux-loss-free balancing's token counts, with no host wait).
   virtual void moe_count_rows(Tensor counts, Tensor offsets) = 0;
+  // The router's input jitter (--moe-input-jitter-eps): out[i] = in[i] * (1 - eps + 2 eps u) with
+  // u = uniform_at(key, index0 + i) (core/philox.h), the factor in float32, the product rounded
+  // once to out's dtype (in's; a float32 product first for 16-bit types on the GPU). out may alias
+  // in. The backward redraws the same factors.
+  virtual void moe_jitter(Tensor out, Tensor in, float eps, uint64_t key, int64_t index0) = 0;
   // out[r, :] = x[index[r] / k, :] for every row r of out (any dtype; out and x the same dtype and
   // columns); an index < 0 or past x's rows (a pair not placed) gives a zero row. Gathers the
   // permuted tokens (index = order, k = topk), and with k = 1 any row gather (the routing weights in

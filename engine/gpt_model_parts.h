@@ -162,6 +162,9 @@ struct GptModel::Workspace {
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
   // (in backward also its input gradient) and weight [E, h] cast to float32.
   Tensor moe_x32, moe_w32;
+  // --moe-input-jitter-eps under a router in the compute dtype: the router's jittered input [N, h]
+  // (in backward also its input gradient). (A float32 router jitters moe_x32.)
+  Tensor moe_xj;
   // The shared expert's gate: sigmoid(logit) float32 [N, 1] (and the routing op's index [N, 1]),
   // the logit's gradient [N, 1], the gradient of the shared expert's output before the gate [N, h].
   Tensor moe_gate_p, moe_gate_idx, moe_dgate, moe_dsh;

@@ -201,6 +201,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_log_z = e.z_loss_coeff.has_value();
     d.moe_per_layer_logging = e.per_layer_logging;
     d.moe_force_balance = e.router_force_load_balancing;
+    d.moe_jitter_eps = static_cast<float>(e.input_jitter_eps.value_or(0.0));
     d.moe_expert_bias = e.router_enable_expert_bias;
     d.moe_bias_rate = static_cast<float>(e.router_bias_update_rate);
     if (e.expert_capacity_factor && *e.expert_capacity_factor >= 0) {

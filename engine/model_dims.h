@@ -109,6 +109,7 @@ struct ModelDims {
   // values (the same on a micro-batch's TP ranks), their gradient passed straight to the router
   // (Megatron's RandomSTE).
   bool moe_force_balance = false;
+  float moe_jitter_eps = 0;  // --moe-input-jitter-eps (0: none)
   // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
   // prints it) and z_loss (--moe-z-loss-coeff given).
   bool moe_log_aux = false, moe_log_z = false;

@@ -368,7 +368,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "seq_aux_loss, sinkhorn, none)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
-      {"--moe-input-jitter-eps 0.01", 1, "megatrain does not support --moe-input-jitter-eps 0.01 yet"},
       {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
   };
   for (const Case& c : cases) {
@@ -394,10 +393,10 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Several at once, one line each.
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-input-jitter-eps 0.1 --moe-router-dtype fp64")) ==
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64 --moe-layer-recompute")) ==
         "3 problems with the command line:\n"
         "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
-        "  megatrain does not support --moe-input-jitter-eps 0.1 yet\n"
+        "  megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)\n"
         "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
@@ -433,7 +432,12 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   CHECK_NOTHROW(parse(moe_gpt() + words("--context-parallel-size 2 --expert-model-parallel-size 2"), 2));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),
              Contains("values not dividing --tensor-model-parallel-size not supported yet"));
-  CHECK(cli::fully_unsupported("--moe-input-jitter-eps"));
+  // Input jitter is built (engine/blocks/moe.cpp), its epsilon in [0, 1).
+  CHECK_FALSE(cli::fully_unsupported("--moe-input-jitter-eps"));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-input-jitter-eps 0.01")));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-input-jitter-eps -0.1")),
+             Contains("--moe-input-jitter-eps must be in [0, 1) (got -0.1)"));
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-input-jitter-eps 1")), Contains("--moe-input-jitter-eps must be in [0, 1)"));
   CHECK_FALSE(cli::fully_unsupported("--moe-per-layer-logging"));
   CHECK_FALSE(cli::fully_unsupported("--num-experts"));
 }

@@ -141,6 +141,27 @@ TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shar
   }
 }
 
+TEST_CASE("MoE gradient check: input jitter, with the router in the compute dtype and in float32", "[moe][gradcheck]") {
+  // Every expert chosen (top-4 of 4): the jitter moves the logits, and no choice can flip under the
+  // finite differences' steps.
+  Config c = tiny_moe_config(4, 4);
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.z_loss_coeff = 0.01;
+  const double plain = MoeHarness(c).objective();
+  c.model.moe.input_jitter_eps = 0.3;
+  for (const bool fp32 : {false, true}) {
+    INFO((fp32 ? "float32 router" : "router in the compute dtype"));
+    if (fp32) c.model.moe.router_dtype = "fp32";
+    MoeHarness h(c);
+    // The jitter changes the router's logits, so the loss (the same weights and tokens), the same
+    // at every evaluation.
+    const double once = h.objective();
+    CHECK(std::fabs(once - plain) > 1e-9);
+    CHECK(h.objective() == once);
+    h.check_all(6);
+  }
+}
+
 TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing and scaling, GeLU experts",
           "[moe][gradcheck]") {
   SECTION("pre-softmax top-1 with scaling") {

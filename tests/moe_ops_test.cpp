@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "core/philox.h"
 #include "engine/backend.h"
 #include "engine/moe_routing.h"
 #include "tests/gradcheck.h"
@@ -762,4 +763,42 @@ TEST_CASE("reference grouped linear ops: one GEMM per expert, offsets on the hos
   CHECK_THROWS(be->grouped_linear_forward(y_short.t(), x.t(), w.t(), off));
   Buf far = Buf::ints({E + 1}, {0, 2, 2, static_cast<int32_t>(R + pad + 1)});
   CHECK_THROWS(be->grouped_linear_forward(y_short.t(), x.t(), w.t(), ExpertOffsets::on_device(far.t())));
+}
+
+TEST_CASE("reference moe_jitter: factors in [1 - eps, 1 + eps] from the key and flat index, in place, by slices",
+          "[moe][reference]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(7021);
+  const float eps = 0.25f;
+  const uint64_t key = 0x5eedULL;
+  Buf x = Buf::randn({37, 11}, rng), y = Buf::zeros({37, 11});
+  be->moe_jitter(y.t(), x.t(), eps, key, 0);
+  double mean = 0;
+  int64_t outside = 0, unchanged = 0;
+  for (size_t i = 0; i < x.d.size(); ++i) {
+    const float factor = (1.0f - eps) + (2.0f * eps) * uniform_at(key, i);
+    CHECK(y.d[i] == x.d[i] * static_cast<double>(factor));
+    const double f = y.d[i] / x.d[i];
+    outside += f < 1.0 - eps - 1e-6 || f > 1.0 + eps + 1e-6;
+    unchanged += f == 1.0;
+    mean += f;
+  }
+  CHECK(outside == 0);
+  CHECK(unchanged == 0);
+  CHECK(std::fabs(mean / static_cast<double>(x.d.size()) - 1.0) < 0.03);  // 407 draws, sd of the mean 0.007
+  // Rows 20.. with index0 = 20 * 11 draw the same factors as those rows of the whole tensor.
+  Buf tail = Buf::zeros({17, 11}), out = Buf::zeros({17, 11});
+  std::copy(x.d.begin() + 20 * 11, x.d.end(), tail.d.begin());
+  be->moe_jitter(out.t(), tail.t(), eps, key, 20 * 11);
+  CHECK(std::equal(out.d.begin(), out.d.end(), y.d.begin() + 20 * 11));
+  // In place; another key draws other factors; eps 0 is the identity.
+  Buf z = x;
+  be->moe_jitter(z.t(), z.t(), eps, key, 0);
+  CHECK(z.d == y.d);
+  be->moe_jitter(z.t(), x.t(), eps, key + 1, 0);
+  CHECK(z.d != y.d);
+  be->moe_jitter(z.t(), x.t(), 0.0f, key, 0);
+  CHECK(z.d == x.d);
+  Buf small = Buf::zeros({5, 11});
+  CHECK_THROWS(be->moe_jitter(small.t(), x.t(), eps, key, 0));
 }

@@ -229,10 +229,12 @@ void GptModel::layout_moe_workspace(Arena& a) {
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
-  w.moe_x32 = w.moe_w32 = Tensor();
+  w.moe_x32 = w.moe_w32 = w.moe_xj = Tensor();
   if (RT != T) {
     w.moe_x32 = a.take(C::workspace, RT, {N, h});
     w.moe_w32 = a.take(C::workspace, RT, {E, h});
+  } else if (d_.moe_jitter_eps > 0) {
+    w.moe_xj = a.take(C::workspace, T, {N, h});
   }
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) w.moe_aux_grad = a.take(C::workspace, S, {N, E});
   w.moe_dprobs = a.take(C::workspace, S, {N, d_.topk});
@@ -259,11 +261,18 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   const MoeRouting r = moe_routing();
   gather_rows(A.ln2_out);
 
-  // Router: logits, top-k routing weights and experts; the load-balancing statistics.
-  if (w.moe_x32.empty()) {
+  // Router: logits, top-k routing weights and experts; the load-balancing statistics. With input
+  // jitter the router reads its own copy of the input, scaled elementwise by factors drawn from
+  // site 4 of the layer's keys (every TP rank draws the same: they route the same rows).
+  const float jitter = d_.moe_jitter_eps;
+  if (w.moe_x32.empty() && jitter == 0) {
     be_.linear_forward(M.logits, A.ln2_out, P.router_w, Tensor(), Activation::none, Tensor());
+  } else if (w.moe_x32.empty()) {
+    be_.moe_jitter(w.moe_xj, A.ln2_out, jitter, site_key(s, layer, 4), 0);
+    be_.linear_forward(M.logits, w.moe_xj, P.router_w, Tensor(), Activation::none, Tensor());
   } else {
     be_.cast(w.moe_x32, A.ln2_out);
+    if (jitter > 0) be_.moe_jitter(w.moe_x32, w.moe_x32, jitter, site_key(s, layer, 4), 0);
     be_.cast(w.moe_w32, P.router_w);
     be_.linear_forward(M.logits, w.moe_x32, w.moe_w32, Tensor(), Activation::none, Tensor());
   }
@@ -540,16 +549,28 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     if (own_rows) be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, routed_dx);
   }
   const Tensor dlogits = local_rows(w.moe_dlogits), x = local_rows(A.ln2_out);
-  if (w.moe_x32.empty()) {
+  // Input jitter: this rank's rows of the jittered input again (the same factors: their flat
+  // indices in the full [N, h] input), and the input gradient scaled by them.
+  const float jitter = d_.moe_jitter_eps;
+  const uint64_t jitter_key = site_key(s, layer, 4);
+  const int64_t jitter_from = d_.sequence_parallel ? d_.local_row_begin() * d_.hidden : 0;
+  if (w.moe_x32.empty() && jitter == 0) {
     be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x, true);
     be_.linear_backward_input(d_ln2, dlogits, P.router_w, true, Activation::none, Tensor());
-  } else {  // float32: the input gradient added in float, rounded once
-    const Tensor x32 = local_rows(w.moe_x32);
-    be_.cast(x32, x);
-    be_.cast(w.moe_w32, P.router_w);
-    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x32, true);
-    be_.linear_backward_input(x32, dlogits, w.moe_w32, false, Activation::none, Tensor());
-    be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, x32);
+  } else {  // a float32 router, or jitter: the input gradient in the router's buffer, then added
+    const Tensor xr = local_rows(w.moe_x32.empty() ? w.moe_xj : w.moe_x32);
+    const Tensor wr = w.moe_x32.empty() ? P.router_w : w.moe_w32;
+    if (w.moe_x32.empty()) {
+      be_.moe_jitter(xr, x, jitter, jitter_key, jitter_from);
+    } else {
+      be_.cast(xr, x);
+      if (jitter > 0) be_.moe_jitter(xr, xr, jitter, jitter_key, jitter_from);
+      be_.cast(w.moe_w32, P.router_w);
+    }
+    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, xr, true);
+    be_.linear_backward_input(xr, dlogits, wr, false, Activation::none, Tensor());
+    if (jitter > 0) be_.moe_jitter(xr, xr, jitter, jitter_key, jitter_from);
+    be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, xr);
   }
   if (d_.shared_gate)
     be_.linear_backward_input(d_ln2, local_rows(w.moe_dgate), P.sh_gate_w, true, Activation::none, Tensor());

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/philox.h"
 #include "engine/moe_routing.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
@@ -330,6 +331,19 @@ void ReferenceBackend::moe_count_rows(Tensor counts, Tensor offsets) {
   const int32_t* o = offsets.ptr<const int32_t>();
   double* c = counts.ptr<double>();
   for (int64_t e = 0; e < E; ++e) c[e] += static_cast<double>(o[e + 1] - o[e]);
+}
+
+void ReferenceBackend::moe_jitter(Tensor out, Tensor in, float eps, uint64_t key, int64_t index0) {
+  MT_CHECK(out.dtype == in.dtype && out.numel() == in.numel() && is_floating(out.dtype) && index0 >= 0,
+           "moe_jitter: out {} [{}] and in {} [{}] must be one float dtype and size (index0 {})", dtype_name(out.dtype),
+           out.shape_string(), dtype_name(in.dtype), in.shape_string(), index0);
+  const Floats o(out), x(in);
+  pool_.parallel_for(out.numel(), 1 << 12, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const float factor = (1.0f - eps) + (2.0f * eps) * uniform_at(key, static_cast<uint64_t>(index0 + i));
+      o.set(i, x.get(i) * static_cast<double>(factor));
+    }
+  });
 }
 
 void ReferenceBackend::moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,

@@ -91,6 +91,7 @@ class ReferenceBackend final : public Backend {
   void moe_permute_plan(Tensor order, Tensor slot_of, Tensor offsets, Tensor idx, int first_expert,
                         int num_experts) override;
   void moe_count_rows(Tensor counts, Tensor offsets) override;
+  void moe_jitter(Tensor out, Tensor in, float eps, uint64_t key, int64_t index0) override;
   void moe_gather_rows(Tensor out, Tensor x, Tensor index, int k) override;
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;

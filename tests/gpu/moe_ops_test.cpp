@@ -486,3 +486,20 @@ TEST_CASE("cuda moe_sinkhorn_route equals the reference's choice and weights", "
           CHECK(wrong == 0);
         }
 }
+
+TEST_CASE("cuda moe_jitter equals the reference's (float32 exactly; 16-bit within one rounding), in place", "[gpu][moe]") {
+  Rng rng;
+  INFO("seed " << rng.seed());
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const int64_t n : {1, 333, 70001}) {
+      INFO(dtype_name(dt) << ", " << n << " elements");
+      const Twin x = twin(dt, {n}, rng.normal(n));
+      Twin y = twin_nan(dt, {n});
+      dev().moe_jitter(y.c(), x.c(), 0.05f, 0xabcdefULL, 1234);
+      ref().moe_jitter(y.r(), x.r(), 0.05f, 0xabcdefULL, 1234);
+      if (dt == DType::f32) CHECK(download(dev(), y.c()) == download(ref(), y.r()));
+      else CHECK(rel_err(y) <= tol_for(dt));
+      dev().moe_jitter(x.c(), x.c(), 0.05f, 0xabcdefULL, 1234);  // in place: the same values
+      CHECK(download(dev(), x.c()) == download(dev(), y.c()));
+    }
+}

@@ -248,6 +248,13 @@ megatrain_parallel_train_test(parallel_train_moe_tp2_sp --model "${moe_model}" 2
 megatrain_parallel_train_test(parallel_train_moe_tp2_sp_pp2_dp2_distopt --model "${moe_model} --moe-router-dtype fp32" 8
                               --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
                               --use-distributed-optimizer)
+# Router input jitter: every TP rank draws the same factors (they route the same rows), a row's
+# factors follow it under SP, and the pipeline stages key them by the global layer: TP2 with SP
+# and PP2 equal one rank.
+megatrain_parallel_train_test(parallel_train_moe_jitter_tp2_sp --model "${moe_model} --moe-input-jitter-eps 0.1" 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_jitter_fp32_pp2 --model "${moe_model} --moe-input-jitter-eps 0.1 \
+--moe-router-dtype fp32" 2 --pipeline-model-parallel-size 2)
 # Sinkhorn load balancing (over each micro-batch's rows: the same under DP and PP; under TP with
 # SP each rank balances its own rows, as Megatron's router does, so TP changes the routing).
 megatrain_parallel_train_test(parallel_train_moe_sinkhorn_pp2_dp2 --model "--disable-bias-linear --swiglu \
