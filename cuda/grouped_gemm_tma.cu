@@ -3,7 +3,8 @@
 // shared memory (mbarriers full/empty per stage), two consumer warpgroups each run
 // wgmma.m64n256k16 on 64 of the tile's 128 rows, keeping one k-step's MMAs in flight. A CTA stays
 // on the GPU for every tile its blockIdx.x strides over (the grid is at most one CTA per SM), so
-// the next tile's loads run during this one's stores.
+// the next tile's loads run during this one's stores. (A ping-pong schedule, each consumer on its
+// own 128 x 128 tile, measured slower: bench/RESULTS.md.)
 //
 // Row-grouped ops (forward, input gradient): tiles go expert by expert, the m-tiles of one n-tile
 // next to each other, so the CTAs in flight share a few 256-row slabs of the expert's weight and
@@ -32,10 +33,8 @@ namespace {
 
 using namespace grouped_detail;
 
-constexpr int BM = 128, BK = 64;
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 constexpr int THREADS = 384;  // the producer's warpgroup and two consumers
-
-constexpr int BN = 256, STAGES = 4;
 constexpr int kAElems = BM * BK, kBElems = BN * BK;
 constexpr int kStageBytes = (kAElems + kBElems) * 2;
 constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + room to align the 1024-byte swizzle atoms
