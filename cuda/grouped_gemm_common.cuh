@@ -28,33 +28,17 @@ __device__ __forceinline__ float2 load2(const TC* p) {
   else return __half22float2(*reinterpret_cast<const __half2*>(p));
 }
 
+// Two values to p (as load2's alignment), added to what p holds with accumulate.
 template <typename TC>
 __device__ __forceinline__ void store2(TC* p, float x, float y, bool accumulate) {
-  if constexpr (std::is_same_v<TC, float>) {
-    float2* q = reinterpret_cast<float2*>(p);
-    if (accumulate) {
-      const float2 o = *q;
-      x += o.x;
-      y += o.y;
-    }
-    *q = make_float2(x, y);
-  } else if constexpr (std::is_same_v<TC, __nv_bfloat16>) {
-    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(p);
-    if (accumulate) {
-      const float2 o = __bfloat1622float2(*q);
-      x += o.x;
-      y += o.y;
-    }
-    *q = __floats2bfloat162_rn(x, y);
-  } else {
-    __half2* q = reinterpret_cast<__half2*>(p);
-    if (accumulate) {
-      const float2 o = __half22float2(*q);
-      x += o.x;
-      y += o.y;
-    }
-    *q = __floats2half2_rn(x, y);
+  if (accumulate) {
+    const float2 o = load2<TC>(p);
+    x += o.x;
+    y += o.y;
   }
+  if constexpr (std::is_same_v<TC, float>) *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  else if constexpr (std::is_same_v<TC, __nv_bfloat16>) *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+  else *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
