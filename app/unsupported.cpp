@@ -56,7 +56,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--ckpt-convert-format", W::any_use, {}, ""},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
-      {"--recompute-modules", W::values, {"moe", "shared_experts"}, ""},
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)
       {"--init-method-xavier-uniform", W::any_use, {},
@@ -82,7 +81,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-router-load-balancing-type", W::values, {"global_aux_loss"}, "built: aux_loss, seq_aux_loss, sinkhorn, none",
        true},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},
-      {"--moe-layer-recompute", W::any_use, {}, "recomputing MoE layers", true},
       {"--moe-latent-size", W::any_use, {}, ""},
       {"--moe-use-upcycling", W::any_use, {}, ""},
       {"--moe-upcycling-granularity", W::other_than, {"1"}, ""},

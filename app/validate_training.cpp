@@ -57,6 +57,15 @@ void validate_recompute(CliState& st) {
                   "fc1's output (the activation's output is never kept), which is what moe_act asks for"
                 : "--recompute-modules moe_act: no MoE layers, nothing to recompute");
   }
+  if (t.recompute_granularity == RecomputeGranularity::selective)
+    for (const char* m : {"moe", "shared_experts"}) {
+      if (std::find(t.recompute_modules.begin(), t.recompute_modules.end(), m) == t.recompute_modules.end()) continue;
+      const bool none = !c.model.moe.enabled() ||
+                        (std::string(m) == "shared_experts" && !c.model.moe.shared_expert_intermediate_size);
+      if (none)
+        st.note(fmt::format("--recompute-modules {}: no {}, nothing to recompute", m,
+                            std::string(m) == "moe" ? "MoE layers" : "shared experts"));
+    }
   if (st.has("--recompute-modules") && t.recompute_granularity != RecomputeGranularity::selective)
     st.warn("--recompute-modules has no effect without --recompute-granularity selective");
 }

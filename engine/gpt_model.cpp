@@ -54,6 +54,12 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
                           std::find(modules.begin(), modules.end(), "layernorm") != modules.end());
   o.mla_recompute_up = d.mla && cfg.train.recompute_granularity == RecomputeGranularity::selective &&
                        std::find(modules.begin(), modules.end(), "mla_up_proj") != modules.end();
+  const auto selective = [&](const char* m) {
+    return cfg.train.recompute_granularity == RecomputeGranularity::selective &&
+           std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
+  o.moe_recompute_fc1 = d.any_moe() && selective("moe");
+  o.moe_recompute_shared = d.any_moe() && d.shared_ffn > 0 && (selective("moe") || selective("shared_experts"));
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
   o.rope.base = cfg.model.rotary_base;

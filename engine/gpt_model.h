@@ -115,6 +115,13 @@ struct ModelOptions {
   // (the up projections' outputs with RoPE, packed: LayerActs::qkv) is not kept but recomputed in
   // backward from the kept latents, in one workspace buffer every layer shares.
   bool mla_recompute_up = false;
+  // --recompute-modules moe (or --moe-layer-recompute) / shared_experts (selective): MoE layers
+  // keep no experts' fc1 output ([Rmax, fc1] each) / no shared expert's fc1 output ([N, fc1_sh]);
+  // the backward recomputes it (the same bits) from the re-gathered inputs into one workspace
+  // buffer every layer shares. (Megatron recomputes the whole MoE layer; the routing it would
+  // recompute is kept here: a few values per token, the same bits.)
+  bool moe_recompute_fc1 = false;
+  bool moe_recompute_shared = false;
 
   // Fused paths whose unfused counterpart other configurations still take (recompute, sequence
   // parallelism, dropout, delayed FP8 scaling, --no-fp8-wgrad). Tests only: no flag and no

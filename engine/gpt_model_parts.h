@@ -165,6 +165,9 @@ struct GptModel::Workspace {
   // --moe-input-jitter-eps under a router in the compute dtype: the router's jittered input [N, h]
   // (in backward also its input gradient). (A float32 router jitters moe_x32.)
   Tensor moe_xj;
+  // Recomputed MoE fc1 outputs (ModelOptions::moe_recompute_fc1 / moe_recompute_shared): the
+  // experts' [Rmax, fc1] and the shared expert's [N, fc1_sh], every MoE layer's.
+  Tensor moe_fc1, moe_sh_fc1;
   // The shared expert's gate: sigmoid(logit) float32 [N, 1] (and the routing op's index [N, 1]),
   // the logit's gradient [N, 1], the gradient of the shared expert's output before the gate [N, h].
   Tensor moe_gate_p, moe_gate_idx, moe_dgate, moe_dsh;

@@ -336,6 +336,15 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
   const Config mixed = parse(small_gpt() + words("--moe-ffn-hidden-size 32 --moe-layer-freq 2"), 1, &ms);
   CHECK_FALSE(mixed.model.moe.ffn_hidden_size);
   CHECK(has_message(ms, SetupMessage::Kind::warning, "--moe-ffn-hidden-size is ignored without --num-experts"));
+  // --recompute-modules moe and shared_experts, and the deprecated --moe-layer-recompute (selective
+  // with moe added to the modules), are built; without shared experts shared_experts is a note.
+  CHECK_NOTHROW(parse(moe_gpt() + words("--recompute-granularity selective --recompute-modules moe shared_experts")));
+  CHECK_NOTHROW(parse(moe_gpt() + words("--moe-layer-recompute")));
+  std::vector<SetupMessage> shared_notes;
+  parse(moe_gpt() + words("--recompute-granularity selective --recompute-modules shared_experts"), 1, &shared_notes);
+  CHECK(std::any_of(shared_notes.begin(), shared_notes.end(), [](const SetupMessage& m) {
+    return m.text == "--recompute-modules shared_experts: no shared experts, nothing to recompute";
+  }));
   // The deprecated --moe-layer-recompute with full recompute.
   CHECK_THAT(parse_error(moe_gpt() + words("--moe-layer-recompute --recompute-granularity full --recompute-method "
                                            "uniform --recompute-num-layers 1")),
@@ -368,7 +377,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "seq_aux_loss, sinkhorn, none)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
-      {"--moe-layer-recompute", 1, "megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)"},
   };
   for (const Case& c : cases) {
     INFO(c.flags);
@@ -393,10 +401,12 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Several at once, one line each.
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64 --moe-layer-recompute")) ==
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64 "
+                                              "--moe-router-load-balancing-type global_aux_loss")) ==
         "3 problems with the command line:\n"
+        "  megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, "
+        "seq_aux_loss, sinkhorn, none)\n"
         "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
-        "  megatrain does not support --moe-layer-recompute yet (recomputing MoE layers)\n"
         "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
@@ -409,11 +419,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
            {"--moe-latent-size 16", "megatrain does not support --moe-latent-size 16 yet"},
            {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
            {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"},
-           {"--moe-apply-probs-on-input", "megatrain does not support --moe-apply-probs-on-input yet"},
-           {"--recompute-granularity selective --recompute-modules moe",
-            "megatrain does not support --recompute-modules moe yet"},
-           {"--recompute-granularity selective --recompute-modules shared_experts",
-            "megatrain does not support --recompute-modules shared_experts yet"}}) {
+           {"--moe-apply-probs-on-input", "megatrain does not support --moe-apply-probs-on-input yet"}}) {
     INFO(flags);
     CHECK(unsupported_error(moe_gpt() + words(flags)) == line);
   }

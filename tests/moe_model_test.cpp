@@ -3,6 +3,8 @@
 // gradients belong to (the loss plus the aux and z-losses), an MoE layer of one expert equal to the
 // dense MLP with the same weights, and training.
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -138,6 +140,30 @@ TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shar
     c.model.moe.router_dtype = "fp32";
     MoeHarness h(c);
     h.check_all(6);
+  }
+}
+
+TEST_CASE("MoE recomputation (--recompute-modules moe, shared_experts): the same loss and gradients bit for bit, "
+          "less kept", "[moe]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.model.moe.shared_expert_intermediate_size = 12;
+  c.model.moe.shared_expert_gate = true;
+  MoeHarness plain(c);
+  const double loss = plain.objective();
+  const std::vector<double> grads = plain.grads();
+  const size_t kept = plain.model->memory_plan().of(MemoryCategory::activations);
+  for (const std::vector<std::string>& modules :
+       {std::vector<std::string>{"moe"}, {"shared_experts"}, {"core_attn", "layernorm", "moe"}}) {
+    INFO(fmt::format("{}", fmt::join(modules, " ")));
+    Config r = c;
+    r.train.recompute_granularity = RecomputeGranularity::selective;
+    r.train.recompute_modules = modules;
+    MoeHarness h(r);
+    CHECK(h.objective() == loss);
+    CHECK(h.grads() == grads);
+    CHECK(h.model->memory_plan().of(MemoryCategory::activations) < kept);
   }
 }
 

@@ -187,9 +187,9 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(El + 1), 0));
   M.host_offsets = moe_host_offsets_.back().get();
   M.p_perm = a.take(c, S, {R});
-  M.fc1_pre = a.take(c, T, {R, d_.expert_fc1_width_local()});
+  M.fc1_pre = opt_.moe_recompute_fc1 ? ws_->moe_fc1 : a.take(c, T, {R, d_.expert_fc1_width_local()});
   if (d_.shared_ffn > 0) {
-    M.sh_fc1_pre = a.take(c, T, {N, d_.shared_fc1_width_local()});
+    M.sh_fc1_pre = opt_.moe_recompute_shared ? ws_->moe_sh_fc1 : a.take(c, T, {N, d_.shared_fc1_width_local()});
     if (d_.shared_gate) {
       M.sh_out = a.take(c, T, {N, h});
       M.sh_gate = a.take(c, T, {N, 1});
@@ -229,6 +229,8 @@ void GptModel::layout_moe_workspace(Arena& a) {
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
+  w.moe_fc1 = opt_.moe_recompute_fc1 ? a.take(C::workspace, T, {R, d_.expert_fc1_width_local()}) : Tensor();
+  w.moe_sh_fc1 = opt_.moe_recompute_shared ? a.take(C::workspace, T, {N, d_.shared_fc1_width_local()}) : Tensor();
   w.moe_x32 = w.moe_w32 = w.moe_xj = Tensor();
   if (RT != T) {
     w.moe_x32 = a.take(C::workspace, RT, {N, h});
@@ -419,6 +421,19 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
     gather_rows(A.ln2_out);
   }
+  // This rank's dispatched rows of ln2's output, permuted into `rows` (under EP the group's, gathered).
+  const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
+  const auto gather_inputs = [&] {
+    if (ep) disp->all_gather(w.moe_xg, x_disp);
+    be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
+  };
+  // Recomputation (ModelOptions::moe_recompute_*): the fc1 outputs not kept, as the forward made them.
+  if (opt_.moe_recompute_fc1) {
+    gather_inputs();
+    be_.grouped_linear_forward(M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
+  }
+  if (opt_.moe_recompute_shared)
+    be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
   // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered).
@@ -479,9 +494,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.swiglu) be_.swiglu_backward(d_fc1, dact, fc1_pre);
   else be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
-  const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
-  if (ep) disp->all_gather(w.moe_xg, x_disp);
-  be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
+  gather_inputs();
   be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
   be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
   // The dispatched rows' input gradient: into gT [N, h] (partial over TP, after the shared

@@ -255,6 +255,13 @@ megatrain_parallel_train_test(parallel_train_moe_jitter_tp2_sp --model "${moe_mo
                               --tensor-model-parallel-size 2 --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_moe_jitter_fp32_pp2 --model "${moe_model} --moe-input-jitter-eps 0.1 \
 --moe-router-dtype fp32" 2 --pipeline-model-parallel-size 2)
+# MoE recomputation (the experts' and the shared expert's fc1 outputs recomputed in backward):
+# under EP2 x TP2 with SP, and with token dropping (--moe-layer-recompute) under EP2 x PP2.
+megatrain_parallel_train_test(parallel_train_moe_recompute_ep2_tp2_sp --model "${moe_model} \
+--recompute-granularity selective --recompute-modules moe" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_recompute_drop_ep2_pp2 --model "${moe_model} --moe-layer-recompute \
+--moe-expert-capacity-factor 0.5" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
 # Sinkhorn load balancing (over each micro-batch's rows: the same under DP and PP; under TP with
 # SP each rank balances its own rows, as Megatron's router does, so TP changes the routing).
 megatrain_parallel_train_test(parallel_train_moe_sinkhorn_pp2_dp2 --model "--disable-bias-linear --swiglu \
