@@ -215,6 +215,22 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
     FAIL("expected Unsupported");
   } catch (const Unsupported&) {
   }
+  // Muon's settings (and the layer-wise optimizer's layout switch) change nothing with adam, as in
+  // Megatron-LM: a note each; their values are checked as Megatron-LM's argparse checks them.
+  std::vector<SetupMessage> muon;
+  parse(small_gpt() + words("--muon-momentum 0.95 --muon-tp-mode blockwise --muon-num-ns-steps 6 --muon-nesterov "
+                            "--no-use-layer-wise-param-layout"),
+        1, &muon);
+  for (const char* flag : {"--muon-momentum", "--muon-tp-mode", "--muon-num-ns-steps", "--muon-nesterov",
+                           "--no-use-layer-wise-param-layout"}) {
+    INFO(flag);
+    CHECK(std::any_of(muon.begin(), muon.end(), [&](const SetupMessage& m) {
+      return m.text.starts_with(std::string(flag) + " has no effect in megatrain");
+    }));
+  }
+  CHECK_THAT(parse_error(small_gpt() + words("--muon-scale-mode bogus")),
+             Contains("--muon-scale-mode must be one of spectral, unit_rms_norm, shape_scaling; got 'bogus'"));
+  CHECK_THROWS(parse(small_gpt() + words("--muon-num-ns-steps five")));
 }
 
 TEST_CASE("every recognised-only flag has a refusal rule and every rule names a known flag", "[cli]") {

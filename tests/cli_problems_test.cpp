@@ -21,12 +21,12 @@ std::vector<std::string> all_flag_names() {
 
 TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli]") {
   const std::string e =
-      parse_error(small_gpt() + words("--dsa-indexer-topk 8 --muon-scale-mode x --num-layer 3 --checkpoint-activations "
+      parse_error(small_gpt() + words("--dsa-indexer-topk 8 --linear-attention-freq 4 --num-layer 3 --checkpoint-activations "
                                       "--fp8-format e4m3 --fp8-recipe mxfp8 --use-sharp"));
   CHECK(e ==
         "6 problems with the command line:\n"
         "  unrecognized argument --dsa-indexer-topk\n"
-        "  unrecognized argument --muon-scale-mode\n"
+        "  unrecognized argument --linear-attention-freq\n"
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
