@@ -42,6 +42,28 @@ void add_checkpoint_flags(FlagTable& t) {
                   MT_FIELD(checkpoint.perform_initialization));
   t.flag("--async-save", "write checkpoints from a background thread: training pauses only to copy the shards to host "
          "memory", MT_FIELD(checkpoint.async_save));
+  // Megatron-LM's ModelOpt (post-training) flags that its distillation tests pass to training:
+  // distillation is refused; the teacher's settings change nothing without a teacher.
+  t.recognised("--export-kd-teacher-load", Arity::one, "PATH", "None",
+               "load a teacher checkpoint and train by knowledge distillation (ModelOpt)");
+  for (const char* name : {"--export-kd-cfg", "--export-kd-teacher-model-config"}) {
+    FlagSpec& s = t.no_effect(name, Arity::one,
+                              "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): "
+                              "no effect without a teacher, as in Megatron-LM");
+    s.metavar = "PATH";
+  }
+  {
+    FlagSpec& s = t.no_effect("--export-kd-teacher-ckpt-format", Arity::one,
+                              "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): "
+                              "no effect without a teacher, as in Megatron-LM");
+    s.metavar = "{torch,torch_dist,torch_dcp}";
+    s.apply = [](CliState&, const FlagValue& v) {
+      parse_choice_arg("--export-kd-teacher-ckpt-format", v.one(), {"torch", "torch_dist", "torch_dcp"});
+    };
+  }
+  t.no_effect("--export-te-mcore-model", Arity::none,
+              "megatrain reads Megatron-LM checkpoints in the fused Transformer-Engine layout (layernorm weights "
+              "inside the linear layers) as they are: there is no remapping to ask for");
   t.no_effect("--use-persistent-ckpt-worker", Arity::none,
               "megatrain's --async-save always writes from a background thread of the training process");
   // Megatron-LM's CheckpointConfig (megatron/training/config/training_config.py): which library's

@@ -3,6 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <array>
+#include <vector>
+
 #include "app/layer_pattern.h"
 
 namespace mt::cli {
@@ -201,6 +204,23 @@ void add_model_flags(FlagTable& t) {
                    : "YaRN: keep the correction range's ends fractional";
     s.apply = [round](CliState& st, const FlagValue&) { st.cfg.model.yarn_correction_range_round_to_int = round; };
     t.add(std::move(s));
+  }
+  // Megatron-LM's experimental attention variants (Gated DeltaNet linear attention, DeepSeek sparse
+  // attention): the variant is refused; its settings are read by those layers only, so without
+  // the variant they change nothing (as in Megatron-LM).
+  t.recognised("--experimental-attention-variant", Arity::one, "{gdn,gdn2,dsa,gated_delta_net}", "None",
+               "an experimental attention variant (Gated DeltaNet linear attention, DeepSeek sparse attention)");
+  for (const auto& [name, metavar, def] : std::vector<std::array<const char*, 3>>{
+           {"--linear-attention-freq", "INT|LIST", "None"}, {"--linear-conv-kernel-dim", "INT", "4"},
+           {"--linear-key-head-dim", "INT", "128"}, {"--linear-value-head-dim", "INT", "128"},
+           {"--linear-num-key-heads", "INT", "16"}, {"--linear-num-value-heads", "INT", "32"},
+           {"--dsa-indexer-n-heads", "INT", "None"}, {"--dsa-indexer-head-dim", "INT", "None"},
+           {"--dsa-indexer-topk", "INT", "None"}, {"--dsa-indexer-loss-coeff", "FLOAT", "None"}}) {
+    FlagSpec& s = t.no_effect(name, Arity::one,
+                              "a setting of Megatron-LM's experimental attention variants (--experimental-attention-"
+                              "variant, not built): no effect without one, as in Megatron-LM",
+                              def);
+    s.metavar = metavar;
   }
   t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
   t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");

@@ -23,6 +23,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--mtp-detach-heads", W::any_use, {}, "multi-token prediction"},
       {"--mtp-hsm", W::any_use, {}, "multi-token prediction"},
       {"--use-mup", W::any_use, {}, ""},
+      {"--experimental-attention-variant", W::any_use, {}, "Gated DeltaNet and DeepSeek sparse attention layers"},
       {"--mup-base-hidden-size", W::any_use, {}, "maximal-update parametrization"},
       {"--apply-residual-connection-post-layernorm", W::any_use, {}, "the residual is each block's input, not its norm's output"},
       {"--fp32-residual-connection", W::any_use, {},
@@ -54,6 +55,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
       {"--ckpt-convert-format", W::any_use, {}, ""},
+      {"--export-kd-teacher-load", W::any_use, {}, "knowledge distillation"},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
       {"--distribute-saved-activations", W::any_use, {}, ""},

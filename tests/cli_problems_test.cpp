@@ -19,21 +19,42 @@ std::vector<std::string> all_flag_names() {
 
 }  // namespace
 
+TEST_CASE("cli: Megatron-LM's Gated DeltaNet, DeepSeek sparse attention and distillation flags are refused by their "
+          "switch, their settings noted", "[cli]") {
+  CHECK(unsupported_error(small_gpt() + words("--experimental-attention-variant gated_delta_net "
+                                              "--linear-attention-freq 4 --linear-num-value-heads 8")) ==
+        "megatrain does not support --experimental-attention-variant gated_delta_net yet (Gated DeltaNet and DeepSeek "
+        "sparse attention layers)");
+  CHECK(unsupported_error(small_gpt() + words("--export-kd-teacher-load /ckpt --export-kd-cfg kd.yaml "
+                                              "--export-te-mcore-model")) ==
+        "megatrain does not support --export-kd-teacher-load /ckpt yet (knowledge distillation)");
+  std::vector<SetupMessage> notes;
+  parse(small_gpt() + words("--dsa-indexer-topk 8 --export-te-mcore-model"), 1, &notes);
+  for (const char* flag : {"--dsa-indexer-topk", "--export-te-mcore-model"}) {
+    INFO(flag);
+    CHECK(std::any_of(notes.begin(), notes.end(), [&](const SetupMessage& m) {
+      return m.text.starts_with(std::string(flag) + " has no effect in megatrain");
+    }));
+  }
+  CHECK_THAT(parse_error(small_gpt() + words("--export-kd-teacher-ckpt-format zip")),
+             Contains("--export-kd-teacher-ckpt-format must be one of torch, torch_dist, torch_dcp"));
+}
+
 TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli]") {
   const std::string e =
-      parse_error(small_gpt() + words("--dsa-indexer-topk 8 --linear-attention-freq 4 --num-layer 3 --checkpoint-activations "
+      parse_error(small_gpt() + words("--frobnicate-topk 8 --zebra-stripe-count 4 --num-layer 3 --checkpoint-activations "
                                       "--fp8-format e4m3 --fp8-recipe mxfp8 --use-sharp"));
   CHECK(e ==
         "6 problems with the command line:\n"
-        "  unrecognized argument --dsa-indexer-topk\n"
-        "  unrecognized argument --linear-attention-freq\n"
+        "  unrecognized argument --frobnicate-topk\n"
+        "  unrecognized argument --zebra-stripe-count\n"
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
         "  megatrain does not support --use-sharp yet\n"
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)");
   // Unknown flags among the problems: an Error; only unsupported flags: Unsupported.
-  CHECK_THROWS_AS(parse(small_gpt() + words("--dsa-indexer-topk 8 --fp4-param-gather")), Error);
+  CHECK_THROWS_AS(parse(small_gpt() + words("--frobnicate-topk 8 --fp4-param-gather")), Error);
   bool unsupported = false;
   try {
     parse(small_gpt() + words("--fp4-param-gather --moe-use-upcycling"));
@@ -43,12 +64,12 @@ TEST_CASE("cli: every unknown, removed and unsupported flag in one error", "[cli
   }
   CHECK(unsupported);
   // A word after a known flag's value is still a stray argument of its own.
-  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 2 --lr 0.1 stray")) ==
+  CHECK(parse_error(small_gpt() + words("--frobnicate-topk 2 --lr 0.1 stray")) ==
         "2 problems with the command line:\n"
-        "  unrecognized argument --dsa-indexer-topk\n"
+        "  unrecognized argument --frobnicate-topk\n"
         "  unrecognized arguments: stray (a value containing spaces must be quoted as one argument)");
   // One problem: its line alone.
-  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 8")) == "unrecognized argument --dsa-indexer-topk");
+  CHECK(parse_error(small_gpt() + words("--frobnicate-topk 8")) == "unrecognized argument --frobnicate-topk");
 }
 
 TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
@@ -62,7 +83,7 @@ TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
   CHECK(cli::closest("--no-bias-linear", names) == "--disable-bias-linear");
   CHECK(cli::closest("--tensor-parallel-size", names) == "--tensor-model-parallel-size");
   // Unrelated flags are not suggested, however close the nearest one happens to be.
-  CHECK(cli::closest("--dsa-indexer-topk", names).empty());
+  CHECK(cli::closest("--frobnicate-topk", names).empty());
   CHECK(cli::closest("--mup-base", names).empty());
   CHECK(cli::closest("--hidden", names).empty());
   CHECK(cli::closest("--foo", names).empty());
@@ -70,7 +91,7 @@ TEST_CASE("cli: flag suggestions only for near misses", "[cli]") {
   CHECK(cli::near_miss_limit("--tensor-parallel-size") == 6);
   CHECK_THAT(parse_error(small_gpt() + words("--hiden-size 64")),
              Contains("unrecognized argument --hiden-size (did you mean --hidden-size?)"));
-  CHECK(parse_error(small_gpt() + words("--dsa-indexer-topk 8")) == "unrecognized argument --dsa-indexer-topk");
+  CHECK(parse_error(small_gpt() + words("--frobnicate-topk 8")) == "unrecognized argument --frobnicate-topk");
 }
 
 TEST_CASE("cli: --ckpt-assume-constant-structure is accepted with a note", "[cli]") {
