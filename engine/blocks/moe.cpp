@@ -421,10 +421,13 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
     gather_rows(A.ln2_out);
   }
-  // This rank's dispatched rows of ln2's output, permuted into `rows` (under EP the group's, gathered).
+  // This rank's dispatched rows of ln2's output, permuted into `rows` (under EP the group's,
+  // gathered once per backward: nothing else writes moe_xg).
   const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
+  bool group_gathered = false;
   const auto gather_inputs = [&] {
-    if (ep) disp->all_gather(w.moe_xg, x_disp);
+    if (ep && !group_gathered) disp->all_gather(w.moe_xg, x_disp);
+    group_gathered = true;
     be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
   };
   // Recomputation (ModelOptions::moe_recompute_*): the fc1 outputs not kept, as the forward made them.
