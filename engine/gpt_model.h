@@ -468,6 +468,11 @@ class GptModel {
   // moe_max_rows() (with token dropping a bound); else the host copy the forward made (R exact).
   ExpertOffsets moe_offsets(const MoeActs& M, int64_t& rows) const;
   bool moe_offsets_on_device() const;
+  // The gating GEMM's operands. Its input: x itself, or (a float32 router, input jitter) x's rows
+  // cast and jittered into `buffer` (moe_x32 or moe_xj, or their local rows), the jitter's flat
+  // indices from index0. Its weight: the router's, or its float32 copy (cast here).
+  Tensor router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0);
+  Tensor router_weight(const LayerParams& P);
   struct MoeLossFactors {
     int64_t sequences = 1, rows = 0;  // the sequences whose aux losses are averaged, rows of each
     // The rows each sequence has over the context-parallel ranks (rows x CP), and the tokens of

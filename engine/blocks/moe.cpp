@@ -150,6 +150,24 @@ ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
   return ExpertOffsets(*M.host_offsets);
 }
 
+Tensor GptModel::router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0) {
+  const float jitter = d_.moe_jitter_eps;
+  if (buffer.empty()) return x;
+  if (buffer.dtype == x.dtype) {
+    be_.moe_jitter(buffer, x, jitter, jitter_key, index0);  // (the buffer exists for the jitter)
+    return buffer;
+  }
+  be_.cast(buffer, x);
+  if (jitter > 0) be_.moe_jitter(buffer, buffer, jitter, jitter_key, index0);
+  return buffer;
+}
+
+Tensor GptModel::router_weight(const LayerParams& P) {
+  if (ws_->moe_w32.empty()) return P.router_w;
+  be_.cast(ws_->moe_w32, P.router_w);
+  return ws_->moe_w32;
+}
+
 // Megatron's aux and z-loss factors, coefficients removed: aux = aux_factor * sum_e P_e f_e over
 // each sequence's statistics (E / (k S^2 B), S the rows of one of the micro-batch's B sequences with
 // seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). With
@@ -266,18 +284,9 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // Router: logits, top-k routing weights and experts; the load-balancing statistics. With input
   // jitter the router reads its own copy of the input, scaled elementwise by factors drawn from
   // site 4 of the layer's keys (every TP rank draws the same: they route the same rows).
-  const float jitter = d_.moe_jitter_eps;
-  if (w.moe_x32.empty() && jitter == 0) {
-    be_.linear_forward(M.logits, A.ln2_out, P.router_w, Tensor(), Activation::none, Tensor());
-  } else if (w.moe_x32.empty()) {
-    be_.moe_jitter(w.moe_xj, A.ln2_out, jitter, site_key(s, layer, 4), 0);
-    be_.linear_forward(M.logits, w.moe_xj, P.router_w, Tensor(), Activation::none, Tensor());
-  } else {
-    be_.cast(w.moe_x32, A.ln2_out);
-    if (jitter > 0) be_.moe_jitter(w.moe_x32, w.moe_x32, jitter, site_key(s, layer, 4), 0);
-    be_.cast(w.moe_w32, P.router_w);
-    be_.linear_forward(M.logits, w.moe_x32, w.moe_w32, Tensor(), Activation::none, Tensor());
-  }
+  const Tensor router_buffer = w.moe_x32.empty() ? w.moe_xj : w.moe_x32;
+  be_.linear_forward(M.logits, router_input(A.ln2_out, router_buffer, site_key(s, layer, 4), 0), router_weight(P),
+                     Tensor(), Activation::none, Tensor());
   // Forced balance (benchmarks): random logits, the same on every TP rank of the micro-batch
   // (site 3 of the layer's keys); the backward treats them as the gating GEMM's output.
   if (d_.moe_force_balance)
@@ -567,24 +576,17 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor dlogits = local_rows(w.moe_dlogits), x = local_rows(A.ln2_out);
   // Input jitter: this rank's rows of the jittered input again (the same factors: their flat
   // indices in the full [N, h] input), and the input gradient scaled by them.
-  const float jitter = d_.moe_jitter_eps;
-  const uint64_t jitter_key = site_key(s, layer, 4);
-  const int64_t jitter_from = d_.sequence_parallel ? d_.local_row_begin() * d_.hidden : 0;
-  if (w.moe_x32.empty() && jitter == 0) {
+  const Tensor router_buffer = w.moe_x32.empty() ? w.moe_xj : w.moe_x32;
+  if (router_buffer.empty()) {
     be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x, true);
     be_.linear_backward_input(d_ln2, dlogits, P.router_w, true, Activation::none, Tensor());
   } else {  // a float32 router, or jitter: the input gradient in the router's buffer, then added
-    const Tensor xr = local_rows(w.moe_x32.empty() ? w.moe_xj : w.moe_x32);
-    const Tensor wr = w.moe_x32.empty() ? P.router_w : w.moe_w32;
-    if (w.moe_x32.empty()) {
-      be_.moe_jitter(xr, x, jitter, jitter_key, jitter_from);
-    } else {
-      be_.cast(xr, x);
-      if (jitter > 0) be_.moe_jitter(xr, xr, jitter, jitter_key, jitter_from);
-      be_.cast(w.moe_w32, P.router_w);
-    }
+    const float jitter = d_.moe_jitter_eps;
+    const uint64_t jitter_key = site_key(s, layer, 4);
+    const int64_t jitter_from = d_.sequence_parallel ? d_.local_row_begin() * d_.hidden : 0;
+    const Tensor xr = router_input(x, local_rows(router_buffer), jitter_key, jitter_from);
     be_.linear_backward_weight(G.router_w, Tensor(), dlogits, xr, true);
-    be_.linear_backward_input(xr, dlogits, wr, false, Activation::none, Tensor());
+    be_.linear_backward_input(xr, dlogits, router_weight(P), false, Activation::none, Tensor());
     if (jitter > 0) be_.moe_jitter(xr, xr, jitter, jitter_key, jitter_from);
     be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, xr);
   }
