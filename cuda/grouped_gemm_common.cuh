@@ -89,6 +89,32 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 }
 #undef MT_WGMMA_M64N256K16
 
+inline constexpr int kStepK = 64;  // both kernels' k-step
+
+// The shared-memory descriptors of k-slice kk of a k-step for the MMA on rows [64 half, 64 half +
+// 64) of A and all of B's columns. Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes
+// apart, the k-slice 32 bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide blocks
+// 8 KB apart.
+template <bool kARed, bool kBRed, typename T>
+__device__ __forceinline__ void descriptors(const T* As, const T* Bs, int half, int kk, uint64_t& da, uint64_t& db) {
+  da = kARed ? smem_desc(As + half * 64 * kStepK + kk * 16, 16, 1024)
+             : smem_desc(As + half * kStepK * 64 + kk * 16 * 64, kStepK * 64 * 2, 1024);
+  db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, kStepK * 64 * 2, 1024);
+}
+
+// The accumulators zeroed; and held in place across asynchronous wgmma (the compiler may not move
+// them while MMAs that write them are in flight).
+template <int kRegs>
+__device__ __forceinline__ void zero(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) d[i] = 0.0f;
+}
+template <int kRegs>
+__device__ __forceinline__ void fence_registers(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // The experts' first m-tiles of bm rows: an exclusive scan of their tile counts over the CTA's
 // kThreads threads (one expert each: groups <= kThreads), written to first_tile[groups] in shared
 // memory (warp_total: kThreads / 32 ints of shared scratch). Returns the tiles of all experts.

@@ -33,6 +33,7 @@ namespace mt::cuda {
 namespace {
 
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 256;
+static_assert(BK == grouped_detail::kStepK, "the shared descriptors' k-step");
 constexpr int kTile = BM * BK;  // elements of one operand's tile (BN * BK is the same)
 static_assert(BM == BN, "the two operands' tiles share one layout scheme");
 constexpr int kSmemBytes = STAGES * 2 * kTile * 2 + 1024;  // + alignment room
@@ -145,8 +146,7 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const __grid_co
     // Warpgroup wg computes rows [64 wg, 64 wg + 64) of the tile, all 128 columns.
     const int wg = tid >> 7;
     float d[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    zero(d);
     for (int kt = 0; kt < nk; ++kt) {
       cp_async_wait<STAGES - 2>();
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
@@ -156,11 +156,8 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const __grid_co
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        // Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the k-slice 32
-        // bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide halves 8 KB apart.
-        const uint64_t da = kARed ? smem_desc(As + wg * 64 * BK + kk * 16, 16, 1024)
-                                  : smem_desc(As + wg * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
-        const uint64_t db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
+        uint64_t da, db;
+        descriptors<kARed, kBRed>(As, Bs, wg, kk, da, db);
         wgmma_m64n128k16<kARed ? 0 : 1, kBRed ? 0 : 1, T>(d, da, db);
       }
       wgmma_commit();
@@ -168,8 +165,7 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_mma_kernel(const __grid_co
       if (pre < nk) load_stage(pre % STAGES, pre);
       cp_async_commit();
       wgmma_wait_all();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+      fence_registers(d);
     }
     cp_async_wait<0>();
     // Epilogue: warp w of the warpgroup holds rows 16 w + lane / 4 (+ 8), column pairs.

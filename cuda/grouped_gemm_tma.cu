@@ -34,6 +34,7 @@ namespace {
 using namespace grouped_detail;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+static_assert(BK == kStepK, "the shared descriptors' k-step");
 constexpr int THREADS = 384;  // the producer's warpgroup and two consumers
 constexpr int kAElems = BM * BK, kBElems = BN * BK;
 constexpr int kStageBytes = (kAElems + kBElems) * 2;
@@ -159,16 +160,6 @@ __device__ __forceinline__ void zero_tail(T* As, T* Bs, int valid) {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
 }
 
-// The shared-memory descriptors of k-slice kk for the MMA on rows [64 half, 64 half + 64) of A and
-// columns [0, n) of B. Reduction-contiguous: rows of 128 bytes, 8-row groups 1024 bytes apart, the
-// k-slice 32 bytes further. Output-contiguous: atoms of 8 k-rows, the 64-wide blocks 8 KB apart.
-template <bool kARed, bool kBRed, typename T>
-__device__ __forceinline__ void descriptors(const T* As, const T* Bs, int half, int kk, uint64_t& da, uint64_t& db) {
-  da = kARed ? smem_desc(As + half * 64 * BK + kk * 16, 16, 1024)
-             : smem_desc(As + half * BK * 64 + kk * 16 * 64, BK * 64 * 2, 1024);
-  db = kBRed ? smem_desc(Bs + kk * 16, 16, 1024) : smem_desc(Bs + kk * 16 * 64, BK * 64 * 2, 1024);
-}
-
 // A warpgroup's 64 x 256 fragment: d[4 j + 2 h + {0, 1}] is row r + 8 h (r: warp w of the
 // warpgroup's 16 w + lane / 4), columns col0 + 8 j + 2 (lane % 4) + {0, 1}; rows up to row_end
 // and columns up to n_end are stored (added to C with accumulate). With accumulate, C's old values
@@ -201,17 +192,6 @@ __device__ __forceinline__ void store_fragment(TC* C, long long ldc, const float
                      d[4 * j + 2 * h + 1] + old[jj][h].y, false);
     }
   }
-}
-
-template <int kRegs>
-__device__ __forceinline__ void zero(float (&d)[kRegs]) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) d[i] = 0.0f;
-}
-template <int kRegs>
-__device__ __forceinline__ void fence_registers(float (&d)[kRegs]) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
