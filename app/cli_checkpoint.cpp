@@ -52,15 +52,10 @@ void add_checkpoint_flags(FlagTable& t) {
                               "no effect without a teacher, as in Megatron-LM");
     s.metavar = "PATH";
   }
-  {
-    FlagSpec& s = t.no_effect("--export-kd-teacher-ckpt-format", Arity::one,
-                              "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): "
-                              "no effect without a teacher, as in Megatron-LM");
-    s.metavar = "{torch,torch_dist,torch_dcp}";
-    s.apply = [](CliState&, const FlagValue& v) {
-      parse_choice_arg("--export-kd-teacher-ckpt-format", v.one(), {"torch", "torch_dist", "torch_dcp"});
-    };
-  }
+  t.no_effect_checked("--export-kd-teacher-ckpt-format", "", {"torch", "torch_dist", "torch_dcp"},
+                      "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): no "
+                      "effect without a teacher, as in Megatron-LM",
+                      "");
   t.no_effect("--export-te-mcore-model", Arity::none,
               "megatrain reads Megatron-LM checkpoints in the fused Transformer-Engine layout (layernorm weights "
               "inside the linear layers) as they are: there is no remapping to ask for");
@@ -68,15 +63,11 @@ void add_checkpoint_flags(FlagTable& t) {
               "megatrain's --async-save always writes from a background thread of the training process");
   // Megatron-LM's CheckpointConfig (megatron/training/config/training_config.py): which library's
   // asynchronous writer --async-save uses (a choice, so other values are argparse errors there).
-  {
-    FlagSpec& s = t.no_effect("--async-strategy", Arity::one,
-                              "megatrain's --async-save has one writer of its own, whichever strategy is named: the "
-                              "training process copies the shards to host memory and a background thread of that "
-                              "process writes them (neither nvidia-resiliency-ext's nor Megatron-Core's worker)",
-                              "nvrx");
-    s.metavar = "{nvrx,mcore}";
-    s.apply = [](CliState&, const FlagValue& v) { parse_choice_arg("--async-strategy", v.one(), {"nvrx", "mcore"}); };
-  }
+  t.no_effect_checked("--async-strategy", "", {"nvrx", "mcore"},
+                      "megatrain's --async-save has one writer of its own, whichever strategy is named: the training "
+                      "process copies the shards to host memory and a background thread of that process writes them "
+                      "(neither nvidia-resiliency-ext's nor Megatron-Core's worker)",
+                      "nvrx");
   t.no_effect("--async-ckpt-use-cpu-shm", Arity::none,
               "megatrain's --async-save already copies the tensors to host memory in the training process and writes "
               "them from a thread of that process: there is no worker process to hand device memory to");

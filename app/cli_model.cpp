@@ -216,11 +216,10 @@ void add_model_flags(FlagTable& t) {
            {"--linear-num-key-heads", "INT", "16"}, {"--linear-num-value-heads", "INT", "32"},
            {"--dsa-indexer-n-heads", "INT", "None"}, {"--dsa-indexer-head-dim", "INT", "None"},
            {"--dsa-indexer-topk", "INT", "None"}, {"--dsa-indexer-loss-coeff", "FLOAT", "None"}}) {
-    FlagSpec& s = t.no_effect(name, Arity::one,
-                              "a setting of Megatron-LM's experimental attention variants (--experimental-attention-"
-                              "variant, not built): no effect without one, as in Megatron-LM",
-                              def);
-    s.metavar = metavar;
+    t.no_effect_checked(name, metavar, {},
+                        "a setting of Megatron-LM's experimental attention variants (--experimental-attention-variant, "
+                        "not built): no effect without one, as in Megatron-LM",
+                        def);
   }
   t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
   t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");

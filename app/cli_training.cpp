@@ -58,45 +58,18 @@ void add_training_flags(FlagTable& t) {
   {
     const std::string why = "a setting of Megatron-LM's Muon optimizer (--optimizer muon, not built): no effect with "
                             "adam or sgd, as in Megatron-LM";
-    // Checked as Megatron-LM's argparse checks them (a type or a choice): a bad value is an error
-    // there too.
-    enum class Kind { none, real, integer, text, choice };
-    struct Muon {
-      const char* name;
-      Kind kind;
-      const char* def;
-      std::vector<std::string> choices;
-    };
-    for (const Muon& m : {Muon{"--muon-momentum", Kind::real, "0.9", {}}, Muon{"--muon-no-split-qkv", Kind::none, "", {}},
-                          Muon{"--muon-nesterov", Kind::none, "", {}},
-                          Muon{"--muon-scale-mode", Kind::choice, "spectral", {"spectral", "unit_rms_norm", "shape_scaling"}},
-                          Muon{"--muon-fp32-matmul-prec", Kind::choice, "medium", {"low", "medium", "high"}},
-                          Muon{"--muon-coefficient-type", Kind::text, "quintic", {}},
-                          Muon{"--muon-num-ns-steps", Kind::integer, "5", {}},
-                          Muon{"--muon-tp-mode", Kind::choice, "duplicated", {"blockwise", "duplicated", "distributed"}},
-                          Muon{"--muon-use-syrk", Kind::none, "", {}},
-                          Muon{"--muon-extra-scale-factor", Kind::real, "1.0", {}},
-                          Muon{"--muon-scalar-optimizer", Kind::choice, "adam", {"adam", "lion"}}}) {
-      FlagSpec& s = t.no_effect(m.name, m.kind == Kind::none ? Arity::none : Arity::one, why, m.def);
-      const std::string name = m.name;
-      switch (m.kind) {
-        case Kind::none: break;
-        case Kind::real:
-          s.metavar = "FLOAT";
-          s.apply = [name](CliState&, const FlagValue& v) { parse_float_arg(name, v.one()); };
-          break;
-        case Kind::integer:
-          s.metavar = "INT";
-          s.apply = [name](CliState&, const FlagValue& v) { parse_int_arg(name, v.one()); };
-          break;
-        case Kind::text: s.metavar = "STR"; break;
-        case Kind::choice: {
-          s.metavar = fmt::format("{{{}}}", fmt::join(m.choices, ","));
-          s.apply = [name, choices = m.choices](CliState&, const FlagValue& v) { parse_choice_arg(name, v.one(), choices); };
-          break;
-        }
-      }
-    }
+    // (In Megatron-LM's order.)
+    t.no_effect_checked("--muon-momentum", "FLOAT", {}, why, "0.9");
+    t.no_effect("--muon-no-split-qkv", Arity::none, why);
+    t.no_effect("--muon-nesterov", Arity::none, why);
+    t.no_effect_checked("--muon-scale-mode", "", {"spectral", "unit_rms_norm", "shape_scaling"}, why, "spectral");
+    t.no_effect_checked("--muon-fp32-matmul-prec", "", {"low", "medium", "high"}, why, "medium");
+    t.no_effect_checked("--muon-coefficient-type", "STR", {}, why, "quintic");
+    t.no_effect_checked("--muon-num-ns-steps", "INT", {}, why, "5");
+    t.no_effect_checked("--muon-tp-mode", "", {"blockwise", "duplicated", "distributed"}, why, "duplicated");
+    t.no_effect("--muon-use-syrk", Arity::none, why);
+    t.no_effect_checked("--muon-extra-scale-factor", "FLOAT", {}, why, "1.0");
+    t.no_effect_checked("--muon-scalar-optimizer", "", {"adam", "lion"}, why, "adam");
     t.no_effect("--no-use-layer-wise-param-layout", Arity::none,
                 "the parameter layout of Megatron-LM's layer-wise distributed optimizer (used by Muon and its other "
                 "emerging optimizers, not built): no effect with adam or sgd, as in Megatron-LM");

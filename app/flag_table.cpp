@@ -83,6 +83,21 @@ FlagSpec& FlagTable::no_effect(const std::string& name, Arity arity, const std::
   return add(std::move(s));
 }
 
+FlagSpec& FlagTable::no_effect_checked(const std::string& name, const std::string& metavar,
+                                       std::vector<std::string> choices, const std::string& why,
+                                       const std::string& default_text) {
+  FlagSpec& s = no_effect(name, Arity::one, why, default_text);
+  if (!choices.empty()) {
+    s.metavar = fmt::format("{{{}}}", fmt::join(choices, ","));
+    s.apply = [name, choices = std::move(choices)](CliState&, const FlagValue& v) { parse_choice_arg(name, v.one(), choices); };
+  } else {
+    s.metavar = metavar;
+    if (metavar == "INT") s.apply = [name](CliState&, const FlagValue& v) { parse_int_arg(name, v.one()); };
+    if (metavar == "FLOAT") s.apply = [name](CliState&, const FlagValue& v) { parse_float_arg(name, v.one()); };
+  }
+  return s;
+}
+
 FlagSpec& FlagTable::without_effect(FlagSpec& s, const std::string& why) {
   MT_CHECK(s.kind == FlagKind::supported && s.apply, "{}: only a supported flag can be marked without effect", s.name);
   s.kind = FlagKind::no_effect;

@@ -289,6 +289,11 @@ class FlagTable {
                        const std::string& help);
   // Accepted and ignored, with a note saying why.
   FlagSpec& no_effect(const std::string& name, Arity arity, const std::string& why, const std::string& default_text = "");
+  // The same for a one-value flag whose value Megatron-LM's argparse checks, so a bad one is an
+  // error here too: one of `choices` (metavar {a,b,...}), else by metavar INT or FLOAT a number
+  // (any other metavar: unchecked).
+  FlagSpec& no_effect_checked(const std::string& name, const std::string& metavar, std::vector<std::string> choices,
+                              const std::string& why, const std::string& default_text);
   // A flag added above (flag/value/choice) that changes nothing in megatrain: it keeps its Config
   // field (Megatron's validation rules, the configuration dump and checkpoint arguments read it)
   // and is documented and noted as no_effect, `why` being the note.
