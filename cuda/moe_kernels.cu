@@ -31,10 +31,10 @@
 #include <cmath>
 #include <type_traits>
 
-#include "core/philox.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "cuda/kernels.h"
+#include "engine/dropout_mask.h"
 #include "engine/moe_routing.h"
 
 namespace mt::cuda {
@@ -462,8 +462,7 @@ template <typename T>
 __global__ void moe_jitter_kernel(T* out, const T* in, float eps, uint64_t key, int64_t index0, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    // (rounded as the reference backend's, no fused multiply-add)
-    const float factor = __fadd_rn(1.0f - eps, __fmul_rn(2.0f * eps, uniform_at(key, static_cast<uint64_t>(index0 + i))));
+    const float factor = moe_jitter_factor(key, static_cast<uint64_t>(index0 + i), eps);
     out[i] = from_float<T>(__fmul_rn(to_float(in[i]), factor));
   }
 }

@@ -13,7 +13,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/philox.h"
+#include "engine/dropout_mask.h"
 #include "engine/moe_routing.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
@@ -340,8 +340,7 @@ void ReferenceBackend::moe_jitter(Tensor out, Tensor in, float eps, uint64_t key
   const Floats o(out), x(in);
   pool_.parallel_for(out.numel(), 1 << 12, [&](int64_t b, int64_t e, int) {
     for (int64_t i = b; i < e; ++i) {
-      const float factor = (1.0f - eps) + (2.0f * eps) * uniform_at(key, static_cast<uint64_t>(index0 + i));
-      o.set(i, x.get(i) * static_cast<double>(factor));
+      o.set(i, x.get(i) * static_cast<double>(moe_jitter_factor(key, static_cast<uint64_t>(index0 + i), eps)));
     }
   });
 }
