@@ -482,6 +482,16 @@ void CudaBackend::moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Ten
   MT_PROFILE_OP("moe_scale_rows_backward {}", x.shape_string());
   cuda::moe_scale_rows_backward(context(), dx, dp, dout, x, p);
 }
+void CudaBackend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p) {
+  on_device("moe_swiglu_forward", out, in, p);
+  MT_PROFILE_OP("moe_swiglu_forward {}", in.shape_string());
+  cuda::moe_swiglu_forward(context(), out, in, p);
+}
+void CudaBackend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) {
+  on_device("moe_swiglu_backward", din, act, dp, dout, in, p);
+  MT_PROFILE_OP("moe_swiglu_backward {}", in.shape_string());
+  cuda::moe_swiglu_backward(context(), din, act, dp, dout, in, p);
+}
 
 // ---- rotary embeddings --------------------------------------------------------------------------
 void CudaBackend::rope_forward(Tensor qkv, Tensor positions, Tensor cos_sin, const RopeShape& r) {

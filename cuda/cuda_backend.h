@@ -128,6 +128,8 @@ class CudaBackend final : public Backend {
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;
   void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) override;
+  void moe_swiglu_forward(Tensor out, Tensor in, Tensor p) override;
+  void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) override;
   void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) override;
   void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
   void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;

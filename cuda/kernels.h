@@ -224,5 +224,8 @@ void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor inde
 void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate);
 void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p);
 void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p);
+// Backend::moe_swiglu_forward / _backward fused (the composed ops' bits; dout is only read).
+void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p);
+void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p);
 
 }  // namespace mt::cuda

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "cuda/activations.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "cuda/kernels.h"
@@ -681,6 +682,67 @@ __global__ void scale_rows_backward_kernel(T* dx, float* dp, const T* dout, cons
   }
 }
 
+// The SwiGLU experts' activation and routing weight (Backend::moe_swiglu_*), in[r] = [gate | up]
+// (2f wide). Each value is rounded where the composed ops store it (swiglu's output, d act), and
+// the rows split into the teams of scale_rows_backward_kernel (the same row_teams, the same
+// vectors), so that dp sums the same products in the same order: the composed ops' bits.
+template <typename T>
+__device__ __forceinline__ float stored(float v) { return to_float(from_float<T>(v)); }
+
+template <typename T, int VEC>
+__global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t rows, int64_t f, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + team; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const float w = p[r];
+    const T* row = in + r * 2 * f;
+    for (int64_t c = static_cast<int64_t>(member) * VEC; c < f; c += static_cast<int64_t>(tpr) * VEC) {
+      const Floats<VEC> gate = load_vec<VEC>(row + c), up = load_vec<VEC>(row + f + c);
+      Floats<VEC> y;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) y.v[j] = stored<T>(swiglu_value(gate.v[j], up.v[j])) * w;
+      store_vec<VEC>(out + r * f + c, y);
+    }
+  }
+}
+
+// din may be in (each element's gate and up are read before the same thread writes them).
+template <typename T, int VEC>
+__global__ void swiglu_scale_backward_kernel(T* din, T* act, float* dp, const T* dout, const T* in, const float* p,
+                                             int64_t rows, int64_t f, int tpr) {
+  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
+  const int rows_per_block = blockDim.x / tpr;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int64_t r = base + team;
+    const bool active = r < rows;
+    float dot = 0.0f;
+    if (active) {
+      const float w = p[r];
+      const T* row = in + r * 2 * f;
+      T* drow = din + r * 2 * f;
+      for (int64_t c = static_cast<int64_t>(member) * VEC; c < f; c += static_cast<int64_t>(tpr) * VEC) {
+        const Floats<VEC> gate = load_vec<VEC>(row + c), up = load_vec<VEC>(row + f + c);
+        const Floats<VEC> d = load_vec<VEC>(dout + r * f + c);
+        Floats<VEC> y, dg, du;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float a = stored<T>(swiglu_value(gate.v[j], up.v[j]));
+          dot += d.v[j] * a;
+          swiglu_grad(gate.v[j], up.v[j], stored<T>(d.v[j] * w), dg.v[j], du.v[j]);
+          y.v[j] = a * w;
+        }
+        store_vec<VEC>(drow + c, dg);
+        store_vec<VEC>(drow + f + c, du);
+        store_vec<VEC>(act + r * f + c, y);
+      }
+    }
+    for (int o = tpr / 2; o > 0; o /= 2) dot += __shfl_xor_sync(kFull, dot, o);
+    if (active && member == 0) dp[r] = dot;
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------
 void check_i32(const Tensor& t, int64_t n, const char* op, const char* what) {
   MT_CHECK(t.dtype == DType::i32 && t.numel() == n, "{}: {} must be int32 with {} elements, got {} {}", op, what, n,
@@ -739,6 +801,12 @@ bool vectorizable(int64_t cols, std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
     if (p && !aligned16(p)) return false;
   return true;
+}
+
+void check_swiglu_rows(const Tensor& in, const Tensor& rows_f, const char* op, const char* what) {
+  MT_CHECK(in.cols() % 2 == 0 && rows_f.dtype == in.dtype && rows_f.numel() == in.numel() / 2,
+           "{}: {} {} {} for in {} {} (in is [R, 2f] = [gate | up], {} [R, f])", op, what, dtype_name(rows_f.dtype),
+           rows_f.shape_string(), dtype_name(in.dtype), in.shape_string(), what);
 }
 
 }  // namespace
@@ -1017,6 +1085,57 @@ void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Ten
     };
     if (vec) launch(scale_rows_backward_kernel<T, kVec>, kVec);
     else launch(scale_rows_backward_kernel<T, 1>, 1);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p) {
+  const char* op = "moe_swiglu_forward";
+  const int64_t R = in.rows(), f = in.cols() / 2;
+  check_swiglu_rows(in, out, op, "out");
+  check_f32(p, R, op, "p");
+  if (R == 0 || f == 0) return;
+  MT_DISPATCH_FLOAT(in.dtype, T, op, {
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = vectorizable<T>(f, {out.data, in.data});
+    auto launch = [&](auto kernel, int width) {
+      const RowTeams teams = row_teams(R, f / width, ctx.num_sms);
+      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(), p.ptr<const float>(), R, f,
+                                                          teams.tpr);
+    };
+    if (vec) launch(swiglu_scale_kernel<T, kVec>, kVec);
+    else launch(swiglu_scale_kernel<T, 1>, 1);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in,
+                         Tensor p) {
+  const char* op = "moe_swiglu_backward";
+  const int64_t R = in.rows(), f = in.cols() / 2;
+  check_swiglu_rows(in, act, op, "act");
+  check_swiglu_rows(in, dout, op, "dout");
+  MT_CHECK(din.dtype == in.dtype && din.numel() == in.numel(), "{}: din {} {} for in {} {}", op,
+           dtype_name(din.dtype), din.shape_string(), dtype_name(in.dtype), in.shape_string());
+  check_f32(p, R, op, "p");
+  check_f32(dp, R, op, "dp");
+  if (R == 0) return;
+  if (f == 0) {
+    MT_CUDA_CHECK(cudaMemsetAsync(dp.data, 0, dp.nbytes(), ctx.stream));
+    return;
+  }
+  MT_DISPATCH_FLOAT(in.dtype, T, op, {
+    constexpr int kVec = 16 / sizeof(T);
+    // The vector width scale_rows_backward would take for these rows (dp's summation order).
+    const bool vec = vectorizable<T>(f, {din.data, act.data, dout.data, in.data});
+    auto launch = [&](auto kernel, int width) {
+      const RowTeams teams = row_teams(R, f / width, ctx.num_sms);
+      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(din.ptr<T>(), act.ptr<T>(), dp.ptr<float>(),
+                                                          dout.ptr<const T>(), in.ptr<const T>(), p.ptr<const float>(),
+                                                          R, f, teams.tpr);
+    };
+    if (vec) launch(swiglu_scale_backward_kernel<T, kVec>, kVec);
+    else launch(swiglu_scale_backward_kernel<T, 1>, 1);
   });
   MT_CUDA_CHECK_LAUNCH();
 }

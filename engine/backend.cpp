@@ -91,6 +91,18 @@ void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout,
   swiglu_forward(act_out, in);
 }
 
+void Backend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p) {
+  swiglu_forward(out, in);
+  moe_scale_rows(out, out, p);
+}
+
+void Backend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) {
+  swiglu_forward(act, in);
+  moe_scale_rows_backward(dout, dp, dout, act, p);
+  moe_scale_rows(act, act, p);
+  swiglu_backward(din, dout, in);
+}
+
 void Backend::cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss) {
   cross_entropy_forward(lse, target, logits, labels, 0);
   cross_entropy_backward(logits, logits, labels, lse, dloss, 0);

@@ -537,6 +537,16 @@ class Backend {
   // dx[r, :] = dout[r, :] * p[r] (rounded once), dp[r] = sum_c dout[r, c] * x[r, c] (float32, summed
   // in double on the reference backend). dx may alias dout.
   virtual void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) = 0;
+  // The SwiGLU experts' activation and routing weight in one pass (the defaults run the ops named,
+  // in order; the CUDA backend fuses them, with the same bits). in [R, 2f] = fc1's output, p float32 [R].
+  //   forward:  out [R, f] = swiglu(in) * p: swiglu_forward, then moe_scale_rows in place.
+  //   backward: from dout = d(swiglu(in) * p) [R, f] (its contents are clobbered): act [R, f] =
+  //     swiglu(in) * p again (fc2's input, for its weight gradient); dp = sum_c dout * swiglu(in);
+  //     din [R, 2f] = the gradient of in (din may alias in): swiglu_forward(act), then
+  //     moe_scale_rows_backward(dout, dp, dout, act, p), moe_scale_rows(act, act, p),
+  //     swiglu_backward(din, dout, in).
+  virtual void moe_swiglu_forward(Tensor out, Tensor in, Tensor p);
+  virtual void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p);
   // Grouped linear layers (the experts): rows [offsets[e], offsets[e+1]) of x belong to expert e,
   // whose weight is rows [e * Nw, (e+1) * Nw) of w [E * Nw, K] (Nw = w.rows() / E). offsets: E + 1
   // values, on the host or on the device (ExpertOffsets). y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e;

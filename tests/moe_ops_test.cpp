@@ -688,6 +688,31 @@ TEST_CASE("reference moe_scale_rows and its backward (central differences, in pl
     CHECK(out32[i] == static_cast<float>(static_cast<double>(x32[i]) * static_cast<double>(p32[i / C])));
 }
 
+TEST_CASE("reference moe_swiglu_forward and _backward: swiglu(in) * p and its gradients (central differences)",
+          "[moe][reference][gradcheck]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(7019);
+  const int64_t R = 5, f = 6;
+  Buf in = Buf::randn({R, 2 * f}, rng), p = Buf::randn({R}, rng), y = Buf::zeros({R, f}), dy = Buf::randn({R, f}, rng);
+  auto loss = [&] {
+    be->moe_swiglu_forward(y.t(), in.t(), p.t());
+    return mt::test::dot(y.d, dy.d);
+  };
+  loss();
+  for (int64_t r = 0; r < R; ++r) {
+    const double g = in.d[r * 2 * f + 2], u = in.d[r * 2 * f + f + 2];
+    CHECK(y.d[r * f + 2] == Approx(g / (1 + std::exp(-g)) * u * p.d[r]).epsilon(1e-12));
+  }
+  // The backward: din in place of a copy of in, act = the forward's output again, dout clobbered.
+  Buf din = Buf::zeros({R, 2 * f}), act = Buf::zeros({R, f}), dp = Buf::zeros({R}), dout = Buf::zeros({R, f});
+  din.d = in.d;
+  dout.d = dy.d;
+  be->moe_swiglu_backward(din.t(), act.t(), dp.t(), dout.t(), din.t(), p.t());
+  CHECK(act.d == y.d);
+  mt::test::check_gradient("moe_swiglu in", in.d, din.d, loss);
+  mt::test::check_gradient("moe_swiglu p", p.d, dp.d, loss);
+}
+
 TEST_CASE("reference moe ops refuse bad routing rules with a clear message", "[moe][reference]") {
   auto be = make_reference_backend(1);
   Buf logits = Buf::zeros({2, 6}), probs = Buf::zeros({2, 2}), idx = Buf::ints({2, 2}, {0, 0, 0, 0});

@@ -363,9 +363,12 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // summed (under EP: this rank's experts' share of every group token, reduce-scattered to its rank).
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R);
   be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
-  if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
-  else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
-  be_.moe_scale_rows(act, act, p_perm);
+  if (d_.swiglu) {
+    be_.moe_swiglu_forward(act, fc1_pre, p_perm);
+  } else {
+    be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+    be_.moe_scale_rows(act, act, p_perm);
+  }
   be_.grouped_linear_forward(x_perm, act, P.ex_fc2_w, offsets);
   // The routed output: into tmp_h [N, h] (partial over TP), or with whole experts this rank's rows
   // [Nl, h], complete.
@@ -492,19 +495,22 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R), dact = w.moe_dact.row_slice(0, R);
   const Tensor p_perm = M.p_perm.flat_slice(0, R), dp_perm = w.moe_dp_perm.flat_slice(0, R);
   be_.grouped_linear_backward_input(dact, rows, P.ex_fc2_w, offsets);  // d (act * p)
-  if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
-  else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
-  be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p
+  // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f] (with fc2's input act * p again and
+  // d p, one pass), GeLU's in place of d act.
+  const Tensor d_fc1 = d_.swiglu ? fc1_pre : dact;
+  if (d_.swiglu) {
+    be_.moe_swiglu_backward(d_fc1, act, dp_perm, dact, fc1_pre, p_perm);
+  } else {
+    be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+    be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p
+    be_.moe_scale_rows(act, act, p_perm);                           // fc2's input again
+  }
   // Each rank's experts hold 1/ETP of f: the weights' gradient is partial over the experts' TP ranks.
   // Summed over TP here when the experts split over TP; otherwise the reduce-scatter over the
   // dispatch group below (which holds the experts' TP ranks) sums it.
   if (d_.etp_size > 1 && !own_rows) ps_.tp->all_reduce(dp_perm);
-  be_.moe_scale_rows(act, act, p_perm);               // fc2's input again
   be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
-  // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f], GeLU's in place of d act.
-  const Tensor d_fc1 = d_.swiglu ? fc1_pre : dact;
-  if (d_.swiglu) be_.swiglu_backward(d_fc1, dact, fc1_pre);
-  else be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
+  if (!d_.swiglu) be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
   gather_inputs();
   be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));

@@ -465,6 +465,60 @@ TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward ma
       }
 }
 
+TEST_CASE("cuda moe_swiglu_forward and _backward: the composed ops' bits, and the reference's values", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (int64_t R : {1, 7, 333, 2049})
+    for (int64_t f : {1, 7, 64, 1000, 5632}) {
+      if (R * f > (int64_t{1} << 22)) continue;  // the reference's time
+      for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+        INFO("R " << R << " f " << f << " " << dtype_name(dt));
+        Twin in = twin(dt, {R, 2 * f}, rng.normal(R * 2 * f, 2.0));
+        Twin p = twin(DType::f32, {R}, rng.uniform(R, 0.0, 1.0));
+        // Forward: the fused op (CUDA), the composed ops on the same backend, the reference.
+        Twin out = twin_nan(dt, {R, f}), composed = twin_nan(dt, {R, f});
+        dev().moe_swiglu_forward(out.c(), in.c(), p.c());
+        ref().moe_swiglu_forward(out.r(), in.r(), p.r());
+        dev().swiglu_forward(composed.c(), in.c());
+        dev().moe_scale_rows(composed.c(), composed.c(), p.c());
+        CHECK(differing(download_bytes(dev(), out.c()), download_bytes(dev(), composed.c()), dtype_size(dt)) == 0);
+        MT_CHECK_CLOSE(out, tol_for(dt));
+        // Backward: din in place of fc1's output, as the MoE block calls it.
+        const std::vector<double> dy = rng.normal(R * f);
+        Twin din = twin(dt, {R, 2 * f}, download(ref(), in.r())), act = twin_nan(dt, {R, f});
+        Twin dout = twin(dt, {R, f}, dy), dp = twin_nan(DType::f32, {R});
+        dev().moe_swiglu_backward(din.c(), act.c(), dp.c(), dout.c(), din.c(), p.c());
+        ref().moe_swiglu_backward(din.r(), act.r(), dp.r(), dout.r(), din.r(), p.r());
+        MT_CHECK_CLOSE(din, tol_for(dt));
+        MT_CHECK_CLOSE(act, tol_for(dt));
+        CHECK(differing(download_bytes(dev(), act.c()), download_bytes(dev(), out.c()), dtype_size(dt)) == 0);
+        // dout is only read by the fused op.
+        Twin dout_copy = twin(dt, {R, f}, dy);
+        CHECK(differing(download_bytes(dev(), dout.c()), download_bytes(dev(), dout_copy.c()), dtype_size(dt)) == 0);
+        // The CUDA composition (Backend's default) gives the same bits, dp included.
+        Twin cdin = twin(dt, {R, 2 * f}, download(ref(), in.r())), cact = twin_nan(dt, {R, f});
+        Twin cdout = twin(dt, {R, f}, dy), cdp = twin_nan(DType::f32, {R});
+        dev().Backend::moe_swiglu_backward(cdin.c(), cact.c(), cdp.c(), cdout.c(), cdin.c(), p.c());
+        CHECK(differing(download_bytes(dev(), din.c()), download_bytes(dev(), cdin.c()), dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(dev(), act.c()), download_bytes(dev(), cact.c()), dtype_size(dt)) == 0);
+        CHECK(differing(download_bytes(dev(), dp.c()), download_bytes(dev(), cdp.c()), 4) == 0);
+        // dp against the reference's double sums: each row's error bounded by its terms' magnitudes.
+        const std::vector<double> got = download(dev(), dp.c()), want = download(ref(), dp.r());
+        const std::vector<double> x = download(ref(), in.r());
+        const double rel = dt == DType::f32 ? 1e-5 : 1e-2;  // 16-bit: swiglu's rounding may differ by an ulp
+        int64_t bad = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          double mag = 0;
+          for (int64_t c = 0; c < f; ++c) {
+            const double g = x[r * 2 * f + c], u = x[r * 2 * f + f + c];
+            mag += std::fabs(dy[r * f + c] * g / (1 + std::exp(-g)) * u);
+          }
+          bad += !(std::fabs(got[r] - want[r]) <= rel * mag + 1e-30);
+        }
+        CHECK(bad == 0);
+      }
+    }
+}
+
 TEST_CASE("cuda moe_sinkhorn_route equals the reference's choice and weights", "[gpu][moe]") {
   Rng rng;
   INFO("random seed " << rng.seed() << " (replay with MT_TEST_SEED=" << rng.seed() << ")");
