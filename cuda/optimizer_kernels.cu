@@ -37,6 +37,9 @@
 namespace mt::cuda {
 
 constexpr int kOptimThreads = 256;  // threads per block of the update kernels
+// AdamW resident blocks per SM (registers capped to fit): 1,024 threads keep enough loads in
+// flight; at the uncapped 70 registers only three blocks fit.
+constexpr int kOptimBlocksPerSm = 4;
 
 void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks) {
   int64_t chunks = 0;
@@ -225,7 +228,7 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t b
 __device__ __forceinline__ float copy_scale(const DeviceSegment& s) { return s.fp8_scale ? *s.fp8_scale : 1.0f; }
 
 template <typename M, typename G, typename A, typename V>
-__global__ void __launch_bounds__(kOptimThreads) adamw_kernel(AdamArgs<G, A, V> a, SegmentArg segs, bool vec) {
+__global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_kernel(AdamArgs<G, A, V> a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
@@ -252,7 +255,7 @@ __device__ __forceinline__ void split_master(float x, uint16_t& weight, int16_t&
 // AdamW over such master weights: a.master is unused; rem and a.model (bf16) are read and written.
 // Four elements per access where the run starts 4-aligned and the buffers allow it (`vec`).
 template <typename G, typename A, typename V>
-__global__ void __launch_bounds__(kOptimThreads) adamw_remainder_kernel(AdamArgs<G, A, V> a, int16_t* rem,
+__global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remainder_kernel(AdamArgs<G, A, V> a, int16_t* rem,
                                                                        SegmentArg segs, bool vec) {
   uint16_t* w16 = static_cast<uint16_t*>(a.model);
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
@@ -350,7 +353,16 @@ __global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentA
     int64_t scalar_from = begin;
     if (vec && begin % kVec == 0) {
       const int64_t nvec = (end - begin) / kVec;
-      for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) {
+      // Two vectors in flight per thread where both exist.
+      int64_t q = threadIdx.x;
+      for (; q + blockDim.x < nvec; q += 2 * blockDim.x) {
+        const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec), w = load_vec<kVec>(x + begin + (q + blockDim.x) * kVec);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s += w.v[j] * w.v[j];
+      }
+      if (q < nvec) {
         const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
@@ -536,7 +548,7 @@ template <typename Launch>
 void two_stage_sum(const KernelContext& ctx, Tensor out, const SegmentArg& segs, bool accumulate, const char* what,
                    Launch&& launch_partials) {
   MT_CHECK(out.numel() == 1 && out.dtype == DType::f32, "{}: out must be float32 [1]", what);
-  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(segs.total_chunks, ctx.num_sms * 4LL)));
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(segs.total_chunks, ctx.num_sms * 8LL)));
   double* partial = ctx.scratch->take_array<double>(grid, what);
   launch_partials(partial, grid);
   MT_CUDA_CHECK_LAUNCH();
