@@ -41,10 +41,18 @@ std::vector<int> expert_bias_layers(const GptModel& m) {
   return out;
 }
 
-const char* first_state_suffix(OptimizerKind k) { return k == OptimizerKind::adam ? ".exp_avg" : ".momentum_buffer"; }
+// (Muon keeps its momentum where AdamW keeps exp_avg: its parameters' exp_avg entries hold it.)
+const char* first_state_suffix(OptimizerKind k) { return k == OptimizerKind::sgd ? ".momentum_buffer" : ".exp_avg"; }
 constexpr const char* kSecondStateSuffix = ".exp_avg_sq";
 
-const char* optimizer_name(OptimizerKind k) { return k == OptimizerKind::adam ? "adam" : "sgd"; }
+const char* optimizer_name(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd: return "sgd";
+    case OptimizerKind::muon: return "muon";
+    case OptimizerKind::adam: break;
+  }
+  return "adam";
+}
 
 const char* scaler_kind_name(LossScaler::Kind k) {
   switch (k) {

@@ -24,6 +24,9 @@ void validate_model(CliState& st);
 // Megatron-LM's FSDP rules, then --use-megatron-fsdp / --use-torch-fsdp2 mapped onto the
 // data-parallel settings the other rules read: first.
 void validate_fsdp(CliState& st);
+// --optimizer muon: its settings checked as Megatron-LM checks them, and the distributed optimizer
+// (Megatron's layer-wise one with Muon) replaced by the unsharded update (before validate_parallel).
+void validate_muon(CliState& st);
 void validate_parallel(CliState& st);
 void validate_training(CliState& st);
 void validate_data(CliState& st);

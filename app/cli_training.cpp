@@ -50,30 +50,62 @@ void add_training_flags(FlagTable& t) {
   t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
           MT_FIELD(train.exit_duration_in_mins));
   t.flag("--exit-signal-handler", "save and exit on SIGTERM", MT_FIELD(train.exit_signal_handler));
-  t.choice("--optimizer", "optimizer (adam is AdamW; Megatron also has muon, dist_muon, lion, soap, adaptive_muon)",
-           std::vector<std::pair<std::string, OptimizerKind>>{{"adam", OptimizerKind::adam}, {"sgd", OptimizerKind::sgd}},
-           MT_FIELD(train.optimizer));
-  // Megatron-LM's Muon settings: read by its Muon optimizer only (--optimizer muon, refused above),
-  // so with adam or sgd they change nothing there either.
   {
-    const std::string why = "a setting of Megatron-LM's Muon optimizer (--optimizer muon, not built): no effect with "
-                            "adam or sgd, as in Megatron-LM";
-    // (In Megatron-LM's order.)
-    t.no_effect_checked("--muon-momentum", "FLOAT", {}, why, "0.9");
-    t.no_effect("--muon-no-split-qkv", Arity::none, why);
-    t.no_effect("--muon-nesterov", Arity::none, why);
-    t.no_effect_checked("--muon-scale-mode", "", {"spectral", "unit_rms_norm", "shape_scaling"}, why, "spectral");
-    t.no_effect_checked("--muon-fp32-matmul-prec", "", {"low", "medium", "high"}, why, "medium");
-    t.no_effect_checked("--muon-coefficient-type", "STR", {}, why, "quintic");
-    t.no_effect_checked("--muon-num-ns-steps", "INT", {}, why, "5");
-    t.no_effect_checked("--muon-tp-mode", "", {"blockwise", "duplicated", "distributed"}, why, "duplicated");
-    t.no_effect("--muon-use-syrk", Arity::none, why);
-    t.no_effect_checked("--muon-extra-scale-factor", "FLOAT", {}, why, "1.0");
-    t.no_effect_checked("--muon-scalar-optimizer", "", {"adam", "lion"}, why, "adam");
-    t.no_effect("--no-use-layer-wise-param-layout", Arity::none,
-                "the parameter layout of Megatron-LM's layer-wise distributed optimizer (used by Muon and its other "
-                "emerging optimizers, not built): no effect with adam or sgd, as in Megatron-LM");
+    FlagSpec& s = t.choice("--optimizer",
+                           "optimizer: adam is AdamW; muon orthogonalizes the momentum of the 2-D weights (the word "
+                           "embeddings, output layer, norms and biases take AdamW); dist_muon is Megatron's deprecated "
+                           "spelling of muon with --use-distributed-optimizer (lion, soap, adaptive_muon not built)",
+                           std::vector<std::pair<std::string, OptimizerKind>>{{"adam", OptimizerKind::adam},
+                                                                              {"sgd", OptimizerKind::sgd},
+                                                                              {"muon", OptimizerKind::muon},
+                                                                              {"dist_muon", OptimizerKind::muon}},
+                           MT_FIELD(train.optimizer));
+    s.apply = [inner = s.apply](CliState& st, const FlagValue& v) {
+      inner(st, v);
+      if (v.one() == "dist_muon") {
+        st.warn("optimizer='dist_muon' is deprecated. Use --optimizer muon --use-distributed-optimizer instead.");
+        st.cfg.parallel.use_distributed_optimizer = true;
+      }
+    };
   }
+  // Megatron-LM's Muon settings (emerging_optimizers 0.3's TensorParallelMuon; engine/muon.h). With
+  // adam or sgd they change nothing, as in Megatron-LM; with muon they are checked as it checks them.
+  t.value("--muon-momentum", "Muon: momentum of the internal SGD (EMA)", MT_FIELD(train.muon.momentum));
+  t.flag("--muon-no-split-qkv", "Muon: orthogonalize the fused QKV weight whole, not its query, key and value parts "
+         "separately", MT_FIELD(train.muon.split_qkv), false);
+  t.flag("--muon-nesterov", "Muon: Nesterov-style momentum", MT_FIELD(train.muon.nesterov));
+  t.choice("--muon-scale-mode", "Muon: the update's scale for a [m, n] matrix: spectral sqrt(max(m, n)), "
+           "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n))",
+           std::vector<std::pair<std::string, MuonScaleMode>>{{"spectral", MuonScaleMode::spectral},
+                                                              {"unit_rms_norm", MuonScaleMode::unit_rms_norm},
+                                                              {"shape_scaling", MuonScaleMode::shape_scaling}},
+           MT_FIELD(train.muon.scale_mode));
+  t.choice("--muon-fp32-matmul-prec", "Muon: the Newton-Schulz products: medium rounds every product to bfloat16 "
+           "(Megatron-LM's bf16 GEMMs), high keeps float32",
+           std::vector<std::pair<std::string, MuonMatmulPrecision>>{{"low", MuonMatmulPrecision::low},
+                                                                    {"medium", MuonMatmulPrecision::medium},
+                                                                    {"high", MuonMatmulPrecision::high}},
+           MT_FIELD(train.muon.fp32_matmul_prec));
+  t.value("--muon-coefficient-type", "Muon: Newton-Schulz coefficients: simple, quintic, polar_express, cans, aol "
+          "or deepseekv4", MT_FIELD(train.muon.coefficient_type));
+  t.value("--muon-num-ns-steps", "Muon: Newton-Schulz iterations", MT_FIELD(train.muon.num_ns_steps));
+  t.choice("--muon-tp-mode", "Muon under TP: duplicated and distributed orthogonalize the whole matrix (the same "
+           "update as one rank; megatrain gathers it on every TP rank for both), blockwise each rank's shard alone",
+           std::vector<std::pair<std::string, MuonTpMode>>{{"blockwise", MuonTpMode::blockwise},
+                                                           {"duplicated", MuonTpMode::duplicated},
+                                                           {"distributed", MuonTpMode::distributed}},
+           MT_FIELD(train.muon.tp_mode));
+  t.without_effect(t.flag("--muon-use-syrk", "Muon: Megatron-LM's Triton SYRK kernel for the Gram matrices",
+                          MT_FIELD(train.muon.use_syrk)),
+                   "a kernel choice of Megatron-LM's (the same Gram matrices, computed as symmetric products): "
+                   "megatrain's products are its backend's GEMMs either way");
+  t.value("--muon-extra-scale-factor", "Muon: an extra factor on the update", MT_FIELD(train.muon.extra_scale_factor));
+  t.choice("--muon-scalar-optimizer", "Muon: the optimizer of the parameters Muon does not take (adam; lion not built)",
+           std::vector<std::pair<std::string, std::string>>{{"adam", "adam"}, {"lion", "lion"}},
+           MT_FIELD(train.muon.scalar_optimizer));
+  t.no_effect("--no-use-layer-wise-param-layout", Arity::none,
+              "the parameter layout of Megatron-LM's layer-wise distributed optimizer (Muon's): megatrain's Muon "
+              "keeps the optimizer state whole on every data-parallel rank, so there is no layout to choose");
   t.value("--weight-decay", "AdamW weight decay (not on biases and 1-D parameters)", MT_FIELD(train.weight_decay));
   t.flag("--apply-wd-to-qk-layernorm",
          "apply weight decay to the q/k layernorm parameters too (by default 1-D parameters and biases get none)",

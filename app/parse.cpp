@@ -165,6 +165,7 @@ CliState parse_flags(const std::vector<std::string>& args) {
 
 void validate(CliState& st) {
   validate_fsdp(st);
+  validate_muon(st);
   validate_model(st);
   validate_parallel(st);
   validate_training(st);

@@ -32,7 +32,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--expert-tensor-parallel-size", W::conditional, {}, "", false,
        "with --num-experts, values not dividing --tensor-model-parallel-size not supported yet"},
       // training (1.3)
-      {"--optimizer", W::values, {"muon", "dist_muon", "lion", "soap", "adaptive_muon"}, ""},
+      {"--optimizer", W::values, {"lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
       {"--fine-grained-activation-offloading", W::any_use, {}, ""},
       {"--offload-modules", W::any_use, {}, "activation offloading"},

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "app/cli_internal.h"
+#include "engine/muon.h"
 #include "parallel/pipeline_layout.h"
 
 namespace mt::cli {
@@ -132,6 +133,52 @@ static void validate_precision_aware_optimizer(CliState& st) {
   if (t.main_grads_dtype == StateDtype::bf16 && t.precision != Precision::bf16)
     st.note("--main-grads-dtype bf16 has no effect without --bf16: the gradient buffer has the parameters' dtype "
             "(megatrain keeps float32 main gradients with --fp16)");
+}
+
+void validate_muon(CliState& st) {
+  Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  if (t.optimizer != OptimizerKind::muon) {
+    // (Megatron-LM reads them in its Muon optimizer only.)
+    for (const auto& [flag, value] : st.given)
+      if (flag.starts_with("--muon-"))
+        st.note(fmt::format("{} has no effect without --optimizer muon (as in Megatron-LM)", flag));
+    return;
+  }
+  const MuonConfig& m = t.muon;
+  // (Megatron-LM's own checks, in its words where it has them.)
+  if (t.precision == Precision::fp16) fail("emerging optimizer with fp16 is not supported (--optimizer muon with --fp16)");
+  if (c.parallel.use_megatron_fsdp) fail("Emerging optimizer does not support Megatron-FSDP for now (--optimizer muon)");
+  if (c.parallel.use_torch_fsdp2) fail("Emerging optimizer does not support Torch-FSDP2 for now (--optimizer muon)");
+  if (c.checkpoint.ckpt_format != "torch" && c.checkpoint.ckpt_format != "torch_dist")
+    fail("Emerging optimizer supports torch and torch_dist checkpoint format (--optimizer muon with --ckpt-format {})",
+         c.checkpoint.ckpt_format);
+  if (!muon_coefficients_known(m.coefficient_type))
+    fail("Unsupported muon coefficient type '{}'. Supported types: {} (--muon-coefficient-type)", m.coefficient_type,
+         muon_coefficient_types());
+  if (m.num_ns_steps < 1) fail("num_ns_steps must be at least 1, got {} (--muon-num-ns-steps)", m.num_ns_steps);
+  if (m.fp32_matmul_prec == MuonMatmulPrecision::low)
+    fail("--muon-fp32-matmul-prec low: PyTorch has no 'low' float32 matmul precision, so Megatron-LM fails at its first "
+         "Muon step; use medium (the default) or high");
+  if (m.scalar_optimizer != "adam")
+    fail("megatrain does not support --muon-scalar-optimizer {} yet (the Lion optimizer): use adam", m.scalar_optimizer);
+  if (t.use_precision_aware_optimizer)
+    fail("--use-precision-aware-optimizer is not supported with --optimizer muon (it needs the distributed optimizer, "
+         "which Megatron-LM replaces by its layer-wise one for Muon)");
+  if (c.train.fp8_format)
+    fail("megatrain does not support --fp8-format with --optimizer muon yet (FP8 weight scales follow AdamW's update)");
+  ParallelConfig& p = c.parallel;
+  if (p.use_distributed_optimizer) {
+    // Megatron-LM: use_distributed_optimizer becomes its layer-wise distributed optimizer (each DP
+    // rank updates whole parameters, then they are all-gathered): the same update as one rank.
+    st.note("--use-distributed-optimizer with --optimizer muon: Megatron-LM's layer-wise distributed optimizer shards "
+            "the optimizer state by parameter; megatrain computes the same update with the state whole on every "
+            "data-parallel rank (gradients all-reduced, nothing gathered after the step)");
+    p.use_distributed_optimizer = false;
+    p.overlap_param_gather = false;
+    p.overlap_param_gather_with_optimizer_step = false;
+    p.num_distributed_optimizer_instances = 1;
+  }
 }
 
 void validate_training(CliState& st) {

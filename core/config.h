@@ -22,7 +22,24 @@ enum class Precision { fp32, bf16, fp16 };
 enum class Fp8Format { e4m3, hybrid };
 enum class Fp8Recipe { delayed, tensorwise, mxfp8, blockwise, custom };
 enum class Fp8AmaxAlgo { most_recent, max };
-enum class OptimizerKind { adam, sgd };
+enum class OptimizerKind { adam, sgd, muon };
+// --optimizer muon's settings (Megatron-LM's --muon-* flags; engine/muon.h).
+enum class MuonScaleMode { spectral, unit_rms_norm, shape_scaling };
+enum class MuonMatmulPrecision { low, medium, high };
+enum class MuonTpMode { blockwise, duplicated, distributed };
+struct MuonConfig {
+  double momentum = 0.9;
+  bool split_qkv = true;  // --muon-no-split-qkv clears it
+  bool nesterov = false;
+  MuonScaleMode scale_mode = MuonScaleMode::spectral;
+  MuonMatmulPrecision fp32_matmul_prec = MuonMatmulPrecision::medium;
+  std::string coefficient_type = "quintic";
+  int num_ns_steps = 5;
+  MuonTpMode tp_mode = MuonTpMode::duplicated;
+  bool use_syrk = false;
+  double extra_scale_factor = 1.0;
+  std::string scalar_optimizer = "adam";
+};
 // Storage dtype of an optimizer tensor under --use-precision-aware-optimizer (--main-grads-dtype,
 // --main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype). fp8 is Megatron's torch.uint8 (e4m3).
 enum class StateDtype { fp32, fp16, bf16, fp8 };
@@ -346,6 +363,7 @@ struct TrainConfig {
   double adam_beta2 = 0.999;
   double adam_eps = 1e-8;
   double sgd_momentum = 0.9;
+  MuonConfig muon;
   bool calculate_per_token_loss = false;
   bool check_for_nan_in_loss_and_grad = true;
   // Megatron-LM's rerun state machine (engine/rerun_state_machine.h): --rerun-mode

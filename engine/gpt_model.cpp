@@ -12,6 +12,7 @@
 #include "core/philox.h"
 #include "engine/blocks/attention_core.h"
 #include "engine/gpt_model_parts.h"
+#include "engine/muon.h"
 #include "parallel/parallel_state.h"
 #include "parallel/parallel_state_builder.h"
 
@@ -62,6 +63,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.moe_recompute_shared = d.any_moe() && d.shared_ffn > 0 && (selective("moe") || selective("shared_experts"));
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
+  o.muon = cfg.train.muon;
   o.rope.base = cfg.model.rotary_base;
   o.rope.llama3_scaling = cfg.model.use_rope_scaling;
   o.rope.scaling_factor = cfg.model.rope_scaling_factor;
@@ -372,11 +374,16 @@ void GptModel::layout(Arena& a) {
   }
   master_ = has_master_copy() ? a.take(C::master_weights, opt_.master_remainders ? DType::i16 : S, {state}) : params_;
   state1_ = state2_ = Tensor();
-  if (opt_.optimizer == OptimizerKind::adam) {
+  if (opt_.optimizer != OptimizerKind::sgd) {  // (Muon: its momentum in state1, AdamW's for the rest)
     state1_ = a.take(C::optimizer_states, opt_.bf16_exp_avg ? DType::bf16 : S, {state});
     state2_ = a.take(C::optimizer_states, opt_.bf16_exp_avg_sq ? DType::bf16 : S, {state});
   } else if (opt_.sgd_momentum) {
     state1_ = a.take(C::optimizer_states, S, {state});
+  }
+  muon_workspace_ = Tensor();
+  if (opt_.optimizer == OptimizerKind::muon) {
+    const int64_t n = muon_workspace_elements(descs_, muon_matrices(descs_, d_, opt_.muon), opt_.muon);
+    if (n > 0) muon_workspace_ = a.take(C::optimizer_states, S, {n});
   }
   scalars_ = a.take(C::workspace, S, {32});
   train_loss_ = a.take(C::workspace, S, {2});

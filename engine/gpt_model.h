@@ -50,6 +50,7 @@ struct ModelOptions {
   RecomputePlan recompute;
   OptimizerKind optimizer = OptimizerKind::adam;
   bool sgd_momentum = true;    // SGD keeps a momentum buffer (--sgd-momentum != 0)
+  MuonConfig muon;             // --optimizer muon: its settings (the workspace it needs depends on them)
   RopeTableParams rope;        // positions/rot_dim filled from ModelDims
   AttentionBackend attention_backend = AttentionBackend::auto_;
   bool deterministic = false;  // --deterministic-mode (attention: only bit-reproducible backwards)
@@ -195,6 +196,7 @@ class GptModel {
   Tensor master_flat() const { return master_; }  // == params_flat() when compute == accum
   Tensor exp_avg_flat() const { return state1_; }     // Adam m, or SGD momentum
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
+  Tensor muon_workspace() const { return muon_workspace_; }  // --optimizer muon's scratch (engine/muon.h)
   // A separate master copy: a compute dtype narrower than accum, or FP8 parameters (their only
   // full-precision values are the master weights, also with float32 compute on the reference backend).
   bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params() || opt_.shard_params; }
@@ -617,6 +619,7 @@ class GptModel {
   const NormParams& qk_norm_params() const { return d_.qk_l2 ? qk_l2_norm_ : norm_; }
   GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
+  Tensor muon_workspace_;
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
       moe_layer_loss_;
   // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.

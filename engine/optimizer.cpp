@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/muon.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -34,7 +35,13 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   mtp_depths_ = chunks_.front()->dims().mtp;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (chunks_[c]->dims().last_stage) output_chunk_ = chunks_[c];
+    if (t.optimizer == OptimizerKind::muon) {
+      MT_CHECK(!chunks_[c]->grad_layout().sharded, "Muon runs without the distributed optimizer (cli: validate_muon)");
+      muon_matrices_.push_back(muon_matrices(chunks_[c]->params(), chunks_[c]->dims(), t.muon));
+    }
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
+      // Muon's parameters leave AdamW's segments.
+      if (t.optimizer == OptimizerKind::muon) r.update = without_muon_params(r.update, chunks_[c]->params(), r.flat_offset);
       be_.register_optim_segments(r.update);
       be_.register_optim_segments(r.norm);
       be_.register_optim_segments(r.expert_norm);
@@ -233,9 +240,10 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     for (const OptimRange& r : ranges_) {
       if (r.update.empty()) continue;
       const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-      if (t.optimizer == OptimizerKind::adam) be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
-      else be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
+      if (t.optimizer == OptimizerKind::sgd) be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
+      else be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
     }
+    if (t.optimizer == OptimizerKind::muon) muon_step(p);
     reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
     rescale_fp8_params();
     for (GptModel* m : chunks_) m->fp8_weights_updated();  // (the update took the weights' amaxes)
@@ -247,6 +255,28 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   ++steps_;
   schedule_.step(global_batch > 0 ? global_batch : t.global_batch);
   return out;
+}
+
+// Muon's parameters, chunk by chunk (each with its group's learning rate and weight decay).
+void Optimizer::muon_step(const OptimStepParams& p) {
+  const bool decoupled = cfg_.train.decoupled_lr.has_value();
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    GptModel& m = *chunks_[c];
+    const std::vector<ParamDesc>& params = m.params();
+    std::vector<float> lr(params.size()), wd(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int g = optim_group(params[i], decoupled);
+      lr[i] = p.lr[g];
+      wd[i] = p.weight_decay[g];
+    }
+    MuonViews v;
+    v.master = m.master_flat();
+    v.grad = m.grads_flat();
+    v.momentum = m.exp_avg_flat();
+    if (m.has_master_copy()) v.model_copy = m.param_storage(0, m.params_flat().numel());
+    v.workspace = m.muon_workspace();
+    muon_update(be_, cfg_.train.muon, params, muon_matrices_[c], v, lr, wd, p.grad_scale, ps_.tp.get(), ps_.tp.get());
+  }
 }
 
 bool Optimizer::cast_fp8_params() {

@@ -30,6 +30,7 @@
 #include "engine/gpt_model.h"
 #include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
+#include "engine/muon.h"
 
 namespace mt {
 
@@ -104,6 +105,9 @@ class Optimizer {
 
  private:
   OptimStepParams step_params(double grad_scale) const;
+  // --optimizer muon: the update of Muon's parameters (engine/muon.h), after AdamW's of the others.
+  void muon_step(const OptimStepParams& p);
+  std::vector<std::vector<MuonMatrix>> muon_matrices_;  // per chunk
   // FP8 parameters (--fp8-param-gather): this rank's shards cast from the master weights (a step
   // skipped by the loss scaler; an update casts them itself); false when no chunk has any.
   bool cast_fp8_params();

@@ -1,0 +1,347 @@
+#include "engine/muon.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <span>
+#include <utility>
+
+#include "core/error.h"
+#include "parallel/communicator.h"
+
+namespace mt {
+
+namespace {
+
+// emerging_optimizers 0.3's coefficient sets (muon_utils._COEFFICIENT_SETS), and whether the
+// iteration repeats the last entry (else it cycles).
+struct CoefficientSet {
+  std::vector<MuonCoefficients> steps;
+  bool repeat_last = false;
+};
+
+const std::map<std::string, CoefficientSet>& coefficient_sets() {
+  static const std::map<std::string, CoefficientSet> sets = [] {
+    std::map<std::string, CoefficientSet> s;
+    s["simple"] = {{{3.4445f, -4.7750f, 2.0315f}}, false};
+    s["quintic"] = {{{4.0848f, -6.8946f, 2.9270f},
+                     {3.9505f, -6.3029f, 2.6377f},
+                     {3.7418f, -5.5913f, 2.3037f},
+                     {2.8769f, -3.1427f, 1.2046f},
+                     {2.8366f, -3.0525f, 1.2012f}},
+                    false};
+    s["polar_express"] = {{{8.2051f, -22.9019f, 16.4607f},
+                           {4.0664f, -2.8612f, 0.5184f},
+                           {3.9096f, -2.8234f, 0.5250f},
+                           {3.2856f, -2.4153f, 0.4853f},
+                           {2.2779f, -1.6198f, 0.3985f},
+                           {1.8726f, -1.2307f, 0.3585f},
+                           {1.8564f, -1.2132f, 0.3568f},
+                           {1.8750f, -1.2500f, 0.3750f}},
+                          true};
+    s["cans"] = {{{8.4703f, -25.1081f, 18.6293f},
+                  {4.1828f, -3.1087f, 0.5806f},
+                  {3.9619f, -2.9541f, 0.5630f},
+                  {3.2866f, -2.4647f, 0.5074f},
+                  {2.2737f, -1.6447f, 0.4162f}},
+                 true};
+    s["aol"] = {{{4.0098f, -7.0585f, 2.4635f},
+                 {3.4585f, -5.5479f, 2.5959f},
+                 {2.7573f, -3.2939f, 1.4254f},
+                 {2.7215f, -3.0494f, 1.3169f}},
+                false};
+    CoefficientSet dsv4;
+    dsv4.steps.assign(8, {3.4445f, -4.7750f, 2.0315f});
+    dsv4.steps.insert(dsv4.steps.end(), 2, {2.0f, -1.5f, 0.5f});
+    dsv4.repeat_last = true;
+    s["deepseekv4"] = dsv4;
+    return s;
+  }();
+  return sets;
+}
+
+constexpr double kNormEps = 1e-7;  // emerging_optimizers 0.3's newton_schulz eps
+
+bool is_qkv_weight(const std::string& name) {
+  const std::string suffix = "self_attention.linear_qkv.weight";
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The workspace's regions (elements of the master weights' dtype): the parameter's momentum-side
+// copy L, the gathered matrix U, a staging area S (pieces, a column gather), then NS's own.
+struct WorkspaceLayout {
+  int64_t local = 0, matrix = 0, stage = 0, ns = 0;
+  int64_t total() const { return local + matrix + stage + ns; }
+};
+
+WorkspaceLayout layout_of(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
+                          const MuonConfig& cfg) {
+  WorkspaceLayout w;
+  for (const MuonMatrix& m : matrices) {
+    const int64_t rc = m.global_rows * m.global_cols;
+    w.local = std::max(w.local, params[static_cast<size_t>(m.param)].numel());
+    w.matrix = std::max(w.matrix, rc);
+    w.stage = std::max(w.stage, std::max(rc, m.local_rows() * m.cols));
+    w.ns = std::max(w.ns, newton_schulz_workspace(m.global_rows, m.global_cols, cfg));
+  }
+  return w;
+}
+
+}  // namespace
+
+bool muon_coefficients_known(const std::string& type) { return coefficient_sets().count(type) > 0; }
+
+std::string muon_coefficient_types() {
+  std::string out;
+  for (const char* n : {"simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"}) {
+    if (!out.empty()) out += ", ";
+    out += n;
+  }
+  return out;
+}
+
+std::vector<MuonCoefficients> muon_coefficients(const std::string& type, int steps) {
+  const auto it = coefficient_sets().find(type);
+  MT_CHECK(it != coefficient_sets().end(), "unknown Muon coefficient type {}", type);
+  const CoefficientSet& s = it->second;
+  std::vector<MuonCoefficients> out;
+  for (int k = 0; k < steps; ++k) {
+    const size_t n = s.steps.size(), i = static_cast<size_t>(k);
+    out.push_back(s.repeat_last ? s.steps[std::min(i, n - 1)] : s.steps[i % n]);
+  }
+  return out;
+}
+
+bool muon_param(const ParamDesc& p) { return p.global_shape.size() == 2 && !p.decoupled_lr; }
+
+double muon_scale(MuonScaleMode mode, int64_t rows, int64_t cols) {
+  const double r = static_cast<double>(rows), c = static_cast<double>(cols);
+  switch (mode) {
+    case MuonScaleMode::shape_scaling: return std::sqrt(std::max(1.0, r / c));
+    case MuonScaleMode::unit_rms_norm: return std::sqrt(r / c);
+    case MuonScaleMode::spectral: break;
+  }
+  return std::sqrt(std::max(r, c));
+}
+
+std::vector<MuonMatrix> muon_matrices(const std::vector<ParamDesc>& params, const ModelDims& d, const MuonConfig& cfg) {
+  const bool gather = cfg.tp_mode != MuonTpMode::blockwise;
+  std::vector<MuonMatrix> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamDesc& p = params[i];
+    if (!muon_param(p)) continue;
+    const int64_t lr = p.local_rows(), lc = p.local_cols();
+    // Each routed expert alone; a parameter whole otherwise.
+    const int64_t units = p.expert ? d.experts_local() : 1;
+    const int64_t global_unit_rows = p.global_shape[0] / (p.expert ? d.experts : 1), unit_rows = lr / units;
+    const int group = p.expert ? d.etp_size : d.tp_size;
+    int dim = -1;
+    if (unit_rows < global_unit_rows) dim = 0;
+    else if (lc < p.global_shape[1]) dim = 1;
+    if (dim >= 0 && p.expert && d.etp_size != d.tp_size)
+      fail("megatrain does not support --optimizer muon with --expert-tensor-parallel-size {} under "
+           "--tensor-model-parallel-size {} yet (Muon gathers the experts' shards over the TP group)", d.etp_size,
+           d.tp_size);
+    if (!gather) dim = -1;
+    const int64_t gr = dim == 0 ? group : 1, gc = dim == 1 ? group : 1;
+    if (cfg.split_qkv && is_qkv_weight(p.name) && !d.mla) {
+      // Per local query group: [q | gate (--attention-output-gate) | k | v] rows of head_dim each.
+      const int64_t dh = d.head_dim, q = static_cast<int64_t>(d.heads / d.groups) * dh;
+      std::vector<int64_t> parts = {q};
+      if (d.output_gate) parts.push_back(q);
+      parts.push_back(dh);
+      parts.push_back(dh);
+      int64_t per_group = 0;
+      for (int64_t s : parts) per_group += s;
+      if (lr % per_group == 0) {
+        const int pieces = static_cast<int>(lr / per_group);
+        int64_t row0 = 0;
+        for (int64_t s : parts) {
+          out.push_back(MuonMatrix{static_cast<int>(i), row0, s, per_group, lc, pieces, dim, s * pieces * gr, lc * gc});
+          row0 += s;
+        }
+        continue;
+      }
+    }
+    for (int64_t u = 0; u < units; ++u)
+      out.push_back(MuonMatrix{static_cast<int>(i), u * unit_rows, unit_rows, unit_rows, lc, 1, dim, unit_rows * gr,
+                               lc * gc});
+  }
+  return out;
+}
+
+int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
+                                const MuonConfig& cfg) {
+  return matrices.empty() ? 0 : layout_of(params, matrices, cfg).total();
+}
+
+int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cfg) {
+  const int64_t m = std::min(rows, cols), n = rows * cols;
+  // X's next value, A and A A (then b A + c A A), with bfloat16 rounding a 16-bit copy of the
+  // largest of them (half as many elements of a 32-bit dtype, rounded up), and the norm's slot.
+  const int64_t rounding = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium ? (std::max(n, m * m) + 1) / 2 : 0;
+  return n + 2 * m * m + rounding + 1;
+}
+
+void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
+  const int64_t R = x.rows(), C = x.cols(), n = R * C;
+  const bool transpose = R > C;  // orthogonalize over the smaller dimension
+  const int64_t m = transpose ? C : R;
+  MT_CHECK(work.dtype == x.dtype && work.numel() >= newton_schulz_workspace(R, C, cfg),
+           "newton_schulz: workspace of {} elements for a [{}, {}] matrix", work.numel(), R, C);
+  const Tensor x2 = work.flat_slice(0, n).view({R, C});
+  const Tensor A = work.flat_slice(n, m * m).view({m, m});
+  const Tensor AA = work.flat_slice(n + m * m, m * m).view({m, m});
+  const bool bf16 = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium;
+  // Megatron-LM's "medium" precision: bfloat16 operands and results (float32 accumulation).
+  void* const half_base = static_cast<char*>(work.data) + static_cast<size_t>(n + 2 * m * m) * dtype_size(work.dtype);
+  const auto round = [&](const Tensor& t) {
+    if (!bf16) return;
+    const Tensor h(half_base, DType::bf16, t.device, {t.numel()});
+    be.cast(h, t);
+    be.cast(t, h);
+  };
+  // X = x / max(|x|_F, eps).
+  const Tensor slot = work.flat_slice(work.numel() - 1, 1);
+  const OptimSegment whole{0, n, 0};
+  be.sum_squares(slot, x, std::span<const OptimSegment>(&whole, 1), false);
+  double sumsq = 0;
+  if (slot.dtype == DType::f64) {
+    be.copy_to_host(&sumsq, slot);
+  } else {
+    float f = 0;
+    be.copy_to_host(&f, slot);
+    sumsq = f;
+  }
+  const double norm = std::max(std::sqrt(sumsq), kNormEps);
+  be.axpby(x, static_cast<float>(1.0 / norm), x, 0.0f, x);
+  round(x);
+  const Tensor none;
+  for (const MuonCoefficients& k : muon_coefficients(cfg.coefficient_type, cfg.num_ns_steps)) {
+    const float a = k[0], b = k[1], c = k[2];
+    // A = X X^T (X^T X when transposed), rounded as a product's result.
+    if (transpose) be.linear_backward_weight(A, none, x, x, false);
+    else be.linear_forward(A, x, x, none, Activation::none, none);
+    round(A);
+    // P = b A + c A A (one rounding, as addmm's), or b A alone for c = 0.
+    const Tensor& P = c != 0.0f ? AA : A;
+    if (c != 0.0f) {
+      be.linear_forward(AA, A, A, none, Activation::none, none);  // A A^T = A A (A symmetric)
+      be.axpby(AA, c, AA, b, A);
+      round(AA);
+    }
+    // X = a X + P X (X P when transposed; P symmetric).
+    if (transpose) be.linear_forward(x2, x, P, none, Activation::none, none);
+    else be.linear_backward_input(x2, P, x, false, Activation::none, none);
+    be.axpby(x, a, x, c != 0.0f ? 1.0f : b, x2);
+    round(x);
+  }
+}
+
+void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
+                 const std::vector<MuonMatrix>& matrices, const MuonViews& v, const std::vector<float>& lr,
+                 const std::vector<float>& wd, float grad_scale, Communicator* tp, Communicator* expert_tp) {
+  if (matrices.empty()) return;
+  const WorkspaceLayout w = layout_of(params, matrices, cfg);
+  MT_CHECK(v.workspace.numel() >= w.total() && v.workspace.dtype == v.master.dtype,
+           "muon_update: workspace of {} elements, {} needed", v.workspace.numel(), w.total());
+  const Tensor L = v.workspace.flat_slice(0, w.local);
+  const Tensor U = v.workspace.flat_slice(w.local, w.matrix);
+  const Tensor S = v.workspace.flat_slice(w.local + w.matrix, w.stage);
+  const Tensor ns = v.workspace.flat_slice(w.local + w.matrix + w.stage, w.ns);
+  const float mu = static_cast<float>(cfg.momentum);
+  const double extra = cfg.extra_scale_factor;
+  size_t k = 0;
+  while (k < matrices.size()) {
+    const int pi = matrices[k].param;
+    const ParamDesc& p = params[static_cast<size_t>(pi)];
+    const int64_t n = p.numel(), rows = p.local_rows(), cols = p.local_cols();
+    const float lr_p = lr[static_cast<size_t>(pi)], wd_p = wd[static_cast<size_t>(pi)];
+    const Tensor M = v.master.flat_slice(p.offset, n), G = v.grad.flat_slice(p.offset, n);
+    const Tensor Bm = v.momentum.flat_slice(p.offset, n), l = L.flat_slice(0, n);
+    // Decoupled weight decay first, then the momentum (on the clipped gradient), then Nesterov's.
+    if (lr_p * wd_p != 0.0f) be.axpby(M, 1.0f, M, -lr_p * wd_p, M);
+    if (G.dtype == l.dtype) be.copy(l, G);
+    else be.cast(l, G);
+    be.axpby(l, grad_scale, l, 0.0f, l);
+    be.axpby(Bm, mu, Bm, 1.0f - mu, l);
+    if (cfg.nesterov) be.axpby(l, 1.0f - mu, l, mu, Bm);
+    else be.copy(l, Bm);
+    const Tensor lv = l.view({rows, cols}), mv = M.view({rows, cols});
+    for (; k < matrices.size() && matrices[k].param == pi; ++k) {
+      const MuonMatrix& m = matrices[k];
+      const int64_t lrows = m.local_rows(), gr = m.global_rows, gc = m.global_cols;
+      // This rank's part, contiguous.
+      Tensor part = lv.row_slice(m.row0, m.rows);
+      if (m.pieces > 1) {
+        part = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
+        for (int g = 0; g < m.pieces; ++g)
+          be.copy(part.row_slice(g * m.rows, m.rows), lv.row_slice(m.row0 + g * m.stride, m.rows));
+      }
+      // The whole matrix.
+      Communicator* comm = p.expert ? expert_tp : tp;
+      Tensor full = part;
+      if (m.shard_dim >= 0) {
+        MT_CHECK(comm != nullptr, "muon_update: {} is sharded but no group gathers it", p.name);
+        full = U.flat_slice(0, gr * gc).view({gr, gc});
+        if (m.shard_dim == 0) {
+          comm->all_gather(full, part);
+        } else {
+          MT_CHECK(m.pieces == 1, "muon_update: {}: pieces of a column-sharded matrix", p.name);
+          const Tensor stage = S.flat_slice(0, gr * gc);
+          comm->all_gather(stage, part);
+          for (int r = 0; r < comm->size(); ++r)
+            be.copy_columns(full, r * m.cols, stage.flat_slice(r * lrows * m.cols, lrows * m.cols).view({lrows, m.cols}),
+                            0, m.cols);
+        }
+      }
+      newton_schulz(be, full, ns, cfg);
+      // This rank's share of the orthogonalized matrix.
+      Tensor own = full;
+      if (m.shard_dim == 0) {
+        own = full.row_slice(comm->rank() * lrows, lrows);
+      } else if (m.shard_dim == 1) {
+        own = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
+        be.copy_columns(own, 0, full, comm->rank() * m.cols, m.cols);
+      }
+      const float alpha = static_cast<float>(-lr_p * muon_scale(cfg.scale_mode, gr, gc) * extra);
+      for (int g = 0; g < m.pieces; ++g) {
+        const Tensor dst = mv.row_slice(m.row0 + g * m.stride, m.rows);
+        be.axpby(dst, 1.0f, dst, alpha, own.row_slice(g * m.rows, m.rows));
+      }
+    }
+    if (!v.model_copy.empty()) be.cast(v.model_copy.flat_slice(p.offset, n), M);
+  }
+}
+
+std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,
+                                              const std::vector<ParamDesc>& params, int64_t flat_offset) {
+  std::vector<std::pair<int64_t, int64_t>> cut;  // [begin, end) relative to the range
+  for (const ParamDesc& p : params)
+    if (muon_param(p)) cut.push_back({p.offset - flat_offset, p.offset - flat_offset + p.numel()});
+  std::sort(cut.begin(), cut.end());
+  std::vector<OptimSegment> out;
+  for (const OptimSegment& s : segments) {
+    int64_t at = s.offset;
+    const int64_t end = s.offset + s.count;
+    for (const auto& [b, e] : cut) {
+      if (e <= at || b >= end) continue;
+      if (b > at) {
+        OptimSegment piece = s;
+        piece.offset = at;
+        piece.count = b - at;
+        out.push_back(piece);
+      }
+      at = std::max(at, e);
+    }
+    if (at < end) {
+      OptimSegment piece = s;
+      piece.offset = at;
+      piece.count = end - at;
+      out.push_back(piece);
+    }
+  }
+  return out;
+}
+
+}  // namespace mt

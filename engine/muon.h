@@ -1,0 +1,94 @@
+// Muon (--optimizer muon): Megatron-LM's TensorParallelMuon over emerging_optimizers 0.3, on the
+// Backend's ops, so both backends run the same code.
+//
+// Which parameters: Megatron-LM's rule, every 2-D parameter except the word embeddings and the
+// output layer (so also learned position embeddings, the MoE router and the shared expert's gate);
+// the others take AdamW with Megatron's parameter groups. Each routed expert is its own matrix. The
+// fused QKV weight is orthogonalized as its query, (gate,) key and value parts unless
+// --muon-no-split-qkv.
+//
+// One step of a Muon parameter p with gradient g (after clipping), momentum buffer m, the group's
+// learning rate lr and weight decay wd, momentum mu (decoupled weight decay, as the optimizer's
+// WeightDecayMixin applies it, first):
+//   p -= lr wd p;  m = mu m + (1 - mu) g;  u = nesterov ? (1 - mu) g + mu m : m;
+//   p -= lr * scale(rows, cols) * extra * NS(u)
+// NS (Newton-Schulz): X = u / max(|u|_F, 1e-7) (over the smaller dimension: u transposed when it
+// has more rows than columns), then for each step's coefficients (a, b, c): A = X X^T,
+// X = a X + (b A + c A A) X. --muon-fp32-matmul-prec medium runs these on bfloat16 values, as
+// Megatron-LM does (X rounded to bfloat16 after the normalization and every product and sum
+// rounded to it); high keeps float32 (Megatron-LM: TF32 products on a GPU).
+//
+// Under TP (duplicated and distributed modes: the whole matrix's NS, the same update as one rank)
+// every TP rank all-gathers the matrix's shards and runs the whole NS, then applies its own shard:
+// Megatron-LM's duplicated mode (its distributed mode splits the NS products over the ranks; the
+// update is the same up to rounding). blockwise: each shard alone, scaled by its own shape.
+// The momentum buffer is the first optimizer-state buffer (Adam's exp_avg for the other parameters).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "engine/backend.h"
+#include "engine/model_dims.h"
+#include "engine/param_layout.h"
+
+namespace mt {
+
+class Communicator;
+
+// (a, b, c) of one Newton-Schulz step.
+using MuonCoefficients = std::array<float, 3>;
+bool muon_coefficients_known(const std::string& type);
+std::string muon_coefficient_types();  // the names, comma-separated
+// The coefficients of `steps` steps: the type's list cycled (simple, quintic, aol) or with its
+// last entry repeated (polar_express, cans, deepseekv4), as emerging_optimizers iterates them.
+std::vector<MuonCoefficients> muon_coefficients(const std::string& type, int steps);
+
+bool muon_param(const ParamDesc& p);
+// The update's scale for a [rows, cols] matrix (--muon-scale-mode).
+double muon_scale(MuonScaleMode mode, int64_t rows, int64_t cols);
+
+// One matrix Muon orthogonalizes, in a parameter's local block (rows of `cols` elements): pieces
+// rows long, the first at local row row0, each `stride` rows after the last (a QKV part: one piece
+// per local query group; else one piece), gathered over the TP group along shard_dim (0: rows,
+// 1: columns, -1: not gathered) into a [global_rows, global_cols] matrix.
+struct MuonMatrix {
+  int param = 0;  // index in the model's parameters
+  int64_t row0 = 0, rows = 0, stride = 0, cols = 0;
+  int pieces = 1;
+  int shard_dim = -1;
+  int64_t global_rows = 0, global_cols = 0;
+  int64_t local_rows() const { return rows * pieces; }
+};
+// The matrices of a chunk's Muon parameters; tp: the size of the group the parameters' shards
+// are gathered over (1: none). Refuses what it cannot gather (an expert TP size other than 1 or TP).
+std::vector<MuonMatrix> muon_matrices(const std::vector<ParamDesc>& params, const ModelDims& d, const MuonConfig& cfg);
+// Elements (of the master weights' dtype) of the workspace muon_update needs for these.
+int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
+                                const MuonConfig& cfg);
+
+// NS of x [rows, cols] in place (float32 or float64). work: at least newton_schulz_workspace
+// elements of x's dtype.
+void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg);
+int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cfg);
+
+// The views one chunk's update works on (its whole, unsharded flat buffers).
+struct MuonViews {
+  Tensor master, grad, momentum, model_copy;  // model_copy: the compute-dtype parameters, or empty
+  Tensor workspace;                           // muon_workspace_elements of master's dtype
+};
+// Muon's step over a chunk's Muon parameters. lr, wd: per parameter (the optimizer's groups);
+// grad_scale: what turns the gradient buffer into the clipped gradient. tp: the group dense
+// parameters' shards are gathered over; expert_tp: the experts' (null: not gathered).
+void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
+                 const std::vector<MuonMatrix>& matrices, const MuonViews& v, const std::vector<float>& lr,
+                 const std::vector<float>& wd, float grad_scale, Communicator* tp, Communicator* expert_tp);
+
+// A range's AdamW segments without the Muon parameters (offsets relative to flat_offset).
+std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,
+                                              const std::vector<ParamDesc>& params, int64_t flat_offset);
+
+}  // namespace mt
