@@ -653,33 +653,41 @@ __global__ void scale_rows_kernel(T* out, const T* x, const float* p, int64_t ro
   }
 }
 
-template <typename T, int VEC>
-__global__ void scale_rows_backward_kernel(T* dx, float* dp, const T* dout, const T* x, const float* p, int64_t rows,
-                                           int64_t cols, int tpr) {
+// The backward row ops' loop: rows in teams of tpr threads; dot(r, member) returns this thread's
+// share of row r's sum, and the team's sum (xor shuffles, a fixed order) goes to dp[r]. Every lane
+// runs the same number of iterations (the team sum shuffles across the warp).
+template <typename Dot>
+__device__ __forceinline__ void row_team_sums(float* dp, int64_t rows, int tpr, Dot&& dot) {
   const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
   const int rows_per_block = blockDim.x / tpr;
-  // Every lane runs the same number of iterations (the team sum shuffles across the warp).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
        base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
     const int64_t r = base + team;
     const bool active = r < rows;
-    float dot = 0.0f;
-    if (active) {
-      const float w = p[r];
-      for (int64_t c = static_cast<int64_t>(member) * VEC; c < cols; c += static_cast<int64_t>(tpr) * VEC) {
-        Floats<VEC> d = load_vec<VEC>(dout + r * cols + c);
-        const Floats<VEC> xv = load_vec<VEC>(x + r * cols + c);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          dot += d.v[j] * xv.v[j];
-          d.v[j] *= w;
-        }
-        store_vec<VEC>(dx + r * cols + c, d);
-      }
-    }
-    for (int o = tpr / 2; o > 0; o /= 2) dot += __shfl_xor_sync(kFull, dot, o);
-    if (active && member == 0) dp[r] = dot;
+    float sum = active ? dot(r, member) : 0.0f;
+    for (int o = tpr / 2; o > 0; o /= 2) sum += __shfl_xor_sync(kFull, sum, o);
+    if (active && member == 0) dp[r] = sum;
   }
+}
+
+template <typename T, int VEC>
+__global__ void scale_rows_backward_kernel(T* dx, float* dp, const T* dout, const T* x, const float* p, int64_t rows,
+                                           int64_t cols, int tpr) {
+  row_team_sums(dp, rows, tpr, [&](int64_t r, int member) {
+    float dot = 0.0f;
+    const float w = p[r];
+    for (int64_t c = static_cast<int64_t>(member) * VEC; c < cols; c += static_cast<int64_t>(tpr) * VEC) {
+      Floats<VEC> d = load_vec<VEC>(dout + r * cols + c);
+      const Floats<VEC> xv = load_vec<VEC>(x + r * cols + c);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        dot += d.v[j] * xv.v[j];
+        d.v[j] *= w;
+      }
+      store_vec<VEC>(dx + r * cols + c, d);
+    }
+    return dot;
+  });
 }
 
 // The SwiGLU experts' activation and routing weight (Backend::moe_swiglu_*), in[r] = [gate | up]
@@ -711,36 +719,28 @@ __global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t
 template <typename T, int VEC>
 __global__ void swiglu_scale_backward_kernel(T* din, T* act, float* dp, const T* dout, const T* in, const float* p,
                                              int64_t rows, int64_t f, int tpr) {
-  const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
-  const int rows_per_block = blockDim.x / tpr;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-    const int64_t r = base + team;
-    const bool active = r < rows;
+  row_team_sums(dp, rows, tpr, [&](int64_t r, int member) {
     float dot = 0.0f;
-    if (active) {
-      const float w = p[r];
-      const T* row = in + r * 2 * f;
-      T* drow = din + r * 2 * f;
-      for (int64_t c = static_cast<int64_t>(member) * VEC; c < f; c += static_cast<int64_t>(tpr) * VEC) {
-        const Floats<VEC> gate = load_vec<VEC>(row + c), up = load_vec<VEC>(row + f + c);
-        const Floats<VEC> d = load_vec<VEC>(dout + r * f + c);
-        Floats<VEC> y, dg, du;
+    const float w = p[r];
+    const T* row = in + r * 2 * f;
+    T* drow = din + r * 2 * f;
+    for (int64_t c = static_cast<int64_t>(member) * VEC; c < f; c += static_cast<int64_t>(tpr) * VEC) {
+      const Floats<VEC> gate = load_vec<VEC>(row + c), up = load_vec<VEC>(row + f + c);
+      const Floats<VEC> d = load_vec<VEC>(dout + r * f + c);
+      Floats<VEC> y, dg, du;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float a = stored<T>(swiglu_value(gate.v[j], up.v[j]));
-          dot += d.v[j] * a;
-          swiglu_grad(gate.v[j], up.v[j], stored<T>(d.v[j] * w), dg.v[j], du.v[j]);
-          y.v[j] = a * w;
-        }
-        store_vec<VEC>(drow + c, dg);
-        store_vec<VEC>(drow + f + c, du);
-        store_vec<VEC>(act + r * f + c, y);
+      for (int j = 0; j < VEC; ++j) {
+        const float a = stored<T>(swiglu_value(gate.v[j], up.v[j]));
+        dot += d.v[j] * a;
+        swiglu_grad(gate.v[j], up.v[j], stored<T>(d.v[j] * w), dg.v[j], du.v[j]);
+        y.v[j] = a * w;
       }
+      store_vec<VEC>(drow + c, dg);
+      store_vec<VEC>(drow + f + c, du);
+      store_vec<VEC>(act + r * f + c, y);
     }
-    for (int o = tpr / 2; o > 0; o /= 2) dot += __shfl_xor_sync(kFull, dot, o);
-    if (active && member == 0) dp[r] = dot;
-  }
+    return dot;
+  });
 }
 
 // ---- host side ---------------------------------------------------------------------------------
@@ -801,6 +801,15 @@ bool vectorizable(int64_t cols, std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
     if (p && !aligned16(p)) return false;
   return true;
+}
+
+// The row ops' launch: launch(width, teams) with width std::integral_constant<int, 16 bytes of T>
+// where `vec` (vectorizable), else of 1, and the row teams for rows of cols / width vectors.
+template <typename T, typename F>
+void launch_rows(const KernelContext& ctx, int64_t rows, int64_t cols, bool vec, F&& launch) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vec) launch(std::integral_constant<int, kVec>{}, row_teams(rows, cols / kVec, ctx.num_sms));
+  else launch(std::integral_constant<int, 1>{}, row_teams(rows, cols, ctx.num_sms));
 }
 
 void check_swiglu_rows(const Tensor& in, const Tensor& rows_f, const char* op, const char* what) {
@@ -1028,15 +1037,10 @@ void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of,
   check_i32(slot_of, N * k, op, "slot_of");
   if (N == 0 || C == 0) return;
   MT_DISPATCH_FLOAT(out.dtype, T, op, {
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = vectorizable<T>(C, {out.data, y.data});
-    auto launch = [&](auto kernel, int width) {
-      const RowTeams teams = row_teams(N, C / width, ctx.num_sms);
-      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), y.ptr<const T>(), slot_of.ptr<const int32_t>(),
-                                                          N, y.rows(), C, k, accumulate, teams.tpr);
-    };
-    if (vec) launch(combine_kernel<T, kVec>, kVec);
-    else launch(combine_kernel<T, 1>, 1);
+    launch_rows<T>(ctx, N, C, vectorizable<T>(C, {out.data, y.data}), [&](auto width, const RowTeams& teams) {
+      combine_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(
+          out.ptr<T>(), y.ptr<const T>(), slot_of.ptr<const int32_t>(), N, y.rows(), C, k, accumulate, teams.tpr);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -1049,15 +1053,10 @@ void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p) {
   check_f32(p, R, op, "p");
   if (R == 0 || C == 0) return;
   MT_DISPATCH_FLOAT(x.dtype, T, op, {
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = vectorizable<T>(C, {out.data, x.data});
-    auto launch = [&](auto kernel, int width) {
-      const RowTeams teams = row_teams(R, C / width, ctx.num_sms);
-      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), x.ptr<const T>(), p.ptr<const float>(), R, C,
-                                                          teams.tpr);
-    };
-    if (vec) launch(scale_rows_kernel<T, kVec>, kVec);
-    else launch(scale_rows_kernel<T, 1>, 1);
+    launch_rows<T>(ctx, R, C, vectorizable<T>(C, {out.data, x.data}), [&](auto width, const RowTeams& teams) {
+      scale_rows_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), x.ptr<const T>(),
+                                                                                 p.ptr<const float>(), R, C, teams.tpr);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -1076,15 +1075,10 @@ void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Ten
     return;
   }
   MT_DISPATCH_FLOAT(x.dtype, T, op, {
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = vectorizable<T>(C, {dx.data, dout.data, x.data});
-    auto launch = [&](auto kernel, int width) {
-      const RowTeams teams = row_teams(R, C / width, ctx.num_sms);
-      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(dx.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(),
-                                                          x.ptr<const T>(), p.ptr<const float>(), R, C, teams.tpr);
-    };
-    if (vec) launch(scale_rows_backward_kernel<T, kVec>, kVec);
-    else launch(scale_rows_backward_kernel<T, 1>, 1);
+    launch_rows<T>(ctx, R, C, vectorizable<T>(C, {dx.data, dout.data, x.data}), [&](auto width, const RowTeams& teams) {
+      scale_rows_backward_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(
+          dx.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(), x.ptr<const T>(), p.ptr<const float>(), R, C, teams.tpr);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -1096,15 +1090,10 @@ void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor 
   check_f32(p, R, op, "p");
   if (R == 0 || f == 0) return;
   MT_DISPATCH_FLOAT(in.dtype, T, op, {
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vec = vectorizable<T>(f, {out.data, in.data});
-    auto launch = [&](auto kernel, int width) {
-      const RowTeams teams = row_teams(R, f / width, ctx.num_sms);
-      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(), p.ptr<const float>(), R, f,
-                                                          teams.tpr);
-    };
-    if (vec) launch(swiglu_scale_kernel<T, kVec>, kVec);
-    else launch(swiglu_scale_kernel<T, 1>, 1);
+    launch_rows<T>(ctx, R, f, vectorizable<T>(f, {out.data, in.data}), [&](auto width, const RowTeams& teams) {
+      swiglu_scale_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(),
+                                                                                   p.ptr<const float>(), R, f, teams.tpr);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -1125,17 +1114,13 @@ void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tenso
     return;
   }
   MT_DISPATCH_FLOAT(in.dtype, T, op, {
-    constexpr int kVec = 16 / sizeof(T);
-    // The vector width scale_rows_backward would take for these rows (dp's summation order).
+    // (The vector width scale_rows_backward would take for these rows: dp's summation order.)
     const bool vec = vectorizable<T>(f, {din.data, act.data, dout.data, in.data});
-    auto launch = [&](auto kernel, int width) {
-      const RowTeams teams = row_teams(R, f / width, ctx.num_sms);
-      kernel<<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(din.ptr<T>(), act.ptr<T>(), dp.ptr<float>(),
-                                                          dout.ptr<const T>(), in.ptr<const T>(), p.ptr<const float>(),
-                                                          R, f, teams.tpr);
-    };
-    if (vec) launch(swiglu_scale_backward_kernel<T, kVec>, kVec);
-    else launch(swiglu_scale_backward_kernel<T, 1>, 1);
+    launch_rows<T>(ctx, R, f, vec, [&](auto width, const RowTeams& teams) {
+      swiglu_scale_backward_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(
+          din.ptr<T>(), act.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(), in.ptr<const T>(), p.ptr<const float>(), R,
+          f, teams.tpr);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
