@@ -167,18 +167,13 @@ void validate_muon(CliState& st) {
          "which Megatron-LM replaces by its layer-wise one for Muon)");
   if (c.train.fp8_format)
     fail("megatrain does not support --fp8-format with --optimizer muon yet (FP8 weight scales follow AdamW's update)");
-  ParallelConfig& p = c.parallel;
-  if (p.use_distributed_optimizer) {
-    // Megatron-LM: use_distributed_optimizer becomes its layer-wise distributed optimizer (each DP
-    // rank updates whole parameters, then they are all-gathered): the same update as one rank.
-    st.note("--use-distributed-optimizer with --optimizer muon: Megatron-LM's layer-wise distributed optimizer shards "
-            "the optimizer state by parameter; megatrain computes the same update with the state whole on every "
-            "data-parallel rank (gradients all-reduced, nothing gathered after the step)");
-    p.use_distributed_optimizer = false;
-    p.overlap_param_gather = false;
-    p.overlap_param_gather_with_optimizer_step = false;
-    p.num_distributed_optimizer_instances = 1;
-  }
+  if (c.parallel.grad_reduce_in_bf16)
+    fail("megatrain does not support --grad-reduce-in-bf16 with --optimizer muon yet (Muon keeps its float32 update in "
+         "the gradient buffer)");
+  if (c.parallel.use_distributed_optimizer)
+    st.note("--use-distributed-optimizer with --optimizer muon: Megatron-LM's layer-wise distributed optimizer gives "
+            "each data-parallel rank whole parameters; megatrain shards the optimizer state as for AdamW, gathers "
+            "the momentum updates, and every rank orthogonalizes every matrix (the same update)");
 }
 
 void validate_training(CliState& st) {

@@ -67,8 +67,8 @@ bool is_qkv_weight(const std::string& name) {
   return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The workspace's regions (elements of the master weights' dtype): the parameter's momentum-side
-// copy L, the gathered matrix U, a staging area S (pieces, a column gather), then NS's own.
+// The workspace's regions (elements of the master weights' dtype): a parameter's orthogonalized,
+// scaled update D, the gathered matrix U, a staging area S (pieces, a column gather), then NS's own.
 struct WorkspaceLayout {
   int64_t local = 0, matrix = 0, stage = 0, ns = 0;
   int64_t total() const { return local + matrix + stage + ns; }
@@ -179,6 +179,7 @@ int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cf
   const int64_t m = std::min(rows, cols), n = rows * cols;
   // X's next value, A and A A (then b A + c A A), with bfloat16 rounding a 16-bit copy of the
   // largest of them (half as many elements of a 32-bit dtype, rounded up), and the norm's slot.
+  // (Natively bfloat16: X, its next value, A and A A, in fewer bytes.)
   const int64_t rounding = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium ? (std::max(n, m * m) + 1) / 2 : 0;
   return n + 2 * m * m + rounding + 1;
 }
@@ -189,14 +190,24 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
   const int64_t m = transpose ? C : R;
   MT_CHECK(work.dtype == x.dtype && work.numel() >= newton_schulz_workspace(R, C, cfg),
            "newton_schulz: workspace of {} elements for a [{}, {}] matrix", work.numel(), R, C);
-  const Tensor x2 = work.flat_slice(0, n).view({R, C});
-  const Tensor A = work.flat_slice(n, m * m).view({m, m});
-  const Tensor AA = work.flat_slice(n + m * m, m * m).view({m, m});
-  const bool bf16 = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium;
-  // Megatron-LM's "medium" precision: bfloat16 operands and results (float32 accumulation).
-  void* const half_base = static_cast<char*>(work.data) + static_cast<size_t>(n + 2 * m * m) * dtype_size(work.dtype);
+  // Megatron-LM's "medium" precision: bfloat16 operands and results (float32 accumulation). A
+  // backend with 16-bit GEMMs (CUDA) runs them on bfloat16 tensors; the reference backend on
+  // float32 tensors rounded to bfloat16 after each product and sum. (The sums b A + c A A and
+  // a X + P X then round once on the reference, as torch.addmm does, and twice on CUDA: the
+  // product's bfloat16 result, then the sum's.)
+  const bool medium = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium;
+  const bool native16 = medium && be.device() == Device::cuda;
+  const DType dt = native16 ? DType::bf16 : x.dtype;
+  char* at = static_cast<char*>(work.data);
+  const auto take = [&](int64_t rows, int64_t cols) {
+    const Tensor t(at, dt, x.device, {rows, cols});
+    at += static_cast<size_t>(rows * cols) * dtype_size(dt);
+    return t;
+  };
+  const Tensor X = native16 ? take(R, C) : x, x2 = take(R, C), A = take(m, m), AA = take(m, m);
+  void* const half_base = at;
   const auto round = [&](const Tensor& t) {
-    if (!bf16) return;
+    if (!medium || native16) return;
     const Tensor h(half_base, DType::bf16, t.device, {t.numel()});
     be.cast(h, t);
     be.cast(t, h);
@@ -215,15 +226,16 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
   }
   const double norm = std::max(std::sqrt(sumsq), kNormEps);
   be.axpby(x, static_cast<float>(1.0 / norm), x, 0.0f, x);
-  round(x);
+  if (native16) be.cast(X, x);
+  round(X);
   const Tensor none;
   for (const MuonCoefficients& k : muon_coefficients(cfg.coefficient_type, cfg.num_ns_steps)) {
     const float a = k[0], b = k[1], c = k[2];
-    // A = X X^T (X^T X when transposed), rounded as a product's result.
-    if (transpose) be.linear_backward_weight(A, none, x, x, false);
-    else be.linear_forward(A, x, x, none, Activation::none, none);
+    // A = X X^T (X^T X when transposed).
+    if (transpose) be.linear_backward_weight(A, none, X, X, false);
+    else be.linear_forward(A, X, X, none, Activation::none, none);
     round(A);
-    // P = b A + c A A (one rounding, as addmm's), or b A alone for c = 0.
+    // P = b A + c A A, or b A alone for c = 0 (folded into the last sum).
     const Tensor& P = c != 0.0f ? AA : A;
     if (c != 0.0f) {
       be.linear_forward(AA, A, A, none, Activation::none, none);  // A A^T = A A (A symmetric)
@@ -231,63 +243,90 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
       round(AA);
     }
     // X = a X + P X (X P when transposed; P symmetric).
-    if (transpose) be.linear_forward(x2, x, P, none, Activation::none, none);
-    else be.linear_backward_input(x2, P, x, false, Activation::none, none);
-    be.axpby(x, a, x, c != 0.0f ? 1.0f : b, x2);
-    round(x);
+    if (transpose) be.linear_forward(x2, X, P, none, Activation::none, none);
+    else be.linear_backward_input(x2, P, X, false, Activation::none, none);
+    be.axpby(X, a, X, c != 0.0f ? 1.0f : b, x2);
+    round(X);
+  }
+  if (native16) be.cast(x, X);
+}
+
+namespace {
+// The part [a, e) of parameter p's flat range [p.offset, p.offset + numel) inside range r's flat
+// range, as offsets; false when they do not meet.
+bool intersect(const ParamDesc& p, const MuonRange& r, int64_t& a, int64_t& e) {
+  a = std::max(p.offset, r.flat_offset);
+  e = std::min(p.offset + p.numel(), r.flat_offset + r.numel);
+  return a < e;
+}
+}  // namespace
+
+void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params, const MuonViews& v,
+                   const std::vector<MuonRange>& ranges, const std::vector<float>& lr, const std::vector<float>& wd,
+                   float grad_scale) {
+  for (const MuonRange& r : ranges)
+    MT_CHECK(v.grad.dtype == r.master.dtype, "Muon keeps its update in the gradient buffer: {} gradients, {} master "
+             "weights", dtype_name(v.grad.dtype), dtype_name(r.master.dtype));
+  const float mu = static_cast<float>(cfg.momentum);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!muon_param(params[i])) continue;
+    for (const MuonRange& r : ranges) {
+      int64_t a = 0, e = 0;
+      if (!intersect(params[i], r, a, e)) continue;
+      const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a), B = r.momentum.flat_slice(a - r.flat_offset, e - a);
+      const Tensor g = v.grad.flat_slice(a, e - a);
+      // Decoupled weight decay first, then the momentum (on the clipped gradient), then Nesterov's.
+      if (lr[i] * wd[i] != 0.0f) be.axpby(M, 1.0f, M, -lr[i] * wd[i], M);
+      be.axpby(g, grad_scale, g, 0.0f, g);
+      be.axpby(B, mu, B, 1.0f - mu, g);
+      if (cfg.nesterov) be.axpby(g, 1.0f - mu, g, mu, B);
+      else be.copy(g, B);
+    }
   }
 }
 
-void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
-                 const std::vector<MuonMatrix>& matrices, const MuonViews& v, const std::vector<float>& lr,
-                 const std::vector<float>& wd, float grad_scale, Communicator* tp, Communicator* expert_tp) {
+void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
+                        const std::vector<MuonMatrix>& matrices, const MuonViews& v,
+                        const std::vector<MuonRange>& ranges, const std::vector<float>& lr, Communicator* tp,
+                        Communicator* expert_tp) {
   if (matrices.empty()) return;
   const WorkspaceLayout w = layout_of(params, matrices, cfg);
-  MT_CHECK(v.workspace.numel() >= w.total() && v.workspace.dtype == v.master.dtype,
-           "muon_update: workspace of {} elements, {} needed", v.workspace.numel(), w.total());
-  const Tensor L = v.workspace.flat_slice(0, w.local);
+  MT_CHECK(v.workspace.numel() >= w.total() && v.workspace.dtype == v.grad.dtype,
+           "muon_orthogonalize: workspace of {} elements, {} needed", v.workspace.numel(), w.total());
+  const Tensor D = v.workspace.flat_slice(0, w.local);
   const Tensor U = v.workspace.flat_slice(w.local, w.matrix);
   const Tensor S = v.workspace.flat_slice(w.local + w.matrix, w.stage);
   const Tensor ns = v.workspace.flat_slice(w.local + w.matrix + w.stage, w.ns);
-  const float mu = static_cast<float>(cfg.momentum);
   const double extra = cfg.extra_scale_factor;
   size_t k = 0;
   while (k < matrices.size()) {
     const int pi = matrices[k].param;
     const ParamDesc& p = params[static_cast<size_t>(pi)];
     const int64_t n = p.numel(), rows = p.local_rows(), cols = p.local_cols();
-    const float lr_p = lr[static_cast<size_t>(pi)], wd_p = wd[static_cast<size_t>(pi)];
-    const Tensor M = v.master.flat_slice(p.offset, n), G = v.grad.flat_slice(p.offset, n);
-    const Tensor Bm = v.momentum.flat_slice(p.offset, n), l = L.flat_slice(0, n);
-    // Decoupled weight decay first, then the momentum (on the clipped gradient), then Nesterov's.
-    if (lr_p * wd_p != 0.0f) be.axpby(M, 1.0f, M, -lr_p * wd_p, M);
-    if (G.dtype == l.dtype) be.copy(l, G);
-    else be.cast(l, G);
-    be.axpby(l, grad_scale, l, 0.0f, l);
-    be.axpby(Bm, mu, Bm, 1.0f - mu, l);
-    if (cfg.nesterov) be.axpby(l, 1.0f - mu, l, mu, Bm);
-    else be.copy(l, Bm);
-    const Tensor lv = l.view({rows, cols}), mv = M.view({rows, cols});
+    // The update u of the whole parameter (this TP rank's block), and its orthogonalized, scaled
+    // counterpart d, both [rows, cols].
+    const Tensor u = v.grad.flat_slice(p.offset, n).view({rows, cols}), d = D.flat_slice(0, n).view({rows, cols});
     for (; k < matrices.size() && matrices[k].param == pi; ++k) {
       const MuonMatrix& m = matrices[k];
       const int64_t lrows = m.local_rows(), gr = m.global_rows, gc = m.global_cols;
       // This rank's part, contiguous.
-      Tensor part = lv.row_slice(m.row0, m.rows);
+      Tensor part = u.row_slice(m.row0, m.rows);
       if (m.pieces > 1) {
         part = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
         for (int g = 0; g < m.pieces; ++g)
-          be.copy(part.row_slice(g * m.rows, m.rows), lv.row_slice(m.row0 + g * m.stride, m.rows));
+          be.copy(part.row_slice(g * m.rows, m.rows), u.row_slice(m.row0 + g * m.stride, m.rows));
       }
-      // The whole matrix.
+      // The whole matrix, in U (a part of u is not overwritten: other matrices' parts follow it).
       Communicator* comm = p.expert ? expert_tp : tp;
-      Tensor full = part;
-      if (m.shard_dim >= 0) {
-        MT_CHECK(comm != nullptr, "muon_update: {} is sharded but no group gathers it", p.name);
-        full = U.flat_slice(0, gr * gc).view({gr, gc});
+      const Tensor full = U.flat_slice(0, gr * gc).view({gr, gc});
+      if (m.shard_dim < 0) {
+        be.copy(full, part);
+      } else {
+        MT_CHECK(comm != nullptr, "muon_orthogonalize: {} is sharded but no group gathers it", p.name);
         if (m.shard_dim == 0) {
           comm->all_gather(full, part);
         } else {
-          MT_CHECK(m.pieces == 1, "muon_update: {}: pieces of a column-sharded matrix", p.name);
+          MT_CHECK(m.pieces == 1, "muon_orthogonalize: {}: pieces of a column-sharded matrix", p.name);
           const Tensor stage = S.flat_slice(0, gr * gc);
           comm->all_gather(stage, part);
           for (int r = 0; r < comm->size(); ++r)
@@ -296,7 +335,7 @@ void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc
         }
       }
       newton_schulz(be, full, ns, cfg);
-      // This rank's share of the orthogonalized matrix.
+      // This rank's share of the orthogonalized matrix, scaled, into d.
       Tensor own = full;
       if (m.shard_dim == 0) {
         own = full.row_slice(comm->rank() * lrows, lrows);
@@ -304,13 +343,19 @@ void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc
         own = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
         be.copy_columns(own, 0, full, comm->rank() * m.cols, m.cols);
       }
-      const float alpha = static_cast<float>(-lr_p * muon_scale(cfg.scale_mode, gr, gc) * extra);
-      for (int g = 0; g < m.pieces; ++g) {
-        const Tensor dst = mv.row_slice(m.row0 + g * m.stride, m.rows);
-        be.axpby(dst, 1.0f, dst, alpha, own.row_slice(g * m.rows, m.rows));
-      }
+      const float scale = static_cast<float>(muon_scale(cfg.scale_mode, gr, gc) * extra);
+      for (int g = 0; g < m.pieces; ++g)
+        be.axpby(d.row_slice(m.row0 + g * m.stride, m.rows), scale, own.row_slice(g * m.rows, m.rows), 0.0f,
+                 own.row_slice(g * m.rows, m.rows));
     }
-    if (!v.model_copy.empty()) be.cast(v.model_copy.flat_slice(p.offset, n), M);
+    // p -= lr d on this rank's pieces of p, then its compute-dtype copy.
+    for (const MuonRange& r : ranges) {
+      int64_t a = 0, e = 0;
+      if (!intersect(p, r, a, e)) continue;
+      const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a);
+      be.axpby(M, 1.0f, M, -lr[static_cast<size_t>(pi)], D.flat_slice(a - p.offset, e - a));
+      if (!r.model_copy.empty()) be.cast(r.model_copy.flat_slice(a - r.flat_offset, e - a), M);
+    }
   }
 }
 

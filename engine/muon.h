@@ -22,6 +22,10 @@
 // every TP rank all-gathers the matrix's shards and runs the whole NS, then applies its own shard:
 // Megatron-LM's duplicated mode (its distributed mode splits the NS products over the ranks; the
 // update is the same up to rounding). blockwise: each shard alone, scaled by its own shape.
+// With the distributed optimizer the states are sharded as AdamW's (ZeRO-1): each DP rank updates
+// the momentum of its shards, the updates u are all-gathered, and every DP rank orthogonalizes
+// every matrix and applies its shards' part (Megatron-LM's layer-wise distributed optimizer gives
+// each rank whole parameters instead, splitting the orthogonalization work; the update is the same).
 // The momentum buffer is the first optimizer-state buffer (Adam's exp_avg for the other parameters).
 #pragma once
 
@@ -66,7 +70,7 @@ struct MuonMatrix {
 // The matrices of a chunk's Muon parameters; tp: the size of the group the parameters' shards
 // are gathered over (1: none). Refuses what it cannot gather (an expert TP size other than 1 or TP).
 std::vector<MuonMatrix> muon_matrices(const std::vector<ParamDesc>& params, const ModelDims& d, const MuonConfig& cfg);
-// Elements (of the master weights' dtype) of the workspace muon_update needs for these.
+// Elements (of the master weights' dtype) of the workspace muon_orthogonalize needs for these.
 int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
                                 const MuonConfig& cfg);
 
@@ -75,17 +79,35 @@ int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std:
 void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg);
 int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cfg);
 
-// The views one chunk's update works on (its whole, unsharded flat buffers).
+// The views one chunk's update works on: grad, the flat gradient buffer (float32 like the master
+// weights: Muon leaves its update there), and the workspace (muon_workspace_elements of the
+// master weights' dtype).
 struct MuonViews {
-  Tensor master, grad, momentum, model_copy;  // model_copy: the compute-dtype parameters, or empty
-  Tensor workspace;                           // muon_workspace_elements of master's dtype
+  Tensor grad, workspace;
 };
-// Muon's step over a chunk's Muon parameters. lr, wd: per parameter (the optimizer's groups);
-// grad_scale: what turns the gradient buffer into the clipped gradient. tp: the group dense
-// parameters' shards are gathered over; expert_tp: the experts' (null: not gathered).
-void muon_update(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
-                 const std::vector<MuonMatrix>& matrices, const MuonViews& v, const std::vector<float>& lr,
-                 const std::vector<float>& wd, float grad_scale, Communicator* tp, Communicator* expert_tp);
+// A piece of the flat buffers this rank updates (the whole buffer, or with the distributed
+// optimizer its shard of a bucket): its flat range and its views of the master weights, the
+// momentum and the compute-dtype parameters (empty: the parameters are the master weights).
+struct MuonRange {
+  int64_t flat_offset = 0, numel = 0;
+  Tensor master, momentum, model_copy;
+};
+// A Muon step in two phases, between which (distributed optimizer) each bucket's update is
+// all-gathered from its shards:
+//   muon_momentum: on this rank's pieces of the Muon parameters, p -= lr wd p, the momentum from
+//     the gradient times grad_scale (the clipped gradient), and the update u (Nesterov's or the
+//     momentum) written over the gradient;
+//   muon_orthogonalize: per matrix, u gathered over TP, orthogonalized and scaled; p -= lr that
+//     on this rank's pieces, and their compute-dtype copies.
+// lr, wd: per parameter (the optimizer's groups). tp: the group dense parameters' shards are
+// gathered over; expert_tp: the experts' (null: not gathered).
+void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params, const MuonViews& v,
+                   const std::vector<MuonRange>& ranges, const std::vector<float>& lr, const std::vector<float>& wd,
+                   float grad_scale);
+void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
+                        const std::vector<MuonMatrix>& matrices, const MuonViews& v,
+                        const std::vector<MuonRange>& ranges, const std::vector<float>& lr, Communicator* tp,
+                        Communicator* expert_tp);
 
 // A range's AdamW segments without the Muon parameters (offsets relative to flat_offset).
 std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,

@@ -1,5 +1,6 @@
 #include "engine/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -35,10 +36,8 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   mtp_depths_ = chunks_.front()->dims().mtp;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (chunks_[c]->dims().last_stage) output_chunk_ = chunks_[c];
-    if (t.optimizer == OptimizerKind::muon) {
-      MT_CHECK(!chunks_[c]->grad_layout().sharded, "Muon runs without the distributed optimizer (cli: validate_muon)");
+    if (t.optimizer == OptimizerKind::muon)
       muon_matrices_.push_back(muon_matrices(chunks_[c]->params(), chunks_[c]->dims(), t.muon));
-    }
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
       // Muon's parameters leave AdamW's segments.
       if (t.optimizer == OptimizerKind::muon) r.update = without_muon_params(r.update, chunks_[c]->params(), r.flat_offset);
@@ -257,26 +256,55 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   return out;
 }
 
-// Muon's parameters, chunk by chunk (each with its group's learning rate and weight decay).
+// Muon's parameters (engine/muon.h): each chunk's momentum phase on this rank's pieces; with the
+// distributed optimizer the updates all-gathered from the shards (the buckets that hold Muon
+// parameters, over their groups); then each chunk's orthogonalization. Each parameter takes its
+// group's learning rate and weight decay.
 void Optimizer::muon_step(const OptimStepParams& p) {
   const bool decoupled = cfg_.train.decoupled_lr.has_value();
+  std::vector<std::vector<float>> lr(chunks_.size()), wd(chunks_.size());
+  std::vector<std::vector<MuonRange>> pieces(chunks_.size());
+  std::vector<MuonViews> views(chunks_.size());
   for (size_t c = 0; c < chunks_.size(); ++c) {
     GptModel& m = *chunks_[c];
     const std::vector<ParamDesc>& params = m.params();
-    std::vector<float> lr(params.size()), wd(params.size());
+    lr[c].resize(params.size());
+    wd[c].resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       const int g = optim_group(params[i], decoupled);
-      lr[i] = p.lr[g];
-      wd[i] = p.weight_decay[g];
+      lr[c][i] = p.lr[g];
+      wd[c][i] = p.weight_decay[g];
     }
-    MuonViews v;
-    v.master = m.master_flat();
+    for (const OptimRange& r : ranges_) {
+      if (r.chunk != static_cast<int>(c)) continue;
+      const OptimViews o = optim_views(m, r);
+      pieces[c].push_back(MuonRange{r.flat_offset, r.numel, o.master, o.state1, o.model_copy});
+    }
+    MuonViews& v = views[c];
     v.grad = m.grads_flat();
-    v.momentum = m.exp_avg_flat();
-    if (m.has_master_copy()) v.model_copy = m.param_storage(0, m.params_flat().numel());
     v.workspace = m.muon_workspace();
-    muon_update(be_, cfg_.train.muon, params, muon_matrices_[c], v, lr, wd, p.grad_scale, ps_.tp.get(), ps_.tp.get());
+    muon_momentum(be_, cfg_.train.muon, params, v, pieces[c], lr[c], wd[c], p.grad_scale);
   }
+  if (sharded_) {
+    be_.comm_wait_for_compute();
+    for (GptModel* m : chunks_) {
+      const GradLayout& L = m->grad_layout();
+      for (int b = 0; b < L.num_buckets(); ++b) {
+        const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+        const bool muon = std::any_of(m->params().begin(), m->params().end(), [&](const ParamDesc& d) {
+          return muon_param(d) && d.offset < k.offset + k.numel && d.offset + d.numel() > k.offset;
+        });
+        Communicator& group = L.is_expert_bucket(b) ? *grad_sync_->expert_comm() : grad_sync_->comm();
+        if (!muon || group.size() == 1) continue;
+        const Tensor whole = m->grads_flat().flat_slice(k.offset, k.numel);
+        group.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+      }
+    }
+    be_.compute_wait_for_comm();
+  }
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    muon_orthogonalize(be_, cfg_.train.muon, chunks_[c]->params(), muon_matrices_[c], views[c], pieces[c], lr[c],
+                       ps_.tp.get(), ps_.tp.get());
 }
 
 bool Optimizer::cast_fp8_params() {

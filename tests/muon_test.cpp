@@ -2,7 +2,8 @@
 // host iteration written here from emerging_optimizers' definition (normalize, then X = a X +
 // (b A + c A A) X with A = X X^T, over the smaller dimension), with and without bfloat16 rounding;
 // one update of a parameter list (decoupled weight decay, momentum, Nesterov, the QKV split, the
-// scale, the parameters Muon leaves to AdamW) against the same host arithmetic.
+// scale, the parameters Muon leaves to AdamW) against the same host arithmetic, and with its states
+// in shards laid out in another order.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -153,7 +154,7 @@ TEST_CASE("newton_schulz on the reference backend equals the float64 iteration (
     }
 }
 
-TEST_CASE("muon_update: weight decay, momentum, Nesterov, the QKV split and the scale against the host",
+TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nesterov, the QKV split and the scale against the host",
           "[muon][reference]") {
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(9111);
@@ -192,14 +193,14 @@ TEST_CASE("muon_update: weight decay, momentum, Nesterov, the QKV split and the 
   std::vector<float> m32 = to_f32(master.d), g32 = to_f32(grad.d), b32 = to_f32(mom.d), copy(total, -1.0f);
   std::vector<float> work(static_cast<size_t>(muon_workspace_elements(params, mats, cfg)));
   MuonViews v;
-  v.master = test::f32_view(m32, {total});
   v.grad = test::f32_view(g32, {total});
-  v.momentum = test::f32_view(b32, {total});
-  v.model_copy = test::f32_view(copy, {total});
   v.workspace = test::f32_view(work, {static_cast<int64_t>(work.size())});
   const float lr = 0.1f, wd = 0.05f, gs = 0.5f;
   const std::vector<float> lrs(4, lr), wds(4, wd);
-  muon_update(*be, cfg, params, mats, v, lrs, wds, gs, nullptr, nullptr);
+  const std::vector<MuonRange> whole_buffer = {
+      MuonRange{0, total, test::f32_view(m32, {total}), test::f32_view(b32, {total}), test::f32_view(copy, {total})}};
+  muon_momentum(*be, cfg, params, v, whole_buffer, lrs, wds, gs);
+  muon_orthogonalize(*be, cfg, params, mats, v, whole_buffer, lrs, nullptr, nullptr);
 
   // The host: p -= lr wd p; m = mu m + (1 - mu) g gs; u = (1 - mu) g gs + mu m; p -= lr s 0.2 NS(u).
   const double mu = 0.9;
@@ -240,6 +241,37 @@ TEST_CASE("muon_update: weight decay, momentum, Nesterov, the QKV split and the 
       CHECK(b32[i] == static_cast<float>(mom.d[i]));
       CHECK(copy[i] == -1.0f);
     }
+  }
+  // Sharded states (the distributed optimizer): the flat range in two pieces whose states lie in
+  // the other order, [100, 185) first, then [0, 100): the same update, element for element.
+  {
+    std::vector<float> sm(static_cast<size_t>(total)), sb(static_cast<size_t>(total)), sg = to_f32(grad.d),
+        scopy(static_cast<size_t>(total), -1.0f);
+    // (flat range, its state offset)
+    const std::vector<std::pair<int64_t, int64_t>> at = {{100, 0}, {0, 85}};
+    const std::vector<int64_t> count = {85, 100};
+    std::vector<MuonRange> shards;
+    for (size_t k = 0; k < at.size(); ++k) {
+      const auto [flat, state] = at[k];
+      for (int64_t i = 0; i < count[k]; ++i) {
+        sm[static_cast<size_t>(state + i)] = static_cast<float>(master.d[flat + i]);
+        sb[static_cast<size_t>(state + i)] = static_cast<float>(mom.d[flat + i]);
+      }
+      shards.push_back(MuonRange{flat, count[k], test::f32_view(sm, {total}).flat_slice(state, count[k]),
+                                 test::f32_view(sb, {total}).flat_slice(state, count[k]),
+                                 test::f32_view(scopy, {total}).flat_slice(flat, count[k])});
+    }
+    MuonViews sv = v;
+    sv.grad = test::f32_view(sg, {total});
+    muon_momentum(*be, cfg, params, sv, shards, lrs, wds, gs);
+    muon_orthogonalize(*be, cfg, params, mats, sv, shards, lrs, nullptr, nullptr);
+    int64_t differ = 0;
+    for (size_t k = 0; k < at.size(); ++k)
+      for (int64_t i = 0; i < count[k]; ++i) {
+        const size_t st = static_cast<size_t>(at[k].second + i), fl = static_cast<size_t>(at[k].first + i);
+        differ += sm[st] != m32[fl] || sb[st] != b32[fl] || scopy[fl] != copy[fl];
+      }
+    CHECK(differ == 0);
   }
   // Without the split the QKV weight is one [16, 6] matrix: another update.
   MuonConfig whole = cfg;

@@ -1,18 +1,24 @@
 # --optimizer muon (engine/muon.h) over MPI equals one rank: the momentum's shards gathered over TP
 # (a SwiGLU fc1 and a GQA QKV weight split into its query, key and value parts, the row-parallel
 # weights gathered by columns), the experts' over their TP group under EP, the pipeline's stages
-# each with their parameters, and --use-distributed-optimizer computing the same update; a run
-# saved at DP2 resumes at TP2 (the momentum in the checkpoint). Float32 Newton-Schulz products
-# (--muon-fp32-matmul-prec high): bfloat16 rounding would turn last-bit differences of the order
-# of a sum into bfloat16 steps.
+# each with their parameters, and with --use-distributed-optimizer the states sharded (the
+# updates all-gathered over DP, the experts' over expert-DP); a run saved at DP2 resumes at TP2,
+# and one saved with sharded states at DP2 resumes at DP3 (the momentum in the checkpoint).
+# Float32 Newton-Schulz products (--muon-fp32-matmul-prec high): bfloat16 rounding would turn
+# last-bit differences of the order of a sum into bfloat16 steps.
 set(muon "--optimizer muon --muon-fp32-matmul-prec high --muon-extra-scale-factor 0.2")
 set(muon_llama "${muon} --normalization RMSNorm --swiglu --position-embedding-type rope --untie-embeddings-and-output-weights \
 --disable-bias-linear --group-query-attention --num-query-groups 2 --ffn-hidden-size 64")
 megatrain_parallel_train_test(parallel_train_muon_llama_tp2_sp --model "${muon_llama}" 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_muon_nesterov_pp2_dp2_distopt --model "${muon} --muon-nesterov" 4
-                              --pipeline-model-parallel-size 2 --use-distributed-optimizer)
+                              --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
+                              --ddp-bucket-size 3000)
 megatrain_parallel_train_test(parallel_train_muon_moe_ep2_tp2 --model "${moe_model} ${muon}" 4
                               --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_muon_moe_ep2_dp4_distopt --model "${moe_model} ${muon}" 4
+                              --expert-model-parallel-size 2 --use-distributed-optimizer)
 megatrain_parallel_train_test(parallel_train_muon_resume_dp2_to_tp2 --model "${muon_llama}" --resume 2 - 2
                               "--tensor-model-parallel-size 2")
+megatrain_parallel_train_test(parallel_train_muon_resume_dp2distopt_to_dp3distopt --model "${muon_llama}" --resume
+                              2 "--use-distributed-optimizer" 3 "--use-distributed-optimizer")
