@@ -74,14 +74,19 @@ struct WorkspaceLayout {
   int64_t total() const { return local + matrix + stage + ns; }
 };
 
+// Regions and the Newton-Schulz tensors start 256-byte aligned (GEMM operands): sizes in elements
+// rounded up to kAlign (256 bytes of float32).
+constexpr int64_t kAlign = 64;
+int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
 WorkspaceLayout layout_of(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
                           const MuonConfig& cfg) {
   WorkspaceLayout w;
   for (const MuonMatrix& m : matrices) {
     const int64_t rc = m.global_rows * m.global_cols;
-    w.local = std::max(w.local, params[static_cast<size_t>(m.param)].numel());
-    w.matrix = std::max(w.matrix, rc);
-    w.stage = std::max(w.stage, std::max(rc, m.local_rows() * m.cols));
+    w.local = std::max(w.local, aligned(params[static_cast<size_t>(m.param)].numel()));
+    w.matrix = std::max(w.matrix, aligned(rc));
+    w.stage = std::max(w.stage, aligned(std::max(rc, m.local_rows() * m.cols)));
     w.ns = std::max(w.ns, newton_schulz_workspace(m.global_rows, m.global_cols, cfg));
   }
   return w;
@@ -180,8 +185,9 @@ int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cf
   // X's next value, A and A A (then b A + c A A), with bfloat16 rounding a 16-bit copy of the
   // largest of them (half as many elements of a 32-bit dtype, rounded up), and the norm's slot.
   // (Natively bfloat16: X, its next value, A and A A, in fewer bytes.)
+  // Each of the four tensors starts aligned (up to kAlign elements of padding each).
   const int64_t rounding = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium ? (std::max(n, m * m) + 1) / 2 : 0;
-  return n + 2 * m * m + rounding + 1;
+  return n + 2 * m * m + rounding + 1 + 4 * kAlign;
 }
 
 void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
@@ -198,14 +204,15 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
   const bool medium = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium;
   const bool native16 = medium && be.device() == Device::cuda;
   const DType dt = native16 ? DType::bf16 : x.dtype;
-  char* at = static_cast<char*>(work.data);
+  char* const base = static_cast<char*>(work.data);
+  size_t at = 0;
   const auto take = [&](int64_t rows, int64_t cols) {
-    const Tensor t(at, dt, x.device, {rows, cols});
-    at += static_cast<size_t>(rows * cols) * dtype_size(dt);
+    const Tensor t(base + at, dt, x.device, {rows, cols});
+    at += static_cast<size_t>(aligned(rows * cols * static_cast<int64_t>(dtype_size(dt)) / 4 + 1)) * 4;
     return t;
   };
   const Tensor X = native16 ? take(R, C) : x, x2 = take(R, C), A = take(m, m), AA = take(m, m);
-  void* const half_base = at;
+  void* const half_base = base + at;
   const auto round = [&](const Tensor& t) {
     if (!medium || native16) return;
     const Tensor h(half_base, DType::bf16, t.device, {t.numel()});
