@@ -105,7 +105,7 @@ void add_training_flags(FlagTable& t) {
            MT_FIELD(train.muon.scalar_optimizer));
   t.no_effect("--no-use-layer-wise-param-layout", Arity::none,
               "the parameter layout of Megatron-LM's layer-wise distributed optimizer (Muon's): megatrain's Muon "
-              "keeps the optimizer state whole on every data-parallel rank, so there is no layout to choose");
+              "shards its state as the distributed optimizer shards AdamW's, so there is no other layout to choose");
   t.value("--weight-decay", "AdamW weight decay (not on biases and 1-D parameters)", MT_FIELD(train.weight_decay));
   t.flag("--apply-wd-to-qk-layernorm",
          "apply weight decay to the q/k layernorm parameters too (by default 1-D parameters and biases get none)",
