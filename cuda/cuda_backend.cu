@@ -251,6 +251,11 @@ void CudaBackend::axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b)
   MT_PROFILE_OP("axpby {}", out.shape_string());
   cuda::axpby(context(), out, alpha, a, beta, b);
 }
+void CudaBackend::scale_by_rnorm(Tensor x, Tensor sumsq, float eps) {
+  on_device("scale_by_rnorm", x, sumsq);
+  MT_PROFILE_OP("scale_by_rnorm {}", x.shape_string());
+  cuda::scale_by_rnorm(context(), x, sumsq, eps);
+}
 void CudaBackend::init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) {
   on_device("init_normal", t);
   cuda::init_normal(context(), t, key, std, index);

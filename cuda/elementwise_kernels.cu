@@ -102,6 +102,15 @@ __global__ void axpby_kernel(T* out, float alpha, const T* a, float beta, const 
   }
 }
 
+// x *= 1 / max(sqrt(*sumsq), eps), the factor in float32 (Backend::scale_by_rnorm).
+template <typename T, typename S>
+__global__ void scale_by_rnorm_kernel(T* x, const S* sumsq, float eps, int64_t n) {
+  const float factor = 1.0f / fmaxf(sqrtf(static_cast<float>(*sumsq)), eps);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = static_cast<T>(x[i] * factor);
+}
+
 __device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::f32: return static_cast<const float*>(p)[i];
@@ -486,6 +495,26 @@ void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float be
                                                                               beta, b.ptr<const T>(), n);
     });
   });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void scale_by_rnorm(const KernelContext& ctx, Tensor x, Tensor sumsq, float eps) {
+  MT_CHECK(sumsq.numel() == 1 && (sumsq.dtype == DType::f32 || sumsq.dtype == DType::f64),
+           "scale_by_rnorm: sumsq must be one float32 or float64 value, got {} {}", dtype_name(sumsq.dtype),
+           sumsq.shape_string());
+  MT_CHECK(x.dtype == DType::f32 || x.dtype == DType::f64, "scale_by_rnorm: x must be float32 or float64, got {}",
+           dtype_name(x.dtype));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kBlock, static_cast<int64_t>(ctx.num_sms) * 16);
+  const auto go = [&](auto* p) {
+    if (sumsq.dtype == DType::f32)
+      scale_by_rnorm_kernel<<<grid, kBlock, 0, ctx.stream>>>(p, sumsq.ptr<const float>(), eps, n);
+    else
+      scale_by_rnorm_kernel<<<grid, kBlock, 0, ctx.stream>>>(p, sumsq.ptr<const double>(), eps, n);
+  };
+  if (x.dtype == DType::f32) go(x.ptr<float>());
+  else go(x.ptr<double>());
   MT_CUDA_CHECK_LAUNCH();
 }
 

@@ -73,6 +73,7 @@ void fill(const KernelContext& ctx, Tensor t, double value);
 void zero_ranges(const KernelContext& ctx, Tensor flat, const std::vector<FlatRange>& ranges);
 void cast(const KernelContext& ctx, Tensor dst, Tensor src);
 void axpby(const KernelContext& ctx, Tensor out, float alpha, Tensor a, float beta, Tensor b);
+void scale_by_rnorm(const KernelContext& ctx, Tensor x, Tensor sumsq, float eps);
 // The ungated activations (GeLU erf / tanh, squared ReLU; act != none).
 void activation_forward(const KernelContext& ctx, Tensor out, Tensor in, Activation act);
 void activation_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, Activation act);

@@ -259,6 +259,9 @@ class Backend {
   virtual void cast(Tensor dst, Tensor src) = 0;  // any float dtype to any float dtype
   // out = alpha * a + beta * b (b may be empty: out = alpha * a). out may alias a or b.
   virtual void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) = 0;
+  // x *= 1 / max(sqrt(sumsq), eps) (float32 or float64 x; sumsq: a float [1] in backend memory,
+  // read on the stream: no host wait). The factor in float32, one rounding per element.
+  virtual void scale_by_rnorm(Tensor x, Tensor sumsq, float eps) = 0;
   // Layout-independent normal init: element i of t gets std * normal_at(key, global index of i)
   // (the product taken in float32, then converted to t's dtype).
   virtual void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) = 0;

@@ -223,16 +223,7 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
   const Tensor slot = work.flat_slice(work.numel() - 1, 1);
   const OptimSegment whole{0, n, 0};
   be.sum_squares(slot, x, std::span<const OptimSegment>(&whole, 1), false);
-  double sumsq = 0;
-  if (slot.dtype == DType::f64) {
-    be.copy_to_host(&sumsq, slot);
-  } else {
-    float f = 0;
-    be.copy_to_host(&f, slot);
-    sumsq = f;
-  }
-  const double norm = std::max(std::sqrt(sumsq), kNormEps);
-  be.axpby(x, static_cast<float>(1.0 / norm), x, 0.0f, x);
+  be.scale_by_rnorm(x, slot, static_cast<float>(kNormEps));
   if (native16) be.cast(X, x);
   round(X);
   const Tensor none;

@@ -118,6 +118,18 @@ TEST_CASE("muon coefficients: cycled or with the last repeated, as emerging_opti
   CHECK(muon_scale(MuonScaleMode::shape_scaling, 32, 8) == Approx(2.0));
 }
 
+TEST_CASE("scale_by_rnorm: x times 1 / max(sqrt(sumsq), eps) read from backend memory", "[muon][reference]") {
+  auto be = make_reference_backend(2);
+  std::vector<float> x = {3.0f, -4.0f, 0.5f}, ss = {25.0f};
+  be->scale_by_rnorm(test::f32_view(x, {3}), test::f32_view(ss, {1}), 1e-7f);
+  CHECK(x[0] == 3.0f * (1.0f / 5.0f));
+  CHECK(x[1] == -4.0f * (1.0f / 5.0f));
+  std::vector<float> y = {1.0f, 2.0f}, zero = {0.0f};
+  be->scale_by_rnorm(test::f32_view(y, {2}), test::f32_view(zero, {1}), 0.5f);  // eps bounds the norm
+  CHECK(y[0] == 2.0f);
+  CHECK(y[1] == 4.0f);
+}
+
 TEST_CASE("newton_schulz on the reference backend equals the float64 iteration (wide, tall, square, one row)",
           "[muon][reference]") {
   auto be = make_reference_backend(2);

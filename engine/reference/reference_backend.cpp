@@ -1,6 +1,8 @@
 // ReferenceBackend: memory, transfers and the elementwise basics (fill, cast, axpby, init).
 #include "engine/reference/reference_backend.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -84,6 +86,18 @@ void ReferenceBackend::axpby(Tensor out, float alpha, Tensor a, float beta, Tens
   const Floats o(out), fa(a), fb(b);
   for (int64_t i = 0; i < out.numel(); ++i)
     o.set(i, static_cast<double>(alpha) * fa.get(i) + (fb.empty() ? 0.0 : static_cast<double>(beta) * fb.get(i)));
+}
+
+void ReferenceBackend::scale_by_rnorm(Tensor x, Tensor sumsq, float eps) {
+  check_numel(sumsq, 1, "scale_by_rnorm", "sumsq");
+  const float factor = 1.0f / std::max(static_cast<float>(std::sqrt(Floats(sumsq).get(0))), eps);
+  dispatch_float(x, "scale_by_rnorm", [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.ptr<T>();
+    pool_.parallel_for(x.numel(), 1 << 14, [&](int64_t s, int64_t e, int) {
+      for (int64_t i = s; i < e; ++i) p[i] = static_cast<T>(p[i] * factor);
+    });
+  });
 }
 
 void ReferenceBackend::init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) {

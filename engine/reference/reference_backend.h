@@ -31,6 +31,7 @@ class ReferenceBackend final : public Backend {
   void fill(Tensor t, double value) override;
   void cast(Tensor dst, Tensor src) override;
   void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) override;
+  void scale_by_rnorm(Tensor x, Tensor sumsq, float eps) override;
   void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) override;
 
   void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,

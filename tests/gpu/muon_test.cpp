@@ -39,3 +39,15 @@ TEST_CASE("cuda newton_schulz matches the reference (float32 and bfloat16 produc
       }
     }
 }
+
+TEST_CASE("cuda scale_by_rnorm matches the reference", "[gpu][muon]") {
+  MT_RNG(rng);
+  for (const int64_t n : {1, 7, 1000, 100003}) {
+    INFO(n);
+    Twin x = twin(DType::f32, {n}, rng.normal(n, 3.0));
+    Twin ss = twin(DType::f32, {1}, {static_cast<double>(n) * 9.0});
+    dev().scale_by_rnorm(x.c(), ss.c(), 1e-7f);
+    ref().scale_by_rnorm(x.r(), ss.r(), 1e-7f);
+    CHECK(rel_err(x) < 1e-6);
+  }
+}
