@@ -12,8 +12,8 @@
 // WeightDecayMixin applies it, first):
 //   p -= lr wd p;  m = mu m + (1 - mu) g;  u = nesterov ? (1 - mu) g + mu m : m;
 //   p -= lr * scale(rows, cols) * extra * NS(u)
-// NS (Newton-Schulz): X = u / max(|u|_F, 1e-7) (over the smaller dimension: u transposed when it
-// has more rows than columns), then for each step's coefficients (a, b, c): A = X X^T,
+// NS (Newton-Schulz): X = u / max(|u|_F, 1e-7) (the norm read on the stream, no host wait; over
+// the smaller dimension: u transposed when it has more rows than columns), then for each step's coefficients (a, b, c): A = X X^T,
 // X = a X + (b A + c A A) X. --muon-fp32-matmul-prec medium runs these on bfloat16 values, as
 // Megatron-LM does (X rounded to bfloat16 after the normalization and every product and sum
 // rounded to it); high keeps float32 (Megatron-LM: TF32 products on a GPU).

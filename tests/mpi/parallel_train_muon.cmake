@@ -22,3 +22,13 @@ megatrain_parallel_train_test(parallel_train_muon_resume_dp2_to_tp2 --model "${m
                               "--tensor-model-parallel-size 2")
 megatrain_parallel_train_test(parallel_train_muon_resume_dp2distopt_to_dp3distopt --model "${muon_llama}" --resume
                               2 "--use-distributed-optimizer" 3 "--use-distributed-optimizer")
+# ... with multi-latent attention (its up projections gathered over TP, the down projections whole
+# on every rank), context parallelism (the gradients summed over DP x CP first), multi-token
+# prediction under PP, and an interleaved pipeline with learned position embeddings (a 2-D
+# parameter Muon takes, as Megatron-LM's rule does).
+megatrain_parallel_train_test(parallel_train_muon_mla_tp2_sp --model "${mla_model} ${muon}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_muon_cp2_dp2 --model "${cp_llama_model} ${muon}" 4 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_muon_mtp_pp2 --model "${mtp_model} ${muon}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_muon_pp2_vpp2 --model "${muon}" 2 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2)
