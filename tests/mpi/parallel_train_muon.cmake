@@ -32,3 +32,6 @@ megatrain_parallel_train_test(parallel_train_muon_cp2_dp2 --model "${cp_llama_mo
 megatrain_parallel_train_test(parallel_train_muon_mtp_pp2 --model "${mtp_model} ${muon}" 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_muon_pp2_vpp2 --model "${muon}" 2 --pipeline-model-parallel-size 2
                               --num-virtual-stages-per-pipeline-rank 2)
+# ... and with two distributed-optimizer instances (the updates gathered within each instance).
+megatrain_parallel_train_test(parallel_train_muon_dp4_distopt_instances2 --model "${muon}" 4 --use-distributed-optimizer
+                              --num-distributed-optimizer-instances 2)
