@@ -173,7 +173,8 @@ void validate_muon(CliState& st) {
   if (c.parallel.use_distributed_optimizer)
     st.note("--use-distributed-optimizer with --optimizer muon: Megatron-LM's layer-wise distributed optimizer gives "
             "each data-parallel rank whole parameters; megatrain shards the optimizer state as for AdamW, gathers "
-            "the momentum updates, and every rank orthogonalizes every matrix (the same update)");
+            "the momentum updates, splits the orthogonalizations over the data-parallel ranks and reduce-scatters "
+            "their results (the same update)");
 }
 
 void validate_training(CliState& st) {

@@ -382,7 +382,7 @@ void GptModel::layout(Arena& a) {
   }
   muon_workspace_ = Tensor();
   if (opt_.optimizer == OptimizerKind::muon) {
-    const int64_t n = muon_workspace_elements(descs_, muon_matrices(descs_, d_, opt_.muon), opt_.muon);
+    const int64_t n = muon_workspace_elements(muon_matrices(descs_, d_, opt_.muon), opt_.muon);
     if (n > 0) muon_workspace_ = a.take(C::optimizer_states, S, {n});
   }
   scalars_ = a.take(C::workspace, S, {32});

@@ -67,11 +67,11 @@ bool is_qkv_weight(const std::string& name) {
   return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The workspace's regions (elements of the master weights' dtype): a parameter's orthogonalized,
-// scaled update D, the gathered matrix U, a staging area S (pieces, a column gather), then NS's own.
+// The workspace's regions (elements of the master weights' dtype): the gathered matrix U, a
+// staging area S (pieces, a column gather), then Newton-Schulz's own.
 struct WorkspaceLayout {
-  int64_t local = 0, matrix = 0, stage = 0, ns = 0;
-  int64_t total() const { return local + matrix + stage + ns; }
+  int64_t matrix = 0, stage = 0, ns = 0;
+  int64_t total() const { return matrix + stage + ns; }
 };
 
 // Regions and the Newton-Schulz tensors start 256-byte aligned (GEMM operands): sizes in elements
@@ -79,12 +79,10 @@ struct WorkspaceLayout {
 constexpr int64_t kAlign = 64;
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-WorkspaceLayout layout_of(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
-                          const MuonConfig& cfg) {
+WorkspaceLayout layout_of(const std::vector<MuonMatrix>& matrices, const MuonConfig& cfg) {
   WorkspaceLayout w;
   for (const MuonMatrix& m : matrices) {
     const int64_t rc = m.global_rows * m.global_cols;
-    w.local = std::max(w.local, aligned(params[static_cast<size_t>(m.param)].numel()));
     w.matrix = std::max(w.matrix, aligned(rc));
     w.stage = std::max(w.stage, aligned(std::max(rc, m.local_rows() * m.cols)));
     w.ns = std::max(w.ns, newton_schulz_workspace(m.global_rows, m.global_cols, cfg));
@@ -175,9 +173,8 @@ std::vector<MuonMatrix> muon_matrices(const std::vector<ParamDesc>& params, cons
   return out;
 }
 
-int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
-                                const MuonConfig& cfg) {
-  return matrices.empty() ? 0 : layout_of(params, matrices, cfg).total();
+int64_t muon_workspace_elements(const std::vector<MuonMatrix>& matrices, const MuonConfig& cfg) {
+  return matrices.empty() ? 0 : layout_of(matrices, cfg).total();
 }
 
 int64_t newton_schulz_workspace(int64_t rows, int64_t cols, const MuonConfig& cfg) {
@@ -284,77 +281,94 @@ void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDe
 }
 
 void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
-                        const std::vector<MuonMatrix>& matrices, const MuonViews& v,
-                        const std::vector<MuonRange>& ranges, const std::vector<float>& lr, Communicator* tp,
-                        Communicator* expert_tp) {
+                        const std::vector<MuonMatrix>& matrices, const std::vector<char>& owned, const MuonViews& v,
+                        Communicator* tp, Communicator* expert_tp) {
   if (matrices.empty()) return;
-  const WorkspaceLayout w = layout_of(params, matrices, cfg);
+  MT_CHECK(owned.size() == matrices.size(), "muon_orthogonalize: {} ownership flags for {} matrices", owned.size(),
+           matrices.size());
+  const WorkspaceLayout w = layout_of(matrices, cfg);
   MT_CHECK(v.workspace.numel() >= w.total() && v.workspace.dtype == v.grad.dtype,
            "muon_orthogonalize: workspace of {} elements, {} needed", v.workspace.numel(), w.total());
-  const Tensor D = v.workspace.flat_slice(0, w.local);
-  const Tensor U = v.workspace.flat_slice(w.local, w.matrix);
-  const Tensor S = v.workspace.flat_slice(w.local + w.matrix, w.stage);
-  const Tensor ns = v.workspace.flat_slice(w.local + w.matrix + w.stage, w.ns);
+  const Tensor U = v.workspace.flat_slice(0, w.matrix);
+  const Tensor S = v.workspace.flat_slice(w.matrix, w.stage);
+  const Tensor ns = v.workspace.flat_slice(w.matrix + w.stage, w.ns);
   const double extra = cfg.extra_scale_factor;
-  size_t k = 0;
-  while (k < matrices.size()) {
-    const int pi = matrices[k].param;
-    const ParamDesc& p = params[static_cast<size_t>(pi)];
-    const int64_t n = p.numel(), rows = p.local_rows(), cols = p.local_cols();
-    // The update u of the whole parameter (this TP rank's block), and its orthogonalized, scaled
-    // counterpart d, both [rows, cols].
-    const Tensor u = v.grad.flat_slice(p.offset, n).view({rows, cols}), d = D.flat_slice(0, n).view({rows, cols});
-    for (; k < matrices.size() && matrices[k].param == pi; ++k) {
-      const MuonMatrix& m = matrices[k];
-      const int64_t lrows = m.local_rows(), gr = m.global_rows, gc = m.global_cols;
-      // This rank's part, contiguous.
-      Tensor part = u.row_slice(m.row0, m.rows);
-      if (m.pieces > 1) {
-        part = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
-        for (int g = 0; g < m.pieces; ++g)
-          be.copy(part.row_slice(g * m.rows, m.rows), u.row_slice(m.row0 + g * m.stride, m.rows));
-      }
-      // The whole matrix, in U (a part of u is not overwritten: other matrices' parts follow it).
-      Communicator* comm = p.expert ? expert_tp : tp;
-      const Tensor full = U.flat_slice(0, gr * gc).view({gr, gc});
-      if (m.shard_dim < 0) {
-        be.copy(full, part);
-      } else {
-        MT_CHECK(comm != nullptr, "muon_orthogonalize: {} is sharded but no group gathers it", p.name);
-        if (m.shard_dim == 0) {
-          comm->all_gather(full, part);
-        } else {
-          MT_CHECK(m.pieces == 1, "muon_orthogonalize: {}: pieces of a column-sharded matrix", p.name);
-          const Tensor stage = S.flat_slice(0, gr * gc);
-          comm->all_gather(stage, part);
-          for (int r = 0; r < comm->size(); ++r)
-            be.copy_columns(full, r * m.cols, stage.flat_slice(r * lrows * m.cols, lrows * m.cols).view({lrows, m.cols}),
-                            0, m.cols);
-        }
-      }
-      newton_schulz(be, full, ns, cfg);
-      // This rank's share of the orthogonalized matrix, scaled, into d.
-      Tensor own = full;
-      if (m.shard_dim == 0) {
-        own = full.row_slice(comm->rank() * lrows, lrows);
-      } else if (m.shard_dim == 1) {
-        own = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
-        be.copy_columns(own, 0, full, comm->rank() * m.cols, m.cols);
-      }
-      const float scale = static_cast<float>(muon_scale(cfg.scale_mode, gr, gc) * extra);
-      for (int g = 0; g < m.pieces; ++g)
-        be.axpby(d.row_slice(m.row0 + g * m.stride, m.rows), scale, own.row_slice(g * m.rows, m.rows), 0.0f,
-                 own.row_slice(g * m.rows, m.rows));
+  for (size_t k = 0; k < matrices.size(); ++k) {
+    const MuonMatrix& m = matrices[k];
+    const ParamDesc& p = params[static_cast<size_t>(m.param)];
+    // The parameter's update u (this TP rank's block) [rows, cols]; each matrix's rows of it are
+    // read, then overwritten with their result (the matrices' rows are disjoint).
+    const Tensor u = v.grad.flat_slice(p.offset, p.numel()).view({p.local_rows(), p.local_cols()});
+    if (!owned[k]) {
+      for (int g = 0; g < m.pieces; ++g) be.fill(u.row_slice(m.row0 + g * m.stride, m.rows), 0.0);
+      continue;
     }
-    // p -= lr d on this rank's pieces of p, then its compute-dtype copy.
+    const int64_t lrows = m.local_rows(), gr = m.global_rows, gc = m.global_cols;
+    // This rank's part, contiguous.
+    Tensor part = u.row_slice(m.row0, m.rows);
+    if (m.pieces > 1) {
+      part = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
+      for (int g = 0; g < m.pieces; ++g)
+        be.copy(part.row_slice(g * m.rows, m.rows), u.row_slice(m.row0 + g * m.stride, m.rows));
+    }
+    // The whole matrix, in U.
+    Communicator* comm = p.expert ? expert_tp : tp;
+    const Tensor full = U.flat_slice(0, gr * gc).view({gr, gc});
+    if (m.shard_dim < 0) {
+      be.copy(full, part);
+    } else {
+      MT_CHECK(comm != nullptr, "muon_orthogonalize: {} is sharded but no group gathers it", p.name);
+      if (m.shard_dim == 0) {
+        comm->all_gather(full, part);
+      } else {
+        MT_CHECK(m.pieces == 1, "muon_orthogonalize: {}: pieces of a column-sharded matrix", p.name);
+        const Tensor stage = S.flat_slice(0, gr * gc);
+        comm->all_gather(stage, part);
+        for (int r = 0; r < comm->size(); ++r)
+          be.copy_columns(full, r * m.cols, stage.flat_slice(r * lrows * m.cols, lrows * m.cols).view({lrows, m.cols}),
+                          0, m.cols);
+      }
+    }
+    newton_schulz(be, full, ns, cfg);
+    // This rank's share of the orthogonalized matrix, scaled, over u's rows.
+    Tensor own = full;
+    if (m.shard_dim == 0) {
+      own = full.row_slice(comm->rank() * lrows, lrows);
+    } else if (m.shard_dim == 1) {
+      own = S.flat_slice(0, lrows * m.cols).view({lrows, m.cols});
+      be.copy_columns(own, 0, full, comm->rank() * m.cols, m.cols);
+    }
+    const float scale = static_cast<float>(muon_scale(cfg.scale_mode, gr, gc) * extra);
+    for (int g = 0; g < m.pieces; ++g)
+      be.axpby(u.row_slice(m.row0 + g * m.stride, m.rows), scale, own.row_slice(g * m.rows, m.rows), 0.0f, Tensor());
+  }
+}
+
+void muon_apply(Backend& be, const std::vector<ParamDesc>& params, const MuonViews& v,
+                const std::vector<MuonRange>& ranges, const std::vector<float>& lr) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!muon_param(params[i])) continue;
     for (const MuonRange& r : ranges) {
       int64_t a = 0, e = 0;
-      if (!intersect(p, r, a, e)) continue;
+      if (!intersect(params[i], r, a, e)) continue;
       const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a);
-      be.axpby(M, 1.0f, M, -lr[static_cast<size_t>(pi)], D.flat_slice(a - p.offset, e - a));
+      be.axpby(M, 1.0f, M, -lr[i], v.grad.flat_slice(a, e - a));
       if (!r.model_copy.empty()) be.cast(r.model_copy.flat_slice(a - r.flat_offset, e - a), M);
     }
   }
+}
+
+std::vector<char> muon_owned(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
+                             int dense_rank, int dense_size, int expert_rank, int expert_size) {
+  std::vector<char> owned(matrices.size(), 0);
+  int64_t dense = 0, expert = 0;  // matrices dealt so far in each group
+  for (size_t k = 0; k < matrices.size(); ++k) {
+    const bool is_expert = params[static_cast<size_t>(matrices[k].param)].expert;
+    int64_t& n = is_expert ? expert : dense;
+    const int size = is_expert ? expert_size : dense_size, rank = is_expert ? expert_rank : dense_rank;
+    owned[k] = n++ % size == rank;
+  }
+  return owned;
 }
 
 std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,

@@ -23,9 +23,9 @@
 // Megatron-LM's duplicated mode (its distributed mode splits the NS products over the ranks; the
 // update is the same up to rounding). blockwise: each shard alone, scaled by its own shape.
 // With the distributed optimizer the states are sharded as AdamW's (ZeRO-1): each DP rank updates
-// the momentum of its shards, the updates u are all-gathered, and every DP rank orthogonalizes
-// every matrix and applies its shards' part (Megatron-LM's layer-wise distributed optimizer gives
-// each rank whole parameters instead, splitting the orthogonalization work; the update is the same).
+// the momentum of its shards, the updates u are all-gathered, each DP rank orthogonalizes its share
+// of the matrices, and the results are reduce-scattered back to the shards (Megatron-LM's
+// layer-wise distributed optimizer gives each rank whole parameters instead; the update is the same).
 // The momentum buffer is the first optimizer-state buffer (Adam's exp_avg for the other parameters).
 #pragma once
 
@@ -71,8 +71,7 @@ struct MuonMatrix {
 // are gathered over (1: none). Refuses what it cannot gather (an expert TP size other than 1 or TP).
 std::vector<MuonMatrix> muon_matrices(const std::vector<ParamDesc>& params, const ModelDims& d, const MuonConfig& cfg);
 // Elements (of the master weights' dtype) of the workspace muon_orthogonalize needs for these.
-int64_t muon_workspace_elements(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
-                                const MuonConfig& cfg);
+int64_t muon_workspace_elements(const std::vector<MuonMatrix>& matrices, const MuonConfig& cfg);
 
 // NS of x [rows, cols] in place (float32 or float64). work: at least newton_schulz_workspace
 // elements of x's dtype.
@@ -92,22 +91,30 @@ struct MuonRange {
   int64_t flat_offset = 0, numel = 0;
   Tensor master, momentum, model_copy;
 };
-// A Muon step in two phases, between which (distributed optimizer) each bucket's update is
-// all-gathered from its shards:
+// A Muon step in three phases. With the distributed optimizer each bucket's updates are
+// all-gathered from the shards after the first, and reduce-scattered back to them after the second.
 //   muon_momentum: on this rank's pieces of the Muon parameters, p -= lr wd p, the momentum from
 //     the gradient times grad_scale (the clipped gradient), and the update u (Nesterov's or the
 //     momentum) written over the gradient;
-//   muon_orthogonalize: per matrix, u gathered over TP, orthogonalized and scaled; p -= lr that
-//     on this rank's pieces, and their compute-dtype copies.
+//   muon_orthogonalize: per matrix this rank owns, u gathered over TP, orthogonalized and scaled,
+//     written over u's rows; the rows of the matrices it does not own zeroed (so the reduce-scatter
+//     hands every shard its owner's result: the orthogonalization is split over the data-parallel
+//     ranks, as Megatron-LM's layer-wise distributed optimizer splits it);
+//   muon_apply: p -= lr times that, on this rank's pieces, and their compute-dtype copies.
 // lr, wd: per parameter (the optimizer's groups). tp: the group dense parameters' shards are
 // gathered over; expert_tp: the experts' (null: not gathered).
 void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params, const MuonViews& v,
                    const std::vector<MuonRange>& ranges, const std::vector<float>& lr, const std::vector<float>& wd,
                    float grad_scale);
 void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
-                        const std::vector<MuonMatrix>& matrices, const MuonViews& v,
-                        const std::vector<MuonRange>& ranges, const std::vector<float>& lr, Communicator* tp,
-                        Communicator* expert_tp);
+                        const std::vector<MuonMatrix>& matrices, const std::vector<char>& owned, const MuonViews& v,
+                        Communicator* tp, Communicator* expert_tp);
+void muon_apply(Backend& be, const std::vector<ParamDesc>& params, const MuonViews& v,
+                const std::vector<MuonRange>& ranges, const std::vector<float>& lr);
+// Which matrices this rank orthogonalizes: dealt round-robin over the group its parameter's
+// buckets are sharded over (the routed experts' group, or the dense one), in order.
+std::vector<char> muon_owned(const std::vector<ParamDesc>& params, const std::vector<MuonMatrix>& matrices,
+                             int dense_rank, int dense_size, int expert_rank, int expert_size);
 
 // A range's AdamW segments without the Muon parameters (offsets relative to flat_offset).
 std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,

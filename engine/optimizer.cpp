@@ -256,10 +256,10 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   return out;
 }
 
-// Muon's parameters (engine/muon.h): each chunk's momentum phase on this rank's pieces; with the
-// distributed optimizer the updates all-gathered from the shards (the buckets that hold Muon
-// parameters, over their groups); then each chunk's orthogonalization. Each parameter takes its
-// group's learning rate and weight decay.
+// Muon's parameters (engine/muon.h): the momentum phase on this rank's pieces, the
+// orthogonalization (with the distributed optimizer of this rank's share of the matrices, between
+// an all-gather and a reduce-scatter of the buckets holding Muon parameters), then the update.
+// Each parameter takes its group's learning rate and weight decay.
 void Optimizer::muon_step(const OptimStepParams& p) {
   const bool decoupled = cfg_.train.decoupled_lr.has_value();
   std::vector<std::vector<float>> lr(chunks_.size()), wd(chunks_.size());
@@ -285,7 +285,9 @@ void Optimizer::muon_step(const OptimStepParams& p) {
     v.workspace = m.muon_workspace();
     muon_momentum(be_, cfg_.train.muon, params, v, pieces[c], lr[c], wd[c], p.grad_scale);
   }
-  if (sharded_) {
+  // With the distributed optimizer: the buckets holding Muon parameters, their updates all-gathered
+  // from the shards before the orthogonalization and its results reduce-scattered back after it.
+  const auto over_muon_buckets = [&](auto&& collective) {
     be_.comm_wait_for_compute();
     for (GptModel* m : chunks_) {
       const GradLayout& L = m->grad_layout();
@@ -297,14 +299,25 @@ void Optimizer::muon_step(const OptimStepParams& p) {
         Communicator& group = L.is_expert_bucket(b) ? *grad_sync_->expert_comm() : grad_sync_->comm();
         if (!muon || group.size() == 1) continue;
         const Tensor whole = m->grads_flat().flat_slice(k.offset, k.numel);
-        group.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+        collective(group, whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
       }
     }
     be_.compute_wait_for_comm();
+  };
+  if (sharded_) over_muon_buckets([](Communicator& g, Tensor whole, Tensor shard) { g.all_gather(whole, shard); });
+  Communicator& dense = grad_sync_->comm();
+  Communicator& experts = grad_sync_->expert_comm() ? *grad_sync_->expert_comm() : dense;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const std::vector<ParamDesc>& params = chunks_[c]->params();
+    // Unsharded, every rank orthogonalizes every matrix (nothing would hand it the others' results).
+    const std::vector<char> owned =
+        sharded_ ? muon_owned(params, muon_matrices_[c], dense.rank(), dense.size(), experts.rank(), experts.size())
+                 : std::vector<char>(muon_matrices_[c].size(), 1);
+    muon_orthogonalize(be_, cfg_.train.muon, params, muon_matrices_[c], owned, views[c], ps_.tp.get(), ps_.tp.get());
   }
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    muon_orthogonalize(be_, cfg_.train.muon, chunks_[c]->params(), muon_matrices_[c], views[c], pieces[c], lr[c],
-                       ps_.tp.get(), ps_.tp.get());
+  if (sharded_)
+    over_muon_buckets([](Communicator& g, Tensor whole, Tensor shard) { g.reduce_scatter(shard, whole); });
+  for (size_t c = 0; c < chunks_.size(); ++c) muon_apply(be_, chunks_[c]->params(), views[c], pieces[c], lr[c]);
 }
 
 bool Optimizer::cast_fp8_params() {

@@ -203,7 +203,8 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
 
   Buf master = Buf::randn({total}, rng, 0.5), grad = Buf::randn({total}, rng, 2.0), mom = Buf::randn({total}, rng, 0.1);
   std::vector<float> m32 = to_f32(master.d), g32 = to_f32(grad.d), b32 = to_f32(mom.d), copy(total, -1.0f);
-  std::vector<float> work(static_cast<size_t>(muon_workspace_elements(params, mats, cfg)));
+  std::vector<float> work(static_cast<size_t>(muon_workspace_elements(mats, cfg)));
+  const std::vector<char> all(mats.size(), 1);
   MuonViews v;
   v.grad = test::f32_view(g32, {total});
   v.workspace = test::f32_view(work, {static_cast<int64_t>(work.size())});
@@ -212,7 +213,31 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
   const std::vector<MuonRange> whole_buffer = {
       MuonRange{0, total, test::f32_view(m32, {total}), test::f32_view(b32, {total}), test::f32_view(copy, {total})}};
   muon_momentum(*be, cfg, params, v, whole_buffer, lrs, wds, gs);
-  muon_orthogonalize(*be, cfg, params, mats, v, whole_buffer, lrs, nullptr, nullptr);
+  const std::vector<float> updates = g32;  // before their orthogonalization
+  muon_orthogonalize(*be, cfg, params, mats, all, v, nullptr, nullptr);
+  {
+    // Split over two data-parallel ranks: each orthogonalizes its share and zeroes the others'
+    // rows; their sum (what the reduce-scatter hands the shards) is the whole result, exactly.
+    std::vector<float> sum(updates.size(), 0.0f);
+    int64_t owners = 0;
+    const std::vector<char> own0 = muon_owned(params, mats, 0, 2, 0, 2), own1 = muon_owned(params, mats, 1, 2, 1, 2);
+    for (size_t k = 0; k < mats.size(); ++k) owners += own0[k] + own1[k];
+    CHECK(owners == static_cast<int64_t>(mats.size()));
+    CHECK(std::count(own0.begin(), own0.end(), 1) == 2);
+    for (const std::vector<char>* own : {&own0, &own1}) {
+      std::vector<float> gk = updates;
+      MuonViews vk = v;
+      vk.grad = test::f32_view(gk, {total});
+      muon_orthogonalize(*be, cfg, params, mats, *own, vk, nullptr, nullptr);
+      for (int64_t i = 0; i < total; ++i)
+        if (i < 96 || (i >= 102 && i < 137)) sum[static_cast<size_t>(i)] += gk[static_cast<size_t>(i)];
+    }
+    int64_t differ = 0;
+    for (int64_t i = 0; i < total; ++i)
+      if (i < 96 || (i >= 102 && i < 137)) differ += sum[static_cast<size_t>(i)] != g32[static_cast<size_t>(i)];
+    CHECK(differ == 0);
+  }
+  muon_apply(*be, params, v, whole_buffer, lrs);
 
   // The host: p -= lr wd p; m = mu m + (1 - mu) g gs; u = (1 - mu) g gs + mu m; p -= lr s 0.2 NS(u).
   const double mu = 0.9;
@@ -276,7 +301,8 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
     MuonViews sv = v;
     sv.grad = test::f32_view(sg, {total});
     muon_momentum(*be, cfg, params, sv, shards, lrs, wds, gs);
-    muon_orthogonalize(*be, cfg, params, mats, sv, shards, lrs, nullptr, nullptr);
+    muon_orthogonalize(*be, cfg, params, mats, all, sv, nullptr, nullptr);
+    muon_apply(*be, params, sv, shards, lrs);
     int64_t differ = 0;
     for (size_t k = 0; k < at.size(); ++k)
       for (int64_t i = 0; i < count[k]; ++i) {
