@@ -165,8 +165,12 @@ void validate_muon(CliState& st) {
   if (t.use_precision_aware_optimizer)
     fail("--use-precision-aware-optimizer is not supported with --optimizer muon (it needs the distributed optimizer, "
          "which Megatron-LM replaces by its layer-wise one for Muon)");
-  if (c.train.fp8_format)
-    fail("megatrain does not support --fp8-format with --optimizer muon yet (FP8 weight scales follow AdamW's update)");
+  if (c.train.fp8_param_gather)
+    fail("megatrain does not support --fp8-param-gather with --optimizer muon yet (the FP8 parameters are cast by "
+         "AdamW's update)");
+  if (c.train.fp8_format && c.train.fp8_recipe == Fp8Recipe::tensorwise)
+    fail("megatrain does not support --fp8-recipe tensorwise with --optimizer muon yet (the weights' amaxes come from "
+         "AdamW's update); the delayed recipe runs");
   if (c.parallel.grad_reduce_in_bf16)
     fail("megatrain does not support --grad-reduce-in-bf16 with --optimizer muon yet (Muon keeps its float32 update in "
          "the gradient buffer)");

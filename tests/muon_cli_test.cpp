@@ -59,6 +59,12 @@ TEST_CASE("cli muon: --optimizer muon, its settings, dist_muon and the distribut
   CHECK_THAT(parse_error(small_gpt() + words("--optimizer muon --use-distributed-optimizer --use-precision-aware-optimizer")),
              Contains("--use-precision-aware-optimizer is not supported with --optimizer muon"));
   CHECK_THAT(parse_error(small_gpt() + words("--optimizer lion")), Contains("--optimizer lion"));
+  CHECK_THAT(parse_error(small_gpt() + words("--optimizer muon --bf16 --fp8-format hybrid --fp8-param-gather "
+                                             "--use-distributed-optimizer")),
+             Contains("--fp8-param-gather with --optimizer muon"));
+  CHECK_THAT(parse_error(small_gpt() + words("--optimizer muon --bf16 --fp8-format hybrid --fp8-recipe tensorwise")),
+             Contains("--fp8-recipe tensorwise with --optimizer muon"));
+  CHECK(parse(small_gpt() + words("--optimizer muon --bf16 --fp8-format hybrid")).train.fp8_format.has_value());
   // The same values with adam: nothing to check (Megatron-LM reads them in Muon only), a note each.
   std::vector<SetupMessage> adam;
   parse(small_gpt() + words("--muon-fp32-matmul-prec low --muon-coefficient-type custom"), 1, &adam);

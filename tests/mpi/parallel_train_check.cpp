@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
     ++argv;
     --argc;
   }
-  if (std::string(argv[4]) == "--iters") {  // more iterations than the default 8 (an even number)
+  if (std::string(argv[4]) == "--iters") {  // N iterations instead of 8 (or --fp8's 4; even with --resume)
     if (argc < 7) return 2;
     iterations = std::stoll(argv[5]);
     base += std::string(" --train-iters ") + argv[5];  // (the later flag wins, as with argparse)

@@ -35,3 +35,9 @@ megatrain_parallel_train_test(parallel_train_muon_pp2_vpp2 --model "${muon}" 2 -
 # ... and with two distributed-optimizer instances (the updates gathered within each instance).
 megatrain_parallel_train_test(parallel_train_muon_dp4_distopt_instances2 --model "${muon}" 4 --use-distributed-optimizer
                               --num-distributed-optimizer-instances 2)
+# ... with FP8 GEMMs (emulated on the reference backend, delayed scaling) over TP2 with SP, three
+# iterations: an FP8 rounding-tie flip (tests/mpi/parallel_train_check.cpp) moves one gradient
+# element, and Muon's orthogonalization spreads it over the whole matrix.
+megatrain_parallel_train_test(parallel_train_muon_fp8_delayed_tp2_sp --fp8 --iters 3 --model
+  "${muon} --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --no-bias-gelu-fusion"
+  2 --tensor-model-parallel-size 2 --sequence-parallel)
