@@ -272,7 +272,7 @@ void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDe
       const Tensor g = v.grad.flat_slice(a, e - a);
       // Decoupled weight decay first, then the momentum (on the clipped gradient), then Nesterov's.
       if (lr[i] * wd[i] != 0.0f) be.axpby(M, 1.0f, M, -lr[i] * wd[i], M);
-      be.axpby(g, grad_scale, g, 0.0f, g);
+      be.axpby(g, grad_scale, g, 0.0f, Tensor());
       be.axpby(B, mu, B, 1.0f - mu, g);
       if (cfg.nesterov) be.axpby(g, 1.0f - mu, g, mu, B);
       else be.copy(g, B);
@@ -282,7 +282,7 @@ void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDe
 
 void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
                         const std::vector<MuonMatrix>& matrices, const std::vector<char>& owned, const MuonViews& v,
-                        Communicator* tp, Communicator* expert_tp) {
+                        Communicator* tp) {
   if (matrices.empty()) return;
   MT_CHECK(owned.size() == matrices.size(), "muon_orthogonalize: {} ownership flags for {} matrices", owned.size(),
            matrices.size());
@@ -312,7 +312,7 @@ void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<Pa
         be.copy(part.row_slice(g * m.rows, m.rows), u.row_slice(m.row0 + g * m.stride, m.rows));
     }
     // The whole matrix, in U.
-    Communicator* comm = p.expert ? expert_tp : tp;
+    Communicator* const comm = tp;
     const Tensor full = U.flat_slice(0, gr * gc).view({gr, gc});
     if (m.shard_dim < 0) {
       be.copy(full, part);

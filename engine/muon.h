@@ -101,14 +101,14 @@ struct MuonRange {
 //     hands every shard its owner's result: the orthogonalization is split over the data-parallel
 //     ranks, as Megatron-LM's layer-wise distributed optimizer splits it);
 //   muon_apply: p -= lr times that, on this rank's pieces, and their compute-dtype copies.
-// lr, wd: per parameter (the optimizer's groups). tp: the group dense parameters' shards are
-// gathered over; expert_tp: the experts' (null: not gathered).
+// lr, wd: per parameter (the optimizer's groups). tp: the group a sharded matrix's shards are
+// gathered over (the experts' too: muon_matrices gathers them only when their TP group is TP's).
 void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params, const MuonViews& v,
                    const std::vector<MuonRange>& ranges, const std::vector<float>& lr, const std::vector<float>& wd,
                    float grad_scale);
 void muon_orthogonalize(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params,
                         const std::vector<MuonMatrix>& matrices, const std::vector<char>& owned, const MuonViews& v,
-                        Communicator* tp, Communicator* expert_tp);
+                        Communicator* tp);
 void muon_apply(Backend& be, const std::vector<ParamDesc>& params, const MuonViews& v,
                 const std::vector<MuonRange>& ranges, const std::vector<float>& lr);
 // Which matrices this rank orthogonalizes: dealt round-robin over the group its parameter's

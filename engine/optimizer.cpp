@@ -36,8 +36,6 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   mtp_depths_ = chunks_.front()->dims().mtp;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (chunks_[c]->dims().last_stage) output_chunk_ = chunks_[c];
-    if (t.optimizer == OptimizerKind::muon)
-      muon_matrices_.push_back(muon_matrices(chunks_[c]->params(), chunks_[c]->dims(), t.muon));
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
       // Muon's parameters leave AdamW's segments.
       if (t.optimizer == OptimizerKind::muon) r.update = without_muon_params(r.update, chunks_[c]->params(), r.flat_offset);
@@ -51,6 +49,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   if (sharded_ && (ps.dist_opt_size() > 1 || (ps.edp && ps.edp_size > 1)))
     param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(), grad_sync_->expert_comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
+  if (t.optimizer == OptimizerKind::muon) plan_muon();
   const double lr = t.lr.value_or(0.0);
   max_lr_[kDecay] = max_lr_[kNoDecay] = lr;
   min_lr_[kDecay] = min_lr_[kNoDecay] = t.min_lr;
@@ -256,68 +255,79 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   return out;
 }
 
+// What Muon's step needs of each chunk, once: its matrices, the parameters' groups, the ranges'
+// views, which matrices this rank orthogonalizes and (distributed optimizer) the buckets that hold
+// Muon parameters.
+void Optimizer::plan_muon() {
+  const bool decoupled = cfg_.train.decoupled_lr.has_value();
+  Communicator& dense = grad_sync_->comm();
+  Communicator& experts = grad_sync_->expert_comm() ? *grad_sync_->expert_comm() : dense;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    GptModel& m = *chunks_[c];
+    const std::vector<ParamDesc>& params = m.params();
+    MuonChunk mc;
+    mc.matrices = muon_matrices(params, m.dims(), cfg_.train.muon);
+    for (const ParamDesc& d : params) mc.group.push_back(optim_group(d, decoupled));
+    for (const OptimRange& r : ranges_) {
+      if (r.chunk != static_cast<int>(c)) continue;
+      const OptimViews o = optim_views(m, r);
+      mc.pieces.push_back(MuonRange{r.flat_offset, r.numel, o.master, o.state1, o.model_copy});
+    }
+    mc.views.grad = m.grads_flat();
+    mc.views.workspace = m.muon_workspace();
+    // Unsharded, every rank orthogonalizes every matrix (nothing would hand it the others' results).
+    mc.owned = sharded_ ? muon_owned(params, mc.matrices, dense.rank(), dense.size(), experts.rank(), experts.size())
+                        : std::vector<char>(mc.matrices.size(), 1);
+    const GradLayout& L = m.grad_layout();
+    for (int b = 0; sharded_ && b < L.num_buckets(); ++b) {
+      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+      if (std::any_of(params.begin(), params.end(), [&](const ParamDesc& d) {
+            return muon_param(d) && d.offset < k.offset + k.numel && d.offset + d.numel() > k.offset;
+          }))
+        mc.buckets.push_back(b);
+    }
+    muon_.push_back(std::move(mc));
+  }
+}
+
 // Muon's parameters (engine/muon.h): the momentum phase on this rank's pieces, the
 // orthogonalization (with the distributed optimizer of this rank's share of the matrices, between
 // an all-gather and a reduce-scatter of the buckets holding Muon parameters), then the update.
 // Each parameter takes its group's learning rate and weight decay.
 void Optimizer::muon_step(const OptimStepParams& p) {
-  const bool decoupled = cfg_.train.decoupled_lr.has_value();
   std::vector<std::vector<float>> lr(chunks_.size()), wd(chunks_.size());
-  std::vector<std::vector<MuonRange>> pieces(chunks_.size());
-  std::vector<MuonViews> views(chunks_.size());
   for (size_t c = 0; c < chunks_.size(); ++c) {
-    GptModel& m = *chunks_[c];
-    const std::vector<ParamDesc>& params = m.params();
-    lr[c].resize(params.size());
-    wd[c].resize(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      const int g = optim_group(params[i], decoupled);
-      lr[c][i] = p.lr[g];
-      wd[c][i] = p.weight_decay[g];
+    for (const int g : muon_[c].group) {
+      lr[c].push_back(p.lr[g]);
+      wd[c].push_back(p.weight_decay[g]);
     }
-    for (const OptimRange& r : ranges_) {
-      if (r.chunk != static_cast<int>(c)) continue;
-      const OptimViews o = optim_views(m, r);
-      pieces[c].push_back(MuonRange{r.flat_offset, r.numel, o.master, o.state1, o.model_copy});
-    }
-    MuonViews& v = views[c];
-    v.grad = m.grads_flat();
-    v.workspace = m.muon_workspace();
-    muon_momentum(be_, cfg_.train.muon, params, v, pieces[c], lr[c], wd[c], p.grad_scale);
+    muon_momentum(be_, cfg_.train.muon, chunks_[c]->params(), muon_[c].views, muon_[c].pieces, lr[c], wd[c],
+                  p.grad_scale);
   }
   // With the distributed optimizer: the buckets holding Muon parameters, their updates all-gathered
   // from the shards before the orthogonalization and its results reduce-scattered back after it.
   const auto over_muon_buckets = [&](auto&& collective) {
     be_.comm_wait_for_compute();
-    for (GptModel* m : chunks_) {
-      const GradLayout& L = m->grad_layout();
-      for (int b = 0; b < L.num_buckets(); ++b) {
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const GradLayout& L = chunks_[c]->grad_layout();
+      for (const int b : muon_[c].buckets) {
         const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-        const bool muon = std::any_of(m->params().begin(), m->params().end(), [&](const ParamDesc& d) {
-          return muon_param(d) && d.offset < k.offset + k.numel && d.offset + d.numel() > k.offset;
-        });
         Communicator& group = L.is_expert_bucket(b) ? *grad_sync_->expert_comm() : grad_sync_->comm();
-        if (!muon || group.size() == 1) continue;
-        const Tensor whole = m->grads_flat().flat_slice(k.offset, k.numel);
+        if (group.size() == 1) continue;
+        const Tensor whole = chunks_[c]->grads_flat().flat_slice(k.offset, k.numel);
         collective(group, whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
       }
     }
     be_.compute_wait_for_comm();
   };
   if (sharded_) over_muon_buckets([](Communicator& g, Tensor whole, Tensor shard) { g.all_gather(whole, shard); });
-  Communicator& dense = grad_sync_->comm();
-  Communicator& experts = grad_sync_->expert_comm() ? *grad_sync_->expert_comm() : dense;
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    const std::vector<ParamDesc>& params = chunks_[c]->params();
-    // Unsharded, every rank orthogonalizes every matrix (nothing would hand it the others' results).
-    const std::vector<char> owned =
-        sharded_ ? muon_owned(params, muon_matrices_[c], dense.rank(), dense.size(), experts.rank(), experts.size())
-                 : std::vector<char>(muon_matrices_[c].size(), 1);
-    muon_orthogonalize(be_, cfg_.train.muon, params, muon_matrices_[c], owned, views[c], ps_.tp.get(), ps_.tp.get());
-  }
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    muon_orthogonalize(be_, cfg_.train.muon, chunks_[c]->params(), muon_[c].matrices, muon_[c].owned, muon_[c].views,
+                       ps_.tp.get());
   if (sharded_)
     over_muon_buckets([](Communicator& g, Tensor whole, Tensor shard) { g.reduce_scatter(shard, whole); });
-  for (size_t c = 0; c < chunks_.size(); ++c) muon_apply(be_, chunks_[c]->params(), views[c], pieces[c], lr[c]);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    muon_apply(be_, chunks_[c]->params(), muon_[c].views, muon_[c].pieces, lr[c]);
 }
 
 bool Optimizer::cast_fp8_params() {

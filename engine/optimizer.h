@@ -106,8 +106,17 @@ class Optimizer {
  private:
   OptimStepParams step_params(double grad_scale) const;
   // --optimizer muon: the update of Muon's parameters (engine/muon.h), after AdamW's of the others.
+  struct MuonChunk {
+    std::vector<MuonMatrix> matrices;
+    std::vector<char> owned;      // per matrix: this rank orthogonalizes it
+    std::vector<int> group;       // per parameter: its optimizer group (learning rate, weight decay)
+    std::vector<MuonRange> pieces;
+    MuonViews views;
+    std::vector<int> buckets;     // distributed optimizer: the buckets holding Muon parameters
+  };
+  void plan_muon();
   void muon_step(const OptimStepParams& p);
-  std::vector<std::vector<MuonMatrix>> muon_matrices_;  // per chunk
+  std::vector<MuonChunk> muon_;  // per chunk
   // FP8 parameters (--fp8-param-gather): this rank's shards cast from the master weights (a step
   // skipped by the loss scaler; an update casts them itself); false when no chunk has any.
   bool cast_fp8_params();

@@ -214,7 +214,7 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
       MuonRange{0, total, test::f32_view(m32, {total}), test::f32_view(b32, {total}), test::f32_view(copy, {total})}};
   muon_momentum(*be, cfg, params, v, whole_buffer, lrs, wds, gs);
   const std::vector<float> updates = g32;  // before their orthogonalization
-  muon_orthogonalize(*be, cfg, params, mats, all, v, nullptr, nullptr);
+  muon_orthogonalize(*be, cfg, params, mats, all, v, nullptr);
   {
     // Split over two data-parallel ranks: each orthogonalizes its share and zeroes the others'
     // rows; their sum (what the reduce-scatter hands the shards) is the whole result, exactly.
@@ -228,7 +228,7 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
       std::vector<float> gk = updates;
       MuonViews vk = v;
       vk.grad = test::f32_view(gk, {total});
-      muon_orthogonalize(*be, cfg, params, mats, *own, vk, nullptr, nullptr);
+      muon_orthogonalize(*be, cfg, params, mats, *own, vk, nullptr);
       for (int64_t i = 0; i < total; ++i)
         if (i < 96 || (i >= 102 && i < 137)) sum[static_cast<size_t>(i)] += gk[static_cast<size_t>(i)];
     }
@@ -301,7 +301,7 @@ TEST_CASE("muon_momentum and muon_orthogonalize: weight decay, momentum, Nestero
     MuonViews sv = v;
     sv.grad = test::f32_view(sg, {total});
     muon_momentum(*be, cfg, params, sv, shards, lrs, wds, gs);
-    muon_orthogonalize(*be, cfg, params, mats, all, sv, nullptr, nullptr);
+    muon_orthogonalize(*be, cfg, params, mats, all, sv, nullptr);
     muon_apply(*be, params, sv, shards, lrs);
     int64_t differ = 0;
     for (size_t k = 0; k < at.size(); ++k)
