@@ -106,6 +106,10 @@ template <class F>
 void visit_derived(ModelConfig& m, F&& f) {
   f("window_attn_skip_every", m.window_attn_skip_every, AddedLater{});
   f("window_attn_pattern", m.window_attn_pattern, AddedLater{});
+  // --linear-attention-freq's two fields and the derived Gated DeltaNet layer map.
+  f("linear_attention_every", m.linear_attention_every, AddedLater{});
+  f("linear_attention_pattern", m.linear_attention_pattern, AddedLater{});
+  f("linear_layer", m.linear_layer, AddedLater{});
   // --moe-layer-freq's two fields, and what derive.cpp computes for the experts (none: dense).
   f("moe_layer_freq", m.moe.layer_freq, AddedLater{});
   f("moe_layer_pattern", m.moe.layer_pattern, AddedLater{});

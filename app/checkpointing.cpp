@@ -405,10 +405,7 @@ void TrainingCheckpoints::read_param(CheckpointReader& reader, GptModel& m, cons
       be.fill(dst, 0.0);
     } else {
       const Tensor w = p.is_1d() ? dst : dst.view({p.local_rows(), p.local_cols()});
-      if (p.init == InitKind::ones) be.fill(w, 1.0);
-      else if (p.init == InitKind::normal && cfg_.checkpoint.perform_initialization)
-        be.init_normal(w, p.init_key(m.dims().seed), p.init_std, p.shard);
-      else be.fill(w, 0.0);
+      init_param(be, p, w, m.dims().seed, cfg_.checkpoint.perform_initialization);
     }
     be.synchronize();
     loaded_tensor(0);

@@ -205,21 +205,72 @@ void add_model_flags(FlagTable& t) {
     s.apply = [round](CliState& st, const FlagValue&) { st.cfg.model.yarn_correction_range_round_to_int = round; };
     t.add(std::move(s));
   }
-  // Megatron-LM's experimental attention variants (Gated DeltaNet linear attention, DeepSeek sparse
-  // attention): the variant is refused; its settings are read by those layers only, so without
-  // the variant they change nothing (as in Megatron-LM).
-  t.recognised("--experimental-attention-variant", Arity::one, "{gdn,gdn2,dsa,gated_delta_net}", "None",
-               "an experimental attention variant (Gated DeltaNet linear attention, DeepSeek sparse attention)");
-  for (const auto& [name, metavar, def] : std::vector<std::array<const char*, 3>>{
-           {"--linear-attention-freq", "INT|LIST", "None"}, {"--linear-conv-kernel-dim", "INT", "4"},
-           {"--linear-key-head-dim", "INT", "128"}, {"--linear-value-head-dim", "INT", "128"},
-           {"--linear-num-key-heads", "INT", "16"}, {"--linear-num-value-heads", "INT", "32"},
-           {"--dsa-indexer-n-heads", "INT", "None"}, {"--dsa-indexer-head-dim", "INT", "None"},
-           {"--dsa-indexer-topk", "INT", "None"}, {"--dsa-indexer-loss-coeff", "FLOAT", "None"}}) {
+  // Megatron-LM's experimental attention variants: Gated DeltaNet (gated_delta_net, or gdn) is
+  // built; gdn2 and DeepSeek sparse attention are refused (app/unsupported.cpp), and the DSA
+  // indexer's settings change nothing without it (as in Megatron-LM).
+  {
+    FlagSpec s;
+    s.name = "--experimental-attention-variant";
+    s.group = FlagGroup::model;
+    s.metavar = "{gdn,gdn2,dsa,gated_delta_net}";
+    s.help = "gated_delta_net (or gdn): Gated DeltaNet linear attention in the layers --linear-attention-freq marks";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      const std::string& x = v.one();
+      if (x != "gdn" && x != "gated_delta_net" && x != "gdn2" && x != "dsa")
+        fail("--experimental-attention-variant: invalid choice '{}' (choose from gdn, gdn2, dsa, gated_delta_net)", x);
+      st.cfg.model.gated_delta_net = x == "gdn" || x == "gated_delta_net";
+    };
+    s.value = [](const Config& c) -> nlohmann::json {
+      return c.model.gated_delta_net ? nlohmann::json("gdn") : nlohmann::json(nullptr);
+    };
+    s.field = [](const Config& c) { return nlohmann::json(c.model.gated_delta_net); };
+    s.set_field = [](Config& c, const nlohmann::json& j) { c.model.gated_delta_net = j.get<bool>(); };
+    t.add(std::move(s)).model_setting("gated_delta_net", CheckpointTake::forced, CheckpointCompare::yes, true);
+  }
+  {
+    FlagSpec s;
+    s.name = "--linear-attention-freq";
+    s.group = FlagGroup::model;
+    s.metavar = "N|LIST";
+    s.help = "Gated DeltaNet layers: all but every N-th (1-based), which keeps softmax attention, or a 0/1 list per "
+             "layer (1 = Gated DeltaNet) such as \"([1]*3+[0])*4\"";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      const LayerFrequency f = parse_layer_frequency("--linear-attention-freq", v.one());
+      st.cfg.model.linear_attention_every = f.every;
+      st.cfg.model.linear_attention_pattern = f.pattern;
+    };
+    s.value = [](const Config& c) -> nlohmann::json {
+      const ModelConfig& m = c.model;
+      if (!m.linear_attention_every && m.linear_attention_pattern.empty()) return nullptr;
+      return layer_frequency_text({m.linear_attention_every, m.linear_attention_pattern});
+    };
+    // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
+    t.add(std::move(s)).model_setting("linear_attention_freq");
+  }
+  t.value("--linear-conv-kernel-dim", "Gated DeltaNet: taps of the causal convolution of q, k and v",
+          MT_FIELD(model.linear_conv_kernel_dim))
+      .model_setting("linear_conv_kernel_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--linear-key-head-dim", "Gated DeltaNet: query and key head dimension",
+          MT_FIELD(model.linear_key_head_dim))
+      .model_setting("linear_key_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--linear-value-head-dim", "Gated DeltaNet: value and output-gate head dimension",
+          MT_FIELD(model.linear_value_head_dim))
+      .model_setting("linear_value_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--linear-num-key-heads", "Gated DeltaNet: query and key heads", MT_FIELD(model.linear_num_key_heads))
+      .model_setting("linear_num_key_heads", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--linear-num-value-heads", "Gated DeltaNet: value heads (a multiple of the key heads)",
+          MT_FIELD(model.linear_num_value_heads))
+      .model_setting("linear_num_value_heads", CheckpointTake::forced, CheckpointCompare::yes, true);
+  for (const auto& [name, metavar] : std::vector<std::array<const char*, 2>>{{"--dsa-indexer-n-heads", "INT"},
+                                                                             {"--dsa-indexer-head-dim", "INT"},
+                                                                             {"--dsa-indexer-topk", "INT"},
+                                                                             {"--dsa-indexer-loss-coeff", "FLOAT"}}) {
     t.no_effect_checked(name, metavar, {},
-                        "a setting of Megatron-LM's experimental attention variants (--experimental-attention-variant, "
-                        "not built): no effect without one, as in Megatron-LM",
-                        def);
+                        "a setting of DeepSeek sparse attention (--experimental-attention-variant dsa, not built): "
+                        "no effect without it, as in Megatron-LM",
+                        "None");
   }
   t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
   t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");

@@ -296,6 +296,48 @@ void derive_moe(CliState& st) {
   }
 }
 
+// Gated DeltaNet (Megatron's TransformerConfig.__post_init__ and get_linear_attention_pattern):
+// which layers are linear attention, and the head counts' rules.
+void derive_linear_attention(CliState& st) {
+  ModelConfig& m = st.cfg.model;
+  m.linear_layer.clear();
+  if (!m.gated_delta_net) {
+    if (m.linear_attention_every || !m.linear_attention_pattern.empty())
+      st.note("--linear-attention-freq has no effect without --experimental-attention-variant gated_delta_net (as in "
+              "Megatron-LM): every layer keeps softmax attention");
+    return;
+  }
+  if (!m.linear_attention_every && m.linear_attention_pattern.empty())
+    fail("--experimental-attention-variant gated_delta_net needs --linear-attention-freq (which layers are Gated "
+         "DeltaNet layers): N keeps softmax attention in every N-th layer, or give a 0/1 list per layer");
+  positive(m.linear_conv_kernel_dim, "--linear-conv-kernel-dim");
+  positive(m.linear_key_head_dim, "--linear-key-head-dim");
+  positive(m.linear_value_head_dim, "--linear-value-head-dim");
+  positive(m.linear_num_key_heads, "--linear-num-key-heads");
+  positive(m.linear_num_value_heads, "--linear-num-value-heads");
+  if (m.linear_num_value_heads % m.linear_num_key_heads != 0)
+    fail("--linear-num-value-heads {} must be a multiple of --linear-num-key-heads {}", m.linear_num_value_heads,
+         m.linear_num_key_heads);
+  const int L = m.num_layers;
+  if (m.linear_attention_every) {
+    const int n = *m.linear_attention_every;
+    if (n <= 0)
+      fail("--linear-attention-freq {} must be > 0 (every N-th layer, from 1, keeps softmax attention)", n);
+    for (int l = 0; l < L; ++l) m.linear_layer.push_back((l + 1) % n == 0 ? 0 : 1);
+  } else {
+    if (static_cast<int>(m.linear_attention_pattern.size()) != L)
+      fail("--linear-attention-freq gives {} layers but --num-layers is {}: the list needs one 0/1 entry per layer",
+           m.linear_attention_pattern.size(), L);
+    for (size_t l = 0; l < m.linear_attention_pattern.size(); ++l) {
+      const int v = m.linear_attention_pattern[l];
+      if (v != 0 && v != 1)
+        fail("--linear-attention-freq: entry {} of the list is {}; each entry is 1 (Gated DeltaNet) or 0 (softmax "
+             "attention)", l, v);
+      m.linear_layer.push_back(static_cast<char>(v));
+    }
+  }
+}
+
 void derive_precision(CliState& st) {
   Config& c = st.cfg;
   TrainConfig& t = c.train;
@@ -628,6 +670,7 @@ void derive(CliState& st) {
   derive_model_shape(st);
   derive_parallel(st);
   derive_moe(st);
+  derive_linear_attention(st);
   if (st.has("--data-path") && !st.cfg.data.split) {
     st.warn("Please specify --split when using --data-path. Using legacy default value of \"969, 30, 1\"");
     st.cfg.data.split = "969, 30, 1";

@@ -54,6 +54,9 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
   if (m.position_embedding_type == PositionEmbedding::yarn)
     throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
+  if (m.gated_delta_net)
+    throw Unsupported("export-hf does not map Gated DeltaNet layers (--experimental-attention-variant gated_delta_net; "
+                      "Hugging Face's Qwen3-Next) yet");
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   if (spec.arch == HfArchitecture::deepseek_v3 && spec.norm_epsilon != 1e-6)
     fmt::print(stderr, "note: transformers' DeepSeek-V3 normalizes the MLA latents with eps 1e-6; this model's "

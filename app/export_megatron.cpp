@@ -244,6 +244,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     throw Unsupported(fmt::format("export-megatron: {} holds a mixture-of-experts model (--num-experts {}); megatrain "
                                   "does not export MoE models to Megatron-LM yet", reader.directory(),
                                   model.moe.num_experts));
+  if (model.gated_delta_net)
+    throw Unsupported(fmt::format("export-megatron: {} holds Gated DeltaNet layers (--experimental-attention-variant "
+                                  "gated_delta_net); megatrain does not export them to Megatron-LM yet",
+                                  reader.directory()));
   const json flags = rs.config.value("flags", json::object());
   const json derived = rs.config.value("derived", json::object());
   const Layout layout = target_layout(o, flags, derived);

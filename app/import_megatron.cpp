@@ -172,6 +172,9 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   } catch (const Error& e) {
     throw Error(fmt::format("{}: its saved args do not make a valid model: {}", where, e.what()));
   }
+  if (cfg.model.gated_delta_net)
+    throw Unsupported(fmt::format("{} holds Gated DeltaNet layers (experimental_attention_variant gdn): megatrain does "
+                                  "not import them from Megatron-LM yet", where));
   cfg.model.padded_vocab_size = static_cast<int>(padded->integer);
   cfg.model.vocab_size = static_cast<int>(padded->integer);
   // The tokenizer as the run that saved the checkpoint had it (for --use-checkpoint-args).

@@ -72,6 +72,10 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
                      {"output_layer", p.output_layer},
                      {"max_per_rank", max_rank},
                      {"active", p.active}};
+  if (p.num_gdn_layers > 0)
+    j["parameters"]["gated_delta_net"] = {{"num_gdn_layers", p.num_gdn_layers},
+                                          {"per_dense_gdn_layer", p.gdn_layer.total()},
+                                          {"per_moe_gdn_layer", p.num_moe_layers > 0 ? p.gdn_moe_layer.total() : 0}};
   if (p.num_moe_layers > 0) {
     const LayerParamCounts& ml = p.moe_layer;
     j["parameters"]["moe"] = {{"num_moe_layers", p.num_moe_layers},

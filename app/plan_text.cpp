@@ -155,6 +155,12 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
       o << ", shared expert " << count(ml.shared_fc1_weight + ml.shared_fc2_weight + ml.shared_gate_weight);
     o << "\n";
   }
+  if (p.num_gdn_layers > 0) {
+    const LayerParamCounts& gl = p.gdn_layer;
+    o << "  Gated DeltaNet layers: " << p.num_gdn_layers << " of " << cfg.model.num_layers
+      << "; their attention: projections and convolution " << count(gl.qkv_weight) << ", output norm "
+      << count(gl.qk_norms) << ", output projection " << count(gl.proj_weight) << "\n";
+  }
   if (!cfg.model.untie_embeddings_and_output_weights && g.pp > 1)
     o << "  (the last stage holds its own copy of the word embeddings for the tied output layer)\n";
 

@@ -59,6 +59,12 @@ void validate_model(CliState& st) {
     if ((g >= tp && g % tp != 0) || (g < tp && tp % g != 0))
       fail("--num-query-groups {} must be a multiple or a divisor of --tensor-model-parallel-size {}", g, tp);
   }
+  if (m.gated_delta_net) {
+    // Megatron's TransformerConfig: the key and value heads split over TP x CP.
+    if (m.linear_num_key_heads % (tp * cp) != 0 || m.linear_num_value_heads % (tp * cp) != 0)
+      fail("--linear-num-key-heads {} and --linear-num-value-heads {} must be multiples of --tensor-model-parallel-size "
+           "x --context-parallel-size ({})", m.linear_num_key_heads, m.linear_num_value_heads, tp * cp);
+  }
   if (m.ffn_size % tp != 0) {
     if (m.ffn_hidden_size)
       fail("--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {}", m.ffn_size, tp);

@@ -192,6 +192,24 @@ std::vector<std::string> not_built(const CliState& st) {
   std::vector<std::string> out = unsupported_problems(st.given, /*after_validation=*/true);
   const Config& c = st.cfg;
   const MoeConfig& e = c.model.moe;
+  if (c.model.gated_delta_net) {
+    const std::string gdn = "--experimental-attention-variant gated_delta_net";
+    if (c.parallel.context_parallel_size > 1)
+      out.push_back(fmt::format("megatrain does not support {} with --context-parallel-size {} yet", gdn,
+                                c.parallel.context_parallel_size));
+    if (c.train.fp8_format || st.has("--fp4-format"))
+      out.push_back(fmt::format("megatrain does not support {} with {} yet (Gated DeltaNet layers run in bf16, fp16 or "
+                                "fp32)", gdn, c.train.fp8_format ? "--fp8-format" : "--fp4-format"));
+    if (c.data.reset_attention_mask)
+      out.push_back(fmt::format("megatrain does not support {} with --reset-attention-mask yet (packed documents)", gdn));
+    if (c.model.multi_latent_attention)
+      out.push_back(fmt::format("megatrain does not support {} with --multi-latent-attention yet", gdn));
+    if (c.model.mtp_num_layers && *c.model.mtp_num_layers > 0)
+      out.push_back(fmt::format("megatrain does not support {} with --mtp-num-layers yet", gdn));
+    if (!c.model.swiglu)
+      out.push_back(fmt::format("megatrain does not support {} without --swiglu yet (its convolution and output gate "
+                                "take the model's activation: megatrain builds SiLU)", gdn));
+  }
   if (!e.enabled()) return out;
   const ParallelConfig& p = c.parallel;
   const int tp = p.tensor_model_parallel_size;

@@ -39,14 +39,21 @@ void validate_recompute(CliState& st) {
       break;
     }
   }
-  static const std::set<std::string> modules = {"core_attn", "moe_act", "layernorm", "mla_up_proj",
-                                                 "mlp",       "moe",     "shared_experts"};
+  static const std::set<std::string> modules = {"core_attn", "moe_act", "layernorm",     "mla_up_proj",
+                                                 "mlp",       "moe",     "shared_experts", "gdn_norm_out"};
   for (const std::string& m : t.recompute_modules)
     if (!modules.count(m))
-      fail("--recompute-modules {}: not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts", m);
-  for (const std::string& m : t.recompute_modules)
+      fail("--recompute-modules {}: not one of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts, "
+           "gdn_norm_out", m);
+  for (const std::string& m : t.recompute_modules) {
     if (m == "mla_up_proj" && !c.model.multi_latent_attention)
       fail("mla_up_proj in recompute_modules is only supported with multi_latent_attention");
+    if (m == "gdn_norm_out" && !c.model.gated_delta_net)
+      fail("gdn_norm_out in recompute_modules is only supported with experimental_attention_variant='gdn' or 'gdn2'.");
+    if (m == "gdn_norm_out" && t.recompute_granularity == RecomputeGranularity::selective)
+      st.note("--recompute-modules gdn_norm_out: megatrain's Gated DeltaNet layers always recompute their output norm "
+              "and gate in backward (neither is kept), which is what gdn_norm_out asks for");
+  }
   const bool moe_act = std::find(t.recompute_modules.begin(), t.recompute_modules.end(), "moe_act") !=
                        t.recompute_modules.end();
   if (moe_act && t.recompute_granularity == RecomputeGranularity::selective) {

@@ -1,6 +1,7 @@
 // bench_ops: times every CUDA backend op (attention excepted: see the attention benchmarks) at
 // the shapes of three models, and prints achieved bandwidth against the measured device-to-device
-// copy ceiling and GEMM throughput against the bf16 dense peak.
+// copy ceiling and GEMM throughput against the bf16 dense peak (Gated DeltaNet's recurrence, which
+// runs on the CUDA cores in float32, against their float32 peak).
 //
 // Method: per op, 3 warm-up calls, then `reps` calls queued back to back behind a GPU-side sleep
 // (so the host is ahead and launch latency is not timed), a CUDA event between consecutive calls,
@@ -41,6 +42,7 @@ __global__ void gpu_sleep_kernel(long long ns) {
 struct Row {
   std::string model, op, shape;
   double us = 0, gbps = 0, tflops = 0;
+  double peak = 0;  // TFLOP/s the row is measured against (0: --peak-tflops, the bf16 dense peak)
 };
 
 struct Options {
@@ -148,6 +150,14 @@ class Bench {
     const double flops = 2.0 * m * n * k;
     rows_.push_back({model, op, std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k), us, 0,
                      flops / (us * 1e6)});
+    print_last();
+  }
+  // An op of `flops` floating-point operations, against `peak` TFLOP/s.
+  void flop_op(const std::string& model, const std::string& op, const std::string& shape, double flops, double peak,
+               const std::function<void(int)>& f) {
+    if (!wanted(model + " " + op)) return;
+    const double us = time(f);
+    rows_.push_back({model, op, shape, us, 0, flops / (us * 1e6), peak});
     print_last();
   }
   void print_last() const {
@@ -465,6 +475,47 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
   }
 }
 
+// Gated DeltaNet (Backend::gdn_*) at a Qwen3-Next-like layer: batch 4 x seq 4096, 8 key heads, 16
+// value heads, dk = dv = 128, bf16. The recurrence is float32 math on the CUDA cores: FLOP/s against
+// their peak, counting the forward's 7 operations per state element and position (decay, S^T k,
+// the rank-1 update, S^T q) and the backward as 3 times that (its recomputation of states not
+// counted). The convolution and the output gate are memory-bound: GB/s.
+void bench_gdn(Bench& B, double fp32_peak) {
+  CudaBackend& be = B.be();
+  const DType bf = DType::bf16;
+  GdnShape s;
+  s.batch = 4, s.seq = 4096, s.key_heads = 8, s.value_heads = 16, s.dk = 128, s.dv = 128, s.conv_k = 4;
+  s.scale = static_cast<float>(1.0 / std::sqrt(128.0));
+  const int64_t N = s.tokens(), P = s.proj_width(), C = s.conv_width(), W = s.value_width();
+  const std::string mn = "gdn";
+  std::printf("%s: batch %d x seq %d, heads %d/%d, dk %d, dv %d, conv %d\n", mn.c_str(), s.batch, s.seq, s.key_heads,
+              s.value_heads, s.dk, s.dv, s.conv_k);
+  Tensor proj = B.alloc(bf, {N, P}, 1.0), xc = B.alloc(bf, {N, C}, 1.0), w = B.alloc(bf, {C, s.conv_k}, 0.3);
+  Tensor out = B.alloc(bf, {N, W}), states = B.alloc(DType::f32, {s.states_numel()});
+  Tensor a_log = B.alloc(bf, {s.value_heads}, 1.0), dt_bias = B.alloc(bf, {s.value_heads}, 1.0);
+  Tensor dout = B.alloc(bf, {N, W}, 1.0), dxc = B.alloc(bf, {N, C}), dproj = B.alloc(bf, {N, P});
+  Tensor da_log = B.alloc(DType::f32, {s.value_heads}), ddt = B.alloc(DType::f32, {s.value_heads});
+  Tensor dw = B.alloc(DType::f32, {C, s.conv_k});
+  const std::string shape = std::to_string(s.batch) + "x" + std::to_string(s.seq) + " h" +
+                            std::to_string(s.value_heads) + " d" + std::to_string(s.dk);
+  const double state_steps = static_cast<double>(N) * s.value_heads * s.dk * s.dv;
+  B.flop_op(mn, "gdn_forward (recurrence)", shape, 7 * state_steps, fp32_peak,
+            [&](int) { be.gdn_forward(out, states, xc, proj, a_log, dt_bias, s); });
+  be.gdn_forward(out, states, xc, proj, a_log, dt_bias, s);  // the states the backward reads
+  B.flop_op(mn, "gdn_backward (recurrence)", shape, 21 * state_steps, fp32_peak, [&](int) {
+    be.gdn_backward(dxc, dproj, da_log, ddt, dout, xc, proj, a_log, dt_bias, states, s, true);
+  });
+  const double conv_bytes = static_cast<double>(N) * C * 2;  // the q, k, v columns read, xc written
+  B.memory_op(mn, "gdn_conv fwd", shape2(N, C), 2 * conv_bytes, [&](int) { be.gdn_conv_forward(xc, proj, w, s); });
+  B.memory_op(mn, "gdn_conv bwd", shape2(N, C), 3 * conv_bytes,
+              [&](int) { be.gdn_conv_backward(dproj, dw, dxc, proj, w, s, true); });
+  const double gate_bytes = static_cast<double>(N) * W * 2;
+  B.memory_op(mn, "gdn_gate fwd", shape2(N, W), 3 * gate_bytes, [&](int) { be.gdn_gate_forward(out, dout, proj, s); });
+  B.memory_op(mn, "gdn_gate bwd (in place)", shape2(N, W), 5 * gate_bytes,
+              [&](int) { be.gdn_gate_backward(dout, dproj, dout, out, proj, s); });
+  B.free_all();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -485,6 +536,10 @@ int main(int argc, char** argv) {
     std::printf("bench_ops on %s (%d SMs, L2 %d MiB), %d reps per op, median\n", prop.name, prop.multiProcessorCount,
                 prop.l2CacheSize >> 20, opt.reps);
     Bench B(be, opt);
+    int clock_khz = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+    // float32 FMA lanes: 128 per SM on Hopper, 2 operations each a cycle.
+    const double fp32_peak = prop.multiProcessorCount * 128.0 * 2.0 * clock_khz * 1e3 / 1e12;
 
     // Ceilings measured here: device-to-device copy (read + write) and a large bf16 GEMM.
     double copy_gbps = 0, gemm_tflops = 0;
@@ -518,18 +573,21 @@ int main(int argc, char** argv) {
       bench_moe(B, "moe-fine-grained", 8192 * 8, 64, 2048, 768, 8, routing);
       bench_moe(B, "moe-mixtral-proxy", 8192 * 2, 8, 2048, 5632, 2, routing);
     }
+    bench_gdn(B, fp32_peak);
 
-    std::printf("\n| model | op | shape | time (us) | GB/s | %% of copy | TFLOP/s | %% of %.0f |\n", opt.peak_tflops);
+    std::printf("\n| model | op | shape | time (us) | GB/s | %% of copy | TFLOP/s | %% of peak |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|\n");
     for (const Row& r : B.rows()) {
       if (r.tflops > 0)
         std::printf("| %s | %s | %s | %.1f | | | %.1f | %.0f%% |\n", r.model.c_str(), r.op.c_str(), r.shape.c_str(), r.us,
-                    r.tflops, 100.0 * r.tflops / opt.peak_tflops);
+                    r.tflops, 100.0 * r.tflops / (r.peak > 0 ? r.peak : opt.peak_tflops));
       else
         std::printf("| %s | %s | %s | %.1f | %.0f | %.0f%% | | |\n", r.model.c_str(), r.op.c_str(), r.shape.c_str(), r.us,
                     r.gbps, 100.0 * r.gbps / copy_gbps);
     }
-    std::printf("ceilings: copy %.0f GB/s, GEMM 8192^3 %.1f TFLOP/s\n", copy_gbps, gemm_tflops);
+    std::printf("ceilings: copy %.0f GB/s, GEMM 8192^3 %.1f TFLOP/s; peaks: bf16 dense %.0f TFLOP/s (GEMMs), float32 "
+                "CUDA cores %.1f TFLOP/s (gdn_forward, gdn_backward)\n",
+                copy_gbps, gemm_tflops, opt.peak_tflops, fp32_peak);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_ops: %s\n", e.what());
     return 1;

@@ -181,6 +181,23 @@ struct ModelConfig {
   // a 0/1 pattern, one entry per layer (1 = sliding window). Neither: every layer has the window.
   std::optional<int> window_attn_skip_every;
   std::vector<int> window_attn_pattern;
+  // --experimental-attention-variant gated_delta_net (or gdn): Gated DeltaNet linear attention
+  // (engine/blocks/gdn.cpp) in the layers --linear-attention-freq marks: every N-th layer (1-based)
+  // keeps softmax attention, or a 0/1 list per layer (1 = Gated DeltaNet). Its heads: num_key_heads
+  // query/key heads of key_head_dim, num_value_heads value heads of value_head_dim, a causal
+  // convolution of conv_kernel_dim taps.
+  bool gated_delta_net = false;
+  std::optional<int> linear_attention_every;
+  std::vector<int> linear_attention_pattern;
+  int linear_conv_kernel_dim = 4;
+  int linear_key_head_dim = 128;
+  int linear_value_head_dim = 128;
+  int linear_num_key_heads = 16;
+  int linear_num_value_heads = 32;
+  std::vector<char> linear_layer;  // derived: per layer, 1 = Gated DeltaNet
+  bool is_linear_layer(int layer) const {
+    return gated_delta_net && layer >= 0 && static_cast<size_t>(layer) < linear_layer.size() && linear_layer[layer];
+  }
   bool untie_embeddings_and_output_weights = false;
   int make_vocab_size_divisible_by = 128;
   int seq_length = 0;

@@ -260,6 +260,10 @@ void CudaBackend::init_normal(Tensor t, uint64_t key, float std, const ShardInde
   on_device("init_normal", t);
   cuda::init_normal(context(), t, key, std, index);
 }
+void CudaBackend::init_uniform(Tensor t, uint64_t key, float lo, float hi, bool log_of, const ShardIndex& index) {
+  on_device("init_uniform", t);
+  cuda::init_uniform(context(), t, key, lo, hi, log_of, index);
+}
 
 // ---- embedding ----------------------------------------------------------------------------------
 void CudaBackend::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,

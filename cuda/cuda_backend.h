@@ -57,6 +57,7 @@ class CudaBackend final : public Backend {
   void axpby(Tensor out, float alpha, Tensor a, float beta, Tensor b) override;
   void scale_by_rnorm(Tensor x, Tensor sumsq, float eps) override;
   void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) override;
+  void init_uniform(Tensor t, uint64_t key, float lo, float hi, bool log_of, const ShardIndex& index) override;
 
   void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
                          int64_t vocab_start) override;
@@ -135,6 +136,15 @@ class CudaBackend final : public Backend {
   void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
   void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;
   void output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) override;
+  void gdn_conv_forward(Tensor xc, Tensor proj, Tensor w, const GdnShape& s) override;
+  void gdn_conv_backward(Tensor dproj, Tensor dw, Tensor dxc, Tensor proj, Tensor w, const GdnShape& s,
+                         bool accumulate) override;
+  void gdn_forward(Tensor out, Tensor states, Tensor xc, Tensor proj, Tensor a_log, Tensor dt_bias,
+                   const GdnShape& s) override;
+  void gdn_backward(Tensor dxc, Tensor dproj, Tensor da_log, Tensor ddt_bias, Tensor dout, Tensor xc, Tensor proj,
+                    Tensor a_log, Tensor dt_bias, Tensor states, const GdnShape& s, bool accumulate) override;
+  void gdn_gate_forward(Tensor y, Tensor n, Tensor proj, const GdnShape& s) override;
+  void gdn_gate_backward(Tensor dn, Tensor dproj, Tensor dy, Tensor n, Tensor proj, const GdnShape& s) override;
   void bias_dropout_add(Tensor out, Tensor x, Tensor bias, Tensor residual, float dropout_p,
                         uint64_t dropout_key) override;
   void dropout_backward(Tensor dx, Tensor dout, float dropout_p, uint64_t dropout_key,

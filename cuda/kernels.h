@@ -110,6 +110,9 @@ void add_to_grad(const KernelContext& ctx, GradOut dst, const float* src, int64_
 
 // ---- init_kernels.cu ---------------------------------------------------------------------------
 void init_normal(const KernelContext& ctx, Tensor t, uint64_t key, float std, const ShardIndex& index);
+// lo + (hi - lo) * uniform_at(key, global index) in float32 (its log with log_of), as the host computes it.
+void init_uniform(const KernelContext& ctx, Tensor t, uint64_t key, float lo, float hi, bool log_of,
+                  const ShardIndex& index);
 
 // ---- norm_kernels.cu ---------------------------------------------------------------------------
 // b empty: out = norm(a) (sum unused). b given: sum = a + dropout(b), out = norm(sum).

@@ -160,6 +160,42 @@ struct GateShape {
   int64_t qkvg_width() const { return qkv_width() + gate_width(); }
 };
 
+// Gated DeltaNet's layout (--experimental-attention-variant gated_delta_net; engine/blocks/gdn.cpp)
+// on one TP rank. Token rows are sequence-major (row t * batch + i). The input projection's row
+// holds, per key head g (key_heads on this rank, each serving rep = value_heads / key_heads value
+// heads): [q (dk) | k (dk) | v (rep x dv) | z (rep x dv) | beta (rep) | alpha (rep)]: group_width()
+// values. The convolution's channels (and its output's row) are each group's [q | k | v]:
+// conv_group_width() values. Value head v (of this rank) belongs to group v / rep.
+struct GdnShape {
+  int batch = 0, seq = 0;
+  int key_heads = 0, value_heads = 0;  // on this rank
+  int dk = 0, dv = 0;                  // key (and query) head dimension, value head dimension
+  int conv_k = 4;                      // causal convolution width
+  float scale = 0;                     // the queries' scale: 1 / sqrt(dk)
+  float l2_eps = 1e-6f;                // q and k: x / sqrt(sum x^2 + eps)
+  int rep() const { return value_heads / key_heads; }
+  int64_t group_width() const { return 2 * int64_t{dk} + 2 * int64_t{rep()} * dv + 2 * int64_t{rep()}; }
+  int64_t proj_width() const { return key_heads * group_width(); }
+  int64_t conv_group_width() const { return 2 * int64_t{dk} + int64_t{rep()} * dv; }
+  int64_t conv_width() const { return key_heads * conv_group_width(); }
+  int64_t value_width() const { return int64_t{value_heads} * dv; }
+  int64_t tokens() const { return int64_t{batch} * seq; }
+  // Column of conv channel c in the projection's row.
+  int64_t proj_col_of_conv(int64_t c) const { return c / conv_group_width() * group_width() + c % conv_group_width(); }
+  // Columns of value head v's output gate (its first value), beta and alpha in the projection's row.
+  int64_t z_col(int v) const { return int64_t{v / rep()} * group_width() + conv_group_width() + int64_t{v % rep()} * dv; }
+  int64_t beta_col(int v) const { return int64_t{v / rep()} * group_width() + conv_group_width() + int64_t{rep()} * dv + v % rep(); }
+  int64_t alpha_col(int v) const { return beta_col(v) + rep(); }
+  // Columns of group g's q and k, and of value head v's values, in the convolution's output row.
+  int64_t q_col(int g) const { return int64_t{g} * conv_group_width(); }
+  int64_t k_col(int g) const { return q_col(g) + dk; }
+  int64_t v_col(int v) const { return int64_t{v / rep()} * conv_group_width() + 2 * int64_t{dk} + int64_t{v % rep()} * dv; }
+  // The recurrence keeps its state at the start of every chunk of kChunk positions.
+  static constexpr int kChunk = 64;
+  int64_t chunks() const { return (seq + kChunk - 1) / kChunk; }
+  int64_t states_numel() const { return int64_t{batch} * value_heads * chunks() * dk * dv; }
+};
+
 // A mixture-of-experts router's routing rule (Backend::moe_route; Megatron's TopKRouter).
 struct MoeRouting {
   int experts = 0, topk = 0;
@@ -265,6 +301,9 @@ class Backend {
   // Layout-independent normal init: element i of t gets std * normal_at(key, global index of i)
   // (the product taken in float32, then converted to t's dtype).
   virtual void init_normal(Tensor t, uint64_t key, float std, const ShardIndex& index) = 0;
+  // The same with lo + (hi - lo) * uniform_at(key, global index) (float32), or with log_of its log:
+  // the uniform draws of PyTorch's default Conv1d init and of Gated DeltaNet's A_log.
+  virtual void init_uniform(Tensor t, uint64_t key, float lo, float hi, bool log_of, const ShardIndex& index) = 0;
 
   // ---- embedding -------------------------------------------------------------------------
   // out[N, h] = wte[tokens - vocab_start] (zero if the token is outside this vocab shard)
@@ -576,6 +615,33 @@ class Backend {
   // gate (elementwise, each element read before written).
   virtual void output_gate_forward(Tensor out, Tensor x, Tensor gate) = 0;
   virtual void output_gate_backward(Tensor dx, Tensor dgate, Tensor dout, Tensor x, Tensor gate) = 0;
+
+  // ---- Gated DeltaNet (engine/blocks/gdn.cpp; GdnShape gives the layouts) ---------------------
+  // Causal depthwise convolution of the projection's q, k, v channels, then SiLU:
+  //   xc[t, c] = silu(sum_j w[c, j] * x[t - (K - 1) + j, c]), x[t', c] = proj[t', proj_col_of_conv(c)]
+  // (zero before position 0 of each sample), w [conv_width, K]; sums in float32 (the reference:
+  // float64), xc rounded once. Backward (the pre-activation recomputed from proj and w): dproj's q,
+  // k, v columns = the input gradient (its other columns untouched); dw (+)= the weight gradient.
+  virtual void gdn_conv_forward(Tensor xc, Tensor proj, Tensor w, const GdnShape& s) = 0;
+  virtual void gdn_conv_backward(Tensor dproj, Tensor dw, Tensor dxc, Tensor proj, Tensor w, const GdnShape& s,
+                                 bool accumulate) = 0;
+  // The gated delta rule, per sample and value head v (group g = v / rep), position by position:
+  //   q = scale * l2(xc q_g), k = l2(xc k_g), u = xc v_v (l2(x) = x / sqrt(|x|^2 + l2_eps)),
+  //   beta = sigmoid(proj[beta_col(v)]), decay a = exp(-exp(a_log[v]) * softplus(proj[alpha_col(v)] + dt_bias[v])),
+  //   S = a S + k (beta (u - a S^T k))^T  (S [dk, dv], zero at position 0),  out[t, v] = S^T q.
+  // out [N, value_width]; states (float32, the reference: its accumulation dtype) [batch,
+  // value_heads, chunks, dk, dv]: S before each chunk's first position, for the backward, which
+  // recomputes the states inside a chunk from it. Backward: dxc (all of it: q, k, v columns),
+  // dproj's beta and alpha columns, and d a_log, d dt_bias [value_heads] (+)= theirs.
+  virtual void gdn_forward(Tensor out, Tensor states, Tensor xc, Tensor proj, Tensor a_log, Tensor dt_bias,
+                           const GdnShape& s) = 0;
+  virtual void gdn_backward(Tensor dxc, Tensor dproj, Tensor da_log, Tensor ddt_bias, Tensor dout, Tensor xc,
+                            Tensor proj, Tensor a_log, Tensor dt_bias, Tensor states, const GdnShape& s,
+                            bool accumulate) = 0;
+  // The output gate: y[t, v*dv + e] = n[t, v*dv + e] * silu(proj[t, z_col(v) + e]) (float math,
+  // rounded once). Backward: dn = dy * silu(z) (dn may alias dy), dproj's z columns = dy * n * silu'(z).
+  virtual void gdn_gate_forward(Tensor y, Tensor n, Tensor proj, const GdnShape& s) = 0;
+  virtual void gdn_gate_backward(Tensor dn, Tensor dproj, Tensor dy, Tensor n, Tensor proj, const GdnShape& s) = 0;
   // out = residual + dropout_p(x + bias) (bias may be empty). out may alias residual.
   // Dropout (here and in add_norm_forward, dropout_backward): element with flat index i of the
   // dropped tensor is kept iff dropout_keep(key, i, p) (engine/dropout_mask.h) and then scaled by

@@ -40,6 +40,20 @@ double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_
                    h * m.qk_pos_emb_head_dim + n * m.v_head_dim * h);
     attention = 6.0 * (L + D) * (n * dq / 2 + n * m.v_head_dim / 2);
   }
+  if (m.gated_delta_net) {
+    // Megatron's Gated DeltaNet term in place of the softmax attention's (projections and core) in
+    // its layers: the input projection, the convolution, the delta rule (4 dv^2 per value head) and
+    // the output projection; no s^2 term.
+    double nl = 0;
+    for (char g : gdn_layer_map(m)) nl += g ? 1 : 0;
+    const double kh = m.linear_num_key_heads, vh = m.linear_num_value_heads, dk = m.linear_key_head_dim,
+                 dv = m.linear_value_head_dim;
+    const double qk = kh * dk, v = vh * dv;
+    const double linear = 6.0 * (h * (2 * qk + 2 * v + 2 * vh) + m.linear_conv_kernel_dim * (2 * qk + v) +
+                                 vh * dv * dv * 4 + h * v);
+    projections = projections / (L + D) * (L + D - nl) + nl * linear;
+    attention = attention / (L + D) * (L + D - nl);
+  }
   return B * s * (mlp + projections + logits) + B * s * s * attention;
 }
 

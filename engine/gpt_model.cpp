@@ -337,12 +337,18 @@ bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
 // What a layer keeps from forward for backward, declared block by block in this order (the
 // arena's offsets follow it): the attention block's, the MLP block's, then the FP8 copies of the
 // four linear inputs (blocks/attention.cpp, blocks/mlp.cpp, blocks/linear.cpp).
+GptModel::LayerKinds GptModel::layer_kinds(int local) const {
+  const int layer = d_.layer_begin + local;
+  const bool moe = d_.is_moe(layer), gdn = d_.is_gdn(layer);
+  return {!moe, moe, !gdn, gdn};
+}
+
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
-                                                bool keep_act, bool dense, bool moe) {
+                                                bool keep_act, LayerKinds kinds) {
   LayerActs A;
   A.norm_kept = keeps_norm_outputs(fp8_inputs);
-  layout_attention_acts(a, c, A);
-  layout_mlp_acts(a, c, A, keep_act, keep_out, dense, moe);
+  layout_attention_acts(a, c, A, kinds.softmax, kinds.gdn);
+  layout_mlp_acts(a, c, A, keep_act, keep_out, kinds.dense, kinds.moe);
   if (fp8_inputs) layout_fp8_inputs(a, c, A);
   return A;
 }
@@ -468,6 +474,7 @@ void GptModel::layout(Arena& a) {
 
   layout_moe_workspace(a);
   layout_mla_workspace(a);
+  layout_gdn_workspace(a);
   layout_mtp(a);
 
   // Per-slot activations.
@@ -516,9 +523,8 @@ void GptModel::layout(Arena& a) {
     for (int l = 0; l < L; ++l) {
       const int g = rp.group_of[l];
       if (g < 0) {
-        const bool moe = d_.is_moe(d_.layer_begin + l);
         s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
-                                        keeps_gelu_activation(fp8_.layer_fp8(l)), !moe, moe);
+                                        keeps_gelu_activation(fp8_.layer_fp8(l)), layer_kinds(l));
       } else if (l == rp.groups[g].second - 1 || l == L - 1) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
         s.layers[l].out = a.take(C::activations, T, {Nl, h});
@@ -530,14 +536,19 @@ void GptModel::layout(Arena& a) {
   // Entry j serves layer j of every group: FP8 inputs kept where one of them is an FP8 layer.
   scratch_.clear();
   for (int j = 0; j < rp.max_group_size; ++j) {
-    bool fp8_inputs = false, dense = false, moe = false;
+    bool fp8_inputs = false;
+    LayerKinds kinds{false, false, false, false};
     for (const auto& [begin, end] : rp.groups) {
       if (begin + j >= end) continue;
       fp8_inputs |= fp8_.layer_fp8(begin + j);
-      (d_.is_moe(d_.layer_begin + begin + j) ? moe : dense) = true;
+      const LayerKinds k = layer_kinds(begin + j);
+      kinds.dense |= k.dense;
+      kinds.moe |= k.moe;
+      kinds.softmax |= k.softmax;
+      kinds.gdn |= k.gdn;
     }
     scratch_.push_back(layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_inputs,
-                                         keeps_gelu_activation(fp8_inputs), dense, moe));
+                                         keeps_gelu_activation(fp8_inputs), kinds));
   }
 
   if (d_.last_stage) {
@@ -696,6 +707,15 @@ void GptModel::bind_params() {
     find(p + "self_attention.linear_kv_up_proj.layer_norm_bias", P.kv_lat_ln_b, Gr.kv_lat_ln_b);
     find(p + "self_attention.linear_kv_up_proj.weight", P.kv_up_w, Gr.kv_up_w);
     find(p + "self_attention.linear_proj.weight", P.proj_w, Gr.proj_w);
+    find(p + "self_attention.in_proj.layer_norm_weight", P.ln1_w, Gr.ln1_w);
+    find(p + "self_attention.in_proj.layer_norm_bias", P.ln1_b, Gr.ln1_b);
+    find(p + "self_attention.in_proj.weight", P.gdn_in_w, Gr.gdn_in_w);
+    find(p + "self_attention.conv1d.weight", P.gdn_conv_w, Gr.gdn_conv_w);
+    find(p + "self_attention.dt_bias", P.gdn_dt_bias, Gr.gdn_dt_bias);
+    find(p + "self_attention.A_log", P.gdn_a_log, Gr.gdn_a_log);
+    find(p + "self_attention.out_norm.weight", P.gdn_norm_w, Gr.gdn_norm_w);
+    find(p + "self_attention.out_norm.bias", P.gdn_norm_b, Gr.gdn_norm_b);
+    find(p + "self_attention.out_proj.weight", P.proj_w, Gr.proj_w);
     find(p + "self_attention.linear_proj.bias", P.proj_b, Gr.proj_b);
     find(p + "mlp.linear_fc1.layer_norm_weight", P.ln2_w, Gr.ln2_w);
     find(p + "mlp.linear_fc1.layer_norm_bias", P.ln2_b, Gr.ln2_b);
@@ -724,16 +744,7 @@ void GptModel::init_parameters(bool random) {
     be_.fill(moe_counts_dev_, 0.0);
     expert_bias_loaded();
   }
-  auto draw = [this, random](const ParamDesc& p, Tensor w) {
-    switch (p.init) {
-      case InitKind::normal:
-        if (random) be_.init_normal(w, p.init_key(d_.seed), p.init_std, p.shard);
-        else be_.fill(w, 0.0);
-        break;
-      case InitKind::zeros: be_.fill(w, 0.0); break;
-      case InitKind::ones: be_.fill(w, 1.0); break;
-    }
-  };
+  auto draw = [this, random](const ParamDesc& p, Tensor w) { init_param(be_, p, w, d_.seed, random); };
   // The full-precision values are drawn into a full-size buffer: the master copy, or with a
   // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
   // bf16 main grads cannot hold them: then one parameter at a time.
@@ -876,7 +887,8 @@ void GptModel::plan_grad_zeroing() {
     const std::string& n = descs_[i].name;
     if (n == "output_layer.weight" || n == "embedding.word_embeddings.weight" ||
         ends_with(n, ".linear_qkv.weight") || ends_with(n, ".linear_proj.weight") ||
-        ends_with(n, ".linear_fc1.weight") || ends_with(n, ".linear_fc2.weight"))
+        ends_with(n, ".linear_fc1.weight") || ends_with(n, ".linear_fc2.weight") ||
+        ends_with(n, ".in_proj.weight") || ends_with(n, ".out_proj.weight"))
       written.push_back(static_cast<int>(i));
   }
   std::sort(written.begin(), written.end(), [&](int a, int b) { return descs_[a].offset < descs_[b].offset; });

@@ -370,11 +370,15 @@ class GptModel {
   void plan_params();
   void layout(Arena& a);
   // dense / moe: the layer (or, for the recompute scratch, one of the layers it serves) has a dense
-  // MLP / an MoE block.
+  // MLP / an MoE block; softmax / gdn: softmax attention / a Gated DeltaNet block.
+  struct LayerKinds {
+    bool dense = true, moe = false, softmax = true, gdn = false;
+  };
+  LayerKinds layer_kinds(int local) const;
   LayerActs layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs, bool keep_act,
-                              bool dense = true, bool moe = false);
+                              LayerKinds kinds);
   // Each block's part of it (the norm outputs are the layer's own where A.norm_kept, else shared).
-  void layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A, bool softmax, bool gdn);
   void layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out, bool dense, bool moe);
   void layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A);
   // An MoE layer's part (engine/blocks/moe.cpp): layout_mlp_acts' for MoE layers.
@@ -450,6 +454,13 @@ class GptModel {
   void mla_up_projections(const Slot& s, const LayerActs& A, const LayerParams& P);
   void mla_forward(int local, Slot& s, const LayerActs& A, Tensor x);
   void mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);
+  // Gated DeltaNet's block (engine/blocks/gdn.cpp) in place of the attention block's in the layers
+  // ModelDims::is_gdn marks.
+  void layout_gdn_acts(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_gdn_workspace(Arena& a);
+  void gdn_gated_norm(const LayerActs& A, const LayerParams& P);
+  void gdn_forward(int local, Slot& s, const LayerActs& A, Tensor x);
+  void gdn_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);
   void mlp_forward(int local, Slot& s, const LayerActs& A, const NextNorm& next);
   void mlp_backward(int local, Slot& s, const LayerActs& A, Tensor dy);  // -> the workspace's gH
   // The MoE block (engine/blocks/moe.cpp), in place of the MLP block in MoE layers.

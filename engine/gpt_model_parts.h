@@ -22,6 +22,10 @@ struct GptModel::LayerParams {
   // layernorm's second norm of the input), the query up (or direct) projection, the key/value down
   // projection [kv_lora + d_rope, h], the norm of c_kv, the key/value up projection.
   Tensor q_down_w, q_lat_ln_w, q_lat_ln_b, q_w, kv_down_w, kv_lat_ln_w, kv_lat_ln_b, kv_up_w;
+  // Gated DeltaNet layers (in place of qkv; ln1: the input projection's fused norm, proj: the
+  // output projection): the input projection [proj_width, h], the convolution's taps [conv_width,
+  // K], dt_bias and A_log [value heads], the output norm over one value head.
+  Tensor gdn_in_w, gdn_conv_w, gdn_dt_bias, gdn_a_log, gdn_norm_w, gdn_norm_b;
 };
 
 // A multi-token-prediction depth's own parameters (engine/blocks/mtp.cpp; its decoder layer's are a
@@ -74,6 +78,10 @@ struct GptModel::LayerActs {
   // down projection's output [c_kv | k_rope], c_kv before and after its norm [N, kv_lora], and the
   // norms' statistics.
   Tensor mla_cq_raw, mla_cq, mla_cq_mean, mla_cq_rstd, mla_ckv, mla_ckv_raw, mla_ckv_n, mla_ckv_mean, mla_ckv_rstd;
+  // Gated DeltaNet layers (engine/blocks/gdn.cpp; GdnShape's layouts), all N rows: the input
+  // projection's output, the convolution's output (after SiLU), the recurrence's output, its
+  // states at chunk starts (accum dtype) and the output norm's statistics [N x value heads].
+  Tensor gdn_proj, gdn_xc, gdn_o, gdn_states, gdn_nmean, gdn_nrstd;
   Tensor attn_out, lse;                // attention output [N, heads*d] and its log-sum-exp
   Tensor gate;                         // --attention-output-gate: the gate [N, heads*d] before its
                                        // sigmoid (backward overwrites it with its gradient)
@@ -145,6 +153,11 @@ struct GptModel::Workspace {
   // down projection's output [N, kv_lora + d_rope] and of a latent [N, max(q_lora or h, kv_lora)].
   Tensor mla_q, mla_kv, mla_out, mla_dckv, mla_dlat;
   Tensor mla_qkv;  // --recompute-modules mla_up_proj: every layer's attention input [N, qkv]
+  // Gated DeltaNet (engine/blocks/gdn.cpp): the output norm's output and the gated product [N,
+  // value width] (backward: the gradients of the product, then in place of the norm's output), the
+  // recurrence output's gradient, the convolution output's [N, conv width] and the projection
+  // output's [N, proj width].
+  Tensor gdn_n, gdn_y, gdn_do, gdn_dxc, gdn_dproj;
   CpBuffers cp;  // context parallelism (attention_core.h)
   // MoE layers: permuted rows [Nk, h] (the permuted expert inputs, then fc2's output; backward: the
   // gradient of fc2's output, the permuted inputs gathered again, the gradient of the inputs), the experts' activation and its gradient [Nk, f_e], the shared

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/backend.h"
 #include "engine/rope_table.h"
 #include "parallel/parallel_state.h"
 
@@ -217,6 +218,24 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
       d.moe_layer[static_cast<size_t>(l)] =
           e.moe_layer.empty() ? (l % std::max(1, e.layer_freq) == 0) : e.moe_layer.at(static_cast<size_t>(l));
   }
+  if (m.gated_delta_net) {
+    // (The engine's own checks; the CLI refuses these combinations with their flags first.)
+    if (cfg.train.fp8_format) throw Unsupported("Gated DeltaNet with --fp8-format is not supported yet");
+    if (d.cp_size > 1) throw Unsupported("Gated DeltaNet with context parallelism is not supported yet");
+    if (m.multi_latent_attention) throw Unsupported("Gated DeltaNet with multi-latent attention is not supported yet");
+    if (m.mtp_num_layers.value_or(0) > 0) throw Unsupported("Gated DeltaNet with --mtp-num-layers is not supported yet");
+    if (!m.swiglu) throw Unsupported("Gated DeltaNet without --swiglu (SiLU) is not supported yet");
+    MT_CHECK(m.linear_num_key_heads % d.tp_size == 0 && m.linear_num_value_heads % d.tp_size == 0 &&
+                 m.linear_num_value_heads % m.linear_num_key_heads == 0,
+             "Gated DeltaNet heads {}/{} under TP {}", m.linear_num_key_heads, m.linear_num_value_heads, d.tp_size);
+    d.gdn_key_heads = m.linear_num_key_heads;
+    d.gdn_value_heads = m.linear_num_value_heads;
+    d.gdn_dk = m.linear_key_head_dim;
+    d.gdn_dv = m.linear_value_head_dim;
+    d.gdn_conv = m.linear_conv_kernel_dim;
+    d.linear_layer.assign(m.linear_layer.begin(), m.linear_layer.end());
+    d.linear_layer.resize(static_cast<size_t>(d.num_layers), 0);
+  }
   d.mtp = m.mtp_num_layers.value_or(0);
   if (d.mtp > 0) {
     // What the multi-token prediction layers do not run yet (named, never silently wrong).
@@ -264,6 +283,19 @@ ModelDims ModelDims::for_chunk(const Config& cfg, const ParallelState& ps, int f
   d.last_stage = has_output;
   d.layer_end = first_layer + num_layers + (has_output ? d.mtp : 0);
   return d;
+}
+
+GdnShape ModelDims::gdn_shape() const {
+  GdnShape s;
+  s.batch = micro_batch;
+  s.seq = seq;
+  s.key_heads = gdn_key_heads / tp_size;
+  s.value_heads = gdn_value_heads / tp_size;
+  s.dk = gdn_dk;
+  s.dv = gdn_dv;
+  s.conv_k = gdn_conv;
+  s.scale = gdn_dk > 0 ? 1.0f / std::sqrt(static_cast<float>(gdn_dk)) : 0.0f;
+  return s;
 }
 
 }  // namespace mt

@@ -12,6 +12,7 @@
 namespace mt {
 
 struct ParallelState;
+struct GdnShape;
 
 struct ModelDims {
   // Global sizes.
@@ -78,6 +79,35 @@ struct ModelDims {
   int mla_kv_width_local() const { return heads_local() * (mla_nope + mla_v); }
   int mla_down_width() const { return kv_lora + mla_rope; }
   int proj_width_local() const { return mla ? heads_local() * mla_v : attn_width_local(); }
+  // Gated DeltaNet (--experimental-attention-variant gated_delta_net; engine/blocks/gdn.cpp): the
+  // global layers linear_layer marks replace softmax attention with it; its heads (global counts)
+  // and the causal convolution's width. gdn_shape() gives this rank's layouts (backend.h GdnShape).
+  int gdn_key_heads = 0, gdn_value_heads = 0, gdn_dk = 0, gdn_dv = 0, gdn_conv = 0;
+  std::vector<char> linear_layer;
+  bool is_gdn(int layer) const {
+    return layer >= 0 && static_cast<size_t>(layer) < linear_layer.size() && linear_layer[layer];
+  }
+  bool any_gdn() const {
+    for (int l = layer_begin; l < layer_end; ++l)
+      if (is_gdn(l)) return true;
+    return false;
+  }
+  bool any_softmax_attention() const {
+    for (int l = layer_begin; l < layer_end; ++l)
+      if (!is_gdn(l)) return true;
+    return false;
+  }
+  // The input projection's rows (global): per key head [q | k | v | z | beta | alpha].
+  int64_t gdn_proj_width() const {
+    const int64_t rep = gdn_key_heads > 0 ? gdn_value_heads / gdn_key_heads : 0;
+    return int64_t{gdn_key_heads} * (2 * int64_t{gdn_dk} + 2 * rep * gdn_dv + 2 * rep);
+  }
+  int64_t gdn_conv_width() const {
+    const int64_t rep = gdn_key_heads > 0 ? gdn_value_heads / gdn_key_heads : 0;
+    return int64_t{gdn_key_heads} * (2 * int64_t{gdn_dk} + rep * gdn_dv);
+  }
+  int64_t gdn_value_width() const { return int64_t{gdn_value_heads} * gdn_dv; }
+  GdnShape gdn_shape() const;
   // Multi-token prediction (--mtp-num-layers; engine/blocks/mtp.cpp): the chunk with the output
   // layer also holds the mtp layers, global numbers num_layers .. num_layers + mtp - 1, after its
   // decoder layers; each is a decoder layer like the last one (MoE if that one is), with its own

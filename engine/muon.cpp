@@ -115,7 +115,7 @@ std::vector<MuonCoefficients> muon_coefficients(const std::string& type, int ste
   return out;
 }
 
-bool muon_param(const ParamDesc& p) { return p.global_shape.size() == 2 && !p.decoupled_lr; }
+bool muon_param(const ParamDesc& p) { return p.global_shape.size() == 2 && !p.decoupled_lr && !p.muon_excluded; }
 
 double muon_scale(MuonScaleMode mode, int64_t rows, int64_t cols) {
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);

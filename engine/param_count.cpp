@@ -41,6 +41,18 @@ std::vector<char> moe_layer_map(const ModelConfig& m) {
   return map;
 }
 
+std::vector<char> gdn_layer_map(const ModelConfig& m) {
+  const size_t L = static_cast<size_t>(std::max(0, m.num_layers));
+  std::vector<char> map(L, 0);
+  if (!m.gated_delta_net) return map;
+  if (m.linear_layer.size() == L) return m.linear_layer;
+  for (size_t l = 0; l < L; ++l)
+    map[l] = m.linear_attention_pattern.size() == L ? m.linear_attention_pattern[l] != 0
+             : m.linear_attention_every         ? (static_cast<int>(l) + 1) % std::max(1, *m.linear_attention_every) != 0
+                                                : 0;
+  return map;
+}
+
 int expert_ffn_size(const ModelConfig& m) {
   if (!m.moe.enabled()) return 0;
   return m.moe.expert_ffn > 0 ? m.moe.expert_ffn : m.moe.ffn_hidden_size.value_or(m.ffn_size);
@@ -103,8 +115,27 @@ ParamCounts count_parameters(const ModelConfig& m) {
     }
     inactive = (E - e.router_topk) * (gated * fe * h + h * fe);
   }
-  const int64_t dense_layers = static_cast<int64_t>(m.num_layers) - c.num_moe_layers;
-  c.layers = dense_layers * l.total() + c.num_moe_layers * c.moe_layer.total();
+  // Gated DeltaNet layers: their attention block in place of softmax attention's.
+  const std::vector<char> gdn = gdn_layer_map(m);
+  if (m.gated_delta_net) {
+    const int64_t kh = m.linear_num_key_heads, vh = m.linear_num_value_heads, dk = m.linear_key_head_dim,
+                  dv = m.linear_value_head_dim;
+    const int64_t proj = 2 * kh * dk + 2 * vh * dv + 2 * vh, conv = 2 * kh * dk + vh * dv;
+    for (LayerParamCounts* g : {&c.gdn_layer, &c.gdn_moe_layer}) {
+      *g = g == &c.gdn_layer ? l : c.moe_layer;
+      g->qkv_weight = proj * h + conv * m.linear_conv_kernel_dim + 2 * vh;
+      g->qkv_bias = 0;
+      g->qk_norms = norm_params * dv;
+      g->proj_weight = h * vh * dv;
+      g->proj_bias = 0;
+      g->mla_down_weight = g->mla_norms = 0;
+    }
+  }
+  c.layers = 0;
+  for (size_t i = 0; i < moe.size(); ++i) {
+    c.layers += c.of(moe[i] != 0, gdn[i] != 0).total();
+    c.num_gdn_layers += gdn[i] ? 1 : 0;
+  }
   c.final_norm = norm_params * h;
   c.output_layer = m.untie_embeddings_and_output_weights ? V * h : 0;
   const int64_t D = m.mtp_num_layers.value_or(0);
@@ -122,10 +153,10 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
   MT_CHECK(c.word_embeddings % tp == 0, "padded vocabulary rows not divisible by TP {}", tp);
   const int64_t vocab_shard = c.word_embeddings / tp;
   int64_t n = 0;
-  const std::vector<char> moe = moe_layer_map(m);
+  const std::vector<char> moe = moe_layer_map(m), gdn = gdn_layer_map(m);
   for (const ModelChunk& ch : chunks) {
-    for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers; ++l)
-      n += (moe.at(static_cast<size_t>(l)) ? c.moe_layer : c.layer).per_tp_rank(tp, ep);
+    for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers && l < m.num_layers; ++l)
+      n += c.of(moe.at(static_cast<size_t>(l)) != 0, gdn.at(static_cast<size_t>(l)) != 0).per_tp_rank(tp, ep);
     if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
     if (ch.has_output) {
       n += c.final_norm;

@@ -51,7 +51,15 @@ struct ParamCounts {
   LayerParamCounts layer;           // one dense transformer layer
   LayerParamCounts moe_layer;       // one MoE layer (all zero without --num-experts)
   int num_moe_layers = 0;           // MoE layers among the num_layers
-  int64_t layers = 0;               // dense layers x layer.total() + MoE layers x moe_layer.total()
+  // Gated DeltaNet layers (--experimental-attention-variant gated_delta_net), dense and MoE: the
+  // attention's fields then hold the input projection, convolution, dt_bias and A_log (qkv_weight,
+  // split over TP), the output norm (qk_norms, whole) and the output projection (proj_weight).
+  LayerParamCounts gdn_layer, gdn_moe_layer;
+  int num_gdn_layers = 0;
+  const LayerParamCounts& of(bool moe, bool gdn) const {
+    return gdn ? (moe ? gdn_moe_layer : gdn_layer) : (moe ? moe_layer : layer);
+  }
+  int64_t layers = 0;               // the sum of every layer's total()
   int64_t final_norm = 0;
   int64_t output_layer = 0;         // V_padded * h when untied, else 0
   // Multi-token prediction: D depths, each a layer like the last decoder layer, three norms and the
@@ -70,6 +78,8 @@ ParamCounts count_parameters(const ModelConfig& model);
 // Which global layers are MoE layers (all 0 without --num-experts), and the experts' FFN size:
 // the derived values when set, else computed as app/derive.cpp does.
 std::vector<char> moe_layer_map(const ModelConfig& model);
+// Which global layers are Gated DeltaNet layers (all 0 without the variant).
+std::vector<char> gdn_layer_map(const ModelConfig& model);
 int expert_ffn_size(const ModelConfig& model);
 
 // Parameters held by one rank of a pipeline stage with the given chunks, at tensor-parallel size

@@ -1,6 +1,9 @@
 #include "engine/param_layout.h"
 
+#include <cmath>
+
 #include "core/philox.h"
+#include "engine/backend.h"
 
 namespace mt {
 
@@ -99,6 +102,31 @@ struct Builder {
         InitKind::normal, d.init_std, false, l);
   }
 
+  // A Gated DeltaNet layer's attention block (Megatron-Core's GatedDeltaNet, in its registration
+  // order): the input norm fused into the input projection, the projection (rows per key head [q |
+  // k | v | z | beta | alpha], so that TP splits it by key heads; Megatron keeps the six parts
+  // apart in its checkpoints), the depthwise convolution's taps per channel (PyTorch's Conv1d
+  // default init: U(-1/sqrt(K), 1/sqrt(K))), dt_bias (ones), A_log (log U(1, 16)), the output norm
+  // over one value head (shared by the heads: TP-partial) and the output projection.
+  void gdn_attention(const std::string& p, int l) {
+    const int64_t h = d.hidden, P = d.gdn_proj_width(), C = d.gdn_conv_width(), nv = d.gdn_value_heads;
+    norm(p, "self_attention.in_proj.layer_norm_weight", "self_attention.in_proj.layer_norm_bias", h, l,
+         d.sequence_parallel);
+    add(p + "self_attention.in_proj.weight", {P, h}, rows(P, h), InitKind::normal, d.init_std, false, l);
+    ParamDesc& conv = add(p + "self_attention.conv1d.weight", {C, d.gdn_conv}, rows(C, d.gdn_conv), InitKind::uniform,
+                          0, false, l);
+    conv.init_hi = 1.0f / std::sqrt(static_cast<float>(d.gdn_conv));
+    conv.init_lo = -conv.init_hi;
+    conv.muon_excluded = true;
+    add(p + "self_attention.dt_bias", {nv}, rows(nv), InitKind::ones, 0, false, l);
+    ParamDesc& a_log = add(p + "self_attention.A_log", {nv}, rows(nv), InitKind::log_uniform, 0, false, l);
+    a_log.init_lo = 1.0f;
+    a_log.init_hi = 16.0f;
+    norm(p, "self_attention.out_norm.weight", "self_attention.out_norm.bias", d.gdn_dv, l, d.tp_size > 1);
+    add(p + "self_attention.out_proj.weight", {h, d.gdn_value_width()}, cols(h, d.gdn_value_width()),
+        InitKind::normal, d.output_init_std, false, l);
+  }
+
   // An MoE layer's MLP (Megatron-Core's MoELayer, --moe-grouped-gemm names): a standalone
   // pre-MLP norm, the router, the experts' fc1 and fc2 stacked along their rows (expert e owns
   // rows [e * rows, (e+1) * rows) of its layer's weight, gate and up halves per expert with
@@ -162,7 +190,9 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
       b.norm(mtp, "hnorm.weight", "hnorm.bias", h, l, d.sequence_parallel);
       b.add(mtp + "eh_proj.weight", {h, 2 * h}, b.rows(h, 2 * h), InitKind::normal, d.init_std, false, l);
     }
-    if (d.mla) {
+    if (d.is_gdn(l)) {
+      b.gdn_attention(p, l);
+    } else if (d.mla) {
       b.mla_attention(p, l);
     } else {
       b.norm(p, "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias", h, l,
@@ -177,10 +207,12 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
         b.norm(p, "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", d.head_dim, l, d.tp_size > 1);
       }
     }
-    const int64_t proj_cols = d.mla ? int64_t{d.heads} * d.mla_v : attn;
-    b.add(p + "self_attention.linear_proj.weight", {h, proj_cols}, b.cols(h, proj_cols), InitKind::normal,
-          d.output_init_std, false, l);
-    if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+    if (!d.is_gdn(l)) {
+      const int64_t proj_cols = d.mla ? int64_t{d.heads} * d.mla_v : attn;
+      b.add(p + "self_attention.linear_proj.weight", {h, proj_cols}, b.cols(h, proj_cols), InitKind::normal,
+            d.output_init_std, false, l);
+      if (d.linear_bias) b.add(p + "self_attention.linear_proj.bias", {h}, b.whole(h), InitKind::zeros, 0, true, l);
+    }
     if (d.is_moe(l)) {
       b.moe_layer(p, l);
     } else {
@@ -221,6 +253,19 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
   }
   if (total_elements) *total_elements = b.offset;
   return std::move(b.out);
+}
+
+void init_param(Backend& be, const ParamDesc& p, Tensor w, uint64_t seed, bool random) {
+  switch (p.init) {
+    case InitKind::zeros: be.fill(w, 0.0); return;
+    case InitKind::ones: be.fill(w, 1.0); return;
+    case InitKind::normal:
+    case InitKind::uniform:
+    case InitKind::log_uniform: break;
+  }
+  if (!random) return be.fill(w, 0.0);
+  if (p.init == InitKind::normal) return be.init_normal(w, p.init_key(seed), p.init_std, p.shard);
+  be.init_uniform(w, p.init_key(seed), p.init_lo, p.init_hi, p.init == InitKind::log_uniform, p.shard);
 }
 
 int find_param(const std::vector<ParamDesc>& params, const std::string& name) {

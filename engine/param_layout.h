@@ -12,11 +12,13 @@
 #include <vector>
 
 #include "core/shard.h"
+#include "core/tensor.h"
 #include "engine/model_dims.h"
 
 namespace mt {
 
-enum class InitKind { normal, zeros, ones };
+// normal: init_std * N(0, 1); uniform: U(init_lo, init_hi); log_uniform: log of U(init_lo, init_hi).
+enum class InitKind { normal, zeros, ones, uniform, log_uniform };
 
 struct ParamDesc {
   std::string name;                  // e.g. "decoder.layers.3.mlp.linear_fc1.weight"
@@ -24,6 +26,7 @@ struct ParamDesc {
   ShardIndex shard;                  // this rank's block; a 1-D tensor of n is a [n, 1] matrix
   InitKind init = InitKind::normal;
   float init_std = 0;
+  float init_lo = 0, init_hi = 0;    // uniform and log_uniform
   std::string init_name;             // key of the init stream (the tied output copy uses the embedding's)
   bool weight_decay = true;          // false for biases and 1-D parameters (Megatron's rule)
   bool decoupled_lr = false;         // word embeddings and output layer (--decoupled-lr)
@@ -41,6 +44,9 @@ struct ParamDesc {
   // A routed expert's weight (the MoE experts' fc1/fc2): under expert parallelism this rank holds
   // its experts' rows only, and the gradients are reduced over the expert-data-parallel group.
   bool expert = false;
+  // A matrix here that Megatron holds with more dimensions (Gated DeltaNet's conv1d weight, [C, 1,
+  // K] there): not one of Muon's 2-D parameters.
+  bool muon_excluded = false;
   int64_t offset = 0;                // element offset in the flat buffers
 
   int64_t numel() const { return shard.local_numel(); }
@@ -56,6 +62,12 @@ constexpr int64_t kParamAlignment = 64;
 // The parameters of this stage in forward order, with offsets assigned; total (padded) elements
 // in *total_elements.
 std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elements);
+
+class Backend;
+
+// A parameter's initial values (its InitKind; the random kinds drawn by global index from the
+// parameter's stream under `seed`, or zeros unless `random`).
+void init_param(Backend& be, const ParamDesc& p, Tensor w, uint64_t seed, bool random);
 
 // Index of a parameter by name, or -1.
 int find_param(const std::vector<ParamDesc>& params, const std::string& name);

@@ -19,12 +19,15 @@ std::vector<std::string> all_flag_names() {
 
 }  // namespace
 
-TEST_CASE("cli: Megatron-LM's Gated DeltaNet, DeepSeek sparse attention and distillation flags are refused by their "
+TEST_CASE("cli: Megatron-LM's DeepSeek sparse attention, Gated DeltaNet 2 and distillation flags are refused by their "
           "switch, their settings noted", "[cli]") {
-  CHECK(unsupported_error(small_gpt() + words("--experimental-attention-variant gated_delta_net "
-                                              "--linear-attention-freq 4 --linear-num-value-heads 8")) ==
-        "megatrain does not support --experimental-attention-variant gated_delta_net yet (Gated DeltaNet and DeepSeek "
-        "sparse attention layers)");
+  for (const char* variant : {"dsa", "gdn2"}) {
+    INFO(variant);
+    CHECK(unsupported_error(small_gpt() + words(std::string("--experimental-attention-variant ") + variant +
+                                                " --linear-attention-freq 4")) ==
+          fmt::format("megatrain does not support --experimental-attention-variant {} yet (Gated DeltaNet 2 and "
+                      "DeepSeek sparse attention layers (gated_delta_net / gdn is built))", variant));
+  }
   CHECK(unsupported_error(small_gpt() + words("--export-kd-teacher-load /ckpt --export-kd-cfg kd.yaml "
                                               "--export-te-mcore-model")) ==
         "megatrain does not support --export-kd-teacher-load /ckpt yet (knowledge distillation)");

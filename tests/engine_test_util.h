@@ -80,6 +80,28 @@ inline Config tiny_mla_config() {
   return c;
 }
 
+// A tiny Gated DeltaNet hybrid (Qwen3-Next's layout): three layers, the first and last Gated
+// DeltaNet (2 key heads of 4, 4 value heads of 3, 3 convolution taps), the middle one softmax
+// attention with the output gate; LayerNorm with zero-centred weights, as Megatron-LM's test.
+inline Config tiny_gdn_config() {
+  Config c = tiny_llama_config();
+  ModelConfig& m = c.model;
+  m.num_layers = 3;
+  m.normalization = Normalization::layernorm;
+  m.apply_layernorm_1p = true;
+  m.attention_output_gate = true;
+  m.gated_delta_net = true;
+  m.linear_attention_every = 2;
+  m.linear_layer = {1, 0, 1};
+  m.linear_num_key_heads = 2;
+  m.linear_num_value_heads = 4;
+  m.linear_key_head_dim = 4;
+  m.linear_value_head_dim = 3;
+  m.linear_conv_kernel_dim = 3;
+  derive(c);
+  return c;
+}
+
 // Both tiny models, for tests that run each: a Config is made in place by its function, because
 // copying Configs out of an initializer list trips GCC 12's -Wmaybe-uninitialized on their
 // std::optional members (a false positive).

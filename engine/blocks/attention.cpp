@@ -37,12 +37,17 @@ std::unique_ptr<AttentionCore> make_local_attention(Backend& backend) {
 
 // What the attention block keeps for backward. Sequence parallelism: the norm output is gathered to
 // all N rows (the QKV GEMM's input); the residual h1 and the norm statistics hold this rank's Nl rows.
-void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
+void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A, bool softmax, bool gdn) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
   A.ln1_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
   A.ln1_mean = a.take(c, S, {Nl});
   A.ln1_rstd = a.take(c, S, {Nl});
+  if (gdn) layout_gdn_acts(a, c, A);
+  if (!softmax) {
+    A.h1 = a.take(c, T, {Nl, h});
+    return;
+  }
   if (d_.qk_norm) {
     const int64_t heads_normed = d_.groups_local() * (d_.heads / d_.groups + 1);
     A.qkv_raw = a.take(c, T, {N, d_.qkv_width_local()});
@@ -60,6 +65,7 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A) {
 // The attention block of layer `local`: x -> h1 = x + dropout(proj(attention(qkv(norm(x)))) + b),
 // and the MLP block's norm of h1 in the same pass (ln2).
 void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
+  if (d_.is_gdn(d_.layer_begin + local)) return gdn_forward(local, s, A, x);
   if (d_.mla) return mla_forward(local, s, A, x);
   const LayerParams& P = layer_params_[local];
   const Workspace& w = *ws_;
@@ -100,6 +106,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
 // The attention block's backward: the gradient of h1 (the workspace's gH, left by mlp_backward)
 // -> dx, with the QKV, projection, q/k norm and ln1 parameter gradients.
 void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx) {
+  if (d_.is_gdn(d_.layer_begin + local)) return gdn_backward(local, s, A, x, dx);
   if (d_.mla) return mla_backward(local, s, A, x, dx);
   const LayerParams &P = layer_params_[local], &G = layer_grads_[local];
   const Workspace& w = *ws_;

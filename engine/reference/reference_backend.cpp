@@ -112,5 +112,16 @@ void ReferenceBackend::init_normal(Tensor t, uint64_t key, float std, const Shar
   });
 }
 
+void ReferenceBackend::init_uniform(Tensor t, uint64_t key, float lo, float hi, bool log_of, const ShardIndex& index) {
+  check_numel(t, index.local_numel(), "init_uniform", "tensor");
+  const Floats f(t);
+  pool_.parallel_for(t.numel(), 1 << 12, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const float v = lo + (hi - lo) * uniform_at(key, static_cast<uint64_t>(shard_global_index(index, i)));
+      f.set(i, log_of ? std::log(v) : v);
+    }
+  });
+}
+
 }  // namespace reference
 }  // namespace mt

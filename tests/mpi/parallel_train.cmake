@@ -567,3 +567,20 @@ add_test(NAME gpu_sniff_test_names_the_slow_rank
 echo \"$out\" | grep 'gpu sniff'; test $(echo \"$out\" | grep -c 'GEMM mean .*slower than mean + std: 2 (') = 2")
 set_tests_properties(gpu_sniff_test_names_the_slow_rank PROPERTIES LABELS mpi TIMEOUT 300
   ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+# Gated DeltaNet layers among softmax-attention ones (--linear-attention-freq 2: layers 1 and 3 of
+# 4 are Gated DeltaNet): TP 2 with SP (the key heads split with their value heads, the output
+# norm's gradient summed over TP), PP 2, DP 2 with the distributed optimizer and full recompute,
+# with MoE MLPs as Megatron-LM's test model has, and a run saved at TP 2 resumed at DP 2.
+set(gdn_model "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --linear-num-key-heads 2 \
+--linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 6 --linear-conv-kernel-dim 4 --swiglu \
+--apply-layernorm-1p --disable-bias-linear --position-embedding-type rope --attention-output-gate")
+megatrain_parallel_train_test(parallel_train_gdn_tp2_sp --model "${gdn_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_gdn_pp2 --model "${gdn_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_gdn_dp2_distopt_recompute --model "${gdn_model} \
+--recompute-granularity full --recompute-method uniform --recompute-num-layers 2" 2 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_gdn_moe_tp2_sp --model "${gdn_model} --num-experts 4 --moe-router-topk 2 \
+--moe-ffn-hidden-size 24 --moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate --moe-grouped-gemm \
+--moe-aux-loss-coeff 1e-2" 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_gdn_resume_tp2_to_dp2 --model "${gdn_model}" --resume 2
+                              "--tensor-model-parallel-size 2" 2 -)

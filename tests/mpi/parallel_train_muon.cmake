@@ -41,3 +41,8 @@ megatrain_parallel_train_test(parallel_train_muon_dp4_distopt_instances2 --model
 megatrain_parallel_train_test(parallel_train_muon_fp8_delayed_tp2_sp --fp8 --iters 3 --model
   "${muon} --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --no-bias-gelu-fusion"
   2 --tensor-model-parallel-size 2 --sequence-parallel)
+# ... with Gated DeltaNet layers: the input projection gathered over TP by key heads (a row
+# permutation of Megatron's gathered shards, which Newton-Schulz commutes with), the convolution's
+# taps left to AdamW (a 3-D tensor in Megatron-LM).
+megatrain_parallel_train_test(parallel_train_muon_gdn_tp2_sp --model "${gdn_model} ${muon}" 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
