@@ -272,8 +272,27 @@ void add_model_flags(FlagTable& t) {
                         "no effect without it, as in Megatron-LM",
                         "None");
   }
-  t.recognised("--use-mup", Arity::none, "", "off", "maximal-update parametrization");
-  t.recognised("--mup-base-hidden-size", Arity::one, "INT", "None", "maximal-update parametrization base width");
+  // Megatron-Core's MuP (TransformerConfig's use_mup and mup_* fields).
+  t.flag("--use-mup", "maximal-update parametrization: width-scaled init, attention scale, output logits and Adam "
+         "learning rate and eps of the hidden matrices", MT_FIELD(model.use_mup))
+      .model_setting("use_mup", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--mup-base-hidden-size", "MuP: the base model's hidden size (width multiplier = hidden size / this; "
+          "None: the hidden size)", MT_FIELD(model.mup_base_hidden_size))
+      .model_setting("mup_base_hidden_size", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--mup-width-mult", "MuP: the width multiplier (computed from --mup-base-hidden-size with --use-mup)",
+          MT_FIELD(model.mup_width_mult))
+      .model_setting("mup_width_mult", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--mup-embedding-mult", "MuP: multiplier of the embeddings' output", MT_FIELD(model.mup_embedding_mult))
+      .model_setting("mup_embedding_mult", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--mup-output-mult", "MuP: multiplier of the logits (left at 1: 1 / width multiplier)",
+          MT_FIELD(model.mup_output_mult))
+      .model_setting("mup_output_mult", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--mup-base-head-dim", "MuP: base head dimension: softmax scale sqrt(this) / kv_channels^power",
+          MT_FIELD(model.mup_base_head_dim))
+      .model_setting("mup_base_head_dim", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--mup-attn-scale-power", "MuP: softmax scale 1 / kv_channels^power (1: MuP's 1/d, 0.5: 1/sqrt(d))",
+          MT_FIELD(model.mup_attn_scale_power))
+      .model_setting("mup_attn_scale_power", CheckpointTake::forced, CheckpointCompare::yes, true);
   t.flag("--fp32-residual-connection", "keep the residual stream in fp32 with --fp16 or --bf16",
          MT_FIELD(model.fp32_residual_connection));
   t.no_effect("--use-mcore-models", Arity::none, "megatrain builds Megatron-Core-style models only");

@@ -338,6 +338,22 @@ void derive_linear_attention(CliState& st) {
   }
 }
 
+// MuP (Megatron's TransformerConfig.__post_init__): the width multiplier and, left at 1, the
+// logits' multiplier 1 / width.
+void derive_mup(CliState& st) {
+  ModelConfig& m = st.cfg.model;
+  if (!m.use_mup) {
+    for (const char* f : {"--mup-base-hidden-size", "--mup-width-mult", "--mup-embedding-mult", "--mup-output-mult",
+                          "--mup-base-head-dim", "--mup-attn-scale-power"})
+      if (st.has(f)) st.note(fmt::format("{} has no effect without --use-mup (as in Megatron-LM)", f));
+    return;
+  }
+  if (!m.mup_base_hidden_size) m.mup_base_hidden_size = m.hidden_size;
+  if (*m.mup_base_hidden_size <= 0) fail("--mup-base-hidden-size must be positive.");
+  m.mup_width_mult = static_cast<double>(m.hidden_size) / *m.mup_base_hidden_size;
+  if (m.mup_output_mult == 1.0 && m.mup_width_mult != 1.0) m.mup_output_mult = 1.0 / m.mup_width_mult;
+}
+
 void derive_precision(CliState& st) {
   Config& c = st.cfg;
   TrainConfig& t = c.train;
@@ -671,6 +687,7 @@ void derive(CliState& st) {
   derive_parallel(st);
   derive_moe(st);
   derive_linear_attention(st);
+  derive_mup(st);
   if (st.has("--data-path") && !st.cfg.data.split) {
     st.warn("Please specify --split when using --data-path. Using legacy default value of \"969, 30, 1\"");
     st.cfg.data.split = "969, 30, 1";

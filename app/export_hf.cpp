@@ -54,6 +54,9 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   const ModelConfig m = model_config_from_json(rs.config.at("model"), manifest);
   if (m.position_embedding_type == PositionEmbedding::yarn)
     throw Unsupported("export-hf does not map --position-embedding-type yarn (a YaRN rope_scaling) yet");
+  if (m.use_mup)
+    throw Unsupported("export-hf does not map --use-mup models (their embedding and logit multipliers and softmax "
+                      "scale) yet");
   if (m.gated_delta_net)
     throw Unsupported("export-hf does not map Gated DeltaNet layers (--experimental-attention-variant gated_delta_net; "
                       "Hugging Face's Qwen3-Next) yet");

@@ -244,6 +244,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     throw Unsupported(fmt::format("export-megatron: {} holds a mixture-of-experts model (--num-experts {}); megatrain "
                                   "does not export MoE models to Megatron-LM yet", reader.directory(),
                                   model.moe.num_experts));
+  if (model.use_mup)
+    throw Unsupported(fmt::format("export-megatron: {} holds a --use-mup model; megatrain does not export MuP models "
+                                  "(their optimizer's parameter groups) to Megatron-LM yet", reader.directory()));
   if (model.gated_delta_net)
     throw Unsupported(fmt::format("export-megatron: {} holds Gated DeltaNet layers (--experimental-attention-variant "
                                   "gated_delta_net); megatrain does not export them to Megatron-LM yet",

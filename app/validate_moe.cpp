@@ -210,6 +210,12 @@ std::vector<std::string> not_built(const CliState& st) {
       out.push_back(fmt::format("megatrain does not support {} without --swiglu yet (its convolution and output gate "
                                 "take the model's activation: megatrain builds SiLU)", gdn));
   }
+  if (c.model.use_mup) {
+    if (c.model.multi_latent_attention)
+      out.push_back("megatrain does not support --use-mup with --multi-latent-attention yet");
+    if (c.model.mtp_num_layers && *c.model.mtp_num_layers > 0)
+      out.push_back("megatrain does not support --use-mup with --mtp-num-layers yet");
+  }
   if (!e.enabled()) return out;
   const ParallelConfig& p = c.parallel;
   const int tp = p.tensor_model_parallel_size;

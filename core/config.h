@@ -198,6 +198,19 @@ struct ModelConfig {
   bool is_linear_layer(int layer) const {
     return gated_delta_net && layer >= 0 && static_cast<size_t>(layer) < linear_layer.size() && linear_layer[layer];
   }
+  // --use-mup: maximal-update parametrization (Megatron-Core's MuP), at width multiplier
+  // mup_width_mult = hidden_size / --mup-base-hidden-size (derived): hidden weights' init std over
+  // sqrt(width), the output projections' over sqrt(2 L width), attention softmax scale
+  // sqrt(--mup-base-head-dim or 1) / kv_channels^--mup-attn-scale-power, embeddings times
+  // --mup-embedding-mult, logits times --mup-output-mult (1/width when left at 1), and Adam's
+  // hidden matrices at lr / width and eps / width (SGD: the vector-like parameters at lr x width).
+  bool use_mup = false;
+  std::optional<int> mup_base_hidden_size;
+  double mup_width_mult = 1.0;
+  double mup_embedding_mult = 1.0;
+  double mup_output_mult = 1.0;
+  std::optional<double> mup_base_head_dim;
+  double mup_attn_scale_power = 1.0;
   bool untie_embeddings_and_output_weights = false;
   int make_vocab_size_divisible_by = 128;
   int seq_length = 0;

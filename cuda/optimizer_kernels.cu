@@ -116,17 +116,18 @@ struct AdamArgs {
   void* model;
   float lr[OptimStepParams::kMaxGroups];
   float wd[OptimStepParams::kMaxGroups];
-  float beta1, beta2, eps, bias_correction1, bias_correction2, grad_scale;
+  float beta1, beta2, bias_correction1, bias_correction2, grad_scale;
+  float eps[OptimStepParams::kMaxGroups];
 };
 
 template <typename M, typename G, typename A, typename V>
-__device__ __forceinline__ void adam_update(const AdamArgs<G, A, V>& a, int64_t i, float lr, float wd, float scale,
+__device__ __forceinline__ void adam_update(const AdamArgs<G, A, V>& a, int64_t i, float lr, float wd, float eps, float scale,
                                             bool track, float& amax) {
   const float g = to_float(a.grad[i]) * a.grad_scale;
   const float m = a.beta1 * to_float(a.exp_avg[i]) + (1.0f - a.beta1) * g;
   const float v = a.beta2 * to_float(a.exp_avg_sq[i]) + (1.0f - a.beta2) * g * g;
   float p = a.master[i];
-  const float denom = sqrtf(v / a.bias_correction2) + a.eps;
+  const float denom = sqrtf(v / a.bias_correction2) + eps;
   p -= lr * ((m / a.bias_correction1) / denom + wd * p);
   a.exp_avg[i] = from_float<A>(m);
   a.exp_avg_sq[i] = from_float<V>(v);
@@ -204,7 +205,7 @@ __device__ __forceinline__ void for_range_by4(int64_t begin, int64_t end, bool v
 // Elements [begin, end) of a chunk: 16-byte accesses where for_range_by4 allows, element by element
 // otherwise.
 template <typename M, typename G, typename A, typename V>
-__device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd,
+__device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd, float eps,
                                            bool vec, float scale, bool track, float& amax) {
   auto four = [&](int64_t i) {
     const float4 g = load4(a.grad + i);
@@ -212,16 +213,16 @@ __device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t b
     float4 v = load4(a.exp_avg_sq + i);
     float4 p = *reinterpret_cast<const float4*>(a.master + i);
     const float s = a.grad_scale;
-    p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-    p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-    p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
-    p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, a.eps, lr, wd);
+    p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+    p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+    p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+    p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
     store4(a.exp_avg + i, m);
     store4(a.exp_avg_sq + i, v);
     *reinterpret_cast<float4*>(a.master + i) = p;
     store_model4<M>(a.model, i, p, scale, track, amax);
   };
-  for_range_by4(begin, end, vec, four, [&](int64_t i) { adam_update<M>(a, i, lr, wd, scale, track, amax); });
+  for_range_by4(begin, end, vec, four, [&](int64_t i) { adam_update<M>(a, i, lr, wd, eps, scale, track, amax); });
 }
 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_kernel
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     float amax = 0.0f;
     const bool track = s.fp8_amax != nullptr;  // (block-uniform)
-    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], vec, copy_scale(s), track, amax);
+    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], a.eps[s.group], vec, copy_scale(s), track, amax);
     if (track) block_amax_atomic(s.fp8_amax, amax);
   }
 }
@@ -261,12 +262,12 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
-    const float lr = a.lr[s.group], wd = a.wd[s.group];
+    const float lr = a.lr[s.group], wd = a.wd[s.group], eps = a.eps[s.group];
     const bool track = s.fp8_amax != nullptr;  // (block-uniform)
     float amax = 0.0f;
     auto one = [&](float& m, float& v, float g, uint16_t& w, int16_t& r) {
       const float p = adam_one(m, v, join_master(w, r), g * a.grad_scale, a.beta1, a.beta2, a.bias_correction1,
-                               a.bias_correction2, a.eps, lr, wd);
+                               a.bias_correction2, eps, lr, wd);
       split_master(p, w, r);
       if (track) amax = fmaxf(amax, fabsf(__uint_as_float(static_cast<uint32_t>(w) << 16)));
     };
@@ -480,13 +481,14 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
       dispatch_moment(exp_avg_sq, [&]<typename V>() {
         AdamArgs<G, A, V> a{remainders ? nullptr : master.ptr<float>(), grad.ptr<const G>(), exp_avg.ptr<A>(),
                             exp_avg_sq.ptr<V>(),
-                            model_param.data, {}, {}, p.beta1, p.beta2, p.eps,
+                            model_param.data, {}, {}, p.beta1, p.beta2,
                             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))),
                             static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))),
-                            p.grad_scale};
+                            p.grad_scale, {}};
         for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
           a.lr[g] = p.lr[g];
           a.wd[g] = p.weight_decay[g];
+          a.eps[g] = p.eps_of(g);
         }
         if (remainders) {
           adamw_remainder_kernel<G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, master.ptr<int16_t>(), segs, vec);

@@ -246,10 +246,13 @@ struct OptimSegment {
 };
 
 struct OptimStepParams {
-  static constexpr int kMaxGroups = 4;
+  static constexpr int kMaxGroups = 5;
   float lr[kMaxGroups] = {};
   float weight_decay[kMaxGroups] = {};
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  // A group's own Adam eps where > 0 (--use-mup's hidden matrices: eps / width), else eps.
+  float group_eps[kMaxGroups] = {};
+  float eps_of(int group) const { return group_eps[group] > 0 ? group_eps[group] : eps; }
   int64_t step = 1;         // 1-based Adam step for bias correction
   float grad_scale = 1.0f;  // multiplies gradients first (1/loss_scale * clip coefficient)
   float sgd_momentum = 0.9f;

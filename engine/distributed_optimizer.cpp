@@ -7,7 +7,8 @@
 
 namespace mt {
 
-int optim_group(const ParamDesc& p, bool decoupled_lr) {
+int optim_group(const ParamDesc& p, bool decoupled_lr, bool muon_managed) {
+  if (p.mup_hidden && !muon_managed) return kOptimMupHidden;
   int g = p.weight_decay ? kOptimDecay : kOptimNoDecay;
   if (decoupled_lr && p.decoupled_lr) g += 2;
   return g;

@@ -20,10 +20,13 @@ namespace mt {
 struct ParallelState;
 class Communicator;
 
-// Megatron's parameter groups: weight decay or not (no decay on biases and 1-D parameters), and
-// --decoupled-lr for the word embeddings and the output layer.
-enum OptimGroup { kOptimDecay = 0, kOptimNoDecay = 1, kOptimDecoupledDecay = 2, kOptimDecoupledNoDecay = 3 };
-int optim_group(const ParamDesc& p, bool decoupled_lr);
+// Megatron's parameter groups: weight decay or not (no decay on biases and 1-D parameters),
+// --decoupled-lr for the word embeddings and the output layer, and --use-mup's hidden matrices
+// (ParamDesc::mup_hidden; not the matrices Muon updates: muon_managed).
+enum OptimGroup {
+  kOptimDecay = 0, kOptimNoDecay = 1, kOptimDecoupledDecay = 2, kOptimDecoupledNoDecay = 3, kOptimMupHidden = 4
+};
+int optim_group(const ParamDesc& p, bool decoupled_lr, bool muon_managed = false);
 
 // One contiguous range of a chunk's flat buffers that this rank updates.
 struct OptimRange {

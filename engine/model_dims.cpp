@@ -266,6 +266,21 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   // Megatron's scaled init for the output projections of each layer: sigma / sqrt(2 L).
   d.output_init_std = static_cast<float>(m.init_method_std / std::sqrt(2.0 * m.num_layers));
   d.embedding_init_std = static_cast<float>(m.embedding_init_method_std.value_or(m.init_method_std));
+  d.output_layer_init_std = d.init_std;
+  if (m.use_mup) {
+    // MuP (Megatron's TransformerConfig): the hidden weights' std over sqrt(width), the output
+    // projections' over sqrt(2 L width), the embeddings' (and an untied output layer's) unscaled;
+    // softmax scale sqrt(base head dim or 1) / d^power; the embedding and logit multipliers.
+    const double w = m.mup_width_mult;
+    d.init_std = static_cast<float>(m.init_method_std / std::sqrt(w));
+    d.output_init_std = static_cast<float>(m.init_method_std / (std::sqrt(2.0 * m.num_layers) * std::sqrt(w)));
+    d.output_layer_init_std = d.embedding_init_std;
+    d.softmax_scale = static_cast<float>((m.mup_base_head_dim ? std::sqrt(*m.mup_base_head_dim) : 1.0) /
+                                         std::pow(static_cast<double>(d.head_dim), m.mup_attn_scale_power));
+    d.embedding_mult = static_cast<float>(m.mup_embedding_mult);
+    d.logits_mult = static_cast<float>(m.mup_output_mult);
+    d.mup = true;
+  }
   d.seed = static_cast<uint64_t>(static_cast<uint32_t>(cfg.train.seed));
   return d;
 }

@@ -200,6 +200,11 @@ struct ModelDims {
 
   float attention_dropout = 0, hidden_dropout = 0;
   float init_std = 0.02f, output_init_std = 0.02f, embedding_init_std = 0.02f;
+  float output_layer_init_std = 0.02f;  // an untied output layer's (MuP: the embeddings')
+  // --use-mup: the embeddings' output and the logits are multiplied by these; `mup` marks the
+  // hidden matrices for their optimizer group (ParamDesc::mup_hidden).
+  bool mup = false;
+  float embedding_mult = 1.0f, logits_mult = 1.0f;
   uint64_t seed = 1234;
 
   // Local (per TP rank) sizes.

@@ -55,6 +55,31 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   min_lr_[kDecay] = min_lr_[kNoDecay] = t.min_lr;
   max_lr_[kDecoupledDecay] = max_lr_[kDecoupledNoDecay] = t.decoupled_lr.value_or(lr);
   min_lr_[kDecoupledDecay] = min_lr_[kDecoupledNoDecay] = t.decoupled_min_lr.value_or(t.min_lr);
+  // MuP (Megatron's get_mup_config_overrides, width multiplier w != 1): Adam and the other
+  // optimizers take the hidden matrices at lr / w (Adam also eps / w); SGD keeps them at lr and
+  // takes the vector-like parameters (1-D, the embeddings and the output layer; not those with
+  // --decoupled-lr) at lr x w. (Without MuP the hidden group is empty.)
+  max_lr_[kMupHidden] = lr;
+  min_lr_[kMupHidden] = t.min_lr;
+  const ModelConfig& mc = cfg.model;
+  if (mc.use_mup && mc.mup_width_mult != 1.0) {
+    const double w = mc.mup_width_mult;
+    if (t.optimizer == OptimizerKind::sgd) {
+      for (int g : {kDecay, kNoDecay}) {
+        max_lr_[g] = lr * w;
+        min_lr_[g] = t.min_lr * w;
+      }
+      if (!t.decoupled_lr)
+        for (int g : {kDecoupledDecay, kDecoupledNoDecay}) {
+          max_lr_[g] = lr * w;
+          min_lr_[g] = t.min_lr * w;
+        }
+    } else {
+      max_lr_[kMupHidden] = lr / w;
+      min_lr_[kMupHidden] = t.min_lr / w;
+      if (t.optimizer == OptimizerKind::adam) mup_hidden_eps_ = t.adam_eps / w;
+    }
+  }
   // Megatron turns the NaN check off under fp16 dynamic loss scaling (overflows are expected).
   // Under --rerun-mode validate_results / report_stats the rerun state machine checks instead,
   // once its hook is installed (`validate`); without one this check stands.
@@ -93,11 +118,12 @@ OptimStepParams Optimizer::step_params(double grad_scale) const {
   const double wd = schedule_.weight_decay();
   for (int g = 0; g < OptimStepParams::kMaxGroups; ++g) {
     p.lr[g] = static_cast<float>(schedule_.lr(max_lr_[g], min_lr_[g]));
-    p.weight_decay[g] = (g == kDecay || g == kDecoupledDecay) ? static_cast<float>(wd) : 0.0f;
+    p.weight_decay[g] = (g == kDecay || g == kDecoupledDecay || g == kMupHidden) ? static_cast<float>(wd) : 0.0f;
   }
   p.beta1 = static_cast<float>(t.adam_beta1);
   p.beta2 = static_cast<float>(t.adam_beta2);
   p.eps = static_cast<float>(t.adam_eps);
+  if (mup_hidden_eps_ > 0) p.group_eps[kMupHidden] = static_cast<float>(mup_hidden_eps_);
   p.sgd_momentum = static_cast<float>(t.sgd_momentum);
   p.step = steps_ + 1;
   p.grad_scale = static_cast<float>(grad_scale);
@@ -267,7 +293,7 @@ void Optimizer::plan_muon() {
     const std::vector<ParamDesc>& params = m.params();
     MuonChunk mc;
     mc.matrices = muon_matrices(params, m.dims(), cfg_.train.muon);
-    for (const ParamDesc& d : params) mc.group.push_back(optim_group(d, decoupled));
+    for (const ParamDesc& d : params) mc.group.push_back(optim_group(d, decoupled, muon_param(d)));
     for (const OptimRange& r : ranges_) {
       if (r.chunk != static_cast<int>(c)) continue;
       const OptimViews o = optim_views(m, r);

@@ -59,7 +59,7 @@ struct StepOutcome {
 class Optimizer {
  public:
   enum Group { kDecay = kOptimDecay, kNoDecay = kOptimNoDecay, kDecoupledDecay = kOptimDecoupledDecay,
-               kDecoupledNoDecay = kOptimDecoupledNoDecay };
+               kDecoupledNoDecay = kOptimDecoupledNoDecay, kMupHidden = kOptimMupHidden };
 
   // chunks: this rank's model chunks (one without an interleaved pipeline), in chunk order.
   Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
@@ -145,6 +145,7 @@ class Optimizer {
   std::unique_ptr<DpGradSync> grad_sync_;
   std::unique_ptr<ParamGather> param_gather_;
   double max_lr_[OptimStepParams::kMaxGroups] = {}, min_lr_[OptimStepParams::kMaxGroups] = {};
+  double mup_hidden_eps_ = 0;  // --use-mup with Adam: the hidden matrices' eps (0: adam_eps)
   int64_t steps_ = 0;
   bool check_nan_ = true;
 };

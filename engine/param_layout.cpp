@@ -238,7 +238,8 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
     }
     b.norm("decoder.", "final_layernorm.weight", "final_layernorm.bias", h, -1, d.sequence_parallel);
     if (!d.tied_embeddings) {
-      ParamDesc& out = b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.init_std, false, -1);
+      ParamDesc& out =
+          b.add("output_layer.weight", {V, h}, b.rows(V, h), InitKind::normal, d.output_layer_init_std, false, -1);
       out.decoupled_lr = true;
     } else if (!d.first_stage) {
       // Tied embeddings across pipeline stages: the last stage keeps a copy, drawn from the same
@@ -251,6 +252,11 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
       out.shared_copy = true;
     }
   }
+  // MuP's hidden matrix-like parameters (Megatron's get_mup_config_overrides): all but the 1-D
+  // ones, the embeddings and the output layer.
+  if (d.mup)
+    for (ParamDesc& p : b.out)
+      p.mup_hidden = !p.is_1d() && !p.name.starts_with("embedding.") && p.name != "output_layer.weight";
   if (total_elements) *total_elements = b.offset;
   return std::move(b.out);
 }

@@ -47,6 +47,9 @@ struct ParamDesc {
   // A matrix here that Megatron holds with more dimensions (Gated DeltaNet's conv1d weight, [C, 1,
   // K] there): not one of Muon's 2-D parameters.
   bool muon_excluded = false;
+  // --use-mup: a hidden matrix (not 1-D, not the embeddings or the output layer), whose Adam
+  // learning rate and eps MuP divides by the width multiplier (its own optimizer group).
+  bool mup_hidden = false;
   int64_t offset = 0;                // element offset in the flat buffers
 
   int64_t numel() const { return shard.local_numel(); }

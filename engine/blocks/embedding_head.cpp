@@ -20,6 +20,8 @@ void GptModel::embedding_forward(Slot& s) {
   be_.embedding_forward(full, s.tokens, s.positions, G.wte, positions ? G.wpe : Tensor(), d_.vocab_start());
   if (d_.sequence_parallel) ps_.tp->reduce_scatter(s.input, full);
   else ps_.tp->all_reduce(s.input);
+  // --use-mup: the embeddings times --mup-embedding-mult, before the dropout (Megatron's order).
+  if (d_.embedding_mult != 1.0f) be_.axpby(s.input, d_.embedding_mult, s.input, 0.0f, Tensor());
   if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(s.input, s.input, d_.hidden_dropout, hidden_key(s, -1, 3));
 }
 
@@ -56,6 +58,8 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
     const Tensor yr = y.row_slice(r0, rows), labels = labels_all.flat_slice(r0, rows);
     be_.linear_forward(logits, yr, G.out_w, Tensor(), Activation::none, Tensor());
+    // --use-mup: the logits times --mup-output-mult (in backward, their gradient too).
+    if (d_.logits_mult != 1.0f) be_.axpby(logits, d_.logits_mult, logits, 0.0f, Tensor());
     // Acceptance: each row's argmax on this shard, before the loss's backward overwrites the logits.
     if (!accept.empty())
       be_.logits_argmax(w.mtp_max.flat_slice(r0, rows), w.mtp_argmax.flat_slice(r0, rows), logits, d_.vocab_start());
@@ -76,6 +80,7 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     // The output layer's backward, now: dlogits in place of the logits.
     if (!fused_ce)
       be_.cross_entropy_backward(logits, logits, labels, lse, dloss.flat_slice(r0, rows), d_.vocab_start());
+    if (d_.logits_mult != 1.0f) be_.axpby(logits, d_.logits_mult, logits, 0.0f, Tensor());
     be_.linear_backward_weight(G.dout_w, Tensor(), logits, yr, accumulate_weight_grad(G.dout_w));
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
@@ -97,6 +102,7 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
 void GptModel::embedding_backward(Slot& s, Tensor grad) {
   const Globals& G = *globals_;
   if (s.training && d_.hidden_dropout > 0) be_.dropout_backward(grad, grad, d_.hidden_dropout, hidden_key(s, -1, 3));
+  if (d_.embedding_mult != 1.0f) be_.axpby(grad, d_.embedding_mult, grad, 0.0f, Tensor());
   if (d_.sequence_parallel) {  // the embeddings need the gradient of every row
     ps_.tp->all_gather(ws_->gT, grad);
     grad = ws_->gT;

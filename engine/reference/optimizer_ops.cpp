@@ -65,11 +65,12 @@ class ModelCopy {
 // One AdamW element (Apex/Transformer Engine FusedAdam, adam_w_mode) in double: moments m and v at
 // element i updated with the scaled gradient gi, and the new master weight returned (unrounded).
 struct AdamMath {
-  double b1, b2, eps, bc1, bc2;
+  double b1, b2, bc1, bc2;
   explicit AdamMath(const OptimStepParams& p)
-      : b1(p.beta1), b2(p.beta2), eps(p.eps), bc1(1.0 - std::pow(b1, static_cast<double>(p.step))),
+      : b1(p.beta1), b2(p.beta2), bc1(1.0 - std::pow(b1, static_cast<double>(p.step))),
         bc2(1.0 - std::pow(b2, static_cast<double>(p.step))) {}
-  double step(const Floats& m, const Floats& v, int64_t i, double gi, double w, double lr, double wd) const {
+  double step(const Floats& m, const Floats& v, int64_t i, double gi, double w, double lr, double wd,
+              double eps) const {
     const double mi = b1 * m.get(i) + (1.0 - b1) * gi;
     const double vi = b2 * v.get(i) + (1.0 - b2) * gi * gi;
     m.set(i, mi);
@@ -94,14 +95,14 @@ void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tens
   for_each_segment(remainder, segments, [&](const OptimSegment& s) {
     MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
     MT_CHECK(!s.fp8_scale, "adamw_step: an FP8 segment with int16 master remainders");
-    const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+    const double lr = p.lr[s.group], wd = p.weight_decay[s.group], eps = p.eps_of(s.group);
     float block_max = 0.0f;
     std::mutex amax_mutex;
     pool.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
       float amax = 0.0f;
       for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
         const double w = join_master_bits(w16[i], rem[i]);
-        const double next = adam.step(m, v, i, fg.get(i) * p.grad_scale, w, lr, wd);
+        const double next = adam.step(m, v, i, fg.get(i) * p.grad_scale, w, lr, wd, eps);
         const SplitMaster out = split_master_bits(static_cast<float>(next));
         w16[i] = out.weight;
         rem[i] = out.remainder;
@@ -167,13 +168,13 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
     const Floats m(exp_avg), v(exp_avg_sq);
     for_each_segment(master, segments, [&](const OptimSegment& s) {
       MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
-      const double lr = p.lr[s.group], wd = p.weight_decay[s.group];
+      const double lr = p.lr[s.group], wd = p.weight_decay[s.group], eps = p.eps_of(s.group);
       const ModelCopy mp(model_param, s, "adamw_step");
       pool_.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
         float amax = 0.0f;
         for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
           const double gi = (grad_wide ? static_cast<double>(g[i]) : fg.get(i)) * p.grad_scale;
-          w[i] = static_cast<T>(adam.step(m, v, i, gi, static_cast<double>(w[i]), lr, wd));
+          w[i] = static_cast<T>(adam.step(m, v, i, gi, static_cast<double>(w[i]), lr, wd, eps));
           mp.set(i, static_cast<float>(w[i]), amax);
         }
         mp.finish_block(amax);

@@ -584,3 +584,9 @@ megatrain_parallel_train_test(parallel_train_gdn_moe_tp2_sp --model "${gdn_model
 --moe-aux-loss-coeff 1e-2" 2 --tensor-model-parallel-size 2 --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_gdn_resume_tp2_to_dp2 --model "${gdn_model}" --resume 2
                               "--tensor-model-parallel-size 2" 2 -)
+# MuP (--use-mup at width 2 with an embedding multiplier): its hidden-matrix optimizer group over TP
+# 2 with SP, and sharded by the distributed optimizer over DP 2.
+set(mup_model "--use-mup --mup-base-hidden-size 16 --mup-embedding-mult 2.0")
+megatrain_parallel_train_test(parallel_train_mup_tp2_sp --model "${mup_model}" 2 --tensor-model-parallel-size 2
+                              --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_mup_dp2_distopt --model "${mup_model}" 2 --use-distributed-optimizer)
