@@ -234,14 +234,22 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   // Distributed optimizer: this DP rank's pieces of every bucket, as flat ranges of the
   // parameters' TP blocks (with CP the pieces are spread over DP x CP). With
   // --num-distributed-optimizer-instances every instance holds all pieces: the first one writes them.
-  if (ps_.replicas_rank() >= ps_.dist_opt_size()) return;
-  for (int b = 0; b < L.num_buckets(); ++b)
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!first_instance(L, b)) continue;
     for (const ShardSegment& seg : L.shard_segments(b)) {
       const ParamDesc& p = ps[static_cast<size_t>(seg.param)];
       if (p.shared_copy || (p.tp_duplicated && ps_.tp_rank != 0)) continue;
       add_optim(p, ShardSlice{p.shard, seg.param_offset, seg.numel}, L.state_offset[static_cast<size_t>(b)] + seg.shard_offset,
                 seg.numel);
     }
+  }
+}
+
+// Whether this rank is in the first distributed-optimizer instance of bucket b's group (the
+// experts' own data-parallel group for their buckets under expert parallelism).
+bool TrainingCheckpoints::first_instance(const GradLayout& L, int b) const {
+  if (L.is_expert_bucket(b) && ps_.edp) return ps_.edp_rank < ps_.expert_dist_opt_size();
+  return ps_.replicas_rank() < ps_.dist_opt_size();
 }
 
 // The model weights of FP8 parameters are what a run without --fp8-param-gather saves: the master
@@ -251,13 +259,13 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
 void TrainingCheckpoints::stage_fp8_params(CheckpointWriter& w, GptModel& m, Staging& h) {
   // (Sharded parameters likewise: each DP rank writes its pieces of the layers' weights.)
   const bool shard_params = m.options().shard_params;
-  if ((!m.fp8_params() && !shard_params) || ps_.replicas_rank() >= ps_.dist_opt_size()) return;
+  if (!m.fp8_params() && !shard_params) return;
   const DType T = m.options().compute, S = m.options().accum;
   MT_CHECK(S == DType::f32, "FP8 parameters with {} master weights", dtype_name(S));
   const float* master = reinterpret_cast<const float*>(h.master.data());
   const GradLayout& L = m.grad_layout();
   for (int b = 0; b < L.num_buckets(); ++b) {
-    if (!L.fp8_bucket(b) && !m.param_shard_bucket(b)) continue;
+    if ((!L.fp8_bucket(b) && !m.param_shard_bucket(b)) || !first_instance(L, b)) continue;
     for (const ShardSegment& seg : L.shard_segments(b)) {
       const ParamDesc& p = m.params()[static_cast<size_t>(seg.param)];
       if (p.shared_copy || (p.tp_duplicated && ps_.tp_rank != 0)) continue;

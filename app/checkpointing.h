@@ -119,6 +119,7 @@ class TrainingCheckpoints {
   // Whether this rank writes the model replica of parameter p; the optimizer replica too unless
   // the optimizer state is sharded (then every DP rank writes its shards).
   bool owns(const ParamDesc& p) const;
+  bool first_instance(const GradLayout& L, int bucket) const;
   // Commits a finished (wait: or waits for the) background save, naming its iteration.
   void commit_pending(bool wait);
   void committed(int64_t iteration, bool non_persistent, std::optional<int64_t> previous);

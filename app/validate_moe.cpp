@@ -37,6 +37,13 @@ void megatron_moe_rules(CliState& st) {
   if (p.world_size % expert_model != 0)
     fail("world size {} is not divisible by --expert-tensor-parallel-size {} x --expert-model-parallel-size {} x "
          "--pipeline-model-parallel-size {} = {}", p.world_size, etp, ep, p.pipeline_model_parallel_size, expert_model);
+  // Megatron's partial distributed optimizer splits the experts' data-parallel groups into the
+  // instances too.
+  const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
+  if (e.enabled() && (ep > 1 || etp != tp) && instances > 1 && (p.world_size / expert_model) % instances != 0)
+    fail("the experts' data-parallel size {} (world size / (ETP x EP x PP)) is not divisible by "
+         "--num-distributed-optimizer-instances {} (Expert data parallel size should be divisible by partial DistOpt "
+         "shard factor)", p.world_size / expert_model, instances);
   // Megatron's parallel_state with the experts' own grid: unless PP is the last axis (so with
   // --use-tp-pp-dp-mapping and PP > 1), the experts' data-parallel size is the attention's, and
   // both grids have the same pipeline groups.
@@ -239,15 +246,6 @@ std::vector<std::string> not_built(const CliState& st) {
   };
   if (has_type(MoeLoadBalancing::aux_loss) && has_type(MoeLoadBalancing::seq_aux_loss))
     out.push_back("megatrain does not support --moe-router-load-balancing-type aux_loss with seq_aux_loss yet");
-  // The experts' own grid (expert parallelism, or an expert TP size of 1 under TP).
-  const int ep = p.expert_model_parallel_size;
-  if (ep > 1 || etp != tp) {
-    const std::string grid = fmt::format("--expert-model-parallel-size {} and --expert-tensor-parallel-size {}", ep, etp);
-    const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
-    if (instances > 1)
-      out.push_back(fmt::format("megatrain does not support {} with --num-distributed-optimizer-instances {} yet", grid,
-                                instances));
-  }
   return out;
 }
 

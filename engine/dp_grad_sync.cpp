@@ -46,15 +46,27 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   for (GptModel* m : chunks_)
     for (char e : m->grad_layout().expert_bucket) experts |= e != 0;
   if (experts) {
-    MT_CHECK(ps.edp && !inter_, "expert buckets without an expert-DP group (or with optimizer instances)");
+    // (With optimizer instances: sharded over this rank's instance of the expert-DP group, the
+    // shards then summed over the instances, as the dense buckets are.)
+    MT_CHECK(ps.edp != nullptr, "expert buckets without an expert-DP group");
+    const bool instances = sharded_ && ps.edp_intra;
+    const int esize = instances ? ps.expert_dist_opt_size() : ps.edp_size;
+    const int erank = instances ? ps.expert_dist_opt_rank() : ps.edp_rank;
     for (GptModel* m : chunks_)
-      MT_CHECK(m->grad_layout().expert_dp_rank == ps.edp_rank && m->options().expert_dp_size == ps.edp_size,
+      MT_CHECK(m->grad_layout().expert_dp_rank == erank && m->options().expert_dp_size == esize,
                "model chunks planned for another expert-data-parallel layout");
-    ecomm_ = ps.edp.get();
+    Communicator& egroup = instances ? *ps.edp_intra : *ps.edp;
+    ecomm_ = &egroup;
+    einter_ = instances ? ps.edp_inter.get() : nullptr;
     if (reduce_ && be.comm_stream()) {
-      own_ecomm_ = ps.edp->split(0, ps.edp_rank, "expert_dp_grad");
+      own_ecomm_ = egroup.split(0, erank, "expert_dp_grad");
       own_ecomm_->set_stream(be.comm_stream());
       ecomm_ = own_ecomm_.get();
+      if (einter_) {
+        own_einter_ = einter_->split(0, einter_->rank(), "expert_dp_grad_inter");
+        own_einter_->set_stream(be.comm_stream());
+        einter_ = own_einter_.get();
+      }
     }
   }
   next_bucket_.assign(chunks_.size(), 0);
@@ -94,6 +106,7 @@ void DpGradSync::launch(int chunk, int b) {
   const Tensor g = m.grad_bucket(b);  // in the main grads' dtype
   const bool expert = L.is_expert_bucket(b);
   Communicator& group = expert ? *ecomm_ : *comm_;
+  Communicator* inter = expert ? einter_ : inter_;  // across optimizer instances
   if (shard_grads_) {
     // This micro-batch's sum over the instance's ranks, added into this rank's shard of the main
     // gradients; the staging buffer is then free (a layer's slot is zeroed by its next user, the
@@ -109,12 +122,12 @@ void DpGradSync::launch(int chunk, int b) {
     if (L.bucket_unit[static_cast<size_t>(b)] < 0) be.fill(g, 0.0);
     return;
   }
-  if (group.size() == 1 && (expert || !inter_)) return;  // (a group of one: nothing to reduce)
+  if (group.size() == 1 && !inter) return;  // (a group of one: nothing to reduce)
   be.comm_wait_for_compute();
   if (sharded_) {
     const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));
     group.reduce_scatter(shard, g);
-    if (inter_) inter_->all_reduce(shard);  // the same shard of every instance
+    if (inter) inter->all_reduce(shard);  // the same shard of every instance
   } else {
     group.all_reduce(g);
   }
@@ -134,7 +147,16 @@ void DpGradSync::finish_dp() {
     if (inter_) {
       Backend& be = chunks_.front()->backend();
       be.comm_wait_for_compute();
-      for (GptModel* m : chunks_) inter_->all_reduce(m->grad_shards());
+      for (GptModel* m : chunks_) {
+        const GradLayout& L = m->grad_layout();
+        if (!einter_) {  // (no expert buckets of their own: one call)
+          inter_->all_reduce(m->grad_shards());
+          continue;
+        }
+        for (int b = 0; b < L.num_buckets(); ++b)  // each shard over its own instances' group
+          (L.is_expert_bucket(b) ? einter_ : inter_)
+              ->all_reduce(m->grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b)));
+      }
       be.compute_wait_for_comm();
     }
     return;

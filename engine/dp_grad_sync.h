@@ -70,6 +70,9 @@ class DpGradSync {
   std::unique_ptr<Communicator> own_inter_;
   Communicator* inter_ = nullptr;
   std::unique_ptr<Communicator> own_ecomm_;  // the expert-DP group on the communication stream
+  // With optimizer instances: the experts' inter-instance group (their shards' sums), else null.
+  std::unique_ptr<Communicator> own_einter_;
+  Communicator* einter_ = nullptr;
   Communicator* ecomm_ = nullptr;
   bool overlap_ = false, sharded_ = false, reduce_ = false, shard_grads_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step

@@ -624,7 +624,7 @@ void GptModel::gather_unit(int local) {
   for (const int b : unit_buckets_.at(static_cast<size_t>(local))) {
     const Tensor shard =
         param_shards_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_numel(b));
-    Communicator& group = grad_layout_.is_expert_bucket(b) ? *ps_.edp : ps_.dist_opt_group();
+    Communicator& group = grad_layout_.is_expert_bucket(b) ? ps_.expert_dist_opt_group() : ps_.dist_opt_group();
     if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
     else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
   }

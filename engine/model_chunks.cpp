@@ -72,9 +72,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     // optimizer instance: checked by the parser).
     o.dp_size = r.dp_size * r.cp_size / instances;
     o.dp_rank = (r.dp_rank * r.cp_size + r.cp_rank) % o.dp_size;
-    if (dims[c].experts_own_grid()) {  // (with one optimizer instance: checked by the parser)
-      o.expert_dp_size = RankGrid::experts_from_config(cfg).dp;
-      o.expert_dp_rank = expert_coord(cfg, r).dp;
+    if (dims[c].experts_own_grid()) {  // (sharded over an instance of the experts' DP group)
+      o.expert_dp_size = RankGrid::experts_from_config(cfg).dp / instances;
+      o.expert_dp_rank = expert_coord(cfg, r).dp % o.expert_dp_size;
     }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;

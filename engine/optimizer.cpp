@@ -46,7 +46,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     }
   }
   grad_sync_ = std::make_unique<DpGradSync>(cfg, ps, chunks_);
-  if (sharded_ && (ps.dist_opt_size() > 1 || (ps.edp && ps.edp_size > 1)))
+  if (sharded_ && (ps.dist_opt_size() > 1 || (ps.edp && ps.expert_dist_opt_size() > 1)))
     param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(), grad_sync_->expert_comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   if (t.optimizer == OptimizerKind::muon) plan_muon();
@@ -393,7 +393,7 @@ void Optimizer::rescale_fp8_params() {
 // (tp x ep x pp: every expert once). Nothing to do without it (the slots hold zeros).
 void Optimizer::reduce_expert_statistics(Tensor sums) {
   if (!ps_.expert_model_parallel) return;
-  if (sharded_) ps_.edp->all_reduce(sums);
+  if (sharded_) ps_.expert_dist_opt_group().all_reduce(sums);  // (an instance holds every shard)
   ps_.expert_model_parallel->all_reduce(sums);
 }
 

@@ -63,6 +63,13 @@ struct ParallelState {
   // The group the distributed optimizer shards over: the instance, or the whole DP group.
   // (With CP > 1, one instance over the replicas: DP x CP.)
   Communicator& dist_opt_group() const { return dist_opt_intra ? *dist_opt_intra : replicas(); }
+  // The experts' own grid (edp) with N > 1 instances: its data-parallel groups split alike (Megatron's
+  // intra- and inter-partial expert data-parallel groups); the routed experts' optimizer state is
+  // sharded over edp_intra. Null otherwise.
+  std::unique_ptr<Communicator> edp_intra, edp_inter;
+  Communicator& expert_dist_opt_group() const { return edp_intra ? *edp_intra : expert_dp(); }
+  int expert_dist_opt_size() const { return edp_size / (edp_intra ? dist_opt_instances : 1); }
+  int expert_dist_opt_rank() const { return edp_rank % expert_dist_opt_size(); }
   int dist_opt_size() const { return replicas_size() / dist_opt_instances; }
   int dist_opt_rank() const { return replicas_rank() % dist_opt_size(); }
 

@@ -125,6 +125,16 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
     MT_CHECK(s.dist_opt_intra->rank() == s.dist_opt_rank() &&
                  s.dist_opt_inter->rank() == s.replicas_rank() / s.dist_opt_size(),
              "distributed optimizer instance ranks disagree with the DP x CP rank {} of rank {}", s.replicas_rank(), rank);
+    if (s.edp) {  // the experts' own grid: its data-parallel groups split into the instances too
+      const RankGrid eg = RankGrid::experts_from_config(cfg);
+      MT_CHECK(eg.dp % instances == 0, "expert data-parallel size {} is not divisible by {} optimizer instances",
+               eg.dp, instances);
+      s.edp_intra = split_into(*world, instance_groups(rank_groups(eg, "dp"), instances, false), "expert_dp_intra");
+      s.edp_inter = split_into(*world, instance_groups(rank_groups(eg, "dp"), instances, true), "expert_dp_inter");
+      MT_CHECK(s.edp_intra->rank() == s.expert_dist_opt_rank() &&
+                   s.edp_inter->rank() == s.edp_rank / s.expert_dist_opt_size(),
+               "expert optimizer instance ranks disagree with the expert-DP rank {} of rank {}", s.edp_rank, rank);
+    }
   }
   // Each group's communicator rank is the rank's coordinate along that axis.
   MT_CHECK(s.tp->rank() == s.tp_rank && s.dp->rank() == s.dp_rank && s.pp->rank() == s.pp_rank,

@@ -172,13 +172,18 @@ std::vector<std::vector<int>> rank_groups(const RankGrid& grid, const std::strin
 }
 
 std::vector<std::vector<int>> distributed_optimizer_instance_groups(const RankGrid& grid, int instances, bool inter) {
-  // Over the replicas (DP x CP, rank cp + CP dp): consecutive ones form an instance.
-  const int replicas = grid.dp * grid.cp;
-  MT_CHECK(instances >= 1 && replicas % instances == 0, "{} distributed optimizer instances over DP x CP {}",
-           instances, replicas);
-  const int intra = replicas / instances;
+  // Over the replicas (DP x CP, rank cp + CP dp).
+  return instance_groups(rank_groups(grid, "dp-cp"), instances, inter);
+}
+
+std::vector<std::vector<int>> instance_groups(const std::vector<std::vector<int>>& groups, int instances, bool inter) {
+  // Consecutive members of each group form an instance.
+  const int size = groups.empty() ? 0 : static_cast<int>(groups.front().size());
+  MT_CHECK(instances >= 1 && size % instances == 0, "{} distributed optimizer instances over groups of {}",
+           instances, size);
+  const int intra = size / instances;
   std::vector<std::vector<int>> out;
-  for (const std::vector<int>& dp : rank_groups(grid, "dp-cp")) {
+  for (const std::vector<int>& dp : groups) {
     if (inter) {
       for (int j = 0; j < intra; ++j) {
         std::vector<int> g;

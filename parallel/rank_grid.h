@@ -54,6 +54,9 @@ std::vector<int> rank_group_of(const RankGrid& grid, const std::string& axes, in
 // instances), and the ranks at the same position of every instance (inter: Megatron's second level
 // of create_hierarchical_groups with sizes [DP/N, N]).
 std::vector<std::vector<int>> distributed_optimizer_instance_groups(const RankGrid& grid, int instances, bool inter);
+// The same split of any groups (the experts' data-parallel groups under expert parallelism:
+// Megatron's intra- and inter-partial expert data-parallel groups).
+std::vector<std::vector<int>> instance_groups(const std::vector<std::vector<int>>& groups, int instances, bool inter);
 
 // Megatron's embedding groups: for each pipeline group, its first and last rank (the ranks
 // holding the word embeddings / tied output layer); the pipeline group itself when PP == 1.

@@ -590,3 +590,19 @@ set(mup_model "--use-mup --mup-base-hidden-size 16 --mup-embedding-mult 2.0")
 megatrain_parallel_train_test(parallel_train_mup_tp2_sp --model "${mup_model}" 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_mup_dp2_distopt --model "${mup_model}" 2 --use-distributed-optimizer)
+# Expert parallelism with --num-distributed-optimizer-instances 2 (Megatron-LM's intra- and
+# inter-partial expert data-parallel groups): the experts' state sharded over an instance of their
+# data-parallel group and the shards summed over the instances, as the dense buckets are; at EP 2 x
+# TP 2 x DP 4 as Megatron-LM's own test runs it (8 ranks), at EP 2 on DP 4, with Megatron-FSDP's
+# hybrid sharding, and a run saved so resumed on DP 2 without instances.
+megatrain_parallel_train_test(parallel_train_moe_ep2_tp2_dp4_distopt_instances2 --model "${moe_model}" 8
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel
+                              --use-distributed-optimizer --num-distributed-optimizer-instances 2)
+megatrain_parallel_train_test(parallel_train_moe_ep2_dp4_distopt_instances2 --model "${moe_model}" 4
+                              --expert-model-parallel-size 2 --use-distributed-optimizer
+                              --num-distributed-optimizer-instances 2 --overlap-grad-reduce --ddp-bucket-size 3000)
+megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_hsdp --iters 20 --model "${moe_model}" 4 ${fsdp}
+                              optim_grads_params --expert-model-parallel-size 2 --num-distributed-optimizer-instances 2)
+megatrain_parallel_train_test(parallel_train_moe_resume_ep2_dp4_instances2_to_dp2 --model "${moe_model}" --resume
+  4 "--expert-model-parallel-size 2 --use-distributed-optimizer --num-distributed-optimizer-instances 2"
+  2 "--use-distributed-optimizer")
