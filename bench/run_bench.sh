@@ -8,19 +8,29 @@
 # expert FFN 768), both h 2048, 32 heads / 8 KV groups, seq 4096, micro-batch 2, vocabulary 32000,
 # dropless, grouped-GEMM experts, aux loss 1e-2; their PyTorch side is bench/pytorch_moe.py, after
 # its --self-check (routing, permutation, grouped GEMM and aux loss against a per-token reference).
+# gdn-hybrid (not by default) is llama-1b's model and batch (seq 4096, micro-batch 2) with Gated
+# DeltaNet in 12 of its 16 layers (--experimental-attention-variant gated_delta_net
+# --linear-attention-freq 4: every 4th layer keeps softmax attention) with Qwen3-Next's heads (16 key
+# and 32 value heads of 128, a 4-tap convolution), its softmax layers with Qwen3-Next's output gate
+# and q/k norms (--attention-output-gate --qk-layernorm), dense SwiGLU MLPs; its PyTorch side is
+# bench/pytorch_gdn.py (transformers' Qwen3-Next modules: without flash-linear-attention, their
+# torch delta rule and convolution), after its --self-check. megatrain refuses --fp8 with it.
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
 #                      [--fp8 e4m3|hybrid] [--fp8-recipe delayed|tensorwise] [--fp8-extra "<flags>"]
 #                      [--fp8-only] [--no-energy] [--pytorch-extra "<more PyTorch script flags>"]
 #   bench/run_bench.sh --configs moe-mixtral-proxy,moe-fine-grained --iters 20 --warmup 5
+#   bench/run_bench.sh --configs gdn-hybrid --iters 20 --warmup 5
 #   bench/run_bench.sh --configs llama-1b-8k,llama-1b-32k --attention-dropout 0.1 --iters 8 --warmup 3
 # llama-1b-8k, -32k and -64k (not by default) are llama-1b's model at 8,192, 32,768 and 65,536
 # tokens with micro-batch 1. --attention-dropout P (default 0) sets Megatron's attention dropout
 # of every config, megatrain's and PyTorch's (SDPA's dropout_p) alike.
 # --pytorch-extra adds flags to the PyTorch script of every config run: "--profile-kernels N" (both
 # scripts), "--experts loop" (bench/pytorch_moe.py only: one GEMM per expert instead of
-# torch._grouped_mm, should the grouped GEMM fail on a machine; run the MoE configs alone then).
+# torch._grouped_mm, should the grouped GEMM fail on a machine; run the MoE configs alone then),
+# "--compile model|layers|none" (bench/pytorch_gdn.py only: torch.compile of the whole model, of
+# each decoder layer (its default), or eager; run gdn-hybrid alone then).
 # --fp8 runs every config a second time with --fp8-format <format> --fp8-recipe delayed
 # --fp8-amax-history-len 16 --fp8-amax-compute-algo max (Transformer Engine's usual delayed
 # scaling; --fp8-recipe picks another recipe) and prints the fp8/bf16 tokens/s ratio. --fp8-extra
@@ -91,6 +101,11 @@ flags_for() {
   local llama_1b="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention
     --num-query-groups 8 --ffn-hidden-size 8192 --vocab-size 128256 --swiglu --normalization RMSNorm
     --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear"
+  # gdn-hybrid: llama-1b with Qwen3-Next's Gated DeltaNet layers and softmax attention (output gate,
+  # q/k norms), as transformers' Qwen3-Next modules build it (bench/pytorch_gdn.py).
+  local gdn="--experimental-attention-variant gated_delta_net --linear-attention-freq 4 --linear-num-key-heads 16
+    --linear-num-value-heads 32 --linear-key-head-dim 128 --linear-value-head-dim 128 --linear-conv-kernel-dim 4
+    --attention-output-gate --qk-layernorm"
   case "$1" in
     gpt2-124m) echo "$common --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
       --max-position-embeddings 1024 --micro-batch-size 32 --global-batch-size 32 --vocab-size 50304" ;;
@@ -103,6 +118,8 @@ flags_for() {
       seq=$(( ${seq%k} * 1024 ))
       echo "$common $recompute_norms $llama_1b --seq-length $seq --max-position-embeddings $seq
       --micro-batch-size 1 --global-batch-size 1" ;;
+    gdn-hybrid) echo "$common $recompute_norms $llama_1b $gdn --seq-length 4096 --max-position-embeddings 4096
+      --micro-batch-size 2 --global-batch-size 2" ;;
     moe-mixtral-proxy) echo "$common $llama_moe --num-layers 16 --num-experts 8 --moe-router-topk 2
       --ffn-hidden-size 5632 --moe-ffn-hidden-size 5632" ;;
     moe-fine-grained) echo "$common $llama_moe --num-layers 12 --num-experts 64 --moe-router-topk 8
@@ -166,15 +183,27 @@ for name in "${names[@]}"; do
     fp8_line[$name]="$(clocked "$out/$name.megatrain-fp8.clocks" run_one "$name" "$out/$name.megatrain-fp8.log" "$fp8_flags") $(clock_summary "$out/$name.megatrain-fp8.clocks")"
   fi
 done
-# The PyTorch script of a config: the MoE configs have their own model (bench/pytorch_moe.py).
-pytorch_script() { case "$1" in moe-*) echo bench/pytorch_moe.py ;; *) echo bench/pytorch_reference.py ;; esac; }
+# The PyTorch script of a config: the MoE configs have their own model (bench/pytorch_moe.py), and
+# so has the Gated DeltaNet hybrid (bench/pytorch_gdn.py).
+pytorch_script() {
+  case "$1" in
+    moe-*) echo bench/pytorch_moe.py ;;
+    gdn-*) echo bench/pytorch_gdn.py ;;
+    *) echo bench/pytorch_reference.py ;;
+  esac
+}
 moe_check=""
+gdn_check=""
 if [ "$pytorch" = 1 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for name in "${names[@]}"; do
     script=$(pytorch_script "$name")
     if [ "$script" = bench/pytorch_moe.py ] && [ -z "$moe_check" ]; then
       if python3 bench/pytorch_moe.py --self-check > "$out/pytorch_moe.self-check" 2>&1; then moe_check="ok"
       else moe_check="FAILED (see $out/pytorch_moe.self-check): $(grep -c FAILED "$out/pytorch_moe.self-check" || true) checks failed; $(tail -n 1 "$out/pytorch_moe.self-check")"; fi
+    fi
+    if [ "$script" = bench/pytorch_gdn.py ] && [ -z "$gdn_check" ]; then
+      if python3 bench/pytorch_gdn.py --self-check > "$out/pytorch_gdn.self-check" 2>&1; then gdn_check="ok"
+      else gdn_check="FAILED (see $out/pytorch_gdn.self-check): $(grep -c FAILED "$out/pytorch_gdn.self-check" || true) checks failed; $(tail -n 1 "$out/pytorch_gdn.self-check")"; fi
     fi
     # shellcheck disable=SC2086
     pt_line[$name]="$(clocked "$out/$name.pytorch.clocks" python3 "$script" --configs "$name" --iters "$iters" --warmup "$warmup" --attention-dropout "$attention_dropout" $pytorch_extra 2>"$out/$name.pytorch.err" | tail -n 1 || true) $(clock_summary "$out/$name.pytorch.clocks")"
@@ -184,6 +213,7 @@ fi
 echo
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 if [ -n "$moe_check" ]; then echo "PyTorch MoE self-check (bench/pytorch_moe.py --self-check): $moe_check"; fi
+if [ -n "$gdn_check" ]; then echo "PyTorch Gated DeltaNet self-check (bench/pytorch_gdn.py --self-check): $gdn_check"; fi
 for name in "${names[@]}"; do
   if [ "$fp8_only" = 0 ]; then echo "$name megatrain: ${mt_line[$name]}"; fi
   if [ -n "$fp8" ]; then

@@ -789,8 +789,8 @@ __global__ void __launch_bounds__(256)
   } while (0)
 
 void check_shape(const GdnShape& s, const char* op) {
-  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 &&
-               s.conv_k > 0,
+  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads >= s.key_heads &&
+               s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 && s.conv_k > 0,
            "{}: bad shape (batch {}, seq {}, heads {}/{}, dk {}, dv {}, conv {})", op, s.batch, s.seq, s.key_heads,
            s.value_heads, s.dk, s.dv, s.conv_k);
 }
@@ -944,9 +944,11 @@ bool backward_config(const GdnShape& s, int rs, size_t elem, int max_cluster, in
     for (int nsl = 8; nsl >= 1; nsl /= 2) {
       if (bytes(nsl) > limit) continue;
       const int64_t blocks = int64_t{s.batch} * s.key_heads * rep * real_tiles;
-      if (nsl > 1) {
-        const int here = per_sm(nt, bytes(nsl)), halved = per_sm(nt, bytes(nsl / 2));
-        if (blocks > int64_t{num_sms} * here && halved > here) nsl /= 2;
+      // Half the slices where that fits more blocks on an SM and more are needed (fewer slices
+      // stage longer sub-chunks, so their bytes may grow: checked against the limit first).
+      if (nsl > 1 && bytes(nsl / 2) <= limit) {
+        const int here = per_sm(nt, bytes(nsl));
+        if (blocks > int64_t{num_sms} * here && per_sm(nt, bytes(nsl / 2)) > here) nsl /= 2;
       }
       out = BackwardConfig{rs, ncg, real_tiles, nsl, nt, bytes(nsl)};
       return true;

@@ -635,7 +635,9 @@ class Backend {
   // out [N, value_width]; states (float32, the reference: its accumulation dtype) [batch,
   // value_heads, chunks, dk, dv]: S before each chunk's first position, for the backward, which
   // recomputes the states inside a chunk from it. Backward: dxc (all of it: q, k, v columns),
-  // dproj's beta and alpha columns, and d a_log, d dt_bias [value_heads] (+)= theirs.
+  // dproj's beta and alpha columns, and d a_log, d dt_bias [value_heads] (+)= theirs (the CUDA
+  // backend sums those from dproj's alpha column as stored, so with 16-bit data from its rounded
+  // values, as autograd would).
   virtual void gdn_forward(Tensor out, Tensor states, Tensor xc, Tensor proj, Tensor a_log, Tensor dt_bias,
                            const GdnShape& s) = 0;
   virtual void gdn_backward(Tensor dxc, Tensor dproj, Tensor da_log, Tensor ddt_bias, Tensor dout, Tensor xc,

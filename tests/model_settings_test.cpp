@@ -45,6 +45,18 @@ Args non_default_model() {
       "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000");
 }
 
+// The settings the model above cannot hold (Gated DeltaNet and MuP; Gated DeltaNet refuses
+// multi-token prediction), off their defaults too.
+Args non_default_gdn_mup_model() {
+  return words(
+      "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 --swiglu "
+      "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --linear-conv-kernel-dim 3 "
+      "--linear-key-head-dim 16 --linear-value-head-dim 8 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+      "--use-mup --mup-base-hidden-size 32 --mup-embedding-mult 2.5 --mup-output-mult 0.25 --mup-base-head-dim 8 "
+      "--mup-attn-scale-power 0.75 "
+      "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000");
+}
+
 TEST_CASE("model settings: one destination and one checkpoint key each, every key recorded", "[args][schema]") {
   std::set<std::string> dests, keys;
   const json recorded = model_config_to_json(test::parse(non_default_model()).model);
@@ -110,17 +122,24 @@ TEST_CASE("model settings: a bad value in the model section names the manifest a
 
 TEST_CASE("model settings: loading compares each checked setting, and older checkpoints hold the default of newer ones",
           "[args][schema]") {
-  const Config c = test::parse(non_default_model());
+  std::set<std::string> exercised;
+  for (const Args& args : {non_default_model(), non_default_gdn_mup_model()}) {
+  const Config c = test::parse(args);
   const json saved = model_config_to_json(c.model);
+  const json defaults = model_config_to_json(ModelConfig{});
   for (const cli::FlagSpec* f : model_settings()) {
     const cli::ModelSetting& m = *f->model;
     if (m.compare != cli::CheckpointCompare::yes) continue;
+    // (Each model moves its own settings off their defaults; a switch is flipped below.)
+    if (saved.at(m.key) == defaults.at(m.key) && !saved.at(m.key).is_boolean()) continue;
+    exercised.insert(f->name);
     INFO(f->name);
     // The saved value edited: loading names the flag (a cleared switch by its key and flag).
     json other = saved;
     json& v = other.at(m.key);
     if (v.is_boolean()) v = !v.get<bool>();
     else if (v.is_number_integer()) v = v.get<int64_t>() + 1;
+    else if (v.is_number_float()) v = v.get<double>() * 2 + 1;
     else if (v.is_string()) v = v.get<std::string>() == "rope" ? "learned_absolute" : v.get<std::string>() == "RMSNorm" ? "LayerNorm" : "x";
     else FAIL("no edit for " << v.dump());
     const std::string label = f->store_false ? m.key + " (" + f->name + ")" : f->name;
@@ -143,6 +162,12 @@ TEST_CASE("model settings: loading compares each checked setting, and older chec
     CHECK(model_config_to_json(off).at(m.key) == def);
     CHECK_NOTHROW(check_checkpoint_model(older, off, "m.json"));
   }
+  }
+  for (const cli::FlagSpec* f : model_settings())
+    if (f->model->compare == cli::CheckpointCompare::yes) {
+      INFO(f->name << " is off its default in neither model");
+      CHECK(exercised.count(f->name) == 1);
+    }
 }
 
 TEST_CASE("model settings: each reaches Megatron's saved args under its destination and comes back as its flag",

@@ -358,9 +358,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     const char* line;
   };
   const Case cases[] = {
-      {"--expert-model-parallel-size 2 --use-distributed-optimizer --num-distributed-optimizer-instances 2", 4,
-       "megatrain does not support --expert-model-parallel-size 2 and --expert-tensor-parallel-size 1 with "
-       "--num-distributed-optimizer-instances 2 yet"},
       {"--expert-tensor-parallel-size 2", 2,
        "megatrain does not support --expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
@@ -382,6 +379,16 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     INFO(c.flags);
     CHECK(unsupported_error(moe_gpt() + words(c.flags), c.world) == c.line);
   }
+  // Optimizer instances split the experts' data-parallel groups too (Megatron's partial expert DP
+  // groups): their size must divide it.
+  CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-distributed-optimizer "
+                                        "--num-distributed-optimizer-instances 2"),
+                      4));
+  CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 2 --use-distributed-optimizer "
+                                           "--num-distributed-optimizer-instances 4"),
+                         4),
+             Contains("the experts' data-parallel size 2 (world size / (ETP x EP x PP)) is not divisible by "
+                      "--num-distributed-optimizer-instances 4"));
   // --use-tp-pp-dp-mapping with PP: Megatron's rules for the experts' grid (the same data-parallel
   // size and pipeline groups as the attention's), then it runs (EP folding TP or CP).
   CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 2 --use-tp-pp-dp-mapping "

@@ -118,7 +118,7 @@ TEST_CASE("mup: float64 gradient check with the embedding and logit multipliers 
   test::check_model_gradients(model, *be, g, loss, 4, 1e-5, 1e-6, 1e-9);
 }
 
-TEST_CASE("mup: Adam's hidden matrices step at lr / w with eps / w, the rest at lr and eps; SGD's vector-like "
+TEST_CASE("mup: Adam's hidden matrices step at lr / w with eps / w, the rest at lr and eps, SGD's vector-like "
           "parameters at lr x w",
           "[mup][optimizer]") {
   for (const char* optimizer : {"adam", "sgd"}) {

@@ -20,8 +20,8 @@ double silu_grad(double x) {
 }
 
 void check_gdn(const GdnShape& s, const char* op) {
-  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 &&
-               s.conv_k > 0,
+  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads >= s.key_heads &&
+               s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 && s.conv_k > 0,
            "{}: bad shape (batch {}, seq {}, heads {}/{}, dk {}, dv {}, conv {})", op, s.batch, s.seq, s.key_heads,
            s.value_heads, s.dk, s.dv, s.conv_k);
 }

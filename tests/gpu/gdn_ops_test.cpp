@@ -39,6 +39,9 @@ struct Case {
 const Case kCases[] = {
     {3, 70, 2, 4, 8, 12, 4},   {2, 130, 2, 6, 16, 24, 3},  {1, 256, 2, 4, 64, 64, 4},
     {2, 100, 1, 2, 100, 72, 4}, {1, 65, 2, 2, 128, 128, 4},
+    // dk 256 (32 lanes per column group) and fewer, longer sub-chunks; dk 24 (4 lanes); dv 10 and 70
+    // (a thread's four columns partly padding).
+    {1, 130, 1, 1, 256, 256, 4}, {2, 70, 1, 3, 24, 10, 4}, {1, 90, 2, 2, 32, 70, 2},
 };
 const Case kBf16Case = {2, 130, 2, 6, 16, 24, 3};
 

@@ -162,6 +162,8 @@ OptimStepParams step_params() {
   p.lr[0] = 1e-3f, p.lr[1] = 2e-3f, p.lr[2] = 5e-4f;
   p.weight_decay[0] = 0.1f, p.weight_decay[1] = 0.0f, p.weight_decay[2] = 0.01f;
   p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f;
+  // A group's own eps (--use-mup's hidden matrices), large beside sqrt(v) ~ 1e-2 so that it shows.
+  p.group_eps[2] = 3e-3f;
   p.step = 3;
   p.grad_scale = 0.5f;
   p.sgd_momentum = 0.9f;
