@@ -13,10 +13,12 @@ Qwen3NextAttention / Qwen3NextMLP), set to megatrain's flags of gdn-hybrid in be
     sigmoid(second half of q_proj) per element (--attention-output-gate); SDPA (flash);
   - Gated DeltaNet layers: 16 key heads and 32 value heads of 128, a 4-tap causal convolution;
   - every MLP dense SwiGLU of 8192 (mlp_only_layers = every layer: no MoE block).
-Without flash-linear-attention (fla) and causal-conv1d, Qwen3NextGatedDeltaNet runs transformers'
-torch fallbacks: torch_chunk_gated_delta_rule (chunks of 64 positions: a Python loop over each
-chunk's 63 rows for the triangular solve, then one over the chunks), nn.Conv1d + SiLU for the
-convolution and Qwen3NextRMSNormGated. That is the baseline; the JSON line names the paths that
+The layers run from the model's modules with no attention mask (decoder_forward). Without
+flash-linear-attention (fla) and causal-conv1d, Qwen3NextGatedDeltaNet runs transformers'
+torch fallbacks: torch_chunk_gated_delta_rule (chunks of 64 positions: each chunk's triangular
+system solved by torch.linalg.solve_triangular in newer transformers, by a Python loop over its
+rows in older ones; then a Python loop over the chunks), a depthwise torch conv1d + SiLU for the
+convolution, and Qwen3NextRMSNormGated. That is the baseline; the JSON line names the paths that
 ran (gdn_delta_rule, gdn_conv, gdn_norm). Under bf16 autocast the fallback's matmuls run in bf16
 although it casts its inputs to float32.
 
@@ -31,8 +33,9 @@ the loss on their own (the chunk loops of one Gated DeltaNet layer are unrolled 
 times in one graph); --compile model compiles the whole model as bench/pytorch_reference.py does;
 --compile none runs eager. Compilation happens in a first step before the warm-up; if it fails the
 run continues eager, and the JSON line's "compile" field says so.
---self-check checks the model's structure, parameter count and FLOP terms on small shapes and the
-delta rule the model runs against a per-position float64 recurrence (megatrain's), then exits.
+--self-check checks the model's structure, parameter count and FLOP terms on small shapes,
+decoder_forward against the model's own forward, and the delta rule the model runs against a
+per-position float64 recurrence (megatrain's), then exits.
 Test/benchmark oracle only: megatrain itself never needs Python.
 """
 import argparse
@@ -156,8 +159,21 @@ class Net(nn.Module):
         nn.init.normal_(self.head.lm_head.weight, std=0.02)
 
     def forward(self, idx, targets):
-        x = self.model(input_ids=idx, use_cache=False)[0]  # last_hidden_state, after the final norm
-        return self.head(x, targets)
+        return self.head(decoder_forward(self.model, idx), targets)
+
+
+def decoder_forward(model, idx):
+    """Qwen3NextModel's forward for training on whole sequences (no padding, no cache), without its
+    mask construction: its embedding, rotary embedding, decoder layers (attention_mask None: SDPA's
+    is_causal, and no mask for the Gated DeltaNet layers) and final norm. transformers' own forward
+    builds an explicit causal mask in some versions (4.57 always, 5.x under torch.compile: its
+    packed-sequence detection), which keeps SDPA off its flash kernel."""
+    x = model.embed_tokens(idx)
+    position_ids = torch.arange(idx.shape[1], device=idx.device)[None]
+    position_embeddings = model.rotary_emb(x, position_ids)
+    for layer in model.layers:
+        x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=position_ids)
+    return model.norm(x)
 
 
 def check_structure(net, c):
@@ -322,8 +338,9 @@ def reference_delta_rule(q, k, v, g, beta):
 
 def self_check(device):
     """Small shapes, float32: the model's structure and parameter count, the FLOP terms against
-    the layers' weights (6 per weight), a forward and backward with every parameter's gradient, and
-    the delta rule the model runs against reference_delta_rule (seq not a multiple of 64)."""
+    the layers' weights (6 per weight), decoder_forward against the model's own forward, a forward
+    and backward with every parameter's gradient, and the delta rule the model runs against
+    reference_delta_rule (seq not a multiple of 64)."""
     ok = True
     c = dict(L=4, h=64, n=4, g=2, f=96, s=40, b=2, V=97, freq=4, kh=2, vh=4, dk=16, dv=8, conv=4)
 
@@ -350,6 +367,10 @@ def self_check(device):
            t["gdn"] == gdn_proj + 6 * gdn.conv1d.weight.numel() + 6 * 4 * c["vh"] * c["dv"] ** 2)
     report("FLOP term: logits = 6 x output layer", t["logits"] == 6 * net.head.lm_head.weight.numel())
     idx = torch.randint(0, c["V"], (c["b"], c["s"]), device=device)
+    with torch.no_grad():
+        theirs = net.model(input_ids=idx, use_cache=False)[0]
+        err = float((decoder_forward(net.model, idx) - theirs).norm() / theirs.norm())
+    report("decoder_forward equals Qwen3NextModel's forward", err < 1e-5, f"relative difference {err:.1e}")
     loss = net(idx, torch.randint(0, c["V"], (c["b"], c["s"]), device=device))
     loss.backward()
     missing = [n for n, p in net.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
