@@ -39,6 +39,7 @@
 #include "cuda/cuda_backend_dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
+#include "engine/gdn_shape_check.h"
 
 namespace mt::cuda {
 namespace {
@@ -788,12 +789,7 @@ __global__ void __launch_bounds__(256)
     }                                                                                              \
   } while (0)
 
-void check_shape(const GdnShape& s, const char* op) {
-  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads >= s.key_heads &&
-               s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 && s.conv_k > 0,
-           "{}: bad shape (batch {}, seq {}, heads {}/{}, dk {}, dv {}, conv {})", op, s.batch, s.seq, s.key_heads,
-           s.value_heads, s.dk, s.dv, s.conv_k);
-}
+void check_shape(const GdnShape& s, const char* op) { check_gdn_shape(s, op); }
 
 void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const char* what) {
   MT_CHECK(t.numel() == rows * cols, "{}: {} is {}, expected [{}, {}]", op, what, t.shape_string(), rows, cols);

@@ -3,9 +3,17 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/gdn_shape_check.h"
 #include "engine/moe_routing.h"
 
 namespace mt {
+
+void check_gdn_shape(const GdnShape& s, const char* op) {
+  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads >= s.key_heads &&
+               s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 && s.conv_k > 0,
+           "{}: bad shape (batch {}, seq {}, heads {}/{}, dk {}, dv {}, conv {})", op, s.batch, s.seq, s.key_heads,
+           s.value_heads, s.dk, s.dv, s.conv_k);
+}
 
 void Backend::moe_capacity_drop(Tensor kept, Tensor idx, Tensor probs, int num_experts, int64_t capacity,
                                 int64_t block_rows, bool by_position) {

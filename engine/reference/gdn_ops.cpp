@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "engine/gdn_shape_check.h"
 #include "engine/reference/activation_math.h"
 #include "engine/reference/reference_backend.h"
 #include "engine/reference/tensor_access.h"
@@ -19,12 +20,7 @@ double silu_grad(double x) {
   return s * (1.0 + x * (1.0 - s));
 }
 
-void check_gdn(const GdnShape& s, const char* op) {
-  MT_CHECK(s.batch > 0 && s.seq > 0 && s.key_heads > 0 && s.value_heads >= s.key_heads &&
-               s.value_heads % s.key_heads == 0 && s.dk > 0 && s.dv > 0 && s.conv_k > 0,
-           "{}: bad shape (batch {}, seq {}, heads {}/{}, dk {}, dv {}, conv {})", op, s.batch, s.seq, s.key_heads,
-           s.value_heads, s.dk, s.dv, s.conv_k);
-}
+void check_gdn(const GdnShape& s, const char* op) { check_gdn_shape(s, op); }
 
 void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const char* what) {
   MT_CHECK(t.numel() == rows * cols, "{}: {} has {} elements, expected [{}, {}]", op, what, t.numel(), rows, cols);
