@@ -60,6 +60,10 @@ void validate_model(CliState& st) {
       fail("--num-query-groups {} must be a multiple or a divisor of --tensor-model-parallel-size {}", g, tp);
   }
   if (m.gated_delta_net) {
+    if (c.data.reset_attention_mask)
+      st.note("--reset-attention-mask with Gated DeltaNet layers: as in Megatron-LM (whose GatedDeltaNet reads no "
+              "attention mask), only the softmax-attention layers keep to each document; the Gated DeltaNet layers' "
+              "convolution and recurrence run over the whole sequence");
     // Megatron's TransformerConfig: the key and value heads split over TP x CP.
     if (m.linear_num_key_heads % (tp * cp) != 0 || m.linear_num_value_heads % (tp * cp) != 0)
       fail("--linear-num-key-heads {} and --linear-num-value-heads {} must be multiples of --tensor-model-parallel-size "

@@ -207,8 +207,6 @@ std::vector<std::string> not_built(const CliState& st) {
     if (c.train.fp8_format || st.has("--fp4-format"))
       out.push_back(fmt::format("megatrain does not support {} with {} yet (Gated DeltaNet layers run in bf16, fp16 or "
                                 "fp32)", gdn, c.train.fp8_format ? "--fp8-format" : "--fp4-format"));
-    if (c.data.reset_attention_mask)
-      out.push_back(fmt::format("megatrain does not support {} with --reset-attention-mask yet (packed documents)", gdn));
     if (c.model.multi_latent_attention)
       out.push_back(fmt::format("megatrain does not support {} with --multi-latent-attention yet", gdn));
     if (c.model.mtp_num_layers && *c.model.mtp_num_layers > 0)

@@ -355,10 +355,10 @@ __device__ __forceinline__ void recur_step(A (&S)[kCols][kRows], const A (&k)[kR
 }
 
 // The saved state `slot` ([batch, value_heads, chunks] flattened) <-> the thread's part of S
-// (rows l + rs m < dk, columns j0 + c < dv; the rest is zero).
-template <typename A>
-__device__ void save_state(void* states, bool f64, int64_t slot, const A (&S)[kCols][kRows], const Dims& d, int l,
-                           int rs, int j0) {
+// (rows l + rs m < dk, columns j0 + c < dv; the rest is zero): f(c, m, at) for each of the thread's
+// elements, at its offset in `states` or -1 where it is padding.
+template <typename F>
+__device__ __forceinline__ void for_state_elements(int64_t slot, const Dims& d, int l, int rs, int j0, F&& f) {
   const int64_t base = slot * d.dk * d.dv;
 #pragma unroll
   for (int m = 0; m < kRows; ++m) {
@@ -366,33 +366,27 @@ __device__ void save_state(void* states, bool f64, int64_t slot, const A (&S)[kC
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int j = j0 + c;
-      if (e < d.dk && j < d.dv) {
-        const int64_t at = base + int64_t{e} * d.dv + j;
-        if (f64) static_cast<double*>(states)[at] = static_cast<double>(S[c][m]);
-        else static_cast<float*>(states)[at] = static_cast<float>(S[c][m]);
-      }
+      f(c, m, e < d.dk && j < d.dv ? base + int64_t{e} * d.dv + j : int64_t{-1});
     }
   }
 }
 template <typename A>
+__device__ void save_state(void* states, bool f64, int64_t slot, const A (&S)[kCols][kRows], const Dims& d, int l,
+                           int rs, int j0) {
+  for_state_elements(slot, d, l, rs, j0, [&](int c, int m, int64_t at) {
+    if (at < 0) return;
+    if (f64) static_cast<double*>(states)[at] = static_cast<double>(S[c][m]);
+    else static_cast<float*>(states)[at] = static_cast<float>(S[c][m]);
+  });
+}
+template <typename A>
 __device__ void load_state(A (&S)[kCols][kRows], const void* states, bool f64, int64_t slot, const Dims& d, int l,
                            int rs, int j0) {
-  const int64_t base = slot * d.dk * d.dv;
-#pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-    const int e = l + rs * m;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int j = j0 + c;
-      A x = 0;
-      if (e < d.dk && j < d.dv) {
-        const int64_t at = base + int64_t{e} * d.dv + j;
-        x = f64 ? static_cast<A>(static_cast<const double*>(states)[at])
-                : static_cast<A>(static_cast<const float*>(states)[at]);
-      }
-      S[c][m] = x;
-    }
-  }
+  for_state_elements(slot, d, l, rs, j0, [&](int c, int m, int64_t at) {
+    S[c][m] = at < 0 ? A(0)
+              : f64  ? static_cast<A>(static_cast<const double*>(states)[at])
+                     : static_cast<A>(static_cast<const float*>(states)[at]);
+  });
 }
 
 // hat[p * dkp + e] = x_e / sqrt(|x|^2 + eps) (times mult when scaled) for the n positions from t0

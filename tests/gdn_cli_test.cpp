@@ -3,6 +3,9 @@
 // the parameter count against the model's own parameters.
 #include "tests/cli_test_util.h"
 
+#include "data/batch.h"
+#include "engine/backend.h"
+#include "engine/gpt_model.h"
 #include "engine/param_count.h"
 #include "engine/param_layout.h"
 #include "parallel/parallel_state.h"
@@ -88,5 +91,47 @@ TEST_CASE("Gated DeltaNet parameter counts equal the model's parameters, on ever
     CHECK(global == counts.total);
     const std::vector<ModelChunk> chunks{ModelChunk{0, 0, 0, 3, true, true}};
     CHECK(rank0 == stage_parameters_per_rank(c.model, chunks, tp, 1));
+  }
+}
+
+TEST_CASE("Gated DeltaNet with --reset-attention-mask: its layers run over the whole sequence, as Megatron-LM's",
+          "[gdn][model]") {
+  // Megatron-LM's GatedDeltaNet reads no attention mask: with packed documents only the softmax
+  // layers keep to each document. A model of Gated DeltaNet layers only has the same loss with and
+  // without documents; the hybrid (a softmax layer too) does not.
+  std::vector<SetupMessage> notes;
+  parse(gdn_model("--linear-attention-freq 2 --reset-attention-mask"), 1, &notes);
+  CHECK(std::any_of(notes.begin(), notes.end(), [](const SetupMessage& m) {
+    return m.text.starts_with("--reset-attention-mask with Gated DeltaNet layers:");
+  }));
+  for (const char* pattern : {"[1,1]", "[1,0]"}) {
+    INFO(pattern);
+    double loss[2];
+    for (int documents = 0; documents < 2; ++documents) {
+      Config c = parse(gdn_model(std::string("--linear-attention-freq ") + pattern + " --device cpu"));
+      c.data.reset_attention_mask = documents == 1;
+      ParallelState ps = make_single_process_state();
+      std::unique_ptr<Backend> be = make_reference_backend(1);
+      const ModelDims d = ModelDims::from_config(c, ps);
+      GptModel model(d, ModelOptions::from_config(c, d, DType::f64), ps, *be);
+      model.init_parameters();
+      MicroBatch mb;
+      mb.resize(d.micro_batch, d.seq);
+      for (size_t k = 0; k < mb.tokens.size(); ++k) {
+        mb.tokens[k] = static_cast<int32_t>((k * 13 + 5) % 997);
+        mb.labels[k] = static_cast<int32_t>((k * 29 + 3) % 997);
+        mb.loss_mask[k] = 1.0f;
+        mb.positions[k] = static_cast<int32_t>(k % static_cast<size_t>(d.seq));
+        mb.segments[k] = static_cast<int32_t>(k % static_cast<size_t>(d.seq) / 10);  // documents of 10 tokens
+      }
+      be->fill(model.loss_sums(false), 0.0);
+      model.stage_micro_batch(0, mb, 1.0, false, 42, true);
+      model.forward(0);
+      double s[2];
+      be->copy_to_host(s, model.loss_sums(false));
+      loss[documents] = s[0] / s[1];
+    }
+    if (std::string(pattern) == "[1,1]") CHECK(loss[1] == loss[0]);
+    else CHECK(loss[1] != loss[0]);
   }
 }
