@@ -105,7 +105,11 @@ double Optimizer::read_scalars(double* host, int count) {
   return host[0];
 }
 
-double Optimizer::learning_rate() const { return schedule_.lr(max_lr_[kDecay], min_lr_[kDecay]); }
+// The logged rate: the schedule of --lr and --min-lr (Megatron's first parameter group without an lr
+// override: with --use-mup and SGD the vector-like groups run at w times it).
+double Optimizer::learning_rate() const {
+  return schedule_.lr(cfg_.train.lr.value_or(0.0), cfg_.train.min_lr);
+}
 
 std::optional<double> Optimizer::decoupled_learning_rate() const {
   if (!cfg_.train.decoupled_lr) return std::nullopt;

@@ -143,6 +143,9 @@ TEST_CASE("mup: Adam's hidden matrices step at lr / w with eps / w, the rest at 
     LossScaler scaler = LossScaler::none();
     Optimizer opt(c, model, ps, schedule, scaler);
     REQUIRE_FALSE(opt.step(1).skipped);
+    // The logged rate is --lr's schedule (Megatron's first group without an lr override), also where
+    // SGD runs the vector-like parameters at w times it.
+    CHECK(opt.learning_rate() == Approx(1e-2));
     std::vector<float> w1(w0.size());
     be->copy_to_host(w1.data(), model.params_flat());
     const double lr = 1e-2, width = 4.0, g = grad;
