@@ -334,15 +334,17 @@ bool GptModel::keeps_norm_outputs(bool fp8_inputs) const {
   return opt_.keep_norm_outputs && !d_.sequence_parallel && !fp8_inputs;
 }
 
-// What a layer keeps from forward for backward, declared block by block in this order (the
-// arena's offsets follow it): the attention block's, the MLP block's, then the FP8 copies of the
-// four linear inputs (blocks/attention.cpp, blocks/mlp.cpp, blocks/linear.cpp).
+// Local layer `local`'s blocks: its MLP (dense or MoE) and its attention (softmax or Gated DeltaNet).
 GptModel::LayerKinds GptModel::layer_kinds(int local) const {
   const int layer = d_.layer_begin + local;
   const bool moe = d_.is_moe(layer), gdn = d_.is_gdn(layer);
   return {!moe, moe, !gdn, gdn};
 }
 
+// What a layer keeps from forward for backward, declared block by block in this order (the
+// arena's offsets follow it): the attention block's (or Gated DeltaNet's), the MLP block's, then
+// the FP8 copies of the four linear inputs (blocks/attention.cpp, blocks/gdn.cpp, blocks/mlp.cpp,
+// blocks/linear.cpp).
 GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool keep_out, bool fp8_inputs,
                                                 bool keep_act, LayerKinds kinds) {
   LayerActs A;
