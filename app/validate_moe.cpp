@@ -209,8 +209,6 @@ std::vector<std::string> not_built(const CliState& st) {
                                 "fp32)", gdn, c.train.fp8_format ? "--fp8-format" : "--fp4-format"));
     if (c.model.multi_latent_attention)
       out.push_back(fmt::format("megatrain does not support {} with --multi-latent-attention yet", gdn));
-    if (c.model.mtp_num_layers && *c.model.mtp_num_layers > 0)
-      out.push_back(fmt::format("megatrain does not support {} with --mtp-num-layers yet", gdn));
     if (!c.model.swiglu)
       out.push_back(fmt::format("megatrain does not support {} without --swiglu yet (its convolution and output gate "
                                 "take the model's activation: megatrain builds SiLU)", gdn));

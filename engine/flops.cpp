@@ -45,7 +45,13 @@ double num_floating_point_operations(const ModelConfig& m, int64_t global_batch_
     // its layers: the input projection, the convolution, the delta rule (4 dv^2 per value head) and
     // the output projection; no s^2 term.
     double nl = 0;
-    for (char g : gdn_layer_map(m)) nl += g ? 1 : 0;
+    const std::vector<char> gdn = gdn_layer_map(m);
+    for (char g : gdn) nl += g ? 1 : 0;
+    // The multi-token prediction layers: Megatron's formula continues --linear-attention-freq N over
+    // them (num_layers + D layers); with a per-layer list they count as the last layer's kind.
+    for (int j = 0; j < static_cast<int>(D); ++j)
+      nl += m.linear_attention_every ? ((m.num_layers + j + 1) % *m.linear_attention_every != 0 ? 1 : 0)
+                                     : (!gdn.empty() && gdn.back() ? 1 : 0);
     const double kh = m.linear_num_key_heads, vh = m.linear_num_value_heads, dk = m.linear_key_head_dim,
                  dv = m.linear_value_head_dim;
     const double qk = kh * dk, v = vh * dv;

@@ -223,7 +223,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     if (cfg.train.fp8_format) throw Unsupported("Gated DeltaNet with --fp8-format is not supported yet");
     if (d.cp_size > 1) throw Unsupported("Gated DeltaNet with context parallelism is not supported yet");
     if (m.multi_latent_attention) throw Unsupported("Gated DeltaNet with multi-latent attention is not supported yet");
-    if (m.mtp_num_layers.value_or(0) > 0) throw Unsupported("Gated DeltaNet with --mtp-num-layers is not supported yet");
     if (!m.swiglu) throw Unsupported("Gated DeltaNet without --swiglu (SiLU) is not supported yet");
     MT_CHECK(m.linear_num_key_heads % d.tp_size == 0 && m.linear_num_value_heads % d.tp_size == 0 &&
                  m.linear_num_value_heads % m.linear_num_key_heads == 0,
@@ -255,6 +254,8 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
       d.window_left.push_back(window >= whole - 1 ? -1 : window);
       d.cp_comm.push_back(d.cp_comm.back());
       if (!d.moe_layer.empty()) d.moe_layer.push_back(d.moe_layer.back());
+      // (Megatron-LM's MTP layer takes the last decoder layer's spec: Gated DeltaNet if it is.)
+      if (!d.linear_layer.empty()) d.linear_layer.push_back(d.linear_layer.back());
     }
     if (d.last_stage) d.layer_end += d.mtp;
   }

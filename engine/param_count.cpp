@@ -139,9 +139,9 @@ ParamCounts count_parameters(const ModelConfig& m) {
   c.final_norm = norm_params * h;
   c.output_layer = m.untie_embeddings_and_output_weights ? V * h : 0;
   const int64_t D = m.mtp_num_layers.value_or(0);
-  const bool last_moe = !moe.empty() && moe.back();
+  const bool last_moe = !moe.empty() && moe.back(), last_gdn = !gdn.empty() && gdn.back();
   c.mtp_depth = 3 * norm_params * h + 2 * h * h;
-  c.mtp = D * (c.mtp_depth + (last_moe ? c.moe_layer : l).total());
+  c.mtp = D * (c.mtp_depth + c.of(last_moe, last_gdn).total());
   c.total = c.word_embeddings + c.position_embeddings + c.layers + c.final_norm + c.output_layer + c.mtp;
   c.active = c.total - (c.num_moe_layers + (last_moe ? D : 0)) * inactive;
   return c;
@@ -163,7 +163,7 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
       // The mtp depths: their layers, norms and input projection (its rows split over TP).
       const int64_t D = m.mtp_num_layers.value_or(0);
       if (D > 0) {
-        const LayerParamCounts& last = moe.back() ? c.moe_layer : c.layer;
+        const LayerParamCounts& last = c.of(moe.back() != 0, !gdn.empty() && gdn.back() != 0);
         const int64_t h = m.hidden_size;
         n += D * (last.per_tp_rank(tp, ep) + (c.mtp_depth - 2 * h * h) + 2 * h * h / tp);
         if (!ch.has_embedding && m.untie_embeddings_and_output_weights) n += vocab_shard;  // the depths' copy

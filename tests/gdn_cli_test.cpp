@@ -3,6 +3,8 @@
 // the parameter count against the model's own parameters.
 #include "tests/cli_test_util.h"
 
+#include <cstdlib>
+
 #include "data/batch.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
@@ -72,9 +74,12 @@ TEST_CASE("cli: Gated DeltaNet's rules (Megatron-LM's) and what is not built wit
 }
 
 TEST_CASE("Gated DeltaNet parameter counts equal the model's parameters, on every TP rank", "[cli][gdn]") {
-  for (int tp : {1, 2}) {
+  // (With a multi-token prediction depth too: its layer is Gated DeltaNet, as the last decoder layer.)
+  for (int tp : {1, 2, -1}) {
+    const std::string mtp = tp < 0 ? " --mtp-num-layers 1 --position-embedding-type rope" : "";
+    tp = std::abs(tp);
     const Config c = parse(gdn_model("--num-layers 3 --linear-attention-freq 2 --tensor-model-parallel-size " +
-                                     std::to_string(tp) + " --sequence-parallel"),
+                                     std::to_string(tp) + " --sequence-parallel" + mtp),
                            tp);
     const ParamCounts counts = count_parameters(c.model);
     CHECK(counts.num_gdn_layers == 2);

@@ -477,3 +477,30 @@ TEST_CASE("model: packed documents are independent of each other, with their gra
   p.mb = h.mb;
   CHECK(second_document_loss(p, 1) != second_document_loss(p, 5));
 }
+
+TEST_CASE("model gradient check: Gated DeltaNet hybrid with a multi-token prediction depth (its layer like the last)",
+          "[model][gradcheck][gdn][mtp]") {
+  // The objective as in the multi-token prediction check above: lm loss plus scale x the depth's mean.
+  for (const std::vector<char>& pattern : {std::vector<char>{1, 0, 1}, std::vector<char>{1, 1, 0}}) {
+    INFO("pattern " << int(pattern[0]) << int(pattern[1]) << int(pattern[2]));
+    Config c = test::tiny_gdn_config();
+    c.model.linear_layer = pattern;
+    c.model.mtp_num_layers = 1;
+    c.model.mtp_loss_scaling_factor = 0.3;
+    test::derive(c);
+    Harness h(c);
+    REQUIRE(h.dims.is_gdn(3) == (pattern.back() != 0));  // (the depth's layer: like decoder layer 2)
+    const auto objective = [&] {
+      h.be->fill(h.model->mtp_loss_sums(), 0.0);
+      const double main = h.loss();
+      double m[2];
+      h.be->copy_to_host(m, h.model->mtp_loss_sums());
+      return main + 0.3 * m[0];
+    };
+    const std::vector<double> g = h.analytic_grads();
+    // A smaller step than the other checks' 1e-5 (the depth adds curvature), and their absolute
+    // bound scaled with it: the objective's float64 rounding divided by the step grows as 1/eps.
+    const double eps = 1e-6;
+    test::check_model_gradients(*h.model, *h.be, g, objective, 4, eps, 1e-6, 1e-9 * (1e-5 / eps));
+  }
+}

@@ -606,3 +606,10 @@ megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_hsdp --iters 20 --
 megatrain_parallel_train_test(parallel_train_moe_resume_ep2_dp4_instances2_to_dp2 --model "${moe_model}" --resume
   4 "--expert-model-parallel-size 2 --use-distributed-optimizer --num-distributed-optimizer-instances 2"
   2 "--use-distributed-optimizer")
+# ... with a multi-token prediction depth (its layer Gated DeltaNet, as the last decoder layer is)
+# over PP 2 with TP 2 and SP (4 ranks).
+set(gdn_mtp_model "--experimental-attention-variant gated_delta_net --linear-attention-freq [0,1,1,1] \
+--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 6 --swiglu \
+--disable-bias-linear --position-embedding-type rope --mtp-num-layers 1")
+megatrain_parallel_train_test(parallel_train_gdn_mtp_tp2_sp_pp2 --model "${gdn_mtp_model}" 4 --tensor-model-parallel-size 2
+                              --sequence-parallel --pipeline-model-parallel-size 2)
