@@ -1264,6 +1264,10 @@ bool GptModel::fc2_bias_grad_from_norm(int local) const {
   return proj_bias_grad_from_norm(local) && (local + 1 < d_.decoder_layers() || (d_.last_stage && !mtp_layer(local)));
 }
 
+Tensor GptModel::prev_fc2_bias_grad(int local) const {
+  return local > 0 && !mtp_layer(local) && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
+}
+
 // One decoder layer's backward: the MLP block's, then the attention block's.
 void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dy, Tensor dx) {
   if (d_.is_moe(d_.layer_begin + local)) moe_backward(local, s, A, dy);  // d out -> d h1 (gH)

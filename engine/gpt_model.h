@@ -564,6 +564,10 @@ class GptModel {
   bool accumulate_weight_grad(const Tensor& dw);
   // Whether the norm backward producing fc2's / proj's output gradient also takes its bias gradient.
   bool fc2_bias_grad_from_norm(int local) const;
+  // The layer before `local`'s fc2 bias gradient where the input norm's backward of `local` takes
+  // it (its dx is that layer's output gradient), else empty; never for an mtp layer, whose input
+  // is its depth's projection.
+  Tensor prev_fc2_bias_grad(int local) const;
   bool proj_bias_grad_from_norm(int local) const;
   // Before an op that only adds into g: zeroes g if it is left to its first write and not written.
   void zero_grad_if_unwritten(const Tensor& g);

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "engine/backend.h"
+#include "engine/param_count.h"
 #include "engine/rope_table.h"
 #include "parallel/parallel_state.h"
 
@@ -232,8 +233,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.gdn_dk = m.linear_key_head_dim;
     d.gdn_dv = m.linear_value_head_dim;
     d.gdn_conv = m.linear_conv_kernel_dim;
-    d.linear_layer.assign(m.linear_layer.begin(), m.linear_layer.end());
-    d.linear_layer.resize(static_cast<size_t>(d.num_layers), 0);
+    d.linear_layer = gdn_layer_map(m);
   }
   d.mtp = m.mtp_num_layers.value_or(0);
   if (d.mtp > 0) {

@@ -155,7 +155,7 @@ int64_t stage_parameters_per_rank(const ModelConfig& m, const std::vector<ModelC
   int64_t n = 0;
   const std::vector<char> moe = moe_layer_map(m), gdn = gdn_layer_map(m);
   for (const ModelChunk& ch : chunks) {
-    for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers && l < m.num_layers; ++l)
+    for (int l = ch.first_layer; l < ch.first_layer + ch.num_layers; ++l)
       n += c.of(moe.at(static_cast<size_t>(l)) != 0, gdn.at(static_cast<size_t>(l)) != 0).per_tp_rank(tp, ep);
     if (ch.has_embedding) n += vocab_shard + c.position_embeddings;
     if (ch.has_output) {

@@ -137,9 +137,7 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   const Tensor d_qkv = d_.output_gate ? w.gQKVG : w.gQKV;
   linear_quantize_dy(local, Fp8State::qkv, d_qkv, G.qkv_b);
   // dx is the previous layer's output gradient: its fc2 bias gradient is dx's column sums.
-  // (Not an mtp layer's: its input is its depth's projection.)
-  const Tensor prev_fc2_db =
-      local > 0 && !mtp_layer(local) && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
+  const Tensor prev_fc2_db = prev_fc2_bias_grad(local);
   if (d_.sequence_parallel) {
     column_parallel_backward_sp(local, Fp8State::qkv, A, A.ln1_out, A.ln1_mean, A.ln1_rstd, x, P.ln1_w, P.ln1_b, G.ln1_w,
                                 G.ln1_b, d_qkv, P.qkv_w, G.qkv_w, G.qkv_b, dx, w.gH);

@@ -178,11 +178,8 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
     be_.linear_backward_input(w.gT, w.mla_q, P.q_w, true, Activation::none, Tensor());
   }
   // The input norm: gT summed over TP (its rows on this rank with SP), plus the residual's gH.
-  // (Not an mtp layer's: its input is its depth's projection.)
-  const Tensor prev_fc2_db =
-      local > 0 && !mtp_layer(local) && fc2_bias_grad_from_norm(local - 1) ? layer_grads_[local - 1].fc2_b : Tensor();
-  be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH, prev_fc2_db,
-                    norm_);
+  be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH,
+                    prev_fc2_bias_grad(local), norm_);
 }
 
 }  // namespace mt
