@@ -22,11 +22,16 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   // express (naming the flag).
   bool windowed = false;
   for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
+  const bool qkv_bias_only = m.add_qkv_bias && !m.add_bias_linear;
   if (m.multi_latent_attention) return HfArchitecture::deepseek_v3;  // (with MoE layers or without)
-  if (m.moe.enabled()) return HfArchitecture::mixtral;  // (validate() names what Mixtral cannot express)
+  if (m.moe.enabled()) {  // (validate() names what the family cannot express)
+    if (m.qk_layernorm) return HfArchitecture::qwen3_moe;
+    return qkv_bias_only ? HfArchitecture::qwen2_moe : HfArchitecture::mixtral;
+  }
   if (m.squared_relu) return HfArchitecture::nemotron;
   if (m.normalization == Normalization::rmsnorm || m.swiglu || m.position_embedding_type == PositionEmbedding::rope) {
-    if (m.add_qkv_bias && !m.add_bias_linear) return HfArchitecture::qwen2;
+    if (m.qk_layernorm) return HfArchitecture::qwen3;
+    if (qkv_bias_only) return HfArchitecture::qwen2;
     return windowed ? HfArchitecture::mistral : HfArchitecture::llama;  // Mistral: Llama with a sliding window
   }
   return HfArchitecture::gpt2;

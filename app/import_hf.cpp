@@ -100,14 +100,25 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
       e.router_enable_expert_bias = s.expert_bias;
       e.aux_loss_coeff = {0.0};
     }
-  } else if (s.num_experts > 0) {  // Mixtral: every layer MoE, softmax top-k (Megatron's default router)
-    m.moe.num_experts = s.num_experts;
-    m.moe.router_topk = s.moe_topk;
-    m.moe.ffn_hidden_size = s.moe_ffn_hidden_size;
-    m.moe.expert_ffn = s.moe_ffn_hidden_size;
-    m.moe.layer_freq = 1;
-    m.moe.moe_layer.assign(static_cast<size_t>(s.num_layers), 1);
-    m.moe.aux_loss_coeff = {s.router_aux_loss_coef};
+  } else if (s.num_experts > 0) {
+    // Mixtral, Qwen2-MoE, Qwen3-MoE: softmax top-k (renormalized: Megatron's default router; or
+    // not: --moe-router-pre-softmax), MoE layers where moe_layers says (every layer when empty),
+    // Qwen2-MoE's gated shared expert.
+    MoeConfig& e = m.moe;
+    e.num_experts = s.num_experts;
+    e.router_topk = s.moe_topk;
+    e.ffn_hidden_size = s.moe_ffn_hidden_size;
+    e.expert_ffn = s.moe_ffn_hidden_size;
+    e.router_pre_softmax = !s.norm_topk_prob;
+    e.layer_freq = 1;
+    e.moe_layer.assign(static_cast<size_t>(s.num_layers), 1);
+    if (!s.moe_layers.empty()) {
+      e.layer_pattern = s.moe_layers;
+      e.moe_layer.assign(s.moe_layers.begin(), s.moe_layers.end());
+    }
+    if (s.shared_expert_ffn > 0) e.shared_expert_intermediate_size = s.shared_expert_ffn;
+    e.shared_expert_gate = s.shared_expert_gate;
+    e.aux_loss_coeff = {s.router_aux_loss_coef};
   }
   return m;
 }
@@ -155,6 +166,7 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   if (!s.add_bias_linear) add("--disable-bias-linear");
   if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
   if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
+  if (s.qk_layernorm) add("--qk-layernorm");  // (Qwen3's q_norm / k_norm)
   if (s.sliding_window) {
     add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
     if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));
@@ -199,6 +211,10 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
     add("--num-experts", std::to_string(s.num_experts));
     add("--moe-router-topk", std::to_string(s.moe_topk));
     add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
+    if (!s.moe_layers.empty()) add("--moe-layer-freq", fmt::format("[{}]", fmt::join(s.moe_layers, ",")));
+    if (!s.norm_topk_prob) add("--moe-router-pre-softmax");
+    if (s.shared_expert_ffn > 0) add("--moe-shared-expert-intermediate-size", std::to_string(s.shared_expert_ffn));
+    if (s.shared_expert_gate) add("--moe-shared-expert-gate");
     add("--moe-aux-loss-coeff", num(s.router_aux_loss_coef));
     add("--moe-grouped-gemm");
     add("--moe-token-dispatcher-type", "alltoall");

@@ -174,26 +174,50 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
         break;
       }
   } else if (m.moe.enabled()) {
+    // Mixtral, Qwen2-MoE or Qwen3-MoE: softmax top-k routing over SwiGLU experts.
     const MoeConfig& e = m.moe;
+    const bool qwen = hf_is_qwen_moe(arch);
     s.num_experts = e.num_experts;
     s.moe_topk = e.router_topk;
     s.moe_ffn_hidden_size = e.expert_ffn > 0 ? e.expert_ffn : e.ffn_hidden_size.value_or(m.ffn_size);
     s.router_aux_loss_coef = e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss);
+    s.norm_topk_prob = !e.router_pre_softmax;
+    s.shared_expert_ffn = e.shared_expert_intermediate_size.value_or(0);
+    s.shared_expert_gate = e.shared_expert_gate;
+    bool dense = false;
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      const bool moe = e.is_moe_layer(layer);
+      s.moe_layers.push_back(moe ? 1 : 0);
+      dense = dense || !moe;
+    }
+    if (!dense) s.moe_layers.clear();
+    const char* family = hf_architecture_name(arch);
     std::vector<std::string>& no = s.moe_unexpressible;
-    if (e.score_function != MoeScoreFunction::softmax) no.push_back("--moe-router-score-function sigmoid");
-    if (e.router_pre_softmax) no.push_back("--moe-router-pre-softmax");
+    if (e.score_function != MoeScoreFunction::softmax)
+      no.push_back(fmt::format("--moe-router-score-function sigmoid ({} routes by softmax)", family));
+    if (e.router_pre_softmax && !qwen)
+      no.push_back("--moe-router-pre-softmax (Mixtral renormalizes the top-k weights; Qwen's MoE models take "
+                   "norm_topk_prob false: they need --qk-layernorm, or --add-qkv-bias with a gated shared expert)");
     if (e.router_topk_scaling_factor && *e.router_topk_scaling_factor != 0.0) no.push_back("--moe-router-topk-scaling-factor");
     if (e.router_num_groups) no.push_back("--moe-router-num-groups");
-    if (e.shared_expert_intermediate_size) no.push_back("--moe-shared-expert-intermediate-size");
+    if (arch == HfArchitecture::mixtral && s.shared_expert_ffn > 0)
+      no.push_back("--moe-shared-expert-intermediate-size (Mixtral has no shared expert; Qwen2MoeForCausalLM has a "
+                   "gated one: --add-qkv-bias --disable-bias-linear --moe-shared-expert-gate)");
+    if (arch == HfArchitecture::qwen3_moe && s.shared_expert_ffn > 0)
+      no.push_back("--moe-shared-expert-intermediate-size (Qwen3-MoE has no shared expert)");
+    if (arch == HfArchitecture::qwen2_moe && s.shared_expert_ffn == 0)
+      no.push_back("a mixture of experts without --moe-shared-expert-intermediate-size (every Qwen2-MoE layer has "
+                   "a gated shared expert)");
+    if (arch == HfArchitecture::qwen2_moe && s.shared_expert_ffn > 0 && !s.shared_expert_gate)
+      no.push_back("--moe-shared-expert-intermediate-size without --moe-shared-expert-gate (Qwen2-MoE gates its "
+                   "shared expert)");
+    if (s.shared_expert_gate && arch != HfArchitecture::qwen2_moe)
+      no.push_back(fmt::format("--moe-shared-expert-gate ({} has no gated shared expert)", family));
     if (e.router_enable_expert_bias) no.push_back("--moe-router-enable-expert-bias");
-    if (e.expert_capacity_factor) no.push_back("--moe-expert-capacity-factor (Mixtral is dropless)");
+    if (e.expert_capacity_factor) no.push_back(fmt::format("--moe-expert-capacity-factor ({} is dropless)", family));
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn) no.push_back("--moe-router-load-balancing-type sinkhorn");
-    for (int layer = 0; layer < m.num_layers; ++layer)
-      if (!(e.moe_layer.empty() ? layer % std::max(1, e.layer_freq) == 0 : e.moe_layer.at(static_cast<size_t>(layer)))) {
-        no.push_back("--moe-layer-freq with dense layers (every Mixtral layer is MoE)");
-        break;
-      }
+    if (dense && !qwen) no.push_back("--moe-layer-freq with dense layers (every Mixtral layer is MoE)");
   }
   return s;
 }
@@ -204,18 +228,42 @@ const char* hf_architecture_name(HfArchitecture a) {
     case HfArchitecture::llama: return "LlamaForCausalLM";
     case HfArchitecture::mistral: return "MistralForCausalLM";
     case HfArchitecture::qwen2: return "Qwen2ForCausalLM";
+    case HfArchitecture::qwen3: return "Qwen3ForCausalLM";
     case HfArchitecture::nemotron: return "NemotronForCausalLM";
     case HfArchitecture::mixtral: return "MixtralForCausalLM";
+    case HfArchitecture::qwen2_moe: return "Qwen2MoeForCausalLM";
+    case HfArchitecture::qwen3_moe: return "Qwen3MoeForCausalLM";
     case HfArchitecture::deepseek_v3: return "DeepseekV3ForCausalLM";
   }
   return "?";
 }
 
+bool hf_is_qwen_moe(HfArchitecture a) { return a == HfArchitecture::qwen2_moe || a == HfArchitecture::qwen3_moe; }
+bool hf_is_qwen(HfArchitecture a) { return a == HfArchitecture::qwen2 || a == HfArchitecture::qwen3 || hf_is_qwen_moe(a); }
+
+namespace {
+// config.json's model_type of the Llama-layout families.
+const char* hf_model_type(HfArchitecture a) {
+  switch (a) {
+    case HfArchitecture::qwen2: return "qwen2";
+    case HfArchitecture::qwen3: return "qwen3";
+    case HfArchitecture::qwen2_moe: return "qwen2_moe";
+    case HfArchitecture::qwen3_moe: return "qwen3_moe";
+    case HfArchitecture::mixtral: return "mixtral";
+    case HfArchitecture::mistral: return "mistral";
+    case HfArchitecture::nemotron: return "nemotron";
+    default: return "llama";
+  }
+}
+}  // namespace
+
 void HfModelSpec::validate() const {
   const char* model = hf_architecture_name(arch);
   auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
-  const bool deepseek = arch == HfArchitecture::deepseek_v3;
-  const bool dense_mlp = arch != HfArchitecture::mixtral && !(deepseek && first_dense_layers == 0);
+  const bool deepseek = arch == HfArchitecture::deepseek_v3, qwen_moe = hf_is_qwen_moe(arch);
+  const bool qwen3 = arch == HfArchitecture::qwen3 || arch == HfArchitecture::qwen3_moe;
+  const bool dense_mlp = arch != HfArchitecture::mixtral && !(deepseek && first_dense_layers == 0) &&
+                         !(qwen_moe && moe_layers.empty());
   if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 ||
       (dense_mlp && ffn_hidden_size <= 0))
     fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
@@ -224,7 +272,8 @@ void HfModelSpec::validate() const {
     fail("HF mapping: {} attention heads are not a multiple of {} query groups", num_attention_heads, num_query_groups);
   if (vocab_size <= 0 || padded_vocab_size < vocab_size)
     fail("HF mapping: vocabulary {} / padded {} is not valid", vocab_size, padded_vocab_size);
-  if (qk_layernorm) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (qk_layernorm && !qwen3) refuse("--qk-layernorm (the HF model has no q/k norms)");
+  if (qwen3 && !qk_layernorm) refuse("no --qk-layernorm (Qwen3 normalizes each head's q and k)");
   if (squared_relu && arch != HfArchitecture::nemotron)
     refuse("--squared-relu (of the mapped families only NemotronForCausalLM's MLP is squared ReLU)");
   if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
@@ -235,9 +284,12 @@ void HfModelSpec::validate() const {
   if (sliding_window && (arch == HfArchitecture::gpt2 || arch == HfArchitecture::llama || arch == HfArchitecture::nemotron))
     refuse("--window-size (the HF model has no sliding window; Llama-shaped models with one export as "
            "MistralForCausalLM, Qwen2-shaped ones as Qwen2ForCausalLM)");
-  if (num_experts > 0 && arch != HfArchitecture::mixtral && !deepseek)
-    refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM, or with --multi-latent-attention as "
+  if (num_experts > 0 && arch != HfArchitecture::mixtral && !deepseek && !qwen_moe)
+    refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM, Qwen2MoeForCausalLM (with "
+           "--add-qkv-bias), Qwen3MoeForCausalLM (with --qk-layernorm), or with --multi-latent-attention as "
            "DeepseekV3ForCausalLM)");
+  if (!moe_layers.empty() && static_cast<int>(moe_layers.size()) != num_layers)
+    fail("HF mapping: {} per-layer MoE entries for {} layers", moe_layers.size(), num_layers);
   if (deepseek) {
     // transformers' DeepseekV3ForCausalLM: RMSNorm, MLA with both latent norms, SwiGLU, no biases.
     if (layernorm) refuse("--normalization LayerNorm (DeepSeek-V3 uses RMSNorm)");
@@ -258,10 +310,19 @@ void HfModelSpec::validate() const {
     if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
     return;
   }
-  if (arch == HfArchitecture::mixtral) {
+  if (arch == HfArchitecture::mixtral || qwen_moe) {
     if (num_experts <= 0 || moe_topk <= 0 || moe_topk > num_experts || moe_ffn_hidden_size <= 0)
-      fail("HF mapping: Mixtral with {} experts, top-{}, expert FFN {}", num_experts, moe_topk, moe_ffn_hidden_size);
+      fail("HF mapping: {} with {} experts, top-{}, expert FFN {}", model, num_experts, moe_topk, moe_ffn_hidden_size);
     if (!moe_unexpressible.empty()) refuse(moe_unexpressible.front());
+    if (arch == HfArchitecture::qwen2_moe && (shared_expert_ffn <= 0 || !shared_expert_gate))
+      refuse("a shared expert without its sigmoid gate (every Qwen2-MoE layer has a gated shared expert: "
+             "--moe-shared-expert-intermediate-size with --moe-shared-expert-gate)");
+    if (arch != HfArchitecture::qwen2_moe && shared_expert_ffn > 0)
+      refuse("--moe-shared-expert-intermediate-size (the HF model has no shared expert)");
+    if (arch == HfArchitecture::qwen2_moe && sliding_window)
+      refuse("--window-size (transformers windows different Qwen2-MoE layers in different versions)");
+    if (arch == HfArchitecture::qwen3_moe && !window_layers.empty())
+      refuse("--window-attn-skip-freq (Qwen3-MoE's sliding window is on every layer)");
   }
   if (arch == HfArchitecture::mistral || arch == HfArchitecture::mixtral) {
     if (!window_layers.empty()) refuse("--window-attn-skip-freq (Mistral has one sliding window for every layer)");
@@ -292,9 +353,11 @@ void HfModelSpec::validate() const {
     if (layernorm) refuse("--normalization LayerNorm (Llama uses RMSNorm)");
     if (learned_position_embeddings) refuse("learned absolute position embeddings (Llama uses RoPE)");
     if (!swiglu) refuse("a non-SwiGLU MLP (pass --swiglu)");
-    if (arch != HfArchitecture::qwen2 && add_qkv_bias && !add_bias_linear)
+    const bool qwen2 = arch == HfArchitecture::qwen2 || arch == HfArchitecture::qwen2_moe;
+    if (qwen3 && add_bias_linear) refuse("linear biases (Qwen3's MLP has none: pass --disable-bias-linear)");
+    if (!qwen2 && add_qkv_bias && !add_bias_linear)
       refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o; Qwen2ForCausalLM has q/k/v biases only)");
-    if (arch == HfArchitecture::qwen2 && (add_bias_linear || !add_qkv_bias))
+    if (qwen2 && (add_bias_linear || !add_qkv_bias))
       refuse("linear biases other than q/k/v's (Qwen2 has --add-qkv-bias with --disable-bias-linear)");
     if (rotary_percent != 1.0) refuse("--rotary-percent != 1 (HF Llama rotates the whole head)");
     if (head_dim % 2 != 0) refuse("an odd head dimension with RoPE");
@@ -421,6 +484,24 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
             {{H * d}, {G * d}, {G * d}}, HfTransform::qkv_split);
       add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
       if (s.add_bias_linear) add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
+      if (s.qk_layernorm) {  // Qwen3: one RMSNorm weight over head_dim for every q head, one for every k head
+        add(L + "self_attention.q_layernorm.weight", {d}, {A + "q_norm.weight"}, {{d}}, HfTransform::copy);
+        add(L + "self_attention.k_layernorm.weight", {d}, {A + "k_norm.weight"}, {{d}}, HfTransform::copy);
+      }
+      if (hf_is_qwen_moe(s.arch) && s.is_moe_layer(i)) {
+        // Qwen's sparse MoE block: the standalone pre-MLP norm, the router (gate), each expert's
+        // gate/up/down_proj, and Qwen2-MoE's shared expert with its sigmoid gate [1, h].
+        const int64_t E = s.num_experts;
+        add(L + "pre_mlp_layernorm.weight", {h}, {P + "post_attention_layernorm.weight"}, {{h}}, norm);
+        add(L + "mlp.router.weight", {E, h}, {P + "mlp.gate.weight"}, {{E, h}}, HfTransform::copy);
+        experts(L, P + "mlp.experts.", {"gate_proj", "up_proj", "down_proj"});
+        if (s.shared_expert_ffn > 0) {
+          swiglu_mlp(L + "mlp.shared_experts.", P + "mlp.shared_expert.", s.shared_expert_ffn);
+          add(L + "mlp.shared_experts.gate_weight", {1, h}, {P + "mlp.shared_expert_gate.weight"}, {{1, h}},
+              HfTransform::copy);
+        }
+        continue;
+      }
       if (s.arch == HfArchitecture::mixtral) {
         // The MoE block: its own pre-MLP norm, the router, each expert's w1 (gate), w3 (up) and w2
         // (down) as rows of our stacked expert weights.
@@ -549,10 +630,10 @@ json hf_config_json(const HfModelSpec& s) {
     c["attention_bias"] = false;
     c["attention_dropout"] = s.attention_dropout;
   } else {
-    const bool qwen2 = s.arch == HfArchitecture::qwen2, mixtral = s.arch == HfArchitecture::mixtral,
+    const bool qwen = hf_is_qwen(s.arch), qwen_moe = hf_is_qwen_moe(s.arch), mixtral = s.arch == HfArchitecture::mixtral,
                mistral = s.arch == HfArchitecture::mistral || mixtral, nemotron = s.arch == HfArchitecture::nemotron;
     c["architectures"] = {hf_architecture_name(s.arch)};
-    c["model_type"] = qwen2 ? "qwen2" : mixtral ? "mixtral" : mistral ? "mistral" : nemotron ? "nemotron" : "llama";
+    c["model_type"] = hf_model_type(s.arch);
     c["vocab_size"] = s.vocab_size;
     c["hidden_size"] = s.hidden_size;
     c["intermediate_size"] = mixtral ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
@@ -562,6 +643,20 @@ json hf_config_json(const HfModelSpec& s) {
       c["router_aux_loss_coef"] = s.router_aux_loss_coef;
       c["output_router_logits"] = false;
       c["router_jitter_noise"] = 0.0;
+    }
+    if (qwen_moe) {  // MoE on every layer but mlp_only_layers (decoder_sparse_step 1)
+      c["num_experts"] = s.num_experts;
+      c["num_experts_per_tok"] = s.moe_topk;
+      c["moe_intermediate_size"] = s.moe_ffn_hidden_size;
+      c["norm_topk_prob"] = s.norm_topk_prob;
+      c["decoder_sparse_step"] = 1;
+      json dense = json::array();
+      for (int layer = 0; layer < s.num_layers; ++layer)
+        if (!s.is_moe_layer(layer)) dense.push_back(layer);
+      c["mlp_only_layers"] = dense;
+      c["router_aux_loss_coef"] = s.router_aux_loss_coef;
+      c["output_router_logits"] = false;
+      if (s.arch == HfArchitecture::qwen2_moe) c["shared_expert_intermediate_size"] = s.shared_expert_ffn;
     }
     c["num_hidden_layers"] = s.num_layers;
     c["num_attention_heads"] = s.num_attention_heads;
@@ -583,17 +678,23 @@ json hf_config_json(const HfModelSpec& s) {
                                            : json(nullptr);
     c["attention_dropout"] = s.attention_dropout;
     const json window = s.sliding_window ? json(*s.sliding_window) : json(nullptr);
-    if (qwen2) {  // (q/k/v biases are implied)
+    if (s.arch == HfArchitecture::qwen3_moe) {  // (a window on every layer or none)
+      c["attention_bias"] = false;
+      c["use_sliding_window"] = s.sliding_window.has_value();
+      c["sliding_window"] = window;
+    } else if (qwen) {  // (Qwen2's q/k/v biases are implied; Qwen2-MoE says so)
+      if (s.arch == HfArchitecture::qwen2_moe) c["qkv_bias"] = true;
       // The first max_window_layers layers attend fully; layer_types (transformers >= 4.53) says
       // the same per layer. Older readers know only max_window_layers, so the windowed layers must
       // be the last ones (import takes any layer_types).
+      if (s.arch == HfArchitecture::qwen3) c["attention_bias"] = false;
       int full_layers = s.sliding_window ? 0 : s.num_layers;
       if (!s.window_layers.empty()) {
         const auto first = std::find(s.window_layers.begin(), s.window_layers.end(), 1);
         if (std::find(first, s.window_layers.end(), 0) != s.window_layers.end())
-          throw Unsupported("cannot express this model as Qwen2ForCausalLM: --window-attn-skip-freq with a "
-                            "full-attention layer after a windowed one (Qwen2's windowed layers are the last ones, "
-                            "from max_window_layers on)");
+          throw Unsupported(fmt::format("cannot express this model as {}: --window-attn-skip-freq with a "
+                                        "full-attention layer after a windowed one (Qwen's windowed layers are the "
+                                        "last ones, from max_window_layers on)", hf_architecture_name(s.arch)));
         full_layers = static_cast<int>(first - s.window_layers.begin());
       }
       c["use_sliding_window"] = s.sliding_window.has_value();
@@ -622,40 +723,88 @@ json hf_config_json(const HfModelSpec& s) {
 namespace {
 
 // The sliding windows of a Llama-family config. Mistral: sliding_window on every layer (null: none).
-// Qwen2 (as transformers reads it): only with use_sliding_window, on the layers layer_types names
-// "sliding_attention", or without layer_types from max_window_layers on. Qwen2 configs often carry
-// a sliding_window with use_sliding_window false: no window then.
+// Qwen2 and Qwen3 (as transformers reads them): only with use_sliding_window, on the layers
+// layer_types names "sliding_attention", or without layer_types from max_window_layers on (default
+// 28). Qwen configs often carry a sliding_window with use_sliding_window false: no window then; an
+// absent size is transformers' 4096. Qwen3-MoE: use_sliding_window windows every layer. Qwen2-MoE's
+// windows are refused (transformers' versions disagree on its layers).
 void read_sliding_window(const json& c, const std::string& type, HfModelSpec& s) {
   const bool has_size = c.contains("sliding_window") && !c["sliding_window"].is_null();
   std::vector<int> layers(static_cast<size_t>(s.num_layers), 0);
   if (type == "mistral" || type == "mixtral") {
     if (!has_size) return;
     layers.assign(layers.size(), 1);
-  } else if (type == "qwen2") {
+  } else if (type == "qwen3_moe") {  // (transformers' Qwen3-MoE reads no layer_types / max_window_layers)
+    if (!c.value("use_sliding_window", false)) return;
+    layers.assign(layers.size(), 1);
+  } else if (type == "qwen2_moe") {
+    bool typed = false;
+    if (c.contains("layer_types") && c["layer_types"].is_array())
+      for (const json& t : c["layer_types"]) typed = typed || t == "sliding_attention";
+    if (c.value("use_sliding_window", false) || typed)
+      throw Unsupported("HF qwen2_moe config: a sliding window (transformers windows different Qwen2-MoE layers in "
+                        "different versions: every layer, those from max_window_layers on, or the even ones below it)");
+    return;
+  } else if (type == "qwen2" || type == "qwen3") {
     if (!c.value("use_sliding_window", false)) return;
     if (c.contains("layer_types") && c["layer_types"].is_array()) {
       const json& types = c["layer_types"];
       if (static_cast<int>(types.size()) != s.num_layers)
-        fail("HF qwen2 config: {} layer_types for {} layers", types.size(), s.num_layers);
+        fail("HF {} config: {} layer_types for {} layers", type, types.size(), s.num_layers);
       for (size_t i = 0; i < types.size(); ++i) {
         if (types[i] == "sliding_attention") layers[i] = 1;
         else if (types[i] != "full_attention")
-          throw Unsupported(fmt::format("HF qwen2 config: layer type {} (megatrain has full_attention and "
-                                        "sliding_attention)", types[i].dump()));
+          throw Unsupported(fmt::format("HF {} config: layer type {} (megatrain has full_attention and "
+                                        "sliding_attention)", type, types[i].dump()));
       }
     } else {
-      const int full = c.value("max_window_layers", s.num_layers);
+      const int full = c.value("max_window_layers", 28);  // (transformers' default)
       for (int i = std::max(full, 0); i < s.num_layers; ++i) layers[static_cast<size_t>(i)] = 1;
     }
     if (std::find(layers.begin(), layers.end(), 1) == layers.end()) return;
-    if (!has_size) fail("HF qwen2 config: sliding-window layers but no sliding_window size");
   } else {
     return;  // Llama has no sliding window
   }
-  const int window = c["sliding_window"].get<int>();
+  if (!has_size && c.contains("sliding_window")) return;  // (null: transformers attends fully)
+  const int window = has_size ? c["sliding_window"].get<int>() : 4096;  // (Qwen's default when absent)
   if (window < 1) fail("HF {} config: sliding_window {} (must be >= 1)", type, window);
   s.sliding_window = window;
   if (std::find(layers.begin(), layers.end(), 0) != layers.end()) s.window_layers = layers;
+}
+
+// Qwen2-MoE's and Qwen3-MoE's experts: layer i is MoE unless listed in mlp_only_layers, and when
+// (i + 1) % decoder_sparse_step == 0; the top-k weights renormalized with norm_topk_prob; Qwen2-MoE's
+// shared expert always gated.
+void read_qwen_moe(const json& c, const std::string& type, HfModelSpec& s) {
+  auto need = [&](const char* key) -> const json& {
+    if (!c.contains(key) || c[key].is_null()) fail("HF config.json ({}) lacks '{}'", type, key);
+    return c[key];
+  };
+  const int layers = need("num_hidden_layers").get<int>();
+  // (transformers 5 saves Qwen3-MoE's num_experts under its attribute_map name, num_local_experts)
+  s.num_experts = c.contains("num_experts") ? need("num_experts").get<int>() : need("num_local_experts").get<int>();
+  s.moe_topk = need("num_experts_per_tok").get<int>();
+  s.moe_ffn_hidden_size = need("moe_intermediate_size").get<int>();
+  s.norm_topk_prob = c.value("norm_topk_prob", false);
+  s.router_aux_loss_coef = c.value("router_aux_loss_coef", 0.001);
+  const int step = c.value("decoder_sparse_step", 1);
+  if (step < 1) fail("HF {} config: decoder_sparse_step {} (must be >= 1)", type, step);
+  std::vector<int> only;
+  if (c.contains("mlp_only_layers") && c["mlp_only_layers"].is_array()) only = c["mlp_only_layers"].get<std::vector<int>>();
+  s.moe_layers.assign(static_cast<size_t>(layers), 0);
+  for (int i = 0; i < layers; ++i)
+    s.moe_layers[static_cast<size_t>(i)] =
+        s.num_experts > 0 && std::find(only.begin(), only.end(), i) == only.end() && (i + 1) % step == 0;
+  if (std::find(s.moe_layers.begin(), s.moe_layers.end(), 0) == s.moe_layers.end()) s.moe_layers.clear();
+  if (type == "qwen2_moe") {
+    if (!c.value("qkv_bias", true))
+      throw Unsupported("HF qwen2_moe config: qkv_bias false (megatrain maps Qwen2-MoE with its q/k/v biases)");
+    s.shared_expert_ffn = c.value("shared_expert_intermediate_size", 0);
+    if (s.shared_expert_ffn <= 0)
+      throw Unsupported("HF qwen2_moe config: shared_expert_intermediate_size 0 (megatrain's shared expert has a "
+                        "size; a Qwen2-MoE layer always runs one)");
+    s.shared_expert_gate = true;
+  }
 }
 
 }  // namespace
@@ -776,13 +925,18 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.attention_dropout = c.value("attention_dropout", 0.0);
       s.hidden_dropout = 0.0;
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
-    } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "nemotron" || type == "mixtral") {
+    } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "qwen3" || type == "nemotron" ||
+               type == "mixtral" || type == "qwen2_moe" || type == "qwen3_moe") {
       const bool nemotron = type == "nemotron";
-      s.arch = type == "qwen2"     ? HfArchitecture::qwen2
-               : type == "mistral" ? HfArchitecture::mistral
-               : type == "mixtral" ? HfArchitecture::mixtral
-               : nemotron          ? HfArchitecture::nemotron
-                                   : HfArchitecture::llama;
+      s.arch = type == "qwen2"       ? HfArchitecture::qwen2
+               : type == "qwen3"     ? HfArchitecture::qwen3
+               : type == "qwen2_moe" ? HfArchitecture::qwen2_moe
+               : type == "qwen3_moe" ? HfArchitecture::qwen3_moe
+               : type == "mistral"   ? HfArchitecture::mistral
+               : type == "mixtral"   ? HfArchitecture::mixtral
+               : nemotron            ? HfArchitecture::nemotron
+                                     : HfArchitecture::llama;
+      if (hf_is_qwen_moe(s.arch)) read_qwen_moe(c, type, s);
       if (type == "mixtral") {
         s.num_experts = need("num_local_experts").get<int>();
         s.moe_topk = need("num_experts_per_tok").get<int>();
@@ -794,10 +948,17 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_size = need("hidden_size").get<int>();
       s.num_layers = need("num_hidden_layers").get<int>();
       s.num_attention_heads = need("num_attention_heads").get<int>();
+      // Absent keys take transformers' defaults: Qwen's key/value heads (32, 32, 16, 4) and Qwen3's
+      // head_dim 128; the others fall back to every head its own key/value and hidden / heads.
+      const int kv_default = type == "qwen2" || type == "qwen3" ? 32
+                             : type == "qwen2_moe"              ? 16
+                             : type == "qwen3_moe"              ? 4
+                                                                : s.num_attention_heads;
       s.num_query_groups = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
                                ? c["num_key_value_heads"].get<int>()
-                               : s.num_attention_heads;
+                               : kv_default;
       s.head_dim = c.contains("head_dim") && !c["head_dim"].is_null() ? c["head_dim"].get<int>()
+                   : type == "qwen3"                                  ? 128
                                                                       : s.hidden_size / s.num_attention_heads;
       s.ffn_hidden_size = need("intermediate_size").get<int>();
       s.max_position_embeddings = need("max_position_embeddings").get<int>();
@@ -810,9 +971,16 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       if (act != (nemotron ? "relu2" : "silu"))
         throw Unsupported(fmt::format("HF {} config: hidden_act '{}' (megatrain maps {})", type, act,
                                       nemotron ? "relu2, squared ReLU" : "silu, SwiGLU"));
-      if (type == "qwen2") {
+      if (type == "qwen2" || type == "qwen2_moe") {
         s.add_qkv_bias = true;  // Qwen2's q/k/v projections have biases, o_proj and the MLP none
         s.add_bias_linear = false;
+      } else if (type == "qwen3" || type == "qwen3_moe") {
+        s.qk_layernorm = true;  // q_norm and k_norm
+        s.add_bias_linear = false;
+        if (c.value("attention_bias", false))
+          throw Unsupported(fmt::format("HF {} config: attention_bias (biases on q, k, v and o without MLP biases: "
+                                        "Megatron's --add-qkv-bias covers q/k/v only, --add-bias-linear the MLP too)",
+                                        type));
       } else {
         const bool attention_bias = c.value("attention_bias", false), mlp_bias = c.value("mlp_bias", false);
         if (attention_bias != mlp_bias)
@@ -848,8 +1016,8 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else {
       throw Unsupported(
-          fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, nemotron, mixtral and "
-                      "deepseek_v3)", type));
+          fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtral, "
+                      "qwen2_moe, qwen3_moe and deepseek_v3)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);

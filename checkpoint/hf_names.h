@@ -1,8 +1,8 @@
 // Mapping between megatrain's parameters (Megatron-Core names and layouts, global layer numbers)
-// and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM
-// (names, layouts, config.json). Mistral is Llama's layout with a sliding window on every layer
-// (--window-size); Qwen2 is Llama with biases on q/k/v only (Megatron's --add-qkv-bias with
-// --disable-bias-linear), and a sliding window on its upper layers when it has one.
+// and Hugging Face's causal LMs (names, layouts, config.json; the families below). Mistral is
+// Llama's layout with a sliding window on every layer (--window-size); Qwen2 is Llama with biases
+// on q/k/v only (Megatron's --add-qkv-bias with --disable-bias-linear), and a sliding window on its
+// upper layers when it has one; Qwen3 is Llama with q/k norms (--qk-layernorm).
 // Pure functions on host arrays; the export-hf / import-hf commands do the file I/O.
 //
 // Layout differences handled here (Hugging Face transformers' modeling_gpt2.py, modeling_llama.py,
@@ -30,14 +30,23 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, mistral, qwen2, nemotron, mixtral, deepseek_v3 };
+enum class HfArchitecture { gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtral, qwen2_moe, qwen3_moe, deepseek_v3 };
 // "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 // "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE),
 // "MixtralForCausalLM" (Mistral's attention; every layer's MLP a mixture of SwiGLU experts with
 // softmax top-k routing renormalized over the chosen experts, Megatron's default router),
+// "Qwen3ForCausalLM" (Llama with an RMSNorm over each head's q and k before RoPE: --qk-layernorm),
+// "Qwen3MoeForCausalLM" (Qwen3's attention; MoE layers of SwiGLU experts with softmax top-k routing,
+// renormalized over the chosen experts or not (norm_topk_prob: Megatron's default router, or
+// --moe-router-pre-softmax), dense layers where mlp_only_layers says),
+// "Qwen2MoeForCausalLM" (Qwen2's attention with q/k/v biases; Qwen3-MoE's layers plus a shared
+// expert scaled by a sigmoid gate: --moe-shared-expert-intermediate-size, --moe-shared-expert-gate),
 // "DeepseekV3ForCausalLM" (multi-latent attention; dense layers, then MoE layers of SwiGLU experts
 // with sigmoid group-limited routing, the expert bias, a scaling factor and shared experts).
 const char* hf_architecture_name(HfArchitecture a);
+// The Qwen families (qwen2, qwen3 and their MoE models): one sliding-window scheme, Llama's layout.
+bool hf_is_qwen(HfArchitecture a);
+bool hf_is_qwen_moe(HfArchitecture a);
 
 // What the mapping needs to know about the model.
 struct HfModelSpec {
@@ -85,6 +94,15 @@ struct HfModelSpec {
   int num_experts = 0, moe_topk = 0, moe_ffn_hidden_size = 0;
   double router_aux_loss_coef = 0.0;
   std::vector<std::string> moe_unexpressible;
+  // Qwen's MoE models: which layers are MoE (1) or dense (0; empty: every layer MoE), whether the
+  // top-k weights are renormalized (norm_topk_prob: Megatron's softmax over the top-k logits; false:
+  // --moe-router-pre-softmax), and the shared expert's sigmoid gate (shared_expert_ffn below).
+  std::vector<int> moe_layers;
+  bool norm_topk_prob = true;
+  bool shared_expert_gate = false;
+  bool is_moe_layer(int layer) const {
+    return num_experts > 0 && (moe_layers.empty() || moe_layers.at(static_cast<size_t>(layer)) != 0);
+  }
   // DeepSeek-V3: multi-latent attention (the query LoRA rank, 0 for a direct projection; the
   // key/value LoRA rank; per head the dims without and with RoPE and the value dim; whether the
   // latent norms exist, Megatron's --qk-layernorm with MLA), the dense layers before the MoE ones

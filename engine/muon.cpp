@@ -195,9 +195,11 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
            "newton_schulz: workspace of {} elements for a [{}, {}] matrix", work.numel(), R, C);
   // Megatron-LM's "medium" precision: bfloat16 operands and results (float32 accumulation). A
   // backend with 16-bit GEMMs (CUDA) runs them on bfloat16 tensors; the reference backend on
-  // float32 tensors rounded to bfloat16 after each product and sum. (The sums b A + c A A and
-  // a X + P X then round once on the reference, as torch.addmm does, and twice on CUDA: the
-  // product's bfloat16 result, then the sum's.)
+  // float32 tensors rounded to bfloat16 after each product and each sum. The sums b A + c A A and
+  // a X + P X (torch.addmm in emerging_optimizers) round twice on both: the product's bfloat16
+  // value, then the sum's, as cuBLASLt does with a bfloat16 C. Both backends must round at the
+  // same points: where the iteration nearly cancels (a X + P X of a matrix with equal singular
+  // values), one product rounded differently moves the result by several bfloat16 steps.
   const bool medium = cfg.fp32_matmul_prec == MuonMatmulPrecision::medium;
   const bool native16 = medium && be.device() == Device::cuda;
   const DType dt = native16 ? DType::bf16 : x.dtype;
@@ -234,12 +236,14 @@ void newton_schulz(Backend& be, Tensor x, Tensor work, const MuonConfig& cfg) {
     const Tensor& P = c != 0.0f ? AA : A;
     if (c != 0.0f) {
       be.linear_forward(AA, A, A, none, Activation::none, none);  // A A^T = A A (A symmetric)
+      round(AA);
       be.axpby(AA, c, AA, b, A);
       round(AA);
     }
     // X = a X + P X (X P when transposed; P symmetric).
     if (transpose) be.linear_forward(x2, X, P, none, Activation::none, none);
     else be.linear_backward_input(x2, P, X, false, Activation::none, none);
+    round(x2);
     be.axpby(X, a, X, c != 0.0f ? 1.0f : b, x2);
     round(X);
   }

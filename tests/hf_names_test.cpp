@@ -397,8 +397,11 @@ TEST_CASE("Qwen2 and Mistral configs: q/k/v biases, sliding windows", "[checkpoi
   windowed["layer_types"] = {"chunked_attention", "full_attention"};
   CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("chunked_attention"));
   windowed["layer_types"] = {"sliding_attention", "sliding_attention"};
+  // A null size: transformers attends fully on every layer; an absent one is its default 4096.
   windowed["sliding_window"] = nullptr;
-  CHECK_THROWS_WITH(hf_spec_from_config(windowed), Catch::Contains("no sliding_window size"));
+  CHECK(!hf_spec_from_config(windowed).sliding_window);
+  windowed.erase("sliding_window");
+  CHECK(hf_spec_from_config(windowed).sliding_window == 4096);
   // Export writes the window back: the first max_window_layers layers attend fully.
   w.window_layers = {0, 1};
   const auto wc = hf_config_json(w);
@@ -751,4 +754,89 @@ TEST_CASE("DeepSeek-V3 MTP depths as model.layers.{L + j}, DeepSeek's checkpoint
   const auto c = hf_config_json(s);
   CHECK(c["num_nextn_predict_layers"] == 1);
   CHECK(hf_spec_from_config(c, 16, 1).mtp_layers == 1);
+}
+
+TEST_CASE("Qwen3-MoE and Qwen2-MoE config.json: MoE layers, norm_topk_prob and the shared expert, both ways", "[hf]") {
+  HfModelSpec s = llama_spec();
+  s.arch = HfArchitecture::qwen3_moe;
+  s.qk_layernorm = true;
+  s.num_layers = 3;
+  s.num_experts = 4;
+  s.moe_topk = 2;
+  s.moe_ffn_hidden_size = 6;
+  s.moe_layers = {0, 1, 1};
+  s.router_aux_loss_coef = 0.01;
+  nlohmann::json c = hf_config_json(s);
+  CHECK(c["architectures"][0] == "Qwen3MoeForCausalLM");
+  CHECK(c["model_type"] == "qwen3_moe");
+  CHECK(c["mlp_only_layers"] == nlohmann::json::array({0}));
+  CHECK(c["decoder_sparse_step"] == 1);
+  CHECK(c["norm_topk_prob"] == true);
+  CHECK(c["attention_bias"] == false);
+  HfModelSpec b = hf_spec_from_config(c, 16, 1);
+  CHECK(b.arch == HfArchitecture::qwen3_moe);
+  CHECK(b.qk_layernorm);
+  CHECK(b.moe_layers == s.moe_layers);
+  CHECK(b.norm_topk_prob);
+  CHECK(b.num_experts == 4);
+  CHECK(b.moe_ffn_hidden_size == 6);
+  CHECK(b.ffn_hidden_size == 12);
+  CHECK(b.router_aux_loss_coef == 0.01);
+  // transformers' rule: layer i is MoE unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0;
+  // norm_topk_prob's default is false.
+  c["decoder_sparse_step"] = 2;
+  c["mlp_only_layers"] = nlohmann::json::array();
+  c.erase("norm_topk_prob");
+  b = hf_spec_from_config(c, 16, 1);
+  CHECK(b.moe_layers == std::vector<int>{0, 1, 0});
+  CHECK_FALSE(b.norm_topk_prob);
+  c["decoder_sparse_step"] = 1;
+  b = hf_spec_from_config(c, 16, 1);
+  CHECK(b.moe_layers.empty());  // every layer MoE
+  // The tensors of a dense layer, an MoE layer and the q/k norms.
+  std::set<std::string> names;
+  for (const HfTensorMapping& m : hf_tensor_mappings(s))
+    for (const std::string& n : m.hf) names.insert(n);
+  CHECK(names.count("model.layers.0.mlp.gate_proj.weight") == 1);
+  CHECK(names.count("model.layers.0.mlp.gate.weight") == 0);
+  CHECK(names.count("model.layers.1.mlp.gate.weight") == 1);
+  CHECK(names.count("model.layers.2.mlp.experts.3.down_proj.weight") == 1);
+  CHECK(names.count("model.layers.1.self_attn.q_norm.weight") == 1);
+  CHECK(names.count("model.layers.1.self_attn.k_norm.weight") == 1);
+  CHECK(names.count("model.layers.1.mlp.shared_expert_gate.weight") == 0);
+
+  HfModelSpec q = llama_spec();
+  q.arch = HfArchitecture::qwen2_moe;
+  q.add_qkv_bias = true;
+  q.num_experts = 4;
+  q.moe_topk = 2;
+  q.moe_ffn_hidden_size = 6;
+  q.norm_topk_prob = false;
+  q.shared_expert_ffn = 10;
+  q.shared_expert_gate = true;
+  nlohmann::json qc = hf_config_json(q);
+  CHECK(qc["model_type"] == "qwen2_moe");
+  CHECK(qc["shared_expert_intermediate_size"] == 10);
+  CHECK(qc["norm_topk_prob"] == false);
+  const HfModelSpec qb = hf_spec_from_config(qc, 16, 1);
+  CHECK(qb.arch == HfArchitecture::qwen2_moe);
+  CHECK(qb.add_qkv_bias);
+  CHECK(qb.shared_expert_ffn == 10);
+  CHECK(qb.shared_expert_gate);
+  CHECK_FALSE(qb.norm_topk_prob);
+  bool gate = false;
+  for (const HfTensorMapping& m : hf_tensor_mappings(q))
+    if (m.hf.at(0) == "model.layers.1.mlp.shared_expert_gate.weight") {
+      gate = true;
+      CHECK(m.ours == "decoder.layers.1.mlp.shared_experts.gate_weight");
+      CHECK(m.hf_shapes.at(0) == std::vector<int64_t>{1, 8});
+    }
+  CHECK(gate);
+  qc["shared_expert_intermediate_size"] = 0;
+  CHECK_THROWS_AS(hf_spec_from_config(qc, 16, 1), Unsupported);
+  // A Qwen2-MoE spec without the gate, or a Qwen3 one without q/k norms, is refused.
+  q.shared_expert_gate = false;
+  CHECK_THROWS_AS(q.validate(), Unsupported);
+  s.qk_layernorm = false;
+  CHECK_THROWS_AS(s.validate(), Unsupported);
 }

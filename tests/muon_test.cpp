@@ -49,7 +49,8 @@ Mat transpose(const Mat& a, int64_t n, int64_t m) {
   return t;
 }
 
-// emerging_optimizers' newton_schulz in float64, optionally rounding where bfloat16 tensors are stored.
+// emerging_optimizers' newton_schulz in float64, optionally rounding where bfloat16 tensors are
+// stored: each product, then each addmm's sum (engine/muon.cpp: both backends round twice there).
 Mat host_ns(Mat x, int64_t rows, int64_t cols, const MuonConfig& cfg) {
   const bool tr = rows > cols;
   if (tr) {
@@ -71,13 +72,15 @@ Mat host_ns(Mat x, int64_t rows, int64_t cols, const MuonConfig& cfg) {
     round_all(A);
     Mat B = A;
     if (k[2] != 0.0f) {
-      const Mat AA = matmul(A, A, rows, rows, rows);
+      Mat AA = matmul(A, A, rows, rows, rows);
+      round_all(AA);
       for (size_t i = 0; i < B.size(); ++i) B[i] = k[1] * A[i] + k[2] * AA[i];
     } else {
       for (double& v : B) v *= k[1];
     }
     round_all(B);
-    const Mat BX = matmul(B, x, rows, rows, cols);
+    Mat BX = matmul(B, x, rows, rows, cols);
+    round_all(BX);
     for (size_t i = 0; i < x.size(); ++i) x[i] = k[0] * x[i] + BX[i];
     round_all(x);
   }

@@ -54,6 +54,17 @@ const std::string kNemotronBias = kCommon +
 // Mixtral: the Llama shape with every MLP a mixture of 4 SwiGLU experts, top-2 softmax routing.
 const std::string kMixtral = kLlama + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
                                       "--moe-aux-loss-coeff 0.01 --moe-grouped-gemm";
+// Qwen3: the Llama shape with an RMSNorm over each head's q and k, heads of 10 (not hidden / heads).
+const std::string kQwen3 = kLlama + " --qk-layernorm --kv-channels 10";
+// Qwen3-MoE: Qwen3's attention, a dense first layer (mlp_only_layers [0]) and an MoE layer of 4
+// experts, top-2 renormalized (norm_topk_prob). Qwen2-MoE: Qwen2's attention, every layer MoE with
+// top-2 of the softmax over all experts (--moe-router-pre-softmax: norm_topk_prob false) and a
+// shared expert behind its sigmoid gate.
+const std::string kQwen3Moe = kQwen3 + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
+                                       "--moe-layer-freq '[0,1]' --moe-aux-loss-coeff 0.01 --moe-grouped-gemm";
+const std::string kQwen2Moe = kQwen2 + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
+                                       "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 16 "
+                                       "--moe-shared-expert-gate --moe-grouped-gemm";
 // DeepSeek-V3: multi-latent attention (a query LoRA, both latent norms, plain RoPE), a dense layer,
 // then an MoE layer of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling
 // factor and a shared expert of two experts' size; one MTP depth (DeepSeek's model.layers.{L} layout).
@@ -150,6 +161,12 @@ TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logi
   check_numpy_logits(kMixtral, "Mixtral (4 experts, top-2)");
 }
 
+TEST_CASE("export-hf: numpy's Qwen3, Qwen3-MoE and Qwen2-MoE forwards of the export give megatrain's logits", "[ckpt-train][hf][python]") {
+  check_numpy_logits(kQwen3, "Qwen3 (q/k norms, head dim 10)");
+  check_numpy_logits(kQwen3Moe, "Qwen3-MoE (a dense layer, then 4 experts top-2)");
+  check_numpy_logits(kQwen2Moe, "Qwen2-MoE (top-2 without renormalizing, a gated shared expert)");
+}
+
 TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's logits (LayerNorm1P, squared ReLU, "
           "partial RoPE)", "[ckpt-train][hf][python]") {
   check_numpy_logits(kNemotron, "Nemotron");
@@ -158,7 +175,8 @@ TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's l
 
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
   for (const std::string& model :
-       {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral, kDeepseek}) {
+       {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral, kDeepseek,
+        kQwen3, kQwen3Moe, kQwen2Moe}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -167,8 +185,12 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     const nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
     const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
     const bool nemotron = model == kNemotron || model == kNemotronBias, mixtral = model == kMixtral;
-    const bool deepseek = model == kDeepseek;
-    CHECK(config.at("architectures").at(0) == (deepseek   ? "DeepseekV3ForCausalLM"
+    const bool deepseek = model == kDeepseek, qwen3 = model == kQwen3, qwen3_moe = model == kQwen3Moe,
+               qwen2_moe = model == kQwen2Moe;
+    CHECK(config.at("architectures").at(0) == (deepseek    ? "DeepseekV3ForCausalLM"
+                                               : qwen3     ? "Qwen3ForCausalLM"
+                                               : qwen3_moe ? "Qwen3MoeForCausalLM"
+                                               : qwen2_moe ? "Qwen2MoeForCausalLM"
                                                : llama    ? "LlamaForCausalLM"
                                                : qwen2    ? "Qwen2ForCausalLM"
                                                : mistral  ? "MistralForCausalLM"
@@ -181,6 +203,16 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       CHECK(config.at("intermediate_size") == 24);
     }
     CHECK(config.at("vocab_size") == 100);
+    if (qwen3 || qwen3_moe) CHECK(config.at("head_dim") == 10);
+    if (qwen3_moe || qwen2_moe) {
+      CHECK(config.at("num_experts") == 4);
+      CHECK(config.at("num_experts_per_tok") == 2);
+      CHECK(config.at("moe_intermediate_size") == 24);
+      CHECK(config.at("intermediate_size") == 48);
+      CHECK(config.at("norm_topk_prob") == qwen3_moe);
+      CHECK(config.at("mlp_only_layers") == (qwen3_moe ? nlohmann::json::array({0}) : nlohmann::json::array()));
+    }
+    if (qwen2_moe) CHECK(config.at("shared_expert_intermediate_size") == 16);
     if (deepseek) {
       CHECK(config.at("first_k_dense_replace") == 1);
       CHECK(config.at("n_routed_experts") == 4);
@@ -190,7 +222,7 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       CHECK(config.at("qk_rope_head_dim") == 4);
       CHECK(config.at("num_nextn_predict_layers") == 1);
     }
-    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek)
+    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek && !qwen3 && !qwen3_moe && !qwen2_moe)
       CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     if (nemotron) {
       CHECK(config.at("hidden_act") == "relu2");
@@ -246,11 +278,13 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     CHECK(run.find("iteration        1/       1") != std::string::npos);
     // --use-checkpoint-args rebuilds the same model from the import alone (the loss of the first
     // iteration, the same batch and weights, is the same to the last digit). (DeepSeek-V3 also
-    // needs --no-rope-fusion for MLA with plain RoPE and its router's groups on the command line:
-    // Megatron-LM's checkpoint arguments leave the fusion flags and the groups out.)
+    // needs --no-rope-fusion for MLA with plain RoPE and its router's groups on the command line,
+    // Qwen2-MoE its shared expert's gate: Megatron-LM's checkpoint arguments leave those out.)
     const std::string bare = megatrain_ok("--load " + back + " --use-checkpoint-args --vocab-size 100 --device cpu "
                                           "--mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 --eval-iters 0" +
-                                          std::string(deepseek ? " --no-rope-fusion --moe-router-num-groups 2 --moe-router-group-topk 1" : ""));
+                                          std::string(deepseek    ? " --no-rope-fusion --moe-router-num-groups 2 --moe-router-group-topk 1"
+                                                      : qwen2_moe ? " --moe-shared-expert-gate"
+                                                                  : ""));
     CHECK(bare.find("Setting num_layers to 2 from checkpoint") != std::string::npos);
     auto loss = [](const std::string& log) {
       const size_t at = log.find("lm loss: ");
@@ -286,4 +320,20 @@ TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag",
   megatrain_ok(kDeepseek + " --moe-shared-expert-gate --train-iters 1 --save-interval 1 --save " + gated);
   CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + gated + " --output " + (dir / "hf4"), &out) != 0);
   CHECK(out.find("cannot express this model as DeepseekV3ForCausalLM: --moe-shared-expert-gate") != std::string::npos);
+  // Qwen2-MoE gates its shared expert; Qwen3-MoE has none; Qwen3's attention_bias is q, k, v and o.
+  const std::string ungated = dir / "ungated";
+  megatrain_ok(kQwen2 + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-shared-expert-intermediate-size 16 "
+                        "--moe-grouped-gemm --train-iters 1 --save-interval 1 --save " + ungated);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + ungated + " --output " + (dir / "hf5"), &out) != 0);
+  CHECK(out.find("cannot express this model as Qwen2MoeForCausalLM: --moe-shared-expert-intermediate-size without "
+                 "--moe-shared-expert-gate") != std::string::npos);
+  const std::string shared3 = dir / "shared3";
+  megatrain_ok(kQwen3Moe + " --moe-shared-expert-intermediate-size 16 --train-iters 1 --save-interval 1 --save " + shared3);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + shared3 + " --output " + (dir / "hf6"), &out) != 0);
+  CHECK(out.find("cannot express this model as Qwen3MoeForCausalLM: --moe-shared-expert-intermediate-size") !=
+        std::string::npos);
+  const std::string qkv3 = dir / "qkv3";
+  megatrain_ok(kQwen3 + " --add-qkv-bias --train-iters 1 --save-interval 1 --save " + qkv3);
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + qkv3 + " --output " + (dir / "hf7"), &out) != 0);
+  CHECK(out.find("cannot express this model as Qwen3ForCausalLM: --add-qkv-bias alone") != std::string::npos);
 }

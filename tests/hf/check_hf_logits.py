@@ -4,7 +4,8 @@ Llama (GQA, SwiGLU, RoPE, RMSNorm, untied output) and a tiny Qwen2 (Llama with q
 output); Mistral (Llama's layout) with and without its sliding window, Qwen2 with a sliding
 window on its second layer (--window-size, --window-attn-skip-freq), Nemotron (LayerNorm1P,
 squared ReLU, RoPE over half of each head; with biases), Mixtral (every MLP 4 SwiGLU experts,
-top-2 softmax routing), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
+top-2 softmax routing), Qwen3 (per-head q/k norms), Qwen3-MoE (a dense layer beside MoE layers)
+and Qwen2-MoE (top-2 without renormalizing, a gated shared expert), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
 then MoE layers of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling factor
 and shared experts; imported both with transformers' rope_interleave, as Megatron's MLA rotates,
 and without it; and with DeepSeek's YaRN RoPE).
@@ -62,6 +63,14 @@ MODEL_FLAGS["deepseek"] = ("--num-layers 3 --hidden-size 64 --num-attention-head
                            "--moe-layer-freq [0,1,1] --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                            "--moe-router-bias-update-rate 0.01 --moe-router-topk-scaling-factor 2.5 "
                            "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 64")
+# Qwen3: Llama with per-head q/k RMSNorms and heads of 24 (not hidden / heads); Qwen3-MoE: a dense
+# first layer, then 4 experts top-2 renormalized; Qwen2-MoE: q/k/v biases, every layer 4 experts
+# top-2 of the softmax over all (not renormalized) and a shared expert behind its sigmoid gate.
+MODEL_FLAGS["qwen3"] = MODEL_FLAGS["llama"] + " --qk-layernorm --kv-channels 24 --norm-epsilon 1e-6"
+MODEL_FLAGS["qwen3_moe"] = (MODEL_FLAGS["qwen3"] + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
+                            "--moe-layer-freq [0,1]")
+MODEL_FLAGS["qwen2_moe"] = (MODEL_FLAGS["qwen2"] + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
+                            "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate")
 # With one MTP depth: exported as DeepSeek's checkpoints hold it (model.layers.3.*), which
 # transformers must load beside the model (it leaves the depth unused): export only.
 MODEL_FLAGS["deepseek_mtp"] = MODEL_FLAGS["deepseek"] + " --mtp-num-layers 1"
@@ -156,6 +165,17 @@ def import_direction(args, kind, work):
         elif kind == "mixtral":
             config = transformers.MixtralConfig(rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
                                                 num_local_experts=4, num_experts_per_tok=2, **common)
+        elif kind == "qwen3":
+            config = transformers.Qwen3Config(rms_norm_eps=1e-6, head_dim=24, tie_word_embeddings=False, **common)
+        elif kind == "qwen3_moe":
+            config = transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, head_dim=24, tie_word_embeddings=False, num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                                                 mlp_only_layers=[0], **common)
+        elif kind == "qwen2_moe":
+            config = transformers.Qwen2MoeConfig(rms_norm_eps=1e-6, tie_word_embeddings=True, num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=48,
+                                                 shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                                 mlp_only_layers=[1], **common)
         elif kind == "mistral_window":
             config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=5, tie_word_embeddings=False,
                                                 **common)
@@ -199,8 +219,8 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral", "deepseek", "deepseek_halves", "deepseek_yarn",
-                                                    "deepseek_mtp")
+                                                    "nemotron", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek",
+                                                    "deepseek_halves", "deepseek_yarn", "deepseek_mtp")
     for kind in kinds:
         for direction in (export_direction, import_direction):
             if kind in ("mistral", "deepseek_halves") and direction is export_direction:

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows, Nemotron) forward in numpy (float64), from a Hugging Face directory
+"""GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows, Nemotron, Mixtral,
+Qwen3, Qwen3-MoE, Qwen2-MoE) forward in numpy (float64), from a Hugging Face directory
 (config.json + model.safetensors or its index): the oracle CI checks `megatrain export-hf` against
 without torch. Written from the models' definitions (transformers' modeling_gpt2.py and
 modeling_llama.py semantics: pre-norm blocks, causal softmax attention scaled by 1/sqrt(d), GPT-2's
-Conv1D [in, out] weights, Llama's rotate-half RoPE, RMSNorm, SwiGLU, grouped KV heads).
+Conv1D [in, out] weights, Llama's rotate-half RoPE, RMSNorm, SwiGLU, grouped KV heads; Qwen3's
+per-head q/k RMSNorm before RoPE; the Qwen MoE blocks' softmax top-k routing over per-expert SwiGLUs,
+Qwen2-MoE's sigmoid-gated shared expert). Keys a config.json leaves out take transformers' defaults.
 
   numpy_forward.py HF_DIR TOKENS [--compare LOGITS.npy] [--atol A] [--rtol R]
 
@@ -90,12 +93,22 @@ def gpt2_logits(c, w, tokens):
     return x @ out.T
 
 
+def rope_parameters(c):
+    """transformers 5's reading: rope_scaling (the older name) or else rope_parameters, with rope_theta
+    taken from that dict, else from the top level (where transformers 4 reads it), else 10000."""
+    r = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if "full_attention" in r or "sliding_attention" in r:
+        raise SystemExit("numpy_forward.py: RoPE parameters per layer type are not implemented")
+    theta = r.get("rope_theta", c.get("rope_theta", 10000.0))
+    if c.get("rope_theta", theta) != theta:
+        raise SystemExit("numpy_forward.py: rope_theta differs between the top level and the rope dict")
+    return theta, r, r.get("rope_type", r.get("type", "default"))
+
+
 def llama_inv_freq(c, d):
-    theta = c.get("rope_theta", 10000.0)
+    theta, r, kind = rope_parameters(c)
     inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    r = c.get("rope_scaling")
-    if r:
-        kind = r.get("rope_type", r.get("type"))
+    if kind != "default":
         if kind != "llama3":
             raise SystemExit(f"numpy_forward.py: rope_scaling {kind} is not implemented")
         factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
@@ -115,16 +128,23 @@ def rope(x, cos, sin):
 
 
 def layer_window(c, i):
-    """HF's sliding window of layer i, or None: Mistral's on every layer; Qwen2's only with
-    use_sliding_window, on layer_types' "sliding_attention" layers or from max_window_layers on."""
+    """HF's sliding window of layer i, or None: Mistral's on every layer; Qwen2's and Qwen3's only with
+    use_sliding_window, on layer_types' "sliding_attention" layers or from max_window_layers on;
+    Qwen3-MoE's with use_sliding_window on every layer (it reads no layer_types / max_window_layers)."""
     size = c.get("sliding_window")
     if c["model_type"] in ("mistral", "mixtral"):
         return size
-    if c["model_type"] == "qwen2" and c.get("use_sliding_window") and size is not None:
+    if c["model_type"] in ("qwen2", "qwen3") and c.get("use_sliding_window") and size is not None:
         types = c.get("layer_types")
         if types is not None:
             return size if types[i] == "sliding_attention" else None
-        return size if i >= c.get("max_window_layers", c["num_hidden_layers"]) else None
+        return size if i >= c["max_window_layers"] else None
+    if c["model_type"] == "qwen3_moe" and c.get("use_sliding_window"):
+        return size
+    if c["model_type"] == "qwen2_moe" and (c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or [])):
+        # transformers 4.57 windows every layer (eager/sdpa) or those from max_window_layers on (flash);
+        # 5.x the even layers below max_window_layers: no single semantics to check against.
+        raise SystemExit("numpy_forward.py: Qwen2-MoE's sliding window is not implemented")
     return None
 
 
@@ -132,11 +152,15 @@ def llama_logits(c, w, tokens):
     """Llama, Mistral, Qwen2; and Nemotron: LayerNorm1P (LayerNorm with weight + 1, and bias), an
     up/down MLP through relu2 (relu(x)^2), RoPE on the first partial_rotary_factor of each head;
     Mixtral: every MLP a mixture of SwiGLU experts (w1 gate, w3 up, w2 down), each token sent to
-    the num_experts_per_tok experts of largest softmax(router logits), their weights renormalized."""
+    the num_experts_per_tok experts of largest softmax(router logits), their weights renormalized;
+    Qwen3 (and Qwen3-MoE): RMSNorm (q_norm, k_norm) on each head's q and k before RoPE; Qwen3-MoE and
+    Qwen2-MoE: the sparse layers' MLP a qwen_moe block, the others (mlp_only_layers, off the
+    decoder_sparse_step) a SwiGLU of intermediate_size."""
     E, H = c["hidden_size"], c["num_attention_heads"]
     G = c.get("num_key_value_heads") or H
     d = c.get("head_dim") or E // H
     nemotron = c["model_type"] == "nemotron"
+    qk_norm = c["model_type"] in ("qwen3", "qwen3_moe")
     eps = c.get("norm_eps", 1e-5) if nemotron else c.get("rms_norm_eps", 1e-6)
     rot = int(d * c.get("partial_rotary_factor", 0.5)) if nemotron else d
     T = len(tokens)
@@ -156,12 +180,16 @@ def llama_logits(c, w, tokens):
     def rope_part(x):
         return np.concatenate([rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
 
+    def heads(h, name, n):
+        y = lin(h, name + "_proj").reshape(T, n, d)
+        return rms_norm(y, w[name + "_norm.weight"], eps) if qk_norm else y
+
     x = w["model.embed_tokens.weight"][tokens]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = norm(x, p + "input_layernorm")
-        q = rope_part(lin(h, p + "self_attn.q_proj").reshape(T, H, d))
-        k = rope_part(lin(h, p + "self_attn.k_proj").reshape(T, G, d))
+        q = rope_part(heads(h, p + "self_attn.q", H))
+        k = rope_part(heads(h, p + "self_attn.k", G))
         v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
         x = x + lin(causal_attention(q, k, v, layer_window(c, i)), p + "self_attn.o_proj")
         h = norm(x, p + "post_attention_layernorm")
@@ -169,38 +197,94 @@ def llama_logits(c, w, tokens):
             x = x + mixtral_moe(c, h, lambda a, n: lin(a, p + "block_sparse_moe." + n))
         elif nemotron:
             x = x + lin(np.maximum(lin(h, p + "mlp.up_proj"), 0.0) ** 2, p + "mlp.down_proj")
+        elif sparse_layer(c, i):
+            x = x + qwen_moe(c, h, lambda a, n: lin(a, p + "mlp." + n))
         else:
-            gate = lin(h, p + "mlp.gate_proj")
-            x = x + lin(gate / (1.0 + np.exp(-gate)) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+            x = x + swiglu(h, lambda a, n: lin(a, p + "mlp." + n))
     x = norm(x, "model.norm")
     out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return x @ out.T
 
 
-def mixtral_moe(c, h, lin):
-    E, k = c["num_local_experts"], c["num_experts_per_tok"]
-    z = lin(h, "gate")
+def swiglu(h, lin, pre=""):
+    """Llama's / Qwen's MLP: down_proj(silu(gate_proj(h)) * up_proj(h)), the projections named pre + ..."""
+    gate = lin(h, pre + "gate_proj")
+    return lin(gate / (1.0 + np.exp(-gate)) * lin(h, pre + "up_proj"), pre + "down_proj")
+
+
+def route(z, k, renormalize):
+    """Router logits z [T, E] -> softmax over all E experts, then each token's k largest (ties: the
+    lower expert, as torch.topk and megatrain pick), renormalized to sum 1 when renormalize:
+    (chosen experts [T, k], their weights [T, k])."""
     s = np.exp(z - z.max(axis=-1, keepdims=True))
     s = s / s.sum(axis=-1, keepdims=True)
+    chosen = np.argsort(-s, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(s, chosen, axis=-1)
+    return chosen, (weights / weights.sum(axis=-1, keepdims=True) if renormalize else weights)
+
+
+def sparse_layer(c, i):
+    """Qwen3-MoE's / Qwen2-MoE's rule: layer i is a sparse MoE block unless listed in mlp_only_layers,
+    when num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
+    if c["model_type"] not in ("qwen3_moe", "qwen2_moe"):
+        return False
+    return (i not in (c.get("mlp_only_layers") or []) and c["num_experts"] > 0
+            and (i + 1) % c["decoder_sparse_step"] == 0)
+
+
+def qwen_moe(c, h, lin):
+    """Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock: route(gate(h)) to num_experts_per_tok of the
+    num_experts SwiGLU experts (experts.{e}.gate_proj / up_proj / down_proj), weights renormalized
+    when norm_topk_prob; Qwen2-MoE adds sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
+    chosen, weights = route(lin(h, "gate"), c["num_experts_per_tok"], c["norm_topk_prob"])
+    out = np.zeros_like(h)
+    for e in range(c["num_experts"]):
+        wt = (weights * (chosen == e)).sum(axis=-1)
+        rows = np.flatnonzero((chosen == e).any(axis=-1))
+        if rows.size:
+            out[rows] += wt[rows, None] * swiglu(h[rows], lin, f"experts.{e}.")
+    if c["model_type"] == "qwen2_moe":
+        out += swiglu(h, lin, "shared_expert.") / (1.0 + np.exp(-lin(h, "shared_expert_gate")))
+    return out
+
+
+def mixtral_moe(c, h, lin):
+    chosen, weights = route(lin(h, "gate"), c["num_experts_per_tok"], True)
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
-        # Top-k by descending score (ties: the lower expert, as torch.topk and megatrain pick).
-        chosen = sorted(range(E), key=lambda e: (-s[t, e], e))[:k]
-        weights = s[t, chosen] / s[t, chosen].sum()
-        for e, wt in zip(chosen, weights):
+        for e, wt in zip(chosen[t], weights[t]):
             gate = lin(h[t:t + 1], f"experts.{e}.w1")
             y = lin(gate / (1.0 + np.exp(-gate)) * lin(h[t:t + 1], f"experts.{e}.w3"), f"experts.{e}.w2")
             out[t] += wt * y[0]
     return out
 
 
-def logits_of(hf_dir, tokens):
+# transformers' defaults (its configuration_*.py) for the keys read here that a config.json may leave out.
+TRANSFORMERS_DEFAULTS = {
+    "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3_moe": {"num_key_value_heads": 4, "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "qwen2_moe": {"num_key_value_heads": 16, "sliding_window": 4096, "max_window_layers": 28, "num_experts": 60,
+                  "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1},
+}
+
+
+def read_config(hf_dir):
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
+    if c["model_type"] in ("qwen3_moe", "qwen2_moe") and "num_experts" not in c and "num_local_experts" in c:
+        c["num_experts"] = c["num_local_experts"]  # (transformers 5 saves Qwen3-MoE's under its attribute_map name)
+    return {**TRANSFORMERS_DEFAULTS.get(c["model_type"], {}), **c}
+
+
+def logits_of(hf_dir, tokens):
+    c = read_config(hf_dir)
     w = load_weights(hf_dir)
     if c["model_type"] == "gpt2":
         return gpt2_logits(c, w, tokens)
-    if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron", "mixtral"):  # (Qwen2: q/k/v biases: lin() adds them)
+    # (Qwen2, Qwen2-MoE: q/k/v biases, Qwen3 with attention_bias: q/k/v/o biases: lin() adds them)
+    if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"):
         return llama_logits(c, w, tokens)
     raise SystemExit(f"numpy_forward.py: model_type {c['model_type']} is not implemented")
 
