@@ -24,6 +24,7 @@ HfArchitecture hf_architecture_of(const ModelConfig& m) {
   for (int layer = 0; layer < m.num_layers; ++layer) windowed = windowed || attention_window_left(m, layer) >= 0;
   const bool qkv_bias_only = m.add_qkv_bias && !m.add_bias_linear;
   if (m.multi_latent_attention) return HfArchitecture::deepseek_v3;  // (with MoE layers or without)
+  if (m.gated_delta_net) return HfArchitecture::qwen3_next;        // (dense or MoE)
   if (m.moe.enabled()) {  // (validate() names what the family cannot express)
     if (m.qk_layernorm) return HfArchitecture::qwen3_moe;
     return qkv_bias_only ? HfArchitecture::qwen2_moe : HfArchitecture::mixtral;
@@ -62,9 +63,6 @@ std::vector<std::string> export_hf(const HfExportOptions& o) {
   if (m.use_mup)
     throw Unsupported("export-hf does not map --use-mup models (their embedding and logit multipliers and softmax "
                       "scale) yet");
-  if (m.gated_delta_net)
-    throw Unsupported("export-hf does not map Gated DeltaNet layers (--experimental-attention-variant gated_delta_net; "
-                      "Hugging Face's Qwen3-Next) yet");
   HfModelSpec spec = HfModelSpec::from_model_config(m, hf_architecture_of(m));
   if (spec.arch == HfArchitecture::deepseek_v3 && spec.norm_epsilon != 1e-6)
     fmt::print(stderr, "note: transformers' DeepSeek-V3 normalizes the MLA latents with eps 1e-6; this model's "

@@ -62,6 +62,17 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.query_groups = s.num_query_groups;
   m.vocab_size = s.vocab_size;
   m.padded_vocab_size = s.padded_vocab_size;
+  if (s.arch == HfArchitecture::qwen3_next) {  // Gated DeltaNet layers beside gated softmax attention
+    m.attention_output_gate = true;
+    m.gated_delta_net = true;
+    m.linear_attention_pattern = s.gdn_layers;
+    m.linear_layer.assign(s.gdn_layers.begin(), s.gdn_layers.end());
+    m.linear_conv_kernel_dim = s.gdn_conv;
+    m.linear_key_head_dim = s.gdn_dk;
+    m.linear_value_head_dim = s.gdn_dv;
+    m.linear_num_key_heads = s.gdn_key_heads;
+    m.linear_num_value_heads = s.gdn_value_heads;
+  }
   if (s.arch == HfArchitecture::deepseek_v3) {
     // Multi-latent attention with both latent norms and plain RoPE on its RoPE part; the first
     // first_dense_layers layers dense, the others MoE with sigmoid routing, the expert bias, the
@@ -167,6 +178,16 @@ std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisibl
   if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
   if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
   if (s.qk_layernorm) add("--qk-layernorm");  // (Qwen3's q_norm / k_norm)
+  if (s.arch == HfArchitecture::qwen3_next) {
+    add("--attention-output-gate");
+    add("--experimental-attention-variant", "gated_delta_net");
+    add("--linear-attention-freq", fmt::format("[{}]", fmt::join(s.gdn_layers, ",")));
+    add("--linear-conv-kernel-dim", std::to_string(s.gdn_conv));
+    add("--linear-key-head-dim", std::to_string(s.gdn_dk));
+    add("--linear-value-head-dim", std::to_string(s.gdn_dv));
+    add("--linear-num-key-heads", std::to_string(s.gdn_key_heads));
+    add("--linear-num-value-heads", std::to_string(s.gdn_value_heads));
+  }
   if (s.sliding_window) {
     add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
     if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));

@@ -91,6 +91,20 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     if (std::any_of(windows.begin(), windows.end(), [](int w) { return w < 0; }))
       for (int w : windows) s.window_layers.push_back(w >= 0 ? 1 : 0);
   }
+  if (m.gated_delta_net) {  // (the layer map as derive.cpp fills it, or from the flag when not derived)
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      const bool gdn = !m.linear_layer.empty() ? m.is_linear_layer(layer)
+                       : !m.linear_attention_pattern.empty()
+                           ? m.linear_attention_pattern.at(static_cast<size_t>(layer)) != 0
+                           : (layer + 1) % std::max(1, m.linear_attention_every.value_or(4)) != 0;
+      s.gdn_layers.push_back(gdn ? 1 : 0);
+    }
+    s.gdn_key_heads = m.linear_num_key_heads;
+    s.gdn_value_heads = m.linear_num_value_heads;
+    s.gdn_dk = m.linear_key_head_dim;
+    s.gdn_dv = m.linear_value_head_dim;
+    s.gdn_conv = m.linear_conv_kernel_dim;
+  }
   s.norm_epsilon = m.norm_epsilon;
   s.init_method_std = m.init_method_std;
   s.hidden_dropout = m.hidden_dropout;
@@ -205,13 +219,14 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
                    "gated one: --add-qkv-bias --disable-bias-linear --moe-shared-expert-gate)");
     if (arch == HfArchitecture::qwen3_moe && s.shared_expert_ffn > 0)
       no.push_back("--moe-shared-expert-intermediate-size (Qwen3-MoE has no shared expert)");
-    if (arch == HfArchitecture::qwen2_moe && s.shared_expert_ffn == 0)
-      no.push_back("a mixture of experts without --moe-shared-expert-intermediate-size (every Qwen2-MoE layer has "
-                   "a gated shared expert)");
-    if (arch == HfArchitecture::qwen2_moe && s.shared_expert_ffn > 0 && !s.shared_expert_gate)
-      no.push_back("--moe-shared-expert-intermediate-size without --moe-shared-expert-gate (Qwen2-MoE gates its "
-                   "shared expert)");
-    if (s.shared_expert_gate && arch != HfArchitecture::qwen2_moe)
+    const bool gated_shared = arch == HfArchitecture::qwen2_moe || arch == HfArchitecture::qwen3_next;
+    if (gated_shared && s.shared_expert_ffn == 0)
+      no.push_back(fmt::format("a mixture of experts without --moe-shared-expert-intermediate-size (every {} MoE "
+                               "layer has a gated shared expert)", family));
+    if (gated_shared && s.shared_expert_ffn > 0 && !s.shared_expert_gate)
+      no.push_back(fmt::format("--moe-shared-expert-intermediate-size without --moe-shared-expert-gate ({} gates "
+                               "its shared expert)", family));
+    if (s.shared_expert_gate && !gated_shared)
       no.push_back(fmt::format("--moe-shared-expert-gate ({} has no gated shared expert)", family));
     if (e.router_enable_expert_bias) no.push_back("--moe-router-enable-expert-bias");
     if (e.expert_capacity_factor) no.push_back(fmt::format("--moe-expert-capacity-factor ({} is dropless)", family));
@@ -233,12 +248,15 @@ const char* hf_architecture_name(HfArchitecture a) {
     case HfArchitecture::mixtral: return "MixtralForCausalLM";
     case HfArchitecture::qwen2_moe: return "Qwen2MoeForCausalLM";
     case HfArchitecture::qwen3_moe: return "Qwen3MoeForCausalLM";
+    case HfArchitecture::qwen3_next: return "Qwen3NextForCausalLM";
     case HfArchitecture::deepseek_v3: return "DeepseekV3ForCausalLM";
   }
   return "?";
 }
 
-bool hf_is_qwen_moe(HfArchitecture a) { return a == HfArchitecture::qwen2_moe || a == HfArchitecture::qwen3_moe; }
+bool hf_is_qwen_moe(HfArchitecture a) {
+  return a == HfArchitecture::qwen2_moe || a == HfArchitecture::qwen3_moe || a == HfArchitecture::qwen3_next;
+}
 bool hf_is_qwen(HfArchitecture a) { return a == HfArchitecture::qwen2 || a == HfArchitecture::qwen3 || hf_is_qwen_moe(a); }
 
 namespace {
@@ -249,6 +267,7 @@ const char* hf_model_type(HfArchitecture a) {
     case HfArchitecture::qwen3: return "qwen3";
     case HfArchitecture::qwen2_moe: return "qwen2_moe";
     case HfArchitecture::qwen3_moe: return "qwen3_moe";
+    case HfArchitecture::qwen3_next: return "qwen3_next";
     case HfArchitecture::mixtral: return "mixtral";
     case HfArchitecture::mistral: return "mistral";
     case HfArchitecture::nemotron: return "nemotron";
@@ -261,9 +280,10 @@ void HfModelSpec::validate() const {
   const char* model = hf_architecture_name(arch);
   auto refuse = [&](const std::string& why) { throw Unsupported(fmt::format("cannot express this model as {}: {}", model, why)); };
   const bool deepseek = arch == HfArchitecture::deepseek_v3, qwen_moe = hf_is_qwen_moe(arch);
-  const bool qwen3 = arch == HfArchitecture::qwen3 || arch == HfArchitecture::qwen3_moe;
+  const bool next = arch == HfArchitecture::qwen3_next;
+  const bool qwen3 = arch == HfArchitecture::qwen3 || arch == HfArchitecture::qwen3_moe || next;
   const bool dense_mlp = arch != HfArchitecture::mixtral && !(deepseek && first_dense_layers == 0) &&
-                         !(qwen_moe && moe_layers.empty());
+                         !(qwen_moe && num_experts > 0 && moe_layers.empty());
   if (num_layers <= 0 || hidden_size <= 0 || num_attention_heads <= 0 || head_dim <= 0 ||
       (dense_mlp && ffn_hidden_size <= 0))
     fail("HF mapping: model sizes are not set (layers {}, hidden {}, heads {}, head dim {}, ffn {})", num_layers,
@@ -277,7 +297,26 @@ void HfModelSpec::validate() const {
   if (squared_relu && arch != HfArchitecture::nemotron)
     refuse("--squared-relu (of the mapped families only NemotronForCausalLM's MLP is squared ReLU)");
   if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
-  if (attention_output_gate) refuse("--attention-output-gate (the mapped HF families have no gated attention)");
+  if (attention_output_gate && !next)
+    refuse("--attention-output-gate (of the mapped HF families only Qwen3-Next gates its attention, beside Gated "
+           "DeltaNet layers)");
+  if (!gdn_layers.empty() && !next)
+    refuse("Gated DeltaNet layers (they export as Qwen3NextForCausalLM)");
+  if (next) {
+    // transformers' Qwen3NextForCausalLM: zero-centred RMSNorms, gated softmax attention with q/k
+    // norms and partial RoPE, Gated DeltaNet layers, no biases.
+    if (!apply_layernorm_1p) refuse("RMSNorm without --apply-layernorm-1p (Qwen3-Next's norms are zero-centred)");
+    if (!attention_output_gate) refuse("softmax attention without --attention-output-gate (Qwen3-Next gates it)");
+    if (static_cast<int>(gdn_layers.size()) != num_layers)
+      fail("HF mapping: {} per-layer Gated DeltaNet entries for {} layers", gdn_layers.size(), num_layers);
+    if (gdn_key_heads <= 0 || gdn_value_heads <= 0 || gdn_value_heads % gdn_key_heads != 0 || gdn_dk <= 0 ||
+        gdn_dv <= 0 || gdn_conv <= 0)
+      fail("HF mapping: Gated DeltaNet with {} key heads of {}, {} value heads of {}, {} taps", gdn_key_heads, gdn_dk,
+           gdn_value_heads, gdn_dv, gdn_conv);
+    if (sliding_window) refuse("--window-size (Qwen3-Next has no sliding window)");
+    if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
+    if (rotary_interleaved) refuse("--rotary-interleaved (Qwen3-Next rotates halves)");
+  }
   if (sliding_window && *sliding_window < 1) fail("HF mapping: sliding window {} (must be >= 1)", *sliding_window);
   if (!window_layers.empty() && static_cast<int>(window_layers.size()) != num_layers)
     fail("HF mapping: {} per-layer window entries for {} layers", window_layers.size(), num_layers);
@@ -310,14 +349,15 @@ void HfModelSpec::validate() const {
     if (use_rope_scaling) refuse("--use-rope-scaling (Llama 3's RoPE scaling is Llama's)");
     return;
   }
-  if (arch == HfArchitecture::mixtral || qwen_moe) {
+  if (arch == HfArchitecture::mixtral || (qwen_moe && (!next || num_experts > 0))) {
+    const bool gated_shared = arch == HfArchitecture::qwen2_moe || next;
     if (num_experts <= 0 || moe_topk <= 0 || moe_topk > num_experts || moe_ffn_hidden_size <= 0)
       fail("HF mapping: {} with {} experts, top-{}, expert FFN {}", model, num_experts, moe_topk, moe_ffn_hidden_size);
     if (!moe_unexpressible.empty()) refuse(moe_unexpressible.front());
-    if (arch == HfArchitecture::qwen2_moe && (shared_expert_ffn <= 0 || !shared_expert_gate))
-      refuse("a shared expert without its sigmoid gate (every Qwen2-MoE layer has a gated shared expert: "
+    if (gated_shared && (shared_expert_ffn <= 0 || !shared_expert_gate))
+      refuse("a shared expert without its sigmoid gate (every MoE layer of the HF model has a gated shared expert: "
              "--moe-shared-expert-intermediate-size with --moe-shared-expert-gate)");
-    if (arch != HfArchitecture::qwen2_moe && shared_expert_ffn > 0)
+    if (!gated_shared && shared_expert_ffn > 0)
       refuse("--moe-shared-expert-intermediate-size (the HF model has no shared expert)");
     if (arch == HfArchitecture::qwen2_moe && sliding_window)
       refuse("--window-size (transformers windows different Qwen2-MoE layers in different versions)");
@@ -359,7 +399,7 @@ void HfModelSpec::validate() const {
       refuse("--add-qkv-bias alone (HF's attention_bias covers q, k, v and o; Qwen2ForCausalLM has q/k/v biases only)");
     if (qwen2 && (add_bias_linear || !add_qkv_bias))
       refuse("linear biases other than q/k/v's (Qwen2 has --add-qkv-bias with --disable-bias-linear)");
-    if (rotary_percent != 1.0) refuse("--rotary-percent != 1 (HF Llama rotates the whole head)");
+    if (rotary_percent != 1.0 && !next) refuse("--rotary-percent != 1 (HF Llama rotates the whole head)");
     if (head_dim % 2 != 0) refuse("an odd head dimension with RoPE");
   }
 }
@@ -380,7 +420,9 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
   };
   const bool nemotron = s.arch == HfArchitecture::nemotron;
   // Nemotron's LayerNorm1P stores gamma - 1 as Megatron's --apply-layernorm-1p does.
-  const HfTransform norm = s.apply_layernorm_1p && !nemotron ? HfTransform::norm_1p : HfTransform::copy;
+  // So do Qwen3-Next's norms (x / rms * (1 + w)), all but its Gated DeltaNet output norm.
+  const bool next = s.arch == HfArchitecture::qwen3_next;
+  const HfTransform norm = s.apply_layernorm_1p && !nemotron && !next ? HfTransform::norm_1p : HfTransform::copy;
 
   add("embedding.word_embeddings.weight", {Vp, h}, {gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight"},
       {{V, h}}, HfTransform::vocab_rows);
@@ -473,18 +515,45 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
       add(L + "mlp.linear_fc2.bias", {h}, {P + "mlp.c_proj.bias"}, {{h}}, HfTransform::copy);
     } else {
       const std::string A = P + "self_attn.";
-      add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
-      if (nemotron)
-        add(L + "self_attention.linear_qkv.layer_norm_bias", {h}, {P + "input_layernorm.bias"}, {{h}}, HfTransform::copy);
-      add(L + "self_attention.linear_qkv.weight", {qkv_rows, h},
-          {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{H * d, h}, {G * d, h}, {G * d, h}},
-          HfTransform::qkv_split);
-      if (s.add_bias_linear || s.add_qkv_bias)
+      if (next && s.gdn_layers.at(static_cast<size_t>(i))) {
+        // A Gated DeltaNet layer (linear_attn): the input norm fused into our in_proj, whose rows per
+        // key head are [q k v z | beta alpha]: HF's in_proj_qkvz and in_proj_ba; the depthwise
+        // convolution (HF Conv1d [C, 1, K], channels [all q | all k | all v]); dt_bias, A_log; the
+        // gated output norm (HF's weight plain, ours zero-centred) and out_proj.
+        const std::string N = P + "linear_attn.";
+        const int64_t kh = s.gdn_key_heads, nv = s.gdn_value_heads, rep = nv / kh, dk = s.gdn_dk, dv = s.gdn_dv;
+        const int64_t qkvz = 2 * dk + 2 * rep * dv, conv_ch = kh * (2 * dk + rep * dv);
+        add(L + "self_attention.in_proj.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
+        add(L + "self_attention.in_proj.weight", {kh * (qkvz + 2 * rep), h}, {N + "in_proj_qkvz.weight", N + "in_proj_ba.weight"},
+            {{kh * qkvz, h}, {kh * 2 * rep, h}}, HfTransform::gdn_in_proj);
+        add(L + "self_attention.conv1d.weight", {conv_ch, s.gdn_conv}, {N + "conv1d.weight"}, {{conv_ch, 1, s.gdn_conv}},
+            HfTransform::gdn_conv);
+        add(L + "self_attention.dt_bias", {nv}, {N + "dt_bias"}, {{nv}}, HfTransform::copy);
+        add(L + "self_attention.A_log", {nv}, {N + "A_log"}, {{nv}}, HfTransform::copy);
+        add(L + "self_attention.out_norm.weight", {dv}, {N + "norm.weight"}, {{dv}}, HfTransform::norm_1p);
+        add(L + "self_attention.out_proj.weight", {h, nv * dv}, {N + "out_proj.weight"}, {{h, nv * dv}}, HfTransform::copy);
+      } else if (next) {  // gated softmax attention: q_proj holds each head's [q | gate]
+        add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
+        add(L + "self_attention.linear_qkv.weight", {qkv_rows + H * d, h},
+            {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{2 * H * d, h}, {G * d, h}, {G * d, h}},
+            HfTransform::qkvg_split);
+      } else {
+        add(L + "self_attention.linear_qkv.layer_norm_weight", {h}, {P + "input_layernorm.weight"}, {{h}}, norm);
+        if (nemotron)
+          add(L + "self_attention.linear_qkv.layer_norm_bias", {h}, {P + "input_layernorm.bias"}, {{h}}, HfTransform::copy);
+        add(L + "self_attention.linear_qkv.weight", {qkv_rows, h},
+            {A + "q_proj.weight", A + "k_proj.weight", A + "v_proj.weight"}, {{H * d, h}, {G * d, h}, {G * d, h}},
+            HfTransform::qkv_split);
+      }
+      const bool softmax_layer = !(next && s.gdn_layers.at(static_cast<size_t>(i)));
+      if (softmax_layer && (s.add_bias_linear || s.add_qkv_bias))
         add(L + "self_attention.linear_qkv.bias", {qkv_rows}, {A + "q_proj.bias", A + "k_proj.bias", A + "v_proj.bias"},
             {{H * d}, {G * d}, {G * d}}, HfTransform::qkv_split);
-      add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
-      if (s.add_bias_linear) add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
-      if (s.qk_layernorm) {  // Qwen3: one RMSNorm weight over head_dim for every q head, one for every k head
+      if (softmax_layer)
+        add(L + "self_attention.linear_proj.weight", {h, H * d}, {A + "o_proj.weight"}, {{h, H * d}}, HfTransform::copy);
+      if (softmax_layer && s.add_bias_linear)
+        add(L + "self_attention.linear_proj.bias", {h}, {A + "o_proj.bias"}, {{h}}, HfTransform::copy);
+      if (softmax_layer && s.qk_layernorm) {  // Qwen3: one RMSNorm weight over head_dim for every q head, one for every k head
         add(L + "self_attention.q_layernorm.weight", {d}, {A + "q_norm.weight"}, {{d}}, HfTransform::copy);
         add(L + "self_attention.k_layernorm.weight", {d}, {A + "k_norm.weight"}, {{d}}, HfTransform::copy);
       }
@@ -578,6 +647,48 @@ json hf_config_json(const HfModelSpec& s) {
     c["scale_attn_weights"] = true;
     c["scale_attn_by_inverse_layer_idx"] = false;
     c["reorder_and_upcast_attn"] = false;
+  } else if (s.arch == HfArchitecture::qwen3_next) {
+    const bool moe = s.num_experts > 0;
+    c["architectures"] = {"Qwen3NextForCausalLM"};
+    c["model_type"] = "qwen3_next";
+    c["vocab_size"] = s.vocab_size;
+    c["hidden_size"] = s.hidden_size;
+    c["intermediate_size"] = s.ffn_hidden_size;
+    c["num_hidden_layers"] = s.num_layers;
+    c["num_attention_heads"] = s.num_attention_heads;
+    c["num_key_value_heads"] = s.num_query_groups;
+    c["head_dim"] = s.head_dim;
+    c["hidden_act"] = "silu";
+    c["max_position_embeddings"] = s.max_position_embeddings;
+    c["initializer_range"] = s.init_method_std;
+    c["rms_norm_eps"] = s.norm_epsilon;
+    c["rope_theta"] = s.rotary_base;
+    c["rope_scaling"] = nullptr;
+    c["partial_rotary_factor"] = s.rotary_percent;
+    c["attention_bias"] = false;
+    c["attention_dropout"] = s.attention_dropout;
+    json types = json::array();
+    for (int layer = 0; layer < s.num_layers; ++layer)
+      types.push_back(s.gdn_layers.at(static_cast<size_t>(layer)) ? "linear_attention" : "full_attention");
+    c["layer_types"] = types;
+    c["linear_conv_kernel_dim"] = s.gdn_conv;
+    c["linear_key_head_dim"] = s.gdn_dk;
+    c["linear_value_head_dim"] = s.gdn_dv;
+    c["linear_num_key_heads"] = s.gdn_key_heads;
+    c["linear_num_value_heads"] = s.gdn_value_heads;
+    // MoE on every layer but mlp_only_layers; a dense model lists every layer there.
+    c["num_experts"] = s.num_experts;
+    c["num_experts_per_tok"] = moe ? s.moe_topk : 1;
+    c["moe_intermediate_size"] = moe ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
+    c["shared_expert_intermediate_size"] = moe ? s.shared_expert_ffn : 0;
+    c["norm_topk_prob"] = s.norm_topk_prob;
+    c["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (int layer = 0; layer < s.num_layers; ++layer)
+      if (!s.is_moe_layer(layer)) dense.push_back(layer);
+    c["mlp_only_layers"] = dense;
+    c["router_aux_loss_coef"] = s.router_aux_loss_coef;
+    c["output_router_logits"] = false;
   } else if (s.arch == HfArchitecture::deepseek_v3) {
     // (Dense-only models carry MoE fields the dense layers never read.)
     const bool moe = s.first_dense_layers < s.num_layers;
@@ -782,10 +893,17 @@ void read_qwen_moe(const json& c, const std::string& type, HfModelSpec& s) {
   };
   const int layers = need("num_hidden_layers").get<int>();
   // (transformers 5 saves Qwen3-MoE's num_experts under its attribute_map name, num_local_experts)
-  s.num_experts = c.contains("num_experts") ? need("num_experts").get<int>() : need("num_local_experts").get<int>();
+  s.num_experts = c.contains("num_experts")         ? need("num_experts").get<int>()
+                  : c.contains("num_local_experts") ? need("num_local_experts").get<int>()
+                  : type == "qwen3_next"            ? 512  // (its default)
+                                                    : need("num_experts").get<int>();
+  if (s.num_experts <= 0 && type == "qwen3_next") {  // (a dense Qwen3-Next: every layer mlp_only)
+    s.num_experts = 0;
+    return;
+  }
   s.moe_topk = need("num_experts_per_tok").get<int>();
   s.moe_ffn_hidden_size = need("moe_intermediate_size").get<int>();
-  s.norm_topk_prob = c.value("norm_topk_prob", false);
+  s.norm_topk_prob = c.value("norm_topk_prob", type == "qwen3_next");  // (transformers' defaults)
   s.router_aux_loss_coef = c.value("router_aux_loss_coef", 0.001);
   const int step = c.value("decoder_sparse_step", 1);
   if (step < 1) fail("HF {} config: decoder_sparse_step {} (must be >= 1)", type, step);
@@ -796,13 +914,13 @@ void read_qwen_moe(const json& c, const std::string& type, HfModelSpec& s) {
     s.moe_layers[static_cast<size_t>(i)] =
         s.num_experts > 0 && std::find(only.begin(), only.end(), i) == only.end() && (i + 1) % step == 0;
   if (std::find(s.moe_layers.begin(), s.moe_layers.end(), 0) == s.moe_layers.end()) s.moe_layers.clear();
-  if (type == "qwen2_moe") {
-    if (!c.value("qkv_bias", true))
-      throw Unsupported("HF qwen2_moe config: qkv_bias false (megatrain maps Qwen2-MoE with its q/k/v biases)");
-    s.shared_expert_ffn = c.value("shared_expert_intermediate_size", 0);
+  if (type == "qwen2_moe" && !c.value("qkv_bias", true))
+    throw Unsupported("HF qwen2_moe config: qkv_bias false (megatrain maps Qwen2-MoE with its q/k/v biases)");
+  if ((type == "qwen2_moe" || type == "qwen3_next") && s.num_experts > 0) {
+    s.shared_expert_ffn = c.value("shared_expert_intermediate_size", type == "qwen3_next" ? 512 : 0);
     if (s.shared_expert_ffn <= 0)
-      throw Unsupported("HF qwen2_moe config: shared_expert_intermediate_size 0 (megatrain's shared expert has a "
-                        "size; a Qwen2-MoE layer always runs one)");
+      throw Unsupported(fmt::format("HF {} config: shared_expert_intermediate_size 0 (megatrain's shared expert has "
+                                    "a size; every MoE layer of the model runs one)", type));
     s.shared_expert_gate = true;
   }
 }
@@ -834,6 +952,61 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
       s.hidden_dropout = c.value("resid_pdrop", 0.1);
       s.attention_dropout = c.value("attn_pdrop", 0.1);
       s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", true);
+    } else if (type == "qwen3_next") {
+      // transformers' Qwen3NextConfig defaults for the keys a config leaves out.
+      s.arch = HfArchitecture::qwen3_next;
+      s.hidden_size = need("hidden_size").get<int>();
+      s.num_layers = need("num_hidden_layers").get<int>();
+      s.num_attention_heads = need("num_attention_heads").get<int>();
+      s.num_query_groups = c.value("num_key_value_heads", 2);
+      s.head_dim = c.value("head_dim", 256);
+      s.ffn_hidden_size = need("intermediate_size").get<int>();
+      s.max_position_embeddings = need("max_position_embeddings").get<int>();
+      s.layernorm = false;
+      s.apply_layernorm_1p = true;  // (1 + w) RMSNorms
+      s.swiglu = true;
+      s.add_bias_linear = false;
+      s.qk_layernorm = true;
+      s.attention_output_gate = true;
+      if (c.value("attention_bias", false))
+        throw Unsupported("HF qwen3_next config: attention_bias (megatrain's gated attention has no biases)");
+      if (c.value("hidden_act", std::string("silu")) != "silu")
+        throw Unsupported(fmt::format("HF qwen3_next config: hidden_act '{}' (megatrain maps silu, SwiGLU)",
+                                      c.value("hidden_act", std::string())));
+      s.norm_epsilon = c.value("rms_norm_eps", 1e-6);
+      const json* params = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? &c["rope_parameters"] : nullptr;
+      const json* scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? &c["rope_scaling"] : params;
+      auto number = [](const json* j, const char* key, double fallback) {
+        return j && j->contains(key) && (*j)[key].is_number() ? (*j)[key].get<double>() : fallback;
+      };
+      s.rotary_base = number(scaling, "rope_theta", number(&c, "rope_theta", 10000.0));
+      s.rotary_percent = number(scaling, "partial_rotary_factor", number(&c, "partial_rotary_factor", 0.25));
+      if (scaling && scaling->value("rope_type", scaling->value("type", std::string("default"))) != "default")
+        throw Unsupported(fmt::format("HF qwen3_next config: rope scaling {} (megatrain maps plain RoPE for Qwen3-Next)",
+                                      scaling->dump()));
+      s.gdn_conv = c.value("linear_conv_kernel_dim", 4);
+      s.gdn_dk = c.value("linear_key_head_dim", 128);
+      s.gdn_dv = c.value("linear_value_head_dim", 128);
+      s.gdn_key_heads = c.value("linear_num_key_heads", 16);
+      s.gdn_value_heads = c.value("linear_num_value_heads", 32);
+      if (c.contains("layer_types") && c["layer_types"].is_array()) {
+        const json& types = c["layer_types"];
+        if (static_cast<int>(types.size()) != s.num_layers)
+          fail("HF qwen3_next config: {} layer_types for {} layers", types.size(), s.num_layers);
+        for (const json& t : types) {
+          if (t != "linear_attention" && t != "full_attention")
+            throw Unsupported(fmt::format("HF qwen3_next config: layer type {} (megatrain has linear_attention and "
+                                          "full_attention)", t.dump()));
+          s.gdn_layers.push_back(t == "linear_attention" ? 1 : 0);
+        }
+      } else {  // every full_attention_interval-th layer (1-based) softmax attention
+        const int every = std::max(1, c.value("full_attention_interval", 4));
+        for (int l = 0; l < s.num_layers; ++l) s.gdn_layers.push_back((l + 1) % every == 0 ? 0 : 1);
+      }
+      read_qwen_moe(c, type, s);
+      s.attention_dropout = c.value("attention_dropout", 0.0);
+      s.hidden_dropout = 0.0;
+      s.untie_embeddings_and_output_weights = !c.value("tie_word_embeddings", false);
     } else if (type == "deepseek_v3") {
       s.arch = HfArchitecture::deepseek_v3;
       s.hidden_size = need("hidden_size").get<int>();
@@ -1017,7 +1190,7 @@ HfModelSpec hf_spec_from_config(const json& c, int make_vocab_size_divisible_by,
     } else {
       throw Unsupported(
           fmt::format("HF model_type '{}' (megatrain maps gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtral, "
-                      "qwen2_moe, qwen3_moe and deepseek_v3)", type));
+                      "qwen2_moe, qwen3_moe, qwen3_next and deepseek_v3)", type));
     }
     s.vocab_size = need("vocab_size").get<int>();
     s.init_method_std = c.value("initializer_range", 0.02);
@@ -1121,6 +1294,49 @@ void mla_rope_rows(const HostArray& src, HostArray& dst, const HfTensorMapping& 
 }
 }  // namespace
 
+namespace {
+
+// The row moves of the transforms that permute whole rows between our tensor and its HF tensors:
+// rows [ours_row, + rows) of ours are rows [hf_row, + rows) of HF tensor `part`.
+struct RowBlock {
+  int64_t ours_row, hf_row, rows;
+  int part;
+};
+
+std::vector<RowBlock> row_blocks(const HfTensorMapping& m, const HfModelSpec& s) {
+  std::vector<RowBlock> b;
+  if (m.transform == HfTransform::qkvg_split) {
+    // Ours per query group [q (qpg heads) | gate (qpg heads) | k | v]; q_proj per head [q | gate].
+    const int64_t G = s.num_query_groups, qpg = s.num_attention_heads / G, d = s.head_dim;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t base = g * (2 * qpg + 2) * d;
+      for (int64_t r = 0; r < qpg; ++r) {
+        const int64_t j = g * qpg + r;
+        b.push_back({base + r * d, 2 * j * d, d, 0});
+        b.push_back({base + (qpg + r) * d, (2 * j + 1) * d, d, 0});
+      }
+      b.push_back({base + 2 * qpg * d, g * d, d, 1});
+      b.push_back({base + (2 * qpg + 1) * d, g * d, d, 2});
+    }
+  } else if (m.transform == HfTransform::gdn_in_proj || m.transform == HfTransform::gdn_conv) {
+    const int64_t kh = s.gdn_key_heads, rep = s.gdn_value_heads / kh, dk = s.gdn_dk, dv = s.gdn_dv;
+    const int64_t qkvz = 2 * dk + 2 * rep * dv, conv = 2 * dk + rep * dv;
+    for (int64_t g = 0; g < kh; ++g) {
+      if (m.transform == HfTransform::gdn_in_proj) {
+        b.push_back({g * (qkvz + 2 * rep), g * qkvz, qkvz, 0});
+        b.push_back({g * (qkvz + 2 * rep) + qkvz, g * 2 * rep, 2 * rep, 1});
+      } else {
+        b.push_back({g * conv, g * dk, dk, 0});
+        b.push_back({g * conv + dk, kh * dk + g * dk, dk, 0});
+        b.push_back({g * conv + 2 * dk, 2 * kh * dk + g * rep * dv, rep * dv, 0});
+      }
+    }
+  }
+  return b;
+}
+
+}  // namespace
+
 std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const HostArray& ours) {
   check_shape(ours, m.our_shape, m.ours);
   const size_t elem = dtype_size(ours.dtype);
@@ -1170,6 +1386,15 @@ std::vector<HostArray> export_hf_tensor(const HfTensorMapping& m, const HfModelS
       break;
     case HfTransform::zeros:
       break;  // (export_hf writes zeros for a mapping without a tensor of ours)
+    case HfTransform::qkvg_split:
+    case HfTransform::gdn_in_proj:
+    case HfTransform::gdn_conv: {
+      const size_t row = static_cast<size_t>(cols) * elem;
+      for (const RowBlock& b : row_blocks(m, s))
+        std::memcpy(out.at(static_cast<size_t>(b.part)).bytes.data() + b.hf_row * row, ours.bytes.data() + b.ours_row * row,
+                    b.rows * row);
+      break;
+    }
     case HfTransform::fc1_split: {
       size_t at = 0;
       for (HostArray& part : out) {
@@ -1240,6 +1465,15 @@ HostArray import_hf_tensor(const HfTensorMapping& m, const HfModelSpec& s, const
       break;
     case HfTransform::zeros:
       break;  // (import_hf writes nothing for it)
+    case HfTransform::qkvg_split:
+    case HfTransform::gdn_in_proj:
+    case HfTransform::gdn_conv: {
+      const size_t row = static_cast<size_t>(cols) * elem;
+      for (const RowBlock& b : row_blocks(m, s))
+        std::memcpy(out.bytes.data() + b.ours_row * row, hf.at(static_cast<size_t>(b.part)).bytes.data() + b.hf_row * row,
+                    b.rows * row);
+      break;
+    }
     case HfTransform::fc1_split: {
       size_t at = 0;
       for (const HostArray& part : hf) {

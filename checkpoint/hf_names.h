@@ -30,7 +30,8 @@
 
 namespace mt {
 
-enum class HfArchitecture { gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtral, qwen2_moe, qwen3_moe, deepseek_v3 };
+enum class HfArchitecture { gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtral, qwen2_moe, qwen3_moe, qwen3_next,
+                            deepseek_v3 };
 // "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 // "NemotronForCausalLM" (Nemotron-4's shape: LayerNorm1P, squared-ReLU MLP, partial RoPE),
 // "MixtralForCausalLM" (Mistral's attention; every layer's MLP a mixture of SwiGLU experts with
@@ -41,6 +42,8 @@ enum class HfArchitecture { gpt2, llama, mistral, qwen2, qwen3, nemotron, mixtra
 // --moe-router-pre-softmax), dense layers where mlp_only_layers says),
 // "Qwen2MoeForCausalLM" (Qwen2's attention with q/k/v biases; Qwen3-MoE's layers plus a shared
 // expert scaled by a sigmoid gate: --moe-shared-expert-intermediate-size, --moe-shared-expert-gate),
+// "Qwen3NextForCausalLM" (Gated DeltaNet layers beside gated softmax-attention layers, zero-centred
+// RMSNorms (--apply-layernorm-1p), q/k norms, partial RoPE, Qwen2-MoE's MoE layers or dense MLPs),
 // "DeepseekV3ForCausalLM" (multi-latent attention; dense layers, then MoE layers of SwiGLU experts
 // with sigmoid group-limited routing, the expert bias, a scaling factor and shared experts).
 const char* hf_architecture_name(HfArchitecture a);
@@ -100,6 +103,10 @@ struct HfModelSpec {
   std::vector<int> moe_layers;
   bool norm_topk_prob = true;
   bool shared_expert_gate = false;
+  // Qwen3-Next: which layers are Gated DeltaNet (1) or softmax attention (0), and the Gated DeltaNet
+  // heads: key (query) heads of gdn_dk, value heads of gdn_dv, the convolution's taps.
+  std::vector<int> gdn_layers;
+  int gdn_key_heads = 0, gdn_value_heads = 0, gdn_dk = 0, gdn_dv = 0, gdn_conv = 4;
   bool is_moe_layer(int layer) const {
     return num_experts > 0 && (moe_layers.empty() || moe_layers.at(static_cast<size_t>(layer)) != 0);
   }
@@ -150,6 +157,10 @@ enum class HfTransform {
   mla_kv_rope,    // MLA kv_a_proj_with_mqa: [kv_lora; rope] rows, the same for its rope rows
   zeros,          // no tensor of ours (ours empty): export writes zeros (DeepSeek-V3's expert bias
                   // of a model without one), import checks nothing
+  qkvg_split,     // ours fused gated QKV [q | gate | k | v] per group <-> Qwen3-Next's q_proj (per
+                  // head [q | gate]), k_proj, v_proj
+  gdn_in_proj,    // ours per key head [q k v z | beta alpha] <-> in_proj_qkvz, in_proj_ba (per key head)
+  gdn_conv,       // ours conv channels per key head [q k v] <-> HF's [all q | all k | all v] (Conv1d [C, 1, K])
 };
 
 struct HfTensorMapping {

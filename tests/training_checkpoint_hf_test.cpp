@@ -4,6 +4,7 @@
 // (tests/hf/check_hf_logits.py does the same against transformers where torch is installed.)
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <cstring>
@@ -65,6 +66,19 @@ const std::string kQwen3Moe = kQwen3 + " --num-experts 4 --moe-router-topk 2 --m
 const std::string kQwen2Moe = kQwen2 + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 "
                                        "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 16 "
                                        "--moe-shared-expert-gate --moe-grouped-gemm";
+// Qwen3-Next: three Gated DeltaNet layers (2 key heads of 6, 4 value heads of 5) and a gated
+// softmax-attention layer (3 heads of 10, one KV head, q/k norms, RoPE over 4 of 10 dims),
+// zero-centred norms; MoE layers of 5 experts top-2 with a gated shared expert, layer 2 dense.
+const std::string kQwen3Next = kCommon +
+                               " --num-layers 4 --hidden-size 24 --num-attention-heads 3 --normalization RMSNorm "
+                               "--swiglu --ffn-hidden-size 40 --position-embedding-type rope --group-query-attention "
+                               "--num-query-groups 1 --kv-channels 10 --untie-embeddings-and-output-weights "
+                               "--disable-bias-linear --norm-epsilon 1e-6 --apply-layernorm-1p --qk-layernorm "
+                               "--attention-output-gate --rotary-percent 0.4 --experimental-attention-variant "
+                               "gated_delta_net --linear-attention-freq 4 --linear-num-key-heads 2 "
+                               "--linear-num-value-heads 4 --linear-key-head-dim 6 --linear-value-head-dim 5 "
+                               "--num-experts 5 --moe-router-topk 2 --moe-ffn-hidden-size 12 --moe-layer-freq '[1,0,1,1]' "
+                               "--moe-shared-expert-intermediate-size 8 --moe-shared-expert-gate --moe-grouped-gemm";
 // DeepSeek-V3: multi-latent attention (a query LoRA, both latent norms, plain RoPE), a dense layer,
 // then an MoE layer of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling
 // factor and a shared expert of two experts' size; one MTP depth (DeepSeek's model.layers.{L} layout).
@@ -176,7 +190,7 @@ TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's l
 TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's flags train from it", "[ckpt-train][hf]") {
   for (const std::string& model :
        {kGpt, kGptErf, kLlama, kQwen2, kMistralWindow, kQwen2Window, kNemotron, kNemotronBias, kMixtral, kDeepseek,
-        kQwen3, kQwen3Moe, kQwen2Moe}) {
+        kQwen3, kQwen3Moe, kQwen2Moe, kQwen3Next}) {
     TempDir dir;
     const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
     megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
@@ -186,11 +200,12 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     const bool llama = model == kLlama, qwen2 = model == kQwen2 || model == kQwen2Window, mistral = model == kMistralWindow;
     const bool nemotron = model == kNemotron || model == kNemotronBias, mixtral = model == kMixtral;
     const bool deepseek = model == kDeepseek, qwen3 = model == kQwen3, qwen3_moe = model == kQwen3Moe,
-               qwen2_moe = model == kQwen2Moe;
+               qwen2_moe = model == kQwen2Moe, qwen3_next = model == kQwen3Next;
     CHECK(config.at("architectures").at(0) == (deepseek    ? "DeepseekV3ForCausalLM"
                                                : qwen3     ? "Qwen3ForCausalLM"
                                                : qwen3_moe ? "Qwen3MoeForCausalLM"
                                                : qwen2_moe ? "Qwen2MoeForCausalLM"
+                                               : qwen3_next ? "Qwen3NextForCausalLM"
                                                : llama    ? "LlamaForCausalLM"
                                                : qwen2    ? "Qwen2ForCausalLM"
                                                : mistral  ? "MistralForCausalLM"
@@ -222,7 +237,15 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       CHECK(config.at("qk_rope_head_dim") == 4);
       CHECK(config.at("num_nextn_predict_layers") == 1);
     }
-    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek && !qwen3 && !qwen3_moe && !qwen2_moe)
+    if (qwen3_next) {
+      CHECK(config.at("layer_types") ==
+            nlohmann::json::array({"linear_attention", "linear_attention", "linear_attention", "full_attention"}));
+      CHECK(config.at("mlp_only_layers") == nlohmann::json::array({1}));
+      CHECK(config.at("partial_rotary_factor") == 0.4);
+      CHECK(config.at("linear_value_head_dim") == 5);
+    }
+    if (!llama && !qwen2 && !mistral && !nemotron && !mixtral && !deepseek && !qwen3 && !qwen3_moe && !qwen2_moe &&
+        !qwen3_next)
       CHECK(config.at("activation_function") == (model == kGptErf ? "gelu" : "gelu_new"));
     if (nemotron) {
       CHECK(config.at("hidden_act") == "relu2");
@@ -252,6 +275,15 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
       b.read(n, whole, mt::Tensor(vb.data(), mt::DType::f32, mt::Device::cpu, {numel}));
       const bool vocab_rows = n == "embedding.word_embeddings.weight" || n == "output_layer.weight";
       const int64_t real = vocab_rows ? 100 * ia.global_cols : numel;
+      // Qwen3-Next's Gated DeltaNet output norm: ours zero-centred (w - 1), HF's plain w, so the
+      // float32 round trip (x + 1) - 1 keeps x to within one float32 step of 1 + x; all else exact.
+      const bool plus_one = qwen3_next && n.find("out_norm.weight") != std::string::npos;
+      if (plus_one) {
+        for (int64_t i = 0; i < numel; ++i)
+          CHECK(std::fabs(va[static_cast<size_t>(i)] - vb[static_cast<size_t>(i)]) <=
+                std::ldexp(1.0, -23) * (1.0 + std::fabs(va[static_cast<size_t>(i)])));
+        continue;
+      }
       CHECK(std::memcmp(va.data(), vb.data(), static_cast<size_t>(real) * sizeof(float)) == 0);
       for (int64_t i = real; i < numel; ++i)
         if (vb[static_cast<size_t>(i)] != vb[static_cast<size_t>(99 * ia.global_cols + i % ia.global_cols)]) {
@@ -262,7 +294,20 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     // The same logits from the original and the round-tripped checkpoint (padding rows play no part).
     megatrain_ok("forward-logits --load " + ckpt + " --tokens " + kTokens + " --output " + (dir / "a.npy"));
     megatrain_ok("forward-logits --load " + back + " --tokens " + kTokens + " --output " + (dir / "b.npy"));
-    CHECK(read_bytes(dir / "a.npy") == read_bytes(dir / "b.npy"));
+    if (qwen3_next) {  // (the output norm's last bits, above)
+      int64_t ra = 0, ca = 0, rb = 0, cb = 0;
+      const std::vector<float> la = read_npy_f32(dir / "a.npy", &ra, &ca), lb = read_npy_f32(dir / "b.npy", &rb, &cb);
+      REQUIRE(la.size() == lb.size());
+      float scale = 0, diff = 0;
+      for (size_t i = 0; i < la.size(); ++i) {
+        scale = std::max(scale, std::fabs(la[i]));
+        diff = std::max(diff, std::fabs(la[i] - lb[i]));
+      }
+      CHECK(scale > 0.1f);
+      CHECK(diff <= 1e-5f * scale);
+    } else {
+      CHECK(read_bytes(dir / "a.npy") == read_bytes(dir / "b.npy"));
+    }
 
     // The printed flag line builds the same model: training from the import loads it (iteration 0).
     const std::string marker = "optimizer flags; loading a release checkpoint restores the weights only and starts at iteration 0):\n";
@@ -283,9 +328,10 @@ TEST_CASE("export-hf then import-hf gives back the parameters, and import-hf's f
     const std::string bare = megatrain_ok("--load " + back + " --use-checkpoint-args --vocab-size 100 --device cpu "
                                           "--mock-data --micro-batch-size 1 --lr 1e-3 --train-iters 1 --eval-iters 0" +
                                           std::string(deepseek    ? " --no-rope-fusion --moe-router-num-groups 2 --moe-router-group-topk 1"
-                                                      : qwen2_moe ? " --moe-shared-expert-gate"
+                                                      : qwen2_moe || qwen3_next ? " --moe-shared-expert-gate"
                                                                   : ""));
-    CHECK(bare.find("Setting num_layers to 2 from checkpoint") != std::string::npos);
+    CHECK(bare.find(std::string("Setting num_layers to ") + (qwen3_next ? "4" : "2") + " from checkpoint") !=
+          std::string::npos);
     auto loss = [](const std::string& log) {
       const size_t at = log.find("lm loss: ");
       return at == std::string::npos ? std::string("(none)") : log.substr(at, 21);

@@ -5,7 +5,8 @@ output); Mistral (Llama's layout) with and without its sliding window, Qwen2 wit
 window on its second layer (--window-size, --window-attn-skip-freq), Nemotron (LayerNorm1P,
 squared ReLU, RoPE over half of each head; with biases), Mixtral (every MLP 4 SwiGLU experts,
 top-2 softmax routing), Qwen3 (per-head q/k norms), Qwen3-MoE (a dense layer beside MoE layers)
-and Qwen2-MoE (top-2 without renormalizing, a gated shared expert), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
+and Qwen2-MoE (top-2 without renormalizing, a gated shared expert), Qwen3-Next (Gated DeltaNet
+layers beside gated attention, zero-centred norms, MoE with a gated shared expert), and DeepSeek-V3 (multi-latent attention with a query LoRA; a dense layer,
 then MoE layers of 4 experts with sigmoid routing over 2 groups, the expert bias, a scaling factor
 and shared experts; imported both with transformers' rope_interleave, as Megatron's MLA rotates,
 and without it; and with DeepSeek's YaRN RoPE).
@@ -71,6 +72,18 @@ MODEL_FLAGS["qwen3_moe"] = (MODEL_FLAGS["qwen3"] + " --num-experts 4 --moe-route
                             "--moe-layer-freq [0,1]")
 MODEL_FLAGS["qwen2_moe"] = (MODEL_FLAGS["qwen2"] + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
                             "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate")
+# Qwen3-Next: three Gated DeltaNet layers and a gated softmax-attention layer (q/k norms, RoPE over
+# a quarter of each head), zero-centred norms; MoE layers of 4 experts top-2 with a gated shared
+# expert, the second layer dense.
+MODEL_FLAGS["qwen3_next"] = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+                             "--num-query-groups 2 --kv-channels 16 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
+                             "--norm-epsilon 1e-6 --apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.25 "
+                             "--untie-embeddings-and-output-weights --disable-bias-linear --qk-layernorm "
+                             "--attention-output-gate --experimental-attention-variant gated_delta_net "
+                             "--linear-attention-freq 4 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+                             "--linear-key-head-dim 16 --linear-value-head-dim 8 --num-experts 4 --moe-router-topk 2 "
+                             "--moe-ffn-hidden-size 32 --moe-layer-freq [1,0,1,1] --moe-shared-expert-intermediate-size 48 "
+                             "--moe-shared-expert-gate")
 # With one MTP depth: exported as DeepSeek's checkpoints hold it (model.layers.3.*), which
 # transformers must load beside the model (it leaves the depth unused): export only.
 MODEL_FLAGS["deepseek_mtp"] = MODEL_FLAGS["deepseek"] + " --mtp-num-layers 1"
@@ -176,6 +189,15 @@ def import_direction(args, kind, work):
                                                  num_experts_per_tok=2, moe_intermediate_size=48,
                                                  shared_expert_intermediate_size=64, norm_topk_prob=False,
                                                  mlp_only_layers=[1], **common)
+        elif kind == "qwen3_next":
+            config = transformers.Qwen3NextConfig(**{**common, "num_hidden_layers": 4}, rms_norm_eps=1e-6, head_dim=16,
+                                                  partial_rotary_factor=0.25, tie_word_embeddings=False,
+                                                  layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                                  linear_num_key_heads=2, linear_num_value_heads=4,
+                                                  linear_key_head_dim=16, linear_value_head_dim=8,
+                                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                  norm_topk_prob=True, mlp_only_layers=[1])
         elif kind == "mistral_window":
             config = transformers.MistralConfig(rms_norm_eps=1e-5, sliding_window=5, tie_word_embeddings=False,
                                                 **common)
@@ -219,7 +241,8 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     ok = True
     kinds = args.only.split(",") if args.only else ("gpt", "llama", "qwen2", "mistral", "mistral_window", "qwen2_window",
-                                                    "nemotron", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek",
+                                                    "nemotron", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next",
+                                                    "deepseek",
                                                     "deepseek_halves", "deepseek_yarn", "deepseek_mtp")
     for kind in kinds:
         for direction in (export_direction, import_direction):
