@@ -625,6 +625,42 @@ std::vector<HfTensorMapping> hf_tensor_mappings(const HfModelSpec& s) {
 // ---------------------------------------------------------------------------------------------
 // config.json
 
+namespace {
+
+// The keys DeepSeek-V3's and Qwen3-Next's configs write alike (SwiGLU, RMSNorm, plain RoPE).
+void silu_rope_keys(json& c, const HfModelSpec& s) {
+  c["vocab_size"] = s.vocab_size;
+  c["hidden_size"] = s.hidden_size;
+  c["num_hidden_layers"] = s.num_layers;
+  c["num_attention_heads"] = s.num_attention_heads;
+  c["hidden_act"] = "silu";
+  c["max_position_embeddings"] = s.max_position_embeddings;
+  c["initializer_range"] = s.init_method_std;
+  c["rms_norm_eps"] = s.norm_epsilon;
+  c["rope_theta"] = s.rotary_base;
+  c["rope_scaling"] = nullptr;
+}
+
+// Qwen's MoE keys: MoE on every layer but mlp_only_layers (decoder_sparse_step 1), and the gated
+// shared expert's size where the family has one.
+void qwen_moe_keys(json& c, const HfModelSpec& s) {
+  c["num_experts"] = s.num_experts;
+  c["num_experts_per_tok"] = s.moe_topk;
+  c["moe_intermediate_size"] = s.moe_ffn_hidden_size;
+  c["norm_topk_prob"] = s.norm_topk_prob;
+  c["decoder_sparse_step"] = 1;
+  json dense = json::array();
+  for (int layer = 0; layer < s.num_layers; ++layer)
+    if (!s.is_moe_layer(layer)) dense.push_back(layer);
+  c["mlp_only_layers"] = dense;
+  c["router_aux_loss_coef"] = s.router_aux_loss_coef;
+  c["output_router_logits"] = false;
+  if (s.arch == HfArchitecture::qwen2_moe || s.arch == HfArchitecture::qwen3_next)
+    c["shared_expert_intermediate_size"] = s.num_experts > 0 ? s.shared_expert_ffn : 0;
+}
+
+}  // namespace
+
 json hf_config_json(const HfModelSpec& s) {
   s.validate();
   json c;
@@ -651,19 +687,10 @@ json hf_config_json(const HfModelSpec& s) {
     const bool moe = s.num_experts > 0;
     c["architectures"] = {"Qwen3NextForCausalLM"};
     c["model_type"] = "qwen3_next";
-    c["vocab_size"] = s.vocab_size;
-    c["hidden_size"] = s.hidden_size;
+    silu_rope_keys(c, s);
     c["intermediate_size"] = s.ffn_hidden_size;
-    c["num_hidden_layers"] = s.num_layers;
-    c["num_attention_heads"] = s.num_attention_heads;
     c["num_key_value_heads"] = s.num_query_groups;
     c["head_dim"] = s.head_dim;
-    c["hidden_act"] = "silu";
-    c["max_position_embeddings"] = s.max_position_embeddings;
-    c["initializer_range"] = s.init_method_std;
-    c["rms_norm_eps"] = s.norm_epsilon;
-    c["rope_theta"] = s.rotary_base;
-    c["rope_scaling"] = nullptr;
     c["partial_rotary_factor"] = s.rotary_percent;
     c["attention_bias"] = false;
     c["attention_dropout"] = s.attention_dropout;
@@ -676,30 +703,19 @@ json hf_config_json(const HfModelSpec& s) {
     c["linear_value_head_dim"] = s.gdn_dv;
     c["linear_num_key_heads"] = s.gdn_key_heads;
     c["linear_num_value_heads"] = s.gdn_value_heads;
-    // MoE on every layer but mlp_only_layers; a dense model lists every layer there.
-    c["num_experts"] = s.num_experts;
-    c["num_experts_per_tok"] = moe ? s.moe_topk : 1;
-    c["moe_intermediate_size"] = moe ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
-    c["shared_expert_intermediate_size"] = moe ? s.shared_expert_ffn : 0;
-    c["norm_topk_prob"] = s.norm_topk_prob;
-    c["decoder_sparse_step"] = 1;
-    json dense = json::array();
-    for (int layer = 0; layer < s.num_layers; ++layer)
-      if (!s.is_moe_layer(layer)) dense.push_back(layer);
-    c["mlp_only_layers"] = dense;
-    c["router_aux_loss_coef"] = s.router_aux_loss_coef;
-    c["output_router_logits"] = false;
+    qwen_moe_keys(c, s);  // (a dense model lists every layer in mlp_only_layers)
+    if (!moe) {
+      c["num_experts_per_tok"] = 1;
+      c["moe_intermediate_size"] = s.ffn_hidden_size;
+    }
   } else if (s.arch == HfArchitecture::deepseek_v3) {
     // (Dense-only models carry MoE fields the dense layers never read.)
     const bool moe = s.first_dense_layers < s.num_layers;
     c["architectures"] = {"DeepseekV3ForCausalLM"};
     c["model_type"] = "deepseek_v3";
-    c["vocab_size"] = s.vocab_size;
-    c["hidden_size"] = s.hidden_size;
+    silu_rope_keys(c, s);
     c["intermediate_size"] = s.ffn_hidden_size;
     c["moe_intermediate_size"] = moe ? s.moe_ffn_hidden_size : s.ffn_hidden_size;
-    c["num_hidden_layers"] = s.num_layers;
-    c["num_attention_heads"] = s.num_attention_heads;
     c["num_key_value_heads"] = s.num_attention_heads;
     c["n_shared_experts"] = moe ? s.shared_expert_ffn / s.moe_ffn_hidden_size : 0;
     c["n_routed_experts"] = moe ? s.num_experts : 1;
@@ -718,12 +734,6 @@ json hf_config_json(const HfModelSpec& s) {
     c["v_head_dim"] = s.v_head_dim;
     c["head_dim"] = s.qk_rope_head_dim;
     c["rope_interleave"] = s.rope_interleave;
-    c["hidden_act"] = "silu";
-    c["max_position_embeddings"] = s.max_position_embeddings;
-    c["initializer_range"] = s.init_method_std;
-    c["rms_norm_eps"] = s.norm_epsilon;
-    c["rope_theta"] = s.rotary_base;
-    c["rope_scaling"] = nullptr;
     if (s.yarn) {
       // transformers takes the factor as max_position_embeddings / original_max_position_embeddings
       // when the latter is given (DeepSeek-V3's config): given only where that ratio is the factor.
@@ -755,20 +765,7 @@ json hf_config_json(const HfModelSpec& s) {
       c["output_router_logits"] = false;
       c["router_jitter_noise"] = 0.0;
     }
-    if (qwen_moe) {  // MoE on every layer but mlp_only_layers (decoder_sparse_step 1)
-      c["num_experts"] = s.num_experts;
-      c["num_experts_per_tok"] = s.moe_topk;
-      c["moe_intermediate_size"] = s.moe_ffn_hidden_size;
-      c["norm_topk_prob"] = s.norm_topk_prob;
-      c["decoder_sparse_step"] = 1;
-      json dense = json::array();
-      for (int layer = 0; layer < s.num_layers; ++layer)
-        if (!s.is_moe_layer(layer)) dense.push_back(layer);
-      c["mlp_only_layers"] = dense;
-      c["router_aux_loss_coef"] = s.router_aux_loss_coef;
-      c["output_router_logits"] = false;
-      if (s.arch == HfArchitecture::qwen2_moe) c["shared_expert_intermediate_size"] = s.shared_expert_ffn;
-    }
+    if (qwen_moe) qwen_moe_keys(c, s);
     c["num_hidden_layers"] = s.num_layers;
     c["num_attention_heads"] = s.num_attention_heads;
     c["num_key_value_heads"] = s.num_query_groups;
