@@ -175,10 +175,11 @@ TEST_CASE("export-hf: numpy's Llama forward of the export gives megatrain's logi
   check_numpy_logits(kMixtral, "Mixtral (4 experts, top-2)");
 }
 
-TEST_CASE("export-hf: numpy's Qwen3, Qwen3-MoE and Qwen2-MoE forwards of the export give megatrain's logits", "[ckpt-train][hf][python]") {
+TEST_CASE("export-hf: numpy's Qwen3, Qwen3-MoE, Qwen2-MoE and Qwen3-Next forwards of the export give megatrain's logits", "[ckpt-train][hf][python]") {
   check_numpy_logits(kQwen3, "Qwen3 (q/k norms, head dim 10)");
   check_numpy_logits(kQwen3Moe, "Qwen3-MoE (a dense layer, then 4 experts top-2)");
   check_numpy_logits(kQwen2Moe, "Qwen2-MoE (top-2 without renormalizing, a gated shared expert)");
+  check_numpy_logits(kQwen3Next, "Qwen3-Next (Gated DeltaNet and gated attention layers, MoE with a gated shared expert)");
 }
 
 TEST_CASE("export-hf: numpy's Nemotron forward of the export gives megatrain's logits (LayerNorm1P, squared ReLU, "

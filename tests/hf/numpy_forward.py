@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """GPT2LMHeadModel / LlamaForCausalLM (and Mistral, Qwen2 with their sliding windows, Nemotron, Mixtral,
-Qwen3, Qwen3-MoE, Qwen2-MoE) forward in numpy (float64), from a Hugging Face directory
+Qwen3, Qwen3-MoE, Qwen2-MoE, Qwen3-Next) forward in numpy (float64), from a Hugging Face directory
 (config.json + model.safetensors or its index): the oracle CI checks `megatrain export-hf` against
 without torch. Written from the models' definitions (transformers' modeling_gpt2.py and
 modeling_llama.py semantics: pre-norm blocks, causal softmax attention scaled by 1/sqrt(d), GPT-2's
 Conv1D [in, out] weights, Llama's rotate-half RoPE, RMSNorm, SwiGLU, grouped KV heads; Qwen3's
 per-head q/k RMSNorm before RoPE; the Qwen MoE blocks' softmax top-k routing over per-expert SwiGLUs,
-Qwen2-MoE's sigmoid-gated shared expert). Keys a config.json leaves out take transformers' defaults.
+Qwen2-MoE's sigmoid-gated shared expert; Qwen3-Next's Gated DeltaNet layers, the gated delta rule run
+token by token, beside its gated softmax attention). Keys a config.json leaves out take transformers'
+defaults.
 
   numpy_forward.py HF_DIR TOKENS [--compare LOGITS.npy] [--atol A] [--rtol R]
 
@@ -224,18 +226,19 @@ def route(z, k, renormalize):
 
 
 def sparse_layer(c, i):
-    """Qwen3-MoE's / Qwen2-MoE's rule: layer i is a sparse MoE block unless listed in mlp_only_layers,
-    when num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
-    if c["model_type"] not in ("qwen3_moe", "qwen2_moe"):
+    """Qwen3-MoE's / Qwen2-MoE's / Qwen3-Next's rule: layer i is a sparse MoE block unless listed in
+    mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
+    if c["model_type"] not in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         return False
     return (i not in (c.get("mlp_only_layers") or []) and c["num_experts"] > 0
             and (i + 1) % c["decoder_sparse_step"] == 0)
 
 
 def qwen_moe(c, h, lin):
-    """Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock: route(gate(h)) to num_experts_per_tok of the
-    num_experts SwiGLU experts (experts.{e}.gate_proj / up_proj / down_proj), weights renormalized
-    when norm_topk_prob; Qwen2-MoE adds sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
+    """Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock / Qwen3NextSparseMoeBlock: route(gate(h)) to
+    num_experts_per_tok of the num_experts SwiGLU experts (experts.{e}.gate_proj / up_proj / down_proj,
+    the Hub's names: transformers 5 stacks them only once loaded), weights renormalized when
+    norm_topk_prob; Qwen2-MoE and Qwen3-Next add sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
     chosen, weights = route(lin(h, "gate"), c["num_experts_per_tok"], c["norm_topk_prob"])
     out = np.zeros_like(h)
     for e in range(c["num_experts"]):
@@ -243,7 +246,7 @@ def qwen_moe(c, h, lin):
         rows = np.flatnonzero((chosen == e).any(axis=-1))
         if rows.size:
             out[rows] += wt[rows, None] * swiglu(h[rows], lin, f"experts.{e}.")
-    if c["model_type"] == "qwen2_moe":
+    if c["model_type"] in ("qwen2_moe", "qwen3_next"):
         out += swiglu(h, lin, "shared_expert.") / (1.0 + np.exp(-lin(h, "shared_expert_gate")))
     return out
 
@@ -259,6 +262,140 @@ def mixtral_moe(c, h, lin):
     return out
 
 
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    """torch's F.softplus (beta 1, threshold 20: x itself above 20)."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def qwen3_next_layer_types(c):
+    """config.layer_types, or as Qwen3NextConfig derives it: every full_attention_interval-th layer
+    (default 4) full attention, the others linear attention."""
+    if c.get("layer_types") is not None:
+        return c["layer_types"]
+    n = c.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % n else "full_attention" for i in range(c["num_hidden_layers"])]
+
+
+def qwen3_next_rotary_factor(c):
+    """transformers 5: partial_rotary_factor from the rope dict, else the top level, else 0.25 (4.57 reads
+    the top level alone, defaulting to 0.25 too)."""
+    _, r, _ = rope_parameters(c)
+    top = c.get("partial_rotary_factor")
+    factor = r.get("partial_rotary_factor", 0.25 if top is None else top)
+    if top is not None and factor != top:
+        raise SystemExit("numpy_forward.py: partial_rotary_factor differs between the top level and the rope dict")
+    return factor
+
+
+def gated_delta_rule(q, k, v, g, beta):
+    """The gated delta rule, token by token (transformers' torch_recurrent_gated_delta_rule; its chunked
+    form computes the same). q, k [T, H, dk] (normalized, q scaled), v [T, H, dv], g, beta [T, H]; each
+    head's state S [dk, dv] starts at 0, then for each t: S = exp(g_t) S, S += k_t (beta_t (v_t - S^T k_t))^T,
+    output_t = S^T q_t."""
+    T, H, dk = k.shape
+    S = np.zeros((H, dk, v.shape[-1]))
+    out = np.zeros_like(v)
+    for t in range(T):
+        S = S * np.exp(g[t])[:, None, None]
+        delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", S, k[t]))
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return out
+
+
+def gated_delta_net(c, h, w, p, eps):
+    """Qwen3NextGatedDeltaNet on h [T, hidden], its weights named p + ... . in_proj_qkvz's rows come in
+    linear_num_key_heads groups, one a key head: [q (dk) | k (dk) | v (r * dv) | z (r * dv)], the v / z
+    parts those of the key head's r = num_v_heads / num_k_heads value heads in turn; in_proj_ba's the
+    same way, [b (r) | a (r)]. The causal depthwise conv1d (weight [channels, 1, K], no bias, then SiLU)
+    runs over the channels [all q heads | all k heads | all v heads]; q and k are then L2-normalized
+    (eps 1e-6 under the root), q scaled by dk^-0.5, and each shared by its r value heads in turn;
+    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias). Each value head's output is RMSNormed
+    (plain weight, not 1 + weight) times silu(z), then out_proj."""
+    T = h.shape[0]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    r = nv // nk
+    qkvz = (h @ w[p + "in_proj_qkvz.weight"].T).reshape(T, nk, 2 * dk + 2 * r * dv)
+    ba = (h @ w[p + "in_proj_ba.weight"].T).reshape(T, nk, 2 * r)
+    z = qkvz[..., 2 * dk + r * dv:].reshape(T, nv, dv)
+    b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
+    mixed = np.concatenate([qkvz[..., :dk].reshape(T, -1), qkvz[..., dk:2 * dk].reshape(T, -1),
+                            qkvz[..., 2 * dk:2 * dk + r * dv].reshape(T, -1)], axis=-1)
+    kernel = w[p + "conv1d.weight"][:, 0, :]  # [channels, K]
+    K = kernel.shape[1]
+    padded = np.concatenate([np.zeros((K - 1, mixed.shape[1])), mixed])
+    conv = sum(padded[j:j + T] * kernel[:, j] for j in range(K))
+    conv = conv * sigmoid(conv)
+    q = conv[:, :nk * dk].reshape(T, nk, dk)
+    k = conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk)
+    v = conv[:, 2 * nk * dk:].reshape(T, nv, dv)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / math.sqrt(dk)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    beta = sigmoid(b)
+    g = -np.exp(w[p + "A_log"]) * softplus(a + w[p + "dt_bias"])
+    o = gated_delta_rule(np.repeat(q, r, axis=1), np.repeat(k, r, axis=1), v, g, beta)
+    o = rms_norm(o, w[p + "norm.weight"], eps) * z * sigmoid(z)
+    return o.reshape(T, nv * dv) @ w[p + "out_proj.weight"].T
+
+
+def qwen3_next_logits(c, w, tokens):
+    """Qwen3NextForCausalLM: every RMSNorm but the Gated DeltaNet's zero-centred (x / rms * (1 + w));
+    layer_types' linear_attention layers a gated_delta_net, the full_attention ones softmax attention
+    whose q_proj gives each head [q (head_dim) | gate (head_dim)], q/k norms before RoPE on the first
+    partial_rotary_factor of each head, the heads' output times sigmoid(gate) before o_proj; MLPs as
+    Qwen2-MoE's (sparse_layer, qwen_moe with its gated shared expert) or a SwiGLU of intermediate_size."""
+    if c.get("hidden_act", "silu") != "silu":
+        raise SystemExit(f"numpy_forward.py: Qwen3-Next hidden_act {c['hidden_act']} is not implemented")
+    E, H, G = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or E // H
+    eps = c.get("rms_norm_eps", 1e-6)
+    rot = int(d * qwen3_next_rotary_factor(c))
+    T = len(tokens)
+    ang = np.arange(T, dtype=np.float64)[:, None] * llama_inv_freq(c, rot)[None]
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    types = qwen3_next_layer_types(c)
+
+    def lin(x, name):
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
+    def norm(x, name):
+        return rms_norm(x, 1.0 + w[name + ".weight"], eps)
+
+    def rope_part(x):
+        return np.concatenate([rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
+
+    x = w["model.embed_tokens.weight"][tokens]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = norm(x, p + "input_layernorm")
+        if types[i] == "linear_attention":
+            x = x + gated_delta_net(c, h, w, p + "linear_attn.", eps)
+        elif types[i] == "full_attention":
+            qg = lin(h, p + "self_attn.q_proj").reshape(T, H, 2 * d)
+            q = rope_part(norm(qg[..., :d], p + "self_attn.q_norm"))
+            k = rope_part(norm(lin(h, p + "self_attn.k_proj").reshape(T, G, d), p + "self_attn.k_norm"))
+            v = lin(h, p + "self_attn.v_proj").reshape(T, G, d)
+            o = causal_attention(q, k, v) * sigmoid(qg[..., d:].reshape(T, H * d))
+            x = x + lin(o, p + "self_attn.o_proj")
+        else:
+            raise SystemExit(f"numpy_forward.py: Qwen3-Next layer type {types[i]} is not implemented")
+        h = norm(x, p + "post_attention_layernorm")
+        if sparse_layer(c, i):
+            x = x + qwen_moe(c, h, lambda a, n: lin(a, p + "mlp." + n))
+        else:
+            x = x + swiglu(h, lambda a, n: lin(a, p + "mlp." + n))
+    x = norm(x, "model.norm")
+    out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return x @ out.T
+
+
 # transformers' defaults (its configuration_*.py) for the keys read here that a config.json may leave out.
 TRANSFORMERS_DEFAULTS = {
     "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
@@ -267,6 +404,9 @@ TRANSFORMERS_DEFAULTS = {
                   "norm_topk_prob": False, "decoder_sparse_step": 1},
     "qwen2_moe": {"num_key_value_heads": 16, "sliding_window": 4096, "max_window_layers": 28, "num_experts": 60,
                   "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512,
+                   "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1},
 }
 
 
@@ -283,6 +423,8 @@ def logits_of(hf_dir, tokens):
     w = load_weights(hf_dir)
     if c["model_type"] == "gpt2":
         return gpt2_logits(c, w, tokens)
+    if c["model_type"] == "qwen3_next":  # (Hub checkpoints' mtp.* weights, transformers ignores too, go unread)
+        return qwen3_next_logits(c, w, tokens)
     # (Qwen2, Qwen2-MoE: q/k/v biases, Qwen3 with attention_bias: q/k/v/o biases: lin() adds them)
     if c["model_type"] in ("llama", "mistral", "qwen2", "nemotron", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe"):
         return llama_logits(c, w, tokens)
