@@ -337,11 +337,21 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
     writer.add(m.ours, CheckpointKind::model, ShardIndex::whole(rows, cols),
                Tensor(const_cast<unsigned char*>(a.bytes.data()), a.dtype, Device::cpu, {a.numel()}), m.our_shape);
   }
-  // Tensors the mapping does not use: a tied lm_head copy, attention-mask buffers, rotary tables.
-  for (const std::string& n : hf.unused())
+  // Tensors the mapping does not use: a tied lm_head copy, attention-mask buffers, rotary tables;
+  // Qwen3-Next's multi-token prediction layers (mtp.*, which transformers leaves unused too) in one line.
+  int64_t mtp = 0;
+  for (const std::string& n : hf.unused()) {
+    if (n.rfind("mtp.", 0) == 0) {
+      ++mtp;
+      continue;
+    }
     if (!(n == "lm_head.weight" && !r.spec.untie_embeddings_and_output_weights) && n.find("attn.bias") == std::string::npos &&
         n.find("masked_bias") == std::string::npos && n.find("rotary_emb.inv_freq") == std::string::npos)
       log::warn0("import-hf: the Hugging Face tensor '{}' has no megatrain counterpart and is not imported", n);
+  }
+  if (mtp > 0)
+    log::warn0("import-hf: {} multi-token prediction tensors (mtp.*) are not imported (transformers does not use them "
+               "either; megatrain's --mtp-num-layers starts its depths from the seed)", mtp);
 
   // The flags of this model as a training run would save them, for --use-checkpoint-args
   // (app/checkpoint_cli_args.h): the same settings the printed flag line gives.
