@@ -351,7 +351,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
   }
   if (mtp > 0)
     log::warn0("import-hf: {} multi-token prediction tensors (mtp.*) are not imported (transformers does not use them "
-               "either; megatrain's --mtp-num-layers starts its depths from the seed)", mtp);
+               "either)", mtp);
 
   // The flags of this model as a training run would save them, for --use-checkpoint-args
   // (app/checkpoint_cli_args.h): the same settings the printed flag line gives.
