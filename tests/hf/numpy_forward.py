@@ -199,13 +199,19 @@ def llama_logits(c, w, tokens):
             x = x + mixtral_moe(c, h, lambda a, n: lin(a, p + "block_sparse_moe." + n))
         elif nemotron:
             x = x + lin(np.maximum(lin(h, p + "mlp.up_proj"), 0.0) ** 2, p + "mlp.down_proj")
-        elif sparse_layer(c, i):
-            x = x + qwen_moe(c, h, lambda a, n: lin(a, p + "mlp." + n))
         else:
-            x = x + swiglu(h, lambda a, n: lin(a, p + "mlp." + n))
-    x = norm(x, "model.norm")
-    out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return x @ out.T
+            x = x + swiglu_or_moe(c, i, h, lambda a, n: lin(a, p + "mlp." + n))
+    return output_logits(norm(x, "model.norm"), w)
+
+
+def swiglu_or_moe(c, i, h, lin):
+    """Layer i's MLP: Qwen's sparse MoE block where sparse_layer says, else a SwiGLU."""
+    return qwen_moe(c, h, lin) if sparse_layer(c, i) else swiglu(h, lin)
+
+
+def output_logits(x, w):
+    """The final-normed x times lm_head, or the tied embeddings without one."""
+    return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
 
 
 def swiglu(h, lin, pre=""):
@@ -387,13 +393,8 @@ def qwen3_next_logits(c, w, tokens):
         else:
             raise SystemExit(f"numpy_forward.py: Qwen3-Next layer type {types[i]} is not implemented")
         h = norm(x, p + "post_attention_layernorm")
-        if sparse_layer(c, i):
-            x = x + qwen_moe(c, h, lambda a, n: lin(a, p + "mlp." + n))
-        else:
-            x = x + swiglu(h, lambda a, n: lin(a, p + "mlp." + n))
-    x = norm(x, "model.norm")
-    out = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return x @ out.T
+        x = x + swiglu_or_moe(c, i, h, lambda a, n: lin(a, p + "mlp." + n))
+    return output_logits(norm(x, "model.norm"), w)
 
 
 # transformers' defaults (its configuration_*.py) for the keys read here that a config.json may leave out.
