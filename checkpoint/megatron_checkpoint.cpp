@@ -194,7 +194,8 @@ void MegatronCheckpoint::open_torch() {
       p = q + 1;
     }
     if (numbers.size() == 3)
-      fail("{} holds expert-parallel shards ({}): megatrain has no mixture-of-experts models", directory_, n);
+      throw Unsupported(fmt::format("{} holds expert-parallel shards ({}): megatrain does not import Megatron-LM's "
+                                    "mixture-of-experts checkpoints yet", directory_, n));
     rank_dirs[{numbers[0], numbers.size() == 2 ? numbers[1] : 0}] = join_path(directory_, n);
   }
   if (rank_dirs.empty())
