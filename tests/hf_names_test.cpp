@@ -840,3 +840,76 @@ TEST_CASE("Qwen3-MoE and Qwen2-MoE config.json: MoE layers, norm_topk_prob and t
   s.qk_layernorm = false;
   CHECK_THROWS_AS(s.validate(), Unsupported);
 }
+
+TEST_CASE("Qwen3-Next's row orders: q_proj per head [q | gate], in_proj_qkvz / in_proj_ba per key head, the "
+          "convolution's channels all q, all k, all v", "[hf]") {
+  HfModelSpec s = llama_spec();  // hidden 8, 4 heads of 4 in 2 query groups
+  s.arch = HfArchitecture::qwen3_next;
+  s.qk_layernorm = true;
+  s.apply_layernorm_1p = true;
+  s.attention_output_gate = true;
+  s.gdn_layers = {1, 0};
+  s.gdn_key_heads = 2;
+  s.gdn_value_heads = 4;  // two per key head
+  s.gdn_dk = 3;
+  s.gdn_dv = 2;
+  s.gdn_conv = 4;
+  s.num_experts = 0;
+  const auto ms = hf_tensor_mappings(s);
+  // Each of our rows holds its row index: where it lands names the layout.
+  auto row_ids = [](const HfTensorMapping& m) {
+    const int64_t cols = m.our_shape.size() == 2 ? m.our_shape[1] : 1;
+    return f32_array(m.our_shape, [cols](int64_t i) { return static_cast<float>(i / cols); });
+  };
+  auto hf_row = [](const HostArray& a, int64_t r) {
+    const int64_t cols = a.numel() / a.shape[0];
+    return static_cast<int64_t>(a.ptr<float>()[r * cols]);
+  };
+  {  // ours per group [q (2 heads) | gate (2 heads) | k | v], heads of 4
+    const HfTensorMapping& m = find(ms, "decoder.layers.1.self_attention.linear_qkv.weight");
+    CHECK(m.transform == HfTransform::qkvg_split);
+    const auto out = export_hf_tensor(m, s, row_ids(m));
+    // q_proj head 1 (group 0's second): its q rows are ours 4-7, its gate rows ours 12-15.
+    CHECK(hf_row(out[0], 8) == 4);
+    CHECK(hf_row(out[0], 12) == 12);
+    // head 2 (group 1's first): q from ours 24, gate from ours 32; k_proj / v_proj of group 1.
+    CHECK(hf_row(out[0], 16) == 24);
+    CHECK(hf_row(out[0], 20) == 32);
+    CHECK(hf_row(out[1], 4) == 40);
+    CHECK(hf_row(out[2], 4) == 44);
+    CHECK(import_hf_tensor(m, s, out).bytes == row_ids(m).bytes);
+  }
+  {  // ours per key head [q 3 | k 3 | v 2x2 | z 2x2 | beta 2 | alpha 2] = 18 rows
+    const HfTensorMapping& m = find(ms, "decoder.layers.0.self_attention.in_proj.weight");
+    CHECK(m.hf == std::vector<std::string>{"model.layers.0.linear_attn.in_proj_qkvz.weight",
+                                           "model.layers.0.linear_attn.in_proj_ba.weight"});
+    const auto out = export_hf_tensor(m, s, row_ids(m));
+    CHECK(out[0].shape == std::vector<int64_t>{28, 8});
+    CHECK(hf_row(out[0], 13) == 13);  // key head 0's last z row
+    CHECK(hf_row(out[0], 14) == 18);  // key head 1's first q row
+    CHECK(hf_row(out[1], 0) == 14);   // key head 0's beta
+    CHECK(hf_row(out[1], 3) == 17);   // key head 0's second alpha
+    CHECK(hf_row(out[1], 4) == 32);   // key head 1's first beta
+    CHECK(import_hf_tensor(m, s, out).bytes == row_ids(m).bytes);
+  }
+  {  // ours per key head [q 3 | k 3 | v 4]; HF [q 0 | q 1 | k 0 | k 1 | v 0 | v 1], Conv1d [C, 1, K]
+    const HfTensorMapping& m = find(ms, "decoder.layers.0.self_attention.conv1d.weight");
+    const auto out = export_hf_tensor(m, s, row_ids(m));
+    CHECK(out[0].shape == std::vector<int64_t>{20, 1, 4});
+    CHECK(hf_row(out[0], 3) == 10);   // key head 1's first q channel
+    CHECK(hf_row(out[0], 6) == 3);    // key head 0's first k channel
+    CHECK(hf_row(out[0], 12) == 6);   // key head 0's first v channel
+    CHECK(hf_row(out[0], 16) == 16);  // key head 1's first v channel
+    CHECK(import_hf_tensor(m, s, out).bytes == row_ids(m).bytes);
+  }
+  // The gated output norm: HF's weight plain, ours zero-centred; the others copied as they are.
+  CHECK(find(ms, "decoder.layers.0.self_attention.out_norm.weight").transform == HfTransform::norm_1p);
+  CHECK(find(ms, "decoder.layers.1.self_attention.q_layernorm.weight").transform == HfTransform::copy);
+  CHECK(find(ms, "decoder.final_layernorm.weight").transform == HfTransform::copy);
+  // The gated attention and zero-centred norms are required.
+  s.attention_output_gate = false;
+  CHECK_THROWS_AS(s.validate(), Unsupported);
+  s.attention_output_gate = true;
+  s.apply_layernorm_1p = false;
+  CHECK_THROWS_AS(s.validate(), Unsupported);
+}
