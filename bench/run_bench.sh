@@ -15,6 +15,10 @@
 # and q/k norms (--attention-output-gate --qk-layernorm), dense SwiGLU MLPs; its PyTorch side is
 # bench/pytorch_gdn.py (transformers' Qwen3-Next modules: without flash-linear-attention, their
 # torch delta rule and convolution), after its --self-check. megatrain refuses --fp8 with it.
+# On an H200 (2026-12-05) neither PyTorch side trained within the call's limit: the torch
+# fallbacks ran past 240 s, and with flash-linear-attention importable (its source on PYTHONPATH)
+# the default per-layer torch.compile ran past 210 s without a step; try --pytorch-extra
+# "--compile none" there (fla's kernels are already fused).
 #
 #   bench/run_bench.sh [--configs gpt2-124m,gpt-1.3b,llama-1b] [--iters 30] [--no-pytorch]
 #                      [--megatrain build/app/megatrain] [--extra "<more megatrain flags>"]
