@@ -80,12 +80,10 @@ inline Config tiny_mla_config() {
   return c;
 }
 
-// A tiny Gated DeltaNet hybrid (Qwen3-Next's layout): three layers, the first and last Gated
-// DeltaNet (2 key heads of 4, 4 value heads of 3, 3 convolution taps), the middle one softmax
-// attention with the output gate; LayerNorm with zero-centred weights, as Megatron-LM's test.
-inline Config tiny_gdn_config() {
-  Config c = tiny_llama_config();
-  ModelConfig& m = c.model;
+// Makes a three-layer model a Gated DeltaNet hybrid (Qwen3-Next's layout): the first and last
+// layers Gated DeltaNet with the given heads and convolution taps, the middle one softmax attention
+// with the output gate; LayerNorm with zero-centred weights, as Megatron-LM's test.
+inline void set_gdn_hybrid(ModelConfig& m, int key_heads, int value_heads, int dk, int dv, int conv_taps) {
   m.num_layers = 3;
   m.normalization = Normalization::layernorm;
   m.apply_layernorm_1p = true;
@@ -93,11 +91,17 @@ inline Config tiny_gdn_config() {
   m.gated_delta_net = true;
   m.linear_attention_every = 2;
   m.linear_layer = {1, 0, 1};
-  m.linear_num_key_heads = 2;
-  m.linear_num_value_heads = 4;
-  m.linear_key_head_dim = 4;
-  m.linear_value_head_dim = 3;
-  m.linear_conv_kernel_dim = 3;
+  m.linear_num_key_heads = key_heads;
+  m.linear_num_value_heads = value_heads;
+  m.linear_key_head_dim = dk;
+  m.linear_value_head_dim = dv;
+  m.linear_conv_kernel_dim = conv_taps;
+}
+
+// A tiny one: 2 key heads of 4, 4 value heads of 3, 3 convolution taps.
+inline Config tiny_gdn_config() {
+  Config c = tiny_llama_config();
+  set_gdn_hybrid(c.model, 2, 4, 4, 3, 3);
   derive(c);
   return c;
 }

@@ -11,6 +11,7 @@
 #include "data/batch.h"
 #include "engine/gpt_model.h"
 #include "parallel/parallel_state.h"
+#include "tests/engine_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/model_compare.h"
 
@@ -28,18 +29,7 @@ struct GdnCase {
 // with zero-centred weights (Megatron-LM's test model).
 Config gdn_config(const GdnCase& k) {
   Config c = small_llama_config(3, k.seq, k.batch);
-  ModelConfig& m = c.model;
-  m.normalization = Normalization::layernorm;
-  m.apply_layernorm_1p = true;
-  m.attention_output_gate = true;
-  m.gated_delta_net = true;
-  m.linear_attention_every = 2;
-  m.linear_layer = {1, 0, 1};
-  m.linear_num_key_heads = k.key_heads;
-  m.linear_num_value_heads = k.value_heads;
-  m.linear_key_head_dim = k.dk;
-  m.linear_value_head_dim = k.dv;
-  m.linear_conv_kernel_dim = 4;
+  test::set_gdn_hybrid(c.model, k.key_heads, k.value_heads, k.dk, k.dv, 4);
   return c;
 }
 
