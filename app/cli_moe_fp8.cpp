@@ -163,7 +163,8 @@ void add_moe_flags(FlagTable& t) {
                  MT_FIELD(model.moe.router_padding_for_fp8)),
           "--moe-router-padding-for-quantization");
   t.choice("--moe-token-dispatcher-type",
-           "token dispatcher: allgather, alltoall or flex (the same numerics; megatrain runs its own dispatcher for each)",
+           "token dispatcher under expert parallelism: allgather (every EP rank receives the group's tokens) or "
+           "alltoall / flex (each pair's row sent to its expert's rank); the same results",
            std::vector<std::pair<std::string, MoeDispatcher>>{{"allgather", MoeDispatcher::allgather},
                                                               {"alltoall", MoeDispatcher::alltoall},
                                                               {"flex", MoeDispatcher::flex}},

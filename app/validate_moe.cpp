@@ -252,21 +252,23 @@ void validate_moe(CliState& st) {
   const std::vector<std::string> refused = not_built(st);
   if (refused.empty()) {
     const MoeConfig& e = st.cfg.model.moe;
-    if (e.enabled() && e.token_dispatcher_type == MoeDispatcher::flex) {
-      st.note(fmt::format("--moe-token-dispatcher-type flex: megatrain runs its own dispatcher, the same routing and "
-                          "results as Megatron's flex dispatcher (dropless unless a capacity factor is given){}",
-                          st.cfg.parallel.expert_model_parallel_size > 1
-                              ? fmt::format(", tokens exchanged over the {} expert-parallel ranks by all-gather and "
-                                            "reduce-scatter",
-                                            st.cfg.parallel.expert_model_parallel_size)
-                              : std::string()));
-      return;
-    }
-    if (e.enabled() && st.cfg.parallel.expert_model_parallel_size > 1 && e.token_dispatcher_type != MoeDispatcher::allgather)
-      st.note(fmt::format("--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the {} expert-parallel "
-                          "ranks by all-gather and reduce-scatter (Megatron's allgather dispatcher: the same results, "
-                          "more traffic than an all-to-all, which megatrain does not have yet)",
-                          st.cfg.parallel.expert_model_parallel_size));
+    const ParallelConfig& par = st.cfg.parallel;
+    const int ep = par.expert_model_parallel_size;
+    // (Experts split over TP ranks below TP take the all-gather: engine/blocks/moe.cpp.)
+    const int etp = par.expert_tensor_parallel_size.value_or(par.tensor_model_parallel_size);
+    const bool a2a_built = etp == par.tensor_model_parallel_size || etp == 1;
+    if (e.enabled() && e.token_dispatcher_type == MoeDispatcher::flex)
+      st.note(fmt::format("--moe-token-dispatcher-type flex: megatrain runs its own all-to-all dispatcher, the same "
+                          "routing and results as Megatron's flex dispatcher (dropless unless a capacity factor is "
+                          "given), without DeepEP's or HybridEP's kernels{}",
+                          ep > 1 && !a2a_built ? "; with the experts' TP size between 1 and TP it dispatches by "
+                                                 "all-gather and reduce-scatter"
+                                               : ""));
+    else if (e.enabled() && ep > 1 && e.token_dispatcher_type == MoeDispatcher::alltoall && !a2a_built)
+      st.note(fmt::format("--moe-token-dispatcher-type alltoall with --expert-tensor-parallel-size {} (between 1 and "
+                          "TP {}): megatrain dispatches these tokens by all-gather and reduce-scatter (the same "
+                          "results, more traffic)",
+                          etp, par.tensor_model_parallel_size));
     return;
   }
   std::string msg = refused.front();

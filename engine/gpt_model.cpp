@@ -402,6 +402,7 @@ void GptModel::layout(Arena& a) {
   // DP and PP takes one such buffer from every rank, MoE layers or not).
   if (d_.moe_per_layer_logging) moe_layer_loss_ = a.take(C::workspace, S, {2 * int64_t{d_.num_layers + d_.mtp}});
   moe_host_offsets_.clear();
+  moe_exchanges_.clear();
   moe_bias_ = moe_counts_dev_ = Tensor();
   if (has_expert_bias()) {
     const int64_t n = int64_t{moe_layers()} * d_.experts;

@@ -361,6 +361,7 @@ class GptModel {
   struct MtpParams;
   struct MtpActs;
   struct MoeActs;
+  struct MoeExchange;
   struct LayerActs;
   struct Slot;
   struct Workspace;
@@ -475,12 +476,20 @@ class GptModel {
   bool moe_seq_index_ready_ = false;
   int64_t moe_group_tokens() const;  // the rows the dispatch group gathers (N x EP, or Nl x ETP x EP)
   Communicator* moe_dispatch_group() const;
+  int64_t moe_dispatch_rows() const;  // the rows this rank dispatches (N, or its own Nl)
   int64_t moe_max_rows() const;      // the most (token, slot) pairs this rank's experts receive
   // The grouped GEMMs' expert offsets of a layer's MoeActs and the rows the MoE block's ops run
   // on: on the device (the host never waits for the routing) without expert parallelism, R =
   // moe_max_rows() (with token dropping a bound); else the host copy the forward made (R exact).
   ExpertOffsets moe_offsets(const MoeActs& M, int64_t& rows) const;
   bool moe_offsets_on_device() const;
+  // All-to-all dispatch (ModelDims::moe_alltoall under expert parallelism, each member of the
+  // dispatch group holding experts of its own): the plan of a layer's exchange (this rank's pairs
+  // sorted by expert, the group's chunk sizes, this rank's expert offsets; returns R), and one
+  // exchange of rows between the sorted pairs [P, c] and this rank's expert-major rows [R, c].
+  bool moe_alltoall() const;
+  int64_t moe_exchange_plan(const MoeActs& M, Tensor idx, Communicator& g);
+  void moe_exchange(Communicator& g, const MoeActs& M, Tensor sorted, Tensor perm, bool to_experts);
   // The gating GEMM's operands. Its input: x itself, or (a float32 router, input jitter) x's rows
   // cast and jittered into `buffer` (moe_x32 or moe_xj, or their local rows), the jitter's flat
   // indices from index0. Its weight: the router's, or its float32 copy (cast here).
@@ -646,6 +655,8 @@ class GptModel {
   // Host copies of the MoE layers' expert offsets, one per LayerActs with MoE (MoeActs::host_offsets).
   std::vector<std::unique_ptr<std::vector<int64_t>>> moe_host_offsets_;
   std::vector<int32_t> moe_off32_;  // the device offsets' host copy
+  std::vector<std::unique_ptr<MoeExchange>> moe_exchanges_;  // one per LayerActs with MoE (all-to-all)
+  std::vector<int32_t> moe_offs_g_;                          // the group's offsets' host copy
   std::vector<LayerParams> layer_params_, layer_grads_;
   struct Globals;
   std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads

@@ -46,6 +46,14 @@ struct GptModel::MtpActs {
 // What an MoE layer keeps for backward (engine/blocks/moe.cpp). Ng = N x EP: the tokens of the
 // expert-parallel group (N without EP); El = E / EP this rank's experts; R <= Rmax = Ng x min(k,
 // El) the (token, slot) pairs routed to them (Ng x k without EP).
+// All-to-all dispatch: the rows each (expert, rank) chunk moves, on the host. send [E + 1]: the first
+// of this rank's expert-sorted pairs routed to each expert (the chunk for expert e goes to group
+// rank e / El); recv [El x G]: the pairs this rank's expert e receives from group rank g, placed
+// expert-major, rank-minor (from MoeActs::host_offsets[e]).
+struct GptModel::MoeExchange {
+  std::vector<int64_t> send, recv;
+};
+
 struct GptModel::MoeActs {
   Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
   Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
@@ -54,6 +62,11 @@ struct GptModel::MoeActs {
                                  // sequence with seq_aux_loss: [B x (2E + 1)])
   Tensor order, slot_of, offsets;  // the permutation of the group's pairs int32 [Ng k], [Ng k], [El + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
+  // All-to-all dispatch (GptModel::moe_alltoall; order and slot_of then unused): this rank's own
+  // dispatched pairs sorted by expert, all E of them, int32 [n k], [n k], [E + 1] (n the rows it
+  // dispatches), and the sizes of the chunks exchanged (host).
+  Tensor s_order, s_slot_of, s_offsets;
+  MoeExchange* exchange = nullptr;
   Tensor p_perm;                 // routing weights in permuted order float32 [Rmax]
   Tensor fc1_pre;                // experts' fc1 output [Rmax, fc1] (backward: its gradient)
   Tensor sh_fc1_pre;             // shared expert's fc1 output [N, fc1_sh] (backward: its gradient,
@@ -169,6 +182,11 @@ struct GptModel::Workspace {
   // input gradient), routing weights float32 [Ng, k] and experts int32 [Ng, k] (backward: the
   // weights' gradient), and this rank's tokens' input gradient [N, h] after the reduce-scatter.
   Tensor moe_xg, moe_yg, moe_pg, moe_ig, moe_dxl;
+  // All-to-all dispatch: this rank's pairs' rows sorted by expert [n k, h] (the inputs sent, the
+  // outputs received; backward: the output gradients sent, the input gradients received), their
+  // routing weights float32 [n k] (backward: the weights' gradient), and the group's pair offsets
+  // int32 [G x (E + 1)] (all-gathered: the chunk sizes).
+  Tensor moe_xs, moe_ps, moe_offs_g;
   // seq_aux_loss: the router logits in sequence order [N, E] (each sequence's rows contiguous), the
   // aux gradient in that order float32 [N, E], and the row permutations int32 [N] to it and back.
   Tensor moe_seq_logits, moe_seq_grad, moe_seq_index, moe_seq_inverse;

@@ -206,6 +206,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_jitter_eps = static_cast<float>(e.input_jitter_eps.value_or(0.0));
     d.moe_expert_bias = e.router_enable_expert_bias;
     d.moe_bias_rate = static_cast<float>(e.router_bias_update_rate);
+    d.moe_alltoall = e.token_dispatcher_type != MoeDispatcher::allgather;
     if (e.expert_capacity_factor && *e.expert_capacity_factor >= 0) {
       d.moe_pad_to_capacity = e.pad_expert_input_to_capacity;
       d.moe_capacity_factor = *e.expert_capacity_factor;

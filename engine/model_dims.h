@@ -166,6 +166,10 @@ struct ModelDims {
   // every expert's whole capacity for the expert bias, which therefore does not move.
   bool moe_pad_to_capacity = false;
   bool moe_drops() const { return moe_capacity_factor >= 0; }
+  // --moe-token-dispatcher-type alltoall or flex: under expert parallelism each rank sends its
+  // (token, slot) pairs to their experts' ranks and takes the outputs back (all-to-all), instead
+  // of all-gathering the group's tokens (allgather, Megatron's default).
+  bool moe_alltoall = false;
   int64_t moe_capacity() const;  // per expert, per block of tokens_local() rows
   std::vector<char> moe_layer;
   bool is_moe(int layer) const {

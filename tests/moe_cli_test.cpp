@@ -248,14 +248,20 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
         "--pipeline-model-parallel-size 1 = 3");
   CHECK_THAT(parse_error(moe_gpt() + words("--expert-model-parallel-size 0")),
              Contains("--expert-model-parallel-size must be >= 1 (got 0)"));
-  // Expert parallelism over the DP ranks is accepted; with the alltoall dispatcher a note says how
-  // tokens travel.
+  // Expert parallelism over the DP ranks is accepted with either dispatcher (alltoall without a
+  // note); with the experts split over 2 of TP 4's ranks the alltoall dispatcher's tokens travel by
+  // all-gather, and a note says so.
   std::vector<SetupMessage> ep_ms;
   const Config ep = parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"), 4, &ep_ms);
   CHECK(ep.parallel.expert_model_parallel_size == 2);
+  CHECK_FALSE(has_message(ep_ms, SetupMessage::Kind::note, "--moe-token-dispatcher-type"));
+  ep_ms.clear();
+  parse(moe_gpt() + words("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+                          "--tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2"),
+        8, &ep_ms);
   CHECK(has_message(ep_ms, SetupMessage::Kind::note,
-                    "--moe-token-dispatcher-type alltoall: megatrain dispatches tokens over the 2 expert-parallel "
-                    "ranks by all-gather and reduce-scatter"));
+                    "--moe-token-dispatcher-type alltoall with --expert-tensor-parallel-size 2 (between 1 and TP 4): "
+                    "megatrain dispatches these tokens by all-gather and reduce-scatter"));
   // --delay-wgrad-compute: Megatron's rule, then a note (scheduling only).
   CHECK_THAT(parse_error(moe_gpt() + words("--delay-wgrad-compute")),
              Contains("overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute"));
@@ -279,9 +285,9 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
                             2, &ep_ms);
   CHECK(flex.model.moe.token_dispatcher_type == MoeDispatcher::flex);
   CHECK(has_message(ep_ms, SetupMessage::Kind::note,
-                    "--moe-token-dispatcher-type flex: megatrain runs its own dispatcher, the same routing and "
-                    "results as Megatron's flex dispatcher (dropless unless a capacity factor is given), tokens "
-                    "exchanged over the 2 expert-parallel ranks"));
+                    "--moe-token-dispatcher-type flex: megatrain runs its own all-to-all dispatcher, the same "
+                    "routing and results as Megatron's flex dispatcher (dropless unless a capacity factor is given), "
+                    "without DeepEP's or HybridEP's kernels"));
   CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--moe-flex-dispatcher-backend"));
   CHECK(has_message(ep_ms, SetupMessage::Kind::note, "--enable-experimental"));
   CHECK_THAT(parse_error(moe_gpt() + words("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend nvep")),

@@ -6,12 +6,18 @@
 // dropout + residual, whose pass also writes the norm that follows. Load-balancing (aux) and
 // z-losses add their gradients to the router's logits; they are logged, never added to the loss.
 //
-// Expert parallelism (EP > 1; Megatron's all-gather token dispatcher over the EP group): each rank
+// Expert parallelism (EP > 1), Megatron's all-gather token dispatcher over the EP group: each rank
 // routes its own tokens, then the group's tokens, routing weights and choices are all-gathered
 // (Ng = N x EP rows); each rank permutes only the pairs routed to its experts, runs them, and the
 // un-permuted partial outputs [Ng, h] are reduce-scattered back to their ranks (the sum over the
 // experts). Backward mirrors it: the output gradient all-gathered, the input gradient and the
 // routing weights' gradient reduce-scattered.
+// With the all-to-all dispatcher (alltoall, flex) each rank sorts its own (token, slot) pairs by
+// expert, sends each expert's chunk of rows and routing weights to the expert's rank (the chunk
+// sizes all-gathered first, then taken on the host), and receives the outputs of its pairs back,
+// which it sums per token as one rank does: a pair's row crosses the network once each way
+// rather than every token reaching every rank. Backward: the output gradients out, the input
+// gradients and the weights' gradients back.
 //
 // The rows a rank dispatches: all N rows of the micro-batch when the experts split over TP as the
 // dense MLP does (their outputs then partial over TP, summed with the shared expert's by the TP
@@ -19,6 +25,7 @@
 // experts: the routed output of those rows is complete and joins the shared expert's after the TP
 // reduction; the EP group then spans TP ranks).
 #include <cmath>
+#include <numeric>
 
 #include "core/error.h"
 #include "engine/gpt_model.h"
@@ -130,6 +137,7 @@ Communicator* GptModel::moe_dispatch_group() const {
 int64_t GptModel::moe_group_tokens() const {
   return d_.experts_local_rows() ? d_.tokens_local() * d_.etp_size * d_.ep_size : d_.tokens() * d_.ep_size;
 }
+int64_t GptModel::moe_dispatch_rows() const { return d_.experts_local_rows() ? d_.tokens_local() : d_.tokens(); }
 int64_t GptModel::moe_max_rows() const {
   return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
 }
@@ -148,6 +156,88 @@ ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
   }
   rows = M.host_offsets->back();
   return ExpertOffsets(*M.host_offsets);
+}
+
+bool GptModel::moe_alltoall() const {
+  // (Experts split over TP ranks inside a dispatch group that spans TP, ETP > 1 below TP, would
+  // need each pair sent to every ETP rank of its expert: those take the all-gather.)
+  return d_.moe_alltoall && moe_dispatch_group() != nullptr && (!d_.experts_local_rows() || d_.etp_size == 1);
+}
+
+// The plan of a layer's all-to-all: this rank's pairs `idx` [n, k] sorted by expert (all E), the
+// group's offsets all-gathered and taken on the host, the chunk sizes (MoeExchange) and this rank's
+// expert offsets (host and device, expert-major over the source ranks). Returns R, the pairs this
+// rank's experts receive.
+int64_t GptModel::moe_exchange_plan(const MoeActs& M, Tensor idx, Communicator& g) {
+  const int E = d_.experts, El = d_.experts_local(), G = g.size(), me = g.rank();
+  MT_CHECK(G == d_.ep_size && me == d_.ep_rank, "all-to-all dispatch over a group of {} (rank {}) under EP {} (rank {})",
+           G, me, d_.ep_size, d_.ep_rank);
+  be_.moe_permute_plan(M.s_order, M.s_slot_of, M.s_offsets, idx, 0, E);
+  g.all_gather(ws_->moe_offs_g, M.s_offsets);
+  const size_t W = static_cast<size_t>(E) + 1;
+  moe_offs_g_.resize(W * static_cast<size_t>(G));
+  be_.copy_to_host(moe_offs_g_.data(), ws_->moe_offs_g);
+  MoeExchange& x = *M.exchange;
+  x.send.assign(moe_offs_g_.begin() + static_cast<std::ptrdiff_t>(W * me),
+                moe_offs_g_.begin() + static_cast<std::ptrdiff_t>(W * (me + 1)));
+  x.recv.assign(static_cast<size_t>(El) * G, 0);
+  std::vector<int64_t>& off = *M.host_offsets;
+  off[0] = 0;
+  for (int e = 0; e < El; ++e) {
+    const size_t ge = static_cast<size_t>(d_.expert_begin() + e);
+    int64_t sum = 0;
+    for (int src = 0; src < G; ++src) {
+      const int32_t* o = moe_offs_g_.data() + W * static_cast<size_t>(src);
+      sum += x.recv[static_cast<size_t>(e) * G + src] = o[ge + 1] - o[ge];
+    }
+    off[static_cast<size_t>(e) + 1] = off[static_cast<size_t>(e)] + sum;
+  }
+  // (The device offsets: the aux-loss-free balancing's counts read them. A pageable host source is
+  // staged before the copy returns.)
+  std::copy(off.begin(), off.end(), moe_off32_.begin());
+  be_.copy_from_host(M.offsets, moe_off32_.data());
+  return off.back();
+}
+
+// One all-to-all of rows between this rank's expert-sorted pairs `sorted` [P, c] (P = send[E]; expert
+// e's chunk to or from group rank e / El) and its experts' rows `perm` [R, c] (expert-major, source
+// rank minor). Each pair of ranks posts its chunks in expert order, so they match in order; a rank's
+// chunks to itself are copied.
+void GptModel::moe_exchange(Communicator& g, const MoeActs& M, Tensor sorted, Tensor perm, bool to_experts) {
+  const MoeExchange& x = *M.exchange;
+  const int El = d_.experts_local(), G = g.size(), me = g.rank();
+  const std::vector<int64_t>& off = *M.host_offsets;
+  g.group_start();
+  for (int dst = 0; dst < G; ++dst)
+    for (int e = dst * El; e < (dst + 1) * El && dst != me; ++e) {
+      const int64_t a = x.send[static_cast<size_t>(e)], c = x.send[static_cast<size_t>(e) + 1] - a;
+      if (c == 0) continue;
+      if (to_experts) g.send(sorted.row_slice(a, c), dst);
+      else g.recv(sorted.row_slice(a, c), dst);
+    }
+  for (int e = 0; e < El; ++e) {
+    int64_t pos = off[static_cast<size_t>(e)];
+    for (int src = 0; src < G; ++src) {
+      const int64_t c = x.recv[static_cast<size_t>(e) * G + src];
+      if (c != 0 && src != me) {
+        if (to_experts) g.recv(perm.row_slice(pos, c), src);
+        else g.send(perm.row_slice(pos, c), src);
+      }
+      pos += c;
+    }
+  }
+  g.group_end();
+  for (int e = 0; e < El; ++e) {
+    const int64_t pos = off[static_cast<size_t>(e)] +
+                        std::accumulate(x.recv.begin() + static_cast<std::ptrdiff_t>(e) * G,
+                                        x.recv.begin() + static_cast<std::ptrdiff_t>(e) * G + me, int64_t{0});
+    const int64_t c = x.recv[static_cast<size_t>(e) * G + me];
+    if (c == 0) continue;
+    const Tensor mine = sorted.row_slice(x.send[static_cast<size_t>(d_.expert_begin() + e)], c),
+                 theirs = perm.row_slice(pos, c);
+    if (to_experts) be_.copy(theirs, mine);
+    else be_.copy(mine, theirs);
+  }
 }
 
 Tensor GptModel::router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0) {
@@ -199,8 +289,19 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.kept = d_.moe_drops() ? a.take(c, DType::i32, {N, d_.topk}) : Tensor();
   if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0)
     M.stats = a.take(c, S, {(d_.moe_seq_aux ? d_.micro_batch : 1) * (2 * E + 1)});
-  M.order = a.take(c, DType::i32, {Ngk});
-  M.slot_of = a.take(c, DType::i32, {Ngk});
+  M.order = M.slot_of = M.s_order = M.s_slot_of = M.s_offsets = Tensor();
+  M.exchange = nullptr;
+  if (moe_alltoall()) {
+    const int64_t nk = moe_dispatch_rows() * d_.topk;
+    M.s_order = a.take(c, DType::i32, {nk});
+    M.s_slot_of = a.take(c, DType::i32, {nk});
+    M.s_offsets = a.take(c, DType::i32, {E + 1});
+    moe_exchanges_.push_back(std::make_unique<MoeExchange>());
+    M.exchange = moe_exchanges_.back().get();
+  } else {
+    M.order = a.take(c, DType::i32, {Ngk});
+    M.slot_of = a.take(c, DType::i32, {Ngk});
+  }
   M.offsets = a.take(c, DType::i32, {El + 1});
   moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(El + 1), 0));
   M.host_offsets = moe_host_offsets_.back().get();
@@ -229,7 +330,13 @@ void GptModel::layout_moe_workspace(Arena& a) {
   w.moe_rows = a.take(C::workspace, T, {std::max(R, N), h});  // (N: the shared expert's rows use it too)
   w.moe_act = a.take(C::workspace, T, {R, fe});
   w.moe_dact = a.take(C::workspace, T, {R, fe});
-  if (Ng > (d_.experts_local_rows() ? d_.tokens_local() : N)) {  // (gathered over a dispatch group)
+  w.moe_xs = w.moe_ps = w.moe_offs_g = Tensor();
+  if (moe_alltoall()) {
+    const int64_t nk = moe_dispatch_rows() * d_.topk;
+    w.moe_xs = a.take(C::workspace, T, {nk, h});
+    w.moe_ps = a.take(C::workspace, S, {nk});
+    w.moe_offs_g = a.take(C::workspace, DType::i32, {int64_t{moe_dispatch_group()->size()} * (E + 1)});
+  } else if (Ng > moe_dispatch_rows()) {  // (gathered over a dispatch group)
     w.moe_xg = a.take(C::workspace, T, {Ng, h});
     w.moe_yg = a.take(C::workspace, T, {Ng, h});
     w.moe_pg = a.take(C::workspace, S, {Ng, d_.topk});
@@ -243,7 +350,11 @@ void GptModel::layout_moe_workspace(Arena& a) {
     w.moe_seq_inverse = a.take(C::workspace, DType::i32, {N});
     moe_seq_index_ready_ = false;
   }
-  if (Ng > N || d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
+  if (moe_alltoall()) {
+    if (d_.experts_local_rows()) w.moe_dxl = a.take(C::workspace, T, {moe_dispatch_rows(), h});
+  } else if (Ng > N || d_.experts_local_rows()) {
+    w.moe_dxl = a.take(C::workspace, T, {std::max(N, Ng), h});
+  }
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
@@ -319,15 +430,15 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   }
 
   // Dispatch: the rows this rank dispatches (all, or its own under whole experts), under expert
-  // parallelism with the EP group's, all-gathered.
+  // parallelism with the EP group's, all-gathered, or this rank's pairs sent to their experts.
   const bool own_rows = d_.experts_local_rows();
   Communicator* const disp = moe_dispatch_group();
-  const bool ep = disp != nullptr;
-  const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
+  const bool a2a = moe_alltoall(), ag = disp != nullptr && !a2a;
+  const int64_t n_disp = moe_dispatch_rows(), r0 = own_rows ? d_.local_row_begin() : 0;
   const Tensor x_in = A.ln2_out.row_slice(r0, n_disp);
-  const Tensor xg = ep ? w.moe_xg : x_in;
-  const Tensor pg = ep ? w.moe_pg : M.probs.row_slice(r0, n_disp), ig = ep ? w.moe_ig : dispatched.row_slice(r0, n_disp);
-  if (ep) {
+  const Tensor xg = ag ? w.moe_xg : x_in;
+  const Tensor pg = ag ? w.moe_pg : M.probs.row_slice(r0, n_disp), ig = ag ? w.moe_ig : dispatched.row_slice(r0, n_disp);
+  if (ag) {
     disp->all_gather(xg, x_in);
     disp->all_gather(pg, M.probs.row_slice(r0, n_disp));
     disp->all_gather(ig, dispatched.row_slice(r0, n_disp));
@@ -335,20 +446,34 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   const int64_t Ng = xg.rows();
 
   // Permute: the (token, slot) pairs routed to this rank's experts, grouped by expert; the grouped
-  // GEMMs read the split sizes on the device, or (moe_offsets) take them on the host (one copy per layer).
-  be_.moe_permute_plan(M.order, M.slot_of, M.offsets, ig, d_.expert_begin(), d_.experts_local());
-  if (!moe_offsets_on_device()) {
-    be_.copy_to_host(moe_off32_.data(), M.offsets);
-    std::copy(moe_off32_.begin(), moe_off32_.end(), M.host_offsets->begin());
+  // GEMMs read the split sizes on the device, or (moe_offsets) take them on the host (one copy per
+  // layer). The permuted expert inputs [R, h] are in the workspace (gathered again for the
+  // backward's weight gradient rather than kept: R * h per MoE layer). All-to-all: this rank's
+  // pairs sorted by expert, their rows and weights sent to the experts' ranks.
+  int64_t R = 0, pairs = 0;
+  if (a2a) {
+    R = moe_exchange_plan(M, ig, *disp);
+    pairs = M.exchange->send.back();
+  } else {
+    be_.moe_permute_plan(M.order, M.slot_of, M.offsets, ig, d_.expert_begin(), d_.experts_local());
+    if (!moe_offsets_on_device()) {
+      be_.copy_to_host(moe_off32_.data(), M.offsets);
+      std::copy(moe_off32_.begin(), moe_off32_.end(), M.host_offsets->begin());
+    }
   }
-  int64_t R = 0;
   const ExpertOffsets offsets = moe_offsets(M, R);
-  // The permuted expert inputs [R, h], in the workspace (gathered again for the backward's weight
-  // gradient rather than kept: R * h per MoE layer).
   const Tensor x_perm = w.moe_rows.row_slice(0, R), p_perm = M.p_perm.flat_slice(0, R);
-  const Tensor order = M.order.flat_slice(0, R);
-  be_.moe_gather_rows(x_perm, xg, order, k);
-  be_.moe_gather_rows(p_perm.view({R, 1}), pg.view({Ng * k, 1}), order, 1);
+  if (a2a) {
+    const Tensor s_order = M.s_order.flat_slice(0, pairs), ps = w.moe_ps.flat_slice(0, pairs);
+    be_.moe_gather_rows(w.moe_xs.row_slice(0, pairs), x_in, s_order, k);
+    be_.moe_gather_rows(ps.view({pairs, 1}), pg.view({n_disp * k, 1}), s_order, 1);
+    moe_exchange(*disp, M, w.moe_xs.row_slice(0, pairs), x_perm, true);
+    moe_exchange(*disp, M, ps.view({pairs, 1}), p_perm.view({R, 1}), true);
+  } else {
+    const Tensor order = M.order.flat_slice(0, R);
+    be_.moe_gather_rows(x_perm, xg, order, k);
+    be_.moe_gather_rows(p_perm.view({R, 1}), pg.view({Ng * k, 1}), order, 1);
+  }
 
   // Shared expert's fc1 and activation (the last reader of ln2's output, which may share the
   // memory of tmp_h: ModelOptions::keep_norm_outputs).
@@ -360,7 +485,8 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   }
 
   // Experts: fc1 -> activation -> times the routing weight -> fc2; then each token's k outputs
-  // summed (under EP: this rank's experts' share of every group token, reduce-scattered to its rank).
+  // summed (all-gather EP: this rank's experts' share of every group token, reduce-scattered to its
+  // rank; all-to-all: the outputs of this rank's pairs received first).
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R);
   be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
   if (d_.swiglu) {
@@ -373,8 +499,13 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // The routed output: into tmp_h [N, h] (partial over TP), or with whole experts this rank's rows
   // [Nl, h], complete.
   const Tensor routed = own_rows ? w.moe_dxl.row_slice(0, n_disp) : w.tmp_h;
-  be_.moe_combine(ep ? w.moe_yg : routed, x_perm, M.slot_of, k, false);
-  if (ep) disp->reduce_scatter(routed, w.moe_yg);
+  if (a2a) {
+    moe_exchange(*disp, M, w.moe_xs.row_slice(0, pairs), x_perm, false);
+    be_.moe_combine(routed, w.moe_xs.row_slice(0, pairs), M.s_slot_of, k, false);
+  } else {
+    be_.moe_combine(ag ? w.moe_yg : routed, x_perm, M.slot_of, k, false);
+    if (ag) disp->reduce_scatter(routed, w.moe_yg);
+  }
 
   // The shared expert's output added (Megatron: routed + shared), gated: times sigmoid(x . w_g)
   // (with whole experts tmp_h holds the shared expert's output alone).
@@ -416,9 +547,23 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const ExpertOffsets offsets = moe_offsets(M, R);
   const bool own_rows = d_.experts_local_rows();
   Communicator* const disp = moe_dispatch_group();
-  const bool ep = disp != nullptr;
-  const int64_t n_disp = own_rows ? d_.tokens_local() : N, r0 = own_rows ? d_.local_row_begin() : 0;
-  const Tensor order = M.order.flat_slice(0, R), rows = w.moe_rows.row_slice(0, R);
+  const bool a2a = moe_alltoall(), ag = disp != nullptr && !a2a;
+  const int64_t n_disp = moe_dispatch_rows(), r0 = own_rows ? d_.local_row_begin() : 0;
+  const Tensor rows = w.moe_rows.row_slice(0, R);
+  // All-to-all: this rank's pairs sorted by expert; `to_experts` sends rows of this rank's
+  // dispatched rows (one per pair) into `rows`.
+  const int64_t pairs = a2a ? M.exchange->send.back() : 0;
+  const Tensor sorted = a2a ? w.moe_xs.row_slice(0, pairs) : Tensor();
+  const auto to_experts = [&](const Tensor& x) {
+    be_.moe_gather_rows(sorted, x, M.s_order.flat_slice(0, pairs), k);
+    moe_exchange(*disp, M, sorted, rows, true);
+  };
+  // The dispatched rows' permuted rows (under all-gather EP from the group's rows, gathered first).
+  const auto permute = [&](const Tensor& x, const Tensor& group) {
+    if (a2a) return to_experts(x);
+    if (ag) disp->all_gather(group, x);
+    be_.moe_gather_rows(rows, ag ? group : x, M.order.flat_slice(0, R), k);
+  };
   // Aux-loss-free balancing: this micro-batch's tokens per expert (after dropping; this rank's
   // experts over the EP group's tokens), counted once per training micro-batch (here, not in a
   // forward that recomputation may repeat). Padded to the capacity, every expert counts the same
@@ -433,14 +578,14 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.norm_forward(local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, A.h1, P.ln2_w, P.ln2_b, norm_);
     gather_rows(A.ln2_out);
   }
-  // This rank's dispatched rows of ln2's output, permuted into `rows` (under EP the group's,
-  // gathered once per backward: nothing else writes moe_xg).
+  // This rank's dispatched rows of ln2's output, permuted into `rows` (under all-gather EP the
+  // group's, gathered once per backward: nothing else writes moe_xg).
   const Tensor x_disp = A.ln2_out.row_slice(r0, n_disp);
   bool group_gathered = false;
   const auto gather_inputs = [&] {
-    if (ep && !group_gathered) disp->all_gather(w.moe_xg, x_disp);
+    if (ag && group_gathered) be_.moe_gather_rows(rows, w.moe_xg, M.order.flat_slice(0, R), k);
+    else permute(x_disp, w.moe_xg);
     group_gathered = true;
-    be_.moe_gather_rows(rows, ep ? w.moe_xg : x_disp, order, k);
   };
   // Recomputation (ModelOptions::moe_recompute_*): the fc1 outputs not kept, as the forward made them.
   if (opt_.moe_recompute_fc1) {
@@ -451,10 +596,9 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
-  // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered).
-  const Tensor d_disp = d_out.row_slice(r0, n_disp);
-  if (ep) disp->all_gather(w.moe_yg, d_disp);
-  be_.moe_gather_rows(rows, ep ? w.moe_yg : d_disp, order, k);
+  // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered,
+  // or sent to the experts).
+  permute(d_out.row_slice(r0, n_disp), w.moe_yg);
   bool dx_started = false;  // whether gT (the gradient of ln2's output) holds a first term
 
   // Shared expert (gT = its input gradient).
@@ -518,11 +662,14 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // The dispatched rows' input gradient: into gT [N, h] (partial over TP, after the shared
   // expert's), or with whole experts this rank's rows [Nl, h], complete (added after the TP
   // reduction below); under EP this rank's experts' share of every group row, reduce-scattered.
+  // (All-to-all: the input gradients of this rank's pairs received first, then summed per token.)
   const Tensor routed_dx = w.moe_dxl.empty() ? Tensor() : w.moe_dxl.row_slice(0, n_disp);
-  if (!ep && !own_rows) {
-    be_.moe_combine(w.gT, rows, M.slot_of, k, dx_started);
-  } else if (!ep) {
-    be_.moe_combine(routed_dx, rows, M.slot_of, k, false);
+  if (a2a) moe_exchange(*disp, M, sorted, rows, false);
+  const Tensor dx_rows = a2a ? sorted : rows, dx_slot_of = a2a ? M.s_slot_of : M.slot_of;
+  if (!ag && !own_rows) {
+    be_.moe_combine(w.gT, dx_rows, dx_slot_of, k, dx_started);
+  } else if (!ag) {
+    be_.moe_combine(routed_dx, dx_rows, dx_slot_of, k, false);
   } else {
     be_.moe_combine(w.moe_yg, rows, M.slot_of, k, false);
     const bool into_gT = !own_rows && !dx_started;
@@ -531,15 +678,22 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   }
   const bool gT_written = dx_started || !own_rows;
 
-  // Router: the routing weights' gradient back in token order (of the dispatched rows; under EP
-  // the group's, zero where another rank's expert took the pair, reduce-scattered), the aux and
+  // Router: the routing weights' gradient back in token order (of the dispatched rows; under
+  // all-gather EP the group's, zero where another rank's expert took the pair, reduce-scattered;
+  // all-to-all: this rank's pairs' received first), the aux and
   // z-losses' gradients (seeded as the loss is: loss scale / micro-batches), then the gating
   // GEMM's backward, all on this rank's rows (all rows without sequence parallelism).
   const int64_t Ng = moe_group_tokens();
   const Tensor dprobs_disp = w.moe_dprobs.row_slice(r0, n_disp);
-  const Tensor dprobs_g = ep ? w.moe_pg : dprobs_disp;
-  be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
-  if (ep) disp->reduce_scatter(dprobs_disp, dprobs_g);
+  if (a2a) {
+    const Tensor ps = w.moe_ps.flat_slice(0, pairs).view({pairs, 1});
+    moe_exchange(*disp, M, ps, dp_perm.view({R, 1}), false);
+    be_.moe_gather_rows(dprobs_disp.view({n_disp * k, 1}), ps, M.s_slot_of, 1);
+  } else {
+    const Tensor dprobs_g = ag ? w.moe_pg : dprobs_disp;
+    be_.moe_gather_rows(dprobs_g.view({Ng * k, 1}), dp_perm.view({R, 1}), M.slot_of, 1);
+    if (ag) disp->reduce_scatter(dprobs_disp, dprobs_g);
+  }
   Tensor aux_grad;
   if (!M.stats.empty()) {
     // The factors with their coefficients, seeded as the loss is.

@@ -268,8 +268,8 @@ megatrain_parallel_train_test(parallel_train_moe_sinkhorn_pp2_dp2 --model "--dis
 --normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0 --moe-z-loss-coeff 1e-3" 4
                               --pipeline-model-parallel-size 2)
-# Expert parallelism (all-gather dispatch over the EP group: each rank runs its experts on the
-# group's tokens): EP = DP = 2 and 4, EP under TP2 with SP, EP x PP2, EP=2 inside DP=4 with the
+# Expert parallelism (${moe_model}: the all-to-all dispatcher; the sigmoid models: all-gather):
+# EP = DP = 2 and 4, EP under TP2 with SP, EP x PP2, EP=2 inside DP=4 with the
 # distributed optimizer (the experts' gradients reduced and sharded over expert-DP 2, the others
 # over DP 4), sigmoid group-limited routing; and a checkpoint saved at EP=2 resumes at EP=1 and
 # the other way round (experts saved as global tensors).
@@ -334,6 +334,36 @@ megatrain_parallel_train_test(parallel_train_moe_etp1_tp2_no_shared --model "--d
 # Per-layer MoE logging over PP4 with DP: stages without MoE layers join the per-layer reduction.
 megatrain_parallel_train_test(parallel_train_moe_per_layer_logging_pp4 --model "${moe_model} --moe-per-layer-logging" 4
                               --pipeline-model-parallel-size 4)
+# The two token dispatchers. ${moe_model} asks for alltoall (each rank sends its pairs' rows to
+# the experts' ranks and sums their outputs itself), so the expert-parallel tests above and below
+# run it; the all-gather dispatcher (Megatron's default: every EP rank receives the group's tokens)
+# equals one rank in the same layouts: EP2 and EP4, EP2 under TP2 with SP (experts split over TP),
+# whole experts under TP2 (EP2; EP4 x PP2 on 8 ranks), token dropping with MoE recompute under EP2
+# x PP2, by position with the distributed optimizer, seq_aux_loss under EP2 x PP2; and the sigmoid
+# models (default allgather) under all-to-all and flex: the expert bias with a shared expert under
+# EP4, group-limited routing under EP2 x TP2 with SP.
+set(ag "--moe-token-dispatcher-type allgather")
+megatrain_parallel_train_test(parallel_train_moe_ag_ep2 --model "${moe_model} ${ag}" 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_ag_ep4 --model "${moe_model} ${ag}" 4 --expert-model-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_moe_ag_ep2_tp2_sp --model "${moe_model} ${ag}" 4
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_ag_etp1_ep2_tp2_sp --model "${moe_model} ${ag}" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+                              --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_moe_ag_etp1_ep4_tp2_pp2 --model "${moe_model} ${ag}" 8
+                              --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+                              --expert-model-parallel-size 4 --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_moe_ag_recompute_drop_ep2_pp2 --model "${moe_model} ${ag} \
+--moe-layer-recompute --moe-expert-capacity-factor 0.5" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_ag_drop_position_ep4_distopt --model "${moe_model} ${ag} \
+--moe-expert-capacity-factor 0.75 --moe-token-drop-policy position" 4 --expert-model-parallel-size 4
+                              --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_moe_ag_seq_aux_ep2_pp2 --model "${moe_model} ${ag} --micro-batch-size 2 \
+--moe-router-load-balancing-type seq_aux_loss" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_a2a_bias_ep4 --model "${moe_bias_model} \
+--moe-token-dispatcher-type alltoall" 4 --expert-model-parallel-size 4)
+megatrain_parallel_train_test(parallel_train_moe_flex_sigmoid_ep2_tp2_sp --model "${moe_sigmoid_model} \
+--moe-token-dispatcher-type flex" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 # seq_aux_loss (each sequence's own load balance; micro-batches of 2 sequences) under EP2 x PP2.
 megatrain_parallel_train_test(parallel_train_moe_seq_aux_ep2_pp2 --model "${moe_model} --micro-batch-size 2 \
 --moe-router-load-balancing-type seq_aux_loss" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
