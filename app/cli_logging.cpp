@@ -54,7 +54,7 @@ void add_logging_flags(FlagTable& t) {
   t.value("--wandb-entity", "Weights & Biases entity (--entity of the printed `wandb sync` command)",
           MT_FIELD(logging.wandb_entity));
   t.no_effect("--logging-level", Arity::one, "a Python logging level", "None");
-  t.no_effect("--profile", Arity::none, "profile megatrain with nsys directly (its ranges are NVTX-annotated)");
+  t.no_effect("--profile", Arity::none, "megatrain sets no profiler capture range: profile the whole run with nsys or ncu (its kernels are named by op)");
   t.no_effect("--profile-step-start", Arity::one, "see --profile", "10");
   t.no_effect("--profile-step-end", Arity::one, "see --profile", "12");
   t.no_effect("--profile-ranks", Arity::one_or_more, "see --profile", "[0]");

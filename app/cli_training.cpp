@@ -40,6 +40,8 @@ void add_training_flags(FlagTable& t) {
   t.value("--eval-global-batch-size", "samples per evaluation batch (default --global-batch-size; a multiple of "
           "micro-batch x DP)", MT_FIELD(train.eval_global_batch_size));
   t.value("--eval-interval", "evaluate every N iterations", MT_FIELD(train.eval_interval));
+  t.value("--start-eval-at-iter", "no evaluation before this iteration (nor validation samples for those evaluations)",
+          MT_FIELD(train.start_eval_at_iter));
   t.flag("--skip-train", "only evaluate", MT_FIELD(train.skip_train));
   t.flag("--test-mode", "check that the q/k layernorm parameters are identical on every DP and TP rank before each "
          "forward pass (Megatron's real-time test; with --qk-layernorm)", MT_FIELD(train.test_mode));
@@ -49,7 +51,13 @@ void add_training_flags(FlagTable& t) {
   t.value("--exit-interval", "exit when iteration % N == 0", MT_FIELD(train.exit_interval));
   t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
           MT_FIELD(train.exit_duration_in_mins));
-  t.flag("--exit-signal-handler", "save and exit on SIGTERM", MT_FIELD(train.exit_signal_handler));
+  t.flag("--exit-signal-handler", "save and exit on the --exit-signal (SIGTERM)", MT_FIELD(train.exit_signal_handler));
+  t.choice("--exit-signal", "the signal --exit-signal-handler catches (Python's signal.Signals name)",
+           std::vector<std::pair<std::string, std::string>>{{"SIGTERM", "SIGTERM"}, {"SIGINT", "SIGINT"},
+                                                            {"SIGHUP", "SIGHUP"},   {"SIGUSR1", "SIGUSR1"},
+                                                            {"SIGUSR2", "SIGUSR2"}, {"SIGQUIT", "SIGQUIT"},
+                                                            {"SIGALRM", "SIGALRM"}},
+           MT_FIELD(train.exit_signal));
   {
     FlagSpec& s = t.choice("--optimizer",
                            "optimizer: adam is AdamW; muon orthogonalizes the momentum of the 2-D weights (the word "

@@ -598,8 +598,7 @@ void derive_schedule(CliState& st) {
   // The validation samples are read (and indexed) like the training samples, under the same bound:
   // --eval-iters per evaluation, one evaluation per --eval-interval iterations and one at the end
   // (data/dataset_builder.cpp samples_per_split; counted in floating point, where int64 overflows).
-  const double evaluations = !t.skip_train && t.eval_interval && *t.eval_interval > 0
-                                 ? static_cast<double>(t.total_iters / *t.eval_interval + 1) : 1.0;
+  const double evaluations = static_cast<double>(t.evaluations(t.total_iters));
   const double eval_batch = t.eval_global_batch_size.value_or(t.global_batch);
   if (evaluations * t.eval_iters * eval_batch > static_cast<double>(kMaxSamples))
     fail("--eval-iters {} x {} evaluation{} (every --eval-interval iterations and at the end) x {} samples is more "

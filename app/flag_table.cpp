@@ -19,6 +19,7 @@ const char* group_title(FlagGroup g) {
     case FlagGroup::moe: return "mixture of experts";
     case FlagGroup::fp8: return "fp8 / fp4 (Transformer Engine)";
     case FlagGroup::megatrain: return "megatrain-specific";
+    case FlagGroup::other: return "other Megatron-LM programs and features";
   }
   return "?";
 }
@@ -27,7 +28,7 @@ std::vector<FlagGroup> all_groups() {
   return {FlagGroup::model,         FlagGroup::parallelism, FlagGroup::training,       FlagGroup::learning_rate,
           FlagGroup::mixed_precision, FlagGroup::data,      FlagGroup::tokenizer,      FlagGroup::checkpointing,
           FlagGroup::logging,       FlagGroup::recompute,   FlagGroup::regularization, FlagGroup::distributed,
-          FlagGroup::moe,           FlagGroup::fp8,         FlagGroup::megatrain};
+          FlagGroup::moe,           FlagGroup::fp8,         FlagGroup::megatrain,      FlagGroup::other};
 }
 
 FlagSpec& FlagTable::add(FlagSpec s) {
@@ -132,6 +133,7 @@ const FlagTable& flag_table() {
     add_moe_flags(t);
     add_fp8_flags(t);
     add_megatrain_flags(t);
+    add_other_megatron_flags(t);
     return t;
   }();
   return table;

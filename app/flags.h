@@ -31,7 +31,7 @@ namespace mt::cli {
 
 enum class FlagGroup {
   model, parallelism, training, learning_rate, mixed_precision, data, tokenizer, checkpointing,
-  logging, recompute, regularization, distributed, moe, fp8, megatrain,
+  logging, recompute, regularization, distributed, moe, fp8, megatrain, other,
 };
 const char* group_title(FlagGroup g);
 std::vector<FlagGroup> all_groups();
@@ -356,5 +356,6 @@ void add_distributed_flags(FlagTable& t);
 void add_moe_flags(FlagTable& t);
 void add_fp8_flags(FlagTable& t);
 void add_megatrain_flags(FlagTable& t);
+void add_other_megatron_flags(FlagTable& t);  // app/cli_other.cpp
 
 }  // namespace mt::cli

@@ -3,7 +3,7 @@
 
 Takes a Megatron-LM source tree and a megatrain binary. For every training config of the GPT,
 MoE and Mixtral functional tests (tests/functional_tests/test_cases/{gpt,moe,mixtral}/*/
-model_config.yaml, inference configs left out) and for the GPT/Llama/Mixtral/GPT-OSS example
+model_config.yaml, inference configs left out) and for the GPT-3, Llama-3, Mixtral and Megatron-FSDP example
 launch scripts, it builds the command line as Megatron-LM's test runner would, replaces only the
 data and tokenizer flags with `--mock-data --tokenizer-type NullTokenizer --vocab-size V` (with
 --fim-data, which Megatron refuses on mock data: the small GPT-2-style dataset of tests/fixtures/fim),

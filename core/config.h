@@ -5,6 +5,7 @@
 // std::optional marks flags whose Megatron default is None (unset).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -353,6 +354,17 @@ struct TrainConfig {
   // a multiple of micro_batch_size x DP (engine/trainer.cpp evaluate, data/dataset_builder.cpp).
   std::optional<int> eval_global_batch_size;
   std::optional<int> eval_interval;
+  // --start-eval-at-iter: no evaluation at iterations below it (nor the validation samples of those).
+  std::optional<int64_t> start_eval_at_iter;
+  // The evaluations of a run of `iters` iterations (Megatron's get_train_valid_test_num_samples):
+  // one every --eval-interval iterations and one at the end, less those before --start-eval-at-iter;
+  // one without an interval or with --skip-train.
+  int64_t evaluations(int64_t iters) const {
+    if (skip_train || !eval_interval || *eval_interval <= 0) return 1;
+    int64_t n = iters / *eval_interval + 1;
+    if (start_eval_at_iter) n = std::max<int64_t>(0, n - *start_eval_at_iter / *eval_interval);
+    return n;
+  }
   bool skip_train = false;
   // --test-mode: replicated q/k layernorm parameters compared across DP and TP before each
   // step's and evaluation's forward passes (engine/replica_check.h).
@@ -363,6 +375,7 @@ struct TrainConfig {
   std::optional<int> exit_interval;
   std::optional<int> exit_duration_in_mins;
   bool exit_signal_handler = false;
+  std::string exit_signal = "SIGTERM";  // --exit-signal: the signal --exit-signal-handler catches
 
   OptimizerKind optimizer = OptimizerKind::adam;
   std::optional<double> lr;

@@ -325,8 +325,7 @@ std::array<int64_t, 3> samples_per_split(const Config& config) {
     const int64_t iters = t.train_iters && *t.train_iters != 0 ? *t.train_iters
                           : t.batch_size_schedule.empty()      ? t.train_samples.value_or(0) / batch
                                                                : t.total_iters;
-    const int64_t evaluations = t.eval_interval && *t.eval_interval > 0 ? iters / *t.eval_interval + 1 : 1;
-    eval_iters_total = evaluations * t.eval_iters;
+    eval_iters_total = t.evaluations(iters) * t.eval_iters;
   }
   const int64_t eval_batch = t.eval_global_batch_size.value_or(batch);  // --eval-global-batch-size
   return {train, eval_iters_total * eval_batch, static_cast<int64_t>(t.eval_iters) * eval_batch};

@@ -65,8 +65,9 @@ TokenizerFacts tokenizer_facts(const Config& config);
 DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& tokenizer);
 
 // Megatron's get_train_valid_test_num_samples: train = train_samples or train_iters x B;
-// valid = (train_iters // eval_interval + 1) x eval_iters x B (eval_iters x B with --skip-train;
-// HEAD fails when --eval-interval is unset, megatrain counts the one final evaluation then);
+// valid = (train_iters // eval_interval + 1 - start_eval_at_iter // eval_interval) x eval_iters x B
+// (TrainConfig::evaluations; eval_iters x B with --skip-train; HEAD fails when --eval-interval is
+// unset, megatrain counts the one final evaluation then);
 // test = eval_iters x B; B of valid and test is --eval-global-batch-size when given.
 std::array<int64_t, 3> samples_per_split(const Config& config);
 

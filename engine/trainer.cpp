@@ -18,6 +18,16 @@ namespace mt {
 namespace {
 std::atomic<bool> g_sigterm{false};
 extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+
+// --exit-signal's number (the names the CLI accepts).
+int exit_signal_number(const std::string& name) {
+  static const std::pair<const char*, int> names[] = {{"SIGTERM", SIGTERM}, {"SIGINT", SIGINT},   {"SIGHUP", SIGHUP},
+                                                      {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2}, {"SIGQUIT", SIGQUIT},
+                                                      {"SIGALRM", SIGALRM}};
+  for (const auto& [n, s] : names)
+    if (name == n) return s;
+  fail("--exit-signal {}: not a signal megatrain handles", name);
+}
 }  // namespace
 
 Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> chunks, BatchSource* train,
@@ -58,7 +68,7 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
     sniff_ = std::make_unique<GpuSniffTest>(cfg, ps, model_.backend(), model_.options().compute);
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
-  if (cfg.train.exit_signal_handler) std::signal(SIGTERM, on_sigterm);
+  if (cfg.train.exit_signal_handler) std::signal(exit_signal_number(cfg.train.exit_signal), on_sigterm);
   const TrainConfig& t = cfg.train;
   const RerunStateMachine::Mode mode = RerunStateMachine::parse_mode(t.rerun_mode);
   if (mode != RerunStateMachine::Mode::disabled || t.check_for_spiky_loss || t.check_for_large_grads) {
@@ -123,7 +133,7 @@ bool Trainer::should_exit() {
     return true;
   }
   if (flags[1] > 0) {
-    log::info(" exiting program at iteration {} on SIGTERM", iteration_);
+    log::info(" exiting program at iteration {} on {}", iteration_, cfg_.train.exit_signal);
     return true;
   }
   return false;
@@ -364,7 +374,7 @@ int64_t Trainer::train() {
     report_iteration(o, first);
     first = false;
     if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
-        has_validation_ && t.eval_iters > 0) {
+        has_validation_ && t.eval_iters > 0 && (!t.start_eval_at_iter || iteration_ >= *t.start_eval_at_iter)) {
       outside_interval([&] { evaluate(false); });
     }
     if (sniff_ && iteration_ % cfg_.logging.gpu_sniff_test_interval == 0)

@@ -234,6 +234,12 @@ TEST_CASE("samples per split from the training flags", "[data][config]") {
   cfg.train.train_iters.reset();
   cfg.train.train_samples = 1000;  // 125 iterations
   CHECK(samples_per_split(cfg) == std::array<int64_t, 3>{1000, (125 / 10 + 1) * 5 * 8, 40});
+  // --start-eval-at-iter 35: the evaluations at 10, 20 and 30 are not made (nor their samples).
+  cfg.train.start_eval_at_iter = 35;
+  CHECK(samples_per_split(cfg) == std::array<int64_t, 3>{1000, (125 / 10 + 1 - 3) * 5 * 8, 40});
+  cfg.train.start_eval_at_iter = 1000;  // past the end: none (Megatron's max(0, ...))
+  CHECK(samples_per_split(cfg)[1] == 0);
+  cfg.train.start_eval_at_iter.reset();
   cfg.train.eval_interval.reset();  // no periodic evaluation: the final one only
   CHECK(samples_per_split(cfg) == std::array<int64_t, 3>{1000, 5 * 8, 40});
   cfg.train.skip_train = true;

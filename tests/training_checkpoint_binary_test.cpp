@@ -218,12 +218,14 @@ TEST_CASE("binary: corrupt, truncated and mismatched checkpoints are refused nam
   CHECK(r.code == 1);
 }
 
-TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves and exits 0", "[ckpt-train][binary][signal]") {
+// Preempts a run with --exit-signal-handler (and `extra` flags) by `sig` after a few iterations: it
+// finishes the step, saves, says so with the signal's name and exits 0.
+static void check_signal_exit(const std::string& extra, int sig, const std::string& sig_name) {
   TempDir dir;
   const std::string save = dir / "s", log = dir / "out.txt", metrics = dir / "m.jsonl";
   std::vector<std::string> args = {MEGATRAIN_BINARY};
   std::istringstream words(kGpt + " --train-iters 1000000 --save-interval 1000000 --eval-iters 0 "
-                                  "--exit-signal-handler --save " + save + " --metrics-jsonl " + metrics);
+                                  "--exit-signal-handler --save " + save + " --metrics-jsonl " + metrics + extra);
   for (std::string w; words >> w;) args.push_back(w);
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
@@ -241,7 +243,7 @@ TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves a
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline && read_metrics(metrics).iterations.size() < 3)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  REQUIRE(::kill(pid, SIGTERM) == 0);
+  REQUIRE(::kill(pid, sig) == 0);
   int status = 0;
   REQUIRE(::waitpid(pid, &status, 0) == pid);
   const std::string out = read_bytes(log);
@@ -258,6 +260,16 @@ TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves a
   char name[32];
   std::snprintf(name, sizeof name, "/iter_%07lld", static_cast<long long>(stopped));
   CHECK(fs::exists(save + name + "/manifest.json"));
+  CHECK_THAT(out, Catch::Contains(" on " + sig_name));
+}
+
+TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves and exits 0", "[ckpt-train][binary][signal]") {
+  check_signal_exit("", SIGTERM, "SIGTERM");
+}
+
+// --exit-signal names the signal caught instead (SIGUSR1, which would otherwise kill the process).
+TEST_CASE("binary: --exit-signal SIGUSR1 with --exit-signal-handler saves and exits 0 on SIGUSR1", "[ckpt-train][binary][signal]") {
+  check_signal_exit(" --exit-signal SIGUSR1", SIGUSR1, "SIGUSR1");
 }
 
 TEST_CASE("binary: --exit-interval saves before exiting and skips the final evaluation", "[ckpt-train][binary]") {
