@@ -32,6 +32,10 @@ void add_data_flags(FlagTable& t) {
   t.flag("--reset-position-ids", "restart position ids after each end of document", MT_FIELD(data.reset_position_ids));
   t.flag("--reset-attention-mask", "no attention across end of document", MT_FIELD(data.reset_attention_mask));
   t.flag("--eod-mask-loss", "no loss on end-of-document tokens", MT_FIELD(data.eod_mask_loss));
+  t.flag("--dataloader-inter-document-masking",
+         "attention within each document a sample was cut from, positions restarted per document (the data loader's "
+         "document boundaries rather than EOD tokens)",
+         MT_FIELD(data.inter_document_masking));
   t.negative_alias(t.no_effect("--no-create-attention-mask-in-dataloader", Arity::none,
                                "megatrain never materialises an s x s attention mask"));
   t.flag("--fim-data", "fill-in-the-middle samples (Megatron's GPTFIMDataset; GPT2BPETokenizer)", MT_FIELD(data.fim_data));

@@ -48,7 +48,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--data-per-class-fraction", "FLOAT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "1.0");
   t.no_effect("--dataloader-defer-npy-index-mmap", Arity::none, "a start-up speed setting of Megatron-LM's Python data loader: megatrain builds and maps its indices in C++ (the same samples)", "off");
   t.no_effect("--dataloader-fast-cache-load", Arity::none, "a start-up speed setting of Megatron-LM's Python data loader: megatrain builds and maps its indices in C++ (the same samples)", "off");
-  t.recognised("--dataloader-inter-document-masking", Arity::none, "", "off", "attention restricted to each document of a sample (cu_seqlens from the data loader)");
   t.no_effect("--ddp-pad-buckets-for-high-nccl-busbw", Arity::none, "a communication-performance setting of Megatron-LM's PyTorch process groups: megatrain's communicators, streams and buckets are its own (the same results)", "off");
   t.recognised("--ddp-param-name-patterns-for-fp32-local-accumulation", Arity::one_or_more, "STR [STR ...]", "[]", "parameters whose gradients accumulate locally in fp32");
   t.recognised("--ddp-reduce-scatter-with-fp32-accumulation", Arity::none, "", "off", "reduce-scatter that sums in fp32 what travels in bf16");

@@ -123,7 +123,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--allow-ambiguous-pad-tokens", W::any_use, {}, ""},
       {"--batch-invariant-mode", W::any_use, {}, ""},
       {"--cpu-offloading-num-layers", W::other_than, {"0"}, ""},
-      {"--dataloader-inter-document-masking", W::any_use, {}, ""},
       {"--ddp-param-name-patterns-for-fp32-local-accumulation", W::any_use, {}, ""},
       {"--ddp-reduce-scatter-with-fp32-accumulation", W::any_use, {}, ""},
       {"--distributed-timeout-seconds-after-init", W::any_use, {}, ""},

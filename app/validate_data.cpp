@@ -64,6 +64,9 @@ void validate_fim(CliState& st) {
               "the batches");
     return;
   }
+  if (d.inter_document_masking)
+    throw Unsupported("megatrain does not support --dataloader-inter-document-masking with --fim-data yet (the FIM "
+                      "samples' document parts are not tracked)");
   // Megatron's asserts, in its order and words.
   if (d.mock_data) fail("Mock dataset is not supported with FIM dataset.");
   if (d.fim_rate == 0) fail("--fim-rate should be specified.");

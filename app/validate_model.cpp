@@ -59,7 +59,13 @@ void validate_model(CliState& st) {
     if ((g >= tp && g % tp != 0) || (g < tp && tp % g != 0))
       fail("--num-query-groups {} must be a multiple or a divisor of --tensor-model-parallel-size {}", g, tp);
   }
+  if (c.data.inter_document_masking && (c.data.reset_attention_mask || c.data.reset_position_ids))
+    st.note("--dataloader-inter-document-masking: the document parts bound attention and restart the positions, as in "
+            "Megatron-LM, where --reset-attention-mask and --reset-position-ids then change nothing");
   if (m.gated_delta_net) {
+    if (c.data.inter_document_masking)
+      throw Unsupported("megatrain does not support --dataloader-inter-document-masking with Gated DeltaNet layers yet "
+                        "(Megatron-LM restarts their convolution and recurrence at each document)");
     if (c.data.reset_attention_mask)
       st.note("--reset-attention-mask with Gated DeltaNet layers: as in Megatron-LM (whose GatedDeltaNet reads no "
               "attention mask), only the softmax-attention layers keep to each document; the Gated DeltaNet layers' "

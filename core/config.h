@@ -509,6 +509,13 @@ struct DataConfig {
   bool reset_position_ids = false;
   bool reset_attention_mask = false;
   bool eod_mask_loss = false;
+  // --dataloader-inter-document-masking: each sample's document parts (the documents it was cut
+  // from, not its EOD tokens) bound attention and restart the positions.
+  bool inter_document_masking = false;
+  // Attention kept within each document (a block-diagonal causal mask), and the positions restarted
+  // per document: by EOD tokens (--reset-attention-mask, --reset-position-ids) or by document parts.
+  bool documents() const { return reset_attention_mask || inter_document_masking; }
+  bool document_positions() const { return reset_position_ids || inter_document_masking; }
   bool create_attention_mask_in_dataloader = true;
   std::string dataloader_type = "single";
   bool full_data_check = false;  // megatrain flag --full-data-check: scan every token id at start-up

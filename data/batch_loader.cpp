@@ -28,6 +28,7 @@ BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFac
   o.masking.pad_token = tokenizer.pad == tokenizer.eod ? -1 : static_cast<int32_t>(tokenizer.pad);
   o.masking.reset_position_ids = config.data.reset_position_ids;
   o.masking.reset_attention_mask = config.data.reset_attention_mask;
+  o.masking.inter_document_masking = config.data.inter_document_masking;
   o.masking.eod_mask_loss = config.data.eod_mask_loss;
   o.workers = std::max(1, config.data.num_workers);
   return o;
@@ -82,11 +83,17 @@ void BatchLoader::fill(int64_t k, MicroBatch& slot, std::vector<int32_t>& window
   }
   const int64_t first = first_sample_of(k);
   SampleStreams& streams = streams_[static_cast<size_t>(k % options_.workers)];
+  std::vector<int32_t> parts;  // --dataloader-inter-document-masking: a window's document parts
   for (int i = 0; i < b; ++i) {
     dataset_->read_window(first + i, window.data(), streams);
     const size_t at = static_cast<size_t>(i) * seq_;
     make_training_sample(window, options_.masking, slot.tokens.data() + at, slot.labels.data() + at,
                          slot.loss_mask.data() + at, slot.positions.data() + at, slot.segments.data() + at);
+    if (options_.masking.inter_document_masking) {
+      dataset_->document_parts(first + i, parts);
+      document_segments(parts, seq_, dataset_->window_length() > seq_, slot.positions.data() + at,
+                        slot.segments.data() + at);
+    }
   }
 }
 

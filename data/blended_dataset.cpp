@@ -194,6 +194,11 @@ void BlendedDataset::window(int64_t idx, int32_t* out) const {
   datasets_[static_cast<size_t>(dataset_index_[idx])]->window(dataset_sample_index_[idx], out);
 }
 
+void BlendedDataset::document_parts(int64_t idx, std::vector<int32_t>& lengths) const {
+  MT_CHECK(idx >= 0 && idx < size(), "blended sample {} of {}", idx, size());
+  datasets_[static_cast<size_t>(dataset_index_[idx])]->document_parts(dataset_sample_index_[idx], lengths);
+}
+
 void BlendedDataset::read_window(int64_t idx, int32_t* out, SampleStreams& streams) const {
   MT_CHECK(idx >= 0 && idx < size(), "blended sample {} of {}", idx, size());
   datasets_[static_cast<size_t>(dataset_index_[idx])]->read_window(dataset_sample_index_[idx], out, streams);

@@ -29,6 +29,7 @@ class BlendedDataset : public SampleDataset {
   int window_length() const override { return datasets_.front()->window_length(); }
   void window(int64_t idx, int32_t* out) const override;
   void read_window(int64_t idx, int32_t* out, SampleStreams& streams) const override;
+  void document_parts(int64_t idx, std::vector<int32_t>& lengths) const override;
   std::string describe() const override;
   std::string cache_key() const override { return key_; }
 

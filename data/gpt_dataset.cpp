@@ -387,30 +387,41 @@ void GPTDataset::read_window(int64_t idx, int32_t* out, SampleStreams& streams) 
   std::fill(out + filled, out + window_length(), options_.pad_token_id);
 }
 
-int64_t GPTDataset::read_tokens(int64_t idx, int32_t* out) const {
+// Megatron's _query_document_sample_shuffle_indices: the document parts of window idx in order,
+// each as (document-index position, token offset, tokens); the last one holds the extra token.
+template <class Fn>
+void GPTDataset::for_each_part(int64_t idx, Fn&& fn) const {
   MT_CHECK(idx >= 0 && idx < size_, "sample {} of {} ({})", idx, size_, describe());
-  const int64_t length = window_length();
   const int64_t extra = options_.add_extra_token ? 1 : 0;
   const int64_t j = shuffle_index_[idx];
   const int64_t d0 = sample_index_.at(j, 0), o0 = sample_index_.at(j, 1);
   const int64_t d1 = sample_index_.at(j + 1, 0), o1 = sample_index_.at(j + 1, 1);
   const auto sizes = data_->sequence_lengths();
+  if (d0 == d1) {
+    fn(d0, o0, o1 - o0 + extra);
+    return;
+  }
+  for (int64_t i = d0; i <= d1; ++i) {
+    const int64_t offset = i > d0 ? 0 : o0;
+    const int64_t count = i < d1 ? sizes[static_cast<size_t>(document_index_[i])] - offset : o1 + extra;
+    fn(i, offset, count);
+  }
+}
+
+int64_t GPTDataset::read_tokens(int64_t idx, int32_t* out) const {
+  const int64_t length = window_length();
   int64_t filled = 0;
-  auto take = [&](int64_t position, int64_t offset, int64_t count) {
+  for_each_part(idx, [&](int64_t position, int64_t offset, int64_t count) {
     MT_CHECK(count >= 0 && filled + count <= length, "window {} overflows ({} + {} > {})", idx, filled, count, length);
     data_->read(document_index_[position], offset, count, out + filled);
     filled += count;
-  };
-  if (d0 == d1) {
-    take(d0, o0, o1 - o0 + extra);
-  } else {
-    for (int64_t i = d0; i <= d1; ++i) {
-      const int64_t offset = i > d0 ? 0 : o0;
-      const int64_t count = i < d1 ? sizes[static_cast<size_t>(document_index_[i])] - offset : o1 + extra;
-      take(i, offset, count);
-    }
-  }
+  });
   return filled;
+}
+
+void GPTDataset::document_parts(int64_t idx, std::vector<int32_t>& lengths) const {
+  lengths.clear();
+  for_each_part(idx, [&](int64_t, int64_t, int64_t count) { lengths.push_back(static_cast<int32_t>(count)); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -435,6 +446,24 @@ void make_training_sample(std::span<const int32_t> window, const SampleMasking& 
       ++segment;
     }
   }
+}
+
+void document_segments(std::vector<int32_t> parts, int seq_length, bool add_extra_token, int32_t* positions,
+                       int32_t* segments) {
+  if (add_extra_token && !parts.empty() && --parts.back() == 0) parts.pop_back();
+  int64_t sum = 0;
+  for (int32_t n : parts) sum += n;
+  MT_CHECK(sum <= seq_length, "document parts of {} tokens in a sequence of {}", sum, seq_length);
+  if (sum < seq_length) {  // a padded window: the padding joins the last document
+    if (parts.empty()) parts.push_back(0);
+    parts.back() += static_cast<int32_t>(seq_length - sum);
+  }
+  int32_t t = 0;
+  for (size_t d = 0; d < parts.size(); ++d)
+    for (int32_t k = 0; k < parts[d]; ++k, ++t) {
+      positions[t] = k;
+      segments[t] = static_cast<int32_t>(d);
+    }
 }
 
 }  // namespace mt

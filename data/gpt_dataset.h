@@ -42,6 +42,12 @@ class SampleDataset {
     (void)streams;
     window(idx, out);
   }
+  // The lengths of the document parts window idx is read from, in order (Megatron's
+  // document_lengths: the last part includes the extra token). Default: one document.
+  virtual void document_parts(int64_t idx, std::vector<int32_t>& lengths) const {
+    (void)idx;
+    lengths.assign(1, window_length());
+  }
   virtual std::string describe() const = 0;
   // Text that determines every sample (for naming and checking cache files).
   virtual std::string cache_key() const = 0;
@@ -70,6 +76,7 @@ class GPTDataset : public SampleDataset {
   int window_length() const override { return options_.seq_length + (options_.add_extra_token ? 1 : 0); }
   void window(int64_t idx, int32_t* out) const override;
   void read_window(int64_t idx, int32_t* out, SampleStreams& streams) const override;
+  void document_parts(int64_t idx, std::vector<int32_t>& lengths) const override;
   std::string describe() const override;
 
   const LowLevelDataset& data() const { return *data_; }
@@ -92,6 +99,8 @@ class GPTDataset : public SampleDataset {
  private:
   // Reads sample idx's tokens into out; returns how many (window_length() unless the data ran short).
   int64_t read_tokens(int64_t idx, int32_t* out) const;
+  template <class Fn>
+  void for_each_part(int64_t idx, Fn&& fn) const;
   void build();
   bool try_load_cache();
   void save_cache();
@@ -143,6 +152,9 @@ struct SampleMasking {
   bool reset_position_ids = false;    // positions restart at 0 after each EOD token
   bool reset_attention_mask = false;  // no attention across an EOD token (segments below)
   bool eod_mask_loss = false;         // no loss where the input token is EOD
+  // --dataloader-inter-document-masking: segments and positions by the window's document parts
+  // (document_segments below) instead of its EOD tokens.
+  bool inter_document_masking = false;
 };
 
 // Megatron's GPTDataset.__getitem__ + _get_ltor_masks_and_position_ids on one window of s + 1
@@ -153,5 +165,13 @@ struct SampleMasking {
 // exactly Megatron's block-diagonal causal mask. Pad ids become token 0 in tokens and labels.
 void make_training_sample(std::span<const int32_t> window, const SampleMasking& masking, int32_t* tokens,
                           int32_t* labels, float* loss_mask, int32_t* positions, int32_t* segments);
+
+// --dataloader-inter-document-masking (Megatron's GPTDataset with inter_document_masking): from the
+// lengths of the document parts a window of seq_length (+ 1 with add_extra_token) tokens was read
+// from, the last part less the extra token (dropped when that empties it) and any shortfall of a
+// padded window folded into the last part, segments[t] = the part holding position t and
+// positions[t] = t - that part's start.
+void document_segments(std::vector<int32_t> parts, int seq_length, bool add_extra_token, int32_t* positions,
+                       int32_t* segments);
 
 }  // namespace mt

@@ -89,7 +89,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   o.attention_backend = cfg.model.attention_backend == AttentionBackend::unfused ? AttentionBackend::flash
                                                                                 : cfg.model.attention_backend;
   o.deterministic = cfg.train.deterministic_mode;
-  o.documents = cfg.data.reset_attention_mask;
+  o.documents = cfg.data.documents();
   o.fp8 = Fp8Options::from_config(cfg);
   // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer; the others are refused).
   o.bf16_exp_avg = cfg.train.exp_avg_dtype == StateDtype::bf16;

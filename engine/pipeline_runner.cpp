@@ -150,7 +150,7 @@ bool every_stage_reads_data(const Config& cfg) {
   const ModelConfig& m = cfg.model;
   const bool rotary = m.position_embedding_type == PositionEmbedding::rope ||
                       m.position_embedding_type == PositionEmbedding::yarn || m.multi_latent_attention;
-  return cfg.data.reset_attention_mask || (cfg.data.reset_position_ids && rotary);
+  return cfg.data.documents() || (cfg.data.document_positions() && rotary);
 }
 
 bool PipelineRunner::needs_data(int chunk) const {

@@ -7,6 +7,8 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "data/batch_loader.h"
+#include "data/gpt_dataset.h"
+#include "data/mock_dataset.h"
 
 using namespace mt;
 using Catch::Matchers::Contains;
@@ -24,6 +26,10 @@ class NumberedDataset : public SampleDataset {
     reads++;
     if (idx == bad_) fail("corrupt.bin: sample {} is unreadable", idx);
     for (int t = 0; t <= seq_; ++t) out[t] = static_cast<int32_t>(idx * 1000 + t);
+  }
+  void document_parts(int64_t idx, std::vector<int32_t>& lengths) const override {
+    // Sample i is cut from documents of 2 + i % 3 tokens and the rest (the extra token in the last).
+    lengths = {2 + static_cast<int32_t>(idx % 3), seq_ + 1 - 2 - static_cast<int32_t>(idx % 3)};
   }
   std::string describe() const override { return "numbered"; }
   std::string cache_key() const override { return "numbered"; }
@@ -133,6 +139,72 @@ TEST_CASE("masks and positions reach the micro-batch", "[data][loader]") {
   CHECK(mb.loss_mask == std::vector<float>{1, 0, 1, 1, 1, 1});
 }
 
+// --dataloader-inter-document-masking: the document parts, not the EOD tokens, give the segments
+// and positions; the loss mask still follows the EOD tokens (--eod-mask-loss).
+TEST_CASE("inter-document masking: segments and positions from the document parts", "[data][loader]") {
+  auto ds = std::make_shared<NumberedDataset>(10, 6);
+  SampleMasking masking;
+  masking.eod_token = 2001;
+  masking.reset_position_ids = true;
+  masking.reset_attention_mask = true;
+  masking.eod_mask_loss = true;
+  masking.inter_document_masking = true;
+  BatchLoader loader(ds, options(2, 0, 1, 1, 4, masking));
+  MicroBatch mb;
+  REQUIRE(loader.next(mb));
+  // Sample 1: parts {3, 4} of the 7-token window, the last less the extra token: 3 + 3.
+  // Sample 2: parts {4, 3}: 4 + 2 (EOD at position 1 changes neither).
+  CHECK(mb.positions == std::vector<int32_t>{0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 0, 1});
+  CHECK(mb.segments == std::vector<int32_t>{0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1});
+  CHECK(mb.loss_mask == std::vector<float>{1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1});
+}
+
+// A GPTDataset's document parts are the pieces read_window assembles the window from: every part
+// but the last ends its document (mock documents end with EOD) and together they fill the window.
+TEST_CASE("GPTDataset document parts: the documents a window is cut from", "[data]") {
+  auto mock = std::make_shared<MockLowLevelDataset>(50000, 49999);
+  GPTDatasetOptions o;
+  o.seq_length = 1024;
+  const GPTDataset ds(mock, Split::train, IndexRange{0, 200}, 40, o);
+  std::vector<int32_t> window(1025), parts;
+  int cut = 0;
+  for (int64_t i = 0; i < 40; ++i) {
+    INFO(i);
+    ds.window(i, window.data());
+    ds.document_parts(i, parts);
+    int32_t at = 0;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      REQUIRE(parts[k] > 0);
+      at += parts[k];
+      if (k + 1 < parts.size()) CHECK(window[static_cast<size_t>(at - 1)] == 49999);
+    }
+    CHECK(at == 1025);
+    cut += parts.size() > 1 ? 1 : 0;
+  }
+  CHECK(cut > 5);  // (windows that span documents were checked)
+}
+
+TEST_CASE("document_segments: Megatron's extra-token and padding rules", "[data]") {
+  std::vector<int32_t> pos(8), seg(8);
+  auto run = [&](std::vector<int32_t> parts, bool extra) {
+    document_segments(std::move(parts), 8, extra, pos.data(), seg.data());
+  };
+  run({5, 4}, true);  // the last part loses the extra token
+  CHECK(seg == std::vector<int32_t>{0, 0, 0, 0, 0, 1, 1, 1});
+  CHECK(pos == std::vector<int32_t>{0, 1, 2, 3, 4, 0, 1, 2});
+  run({8, 1}, true);  // a last part of just the extra token is dropped
+  CHECK(seg == std::vector<int32_t>(8, 0));
+  CHECK(pos == std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  run({2, 3}, true);  // a padded window: the shortfall joins the last document
+  CHECK(seg == std::vector<int32_t>{0, 0, 1, 1, 1, 1, 1, 1});
+  CHECK(pos == std::vector<int32_t>{0, 1, 0, 1, 2, 3, 4, 5});
+  run({3, 5}, false);  // no extra token
+  CHECK(seg == std::vector<int32_t>{0, 0, 0, 1, 1, 1, 1, 1});
+  run({}, false);
+  CHECK(seg == std::vector<int32_t>(8, 0));
+  CHECK_THROWS(run({6, 4}, true));  // more tokens than the sequence
+}
+
 TEST_CASE("loader errors reach the consumer and shutdown never hangs", "[data][loader]") {
   auto bad = std::make_shared<NumberedDataset>(100, 4, /*bad=*/21);
   {
@@ -172,6 +244,9 @@ TEST_CASE("loader options from the run's flags", "[data][loader]") {
   CHECK(o.masking.eod_mask_loss);
   CHECK(o.masking.reset_position_ids);
   CHECK_FALSE(o.masking.reset_attention_mask);
+  CHECK_FALSE(o.masking.inter_document_masking);
+  cfg.data.inter_document_masking = true;
+  CHECK(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).masking.inter_document_masking);
   cfg.data.dataloader_type = "cyclic";
   CHECK_THROWS_AS(batch_loader_options(cfg, {50257, 50256, -1}, 0, 1, 0), Unsupported);
 }

@@ -274,6 +274,12 @@ TEST_CASE("every flag Megatron-LM's pretrain_gpt.py parses is known", "[cli]") {
   CHECK_THAT(parse_error(small_gpt() + words("--pipeline-model-parallel-comm-backend ucc")),
              Contains("--pipeline-model-parallel-comm-backend ucc"));
   parse(small_gpt() + words("--pipeline-model-parallel-comm-backend nccl"));
+  // --dataloader-inter-document-masking: built; with the EOD-based flags a note says they change nothing.
+  ms.clear();
+  const Config inter = parse(small_gpt() + words("--dataloader-inter-document-masking --reset-attention-mask"), 1, &ms);
+  CHECK(inter.data.documents());
+  CHECK(inter.data.document_positions());
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--dataloader-inter-document-masking: the document parts"));
   // A checked no-effect value is still checked.
   CHECK_THAT(parse_error(small_gpt() + words("--async-ckpt-io-priority high")), Contains("--async-ckpt-io-priority"));
 }

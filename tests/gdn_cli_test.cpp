@@ -58,6 +58,9 @@ TEST_CASE("cli: Gated DeltaNet's rules (Megatron-LM's) and what is not built wit
         "convolution and output gate take the model's activation: megatrain builds SiLU)");
   CHECK_THAT(unsupported_error(gdn_model("--linear-attention-freq 2 --bf16 --fp8-format hybrid")),
              Contains("gated_delta_net with --fp8-format yet"));
+  // Megatron-LM restarts the recurrence at each of the data loader's documents; megatrain does not yet.
+  CHECK_THAT(unsupported_error(gdn_model("--linear-attention-freq 2 --dataloader-inter-document-masking")),
+             Contains("--dataloader-inter-document-masking with Gated DeltaNet layers"));
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules gdn_norm_out")),
              Contains("gdn_norm_out in recompute_modules is only supported with experimental_attention_variant"));
   std::vector<SetupMessage> notes;

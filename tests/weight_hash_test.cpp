@@ -122,19 +122,3 @@ TEST_CASE("weight hash check: a one-rank run checks at Megatron's iterations, lo
   REQUIRE(a.size() == 5);
   CHECK(a == b);
 }
-
-// --start-eval-at-iter: no evaluation at the interval's iterations before it; the losses unchanged.
-TEST_CASE("--start-eval-at-iter: evaluations only from that iteration on", "[binary][eval]") {
-  mt_test::TempDir dir;
-  const std::string run = kGpt + " --train-iters 6 --eval-interval 2 --eval-iters 1";
-  const Result late = megatrain(run + " --start-eval-at-iter 3 --metrics-jsonl " + (dir / "late.jsonl"));
-  require_ok(late);
-  INFO(late.out);
-  CHECK_THAT(late.out, !Contains("validation loss at iteration 2 "));
-  CHECK_THAT(late.out, Contains("validation loss at iteration 4 "));
-  CHECK_THAT(late.out, Contains("validation loss at iteration 6 "));
-  const Result all = megatrain(run + " --metrics-jsonl " + (dir / "all.jsonl"));
-  require_ok(all);
-  CHECK_THAT(all.out, Contains("validation loss at iteration 2 "));
-  CHECK(jsonl_losses(dir / "late.jsonl") == jsonl_losses(dir / "all.jsonl"));
-}

@@ -419,6 +419,16 @@ megatrain_parallel_train_test(parallel_train_documents_cp4_every_comm_type --mod
 megatrain_parallel_train_test(parallel_train_documents_cp2_pp2 --model
   "${cp_llama_model} ${cp_documents} --eod-mask-loss --calculate-per-token-loss" 4
   --context-parallel-size 2 --pipeline-model-parallel-size 2)
+# --dataloader-inter-document-masking: the data loader's document parts (vocabulary 128, so that
+# mock documents hold EOD ids mid-document, which do not split them here) under CP 2 x PP 2 and TP 2
+# with SP over PP 2 x 2 virtual stages.
+set(inter_doc "--dataloader-inter-document-masking --vocab-size 128 --seq-length 256 --max-position-embeddings 256")
+megatrain_parallel_train_test(parallel_train_inter_document_cp2_pp2 --model "${cp_llama_model} ${inter_doc}" 4
+                              --context-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_inter_document_tp2_sp_pp2_vpp2 --model
+  "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear ${inter_doc}" 4
+  --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+  --num-virtual-stages-per-pipeline-rank 2)
 # Mixture of experts with context parallelism: the aux loss's counts summed over the CP ranks of a
 # micro-batch (each rank's value its part of the micro-batch's loss, seeded x CP as Megatron), the
 # experts' EP x expert-DP ranks folding the dense CP x DP ones (Megatron's parallel folding).
