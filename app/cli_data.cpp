@@ -79,6 +79,10 @@ void add_tokenizer_flags(FlagTable& t) {
   t.value("--tiktoken-pattern", "TikTokenizer pattern (v1, v2)", MT_FIELD(data.tiktoken_pattern));
   t.value("--tiktoken-num-special-tokens", "TikTokenizer special tokens", MT_FIELD(data.tiktoken_num_special_tokens));
   t.value("--tokenizer-special-tokens", "special tokens", MT_FIELD(data.tokenizer_special_tokens));
+  t.value("--null-tokenizer-pad-id", "NullTokenizer's pad id (-1: none): labels equal to it are masked out of the loss "
+          "and read as token 0", MT_FIELD(data.null_tokenizer_pad_id));
+  t.flag("--allow-ambiguous-pad-tokens", "keep a pad id that equals another special token (masking those tokens "
+         "out of the loss); without it such a pad id is dropped, with a warning", MT_FIELD(data.allow_ambiguous_pad_tokens));
   t.value("--null-tokenizer-eod-id", "NullTokenizer's end-of-document id (default vocab-size - 1)",
           MT_FIELD(data.null_tokenizer_eod_id));
   t.no_effect("--trust-remote-code", Arity::none, "megatrain runs no tokenizer code from a model repository");

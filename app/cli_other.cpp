@@ -15,7 +15,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--activation-offload-fraction", "FLOAT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "1.0");
   t.recognised("--adlr-autoresume", Arity::none, "", "off", "ADLR cluster autoresume (NVIDIA-internal userlib)");
   t.no_effect_checked("--adlr-autoresume-interval", "INT", {}, "a setting of ADLR autoresume (--adlr-autoresume, not built): no effect without it, as in Megatron-LM", "1000");
-  t.recognised("--allow-ambiguous-pad-tokens", Arity::none, "", "off", "keep pad tokens that share an id with other special tokens in the loss");
   t.no_effect("--app-tag-run-name", Arity::one, "a telemetry or PyTorch tooling setting (one-logger, OpenTelemetry, the NCCL flight recorder, PyTorch's profiler): megatrain has none of them", "None");
   t.no_effect("--app-tag-run-version", Arity::one, "a telemetry or PyTorch tooling setting (one-logger, OpenTelemetry, the NCCL flight recorder, PyTorch's profiler): megatrain has none of them", "0.0.0");
   t.no_effect_checked("--async-ckpt-cpu-priority", "INT", {}, "megatrain's --async-save writes from a thread of the training process: there is no writer process to reprioritise", "10");
@@ -88,7 +87,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--eval-micro-batch-size", Arity::one, "INT", "None", "micro-batch size of evaluation");
   t.no_effect("--evidence-data-path", Arity::one, "a setting of Megatron-LM's BERT and retrieval (ICT, biencoder) models: GPT pretraining never reads it", "None");
   t.no_effect("--exit-signal-handler-for-dataloader", Arity::none, "megatrain's data loader runs in the training process: there are no loader workers to signal", "off");
-  t.recognised("--exit-signal-handler-for-training", Arity::none, "", "off", "orderly shutdown (no checkpoint) on SIGINT or SIGTERM");
   t.recognised("--expert-tensor-parallel-num-weight-shards", Arity::one, "INT", "None", "GTP weight rematerialization of the experts");
   t.recognised("--fake-process-group", Arity::none, "", "off", "skip every collective (memory profiling of one rank)");
   t.recognised("--fault-injector-delay-start-iteration", Arity::one, "INT", "None", "nvidia-resiliency-ext's fault injector (megatrain's own: --error-injection-rate)");
@@ -291,7 +289,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.alias(t.recognised("--no-save-tokenizer-assets", Arity::none, "", "off", "leave the tokenizer's files out of checkpoints"), "--disable-save-tokenizer-assets");
   t.alias(t.recognised("--no-strict-fsdp-dtensor-load", Arity::none, "", "off", "partial loads of fsdp_dtensor checkpoints"), "--disable-strict-fsdp-dtensor-load");
   t.alias(t.recognised("--no-tokenizer-sentencepiece-ignore-extra-whitespaces", Arity::none, "", "off", "SentencePiece keeps extra whitespace"), "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces");
-  t.recognised("--null-tokenizer-pad-id", Arity::one, "INT", "-1", "NullTokenizer's pad id (masked out of the loss)");
   t.no_effect_checked("--num-channels", "INT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "3");
   t.no_effect_checked("--num-classes", "INT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "1000");
   t.no_effect_checked("--num-speculative-tokens", "INT", {}, "a setting of Megatron-LM's inference engine (text generation, RL rollouts): pretraining never reads it", "0");

@@ -58,6 +58,8 @@ void add_training_flags(FlagTable& t) {
                                                             {"SIGUSR2", "SIGUSR2"}, {"SIGQUIT", "SIGQUIT"},
                                                             {"SIGALRM", "SIGALRM"}},
            MT_FIELD(train.exit_signal));
+  t.flag("--exit-signal-handler-for-training", "on SIGINT or SIGTERM stop after the step, without saving, and exit 0 "
+         "(Megatron-LM's orderly shutdown)", MT_FIELD(train.exit_signal_handler_for_training));
   {
     FlagSpec& s = t.choice("--optimizer",
                            "optimizer: adam is AdamW; muon orthogonalizes the momentum of the 2-D weights (the word "

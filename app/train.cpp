@@ -338,6 +338,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   };
   trainer.before_early_exit = [&](int64_t iteration) {
     exited_early = true;
+    if (trainer.shutdown_requested()) return;  // (--exit-signal-handler-for-training: an orderly stop, no save)
     if (k.save && checkpoints.last_saved_iteration() != iteration) save();
   };
 

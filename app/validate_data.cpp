@@ -116,6 +116,20 @@ void validate_data(CliState& st) {
   if (sources == 0)
     fail("no training data: pass --data-path PREFIX (or --train-data-path/--valid-data-path/--test-data-path), or "
          "--mock-data");
+  // NullTokenizer's pad id (Megatron-LM's build_tokenizer passes it to NullTokenizer alone) and
+  // MegatronDataset's rule for a pad id that equals a special token.
+  if (d.tokenizer_type.value_or("") != "NullTokenizer") {
+    if (st.has("--null-tokenizer-pad-id"))
+      st.note("--null-tokenizer-pad-id has no effect without --tokenizer-type NullTokenizer, as in Megatron-LM");
+  } else if (d.null_tokenizer_pad_id == d.eod_id) {
+    st.warn(d.allow_ambiguous_pad_tokens
+                ? fmt::format("--null-tokenizer-pad-id {} is also the EOD id: with --allow-ambiguous-pad-tokens every "
+                              "EOD label leaves the loss",
+                              d.null_tokenizer_pad_id)
+                : fmt::format("--null-tokenizer-pad-id {} is also the EOD id: no pad tokens are masked (Megatron-LM's "
+                              "rule; --allow-ambiguous-pad-tokens keeps them)",
+                              d.null_tokenizer_pad_id));
+  }
   if (per_split && d.split)
     st.warn("--split has no effect with --train-data-path/--valid-data-path/--test-data-path (each split has its own "
             "blend)");

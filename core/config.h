@@ -376,6 +376,8 @@ struct TrainConfig {
   std::optional<int> exit_duration_in_mins;
   bool exit_signal_handler = false;
   std::string exit_signal = "SIGTERM";  // --exit-signal: the signal --exit-signal-handler catches
+  // --exit-signal-handler-for-training: SIGINT or SIGTERM stops the run after its step, without a save.
+  bool exit_signal_handler_for_training = false;
 
   OptimizerKind optimizer = OptimizerKind::adam;
   std::optional<double> lr;
@@ -544,6 +546,11 @@ struct DataConfig {
   int tiktoken_num_special_tokens = 1000;
   std::vector<std::string> tokenizer_special_tokens;
   std::optional<int> null_tokenizer_eod_id;  // NullTokenizer's EOD (HEAD default: vocab_size - 1)
+  // --null-tokenizer-pad-id: NullTokenizer's pad id (-1: none); labels equal to it leave the loss.
+  int null_tokenizer_pad_id = -1;
+  // --allow-ambiguous-pad-tokens: keep a pad id that equals another special token's (Megatron-LM
+  // otherwise drops it, with a warning).
+  bool allow_ambiguous_pad_tokens = false;
 
   // derived
   std::vector<double> split_weights;  // normalised train/valid/test proportions

@@ -24,8 +24,11 @@ BatchLoaderOptions batch_loader_options(const Config& config, const TokenizerFac
   o.data_parallel_size = data_parallel_size;
   o.consumed_samples = consumed_samples;
   o.masking.eod_token = static_cast<int32_t>(tokenizer.eod);
-  // Megatron drops a pad id that collides with EOD (MegatronDataset.__init__).
-  o.masking.pad_token = tokenizer.pad == tokenizer.eod ? -1 : static_cast<int32_t>(tokenizer.pad);
+  // Megatron drops a pad id that collides with EOD (MegatronDataset.__init__), unless
+  // --allow-ambiguous-pad-tokens.
+  o.masking.pad_token = tokenizer.pad == tokenizer.eod && !config.data.allow_ambiguous_pad_tokens
+                            ? -1
+                            : static_cast<int32_t>(tokenizer.pad);
   o.masking.reset_position_ids = config.data.reset_position_ids;
   o.masking.reset_attention_mask = config.data.reset_attention_mask;
   o.masking.inter_document_masking = config.data.inter_document_masking;

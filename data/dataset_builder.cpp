@@ -259,7 +259,8 @@ TokenizerFacts tokenizer_facts(const Config& config) {
   TokenizerFacts t;
   t.vocab_size = config.model.vocab_size;
   t.eod = config.data.eod_id;
-  t.pad = -1;
+  // Megatron's tokenizer.pad: NullTokenizer's --null-tokenizer-pad-id; none for the others here.
+  t.pad = config.data.tokenizer_type.value_or("") == "NullTokenizer" ? config.data.null_tokenizer_pad_id : -1;
   return t;
 }
 
@@ -295,7 +296,8 @@ DatasetsConfig datasets_config(const Config& config, const TokenizerFacts& token
   c.seed = static_cast<uint32_t>(config.train.seed);
   if (config.train.seed < 0) fail("--seed {} must not be negative (numpy's RandomState takes 0..2^32-1)", config.train.seed);
   c.tokenizer = tokenizer;
-  if (c.tokenizer.pad == c.tokenizer.eod) c.tokenizer.pad = -1;  // Megatron drops a pad id that collides
+  // Megatron drops a pad id that collides with EOD, unless --allow-ambiguous-pad-tokens.
+  if (c.tokenizer.pad == c.tokenizer.eod && !d.allow_ambiguous_pad_tokens) c.tokenizer.pad = -1;
   c.data_cache_path = d.data_cache_path;
   c.mmap_bin_files = d.mmap_bin_files;
   c.mid_level_dataset_surplus = d.mid_level_dataset_surplus;

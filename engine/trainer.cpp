@@ -18,6 +18,9 @@ namespace mt {
 namespace {
 std::atomic<bool> g_sigterm{false};
 extern "C" void on_sigterm(int) { g_sigterm.store(true); }
+// --exit-signal-handler-for-training: SIGINT or SIGTERM asks for an orderly shutdown (no save).
+std::atomic<bool> g_shutdown{false};
+extern "C" void on_shutdown(int) { g_shutdown.store(true); }
 
 // --exit-signal's number (the names the CLI accepts).
 int exit_signal_number(const std::string& name) {
@@ -69,6 +72,11 @@ Trainer::Trainer(const Config& cfg, ParallelState& ps, std::vector<GptModel*> ch
   if (cfg.train.num_microbatches < 1) fail("the number of micro-batches per iteration must be >= 1");
   if (cfg.train.total_iters <= 0) fail("nothing to train: --train-iters / --train-samples gives {} iterations", cfg.train.total_iters);
   if (cfg.train.exit_signal_handler) std::signal(exit_signal_number(cfg.train.exit_signal), on_sigterm);
+  // (Installed after --exit-signal-handler's, as Megatron-LM does: SIGINT and SIGTERM then shut down.)
+  if (cfg.train.exit_signal_handler_for_training) {
+    std::signal(SIGINT, on_shutdown);
+    std::signal(SIGTERM, on_shutdown);
+  }
   const TrainConfig& t = cfg.train;
   const RerunStateMachine::Mode mode = RerunStateMachine::parse_mode(t.rerun_mode);
   if (mode != RerunStateMachine::Mode::disabled || t.check_for_spiky_loss || t.check_for_large_grads) {
@@ -108,25 +116,30 @@ double seconds_per_minute() {
 // --exit-duration-in-mins and --exit-signal-handler, decided by every rank alike (max over ranks).
 bool Trainer::should_exit() {
   const TrainConfig& t = cfg_.train;
-  if (!t.exit_duration_in_mins && !t.exit_signal_handler) return false;
+  if (!t.exit_duration_in_mins && !t.exit_signal_handler && !t.exit_signal_handler_for_training) return false;
   const double minutes = std::chrono::duration<double>(Clock::now() - run_start_).count() / seconds_per_minute();
-  double flags[2] = {t.exit_duration_in_mins && minutes > *t.exit_duration_in_mins ? 1.0 : 0.0,
-                     t.exit_signal_handler && g_sigterm.load() ? 1.0 : 0.0};
+  double flags[3] = {t.exit_duration_in_mins && minutes > *t.exit_duration_in_mins ? 1.0 : 0.0,
+                     t.exit_signal_handler && g_sigterm.load() ? 1.0 : 0.0,
+                     t.exit_signal_handler_for_training && g_shutdown.load() ? 1.0 : 0.0};
   if (ps_.world_size > 1) {  // one small collective per iteration, only with these flags
     Backend& be = model_.backend();
-    Tensor s = model_.scalars().flat_slice(8, 2);
+    Tensor s = model_.scalars().flat_slice(29, 3);  // (past the optimizer's scalars)
     if (model_.options().accum == DType::f64) {
       be.copy_from_host(s, flags);
       ps_.world->all_reduce(s, ReduceOp::max);
       be.copy_to_host(flags, s);
     } else {
-      float f[2] = {static_cast<float>(flags[0]), static_cast<float>(flags[1])};
+      float f[3] = {static_cast<float>(flags[0]), static_cast<float>(flags[1]), static_cast<float>(flags[2])};
       be.copy_from_host(s, f);
       ps_.world->all_reduce(s, ReduceOp::max);
       be.copy_to_host(f, s);
-      flags[0] = f[0];
-      flags[1] = f[1];
+      for (int k = 0; k < 3; ++k) flags[k] = f[k];
     }
+  }
+  if (flags[2] > 0) {
+    log::info("Termination requested. Performing orderly shutdown.");
+    shutdown_ = true;
+    return true;
   }
   if (flags[0] > 0) {
     log::info(" exiting program after {} minutes", minutes);

@@ -73,6 +73,8 @@ class Trainer {
   GpuSniffTest* sniff_test() { return sniff_.get(); }  // --gpu-sniff-test-interval's probes, or null
   // Megatron's exit code when the rerun state machine stopped the run (16 or 17), else 0.
   int exit_code() const { return exit_code_; }
+  // --exit-signal-handler-for-training: SIGINT or SIGTERM stopped the run (after its step, without a save).
+  bool shutdown_requested() const { return shutdown_; }
 
   // Trains from the current iteration to the end, or until --exit-interval, --exit-duration-in-mins
   // or (with --exit-signal-handler) SIGTERM stops it after an iteration; returns the last iteration.
@@ -132,6 +134,7 @@ class Trainer {
   // collective over the world at log intervals, only with --timing-log-level >= 1).
   void collect_timers(IterationStats& s, double iterations);
   bool should_exit();
+  bool shutdown_ = false;
   void print_summary() const;
   // This rank's energy counter at the last read without what outside_interval excluded (J).
   double training_energy() const { return energy_read_ - energy_outside_; }

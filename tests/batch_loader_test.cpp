@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "data/batch_loader.h"
+#include "data/dataset_builder.h"
 #include "data/gpt_dataset.h"
 #include "data/mock_dataset.h"
 
@@ -249,4 +250,25 @@ TEST_CASE("loader options from the run's flags", "[data][loader]") {
   CHECK(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).masking.inter_document_masking);
   cfg.data.dataloader_type = "cyclic";
   CHECK_THROWS_AS(batch_loader_options(cfg, {50257, 50256, -1}, 0, 1, 0), Unsupported);
+}
+
+// --null-tokenizer-pad-id: NullTokenizer's pad id reaches the masking (labels equal to it leave the
+// loss, make_training_sample); one equal to EOD is dropped unless --allow-ambiguous-pad-tokens; other
+// tokenizers take none here.
+TEST_CASE("NullTokenizer's pad id and --allow-ambiguous-pad-tokens", "[data][loader]") {
+  Config cfg;
+  cfg.train.micro_batch_size = 1;
+  cfg.data.tokenizer_type = "NullTokenizer";
+  cfg.model.vocab_size = 100;
+  cfg.data.eod_id = 99;
+  CHECK(tokenizer_facts(cfg).pad == -1);  // Megatron-LM's default
+  cfg.data.null_tokenizer_pad_id = 7;
+  CHECK(tokenizer_facts(cfg).pad == 7);
+  CHECK(batch_loader_options(cfg, tokenizer_facts(cfg), 0, 1, 0).masking.pad_token == 7);
+  cfg.data.null_tokenizer_pad_id = 99;
+  CHECK(batch_loader_options(cfg, tokenizer_facts(cfg), 0, 1, 0).masking.pad_token == -1);
+  cfg.data.allow_ambiguous_pad_tokens = true;
+  CHECK(batch_loader_options(cfg, tokenizer_facts(cfg), 0, 1, 0).masking.pad_token == 99);
+  cfg.data.tokenizer_type = "GPT2BPETokenizer";
+  CHECK(tokenizer_facts(cfg).pad == -1);
 }

@@ -218,14 +218,20 @@ TEST_CASE("binary: corrupt, truncated and mismatched checkpoints are refused nam
   CHECK(r.code == 1);
 }
 
-// Preempts a run with --exit-signal-handler (and `extra` flags) by `sig` after a few iterations: it
-// finishes the step, saves, says so with the signal's name and exits 0.
-static void check_signal_exit(const std::string& extra, int sig, const std::string& sig_name) {
-  TempDir dir;
-  const std::string save = dir / "s", log = dir / "out.txt", metrics = dir / "m.jsonl";
+// A run with `flags` (and --save, --metrics-jsonl) sent `sig` after a few iterations: its exit
+// status, output, save directory and metrics file.
+struct Preempted {
+  int status = 0;
+  std::string out, save, metrics;
+};
+static Preempted preempt(const TempDir& dir, const std::string& flags, int sig) {
+  Preempted p;
+  p.save = dir / "s";
+  p.metrics = dir / "m.jsonl";
+  const std::string log = dir / "out.txt";
   std::vector<std::string> args = {MEGATRAIN_BINARY};
-  std::istringstream words(kGpt + " --train-iters 1000000 --save-interval 1000000 --eval-iters 0 "
-                                  "--exit-signal-handler --save " + save + " --metrics-jsonl " + metrics + extra);
+  std::istringstream words(kGpt + " --train-iters 1000000 --save-interval 1000000 --eval-iters 0 --save " + p.save +
+                           " --metrics-jsonl " + p.metrics + " " + flags);
   for (std::string w; words >> w;) args.push_back(w);
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
@@ -241,26 +247,33 @@ static void check_signal_exit(const std::string& extra, int sig, const std::stri
   }
   // Wait for a few iterations, then preempt.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline && read_metrics(metrics).iterations.size() < 3)
+  while (std::chrono::steady_clock::now() < deadline && read_metrics(p.metrics).iterations.size() < 3)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   REQUIRE(::kill(pid, sig) == 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  const std::string out = read_bytes(log);
-  INFO(out);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
+  REQUIRE(::waitpid(pid, &p.status, 0) == pid);
+  p.out = read_bytes(log);
+  return p;
+}
+
+// --exit-signal-handler (and `extra` flags) preempted by `sig`: the run finishes the step, saves,
+// says so with the signal's name and exits 0.
+static void check_signal_exit(const std::string& extra, int sig, const std::string& sig_name) {
+  TempDir dir;
+  const Preempted p = preempt(dir, "--exit-signal-handler" + extra, sig);
+  INFO(p.out);
+  REQUIRE(WIFEXITED(p.status));
+  CHECK(WEXITSTATUS(p.status) == 0);
   const std::string key = "exiting program at iteration ";
-  const size_t at = out.find(key);
+  const size_t at = p.out.find(key);
   REQUIRE(at != std::string::npos);
-  const int64_t stopped = std::stoll(out.substr(at + key.size()));
+  const int64_t stopped = std::stoll(p.out.substr(at + key.size()));
   CHECK(stopped >= 3);
-  CHECK(tracker(save) == std::to_string(stopped));
-  CHECK(read_metrics(metrics).iterations.rbegin()->first == stopped);
+  CHECK(tracker(p.save) == std::to_string(stopped));
+  CHECK(read_metrics(p.metrics).iterations.rbegin()->first == stopped);
   char name[32];
   std::snprintf(name, sizeof name, "/iter_%07lld", static_cast<long long>(stopped));
-  CHECK(fs::exists(save + name + "/manifest.json"));
-  CHECK_THAT(out, Catch::Contains(" on " + sig_name));
+  CHECK(fs::exists(p.save + name + "/manifest.json"));
+  CHECK_THAT(p.out, Catch::Contains(" on " + sig_name));
 }
 
 TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves and exits 0", "[ckpt-train][binary][signal]") {
@@ -270,6 +283,24 @@ TEST_CASE("binary: SIGTERM with --exit-signal-handler finishes the step, saves a
 // --exit-signal names the signal caught instead (SIGUSR1, which would otherwise kill the process).
 TEST_CASE("binary: --exit-signal SIGUSR1 with --exit-signal-handler saves and exits 0 on SIGUSR1", "[ckpt-train][binary][signal]") {
   check_signal_exit(" --exit-signal SIGUSR1", SIGUSR1, "SIGUSR1");
+}
+
+// --exit-signal-handler-for-training: SIGINT (or SIGTERM, also beside --exit-signal-handler, whose
+// handler it replaces as in Megatron-LM) stops the run after its step with Megatron-LM's line, no
+// checkpoint and exit status 0.
+TEST_CASE("binary: --exit-signal-handler-for-training shuts down on SIGINT and SIGTERM without saving", "[ckpt-train][binary][signal]") {
+  for (const auto& [flags, sig] : std::vector<std::pair<std::string, int>>{
+           {"--exit-signal-handler-for-training", SIGINT},
+           {"--exit-signal-handler --exit-signal-handler-for-training", SIGTERM}}) {
+    TempDir dir;
+    const Preempted p = preempt(dir, flags, sig);
+    INFO(flags << "\n" << p.out);
+    REQUIRE(WIFEXITED(p.status));
+    CHECK(WEXITSTATUS(p.status) == 0);
+    CHECK_THAT(p.out, Catch::Contains("Termination requested. Performing orderly shutdown."));
+    CHECK_FALSE(fs::exists(p.save + "/latest_checkpointed_iteration.txt"));
+    CHECK(read_metrics(p.metrics).iterations.size() >= 3);
+  }
 }
 
 TEST_CASE("binary: --exit-interval saves before exiting and skips the final evaluation", "[ckpt-train][binary]") {

@@ -19,7 +19,7 @@ std::map<int64_t, double> losses(const std::string& path) {
 }  // namespace
 
 // --start-eval-at-iter: no evaluation at the interval's iterations before it; the losses unchanged.
-TEST_CASE("--start-eval-at-iter: evaluations only from that iteration on", "[binary][eval]") {
+TEST_CASE("start-eval-at-iter: evaluations only from that iteration on", "[binary][eval]") {
   mt_test::TempDir dir;
   const std::string run = kGpt + " --train-iters 6 --eval-interval 2 --eval-iters 1";
   const Result late = megatrain(run + " --start-eval-at-iter 3 --metrics-jsonl " + (dir / "late.jsonl"));
@@ -39,16 +39,16 @@ TEST_CASE("--start-eval-at-iter: evaluations only from that iteration on", "[bin
 // segments, so the run equals --reset-attention-mask --reset-position-ids bit for bit; with 128 ids
 // EOD also occurs inside documents, where only the EOD-based masking splits them. Without either,
 // the losses differ.
-TEST_CASE("--dataloader-inter-document-masking: attention and positions per document part", "[binary][data]") {
+TEST_CASE("inter-document masking: attention and positions per document part of a training run", "[binary][data]") {
   mt_test::TempDir dir;
-  const std::string base = kLlama + " --seq-length 256 --max-position-embeddings 256 --train-iters 3";
+  const std::string base = kLlama + " --seq-length 256 --max-position-embeddings 256 --train-iters 2";
   auto run = [&](const std::string& vocab, const std::string& flags, const std::string& name) {
     const Result r = megatrain(base + " --vocab-size " + vocab + " " + flags + " --metrics-jsonl " + (dir / name));
     require_ok(r);
     return losses(dir / name);
   };
   const auto parts = run("4096", "--dataloader-inter-document-masking", "a.jsonl");
-  REQUIRE(parts.size() == 3);
+  REQUIRE(parts.size() == 2);
   CHECK(parts == run("4096", "--reset-attention-mask --reset-position-ids", "b.jsonl"));
   CHECK(parts != run("4096", "", "c.jsonl"));
   CHECK(run("128", "--dataloader-inter-document-masking", "d.jsonl") !=
