@@ -110,6 +110,10 @@ void visit_derived(ModelConfig& m, F&& f) {
   f("linear_attention_every", m.linear_attention_every, AddedLater{});
   f("linear_attention_pattern", m.linear_attention_pattern, AddedLater{});
   f("linear_layer", m.linear_layer, AddedLater{});
+  // --no-rope-freq's two fields and the derived NoPE layer map.
+  f("no_rope_every", m.no_rope_every, AddedLater{});
+  f("no_rope_pattern", m.no_rope_pattern, AddedLater{});
+  f("nope_layer", m.nope_layer, AddedLater{});
   // --moe-layer-freq's two fields, and what derive.cpp computes for the experts (none: dense).
   f("moe_layer_freq", m.moe.layer_freq, AddedLater{});
   f("moe_layer_pattern", m.moe.layer_pattern, AddedLater{});

@@ -249,6 +249,27 @@ void add_model_flags(FlagTable& t) {
     // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
     t.add(std::move(s)).model_setting("linear_attention_freq");
   }
+  {
+    FlagSpec s;
+    s.name = "--no-rope-freq";
+    s.group = FlagGroup::model;
+    s.metavar = "N|LIST";
+    s.help = "layers without the rotary embedding (NoPE): every N-th (1-based), or a 0/1 list per layer (1 = no RoPE) "
+             "such as \"([0]*3+[1])*4\"";
+    s.default_text = "None";
+    s.apply = [](CliState& st, const FlagValue& v) {
+      const LayerFrequency f = parse_layer_frequency("--no-rope-freq", v.one());
+      st.cfg.model.no_rope_every = f.every;
+      st.cfg.model.no_rope_pattern = f.pattern;
+    };
+    s.value = [](const Config& c) -> nlohmann::json {
+      const ModelConfig& m = c.model;
+      if (!m.no_rope_every && m.no_rope_pattern.empty()) return nullptr;
+      return layer_frequency_text({m.no_rope_every, m.no_rope_pattern});
+    };
+    // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
+    t.add(std::move(s)).model_setting("no_rope_freq");
+  }
   t.value("--linear-conv-kernel-dim", "Gated DeltaNet: taps of the causal convolution of q, k and v",
           MT_FIELD(model.linear_conv_kernel_dim))
       .model_setting("linear_conv_kernel_dim", CheckpointTake::forced, CheckpointCompare::yes, true);

@@ -285,7 +285,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.alias(t.recognised("--no-pad-vocab-size", Arity::none, "", "off", "no vocabulary padding"), "--disable-pad-vocab-size");
   t.no_effect("--no-pin-cpu-grads", Arity::none, "a setting of optimizer CPU offload (--optimizer-cpu-offload, not built): no effect without it, as in Megatron-LM", "off");
   t.no_effect("--no-pin-cpu-params", Arity::none, "a setting of optimizer CPU offload (--optimizer-cpu-offload, not built): no effect without it, as in Megatron-LM", "off");
-  t.recognised("--no-rope-freq", Arity::one, "STR", "None", "layers without rotary embeddings (NoPE)");
   t.alias(t.recognised("--no-save-tokenizer-assets", Arity::none, "", "off", "leave the tokenizer's files out of checkpoints"), "--disable-save-tokenizer-assets");
   t.alias(t.recognised("--no-strict-fsdp-dtensor-load", Arity::none, "", "off", "partial loads of fsdp_dtensor checkpoints"), "--disable-strict-fsdp-dtensor-load");
   t.alias(t.recognised("--no-tokenizer-sentencepiece-ignore-extra-whitespaces", Arity::none, "", "off", "SentencePiece keeps extra whitespace"), "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces");

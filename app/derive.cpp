@@ -296,6 +296,34 @@ void derive_moe(CliState& st) {
   }
 }
 
+// --no-rope-freq (Megatron's TransformerConfig.__post_init__): the layers without RoPE.
+void derive_no_rope(CliState& st) {
+  ModelConfig& m = st.cfg.model;
+  m.nope_layer.clear();
+  if (!m.no_rope_every && m.no_rope_pattern.empty()) return;
+  const int L = m.num_layers;
+  if (m.no_rope_every) {
+    const int n = *m.no_rope_every;
+    if (n <= 0) fail("--no-rope-freq {} must be > 0 (every N-th layer, from 1, skips RoPE)", n);
+    if (L % n != 0) fail("no_rope_freq={} should be divisible by num_layers={}.", n, L);  // (Megatron's words)
+    for (int l = 0; l < L; ++l) m.nope_layer.push_back((l + 1) % n == 0 ? 1 : 0);
+  } else {
+    if (static_cast<int>(m.no_rope_pattern.size()) != L)
+      fail("Length of no_rope list ({}) must match the number of layers ({})", m.no_rope_pattern.size(), L);
+    for (size_t l = 0; l < m.no_rope_pattern.size(); ++l) {
+      const int v = m.no_rope_pattern[l];
+      if (v != 0 && v != 1)
+        fail("--no-rope-freq: entry {} of the list is {}; each entry is 1 (no RoPE) or 0 (RoPE)", l, v);
+      m.nope_layer.push_back(static_cast<char>(v));
+    }
+  }
+  if (m.position_embedding_type != PositionEmbedding::rope)
+    st.note("--no-rope-freq has no effect without --position-embedding-type rope, as in Megatron-LM");
+  else if (m.multi_latent_attention)
+    st.note("--no-rope-freq has no effect on multi-latent attention layers, as in Megatron-LM (whose MLA keeps its "
+            "RoPE)");
+}
+
 // Gated DeltaNet (Megatron's TransformerConfig.__post_init__ and get_linear_attention_pattern):
 // which layers are linear attention, and the head counts' rules.
 void derive_linear_attention(CliState& st) {
@@ -686,6 +714,7 @@ void derive(CliState& st) {
   derive_parallel(st);
   derive_moe(st);
   derive_linear_attention(st);
+  derive_no_rope(st);
   derive_mup(st);
   if (st.has("--data-path") && !st.cfg.data.split) {
     st.warn("Please specify --split when using --data-path. Using legacy default value of \"969, 30, 1\"");

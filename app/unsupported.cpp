@@ -177,7 +177,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--mtp-standalone", W::any_use, {}, ""},
       {"--multiple-validation-sets", W::any_use, {}, ""},
       {"--no-pad-vocab-size", W::any_use, {}, ""},
-      {"--no-rope-freq", W::any_use, {}, ""},
       {"--no-save-tokenizer-assets", W::any_use, {}, ""},
       {"--no-strict-fsdp-dtensor-load", W::any_use, {}, ""},
       {"--no-tokenizer-sentencepiece-ignore-extra-whitespaces", W::any_use, {}, ""},

@@ -76,6 +76,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.squared_relu = m.squared_relu;
   s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;
+  s.nope_layers = std::find(m.nope_layer.begin(), m.nope_layer.end(), 1) != m.nope_layer.end();
   s.attention_output_gate = m.attention_output_gate;
   s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
   s.apply_layernorm_1p = m.apply_layernorm_1p;
@@ -297,6 +298,7 @@ void HfModelSpec::validate() const {
   if (squared_relu && arch != HfArchitecture::nemotron)
     refuse("--squared-relu (of the mapped families only NemotronForCausalLM's MLP is squared ReLU)");
   if (qk_l2_norm) refuse("--qk-l2-norm (the HF model has no q/k norms)");
+  if (nope_layers && !deepseek) refuse("--no-rope-freq (none of the mapped HF families skips RoPE in some layers)");
   if (attention_output_gate && !next)
     refuse("--attention-output-gate (of the mapped HF families only Qwen3-Next gates its attention, beside Gated "
            "DeltaNet layers)");

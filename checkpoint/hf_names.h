@@ -71,6 +71,7 @@ struct HfModelSpec {
   bool squared_relu = false;
   bool qk_layernorm = false;
   bool qk_l2_norm = false;
+  bool nope_layers = false;  // --no-rope-freq: some layers skip RoPE
   bool attention_output_gate = false;
   bool untie_embeddings_and_output_weights = false;
   bool apply_layernorm_1p = false;

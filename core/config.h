@@ -196,6 +196,13 @@ struct ModelConfig {
   int linear_num_key_heads = 16;
   int linear_num_value_heads = 32;
   std::vector<char> linear_layer;  // derived: per layer, 1 = Gated DeltaNet
+  // --no-rope-freq (Llama 4's NoPE layers): every N-th layer (1-based) skips the rotary embedding,
+  // or a 0/1 list per layer (1 = no RoPE); multi-token prediction depth j + 1 reads entry j, as
+  // Megatron-LM numbers its layer. Multi-latent attention layers keep their RoPE (Megatron-LM's MLA
+  // does not read it).
+  std::optional<int> no_rope_every;
+  std::vector<int> no_rope_pattern;
+  std::vector<char> nope_layer;  // derived: per layer, 1 = no RoPE
   bool is_linear_layer(int layer) const {
     return gated_delta_net && layer >= 0 && static_cast<size_t>(layer) < linear_layer.size() && linear_layer[layer];
   }

@@ -236,6 +236,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.gdn_conv = m.linear_conv_kernel_dim;
     d.linear_layer = gdn_layer_map(m);
   }
+  d.nope_layer = m.nope_layer;
   d.mtp = m.mtp_num_layers.value_or(0);
   if (d.mtp > 0) {
     // What the multi-token prediction layers do not run yet (named, never silently wrong).
@@ -257,6 +258,13 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
       if (!d.moe_layer.empty()) d.moe_layer.push_back(d.moe_layer.back());
       // (Megatron-LM's MTP layer takes the last decoder layer's spec: Gated DeltaNet if it is.)
       if (!d.linear_layer.empty()) d.linear_layer.push_back(d.linear_layer.back());
+      // (Megatron-LM's no_rope_freq[layer_number - 1]: depth j + 1 reads entry j.)
+      if (!m.nope_layer.empty()) {
+        if (static_cast<size_t>(j) >= m.nope_layer.size())
+          fail("--no-rope-freq's list has {} entries: multi-token prediction depth {} reads entry {}",
+               m.nope_layer.size(), j + 1, j + 1);
+        d.nope_layer.push_back(m.nope_layer[static_cast<size_t>(j)]);
+      }
     }
     if (d.last_stage) d.layer_end += d.mtp;
   }

@@ -84,6 +84,11 @@ struct ModelDims {
   // and the causal convolution's width. gdn_shape() gives this rank's layouts (backend.h GdnShape).
   int gdn_key_heads = 0, gdn_value_heads = 0, gdn_dk = 0, gdn_dv = 0, gdn_conv = 0;
   std::vector<char> linear_layer;
+  // --no-rope-freq: the global layers (MTP depths after them) whose attention skips the rotary embedding.
+  std::vector<char> nope_layer;
+  bool is_nope(int layer) const {
+    return layer >= 0 && static_cast<size_t>(layer) < nope_layer.size() && nope_layer[layer];
+  }
   bool is_gdn(int layer) const {
     return layer >= 0 && static_cast<size_t>(layer) < linear_layer.size() && linear_layer[layer];
   }

@@ -280,6 +280,18 @@ TEST_CASE("every flag Megatron-LM's pretrain_gpt.py parses is known", "[cli]") {
   CHECK(inter.data.documents());
   CHECK(inter.data.document_positions());
   CHECK(has_message(ms, SetupMessage::Kind::note, "--dataloader-inter-document-masking: the document parts"));
+  // --no-rope-freq: every N-th layer (N dividing the layers) or a 0/1 list, Megatron-LM's rules.
+  CHECK(parse(small_gpt() + words("--position-embedding-type rope --no-rope-freq 2")).model.nope_layer ==
+        std::vector<char>{0, 1});
+  CHECK(parse(small_gpt() + words("--position-embedding-type rope --no-rope-freq [1,0]")).model.nope_layer ==
+        std::vector<char>{1, 0});
+  CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type rope --no-rope-freq 3")),
+             Contains("no_rope_freq=3 should be divisible by num_layers=2"));
+  CHECK_THAT(parse_error(small_gpt() + words("--position-embedding-type rope --no-rope-freq [1,0,1]")),
+             Contains("Length of no_rope list (3) must match the number of layers (2)"));
+  ms.clear();
+  parse(small_gpt() + words("--no-rope-freq 2"), 1, &ms);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--no-rope-freq has no effect without --position-embedding-type rope"));
   // A checked no-effect value is still checked.
   CHECK_THAT(parse_error(small_gpt() + words("--async-ckpt-io-priority high")), Contains("--async-ckpt-io-priority"));
 }

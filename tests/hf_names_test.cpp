@@ -348,6 +348,9 @@ TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][
   l = llama_spec();
   l.qk_l2_norm = true;
   CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--qk-l2-norm"));
+  l = llama_spec();
+  l.nope_layers = true;  // --no-rope-freq
+  CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--no-rope-freq"));
   nlohmann::json bad = {{"model_type", "falcon"}};
   CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("falcon"));
   // Llama with q/k/v biases only is Qwen2, not Llama (whose attention_bias covers o_proj too).

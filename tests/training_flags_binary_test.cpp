@@ -1,5 +1,5 @@
-// Training flags checked through the megatrain binary on the CPU: --start-eval-at-iter and
-// --dataloader-inter-document-masking.
+// Training flags checked through the megatrain binary on the CPU: --start-eval-at-iter,
+// --dataloader-inter-document-masking and --no-rope-freq.
 #include <catch2/catch.hpp>
 
 #include <map>
@@ -53,4 +53,21 @@ TEST_CASE("inter-document masking: attention and positions per document part of 
   CHECK(parts != run("4096", "", "c.jsonl"));
   CHECK(run("128", "--dataloader-inter-document-masking", "d.jsonl") !=
         run("128", "--reset-attention-mask --reset-position-ids", "e.jsonl"));
+}
+
+// --no-rope-freq: a layer it marks skips RoPE. With every layer marked the model is the one without
+// position embeddings, bit for bit; marking one layer of two is neither.
+TEST_CASE("NoPE layers: --no-rope-freq skips RoPE in the layers it marks", "[binary][model]") {
+  mt_test::TempDir dir;
+  auto run = [&](const std::string& flags, const std::string& name) {
+    const Result r = megatrain(kLlama + " --train-iters 3 " + flags + " --metrics-jsonl " + (dir / name));
+    require_ok(r);
+    return losses(dir / name);
+  };
+  const auto all = run("--no-rope-freq 1", "a.jsonl");
+  REQUIRE(all.size() == 3);
+  CHECK(all == run("--position-embedding-type none", "b.jsonl"));
+  const auto first = run("--no-rope-freq [1,0]", "c.jsonl");
+  CHECK(first != all);
+  CHECK(first != run("", "d.jsonl"));
 }

@@ -91,7 +91,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
   if (d_.qk_norm)
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
                         qk_norm_params());
-  if (d_.position == PositionEmbedding::rope) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
+  if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
   const Tensor proj_in = d_.output_gate ? w.gated : A.attn_out;
@@ -128,7 +128,7 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   if (d_.output_gate) be_.output_gate_backward(w.gATT, A.gate, w.gATT, A.attn_out, A.gate);  // A.gate: d gate
   attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
-  if (d_.position == PositionEmbedding::rope) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
+  if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)
     be_.qk_norm_backward(w.gQKV, G.q_ln_w, G.q_ln_b, G.k_ln_w, G.k_ln_b, w.gQKV, A.qkv_raw, A.qk_mean, A.qk_rstd,
                          P.q_ln_w, P.k_ln_w, rs, qk_norm_params());

@@ -86,6 +86,11 @@ megatrain_parallel_train_test(parallel_train_documents_tp2_pp2_vpp2 --model
 megatrain_parallel_train_test(parallel_train_reset_positions_rope_pp3 --model
   "--position-embedding-type rope --reset-position-ids --seq-length 256 --max-position-embeddings 256"
   3 --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1)
+# NoPE layers (--no-rope-freq, Llama 4's) over PP 2 x 2 virtual stages with TP 2: each chunk keys the
+# pattern by its global layers.
+megatrain_parallel_train_test(parallel_train_nope_tp2_pp2_vpp2 --model
+  "--position-embedding-type rope --no-rope-freq [1,0,0,1]" 4 --tensor-model-parallel-size 2
+  --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
 # --qk-l2-norm (no q/k norm weights) over TP=2 with sequence parallelism.
 megatrain_parallel_train_test(parallel_train_qk_l2_tp2_sp --model
   "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear --ffn-hidden-size 64 --qk-l2-norm"
