@@ -214,7 +214,9 @@ void add_moe_flags(FlagTable& t) {
   t.recognised("--moe-latent-size", Arity::one, "INT", "None", "latent projections around the experts");
   t.recognised("--moe-use-upcycling", Arity::none, "", "off", "turn a dense checkpoint into an MoE model");
   t.recognised("--moe-upcycling-granularity", Arity::one, "INT", "1", "expert size as a fraction of the dense FFN");
-  t.recognised("--moe-apply-probs-on-input", Arity::none, "", "off", "routing weights on the experts' input");
+  t.flag("--moe-apply-probs-on-input", "the routing weight scales the expert's input instead of its activation "
+         "(needs --moe-router-topk 1)", MT_FIELD(model.moe.apply_probs_on_input))
+      .model_setting("moe_apply_probs_on_input", CheckpointTake::forced, CheckpointCompare::no, true);
   t.recognised("--moe-router-quantile-balancing-ema", Arity::one, "FLOAT", "0.0", "quantile balancing's EMA");
   {
     // The flex dispatcher's kernels (Megatron's rules on them: app/validate_moe.cpp).

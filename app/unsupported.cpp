@@ -85,7 +85,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-latent-size", W::any_use, {}, ""},
       {"--moe-use-upcycling", W::any_use, {}, ""},
       {"--moe-upcycling-granularity", W::other_than, {"1"}, ""},
-      {"--moe-apply-probs-on-input", W::any_use, {}, ""},
       {"--moe-router-quantile-balancing-ema", W::other_than, {"0"}, "quantile balancing"},
       // FP8 / FP4 (1.12)
       {"--fp8-recipe", W::values, {"mxfp8", "blockwise", "custom"}, "FP8 recipes built: delayed, tensorwise"},

@@ -65,6 +65,9 @@ void megatron_moe_rules(CliState& st) {
   if (e.enabled() && e.router_topk > E)
     fail("--moe-router-topk {} is more than --num-experts {}: each token is routed to k distinct experts",
          e.router_topk, E);
+  if (e.enabled() && e.apply_probs_on_input && e.router_topk != 1)  // (Megatron's experts assert it)
+    fail("`moe_apply_probs_on_input` only works with `moe_router_topk`=1. (--moe-apply-probs-on-input with "
+         "--moe-router-topk {})", e.router_topk);
   const bool only_sinkhorn =
       e.load_balancing_type.size() == 1 && e.load_balancing_type.front() == MoeLoadBalancing::sinkhorn;
   if (e.router_topk == 1 && e.score_function == MoeScoreFunction::softmax && !e.router_pre_softmax && !only_sinkhorn)

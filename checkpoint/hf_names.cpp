@@ -159,6 +159,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     if (e.score_function != MoeScoreFunction::sigmoid)
       no.push_back("--moe-router-score-function softmax (DeepSeek-V3's router is sigmoid)");
     if (e.router_pre_softmax) no.push_back("--moe-router-pre-softmax");
+    if (e.apply_probs_on_input) no.push_back("--moe-apply-probs-on-input (DeepSeek-V3 weights the expert's output)");
     // transformers scores a group by the sum of its two best experts; Megatron by its
     // top-k / group-top-k best.
     if (s.router_groups > 1 && s.num_experts / s.router_groups < 2)
@@ -230,6 +231,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     if (s.shared_expert_gate && !gated_shared)
       no.push_back(fmt::format("--moe-shared-expert-gate ({} has no gated shared expert)", family));
     if (e.router_enable_expert_bias) no.push_back("--moe-router-enable-expert-bias");
+    if (e.apply_probs_on_input) no.push_back(fmt::format("--moe-apply-probs-on-input ({} weights the expert's output)", family));
     if (e.expert_capacity_factor) no.push_back(fmt::format("--moe-expert-capacity-factor ({} is dropless)", family));
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn) no.push_back("--moe-router-load-balancing-type sinkhorn");

@@ -70,6 +70,9 @@ struct MoeConfig {
   int router_topk = 2;                     // --moe-router-topk
   MoeScoreFunction score_function = MoeScoreFunction::softmax;
   bool router_pre_softmax = false;
+  // --moe-apply-probs-on-input (Llama 4's MoE, top-1): the routing weight scales the expert's input
+  // instead of its activation.
+  bool apply_probs_on_input = false;
   std::optional<double> router_topk_scaling_factor;  // None or 0: no scaling
   std::optional<int> router_num_groups, router_group_topk;
   std::optional<std::string> router_dtype;            // --moe-router-dtype fp32|fp64

@@ -187,6 +187,7 @@ struct GptModel::Workspace {
   // routing weights float32 [n k] (backward: the weights' gradient), and the group's pair offsets
   // int32 [G x (E + 1)] (all-gathered: the chunk sizes).
   Tensor moe_xs, moe_ps, moe_offs_g;
+  Tensor moe_xin;  // --moe-apply-probs-on-input: the permuted inputs [Rmax, h], unscaled (backward)
   // seq_aux_loss: the router logits in sequence order [N, E] (each sequence's rows contiguous), the
   // aux gradient in that order float32 [N, E], and the row permutations int32 [N] to it and back.
   Tensor moe_seq_logits, moe_seq_grad, moe_seq_index, moe_seq_inverse;

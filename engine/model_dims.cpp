@@ -183,6 +183,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
            d.shared_ffn, tp_size);
     d.moe_score = e.score_function;
     d.moe_pre_softmax = e.router_pre_softmax;
+    d.moe_probs_on_input = e.apply_probs_on_input;
     d.moe_scaling = static_cast<float>(e.router_topk_scaling_factor.value_or(0.0));
     d.moe_groups = e.router_num_groups.value_or(0);
     d.moe_group_topk = e.router_group_topk.value_or(0);

@@ -171,6 +171,7 @@ struct ModelDims {
   // every expert's whole capacity for the expert bias, which therefore does not move.
   bool moe_pad_to_capacity = false;
   bool moe_drops() const { return moe_capacity_factor >= 0; }
+  bool moe_probs_on_input = false;  // --moe-apply-probs-on-input: p x the expert's input, not its activation
   // --moe-token-dispatcher-type alltoall or flex: under expert parallelism each rank sends its
   // (token, slot) pairs to their experts' ranks and takes the outputs back (all-to-all), instead
   // of all-gathering the group's tokens (allgather, Megatron's default).

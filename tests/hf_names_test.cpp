@@ -680,6 +680,8 @@ TEST_CASE("DeepSeek-V3 export refuses what its HF model cannot express, naming t
   refused([](ModelConfig& m) { m.qk_layernorm = false; }, "--qk-layernorm");
   refused([](ModelConfig& m) { m.moe.shared_expert_gate = true; m.moe.shared_expert_intermediate_size = 6; },
           "--moe-shared-expert-gate");
+  refused([](ModelConfig& m) { m.moe.apply_probs_on_input = true; m.moe.router_topk = 1; },
+          "--moe-apply-probs-on-input");
 }
 
 TEST_CASE("DeepSeek-V3 YaRN: rope_scaling as transformers reads it, and back", "[checkpoint][hf]") {

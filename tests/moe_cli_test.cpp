@@ -431,11 +431,15 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
             "sinkhorn, none)"},
            {"--moe-latent-size 16", "megatrain does not support --moe-latent-size 16 yet"},
            {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
-           {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"},
-           {"--moe-apply-probs-on-input", "megatrain does not support --moe-apply-probs-on-input yet"}}) {
+           {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"}}) {
     INFO(flags);
     CHECK(unsupported_error(moe_gpt() + words(flags)) == line);
   }
+  // --moe-apply-probs-on-input: built, top-1 only (Megatron-LM's experts assert it).
+  CHECK(parse(moe_gpt() + words("--moe-apply-probs-on-input --moe-router-topk 1 --moe-router-pre-softmax"))
+            .model.moe.apply_probs_on_input);
+  CHECK_THAT(parse_error(moe_gpt() + words("--moe-apply-probs-on-input --moe-router-topk 2")),
+             Contains("`moe_apply_probs_on_input` only works with `moe_router_topk`=1."));
   // What is built: dispatchers, routers, losses, shared experts, fp32 router, ETP = TP, EP 1.
   CHECK_NOTHROW(parse(moe_gpt() + words("--moe-token-dispatcher-type alltoall --moe-router-dtype fp32 "
                                         "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "

@@ -221,6 +221,45 @@ TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing a
   }
 }
 
+// --moe-apply-probs-on-input (top-1): the routing weight scales the expert's input; its gradient
+// comes from the input's gradient. SwiGLU and GeLU experts, sigmoid and pre-softmax routing, and
+// with the experts' fc1 outputs recomputed (the same loss and gradients bit for bit).
+TEST_CASE("MoE gradient check: routing weights on the experts' input (--moe-apply-probs-on-input)", "[moe][gradcheck]") {
+  SECTION("sigmoid top-1, SwiGLU, aux loss and a shared expert") {
+    Config c = tiny_moe_config(4, 1);
+    c.model.moe.apply_probs_on_input = true;
+    c.model.moe.score_function = MoeScoreFunction::sigmoid;
+    c.model.moe.aux_loss_coeff = {0.05};
+    c.model.moe.shared_expert_intermediate_size = 8;
+    MoeHarness h(c);
+    h.check_all(4);
+    Config r = c;
+    r.train.recompute_granularity = RecomputeGranularity::selective;
+    r.train.recompute_modules = {"moe"};
+    MoeHarness again(r);
+    CHECK(again.objective() == h.objective());
+    CHECK(again.grads() == h.grads());
+  }
+  SECTION("pre-softmax top-1, GeLU experts") {
+    Config c = tiny_moe_config(3, 1);
+    c.model.moe.apply_probs_on_input = true;
+    c.model.moe.router_pre_softmax = true;
+    c.model.swiglu = false;
+    c.model.normalization = Normalization::layernorm;
+    test::derive(c);
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+  SECTION("not the same model as the weights on the activation") {
+    Config c = tiny_moe_config(4, 1);
+    c.model.moe.score_function = MoeScoreFunction::sigmoid;
+    MoeHarness on_activation(c);
+    c.model.moe.apply_probs_on_input = true;
+    MoeHarness on_input(c);
+    CHECK(on_input.objective() != on_activation.objective());
+  }
+}
+
 TEST_CASE("MoE gradient check: Sinkhorn load balancing (top-2 softmax weights, top-1 sigmoid weight)",
           "[moe][gradcheck]") {
   for (const int k : {2, 1}) {

@@ -329,6 +329,8 @@ void GptModel::layout_moe_workspace(Arena& a) {
   const int64_t R = moe_max_rows(), Ng = moe_group_tokens();
   w.moe_rows = a.take(C::workspace, T, {std::max(R, N), h});  // (N: the shared expert's rows use it too)
   w.moe_act = a.take(C::workspace, T, {R, fe});
+  // --moe-apply-probs-on-input: the permuted inputs unscaled, for the routing weights' gradient.
+  w.moe_xin = d_.moe_probs_on_input ? a.take(C::workspace, T, {R, h}) : Tensor();
   w.moe_dact = a.take(C::workspace, T, {R, fe});
   w.moe_xs = w.moe_ps = w.moe_offs_g = Tensor();
   if (moe_alltoall()) {
@@ -488,8 +490,13 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // summed (all-gather EP: this rank's experts' share of every group token, reduce-scattered to its
   // rank; all-to-all: the outputs of this rank's pairs received first).
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R);
+  // (--moe-apply-probs-on-input: the routing weight scales the expert's input instead, top-1.)
+  if (d_.moe_probs_on_input) be_.moe_scale_rows(x_perm, x_perm, p_perm);
   be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
-  if (d_.swiglu) {
+  if (d_.moe_probs_on_input) {
+    if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
+    else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+  } else if (d_.swiglu) {
     be_.moe_swiglu_forward(act, fc1_pre, p_perm);
   } else {
     be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
@@ -590,6 +597,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // Recomputation (ModelOptions::moe_recompute_*): the fc1 outputs not kept, as the forward made them.
   if (opt_.moe_recompute_fc1) {
     gather_inputs();
+    if (d_.moe_probs_on_input) be_.moe_scale_rows(rows, rows, M.p_perm.flat_slice(0, R));
     be_.grouped_linear_forward(M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
   }
   if (opt_.moe_recompute_shared)
@@ -642,7 +650,12 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f] (with fc2's input act * p again and
   // d p, one pass), GeLU's in place of d act.
   const Tensor d_fc1 = d_.swiglu ? fc1_pre : dact;
-  if (d_.swiglu) {
+  if (d_.moe_probs_on_input) {
+    // (The routing weight scaled the input: fc2's input is the activation itself, and d p comes
+    // from the input's gradient below.)
+    if (d_.swiglu) be_.swiglu_backward_recompute(d_fc1, act, dact, fc1_pre);
+    else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
+  } else if (d_.swiglu) {
     be_.moe_swiglu_backward(d_fc1, act, dp_perm, dact, fc1_pre, p_perm);
   } else {
     be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
@@ -652,13 +665,23 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // Each rank's experts hold 1/ETP of f: the weights' gradient is partial over the experts' TP ranks.
   // Summed over TP here when the experts split over TP; otherwise the reduce-scatter over the
   // dispatch group below (which holds the experts' TP ranks) sums it.
-  if (d_.etp_size > 1 && !own_rows) ps_.tp->all_reduce(dp_perm);
+  if (d_.etp_size > 1 && !own_rows && !d_.moe_probs_on_input) ps_.tp->all_reduce(dp_perm);
   be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
   if (!d_.swiglu) be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
-  // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again).
+  // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again), scaled
+  // by the routing weights with --moe-apply-probs-on-input (kept unscaled for d p).
   gather_inputs();
+  const Tensor x_unscaled = d_.moe_probs_on_input ? w.moe_xin.row_slice(0, R) : Tensor();
+  if (d_.moe_probs_on_input) {
+    be_.copy(x_unscaled, rows);
+    be_.moe_scale_rows(rows, rows, p_perm);
+  }
   be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
   be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
+  if (d_.moe_probs_on_input) {
+    be_.moe_scale_rows_backward(rows, dp_perm, rows, x_unscaled, p_perm);  // d x, d p
+    if (d_.etp_size > 1 && !own_rows) ps_.tp->all_reduce(dp_perm);         // (partial over the experts' TP)
+  }
   // The dispatched rows' input gradient: into gT [N, h] (partial over TP, after the shared
   // expert's), or with whole experts this rank's rows [Nl, h], complete (added after the TP
   // reduction below); under EP this rank's experts' share of every group row, reduce-scattered.

@@ -369,6 +369,19 @@ megatrain_parallel_train_test(parallel_train_moe_a2a_bias_ep4 --model "${moe_bia
 --moe-token-dispatcher-type alltoall" 4 --expert-model-parallel-size 4)
 megatrain_parallel_train_test(parallel_train_moe_flex_sigmoid_ep2_tp2_sp --model "${moe_sigmoid_model} \
 --moe-token-dispatcher-type flex" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+# --moe-apply-probs-on-input (Llama 4's top-1 experts, the routing weight on the input): EP 2 with
+# the all-to-all dispatcher, EP 2 under TP 2 with SP (the weights' gradient partial over the experts'
+# TP ranks), and whole experts under TP 2 with the all-gather dispatcher.
+set(moe_input_model "--disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope \
+--num-experts 4 --moe-router-topk 1 --moe-ffn-hidden-size 24 --moe-router-score-function sigmoid \
+--moe-apply-probs-on-input --moe-aux-loss-coeff 1e-2 --moe-shared-expert-intermediate-size 16")
+megatrain_parallel_train_test(parallel_train_moe_probs_on_input_ep2 --model
+  "${moe_input_model} --moe-token-dispatcher-type alltoall" 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_probs_on_input_ep2_tp2_sp --model "${moe_input_model}" 4
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_probs_on_input_etp1_ep2_tp2_sp --model "${moe_input_model}" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+                              --expert-tensor-parallel-size 1)
 # seq_aux_loss (each sequence's own load balance; micro-batches of 2 sequences) under EP2 x PP2.
 megatrain_parallel_train_test(parallel_train_moe_seq_aux_ep2_pp2 --model "${moe_model} --micro-batch-size 2 \
 --moe-router-load-balancing-type seq_aux_loss" 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
