@@ -10,6 +10,34 @@
 
 namespace mt::cli {
 
+namespace {
+
+// A per-layer pattern (Megatron's moe_freq_type values: N, or a 0/1 list expression) held in two
+// ModelConfig fields, recorded in the checkpoint's model section as those fields
+// (app/checkpoint_args.cpp) under the Megatron destination `dest`.
+void layer_frequency_flag(FlagTable& t, const std::string& name, const std::string& help,
+                          std::optional<int> ModelConfig::*every, std::vector<int> ModelConfig::*pattern,
+                          const std::string& dest) {
+  FlagSpec s;
+  s.name = name;
+  s.group = FlagGroup::model;
+  s.metavar = "N|LIST";
+  s.help = help;
+  s.default_text = "None";
+  s.apply = [name, every, pattern](CliState& st, const FlagValue& v) {
+    const LayerFrequency f = parse_layer_frequency(name, v.one());
+    st.cfg.model.*every = f.every;
+    st.cfg.model.*pattern = f.pattern;
+  };
+  s.value = [every, pattern](const Config& c) -> nlohmann::json {
+    if (!(c.model.*every) && (c.model.*pattern).empty()) return nullptr;
+    return layer_frequency_text({c.model.*every, c.model.*pattern});
+  };
+  t.add(std::move(s)).model_setting(dest);
+}
+
+}  // namespace
+
 void add_model_flags(FlagTable& t) {
   t.set_group(FlagGroup::model);
   t.value("--num-layers", "number of transformer layers (required)", MT_FIELD(model.num_layers)).model_setting("num_layers", CheckpointTake::if_absent, CheckpointCompare::yes).default_text =
@@ -228,48 +256,15 @@ void add_model_flags(FlagTable& t) {
     s.set_field = [](Config& c, const nlohmann::json& j) { c.model.gated_delta_net = j.get<bool>(); };
     t.add(std::move(s)).model_setting("gated_delta_net", CheckpointTake::forced, CheckpointCompare::yes, true);
   }
-  {
-    FlagSpec s;
-    s.name = "--linear-attention-freq";
-    s.group = FlagGroup::model;
-    s.metavar = "N|LIST";
-    s.help = "Gated DeltaNet layers: all but every N-th (1-based), which keeps softmax attention, or a 0/1 list per "
-             "layer (1 = Gated DeltaNet) such as \"([1]*3+[0])*4\"";
-    s.default_text = "None";
-    s.apply = [](CliState& st, const FlagValue& v) {
-      const LayerFrequency f = parse_layer_frequency("--linear-attention-freq", v.one());
-      st.cfg.model.linear_attention_every = f.every;
-      st.cfg.model.linear_attention_pattern = f.pattern;
-    };
-    s.value = [](const Config& c) -> nlohmann::json {
-      const ModelConfig& m = c.model;
-      if (!m.linear_attention_every && m.linear_attention_pattern.empty()) return nullptr;
-      return layer_frequency_text({m.linear_attention_every, m.linear_attention_pattern});
-    };
-    // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
-    t.add(std::move(s)).model_setting("linear_attention_freq");
-  }
-  {
-    FlagSpec s;
-    s.name = "--no-rope-freq";
-    s.group = FlagGroup::model;
-    s.metavar = "N|LIST";
-    s.help = "layers without the rotary embedding (NoPE): every N-th (1-based), or a 0/1 list per layer (1 = no RoPE) "
-             "such as \"([0]*3+[1])*4\"";
-    s.default_text = "None";
-    s.apply = [](CliState& st, const FlagValue& v) {
-      const LayerFrequency f = parse_layer_frequency("--no-rope-freq", v.one());
-      st.cfg.model.no_rope_every = f.every;
-      st.cfg.model.no_rope_pattern = f.pattern;
-    };
-    s.value = [](const Config& c) -> nlohmann::json {
-      const ModelConfig& m = c.model;
-      if (!m.no_rope_every && m.no_rope_pattern.empty()) return nullptr;
-      return layer_frequency_text({m.no_rope_every, m.no_rope_pattern});
-    };
-    // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
-    t.add(std::move(s)).model_setting("no_rope_freq");
-  }
+  layer_frequency_flag(t, "--linear-attention-freq",
+                       "Gated DeltaNet layers: all but every N-th (1-based), which keeps softmax attention, or a 0/1 "
+                       "list per layer (1 = Gated DeltaNet) such as \"([1]*3+[0])*4\"",
+                       &ModelConfig::linear_attention_every, &ModelConfig::linear_attention_pattern,
+                       "linear_attention_freq");
+  layer_frequency_flag(t, "--no-rope-freq",
+                       "layers without the rotary embedding (NoPE): every N-th (1-based), or a 0/1 list per layer (1 = "
+                       "no RoPE) such as \"([0]*3+[1])*4\"",
+                       &ModelConfig::no_rope_every, &ModelConfig::no_rope_pattern, "no_rope_freq");
   t.value("--linear-conv-kernel-dim", "Gated DeltaNet: taps of the causal convolution of q, k and v",
           MT_FIELD(model.linear_conv_kernel_dim))
       .model_setting("linear_conv_kernel_dim", CheckpointTake::forced, CheckpointCompare::yes, true);

@@ -124,15 +124,19 @@ TEST_CASE("only this rank's samples are read, into buffers reused after start-up
   CHECK(buffers.size() <= 4);  // the prefetch slots plus the consumer's own buffer
 }
 
-TEST_CASE("masks and positions reach the micro-batch", "[data][loader]") {
-  auto ds = std::make_shared<NumberedDataset>(10, 6);
-  // Token 2001 (sample 2, position 1) is EOD.
+// Every EOD-based masking of the packed documents, token 2001 (sample 2, position 1) the EOD.
+static SampleMasking eod_masking() {
   SampleMasking masking;
   masking.eod_token = 2001;
   masking.reset_position_ids = true;
   masking.reset_attention_mask = true;
   masking.eod_mask_loss = true;
-  BatchLoader loader(ds, options(1, 0, 1, 2, 4, masking));
+  return masking;
+}
+
+TEST_CASE("masks and positions reach the micro-batch", "[data][loader]") {
+  auto ds = std::make_shared<NumberedDataset>(10, 6);
+  BatchLoader loader(ds, options(1, 0, 1, 2, 4, eod_masking()));
   MicroBatch mb;
   REQUIRE(loader.next(mb));
   CHECK(mb.positions == std::vector<int32_t>{0, 1, 0, 1, 2, 3});
@@ -144,11 +148,7 @@ TEST_CASE("masks and positions reach the micro-batch", "[data][loader]") {
 // and positions; the loss mask still follows the EOD tokens (--eod-mask-loss).
 TEST_CASE("inter-document masking: segments and positions from the document parts", "[data][loader]") {
   auto ds = std::make_shared<NumberedDataset>(10, 6);
-  SampleMasking masking;
-  masking.eod_token = 2001;
-  masking.reset_position_ids = true;
-  masking.reset_attention_mask = true;
-  masking.eod_mask_loss = true;
+  SampleMasking masking = eod_masking();
   masking.inter_document_masking = true;
   BatchLoader loader(ds, options(2, 0, 1, 1, 4, masking));
   MicroBatch mb;
