@@ -36,6 +36,8 @@ void add_logging_flags(FlagTable& t) {
   t.flag("--log-timers-to-tensorboard", "timers to TensorBoard", MT_FIELD(logging.log_timers_to_tensorboard));
   t.flag("--log-validation-ppl-to-tensorboard", "validation perplexity to TensorBoard",
          MT_FIELD(logging.log_validation_ppl_to_tensorboard));
+  t.flag("--log-device-memory-used", "add the device's memory in use (all processes', as nvidia-smi reports it) to the "
+         "report_memory line", MT_FIELD(logging.log_device_memory_used));
   t.value("--log-memory-interval", "print the report_memory line every N iterations (at log lines)",
           MT_FIELD(logging.log_memory_interval));
   t.flag("--log-memory-to-tensorboard", "memory use to TensorBoard", MT_FIELD(logging.log_memory_to_tensorboard));

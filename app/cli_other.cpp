@@ -206,7 +206,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--lion-beta1", "FLOAT", {}, "a setting of the Lion optimizer (--optimizer lion, not built): no effect without it, as in Megatron-LM", "0.95");
   t.no_effect_checked("--lion-beta2", "FLOAT", {}, "a setting of the Lion optimizer (--optimizer lion, not built): no effect without it, as in Megatron-LM", "0.98");
   t.recognised("--load-main-params-from-ckpt", Arity::none, "", "off", "load the fp32 main parameters without the optimizer state");
-  t.recognised("--log-device-memory-used", Arity::none, "", "off", "log the device memory nvidia-smi reports");
   t.recognised("--log-max-attention-logit", Arity::none, "", "off", "log the largest attention logit to TensorBoard");
   t.no_effect_checked("--logits-load-decode-threads", "INT", {}, "a setting of distillation from saved logits (--logits-load-dir, not built): no effect without it, as in Megatron-LM", "4");
   t.recognised("--logits-load-dir", Arity::one, "PATH", "None", "distillation from saved teacher logits");

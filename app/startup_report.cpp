@@ -98,12 +98,15 @@ std::string theoretical_memory_line(const MemoryPlan& plan) {
                      weights / mb, acts / mb, (weights + acts) / mb);
 }
 
+// Megatron-LM's report_memory (megatron/training/utils/common_utils.py): MB with two decimals.
 std::string format_memory_report(int rank, int64_t iteration, const MemoryReading& m) {
   const double mb = 1024.0 * 1024.0;
-  return fmt::format("[Rank {}] (after {} iterations) memory (MB) | allocated: {} | max allocated: {} | reserved: {} | "
-                     "max reserved: {}",
-                     rank, iteration, cli::format_float(m.allocated / mb), cli::format_float(m.max_allocated / mb),
-                     cli::format_float(m.reserved / mb), cli::format_float(m.max_reserved / mb));
+  std::string s = fmt::format("[Rank {}] (after {} iterations) memory (MB) | allocated: {:.2f} | max allocated: {:.2f} | "
+                              "reserved: {:.2f} | max reserved: {:.2f}",
+                              rank, iteration, m.allocated / mb, m.max_allocated / mb, m.reserved / mb,
+                              m.max_reserved / mb);
+  if (m.device_used) s += fmt::format(" | total device memory used: {:.2f}", *m.device_used / mb);
+  return s;
 }
 
 }  // namespace mt

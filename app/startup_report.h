@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/config.h"
@@ -37,6 +38,7 @@ std::string theoretical_memory_line(const MemoryPlan& plan);
 
 struct MemoryReading {
   double allocated = 0, max_allocated = 0, reserved = 0, max_reserved = 0;  // bytes
+  std::optional<double> device_used;  // --log-device-memory-used: the device's memory in use (bytes)
 };
 std::string format_memory_report(int rank, int64_t iteration, const MemoryReading& m);
 

@@ -124,9 +124,9 @@ DType compute_dtype(const Config& cfg) {
 class MemoryStatsReporter : public Reporter {
  public:
   MemoryStatsReporter(Reporter& inner, const std::vector<GptModel*>& chunks, const ParallelState& ps,
-                      std::optional<int> interval)
+                      std::optional<int> interval, bool device_used)
       : inner_(inner), backend_(chunks.front()->backend()), rank_(ps.rank), prints_(ps.dp_rank == 0),
-        interval_(interval), plan_(total_memory_plan(chunks)) {
+        interval_(interval), device_used_(device_used), plan_(total_memory_plan(chunks)) {
     for (const GptModel* m : chunks) {
       allocated_ += static_cast<double>(m->memory_plan().total());
       for (size_t b : m->memory_plan().bytes) blocks_ += b > 0 ? 1 : 0;
@@ -155,6 +155,9 @@ class MemoryStatsReporter : public Reporter {
       m.reserved = in_use > 0 ? in_use : allocated_;
       max_reserved_ = std::max(max_reserved_, m.reserved);
       m.max_reserved = max_reserved_;
+      // --log-device-memory-used: the whole device's memory in use (torch.cuda.device_memory_used);
+      // on the reference backend the host memory the plan holds.
+      if (device_used_) m.device_used = t.memory_reserved_bytes.value_or(allocated_);
       log::write_stdout(format_memory_report(rank_, s.iteration, m));
       if (s.iteration > *first_iteration_) reported_ = true;
     }
@@ -168,6 +171,7 @@ class MemoryStatsReporter : public Reporter {
   int rank_;
   bool prints_, reported_ = false;
   std::optional<int> interval_;
+  bool device_used_;
   std::optional<int64_t> first_iteration_;
   MemoryPlan plan_;
   double allocated_ = 0, blocks_ = 0, max_reserved_ = 0;
@@ -299,7 +303,8 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     log::info("{}", data.description);
   }
   std::unique_ptr<Reporter> reporters = make_reporters(cfg);
-  MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_interval);
+  MemoryStatsReporter reporter(*reporters, chunks, ps, cfg.logging.log_memory_interval,
+                               cfg.logging.log_device_memory_used);
   const std::unique_ptr<EnergyMeter> energy = energy_meter(cfg);
   Trainer trainer(cfg, ps, chunks, data.train.get(), data.valid.get(), reporter);
   if (energy) trainer.energy_joules = [m = energy.get()] { return m->joules(); };

@@ -157,7 +157,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--kitchen-recipe-number", W::any_use, {}, ""},
       {"--lazy-mpu-init", W::any_use, {}, ""},
       {"--load-main-params-from-ckpt", W::any_use, {}, ""},
-      {"--log-device-memory-used", W::any_use, {}, ""},
       {"--log-max-attention-logit", W::any_use, {}, ""},
       {"--logits-load-dir", W::any_use, {}, ""},
       {"--logits-save-dir", W::any_use, {}, ""},

@@ -645,6 +645,7 @@ struct LoggingConfig {
   std::optional<std::string> wandb_entity;
   std::optional<std::string> metrics_jsonl;  // megatrain flag --metrics-jsonl PATH
   int benchmark_warmup_iters = 3;  // megatrain flag: iterations left out of the end-of-run summary
+  bool log_device_memory_used = false;  // --log-device-memory-used: the device's memory in use in report_memory
   std::optional<int> log_memory_interval;  // --log-memory-interval N: report_memory every N iterations (at log lines)
 };
 

@@ -12,6 +12,7 @@
 using namespace mt;
 using namespace mt::test;
 using Catch::Contains;
+using Catch::EndsWith;
 
 TEST_CASE("timers: Megatron's timers_to_log order and levels", "[obs][timers]") {
   const std::vector<std::string> expected = {
@@ -108,10 +109,13 @@ TEST_CASE("startup: report_memory and theoretical memory lines", "[obs][startup]
   m.allocated = m.max_allocated = 1024.0 * 1024.0 * 1.5;
   m.reserved = m.max_reserved = 1024.0 * 1024.0 * 2;
   CHECK(format_memory_report(3, 10, m) ==
-        "[Rank 3] (after 10 iterations) memory (MB) | allocated: 1.5 | max allocated: 1.5 | reserved: 2.0 | "
-        "max reserved: 2.0");
-  m.allocated = 12345678;  // 11.773756027221680 MB: Python's repr
-  CHECK_THAT(format_memory_report(0, 1, m), Contains("| allocated: 11.77375602722168 |"));
+        "[Rank 3] (after 10 iterations) memory (MB) | allocated: 1.50 | max allocated: 1.50 | reserved: 2.00 | "
+        "max reserved: 2.00");
+  m.allocated = 12345678;  // 11.773756027221680 MB: two decimals, as Megatron-LM's f"{x:.2f}"
+  CHECK_THAT(format_memory_report(0, 1, m), Contains("| allocated: 11.77 |"));
+  // --log-device-memory-used appends the device's memory in use.
+  m.device_used = 1024.0 * 1024.0 * 3.25;
+  CHECK_THAT(format_memory_report(0, 1, m), EndsWith("| max reserved: 2.00 | total device memory used: 3.25"));
   MemoryPlan p;
   p.bytes[static_cast<size_t>(MemoryCategory::parameters)] = 1 << 20;
   p.bytes[static_cast<size_t>(MemoryCategory::optimizer_states)] = 2 << 20;

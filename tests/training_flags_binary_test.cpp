@@ -1,5 +1,5 @@
 // Training flags checked through the megatrain binary on the CPU: --start-eval-at-iter,
-// --dataloader-inter-document-masking and --no-rope-freq.
+// --dataloader-inter-document-masking, --no-rope-freq and --log-device-memory-used.
 #include <catch2/catch.hpp>
 
 #include <map>
@@ -70,4 +70,14 @@ TEST_CASE("NoPE layers: --no-rope-freq skips RoPE in the layers it marks", "[bin
   const auto first = run("--no-rope-freq [1,0]", "c.jsonl");
   CHECK(first != all);
   CHECK(first != run("", "d.jsonl"));
+}
+
+// --log-device-memory-used: report_memory's line gains the device's memory in use.
+TEST_CASE("log-device-memory-used: the memory line ends with the device's memory in use", "[binary][obs]") {
+  const Result plain = megatrain(kGpt + " --train-iters 2");
+  require_ok(plain);
+  CHECK_THAT(plain.out, Contains("memory (MB) | allocated: ") && !Contains("total device memory used"));
+  const Result used = megatrain(kGpt + " --train-iters 2 --log-device-memory-used");
+  require_ok(used);
+  CHECK_THAT(used.out, Contains(" | total device memory used: "));
 }
