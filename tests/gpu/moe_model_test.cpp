@@ -1,7 +1,8 @@
 // A small MoE model (engine/blocks/moe.cpp) on the CUDA backend against the same model on the
 // reference backend: the same parameters, one training micro-batch, the loss, the logged aux and
 // z-losses and every parameter's gradient; float32 and bf16; also with the router's input jitter
-// and the experts' fc1 outputs recomputed in backward (--recompute-modules moe).
+// and the experts' fc1 outputs recomputed in backward (--recompute-modules moe), and with the
+// routing weights on the experts' input (--moe-apply-probs-on-input).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -49,15 +50,21 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     int experts, topk, seq, batch;
     DType dtype;
     bool jitter_recompute = false;
+    bool probs_on_input = false;  // --moe-apply-probs-on-input, top-1 sigmoid routing
   };
   for (const Shape& sh : {Shape{8, 2, 32, 2, DType::f32}, Shape{5, 3, 17, 3, DType::f32},  // (odd: 51 rows)
                           Shape{4, 4, 32, 2, DType::bf16}, Shape{3, 3, 17, 3, DType::bf16},
-                          Shape{5, 3, 17, 3, DType::f32, true}, Shape{4, 4, 32, 2, DType::bf16, true}}) {
+                          Shape{5, 3, 17, 3, DType::f32, true}, Shape{4, 4, 32, 2, DType::bf16, true},
+                          Shape{5, 1, 17, 3, DType::f32, false, true}, Shape{1, 1, 32, 2, DType::bf16, true, true}}) {
     Config c = moe_config(sh.experts, sh.topk, sh.seq, sh.batch);
     if (sh.jitter_recompute) {
       c.model.moe.input_jitter_eps = 0.05;
       c.train.recompute_granularity = RecomputeGranularity::selective;
       c.train.recompute_modules = {"core_attn", "moe"};
+    }
+    if (sh.probs_on_input) {
+      c.model.moe.apply_probs_on_input = true;
+      c.model.moe.score_function = MoeScoreFunction::sigmoid;
     }
     Rng rng;
     const MicroBatch mb = random_micro_batch(rng, sh.batch, sh.seq, 96);
@@ -77,6 +84,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     {
       INFO("experts " << sh.experts << " top-" << sh.topk << " rows " << n << (bf16 ? " bf16" : " float32")
                       << (sh.jitter_recompute ? ", jitter and MoE recompute" : "")
+                      << (sh.probs_on_input ? ", routing weights on the input" : "")
                       << " (seed " << rng.seed() << ")");
       const ModelRun g = run_model_micro_batch(dev(), c, T, w, mb);
       const double tol = bf16 ? 3e-2 : 2e-3;
