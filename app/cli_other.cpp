@@ -421,7 +421,7 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--qad-train-target", Arity::one, "STR", "None", "which side of an MTP model quantization-aware distillation trains");
   t.recognised("--freeze-base-for-mtp", Arity::none, "", "off", "deprecated: --qad-train-target mtp");
   t.recognised("--export-qk-l2-norm", Arity::none, "", "off", "ModelOpt's Llama-4 L2 query/key norm (megatrain's: --qk-l2-norm)");
-  t.recognised("--export-moe-apply-probs-on-input", Arity::none, "", "off", "ModelOpt's Llama-4 expert scaling on the input");
+  t.recognised("--export-moe-apply-probs-on-input", Arity::none, "", "off", "ModelOpt's Llama-4 expert scaling on the input (megatrain's: --moe-apply-probs-on-input)");
   t.recognised("--export-offline-model", Arity::none, "", "off", "ModelOpt: a model without decoder layers");
   t.recognised("--modelopt-enabled", Arity::none, "", "off", "a ModelOpt checkpoint (set by Megatron-LM when loading one)");
 }

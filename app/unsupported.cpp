@@ -114,7 +114,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--qad-train-target", W::any_use, {}, ""},
       {"--freeze-base-for-mtp", W::any_use, {}, ""},
       {"--export-qk-l2-norm", W::any_use, {}, "megatrain's own flag for it: --qk-l2-norm"},
-      {"--export-moe-apply-probs-on-input", W::any_use, {}, ""},
+      {"--export-moe-apply-probs-on-input", W::any_use, {}, "megatrain's own flag for it: --moe-apply-probs-on-input"},
       {"--export-offline-model", W::any_use, {}, ""},
       {"--modelopt-enabled", W::any_use, {}, ""},
       {"--activation-func-clamp-value", W::any_use, {}, ""},
