@@ -25,7 +25,6 @@
 // experts: the routed output of those rows is complete and joins the shared expert's after the TP
 // reduction; the EP group then spans TP ranks).
 #include <cmath>
-#include <numeric>
 
 #include "core/error.h"
 #include "engine/gpt_model.h"
@@ -219,25 +218,21 @@ void GptModel::moe_exchange(Communicator& g, const MoeActs& M, Tensor sorted, Te
     int64_t pos = off[static_cast<size_t>(e)];
     for (int src = 0; src < G; ++src) {
       const int64_t c = x.recv[static_cast<size_t>(e) * G + src];
-      if (c != 0 && src != me) {
-        if (to_experts) g.recv(perm.row_slice(pos, c), src);
-        else g.send(perm.row_slice(pos, c), src);
-      }
+      const Tensor theirs = perm.row_slice(pos, c);
       pos += c;
+      if (c == 0) continue;
+      if (src == me) {  // (a copy: the grouped point-to-point only batches the communicator's own calls)
+        const Tensor mine = sorted.row_slice(x.send[static_cast<size_t>(d_.expert_begin() + e)], c);
+        if (to_experts) be_.copy(theirs, mine);
+        else be_.copy(mine, theirs);
+      } else if (to_experts) {
+        g.recv(theirs, src);
+      } else {
+        g.send(theirs, src);
+      }
     }
   }
   g.group_end();
-  for (int e = 0; e < El; ++e) {
-    const int64_t pos = off[static_cast<size_t>(e)] +
-                        std::accumulate(x.recv.begin() + static_cast<std::ptrdiff_t>(e) * G,
-                                        x.recv.begin() + static_cast<std::ptrdiff_t>(e) * G + me, int64_t{0});
-    const int64_t c = x.recv[static_cast<size_t>(e) * G + me];
-    if (c == 0) continue;
-    const Tensor mine = sorted.row_slice(x.send[static_cast<size_t>(d_.expert_begin() + e)], c),
-                 theirs = perm.row_slice(pos, c);
-    if (to_experts) be_.copy(theirs, mine);
-    else be_.copy(mine, theirs);
-  }
 }
 
 Tensor GptModel::router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0) {
