@@ -1,5 +1,6 @@
 // Training loop, batch and optimizer flags (megatron.md section 1.3).
 #include "app/flags.h"
+#include "core/exit_signals.h"
 
 namespace mt::cli {
 
@@ -52,12 +53,12 @@ void add_training_flags(FlagTable& t) {
   t.value("--exit-duration-in-mins", "exit after this many minutes (saving a checkpoint first)",
           MT_FIELD(train.exit_duration_in_mins));
   t.flag("--exit-signal-handler", "save and exit on the --exit-signal (SIGTERM)", MT_FIELD(train.exit_signal_handler));
-  t.choice("--exit-signal", "the signal --exit-signal-handler catches (Python's signal.Signals name)",
-           std::vector<std::pair<std::string, std::string>>{{"SIGTERM", "SIGTERM"}, {"SIGINT", "SIGINT"},
-                                                            {"SIGHUP", "SIGHUP"},   {"SIGUSR1", "SIGUSR1"},
-                                                            {"SIGUSR2", "SIGUSR2"}, {"SIGQUIT", "SIGQUIT"},
-                                                            {"SIGALRM", "SIGALRM"}},
-           MT_FIELD(train.exit_signal));
+  {
+    std::vector<std::pair<std::string, std::string>> signals;
+    for (const auto& [name, number] : exit_signals()) signals.emplace_back(name, name);
+    t.choice("--exit-signal", "the signal --exit-signal-handler catches (Python's signal.Signals name)", signals,
+             MT_FIELD(train.exit_signal));
+  }
   t.flag("--exit-signal-handler-for-training", "on SIGINT or SIGTERM stop after the step, without saving, and exit 0 "
          "(Megatron-LM's orderly shutdown)", MT_FIELD(train.exit_signal_handler_for_training));
   {

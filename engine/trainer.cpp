@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/exit_signals.h"
 #include "core/log.h"
 #include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
@@ -22,12 +23,9 @@ extern "C" void on_sigterm(int) { g_sigterm.store(true); }
 std::atomic<bool> g_shutdown{false};
 extern "C" void on_shutdown(int) { g_shutdown.store(true); }
 
-// --exit-signal's number (the names the CLI accepts).
+// --exit-signal's number (the names the CLI accepts: core/exit_signals.h).
 int exit_signal_number(const std::string& name) {
-  static const std::pair<const char*, int> names[] = {{"SIGTERM", SIGTERM}, {"SIGINT", SIGINT},   {"SIGHUP", SIGHUP},
-                                                      {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2}, {"SIGQUIT", SIGQUIT},
-                                                      {"SIGALRM", SIGALRM}};
-  for (const auto& [n, s] : names)
+  for (const auto& [n, s] : exit_signals())
     if (name == n) return s;
   fail("--exit-signal {}: not a signal megatrain handles", name);
 }
