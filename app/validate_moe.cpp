@@ -8,6 +8,7 @@
 
 #include "app/cli_internal.h"
 #include "app/unsupported.h"
+#include "engine/model_dims.h"
 #include "parallel/rank_grid.h"
 
 namespace mt::cli {
@@ -257,9 +258,8 @@ void validate_moe(CliState& st) {
     const MoeConfig& e = st.cfg.model.moe;
     const ParallelConfig& par = st.cfg.parallel;
     const int ep = par.expert_model_parallel_size;
-    // (Experts split over TP ranks below TP take the all-gather: engine/blocks/moe.cpp.)
     const int etp = par.expert_tensor_parallel_size.value_or(par.tensor_model_parallel_size);
-    const bool a2a_built = etp == par.tensor_model_parallel_size || etp == 1;
+    const bool a2a_built = ModelDims::moe_alltoall_applies(par.tensor_model_parallel_size, etp);
     if (e.enabled() && e.token_dispatcher_type == MoeDispatcher::flex)
       st.note(fmt::format("--moe-token-dispatcher-type flex: megatrain runs its own all-to-all dispatcher, the same "
                           "routing and results as Megatron's flex dispatcher (dropless unless a capacity factor is "

@@ -176,6 +176,9 @@ struct ModelDims {
   // (token, slot) pairs to their experts' ranks and takes the outputs back (all-to-all), instead
   // of all-gathering the group's tokens (allgather, Megatron's default).
   bool moe_alltoall = false;
+  // Whether that all-to-all applies to experts split over `etp` of the `tp` ranks: every member of
+  // the dispatch group must hold experts of its own (ETP = TP, or 1); otherwise the all-gather runs.
+  static bool moe_alltoall_applies(int tp, int etp) { return etp == tp || etp == 1; }
   int64_t moe_capacity() const;  // per expert, per block of tokens_local() rows
   std::vector<char> moe_layer;
   bool is_moe(int layer) const {

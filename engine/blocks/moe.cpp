@@ -160,7 +160,7 @@ ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
 bool GptModel::moe_alltoall() const {
   // (Experts split over TP ranks inside a dispatch group that spans TP, ETP > 1 below TP, would
   // need each pair sent to every ETP rank of its expert: those take the all-gather.)
-  return d_.moe_alltoall && moe_dispatch_group() != nullptr && (!d_.experts_local_rows() || d_.etp_size == 1);
+  return d_.moe_alltoall && moe_dispatch_group() != nullptr && ModelDims::moe_alltoall_applies(d_.tp_size, d_.etp_size);
 }
 
 // The plan of a layer's all-to-all: this rank's pairs `idx` [n, k] sorted by expert (all E), the
