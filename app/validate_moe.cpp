@@ -241,11 +241,6 @@ std::vector<std::string> not_built(const CliState& st) {
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn)
         out.push_back("megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
-  auto has_type = [&](MoeLoadBalancing t) {
-    return std::find(e.load_balancing_type.begin(), e.load_balancing_type.end(), t) != e.load_balancing_type.end();
-  };
-  if (has_type(MoeLoadBalancing::aux_loss) && has_type(MoeLoadBalancing::seq_aux_loss))
-    out.push_back("megatrain does not support --moe-router-load-balancing-type aux_loss with seq_aux_loss yet");
   return out;
 }
 

@@ -393,14 +393,20 @@ void GptModel::layout(Arena& a) {
     const int64_t n = muon_workspace_elements(muon_matrices(descs_, d_, opt_.muon), opt_.muon);
     if (n > 0) muon_workspace_ = a.take(C::optimizer_states, S, {n});
   }
-  scalars_ = a.take(C::workspace, S, {32});
+  scalars_ = a.take(C::workspace, S, {kScalarCount});
   train_loss_ = a.take(C::workspace, S, {2});
   eval_loss_ = a.take(C::workspace, S, {2});
   moe_loss_ = moe_layer_loss_ = Tensor();
-  if (d_.any_moe()) moe_loss_ = a.take(C::workspace, S, {2});  // {aux, z} summed over the MoE layers
-  // With per-layer logging {aux, z} per global layer, on every chunk (the step's reduction over
+  // (kMoeTerms pairs summed over the MoE layers.)
+  if (d_.any_moe()) moe_loss_ = a.take(C::workspace, S, {2 * kMoeTerms});
+  // With per-layer logging the pairs per global layer, on every chunk (the step's reduction over
   // DP and PP takes one such buffer from every rank, MoE layers or not).
-  if (d_.moe_per_layer_logging) moe_layer_loss_ = a.take(C::workspace, S, {2 * int64_t{d_.num_layers + d_.mtp}});
+  if (d_.moe_per_layer_logging)
+    moe_layer_loss_ = a.take(C::workspace, S, {2 * kMoeTerms * int64_t{d_.num_layers + d_.mtp}});
+  moe_global_sum_ = Tensor();
+  moe_global_steps_.assign(d_.moe_global_coeff != 0 ? static_cast<size_t>(moe_layers()) : 0, 0);
+  if (d_.any_moe() && d_.moe_global_coeff != 0)
+    moe_global_sum_ = a.take(C::workspace, S, {int64_t{moe_layers()} * d_.experts});
   moe_host_offsets_.clear();
   moe_exchanges_.clear();
   moe_bias_ = moe_counts_dev_ = Tensor();
@@ -532,6 +538,9 @@ void GptModel::layout(Arena& a) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
         s.layers[l].out = a.take(C::activations, T, {Nl, h});
       }
+      // (global_aux_loss: the counts a recomputation does not make again.)
+      if (g >= 0 && layer_kinds(l).moe && d_.moe_global_coeff != 0)
+        s.layers[l].moe.global = a.take(C::activations, S, {2 * int64_t{d_.experts} + 1});
     }
     s.d_output = a.take(C::activations, T, {Nl, h});
   }
@@ -1176,6 +1185,7 @@ GptModel::LayerActs GptModel::acts(const Slot& s, int local) const {
   // next group (or the head) needs it.
   LayerActs a = scratch_[local - opt_.recompute.groups[g].first];
   if (!s.layers[local].out.empty()) a.out = s.layers[local].out;
+  a.moe.global = s.layers[local].moe.global;
   return a;
 }
 
@@ -1312,10 +1322,12 @@ void GptModel::backward(int slot, bool grad_sync) {
       // Full recompute: rerun the group's forward from its kept input, then its backward.
       const auto [begin, end] = rp.groups[g];
       MT_CHECK(end - 1 == l, "recompute group [{}, {}) entered at layer {}", begin, end, l);
+      recomputing_ = true;
       for (int k = begin; k < end; ++k) {
         gather_unit(k);
         layer_forward(k, s, acts(s, k), layer_input(s, k));
       }
+      recomputing_ = false;
       for (int k = end - 1; k >= begin; --k) {
         Tensor nxt = next_buffer(cur);
         layer_backward_at(k, cur, nxt);

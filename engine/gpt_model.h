@@ -218,7 +218,8 @@ class GptModel {
   Tensor param(int i) const;
   Tensor grad(int i) const;
   Tensor master(int i) const;
-  // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [32].
+  // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [kScalarCount].
+  static constexpr int kScalarCount = 40;
   Tensor scalars() const { return scalars_; }
 
   // Draws every parameter from its layout-independent stream (and the master copy). With
@@ -318,13 +319,18 @@ class GptModel {
   Tensor input_grad() const;            // non-first stages: send this back after backward()
   Tensor loss_sums(bool eval) const { return eval ? eval_loss_ : train_loss_; }  // [sum, tokens]
   // MoE layers: the logged load-balancing losses of this step's training forwards, summed over
-  // micro-batches and this chunk's MoE layers: float32 [2] = {aux loss / coefficient, z-loss /
-  // coefficient} (Megatron's load_balancing_loss and z_loss before their averaging). The trainer
-  // zeroes it at each step's start.
+  // micro-batches and this chunk's MoE layers, kMoeTerms pairs (float32 [2 x kMoeTerms]): {aux_loss,
+  // z-loss}, {seq_aux_loss, 0}, {global_aux_loss, 0}, each divided by its coefficient (Megatron's
+  // load_balancing_loss, z_loss, seq_load_balancing_loss and global_load_balancing_loss before their
+  // reduction over ranks). The trainer zeroes it at each step's start.
+  static constexpr int kMoeTerms = 3;
   Tensor moe_loss_sums() const { return moe_loss_; }
-  // With --moe-per-layer-logging: the same per global layer, [2 x num_layers] ({aux, z} of layer l
-  // at 2l; zero for the layers of other chunks and dense layers). Empty otherwise.
+  // With --moe-per-layer-logging: the same per global layer, [2 kMoeTerms x num_layers] (layer l's
+  // from 2 kMoeTerms l; zero for the layers of other chunks and dense layers). Empty otherwise.
   Tensor moe_layer_loss_sums() const { return moe_layer_loss_; }
+  // At each step's start: global_aux_loss's running counts begin again (Megatron resets them in
+  // finalize_model_grads).
+  void moe_begin_step();
   int moe_layers() const;  // MoE layers of this chunk
   // Multi-token prediction: per depth j {the sum over this step's micro-batches of depth j's mean
   // loss (its tokens' losses over their count), the micro-batches} (accum dtype [2 D]; zeroed by the
@@ -496,13 +502,19 @@ class GptModel {
   Tensor router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0);
   Tensor router_weight(const LayerParams& P);
   struct MoeLossFactors {
-    int64_t sequences = 1, rows = 0;  // the sequences whose aux losses are averaged, rows of each
-    // The rows each sequence has over the context-parallel ranks (rows x CP), and the tokens of
-    // the micro-batch (N x CP).
-    double seq_rows = 0, tokens = 0;
-    double aux = 0, z = 0;
+    int64_t sequences = 1, rows = 0;  // the micro-batch's sequences, this rank's rows of each
+    double aux = 0, seq = 0, global = 0, z = 0;
   };
   MoeLossFactors moe_loss_factors() const;
+  int64_t moe_stats_blocks() const;
+  // The load-balancing statistics of a micro-batch, and in a training forward their logged values.
+  void moe_balance_forward(int local, const Slot& s, const MoeActs& M);
+  // global_aux_loss: each MoE layer's counts summed over this step's micro-batches [layers x E], and
+  // the micro-batches counted.
+  Tensor moe_global_sum_;
+  std::vector<int> moe_global_steps_;
+  // In backward, rerunning a recomputed group's forward (which logs and counts nothing again).
+  bool recomputing_ = false;
   DType router_dtype() const;
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH

@@ -58,8 +58,10 @@ struct GptModel::MoeActs {
   Tensor logits;                 // router output [N, E] (compute dtype, or float32: moe_router_fp32)
   Tensor probs, idx;             // routing weights float32 [N, k], experts int32 [N, k]
   Tensor kept;                   // token dropping: idx with the dropped pairs' experts -1 [N, k]
-  Tensor stats;                  // load-balancing statistics float32 [2E + 1] (aux or z-loss; per
-                                 // sequence with seq_aux_loss: [B x (2E + 1)])
+  Tensor stats;                  // load-balancing statistics float32 [2E + 1] (any aux or z-loss)
+                                 // of the micro-batch, then with seq_aux_loss of each sequence
+  Tensor global;                 // global_aux_loss: {this rank's scores' sums, the counts over DP
+                                 // averaged over the step's micro-batches so far, 0} [2E + 1]
   Tensor order, slot_of, offsets;  // the permutation of the group's pairs int32 [Ng k], [Ng k], [El + 1]
   std::vector<int64_t>* host_offsets = nullptr;  // offsets on the host (the grouped GEMMs' splits)
   // All-to-all dispatch (GptModel::moe_alltoall; order and slot_of then unused): this rank's own
@@ -191,6 +193,10 @@ struct GptModel::Workspace {
   // seq_aux_loss: the router logits in sequence order [N, E] (each sequence's rows contiguous), the
   // aux gradient in that order float32 [N, E], and the row permutations int32 [N] to it and back.
   Tensor moe_seq_logits, moe_seq_grad, moe_seq_index, moe_seq_inverse;
+  // The load-balancing terms' counts weighted by their gradient scales and summed, float32
+  // [2 x (2E + 1)] in moe_aux_grad's stats layout (the counts in [E, 2E)): those of every row, then
+  // with seq_aux_loss of the sequence at hand.
+  Tensor moe_aux_counts;
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
   // (in backward also its input gradient) and weight [E, h] cast to float32.
   Tensor moe_x32, moe_w32;

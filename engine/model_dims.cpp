@@ -187,20 +187,20 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.moe_scaling = static_cast<float>(e.router_topk_scaling_factor.value_or(0.0));
     d.moe_groups = e.router_num_groups.value_or(0);
     d.moe_group_topk = e.router_group_topk.value_or(0);
-    d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(MoeLoadBalancing::aux_loss));
-    for (MoeLoadBalancing t : e.load_balancing_type)
-      if (t == MoeLoadBalancing::seq_aux_loss) {
-        if (std::count(e.load_balancing_type.begin(), e.load_balancing_type.end(), MoeLoadBalancing::aux_loss))
-          throw Unsupported("--moe-router-load-balancing-type aux_loss with seq_aux_loss is not supported yet");
-        d.moe_seq_aux = true;
-        d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(t));
-        d.moe_log_aux = true;
-      }
+    using LB = MoeLoadBalancing;
+    d.moe_aux_coeff = static_cast<float>(e.aux_loss_coeff_of(LB::aux_loss));
+    d.moe_seq_coeff = static_cast<float>(e.aux_loss_coeff_of(LB::seq_aux_loss));
+    d.moe_global_coeff = static_cast<float>(e.aux_loss_coeff_of(LB::global_aux_loss));
     d.moe_z_coeff = static_cast<float>(e.z_loss_coeff.value_or(0.0));
-    for (MoeLoadBalancing t : e.load_balancing_type) {
-      d.moe_log_aux |= t == MoeLoadBalancing::aux_loss;
-      d.moe_sinkhorn |= t == MoeLoadBalancing::sinkhorn;
-    }
+    const auto has = [&](LB t) {
+      return std::find(e.load_balancing_type.begin(), e.load_balancing_type.end(), t) != e.load_balancing_type.end();
+    };
+    for (LB t : e.load_balancing_type) d.moe_sinkhorn |= t == LB::sinkhorn;
+    // (Megatron's `"aux_loss" in args.moe_router_load_balancing_type`: one type is a string.)
+    const bool one = e.load_balancing_type.size() == 1;
+    d.moe_log_aux = has(LB::aux_loss) || (one && (has(LB::seq_aux_loss) || has(LB::global_aux_loss)));
+    d.moe_log_seq = has(LB::seq_aux_loss);
+    d.moe_log_global = has(LB::global_aux_loss);
     d.moe_log_z = e.z_loss_coeff.has_value();
     d.moe_per_layer_logging = e.per_layer_logging;
     d.moe_force_balance = e.router_force_load_balancing;

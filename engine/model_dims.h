@@ -135,19 +135,26 @@ struct ModelDims {
   bool moe_pre_softmax = false;
   float moe_scaling = 0;
   int moe_groups = 0, moe_group_topk = 0;
-  float moe_aux_coeff = 0, moe_z_coeff = 0;  // aux_loss and z-loss coefficients
-  // --moe-router-load-balancing-type seq_aux_loss: the aux loss of each sequence of the micro-batch
-  // (its own scores and counts over its seq rows), averaged over the micro_batch sequences;
-  // moe_aux_coeff is then its coefficient, logged as seq_load_balancing_loss.
-  bool moe_seq_aux = false;
+  // The load-balancing losses' coefficients (0: the term is not computed), any of them together
+  // (--moe-router-load-balancing-type takes a list): aux_loss (the micro-batch's counts and
+  // scores), seq_aux_loss (each sequence's own, averaged over the micro_batch sequences),
+  // global_aux_loss (the counts summed over DP, averaged over this step's micro-batches so far,
+  // with this rank's scores over the DP x CP tokens), and the z-loss.
+  float moe_aux_coeff = 0, moe_seq_coeff = 0, moe_global_coeff = 0, moe_z_coeff = 0;
+  // Whether any of them is computed (the router keeps its load-balancing statistics).
+  bool moe_aux_terms() const {
+    return moe_aux_coeff != 0 || moe_seq_coeff != 0 || moe_global_coeff != 0 || moe_z_coeff != 0;
+  }
   // --moe-router-force-load-balancing (benchmarks): the router's logits replaced by standard normal
   // values (the same on a micro-batch's TP ranks), their gradient passed straight to the router
   // (Megatron's RandomSTE).
   bool moe_force_balance = false;
   float moe_jitter_eps = 0;  // --moe-input-jitter-eps (0: none)
-  // Logged: load_balancing_loss (an aux_loss type given, even at coefficient 0, as Megatron
-  // prints it) and z_loss (--moe-z-loss-coeff given).
-  bool moe_log_aux = false, moe_log_z = false;
+  // Logged, as Megatron-LM's training loop names them: load_balancing_loss ("aux_loss" in the
+  // type: with one type a substring test, so seq_aux_loss and global_aux_loss print it too, 0 when
+  // no aux_loss term runs), seq_load_balancing_loss, global_load_balancing_loss, z_loss
+  // (--moe-z-loss-coeff given).
+  bool moe_log_aux = false, moe_log_seq = false, moe_log_global = false, moe_log_z = false;
   // --moe-per-layer-logging: each layer's values too (TensorBoard's moe/<name>_layer_<i>).
   bool moe_per_layer_logging = false;
   // --moe-router-dtype fp32: the gating GEMM and the routing in float32 whatever the compute dtype

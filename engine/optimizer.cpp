@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "engine/muon.h"
+#include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
 
 namespace mt {
@@ -17,9 +18,28 @@ namespace {
 // from kMtp on, then each depth's acceptance counts {right, counted}: ModelDims allows at most
 // kMtpMax depths.)
 enum Scalar {
-  kLossSum = 0, kTokens = 1, kMoeAux = 2, kMoeZ = 3, kGradSumSq = 4, kZeros = 5, kExpertSumSq = 6, kExpertZeros = 7,
-  kCount = 8, kMtp = 10, kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
+  kLossSum = 0, kTokens = 1, kMoe = 2, kMoeAux = kMoe, kMoeZ = kMoe + 1, kMoeSeq = kMoe + 2, kMoeGlobal = kMoe + 4,
+  kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq, kExpertZeros, kCount, kMtp = kCount + 2,
+  kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
 };
+static_assert(kScalars <= kFirstScalarSlot, "the optimizer's scalars overlap engine/scalar_reduce.h's slots");
+
+// The logged MoE losses in Megatron's order: name, place in GptModel::moe_loss_sums()' pairs, and
+// whether the value is summed over DP (global_aux_loss, reduced over TP x DP x CP) rather than
+// averaged. Those the model's settings log (ModelDims::moe_log_*).
+struct MoeTerm {
+  std::string name;
+  int slot = 0;
+  bool over_dp = false;
+};
+std::vector<MoeTerm> moe_terms(const ModelDims& d) {
+  std::vector<MoeTerm> terms;
+  if (d.moe_log_aux) terms.push_back({"load_balancing_loss", 0, false});
+  if (d.moe_log_seq) terms.push_back({"seq_load_balancing_loss", 2, false});
+  if (d.moe_log_global) terms.push_back({"global_load_balancing_loss", 4, true});
+  if (d.moe_log_z) terms.push_back({"z_loss", 1, false});
+  return terms;
+}
 }  // namespace
 
 Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelState& ps, LrSchedule& schedule,
@@ -155,8 +175,9 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
     for (GptModel* m : chunks_)
       if (!m->moe_loss_sums().empty())
-        be_.axpby(scalars.flat_slice(kMoeAux, 2), 1.0f, scalars.flat_slice(kMoeAux, 2), 1.0f, m->moe_loss_sums());
-    ps_.replicas().all_reduce(scalars.flat_slice(kLossSum, 4));  // (DP x CP: each CP rank has its tokens' part)
+        be_.axpby(scalars.flat_slice(kMoe, 2 * GptModel::kMoeTerms), 1.0f,
+                  scalars.flat_slice(kMoe, 2 * GptModel::kMoeTerms), 1.0f, m->moe_loss_sums());
+    ps_.replicas().all_reduce(scalars.flat_slice(kLossSum, kGradSumSq));  // (DP x CP: each CP rank has its tokens' part)
     const int D = mtp_depths_;
     if (D > 0) {
       if (output_chunk_) {  // the depths' logged sums: every other element of the model's [2 D]
@@ -190,7 +211,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     ps_.model_parallel->all_reduce(scalars.flat_slice(kGradSumSq, 2));
     reduce_expert_statistics(scalars.flat_slice(kExpertSumSq, 2));
     // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
-    if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, 4));
+    if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, kGradSumSq));
     if (ps_.pp_size > 1 && mtp_depths_ > 0) ps_.pp->all_reduce(scalars.flat_slice(kMtp, 3 * mtp_depths_));
     read_scalars(host, mtp_depths_ > 0 ? kMtp + 3 * mtp_depths_ : kCount);
   }
@@ -200,16 +221,17 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   out.tokens = host[kTokens];
   const ModelDims& d = chunks_.front()->dims();
   if (d.experts > 0) {
-    // Megatron's MoE loss logging: the per-layer sums over micro-batches, averaged over DP,
-    // micro-batches and MoE layers.
+    // Megatron's MoE loss logging: the per-layer sums over micro-batches, averaged over DP (but
+    // global_aux_loss's), micro-batches and MoE layers.
     int moe_layers = 0;
     for (int l = 0; l < d.num_layers + d.mtp; ++l) moe_layers += d.is_moe(l) ? 1 : 0;  // (with MoE mtp layers)
     const double m = static_cast<double>(global_batch > 0 ? global_batch : t.global_batch) /
                      (static_cast<double>(t.micro_batch_size) * ps_.dp_size);
-    const double div = static_cast<double>(ps_.dp_size) * m * std::max(1, moe_layers);
-    if (d.moe_log_aux) out.moe_aux = host[kMoeAux] / div;
-    if (d.moe_log_z) out.moe_z = host[kMoeZ] / div;
-    if (d.moe_per_layer_logging) read_moe_layer_losses(out, static_cast<double>(ps_.dp_size) * m);
+    for (const MoeTerm& term : moe_terms(d)) {
+      const double per_layer = m * (term.over_dp ? 1.0 : static_cast<double>(ps_.dp_size));
+      out.moe_losses.push_back({term.name, host[kMoe + term.slot] / (per_layer * std::max(1, moe_layers)), {}});
+    }
+    if (d.moe_per_layer_logging) read_moe_layer_losses(out, m);
   }
   // Multi-token prediction: Megatron's mtp_<j> loss, each depth's per-micro-batch mean summed over
   // micro-batches, averaged over DP x CP and divided by the micro-batches.
@@ -401,7 +423,7 @@ void Optimizer::reduce_expert_statistics(Tensor sums) {
   ps_.expert_model_parallel->all_reduce(sums);
 }
 
-void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
+void Optimizer::read_moe_layer_losses(StepOutcome& out, double micro_batches) {
   // Every rank calls the same collectives: the chunks without MoE layers hold zeros.
   Tensor sums;
   for (GptModel* m : chunks_) {
@@ -411,7 +433,7 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
     else be_.axpby(sums, 1.0f, sums, 1.0f, t);
   }
   const ModelDims& d = chunks_.front()->dims();
-  const int64_t n = 2 * int64_t{d.num_layers + d.mtp};
+  const int64_t n = 2 * GptModel::kMoeTerms * int64_t{d.num_layers + d.mtp};
   MT_CHECK(!sums.empty() && sums.numel() == n, "--moe-per-layer-logging: no per-layer buffer on this rank");
   ps_.replicas().all_reduce(sums);  // (each CP rank's values add up to its micro-batch's)
   if (ps_.pp_size > 1) ps_.pp->all_reduce(sums);
@@ -423,9 +445,13 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double divisor) {
     be_.copy_to_host(moe_layer_f32_.data(), sums);
     std::copy(moe_layer_f32_.begin(), moe_layer_f32_.end(), moe_layer_host_.begin());
   }
-  for (int l = 0; l < d.num_layers + d.mtp; ++l) {
-    if (d.moe_log_aux) out.moe_aux_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l)] / divisor);
-    if (d.moe_log_z) out.moe_z_layers.push_back(moe_layer_host_[2 * static_cast<size_t>(l) + 1] / divisor);
+  const size_t width = 2 * GptModel::kMoeTerms;
+  const std::vector<MoeTerm> terms = moe_terms(d);  // (out.moe_losses' order)
+  for (size_t i = 0; i < terms.size(); ++i) {
+    const double divisor = micro_batches * (terms[i].over_dp ? 1.0 : static_cast<double>(ps_.dp_size));
+    for (int l = 0; l < d.num_layers + d.mtp; ++l)
+      out.moe_losses[i].layers.push_back(moe_layer_host_[width * static_cast<size_t>(l) + static_cast<size_t>(terms[i].slot)] /
+                                         divisor);
   }
 }
 

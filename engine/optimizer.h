@@ -42,12 +42,17 @@ struct StepOutcome {
   double loss_sum = 0, tokens = 0;  // over the global batch (all DP ranks)
   std::optional<double> grad_norm;  // before clipping; none when skipped
   std::optional<int64_t> num_zeros; // with --log-num-zeros-in-grad
-  // MoE: Megatron's logged load_balancing_loss and z_loss (coefficients removed), averaged over
-  // micro-batches, DP replicas and MoE layers.
-  std::optional<double> moe_aux, moe_z;
-  // With --moe-per-layer-logging: each global layer's values (not divided by the MoE layers; zero
-  // for dense layers), as Megatron writes moe/<name>_layer_<i>.
-  std::vector<double> moe_aux_layers, moe_z_layers;
+  // MoE: Megatron's logged losses (coefficients removed) by name, in Megatron's order
+  // (load_balancing_loss, seq_load_balancing_loss, global_load_balancing_loss, z_loss), each the sum
+  // over micro-batches and MoE layers divided by both, averaged over DP (global_load_balancing_loss:
+  // summed over DP, as Megatron reduces it). With --moe-per-layer-logging, also each global layer's
+  // values (not divided by the MoE layers; zero for dense layers), Megatron's moe/<name>_layer_<i>.
+  struct MoeLoss {
+    std::string name;
+    double value = 0;
+    std::vector<double> layers;
+  };
+  std::vector<MoeLoss> moe_losses;
   // Multi-token prediction: Megatron's mtp_<j> loss per depth (averaged over micro-batches and DP x CP).
   std::vector<double> mtp_losses;
   // ... and its acceptance counts {rows whose argmax was the label, rows counted}, summed over the
@@ -128,7 +133,7 @@ class Optimizer {
   double read_scalars(double* host, int count);
   void reduce_expert_statistics(Tensor sums);
   // --moe-per-layer-logging: the chunks' per-layer sums, reduced over DP and PP, on the host.
-  void read_moe_layer_losses(StepOutcome& out, double divisor);
+  void read_moe_layer_losses(StepOutcome& out, double micro_batches);
   std::vector<double> moe_layer_host_;
   std::vector<float> moe_layer_f32_;
 

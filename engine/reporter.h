@@ -16,9 +16,16 @@ namespace mt {
 // The engine may call on_iteration for every iteration (interval_end marks the log-line ones) or
 // only at log intervals (interval_end left true; TensorBoard then sees only those iterations).
 // The order of the training losses in Megatron's log line (its total_loss_dict): lm loss, the MoE
-// losses (by name), then the multi-token prediction depths' mtp_<j> loss.
+// losses as its training loop lists them, then the multi-token prediction depths' mtp_<j> loss.
 struct LossOrder {
-  static int rank(const std::string& k) { return k == "lm loss" ? 0 : k.rfind("mtp_", 0) == 0 ? 2 : 1; }
+  static int rank(const std::string& k) {
+    if (k == "lm loss") return 0;
+    constexpr const char* moe[] = {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+                                   "z_loss"};
+    for (int i = 0; i < 4; ++i)
+      if (k == moe[i]) return 1 + i;
+    return k.rfind("mtp_", 0) == 0 ? 6 : 5;
+  }
   bool operator()(const std::string& a, const std::string& b) const {
     return rank(a) != rank(b) ? rank(a) < rank(b) : a < b;
   }

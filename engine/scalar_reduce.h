@@ -10,8 +10,17 @@ namespace mt {
 
 struct ParallelState;
 
-// Slots of GptModel::scalars() used this way (the optimizer and trainer use 0-9).
-enum ScalarSlot { kSaveAgreementSlot = 12, kHasValidationSlot = 13, kEnergySlot = 14, kRerunSlot = 15 };
+// Slots of GptModel::scalars() used this way, past the optimizer's (engine/optimizer.cpp); then the
+// trainer's three exit flags (Trainer::should_exit).
+enum ScalarSlot {
+  kFirstScalarSlot = 32,
+  kSaveAgreementSlot = kFirstScalarSlot,
+  kHasValidationSlot,
+  kEnergySlot,
+  kRerunSlot,
+  kExitFlagsSlot
+};
+static_assert(kExitFlagsSlot + 3 <= GptModel::kScalarCount);
 
 // `value` reduced by `op` over ps.world (the value itself with one rank). In the model's
 // accumulation dtype: float32 holds about 7 significant digits.

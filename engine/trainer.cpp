@@ -121,7 +121,7 @@ bool Trainer::should_exit() {
                      t.exit_signal_handler_for_training && g_shutdown.load() ? 1.0 : 0.0};
   if (ps_.world_size > 1) {  // one small collective per iteration, only with these flags
     Backend& be = model_.backend();
-    Tensor s = model_.scalars().flat_slice(29, 3);  // (past the optimizer's scalars)
+    Tensor s = model_.scalars().flat_slice(kExitFlagsSlot, 3);
     if (model_.options().accum == DType::f64) {
       be.copy_from_host(s, flags);
       ps_.world->all_reduce(s, ReduceOp::max);
@@ -301,6 +301,7 @@ StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
     if (!m->moe_layer_loss_sums().empty()) be.fill(m->moe_layer_loss_sums(), 0.0);
     if (!m->mtp_loss_sums().empty()) be.fill(m->mtp_loss_sums(), 0.0);
     if (!m->mtp_accept_counts().empty()) be.fill(m->mtp_accept_counts(), 0.0);
+    m->moe_begin_step();
     m->fp8_begin_step();
   }
   optimizer_.grad_sync().start_step();
@@ -377,8 +378,7 @@ int64_t Trainer::train() {
     } else {
       ++interval_advanced_;
       interval_loss_ += o.loss();
-      if (o.moe_aux) interval_moe_[moe_aux_name()] += *o.moe_aux;
-      if (o.moe_z) interval_moe_["z_loss"] += *o.moe_z;
+      for (const StepOutcome::MoeLoss& m : o.moe_losses) interval_moe_[m.name] += m.value;
       for (size_t j = 0; j < o.mtp_losses.size(); ++j) interval_moe_[fmt::format("mtp_{} loss", j + 1)] += o.mtp_losses[j];
       loss_history_.push_back(o.loss());
     }
@@ -477,13 +477,11 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   for (const auto& [key, sum] : interval_moe_)
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
   // Megatron-LM's MoE and MTP trackers' TensorBoard scalars: this iteration's values.
-  if (!o.skipped && o.moe_aux) s.tracker_scalars.push_back({moe_aux_name(), *o.moe_aux});
-  if (!o.skipped && o.moe_z) s.tracker_scalars.push_back({"z_loss", *o.moe_z});
   if (!o.skipped) {
-    for (size_t l = 0; l < o.moe_aux_layers.size(); ++l)
-      s.tracker_scalars.push_back({fmt::format("moe/{}_layer_{}", moe_aux_name(), l), o.moe_aux_layers[l]});
-    for (size_t l = 0; l < o.moe_z_layers.size(); ++l)
-      s.tracker_scalars.push_back({fmt::format("moe/z_loss_layer_{}", l), o.moe_z_layers[l]});
+    for (const StepOutcome::MoeLoss& m : o.moe_losses) s.tracker_scalars.push_back({m.name, m.value});
+    for (const StepOutcome::MoeLoss& m : o.moe_losses)
+      for (size_t l = 0; l < m.layers.size(); ++l)
+        s.tracker_scalars.push_back({fmt::format("moe/{}_layer_{}", m.name, l), m.layers[l]});
   }
   // Multi-token prediction: each depth's loss, and its acceptance rates in percent (argmax ==
   // label, of this iteration and since the process started; a count of 0 gives 0).

@@ -145,10 +145,6 @@ class Trainer {
   ParallelState& ps_;
   std::vector<GptModel*> chunks_;
   GptModel& model_;  // chunk 0 (its backend and scalar buffer serve all chunks)
-  // Megatron's name of the logged aux loss: load_balancing_loss, or seq_load_balancing_loss.
-  const char* moe_aux_name() const {
-    return model_.dims().moe_seq_aux ? "seq_load_balancing_loss" : "load_balancing_loss";
-  }
   BatchSource* train_;
   BatchSource* valid_;
   bool has_validation_ = false;

@@ -94,12 +94,13 @@ TEST_CASE("rope table: YaRN frequencies and concentration (Megatron's YarnRotary
 
 TEST_CASE("the log line's losses come in Megatron's order: lm loss, the MoE losses, the mtp depths", "[mtp]") {
   LossMap m;
-  for (const char* k : {"z_loss", "mtp_2 loss", "seq_load_balancing_loss", "lm loss", "mtp_1 loss", "load_balancing_loss"})
+  for (const char* k : {"z_loss", "mtp_2 loss", "global_load_balancing_loss", "seq_load_balancing_loss", "lm loss",
+                        "mtp_1 loss", "load_balancing_loss"})
     m[k] = 1.0;
   std::vector<std::string> keys;
   for (const auto& [k, v] : m) keys.push_back(k);
-  CHECK(keys == std::vector<std::string>{"lm loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss",
-                                         "mtp_1 loss", "mtp_2 loss"});
+  CHECK(keys == std::vector<std::string>{"lm loss", "load_balancing_loss", "seq_load_balancing_loss",
+                                         "global_load_balancing_loss", "z_loss", "mtp_1 loss", "mtp_2 loss"});
 }
 
 TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {

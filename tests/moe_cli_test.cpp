@@ -373,11 +373,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--bf16 --fp8-format hybrid", 1,
        "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
-      {"--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 1e-3", 1,
-       "megatrain does not support --moe-router-load-balancing-type aux_loss with seq_aux_loss yet"},
-      {"--moe-router-load-balancing-type global_aux_loss", 1,
-       "megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, "
-       "seq_aux_loss, sinkhorn, none)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
   };
@@ -414,11 +409,8 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
   // Several at once, one line each.
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64 "
-                                              "--moe-router-load-balancing-type global_aux_loss")) ==
-        "3 problems with the command line:\n"
-        "  megatrain does not support --moe-router-load-balancing-type global_aux_loss yet (built: aux_loss, "
-        "seq_aux_loss, sinkhorn, none)\n"
+  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64")) ==
+        "2 problems with the command line:\n"
         "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
         "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
         "--disable-bias-linear)");
@@ -428,7 +420,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
             "megatrain does not support --moe-router-score-function sqrtsoftplus yet (built: softmax, sigmoid)"},
            {"--moe-router-load-balancing-type quantile_balancing",
             "megatrain does not support --moe-router-load-balancing-type quantile_balancing yet (built: aux_loss, seq_aux_loss, "
-            "sinkhorn, none)"},
+            "global_aux_loss, sinkhorn, none)"},
            {"--moe-latent-size 16", "megatrain does not support --moe-latent-size 16 yet"},
            {"--moe-use-upcycling", "megatrain does not support --moe-use-upcycling yet"},
            {"--moe-upcycling-granularity 2", "megatrain does not support --moe-upcycling-granularity 2 yet"}}) {
@@ -449,7 +441,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   CHECK_NOTHROW(parse(moe_gpt() + words("--moe-router-load-balancing-type none --bf16")));
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
-        "values quantile_balancing, global_aux_loss not supported yet");
+        "values quantile_balancing not supported yet");
   CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp8-format or --fp4-format"));
   // MoE with context parallelism is built (the experts' grid folds CP).
   CHECK_NOTHROW(parse(moe_gpt() + words("--context-parallel-size 2 --expert-model-parallel-size 2"), 2));

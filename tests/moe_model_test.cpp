@@ -94,18 +94,28 @@ struct MoeHarness {
     }
   }
 
+  // The logged MoE loss sums ({aux, z}, {seq, 0}, {global, 0}: GptModel::moe_loss_sums).
+  std::vector<double> moe_sums() {
+    std::vector<double> m(2 * GptModel::kMoeTerms, 0.0);
+    if (!model->moe_loss_sums().empty()) be->copy_to_host(m.data(), model->moe_loss_sums());
+    return m;
+  }
+
   // The objective whose gradient backward() computes: the loss of the micro-batch plus the MoE
-  // layers' aux and z-losses with their coefficients (the logged sums times the coefficients).
+  // layers' load-balancing and z-losses with their coefficients (the logged sums times the
+  // coefficients).
   double objective(double* lm = nullptr) {
+    model->moe_begin_step();  // (a step of this one micro-batch: global_aux_loss's counts its own)
     be->fill(model->loss_sums(false), 0.0);
     if (!model->moe_loss_sums().empty()) be->fill(model->moe_loss_sums(), 0.0);
     model->stage_micro_batch(0, mb, 1.0, false, 42, true);
     model->forward(0);
-    double s[2], m[2] = {0, 0};
+    double s[2];
     be->copy_to_host(s, model->loss_sums(false));
-    if (!model->moe_loss_sums().empty()) be->copy_to_host(m, model->moe_loss_sums());
+    const std::vector<double> m = moe_sums();
     if (lm) *lm = s[0] / s[1];
-    return s[0] / s[1] + dims.moe_aux_coeff * m[0] + dims.moe_z_coeff * m[1];
+    return s[0] / s[1] + dims.moe_aux_coeff * m[0] + dims.moe_z_coeff * m[1] + dims.moe_seq_coeff * m[2] +
+           dims.moe_global_coeff * m[4];
   }
 
   std::vector<double> grads() {
@@ -281,7 +291,7 @@ TEST_CASE("MoE gradient check: seq_aux_loss over 3 sequences, and with one seque
   c.train.micro_batch_size = 3;
   {
     MoeHarness h(c);
-    REQUIRE(h.dims.moe_seq_aux);
+    REQUIRE(h.dims.moe_seq_coeff != 0);
     h.check_all(4);
   }
   // One sequence per micro-batch: the same objective and gradients as aux_loss.
@@ -293,6 +303,122 @@ TEST_CASE("MoE gradient check: seq_aux_loss over 3 sequences, and with one seque
   const std::vector<double> gs = seq.grads(), gw = whole.grads();
   REQUIRE(gs.size() == gw.size());
   for (size_t i = 0; i < gs.size(); ++i) REQUIRE(gs[i] == Approx(gw[i]).epsilon(1e-12).margin(1e-15));
+}
+
+TEST_CASE("MoE gradient check: aux_loss, seq_aux_loss and global_aux_loss together, with the z-loss",
+          "[moe][gradcheck]") {
+  Config c = tiny_moe_config(4, 2);
+  using LB = MoeLoadBalancing;
+  c.model.moe.load_balancing_type = {LB::aux_loss, LB::seq_aux_loss, LB::global_aux_loss};
+  c.model.moe.aux_loss_coeff = {0.1, 0.07, 0.05};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.train.micro_batch_size = 3;
+  MoeHarness h(c);
+  REQUIRE(h.dims.moe_aux_coeff == 0.1f);
+  REQUIRE(h.dims.moe_seq_coeff == 0.07f);
+  REQUIRE(h.dims.moe_global_coeff == 0.05f);
+  h.check_all(4);
+  // Each term is logged apart: the sums differ (three sequences, not one micro-batch's counts).
+  const std::vector<double> m = h.moe_sums();
+  CHECK(m[0] > 0);
+  CHECK(m[2] > 0);
+  CHECK(m[4] > 0);
+  CHECK(m[0] != Approx(m[2]).epsilon(1e-6));
+}
+
+TEST_CASE("MoE: global_aux_loss of one micro-batch on one rank is aux_loss", "[moe][gradcheck]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.train.micro_batch_size = 2;
+  MoeHarness aux(c);
+  c.model.moe.load_balancing_type = {MoeLoadBalancing::global_aux_loss};
+  MoeHarness global(c);
+  REQUIRE(global.dims.moe_aux_coeff == 0.0f);
+  REQUIRE(global.dims.moe_global_coeff == 0.1f);
+  // (Megatron prints a zero load_balancing_loss beside it: "aux_loss" in "global_aux_loss".)
+  CHECK(global.dims.moe_log_aux);
+  CHECK(global.dims.moe_log_global);
+  CHECK(!aux.dims.moe_log_global);
+  CHECK(global.objective() == Approx(aux.objective()).epsilon(1e-13));
+  CHECK(global.moe_sums()[4] == Approx(aux.moe_sums()[0]).epsilon(1e-13));
+  CHECK(global.moe_sums()[0] == 0.0);
+  const std::vector<double> gg = global.grads(), ga = aux.grads();
+  REQUIRE(gg.size() == ga.size());
+  for (size_t i = 0; i < gg.size(); ++i) REQUIRE(gg[i] == Approx(ga[i]).epsilon(1e-12).margin(1e-15));
+}
+
+// global_aux_loss's counts are the mean over the step's micro-batches so far (Megatron's running
+// global_tokens_per_expert / ga_steps, reset each step). With aux_loss beside it, for one-sequence
+// micro-batches A and B (a, b their aux values) the global values of the steps [A, B] and [B, A]
+// are a + (b + x) / 2 and b + (a + y) / 2, with x, y the cross terms f sum_e P_B c_A, f sum_e P_A c_B;
+// the micro-batch [A; B] of two sequences has aux value (a + b + x + y) / 4 (twice the tokens).
+TEST_CASE("MoE: global_aux_loss averages the counts over the step's micro-batches and starts again each step",
+          "[moe]") {
+  Config c = tiny_moe_config(4, 2);
+  using LB = MoeLoadBalancing;
+  c.model.moe.load_balancing_type = {LB::aux_loss, LB::global_aux_loss};
+  c.model.moe.aux_loss_coeff = {0.1, 0.1};
+  c.train.micro_batch_size = 1;
+  MoeHarness h(c);
+  MicroBatch A = h.mb, B = h.mb;
+  for (size_t k = 0; k < B.tokens.size(); ++k) B.tokens[k] = static_cast<int32_t>((k * 7 + 2) % h.dims.vocab);
+  // One step's micro-batches, forward only (the training forward logs): {aux sum, global sum}.
+  const auto step = [&](std::vector<const MicroBatch*> mbs) {
+    h.model->moe_begin_step();
+    h.be->fill(h.model->moe_loss_sums(), 0.0);
+    uint64_t serial = 0;
+    for (const MicroBatch* m : mbs) {
+      h.model->stage_micro_batch(0, *m, 1.0, false, serial++, true);
+      h.model->forward(0);
+    }
+    const std::vector<double> s = h.moe_sums();
+    return std::make_pair(s[0], s[4]);
+  };
+  const auto [a, ga] = step({&A});
+  const auto [b, gb] = step({&B});
+  CHECK(ga == Approx(a).epsilon(1e-13));
+  CHECK(gb == Approx(b).epsilon(1e-13));
+  const auto [ab_aux, g1] = step({&A, &B});
+  const auto [ba_aux, g2] = step({&B, &A});
+  CHECK(ab_aux == Approx(a + b).epsilon(1e-13));
+  CHECK(ba_aux == Approx(a + b).epsilon(1e-13));
+  CHECK(g1 != Approx(ab_aux).epsilon(1e-6));  // (the second micro-batch's counts are a mean)
+  // The same steps again: nothing carried over from the steps before.
+  CHECK(step({&A, &B}).second == Approx(g1).epsilon(1e-13));
+
+  Config c2 = c;
+  c2.train.micro_batch_size = 2;
+  MoeHarness both(c2);
+  MicroBatch AB = both.mb;
+  for (size_t k = 0; k < A.tokens.size(); ++k) {
+    AB.tokens[k] = A.tokens[k];
+    AB.tokens[A.tokens.size() + k] = B.tokens[k];
+  }
+  both.mb = AB;
+  both.objective();
+  const double aux_ab = both.moe_sums()[0];
+  // x + y = 4 aux([A; B]) - a - b, so g1 + g2 = a + b + 2 aux([A; B]).
+  CHECK(g1 + g2 == Approx(a + b + 2 * aux_ab).epsilon(1e-12));
+}
+
+TEST_CASE("MoE under full recomputation: the logged losses and the counts once per micro-batch", "[moe]") {
+  Config c = tiny_moe_config(4, 2);
+  using LB = MoeLoadBalancing;
+  c.model.moe.load_balancing_type = {LB::aux_loss, LB::global_aux_loss};
+  c.model.moe.aux_loss_coeff = {0.1, 0.05};
+  c.model.moe.z_loss_coeff = 0.01;
+  c.train.micro_batch_size = 2;
+  MoeHarness plain(c);
+  const std::vector<double> grads = plain.grads();
+  const std::vector<double> sums = plain.moe_sums();
+  Config r = c;
+  r.train.recompute_granularity = RecomputeGranularity::full;
+  r.train.recompute_method = RecomputeMethod::uniform;
+  r.train.recompute_num_layers = 1;
+  MoeHarness h(r);
+  CHECK(h.grads() == grads);
+  CHECK(h.moe_sums() == sums);  // (the backward's reruns of the forward log nothing)
 }
 
 TEST_CASE("MoE: --moe-router-force-load-balancing routes by random logits, whatever the router's weights",

@@ -24,6 +24,7 @@
 // reduction), or with an expert TP size of 1 under TP > 1 its own sequence-parallel rows (whole
 // experts: the routed output of those rows is complete and joins the shared expert's after the TP
 // reduction; the EP group then spans TP ranks).
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -253,22 +254,81 @@ Tensor GptModel::router_weight(const LayerParams& P) {
   return ws_->moe_w32;
 }
 
-// Megatron's aux and z-loss factors, coefficients removed: aux = aux_factor * sum_e P_e f_e over
-// each sequence's statistics (E / (k S^2 B), S the rows of one of the micro-batch's B sequences with
-// seq_aux_loss; one sequence of all N rows otherwise), z = z_factor * sum lse^2 (1 / N). With
-// context parallelism S and N count every CP rank's rows (the counts f_e are summed over CP; P_e is
-// this rank's part), so that the ranks' values add up to the micro-batch's losses. (The backward
-// multiplies in the coefficients before dividing, as it always has.)
+// Megatron's load-balancing loss factors, coefficients removed: a term is factor * sum_e P_e c_e
+// (P_e the scores' sums over this rank's rows, c_e the counts), with E / (k T^2) for T tokens:
+// aux_loss over the micro-batch's T = N x CP tokens (the counts summed over CP); seq_aux_loss
+// per sequence over its S x CP rows, divided by the B sequences; global_aux_loss over the DP x CP
+// ranks' T = N x CP x DP tokens (the counts over DP too, averaged over the step's micro-batches).
+// The z-loss is z * sum lse^2 with 1 / (N x CP). The ranks' values add up to Megatron's losses.
+// (The backward multiplies in the coefficients before dividing, as it always has.)
 GptModel::MoeLossFactors GptModel::moe_loss_factors() const {
   MoeLossFactors f;
-  f.sequences = d_.moe_seq_aux ? d_.micro_batch : 1;
+  f.sequences = d_.micro_batch;
   f.rows = d_.tokens() / f.sequences;
-  f.seq_rows = static_cast<double>(f.rows) * d_.cp_size;
-  f.tokens = static_cast<double>(d_.tokens()) * d_.cp_size;
-  const double n = f.seq_rows;
-  f.aux = d_.experts / (d_.topk * n * n * static_cast<double>(f.sequences));
-  f.z = 1.0 / f.tokens;
+  const double E = d_.experts, k = d_.topk;
+  const double seq_rows = static_cast<double>(f.rows) * d_.cp_size, tokens = static_cast<double>(d_.tokens()) * d_.cp_size;
+  const double global = tokens * ps_.dp_size;
+  f.aux = E / (k * tokens * tokens);
+  f.seq = E / (k * seq_rows * seq_rows * static_cast<double>(f.sequences));
+  f.global = E / (k * global * global);
+  f.z = 1.0 / tokens;
   return f;
+}
+
+// The statistics' layout (MoeActs::stats): the micro-batch's, then with seq_aux_loss each
+// sequence's, [2E + 1] each.
+int64_t GptModel::moe_stats_blocks() const { return 1 + (d_.moe_seq_coeff != 0 ? d_.micro_batch : 0); }
+
+// The router's load-balancing statistics of a micro-batch (MoeActs::stats; each sequence's counts
+// over all its positions: summed over CP) and in a training forward, not a recomputation's, the
+// logged values of the terms computed (a term at coefficient 0 logs 0, as Megatron records none).
+// global_aux_loss: the micro-batch's counts summed over DP and added to the layer's running sum,
+// whose mean over the step's micro-batches so far the backward takes (MoeActs::global).
+void GptModel::moe_balance_forward(int local, const Slot& s, const MoeActs& M) {
+  const MoeLossFactors f = moe_loss_factors();
+  const int64_t E = d_.experts, width = 2 * E + 1;
+  const int layer = d_.layer_begin + local;
+  const MoeRouting r = moe_routing();
+  const bool first = s.training && !recomputing_;
+  const auto stats_of = [&](const Tensor& stats, const Tensor& logits) {
+    be_.moe_aux_stats(stats, logits, r);
+    if (d_.cp_size > 1) ps_.cp->all_reduce(stats.flat_slice(E, E));
+  };
+  const auto record = [&](int term, const Tensor& stats, double factor, double z) {
+    const float a = static_cast<float>(factor), zf = static_cast<float>(z);
+    be_.moe_aux_log(moe_loss_.flat_slice(2 * term, 2), stats, a, zf);
+    if (!moe_layer_loss_.empty())
+      be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * (int64_t{kMoeTerms} * layer + term), 2), stats, a, zf);
+  };
+  const Tensor whole = M.stats.flat_slice(0, width);
+  stats_of(whole, M.logits);
+  if (first) record(0, whole, d_.moe_aux_coeff != 0 ? f.aux : 0.0, f.z);
+  if (d_.moe_seq_coeff != 0) {
+    const Tensor ordered = moe_sequence_logits(M.logits);
+    for (int64_t b = 0; b < f.sequences; ++b) {
+      const Tensor stats = M.stats.flat_slice((1 + b) * width, width);
+      stats_of(stats, ordered.row_slice(b * f.rows, f.rows));
+      if (first) record(1, stats, f.seq, 0.0);
+    }
+  }
+  if (d_.moe_global_coeff != 0 && first) {
+    const size_t m = static_cast<size_t>(moe_index(local));
+    const Tensor counts = M.global.flat_slice(E, E), sum = moe_global_sum_.flat_slice(static_cast<int64_t>(m) * E, E);
+    be_.copy(counts, whole.flat_slice(E, E));
+    if (ps_.dp_size > 1) ps_.dp->all_reduce(counts);
+    be_.axpby(sum, 1.0f, sum, 1.0f, counts);
+    const int n = ++moe_global_steps_[m];
+    be_.axpby(counts, 1.0f / static_cast<float>(n), sum, 0.0f, sum);
+    be_.copy(M.global.flat_slice(0, E), whole.flat_slice(0, E));
+    be_.fill(M.global.flat_slice(2 * E, 1), 0.0);
+    record(2, M.global, f.global, 0.0);
+  }
+}
+
+void GptModel::moe_begin_step() {
+  if (moe_global_sum_.empty()) return;
+  be_.fill(moe_global_sum_, 0.0);
+  std::fill(moe_global_steps_.begin(), moe_global_steps_.end(), 0);
 }
 
 // What an MoE layer keeps for backward (after ln2's output and statistics, laid out by
@@ -282,8 +342,10 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   M.probs = a.take(c, S, {N, d_.topk});
   M.idx = a.take(c, DType::i32, {N, d_.topk});
   M.kept = d_.moe_drops() ? a.take(c, DType::i32, {N, d_.topk}) : Tensor();
-  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0)
-    M.stats = a.take(c, S, {(d_.moe_seq_aux ? d_.micro_batch : 1) * (2 * E + 1)});
+  if (d_.moe_aux_terms()) M.stats = a.take(c, S, {moe_stats_blocks() * (2 * E + 1)});
+  // global_aux_loss: kept by every MoE layer, also a recomputed one (GptModel::layout), as the
+  // forward made it (a recomputation does not count again).
+  M.global = d_.moe_global_coeff != 0 ? a.take(c, S, {2 * E + 1}) : Tensor();
   M.order = M.slot_of = M.s_order = M.s_slot_of = M.s_offsets = Tensor();
   M.exchange = nullptr;
   if (moe_alltoall()) {
@@ -340,7 +402,7 @@ void GptModel::layout_moe_workspace(Arena& a) {
     w.moe_ig = a.take(C::workspace, DType::i32, {Ng, d_.topk});
   }
   w.moe_seq_logits = w.moe_seq_grad = w.moe_seq_index = w.moe_seq_inverse = Tensor();
-  if (d_.moe_seq_aux && (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0)) {
+  if (d_.moe_seq_coeff != 0) {
     w.moe_seq_logits = a.take(C::workspace, router_dtype(), {N, E});
     w.moe_seq_grad = a.take(C::workspace, S, {N, E});
     w.moe_seq_index = a.take(C::workspace, DType::i32, {N});
@@ -364,7 +426,11 @@ void GptModel::layout_moe_workspace(Arena& a) {
   } else if (d_.moe_jitter_eps > 0) {
     w.moe_xj = a.take(C::workspace, T, {N, h});
   }
-  if (d_.moe_aux_coeff != 0 || d_.moe_z_coeff != 0) w.moe_aux_grad = a.take(C::workspace, S, {N, E});
+  w.moe_aux_counts = Tensor();
+  if (d_.moe_aux_terms()) {
+    w.moe_aux_grad = a.take(C::workspace, S, {N, E});
+    w.moe_aux_counts = a.take(C::workspace, S, {2 * (2 * E + 1)});
+  }
   w.moe_dprobs = a.take(C::workspace, S, {N, d_.topk});
   w.moe_dp_perm = a.take(C::workspace, S, {R});
   w.moe_gate_p = w.moe_gate_idx = w.moe_dgate = w.moe_dsh = Tensor();
@@ -409,22 +475,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.moe_capacity_drop(M.kept, M.idx, M.probs, d_.experts, d_.moe_capacity(), d_.tokens_local(),
                           d_.moe_drop_by_position);
   const Tensor dispatched = d_.moe_drops() ? M.kept : M.idx;
-  if (!M.stats.empty()) {
-    // The statistics of each sequence (one of all rows without seq_aux_loss), and the logged values.
-    const MoeLossFactors f = moe_loss_factors();
-    const int64_t width = 2 * int64_t{d_.experts} + 1;
-    const Tensor ordered = d_.moe_seq_aux ? moe_sequence_logits(M.logits) : M.logits;
-    const float aux = static_cast<float>(f.aux), z = static_cast<float>(f.z);
-    for (int64_t b = 0; b < f.sequences; ++b) {
-      const Tensor stats = M.stats.flat_slice(b * width, width);
-      be_.moe_aux_stats(stats, ordered.row_slice(b * f.rows, f.rows), r);
-      // (Context parallelism: the sequence's counts over all its positions.)
-      if (d_.cp_size > 1) ps_.cp->all_reduce(stats.flat_slice(d_.experts, d_.experts));
-      if (!s.training) continue;
-      be_.moe_aux_log(moe_loss_, stats, aux, z);
-      if (!moe_layer_loss_.empty()) be_.moe_aux_log(moe_layer_loss_.flat_slice(2 * int64_t{layer}, 2), stats, aux, z);
-    }
-  }
+  if (!M.stats.empty()) moe_balance_forward(local, s, M);
 
   // Dispatch: the rows this rank dispatches (all, or its own under whole experts), under expert
   // parallelism with the EP group's, all-gathered, or this rank's pairs sent to their experts.
@@ -714,23 +765,31 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   }
   Tensor aux_grad;
   if (!M.stats.empty()) {
-    // The factors with their coefficients, seeded as the loss is.
+    // The load-balancing terms' gradients at once: moe_aux_grad is linear in the counts, so every
+    // row takes aux_loss's and global_aux_loss's counts times their factors and coefficients, seeded
+    // as the loss is (with seq_aux_loss its own sequence's added), and the z-loss's.
     const MoeLossFactors f = moe_loss_factors();
-    const double n = f.seq_rows, seed = s.moe_aux_seed;
-    const float aux_scale = static_cast<float>(
-        d_.moe_aux_coeff * d_.experts / (k * n * n * static_cast<double>(f.sequences)) * seed);
-    const float z_scale = static_cast<float>(d_.moe_z_coeff / f.tokens * seed);
+    const double seed = s.moe_aux_seed;
+    const int64_t E = d_.experts, width = 2 * E + 1;
+    const Tensor base = w.moe_aux_counts.flat_slice(0, width), counts = base.flat_slice(E, E);
+    const Tensor whole = M.stats.flat_slice(E, E);
+    be_.axpby(counts, static_cast<float>(d_.moe_aux_coeff * f.aux * seed), whole, 0.0f, whole);
+    if (d_.moe_global_coeff != 0)
+      be_.axpby(counts, 1.0f, counts, static_cast<float>(d_.moe_global_coeff * f.global * seed),
+                M.global.flat_slice(E, E));
+    const float z_scale = static_cast<float>(d_.moe_z_coeff * f.z * seed);
     aux_grad = local_rows(w.moe_aux_grad);
-    if (!d_.moe_seq_aux) {
-      be_.moe_aux_grad(aux_grad, local_rows(M.logits), M.stats, aux_scale, z_scale, r);
+    if (d_.moe_seq_coeff == 0) {
+      be_.moe_aux_grad(aux_grad, local_rows(M.logits), base, 1.0f, z_scale, r);
     } else {
-      // seq_aux_loss: each sequence's gradient from its own statistics, in sequence order, then
-      // back to the rows' order.
-      const int64_t width = 2 * int64_t{d_.experts} + 1;
-      const Tensor ordered = moe_sequence_logits(M.logits);
-      for (int64_t b = 0; b < f.sequences; ++b)
-        be_.moe_aux_grad(w.moe_seq_grad.row_slice(b * f.rows, f.rows), ordered.row_slice(b * f.rows, f.rows),
-                         M.stats.flat_slice(b * width, width), aux_scale, z_scale, r);
+      // In sequence order, each sequence's rows with its own counts, then back to the rows' order.
+      const Tensor ordered = moe_sequence_logits(M.logits), own = w.moe_aux_counts.flat_slice(width, width);
+      const float seq_scale = static_cast<float>(d_.moe_seq_coeff * f.seq * seed);
+      for (int64_t b = 0; b < f.sequences; ++b) {
+        be_.axpby(own.flat_slice(E, E), 1.0f, counts, seq_scale, M.stats.flat_slice((1 + b) * width + E, E));
+        be_.moe_aux_grad(w.moe_seq_grad.row_slice(b * f.rows, f.rows), ordered.row_slice(b * f.rows, f.rows), own,
+                         1.0f, z_scale, r);
+      }
       be_.moe_gather_rows(w.moe_aux_grad, w.moe_seq_grad, w.moe_seq_inverse, 1);
     }
   }

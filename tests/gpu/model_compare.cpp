@@ -26,6 +26,7 @@ ModelRun run_model_micro_batch(Backend& be, const Config& c, DType T, const std:
   model.zero_grads();
   be.fill(model.loss_sums(false), 0.0);
   if (!model.moe_loss_sums().empty()) be.fill(model.moe_loss_sums(), 0.0);
+  model.moe_begin_step();
   model.stage_micro_batch(0, mb, 1.0, false, 7, true);
   model.forward(0);
   model.backward(0);
@@ -38,6 +39,8 @@ ModelRun run_model_micro_batch(Backend& be, const Config& c, DType T, const std:
     const std::vector<double> moe = download(be, model.moe_loss_sums());
     r.aux = moe[0];
     r.z = moe[1];
+    r.seq = moe[2];
+    r.global = moe[4];
   }
   r.grads = download(be, model.grads_flat());
   return r;

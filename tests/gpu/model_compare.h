@@ -14,7 +14,8 @@
 namespace mt::gputest {
 
 struct ModelRun {
-  double loss = 0, aux = 0, z = 0;  // lm loss; the MoE aux and z-loss sums (0 without MoE)
+  // lm loss; the MoE aux, z, seq_aux and global_aux loss sums (0 without MoE or without the term)
+  double loss = 0, aux = 0, z = 0, seq = 0, global = 0;
   std::vector<double> grads;
 };
 

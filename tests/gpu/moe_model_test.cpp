@@ -2,7 +2,8 @@
 // reference backend: the same parameters, one training micro-batch, the loss, the logged aux and
 // z-losses and every parameter's gradient; float32 and bf16; also with the router's input jitter
 // and the experts' fc1 outputs recomputed in backward (--recompute-modules moe), and with the
-// routing weights on the experts' input (--moe-apply-probs-on-input).
+// routing weights on the experts' input (--moe-apply-probs-on-input), and with the aux, seq_aux and
+// global_aux load-balancing losses together.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -51,16 +52,24 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     DType dtype;
     bool jitter_recompute = false;
     bool probs_on_input = false;  // --moe-apply-probs-on-input, top-1 sigmoid routing
+    bool all_balancing = false;   // aux_loss, seq_aux_loss and global_aux_loss together
   };
   for (const Shape& sh : {Shape{8, 2, 32, 2, DType::f32}, Shape{5, 3, 17, 3, DType::f32},  // (odd: 51 rows)
                           Shape{4, 4, 32, 2, DType::bf16}, Shape{3, 3, 17, 3, DType::bf16},
                           Shape{5, 3, 17, 3, DType::f32, true}, Shape{4, 4, 32, 2, DType::bf16, true},
-                          Shape{5, 1, 17, 3, DType::f32, false, true}, Shape{1, 1, 32, 2, DType::bf16, true, true}}) {
+                          Shape{5, 1, 17, 3, DType::f32, false, true}, Shape{1, 1, 32, 2, DType::bf16, true, true},
+                          Shape{5, 3, 17, 3, DType::f32, false, false, true},
+                          Shape{4, 4, 32, 2, DType::bf16, false, false, true}}) {
     Config c = moe_config(sh.experts, sh.topk, sh.seq, sh.batch);
     if (sh.jitter_recompute) {
       c.model.moe.input_jitter_eps = 0.05;
       c.train.recompute_granularity = RecomputeGranularity::selective;
       c.train.recompute_modules = {"core_attn", "moe"};
+    }
+    if (sh.all_balancing) {
+      using LB = MoeLoadBalancing;
+      c.model.moe.load_balancing_type = {LB::aux_loss, LB::seq_aux_loss, LB::global_aux_loss};
+      c.model.moe.aux_loss_coeff = {0.01, 0.02, 0.03};
     }
     if (sh.probs_on_input) {
       c.model.moe.apply_probs_on_input = true;
@@ -85,12 +94,16 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
       INFO("experts " << sh.experts << " top-" << sh.topk << " rows " << n << (bf16 ? " bf16" : " float32")
                       << (sh.jitter_recompute ? ", jitter and MoE recompute" : "")
                       << (sh.probs_on_input ? ", routing weights on the input" : "")
+                      << (sh.all_balancing ? ", aux, seq_aux and global_aux losses" : "")
                       << " (seed " << rng.seed() << ")");
       const ModelRun g = run_model_micro_batch(dev(), c, T, w, mb);
       const double tol = bf16 ? 3e-2 : 2e-3;
       CHECK(std::fabs(g.loss - r.loss) <= tol * std::fabs(r.loss));
       CHECK(std::fabs(g.aux - r.aux) <= tol * std::fabs(r.aux));
       CHECK(std::fabs(g.z - r.z) <= tol * std::fabs(r.z));
+      CHECK(std::fabs(g.seq - r.seq) <= tol * std::fabs(r.seq));
+      CHECK(std::fabs(g.global - r.global) <= tol * std::fabs(r.global));
+      if (sh.all_balancing) CHECK((r.seq > 0 && r.global > 0));
       check_gradients_close(g.grads, r.grads, bf16);
     }
   }

@@ -465,6 +465,30 @@ megatrain_parallel_train_test(parallel_train_moe_seq_aux_cp2_dp2 --model "${moe_
 --moe-router-load-balancing-type seq_aux_loss --moe-per-layer-logging" 4 --context-parallel-size 2 --use-distributed-optimizer)
 megatrain_parallel_train_test(parallel_train_moe_bias_cp2_ep4 --model "${moe_sigmoid_model} --moe-router-enable-expert-bias" 4
                               --context-parallel-size 2 --expert-model-parallel-size 4 --use-distributed-optimizer)
+# Load-balancing terms together. aux_loss with seq_aux_loss (micro-batches of 2 sequences) under
+# CP 2 x EP 2. global_aux_loss (the counts summed over DP, their running mean over the step's
+# micro-batches): without DP (TP 2 + SP x PP 2 x 2 virtual stages, CP 2 x EP 2) the same as one rank;
+# with DP each rank's term takes the DP ranks' tokens and Megatron averages the gradients over DP,
+# so the term weighs 1 / DP of the one-rank run's with the DP ranks' sequences in one micro-batch:
+# at DP 2 global_aux_loss alone equals one rank with micro-batches of 2 and half the coefficient
+# (losses, gradients, the logged value: summed over DP), also with full recomputation and EP 2 with
+# the distributed optimizer. (aux_loss's counts are each DP rank's own: no such one-rank run.)
+set(moe_global "${moe_model} --moe-router-load-balancing-type aux_loss global_aux_loss --moe-aux-loss-coeff 1e-2 0.1")
+set(moe_global_only "${moe_model} --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 0.1")
+megatrain_parallel_train_test(parallel_train_moe_aux_seq_cp2_ep2 --model "${moe_model} --micro-batch-size 2 \
+--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 5e-2" 4 --context-parallel-size 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_global_aux_tp2_sp_pp2_vpp2 --model "${moe_global} --moe-per-layer-logging" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_moe_global_aux_cp2_ep2 --model "${moe_global}" 2 --context-parallel-size 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_global_aux_dp2_recompute --model "${moe_global_only} \
+--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+                              --one-rank "--micro-batch-size 2 --moe-aux-loss-coeff 5e-2" 2)
+megatrain_parallel_train_test(parallel_train_moe_global_aux_ep2_dp2_distopt --model "${moe_global_only}"
+                              --one-rank "--micro-batch-size 2 --moe-aux-loss-coeff 5e-2" 2
+                              --expert-model-parallel-size 2 --use-distributed-optimizer)
 # Megatron-LM's gpt3_mcore_tp2_cp2_pp2_ep2 layout on 8 ranks (TP2+SP x CP2 x PP2, EP2 over the CP pair).
 megatrain_parallel_train_test(parallel_train_moe_tp2_cp2_pp2_ep2 --model "${moe_model}" 8 --tensor-model-parallel-size 2
                               --sequence-parallel --context-parallel-size 2 --pipeline-model-parallel-size 2

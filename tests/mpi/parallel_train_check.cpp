@@ -1,8 +1,8 @@
 // Multi-rank training against one rank, on the reference backend over MPI: runs the real megatrain
 // binary once on one process and once under `mpirun -np N` with a parallel layout, both with
 // --metrics-jsonl and --save, and requires the same run:
-//   * every iteration's lm loss (relative 1e-5; MoE models also their (seq_)load_balancing_loss and
-//     z_loss, MTP models each depth's loss, and its acceptance rate within 2 percentage points: an
+//   * every iteration's lm loss (relative 1e-5; MoE models also their (seq_, global_)load_balancing_loss
+//     and z_loss, MTP models each depth's loss, and its acceptance rate within 2 percentage points: an
 //     argmax at a near-tie may turn with the order of a sum) and gradient norm (relative 1e-4), and the
 //     parameter norm of every iteration (relative 1e-5),
 //   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
@@ -14,13 +14,15 @@
 // ranks), hence the tolerances. A wrong gradient scale, a missing reduction or a stale shard moves
 // the numbers by far more.
 //
-// Usage: parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] <nranks> [layout flags...]
+// Usage: parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] [--one-rank "<flags>"] <nranks>
+//        [layout flags...]
 //        parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] --resume <n1> "<flags 1>" <n2> "<flags 2>"
 // --bf16-reduce (first) loosens the tolerances for --grad-reduce-in-bf16, --bf16-moments (first)
 // the final tensors' for bf16 Adam moments; --fp8 (first) trains 4
 // iterations for FP8 GEMMs (see `iterations`); --iters N (before --model) trains N instead of 8.
 // --model adds model flags to every run (both the
-// one-rank and the parallel ones); "-" stands for
+// one-rank and the parallel ones); --one-rank (after --model) adds flags to the one-rank run only
+// (the run a layout equals where it is not simply one rank's); "-" stands for
 // no layout flags (CTest drops empty arguments).
 // The second form trains half of the iterations (4 of 8, or 2 of 4 with --fp8) with layout 1
 // (saving at the exit), resumes with layout 2 from that checkpoint and compares the second half's
@@ -136,7 +138,7 @@ std::map<int64_t, Record> read_metrics(const std::string& path) {
     r.loss = j.at("lm_loss").get<double>();
     r.grad_norm = j.at("grad_norm").get<double>();
     r.params_norm = j.at("params_norm").get<double>();
-    for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"})
+    for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss"})
       if (j.contains(key)) r.moe[key] = j.at(key).get<double>();
     for (const auto& [key, value] : j.items()) {
       if (key.rfind("mtp_", 0) != 0) continue;
@@ -278,10 +280,17 @@ int main(int argc, char** argv) {
     argv += 2;
     argc -= 2;
   }
+  std::string one_rank;  // --one-rank "<flags>": added to the one-rank run's only
+  if (std::string(argv[4]) == "--one-rank") {
+    if (argc < 7) return 2;
+    one_rank = std::string(" ") + argv[5];
+    argv += 2;
+    argc -= 2;
+  }
   fs::remove_all(work);
   fs::create_directories(work);
   try {
-    if (run(megatrain + " " + base + " --save " + work + "/base --metrics-jsonl " + work + "/base.jsonl",
+    if (run(megatrain + " " + base + one_rank + " --save " + work + "/base --metrics-jsonl " + work + "/base.jsonl",
             work + "/base.log") != 0)
       return 1;
     const auto base_metrics = read_metrics(work + "/base.jsonl");
