@@ -76,6 +76,8 @@ std::string why_not_resumable(MegatronCheckpoint& ck, const Config& cfg) {
   const PickleValue& args = ck.args();
   if (ck.release()) return "it is a release checkpoint";
   if (ck.optimizer_layout() == "none") return "it holds no optimizer state: saved with --no-save-optim?";
+  if (cfg.model.moe.enabled())
+    return "megatrain does not read the optimizer state of Megatron-LM's mixture-of-experts checkpoints yet";
   if (ck.optimizer_layout() == "flat buckets" || ck.optimizer_layout() == "by index") {
     // Where each parameter's state is follows from the model and its parallel layout.
     std::string why;
@@ -320,6 +322,20 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
         }
         if (main && model_dtype != DType::f32) add(*p, CheckpointKind::main_params, p->name, std::move(*main));
       }
+      // The aux-loss-free expert biases (Megatron's router buffer expert_bias, float32 [E]; part 0).
+      if (part == 0 && cfg.model.moe.enabled() && cfg.model.moe.router_enable_expert_bias)
+        for (int l = 0; l < cfg.model.num_layers; ++l) {
+          const std::string name = fmt::format("decoder.layers.{}.mlp.router.expert_bias", l);
+          if (!cfg.model.moe.is_moe_layer(l) || !unused.count(name)) continue;
+          unused.erase(name);
+          const HostArray& b = held.emplace_back(ck.parameter(name));
+          const int64_t E = cfg.model.moe.num_experts;
+          if (b.dtype != DType::f32 || b.numel() != E)
+            fail("{}: '{}' is {} {}, not float32 [{}]", where, name, dtype_name(b.dtype), shape_text(b.shape), E);
+          writer.add(name, CheckpointKind::model, ShardIndex::whole(E, 1),
+                     Tensor(const_cast<unsigned char*>(b.bytes.data()), DType::f32, Device::cpu, {E}), {E});
+          ++r.tensors;
+        }
       writer.write_local();  // throws on failure (this process writes every part itself)
     }
     for (const std::string& n : unused)

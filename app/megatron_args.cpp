@@ -130,6 +130,20 @@ std::vector<std::string> model_flags_from_args(const PickleValue& args, const st
     for (const std::string& f : all)
       if (f == "--num-experts" || f.rfind("--moe-", 0) == 0) drop.insert(f);
   if (value("--mtp-num-layers") == "0") drop.insert("--mtp-num-layers");
+  // The settings of architectures the model does not use, which Megatron saves at their defaults:
+  // multi-latent attention's (YaRN's without it or --position-embedding-type yarn), Gated DeltaNet's,
+  // muP's.
+  const auto drop_prefixed = [&](const std::vector<std::string>& prefixes) {
+    for (const std::string& f : all)
+      for (const std::string& p : prefixes)
+        if (f.rfind(p, 0) == 0) drop.insert(f);
+  };
+  if (!has("--multi-latent-attention")) {
+    drop_prefixed({"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"});
+    if (value("--position-embedding-type") != "yarn") drop_prefixed({"--rotary-scaling-factor", "--mscale"});
+  }
+  if (value("--experimental-attention-variant").empty()) drop_prefixed({"--linear-"});
+  if (!has("--use-mup")) drop_prefixed({"--mup-"});
   std::vector<std::string> out;
   for (size_t i = 0; i < all.size(); ++i) {
     const bool flag_with_value = i + 1 < all.size() && all[i + 1].rfind("--", 0) != 0;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/megatron_names.h"
@@ -127,6 +128,9 @@ struct MegatronCheckpoint::Source {
   std::vector<int64_t> key_shape;
   int layer = -1;
   std::vector<Chunk> chunks;
+  // torch: a layer's experts, each its own tensor (by global expert), stacked along the rows
+  // (megatrain's mlp.experts.linear_fc{1,2}.weight).
+  std::vector<std::shared_ptr<Source>> experts;
 };
 
 MegatronCheckpoint::~MegatronCheckpoint() = default;
@@ -178,9 +182,27 @@ MegatronCheckpoint::MegatronCheckpoint(const std::string& load_dir, std::optiona
   }
 }
 
+namespace {
+
+// Mixture-of-experts expert weights in a torch-format rank file: the local spec's SequentialMLP
+// (mlp.experts.local_experts.{i}.linear_fc{1,2}.weight) or Transformer Engine's grouped linears
+// (mlp.experts.linear_fc{1,2}.weight{i}), i the rank's local expert: the layer-relative name and i,
+// with the name as megatrain keys the layer's stacked experts (mlp.experts.linear_fc{1,2}.weight).
+std::optional<std::pair<std::string, int>> torch_local_expert(const std::string& rest) {
+  static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight)");
+  static const std::regex grouped(R"(mlp\.experts\.(linear_fc[12])\.weight(\d+))");
+  std::smatch m;
+  if (std::regex_match(rest, m, sequential)) return std::make_pair("mlp.experts." + m[2].str() + ".weight", std::stoi(m[1].str()));
+  if (std::regex_match(rest, m, grouped)) return std::make_pair("mlp.experts." + m[1].str() + ".weight", std::stoi(m[2].str()));
+  return std::nullopt;
+}
+
+}  // namespace
+
 void MegatronCheckpoint::open_torch() {
-  // mp_rank_TT (no pipeline parallelism) or mp_rank_TT_PPP; a third number is an expert rank.
-  std::map<std::pair<int, int>, std::string> rank_dirs;
+  // mp_rank_TT, with pipeline parallelism mp_rank_TT_PPP, with expert parallelism a last _EEE
+  // (Megatron's get_checkpoint_name); which numbers are there follows from the args.
+  std::map<std::string, std::vector<int>> named;
   for (const std::string& n : list_directory(directory_)) {
     if (n.compare(0, 8, "mp_rank_") != 0) continue;
     std::vector<int> numbers;
@@ -193,87 +215,148 @@ void MegatronCheckpoint::open_torch() {
       numbers.push_back(std::stoi(part));
       p = q + 1;
     }
-    if (numbers.size() == 3)
-      throw Unsupported(fmt::format("{} holds expert-parallel shards ({}): megatrain does not import Megatron-LM's "
-                                    "mixture-of-experts checkpoints yet", directory_, n));
-    rank_dirs[{numbers[0], numbers.size() == 2 ? numbers[1] : 0}] = join_path(directory_, n);
+    named[n] = numbers;
   }
-  if (rank_dirs.empty())
+  if (named.empty())
     fail("{} holds neither metadata.json (torch_dist) nor mp_rank_* directories (torch): not a Megatron-LM "
          "checkpoint megatrain can read", directory_);
-  auto open_rank = [&](int tp, int pp) -> const TorchFile& {
-    auto it = rank_dirs.find({tp, pp});
-    if (it == rank_dirs.end()) fail("{} lacks the files of tensor rank {} pipeline rank {}", directory_, tp, pp);
-    const std::string path = join_path(it->second, "model_optim_rng.pt");
+  auto open_file = [&](const std::string& dir) -> const TorchFile& {
+    const std::string path = join_path(dir, "model_optim_rng.pt");
     if (!path_exists(path)) fail("{} does not exist", path);
     files_->torch_files.push_back(std::make_unique<TorchFile>(path));
     return *files_->torch_files.back();
   };
-  const TorchFile& first = open_rank(0, 0);
+  // The args (every rank file holds them): the first directory's.
+  const TorchFile& first = open_file(join_path(directory_, named.begin()->first));
   const PickleValue* args = first.root().find("args");
   if (!args || !args->is(PickleKind::object))
     fail("{} holds no saved args: megatrain needs them to rebuild the model", first.what());
   args_ = std::make_shared<PickleValue>(*args);
   const int tp = static_cast<int>(megatron_int_arg(*args, "tensor_model_parallel_size", 1));
   const int pp = static_cast<int>(megatron_int_arg(*args, "pipeline_model_parallel_size", 1));
-  if (static_cast<int>(rank_dirs.size()) != tp * pp)
-    fail("{} holds {} rank directories, but its args say tensor parallel {} x pipeline parallel {}", directory_,
-         rank_dirs.size(), tp, pp);
+  const int ep = static_cast<int>(megatron_int_arg(*args, "expert_model_parallel_size", 1));
+  const int experts = static_cast<int>(megatron_int_arg(*args, "num_experts", 0));
+  if (experts > 0 && megatron_int_arg(*args, "expert_tensor_parallel_size", tp) != tp)
+    throw Unsupported(fmt::format("{} was saved with --expert-tensor-parallel-size {} under --tensor-model-parallel-size "
+                                  "{}: megatrain reads torch-format mixture-of-experts checkpoints whose experts split "
+                                  "over TP as the rest does (or their torch_dist form) only",
+                                  directory_, megatron_int_arg(*args, "expert_tensor_parallel_size", tp), tp));
+  // Rank directories by (tp, pp, ep).
+  std::map<std::tuple<int, int, int>, std::string> rank_dirs;
+  const size_t numbers_expected = 1 + (pp > 1 ? 1 : 0) + (ep > 1 ? 1 : 0);
+  for (const auto& [n, numbers] : named) {
+    if (numbers.size() != numbers_expected)
+      fail("{}: the rank directory '{}' does not fit the args' tensor parallel {} x pipeline parallel {} x expert "
+           "parallel {}", directory_, n, tp, pp, ep);
+    const int t = numbers[0], p = pp > 1 ? numbers[1] : 0, e = ep > 1 ? numbers.back() : 0;
+    if (t >= tp || p >= pp || e >= ep) fail("{}: the rank directory '{}' is outside the args' layout", directory_, n);
+    rank_dirs[{t, p, e}] = join_path(directory_, n);
+  }
+  if (static_cast<int>(rank_dirs.size()) != tp * pp * ep)
+    fail("{} holds {} rank directories, but its args say tensor parallel {} x pipeline parallel {}{}", directory_,
+         rank_dirs.size(), tp, pp, ep > 1 ? fmt::format(" x expert parallel {}", ep) : std::string());
   const bool swiglu = megatron_bool_arg(*args, "swiglu");
   const bool tied = !megatron_bool_arg(*args, "untie_embeddings_and_output_weights");
 
-  std::vector<std::vector<const TorchFile*>> files(static_cast<size_t>(pp));  // [pp][tp]
-  for (int p = 0; p < pp; ++p)
-    for (int t = 0; t < tp; ++t) files[static_cast<size_t>(p)].push_back(t == 0 && p == 0 ? &first : &open_rank(t, p));
-  files_->rank_files = files;
+  // [ep][pp][tp]: the files (the first one already open).
+  const std::string first_dir = join_path(directory_, named.begin()->first);
+  std::vector<std::vector<std::vector<const TorchFile*>>> files(
+      static_cast<size_t>(ep), std::vector<std::vector<const TorchFile*>>(static_cast<size_t>(pp)));
+  for (int e = 0; e < ep; ++e)
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t) {
+        const std::string& dir = rank_dirs.at({t, p, e});
+        files[static_cast<size_t>(e)][static_cast<size_t>(p)].push_back(dir == first_dir ? &first : &open_file(dir));
+      }
+  files_->rank_files = files[0];
   common_ = std::make_shared<PickleValue>(first.root());
-  open_torch_optimizer(rank_dirs, tp, pp);
+  std::map<std::pair<int, int>, std::string> dense_dirs;  // (the expert-parallel rank 0's)
+  for (const auto& [key, dir] : rank_dirs)
+    if (std::get<2>(key) == 0) dense_dirs[{std::get<0>(key), std::get<1>(key)}] = dir;
+  open_torch_optimizer(dense_dirs, tp, pp);
+  if (ep > 1 && optimizer_layout_ != "none")
+    optimizer_layout_ = "the torch format's optimizer state under expert parallelism";
 
   // Virtual pipeline chunks are "model0", "model1", ...; without them "model".
-  const bool chunked = first.root().find("model") == nullptr;
+  const TorchFile& root = *files[0][0][0];
+  const bool chunked = root.root().find("model") == nullptr;
   int chunks = 1;
   if (chunked)
-    while (first.root().find("model" + std::to_string(chunks))) ++chunks;
+    while (root.root().find("model" + std::to_string(chunks))) ++chunks;
   // Global layer numbers: the layers of chunk v of stage p follow those of all earlier (v, p) in
-  // the order v-major, then p (Megatron's interleaved assignment; also its uneven splits).
+  // the order v-major, then p (Megatron's interleaved assignment; also its uneven splits). The
+  // experts of expert-parallel rank e are its local experts i, global expert e x (experts / EP) + i;
+  // the other tensors are the same on every expert-parallel rank (rank 0's are read).
+  const int local_experts = experts > 0 ? experts / ep : 0;
   int next_layer = 0;
   std::map<std::string, std::shared_ptr<Source>> found;
+  auto shard_source = [&](std::shared_ptr<Source>& src, const std::string& name) {
+    if (!src) {
+      src = std::make_shared<Source>();
+      src->join = megatron_tp_split(name, swiglu);
+      src->shards.resize(static_cast<size_t>(tp), {nullptr, nullptr});
+    }
+    return src;
+  };
   for (int v = 0; v < chunks; ++v) {
     const std::string key = chunked ? "model" + std::to_string(v) : "model";
     for (int p = 0; p < pp; ++p) {
       int layers_here = 0;
-      for (int t = 0; t < tp; ++t) {
-        const TorchFile& f = *files[static_cast<size_t>(p)][static_cast<size_t>(t)];
-        const PickleValue* model = f.root().find(key);
-        if (!model || !model->is(PickleKind::dict)) fail("{} has no '{}' state dict", f.what(), key);
-        for (const auto& [k, value] : model->entries) {
-          if (!k->is(PickleKind::string)) continue;
-          std::string name = k->text;
-          if (name.size() > 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
-          if (!TorchFile::is_tensor(*value)) continue;
-          if (auto layer = megatron_split_layer_name(name)) {
-            layers_here = std::max(layers_here, layer->first + 1);
-            name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
+      for (int e = 0; e < ep; ++e)
+        for (int t = 0; t < tp; ++t) {
+          const TorchFile& f = *files[static_cast<size_t>(e)][static_cast<size_t>(p)][static_cast<size_t>(t)];
+          const PickleValue* model = f.root().find(key);
+          if (!model || !model->is(PickleKind::dict)) fail("{} has no '{}' state dict", f.what(), key);
+          for (const auto& [k, value] : model->entries) {
+            if (!k->is(PickleKind::string)) continue;
+            std::string name = k->text;
+            if (name.size() > 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
+            if (!TorchFile::is_tensor(*value)) continue;
+            const auto layer = megatron_split_layer_name(name);
+            const auto expert = layer ? torch_local_expert(layer->second) : std::nullopt;
+            if (expert) {
+              if (expert->second >= local_experts)
+                fail("{}: '{}' names local expert {} of {} (--num-experts {} over expert parallel {})", f.what(), name,
+                     expert->second, local_experts, experts, ep);
+              layers_here = std::max(layers_here, layer->first + 1);
+              auto& stack = found[fmt::format("decoder.layers.{}.{}", next_layer + layer->first, expert->first)];
+              if (!stack) stack = std::make_shared<Source>();
+              stack->experts.resize(static_cast<size_t>(experts));
+              auto& one = stack->experts[static_cast<size_t>(e * local_experts + expert->second)];
+              shard_source(one, expert->first);
+              if (!one->shards[static_cast<size_t>(t)].first) one->shards[static_cast<size_t>(t)] = {&f, value.get()};
+              continue;
+            }
+            if (e > 0) continue;
+            if (layer) {
+              layers_here = std::max(layers_here, layer->first + 1);
+              name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
+            }
+            if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
+            auto& src = found[name];
+            shard_source(src, name);
+            if (!src->shards[static_cast<size_t>(t)].first) src->shards[static_cast<size_t>(t)] = {&f, value.get()};
           }
-          if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
-          auto& src = found[name];
-          if (!src) {
-            src = std::make_shared<Source>();
-            src->join = megatron_tp_split(name, swiglu);
-            src->shards.resize(static_cast<size_t>(tp), {nullptr, nullptr});
-          }
-          if (!src->shards[static_cast<size_t>(t)].first) src->shards[static_cast<size_t>(t)] = {&f, value.get()};
         }
-      }
       next_layer += layers_here;
     }
   }
   for (auto& [name, src] : found) {
-    for (int t = 0; t < tp; ++t)
-      if (!src->shards[static_cast<size_t>(t)].first)
-        fail("{}: tensor rank {} has no '{}' although tensor rank 0 has", directory_, t, name);
+    if (!src->experts.empty()) {
+      for (size_t g = 0; g < src->experts.size(); ++g) {
+        if (!src->experts[g]) fail("{}: no rank file holds expert {} of '{}'", directory_, g, name);
+        for (int t = 0; t < tp; ++t)
+          if (!src->experts[g]->shards[static_cast<size_t>(t)].first)
+            fail("{}: tensor rank {} has no part of expert {} of '{}'", directory_, t, g, name);
+      }
+    } else {
+      for (int t = 0; t < tp; ++t)
+        if (!src->shards[static_cast<size_t>(t)].first)
+          fail("{}: tensor rank {} has no '{}' although tensor rank 0 has", directory_, t, name);
+    }
     params_[name] = src;
   }
+  rename_moe_norms();
 }
 
 void MegatronCheckpoint::open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp,
@@ -445,8 +528,13 @@ void MegatronCheckpoint::open_torch_dist() {
   };
   // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
   // become one entry per layer, the layers along the first dimension.
+  // (Mixture of experts: mlp.experts.experts.linear_fc{1,2}.weight, [E, rows, cols] per layer, are
+  // megatrain's mlp.experts.linear_fc{1,2}.weight, the experts stacked along the rows: read().)
   auto add = [&](std::map<std::string, std::shared_ptr<const Source>>& to, const std::string& prefix,
-                 const std::string& key, const std::string& model_key, const PickleValue& md) {
+                 const std::string& key, std::string model_key, const PickleValue& md) {
+    static const std::string experts = ".mlp.experts.experts.";
+    if (const size_t at = model_key.find(experts); at != std::string::npos)
+      model_key.replace(at, experts.size(), ".mlp.experts.");
     const std::shared_ptr<Source> src = source_of(key, md);
     static const std::string stacked = "decoder.layers.";
     if (model_key.compare(0, stacked.size(), stacked) == 0 && !megatron_split_layer_name(model_key)) {
@@ -504,6 +592,32 @@ void MegatronCheckpoint::open_torch_dist() {
   if (optimizer_layout_ == "none" && distributed_optimizer_)
     optimizer_layout_ = "the distributed optimizer's state in a layout megatrain does not recognise";
   rename_mla_local_norms();
+  rename_moe_norms();
+}
+
+// A mixture-of-experts layer's pre-MLP norm is a norm of its own (megatrain's pre_mlp_layernorm, as
+// Transformer Engine's spec names it), which the local spec's checkpoints (torch_dist's key map, and
+// the torch format as read here: open_torch) call linear_fc1's fused norm as in dense layers.
+void MegatronCheckpoint::rename_moe_norms() {
+  const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
+    std::vector<std::pair<std::string, std::string>> moves;
+    for (const auto& [key, src] : map) {
+      if (key.compare(0, prefix.size(), prefix) != 0) continue;
+      const auto layer = megatron_split_layer_name(key.substr(prefix.size()));
+      static const std::string fused = "mlp.linear_fc1.layer_norm_";
+      if (!layer || layer->second.compare(0, fused.size(), fused) != 0) continue;
+      const std::string head = fmt::format("decoder.layers.{}.", layer->first);
+      if (!params_.count(head + "mlp.router.weight")) continue;  // not an MoE layer
+      moves.emplace_back(key, prefix + head + "pre_mlp_layernorm." + layer->second.substr(fused.size()));
+    }
+    for (const auto& [from, to] : moves) {
+      auto node = map.extract(from);
+      node.key() = to;
+      map.insert(std::move(node));
+    }
+  };
+  for (const char* state : {"exp_avg/", "exp_avg_sq/", "fp32_param/"}) rename_in(optim_, state);
+  rename_in(params_, "");
 }
 
 // Megatron-Core's local layer spec keys the norms of multi-latent-attention layers by their modules
@@ -745,6 +859,19 @@ HostArray MegatronCheckpoint::parameter(const std::string& name) const {
 }
 
 HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) const {
+  if (!s.experts.empty()) {  // (torch) experts stacked along the rows
+    std::vector<HostArray> parts;
+    for (const auto& e : s.experts) parts.push_back(read(*e, name));
+    const HostArray& p0 = parts[0];
+    for (const HostArray& p : parts)
+      if (p.dtype != p0.dtype || p.shape != p0.shape || p.shape.size() != 2)
+        fail("{}: the experts of '{}' differ in shape or dtype ({} and {})", directory_, name, shape_text(p0.shape),
+             shape_text(p.shape));
+    HostArray out = HostArray::zeros(p0.dtype, {p0.shape[0] * static_cast<int64_t>(parts.size()), p0.shape[1]});
+    for (size_t g = 0; g < parts.size(); ++g)
+      std::memcpy(out.bytes.data() + g * p0.bytes.size(), parts[g].bytes.data(), p0.bytes.size());
+    return out;
+  }
   if (format_ == "torch") {
     std::vector<HostArray> parts;
     for (const auto& [file, value] : s.shards) parts.push_back(file->tensor(*value, name));
@@ -775,6 +902,8 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
   HostArray out = read_region(s, offsets, region, s.layer >= 0 ? fmt::format("'{}' (layer {})", s.key, s.layer)
                                                                 : "'" + s.key + "'");
   if (s.layer >= 0) out.shape.erase(out.shape.begin());  // drop the layer dimension
+  if (name.find(".mlp.experts.") != std::string::npos && out.shape.size() == 3)  // [E, rows, cols]: stacked rows
+    out.shape = {out.shape[0] * out.shape[1], out.shape[2]};
   return out;
 }
 

@@ -132,6 +132,7 @@ class MegatronCheckpoint {
   void open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp, int pp);
   void open_torch_dist();
   void rename_mla_local_norms();
+  void rename_moe_norms();
 
   std::string format_, directory_;
   int64_t iteration_ = 0;
