@@ -81,7 +81,7 @@ PickleRef int_or_none(const std::optional<int>& v) { return v ? pickle_int(*v) :
 
 // The Megatron run's layout.
 struct Layout {
-  int tp = 1, pp = 1, vpp = 1, dp = 1;
+  int tp = 1, pp = 1, vpp = 1, dp = 1, ep = 1;
   std::optional<int> first_stage_layers, last_stage_layers;
   bool account_for_embedding = false, account_for_loss = false;
   bool distributed_optimizer = false;
@@ -114,12 +114,13 @@ Layout target_layout(const MegatronExportOptions& o, const json& flags, const js
     l.account_for_embedding = l.account_for_loss = false;
   }
   l.dp = o.dp.value_or(saved.dp);
+  l.ep = o.ep.value_or(recorded_or<int>(flags, "--expert-model-parallel-size", 1));
   l.distributed_optimizer = o.distributed_optimizer.value_or(saved.distributed_optimizer);
   l.overlap_grad_reduce = o.overlap_grad_reduce || saved.overlap_grad_reduce;
   if (o.ddp_bucket_size) l.ddp_bucket_size = o.ddp_bucket_size;
-  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.dp < 1)
-    fail("export-megatron: the parallel sizes must be >= 1 (TP {}, PP {}, virtual stages {}, DP {})", l.tp, l.pp, l.vpp,
-         l.dp);
+  if (l.tp < 1 || l.pp < 1 || l.vpp < 1 || l.dp < 1 || l.ep < 1)
+    fail("export-megatron: the parallel sizes must be >= 1 (TP {}, PP {}, virtual stages {}, DP {}, EP {})", l.tp, l.pp,
+         l.vpp, l.dp, l.ep);
   return l;
 }
 
@@ -165,28 +166,78 @@ class Exporter {
     where_ = join_path(reader.directory(), "manifest.json");
   }
 
-  // The parameters of chunk `c` on tensor rank `t`, in Megatron's registration order.
-  std::vector<RankParam> chunk_params(const Config& cfg, const ModelChunk& c, int t) const {
+  // The parameters of chunk `c` on tensor rank `t` (and expert-parallel rank `e`), in Megatron's
+  // registration order; a mixture-of-experts layer's router buffer expert_bias after the router's
+  // weight (the state dict's order).
+  std::vector<RankParam> chunk_params(const Config& cfg, const ModelChunk& c, int t, int e = 0) const {
     std::vector<RankParam> out;
     for (const FlatParam& fp : megatron_chunk_params(cfg, layout_.tp, t, c.first_layer, c.num_layers, c.has_embedding,
                                                      c.has_output, layout_.pp > 1, /*te_spec=*/false)) {
       RankParam p;
       p.source = fp.name.empty() ? "embedding.word_embeddings.weight" : fp.name;
       p.local_name = fp.name.empty() ? "output_layer.weight" : fp.name;
-      if (auto layer = megatron_split_layer_name(fp.name))
+      const auto layer = megatron_split_layer_name(fp.name);
+      if (layer)
         p.local_name = fmt::format("decoder.layers.{}.{}", layer->first - c.first_layer,
                                    megatron_local_layer_name(layer->second));
       if (!reader_.has(p.source)) fail("{} has no '{}', which the model it records has", where_, p.source);
       p.global_shape = reader_.info(p.source).global_shape;
+      // (each local expert's fc1 then fc2, as SequentialMLP registers them: both at fc1's place)
+      if (layer && layer->second == "mlp.experts.linear_fc2.weight") continue;
+      if (layer && layer->second == "mlp.experts.linear_fc1.weight") {
+        add_local_experts(out, p, layer->first, layer->first - c.first_layer, t, e);
+        continue;
+      }
       p.shard = megatron_tp_shard(megatron_tp_split(p.source, model_.swiglu), p.global_shape, layout_.tp, t, p.source);
       p.local_shape = megatron_shard_shape(p.shard, p.global_shape);
       if (p.local_shape != fp.local_shape)
         fail("export-megatron: '{}' on tensor rank {} is {} by Megatron's split but {} in megatrain's layout", p.source,
              t, shape_text(p.local_shape), shape_text(fp.local_shape));
       p.weight_decay = fp.weight_decay;
+      const bool router = layer && layer->second == "mlp.router.weight";
       out.push_back(std::move(p));
+      if (router) {
+        const std::string bias = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->first);
+        if (reader_.has(bias)) {
+          RankParam b;
+          b.source = bias;
+          b.local_name = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->first - c.first_layer);
+          b.global_shape = {model_.moe.num_experts};
+          b.local_shape = b.global_shape;
+          b.shard = ShardIndex::whole(model_.moe.num_experts, 1);
+          b.weight_decay = false;
+          out.push_back(std::move(b));
+        }
+      }
     }
     return out;
+  }
+
+  // Expert-parallel rank e's local experts i (global expert e x E / EP + i) of a layer's stacked
+  // experts (megatrain's [E x rows, cols]; fc1 given as `fc1`), each its SequentialMLP's two linears
+  // in turn: fc1 rows [gate; up] split over TP as the dense fc1 is, fc2 columns over TP.
+  void add_local_experts(std::vector<RankParam>& out, const RankParam& fc1, int layer, int local_layer, int t,
+                         int e) const {
+    const int E = model_.moe.num_experts, El = E / layout_.ep;
+    RankParam fc2 = fc1;
+    fc2.source = fmt::format("decoder.layers.{}.mlp.experts.linear_fc2.weight", layer);
+    if (!reader_.has(fc2.source)) fail("{} has no '{}', which the model it records has", where_, fc2.source);
+    fc2.global_shape = reader_.info(fc2.source).global_shape;
+    const int64_t rows1 = fc1.global_shape[0] / E, h = fc1.global_shape[1];
+    const int64_t rows2 = fc2.global_shape[0] / E, cols2 = fc2.global_shape[1];
+    const int64_t halves = model_.swiglu ? 2 : 1, local1 = rows1 / halves / layout_.tp, local2 = cols2 / layout_.tp;
+    for (int i = 0; i < El; ++i) {
+      const int64_t g = int64_t{e} * El + i;
+      RankParam a = fc1, b = fc2;
+      a.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", local_layer, i);
+      a.shard = ShardIndex{fc1.global_shape[0], h, t * local1, 0, local1, h, int64_t{E} * halves, g * halves, halves};
+      a.local_shape = megatron_shard_shape(a.shard, a.global_shape);
+      b.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight", local_layer, i);
+      b.shard = ShardIndex{fc2.global_shape[0], cols2, g * rows2, t * local2, rows2, local2, 1};
+      b.local_shape = megatron_shard_shape(b.shard, b.global_shape);
+      out.push_back(std::move(a));
+      out.push_back(std::move(b));
+    }
   }
 
   // A rank's shard of `name` (kind) in `dtype`, read when the file is written.
@@ -240,10 +291,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const RunState& rs = reader.run_state();
   if (!rs.config.contains("model")) fail("{} records no model configuration: cannot tell which model it is", where);
   const ModelConfig model = model_config_from_json(rs.config.at("model"), where);
-  if (model.moe.enabled())
-    throw Unsupported(fmt::format("export-megatron: {} holds a mixture-of-experts model (--num-experts {}); megatrain "
-                                  "does not export MoE models to Megatron-LM yet", reader.directory(),
-                                  model.moe.num_experts));
   if (model.use_mup)
     throw Unsupported(fmt::format("export-megatron: {} holds a --use-mup model; megatrain does not export MuP models "
                                   "(their optimizer's parameter groups) to Megatron-LM yet", reader.directory()));
@@ -261,6 +308,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   cfg.model = model;
   cfg.train.micro_batch_size = recorded_or<int>(flags, "--micro-batch-size", 1);
   cfg.parallel.tensor_model_parallel_size = layout.tp;
+  // (Megatron-LM runs MoE under TP with sequence parallelism only; dense models load either way.)
+  const bool sequence_parallel = recorded_or<bool>(flags, "--sequence-parallel", false) || (model.moe.enabled() && layout.tp > 1);
+  cfg.parallel.sequence_parallel = sequence_parallel && layout.tp > 1;
   cfg.parallel.pipeline_model_parallel_size = layout.pp;
   cfg.parallel.virtual_pipeline_size = layout.vpp;
   if (layout.vpp > 1) cfg.parallel.num_virtual_stages_per_pipeline_rank = layout.vpp;
@@ -271,12 +321,28 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const PipelineSplit split = PipelineSplit::from_config(cfg);
   pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
   for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, layout.tp, t, 1, 0);
+  if (model.moe.enabled()) {
+    // (The experts are written split over TP as the dense MLP, whatever the megatrain run's
+    // --expert-tensor-parallel-size: the args say so; the expert-parallel ranks are data-parallel
+    // ranks of the dense layers.)
+    if (model.moe.num_experts % layout.ep != 0)
+      fail("export-megatron: --expert-model-parallel-size {} does not divide the {} experts", layout.ep,
+           model.moe.num_experts);
+    if (layout.dp % layout.ep != 0)
+      fail("export-megatron: --expert-model-parallel-size {} must divide the data-parallel size {} (the experts' "
+           "ranks are data-parallel ranks of the dense layers at expert tensor parallel = TP; pass "
+           "--data-parallel-size)",
+           layout.ep, layout.dp);
+  } else if (layout.ep > 1) {
+    fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
+  }
 
   MegatronExportResult r;
   r.tp = layout.tp;
   r.pp = layout.pp;
   r.vpp = layout.vpp;
   r.dp = layout.dp;
+  r.ep = layout.ep;
   r.distributed_optimizer = layout.distributed_optimizer;
 
   // Whether the optimizer state goes over.
@@ -289,6 +355,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   std::string why;
   if (o.weights_only) why = "--weights-only asks for the weights alone";
   else if (loc->release) why = "it is a release checkpoint (weights only)";
+  else if (model.moe.enabled())
+    why = "megatrain does not write a mixture-of-experts model's optimizer state for Megatron-LM yet";
   else if (optimizer.value("kind", std::string()) != "adam")
     why = fmt::format("its optimizer is {}, and export-megatron writes Adam's state",
                       optimizer.value("kind", std::string("not recorded")));
@@ -335,6 +403,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   set_arg("account_for_loss_in_pipeline_split", pickle_bool(layout.account_for_loss));
   set_arg("context_parallel_size", pickle_int(1));
   set_arg("data_parallel_size", pickle_int(layout.dp));
+  set_arg("expert_model_parallel_size", pickle_int(layout.ep));
+  if (model.moe.enabled() && layout.tp > 1) set_arg("sequence_parallel", pickle_bool(true));
+  set_arg("expert_tensor_parallel_size", model.moe.enabled() ? pickle_int(layout.tp) : pickle_none());
   set_arg("world_size", pickle_int(layout.tp * layout.pp * layout.dp));
   set_arg("rank", pickle_int(0));
   set_arg("use_distributed_optimizer", pickle_bool(layout.distributed_optimizer));
@@ -444,9 +515,11 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const bool dp_random_init = recorded_or<bool>(flags, "--data-parallel-random-init", false);
   for (int p = 0; p < layout.pp; ++p) {
     const std::vector<ModelChunk> chunks = stage_chunks(split, p);
-    for (int t = 0; t < layout.tp; ++t) {
-      const std::string rank_dir =
+    for (int rank = 0; rank < layout.tp * layout.ep; ++rank) {
+      const int t = rank % layout.tp, e = rank / layout.tp;  // (expert-parallel ranks last, as Megatron's names)
+      std::string rank_dir =
           layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
+      if (layout.ep > 1) rank_dir += fmt::format("_{:03d}", e);
       make_directories(join_path(tmp_dir, rank_dir));
       TorchSaveWriter w;
       PickleRef root = pickle_dict();
@@ -455,7 +528,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       pickle_set(*root, "iteration", pickle_int(r.iteration));
       std::vector<std::vector<RankParam>> params;  // by chunk
       for (size_t v = 0; v < chunks.size(); ++v) {
-        params.push_back(ex.chunk_params(cfg, chunks[v], t));
+        params.push_back(ex.chunk_params(cfg, chunks[v], t, e));
         const std::vector<RankParam>& ps = params.back();
         PickleRef sd = pickle_ordered_dict();
         for (size_t k = 0; k < ps.size(); ++k) {
@@ -606,6 +679,11 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     r.megatron_flags.push_back("--num-virtual-stages-per-pipeline-rank");
     r.megatron_flags.push_back(std::to_string(layout.vpp));
   }
+  if (model.moe.enabled() && layout.tp > 1) r.megatron_flags.push_back("--sequence-parallel");
+  if (model.moe.enabled())
+    for (const std::string& f : {std::string("--expert-model-parallel-size"), std::to_string(layout.ep),
+                                 std::string("--expert-tensor-parallel-size"), std::to_string(layout.tp)})
+      r.megatron_flags.push_back(f);
   if (layout.first_stage_layers) {
     r.megatron_flags.push_back("--decoder-first-pipeline-num-layers");
     r.megatron_flags.push_back(std::to_string(*layout.first_stage_layers));
@@ -632,7 +710,8 @@ int export_megatron_main(const std::vector<std::string>& argv) {
                          {"--load", "--save", "--ckpt-step", "--ckpt-format", "--tensor-model-parallel-size",
                           "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
                           "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                          "--data-parallel-size", "--make-vocab-size-divisible-by", "--ddp-bucket-size"},
+                          "--data-parallel-size", "--make-vocab-size-divisible-by", "--ddp-bucket-size",
+                          "--expert-model-parallel-size"},
                          {"--use-distributed-optimizer", "--no-use-distributed-optimizer", "--overlap-grad-reduce",
                           "--weights-only"});
   MegatronExportOptions o;
@@ -652,6 +731,7 @@ int export_megatron_main(const std::vector<std::string>& argv) {
   o.first_stage_layers = optional_int("--decoder-first-pipeline-num-layers");
   o.last_stage_layers = optional_int("--decoder-last-pipeline-num-layers");
   o.dp = optional_int("--data-parallel-size");
+  o.ep = optional_int("--expert-model-parallel-size");
   o.make_vocab_size_divisible_by = optional_int("--make-vocab-size-divisible-by");
   if (a.has("--use-distributed-optimizer") && a.has("--no-use-distributed-optimizer"))
     fail("export-megatron: --use-distributed-optimizer and --no-use-distributed-optimizer contradict each other");

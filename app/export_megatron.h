@@ -3,7 +3,7 @@
 //     [--num-virtual-stages-per-pipeline-rank V] [--decoder-first-pipeline-num-layers N]
 //     [--decoder-last-pipeline-num-layers N] [--data-parallel-size D]
 //     [--use-distributed-optimizer | --no-use-distributed-optimizer] [--overlap-grad-reduce]
-//     [--ddp-bucket-size N]
+//     [--ddp-bucket-size N] [--expert-model-parallel-size E]
 //     [--make-vocab-size-divisible-by N] [--weights-only]
 //   A megatrain checkpoint (any layout) as a Megatron-LM checkpoint that pretrain_gpt.py
 //   --transformer-impl local --load MEGATRON_DIR continues from: the torch format's per-rank
@@ -13,7 +13,9 @@
 //   scheduler, the iteration, consumed samples and FLOP count, the loss scaler of --fp16 runs, the
 //   args namespace Megatron reads, and the RNG states Megatron seeds at start-up from --seed. The
 //   weights only (a release checkpoint, as Megatron's converters write) where the optimizer state
-//   cannot go over (SGD, saved with --no-save-optim, a release checkpoint) or with --weights-only.
+//   cannot go over (SGD, saved with --no-save-optim, a release checkpoint, a mixture-of-experts
+//   model) or with --weights-only. Mixture-of-experts layers are the local spec's SequentialMLP:
+//   each expert-parallel rank's files (mp_rank_TT[_PPP]_EEE) hold its local experts.
 // Names and tensor-parallel splits: checkpoint/megatron_names.h (shared with import-megatron);
 // the distributed optimizer's buffers: checkpoint/megatron_flat_layout.h.
 #pragma once
@@ -32,6 +34,7 @@ struct MegatronExportOptions {
   std::string format = "torch";
   // The Megatron-LM run's layout; unset: the checkpoint's own.
   std::optional<int> tp, pp, vpp, first_stage_layers, last_stage_layers, dp;
+  std::optional<int> ep;  // mixture of experts: --expert-model-parallel-size
   std::optional<bool> distributed_optimizer;
   // The distributed optimizer's buckets (they decide where distrib_optim.pt holds each parameter):
   // Megatron's --overlap-grad-reduce and --ddp-bucket-size, added to the checkpoint's own.
@@ -45,7 +48,7 @@ struct MegatronExportResult {
   int64_t iteration = 0;
   bool release = false;           // weights only
   std::string weights_only_reason;  // why, when not asked for
-  int tp = 1, pp = 1, vpp = 1, dp = 1;
+  int tp = 1, pp = 1, vpp = 1, dp = 1, ep = 1;
   bool distributed_optimizer = false;
   std::string directory;            // the iteration directory written
   std::vector<std::string> files;   // relative to it

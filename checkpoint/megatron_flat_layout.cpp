@@ -31,7 +31,15 @@ const std::vector<std::string>& layer_order(bool te_spec) {
       "self_attention.k_layernorm.weight",          "self_attention.k_layernorm.bias",
       "mlp.linear_fc1.layer_norm_weight",           "mlp.linear_fc1.layer_norm_bias",  // pre_mlp_layernorm
       "mlp.linear_fc1.weight",                      "mlp.linear_fc1.bias",
-      "mlp.linear_fc2.weight",                      "mlp.linear_fc2.bias"};
+      "mlp.linear_fc2.weight",                      "mlp.linear_fc2.bias",
+      // a mixture-of-experts layer's MLP: its own pre-MLP norm, then the MoELayer's router (the
+      // weight; its expert_bias is a buffer), experts and shared expert (its gate, a parameter of its
+      // own, before its linears)
+      "pre_mlp_layernorm.weight",                   "pre_mlp_layernorm.bias",
+      "mlp.router.weight",
+      "mlp.experts.linear_fc1.weight",              "mlp.experts.linear_fc2.weight",
+      "mlp.shared_experts.gate_weight",
+      "mlp.shared_experts.linear_fc1.weight",       "mlp.shared_experts.linear_fc2.weight"};
   static const std::vector<std::string> te = [] {
     std::vector<std::string> o = local;  // the input norm moves into linear_qkv, after linear_proj
     std::rotate(o.begin(), o.begin() + 2, o.begin() + 4);
