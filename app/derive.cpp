@@ -115,7 +115,9 @@ void derive_model_shape(CliState& st) {
   positive(m.seq_length, "--seq-length");
 
   if (m.ffn_hidden_size) {
-    positive(*m.ffn_hidden_size, "--ffn-hidden-size");
+    // (0 too with experts: Megatron's default for a small SwiGLU model, which a Megatron-LM or
+    // megatrain MoE checkpoint records; its dense MLPs, if any, are then empty, as there.)
+    if (*m.ffn_hidden_size != 0 || m.moe.num_experts <= 0) positive(*m.ffn_hidden_size, "--ffn-hidden-size");
     check_width(*m.ffn_hidden_size, fmt::format("--ffn-hidden-size {}", *m.ffn_hidden_size));
     m.ffn_size = *m.ffn_hidden_size;
   } else {
