@@ -139,7 +139,8 @@ void add_moe_flags(FlagTable& t) {
       .model_setting("moe_router_pre_softmax", CheckpointTake::forced, CheckpointCompare::no, true);
   t.choice("--moe-router-dtype", "the router's logits and routing weights in fp32 (None: the activation dtype)",
            std::vector<std::pair<std::string, std::string>>{{"fp32", "fp32"}, {"fp64", "fp64"}},
-           MT_FIELD(model.moe.router_dtype));
+           MT_FIELD(model.moe.router_dtype))
+      .model_setting("moe_router_dtype", CheckpointTake::forced, CheckpointCompare::no, true);
   t.flag("--moe-router-enable-expert-bias", "aux-loss-free load balancing with a per-expert bias (sigmoid scoring)",
          MT_FIELD(model.moe.router_enable_expert_bias))
       .model_setting("moe_router_enable_expert_bias", CheckpointTake::forced, CheckpointCompare::no, true);
@@ -176,8 +177,10 @@ void add_moe_flags(FlagTable& t) {
       .model_key("");
   t.without_effect(t.flag("--moe-permute-fusion", "fused token permutation", MT_FIELD(model.moe.permute_fusion)),
                    "megatrain's token permutation is always fused");
+  // (Token dropping decides the experts' inputs in evaluation too: part of the model.)
   t.value("--moe-expert-capacity-factor", "expert capacity factor (token dropping; None or negative: dropless)",
-          MT_FIELD(model.moe.expert_capacity_factor));
+          MT_FIELD(model.moe.expert_capacity_factor))
+      .model_setting("moe_expert_capacity_factor", CheckpointTake::forced, CheckpointCompare::no, true);
   // Megatron fills each expert's capacity with other tokens whose routing weight is 0: their
   // outputs add nothing, so the routed tokens' results are those of dropping without padding.
   t.without_effect(t.flag("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
@@ -189,7 +192,8 @@ void add_moe_flags(FlagTable& t) {
   t.choice("--moe-token-drop-policy", "which tokens an expert over capacity drops",
            std::vector<std::pair<std::string, MoeDropPolicy>>{{"probs", MoeDropPolicy::probs},
                                                               {"position", MoeDropPolicy::position}},
-           MT_FIELD(model.moe.token_drop_policy));
+           MT_FIELD(model.moe.token_drop_policy))
+      .model_setting("moe_token_drop_policy", CheckpointTake::forced, CheckpointCompare::no, true);
   t.value("--moe-shared-expert-intermediate-size", "the shared experts' total FFN size (None: no shared expert)",
           MT_FIELD(model.moe.shared_expert_intermediate_size))
       .model_setting("moe_shared_expert_intermediate_size", CheckpointTake::forced, CheckpointCompare::yes, true);
