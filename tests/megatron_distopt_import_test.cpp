@@ -41,6 +41,21 @@ const std::string kLlama =
     "--num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--untie-embeddings-and-output-weights --qk-layernorm";
 
+// make_moe_cpu_curves.sh's MoE models (STRAIGHT=1): softmax top-2 with the aux and z-losses and a
+// gated shared expert after a dense layer; sigmoid group-limited top-3 with scaling and the expert bias.
+const std::string kLlamaMoe =
+    "--hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--untie-embeddings-and-output-weights";
+const std::string kMoe = "--num-layers 3 " + kLlamaMoe +
+                         " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1,1] "
+                         "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 "
+                         "--moe-shared-expert-gate";
+const std::string kMoeBias = "--num-layers 2 " + kLlamaMoe +
+                             " --num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 16 --moe-router-score-function "
+                             "sigmoid --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor "
+                             "2.0 --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 --moe-aux-loss-coeff 1e-2";
+
 // make_mla_fixtures.sh's model: multi-latent attention with a query LoRA and latent norms, YaRN.
 const std::string kMla =
     "--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --multi-latent-attention "
@@ -307,10 +322,16 @@ TEST_CASE("a run resumed from Megatron-LM's optimizer state repeats Megatron-LM'
   // process (data parallel 1, two micro-batches).
   // Also Megatron-LM's multi-latent attention (make_mla_fixtures.sh: torch_dist, the optimizer by
   // parameter name).
+  // And Megatron-LM's MoE models, trained on the CPU (make_moe_cpu_curves.sh STRAIGHT=1: torch_dist, the
+  // optimizer by parameter name; the expert bias, a buffer, continues from the checkpoint's).
   for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2",
-                          "mla/dist"}) {
+                          "mla/dist", "moe_resume/dist", "moe_bias_resume/dist"}) {
     INFO(dir);
-    const std::string& model = std::string(dir).rfind("mla/", 0) == 0 ? kMla : kLlama;
+    const std::string d = dir;
+    const std::string& model = d.rfind("mla/", 0) == 0         ? kMla
+                               : d.rfind("moe_resume/", 0) == 0 ? kMoe
+                               : d.rfind("moe_bias_resume/", 0) == 0 ? kMoeBias
+                                                                   : kLlama;
     TempDir tmp;
     std::string imported, out;
     const int import_code = run_command(

@@ -1,0 +1,46 @@
+# megatrain against Megatron-LM's own loss curves from the same weights: Megatron-LM's
+# pretrain_gpt.py ran on the CPU (bench/megatron_cpu.py) from the MoE fixtures' checkpoints with
+# --finetune for 4 iterations (tests/fixtures/megatron/make_moe_cpu_curves.sh, its iteration lines in
+# tests/fixtures/megatron/curves/); megatrain imports the same checkpoint and trains with the same
+# flags, on as many ranks (tests/mpi/megatron_curve_check.cpp). Every lm loss, MoE loss and gradient
+# norm Megatron-LM printed must come out the same.
+set(curve_common --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer
+    --vocab-size 60 --make-vocab-size-divisible-by 32 --seq-length 32 --max-position-embeddings 32 --split 99,1,0
+    --log-interval 1 --eval-iters 0 --eval-interval 1000 --attention-dropout 0 --hidden-dropout 0 --seed 1234
+    --train-iters 4)
+set(curve_llama --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention
+    --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+    --untie-embeddings-and-output-weights)
+set(curve_moe --num-layers 3 ${curve_llama} --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24
+    --moe-layer-freq [0,1,1] --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16
+    --moe-shared-expert-gate)
+set(curve_moe_bias --num-layers 2 ${curve_llama} --num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 16
+    --moe-router-score-function sigmoid --moe-router-num-groups 4 --moe-router-group-topk 2
+    --moe-router-topk-scaling-factor 2.0 --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2
+    --moe-aux-loss-coeff 1e-2)
+
+function(megatron_curve_test name nranks checkpoint)
+  add_test(NAME megatron_curve_${name}
+           COMMAND $<TARGET_FILE:megatron_curve_check> $<TARGET_FILE:megatrain> ${MPIEXEC_EXECUTABLE}
+                   ${CMAKE_BINARY_DIR}/megatron_curves/${name} ${nranks}
+                   ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/curves/${name}.log
+                   ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/${checkpoint} ${curve_common} ${ARGN}
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(megatron_curve_${name} PROPERTIES LABELS mpi TIMEOUT 300
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+endfunction()
+
+# Softmax top-2 with the aux and z-losses and a gated shared expert; sigmoid group-limited routing
+# with scaling and the expert bias (updated after every step); token dropping by weight.
+megatron_curve_test(moe 1 moe/dist ${curve_moe})
+megatron_curve_test(moe_bias 1 moe_bias/dist ${curve_moe_bias})
+megatron_curve_test(moe_drop 1 moe_drop/torch ${curve_moe} --moe-expert-capacity-factor 0.5 --moe-token-drop-policy probs)
+# Data parallel 2: aux_loss with seq_aux_loss; global_aux_loss (its counts summed over DP, its
+# gradient averaged over DP as Megatron-LM's). Expert parallel 2 by all-to-all. (Not tensor
+# parallelism: bench/megatron_cpu.py does not run Megatron-LM's TP on the CPU.)
+megatron_curve_test(moe_seq_dp2 2 moe/dist ${curve_moe} --moe-router-load-balancing-type aux_loss seq_aux_loss
+                    --moe-aux-loss-coeff 1e-2 5e-2)
+megatron_curve_test(moe_global_dp2 2 moe/dist ${curve_moe} --moe-router-load-balancing-type global_aux_loss
+                    --moe-aux-loss-coeff 1e-2)
+megatron_curve_test(moe_ep2_alltoall 2 moe/dist ${curve_moe} --expert-model-parallel-size 2
+                    --moe-token-dispatcher-type alltoall)
