@@ -41,7 +41,7 @@ const std::string kLlama =
     "--num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--untie-embeddings-and-output-weights --qk-layernorm";
 
-// make_moe_cpu_curves.sh's MoE models (STRAIGHT=1): softmax top-2 with the aux and z-losses and a
+// make_cpu_curves.sh's MoE models (STRAIGHT=1): softmax top-2 with the aux and z-losses and a
 // gated shared expert after a dense layer; sigmoid group-limited top-3 with scaling and the expert bias.
 const std::string kLlamaMoe =
     "--hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -322,7 +322,7 @@ TEST_CASE("a run resumed from Megatron-LM's optimizer state repeats Megatron-LM'
   // process (data parallel 1, two micro-batches).
   // Also Megatron-LM's multi-latent attention (make_mla_fixtures.sh: torch_dist, the optimizer by
   // parameter name).
-  // And Megatron-LM's MoE models, trained on the CPU (make_moe_cpu_curves.sh STRAIGHT=1: torch_dist, the
+  // And Megatron-LM's MoE models, trained on the CPU (make_cpu_curves.sh STRAIGHT=1: torch_dist, the
   // optimizer by parameter name; the expert bias, a buffer, continues from the checkpoint's).
   for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2",
                           "mla/dist", "moe_resume/dist", "moe_bias_resume/dist"}) {

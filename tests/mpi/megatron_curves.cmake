@@ -1,6 +1,6 @@
 # megatrain against Megatron-LM's own loss curves from the same weights: Megatron-LM's
-# pretrain_gpt.py ran on the CPU (bench/megatron_cpu.py) from the MoE fixtures' checkpoints with
-# --finetune for 4 iterations (tests/fixtures/megatron/make_moe_cpu_curves.sh, its iteration lines in
+# pretrain_gpt.py ran on the CPU (bench/megatron_cpu.py) from the fixtures' checkpoints with
+# --finetune for 4 iterations (tests/fixtures/megatron/make_cpu_curves.sh, its iteration lines in
 # tests/fixtures/megatron/curves/); megatrain imports the same checkpoint and trains with the same
 # flags, on as many ranks (tests/mpi/megatron_curve_check.cpp). Every lm loss, MoE loss and gradient
 # norm Megatron-LM printed must come out the same.
@@ -44,3 +44,6 @@ megatron_curve_test(moe_global_dp2 2 moe/dist ${curve_moe} --moe-router-load-bal
                     --moe-aux-loss-coeff 1e-2)
 megatron_curve_test(moe_ep2_alltoall 2 moe/dist ${curve_moe} --expert-model-parallel-size 2
                     --moe-token-dispatcher-type alltoall)
+# Muon (Megatron-LM's from emerging_optimizers) on the dense llama model of make_fixtures.sh.
+megatron_curve_test(muon_llama 1 llama/tp1_dist --num-layers 4 ${curve_llama} --qk-layernorm --optimizer muon
+                    --muon-fp32-matmul-prec high)
