@@ -47,3 +47,25 @@ megatron_curve_test(moe_ep2_alltoall 2 moe/dist ${curve_moe} --expert-model-para
 # Muon (Megatron-LM's from emerging_optimizers) on the dense llama model of make_fixtures.sh.
 megatron_curve_test(muon_llama 1 llama/tp1_dist --num-layers 4 ${curve_llama} --qk-layernorm --optimizer muon
                     --muon-fp32-matmul-prec high)
+# More of the MoE router and dispatch: token dropping under EP 2 and padded to the capacity,
+# Sinkhorn, pre-softmax, sigmoid with scaling, top-1 with the routing weight on the experts' input.
+megatron_curve_test(moe_ep2_drop 2 moe/dist ${curve_moe} --expert-model-parallel-size 2 --moe-expert-capacity-factor 0.5)
+megatron_curve_test(moe_pad 1 moe/dist ${curve_moe} --moe-expert-capacity-factor 0.5 --moe-pad-expert-input-to-capacity)
+megatron_curve_test(moe_sinkhorn 1 moe/dist ${curve_moe} --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0)
+megatron_curve_test(moe_presoftmax 1 moe/dist ${curve_moe} --moe-router-pre-softmax)
+megatron_curve_test(moe_sigmoid 1 moe/dist ${curve_moe} --moe-router-score-function sigmoid
+                    --moe-router-topk-scaling-factor 2)
+megatron_curve_test(moe_top1_input 1 moe/dist ${curve_moe} --moe-router-topk 1 --moe-router-pre-softmax
+                    --moe-apply-probs-on-input)
+# The dense llama model: packed documents, sliding windows, per-token loss, NoPE layers, the
+# decoupled learning rate, WSD decay, RoPE on half of each head, Llama 3's RoPE scaling.
+set(curve_llama4 --num-layers 4 ${curve_llama} --qk-layernorm)
+megatron_curve_test(llama_documents 1 llama/tp1_dist ${curve_llama4} --reset-attention-mask --reset-position-ids
+                    --eod-mask-loss)
+megatron_curve_test(llama_window 1 llama/tp1_dist ${curve_llama4} --window-size 4,0 --window-attn-skip-freq 2)
+megatron_curve_test(llama_per_token 1 llama/tp1_dist ${curve_llama4} --calculate-per-token-loss)
+megatron_curve_test(llama_nope 1 llama/tp1_dist ${curve_llama4} --no-rope-freq 2)
+megatron_curve_test(llama_decoupled_lr 1 llama/tp1_dist ${curve_llama4} --decoupled-lr 5e-4 --decoupled-min-lr 1e-4)
+megatron_curve_test(llama_wsd 1 llama/tp1_dist ${curve_llama4} --lr-decay-style WSD --lr-wsd-decay-iters 2)
+megatron_curve_test(llama_rotary_half 1 llama/tp1_dist ${curve_llama4} --rotary-percent 0.5)
+megatron_curve_test(llama_rope_scaling 1 llama/tp1_dist ${curve_llama4} --use-rope-scaling)
