@@ -57,6 +57,9 @@ megatron_curve_test(moe_sigmoid 1 moe/dist ${curve_moe} --moe-router-score-funct
                     --moe-router-topk-scaling-factor 2)
 megatron_curve_test(moe_top1_input 1 moe/dist ${curve_moe} --moe-router-topk 1 --moe-router-pre-softmax
                     --moe-apply-probs-on-input)
+# Full recomputation: the backward's rerun of each layer's forward logs (and counts) nothing again.
+megatron_curve_test(moe_recompute_full 1 moe/dist ${curve_moe} --recompute-granularity full --recompute-method uniform
+                    --recompute-num-layers 1)
 # The dense llama model: packed documents, sliding windows, per-token loss, NoPE layers, the
 # decoupled learning rate, WSD decay, RoPE on half of each head, Llama 3's RoPE scaling.
 set(curve_llama4 --num-layers 4 ${curve_llama} --qk-layernorm)
