@@ -182,10 +182,11 @@ class Exporter {
                                    megatron_local_layer_name(layer->second));
       if (!reader_.has(p.source)) fail("{} has no '{}', which the model it records has", where_, p.source);
       p.global_shape = reader_.info(p.source).global_shape;
-      // (each local expert's fc1 then fc2, as SequentialMLP registers them: both at fc1's place)
-      if (layer && layer->second == "mlp.experts.linear_fc2.weight") continue;
-      if (layer && layer->second == "mlp.experts.linear_fc1.weight") {
-        add_local_experts(out, p, layer->first, layer->first - c.first_layer, t, e);
+      // (each local expert's fc1 then fc2, as SequentialMLP registers them: all at the first fc1's
+      // place)
+      if (fp.expert >= 0) {
+        if (fp.expert == 0 && layer->second == "mlp.experts.linear_fc1.weight")
+          add_local_experts(out, p, layer->first, layer->first - c.first_layer, t, e);
         continue;
       }
       p.shard = megatron_tp_shard(megatron_tp_split(p.source, model_.swiglu), p.global_shape, layout_.tp, t, p.source);
@@ -223,17 +224,14 @@ class Exporter {
     fc2.source = fmt::format("decoder.layers.{}.mlp.experts.linear_fc2.weight", layer);
     if (!reader_.has(fc2.source)) fail("{} has no '{}', which the model it records has", where_, fc2.source);
     fc2.global_shape = reader_.info(fc2.source).global_shape;
-    const int64_t rows1 = fc1.global_shape[0] / E, h = fc1.global_shape[1];
-    const int64_t rows2 = fc2.global_shape[0] / E, cols2 = fc2.global_shape[1];
-    const int64_t halves = model_.swiglu ? 2 : 1, local1 = rows1 / halves / layout_.tp, local2 = cols2 / layout_.tp;
     for (int i = 0; i < El; ++i) {
-      const int64_t g = int64_t{e} * El + i;
+      const int g = e * El + i;
       RankParam a = fc1, b = fc2;
       a.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", local_layer, i);
-      a.shard = ShardIndex{fc1.global_shape[0], h, t * local1, 0, local1, h, int64_t{E} * halves, g * halves, halves};
+      a.shard = megatron_expert_shard(true, a.global_shape, E, g, model_.swiglu, layout_.tp, t);
       a.local_shape = megatron_shard_shape(a.shard, a.global_shape);
       b.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight", local_layer, i);
-      b.shard = ShardIndex{fc2.global_shape[0], cols2, g * rows2, t * local2, rows2, local2, 1};
+      b.shard = megatron_expert_shard(false, b.global_shape, E, g, model_.swiglu, layout_.tp, t);
       b.local_shape = megatron_shard_shape(b.shard, b.global_shape);
       out.push_back(std::move(a));
       out.push_back(std::move(b));

@@ -76,10 +76,10 @@ std::string why_not_resumable(MegatronCheckpoint& ck, const Config& cfg) {
   const PickleValue& args = ck.args();
   if (ck.release()) return "it is a release checkpoint";
   if (ck.optimizer_layout() == "none") return "it holds no optimizer state: saved with --no-save-optim?";
-  if (cfg.model.moe.enabled() && ck.optimizer_layout() != "by parameter")
-    return "megatrain reads the optimizer state of Megatron-LM's mixture-of-experts checkpoints by parameter name "
-           "only (torch_dist with the non-distributed optimizer or --dist-ckpt-optim-fully-reshardable), not as " +
-           ck.optimizer_layout() + " yet";
+  if (cfg.model.moe.enabled() && ck.optimizer_layout() != "by parameter" &&
+      !(ck.optimizer_layout() == "flat buckets" && ck.format() == "torch_dist"))
+    return "megatrain reads the optimizer state of Megatron-LM's mixture-of-experts checkpoints by parameter name or "
+           "in the distributed optimizer's flat buckets of torch_dist, not as " + ck.optimizer_layout() + " yet";
   if (ck.optimizer_layout() == "flat buckets" || ck.optimizer_layout() == "by index") {
     // Where each parameter's state is follows from the model and its parallel layout.
     std::string why;

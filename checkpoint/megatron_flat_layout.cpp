@@ -7,6 +7,7 @@
 #include <map>
 
 #include "checkpoint/megatron_checkpoint.h"
+#include "checkpoint/megatron_names.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "core/shape_text.h"
@@ -144,12 +145,30 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
     add("embedding.position_embeddings.weight", false);
   }
   const std::vector<std::string>& order = layer_order(te_spec);
+  // A layer's routed experts: each expert's fc1 and fc2 a parameter of Megatron's own, in turn
+  // (the local spec's SequentialMLP), or every expert's fc1, then every fc2 (Transformer Engine's
+  // grouped linears weight0, weight1, ...).
+  const auto add_experts = [&](const std::string& prefix, bool fc1_entry) {
+    const int E = dims.experts;
+    const std::string fc1 = prefix + "mlp.experts.linear_fc1.weight", fc2 = prefix + "mlp.experts.linear_fc2.weight";
+    auto one = [&](const std::string& name, bool is_fc1, int e) {
+      const ParamDesc& d = *by_name.at(name);
+      const ShardIndex sh = megatron_expert_shard(is_fc1, d.global_shape, E, e, dims.swiglu, tp, tp_rank);
+      out.push_back({name, sh.local_numel(), false, d.weight_decay, megatron_shard_shape(sh, d.global_shape), e});
+    };
+    for (int e = 0; e < E; ++e) {
+      if (fc1_entry || !te_spec) one(fc1_entry ? fc1 : fc2, fc1_entry, e);
+      if (fc1_entry && !te_spec) one(fc2, false, e);
+    }
+  };
   for (int l = first_layer; l < first_layer + num_layers; ++l) {
     const std::string prefix = fmt::format("decoder.layers.{}.", l);
     size_t found = 0;
     for (const std::string& suffix : order)
       if (by_name.count(prefix + suffix)) {
-        add(prefix + suffix, true);
+        if (suffix == "mlp.experts.linear_fc1.weight") add_experts(prefix, true);
+        else if (suffix == "mlp.experts.linear_fc2.weight") { if (te_spec) add_experts(prefix, false); }
+        else add(prefix + suffix, true);
         ++found;
       }
     size_t held = 0;
@@ -239,8 +258,10 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
                          sizes.size());
     sizes.push_back(size);
   }
-  std::map<std::string, std::vector<MegatronCheckpoint::FlatPiece>> found;  // by TP rank
+  std::map<std::string, std::vector<MegatronCheckpoint::FlatPiece>> found;  // by TP rank (experts: e x TP + t)
   try {
+    if (cfg.model.moe.enabled() && megatron_int_arg(ck.args(), "expert_model_parallel_size", 1) > 1)
+      fail("the experts' buffers of an expert-parallel run are not read yet");
     size_t used = 0;
     for_each_chunk(cfg, tp, split, te_spec, [&](int p, int t, int v, const std::vector<FlatParam>& params) {
       const int mp = t + tp * p;
@@ -266,8 +287,9 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
         const int bucket = ck.flat_coalesced() ? 0 : slots[k].bucket;
         const int64_t offset = starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset;
         std::vector<MegatronCheckpoint::FlatPiece>& pieces = found[params[k].name];
-        pieces.resize(static_cast<size_t>(tp));
-        pieces[static_cast<size_t>(t)] = {{mp, v, bucket}, offset, params[k].numel};
+        const int e = params[k].expert;
+        pieces.resize(static_cast<size_t>(tp) * (e >= 0 ? cfg.model.moe.num_experts : 1));
+        pieces[static_cast<size_t>((e >= 0 ? e * tp : 0) + t)] = {{mp, v, bucket}, offset, params[k].numel};
       }
     });
     if (used != stored.size())
@@ -277,8 +299,18 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
                        "args: ") + e.what();
   }
   const Joins joins = tp_joins(cfg, tp);
-  for (auto& [name, pieces] : found)
-    ck.set_flat_placement(name, std::move(pieces), joins.global_shape.at(name), joins.shards.at(name));
+  for (auto& [name, pieces] : found) {
+    const std::vector<int64_t>& shape = joins.global_shape.at(name);
+    std::vector<ShardIndex> shards = joins.shards.at(name);
+    if (pieces.size() > static_cast<size_t>(tp)) {  // routed experts: each expert's TP shards
+      const int E = cfg.model.moe.num_experts;
+      const bool fc1 = name.ends_with("mlp.experts.linear_fc1.weight");
+      shards.clear();
+      for (int e = 0; e < E; ++e)
+        for (int t = 0; t < tp; ++t) shards.push_back(megatron_expert_shard(fc1, shape, E, e, cfg.model.swiglu, tp, t));
+    }
+    ck.set_flat_placement(name, std::move(pieces), shape, std::move(shards));
+  }
   return "";
 }
 

@@ -42,6 +42,9 @@ struct FlatParam {
   bool shared_embedding = false;
   bool weight_decay = true;          // Megatron's param group: biases and 1-D parameters have none
   std::vector<int64_t> local_shape;  // the TP shard's shape as Megatron holds it
+  // Mixture of experts: one routed expert's part of `name` (megatrain's stacked experts), which
+  // Megatron holds as a parameter of its own; -1 otherwise.
+  int expert = -1;
 };
 struct FlatSlot {
   int bucket = 0;

@@ -82,6 +82,21 @@ std::vector<int64_t> megatron_shard_shape(const ShardIndex& shard, const std::ve
   return shape;
 }
 
+ShardIndex megatron_expert_shard(bool fc1, const std::vector<int64_t>& global_shape, int experts, int expert,
+                                 bool swiglu, int tp, int rank) {
+  if (global_shape.size() != 2 || experts < 1 || global_shape[0] % experts != 0)
+    fail("stacked experts of shape [{} x ...] do not split into {} experts", global_shape.empty() ? 0 : global_shape[0],
+         experts);
+  const int64_t rows = global_shape[0] / experts, cols = global_shape[1];
+  if (fc1) {
+    const int64_t halves = swiglu ? 2 : 1, local = rows / halves / tp;
+    return ShardIndex{global_shape[0], cols, rank * local, 0, local, cols, int64_t{experts} * halves,
+                      int64_t{expert} * halves, halves};
+  }
+  const int64_t local = cols / tp;
+  return ShardIndex{global_shape[0], cols, int64_t{expert} * rows, rank * local, rows, local, 1};
+}
+
 std::optional<std::pair<int, std::string>> megatron_split_layer_name(const std::string& name) {
   static const std::string prefix = "decoder.layers.";
   if (name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;

@@ -38,6 +38,12 @@ ShardIndex megatron_tp_shard(MegatronTpSplit split, const std::vector<int64_t>& 
                              const std::string& name);
 // The shard's shape as Megatron holds it (the global shape with the split dimension divided).
 std::vector<int64_t> megatron_shard_shape(const ShardIndex& shard, const std::vector<int64_t>& global_shape);
+// Mixture of experts: expert `expert`'s TP shard `rank` of `tp` of a layer's stacked experts
+// (megatrain's mlp.experts.linear_fc{1,2}.weight, [E x rows, cols]), as Megatron's expert linear of
+// that rank holds it: fc1's rows ([gate; up] halves with SwiGLU) split over TP as the dense fc1,
+// fc2's columns.
+ShardIndex megatron_expert_shard(bool fc1, const std::vector<int64_t>& global_shape, int experts, int expert,
+                                 bool swiglu, int tp, int rank);
 
 // "decoder.layers.12.mlp..." -> (12, "mlp..."); nullopt for names outside the layers.
 std::optional<std::pair<int, std::string>> megatron_split_layer_name(const std::string& name);
