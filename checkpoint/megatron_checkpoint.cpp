@@ -549,13 +549,17 @@ void MegatronCheckpoint::open_torch_dist() {
   };
   static const std::string by_param = "optimizer.state.";
   // The distributed optimizer's flat buffers:
-  // optimizer.distributed.dp_group_idx_M.gbuf_idx_G.dtype_(PARAM, GRAD).bucket_idx_B.STATE
+  // [chained_C.]optimizer.distributed.dp_group_idx_M.gbuf_idx_G.dtype_(PARAM, GRAD).bucket_idx_B.STATE
   static const std::regex flat_key(
-      R"(optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(.*\)\.bucket_idx_(\d+)\.(\w+))");
+      R"((?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(.*\)\.bucket_idx_(\d+)\.(\w+))");
+  static const std::regex chained(R"(chained_\d+\.(optimizer\.distributed\..*))");
   for (const auto& [k, md] : sdm.entries) {
     if (!k->is(PickleKind::string)) continue;
     const std::string& key = k->text;
-    if (key.compare(0, 22, "optimizer.distributed.") == 0) {
+    std::smatch cm;
+    const bool first_chain = key.compare(0, 10, "chained_0.") == 0;
+    if (key.compare(0, 22, "optimizer.distributed.") == 0 ||
+        (std::regex_match(key, cm, chained) && (first_chain || !files_->optimizer_groups))) {
       distributed_optimizer_ = true;
       // Its param groups (with the step): one object per model-parallel rank, the same on all.
       if (key.find(".optimizer/shard_") != std::string::npos && !chunks[key].empty() &&
@@ -568,10 +572,11 @@ void MegatronCheckpoint::open_torch_dist() {
     if (key.find("_extra_state") != std::string::npos || key.compare(0, 5, "rng_s") == 0) continue;
     std::smatch m;
     if (std::regex_match(key, m, flat_key)) {
-      const FlatBucket b{std::stoi(m[1].str()), std::stoi(m[2].str()), std::stoi(m[3].str())};
+      const FlatBucket b{std::stoi(m[2].str()), std::stoi(m[3].str()), std::stoi(m[4].str()),
+                         m[1].matched ? std::stoi(m[1].str()) : 0};
       const std::shared_ptr<Source> src = source_of(key, *md);
       if (src->key_shape.size() != 1) fail("{}: '{}' is not a flat buffer", meta_path, key);
-      flat_[{b, m[4].str()}] = src;
+      flat_[{b, m[5].str()}] = src;
       optimizer_layout_ = "flat buckets";
     } else if (key.compare(0, by_param.size(), by_param) == 0) {
       const size_t dot = key.find('.', by_param.size());
@@ -704,8 +709,9 @@ void MegatronCheckpoint::set_indexed_placement(const std::string& name, std::vec
 
 HostArray MegatronCheckpoint::read_flat(const FlatPiece& piece, const std::string& state) const {
   const FlatBucket& b = piece.bucket;
-  const std::string what =
-      fmt::format("{} of dp_group_idx_{}.gbuf_idx_{}.bucket_idx_{}", state, b.mp_rank, b.gbuf, b.bucket);
+  const std::string what = fmt::format("{} of {}dp_group_idx_{}.gbuf_idx_{}.bucket_idx_{}", state,
+                                       b.chain > 0 ? fmt::format("chained_{}.", b.chain) : std::string(), b.mp_rank,
+                                       b.gbuf, b.bucket);
   auto it = flat_.find({b, state});
   if (it == flat_.end()) fail("{} has no optimizer buffer {}", directory_, what);
   const Source& s = *it->second;

@@ -86,10 +86,12 @@ class MegatronCheckpoint {
   };
   std::optional<GradScalerState> grad_scaler() const;
 
-  // Flat buckets. A bucket: Megatron's dp_group_idx (the model-parallel rank tp + TP * pp),
-  // gbuf_idx (the model chunk) and bucket_idx.
+  // Flat buckets. A bucket: Megatron's dp_group_idx (the model-parallel rank tp + TP * pp; of the
+  // experts' optimizer, the experts' model-parallel rank), gbuf_idx (the model chunk), bucket_idx,
+  // and the optimizer of a ChainedOptimizer it belongs to (its keys' chained_<i> prefix; 0 without:
+  // with expert parallelism 0 holds the dense parameters, 1 the routed experts').
   struct FlatBucket {
-    int mp_rank = 0, gbuf = 0, bucket = 0;
+    int mp_rank = 0, gbuf = 0, bucket = 0, chain = 0;
     auto operator<=>(const FlatBucket&) const = default;
   };
   // Every stored bucket with its size (the unpadded number of elements of each state).

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "checkpoint/megatron_checkpoint.h"
 #include "checkpoint/megatron_names.h"
@@ -249,10 +250,10 @@ std::optional<int64_t> saved_bucket_size(const PickleValue& args, int pp_rank, i
 
 std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg, int tp, const PipelineSplit& split,
                                        bool te_spec) {
-  // The stored buckets: sizes by (model-parallel rank, chunk), in bucket order.
-  std::map<std::pair<int, int>, std::vector<int64_t>> stored;
+  // The stored buckets: sizes by (chained optimizer, model-parallel rank, chunk), in bucket order.
+  std::map<std::tuple<int, int, int>, std::vector<int64_t>> stored;
   for (const auto& [b, size] : ck.flat_buckets()) {
-    std::vector<int64_t>& sizes = stored[{b.mp_rank, b.gbuf}];
+    std::vector<int64_t>& sizes = stored[{b.chain, b.mp_rank, b.gbuf}];
     if (b.bucket != static_cast<int>(sizes.size()))
       return fmt::format("its flat optimizer buffers of dp_group_idx_{} gbuf_idx_{} skip bucket {}", b.mp_rank, b.gbuf,
                          sizes.size());
@@ -260,14 +261,19 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
   }
   std::map<std::string, std::vector<MegatronCheckpoint::FlatPiece>> found;  // by TP rank (experts: e x TP + t)
   try {
-    if (cfg.model.moe.enabled() && megatron_int_arg(ck.args(), "expert_model_parallel_size", 1) > 1)
-      fail("the experts' buffers of an expert-parallel run are not read yet");
+    // Under expert parallelism the routed experts have an optimizer of their own (Megatron's
+    // ChainedOptimizer: chained_1), one buffer per experts' model-parallel rank (ETP x EP x PP: the
+    // TP rank, then the EP rank, then the stage), holding its local experts; chained_0 the rest.
+    const int ep = cfg.model.moe.enabled() ? static_cast<int>(megatron_int_arg(ck.args(), "expert_model_parallel_size", 1)) : 1;
+    if (ep > 1 && megatron_int_arg(ck.args(), "expert_tensor_parallel_size", tp) != tp)
+      fail("the experts' tensor-parallel size differs from TP, whose buffers megatrain does not lay out yet");
+    const int local_experts = ep > 1 ? cfg.model.moe.num_experts / ep : 0;
     size_t used = 0;
-    for_each_chunk(cfg, tp, split, te_spec, [&](int p, int t, int v, const std::vector<FlatParam>& params) {
-      const int mp = t + tp * p;
-      const std::string what =
-          fmt::format("dp_group_idx_{}.gbuf_idx_{} (tensor rank {}, pipeline rank {}, chunk {})", mp, v, t, p, v);
-      auto s = stored.find({mp, v});
+    // One stored buffer (chain, mp, chunk v) of tensor rank t, stage p, holding `params`.
+    const auto place = [&](int chain, int mp, int p, int t, int v, const std::vector<FlatParam>& params) {
+      const std::string what = fmt::format("{}dp_group_idx_{}.gbuf_idx_{} (tensor rank {}, pipeline rank {}, chunk {})",
+                                           chain > 0 ? fmt::format("chained_{}.", chain) : std::string(), mp, v, t, p, v);
+      auto s = stored.find({chain, mp, v});
       if (s == stored.end()) fail("{} is not stored", what);
       ++used;
       std::vector<int64_t> sizes = s->second;
@@ -289,11 +295,20 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
         std::vector<MegatronCheckpoint::FlatPiece>& pieces = found[params[k].name];
         const int e = params[k].expert;
         pieces.resize(static_cast<size_t>(tp) * (e >= 0 ? cfg.model.moe.num_experts : 1));
-        pieces[static_cast<size_t>((e >= 0 ? e * tp : 0) + t)] = {{mp, v, bucket}, offset, params[k].numel};
+        pieces[static_cast<size_t>((e >= 0 ? e * tp : 0) + t)] = {{mp, v, bucket, chain}, offset, params[k].numel};
       }
+    };
+    for_each_chunk(cfg, tp, split, te_spec, [&](int p, int t, int v, const std::vector<FlatParam>& params) {
+      if (ep == 1) return place(0, t + tp * p, p, t, v, params);
+      std::vector<FlatParam> dense;
+      std::vector<std::vector<FlatParam>> experts(static_cast<size_t>(ep));
+      for (const FlatParam& fp : params)
+        (fp.expert < 0 ? dense : experts[static_cast<size_t>(fp.expert / local_experts)]).push_back(fp);
+      place(0, t + tp * p, p, t, v, dense);
+      for (int e = 0; e < ep; ++e) place(1, t + tp * (e + ep * p), p, t, v, experts[static_cast<size_t>(e)]);
     });
     if (used != stored.size())
-      fail("it stores flat buffers for {} model chunks, but its tensor x pipeline layout has {}", stored.size(), used);
+      fail("it stores {} flat buffers (model chunks and optimizers), but its layout makes {}", stored.size(), used);
   } catch (const Error& e) {
     return std::string("its distributed optimizer's flat buffers do not fit the model megatrain derives from its "
                        "args: ") + e.what();

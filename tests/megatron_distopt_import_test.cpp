@@ -324,10 +324,11 @@ TEST_CASE("a run resumed from Megatron-LM's optimizer state repeats Megatron-LM'
   // parameter name).
   // And Megatron-LM's MoE models, trained on the CPU (make_cpu_curves.sh STRAIGHT=1: torch_dist, the
   // optimizer by parameter name, or the distributed optimizer's flat buffer, each expert's fc1 and
-  // fc2 a parameter of Megatron's own there; the expert bias, a buffer, continues from the
-  // checkpoint's).
+  // fc2 a parameter of Megatron's own there; under EP 2 the experts' buffers a chained optimizer of
+  // their own; the expert bias, a buffer, continues from the checkpoint's).
   for (const char* dir : {"llama/distopt_dp2", "llama/distopt_tp2pp2vpp", "llama/torch_tp2pp2", "llama/torch_distopt_dp2",
-                          "mla/dist", "moe_resume/dist", "moe_bias_resume/dist", "moe_resume/distopt"}) {
+                          "mla/dist", "moe_resume/dist", "moe_bias_resume/dist", "moe_resume/distopt",
+                          "moe_resume/distopt_ep2"}) {
     INFO(dir);
     const std::string d = dir;
     const std::string& model = d.rfind("mla/", 0) == 0         ? kMla
