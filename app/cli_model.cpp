@@ -99,7 +99,15 @@ void add_model_flags(FlagTable& t) {
          MT_FIELD(model.apply_residual_connection_post_layernorm)).model_setting("apply_residual_connection_post_layernorm", CheckpointTake::no);
   t.flag("--swiglu", "SwiGLU MLP (gate and up projections, SiLU)", MT_FIELD(model.swiglu)).model_setting("swiglu", CheckpointTake::forced, CheckpointCompare::yes);
   t.flag("--squared-relu", "squared-ReLU activation", MT_FIELD(model.squared_relu)).model_setting("squared_relu", CheckpointTake::forced, CheckpointCompare::yes, true);
-  t.flag("--quick-geglu", "quick-GeLU gated linear unit", MT_FIELD(model.quick_geglu));
+  t.flag("--quick-geglu", "quick-GeLU gated linear unit (gpt-oss): x0 sigmoid(1.702 x0) * x1", MT_FIELD(model.quick_geglu))
+      .model_setting("quick_geglu", CheckpointTake::forced, CheckpointCompare::yes, true);
+  t.value("--glu-linear-offset", "offset added to the gated unit's linear half: act(x0) * (x1 + offset)",
+          MT_FIELD(model.glu_linear_offset))
+      .model_setting("glu_linear_offset", CheckpointTake::forced, CheckpointCompare::no, true);
+  t.value("--activation-func-clamp-value",
+          "the gated unit's halves clamped first: x0 to at most V, x1 to [-V, V] (gpt-oss; SwiGLU: MoE only)",
+          MT_FIELD(model.activation_func_clamp_value))
+      .model_setting("activation_func_clamp_value", CheckpointTake::forced, CheckpointCompare::no, true);
   t.flag("--openai-gelu", "tanh-approximated GeLU", MT_FIELD(model.openai_gelu)).model_setting("openai_gelu");
   // Not only a kernel switch: Megatron's fused bias-GeLU is the tanh approximation, its unfused
   // path exact GeLU, so this flag picks the activation (core/config.h gelu_is_tanh).

@@ -11,7 +11,6 @@ namespace mt::cli {
 
 void add_other_megatron_flags(FlagTable& t) {
   t.set_group(FlagGroup::other);
-  t.recognised("--activation-func-clamp-value", Arity::one, "FLOAT", "None", "clamp fc1's output inside the activation (gpt-oss's quick-GeGLU, MoE SwiGLU)");
   t.no_effect_checked("--activation-offload-fraction", "FLOAT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "1.0");
   t.recognised("--adlr-autoresume", Arity::none, "", "off", "ADLR cluster autoresume (NVIDIA-internal userlib)");
   t.no_effect_checked("--adlr-autoresume-interval", "INT", {}, "a setting of ADLR autoresume (--adlr-autoresume, not built): no effect without it, as in Megatron-LM", "1000");
@@ -113,7 +112,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect("--gdp-cutedsl-kernel", Arity::none, "a setting of Gated DeltaProduct layers, which megatrain does not build (its Gated DeltaNet layers do not read it)", "off");
   t.no_effect_checked("--gdp-num-chunk-states-to-recompute", "INT", {}, "a setting of Gated DeltaProduct layers, which megatrain does not build (its Gated DeltaNet layers do not read it)", "2");
   t.no_effect_checked("--gdp-num-householder", "INT", {}, "a setting of Gated DeltaProduct layers, which megatrain does not build (its Gated DeltaNet layers do not read it)", "3");
-  t.recognised("--glu-linear-offset", Arity::one, "FLOAT", "0.0", "offset added to the GLU's linear half: act(x0) * (x1 + offset)");
   t.no_effect_checked("--grpo-clamp-eps-lower", "FLOAT", {}, "a setting of Megatron-LM's reinforcement learning (--perform-rl-step, not built): no effect without it, as in Megatron-LM", "0.01");
   t.no_effect_checked("--grpo-clamp-eps-upper", "FLOAT", {}, "a setting of Megatron-LM's reinforcement learning (--perform-rl-step, not built): no effect without it, as in Megatron-LM", "0.01");
   t.no_effect_checked("--grpo-entropy-term-weight", "FLOAT", {}, "a setting of Megatron-LM's reinforcement learning (--perform-rl-step, not built): no effect without it, as in Megatron-LM", "0.0");

@@ -2,6 +2,7 @@
 // TransformerConfig.__post_init__).
 #include "app/cli_internal.h"
 
+#include <cmath>
 #include <cstdlib>
 
 namespace mt::cli {
@@ -95,6 +96,32 @@ void validate_model(CliState& st) {
     fail("--squared-relu with biased linear layers needs --no-bias-gelu-fusion (or --disable-bias-linear): "
          "Megatron-LM's bias-activation fusion takes only GeLU and SwiGLU and refuses this combination too");
   if (m.quick_geglu && m.swiglu) fail("--quick-geglu and --swiglu are exclusive");
+  if (m.quick_geglu && m.squared_relu) fail("--quick-geglu and --squared-relu are exclusive");
+  // Megatron's TransformerConfig: a linear offset only with its fused quick-GeGLU (or with the GLU
+  // unfused: --no-bias-swiglu-fusion / --no-bias-gelu-fusion); SwiGLU's clamp finite and positive,
+  // in MoE models only, without an offset.
+  const bool gated = m.swiglu || m.quick_geglu;
+  if (m.glu_linear_offset != 0.0 && !m.quick_geglu &&
+      (m.swiglu ? !st.has("--no-bias-swiglu-fusion") : m.bias_gelu_fusion))
+    fail("When bias_activation_fusion is True and glu_linear_offset is non-zero, activation function must be "
+         "quick_gelu. (--glu-linear-offset {} with {}: pass --quick-geglu, or {})", m.glu_linear_offset,
+         m.swiglu ? "--swiglu" : "GeLU", m.swiglu ? "--no-bias-swiglu-fusion" : "--no-bias-gelu-fusion");
+  if (m.activation_func_clamp_value && m.swiglu) {
+    const double v = *m.activation_func_clamp_value;
+    if (!std::isfinite(v) || v <= 0)
+      fail("activation_func_clamp_value for SwiGLU must be finite and greater than zero. (--activation-func-clamp-value {})", v);
+    if (!m.moe.enabled()) fail("activation_func_clamp_value for SwiGLU is only supported with MoE. (--activation-func-clamp-value with --swiglu needs --num-experts)");
+    if (m.glu_linear_offset != 0.0)
+      fail("glu_linear_offset must be zero when activation_func_clamp_value is set for SwiGLU.");
+  }
+  if (m.activation_func_clamp_value && m.quick_geglu && *m.activation_func_clamp_value <= 0)
+    fail("--activation-func-clamp-value {} must be > 0", *m.activation_func_clamp_value);
+  if (!gated && (m.glu_linear_offset != 0.0 || m.activation_func_clamp_value)) {
+    st.note("--glu-linear-offset and --activation-func-clamp-value have no effect without a gated MLP (--swiglu or "
+            "--quick-geglu), as in Megatron-LM");
+    st.cfg.model.glu_linear_offset = 0.0;
+    st.cfg.model.activation_func_clamp_value.reset();
+  }
   if (m.qk_l2_norm && m.multi_latent_attention) fail("--qk-l2-norm is not supported with --multi-latent-attention");
   // Megatron's MLATransformerConfig raises NotImplementedError for the gate.
   if (m.attention_output_gate && m.multi_latent_attention)

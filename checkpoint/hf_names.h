@@ -69,6 +69,7 @@ struct HfModelSpec {
   bool add_qkv_bias = false;
   bool swiglu = false;
   bool squared_relu = false;
+  bool gated_unit_variant = false;  // --quick-geglu, --glu-linear-offset or --activation-func-clamp-value
   bool qk_layernorm = false;
   bool qk_l2_norm = false;
   bool nope_layers = false;  // --no-rope-freq: some layers skip RoPE

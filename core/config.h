@@ -141,9 +141,13 @@ struct ModelConfig {
   // tanh approximation, so a default GPT launch trains with tanh GeLU; exact (erf) GeLU only with
   // --no-bias-gelu-fusion or --disable-bias-linear. gelu_is_tanh() below says which one a model uses.
   bool bias_gelu_fusion = true;
-  // Recognised but refused (app/unsupported.cpp); kept so Megatron's rules about them live here.
   bool squared_relu = false;
+  // gpt-oss's MLP: --quick-geglu (gated, quick-GeLU x sigmoid(1.702 x) on the gate half),
+  // --glu-linear-offset (added to the linear half), --activation-func-clamp-value (the halves
+  // clamped before the activation; with SwiGLU only in MoE layers, as Megatron allows). engine/activation.h Glu.
   bool quick_geglu = false;
+  double glu_linear_offset = 0.0;
+  std::optional<double> activation_func_clamp_value;
   // --multi-latent-attention (DeepSeek's MLA; engine/blocks/mla.cpp): queries from a low-rank
   // projection of rank q_lora_rank (none: a direct projection), keys and values from one of rank
   // kv_lora_rank, heads of qk_head_dim values without and qk_pos_emb_head_dim values with RoPE (a

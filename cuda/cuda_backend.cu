@@ -379,20 +379,20 @@ void CudaBackend::activation_backward(Tensor din, Tensor dout, Tensor in, Activa
   MT_PROFILE_OP("activation_backward {}", in.shape_string());
   cuda::activation_backward(context(), din, dout, in, act);
 }
-void CudaBackend::swiglu_forward(Tensor out, Tensor in) {
+void CudaBackend::swiglu_forward(Tensor out, Tensor in, const Glu& g) {
   on_device("swiglu_forward", out, in);
   MT_PROFILE_OP("swiglu_forward {}", in.shape_string());
-  cuda::swiglu_forward(context(), out, in);
+  cuda::swiglu_forward(context(), out, in, g);
 }
-void CudaBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
+void CudaBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in, const Glu& g) {
   on_device("swiglu_backward", din, dout, in);
   MT_PROFILE_OP("swiglu_backward {}", in.shape_string());
-  cuda::swiglu_backward(context(), din, dout, in);
+  cuda::swiglu_backward(context(), din, dout, in, g);
 }
-void CudaBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+void CudaBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g) {
   on_device("swiglu_backward_recompute", din, act_out, dout, in);
   MT_PROFILE_OP("swiglu_backward_recompute {}", in.shape_string());
-  cuda::swiglu_backward_recompute(context(), din, act_out, dout, in);
+  cuda::swiglu_backward_recompute(context(), din, act_out, dout, in, g);
 }
 void CudaBackend::attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) {
   on_device("attention_gate_split", qkv, gate, qkvg);
@@ -491,15 +491,16 @@ void CudaBackend::moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Ten
   MT_PROFILE_OP("moe_scale_rows_backward {}", x.shape_string());
   cuda::moe_scale_rows_backward(context(), dx, dp, dout, x, p);
 }
-void CudaBackend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p) {
+void CudaBackend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g) {
   on_device("moe_swiglu_forward", out, in, p);
   MT_PROFILE_OP("moe_swiglu_forward {}", in.shape_string());
-  cuda::moe_swiglu_forward(context(), out, in, p);
+  cuda::moe_swiglu_forward(context(), out, in, p, g);
 }
-void CudaBackend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) {
+void CudaBackend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,
+                                      const Glu& g) {
   on_device("moe_swiglu_backward", din, act, dp, dout, in, p);
   MT_PROFILE_OP("moe_swiglu_backward {}", in.shape_string());
-  cuda::moe_swiglu_backward(context(), din, act, dp, dout, in, p);
+  cuda::moe_swiglu_backward(context(), din, act, dp, dout, in, p, g);
 }
 
 // ---- rotary embeddings --------------------------------------------------------------------------

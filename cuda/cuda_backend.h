@@ -110,9 +110,9 @@ class CudaBackend final : public Backend {
 
   void activation_forward(Tensor out, Tensor in, Activation act) override;
   void activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) override;
-  void swiglu_forward(Tensor out, Tensor in) override;
-  void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
-  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
+  void swiglu_forward(Tensor out, Tensor in, const Glu& g = {}) override;
+  void swiglu_backward(Tensor din, Tensor dout, Tensor in, const Glu& g = {}) override;
+  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g = {}) override;
   void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) override;
   void moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
                           bool training) override;
@@ -130,8 +130,9 @@ class CudaBackend final : public Backend {
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;
   void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) override;
-  void moe_swiglu_forward(Tensor out, Tensor in, Tensor p) override;
-  void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) override;
+  void moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g = {}) override;
+  void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,
+                           const Glu& g = {}) override;
   void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) override;
   void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
   void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;

@@ -192,7 +192,7 @@ __global__ void activation_grad_recompute_kernel(T* g, T* out, const T* pre, int
 
 // VEC requires f % 8 == 0 so that a vector never crosses a row.
 template <typename T, bool VEC>
-__global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t f) {
+__global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t f, Glu q) {
   const int64_t n = rows * f;
   MT_FLAT_LOOP(n) {
     if (VEC) {
@@ -201,13 +201,13 @@ __global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t
       const Floats<kN> gate = load_vec<kN>(row + c), up = load_vec<kN>(row + f + c);
       Floats<kN> y;
 #pragma unroll
-      for (int j = 0; j < kN; ++j) y.v[j] = swiglu_value(gate.v[j], up.v[j]);
+      for (int j = 0; j < kN; ++j) y.v[j] = glu_value(q, gate.v[j], up.v[j]);
       store_vec<kN>(out + base, y);
     } else {
       for (int64_t i = base; i < base + kN && i < n; ++i) {
         const int64_t r = i / f, c = i % f;
         const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
-        out[i] = from_float<T>(swiglu_value(gate, up));
+        out[i] = from_float<T>(glu_value(q, gate, up));
       }
     }
   }
@@ -216,7 +216,7 @@ __global__ void swiglu_forward_kernel(T* out, const T* in, int64_t rows, int64_t
 // swiglu_grad: cuda/activations.cuh (shared with the FP8 cast of the gradient).
 
 template <typename T, bool VEC>
-__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t rows, int64_t f) {
+__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t rows, int64_t f, Glu q) {
   const int64_t n = rows * f;
   MT_FLAT_LOOP(n) {
     if (VEC) {
@@ -226,7 +226,7 @@ __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64
       const Floats<kN> dy = load_vec<kN>(dout + base);
       Floats<kN> dg, du;
 #pragma unroll
-      for (int j = 0; j < kN; ++j) swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
+      for (int j = 0; j < kN; ++j) glu_grad(q, gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
       store_vec<kN>(din + r * 2 * f + c, dg);
       store_vec<kN>(din + r * 2 * f + f + c, du);
     } else {
@@ -234,7 +234,7 @@ __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64
         const int64_t r = i / f, c = i % f;
         const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
         float dg, du;
-        swiglu_grad(gate, up, to_float(dout[i]), dg, du);
+        glu_grad(q, gate, up, to_float(dout[i]), dg, du);
         din[r * 2 * f + c] = from_float<T>(dg);
         din[r * 2 * f + f + c] = from_float<T>(du);
       }
@@ -245,7 +245,8 @@ __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64
 // swiglu_backward plus act = swiglu(in); din may alias in and act may alias dout (every element's
 // inputs are loaded before its outputs are stored).
 template <typename T, bool VEC>
-__global__ void swiglu_backward_recompute_kernel(T* din, T* act, const T* dout, const T* in, int64_t rows, int64_t f) {
+__global__ void swiglu_backward_recompute_kernel(T* din, T* act, const T* dout, const T* in, int64_t rows, int64_t f,
+                                                 Glu q) {
   const int64_t n = rows * f;
   MT_FLAT_LOOP(n) {
     if (VEC) {
@@ -256,8 +257,8 @@ __global__ void swiglu_backward_recompute_kernel(T* din, T* act, const T* dout, 
       Floats<kN> dg, du, y;
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
-        swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
-        y.v[j] = swiglu_value(gate.v[j], up.v[j]);
+        glu_grad(q, gate.v[j], up.v[j], dy.v[j], dg.v[j], du.v[j]);
+        y.v[j] = glu_value(q, gate.v[j], up.v[j]);
       }
       store_vec<kN>(din + r * 2 * f + c, dg);
       store_vec<kN>(din + r * 2 * f + f + c, du);
@@ -268,10 +269,10 @@ __global__ void swiglu_backward_recompute_kernel(T* din, T* act, const T* dout, 
         const float gate = to_float(in[r * 2 * f + c]), up = to_float(in[r * 2 * f + f + c]);
         const float dy = to_float(dout[i]);
         float dg, du;
-        swiglu_grad(gate, up, dy, dg, du);
+        glu_grad(q, gate, up, dy, dg, du);
         din[r * 2 * f + c] = from_float<T>(dg);
         din[r * 2 * f + f + c] = from_float<T>(du);
-        act[i] = from_float<T>(swiglu_value(gate, up));
+        act[i] = from_float<T>(glu_value(q, gate, up));
       }
     }
   }
@@ -565,7 +566,7 @@ void activation_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tens
   activation_grad_multiply(ctx, din, dout, in, act, false);
 }
 
-void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in) {
+void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, const Glu& q) {
   const int64_t f = out.cols(), rows = out.rows();
   MT_CHECK(in.cols() == 2 * f && in.rows() == rows, "swiglu_forward: in {} must be [rows, 2 * {}]",
            in.shape_string(), f);
@@ -575,13 +576,13 @@ void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in) {
   MT_DISPATCH_FLOAT(out.dtype, T, "swiglu_forward", {
     with_vec(all_aligned({out.data, in.data}) && f % kN == 0, [&]<bool V>() {
       swiglu_forward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(),
-                                                                                rows, f);
+                                                                                rows, f, q);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in) {
+void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, const Glu& q) {
   const int64_t f = dout.cols(), rows = dout.rows();
   MT_CHECK(in.cols() == 2 * f && in.rows() == rows && din.numel() == in.numel(),
            "swiglu_backward: shapes din {} dout {} in {}", din.shape_string(), dout.shape_string(), in.shape_string());
@@ -591,13 +592,14 @@ void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor i
   MT_DISPATCH_FLOAT(in.dtype, T, "swiglu_backward", {
     with_vec(all_aligned({din.data, dout.data, in.data}) && f % kN == 0, [&]<bool V>() {
       swiglu_backward_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
-          din.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f);
+          din.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f, q);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in,
+                               const Glu& q) {
   const int64_t f = dout.cols(), rows = dout.rows();
   MT_CHECK(in.cols() == 2 * f && in.rows() == rows && din.numel() == in.numel() && act_out.numel() == dout.numel(),
            "swiglu_backward_recompute: shapes din {} act {} dout {} in {}", din.shape_string(), act_out.shape_string(),
@@ -611,7 +613,7 @@ void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_
   MT_DISPATCH_FLOAT(in.dtype, T, "swiglu_backward_recompute", {
     with_vec(all_aligned({din.data, act_out.data, dout.data, in.data}) && f % kN == 0, [&]<bool V>() {
       swiglu_backward_recompute_kernel<T, V><<<flat_grid(ctx, n), kBlock, 0, ctx.stream>>>(
-          din.ptr<T>(), act_out.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f);
+          din.ptr<T>(), act_out.ptr<T>(), dout.ptr<const T>(), in.ptr<const T>(), rows, f, q);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

@@ -80,11 +80,12 @@ void activation_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tens
 // out = g * act'(pre) (accumulate: out += ...). out may alias g. Used after a plain GEMM.
 void activation_grad_multiply(const KernelContext& ctx, Tensor out, Tensor g, Tensor pre, Activation act,
                               bool accumulate);
-void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in);
-void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in);
+void swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, const Glu& q = {});
+void swiglu_backward(const KernelContext& ctx, Tensor din, Tensor dout, Tensor in, const Glu& q = {});
 // swiglu_backward plus act_out = swiglu(in) (as swiglu_forward computes it); din may alias in,
 // act_out may alias dout.
-void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in);
+void swiglu_backward_recompute(const KernelContext& ctx, Tensor din, Tensor act_out, Tensor dout, Tensor in,
+                               const Glu& q = {});
 // The attention output gate (Backend::attention_gate_split and the three after it).
 void attention_gate_split(const KernelContext& ctx, Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s);
 void attention_gate_merge(const KernelContext& ctx, Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s);
@@ -229,7 +230,8 @@ void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of,
 void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p);
 void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p);
 // Backend::moe_swiglu_forward / _backward fused (the composed ops' bits; dout is only read).
-void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p);
-void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p);
+void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p, const Glu& q = {});
+void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,
+                         const Glu& q = {});
 
 }  // namespace mt::cuda

@@ -698,7 +698,7 @@ template <typename T>
 __device__ __forceinline__ float stored(float v) { return to_float(from_float<T>(v)); }
 
 template <typename T, int VEC>
-__global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t rows, int64_t f, int tpr) {
+__global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t rows, int64_t f, int tpr, Glu q) {
   const int team = threadIdx.x / tpr, member = threadIdx.x % tpr;
   const int rows_per_block = blockDim.x / tpr;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + team; r < rows;
@@ -709,7 +709,7 @@ __global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t
       const Floats<VEC> gate = load_vec<VEC>(row + c), up = load_vec<VEC>(row + f + c);
       Floats<VEC> y;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) y.v[j] = stored<T>(swiglu_value(gate.v[j], up.v[j])) * w;
+      for (int j = 0; j < VEC; ++j) y.v[j] = stored<T>(glu_value(q, gate.v[j], up.v[j])) * w;
       store_vec<VEC>(out + r * f + c, y);
     }
   }
@@ -718,7 +718,7 @@ __global__ void swiglu_scale_kernel(T* out, const T* in, const float* p, int64_t
 // din may be in (each element's gate and up are read before the same thread writes them).
 template <typename T, int VEC>
 __global__ void swiglu_scale_backward_kernel(T* din, T* act, float* dp, const T* dout, const T* in, const float* p,
-                                             int64_t rows, int64_t f, int tpr) {
+                                             int64_t rows, int64_t f, int tpr, Glu q) {
   row_team_sums(dp, rows, tpr, [&](int64_t r, int member) {
     float dot = 0.0f;
     const float w = p[r];
@@ -730,9 +730,9 @@ __global__ void swiglu_scale_backward_kernel(T* din, T* act, float* dp, const T*
       Floats<VEC> y, dg, du;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float a = stored<T>(swiglu_value(gate.v[j], up.v[j]));
+        const float a = stored<T>(glu_value(q, gate.v[j], up.v[j]));
         dot += d.v[j] * a;
-        swiglu_grad(gate.v[j], up.v[j], stored<T>(d.v[j] * w), dg.v[j], du.v[j]);
+        glu_grad(q, gate.v[j], up.v[j], stored<T>(d.v[j] * w), dg.v[j], du.v[j]);
         y.v[j] = a * w;
       }
       store_vec<VEC>(drow + c, dg);
@@ -1083,7 +1083,7 @@ void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Ten
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p) {
+void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p, const Glu& q) {
   const char* op = "moe_swiglu_forward";
   const int64_t R = in.rows(), f = in.cols() / 2;
   check_swiglu_rows(in, out, op, "out");
@@ -1092,14 +1092,15 @@ void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor 
   MT_DISPATCH_FLOAT(in.dtype, T, op, {
     launch_rows<T>(ctx, R, f, vectorizable<T>(f, {out.data, in.data}), [&](auto width, const RowTeams& teams) {
       swiglu_scale_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(out.ptr<T>(), in.ptr<const T>(),
-                                                                                   p.ptr<const float>(), R, f, teams.tpr);
+                                                                                   p.ptr<const float>(), R, f, teams.tpr,
+                                                                                   q);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
 
 void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in,
-                         Tensor p) {
+                         Tensor p, const Glu& q) {
   const char* op = "moe_swiglu_backward";
   const int64_t R = in.rows(), f = in.cols() / 2;
   check_swiglu_rows(in, act, op, "act");
@@ -1119,7 +1120,7 @@ void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tenso
     launch_rows<T>(ctx, R, f, vec, [&](auto width, const RowTeams& teams) {
       swiglu_scale_backward_kernel<T, width><<<teams.grid, kRowOpThreads, 0, ctx.stream>>>(
           din.ptr<T>(), act.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(), in.ptr<const T>(), p.ptr<const float>(), R,
-          f, teams.tpr);
+          f, teams.tpr, q);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

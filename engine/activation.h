@@ -19,4 +19,16 @@ inline Activation ungated_activation(MlpActivation a) {
   }
 }
 
+// The gated linear unit of a gated MLP (SwiGLU's place): out = act(g) * (u + offset) of each row's
+// [g | u] halves, with act SiLU (--swiglu) or quick-GeLU x sigmoid(1.702 x) (--quick-geglu), and
+// with clamp > 0 (--activation-func-clamp-value) g clamped to at most clamp and u to [-clamp, clamp]
+// first (their gradients 0 where clamped), as Megatron-LM's GLU and its fused kernels compute it.
+// The default is plain SwiGLU.
+struct Glu {
+  bool quick_gelu = false;
+  float offset = 0;  // --glu-linear-offset
+  float clamp = 0;   // --activation-func-clamp-value (0: none)
+  bool plain() const { return !quick_gelu && offset == 0 && clamp == 0; }
+};
+
 }  // namespace mt

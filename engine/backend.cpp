@@ -92,23 +92,23 @@ void Backend::linear_backward_input_recompute(Tensor dx, Tensor act_out, Tensor 
   activation_forward(act_out, pre_act, act);
 }
 
-void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
+void Backend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g) {
   MT_CHECK(din.data != in.data && act_out.data != dout.data,
            "swiglu_backward_recompute: the {} backend does not take aliased operands", name());
-  swiglu_backward(din, dout, in);
-  swiglu_forward(act_out, in);
+  swiglu_backward(din, dout, in, g);
+  swiglu_forward(act_out, in, g);
 }
 
-void Backend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p) {
-  swiglu_forward(out, in);
+void Backend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g) {
+  swiglu_forward(out, in, g);
   moe_scale_rows(out, out, p);
 }
 
-void Backend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p) {
-  swiglu_forward(act, in);
+void Backend::moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p, const Glu& g) {
+  swiglu_forward(act, in, g);
   moe_scale_rows_backward(dout, dp, dout, act, p);
   moe_scale_rows(act, act, p);
-  swiglu_backward(din, dout, in);
+  swiglu_backward(din, dout, in, g);
 }
 
 void Backend::cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss) {

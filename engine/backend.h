@@ -488,14 +488,15 @@ class Backend {
   // out = act(in), din = dout * act'(in), elementwise (act != none); din may alias dout.
   virtual void activation_forward(Tensor out, Tensor in, Activation act) = 0;
   virtual void activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) = 0;
-  // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up.
-  virtual void swiglu_forward(Tensor out, Tensor in) = 0;
+  // in[M, 2f] = [gate | up] per row; out[M, f] = silu(gate) * up, or the gated unit `g`
+  // (engine/activation.h: quick-GeLU, the linear offset, the clamp) where it is not plain SwiGLU.
+  virtual void swiglu_forward(Tensor out, Tensor in, const Glu& g = {}) = 0;
   // din may alias in (elementwise, each element read before written).
-  virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in) = 0;
+  virtual void swiglu_backward(Tensor din, Tensor dout, Tensor in, const Glu& g = {}) = 0;
   // swiglu_backward, and also act_out[M, f] = swiglu(in), bit for bit what swiglu_forward wrote.
   // din may alias in and act_out may alias dout (elementwise, each element read before written).
   // The default handles only the non-aliased case.
-  virtual void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in);
+  virtual void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g = {});
 
   // ---- mixture of experts (engine/blocks/moe.cpp) -----------------------------------------
   // N token rows, E experts, k = r.topk slots per token. idx/order/slot_of/offsets are int32.
@@ -590,8 +591,9 @@ class Backend {
   //     din [R, 2f] = the gradient of in (din may alias in): swiglu_forward(act), then
   //     moe_scale_rows_backward(dout, dp, dout, act, p), moe_scale_rows(act, act, p),
   //     swiglu_backward(din, dout, in).
-  virtual void moe_swiglu_forward(Tensor out, Tensor in, Tensor p);
-  virtual void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p);
+  virtual void moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g = {});
+  virtual void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,
+                                   const Glu& g = {});
   // Grouped linear layers (the experts): rows [offsets[e], offsets[e+1]) of x belong to expert e,
   // whose weight is rows [e * Nw, (e+1) * Nw) of w [E * Nw, K] (Nw = w.rows() / E). offsets: E + 1
   // values, on the host or on the device (ExpertOffsets). y[r] = x[r] . w_e^T; dx[r] = dy[r] . w_e;

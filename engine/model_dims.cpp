@@ -99,7 +99,9 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.norm = m.normalization;
   d.norm_eps = static_cast<float>(m.norm_epsilon);
   d.norm_1p = m.apply_layernorm_1p;
-  d.swiglu = m.swiglu;
+  d.swiglu = m.swiglu || m.quick_geglu;
+  d.glu = Glu{m.quick_geglu, static_cast<float>(m.glu_linear_offset),
+              static_cast<float>(m.activation_func_clamp_value.value_or(0.0))};
   d.gelu_tanh = gelu_is_tanh(m);
   d.squared_relu = m.squared_relu;
   d.linear_bias = m.add_bias_linear;

@@ -49,7 +49,8 @@ struct ModelDims {
   Normalization norm = Normalization::layernorm;
   float norm_eps = 1e-5f;
   bool norm_1p = false;
-  bool swiglu = false;
+  bool swiglu = false;  // a gated MLP ([gate | up] fc1, of width 2f): --swiglu or --quick-geglu
+  Glu glu;              // its unit (engine/activation.h): SwiGLU by default
   bool gelu_tanh = false;
   bool squared_relu = false;  // --squared-relu: relu(x)^2 instead of GeLU
   bool linear_bias = true;  // all linears

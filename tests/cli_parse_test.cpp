@@ -187,7 +187,20 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK(parse(small_gpt() + words("--mtp-num-layers 2 --position-embedding-type none")).model.mtp_num_layers == 2);
   CHECK_THAT(parse_error(small_gpt() + words("--recompute-granularity selective --recompute-modules mla_up_proj")),
              Contains("mla_up_proj in recompute_modules is only supported with multi_latent_attention"));
-  CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu")), Contains("megatrain does not support --quick-geglu yet"));
+  // gpt-oss's gated unit: built, with Megatron's rules (an offset needs quick-GeGLU or the unfused GLU;
+  // SwiGLU's clamp only with experts).
+  CHECK(parse(small_gpt() + words("--quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0"))
+            .model.quick_geglu);
+  CHECK_THAT(parse_error(small_gpt() + words("--swiglu --glu-linear-offset 1.0")),
+             Contains("glu_linear_offset is non-zero, activation function must be quick_gelu") &&
+                 Contains("--no-bias-swiglu-fusion"));
+  CHECK(parse(small_gpt() + words("--swiglu --glu-linear-offset 1.0 --no-bias-swiglu-fusion")).model.glu_linear_offset ==
+        1.0);
+  CHECK_THAT(parse_error(small_gpt() + words("--swiglu --activation-func-clamp-value 7.0")),
+             Contains("activation_func_clamp_value for SwiGLU is only supported with MoE"));
+  CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu --bf16 --fp8-format hybrid")),
+             Contains("megatrain does not support --quick-geglu, --glu-linear-offset or --activation-func-clamp-value "
+                      "with --fp8-format yet"));
   CHECK_THAT(parse_error(small_gpt() + words("--init-method-xavier-uniform")),
              Contains("fails on it too: TransformerConfig has no scaled_init_method"));
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format zarr")),
@@ -266,10 +279,10 @@ TEST_CASE("every flag Megatron-LM's pretrain_gpt.py parses is known", "[cli]") {
   parse(small_gpt() + words("--inference-max-requests 8 --rl-default-top-k 4 --dino-teacher-temp 0.1"), 1, &ms);
   CHECK(has_message(ms, SetupMessage::Kind::note, "--inference-max-requests"));
   CHECK(has_message(ms, SetupMessage::Kind::note, "--rl-default-top-k"));
-  CHECK_THAT(parse_error(small_gpt() + words("--glu-linear-offset 1.0 --enable-mhc-connections --sft")),
+  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type learnable --enable-mhc-connections --sft")),
              Contains("3 problems with the command line"));
-  CHECK_THAT(parse_error(small_gpt() + words("--glu-linear-offset 1.0")),
-             Contains("megatrain does not support --glu-linear-offset 1.0 yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type off-by-one")),
+             Contains("megatrain does not support --softmax-type off-by-one yet"));
   parse(small_gpt() + words("--glu-linear-offset 0.0 --sample-rate 1.0 --null-tokenizer-pad-id -1"));
   CHECK_THAT(parse_error(small_gpt() + words("--pipeline-model-parallel-comm-backend ucc")),
              Contains("--pipeline-model-parallel-comm-backend ucc"));

@@ -421,6 +421,37 @@ TEST_CASE("MoE under full recomputation: the logged losses and the counts once p
   CHECK(h.moe_sums() == sums);  // (the backward's reruns of the forward log nothing)
 }
 
+TEST_CASE("gradient check: gpt-oss's gated unit (quick-GeGLU, linear offset, clamp) in dense, shared and routed MLPs",
+          "[moe][gradcheck]") {
+  Config c = tiny_moe_config(4, 2);
+  c.model.swiglu = false;
+  c.model.quick_geglu = true;
+  c.model.glu_linear_offset = 1.0;
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.shared_expert_intermediate_size = 12;
+  SECTION("quick-GeGLU with the offset") {
+    MoeHarness h(c);
+    REQUIRE(h.dims.swiglu);
+    REQUIRE(h.dims.glu.quick_gelu);
+    h.check_all(4);
+  }
+  SECTION("clamped (a clamp some fc1 outputs reach)") {
+    c.model.activation_func_clamp_value = 0.8;
+    MoeHarness h(c);
+    REQUIRE(h.dims.glu.clamp == 0.8f);
+    h.check_all(4);
+  }
+  SECTION("SwiGLU clamped (MoE only, as in Megatron-LM)") {
+    c.model.quick_geglu = false;
+    c.model.swiglu = true;
+    c.model.glu_linear_offset = 0.0;
+    c.model.activation_func_clamp_value = 0.8;
+    MoeHarness h(c);
+    REQUIRE_FALSE(h.dims.glu.quick_gelu);
+    h.check_all(4);
+  }
+}
+
 TEST_CASE("MoE: --moe-router-force-load-balancing routes by random logits, whatever the router's weights",
           "[moe]") {
   Config c = tiny_moe_config(4, 2);

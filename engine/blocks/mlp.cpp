@@ -52,7 +52,7 @@ void GptModel::mlp_forward(int local, Slot& s, const LayerActs& A, const NextNor
   } else {
     if (d_.swiglu) {
       linear_fwd(local, Fp8State::fc1, A, A.fc1_pre, A.ln2_out, P.fc1_w, P.fc1_b, Activation::none, Tensor());
-      be_.swiglu_forward(A.fc1_act, A.fc1_pre);
+      be_.swiglu_forward(A.fc1_act, A.fc1_pre, d_.glu);
     } else {
       linear_fwd(local, Fp8State::fc1, A, A.fc1_act, A.ln2_out, P.fc1_w, P.fc1_b, d_.ungated_mlp_activation(),
                  A.fc1_pre);
@@ -103,7 +103,7 @@ void GptModel::mlp_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   } else if (d_.swiglu) {
     linear_bwd_input(local, Fp8State::fc2, w.act, d_fc2, P.fc2_w, Activation::none, Tensor());
     // In place: fc1_pre becomes its gradient and the activation gradient becomes the activation.
-    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre);
+    be_.swiglu_backward_recompute(A.fc1_pre, w.act, w.act, A.fc1_pre, d_.glu);
     d_fc1 = A.fc1_pre;
     linear_bwd_weight(local, Fp8State::fc2, A, G.fc2_w, fc2_db, d_fc2, w.act);
   } else if (fp8_wgrad(local)) {

@@ -527,7 +527,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // memory of tmp_h: ModelOptions::keep_norm_outputs).
   if (d_.shared_ffn > 0) {
     be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
-    if (d_.swiglu) be_.swiglu_forward(w.moe_sh_act, M.sh_fc1_pre);
+    if (d_.swiglu) be_.swiglu_forward(w.moe_sh_act, M.sh_fc1_pre, d_.glu);
     else be_.activation_forward(w.moe_sh_act, M.sh_fc1_pre, d_.ungated_mlp_activation());
     if (d_.shared_gate) be_.linear_forward(M.sh_gate, A.ln2_out, P.sh_gate_w, Tensor(), Activation::none, Tensor());
   }
@@ -540,10 +540,10 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   if (d_.moe_probs_on_input) be_.moe_scale_rows(x_perm, x_perm, p_perm);
   be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
   if (d_.moe_probs_on_input) {
-    if (d_.swiglu) be_.swiglu_forward(act, fc1_pre);
+    if (d_.swiglu) be_.swiglu_forward(act, fc1_pre, d_.glu);
     else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
   } else if (d_.swiglu) {
-    be_.moe_swiglu_forward(act, fc1_pre, p_perm);
+    be_.moe_swiglu_forward(act, fc1_pre, p_perm, d_.glu);
   } else {
     be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
     be_.moe_scale_rows(act, act, p_perm);
@@ -674,7 +674,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     if (d_.swiglu) {
       be_.linear_backward_input(w.moe_sh_act, d_sh, P.sh_fc2_w, false, Activation::none, Tensor());
       // In place: sh_fc1_pre becomes its gradient and the activation gradient the activation.
-      be_.swiglu_backward_recompute(M.sh_fc1_pre, w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre);
+      be_.swiglu_backward_recompute(M.sh_fc1_pre, w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre, d_.glu);
       be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_sh, w.moe_sh_act, accumulate_weight_grad(G.sh_fc2_w));
       be_.linear_backward_weight(G.sh_fc1_w, Tensor(), M.sh_fc1_pre, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
       be_.linear_backward_input(w.gT, M.sh_fc1_pre, P.sh_fc1_w, dx_started, Activation::none, Tensor());
@@ -699,10 +699,10 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.moe_probs_on_input) {
     // (The routing weight scaled the input: fc2's input is the activation itself, and d p comes
     // from the input's gradient below.)
-    if (d_.swiglu) be_.swiglu_backward_recompute(d_fc1, act, dact, fc1_pre);
+    if (d_.swiglu) be_.swiglu_backward_recompute(d_fc1, act, dact, fc1_pre, d_.glu);
     else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
   } else if (d_.swiglu) {
-    be_.moe_swiglu_backward(d_fc1, act, dp_perm, dact, fc1_pre, p_perm);
+    be_.moe_swiglu_backward(d_fc1, act, dp_perm, dact, fc1_pre, p_perm, d_.glu);
   } else {
     be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
     be_.moe_scale_rows_backward(dact, dp_perm, dact, act, p_perm);  // d act, d p

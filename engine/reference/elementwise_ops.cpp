@@ -44,11 +44,30 @@ void ReferenceBackend::activation_backward(Tensor din, Tensor dout, Tensor in, A
   });
 }
 
-void ReferenceBackend::swiglu_forward(Tensor out, Tensor in) {
+namespace {
+
+// The gated unit in double (engine/activation.h Glu): value y and the gradients of y w.r.t. the
+// gate and up inputs; plain SwiGLU keeps its own expressions (swiglu_forward / _backward_rows).
+struct GluEval {
+  double y, dgate, dup;
+};
+GluEval glu_eval(const Glu& q, double gate, double up) {
+  const bool clamp = q.clamp > 0;
+  const double c = q.clamp;
+  const double g = clamp ? std::min(gate, c) : gate, u = clamp ? std::clamp(up, -c, c) : up;
+  const double a = q.quick_gelu ? 1.702 : 1.0, s = 1.0 / (1.0 + std::exp(-a * g)), lin = u + q.offset;
+  const bool g_in = !clamp || gate <= c, u_in = !clamp || (up >= -c && up <= c);
+  return {g * s * lin, g_in ? lin * s * (1.0 + a * g * (1.0 - s)) : 0.0, u_in ? g * s : 0.0};
+}
+
+}  // namespace
+
+void ReferenceBackend::swiglu_forward(Tensor out, Tensor in, const Glu& q) {
   const int64_t rows = in.rows(), f = in.cols() / 2;
   MT_CHECK(in.cols() % 2 == 0, "swiglu_forward: odd input width {}", in.cols());
   check_numel(out, rows * f, "swiglu_forward", "out");
   check_same_dtype(in, out, "swiglu_forward");
+  const bool plain = q.plain();
   dispatch_float(in, "swiglu_forward", [&](auto tag) {
     using T = decltype(tag);
     pool_.parallel_for(rows, 16, [&](int64_t b, int64_t e, int) {
@@ -58,27 +77,29 @@ void ReferenceBackend::swiglu_forward(Tensor out, Tensor in) {
         T* y = out.ptr<T>() + r * f;
         for (int64_t c = 0; c < f; ++c) {
           const double g = gate[c];
-          y[c] = static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c]));
+          y[c] = plain ? static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c]))
+                       : static_cast<T>(glu_eval(q, g, static_cast<double>(up[c])).y);
         }
       }
     });
   });
 }
 
-void ReferenceBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in) {
-  swiglu_backward_rows(din, Tensor(), dout, in, "swiglu_backward");
+void ReferenceBackend::swiglu_backward(Tensor din, Tensor dout, Tensor in, const Glu& q) {
+  swiglu_backward_rows(din, Tensor(), dout, in, q, "swiglu_backward");
 }
 
 // Element by element (gate, up and dy of column c read before anything of c is written), so din
 // may alias in and act_out may alias dout. act_out repeats swiglu_forward's expression exactly.
-void ReferenceBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) {
-  swiglu_backward_rows(din, act_out, dout, in, "swiglu_backward_recompute");
+void ReferenceBackend::swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& q) {
+  swiglu_backward_rows(din, act_out, dout, in, q, "swiglu_backward_recompute");
 }
 
 // Both of the above; act_out (swiglu(in), written only if given) comes along for free.
-void ReferenceBackend::swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const char* op) {
+void ReferenceBackend::swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& q,
+                                            const char* op) {
   const int64_t rows = in.rows(), f = in.cols() / 2;
-  const bool recompute = !act_out.empty();
+  const bool recompute = !act_out.empty(), plain = q.plain();
   check_numel(din, in.numel(), op, "din");
   check_numel(dout, rows * f, op, "dout");
   check_same_dtype(in, din, op);
@@ -98,7 +119,15 @@ void ReferenceBackend::swiglu_backward_rows(Tensor din, Tensor act_out, Tensor d
         T* dup = dgate + f;
         T* y = recompute ? act_out.ptr<T>() + r * f : nullptr;
         for (int64_t c = 0; c < f; ++c) {
-          const double g = gate[c], u = up[c], d = dy[c], s = sigmoid(g);
+          const double g = gate[c], u = up[c], d = dy[c];
+          if (!plain) {
+            const GluEval v = glu_eval(q, g, u);
+            dgate[c] = static_cast<T>(d * v.dgate);
+            dup[c] = static_cast<T>(d * v.dup);
+            if (y) y[c] = static_cast<T>(v.y);
+            continue;
+          }
+          const double s = sigmoid(g);
           const T act = y ? static_cast<T>(g * sigmoid(g) * static_cast<double>(up[c])) : T(0);
           dgate[c] = static_cast<T>(d * u * s * (1.0 + g * (1.0 - s)));
           dup[c] = static_cast<T>(d * g * s);

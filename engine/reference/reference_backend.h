@@ -78,9 +78,9 @@ class ReferenceBackend final : public Backend {
   void fp8_dequantize(Tensor out, Tensor q, Tensor scale_inv) override;
   void activation_forward(Tensor out, Tensor in, Activation act) override;
   void activation_backward(Tensor din, Tensor dout, Tensor in, Activation act) override;
-  void swiglu_forward(Tensor out, Tensor in) override;
-  void swiglu_backward(Tensor din, Tensor dout, Tensor in) override;
-  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in) override;
+  void swiglu_forward(Tensor out, Tensor in, const Glu& g = {}) override;
+  void swiglu_backward(Tensor din, Tensor dout, Tensor in, const Glu& g = {}) override;
+  void swiglu_backward_recompute(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g = {}) override;
   void moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor expert_bias, const MoeRouting& r) override;
   void moe_sinkhorn_route(Tensor probs, Tensor idx, Tensor logits, int topk, int64_t block_rows,
                           bool training) override;
@@ -161,7 +161,7 @@ class ReferenceBackend final : public Backend {
   double* scratch(int thread, size_t n);
 
  private:
-  void swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const char* op);
+  void swiglu_backward_rows(Tensor din, Tensor act_out, Tensor dout, Tensor in, const Glu& g, const char* op);
 
   ThreadPool pool_;
   std::vector<std::vector<double>> scratch_;

@@ -228,6 +228,45 @@ TEST_CASE("cuda swiglu forward/backward", "[gpu][activation]") {
       }
 }
 
+TEST_CASE("cuda gpt-oss gated units (quick-GeGLU, linear offset, clamp) forward/backward and the MoE-weighted ones",
+          "[gpu][activation]") {
+  MT_RNG(rng);
+  for (const Glu g : {Glu{true, 1.0f, 0.0f}, Glu{true, 1.0f, 1.5f}, Glu{false, 0.0f, 1.5f}, Glu{true, 0.0f, 0.0f}})
+    for (DType dt : kFloatTypes)
+      for (int64_t rows : {1, 7, 333})
+        for (int64_t f : {7, 48, 1000}) {
+          INFO(dtype_name(dt) << " rows " << rows << " f " << f << " quick " << g.quick_gelu << " offset " << g.offset
+                              << " clamp " << g.clamp);
+          const std::vector<double> in_values = rng.normal(rows * 2 * f, 2.0);  // (|x| > 1.5 often: clamped)
+          Twin in = twin(dt, {rows, 2 * f}, in_values), out = twin_nan(dt, {rows, f});
+          dev().swiglu_forward(out.c(), in.c(), g);
+          ref().swiglu_forward(out.r(), in.r(), g);
+          MT_CHECK_CLOSE(out, tol_for(dt));
+          Twin dout = twin(dt, {rows, f}, rng.normal(rows * f)), din = twin_nan(dt, {rows, 2 * f});
+          dev().swiglu_backward(din.c(), dout.c(), in.c(), g);
+          ref().swiglu_backward(din.r(), dout.r(), in.r(), g);
+          MT_CHECK_CLOSE(din, tol_for(dt));
+          // The recomputing backward in place: the activation bit for bit what swiglu_forward wrote.
+          const std::vector<uint8_t> fwd = download_bytes(dev(), out.c());
+          dev().swiglu_backward_recompute(in.c(), dout.c(), dout.c(), in.c(), g);
+          CHECK(differing(download_bytes(dev(), dout.c()), fwd, dtype_size(dt)) == 0);
+          CHECK(differing(download_bytes(dev(), in.c()), download_bytes(dev(), din.c()), dtype_size(dt)) == 0);
+          // The experts' fused unit with the routing weight p per row.
+          Twin x = twin(dt, {rows, 2 * f}, in_values), y = twin_nan(dt, {rows, f});
+          Twin p = twin(DType::f32, {rows}, rng.uniform(rows, 0.1, 1.0));
+          dev().moe_swiglu_forward(y.c(), x.c(), p.c(), g);
+          ref().moe_swiglu_forward(y.r(), x.r(), p.r(), g);
+          MT_CHECK_CLOSE(y, tol_for(dt));
+          Twin dy = twin(dt, {rows, f}, rng.normal(rows * f)), act = twin_nan(dt, {rows, f});
+          Twin dp = twin_nan(DType::f32, {rows}), dx = twin_nan(dt, {rows, 2 * f});
+          dev().moe_swiglu_backward(dx.c(), act.c(), dp.c(), dy.c(), x.c(), p.c(), g);
+          ref().moe_swiglu_backward(dx.r(), act.r(), dp.r(), dy.r(), x.r(), p.r(), g);
+          MT_CHECK_CLOSE(dx, tol_for(dt));
+          MT_CHECK_CLOSE(act, tol_for(dt));
+          MT_CHECK_CLOSE(dp, tol_for(dt) * 4);
+        }
+}
+
 TEST_CASE("cuda attention output gate: QKV split/merge and the sigmoid gate", "[gpu][activation]") {
   MT_RNG(rng);
   for (DType dt : kFloatTypes)

@@ -3,7 +3,7 @@
 // z-losses and every parameter's gradient; float32 and bf16; also with the router's input jitter
 // and the experts' fc1 outputs recomputed in backward (--recompute-modules moe), and with the
 // routing weights on the experts' input (--moe-apply-probs-on-input), and with the aux, seq_aux and
-// global_aux load-balancing losses together.
+// global_aux load-balancing losses together, and with gpt-oss's gated unit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -53,18 +53,27 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     bool jitter_recompute = false;
     bool probs_on_input = false;  // --moe-apply-probs-on-input, top-1 sigmoid routing
     bool all_balancing = false;   // aux_loss, seq_aux_loss and global_aux_loss together
+    bool gpt_oss_mlp = false;     // quick-GeGLU with the linear offset and the clamp (every MLP)
   };
   for (const Shape& sh : {Shape{8, 2, 32, 2, DType::f32}, Shape{5, 3, 17, 3, DType::f32},  // (odd: 51 rows)
                           Shape{4, 4, 32, 2, DType::bf16}, Shape{3, 3, 17, 3, DType::bf16},
                           Shape{5, 3, 17, 3, DType::f32, true}, Shape{4, 4, 32, 2, DType::bf16, true},
                           Shape{5, 1, 17, 3, DType::f32, false, true}, Shape{1, 1, 32, 2, DType::bf16, true, true},
                           Shape{5, 3, 17, 3, DType::f32, false, false, true},
-                          Shape{4, 4, 32, 2, DType::bf16, false, false, true}}) {
+                          Shape{4, 4, 32, 2, DType::bf16, false, false, true},
+                          Shape{5, 3, 17, 3, DType::f32, false, false, false, true},
+                          Shape{4, 4, 32, 2, DType::bf16, true, false, false, true}}) {
     Config c = moe_config(sh.experts, sh.topk, sh.seq, sh.batch);
     if (sh.jitter_recompute) {
       c.model.moe.input_jitter_eps = 0.05;
       c.train.recompute_granularity = RecomputeGranularity::selective;
       c.train.recompute_modules = {"core_attn", "moe"};
+    }
+    if (sh.gpt_oss_mlp) {
+      c.model.swiglu = false;
+      c.model.quick_geglu = true;
+      c.model.glu_linear_offset = 1.0;
+      c.model.activation_func_clamp_value = 2.0;
     }
     if (sh.all_balancing) {
       using LB = MoeLoadBalancing;
@@ -95,6 +104,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
                       << (sh.jitter_recompute ? ", jitter and MoE recompute" : "")
                       << (sh.probs_on_input ? ", routing weights on the input" : "")
                       << (sh.all_balancing ? ", aux, seq_aux and global_aux losses" : "")
+                      << (sh.gpt_oss_mlp ? ", quick-GeGLU with offset and clamp" : "")
                       << " (seed " << rng.seed() << ")");
       const ModelRun g = run_model_micro_batch(dev(), c, T, w, mb);
       const double tol = bf16 ? 3e-2 : 2e-3;

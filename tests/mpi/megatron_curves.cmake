@@ -72,3 +72,13 @@ megatron_curve_test(llama_decoupled_lr 1 llama/tp1_dist ${curve_llama4} --decoup
 megatron_curve_test(llama_wsd 1 llama/tp1_dist ${curve_llama4} --lr-decay-style WSD --lr-wsd-decay-iters 2)
 megatron_curve_test(llama_rotary_half 1 llama/tp1_dist ${curve_llama4} --rotary-percent 0.5)
 megatron_curve_test(llama_rope_scaling 1 llama/tp1_dist ${curve_llama4} --use-rope-scaling)
+# gpt-oss's gated unit: quick-GeGLU with the linear offset and the clamp (dense; MoE experts and the
+# shared expert), and SwiGLU clamped in an MoE model (tests/fixtures/megatron/gpt_oss_mlp: one
+# finetuned iteration that records the unit).
+set(curve_geglu --quick-geglu --glu-linear-offset 1.0 --no-bias-gelu-fusion)
+string(REPLACE "--swiglu" "${curve_geglu}" curve_llama_geglu "${curve_llama4}")
+string(REPLACE "--swiglu" "${curve_geglu}" curve_moe_geglu "${curve_moe}")
+megatron_curve_test(llama_quick_geglu 1 gpt_oss_mlp/llama_quick_geglu ${curve_llama_geglu}
+                    --activation-func-clamp-value 0.5)
+megatron_curve_test(moe_quick_geglu 1 gpt_oss_mlp/moe_quick_geglu ${curve_moe_geglu} --activation-func-clamp-value 2.0)
+megatron_curve_test(moe_swiglu_clamp 1 moe/dist ${curve_moe} --activation-func-clamp-value 1.0)
