@@ -600,29 +600,39 @@ void MegatronCheckpoint::open_torch_dist() {
   rename_moe_norms();
 }
 
-// A mixture-of-experts layer's pre-MLP norm is a norm of its own (megatrain's pre_mlp_layernorm, as
-// Transformer Engine's spec names it), which the local spec's checkpoints (torch_dist's key map, and
-// the torch format as read here: open_torch) call linear_fc1's fused norm as in dense layers.
-void MegatronCheckpoint::rename_moe_norms() {
+// Renames the decoder layers' keys of the weights and the optimizer states: `to(layer, rest)` gives
+// a key's new rest (after "decoder.layers.<layer>."), or nullopt to keep it.
+void MegatronCheckpoint::rename_layer_keys(
+    const std::function<std::optional<std::string>(int, const std::string&)>& to) {
   const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
     std::vector<std::pair<std::string, std::string>> moves;
     for (const auto& [key, src] : map) {
       if (key.compare(0, prefix.size(), prefix) != 0) continue;
       const auto layer = megatron_split_layer_name(key.substr(prefix.size()));
-      static const std::string fused = "mlp.linear_fc1.layer_norm_";
-      if (!layer || layer->second.compare(0, fused.size(), fused) != 0) continue;
-      const std::string head = fmt::format("decoder.layers.{}.", layer->first);
-      if (!params_.count(head + "mlp.router.weight")) continue;  // not an MoE layer
-      moves.emplace_back(key, prefix + head + "pre_mlp_layernorm." + layer->second.substr(fused.size()));
+      if (!layer) continue;
+      if (const std::optional<std::string> rest = to(layer->first, layer->second))
+        moves.emplace_back(key, prefix + fmt::format("decoder.layers.{}.", layer->first) + *rest);
     }
-    for (const auto& [from, to] : moves) {
+    for (const auto& [from, dest] : moves) {
       auto node = map.extract(from);
-      node.key() = to;
+      node.key() = dest;
       map.insert(std::move(node));
     }
   };
   for (const char* state : {"exp_avg/", "exp_avg_sq/", "fp32_param/"}) rename_in(optim_, state);
   rename_in(params_, "");
+}
+
+// A mixture-of-experts layer's pre-MLP norm is a norm of its own (megatrain's pre_mlp_layernorm, as
+// Transformer Engine's spec names it), which the local spec's checkpoints (torch_dist's key map, and
+// the torch format as read here: open_torch) call linear_fc1's fused norm as in dense layers.
+void MegatronCheckpoint::rename_moe_norms() {
+  static const std::string fused = "mlp.linear_fc1.layer_norm_";
+  rename_layer_keys([&](int layer, const std::string& rest) -> std::optional<std::string> {
+    if (rest.compare(0, fused.size(), fused) != 0) return std::nullopt;
+    if (!params_.count(fmt::format("decoder.layers.{}.mlp.router.weight", layer))) return std::nullopt;  // not MoE
+    return "pre_mlp_layernorm." + rest.substr(fused.size());
+  });
 }
 
 // Megatron-Core's local layer spec keys the norms of multi-latent-attention layers by their modules
@@ -638,28 +648,16 @@ void MegatronCheckpoint::rename_mla_local_norms() {
       {"self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_",
        "self_attention.linear_kv_up_proj.weight"},
       {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.weight"}};
-  const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
-    std::vector<std::pair<std::string, std::string>> moves;
-    for (const auto& [key, src] : map) {
-      if (key.compare(0, prefix.size(), prefix) != 0) continue;
-      const auto layer = megatron_split_layer_name(key.substr(prefix.size()));
-      if (!layer) continue;
-      const std::string head = fmt::format("decoder.layers.{}.", layer->first);
-      if (!params_.count(head + "self_attention.linear_kv_down_proj.weight")) continue;  // not an MLA layer
-      for (const Rule& r : rules) {
-        const std::string from = r.from;
-        if (layer->second.compare(0, from.size(), from) == 0 && params_.count(head + r.needs))
-          moves.emplace_back(key, prefix + head + r.to + layer->second.substr(from.size()));
-      }
+  rename_layer_keys([&](int layer, const std::string& rest) -> std::optional<std::string> {
+    const std::string head = fmt::format("decoder.layers.{}.", layer);
+    if (!params_.count(head + "self_attention.linear_kv_down_proj.weight")) return std::nullopt;  // not an MLA layer
+    for (const Rule& r : rules) {
+      const std::string from = r.from;
+      if (rest.compare(0, from.size(), from) == 0 && params_.count(head + r.needs))
+        return r.to + rest.substr(from.size());
     }
-    for (const auto& [from, to] : moves) {
-      auto node = map.extract(from);
-      node.key() = to;
-      map.insert(std::move(node));
-    }
-  };
-  for (const char* state : {"exp_avg/", "exp_avg_sq/", "fp32_param/"}) rename_in(optim_, state);
-  rename_in(params_, "");
+    return std::nullopt;
+  });
 }
 
 std::map<MegatronCheckpoint::FlatBucket, int64_t> MegatronCheckpoint::flat_buckets() const {

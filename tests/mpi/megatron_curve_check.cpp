@@ -18,15 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/mpi/check_util.h"
+
+using mt_check::check;
+using mt_check::failures;
+using mt_check::run;
+
 namespace {
-
-int failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (ok) return;
-  std::cout << "FAIL: " << what << "\n";
-  ++failures;
-}
 
 // The "key: value" fields of each iteration line (" | "-separated), by iteration.
 std::map<int, std::map<std::string, double>> iterations(const std::string& path) {
@@ -52,16 +50,6 @@ std::map<int, std::map<std::string, double>> iterations(const std::string& path)
     }
   }
   return out;
-}
-
-int run(const std::string& cmd, const std::string& log) {
-  std::cout << "$ " << cmd << "\n" << std::flush;
-  const int rc = std::system((cmd + " > " + log + " 2>&1").c_str());
-  if (rc != 0) {
-    std::ifstream in(log);
-    std::cout << in.rdbuf() << "\n(exit status " << rc << ")\n";
-  }
-  return rc;
 }
 
 }  // namespace

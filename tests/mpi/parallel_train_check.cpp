@@ -41,6 +41,11 @@
 
 #include "checkpoint/checkpoint_io.h"
 #include "core/error.h"
+#include "tests/mpi/check_util.h"
+
+using mt_check::check;
+using mt_check::failures;
+using mt_check::run;
 
 namespace {
 
@@ -61,7 +66,6 @@ struct Record {
 };
 using Evals = std::map<std::pair<int64_t, bool>, double>;  // (iteration, after training) -> lm loss
 
-int failures = 0;
 // Tolerances; --bf16-reduce loosens them for gradients summed in bfloat16 (--grad-reduce-in-bf16:
 // 8 mantissa bits, so relative errors near 4e-3 per element; Adam then moves parameters whose
 // gradients are near zero by up to the learning rate).
@@ -81,23 +85,6 @@ bool tensorwise = false;
 // trajectories part. Up to the first flip they agree to float32 rounding, and a layout error (a
 // wrong scale_inv, a transposed operand, a layer left out) shows at once.
 int64_t iterations = 8;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::cout << "FAIL: " << what << "\n";
-    ++failures;
-  }
-}
-
-int run(const std::string& cmd, const std::string& log) {
-  std::cout << "$ " << cmd << "\n" << std::flush;
-  const int rc = std::system((cmd + " > " + log + " 2>&1").c_str());
-  if (rc != 0) {
-    std::ifstream in(log);
-    std::cout << in.rdbuf() << "\n(exit status " << rc << ")\n";
-  }
-  return rc;
-}
 
 bool near(double a, double b, double rtol) { return std::fabs(a - b) <= rtol * std::max(std::fabs(a), std::fabs(b)); }
 
