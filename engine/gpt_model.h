@@ -324,6 +324,8 @@ class GptModel {
   // load_balancing_loss, z_loss, seq_load_balancing_loss and global_load_balancing_loss before their
   // reduction over ranks). The trainer zeroes it at each step's start.
   static constexpr int kMoeTerms = 3;
+  // Each pair's place: pair t at 2 t; the z-loss is the second of the aux_loss pair.
+  enum MoeLossTerm : int { kMoeAuxTerm = 0, kMoeSeqTerm = 1, kMoeGlobalTerm = 2 };
   Tensor moe_loss_sums() const { return moe_loss_; }
   // With --moe-per-layer-logging: the same per global layer, [2 kMoeTerms x num_layers] (layer l's
   // from 2 kMoeTerms l; zero for the layers of other chunks and dense layers). Empty otherwise.

@@ -18,8 +18,7 @@ namespace {
 // from kMtp on, then each depth's acceptance counts {right, counted}: ModelDims allows at most
 // kMtpMax depths.)
 enum Scalar {
-  kLossSum = 0, kTokens = 1, kMoe = 2, kMoeAux = kMoe, kMoeZ = kMoe + 1, kMoeSeq = kMoe + 2, kMoeGlobal = kMoe + 4,
-  kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq, kExpertZeros, kCount, kMtp = kCount + 2,
+  kLossSum = 0, kTokens = 1, kMoe = 2, kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq, kExpertZeros, kCount, kMtp = kCount + 2,
   kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
 };
 static_assert(kScalars <= kFirstScalarSlot, "the optimizer's scalars overlap engine/scalar_reduce.h's slots");
@@ -34,10 +33,11 @@ struct MoeTerm {
 };
 std::vector<MoeTerm> moe_terms(const ModelDims& d) {
   std::vector<MoeTerm> terms;
-  if (d.moe_log_aux) terms.push_back({"load_balancing_loss", 0, false});
-  if (d.moe_log_seq) terms.push_back({"seq_load_balancing_loss", 2, false});
-  if (d.moe_log_global) terms.push_back({"global_load_balancing_loss", 4, true});
-  if (d.moe_log_z) terms.push_back({"z_loss", 1, false});
+  using G = GptModel;
+  if (d.moe_log_aux) terms.push_back({"load_balancing_loss", 2 * G::kMoeAuxTerm, false});
+  if (d.moe_log_seq) terms.push_back({"seq_load_balancing_loss", 2 * G::kMoeSeqTerm, false});
+  if (d.moe_log_global) terms.push_back({"global_load_balancing_loss", 2 * G::kMoeGlobalTerm, true});
+  if (d.moe_log_z) terms.push_back({"z_loss", 2 * G::kMoeAuxTerm + 1, false});
   return terms;
 }
 }  // namespace

@@ -302,13 +302,13 @@ void GptModel::moe_balance_forward(int local, const Slot& s, const MoeActs& M) {
   };
   const Tensor whole = M.stats.flat_slice(0, width);
   stats_of(whole, M.logits);
-  if (first) record(0, whole, d_.moe_aux_coeff != 0 ? f.aux : 0.0, f.z);
+  if (first) record(kMoeAuxTerm, whole, d_.moe_aux_coeff != 0 ? f.aux : 0.0, f.z);
   if (d_.moe_seq_coeff != 0) {
     const Tensor ordered = moe_sequence_logits(M.logits);
     for (int64_t b = 0; b < f.sequences; ++b) {
       const Tensor stats = M.stats.flat_slice((1 + b) * width, width);
       stats_of(stats, ordered.row_slice(b * f.rows, f.rows));
-      if (first) record(1, stats, f.seq, 0.0);
+      if (first) record(kMoeSeqTerm, stats, f.seq, 0.0);
     }
   }
   if (d_.moe_global_coeff != 0 && first) {
@@ -321,7 +321,7 @@ void GptModel::moe_balance_forward(int local, const Slot& s, const MoeActs& M) {
     be_.axpby(counts, 1.0f / static_cast<float>(n), sum, 0.0f, sum);
     be_.copy(M.global.flat_slice(0, E), whole.flat_slice(0, E));
     be_.fill(M.global.flat_slice(2 * E, 1), 0.0);
-    record(2, M.global, f.global, 0.0);
+    record(kMoeGlobalTerm, M.global, f.global, 0.0);
   }
 }
 
