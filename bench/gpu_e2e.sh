@@ -29,10 +29,10 @@ if [[ $steps == *tiny* ]]; then
   # tail for the weight-gradient GEMMs (cuda/gemm_splitk_guard.h) and a sequence off the tiles.
   # TINY_EXTRA adds model flags to every model (e.g. "--window-size 31,0 --window-attn-skip-freq 2");
   # TINY_MODELS picks the models (default "gpt llama"; also "nemotron": LayerNorm1P, squared ReLU,
-  # RoPE over half of each head).
+  # RoPE over half of each head; "moe", "moe_ds", "gptoss": mixtures of experts, below).
   seq=${TINY_SEQ:-128} mbs=${TINY_MBS:-4}
   common="--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --seq-length $seq --max-position-embeddings $seq
-    --micro-batch-size $mbs --global-batch-size $((2 * mbs)) --train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
+    --micro-batch-size $mbs --global-batch-size $((2 * mbs)) --train-iters ${TINY_ITERS:-20} --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
     --lr-warmup-iters 2 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1 --eval-iters 0 --seed 1234"
   # Head dim 64 (256 / 4): the shapes the fast attention paths take.
   gpt="--num-layers 2 --hidden-size 256 --num-attention-heads 4"
@@ -42,6 +42,16 @@ if [[ $steps == *tiny* ]]; then
   nemotron="--num-layers 2 --hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2
     --ffn-hidden-size 512 --squared-relu --apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.5
     --untie-embeddings-and-output-weights --disable-bias-linear"
+  # Mixture of experts on the Llama shape: Mixtral's softmax top-2 with aux + global aux + z-losses;
+  # DeepSeek's sigmoid top-2 of 6 with the expert bias, scaling and seq_aux_loss; gpt-oss's clamped
+  # quick-GeGLU experts with the linear offset.
+  moe="$llama --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss global_aux_loss --moe-aux-loss-coeff 1e-2 1e-3 --moe-z-loss-coeff 1e-3"
+  moe_ds="$llama --num-experts 6 --moe-router-topk 2 --moe-grouped-gemm --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss
+    --moe-aux-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 256"
+  gptoss="${llama/--swiglu/--quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0} --num-experts 4
+    --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2"
   for model in ${TINY_MODELS:-gpt llama}; do
     flags="$common ${!model} ${TINY_EXTRA:-}"
     run() {  # kind, extra flags
