@@ -176,7 +176,13 @@ void add_model_flags(FlagTable& t) {
     // Recorded in the checkpoint's model section as its two fields (app/checkpoint_args.cpp).
     t.add(std::move(s)).model_setting("window_attn_skip_freq");
   }
-  t.recognised("--softmax-type", Arity::one, "{vanilla,off-by-one,learnable}", "vanilla", "attention softmax variant");
+  t.choice("--softmax-type",
+           "attention softmax: vanilla, off-by-one (every row's denominator + 1: a sink logit of 0) or learnable (a "
+           "sink logit per head, trained: gpt-oss's attention sinks)",
+           std::vector<std::pair<std::string, SoftmaxType>>{{"vanilla", SoftmaxType::vanilla},
+                                                            {"off-by-one", SoftmaxType::off_by_one},
+                                                            {"learnable", SoftmaxType::learnable}},
+           MT_FIELD(model.softmax_type)).model_setting("softmax_type", CheckpointTake::forced, CheckpointCompare::no, true);
   t.choice("--attention-backend",
            "attention implementation: flash (megatrain's kernels: the reference backend's dropout mask), fused "
            "(cuDNN: its own dropout mask), auto (cuDNN where it runs); unfused runs flash (the same attention, "

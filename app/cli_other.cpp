@@ -396,7 +396,10 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--yaml-cfg", Arity::one, "STR", "None", "arguments from a YAML file");
   // ModelOpt's arguments (megatron/post_training/arguments.py), which pretrain_gpt.py parses when
   // nvidia-modelopt is installed.
-  t.recognised("--enable-gpt-oss", Arity::none, "", "off", "gpt-oss's YaRN rotary settings (ModelOpt's model builder)");
+  t.no_effect("--enable-gpt-oss", Arity::none,
+              "gpt-oss's YaRN rotary settings, applied only by ModelOpt's model builder, which Megatron-LM uses for "
+              "ModelOpt checkpoints and distillation (neither built): pretraining never reads it, as in Megatron-LM",
+              "off");
   t.recognised("--export-model-type", Arity::one, "STR", "GPTModel", "ModelOpt's model class (GPTModel; HybridModel for hybrids)");
   t.recognised("--export-legacy-megatron", Arity::none, "", "off", "ModelOpt: export a legacy Megatron-LM checkpoint");
   t.no_effect("--export-default-te-spec", Arity::none,

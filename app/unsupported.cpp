@@ -16,7 +16,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--decoder-num-layers", W::any_use, {}, "encoder-decoder models"},
       {"--decoder-seq-length", W::any_use, {}, "encoder-decoder models"},
       {"--position-embedding-type", W::values, {"mrope", "relative"}, ""},
-      {"--softmax-type", W::other_than, {"vanilla"}, ""},
       {"--spec", W::any_use, {}, ""},
       {"--mtp-use-repeated-layer", W::any_use, {}, "multi-token prediction"},
       {"--mtp-detach-heads", W::any_use, {}, "multi-token prediction"},
@@ -102,7 +101,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--cuda-graph-warmup-steps", W::other_than, {"3"}, "CUDA graphs"},
       {"--external-cuda-graph", W::any_use, {}, ""},
       // the rest of Megatron-LM's command line (app/cli_other.cpp)
-      {"--enable-gpt-oss", W::any_use, {}, ""},
       {"--export-model-type", W::other_than, {"GPTModel"}, ""},
       {"--export-legacy-megatron", W::any_use, {}, ""},
       {"--export-real-quant-cfg", W::any_use, {}, "ModelOpt quantization"},

@@ -50,8 +50,12 @@ EXAMPLES = [
     "examples/gpt3/train_gpt3_175b_distributed.sh",
     "examples/llama/train_llama3_8b_h100_fp8.sh",
     "examples/mixtral/train_mixtral_8x7b_distributed.sh",
-        "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
+    "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
+    "examples/gptoss/02_train.sh",
 ]
+# Examples run on other than the 8 GPUs of their script: gpt-oss's pipeline size is its world size
+# (PP_SIZE=${WORLD_SIZE}), which must divide its 12 layers (Megatron-LM refuses 8).
+EXAMPLE_GPUS = {"examples/gptoss/02_train.sh": 4}
 
 
 def git_files(repo, pattern):
@@ -72,6 +76,9 @@ def substitute(word, scratch, known=None):
     def value(m):
         name = m.group(1)
         v = (known or {}).get(name, HARNESS_VALUES.get(name))
+        if v is not None and "$" in v and name not in v:  # another variable's value (PP_SIZE=${WORLD_SIZE})
+            v = substitute(v, scratch, known)
+            v = None if v.startswith(scratch) else v
         return v if v is not None and "/" not in v and "$" not in v else os.path.join(scratch, name.lower())
     return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}?", value, word)
 
@@ -96,13 +103,21 @@ def yaml_args(model_args, scratch):
     return words
 
 
-def script_args(text, scratch):
+def script_args(text, scratch, gpus=None):
     """The `--flag value` words of a launch script's argument arrays (`NAME_ARGS=( ... )`), shell-split,
     comments dropped, the launcher's own array (DISTRIBUTED_ARGS) and profiler arrays left out.
-    Variables the script sets (`X=v`, `X=${X:-v}`) take that value."""
+    Variables the script sets (`X=v`, `X=${X:-v}`, `X=$((A*B))` of integers) take that value."""
     known = {}
     for m in re.finditer(r"^\s*(?:export\s+)?([A-Z_][A-Z0-9_]*)=(?:\$\{\1:-([^}]*)\}|([^\s(]\S*))?\s*$", text, re.M):
         known[m.group(1)] = (m.group(2) if m.group(2) is not None else m.group(3) or "").strip('"')
+    if gpus:
+        known["GPUS_PER_NODE"] = str(gpus)
+    for name, v in known.items():  # shell arithmetic on known integers (WORLD_SIZE=$(($GPUS_PER_NODE*$NUM_NODES)))
+        m = re.fullmatch(r"\$\(\((.*)\)\)", v)
+        if m:
+            expr = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda g: known.get(g.group(1), "?"), m.group(1))
+            if re.fullmatch(r"[0-9+*/ -]+", expr):
+                known[name] = str(eval(expr.replace("/", "//")))
     words, array = [], None
     for line in text.splitlines():
         line = line.split(" #")[0].strip()
@@ -210,7 +225,7 @@ def main():
         path = os.path.join(a.megatron, f)
         if os.path.exists(path):
             with open(path) as fh:
-                configs.append((f, ("script", fh.read()), None))
+                configs.append((f, ("script", fh.read()), EXAMPLE_GPUS.get(f)))
     if a.only:
         configs = [c for c in configs if a.only in c[0]]
 
@@ -218,7 +233,7 @@ def main():
     tally = collections.Counter()
     with tempfile.TemporaryDirectory() as scratch:
         for name, (kind, body), gpus in configs:
-            words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch)
+            words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch, gpus)
             if "--fim-data" in words:
                 words = strip_data_flags(words) + [w.replace("@SRC@", SRC) for w in FIM_DATA]
             else:

@@ -136,6 +136,11 @@ torch.distributed.run launch runs this file and installs them too):
     capability (torch.cuda.get_device_properties) when tensor or context parallelism is on; 9
     (Hopper, the GPUs the fixtures were made on) takes the pre-Blackwell branch, which only
     requires CUDA_DEVICE_MAX_CONNECTIONS=1 (set here).
+12. megatron.core.dist_checkpointing.strategies.torch.TorchDistLoadShardedStrategy.
+    load_tensors_metadata (the checkpoint's tensor list, read for --dist-ckpt-strictness other than
+    assume_ok_unexpected): Megatron passes each stored tensor's TensorProperties to torch.empty as
+    keywords, and this PyTorch's properties carry `strides`, which torch.empty does not take. The
+    replacement drops that one key (the tensors it makes are empty "meta" placeholders).
 
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
@@ -302,8 +307,10 @@ class _DropForkRngWarning(logging.Filter):
 
 
 def _patch_megatron(megatron_dir):
-    """Patches 4, 6, 8, 9, 10 and 11 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
+    """Patches 4, 6, 8, 9, 10, 11 and 12 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
     import subprocess
+
+    import torch
     import sysconfig
 
     import torch
@@ -378,6 +385,25 @@ def _patch_megatron(megatron_dir):
         return 9
 
     arguments.get_device_arch_version = get_device_arch_version
+
+    # 12: stored tensors' properties without `strides` when Megatron lists a checkpoint's tensors.
+    from megatron.core.dist_checkpointing.strategies import torch as dist_torch
+
+    empty = torch.empty
+
+    def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+        def empty_without_strides(*args, **kwargs):
+            kwargs.pop("strides", None)
+            return empty(*args, **kwargs)
+
+        dist_torch.torch.empty = empty_without_strides
+        try:
+            return original_load_tensors_metadata(self, checkpoint_dir, metadata)
+        finally:
+            dist_torch.torch.empty = empty
+
+    original_load_tensors_metadata = dist_torch.TorchDistLoadShardedStrategy.load_tensors_metadata
+    dist_torch.TorchDistLoadShardedStrategy.load_tensors_metadata = load_tensors_metadata
 
     # 4: skip initialize_megatron's CUDA assertion with its own parameter.
     from megatron.training import training

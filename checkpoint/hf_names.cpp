@@ -75,6 +75,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.swiglu = m.swiglu;
   s.squared_relu = m.squared_relu;
   s.gated_unit_variant = m.quick_geglu || m.glu_linear_offset != 0.0 || m.activation_func_clamp_value.has_value();
+  s.attention_sinks = m.softmax_type != SoftmaxType::vanilla;
   s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;
   s.nope_layers = std::find(m.nope_layer.begin(), m.nope_layer.end(), 1) != m.nope_layer.end();
@@ -304,6 +305,7 @@ void HfModelSpec::validate() const {
   if (gated_unit_variant)
     refuse("--quick-geglu, --glu-linear-offset or --activation-func-clamp-value (gpt-oss's MLP: none of the mapped HF "
            "families)");
+  if (attention_sinks) refuse("--softmax-type other than vanilla (attention sinks: none of the mapped HF families)");
   if (nope_layers && !deepseek) refuse("--no-rope-freq (none of the mapped HF families skips RoPE in some layers)");
   if (attention_output_gate && !next)
     refuse("--attention-output-gate (of the mapped HF families only Qwen3-Next gates its attention, beside Gated "

@@ -70,6 +70,7 @@ struct HfModelSpec {
   bool swiglu = false;
   bool squared_relu = false;
   bool gated_unit_variant = false;  // --quick-geglu, --glu-linear-offset or --activation-func-clamp-value
+  bool attention_sinks = false;     // --softmax-type off-by-one / learnable
   bool qk_layernorm = false;
   bool qk_l2_norm = false;
   bool nope_layers = false;  // --no-rope-freq: some layers skip RoPE

@@ -27,6 +27,7 @@ constexpr int64_t kMegatronParamAlignment = 64;  // pad_param_start: elements, n
 const std::vector<std::string>& layer_order(bool te_spec) {
   static const std::vector<std::string> local = {
       "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",  // input_layernorm
+      "self_attention.core_attention.softmax_offset",  // (Attention registers core_attention before linear_proj)
       "self_attention.linear_proj.weight",          "self_attention.linear_proj.bias",
       "self_attention.linear_qkv.weight",           "self_attention.linear_qkv.bias",
       "self_attention.q_layernorm.weight",          "self_attention.q_layernorm.bias",
@@ -44,7 +45,7 @@ const std::vector<std::string>& layer_order(bool te_spec) {
       "mlp.shared_experts.linear_fc1.weight",       "mlp.shared_experts.linear_fc2.weight"};
   static const std::vector<std::string> te = [] {
     std::vector<std::string> o = local;  // the input norm moves into linear_qkv, after linear_proj
-    std::rotate(o.begin(), o.begin() + 2, o.begin() + 4);
+    std::rotate(o.begin(), o.begin() + 2, o.begin() + 5);
     return o;
   }();
   return te_spec ? te : local;

@@ -35,10 +35,10 @@ MegatronTpSplit megatron_tp_split(const std::string& name, bool swiglu) {
   if (ends_with(name, "linear_fc1.weight") || ends_with(name, "linear_fc1.bias"))
     return swiglu ? MegatronTpSplit::swiglu_rows : MegatronTpSplit::rows;
   // (Multi-latent attention: the up projections split the heads; the down projections are whole on
-  // every rank, Transformer Engine's "duplicated" linears.)
+  // every rank, Transformer Engine's "duplicated" linears. The attention sinks split the heads.)
   if (ends_with(name, "linear_qkv.weight") || ends_with(name, "linear_qkv.bias") ||
       ends_with(name, "linear_q_proj.weight") || ends_with(name, "linear_q_up_proj.weight") ||
-      ends_with(name, "linear_kv_up_proj.weight") ||
+      ends_with(name, "linear_kv_up_proj.weight") || ends_with(name, "core_attention.softmax_offset") ||
       name == "embedding.word_embeddings.weight" || name == "output_layer.weight")
     return MegatronTpSplit::rows;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight")) return MegatronTpSplit::columns;

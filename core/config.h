@@ -50,6 +50,9 @@ enum class WeightDecayIncrStyle { constant, linear, cosine };
 enum class RecomputeGranularity { none, full, selective };
 enum class RecomputeMethod { none, uniform, block };
 enum class AttentionBackend { auto_, flash, fused, unfused, local };
+// --softmax-type: the attention softmax's denominator gets exp(s_h) of a sink logit per query head
+// (Megatron-Core's SoftmaxOne): none (vanilla), s_h = 0 (off-by-one) or a trained s_h (learnable).
+enum class SoftmaxType { vanilla, off_by_one, learnable };
 enum class DeviceKind { gpu, cpu };
 enum class Launcher { none, torchrun, openmpi, mpich, slurm, workstation };
 // Mixture of experts (--num-experts ...; Megatron-Core's TopKRouter and MoELayer).
@@ -181,6 +184,7 @@ struct ModelConfig {
   // --attention-output-gate: the QKV projection also gives a gate per query head; the attention
   // output is multiplied by sigmoid(gate) before the output projection (Megatron's gated attention).
   bool attention_output_gate = false;
+  SoftmaxType softmax_type = SoftmaxType::vanilla;
   // --window-size LEFT,RIGHT: sliding-window attention (Megatron's tuple; -1 = unbounded on that
   // side). GPT attention is causal, so only LEFT counts: a query sees LEFT earlier keys and itself
   // (Transformer Engine turns (L, R) into (L, 0) for causal masks).

@@ -205,6 +205,95 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(T* out, float* lse, con
   }
 }
 
+// ---- attention sinks ---------------------------------------------------------------------------
+// The sink of head h is a block that every row sees, with lse s_h and output 0: forward merges it
+// as merge_kernel does (one sub-warp per (row, head)). Backward first writes each (row, head)'s
+// exp(s_h - lse) * rowsum(dout * out) into the scratch, head-major, one sub-warp per pair; then one
+// block per head adds its rows in a fixed order (so the result repeats bit for bit).
+template <typename S>
+__device__ __forceinline__ float sink_of(const S* sink, int64_t h) {
+  return sink ? cuda::to_float(sink[h]) : 0.0f;
+}
+
+template <typename T, typename S, int N>
+__global__ void __launch_bounds__(kThreads) sink_forward_kernel(T* out, float* lse, const S* sink, int64_t b,
+                                                                int64_t heads, int64_t s, int units, int lanes) {
+  const int lane = threadIdx.x % cuda::kWarp, sub = lane / lanes, sl = lane % lanes, per_warp = cuda::kWarp / lanes;
+  const int64_t pairs = b * s * heads;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / cuda::kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / cuda::kWarp;
+  for (int64_t base = warp * per_warp; base < pairs; base += warps * per_warp) {
+    const int64_t r = base + sub;
+    const bool valid = r < pairs;
+    int64_t li = 0;
+    float merged = 0;
+    if (valid) {
+      const int64_t h = r % heads, row = r / heads, i = row % b, t = row / b;
+      li = (i * heads + h) * s + t;
+      const float l = lse[li], sh = sink_of(sink, h);
+      const float hi = fmaxf(l, sh), lo = fminf(l, sh);
+      merged = hi + log1pf(expf(lo - hi));
+      const float w = expf(l - merged);  // 0 for a row that saw no key (l = -inf)
+      T* dst = out + r * units * N;
+      for (int u = sl; u < units; u += lanes) {
+        cuda::Floats<N> x = cuda::load_vec<N>(dst + u * N);
+#pragma unroll
+        for (int j = 0; j < N; ++j) x.v[j] *= w;
+        cuda::store_vec<N>(dst + u * N, x);
+      }
+    }
+    __syncwarp();
+    if (valid && sl == 0) lse[li] = merged;
+  }
+}
+
+// terms[h * rows + (row - row0)] for the rows [row0, row0 + rows) (row t * b + i).
+template <typename T, typename S, int N>
+__global__ void __launch_bounds__(kThreads) sink_terms_kernel(float* terms, const T* dout, const T* out,
+                                                              const float* lse, const S* sink, int64_t b,
+                                                              int64_t heads, int64_t s, int64_t row0, int64_t rows,
+                                                              int units, int lanes) {
+  const int lane = threadIdx.x % cuda::kWarp, sub = lane / lanes, sl = lane % lanes, per_warp = cuda::kWarp / lanes;
+  const int64_t pairs = rows * heads;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / cuda::kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / cuda::kWarp;
+  for (int64_t base = warp * per_warp; base < pairs; base += warps * per_warp) {
+    const int64_t r = base + sub;
+    const bool valid = r < pairs;
+    const int64_t h = r % heads, rr = r / heads, row = row0 + rr;
+    float acc = 0;
+    if (valid) {
+      const int64_t off = (row * heads + h) * units * N;
+      for (int u = sl; u < units; u += lanes) {
+        const cuda::Floats<N> g = cuda::load_vec<N>(dout + off + u * N), o = cuda::load_vec<N>(out + off + u * N);
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc += g.v[j] * o.v[j];
+      }
+    }
+    for (int m = lanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (valid && sl == 0) {
+      const int64_t i = row % b, t = row / b;
+      terms[h * rows + rr] = expf(sink_of(sink, h) - lse[(i * heads + h) * s + t]) * acc;
+    }
+  }
+}
+
+// dsink[h] -= the sum of terms[h * rows ...]: one block per head, a fixed order.
+template <typename G>
+__global__ void __launch_bounds__(kThreads) sink_reduce_kernel(G* dsink, const float* terms, int64_t rows) {
+  __shared__ float part[kThreads];
+  const int64_t h = blockIdx.x;
+  float acc = 0;
+  for (int64_t j = threadIdx.x; j < rows; j += kThreads) acc += terms[h * rows + j];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) cuda::grad_add(dsink + h, -part[0]);
+}
+
 // ---- the blocks the CUDA backend runs ---------------------------------------------------------
 enum class BlockKind { diagonal, full, hidden };
 
@@ -414,6 +503,91 @@ void CudaBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor
     if (vec) go.template operator()<static_cast<int>(16 / sizeof(T))>();
     else go.template operator()<1>();
   });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+// The shape [b, heads, s] and head width of attention_sink_*'s operands, checked.
+struct SinkDims {
+  int64_t b, heads, s, d;
+};
+SinkDims sink_dims(const char* op, Tensor out, Tensor lse, Tensor sink) {
+  MT_CHECK(lse.ndim == 3 && lse.dtype == DType::f32, "{}: lse must be float32 [b, heads, s], got {} {}", op,
+           dtype_name(lse.dtype), lse.shape_string());
+  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
+  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
+           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
+  MT_CHECK(sink.empty() || sink.numel() == heads, "{}: sink must be [{}], got {}", op, heads, sink.shape_string());
+  return {b, heads, s, out.cols() / heads};
+}
+
+// Sub-warp lanes for `units` vectors per (row, head): a power of two up to a warp.
+int lanes_for(int units) {
+  int lanes = 1;
+  while (lanes < units && lanes < cuda::kWarp) lanes *= 2;
+  return lanes;
+}
+}  // namespace
+
+void CudaBackend::attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
+  const char* op = "attention_sink_forward";
+  on_device(op, out, lse);
+  if (!sink.empty()) on_device(op, sink);
+  const SinkDims D = sink_dims(op, out, lse, sink);
+  MT_PROFILE_OP("attention_sink_forward {}", out.shape_string());
+  if (lse.numel() == 0) return;
+  const bool vec = vector_aligned(D.d, dtype_size(out.dtype), {out.data});
+  const DType sink_dtype = sink.empty() ? DType::f32 : sink.dtype;
+  MT_DISPATCH_FLOAT(out.dtype, T, op, MT_DISPATCH_FLOAT(sink_dtype, S, op, {
+    auto go = [&]<int N>() {
+      const int units = static_cast<int>(D.d / N), lanes = lanes_for(units);
+      const int64_t warps = (D.b * D.s * D.heads + cuda::kWarp / lanes - 1) / (cuda::kWarp / lanes);
+      sink_forward_kernel<T, S, N><<<grid_of(warps * cuda::kWarp, num_sms_), kThreads, 0, stream_>>>(
+          out.ptr<T>(), lse.ptr<float>(), sink.empty() ? nullptr : sink.ptr<const S>(), D.b, D.heads, D.s, units,
+          lanes);
+    };
+    if (vec) go.template operator()<static_cast<int>(16 / sizeof(T))>();
+    else go.template operator()<1>();
+  }));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) {
+  const char* op = "attention_sink_backward";
+  on_device(op, dsink, dout, out, lse);
+  if (!sink.empty()) on_device(op, sink);
+  const SinkDims D = sink_dims(op, out, lse, sink);
+  MT_CHECK(dout.dtype == out.dtype && dout.numel() == out.numel(), "{}: dout {} {} differs from out {} {}", op,
+           dtype_name(dout.dtype), dout.shape_string(), dtype_name(out.dtype), out.shape_string());
+  MT_CHECK(dsink.numel() == D.heads, "{}: dsink must be [{}], got {}", op, D.heads, dsink.shape_string());
+  MT_PROFILE_OP("attention_sink_backward {}", out.shape_string());
+  const int64_t total_rows = D.b * D.s;
+  if (total_rows == 0) return;
+  cuda::KernelContext ctx = context();
+  // The rows in chunks whose terms fit the scratch, added to dsink chunk after chunk.
+  const int64_t chunk = std::min<int64_t>(total_rows, static_cast<int64_t>(ctx.scratch->remaining() / sizeof(float) /
+                                                                            static_cast<size_t>(D.heads)));
+  MT_CHECK(chunk >= 1, "{}: the scratch cannot hold one row's terms for {} heads", op, D.heads);
+  float* terms = ctx.scratch->take_array<float>(static_cast<size_t>(chunk * D.heads), "attention_sink_backward terms");
+  const bool vec = vector_aligned(D.d, dtype_size(out.dtype), {out.data, dout.data});
+  const DType sink_dtype = sink.empty() ? DType::f32 : sink.dtype;
+  for (int64_t row0 = 0; row0 < total_rows; row0 += chunk) {
+    const int64_t rows = std::min(chunk, total_rows - row0);
+    MT_DISPATCH_FLOAT(out.dtype, T, op, MT_DISPATCH_FLOAT(sink_dtype, S, op, {
+      auto go = [&]<int N>() {
+        const int units = static_cast<int>(D.d / N), lanes = lanes_for(units);
+        const int64_t warps = (rows * D.heads + cuda::kWarp / lanes - 1) / (cuda::kWarp / lanes);
+        sink_terms_kernel<T, S, N><<<grid_of(warps * cuda::kWarp, num_sms_), kThreads, 0, stream_>>>(
+            terms, dout.ptr<const T>(), out.ptr<const T>(), lse.ptr<const float>(),
+            sink.empty() ? nullptr : sink.ptr<const S>(), D.b, D.heads, D.s, row0, rows, units, lanes);
+      };
+      if (vec) go.template operator()<static_cast<int>(16 / sizeof(T))>();
+      else go.template operator()<1>();
+    }));
+    MT_DISPATCH_GRAD(dsink.dtype, G, "attention_sink_backward dsink", {
+      sink_reduce_kernel<G><<<static_cast<unsigned>(D.heads), kThreads, 0, stream_>>>(dsink.ptr<G>(), terms, rows);
+    });
+  }
   MT_CUDA_CHECK_LAUNCH();
 }
 

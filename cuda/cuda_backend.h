@@ -169,6 +169,8 @@ class CudaBackend final : public Backend {
   void attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tensor out, Tensor lse, Tensor q, Tensor kv,
                                 const AttentionShape& a, const AttentionBlock& blk) override;
   void attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) override;
+  void attention_sink_forward(Tensor out, Tensor lse, Tensor sink) override;
+  void attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) override;
   void attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a) override;
   void attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionShape& a) override;
 

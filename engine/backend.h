@@ -688,6 +688,19 @@ class Backend {
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv,
                                   const AttentionShape& a) = 0;
 
+  // ---- attention sinks (--softmax-type off-by-one / learnable) ------------------------------
+  // Query head h's sink logit s_h joins every one of its rows' softmax and carries no value
+  // (Megatron-Core's SoftmaxOne: softmax over [scores, s_h], the sink's column dropped). From
+  // attention_forward's out [s * b, heads * d] and lse [b, heads, s] (the shape is read from lse):
+  //   lse' = log(exp(lse) + exp(s_h)),  out *= exp(lse - lse'),  lse = lse'  (in place).
+  // attention_backward given these out and lse (and the same dout) then computes the gradients of
+  // attention with sinks exactly: it rebuilds the probabilities from lse and rowsum(dout * out).
+  // sink: [heads] (float32 or the compute dtype); an empty tensor: s_h = 0 (off-by-one).
+  virtual void attention_sink_forward(Tensor out, Tensor lse, Tensor sink) = 0;
+  // dsink[h] += -sum over h's rows of exp(s_h - lse) * rowsum(dout * out), with the out and lse
+  // attention_sink_forward left (a parameter gradient: float32, or the compute dtype).
+  virtual void attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) = 0;
+
   // ---- attention blocks (context parallelism: a sequence split over ranks) ----------------
   // One block of a sequence's attention: the queries at global positions [blk.q_begin,
   // blk.q_begin + a.seq) against the keys and values at [blk.k_begin, blk.k_begin + blk.kv_len).

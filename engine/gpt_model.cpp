@@ -704,6 +704,7 @@ void GptModel::bind_params() {
     find(p + "self_attention.q_layernorm.bias", P.q_ln_b, Gr.q_ln_b);
     find(p + "self_attention.k_layernorm.weight", P.k_ln_w, Gr.k_ln_w);
     find(p + "self_attention.k_layernorm.bias", P.k_ln_b, Gr.k_ln_b);
+    find(p + "self_attention.core_attention.softmax_offset", P.sink, Gr.sink);
     if (d_.qk_l2) P.q_ln_w = P.k_ln_w = qk_l2_ones_;  // weightless: unit weights, no gradients
     find(p + "input_layernorm.weight", P.ln1_w, Gr.ln1_w);  // (MLA layers)
     find(p + "input_layernorm.bias", P.ln1_b, Gr.ln1_b);

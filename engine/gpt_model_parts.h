@@ -12,7 +12,7 @@
 namespace mt {
 
 struct GptModel::LayerParams {
-  Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
+  Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, sink, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
       fc2_w, fc2_b;
   // MoE layers (ln2: the pre-MLP norm): router [E, h], experts' fc1 [E * fc1, h] and fc2 [E * h, f]
   // (expert e's rows stacked), the shared expert's fc1, fc2 and gate [1, h].

@@ -111,6 +111,7 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.qk_l2 = m.qk_l2_norm;
   d.qk_norm_weight_decay = cfg.train.apply_wd_to_qk_layernorm;
   d.output_gate = m.attention_output_gate;
+  d.softmax = m.softmax_type;
   d.tied_embeddings = !m.untie_embeddings_and_output_weights;
   d.position = m.position_embedding_type;
   if (d.position == PositionEmbedding::learned_absolute && m.max_position_embeddings < m.seq_length)

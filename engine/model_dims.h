@@ -62,6 +62,10 @@ struct ModelDims {
   // --attention-output-gate: the QKV projection's rows per query group are [q | gate | k | v]; the
   // attention output is multiplied by sigmoid(gate).
   bool output_gate = false;
+  // --softmax-type: softmax layers' attention sinks (Backend::attention_sink_forward); learnable:
+  // a parameter self_attention.core_attention.softmax_offset [heads] per softmax layer.
+  SoftmaxType softmax = SoftmaxType::vanilla;
+  bool sinks() const { return softmax != SoftmaxType::vanilla; }
   bool tied_embeddings = true;
   PositionEmbedding position = PositionEmbedding::learned_absolute;
   int rot_dim = 0;  // rotated dims per head (rope)

@@ -11,12 +11,12 @@ namespace mt {
 int64_t LayerParamCounts::total() const {
   return input_norm + qkv_weight + qkv_bias + qk_norms + proj_weight + proj_bias + mlp_norm + fc1_weight +
          fc1_bias + fc2_weight + fc2_bias + router_weight + experts_fc1_weight + experts_fc2_weight +
-         shared_fc1_weight + shared_fc2_weight + shared_gate_weight + mla_down_weight + mla_norms;
+         shared_fc1_weight + shared_fc2_weight + shared_gate_weight + mla_down_weight + mla_norms + sinks;
 }
 
 int64_t LayerParamCounts::per_tp_rank(int tp, int ep) const {
   const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight +
-                          shared_fc1_weight + shared_fc2_weight;
+                          shared_fc1_weight + shared_fc2_weight + sinks;
   const int64_t experts = experts_fc1_weight + experts_fc2_weight;  // split over TP x EP
   const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight +
                              mla_down_weight + mla_norms;
@@ -80,6 +80,7 @@ ParamCounts count_parameters(const ModelConfig& m) {
   l.qk_norms = m.qk_layernorm && !m.qk_l2_norm ? 2 * norm_params * d : 0;  // (L2Norm has no weights)
   l.proj_weight = h * q;
   l.proj_bias = m.add_bias_linear ? h : 0;
+  l.sinks = m.softmax_type == SoftmaxType::learnable ? m.num_attention_heads : 0;
   if (m.multi_latent_attention) {
     const int64_t n = m.num_attention_heads, dq = m.qk_head_dim + m.qk_pos_emb_head_dim;
     const int64_t rq = m.q_lora_rank.value_or(0), rkv = m.kv_lora_rank;
@@ -129,6 +130,7 @@ ParamCounts count_parameters(const ModelConfig& m) {
       g->proj_weight = h * vh * dv;
       g->proj_bias = 0;
       g->mla_down_weight = g->mla_norms = 0;
+      g->sinks = 0;  // (softmax layers only)
     }
   }
   c.layers = 0;

@@ -37,6 +37,7 @@ struct LayerParamCounts {
   // Multi-latent attention (qkv_weight then holds the query and key/value up projections, split
   // over TP): the down projections and the latents' norms, whole on every TP rank.
   int64_t mla_down_weight = 0, mla_norms = 0;
+  int64_t sinks = 0;  // --softmax-type learnable: a sink logit per head (split over TP)
   int64_t total() const;
   // The part of a layer one TP rank holds (column-parallel weights and biases / tp, row-parallel
   // weights / tp, replicated norms, router, shared-expert gate and row-parallel biases whole).

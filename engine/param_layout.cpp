@@ -201,6 +201,9 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
             false, l);
       if (d.qkv_bias)
         b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
+      if (d.softmax == SoftmaxType::learnable)  // (Megatron: config.init_method; 1-D, so no weight decay)
+        b.add(p + "self_attention.core_attention.softmax_offset", {d.heads}, b.rows(d.heads), InitKind::normal,
+              d.init_std, false, l);
       if (d.qk_norm && !d.qk_l2) {  // (L2Norm has no weights)
         // Shared by all heads of a layer, and TP splits the heads.
         b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);

@@ -68,7 +68,7 @@ TEST_CASE("cli: Megatron functional-test GPT configs pass the dry run", "[cli][b
 
 TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every problem at once", "[cli][binary]") {
   TempDir d;
-  const RunResult r = run_binary(functional_gpt(d) + words("--softmax-type learnable --num-layer 4 "
+  const RunResult r = run_binary(functional_gpt(d) + words("--experimental-attention-variant dsa --num-layer 4 "
                                                            "--checkpoint-activations --fp8-format e4m3 --fp8-recipe mxfp8 "
                                                            "--use-sharp --dry-run --world-size 8"));
   CHECK(r.exit_code == 1);
@@ -78,7 +78,8 @@ TEST_CASE("cli: Megatron configs megatrain cannot run are refused naming every p
         "  unrecognized argument --num-layer (did you mean --num-layers?)\n"
         "  --checkpoint-activations is no longer valid, use --recompute-activations, or, for more control, "
         "--recompute-granularity and --recompute-method.\n"
-        "  megatrain does not support --softmax-type learnable yet\n"
+        "  megatrain does not support --experimental-attention-variant dsa yet (Gated DeltaNet 2 and DeepSeek sparse "
+        "attention layers (gated_delta_net / gdn is built))\n"
         "  megatrain does not support --use-sharp yet\n"
         "  megatrain does not support --fp8-recipe mxfp8 yet (FP8 recipes built: delayed, tensorwise)\n");
 

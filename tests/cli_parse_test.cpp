@@ -201,6 +201,21 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu --bf16 --fp8-format hybrid")),
              Contains("megatrain does not support --quick-geglu, --glu-linear-offset or --activation-func-clamp-value "
                       "with --fp8-format yet"));
+  // Attention sinks: built for local attention; refused with MLA and context parallelism. ModelOpt's
+  // --enable-gpt-oss changes nothing in pretraining (a note says so).
+  CHECK(parse(small_gpt() + words("--softmax-type learnable")).model.softmax_type == SoftmaxType::learnable);
+  CHECK(parse(small_gpt() + words("--softmax-type off-by-one")).model.softmax_type == SoftmaxType::off_by_one);
+  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type sinks")), Contains("--softmax-type"));
+  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type learnable --multi-latent-attention --position-embedding-type "
+                                             "rope")),
+             Contains("megatrain does not support --softmax-type learnable with --multi-latent-attention yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type off-by-one --context-parallel-size 2"), 2),
+             Contains("megatrain does not support --softmax-type off-by-one with --context-parallel-size 2 yet"));
+  {
+    std::vector<SetupMessage> notes;
+    parse(small_gpt() + words("--enable-gpt-oss"), 1, &notes);
+    CHECK(has_message(notes, SetupMessage::Kind::note, "--enable-gpt-oss"));
+  }
   CHECK_THAT(parse_error(small_gpt() + words("--init-method-xavier-uniform")),
              Contains("fails on it too: TransformerConfig has no scaled_init_method"));
   CHECK_THAT(parse_error(small_gpt() + words("--ckpt-format zarr")),
@@ -279,10 +294,10 @@ TEST_CASE("every flag Megatron-LM's pretrain_gpt.py parses is known", "[cli]") {
   parse(small_gpt() + words("--inference-max-requests 8 --rl-default-top-k 4 --dino-teacher-temp 0.1"), 1, &ms);
   CHECK(has_message(ms, SetupMessage::Kind::note, "--inference-max-requests"));
   CHECK(has_message(ms, SetupMessage::Kind::note, "--rl-default-top-k"));
-  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type learnable --enable-mhc-connections --sft")),
+  CHECK_THAT(parse_error(small_gpt() + words("--experimental-attention-variant dsa --enable-mhc-connections --sft")),
              Contains("3 problems with the command line"));
-  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type off-by-one")),
-             Contains("megatrain does not support --softmax-type off-by-one yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--experimental-attention-variant gdn2")),
+             Contains("megatrain does not support --experimental-attention-variant gdn2 yet"));
   parse(small_gpt() + words("--glu-linear-offset 0.0 --sample-rate 1.0 --null-tokenizer-pad-id -1"));
   CHECK_THAT(parse_error(small_gpt() + words("--pipeline-model-parallel-comm-backend ucc")),
              Contains("--pipeline-model-parallel-comm-backend ucc"));

@@ -351,6 +351,9 @@ TEST_CASE("models HF cannot express are refused naming the flag", "[checkpoint][
   l = llama_spec();
   l.nope_layers = true;  // --no-rope-freq
   CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--no-rope-freq"));
+  l = llama_spec();
+  l.attention_sinks = true;  // --softmax-type learnable / off-by-one
+  CHECK_THROWS_WITH(hf_config_json(l), Catch::Contains("--softmax-type"));
   nlohmann::json bad = {{"model_type", "falcon"}};
   CHECK_THROWS_WITH(hf_spec_from_config(bad), Catch::Contains("falcon"));
   // Llama with q/k/v biases only is Qwen2, not Llama (whose attention_bias covers o_proj too).

@@ -50,6 +50,7 @@ const std::string kLlama =
     "--num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--untie-embeddings-and-output-weights --qk-layernorm";
 const std::string kGpt = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --position-embedding-type learned_absolute";
+const std::string kLlamaSinks = kLlama + " --softmax-type learnable";  // a parameter per head, split over TP
 
 const mt::PickleValue& at(const mt::PickleValue& v, const std::string& key) { return v.at(key, "test"); }
 
@@ -286,15 +287,18 @@ TEST_CASE("export-megatron: a trained model goes to Megatron-LM's layout and bac
        &kGpt, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer", 8},
       {"gpt (tied embeddings), PP 2 x 2 virtual stages", &kGpt,
        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 2},
+      {"llama with attention sinks, TP 2, distributed optimizer", &kLlamaSinks,
+       "--tensor-model-parallel-size 2 --use-distributed-optimizer", 4},
   };
-  TempDir llama_dir, gpt_dir;
-  const std::string llama = train(llama_dir, kLlama), gpt = train(gpt_dir, kGpt);
+  TempDir llama_dir, gpt_dir, sinks_dir;
+  const std::string llama = train(llama_dir, kLlama), gpt = train(gpt_dir, kGpt), sinks = train(sinks_dir, kLlamaSinks);
+  auto trained = [&](const std::string* model) { return model == &kLlama ? llama : model == &kGpt ? gpt : sinks; };
   for (const Case& c : cases) {
     INFO(c.name);
     TempDir tmp;
     std::string out;
     const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --load " +
-                                     (c.model == &kLlama ? llama : gpt) + " --save " + (tmp / "megatron") + " " + c.layout,
+                                     trained(c.model) + " --save " + (tmp / "megatron") + " " + c.layout,
                                  &out);
     INFO(out);
     REQUIRE(code == 0);
@@ -308,7 +312,7 @@ TEST_CASE("export-megatron: a trained model goes to Megatron-LM's layout and bac
     CHECK(r.resumable);
     CHECK(r.weights_only_reason.empty());
     CHECK(r.iteration == 3);
-    require_same_state(c.model == &kLlama ? llama : gpt, tmp / "back", true);
+    require_same_state(trained(c.model), tmp / "back", true);
   }
 }
 

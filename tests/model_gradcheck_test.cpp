@@ -169,6 +169,32 @@ TEST_CASE("model gradient check: --attention-output-gate (Llama with GQA and q/k
 }
 
 
+TEST_CASE("model gradient check: attention sinks (--softmax-type learnable with the output gate and a window, "
+          "off-by-one)", "[model][gradcheck]") {
+  Config c = test::tiny_llama_config();
+  c.model.softmax_type = SoftmaxType::learnable;
+  c.model.attention_output_gate = true;
+  c.model.window_size = std::make_pair(2, 0);
+  c.model.window_attn_skip_every = 2;
+  test::derive(c);
+  Harness h(c);
+  int sinks = 0;
+  for (const ParamDesc& p : h.model->params())
+    if (p.name.ends_with("self_attention.core_attention.softmax_offset")) {
+      ++sinks;
+      CHECK(p.global_shape == std::vector<int64_t>{c.model.num_attention_heads});
+      CHECK_FALSE(p.weight_decay);
+    }
+  CHECK(sinks == c.model.num_layers);
+  h.check_all(4);
+  Config g = test::tiny_gpt_config();
+  g.model.softmax_type = SoftmaxType::off_by_one;
+  test::derive(g);
+  Harness hg(g);
+  for (const ParamDesc& p : hg.model->params()) CHECK_FALSE(p.name.ends_with("softmax_offset"));
+  hg.check_all(4);
+}
+
 TEST_CASE("model gradient check: multi-latent attention (query rank and latent norms with YaRN, then direct queries)",
           "[model][gradcheck][mla]") {
   Config c = test::tiny_mla_config();
@@ -276,9 +302,10 @@ TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradient
 }
 
 TEST_CASE("full recompute gives the same gradients as keeping activations", "[model]") {
-  for (const int model : {0, 1})
+  for (const int model : {0, 1, 2})  // Llama, MLA, Llama with learnable attention sinks
   for (RecomputeMethod method : {RecomputeMethod::uniform, RecomputeMethod::block}) {
-    Config c = model == 0 ? test::tiny_llama_config() : test::tiny_mla_config();
+    Config c = model == 1 ? test::tiny_mla_config() : test::tiny_llama_config();
+    if (model == 2) c.model.softmax_type = SoftmaxType::learnable;
     c.model.num_layers = 3;
     c.model.hidden_dropout = 0.1;  // masks must be redrawn identically
     test::derive(c);

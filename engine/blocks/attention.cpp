@@ -93,6 +93,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
                         qk_norm_params());
   if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
   attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  if (d_.sinks()) be_.attention_sink_forward(A.attn_out, A.lse, P.sink);  // (off-by-one: no tensor, s_h = 0)
   if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
   const Tensor proj_in = d_.output_gate ? w.gated : A.attn_out;
   linear_fwd(local, Fp8State::proj, A, w.tmp_h, proj_in, P.proj_w, Tensor(), Activation::none, Tensor());
@@ -126,6 +127,9 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, d_.output_gate ? w.gated : A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   if (d_.output_gate) be_.output_gate_backward(w.gATT, A.gate, w.gATT, A.attn_out, A.gate);  // A.gate: d gate
+  // With sinks, attn_out and lse are the sinks' (attention_sink_forward): the core's backward from
+  // them is the sinks' attention's; the sink logits' own gradient comes first.
+  if (d_.softmax == SoftmaxType::learnable) be_.attention_sink_backward(G.sink, w.gATT, A.attn_out, A.lse, P.sink);
   attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);

@@ -542,6 +542,75 @@ void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor ls
 }
 
 namespace {
+double read_f(const Tensor& t, int64_t i) {
+  return t.dtype == DType::f64 ? t.ptr<double>()[i] : static_cast<double>(t.ptr<float>()[i]);
+}
+
+// The shape [b, heads, s] and head width d of attention_sink_*'s operands, checked.
+struct SinkShape {
+  int64_t b, heads, s, d;
+};
+template <typename T>
+SinkShape sink_shape(const char* op, Tensor out, Tensor lse, Tensor sink) {
+  MT_CHECK(lse.ndim == 3, "{}: lse must be [b, heads, s], got {}", op, lse.shape_string());
+  MT_CHECK(lse.device == Device::cpu && (lse.dtype == DType::f32 || lse.dtype == DType::f64),
+           "{}: lse must be float32/64 host memory", op);
+  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
+  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
+           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
+  check_host_tensor(out, op, "out", out.numel(), dtype_of<T>());
+  if (!sink.empty()) {
+    MT_CHECK(sink.device == Device::cpu && sink.numel() == heads && (sink.dtype == DType::f32 || sink.dtype == DType::f64),
+             "{}: sink must be float32/64 [{}] host memory, got {} {}", op, heads, dtype_name(sink.dtype),
+             sink.shape_string());
+  }
+  return {b, heads, s, out.cols() / heads};
+}
+}  // namespace
+
+template <typename T>
+void reference_attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
+  const SinkShape S = sink_shape<T>("attention_sink_forward", out, lse, sink);
+  T* o = out.ptr<T>();
+  for (int64_t i = 0; i < S.b; ++i)
+    for (int64_t h = 0; h < S.heads; ++h) {
+      const double sh = sink.empty() ? 0.0 : read_f(sink, h);
+      for (int64_t t = 0; t < S.s; ++t) {
+        const int64_t li = (i * S.heads + h) * S.s + t;
+        const double l = read_lse(lse, li), m = std::max(l, sh);
+        const double merged = m + std::log(std::exp(l - m) + std::exp(sh - m));
+        const double w = std::exp(l - merged);
+        T* row = o + (t * S.b + i) * S.heads * S.d + h * S.d;
+        for (int64_t j = 0; j < S.d; ++j) row[j] = static_cast<T>(static_cast<double>(row[j]) * w);
+        write_lse(lse, li, merged);
+      }
+    }
+}
+
+template <typename T>
+void reference_attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) {
+  const char* op = "attention_sink_backward";
+  const SinkShape S = sink_shape<T>(op, out, lse, sink);
+  check_host_tensor(dout, op, "dout", out.numel(), dtype_of<T>());
+  MT_CHECK(dsink.device == Device::cpu && dsink.numel() == S.heads &&
+               (dsink.dtype == DType::f32 || dsink.dtype == DType::f64),
+           "{}: dsink must be float32/64 [{}] host memory, got {} {}", op, S.heads, dtype_name(dsink.dtype),
+           dsink.shape_string());
+  const T* o = out.ptr<T>();
+  const T* g = dout.ptr<T>();
+  for (int64_t h = 0; h < S.heads; ++h) {
+    const double sh = sink.empty() ? 0.0 : read_f(sink, h);
+    double acc = 0;
+    for (int64_t i = 0; i < S.b; ++i)
+      for (int64_t t = 0; t < S.s; ++t) {
+        const int64_t off = (t * S.b + i) * S.heads * S.d + h * S.d;
+        acc += std::exp(sh - read_lse(lse, (i * S.heads + h) * S.s + t)) * dot(g + off, o + off, S.d);
+      }
+    write_lse(dsink, h, read_f(dsink, h) - acc);
+  }
+}
+
+namespace {
 // The key and value parts of packed QKV rows against kv rows: kv = those parts (pack), or those
 // parts += kv (unpack_add). k and v of a group are adjacent in both layouts: 2 d values per (row, group).
 template <typename T>
@@ -583,6 +652,8 @@ void reference_attention_kv_unpack_add(Tensor dqkv, Tensor dkv, const AttentionS
   template void reference_attention_block_backward<T>(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, \
                                                       const AttentionShape&, const AttentionBlock&);         \
   template void reference_attention_merge<T>(Tensor, Tensor, Tensor, Tensor);                                \
+  template void reference_attention_sink_forward<T>(Tensor, Tensor, Tensor);                                \
+  template void reference_attention_sink_backward<T>(Tensor, Tensor, Tensor, Tensor, Tensor);                \
   template void reference_attention_kv_pack<T>(Tensor, Tensor, const AttentionShape&);                       \
   template void reference_attention_kv_unpack_add<T>(Tensor, Tensor, const AttentionShape&);
 MT_ATTENTION_BLOCK_INSTANTIATE(float)

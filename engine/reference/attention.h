@@ -56,6 +56,13 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
 template <typename T>
 void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk);
 
+// Backend::attention_sink_forward / attention_sink_backward (engine/backend.h): out, dout of type T
+// [s * b, heads * d], lse [b, heads, s] (float32 or float64), sink and dsink [heads] of any float type.
+template <typename T>
+void reference_attention_sink_forward(Tensor out, Tensor lse, Tensor sink);
+template <typename T>
+void reference_attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink);
+
 template <typename T>
 void reference_attention_kv_pack(Tensor kv, Tensor qkv, const AttentionShape& a);
 

@@ -29,6 +29,16 @@ void ReferenceBackend::attention_block_backward(Tensor dq, Tensor dkv, Tensor do
   });
 }
 
+void ReferenceBackend::attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
+  dispatch_float(out, "attention_sink_forward",
+                 [&](auto tag) { reference_attention_sink_forward<decltype(tag)>(out, lse, sink); });
+}
+
+void ReferenceBackend::attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) {
+  dispatch_float(out, "attention_sink_backward",
+                 [&](auto tag) { reference_attention_sink_backward<decltype(tag)>(dsink, dout, out, lse, sink); });
+}
+
 void ReferenceBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
   dispatch_float(out, "attention_merge",
                  [&](auto tag) { reference_attention_merge<decltype(tag)>(out, lse, out_blk, lse_blk); });

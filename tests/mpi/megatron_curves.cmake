@@ -83,4 +83,12 @@ string(REPLACE "--swiglu" "${curve_geglu}" curve_moe_geglu "${curve_moe}")
 megatron_curve_test(llama_quick_geglu 1 gpt_oss_mlp/llama_quick_geglu ${curve_llama_geglu}
                     --activation-func-clamp-value 0.5)
 megatron_curve_test(moe_quick_geglu 1 gpt_oss_mlp/moe_quick_geglu ${curve_moe_geglu} --activation-func-clamp-value 2.0)
+# Attention sinks (--softmax-type): learnable sinks drawn by Megatron-LM into the llama checkpoint
+# (tests/fixtures/megatron/attention_sinks), on one rank and split over TP 2; off-by-one with
+# sliding windows on every other layer.
+megatron_curve_test(llama_sinks 1 attention_sinks/llama_sinks ${curve_llama4} --softmax-type learnable)
+megatron_curve_test(llama_sinks_tp2 2 attention_sinks/llama_sinks ${curve_llama4} --softmax-type learnable
+                    --tensor-model-parallel-size 2)
+megatron_curve_test(llama_off_by_one 1 llama/tp1_dist ${curve_llama4} --softmax-type off-by-one --window-size 4,0
+                    --window-attn-skip-freq 2)
 megatron_curve_test(moe_swiglu_clamp 1 moe/dist ${curve_moe} --activation-func-clamp-value 1.0)
