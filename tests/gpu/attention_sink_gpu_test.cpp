@@ -39,13 +39,10 @@ double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return m;
 }
 
-Backend& flash_backend() {
-  static std::unique_ptr<Backend> be = [] {
-    auto b = make_cuda_backend(0);
-    b->reserve_attention(AttentionShape::make(1, 64, 4, 4, 64), AttentionBackend::flash, DType::bf16);
-    return b;
-  }();
-  return *be;
+// A CUDA backend of its own per attention choice (each case reserves its shape's workspace).
+Backend& attention_backend(AttentionBackend kind) {
+  static std::unique_ptr<Backend> automatic = make_cuda_backend(0), flash = make_cuda_backend(0);
+  return kind == AttentionBackend::flash ? *flash : *automatic;
 }
 
 }  // namespace
@@ -103,10 +100,10 @@ TEST_CASE("CUDA attention_sink_forward and attention_sink_backward match the ref
 TEST_CASE("CUDA attention with sinks (cuDNN and flash) matches the reference", "[gpu][attention][sinks]") {
   MT_RNG(rng);
   struct Named {
-    Backend* be;
+    AttentionBackend kind;
     const char* name;
   };
-  const Named backends[] = {{&dev(), "auto"}, {&flash_backend(), "flash"}};
+  const Named backends[] = {{AttentionBackend::auto_, "auto"}, {AttentionBackend::flash, "flash"}};
   struct Case {
     int b, s, heads, groups, d, window;
   };
@@ -116,26 +113,28 @@ TEST_CASE("CUDA attention with sinks (cuDNN and flash) matches the reference", "
       AttentionShape a = AttentionShape::make(c.b, c.s, c.heads, c.groups, c.d);
       a.window_left = c.window;
       const DType T = DType::bf16;
+      Backend* be = &attention_backend(n.kind);
+      be->reserve_attention(a, n.kind, T);
       const int64_t N = int64_t{c.b} * c.s, oc = int64_t{c.heads} * c.d, rs = a.qkv_row_stride();
       Twin qkv = twin(T, {N, rs}, rng.normal(N * rs)), dout = twin(T, {N, oc}, rng.normal(N * oc));
       Twin sink = twin(T, {c.heads}, rng.uniform(c.heads, -1, 3));
       Twin out = twin_nan(T, {N, oc}), lse = twin_nan(DType::f32, {c.b, c.heads, c.s});
-      n.be->attention_forward(out.c(), lse.c(), qkv.c(), a);
-      n.be->attention_sink_forward(out.c(), lse.c(), sink.c());
+      be->attention_forward(out.c(), lse.c(), qkv.c(), a);
+      be->attention_sink_forward(out.c(), lse.c(), sink.c());
       ref().attention_forward(out.r(), lse.r(), qkv.r(), a);
       ref().attention_sink_forward(out.r(), lse.r(), sink.r());
-      const std::vector<double> out_g = download(*n.be, out.c()), lse_g = download(*n.be, lse.c());
+      const std::vector<double> out_g = download(*be, out.c()), lse_g = download(*be, lse.c());
       const double e_out = rel_err(out_g, download(ref(), out.r())),
                    e_lse = max_abs_diff(lse_g, download(ref(), lse.r()));
       // Backward from the CUDA forward's out and lse on both sides.
       Twin out_in = twin(T, {N, oc}, out_g), lse_in = twin(DType::f32, {c.b, c.heads, c.s}, lse_g);
       Twin dqkv = twin_nan(T, {N, rs}), dsink = twin(DType::f32, {c.heads}, std::vector<double>(c.heads, 0.0));
-      n.be->attention_sink_backward(dsink.c(), dout.c(), out_in.c(), lse_in.c(), sink.c());
-      n.be->attention_backward(dqkv.c(), dout.c(), out_in.c(), lse_in.c(), qkv.c(), a);
+      be->attention_sink_backward(dsink.c(), dout.c(), out_in.c(), lse_in.c(), sink.c());
+      be->attention_backward(dqkv.c(), dout.c(), out_in.c(), lse_in.c(), qkv.c(), a);
       ref().attention_sink_backward(dsink.r(), dout.r(), out_in.r(), lse_in.r(), sink.r());
       ref().attention_backward(dqkv.r(), dout.r(), out_in.r(), lse_in.r(), qkv.r(), a);
-      const double e_dqkv = rel_err(download(*n.be, dqkv.c()), download(ref(), dqkv.r()));
-      const double e_dsink = rel_err(download(*n.be, dsink.c()), download(ref(), dsink.r()));
+      const double e_dqkv = rel_err(download(*be, dqkv.c()), download(ref(), dqkv.r()));
+      const double e_dsink = rel_err(download(*be, dsink.c()), download(ref(), dsink.r()));
       INFO(fmt::format("errors: out {:.2e} lse {:.2e} dqkv {:.2e} dsink {:.2e}", e_out, e_lse, e_dqkv, e_dsink));
       CHECK(e_out <= 1e-2);
       CHECK(e_lse <= 1e-3);
