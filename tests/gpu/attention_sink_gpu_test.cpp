@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -135,7 +136,11 @@ TEST_CASE("CUDA attention with sinks (cuDNN and flash) matches the reference", "
       ref().attention_backward(dqkv.r(), dout.r(), out_in.r(), lse_in.r(), qkv.r(), a);
       const double e_dqkv = rel_err(download(*be, dqkv.c()), download(ref(), dqkv.r()));
       const double e_dsink = rel_err(download(*be, dsink.c()), download(ref(), dsink.r()));
-      INFO(fmt::format("errors: out {:.2e} lse {:.2e} dqkv {:.2e} dsink {:.2e}", e_out, e_lse, e_dqkv, e_dsink));
+      const std::string errors =
+          fmt::format("errors: out {:.2e} lse {:.2e} dqkv {:.2e} dsink {:.2e}", e_out, e_lse, e_dqkv, e_dsink);
+      std::printf("%s b%d s%d heads %d/%d d%d window %d | %s\n", n.name, c.b, c.s, c.heads, c.groups, c.d, c.window,
+                  errors.c_str());
+      INFO(errors);
       CHECK(e_out <= 1e-2);
       CHECK(e_lse <= 1e-3);
       CHECK(e_dqkv <= 1e-2);
