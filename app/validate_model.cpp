@@ -126,14 +126,6 @@ void validate_model(CliState& st) {
   // Megatron's MLATransformerConfig raises NotImplementedError for the gate.
   if (m.attention_output_gate && m.multi_latent_attention)
     fail("Output gate is not supported for MLA yet (--attention-output-gate with --multi-latent-attention)");
-  if (m.softmax_type != SoftmaxType::vanilla) {
-    if (m.multi_latent_attention)
-      fail("megatrain does not support --softmax-type {} with --multi-latent-attention yet",
-           m.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one");
-    if (st.cfg.parallel.context_parallel_size > 1)
-      fail("megatrain does not support --softmax-type {} with --context-parallel-size {} yet",
-           m.softmax_type == SoftmaxType::learnable ? "learnable" : "off-by-one", st.cfg.parallel.context_parallel_size);
-  }
   if (m.qk_l2_norm && m.qk_layernorm)
     st.note("--qk-l2-norm with --qk-layernorm: queries and keys get the L2 norm (no weights), as in Megatron");
   if (m.multi_latent_attention && m.group_query_attention)

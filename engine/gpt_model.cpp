@@ -1050,6 +1050,16 @@ uint64_t GptModel::site_key(const Slot& s, int layer, int site) const {
   return mix_key(s.key, static_cast<uint64_t>(layer + 1) * 8 + static_cast<uint64_t>(site));
 }
 
+AttentionSinks GptModel::attention_sinks(int local) const {
+  AttentionSinks k;
+  k.enabled = d_.sinks();
+  if (d_.softmax == SoftmaxType::learnable) {
+    k.logits = layer_params_.at(static_cast<size_t>(local)).sink;
+    k.grad = layer_grads_.at(static_cast<size_t>(local)).sink;
+  }
+  return k;
+}
+
 AttentionCore& GptModel::attention_core(int layer) const {
   if (d_.cp_size == 1) return *attention_core_;
   return *cp_cores_.at(static_cast<size_t>(d_.cp_comm.at(static_cast<size_t>(layer))));

@@ -31,6 +31,7 @@ namespace mt {
 struct ParallelState;
 class Communicator;
 class AttentionCore;
+struct AttentionSinks;
 
 // Which layers of the stage are recomputed in backward (--recompute-granularity full): groups of
 // consecutive local layers whose inputs alone are kept. Selective recompute (core attention) keeps
@@ -608,6 +609,7 @@ class GptModel {
   std::unique_ptr<AttentionCore> attention_core_;  // the layers' attention core (engine/blocks/attention_core.h)
   std::vector<std::unique_ptr<AttentionCore>> cp_cores_;  // context parallelism: by CpCommType
   AttentionCore& attention_core(int layer) const;  // global layer
+  AttentionSinks attention_sinks(int local) const;  // the layer's sinks (--softmax-type)
   void layout_cp_buffers(Arena& a);
   std::vector<ParamDesc> descs_;
   int64_t total_elements_ = 0;

@@ -67,6 +67,14 @@ struct Builder {
       add(prefix + bias_name, {width}, whole(width), InitKind::zeros, 0, true, layer).tp_partial_grad = tp_partial;
   }
 
+  // --softmax-type learnable: a sink logit per head of a softmax layer, split over TP with the heads
+  // (Megatron: config.init_method; 1-D, so no weight decay).
+  void sinks(const std::string& p, int l) {
+    if (d.softmax == SoftmaxType::learnable)
+      add(p + "self_attention.core_attention.softmax_offset", {d.heads}, rows(d.heads), InitKind::normal, d.init_std,
+          false, l);
+  }
+
   // Multi-latent attention's parameters before linear_proj (Megatron-Core's MLASelfAttention with
   // Transformer Engine's layer specs): a standalone input norm; the query projection (direct, or
   // down to q_lora, normed by the up projection's fused norm, and up), the key/value down
@@ -78,6 +86,7 @@ struct Builder {
     const int64_t h = d.hidden, n = d.heads, dq = d.mla_nope + d.mla_rope, dkv = d.mla_nope + d.mla_v;
     const bool partial = d.tp_size > 1;
     norm(p, "input_layernorm.weight", "input_layernorm.bias", h, l, d.sequence_parallel);
+    sinks(p, l);
     if (d.q_lora > 0) {
       add(p + "self_attention.linear_q_down_proj.weight", {d.q_lora, h}, whole(d.q_lora, h), InitKind::normal,
           d.init_std, true, l).tp_partial_grad = partial;
@@ -201,9 +210,7 @@ std::vector<ParamDesc> build_param_descs(const ModelDims& d, int64_t* total_elem
             false, l);
       if (d.qkv_bias)
         b.add(p + "self_attention.linear_qkv.bias", {qkv_rows}, b.rows(qkv_rows), InitKind::zeros, 0, false, l);
-      if (d.softmax == SoftmaxType::learnable)  // (Megatron: config.init_method; 1-D, so no weight decay)
-        b.add(p + "self_attention.core_attention.softmax_offset", {d.heads}, b.rows(d.heads), InitKind::normal,
-              d.init_std, false, l);
+      b.sinks(p, l);
       if (d.qk_norm && !d.qk_l2) {  // (L2Norm has no weights)
         // Shared by all heads of a layer, and TP splits the heads.
         b.norm(p, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", d.head_dim, l, d.tp_size > 1);

@@ -201,16 +201,13 @@ TEST_CASE("unsupported Megatron flags are refused naming them, unless left at th
   CHECK_THAT(parse_error(small_gpt() + words("--quick-geglu --bf16 --fp8-format hybrid")),
              Contains("megatrain does not support --quick-geglu, --glu-linear-offset or --activation-func-clamp-value "
                       "with --fp8-format yet"));
-  // Attention sinks: built for local attention; refused with MLA and context parallelism. ModelOpt's
-  // --enable-gpt-oss changes nothing in pretraining (a note says so).
+  // Attention sinks (also with MLA and context parallelism). ModelOpt's --enable-gpt-oss changes
+  // nothing in pretraining (a note says so).
   CHECK(parse(small_gpt() + words("--softmax-type learnable")).model.softmax_type == SoftmaxType::learnable);
   CHECK(parse(small_gpt() + words("--softmax-type off-by-one")).model.softmax_type == SoftmaxType::off_by_one);
   CHECK_THAT(parse_error(small_gpt() + words("--softmax-type sinks")), Contains("--softmax-type"));
-  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type learnable --multi-latent-attention --position-embedding-type "
-                                             "rope")),
-             Contains("megatrain does not support --softmax-type learnable with --multi-latent-attention yet"));
-  CHECK_THAT(parse_error(small_gpt() + words("--softmax-type off-by-one --context-parallel-size 2"), 2),
-             Contains("megatrain does not support --softmax-type off-by-one with --context-parallel-size 2 yet"));
+  CHECK(parse(small_gpt() + words("--softmax-type off-by-one --context-parallel-size 2"), 2).model.softmax_type ==
+        SoftmaxType::off_by_one);
   {
     std::vector<SetupMessage> notes;
     parse(small_gpt() + words("--enable-gpt-oss"), 1, &notes);

@@ -170,7 +170,7 @@ TEST_CASE("model gradient check: --attention-output-gate (Llama with GQA and q/k
 
 
 TEST_CASE("model gradient check: attention sinks (--softmax-type learnable with the output gate and a window, "
-          "off-by-one)", "[model][gradcheck]") {
+          "off-by-one, with MLA)", "[model][gradcheck]") {
   Config c = test::tiny_llama_config();
   c.model.softmax_type = SoftmaxType::learnable;
   c.model.attention_output_gate = true;
@@ -193,6 +193,12 @@ TEST_CASE("model gradient check: attention sinks (--softmax-type learnable with 
   Harness hg(g);
   for (const ParamDesc& p : hg.model->params()) CHECK_FALSE(p.name.ends_with("softmax_offset"));
   hg.check_all(4);
+  // Multi-latent attention with learnable sinks (values padded to the query/key head dim).
+  Config m = test::tiny_mla_config();
+  m.model.softmax_type = SoftmaxType::learnable;
+  test::derive(m);
+  Harness hm(m);
+  hm.check_all(4);
 }
 
 TEST_CASE("model gradient check: multi-latent attention (query rank and latent norms with YaRN, then direct queries)",

@@ -18,10 +18,15 @@ class LocalAttention final : public AttentionCore {
   void reserve(const AttentionShape& a, AttentionBackend backend, DType dtype) override {
     be_.reserve_attention(a, backend, dtype);
   }
-  void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+  void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, const AttentionSinks& sinks) override {
     be_.attention_forward(out, lse, qkv, a);
+    if (sinks.enabled) be_.attention_sink_forward(out, lse, sinks.logits);
   }
-  void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+  // With sinks, out and lse are the sinks' (attention_sink_forward): the attention's backward from
+  // them is the sinks' attention's; the sink logits' own gradient comes first.
+  void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                const AttentionSinks& sinks) override {
+    if (sinks.enabled && !sinks.grad.empty()) be_.attention_sink_backward(sinks.grad, dout, out, lse, sinks.logits);
     be_.attention_backward(dqkv, dout, out, lse, qkv, a);
   }
 
@@ -92,8 +97,7 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
     be_.qk_norm_forward(A.qkv, A.qk_mean, A.qk_rstd, A.qkv_raw, P.q_ln_w, P.q_ln_b, P.k_ln_w, P.k_ln_b, rs,
                         qk_norm_params());
   if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_forward(A.qkv, s.positions, rope_table_, rs);
-  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
-  if (d_.sinks()) be_.attention_sink_forward(A.attn_out, A.lse, P.sink);  // (off-by-one: no tensor, s_h = 0)
+  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer), attention_sinks(local));
   if (d_.output_gate) be_.output_gate_forward(w.gated, A.attn_out, A.gate);
   const Tensor proj_in = d_.output_gate ? w.gated : A.attn_out;
   linear_fwd(local, Fp8State::proj, A, w.tmp_h, proj_in, P.proj_w, Tensor(), Activation::none, Tensor());
@@ -127,10 +131,8 @@ void GptModel::attention_backward(int local, Slot& s, const LayerActs& A, Tensor
   linear_bwd_weight(local, Fp8State::proj, A, G.proj_w, proj_db, d_proj, d_.output_gate ? w.gated : A.attn_out);
   linear_bwd_input(local, Fp8State::proj, w.gATT, d_proj, P.proj_w, Activation::none, Tensor());
   if (d_.output_gate) be_.output_gate_backward(w.gATT, A.gate, w.gATT, A.attn_out, A.gate);  // A.gate: d gate
-  // With sinks, attn_out and lse are the sinks' (attention_sink_forward): the core's backward from
-  // them is the sinks' attention's; the sink logits' own gradient comes first.
-  if (d_.softmax == SoftmaxType::learnable) be_.attention_sink_backward(G.sink, w.gATT, A.attn_out, A.lse, P.sink);
-  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer),
+                                 attention_sinks(local));
   RopeShape rs{d_.heads_local(), d_.groups_local(), d_.head_dim, d_.rot_dim, d_.rope_interleaved};
   if (d_.position == PositionEmbedding::rope && !d_.is_nope(layer)) be_.rope_backward(w.gQKV, s.positions, rope_table_, rs);
   if (d_.qk_norm)

@@ -17,15 +17,24 @@
 
 namespace mt {
 
+// Attention sinks (--softmax-type; Backend::attention_sink_forward): `enabled` adds each query
+// head's sink logit to its rows' softmax: `logits` [heads on this TP rank], or empty for 0
+// (off-by-one); `grad` (learnable) accumulates their gradient.
+struct AttentionSinks {
+  bool enabled = false;
+  Tensor logits, grad;
+};
+
 class AttentionCore {
  public:
   virtual ~AttentionCore() = default;
   // Set-up: sizes what the core needs for this shape (workspaces), before any step.
   virtual void reserve(const AttentionShape& a, AttentionBackend backend, DType dtype) = 0;
-  // out [N, heads * d] and lse [b, heads, s] from qkv [N, (heads + 2 * groups) * d].
-  virtual void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) = 0;
-  // dqkv from dout, with the forward's out, lse and qkv.
-  virtual void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) = 0;
+  // out [N, heads * d] and lse [b, heads, s] from qkv [N, (heads + 2 * groups) * d], with the sinks.
+  virtual void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, const AttentionSinks& sinks) = 0;
+  // dqkv (and the sinks' gradient) from dout, with the forward's out, lse and qkv.
+  virtual void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                        const AttentionSinks& sinks) = 0;
 };
 
 // This rank's heads over the whole sequence, by the backend's attention ops.

@@ -64,7 +64,7 @@ class ContextParallelAttention final : public AttentionCore {
     be_.reserve_attention_blocks(block_shape(a), a.seq / 2, dtype);
   }
 
-  void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+  void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, const AttentionSinks& sinks) override {
     const AttentionShape ac = block_shape(a);
     const Tensor x = to_heads(qkv, buf_.x, a.qkv_row_stride());  // [A R, qkv / A]: this rank's heads
     const Tensor xo = a2a_ > 1 ? buf_.x_out.view({a2a_ * a.batch * int64_t{a.seq}, ac.heads * int64_t{ac.head_dim}}) : out;
@@ -108,10 +108,15 @@ class ContextParallelAttention final : public AttentionCore {
         cur = 1 - cur;
       }
     }
+    // The sinks join each query chunk's merged blocks (this rank's heads under a2a).
+    if (sinks.enabled)
+      for (int qc = 0; qc < 2 * a2a_; ++qc)
+        be_.attention_sink_forward(xo.row_slice(qc * rows(ac), rows(ac)), lse_chunk(lse, ac, qc), own_heads(sinks.logits, ac));
     if (a2a_ > 1) to_seq(out, xo, ac.heads * int64_t{ac.head_dim});
   }
 
-  void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a) override {
+  void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
+                const AttentionSinks& sinks) override {
     const AttentionShape ac = block_shape(a);
     // This rank's heads again (the workspace served other layers since forward).
     const Tensor x = to_heads(qkv, buf_.x, a.qkv_row_stride());
@@ -119,6 +124,15 @@ class ContextParallelAttention final : public AttentionCore {
     const Tensor xo = a2a_ > 1 ? to_heads(out, buf_.x_out, hd * a2a_) : out;
     const Tensor xdo = a2a_ > 1 ? to_heads(dout, buf_.x_dout, hd * a2a_) : dout;
     const Tensor dx = a2a_ > 1 ? buf_.x_dqkv.view({x.rows(), x.cols()}) : dqkv;
+    // The sinks' gradient from every query chunk here (under a2a: this rank's heads over the a2a
+    // group's positions; the other heads' parts come from the group's other ranks, and the sum of
+    // gradients over CP adds them).
+    if (sinks.enabled && !sinks.grad.empty())
+      for (int qc = 0; qc < 2 * a2a_; ++qc) {
+        const int64_t r0 = qc * rows(ac);
+        be_.attention_sink_backward(own_heads(sinks.grad, ac), xdo.row_slice(r0, rows(ac)), xo.row_slice(r0, rows(ac)),
+                                    lse_chunk(lse, ac, qc), own_heads(sinks.logits, ac));
+      }
     be_.fill(dx, 0.0);
     // One key chunk's blocks: dQ into dx, dK and dV into dkv (the chunk's gradient rows).
     auto blocks = [&](Tensor kv, Tensor dkv, int64_t chunk) {
@@ -222,6 +236,12 @@ class ContextParallelAttention final : public AttentionCore {
   Tensor block_out(const AttentionShape& ac) const {
     const int64_t cols = ac.heads * int64_t{ac.head_dim};
     return buf_.out_blk.flat_slice(0, rows(ac) * cols).view({rows(ac), cols});
+  }
+  // A per-head vector's part for the heads this rank attends with (a2a: its member index's heads
+  // / A; else all); an empty one stays empty.
+  Tensor own_heads(Tensor v, const AttentionShape& ac) const {
+    if (a2a_ == 1 || v.empty()) return v;
+    return v.flat_slice(static_cast<int64_t>(rank_ % a2a_) * ac.heads, ac.heads);
   }
   // The lse of query chunk qc, laid out per chunk: [2 A][b, heads / A, c].
   static Tensor lse_chunk(Tensor lse, const AttentionShape& ac, int qc) {

@@ -106,7 +106,7 @@ void GptModel::mla_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
     be_.norm_forward(A.mla_ckv_n, A.mla_ckv_mean, A.mla_ckv_rstd, A.mla_ckv_raw, P.kv_lat_ln_w, P.kv_lat_ln_b, norm_);
   // The up projections, RoPE and the attention core.
   mla_up_projections(s, A, P);
-  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer), attention_sinks(local));
   const int heads = d_.heads_local();
   be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
   be_.linear_forward(w.tmp_h, w.mla_out, P.proj_w, Tensor(), Activation::none, Tensor());
@@ -143,7 +143,8 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
     if (d_.q_lora == 0 && !d_.mla_latent_norm) ensure_ln1();
     mla_up_projections(s, A, P);
   }
-  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer));
+  attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer),
+                                 attention_sinks(local));
   be_.mla_qkv_backward(w.mla_q, w.mla_kv, w.mla_dckv, w.gQKV, s.positions, rope_table_, mla_shape());
   // The key/value up projection and c_kv's norm, into d [c_kv | k_rope].
   const Tensor dkv_lat = w.mla_dlat.flat_slice(0, N * d_.kv_lora).view({N, d_.kv_lora});

@@ -421,6 +421,14 @@ megatrain_parallel_train_test(parallel_train_cp2_a2a_tp2_sp 4 --context-parallel
 # a2a+p2p: the all-to-all inside pairs of CP ranks, a ring across the two pairs (GQA: 2 groups).
 megatrain_parallel_train_test(parallel_train_cp4_a2a_p2p --model "${cp_llama_model}" 4 --context-parallel-size 4
                               --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2)
+# Learnable attention sinks (--softmax-type): their gradient summed over CP (under a2a each rank's
+# heads), at every comm type; MLA with sinks under CP 2.
+megatrain_parallel_train_test(parallel_train_cp4_sinks_every_comm_type --model "--softmax-type learnable" 4
+                              --context-parallel-size 4 --cp-comm-type p2p a2a allgather a2a+p2p
+                              --hierarchical-context-parallel-sizes 2 2)
+megatrain_parallel_train_test(parallel_train_sinks_tp2_sp_cp2_a2a --model "--softmax-type learnable" 4
+                              --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2
+                              --cp-comm-type a2a)
 # Every comm type in one model, one per layer.
 megatrain_parallel_train_test(parallel_train_cp4_every_comm_type 4 --context-parallel-size 4
                               --cp-comm-type p2p a2a allgather a2a+p2p --hierarchical-context-parallel-sizes 2 2)
@@ -517,6 +525,8 @@ megatrain_parallel_train_test(parallel_train_mla_tp2_sp --model "${mla_model}" 2
                               --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_mla_pp2 --model "${mla_model}" 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_mla_cp2 --model "${mla_model}" 2 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mla_sinks_tp2_cp2 --model "${mla_model} --softmax-type learnable" 4
+                              --tensor-model-parallel-size 2 --context-parallel-size 2)
 # Direct queries with --qk-layernorm's second norm of the input, LayerNorm and biases, TP 2 without SP.
 megatrain_parallel_train_test(parallel_train_mla_direct_tp2 --model "--multi-latent-attention --kv-lora-rank 16 \
 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm" 2 --tensor-model-parallel-size 2)
