@@ -141,6 +141,11 @@ torch.distributed.run launch runs this file and installs them too):
     assume_ok_unexpected): Megatron passes each stored tensor's TensorProperties to torch.empty as
     keywords, and this PyTorch's properties carry `strides`, which torch.empty does not take. The
     replacement drops that one key (the tensors it makes are empty "meta" placeholders).
+13. megatron.core.transformer.torch_norm.WrappedTorchNorm (the local spec's norms without Apex)
+    refuses sequence parallelism. Under SP the replacement builds the same torch norm from a copy
+    of the config without it and marks the norm's parameters `sequence_parallel`, as Megatron's
+    own FusedLayerNorm does (fused_layer_norm.py), so that finalize_model_grads sums their
+    gradients over TP. A norm is per token: SP changes which rows a rank normalizes, not how.
 
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
@@ -306,8 +311,31 @@ class _DropForkRngWarning(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def patch_torch_norm_for_sequence_parallel():
+    """Patch 13 (also used by tests/fixtures/megatron/make_moe_cpu_fixtures.py): WrappedTorchNorm
+    under sequence parallelism builds the norm from a copy of the config without it and marks the
+    norm's parameters `sequence_parallel`, as Megatron's own norms (FusedLayerNorm, TENorm) do."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    wrapped_new = torch_norm.WrappedTorchNorm.__new__
+
+    def torch_norm_new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return wrapped_new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        instance = wrapped_new(cls, plain, *args, **kwargs)
+        for p in instance.parameters():
+            setattr(p, "sequence_parallel", True)
+        return instance
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(torch_norm_new)
+
+
 def _patch_megatron(megatron_dir):
-    """Patches 4, 6, 8, 9, 10, 11 and 12 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
+    """Patches 4, 6, 8, 9, 10, 11, 12 and 13 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
     import subprocess
 
     import torch
@@ -404,6 +432,9 @@ def _patch_megatron(megatron_dir):
 
     original_load_tensors_metadata = dist_torch.TorchDistLoadShardedStrategy.load_tensors_metadata
     dist_torch.TorchDistLoadShardedStrategy.load_tensors_metadata = load_tensors_metadata
+
+    # 13: the torch norms under sequence parallelism.
+    patch_torch_norm_for_sequence_parallel()
 
     # 4: skip initialize_megatron's CUDA assertion with its own parameter.
     from megatron.training import training

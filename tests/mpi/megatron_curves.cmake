@@ -34,10 +34,14 @@ endfunction()
 # with scaling and the expert bias (updated after every step); token dropping by weight.
 megatron_curve_test(moe 1 moe/dist ${curve_moe})
 megatron_curve_test(moe_bias 1 moe_bias/dist ${curve_moe_bias})
+# The same routing with sqrt(softplus) scores.
+set(curve_moe_sqrtsoftplus ${curve_moe_bias})
+list(TRANSFORM curve_moe_sqrtsoftplus REPLACE "^sigmoid$" "sqrtsoftplus")
+megatron_curve_test(moe_sqrtsoftplus 1 moe_bias/dist ${curve_moe_sqrtsoftplus})
 megatron_curve_test(moe_drop 1 moe_drop/torch ${curve_moe} --moe-expert-capacity-factor 0.5 --moe-token-drop-policy probs)
 # Data parallel 2: aux_loss with seq_aux_loss; global_aux_loss (its counts summed over DP, its
-# gradient averaged over DP as Megatron-LM's). Expert parallel 2 by all-to-all. (Not MoE under
-# tensor parallelism: it needs SP, which Megatron-LM's torch norms refuse without Apex.)
+# gradient averaged over DP as Megatron-LM's). Expert parallel 2 by all-to-all. (MoE under TP + SP:
+# below, with the dense TP cases.)
 megatron_curve_test(moe_seq_dp2 2 moe/dist ${curve_moe} --moe-router-load-balancing-type aux_loss seq_aux_loss
                     --moe-aux-loss-coeff 1e-2 5e-2)
 megatron_curve_test(moe_global_dp2 2 moe/dist ${curve_moe} --moe-router-load-balancing-type global_aux_loss
@@ -72,8 +76,13 @@ megatron_curve_test(llama_decoupled_lr 1 llama/tp1_dist ${curve_llama4} --decoup
 megatron_curve_test(llama_wsd 1 llama/tp1_dist ${curve_llama4} --lr-decay-style WSD --lr-wsd-decay-iters 2)
 megatron_curve_test(llama_rotary_half 1 llama/tp1_dist ${curve_llama4} --rotary-percent 0.5)
 megatron_curve_test(llama_rope_scaling 1 llama/tp1_dist ${curve_llama4} --use-rope-scaling)
-# Tensor parallel 2 on both sides (without SP: Megatron-LM's torch norms refuse it without Apex).
+# Tensor parallel 2 on both sides, without and with sequence parallelism; MoE under TP 2 + SP, also
+# with EP 2 on 4 ranks (Megatron-LM's torch norms under SP: bench/megatron_cpu.py's patch 13).
 megatron_curve_test(llama_tp2 2 llama/tp1_dist ${curve_llama4} --tensor-model-parallel-size 2)
+megatron_curve_test(llama_tp2_sp 2 llama/tp1_dist ${curve_llama4} --tensor-model-parallel-size 2 --sequence-parallel)
+megatron_curve_test(moe_tp2_sp 2 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel)
+megatron_curve_test(moe_ep2_tp2_sp 4 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel
+                    --expert-model-parallel-size 2)
 # gpt-oss's gated unit: quick-GeGLU with the linear offset and the clamp (dense; MoE experts and the
 # shared expert), and SwiGLU clamped in an MoE model (tests/fixtures/megatron/gpt_oss_mlp: one
 # finetuned iteration that records the unit).
