@@ -128,12 +128,14 @@ void add_moe_flags(FlagTable& t) {
     t.add(std::move(s));
   }
   t.value("--moe-z-loss-coeff", "router z-loss coefficient (None: no z-loss)", MT_FIELD(model.moe.z_loss_coeff));
-  t.choice("--moe-router-score-function", "router scores: softmax or sigmoid",
+  t.choice("--moe-router-score-function",
+           "router scores: softmax over the experts, or sigmoid or sqrtsoftplus (sqrt(softplus(z))) per expert, "
+           "normalized over the top k",
            std::vector<std::pair<std::string, MoeScoreFunction>>{{"softmax", MoeScoreFunction::softmax},
-                                                                 {"sigmoid", MoeScoreFunction::sigmoid}},
+                                                                 {"sigmoid", MoeScoreFunction::sigmoid},
+                                                                 {"sqrtsoftplus", MoeScoreFunction::sqrtsoftplus}},
            MT_FIELD(model.moe.score_function))
-      .model_setting("moe_router_score_function", CheckpointTake::forced, CheckpointCompare::no, true)
-      .metavar = "{softmax,sigmoid,sqrtsoftplus}";  // sqrtsoftplus is refused (app/unsupported.cpp)
+      .model_setting("moe_router_score_function", CheckpointTake::forced, CheckpointCompare::no, true);
   t.flag("--moe-router-pre-softmax", "softmax over all experts before the top-k (softmax scoring)",
          MT_FIELD(model.moe.router_pre_softmax))
       .model_setting("moe_router_pre_softmax", CheckpointTake::forced, CheckpointCompare::no, true);

@@ -89,7 +89,9 @@ nlohmann::json derived_values(const Config& c) {
                 {"layer_pattern", pattern},  // E: MoE layer, -: dense layer
                 {"shared_expert_intermediate_size", e.shared_expert_intermediate_size.value_or(0)},
                 {"shared_expert_gate", e.shared_expert_gate},
-                {"score_function", e.score_function == MoeScoreFunction::sigmoid ? "sigmoid" : "softmax"},
+                {"score_function", e.score_function == MoeScoreFunction::sigmoid        ? "sigmoid"
+                                   : e.score_function == MoeScoreFunction::sqrtsoftplus ? "sqrtsoftplus"
+                                                                                        : "softmax"},
                 {"load_balancing", balancing},
                 {"expert_model_parallel_size", c.parallel.expert_model_parallel_size},
                 {"expert_tensor_parallel_size", c.parallel.expert_tensor_parallel_size.value_or(c.parallel.tensor_model_parallel_size)}};

@@ -74,7 +74,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--num-experts", W::conditional, {}, "", false,
        "with --fp8-format or --fp4-format, or linear "
        "biases (without --disable-bias-linear) not supported yet"},
-      {"--moe-router-score-function", W::values, {"sqrtsoftplus"}, "built: softmax, sigmoid"},
       {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"},
        "built: aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none"},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},

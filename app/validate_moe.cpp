@@ -88,9 +88,9 @@ void megatron_moe_rules(CliState& st) {
   if (e.input_jitter_eps && !(*e.input_jitter_eps >= 0 && *e.input_jitter_eps < 1))
     fail("--moe-input-jitter-eps must be in [0, 1) (got {}): the router's input is scaled by a uniform factor in "
          "[1 - eps, 1 + eps]", *e.input_jitter_eps);
-  if (e.router_enable_expert_bias && e.score_function != MoeScoreFunction::sigmoid)
-    fail("Expert bias for aux-loss-free routing only supports the 'sigmoid' and 'sqrtsoftplus' score functions "
-         "(--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid)");
+  if (e.router_enable_expert_bias && e.score_function == MoeScoreFunction::softmax)
+    fail("Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score functions. Please "
+         "set --moe-router-score-function to 'sigmoid' or 'sqrtsoftplus', or unset --moe-router-enable-expert-bias.");
 
   // Load balancing.
   const size_t types = e.load_balancing_type.size(), coeffs = e.aux_loss_coeff.size();

@@ -56,7 +56,9 @@ enum class SoftmaxType { vanilla, off_by_one, learnable };
 enum class DeviceKind { gpu, cpu };
 enum class Launcher { none, torchrun, openmpi, mpich, slurm, workstation };
 // Mixture of experts (--num-experts ...; Megatron-Core's TopKRouter and MoELayer).
-enum class MoeScoreFunction { softmax, sigmoid };
+// Router scores: softmax over the experts, or a gated score per expert, sigmoid(z) or
+// sqrt(softplus(z)) (Megatron-Core's "sqrtsoftplus"), normalized over the top k.
+enum class MoeScoreFunction { softmax, sigmoid, sqrtsoftplus };
 enum class MoeLoadBalancing { aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none };
 enum class MoeDispatcher { allgather, alltoall, flex };
 enum class MoeDropPolicy { probs, position };

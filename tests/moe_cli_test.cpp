@@ -218,7 +218,9 @@ TEST_CASE("MoE flags: Megatron's rules, one line each naming the flags", "[cli][
   CHECK(parse_error(moe_gpt() + words("--moe-router-num-groups 2 --moe-router-group-topk 4")) ==
         "--moe-router-group-topk 4 is more than --moe-router-num-groups 2");
   CHECK_THAT(parse_error(moe_gpt() + words("--moe-router-enable-expert-bias")),
-             Contains("(--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid)"));
+             Contains("Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score functions"));
+  CHECK(parse(moe_gpt() + words("--moe-router-enable-expert-bias --moe-router-score-function sqrtsoftplus"))
+            .model.moe.score_function == MoeScoreFunction::sqrtsoftplus);
   CHECK_THAT(parse_error(moe_gpt() + words("--moe-expert-capacity-factor 1.0 --moe-router-load-balancing-type sinkhorn "
                                            "--moe-aux-loss-coeff 0")),
              Contains("--moe-expert-capacity-factor only works with aux_loss, seq_aux_loss, global_aux_loss or none "
@@ -416,8 +418,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
         "--disable-bias-linear)");
   // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
   for (const auto& [flags, line] : std::vector<std::pair<std::string, std::string>>{
-           {"--moe-router-score-function sqrtsoftplus",
-            "megatrain does not support --moe-router-score-function sqrtsoftplus yet (built: softmax, sigmoid)"},
            {"--moe-router-load-balancing-type quantile_balancing",
             "megatrain does not support --moe-router-load-balancing-type quantile_balancing yet (built: aux_loss, seq_aux_loss, "
             "global_aux_loss, sinkhorn, none)"},

@@ -35,6 +35,16 @@ struct Routed {
   double group_gap = INFINITY;  // the same for the group scores at the group_topk boundary
 };
 
+// Megatron's gated scores: sigmoid(z), or sqrt(softplus(z)) with torch's softplus threshold of 20.
+double gated(MoeScoreFunction f, double z) {
+  if (f == MoeScoreFunction::sigmoid) return 1.0 / (1.0 + std::exp(-z));
+  return std::sqrt(z > 20 ? z : std::log(1.0 + std::exp(z)));
+}
+
+const char* score_name(MoeScoreFunction f) {
+  return f == MoeScoreFunction::softmax ? "softmax" : f == MoeScoreFunction::sigmoid ? "sigmoid" : "sqrtsoftplus";
+}
+
 // Megatron's router on one row, brute force: sorts instead of selection passes.
 Routed brute_route(const std::vector<double>& z, const std::vector<double>& bias, const MoeRouting& r) {
   const int E = static_cast<int>(z.size()), k = r.topk;
@@ -47,7 +57,7 @@ Routed brute_route(const std::vector<double>& z, const std::vector<double>& bias
     key = r.pre_softmax ? s : z;
   } else {
     for (int e = 0; e < E; ++e) {
-      s[e] = 1.0 / (1.0 + std::exp(-z[e]));
+      s[e] = gated(r.score, z[e]);
       key[e] = s[e] + (bias.empty() ? 0.0 : bias[e]);
     }
   }
@@ -83,7 +93,7 @@ Routed brute_route(const std::vector<double>& z, const std::vector<double>& bias
     for (int j = 0; j < k; ++j) sum += s[out.idx[j]];
     for (int j = 0; j < k; ++j) {
       out.p[j] = s[out.idx[j]];
-      if (r.score == MoeScoreFunction::sigmoid && k > 1) out.p[j] /= sum + 1e-20;
+      if (r.score != MoeScoreFunction::softmax && k > 1) out.p[j] /= sum + 1e-20;
     }
   }
   if (r.scaling != 0)
@@ -102,6 +112,7 @@ std::vector<MoeRouting> rules_for(int E, int k) {
     rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, false, scaling));
     rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, true, scaling));
     rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, scaling));
+    rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sqrtsoftplus, false, scaling));
   }
   if (E % 4 == 0)
     for (int gk : {1, 2, 3})
@@ -109,13 +120,14 @@ std::vector<MoeRouting> rules_for(int E, int k) {
         rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, false, 0, 4, gk));
         rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::softmax, true, 0, 4, gk));
         rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, 1.5f, 4, gk));
+        rules.push_back(MoeRouting::make(E, k, MoeScoreFunction::sqrtsoftplus, false, 1.5f, 4, gk));
       }
   return rules;
 }
 
 std::string describe(const MoeRouting& r) {
   return fmt::format("E {} k {} {}{} scaling {} groups {}/{}", r.experts, r.topk,
-                     r.score == MoeScoreFunction::softmax ? "softmax" : "sigmoid",
+                     score_name(r.score),
                      r.score == MoeScoreFunction::softmax ? (r.pre_softmax ? " pre" : " post") : "", r.scaling,
                      r.group_topk, r.num_groups);
 }
@@ -149,7 +161,7 @@ TEST_CASE("reference moe_route matches a brute-force router (ties to the lower i
       for (const MoeRouting& r : rules_for(E, k))
         for (bool integer_logits : {true, false})
           for (bool with_bias : {false, true}) {
-            if (with_bias && r.score != MoeScoreFunction::sigmoid) continue;
+            if (with_bias && r.score == MoeScoreFunction::softmax) continue;
             INFO(describe(r) << (integer_logits ? " integer logits" : " normal logits")
                              << (with_bias ? " bias" : ""));
             const int64_t N = 37;
@@ -260,7 +272,7 @@ TEST_CASE("reference moe_route_backward matches central differences (selection f
     for (int k : {1, 2, 3}) {
       for (const MoeRouting& r : rules_for(E, k))
         for (bool with_bias : {false, true}) {
-          if (with_bias && r.score != MoeScoreFunction::sigmoid) continue;
+          if (with_bias && r.score == MoeScoreFunction::softmax) continue;
           INFO(describe(r) << (with_bias ? " bias" : ""));
           Buf bias = Buf::randn({E}, rng, 0.05);
           const std::vector<double> no_bias;
@@ -285,7 +297,7 @@ TEST_CASE("reference moe_route_backward matches central differences (selection f
           Buf plain = Buf::zeros({N, E});
           be->moe_route_backward(plain.t(), dprobs.t(), logits.t(), idx.t(), Tensor(), r);
           for (int64_t i = 0; i < N * E; ++i) CHECK(plain.d[i] == Approx(dlogits.d[i] - aux.d[i]).margin(1e-12));
-          if (r.score == MoeScoreFunction::sigmoid || !r.pre_softmax)
+          if (r.score != MoeScoreFunction::softmax || !r.pre_softmax)
             for (int64_t t = 0; t < N; ++t)
               for (int64_t e = 0; e < E; ++e)
                 if (std::find(fixed.begin() + t * k, fixed.begin() + (t + 1) * k, e) == fixed.begin() + (t + 1) * k)
@@ -306,10 +318,10 @@ std::vector<double> brute_aux_scores(const std::vector<double>& z, MoeScoreFunct
   std::vector<double> s(E);
   double total = 0;
   for (size_t e = 0; e < E; ++e) {
-    s[e] = score == MoeScoreFunction::softmax ? std::exp(z[e] - *lse) : 1 / (1 + std::exp(-z[e]));
+    s[e] = score == MoeScoreFunction::softmax ? std::exp(z[e] - *lse) : gated(score, z[e]);
     total += s[e];
   }
-  if (score == MoeScoreFunction::sigmoid)
+  if (score != MoeScoreFunction::softmax)
     for (double& v : s) v /= total;
   return s;
 }
@@ -318,11 +330,11 @@ std::vector<double> brute_aux_scores(const std::vector<double>& z, MoeScoreFunct
 TEST_CASE("reference moe_aux_stats, moe_aux_log against brute force", "[moe][reference]") {
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(7004);
-  for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid})
+  for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid, MoeScoreFunction::sqrtsoftplus})
     for (int E : {1, 6, 16})
       for (int k : {1, 2, 4}) {
         if (k > E) continue;
-        INFO((score == MoeScoreFunction::softmax ? "softmax" : "sigmoid") << " E " << E << " k " << k);
+        INFO(score_name(score) << " E " << E << " k " << k);
         const int64_t N = 41;
         // Groups and bias never enter the statistics: a grouped rule gives the same numbers.
         MoeRouting r = MoeRouting::make(E, k, score);
@@ -367,12 +379,12 @@ TEST_CASE("reference moe_aux_grad matches central differences of the aux and z l
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(7005);
   const int64_t N = 7;
-  for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid})
+  for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid, MoeScoreFunction::sqrtsoftplus})
     for (int E : {1, 5, 8})
       for (int k : {1, 2})
         for (auto [aux_scale, z_scale] : {std::pair{0.7f, 0.0f}, std::pair{0.0f, 0.3f}, std::pair{1.3f, 0.05f}}) {
           if (k > E) continue;
-          INFO((score == MoeScoreFunction::softmax ? "softmax" : "sigmoid")
+          INFO(score_name(score)
                << " E " << E << " k " << k << " aux " << aux_scale << " z " << z_scale);
           const MoeRouting r = MoeRouting::make(E, k, score);
           Buf logits = Buf::randn({N, E}, rng, 1.5);

@@ -49,6 +49,16 @@ void top_k(const double* v, int64_t n, int64_t k, Ok&& ok, Emit&& emit, const ch
 }
 
 double sigmoid_of(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+// PyTorch's softplus (beta 1, threshold 20: z itself above it).
+double softplus_of(double z) { return z > 20.0 ? z : std::log1p(std::exp(z)); }
+// The gated score functions: s = g(z) and dg/dz (sigmoid's 1 - s as sigmoid(-z)).
+double gated_score(MoeScoreFunction f, double z) {
+  return f == MoeScoreFunction::sigmoid ? sigmoid_of(z) : std::sqrt(softplus_of(z));
+}
+double gated_score_grad(MoeScoreFunction f, double z) {
+  if (f == MoeScoreFunction::sigmoid) return sigmoid_of(z) * sigmoid_of(-z);
+  return (z > 20.0 ? 1.0 : sigmoid_of(z)) / (2.0 * std::sqrt(softplus_of(z)));
+}
 
 // s[e] = softmax(z)[e]; returns logsumexp(z).
 double softmax_into(const double* z, int64_t E, double* s) {
@@ -63,7 +73,7 @@ double softmax_into(const double* z, int64_t E, double* s) {
   return m + std::log(sum);
 }
 
-// The aux score s~ of one row (softmax, or sigmoid normalized over the row) into s; returns
+// The aux score s~ of one row (softmax, or the gated scores normalized over the row) into s; returns
 // logsumexp(z) (the z-loss's term).
 double aux_scores(const double* z, int64_t E, MoeScoreFunction score, double* s) {
   if (score == MoeScoreFunction::softmax) return softmax_into(z, E, s);
@@ -71,7 +81,7 @@ double aux_scores(const double* z, int64_t E, MoeScoreFunction score, double* s)
   for (int64_t e = 0; e < E; ++e) m = std::max(m, z[e]);
   for (int64_t e = 0; e < E; ++e) {
     sum_exp += std::exp(z[e] - m);
-    s[e] = sigmoid_of(z[e]);
+    s[e] = gated_score(score, z[e]);
     sum += s[e];
   }
   for (int64_t e = 0; e < E; ++e) s[e] /= sum;
@@ -119,7 +129,7 @@ void ReferenceBackend::moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor
           for (int64_t e = 0; e < E; ++e) key[e] = r.pre_softmax ? s[e] : z[e];
         } else {
           for (int64_t e = 0; e < E; ++e) {
-            s[e] = sigmoid_of(z[e]);
+            s[e] = gated_score(r.score, z[e]);
             key[e] = s[e] + (fbias.empty() ? 0.0 : fbias.get(e));
           }
         }
@@ -144,7 +154,7 @@ void ReferenceBackend::moe_route(Tensor probs, Tensor idx, Tensor logits, Tensor
         } else {
           double sum = 0;
           for (int64_t j = 0; j < k; ++j) sum += (p[j] = s[row_idx[j]]);
-          if (r.score == MoeScoreFunction::sigmoid && k > 1)
+          if (r.score != MoeScoreFunction::softmax && k > 1)
             for (int64_t j = 0; j < k; ++j) p[j] /= sum + kSigmoidNormEps;
         }
         for (int64_t j = 0; j < k; ++j) fp.set(t * k + j, static_cast<double>(static_cast<T>(p[j] * scaling)));
@@ -214,16 +224,16 @@ void ReferenceBackend::moe_route_backward(Tensor dlogits, Tensor dprobs, Tensor 
           for (int64_t e = 0; e < E; ++e) grad[e] -= s[e] * dot;
           for (int64_t j = 0; j < k; ++j) grad[row_idx[j]] += s[row_idx[j]] * g(j);
         } else {
-          // p_j = s_j / (S + eps) (k > 1) or s_j, s = sigmoid(z): dz = ds * s (1 - s).
+          // p_j = s_j / (S + eps) (k > 1) or s_j, s = g(z) (sigmoid or sqrt-softplus): dz = ds * g'(z).
           double S = kSigmoidNormEps, dot = 0;
           for (int64_t j = 0; j < k; ++j) {
-            q[j] = sigmoid_of(z[row_idx[j]]);
+            q[j] = gated_score(r.score, z[row_idx[j]]);
             S += q[j];
             dot += q[j] * g(j);
           }
           for (int64_t j = 0; j < k; ++j) {
             const double ds = k > 1 ? g(j) / S - dot / (S * S) : g(j);
-            grad[row_idx[j]] += ds * q[j] * (1.0 - q[j]);
+            grad[row_idx[j]] += ds * gated_score_grad(r.score, z[row_idx[j]]);
           }
         }
         T* out = dlogits.ptr<T>() + t * E;
@@ -290,14 +300,12 @@ void ReferenceBackend::moe_aux_grad(Tensor aux_grad, Tensor logits, Tensor stats
           } else {
             double sum = 0;
             for (int64_t e = 0; e < E; ++e) {
-              const double sg = sigmoid_of(z[e]);
+              const double sg = gated_score(r.score, z[e]);
               sum += sg;
               dot += fs.get(E + e) * sg;
             }
-            for (int64_t e = 0; e < E; ++e) {
-              const double sg = sigmoid_of(z[e]);
-              grad[e] = as * (fs.get(E + e) / sum - dot / (sum * sum)) * sg * (1.0 - sg);
-            }
+            for (int64_t e = 0; e < E; ++e)
+              grad[e] = as * (fs.get(E + e) / sum - dot / (sum * sum)) * gated_score_grad(r.score, z[e]);
           }
         }
         if (zs != 0)  // d/dz lse^2 = 2 lse softmax(z)

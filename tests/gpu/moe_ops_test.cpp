@@ -22,9 +22,18 @@ double sq_norm(const std::vector<double>& v) {
 
 namespace {
 
+// Megatron's gated scores: sigmoid(z), or sqrt(softplus(z)) with torch's softplus threshold of 20.
+double gated(MoeScoreFunction f, double z) {
+  if (f == MoeScoreFunction::sigmoid) return 1 / (1 + std::exp(-z));
+  return std::sqrt(z > 20 ? z : std::log1p(std::exp(z)));
+}
+
 std::string describe(const MoeRouting& r) {
   std::string s = "E " + std::to_string(r.experts) + " k " + std::to_string(r.topk);
-  s += r.score == MoeScoreFunction::sigmoid ? " sigmoid" : r.pre_softmax ? " softmax pre" : " softmax post";
+  s += r.score == MoeScoreFunction::sigmoid        ? " sigmoid"
+       : r.score == MoeScoreFunction::sqrtsoftplus ? " sqrtsoftplus"
+       : r.pre_softmax                             ? " softmax pre"
+                                                   : " softmax post";
   if (r.scaling != 0) s += " scaling " + std::to_string(r.scaling);
   if (r.num_groups > 0) s += " groups " + std::to_string(r.group_topk) + "/" + std::to_string(r.num_groups);
   return s;
@@ -35,7 +44,8 @@ std::string describe(const MoeRouting& r) {
 std::vector<MoeRouting> rules_for(int E, int k) {
   std::vector<MoeRouting> rules = {MoeRouting::make(E, k, MoeScoreFunction::softmax, false, 0, 0, 0),
                                    MoeRouting::make(E, k, MoeScoreFunction::softmax, true, 2.5f, 0, 0),
-                                   MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, 0, 0, 0)};
+                                   MoeRouting::make(E, k, MoeScoreFunction::sigmoid, false, 0, 0, 0),
+                                   MoeRouting::make(E, k, MoeScoreFunction::sqrtsoftplus, false, 2.5f, 0, 0)};
   if (E % 8 == 0)
     for (int gk : {3, 4})
       if (gk * (E / 8) >= k) {
@@ -70,7 +80,7 @@ bool clear_routing(const double* z, const std::vector<double>& bias, const MoeRo
   for (int e = 0; e < E; ++e) m = std::max(m, z[e]);
   for (int e = 0; e < E; ++e) sum += std::exp(z[e] - m);
   for (int e = 0; e < E; ++e) {
-    if (r.score == MoeScoreFunction::sigmoid) key[e] = 1 / (1 + std::exp(-z[e])) + (bias.empty() ? 0.0 : bias[e]);
+    if (r.score != MoeScoreFunction::softmax) key[e] = gated(r.score, z[e]) + (bias.empty() ? 0.0 : bias[e]);
     else key[e] = r.pre_softmax ? std::exp(z[e] - m) / sum : z[e];
   }
   if (r.num_groups > 0) {
@@ -131,7 +141,7 @@ TEST_CASE("cuda moe_route and moe_route_backward match the reference", "[gpu][mo
             INFO(dtype_name(dt) << " N " << N << " " << describe(r));
             std::vector<double> bias;
             Twin bias_t;
-            if (r.score == MoeScoreFunction::sigmoid) {
+            if (r.score != MoeScoreFunction::softmax) {
               bias = rng.normal(E, 0.05);
               for (double& b : bias) b = static_cast<float>(b);
               bias_t = twin(DType::f32, {E}, bias);
@@ -215,7 +225,7 @@ TEST_CASE("cuda moe_route refuses what its kernels cannot take", "[gpu][moe]") {
 TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log match the reference", "[gpu][moe]") {
   MT_RNG(rng);
   for (DType dt : {DType::f32, DType::bf16})
-    for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid})
+    for (MoeScoreFunction score : {MoeScoreFunction::softmax, MoeScoreFunction::sigmoid, MoeScoreFunction::sqrtsoftplus})
       for (int64_t N : {1, 7, 333, 4099, 20011})
         for (int E : {1, 8, 64, 160})
           for (int k : {1, 2, 6, 8}) {
@@ -246,10 +256,10 @@ TEST_CASE("cuda moe_aux_stats (deterministic), moe_aux_grad and moe_aux_log matc
               for (int e = 0; e < E; ++e) sum += std::exp(z[e] - m);
               max_lse = std::max(max_lse, std::fabs(m + std::log(sum)));
               for (int e = 0; e < E; ++e) {
-                s[e] = score == MoeScoreFunction::softmax ? std::exp(z[e] - m) / sum : 1 / (1 + std::exp(-z[e]));
+                s[e] = score == MoeScoreFunction::softmax ? std::exp(z[e] - m) / sum : gated(score, z[e]);
                 total += s[e];
               }
-              if (score == MoeScoreFunction::sigmoid)
+              if (score != MoeScoreFunction::softmax)
                 for (double& v : s) v /= total;
               const std::vector<int> order = ranked(s);
               if (k < E && !clear_gap(s[order[k - 1]], s[order[k]])) ++near_ties;
