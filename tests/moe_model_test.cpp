@@ -198,7 +198,7 @@ TEST_CASE("MoE gradient check: input jitter, with the router in the compute dtyp
   }
 }
 
-TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing and scaling, GeLU experts",
+TEST_CASE("MoE gradient check: pre-softmax, sigmoid and sqrtsoftplus with group-limited routing and scaling, GeLU experts",
           "[moe][gradcheck]") {
   SECTION("pre-softmax top-1 with scaling") {
     Config c = tiny_moe_config(3, 1);
@@ -217,6 +217,20 @@ TEST_CASE("MoE gradient check: pre-softmax, sigmoid with group-limited routing a
     c.model.moe.aux_loss_coeff = {0.1};
     MoeHarness h(c);
     h.check_all(4);
+  }
+  SECTION("sqrtsoftplus, 8 experts in 4 groups, top-2 of the best 2 groups, aux loss; and top-1 (no groups)") {
+    for (int k : {2, 1}) {
+      Config c = tiny_moe_config(8, k);
+      c.model.moe.score_function = MoeScoreFunction::sqrtsoftplus;
+      if (k == 2) {
+        c.model.moe.router_num_groups = 4;
+        c.model.moe.router_group_topk = 2;
+      }
+      c.model.moe.router_topk_scaling_factor = 2.0;
+      c.model.moe.aux_loss_coeff = {0.1};
+      MoeHarness h(c);
+      h.check_all(4);
+    }
   }
   SECTION("GeLU experts and shared expert (LayerNorm), every other layer MoE") {
     Config c = tiny_moe_config(4, 2);
