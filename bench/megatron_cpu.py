@@ -146,6 +146,11 @@ torch.distributed.run launch runs this file and installs them too):
     of the config without it and marks the norm's parameters `sequence_parallel`, as Megatron's
     own FusedLayerNorm does (fused_layer_norm.py), so that finalize_model_grads sums their
     gradients over TP. A norm is per token: SP changes which rows a rank normalizes, not how.
+14. megatron.core.tensor_parallel.inference_layers.is_inference_column_parallel_linear (and the
+    name imported into multi_token_prediction): it asks isinstance() of the inference-optimized
+    linear classes, which without Transformer Engine are not classes, so building an MTP layer
+    raised TypeError. Without Transformer Engine no module is such a linear: the replacement
+    answers False there and asks the original otherwise.
 
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
@@ -335,7 +340,7 @@ def patch_torch_norm_for_sequence_parallel():
 
 
 def _patch_megatron(megatron_dir):
-    """Patches 4, 6, 8, 9, 10, 11, 12 and 13 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
+    """Patches 4, 6, 8, 9, 10, 11, 12, 13 and 14 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
     import subprocess
 
     import torch
@@ -435,6 +440,18 @@ def _patch_megatron(megatron_dir):
 
     # 13: the torch norms under sequence parallelism.
     patch_torch_norm_for_sequence_parallel()
+
+    # 14: without Transformer Engine no module is an inference-optimized linear.
+    from megatron.core.tensor_parallel import inference_layers
+    from megatron.core.transformer import multi_token_prediction
+
+    is_inference_linear = inference_layers.is_inference_column_parallel_linear
+
+    def is_inference_column_parallel_linear(module):
+        return inference_layers.HAVE_TE and is_inference_linear(module)
+
+    inference_layers.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+    multi_token_prediction.is_inference_column_parallel_linear = is_inference_column_parallel_linear
 
     # 4: skip initialize_megatron's CUDA assertion with its own parameter.
     from megatron.training import training
