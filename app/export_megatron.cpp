@@ -334,6 +334,12 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   } else if (layout.ep > 1) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
+  // (Megatron-LM keys an MTP depth's layer transformer_layer in torch_dist and mtp_model_layer in
+  // its torch format; megatrain's Megatron layout has no place for the depths yet.)
+  if (model.mtp_num_layers.value_or(0) > 0)
+    fail("export-megatron: megatrain does not export multi-token prediction depths yet (the checkpoint's model has "
+         "--mtp-num-layers {}): their weights would be left out",
+         *model.mtp_num_layers);
 
   MegatronExportResult r;
   r.tp = layout.tp;

@@ -324,13 +324,18 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
         }
         if (main && model_dtype != DType::f32) add(*p, CheckpointKind::main_params, p->name, std::move(*main));
       }
-      // The aux-loss-free expert biases (Megatron's router buffer expert_bias, float32 [E]; part 0).
+      // The aux-loss-free expert biases (Megatron's router buffer expert_bias, float32 [E]; part 0),
+      // the multi-token prediction depths' too (an MTP layer is MoE as the last decoder layer is;
+      // megatrain numbers depth j's layer L + j).
+      const int L = cfg.model.num_layers;
       if (part == 0 && cfg.model.moe.enabled() && cfg.model.moe.router_enable_expert_bias)
-        for (int l = 0; l < cfg.model.num_layers; ++l) {
+        for (int l = 0; l < L + cfg.model.mtp_num_layers.value_or(0); ++l) {
+          const std::string source = l < L ? fmt::format("decoder.layers.{}.mlp.router.expert_bias", l)
+                                           : fmt::format("mtp.layers.{}.transformer_layer.mlp.router.expert_bias", l - L);
           const std::string name = fmt::format("decoder.layers.{}.mlp.router.expert_bias", l);
-          if (!cfg.model.moe.is_moe_layer(l) || !unused.count(name)) continue;
-          unused.erase(name);
-          const HostArray& b = held.emplace_back(ck.parameter(name));
+          if (!cfg.model.moe.is_moe_layer(std::min(l, L - 1)) || !unused.count(source)) continue;
+          unused.erase(source);
+          const HostArray& b = held.emplace_back(ck.parameter(source));
           const int64_t E = cfg.model.moe.num_experts;
           if (b.dtype != DType::f32 || b.numel() != E)
             fail("{}: '{}' is {} {}, not float32 [{}]", where, name, dtype_name(b.dtype), shape_text(b.shape), E);

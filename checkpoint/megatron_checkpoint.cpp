@@ -600,18 +600,29 @@ void MegatronCheckpoint::open_torch_dist() {
   rename_moe_norms();
 }
 
-// Renames the decoder layers' keys of the weights and the optimizer states: `to(layer, rest)` gives
-// a key's new rest (after "decoder.layers.<layer>."), or nullopt to keep it.
+// Renames the keys of the transformer layers' weights and optimizer states (the decoder's and the
+// multi-token prediction depths'): `to(head, rest)` gives a key's new rest after its layer's head
+// ("decoder.layers.<layer>." or "mtp.layers.<depth>.transformer_layer."), or nullopt to keep it.
 void MegatronCheckpoint::rename_layer_keys(
-    const std::function<std::optional<std::string>(int, const std::string&)>& to) {
+    const std::function<std::optional<std::string>(const std::string&, const std::string&)>& to) {
+  static const std::regex mtp_layer(R"((mtp\.layers\.\d+\.transformer_layer\.)(.*))");
   const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
     std::vector<std::pair<std::string, std::string>> moves;
     for (const auto& [key, src] : map) {
       if (key.compare(0, prefix.size(), prefix) != 0) continue;
-      const auto layer = megatron_split_layer_name(key.substr(prefix.size()));
-      if (!layer) continue;
-      if (const std::optional<std::string> rest = to(layer->first, layer->second))
-        moves.emplace_back(key, prefix + fmt::format("decoder.layers.{}.", layer->first) + *rest);
+      const std::string name = key.substr(prefix.size());
+      std::string head, rest;
+      std::smatch m;
+      if (const auto layer = megatron_split_layer_name(name)) {
+        head = fmt::format("decoder.layers.{}.", layer->first);
+        rest = layer->second;
+      } else if (std::regex_match(name, m, mtp_layer)) {
+        head = m[1].str();
+        rest = m[2].str();
+      } else {
+        continue;
+      }
+      if (const std::optional<std::string> renamed = to(head, rest)) moves.emplace_back(key, prefix + head + *renamed);
     }
     for (const auto& [from, dest] : moves) {
       auto node = map.extract(from);
@@ -628,9 +639,9 @@ void MegatronCheckpoint::rename_layer_keys(
 // the torch format as read here: open_torch) call linear_fc1's fused norm as in dense layers.
 void MegatronCheckpoint::rename_moe_norms() {
   static const std::string fused = "mlp.linear_fc1.layer_norm_";
-  rename_layer_keys([&](int layer, const std::string& rest) -> std::optional<std::string> {
+  rename_layer_keys([&](const std::string& head, const std::string& rest) -> std::optional<std::string> {
     if (rest.compare(0, fused.size(), fused) != 0) return std::nullopt;
-    if (!params_.count(fmt::format("decoder.layers.{}.mlp.router.weight", layer))) return std::nullopt;  // not MoE
+    if (!params_.count(head + "mlp.router.weight")) return std::nullopt;  // not MoE
     return "pre_mlp_layernorm." + rest.substr(fused.size());
   });
 }
@@ -648,8 +659,7 @@ void MegatronCheckpoint::rename_mla_local_norms() {
       {"self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_",
        "self_attention.linear_kv_up_proj.weight"},
       {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.weight"}};
-  rename_layer_keys([&](int layer, const std::string& rest) -> std::optional<std::string> {
-    const std::string head = fmt::format("decoder.layers.{}.", layer);
+  rename_layer_keys([&](const std::string& head, const std::string& rest) -> std::optional<std::string> {
     if (!params_.count(head + "self_attention.linear_kv_down_proj.weight")) return std::nullopt;  // not an MLA layer
     for (const Rule& r : rules) {
       const std::string from = r.from;

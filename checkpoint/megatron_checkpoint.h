@@ -133,7 +133,7 @@ class MegatronCheckpoint {
   void open_torch();
   void open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp, int pp);
   void open_torch_dist();
-  void rename_layer_keys(const std::function<std::optional<std::string>(int, const std::string&)>& to);
+  void rename_layer_keys(const std::function<std::optional<std::string>(const std::string&, const std::string&)>& to);
   void rename_mla_local_norms();
   void rename_moe_norms();
 

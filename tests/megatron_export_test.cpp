@@ -51,6 +51,9 @@ const std::string kLlama =
     "--untie-embeddings-and-output-weights --qk-layernorm";
 const std::string kGpt = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --position-embedding-type learned_absolute";
 const std::string kLlamaSinks = kLlama + " --softmax-type learnable";  // a parameter per head, split over TP
+// Sigmoid routing with the expert bias (a router buffer).
+const std::string kMoe = kLlama + " --num-experts 4 --moe-router-topk 2 --moe-router-score-function sigmoid "
+                                  "--moe-router-enable-expert-bias --moe-grouped-gemm";
 
 const mt::PickleValue& at(const mt::PickleValue& v, const std::string& key) { return v.at(key, "test"); }
 
@@ -652,6 +655,32 @@ TEST_CASE("export-megatron gives back Megatron-LM's mixture-of-experts rank file
     REQUIRE_NOTHROW(mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false));
     require_same_state(tmp / "imported", tmp / "back", false, 19);
   }
+}
+
+TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back; MTP depths are refused",
+          "[megatron-export][moe]") {
+  TempDir tmp;
+  const std::string trained = train(tmp, kMoe);
+  mt::MegatronExportOptions o;
+  o.load = trained;
+  o.save = tmp / "megatron";
+  REQUIRE(mt::export_megatron(o).release);  // (MoE models: weights only)
+  const mt::TorchFile f(tmp / "megatron/release/mp_rank_00/model_optim_rng.pt");
+  CHECK(at(f.root(), "model").find("decoder.layers.3.mlp.router.expert_bias") != nullptr);
+  mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
+  require_same_state(trained, tmp / "back", false);
+  // Trained: the biases moved from zero (so the comparison above is not of zeros).
+  mt::CheckpointReader r(tmp / "back");
+  const mt::HostArray b = read_whole(r, "decoder.layers.3.mlp.router.expert_bias", mt::CheckpointKind::model);
+  REQUIRE(b.dtype == mt::DType::f32);
+  const float* v = reinterpret_cast<const float*>(b.bytes.data());
+  CHECK(std::any_of(v, v + b.numel(), [](float x) { return x != 0.0f; }));
+  // A model with an MTP depth is refused by name, not written without it.
+  TempDir tmp2;
+  o.load = train(tmp2, kMoe + " --mtp-num-layers 1");
+  o.save = tmp2 / "megatron";
+  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("multi-token prediction depths") &&
+                                                Catch::Contains("--mtp-num-layers 1"));
 }
 
 TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-export]") {

@@ -106,4 +106,8 @@ megatron_curve_test(llama_mtp1 1 mtp/llama_mtp1 ${curve_llama4} --mtp-num-layers
 megatron_curve_test(llama_mtp2 1 mtp/llama_mtp2 ${curve_llama4} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3)
 megatron_curve_test(llama_mtp2_tp2 2 mtp/llama_mtp2 ${curve_llama4} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3
                     --tensor-model-parallel-size 2)
+# DeepSeek-V3's combination: sigmoid group-limited routing with the expert bias and one MTP depth (an
+# MoE layer), on one rank and at EP 2.
+megatron_curve_test(moe_bias_mtp1 1 mtp/moe_bias_mtp1 ${curve_moe_bias} --mtp-num-layers 1)
+megatron_curve_test(moe_bias_mtp1_ep2 2 mtp/moe_bias_mtp1 ${curve_moe_bias} --mtp-num-layers 1 --expert-model-parallel-size 2)
 megatron_curve_test(moe_swiglu_clamp 1 moe/dist ${curve_moe} --activation-func-clamp-value 1.0)
