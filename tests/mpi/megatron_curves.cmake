@@ -80,6 +80,12 @@ megatron_curve_test(llama_rope_scaling 1 llama/tp1_dist ${curve_llama4} --use-ro
 # with EP 2 on 4 ranks (Megatron-LM's torch norms under SP: bench/megatron_cpu.py's patch 13).
 megatron_curve_test(llama_tp2 2 llama/tp1_dist ${curve_llama4} --tensor-model-parallel-size 2)
 megatron_curve_test(llama_tp2_sp 2 llama/tp1_dist ${curve_llama4} --tensor-model-parallel-size 2 --sequence-parallel)
+# Pipeline parallel 2 with two virtual stages (interleaved 1F1B over 4 micro-batches of 1), the MoE
+# model at PP 3, and data parallel 2 with the distributed optimizer.
+megatron_curve_test(llama_pp2_vpp2 2 llama/tp1_dist ${curve_llama4} --pipeline-model-parallel-size 2
+                    --num-layers-per-virtual-pipeline-stage 1 --micro-batch-size 1)
+megatron_curve_test(moe_pp3 3 moe/dist ${curve_moe} --pipeline-model-parallel-size 3)
+megatron_curve_test(llama_dp2_distopt 2 llama/tp1_dist ${curve_llama4} --use-distributed-optimizer)
 megatron_curve_test(moe_tp2_sp 2 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel)
 megatron_curve_test(moe_ep2_tp2_sp 4 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel
                     --expert-model-parallel-size 2)
