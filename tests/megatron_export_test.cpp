@@ -657,7 +657,7 @@ TEST_CASE("export-megatron gives back Megatron-LM's mixture-of-experts rank file
   }
 }
 
-TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back; MTP depths are refused",
+TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back, MTP depths are refused",
           "[megatron-export][moe]") {
   TempDir tmp;
   const std::string trained = train(tmp, kMoe);

@@ -208,25 +208,16 @@ TEST_CASE("MoE gradient check: pre-softmax, sigmoid and sqrtsoftplus with group-
     MoeHarness h(c);
     h.check_all(4);
   }
-  SECTION("sigmoid, 8 experts in 4 groups, top-3 of the best 2 groups, aux loss") {
-    Config c = tiny_moe_config(8, 3);
-    c.model.moe.score_function = MoeScoreFunction::sigmoid;
-    c.model.moe.router_num_groups = 4;
-    c.model.moe.router_group_topk = 2;
-    c.model.moe.router_topk_scaling_factor = 1.5;
-    c.model.moe.aux_loss_coeff = {0.1};
-    MoeHarness h(c);
-    h.check_all(4);
-  }
-  SECTION("sqrtsoftplus, 8 experts in 4 groups, top-2 of the best 2 groups, aux loss; and top-1 (no groups)") {
-    for (int k : {2, 1}) {
+  SECTION("sigmoid and sqrtsoftplus, 8 experts in 4 groups, top-3 of the best 2 groups, aux loss; sqrtsoftplus top-1") {
+    for (const auto& [score, k] : {std::pair{MoeScoreFunction::sigmoid, 3}, std::pair{MoeScoreFunction::sqrtsoftplus, 3},
+                                   std::pair{MoeScoreFunction::sqrtsoftplus, 1}}) {
       Config c = tiny_moe_config(8, k);
-      c.model.moe.score_function = MoeScoreFunction::sqrtsoftplus;
-      if (k == 2) {
+      c.model.moe.score_function = score;
+      if (k > 1) {
         c.model.moe.router_num_groups = 4;
         c.model.moe.router_group_topk = 2;
       }
-      c.model.moe.router_topk_scaling_factor = 2.0;
+      c.model.moe.router_topk_scaling_factor = 1.5;
       c.model.moe.aux_loss_coeff = {0.1};
       MoeHarness h(c);
       h.check_all(4);

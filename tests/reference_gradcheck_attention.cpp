@@ -11,6 +11,19 @@ AttentionShape shape(int b, int s, int heads, int groups, int d, float p, bool c
   return AttentionShape::make(b, s, heads, groups, d, causal, p, 1234);
 }
 
+// A gradient check's attention: sizes, dropout, causal, sliding window (-1: none).
+struct Case {
+  int b, s, heads, groups, d;
+  float p;
+  bool causal;
+  int window = -1;
+  AttentionShape shape() const {
+    AttentionShape a = ::shape(b, s, heads, groups, d, p, causal);
+    a.window_left = window;
+    return a;
+  }
+};
+
 // Independent forward: softmax over the causal scores, written from the layout description. With
 // sinks (Megatron's SoftmaxOne), head h's softmax also has the column sinks[h], without a value.
 std::vector<double> naive_attention(const std::vector<double>& qkv, const AttentionShape& a,
@@ -87,13 +100,8 @@ TEST_CASE("reference attention with a sliding window matches the naive masked so
 TEST_CASE("reference attention_backward gradients (causal GQA, dropout)", "[reference][gradcheck]") {
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(32);
-  struct Case {
-    int b, s, heads, groups, d;
-    float p;
-    bool causal;
-  };
   for (const Case c : {Case{2, 5, 4, 2, 3, 0.0f, true}, Case{1, 6, 2, 1, 4, 0.25f, true}, Case{2, 4, 3, 3, 2, 0.0f, false}}) {
-    const AttentionShape a = shape(c.b, c.s, c.heads, c.groups, c.d, c.p, c.causal);
+    const AttentionShape a = c.shape();
     const int64_t N = a.batch * a.seq, od = a.heads * a.head_dim;
     Buf qkv = Buf::randn({N, a.qkv_row_stride()}, rng), dout = Buf::randn({N, od}, rng);
     Buf out = Buf::zeros({N, od}), lse = Buf::zeros({a.batch, a.heads, a.seq});
@@ -112,16 +120,9 @@ TEST_CASE("reference attention sinks: a naive softmax with a sink column, gradie
           "[reference][gradcheck]") {
   auto be = make_reference_backend(2);
   std::mt19937_64 rng(34);
-  struct Case {
-    int b, s, heads, groups, d;
-    float p;
-    bool causal;
-    int window;
-  };
-  for (const Case c : {Case{2, 5, 4, 2, 3, 0.0f, true, -1}, Case{1, 6, 2, 1, 4, 0.25f, true, -1},
-                       Case{2, 4, 3, 3, 2, 0.0f, false, -1}, Case{2, 7, 2, 1, 3, 0.0f, true, 2}}) {
-    AttentionShape a = shape(c.b, c.s, c.heads, c.groups, c.d, c.p, c.causal);
-    a.window_left = c.window;
+  for (const Case c : {Case{2, 5, 4, 2, 3, 0.0f, true}, Case{1, 6, 2, 1, 4, 0.25f, true},
+                       Case{2, 4, 3, 3, 2, 0.0f, false}, Case{2, 7, 2, 1, 3, 0.0f, true, 2}}) {
+    const AttentionShape a = c.shape();
     const int64_t N = a.batch * a.seq, od = a.heads * a.head_dim;
     Buf qkv = Buf::randn({N, a.qkv_row_stride()}, rng), dout = Buf::randn({N, od}, rng);
     Buf sink = Buf::randn({a.heads}, rng, 1.5);
