@@ -86,6 +86,14 @@ megatron_curve_test(llama_pp2_vpp2 2 llama/tp1_dist ${curve_llama4} --pipeline-m
                     --num-layers-per-virtual-pipeline-stage 1 --micro-batch-size 1)
 megatron_curve_test(moe_pp3 3 moe/dist ${curve_moe} --pipeline-model-parallel-size 3)
 megatron_curve_test(llama_dp2_distopt 2 llama/tp1_dist ${curve_llama4} --use-distributed-optimizer)
+# The GPT model (LayerNorm, GeLU, learned positions, biases, tied embeddings) on one rank and at
+# TP 2 + SP x PP 2; the attention output gate on one rank and at TP 2.
+set(curve_gpt --num-layers 4 --hidden-size 32 --num-attention-heads 4)
+megatron_curve_test(gpt 1 gpt/tp1_dist ${curve_gpt})
+megatron_curve_test(gpt_tp2_sp_pp2 4 gpt/tp1_dist ${curve_gpt} --tensor-model-parallel-size 2 --sequence-parallel
+                    --pipeline-model-parallel-size 2)
+megatron_curve_test(llama_gate 1 gate/llama_gate ${curve_llama4} --attention-output-gate)
+megatron_curve_test(llama_gate_tp2 2 gate/llama_gate ${curve_llama4} --attention-output-gate --tensor-model-parallel-size 2)
 megatron_curve_test(moe_tp2_sp 2 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel)
 megatron_curve_test(moe_ep2_tp2_sp 4 moe/dist ${curve_moe} --tensor-model-parallel-size 2 --sequence-parallel
                     --expert-model-parallel-size 2)
