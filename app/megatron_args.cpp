@@ -144,6 +144,9 @@ std::vector<std::string> model_flags_from_args(const PickleValue& args, const st
   }
   if (value("--experimental-attention-variant").empty()) drop_prefixed({"--linear-"});
   if (!has("--use-mup")) drop_prefixed({"--mup-"});
+  // Megatron's defaults of the plain softmax and of a gated unit without an offset.
+  if (value("--softmax-type") == "vanilla") drop.insert("--softmax-type");
+  if (value("--glu-linear-offset") == "0") drop.insert("--glu-linear-offset");
   std::vector<std::string> out;
   for (size_t i = 0; i < all.size(); ++i) {
     const bool flag_with_value = i + 1 < all.size() && all[i + 1].rfind("--", 0) != 0;

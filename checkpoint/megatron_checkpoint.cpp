@@ -328,9 +328,15 @@ void MegatronCheckpoint::open_torch() {
               continue;
             }
             if (e > 0) continue;
+            // A multi-token prediction depth's layer: mtp_model_layer in the torch format (its
+            // torch_dist key map says transformer_layer, megatrain's name), local names as above.
+            static const std::regex mtp_layer(R"((mtp\.layers\.\d+\.)(?:mtp_model_layer|transformer_layer)\.(.*))");
+            std::smatch mtp;
             if (layer) {
               layers_here = std::max(layers_here, layer->first + 1);
               name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
+            } else if (std::regex_match(name, mtp, mtp_layer)) {
+              name = mtp[1].str() + "transformer_layer." + megatron_te_layer_name(mtp[2].str());
             }
             if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
             auto& src = found[name];

@@ -117,6 +117,7 @@ megatron_curve_test(llama_off_by_one 1 llama/tp1_dist ${curve_llama4} --softmax-
 # Multi-token prediction, one depth and two (loss scaling 0.3), the two also at TP 2: from Megatron-LM's
 # own initialization trained one iteration (tests/fixtures/megatron/mtp).
 megatron_curve_test(llama_mtp1 1 mtp/llama_mtp1 ${curve_llama4} --mtp-num-layers 1)
+megatron_curve_test(llama_mtp1_torch 1 mtp/llama_mtp1_torch ${curve_llama4} --mtp-num-layers 1)  # (torch format)
 megatron_curve_test(llama_mtp2 1 mtp/llama_mtp2 ${curve_llama4} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3)
 megatron_curve_test(llama_mtp2_tp2 2 mtp/llama_mtp2 ${curve_llama4} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3
                     --tensor-model-parallel-size 2)
