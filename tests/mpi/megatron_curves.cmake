@@ -126,3 +126,9 @@ megatron_curve_test(llama_mtp2_tp2 2 mtp/llama_mtp2 ${curve_llama4} --mtp-num-la
 megatron_curve_test(moe_bias_mtp1 1 mtp/moe_bias_mtp1 ${curve_moe_bias} --mtp-num-layers 1)
 megatron_curve_test(moe_bias_mtp1_ep2 2 mtp/moe_bias_mtp1 ${curve_moe_bias} --mtp-num-layers 1 --expert-model-parallel-size 2)
 megatron_curve_test(moe_swiglu_clamp 1 moe/dist ${curve_moe} --activation-func-clamp-value 1.0)
+# gpt-oss's layer as a whole: clamped quick-GeGLU experts, learnable sinks, windows on every other
+# layer (from Megatron-LM's initialization: tests/fixtures/megatron/gptoss), one rank and EP 2.
+set(curve_gptoss ${curve_moe_geglu} --activation-func-clamp-value 2.0 --softmax-type learnable --window-size 4,0
+    --window-attn-skip-freq 2)
+megatron_curve_test(moe_gptoss 1 gptoss/moe_gptoss ${curve_gptoss})
+megatron_curve_test(moe_gptoss_ep2 2 gptoss/moe_gptoss ${curve_gptoss} --expert-model-parallel-size 2)
