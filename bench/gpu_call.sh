@@ -6,7 +6,9 @@
 #   bench/gpu_call.sh verify BIN_DIR DATA   the GPU op tests (all) in the background while
 #                                           bench/gpu_resume_check.sh and bench/fp8_loss_check.sh
 #                                           (gpt-1.3b, real text, Megatron's FP8 flags) run.
-# BIN_DIR holds megatrain and megatrain_gpu_tests (or their .xz); DATA holds
+# BIN_DIR holds megatrain and megatrain_gpu_tests (or their .xz: a build for the device machine's
+# Hopper GPU alone, cmake -DCMAKE_CUDA_ARCHITECTURES=90a-real, stripped, is half the default build's
+# size, which with the test fixtures no longer fits a device call's 64 MiB); DATA holds
 # pod_gpt2_text_document.{bin,idx}, gpt2-vocab.json and gpt2-merges.txt. Logs go to $OUT (or /tmp);
 # the summary is printed last. TOTAL_S (default 560) bounds the whole call.
 set -uo pipefail
