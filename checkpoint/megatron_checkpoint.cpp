@@ -328,15 +328,12 @@ void MegatronCheckpoint::open_torch() {
               continue;
             }
             if (e > 0) continue;
-            // A multi-token prediction depth's layer: mtp_model_layer in the torch format (its
-            // torch_dist key map says transformer_layer, megatrain's name), local names as above.
-            static const std::regex mtp_layer(R"((mtp\.layers\.\d+\.)(?:mtp_model_layer|transformer_layer)\.(.*))");
-            std::smatch mtp;
             if (layer) {
               layers_here = std::max(layers_here, layer->first + 1);
               name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
-            } else if (std::regex_match(name, mtp, mtp_layer)) {
-              name = mtp[1].str() + "transformer_layer." + megatron_te_layer_name(mtp[2].str());
+            } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
+              // (the torch format's mtp_model_layer: megatrain's transformer_layer, as torch_dist's key map says)
+              name = fmt::format("mtp.layers.{}.transformer_layer.{}", mtp->first, megatron_te_layer_name(mtp->second));
             }
             if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
             auto& src = found[name];
@@ -611,20 +608,18 @@ void MegatronCheckpoint::open_torch_dist() {
 // ("decoder.layers.<layer>." or "mtp.layers.<depth>.transformer_layer."), or nullopt to keep it.
 void MegatronCheckpoint::rename_layer_keys(
     const std::function<std::optional<std::string>(const std::string&, const std::string&)>& to) {
-  static const std::regex mtp_layer(R"((mtp\.layers\.\d+\.transformer_layer\.)(.*))");
   const auto rename_in = [&](std::map<std::string, std::shared_ptr<const Source>>& map, const std::string& prefix) {
     std::vector<std::pair<std::string, std::string>> moves;
     for (const auto& [key, src] : map) {
       if (key.compare(0, prefix.size(), prefix) != 0) continue;
       const std::string name = key.substr(prefix.size());
       std::string head, rest;
-      std::smatch m;
       if (const auto layer = megatron_split_layer_name(name)) {
         head = fmt::format("decoder.layers.{}.", layer->first);
         rest = layer->second;
-      } else if (std::regex_match(name, m, mtp_layer)) {
-        head = m[1].str();
-        rest = m[2].str();
+      } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
+        head = fmt::format("mtp.layers.{}.transformer_layer.", mtp->first);
+        rest = mtp->second;
       } else {
         continue;
       }

@@ -1,6 +1,7 @@
 #include "checkpoint/megatron_names.h"
 
 #include <cstring>
+#include <regex>
 
 #include "core/error.h"
 
@@ -106,6 +107,13 @@ std::optional<std::pair<int, std::string>> megatron_split_layer_name(const std::
   if (number.empty() || number.size() > 9 || number.find_first_not_of("0123456789") != std::string::npos)
     return std::nullopt;
   return std::make_pair(std::stoi(number), name.substr(dot + 1));
+}
+
+std::optional<std::pair<int, std::string>> megatron_split_mtp_layer_name(const std::string& name) {
+  static const std::regex mtp_layer(R"(mtp\.layers\.(\d{1,9})\.(?:transformer_layer|mtp_model_layer)\.(.*))");
+  std::smatch m;
+  if (!std::regex_match(name, m, mtp_layer)) return std::nullopt;
+  return std::make_pair(std::stoi(m[1].str()), m[2].str());
 }
 
 std::string megatron_te_layer_name(const std::string& local) { return renamed(local, true); }

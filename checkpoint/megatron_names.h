@@ -47,6 +47,9 @@ ShardIndex megatron_expert_shard(bool fc1, const std::vector<int64_t>& global_sh
 
 // "decoder.layers.12.mlp..." -> (12, "mlp..."); nullopt for names outside the layers.
 std::optional<std::pair<int, std::string>> megatron_split_layer_name(const std::string& name);
+// "mtp.layers.<j>.transformer_layer.<rest>" (torch_dist's key) or "mtp.layers.<j>.mtp_model_layer.<rest>"
+// (the torch format's: the module's attribute) -> (j, rest); nullopt for any other name.
+std::optional<std::pair<int, std::string>> megatron_split_mtp_layer_name(const std::string& name);
 
 // The part of a layer's parameter name after "decoder.layers.N.", from the local spec's naming
 // (input_layernorm.weight) to megatrain's (self_attention.linear_qkv.layer_norm_weight), and back.

@@ -98,16 +98,15 @@ __device__ __forceinline__ void swiglu_grad(float gate, float up, float dy, floa
 // The gated unit of engine/activation.h's Glu: SwiGLU's exact expressions above when plain;
 // otherwise the halves clamped, quick-GeLU (x sigmoid(1.702 x)) or SiLU on the gate, the linear
 // half plus the offset; the gradients 0 where a half was clamped.
-__device__ __forceinline__ bool glu_plain(const Glu& q) { return !q.quick_gelu && q.offset == 0.0f && q.clamp == 0.0f; }
 __device__ __forceinline__ float glu_value(const Glu& q, float gate, float up) {
-  if (glu_plain(q)) return swiglu_value(gate, up);
+  if (q.plain()) return swiglu_value(gate, up);
   const float g = q.clamp > 0.0f ? fminf(gate, q.clamp) : gate;
   const float u = q.clamp > 0.0f ? fminf(fmaxf(up, -q.clamp), q.clamp) : up;
   const float a = q.quick_gelu ? 1.702f : 1.0f;
   return g * sigmoid(a * g) * (u + q.offset);
 }
 __device__ __forceinline__ void glu_grad(const Glu& q, float gate, float up, float dy, float& dgate, float& dup) {
-  if (glu_plain(q)) return swiglu_grad(gate, up, dy, dgate, dup);
+  if (q.plain()) return swiglu_grad(gate, up, dy, dgate, dup);
   const bool clamp = q.clamp > 0.0f;
   const float g = clamp ? fminf(gate, q.clamp) : gate;
   const float u = clamp ? fminf(fmaxf(up, -q.clamp), q.clamp) : up;

@@ -474,27 +474,44 @@ void CudaBackend::attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, T
   launch_parts(Parts::scatter_add, q.dtype, parts_args(block_dqkv_, dq.data, dkv.data, rows, a.groups), a.head_dim, a.heads / a.groups, stream_, num_sms_, op);
 }
 
+namespace {
+// The shape [b, heads, s] and head width of an attention output out [s * b, heads * d] and its lse
+// [b, heads, s] (float32), checked.
+struct LseDims {
+  int64_t b, heads, s, d;
+};
+LseDims lse_dims(const char* op, Tensor out, Tensor lse) {
+  MT_CHECK(lse.ndim == 3 && lse.dtype == DType::f32, "{}: lse must be float32 [b, heads, s], got {} {}", op,
+           dtype_name(lse.dtype), lse.shape_string());
+  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
+  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
+           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
+  return {b, heads, s, out.cols() / heads};
+}
+
+// Sub-warp lanes for `units` vectors per (row, head): a power of two up to a warp.
+int lanes_for(int units) {
+  int lanes = 1;
+  while (lanes < units && lanes < cuda::kWarp) lanes *= 2;
+  return lanes;
+}
+}  // namespace
+
 void CudaBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
   const char* op = "attention_merge";
   on_device(op, out, lse, out_blk, lse_blk);
-  MT_CHECK(lse.ndim == 3, "{}: lse must be [b, heads, s], got {}", op, lse.shape_string());
-  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
-  MT_CHECK(lse.dtype == DType::f32 && lse_blk.dtype == DType::f32 && lse_blk.numel() == lse.numel(),
+  const auto [b, heads, s, d] = lse_dims(op, out, lse);
+  MT_CHECK(lse_blk.dtype == DType::f32 && lse_blk.numel() == lse.numel(),
            "{}: lse {} {} and lse_blk {} {} must be float32 of the same size", op, dtype_name(lse.dtype),
            lse.shape_string(), dtype_name(lse_blk.dtype), lse_blk.shape_string());
-  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
-           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
   MT_CHECK(out_blk.dtype == out.dtype && out_blk.numel() == out.numel(), "{}: out_blk {} {} differs from out {} {}", op,
            dtype_name(out_blk.dtype), out_blk.shape_string(), dtype_name(out.dtype), out.shape_string());
-  const int64_t d = out.cols() / heads;
   MT_PROFILE_OP("attention_merge {}", out.shape_string());
   if (lse.numel() == 0) return;
   const bool vec = vector_aligned(d, dtype_size(out.dtype), {out.data, out_blk.data});
   MT_DISPATCH_FLOAT(out.dtype, T, op, {
     auto go = [&]<int N>() {
-      const int units = static_cast<int>(d / N);
-      int lanes = 1;
-      while (lanes < units && lanes < cuda::kWarp) lanes *= 2;
+      const int units = static_cast<int>(d / N), lanes = lanes_for(units);
       const int64_t warps = (b * s * heads + cuda::kWarp / lanes - 1) / (cuda::kWarp / lanes);
       const unsigned grid = grid_of(warps * cuda::kWarp, num_sms_);
       merge_kernel<T, N><<<grid, kThreads, 0, stream_>>>(out.ptr<T>(), lse.ptr<float>(), out_blk.ptr<const T>(),
@@ -507,25 +524,11 @@ void CudaBackend::attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor
 }
 
 namespace {
-// The shape [b, heads, s] and head width of attention_sink_*'s operands, checked.
-struct SinkDims {
-  int64_t b, heads, s, d;
-};
-SinkDims sink_dims(const char* op, Tensor out, Tensor lse, Tensor sink) {
-  MT_CHECK(lse.ndim == 3 && lse.dtype == DType::f32, "{}: lse must be float32 [b, heads, s], got {} {}", op,
-           dtype_name(lse.dtype), lse.shape_string());
-  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
-  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
-           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
-  MT_CHECK(sink.empty() || sink.numel() == heads, "{}: sink must be [{}], got {}", op, heads, sink.shape_string());
-  return {b, heads, s, out.cols() / heads};
-}
-
-// Sub-warp lanes for `units` vectors per (row, head): a power of two up to a warp.
-int lanes_for(int units) {
-  int lanes = 1;
-  while (lanes < units && lanes < cuda::kWarp) lanes *= 2;
-  return lanes;
+// lse_dims plus the sinks [heads] (or empty).
+LseDims sink_dims(const char* op, Tensor out, Tensor lse, Tensor sink) {
+  const LseDims D = lse_dims(op, out, lse);
+  MT_CHECK(sink.empty() || sink.numel() == D.heads, "{}: sink must be [{}], got {}", op, D.heads, sink.shape_string());
+  return D;
 }
 }  // namespace
 
@@ -533,7 +536,7 @@ void CudaBackend::attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
   const char* op = "attention_sink_forward";
   on_device(op, out, lse);
   if (!sink.empty()) on_device(op, sink);
-  const SinkDims D = sink_dims(op, out, lse, sink);
+  const LseDims D = sink_dims(op, out, lse, sink);
   MT_PROFILE_OP("attention_sink_forward {}", out.shape_string());
   if (lse.numel() == 0) return;
   const bool vec = vector_aligned(D.d, dtype_size(out.dtype), {out.data});
@@ -556,7 +559,7 @@ void CudaBackend::attention_sink_backward(Tensor dsink, Tensor dout, Tensor out,
   const char* op = "attention_sink_backward";
   on_device(op, dsink, dout, out, lse);
   if (!sink.empty()) on_device(op, sink);
-  const SinkDims D = sink_dims(op, out, lse, sink);
+  const LseDims D = sink_dims(op, out, lse, sink);
   MT_CHECK(dout.dtype == out.dtype && dout.numel() == out.numel(), "{}: dout {} {} differs from out {} {}", op,
            dtype_name(dout.dtype), dout.shape_string(), dtype_name(out.dtype), out.shape_string());
   MT_CHECK(dsink.numel() == D.heads, "{}: dsink must be [{}], got {}", op, D.heads, dsink.shape_string());

@@ -56,14 +56,18 @@ __device__ __forceinline__ bool ranks_before(float va, int ca, float vb, int cb)
 __device__ __forceinline__ float sigmoid_of(float z) { return 1.0f / (1.0f + expf(-z)); }
 // PyTorch's softplus (beta 1, threshold 20: z itself above it).
 __device__ __forceinline__ float softplus_of(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
-// The gated scores s = g(z): sigmoid, or sqrt(softplus) (sqrt_softplus); and dg/dz (sigmoid's
-// 1 - s as sigmoid(-z): no cancellation near s = 1).
-__device__ __forceinline__ float gated_score(bool sqrt_softplus, float z) {
-  return sqrt_softplus ? sqrtf(softplus_of(z)) : sigmoid_of(z);
+// The gated scores s = g(z) (MoeScoreFunction sigmoid, or sqrtsoftplus: sqrt(softplus(z))) and
+// dg/dz (sigmoid's 1 - s as sigmoid(-z): no cancellation near s = 1).
+__device__ __forceinline__ float gated_score(MoeScoreFunction f, float z) {
+  return f == MoeScoreFunction::sqrtsoftplus ? sqrtf(softplus_of(z)) : sigmoid_of(z);
 }
-__device__ __forceinline__ float gated_score_grad(bool sqrt_softplus, float z) {
-  if (!sqrt_softplus) return sigmoid_of(z) * sigmoid_of(-z);
+__device__ __forceinline__ float gated_score_grad(MoeScoreFunction f, float z) {
+  if (f != MoeScoreFunction::sqrtsoftplus) return sigmoid_of(z) * sigmoid_of(-z);
   return (z > 20.0f ? 1.0f : sigmoid_of(z)) / (2.0f * sqrtf(softplus_of(z)));
+}
+// The gated score function of a route mode (kSigmoid or kSqrtSoftplus).
+__device__ __forceinline__ MoeScoreFunction gated_function(int mode) {
+  return mode == kSqrtSoftplus ? MoeScoreFunction::sqrtsoftplus : MoeScoreFunction::sigmoid;
 }
 
 // The warp's best (value, index) pair; every lane gets it.
@@ -165,7 +169,7 @@ __global__ void moe_route_kernel(float* probs, int32_t* idx, const T* logits, co
     const int c = lane + kWarp * i;
     if (a.mode == kPostSoftmax) key[i] = rank_value(z[i]);
     else if (a.mode == kPreSoftmax) key[i] = rank_value(expf(z[i] - m) / sum);
-    else key[i] = rank_value(gated_score(a.mode == kSqrtSoftplus, z[i]) + (bias && c < E ? bias[c] : 0.0f));
+    else key[i] = rank_value(gated_score(gated_function(a.mode), z[i]) + (bias && c < E ? bias[c] : 0.0f));
   }
   uint32_t ok = present;
   if (a.groups > 0) {
@@ -231,7 +235,7 @@ __global__ void moe_route_kernel(float* probs, int32_t* idx, const T* logits, co
   } else if (a.mode == kPreSoftmax) {
     p = pick_v;  // the softmax value itself
   } else {
-    const float sj = mine ? gated_score(a.mode == kSqrtSoftplus, to_float(row[pick_c])) : 0.0f;
+    const float sj = mine ? gated_score(gated_function(a.mode), to_float(row[pick_c])) : 0.0f;
     p = k > 1 ? sj / (warp_sum(sj) + kSigmoidNormEps) : sj;
   }
   p *= a.scaling;
@@ -279,11 +283,11 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dprobs, const
       if ((present >> i) & 1u) grad[i] -= expf(z[i] - m) / sum * dot;
     d = sj * g;
   } else {
-    const bool sqrt_softplus = a.mode == kSqrtSoftplus;
-    const float sj = valid ? gated_score(sqrt_softplus, zj) : 0.0f;
+    const MoeScoreFunction f = gated_function(a.mode);
+    const float sj = valid ? gated_score(f, zj) : 0.0f;
     const float S = warp_sum(sj) + kSigmoidNormEps, dot = warp_sum(sj * g);
     const float ds = k > 1 ? g / S - dot / (S * S) : g;
-    d = valid ? ds * gated_score_grad(sqrt_softplus, zj) : 0.0f;
+    d = valid ? ds * gated_score_grad(f, zj) : 0.0f;
   }
   for (int j = 0; j < k; ++j) {  // (a select per slot keeps grad[] in registers)
     const int e = __shfl_sync(kFull, valid ? id : -1, j);
@@ -298,20 +302,20 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dprobs, const
   }
 }
 
-// The aux scores s~ of the row into s (present slots); returns logsumexp(z). score: the
-// MoeScoreFunction (0 softmax, 1 sigmoid, 2 sqrt-softplus).
+// The aux scores s~ of the row into s (present slots); returns logsumexp(z).
 template <int VPL>
-__device__ __forceinline__ float aux_scores(const float (&z)[VPL], uint32_t present, int score, float (&s)[VPL]) {
+__device__ __forceinline__ float aux_scores(const float (&z)[VPL], uint32_t present, MoeScoreFunction score,
+                                            float (&s)[VPL]) {
   float m, sum;
   row_softmax_stats<VPL>(z, present, m, sum);
-  if (score == 0) {
+  if (score == MoeScoreFunction::softmax) {
 #pragma unroll
     for (int i = 0; i < VPL; ++i) s[i] = (present >> i) & 1u ? expf(z[i] - m) / sum : 0.0f;
   } else {
     float ls = 0;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      s[i] = (present >> i) & 1u ? gated_score(score == 2, z[i]) : 0.0f;
+      s[i] = (present >> i) & 1u ? gated_score(score, z[i]) : 0.0f;
       ls += s[i];
     }
     const float total = warp_sum(ls);
@@ -325,7 +329,7 @@ __device__ __forceinline__ float aux_scores(const float (&z)[VPL], uint32_t pres
 // Shared: double sums[W][E], double lse2[W], int counts[W][E].
 template <typename T, int VPL>
 __global__ void moe_aux_stats_kernel(double* part_sums, int* part_counts, double* part_lse2, const T* logits,
-                                     int64_t rows, int E, int k, int score) {
+                                     int64_t rows, int E, int k, MoeScoreFunction score) {
   extern __shared__ __align__(16) unsigned char stats_smem[];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   double* sums = reinterpret_cast<double*>(stats_smem);
@@ -399,7 +403,7 @@ __global__ void moe_aux_stats_finish_kernel(float* stats, const double* part_sum
 
 template <typename T, int VPL>
 __global__ void moe_aux_grad_kernel(float* aux_grad, const T* logits, const float* stats, int64_t rows, int E,
-                                    int score, float aux_scale, float z_scale) {
+                                    MoeScoreFunction score, float aux_scale, float z_scale) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp;
   if (t >= rows) return;
@@ -414,7 +418,7 @@ __global__ void moe_aux_grad_kernel(float* aux_grad, const T* logits, const floa
     float count[VPL];
 #pragma unroll
     for (int i = 0; i < VPL; ++i) count[i] = (present >> i) & 1u ? stats[E + lane + kWarp * i] : 0.0f;
-    if (score == 0) {
+    if (score == MoeScoreFunction::softmax) {
       float ld = 0;
 #pragma unroll
       for (int i = 0; i < VPL; ++i)
@@ -428,7 +432,7 @@ __global__ void moe_aux_grad_kernel(float* aux_grad, const T* logits, const floa
 #pragma unroll
       for (int i = 0; i < VPL; ++i)
         if ((present >> i) & 1u) {
-          const float sg = gated_score(score == 2, z[i]);
+          const float sg = gated_score(score, z[i]);
           ls += sg;
           ld += count[i] * sg;
         }
@@ -436,7 +440,7 @@ __global__ void moe_aux_grad_kernel(float* aux_grad, const T* logits, const floa
 #pragma unroll
       for (int i = 0; i < VPL; ++i)
         if ((present >> i) & 1u)
-          grad[i] = aux_scale * (count[i] / total - dot / (total * total)) * gated_score_grad(score == 2, z[i]);
+          grad[i] = aux_scale * (count[i] / total - dot / (total * total)) * gated_score_grad(score, z[i]);
     }
   }
   if (z_scale != 0) {
@@ -778,9 +782,6 @@ RouteArgs route_args(const MoeRouting& r) {
   RouteArgs a;
   a.experts = r.experts;
   a.topk = r.topk;
-  static_assert(static_cast<int>(MoeScoreFunction::softmax) == 0 && static_cast<int>(MoeScoreFunction::sigmoid) == 1 &&
-                    static_cast<int>(MoeScoreFunction::sqrtsoftplus) == 2,
-                "aux_scores and moe_aux_grad_kernel read the score function as 0, 1, 2");
   a.mode = r.score == MoeScoreFunction::sigmoid        ? kSigmoid
            : r.score == MoeScoreFunction::sqrtsoftplus ? kSqrtSoftplus
            : r.pre_softmax                             ? kPreSoftmax
@@ -901,7 +902,7 @@ void moe_aux_stats(const KernelContext& ctx, Tensor stats, Tensor logits, const 
       constexpr int kVpl = decltype(vpl)::value;
       moe_aux_stats_kernel<T, kVpl><<<static_cast<unsigned>(blocks), kRowWarps * kWarp, smem, ctx.stream>>>(
           part_sums, part_counts, part_lse2, logits.ptr<const T>(), N, E, r.topk,
-          static_cast<int>(r.score));
+          r.score);
     });
   });
   MT_CUDA_CHECK_LAUNCH();
@@ -925,7 +926,7 @@ void moe_aux_grad(const KernelContext& ctx, Tensor aux_grad, Tensor logits, Tens
     dispatch_vpl(E, [&](auto vpl) {
       moe_aux_grad_kernel<T, decltype(vpl)::value><<<row_blocks(N), kRowWarps * kWarp, 0, ctx.stream>>>(
           aux_grad.ptr<float>(), logits.ptr<const T>(), stats.ptr<const float>(), N, E,
-          static_cast<int>(r.score), aux_scale, z_scale);
+          r.score, aux_scale, z_scale);
     });
   });
   MT_CUDA_CHECK_LAUNCH();

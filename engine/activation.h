@@ -28,7 +28,7 @@ struct Glu {
   bool quick_gelu = false;
   float offset = 0;  // --glu-linear-offset
   float clamp = 0;   // --activation-func-clamp-value (0: none)
-  bool plain() const { return !quick_gelu && offset == 0 && clamp == 0; }
+  constexpr bool plain() const { return !quick_gelu && offset == 0 && clamp == 0; }  // (device code too)
 };
 
 }  // namespace mt

@@ -18,10 +18,11 @@ namespace {
 // from kMtp on, then each depth's acceptance counts {right, counted}: ModelDims allows at most
 // kMtpMax depths.)
 enum Scalar {
-  kLossSum = 0, kTokens = 1, kMoe = 2, kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq, kExpertZeros, kCount, kMtp = kCount + 2,
-  kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
+  kLossSum = 0, kTokens = 1, kMoe = 2, kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq,
+  kExpertZeros, kCount, kMtp = kCount + 2, kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
 };
-static_assert(kScalars <= kFirstScalarSlot, "the optimizer's scalars overlap engine/scalar_reduce.h's slots");
+static_assert(static_cast<int>(kScalars) <= static_cast<int>(kFirstScalarSlot),
+              "the optimizer's scalars overlap engine/scalar_reduce.h's slots");
 
 // The logged MoE losses in Megatron's order: name, place in GptModel::moe_loss_sums()' pairs, and
 // whether the value is summed over DP (global_aux_loss, reduced over TP x DP x CP) rather than

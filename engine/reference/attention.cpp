@@ -74,6 +74,7 @@ double dot(const T* x, const T* y, int64_t n) {
   return acc;
 }
 
+// An element of a float32 or float64 tensor (an lse; also the sink logits and their gradient).
 double read_lse(const Tensor& lse, int64_t index) {
   return lse.dtype == DType::f64 ? lse.ptr<double>()[index] : static_cast<double>(lse.ptr<float>()[index]);
 }
@@ -495,21 +496,33 @@ void reference_attention_block_backward(Tensor dq, Tensor dkv, Tensor dout, Tens
   }
 }
 
+namespace {
+// The shape [b, heads, s] and head width d of an attention output out [s * b, heads * d] (type T,
+// host memory) and its lse [b, heads, s] (float32 or float64, host memory), checked.
+struct LseShape {
+  int64_t b, heads, s, d;
+};
 template <typename T>
-void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
-  const char* op = "attention_merge";
+LseShape lse_shape(const char* op, Tensor out, Tensor lse) {
   MT_CHECK(lse.ndim == 3, "{}: lse must be [b, heads, s], got {}", op, lse.shape_string());
-  for (const auto& [t, name] : {std::pair{lse, "lse"}, std::pair{lse_blk, "lse_blk"}}) {
-    MT_CHECK(t.device == Device::cpu, "{}: {} must be host memory", op, name);
-    MT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64, "{}: {} must be float32/64, got {}", op, name,
-             dtype_name(t.dtype));
-    MT_CHECK(t.numel() == lse.numel(), "{}: {} has {} elements, lse {}", op, name, t.numel(), lse.shape_string());
-  }
+  MT_CHECK(lse.device == Device::cpu && (lse.dtype == DType::f32 || lse.dtype == DType::f64),
+           "{}: lse must be float32/64 host memory, got {}", op, dtype_name(lse.dtype));
   const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
   MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
            "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
-  const int64_t d = out.cols() / heads;
-  check_host_tensor(out, op, "out", b * s * heads * d, dtype_of<T>());
+  check_host_tensor(out, op, "out", out.numel(), dtype_of<T>());
+  return {b, heads, s, out.cols() / heads};
+}
+}  // namespace
+
+template <typename T>
+void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor lse_blk) {
+  const char* op = "attention_merge";
+  const auto [b, heads, s, d] = lse_shape<T>(op, out, lse);
+  MT_CHECK(lse_blk.device == Device::cpu && (lse_blk.dtype == DType::f32 || lse_blk.dtype == DType::f64),
+           "{}: lse_blk must be float32/64 host memory, got {}", op, dtype_name(lse_blk.dtype));
+  MT_CHECK(lse_blk.numel() == lse.numel(), "{}: lse_blk has {} elements, lse {}", op, lse_blk.numel(),
+           lse.shape_string());
   check_host_tensor(out_blk, op, "out_blk", out.numel(), dtype_of<T>());
   T* o = out.ptr<T>();
   const T* ob = out_blk.ptr<T>();
@@ -542,39 +555,27 @@ void reference_attention_merge(Tensor out, Tensor lse, Tensor out_blk, Tensor ls
 }
 
 namespace {
-double read_f(const Tensor& t, int64_t i) {
-  return t.dtype == DType::f64 ? t.ptr<double>()[i] : static_cast<double>(t.ptr<float>()[i]);
-}
-
-// The shape [b, heads, s] and head width d of attention_sink_*'s operands, checked.
-struct SinkShape {
-  int64_t b, heads, s, d;
-};
+// lse_shape plus the sinks [heads] (float32/64 host memory, or empty).
 template <typename T>
-SinkShape sink_shape(const char* op, Tensor out, Tensor lse, Tensor sink) {
-  MT_CHECK(lse.ndim == 3, "{}: lse must be [b, heads, s], got {}", op, lse.shape_string());
-  MT_CHECK(lse.device == Device::cpu && (lse.dtype == DType::f32 || lse.dtype == DType::f64),
-           "{}: lse must be float32/64 host memory", op);
-  const int64_t b = lse.size(0), heads = lse.size(1), s = lse.size(2);
-  MT_CHECK(heads > 0 && out.rows() == b * s && out.cols() > 0 && out.cols() % heads == 0,
-           "{}: out {} is not [b * s, heads * d] for lse {}", op, out.shape_string(), lse.shape_string());
-  check_host_tensor(out, op, "out", out.numel(), dtype_of<T>());
+LseShape sink_shape(const char* op, Tensor out, Tensor lse, Tensor sink) {
+  const LseShape S = lse_shape<T>(op, out, lse);
   if (!sink.empty()) {
-    MT_CHECK(sink.device == Device::cpu && sink.numel() == heads && (sink.dtype == DType::f32 || sink.dtype == DType::f64),
-             "{}: sink must be float32/64 [{}] host memory, got {} {}", op, heads, dtype_name(sink.dtype),
+    MT_CHECK(sink.device == Device::cpu && sink.numel() == S.heads &&
+                 (sink.dtype == DType::f32 || sink.dtype == DType::f64),
+             "{}: sink must be float32/64 [{}] host memory, got {} {}", op, S.heads, dtype_name(sink.dtype),
              sink.shape_string());
   }
-  return {b, heads, s, out.cols() / heads};
+  return S;
 }
 }  // namespace
 
 template <typename T>
 void reference_attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
-  const SinkShape S = sink_shape<T>("attention_sink_forward", out, lse, sink);
+  const LseShape S = sink_shape<T>("attention_sink_forward", out, lse, sink);
   T* o = out.ptr<T>();
   for (int64_t i = 0; i < S.b; ++i)
     for (int64_t h = 0; h < S.heads; ++h) {
-      const double sh = sink.empty() ? 0.0 : read_f(sink, h);
+      const double sh = sink.empty() ? 0.0 : read_lse(sink, h);
       for (int64_t t = 0; t < S.s; ++t) {
         const int64_t li = (i * S.heads + h) * S.s + t;
         const double l = read_lse(lse, li), m = std::max(l, sh);
@@ -590,7 +591,7 @@ void reference_attention_sink_forward(Tensor out, Tensor lse, Tensor sink) {
 template <typename T>
 void reference_attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Tensor lse, Tensor sink) {
   const char* op = "attention_sink_backward";
-  const SinkShape S = sink_shape<T>(op, out, lse, sink);
+  const LseShape S = sink_shape<T>(op, out, lse, sink);
   check_host_tensor(dout, op, "dout", out.numel(), dtype_of<T>());
   MT_CHECK(dsink.device == Device::cpu && dsink.numel() == S.heads &&
                (dsink.dtype == DType::f32 || dsink.dtype == DType::f64),
@@ -599,14 +600,14 @@ void reference_attention_sink_backward(Tensor dsink, Tensor dout, Tensor out, Te
   const T* o = out.ptr<T>();
   const T* g = dout.ptr<T>();
   for (int64_t h = 0; h < S.heads; ++h) {
-    const double sh = sink.empty() ? 0.0 : read_f(sink, h);
+    const double sh = sink.empty() ? 0.0 : read_lse(sink, h);
     double acc = 0;
     for (int64_t i = 0; i < S.b; ++i)
       for (int64_t t = 0; t < S.s; ++t) {
         const int64_t off = (t * S.b + i) * S.heads * S.d + h * S.d;
         acc += std::exp(sh - read_lse(lse, (i * S.heads + h) * S.s + t)) * dot(g + off, o + off, S.d);
       }
-    write_lse(dsink, h, read_f(dsink, h) - acc);
+    write_lse(dsink, h, read_lse(dsink, h) - acc);
   }
 }
 
