@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "app/checkpoint_args.h"
@@ -159,6 +160,13 @@ struct RankParam {
   bool weight_decay = true;
 };
 
+// A decoder or MTP layer's parameter: the layer's prefix in megatrain's names and in a chunk's state
+// dict, and the parameter's name within the layer (megatrain's).
+struct LayerName {
+  std::string source, local, rest;
+  int global_layer;  // megatrain's number of the layer (MTP depth j: num_layers + j), which names its expert bias
+};
+
 class Exporter {
  public:
   Exporter(CheckpointReader& reader, const ModelConfig& model, const Layout& layout)
@@ -176,17 +184,24 @@ class Exporter {
       RankParam p;
       p.source = fp.name.empty() ? "embedding.word_embeddings.weight" : fp.name;
       p.local_name = fp.name.empty() ? "output_layer.weight" : fp.name;
-      const auto layer = megatron_split_layer_name(fp.name);
-      if (layer)
-        p.local_name = fmt::format("decoder.layers.{}.{}", layer->first - c.first_layer,
-                                   megatron_local_layer_name(layer->second));
+      // A layer's parameter: its layer's prefixes in megatrain's names and in the chunk's state dict
+      // (the chunk's layers numbered from 0; an MTP depth's inner layer is its mtp_model_layer), and
+      // its name within the layer.
+      std::optional<LayerName> layer;
+      if (const auto d = megatron_split_layer_name(fp.name))
+        layer = LayerName{fmt::format("decoder.layers.{}.", d->first),
+                          fmt::format("decoder.layers.{}.", d->first - c.first_layer), d->second, d->first};
+      else if (const auto m = megatron_split_mtp_layer_name(fp.name))
+        layer = LayerName{fmt::format("mtp.layers.{}.transformer_layer.", m->first),
+                          fmt::format("mtp.layers.{}.mtp_model_layer.", m->first), m->second,
+                          model_.num_layers + m->first};
+      if (layer) p.local_name = layer->local + megatron_local_layer_name(layer->rest);
       if (!reader_.has(p.source)) fail("{} has no '{}', which the model it records has", where_, p.source);
       p.global_shape = reader_.info(p.source).global_shape;
       // (each local expert's fc1 then fc2, as SequentialMLP registers them: all at the first fc1's
       // place)
       if (fp.expert >= 0) {
-        if (fp.expert == 0 && layer->second == "mlp.experts.linear_fc1.weight")
-          add_local_experts(out, p, layer->first, layer->first - c.first_layer, t, e);
+        if (fp.expert == 0 && layer->rest == "mlp.experts.linear_fc1.weight") add_local_experts(out, p, *layer, t, e);
         continue;
       }
       p.shard = megatron_tp_shard(megatron_tp_split(p.source, model_.swiglu), p.global_shape, layout_.tp, t, p.source);
@@ -195,14 +210,15 @@ class Exporter {
         fail("export-megatron: '{}' on tensor rank {} is {} by Megatron's split but {} in megatrain's layout", p.source,
              t, shape_text(p.local_shape), shape_text(fp.local_shape));
       p.weight_decay = fp.weight_decay;
-      const bool router = layer && layer->second == "mlp.router.weight";
+      const bool router = layer && layer->rest == "mlp.router.weight";
       out.push_back(std::move(p));
       if (router) {
-        const std::string bias = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->first);
+        // (a buffer, which megatrain's checkpoints name by the layer's number, MTP depths too)
+        const std::string bias = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->global_layer);
         if (reader_.has(bias)) {
           RankParam b;
           b.source = bias;
-          b.local_name = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->first - c.first_layer);
+          b.local_name = layer->local + "mlp.router.expert_bias";
           b.global_shape = {model_.moe.num_experts};
           b.local_shape = b.global_shape;
           b.shard = ShardIndex::whole(model_.moe.num_experts, 1);
@@ -217,20 +233,20 @@ class Exporter {
   // Expert-parallel rank e's local experts i (global expert e x E / EP + i) of a layer's stacked
   // experts (megatrain's [E x rows, cols]; fc1 given as `fc1`), each its SequentialMLP's two linears
   // in turn: fc1 rows [gate; up] split over TP as the dense fc1 is, fc2 columns over TP.
-  void add_local_experts(std::vector<RankParam>& out, const RankParam& fc1, int layer, int local_layer, int t,
+  void add_local_experts(std::vector<RankParam>& out, const RankParam& fc1, const LayerName& layer, int t,
                          int e) const {
     const int E = model_.moe.num_experts, El = E / layout_.ep;
     RankParam fc2 = fc1;
-    fc2.source = fmt::format("decoder.layers.{}.mlp.experts.linear_fc2.weight", layer);
+    fc2.source = layer.source + "mlp.experts.linear_fc2.weight";
     if (!reader_.has(fc2.source)) fail("{} has no '{}', which the model it records has", where_, fc2.source);
     fc2.global_shape = reader_.info(fc2.source).global_shape;
     for (int i = 0; i < El; ++i) {
       const int g = e * El + i;
       RankParam a = fc1, b = fc2;
-      a.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", local_layer, i);
+      a.local_name = fmt::format("{}mlp.experts.local_experts.{}.linear_fc1.weight", layer.local, i);
       a.shard = megatron_expert_shard(true, a.global_shape, E, g, model_.swiglu, layout_.tp, t);
       a.local_shape = megatron_shard_shape(a.shard, a.global_shape);
-      b.local_name = fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight", local_layer, i);
+      b.local_name = fmt::format("{}mlp.experts.local_experts.{}.linear_fc2.weight", layer.local, i);
       b.shard = megatron_expert_shard(false, b.global_shape, E, g, model_.swiglu, layout_.tp, t);
       b.local_shape = megatron_shard_shape(b.shard, b.global_shape);
       out.push_back(std::move(a));
@@ -334,12 +350,13 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   } else if (layout.ep > 1) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
-  // (Megatron-LM keys an MTP depth's layer transformer_layer in torch_dist and mtp_model_layer in
-  // its torch format; megatrain's Megatron layout has no place for the depths yet.)
-  if (model.mtp_num_layers.value_or(0) > 0)
-    fail("export-megatron: megatrain does not export multi-token prediction depths yet (the checkpoint's model has "
-         "--mtp-num-layers {}): their weights would be left out",
-         *model.mtp_num_layers);
+  // (Megatron-LM's MTP stage keeps a copy of the word embeddings whose place in the last stage's
+  // buffers megatrain's Megatron layout does not have yet.)
+  const int mtp = model.mtp_num_layers.value_or(0);
+  if (mtp > 0 && layout.pp > 1)
+    fail("export-megatron: megatrain does not export multi-token prediction depths (--mtp-num-layers {}) with "
+         "--pipeline-model-parallel-size {} yet (export at --pipeline-model-parallel-size 1)",
+         mtp, layout.pp);
 
   MegatronExportResult r;
   r.tp = layout.tp;
@@ -361,6 +378,8 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   else if (loc->release) why = "it is a release checkpoint (weights only)";
   else if (model.moe.enabled())
     why = "megatrain does not write a mixture-of-experts model's optimizer state for Megatron-LM yet";
+  else if (mtp > 0)
+    why = "megatrain does not write a multi-token prediction model's optimizer state for Megatron-LM yet";
   else if (optimizer.value("kind", std::string()) != "adam")
     why = fmt::format("its optimizer is {}, and export-megatron writes Adam's state",
                       optimizer.value("kind", std::string("not recorded")));

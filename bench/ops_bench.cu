@@ -458,17 +458,27 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     Tensor off_dev = B.alloc(DType::i32, {E + 1});
     B.upload_ints(off_dev, off32);
     const ExpertOffsets offs = ExpertOffsets::on_device(off_dev);
-    for (const auto& [path, pname] : {std::pair{bench_choice_path::mma, "ours"},
-                                       std::pair{bench_choice_path::mma_cp_async, "wgmma cp.async"},
-                                       std::pair{bench_choice_path::cublas, "cublas"}}) {
-      cuda::bench_choice::grouped_gemm_path = path;
-      const std::string tag = std::string(" ") + L.name + " (" + pname + ")";
+    struct Variant {
+      bench_choice_path path;
+      bool register_epilogue;  // the TMA kernel's fragments stored from registers (its old epilogue)
+      const char* name;
+    };
+    for (const Variant v : {Variant{bench_choice_path::mma, false, "ours"},
+                            Variant{bench_choice_path::mma, true, "ours, register stores"},
+                            Variant{bench_choice_path::mma_cp_async, false, "wgmma cp.async"},
+                            Variant{bench_choice_path::cublas, false, "cublas"}}) {
+      cuda::bench_choice::grouped_gemm_path = v.path;
+      cuda::bench_choice::grouped_register_epilogue = v.register_epilogue;
+      const std::string tag = std::string(" ") + L.name + " (" + v.name + ")";
       B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, offs); });
       B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, offs); });
+      B.gemm_op(mn, "grouped bwd_weight f32" + tag, L.n, L.k, R,
+                [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, false); });
       B.gemm_op(mn, "grouped bwd_weight +acc f32" + tag, L.n, L.k, R,
                 [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, true); });
     }
     cuda::bench_choice::grouped_gemm_path = bench_choice_path::automatic;
+    cuda::bench_choice::grouped_register_epilogue = false;
     B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,
               [&](int) { be.linear_forward(y, x, wd, Tensor(), Activation::none, Tensor()); });
     B.free_all();

@@ -331,6 +331,9 @@ if __name__ == "__main__":
                     help="grouped: one torch._grouped_mm per expert GEMM (default); loop: one F.linear per expert")
     ap.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                     help="after timing, print the N kernels taking the most GPU time per step (torch.profiler)")
+    ap.add_argument("--num-layers", type=int, default=0,
+                    help="the decoder layers of every config run (default: the config's own), e.g. 10 for "
+                         "moe-mixtral-proxy on an 80 GB GPU (megatrain's side: --extra \"--num-layers 10\")")
     ap.add_argument("--self-check", action="store_true",
                     help="check routing, permutation, experts and aux loss against a per-token reference on small "
                          "shapes (on the GPU where there is one, else the CPU), then exit")
@@ -338,8 +341,10 @@ if __name__ == "__main__":
     if a.self_check:
         sys.exit(0 if self_check("cuda" if torch.cuda.is_available() else "cpu") else 1)
     for name in a.configs.split(","):
-        CONFIGS[name]["attention_dropout"] = a.attention_dropout
         if name not in CONFIGS:
             sys.exit(f"--configs: unknown config {name}; the MoE configs are {', '.join(CONFIGS)}")
+        CONFIGS[name]["attention_dropout"] = a.attention_dropout
+        if a.num_layers > 0:
+            CONFIGS[name]["L"] = a.num_layers
         result = run(name, a.iters, a.warmup, a.experts, a.profile_kernels)
         print(json.dumps(result), flush=True)

@@ -313,13 +313,19 @@ void MegatronCheckpoint::open_torch() {
             if (name.size() > 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
             if (!TorchFile::is_tensor(*value)) continue;
             const auto layer = megatron_split_layer_name(name);
-            const auto expert = layer ? torch_local_expert(layer->second) : std::nullopt;
+            // (the torch format's mtp_model_layer: megatrain's transformer_layer, as torch_dist's key map says)
+            const auto mtp = layer ? std::nullopt : megatron_split_mtp_layer_name(name);
+            const std::string prefix =
+                layer ? fmt::format("decoder.layers.{}.", next_layer + layer->first)
+                      : mtp ? fmt::format("mtp.layers.{}.transformer_layer.", mtp->first) : std::string();
+            const auto expert = layer ? torch_local_expert(layer->second)
+                                      : mtp ? torch_local_expert(mtp->second) : std::nullopt;
             if (expert) {
               if (expert->second >= local_experts)
                 fail("{}: '{}' names local expert {} of {} (--num-experts {} over expert parallel {})", f.what(), name,
                      expert->second, local_experts, experts, ep);
-              layers_here = std::max(layers_here, layer->first + 1);
-              auto& stack = found[fmt::format("decoder.layers.{}.{}", next_layer + layer->first, expert->first)];
+              if (layer) layers_here = std::max(layers_here, layer->first + 1);
+              auto& stack = found[prefix + expert->first];
               if (!stack) stack = std::make_shared<Source>();
               stack->experts.resize(static_cast<size_t>(experts));
               auto& one = stack->experts[static_cast<size_t>(e * local_experts + expert->second)];
@@ -328,13 +334,8 @@ void MegatronCheckpoint::open_torch() {
               continue;
             }
             if (e > 0) continue;
-            if (layer) {
-              layers_here = std::max(layers_here, layer->first + 1);
-              name = fmt::format("decoder.layers.{}.{}", next_layer + layer->first, megatron_te_layer_name(layer->second));
-            } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
-              // (the torch format's mtp_model_layer: megatrain's transformer_layer, as torch_dist's key map says)
-              name = fmt::format("mtp.layers.{}.transformer_layer.{}", mtp->first, megatron_te_layer_name(mtp->second));
-            }
+            if (layer) layers_here = std::max(layers_here, layer->first + 1);
+            if (layer || mtp) name = prefix + megatron_te_layer_name(layer ? layer->second : mtp->second);
             if (name == "output_layer.weight" && tied) continue;  // the last stage's copy of the embedding
             auto& src = found[name];
             shard_source(src, name);

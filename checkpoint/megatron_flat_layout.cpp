@@ -163,9 +163,10 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
       if (fc1_entry && !te_spec) one(fc2, false, e);
     }
   };
-  for (int l = first_layer; l < first_layer + num_layers; ++l) {
-    const std::string prefix = fmt::format("decoder.layers.{}.", l);
-    size_t found = 0;
+  // Layer l's parameters named `prefix` + the layer's own names; `extra`: those of an MTP depth's
+  // that are not its inner layer's (each layer's parameters must all have a place).
+  const auto add_layer = [&](int l, const std::string& prefix, size_t extra) {
+    size_t found = extra;
     for (const std::string& suffix : order)
       if (by_name.count(prefix + suffix)) {
         if (suffix == "mlp.experts.linear_fc1.weight") add_experts(prefix, true);
@@ -175,16 +176,35 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
       }
     size_t held = 0;
     for (const ParamDesc& d : descs)
-      if (d.layer == l) ++held;
+      if (d.layer == l && !d.shared_copy) ++held;
     if (found != held) {
       for (const ParamDesc& d : descs)
-        if (d.layer == l && std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end())
+        if (d.layer == l && !d.shared_copy && d.name.compare(0, prefix.size(), prefix) == 0 &&
+            std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end())
           fail("'{}' has no known place in Megatron's registration order", d.name);
     }
-  }
+  };
+  for (int l = first_layer; l < first_layer + num_layers; ++l) add_layer(l, fmt::format("decoder.layers.{}.", l), 0);
   if (has_output) {
     add("decoder.final_layernorm.weight", false);
     add("decoder.final_layernorm.bias", false);
+    // Multi-token prediction (GPTModel registers its MultiTokenPredictionBlock after the decoder,
+    // before the output layer): each depth's enorm, hnorm, eh_proj, its inner layer, final_layernorm.
+    for (int j = 0; j < dims.mtp; ++j) {
+      const std::string mtp = fmt::format("mtp.layers.{}.", j);
+      if (!by_name.count(mtp + "eh_proj.weight")) continue;
+      const size_t before = out.size();
+      for (const char* norm : {"enorm", "hnorm"}) {
+        add(mtp + norm + ".weight", true);
+        add(mtp + norm + ".bias", false);
+      }
+      add(mtp + "eh_proj.weight", true);
+      const size_t outer = out.size() - before;
+      add_layer(dims.num_layers + j, mtp + "transformer_layer.", outer + (by_name.count(mtp + "final_layernorm.weight") +
+                                                                          by_name.count(mtp + "final_layernorm.bias")));
+      add(mtp + "final_layernorm.weight", true);
+      add(mtp + "final_layernorm.bias", false);
+    }
     if (!tied) {
       add("output_layer.weight", true);
     } else if (pipelined) {  // the last stage's copy of the word embeddings, in a bucket of its own

@@ -42,6 +42,8 @@ MegatronTpSplit megatron_tp_split(const std::string& name, bool swiglu) {
       ends_with(name, "linear_kv_up_proj.weight") || ends_with(name, "core_attention.softmax_offset") ||
       name == "embedding.word_embeddings.weight" || name == "output_layer.weight")
     return MegatronTpSplit::rows;
+  // (An MTP depth's eh_proj is a column-parallel linear: its output rows split.)
+  if (ends_with(name, ".eh_proj.weight")) return MegatronTpSplit::rows;
   if (ends_with(name, "linear_proj.weight") || ends_with(name, "linear_fc2.weight")) return MegatronTpSplit::columns;
   return MegatronTpSplit::replicated;
 }
@@ -122,7 +124,7 @@ std::string megatron_local_layer_name(const std::string& te) { return renamed(te
 
 bool megatron_has_extra_state(const std::string& module) {
   return module == "output_layer" || ends_with(module, ".linear_qkv") || ends_with(module, ".linear_proj") ||
-         ends_with(module, ".linear_fc1") || ends_with(module, ".linear_fc2");
+         ends_with(module, ".linear_fc1") || ends_with(module, ".linear_fc2") || ends_with(module, ".eh_proj");
 }
 
 }  // namespace mt

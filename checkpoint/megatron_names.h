@@ -11,7 +11,7 @@
 //
 // Tensor-parallel splits (the torch format stores each rank's shard; torch_dist global tensors):
 // linear_qkv (grouped per query group), linear_fc1, the word embeddings and the output layer by
-// rows; linear_proj and linear_fc2 by columns; SwiGLU's fc1 by rows of each half, a rank holding
+// rows (an MTP depth's eh_proj too); linear_proj and linear_fc2 by columns; SwiGLU's fc1 by rows of each half, a rank holding
 // [gate_t; up_t]; everything else (norms, biases of row-parallel layers, position embeddings)
 // replicated.
 #pragma once

@@ -21,4 +21,8 @@ inline Fp8CastKernel fp8_cast_kernel = Fp8CastKernel::by_reader;
 enum class GroupedGemmPath { automatic, mma, mma_cp_async, mma_sync, cublas };
 inline GroupedGemmPath grouped_gemm_path = GroupedGemmPath::automatic;
 
+// The TMA grouped GEMM kernel's epilogue (cuda/grouped_gemm_tma.cu): through shared memory and TMA
+// stores where C allows (the default), or every fragment by the register stores.
+inline bool grouped_register_epilogue = false;
+
 }  // namespace mt::cuda::bench_choice

@@ -6,6 +6,14 @@
 // the next tile's loads run during this one's stores. (A ping-pong schedule, each consumer on its
 // own 128 x 128 tile, measured slower: bench/RESULTS.md.)
 //
+// The epilogue: each consumer writes its 64 x 256 fragment to shared memory in 64-row boxes of 128
+// bytes (64 16-bit or 32 float32 columns, the 128-byte swizzle), two 8 KB buffers per consumer, and
+// its first thread hands each box to a TMA store (a TMA reduce-add for a float32 weight gradient with
+// accumulate: old + new in float32, as the register path computes it), then goes on to the next tile
+// while the stores drain. A row-grouped fragment whose 64 rows pass its expert's end (the next
+// expert's rows, which another CTA writes) and C without a tensor map (see c_map_for) take the
+// register stores of store_fragment instead.
+//
 // Row-grouped ops (forward, input gradient): tiles go expert by expert, the m-tiles of one n-tile
 // next to each other, so the CTAs in flight share a few 256-row slabs of the expert's weight and
 // its rows (both stay in L2). Rows of A past an expert's end are loaded (they are the next
@@ -24,6 +32,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "cuda/bench_choice.h"
 #include "cuda/cuda_check.h"
 #include "cuda/grouped_gemm_common.cuh"
 #include "cuda/grouped_gemm_mma.h"
@@ -38,7 +47,9 @@ static_assert(BK == kStepK, "the shared descriptors' k-step");
 constexpr int THREADS = 384;  // the producer's warpgroup and two consumers
 constexpr int kAElems = BM * BK, kBElems = BN * BK;
 constexpr int kStageBytes = (kAElems + kBElems) * 2;
-constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + room to align the 1024-byte swizzle atoms
+// The epilogue's boxes: two 8 KB buffers per consumer warpgroup, after the ring.
+constexpr int kBoxBytes = 64 * 128, kEpilogueBytes = 2 * 2 * kBoxBytes;
+constexpr int kSmemBytes = STAGES * kStageBytes + kEpilogueBytes + 1024;  // + room to align the 1024-byte swizzle atoms
 
 struct Args {
   const int* offsets;  // [groups + 1], device
@@ -53,6 +64,7 @@ struct Args {
   int m_tiles;         // weight gradient: per expert
   int n_tiles;
   bool accumulate;
+  bool c_tma;  // the epilogue stores through map_c (see c_map_for)
 };
 
 // (Unused in the sm_90 pass, which compiles the kernel's body out: the sm_90a pass uses them.)
@@ -80,6 +92,40 @@ struct Args {
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
       : "memory");
+}
+
+// The shared-memory box at src to the tensor map's box at (x, y[, z]): a TMA store (or a reduce-add
+// into what the global box holds), in this thread's bulk group.
+template <int kDims, bool kAdd>
+[[maybe_unused]] __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int x, int y, int z) {
+  const uint64_t m = reinterpret_cast<uint64_t>(map);
+  const uint32_t a = smem_u32(src);
+  if constexpr (kDims == 2 && !kAdd)
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(m), "r"(x),
+                 "r"(y), "r"(a)
+                 : "memory");
+  else if constexpr (kDims == 3 && !kAdd)
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(m),
+                 "r"(x), "r"(y), "r"(z), "r"(a)
+                 : "memory");
+  else
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(m),
+                 "r"(x), "r"(y), "r"(z), "r"(a)
+                 : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most kPending of this thread's bulk groups still read shared memory.
+template <int kPending>
+[[maybe_unused]] __device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Until this thread's bulk groups are complete (their writes done).
+[[maybe_unused]] __device__ __forceinline__ void tma_store_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Named barrier `id` over one consumer warpgroup (ids 2 and 3; 1 is both consumers', 0 the CTA's).
+[[maybe_unused]] __device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
 // A tile: its expert g, its first row m0 of C (row-grouped: within the expert's rows) and first
@@ -195,13 +241,70 @@ __device__ __forceinline__ void store_fragment(TC* C, long long ldc, const float
   }
 }
 
+// The TMA epilogue of a warpgroup's 64 x 256 fragment (see the header): boxes of 128-byte rows, box
+// b's columns [b w, b w + w) of the fragment (w = 64 16-bit or 32 float32 values), written to the
+// warpgroup's two buffers in turn with the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8)), each stored from (x0 + b w, y0[, z]) by the warpgroup's first thread. `boxes`
+// counts the warpgroup's boxes so far (the buffer in turn, and when one must wait for its store).
+template <typename TC, bool kWeight>
+__device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsigned char* bufs, const float (&d)[128],
+                                                   int x0, int y0, int z, bool add, int bar_id, int& boxes) {
+  constexpr bool kF32 = std::is_same_v<TC, float>;
+  constexpr int kBoxes = kF32 ? 8 : 4, kJ = 32 / kBoxes;  // boxes per fragment, fragment columns of 8 per box
+  constexpr int kW = kF32 ? 32 : 64;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const bool leader = (threadIdx.x & 127) == 0;
+#pragma unroll
+  for (int b = 0; b < kBoxes; ++b, ++boxes) {
+    unsigned char* buf = bufs + (boxes & 1) * kBoxBytes;
+    if (boxes >= 2) {
+      if (leader) tma_store_wait_read<1>();  // the store of this buffer's last box has read it
+      warpgroup_sync(bar_id);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (warp << 4) + (lane >> 2) + 8 * h;
+      unsigned char* row = buf + r * 128;
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        const int j = b * kJ + jj;
+        const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+        if constexpr (kF32) {
+          const int chunk = 2 * jj + ((lane & 3) >> 1);
+          *reinterpret_cast<float2*>(row + ((chunk ^ (r & 7)) << 4) + ((lane & 1) << 3)) = make_float2(v0, v1);
+        } else {
+          uint32_t packed;
+          if constexpr (std::is_same_v<TC, __nv_bfloat16>) {
+            const __nv_bfloat162 t = __floats2bfloat162_rn(v0, v1);
+            packed = *reinterpret_cast<const uint32_t*>(&t);
+          } else {
+            const __half2 t = __floats2half2_rn(v0, v1);
+            packed = *reinterpret_cast<const uint32_t*>(&t);
+          }
+          *reinterpret_cast<uint32_t*>(row + ((jj ^ (r & 7)) << 4) + ((lane & 3) << 2)) = packed;
+        }
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA unit
+    warpgroup_sync(bar_id);
+    if (leader) {
+      if constexpr (kWeight) {
+        if (add) tma_store<3, true>(map, buf, x0 + b * kW, y0, z);
+        else tma_store<3, false>(map, buf, x0 + b * kW, y0, z);
+      } else {
+        tma_store<2, false>(map, buf, x0 + b * kW, y0, 0);
+      }
+    }
+  }
+}
+
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
 // [reduction, K] output-contiguous: its columns as 64-wide boxes 8 KB apart), backward_weight
 // (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
 template <typename T, typename TC, GroupedOp kOp>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                       const __grid_constant__ Args args) {
+                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kWeight = kOp == GroupedOp::backward_weight;
   constexpr bool kARed = !kWeight, kBRed = kOp == GroupedOp::forward;
@@ -232,6 +335,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
   const int r_in = (warp << 4) + ((tid & 31) >> 2);  // this thread's first row in a 64-row fragment
   int it = 0;  // the CTA's k-steps before the tile at hand (both consumers')
+  unsigned char* const c_bufs = reinterpret_cast<unsigned char*>(smem + STAGES * (kAElems + kBElems)) + cw * 2 * kBoxBytes;
+  int boxes = 0;  // this warpgroup's epilogue boxes so far
   // Consumer cw computes rows [64 cw, 64 cw + 64) of every tile, all 256 columns.
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile x = tile_at<kWeight>(args, first_tile, t);
@@ -258,10 +363,19 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait_all();
     if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     fence_registers(d);
+    // The TMA epilogue: a weight gradient's boxes are clipped at its expert's M rows by the 3-D map;
+    // a row-grouped fragment only when its 64 rows are all the expert's.
+    if (args.c_tma && (kWeight || x.m0 + cw * 64 + 64 <= x.rows)) {
+      store_fragment_tma<TC, kWeight>(&map_c, c_bufs, d, x.n0, kWeight ? x.m0 + cw * 64 : x.row0 + x.m0 + cw * 64, x.g,
+                                      args.accumulate, 2 + cw, boxes);
+      continue;
+    }
     TC* Cp = static_cast<TC*>(args.c) + (kWeight ? x.g * args.c_stride : static_cast<long long>(x.row0) * args.ldc);
     store_fragment<TC>(Cp, args.ldc, d, x.m0 + cw * 64 + r_in, kWeight ? args.M : x.rows, x.n0, args.N,
                        args.accumulate);
   }
+  // The bulk stores read this CTA's shared memory and must finish before it goes.
+  if (boxes > 0 && (tid & 127) == 0) tma_store_wait_all();
 #endif
 }
 
@@ -298,15 +412,51 @@ CUtensorMap tensor_map(const void* base, DType dt, int64_t rows, int64_t cols, i
   return map;
 }
 
+// The epilogue's map of C (Args::c_tma), or false where the register stores take C: a row-grouped op's C
+// [rows, N] 16-bit in boxes of 64 rows x 64 columns; a weight gradient's [E, M, N] (16-bit or float32)
+// as a 3-D map in boxes of 64 rows x 128 bytes, so that a box stops at its expert's M rows. TMA
+// needs C 16-byte aligned with 16-byte row strides; the register stores take a 16-bit C with
+// accumulate (their rounding of old + new is the one of store2).
+bool c_map_for(GroupedOp op, const Tensor& c, const Args& args, CUtensorMap& map) {
+  const int64_t elem = c.dtype == DType::f32 ? 4 : 2;
+  if (reinterpret_cast<uintptr_t>(c.data) % 16 != 0 || (args.ldc * elem) % 16 != 0) return false;
+  if (args.accumulate && (op != GroupedOp::backward_weight || c.dtype != DType::f32)) return false;
+  CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  if (c.dtype == DType::bf16) type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  else if (c.dtype == DType::f16) type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else if (c.dtype != DType::f32) return false;
+  const cuuint32_t box_cols = static_cast<cuuint32_t>(128 / elem);
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUresult r;
+  if (op == GroupedOp::backward_weight) {
+    if ((args.c_stride * elem) % 16 != 0) return false;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.N), static_cast<cuuint64_t>(args.M),
+                                static_cast<cuuint64_t>(args.groups)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldc * elem),
+                                   static_cast<cuuint64_t>(args.c_stride * elem)};
+    const cuuint32_t box[3] = {box_cols, 64, 1};
+    r = encode_tiled()(&map, type, 3, c.data, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  } else {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.N), static_cast<cuuint64_t>(c.rows())};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.ldc * elem)};
+    const cuuint32_t box[2] = {box_cols, 64};
+    r = encode_tiled()(&map, type, 2, c.data, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  }
+  return r == CUDA_SUCCESS;
+}
+
 template <typename T, typename TC, GroupedOp kOp>
-void launch(const CUtensorMap& a, const CUtensorMap& b, const Args& args, int grid, cudaStream_t stream) {
+void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c, const Args& args, int grid,
+            cudaStream_t stream) {
   auto* kernel = grouped_tma_kernel<T, TC, kOp>;
   static const bool configured = [&] {
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
   }();
   (void)configured;
-  kernel<<<grid, THREADS, kSmemBytes, stream>>>(a, b, args);
+  kernel<<<grid, THREADS, kSmemBytes, stream>>>(a, b, c, args);
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -321,14 +471,14 @@ int sm_count() {
 }
 
 template <typename T>
-void dispatch(GroupedOp op, DType c_dtype, const CUtensorMap& a, const CUtensorMap& b, const Args& args, int grid,
-              cudaStream_t stream) {
+void dispatch(GroupedOp op, DType c_dtype, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c,
+              const Args& args, int grid, cudaStream_t stream) {
   switch (op) {
-    case GroupedOp::forward: return launch<T, T, GroupedOp::forward>(a, b, args, grid, stream);
-    case GroupedOp::backward_input: return launch<T, T, GroupedOp::backward_input>(a, b, args, grid, stream);
+    case GroupedOp::forward: return launch<T, T, GroupedOp::forward>(a, b, c, args, grid, stream);
+    case GroupedOp::backward_input: return launch<T, T, GroupedOp::backward_input>(a, b, c, args, grid, stream);
     case GroupedOp::backward_weight:
-      if (c_dtype == DType::f32) return launch<T, float, GroupedOp::backward_weight>(a, b, args, grid, stream);
-      return launch<T, T, GroupedOp::backward_weight>(a, b, args, grid, stream);
+      if (c_dtype == DType::f32) return launch<T, float, GroupedOp::backward_weight>(a, b, c, args, grid, stream);
+      return launch<T, T, GroupedOp::backward_weight>(a, b, c, args, grid, stream);
   }
 }
 
@@ -382,9 +532,11 @@ void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
     most = (rows + E * (BM - 1)) / BM * args.n_tiles;
   }
   if (most == 0) return;
+  CUtensorMap map_c{};
+  args.c_tma = !bench_choice::grouped_register_epilogue && c_map_for(op, c, args, map_c);
   const int grid = static_cast<int>(std::min<int64_t>(most, sm_count()));
-  if (a.dtype == DType::bf16) dispatch<__nv_bfloat16>(op, c.dtype, map_a, map_b, args, grid, stream);
-  else dispatch<__half>(op, c.dtype, map_a, map_b, args, grid, stream);
+  if (a.dtype == DType::bf16) dispatch<__nv_bfloat16>(op, c.dtype, map_a, map_b, map_c, args, grid, stream);
+  else dispatch<__half>(op, c.dtype, map_a, map_b, map_c, args, grid, stream);
 }
 
 }  // namespace mt::cuda

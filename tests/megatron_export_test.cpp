@@ -657,7 +657,78 @@ TEST_CASE("export-megatron gives back Megatron-LM's mixture-of-experts rank file
   }
 }
 
-TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back, MTP depths are refused",
+TEST_CASE("export-megatron gives back Megatron-LM's rank file of a model with an MTP depth, weights only",
+          "[megatron-export][mtp]") {
+  // Megatron-LM's own torch-format checkpoint of the llama model with --mtp-num-layers 1
+  // (tests/fixtures/megatron/README.md), imported and exported: the state dict's keys in order (the
+  // depth's enorm, hnorm, eh_proj and its _extra_state, its mtp_model_layer, final_layernorm, after
+  // the decoder and before the output layer) and every tensor.
+  TempDir tmp;
+  const std::string fixture = kFixtures + "/mtp/llama_mtp1_torch";
+  mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
+  mt::MegatronExportOptions o;
+  o.load = tmp / "imported";
+  o.save = tmp / "megatron";
+  const mt::MegatronExportResult r = mt::export_megatron(o);
+  CHECK(r.release);
+  const mt::TorchFile theirs(fixture + "/iter_0000001/mp_rank_00/model_optim_rng.pt"),
+      ours(tmp / "megatron/release/mp_rank_00/model_optim_rng.pt");
+  compare_model_chunks(Files{theirs, ours});
+  CHECK(at(ours.root(), "model").find("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight") != nullptr);
+  for (const char* k : {"mtp_num_layers", "mtp_loss_scaling_factor"}) {
+    INFO(k);
+    CHECK(equal_values(at(at(theirs.root(), "args"), k), at(at(ours.root(), "args"), k)));
+  }
+  mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
+  require_same_state(tmp / "imported", tmp / "back", false);
+}
+
+TEST_CASE("export-megatron: a trained model with MTP depths goes to Megatron-LM's layout and back, weights only",
+          "[megatron-export][mtp]") {
+  // Two depths; dense at TP 2 (eh_proj's rows split as Megatron's column-parallel linear), and MoE
+  // with the expert bias at EP 2 (the depths' experts and routers under their mtp_model_layer).
+  struct Case {
+    const std::string model;
+    mt::MegatronExportOptions layout;
+    const char* key;  // in the first rank file
+  };
+  mt::MegatronExportOptions tp2;
+  tp2.tp = 2;
+  mt::MegatronExportOptions ep2;
+  ep2.ep = ep2.dp = 2;
+  for (const Case& c : {Case{kLlama, tp2, "mtp.layers.1.eh_proj.weight"},
+                        Case{kMoe, ep2, "mtp.layers.1.mtp_model_layer.mlp.experts.local_experts.1.linear_fc2.weight"}}) {
+    INFO(c.model);
+    TempDir tmp;
+    const std::string trained = train(tmp, c.model + " --mtp-num-layers 2");
+    mt::MegatronExportOptions o = c.layout;
+    o.load = trained;
+    o.save = tmp / "megatron";
+    const mt::MegatronExportResult r = mt::export_megatron(o);
+    CHECK(r.release);
+    CHECK_THAT(r.weights_only_reason, Catch::Contains("multi-token prediction") || Catch::Contains("mixture-of-experts"));
+    const mt::TorchFile f(tmp / (std::string("megatron/release/") + (c.layout.ep > 1 ? "mp_rank_00_000" : "mp_rank_00") +
+                                 "/model_optim_rng.pt"));
+    const mt::PickleValue* v = at(f.root(), "model").find(c.key);
+    REQUIRE(v != nullptr);
+    if (c.layout.tp == 2) {
+      const mt::HostArray a = f.tensor(*v, c.key);
+      CHECK(a.shape == std::vector<int64_t>{16, 64});  // [h / TP, 2h]
+    }
+    mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
+    require_same_state(trained, tmp / "back", false);
+  }
+  // Pipeline parallelism is refused by name, not written without the depths' embedding copy.
+  TempDir tmp;
+  mt::MegatronExportOptions o;
+  o.load = train(tmp, kLlama + " --mtp-num-layers 1");
+  o.save = tmp / "megatron";
+  o.pp = 2;
+  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("--mtp-num-layers 1") &&
+                                                Catch::Contains("--pipeline-model-parallel-size 2"));
+}
+
+TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back",
           "[megatron-export][moe]") {
   TempDir tmp;
   const std::string trained = train(tmp, kMoe);
@@ -675,12 +746,6 @@ TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back
   REQUIRE(b.dtype == mt::DType::f32);
   const float* v = reinterpret_cast<const float*>(b.bytes.data());
   CHECK(std::any_of(v, v + b.numel(), [](float x) { return x != 0.0f; }));
-  // A model with an MTP depth is refused by name, not written without it.
-  TempDir tmp2;
-  o.load = train(tmp2, kMoe + " --mtp-num-layers 1");
-  o.save = tmp2 / "megatron";
-  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("multi-token prediction depths") &&
-                                                Catch::Contains("--mtp-num-layers 1"));
 }
 
 TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-export]") {

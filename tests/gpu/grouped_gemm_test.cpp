@@ -47,18 +47,26 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
     const int64_t E = static_cast<int64_t>(c.rows.size()), R = off.back(), N = c.N, K = c.K;
     if (R == 0) off.back() = 0;
     using Path = cuda::bench_choice::GroupedGemmPath;
-    for (const auto& [dt, path] : {std::pair{DType::f32, Path::automatic}, std::pair{DType::bf16, Path::automatic},
-                                   std::pair{DType::bf16, Path::mma}, std::pair{DType::bf16, Path::mma_cp_async},
-                                   std::pair{DType::bf16, Path::mma_sync},
-                                   std::pair{DType::bf16, Path::cublas}, std::pair{DType::f16, Path::mma},
-                                   std::pair{DType::f16, Path::mma_sync}}) {
+    struct Variant {
+      DType dt;
+      Path path;
+      bool register_epilogue;  // the TMA kernel's fragments all stored from registers
+    };
+    for (const auto& [dt, path, register_epilogue] :
+         {Variant{DType::f32, Path::automatic, false}, Variant{DType::bf16, Path::automatic, false},
+          Variant{DType::bf16, Path::mma, false}, Variant{DType::bf16, Path::mma, true},
+          Variant{DType::bf16, Path::mma_cp_async, false}, Variant{DType::bf16, Path::mma_sync, false},
+          Variant{DType::bf16, Path::cublas, false}, Variant{DType::f16, Path::mma, false},
+          Variant{DType::f16, Path::mma_sync, false}}) {
       cuda::bench_choice::grouped_gemm_path = path;
+      cuda::bench_choice::grouped_register_epilogue = register_epilogue;
       for (const bool on_device : {false, true}) {
         // Device offsets (int32, as the MoE block passes them) bound the operands' rows: here `pad`
         // rows follow the experts' and stay as they were.
         const int64_t pad = on_device ? 37 : 0, Rp = R + pad;
         INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt) << ", path "
-                        << static_cast<int>(path) << (on_device ? ", device offsets" : ", host offsets"));
+                        << static_cast<int>(path) << (register_epilogue ? " (register stores)" : "")
+                        << (on_device ? ", device offsets" : ", host offsets"));
         const Twin offd = twin(DType::i32, {E + 1}, std::vector<double>(off.begin(), off.end()));
         const ExpertOffsets off_c = on_device ? ExpertOffsets::on_device(offd.c()) : ExpertOffsets(off);
         const ExpertOffsets off_r = on_device ? ExpertOffsets::on_device(offd.r()) : ExpertOffsets(off);
@@ -76,7 +84,7 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
         };
         const auto zeros = [&](int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); };
         if (Rp > 0) {
-          if (path == Path::mma && dt != DType::f32)
+          if (path == Path::mma && dt != DType::f32 && !register_epilogue)
             tma_ops += cuda::grouped_tma_takes(cuda::GroupedOp::forward, dyc, xc, w.c(), E) +
                        cuda::grouped_tma_takes(cuda::GroupedOp::backward_input, xc, dyc, w.c(), E) +
                        cuda::grouped_tma_takes(cuda::GroupedOp::backward_weight, w.c(), dyc, xc, E);
@@ -112,6 +120,13 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
               }
             }
           CHECK(bad == 0);
+        }
+        if (dt != DType::f32 && Rp > 0 && c.rows[0] > 0) {
+          // A 16-bit weight gradient (written, not accumulated): the kernels' 16-bit stores of it.
+          Twin dw16 = twin_nan(dt, {E * N, K});
+          dev().grouped_linear_backward_weight(dw16.c(), dyc, xc, off_c, false);
+          ref().grouped_linear_backward_weight(dw16.r(), dyr, xr, off_r, false);
+          CHECK(rel_err(dw16) <= tol_for(dt));
         }
       }
     }
