@@ -204,8 +204,7 @@ std::vector<std::string> not_built(const CliState& st) {
   const Config& c = st.cfg;
   const MoeConfig& e = c.model.moe;
   // gpt-oss's gated unit: its FP8 casts of fc2's input are SwiGLU's.
-  const bool glu_variant = c.model.quick_geglu || c.model.glu_linear_offset != 0.0 ||
-                           c.model.activation_func_clamp_value.has_value();
+  const bool glu_variant = c.model.glu_variant();
   if (glu_variant && (c.train.fp8_format || st.has("--fp4-format")))
     out.push_back(fmt::format("megatrain does not support --quick-geglu, --glu-linear-offset or "
                               "--activation-func-clamp-value with {} yet (the MLP then runs in bf16, fp16 or fp32)",

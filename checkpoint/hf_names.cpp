@@ -74,7 +74,7 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
   s.add_qkv_bias = m.add_qkv_bias;
   s.swiglu = m.swiglu;
   s.squared_relu = m.squared_relu;
-  s.gated_unit_variant = m.quick_geglu || m.glu_linear_offset != 0.0 || m.activation_func_clamp_value.has_value();
+  s.gated_unit_variant = m.glu_variant();
   s.attention_sinks = m.softmax_type != SoftmaxType::vanilla;
   s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;

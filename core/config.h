@@ -153,6 +153,10 @@ struct ModelConfig {
   bool quick_geglu = false;
   double glu_linear_offset = 0.0;
   std::optional<double> activation_func_clamp_value;
+  // Whether the gated unit is gpt-oss's variant (any of the three above) rather than plain SwiGLU/GeGLU.
+  bool glu_variant() const {
+    return quick_geglu || glu_linear_offset != 0.0 || activation_func_clamp_value.has_value();
+  }
   // --multi-latent-attention (DeepSeek's MLA; engine/blocks/mla.cpp): queries from a low-rank
   // projection of rank q_lora_rank (none: a direct projection), keys and values from one of rank
   // kv_lora_rank, heads of qk_head_dim values without and qk_pos_emb_head_dim values with RoPE (a

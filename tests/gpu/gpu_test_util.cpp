@@ -177,6 +177,18 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& want) 
   return std::sqrt(num / den);
 }
 
+int64_t rows_beyond_term_bound(const std::vector<double>& got, const std::vector<double>& want, int64_t rows,
+                               int64_t cols, double rel, const std::function<double(int64_t, int64_t)>& term) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    double mag = 0;
+    for (int64_t c = 0; c < cols; ++c) mag += std::fabs(term(r, c));
+    const size_t i = static_cast<size_t>(r);
+    bad += !(std::fabs(got.at(i) - want.at(i)) <= rel * mag + 1e-30);
+  }
+  return bad;
+}
+
 // Below the smallest normal number of the CUDA side's dtype (fp16: 6.1e-5) a stored value keeps
 // only its absolute spacing (fp16 subnormals: 6e-8), not relative precision: a one-element fp16
 // output of 5e-6 is off by up to 0.6% after its one rounding. So each element contributes at least

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -88,6 +89,11 @@ int64_t differing(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, 
 double rel_err(const std::vector<double>& got, const std::vector<double>& want);
 // Relative L2 error of the CUDA tensor against the reference tensor.
 double rel_err(const Twin& x);
+// Row sums of products (a dp of [rows, cols] terms): the rows whose got value is further from want
+// than rel times the sum of the row's term magnitudes |term(r, c)| (plus 1e-30). A float32 sum of
+// rounded terms errs by a fraction of those magnitudes, however much the terms cancel.
+int64_t rows_beyond_term_bound(const std::vector<double>& got, const std::vector<double>& want, int64_t rows,
+                               int64_t cols, double rel, const std::function<double(int64_t, int64_t)>& term);
 
 // Tolerance on an output stored in dt (rounding of the result dominates for 16-bit types).
 double tol_for(DType dt);

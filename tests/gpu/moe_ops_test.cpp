@@ -457,15 +457,9 @@ TEST_CASE("cuda moe_gather_rows, moe_combine, moe_scale_rows and its backward ma
           {
             // float32 sums of the same products against double: each row's error bounded by the sum
             // of its terms' magnitudes (a row of N(0,1) products cancels to ~sqrt(C) of them).
-            const std::vector<double> got = download(dev(), dp.c()), want = download(ref(), dp.r());
             const std::vector<double> xs = download(ref(), x.r()), ds = download(ref(), dout.r());
-            int64_t bad = 0;
-            for (int64_t r = 0; r < M; ++r) {
-              double mag = 0;
-              for (int64_t c = 0; c < C; ++c) mag += std::fabs(xs[r * C + c] * ds[r * C + c]);
-              bad += !(std::fabs(got[r] - want[r]) <= 1e-6 * mag + 1e-30);
-            }
-            CHECK(bad == 0);
+            CHECK(rows_beyond_term_bound(download(dev(), dp.c()), download(ref(), dp.r()), M, C, 1e-6,
+                                         [&](int64_t r, int64_t c) { return xs[r * C + c] * ds[r * C + c]; }) == 0);
           }
           Twin d2 = twin(dt, {M, C}, dy), dp2 = twin_nan(DType::f32, {M});
           dev().moe_scale_rows_backward(d2.c(), dp2.c(), d2.c(), x.c(), p.c());  // dx over dout
@@ -512,19 +506,13 @@ TEST_CASE("cuda moe_swiglu_forward and _backward: the composed ops' bits, and th
         CHECK(differing(download_bytes(dev(), act.c()), download_bytes(dev(), cact.c()), dtype_size(dt)) == 0);
         CHECK(differing(download_bytes(dev(), dp.c()), download_bytes(dev(), cdp.c()), 4) == 0);
         // dp against the reference's double sums: each row's error bounded by its terms' magnitudes.
-        const std::vector<double> got = download(dev(), dp.c()), want = download(ref(), dp.r());
         const std::vector<double> x = download(ref(), in.r());
         const double rel = dt == DType::f32 ? 1e-5 : 1e-2;  // 16-bit: swiglu's rounding may differ by an ulp
-        int64_t bad = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          double mag = 0;
-          for (int64_t c = 0; c < f; ++c) {
-            const double g = x[r * 2 * f + c], u = x[r * 2 * f + f + c];
-            mag += std::fabs(dy[r * f + c] * g / (1 + std::exp(-g)) * u);
-          }
-          bad += !(std::fabs(got[r] - want[r]) <= rel * mag + 1e-30);
-        }
-        CHECK(bad == 0);
+        CHECK(rows_beyond_term_bound(download(dev(), dp.c()), download(ref(), dp.r()), R, f, rel,
+                                     [&](int64_t r, int64_t c) {
+                                       const double g = x[r * 2 * f + c], u = x[r * 2 * f + f + c];
+                                       return dy[r * f + c] * g / (1 + std::exp(-g)) * u;
+                                     }) == 0);
       }
     }
 }
