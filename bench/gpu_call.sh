@@ -5,7 +5,12 @@
 #                                           (delayed scaling), then an op profile of gpt-1.3b;
 #   bench/gpu_call.sh verify BIN_DIR DATA   the GPU op tests (all) in the background while
 #                                           bench/gpu_resume_check.sh and bench/fp8_loss_check.sh
-#                                           (gpt-1.3b, real text, Megatron's FP8 flags) run.
+#                                           (gpt-1.3b, real text, Megatron's FP8 flags) run;
+#   bench/gpu_call.sh moe    BIN_DIR        the two MoE configs beside PyTorch + torch.compile (on a
+#                                           GPU of less than 100 GB moe-mixtral-proxy runs 10 of its
+#                                           16 layers on both sides: the whole model needs 88.7 GiB),
+#                                           bench_ops' grouped GEMMs (BIN_DIR/bench_ops[.xz], if
+#                                           there) and an op profile of moe-mixtral-proxy.
 # BIN_DIR holds megatrain and megatrain_gpu_tests (or their .xz: a build for the device machine's
 # Hopper GPU alone, cmake -DCMAKE_CUDA_ARCHITECTURES=90a-real, stripped, is half the default build's
 # size, which with the test fixtures no longer fits a device call's 64 MiB); DATA holds
@@ -13,7 +18,7 @@
 # the summary is printed last. TOTAL_S (default 560) bounds the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?speed or verify}
+mode=${1:?speed, verify or moe}
 src=${2:?binary directory}
 data=${3:-}
 total=${TOTAL_S:-560}
@@ -21,8 +26,8 @@ O=${OUT:-/tmp}/gpu-call-$mode
 mkdir -p "$O"
 bin=/tmp/gpu-call-bin
 mkdir -p $bin
-for f in megatrain megatrain_gpu_tests; do
-  if [ -f "$src/$f.xz" ]; then xz -dc "$src/$f.xz" > $bin/$f; else cp "$src/$f" $bin/$f; fi
+for f in megatrain megatrain_gpu_tests bench_ops; do
+  if [ -f "$src/$f.xz" ]; then xz -dc "$src/$f.xz" > $bin/$f; elif [ -f "$src/$f" ]; then cp "$src/$f" $bin/$f; else continue; fi
   chmod +x $bin/$f
 done
 S=$O/summary.txt
@@ -43,6 +48,30 @@ if [ "$mode" = speed ]; then
       --configs gpt-1.3b --iters 6 --warmup 4 --no-pytorch > /dev/null 2>&1
     grep -h -A45 "op profile" "$O"/prof/bench-*/gpt-1.3b.megatrain.log > "$O/profile_gpt13.txt" 2>/dev/null
     stamp "profile gpt-1.3b: $(wc -l < "$O/profile_gpt13.txt") lines"
+  fi
+elif [ "$mode" = moe ]; then
+  gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  layers=()
+  if [ "${gib:-0}" -lt 100000 ]; then layers=(--extra "--num-layers 10" --pytorch-extra "--num-layers 10"); fi
+  OUT=$O timeout 300 bash bench/run_bench.sh --megatrain $bin/megatrain --configs moe-mixtral-proxy --iters 10 \
+    --warmup 3 "${layers[@]}" > "$O/bench_mixtral.txt" 2>&1
+  stamp "run_bench moe-mixtral-proxy ${layers[*]} rc=$?"
+  tail -n 3 "$O/bench_mixtral.txt" >> "$S"
+  OUT=$O timeout 240 bash bench/run_bench.sh --megatrain $bin/megatrain --configs moe-fine-grained --iters 10 \
+    --warmup 3 > "$O/bench_fine.txt" 2>&1
+  stamp "run_bench moe-fine-grained rc=$?"
+  tail -n 3 "$O/bench_fine.txt" >> "$S"
+  if [ -x $bin/bench_ops ] && [ $((total - SECONDS)) -gt 120 ]; then
+    timeout $((total - SECONDS - 70)) $bin/bench_ops --only moe- --reps 20 > "$O/ops.txt" 2>&1
+    stamp "bench_ops moe- rc=$?"
+    grep -E "ceilings|uniform" "$O/ops.txt" >> "$S"
+  fi
+  left=$((total - SECONDS))
+  if [ $left -gt 50 ]; then
+    MEGATRAIN_PROFILE_OPS=3 OUT=$O/prof timeout $((left - 10)) bash bench/run_bench.sh --megatrain $bin/megatrain \
+      --configs moe-mixtral-proxy --iters 4 --warmup 3 --no-pytorch --extra "--num-layers 10" > /dev/null 2>&1
+    grep -h -A40 "op profile" "$O"/prof/bench-*/moe-mixtral-proxy.megatrain.log > "$O/profile_mixtral.txt" 2>/dev/null
+    stamp "profile moe-mixtral-proxy (10 layers): $(wc -l < "$O/profile_mixtral.txt") lines"
   fi
 elif [ "$mode" = verify ]; then
   ( timeout $((total - 30)) $bin/megatrain_gpu_tests -d yes > "$O/gpu_tests.log" 2>&1; echo "rc=$?" >> "$O/gpu_tests.log" ) &
