@@ -179,6 +179,18 @@ class Exporter {
   // weight (the state dict's order).
   std::vector<RankParam> chunk_params(const Config& cfg, const ModelChunk& c, int t, int e = 0) const {
     std::vector<RankParam> out;
+    // A later pipeline stage holding the MTP depths keeps its own copy of the word embeddings
+    // (GPTModel builds its embedding on the MTP stage too, registered first; its values are stage
+    // 0's, all-reduced over the embedding group).
+    if (c.has_output && !c.has_embedding && model_.mtp_num_layers.value_or(0) > 0) {
+      RankParam emb;
+      emb.source = emb.local_name = "embedding.word_embeddings.weight";
+      if (!reader_.has(emb.source)) fail("{} has no '{}', which the model it records has", where_, emb.source);
+      emb.global_shape = reader_.info(emb.source).global_shape;
+      emb.shard = megatron_tp_shard(MegatronTpSplit::rows, emb.global_shape, layout_.tp, t, emb.source);
+      emb.local_shape = megatron_shard_shape(emb.shard, emb.global_shape);
+      out.push_back(std::move(emb));
+    }
     for (const FlatParam& fp : megatron_chunk_params(cfg, layout_.tp, t, c.first_layer, c.num_layers, c.has_embedding,
                                                      c.has_output, layout_.pp > 1, /*te_spec=*/false)) {
       RankParam p;
@@ -350,13 +362,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   } else if (layout.ep > 1) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
-  // (Megatron-LM's MTP stage keeps a copy of the word embeddings whose place in the last stage's
-  // buffers megatrain's Megatron layout does not have yet.)
   const int mtp = model.mtp_num_layers.value_or(0);
-  if (mtp > 0 && layout.pp > 1)
-    fail("export-megatron: megatrain does not export multi-token prediction depths (--mtp-num-layers {}) with "
-         "--pipeline-model-parallel-size {} yet (export at --pipeline-model-parallel-size 1)",
-         mtp, layout.pp);
 
   MegatronExportResult r;
   r.tp = layout.tp;

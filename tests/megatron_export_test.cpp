@@ -718,14 +718,30 @@ TEST_CASE("export-megatron: a trained model with MTP depths goes to Megatron-LM'
     mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
     require_same_state(trained, tmp / "back", false);
   }
-  // Pipeline parallelism is refused by name, not written without the depths' embedding copy.
+  // Pipeline parallel 2 (TP 2): the last stage holds the depth and its own copy of the word
+  // embeddings, registered first (Megatron's GPTModel builds an embedding on its MTP stage), the
+  // output layer last.
   TempDir tmp;
   mt::MegatronExportOptions o;
   o.load = train(tmp, kLlama + " --mtp-num-layers 1");
   o.save = tmp / "megatron";
-  o.pp = 2;
-  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("--mtp-num-layers 1") &&
-                                                Catch::Contains("--pipeline-model-parallel-size 2"));
+  o.pp = o.tp = 2;
+  REQUIRE(mt::export_megatron(o).release);
+  for (const char* rank : {"mp_rank_00_001", "mp_rank_01_001"}) {
+    INFO(rank);
+    const mt::TorchFile f(tmp / (std::string("megatron/release/") + rank + "/model_optim_rng.pt"));
+    const mt::PickleValue& model = at(f.root(), "model");
+    REQUIRE(model.entries.size() > 3);
+    CHECK(model.entries.front().first->text == "embedding.word_embeddings.weight");
+    CHECK(model.entries[model.entries.size() - 2].first->text == "output_layer.weight");
+    CHECK(model.find("mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight") != nullptr);
+    CHECK(model.find("decoder.layers.1.mlp.linear_fc2.weight") != nullptr);
+    CHECK(model.find("decoder.layers.2.mlp.linear_fc2.weight") == nullptr);  // (stage-local numbers)
+  }
+  const mt::TorchFile first(tmp / "megatron/release/mp_rank_00_000/model_optim_rng.pt");
+  CHECK(at(first.root(), "model").find("mtp.layers.0.eh_proj.weight") == nullptr);
+  mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
+  require_same_state(o.load, tmp / "back", false);
 }
 
 TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back",
