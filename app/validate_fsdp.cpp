@@ -8,8 +8,8 @@
 //   optim_grads          ZeRO-2: besides, each decoder layer's gradients are reduce-scattered
 //                        after its backward in every micro-batch into this rank's shard
 //                        (ModelOptions::shard_grads; the routed experts' over the expert-data-
-//                        parallel group), where engine/model_chunks.h builds it (one pipeline
-//                        stage, no FP8 parameters); elsewhere optim
+//                        parallel group), where engine/model_chunks.h builds it (no FP8
+//                        parameters); elsewhere optim
 //   optim_grads_params, --use-torch-fsdp2
 //                        ZeRO-3: besides, each rank keeps only its shard of every decoder layer's
 //                        compute-dtype parameters and gathers a layer's just before its forward

@@ -94,8 +94,11 @@ void DpGradSync::grads_final(int chunk, int first_param) {
   GptModel& m = *chunks_[static_cast<size_t>(chunk)];
   const GradLayout& L = m.grad_layout();
   int& next = next_bucket_[static_cast<size_t>(chunk)];
+  if (first_param == GptModel::kBackwardBegins) {  // (sharded gradients: every backward reduces them all)
+    next = 0;
+    return;
+  }
   while (next < L.num_buckets() && L.bucket_first_param[static_cast<size_t>(next)] >= first_param) launch(chunk, next++);
-  if (shard_grads_ && next == L.num_buckets()) next = 0;  // (the next micro-batch's backward)
 }
 
 void DpGradSync::launch(int chunk, int b) {
@@ -184,6 +187,21 @@ void DpGradSync::finish_embeddings() {
     if (!name) continue;
     const int i = find_param(m->params(), name);
     MT_CHECK(i >= 0 && ps_.embedding, "tied embeddings: no {} or no embedding group on this rank", name);
+    if (shard_grads_) {
+      // Sharded gradients: the summed gradients are this rank's shard. Each copy has a bucket of its
+      // own (engine/grad_layout.h), sharded alike on both stages' ranks of the same data-parallel rank.
+      const GradLayout& L = m->grad_layout();
+      const ParamDesc& p = m->params()[static_cast<size_t>(i)];
+      int b = 0;
+      while (b < L.num_buckets() && !(L.plan.buckets[static_cast<size_t>(b)].offset <= p.offset &&
+                                      p.offset < L.plan.buckets[static_cast<size_t>(b)].offset +
+                                                     L.plan.buckets[static_cast<size_t>(b)].numel))
+        ++b;
+      MT_CHECK(b < L.num_buckets() && L.plan.buckets[static_cast<size_t>(b)].params.size() == 1,
+               "tied embeddings: {} has no gradient bucket of its own", name);
+      ps_.embedding->all_reduce(m->grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b)));
+      continue;
+    }
     ps_.embedding->all_reduce(m->grad(i));
   }
 }

@@ -162,8 +162,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
                                        opt_.shard_optimizer_state && !opt_.fp8.param_gather),
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
-  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !d_.pipeline && !opt_.fp8.param_gather),
-           "sharded gradients need the distributed optimizer, one pipeline stage and no FP8 parameters");
+  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !opt_.fp8.param_gather),
+           "sharded gradients need the distributed optimizer and no FP8 parameters");
   MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
            "sharded parameters need sharded gradients and no master-weight remainders");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
@@ -1306,6 +1306,7 @@ void GptModel::backward(int slot, bool grad_sync) {
   // now, and the hook may start the data-parallel reduction of the buckets they complete.
   // Sharded gradients: every micro-batch's backward reduces its gradients as they become final.
   const bool reduce_now = grad_sync || opt_.shard_grads;
+  if (opt_.shard_grads) grads_final(kBackwardBegins);
   auto layer_done = [&](int local) {
     if (!reduce_now) return;
     reduce_tp_partial(d_.layer_begin + local);

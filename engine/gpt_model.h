@@ -309,6 +309,10 @@ class GptModel {
 
   // Hooks of the data-parallel code (engine/dp_grad_sync.h, engine/distributed_optimizer.h).
   // In a grad_sync backward: on_grads_final(i) when the gradients of params()[i..] are final.
+  // With sharded gradients (ModelOptions::shard_grads) every backward reports, and first calls
+  // on_grads_final(kBackwardBegins): a stage's buckets may all be final before its backward ends
+  // (no embedding on the stage), so the next backward's start is said, not guessed.
+  static constexpr int kBackwardBegins = -1;
   std::function<void(int first_final_param)> on_grads_final;
   // In forward, before params()[..end) are used (--overlap-param-gather waits for them there).
   std::function<void(int end)> on_params_needed;

@@ -102,8 +102,6 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg) {
   const std::string strategy = fsdp_strategy(cfg.parallel);
   if (strategy != "optim_grads" && strategy != "optim_grads_params") return std::nullopt;
-  const ParallelConfig& p = cfg.parallel;
-  if (p.pipeline_model_parallel_size > 1) return std::string("pipeline parallelism");
   if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
   return std::string();
 }

@@ -48,7 +48,7 @@ DType precision_dtype(const Config& cfg);
 // Fully sharded data parallelism's gradient sharding (ModelOptions::shard_grads): whether this
 // run's strategy asks for it (--use-megatron-fsdp optim_grads or optim_grads_params, or
 // --use-torch-fsdp2), and why it is not built for this layout where it is not: "" when the
-// gradients are sharded, or the reason (pipeline parallelism, FP8 parameters);
+// gradients are sharded, or the reason (FP8 parameters);
 // those runs keep the distributed optimizer's layout. nullopt: not asked for.
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg);
 // The same for parameter sharding (ModelOptions::shard_params; optim_grads_params and

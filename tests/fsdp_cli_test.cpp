@@ -62,12 +62,20 @@ TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimiz
   parse(fsdp("optim_grads_params"), 1, &ms);
   CHECK(has_message(ms, SetupMessage::Kind::note, "with one data-parallel rank: nothing to shard"));
   CHECK_FALSE(has_message(ms, SetupMessage::Kind::note, "all-gathered"));
-  // Where gradient sharding is not built, the distributed optimizer's layout, with the reason.
+  // Under pipeline parallelism each stage shards its layers.
   ms.clear();
   const Config pp = parse(fsdp("optim_grads_params") + words("--pipeline-model-parallel-size 2"), 4, &ms);
-  CHECK(unsharded_gradients_reason(pp) == std::optional<std::string>("pipeline parallelism"));
-  CHECK(has_message(ms, SetupMessage::Kind::warning, "with pipeline parallelism: megatrain shards only the master "
-                                                     "weights and optimizer state over the 2 data-parallel ranks"));
+  CHECK(unsharded_gradients_reason(pp) == std::optional<std::string>(""));
+  CHECK(unsharded_params_reason(pp) == std::optional<std::string>(""));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "all-gathered"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "megatrain shards only"));
+  // Where gradient sharding is not built, the distributed optimizer's layout, with the reason.
+  ms.clear();
+  const Config fp8 = parse(fsdp("optim_grads_params") + words("--bf16 --fp8-format hybrid --fp8-param-gather"), 4, &ms);
+  CHECK(unsharded_gradients_reason(fp8) == std::optional<std::string>("FP8 parameters (--fp8-param-gather)"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "with FP8 parameters (--fp8-param-gather): megatrain shards only "
+                                                     "the master weights and optimizer state over the 4 data-parallel "
+                                                     "ranks"));
   // Megatron-LM's default strategy is optim_grads_params.
   CHECK(fsdp_strategy(parse(small_gpt() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor"), 2).parallel) ==
         "optim_grads_params");
@@ -211,8 +219,16 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
   zero2.parallel.data_parallel_sharding_strategy = "optim_grads";
   CHECK(m[2].total == stage_memory(zero2, 0).total);
   CHECK(m[3].total == stage_memory(c, 0).total);
-  // With pipeline parallelism neither is built: estimates.
+  // With pipeline parallelism both are built: each stage's plans are what its runs lay out.
   const Config pp = parse(fsdp("optim_grads") + words("--num-layers 4 --bf16 --pipeline-model-parallel-size 2"), 4);
-  CHECK(sharding_strategy_memory(pp, 0)[2].estimate);
-  CHECK(sharding_strategy_memory(pp, 0)[3].estimate);
+  for (int stage : {0, 1}) {
+    INFO("stage " << stage);
+    const auto p = sharding_strategy_memory(pp, stage);
+    CHECK_FALSE(p[2].estimate);
+    CHECK_FALSE(p[3].estimate);
+    CHECK(p[2].total == stage_memory(pp, stage).total);
+    Config pp3 = pp;
+    pp3.parallel.data_parallel_sharding_strategy = "optim_grads_params";
+    CHECK(p[3].total == stage_memory(pp3, stage).total);
+  }
 }

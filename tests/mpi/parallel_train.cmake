@@ -644,6 +644,20 @@ megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --iters 20 -
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "${moe_model}" 4 ${fsdp}
                               optim_grads --expert-model-parallel-size 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
+# ... and under pipeline parallelism: each stage's layers sharded over its DP ranks; the tied
+# embeddings' copies on the first and last stage (and the MTP stage's copy) summed shard by shard;
+# every backward of a stage without the embedding, whose buckets are all final after its first
+# layer, reduced once (a mutation reducing them again at the backward's end fails these).
+megatrain_parallel_train_test(parallel_train_fsdp_pp2_dp2_zero2 4 ${fsdp} optim_grads --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_pp2_vpp2_dp2_zero3 4 ${fsdp} optim_grads_params
+                              --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_fsdp_pp2_dp2_zero3_mtp
+  --model "--position-embedding-type rope --untie-embeddings-and-output-weights --mtp-num-layers 1" 4 ${fsdp}
+  optim_grads_params --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_pp2_dp4_zero3 --model "${moe_model}" 8 ${fsdp}
+                              optim_grads_params --pipeline-model-parallel-size 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_resume_fsdp_zero3_pp2_dp2_to_no_shard_dp2 --resume
+  4 "${fsdp} optim_grads_params --pipeline-model-parallel-size 2" 2 "${fsdp} no_shard")
 # (With the cases above, every strategy at DP 2, 3 and 4.)
 megatrain_parallel_train_test(parallel_train_fsdp_dp2_no_shard 2 ${fsdp} no_shard)
 megatrain_parallel_train_test(parallel_train_fsdp_dp4_no_shard 4 ${fsdp} no_shard)
