@@ -656,6 +656,11 @@ megatrain_parallel_train_test(parallel_train_fsdp_pp2_dp2_zero3_mtp
   optim_grads_params --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_pp2_dp4_zero3 --model "${moe_model}" 8 ${fsdp}
                               optim_grads_params --pipeline-model-parallel-size 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_tp2_sp_pp2_dp2_zero3 8 ${fsdp} optim_grads_params
+                              --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fsdp_pp3_uneven_dp2_zero2 6 ${fsdp} optim_grads
+                              --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1
+                              --decoder-last-pipeline-num-layers 1)
 megatrain_parallel_train_test(parallel_train_resume_fsdp_zero3_pp2_dp2_to_no_shard_dp2 --resume
   4 "${fsdp} optim_grads_params --pipeline-model-parallel-size 2" 2 "${fsdp} no_shard")
 # (With the cases above, every strategy at DP 2, 3 and 4.)
