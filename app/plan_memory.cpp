@@ -59,7 +59,12 @@ std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_r
     m.total = static_cast<double>(m.plan.total());
     return m;
   };
-  std::vector<StrategyMemory> out{planned("no_shard", "DDP", with("no_shard")), planned("optim", "ZeRO-1", with("optim"))};
+  // (FP8 parameters need a sharded optimizer: no_shard's row plans the weights in the compute dtype.)
+  Config ddp = with("no_shard");
+  const bool ddp_without_fp8_params = ddp.train.fp8_param_gather;
+  ddp.train.fp8_param_gather = false;
+  std::vector<StrategyMemory> out{planned("no_shard", "DDP", ddp), planned("optim", "ZeRO-1", with("optim"))};
+  out.front().estimate = ddp_without_fp8_params;
   // The stage's parameter elements: in decoder layers (per layer) and outside them.
   const RankPosition r = stage_position(cfg, pp_rank);
   double in_layers = 0, outside = 0, largest_layer = 0;

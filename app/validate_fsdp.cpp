@@ -8,14 +8,13 @@
 //   optim_grads          ZeRO-2: besides, each decoder layer's gradients are reduce-scattered
 //                        after its backward in every micro-batch into this rank's shard
 //                        (ModelOptions::shard_grads; the routed experts' over the expert-data-
-//                        parallel group), where engine/model_chunks.h builds it (no FP8
-//                        parameters); elsewhere optim
+//                        parallel group)
 //   optim_grads_params, --use-torch-fsdp2
 //                        ZeRO-3: besides, each rank keeps only its shard of every decoder layer's
 //                        compute-dtype parameters and gathers a layer's just before its forward
-//                        and backward (ModelOptions::shard_params), where built (also not with
-//                        --use-precision-aware-optimizer's remainders or the replica weight
-//                        check); elsewhere optim_grads or optim. Warnings say what a run lays out,
+//                        and backward (ModelOptions::shard_params), where built (not with FP8
+//                        parameters, --use-precision-aware-optimizer's remainders or the replica
+//                        weight check); elsewhere optim_grads. Warnings say what a run lays out,
 //                        and the dry run prints each strategy's memory. Sharding never changes the
 //                        numbers.
 //

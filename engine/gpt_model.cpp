@@ -162,10 +162,9 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
                                        opt_.shard_optimizer_state && !opt_.fp8.param_gather),
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
-  MT_CHECK(!opt_.shard_grads || (opt_.shard_optimizer_state && !opt_.fp8.param_gather),
-           "sharded gradients need the distributed optimizer and no FP8 parameters");
-  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
-           "sharded parameters need sharded gradients and no master-weight remainders");
+  MT_CHECK(!opt_.shard_grads || opt_.shard_optimizer_state, "sharded gradients need the distributed optimizer");
+  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders && !opt_.fp8.param_gather),
+           "sharded parameters need sharded gradients, no master-weight remainders and no FP8 parameters");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;

@@ -102,7 +102,6 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg) {
   const std::string strategy = fsdp_strategy(cfg.parallel);
   if (strategy != "optim_grads" && strategy != "optim_grads_params") return std::nullopt;
-  if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
   return std::string();
 }
 
@@ -110,6 +109,7 @@ std::optional<std::string> unsharded_params_reason(const Config& cfg) {
   if (fsdp_strategy(cfg.parallel) != "optim_grads_params") return std::nullopt;
   const std::optional<std::string> grads = unsharded_gradients_reason(cfg);
   if (grads && !grads->empty()) return grads;
+  if (cfg.train.fp8_param_gather) return std::string("FP8 parameters (--fp8-param-gather)");
   if (cfg.train.use_precision_aware_optimizer && cfg.train.precision == Precision::bf16)
     return std::string("--use-precision-aware-optimizer (master weights kept as remainders of the parameters)");
   if (cfg.train.check_weight_hash_across_dp_replicas_interval) return std::string("the replica weight check");

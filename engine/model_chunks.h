@@ -48,12 +48,13 @@ DType precision_dtype(const Config& cfg);
 // Fully sharded data parallelism's gradient sharding (ModelOptions::shard_grads): whether this
 // run's strategy asks for it (--use-megatron-fsdp optim_grads or optim_grads_params, or
 // --use-torch-fsdp2), and why it is not built for this layout where it is not: "" when the
-// gradients are sharded, or the reason (FP8 parameters);
-// those runs keep the distributed optimizer's layout. nullopt: not asked for.
+// gradients are sharded (every layout megatrain builds today), or the reason, with which a run
+// would keep the distributed optimizer's layout. nullopt: not asked for.
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg);
 // The same for parameter sharding (ModelOptions::shard_params; optim_grads_params and
-// --use-torch-fsdp2): besides the gradients' reasons, --use-precision-aware-optimizer's master-
-// weight remainders, the replica weight check and --test-mode.
+// --use-torch-fsdp2): besides the gradients' reasons, FP8 parameters (--fp8-param-gather),
+// --use-precision-aware-optimizer's master-weight remainders, the replica weight check and
+// --test-mode.
 std::optional<std::string> unsharded_params_reason(const Config& cfg);
 
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,

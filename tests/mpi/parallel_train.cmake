@@ -663,6 +663,19 @@ megatrain_parallel_train_test(parallel_train_fsdp_pp3_uneven_dp2_zero2 6 ${fsdp}
                               --decoder-last-pipeline-num-layers 1)
 megatrain_parallel_train_test(parallel_train_resume_fsdp_zero3_pp2_dp2_to_no_shard_dp2 --resume
   4 "${fsdp} optim_grads_params --pipeline-model-parallel-size 2" 2 "${fsdp} no_shard")
+# ... and with FP8 parameters (--fp8-param-gather): the gradients sharded (ZeRO-2), the FP8 weights
+# whole on every rank (ZeRO-3 keeps them so, with a warning), float32 main gradients (Megatron-FSDP's
+# auto dtype is bf16 for FP8 parameters, which moves the FP8 scales): delayed scaling at DP 2,
+# tensorwise at PP 2 x DP 2, TP 2 + SP x DP 2, and resumed on the plain distributed optimizer at DP 3.
+set(fsdp_fp8_params "${fsdp} optim_grads --megatron-fsdp-main-grads-dtype fp32")
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_dp2_zero2 --fp8 --model "${fp8_param_gather_model}"
+                              2 ${fsdp_fp8_params})
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_tensorwise_pp2_dp2_zero2 --fp8
+  --model "${fp8_param_gather_tensorwise_model}" 4 ${fsdp_fp8_params} --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_tp2_sp_dp2_zero2 --fp8
+  --model "${fp8_param_gather_model} --seed 1" 4 ${fsdp_fp8_params} --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_resume_fsdp_fp8_params_zero2_dp2_to_distopt_dp3 --fp8
+  --model "${fp8_param_gather_model}" --resume 2 "${fsdp_fp8_params}" 3 -)
 # (With the cases above, every strategy at DP 2, 3 and 4.)
 megatrain_parallel_train_test(parallel_train_fsdp_dp2_no_shard 2 ${fsdp} no_shard)
 megatrain_parallel_train_test(parallel_train_fsdp_dp4_no_shard 4 ${fsdp} no_shard)
