@@ -1,4 +1,4 @@
-// Checkpointing flags (megatron.md section 1.6).
+// Checkpointing flags.
 #include "app/flags.h"
 
 namespace mt::cli {

@@ -1,4 +1,4 @@
-// Data and tokenizer flags (megatron.md section 1.5).
+// Data and tokenizer flags.
 #include "app/flags.h"
 
 namespace mt::cli {

@@ -1,9 +1,9 @@
-// Distributed, communication-overlap and kernel-fusion flags (megatron.md section 1.10).
+// Distributed, communication-overlap and kernel-fusion flags.
 #include "app/flags.h"
 
 namespace mt::cli {
 
-// Fully sharded data parallelism (megatron-moe-cp-fsdp-mla.md section 3): app/validate_fsdp.cpp
+// Fully sharded data parallelism: app/validate_fsdp.cpp
 // holds Megatron-LM's rules and maps the strategies onto megatrain's data-parallel machinery.
 namespace {
 void add_fsdp_flags(FlagTable& t) {

@@ -1,4 +1,4 @@
-// Logging and profiling flags (megatron.md section 1.7).
+// Logging and profiling flags.
 #include "app/flags.h"
 
 namespace mt::cli {

@@ -1,4 +1,4 @@
-// Model architecture flags (megatron.md section 1.1).
+// Model architecture flags.
 #include "app/flags.h"
 
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-// Parallelism flags (megatron.md section 1.2).
+// Parallelism flags.
 #include "app/flags.h"
 
 namespace mt::cli {

@@ -1,4 +1,4 @@
-// Mixed-precision flags (megatron.md section 1.4).
+// Mixed-precision flags.
 #include "app/flags.h"
 
 namespace mt::cli {

@@ -1,4 +1,4 @@
-// Training loop, batch and optimizer flags (megatron.md section 1.3).
+// Training loop, batch and optimizer flags.
 #include "app/flags.h"
 #include "core/exit_signals.h"
 

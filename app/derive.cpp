@@ -1,4 +1,4 @@
-// Megatron's derived values, computed once (megatron.md sections 1 and 4; validate_args order),
+// Megatron's derived values, computed once (validate_args order),
 // with the rules they depend on. Rank 0's setup messages use Megatron's wording.
 #include <algorithm>
 #include <cctype>

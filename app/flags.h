@@ -244,7 +244,7 @@ class FlagTable {
     return add(std::move(s));
   }
   // store_false with Megatron HEAD's two spellings: "--no-x" also answers to "--disable-x" and
-  // "--disable-x" to "--no-x" (the dataclass-generated flags; megatron.md's version caveat).
+  // "--disable-x" to "--no-x" (the dataclass-generated flags).
   template <class Acc>
   FlagSpec& negative_flag(const std::string& name, const std::string& help, Acc acc) {
     FlagSpec& s = flag(name, help, acc, false);

@@ -1,4 +1,4 @@
-// Data and tokenizer rules (megatron.md sections 1.5, 3, 4): one data source, the split, and the
+// Data and tokenizer rules: one data source, the split, and the
 // dataset files themselves (.bin/.idx of every prefix, .idx header valid).
 #include "app/cli_internal.h"
 #include "app/data_args_files.h"

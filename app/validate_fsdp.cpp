@@ -1,5 +1,5 @@
 // Fully sharded data parallelism: Megatron-LM's rules for --use-megatron-fsdp and --use-torch-fsdp2
-// (arguments.py validate_args; megatron-moe-cp-fsdp-mla.md section 3.2), then the mapping onto
+// (arguments.py validate_args), then the mapping onto
 // megatrain's data-parallel machinery, which every other rule reads afterwards:
 //
 //   no_shard             DDP: every rank holds everything, gradients all-reduced

@@ -1,4 +1,4 @@
-// Model-shape rules (megatron.md sections 1.1 and 1.13; Megatron's validate_args and
+// Model-shape rules (Megatron's validate_args and
 // TransformerConfig.__post_init__).
 #include "app/cli_internal.h"
 

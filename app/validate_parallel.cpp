@@ -1,4 +1,4 @@
-// Parallelism rules (megatron.md sections 1.2, 1.10, 1.13, 6.2).
+// Parallelism rules.
 #include <algorithm>
 #include <cstdlib>
 #include <utility>
@@ -79,7 +79,7 @@ void validate_parallel(CliState& st) {
       fail("Partial DistOpt cannot be used without DistOpt (--num-distributed-optimizer-instances {} needs "
            "--use-distributed-optimizer)", n);
   }
-  // Context parallelism (megatron-moe-cp-fsdp-mla.md section 2.1): one comm type for every layer or
+  // Context parallelism: one comm type for every layer or
   // one per layer (Megatron indexes the list by layer number).
   {
     static const char* const kCommTypes[] = {"p2p", "a2a", "allgather", "a2a+p2p"};

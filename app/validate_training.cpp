@@ -1,4 +1,4 @@
-// Training-loop, learning-rate and recompute rules (megatron.md sections 1.3, 1.4, 1.8, 1.13, 11).
+// Training-loop, learning-rate and recompute rules.
 #include <algorithm>
 #include <set>
 
@@ -80,7 +80,7 @@ void validate_recompute(CliState& st) {
 
 }  // namespace
 
-// FP8 (megatron.md 1.12). The recipes not built (mxfp8, blockwise, custom) are refused by
+// FP8. The recipes not built (mxfp8, blockwise, custom) are refused by
 // unsupported.cpp before this runs.
 static void validate_fp8(CliState& st) {
   const Config& c = st.cfg;

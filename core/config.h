@@ -462,7 +462,7 @@ struct TrainConfig {
   StateDtype exp_avg_dtype = StateDtype::fp32;
   StateDtype exp_avg_sq_dtype = StateDtype::fp32;
 
-  // FP8 (megatron.md 1.12). fp8_format unset: no FP8. The linear layers of the transformer
+  // FP8. fp8_format unset: no FP8. The linear layers of the transformer
   // layers (QKV, proj, fc1, fc2) run as FP8 GEMMs, except the first/last layers kept in bf16.
   std::optional<Fp8Format> fp8_format;          // --fp8-format (Megatron's dest: fp8)
   Fp8Recipe fp8_recipe = Fp8Recipe::delayed;    // --fp8-recipe

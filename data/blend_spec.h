@@ -1,4 +1,4 @@
-// Reading Megatron's dataset blend and split arguments (megatron.md sections 3.2 and 3.4).
+// Reading Megatron's dataset blend and split arguments.
 #pragma once
 
 #include <string>

@@ -1,4 +1,4 @@
-// The header of a Megatron indexed dataset's .idx file (megatron.md section 3.1), read and checked
+// The header of a Megatron indexed dataset's .idx file, read and checked
 // without touching the rest of the file, and the check of a dataset prefix's two files that
 // --dry-run and start-up run to reject a wrong path or a damaged dataset early. The data pipeline
 // reads the arrays that follow.

@@ -1,6 +1,6 @@
 // Vocabulary size and end-of-document id of the configured tokenizer, read cheaply from its files
 // (no tokenizer is built): what the CLI needs for the padded vocabulary and the data pipeline for
-// EOD handling. Semantics follow Megatron's tokenizers (megatron.md section 4):
+// EOD handling. Semantics follow Megatron's tokenizers:
 //   GPT2BPETokenizer      entries in --vocab-file (GPT-2: 50257), eod = id of <|endoftext|>
 //   HuggingFaceTokenizer  max id + 1 over tokenizer.json's model vocabulary and added tokens
 //                         (Llama 3: 128256); eod = the eos_token of tokenizer_config.json next to

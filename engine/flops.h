@@ -1,5 +1,5 @@
 // Model FLOPs of one training iteration, by Megatron-LM's num_floating_point_operations (HEAD,
-// dense GPT; megatron.md section 2.1). Recompute is NOT counted (model FLOPs, not hardware FLOPs).
+// dense GPT). Recompute is NOT counted (model FLOPs, not hardware FLOPs).
 //
 //   FLOPs = B*s * [ 6*F*h*f*L + 6*L*(h*(q + 2k) + q*h) + 6*h*V ] + B*s^2 * 6*q*L
 //

@@ -1,5 +1,5 @@
 // Parameter counts of the GPT/Llama model megatrain builds, globally and per rank, with the
-// parameter shapes of Megatron-Core's GPT model (megatron.md section 5):
+// parameter shapes of Megatron-Core's GPT model:
 //   word embeddings [V_padded, h] (vocab-parallel: rows split over TP), learned position
 //   embeddings [max_positions, h] (replicated), per layer: input norm, QKV [q + 2k, h] (+ bias
 //   with --add-qkv-bias / bias on), optional q/k norms [kv_channels], output projection [h, q]

@@ -1,5 +1,5 @@
 // Who launched this process and where it sits: world size, rank, local rank, node, rendezvous
-// address, read from the launcher's environment (frameworks.md section 4) or, bare on a
+// address, read from the launcher's environment or, bare on a
 // workstation, from the visible GPUs / --nproc-per-node.
 //
 // Precedence when several launchers' variables are present (checked in this order):

@@ -1,5 +1,5 @@
 // Pipeline layout: which transformer layers each pipeline stage (and each virtual stage, the
-// "model chunks" of the interleaved schedule) holds. Megatron's rules (megatron.md section 6.2):
+// "model chunks" of the interleaved schedule) holds. Megatron's rules:
 //  - even split: every stage holds (L [+1 embedding] [+1 loss]) / PP layer slots, with
 //    --account-for-embedding/loss-in-pipeline-split counting the embedding (first stage) or the
 //    loss (last stage) as one slot;

@@ -1,4 +1,4 @@
-// Each validation rule (megatron.md 1.13 and the size rules of 1.1-1.10) with a passing and a
+// Each validation rule (Megatron's validate_args and its size rules) with a passing and a
 // failing case; failures are checked on the message naming the flags.
 #include "tests/cli_test_util.h"
 

@@ -16,7 +16,7 @@ using Catch::Contains;
 
 namespace {
 
-// examples/gpt3/train_gpt3_175b_distributed.sh (megatron.md 10.1) with its placeholders filled.
+// examples/gpt3/train_gpt3_175b_distributed.sh with its placeholders filled.
 Args gpt3_script(const std::string& data, const std::string& shared, bool with_schedule) {
   Args a = words(
       "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
@@ -30,7 +30,7 @@ Args gpt3_script(const std::string& data, const std::string& shared, bool with_s
                    "--save /tmp/ckpt --load /tmp/ckpt --eval-iters 10 --tensorboard-dir /tmp/tb");
 }
 
-// examples/llama/train_llama3_8b_h100_fp8.sh (megatron.md 10.2), mock-data branch.
+// examples/llama/train_llama3_8b_h100_fp8.sh, mock-data branch.
 Args llama3_script(bool with_fp8) {
   Args a = words(
       "--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "

@@ -41,7 +41,7 @@ TEST_CASE("crc32c matches the standard check value and the table path", "[checkp
     CHECK(a == crc32c(data.data(), data.size()));
     CHECK(crc32c_extend_portable(0, data.data(), data.size()) == crc32c(data.data(), data.size()));
   }
-  // TFRecord's masked CRC of an 8-byte length 0x18 (frameworks.md 3.3 golden record: a37f4b22 LE).
+  // TFRecord's masked CRC of an 8-byte length 0x18 (TensorFlow's golden record: a37f4b22, little-endian).
   const unsigned char len[8] = {0x18, 0, 0, 0, 0, 0, 0, 0};
   CHECK(crc32c_mask(crc32c(len, 8)) == 0x224b7fa3u);
 }

@@ -1,5 +1,5 @@
-// build_parallel_state over MPI: every group has exactly the members Megatron's rank order gives
-// (megatron.md section 6.4), and a reduction within a group sums exactly those members.
+// build_parallel_state over MPI: every group has exactly the members Megatron's rank order gives,
+// and a reduction within a group sums exactly those members.
 //
 // Usage (under mpirun): parallel_state_test <TP> <PP> [tp-pp-dp]
 //   DP = world size / (TP x PP). The expected groups below are written out by hand for the shapes
