@@ -7,6 +7,7 @@
 
 #include "app/checkpoint_args.h"
 #include "checkpoint/file_io.h"
+#include "checkpoint/megatron_names.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/model_chunks.h"
@@ -27,9 +28,6 @@ Tensor host_view(std::vector<unsigned char>& buf, DType dtype, int64_t offset, i
 // FP8 scaling state of one decoder layer (Transformer Engine keeps it in each module's extra
 // state): checkpoint/FORMAT.md.
 std::string fp8_meta_name(int layer, const char* what) { return fmt::format("decoder.layers.{}.fp8_meta.{}", layer, what); }
-
-// An MoE layer's expert bias (Megatron's router buffer): float32 [E], replicated on every rank.
-std::string expert_bias_name(int layer) { return fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer); }
 
 // The MoE layers of a chunk that hold an expert bias (GptModel::has_expert_bias), in order.
 std::vector<int> expert_bias_layers(const GptModel& m) {

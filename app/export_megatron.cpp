@@ -226,7 +226,7 @@ class Exporter {
       out.push_back(std::move(p));
       if (router) {
         // (a buffer, which megatrain's checkpoints name by the layer's number, MTP depths too)
-        const std::string bias = fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer->global_layer);
+        const std::string bias = expert_bias_name(layer->global_layer);
         if (reader_.has(bias)) {
           RankParam b;
           b.source = bias;

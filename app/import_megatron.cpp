@@ -27,6 +27,7 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/megatron_checkpoint.h"
 #include "checkpoint/megatron_flat_layout.h"
+#include "checkpoint/megatron_names.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/shape_text.h"
@@ -330,9 +331,9 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
       const int L = cfg.model.num_layers;
       if (part == 0 && cfg.model.moe.enabled() && cfg.model.moe.router_enable_expert_bias)
         for (int l = 0; l < L + cfg.model.mtp_num_layers.value_or(0); ++l) {
-          const std::string source = l < L ? fmt::format("decoder.layers.{}.mlp.router.expert_bias", l)
+          const std::string source = l < L ? expert_bias_name(l)
                                            : fmt::format("mtp.layers.{}.transformer_layer.mlp.router.expert_bias", l - L);
-          const std::string name = fmt::format("decoder.layers.{}.mlp.router.expert_bias", l);
+          const std::string name = expert_bias_name(l);
           if (!cfg.model.moe.is_moe_layer(std::min(l, L - 1)) || !unused.count(source)) continue;
           unused.erase(source);
           const HostArray& b = held.emplace_back(ck.parameter(source));

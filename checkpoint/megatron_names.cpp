@@ -3,6 +3,8 @@
 #include <cstring>
 #include <regex>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 
 namespace mt {
@@ -117,6 +119,8 @@ std::optional<std::pair<int, std::string>> megatron_split_mtp_layer_name(const s
   if (!std::regex_match(name, m, mtp_layer)) return std::nullopt;
   return std::make_pair(std::stoi(m[1].str()), m[2].str());
 }
+
+std::string expert_bias_name(int layer) { return fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer); }
 
 std::string megatron_te_layer_name(const std::string& local) { return renamed(local, true); }
 

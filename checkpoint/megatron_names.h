@@ -51,6 +51,10 @@ std::optional<std::pair<int, std::string>> megatron_split_layer_name(const std::
 // (the torch format's: the module's attribute) -> (j, rest); nullopt for any other name.
 std::optional<std::pair<int, std::string>> megatron_split_mtp_layer_name(const std::string& name);
 
+// An MoE layer's expert bias (Megatron's router buffer, float32 [E]) as megatrain's checkpoints name
+// it: Megatron's name for decoder layer `layer`; MTP depth j is layer num_layers + j there.
+std::string expert_bias_name(int layer);
+
 // The part of a layer's parameter name after "decoder.layers.N.", from the local spec's naming
 // (input_layernorm.weight) to megatrain's (self_attention.linear_qkv.layer_norm_weight), and back.
 std::string megatron_te_layer_name(const std::string& local);

@@ -191,13 +191,8 @@ void DpGradSync::finish_embeddings() {
       // Sharded gradients: the summed gradients are this rank's shard. Each copy has a bucket of its
       // own (engine/grad_layout.h), sharded alike on both stages' ranks of the same data-parallel rank.
       const GradLayout& L = m->grad_layout();
-      const ParamDesc& p = m->params()[static_cast<size_t>(i)];
-      int b = 0;
-      while (b < L.num_buckets() && !(L.plan.buckets[static_cast<size_t>(b)].offset <= p.offset &&
-                                      p.offset < L.plan.buckets[static_cast<size_t>(b)].offset +
-                                                     L.plan.buckets[static_cast<size_t>(b)].numel))
-        ++b;
-      MT_CHECK(b < L.num_buckets() && L.plan.buckets[static_cast<size_t>(b)].params.size() == 1,
+      const int b = m->param_bucket(i);
+      MT_CHECK(L.plan.buckets[static_cast<size_t>(b)].params.size() == 1,
                "tied embeddings: {} has no gradient bucket of its own", name);
       ps_.embedding->all_reduce(m->grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b)));
       continue;

@@ -210,7 +210,9 @@ class GptModel {
     return opt_.shard_params && grad_layout_.bucket_unit[static_cast<size_t>(b)] >= 0;
   }
   void param_shards_updated() { param_slot_unit_[0] = param_slot_unit_[1] = -1; }
-  bool param_sharded(int i) const { return opt_.shard_params && param_shard_bucket(param_bucket_.at(static_cast<size_t>(i))); }
+  bool param_sharded(int i) const { return opt_.shard_params && param_shard_bucket(param_bucket(i)); }
+  // The gradient bucket holding params()[i].
+  int param_bucket(int i) const { return param_bucket_.at(static_cast<size_t>(i)); }
   // --fp8-param-gather: the FP8 layers' linear weights live only as FP8 (ParamDesc::fp8_storage),
   // in the FP8 region of the flat buffers (engine/grad_layout.h).
   bool fp8_params() const { return grad_layout_.fp8_begin < total_elements_; }
