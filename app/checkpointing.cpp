@@ -134,6 +134,13 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
     h.expert_bias.resize(expert_bias_layers(*m).size() * static_cast<size_t>(m->dims().experts));
     const Fp8State& f = m->fp8_state();
     h.fp8.resize(static_cast<size_t>(f.operands() / Fp8State::kPerLayer * f.layer_floats()) * sizeof(float));
+    const Fp8State& fx = m->fp8_extra_state();
+    if (fx.any()) h.fp8_extra.resize(static_cast<size_t>(fx.operands() / fx.per_layer() * fx.layer_floats()) * sizeof(float));
+    const Fp8State& fe = m->fp8_expert_state();
+    if (fe.any()) {
+      h.fp8_experts.resize(static_cast<size_t>(fe.operands() / fe.per_layer() * fe.layer_floats()));
+      h.fp8_experts_out.resize(h.fp8_experts.size());
+    }
     staging_.push_back(std::move(h));
   }
 }
@@ -212,22 +219,13 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
             Tensor(dst, DType::f32, Device::cpu, {E}), {E});
     }
   }
-  // FP8 scaling state: per FP8 layer, replicated over DP and (after the amax reduction) TP.
-  const Fp8State& f = m.fp8_state();
-  if (f.any() && ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
-    f.save_to_host(be, reinterpret_cast<float*>(h.fp8.data()));
-    const int64_t H = f.options().history_len, K = Fp8State::kPerLayer;
-    for (size_t j = 0; j < f.fp8_global_layers().size(); ++j) {
-      const int layer = f.fp8_global_layers()[j];
-      const int64_t at = static_cast<int64_t>(j) * f.layer_floats();
-      w.add(fp8_meta_name(layer, "amax_history"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(H, K)),
-            host_view(h.fp8, DType::f32, at, H * K), {H, K});
-      w.add(fp8_meta_name(layer, "scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
-            host_view(h.fp8, DType::f32, at + H * K, K), {K});
-      w.add(fp8_meta_name(layer, "scale_inv"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
-            host_view(h.fp8, DType::f32, at + (H + 1) * K, K), {K});
-    }
+  // FP8 scaling state: per FP8 layer, replicated over DP and (after the amax reduction) TP; the
+  // dense GEMMs' and the extra ones' (multi-latent attention's, the MTP projection's).
+  if (ps_.dp_rank == 0 && ps_.cp_rank == 0 && ps_.tp_rank == 0) {
+    stage_fp8_state(w, be, m.fp8_state(), h.fp8, "");
+    stage_fp8_state(w, be, m.fp8_extra_state(), h.fp8_extra, "extra_");
   }
+  stage_fp8_experts(w, m, h);
   if (!optim || !L.sharded) return;
   // Distributed optimizer: this DP rank's pieces of every bucket, as flat ranges of the
   // parameters' TP blocks (with CP the pieces are spread over DP x CP). With
@@ -519,18 +517,49 @@ void TrainingCheckpoints::load_expert_bias(CheckpointReader& reader, GptModel& m
 // FP8 scaling state: every rank reads its FP8 layers' (replicated) state. A checkpoint without it
 // (saved without --fp8-format) leaves the initial scales (1), as a fresh FP8 run.
 bool TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) {
-  Fp8State& f = m.fp8_state_mutable();
-  if (!f.any()) return false;
-  const int64_t H = f.options().history_len, K = Fp8State::kPerLayer;
+  if (!m.fp8_state().any()) return false;
+  if (!load_fp8_layers(reader, m, m.fp8_state_mutable(), "")) return false;
+  if (m.fp8_extra_state().any() && !load_fp8_layers(reader, m, m.fp8_extra_state_mutable(), "extra_"))
+    log::info("  the checkpoint holds no FP8 scaling state of the extra GEMMs (multi-latent attention's, the MTP "
+              "projection's): their FP8 scales start at 1");
+  load_fp8_experts(reader, m);
+  m.fp8_begin_step();  // the weight cache follows the loaded weights
+  return true;
+}
+
+// One FP8 state's tensors per FP8 layer: <prefix>amax_history [H, P], <prefix>scale and
+// <prefix>scale_inv [P] (P = the state's operands per layer).
+void TrainingCheckpoints::stage_fp8_state(CheckpointWriter& w, Backend& be, const Fp8State& f,
+                                          std::vector<unsigned char>& staging, const std::string& prefix) {
+  if (!f.any()) return;
+  f.save_to_host(be, reinterpret_cast<float*>(staging.data()));
+  const int64_t H = f.options().history_len, K = f.per_layer();
+  for (size_t j = 0; j < f.fp8_global_layers().size(); ++j) {
+    const int layer = f.fp8_global_layers()[j];
+    const int64_t at = static_cast<int64_t>(j) * f.layer_floats();
+    w.add(fp8_meta_name(layer, (prefix + "amax_history").c_str()), CheckpointKind::model,
+          ShardSlice::whole(ShardIndex::whole(H, K)), host_view(staging, DType::f32, at, H * K), {H, K});
+    w.add(fp8_meta_name(layer, (prefix + "scale").c_str()), CheckpointKind::model,
+          ShardSlice::whole(ShardIndex::whole(1, K)), host_view(staging, DType::f32, at + H * K, K), {K});
+    w.add(fp8_meta_name(layer, (prefix + "scale_inv").c_str()), CheckpointKind::model,
+          ShardSlice::whole(ShardIndex::whole(1, K)), host_view(staging, DType::f32, at + (H + 1) * K, K), {K});
+  }
+}
+
+// Every rank reads its FP8 layers' (replicated) state. A checkpoint without it (saved without
+// --fp8-format) leaves the initial scales (1), as a fresh FP8 run: returns false.
+bool TrainingCheckpoints::load_fp8_layers(CheckpointReader& reader, GptModel& m, Fp8State& f, const std::string& prefix) {
+  const int64_t H = f.options().history_len, K = f.per_layer();
   const std::vector<int>& layers = f.fp8_global_layers();
+  const auto name = [&](int layer, const char* what) { return fp8_meta_name(layer, (prefix + what).c_str()); };
   bool any_saved = false, all_saved = true;
   for (int layer : layers) {
-    const bool has = reader.has(fp8_meta_name(layer, "amax_history"));
+    const bool has = reader.has(name(layer, "amax_history"));
     any_saved |= has;
     all_saved &= has;
   }
   if (!any_saved) {
-    log::info("  the checkpoint holds no FP8 scaling state: FP8 scales start at 1");
+    if (prefix.empty()) log::info("  the checkpoint holds no FP8 scaling state: FP8 scales start at 1");
     return false;
   }
   if (!all_saved)
@@ -540,20 +569,111 @@ bool TrainingCheckpoints::load_fp8_state(CheckpointReader& reader, GptModel& m) 
   for (size_t j = 0; j < layers.size(); ++j) {
     float* b = packed.data() + static_cast<int64_t>(j) * f.layer_floats();
     try {
-      reader.read(fp8_meta_name(layers[j], "amax_history"), CheckpointKind::model,
-                  ShardSlice::whole(ShardIndex::whole(H, K)), Tensor(b, DType::f32, Device::cpu, {H * K}), {H, K});
+      reader.read(name(layers[j], "amax_history"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(H, K)),
+                  Tensor(b, DType::f32, Device::cpu, {H * K}), {H, K});
     } catch (const Error& e) {
       fail("FP8 amax history of layer {}: {} (was the checkpoint saved with another --fp8-amax-history-len than {}?)",
            layers[j], e.what(), H);
     }
-    reader.read(fp8_meta_name(layers[j], "scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
+    reader.read(name(layers[j], "scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
                 Tensor(b + H * K, DType::f32, Device::cpu, {K}), {K});
-    reader.read(fp8_meta_name(layers[j], "scale_inv"), CheckpointKind::model,
-                ShardSlice::whole(ShardIndex::whole(1, K)), Tensor(b + (H + 1) * K, DType::f32, Device::cpu, {K}), {K});
+    reader.read(name(layers[j], "scale_inv"), CheckpointKind::model, ShardSlice::whole(ShardIndex::whole(1, K)),
+                Tensor(b + (H + 1) * K, DType::f32, Device::cpu, {K}), {K});
   }
   f.load_from_host(m.backend(), packed.data());
-  m.fp8_begin_step();  // the weight cache follows the loaded weights
   return true;
+}
+
+// The experts' FP8 state in the checkpoint, per FP8 MoE layer: amax_history [E, H, 6], scale and
+// scale_inv [E, 6], expert e's row: its fc1's x, w, dy, then its fc2's (Fp8State::plan_experts'
+// order), whatever the expert-parallel layout. One writer per expert: the first of its replicas
+// (expert-DP rank 0) and, where the experts split over TP, TP rank 0 (the amaxes are reduced over
+// both; tensorwise scales are that rank's last casts', as for the dense layers).
+bool TrainingCheckpoints::writes_expert_state() const {
+  const bool first_replica = ps_.edp ? ps_.edp_rank == 0 : ps_.dp_rank == 0 && ps_.cp_rank == 0;
+  return first_replica && (ps_.etp_size == 1 || ps_.tp_rank == 0);
+}
+
+namespace {
+constexpr int64_t kExpertOperands = 2 * Fp8State::kRoles;  // per expert: fc1's and fc2's x, w, dy
+// The checkpoint tensors of layer j's experts: [E, H, 6] / [E, 6] / [E, 6] from (to, with
+// to_packed) Fp8State's packed block [H, El * 6], [El * 6], [El * 6].
+void fp8_experts_reorder(float* packed, float* out, int64_t H, int64_t El, bool to_packed) {
+  const int64_t P = El * kExpertOperands;
+  const int64_t rows[3] = {H, 1, 1}, at_packed[3] = {0, H * P, (H + 1) * P}, at_out[3] = {0, El * H * kExpertOperands,
+                                                                                           El * (H + 1) * kExpertOperands};
+  for (int t = 0; t < 3; ++t)
+    for (int64_t e = 0; e < El; ++e)
+      for (int64_t r = 0; r < rows[t]; ++r)
+        for (int64_t k = 0; k < kExpertOperands; ++k) {
+          const int64_t a = at_packed[t] + r * P + e * kExpertOperands + k;
+          const int64_t b = at_out[t] + (e * rows[t] + r) * kExpertOperands + k;
+          if (to_packed) packed[a] = out[b];
+          else out[b] = packed[a];
+        }
+}
+}  // namespace
+
+void TrainingCheckpoints::stage_fp8_experts(CheckpointWriter& w, GptModel& m, Staging& h) {
+  const Fp8State& f = m.fp8_expert_state();
+  if (!f.any() || !writes_expert_state()) return;
+  const ModelDims& d = m.dims();
+  const int64_t H = f.options().history_len, E = d.experts, El = d.experts_local(), K = kExpertOperands;
+  f.save_to_host(m.backend(), h.fp8_experts.data());
+  const int64_t per = f.layer_floats();
+  for (size_t j = 0; j < f.fp8_global_layers().size(); ++j) {
+    const int layer = f.fp8_global_layers()[j];
+    float* out = h.fp8_experts_out.data() + static_cast<int64_t>(j) * per;
+    fp8_experts_reorder(h.fp8_experts.data() + static_cast<int64_t>(j) * per, out, H, El, false);
+    const int64_t b = d.expert_begin();
+    w.add(fp8_meta_name(layer, "experts_amax_history"), CheckpointKind::model,
+          ShardSlice::whole(ShardIndex{E, H * K, b, 0, El, H * K, 1}), Tensor(out, DType::f32, Device::cpu, {El * H * K}),
+          {E, H, K});
+    w.add(fp8_meta_name(layer, "experts_scale"), CheckpointKind::model, ShardSlice::whole(ShardIndex{E, K, b, 0, El, K, 1}),
+          Tensor(out + El * H * K, DType::f32, Device::cpu, {El * K}), {E, K});
+    w.add(fp8_meta_name(layer, "experts_scale_inv"), CheckpointKind::model,
+          ShardSlice::whole(ShardIndex{E, K, b, 0, El, K, 1}), Tensor(out + El * (H + 1) * K, DType::f32, Device::cpu, {El * K}),
+          {E, K});
+  }
+}
+
+void TrainingCheckpoints::load_fp8_experts(CheckpointReader& reader, GptModel& m) {
+  Fp8State& f = m.fp8_expert_state_mutable();
+  if (!f.any()) return;
+  const ModelDims& d = m.dims();
+  const int64_t H = f.options().history_len, E = d.experts, El = d.experts_local(), K = kExpertOperands;
+  const std::vector<int>& layers = f.fp8_global_layers();
+  bool any_saved = false, all_saved = true;
+  for (int layer : layers) {
+    const bool has = reader.has(fp8_meta_name(layer, "experts_amax_history"));
+    any_saved |= has;
+    all_saved &= has;
+  }
+  if (!any_saved) {
+    log::info("  the checkpoint holds no FP8 scaling state of the experts: their FP8 scales start at 1");
+    return;
+  }
+  if (!all_saved) fail("the checkpoint holds the experts' FP8 scaling state for some of this run's MoE layers only");
+  const int64_t per = f.layer_floats(), b = d.expert_begin();
+  std::vector<float> packed(static_cast<size_t>(static_cast<int64_t>(layers.size()) * per)), out(static_cast<size_t>(per));
+  for (size_t j = 0; j < layers.size(); ++j) {
+    try {
+      reader.read(fp8_meta_name(layers[j], "experts_amax_history"), CheckpointKind::model,
+                  ShardSlice::whole(ShardIndex{E, H * K, b, 0, El, H * K, 1}),
+                  Tensor(out.data(), DType::f32, Device::cpu, {El * H * K}), {E, H, K});
+    } catch (const Error& e) {
+      fail("FP8 amax history of layer {}'s experts: {} (was the checkpoint saved with another --fp8-amax-history-len "
+           "than {}?)", layers[j], e.what(), H);
+    }
+    reader.read(fp8_meta_name(layers[j], "experts_scale"), CheckpointKind::model,
+                ShardSlice::whole(ShardIndex{E, K, b, 0, El, K, 1}),
+                Tensor(out.data() + El * H * K, DType::f32, Device::cpu, {El * K}), {E, K});
+    reader.read(fp8_meta_name(layers[j], "experts_scale_inv"), CheckpointKind::model,
+                ShardSlice::whole(ShardIndex{E, K, b, 0, El, K, 1}),
+                Tensor(out.data() + El * (H + 1) * K, DType::f32, Device::cpu, {El * K}), {E, K});
+    fp8_experts_reorder(packed.data() + static_cast<int64_t>(j) * per, out.data(), H, El, true);
+  }
+  f.load_from_host(m.backend(), packed.data());
 }
 
 // Megatron-LM's StrictHandling (megatron/core/dist_checkpointing/validation.py), for megatrain's

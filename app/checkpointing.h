@@ -111,7 +111,8 @@ class TrainingCheckpoints {
   struct Staging {
     // master: float32 (GptModel::master_to_host); master_raw: master_flat's own bytes when they are
     // not that (int16 remainders).
-    std::vector<unsigned char> params, master, master_raw, state1, state2, fp8;
+    std::vector<unsigned char> params, master, master_raw, state1, state2, fp8, fp8_extra;
+    std::vector<float> fp8_experts, fp8_experts_out;  // the experts' FP8 state: packed, then per expert
     std::vector<float> expert_bias;  // the MoE layers' expert biases (aux-loss-free balancing)
     // FP8 parameters: this rank's master shards rounded to the compute dtype (their model weights).
     std::vector<unsigned char> fp8_model;
@@ -142,6 +143,14 @@ class TrainingCheckpoints {
   void loaded_tensor(size_t bytes);
   // false: the checkpoint holds none (the state stays as it was).
   bool load_fp8_state(CheckpointReader& reader, GptModel& m);
+  static void stage_fp8_state(CheckpointWriter& w, Backend& be, const Fp8State& f, std::vector<unsigned char>& staging,
+                              const std::string& prefix);
+  bool load_fp8_layers(CheckpointReader& reader, GptModel& m, Fp8State& f, const std::string& prefix);
+  // The experts' FP8 state (GptModel::fp8_expert_state): per FP8 MoE layer, per expert (global
+  // rows of a [E, ...] tensor, each rank its experts').
+  void stage_fp8_experts(CheckpointWriter& w, GptModel& m, Staging& h);
+  void load_fp8_experts(CheckpointReader& reader, GptModel& m);
+  bool writes_expert_state() const;
   void read_flat(CheckpointReader& reader, GptModel& m, CheckpointKind kind, const std::string& suffix, Tensor dst,
                  bool from_model_fallback);
   void read_param(CheckpointReader& reader, GptModel& m, const ParamDesc& p, CheckpointKind kind,

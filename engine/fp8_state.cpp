@@ -19,21 +19,37 @@ Fp8Options Fp8Options::from_config(const Config& cfg) {
   o.algo = t.fp8_amax_compute_algo;
   o.wgrad = t.fp8_wgrad;
   o.param_gather = t.fp8_param_gather;
-  const int L = cfg.model.num_layers;
-  o.layer_fp8.assign(static_cast<size_t>(std::max(L, 0)), 0);
+  const int L = cfg.model.num_layers, D = cfg.model.mtp_num_layers.value_or(0);
+  o.layer_fp8.assign(static_cast<size_t>(std::max(L, 0) + std::max(D, 0)), 0);
   for (int l = 0; l < L; ++l) o.layer_fp8[static_cast<size_t>(l)] = t.fp8_layer(l, L) ? 1 : 0;
+  // The multi-token prediction depths' layers (global L + j): FP8 whatever --first-last-layers-bf16
+  // says (Megatron-LM's MTP block runs in the global FP8 context).
+  for (int j = 0; j < D && t.fp8_format; ++j) o.layer_fp8[static_cast<size_t>(L + j)] = 1;
   if (o.enabled() && o.recipe != Fp8Recipe::delayed && o.recipe != Fp8Recipe::tensorwise)
     throw Unsupported("FP8: only the delayed and tensorwise recipes are built");
   return o;
 }
 
 void Fp8State::plan(const Fp8Options& o, int layer_begin, int layer_end) {
+  plan_layers(o, layer_begin, layer_end, nullptr);
+  gemms_ = kGemms;
+  experts_ = false;
+}
+
+void Fp8State::plan_subset(const Fp8Options& o, int layer_begin, int layer_end, const std::vector<char>& only,
+                           int gemms, bool experts) {
+  plan_layers(o, layer_begin, layer_end, &only);
+  gemms_ = std::max(gemms, 1);
+  experts_ = experts;
+}
+
+void Fp8State::plan_layers(const Fp8Options& o, int layer_begin, int layer_end, const std::vector<char>* only) {
   opt_ = o;
   slot_.assign(static_cast<size_t>(std::max(layer_end - layer_begin, 0)), -1);
   global_.clear();
   n_layers_ = 0;
   for (int l = layer_begin; l < layer_end; ++l)
-    if (o.global_layer_fp8(l)) {
+    if (o.global_layer_fp8(l) && (!only || (static_cast<size_t>(l) < only->size() && (*only)[static_cast<size_t>(l)]))) {
       slot_[static_cast<size_t>(l - layer_begin)] = n_layers_++;
       global_.push_back(l);
     }
@@ -68,12 +84,13 @@ void Fp8State::initialize(Backend& be) {
   be.synchronize();  // the host vector goes out of scope
 }
 
-int Fp8State::index(int local, Gemm g, Role r) const {
+int Fp8State::index(int local, int g, Role r) const {
   MT_CHECK(layer_fp8(local), "FP8 state asked for local layer {}, which is not an FP8 layer", local);
-  return (slot_[static_cast<size_t>(local)] * kGemms + g) * kRoles + r;
+  MT_CHECK(g >= 0 && g < gemms_, "FP8 state asked for GEMM {} of {}", g, gemms_);
+  return (slot_[static_cast<size_t>(local)] * gemms_ + g) * kRoles + r;
 }
 
-Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
+Fp8TensorMeta Fp8State::meta(int local, int g, Role r) const {
   const int i = index(local, g, r);
   Fp8TensorMeta m;
   m.scale = scale_.flat_slice(i, 1);
@@ -81,11 +98,11 @@ Fp8TensorMeta Fp8State::meta(int local, Gemm g, Role r) const {
   m.amax = history_.flat_slice(i, 1);  // row 0
   m.recipe = opt_.recipe;
   m.margin = opt_.margin;
-  m.fresh = fresh(local, g, r);
+  m.fresh = fresh_.empty() ? Tensor() : fresh_.flat_slice(i, 1);
   return m;
 }
 
-Tensor Fp8State::scale_inv(int local, Gemm g, Role r) const { return scale_inv_.flat_slice(index(local, g, r), 1); }
+Tensor Fp8State::scale_inv(int local, int g, Role r) const { return scale_inv_.flat_slice(index(local, g, r), 1); }
 
 Tensor Fp8State::fresh(int local, Gemm g, Role r) const {
   const int i = index(local, g, r);
@@ -94,7 +111,7 @@ Tensor Fp8State::fresh(int local, Gemm g, Role r) const {
 
 void Fp8State::save_to_host(Backend& be, float* packed) const {
   if (!any()) return;
-  const int64_t n = operands(), H = opt_.history_len;
+  const int64_t n = operands(), H = opt_.history_len, P = per_layer();
   std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
   be.copy_to_host(hist.data(), history_);
   be.copy_to_host(sc.data(), scale_);
@@ -102,25 +119,25 @@ void Fp8State::save_to_host(Backend& be, float* packed) const {
   for (int j = 0; j < n_layers_; ++j) {
     float* b = packed + j * layer_floats();
     for (int64_t r = 0; r < H; ++r)
-      for (int k = 0; k < kPerLayer; ++k) b[r * kPerLayer + k] = hist[static_cast<size_t>(r * n + j * kPerLayer + k)];
-    for (int k = 0; k < kPerLayer; ++k) {
-      b[H * kPerLayer + k] = sc[static_cast<size_t>(j * kPerLayer + k)];
-      b[(H + 1) * kPerLayer + k] = si[static_cast<size_t>(j * kPerLayer + k)];
+      for (int k = 0; k < P; ++k) b[r * P + k] = hist[static_cast<size_t>(r * n + j * P + k)];
+    for (int k = 0; k < P; ++k) {
+      b[H * P + k] = sc[static_cast<size_t>(j * P + k)];
+      b[(H + 1) * P + k] = si[static_cast<size_t>(j * P + k)];
     }
   }
 }
 
 void Fp8State::load_from_host(Backend& be, const float* packed) {
   if (!any()) return;
-  const int64_t n = operands(), H = opt_.history_len;
+  const int64_t n = operands(), H = opt_.history_len, P = per_layer();
   std::vector<float> hist(static_cast<size_t>(H * n)), sc(static_cast<size_t>(n)), si(static_cast<size_t>(n));
   for (int j = 0; j < n_layers_; ++j) {
     const float* b = packed + j * layer_floats();
     for (int64_t r = 0; r < H; ++r)
-      for (int k = 0; k < kPerLayer; ++k) hist[static_cast<size_t>(r * n + j * kPerLayer + k)] = b[r * kPerLayer + k];
-    for (int k = 0; k < kPerLayer; ++k) {
-      sc[static_cast<size_t>(j * kPerLayer + k)] = b[H * kPerLayer + k];
-      si[static_cast<size_t>(j * kPerLayer + k)] = b[(H + 1) * kPerLayer + k];
+      for (int k = 0; k < P; ++k) hist[static_cast<size_t>(r * n + j * P + k)] = b[r * P + k];
+    for (int k = 0; k < P; ++k) {
+      sc[static_cast<size_t>(j * P + k)] = b[H * P + k];
+      si[static_cast<size_t>(j * P + k)] = b[(H + 1) * P + k];
     }
   }
   // No scale update yet (every input and gradient scale 1; FP8 parameters set their weights'
@@ -141,6 +158,15 @@ void Fp8State::reduce_amax(ParallelState& ps) {
   // is associative, so TP then DP equals one reduction over DP x TP. (DP x CP with context
   // parallelism: every replica of the weights keeps the same scales.)
   const Tensor current = history_.flat_slice(0, operands());
+  if (experts_) {
+    // The experts' shards over their TP group (ETP = TP, or 1: whole experts); their replicas.
+    if (ps.etp_size > 1) {
+      MT_CHECK(ps.etp_size == ps.tp_size, "FP8 experts with an expert TP size {} below TP {}", ps.etp_size, ps.tp_size);
+      ps.tp->all_reduce(current, ReduceOp::max);
+    }
+    if (ps.expert_dp().size() > 1) ps.expert_dp().all_reduce(current, ReduceOp::max);
+    return;
+  }
   if (ps.tp_size > 1) ps.tp->all_reduce(current, ReduceOp::max);
   if (ps.replicas_size() > 1) ps.replicas().all_reduce(current, ReduceOp::max);
 }

@@ -64,15 +64,29 @@ class Fp8State {
 
   // Which of the chunk's layers [layer_begin, layer_end) run in FP8.
   void plan(const Fp8Options& o, int layer_begin, int layer_end);
+  // Another set of GEMMs instead (further Fp8States of the model): the FP8 layers among those whose
+  // `only` entry (per GLOBAL layer) is set, each with `gemms` GEMMs of three operands. experts: the
+  // routed experts' state (GptModel::expert_gemm: 2 GEMMs per local expert, expert e's fc1 as GEMM
+  // 2e and its fc2 as 2e + 1, each with its own scaling state, as Transformer Engine's grouped linear
+  // layers keep one per GEMM), its amaxes reduced over the experts' replicas (the
+  // expert-data-parallel group) and the experts' TP group, every rank of which holds the same
+  // experts; otherwise over TP and DP as the dense state's.
+  void plan_subset(const Fp8Options& o, int layer_begin, int layer_end, const std::vector<char>& only, int gemms,
+                   bool experts);
+  bool experts() const { return experts_; }
+  int gemms() const { return gemms_; }        // per FP8 layer
+  int per_layer() const { return gemms_ * kRoles; }
   void layout(Arena& a);       // takes the buffers (nothing when no layer is FP8)
   void initialize(Backend& be);  // scale 1, history 0, fp8_max per role (set-up time)
 
   bool any() const { return n_layers_ > 0; }
   bool layer_fp8(int local) const { return local >= 0 && static_cast<size_t>(local) < slot_.size() && slot_[local] >= 0; }
-  int operands() const { return n_layers_ * kPerLayer; }
+  int operands() const { return n_layers_ * per_layer(); }
   DType dtype(Role r) const;
-  Fp8TensorMeta meta(int local, Gemm g, Role r) const;
-  Tensor scale_inv(int local, Gemm g, Role r) const;
+  Fp8TensorMeta meta(int local, Gemm g, Role r) const { return meta(local, static_cast<int>(g), r); }
+  Tensor scale_inv(int local, Gemm g, Role r) const { return scale_inv(local, static_cast<int>(g), r); }
+  Fp8TensorMeta meta(int local, int gemm, Role r) const;
+  Tensor scale_inv(int local, int gemm, Role r) const;
   // The operand's producer amax slot (meta(...).fresh): empty unless tensorwise.
   Tensor fresh(int local, Gemm g, Role r) const;
   // Global layer numbers of the FP8 layers in operand order (for the checkpoint).
@@ -101,8 +115,9 @@ class Fp8State {
   void reduce_fresh_over_dp(ParallelState& ps);
 
   // Checkpoint form: per FP8 layer j (fp8_global_layers() order) a block of
-  // layer_floats() floats: amax_history [H, 12], then scale [12], then scale_inv [12].
-  int64_t layer_floats() const { return static_cast<int64_t>(opt_.history_len + 2) * kPerLayer; }
+  // layer_floats() floats: amax_history [H, P], then scale [P], then scale_inv [P] (P = per_layer():
+  // 12 for the dense state).
+  int64_t layer_floats() const { return static_cast<int64_t>(opt_.history_len + 2) * per_layer(); }
   // Copies the device state into `packed` (operands() / 12 blocks; waits for the copy).
   void save_to_host(Backend& be, float* packed) const;
   // Uploads `packed` into the device state (set-up / load time).
@@ -114,8 +129,11 @@ class Fp8State {
   Tensor scale_inv_all() const { return scale_inv_; }
 
  private:
-  int index(int local, Gemm g, Role r) const;
+  int index(int local, int gemm, Role r) const;
+  void plan_layers(const Fp8Options& o, int layer_begin, int layer_end, const std::vector<char>* only);
   Fp8Options opt_;
+  int gemms_ = kGemms;
+  bool experts_ = false;
   std::vector<int> slot_;    // local layer -> FP8 layer index, or -1
   std::vector<int> global_;  // FP8 layer index -> global layer
   int n_layers_ = 0;

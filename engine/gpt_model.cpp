@@ -193,6 +193,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   bind_params();
   plan_grad_zeroing();
   fp8_.initialize(be_);
+  fp8_ex_.initialize(be_);
+  fp8_extra_.initialize(be_);
   if (fp8_.any()) be_.prepare_fp8_gemms();
   if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts_local());
   attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step
@@ -297,6 +299,18 @@ void GptModel::plan_params() {
   }
   tp_partial_ = tp_partial_ranges(descs_);
   fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
+  {
+    // The experts' GEMMs (MoE layers) and the extra ones (multi-latent attention's, the MTP projection's).
+    const size_t L = static_cast<size_t>(std::max(d_.layer_end, 0));
+    std::vector<char> moe(L, 0), extra(L, 0);
+    for (int l = d_.layer_begin; l < d_.layer_end; ++l) {
+      moe[static_cast<size_t>(l)] = d_.is_moe(l) ? 1 : 0;
+      extra[static_cast<size_t>(l)] = d_.mla || d_.is_mtp(l) ? 1 : 0;
+    }
+    fp8_ex_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, moe, 2 * std::max(d_.experts_local(), 1), true);
+    fp8_extra_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, extra, (d_.mla ? 5 : 0) + (d_.mtp > 0 ? 1 : 0),
+                           false);
+  }
   fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
   fp8_weight_amax_taken_.assign(static_cast<size_t>(d_.stage_layers()), 0);
   fp8_weight_gemm_.assign(descs_.size(), {-1, -1});
@@ -350,7 +364,7 @@ GptModel::LayerActs GptModel::layout_layer_acts(Arena& a, MemoryCategory c, bool
   A.norm_kept = keeps_norm_outputs(fp8_inputs);
   layout_attention_acts(a, c, A, kinds.softmax, kinds.gdn);
   layout_mlp_acts(a, c, A, keep_act, keep_out, kinds.dense, kinds.moe);
-  if (fp8_inputs) layout_fp8_inputs(a, c, A);
+  if (fp8_inputs) layout_fp8_inputs(a, c, A, kinds.dense, !d_.mla);
   return A;
 }
 
@@ -433,6 +447,8 @@ void GptModel::layout(Arena& a) {
     for (int l = 0; l < d_.stage_layers(); ++l) {
       if (!fp8_.layer_fp8(l)) continue;
       for (int g = 0; g < Fp8State::kGemms; ++g) {
+        if (g >= Fp8State::fc1 && d_.is_moe(d_.layer_begin + l)) continue;  // (its experts: fp8_ex_)
+        if (g < Fp8State::fc1 && d_.mla) continue;                           // (MLA's: fp8_extra_)
         // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
         if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
         fp8_w_[l].q_t[g] = a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
@@ -481,6 +497,7 @@ void GptModel::layout(Arena& a) {
   }
 
   layout_moe_workspace(a);
+  layout_fp8_gemm_workspace(a);
   layout_mla_workspace(a);
   layout_gdn_workspace(a);
   layout_mtp(a);

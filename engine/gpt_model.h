@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -281,6 +282,12 @@ class GptModel {
   void fp8_params_from_master(bool fresh_state);
   const Fp8State& fp8_state() const { return fp8_; }
   Fp8State& fp8_state_mutable() { return fp8_; }  // checkpoint loading
+  // The experts' FP8 scaling state (Fp8State::plan_subset; nothing without FP8 MoE layers).
+  const Fp8State& fp8_expert_state() const { return fp8_ex_; }
+  Fp8State& fp8_expert_state_mutable() { return fp8_ex_; }
+  // Multi-latent attention's and the MTP projection's FP8 scaling state (GptModel::Fp8Gemm).
+  const Fp8State& fp8_extra_state() const { return fp8_extra_; }
+  Fp8State& fp8_extra_state_mutable() { return fp8_extra_; }
   // Starts a step's gradients: zeroes the buffer except the weight gradients the step's first GEMM
   // writes (plan_grad_zeroing). Until the step's backward has written those, the buffer is not the
   // gradient: check_grads_written() says whether it is.
@@ -396,7 +403,7 @@ class GptModel {
   // Each block's part of it (the norm outputs are the layer's own where A.norm_kept, else shared).
   void layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A, bool softmax, bool gdn);
   void layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool keep_act, bool keep_out, bool dense, bool moe);
-  void layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A);
+  void layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A, bool dense_mlp, bool dense_attention);
   // An MoE layer's part (engine/blocks/moe.cpp): layout_mlp_acts' for MoE layers.
   void layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A);
   void layout_moe_workspace(Arena& a);
@@ -467,7 +474,7 @@ class GptModel {
   void layout_mla_acts(Arena& a, MemoryCategory c, LayerActs& A);
   void layout_mla_workspace(Arena& a);
   MlaShape mla_shape() const;
-  void mla_up_projections(const Slot& s, const LayerActs& A, const LayerParams& P);
+  void mla_up_projections(int local, const Slot& s, const LayerActs& A, const LayerParams& P);
   void mla_forward(int local, Slot& s, const LayerActs& A, Tensor x);
   void mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);
   // Gated DeltaNet's block (engine/blocks/gdn.cpp) in place of the attention block's in the layers
@@ -498,6 +505,59 @@ class GptModel {
   // moe_max_rows() (with token dropping a bound); else the host copy the forward made (R exact).
   ExpertOffsets moe_offsets(const MoeActs& M, int64_t& rows) const;
   bool moe_offsets_on_device() const;
+  // FP8 experts (the routed experts of an FP8 MoE layer, engine/blocks/moe.cpp): each expert's rows
+  // start at a multiple of kFp8ExpertRows in the permuted layout, the rows between one expert's
+  // last and the next one's first zeros (Transformer Engine's Fp8Padding: the FP8 GEMMs take row
+  // counts in multiples of 16), so every expert's GEMMs run on whole 16-row blocks.
+  static constexpr int64_t kFp8ExpertRows = 16;
+  bool fp8_experts(int local) const { return fp8_ex_.layer_fp8(local); }
+  bool fp8_expert_gemms(int local) const { return fp8_experts(local) && !fp8_ex_.calibrating(); }
+  int64_t moe_row_align() const { return fp8_ex_.any() ? kFp8ExpertRows : 1; }
+  // The padded offsets of the non-all-to-all dispatch: from the permutation's (host copy in
+  // M.host_offsets, each rounded up), with order and slot_of moved to the padded rows.
+  void moe_pad_permutation(const MoeActs& M);
+  // All-to-all dispatch: zeros into the padding rows of `perm` (rows received from the experts'
+  // sources fill each expert's first rows only).
+  void moe_zero_padding(const MoeActs& M, Tensor perm);
+  // The experts' GEMMs (which: 0 = fc1, 1 = fc2): the grouped compute-dtype ops, or per expert the
+  // FP8 casts and GEMMs with the expert's own scaling state. x / dy as the grouped ops take them.
+  void expert_linear_fwd(int local, int which, Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets);
+  void expert_quantize_dy(int local, int which, Tensor dy, const ExpertOffsets& offsets);  // before the two below
+  void expert_linear_bwd_input(int local, int which, Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
+  void expert_linear_bwd_weight(int local, int which, Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets);
+
+  // FP8 GEMMs beyond a dense layer's four (engine/blocks/fp8_gemms.cpp): the routed experts' (a
+  // group of rows per local expert, in fp8_ex_) and multi-latent attention's and the MTP
+  // projection's (one group of all rows, in fp8_extra_). Group e's GEMM is first + stride * e of
+  // `state`, with its own scaling state; w holds the groups' weights one below the other; off: the
+  // groups' row offsets (each group a multiple of 16 rows: the FP8 GEMMs' granularity). They run
+  // the compute-dtype ops while the state calibrates (delayed scaling's first step; the casts record
+  // the amaxes) and in layers the state does not cover.
+  struct Fp8Gemm {
+    Fp8State* state = nullptr;
+    int first = 0, stride = 1;
+  };
+  Fp8Gemm expert_gemm(int which) { return {&fp8_ex_, which, 2}; }
+  // Multi-latent attention's GEMMs (kMla*) and the MTP projection's, in fp8_extra_.
+  enum ExtraGemm { kMlaQDown = 0, kMlaQ = 1, kMlaKvDown = 2, kMlaKvUp = 3, kMlaProj = 4 };
+  int extra_eh_gemm() const { return d_.mla ? 5 : 0; }
+  Fp8Gemm extra_gemm(int g) { return {&fp8_extra_, g, 1}; }
+  void fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Tensor w, std::span<const int64_t> off);
+  void fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::span<const int64_t> off);
+  void fp8g_backward_input(const Fp8Gemm& f, int local, Tensor dx, Tensor dy, Tensor w, std::span<const int64_t> off,
+                           bool accumulate);
+  void fp8g_backward_weight(const Fp8Gemm& f, int local, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
+                            std::span<const int64_t> off);
+  Fp8TensorMeta fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8State::Role r) const;
+  void fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed);
+  // One linear layer of an MLA or MTP block through fp8_extra_ GEMM g (the compute-dtype ops
+  // outside FP8 layers): forward, and backward (the weight gradient, with dbias where given, then
+  // the input gradient, added to dx with accumulate).
+  void extra_linear_fwd(int local, int g, Tensor y, Tensor x, Tensor w);
+  void extra_linear_bwd(int local, int g, Tensor dw, Tensor dbias, Tensor dx, Tensor dy, Tensor x, Tensor w,
+                        bool accumulate_dx);
+  bool fp8_extra_layer(int local) const { return fp8_extra_.layer_fp8(local); }
+  void layout_fp8_gemm_workspace(Arena& a);
   // All-to-all dispatch (ModelDims::moe_alltoall under expert parallelism, each member of the
   // dispatch group holding experts of its own): the plan of a layer's exchange (this rank's pairs
   // sorted by expert, the group's chunk sizes, this rank's expert offsets; returns R), and one
@@ -692,6 +752,14 @@ class GptModel {
   // output gradient (dyq / dyq_t) of the GEMM at hand (one GEMM's forward or backward pair at a
   // time). The transposed inputs the weight gradients use are kept per layer (LayerActs).
   Fp8State fp8_;
+  // FP8 experts: their scaling state and the workspaces of one grouped op at a time: the inputs
+  // (row-major, and each expert's rows transposed as its own [K, rows] block, for the weight
+  // gradient), the output gradients likewise, and the experts' weights (row-major, or transposed).
+  Fp8State fp8_ex_;
+  // Multi-latent attention's and the MTP projection's FP8 GEMMs (Fp8Gemm): their scaling state.
+  Fp8State fp8_extra_;
+  Tensor fp8_ex_q_, fp8_ex_q_t_, fp8_ex_dq_, fp8_ex_dq_t_, fp8_ex_w_, fp8_ex_acc_;
+  std::vector<int32_t> moe_order_host_, moe_slot_host_;  // moe_pad_permutation's host copies
   struct Fp8Weights {
     Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
   };

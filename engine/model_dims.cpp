@@ -132,7 +132,8 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.rope_interleaved = m.rotary_interleaved;
   }
   if (m.multi_latent_attention) {
-    if (cfg.train.fp8_format) throw Unsupported("--multi-latent-attention with --fp8-format is not supported yet");
+    if (cfg.train.fp8_format && cfg.train.fp8_param_gather)
+      throw Unsupported("--multi-latent-attention with --fp8-param-gather is not supported yet");
     d.mla = true;
     d.q_lora = m.q_lora_rank.value_or(0);
     d.kv_lora = m.kv_lora_rank;
@@ -165,7 +166,8 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).
     if (tp_size > 1 && !d.sequence_parallel)
       fail("--num-experts with --tensor-model-parallel-size {} needs --sequence-parallel (as in Megatron-LM)", tp_size);
-    if (cfg.train.fp8_format) throw Unsupported("--num-experts with --fp8-format is not supported yet");
+    if (cfg.train.fp8_format && cfg.train.fp8_param_gather)
+      throw Unsupported("--num-experts with --fp8-param-gather is not supported yet");
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;
     d.topk = e.router_topk;
@@ -244,7 +246,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   d.mtp = m.mtp_num_layers.value_or(0);
   if (d.mtp > 0) {
     // What the multi-token prediction layers do not run yet (named, never silently wrong).
-    if (cfg.train.fp8_format) throw Unsupported("--mtp-num-layers with --fp8-format is not supported yet");
     if (d.mtp > 6) throw Unsupported(fmt::format("--mtp-num-layers {} is not supported yet (at most 6)", d.mtp));
     d.mtp_scale = static_cast<float>(m.mtp_loss_scaling_factor / d.mtp);
     // The mtp layers are laid out as the last decoder layer is, but for their windows: Megatron

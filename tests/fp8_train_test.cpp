@@ -3,6 +3,7 @@
 // --first-last-layers-bf16 run the exact float path.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -77,6 +78,83 @@ TEST_CASE("fp8 training: tiny Llama, e4m3 and tensorwise scaling, follows float3
   Config nowgrad = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed);
   nowgrad.train.fp8_wgrad = false;
   check_follows(ref, train(nowgrad), 0.01);
+}
+
+TEST_CASE("fp8 training: MoE layers, each expert's GEMMs in FP8 with its own scales, follow float32",
+          "[fp8][engine][train][moe]") {
+  Config base = test::tiny_llama_config();
+  base.model.num_layers = 3;
+  MoeConfig& e = base.model.moe;
+  e.num_experts = 4;
+  e.router_topk = 2;
+  e.ffn_hidden_size = 20;
+  e.layer_freq = 1;
+  e.moe_layer = {1, 0, 1};  // a dense layer between two MoE layers
+  base = fp8_mock_config(base);
+  const Fp8Run ref = train(base);
+  Config c = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed);
+  c.train.fp8_amax_history_len = 4;
+  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
+  const Fp8Run f = train(c);
+  check_follows(ref, f, 0.01);
+  // The experts' state: 2 MoE layers x 4 experts x 2 GEMMs (fc1, fc2) x 3 roles, every scale set
+  // by an update, and every amax of the rows behind row 0 recorded: each expert's input, weight and
+  // output gradient were cast (the output gradients only by the FP8 backward).
+  const size_t n = 2u * 4u * 2u * 3u;
+  REQUIRE(f.ex_scale.size() == n);
+  REQUIRE(f.ex_history.size() == 4u * n);
+  for (float s : f.ex_scale) {
+    CHECK(std::isfinite(s));
+    CHECK(s != 1.0f);
+  }
+  for (size_t i = 0; i < n; ++i) CHECK(f.ex_history[i] == 0.0f);
+  for (size_t i = n; i < f.ex_history.size(); ++i) CHECK(f.ex_history[i] > 0.0f);
+  // Each expert's weight scale comes from its own weight: the four experts' fc1 weight scales of a
+  // layer are not one shared value.
+  for (size_t layer = 0; layer < 2; ++layer) {
+    std::vector<float> w;
+    for (size_t expert = 0; expert < 4; ++expert) w.push_back(f.ex_scale[layer * 24 + expert * 6 + 1]);
+    std::sort(w.begin(), w.end());
+    CHECK(std::unique(w.begin(), w.end()) - w.begin() > 1);
+  }
+  // Tensorwise scaling follows too.
+  check_follows(ref, train(with_fp8(base, Fp8Format::e4m3, Fp8Recipe::tensorwise)), 0.01);
+}
+
+TEST_CASE("fp8 training: multi-latent attention and an MTP depth, their GEMMs in FP8, follow float32",
+          "[fp8][engine][train][mla][mtp]") {
+  Config base = test::tiny_mla_config();
+  base.model.mtp_num_layers = 1;
+  base.model.mtp_loss_scaling_factor = 0.3;
+  // (--first-last-layers-bf16 keeps decoder layers in bf16; the MTP depth runs in FP8 regardless.)
+  base.train.first_last_layers_bf16 = true;
+  base.train.num_layers_at_start_in_bf16 = 0;
+  base.train.num_layers_at_end_in_bf16 = 1;
+  base = fp8_mock_config(base);
+  const Fp8Run ref = train(base);
+  Config c = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed);
+  c.train.fp8_amax_history_len = 4;
+  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
+  const Fp8Run f = train(c);
+  check_follows(ref, f, 0.01);
+  // The extra GEMMs' state: per FP8 layer MLA's five GEMMs (query down and up, key/value down and
+  // up, output projection) and the MTP projection, three operands each. The decoder's FP8 layers
+  // (all but the last) and the depth's layer: every MLA GEMM's scales set by an update; the MTP
+  // projection's on the depth's layer only.
+  const int L = base.model.num_layers;
+  std::vector<int> expected;
+  for (int l = 0; l < L - 1; ++l) expected.push_back(l);
+  expected.push_back(L);  // the depth's layer (global L)
+  REQUIRE(f.x_layers == expected);
+  REQUIRE(f.x_scale.size() == expected.size() * 18u);
+  for (size_t j = 0; j < expected.size(); ++j)
+    for (size_t k = 0; k < 18; ++k) {
+      INFO("layer " << expected[j] << " GEMM " << k / 3 << " operand " << k % 3);
+      const float s = f.x_scale[j * 18 + k];
+      CHECK(std::isfinite(s));
+      if (k < 15 || expected[j] == L) CHECK(s != 1.0f);
+      else CHECK(s == 1.0f);
+    }
 }
 
 TEST_CASE("fp8 training: --first-last-layers-bf16 keeps those layers on the float path", "[fp8][engine][train]") {

@@ -18,6 +18,9 @@ struct Fp8Run {
   std::vector<double> losses, grad_norms;
   std::vector<float> params;  // after the last step (float32 model)
   std::vector<float> scale, scale_inv, history;
+  std::vector<float> ex_scale, ex_history;  // the experts' state (GptModel::fp8_expert_state)
+  std::vector<float> x_scale;                // the extra GEMMs' state (GptModel::fp8_extra_state)
+  std::vector<int> x_layers;                 // its layers
   MemoryPlan plan;
   int64_t amaxes_taken = 0;  // tensorwise casts that used their producer's amax (ReferenceBackend)
 };
@@ -59,6 +62,19 @@ inline Fp8Run train_fp8(const Config& cfg, bool keep_inputs = true, bool norm_ca
     be->copy_to_host(run.scale.data(), st.scale());
     be->copy_to_host(run.scale_inv.data(), st.scale_inv_all());
     be->copy_to_host(run.history.data(), st.history());
+  }
+  const Fp8State& xs = model.fp8_extra_state();
+  if (xs.any()) {
+    run.x_scale.resize(static_cast<size_t>(xs.scale().numel()));
+    be->copy_to_host(run.x_scale.data(), xs.scale());
+    run.x_layers = xs.fp8_global_layers();
+  }
+  const Fp8State& ex = model.fp8_expert_state();
+  if (ex.any()) {
+    run.ex_scale.resize(static_cast<size_t>(ex.scale().numel()));
+    run.ex_history.resize(static_cast<size_t>(ex.history().numel()));
+    be->copy_to_host(run.ex_scale.data(), ex.scale());
+    be->copy_to_host(run.ex_history.data(), ex.history());
   }
   return run;
 }

@@ -372,8 +372,12 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4", 4,
        "megatrain does not support --expert-tensor-parallel-size 4 with --tensor-model-parallel-size 2 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
-      {"--bf16 --fp8-format hybrid", 1,
-       "megatrain does not support --num-experts with --fp8-format yet (MoE layers run in bf16 or fp32)"},
+      {"--bf16 --fp8-format hybrid --use-distributed-optimizer --fp8-param-gather", 1,
+       "megatrain does not support --num-experts with --fp8-param-gather yet (the experts' FP8 weights are cast from "
+       "their compute-dtype weights at each use)"},
+      {"--bf16 --fp8-format hybrid --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2", 4,
+       "megatrain does not support --num-experts with --fp8-format and --expert-tensor-parallel-size 2 between 1 and "
+       "--tensor-model-parallel-size 4 yet"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
@@ -382,6 +386,9 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     INFO(c.flags);
     CHECK(unsupported_error(moe_gpt() + words(c.flags), c.world) == c.line);
   }
+  // FP8 MoE layers run (the experts' GEMMs in FP8, each expert with its own scaling state).
+  CHECK(parse(moe_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise")).train.fp8_format ==
+        Fp8Format::hybrid);
   // Optimizer instances split the experts' data-parallel groups too (Megatron's partial expert DP
   // groups): their size must divide it.
   CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-distributed-optimizer "
@@ -442,7 +449,7 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
         "values quantile_balancing not supported yet");
-  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp8-format or --fp4-format"));
+  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp4-format or --fp8-param-gather"));
   // MoE with context parallelism is built (the experts' grid folds CP).
   CHECK_NOTHROW(parse(moe_gpt() + words("--context-parallel-size 2 --expert-model-parallel-size 2"), 2));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),

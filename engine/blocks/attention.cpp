@@ -103,9 +103,11 @@ void GptModel::attention_forward(int local, Slot& s, const LayerActs& A, Tensor 
   linear_fwd(local, Fp8State::proj, A, w.tmp_h, proj_in, P.proj_w, Tensor(), Activation::none, Tensor());
   // The attention block's bias + dropout + residual and the MLP block's norm in one op (one pass
   // over the rows on the GPU; the reference runs bias_dropout_add, then norm_forward).
-  be_.bias_dropout_add_norm(A.h1, norm_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
+  // (An MoE layer's router reads ln2's output: written whatever the QKV cast does.)
+  const bool ln2_cast = norm_cast && !d_.is_moe(layer);
+  be_.bias_dropout_add_norm(A.h1, ln2_cast ? Tensor() : local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x,
                             reduce_rows(w.tmp_h), P.proj_b, hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_,
-                            norm_cast_amax(local, A, Fp8State::fc1));
+                            ln2_cast ? norm_cast_amax(local, A, Fp8State::fc1) : Tensor());
 }
 
 // The attention block's backward: the gradient of h1 (the workspace's gH, left by mlp_backward)

@@ -13,10 +13,13 @@ namespace mt {
 
 // FP8 layers with FP8 weight gradients keep the four linear inputs as the forward's casts quantized
 // them, transposed [K, N] (LayerActs::fp8_xq_t), and with tensorwise scaling those casts' scale_inv.
-void GptModel::layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A) {
+void GptModel::layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A, bool dense_mlp, bool dense_attention) {
   const int64_t N = d_.tokens(), h = d_.hidden;
   const int64_t k[Fp8State::kGemms] = {h, d_.attn_width_local(), h, d_.ffn_local()};  // each GEMM's K
-  for (int g = 0; g < Fp8State::kGemms; ++g) A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
+  // (An MoE layer's experts and multi-latent attention keep none: engine/blocks/fp8_gemms.cpp casts
+  // their inputs again.)
+  for (int g = dense_attention ? 0 : Fp8State::fc1; g < (dense_mlp ? Fp8State::kGemms : Fp8State::fc1); ++g)
+    A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
   if (opt_.fp8.recipe == Fp8Recipe::tensorwise) A.fp8_x_scale_inv = a.take(c, DType::f32, {Fp8State::kGemms});
 }
 
@@ -24,6 +27,8 @@ void GptModel::fp8_begin_step() { std::fill(fp8_fresh_.begin(), fp8_fresh_.end()
 
 void GptModel::fp8_end_step() {
   fp8_.end_step(be_, ps_);
+  fp8_ex_.end_step(be_, ps_);
+  fp8_extra_.end_step(be_, ps_);
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
@@ -120,6 +125,9 @@ void GptModel::fp8_refresh_weights(int local) {
   // them, whether a training or an evaluation forward's; a later recast takes its own.
   char& taken = fp8_weight_amax_taken_[static_cast<size_t>(local)];
   for (int g = 0; g < Fp8State::kGemms; ++g) {
+    // (No cache: an MoE layer's fc1 and fc2, its experts cast their own; multi-latent attention's
+    // projection, fp8_extra_'s.)
+    if (w[g].empty() || c.q_t[g].empty()) continue;
     if (is_fp8(w[g].dtype)) {
       be_.fp8_transpose(c.q_t[g], c.q[g]);  // an FP8 parameter: cast by the optimizer
       continue;
@@ -138,7 +146,8 @@ Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slic
 }  // namespace
 
 bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
-  return opt_.seams.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel;
+  // (Multi-latent attention's blocks write their norm outputs: its GEMMs are fp8_extra_'s.)
+  return opt_.seams.fp8_norm_cast && fp8_gemms(local) && !A.norm_kept && !d_.sequence_parallel && !d_.mla;
 }
 
 bool GptModel::norm_takes_cast_amax(int local, const LayerActs& A) const {
@@ -159,10 +168,15 @@ bool GptModel::dy_amax_from_norm(const Slot& s, int local, Fp8State::Gemm g) con
       d_.hidden_dropout > 0 || d_.sequence_parallel)
     return false;
   const auto plain_norm_backward = [&](int l) { return fp8_kept_inputs(l) || acts(s, l).norm_kept; };
-  if (g == Fp8State::proj) return plain_norm_backward(local);
+  // (An MoE layer's ln2 backward, moe_backward's, takes no amax; multi-latent attention's projection is
+  // fp8_extra_'s.)
+  if (g == Fp8State::proj) return plain_norm_backward(local) && !d_.is_moe(d_.layer_begin + local) && !d_.mla;
   MT_CHECK(g == Fp8State::fc2, "dy_amax_from_norm: GEMM {} has no norm backward writing its output gradient",
            static_cast<int>(g));
-  return local + 1 < d_.stage_layers() && plain_norm_backward(local + 1);
+  // (Multi-latent attention's input norm backward takes no amax.)
+  // (Nor an MTP depth's: its input is its projection's output, not this layer's.)
+  return local + 1 < d_.stage_layers() && plain_norm_backward(local + 1) && !d_.mla &&
+         !d_.is_mtp(d_.layer_begin + local + 1);
 }
 
 Tensor GptModel::dy_amax_slot(const Slot& s, int local, Fp8State::Gemm g) const {

@@ -75,11 +75,11 @@ void GptModel::layout_mla_workspace(Arena& a) {
 
 // The queries, keys and values from the kept latents (and the input norm's output), packed with
 // RoPE into A.qkv: the forward's, and backward's recompute under --recompute-modules mla_up_proj.
-void GptModel::mla_up_projections(const Slot& s, const LayerActs& A, const LayerParams& P) {
+void GptModel::mla_up_projections(int local, const Slot& s, const LayerActs& A, const LayerParams& P) {
   const Workspace& w = *ws_;
   const Tensor q_in = d_.q_lora > 0 || d_.mla_latent_norm ? A.mla_cq : A.ln1_out;
-  be_.linear_forward(w.mla_q, q_in, P.q_w, Tensor(), Activation::none, Tensor());
-  be_.linear_forward(w.mla_kv, A.mla_ckv_n, P.kv_up_w, Tensor(), Activation::none, Tensor());
+  extra_linear_fwd(local, kMlaQ, w.mla_q, q_in, P.q_w);
+  extra_linear_fwd(local, kMlaKvUp, w.mla_kv, A.mla_ckv_n, P.kv_up_w);
   be_.mla_qkv_forward(A.qkv, w.mla_q, w.mla_kv, A.mla_ckv, s.positions, rope_table_, mla_shape());
 }
 
@@ -94,22 +94,22 @@ void GptModel::mla_forward(int local, Slot& s, const LayerActs& A, Tensor x) {
   gather_rows(A.ln1_out);
   // The latents: the queries' (or the normed input), [c_kv | k_rope], c_kv normed.
   if (d_.q_lora > 0) {
-    be_.linear_forward(A.mla_cq_raw, A.ln1_out, P.q_down_w, Tensor(), Activation::none, Tensor());
+    extra_linear_fwd(local, kMlaQDown, A.mla_cq_raw, A.ln1_out, P.q_down_w);
     if (d_.mla_latent_norm)
       be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, A.mla_cq_raw, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
   } else if (d_.mla_latent_norm) {
     be_.norm_forward(A.mla_cq, A.mla_cq_mean, A.mla_cq_rstd, A.ln1_out, P.q_lat_ln_w, P.q_lat_ln_b, norm_);
   }
-  be_.linear_forward(A.mla_ckv, A.ln1_out, P.kv_down_w, Tensor(), Activation::none, Tensor());
+  extra_linear_fwd(local, kMlaKvDown, A.mla_ckv, A.ln1_out, P.kv_down_w);
   be_.copy_columns(A.mla_ckv_raw, 0, A.mla_ckv, 0, d_.kv_lora);
   if (d_.mla_latent_norm)
     be_.norm_forward(A.mla_ckv_n, A.mla_ckv_mean, A.mla_ckv_rstd, A.mla_ckv_raw, P.kv_lat_ln_w, P.kv_lat_ln_b, norm_);
   // The up projections, RoPE and the attention core.
-  mla_up_projections(s, A, P);
+  mla_up_projections(local, s, A, P);
   attention_core(layer).forward(A.attn_out, A.lse, A.qkv, attention_shape(&s, layer), attention_sinks(local));
   const int heads = d_.heads_local();
   be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
-  be_.linear_forward(w.tmp_h, w.mla_out, P.proj_w, Tensor(), Activation::none, Tensor());
+  extra_linear_fwd(local, kMlaProj, w.tmp_h, w.mla_out, P.proj_w);
   be_.bias_dropout_add_norm(A.h1, local_rows(A.ln2_out), A.ln2_mean, A.ln2_rstd, x, reduce_rows(w.tmp_h), P.proj_b,
                             hp, hidden_key(s, layer, 1), P.ln2_w, P.ln2_b, norm_);
 }
@@ -126,8 +126,7 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
   const Tensor d_proj = expand_grad(w.gH, hp, hidden_key(s, layer, 1));
   const Tensor proj_db = proj_bias_grad_from_norm(local) ? Tensor() : G.proj_b;
   be_.copy_columns(per_head(w.mla_out, heads), 0, per_head(A.attn_out, heads), 0, d_.mla_v);
-  be_.linear_backward_weight(G.proj_w, proj_db, d_proj, w.mla_out, accumulate_weight_grad(G.proj_w));
-  be_.linear_backward_input(w.mla_out, d_proj, P.proj_w, false, Activation::none, Tensor());
+  extra_linear_bwd(local, kMlaProj, G.proj_w, proj_db, w.mla_out, d_proj, w.mla_out, P.proj_w, false);
   be_.fill(w.gATT, 0.0);
   be_.copy_columns(per_head(w.gATT, heads), 0, per_head(w.mla_out, heads), 0, d_.mla_v);
   // The core (its input recomputed under mla_up_proj: the up projections read the input norm's
@@ -141,42 +140,36 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
   };
   if (opt_.mla_recompute_up) {
     if (d_.q_lora == 0 && !d_.mla_latent_norm) ensure_ln1();
-    mla_up_projections(s, A, P);
+    mla_up_projections(local, s, A, P);
   }
   attention_core(layer).backward(w.gQKV, w.gATT, A.attn_out, A.lse, A.qkv, attention_shape(&s, layer),
                                  attention_sinks(local));
   be_.mla_qkv_backward(w.mla_q, w.mla_kv, w.mla_dckv, w.gQKV, s.positions, rope_table_, mla_shape());
   // The key/value up projection and c_kv's norm, into d [c_kv | k_rope].
   const Tensor dkv_lat = w.mla_dlat.flat_slice(0, N * d_.kv_lora).view({N, d_.kv_lora});
-  be_.linear_backward_weight(G.kv_up_w, Tensor(), w.mla_kv, A.mla_ckv_n, accumulate_weight_grad(G.kv_up_w));
-  be_.linear_backward_input(dkv_lat, w.mla_kv, P.kv_up_w, false, Activation::none, Tensor());
+  extra_linear_bwd(local, kMlaKvUp, G.kv_up_w, Tensor(), dkv_lat, w.mla_kv, A.mla_ckv_n, P.kv_up_w, false);
   if (d_.mla_latent_norm)
     be_.norm_backward(dkv_lat, G.kv_lat_ln_w, G.kv_lat_ln_b, dkv_lat, A.mla_ckv_raw, A.mla_ckv_mean, A.mla_ckv_rstd,
                       P.kv_lat_ln_w, Tensor(), Tensor(), norm_);
   be_.copy_columns(w.mla_dckv, 0, dkv_lat, 0, d_.kv_lora);
   // The down projections read the input norm's output (all N rows): recomputed where not kept.
   ensure_ln1();
-  be_.linear_backward_weight(G.kv_down_w, Tensor(), w.mla_dckv, A.ln1_out, accumulate_weight_grad(G.kv_down_w));
-  be_.linear_backward_input(w.gT, w.mla_dckv, P.kv_down_w, false, Activation::none, Tensor());
+  extra_linear_bwd(local, kMlaKvDown, G.kv_down_w, Tensor(), w.gT, w.mla_dckv, A.ln1_out, P.kv_down_w, false);
   // The query projections, their input gradient added to gT.
   if (d_.q_lora > 0) {
     const Tensor dq_lat = w.mla_dlat.flat_slice(0, N * d_.q_lora).view({N, d_.q_lora});
-    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.mla_cq, accumulate_weight_grad(G.q_w));
-    be_.linear_backward_input(dq_lat, w.mla_q, P.q_w, false, Activation::none, Tensor());
+    extra_linear_bwd(local, kMlaQ, G.q_w, Tensor(), dq_lat, w.mla_q, A.mla_cq, P.q_w, false);
     if (d_.mla_latent_norm)
       be_.norm_backward(dq_lat, G.q_lat_ln_w, G.q_lat_ln_b, dq_lat, A.mla_cq_raw, A.mla_cq_mean, A.mla_cq_rstd,
                         P.q_lat_ln_w, Tensor(), Tensor(), norm_);
-    be_.linear_backward_weight(G.q_down_w, Tensor(), dq_lat, A.ln1_out, accumulate_weight_grad(G.q_down_w));
-    be_.linear_backward_input(w.gT, dq_lat, P.q_down_w, true, Activation::none, Tensor());
+    extra_linear_bwd(local, kMlaQDown, G.q_down_w, Tensor(), w.gT, dq_lat, A.ln1_out, P.q_down_w, true);
   } else if (d_.mla_latent_norm) {
     const Tensor dq_in = w.mla_dlat.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
-    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.mla_cq, accumulate_weight_grad(G.q_w));
-    be_.linear_backward_input(dq_in, w.mla_q, P.q_w, false, Activation::none, Tensor());
+    extra_linear_bwd(local, kMlaQ, G.q_w, Tensor(), dq_in, w.mla_q, A.mla_cq, P.q_w, false);
     be_.norm_backward(w.gT, G.q_lat_ln_w, G.q_lat_ln_b, dq_in, A.ln1_out, A.mla_cq_mean, A.mla_cq_rstd, P.q_lat_ln_w,
                       w.gT, Tensor(), norm_);
   } else {
-    be_.linear_backward_weight(G.q_w, Tensor(), w.mla_q, A.ln1_out, accumulate_weight_grad(G.q_w));
-    be_.linear_backward_input(w.gT, w.mla_q, P.q_w, true, Activation::none, Tensor());
+    extra_linear_bwd(local, kMlaQ, G.q_w, Tensor(), w.gT, w.mla_q, A.ln1_out, P.q_w, true);
   }
   // The input norm: gT summed over TP (its rows on this rank with SP), plus the residual's gH.
   be_.norm_backward(dx, G.ln1_w, G.ln1_b, reduce_rows(w.gT), x, A.ln1_mean, A.ln1_rstd, P.ln1_w, w.gH,

@@ -139,7 +139,9 @@ int64_t GptModel::moe_group_tokens() const {
 }
 int64_t GptModel::moe_dispatch_rows() const { return d_.experts_local_rows() ? d_.tokens_local() : d_.tokens(); }
 int64_t GptModel::moe_max_rows() const {
-  return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local());
+  // (FP8 experts: each expert's rows padded to a multiple of moe_row_align(), at most align - 1 more each.)
+  return moe_group_tokens() * std::min<int64_t>(d_.topk, d_.experts_local()) +
+         (moe_row_align() - 1) * d_.experts_local();
 }
 
 // Without expert parallelism the ops past the offsets run on all moe_max_rows() rows: with token
@@ -147,7 +149,7 @@ int64_t GptModel::moe_max_rows() const {
 // and computed but never read, as every reader of the permuted rows goes through slot_of, and the
 // grouped GEMMs stop at offsets[E]. Under expert parallelism a rank's pairs are a fraction of that
 // bound, so the host takes the offsets there.
-bool GptModel::moe_offsets_on_device() const { return moe_dispatch_group() == nullptr; }
+bool GptModel::moe_offsets_on_device() const { return moe_dispatch_group() == nullptr && !fp8_ex_.any(); }
 
 ExpertOffsets GptModel::moe_offsets(const MoeActs& M, int64_t& rows) const {
   if (moe_offsets_on_device()) {
@@ -176,6 +178,7 @@ int64_t GptModel::moe_exchange_plan(const MoeActs& M, Tensor idx, Communicator& 
   g.all_gather(ws_->moe_offs_g, M.s_offsets);
   const size_t W = static_cast<size_t>(E) + 1;
   moe_offs_g_.resize(W * static_cast<size_t>(G));
+  moe_off32_[0] = 0;
   be_.copy_to_host(moe_offs_g_.data(), ws_->moe_offs_g);
   MoeExchange& x = *M.exchange;
   x.send.assign(moe_offs_g_.begin() + static_cast<std::ptrdiff_t>(W * me),
@@ -191,10 +194,17 @@ int64_t GptModel::moe_exchange_plan(const MoeActs& M, Tensor idx, Communicator& 
       sum += x.recv[static_cast<size_t>(e) * G + src] = o[ge + 1] - o[ge];
     }
     off[static_cast<size_t>(e) + 1] = off[static_cast<size_t>(e)] + sum;
+    moe_off32_[static_cast<size_t>(e) + 1] = moe_off32_[static_cast<size_t>(e)] + static_cast<int32_t>(sum);
+  }
+  // FP8 experts: each expert's rows from a multiple of moe_row_align() (moe_zero_padding zeroes the
+  // rows between). The device offsets stay the received rows' own.
+  const int64_t align = moe_row_align();
+  for (int e = 0; e < El && align > 1; ++e) {
+    const int64_t n = moe_off32_[static_cast<size_t>(e) + 1] - moe_off32_[static_cast<size_t>(e)];
+    off[static_cast<size_t>(e) + 1] = off[static_cast<size_t>(e)] + (n + align - 1) / align * align;
   }
   // (The device offsets: the aux-loss-free balancing's counts read them. A pageable host source is
   // staged before the copy returns.)
-  std::copy(off.begin(), off.end(), moe_off32_.begin());
   be_.copy_from_host(M.offsets, moe_off32_.data());
   return off.back();
 }
@@ -356,7 +366,7 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
     moe_exchanges_.push_back(std::make_unique<MoeExchange>());
     M.exchange = moe_exchanges_.back().get();
   } else {
-    M.order = a.take(c, DType::i32, {Ngk});
+    M.order = a.take(c, DType::i32, {std::max(Ngk, R)});  // (R: padded for FP8 experts)
     M.slot_of = a.take(c, DType::i32, {Ngk});
   }
   M.offsets = a.take(c, DType::i32, {El + 1});
@@ -380,6 +390,12 @@ void GptModel::layout_moe_workspace(Arena& a) {
       w.moe_dp_perm = w.moe_xg = w.moe_yg = w.moe_pg = w.moe_ig = w.moe_dxl = Tensor();
   if (!d_.any_moe()) return;
   moe_off32_.assign(static_cast<size_t>(d_.experts_local() + 1), 0);
+  moe_order_host_.clear();
+  moe_slot_host_.clear();
+  if (fp8_ex_.any() && !moe_alltoall()) {  // (moe_pad_permutation's host copies)
+    moe_order_host_.assign(static_cast<size_t>(2 * moe_max_rows()), 0);
+    moe_slot_host_.assign(static_cast<size_t>(moe_group_tokens() * d_.topk), 0);
+  }
   using C = MemoryCategory;
   const DType T = opt_.compute, S = opt_.accum;
   const int64_t N = d_.tokens(), h = d_.hidden, E = d_.experts, fe = d_.expert_ffn_local();
@@ -503,10 +519,12 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     R = moe_exchange_plan(M, ig, *disp);
     pairs = M.exchange->send.back();
   } else {
-    be_.moe_permute_plan(M.order, M.slot_of, M.offsets, ig, d_.expert_begin(), d_.experts_local());
+    be_.moe_permute_plan(M.order.flat_slice(0, M.slot_of.numel()), M.slot_of, M.offsets, ig, d_.expert_begin(),
+                         d_.experts_local());
     if (!moe_offsets_on_device()) {
       be_.copy_to_host(moe_off32_.data(), M.offsets);
       std::copy(moe_off32_.begin(), moe_off32_.end(), M.host_offsets->begin());
+      if (moe_row_align() > 1) moe_pad_permutation(M);
     }
   }
   const ExpertOffsets offsets = moe_offsets(M, R);
@@ -517,6 +535,8 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.moe_gather_rows(ps.view({pairs, 1}), pg.view({n_disp * k, 1}), s_order, 1);
     moe_exchange(*disp, M, w.moe_xs.row_slice(0, pairs), x_perm, true);
     moe_exchange(*disp, M, ps.view({pairs, 1}), p_perm.view({R, 1}), true);
+    moe_zero_padding(M, x_perm);
+    moe_zero_padding(M, p_perm.view({R, 1}));
   } else {
     const Tensor order = M.order.flat_slice(0, R);
     be_.moe_gather_rows(x_perm, xg, order, k);
@@ -538,7 +558,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R);
   // (--moe-apply-probs-on-input: the routing weight scales the expert's input instead, top-1.)
   if (d_.moe_probs_on_input) be_.moe_scale_rows(x_perm, x_perm, p_perm);
-  be_.grouped_linear_forward(fc1_pre, x_perm, P.ex_fc1_w, offsets);
+  expert_linear_fwd(local, 0, fc1_pre, x_perm, P.ex_fc1_w, offsets);
   if (d_.moe_probs_on_input) {
     if (d_.swiglu) be_.swiglu_forward(act, fc1_pre, d_.glu);
     else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
@@ -548,7 +568,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
     be_.moe_scale_rows(act, act, p_perm);
   }
-  be_.grouped_linear_forward(x_perm, act, P.ex_fc2_w, offsets);
+  expert_linear_fwd(local, 1, x_perm, act, P.ex_fc2_w, offsets);
   // The routed output: into tmp_h [N, h] (partial over TP), or with whole experts this rank's rows
   // [Nl, h], complete.
   const Tensor routed = own_rows ? w.moe_dxl.row_slice(0, n_disp) : w.tmp_h;
@@ -610,6 +630,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   const auto to_experts = [&](const Tensor& x) {
     be_.moe_gather_rows(sorted, x, M.s_order.flat_slice(0, pairs), k);
     moe_exchange(*disp, M, sorted, rows, true);
+    moe_zero_padding(M, rows);
   };
   // The dispatched rows' permuted rows (under all-gather EP from the group's rows, gathered first).
   const auto permute = [&](const Tensor& x, const Tensor& group) {
@@ -644,7 +665,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (opt_.moe_recompute_fc1) {
     gather_inputs();
     if (d_.moe_probs_on_input) be_.moe_scale_rows(rows, rows, M.p_perm.flat_slice(0, R));
-    be_.grouped_linear_forward(M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
+    expert_linear_fwd(local, 0, M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
   }
   if (opt_.moe_recompute_shared)
     be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
@@ -692,7 +713,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // Routed experts, last GEMM first.
   const Tensor fc1_pre = M.fc1_pre.row_slice(0, R), act = w.moe_act.row_slice(0, R), dact = w.moe_dact.row_slice(0, R);
   const Tensor p_perm = M.p_perm.flat_slice(0, R), dp_perm = w.moe_dp_perm.flat_slice(0, R);
-  be_.grouped_linear_backward_input(dact, rows, P.ex_fc2_w, offsets);  // d (act * p)
+  expert_quantize_dy(local, 1, rows, offsets);
+  expert_linear_bwd_input(local, 1, dact, rows, P.ex_fc2_w, offsets);  // d (act * p)
   // fc1's output gradient: SwiGLU's in place of fc1_pre [R, 2f] (with fc2's input act * p again and
   // d p, one pass), GeLU's in place of d act.
   const Tensor d_fc1 = d_.swiglu ? fc1_pre : dact;
@@ -712,8 +734,9 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // Summed over TP here when the experts split over TP; otherwise the reduce-scatter over the
   // dispatch group below (which holds the experts' TP ranks) sums it.
   if (d_.etp_size > 1 && !own_rows && !d_.moe_probs_on_input) ps_.tp->all_reduce(dp_perm);
-  be_.grouped_linear_backward_weight(G.ex_fc2_w, rows, act, offsets, accumulate_weight_grad(G.ex_fc2_w));
+  expert_linear_bwd_weight(local, 1, G.ex_fc2_w, rows, act, offsets);
   if (!d_.swiglu) be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
+  expert_quantize_dy(local, 0, d_fc1, offsets);
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again), scaled
   // by the routing weights with --moe-apply-probs-on-input (kept unscaled for d p).
   gather_inputs();
@@ -722,8 +745,8 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     be_.copy(x_unscaled, rows);
     be_.moe_scale_rows(rows, rows, p_perm);
   }
-  be_.grouped_linear_backward_weight(G.ex_fc1_w, d_fc1, rows, offsets, accumulate_weight_grad(G.ex_fc1_w));
-  be_.grouped_linear_backward_input(rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
+  expert_linear_bwd_weight(local, 0, G.ex_fc1_w, d_fc1, rows, offsets);
+  expert_linear_bwd_input(local, 0, rows, d_fc1, P.ex_fc1_w, offsets);  // d x_perm [R, h]
   if (d_.moe_probs_on_input) {
     be_.moe_scale_rows_backward(rows, dp_perm, rows, x_unscaled, p_perm);  // d x, d p
     if (d_.etp_size > 1 && !own_rows) ps_.tp->all_reduce(dp_perm);         // (partial over the experts' TP)
@@ -830,6 +853,52 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   if (d_.shared_gate)
     be_.linear_backward_input(d_ln2, local_rows(w.moe_dgate), P.sh_gate_w, true, Activation::none, Tensor());
   be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, d_ln2, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, Tensor(), norm_);
+}
+
+// ---- FP8 experts (their GEMMs: engine/blocks/fp8_gemms.cpp) ---------------------------------
+
+void GptModel::moe_pad_permutation(const MoeActs& M) {
+  const int El = d_.experts_local();
+  const int64_t align = moe_row_align(), Rmax = moe_max_rows();
+  std::vector<int64_t>& off = *M.host_offsets;  // the permutation's own offsets, padded below
+  const int64_t R = off[static_cast<size_t>(El)];
+  int32_t* order = moe_order_host_.data();       // [0, R): the permutation's order
+  int32_t* padded = order + Rmax;                // [0, Rp): the padded order
+  if (R > 0) be_.copy_to_host(order, M.order.flat_slice(0, R));
+  be_.copy_to_host(moe_slot_host_.data(), M.slot_of);
+  int64_t at = 0;
+  for (int e = 0; e < El; ++e) {
+    const int64_t b = off[static_cast<size_t>(e)], n = off[static_cast<size_t>(e) + 1] - b;
+    std::copy(order + b, order + b + n, padded + at);
+    const int64_t end = at + (n + align - 1) / align * align;
+    std::fill(padded + at + n, padded + end, -1);  // (moe_gather_rows: zero rows)
+    off[static_cast<size_t>(e)] = at;  // (b, the old value, is read above)
+    at = end;
+  }
+  // slot_of: each placed pair's row r of expert e moves by (its padded start - its own start).
+  std::vector<int64_t>& padded_off = off;
+  for (int32_t& r : moe_slot_host_) {
+    if (r < 0 || r >= R) continue;
+    const int e = static_cast<int>(std::upper_bound(moe_off32_.begin(), moe_off32_.end(), r) - moe_off32_.begin()) - 1;
+    r = static_cast<int32_t>(r - moe_off32_[static_cast<size_t>(e)] + padded_off[static_cast<size_t>(e)]);
+  }
+  off[static_cast<size_t>(El)] = at;
+  MT_CHECK(at <= Rmax, "padded expert rows {} past the bound {}", at, Rmax);
+  if (at > 0) be_.copy_from_host(M.order.flat_slice(0, at), padded);
+  be_.copy_from_host(M.slot_of, moe_slot_host_.data());
+}
+
+void GptModel::moe_zero_padding(const MoeActs& M, Tensor perm) {
+  if (moe_row_align() == 1) return;
+  const std::vector<int64_t>& off = *M.host_offsets;
+  const MoeExchange& x = *M.exchange;
+  const int El = d_.experts_local(), G = static_cast<int>(x.recv.size()) / std::max(El, 1);
+  for (int e = 0; e < El; ++e) {
+    int64_t n = 0;
+    for (int src = 0; src < G; ++src) n += x.recv[static_cast<size_t>(e) * G + src];
+    const int64_t from = off[static_cast<size_t>(e)] + n, to = off[static_cast<size_t>(e) + 1];
+    if (to > from) be_.fill(perm.row_slice(from, to - from), 0.0);
+  }
 }
 
 }  // namespace mt

@@ -90,9 +90,9 @@ void GptModel::mtp_forward_backward(Slot& s, Tensor dy0) {
     gather_rows(M.cat);
     // eh_proj: this rank's columns of every row, gathered into whole rows.
     if (tp == 1) {
-      be_.linear_forward(M.u, M.cat, P.eh_w, Tensor(), Activation::none, Tensor());
+      extra_linear_fwd(local, extra_eh_gemm(), M.u, M.cat, P.eh_w);
     } else {
-      be_.linear_forward(w.mtp_part, M.cat, P.eh_w, Tensor(), Activation::none, Tensor());
+      extra_linear_fwd(local, extra_eh_gemm(), w.mtp_part, M.cat, P.eh_w);
       ps_.tp->all_gather(w.mtp_parts, w.mtp_part);
       for (int64_t r = 0; r < tp; ++r)
         be_.copy_columns(w.mtp_full, r * hl, w.mtp_parts.flat_slice(r * N * hl, N * hl).view({N, hl}), 0, hl);
@@ -130,8 +130,7 @@ void GptModel::mtp_forward_backward(Slot& s, Tensor dy0) {
       be_.copy_columns(w.mtp_part, 0, w.mtp_full, d_.tp_rank * hl, hl);
       dpart = w.mtp_part;
     }
-    be_.linear_backward_weight(Pg.eh_w, Tensor(), dpart, M.cat, accumulate_weight_grad(Pg.eh_w));
-    be_.linear_backward_input(w.mtp_dcat, dpart, P.eh_w, false, Activation::none, Tensor());
+    extra_linear_bwd(local, extra_eh_gemm(), Pg.eh_w, Tensor(), w.mtp_dcat, dpart, M.cat, P.eh_w, false);
     const Tensor dcat = reduce_rows(w.mtp_dcat);
     be_.copy_columns(w.mtp_de, 0, dcat, 0, h);
     be_.copy_columns(w.mtp_dhn, 0, dcat, h, h);

@@ -1,7 +1,8 @@
 // A small multi-latent-attention model (engine/blocks/mla.cpp) on the CUDA backend against the same
 // model on the reference backend: the same parameters, one training micro-batch, the loss and every
 // parameter's gradient; float32 and bf16, with and without a query rank, and with multi-token
-// prediction depths (engine/blocks/mtp.cpp: their losses' gradients too).
+// prediction depths (engine/blocks/mtp.cpp: their losses' gradients too); and in FP8 (tensorwise
+// scaling: MLA's five GEMMs and the MTP projection through the extra FP8 state, engine/blocks/fp8_gemms.cpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -25,6 +26,7 @@ struct MlaCase {
   bool latent_norm;
   DType dtype;
   int mtp = 0;
+  bool fp8 = false;  // --fp8-format hybrid --fp8-recipe tensorwise (every GEMM's sizes multiples of 16)
 };
 
 Config mla_config(const MlaCase& k) {
@@ -40,6 +42,10 @@ Config mla_config(const MlaCase& k) {
   m.rotary_scaling_factor = 40;
   m.mscale_all_dim = 1.0;
   if (k.mtp > 0) m.mtp_num_layers = k.mtp;
+  if (k.fp8) {
+    c.train.fp8_format = Fp8Format::hybrid;
+    c.train.fp8_recipe = Fp8Recipe::tensorwise;
+  }
   return c;
 }
 
@@ -51,7 +57,8 @@ TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][
                            MlaCase{0, 20, 12, 4, 8, 33, 1, false, DType::f32},  // no latent norms
                            MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16},
                            MlaCase{32, 24, 16, 8, 16, 17, 3, true, DType::f32, 2},    // two mtp depths
-                           MlaCase{0, 16, 8, 8, 12, 32, 2, false, DType::bf16, 1}}) {
+                           MlaCase{0, 16, 8, 8, 12, 32, 2, false, DType::bf16, 1},
+                           MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16, 1, true}}) {
     const Config c = mla_config(k);
     Rng rng;
     const MicroBatch mb = random_micro_batch(rng, k.batch, k.seq, 96);
@@ -61,7 +68,7 @@ TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][
     const bool bf16 = k.dtype == DType::bf16;
     for (double& v : w) v = bf16 ? round_to(DType::bf16, v) : v * 4.0;
     const ModelRun r = run_model_micro_batch(ref(), c, DType::f32, w, mb);
-    INFO("mtp " << k.mtp << " q_lora " << k.q_lora << " kv_lora " << k.kv_lora << " d " << k.nope << "+" << k.rope << "/" << k.v
+    INFO((k.fp8 ? "FP8 (tensorwise), " : "") << "mtp " << k.mtp << " q_lora " << k.q_lora << " kv_lora " << k.kv_lora << " d " << k.nope << "+" << k.rope << "/" << k.v
                    << " rows " << n << (bf16 ? " bf16" : " float32") << " (seed " << rng.seed() << ")");
     const ModelRun g = run_model_micro_batch(dev(), c, k.dtype, w, mb);
     const double tol = bf16 ? 3e-2 : 2e-3;

@@ -3,7 +3,8 @@
 // z-losses and every parameter's gradient; float32 and bf16; also with the router's input jitter
 // and the experts' fc1 outputs recomputed in backward (--recompute-modules moe), and with the
 // routing weights on the experts' input (--moe-apply-probs-on-input), and with the aux, seq_aux and
-// global_aux load-balancing losses together, and with gpt-oss's gated unit.
+// global_aux load-balancing losses together, and with gpt-oss's gated unit; and in FP8 (tensorwise
+// scaling: the FP8 GEMMs run from the first step; each expert's GEMMs per expert on rows padded to 16).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -54,6 +55,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     bool probs_on_input = false;  // --moe-apply-probs-on-input, top-1 sigmoid routing
     bool all_balancing = false;   // aux_loss, seq_aux_loss and global_aux_loss together
     bool gpt_oss_mlp = false;     // quick-GeGLU with the linear offset and the clamp (every MLP)
+    bool fp8 = false;             // --fp8-format hybrid --fp8-recipe tensorwise (expert FFN 48)
   };
   for (const Shape& sh : {Shape{8, 2, 32, 2, DType::f32}, Shape{5, 3, 17, 3, DType::f32},  // (odd: 51 rows)
                           Shape{4, 4, 32, 2, DType::bf16}, Shape{3, 3, 17, 3, DType::bf16},
@@ -62,7 +64,9 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
                           Shape{5, 3, 17, 3, DType::f32, false, false, true},
                           Shape{4, 4, 32, 2, DType::bf16, false, false, true},
                           Shape{5, 3, 17, 3, DType::f32, false, false, false, true},
-                          Shape{4, 4, 32, 2, DType::bf16, true, false, false, true}}) {
+                          Shape{4, 4, 32, 2, DType::bf16, true, false, false, true},
+                          Shape{4, 4, 32, 2, DType::bf16, false, false, false, false, true},
+                          Shape{3, 3, 32, 2, DType::bf16, true, false, false, false, true}}) {
     Config c = moe_config(sh.experts, sh.topk, sh.seq, sh.batch);
     if (sh.jitter_recompute) {
       c.model.moe.input_jitter_eps = 0.05;
@@ -79,6 +83,13 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
       using LB = MoeLoadBalancing;
       c.model.moe.load_balancing_type = {LB::aux_loss, LB::seq_aux_loss, LB::global_aux_loss};
       c.model.moe.aux_loss_coeff = {0.01, 0.02, 0.03};
+    }
+    if (sh.fp8) {
+      // (FP8 GEMMs take dimensions in multiples of 16: 64 rows, h 64, the experts' FFN 48.)
+      c.train.fp8_format = Fp8Format::hybrid;
+      c.train.fp8_recipe = Fp8Recipe::tensorwise;
+      c.model.moe.ffn_hidden_size = 48;
+      c.model.moe.shared_expert_intermediate_size = 32;
     }
     if (sh.probs_on_input) {
       c.model.moe.apply_probs_on_input = true;
@@ -105,6 +116,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
                       << (sh.probs_on_input ? ", routing weights on the input" : "")
                       << (sh.all_balancing ? ", aux, seq_aux and global_aux losses" : "")
                       << (sh.gpt_oss_mlp ? ", quick-GeGLU with offset and clamp" : "")
+                      << (sh.fp8 ? ", FP8 (hybrid, tensorwise)" : "")
                       << " (seed " << rng.seed() << ")");
       const ModelRun g = run_model_micro_batch(dev(), c, T, w, mb);
       const double tol = bf16 ? 3e-2 : 2e-3;

@@ -292,6 +292,39 @@ megatrain_parallel_train_test(parallel_train_moe_resume_ep2_to_dp2 --model "${mo
   2 "--expert-model-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")
 megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --model "${moe_model}" --resume
   2 - 4 "--expert-model-parallel-size 4 --use-distributed-optimizer")
+# FP8 MoE layers (--fp8-format; emulated on the reference backend): the attention's GEMMs as in dense
+# layers, the routed experts' GEMMs per expert with each expert's own scaling state (its amaxes
+# reduced over its replicas and its TP shards), on rows padded to 16 per expert. Delayed scaling
+# equals one rank under EP2 (all-to-all; the sigmoid models: all-gather) also with TP2 + SP (the
+# experts split over TP, or whole with --expert-tensor-parallel-size 1), EP2 x PP2, token dropping,
+# MoE recomputation and --no-fp8-wgrad; a checkpoint saved at EP2 resumes at TP2 + SP (the experts'
+# scaling state saved per expert). Tensorwise scaling casts each expert's rows by their own amax,
+# which under EP gathers rows from several ranks' micro-batches: equal to one rank at PP2 x DP2.
+# --calculate-per-token-loss: the output gradients' amaxes do not depend on the DP size (see the FP8
+# notes above). Seeds: as for the dense FP8 tests, a few seeds move an element across an FP8
+# rounding tie within the 4 iterations (seed 1234 does with dropping and with the sigmoid model).
+set(fp8_moe_model "${moe_model} --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max \
+--calculate-per-token-loss")
+megatrain_parallel_train_test(parallel_train_fp8_moe_ep2 --fp8 --model "${fp8_moe_model}" 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_moe_ep2_tp2_sp --fp8 --model "${fp8_moe_model}" 4
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fp8_moe_ep2_etp1_tp2_sp --fp8 --model "${fp8_moe_model}" 4
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel
+                              --expert-tensor-parallel-size 1)
+megatrain_parallel_train_test(parallel_train_fp8_moe_sigmoid_ep2_pp2 --fp8 --model "${moe_sigmoid_model} \
+--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss --seed 3" 4
+                              --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_moe_drop_recompute_ep2 --fp8 --model "${fp8_moe_model} \
+--moe-expert-capacity-factor 0.5 --recompute-granularity selective --recompute-modules moe --seed 1" 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_moe_no_wgrad_ep2 --fp8 --model "${fp8_moe_model} --no-fp8-wgrad" 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_moe_tensorwise_pp2_dp2_distopt --fp8 --model "${moe_model} \
+--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --calculate-per-token-loss" 4
+                              --pipeline-model-parallel-size 2 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_resume_fp8_moe_ep2_to_tp2_sp --fp8 --model "${fp8_moe_model}" --resume
+  2 "--expert-model-parallel-size 2" 2 "--tensor-model-parallel-size 2 --sequence-parallel")
 # Aux-loss-free balancing (sigmoid group-limited routing with an expert bias updated every step, and
 # a shared expert) over EP4 and EP2 x PP2; token dropping (the same pairs dropped: capacity per
 # rank's rows) by weight under EP2 x PP2 and by position under EP4 with the distributed optimizer.
@@ -547,6 +580,24 @@ megatrain_parallel_train_test(parallel_train_mtp_dp2_distopt --model "${mtp_mode
 megatrain_parallel_train_test(parallel_train_mtp_window_tp2_sp_pp2 --model
   "${mtp_model} --window-size 4,0 --window-attn-skip-freq 2" 4 --tensor-model-parallel-size 2 --sequence-parallel
   --pipeline-model-parallel-size 2)
+# FP8 (delayed scaling, emulated) with multi-latent attention (its five GEMMs with their own
+# scaling state, the extra GEMMs' state) and MTP depths (their layers in FP8 whatever
+# --first-last-layers-bf16 says, and the input projection): PP 2 and CP 2 equal one rank, MTP under
+# TP 2 + SP too, and checkpoints resume on other layouts (the extra state saved per layer). Not MLA
+# under TP: its down projections run on every TP rank with a partial output gradient, summed over
+# TP after the GEMMs (Megatron-LM reduces it first), so each rank casts its own part to FP8. Seeds
+# as for the other FP8 tests (CP's attention changes float sums more than the other layouts do).
+set(fp8_delayed "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss")
+megatrain_parallel_train_test(parallel_train_fp8_mla_pp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 1" 2
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_mla_cp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 3" 2
+                              --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_resume_fp8_mla_pp2_to_cp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 1"
+  --resume 2 "--pipeline-model-parallel-size 2" 2 "--context-parallel-size 2")
+megatrain_parallel_train_test(parallel_train_fp8_mtp_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed}" 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_resume_fp8_mtp_pp2_to_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed}"
+  --resume 2 "--pipeline-model-parallel-size 2" 2 "--tensor-model-parallel-size 2 --sequence-parallel")
 # A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
 # expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
 # TP 2 (+SP) x EP 2 x PP 2.

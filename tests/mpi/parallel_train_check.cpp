@@ -197,7 +197,10 @@ void compare_checkpoints(const std::string& base_dir, const std::string& par_dir
       b.read(name, kind, mt::ShardSlice::whole(whole), mt::Tensor(y.data(), mt::DType::f32, mt::Device::cpu, {whole.local_numel()}));
       // FP8 scaling state (amaxes and scales from them, up to ~1e8): compared relatively.
       const bool relative = name.find(".fp8_meta.") != std::string::npos;
-      const bool weights_only = tensorwise && (name.ends_with(".fp8_meta.scale") || name.ends_with(".fp8_meta.scale_inv"));
+      // (The experts' state, .fp8_meta.experts_*, holds the same three roles per GEMM, in rows of 6.)
+      const bool weights_only = tensorwise && (name.ends_with(".fp8_meta.scale") || name.ends_with(".fp8_meta.scale_inv") ||
+                                               name.ends_with(".fp8_meta.experts_scale") ||
+                                               name.ends_with(".fp8_meta.experts_scale_inv"));
       for (size_t i = 0; i < x.size(); ++i) {
         if (weights_only && i % 3 != 1) continue;
         double d = std::fabs(static_cast<double>(x[i]) - y[i]);

@@ -1,0 +1,244 @@
+// FP8 GEMMs beyond a dense layer's four (GptModel::Fp8Gemm): the routed experts' (one group of rows
+// per local expert, each expert with its own scaling state, as Transformer Engine's grouped linear
+// layers keep one per GEMM) and multi-latent attention's and the MTP projection's (one group of all
+// rows). Each group's GEMMs are the FP8 linear ops of engine/backend.h on its rows:
+//   forward         x cast with its scale (row-major), w cast (row-major): y = x . w^T
+//   backward        dy cast (row-major, and transposed for the weight gradient): dx = dy . w (w
+//                   cast transposed), dw (+)= dy^T . x (x cast again, transposed, with its forward
+//                   scale: the forward's bits)
+// Weights are cast at each use (the scales hold still within a step, so the same bits each time),
+// where the dense layers keep a per-layer cache: an MoE layer's experts are most of the model. The
+// casts of one op at a time share the workspaces laid out here.
+#include <algorithm>
+#include <array>
+
+#include "core/error.h"
+#include "engine/gpt_model.h"
+#include "engine/gpt_model_parts.h"
+
+namespace mt {
+
+namespace {
+// A [rows, cols] block at element `at` of a flat workspace.
+Tensor block(Tensor flat, int64_t at, int64_t rows, int64_t cols) {
+  return flat.flat_slice(at, rows * cols).view({rows, cols});
+}
+}  // namespace
+
+// The workspaces, for the largest op of this stage: inputs [rows, K] and their transposed blocks,
+// output gradients [rows, N] likewise, one op's weights (all groups), and (multi-latent attention)
+// an input gradient to add to another.
+void GptModel::layout_fp8_gemm_workspace(Arena& a) {
+  fp8_ex_.layout(a);
+  fp8_extra_.layout(a);
+  fp8_ex_q_ = fp8_ex_q_t_ = fp8_ex_dq_ = fp8_ex_dq_t_ = fp8_ex_w_ = fp8_ex_acc_ = Tensor();
+  if (!fp8_ex_.any() && !fp8_extra_.any()) return;
+  struct Gemm {
+    int64_t rows, n, k, groups;  // y [rows, n] = x [rows, k] . w^T per group
+  };
+  std::vector<Gemm> gemms;
+  const int64_t N = d_.tokens(), h = d_.hidden;
+  if (fp8_ex_.any()) {
+    const int64_t R = moe_max_rows(), El = d_.experts_local();
+    gemms.push_back({R, d_.expert_fc1_width_local(), h, El});
+    gemms.push_back({R, h, d_.expert_ffn_local(), El});
+  }
+  if (fp8_extra_.any() && d_.mla) {
+    const int64_t q_in = d_.q_lora > 0 ? d_.q_lora : h;
+    if (d_.q_lora > 0) gemms.push_back({N, d_.q_lora, h, 1});
+    gemms.push_back({N, d_.mla_q_width_local(), q_in, 1});
+    gemms.push_back({N, d_.mla_down_width(), h, 1});
+    gemms.push_back({N, d_.mla_kv_width_local(), d_.kv_lora, 1});
+    gemms.push_back({N, h, d_.proj_width_local(), 1});
+  }
+  if (fp8_extra_.any() && d_.stage_mtp_layers() > 0) gemms.push_back({N, h / d_.tp_size, 2 * h, 1});
+  int64_t q = 0, dq = 0, w = 0, acc = 0;
+  for (const Gemm& g : gemms) {
+    q = std::max(q, g.rows * g.k);
+    dq = std::max(dq, g.rows * g.n);
+    w = std::max(w, g.groups * g.n * g.k);
+  }
+  if (fp8_extra_.any() && d_.mla) acc = N * h;  // (the query projections' input gradient, added to gT)
+  using C = MemoryCategory;
+  const Fp8State& st = fp8_ex_.any() ? fp8_ex_ : fp8_extra_;
+  const DType e4 = st.dtype(Fp8State::x), g = st.dtype(Fp8State::dy);
+  fp8_ex_q_ = a.take(C::workspace, e4, {q});
+  fp8_ex_dq_ = a.take(C::workspace, g, {dq});
+  if (opt_.fp8.wgrad) {
+    fp8_ex_q_t_ = a.take(C::workspace, e4, {q});
+    fp8_ex_dq_t_ = a.take(C::workspace, g, {dq});
+  }
+  fp8_ex_w_ = a.take(C::workspace, e4, {w});
+  if (acc > 0) fp8_ex_acc_ = a.take(C::workspace, opt_.compute, {acc});
+}
+
+Fp8TensorMeta GptModel::fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8State::Role r) const {
+  Fp8TensorMeta m = f.state->meta(local, f.first + f.stride * group, r);
+  if (!fp8_training_) m.amax = Tensor();  // (evaluation forwards record nothing)
+  m.fresh = Tensor();                     // (tensorwise: each cast takes its own amax)
+  return m;
+}
+
+// Each group's weight cast with its own scale: row-major [N, K] blocks, or transposed [K, N] ones
+// (the input gradient's operand), group after group in fp8_ex_w_.
+void GptModel::fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed) {
+  const int64_t Nw = w.rows() / groups, K = w.cols();
+  for (int e = 0; e < groups; ++e) {
+    const Tensor q = block(fp8_ex_w_, e * Nw * K, transposed ? K : Nw, transposed ? Nw : K);
+    be_.fp8_quantize(transposed ? Tensor() : q, transposed ? q : Tensor(), w.row_slice(e * Nw, Nw),
+                     fp8g_meta(f, local, e, Fp8State::w));
+  }
+}
+
+void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Tensor w, std::span<const int64_t> off) {
+  const int groups = static_cast<int>(off.size()) - 1;
+  const int64_t K = x.cols(), Nw = w.rows() / groups;
+  const bool gemms = !f.state->calibrating();
+  fp8g_cast_weights(f, local, w, groups, false);  // (calibrating: records the weights' amaxes)
+  for (int e = 0; e < groups; ++e) {
+    const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+    if (M == 0) continue;
+    const int g = f.first + f.stride * e;
+    const Tensor xq = block(fp8_ex_q_, b * K, M, K);
+    be_.fp8_quantize(xq, Tensor(), x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
+    if (gemms)
+      be_.fp8_linear_forward(y.row_slice(b, M), xq, f.state->scale_inv(local, g, Fp8State::x),
+                             block(fp8_ex_w_, e * Nw * K, Nw, K), f.state->scale_inv(local, g, Fp8State::w), Tensor(),
+                             Activation::none, Tensor());
+  }
+  if (gemms) return;
+  // Calibrating: the compute-dtype GEMMs (the casts above recorded the amaxes).
+  if (f.state->experts()) be_.grouped_linear_forward(y, x, w, off);
+  else be_.linear_forward(y, x, w, Tensor(), Activation::none, Tensor());
+}
+
+void GptModel::fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::span<const int64_t> off) {
+  const int64_t C = dy.cols();
+  for (int e = 0; e + 1 < static_cast<int>(off.size()); ++e) {
+    const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+    if (M == 0) continue;
+    const Tensor qt = fp8_ex_dq_t_.empty() ? Tensor() : block(fp8_ex_dq_t_, b * C, C, M);
+    be_.fp8_quantize(block(fp8_ex_dq_, b * C, M, C), qt, dy.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::dy));
+  }
+}
+
+void GptModel::fp8g_backward_input(const Fp8Gemm& f, int local, Tensor dx, Tensor dy, Tensor w,
+                                   std::span<const int64_t> off, bool accumulate) {
+  const int groups = static_cast<int>(off.size()) - 1;
+  if (f.state->calibrating()) {  // (fp8g_quantize_dy recorded dy's amax)
+    if (f.state->experts()) {
+      MT_CHECK(!accumulate, "a grouped input gradient does not accumulate");
+      be_.grouped_linear_backward_input(dx, dy, w, off);
+    } else {
+      be_.linear_backward_input(dx, dy, w, accumulate, Activation::none, Tensor());
+    }
+    return;
+  }
+  const int64_t Nw = w.rows() / groups, K = w.cols();
+  // (The FP8 GEMM accumulates into float32 only: otherwise into the workspace, then added.)
+  const bool staged = accumulate && dx.dtype != DType::f32;
+  const Tensor out = staged ? block(fp8_ex_acc_, 0, dx.rows(), dx.cols()) : dx;
+  fp8g_cast_weights(f, local, w, groups, true);
+  for (int e = 0; e < groups; ++e) {
+    const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+    if (M == 0) continue;
+    const int g = f.first + f.stride * e;
+    be_.fp8_linear_backward_input(out.row_slice(b, M), block(fp8_ex_dq_, b * Nw, M, Nw),
+                                  f.state->scale_inv(local, g, Fp8State::dy), block(fp8_ex_w_, e * Nw * K, K, Nw),
+                                  f.state->scale_inv(local, g, Fp8State::w), accumulate && !staged, Activation::none,
+                                  Tensor());
+  }
+  if (staged) be_.axpby(dx, 1.0f, dx, 1.0f, out);
+}
+
+void GptModel::fp8g_backward_weight(const Fp8Gemm& f, int local, Tensor dw, Tensor dbias, Tensor dy, Tensor x,
+                                    std::span<const int64_t> off) {
+  const bool accumulate = accumulate_weight_grad(dw);
+  const int groups = static_cast<int>(off.size()) - 1;
+  if (f.state->calibrating() || !opt_.fp8.wgrad) {
+    if (f.state->experts()) {
+      MT_CHECK(dbias.empty(), "grouped weight gradients take no bias");
+      be_.grouped_linear_backward_weight(dw, dy, x, off, accumulate);
+    } else {
+      be_.linear_backward_weight(dw, dbias, dy, x, accumulate);
+    }
+    return;
+  }
+  const int64_t Nw = dw.rows() / groups, K = dw.cols();
+  for (int e = 0; e < groups; ++e) {
+    const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+    const Tensor dwe = dw.row_slice(e * Nw, Nw);
+    if (M == 0) {
+      if (!accumulate) be_.fill(dwe, 0.0);
+      continue;
+    }
+    const int g = f.first + f.stride * e;
+    // The input cast again with its forward scale (tensorwise: from the same values), so the
+    // forward's bits; the output gradient's transposed blocks from fp8g_quantize_dy.
+    const Tensor xqt = block(fp8_ex_q_t_, b * K, K, M);
+    be_.fp8_quantize(Tensor(), xqt, x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
+    be_.fp8_linear_backward_weight(dwe, groups == 1 ? dbias : Tensor(), groups == 1 ? dy : Tensor(),
+                                   block(fp8_ex_dq_t_, b * Nw, Nw, M), f.state->scale_inv(local, g, Fp8State::dy), xqt,
+                                   f.state->scale_inv(local, g, Fp8State::x), accumulate);
+  }
+}
+
+// ---- the experts' GEMMs (engine/blocks/moe.cpp) -------------------------------------------
+
+void GptModel::expert_linear_fwd(int local, int which, Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets) {
+  if (!fp8_experts(local)) {
+    be_.grouped_linear_forward(y, x, w, offsets);
+    return;
+  }
+  MT_CHECK(static_cast<int>(offsets.host.size()) == d_.experts_local() + 1, "FP8 experts without their host offsets");
+  fp8g_forward(expert_gemm(which), local, y, x, w, offsets.host);
+}
+
+void GptModel::expert_quantize_dy(int local, int which, Tensor dy, const ExpertOffsets& offsets) {
+  if (fp8_experts(local)) fp8g_quantize_dy(expert_gemm(which), local, dy, offsets.host);
+}
+
+void GptModel::expert_linear_bwd_input(int local, int which, Tensor dx, Tensor dy, Tensor w,
+                                       const ExpertOffsets& offsets) {
+  if (!fp8_experts(local)) {
+    be_.grouped_linear_backward_input(dx, dy, w, offsets);
+    return;
+  }
+  fp8g_backward_input(expert_gemm(which), local, dx, dy, w, offsets.host, false);
+}
+
+void GptModel::expert_linear_bwd_weight(int local, int which, Tensor dw, Tensor dy, Tensor x,
+                                        const ExpertOffsets& offsets) {
+  if (!fp8_experts(local)) {
+    be_.grouped_linear_backward_weight(dw, dy, x, offsets, accumulate_weight_grad(dw));
+    return;
+  }
+  fp8g_backward_weight(expert_gemm(which), local, dw, Tensor(), dy, x, offsets.host);
+}
+
+// ---- multi-latent attention's and the MTP projection's GEMMs --------------------------------
+
+void GptModel::extra_linear_fwd(int local, int g, Tensor y, Tensor x, Tensor w) {
+  if (!fp8_extra_layer(local)) {
+    be_.linear_forward(y, x, w, Tensor(), Activation::none, Tensor());
+    return;
+  }
+  const std::array<int64_t, 2> off{0, x.rows()};
+  fp8g_forward(extra_gemm(g), local, y, x, w, off);
+}
+
+void GptModel::extra_linear_bwd(int local, int g, Tensor dw, Tensor dbias, Tensor dx, Tensor dy, Tensor x, Tensor w,
+                                bool accumulate_dx) {
+  if (!fp8_extra_layer(local)) {
+    be_.linear_backward_weight(dw, dbias, dy, x, accumulate_weight_grad(dw));
+    be_.linear_backward_input(dx, dy, w, accumulate_dx, Activation::none, Tensor());
+    return;
+  }
+  const std::array<int64_t, 2> off{0, dy.rows()};
+  const Fp8Gemm f = extra_gemm(g);
+  fp8g_quantize_dy(f, local, dy, off);
+  fp8g_backward_weight(f, local, dw, dbias, dy, x, off);
+  fp8g_backward_input(f, local, dx, dy, w, off, accumulate_dx);
+}
+
+}  // namespace mt
