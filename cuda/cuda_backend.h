@@ -91,10 +91,10 @@ class CudaBackend final : public Backend {
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
   void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
-                                  const Fp8TensorMeta& meta, Tensor dbias) override;
+                                  const Fp8TensorMeta& meta, Tensor dbias, const Glu& glu = {}) override;
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;
   void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
-                               const Fp8TensorMeta& meta) override;
+                               const Fp8TensorMeta& meta, const Glu& glu = {}) override;
   void fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor bias,
                          const NormParams& p, const Fp8TensorMeta& meta) override;
   void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv, Tensor bias,

@@ -119,9 +119,10 @@ void CudaBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const
 }
 
 void CudaBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
-                                          const Fp8TensorMeta& meta) {
-  fp8_quantize_impl("fp8_quantize_activation", q, q_t, {cuda::CastSource::Kind::activation, pre, Tensor(), act}, meta,
-                    Tensor());
+                                          const Fp8TensorMeta& meta, const Glu& glu) {
+  cuda::CastSource src{cuda::CastSource::Kind::activation, pre, Tensor(), act};
+  src.glu = glu;
+  fp8_quantize_impl("fp8_quantize_activation", q, q_t, src, meta, Tensor());
 }
 
 void CudaBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean, Tensor rstd, Tensor weight,
@@ -134,9 +135,10 @@ void CudaBackend::fp8_quantize_norm(Tensor q, Tensor q_t, Tensor x, Tensor mean,
 }
 
 void CudaBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
-                                             const Fp8TensorMeta& meta, Tensor dbias) {
-  fp8_quantize_impl("fp8_quantize_activation_backward", q, q_t, {cuda::CastSource::Kind::activation_grad, dout, pre, act},
-                    meta, dbias);
+                                             const Fp8TensorMeta& meta, Tensor dbias, const Glu& glu) {
+  cuda::CastSource src{cuda::CastSource::Kind::activation_grad, dout, pre, act};
+  src.glu = glu;
+  fp8_quantize_impl("fp8_quantize_activation_backward", q, q_t, src, meta, dbias);
 }
 
 void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

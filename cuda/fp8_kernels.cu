@@ -164,6 +164,7 @@ struct SwigluInput {
   using Elem = T;
   const T* __restrict__ pre;
   int64_t C;
+  Glu glu;  // (plain: SwiGLU's own expressions, glu_value)
   static constexpr int kStreams = 2;  // gate, up
   __device__ __forceinline__ void ptrs(int64_t r, int64_t c, const T* (&p)[2]) const {
     p[0] = pre + r * 2 * C + c;
@@ -172,11 +173,11 @@ struct SwigluInput {
   __device__ __forceinline__ void compute(const Raw8<T> (&raw)[2], int64_t, int64_t, Floats<8> (&v)[1]) const {
     const Floats<8> gate = floats8(raw[0]), up = floats8(raw[1]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(swiglu_value(gate.v[j], up.v[j]));
+    for (int j = 0; j < 8; ++j) v[0].v[j] = round_to<T>(glu_value(glu, gate.v[j], up.v[j]));
   }
   __device__ __forceinline__ float load1(int64_t r, int64_t c) const {
     const T* row = pre + r * 2 * C;
-    return round_to<T>(swiglu_value(to_float(row[c]), to_float(row[C + c])));
+    return round_to<T>(glu_value(glu, to_float(row[c]), to_float(row[C + c])));
   }
 };
 
@@ -216,6 +217,7 @@ struct SwigluGradInput {
   const T* __restrict__ dout;
   const T* __restrict__ pre;
   int64_t F;
+  Glu glu;
   static constexpr int kStreams = 3;  // gate, up, dout
   __device__ __forceinline__ void ptrs(int64_t r, int64_t j0, const T* (&p)[3]) const {
     p[0] = pre + r * 2 * F + j0;
@@ -227,7 +229,7 @@ struct SwigluGradInput {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       float dg, du;
-      swiglu_grad(gate.v[j], up.v[j], dy.v[j], dg, du);
+      glu_grad(glu, gate.v[j], up.v[j], dy.v[j], dg, du);
       v[0].v[j] = round_to<T>(dg);
       v[1].v[j] = round_to<T>(du);
     }
@@ -235,7 +237,7 @@ struct SwigluGradInput {
   __device__ __forceinline__ void load1(int64_t r, int64_t j, float (&v)[2]) const {
     const T* row = pre + r * 2 * F;
     float dg, du;
-    swiglu_grad(to_float(row[j]), to_float(row[F + j]), to_float(dout[r * F + j]), dg, du);
+    glu_grad(glu, to_float(row[j]), to_float(row[F + j]), to_float(dout[r * F + j]), dg, du);
     v[0] = round_to<T>(dg);
     v[1] = round_to<T>(du);
   }
@@ -863,14 +865,14 @@ void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8
     switch (src.kind) {
       case Kind::plain: go(PlainInput<T>{x, C}); break;
       case Kind::activation:
-        if (swiglu) go(SwigluInput<T>{x, C});
+        if (swiglu) go(SwigluInput<T>{x, C, src.glu});
         else if (ungated == Activation::gelu_tanh) go(ActivationInput<T, Activation::gelu_tanh>{x, C});
         else if (ungated == Activation::squared_relu) go(ActivationInput<T, Activation::squared_relu>{x, C});
         else go(ActivationInput<T, Activation::gelu>{x, C});
         break;
       case Kind::activation_grad: {
         const T* pre = src.pre.ptr<const T>();
-        if (gated_grad) go(SwigluGradInput<T>{x, pre, src.x.cols()});
+        if (gated_grad) go(SwigluGradInput<T>{x, pre, src.x.cols(), src.glu});
         else if (ungated == Activation::gelu_tanh) go(ActivationGradInput<T, Activation::gelu_tanh>{x, pre, C});
         else if (ungated == Activation::squared_relu) go(ActivationGradInput<T, Activation::squared_relu>{x, pre, C});
         else go(ActivationGradInput<T, Activation::gelu>{x, pre, C});

@@ -51,6 +51,7 @@ struct CastSource {
   Kind kind = Kind::plain;
   Tensor x, pre;
   MlpActivation act = MlpActivation::gelu;
+  Glu glu;  // SwiGLU: the gated unit (engine/activation.h), as swiglu_forward / swiglu_backward take it
   // norm: the output of a LayerNorm / RMSNorm of x [R, C] with the statistics its norm_forward
   // wrote (float32 [R]; mean empty or zeros for RMSNorm) and its weight and bias (bias may be
   // empty; one_p: the weight is stored as gamma - 1), the values norm_forward would store.

@@ -152,10 +152,11 @@ void Backend::fp8_quantize(Tensor, Tensor, Tensor, const Fp8TensorMeta&) {
 void Backend::fp8_quantize_with_dbias(Tensor, Tensor, Tensor, const Fp8TensorMeta&, Tensor) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_with_dbias is not on the " + name() + " backend yet");
 }
-void Backend::fp8_quantize_activation_backward(Tensor, Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&, Tensor) {
+void Backend::fp8_quantize_activation_backward(Tensor, Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&, Tensor,
+                                               const Glu&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation_backward is not on the " + name() + " backend yet");
 }
-void Backend::fp8_quantize_activation(Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&) {
+void Backend::fp8_quantize_activation(Tensor, Tensor, Tensor, MlpActivation, const Fp8TensorMeta&, const Glu&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_activation is not on the " + name() + " backend yet");
 }
 void Backend::fp8_quantize_norm(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const NormParams&,

@@ -427,8 +427,9 @@ class Backend {
   // too). pre is [R, C] for GeLU and squared ReLU, [R, 2C] for SwiGLU; q is [R, C], q_t [C, R]. FP8 layers cast
   // fc2's input this way straight from fc1's output (the GEMM then writes only fc1's output, no
   // GeLU epilogue), saving the activation's write and read in the compute dtype.
+  // (SwiGLU: the gated unit glu, engine/activation.h, as swiglu_forward / swiglu_backward take it.)
   virtual void fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
-                                       const Fp8TensorMeta& meta);
+                                       const Fp8TensorMeta& meta, const Glu& glu = {});
   // fp8_quantize of y = norm(x) without writing y: bit for bit the y that norm_forward(y, mean,
   // rstd, x, weight, bias, p) writes (x's dtype), given the mean and rstd that call wrote (a
   // norm_forward or bias_dropout_add_norm with an empty out: statistics only), then
@@ -448,7 +449,7 @@ class Backend {
   // SwiGLU: dout [R, F], pre and d [R, 2F]. FP8 layers take fc1's output gradient this way from
   // fc2's plain input gradient (no DGELU epilogue, no compute-dtype copy of the gradient).
   virtual void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
-                                          const Fp8TensorMeta& meta, Tensor dbias);
+                                          const Fp8TensorMeta& meta, Tensor dbias, const Glu& glu = {});
   // y[M,N] = act(xq[M,K] . wq[N,K]^T * x_scale_inv * w_scale_inv + bias[N]) (fp32 accumulation,
   // bias and activation in float32, y and pre_act in the compute dtype). pre_act as in linear_forward.
   virtual void fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Tensor wq, Tensor w_scale_inv,

@@ -305,11 +305,10 @@ void GptModel::plan_params() {
     std::vector<char> moe(L, 0), extra(L, 0);
     for (int l = d_.layer_begin; l < d_.layer_end; ++l) {
       moe[static_cast<size_t>(l)] = d_.is_moe(l) ? 1 : 0;
-      extra[static_cast<size_t>(l)] = d_.mla || d_.is_mtp(l) ? 1 : 0;
+      extra[static_cast<size_t>(l)] = d_.mla || d_.is_mtp(l) || (d_.is_moe(l) && d_.shared_ffn > 0) ? 1 : 0;
     }
     fp8_ex_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, moe, 2 * std::max(d_.experts_local(), 1), true);
-    fp8_extra_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, extra, (d_.mla ? 5 : 0) + (d_.mtp > 0 ? 1 : 0),
-                           false);
+    fp8_extra_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, extra, extra_gemms(), false);
   }
   fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
   fp8_weight_amax_taken_.assign(static_cast<size_t>(d_.stage_layers()), 0);

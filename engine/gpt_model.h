@@ -538,9 +538,12 @@ class GptModel {
     int first = 0, stride = 1;
   };
   Fp8Gemm expert_gemm(int which) { return {&fp8_ex_, which, 2}; }
-  // Multi-latent attention's GEMMs (kMla*) and the MTP projection's, in fp8_extra_.
+  // Multi-latent attention's GEMMs (kMla*), the MTP projection's and an MoE layer's shared expert's
+  // (fc1, fc2), in fp8_extra_.
   enum ExtraGemm { kMlaQDown = 0, kMlaQ = 1, kMlaKvDown = 2, kMlaKvUp = 3, kMlaProj = 4 };
   int extra_eh_gemm() const { return d_.mla ? 5 : 0; }
+  int extra_shared_gemm(int which) const { return (d_.mla ? 5 : 0) + (d_.mtp > 0 ? 1 : 0) + which; }
+  int extra_gemms() const { return extra_shared_gemm(0) + (d_.shared_ffn > 0 ? 2 : 0); }
   Fp8Gemm extra_gemm(int g) { return {&fp8_extra_, g, 1}; }
   void fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Tensor w, std::span<const int64_t> off);
   void fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::span<const int64_t> off);
@@ -556,6 +559,10 @@ class GptModel {
   void extra_linear_fwd(int local, int g, Tensor y, Tensor x, Tensor w);
   void extra_linear_bwd(int local, int g, Tensor dw, Tensor dbias, Tensor dx, Tensor dy, Tensor x, Tensor w,
                         bool accumulate_dx);
+  // ... its two halves, for a layer that needs another op between them: the input gradient (dy cast
+  // first), then the weight gradient (from that cast).
+  void extra_linear_bwd_input(int local, int g, Tensor dx, Tensor dy, Tensor w, bool accumulate_dx);
+  void extra_linear_bwd_weight(int local, int g, Tensor dw, Tensor dy, Tensor x);
   bool fp8_extra_layer(int local) const { return fp8_extra_.layer_fp8(local); }
   void layout_fp8_gemm_workspace(Arena& a);
   // All-to-all dispatch (ModelDims::moe_alltoall under expert parallelism, each member of the

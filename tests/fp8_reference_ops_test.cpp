@@ -96,13 +96,16 @@ TEST_CASE("fp8_quantize: tensorwise scaling takes the scale from this tensor's a
 TEST_CASE("fp8_quantize_activation equals the activation op, then fp8_quantize, bit for bit", "[fp8][reference]") {
   auto be = make_reference_backend(2);
   const int64_t R = 5, C = 7;  // odd sizes
+  // (SwiGLU also with gpt-oss's gated unit: quick-GeGLU with the linear offset and the clamp.)
+  for (const Glu g : {Glu{}, Glu{true, 1.0f, 2.0f}})
   for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
-      INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe));
+      if (!g.plain() && act != MlpActivation::swiglu) continue;
+      INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe) << " quick " << g.quick_gelu);
       const int64_t pc = act == MlpActivation::swiglu ? 2 * C : C;
       std::vector<float> pre = randn(static_cast<size_t>(R * pc), 41 + static_cast<uint64_t>(act), 2.5f);
       std::vector<float> x(static_cast<size_t>(R * C));
-      if (act == MlpActivation::swiglu) be->swiglu_forward(f32(x, {R, C}), f32(pre, {R, pc}));
+      if (act == MlpActivation::swiglu) be->swiglu_forward(f32(x, {R, C}), f32(pre, {R, pc}), g);
       else be->activation_forward(f32(x, {R, C}), f32(pre, {R, pc}), ungated_activation(act));
       Meta m1, m2;
       m1.s[0] = m2.s[0] = 37.0f;
@@ -110,7 +113,7 @@ TEST_CASE("fp8_quantize_activation equals the activation op, then fp8_quantize, 
       std::vector<uint8_t> q1(x.size()), t1(x.size()), q2(x.size()), t2(x.size());
       be->fp8_quantize(u8(q1, DType::fp8_e4m3, {R, C}), u8(t1, DType::fp8_e4m3, {C, R}), f32(x, {R, C}), m1.view(recipe));
       be->fp8_quantize_activation(u8(q2, DType::fp8_e4m3, {R, C}), u8(t2, DType::fp8_e4m3, {C, R}), f32(pre, {R, pc}),
-                                  act, m2.view(recipe));
+                                  act, m2.view(recipe), g);
       CHECK(q1 == q2);
       CHECK(t1 == t2);
       CHECK(m1.amax[0] == m2.amax[0]);
@@ -274,15 +277,18 @@ TEST_CASE("fp8_quantize_activation_backward equals the activation's backward, th
           "[fp8][reference]") {
   auto be = make_reference_backend(2);
   const int64_t R = 7, F = 9;  // odd sizes; SwiGLU's gradient is [R, 2F]
+  for (const Glu g : {Glu{}, Glu{true, 1.0f, 2.0f}})
   for (MlpActivation act : {MlpActivation::gelu, MlpActivation::gelu_tanh, MlpActivation::swiglu, MlpActivation::squared_relu})
     for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
       for (bool with_dbias : {false, true}) {
-        INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe) << " dbias " << with_dbias);
+        if (!g.plain() && act != MlpActivation::swiglu) continue;
+        INFO("activation " << static_cast<int>(act) << " recipe " << static_cast<int>(recipe) << " dbias " << with_dbias
+                           << " quick " << g.quick_gelu);
         const bool swiglu = act == MlpActivation::swiglu;
         const int64_t C = swiglu ? 2 * F : F;  // the gradient's width (= pre's)
         std::vector<float> dout = randn(static_cast<size_t>(R * F), 5, 0.3f), pre = randn(static_cast<size_t>(R * C), 6, 2.0f);
         std::vector<float> d(static_cast<size_t>(R * C));
-        if (swiglu) be->swiglu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}));
+        if (swiglu) be->swiglu_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}), g);
         else be->activation_backward(f32(d, {R, C}), f32(dout, {R, F}), f32(pre, {R, C}), ungated_activation(act));
         Meta m1, m2;
         m1.s[0] = m2.s[0] = 900.0f;
@@ -295,7 +301,7 @@ TEST_CASE("fp8_quantize_activation_backward equals the activation's backward, th
           be->fp8_quantize(u8(q1, DType::fp8_e5m2, {R, C}), u8(t1, DType::fp8_e5m2, {C, R}), f32(d, {R, C}), m1.view(recipe));
         be->fp8_quantize_activation_backward(u8(q2, DType::fp8_e5m2, {R, C}), u8(t2, DType::fp8_e5m2, {C, R}),
                                              f32(dout, {R, F}), f32(pre, {R, C}), act, m2.view(recipe),
-                                             with_dbias ? f32(b2, {C}) : Tensor());
+                                             with_dbias ? f32(b2, {C}) : Tensor(), g);
         CHECK(q1 == q2);
         CHECK(t1 == t2);
         CHECK(b1 == b2);

@@ -52,13 +52,19 @@ void GptModel::layout_fp8_gemm_workspace(Arena& a) {
     gemms.push_back({N, h, d_.proj_width_local(), 1});
   }
   if (fp8_extra_.any() && d_.stage_mtp_layers() > 0) gemms.push_back({N, h / d_.tp_size, 2 * h, 1});
+  const bool shared = fp8_extra_.any() && d_.any_moe() && d_.shared_ffn > 0;
+  if (shared) {
+    gemms.push_back({N, d_.shared_fc1_width_local(), h, 1});
+    gemms.push_back({N, h, d_.shared_ffn_local(), 1});
+  }
   int64_t q = 0, dq = 0, w = 0, acc = 0;
   for (const Gemm& g : gemms) {
     q = std::max(q, g.rows * g.k);
     dq = std::max(dq, g.rows * g.n);
     w = std::max(w, g.groups * g.n * g.k);
   }
-  if (fp8_extra_.any() && d_.mla) acc = N * h;  // (the query projections' input gradient, added to gT)
+  // (An input gradient added to gT's: MLA's query projections', the shared expert's.)
+  if (fp8_extra_.any() && (d_.mla || shared)) acc = N * h;
   using C = MemoryCategory;
   const Fp8State& st = fp8_ex_.any() ? fp8_ex_ : fp8_extra_;
   const DType e4 = st.dtype(Fp8State::x), g = st.dtype(Fp8State::dy);
@@ -239,6 +245,25 @@ void GptModel::extra_linear_bwd(int local, int g, Tensor dw, Tensor dbias, Tenso
   fp8g_quantize_dy(f, local, dy, off);
   fp8g_backward_weight(f, local, dw, dbias, dy, x, off);
   fp8g_backward_input(f, local, dx, dy, w, off, accumulate_dx);
+}
+
+void GptModel::extra_linear_bwd_input(int local, int g, Tensor dx, Tensor dy, Tensor w, bool accumulate_dx) {
+  if (!fp8_extra_layer(local)) {
+    be_.linear_backward_input(dx, dy, w, accumulate_dx, Activation::none, Tensor());
+    return;
+  }
+  const std::array<int64_t, 2> off{0, dy.rows()};
+  fp8g_quantize_dy(extra_gemm(g), local, dy, off);
+  fp8g_backward_input(extra_gemm(g), local, dx, dy, w, off, accumulate_dx);
+}
+
+void GptModel::extra_linear_bwd_weight(int local, int g, Tensor dw, Tensor dy, Tensor x) {
+  if (!fp8_extra_layer(local)) {
+    be_.linear_backward_weight(dw, Tensor(), dy, x, accumulate_weight_grad(dw));
+    return;
+  }
+  const std::array<int64_t, 2> off{0, dy.rows()};
+  fp8g_backward_weight(extra_gemm(g), local, dw, Tensor(), dy, x, off);
 }
 
 }  // namespace mt

@@ -235,7 +235,7 @@ Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs
     meta.fresh_taken = norm_takes_cast_amax(local, A);  // the norm's statistics op took it
     be_.fp8_quantize_norm(xq, xq_t, norm->x, norm->mean, norm->rstd, norm->weight, norm->bias, norm_, meta);
   } else if (act) {
-    be_.fp8_quantize_activation(xq, xq_t, x, *act, meta);
+    be_.fp8_quantize_activation(xq, xq_t, x, *act, meta, d_.glu);
   } else {
     be_.fp8_quantize(xq, xq_t, x, meta);
   }
@@ -258,7 +258,7 @@ void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre,
            d_.layer_begin + local);
   const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
   be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
-                                       dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias);
+                                       dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias, d_.glu);
 }
 
 void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor dy, Tensor w, Activation act,

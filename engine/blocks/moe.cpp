@@ -546,7 +546,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // Shared expert's fc1 and activation (the last reader of ln2's output, which may share the
   // memory of tmp_h: ModelOptions::keep_norm_outputs).
   if (d_.shared_ffn > 0) {
-    be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
+    extra_linear_fwd(local, extra_shared_gemm(0), M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w);
     if (d_.swiglu) be_.swiglu_forward(w.moe_sh_act, M.sh_fc1_pre, d_.glu);
     else be_.activation_forward(w.moe_sh_act, M.sh_fc1_pre, d_.ungated_mlp_activation());
     if (d_.shared_gate) be_.linear_forward(M.sh_gate, A.ln2_out, P.sh_gate_w, Tensor(), Activation::none, Tensor());
@@ -586,7 +586,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   if (shared) {
     const Tensor rows = w.moe_rows.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
     const Tensor sh_out = d_.shared_gate ? M.sh_out : rows;
-    be_.linear_forward(sh_out, w.moe_sh_act, P.sh_fc2_w, Tensor(), Activation::none, Tensor());
+    extra_linear_fwd(local, extra_shared_gemm(1), sh_out, w.moe_sh_act, P.sh_fc2_w);
     if (d_.shared_gate) be_.moe_scale_rows(rows, sh_out, shared_gate_forward(P, A).view({N}));
     const Tensor sh = d_.shared_gate ? rows : sh_out;
     if (own_rows) be_.copy(w.tmp_h, sh);
@@ -667,8 +667,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     if (d_.moe_probs_on_input) be_.moe_scale_rows(rows, rows, M.p_perm.flat_slice(0, R));
     expert_linear_fwd(local, 0, M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
   }
-  if (opt_.moe_recompute_shared)
-    be_.linear_forward(M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, Tensor(), Activation::none, Tensor());
+  if (opt_.moe_recompute_shared) extra_linear_fwd(local, extra_shared_gemm(0), M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w);
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
   const Tensor d_out = expand_grad(dy, hp, hidden_key(s, layer, 2));
   // Its permuted rows d y_perm [R, h] (of the dispatched rows; under EP from the group's, gathered,
@@ -692,13 +691,22 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
       be_.linear_backward_weight(G.sh_gate_w, Tensor(), local_rows(w.moe_dgate), local_rows(A.ln2_out), true);
       d_sh = w.moe_dsh;
     }
+    const int sh1 = extra_shared_gemm(0), sh2 = extra_shared_gemm(1);
     if (d_.swiglu) {
-      be_.linear_backward_input(w.moe_sh_act, d_sh, P.sh_fc2_w, false, Activation::none, Tensor());
+      extra_linear_bwd_input(local, sh2, w.moe_sh_act, d_sh, P.sh_fc2_w, false);
       // In place: sh_fc1_pre becomes its gradient and the activation gradient the activation.
       be_.swiglu_backward_recompute(M.sh_fc1_pre, w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre, d_.glu);
-      be_.linear_backward_weight(G.sh_fc2_w, Tensor(), d_sh, w.moe_sh_act, accumulate_weight_grad(G.sh_fc2_w));
-      be_.linear_backward_weight(G.sh_fc1_w, Tensor(), M.sh_fc1_pre, A.ln2_out, accumulate_weight_grad(G.sh_fc1_w));
-      be_.linear_backward_input(w.gT, M.sh_fc1_pre, P.sh_fc1_w, dx_started, Activation::none, Tensor());
+      extra_linear_bwd_weight(local, sh2, G.sh_fc2_w, d_sh, w.moe_sh_act);
+      extra_linear_bwd(local, sh1, G.sh_fc1_w, Tensor(), w.gT, M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w, dx_started);
+    } else if (fp8_extra_layer(local)) {
+      // FP8: fc2's input gradient plain, then the activation's backward (sh_fc1_pre becomes the
+      // activation for fc2's weight gradient), as the fused recompute below does in one op.
+      const Activation act = d_.ungated_mlp_activation();
+      extra_linear_bwd_input(local, sh2, w.moe_sh_act, d_sh, P.sh_fc2_w, false);
+      be_.activation_backward(w.moe_sh_act, w.moe_sh_act, M.sh_fc1_pre, act);
+      be_.activation_forward(M.sh_fc1_pre, M.sh_fc1_pre, act);
+      extra_linear_bwd_weight(local, sh2, G.sh_fc2_w, d_sh, M.sh_fc1_pre);
+      extra_linear_bwd(local, sh1, G.sh_fc1_w, Tensor(), w.gT, w.moe_sh_act, A.ln2_out, P.sh_fc1_w, dx_started);
     } else {
       // fc1's output gradient into the activation buffer, sh_fc1_pre becomes the activation.
       be_.linear_backward_input_recompute(w.moe_sh_act, M.sh_fc1_pre, d_sh, P.sh_fc2_w, d_.ungated_mlp_activation(),

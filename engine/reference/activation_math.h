@@ -1,6 +1,7 @@
 // Scalar activation functions and their derivatives, in double (the reference's precision).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "engine/backend.h"
@@ -56,5 +57,19 @@ inline double activation_grad(Activation act, double x) {
 }
 
 inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// The gated unit in double (engine/activation.h Glu): value y and the gradients of y w.r.t. the
+// gate and up inputs; plain SwiGLU keeps its own expressions (swiglu_forward / _backward_rows).
+struct GluEval {
+  double y, dgate, dup;
+};
+inline GluEval glu_eval(const Glu& q, double gate, double up) {
+  const bool clamp = q.clamp > 0;
+  const double c = q.clamp;
+  const double g = clamp ? std::min(gate, c) : gate, u = clamp ? std::clamp(up, -c, c) : up;
+  const double a = q.quick_gelu ? 1.702 : 1.0, s = 1.0 / (1.0 + std::exp(-a * g)), lin = u + q.offset;
+  const bool g_in = !clamp || gate <= c, u_in = !clamp || (up >= -c && up <= c);
+  return {g * s * lin, g_in ? lin * s * (1.0 + a * g * (1.0 - s)) : 0.0, u_in ? g * s : 0.0};
+}
 
 }  // namespace mt::reference

@@ -170,7 +170,8 @@ void ReferenceBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, 
 // d = the activation's input gradient exactly as activation_backward / swiglu_backward compute it
 // (double math, one rounding to pre's dtype).
 void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre,
-                                                        MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias) {
+                                                        MlpActivation act, const Fp8TensorMeta& meta, Tensor dbias,
+                                                        const Glu& glu) {
   const char* op = "fp8_quantize_activation_backward";
   const Floats fd(dout), fp(pre);
   const int64_t R = dout.rows();
@@ -179,7 +180,12 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
     check_numel(pre, 2 * dout.numel(), op, "pre");
     const auto d = [&](int64_t i) {  // element (r, c) of [dgate | dup], [R, 2f]
       const int64_t r = i / (2 * f), c = i % (2 * f), j = c < f ? c : c - f;
-      const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j), s = sigmoid(g);
+      const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j);
+      if (!glu.plain()) {
+        const GluEval v = glu_eval(glu, g, u);
+        return round_to(pre.dtype, dy * (c < f ? v.dgate : v.dup));
+      }
+      const double s = sigmoid(g);
       return round_to(pre.dtype, c < f ? dy * u * s * (1.0 + g * (1.0 - s)) : dy * g * s);
     };
     quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, 2 * f, d, meta, op);
@@ -196,7 +202,7 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
 // The activations exactly as activation_forward / swiglu_forward compute them (double math, one
 // rounding to pre's dtype).
 void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre, MlpActivation act,
-                                               const Fp8TensorMeta& meta) {
+                                               const Fp8TensorMeta& meta, const Glu& glu) {
   const char* op = "fp8_quantize_activation";
   const Floats fp(pre);
   const int64_t R = pre.rows();
@@ -205,8 +211,8 @@ void ReferenceBackend::fp8_quantize_activation(Tensor q, Tensor q_t, Tensor pre,
     const int64_t f = pre.cols() / 2;
     quantize_values(pool_, fp8_amaxes_taken_, q, q_t, R, f, [&](int64_t i) {
       const int64_t r = i / f, c = i % f;
-      const double g = fp.get(r * 2 * f + c);
-      return round_to(pre.dtype, g * sigmoid(g) * fp.get(r * 2 * f + f + c));
+      const double g = fp.get(r * 2 * f + c), u = fp.get(r * 2 * f + f + c);
+      return round_to(pre.dtype, glu.plain() ? g * sigmoid(g) * u : glu_eval(glu, g, u).y);
     }, meta, op);
   } else {
     const Activation a = ungated_activation(act);

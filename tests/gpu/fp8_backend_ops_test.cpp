@@ -200,6 +200,50 @@ TEST_CASE("cuda fp8_quantize_activation: the activation op then fp8_quantize, bi
       }
 }
 
+// ... and with gpt-oss's gated units (quick-GeGLU, with the linear offset and the clamp): forward and
+// backward casts the same bytes, amax and scales as the GPU's swiglu_forward / swiglu_backward with
+// that unit followed by the plain casts, and the reference's within 1% of the bytes.
+TEST_CASE("cuda fp8_quantize_activation(_backward) with gpt-oss's gated unit: the ops then the cast", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (const Glu g : {Glu{true, 1.0f, 2.0f}, Glu{true, 0.0f, 0.0f}, Glu{false, 0.5f, 1.5f}})
+    for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+      for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {33, 35}, {200, 136}}) {
+        INFO("quick " << g.quick_gelu << " offset " << g.offset << " clamp " << g.clamp
+                      << (recipe == Fp8Recipe::delayed ? " delayed " : " tensorwise ") << R << " x " << C);
+        const int64_t n = R * C;
+        Twin pre = twin_same(DType::bf16, {R, 2 * C}, rng.normal(R * 2 * C, 2.0));
+        // Forward: fc2's input.
+        Buf x(dev(), DType::bf16, {R, C});
+        dev().swiglu_forward(x.t, pre.c(), g);
+        auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e4m3, R, C, 24.0f, 0.25f); };
+        CastOut two_ops = make(dev()), fused = make(dev()), reference = make(ref());
+        dev().fp8_quantize(two_ops.q.t, two_ops.t.t, x.t, two_ops.meta(recipe));
+        dev().fp8_quantize_activation(fused.q.t, fused.t.t, pre.c(), MlpActivation::swiglu, fused.meta(recipe), g);
+        ref().fp8_quantize_activation(reference.q.t, reference.t.t, pre.r(), MlpActivation::swiglu,
+                                      reference.meta(recipe), g);
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(dev(), two_ops.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), fused.t.t), download_bytes(dev(), two_ops.t.t), 1) == 0);
+        CHECK(value(dev(), fused.amax.c) == value(dev(), two_ops.amax.c));
+        CHECK(value(dev(), fused.scale.c) == value(dev(), two_ops.scale.c));
+        CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= n / 100);
+        // Backward: fc1's output gradient [R, 2C] from dout [R, C].
+        Twin dout = twin_same(DType::bf16, {R, C}, rng.normal(R * C, 0.2));
+        Buf d(dev(), DType::bf16, {R, 2 * C});
+        dev().swiglu_backward(d.t, dout.c(), pre.c(), g);
+        auto make_g = [&](Backend& be) { return cast_out(be, DType::fp8_e5m2, R, 2 * C, 2000.0f, 0.0f); };
+        CastOut two_g = make_g(dev()), fused_g = make_g(dev()), ref_g = make_g(ref());
+        dev().fp8_quantize(two_g.q.t, two_g.t.t, d.t, two_g.meta(recipe));
+        dev().fp8_quantize_activation_backward(fused_g.q.t, fused_g.t.t, dout.c(), pre.c(), MlpActivation::swiglu,
+                                               fused_g.meta(recipe), Tensor(), g);
+        ref().fp8_quantize_activation_backward(ref_g.q.t, ref_g.t.t, dout.r(), pre.r(), MlpActivation::swiglu,
+                                               ref_g.meta(recipe), Tensor(), g);
+        CHECK(differing(download_bytes(dev(), fused_g.q.t), download_bytes(dev(), two_g.q.t), 1) == 0);
+        CHECK(differing(download_bytes(dev(), fused_g.t.t), download_bytes(dev(), two_g.t.t), 1) == 0);
+        CHECK(value(dev(), fused_g.amax.c) == value(dev(), two_g.amax.c));
+        CHECK(differing(download_bytes(dev(), fused_g.q.t), download_bytes(ref(), ref_g.q.t), 1) <= 2 * n / 100);
+      }
+}
+
 // The output gradient's cast with the bias gradient (float32, or bf16 with --grad-reduce-in-bf16) in
 // the same pass, twice: the same bytes, amax and scale as fp8_quantize, the bias gradient against the
 // reference's, and the same bits on the second run (fixed order). Shapes: odd (no vector path), and

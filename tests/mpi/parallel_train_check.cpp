@@ -197,10 +197,13 @@ void compare_checkpoints(const std::string& base_dir, const std::string& par_dir
       b.read(name, kind, mt::ShardSlice::whole(whole), mt::Tensor(y.data(), mt::DType::f32, mt::Device::cpu, {whole.local_numel()}));
       // FP8 scaling state (amaxes and scales from them, up to ~1e8): compared relatively.
       const bool relative = name.find(".fp8_meta.") != std::string::npos;
-      // (The experts' state, .fp8_meta.experts_*, holds the same three roles per GEMM, in rows of 6.)
-      const bool weights_only = tensorwise && (name.ends_with(".fp8_meta.scale") || name.ends_with(".fp8_meta.scale_inv") ||
-                                               name.ends_with(".fp8_meta.experts_scale") ||
-                                               name.ends_with(".fp8_meta.experts_scale_inv"));
+      // (The experts' and the extra GEMMs' states, .fp8_meta.experts_* and .extra_*, hold the same three
+      // roles per GEMM.)
+      bool scale = false;
+      for (const char* k : {".fp8_meta.scale", ".fp8_meta.scale_inv", ".fp8_meta.experts_scale",
+                            ".fp8_meta.experts_scale_inv", ".fp8_meta.extra_scale", ".fp8_meta.extra_scale_inv"})
+        scale |= name.ends_with(k);
+      const bool weights_only = tensorwise && scale;
       for (size_t i = 0; i < x.size(); ++i) {
         if (weights_only && i % 3 != 1) continue;
         double d = std::fabs(static_cast<double>(x[i]) - y[i]);
