@@ -323,6 +323,16 @@ megatrain_parallel_train_test(parallel_train_fp8_moe_no_wgrad_ep2 --fp8 --model 
 megatrain_parallel_train_test(parallel_train_fp8_moe_tensorwise_pp2_dp2_distopt --fp8 --model "${moe_model} \
 --fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --calculate-per-token-loss" 4
                               --pipeline-model-parallel-size 2 --use-distributed-optimizer)
+# gpt-oss's MLP in FP8: clamped quick-GeGLU with the linear offset, in the dense layers' fused casts
+# and in the experts, with a shared expert: TP 2 + SP and EP 2 equal one rank.
+set(fp8_gpt_oss_mlp "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --quick-geglu \
+--glu-linear-offset 1.0 --activation-func-clamp-value 2.0 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
+--moe-layer-freq 2 --moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 16 --fp8-format hybrid \
+--fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss")
+megatrain_parallel_train_test(parallel_train_fp8_gpt_oss_mlp_tp2_sp --fp8 --model "${fp8_gpt_oss_mlp}" 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fp8_gpt_oss_mlp_ep2 --fp8 --model "${fp8_gpt_oss_mlp}" 2
+                              --expert-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_resume_fp8_moe_ep2_to_tp2_sp --fp8 --model "${fp8_moe_model}" --resume
   2 "--expert-model-parallel-size 2" 2 "--tensor-model-parallel-size 2 --sequence-parallel")
 # Aux-loss-free balancing (sigmoid group-limited routing with an expert bias updated every step, and
