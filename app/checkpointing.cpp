@@ -546,18 +546,26 @@ void TrainingCheckpoints::stage_fp8_state(CheckpointWriter& w, Backend& be, cons
   }
 }
 
+namespace {
+// Whether the checkpoint holds fp8_meta.<what> of any and of all of these layers.
+std::pair<bool, bool> saved_for(const CheckpointReader& reader, const std::vector<int>& layers, const std::string& what) {
+  bool any = false, all = true;
+  for (int layer : layers) {
+    const bool has = reader.has(fp8_meta_name(layer, what.c_str()));
+    any |= has;
+    all &= has;
+  }
+  return {any, all};
+}
+}  // namespace
+
 // Every rank reads its FP8 layers' (replicated) state. A checkpoint without it (saved without
 // --fp8-format) leaves the initial scales (1), as a fresh FP8 run: returns false.
 bool TrainingCheckpoints::load_fp8_layers(CheckpointReader& reader, GptModel& m, Fp8State& f, const std::string& prefix) {
   const int64_t H = f.options().history_len, K = f.per_layer();
   const std::vector<int>& layers = f.fp8_global_layers();
   const auto name = [&](int layer, const char* what) { return fp8_meta_name(layer, (prefix + what).c_str()); };
-  bool any_saved = false, all_saved = true;
-  for (int layer : layers) {
-    const bool has = reader.has(name(layer, "amax_history"));
-    any_saved |= has;
-    all_saved &= has;
-  }
+  const auto [any_saved, all_saved] = saved_for(reader, layers, prefix + "amax_history");
   if (!any_saved) {
     if (prefix.empty()) log::info("  the checkpoint holds no FP8 scaling state: FP8 scales start at 1");
     return false;
@@ -643,12 +651,7 @@ void TrainingCheckpoints::load_fp8_experts(CheckpointReader& reader, GptModel& m
   const ModelDims& d = m.dims();
   const int64_t H = f.options().history_len, E = d.experts, El = d.experts_local(), K = kExpertOperands;
   const std::vector<int>& layers = f.fp8_global_layers();
-  bool any_saved = false, all_saved = true;
-  for (int layer : layers) {
-    const bool has = reader.has(fp8_meta_name(layer, "experts_amax_history"));
-    any_saved |= has;
-    all_saved &= has;
-  }
+  const auto [any_saved, all_saved] = saved_for(reader, layers, "experts_amax_history");
   if (!any_saved) {
     log::info("  the checkpoint holds no FP8 scaling state of the experts: their FP8 scales start at 1");
     return;

@@ -38,6 +38,14 @@ Config with_fp8(Config c, Fp8Format f, Fp8Recipe r) {
   return c;
 }
 
+// Hybrid FP8 with delayed scaling over a history of 4, the max of it.
+Config with_delayed_fp8(Config c) {
+  c = with_fp8(c, Fp8Format::hybrid, Fp8Recipe::delayed);
+  c.train.fp8_amax_history_len = 4;
+  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
+  return c;
+}
+
 void check_follows(const Fp8Run& ref, const Fp8Run& fp8, double rel) {
   REQUIRE(ref.losses.size() == fp8.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -92,10 +100,7 @@ TEST_CASE("fp8 training: MoE layers, each expert's GEMMs in FP8 with its own sca
   e.moe_layer = {1, 0, 1};  // a dense layer between two MoE layers
   base = fp8_mock_config(base);
   const Fp8Run ref = train(base);
-  Config c = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed);
-  c.train.fp8_amax_history_len = 4;
-  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
-  const Fp8Run f = train(c);
+  const Fp8Run f = train(with_delayed_fp8(base));
   check_follows(ref, f, 0.01);
   // The experts' state: 2 MoE layers x 4 experts x 2 GEMMs (fc1, fc2) x 3 roles, every scale set
   // by an update, and every amax of the rows behind row 0 recorded: each expert's input, weight and
@@ -132,10 +137,7 @@ TEST_CASE("fp8 training: multi-latent attention and an MTP depth, their GEMMs in
   base.train.num_layers_at_end_in_bf16 = 1;
   base = fp8_mock_config(base);
   const Fp8Run ref = train(base);
-  Config c = with_fp8(base, Fp8Format::hybrid, Fp8Recipe::delayed);
-  c.train.fp8_amax_history_len = 4;
-  c.train.fp8_amax_compute_algo = Fp8AmaxAlgo::max;
-  const Fp8Run f = train(c);
+  const Fp8Run f = train(with_delayed_fp8(base));
   check_follows(ref, f, 0.01);
   // The extra GEMMs' state: per FP8 layer MLA's five GEMMs (query down and up, key/value down and
   // up, output projection) and the MTP projection, three operands each. The decoder's FP8 layers
