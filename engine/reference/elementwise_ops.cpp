@@ -104,8 +104,9 @@ void ReferenceBackend::swiglu_backward_rows(Tensor din, Tensor act_out, Tensor d
           const double g = gate[c], u = up[c], d = dy[c];
           if (!plain) {
             const GluEval v = glu_eval(q, g, u);
-            dgate[c] = static_cast<T>(d * v.dgate);
-            dup[c] = static_cast<T>(d * v.dup);
+            // (+ 0.0: a clamped half's gradient is +0 whatever the sign of d, as the GPU's.)
+            dgate[c] = static_cast<T>(d * v.dgate + 0.0);
+            dup[c] = static_cast<T>(d * v.dup + 0.0);
             if (y) y[c] = static_cast<T>(v.y);
             continue;
           }

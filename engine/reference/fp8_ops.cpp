@@ -183,7 +183,7 @@ void ReferenceBackend::fp8_quantize_activation_backward(Tensor q, Tensor q_t, Te
       const double g = fp.get(r * 2 * f + j), u = fp.get(r * 2 * f + f + j), dy = fd.get(r * f + j);
       if (!glu.plain()) {
         const GluEval v = glu_eval(glu, g, u);
-        return round_to(pre.dtype, dy * (c < f ? v.dgate : v.dup));
+        return round_to(pre.dtype, dy * (c < f ? v.dgate : v.dup) + 0.0);  // (+0 where clamped, as swiglu_backward)
       }
       const double s = sigmoid(g);
       return round_to(pre.dtype, c < f ? dy * u * s * (1.0 + g * (1.0 - s)) : dy * g * s);

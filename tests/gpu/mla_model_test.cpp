@@ -58,7 +58,7 @@ TEST_CASE("cuda MLA model: loss and every gradient match the reference", "[gpu][
                            MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16},
                            MlaCase{32, 24, 16, 8, 16, 17, 3, true, DType::f32, 2},    // two mtp depths
                            MlaCase{0, 16, 8, 8, 12, 32, 2, false, DType::bf16, 1},
-                           MlaCase{32, 24, 16, 8, 16, 32, 2, true, DType::bf16, 1, true}}) {
+                           MlaCase{32, 32, 16, 16, 16, 32, 2, true, DType::bf16, 1, true}}) {
     const Config c = mla_config(k);
     Rng rng;
     const MicroBatch mb = random_micro_batch(rng, k.batch, k.seq, 96);

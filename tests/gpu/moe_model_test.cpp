@@ -4,7 +4,7 @@
 // and the experts' fc1 outputs recomputed in backward (--recompute-modules moe), and with the
 // routing weights on the experts' input (--moe-apply-probs-on-input), and with the aux, seq_aux and
 // global_aux load-balancing losses together, and with gpt-oss's gated unit; and in FP8 (tensorwise
-// scaling: the FP8 GEMMs run from the first step; each expert's GEMMs per expert on rows padded to 16).
+// scaling: the FP8 GEMMs run from the first step; each expert's GEMMs per expert on rows padded to 128).
 #include <catch2/catch.hpp>
 
 #include <algorithm>

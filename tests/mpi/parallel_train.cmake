@@ -294,7 +294,7 @@ megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --mod
   2 - 4 "--expert-model-parallel-size 4 --use-distributed-optimizer")
 # FP8 MoE layers (--fp8-format; emulated on the reference backend): the attention's GEMMs as in dense
 # layers, the routed experts' GEMMs per expert with each expert's own scaling state (its amaxes
-# reduced over its replicas and its TP shards), on rows padded to 16 per expert. Delayed scaling
+# reduced over its replicas and its TP shards), on rows padded to 128 per expert. Delayed scaling
 # equals one rank under EP2 (all-to-all; the sigmoid models: all-gather) also with TP2 + SP (the
 # experts split over TP, or whole with --expert-tensor-parallel-size 1), EP2 x PP2, token dropping,
 # MoE recomputation and --no-fp8-wgrad; a checkpoint saved at EP2 resumes at TP2 + SP (the experts'
