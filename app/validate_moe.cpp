@@ -279,6 +279,10 @@ void validate_moe(CliState& st) {
                           "TP {}): megatrain dispatches these tokens by all-gather and reduce-scatter (the same "
                           "results, more traffic)",
                           etp, par.tensor_model_parallel_size));
+    if (e.enabled() && e.router_padding_for_fp8)
+      st.note("--moe-router-padding-for-fp8: megatrain pads each expert's rows in FP8 layers to a multiple of 128 "
+              "with zero rows, given or not (Megatron-LM without the flag pads with zero rows too); the flag's "
+              "padding routes other tokens with weight 0 instead, which changes only the experts' input amaxes");
     return;
   }
   std::string msg = refused.front();

@@ -389,6 +389,13 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   // FP8 MoE layers run (the experts' GEMMs in FP8, each expert with its own scaling state).
   CHECK(parse(moe_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise")).train.fp8_format ==
         Fp8Format::hybrid);
+  // --moe-router-padding-for-fp8: megatrain pads with zero rows whatever the flag says, and says so.
+  {
+    std::vector<SetupMessage> ms;
+    parse(moe_gpt() + words("--bf16 --fp8-format hybrid --moe-token-dispatcher-type alltoall --moe-router-padding-for-fp8"),
+          1, &ms);
+    CHECK(has_message(ms, SetupMessage::Kind::note, "--moe-router-padding-for-fp8: megatrain pads"));
+  }
   // Optimizer instances split the experts' data-parallel groups too (Megatron's partial expert DP
   // groups): their size must divide it.
   CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-distributed-optimizer "
