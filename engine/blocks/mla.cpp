@@ -154,7 +154,24 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
   be_.copy_columns(w.mla_dckv, 0, dkv_lat, 0, d_.kv_lora);
   // The down projections read the input norm's output (all N rows): recomputed where not kept.
   ensure_ln1();
-  extra_linear_bwd(local, kMlaKvDown, G.kv_down_w, Tensor(), w.gT, w.mla_dckv, A.ln1_out, P.kv_down_w, false);
+  // Their output gradients are partial over TP (each rank's heads'), their weight gradients and input
+  // gradients summed over TP later. In FP8 each rank would cast its part, so under TP they are
+  // all-reduced first, as Megatron-LM reduces them, and TP rank 0 alone runs the backward: the whole
+  // weight gradient (the others' zero, summed over TP as before) and input gradient (added to gT,
+  // summed over TP).
+  const bool down_reduced = fp8_extra_layer(local) && d_.tp_size > 1;
+  const auto down_backward = [&](int g, Tensor dw, Tensor dy, Tensor weight, bool accumulate_dx) {
+    if (down_reduced) {
+      ps_.tp->all_reduce(dy);
+      if (d_.tp_rank != 0) {
+        if (!accumulate_weight_grad(dw)) be_.fill(dw, 0.0);
+        if (!accumulate_dx) be_.fill(w.gT, 0.0);
+        return;
+      }
+    }
+    extra_linear_bwd(local, g, dw, Tensor(), w.gT, dy, A.ln1_out, weight, accumulate_dx);
+  };
+  down_backward(kMlaKvDown, G.kv_down_w, w.mla_dckv, P.kv_down_w, false);
   // The query projections, their input gradient added to gT.
   if (d_.q_lora > 0) {
     const Tensor dq_lat = w.mla_dlat.flat_slice(0, N * d_.q_lora).view({N, d_.q_lora});
@@ -162,7 +179,7 @@ void GptModel::mla_backward(int local, Slot& s, const LayerActs& A, Tensor x, Te
     if (d_.mla_latent_norm)
       be_.norm_backward(dq_lat, G.q_lat_ln_w, G.q_lat_ln_b, dq_lat, A.mla_cq_raw, A.mla_cq_mean, A.mla_cq_rstd,
                         P.q_lat_ln_w, Tensor(), Tensor(), norm_);
-    extra_linear_bwd(local, kMlaQDown, G.q_down_w, Tensor(), w.gT, dq_lat, A.ln1_out, P.q_down_w, true);
+    down_backward(kMlaQDown, G.q_down_w, dq_lat, P.q_down_w, true);
   } else if (d_.mla_latent_norm) {
     const Tensor dq_in = w.mla_dlat.flat_slice(0, N * d_.hidden).view({N, d_.hidden});
     extra_linear_bwd(local, kMlaQ, G.q_w, Tensor(), dq_in, w.mla_q, A.mla_cq, P.q_w, false);

@@ -592,16 +592,21 @@ megatrain_parallel_train_test(parallel_train_mtp_window_tp2_sp_pp2 --model
   --pipeline-model-parallel-size 2)
 # FP8 (delayed scaling, emulated) with multi-latent attention (its five GEMMs with their own
 # scaling state, the extra GEMMs' state) and MTP depths (their layers in FP8 whatever
-# --first-last-layers-bf16 says, and the input projection): PP 2 and CP 2 equal one rank, MTP under
-# TP 2 + SP too, and checkpoints resume on other layouts (the extra state saved per layer). Not MLA
-# under TP: its down projections run on every TP rank with a partial output gradient, summed over
-# TP after the GEMMs (Megatron-LM reduces it first), so each rank casts its own part to FP8. Seeds
-# as for the other FP8 tests (CP's attention changes float sums more than the other layouts do).
+# --first-last-layers-bf16 says, and the input projection): PP 2, CP 2 and TP 2 (+SP; the down
+# projections' output gradients, partial over TP, all-reduced before their FP8 casts as Megatron-LM
+# reduces them) equal one rank, MTP under TP 2 + SP too, and checkpoints resume on other layouts (the
+# extra state saved per layer). Seeds as for the other FP8 tests (CP's attention and TP's partial
+# sums change float sums more than PP does: seeds 42 and 1234 flip a tie within 4 iterations at TP 2).
 set(fp8_delayed "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss")
 megatrain_parallel_train_test(parallel_train_fp8_mla_pp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 1" 2
                               --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fp8_mla_cp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 3" 2
                               --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_mla_tp2_sp --fp8 --model "${mla_model} ${fp8_delayed} --seed 2" 2
+                              --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fp8_mla_direct_tp2 --fp8 --model "--multi-latent-attention --kv-lora-rank 16 \
+--qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm ${fp8_delayed} --seed 3" 2
+                              --tensor-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_resume_fp8_mla_pp2_to_cp2 --fp8 --model "${mla_model} ${fp8_delayed} --seed 1"
   --resume 2 "--pipeline-model-parallel-size 2" 2 "--context-parallel-size 2")
 megatrain_parallel_train_test(parallel_train_fp8_mtp_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed}" 2
