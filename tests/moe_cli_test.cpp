@@ -373,8 +373,8 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
        "megatrain does not support --expert-tensor-parallel-size 4 with --tensor-model-parallel-size 2 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
       {"--bf16 --fp8-format hybrid --use-distributed-optimizer --fp8-param-gather", 1,
-       "megatrain does not support --num-experts with --fp8-param-gather yet (the experts' FP8 weights are cast from "
-       "their compute-dtype weights at each use)"},
+       "megatrain does not support --num-experts with --fp8-param-gather yet (without it the experts' GEMMs still run in "
+       "FP8, their weights cast from the compute-dtype weights at each use)"},
       {"--bf16 --fp8-format hybrid --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2", 4,
        "megatrain does not support --num-experts with --fp8-format and --expert-tensor-parallel-size 2 between 1 and "
        "--tensor-model-parallel-size 4 yet"},
