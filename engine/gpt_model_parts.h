@@ -11,6 +11,11 @@
 
 namespace mt {
 
+// A [rows, cols] block at element `at` of a flat workspace (the FP8 casts' workspaces).
+inline Tensor flat_block(Tensor flat, int64_t at, int64_t rows, int64_t cols) {
+  return flat.flat_slice(at, rows * cols).view({rows, cols});
+}
+
 struct GptModel::LayerParams {
   Tensor ln1_w, ln1_b, qkv_w, qkv_b, q_ln_w, q_ln_b, k_ln_w, k_ln_b, sink, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b,
       fc2_w, fc2_b;

@@ -18,13 +18,6 @@
 
 namespace mt {
 
-namespace {
-// A [rows, cols] block at element `at` of a flat workspace.
-Tensor block(Tensor flat, int64_t at, int64_t rows, int64_t cols) {
-  return flat.flat_slice(at, rows * cols).view({rows, cols});
-}
-}  // namespace
-
 // The workspaces, for the largest op of this stage: inputs [rows, K] and their transposed blocks,
 // output gradients [rows, N] likewise, one op's weights (all groups), and (multi-latent attention)
 // an input gradient to add to another.
@@ -90,7 +83,7 @@ Fp8TensorMeta GptModel::fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8Sta
 void GptModel::fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed) {
   const int64_t Nw = w.rows() / groups, K = w.cols();
   for (int e = 0; e < groups; ++e) {
-    const Tensor q = block(fp8_ex_w_, e * Nw * K, transposed ? K : Nw, transposed ? Nw : K);
+    const Tensor q = flat_block(fp8_ex_w_, e * Nw * K, transposed ? K : Nw, transposed ? Nw : K);
     be_.fp8_quantize(transposed ? Tensor() : q, transposed ? q : Tensor(), w.row_slice(e * Nw, Nw),
                      fp8g_meta(f, local, e, Fp8State::w));
   }
@@ -105,11 +98,11 @@ void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Ten
     const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
     if (M == 0) continue;
     const int g = f.first + f.stride * e;
-    const Tensor xq = block(fp8_ex_q_, b * K, M, K);
+    const Tensor xq = flat_block(fp8_ex_q_, b * K, M, K);
     be_.fp8_quantize(xq, Tensor(), x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
     if (gemms)
       be_.fp8_linear_forward(y.row_slice(b, M), xq, f.state->scale_inv(local, g, Fp8State::x),
-                             block(fp8_ex_w_, e * Nw * K, Nw, K), f.state->scale_inv(local, g, Fp8State::w), Tensor(),
+                             flat_block(fp8_ex_w_, e * Nw * K, Nw, K), f.state->scale_inv(local, g, Fp8State::w), Tensor(),
                              Activation::none, Tensor());
   }
   if (gemms) return;
@@ -123,8 +116,8 @@ void GptModel::fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::spa
   for (int e = 0; e + 1 < static_cast<int>(off.size()); ++e) {
     const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
     if (M == 0) continue;
-    const Tensor qt = fp8_ex_dq_t_.empty() ? Tensor() : block(fp8_ex_dq_t_, b * C, C, M);
-    be_.fp8_quantize(block(fp8_ex_dq_, b * C, M, C), qt, dy.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::dy));
+    const Tensor qt = fp8_ex_dq_t_.empty() ? Tensor() : flat_block(fp8_ex_dq_t_, b * C, C, M);
+    be_.fp8_quantize(flat_block(fp8_ex_dq_, b * C, M, C), qt, dy.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::dy));
   }
 }
 
@@ -143,14 +136,14 @@ void GptModel::fp8g_backward_input(const Fp8Gemm& f, int local, Tensor dx, Tenso
   const int64_t Nw = w.rows() / groups, K = w.cols();
   // (The FP8 GEMM accumulates into float32 only: otherwise into the workspace, then added.)
   const bool staged = accumulate && dx.dtype != DType::f32;
-  const Tensor out = staged ? block(fp8_ex_acc_, 0, dx.rows(), dx.cols()) : dx;
+  const Tensor out = staged ? flat_block(fp8_ex_acc_, 0, dx.rows(), dx.cols()) : dx;
   fp8g_cast_weights(f, local, w, groups, true);
   for (int e = 0; e < groups; ++e) {
     const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
     if (M == 0) continue;
     const int g = f.first + f.stride * e;
-    be_.fp8_linear_backward_input(out.row_slice(b, M), block(fp8_ex_dq_, b * Nw, M, Nw),
-                                  f.state->scale_inv(local, g, Fp8State::dy), block(fp8_ex_w_, e * Nw * K, K, Nw),
+    be_.fp8_linear_backward_input(out.row_slice(b, M), flat_block(fp8_ex_dq_, b * Nw, M, Nw),
+                                  f.state->scale_inv(local, g, Fp8State::dy), flat_block(fp8_ex_w_, e * Nw * K, K, Nw),
                                   f.state->scale_inv(local, g, Fp8State::w), accumulate && !staged, Activation::none,
                                   Tensor());
   }
@@ -181,10 +174,10 @@ void GptModel::fp8g_backward_weight(const Fp8Gemm& f, int local, Tensor dw, Tens
     const int g = f.first + f.stride * e;
     // The input cast again with its forward scale (tensorwise: from the same values), so the
     // forward's bits; the output gradient's transposed blocks from fp8g_quantize_dy.
-    const Tensor xqt = block(fp8_ex_q_t_, b * K, K, M);
+    const Tensor xqt = flat_block(fp8_ex_q_t_, b * K, K, M);
     be_.fp8_quantize(Tensor(), xqt, x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
     be_.fp8_linear_backward_weight(dwe, groups == 1 ? dbias : Tensor(), groups == 1 ? dy : Tensor(),
-                                   block(fp8_ex_dq_t_, b * Nw, Nw, M), f.state->scale_inv(local, g, Fp8State::dy), xqt,
+                                   flat_block(fp8_ex_dq_t_, b * Nw, Nw, M), f.state->scale_inv(local, g, Fp8State::dy), xqt,
                                    f.state->scale_inv(local, g, Fp8State::x), accumulate);
   }
 }

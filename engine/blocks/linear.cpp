@@ -140,10 +140,6 @@ void GptModel::fp8_refresh_weights(int local) {
   fp8_fresh_[static_cast<size_t>(local)] = fresh;
 }
 
-namespace {
-// A [rows, cols] view at the start of a flat FP8 workspace.
-Tensor fp8_view(Tensor flat, int64_t rows, int64_t cols) { return flat.flat_slice(0, rows * cols).view({rows, cols}); }
-}  // namespace
 
 bool GptModel::fp8_norm_cast(int local, const LayerActs& A) const {
   // (Multi-latent attention's blocks write their norm outputs: its GEMMs are fp8_extra_'s.)
@@ -225,7 +221,7 @@ Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs
                                     const NormInput* norm) {
   if (norm) x = norm->x;
   const int64_t cols = act && *act == MlpActivation::swiglu ? x.cols() / 2 : x.cols();
-  const Tensor xq = fp8_view(fp8_xq_, x.rows(), cols);
+  const Tensor xq = flat_block(fp8_xq_, 0, x.rows(), cols);
   const bool keep = fp8_kept_inputs(local) && fp8_training_ && fp8_keep_inputs_now_;
   if (keep) MT_CHECK(!A.fp8_xq_t[g].empty(), "layer {}: no kept FP8 input planned", d_.layer_begin + local);
   const Tensor xq_t = keep ? A.fp8_xq_t[g] : Tensor();
@@ -244,8 +240,8 @@ Tensor GptModel::fp8_quantize_input(int local, Fp8State::Gemm g, const LayerActs
 
 void GptModel::linear_quantize_dy(int local, Fp8State::Gemm g, Tensor dy, Tensor dbias, bool amax_taken) {
   if (!fp8_layer(local)) return;
-  const Tensor dyq = fp8_view(fp8_dyq_, dy.rows(), dy.cols());
-  const Tensor dyq_t = opt_.fp8.wgrad ? fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()) : Tensor();
+  const Tensor dyq = flat_block(fp8_dyq_, 0, dy.rows(), dy.cols());
+  const Tensor dyq_t = opt_.fp8.wgrad ? flat_block(fp8_dyq_t_, 0, dy.cols(), dy.rows()) : Tensor();
   Fp8TensorMeta meta = fp8_.meta(local, g, Fp8State::dy);
   meta.fresh_taken = amax_taken;
   if (fp8_wgrad(local) && !dbias.empty()) be_.fp8_quantize_with_dbias(dyq, dyq_t, dy, meta, dbias);
@@ -257,7 +253,7 @@ void GptModel::linear_quantize_dy_activation(int local, Tensor dout, Tensor pre,
   MT_CHECK(fp8_wgrad(local), "layer {}: the fused activation-gradient cast outside FP8 weight gradients",
            d_.layer_begin + local);
   const int64_t cols = act == MlpActivation::swiglu ? 2 * dout.cols() : dout.cols();  // fc1's output width
-  be_.fp8_quantize_activation_backward(fp8_view(fp8_dyq_, dout.rows(), cols), fp8_view(fp8_dyq_t_, cols, dout.rows()),
+  be_.fp8_quantize_activation_backward(flat_block(fp8_dyq_, 0, dout.rows(), cols), flat_block(fp8_dyq_t_, 0, cols, dout.rows()),
                                        dout, pre, act, fp8_.meta(local, g, Fp8State::dy), dbias, d_.glu);
 }
 
@@ -267,7 +263,7 @@ void GptModel::linear_bwd_input(int local, Fp8State::Gemm g, Tensor dx, Tensor d
     be_.linear_backward_input(dx, dy, fp8_layer(local) ? compute_weight(local, g, w) : w, false, act, pre_act);
     return;
   }
-  be_.fp8_linear_backward_input(dx, fp8_view(fp8_dyq_, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
+  be_.fp8_linear_backward_input(dx, flat_block(fp8_dyq_, 0, dy.rows(), dy.cols()), fp8_.scale_inv(local, g, Fp8State::dy),
                                 fp8_w_[static_cast<size_t>(local)].q_t[g], fp8_.scale_inv(local, g, Fp8State::w), false,
                                 act, pre_act);
 }
@@ -287,11 +283,11 @@ void GptModel::linear_bwd_weight(int local, Fp8State::Gemm g, const LayerActs& A
   } else {
     // x was recomputed (or kept) in the compute dtype: quantized again with its forward scale
     // (tensorwise: recomputed from the same x), so the same bits as the forward's cast.
-    xq_t = fp8_view(fp8_xq_t_, x.cols(), x.rows());
+    xq_t = flat_block(fp8_xq_t_, 0, x.cols(), x.rows());
     be_.fp8_quantize(Tensor(), xq_t, x, fp8_.meta(local, g, Fp8State::x));
   }
   // (The bias gradient was taken by linear_quantize_dy's cast.)
-  be_.fp8_linear_backward_weight(dw, Tensor(), Tensor(), fp8_view(fp8_dyq_t_, dy.cols(), dy.rows()),
+  be_.fp8_linear_backward_weight(dw, Tensor(), Tensor(), flat_block(fp8_dyq_t_, 0, dy.cols(), dy.rows()),
                                  fp8_.scale_inv(local, g, Fp8State::dy), xq_t, x_scale_inv, accumulate);
 }
 

@@ -868,27 +868,29 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
 void GptModel::moe_pad_permutation(const MoeActs& M) {
   const int El = d_.experts_local();
   const int64_t align = moe_row_align(), Rmax = moe_max_rows();
-  std::vector<int64_t>& off = *M.host_offsets;  // the permutation's own offsets, padded below
-  const int64_t R = off[static_cast<size_t>(El)];
+  // The permutation's own offsets are moe_off32_ (the forward's host copy); the padded ones go to
+  // M.host_offsets.
+  const std::vector<int32_t>& own = moe_off32_;
+  std::vector<int64_t>& off = *M.host_offsets;
+  const int64_t R = own[static_cast<size_t>(El)];
   int32_t* order = moe_order_host_.data();       // [0, R): the permutation's order
   int32_t* padded = order + Rmax;                // [0, Rp): the padded order
   if (R > 0) be_.copy_to_host(order, M.order.flat_slice(0, R));
   be_.copy_to_host(moe_slot_host_.data(), M.slot_of);
   int64_t at = 0;
   for (int e = 0; e < El; ++e) {
-    const int64_t b = off[static_cast<size_t>(e)], n = off[static_cast<size_t>(e) + 1] - b;
+    const int64_t b = own[static_cast<size_t>(e)], n = own[static_cast<size_t>(e) + 1] - b;
     std::copy(order + b, order + b + n, padded + at);
     const int64_t end = at + (n + align - 1) / align * align;
     std::fill(padded + at + n, padded + end, -1);  // (moe_gather_rows: zero rows)
-    off[static_cast<size_t>(e)] = at;  // (b, the old value, is read above)
+    off[static_cast<size_t>(e)] = at;
     at = end;
   }
   // slot_of: each placed pair's row r of expert e moves by (its padded start - its own start).
-  std::vector<int64_t>& padded_off = off;
   for (int32_t& r : moe_slot_host_) {
     if (r < 0 || r >= R) continue;
-    const int e = static_cast<int>(std::upper_bound(moe_off32_.begin(), moe_off32_.end(), r) - moe_off32_.begin()) - 1;
-    r = static_cast<int32_t>(r - moe_off32_[static_cast<size_t>(e)] + padded_off[static_cast<size_t>(e)]);
+    const int e = static_cast<int>(std::upper_bound(own.begin(), own.end(), r) - own.begin()) - 1;
+    r = static_cast<int32_t>(r - own[static_cast<size_t>(e)] + off[static_cast<size_t>(e)]);
   }
   off[static_cast<size_t>(El)] = at;
   MT_CHECK(at <= Rmax, "padded expert rows {} past the bound {}", at, Rmax);
