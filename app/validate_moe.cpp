@@ -227,9 +227,6 @@ std::vector<std::string> not_built(const CliState& st) {
     if (c.model.mtp_num_layers && *c.model.mtp_num_layers > 0)
       out.push_back("megatrain does not support --use-mup with --mtp-num-layers yet");
   }
-  if (c.model.multi_latent_attention && c.train.fp8_format && c.train.fp8_param_gather)
-    out.push_back("megatrain does not support --multi-latent-attention with --fp8-param-gather yet (without it MLA's "
-                  "GEMMs still run in FP8, their weights cast from the compute-dtype weights at each use)");
   if (!e.enabled()) return out;
   const ParallelConfig& p = c.parallel;
   const int tp = p.tensor_model_parallel_size;
@@ -240,9 +237,6 @@ std::vector<std::string> not_built(const CliState& st) {
                               "the tensor-parallel size)", etp, tp));
   if (st.has("--fp4-format"))
     out.push_back("megatrain does not support --num-experts with --fp4-format yet (MoE layers run in FP8, bf16 or fp32)");
-  if (c.train.fp8_format && c.train.fp8_param_gather)
-    out.push_back("megatrain does not support --num-experts with --fp8-param-gather yet (without it the experts' GEMMs "
-                  "still run in FP8, their weights cast from the compute-dtype weights at each use)");
   if (c.train.fp8_format && etp > 1 && etp < tp)
     out.push_back(fmt::format("megatrain does not support --num-experts with --fp8-format and "
                               "--expert-tensor-parallel-size {} between 1 and --tensor-model-parallel-size {} yet", etp, tp));

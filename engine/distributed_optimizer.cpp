@@ -16,10 +16,12 @@ int optim_group(const ParamDesc& p, bool decoupled_lr, bool muon_managed) {
 
 namespace {
 
-// A piece of one parameter inside a range: [offset, offset + numel) relative to the range start.
+// A piece of one parameter inside a range: [offset, offset + numel) relative to the range start,
+// from param_offset on in the parameter.
 struct Piece {
   int64_t offset = 0, numel = 0;
   int param = 0;
+  int64_t param_offset = 0;
 };
 
 void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& model, int tp_rank, bool decoupled_lr) {
@@ -32,9 +34,13 @@ void add_segments(OptimRange& r, std::vector<Piece> pieces, const GptModel& mode
     const int g = optim_group(p, decoupled_lr);
     const Tensor cast_amax = p.fp8_storage ? Tensor() : model.weight_cast_amax_slot(k.param);
     if (p.fp8_storage) {
-      // An FP8 weight's piece: a segment of its own, cast with that weight's scale.
-      const Fp8TensorMeta meta = model.fp8_param_meta(k.param);
-      r.update.push_back(OptimSegment{k.offset, k.numel, g, meta.scale.ptr<float>(), meta.amax.ptr<float>()});
+      // An FP8 weight's piece: segments of their own, each cast with its scale (an expert's block of
+      // the experts' weight, or the whole weight's).
+      model.for_each_fp8_param_piece(k.param, k.param_offset, k.numel,
+                                     [&](int64_t at, int64_t n, const Fp8TensorMeta& meta) {
+                                       r.update.push_back(OptimSegment{k.offset + (at - k.param_offset), n, g,
+                                                                       meta.scale.ptr<float>(), meta.amax.ptr<float>()});
+                                     });
     } else if (!cast_amax.empty()) {
       // A whole weight whose next tensorwise cast takes its amax from the update: a segment of its own.
       r.update.push_back(OptimSegment{k.offset, k.numel, g, nullptr, cast_amax.ptr<float>()});
@@ -66,7 +72,7 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
     r.numel = model.grads_flat().numel();
     std::vector<Piece> pieces;
     for (size_t i = 0; i < params.size(); ++i)
-      pieces.push_back({params[i].offset, params[i].numel(), static_cast<int>(i)});
+      pieces.push_back({params[i].offset, params[i].numel(), static_cast<int>(i), 0});
     add_segments(r, std::move(pieces), model, tp_rank, decoupled_lr);
     out.push_back(std::move(r));
     return out;
@@ -79,7 +85,7 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
     r.state_offset = L.state_offset[static_cast<size_t>(b)];
     r.numel = L.shard_numel(b);
     std::vector<Piece> pieces;
-    for (const ShardSegment& s : L.shard_segments(b)) pieces.push_back({s.shard_offset, s.numel, s.param});
+    for (const ShardSegment& s : L.shard_segments(b)) pieces.push_back({s.shard_offset, s.numel, s.param, s.param_offset});
     add_segments(r, std::move(pieces), model, tp_rank, decoupled_lr);
     out.push_back(std::move(r));
   }

@@ -18,6 +18,20 @@
 
 namespace mt {
 
+namespace {
+
+// The dense FP8 GEMM (Fp8State::Gemm) whose weight params()[i] is, or -1.
+int dense_gemm_of(const ParamDesc& p) {
+  static const char* const kGemmWeights[Fp8State::kGemms] = {".self_attention.linear_qkv.weight",
+                                                             ".self_attention.linear_proj.weight",
+                                                             ".mlp.linear_fc1.weight", ".mlp.linear_fc2.weight"};
+  for (int g = 0; g < Fp8State::kGemms; ++g)
+    if (p.name.ends_with(kGemmWeights[g])) return g;
+  return -1;
+}
+
+}  // namespace
+
 // ---- pieces ------------------------------------------------------------------------------
 
 RecomputePlan RecomputePlan::from_config(const TrainConfig& t, int stage_layers) {
@@ -263,17 +277,14 @@ void GptModel::plan_params() {
            opt_.dp_size);
   descs_ = build_param_descs(d_, &total_elements_);
   // --fp8-param-gather: the linear weights of FP8 layers are stored as FP8 only.
-  static const char* const kGemmWeights[Fp8State::kGemms] = {".self_attention.linear_qkv.weight",
-                                                             ".self_attention.linear_proj.weight",
-                                                             ".mlp.linear_fc1.weight", ".mlp.linear_fc2.weight"};
-  auto gemm_of = [](const ParamDesc& p) {
-    for (int g = 0; g < Fp8State::kGemms; ++g)
-      if (p.name.ends_with(kGemmWeights[g])) return g;
-    return -1;
-  };
+  plan_fp8_states();
+  fp8_param_slot_.assign(descs_.size(), {});
   if (opt_.fp8.param_gather) {
     MT_CHECK(opt_.shard_optimizer_state, "FP8 parameters (--fp8-param-gather) need the distributed optimizer");
-    for (ParamDesc& p : descs_) p.fp8_storage = opt_.fp8.global_layer_fp8(p.layer) && gemm_of(p) >= 0;
+    for (size_t i = 0; i < descs_.size(); ++i) {
+      fp8_param_slot_[i] = fp8_param_slot(descs_[i]);
+      descs_[i].fp8_storage = fp8_param_slot_[i].state != nullptr;
+    }
   }
   MT_CHECK((opt_.expert_dp_size > 0) == d_.experts_own_grid(), "expert-DP size {} with EP {} and expert TP {}",
            opt_.expert_dp_size, d_.ep_size, d_.etp_size);
@@ -298,24 +309,63 @@ void GptModel::plan_params() {
       head_first_param_ = i;
   }
   tp_partial_ = tp_partial_ranges(descs_);
-  fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
-  {
-    // The experts' GEMMs (MoE layers) and the extra ones (multi-latent attention's, the MTP projection's).
-    const size_t L = static_cast<size_t>(std::max(d_.layer_end, 0));
-    std::vector<char> moe(L, 0), extra(L, 0);
-    for (int l = d_.layer_begin; l < d_.layer_end; ++l) {
-      moe[static_cast<size_t>(l)] = d_.is_moe(l) ? 1 : 0;
-      extra[static_cast<size_t>(l)] = d_.mla || d_.is_mtp(l) || (d_.is_moe(l) && d_.shared_ffn > 0) ? 1 : 0;
-    }
-    fp8_ex_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, moe, 2 * std::max(d_.experts_local(), 1), true);
-    fp8_extra_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, extra, extra_gemms(), false);
-  }
   fp8_fresh_.assign(static_cast<size_t>(d_.stage_layers()), 0);
   fp8_weight_amax_taken_.assign(static_cast<size_t>(d_.stage_layers()), 0);
   fp8_weight_gemm_.assign(descs_.size(), {-1, -1});
   for (size_t i = 0; i < descs_.size(); ++i)
-    if (opt_.fp8.global_layer_fp8(descs_[i].layer) && gemm_of(descs_[i]) >= 0)
-      fp8_weight_gemm_[i] = {descs_[i].layer - d_.layer_begin, gemm_of(descs_[i])};
+    if (opt_.fp8.global_layer_fp8(descs_[i].layer) && dense_gemm_of(descs_[i]) >= 0)
+      fp8_weight_gemm_[i] = {descs_[i].layer - d_.layer_begin, dense_gemm_of(descs_[i])};
+}
+
+// The three FP8 scaling states: the dense layers' four GEMMs, the routed experts' (MoE layers) and
+// the extra ones (multi-latent attention's, the MTP projection's, the shared experts').
+void GptModel::plan_fp8_states() {
+  fp8_.plan(opt_.fp8, d_.layer_begin, d_.layer_end);
+  const size_t L = static_cast<size_t>(std::max(d_.layer_end, 0));
+  std::vector<char> moe(L, 0), extra(L, 0);
+  for (int l = d_.layer_begin; l < d_.layer_end; ++l) {
+    moe[static_cast<size_t>(l)] = d_.is_moe(l) ? 1 : 0;
+    extra[static_cast<size_t>(l)] = d_.mla || d_.is_mtp(l) || (d_.is_moe(l) && d_.shared_ffn > 0) ? 1 : 0;
+  }
+  fp8_ex_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, moe, 2 * std::max(d_.experts_local(), 1), true);
+  fp8_extra_.plan_subset(opt_.fp8, d_.layer_begin, d_.layer_end, extra, extra_gemms(), false);
+}
+
+// Which state's weight operand casts parameter p where it is an FP8 parameter (the weight of a GEMM
+// that runs in FP8), by the name Megatron gives it.
+GptModel::Fp8ParamSlot GptModel::fp8_param_slot(const ParamDesc& p) const {
+  const int local = p.layer - d_.layer_begin;
+  if (p.layer < 0 || local >= d_.stage_layers()) return {};
+  const std::string_view n = p.name;
+  if (fp8_ex_.layer_fp8(local)) {
+    for (int which = 0; which < 2; ++which)
+      if (n.ends_with(which == 0 ? ".mlp.experts.linear_fc1.weight" : ".mlp.experts.linear_fc2.weight"))
+        return {&fp8_ex_, local, which, 2, p.numel() / d_.experts_local()};
+  }
+  if (fp8_extra_.layer_fp8(local)) {
+    struct Named {
+      const char* suffix;
+      int gemm;
+    };
+    const Named extra[] = {{".self_attention.linear_q_down_proj.weight", kMlaQDown},
+                           {".self_attention.linear_q_up_proj.weight", kMlaQ},
+                           {".self_attention.linear_q_proj.weight", kMlaQ},
+                           {".self_attention.linear_kv_down_proj.weight", kMlaKvDown},
+                           {".self_attention.linear_kv_up_proj.weight", kMlaKvUp},
+                           {".self_attention.linear_proj.weight", kMlaProj},
+                           {".eh_proj.weight", extra_eh_gemm()},
+                           {".mlp.shared_experts.linear_fc1.weight", extra_shared_gemm(0)},
+                           {".mlp.shared_experts.linear_fc2.weight", extra_shared_gemm(1)}};
+    for (const Named& e : extra) {
+      const bool mla_gemm = e.gemm <= kMlaProj && std::string_view(e.suffix).starts_with(".self_attention.");
+      if (mla_gemm && !d_.mla) continue;
+      if (n.ends_with(e.suffix)) return {&fp8_extra_, local, e.gemm, 1, p.numel()};
+    }
+  }
+  const int g = dense_gemm_of(p);
+  if (g >= 0 && fp8_.layer_fp8(local) && !(d_.mla && g < Fp8State::fc1) && !(d_.is_moe(p.layer) && g >= Fp8State::fc1))
+    return {&fp8_, local, g, 1, p.numel()};
+  return {};
 }
 
 MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& options) {

@@ -261,8 +261,18 @@ class GptModel {
   // step skipped by the loss scaler. The parameters' all-gather follows
   // (engine/distributed_optimizer.h).
   void fp8_cast_shard(int b);
-  // The scaling state of FP8 parameter params()[i] (its weight operand; amax recorded).
-  Fp8TensorMeta fp8_param_meta(int i) const;
+  // The scaling state that casts FP8 parameter params()[i] (its GEMM's weight operand; amax
+  // recorded): the dense layers' (fp8_), the routed experts' (fp8_ex_: one per local expert, each a
+  // block of rows of the weight) or multi-latent attention's, the MTP projection's and the shared
+  // experts' (fp8_extra_). The parameter's elements [offset, offset + numel) fall in pieces of one
+  // scaling state each: fn(start, count, meta) per piece, start relative to the parameter.
+  void for_each_fp8_param_piece(int i, int64_t offset, int64_t numel,
+                                const std::function<void(int64_t, int64_t, const Fp8TensorMeta&)>& fn) const;
+  // After an optimizer update cast the FP8 parameters (every rank of the states' amax groups calls
+  // these): the weights' amaxes it recorded maxed over each state's groups; then with tensorwise
+  // scaling every weight's scale from its amax alone (Fp8State::update_weight_scales).
+  void reduce_fp8_param_amax();
+  void update_fp8_param_scales();
   // Tensorwise FP8 (ModelOptions::TestSeams::fp8_producer_amax) where the weights are not FP8 parameters: the
   // optimizer's update takes the amax of each FP8 layer's new linear weights (of this rank's pieces
   // with the distributed optimizer) into the amax slot of the weight's next cast
@@ -556,6 +566,8 @@ class GptModel {
                             std::span<const int64_t> off);
   Fp8TensorMeta fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8State::Role r) const;
   void fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed);
+  Tensor fp8g_weight(Tensor w, int groups, int e) const;
+  Tensor fp8g_compute_weight(const Fp8Gemm& f, int local, Tensor w, int groups, int e);
   // One linear layer of an MLA or MTP block through fp8_extra_ GEMM g (the compute-dtype ops
   // outside FP8 layers): forward, and backward (the weight gradient, with dbias where given, then
   // the input gradient, added to dx with accumulate).
@@ -768,7 +780,7 @@ class GptModel {
   Fp8State fp8_ex_;
   // Multi-latent attention's and the MTP projection's FP8 GEMMs (Fp8Gemm): their scaling state.
   Fp8State fp8_extra_;
-  Tensor fp8_ex_q_, fp8_ex_q_t_, fp8_ex_dq_, fp8_ex_dq_t_, fp8_ex_w_, fp8_ex_acc_;
+  Tensor fp8_ex_q_, fp8_ex_q_t_, fp8_ex_dq_, fp8_ex_dq_t_, fp8_ex_w_, fp8_ex_acc_, fp8_ex_wc_;
   std::vector<int32_t> moe_order_host_, moe_slot_host_;  // moe_pad_permutation's host copies
   struct Fp8Weights {
     Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
@@ -786,6 +798,16 @@ class GptModel {
   // layer's linear weight, (-1, -1) elsewhere.
   Tensor fp8_params_, fp8_w_compute_;
   std::vector<std::pair<int, int>> fp8_weight_gemm_;
+  // Per parameter (FP8 parameters only, else state null): the state and GEMMs casting it, by
+  // groups of group_numel elements (GptModel::Fp8Gemm's numbering).
+  struct Fp8ParamSlot {
+    const Fp8State* state = nullptr;
+    int local = -1, first = 0, stride = 1;
+    int64_t group_numel = 0;
+  };
+  std::vector<Fp8ParamSlot> fp8_param_slot_;
+  Fp8ParamSlot fp8_param_slot(const ParamDesc& p) const;
+  void plan_fp8_states();
 };
 
 }  // namespace mt

@@ -47,8 +47,10 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
 
   // Backward order: runs of parameters of one layer (params() is in forward order, so a layer's
   // parameters are adjacent), last run first; in each run the TP-partial ones first. Per region:
-  // 0 the compute-dtype parameters, 1 the routed experts' (with an expert-DP group), 2 the FP8 ones.
-  constexpr int kRegions = 3, kExpertRegion = 1, kFp8Region = 2;
+  // 0 the compute-dtype parameters, 1 the routed experts' (with an expert-DP group), 2 the FP8 ones,
+  // 3 the routed experts' FP8 ones (with an expert-DP group).
+  constexpr int kRegions = 4, kExpertRegion = 1, kFp8Region = 2, kFp8ExpertRegion = 3;
+  auto expert_region = [](int region) { return region == kExpertRegion || region == kFp8ExpertRegion; };
   std::vector<GradParam> order[kRegions];
   std::vector<int> order_param[kRegions];
   const int n = static_cast<int>(params.size());
@@ -62,9 +64,8 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
         if (p.tp_partial_grad != (pass == 0)) continue;
         const bool tied_copy = pipeline && (p.name == "embedding.word_embeddings.weight" ||
                                             (p.name == "output_layer.weight" && p.shared_copy));
-        MT_CHECK(!(p.fp8_storage && p.expert && experts.size > 0), "FP8 expert weight {} under expert parallelism",
-                 p.name);
-        const int region = p.fp8_storage ? kFp8Region : (p.expert && experts.size > 0) ? kExpertRegion : 0;
+        const bool own_group = p.expert && experts.size > 0;
+        const int region = p.fp8_storage ? (own_group ? kFp8ExpertRegion : kFp8Region) : own_group ? kExpertRegion : 0;
         GradParam gp{p.name, p.numel(), tied_copy, std::nullopt};
         if (unit_layers) gp.unit = p.layer >= 0 && p.layer < *unit_layers ? p.layer : -1;
         order[region].push_back(std::move(gp));
@@ -79,9 +80,9 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
     if (region == kFp8Region) g.fp8_begin = g.plan.numel;
     if (order[region].empty()) continue;
     region_buckets.push_back(g.plan.buckets.size());
-    append_region(g.plan, plan_grad_buffer(order[region], region == kExpertRegion ? experts.size : dp_size,
+    append_region(g.plan, plan_grad_buffer(order[region], expert_region(region) ? experts.size : dp_size,
                                            unit_layers ? std::nullopt : bucket_size));
-    expert_flag.resize(g.plan.buckets.size(), region == kExpertRegion ? 1 : 0);
+    expert_flag.resize(g.plan.buckets.size(), expert_region(region) ? 1 : 0);
     g.plan_param.insert(g.plan_param.end(), order_param[region].begin(), order_param[region].end());
   }
   for (size_t k = 0; k < g.plan_param.size(); ++k)
@@ -133,17 +134,19 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
 }
 
 std::vector<std::pair<int, FlatRange>> tp_partial_ranges(const std::vector<ParamDesc>& params) {
-  std::map<int, std::pair<int64_t, int64_t>> span;  // layer -> [lo, hi)
+  // (layer, FP8 region) -> [lo, hi): FP8 parameters lie in a region of their own
+  std::map<std::pair<int, bool>, std::pair<int64_t, int64_t>> span;
   for (const ParamDesc& p : params) {
     if (!p.tp_partial_grad) continue;
-    auto [it, fresh] = span.try_emplace(p.layer, p.offset, p.offset + p.numel());
+    auto [it, fresh] = span.try_emplace({p.layer, p.fp8_storage}, p.offset, p.offset + p.numel());
     if (!fresh) {
       it->second.first = std::min(it->second.first, p.offset);
       it->second.second = std::max(it->second.second, p.offset + p.numel());
     }
   }
   std::vector<std::pair<int, FlatRange>> out;
-  for (const auto& [layer, r] : span) {
+  for (const auto& [key, r] : span) {
+    const int layer = key.first;
     for (const ParamDesc& p : params)
       MT_CHECK(p.tp_partial_grad || p.offset + p.numel() <= r.first || p.offset >= r.second,
                "parameter {} lies among the TP-partial gradients of layer {}", p.name, layer);

@@ -19,7 +19,8 @@
 // Under expert parallelism the routed experts' weights (ParamDesc::expert) likewise form a region
 // of their own, before the FP8 one: their buckets are reduced, and with the distributed optimizer
 // sharded, over the expert-data-parallel group (GradBucket::shards = its size; this rank's shard
-// is its expert-DP rank's), the other buckets over the whole DP group.
+// is its expert-DP rank's), the other buckets over the whole DP group. FP8 expert weights likewise
+// form the last region, inside the FP8 one: FP8 buckets reduced over the expert-DP group.
 #pragma once
 
 #include <cstdint>
@@ -78,7 +79,8 @@ GradLayout layout_grad_buffer(std::vector<ParamDesc>& params, int dp_size, int d
 
 // Contiguous ranges [offset, offset + count) of the flat buffers that hold all parameters with
 // tp_partial_grad of one layer (layer -1: the final norm), padding between them included (it holds
-// zeros). Empty when the chunk has none.
+// zeros): one per layer, two where some of them are FP8 parameters (their region). Empty when the
+// chunk has none.
 std::vector<std::pair<int, FlatRange>> tp_partial_ranges(const std::vector<ParamDesc>& params);
 
 }  // namespace mt

@@ -132,8 +132,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     d.rope_interleaved = m.rotary_interleaved;
   }
   if (m.multi_latent_attention) {
-    if (cfg.train.fp8_format && cfg.train.fp8_param_gather)
-      throw Unsupported("--multi-latent-attention with --fp8-param-gather is not supported yet");
     d.mla = true;
     d.q_lora = m.q_lora_rank.value_or(0);
     d.kv_lora = m.kv_lora_rank;
@@ -166,8 +164,6 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).
     if (tp_size > 1 && !d.sequence_parallel)
       fail("--num-experts with --tensor-model-parallel-size {} needs --sequence-parallel (as in Megatron-LM)", tp_size);
-    if (cfg.train.fp8_format && cfg.train.fp8_param_gather)
-      throw Unsupported("--num-experts with --fp8-param-gather is not supported yet");
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;
     d.topk = e.router_topk;

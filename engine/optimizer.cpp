@@ -398,8 +398,7 @@ bool Optimizer::cast_fp8_params() {
 void Optimizer::reduce_fp8_param_amax() {
   // Each rank recorded its shards' amaxes; their max makes the weights' amax whole at once (as the
   // step's end would), so that the FP8 state does not depend on the DP layout (checkpoints).
-  for (GptModel* m : chunks_)
-    if (m->fp8_params()) m->fp8_state_mutable().reduce_amax(ps_);
+  for (GptModel* m : chunks_) m->reduce_fp8_param_amax();
 }
 
 void Optimizer::rescale_fp8_params() {
@@ -409,7 +408,7 @@ void Optimizer::rescale_fp8_params() {
   bool any = false;
   for (GptModel* m : chunks_)
     if (m->fp8_params() && m->fp8_state().options().recipe == Fp8Recipe::tensorwise) {
-      m->fp8_state_mutable().update_weight_scales(be_);
+      m->update_fp8_param_scales();
       any = true;
     }
   if (any) cast_fp8_params();

@@ -256,3 +256,95 @@ TEST_CASE("fp8 param gather: a step skipped by the loss scaler recasts the weigh
   CHECK(to_host<float>(*be, model.master_flat()) == master_before);
   check_fp8_weights_are_master_casts(model, *be);  // with the halved scales
 }
+
+namespace {
+
+// Which scaling state and GEMM cast an FP8 parameter of the MLA x MoE x MTP model below, by name:
+// 0 the dense state, 1 the experts' (GEMM `gemm` of expert 0; expert e's is gemm + 2e), 2 the
+// extra one (MLA's five GEMMs, then the MTP projection, then the shared expert's two); -1: none.
+std::pair<int, int> state_and_gemm(const std::string& n) {
+  const std::pair<const char*, std::pair<int, int>> names[] = {
+      {".mlp.linear_fc1.weight", {0, Fp8State::fc1}},
+      {".mlp.linear_fc2.weight", {0, Fp8State::fc2}},
+      {".mlp.experts.linear_fc1.weight", {1, 0}},
+      {".mlp.experts.linear_fc2.weight", {1, 1}},
+      {".self_attention.linear_q_down_proj.weight", {2, 0}},
+      {".self_attention.linear_q_up_proj.weight", {2, 1}},
+      {".self_attention.linear_kv_down_proj.weight", {2, 2}},
+      {".self_attention.linear_kv_up_proj.weight", {2, 3}},
+      {".self_attention.linear_proj.weight", {2, 4}},
+      {".eh_proj.weight", {2, 5}},
+      {".mlp.shared_experts.linear_fc1.weight", {2, 6}},
+      {".mlp.shared_experts.linear_fc2.weight", {2, 7}}};
+  for (const auto& [suffix, where] : names)
+    if (n.ends_with(suffix)) return where;
+  return {-1, 0};
+}
+
+}  // namespace
+
+TEST_CASE("fp8 param gather: experts (a scale per expert), MLA, MTP and shared experts are FP8 parameters",
+          "[fp8][engine][train][moe][mla]") {
+  Config base = test::tiny_mla_config();
+  base.model.num_layers = 2;
+  MoeConfig& e = base.model.moe;
+  e.num_experts = 4;
+  e.router_topk = 2;
+  e.ffn_hidden_size = 24;
+  e.layer_freq = 2;  // layer 0 MoE, layer 1 dense
+  e.shared_expert_intermediate_size = 16;
+  base.model.mtp_num_layers = 1;
+  base.model.mtp_loss_scaling_factor = 0.3;
+  const Config c = fp8_config(base, true);
+  int experts_checked = 0;
+  const Trained with = train(c, [&](GptModel& m, Backend& be) {
+    REQUIRE(m.fp8_params());
+    const GradLayout& L = m.grad_layout();
+    const std::vector<float> master = to_host<float>(be, m.master_flat());
+    const Fp8State* states[] = {&m.fp8_state(), &m.fp8_expert_state(), &m.fp8_extra_state()};
+    std::vector<float> expert_scales;
+    for (const ParamDesc& p : m.params()) {
+      INFO(p.name);
+      CHECK(p.fp8_storage == (state_and_gemm(p.name).first >= 0));
+    }
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      if (!L.fp8_bucket(b)) continue;
+      for (const ShardSegment& s : L.shard_segments(b)) {
+        const ParamDesc& p = m.params()[static_cast<size_t>(s.param)];
+        INFO(p.name);
+        const auto [state, gemm] = state_and_gemm(p.name);
+        REQUIRE(state >= 0);
+        const int local = p.layer - m.dims().layer_begin;
+        const int groups = state == 1 ? e.num_experts : 1;
+        const int64_t per_group = p.numel() / groups;
+        const std::vector<uint8_t> bits = to_host<uint8_t>(be, m.param(s.param));
+        int64_t wrong = 0;
+        for (int g = 0; g < groups; ++g) {
+          const float sc =
+              to_host<float>(be, states[state]->meta(local, gemm + 2 * g, Fp8State::w).scale).at(0);
+          CHECK(sc != 1.0f);  // scaled from the weights' amax
+          if (state == 1 && gemm == 0) expert_scales.push_back(sc);
+          for (int64_t i = std::max(s.param_offset, g * per_group);
+               i < std::min(s.param_offset + s.numel, (g + 1) * per_group); ++i) {
+            const float v = master[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + s.shard_offset +
+                                                       (i - s.param_offset))];
+            wrong += bits[static_cast<size_t>(i)] != float_to_fp8_bits(DType::fp8_e4m3, v * sc);
+          }
+        }
+        CHECK(wrong == 0);
+        if (state == 1) ++experts_checked;
+      }
+    }
+    // Each expert's weight is cast with its own scale: not one value for the four experts.
+    std::sort(expert_scales.begin(), expert_scales.end());
+    CHECK(std::unique(expert_scales.begin(), expert_scales.end()) - expert_scales.begin() > 1);
+  });
+  CHECK(experts_checked == 2);  // the MoE layer's fc1 and fc2
+  // Without the flag: the same FP8 training within FP8 noise.
+  const Trained without = train(fp8_config(base, false), [](GptModel& m, Backend&) { CHECK_FALSE(m.fp8_params()); });
+  REQUIRE(with.losses.size() == without.losses.size());
+  for (size_t i = 0; i < with.losses.size(); ++i) {
+    INFO("iteration " << i + 1);
+    CHECK(std::abs(with.losses[i] - without.losses[i]) < 2e-3 * std::abs(without.losses[i]));
+  }
+}

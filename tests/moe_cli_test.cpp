@@ -372,9 +372,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4", 4,
        "megatrain does not support --expert-tensor-parallel-size 4 with --tensor-model-parallel-size 2 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
-      {"--bf16 --fp8-format hybrid --use-distributed-optimizer --fp8-param-gather", 1,
-       "megatrain does not support --num-experts with --fp8-param-gather yet (without it the experts' GEMMs still run in "
-       "FP8, their weights cast from the compute-dtype weights at each use)"},
       {"--bf16 --fp8-format hybrid --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2", 4,
        "megatrain does not support --num-experts with --fp8-format and --expert-tensor-parallel-size 2 between 1 and "
        "--tensor-model-parallel-size 4 yet"},
@@ -456,7 +453,11 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   // The flag table documents each refusal (docs/flags.md).
   CHECK(cli::unsupported_summary("--moe-router-load-balancing-type") ==
         "values quantile_balancing not supported yet");
-  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp4-format or --fp8-param-gather"));
+  CHECK_THAT(cli::unsupported_summary("--num-experts"), Contains("--fp4-format"));
+  // FP8 parameters of MoE layers are built: the experts' weights are FP8 parameters, each expert
+  // cast with its own scale.
+  CHECK(parse(moe_gpt() + words("--bf16 --fp8-format hybrid --use-distributed-optimizer --fp8-param-gather"))
+            .train.fp8_param_gather);
   // MoE with context parallelism is built (the experts' grid folds CP).
   CHECK_NOTHROW(parse(moe_gpt() + words("--context-parallel-size 2 --expert-model-parallel-size 2"), 2));
   CHECK_THAT(cli::unsupported_summary("--expert-tensor-parallel-size"),

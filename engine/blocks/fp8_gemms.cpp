@@ -8,7 +8,10 @@
 //                   scale: the forward's bits)
 // Weights are cast at each use (the scales hold still within a step, so the same bits each time),
 // where the dense layers keep a per-layer cache: an MoE layer's experts are most of the model. The
-// casts of one op at a time share the workspaces laid out here.
+// casts of one op at a time share the workspaces laid out here. FP8 parameters (--fp8-param-gather)
+// are the optimizer's casts already, with the same scales: the forward reads them as they are, the
+// input gradient a transposed copy, and while delayed scaling calibrates the compute-dtype GEMMs
+// take them dequantized (as the dense layers' compute_weight).
 #include <algorithm>
 #include <array>
 
@@ -24,7 +27,7 @@ namespace mt {
 void GptModel::layout_fp8_gemm_workspace(Arena& a) {
   fp8_ex_.layout(a);
   fp8_extra_.layout(a);
-  fp8_ex_q_ = fp8_ex_q_t_ = fp8_ex_dq_ = fp8_ex_dq_t_ = fp8_ex_w_ = fp8_ex_acc_ = Tensor();
+  fp8_ex_q_ = fp8_ex_q_t_ = fp8_ex_dq_ = fp8_ex_dq_t_ = fp8_ex_w_ = fp8_ex_acc_ = fp8_ex_wc_ = Tensor();
   if (!fp8_ex_.any() && !fp8_extra_.any()) return;
   struct Gemm {
     int64_t rows, n, k, groups;  // y [rows, n] = x [rows, k] . w^T per group
@@ -50,11 +53,12 @@ void GptModel::layout_fp8_gemm_workspace(Arena& a) {
     gemms.push_back({N, d_.shared_fc1_width_local(), h, 1});
     gemms.push_back({N, h, d_.shared_ffn_local(), 1});
   }
-  int64_t q = 0, dq = 0, w = 0, acc = 0;
+  int64_t q = 0, dq = 0, w = 0, acc = 0, group_w = 0;
   for (const Gemm& g : gemms) {
     q = std::max(q, g.rows * g.k);
     dq = std::max(dq, g.rows * g.n);
     w = std::max(w, g.groups * g.n * g.k);
+    group_w = std::max(group_w, g.n * g.k);
   }
   // (An input gradient added to gT's: MLA's query projections', the shared expert's.)
   if (fp8_extra_.any() && (d_.mla || shared)) acc = N * h;
@@ -69,6 +73,9 @@ void GptModel::layout_fp8_gemm_workspace(Arena& a) {
   }
   fp8_ex_w_ = a.take(C::workspace, e4, {w});
   if (acc > 0) fp8_ex_acc_ = a.take(C::workspace, opt_.compute, {acc});
+  // (FP8 parameters, delayed scaling: one group's weight dequantized for the calibrating step.)
+  if (opt_.fp8.param_gather && opt_.fp8.recipe == Fp8Recipe::delayed)
+    fp8_ex_wc_ = a.take(C::workspace, opt_.compute, {group_w});
 }
 
 Fp8TensorMeta GptModel::fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8State::Role r) const {
@@ -79,19 +86,39 @@ Fp8TensorMeta GptModel::fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8Sta
 }
 
 // Each group's weight cast with its own scale: row-major [N, K] blocks, or transposed [K, N] ones
-// (the input gradient's operand), group after group in fp8_ex_w_.
+// (the input gradient's operand), group after group in fp8_ex_w_. FP8 parameters: the row-major
+// blocks are the parameter's own, the transposed ones copies.
 void GptModel::fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed) {
   const int64_t Nw = w.rows() / groups, K = w.cols();
+  const bool fp8_param = is_fp8(w.dtype);
+  if (fp8_param && !transposed) return;
   for (int e = 0; e < groups; ++e) {
     const Tensor q = flat_block(fp8_ex_w_, e * Nw * K, transposed ? K : Nw, transposed ? Nw : K);
-    be_.fp8_quantize(transposed ? Tensor() : q, transposed ? q : Tensor(), w.row_slice(e * Nw, Nw),
-                     fp8g_meta(f, local, e, Fp8State::w));
+    if (fp8_param) be_.fp8_transpose(q, w.row_slice(e * Nw, Nw));
+    else be_.fp8_quantize(transposed ? Tensor() : q, transposed ? q : Tensor(), w.row_slice(e * Nw, Nw),
+                          fp8g_meta(f, local, e, Fp8State::w));
   }
+}
+
+// Group e's row-major FP8 weight after fp8g_cast_weights.
+Tensor GptModel::fp8g_weight(Tensor w, int groups, int e) const {
+  const int64_t Nw = w.rows() / groups, K = w.cols();
+  return is_fp8(w.dtype) ? w.row_slice(e * Nw, Nw) : flat_block(fp8_ex_w_, e * Nw * K, Nw, K);
+}
+
+// FP8 parameters while the state calibrates: group e's weight in the compute dtype.
+Tensor GptModel::fp8g_compute_weight(const Fp8Gemm& f, int local, Tensor w, int groups, int e) {
+  MT_CHECK(!fp8_ex_wc_.empty(), "layer {}: an FP8 parameter in a compute-dtype GEMM without a workspace",
+           d_.layer_begin + local);
+  const int64_t Nw = w.rows() / groups, K = w.cols();
+  const Tensor out = flat_block(fp8_ex_wc_, 0, Nw, K);
+  be_.fp8_dequantize(out, w.row_slice(e * Nw, Nw), f.state->scale_inv(local, f.first + f.stride * e, Fp8State::w));
+  return out;
 }
 
 void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Tensor w, std::span<const int64_t> off) {
   const int groups = static_cast<int>(off.size()) - 1;
-  const int64_t K = x.cols(), Nw = w.rows() / groups;
+  const int64_t K = x.cols();
   const bool gemms = !f.state->calibrating();
   fp8g_cast_weights(f, local, w, groups, false);  // (calibrating: records the weights' amaxes)
   for (int e = 0; e < groups; ++e) {
@@ -101,14 +128,23 @@ void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Ten
     const Tensor xq = flat_block(fp8_ex_q_, b * K, M, K);
     be_.fp8_quantize(xq, Tensor(), x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
     if (gemms)
-      be_.fp8_linear_forward(y.row_slice(b, M), xq, f.state->scale_inv(local, g, Fp8State::x),
-                             flat_block(fp8_ex_w_, e * Nw * K, Nw, K), f.state->scale_inv(local, g, Fp8State::w), Tensor(),
-                             Activation::none, Tensor());
+      be_.fp8_linear_forward(y.row_slice(b, M), xq, f.state->scale_inv(local, g, Fp8State::x), fp8g_weight(w, groups, e),
+                             f.state->scale_inv(local, g, Fp8State::w), Tensor(), Activation::none, Tensor());
   }
   if (gemms) return;
   // Calibrating: the compute-dtype GEMMs (the casts above recorded the amaxes).
-  if (f.state->experts()) be_.grouped_linear_forward(y, x, w, off);
-  else be_.linear_forward(y, x, w, Tensor(), Activation::none, Tensor());
+  if (is_fp8(w.dtype)) {
+    for (int e = 0; e < groups; ++e) {
+      const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+      if (M > 0)
+        be_.linear_forward(y.row_slice(b, M), x.row_slice(b, M), fp8g_compute_weight(f, local, w, groups, e), Tensor(),
+                           Activation::none, Tensor());
+    }
+  } else if (f.state->experts()) {
+    be_.grouped_linear_forward(y, x, w, off);
+  } else {
+    be_.linear_forward(y, x, w, Tensor(), Activation::none, Tensor());
+  }
 }
 
 void GptModel::fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::span<const int64_t> off) {
@@ -125,7 +161,14 @@ void GptModel::fp8g_backward_input(const Fp8Gemm& f, int local, Tensor dx, Tenso
                                    std::span<const int64_t> off, bool accumulate) {
   const int groups = static_cast<int>(off.size()) - 1;
   if (f.state->calibrating()) {  // (fp8g_quantize_dy recorded dy's amax)
-    if (f.state->experts()) {
+    if (is_fp8(w.dtype)) {
+      for (int e = 0; e < groups; ++e) {
+        const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
+        if (M > 0)
+          be_.linear_backward_input(dx.row_slice(b, M), dy.row_slice(b, M), fp8g_compute_weight(f, local, w, groups, e),
+                                    accumulate, Activation::none, Tensor());
+      }
+    } else if (f.state->experts()) {
       MT_CHECK(!accumulate, "a grouped input gradient does not accumulate");
       be_.grouped_linear_backward_input(dx, dy, w, off);
     } else {

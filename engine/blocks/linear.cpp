@@ -32,16 +32,32 @@ void GptModel::fp8_end_step() {
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
-Fp8TensorMeta GptModel::fp8_param_meta(int i) const {
-  const auto [local, g] = fp8_weight_gemm_.at(static_cast<size_t>(i));
-  MT_CHECK(descs_.at(static_cast<size_t>(i)).fp8_storage, "{} is not an FP8 parameter",
-           descs_.at(static_cast<size_t>(i)).name);
-  Fp8TensorMeta m = fp8_.meta(local, static_cast<Fp8State::Gemm>(g), Fp8State::w);
-  // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
-  // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
-  m.recipe = Fp8Recipe::delayed;
-  m.fresh = Tensor();  // (no amax slot: delayed casts take none)
-  return m;
+void GptModel::for_each_fp8_param_piece(int i, int64_t offset, int64_t numel,
+                                        const std::function<void(int64_t, int64_t, const Fp8TensorMeta&)>& fn) const {
+  const Fp8ParamSlot& s = fp8_param_slot_.at(static_cast<size_t>(i));
+  MT_CHECK(s.state && s.group_numel > 0, "{} is not an FP8 parameter", descs_.at(static_cast<size_t>(i)).name);
+  for (int64_t at = offset, end = offset + numel; at < end;) {
+    const int64_t group = at / s.group_numel, stop = std::min(end, (group + 1) * s.group_numel);
+    Fp8TensorMeta m = s.state->meta(s.local, s.first + s.stride * static_cast<int>(group), Fp8State::w);
+    // A cast of one shard piece uses the weight's scale as it is (set from the whole weight's amax,
+    // Fp8State::set_weight_scales*); tensorwise's own amax of the piece would give each piece its own.
+    m.recipe = Fp8Recipe::delayed;
+    m.fresh = Tensor();  // (no amax slot: delayed casts take none)
+    fn(at, stop - at, m);
+    at = stop;
+  }
+}
+
+void GptModel::reduce_fp8_param_amax() {
+  if (!fp8_params()) return;
+  for (Fp8State* st : {&fp8_, &fp8_ex_, &fp8_extra_})
+    if (st->any()) st->reduce_amax(ps_);
+}
+
+void GptModel::update_fp8_param_scales() {
+  if (!fp8_params() || opt_.fp8.recipe != Fp8Recipe::tensorwise) return;
+  for (Fp8State* st : {&fp8_, &fp8_ex_, &fp8_extra_})
+    if (st->any()) st->update_weight_scales(be_);
 }
 
 bool GptModel::weights_amax_from_update() const {
@@ -66,34 +82,39 @@ void GptModel::fp8_weights_updated() {
 void GptModel::fp8_cast_shard(int b) {
   if (!fp8_params() || !grad_layout_.fp8_bucket(b)) return;
   const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)], flat = grad_layout_.shard_offset(b);
-  for (const ShardSegment& s : grad_layout_.shard_segments(b)) {
-    // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
-    const Tensor master = master_.flat_slice(state + s.shard_offset, s.numel).view({1, s.numel});
-    const Tensor q = param_storage(flat + s.shard_offset, s.numel).view({1, s.numel});
-    be_.fp8_quantize(q, Tensor(), master, fp8_param_meta(s.param));
-  }
+  for (const ShardSegment& s : grad_layout_.shard_segments(b))
+    for_each_fp8_param_piece(s.param, s.param_offset, s.numel, [&](int64_t at, int64_t n, const Fp8TensorMeta& m) {
+      // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
+      const int64_t in_shard = s.shard_offset + (at - s.param_offset);
+      const Tensor master = master_.flat_slice(state + in_shard, n).view({1, n});
+      be_.fp8_quantize(param_storage(flat + in_shard, n).view({1, n}), Tensor(), master, m);
+    });
 }
 
 void GptModel::fp8_params_from_master(bool fresh_state) {
   if (!fp8_params()) return;
   const GradLayout& L = grad_layout_;
-  if (fresh_state) fp8_.initialize(be_);
+  Fp8State* const states[] = {&fp8_, &fp8_ex_, &fp8_extra_};
+  if (fresh_state)
+    for (Fp8State* st : states) st->initialize(be_);
   if (fresh_state || opt_.fp8.recipe == Fp8Recipe::tensorwise) {
     // A first cast with the scales there are (its bits are overwritten below) records every
-    // shard's amax; their max over TP and DP sets each weight's scale, as the first delayed-scaling
-    // update would from the weight's amax alone. The amax stays recorded for that update.
+    // shard's amax; their max over TP and DP (the experts': over their replicas and expert TP)
+    // sets each weight's scale, as the first delayed-scaling update would from the weight's amax
+    // alone. The amax stays recorded for that update.
     for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
-    fp8_.reduce_amax(ps_);
-    fp8_.set_weight_scales_from_amax(be_);
+    reduce_fp8_param_amax();
+    for (Fp8State* st : states) st->set_weight_scales_from_amax(be_);
   }
   for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
-  if (ps_.dist_opt_size() > 1)
-    for (int b = 0; b < L.num_buckets(); ++b) {
-      if (!L.fp8_bucket(b)) continue;
-      const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
-      const Tensor whole = param_storage(k.offset, k.numel);
-      ps_.dist_opt_group().all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
-    }
+  for (int b = 0; b < L.num_buckets(); ++b) {
+    if (!L.fp8_bucket(b)) continue;
+    Communicator& group = L.is_expert_bucket(b) ? ps_.expert_dist_opt_group() : ps_.dist_opt_group();
+    if (group.size() <= 1) continue;
+    const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];
+    const Tensor whole = param_storage(k.offset, k.numel);
+    group.all_gather(whole, whole.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b)));
+  }
   be_.synchronize();
   fp8_begin_step();  // the transposed copies follow
 }

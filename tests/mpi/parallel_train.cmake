@@ -335,6 +335,29 @@ megatrain_parallel_train_test(parallel_train_fp8_gpt_oss_mlp_ep2 --fp8 --model "
                               --expert-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_resume_fp8_moe_ep2_to_tp2_sp --fp8 --model "${fp8_moe_model}" --resume
   2 "--expert-model-parallel-size 2" 2 "--tensor-model-parallel-size 2 --sequence-parallel")
+# FP8 parameters (--fp8-param-gather) of MoE layers: the routed experts' weights are FP8 parameters,
+# each expert's block cast with that expert's own scale (the optimizer's segments cut at expert
+# boundaries; under EP in an FP8 region of their own, sharded and all-gathered over the expert-DP
+# group), the shared experts' with the extra state's. Equal to one rank: EP 2, DP 2 and EP 2 x DP 2
+# with overlapped gathers and buckets that cut weights between shards, gpt-oss's MLP at PP 2 (its
+# example's layout, on fewer ranks), tensorwise scaling at PP 2 x DP 2, and a resume from EP 2 to
+# TP 2 + SP (the FP8 weights recast from the saved master weights with the saved scales).
+set(fp8_params "--use-distributed-optimizer --fp8-param-gather")
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2 --fp8 --model "${fp8_moe_model} ${fp8_params}" 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_dp2 --fp8 --model "${fp8_moe_model} ${fp8_params}" 2
+                              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_dp2 --fp8 --model "${fp8_moe_model} ${fp8_params}" 4
+                              --expert-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather
+                              --ddp-bucket-size 2000)
+megatrain_parallel_train_test(parallel_train_fp8_params_gpt_oss_mlp_pp2 --fp8 --model "${fp8_gpt_oss_mlp} ${fp8_params}"
+                              2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_tensorwise_pp2_dp2 --fp8 --model "${moe_model} \
+--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --calculate-per-token-loss ${fp8_params}" 4
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_resume_fp8_params_moe_ep2_to_tp2_sp --fp8
+  --model "${fp8_moe_model} ${fp8_params}" --resume 2 "--expert-model-parallel-size 2" 2
+  "--tensor-model-parallel-size 2 --sequence-parallel")
 # Aux-loss-free balancing (sigmoid group-limited routing with an expert bias updated every step, and
 # a shared expert) over EP4 and EP2 x PP2; token dropping (the same pairs dropped: capacity per
 # rank's rows) by weight under EP2 x PP2 and by position under EP4 with the distributed optimizer.
@@ -613,6 +636,17 @@ megatrain_parallel_train_test(parallel_train_fp8_mtp_tp2_sp --fp8 --model "${mtp
                               --tensor-model-parallel-size 2 --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_resume_fp8_mtp_pp2_to_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed}"
   --resume 2 "--pipeline-model-parallel-size 2" 2 "--tensor-model-parallel-size 2 --sequence-parallel")
+# ... and with FP8 parameters (--fp8-param-gather): MLA's five weights and the MTP projection's are FP8
+# parameters cast with the extra state's scales (the down projections' TP-partial gradients then lie
+# in two ranges, the FP8 region's and the others'). MLA at TP 2 + SP (seed 4: seeds 1-3 move an
+# element across an FP8 rounding tie by iteration 3, as seed 1 does without FP8 parameters) and at
+# PP 2 x DP 2; MTP at TP 2 + SP.
+megatrain_parallel_train_test(parallel_train_fp8_params_mla_tp2_sp --fp8
+  --model "${mla_model} ${fp8_delayed} ${fp8_params} --seed 4" 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fp8_params_mla_pp2_dp2 --fp8
+  --model "${mla_model} ${fp8_delayed} ${fp8_params} --seed 1" 4 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_params_mtp_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed} ${fp8_params}"
+                              2 --tensor-model-parallel-size 2 --sequence-parallel)
 # A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
 # expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
 # TP 2 (+SP) x EP 2 x PP 2.
