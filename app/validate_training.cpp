@@ -101,9 +101,12 @@ static void validate_fp8(CliState& st) {
       fail("--fp8-param-gather is only supported with --use-distributed-optimizer (as in Megatron): the optimizer's "
            "float32 master weights are what it casts to FP8");
   }
-  if (t.precision == Precision::fp32 && t.device == DeviceKind::gpu)
-    fail("--fp8-format needs --bf16: the FP8 GEMMs read and write bf16 activations (only the CPU reference backend, "
-         "--device cpu, emulates FP8 around float32)");
+  // Without --bf16 (Transformer Engine's FP8 around float32 parameters and activations, as NVIDIA's
+  // DeepSeek-proxy configurations run): the casts read float32, the FP8 GEMMs write float32. The
+  // GPU's FP8 GEMMs add a bias in their epilogue for bf16 outputs only.
+  if (t.precision == Precision::fp32 && t.device == DeviceKind::gpu && (c.model.add_bias_linear || c.model.add_qkv_bias))
+    fail("megatrain does not support --fp8-format without --bf16 with linear biases on the GPU yet (its FP8 GEMMs add "
+         "biases to bf16 outputs only): add --bf16 or --disable-bias-linear");
   // Transformer Engine also runs FP8 around fp16; megatrain's FP8 casts and GEMM outputs are built
   // for bf16 (and float32) only, so the combination is refused here, not by a kernel's check.
   if (t.precision == Precision::fp16)

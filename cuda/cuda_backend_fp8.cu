@@ -9,7 +9,8 @@
 //     time, measured on the H200); entries of the model's flat FP8 state usually are not, so both
 //     values are first copied into two aligned slots of a small buffer the backend owns. Ops are
 //     ordered on one stream, so the next copy runs after the GEMM that read the slots.
-//   - The bias is added in the GEMM's epilogue (bf16 outputs); the activation is its own kernel
+//   - The bias is added in the GEMM's epilogue (bf16 outputs only; float32 FP8 layers, without
+//     --bf16, have none); the activation is its own kernel
 //     on the stored pre-activation (as linear_forward's non-fused path and the reference do).
 //   - Accumulating input gradients go through float32 scratch, a row block at a time, then are
 //     added (with the activation derivative when there is one) by the elementwise kernels.
@@ -38,9 +39,10 @@ const float* scalar_ptr(const Tensor& t, const char* op, const char* what) {
   return t.ptr<const float>();
 }
 
+// bf16, or float32 (FP8 layers without --bf16: the GEMMs write float32).
 void check_compute_dtype(const Tensor& t, const char* op, const char* what) {
-  MT_CHECK(t.dtype == DType::bf16, "{}: {} is {}; the CUDA backend runs FP8 linear layers with --bf16 only", op,
-           what, dtype_name(t.dtype));
+  MT_CHECK(t.dtype == DType::bf16 || t.dtype == DType::f32,
+           "{}: {} is {}; the CUDA backend runs FP8 linear layers in bf16 or float32", op, what, dtype_name(t.dtype));
 }
 
 }  // namespace
@@ -151,7 +153,10 @@ void CudaBackend::fp8_linear_forward(Tensor y, Tensor xq, Tensor x_scale_inv, Te
   MT_CHECK(wq.cols() == K && y.numel() == M * N, "{}: y {} = xq {} . wq {}^T", op, y.shape_string(), xq.shape_string(),
            wq.shape_string());
   check_compute_dtype(y, op, "y");
-  MT_CHECK(bias.empty() || (bias.numel() == N && bias.dtype == DType::bf16), "{}: bias {}", op, bias.shape_string());
+  // (The bias is the GEMM epilogue's, for bf16 outputs only: float32 FP8 layers have none, app/ refuses them.)
+  MT_CHECK(bias.empty() || (bias.numel() == N && bias.dtype == DType::bf16 && y.dtype == DType::bf16),
+           "{}: bias {} {} with y {}: the FP8 GEMM adds a bfloat16 bias to a bfloat16 output only", op,
+           dtype_name(bias.dtype), bias.shape_string(), dtype_name(y.dtype));
   MT_CHECK(act == Activation::none || (pre_act.numel() == M * N && pre_act.dtype == y.dtype), "{}: pre_act {}", op,
            pre_act.shape_string());
   const cuda::KernelContext ctx = context();

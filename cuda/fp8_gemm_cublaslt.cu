@@ -215,12 +215,13 @@ void Fp8GemmRunner::run(const Fp8GemmCall& c, const char* what) {
 
 // ---- linear-layer mappings ----------------------------------------------------------------------
 void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand w, int64_t k_in, const void* bias) {
-  MT_CHECK(y.dtype == DType::bf16, "fp8_linear_forward: y must be bfloat16, got {}", dtype_name(y.dtype));
+  MT_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32, "fp8_linear_forward: y must be bfloat16 or float32, got {}",
+           dtype_name(y.dtype));
   Fp8GemmCall c;
   c.m = y.rows(), c.n = y.cols(), c.k = k_in;
   c.x = x.data, c.x_format = x.format, c.x_scale_inv = x.scale_inv;
   c.w = w.data, c.w_format = w.format, c.w_scale_inv = w.scale_inv;
-  c.out = y.data, c.out_type = DType::bf16;
+  c.out = y.data, c.out_type = y.dtype;
   c.bias = bias;
   c.fast_accum = true;  // forward only, as Transformer Engine does
   gemm.run(c, "fp8_linear_forward");

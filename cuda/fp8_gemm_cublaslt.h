@@ -128,7 +128,8 @@ struct Fp8Operand {
   Fp8Format format = Fp8Format::e4m3;
   const float* scale_inv = nullptr;
 };
-// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N], bf16): bf16 y, fast accumulation (forward only).
+// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N], bf16, with a bf16 y only): bf16 or float32 y, fast
+// accumulation (forward only).
 void fp8_linear_forward(Fp8GemmRunner& gemm, Tensor y, Fp8Operand x, Fp8Operand w, int64_t k_in, const void* bias);
 // dx[M, K] = dy[M, N] . w[N, K], from w_t = w^T [K, N] (the transposed copy); bf16 or fp32 dx,
 // accumulate (+=) only into fp32.

@@ -45,7 +45,13 @@ TEST_CASE("fp8 flags: defaults and parsed values", "[fp8][cli]") {
 }
 
 TEST_CASE("fp8 flags: validation and refusals", "[fp8][cli]") {
-  CHECK_THAT(parse_error(small_gpt() + words("--fp8-format hybrid")), Contains("--fp8-format needs --bf16"));
+  // Without --bf16: FP8 around float32 activations (the casts read float32, the GEMMs write it), not
+  // with linear biases on the GPU.
+  CHECK_THAT(parse_error(small_gpt() + words("--fp8-format hybrid")),
+             Contains("does not support --fp8-format without --bf16 with linear biases on the GPU yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--fp8-format hybrid --disable-bias-linear --add-qkv-bias")),
+             Contains("without --bf16 with linear biases"));
+  CHECK_FALSE(parse(small_gpt() + words("--fp8-format hybrid --disable-bias-linear")).train.precision == Precision::bf16);
   // fp16 around FP8: refused by name (the GPU kernels' own check used to stop the first cast).
   CHECK_THAT(parse_error(small_gpt() + words("--fp16 --fp8-format hybrid")),
              Contains("--fp8-format with --fp16 is not supported by megatrain yet"));

@@ -149,6 +149,60 @@ TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients
   MT_CHECK_CLOSE(db, 1e-5);
 }
 
+// FP8 layers without --bf16 (float32 activations, Transformer Engine's FP8 around float32): the casts
+// read float32 (the same bytes, scales and amaxes as the reference), the GEMMs write float32, and the
+// activation's fused cast reads float32 pre-activations.
+TEST_CASE("cuda FP8 ops vs reference: float32 activations (FP8 without --bf16)", "[gpu][fp8]") {
+  MT_RNG(rng);
+  for (Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+    for (auto [R, C] : {std::pair<int64_t, int64_t>{64, 48}, {33, 70}}) {
+      INFO((recipe == Fp8Recipe::delayed ? "delayed " : "tensorwise ") << R << " x " << C);
+      Twin x = twin(DType::f32, {R, C}, rng.normal(R * C, 3.0));
+      Quant2 q = quantize2(x, DType::fp8_e4m3, recipe, 20.0f, true, true);
+      CHECK(differing(download_bytes(dev(), q.qc.t), download_bytes(ref(), q.qr.t), 1) == 0);
+      CHECK(differing(download_bytes(dev(), q.tc.t), download_bytes(ref(), q.tr.t), 1) == 0);
+      CHECK(value(dev(), q.amax.c) == value(ref(), q.amax.r));
+      CHECK(value(dev(), q.scale.c) == value(ref(), q.scale.r));
+    }
+  const int64_t M = 96, K = 80, N = 112;
+  Twin x = twin(DType::f32, {M, K}, rng.normal(M * K, 1.0));
+  Twin w = twin(DType::f32, {N, K}, rng.normal(N * K, 0.1));
+  Twin dy = twin(DType::f32, {M, N}, rng.normal(M * N, 0.01));
+  Quant2 xq = quantize2(x, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  Quant2 wq = quantize2(w, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  Quant2 dyq = quantize2(dy, DType::fp8_e5m2, Fp8Recipe::tensorwise, 1.0f, true, true);
+  for (Activation act : {Activation::none, Activation::gelu}) {
+    INFO("forward act " << static_cast<int>(act));
+    Twin y = twin_nan(DType::f32, {M, N});
+    Twin pre = act != Activation::none ? twin_nan(DType::f32, {M, N}) : absent();
+    dev().fp8_linear_forward(y.c(), xq.qc.t, xq.scale_inv.c.t, wq.qc.t, wq.scale_inv.c.t, Tensor(), act, pre.c());
+    ref().fp8_linear_forward(y.r(), xq.qr.t, xq.scale_inv.r.t, wq.qr.t, wq.scale_inv.r.t, Tensor(), act, pre.r());
+    // (The same FP8 products, float32 outputs: accumulation only, the forward's with Hopper's fast
+    // FP8 accumulation.)
+    MT_CHECK_CLOSE(y, 2e-3);
+    if (act != Activation::none) MT_CHECK_CLOSE(pre, 2e-3);
+  }
+  for (bool accumulate : {false, true}) {
+    INFO("input gradient, accumulate " << accumulate);
+    Twin dx = accumulate ? twin(DType::f32, {M, K}, rng.normal(M * K, 0.01)) : twin_nan(DType::f32, {M, K});
+    dev().fp8_linear_backward_input(dx.c(), dyq.qc.t, dyq.scale_inv.c.t, wq.tc.t, wq.scale_inv.c.t, accumulate,
+                                    Activation::none, Tensor());
+    ref().fp8_linear_backward_input(dx.r(), dyq.qr.t, dyq.scale_inv.r.t, wq.tr.t, wq.scale_inv.r.t, accumulate,
+                                    Activation::none, Tensor());
+    MT_CHECK_CLOSE(dx, 1e-4);
+  }
+  // The fused casts of SwiGLU's output and of its input gradient from float32.
+  const int64_t F = 48;
+  Twin pre = twin_same(DType::f32, {M, 2 * F}, rng.normal(M * 2 * F, 2.0));
+  auto make = [&](Backend& be) { return cast_out(be, DType::fp8_e4m3, M, F, 24.0f, 0.25f); };
+  CastOut fused = make(dev()), reference = make(ref());
+  dev().fp8_quantize_activation(fused.q.t, fused.t.t, pre.c(), MlpActivation::swiglu, fused.meta(Fp8Recipe::delayed));
+  ref().fp8_quantize_activation(reference.q.t, reference.t.t, pre.r(), MlpActivation::swiglu,
+                                reference.meta(Fp8Recipe::delayed));
+  CHECK(differing(download_bytes(dev(), fused.q.t), download_bytes(ref(), reference.q.t), 1) <= M * F / 100);
+  CHECK(std::fabs(value(dev(), fused.amax.c) - value(ref(), reference.amax.r)) <= 1e-5f * value(ref(), reference.amax.r));
+}
+
 TEST_CASE("cuda FP8 ops vs reference: delayed-scaling update, bit for bit", "[gpu][fp8]") {
   const int64_t H = 3, n = 4;
   const std::vector<double> hist = {2, 0, 1e-40, 5, 1, 0, 0, 7, 4, 0, 0, 0.5};

@@ -647,6 +647,19 @@ megatrain_parallel_train_test(parallel_train_fp8_params_mla_pp2_dp2 --fp8
   --model "${mla_model} ${fp8_delayed} ${fp8_params} --seed 1" 4 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fp8_params_mtp_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed} ${fp8_params}"
                               2 --tensor-model-parallel-size 2 --sequence-parallel)
+# NVIDIA's DeepSeek-proxy Megatron-FSDP configuration, small: float32 parameters (FP8 without --bf16),
+# e4m3 tensorwise with FP8 parameters, ZeRO-3 (its FP8 parameters stay whole: their gradients are
+# sharded), MLA, a dense first layer, sigmoid group-limited routing with the expert bias, seq_aux_loss,
+# a shared expert; DP 2 equals one rank with float32 main gradients (Megatron-FSDP's auto picks bf16
+# with FP8 parameters, whose DP sums round differently).
+megatrain_parallel_train_test(parallel_train_fp8_params_deepseek_proxy_fsdp_dp2 --fp8 --model "${mla_model} \
+--num-experts 8 --moe-layer-freq '([0]*1+[1]*3)' --moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 \
+--moe-router-load-balancing-type seq_aux_loss --moe-router-topk 4 --moe-token-dispatcher-type alltoall \
+--moe-router-pre-softmax --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 2 --moe-router-num-groups 4 \
+--moe-router-topk-scaling-factor 2.0 --moe-router-score-function sigmoid --moe-router-enable-expert-bias \
+--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --use-distributed-optimizer --use-megatron-fsdp \
+--data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor --megatron-fsdp-main-grads-dtype fp32 \
+--fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather --calculate-per-token-loss" 2)
 # A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
 # expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
 # TP 2 (+SP) x EP 2 x PP 2.
