@@ -90,6 +90,8 @@ class CudaBackend final : public Backend {
 
   // FP8 linear layers (cuda/cuda_backend_fp8.cu; bf16 compute dtype).
   void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) override;
+  void fp8_quantize_groups(Tensor q, Tensor q_t, Tensor x, std::span<const int64_t> off,
+                           std::span<const Fp8TensorMeta> metas) override;
   void fp8_quantize_activation_backward(Tensor q, Tensor q_t, Tensor dout, Tensor pre, MlpActivation act,
                                   const Fp8TensorMeta& meta, Tensor dbias, const Glu& glu = {}) override;
   void fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) override;

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_backend_dispatch.h"
@@ -114,6 +115,40 @@ void CudaBackend::fp8_quantize_impl(const char* op, Tensor q, Tensor q_t, const 
 
 void CudaBackend::fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta) {
   fp8_quantize_impl("fp8_quantize", q, q_t, {cuda::CastSource::Kind::plain, x, Tensor()}, meta, Tensor());
+}
+
+// Delayed scaling: every group in one launch where the kernel takes the shapes (the per-group
+// casts, Backend's default, otherwise: tensorwise scaling's amax passes, odd row counts).
+void CudaBackend::fp8_quantize_groups(Tensor q, Tensor q_t, Tensor x, std::span<const int64_t> off,
+                                      std::span<const Fp8TensorMeta> metas) {
+  const char* op = "fp8_quantize_groups";
+  MT_CHECK(!off.empty() && metas.size() + 1 == off.size(), "{}: {} offsets for {} groups", op, off.size(), metas.size());
+  bool one_launch = metas.size() <= static_cast<size_t>(cuda::kMaxCastGroups) && (!q.empty() || !q_t.empty());
+  for (const Fp8TensorMeta& m : metas)
+    one_launch = one_launch && m.recipe == Fp8Recipe::delayed && m.fresh.empty() && m.scale_inv_copy.empty();
+  if (one_launch) {
+    on_device(op, q, q_t, x);
+    MT_PROFILE_OP("{} {} x {} groups{}{}", op, x.shape_string(), metas.size(), q.empty() ? "" : " q",
+                  q_t.empty() ? "" : " q_t");
+    const DType e = !q.empty() ? q.dtype : q_t.dtype;
+    MT_CHECK(q.empty() || q_t.empty() || q.dtype == q_t.dtype, "{}: q and q_t have different FP8 dtypes", op);
+    const int64_t R = off.back(), C = x.cols();
+    MT_CHECK(x.rows() >= R && (q.empty() || (q.cols() == C && q.rows() >= R)) && (q_t.empty() || q_t.numel() >= R * C),
+             "{}: x {}, q {}, q_t {} for {} rows", op, x.shape_string(), q.shape_string(), q_t.shape_string(), R);
+    std::array<const float*, cuda::kMaxCastGroups> scales;
+    std::array<float*, cuda::kMaxCastGroups> amaxes;
+    for (size_t g = 0; g < metas.size(); ++g) {
+      on_device(op, metas[g].scale, metas[g].amax);
+      scales[g] = scalar_ptr(metas[g].scale, op, "meta.scale");
+      amaxes[g] = metas[g].amax.empty() ? nullptr : metas[g].amax.ptr<float>();
+    }
+    const size_t n = metas.size();
+    if (cuda::cast_transpose_groups_to_fp8(context(), q.empty() ? nullptr : q.data, q_t.empty() ? nullptr : q_t.data,
+                                           fp8_format_of(e, op, "q"), x, off, std::span(scales.data(), n),
+                                           std::span(amaxes.data(), n)))
+      return;
+  }
+  Backend::fp8_quantize_groups(q, q_t, x, off, metas);
 }
 
 void CudaBackend::fp8_quantize_with_dbias(Tensor q, Tensor q_t, Tensor dy, const Fp8TensorMeta& meta, Tensor dbias) {

@@ -440,17 +440,17 @@ __device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t 
 // DBIAS: the column sums go, per tile row (512 input rows), to col_partial[tile row][C] in a fixed
 // order (a thread's 8 rows in turn, then the warp's row blocks by a fixed shuffle tree, then the
 // block's warps in order): the same bits for any grid.
+// The block's work: tile `block` (row tile block / tiles_c, column tile block % tiles_c).
 template <typename Input, Fp8Format F, bool DBIAS>
-__global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t* __restrict__ out,
-                                                                          uint8_t* __restrict__ out_t, const Input in,
-                                                                          int64_t R, int64_t C, const float* scale_p,
-                                                                          float* amax, float* __restrict__ col_partial) {
+__device__ __forceinline__ void cast_transpose_block(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                                     const Input& in, int64_t R, int64_t C, const float* scale_p,
+                                                     float* amax, float* __restrict__ col_partial, int64_t block) {
   constexpr int H = Input::kHalves;
   const float scale = *scale_p;
   const int64_t Cs = C / H;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t tiles_c = (Cs + kBlockCols - 1) / kBlockCols;
-  const int64_t tile_r = blockIdx.x / tiles_c, col0 = (blockIdx.x % tiles_c) * kBlockCols;
+  const int64_t tile_r = block / tiles_c, col0 = (block % tiles_c) * kBlockCols;
   const int64_t r0 = tile_r * kBlockRows + warp * 64 + (lane / 4) * 8;
   const int64_t c0 = col0 + (lane % 4) * 8;
   const bool mine = r0 < R && c0 < Cs;  // R and Cs are multiples of 8: a block is all in or all out
@@ -523,6 +523,44 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t
     }
   }
   if (amax) block_amax_atomic(amax, m);
+}
+
+template <typename Input, Fp8Format F, bool DBIAS>
+__global__ void __launch_bounds__(kThreads) cast_transpose_blocks_kernel(uint8_t* __restrict__ out,
+                                                                          uint8_t* __restrict__ out_t, const Input in,
+                                                                          int64_t R, int64_t C, const float* scale_p,
+                                                                          float* amax, float* __restrict__ col_partial) {
+  cast_transpose_block<Input, F, DBIAS>(out, out_t, in, R, C, scale_p, amax, col_partial, blockIdx.x);
+}
+
+// Groups of rows, each cast with its own scale (fp8_quantize_groups): group g is rows
+// [row0[g], row0[g + 1]) of the [R, C] input, its transposed copy the [C, M_g] block at element
+// row0[g] * C of out_t; its tiles are blocks [block0[g], block0[g + 1]) of the grid. Every group's
+// rows a multiple of 8 (the register-block tiles), C too.
+struct CastGroupArg {
+  int n = 0;
+  int64_t row0[kMaxCastGroups + 1];
+  int64_t block0[kMaxCastGroups + 1];
+  const float* scale[kMaxCastGroups];
+  float* amax[kMaxCastGroups];
+};
+
+template <typename T, Fp8Format F>
+__global__ void __launch_bounds__(kThreads) cast_transpose_groups_kernel(uint8_t* __restrict__ out,
+                                                                          uint8_t* __restrict__ out_t,
+                                                                          const T* __restrict__ x, int64_t C,
+                                                                          const __grid_constant__ CastGroupArg g) {
+  // The group whose blocks hold this one: the last with block0 <= blockIdx.x (empty groups own none).
+  int lo = 0, hi = g.n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (g.block0[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
+    else hi = mid;
+  }
+  const int64_t r0 = g.row0[lo], R = g.row0[lo + 1] - r0;
+  cast_transpose_block<PlainInput<T>, F, false>(out ? out + r0 * C : nullptr, out_t ? out_t + r0 * C : nullptr,
+                                                PlainInput<T>{x + r0 * C, C}, R, C, g.scale[lo], g.amax[lo], nullptr,
+                                                blockIdx.x - g.block0[lo]);
 }
 
 // ---- byte transpose (fp8_transpose) -------------------------------------------------------------
@@ -825,6 +863,46 @@ void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax, GradOut dbias) {
   cast_transpose_to_fp8(ctx, out, out_t, format, CastSource{CastSource::Kind::plain, in, Tensor()}, scale, amax, dbias);
+}
+
+bool cast_transpose_groups_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
+                                  std::span<const int64_t> row0, std::span<const float* const> scale,
+                                  std::span<float* const> amax) {
+  check_input(in, "cast_transpose_groups_to_fp8");
+  const int n = static_cast<int>(row0.size()) - 1;
+  const int64_t C = in.cols();
+  MT_CHECK(n >= 0 && scale.size() == static_cast<size_t>(n) && amax.size() == static_cast<size_t>(n),
+           "cast_transpose_groups_to_fp8: {} offsets for {} scales and {} amax slots", row0.size(), scale.size(),
+           amax.size());
+  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  bool vec = n <= kMaxCastGroups && C % 8 == 0 && aligned16(in.data) && a8(out) && a8(out_t) && row0[0] == 0;
+  for (int g = 0; vec && g < n; ++g) vec = row0[g + 1] >= row0[g] && (row0[g + 1] - row0[g]) % 8 == 0;
+  if (!vec) return false;
+  MT_CHECK(row0[n] <= in.rows(), "cast_transpose_groups_to_fp8: groups end at row {} of {}", row0[n], in.rows());
+  CastGroupArg g;
+  g.n = n;
+  const int64_t tiles_c = (C + kBlockCols - 1) / kBlockCols;
+  g.block0[0] = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t rows = row0[i + 1] - row0[i];
+    g.row0[i] = row0[i];
+    g.block0[i + 1] = g.block0[i] + (rows + kBlockRows - 1) / kBlockRows * tiles_c;
+    g.scale[i] = scale[i];
+    g.amax[i] = amax[i];
+  }
+  g.row0[n] = row0[n];
+  const int64_t blocks = g.block0[n];
+  if (blocks == 0) return true;
+  MT_CHECK(blocks < (int64_t{1} << 31), "cast_transpose_groups_to_fp8: [{}, {}] is too large for one grid", row0[n], C);
+  MT_DISPATCH_FLOAT(in.dtype, T, "cast_transpose_groups_to_fp8", {
+    with_format(format, [&](auto fc) {
+      constexpr Fp8Format F = decltype(fc)::value;
+      cast_transpose_groups_kernel<T, F><<<static_cast<unsigned>(blocks), kThreads, 0, ctx.stream>>>(
+          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), in.ptr<const T>(), C, g);
+    });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const CastSource& src,

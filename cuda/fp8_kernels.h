@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/tensor.h"
 #include "cuda/fp8_gemm_cublaslt.h"  // Fp8Format
@@ -33,6 +34,17 @@ void cast_to_fp8(const KernelContext& ctx, void* out, Fp8Format format, Tensor i
 // output gradient's bias gradient).
 void cast_transpose_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
                            const float* scale, float* amax, GradOut dbias = GradOut());
+
+// cast_transpose_to_fp8 of groups of rows in one launch, each group with its own scale and amax
+// slot (the routed experts' rows): group g is rows [row0[g], row0[g + 1]) of in [R, C] (row0[0] =
+// 0), cast into the same rows of out [R, C] and into the [C, M_g] block at element row0[g] * C of
+// out_t (either may be null); amax[g] may be null. The bytes and amaxes of the per-group calls.
+// Only where every group's row count and C are multiples of 8, in is 16-byte aligned and there are
+// at most kMaxCastGroups groups: returns false (nothing launched) otherwise.
+constexpr int kMaxCastGroups = 256;
+bool cast_transpose_groups_to_fp8(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, Tensor in,
+                                  std::span<const int64_t> row0, std::span<const float* const> scale,
+                                  std::span<float* const> amax);
 
 // What a fused cast quantizes, read from the tensors that define it (never written itself):
 //   plain:           x;

@@ -149,6 +149,18 @@ void Backend::attention_kv_unpack_add(Tensor, Tensor, const AttentionShape&) { n
 void Backend::fp8_quantize(Tensor, Tensor, Tensor, const Fp8TensorMeta&) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize is not on the " + name() + " backend yet");
 }
+void Backend::fp8_quantize_groups(Tensor q, Tensor q_t, Tensor x, std::span<const int64_t> off,
+                                  std::span<const Fp8TensorMeta> metas) {
+  MT_CHECK(!off.empty() && metas.size() + 1 == off.size(), "fp8_quantize_groups: {} offsets for {} groups", off.size(),
+           metas.size());
+  const int64_t C = x.cols();
+  for (size_t g = 0; g < metas.size(); ++g) {
+    const int64_t b = off[g], M = off[g + 1] - b;
+    if (M == 0) continue;
+    const Tensor qt = q_t.empty() ? Tensor() : q_t.flat_slice(b * C, C * M).view({C, M});
+    fp8_quantize(q.empty() ? Tensor() : q.row_slice(b, M), qt, x.row_slice(b, M), metas[g]);
+  }
+}
 void Backend::fp8_quantize_with_dbias(Tensor, Tensor, Tensor, const Fp8TensorMeta&, Tensor) {
   throw Unsupported("FP8 (--fp8-format): fp8_quantize_with_dbias is not on the " + name() + " backend yet");
 }

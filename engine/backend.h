@@ -422,6 +422,14 @@ class Backend {
   // q and q_t have the same FP8 dtype; either may be empty (not written), not both. x is 2-D [R, C]:
   // q is [R, C], q_t is [C, R].
   virtual void fp8_quantize(Tensor q, Tensor q_t, Tensor x, const Fp8TensorMeta& meta);
+  // fp8_quantize of groups of rows, each with its own scaling state (the routed experts' rows, one
+  // group per expert): group g is rows [off[g], off[g + 1]) of x [R, C], cast with metas[g] into the
+  // same rows of q [R, C] and into the [C, M_g] block at element off[g] * C of q_t (a buffer of at
+  // least off.back() * C elements); either may be empty, not both; empty groups are skipped. The
+  // same bytes, amaxes and scales as fp8_quantize per group, which this default calls; the CUDA
+  // backend casts every group in one launch where it can (delayed scaling).
+  virtual void fp8_quantize_groups(Tensor q, Tensor q_t, Tensor x, std::span<const int64_t> off,
+                                   std::span<const Fp8TensorMeta> metas);
   // fp8_quantize of x = act(pre) without writing x: bit for bit activation_forward(x, pre) /
   // swiglu_forward(x, pre) in pre's dtype, then fp8_quantize(q, q_t, x, meta) (amax and scales of x
   // too). pre is [R, C] for GeLU and squared ReLU, [R, 2C] for SwiGLU; q is [R, C], q_t [C, R]. FP8 layers cast

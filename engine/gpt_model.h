@@ -567,6 +567,7 @@ class GptModel {
   Fp8TensorMeta fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8State::Role r) const;
   void fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed);
   Tensor fp8g_weight(Tensor w, int groups, int e) const;
+  std::span<const Fp8TensorMeta> fp8g_metas(const Fp8Gemm& f, int local, int groups, Fp8State::Role r);
   Tensor fp8g_compute_weight(const Fp8Gemm& f, int local, Tensor w, int groups, int e);
   // One linear layer of an MLA or MTP block through fp8_extra_ GEMM g (the compute-dtype ops
   // outside FP8 layers): forward, and backward (the weight gradient, with dbias where given, then
@@ -782,6 +783,8 @@ class GptModel {
   Fp8State fp8_extra_;
   Tensor fp8_ex_q_, fp8_ex_q_t_, fp8_ex_dq_, fp8_ex_dq_t_, fp8_ex_w_, fp8_ex_acc_, fp8_ex_wc_;
   std::vector<int32_t> moe_order_host_, moe_slot_host_;  // moe_pad_permutation's host copies
+  std::vector<Fp8TensorMeta> fp8g_metas_;  // the grouped casts' metas and weight row offsets
+  std::vector<int64_t> fp8g_w_off_;
   struct Fp8Weights {
     Tensor q[Fp8State::kGemms], q_t[Fp8State::kGemms];
   };

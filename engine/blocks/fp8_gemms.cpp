@@ -8,7 +8,9 @@
 //                   scale: the forward's bits)
 // Weights are cast at each use (the scales hold still within a step, so the same bits each time),
 // where the dense layers keep a per-layer cache: an MoE layer's experts are most of the model. The
-// casts of one op at a time share the workspaces laid out here. FP8 parameters (--fp8-param-gather)
+// casts of one op at a time share the workspaces laid out here. Each cast of an op's groups is one
+// Backend::fp8_quantize_groups (one launch on the GPU for delayed scaling, where a launch per
+// expert left the GPU waiting for the host with many experts). FP8 parameters (--fp8-param-gather)
 // are the optimizer's casts already, with the same scales: the forward reads them as they are, the
 // input gradient a transposed copy, and while delayed scaling calibrates the compute-dtype GEMMs
 // take them dequantized (as the dense layers' compute_weight).
@@ -72,6 +74,11 @@ void GptModel::layout_fp8_gemm_workspace(Arena& a) {
     fp8_ex_dq_t_ = a.take(C::workspace, g, {dq});
   }
   fp8_ex_w_ = a.take(C::workspace, e4, {w});
+  // (The host side of the grouped casts: every group's meta and the weights' row offsets.)
+  int64_t most_groups = 1;
+  for (const Gemm& gm : gemms) most_groups = std::max(most_groups, gm.groups);
+  fp8g_metas_.assign(static_cast<size_t>(most_groups), Fp8TensorMeta());
+  fp8g_w_off_.assign(static_cast<size_t>(most_groups) + 1, 0);
   if (acc > 0) fp8_ex_acc_ = a.take(C::workspace, opt_.compute, {acc});
   // (FP8 parameters, delayed scaling: one group's weight dequantized for the calibrating step.)
   if (opt_.fp8.param_gather && opt_.fp8.recipe == Fp8Recipe::delayed)
@@ -85,19 +92,29 @@ Fp8TensorMeta GptModel::fp8g_meta(const Fp8Gemm& f, int local, int group, Fp8Sta
   return m;
 }
 
+// Every group's meta of role r (in fp8g_metas_, laid out for the most groups of any op).
+std::span<const Fp8TensorMeta> GptModel::fp8g_metas(const Fp8Gemm& f, int local, int groups, Fp8State::Role r) {
+  MT_CHECK(static_cast<size_t>(groups) <= fp8g_metas_.size(), "{} FP8 GEMM groups, workspace for {}", groups,
+           fp8g_metas_.size());
+  for (int e = 0; e < groups; ++e) fp8g_metas_[static_cast<size_t>(e)] = fp8g_meta(f, local, e, r);
+  return {fp8g_metas_.data(), static_cast<size_t>(groups)};
+}
+
 // Each group's weight cast with its own scale: row-major [N, K] blocks, or transposed [K, N] ones
 // (the input gradient's operand), group after group in fp8_ex_w_. FP8 parameters: the row-major
 // blocks are the parameter's own, the transposed ones copies.
 void GptModel::fp8g_cast_weights(const Fp8Gemm& f, int local, Tensor w, int groups, bool transposed) {
   const int64_t Nw = w.rows() / groups, K = w.cols();
-  const bool fp8_param = is_fp8(w.dtype);
-  if (fp8_param && !transposed) return;
-  for (int e = 0; e < groups; ++e) {
-    const Tensor q = flat_block(fp8_ex_w_, e * Nw * K, transposed ? K : Nw, transposed ? Nw : K);
-    if (fp8_param) be_.fp8_transpose(q, w.row_slice(e * Nw, Nw));
-    else be_.fp8_quantize(transposed ? Tensor() : q, transposed ? q : Tensor(), w.row_slice(e * Nw, Nw),
-                          fp8g_meta(f, local, e, Fp8State::w));
+  if (is_fp8(w.dtype)) {
+    if (!transposed) return;
+    for (int e = 0; e < groups; ++e)
+      be_.fp8_transpose(flat_block(fp8_ex_w_, e * Nw * K, K, Nw), w.row_slice(e * Nw, Nw));
+    return;
   }
+  for (int e = 0; e <= groups; ++e) fp8g_w_off_[static_cast<size_t>(e)] = e * Nw;
+  const std::span<const int64_t> off(fp8g_w_off_.data(), static_cast<size_t>(groups) + 1);
+  be_.fp8_quantize_groups(transposed ? Tensor() : flat_block(fp8_ex_w_, 0, groups * Nw, K),
+                          transposed ? fp8_ex_w_ : Tensor(), w, off, fp8g_metas(f, local, groups, Fp8State::w));
 }
 
 // Group e's row-major FP8 weight after fp8g_cast_weights.
@@ -121,12 +138,13 @@ void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Ten
   const int64_t K = x.cols();
   const bool gemms = !f.state->calibrating();
   fp8g_cast_weights(f, local, w, groups, false);  // (calibrating: records the weights' amaxes)
+  be_.fp8_quantize_groups(flat_block(fp8_ex_q_, 0, off.back(), K), Tensor(), x, off,
+                          fp8g_metas(f, local, groups, Fp8State::x));
   for (int e = 0; e < groups; ++e) {
     const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
     if (M == 0) continue;
     const int g = f.first + f.stride * e;
     const Tensor xq = flat_block(fp8_ex_q_, b * K, M, K);
-    be_.fp8_quantize(xq, Tensor(), x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
     if (gemms)
       be_.fp8_linear_forward(y.row_slice(b, M), xq, f.state->scale_inv(local, g, Fp8State::x), fp8g_weight(w, groups, e),
                              f.state->scale_inv(local, g, Fp8State::w), Tensor(), Activation::none, Tensor());
@@ -148,13 +166,9 @@ void GptModel::fp8g_forward(const Fp8Gemm& f, int local, Tensor y, Tensor x, Ten
 }
 
 void GptModel::fp8g_quantize_dy(const Fp8Gemm& f, int local, Tensor dy, std::span<const int64_t> off) {
-  const int64_t C = dy.cols();
-  for (int e = 0; e + 1 < static_cast<int>(off.size()); ++e) {
-    const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
-    if (M == 0) continue;
-    const Tensor qt = fp8_ex_dq_t_.empty() ? Tensor() : flat_block(fp8_ex_dq_t_, b * C, C, M);
-    be_.fp8_quantize(flat_block(fp8_ex_dq_, b * C, M, C), qt, dy.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::dy));
-  }
+  const int groups = static_cast<int>(off.size()) - 1;
+  be_.fp8_quantize_groups(flat_block(fp8_ex_dq_, 0, off.back(), dy.cols()), fp8_ex_dq_t_, dy, off,
+                          fp8g_metas(f, local, groups, Fp8State::dy));
 }
 
 void GptModel::fp8g_backward_input(const Fp8Gemm& f, int local, Tensor dx, Tensor dy, Tensor w,
@@ -207,6 +221,9 @@ void GptModel::fp8g_backward_weight(const Fp8Gemm& f, int local, Tensor dw, Tens
     return;
   }
   const int64_t Nw = dw.rows() / groups, K = dw.cols();
+  // The input cast again with its forward scale (tensorwise: from the same values), so the
+  // forward's bits; the output gradient's transposed blocks from fp8g_quantize_dy.
+  be_.fp8_quantize_groups(Tensor(), fp8_ex_q_t_, x, off, fp8g_metas(f, local, groups, Fp8State::x));
   for (int e = 0; e < groups; ++e) {
     const int64_t b = off[static_cast<size_t>(e)], M = off[static_cast<size_t>(e) + 1] - b;
     const Tensor dwe = dw.row_slice(e * Nw, Nw);
@@ -215,10 +232,7 @@ void GptModel::fp8g_backward_weight(const Fp8Gemm& f, int local, Tensor dw, Tens
       continue;
     }
     const int g = f.first + f.stride * e;
-    // The input cast again with its forward scale (tensorwise: from the same values), so the
-    // forward's bits; the output gradient's transposed blocks from fp8g_quantize_dy.
     const Tensor xqt = flat_block(fp8_ex_q_t_, b * K, K, M);
-    be_.fp8_quantize(Tensor(), xqt, x.row_slice(b, M), fp8g_meta(f, local, e, Fp8State::x));
     be_.fp8_linear_backward_weight(dwe, groups == 1 ? dbias : Tensor(), groups == 1 ? dy : Tensor(),
                                    flat_block(fp8_ex_dq_t_, b * Nw, Nw, M), f.state->scale_inv(local, g, Fp8State::dy), xqt,
                                    f.state->scale_inv(local, g, Fp8State::x), accumulate);

@@ -149,6 +149,65 @@ TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients
   MT_CHECK_CLOSE(db, 1e-5);
 }
 
+// The grouped cast of the routed experts' rows: one launch for every group (delayed scaling, row
+// counts multiples of 8), the same bytes, transposed blocks and amaxes as a cast per group, and as
+// the reference's; empty groups and a group count above one launch's (the per-group casts) too.
+TEST_CASE("cuda fp8_quantize_groups: one launch, the bytes and amaxes of a cast per group", "[gpu][fp8]") {
+  MT_RNG(rng);
+  struct Case {
+    std::vector<int64_t> rows;  // per group
+    int64_t C;
+    DType in;
+  };
+  std::vector<int64_t> many(300, 8);
+  many[7] = 0;
+  for (const Case& k : {Case{{128, 0, 256, 8, 1024}, 48, DType::bf16}, Case{{16, 16, 0}, 2048, DType::f32},
+                        Case{{512, 640}, 136, DType::bf16}, Case{many, 16, DType::bf16}, Case{{24, 33}, 40, DType::bf16}})
+    for (DType e : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+      const int G = static_cast<int>(k.rows.size());
+      std::vector<int64_t> off{0};
+      for (int64_t r : k.rows) off.push_back(off.back() + r);
+      const int64_t R = off.back(), C = k.C;
+      INFO(G << " groups, " << R << " x " << C << " " << dtype_name(k.in) << " -> " << dtype_name(e));
+      Twin x = twin(k.in, {R + 3, C}, rng.normal((R + 3) * C, 2.0));
+      std::vector<Scalar2> scale, amax_one, amax_groups, amax_ref;
+      std::vector<Fp8TensorMeta> one, groups, reference;
+      for (int g = 0; g < G; ++g) {
+        const float sc = 8.0f + g % 7;
+        scale.push_back(scalar2(sc));
+        amax_one.push_back(scalar2(0.5f));
+        amax_groups.push_back(scalar2(0.5f));
+        amax_ref.push_back(scalar2(0.5f));
+      }
+      Scalar2 inv = scalar2(1.0f);  // (the cast reads the scale only)
+      for (int g = 0; g < G; ++g) {
+        one.push_back(meta_of(scale[g].c.t, inv.c.t, amax_one[g].c.t, Fp8Recipe::delayed));
+        groups.push_back(meta_of(scale[g].c.t, inv.c.t, amax_groups[g].c.t, Fp8Recipe::delayed));
+        reference.push_back(meta_of(scale[g].r.t, inv.r.t, amax_ref[g].r.t, Fp8Recipe::delayed));
+      }
+      Buf q1(dev(), e, {R, C}), t1(dev(), e, {R * C}), qg(dev(), e, {R, C}), tg(dev(), e, {R * C});
+      Buf qr(ref(), e, {R, C}), tr(ref(), e, {R * C});
+      dev().Backend::fp8_quantize_groups(q1.t, t1.t, x.c(), off, one);  // a cast per group
+      dev().fp8_quantize_groups(qg.t, tg.t, x.c(), off, groups);
+      ref().fp8_quantize_groups(qr.t, tr.t, x.r(), off, reference);
+      CHECK(differing(download_bytes(dev(), qg.t), download_bytes(dev(), q1.t), 1) == 0);
+      CHECK(differing(download_bytes(dev(), tg.t), download_bytes(dev(), t1.t), 1) == 0);
+      CHECK(differing(download_bytes(dev(), qg.t), download_bytes(ref(), qr.t), 1) == 0);
+      CHECK(differing(download_bytes(dev(), tg.t), download_bytes(ref(), tr.t), 1) == 0);
+      for (int g = 0; g < G; ++g) {
+        INFO("group " << g);
+        CHECK(value(dev(), amax_groups[g].c) == value(dev(), amax_one[g].c));
+        CHECK(value(dev(), amax_groups[g].c) == value(ref(), amax_ref[g].r));
+      }
+      // Only q, then only the transposed blocks.
+      Buf q2(dev(), e, {R, C}), t2(dev(), e, {R * C});  // (every byte written: the groups cover the rows)
+      dev().fp8_quantize_groups(q2.t, Tensor(), x.c(), off, groups);
+      dev().fp8_quantize_groups(Tensor(), t2.t, x.c(), off, groups);
+      CHECK(differing(download_bytes(dev(), q2.t), download_bytes(dev(), q1.t), 1) == 0);
+      CHECK(differing(download_bytes(dev(), t2.t), download_bytes(dev(), t1.t), 1) == 0);
+    }
+}
+
 // FP8 layers without --bf16 (float32 activations, Transformer Engine's FP8 around float32): the casts
 // read float32 (the same bytes, scales and amaxes as the reference), the GEMMs write float32, and the
 // activation's fused cast reads float32 pre-activations.
