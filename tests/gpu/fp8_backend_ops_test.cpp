@@ -248,7 +248,9 @@ TEST_CASE("cuda FP8 ops vs reference: float32 activations (FP8 without --bf16)",
                                     Activation::none, Tensor());
     ref().fp8_linear_backward_input(dx.r(), dyq.qr.t, dyq.scale_inv.r.t, wq.tr.t, wq.scale_inv.r.t, accumulate,
                                     Activation::none, Tensor());
-    MT_CHECK_CLOSE(dx, 1e-4);
+    // (Hopper's FP8 tensor-core accumulation is not float32's: 1.0e-4 measured on an H200 for these
+    // 112-term sums of exact products.)
+    MT_CHECK_CLOSE(dx, 5e-4);
   }
   // The fused casts of SwiGLU's output and of its input gradient from float32.
   const int64_t F = 48;
