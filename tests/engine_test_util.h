@@ -60,6 +60,18 @@ inline Config tiny_llama_config() {
   return c;
 }
 
+// c with MoE layers: `experts` routed experts, top-k routing, expert FFN width `ffn`, every
+// `freq`-th layer MoE (Megatron's --moe-layer-freq N: layer i when i % N == 0).
+inline Config with_moe(Config c, int layers, int experts, int topk, int ffn, int freq) {
+  c.model.num_layers = layers;
+  MoeConfig& e = c.model.moe;
+  e.num_experts = experts;
+  e.router_topk = topk;
+  e.ffn_hidden_size = ffn;
+  e.layer_freq = freq;
+  return c;
+}
+
 // A tiny multi-latent-attention Llama: 4 heads of 6 + 4 query/key dims (RoPE on the 4) and 5 value
 // dims, query rank 12, key/value rank 8, latent norms, YaRN with DeepSeek-V3's terms.
 inline Config tiny_mla_config() {

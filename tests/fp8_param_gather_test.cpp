@@ -285,14 +285,9 @@ std::pair<int, int> state_and_gemm(const std::string& n) {
 
 TEST_CASE("fp8 param gather: experts (a scale per expert), MLA, MTP and shared experts are FP8 parameters",
           "[fp8][engine][train][moe][mla]") {
-  Config base = test::tiny_mla_config();
-  base.model.num_layers = 2;
-  MoeConfig& e = base.model.moe;
-  e.num_experts = 4;
-  e.router_topk = 2;
-  e.ffn_hidden_size = 24;
-  e.layer_freq = 2;  // layer 0 MoE, layer 1 dense
-  e.shared_expert_intermediate_size = 16;
+  Config base = test::with_moe(test::tiny_mla_config(), 2, 4, 2, 24, 2);  // layer 0 MoE, layer 1 dense
+  const MoeConfig& e = base.model.moe;
+  base.model.moe.shared_expert_intermediate_size = 16;
   base.model.mtp_num_layers = 1;
   base.model.mtp_loss_scaling_factor = 0.3;
   const Config c = fp8_config(base, true);

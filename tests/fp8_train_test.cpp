@@ -90,14 +90,8 @@ TEST_CASE("fp8 training: tiny Llama, e4m3 and tensorwise scaling, follows float3
 
 TEST_CASE("fp8 training: MoE layers, each expert's GEMMs in FP8 with its own scales, follow float32",
           "[fp8][engine][train][moe]") {
-  Config base = test::tiny_llama_config();
-  base.model.num_layers = 3;
-  MoeConfig& e = base.model.moe;
-  e.num_experts = 4;
-  e.router_topk = 2;
-  e.ffn_hidden_size = 20;
-  e.layer_freq = 1;
-  e.moe_layer = {1, 0, 1};  // a dense layer between two MoE layers
+  Config base = test::with_moe(test::tiny_llama_config(), 3, 4, 2, 20, 1);
+  base.model.moe.moe_layer = {1, 0, 1};  // a dense layer between two MoE layers
   base = fp8_mock_config(base);
   const Fp8Run ref = train(base);
   const Fp8Run f = train(with_delayed_fp8(base));

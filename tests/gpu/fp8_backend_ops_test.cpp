@@ -43,6 +43,21 @@ Quant2 quantize2(const Twin& x, DType e, Fp8Recipe recipe, float scale, bool row
   return q;
 }
 
+// A linear layer's operands in dtype dt (x [M, K], w [N, K], dy [M, N]) and their tensorwise casts
+// (x and w e4m3, dy e5m2; row-major and transposed).
+struct LinearOperands {
+  Twin x, w, dy;
+  Quant2 xq, wq, dyq;
+};
+LinearOperands linear_operands(Rng& rng, DType dt, int64_t M, int64_t K, int64_t N) {
+  LinearOperands o{twin(dt, {M, K}, rng.normal(M * K, 1.0)), twin(dt, {N, K}, rng.normal(N * K, 0.1)),
+                   twin(dt, {M, N}, rng.normal(M * N, 0.01)), {}, {}, {}};
+  o.xq = quantize2(o.x, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  o.wq = quantize2(o.w, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
+  o.dyq = quantize2(o.dy, DType::fp8_e5m2, Fp8Recipe::tensorwise, 1.0f, true, true);
+  return o;
+}
+
 // One cast's outputs (q [R, C], t [C, R] in FP8 dtype e) and scaling state, on ONE backend (the
 // scalars exist on both; meta() picks this side's).
 struct CastOut {
@@ -110,12 +125,9 @@ TEST_CASE("cuda FP8 ops vs reference: quantize (delayed, tensorwise), bit for bi
 TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients", "[gpu][fp8]") {
   MT_RNG(rng);
   const int64_t M = 96, K = 80, N = 112;
-  Twin x = twin(DType::bf16, {M, K}, rng.normal(M * K, 1.0));
-  Twin w = twin(DType::bf16, {N, K}, rng.normal(N * K, 0.1));
-  Twin dy = twin(DType::bf16, {M, N}, rng.normal(M * N, 0.01));
-  Quant2 xq = quantize2(x, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
-  Quant2 wq = quantize2(w, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
-  Quant2 dyq = quantize2(dy, DType::fp8_e5m2, Fp8Recipe::tensorwise, 1.0f, true, true);
+  LinearOperands o = linear_operands(rng, DType::bf16, M, K, N);
+  const Twin &x = o.x, &w = o.w, &dy = o.dy;
+  Quant2 &xq = o.xq, &wq = o.wq, &dyq = o.dyq;
 
   for (Activation act : {Activation::none, Activation::gelu, Activation::gelu_tanh})
     for (bool with_bias : {false, true}) {
@@ -224,12 +236,8 @@ TEST_CASE("cuda FP8 ops vs reference: float32 activations (FP8 without --bf16)",
       CHECK(value(dev(), q.scale.c) == value(ref(), q.scale.r));
     }
   const int64_t M = 96, K = 80, N = 112;
-  Twin x = twin(DType::f32, {M, K}, rng.normal(M * K, 1.0));
-  Twin w = twin(DType::f32, {N, K}, rng.normal(N * K, 0.1));
-  Twin dy = twin(DType::f32, {M, N}, rng.normal(M * N, 0.01));
-  Quant2 xq = quantize2(x, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
-  Quant2 wq = quantize2(w, DType::fp8_e4m3, Fp8Recipe::tensorwise, 1.0f, true, true);
-  Quant2 dyq = quantize2(dy, DType::fp8_e5m2, Fp8Recipe::tensorwise, 1.0f, true, true);
+  LinearOperands o = linear_operands(rng, DType::f32, M, K, N);
+  Quant2 &xq = o.xq, &wq = o.wq, &dyq = o.dyq;
   for (Activation act : {Activation::none, Activation::gelu}) {
     INFO("forward act " << static_cast<int>(act));
     Twin y = twin_nan(DType::f32, {M, N});
