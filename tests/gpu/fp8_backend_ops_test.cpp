@@ -126,7 +126,7 @@ TEST_CASE("cuda FP8 ops vs reference: linear forward, input and weight gradients
   MT_RNG(rng);
   const int64_t M = 96, K = 80, N = 112;
   LinearOperands o = linear_operands(rng, DType::bf16, M, K, N);
-  const Twin &x = o.x, &w = o.w, &dy = o.dy;
+  const Twin& dy = o.dy;
   Quant2 &xq = o.xq, &wq = o.wq, &dyq = o.dyq;
 
   for (Activation act : {Activation::none, Activation::gelu, Activation::gelu_tanh})
