@@ -350,6 +350,14 @@ megatrain_parallel_train_test(parallel_train_fp8_params_moe_dp2 --fp8 --model "$
 megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_dp2 --fp8 --model "${fp8_moe_model} ${fp8_params}" 4
                               --expert-model-parallel-size 2 --overlap-grad-reduce --overlap-param-gather
                               --ddp-bucket-size 2000)
+# EP 2 x TP 2 + SP, the experts split over TP (each expert's block of rows a TP shard) or whole
+# (expert TP 1); seed 3: seeds 1, 2 and 1234 move an element across an FP8 rounding tie within the
+# 4 iterations at this layout, with or without FP8 parameters (the TP reductions' float sums).
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_tp2_sp --fp8 --model "${fp8_moe_model} ${fp8_params} \
+--seed 3" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_etp1_tp2_sp --fp8 --model "${fp8_moe_model} \
+${fp8_params} --seed 3" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel
+                              --expert-tensor-parallel-size 1)
 megatrain_parallel_train_test(parallel_train_fp8_params_gpt_oss_mlp_pp2 --fp8 --model "${fp8_gpt_oss_mlp} ${fp8_params}"
                               2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fp8_params_moe_tensorwise_pp2_dp2 --fp8 --model "${moe_model} \
