@@ -357,8 +357,8 @@ GptModel::Fp8ParamSlot GptModel::fp8_param_slot(const ParamDesc& p) const {
                            {".mlp.shared_experts.linear_fc1.weight", extra_shared_gemm(0)},
                            {".mlp.shared_experts.linear_fc2.weight", extra_shared_gemm(1)}};
     for (const Named& e : extra) {
-      const bool mla_gemm = e.gemm <= kMlaProj && std::string_view(e.suffix).starts_with(".self_attention.");
-      if (mla_gemm && !d_.mla) continue;
+      // (The attention entries are multi-latent attention's: another layer's linear_proj is fp8_'s.)
+      if (std::string_view(e.suffix).starts_with(".self_attention.") && !d_.mla) continue;
       if (n.ends_with(e.suffix)) return {&fp8_extra_, local, e.gemm, 1, p.numel()};
     }
   }
