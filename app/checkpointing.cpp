@@ -599,7 +599,7 @@ bool TrainingCheckpoints::load_fp8_layers(CheckpointReader& reader, GptModel& m,
 // both; tensorwise scales are that rank's last casts', as for the dense layers).
 bool TrainingCheckpoints::writes_expert_state() const {
   const bool first_replica = ps_.edp ? ps_.edp_rank == 0 : ps_.dp_rank == 0 && ps_.cp_rank == 0;
-  return first_replica && (ps_.etp_size == 1 || ps_.tp_rank == 0);
+  return first_replica && (ps_.etp_size == 1 || ps_.etp_rank == 0);  // (one rank of the experts' TP shards)
 }
 
 namespace {

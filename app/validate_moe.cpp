@@ -237,9 +237,6 @@ std::vector<std::string> not_built(const CliState& st) {
                               "the tensor-parallel size)", etp, tp));
   if (st.has("--fp4-format"))
     out.push_back("megatrain does not support --num-experts with --fp4-format yet (MoE layers run in FP8, bf16 or fp32)");
-  if (c.train.fp8_format && etp > 1 && etp < tp)
-    out.push_back(fmt::format("megatrain does not support --num-experts with --fp8-format and "
-                              "--expert-tensor-parallel-size {} between 1 and --tensor-model-parallel-size {} yet", etp, tp));
   if (c.model.add_bias_linear)
     out.push_back("megatrain does not support --num-experts with linear biases yet (MoE layers are built without "
                   "biases: pass --disable-bias-linear)");

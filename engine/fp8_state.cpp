@@ -159,10 +159,12 @@ void Fp8State::reduce_amax(ParallelState& ps) {
   // parallelism: every replica of the weights keeps the same scales.)
   const Tensor current = history_.flat_slice(0, operands());
   if (experts_) {
-    // The experts' shards over their TP group (ETP = TP, or 1: whole experts); their replicas.
+    // The experts' shards over their TP group (the dense TP group where ETP = TP; none where ETP = 1:
+    // whole experts); their replicas.
     if (ps.etp_size > 1) {
-      MT_CHECK(ps.etp_size == ps.tp_size, "FP8 experts with an expert TP size {} below TP {}", ps.etp_size, ps.tp_size);
-      ps.tp->all_reduce(current, ReduceOp::max);
+      MT_CHECK(ps.etp || ps.etp_size == ps.tp_size, "FP8 experts: no expert TP group of {} ranks (TP {})", ps.etp_size,
+               ps.tp_size);
+      (ps.etp ? *ps.etp : *ps.tp).all_reduce(current, ReduceOp::max);
     }
     if (ps.expert_dp().size() > 1) ps.expert_dp().all_reduce(current, ReduceOp::max);
     return;

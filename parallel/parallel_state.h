@@ -51,6 +51,9 @@ struct ParallelState {
   // With an expert TP size below TP: the experts' tp x ep group (the rows its members dispatch are
   // gathered over it); null when of one rank.
   std::unique_ptr<Communicator> expert_tp_ep;
+  // With an expert TP size between 1 and TP: the ranks holding shards of the same experts (the FP8
+  // experts' amaxes are maxed over it); null otherwise (expert TP = TP: the tp group; 1: none).
+  std::unique_ptr<Communicator> etp;
   Communicator& expert_dp() const { return edp ? *edp : replicas(); }
 
   // --num-distributed-optimizer-instances N > 1 (Megatron's partial distributed optimizer): the DP

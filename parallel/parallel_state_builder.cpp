@@ -108,6 +108,7 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
              "{}, dp {}, pp {})", rank, ec.tp, ec.ep, ec.dp, ec.pp, c.tp, c.dp, c.pp);
     if (eg.ep > 1) s.ep = split_into(*world, rank_groups(eg, "ep"), "ep");
     if (eg.tp < grid.tp && eg.tp * eg.ep > 1) s.expert_tp_ep = split_into(*world, rank_groups(eg, "tp-ep"), "expert_tp_ep");
+    if (eg.tp > 1 && eg.tp < grid.tp) s.etp = split_into(*world, rank_groups(eg, "tp"), "expert_tp");
     s.edp = split_into(*world, rank_groups(eg, "dp"), "expert_dp");
     s.expert_model_parallel = split_into(*world, rank_groups(eg, "tp-ep-pp"), "expert_model_parallel");
   } else {  // the experts' data-parallel group is the dense replicas' (DP x CP)

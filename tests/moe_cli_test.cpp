@@ -372,9 +372,6 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
       {"--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4", 4,
        "megatrain does not support --expert-tensor-parallel-size 4 with --tensor-model-parallel-size 2 yet (MoE: the "
        "experts' tensor-parallel size must divide the tensor-parallel size)"},
-      {"--bf16 --fp8-format hybrid --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2", 4,
-       "megatrain does not support --num-experts with --fp8-format and --expert-tensor-parallel-size 2 between 1 and "
-       "--tensor-model-parallel-size 4 yet"},
       {"--moe-router-dtype fp64", 1, "megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)"},
       {"--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0", 1,
        "megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet"},
@@ -383,6 +380,11 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
     INFO(c.flags);
     CHECK(unsupported_error(moe_gpt() + words(c.flags), c.world) == c.line);
   }
+  // FP8 MoE layers run (the experts' GEMMs in FP8, each expert with its own scaling state), also with
+  // the experts' TP size between 1 and TP (their amaxes maxed over the expert TP group).
+  CHECK(parse(moe_gpt() + words("--bf16 --fp8-format hybrid --tensor-model-parallel-size 4 --sequence-parallel "
+                                "--expert-tensor-parallel-size 2"), 4)
+            .parallel.expert_tensor_parallel_size == 2);
   // FP8 MoE layers run (the experts' GEMMs in FP8, each expert with its own scaling state).
   CHECK(parse(moe_gpt() + words("--bf16 --fp8-format hybrid --fp8-recipe tensorwise")).train.fp8_format ==
         Fp8Format::hybrid);

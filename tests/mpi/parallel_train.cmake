@@ -358,6 +358,17 @@ megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_tp2_sp --fp8 --m
 megatrain_parallel_train_test(parallel_train_fp8_params_moe_ep2_etp1_tp2_sp --fp8 --model "${fp8_moe_model} \
 ${fp8_params} --seed 3" 4 --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel
                               --expert-tensor-parallel-size 1)
+# The experts split over 2 of TP 4's ranks (expert TP 2, EP 2): the experts' amaxes maxed over their
+# own TP group, one writer of each expert's FP8 state per checkpoint; also with FP8 parameters, and a
+# resume onto EP 2 alone (seed 1: seed 3 moves an element across an FP8 rounding tie at this layout).
+megatrain_parallel_train_test(parallel_train_fp8_moe_etp2_ep2_tp4_sp --fp8 --model "${fp8_moe_model} --seed 1" 4
+                              --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_params_moe_etp2_ep2_tp4_sp --fp8 --model "${fp8_moe_model} ${fp8_params} \
+--seed 1" 4 --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_resume_fp8_moe_etp2_tp4_to_ep2 --fp8 --model "${fp8_moe_model} --seed 1"
+  --resume 4 "--tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2 --expert-model-parallel-size 2"
+  2 "--expert-model-parallel-size 2")
 megatrain_parallel_train_test(parallel_train_fp8_params_gpt_oss_mlp_pp2 --fp8 --model "${fp8_gpt_oss_mlp} ${fp8_params}"
                               2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fp8_params_moe_tensorwise_pp2_dp2 --fp8 --model "${moe_model} \
