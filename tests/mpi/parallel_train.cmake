@@ -606,10 +606,10 @@ megatrain_parallel_train_test(parallel_train_cp2_dp2_distopt_instances2 4 --cont
 set(mla_model "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 \
 --v-head-dim 6 --qk-layernorm --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
 --rotary-scaling-factor 40 --mscale-all-dim 1.0")
-megatrain_parallel_train_test(parallel_train_mla_tp2_sp --model "${mla_model}" 2 --tensor-model-parallel-size 2
+megatrain_parallel_train_test(parallel_train_mla_tp2_sp --iters 20 --model "${mla_model}" 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
-megatrain_parallel_train_test(parallel_train_mla_pp2 --model "${mla_model}" 2 --pipeline-model-parallel-size 2)
-megatrain_parallel_train_test(parallel_train_mla_cp2 --model "${mla_model}" 2 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mla_pp2 --iters 20 --model "${mla_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mla_cp2 --iters 20 --model "${mla_model}" 2 --context-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_mla_sinks_tp2_cp2 --model "${mla_model} --softmax-type learnable" 4
                               --tensor-model-parallel-size 2 --context-parallel-size 2)
 # Direct queries with --qk-layernorm's second norm of the input, LayerNorm and biases, TP 2 without SP.
@@ -625,7 +625,7 @@ set(mtp_model "--normalization RMSNorm --swiglu --position-embedding-type rope -
 --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3")
 megatrain_parallel_train_test(parallel_train_mtp_tp2_sp --model "${mtp_model}" 2 --tensor-model-parallel-size 2
                               --sequence-parallel)
-megatrain_parallel_train_test(parallel_train_mtp_pp2 --model "${mtp_model}" 2 --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_mtp_pp2 --iters 20 --model "${mtp_model}" 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_mtp_dp2_distopt --model "${mtp_model}" 2 --use-distributed-optimizer)
 # Sliding windows on the decoder layers and on the MTP depths (numbered on their own, as Megatron
 # does: depth 1 windowed, depth 2 not), under PP 2 x TP 2 with sequence parallelism.
@@ -681,14 +681,15 @@ megatrain_parallel_train_test(parallel_train_fp8_params_deepseek_proxy_fsdp_dp2 
 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather --calculate-per-token-loss" 2)
 # A small DeepSeek-V3 proxy: MLA, sigmoid group-limited routing with the expert bias, a shared
 # expert, a dense first layer, one MTP depth (an MoE layer, as the last decoder layer), on 8 ranks:
-# TP 2 (+SP) x EP 2 x PP 2.
+# TP 2 (+SP) x EP 2 x PP 2. (This and MLA at TP 2 + SP, PP 2 and CP 2, and MTP under PP 2, over 20
+# iterations.)
 set(dsv3_proxy "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 \
 --v-head-dim 8 --qk-layernorm --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
 --rotary-scaling-factor 40 --mscale-all-dim 1.0 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 16 \
 --moe-router-score-function sigmoid --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 \
 --moe-router-enable-expert-bias --moe-shared-expert-intermediate-size 16 --moe-layer-freq '([0]+[1]*3)' --moe-grouped-gemm \
 --mtp-num-layers 1")
-megatrain_parallel_train_test(parallel_train_dsv3_proxy_tp2_ep2_pp2 --model "${dsv3_proxy}" 8 --tensor-model-parallel-size 2
+megatrain_parallel_train_test(parallel_train_dsv3_proxy_tp2_ep2_pp2 --iters 20 --model "${dsv3_proxy}" 8 --tensor-model-parallel-size 2
                               --sequence-parallel --expert-model-parallel-size 2 --pipeline-model-parallel-size 2)
 # ... with an untied output layer over PP 2 (the last stage's own copy of the word embeddings, its
 # gradient summed with the first stage's over the embedding group), interleaved, and placed by
