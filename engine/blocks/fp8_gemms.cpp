@@ -9,8 +9,9 @@
 // Weights are cast at each use (the scales hold still within a step, so the same bits each time),
 // where the dense layers keep a per-layer cache: an MoE layer's experts are most of the model. The
 // casts of one op at a time share the workspaces laid out here. Each cast of an op's groups is one
-// Backend::fp8_quantize_groups (one launch on the GPU for delayed scaling, where a launch per
-// expert left the GPU waiting for the host with many experts). FP8 parameters (--fp8-param-gather)
+// Backend::fp8_quantize_groups (one launch on the GPU for delayed scaling: a cast per expert, about
+// 640 launches per MoE layer of 64 experts, made moe-fine-grained's FP8 step 14% longer on an H100,
+// bench/RESULTS.md). FP8 parameters (--fp8-param-gather)
 // are the optimizer's casts already, with the same scales: the forward reads them as they are, the
 // input gradient a transposed copy, and while delayed scaling calibrates the compute-dtype GEMMs
 // take them dequantized (as the dense layers' compute_weight).
