@@ -206,9 +206,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   layout(*arena_);  // real views
   bind_params();
   plan_grad_zeroing();
-  fp8_.initialize(be_);
-  fp8_ex_.initialize(be_);
-  fp8_extra_.initialize(be_);
+  for (Fp8State* st : fp8_states()) st->initialize(be_);
   if (fp8_.any()) be_.prepare_fp8_gemms();
   if (d_.any_moe()) be_.prepare_grouped_gemms(d_.experts_local());
   attention_core_ = make_local_attention(be_);  // the FP8 GEMMs' workspace now, not in the first step

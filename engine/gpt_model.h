@@ -8,6 +8,7 @@
 // input/output tensors between ranks. See engine/README.md for the step as data.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -811,6 +812,8 @@ class GptModel {
   std::vector<Fp8ParamSlot> fp8_param_slot_;
   Fp8ParamSlot fp8_param_slot(const ParamDesc& p) const;
   void plan_fp8_states();
+  // The three scaling states: the dense layers', the routed experts' and the extra GEMMs'.
+  std::array<Fp8State*, 3> fp8_states() { return {&fp8_, &fp8_ex_, &fp8_extra_}; }
 };
 
 }  // namespace mt

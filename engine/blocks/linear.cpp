@@ -26,9 +26,7 @@ void GptModel::layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A, bool 
 void GptModel::fp8_begin_step() { std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0); }
 
 void GptModel::fp8_end_step() {
-  fp8_.end_step(be_, ps_);
-  fp8_ex_.end_step(be_, ps_);
-  fp8_extra_.end_step(be_, ps_);
+  for (Fp8State* st : fp8_states()) st->end_step(be_, ps_);
   std::fill(fp8_fresh_.begin(), fp8_fresh_.end(), 0);  // the optimizer changed the weights
 }
 
@@ -50,13 +48,13 @@ void GptModel::for_each_fp8_param_piece(int i, int64_t offset, int64_t numel,
 
 void GptModel::reduce_fp8_param_amax() {
   if (!fp8_params()) return;
-  for (Fp8State* st : {&fp8_, &fp8_ex_, &fp8_extra_})
+  for (Fp8State* st : fp8_states())
     if (st->any()) st->reduce_amax(ps_);
 }
 
 void GptModel::update_fp8_param_scales() {
   if (!fp8_params() || opt_.fp8.recipe != Fp8Recipe::tensorwise) return;
-  for (Fp8State* st : {&fp8_, &fp8_ex_, &fp8_extra_})
+  for (Fp8State* st : fp8_states())
     if (st->any()) st->update_weight_scales(be_);
 }
 
@@ -94,9 +92,8 @@ void GptModel::fp8_cast_shard(int b) {
 void GptModel::fp8_params_from_master(bool fresh_state) {
   if (!fp8_params()) return;
   const GradLayout& L = grad_layout_;
-  Fp8State* const states[] = {&fp8_, &fp8_ex_, &fp8_extra_};
   if (fresh_state)
-    for (Fp8State* st : states) st->initialize(be_);
+    for (Fp8State* st : fp8_states()) st->initialize(be_);
   if (fresh_state || opt_.fp8.recipe == Fp8Recipe::tensorwise) {
     // A first cast with the scales there are (its bits are overwritten below) records every
     // shard's amax; their max over TP and DP (the experts': over their replicas and expert TP)
@@ -104,7 +101,7 @@ void GptModel::fp8_params_from_master(bool fresh_state) {
     // alone. The amax stays recorded for that update.
     for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
     reduce_fp8_param_amax();
-    for (Fp8State* st : states) st->set_weight_scales_from_amax(be_);
+    for (Fp8State* st : fp8_states()) st->set_weight_scales_from_amax(be_);
   }
   for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
   for (int b = 0; b < L.num_buckets(); ++b) {
