@@ -168,6 +168,7 @@ __device__ V block_sum(V v) {
 
 // ---- host-side helpers --------------------------------------------------------------------------
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 inline unsigned grid_for(int64_t work_items, int block, int64_t max_blocks = 65535LL * 16) {
   int64_t g = (work_items + block - 1) / block;

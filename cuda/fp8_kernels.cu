@@ -808,9 +808,8 @@ bool use_tile_kernel(bool dbias) {
 template <typename Input>
 void launch_cast_transpose(const KernelContext& ctx, void* out, void* out_t, Fp8Format format, const Input& in,
                            int64_t R, int64_t C, bool vec, const float* scale, float* amax, GradOut dbias = GradOut()) {
-  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   const int64_t Cs = C / Input::kHalves;  // the tiled width
-  vec = vec && R % 8 == 0 && Cs % 8 == 0 && a8(out) && a8(out_t);
+  vec = vec && R % 8 == 0 && Cs % 8 == 0 && aligned8(out) && aligned8(out_t);
   auto* o = static_cast<uint8_t*>(out);
   auto* ot = static_cast<uint8_t*>(out_t);
   if (vec && !use_tile_kernel<Input>(static_cast<bool>(dbias))) {
@@ -874,8 +873,8 @@ bool cast_transpose_groups_to_fp8(const KernelContext& ctx, void* out, void* out
   MT_CHECK(n >= 0 && scale.size() == static_cast<size_t>(n) && amax.size() == static_cast<size_t>(n),
            "cast_transpose_groups_to_fp8: {} offsets for {} scales and {} amax slots", row0.size(), scale.size(),
            amax.size());
-  const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
-  bool vec = n <= kMaxCastGroups && C % 8 == 0 && aligned16(in.data) && a8(out) && a8(out_t) && row0[0] == 0;
+  bool vec = n <= kMaxCastGroups && C % 8 == 0 && aligned16(in.data) && aligned8(out) && aligned8(out_t) &&
+             row0[0] == 0;
   for (int g = 0; vec && g < n; ++g) vec = row0[g + 1] >= row0[g] && (row0[g + 1] - row0[g]) % 8 == 0;
   if (!vec) return false;
   MT_CHECK(row0[n] <= in.rows(), "cast_transpose_groups_to_fp8: groups end at row {} of {}", row0[n], in.rows());

@@ -411,7 +411,6 @@ void check_moment(const Tensor& t, int64_t n, const char* name) {
            t.shape_string());
 }
 
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 // Four-element accesses to a float32 (16-byte) or bfloat16 (8-byte) buffer need its alignment.
 bool aligned_for4(const Tensor& t) { return t.dtype == DType::f32 ? aligned16(t.data) : aligned8(t.data); }
