@@ -29,6 +29,7 @@
 #include "app/megatron_args.h"
 #include "app/subcommand_args.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/dcp_writer.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/megatron_flat_layout.h"
 #include "checkpoint/megatron_names.h"
@@ -304,10 +305,9 @@ bool has_extra_state_after(const std::vector<RankParam>& params, size_t k) {
 }  // namespace
 
 MegatronExportResult export_megatron(const MegatronExportOptions& o) {
-  if (o.format != "torch")
-    throw Unsupported(fmt::format("export-megatron writes --ckpt-format torch (got '{}'); Megatron-LM converts it to "
-                                  "torch_dist with its own --ckpt-convert-format",
-                                  o.format));
+  if (o.format != "torch" && o.format != "torch_dist")
+    throw Unsupported(fmt::format("export-megatron writes --ckpt-format torch_dist or torch (got '{}')", o.format));
+  const bool torch_dist = o.format == "torch_dist";
   const std::optional<CheckpointLocation> loc = locate_checkpoint(o.load, o.ckpt_step);
   if (!loc)
     fail("{} has no latest_checkpointed_iteration.txt: pass --ckpt-step N or the directory megatrain's --save wrote",
@@ -326,7 +326,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
                                   reader.directory()));
   const json flags = rs.config.value("flags", json::object());
   const json derived = rs.config.value("derived", json::object());
-  const Layout layout = target_layout(o, flags, derived);
+  Layout layout = target_layout(o, flags, derived);
   const int divisor = vocab_divisor(model, layout, o.make_vocab_size_divisible_by, where);
 
   // The Megatron run's model and layout, checked as megatrain checks its own (divisibility, splits).
@@ -363,6 +363,21 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
   const int mtp = model.mtp_num_layers.value_or(0);
+  if (torch_dist) {
+    const char* what = model.moe.enabled()            ? "mixture-of-experts layers"
+                       : mtp > 0                       ? "multi-token prediction depths"
+                       : model.multi_latent_attention ? "multi-latent attention"
+                                                       : nullptr;
+    if (what)
+      throw Unsupported(fmt::format("export-megatron: {} holds {}, which megatrain writes to Megatron-LM in the torch "
+                                    "format only: pass --ckpt-format torch (Megatron-LM converts it with "
+                                    "--ckpt-convert-format torch_dist)",
+                                    reader.directory(), what));
+    if (o.distributed_optimizer == std::optional<bool>(false) && !o.weights_only)
+      fail("export-megatron: --ckpt-format torch_dist writes the optimizer state as the distributed optimizer's fully "
+           "reshardable layout, which a Megatron-LM run reads with --use-distributed-optimizer only; drop "
+           "--no-use-distributed-optimizer, or pass --weights-only or --ckpt-format torch");
+  }
 
   MegatronExportResult r;
   r.tp = layout.tp;
@@ -370,7 +385,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   r.vpp = layout.vpp;
   r.dp = layout.dp;
   r.ep = layout.ep;
-  r.distributed_optimizer = layout.distributed_optimizer;
 
   // Whether the optimizer state goes over.
   // (the precision the weights were trained in, as stored: an imported checkpoint records no --bf16)
@@ -406,6 +420,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       }
   }
   const bool with_optimizer = why.empty();
+  // (torch_dist: the optimizer state in Megatron's fully reshardable layout, which any TP x PP x
+  // DP layout of the distributed optimizer loads)
+  if (torch_dist) layout.distributed_optimizer = with_optimizer;
+  r.distributed_optimizer = layout.distributed_optimizer;
   r.release = !with_optimizer;
   if (!o.weights_only) r.weights_only_reason = why;
   r.iteration = r.release ? 0 : reader.iteration();
@@ -440,8 +458,12 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   set_arg("use_distributed_optimizer", pickle_bool(layout.distributed_optimizer));
   set_arg("overlap_grad_reduce", pickle_bool(layout.overlap_grad_reduce));
   set_arg("ddp_bucket_size", layout.ddp_bucket_size ? pickle_int(*layout.ddp_bucket_size) : pickle_none());
-  set_arg("ckpt_format", pickle_str("torch"));
-  set_arg("use_dist_ckpt", pickle_bool(false));
+  set_arg("ckpt_format", pickle_str(o.format));
+  set_arg("use_dist_ckpt", pickle_bool(torch_dist));
+  if (torch_dist) {
+    set_arg("dist_ckpt_optim_fully_reshardable", pickle_bool(layout.distributed_optimizer));
+    set_arg("distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
+  }
   set_arg("transformer_impl", pickle_str("local"));
   set_arg("make_vocab_size_divisible_by", pickle_int(divisor));
   set_arg("padded_vocab_size", pickle_int(model.padded_vocab_size));
@@ -542,151 +564,247 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   remove_tree(tmp_dir);
   const int64_t seed = recorded_or<int64_t>(flags, "--seed", 1234);
   const bool dp_random_init = recorded_or<bool>(flags, "--data-parallel-random-init", false);
-  for (int p = 0; p < layout.pp; ++p) {
-    const std::vector<ModelChunk> chunks = stage_chunks(split, p);
-    for (int rank = 0; rank < layout.tp * layout.ep; ++rank) {
-      const int t = rank % layout.tp, e = rank / layout.tp;  // (expert-parallel ranks last, as Megatron's names)
-      std::string rank_dir =
-          layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
-      if (layout.ep > 1) rank_dir += fmt::format("_{:03d}", e);
-      make_directories(join_path(tmp_dir, rank_dir));
-      TorchSaveWriter w;
+  if (torch_dist) {
+    // One PyTorch Distributed Checkpoint under Megatron-Core's keys (checkpoint/dcp_writer.h):
+    // every tensor whole (global), a decoder layer's parameters stacked along a first dimension of
+    // num_layers, one chunk per layer; each linear's extra state (None) per layer; the optimizer
+    // state in the distributed optimizer's fully reshardable layout ("optimizer.state.{param,
+    // exp_avg,exp_avg_sq}.<key>", the float32 main weights as "param"); the RNG states per pipeline
+    // x tensor rank; everything else in the common state. Any layout loads it.
+    make_directories(tmp_dir);
+    DcpWriter dcp(tmp_dir);
+    CheckpointReader* rd = &reader;
+    const int64_t layers = model.num_layers;
+    // (megatrain's name and the checkpoint's are Megatron-Core's, but for the layer number)
+    auto write_tensor = [&](const std::string& prefix, const std::string& param, CheckpointKind kind,
+                            const std::string& name, DType dtype) {
+      const CheckpointTensorInfo info = reader.info(name, kind);
+      std::string key = param;
+      std::vector<int64_t> global = info.global_shape, offsets(global.size(), 0), chunk = global;
+      if (const auto layer = megatron_split_layer_name(param)) {
+        key = "decoder.layers." + layer->second;
+        global.insert(global.begin(), layers);
+        offsets.insert(offsets.begin(), layer->first);
+        chunk.insert(chunk.begin(), 1);
+      }
+      dcp.tensor_chunk(prefix + key, dtype, global, offsets, chunk, [rd, info, name, kind, dtype, chunk]() {
+        HostArray a = HostArray::zeros(dtype, chunk);
+        rd->read(name, kind, ShardSlice::whole(ShardIndex::whole(info.global_rows, info.global_cols)),
+                 Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}), info.global_shape);
+        return a;
+      });
+    };
+    // The model's parameters once each (the tied output layer is the word embeddings' key).
+    std::vector<std::string> params;
+    std::set<std::string> seen, extra_state_modules;
+    for (int p = 0; p < layout.pp; ++p)
+      for (const ModelChunk& c : stage_chunks(split, p))
+        for (const RankParam& rp : ex.chunk_params(cfg, c, 0))
+          if (rp.source == rp.local_name || rp.local_name != "output_layer.weight")
+            if (seen.insert(rp.source).second) params.push_back(rp.source);
+    for (const std::string& param : params) {
+      write_tensor("", param, CheckpointKind::model, param, ex.model_dtype(param));
+      if (const auto layer = megatron_split_layer_name(param)) {
+        const std::string module = layer->second.substr(0, layer->second.rfind('.'));
+        if (megatron_has_extra_state(module)) extra_state_modules.insert(module);
+      }
+    }
+    for (int64_t l = 0; l < layers; ++l)
+      for (const std::string& module : extra_state_modules)
+        dcp.object(fmt::format("decoder.layers.{}._extra_state/shard_{}_{}", module, l, layers),
+                   [](TorchSaveWriter&) { return pickle_none(); });
+    PickleRef content = pickle_dict();
+    if (with_optimizer) {
+      for (const std::string& param : params) {
+        const auto [main_kind, main_name] = ex.main_source(param);
+        write_tensor("optimizer.state.param.", param, main_kind, main_name, DType::f32);
+        for (const char* state : {"exp_avg", "exp_avg_sq"})
+          write_tensor(fmt::format("optimizer.state.{}.", state), param, CheckpointKind::optimizer,
+                       param + "." + state, DType::f32);
+      }
+      for (int p = 0; p < layout.pp; ++p)
+        for (int t = 0; t < layout.tp; ++t)
+          dcp.object(fmt::format("rng_state/shard_{}.{}_{}.{}", p, t, layout.pp, layout.tp), [&](TorchSaveWriter& w) {
+            PickleRef rng = pickle_list();
+            for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
+              rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
+            return rng;
+          });
+      pickle_set(*content, "distrib_optim_sharding_type", pickle_str("fully_reshardable"));
+      pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
+    }
+    pickle_set(*content, "singleton_local_shards", pickle_bool(false));
+    pickle_set(*content, "chained_optim_avoid_prefix", pickle_bool(true));
+    dcp.object("common_state/shard_0_1", [&](TorchSaveWriter& w) {
       PickleRef root = pickle_dict();
       pickle_set(*root, "args", args);
       pickle_set(*root, "checkpoint_version", pickle_float(3.0));
       pickle_set(*root, "iteration", pickle_int(r.iteration));
-      std::vector<std::vector<RankParam>> params;  // by chunk
-      for (size_t v = 0; v < chunks.size(); ++v) {
-        params.push_back(ex.chunk_params(cfg, chunks[v], t, e));
-        const std::vector<RankParam>& ps = params.back();
-        PickleRef sd = pickle_ordered_dict();
-        for (size_t k = 0; k < ps.size(); ++k) {
-          pickle_set(*sd, ps[k].local_name,
-                     ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
-          if (has_extra_state_after(ps, k))
-            pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
-        }
-        // the output layer of a model whose embeddings it shares on the same stage has no weight
-        if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
-          pickle_set(*sd, "output_layer._extra_state", pickle_none());
-        pickle_set(*root, chunks.size() > 1 ? fmt::format("model{}", v) : std::string("model"), sd);
-      }
       if (with_optimizer) {
-        PickleRef opt = pickle_dict();
-        if (!layout.distributed_optimizer) {
-          // torch's Adam state, indexed through the groups: those with weight decay, then those
-          // without, each in registration order over the rank's chunks
-          PickleRef adam = pickle_dict();
-          PickleRef state = pickle_dict();
-          PickleRef groups = pickle_list();
-          PickleRef mains = pickle_list();
-          int64_t index = 0;
-          for (const bool decay : {true, false}) {
-            PickleRef g = param_group(decay);
-            PickleRef indices = pickle_list();
-            PickleRef group_mains = pickle_list();
-            for (const auto& chunk : params)
-              for (const RankParam& rp : chunk) {
-                if (rp.weight_decay != decay) continue;
-                PickleRef s = pickle_dict();
-                HostArray one = HostArray::zeros(DType::f32, {});
-                one.ptr<float>()[0] = static_cast<float>(step);
-                pickle_set(*s, "step", w.tensor(std::move(one)));
-                pickle_set(*s, "exp_avg", ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg", DType::f32));
-                pickle_set(*s, "exp_avg_sq",
-                           ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg_sq", DType::f32));
-                pickle_set(*state, pickle_int(index), s);
-                indices->items.push_back(pickle_int(index++));
-                if (bf16 || fp16)
-                  group_mains->items.push_back(ex.shard(w, rp, CheckpointKind::main_params, rp.source, DType::f32));
-              }
-            pickle_set(*g, "params", indices);
-            groups->items.push_back(g);
-            mains->items.push_back(group_mains);
-          }
-          pickle_set(*adam, "state", state);
-          pickle_set(*adam, "param_groups", groups);
-          if (bf16 || fp16) {
-            pickle_set(*opt, "optimizer", adam);
-            grad_scaler(w, *opt);
-            pickle_set(*opt, "fp32_from_fp16_params", mains);
-          } else {
-            opt = adam;  // Megatron's FP32Optimizer saves torch's state dict as it is
-          }
-        } else {
-          PickleRef inner = pickle_dict();
-          pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
-          pickle_set(*opt, "optimizer", inner);
-          grad_scaler(w, *opt);
-          // distrib_optim.pt: per chunk its buckets end to end, each parameter's TP shard where
-          // Megatron's DistributedDataParallel puts it
-          TorchSaveWriter dw;
-          PickleRef buffers = pickle_dict();
-          pickle_set(*buffers, "buckets_coalesced", pickle_bool(true));
-          for (size_t v = 0; v < chunks.size(); ++v) {
-            const ModelChunk& c = chunks[v];
-            const std::vector<FlatParam> flat = megatron_chunk_params(cfg, layout.tp, t, c.first_layer, c.num_layers,
-                                                                      c.has_embedding, c.has_output, layout.pp > 1, false);
-            const std::string what = fmt::format("tensor rank {}, pipeline rank {}, chunk {}", t, p, v);
-            const std::vector<int64_t> sizes =
-                megatron_flat_bucket_sizes(flat, saved_bucket_size(*args, p, static_cast<int>(v)));
-            const std::vector<FlatSlot> slots = megatron_flat_slots(flat, sizes, what);
-            std::vector<int64_t> starts(sizes.size(), 0);
-            for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
-            const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
-            struct Placed {
-              RankParam param;
-              int64_t offset;
-            };
-            std::vector<Placed> placed;
-            for (size_t k = 0; k < flat.size(); ++k)
-              placed.push_back({params[v][k], starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset});
-            PickleRef states = pickle_dict();
-            CheckpointReader* rd = &reader;
-            for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
-              const std::string st = state;
-              std::vector<std::pair<CheckpointKind, std::string>> sources;
-              for (const Placed& pl : placed)
-                sources.push_back(st == "param" ? ex.main_source(pl.param.source)
-                                                : std::make_pair(CheckpointKind::optimizer, pl.param.source + "." + st));
-              pickle_set(*states, st, dw.tensor(DType::f32, {total}, [rd, placed, sources, total]() {
-                HostArray buf = HostArray::zeros(DType::f32, {total});
-                for (size_t k = 0; k < placed.size(); ++k) {
-                  const RankParam& rp = placed[k].param;
-                  rd->read(sources[k].second, sources[k].first, ShardSlice::whole(rp.shard),
-                           Tensor(buf.ptr<float>() + placed[k].offset, DType::f32, Device::cpu, {rp.shard.local_numel()}),
-                           rp.global_shape);
-                }
-                return buf;
-              }));
-            }
-            pickle_set(*states, "numel_unpadded", pickle_int(total));
-            // keyed by (parameter dtype, gradient dtype), as Megatron's grad buffers are
-            const DType param_dtype = bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32;
-            const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
-            PickleRef by_dtype = pickle_dict();
-            pickle_set(*by_dtype,
-                       pickle_tuple({pickle_global(torch_dtype_name(param_dtype)),
-                                     pickle_global(torch_dtype_name(grad_dtype))}),
-                       states);
-            pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
-          }
-          const std::string rel = join_path(rank_dir, "distrib_optim.pt");
-          dw.write(join_path(tmp_dir, rel), *buffers);
-          r.files.push_back(rel);
-        }
+        PickleRef opt = pickle_dict(), inner = pickle_dict();
+        pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
+        pickle_set(*opt, "optimizer", inner);
+        grad_scaler(w, *opt);
+        pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
         pickle_set(*root, "optimizer", opt);
         pickle_set(*root, "opt_param_scheduler", scheduler);
-        PickleRef rng = pickle_list();
-        for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
-          rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
-        pickle_set(*root, "rng_state", rng);
       }
       pickle_set(*root, "num_floating_point_operations_so_far",
                  pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
-      const std::string rel = join_path(rank_dir, "model_optim_rng.pt");
-      w.write(join_path(tmp_dir, rel), *root);
-      r.files.push_back(rel);
+      pickle_set(*root, "content_metadata", content);
+      return root;
+    });
+    dcp.finish(true);
+    write_file_atomically(join_path(tmp_dir, "metadata.json"),
+                          R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
+    r.files = {"__0_0.distcp", ".metadata", "metadata.json"};
+  } else {
+    for (int p = 0; p < layout.pp; ++p) {
+      const std::vector<ModelChunk> chunks = stage_chunks(split, p);
+      for (int rank = 0; rank < layout.tp * layout.ep; ++rank) {
+        const int t = rank % layout.tp, e = rank / layout.tp;  // (expert-parallel ranks last, as Megatron's names)
+        std::string rank_dir =
+            layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
+        if (layout.ep > 1) rank_dir += fmt::format("_{:03d}", e);
+        make_directories(join_path(tmp_dir, rank_dir));
+        TorchSaveWriter w;
+        PickleRef root = pickle_dict();
+        pickle_set(*root, "args", args);
+        pickle_set(*root, "checkpoint_version", pickle_float(3.0));
+        pickle_set(*root, "iteration", pickle_int(r.iteration));
+        std::vector<std::vector<RankParam>> params;  // by chunk
+        for (size_t v = 0; v < chunks.size(); ++v) {
+          params.push_back(ex.chunk_params(cfg, chunks[v], t, e));
+          const std::vector<RankParam>& ps = params.back();
+          PickleRef sd = pickle_ordered_dict();
+          for (size_t k = 0; k < ps.size(); ++k) {
+            pickle_set(*sd, ps[k].local_name,
+                       ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
+            if (has_extra_state_after(ps, k))
+              pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
+          }
+          // the output layer of a model whose embeddings it shares on the same stage has no weight
+          if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
+            pickle_set(*sd, "output_layer._extra_state", pickle_none());
+          pickle_set(*root, chunks.size() > 1 ? fmt::format("model{}", v) : std::string("model"), sd);
+        }
+        if (with_optimizer) {
+          PickleRef opt = pickle_dict();
+          if (!layout.distributed_optimizer) {
+            // torch's Adam state, indexed through the groups: those with weight decay, then those
+            // without, each in registration order over the rank's chunks
+            PickleRef adam = pickle_dict();
+            PickleRef state = pickle_dict();
+            PickleRef groups = pickle_list();
+            PickleRef mains = pickle_list();
+            int64_t index = 0;
+            for (const bool decay : {true, false}) {
+              PickleRef g = param_group(decay);
+              PickleRef indices = pickle_list();
+              PickleRef group_mains = pickle_list();
+              for (const auto& chunk : params)
+                for (const RankParam& rp : chunk) {
+                  if (rp.weight_decay != decay) continue;
+                  PickleRef s = pickle_dict();
+                  HostArray one = HostArray::zeros(DType::f32, {});
+                  one.ptr<float>()[0] = static_cast<float>(step);
+                  pickle_set(*s, "step", w.tensor(std::move(one)));
+                  pickle_set(*s, "exp_avg", ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg", DType::f32));
+                  pickle_set(*s, "exp_avg_sq",
+                             ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg_sq", DType::f32));
+                  pickle_set(*state, pickle_int(index), s);
+                  indices->items.push_back(pickle_int(index++));
+                  if (bf16 || fp16)
+                    group_mains->items.push_back(ex.shard(w, rp, CheckpointKind::main_params, rp.source, DType::f32));
+                }
+              pickle_set(*g, "params", indices);
+              groups->items.push_back(g);
+              mains->items.push_back(group_mains);
+            }
+            pickle_set(*adam, "state", state);
+            pickle_set(*adam, "param_groups", groups);
+            if (bf16 || fp16) {
+              pickle_set(*opt, "optimizer", adam);
+              grad_scaler(w, *opt);
+              pickle_set(*opt, "fp32_from_fp16_params", mains);
+            } else {
+              opt = adam;  // Megatron's FP32Optimizer saves torch's state dict as it is
+            }
+          } else {
+            PickleRef inner = pickle_dict();
+            pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
+            pickle_set(*opt, "optimizer", inner);
+            grad_scaler(w, *opt);
+            // distrib_optim.pt: per chunk its buckets end to end, each parameter's TP shard where
+            // Megatron's DistributedDataParallel puts it
+            TorchSaveWriter dw;
+            PickleRef buffers = pickle_dict();
+            pickle_set(*buffers, "buckets_coalesced", pickle_bool(true));
+            for (size_t v = 0; v < chunks.size(); ++v) {
+              const ModelChunk& c = chunks[v];
+              const std::vector<FlatParam> flat = megatron_chunk_params(cfg, layout.tp, t, c.first_layer, c.num_layers,
+                                                                        c.has_embedding, c.has_output, layout.pp > 1, false);
+              const std::string what = fmt::format("tensor rank {}, pipeline rank {}, chunk {}", t, p, v);
+              const std::vector<int64_t> sizes =
+                  megatron_flat_bucket_sizes(flat, saved_bucket_size(*args, p, static_cast<int>(v)));
+              const std::vector<FlatSlot> slots = megatron_flat_slots(flat, sizes, what);
+              std::vector<int64_t> starts(sizes.size(), 0);
+              for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
+              const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
+              struct Placed {
+                RankParam param;
+                int64_t offset;
+              };
+              std::vector<Placed> placed;
+              for (size_t k = 0; k < flat.size(); ++k)
+                placed.push_back({params[v][k], starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset});
+              PickleRef states = pickle_dict();
+              CheckpointReader* rd = &reader;
+              for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
+                const std::string st = state;
+                std::vector<std::pair<CheckpointKind, std::string>> sources;
+                for (const Placed& pl : placed)
+                  sources.push_back(st == "param" ? ex.main_source(pl.param.source)
+                                                  : std::make_pair(CheckpointKind::optimizer, pl.param.source + "." + st));
+                pickle_set(*states, st, dw.tensor(DType::f32, {total}, [rd, placed, sources, total]() {
+                  HostArray buf = HostArray::zeros(DType::f32, {total});
+                  for (size_t k = 0; k < placed.size(); ++k) {
+                    const RankParam& rp = placed[k].param;
+                    rd->read(sources[k].second, sources[k].first, ShardSlice::whole(rp.shard),
+                             Tensor(buf.ptr<float>() + placed[k].offset, DType::f32, Device::cpu, {rp.shard.local_numel()}),
+                             rp.global_shape);
+                  }
+                  return buf;
+                }));
+              }
+              pickle_set(*states, "numel_unpadded", pickle_int(total));
+              // keyed by (parameter dtype, gradient dtype), as Megatron's grad buffers are
+              const DType param_dtype = bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32;
+              const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
+              PickleRef by_dtype = pickle_dict();
+              pickle_set(*by_dtype,
+                         pickle_tuple({pickle_global(torch_dtype_name(param_dtype)),
+                                       pickle_global(torch_dtype_name(grad_dtype))}),
+                         states);
+              pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
+            }
+            const std::string rel = join_path(rank_dir, "distrib_optim.pt");
+            dw.write(join_path(tmp_dir, rel), *buffers);
+            r.files.push_back(rel);
+          }
+          pickle_set(*root, "optimizer", opt);
+          pickle_set(*root, "opt_param_scheduler", scheduler);
+          PickleRef rng = pickle_list();
+          for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
+            rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
+          pickle_set(*root, "rng_state", rng);
+        }
+        pickle_set(*root, "num_floating_point_operations_so_far",
+                   pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
+        const std::string rel = join_path(rank_dir, "model_optim_rng.pt");
+        w.write(join_path(tmp_dir, rel), *root);
+        r.files.push_back(rel);
+      }
     }
   }
   fsync_directory(tmp_dir);
@@ -729,7 +847,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   if (bf16) r.megatron_flags.push_back("--bf16");
   if (fp16) r.megatron_flags.push_back("--fp16");
-  for (const char* f : {"--transformer-impl", "local", "--ckpt-format", "torch", "--load"}) r.megatron_flags.push_back(f);
+  for (const char* f : {"--transformer-impl", "local", "--ckpt-format"}) r.megatron_flags.push_back(f);
+  r.megatron_flags.push_back(o.format);
+  r.megatron_flags.push_back("--load");
   r.megatron_flags.push_back(o.save);
   return r;
 }
@@ -773,13 +893,15 @@ int export_megatron_main(const std::vector<std::string>& argv) {
   }
   o.weights_only = a.has("--weights-only");
   const MegatronExportResult r = export_megatron(o);
-  std::printf("exported %s to %s (Megatron-LM torch format, %s, TP %d x PP %d%s, %zu files)\n", o.load.c_str(),
-              r.directory.c_str(), r.release ? "release" : fmt::format("iteration {}", r.iteration).c_str(), r.tp, r.pp,
+  std::printf("exported %s to %s (Megatron-LM %s format, %s, TP %d x PP %d%s, %zu files)\n", o.load.c_str(),
+              r.directory.c_str(), o.format.c_str(), r.release ? "release" : fmt::format("iteration {}", r.iteration).c_str(), r.tp, r.pp,
               r.vpp > 1 ? fmt::format(" with {} virtual stages", r.vpp).c_str() : "", r.files.size());
   if (!r.release)
     std::printf("with the optimizer state (%s: Adam moments and step, float32 main weights), the learning-rate "
                 "scheduler, the consumed samples and the RNG states Megatron-LM seeds from --seed\n",
-                r.distributed_optimizer ? "the distributed optimizer's distrib_optim.pt" : "torch's Adam state");
+                o.format == "torch_dist" ? "the distributed optimizer's fully reshardable layout"
+                : r.distributed_optimizer ? "the distributed optimizer's distrib_optim.pt"
+                                          : "torch's Adam state");
   else
     std::printf("weights only, as %s: Megatron-LM starts from it at iteration 0 with a fresh optimizer\n",
                 r.weights_only_reason.empty() ? "--weights-only asks" : r.weights_only_reason.c_str());

@@ -8,7 +8,11 @@
 # layout, which export-megatron writes; default 1 each, TP*PP*DP GPUs), DISTOPT=1 (the distributed
 # optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
 # (Megatron-LM skips the exported RNG states), CONVERT=1 (also: Megatron-LM converts the export to
-# torch_dist with its --ckpt-convert-format and resumes from that), PYTHON (default python3).
+# torch_dist with its --ckpt-convert-format and resumes from that), FORMAT=torch_dist (export-megatron
+# writes Megatron's torch_dist format, the optimizer state in the distributed optimizer's fully
+# reshardable layout, and Megatron-LM resumes with --use-distributed-optimizer), EXPORT_TP and
+# EXPORT_PP (torch_dist: the layout export-megatron writes for, default TP and PP; Megatron-LM reshards
+# it to TP x PP on load), PYTHON (default python3).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
 # after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
@@ -63,6 +67,15 @@ if [ "${DISTOPT:-0}" = 1 ]; then
   export_par+=(--use-distributed-optimizer)
   optimizer=" (distributed optimizer)"
 fi
+FORMAT=${FORMAT:-torch}
+case $FORMAT in
+  torch) ;;
+  torch_dist)
+    export_par=(--tensor-model-parallel-size "${EXPORT_TP:-$TP}" --pipeline-model-parallel-size "${EXPORT_PP:-$PP}"
+                --data-parallel-size "$DP")
+    if [ "${DISTOPT:-0}" != 1 ]; then par+=(--use-distributed-optimizer); optimizer=" (distributed optimizer)"; fi ;;
+  *) echo "error: FORMAT must be torch or torch_dist (got '$FORMAT')" >&2; exit 2 ;;
+esac
 rng=()
 [ "${NO_LOAD_RNG:-0}" = 1 ] && rng=(--no-load-rng)
 
@@ -89,13 +102,13 @@ for c in "${CASES[@]}"; do
   echo "== $c: megatrain trains $TOTAL iterations (one GPU, fp32), saving after 10"
   "$BIN" "${common[@]}" "${model[@]}" --train-iters "$TOTAL" --save "$d/megatrain" --save-interval 10 \
     > "$d/megatrain.log" 2>&1 || { echo "megatrain failed, see $d/megatrain.log"; tail -20 "$d/megatrain.log"; exit 1; }
-  echo "== $c: export-megatron writes iteration 10 for TP $TP x PP $PP$optimizer"
-  "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" "${export_par[@]}" \
+  echo "== $c: export-megatron writes iteration 10 in the $FORMAT format for TP ${EXPORT_TP:-$TP} x PP ${EXPORT_PP:-$PP}$optimizer"
+  "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" --ckpt-format "$FORMAT" "${export_par[@]}" \
     > "$d/export.log" 2>&1 || { echo "export-megatron failed:"; cat "$d/export.log"; exit 1; }
   head -2 "$d/export.log"
   echo "== $c: Megatron-LM resumes it to iteration $TOTAL (TP $TP, PP $PP, DP $DP)"
   megatron "$d/megatron_resumed.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
-    --load "$d/exported" --ckpt-format torch
+    --load "$d/exported" --ckpt-format "$FORMAT"
   logs=("$d/megatron_resumed.log")
   if [ "${CONVERT:-0}" = 1 ]; then
     echo "== $c: Megatron-LM converts the export to torch_dist and resumes from that"

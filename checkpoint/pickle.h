@@ -33,6 +33,7 @@ struct PickleValue {
   std::vector<PickleRef> items;                          // list, tuple, set; object: the call's arguments; persistent: the id
   std::vector<std::pair<PickleRef, PickleRef>> entries;  // dict, in insertion order
   PickleRef state;                                       // object: what BUILD gave it (argparse.Namespace: a dict)
+  bool newobj = false;  // object, written: made by NEWOBJ (cls.__new__) rather than called (REDUCE)
 
   bool is(PickleKind k) const { return kind == k; }
   bool is_object(std::string_view callable) const { return kind == PickleKind::object && text == callable; }

@@ -13,7 +13,7 @@ enum Op : unsigned char {
   kProto = 0x80, kStop = '.', kMark = '(', kNone = 'N', kTrue = 0x88, kFalse = 0x89, kBinInt = 'J', kBinInt1 = 'K',
   kBinInt2 = 'M', kLong1 = 0x8a, kBinFloat = 'G', kBinUnicode = 'X', kEmptyList = ']', kEmptyTuple = ')',
   kEmptyDict = '}', kTuple = 't', kTuple1 = 0x85, kTuple2 = 0x86, kTuple3 = 0x87, kAppends = 'e', kSetItems = 'u',
-  kGlobal = 'c', kReduce = 'R', kBuild = 'b', kBinPersId = 'Q',
+  kGlobal = 'c', kReduce = 'R', kNewObj = 0x81, kBuild = 'b', kBinPersId = 'Q',
 };
 
 class Pickler {
@@ -144,7 +144,7 @@ class Pickler {
       case PickleKind::object:
         global(v.text);
         tuple(v.items);
-        op(kReduce);
+        op(v.newobj ? kNewObj : kReduce);
         set_items(v.entries);
         if (v.state) {
           value(*v.state);
@@ -234,6 +234,12 @@ PickleRef pickle_object(std::string callable, std::vector<PickleRef> args, Pickl
   v->text = std::move(callable);
   v->items = std::move(args);
   v->state = std::move(state);
+  return v;
+}
+
+PickleRef pickle_new_object(std::string cls, PickleRef state) {
+  PickleRef v = pickle_object(std::move(cls), {}, std::move(state));
+  v->newobj = true;
   return v;
 }
 

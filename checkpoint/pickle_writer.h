@@ -8,7 +8,8 @@
 //   bytes                                                 _codecs.encode(latin-1 text, "latin1")
 //   list, tuple, dict (entries in order), set             as Python's own (set: builtins.set([...]))
 //   global                                                the object "module.qualname"
-//   object                                                callable(*items) (REDUCE), then `entries` as
+//   object                                                callable(*items) (REDUCE; NEWOBJ when `newobj`:
+//                                                         cls.__new__(cls, *items)), then `entries` as
 //                                                         its dict items (an OrderedDict's), then
 //                                                         BUILD with `state` when set
 //   persistent                                            the id items[0], then BINPERSID (torch's
@@ -39,6 +40,8 @@ PickleRef pickle_dict();
 PickleRef pickle_global(std::string name);
 // callable(*args); `state` (may be null) given to BUILD.
 PickleRef pickle_object(std::string callable, std::vector<PickleRef> args = {}, PickleRef state = nullptr);
+// cls.__new__(cls) (NEWOBJ, as pickle saves a dataclass), then BUILD with `state` when set.
+PickleRef pickle_new_object(std::string cls, PickleRef state = nullptr);
 // collections.OrderedDict(), filled with pickle_set.
 PickleRef pickle_ordered_dict();
 // Appends key -> value to a dict (or an OrderedDict object); returns `value`.

@@ -62,12 +62,19 @@ uint32_t crc32_zip(const void* data, size_t n, uint32_t crc) {
 }
 
 ZipWriter::ZipWriter(std::string path, uint64_t alignment, uint64_t zip64_at)
-    : file_(std::move(path)), alignment_(alignment), zip64_at_(std::min(zip64_at, kMax32)) {}
+    : owned_(std::make_unique<OutputFile>(std::move(path))),
+      file_(owned_.get()),
+      base_(0),
+      alignment_(alignment),
+      zip64_at_(std::min(zip64_at, kMax32)) {}
+
+ZipWriter::ZipWriter(OutputFile& into, uint64_t alignment, uint64_t zip64_at)
+    : file_(&into), base_(into.bytes_written()), alignment_(alignment), zip64_at_(std::min(zip64_at, kMax32)) {}
 
 void ZipWriter::add(const std::string& name, const void* data, uint64_t size) {
   Entry e;
   e.name = name;
-  e.offset = file_.bytes_written();
+  e.offset = file_->bytes_written() - base_;
   e.size = size;
   e.crc = crc32_zip(data, static_cast<size_t>(size));
   const bool zip64 = size >= zip64_at_;
@@ -83,13 +90,13 @@ void ZipWriter::add(const std::string& name, const void* data, uint64_t size) {
   h.u32(zip64 ? kMax32 : size).u32(zip64 ? kMax32 : size).u16(name.size()).u16(extra.bytes.size());
   h.bytes += name;
   h.bytes += extra.bytes;
-  file_.write(h.bytes.data(), h.bytes.size());
-  if (size > 0) file_.write(data, static_cast<size_t>(size));
+  file_->write(h.bytes.data(), h.bytes.size());
+  if (size > 0) file_->write(data, static_cast<size_t>(size));
   entries_.push_back(std::move(e));
 }
 
-void ZipWriter::finish(bool durable) {
-  const uint64_t cd_offset = file_.bytes_written();
+uint64_t ZipWriter::finish(bool durable) {
+  const uint64_t cd_offset = file_->bytes_written() - base_;
   Record cd;
   for (const Entry& e : entries_) {
     const bool big = e.size >= zip64_at_, far = e.offset >= zip64_at_;
@@ -117,9 +124,10 @@ void ZipWriter::finish(bool durable) {
     end.u32(0x06054b50).u16(0).u16(0).u16(count).u16(count).u32(cd_size).u32(cd_offset).u16(0);
   }
   cd.bytes += end.bytes;
-  file_.write(cd.bytes.data(), cd.bytes.size());
-  if (durable) file_.sync();
-  file_.close();
+  file_->write(cd.bytes.data(), cd.bytes.size());
+  if (durable) file_->sync();
+  if (owned_) file_->close();
+  return file_->bytes_written() - base_;
 }
 
 std::string torch_dtype_name(DType dtype) {
@@ -163,6 +171,32 @@ PickleRef TorchSaveWriter::tensor(HostArray a) {
   return tensor(dtype, std::move(shape), [held]() { return std::move(*held); });
 }
 
+uint64_t TorchSaveWriter::write_entries(ZipWriter& zip, const std::string& base, const PickleValue& root,
+                                       const std::string& what) {
+  uint64_t bytes = 0;
+  const std::string pkl = write_pickle(root);
+  auto text = [&](const std::string& name, const std::string& content) {
+    zip.add(base + "/" + name, content.data(), content.size());
+  };
+  text("data.pkl", pkl);
+  text(".format_version", "1");
+  text(".storage_alignment", "64");
+  text("byteorder", "little");
+  for (size_t k = 0; k < storages_.size(); ++k) {
+    Storage& s = storages_[k];
+    const HostArray a = s.produce();
+    s.produce = nullptr;  // whatever it held goes now
+    if (a.dtype != s.dtype || a.numel() != s.numel)
+      fail("{}: storage {} is {} with {} elements, but was registered as {} with {}", what, k, dtype_name(a.dtype),
+           a.numel(), dtype_name(s.dtype), s.numel);
+    zip.add(base + "/data/" + std::to_string(k), a.bytes.data(), a.bytes.size());
+    bytes += a.bytes.size();
+  }
+  text("version", "3\n");
+  storages_.clear();
+  return bytes;
+}
+
 uint64_t TorchSaveWriter::write(const std::string& path, const PickleValue& root, bool durable) {
   // The archive's folder: the file name without directory and extension, as torch.save names it.
   std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
@@ -172,25 +206,7 @@ uint64_t TorchSaveWriter::write(const std::string& path, const PickleValue& root
   uint64_t bytes = 0;
   try {
     ZipWriter zip(tmp, 64, zip64_at_);
-    const std::string pkl = write_pickle(root);
-    auto text = [&](const std::string& name, const std::string& content) {
-      zip.add(base + "/" + name, content.data(), content.size());
-    };
-    text("data.pkl", pkl);
-    text(".format_version", "1");
-    text(".storage_alignment", "64");
-    text("byteorder", "little");
-    for (size_t k = 0; k < storages_.size(); ++k) {
-      Storage& s = storages_[k];
-      const HostArray a = s.produce();
-      s.produce = nullptr;  // whatever it held goes now
-      if (a.dtype != s.dtype || a.numel() != s.numel)
-        fail("{}: storage {} is {} with {} elements, but was registered as {} with {}", path, k, dtype_name(a.dtype),
-             a.numel(), dtype_name(s.dtype), s.numel);
-      zip.add(base + "/data/" + std::to_string(k), a.bytes.data(), a.bytes.size());
-      bytes += a.bytes.size();
-    }
-    text("version", "3\n");
+    bytes = write_entries(zip, base, root, path);
     zip.finish(durable);
     rename_path(tmp, path);
   } catch (...) {
@@ -200,8 +216,13 @@ uint64_t TorchSaveWriter::write(const std::string& path, const PickleValue& root
     }
     throw;
   }
-  storages_.clear();
   return bytes;
+}
+
+uint64_t TorchSaveWriter::append(OutputFile& file, const PickleValue& root) {
+  ZipWriter zip(file, 64, zip64_at_);
+  write_entries(zip, "archive", root, file.path());
+  return zip.finish(false);
 }
 
 }  // namespace mt

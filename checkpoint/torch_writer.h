@@ -34,9 +34,13 @@ class ZipWriter {
   // `zip64_at`: entries, offsets and directories from this size on get zip64 records (4 GiB; tests
   // lower it to check those records on small archives).
   explicit ZipWriter(std::string path, uint64_t alignment = 64, uint64_t zip64_at = 0xffffffffu);
+  // An archive appended to `into` from its current end (offsets and alignment counted from there,
+  // as in an archive torch.save writes into a buffer); `into` stays open.
+  explicit ZipWriter(OutputFile& into, uint64_t alignment = 64, uint64_t zip64_at = 0xffffffffu);
   void add(const std::string& name, const void* data, uint64_t size);
-  // The central directory; `durable`: fsync the file. Errors throw mt::Error naming the file.
-  void finish(bool durable);
+  // The central directory; `durable`: fsync the file (and close it, unless it was given). Errors
+  // throw mt::Error naming the file. Returns the archive's size in bytes.
+  uint64_t finish(bool durable);
 
  private:
   struct Entry {
@@ -44,7 +48,9 @@ class ZipWriter {
     uint64_t offset = 0, size = 0;
     uint32_t crc = 0;
   };
-  OutputFile file_;
+  std::unique_ptr<OutputFile> owned_;
+  OutputFile* file_;
+  uint64_t base_;  // where the archive starts in the file
   uint64_t alignment_, zip64_at_;
   std::vector<Entry> entries_;
 };
@@ -60,6 +66,9 @@ class TorchSaveWriter {
   // Writes `root` to `path` (the archive folder is the file name without its extension), via a
   // temporary file renamed into place; `durable`: fsync it. Returns the bytes written.
   uint64_t write(const std::string& path, const PickleValue& root, bool durable = true);
+  // Appends the archive (its folder "archive", as torch.save into a buffer names it) to `file`;
+  // returns the archive's size in bytes.
+  uint64_t append(OutputFile& file, const PickleValue& root);
   // Tests: zip64 records from this size on (ZipWriter's zip64_at).
   void set_zip64_threshold(uint64_t bytes) { zip64_at_ = bytes; }
 
@@ -69,6 +78,9 @@ class TorchSaveWriter {
     int64_t numel = 0;
     Producer produce;
   };
+  // The entries into `zip`, under folder `base`; returns the storages' bytes.
+  uint64_t write_entries(ZipWriter& zip, const std::string& base, const PickleValue& root, const std::string& what);
+
   std::vector<Storage> storages_;
   uint64_t zip64_at_ = 0xffffffffu;
 };

@@ -416,6 +416,18 @@ bool equal_values(const mt::PickleValue& a, const mt::PickleValue& b) {
       for (size_t i = 0; i < a.items.size(); ++i)
         if (!equal_values(*a.items[i], *b.items[i])) return false;
       return true;
+    case mt::PickleKind::dict:  // (keys in any order)
+      if (a.entries.size() != b.entries.size()) return false;
+      for (const auto& [k, v] : a.entries) {
+        bool found = false;
+        for (const auto& [k2, v2] : b.entries)
+          if (equal_values(*k, *k2)) {
+            found = equal_values(*v, *v2);
+            break;
+          }
+        if (!found) return false;
+      }
+      return true;
     default: return false;
   }
 }
@@ -802,12 +814,172 @@ TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-expor
   o.pp = 3;  // 4 layers
   CHECK_THROWS_AS(mt::export_megatron(o), mt::Error);
   o.pp = 1;
-  o.format = "torch_dist";
+  o.format = "fsdp_dtensor";
   CHECK_THROWS_AS(mt::export_megatron(o), mt::Unsupported);
   mt::MegatronExportOptions missing;
   missing.load = tmp / "nothing";
   missing.save = tmp / "out";
   CHECK_THROWS_WITH(mt::export_megatron(missing), Catch::Contains("latest_checkpointed_iteration.txt"));
+}
+
+namespace {
+
+// A torch_dist checkpoint's stored items as its .metadata lists them: a tensor's global size and
+// dtype ("[4, 64, 32] torch.float32"), an object's "bytes"; Megatron-LM's rerun state left out
+// (megatrain writes none: Megatron-LM then starts its rerun state machine afresh).
+std::map<std::string, std::string> dcp_items(const std::string& iteration_dir) {
+  const std::string path = iteration_dir + "/.metadata";
+  const std::string bytes = read_bytes(path);
+  const mt::PickleRef meta =
+      mt::read_pickle(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), path);
+  REQUIRE(meta->is_object("torch.distributed.checkpoint.metadata.Metadata"));
+  std::map<std::string, std::string> out;
+  for (const auto& [k, md] : at(*meta, "state_dict_metadata").entries) {
+    if (k->text.compare(0, 25, "rerun_state_machine_state") == 0) continue;
+    if (md->is_object("torch.distributed.checkpoint.metadata.BytesStorageMetadata")) {
+      out[k->text] = "bytes";
+      continue;
+    }
+    REQUIRE(md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata"));
+    std::vector<int64_t> size;
+    for (const auto& d : at(*md, "size").items.at(0)->items) size.push_back(d->integer);
+    out[k->text] = fmt::format("{} {}", fmt::join(size, ","), at(*md, "properties").state->items.at(0)->text);
+  }
+  // the stored items lie where .metadata says: each a torch.save archive
+  for (const auto& [index, info] : at(*meta, "storage_data").entries) {
+    const std::string file = iteration_dir + "/" + at(*info, "relative_path").text;
+    const int64_t offset = at(*info, "offset").integer, length = at(*info, "length").integer;
+    INFO(at(*index, "fqn").text);
+    REQUIRE(offset + length <= static_cast<int64_t>(fs::file_size(file)));
+    CHECK(read_bytes(file).substr(static_cast<size_t>(offset), 4) == std::string("PK\x03\x04", 4));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("export-megatron --ckpt-format torch_dist: a trained model goes to Megatron-LM's keys and back unchanged",
+          "[megatron-export][binary]") {
+  struct Case {
+    const char* name;
+    const std::string* model;
+    std::string extra;   // training flags
+    std::string layout;  // export-megatron flags
+  };
+  const std::vector<Case> cases = {
+      {"llama, TP 2", &kLlama, "", "--tensor-model-parallel-size 2"},
+      {"gpt (tied embeddings), PP 2 x 2 virtual stages", &kGpt, "",
+       "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"},
+      {"gpt (tied embeddings), TP 2 x PP 2", &kGpt, "", "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"},
+      {"llama with attention sinks", &kLlamaSinks, "", ""},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    TempDir tmp;
+    const std::string trained = train(tmp, *c.model, c.extra);
+    std::string out;
+    const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --ckpt-format torch_dist --load " +
+                                     trained + " --save " + (tmp / "megatron") + " " + c.layout,
+                                 &out);
+    INFO(out);
+    REQUIRE(code == 0);
+    CHECK_THAT(out, Catch::Contains("torch_dist format, iteration 3") &&
+                        Catch::Contains("--use-distributed-optimizer") && Catch::Contains("--ckpt-format torch_dist"));
+    const std::string dir = tmp / "megatron/iter_0000003";
+    CHECK(read_bytes(dir + "/metadata.json") == R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
+    const std::map<std::string, std::string> items = dcp_items(dir);
+    CHECK(items.count("common_state/shard_0_1"));
+    CHECK(items.count("decoder.layers.mlp.linear_fc2._extra_state/shard_3_4"));
+    CHECK(items.count("optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_proj.weight"));
+    CHECK(items.count("output_layer.weight") == (c.model != &kGpt));
+    const mt::MegatronImportResult r = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
+    CHECK(r.resumable);
+    CHECK(r.weights_only_reason.empty());
+    CHECK(r.iteration == 3);
+    require_same_state(trained, tmp / "back", true, 20);
+  }
+}
+
+TEST_CASE("export-megatron --ckpt-format torch_dist gives back the checkpoints Megatron-LM wrote",
+          "[megatron-export]") {
+  // Megatron-LM's torch_dist checkpoints with the distributed optimizer's fully reshardable state
+  // (float32 Llama at DP 2; bf16 GPT with tied embeddings and float32 main weights at TP 2 x PP 2
+  // x 2 virtual stages),
+  // imported and exported in the same layout: the same items (keys, global sizes, dtypes), tensors,
+  // optimizer state and common state.
+  struct Case {
+    const char* dir;
+    mt::MegatronExportOptions layout;
+  };
+  mt::MegatronExportOptions dp2;
+  dp2.dp = 2;
+  mt::MegatronExportOptions vpp;
+  vpp.tp = vpp.pp = vpp.vpp = 2;
+  for (const Case& c : {Case{"llama/distopt_dp2_full", dp2}, Case{"gpt/distopt_tp2pp2vpp_full", vpp}}) {
+    INFO(c.dir);
+    TempDir tmp;
+    const std::string fixture = kFixtures + "/" + c.dir;
+    REQUIRE(mt::import_megatron(fixture, std::nullopt, tmp / "imported", false).resumable);
+    mt::MegatronExportOptions o = c.layout;
+    o.load = tmp / "imported";
+    o.save = tmp / "megatron";
+    o.format = "torch_dist";
+    const mt::MegatronExportResult r = mt::export_megatron(o);
+    CHECK(r.iteration == 3);
+    CHECK(r.distributed_optimizer);
+    CHECK(dcp_items(tmp / "megatron/iter_0000003") == dcp_items(fixture + "/iter_0000003"));
+    const mt::MegatronCheckpoint theirs(fixture, std::nullopt), ours(tmp / "megatron", std::nullopt);
+    REQUIRE(ours.format() == "torch_dist");
+    REQUIRE(ours.parameter_names() == theirs.parameter_names());
+    int compared = 0;
+    for (const std::string& name : theirs.parameter_names()) {
+      INFO(name);
+      CHECK(same(ours.parameter(name), theirs.parameter(name)));
+      for (const char* state : {"exp_avg", "exp_avg_sq", "fp32_param"}) {
+        const auto a = theirs.optimizer_state(state, name), b = ours.optimizer_state(state, name);
+        REQUIRE(a.has_value() == b.has_value());
+        if (a) CHECK(same(*a, *b));
+        compared += a.has_value();
+      }
+    }
+    CHECK(compared >= 3 * 20);
+    CHECK(ours.optimizer_step() == theirs.optimizer_step());
+    const mt::PickleValue &ca = *theirs.common_state(), &cb = *ours.common_state();
+    for (const char* k : {"checkpoint_version", "iteration", "optimizer", "opt_param_scheduler",
+                          "num_floating_point_operations_so_far", "content_metadata"}) {
+      INFO(k);
+      CHECK(equal_values(at(ca, k), at(cb, k)));
+    }
+  }
+}
+
+TEST_CASE("export-megatron --ckpt-format torch_dist: weights only, and what it refuses", "[megatron-export]") {
+  TempDir tmp, moe_dir, llama_dir;
+  mt::MegatronExportOptions o;
+  o.load = train(moe_dir, kMoe);
+  o.save = tmp / "moe";
+  o.format = "torch_dist";
+  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("mixture-of-experts") && Catch::Contains("--ckpt-format torch"));
+  const std::string llama = train(llama_dir, kLlama);
+  o.load = llama;
+  o.save = tmp / "llama";
+  o.distributed_optimizer = false;
+  CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("--no-use-distributed-optimizer"));
+  o.weights_only = true;
+  o.save = tmp / "weights";
+  const mt::MegatronExportResult w = mt::export_megatron(o);
+  CHECK(w.release);
+  CHECK_FALSE(w.distributed_optimizer);
+  const std::map<std::string, std::string> items = dcp_items(tmp / "weights/release");
+  CHECK(items.count("decoder.layers.self_attention.linear_qkv.weight"));
+  for (const auto& [k, v] : items) {
+    INFO(k);
+    CHECK(k.compare(0, 10, "optimizer.") != 0);
+    CHECK(k.compare(0, 9, "rng_state") != 0);
+  }
+  const mt::MegatronImportResult back = mt::import_megatron(tmp / "weights", std::nullopt, tmp / "back", false);
+  CHECK_FALSE(back.resumable);
+  require_same_state(llama, tmp / "back", false);
 }
 
 TEST_CASE("a run resumed from an exported and re-imported checkpoint repeats the straight run", "[megatron-export][binary]") {
