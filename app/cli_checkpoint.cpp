@@ -11,7 +11,7 @@ void add_checkpoint_flags(FlagTable& t) {
   t.value("--save-retain-interval", "keep only checkpoints at multiples of this", MT_FIELD(checkpoint.save_retain_interval));
   t.value("--load", "checkpoint directory to resume from", MT_FIELD(checkpoint.load));
   t.choice("--ckpt-format", "checkpoint format: torch_dist and torch both save megatrain's own (a note says so; "
-           "export-megatron writes Megatron-LM's torch format)",
+           "export-megatron writes Megatron-LM's torch_dist and torch formats)",
            std::vector<std::pair<std::string, std::string>>{{"torch_dist", "torch_dist"}, {"torch", "torch"},
                                                             {"torch_dcp", "torch_dcp"}, {"fsdp_dtensor", "fsdp_dtensor"},
                                                             {"zarr", "zarr"}},

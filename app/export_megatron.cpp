@@ -373,10 +373,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
                                     "format only: pass --ckpt-format torch (Megatron-LM converts it with "
                                     "--ckpt-convert-format torch_dist)",
                                     reader.directory(), what));
-    if (o.distributed_optimizer == std::optional<bool>(false) && !o.weights_only)
-      fail("export-megatron: --ckpt-format torch_dist writes the optimizer state as the distributed optimizer's fully "
-           "reshardable layout, which a Megatron-LM run reads with --use-distributed-optimizer only; drop "
-           "--no-use-distributed-optimizer, or pass --weights-only or --ckpt-format torch");
   }
 
   MegatronExportResult r;
@@ -420,9 +416,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       }
   }
   const bool with_optimizer = why.empty();
-  // (torch_dist: the optimizer state in Megatron's fully reshardable layout, which any TP x PP x
-  // DP layout of the distributed optimizer loads)
-  if (torch_dist) layout.distributed_optimizer = with_optimizer;
   r.distributed_optimizer = layout.distributed_optimizer;
   r.release = !with_optimizer;
   if (!o.weights_only) r.weights_only_reason = why;
@@ -514,7 +507,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   // Megatron's two param groups: the default (weight decay), then biases and 1-D parameters
   // (wd_mult 0); `params` is added per rank (non-distributed) or left out (distributed).
-  auto param_group = [&](bool decay) {
+  auto param_group = [&](bool decay, bool with_step = true) {
     PickleRef g = pickle_dict();
     pickle_set(*g, "is_expert_parallel", pickle_bool(false));
     pickle_set(*g, "default_config", pickle_bool(true));
@@ -536,7 +529,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     pickle_set(*g, "fused", pickle_none());
     pickle_set(*g, "decoupled_weight_decay", pickle_bool(true));
     // Adam's step also in the group, where Transformer Engine's and Apex's FusedAdam keep it
-    pickle_set(*g, "step", pickle_float(static_cast<double>(step)));
+    if (with_step) pickle_set(*g, "step", pickle_float(static_cast<double>(step)));
     return g;
   };
   // The loss scaler's state beside the optimizer's (--fp16's dynamic scaler; a constant one saves {}).
@@ -568,9 +561,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     // One PyTorch Distributed Checkpoint under Megatron-Core's keys (checkpoint/dcp_writer.h):
     // every tensor whole (global), a decoder layer's parameters stacked along a first dimension of
     // num_layers, one chunk per layer; each linear's extra state (None) per layer; the optimizer
-    // state in the distributed optimizer's fully reshardable layout ("optimizer.state.{param,
-    // exp_avg,exp_avg_sq}.<key>", the float32 main weights as "param"); the RNG states per pipeline
-    // x tensor rank; everything else in the common state. Any layout loads it.
+    // state by parameter ("optimizer.state.<state>.<key>": the distributed optimizer's fully
+    // reshardable layout, or the non-distributed optimizer's); the RNG states per pipeline x tensor
+    // rank; everything else in the common state. A run of any TP x PP x DP layout loads it.
     make_directories(tmp_dir);
     DcpWriter dcp(tmp_dir);
     CheckpointReader* rd = &reader;
@@ -615,9 +608,14 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
                    [](TorchSaveWriter&) { return pickle_none(); });
     PickleRef content = pickle_dict();
     if (with_optimizer) {
+      // Adam's moments by parameter; the float32 main weights as the distributed optimizer's
+      // "param" (float32 models too) or the mixed-precision optimizer's "fp32_param"
+      const char* main_state = layout.distributed_optimizer ? "param" : bf16 || fp16 ? "fp32_param" : nullptr;
       for (const std::string& param : params) {
-        const auto [main_kind, main_name] = ex.main_source(param);
-        write_tensor("optimizer.state.param.", param, main_kind, main_name, DType::f32);
+        if (main_state) {
+          const auto [main_kind, main_name] = ex.main_source(param);
+          write_tensor(fmt::format("optimizer.state.{}.", main_state), param, main_kind, main_name, DType::f32);
+        }
         for (const char* state : {"exp_avg", "exp_avg_sq"})
           write_tensor(fmt::format("optimizer.state.{}.", state), param, CheckpointKind::optimizer,
                        param + "." + state, DType::f32);
@@ -630,8 +628,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
               rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
             return rng;
           });
-      pickle_set(*content, "distrib_optim_sharding_type", pickle_str("fully_reshardable"));
-      pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
+      if (layout.distributed_optimizer) {
+        pickle_set(*content, "distrib_optim_sharding_type", pickle_str("fully_reshardable"));
+        pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
+      }
     }
     pickle_set(*content, "singleton_local_shards", pickle_bool(false));
     pickle_set(*content, "chained_optim_avoid_prefix", pickle_bool(true));
@@ -641,11 +641,29 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       pickle_set(*root, "checkpoint_version", pickle_float(3.0));
       pickle_set(*root, "iteration", pickle_int(r.iteration));
       if (with_optimizer) {
+        // the distributed optimizer: its param groups (with the step) and the sharding type; the
+        // others: torch's Adam state dict (the step as state.common_step, the param groups without
+        // their params), inside the mixed-precision wrapper with the loss scaler for bf16/fp16
         PickleRef opt = pickle_dict(), inner = pickle_dict();
-        pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
-        pickle_set(*opt, "optimizer", inner);
-        grad_scaler(w, *opt);
-        pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
+        if (layout.distributed_optimizer) {
+          pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
+          pickle_set(*opt, "optimizer", inner);
+          grad_scaler(w, *opt);
+          pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
+        } else {
+          PickleRef state = pickle_dict();
+          HostArray one = HostArray::zeros(DType::f32, {});
+          one.ptr<float>()[0] = static_cast<float>(step);
+          pickle_set(*state, "common_step", w.tensor(std::move(one)));
+          pickle_set(*inner, "state", state);
+          pickle_set(*inner, "param_groups", pickle_list({param_group(true, false), param_group(false, false)}));
+          if (bf16 || fp16) {
+            pickle_set(*opt, "optimizer", inner);
+            grad_scaler(w, *opt);
+          } else {
+            opt = inner;
+          }
+        }
         pickle_set(*root, "optimizer", opt);
         pickle_set(*root, "opt_param_scheduler", scheduler);
       }
@@ -899,7 +917,9 @@ int export_megatron_main(const std::vector<std::string>& argv) {
   if (!r.release)
     std::printf("with the optimizer state (%s: Adam moments and step, float32 main weights), the learning-rate "
                 "scheduler, the consumed samples and the RNG states Megatron-LM seeds from --seed\n",
-                o.format == "torch_dist" ? "the distributed optimizer's fully reshardable layout"
+                o.format == "torch_dist"
+                    ? (r.distributed_optimizer ? "the distributed optimizer's fully reshardable layout"
+                                               : "the optimizer's state by parameter")
                 : r.distributed_optimizer ? "the distributed optimizer's distrib_optim.pt"
                                           : "torch's Adam state");
   else

@@ -1,4 +1,4 @@
-// megatrain export-megatron --load CKPT --save MEGATRON_DIR [--ckpt-step N] [--ckpt-format torch]
+// megatrain export-megatron --load CKPT --save MEGATRON_DIR [--ckpt-step N] [--ckpt-format torch|torch_dist]
 //     [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 //     [--num-virtual-stages-per-pipeline-rank V] [--decoder-first-pipeline-num-layers N]
 //     [--decoder-last-pipeline-num-layers N] [--data-parallel-size D]
@@ -16,6 +16,10 @@
 //   cannot go over (SGD, saved with --no-save-optim, a release checkpoint, a mixture-of-experts
 //   model) or with --weights-only. Mixture-of-experts layers are the local spec's SequentialMLP:
 //   each expert-parallel rank's files (mp_rank_TT[_PPP]_EEE) hold its local experts.
+//   --ckpt-format torch_dist (Megatron's default format, dense models): one PyTorch Distributed
+//   Checkpoint (iter_N/__0_0.distcp, .metadata, metadata.json; checkpoint/dcp_writer.h) under
+//   Megatron-Core's global keys, which a Megatron-LM run of any TP x PP x DP layout loads; the
+//   optimizer state by parameter, with --use-distributed-optimizer in its fully reshardable layout.
 // Names and tensor-parallel splits: checkpoint/megatron_names.h (shared with import-megatron);
 // the distributed optimizer's buffers: checkpoint/megatron_flat_layout.h.
 #pragma once
@@ -31,7 +35,7 @@ struct MegatronExportOptions {
   std::string load;
   std::optional<int64_t> ckpt_step;
   std::string save;
-  std::string format = "torch";
+  std::string format = "torch";  // or "torch_dist"
   // The Megatron-LM run's layout; unset: the checkpoint's own.
   std::optional<int> tp, pp, vpp, first_stage_layers, last_stage_layers, dp;
   std::optional<int> ep;  // mixture of experts: --expert-model-parallel-size

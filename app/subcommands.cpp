@@ -26,8 +26,9 @@ const std::vector<Subcommand>& subcommands() {
       {"import-megatron", "write a Megatron-LM checkpoint (torch or torch_dist format, with its optimizer state) as a megatrain checkpoint: "
                           "--load DIR --save CKPT [--ckpt-step N] [--weights-only]",
        &import_megatron_main},
-      {"export-megatron", "write a checkpoint as a Megatron-LM checkpoint (torch format, with its optimizer state) that "
-                          "pretrain_gpt.py --transformer-impl local continues from: --load CKPT --save DIR [--ckpt-step N] "
+      {"export-megatron", "write a checkpoint as a Megatron-LM checkpoint (torch or torch_dist format, with its optimizer "
+                          "state) that pretrain_gpt.py --transformer-impl local continues from: --load CKPT --save DIR "
+                          "[--ckpt-format torch|torch_dist] [--ckpt-step N] "
                           "[--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] "
                           "[--use-distributed-optimizer] [--weights-only]",
        &export_megatron_main},

@@ -9,10 +9,10 @@
 # optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
 # (Megatron-LM skips the exported RNG states), CONVERT=1 (also: Megatron-LM converts the export to
 # torch_dist with its --ckpt-convert-format and resumes from that), FORMAT=torch_dist (export-megatron
-# writes Megatron's torch_dist format, the optimizer state in the distributed optimizer's fully
-# reshardable layout, and Megatron-LM resumes with --use-distributed-optimizer), EXPORT_TP and
-# EXPORT_PP (torch_dist: the layout export-megatron writes for, default TP and PP; Megatron-LM reshards
-# it to TP x PP on load), PYTHON (default python3).
+# writes Megatron's torch_dist format: the optimizer state by parameter, with DISTOPT=1 in the
+# distributed optimizer's fully reshardable layout), EXPORT_TP and EXPORT_PP (torch_dist: the layout
+# export-megatron writes for, default TP and PP; Megatron-LM reshards it to TP x PP on load), PYTHON
+# (default python3).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
 # after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
@@ -73,7 +73,7 @@ case $FORMAT in
   torch_dist)
     export_par=(--tensor-model-parallel-size "${EXPORT_TP:-$TP}" --pipeline-model-parallel-size "${EXPORT_PP:-$PP}"
                 --data-parallel-size "$DP")
-    if [ "${DISTOPT:-0}" != 1 ]; then par+=(--use-distributed-optimizer); optimizer=" (distributed optimizer)"; fi ;;
+    [ "${DISTOPT:-0}" = 1 ] && export_par+=(--use-distributed-optimizer) ;;
   *) echo "error: FORMAT must be torch or torch_dist (got '$FORMAT')" >&2; exit 2 ;;
 esac
 rng=()
