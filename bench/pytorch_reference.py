@@ -32,8 +32,9 @@ def megatron_flops_per_iteration(c, batch):
     """Megatron-LM HEAD num_floating_point_operations (causal attention halved)."""
     d = c["h"] // c["n"]
     q, k = c["n"] * d, c["g"] * d
+    gate = q if c.get("output_gate") else 0  # --attention-output-gate: the gate's rows of the QKV projection
     F_ = 3 if c["llama"] else 2
-    per_token = (6 * F_ * c["h"] * c["f"] * c["L"] + 6 * c["L"] * (c["h"] * (q + 2 * k) + q * c["h"])
+    per_token = (6 * F_ * c["h"] * c["f"] * c["L"] + 6 * c["L"] * (c["h"] * (q + gate + 2 * k) + q * c["h"])
                  + 6 * c["h"] * c["V"])
     return batch * c["s"] * per_token + batch * c["s"] ** 2 * 6 * q * c["L"]
 
@@ -71,7 +72,8 @@ class Block(nn.Module):
         bias = not c["llama"]
         Norm = RMSNorm if c["llama"] else nn.LayerNorm
         self.ln1 = Norm(h)
-        self.qkv = nn.Linear(h, (n + 2 * g) * d, bias=bias)
+        self.gate = bool(c.get("output_gate"))  # Megatron's --attention-output-gate: sigmoid(g) * attention
+        self.qkv = nn.Linear(h, ((2 if self.gate else 1) * n + 2 * g) * d, bias=bias)
         self.proj = nn.Linear(n * d, h, bias=bias)
         self.ln2 = Norm(h)
         self.fc1 = nn.Linear(h, 2 * c["f"] if c["llama"] else c["f"], bias=bias)
@@ -82,7 +84,10 @@ class Block(nn.Module):
         n, g = self.c["n"], self.c["g"]
         d = h // n
         qkv = self.qkv(self.ln1(x))
-        q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
+        if self.gate:
+            q, gate, k, v = qkv.split([n * d, n * d, g * d, g * d], dim=-1)
+        else:
+            q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
         q = q.view(b, s, n, d).transpose(1, 2)
         k = k.view(b, s, g, d).transpose(1, 2)
         v = v.view(b, s, g, d).transpose(1, 2)
@@ -90,7 +95,10 @@ class Block(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.c.get("attention_dropout", 0.0),
                                            is_causal=True, enable_gqa=(g != n))
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, n * d))
+        y = y.transpose(1, 2).reshape(b, s, n * d)
+        if self.gate:
+            y = y * torch.sigmoid(gate)
+        x = x + self.proj(y)
         z = self.fc1(self.ln2(x))
         if self.c["llama"]:
             gate, up = z.chunk(2, dim=-1)
@@ -238,10 +246,14 @@ if __name__ == "__main__":
     ap.add_argument("--attention-dropout", type=float, default=0.0,
                     help="SDPA's dropout_p in training (Megatron's --attention-dropout)")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--attention-output-gate", action="store_true",
+                    help="Megatron's --attention-output-gate: the attention output times sigmoid of a gate the "
+                         "QKV projection also makes (one per query element)")
     ap.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                     help="after timing, print the N kernels taking the most GPU time per step (torch.profiler)")
     a = ap.parse_args()
     for name in a.configs.split(","):
         CONFIGS[name]["attention_dropout"] = a.attention_dropout
+        CONFIGS[name]["output_gate"] = a.attention_output_gate
         result = run(name, a.iters, a.warmup, a.profile_kernels)
         print(json.dumps(result), flush=True)
