@@ -302,6 +302,71 @@ bool has_extra_state_after(const std::vector<RankParam>& params, size_t k) {
   return megatron_has_extra_state(m) && (k + 1 == params.size() || module(params[k + 1].local_name) != m);
 }
 
+// torch_dist: where a megatrain parameter lies in Megatron-Core's sharded state dict (the local
+// spec's keys, as Megatron-LM's own torch_dist checkpoints name them).
+struct DistItem {
+  std::string key;
+  std::optional<int> layer;  // stacked over the decoder's layers: this parameter's index
+  int64_t experts = 0;       // routed experts' weights: megatrain's [E x rows, cols] stored as [E, rows, cols]
+  std::string module() const {  // the key of the module holding it ("decoder.layers.3.mlp.linear_fc1")
+    return key.substr(0, key.rfind('.'));
+  }
+};
+
+// A layer's parameter name after its prefix, as the local spec's sharded state dict keys it:
+// Transformer Engine's fused norm names (megatrain's) where the local spec maps them so (dense
+// attention and MLP), its own modules elsewhere (an MoE layer's pre-MLP norm is linear_fc1's fused
+// one; MLA layers keep input_layernorm, q_layernorm, kv_layernorm and pre_mlp_layernorm); the
+// routed experts under experts.experts.
+std::string local_dist_rest(const std::string& rest, bool mla) {
+  auto swap = [&](const std::string& from, const std::string& to) -> std::optional<std::string> {
+    if (rest.compare(0, from.size(), from) != 0) return std::nullopt;
+    return to + rest.substr(from.size());
+  };
+  if (mla) {
+    if (auto r = swap("self_attention.linear_q_up_proj.layer_norm_", "self_attention.q_layernorm.")) return *r;
+    if (auto r = swap("self_attention.linear_kv_up_proj.layer_norm_", "self_attention.kv_layernorm.")) return *r;
+    if (auto r = swap("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")) return *r;
+  } else if (auto r = swap("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")) {
+    return *r;
+  }
+  if (auto r = swap("mlp.experts.linear_fc", "mlp.experts.experts.linear_fc")) return *r;
+  return rest;
+}
+
+// `per_layer`: the decoder's layers keyed one by one (Megatron's non-homogeneous layers), else
+// stacked along a first dimension of num_layers. MTP depths are always keyed one by one.
+DistItem torch_dist_item(const std::string& name, const ModelConfig& m, bool per_layer) {
+  DistItem it;
+  std::string head, rest;
+  std::optional<int> layer;
+  if (const auto d = megatron_split_layer_name(name); d && d->first < m.num_layers) {
+    layer = d->first;
+    head = per_layer ? fmt::format("decoder.layers.{}.", d->first) : std::string("decoder.layers.");
+    rest = d->second;
+  } else if (d) {  // an MTP depth's expert bias, which megatrain names as layer num_layers + j
+    head = fmt::format("mtp.layers.{}.transformer_layer.", d->first - m.num_layers);
+    rest = d->second;
+  } else if (const auto j = megatron_split_mtp_layer_name(name)) {
+    head = fmt::format("mtp.layers.{}.transformer_layer.", j->first);
+    rest = j->second;
+  } else {
+    it.key = name;
+    return it;
+  }
+  it.key = head + local_dist_rest(rest, m.multi_latent_attention);
+  if (!per_layer && head == "decoder.layers.") it.layer = layer;
+  if (rest.compare(0, 15, "mlp.experts.lin") == 0) it.experts = m.moe.num_experts;
+  return it;
+}
+
+// The local spec's linear layers, whose extra state (None) the sharded state dict holds beside
+// their weights (the output layer's is left out, as GPTModel does).
+bool torch_dist_extra_state(const std::string& module) {
+  const std::string last = module.substr(module.rfind('.') + 1);
+  return module != "output_layer" && (last.compare(0, 7, "linear_") == 0 || last == "eh_proj");
+}
+
 }  // namespace
 
 MegatronExportResult export_megatron(const MegatronExportOptions& o) {
@@ -363,18 +428,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
   const int mtp = model.mtp_num_layers.value_or(0);
-  if (torch_dist) {
-    const char* what = model.moe.enabled()            ? "mixture-of-experts layers"
-                       : mtp > 0                       ? "multi-token prediction depths"
-                       : model.multi_latent_attention ? "multi-latent attention"
-                                                       : nullptr;
-    if (what)
-      throw Unsupported(fmt::format("export-megatron: {} holds {}, which megatrain writes to Megatron-LM in the torch "
-                                    "format only: pass --ckpt-format torch (Megatron-LM converts it with "
-                                    "--ckpt-convert-format torch_dist)",
-                                    reader.directory(), what));
-  }
-
   MegatronExportResult r;
   r.tp = layout.tp;
   r.pp = layout.pp;
@@ -568,44 +621,63 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     DcpWriter dcp(tmp_dir);
     CheckpointReader* rd = &reader;
     const int64_t layers = model.num_layers;
-    // (megatrain's name and the checkpoint's are Megatron-Core's, but for the layer number)
+    // (Megatron-LM keys the layers of MoE models one by one: its non-homogeneous layers, which the
+    // content metadata below asks for whatever the Megatron run's --moe-layer-freq says)
+    const bool per_layer = model.moe.enabled();
     auto write_tensor = [&](const std::string& prefix, const std::string& param, CheckpointKind kind,
                             const std::string& name, DType dtype) {
       const CheckpointTensorInfo info = reader.info(name, kind);
-      std::string key = param;
-      std::vector<int64_t> global = info.global_shape, offsets(global.size(), 0), chunk = global;
-      if (const auto layer = megatron_split_layer_name(param)) {
-        key = "decoder.layers." + layer->second;
-        global.insert(global.begin(), layers);
-        offsets.insert(offsets.begin(), layer->first);
-        chunk.insert(chunk.begin(), 1);
+      const DistItem it = torch_dist_item(param, model, per_layer);
+      std::vector<int64_t> global = info.global_shape;
+      // the chunks: the whole tensor (one layer's when stacked), or each expert's rows
+      struct Chunk {
+        std::vector<int64_t> offsets, shape;
+        ShardIndex part;  // of megatrain's 2-D view
+      };
+      std::vector<Chunk> chunks;
+      if (it.experts > 0) {
+        const int64_t rows = global.at(0) / it.experts;
+        global = {it.experts, rows, global.at(1)};
+        for (int64_t e = 0; e < it.experts; ++e)
+          chunks.push_back({{e, 0, 0}, {1, rows, global[2]},
+                            ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows, info.global_cols, 1}});
+      } else {
+        chunks.push_back({std::vector<int64_t>(global.size(), 0), global, ShardIndex::whole(info.global_rows, info.global_cols)});
       }
-      dcp.tensor_chunk(prefix + key, dtype, global, offsets, chunk, [rd, info, name, kind, dtype, chunk]() {
-        HostArray a = HostArray::zeros(dtype, chunk);
-        rd->read(name, kind, ShardSlice::whole(ShardIndex::whole(info.global_rows, info.global_cols)),
-                 Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}), info.global_shape);
-        return a;
-      });
+      if (it.layer) {
+        global.insert(global.begin(), layers);
+        for (Chunk& c : chunks) {
+          c.offsets.insert(c.offsets.begin(), *it.layer);
+          c.shape.insert(c.shape.begin(), 1);
+        }
+      }
+      for (const Chunk& c : chunks)
+        dcp.tensor_chunk(prefix + it.key, dtype, global, c.offsets, c.shape, [rd, info, name, kind, dtype, c]() {
+          HostArray a = HostArray::zeros(dtype, c.shape);
+          rd->read(name, kind, ShardSlice::whole(c.part), Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}),
+                   info.global_shape);
+          return a;
+        });
     };
-    // The model's parameters once each (the tied output layer is the word embeddings' key).
+    // The model's parameters and buffers (the routers' expert biases) as megatrain saved them, each
+    // once (a tied output layer is the word embeddings' key); no FP8 scaling state.
     std::vector<std::string> params;
-    std::set<std::string> seen, extra_state_modules;
-    for (int p = 0; p < layout.pp; ++p)
-      for (const ModelChunk& c : stage_chunks(split, p))
-        for (const RankParam& rp : ex.chunk_params(cfg, c, 0))
-          if (rp.source == rp.local_name || rp.local_name != "output_layer.weight")
-            if (seen.insert(rp.source).second) params.push_back(rp.source);
+    for (const std::string& name : reader.names())
+      if (name.find(".fp8_meta.") == std::string::npos) params.push_back(name);
+    // The linears' extra states: per stacked layer "shard_<l>_<L>", per expert "shard_<e>_<E>", else
+    // "shard_0_1".
+    std::set<std::string> extra_states;
     for (const std::string& param : params) {
       write_tensor("", param, CheckpointKind::model, param, ex.model_dtype(param));
-      if (const auto layer = megatron_split_layer_name(param)) {
-        const std::string module = layer->second.substr(0, layer->second.rfind('.'));
-        if (megatron_has_extra_state(module)) extra_state_modules.insert(module);
-      }
+      const DistItem it = torch_dist_item(param, model, per_layer);
+      if (it.key.compare(it.key.size() - 7, 7, ".weight") != 0 || !torch_dist_extra_state(it.module())) continue;
+      const std::string base = it.module() + "._extra_state/";
+      if (it.layer) extra_states.insert(base + fmt::format("shard_{}_{}", *it.layer, layers));
+      else if (it.experts > 0)
+        for (int64_t e = 0; e < it.experts; ++e) extra_states.insert(base + fmt::format("shard_{}_{}", e, it.experts));
+      else extra_states.insert(base + "shard_0_1");
     }
-    for (int64_t l = 0; l < layers; ++l)
-      for (const std::string& module : extra_state_modules)
-        dcp.object(fmt::format("decoder.layers.{}._extra_state/shard_{}_{}", module, l, layers),
-                   [](TorchSaveWriter&) { return pickle_none(); });
+    for (const std::string& key : extra_states) dcp.object(key, [](TorchSaveWriter&) { return pickle_none(); });
     PickleRef content = pickle_dict();
     if (with_optimizer) {
       // Adam's moments by parameter; the float32 main weights as the distributed optimizer's
@@ -633,6 +705,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
         pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
       }
     }
+    if (per_layer) pickle_set(*content, "non_homogeneous_layers", pickle_bool(true));
     pickle_set(*content, "singleton_local_shards", pickle_bool(false));
     pickle_set(*content, "chained_optim_avoid_prefix", pickle_bool(true));
     dcp.object("common_state/shard_0_1", [&](TorchSaveWriter& w) {

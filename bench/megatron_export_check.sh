@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # megatrain -> Megatron-LM: Megatron-LM continues a checkpoint megatrain trained (manual: needs GPUs,
 # PyTorch and a Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama gate
+#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama gate moe
 # (gate: the llama case with --attention-output-gate and --qk-layernorm: Megatron-LM reads the gated
-# QKV projection's [q | gate | k | v] rows as megatrain wrote them)
+# QKV projection's [q | gate | k | v] rows as megatrain wrote them; moe: the llama case with a dense
+# first layer and three MoE layers of 4 experts, top-2, which export-megatron writes as weights only:
+# Megatron-LM starts from them at iteration 0 with a fresh optimizer, and megatrain does the same
+# from its checkpoint with --finetune; the two curves are compared over ITERS iterations)
 # Environment: ITERS (iterations after the export, default 10), TP, PP and DP (the Megatron-LM run's
 # layout, which export-megatron writes; default 1 each, TP*PP*DP GPUs), DISTOPT=1 (the distributed
 # optimizer: export-megatron --use-distributed-optimizer and Megatron-LM's flag), NO_LOAD_RNG=1
@@ -58,6 +61,7 @@ model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attent
              --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
              --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
 model_gate=("${model_llama[@]}" --attention-output-gate --qk-layernorm)
+model_moe=("${model_llama[@]}" --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]")
 
 par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 export_par=("${par[@]}" --data-parallel-size "$DP")
@@ -95,7 +99,8 @@ for c in "${CASES[@]}"; do
     gpt) model=("${model_gpt[@]}") ;;
     llama) model=("${model_llama[@]}") ;;
     gate) model=("${model_gate[@]}") ;;
-    *) echo "error: unknown case '$c' (gpt, llama, gate)" >&2; exit 2 ;;
+    moe) model=("${model_moe[@]}") ;;
+    *) echo "error: unknown case '$c' (gpt, llama, gate, moe)" >&2; exit 2 ;;
   esac
   d=$OUT/$c
   rm -rf "$d" && mkdir -p "$d"
@@ -106,6 +111,15 @@ for c in "${CASES[@]}"; do
   "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" --ckpt-format "$FORMAT" "${export_par[@]}" \
     > "$d/export.log" 2>&1 || { echo "export-megatron failed:"; cat "$d/export.log"; exit 1; }
   head -2 "$d/export.log"
+  if grep -q "^weights only" "$d/export.log"; then
+    echo "== $c: from the exported weights, Megatron-LM (TP $TP, PP $PP, DP $DP) and megatrain (--finetune) train $ITERS iterations"
+    megatron "$d/megatron_weights.log" "${common[@]}" "${model[@]}" "${par[@]}" --train-iters "$ITERS" \
+      --load "$d/exported" --ckpt-format "$FORMAT"
+    "$BIN" "${common[@]}" "${model[@]}" --train-iters "$ITERS" --load "$d/megatrain" --ckpt-step 10 --finetune \
+      > "$d/megatrain_finetune.log" 2>&1 || { echo "megatrain failed, see $d/megatrain_finetune.log"; exit 1; }
+    "$PY" "$HERE/compare_losses.py" "$d/megatrain_finetune.log" "$d/megatron_weights.log" | tee "$d/compare.txt"
+    continue
+  fi
   echo "== $c: Megatron-LM resumes it to iteration $TOTAL (TP $TP, PP $PP, DP $DP)"
   megatron "$d/megatron_resumed.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
     --load "$d/exported" --ckpt-format "$FORMAT"
