@@ -16,7 +16,7 @@
 //   cannot go over (SGD, saved with --no-save-optim, a release checkpoint, a mixture-of-experts
 //   model) or with --weights-only. Mixture-of-experts layers are the local spec's SequentialMLP:
 //   each expert-parallel rank's files (mp_rank_TT[_PPP]_EEE) hold its local experts.
-//   --ckpt-format torch_dist (Megatron's default format, dense models): one PyTorch Distributed
+//   --ckpt-format torch_dist (Megatron's default format): one PyTorch Distributed
 //   Checkpoint (iter_N/__0_0.distcp, .metadata, metadata.json; checkpoint/dcp_writer.h) under
 //   Megatron-Core's global keys, which a Megatron-LM run of any TP x PP x DP layout loads; the
 //   optimizer state by parameter, with --use-distributed-optimizer in its fully reshardable layout.
