@@ -302,6 +302,12 @@ bool has_extra_state_after(const std::vector<RankParam>& params, size_t k) {
   return megatron_has_extra_state(m) && (k + 1 == params.size() || module(params[k + 1].local_name) != m);
 }
 
+// A router's expert bias (a buffer, without optimizer state).
+bool is_expert_bias(const std::string& name) {
+  static const std::string suffix = ".mlp.router.expert_bias";
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 // torch_dist: where a megatrain parameter lies in Megatron-Core's sharded state dict (the local
 // spec's keys, as Megatron-LM's own torch_dist checkpoints name them).
 struct DistItem {
@@ -445,10 +451,18 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   std::string why;
   if (o.weights_only) why = "--weights-only asks for the weights alone";
   else if (loc->release) why = "it is a release checkpoint (weights only)";
-  else if (model.moe.enabled())
-    why = "megatrain does not write a mixture-of-experts model's optimizer state for Megatron-LM yet";
-  else if (mtp > 0)
-    why = "megatrain does not write a multi-token prediction model's optimizer state for Megatron-LM yet";
+  // (torch_dist keys the optimizer state by parameter; the torch format by index, in an order
+  // megatrain does not lay out for MoE and MTP models. At EP > 1 Megatron-LM chains a second
+  // optimizer for the experts, whose state megatrain does not write.)
+  else if (model.moe.enabled() && !torch_dist)
+    why = "megatrain writes a mixture-of-experts model's optimizer state for Megatron-LM in --ckpt-format "
+          "torch_dist only";
+  else if (model.moe.enabled() && layout.ep > 1)
+    why = "megatrain writes a mixture-of-experts model's optimizer state for Megatron-LM runs at "
+          "--expert-model-parallel-size 1 only (at EP > 1 Megatron-LM chains an optimizer for the experts)";
+  else if (mtp > 0 && !torch_dist)
+    why = "megatrain writes a multi-token prediction model's optimizer state for Megatron-LM in --ckpt-format "
+          "torch_dist only";
   else if (optimizer.value("kind", std::string()) != "adam")
     why = fmt::format("its optimizer is {}, and export-megatron writes Adam's state",
                       optimizer.value("kind", std::string("not recorded")));
@@ -458,7 +472,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     why = "it was trained with --decoupled-lr, whose param groups are not written";
   else {
     for (const std::string& name : reader.names())
-      if (!reader.has(name + ".exp_avg", CheckpointKind::optimizer) ||
+      if (is_expert_bias(name)) {
+        continue;  // (a router buffer, updated by its own rule)
+      } else if (!reader.has(name + ".exp_avg", CheckpointKind::optimizer) ||
           !reader.has(name + ".exp_avg_sq", CheckpointKind::optimizer)) {
         if (name.find("fp8_meta") != std::string::npos) continue;
         why = fmt::format("it holds no Adam state for '{}' (saved with --no-save-optim?)", name);
@@ -684,6 +700,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
       // "param" (float32 models too) or the mixed-precision optimizer's "fp32_param"
       const char* main_state = layout.distributed_optimizer ? "param" : bf16 || fp16 ? "fp32_param" : nullptr;
       for (const std::string& param : params) {
+        if (is_expert_bias(param)) continue;
         if (main_state) {
           const auto [main_kind, main_name] = ex.main_source(param);
           write_tensor(fmt::format("optimizer.state.{}.", main_state), param, main_kind, main_name, DType::f32);
