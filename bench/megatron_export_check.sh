@@ -15,7 +15,8 @@
 # writes Megatron's torch_dist format: the optimizer state by parameter, with DISTOPT=1 in the
 # distributed optimizer's fully reshardable layout), EXPORT_TP and EXPORT_PP (torch_dist: the layout
 # export-megatron writes for, default TP and PP; Megatron-LM reshards it to TP x PP on load), PYTHON
-# (default python3).
+# (default python3), WEIGHTS_ONLY=1 (export-megatron --weights-only: both sides fine-tune from the
+# weights, as for a model whose optimizer state does not go over).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
 # after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
@@ -108,7 +109,9 @@ for c in "${CASES[@]}"; do
   "$BIN" "${common[@]}" "${model[@]}" --train-iters "$TOTAL" --save "$d/megatrain" --save-interval 10 \
     > "$d/megatrain.log" 2>&1 || { echo "megatrain failed, see $d/megatrain.log"; tail -20 "$d/megatrain.log"; exit 1; }
   echo "== $c: export-megatron writes iteration 10 in the $FORMAT format for TP ${EXPORT_TP:-$TP} x PP ${EXPORT_PP:-$PP}$optimizer"
-  "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" --ckpt-format "$FORMAT" "${export_par[@]}" \
+  weights=()
+  [ "${WEIGHTS_ONLY:-0}" = 1 ] && weights=(--weights-only)
+  "$BIN" export-megatron --load "$d/megatrain" --ckpt-step 10 --save "$d/exported" --ckpt-format "$FORMAT" "${export_par[@]}" "${weights[@]}" \
     > "$d/export.log" 2>&1 || { echo "export-megatron failed:"; cat "$d/export.log"; exit 1; }
   head -2 "$d/export.log"
   if grep -q "^weights only" "$d/export.log"; then
