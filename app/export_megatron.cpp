@@ -452,14 +452,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   if (o.weights_only) why = "--weights-only asks for the weights alone";
   else if (loc->release) why = "it is a release checkpoint (weights only)";
   // (torch_dist keys the optimizer state by parameter; the torch format by index, in an order
-  // megatrain does not lay out for MoE and MTP models. At EP > 1 Megatron-LM chains a second
-  // optimizer for the experts, whose state megatrain does not write.)
+  // megatrain does not lay out for MoE and MTP models)
   else if (model.moe.enabled() && !torch_dist)
     why = "megatrain writes a mixture-of-experts model's optimizer state for Megatron-LM in --ckpt-format "
           "torch_dist only";
-  else if (model.moe.enabled() && layout.ep > 1)
-    why = "megatrain writes a mixture-of-experts model's optimizer state for Megatron-LM runs at "
-          "--expert-model-parallel-size 1 only (at EP > 1 Megatron-LM chains an optimizer for the experts)";
   else if (mtp > 0 && !torch_dist)
     why = "megatrain writes a multi-token prediction model's optimizer state for Megatron-LM in --ckpt-format "
           "torch_dist only";
@@ -576,9 +572,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   // Megatron's two param groups: the default (weight decay), then biases and 1-D parameters
   // (wd_mult 0); `params` is added per rank (non-distributed) or left out (distributed).
-  auto param_group = [&](bool decay, bool with_step = true) {
+  auto param_group = [&](bool decay, bool with_step = true, bool expert = false) {
     PickleRef g = pickle_dict();
-    pickle_set(*g, "is_expert_parallel", pickle_bool(false));
+    pickle_set(*g, "is_expert_parallel", pickle_bool(expert));
     pickle_set(*g, "default_config", pickle_bool(true));
     pickle_set(*g, "wd_mult", pickle_float(decay ? 1.0 : 0.0));
     pickle_set(*g, "lr_mult", pickle_float(1.0));
@@ -734,25 +730,37 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
         // the distributed optimizer: its param groups (with the step) and the sharding type; the
         // others: torch's Adam state dict (the step as state.common_step, the param groups without
         // their params), inside the mixed-precision wrapper with the loss scaler for bf16/fp16
-        PickleRef opt = pickle_dict(), inner = pickle_dict();
-        if (layout.distributed_optimizer) {
-          pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
-          pickle_set(*opt, "optimizer", inner);
-          grad_scaler(w, *opt);
-          pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
-        } else {
+        // (with expert parallelism Megatron-LM chains a second optimizer for the routed experts,
+        // whose one param group (weight decay) is is_expert_parallel: one state each, keyed 0 and 1)
+        auto optimizer_state = [&](bool experts) {
+          std::vector<PickleRef> groups;
+          for (const bool decay : experts ? std::vector<bool>{true} : std::vector<bool>{true, false})
+            groups.push_back(param_group(decay, layout.distributed_optimizer, experts));
+          PickleRef opt = pickle_dict(), inner = pickle_dict();
+          if (layout.distributed_optimizer) {
+            pickle_set(*inner, "param_groups", pickle_list(groups));
+            pickle_set(*opt, "optimizer", inner);
+            grad_scaler(w, *opt);
+            pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
+            return opt;
+          }
           PickleRef state = pickle_dict();
           HostArray one = HostArray::zeros(DType::f32, {});
           one.ptr<float>()[0] = static_cast<float>(step);
           pickle_set(*state, "common_step", w.tensor(std::move(one)));
           pickle_set(*inner, "state", state);
-          pickle_set(*inner, "param_groups", pickle_list({param_group(true, false), param_group(false, false)}));
-          if (bf16 || fp16) {
-            pickle_set(*opt, "optimizer", inner);
-            grad_scaler(w, *opt);
-          } else {
-            opt = inner;
-          }
+          pickle_set(*inner, "param_groups", pickle_list(groups));
+          if (!bf16 && !fp16) return inner;
+          pickle_set(*opt, "optimizer", inner);
+          grad_scaler(w, *opt);
+          return opt;
+        };
+        PickleRef opt = optimizer_state(false);
+        if (model.moe.enabled() && layout.ep > 1) {
+          PickleRef chained = pickle_dict();
+          pickle_set(*chained, pickle_int(0), opt);
+          pickle_set(*chained, pickle_int(1), optimizer_state(true));
+          opt = chained;
         }
         pickle_set(*root, "optimizer", opt);
         pickle_set(*root, "opt_param_scheduler", scheduler);

@@ -796,6 +796,18 @@ std::optional<int64_t> param_groups_step(const PickleValue& optimizer, const Tor
 
 }  // namespace
 
+namespace {
+// Megatron's ChainedOptimizer saves one state per optimizer, keyed 0, 1, ... (with expert parallelism
+// the dense parameters' optimizer, then the routed experts'; their steps are kept equal): the
+// first, or `opt` itself when it is not chained.
+const PickleValue* first_chained(const PickleValue* opt) {
+  if (!opt || !opt->is(PickleKind::dict)) return opt;
+  for (const auto& [k, v] : opt->entries)
+    if (k->is(PickleKind::integer) && k->integer == 0) return v.get();
+  return opt;
+}
+}  // namespace
+
 std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   if (format_ == "torch") {
     const TorchFile& f = *files_->rank_files[0][0];
@@ -818,7 +830,7 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
   if (!common_) fail("{} has no common state with the optimizer's step", directory_);
   // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer
   // level is Megatron's mixed-precision wrapper around torch's optimizer state dict).
-  const PickleValue* opt = common_->find("optimizer");
+  const PickleValue* opt = first_chained(common_->find("optimizer"));
   if (opt && !opt->find("state") && !opt->find("param_groups") && opt->find("optimizer")) opt = opt->find("optimizer");
   if (!distributed_optimizer_) {
     if (!opt) fail("{} has no optimizer state", where);
@@ -848,7 +860,7 @@ std::optional<MegatronCheckpoint::GradScalerState> MegatronCheckpoint::grad_scal
   const PickleValue* root = torch_format ? &file->root() : common_.get();
   if (!file || !root) return std::nullopt;
   const std::string where = torch_format ? file->what() : directory_ + "'s common state";
-  const PickleValue* opt = root->find("optimizer");
+  const PickleValue* opt = first_chained(root->find("optimizer"));
   const PickleValue* scaler = opt ? opt->find("grad_scaler") : nullptr;
   if (!scaler || scaler->is(PickleKind::none)) return std::nullopt;
   auto number = [&](const char* key) {

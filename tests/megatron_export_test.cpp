@@ -879,6 +879,10 @@ TEST_CASE("export-megatron --ckpt-format torch_dist: a trained model goes to Meg
       {"MoE (expert bias), PP 2", &kMoe, "", "--pipeline-model-parallel-size 2"},
       {"MoE (expert bias), TP 2, distributed optimizer", &kMoe, "", "--tensor-model-parallel-size 2 --use-distributed-optimizer"},
       {"llama with an MTP depth", &kLlama, "--mtp-num-layers 1", ""},
+      {"MoE, EP 2 x DP 2 (the experts' optimizer chained)", &kMoe, "",
+       "--expert-model-parallel-size 2 --data-parallel-size 2"},
+      {"MoE, EP 2 x DP 2, distributed optimizer", &kMoe, "",
+       "--expert-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer"},
   };
   for (const Case& c : cases) {
     INFO(c.name);
@@ -909,6 +913,23 @@ TEST_CASE("export-megatron --ckpt-format torch_dist: a trained model goes to Meg
     CHECK(items.count("optimizer.state.param.decoder.final_layernorm.weight") == distributed);
     CHECK(items.count("optimizer.state.fp32_param.decoder.final_layernorm.weight") == 0);
     CHECK(items.count("output_layer.weight") == (c.model != &kGpt));
+    // Megatron-LM's ChainedOptimizer with expert parallelism: the dense parameters' optimizer state
+    // (two param groups), then the experts' (one, is_expert_parallel), keyed 0 and 1
+    const mt::MegatronCheckpoint exported(tmp / "megatron", std::nullopt);
+    const mt::PickleValue& opt = at(*exported.common_state(), "optimizer");
+    const bool chained = c.layout.find("--expert-model-parallel-size 2") != std::string::npos;
+    CHECK((int_entry(opt, 1) != nullptr) == chained);
+    if (chained) {
+      auto groups = [&](int64_t k) -> const mt::PickleValue& {
+        const mt::PickleValue* o = int_entry(opt, k);
+        REQUIRE(o != nullptr);
+        return distributed ? at(at(*o, "optimizer"), "param_groups") : at(*o, "param_groups");
+      };
+      REQUIRE(groups(0).items.size() == 2);
+      REQUIRE(groups(1).items.size() == 1);
+      CHECK_FALSE(at(*groups(0).items[0], "is_expert_parallel").boolean);
+      CHECK(at(*groups(1).items[0], "is_expert_parallel").boolean);
+    }
     const mt::MegatronImportResult r = mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
     CHECK(r.resumable);
     CHECK(r.weights_only_reason.empty());
@@ -1039,10 +1060,9 @@ TEST_CASE("export-megatron --ckpt-format torch_dist: weights only", "[megatron-e
   o.load = train(moe_dir, kMoe);
   o.save = tmp / "moe";
   o.format = "torch_dist";
-  o.ep = o.dp = 2;  // (Megatron-LM chains the experts' optimizer at EP > 1: not written)
+  o.weights_only = true;
   const mt::MegatronExportResult moe = mt::export_megatron(o);
   CHECK(moe.release);
-  CHECK_THAT(moe.weights_only_reason, Catch::Contains("--expert-model-parallel-size 1 only"));
   const mt::MegatronImportResult moe_back = mt::import_megatron(tmp / "moe", std::nullopt, tmp / "moe_back", false);
   CHECK_FALSE(moe_back.resumable);
   require_same_state(o.load, tmp / "moe_back", false);
