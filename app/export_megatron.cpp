@@ -1,7 +1,8 @@
-// megatrain export-megatron: a megatrain checkpoint as a Megatron-LM torch-format checkpoint
-// (app/export_megatron.h). The files follow what Megatron-LM's save_checkpoint writes for the local
-// transformer implementation with PyTorch's AdamW (megatron/training/checkpointing.py,
-// megatron/core/optimizer/): per tensor x pipeline rank one torch.save'd dict
+// megatrain export-megatron: a megatrain checkpoint as a Megatron-LM checkpoint (app/export_megatron.h),
+// in the torch_dist format (ExportPlan::write_torch_dist) or the torch format. The files follow what
+// Megatron-LM's save_checkpoint writes for the local transformer implementation with PyTorch's
+// AdamW (megatron/training/checkpointing.py, megatron/core/optimizer/); the torch format: per
+// tensor x pipeline rank one torch.save'd dict
 //   args                      argparse.Namespace (app/megatron_args.h)
 //   checkpoint_version        3.0
 //   iteration                 N
@@ -21,6 +22,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -373,6 +375,335 @@ bool torch_dist_extra_state(const std::string& module) {
   return module != "output_layer" && (last.compare(0, 7, "linear_") == 0 || last == "eh_proj");
 }
 
+// What the writers of both formats read: the checkpoint, the Megatron run's model and layout, and
+// what export_megatron worked out from them.
+struct ExportPlan {
+  CheckpointReader& reader;
+  const ModelConfig& model;
+  const Layout& layout;
+  const Config& cfg;
+  const PipelineSplit& split;
+  Exporter& ex;
+  const RunState& rs;
+  const json& flags;
+  PickleRef args, scheduler;  // the args namespace; the scheduler's state dict
+  // One of Megatron's param groups: with weight decay or not, with Adam's step in it (the
+  // distributed optimizer's) or not, of the routed experts' optimizer or not.
+  std::function<PickleRef(bool decay, bool with_step, bool experts)> param_group;
+  std::function<void(TorchSaveWriter&, PickleValue&)> grad_scaler;  // the loss scaler's state into an optimizer's
+  bool with_optimizer = false, bf16 = false, fp16 = false, dp_random_init = false;
+  int64_t step = 0, seed = 0;
+
+  // Each writes the iteration directory `tmp_dir` and lists its files in r.files.
+  void write_torch_dist(const std::string& tmp_dir, MegatronExportResult& r) const;
+  void write_torch_format(const std::string& tmp_dir, MegatronExportResult& r) const;
+};
+
+// One PyTorch Distributed Checkpoint under Megatron-Core's keys (checkpoint/dcp_writer.h):
+// every tensor whole (global), a decoder layer's parameters stacked along a first dimension of
+// num_layers, one chunk per layer; each linear's extra state (None) per layer; the optimizer
+// state by parameter ("optimizer.state.<state>.<key>": the distributed optimizer's fully
+// reshardable layout, or the non-distributed optimizer's); the RNG states per pipeline x tensor
+// rank; everything else in the common state. A run of any TP x PP x DP layout loads it.
+void ExportPlan::write_torch_dist(const std::string& tmp_dir, MegatronExportResult& r) const {
+  make_directories(tmp_dir);
+  DcpWriter dcp(tmp_dir);
+  CheckpointReader* rd = &reader;
+  const int64_t layers = model.num_layers;
+  // (Megatron-LM keys the layers of MoE models one by one: its non-homogeneous layers, which the
+  // content metadata below asks for whatever the Megatron run's --moe-layer-freq says)
+  const bool per_layer = model.moe.enabled();
+  auto write_tensor = [&](const std::string& prefix, const std::string& param, CheckpointKind kind,
+                          const std::string& name, DType dtype) {
+    const CheckpointTensorInfo info = reader.info(name, kind);
+    const DistItem it = torch_dist_item(param, model, per_layer);
+    std::vector<int64_t> global = info.global_shape;
+    // the chunks: the whole tensor (one layer's when stacked), or each expert's rows
+    struct Chunk {
+      std::vector<int64_t> offsets, shape;
+      ShardIndex part;  // of megatrain's 2-D view
+    };
+    std::vector<Chunk> chunks;
+    if (it.experts > 0) {
+      const int64_t rows = global.at(0) / it.experts;
+      global = {it.experts, rows, global.at(1)};
+      for (int64_t e = 0; e < it.experts; ++e)
+        chunks.push_back({{e, 0, 0}, {1, rows, global[2]},
+                          ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows, info.global_cols, 1}});
+    } else {
+      chunks.push_back({std::vector<int64_t>(global.size(), 0), global, ShardIndex::whole(info.global_rows, info.global_cols)});
+    }
+    if (it.layer) {
+      global.insert(global.begin(), layers);
+      for (Chunk& c : chunks) {
+        c.offsets.insert(c.offsets.begin(), *it.layer);
+        c.shape.insert(c.shape.begin(), 1);
+      }
+    }
+    for (const Chunk& c : chunks)
+      dcp.tensor_chunk(prefix + it.key, dtype, global, c.offsets, c.shape, [rd, info, name, kind, dtype, c]() {
+        HostArray a = HostArray::zeros(dtype, c.shape);
+        rd->read(name, kind, ShardSlice::whole(c.part), Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}),
+                 info.global_shape);
+        return a;
+      });
+  };
+  // The model's parameters and buffers (the routers' expert biases) as megatrain saved them, each
+  // once (a tied output layer is the word embeddings' key); no FP8 scaling state.
+  std::vector<std::string> params;
+  for (const std::string& name : reader.names())
+    if (name.find(".fp8_meta.") == std::string::npos) params.push_back(name);
+  // The linears' extra states: per stacked layer "shard_<l>_<L>", per expert "shard_<e>_<E>", else
+  // "shard_0_1".
+  std::set<std::string> extra_states;
+  for (const std::string& param : params) {
+    write_tensor("", param, CheckpointKind::model, param, ex.model_dtype(param));
+    const DistItem it = torch_dist_item(param, model, per_layer);
+    if (it.key.compare(it.key.size() - 7, 7, ".weight") != 0 || !torch_dist_extra_state(it.module())) continue;
+    const std::string base = it.module() + "._extra_state/";
+    if (it.layer) extra_states.insert(base + fmt::format("shard_{}_{}", *it.layer, layers));
+    else if (it.experts > 0)
+      for (int64_t e = 0; e < it.experts; ++e) extra_states.insert(base + fmt::format("shard_{}_{}", e, it.experts));
+    else extra_states.insert(base + "shard_0_1");
+  }
+  for (const std::string& key : extra_states) dcp.object(key, [](TorchSaveWriter&) { return pickle_none(); });
+  PickleRef content = pickle_dict();
+  if (with_optimizer) {
+    // Adam's moments by parameter; the float32 main weights as the distributed optimizer's
+    // "param" (float32 models too) or the mixed-precision optimizer's "fp32_param"
+    const char* main_state = layout.distributed_optimizer ? "param" : bf16 || fp16 ? "fp32_param" : nullptr;
+    for (const std::string& param : params) {
+      if (is_expert_bias(param)) continue;
+      if (main_state) {
+        const auto [main_kind, main_name] = ex.main_source(param);
+        write_tensor(fmt::format("optimizer.state.{}.", main_state), param, main_kind, main_name, DType::f32);
+      }
+      for (const char* state : {"exp_avg", "exp_avg_sq"})
+        write_tensor(fmt::format("optimizer.state.{}.", state), param, CheckpointKind::optimizer,
+                     param + "." + state, DType::f32);
+    }
+    for (int p = 0; p < layout.pp; ++p)
+      for (int t = 0; t < layout.tp; ++t)
+        dcp.object(fmt::format("rng_state/shard_{}.{}_{}.{}", p, t, layout.pp, layout.tp), [&](TorchSaveWriter& w) {
+          PickleRef rng = pickle_list();
+          for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
+            rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
+          return rng;
+        });
+    if (layout.distributed_optimizer) {
+      pickle_set(*content, "distrib_optim_sharding_type", pickle_str("fully_reshardable"));
+      pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
+    }
+  }
+  if (per_layer) pickle_set(*content, "non_homogeneous_layers", pickle_bool(true));
+  pickle_set(*content, "singleton_local_shards", pickle_bool(false));
+  pickle_set(*content, "chained_optim_avoid_prefix", pickle_bool(true));
+  dcp.object("common_state/shard_0_1", [&](TorchSaveWriter& w) {
+    PickleRef root = pickle_dict();
+    pickle_set(*root, "args", args);
+    pickle_set(*root, "checkpoint_version", pickle_float(3.0));
+    pickle_set(*root, "iteration", pickle_int(r.iteration));
+    if (with_optimizer) {
+      // the distributed optimizer: its param groups (with the step) and the sharding type; the
+      // others: torch's Adam state dict (the step as state.common_step, the param groups without
+      // their params), inside the mixed-precision wrapper with the loss scaler for bf16/fp16
+      // (with expert parallelism Megatron-LM chains a second optimizer for the routed experts,
+      // whose one param group (weight decay) is is_expert_parallel: one state each, keyed 0 and 1)
+      auto optimizer_state = [&](bool experts) {
+        std::vector<PickleRef> groups;
+        for (const bool decay : experts ? std::vector<bool>{true} : std::vector<bool>{true, false})
+          groups.push_back(param_group(decay, layout.distributed_optimizer, experts));
+        PickleRef opt = pickle_dict(), inner = pickle_dict();
+        if (layout.distributed_optimizer) {
+          pickle_set(*inner, "param_groups", pickle_list(groups));
+          pickle_set(*opt, "optimizer", inner);
+          grad_scaler(w, *opt);
+          pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
+          return opt;
+        }
+        PickleRef state = pickle_dict();
+        HostArray one = HostArray::zeros(DType::f32, {});
+        one.ptr<float>()[0] = static_cast<float>(step);
+        pickle_set(*state, "common_step", w.tensor(std::move(one)));
+        pickle_set(*inner, "state", state);
+        pickle_set(*inner, "param_groups", pickle_list(groups));
+        if (!bf16 && !fp16) return inner;
+        pickle_set(*opt, "optimizer", inner);
+        grad_scaler(w, *opt);
+        return opt;
+      };
+      PickleRef opt = optimizer_state(false);
+      if (model.moe.enabled() && layout.ep > 1) {
+        PickleRef chained = pickle_dict();
+        pickle_set(*chained, pickle_int(0), opt);
+        pickle_set(*chained, pickle_int(1), optimizer_state(true));
+        opt = chained;
+      }
+      pickle_set(*root, "optimizer", opt);
+      pickle_set(*root, "opt_param_scheduler", scheduler);
+    }
+    pickle_set(*root, "num_floating_point_operations_so_far",
+               pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
+    pickle_set(*root, "content_metadata", content);
+    return root;
+  });
+  dcp.finish(true);
+  write_file_atomically(join_path(tmp_dir, "metadata.json"),
+                        R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
+  r.files = {"__0_0.distcp", ".metadata", "metadata.json"};
+}
+
+// The torch format: per tensor x pipeline (x expert-parallel) rank one model_optim_rng.pt, and
+// distrib_optim.pt beside it with the distributed optimizer (the file comment above).
+void ExportPlan::write_torch_format(const std::string& tmp_dir, MegatronExportResult& r) const {
+  for (int p = 0; p < layout.pp; ++p) {
+    const std::vector<ModelChunk> chunks = stage_chunks(split, p);
+    for (int rank = 0; rank < layout.tp * layout.ep; ++rank) {
+      const int t = rank % layout.tp, e = rank / layout.tp;  // (expert-parallel ranks last, as Megatron's names)
+      std::string rank_dir =
+          layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
+      if (layout.ep > 1) rank_dir += fmt::format("_{:03d}", e);
+      make_directories(join_path(tmp_dir, rank_dir));
+      TorchSaveWriter w;
+      PickleRef root = pickle_dict();
+      pickle_set(*root, "args", args);
+      pickle_set(*root, "checkpoint_version", pickle_float(3.0));
+      pickle_set(*root, "iteration", pickle_int(r.iteration));
+      std::vector<std::vector<RankParam>> params;  // by chunk
+      for (size_t v = 0; v < chunks.size(); ++v) {
+        params.push_back(ex.chunk_params(cfg, chunks[v], t, e));
+        const std::vector<RankParam>& ps = params.back();
+        PickleRef sd = pickle_ordered_dict();
+        for (size_t k = 0; k < ps.size(); ++k) {
+          pickle_set(*sd, ps[k].local_name,
+                     ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
+          if (has_extra_state_after(ps, k))
+            pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
+        }
+        // the output layer of a model whose embeddings it shares on the same stage has no weight
+        if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
+          pickle_set(*sd, "output_layer._extra_state", pickle_none());
+        pickle_set(*root, chunks.size() > 1 ? fmt::format("model{}", v) : std::string("model"), sd);
+      }
+      if (with_optimizer) {
+        PickleRef opt = pickle_dict();
+        if (!layout.distributed_optimizer) {
+          // torch's Adam state, indexed through the groups: those with weight decay, then those
+          // without, each in registration order over the rank's chunks
+          PickleRef adam = pickle_dict();
+          PickleRef state = pickle_dict();
+          PickleRef groups = pickle_list();
+          PickleRef mains = pickle_list();
+          int64_t index = 0;
+          for (const bool decay : {true, false}) {
+            PickleRef g = param_group(decay, true, false);
+            PickleRef indices = pickle_list();
+            PickleRef group_mains = pickle_list();
+            for (const auto& chunk : params)
+              for (const RankParam& rp : chunk) {
+                if (rp.weight_decay != decay) continue;
+                PickleRef s = pickle_dict();
+                HostArray one = HostArray::zeros(DType::f32, {});
+                one.ptr<float>()[0] = static_cast<float>(step);
+                pickle_set(*s, "step", w.tensor(std::move(one)));
+                pickle_set(*s, "exp_avg", ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg", DType::f32));
+                pickle_set(*s, "exp_avg_sq",
+                           ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg_sq", DType::f32));
+                pickle_set(*state, pickle_int(index), s);
+                indices->items.push_back(pickle_int(index++));
+                if (bf16 || fp16)
+                  group_mains->items.push_back(ex.shard(w, rp, CheckpointKind::main_params, rp.source, DType::f32));
+              }
+            pickle_set(*g, "params", indices);
+            groups->items.push_back(g);
+            mains->items.push_back(group_mains);
+          }
+          pickle_set(*adam, "state", state);
+          pickle_set(*adam, "param_groups", groups);
+          if (bf16 || fp16) {
+            pickle_set(*opt, "optimizer", adam);
+            grad_scaler(w, *opt);
+            pickle_set(*opt, "fp32_from_fp16_params", mains);
+          } else {
+            opt = adam;  // Megatron's FP32Optimizer saves torch's state dict as it is
+          }
+        } else {
+          PickleRef inner = pickle_dict();
+          pickle_set(*inner, "param_groups", pickle_list({param_group(true, true, false), param_group(false, true, false)}));
+          pickle_set(*opt, "optimizer", inner);
+          grad_scaler(w, *opt);
+          // distrib_optim.pt: per chunk its buckets end to end, each parameter's TP shard where
+          // Megatron's DistributedDataParallel puts it
+          TorchSaveWriter dw;
+          PickleRef buffers = pickle_dict();
+          pickle_set(*buffers, "buckets_coalesced", pickle_bool(true));
+          for (size_t v = 0; v < chunks.size(); ++v) {
+            const ModelChunk& c = chunks[v];
+            const std::vector<FlatParam> flat = megatron_chunk_params(cfg, layout.tp, t, c.first_layer, c.num_layers,
+                                                                      c.has_embedding, c.has_output, layout.pp > 1, false);
+            const std::string what = fmt::format("tensor rank {}, pipeline rank {}, chunk {}", t, p, v);
+            const std::vector<int64_t> sizes =
+                megatron_flat_bucket_sizes(flat, saved_bucket_size(*args, p, static_cast<int>(v)));
+            const std::vector<FlatSlot> slots = megatron_flat_slots(flat, sizes, what);
+            std::vector<int64_t> starts(sizes.size(), 0);
+            for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
+            const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
+            struct Placed {
+              RankParam param;
+              int64_t offset;
+            };
+            std::vector<Placed> placed;
+            for (size_t k = 0; k < flat.size(); ++k)
+              placed.push_back({params[v][k], starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset});
+            PickleRef states = pickle_dict();
+            CheckpointReader* rd = &reader;
+            for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
+              const std::string st = state;
+              std::vector<std::pair<CheckpointKind, std::string>> sources;
+              for (const Placed& pl : placed)
+                sources.push_back(st == "param" ? ex.main_source(pl.param.source)
+                                                : std::make_pair(CheckpointKind::optimizer, pl.param.source + "." + st));
+              pickle_set(*states, st, dw.tensor(DType::f32, {total}, [rd, placed, sources, total]() {
+                HostArray buf = HostArray::zeros(DType::f32, {total});
+                for (size_t k = 0; k < placed.size(); ++k) {
+                  const RankParam& rp = placed[k].param;
+                  rd->read(sources[k].second, sources[k].first, ShardSlice::whole(rp.shard),
+                           Tensor(buf.ptr<float>() + placed[k].offset, DType::f32, Device::cpu, {rp.shard.local_numel()}),
+                           rp.global_shape);
+                }
+                return buf;
+              }));
+            }
+            pickle_set(*states, "numel_unpadded", pickle_int(total));
+            // keyed by (parameter dtype, gradient dtype), as Megatron's grad buffers are
+            const DType param_dtype = bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32;
+            const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
+            PickleRef by_dtype = pickle_dict();
+            pickle_set(*by_dtype,
+                       pickle_tuple({pickle_global(torch_dtype_name(param_dtype)),
+                                     pickle_global(torch_dtype_name(grad_dtype))}),
+                       states);
+            pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
+          }
+          const std::string rel = join_path(rank_dir, "distrib_optim.pt");
+          dw.write(join_path(tmp_dir, rel), *buffers);
+          r.files.push_back(rel);
+        }
+        pickle_set(*root, "optimizer", opt);
+        pickle_set(*root, "opt_param_scheduler", scheduler);
+        PickleRef rng = pickle_list();
+        for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
+          rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
+        pickle_set(*root, "rng_state", rng);
+      }
+      pickle_set(*root, "num_floating_point_operations_so_far",
+                 pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
+      const std::string rel = join_path(rank_dir, "model_optim_rng.pt");
+      w.write(join_path(tmp_dir, rel), *root);
+      r.files.push_back(rel);
+    }
+  }
+}
 }  // namespace
 
 MegatronExportResult export_megatron(const MegatronExportOptions& o) {
@@ -572,7 +903,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   // Megatron's two param groups: the default (weight decay), then biases and 1-D parameters
   // (wd_mult 0); `params` is added per rank (non-distributed) or left out (distributed).
-  auto param_group = [&](bool decay, bool with_step = true, bool expert = false) {
+  auto param_group = [&](bool decay, bool with_step, bool expert) {
     PickleRef g = pickle_dict();
     pickle_set(*g, "is_expert_parallel", pickle_bool(expert));
     pickle_set(*g, "default_config", pickle_bool(true));
@@ -622,307 +953,10 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   remove_tree(tmp_dir);
   const int64_t seed = recorded_or<int64_t>(flags, "--seed", 1234);
   const bool dp_random_init = recorded_or<bool>(flags, "--data-parallel-random-init", false);
-  if (torch_dist) {
-    // One PyTorch Distributed Checkpoint under Megatron-Core's keys (checkpoint/dcp_writer.h):
-    // every tensor whole (global), a decoder layer's parameters stacked along a first dimension of
-    // num_layers, one chunk per layer; each linear's extra state (None) per layer; the optimizer
-    // state by parameter ("optimizer.state.<state>.<key>": the distributed optimizer's fully
-    // reshardable layout, or the non-distributed optimizer's); the RNG states per pipeline x tensor
-    // rank; everything else in the common state. A run of any TP x PP x DP layout loads it.
-    make_directories(tmp_dir);
-    DcpWriter dcp(tmp_dir);
-    CheckpointReader* rd = &reader;
-    const int64_t layers = model.num_layers;
-    // (Megatron-LM keys the layers of MoE models one by one: its non-homogeneous layers, which the
-    // content metadata below asks for whatever the Megatron run's --moe-layer-freq says)
-    const bool per_layer = model.moe.enabled();
-    auto write_tensor = [&](const std::string& prefix, const std::string& param, CheckpointKind kind,
-                            const std::string& name, DType dtype) {
-      const CheckpointTensorInfo info = reader.info(name, kind);
-      const DistItem it = torch_dist_item(param, model, per_layer);
-      std::vector<int64_t> global = info.global_shape;
-      // the chunks: the whole tensor (one layer's when stacked), or each expert's rows
-      struct Chunk {
-        std::vector<int64_t> offsets, shape;
-        ShardIndex part;  // of megatrain's 2-D view
-      };
-      std::vector<Chunk> chunks;
-      if (it.experts > 0) {
-        const int64_t rows = global.at(0) / it.experts;
-        global = {it.experts, rows, global.at(1)};
-        for (int64_t e = 0; e < it.experts; ++e)
-          chunks.push_back({{e, 0, 0}, {1, rows, global[2]},
-                            ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows, info.global_cols, 1}});
-      } else {
-        chunks.push_back({std::vector<int64_t>(global.size(), 0), global, ShardIndex::whole(info.global_rows, info.global_cols)});
-      }
-      if (it.layer) {
-        global.insert(global.begin(), layers);
-        for (Chunk& c : chunks) {
-          c.offsets.insert(c.offsets.begin(), *it.layer);
-          c.shape.insert(c.shape.begin(), 1);
-        }
-      }
-      for (const Chunk& c : chunks)
-        dcp.tensor_chunk(prefix + it.key, dtype, global, c.offsets, c.shape, [rd, info, name, kind, dtype, c]() {
-          HostArray a = HostArray::zeros(dtype, c.shape);
-          rd->read(name, kind, ShardSlice::whole(c.part), Tensor(a.bytes.data(), dtype, Device::cpu, {a.numel()}),
-                   info.global_shape);
-          return a;
-        });
-    };
-    // The model's parameters and buffers (the routers' expert biases) as megatrain saved them, each
-    // once (a tied output layer is the word embeddings' key); no FP8 scaling state.
-    std::vector<std::string> params;
-    for (const std::string& name : reader.names())
-      if (name.find(".fp8_meta.") == std::string::npos) params.push_back(name);
-    // The linears' extra states: per stacked layer "shard_<l>_<L>", per expert "shard_<e>_<E>", else
-    // "shard_0_1".
-    std::set<std::string> extra_states;
-    for (const std::string& param : params) {
-      write_tensor("", param, CheckpointKind::model, param, ex.model_dtype(param));
-      const DistItem it = torch_dist_item(param, model, per_layer);
-      if (it.key.compare(it.key.size() - 7, 7, ".weight") != 0 || !torch_dist_extra_state(it.module())) continue;
-      const std::string base = it.module() + "._extra_state/";
-      if (it.layer) extra_states.insert(base + fmt::format("shard_{}_{}", *it.layer, layers));
-      else if (it.experts > 0)
-        for (int64_t e = 0; e < it.experts; ++e) extra_states.insert(base + fmt::format("shard_{}_{}", e, it.experts));
-      else extra_states.insert(base + "shard_0_1");
-    }
-    for (const std::string& key : extra_states) dcp.object(key, [](TorchSaveWriter&) { return pickle_none(); });
-    PickleRef content = pickle_dict();
-    if (with_optimizer) {
-      // Adam's moments by parameter; the float32 main weights as the distributed optimizer's
-      // "param" (float32 models too) or the mixed-precision optimizer's "fp32_param"
-      const char* main_state = layout.distributed_optimizer ? "param" : bf16 || fp16 ? "fp32_param" : nullptr;
-      for (const std::string& param : params) {
-        if (is_expert_bias(param)) continue;
-        if (main_state) {
-          const auto [main_kind, main_name] = ex.main_source(param);
-          write_tensor(fmt::format("optimizer.state.{}.", main_state), param, main_kind, main_name, DType::f32);
-        }
-        for (const char* state : {"exp_avg", "exp_avg_sq"})
-          write_tensor(fmt::format("optimizer.state.{}.", state), param, CheckpointKind::optimizer,
-                       param + "." + state, DType::f32);
-      }
-      for (int p = 0; p < layout.pp; ++p)
-        for (int t = 0; t < layout.tp; ++t)
-          dcp.object(fmt::format("rng_state/shard_{}.{}_{}.{}", p, t, layout.pp, layout.tp), [&](TorchSaveWriter& w) {
-            PickleRef rng = pickle_list();
-            for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
-              rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
-            return rng;
-          });
-      if (layout.distributed_optimizer) {
-        pickle_set(*content, "distrib_optim_sharding_type", pickle_str("fully_reshardable"));
-        pickle_set(*content, "distrib_optim_fully_reshardable_mem_efficient", pickle_bool(false));
-      }
-    }
-    if (per_layer) pickle_set(*content, "non_homogeneous_layers", pickle_bool(true));
-    pickle_set(*content, "singleton_local_shards", pickle_bool(false));
-    pickle_set(*content, "chained_optim_avoid_prefix", pickle_bool(true));
-    dcp.object("common_state/shard_0_1", [&](TorchSaveWriter& w) {
-      PickleRef root = pickle_dict();
-      pickle_set(*root, "args", args);
-      pickle_set(*root, "checkpoint_version", pickle_float(3.0));
-      pickle_set(*root, "iteration", pickle_int(r.iteration));
-      if (with_optimizer) {
-        // the distributed optimizer: its param groups (with the step) and the sharding type; the
-        // others: torch's Adam state dict (the step as state.common_step, the param groups without
-        // their params), inside the mixed-precision wrapper with the loss scaler for bf16/fp16
-        // (with expert parallelism Megatron-LM chains a second optimizer for the routed experts,
-        // whose one param group (weight decay) is is_expert_parallel: one state each, keyed 0 and 1)
-        auto optimizer_state = [&](bool experts) {
-          std::vector<PickleRef> groups;
-          for (const bool decay : experts ? std::vector<bool>{true} : std::vector<bool>{true, false})
-            groups.push_back(param_group(decay, layout.distributed_optimizer, experts));
-          PickleRef opt = pickle_dict(), inner = pickle_dict();
-          if (layout.distributed_optimizer) {
-            pickle_set(*inner, "param_groups", pickle_list(groups));
-            pickle_set(*opt, "optimizer", inner);
-            grad_scaler(w, *opt);
-            pickle_set(*opt, "param_state_sharding_type", pickle_str("fully_reshardable"));
-            return opt;
-          }
-          PickleRef state = pickle_dict();
-          HostArray one = HostArray::zeros(DType::f32, {});
-          one.ptr<float>()[0] = static_cast<float>(step);
-          pickle_set(*state, "common_step", w.tensor(std::move(one)));
-          pickle_set(*inner, "state", state);
-          pickle_set(*inner, "param_groups", pickle_list(groups));
-          if (!bf16 && !fp16) return inner;
-          pickle_set(*opt, "optimizer", inner);
-          grad_scaler(w, *opt);
-          return opt;
-        };
-        PickleRef opt = optimizer_state(false);
-        if (model.moe.enabled() && layout.ep > 1) {
-          PickleRef chained = pickle_dict();
-          pickle_set(*chained, pickle_int(0), opt);
-          pickle_set(*chained, pickle_int(1), optimizer_state(true));
-          opt = chained;
-        }
-        pickle_set(*root, "optimizer", opt);
-        pickle_set(*root, "opt_param_scheduler", scheduler);
-      }
-      pickle_set(*root, "num_floating_point_operations_so_far",
-                 pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
-      pickle_set(*root, "content_metadata", content);
-      return root;
-    });
-    dcp.finish(true);
-    write_file_atomically(join_path(tmp_dir, "metadata.json"),
-                          R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
-    r.files = {"__0_0.distcp", ".metadata", "metadata.json"};
-  } else {
-    for (int p = 0; p < layout.pp; ++p) {
-      const std::vector<ModelChunk> chunks = stage_chunks(split, p);
-      for (int rank = 0; rank < layout.tp * layout.ep; ++rank) {
-        const int t = rank % layout.tp, e = rank / layout.tp;  // (expert-parallel ranks last, as Megatron's names)
-        std::string rank_dir =
-            layout.pp > 1 ? fmt::format("mp_rank_{:02d}_{:03d}", t, p) : fmt::format("mp_rank_{:02d}", t);
-        if (layout.ep > 1) rank_dir += fmt::format("_{:03d}", e);
-        make_directories(join_path(tmp_dir, rank_dir));
-        TorchSaveWriter w;
-        PickleRef root = pickle_dict();
-        pickle_set(*root, "args", args);
-        pickle_set(*root, "checkpoint_version", pickle_float(3.0));
-        pickle_set(*root, "iteration", pickle_int(r.iteration));
-        std::vector<std::vector<RankParam>> params;  // by chunk
-        for (size_t v = 0; v < chunks.size(); ++v) {
-          params.push_back(ex.chunk_params(cfg, chunks[v], t, e));
-          const std::vector<RankParam>& ps = params.back();
-          PickleRef sd = pickle_ordered_dict();
-          for (size_t k = 0; k < ps.size(); ++k) {
-            pickle_set(*sd, ps[k].local_name,
-                       ex.shard(w, ps[k], CheckpointKind::model, ps[k].source, ex.model_dtype(ps[k].source)));
-            if (has_extra_state_after(ps, k))
-              pickle_set(*sd, ps[k].local_name.substr(0, ps[k].local_name.rfind('.')) + "._extra_state", pickle_none());
-          }
-          // the output layer of a model whose embeddings it shares on the same stage has no weight
-          if (chunks[v].has_output && !model.untie_embeddings_and_output_weights && layout.pp == 1)
-            pickle_set(*sd, "output_layer._extra_state", pickle_none());
-          pickle_set(*root, chunks.size() > 1 ? fmt::format("model{}", v) : std::string("model"), sd);
-        }
-        if (with_optimizer) {
-          PickleRef opt = pickle_dict();
-          if (!layout.distributed_optimizer) {
-            // torch's Adam state, indexed through the groups: those with weight decay, then those
-            // without, each in registration order over the rank's chunks
-            PickleRef adam = pickle_dict();
-            PickleRef state = pickle_dict();
-            PickleRef groups = pickle_list();
-            PickleRef mains = pickle_list();
-            int64_t index = 0;
-            for (const bool decay : {true, false}) {
-              PickleRef g = param_group(decay);
-              PickleRef indices = pickle_list();
-              PickleRef group_mains = pickle_list();
-              for (const auto& chunk : params)
-                for (const RankParam& rp : chunk) {
-                  if (rp.weight_decay != decay) continue;
-                  PickleRef s = pickle_dict();
-                  HostArray one = HostArray::zeros(DType::f32, {});
-                  one.ptr<float>()[0] = static_cast<float>(step);
-                  pickle_set(*s, "step", w.tensor(std::move(one)));
-                  pickle_set(*s, "exp_avg", ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg", DType::f32));
-                  pickle_set(*s, "exp_avg_sq",
-                             ex.shard(w, rp, CheckpointKind::optimizer, rp.source + ".exp_avg_sq", DType::f32));
-                  pickle_set(*state, pickle_int(index), s);
-                  indices->items.push_back(pickle_int(index++));
-                  if (bf16 || fp16)
-                    group_mains->items.push_back(ex.shard(w, rp, CheckpointKind::main_params, rp.source, DType::f32));
-                }
-              pickle_set(*g, "params", indices);
-              groups->items.push_back(g);
-              mains->items.push_back(group_mains);
-            }
-            pickle_set(*adam, "state", state);
-            pickle_set(*adam, "param_groups", groups);
-            if (bf16 || fp16) {
-              pickle_set(*opt, "optimizer", adam);
-              grad_scaler(w, *opt);
-              pickle_set(*opt, "fp32_from_fp16_params", mains);
-            } else {
-              opt = adam;  // Megatron's FP32Optimizer saves torch's state dict as it is
-            }
-          } else {
-            PickleRef inner = pickle_dict();
-            pickle_set(*inner, "param_groups", pickle_list({param_group(true), param_group(false)}));
-            pickle_set(*opt, "optimizer", inner);
-            grad_scaler(w, *opt);
-            // distrib_optim.pt: per chunk its buckets end to end, each parameter's TP shard where
-            // Megatron's DistributedDataParallel puts it
-            TorchSaveWriter dw;
-            PickleRef buffers = pickle_dict();
-            pickle_set(*buffers, "buckets_coalesced", pickle_bool(true));
-            for (size_t v = 0; v < chunks.size(); ++v) {
-              const ModelChunk& c = chunks[v];
-              const std::vector<FlatParam> flat = megatron_chunk_params(cfg, layout.tp, t, c.first_layer, c.num_layers,
-                                                                        c.has_embedding, c.has_output, layout.pp > 1, false);
-              const std::string what = fmt::format("tensor rank {}, pipeline rank {}, chunk {}", t, p, v);
-              const std::vector<int64_t> sizes =
-                  megatron_flat_bucket_sizes(flat, saved_bucket_size(*args, p, static_cast<int>(v)));
-              const std::vector<FlatSlot> slots = megatron_flat_slots(flat, sizes, what);
-              std::vector<int64_t> starts(sizes.size(), 0);
-              for (size_t b = 1; b < sizes.size(); ++b) starts[b] = starts[b - 1] + sizes[b - 1];
-              const int64_t total = sizes.empty() ? 0 : starts.back() + sizes.back();
-              struct Placed {
-                RankParam param;
-                int64_t offset;
-              };
-              std::vector<Placed> placed;
-              for (size_t k = 0; k < flat.size(); ++k)
-                placed.push_back({params[v][k], starts[static_cast<size_t>(slots[k].bucket)] + slots[k].offset});
-              PickleRef states = pickle_dict();
-              CheckpointReader* rd = &reader;
-              for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
-                const std::string st = state;
-                std::vector<std::pair<CheckpointKind, std::string>> sources;
-                for (const Placed& pl : placed)
-                  sources.push_back(st == "param" ? ex.main_source(pl.param.source)
-                                                  : std::make_pair(CheckpointKind::optimizer, pl.param.source + "." + st));
-                pickle_set(*states, st, dw.tensor(DType::f32, {total}, [rd, placed, sources, total]() {
-                  HostArray buf = HostArray::zeros(DType::f32, {total});
-                  for (size_t k = 0; k < placed.size(); ++k) {
-                    const RankParam& rp = placed[k].param;
-                    rd->read(sources[k].second, sources[k].first, ShardSlice::whole(rp.shard),
-                             Tensor(buf.ptr<float>() + placed[k].offset, DType::f32, Device::cpu, {rp.shard.local_numel()}),
-                             rp.global_shape);
-                  }
-                  return buf;
-                }));
-              }
-              pickle_set(*states, "numel_unpadded", pickle_int(total));
-              // keyed by (parameter dtype, gradient dtype), as Megatron's grad buffers are
-              const DType param_dtype = bf16 ? DType::bf16 : fp16 ? DType::f16 : DType::f32;
-              const DType grad_dtype = recorded_or<bool>(flags, "--grad-reduce-in-bf16", false) ? DType::bf16 : DType::f32;
-              PickleRef by_dtype = pickle_dict();
-              pickle_set(*by_dtype,
-                         pickle_tuple({pickle_global(torch_dtype_name(param_dtype)),
-                                       pickle_global(torch_dtype_name(grad_dtype))}),
-                         states);
-              pickle_set(*buffers, pickle_int(static_cast<int64_t>(v)), by_dtype);
-            }
-            const std::string rel = join_path(rank_dir, "distrib_optim.pt");
-            dw.write(join_path(tmp_dir, rel), *buffers);
-            r.files.push_back(rel);
-          }
-          pickle_set(*root, "optimizer", opt);
-          pickle_set(*root, "opt_param_scheduler", scheduler);
-          PickleRef rng = pickle_list();
-          for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d)
-            rng->items.push_back(megatron_initial_rng_state(w, seed, t, p, d, dp_random_init));
-          pickle_set(*root, "rng_state", rng);
-        }
-        pickle_set(*root, "num_floating_point_operations_so_far",
-                   pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far));
-        const std::string rel = join_path(rank_dir, "model_optim_rng.pt");
-        w.write(join_path(tmp_dir, rel), *root);
-        r.files.push_back(rel);
-      }
-    }
-  }
+  const ExportPlan plan{reader, model, layout, cfg, split, ex, rs, flags, args, scheduler, param_group, grad_scaler,
+                        with_optimizer, bf16, fp16, dp_random_init, step, seed};
+  if (torch_dist) plan.write_torch_dist(tmp_dir, r);
+  else plan.write_torch_format(tmp_dir, r);
   fsync_directory(tmp_dir);
   remove_tree(final_dir);
   rename_path(tmp_dir, final_dir);

@@ -19,6 +19,7 @@
 #include "app/export_megatron.h"
 #include "app/import_megatron.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/dcp_writer.h"
 #include "checkpoint/megatron_checkpoint.h"
 #include "checkpoint/megatron_names.h"
 #include "checkpoint/megatron_rng.h"
@@ -212,6 +213,70 @@ TEST_CASE("torch.save archives written without PyTorch read back, aligned, with 
     CHECK(std::string(reinterpret_cast<const char*>(z.bytes(*z.find(zip64 ? "z64/version" : "plain/version"))), 2) == "3\n");
   }
   CHECK_FALSE(fs::exists(tmp / "plain.pt.tmp-" + std::to_string(::getpid())));
+}
+
+TEST_CASE("PyTorch Distributed Checkpoint files written without PyTorch: chunks, objects and .metadata",
+          "[megatron-export]") {
+  TempDir tmp;
+  mt::DcpWriter w(tmp.path());
+  // a [2, 3, 4] tensor in two chunks along its first dimension, a whole [5] one, and an object
+  auto chunk = [](int first) {
+    mt::HostArray a = mt::HostArray::zeros(mt::DType::f32, {1, 3, 4});
+    for (int i = 0; i < 12; ++i) a.ptr<float>()[i] = static_cast<float>(100 * first + i);
+    return a;
+  };
+  for (const int l : {1, 0})
+    w.tensor_chunk("stack", mt::DType::f32, {2, 3, 4}, {l, 0, 0}, {1, 3, 4}, [&chunk, l]() { return chunk(l); });
+  mt::HostArray v = mt::HostArray::zeros(mt::DType::bf16, {5});
+  for (int i = 0; i < 5; ++i) v.ptr<uint16_t>()[i] = static_cast<uint16_t>(0x3f80 + i);
+  w.tensor_chunk("vec", mt::DType::bf16, {5}, {0}, {5}, [v]() { return v; });
+  w.object("thing/shard_0_1", [](mt::TorchSaveWriter&) {
+    mt::PickleRef d = mt::pickle_dict();
+    mt::pickle_set(*d, "answer", mt::pickle_int(42));
+    return d;
+  });
+  CHECK_THROWS_AS(w.tensor_chunk("vec", mt::DType::f32, {5}, {0}, {5}, [v]() { return v; }), mt::Error);
+  CHECK_THROWS_AS(w.tensor_chunk("out", mt::DType::f32, {2}, {1}, {2}, [v]() { return v; }), mt::Error);
+  w.finish(false);
+
+  const std::string bytes = read_bytes(tmp / ".metadata");
+  const mt::PickleRef meta = mt::read_pickle(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), "m");
+  REQUIRE(meta->is_object("torch.distributed.checkpoint.metadata.Metadata"));
+  CHECK(at(*meta, "version").text == "1.0.0");
+  const mt::PickleValue& sdm = at(*meta, "state_dict_metadata");
+  REQUIRE(sdm.entries.size() == 3);
+  const mt::PickleValue& stack = at(sdm, "stack");
+  REQUIRE(stack.is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata"));
+  CHECK(at(stack, "size").items.at(0)->items.size() == 3);
+  CHECK(at(stack, "properties").state->items.at(0)->text == "torch.float32");
+  REQUIRE(at(stack, "chunks").items.size() == 2);
+  CHECK(at(*at(stack, "chunks").items[0], "offsets").items.at(0)->items.at(0)->integer == 1);
+  CHECK(at(at(sdm, "vec"), "properties").state->items.at(0)->text == "torch.bfloat16");
+  CHECK(at(sdm, "thing/shard_0_1").is_object("torch.distributed.checkpoint.metadata.BytesStorageMetadata"));
+  // every stored item: a torch.save archive where _StorageInfo says, holding what was written
+  const auto file = std::make_shared<mt::MappedFile>(tmp / "__0_0.distcp");
+  int items = 0;
+  for (const auto& [index, info] : at(*meta, "storage_data").entries) {
+    REQUIRE(index->is_object("torch.distributed.checkpoint.metadata.MetadataIndex"));
+    REQUIRE(info->is_object("torch.distributed.checkpoint.filesystem._StorageInfo"));
+    CHECK(at(*info, "relative_path").text == "__0_0.distcp");
+    const mt::TorchFile f(file, static_cast<uint64_t>(at(*info, "offset").integer),
+                          static_cast<uint64_t>(at(*info, "length").integer));
+    const std::string fqn = at(*index, "fqn").text;
+    INFO(fqn);
+    if (fqn == "stack") {
+      const int64_t first = at(*index, "offset").items.at(0)->items.at(0)->integer;
+      CHECK(same(f.tensor(f.root(), fqn), chunk(static_cast<int>(first))));
+    } else if (fqn == "vec") {
+      CHECK(same(f.tensor(f.root(), fqn), v));
+    } else {
+      REQUIRE(f.root().is(mt::PickleKind::list));  // a ShardedObject: [object]
+      CHECK(at(*f.root().items.at(0), "answer").integer == 42);
+      CHECK(at(*index, "index").is(mt::PickleKind::none));
+    }
+    ++items;
+  }
+  CHECK(items == 4);
 }
 
 TEST_CASE("the RNG states are those Megatron-LM seeds at start-up", "[megatron-export]") {
