@@ -635,6 +635,21 @@ void compare_rank_file(const std::string& theirs_path, const std::string& ours_p
 
 }  // namespace
 
+namespace {
+
+// Megatron-LM's checkpoint `fixture` imported into megatrain (tmp/imported) and exported again in
+// the layout and format `o` asks for (tmp/megatron).
+mt::MegatronExportResult import_and_export(const std::string& fixture, const TempDir& tmp, mt::MegatronExportOptions o,
+                                           bool resumable = true) {
+  const mt::MegatronImportResult in = mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
+  if (resumable) REQUIRE(in.resumable);
+  o.load = tmp / "imported";
+  o.save = tmp / "megatron";
+  return mt::export_megatron(o);
+}
+
+}  // namespace
+
 TEST_CASE("export-megatron gives back the files Megatron-LM wrote", "[megatron-export]") {
   // Megatron-LM's torch-format checkpoints with their optimizer state, imported into megatrain
   // (import-megatron) and exported again in the same layout.
@@ -656,11 +671,7 @@ TEST_CASE("export-megatron gives back the files Megatron-LM wrote", "[megatron-e
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    REQUIRE(mt::import_megatron(fixture, std::nullopt, tmp / "imported", false).resumable);
-    mt::MegatronExportOptions o = c.layout;
-    o.load = tmp / "imported";
-    o.save = tmp / "megatron";
-    const mt::MegatronExportResult r = mt::export_megatron(o);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, c.layout);
     CHECK(r.iteration == 3);
     CHECK_FALSE(r.release);
     int compared = 0;
@@ -708,11 +719,7 @@ TEST_CASE("export-megatron gives back Megatron-LM's mixture-of-experts rank file
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
-    mt::MegatronExportOptions o = c.layout;
-    o.load = tmp / "imported";
-    o.save = tmp / "megatron";
-    const mt::MegatronExportResult r = mt::export_megatron(o);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, c.layout, false);
     CHECK(r.release);
     CHECK_THAT(r.weights_only_reason, Catch::Contains("release checkpoint"));
     int compared = 0;
@@ -745,11 +752,7 @@ TEST_CASE("export-megatron gives back Megatron-LM's rank file of a model with an
   // the decoder and before the output layer) and every tensor.
   TempDir tmp;
   const std::string fixture = kFixtures + "/mtp/llama_mtp1_torch";
-  mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
-  mt::MegatronExportOptions o;
-  o.load = tmp / "imported";
-  o.save = tmp / "megatron";
-  const mt::MegatronExportResult r = mt::export_megatron(o);
+  const mt::MegatronExportResult r = import_and_export(fixture, tmp, {}, false);
   CHECK(r.release);
   const mt::TorchFile theirs(fixture + "/iter_0000001/mp_rank_00/model_optim_rng.pt"),
       ours(tmp / "megatron/release/mp_rank_00/model_optim_rng.pt");
@@ -1025,12 +1028,9 @@ TEST_CASE("export-megatron --ckpt-format torch_dist gives back the checkpoints M
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    REQUIRE(mt::import_megatron(fixture, std::nullopt, tmp / "imported", false).resumable);
     mt::MegatronExportOptions o = c.layout;
-    o.load = tmp / "imported";
-    o.save = tmp / "megatron";
     o.format = "torch_dist";
-    const mt::MegatronExportResult r = mt::export_megatron(o);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, o);
     CHECK(r.iteration == 3);
     CHECK(r.distributed_optimizer == c.layout.distributed_optimizer.value_or(false));
     CHECK(dcp_items(tmp / "megatron/iter_0000003") == dcp_items(fixture + "/iter_0000003"));
@@ -1085,12 +1085,9 @@ TEST_CASE("export-megatron --ckpt-format torch_dist gives back Megatron-LM's MoE
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
     mt::MegatronExportOptions o;
-    o.load = tmp / "imported";
-    o.save = tmp / "megatron";
     o.format = "torch_dist";
-    const mt::MegatronExportResult r = mt::export_megatron(o);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, o, false);
     const mt::MegatronCheckpoint theirs(fixture, std::nullopt), ours(tmp / "megatron", std::nullopt);
     const std::string their_dir = theirs.directory(), our_dir = ours.directory();
     if (c.same_items) {
