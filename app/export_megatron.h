@@ -1,4 +1,4 @@
-// megatrain export-megatron --load CKPT --save MEGATRON_DIR [--ckpt-step N] [--ckpt-format torch|torch_dist]
+// megatrain export-megatron --load CKPT --save MEGATRON_DIR [--ckpt-step N] [--ckpt-format torch_dist|torch]
 //     [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 //     [--num-virtual-stages-per-pipeline-rank V] [--decoder-first-pipeline-num-layers N]
 //     [--decoder-last-pipeline-num-layers N] [--data-parallel-size D]
@@ -6,19 +6,19 @@
 //     [--ddp-bucket-size N] [--expert-model-parallel-size E]
 //     [--make-vocab-size-divisible-by N] [--weights-only]
 //   A megatrain checkpoint (any layout) as a Megatron-LM checkpoint that pretrain_gpt.py
-//   --transformer-impl local --load MEGATRON_DIR continues from: the torch format's per-rank
+//   --transformer-impl local --load MEGATRON_DIR continues from. --ckpt-format torch: the per-rank
 //   iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt (and distrib_optim.pt with the distributed
 //   optimizer) in the tensor x pipeline layout asked for (the checkpoint's own by default), with
 //   the model weights, Adam's moments and step, the float32 main weights, the learning-rate
 //   scheduler, the iteration, consumed samples and FLOP count, the loss scaler of --fp16 runs, the
 //   args namespace Megatron reads, and the RNG states Megatron seeds at start-up from --seed. The
 //   weights only (a release checkpoint, as Megatron's converters write) where the optimizer state
-//   cannot go over (SGD, saved with --no-save-optim, a release checkpoint, a mixture-of-experts
-//   model) or with --weights-only. Mixture-of-experts layers are the local spec's SequentialMLP:
-//   each expert-parallel rank's files (mp_rank_TT[_PPP]_EEE) hold its local experts.
-//   --ckpt-format torch_dist (Megatron's default format): one PyTorch Distributed
-//   Checkpoint (iter_N/__0_0.distcp, .metadata, metadata.json; checkpoint/dcp_writer.h) under
-//   Megatron-Core's global keys, which a Megatron-LM run of any TP x PP x DP layout loads; the
+//   cannot go over (SGD, saved with --no-save-optim, a release checkpoint; in the torch format also
+//   MoE and MTP models) or with --weights-only. Mixture-of-experts layers are the local spec's
+//   SequentialMLP: each expert-parallel rank's files (mp_rank_TT[_PPP]_EEE) hold its local experts.
+//   --ckpt-format torch_dist (the default, as Megatron-LM's): the same state in one PyTorch
+//   Distributed Checkpoint (iter_N/__0_0.distcp, .metadata, metadata.json; checkpoint/dcp_writer.h)
+//   under Megatron-Core's global keys, which a Megatron-LM run of any TP x PP x DP layout loads; the
 //   optimizer state by parameter, with --use-distributed-optimizer in its fully reshardable layout.
 // Names and tensor-parallel splits: checkpoint/megatron_names.h (shared with import-megatron);
 // the distributed optimizer's buffers: checkpoint/megatron_flat_layout.h.
@@ -35,7 +35,7 @@ struct MegatronExportOptions {
   std::string load;
   std::optional<int64_t> ckpt_step;
   std::string save;
-  std::string format = "torch";  // or "torch_dist"
+  std::string format = "torch_dist";  // Megatron-LM's default; or "torch"
   // The Megatron-LM run's layout; unset: the checkpoint's own.
   std::optional<int> tp, pp, vpp, first_stage_layers, last_stage_layers, dp;
   std::optional<int> ep;  // mixture of experts: --expert-model-parallel-size

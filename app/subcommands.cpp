@@ -28,7 +28,7 @@ const std::vector<Subcommand>& subcommands() {
        &import_megatron_main},
       {"export-megatron", "write a checkpoint as a Megatron-LM checkpoint (torch or torch_dist format, with its optimizer "
                           "state) that pretrain_gpt.py --transformer-impl local continues from: --load CKPT --save DIR "
-                          "[--ckpt-format torch|torch_dist] [--ckpt-step N] "
+                          "[--ckpt-format torch_dist|torch] [--ckpt-step N] "
                           "[--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] "
                           "[--use-distributed-optimizer] [--weights-only]",
        &export_megatron_main},

@@ -1,4 +1,5 @@
-// export-megatron: megatrain checkpoints as Megatron-LM torch-format checkpoints. The writers
+// export-megatron: megatrain checkpoints as Megatron-LM checkpoints (torch_dist, the default, and the
+// torch format). The writers
 // (pickles, torch.save archives, Megatron's start-up RNG states) against what Python, torch.save
 // and Megatron-LM wrote (tests/fixtures/megatron); training state through a round trip (megatrain
 // trains, exports in another layout, import-megatron reads it back: every tensor and counter
@@ -338,6 +339,27 @@ TEST_CASE("the RNG states are those Megatron-LM seeds at start-up", "[megatron-e
   }
 }
 
+namespace {
+
+// Export options for the torch format (the default is torch_dist, Megatron-LM's).
+mt::MegatronExportOptions torch_format(mt::MegatronExportOptions o = {}) {
+  o.format = "torch";
+  return o;
+}
+
+// Megatron-LM's checkpoint `fixture` imported into megatrain (tmp/imported) and exported again in
+// the layout and format `o` asks for (tmp/megatron).
+mt::MegatronExportResult import_and_export(const std::string& fixture, const TempDir& tmp, mt::MegatronExportOptions o,
+                                           bool resumable = true) {
+  const mt::MegatronImportResult in = mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
+  if (resumable) REQUIRE(in.resumable);
+  o.load = tmp / "imported";
+  o.save = tmp / "megatron";
+  return mt::export_megatron(o);
+}
+
+}  // namespace
+
 TEST_CASE("export-megatron: a trained model goes to Megatron-LM's layout and back unchanged", "[megatron-export][binary]") {
   struct Case {
     const char* name;
@@ -365,7 +387,7 @@ TEST_CASE("export-megatron: a trained model goes to Megatron-LM's layout and bac
     INFO(c.name);
     TempDir tmp;
     std::string out;
-    const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --load " +
+    const int code = run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --ckpt-format torch --load " +
                                      trained(c.model) + " --save " + (tmp / "megatron") + " " + c.layout,
                                  &out);
     INFO(out);
@@ -387,7 +409,7 @@ TEST_CASE("export-megatron: a trained model goes to Megatron-LM's layout and bac
 TEST_CASE("export-megatron: the args Megatron-LM's loader reads", "[megatron-export]") {
   TempDir tmp;
   const std::string trained = train(tmp, kLlama);
-  mt::MegatronExportOptions o;
+  mt::MegatronExportOptions o = torch_format();
   o.load = trained;
   o.save = tmp / "megatron";
   o.tp = 2;
@@ -635,20 +657,6 @@ void compare_rank_file(const std::string& theirs_path, const std::string& ours_p
 
 }  // namespace
 
-namespace {
-
-// Megatron-LM's checkpoint `fixture` imported into megatrain (tmp/imported) and exported again in
-// the layout and format `o` asks for (tmp/megatron).
-mt::MegatronExportResult import_and_export(const std::string& fixture, const TempDir& tmp, mt::MegatronExportOptions o,
-                                           bool resumable = true) {
-  const mt::MegatronImportResult in = mt::import_megatron(fixture, std::nullopt, tmp / "imported", false);
-  if (resumable) REQUIRE(in.resumable);
-  o.load = tmp / "imported";
-  o.save = tmp / "megatron";
-  return mt::export_megatron(o);
-}
-
-}  // namespace
 
 TEST_CASE("export-megatron gives back the files Megatron-LM wrote", "[megatron-export]") {
   // Megatron-LM's torch-format checkpoints with their optimizer state, imported into megatrain
@@ -671,7 +679,7 @@ TEST_CASE("export-megatron gives back the files Megatron-LM wrote", "[megatron-e
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    const mt::MegatronExportResult r = import_and_export(fixture, tmp, c.layout);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, torch_format(c.layout));
     CHECK(r.iteration == 3);
     CHECK_FALSE(r.release);
     int compared = 0;
@@ -719,7 +727,7 @@ TEST_CASE("export-megatron gives back Megatron-LM's mixture-of-experts rank file
     INFO(c.dir);
     TempDir tmp;
     const std::string fixture = kFixtures + "/" + c.dir;
-    const mt::MegatronExportResult r = import_and_export(fixture, tmp, c.layout, false);
+    const mt::MegatronExportResult r = import_and_export(fixture, tmp, torch_format(c.layout), false);
     CHECK(r.release);
     CHECK_THAT(r.weights_only_reason, Catch::Contains("release checkpoint"));
     int compared = 0;
@@ -752,7 +760,7 @@ TEST_CASE("export-megatron gives back Megatron-LM's rank file of a model with an
   // the decoder and before the output layer) and every tensor.
   TempDir tmp;
   const std::string fixture = kFixtures + "/mtp/llama_mtp1_torch";
-  const mt::MegatronExportResult r = import_and_export(fixture, tmp, {}, false);
+  const mt::MegatronExportResult r = import_and_export(fixture, tmp, torch_format(), false);
   CHECK(r.release);
   const mt::TorchFile theirs(fixture + "/iter_0000001/mp_rank_00/model_optim_rng.pt"),
       ours(tmp / "megatron/release/mp_rank_00/model_optim_rng.pt");
@@ -784,7 +792,7 @@ TEST_CASE("export-megatron: a trained model with MTP depths goes to Megatron-LM'
     INFO(c.model);
     TempDir tmp;
     const std::string trained = train(tmp, c.model + " --mtp-num-layers 2");
-    mt::MegatronExportOptions o = c.layout;
+    mt::MegatronExportOptions o = torch_format(c.layout);
     o.load = trained;
     o.save = tmp / "megatron";
     const mt::MegatronExportResult r = mt::export_megatron(o);
@@ -805,7 +813,7 @@ TEST_CASE("export-megatron: a trained model with MTP depths goes to Megatron-LM'
   // embeddings, registered first (Megatron's GPTModel builds an embedding on its MTP stage), the
   // output layer last.
   TempDir tmp;
-  mt::MegatronExportOptions o;
+  mt::MegatronExportOptions o = torch_format();
   o.load = train(tmp, kLlama + " --mtp-num-layers 1");
   o.save = tmp / "megatron";
   o.pp = o.tp = 2;
@@ -831,10 +839,10 @@ TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back
           "[megatron-export][moe]") {
   TempDir tmp;
   const std::string trained = train(tmp, kMoe);
-  mt::MegatronExportOptions o;
+  mt::MegatronExportOptions o = torch_format();
   o.load = trained;
   o.save = tmp / "megatron";
-  REQUIRE(mt::export_megatron(o).release);  // (MoE models: weights only)
+  REQUIRE(mt::export_megatron(o).release);  // (MoE models in the torch format: weights only)
   const mt::TorchFile f(tmp / "megatron/release/mp_rank_00/model_optim_rng.pt");
   CHECK(at(f.root(), "model").find("decoder.layers.3.mlp.router.expert_bias") != nullptr);
   mt::import_megatron(tmp / "megatron", std::nullopt, tmp / "back", false);
@@ -850,7 +858,7 @@ TEST_CASE("export-megatron: MoE expert biases go to Megatron-LM's names and back
 TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-export]") {
   TempDir tmp;
   const std::string trained = train(tmp, kGpt);
-  mt::MegatronExportOptions o;
+  mt::MegatronExportOptions o = torch_format();
   o.load = trained;
   o.save = tmp / "weights";
   o.weights_only = true;
@@ -1154,7 +1162,7 @@ TEST_CASE("a run resumed from an exported and re-imported checkpoint repeats the
   const std::string run = std::string(MEGATRAIN_BINARY) + " " + kCommon + " " + kLlama + " --train-iters 5";
   std::string straight, out;
   REQUIRE(run_command(run + " --save " + (tmp / "a") + " --save-interval 3", &straight) == 0);
-  REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --load " + (tmp / "a") +
+  REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --ckpt-format torch --load " + (tmp / "a") +
                           " --ckpt-step 3 --save " + (tmp / "megatron") +
                           " --pipeline-model-parallel-size 2 --use-distributed-optimizer",
                       &out) == 0);
@@ -1186,7 +1194,8 @@ void run_export_oracle(const std::string& python, bool with_torch) {
     const std::string out_dir = tmp / "megatron";
     fs::remove_all(out_dir);
     std::string out;
-    REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --load " + trained + " --save " + out_dir + " " +
+    REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --ckpt-format torch --load " + trained +
+                            " --save " + out_dir + " " +
                             layout,
                         &out) == 0);
     const int code = run_command(python + " tests/oracles/megatron_export_check.py " + trained + "/iter_0000003 " +

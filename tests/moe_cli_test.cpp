@@ -687,7 +687,8 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
   CHECK_THAT(text, Contains("\"MixtralForCausalLM\""));
   // To Megatron-LM in the torch format: the weights (the optimizer state of MoE models goes over in
   // torch_dist only), which import back unchanged.
-  const RunResult meg = run_binary(words("export-megatron --load " + dir.str("ckpt") + " --save " + dir.str("meg")));
+  const RunResult meg = run_binary(words("export-megatron --ckpt-format torch --load " + dir.str("ckpt") + " --save " +
+                                                 dir.str("meg")));
   INFO(meg.out << meg.err);
   CHECK(meg.exit_code == 0);
   CHECK_THAT(meg.out, Contains("weights only, as megatrain writes a mixture-of-experts model's optimizer state for "
