@@ -19,7 +19,7 @@
 # weights, as for a model whose optimizer state does not go over).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
-# after 10; export-megatron writes iteration 10 as a Megatron-LM torch-format checkpoint in the
+# after 10; export-megatron writes iteration 10 as a Megatron-LM checkpoint (the torch format unless FORMAT says otherwise) in the
 # TP x PP layout; Megatron-LM (pretrain_gpt.py --transformer-impl local, the flags of
 # bench/megatron_equivalence.sh, chosen so both sides compute the same) loads it and trains on to
 # 10 + ITERS. bench/compare_losses.py --after 10 compares Megatron-LM's resumed curve with
