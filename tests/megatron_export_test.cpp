@@ -1158,27 +1158,42 @@ TEST_CASE("export-megatron --ckpt-format torch_dist: weights only", "[megatron-e
 }
 
 TEST_CASE("a run resumed from an exported and re-imported checkpoint repeats the straight run", "[megatron-export][binary]") {
-  TempDir tmp;
-  const std::string run = std::string(MEGATRAIN_BINARY) + " " + kCommon + " " + kLlama + " --train-iters 5";
-  std::string straight, out;
-  REQUIRE(run_command(run + " --save " + (tmp / "a") + " --save-interval 3", &straight) == 0);
-  REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --ckpt-format torch --load " + (tmp / "a") +
-                          " --ckpt-step 3 --save " + (tmp / "megatron") +
-                          " --pipeline-model-parallel-size 2 --use-distributed-optimizer",
-                      &out) == 0);
-  REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " import-megatron --load " + (tmp / "megatron") + " --save " +
-                          (tmp / "back"),
-                      &out) == 0);
-  std::string resumed;
-  REQUIRE(run_command(run + " --load " + (tmp / "back"), &resumed) == 0);
-  INFO(resumed);
-  const auto a = losses_and_norms(straight), b = losses_and_norms(resumed);
-  REQUIRE(a.size() == 5);
-  REQUIRE(b.size() == 2);
-  // iteration 4 as printed; 5 (the second of a resumed run) is the mean of 4 and 5, as Megatron-LM prints it
-  CHECK(b[0].first == a[3].first);
-  CHECK(std::abs(b[1].first - (a[3].first + a[4].first) / 2) <= 1e-6 * std::abs(a[4].first));
-  CHECK(b[1].second == a[4].second);
+  struct Case {
+    const char* name;
+    std::string model;
+    std::string export_flags;
+  };
+  for (const Case& c :
+       {Case{"llama, torch format, PP 2, distributed optimizer", kLlama,
+             "--ckpt-format torch --pipeline-model-parallel-size 2 --use-distributed-optimizer"},
+        Case{"MoE with a dense first layer and an MTP depth, torch_dist",
+             kMoe + " --moe-layer-freq [0,1,1,1] --mtp-num-layers 1", "--ckpt-format torch_dist"},
+        Case{"MoE, torch_dist at EP 2 x DP 2, distributed optimizer", kMoe,
+             "--ckpt-format torch_dist --expert-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer"}}) {
+    INFO(c.name);
+    TempDir tmp;
+    const std::string run = std::string(MEGATRAIN_BINARY) + " " + kCommon + " " + c.model + " --train-iters 5";
+    std::string straight, out;
+    REQUIRE(run_command(run + " --save " + (tmp / "a") + " --save-interval 3", &straight) == 0);
+    REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " export-megatron --load " + (tmp / "a") + " --ckpt-step 3 --save " +
+                            (tmp / "megatron") + " " + c.export_flags,
+                        &out) == 0);
+    INFO(out);
+    CHECK_THAT(out, Catch::Contains("with the optimizer state"));
+    REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " import-megatron --load " + (tmp / "megatron") + " --save " +
+                            (tmp / "back"),
+                        &out) == 0);
+    std::string resumed;
+    REQUIRE(run_command(run + " --load " + (tmp / "back"), &resumed) == 0);
+    INFO(resumed);
+    const auto a = losses_and_norms(straight), b = losses_and_norms(resumed);
+    REQUIRE(a.size() == 5);
+    REQUIRE(b.size() == 2);
+    // iteration 4 as printed; 5 (the second of a resumed run) is the mean of 4 and 5, as Megatron-LM prints it
+    CHECK(b[0].first == a[3].first);
+    CHECK(std::abs(b[1].first - (a[3].first + a[4].first) / 2) <= 1e-6 * std::abs(a[4].first));
+    CHECK(b[1].second == a[4].second);
+  }
 }
 
 namespace {
