@@ -305,10 +305,7 @@ bool has_extra_state_after(const std::vector<RankParam>& params, size_t k) {
 }
 
 // A router's expert bias (a buffer, without optimizer state).
-bool is_expert_bias(const std::string& name) {
-  static const std::string suffix = ".mlp.router.expert_bias";
-  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
+bool is_expert_bias(const std::string& name) { return name.ends_with(".mlp.router.expert_bias"); }
 
 // torch_dist: where a megatrain parameter lies in Megatron-Core's sharded state dict (the local
 // spec's keys, as Megatron-LM's own torch_dist checkpoints name them).
@@ -459,7 +456,7 @@ void ExportPlan::write_torch_dist(const std::string& tmp_dir, MegatronExportResu
   for (const std::string& param : params) {
     write_tensor("", param, CheckpointKind::model, param, ex.model_dtype(param));
     const DistItem it = torch_dist_item(param, model, per_layer);
-    if (it.key.compare(it.key.size() - 7, 7, ".weight") != 0 || !torch_dist_extra_state(it.module())) continue;
+    if (!it.key.ends_with(".weight") || !torch_dist_extra_state(it.module())) continue;
     const std::string base = it.module() + "._extra_state/";
     if (it.layer) extra_states.insert(base + fmt::format("shard_{}_{}", *it.layer, layers));
     else if (it.experts > 0)
