@@ -794,9 +794,6 @@ std::optional<int64_t> param_groups_step(const PickleValue& optimizer, const Tor
   return step;
 }
 
-}  // namespace
-
-namespace {
 // Megatron's ChainedOptimizer saves one state per optimizer, keyed 0, 1, ... (with expert parallelism
 // the dense parameters' optimizer, then the routed experts'; their steps are kept equal): the
 // first, or `opt` itself when it is not chained.
@@ -806,6 +803,7 @@ const PickleValue* first_chained(const PickleValue* opt) {
     if (k->is(PickleKind::integer) && k->integer == 0) return v.get();
   return opt;
 }
+
 }  // namespace
 
 std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
