@@ -9,7 +9,9 @@
 # whether two straight runs WITHOUT --deterministic-mode repeat (cuDNN's default attention backward
 # adds into dQ by atomics in arrival order).
 #   bench/gpu_resume_check.sh <dir with megatrain>
-# EXTRA="<flags>" adds flags to every run (e.g. FP8 with --fp8-param-gather).
+# EXTRA="<flags>" adds flags to every run (e.g. FP8 with --fp8-param-gather). MODELS="gpt llama moe"
+# picks the models (default "gpt llama"; moe: the llama model with a dense first layer and five MoE
+# layers of 8 experts, top-2, grouped GEMMs, aux loss 1e-2).
 set -u
 cd "$(dirname "$0")/.."
 bin=${1:?directory with megatrain}/megatrain
@@ -23,6 +25,9 @@ gpt="--num-layers 6 --hidden-size 768 --num-attention-heads 12"
 llama="--num-layers 6 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4
   --ffn-hidden-size 2816 --swiglu --normalization RMSNorm --position-embedding-type rope
   --untie-embeddings-and-output-weights --disable-bias-linear"
+moe="$llama --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1408 --moe-layer-freq [0,1,1,1,1,1]
+  --moe-grouped-gemm --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+models=${MODELS:-gpt llama}
 
 run() {  # name, flags...
   local name=$1
@@ -32,7 +37,7 @@ run() {  # name, flags...
     { echo "FAILED: $name (exit $?)"; tail -n 4 "$out/$name.log"; }
 }
 
-for model in gpt llama; do
+for model in $models; do
   flags="${!model}"
   rm -rf "$out/ckpt_$model" "$out/ckpt_${model}_async"
   # shellcheck disable=SC2086
@@ -46,7 +51,7 @@ for model in gpt llama; do
   run ${model}_nondet_b $flags
 done
 
-python3 - "$out" <<'EOF'
+python3 - "$out" $models <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 def rows(name):
@@ -56,7 +61,7 @@ def rows(name):
     return {r["iteration"]: (r.get("lm_loss"), r.get("grad_norm")) for r in map(json.loads, open(p))
             if r.get("type") == "iteration"}
 ok = True
-for model in ("gpt", "llama"):
+for model in sys.argv[2:]:
     straight = rows(f"{model}_straight")
     for kind in ("", "_async"):
         second = rows(f"{model}_second{kind}")
