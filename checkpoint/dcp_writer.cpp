@@ -75,19 +75,24 @@ void DcpWriter::object(const std::string& key, const std::function<PickleRef(Tor
 uint64_t DcpWriter::finish(bool durable) {
   PickleRef state_dict_metadata = pickle_dict(), storage_data = pickle_dict();
   const PickleRef file = pickle_str(kFile);
+  // Where a stored item lies: its MetadataIndex (key, and a tensor chunk's offsets) -> _StorageInfo.
+  auto store = [&](const std::string& key, const Chunk& c, bool tensor) {
+    PickleRef index = pickle_dict();
+    pickle_set(*index, "fqn", pickle_str(key));
+    if (tensor) pickle_set(*index, "offset", torch_size(c.offsets));
+    pickle_set(*index, "index", pickle_none());
+    PickleRef info = pickle_dict();
+    pickle_set(*info, "relative_path", file);
+    pickle_set(*info, "offset", pickle_int(static_cast<int64_t>(c.offset)));
+    pickle_set(*info, "length", pickle_int(static_cast<int64_t>(c.length)));
+    pickle_set(*storage_data, pickle_new_object(kMeta + "MetadataIndex", index),
+               pickle_new_object("torch.distributed.checkpoint.filesystem._StorageInfo", info));
+  };
   for (const std::string& key : keys_) {
     const Item& item = items_.at(key);
     if (!item.tensor) {
       pickle_set(*state_dict_metadata, key, pickle_new_object(kMeta + "BytesStorageMetadata"));
-      PickleRef index = pickle_dict();
-      pickle_set(*index, "fqn", pickle_str(key));
-      pickle_set(*index, "index", pickle_none());
-      PickleRef info = pickle_dict();
-      pickle_set(*info, "relative_path", file);
-      pickle_set(*info, "offset", pickle_int(static_cast<int64_t>(item.chunks[0].offset)));
-      pickle_set(*info, "length", pickle_int(static_cast<int64_t>(item.chunks[0].length)));
-      pickle_set(*storage_data, pickle_new_object(kMeta + "MetadataIndex", index),
-                 pickle_new_object("torch.distributed.checkpoint.filesystem._StorageInfo", info));
+      store(key, item.chunks[0], false);
       continue;
     }
     PickleRef chunks = pickle_list();
@@ -96,16 +101,7 @@ uint64_t DcpWriter::finish(bool durable) {
       pickle_set(*cs, "offsets", torch_size(c.offsets));
       pickle_set(*cs, "sizes", torch_size(c.sizes));
       chunks->items.push_back(pickle_new_object(kMeta + "ChunkStorageMetadata", cs));
-      PickleRef index = pickle_dict();
-      pickle_set(*index, "fqn", pickle_str(key));
-      pickle_set(*index, "offset", torch_size(c.offsets));
-      pickle_set(*index, "index", pickle_none());
-      PickleRef info = pickle_dict();
-      pickle_set(*info, "relative_path", file);
-      pickle_set(*info, "offset", pickle_int(static_cast<int64_t>(c.offset)));
-      pickle_set(*info, "length", pickle_int(static_cast<int64_t>(c.length)));
-      pickle_set(*storage_data, pickle_new_object(kMeta + "MetadataIndex", index),
-                 pickle_new_object("torch.distributed.checkpoint.filesystem._StorageInfo", info));
+      store(key, c, true);
     }
     PickleRef ts = pickle_dict();
     pickle_set(*ts, "properties", tensor_properties(item.dtype));
