@@ -705,13 +705,8 @@ void TrainingCheckpoints::check_strictness(const CheckpointReader& reader, bool 
 
   // What the run loads, over every pipeline stage (and its virtual chunks).
   std::set<std::string> weights;
-  RankPosition r;
-  r.tp_size = cfg_.parallel.tensor_model_parallel_size;
-  r.pp_size = cfg_.parallel.pipeline_model_parallel_size;
-  r.dp_size = cfg_.parallel.data_parallel_size;
-  r.cp_size = cfg_.parallel.context_parallel_size;
-  for (r.pp_rank = 0; r.pp_rank < r.pp_size; ++r.pp_rank)
-    for (const ChunkSpec& s : model_chunk_specs(cfg_, r, precision_dtype(cfg_))) {
+  for (int pp = 0; pp < cfg_.parallel.pipeline_model_parallel_size; ++pp)
+    for (const ChunkSpec& s : model_chunk_specs(cfg_, RankPosition::stage(cfg_, pp), precision_dtype(cfg_))) {
       int64_t n = 0;
       for (const ParamDesc& p : build_param_descs(s.dims, &n)) weights.insert(p.shared_copy ? p.init_name : p.name);
     }

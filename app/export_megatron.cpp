@@ -745,7 +745,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   cfg.parallel.account_for_loss_in_pipeline_split = layout.account_for_loss;
   const PipelineSplit split = PipelineSplit::from_config(cfg);
   pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
-  for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, layout.tp, t, 1, 0);
+  for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, RankPosition::split(cfg, layout.tp, t));
   if (model.moe.enabled()) {
     // (The experts are written split over TP as the dense MLP, whatever the megatrain run's
     // --expert-tensor-parallel-size: the args say so; the expert-parallel ranks are data-parallel

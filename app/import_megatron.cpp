@@ -199,7 +199,7 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   r.model = cfg.model;
 
   // Every parameter of the model, unsharded, in forward order.
-  const ModelDims dims = ModelDims::from_config(cfg, 1, 0, 1, 0);
+  const ModelDims dims = ModelDims::from_config(cfg, RankPosition::split(cfg, 1, 0));
   int64_t total = 0;
   const std::vector<ParamDesc> descs = build_param_descs(dims, &total);
   std::set<std::string> unused;

@@ -15,23 +15,8 @@
 
 namespace mt {
 
-namespace {
-
-// The rank the dry run plans for a stage: tp 0, dp 0 of pipeline stage pp_rank.
-RankPosition stage_position(const Config& cfg, int pp_rank) {
-  RankPosition r;
-  r.tp_size = cfg.parallel.tensor_model_parallel_size;
-  r.pp_size = cfg.parallel.pipeline_model_parallel_size;
-  r.pp_rank = pp_rank;
-  r.dp_size = cfg.parallel.data_parallel_size;
-  r.cp_size = cfg.parallel.context_parallel_size;
-  return r;
-}
-
-}  // namespace
-
 StageMemory stage_memory(const Config& cfg, int pp_rank) {
-  const RankPosition r = stage_position(cfg, pp_rank);
+  const RankPosition r = RankPosition::stage(cfg, pp_rank);
   StageMemory m;
   for (const ChunkSpec& s : model_chunk_specs(cfg, r, precision_dtype(cfg))) {
     m.plan += GptModel::plan_memory(s.dims, s.options);
@@ -66,7 +51,7 @@ std::vector<StrategyMemory> sharding_strategy_memory(const Config& cfg, int pp_r
   std::vector<StrategyMemory> out{planned("no_shard", "DDP", ddp), planned("optim", "ZeRO-1", with("optim"))};
   out.front().estimate = ddp_without_fp8_params;
   // The stage's parameter elements: in decoder layers (per layer) and outside them.
-  const RankPosition r = stage_position(cfg, pp_rank);
+  const RankPosition r = RankPosition::stage(cfg, pp_rank);
   double in_layers = 0, outside = 0, largest_layer = 0;
   for (const ChunkSpec& s : model_chunk_specs(cfg, r, precision_dtype(cfg))) {
     int64_t total = 0;

@@ -5,11 +5,11 @@
 #   bench/same_bits.sh BIN_A BIN_B [gpu|cpu] [runs]
 #
 # gpu (default): the three benchmark configs of bench/run_bench.sh (gpt2-124m, gpt-1.3b,
-#   llama-1b) in bf16, and gpt-1.3b / llama-1b with FP8 (hybrid, delayed and tensorwise scaling),
-#   each for ITERS (default 6) iterations with --deterministic-mode on --mock-data.
+#   llama-1b) in bf16, gpt-1.3b / llama-1b with FP8 (hybrid, delayed and tensorwise scaling), and
+#   moe-mixtral-proxy's model at 8 layers, each for ITERS (default 6) iterations with --deterministic-mode on --mock-data.
 # cpu: tiny GPT and Llama models on the reference backend (float32), also with FP8, recompute,
-#   dropout, q/k norm and a sliding window, and over MPI ranks (TP2+SP x PP2, TP2 x DP2 with the
-#   distributed optimizer, TP2+SP x DP2 with FP8) where mpirun is.
+#   dropout, q/k norm, a sliding window and MoE, and over MPI ranks (TP2+SP x PP2, TP2 x DP2 with the
+#   distributed optimizer, TP2+SP x DP2 with FP8, MoE at EP2 with expert TP 2 and 1) where mpirun is.
 # runs: a comma-separated subset of the run names printed (default: all).
 # Prints one line per run ("same" or the first difference) and exits non-zero on any difference.
 set -uo pipefail
@@ -49,6 +49,12 @@ if [ "$where" = gpu ]; then
   add gpt-1.3b-fp8-tensorwise "$common $gpt13 $tensorwise"
   add llama-1b-fp8-tensorwise "$common $llama $tensorwise"
   add gpt-1.3b-gelu-recompute "$common $gpt13 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2"
+  moe="--num-layers 8 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+    --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2 --vocab-size 32000
+    --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
+    --disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 5632 --moe-grouped-gemm
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+  add moe-mixtral-proxy-8-layers "$common $moe"
 else
   common="--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 96 --seq-length 32
     --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4
@@ -65,11 +71,16 @@ else
   add llama-fp8-tensorwise "$common $nodrop $llama --fp8-format hybrid --fp8-recipe tensorwise"
   add gpt-squared-relu "$common $nodrop --squared-relu --no-bias-gelu-fusion"
   add llama-qk-norm-window "$common $nodrop $llama --qk-layernorm --window-size 7,0"
+  moe="$llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-grouped-gemm
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+  add moe "$common $nodrop $moe"
   if command -v mpirun > /dev/null; then
     mpi="mpirun -np 4 --oversubscribe --allow-run-as-root"
     add mpi-tp2sp-pp2 "$common $nodrop --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
     add mpi-dp2-distopt "$common $nodrop $llama --use-distributed-optimizer --tensor-model-parallel-size 2"
     add mpi-tp2sp-fp8 "$common $nodrop --tensor-model-parallel-size 2 --sequence-parallel --fp8-format hybrid --fp8-recipe tensorwise"
+    add mpi-moe-ep2-tp2sp-distopt "$common $nodrop $moe --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
+    add mpi-moe-etp1-ep2-dp2 "$common $nodrop $moe --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
   fi
 fi
 

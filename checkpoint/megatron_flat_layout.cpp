@@ -122,7 +122,7 @@ std::vector<int64_t> megatron_flat_bucket_sizes(const std::vector<FlatParam>& pa
 
 std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_rank, int first_layer, int num_layers,
                                              bool has_embedding, bool has_output, bool pipelined, bool te_spec) {
-  const ModelDims dims = ModelDims::from_config(cfg, tp, tp_rank, 1, 0);
+  const ModelDims dims = ModelDims::from_config(cfg, RankPosition::split(cfg, tp, tp_rank));
   int64_t total = 0;
   const std::vector<ParamDesc> descs = build_param_descs(dims, &total);
   std::map<std::string, const ParamDesc*> by_name;
@@ -246,7 +246,7 @@ Joins tp_joins(const Config& cfg, int tp) {
   Joins j;
   for (int t = 0; t < tp; ++t) {
     int64_t total = 0;
-    for (const ParamDesc& d : build_param_descs(ModelDims::from_config(cfg, tp, t, 1, 0), &total)) {
+    for (const ParamDesc& d : build_param_descs(ModelDims::from_config(cfg, RankPosition::split(cfg, tp, t)), &total)) {
       j.shards[d.name].push_back(d.shard);
       j.global_shape[d.name] = d.global_shape;
     }

@@ -7,34 +7,8 @@
 #include "parallel/grad_buckets.h"
 #include "parallel/parallel_state.h"
 #include "parallel/pipeline_layout.h"
-#include "parallel/rank_grid.h"
 
 namespace mt {
-
-RankPosition RankPosition::of(const ParallelState& ps) {
-  RankPosition r;
-  r.tp_size = ps.tp_size;
-  r.tp_rank = ps.tp_rank;
-  r.pp_size = ps.pp_size;
-  r.pp_rank = ps.pp_rank;
-  r.dp_size = ps.dp_size;
-  r.dp_rank = ps.dp_rank;
-  r.cp_size = ps.cp_size;
-  r.cp_rank = ps.cp_rank;
-  return r;
-}
-
-namespace {
-// The rank at `r` in the experts' grid (MoE with an own expert grid).
-RankCoord expert_coord(const Config& cfg, const RankPosition& r) {
-  RankCoord dense;
-  dense.tp = r.tp_rank;
-  dense.cp = r.cp_rank;
-  dense.dp = r.dp_rank;
-  dense.pp = r.pp_rank;
-  return rank_coord(RankGrid::experts_from_config(cfg), rank_at(RankGrid::from_config(cfg), dense));
-}
-}  // namespace
 
 std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute) {
   const std::vector<ModelChunk> layout = stage_chunks(PipelineSplit::from_config(cfg), r.pp_rank);
@@ -42,25 +16,14 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
   std::vector<ModelDims> dims;
   int64_t params = 0;  // of this rank, over all its chunks (Megatron sizes buckets from it)
   for (const ModelChunk& c : layout) {
-    ModelDims d = ModelDims::from_config(cfg, r.tp_size, r.tp_rank, r.pp_size, r.pp_rank,
-                                         std::make_pair(c.first_layer, c.first_layer + c.num_layers));
-    d.cp_rank = r.cp_rank;
-    d.first_stage = c.has_embedding;
-    d.last_stage = c.has_output;
-    d.layer_end = c.first_layer + c.num_layers + (c.has_output ? d.mtp : 0);  // (the mtp layers follow the loss)
-    if (d.experts_own_grid()) {  // this rank's place in the experts' grid (parallel/parallel_state.h)
-      const RankCoord e = expert_coord(cfg, r);
-      d.ep_rank = e.ep;
-      d.etp_rank = e.tp;
-    }
+    const ModelDims d = ModelDims::for_chunk(cfg, r, c.first_layer, c.num_layers, c.has_embedding, c.has_output);
     dims.push_back(d);
     int64_t total = 0;
     for (const ParamDesc& p : build_param_descs(dims.back(), &total)) params += p.numel();
   }
   const ParallelConfig& p = cfg.parallel;
-  const int dp = r.dp_size * r.cp_size;
-  const std::optional<int64_t> bucket =
-      resolve_ddp_bucket_size(p.ddp_bucket_size, p.ddp_num_buckets, p.overlap_grad_reduce, dp, params);
+  const std::optional<int64_t> bucket = resolve_ddp_bucket_size(p.ddp_bucket_size, p.ddp_num_buckets,
+                                                                p.overlap_grad_reduce, r.replicas_size(), params);
   std::vector<ChunkSpec> out;
   for (size_t c = 0; c < layout.size(); ++c) {
     ModelOptions o = ModelOptions::from_config(cfg, dims[c], compute);
@@ -70,11 +33,11 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
     // With context parallelism the replicas are the DP x CP ranks (ParallelState::replicas; one
     // optimizer instance: checked by the parser).
-    o.dp_size = r.dp_size * r.cp_size / instances;
-    o.dp_rank = (r.dp_rank * r.cp_size + r.cp_rank) % o.dp_size;
+    o.dp_size = r.replicas_size() / instances;
+    o.dp_rank = r.replicas_rank() % o.dp_size;
     if (dims[c].experts_own_grid()) {  // (sharded over an instance of the experts' DP group)
-      o.expert_dp_size = RankGrid::experts_from_config(cfg).dp / instances;
-      o.expert_dp_rank = expert_coord(cfg, r).dp % o.expert_dp_size;
+      o.expert_dp_size = r.edp_size / instances;
+      o.expert_dp_rank = r.edp_rank % o.expert_dp_size;
     }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
@@ -135,7 +98,7 @@ DType precision_dtype(const Config& cfg) {
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,
                                                           DType compute) {
   std::vector<std::unique_ptr<GptModel>> out;
-  for (const ChunkSpec& s : model_chunk_specs(cfg, RankPosition::of(ps), compute)) {
+  for (const ChunkSpec& s : model_chunk_specs(cfg, ps, compute)) {
     out.push_back(std::make_unique<GptModel>(s.dims, s.options, ps, backend));
     out.back()->init_parameters(cfg.checkpoint.perform_initialization);
   }

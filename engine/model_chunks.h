@@ -21,15 +21,6 @@ namespace mt {
 
 struct ParallelState;
 
-// Where a rank sits in the grid (only what the model layout depends on).
-struct RankPosition {
-  int tp_size = 1, tp_rank = 0;
-  int pp_size = 1, pp_rank = 0;
-  int dp_size = 1, dp_rank = 0;
-  int cp_size = 1, cp_rank = 0;
-  static RankPosition of(const ParallelState& ps);
-};
-
 // What build_model_chunks constructs for one chunk.
 struct ChunkSpec {
   ModelDims dims;

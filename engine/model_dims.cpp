@@ -7,26 +7,15 @@
 #include "engine/backend.h"
 #include "engine/param_count.h"
 #include "engine/rope_table.h"
-#include "parallel/parallel_state.h"
 
 namespace mt {
 
-ModelDims ModelDims::from_config(const Config& cfg, const ParallelState& ps,
-                                 std::optional<std::pair<int, int>> layer_range) {
-  ModelDims d = from_config(cfg, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank, layer_range);
-  MT_CHECK(ps.ep_size == d.ep_size && ps.etp_size == d.etp_size, "EP x ETP {} x {} in the parallel state, {} x {} in "
-           "the model", ps.ep_size, ps.etp_size, d.ep_size, d.etp_size);
-  d.ep_rank = ps.ep_rank;
-  d.etp_rank = ps.etp_rank;
-  MT_CHECK(ps.cp_size == d.cp_size, "CP {} in the parallel state, {} in the model", ps.cp_size, d.cp_size);
-  d.cp_rank = ps.cp_rank;
-  return d;
-}
-
-ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
+ModelDims ModelDims::from_config(const Config& cfg, const RankPosition& r,
                                  std::optional<std::pair<int, int>> layer_range) {
   const ModelConfig& m = cfg.model;
   ModelDims d;
+  static_cast<RankPosition&>(d) = r;
+  const int tp_size = r.tp_size, pp_size = r.pp_size, pp_rank = r.pp_rank;
   d.num_layers = m.num_layers;
   d.hidden = m.hidden_size;
   d.heads = m.num_attention_heads;
@@ -47,12 +36,11 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
   if (d.groups <= 0 || d.heads % d.groups != 0)
     fail("--num-attention-heads ({}) must be a multiple of --num-query-groups ({})", d.heads, d.groups);
 
-  d.tp_size = tp_size;
-  d.tp_rank = tp_rank;
   d.sequence_parallel = cfg.parallel.sequence_parallel && tp_size > 1;
   if (d.sequence_parallel && d.seq % tp_size != 0)
     fail("--sequence-parallel needs --seq-length ({}) divisible by --tensor-model-parallel-size ({})", d.seq, tp_size);
-  d.cp_size = cfg.parallel.context_parallel_size;
+  MT_CHECK(r.cp_size == cfg.parallel.context_parallel_size, "CP {} at the rank, {} in the Config", r.cp_size,
+           cfg.parallel.context_parallel_size);
   if (d.cp_size < 1 || (d.cp_size > 1 && d.seq % (2 * d.cp_size) != 0))
     fail("--seq-length {} is not a multiple of 2 x --context-parallel-size {}", d.seq, d.cp_size);
   if (d.sequence_parallel && (d.seq / d.cp_size) % tp_size != 0)
@@ -167,11 +155,12 @@ ModelDims ModelDims::from_config(const Config& cfg, int tp_size, int tp_rank, in
     if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
     d.experts = e.num_experts;
     d.topk = e.router_topk;
-    d.ep_size = cfg.parallel.expert_model_parallel_size;
-    if (d.ep_size < 1 || d.experts % d.ep_size)
-      fail("--num-experts {} is not a multiple of --expert-model-parallel-size {}", d.experts, d.ep_size);
-    d.etp_size = cfg.parallel.expert_tensor_parallel_size.value_or(tp_size);
-    d.etp_rank = d.etp_size == tp_size ? tp_rank : 0;  // (otherwise from the experts' grid: the caller)
+    const int ep = cfg.parallel.expert_model_parallel_size;
+    if (ep < 1 || d.experts % ep)
+      fail("--num-experts {} is not a multiple of --expert-model-parallel-size {}", d.experts, ep);
+    MT_CHECK(r.ep_size == ep && r.etp_size == cfg.parallel.expert_tensor_parallel_size.value_or(tp_size),
+             "EP x ETP {} x {} at the rank, {} x {} in the Config", r.ep_size, r.etp_size, ep,
+             cfg.parallel.expert_tensor_parallel_size.value_or(tp_size));
     if (d.etp_size < 1 || tp_size % d.etp_size != 0)
       throw Unsupported(fmt::format("--expert-tensor-parallel-size {} with --tensor-model-parallel-size {} is not "
                                     "supported yet (divisors of the TP size are)", d.etp_size, tp_size));
@@ -302,9 +291,9 @@ int64_t ModelDims::moe_capacity() const {
       std::ceil((static_cast<double>(tokens_local() * topk) / experts) * moe_capacity_factor));
 }
 
-ModelDims ModelDims::for_chunk(const Config& cfg, const ParallelState& ps, int first_layer, int num_layers,
+ModelDims ModelDims::for_chunk(const Config& cfg, const RankPosition& r, int first_layer, int num_layers,
                                bool has_embedding, bool has_output) {
-  ModelDims d = from_config(cfg, ps, std::make_pair(first_layer, first_layer + num_layers));
+  ModelDims d = from_config(cfg, r, std::make_pair(first_layer, first_layer + num_layers));
   d.first_stage = has_embedding;
   d.last_stage = has_output;
   d.layer_end = first_layer + num_layers + (has_output ? d.mtp : 0);

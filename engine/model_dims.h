@@ -8,20 +8,21 @@
 
 #include "core/config.h"
 #include "engine/activation.h"
+#include "parallel/rank_position.h"
 
 namespace mt {
 
 struct ParallelState;
 struct GdnShape;
 
-struct ModelDims {
+struct ModelDims : RankPosition {
   // Global sizes.
   int num_layers = 0, hidden = 0, heads = 0, groups = 0, head_dim = 0, ffn = 0;
   int vocab = 0;  // padded vocabulary
   int max_positions = 0, seq = 0, micro_batch = 0;
 
-  // This rank.
-  int tp_size = 1, tp_rank = 0;
+  // This rank: its position (RankPosition, the base: TP, CP, pipeline, the experts' grid), and
+  // what of the model it holds.
   int layer_begin = 0, layer_end = 0;  // global layer indices owned by this pipeline stage
   bool first_stage = true, last_stage = true;
   bool pipeline = false;  // PP > 1 (the last stage keeps its own copy of tied output weights)
@@ -33,7 +34,6 @@ struct ModelDims {
   // seq / 2 positions and this rank holds two of them, chunk cp_rank, then chunk 2 CP - 1 - cp_rank
   // (Megatron's load-balanced split for causal attention); `seq` is this rank's part, seq_length /
   // CP. cp_comm: each global layer's key/value exchange (--cp-comm-type).
-  int cp_size = 1, cp_rank = 0;
   std::vector<CpCommType> cp_comm;
   int cp_a2a_size = 1;  // a2a+p2p: the all-to-all's group (--hierarchical-context-parallel-sizes' first)
   int64_t seq_total() const { return static_cast<int64_t>(seq) * cp_size; }
@@ -203,14 +203,12 @@ struct ModelDims {
   }
   // Expert parallelism (--expert-model-parallel-size): this rank holds experts [expert_begin(),
   // expert_begin() + experts_local()) of every MoE layer; ep_rank is its place in the EP group.
-  int ep_size = 1, ep_rank = 0;
   int experts_local() const { return experts / ep_size; }
   int expert_begin() const { return ep_rank * experts_local(); }
   // The experts' tensor-parallel size (--expert-tensor-parallel-size): TP (the experts split over
   // the TP ranks as the dense MLP is; every TP rank dispatches all rows), or a divisor of TP
   // (Megatron's parallel folding: each rank dispatches its own sequence-parallel rows over the
-  // experts' tp x ep group, which spans TP ranks).
-  int etp_size = 1, etp_rank = 0;
+  // experts' tp x ep group, which spans TP ranks): etp_size, etp_rank.
   bool experts_local_rows() const { return etp_size < tp_size; }
   // Whether the experts have a grid of their own (Megatron's parallel folding): their
   // data-parallel group then differs from the dense one.
@@ -260,17 +258,15 @@ struct ModelDims {
   int64_t local_row_begin() const { return sequence_parallel ? tp_rank * tokens_local() : 0; }
   int stage_layers() const { return layer_end - layer_begin; }
 
-  // From the run's flags for this rank. Layers are split evenly over the pipeline unless
+  // From the run's flags for the rank at `r` (a ParallelState, or RankPosition::of / stage /
+  // split for ranks that do not exist). Layers are split evenly over the pipeline unless
   // layer_range is given (the pipeline code decides uneven splits).
-  static ModelDims from_config(const Config& cfg, const ParallelState& ps,
+  static ModelDims from_config(const Config& cfg, const RankPosition& r,
                                std::optional<std::pair<int, int>> layer_range = std::nullopt);
-  // The same for a rank given by its coordinates (dry runs plan ranks that do not exist).
-  static ModelDims from_config(const Config& cfg, int tp_size, int tp_rank, int pp_size, int pp_rank,
-                               std::optional<std::pair<int, int>> layer_range = std::nullopt);
-  // One model chunk of this rank (parallel/pipeline_layout.h): its layers, and whether it holds
+  // One model chunk of that rank (parallel/pipeline_layout.h): its layers, and whether it holds
   // the embedding (first_stage) and the output layer and loss (last_stage). With an interleaved
   // pipeline a rank holds several chunks.
-  static ModelDims for_chunk(const Config& cfg, const ParallelState& ps, int first_layer, int num_layers,
+  static ModelDims for_chunk(const Config& cfg, const RankPosition& r, int first_layer, int num_layers,
                              bool has_embedding, bool has_output);
 };
 

@@ -1,6 +1,6 @@
-// ParallelState: who am I and who are my peers. This rank's coordinates in Megatron's rank grid
-// (order tp-cp-ep-dp-pp by default, tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping) and one
-// communicator per group. The single source of truth for rank math, as Megatron-Core's
+// ParallelState: who am I and who are my peers. This rank's position in Megatron's rank grid
+// (RankPosition: order tp-cp-ep-dp-pp by default, tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping) and
+// one communicator per group. The single source of truth for rank math, as Megatron-Core's
 // parallel_state is.
 #pragma once
 
@@ -8,19 +8,13 @@
 #include <vector>
 
 #include "parallel/communicator.h"
+#include "parallel/rank_position.h"
 
 namespace mt {
 
 struct Config;
 
-struct ParallelState {
-  int world_size = 1, rank = 0;
-  int tp_size = 1, tp_rank = 0;
-  int cp_size = 1, cp_rank = 0;
-  int dp_size = 1, dp_rank = 0;
-  int pp_size = 1, pp_rank = 0;
-  int vpp_size = 1;  // model chunks per pipeline rank
-
+struct ParallelState : RankPosition {
   // Built by build_parallel_state() (parallel/parallel_state_builder.h) from Megatron's rank grid.
   std::unique_ptr<Communicator> world;
   std::unique_ptr<Communicator> tp;         // ranks differing only in tp
@@ -46,7 +40,6 @@ struct ParallelState {
   // share of the gradient norm). Null when the experts share the dense grid (EP = 1, expert TP =
   // TP), where the experts' data-parallel group is dp.
   // With an expert TP size of 1 under TP > 1 the EP group spans TP ranks (etp_size 1).
-  int ep_size = 1, ep_rank = 0, edp_size = 1, edp_rank = 0, etp_size = 1, etp_rank = 0;
   std::unique_ptr<Communicator> ep, edp, expert_model_parallel;
   // With an expert TP size below TP: the experts' tp x ep group (the rows its members dispatch are
   // gathered over it); null when of one rank.
@@ -76,15 +69,9 @@ struct ParallelState {
   int dist_opt_size() const { return replicas_size() / dist_opt_instances; }
   int dist_opt_rank() const { return replicas_rank() % dist_opt_size(); }
 
-  // The ranks holding the same parameters: DP x CP (Megatron reduces gradients, shards the
-  // distributed optimizer and sums the loss over them); the DP group when CP = 1. Rank order
-  // dp_rank * CP + cp_rank.
+  // The ranks holding the same parameters (RankPosition::replicas_rank): DP x CP; the DP group
+  // when CP = 1.
   Communicator& replicas() const { return dp_cp ? *dp_cp : *dp; }
-  int replicas_size() const { return dp_size * cp_size; }
-  int replicas_rank() const { return dp_rank * cp_size + cp_rank; }
-
-  bool is_first_stage() const { return pp_rank == 0; }
-  bool is_last_stage() const { return pp_rank == pp_size - 1; }
 };
 
 // One process, no communication: every group is a group of one.

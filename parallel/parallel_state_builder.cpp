@@ -62,17 +62,7 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   const RankCoord c = rank_coord(grid, rank);
 
   ParallelState s;
-  s.world_size = world->size();
-  s.rank = rank;
-  s.tp_size = grid.tp;
-  s.tp_rank = c.tp;
-  s.cp_size = grid.cp;
-  s.cp_rank = c.cp;
-  s.dp_size = grid.dp;
-  s.dp_rank = c.dp;
-  s.pp_size = grid.pp;
-  s.pp_rank = c.pp;
-  s.vpp_size = std::max(1, cfg.parallel.virtual_pipeline_size);
+  static_cast<RankPosition&>(s) = RankPosition::of(cfg, rank);
 
   s.tp = split_into(*world, rank_groups(grid, "tp"), "tp", tp_group_options());
   s.dp = split_into(*world, rank_groups(grid, "dp"), "dp");
@@ -90,18 +80,14 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   // Expert parallelism: the experts' grid (its TP size dividing TP, its CP 1, its pipeline groups
   // the attention's: checked by the parser, so that an EP group lies in one pipeline stage).
   const int etp = cfg.parallel.expert_tensor_parallel_size.value_or(grid.tp);
-  s.etp_size = cfg.model.moe.enabled() ? etp : grid.tp;
-  s.etp_rank = cfg.model.moe.enabled() && etp != grid.tp ? 0 : c.tp;
   if (cfg.model.moe.enabled() && (cfg.parallel.expert_model_parallel_size > 1 || etp != grid.tp)) {
     const RankGrid eg = RankGrid::experts_from_config(cfg);
     MT_CHECK(grid.tp % eg.tp == 0 && (grid.pp == 1 || rank_groups(grid, "pp") == rank_groups(eg, "pp")),
              "expert parallelism needs an expert TP size dividing TP and the attention's pipeline groups");
     const RankCoord ec = rank_coord(eg, rank);
-    s.ep_size = eg.ep;
-    s.ep_rank = ec.ep;
-    s.edp_size = eg.dp;
-    s.edp_rank = ec.dp;
-    s.etp_rank = ec.tp;
+    MT_CHECK(s.etp_size == eg.tp && s.ep_size == eg.ep && s.edp_size == eg.dp && s.etp_rank == ec.tp &&
+                 s.ep_rank == ec.ep && s.edp_rank == ec.dp,
+             "rank {}: its position disagrees with the experts' grid", rank);
     // (With the dense TP size the experts' EP x expert-DP ranks fold the dense CP x DP ones.)
     MT_CHECK(ec.pp == c.pp && (eg.tp != grid.tp || (ec.tp == c.tp && c.cp + grid.cp * c.dp == ec.ep + eg.ep * ec.dp)),
              "the experts' grid coordinates of rank {} (etp {}, ep {}, edp {}, pp {}) disagree with its dense ones (tp "
@@ -111,9 +97,6 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
     if (eg.tp > 1 && eg.tp < grid.tp) s.etp = split_into(*world, rank_groups(eg, "tp"), "expert_tp");
     s.edp = split_into(*world, rank_groups(eg, "dp"), "expert_dp");
     s.expert_model_parallel = split_into(*world, rank_groups(eg, "tp-ep-pp"), "expert_model_parallel");
-  } else {  // the experts' data-parallel group is the dense replicas' (DP x CP)
-    s.edp_size = grid.dp * grid.cp;
-    s.edp_rank = c.dp * grid.cp + c.cp;
   }
   // --num-distributed-optimizer-instances (with the distributed optimizer; checked by the parser).
   const int instances = cfg.parallel.use_distributed_optimizer ? cfg.parallel.num_distributed_optimizer_instances : 1;

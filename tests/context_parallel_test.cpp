@@ -48,7 +48,7 @@ TEST_CASE("context parallelism: --cp-comm-type takes one of Megatron's four valu
 TEST_CASE("context parallelism: rank r holds chunks r and 2 CP - 1 - r of each sequence", "[engine][cp]") {
   const Config c = parse(small_gpt() + words("--context-parallel-size 4"), 4);  // 8 chunks of 4 positions
   for (int r = 0; r < 4; ++r) {
-    ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    ModelDims d = ModelDims::from_config(c, RankPosition::split(c, 1, 0));
     d.cp_rank = r;
     CHECK(d.seq == 8);
     CHECK(d.seq_total() == 32);
@@ -60,7 +60,7 @@ TEST_CASE("context parallelism: rank r holds chunks r and 2 CP - 1 - r of each s
   // Every position of the sequence is exactly one rank's.
   std::vector<int> seen(32, 0);
   for (int r = 0; r < 4; ++r) {
-    ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    ModelDims d = ModelDims::from_config(c, RankPosition::split(c, 1, 0));
     d.cp_rank = r;
     for (int t = 0; t < d.seq; ++t) ++seen.at(static_cast<size_t>(d.global_position(t)));
   }
@@ -70,10 +70,8 @@ TEST_CASE("context parallelism: rank r holds chunks r and 2 CP - 1 - r of each s
 TEST_CASE("context parallelism: each rank plans the activations of its part of the sequence", "[engine][cp]") {
   const Config one = parse(small_gpt() + words("--seq-length 256 --max-position-embeddings 256"), 1);
   const Config cp4 = parse(small_gpt() + words("--seq-length 256 --max-position-embeddings 256 --context-parallel-size 4"), 4);
-  RankPosition r;
-  const MemoryPlan a = plan_rank_memory(one, r, DType::bf16);
-  r.cp_size = 4;
-  const MemoryPlan b = plan_rank_memory(cp4, r, DType::bf16);
+  const MemoryPlan a = plan_rank_memory(one, RankPosition::stage(one, 0), DType::bf16);
+  const MemoryPlan b = plan_rank_memory(cp4, RankPosition::stage(cp4, 0), DType::bf16);
   CHECK(b.of(MemoryCategory::activations) * 4 == a.of(MemoryCategory::activations));
   CHECK(b.of(MemoryCategory::parameters) == a.of(MemoryCategory::parameters));
   // The ring's key/value buffers are in the workspace; the whole is still smaller.

@@ -159,7 +159,7 @@ TEST_CASE("parameters: MLA, MoE and MTP counts equal the model's own parameter l
     m.moe.moe_layer = {0, 1, 1};
     m.mtp_num_layers = 2;
     test::derive(c);
-    const ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+    const ModelDims d = ModelDims::from_config(c, RankPosition::split(c, 1, 0));
     int64_t listed = 0, total = 0;
     for (const ParamDesc& p : build_param_descs(d, &total))
       if (!p.shared_copy) listed += p.shard.global_rows * p.shard.global_cols;
@@ -179,7 +179,7 @@ TEST_CASE("model dims: the MTP layers' windows follow Megatron's numbering of MT
   c.model.window_attn_skip_every = 2;  // layers 2 and 4 (1-based) attend fully
   c.model.mtp_num_layers = 3;
   test::derive(c);
-  const ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+  const ModelDims d = ModelDims::from_config(c, RankPosition::split(c, 1, 0));
   REQUIRE(d.window_left.size() == 7);
   const std::vector<int> want = {5, -1, 5, -1, /* MTP depths 1, 2, 3 */ 5, -1, 5};
   CHECK(d.window_left == want);
@@ -190,5 +190,5 @@ TEST_CASE("model dims: the MTP layers' windows follow Megatron's numbering of MT
   l.model.mtp_num_layers = 5;
   l.model.num_layers = 4;
   test::derive(l);
-  CHECK_THROWS_WITH(ModelDims::from_config(l, 1, 0, 1, 0), Catch::Contains("multi-token prediction depth 5 reads entry 5"));
+  CHECK_THROWS_WITH(ModelDims::from_config(l, RankPosition::split(l, 1, 0)), Catch::Contains("multi-token prediction depth 5 reads entry 5"));
 }

@@ -115,7 +115,7 @@ TEST_CASE("plan_memory equals the constructed model's plan", "[model]") {
     CHECK(planned.bytes[i] == m.memory_plan().bytes[i]);
   CHECK(planned.of(MemoryCategory::master_weights) == 0);  // float32: the parameters are the master copy
   // TP=2, second pipeline stage of two: half the layers, no embedding, smaller.
-  const ModelDims d2 = ModelDims::from_config(c, 2, 1, 2, 1);
+  const ModelDims d2 = ModelDims::from_config(c, RankPosition::split(c, 2, 1, 2, 1));
   CHECK(d2.layer_begin == 1);
   CHECK_FALSE(d2.first_stage);
   CHECK(GptModel::plan_memory(d2, ModelOptions::from_config(c, d2, DType::bf16)).of(MemoryCategory::parameters) <

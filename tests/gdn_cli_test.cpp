@@ -88,7 +88,7 @@ TEST_CASE("Gated DeltaNet parameter counts equal the model's parameters, on ever
     CHECK(counts.num_gdn_layers == 2);
     int64_t global = 0, rank0 = 0;
     for (int r = 0; r < tp; ++r) {
-      const ModelDims d = ModelDims::from_config(c, tp, r, 1, 0);
+      const ModelDims d = ModelDims::from_config(c, RankPosition::split(c, tp, r));
       for (const ParamDesc& p : build_param_descs(d, nullptr)) {
         if (r == 0) rank0 += p.numel();
         if (r == 0 || !p.tp_duplicated) global += p.numel();

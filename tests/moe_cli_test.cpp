@@ -12,8 +12,11 @@
 #include "app/unsupported.h"
 #include "checkpoint/checkpoint_io.h"
 #include "engine/flops.h"
+#include "engine/model_dims.h"
 #include "engine/param_count.h"
 #include "parallel/pipeline_layout.h"
+#include "parallel/rank_grid.h"
+#include "parallel/rank_position.h"
 #include "tests/cli_test_util.h"
 
 using namespace mt;
@@ -824,4 +827,43 @@ TEST_CASE("binary: --moe-pad-expert-input-to-capacity trains as dropping at the 
   };
   CHECK(bias_moved(dir.str("drop")));
   CHECK_FALSE(bias_moved(dir.str("pad")));
+}
+
+TEST_CASE("RankPosition: every rank's place in the dense and the experts' grid, as ModelDims reads it", "[moe][grid]") {
+  // 16 ranks: TP 2 x DP 4 x PP 2; the experts' grid ETP 1 x EP 4 x expert-DP 2 x PP 2.
+  const Config c = parse(moe_gpt() + words("--sequence-parallel --tensor-model-parallel-size 2 "
+                                           "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4 "
+                                           "--expert-tensor-parallel-size 1"), 16);
+  const RankGrid dense = RankGrid::from_config(c), experts = RankGrid::experts_from_config(c);
+  std::set<std::tuple<int, int, int>> expert_places;
+  for (int rank = 0; rank < 16; ++rank) {
+    const RankPosition r = RankPosition::of(c, rank);
+    const RankCoord d = rank_coord(dense, rank), e = rank_coord(experts, rank);
+    CHECK(r.world_size == 16);
+    CHECK(r.rank == rank);
+    CHECK((r.tp_size == 2 && r.dp_size == 4 && r.pp_size == 2 && r.cp_size == 1));
+    CHECK((r.tp_rank == d.tp && r.dp_rank == d.dp && r.pp_rank == d.pp));
+    CHECK((r.etp_size == 1 && r.ep_size == 4 && r.edp_size == 2));
+    CHECK((r.etp_rank == e.tp && r.ep_rank == e.ep && r.edp_rank == e.dp && e.pp == d.pp));
+    expert_places.insert({r.pp_rank, r.ep_rank, r.edp_rank});
+    const ModelDims m = ModelDims::from_config(c, r);
+    CHECK(m.expert_begin() == 2 * r.ep_rank);  // 8 experts over EP 4
+    CHECK(m.experts_local_rows());               // (expert TP 1 under TP 2: each rank dispatches its own rows)
+    CHECK(m.first_stage == (r.pp_rank == 0));
+  }
+  CHECK(expert_places.size() == 16);  // every rank a place of its own in the experts' grid
+  // The dry run's rank of a stage is its first.
+  CHECK(RankPosition::stage(c, 1).rank == rank_at(dense, RankCoord{0, 0, 0, 0, 1}));
+  CHECK(RankPosition::stage(c, 1).pp_rank == 1);
+
+  // Without an own expert grid the experts share the dense TP and their DP group is the replicas.
+  const Config same = parse(moe_gpt() + words("--sequence-parallel --tensor-model-parallel-size 2"), 4);
+  for (int rank = 0; rank < 4; ++rank) {
+    const RankPosition r = RankPosition::of(same, rank);
+    CHECK((r.etp_size == 2 && r.etp_rank == r.tp_rank && r.ep_size == 1 && r.ep_rank == 0));
+    CHECK((r.edp_size == 2 && r.edp_rank == r.dp_rank));
+  }
+  // A split for another layout (conversions): the Config's expert sizes, this TP rank.
+  const RankPosition s = RankPosition::split(c, 2, 1);
+  CHECK((s.tp_size == 2 && s.tp_rank == 1 && s.pp_size == 1 && s.ep_size == 4 && s.ep_rank == 0 && s.etp_size == 1));
 }

@@ -34,7 +34,7 @@ TEST_CASE("mup: width multiplier, init stds, softmax scale and multipliers as Me
   const Config c = mup_config(16, "--mup-embedding-mult 2.5 --init-method-std 0.04");
   CHECK(c.model.mup_width_mult == 4.0);
   CHECK(c.model.mup_output_mult == 0.25);  // left at 1: 1 / width
-  const ModelDims d = ModelDims::from_config(c, 1, 0, 1, 0);
+  const ModelDims d = ModelDims::from_config(c, RankPosition::split(c, 1, 0));
   CHECK(d.init_std == Approx(0.04 / 2.0));
   CHECK(d.output_init_std == Approx(0.04 / (std::sqrt(4.0) * 2.0)));
   CHECK(d.embedding_init_std == Approx(0.04));
@@ -44,12 +44,12 @@ TEST_CASE("mup: width multiplier, init stds, softmax scale and multipliers as Me
   CHECK(d.logits_mult == 0.25f);
   // An explicit output multiplier stays; the base head dimension and power set the scale.
   const Config e = mup_config(32, "--mup-output-mult 0.3 --mup-base-head-dim 64 --mup-attn-scale-power 0.5");
-  const ModelDims de = ModelDims::from_config(e, 1, 0, 1, 0);
+  const ModelDims de = ModelDims::from_config(e, RankPosition::split(e, 1, 0));
   CHECK(e.model.mup_output_mult == 0.3);
   CHECK(de.softmax_scale == Approx(std::sqrt(64.0) / std::sqrt(16.0)));
   // Width 1 (no base given): the hidden sizes' stds and the logits unchanged, MuP's 1/d scale.
   const Config one = test::parse(test::small_gpt() + test::words("--use-mup"));
-  const ModelDims d1 = ModelDims::from_config(one, 1, 0, 1, 0);
+  const ModelDims d1 = ModelDims::from_config(one, RankPosition::split(one, 1, 0));
   CHECK(one.model.mup_width_mult == 1.0);
   CHECK(d1.logits_mult == 1.0f);
   CHECK(d1.init_std == Approx(0.02));
@@ -57,7 +57,7 @@ TEST_CASE("mup: width multiplier, init stds, softmax scale and multipliers as Me
   // The hidden matrices: not 1-D, not the embeddings, not the output layer.
   const Config u = mup_config(16, "--untie-embeddings-and-output-weights");
   int hidden = 0;
-  for (const ParamDesc& p : build_param_descs(ModelDims::from_config(u, 1, 0, 1, 0), nullptr)) {
+  for (const ParamDesc& p : build_param_descs(ModelDims::from_config(u, RankPosition::split(u, 1, 0)), nullptr)) {
     INFO(p.name);
     const bool expect = !p.is_1d() && !p.name.starts_with("embedding.") && p.name != "output_layer.weight";
     CHECK(p.mup_hidden == expect);

@@ -22,7 +22,7 @@ namespace {
 ModelDims dims_of(const Config& c, int tp_size, int tp_rank, bool sp, bool first = true, bool last = true) {
   Config k = c;
   k.parallel.sequence_parallel = sp;
-  ModelDims d = ModelDims::from_config(k, tp_size, tp_rank, 1, 0);
+  ModelDims d = ModelDims::from_config(k, RankPosition::split(k, tp_size, tp_rank));
   d.first_stage = first;
   d.last_stage = last;
   d.pipeline = !(first && last);

@@ -82,7 +82,7 @@ TEST_CASE("precision-aware optimizer: the model's buffers take the dtypes", "[en
   ParallelState ps = make_single_process_state();
   auto dtypes_of = [&](const std::string& flags) {
     const Config c = parse(small_gpt() + kPrecisionAware + words(flags));
-    const std::vector<ChunkSpec> specs = model_chunk_specs(c, RankPosition::of(ps), DType::bf16);
+    const std::vector<ChunkSpec> specs = model_chunk_specs(c, ps, DType::bf16);
     REQUIRE(specs.size() == 1);
     const ModelOptions& o = specs[0].options;
     return std::vector<bool>{o.grad == DType::bf16, o.bf16_exp_avg, o.bf16_exp_avg_sq};
@@ -94,8 +94,8 @@ TEST_CASE("precision-aware optimizer: the model's buffers take the dtypes", "[en
   // The memory plan counts 2 bytes per moment element instead of 4.
   const Config f32 = parse(small_gpt() + kPrecisionAware);
   const Config bf16 = parse(small_gpt() + kPrecisionAware + words("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"));
-  const MemoryPlan a = plan_rank_memory(f32, RankPosition::of(ps), DType::bf16);
-  const MemoryPlan b = plan_rank_memory(bf16, RankPosition::of(ps), DType::bf16);
+  const MemoryPlan a = plan_rank_memory(f32, ps, DType::bf16);
+  const MemoryPlan b = plan_rank_memory(bf16, ps, DType::bf16);
   CHECK(b.of(MemoryCategory::optimizer_states) * 2 == a.of(MemoryCategory::optimizer_states));
   CHECK(a.of(MemoryCategory::optimizer_states) > 0);
 }

@@ -66,7 +66,7 @@ void check_reshard(const Trained& t, const std::string& dir, int tp, int tp_rank
   ps.tp_rank = tp_rank;
   ps.pp_size = pp;
   ps.pp_rank = pp_rank;
-  const ModelDims dims = ModelDims::from_config(lc, tp, tp_rank, pp, pp_rank);
+  const ModelDims dims = ModelDims::from_config(lc, RankPosition::split(lc, tp, tp_rank, pp, pp_rank));
   GptModel m(dims, ModelOptions::from_config(lc, dims, DType::f32), ps, *t.be);
   TrainingCheckpoints ck(lc, ps, m);
   const ResumePoint r = ck.load();
