@@ -9,6 +9,7 @@
 
 #include "app/checkpoint_args.h"
 #include "app/hf_commands.h"
+#include "app/megatron_args.h"
 #include "app/subcommand_args.h"
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint/file_io.h"
@@ -42,8 +43,8 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.swiglu = s.swiglu;
   m.squared_relu = s.squared_relu;
   m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
-  // Exact GeLU; and squared ReLU, which Megatron's bias-activation fusion refuses.
-  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !s.squared_relu;
+  // Exact GeLU; and squared ReLU with biases, which Megatron's bias-activation fusion refuses.
+  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !(s.squared_relu && s.add_bias_linear);
   m.add_bias_linear = s.add_bias_linear;
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
   m.qk_layernorm = s.qk_layernorm;
@@ -136,122 +137,18 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
 
 namespace {
 
-// The Megatron flags that build this model (the user adds data, batch and optimizer flags).
-std::vector<std::string> megatron_model_flags(const HfModelSpec& s, int divisible_by, const std::string& hf_dir,
-                                              const std::string& save_dir) {
-  std::vector<std::string> f;
-  auto add = [&](const std::string& flag, const std::string& value = std::string()) {
-    f.push_back(flag);
-    if (!value.empty()) f.push_back(value);
-  };
-  auto num = [](double v) { return fmt::format("{}", v); };
-  add("--num-layers", std::to_string(s.num_layers));
-  add("--hidden-size", std::to_string(s.hidden_size));
-  add("--num-attention-heads", std::to_string(s.num_attention_heads));
-  add("--ffn-hidden-size", std::to_string(s.ffn_hidden_size));
-  if (s.head_dim * s.num_attention_heads != s.hidden_size) add("--kv-channels", std::to_string(s.head_dim));
-  if (s.num_query_groups != s.num_attention_heads) {
-    add("--group-query-attention");
-    add("--num-query-groups", std::to_string(s.num_query_groups));
-  }
-  add("--max-position-embeddings", std::to_string(s.max_position_embeddings));
-  add("--seq-length", std::to_string(s.max_position_embeddings));
-  if (s.learned_position_embeddings) {
-    add("--position-embedding-type", "learned_absolute");
-    add(s.gelu_activation != "gelu" ? "--openai-gelu" : "--no-bias-gelu-fusion");
-  } else {
-    add("--position-embedding-type", "rope");
-    add("--rotary-base", num(s.rotary_base));
-    if (s.rotary_percent != 1.0) add("--rotary-percent", num(s.rotary_percent));
-    if (s.use_rope_scaling) {
-      add("--use-rope-scaling");
-      add("--rope-scaling-factor", num(s.rope_scaling_factor));
-    }
-  }
-  add("--normalization", s.layernorm ? "LayerNorm" : "RMSNorm");
-  add("--norm-epsilon", num(s.norm_epsilon));
-  if (s.apply_layernorm_1p) add("--apply-layernorm-1p");
-  if (s.swiglu) add("--swiglu");
-  if (s.squared_relu) add("--squared-relu");
-  if (s.squared_relu && s.add_bias_linear) add("--no-bias-gelu-fusion");
-  if (!s.add_bias_linear) add("--disable-bias-linear");
-  if (!s.add_bias_linear && s.add_qkv_bias) add("--add-qkv-bias");
-  if (s.untie_embeddings_and_output_weights) add("--untie-embeddings-and-output-weights");
-  if (s.qk_layernorm) add("--qk-layernorm");  // (Qwen3's q_norm / k_norm)
-  if (s.arch == HfArchitecture::qwen3_next) {
-    add("--attention-output-gate");
-    add("--experimental-attention-variant", "gated_delta_net");
-    add("--linear-attention-freq", fmt::format("[{}]", fmt::join(s.gdn_layers, ",")));
-    add("--linear-conv-kernel-dim", std::to_string(s.gdn_conv));
-    add("--linear-key-head-dim", std::to_string(s.gdn_dk));
-    add("--linear-value-head-dim", std::to_string(s.gdn_dv));
-    add("--linear-num-key-heads", std::to_string(s.gdn_key_heads));
-    add("--linear-num-value-heads", std::to_string(s.gdn_value_heads));
-  }
-  if (s.sliding_window) {
-    add("--window-size", fmt::format("{},0", *s.sliding_window - 1));
-    if (!s.window_layers.empty()) add("--window-attn-skip-freq", fmt::format("[{}]", fmt::join(s.window_layers, ",")));
-  }
-  if (s.arch == HfArchitecture::deepseek_v3) {
-    add("--multi-latent-attention");
-    if (s.q_lora_rank > 0) add("--q-lora-rank", std::to_string(s.q_lora_rank));
-    add("--kv-lora-rank", std::to_string(s.kv_lora_rank));
-    add("--qk-head-dim", std::to_string(s.qk_nope_head_dim));
-    add("--qk-pos-emb-head-dim", std::to_string(s.qk_rope_head_dim));
-    add("--v-head-dim", std::to_string(s.v_head_dim));
-    add("--qk-layernorm");
-    if (s.mtp_layers > 0) add("--mtp-num-layers", std::to_string(s.mtp_layers));
-    if (s.yarn) {
-      add("--rope-type", "yarn");
-      add("--rotary-scaling-factor", num(s.yarn_factor));
-      add("--mscale", num(s.yarn_mscale));
-      add("--mscale-all-dim", num(s.yarn_mscale_all_dim));
-    } else {
-      add("--rope-type", "rope");
-      add("--no-rope-fusion");  // (Megatron's rule: MLA's fused RoPE takes YaRN only)
-    }
-  }
-  if (s.arch == HfArchitecture::deepseek_v3 && s.num_experts > 0) {
-    add("--num-experts", std::to_string(s.num_experts));
-    add("--moe-router-topk", std::to_string(s.moe_topk));
-    add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
-    std::string pattern = "[";
-    for (int l = 0; l < s.num_layers; ++l) pattern += fmt::format("{}{}", l ? "," : "", l < s.first_dense_layers ? 0 : 1);
-    add("--moe-layer-freq", pattern + "]");
-    add("--moe-router-score-function", "sigmoid");
-    add("--moe-router-enable-expert-bias");
-    if (s.routed_scaling_factor != 1.0) add("--moe-router-topk-scaling-factor", num(s.routed_scaling_factor));
-    if (s.router_groups > 1) {
-      add("--moe-router-num-groups", std::to_string(s.router_groups));
-      add("--moe-router-group-topk", std::to_string(s.router_group_topk));
-    }
-    if (s.shared_expert_ffn > 0) add("--moe-shared-expert-intermediate-size", std::to_string(s.shared_expert_ffn));
-    add("--moe-grouped-gemm");
-    add("--moe-token-dispatcher-type", "alltoall");
-  } else if (s.num_experts > 0) {
-    add("--num-experts", std::to_string(s.num_experts));
-    add("--moe-router-topk", std::to_string(s.moe_topk));
-    add("--moe-ffn-hidden-size", std::to_string(s.moe_ffn_hidden_size));
-    if (!s.moe_layers.empty()) add("--moe-layer-freq", fmt::format("[{}]", fmt::join(s.moe_layers, ",")));
-    if (!s.norm_topk_prob) add("--moe-router-pre-softmax");
-    if (s.shared_expert_ffn > 0) add("--moe-shared-expert-intermediate-size", std::to_string(s.shared_expert_ffn));
-    if (s.shared_expert_gate) add("--moe-shared-expert-gate");
-    add("--moe-aux-loss-coeff", num(s.router_aux_loss_coef));
-    add("--moe-grouped-gemm");
-    add("--moe-token-dispatcher-type", "alltoall");
-  }
-  add("--attention-dropout", num(s.attention_dropout));
-  add("--hidden-dropout", num(s.hidden_dropout));
-  add("--init-method-std", num(s.init_method_std));
-  add("--make-vocab-size-divisible-by", std::to_string(divisible_by));
-  if (path_exists(join_path(hf_dir, "tokenizer.json"))) {
-    add("--tokenizer-type", "HuggingFaceTokenizer");
-    add("--tokenizer-model", hf_dir);
-  } else {
-    add("--tokenizer-type", "NullTokenizer");
-    add("--vocab-size", std::to_string(s.vocab_size));
-  }
-  add("--load", save_dir);
+// The flags that train from the import (the user adds data, batch and optimizer flags): the
+// model's settings as the flag table records them for this run (`flags`: checkpoint_config_json's,
+// through Megatron's argument names as export-megatron writes them, app/megatron_args.h), the
+// tokenizer's, and the choices a training run of it makes besides: grouped GEMMs and all-to-all
+// dispatch for MoE, and Megatron's --no-rope-fusion for multi-latent attention with plain RoPE.
+std::vector<std::string> training_flags(const ModelConfig& m, const json& flags, const std::string& save_dir) {
+  const PickleRef args = megatron_args_from_flags(flags);
+  std::vector<std::string> f = megatron_model_flags(*args, "import-hf", /*every_setting=*/true);
+  for (const std::string& t : megatron_tokenizer_flags(*args, "import-hf")) f.push_back(t);
+  if (m.moe.enabled()) f.insert(f.end(), {"--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"});
+  if (m.multi_latent_attention && m.rope_type != "yarn") f.push_back("--no-rope-fusion");
+  f.insert(f.end(), {"--load", save_dir});
   return f;
 }
 
@@ -371,7 +268,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
                    {"imported_from", hf_dir}};
   writer.set_run_state(rs);
   writer.save(SaveGroup{});
-  r.flags = megatron_model_flags(r.spec, divisible_by, hf_dir, save_dir);
+  r.flags = training_flags(r.model, rs.config.at("flags"), save_dir);
   return r;
 }
 

@@ -105,8 +105,8 @@ std::vector<std::string> flags_from_args(const PickleValue& args, const std::vec
 // (RoPE's with learned positions, the scaling factor without --use-rope-scaling), Megatron's own
 // derived values (--kv-channels = hidden / heads, GeLU fusion off with SwiGLU, q/k/v biases with
 // all biases), and empty architecture options (no experts, no MTP layers).
-std::vector<std::string> model_flags_from_args(const PickleValue& args, const std::string& where) {
-  const std::vector<std::string> all = flags_from_args(args, model_args(/*imported_only=*/true), where);
+std::vector<std::string> model_flags_from_args(const PickleValue& args, const std::string& where, bool every_setting) {
+  const std::vector<std::string> all = flags_from_args(args, model_args(/*imported_only=*/!every_setting), where);
   auto has = [&](const char* flag) { return std::find(all.begin(), all.end(), flag) != all.end(); };
   auto value = [&](const char* flag) -> std::string {
     auto it = std::find(all.begin(), all.end(), flag);
@@ -130,6 +130,7 @@ std::vector<std::string> model_flags_from_args(const PickleValue& args, const st
     for (const std::string& f : all)
       if (f == "--num-experts" || f.rfind("--moe-", 0) == 0) drop.insert(f);
   if (value("--mtp-num-layers") == "0") drop.insert("--mtp-num-layers");
+  drop.insert("--num-query-groups");  // (below, with --group-query-attention only)
   // The settings of architectures the model does not use, which Megatron saves at their defaults:
   // multi-latent attention's (YaRN's without it or --position-embedding-type yarn), Gated DeltaNet's,
   // muP's.
@@ -249,8 +250,8 @@ PickleRef megatron_args_from_flags(const nlohmann::json& flags) {
   return args;
 }
 
-std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where) {
-  return model_flags_from_args(args, where);
+std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where, bool every_setting) {
+  return model_flags_from_args(args, where, every_setting);
 }
 
 std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where) {

@@ -15,8 +15,12 @@
 namespace mt {
 
 // e.g. --num-layers 4 --hidden-size 32 ... --swiglu --num-query-groups 2. `where` names the
-// checkpoint in errors (an argument of a type megatrain cannot read as its flag).
-std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where);
+// checkpoint in errors (an argument of a type megatrain cannot read as its flag). every_setting:
+// also the model settings Megatron-LM's checkpoint arguments leave out (app/flags.h
+// ModelSetting::import_flag: the router's groups, the shared expert's gate, ...), for args that
+// megatrain wrote itself (megatron_args_from_flags below).
+std::vector<std::string> megatron_model_flags(const PickleValue& args, const std::string& where,
+                                              bool every_setting = false);
 // --tokenizer-type, --vocab-file, --merge-file, --tokenizer-model, --vocab-size as saved.
 std::vector<std::string> megatron_tokenizer_flags(const PickleValue& args, const std::string& where);
 
