@@ -22,8 +22,8 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   const int group_size = sharded_ ? ps.dist_opt_size() : ps.replicas_size();
   const int group_rank = sharded_ ? ps.dist_opt_rank() : ps.replicas_rank();
   for (GptModel* m : chunks_)
-    MT_CHECK(m->grad_layout().sharded == sharded_ && (!sharded_ || (m->options().dp_size == group_size &&
-                                                                    m->options().dp_rank == group_rank)),
+    MT_CHECK(m->grad_layout().sharded == sharded_ && (!sharded_ || (m->options().shard_size == group_size &&
+                                                                    m->options().shard_rank == group_rank)),
              "model chunks planned for another data-parallel layout");
   Backend& be = chunks_.front()->backend();
   comm_ = &group;
@@ -53,7 +53,7 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
     const int esize = instances ? ps.expert_dist_opt_size() : ps.edp_size;
     const int erank = instances ? ps.expert_dist_opt_rank() : ps.edp_rank;
     for (GptModel* m : chunks_)
-      MT_CHECK(m->grad_layout().expert_dp_rank == erank && m->options().expert_dp_size == esize,
+      MT_CHECK(m->grad_layout().expert_dp_rank == erank && m->options().expert_shard_size == esize,
                "model chunks planned for another expert-data-parallel layout");
     Communicator& egroup = instances ? *ps.edp_intra : *ps.edp;
     ecomm_ = &egroup;

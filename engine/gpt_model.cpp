@@ -271,8 +271,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
 
 // The parameters, their places in the (DP-bucketed) flat buffers and the indices the hooks use.
 void GptModel::plan_params() {
-  MT_CHECK(opt_.dp_size >= 1 && opt_.dp_rank >= 0 && opt_.dp_rank < opt_.dp_size, "dp {} of {}", opt_.dp_rank,
-           opt_.dp_size);
+  MT_CHECK(opt_.shard_size >= 1 && opt_.shard_rank >= 0 && opt_.shard_rank < opt_.shard_size, "dp {} of {}", opt_.shard_rank,
+           opt_.shard_size);
   descs_ = build_param_descs(d_, &total_elements_);
   // --fp8-param-gather: the linear weights of FP8 layers are stored as FP8 only.
   plan_fp8_states();
@@ -284,11 +284,11 @@ void GptModel::plan_params() {
       descs_[i].fp8_storage = fp8_param_slot_[i].state != nullptr;
     }
   }
-  MT_CHECK((opt_.expert_dp_size > 0) == d_.experts_own_grid(), "expert-DP size {} with EP {} and expert TP {}",
-           opt_.expert_dp_size, d_.ep_size, d_.etp_size);
-  grad_layout_ = layout_grad_buffer(descs_, opt_.dp_size, opt_.dp_rank, opt_.bucket_size, opt_.shard_optimizer_state,
+  MT_CHECK((opt_.expert_shard_size > 0) == d_.experts_own_grid(), "expert-DP size {} with EP {} and expert TP {}",
+           opt_.expert_shard_size, d_.ep_size, d_.etp_size);
+  grad_layout_ = layout_grad_buffer(descs_, opt_.shard_size, opt_.shard_rank, opt_.bucket_size, opt_.shard_optimizer_state,
                                     d_.pipeline && (d_.tied_embeddings || d_.mtp > 0), &total_elements_,
-                                    ExpertDpGroup{opt_.expert_dp_size, opt_.expert_dp_rank},
+                                    ExpertDpGroup{opt_.expert_shard_size, opt_.expert_shard_rank},
                                     opt_.shard_grads ? std::optional<int>(d_.num_layers) : std::nullopt);
   unit_buckets_.assign(static_cast<size_t>(d_.stage_layers()), {});
   for (int b = 0; b < static_cast<int>(grad_layout_.bucket_unit.size()); ++b)

@@ -67,13 +67,15 @@ struct ModelOptions {
   int64_t logits_chunk_rows = 0;
   // Data parallelism (engine/grad_layout.h): the flat buffers are cut into DP buckets of
   // bucket_size elements (nullopt: one bucket); with shard_optimizer_state
-  // (--use-distributed-optimizer) master weights and optimizer states hold only this DP rank's
-  // shard of each bucket.
-  int dp_size = 1, dp_rank = 0;
+  // (--use-distributed-optimizer) master weights and optimizer states hold only this rank's shard
+  // of each bucket. The shard group: the replicas (DP x CP), or this rank's optimizer instance
+  // (--num-distributed-optimizer-instances); shard_rank is the rank's place in it (worked out
+  // from its RankPosition by engine/model_chunks.h).
+  int shard_size = 1, shard_rank = 0;
   // Expert parallelism: the routed experts' weights (ParamDesc::expert) form a bucket region of
-  // their own, reduced and sharded over the expert-data-parallel group of this size (this rank's
-  // place in it: expert_dp_rank). 0: no such region (EP = 1).
-  int expert_dp_size = 0, expert_dp_rank = 0;
+  // their own, reduced and sharded over (an instance of) the expert-data-parallel group of this
+  // size (this rank's place in it: expert_shard_rank). 0: no such region (EP = 1).
+  int expert_shard_size = 0, expert_shard_rank = 0;
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
   // Sharded gradients (--use-megatron-fsdp optim_grads, ZeRO-2; engine/model_chunks.h says when):

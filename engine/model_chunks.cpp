@@ -33,17 +33,17 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     const int instances = p.use_distributed_optimizer ? p.num_distributed_optimizer_instances : 1;
     // With context parallelism the replicas are the DP x CP ranks (ParallelState::replicas; one
     // optimizer instance: checked by the parser).
-    o.dp_size = r.replicas_size() / instances;
-    o.dp_rank = r.replicas_rank() % o.dp_size;
+    o.shard_size = r.replicas_size() / instances;
+    o.shard_rank = r.replicas_rank() % o.shard_size;
     if (dims[c].experts_own_grid()) {  // (sharded over an instance of the experts' DP group)
-      o.expert_dp_size = r.edp_size / instances;
-      o.expert_dp_rank = r.edp_rank % o.expert_dp_size;
+      o.expert_shard_size = r.edp_size / instances;
+      o.expert_shard_rank = r.edp_rank % o.expert_shard_size;
     }
     o.bucket_size = bucket;
     o.shard_optimizer_state = p.use_distributed_optimizer;
     // (One rank per optimizer instance: nothing to shard.)
     o.shard_grads = unsharded_gradients_reason(cfg) == std::optional<std::string>("") && o.shard_optimizer_state &&
-                    o.dp_size > 1;
+                    o.shard_size > 1;
     o.shard_params = o.shard_grads && unsharded_params_reason(cfg) == std::optional<std::string>("");
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
     // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)

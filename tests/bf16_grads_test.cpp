@@ -156,8 +156,8 @@ TEST_CASE("bf16 gradients: a sharded master copy is initialized per parameter as
       ModelOptions o = ModelOptions::from_config(c, d, DType::f32);
       o.accum = DType::f64;
       o.grad = grad;
-      o.dp_size = 3;
-      o.dp_rank = dp_rank;
+      o.shard_size = 3;
+      o.shard_rank = dp_rank;
       o.bucket_size = 700;
       o.shard_optimizer_state = true;
       auto m = std::make_unique<GptModel>(d, o, ps, *be);

@@ -118,8 +118,8 @@ TEST_CASE("optimizer ranges of a model: norm segments skip TP duplicates off TP 
     int64_t counted = 0, updated = 0, shard_params = 0, shard_counted = 0;
     for (int dp_rank : {0, 1}) {
     ModelOptions o = ModelOptions::from_config(c, d, DType::f32);
-    o.dp_size = 2;
-    o.dp_rank = dp_rank;
+    o.shard_size = 2;
+    o.shard_rank = dp_rank;
     o.bucket_size = 400;
     o.shard_optimizer_state = true;
     GptModel m(d, o, ps, *be);

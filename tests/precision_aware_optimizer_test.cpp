@@ -400,8 +400,8 @@ TEST_CASE("master remainders: a sharded model initializes and loads the same mas
       ModelOptions o = ModelOptions::from_config(c, d, DType::bf16);
       o.accum = DType::f32;
       o.grad = DType::f32;
-      o.dp_size = 2;
-      o.dp_rank = dp_rank;
+      o.shard_size = 2;
+      o.shard_rank = dp_rank;
       o.bucket_size = 700;
       o.shard_optimizer_state = true;
       o.master_remainders = remainders;
