@@ -179,9 +179,13 @@ void validate_fsdp(CliState& st) {
                       "every micro-batch, and summed into this rank's shard; neither is overlapped with the "
                       "neighbouring layers' compute yet",
                       what, strategy,
-                      params_reason == "" ? "each decoder layer's parameters are all-gathered just before its forward "
-                                            "and again before its backward (two layers' worth held at once); "
-                                          : "",
+                      params_reason != "" ? ""
+                      : st.cfg.train.fp8_param_gather
+                          ? "each decoder layer's parameters are all-gathered just before its forward and again before "
+                            "its backward (two layers' worth held at once; FP8 weights as FP8 bytes, their transposed "
+                            "copies made after each gather); "
+                          : "each decoder layer's parameters are all-gathered just before its forward and again before "
+                            "its backward (two layers' worth held at once); ",
                       over, experts ? " (the routed experts' over the expert-data-parallel ranks)" : ""));
 }
 

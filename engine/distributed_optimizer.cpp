@@ -102,7 +102,7 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
     v.master = state(m.master_flat());
     // (FP8 parameters: the update casts them, each segment with its weight's scale.)
     // (Sharded parameters: a layer's bucket's output is this rank's shard of its parameters.)
-    v.model_copy = r.bucket >= 0 && m.param_shard_bucket(r.bucket) ? m.param_shards().flat_slice(r.state_offset, r.numel)
+    v.model_copy = r.bucket >= 0 && m.param_shard_bucket(r.bucket) ? m.param_shard(r.bucket)
                                                                     : m.param_storage(r.flat_offset, r.numel);
   } else {
     v.master = m.params_flat().flat_slice(r.flat_offset, r.numel);  // the parameters are the master weights

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -129,15 +130,17 @@ int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
 }
 
 // Fully sharded units (ModelOptions::shard_grads / shard_params): two slots the size of the largest
-// layer's buckets (under expert parallelism a layer has two: its routed experts' and the rest), and
-// per bucket its storage: a layer's a view of its slot (local layer l in l % 2), one bucket after
-// the other, the others' whole.
+// layer's buckets (under expert parallelism a layer has two: its routed experts' and the rest; with
+// FP8 parameters their FP8 bucket too), and per bucket its storage: a layer's a view of its slot
+// (local layer l in l % 2), one bucket after the other, the others' whole. Only the buckets `take`
+// accepts (the others get an empty tensor: FP8 parameters' buckets have slots of their own dtype).
 std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, const GradLayout& L, int layer_begin,
-                                        Tensor (&slots)[2]) {
+                                        Tensor (&slots)[2], const std::function<bool(int)>& take = nullptr) {
+  const auto taken = [&](int b) { return !take || take(b); };
   std::map<int, int64_t> unit_numel;  // per unit: its buckets' elements so far
   std::vector<int64_t> at(static_cast<size_t>(L.num_buckets()), 0);  // a unit bucket's place in its slot
   for (int b = 0; b < L.num_buckets(); ++b)
-    if (const int unit = L.bucket_unit[static_cast<size_t>(b)]; unit >= 0) {
+    if (const int unit = L.bucket_unit[static_cast<size_t>(b)]; unit >= 0 && taken(b)) {
       at[static_cast<size_t>(b)] = unit_numel[unit];
       unit_numel[unit] += L.plan.buckets[static_cast<size_t>(b)].numel;
     }
@@ -149,8 +152,9 @@ std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, con
   for (int b = 0; b < L.num_buckets(); ++b) {
     const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
     const int unit = L.bucket_unit[static_cast<size_t>(b)];
-    storage.push_back(unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(at[static_cast<size_t>(b)], n)
-                                : a.take(c, t, {n}));
+    storage.push_back(!taken(b)   ? Tensor()
+                      : unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(at[static_cast<size_t>(b)], n)
+                                  : a.take(c, t, {n}));
   }
   return storage;
 }
@@ -177,8 +181,10 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
   MT_CHECK(!opt_.shard_grads || opt_.shard_optimizer_state, "sharded gradients need the distributed optimizer");
-  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders && !opt_.fp8.param_gather),
-           "sharded parameters need sharded gradients, no master-weight remainders and no FP8 parameters");
+  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders &&
+                                   (!opt_.fp8.param_gather || (d_.experts == 0 && !d_.mla))),
+           "sharded parameters need sharded gradients, no master-weight remainders and no FP8 parameters of MoE "
+           "or multi-latent attention models");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -421,16 +427,38 @@ void GptModel::layout(Arena& a) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden, total = total_elements_;
   const int64_t state = grad_layout_.state_numel;  // == total unless sharded
   const int64_t fp8_begin = grad_layout_.fp8_begin;  // == total without FP8 parameters
-  params_ = param_shards_ = param_slots_[0] = param_slots_[1] = Tensor();
+  params_ = param_shards_ = fp8_param_shards_ = Tensor();
+  for (Tensor* s : {&param_slots_[0], &param_slots_[1], &fp8_param_slots_[0], &fp8_param_slots_[1]}) *s = Tensor();
   param_bucket_storage_.clear();
+  param_shard_storage_.clear();
+  fp8_params_ = Tensor();
   if (opt_.shard_params) {
-    // The layers' two slots and this rank's shards of them; the other buckets whole.
-    param_bucket_storage_ = layout_unit_buffers(a, C::parameters, T, grad_layout_, d_.layer_begin, param_slots_);
-    param_shards_ = a.take(C::parameters, T, {state});
+    // The layers' two slots and this rank's shards of every bucket (only the layers' are used); the
+    // other buckets whole. FP8 parameters' buckets in slots and shards of their own, as FP8 bytes.
+    const GradLayout& L = grad_layout_;
+    const DType e4 = fp8_.dtype(Fp8State::w);
+    param_bucket_storage_ = layout_unit_buffers(a, C::parameters, T, L, d_.layer_begin, param_slots_,
+                                                [&](int b) { return !L.fp8_bucket(b); });
+    if (fp8_params()) {
+      const std::vector<Tensor> fp8 = layout_unit_buffers(a, C::parameters, e4, L, d_.layer_begin, fp8_param_slots_,
+                                                          [&](int b) { return L.fp8_bucket(b); });
+      for (int b = 0; b < L.num_buckets(); ++b)
+        if (L.fp8_bucket(b)) param_bucket_storage_[static_cast<size_t>(b)] = fp8[static_cast<size_t>(b)];
+    }
+    int64_t numel[2] = {0, 0};  // shards: compute dtype, FP8
+    for (int b = 0; b < L.num_buckets(); ++b) numel[L.fp8_bucket(b) ? 1 : 0] += L.shard_numel(b);
+    param_shards_ = a.take(C::parameters, T, {numel[0]});
+    if (numel[1] > 0) fp8_param_shards_ = a.take(C::parameters, e4, {numel[1]});
+    int64_t next[2] = {0, 0};
+    for (int b = 0; b < L.num_buckets(); ++b) {
+      const int k = L.fp8_bucket(b) ? 1 : 0;
+      param_shard_storage_.push_back((k ? fp8_param_shards_ : param_shards_).flat_slice(next[k], L.shard_numel(b)));
+      next[k] += L.shard_numel(b);
+    }
   } else {
     params_ = a.take(C::parameters, T, {fp8_begin});
+    if (fp8_params()) fp8_params_ = a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin});
   }
-  fp8_params_ = fp8_params() ? a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin}) : Tensor();
   grad_bucket_storage_.clear();
   grads_ = grad_shards_ = grad_slots_[0] = grad_slots_[1] = Tensor();
   if (opt_.shard_grads) {
@@ -491,14 +519,23 @@ void GptModel::layout(Arena& a) {
                   f = d_.ffn_local();
     const int64_t nk[Fp8State::kGemms][2] = {{qkv, h}, {h, att}, {fc1, h}, {h, f}};  // weight [N, K] per GEMM
     const DType e4 = fp8_.dtype(Fp8State::w);
+    // Sharded FP8 parameters (ZeRO-3): a decoder layer's transposed copies live in the slot of its
+    // gathered parameters' parity, made when it is gathered (gather_unit).
+    const bool slotted = opt_.shard_params && fp8_params();
+    Tensor wt_slots[2];
+    int64_t wt_at[Fp8State::kGemms + 1] = {0};
+    for (int g = 0; g < Fp8State::kGemms; ++g) wt_at[g + 1] = wt_at[g] + nk[g][0] * nk[g][1];
     for (int l = 0; l < d_.stage_layers(); ++l) {
       if (!fp8_.layer_fp8(l)) continue;
+      const bool in_slot = slotted && l < d_.decoder_layers();
+      if (in_slot && wt_slots[l % 2].empty()) wt_slots[l % 2] = a.take(C::parameters, e4, {wt_at[Fp8State::kGemms]});
       for (int g = 0; g < Fp8State::kGemms; ++g) {
         if (g >= Fp8State::fc1 && d_.is_moe(d_.layer_begin + l)) continue;  // (its experts: fp8_ex_)
         if (g < Fp8State::fc1 && d_.mla) continue;                           // (MLA's: fp8_extra_)
         // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
         if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
-        fp8_w_[l].q_t[g] = a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
+        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % 2].flat_slice(wt_at[g], nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
+                                   : a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
       }
     }
     if (fp8_params() && opt_.fp8.recipe == Fp8Recipe::delayed) {
@@ -691,19 +728,23 @@ Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
 
 // Sharded parameters: layer `local`'s whole parameters, all-gathered from the shards into its slot
 // (over the optimizer's data-parallel ranks; the routed experts' bucket over the expert-data-
-// parallel ones), unless the slot holds them already.
+// parallel ones), unless the slot holds them already. FP8 parameters travel as FP8 bytes; their
+// transposed copies are then made in the slot's (fp8_refresh_weights).
 void GptModel::gather_unit(int local) {
   if (!opt_.shard_params || local < 0 || local >= d_.decoder_layers()) return;
   int& holder = param_slot_unit_[local % 2];
   if (holder == local) return;
   for (const int b : unit_buckets_.at(static_cast<size_t>(local))) {
-    const Tensor shard =
-        param_shards_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_numel(b));
+    const Tensor shard = param_shard(b);
     Communicator& group = grad_layout_.is_expert_bucket(b) ? ps_.expert_dist_opt_group() : ps_.dist_opt_group();
     if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
     else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
   }
   holder = local;
+  if (fp8_params() && fp8_layer(local)) {
+    fp8_fresh_[static_cast<size_t>(local)] = 0;
+    fp8_refresh_weights(local);
+  }
 }
 
 // Sharded gradients: local layer `local`'s slot is zeroed before the micro-batch's first write to
@@ -892,7 +933,8 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
       const Tensor src = scratch.flat_slice(s.param_offset, s.numel);
       if (remainders) be_.split_master(param_storage(p.offset + s.param_offset, s.numel), dst, src);
       else be_.cast(dst, src);  // (a cast: bf16 moments take their rounding)
-      if (to_params && sharded_param) be_.cast(param_shards_.flat_slice(at, s.numel), src);
+      if (to_params && sharded_param && !p.fp8_storage)  // (FP8 ones: fp8_params_from_master)
+        be_.cast(param_shard(b).flat_slice(s.shard_offset, s.numel), src);
     }
   }
   be_.synchronize();  // the scratch is freed below

@@ -205,11 +205,11 @@ class GptModel {
   // A separate master copy: a compute dtype narrower than accum, or FP8 parameters (their only
   // full-precision values are the master weights, also with float32 compute on the reference backend).
   bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params() || opt_.shard_params; }
-  // Sharded parameters (ModelOptions::shard_params): this rank's shard of every bucket's compute-
-  // dtype parameters, laid out like the sharded optimizer states (only the layers' buckets are
-  // used); whether bucket b is one of those; and, after the optimizer step (or anything else that
-  // changed the shards), that the gathered layers are stale.
-  Tensor param_shards() const { return param_shards_; }
+  // Sharded parameters (ModelOptions::shard_params): this rank's shard of bucket b's parameters
+  // (the compute dtype, or FP8 bytes for an FP8 bucket; only the layers' buckets are used); whether
+  // bucket b is one of those; and, after the optimizer step (or anything else that changed the
+  // shards), that the gathered layers are stale.
+  Tensor param_shard(int b) const { return param_shard_storage_.at(static_cast<size_t>(b)); }
   bool param_shard_bucket(int b) const {
     return opt_.shard_params && grad_layout_.bucket_unit[static_cast<size_t>(b)] >= 0;
   }
@@ -738,9 +738,10 @@ class GptModel {
   // slots, the local layer each slot holds (-1: none, or stale), the shards; per local layer its
   // buckets. gather_unit(l) makes layer l's slot hold its current parameters.
   std::vector<Tensor> param_bucket_storage_;
-  Tensor param_slots_[2];
+  Tensor param_slots_[2], fp8_param_slots_[2];
   int param_slot_unit_[2] = {-1, -1};
-  Tensor param_shards_;
+  Tensor param_shards_, fp8_param_shards_;  // (compute dtype, FP8)
+  std::vector<Tensor> param_shard_storage_;  // per bucket: its shard, a view of one of the two
   std::vector<std::vector<int>> unit_buckets_;  // (two under expert parallelism: the experts' and the rest)
   void gather_unit(int local);
   NormParams norm_;

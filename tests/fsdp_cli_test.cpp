@@ -69,13 +69,20 @@ TEST_CASE("fsdp: each sharding strategy maps onto DDP or the distributed optimiz
   CHECK(unsharded_params_reason(pp) == std::optional<std::string>(""));
   CHECK(has_message(ms, SetupMessage::Kind::note, "all-gathered"));
   CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "megatrain shards only"));
-  // FP8 parameters: the gradients sharded, the (FP8) parameters whole on every rank, with the reason.
+  // FP8 parameters: sharded too, gathered as FP8 bytes; of an MoE model the gradients sharded and the
+  // (FP8) parameters whole on every rank, with the reason.
   ms.clear();
   const Config fp8 = parse(fsdp("optim_grads_params") + words("--bf16 --fp8-format hybrid --fp8-param-gather"), 4, &ms);
   CHECK(unsharded_gradients_reason(fp8) == std::optional<std::string>(""));
-  CHECK(unsharded_params_reason(fp8) == std::optional<std::string>("FP8 parameters (--fp8-param-gather)"));
-  CHECK(has_message(ms, SetupMessage::Kind::warning, "with FP8 parameters (--fp8-param-gather): megatrain shards the "
-                                                     "gradients, master weights and optimizer state over the 4 "
+  CHECK(unsharded_params_reason(fp8) == std::optional<std::string>(""));
+  CHECK(has_message(ms, SetupMessage::Kind::note, "FP8 weights as FP8 bytes, their transposed copies made after each gather"));
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::warning, "ZeRO-2's memory"));
+  ms.clear();
+  const Config fp8_moe = parse(fsdp("optim_grads_params") + words("--bf16 --fp8-format hybrid --fp8-param-gather "
+                                                                   "--disable-bias-linear --num-experts 4"), 4, &ms);
+  CHECK(unsharded_params_reason(fp8_moe) == std::optional<std::string>("FP8 parameters (--fp8-param-gather) of an MoE model"));
+  CHECK(has_message(ms, SetupMessage::Kind::warning, "with FP8 parameters (--fp8-param-gather) of an MoE model: megatrain "
+                                                     "shards the gradients, master weights and optimizer state over the 4 "
                                                      "data-parallel ranks (ZeRO-2's memory)"));
   // Megatron-LM's default strategy is optim_grads_params.
   CHECK(fsdp_strategy(parse(small_gpt() + words("--use-megatron-fsdp --ckpt-format fsdp_dtensor"), 2).parallel) ==
@@ -232,13 +239,14 @@ TEST_CASE("fsdp: the dry run's memory of each strategy", "[cli][fsdp][plan]") {
     pp3.parallel.data_parallel_sharding_strategy = "optim_grads_params";
     CHECK(p[3].total == stage_memory(pp3, stage).total);
   }
-  // FP8 parameters: ZeRO-2 is built (this run's plan), ZeRO-3 estimated, and DDP, which cannot hold
-  // FP8 parameters, estimated from compute-dtype weights.
+  // FP8 parameters: ZeRO-2 and ZeRO-3 are built (ZeRO-3: this run's plan, its FP8 weights sharded),
+  // and DDP, which cannot hold FP8 parameters, estimated from compute-dtype weights.
   const Config fp8 = parse(fsdp("optim_grads_params") + words("--num-layers 4 --bf16 --fp8-format hybrid --fp8-param-gather"), 4);
   const auto f = sharding_strategy_memory(fp8, 0);
   CHECK(f[0].estimate);
   CHECK_FALSE(f[1].estimate);
   CHECK_FALSE(f[2].estimate);
-  CHECK(f[2].total == stage_memory(fp8, 0).total);
-  CHECK(f[3].estimate);
+  CHECK_FALSE(f[3].estimate);
+  CHECK(f[3].total == stage_memory(fp8, 0).total);
+  CHECK(f[3].plan.of(MemoryCategory::parameters) < f[2].plan.of(MemoryCategory::parameters));
 }

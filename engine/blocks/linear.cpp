@@ -80,12 +80,14 @@ void GptModel::fp8_weights_updated() {
 void GptModel::fp8_cast_shard(int b) {
   if (!fp8_params() || !grad_layout_.fp8_bucket(b)) return;
   const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)], flat = grad_layout_.shard_offset(b);
+  const bool sharded = param_shard_bucket(b);  // (ZeRO-3: into this rank's shard, gathered when needed)
   for (const ShardSegment& s : grad_layout_.shard_segments(b))
     for_each_fp8_param_piece(s.param, s.param_offset, s.numel, [&](int64_t at, int64_t n, const Fp8TensorMeta& m) {
       // A piece of a weight is a [1, n] matrix to the cast: the row-major copy only, no transpose.
       const int64_t in_shard = s.shard_offset + (at - s.param_offset);
       const Tensor master = master_.flat_slice(state + in_shard, n).view({1, n});
-      be_.fp8_quantize(param_storage(flat + in_shard, n).view({1, n}), Tensor(), master, m);
+      const Tensor out = sharded ? param_shard(b).flat_slice(in_shard, n) : param_storage(flat + in_shard, n);
+      be_.fp8_quantize(out.view({1, n}), Tensor(), master, m);
     });
 }
 
@@ -104,8 +106,9 @@ void GptModel::fp8_params_from_master(bool fresh_state) {
     for (Fp8State* st : fp8_states()) st->set_weight_scales_from_amax(be_);
   }
   for (int b = 0; b < L.num_buckets(); ++b) fp8_cast_shard(b);
+  param_shards_updated();  // (sharded parameters: the layers gather theirs when needed)
   for (int b = 0; b < L.num_buckets(); ++b) {
-    if (!L.fp8_bucket(b)) continue;
+    if (!L.fp8_bucket(b) || param_shard_bucket(b)) continue;
     Communicator& group = L.is_expert_bucket(b) ? ps_.expert_dist_opt_group() : ps_.dist_opt_group();
     if (group.size() <= 1) continue;
     const GradBucket& k = L.plan.buckets[static_cast<size_t>(b)];

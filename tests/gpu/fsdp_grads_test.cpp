@@ -98,3 +98,37 @@ TEST_CASE("cuda sharded gradients and parameters: every parameter's gradient ove
     }
   }
 }
+
+// FP8 parameters (--fp8-param-gather, delayed and tensorwise scaling) with sharded gradients: with
+// their FP8 weights sharded too (each layer's all-gathered as FP8 bytes and transposed in its slot),
+// the same FP8 GEMMs run on the same bytes, so the losses and every gradient are the same bits as
+// with the FP8 weights whole; also with full recompute of all three layers as one group (a layer
+// evicted from its slot is gathered and transposed again for its backward).
+TEST_CASE("cuda sharded FP8 parameters: the same losses and gradients as whole FP8 parameters", "[gpu][fsdp][fp8][model]") {
+  for (const Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
+    for (const bool recompute : {false, true}) {
+      Config c = small_llama_config(3, 16, 2);
+      c.train.fp8_format = Fp8Format::hybrid;
+      c.train.fp8_recipe = recipe;
+      c.train.fp8_param_gather = true;
+      c.parallel.use_distributed_optimizer = true;
+      if (recompute) {
+        c.train.recompute_granularity = RecomputeGranularity::full;
+        c.train.recompute_method = RecomputeMethod::uniform;
+        c.train.recompute_num_layers = 3;
+      }
+      Rng rng;
+      std::vector<MicroBatch> mbs;
+      for (int j = 0; j < 3; ++j) mbs.push_back(random_micro_batch(rng, 2, 16, 96));
+      std::vector<double> losses;
+      const auto want = summed_gradients(dev(), c, DType::bf16, true, false, mbs, &losses);
+      const auto got = summed_gradients(dev(), c, DType::bf16, true, true, mbs, &losses);
+      INFO((recipe == Fp8Recipe::delayed ? "delayed" : "tensorwise") << ", recompute " << recompute);
+      CHECK(losses.back() == losses.front());
+      REQUIRE(got.size() == want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        INFO("parameter " << i);
+        CHECK(got[i] == want[i]);
+      }
+    }
+}

@@ -741,6 +741,21 @@ megatrain_parallel_train_test(parallel_train_fsdp_dp3_bf16_main_grads --bf16-red
 megatrain_parallel_train_test(parallel_train_fsdp_fp8_tensorwise_dp2 --fp8
   --model "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 1 --no-bias-gelu-fusion --calculate-per-token-loss"
   2 ${fsdp} optim_grads_params)
+# Sharded FP8 parameters (ZeRO-3 with --fp8-param-gather; float32 main gradients, see the DeepSeek
+# proxy above): the update casts each rank's FP8 shard, a layer's FP8 weights are all-gathered as FP8
+# bytes before its forward and its backward and transposed in its slot. Delayed scaling at DP 2, and
+# with full recompute of all four layers as one group (a layer evicted from its slot is gathered and
+# transposed again for its backward); tensorwise at DP 3; resumed onto the distributed optimizer's
+# layout at DP 3 (the saved scales recast the same bits).
+set(fp8_zero3 "${fsdp} optim_grads_params --megatron-fsdp-main-grads-dtype fp32")
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_zero3_dp2 --fp8 --model "${fp8_param_gather_model}" 2
+                              ${fp8_zero3})
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_zero3_recompute_dp2 --fp8 --model "${fp8_param_gather_model}"
+  2 ${fp8_zero3} --recompute-granularity full --recompute-method uniform --recompute-num-layers 4)
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_tensorwise_zero3_dp3 --fp8
+  --model "${fp8_param_gather_tensorwise_model}" 3 ${fp8_zero3})
+megatrain_parallel_train_test(parallel_train_resume_fsdp_fp8_params_zero3_dp2_to_distopt_dp3 --fp8
+  --model "${fp8_param_gather_model}" --resume 2 "${fp8_zero3}" 3 -)
 # Sharded parameters (optim_grads_params: each layer's all-gathered from the shards before its
 # forward and backward) with full recompute of all four layers as one group (a layer evicted from
 # its slot by the group's later ones is gathered again for its backward), in bf16 main gradients, and
