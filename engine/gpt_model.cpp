@@ -181,10 +181,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
            "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
            "no FP8 parameters");
   MT_CHECK(!opt_.shard_grads || opt_.shard_optimizer_state, "sharded gradients need the distributed optimizer");
-  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders &&
-                                   (!opt_.fp8.param_gather || (d_.experts == 0 && !d_.mla))),
-           "sharded parameters need sharded gradients, no master-weight remainders and no FP8 parameters of MoE "
-           "or multi-latent attention models");
+  MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
+           "sharded parameters need sharded gradients and no master-weight remainders");
   if (opt_.recompute.group_of.size() != static_cast<size_t>(d_.stage_layers()))
     opt_.recompute.group_of.assign(static_cast<size_t>(d_.stage_layers()), -1);
   norm_.kind = d_.norm;
@@ -522,20 +520,30 @@ void GptModel::layout(Arena& a) {
     // Sharded FP8 parameters (ZeRO-3): a decoder layer's transposed copies live in the slot of its
     // gathered parameters' parity, made when it is gathered (gather_unit).
     const bool slotted = opt_.shard_params && fp8_params();
+    const auto cached = [&](int l, int g) {
+      if (g >= Fp8State::fc1 && d_.is_moe(d_.layer_begin + l)) return false;  // (its experts: fp8_ex_)
+      if (g < Fp8State::fc1 && d_.mla) return false;                           // (MLA's: fp8_extra_)
+      return fp8_.layer_fp8(l);
+    };
+    int64_t slot_numel = 0;  // the most any decoder layer's transposed copies take
+    for (int l = 0; slotted && l < d_.decoder_layers(); ++l) {
+      int64_t n = 0;
+      for (int g = 0; g < Fp8State::kGemms; ++g) n += cached(l, g) ? nk[g][0] * nk[g][1] : 0;
+      slot_numel = std::max(slot_numel, n);
+    }
     Tensor wt_slots[2];
-    int64_t wt_at[Fp8State::kGemms + 1] = {0};
-    for (int g = 0; g < Fp8State::kGemms; ++g) wt_at[g + 1] = wt_at[g] + nk[g][0] * nk[g][1];
+    for (Tensor& t : wt_slots)
+      if (slot_numel > 0) t = a.take(C::parameters, e4, {slot_numel});
     for (int l = 0; l < d_.stage_layers(); ++l) {
-      if (!fp8_.layer_fp8(l)) continue;
       const bool in_slot = slotted && l < d_.decoder_layers();
-      if (in_slot && wt_slots[l % 2].empty()) wt_slots[l % 2] = a.take(C::parameters, e4, {wt_at[Fp8State::kGemms]});
+      int64_t at = 0;  // (in its slot)
       for (int g = 0; g < Fp8State::kGemms; ++g) {
-        if (g >= Fp8State::fc1 && d_.is_moe(d_.layer_begin + l)) continue;  // (its experts: fp8_ex_)
-        if (g < Fp8State::fc1 && d_.mla) continue;                           // (MLA's: fp8_extra_)
+        if (!cached(l, g)) continue;
         // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
         if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
-        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % 2].flat_slice(wt_at[g], nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
+        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % 2].flat_slice(at, nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
                                    : a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
+        if (in_slot) at += nk[g][0] * nk[g][1];
       }
     }
     if (fp8_params() && opt_.fp8.recipe == Fp8Recipe::delayed) {

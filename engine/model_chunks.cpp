@@ -72,10 +72,6 @@ std::optional<std::string> unsharded_params_reason(const Config& cfg) {
   if (fsdp_strategy(cfg.parallel) != "optim_grads_params") return std::nullopt;
   const std::optional<std::string> grads = unsharded_gradients_reason(cfg);
   if (grads && !grads->empty()) return grads;
-  if (cfg.train.fp8_param_gather && cfg.model.moe.enabled())
-    return std::string("FP8 parameters (--fp8-param-gather) of an MoE model");
-  if (cfg.train.fp8_param_gather && cfg.model.multi_latent_attention)
-    return std::string("FP8 parameters (--fp8-param-gather) with multi-latent attention");
   if (cfg.train.use_precision_aware_optimizer && cfg.train.precision == Precision::bf16)
     return std::string("--use-precision-aware-optimizer (master weights kept as remainders of the parameters)");
   if (cfg.train.check_weight_hash_across_dp_replicas_interval) return std::string("the replica weight check");

@@ -43,9 +43,8 @@ DType precision_dtype(const Config& cfg);
 // would keep the distributed optimizer's layout. nullopt: not asked for.
 std::optional<std::string> unsharded_gradients_reason(const Config& cfg);
 // The same for parameter sharding (ModelOptions::shard_params; optim_grads_params and
-// --use-torch-fsdp2): besides the gradients' reasons, FP8 parameters (--fp8-param-gather) of MoE
-// and multi-latent attention models, --use-precision-aware-optimizer's master-weight remainders,
-// the replica weight check and --test-mode.
+// --use-torch-fsdp2): besides the gradients' reasons, --use-precision-aware-optimizer's
+// master-weight remainders, the replica weight check and --test-mode.
 std::optional<std::string> unsharded_params_reason(const Config& cfg);
 
 std::vector<std::unique_ptr<GptModel>> build_model_chunks(const Config& cfg, ParallelState& ps, Backend& backend,

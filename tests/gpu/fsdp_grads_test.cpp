@@ -103,11 +103,22 @@ TEST_CASE("cuda sharded gradients and parameters: every parameter's gradient ove
 // their FP8 weights sharded too (each layer's all-gathered as FP8 bytes and transposed in its slot),
 // the same FP8 GEMMs run on the same bytes, so the losses and every gradient are the same bits as
 // with the FP8 weights whole; also with full recompute of all three layers as one group (a layer
-// evicted from its slot is gathered and transposed again for its backward).
+// evicted from its slot is gathered and transposed again for its backward), and with MoE layers
+// (layers 0 and 2: 4 experts of FFN 48, top-2, a shared expert of 32; their FP8 weights transposed
+// at each use).
 TEST_CASE("cuda sharded FP8 parameters: the same losses and gradients as whole FP8 parameters", "[gpu][fsdp][fp8][model]") {
   for (const Fp8Recipe recipe : {Fp8Recipe::delayed, Fp8Recipe::tensorwise})
-    for (const bool recompute : {false, true}) {
+    for (const int variant : {0, 1, 2}) {
+      const bool recompute = variant == 1, moe = variant == 2;
       Config c = small_llama_config(3, 16, 2);
+      if (moe) {
+        c.model.moe.num_experts = 4;
+        c.model.moe.router_topk = 2;
+        c.model.moe.ffn_hidden_size = 48;
+        c.model.moe.moe_layer = {1, 0, 1};
+        c.model.moe.aux_loss_coeff = {0.01};
+        c.model.moe.shared_expert_intermediate_size = 32;
+      }
       c.train.fp8_format = Fp8Format::hybrid;
       c.train.fp8_recipe = recipe;
       c.train.fp8_param_gather = true;
@@ -123,7 +134,7 @@ TEST_CASE("cuda sharded FP8 parameters: the same losses and gradients as whole F
       std::vector<double> losses;
       const auto want = summed_gradients(dev(), c, DType::bf16, true, false, mbs, &losses);
       const auto got = summed_gradients(dev(), c, DType::bf16, true, true, mbs, &losses);
-      INFO((recipe == Fp8Recipe::delayed ? "delayed" : "tensorwise") << ", recompute " << recompute);
+      INFO((recipe == Fp8Recipe::delayed ? "delayed" : "tensorwise") << ", recompute " << recompute << ", MoE " << moe);
       CHECK(losses.back() == losses.front());
       REQUIRE(got.size() == want.size());
       for (size_t i = 0; i < want.size(); ++i) {

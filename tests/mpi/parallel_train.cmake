@@ -667,9 +667,9 @@ megatrain_parallel_train_test(parallel_train_fp8_params_mla_pp2_dp2 --fp8
 megatrain_parallel_train_test(parallel_train_fp8_params_mtp_tp2_sp --fp8 --model "${mtp_model} ${fp8_delayed} ${fp8_params}"
                               2 --tensor-model-parallel-size 2 --sequence-parallel)
 # NVIDIA's DeepSeek-proxy Megatron-FSDP configuration, small: float32 parameters (FP8 without --bf16),
-# e4m3 tensorwise with FP8 parameters, ZeRO-3 (its FP8 parameters stay whole: their gradients are
-# sharded), MLA, a dense first layer, sigmoid group-limited routing with the expert bias, seq_aux_loss,
-# a shared expert; DP 2 equals one rank with float32 main gradients (Megatron-FSDP's auto picks bf16
+# e4m3 tensorwise with FP8 parameters, ZeRO-3 (the FP8 weights sharded too, MLA's projections' and
+# the experts' transposed at each use), MLA, a dense first layer, sigmoid group-limited routing with
+# the expert bias, seq_aux_loss, a shared expert; DP 2 equals one rank with float32 main gradients (Megatron-FSDP's auto picks bf16
 # with FP8 parameters, whose DP sums round differently).
 megatrain_parallel_train_test(parallel_train_fp8_params_deepseek_proxy_fsdp_dp2 --fp8 --model "${mla_model} \
 --num-experts 8 --moe-layer-freq '([0]*1+[1]*3)' --moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 \
@@ -756,6 +756,13 @@ megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_tensorwise_zero3_dp
   --model "${fp8_param_gather_tensorwise_model}" 3 ${fp8_zero3})
 megatrain_parallel_train_test(parallel_train_resume_fsdp_fp8_params_zero3_dp2_to_distopt_dp3 --fp8
   --model "${fp8_param_gather_model}" --resume 2 "${fp8_zero3}" 3 -)
+# ... of an MoE model (the experts' FP8 weights their layer's unit's: over the expert-data-parallel
+# group under EP, each expert's block with its own scale, transposed at each use) at EP 2 x DP 2 and
+# DP 3.
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_moe_ep2_dp2_zero3 --fp8 --model "${fp8_moe_model} ${fp8_params}"
+                              4 ${fp8_zero3} --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_fp8_params_moe_dp3_zero3 --fp8 --model "${fp8_moe_model} ${fp8_params}"
+                              3 ${fp8_zero3})
 # Sharded parameters (optim_grads_params: each layer's all-gathered from the shards before its
 # forward and backward) with full recompute of all four layers as one group (a layer evicted from
 # its slot by the group's later ones is gathered again for its backward), in bf16 main gradients, and
