@@ -16,7 +16,10 @@
 # distributed optimizer's fully reshardable layout), EXPORT_TP and EXPORT_PP (torch_dist: the layout
 # export-megatron writes for, default TP and PP; Megatron-LM reshards it to TP x PP on load), PYTHON
 # (default python3), WEIGHTS_ONLY=1 (export-megatron --weights-only: both sides fine-tune from the
-# weights, as for a model whose optimizer state does not go over).
+# weights, as for a model whose optimizer state does not go over), RESAVE=1 (torch_dist: Megatron-LM
+# also loads the export and saves it again without training (its scheduler the checkpoint's), and
+# bench/dcp_compare.py compares its save with the export item by item: what Megatron-LM holds after
+# loading is what was written).
 #
 # For each case megatrain trains 10 + ITERS iterations in float32 on --mock-data on one GPU, saving
 # after 10; export-megatron writes iteration 10 as a Megatron-LM checkpoint (the torch format unless FORMAT says otherwise) in the
@@ -122,6 +125,15 @@ for c in "${CASES[@]}"; do
       > "$d/megatrain_finetune.log" 2>&1 || { echo "megatrain failed, see $d/megatrain_finetune.log"; exit 1; }
     "$PY" "$HERE/compare_losses.py" "$d/megatrain_finetune.log" "$d/megatron_weights.log" | tee "$d/compare.txt"
     continue
+  fi
+  if [ "${RESAVE:-0}" = 1 ] && [ "$FORMAT" = torch_dist ]; then
+    echo "== $c: Megatron-LM loads the export and saves it again (no training); the two compared"
+    megatron "$d/megatron_resave.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters 10 \
+      --use-checkpoint-opt_param-scheduler --load "$d/exported" --ckpt-format "$FORMAT" --save "$d/resaved" \
+      --save-interval 3
+    # (Megatron-LM's saved objects unpickle with its modules on the path.)
+    PYTHONPATH="$MEGATRON${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/dcp_compare.py" "$d/exported/iter_0000010" \
+      "$d/resaved/iter_0000010" 2>&1 | tail -40 | tee "$d/resave_compare.txt" || true
   fi
   echo "== $c: Megatron-LM resumes it to iteration $TOTAL (TP $TP, PP $PP, DP $DP)"
   megatron "$d/megatron_resumed.log" "${common[@]}" "${model[@]}" "${par[@]}" "${rng[@]}" --train-iters "$TOTAL" \
