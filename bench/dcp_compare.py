@@ -7,7 +7,7 @@ Each directory is one iteration's torch_dist checkpoint (iter_XXXXXXX). Both are
 torch.distributed.checkpoint.format_utils.dcp_to_torch_save and walked as nested dicts and lists:
 prints the items only one of them holds, every tensor that differs (shape, dtype or any value, with
 the largest difference) and every other value that differs, leaving out Megatron-LM's saved
-arguments (args/...) and RNG states, which name paths and runs. Exit status 1 on any difference.
+arguments (common_state/.../args) and RNG states, which name paths and runs. Exit status 1 on any difference.
 """
 import os
 import sys
@@ -39,7 +39,7 @@ def main():
         sys.exit(__doc__)
     with tempfile.TemporaryDirectory() as scratch:
         a, b = load(sys.argv[1], scratch), load(sys.argv[2], scratch)
-    skip = lambda k: k.startswith("/args") or "rng_state" in k
+    skip = lambda k: k.endswith("/args") or "/args/" in k or "rng_state" in k
     only_a = sorted(k for k in set(a) - set(b) if not skip(k))
     only_b = sorted(k for k in set(b) - set(a) if not skip(k))
     for k in only_a:
