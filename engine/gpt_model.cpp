@@ -275,8 +275,8 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
 
 // The parameters, their places in the (DP-bucketed) flat buffers and the indices the hooks use.
 void GptModel::plan_params() {
-  MT_CHECK(opt_.shard_size >= 1 && opt_.shard_rank >= 0 && opt_.shard_rank < opt_.shard_size, "dp {} of {}", opt_.shard_rank,
-           opt_.shard_size);
+  MT_CHECK(opt_.shard_size >= 1 && opt_.shard_rank >= 0 && opt_.shard_rank < opt_.shard_size,
+           "optimizer shard rank {} of {}", opt_.shard_rank, opt_.shard_size);
   descs_ = build_param_descs(d_, &total_elements_);
   // --fp8-param-gather: the linear weights of FP8 layers are stored as FP8 only.
   plan_fp8_states();
