@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <type_traits>
 
 #include "app/checkpoint_args.h"
 #include "app/hf_commands.h"
@@ -23,46 +24,25 @@ using nlohmann::json;
 
 ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divisible_by) {
   ModelConfig m;
-  m.num_layers = s.num_layers;
-  m.hidden_size = s.hidden_size;
-  m.num_attention_heads = s.num_attention_heads;
+  for_each_hf_model_setting([&](auto ours, auto theirs) {
+    m.*theirs = static_cast<std::remove_reference_t<decltype(m.*theirs)>>(s.*ours);
+  });
   m.ffn_hidden_size = s.ffn_hidden_size;
   if (s.head_dim * s.num_attention_heads != s.hidden_size) m.kv_channels = s.head_dim;
   m.group_query_attention = s.num_query_groups != s.num_attention_heads;
   m.num_query_groups = m.group_query_attention ? s.num_query_groups : 1;
-  m.max_position_embeddings = s.max_position_embeddings;
   m.position_embedding_type = s.learned_position_embeddings ? PositionEmbedding::learned_absolute : PositionEmbedding::rope;
-  m.rotary_base = static_cast<int>(s.rotary_base);
-  m.rotary_percent = s.rotary_percent;
-  m.rotary_interleaved = s.rotary_interleaved;
-  m.use_rope_scaling = s.use_rope_scaling;
-  m.rope_scaling_factor = s.rope_scaling_factor;
   m.normalization = s.layernorm ? Normalization::layernorm : Normalization::rmsnorm;
-  m.norm_epsilon = s.norm_epsilon;
-  m.apply_layernorm_1p = s.apply_layernorm_1p;
-  m.swiglu = s.swiglu;
-  m.squared_relu = s.squared_relu;
   m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
   // Exact GeLU; and squared ReLU with biases, which Megatron's bias-activation fusion refuses.
   m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !(s.squared_relu && s.add_bias_linear);
-  m.add_bias_linear = s.add_bias_linear;
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
-  m.qk_layernorm = s.qk_layernorm;
   if (s.sliding_window) {
     m.window_size = std::make_pair(*s.sliding_window - 1, 0);
     m.window_attn_pattern = s.window_layers;
   }
-  m.untie_embeddings_and_output_weights = s.untie_embeddings_and_output_weights;
   m.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
   m.seq_length = s.max_position_embeddings;
-  m.attention_dropout = s.attention_dropout;
-  m.hidden_dropout = s.hidden_dropout;
-  m.init_method_std = s.init_method_std;
-  m.ffn_size = s.ffn_hidden_size;
-  m.head_dim = s.head_dim;
-  m.query_groups = s.num_query_groups;
-  m.vocab_size = s.vocab_size;
-  m.padded_vocab_size = s.padded_vocab_size;
   if (s.arch == HfArchitecture::qwen3_next) {  // Gated DeltaNet layers beside gated softmax attention
     m.attention_output_gate = true;
     m.gated_delta_net = true;

@@ -59,34 +59,15 @@ HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
 HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture arch) {
   HfModelSpec s;
   s.arch = arch;
-  s.num_layers = m.num_layers;
-  s.hidden_size = m.hidden_size;
-  s.num_attention_heads = m.num_attention_heads;
-  s.num_query_groups = m.query_groups;
-  s.head_dim = m.head_dim;
-  s.ffn_hidden_size = m.ffn_size;
-  s.vocab_size = m.vocab_size;
-  s.padded_vocab_size = m.padded_vocab_size;
-  s.max_position_embeddings = m.max_position_embeddings;
+  for_each_hf_model_setting([&](auto ours, auto theirs) { s.*ours = m.*theirs; });
   s.learned_position_embeddings = m.position_embedding_type == PositionEmbedding::learned_absolute;
   s.layernorm = m.normalization == Normalization::layernorm;
-  s.add_bias_linear = m.add_bias_linear;
   s.add_qkv_bias = m.add_qkv_bias;
-  s.swiglu = m.swiglu;
-  s.squared_relu = m.squared_relu;
   s.gated_unit_variant = m.glu_variant();
   s.attention_sinks = m.softmax_type != SoftmaxType::vanilla;
-  s.qk_layernorm = m.qk_layernorm;
   s.qk_l2_norm = m.qk_l2_norm;
   s.nope_layers = std::find(m.nope_layer.begin(), m.nope_layer.end(), 1) != m.nope_layer.end();
   s.attention_output_gate = m.attention_output_gate;
-  s.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
-  s.apply_layernorm_1p = m.apply_layernorm_1p;
-  s.rotary_interleaved = m.rotary_interleaved;
-  s.rotary_percent = m.rotary_percent;
-  s.rotary_base = m.rotary_base;
-  s.use_rope_scaling = m.use_rope_scaling;
-  s.rope_scaling_factor = m.rope_scaling_factor;
   std::vector<int> windows;  // per layer: the window's LEFT, or -1
   for (int layer = 0; layer < m.num_layers; ++layer) windows.push_back(attention_window_left(m, layer));
   if (std::any_of(windows.begin(), windows.end(), [](int w) { return w >= 0; })) {
@@ -108,10 +89,6 @@ HfModelSpec HfModelSpec::from_model_config(const ModelConfig& m, HfArchitecture 
     s.gdn_dv = m.linear_value_head_dim;
     s.gdn_conv = m.linear_conv_kernel_dim;
   }
-  s.norm_epsilon = m.norm_epsilon;
-  s.init_method_std = m.init_method_std;
-  s.hidden_dropout = m.hidden_dropout;
-  s.attention_dropout = m.attention_dropout;
   // The engine computes the tanh approximation (--openai-gelu, or Megatron's fused bias-GeLU, the
   // default with biases) or exact erf GeLU (core/config.h gelu_is_tanh); HF calls those "gelu_new"
   // and "gelu".

@@ -142,6 +142,37 @@ struct HfModelSpec {
   void validate() const;
 };
 
+// The settings an HfModelSpec and megatrain's ModelConfig hold one to one: f(&HfModelSpec::x,
+// &ModelConfig::y) for each. Both directions read this list (HfModelSpec::from_model_config, and
+// import-hf's model_config_from_hf); what an architecture maps otherwise is written beside it.
+template <typename F>
+void for_each_hf_model_setting(F&& f) {
+  f(&HfModelSpec::num_layers, &ModelConfig::num_layers);
+  f(&HfModelSpec::hidden_size, &ModelConfig::hidden_size);
+  f(&HfModelSpec::num_attention_heads, &ModelConfig::num_attention_heads);
+  f(&HfModelSpec::num_query_groups, &ModelConfig::query_groups);
+  f(&HfModelSpec::head_dim, &ModelConfig::head_dim);
+  f(&HfModelSpec::ffn_hidden_size, &ModelConfig::ffn_size);
+  f(&HfModelSpec::vocab_size, &ModelConfig::vocab_size);
+  f(&HfModelSpec::padded_vocab_size, &ModelConfig::padded_vocab_size);
+  f(&HfModelSpec::max_position_embeddings, &ModelConfig::max_position_embeddings);
+  f(&HfModelSpec::add_bias_linear, &ModelConfig::add_bias_linear);
+  f(&HfModelSpec::swiglu, &ModelConfig::swiglu);
+  f(&HfModelSpec::squared_relu, &ModelConfig::squared_relu);
+  f(&HfModelSpec::qk_layernorm, &ModelConfig::qk_layernorm);
+  f(&HfModelSpec::untie_embeddings_and_output_weights, &ModelConfig::untie_embeddings_and_output_weights);
+  f(&HfModelSpec::apply_layernorm_1p, &ModelConfig::apply_layernorm_1p);
+  f(&HfModelSpec::rotary_interleaved, &ModelConfig::rotary_interleaved);
+  f(&HfModelSpec::rotary_percent, &ModelConfig::rotary_percent);
+  f(&HfModelSpec::rotary_base, &ModelConfig::rotary_base);
+  f(&HfModelSpec::use_rope_scaling, &ModelConfig::use_rope_scaling);
+  f(&HfModelSpec::rope_scaling_factor, &ModelConfig::rope_scaling_factor);
+  f(&HfModelSpec::norm_epsilon, &ModelConfig::norm_epsilon);
+  f(&HfModelSpec::init_method_std, &ModelConfig::init_method_std);
+  f(&HfModelSpec::hidden_dropout, &ModelConfig::hidden_dropout);
+  f(&HfModelSpec::attention_dropout, &ModelConfig::attention_dropout);
+}
+
 // How one of our tensors becomes HF tensors (and back).
 enum class HfTransform {
   copy,           // same layout
