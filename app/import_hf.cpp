@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -197,9 +198,23 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& save_dir,
   }
   HfImportResult r;
   r.spec = hf_spec_from_config(config, divisible_by, tp);
+  HfTensors hf(hf_dir);
+  // DeepSeek-V3's multi-token prediction depths (model.layers.{L + j}): a model transformers saved
+  // has none (it builds no MTP layers, whatever num_nextn_predict_layers says): import it without
+  // them, as transformers runs it. Some of a depth's tensors but not all stays an error (below).
+  if (r.spec.arch == HfArchitecture::deepseek_v3 && r.spec.mtp_layers > 0) {
+    const std::string first = fmt::format("model.layers.{}.", r.spec.num_layers);
+    const bool any = std::any_of(hf.unused().begin(), hf.unused().end(),
+                                 [&](const std::string& n) { return n.rfind(first, 0) == 0; });
+    if (!any) {
+      log::warn0("import-hf: config.json asks for {} multi-token prediction depth(s) (num_nextn_predict_layers) but the "
+                 "checkpoint holds no {}* tensors: imported without them, as transformers runs the model",
+                 r.spec.mtp_layers, first);
+      r.spec.mtp_layers = 0;
+    }
+  }
   r.model = model_config_from_hf(r.spec, divisible_by);
 
-  HfTensors hf(hf_dir);
   CheckpointWriter writer(save_dir, 0, 0, 1, /*release=*/true);
   std::vector<HostArray> held;  // the writer reads them at save()
   const std::vector<HfTensorMapping> mappings = hf_tensor_mappings(r.spec);

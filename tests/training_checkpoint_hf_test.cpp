@@ -384,3 +384,26 @@ TEST_CASE("export-hf refuses what Hugging Face cannot express, naming the flag",
   CHECK(run_command(std::string(MEGATRAIN_BINARY) + " export-hf --load " + qkv3 + " --output " + (dir / "hf7"), &out) != 0);
   CHECK(out.find("cannot express this model as Qwen3ForCausalLM: --add-qkv-bias alone") != std::string::npos);
 }
+
+TEST_CASE("import-hf: a DeepSeek-V3 config asking for MTP depths its checkpoint lacks imports without them",
+          "[ckpt-train][hf]") {
+  // transformers builds no MTP layers, so a model it saved has none of model.layers.{L}.* whatever
+  // num_nextn_predict_layers says (its DeepseekV3Config defaults to 1).
+  TempDir dir;
+  std::string model = kDeepseek;
+  const std::string mtp = " --mtp-num-layers 1";
+  model.erase(model.find(mtp), mtp.size());
+  const std::string ckpt = trained_checkpoint(dir, model), hf = dir / "hf", back = dir / "back";
+  megatrain_ok("export-hf --load " + ckpt + " --output " + hf);
+  nlohmann::json config = nlohmann::json::parse(read_bytes(hf + "/config.json"));
+  REQUIRE(config.at("num_nextn_predict_layers") == 0);
+  config["num_nextn_predict_layers"] = 1;
+  mt::write_file_atomically(hf + "/config.json", config.dump(2));
+  const std::string out = megatrain_ok("import-hf --hf-dir " + hf + " --save " + back);
+  CHECK(out.find("asks for 1 multi-token prediction depth(s) (num_nextn_predict_layers) but the checkpoint holds no "
+                 "model.layers.2.* tensors: imported without them") != std::string::npos);
+  CHECK(out.find("--mtp-num-layers") == std::string::npos);  // (the printed flags build no MTP depth)
+  megatrain_ok("forward-logits --load " + ckpt + " --tokens " + kTokens + " --output " + (dir / "a.npy"));
+  megatrain_ok("forward-logits --load " + back + " --tokens " + kTokens + " --output " + (dir / "b.npy"));
+  CHECK(read_bytes(dir / "a.npy") == read_bytes(dir / "b.npy"));
+}
