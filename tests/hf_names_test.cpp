@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <type_traits>
 
 #include "app/hf_commands.h"
 #include "checkpoint/hf_names.h"
@@ -920,4 +921,25 @@ TEST_CASE("Qwen3-Next's row orders: q_proj per head [q | gate], in_proj_qkvz / i
   s.attention_output_gate = true;
   s.apply_layernorm_1p = false;
   CHECK_THROWS_AS(s.validate(), Unsupported);
+}
+
+TEST_CASE("the settings a Hugging Face spec and ModelConfig share go both ways", "[checkpoint][hf]") {
+  // Every setting for_each_hf_model_setting lists, set to a value of its own (not its default),
+  // comes back the same through HfModelSpec::from_model_config and model_config_from_hf.
+  ModelConfig m;
+  double next = 2;
+  int listed = 0;
+  for_each_hf_model_setting([&](auto, auto field) {
+    using T = std::remove_reference_t<decltype(m.*field)>;
+    if constexpr (std::is_same_v<T, bool>) m.*field = !(m.*field);
+    else if constexpr (std::is_integral_v<T>) m.*field = static_cast<T>(next * 8);
+    else m.*field = static_cast<T>(next / 64);
+    next += 1;
+    ++listed;
+  });
+  CHECK(listed >= 20);
+  const HfModelSpec s = HfModelSpec::from_model_config(m, HfArchitecture::llama);
+  for_each_hf_model_setting([&](auto ours, auto theirs) { CHECK(s.*ours == m.*theirs); });
+  const ModelConfig back = model_config_from_hf(s, 128);
+  for_each_hf_model_setting([&](auto, auto field) { CHECK(back.*field == m.*field); });
 }
