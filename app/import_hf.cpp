@@ -36,7 +36,8 @@ ModelConfig model_config_from_hf(const HfModelSpec& s, int make_vocab_size_divis
   m.normalization = s.layernorm ? Normalization::layernorm : Normalization::rmsnorm;
   m.openai_gelu = s.arch == HfArchitecture::gpt2 && s.gelu_activation != "gelu";
   // Exact GeLU; and squared ReLU with biases, which Megatron's bias-activation fusion refuses.
-  m.bias_gelu_fusion = !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !(s.squared_relu && s.add_bias_linear);
+  m.bias_gelu_fusion =
+      !(s.arch == HfArchitecture::gpt2 && s.gelu_activation == "gelu") && !(s.squared_relu && s.add_bias_linear);
   m.add_qkv_bias = s.add_bias_linear || s.add_qkv_bias;
   if (s.sliding_window) {
     m.window_size = std::make_pair(*s.sliding_window - 1, 0);
