@@ -79,15 +79,12 @@ ParallelState build_parallel_state(const Config& cfg, std::unique_ptr<Communicat
   }
   // Expert parallelism: the experts' grid (its TP size dividing TP, its CP 1, its pipeline groups
   // the attention's: checked by the parser, so that an EP group lies in one pipeline stage).
-  const int etp = cfg.parallel.expert_tensor_parallel_size.value_or(grid.tp);
-  if (cfg.model.moe.enabled() && (cfg.parallel.expert_model_parallel_size > 1 || etp != grid.tp)) {
+  // (The position's experts' coordinates are RankPosition::of's.)
+  if (experts_own_grid(cfg)) {
     const RankGrid eg = RankGrid::experts_from_config(cfg);
     MT_CHECK(grid.tp % eg.tp == 0 && (grid.pp == 1 || rank_groups(grid, "pp") == rank_groups(eg, "pp")),
              "expert parallelism needs an expert TP size dividing TP and the attention's pipeline groups");
     const RankCoord ec = rank_coord(eg, rank);
-    MT_CHECK(s.etp_size == eg.tp && s.ep_size == eg.ep && s.edp_size == eg.dp && s.etp_rank == ec.tp &&
-                 s.ep_rank == ec.ep && s.edp_rank == ec.dp,
-             "rank {}: its position disagrees with the experts' grid", rank);
     // (With the dense TP size the experts' EP x expert-DP ranks fold the dense CP x DP ones.)
     MT_CHECK(ec.pp == c.pp && (eg.tp != grid.tp || (ec.tp == c.tp && c.cp + grid.cp * c.dp == ec.ep + eg.ep * ec.dp)),
              "the experts' grid coordinates of rank {} (etp {}, ep {}, edp {}, pp {}) disagree with its dense ones (tp "

@@ -8,15 +8,14 @@
 
 namespace mt {
 
-namespace {
-
-// Whether the experts have a grid of their own: MoE with EP > 1 or an expert TP size other than TP.
 bool experts_own_grid(const Config& cfg) {
   const ParallelConfig& p = cfg.parallel;
   return cfg.model.moe.enabled() && (p.expert_model_parallel_size > 1 ||
                                      p.expert_tensor_parallel_size.value_or(p.tensor_model_parallel_size) !=
                                          p.tensor_model_parallel_size);
 }
+
+namespace {
 
 // The experts' coordinates of a rank that shares the dense grid's: its TP, the replicas as its DP.
 void experts_on_dense_grid(RankPosition& r) {

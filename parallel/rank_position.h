@@ -9,6 +9,10 @@ namespace mt {
 
 struct Config;
 
+// Whether the run's experts have a grid of their own (Megatron's parallel folding): MoE with
+// --expert-model-parallel-size > 1 or an expert TP size other than TP.
+bool experts_own_grid(const Config& cfg);
+
 struct RankPosition {
   int world_size = 1, rank = 0;
   int tp_size = 1, tp_rank = 0;
