@@ -83,6 +83,8 @@ nlohmann::json plan_json(const Config& cfg, const Plan& plan, const std::vector<
                               {"router", ml.router_weight},
                               {"experts_fc1", ml.experts_fc1_weight},
                               {"experts_fc2", ml.experts_fc2_weight},
+                              {"router_bias", ml.router_bias},
+                              {"experts_bias", ml.experts_bias},
                               {"shared_expert_fc1", ml.shared_fc1_weight},
                               {"shared_expert_fc2", ml.shared_fc2_weight},
                               {"shared_expert_gate", ml.shared_gate_weight}};

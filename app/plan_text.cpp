@@ -149,8 +149,10 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
       << " experts in each of " << p.num_moe_layers << " MoE layers)\n";
     o << "  per dense layer: " << count(p.layer.total()) << " x " << dense << " layers; per MoE layer: "
       << count(ml.total()) << " x " << p.num_moe_layers << " layers; all layers: " << count(p.layers) << "\n";
-    o << "  per MoE layer: router " << count(ml.router_weight) << ", experts " << count(ml.experts_fc1_weight + ml.experts_fc2_weight)
-      << " (" << e.num_experts << " x " << count((ml.experts_fc1_weight + ml.experts_fc2_weight) / e.num_experts) << ")";
+    const int64_t experts = ml.experts_fc1_weight + ml.experts_fc2_weight + ml.experts_bias;
+    o << "  per MoE layer: router " << count(ml.router_weight + ml.router_bias) << ", experts " << count(experts) << " ("
+      << e.num_experts << " x " << count(experts / e.num_experts) << (ml.experts_bias > 0 ? ", biases included" : "")
+      << ")";
     if (ml.shared_fc1_weight > 0)
       o << ", shared expert " << count(ml.shared_fc1_weight + ml.shared_fc2_weight + ml.shared_gate_weight);
     o << "\n";

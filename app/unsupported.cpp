@@ -72,7 +72,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // after Megatron's rules (app/validate_moe.cpp), so that an invalid combination gets Megatron's
       // error first; the values with no Config representation at parse time.
       {"--num-experts", W::conditional, {}, "", false,
-       "with --fp4-format, or linear biases (without --disable-bias-linear) not supported yet"},
+       "with --fp4-format not supported yet"},
       {"--moe-router-load-balancing-type", W::values, {"quantile_balancing"},
        "built: aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none"},
       {"--moe-router-dtype", W::values, {"fp64"}, "the router computes in fp32", true},

@@ -196,6 +196,10 @@ void megatron_moe_rules(CliState& st) {
   if (c.model.add_bias_linear && etp != 1)
     fail("Bias in MoE is only supported when ETP==1 (--num-experts with linear biases needs "
          "--expert-tensor-parallel-size 1, or --disable-bias-linear)");
+  // Megatron's SharedExpertMLP asserts it at construction, whatever the implementation.
+  if (c.model.add_bias_linear && e.shared_expert_intermediate_size)
+    fail("bias is not supported in the shared experts (--moe-shared-expert-intermediate-size with linear biases), "
+         "please set '--disable-bias-linear' instead");
 }
 
 // What the engine does not build yet: one line each, all at once.
@@ -237,9 +241,6 @@ std::vector<std::string> not_built(const CliState& st) {
                               "the tensor-parallel size)", etp, tp));
   if (st.has("--fp4-format"))
     out.push_back("megatrain does not support --num-experts with --fp4-format yet (MoE layers run in FP8, bf16 or fp32)");
-  if (c.model.add_bias_linear)
-    out.push_back("megatrain does not support --num-experts with linear biases yet (MoE layers are built without "
-                  "biases: pass --disable-bias-linear)");
   if (e.load_balancing_type.size() > 1)
     for (MoeLoadBalancing t : e.load_balancing_type)
       if (t == MoeLoadBalancing::sinkhorn)

@@ -491,6 +491,20 @@ void CudaBackend::moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Ten
   MT_PROFILE_OP("moe_scale_rows_backward {}", x.shape_string());
   cuda::moe_scale_rows_backward(context(), dx, dp, dout, x, p);
 }
+
+void CudaBackend::grouped_bias_forward(Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) {
+  on_device("grouped_bias_forward", y, bias, p, offsets.device);
+  MT_PROFILE_OP("grouped_bias_forward {} ({} experts)", y.shape_string(), offsets.experts());
+  cuda::grouped_bias_forward(context(), y, bias, p, offsets);
+}
+
+void CudaBackend::grouped_bias_backward(Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p,
+                                        const ExpertOffsets& offsets, bool accumulate) {
+  on_device("grouped_bias_backward", dbias, dp, dy, bias, p, offsets.device);
+  MT_PROFILE_OP("grouped_bias_backward {} ({} experts){}", dy.shape_string(), offsets.experts(),
+                accumulate ? " +acc" : "");
+  cuda::grouped_bias_backward(context(), dbias, dp, dy, bias, p, offsets, accumulate);
+}
 void CudaBackend::moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g) {
   on_device("moe_swiglu_forward", out, in, p);
   MT_PROFILE_OP("moe_swiglu_forward {}", in.shape_string());

@@ -132,6 +132,9 @@ class CudaBackend final : public Backend {
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;
   void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) override;
+  void grouped_bias_forward(Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) override;
+  void grouped_bias_backward(Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p, const ExpertOffsets& offsets,
+                             bool accumulate) override;
   void moe_swiglu_forward(Tensor out, Tensor in, Tensor p, const Glu& g = {}) override;
   void moe_swiglu_backward(Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,
                            const Glu& g = {}) override;

@@ -229,6 +229,11 @@ void moe_gather_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor inde
 void moe_combine(const KernelContext& ctx, Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate);
 void moe_scale_rows(const KernelContext& ctx, Tensor out, Tensor x, Tensor p);
 void moe_scale_rows_backward(const KernelContext& ctx, Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p);
+// Backend::grouped_bias_forward / _backward: with the offsets on the device one launch, on the host
+// one launch per expert.
+void grouped_bias_forward(const KernelContext& ctx, Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets);
+void grouped_bias_backward(const KernelContext& ctx, Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p,
+                           const ExpertOffsets& offsets, bool accumulate);
 // Backend::moe_swiglu_forward / _backward fused (the composed ops' bits; dout is only read).
 void moe_swiglu_forward(const KernelContext& ctx, Tensor out, Tensor in, Tensor p, const Glu& q = {});
 void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tensor dp, Tensor dout, Tensor in, Tensor p,

@@ -758,6 +758,69 @@ __global__ void swiglu_scale_backward_kernel(T* din, T* act, float* dp, const T*
   });
 }
 
+
+// ---- the experts' linear biases ------------------------------------------------------------
+// Rows [0, rows) of a grouped op; a row's expert from the device offsets (binary search: the last
+// e with offsets[e] <= r; -1 past offsets[E]), or `fixed` (>= 0: every row is that expert's, the
+// launch covering only its rows under host offsets).
+__device__ __forceinline__ int bias_expert_of(const int32_t* offs, int E, int fixed, int64_t r) {
+  if (fixed >= 0) return fixed;
+  if (r >= offs[E]) return -1;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offs[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// y[r, :] += s_r * bias[e(r), :]: rows grid-strided over blocks, columns over the block's threads.
+template <typename T>
+__global__ void grouped_bias_forward_kernel(T* y, const T* bias, const float* p, const int32_t* offs, int E, int fixed,
+                                            int64_t rows, int64_t n) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int e = bias_expert_of(offs, E, fixed, r);
+    if (e < 0) continue;
+    const float s = p ? p[r] : 1.0f;
+    T* yr = y + r * n;
+    const T* b = bias + static_cast<int64_t>(e) * n;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) yr[c] = from_float<T>(to_float(yr[c]) + s * to_float(b[c]));
+  }
+}
+
+// dbias[e, c] (+)= sum over e's rows (ascending) of s_r * dy[r, c]: block (expert, column block),
+// a column per thread.
+template <typename T, typename G>
+__global__ void grouped_bias_grad_kernel(G* dbias, const T* dy, const float* p, const int32_t* offs, int fixed,
+                                         int64_t begin, int64_t end, int64_t n, bool accumulate) {
+  const int e = fixed >= 0 ? fixed : static_cast<int>(blockIdx.y);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const int64_t r0 = fixed >= 0 ? begin : offs[e], r1 = fixed >= 0 ? end : offs[e + 1];
+  float sum = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) sum += (p ? p[r] : 1.0f) * to_float(dy[r * n + c]);
+  G* d = dbias + static_cast<int64_t>(e) * n + c;
+  *d = from_float<G>(accumulate ? to_float(*d) + sum : sum);
+}
+
+// dp[r] += sum_c dy[r, c] * bias[e(r), c]: a warp per row.
+template <typename T>
+__global__ void grouped_bias_dp_kernel(float* dp, const T* dy, const T* bias, const int32_t* offs, int E, int fixed,
+                                       int64_t row0, int64_t rows, int64_t n) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32; i < rows;
+       i += static_cast<int64_t>(gridDim.x) * warps) {
+    const int64_t r = row0 + i;
+    const int e = bias_expert_of(offs, E, fixed, r);
+    if (e < 0) continue;
+    float dot = 0.0f;
+    for (int64_t c = lane; c < n; c += 32) dot += to_float(dy[r * n + c]) * to_float(bias[static_cast<int64_t>(e) * n + c]);
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(kFull, dot, o);
+    if (lane == 0) dp[r] += dot;
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------
 void check_i32(const Tensor& t, int64_t n, const char* op, const char* what) {
   MT_CHECK(t.dtype == DType::i32 && t.numel() == n, "{}: {} must be int32 with {} elements, got {} {}", op, what, n,
@@ -1140,6 +1203,95 @@ void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tenso
           din.ptr<T>(), act.ptr<T>(), dp.ptr<float>(), dout.ptr<const T>(), in.ptr<const T>(), p.ptr<const float>(), R,
           f, teams.tpr, q);
     });
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+// ---- the experts' linear biases (host side) ------------------------------------------------
+namespace {
+constexpr int kBiasThreads = 256;
+void check_grouped_bias(const char* op, const Tensor& y, const Tensor& bias, const Tensor& p, int64_t E) {
+  MT_CHECK(bias.dtype == y.dtype && bias.numel() == E * y.cols(), "{}: bias {} {} for {} experts of {} columns ({})",
+           op, dtype_name(bias.dtype), bias.shape_string(), E, y.cols(), dtype_name(y.dtype));
+  if (!p.empty()) check_f32(p, y.rows(), op, "p");
+}
+unsigned bias_row_blocks(const KernelContext& ctx, int64_t rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{ctx.num_sms} * 32)));
+}
+}  // namespace
+
+void grouped_bias_forward(const KernelContext& ctx, Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) {
+  const char* op = "grouped_bias_forward";
+  const int E = static_cast<int>(offsets.experts());
+  const int32_t* dev_offsets = offsets.on_host() ? nullptr : offsets.device.ptr<const int32_t>();
+  const std::span<const int64_t> host_offsets = offsets.host;
+  if (offsets.on_host())
+    MT_CHECK(host_offsets.front() == 0 && host_offsets.back() == y.rows(), "{}: offsets end at {} for {} rows", op,
+             host_offsets.back(), y.rows());
+  check_grouped_bias(op, y, bias, p, E);
+  const int64_t n = y.cols();
+  if (n == 0 || y.rows() == 0) return;
+  const float* pp = p.empty() ? nullptr : p.ptr<const float>();
+  MT_DISPATCH_FLOAT(y.dtype, T, op, {
+    if (dev_offsets) {
+      grouped_bias_forward_kernel<T><<<bias_row_blocks(ctx, y.rows()), kBiasThreads, 0, ctx.stream>>>(
+          y.ptr<T>(), bias.ptr<const T>(), pp, dev_offsets, E, -1, y.rows(), n);
+    } else {
+      for (int e = 0; e < E; ++e) {
+        const int64_t b = host_offsets[static_cast<size_t>(e)], rows = host_offsets[static_cast<size_t>(e) + 1] - b;
+        if (rows <= 0) continue;
+        grouped_bias_forward_kernel<T><<<bias_row_blocks(ctx, rows), kBiasThreads, 0, ctx.stream>>>(
+            y.ptr<T>() + b * n, bias.ptr<const T>(), pp ? pp + b : nullptr, nullptr, E, e, rows, n);
+      }
+    }
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void grouped_bias_backward(const KernelContext& ctx, Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p,
+                           const ExpertOffsets& offsets, bool accumulate) {
+  const char* op = "grouped_bias_backward";
+  const int64_t n = dy.cols();
+  const int E = static_cast<int>(offsets.experts());
+  const int32_t* dev_offsets = offsets.on_host() ? nullptr : offsets.device.ptr<const int32_t>();
+  const std::span<const int64_t> host_offsets = offsets.host;
+  if (offsets.on_host())
+    MT_CHECK(host_offsets.front() == 0 && host_offsets.back() == dy.rows(), "{}: offsets end at {} for {} rows", op,
+             host_offsets.back(), dy.rows());
+  check_grouped_bias(op, dy, bias, p, E);
+  MT_CHECK(dbias.numel() == E * n, "{}: dbias {} for {} experts of {} columns", op, dbias.shape_string(), E, n);
+  if (!dp.empty()) {
+    MT_CHECK(!p.empty(), "{}: dp without p", op);
+    check_f32(dp, dy.rows(), op, "dp");
+  }
+  if (n == 0 || E == 0) return;
+  const float* pp = p.empty() ? nullptr : p.ptr<const float>();
+  const auto col_blocks = static_cast<unsigned>((n + kBiasThreads - 1) / kBiasThreads);
+  MT_DISPATCH_FLOAT(dy.dtype, T, op, {
+    MT_DISPATCH_GRAD(dbias.dtype, G, "grouped_bias_backward: dbias", {
+      if (dev_offsets) {
+        grouped_bias_grad_kernel<T, G><<<dim3(col_blocks, static_cast<unsigned>(E)), kBiasThreads, 0, ctx.stream>>>(
+            dbias.ptr<G>(), dy.ptr<const T>(), pp, dev_offsets, -1, 0, 0, n, accumulate);
+      } else {
+        for (int e = 0; e < E; ++e)
+          grouped_bias_grad_kernel<T, G><<<col_blocks, kBiasThreads, 0, ctx.stream>>>(
+              dbias.ptr<G>(), dy.ptr<const T>(), pp, nullptr, e, host_offsets[static_cast<size_t>(e)],
+              host_offsets[static_cast<size_t>(e) + 1], n, accumulate);
+      }
+    });
+    if (!dp.empty() && dy.rows() > 0) {
+      if (dev_offsets) {
+        grouped_bias_dp_kernel<T><<<bias_row_blocks(ctx, dy.rows()), kBiasThreads, 0, ctx.stream>>>(
+            dp.ptr<float>(), dy.ptr<const T>(), bias.ptr<const T>(), dev_offsets, E, -1, 0, dy.rows(), n);
+      } else {
+        for (int e = 0; e < E; ++e) {
+          const int64_t b = host_offsets[static_cast<size_t>(e)], rows = host_offsets[static_cast<size_t>(e) + 1] - b;
+          if (rows > 0)
+            grouped_bias_dp_kernel<T><<<bias_row_blocks(ctx, rows), kBiasThreads, 0, ctx.stream>>>(
+                dp.ptr<float>(), dy.ptr<const T>(), bias.ptr<const T>(), nullptr, E, e, b, rows, n);
+        }
+      }
+    }
   });
   MT_CUDA_CHECK_LAUNCH();
 }

@@ -204,28 +204,28 @@ Tensor expert_weight(const Tensor& w, size_t experts, size_t e) {
   const int64_t per = w.rows() / static_cast<int64_t>(experts);
   return w.row_slice(static_cast<int64_t>(e) * per, per);
 }
-// The offsets on the host: as given, or the device's copied into `storage` (the stream waits).
-std::span<const int64_t> host_offsets(Backend& be, const ExpertOffsets& o, std::vector<int64_t>& storage) {
-  if (o.on_host()) return o.host;
-  std::vector<int32_t> v(static_cast<size_t>(o.device.numel()));
-  be.copy_to_host(v.data(), o.device);
-  storage.assign(v.begin(), v.end());
-  return storage;
-}
-// Checks the offsets against the operands' rows: exactly with host offsets, as a bound with the device's.
-std::span<const int64_t> checked_offsets(Backend& be, const ExpertOffsets& o, int64_t rows,
-                                         std::vector<int64_t>& storage) {
-  const std::span<const int64_t> offsets = host_offsets(be, o, storage);
+}  // namespace
+
+// The offsets on the host: as given, or the device's copied into `storage` (the stream waits);
+// checked against the operands' rows: exactly with host offsets, as a bound with the device's.
+std::span<const int64_t> expert_offsets_on_host(Backend& be, const ExpertOffsets& o, int64_t rows,
+                                                std::vector<int64_t>& storage) {
+  std::span<const int64_t> offsets = o.host;
+  if (!o.on_host()) {
+    std::vector<int32_t> v(static_cast<size_t>(o.device.numel()));
+    be.copy_to_host(v.data(), o.device);
+    storage.assign(v.begin(), v.end());
+    offsets = storage;
+  }
   MT_CHECK(offsets.size() >= 2 && offsets.front() == 0 &&
                (o.on_host() ? offsets.back() == rows : offsets.back() <= rows),
            "grouped linear: offsets end at {} for {} rows", offsets.empty() ? -1 : offsets.back(), rows);
   return offsets;
 }
-}  // namespace
 
 void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) {
   std::vector<int64_t> storage;
-  const std::span<const int64_t> offsets = checked_offsets(*this, o, x.rows(), storage);
+  const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, x.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
@@ -237,7 +237,7 @@ void Backend::grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertO
 
 void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& o) {
   std::vector<int64_t> storage;
-  const std::span<const int64_t> offsets = checked_offsets(*this, o, dy.rows(), storage);
+  const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, dy.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
@@ -250,7 +250,7 @@ void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, cons
 void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o,
                                              bool accumulate) {
   std::vector<int64_t> storage;
-  const std::span<const int64_t> offsets = checked_offsets(*this, o, dy.rows(), storage);
+  const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, dy.rows(), storage);
   const size_t E = offsets.size() - 1;
   for (size_t e = 0; e < E; ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];

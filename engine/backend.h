@@ -228,6 +228,12 @@ struct ExpertOffsets {
   int64_t experts() const { return (on_host() ? static_cast<int64_t>(host.size()) : device.numel()) - 1; }
 };
 
+class Backend;
+// The offsets on the host: as given, or the device's copied into `storage` (the stream waits);
+// checked against the operands' rows (exactly with host offsets, as a bound with the device's).
+std::span<const int64_t> expert_offsets_on_host(Backend& be, const ExpertOffsets& o, int64_t rows,
+                                                std::vector<int64_t>& storage);
+
 // One contiguous run of the flat parameter buffer with its optimizer group.
 struct OptimSegment {
   int64_t offset = 0;
@@ -616,6 +622,18 @@ class Backend {
   virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
   virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
                                               bool accumulate);
+
+  // The experts' linear biases (MoE layers with linear biases), rows as the grouped linear ops': y
+  // [R, n], bias [E, n] (expert e's bias its row e, y's dtype), p float32 [R] or empty (s_r = p[r],
+  // or 1 without p). forward: y[r, :] = y[r, :] + s_r * bias[e(r), :] (float math, rounded once):
+  // fc1's bias, and fc2's times the routing weight (Megatron's expert MLP adds output_bias *
+  // per_token_scale). backward: dbias [E, n] (+)= for each expert the sum over its rows of s_r *
+  // dy[r, :] (float sums, rows ascending; the reference: double), an expert without rows giving
+  // zero (accumulate: unchanged); with dp (float32 [R]): dp[r] += sum_c dy[r, c] * bias[e(r), c].
+  // With device offsets, rows past offsets[E] are left alone.
+  virtual void grouped_bias_forward(Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) = 0;
+  virtual void grouped_bias_backward(Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p,
+                                     const ExpertOffsets& offsets, bool accumulate) = 0;
 
   // ---- attention output gate (--attention-output-gate) ---------------------------------------
   // The QKV projection's output with the gate, per row and per query group g of s.groups:

@@ -851,6 +851,9 @@ void GptModel::bind_params() {
     find(p + "pre_mlp_layernorm.weight", P.ln2_w, Gr.ln2_w);
     find(p + "pre_mlp_layernorm.bias", P.ln2_b, Gr.ln2_b);
     find(p + "mlp.router.weight", P.router_w, Gr.router_w);
+    find(p + "mlp.router.bias", P.router_b, Gr.router_b);
+    find(p + "mlp.experts.linear_fc1.bias", P.ex_fc1_b, Gr.ex_fc1_b);
+    find(p + "mlp.experts.linear_fc2.bias", P.ex_fc2_b, Gr.ex_fc2_b);
     find(p + "mlp.experts.linear_fc1.weight", P.ex_fc1_w, Gr.ex_fc1_w);
     find(p + "mlp.experts.linear_fc2.weight", P.ex_fc2_w, Gr.ex_fc2_w);
     find(p + "mlp.shared_experts.linear_fc1.weight", P.sh_fc1_w, Gr.sh_fc1_w);

@@ -596,6 +596,10 @@ class GptModel {
   // indices from index0. Its weight: the router's, or its float32 copy (cast here).
   Tensor router_input(Tensor x, Tensor buffer, uint64_t jitter_key, int64_t index0);
   Tensor router_weight(const LayerParams& P);
+  Tensor router_bias(const LayerParams& P);  // (empty without linear biases)
+  void expert_bias_fwd(const LayerParams& P, int which, Tensor y, Tensor p_perm, const ExpertOffsets& offsets);
+  void expert_bias_bwd(const LayerParams& P, const LayerParams& G, int which, Tensor dp, Tensor dy, Tensor p_perm,
+                       const ExpertOffsets& offsets);
   struct MoeLossFactors {
     int64_t sequences = 1, rows = 0;  // the micro-batch's sequences, this rank's rows of each
     double aux = 0, seq = 0, global = 0, z = 0;

@@ -22,6 +22,9 @@ struct GptModel::LayerParams {
   // MoE layers (ln2: the pre-MLP norm): router [E, h], experts' fc1 [E * fc1, h] and fc2 [E * h, f]
   // (expert e's rows stacked), the shared expert's fc1, fc2 and gate [1, h].
   Tensor router_w, ex_fc1_w, ex_fc2_w, sh_fc1_w, sh_fc2_w, sh_gate_w;
+  // With linear biases: the router's [E] and the experts' fc1 [E * fc1] and fc2 [E * h] (expert e's
+  // bias its e-th block; this rank's experts under EP).
+  Tensor router_b, ex_fc1_b, ex_fc2_b;
   // Multi-latent attention (in place of qkv and the q/k norms; ln1: its input_layernorm): the query
   // down projection [q_lora, h] (with q_lora), the norm of its output (without q_lora: --qk-
   // layernorm's second norm of the input), the query up (or direct) projection, the key/value down
@@ -203,8 +206,9 @@ struct GptModel::Workspace {
   // with seq_aux_loss of the sequence at hand.
   Tensor moe_aux_counts;
   // A float32 router (ModelDims::moe_router_fp32) under a narrower compute dtype: its input [N, h]
-  // (in backward also its input gradient) and weight [E, h] cast to float32.
-  Tensor moe_x32, moe_w32;
+  // (in backward also its input gradient) and weight [E, h] cast to float32 (with linear biases
+  // its bias [E] too).
+  Tensor moe_x32, moe_w32, moe_b32;
   // --moe-input-jitter-eps under a router in the compute dtype: the router's jittered input [N, h]
   // (in backward also its input gradient). (A float32 router jitters moe_x32.)
   Tensor moe_xj;

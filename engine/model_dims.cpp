@@ -152,7 +152,10 @@ ModelDims ModelDims::from_config(const Config& cfg, const RankPosition& r,
     // What the MoE block does not run yet (app/ refuses these flags first, naming them).
     if (tp_size > 1 && !d.sequence_parallel)
       fail("--num-experts with --tensor-model-parallel-size {} needs --sequence-parallel (as in Megatron-LM)", tp_size);
-    if (m.add_bias_linear) throw Unsupported("--num-experts needs --disable-bias-linear (expert biases are not supported yet)");
+    if (m.add_bias_linear && (cfg.parallel.expert_tensor_parallel_size.value_or(tp_size) != 1 ||
+                              e.shared_expert_intermediate_size.value_or(0) > 0))
+      fail("MoE layers with linear biases need an expert tensor-parallel size of 1 and no shared expert (as in "
+           "Megatron-LM)");
     d.experts = e.num_experts;
     d.topk = e.router_topk;
     const int ep = cfg.parallel.expert_model_parallel_size;

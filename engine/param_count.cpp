@@ -11,18 +11,18 @@ namespace mt {
 int64_t LayerParamCounts::total() const {
   return input_norm + qkv_weight + qkv_bias + qk_norms + proj_weight + proj_bias + mlp_norm + fc1_weight +
          fc1_bias + fc2_weight + fc2_bias + router_weight + experts_fc1_weight + experts_fc2_weight +
-         shared_fc1_weight + shared_fc2_weight + shared_gate_weight + mla_down_weight + mla_norms + sinks;
+         router_bias + experts_bias + shared_fc1_weight + shared_fc2_weight + shared_gate_weight + mla_down_weight + mla_norms + sinks;
 }
 
 int64_t LayerParamCounts::per_tp_rank(int tp, int ep) const {
   const int64_t sharded = qkv_weight + qkv_bias + proj_weight + fc1_weight + fc1_bias + fc2_weight +
                           shared_fc1_weight + shared_fc2_weight + sinks;
   const int64_t experts = experts_fc1_weight + experts_fc2_weight;  // split over TP x EP
-  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + shared_gate_weight +
-                             mla_down_weight + mla_norms;
-  MT_CHECK(sharded % tp == 0 && experts % (int64_t{tp} * ep) == 0,
+  const int64_t replicated = input_norm + qk_norms + proj_bias + mlp_norm + fc2_bias + router_weight + router_bias +
+                             shared_gate_weight + mla_down_weight + mla_norms;
+  MT_CHECK(sharded % tp == 0 && experts % (int64_t{tp} * ep) == 0 && experts_bias % ep == 0,
            "layer parameters {} (experts {}) not divisible by TP {} (x EP {})", sharded, experts, tp, ep);
-  return sharded / tp + experts / (int64_t{tp} * ep) + replicated;
+  return sharded / tp + experts / (int64_t{tp} * ep) + experts_bias / ep + replicated;
 }
 
 std::vector<char> moe_layer_map(const ModelConfig& m) {
@@ -109,12 +109,14 @@ ParamCounts count_parameters(const ModelConfig& m) {
     ml.router_weight = E * h;
     ml.experts_fc1_weight = E * gated * fe * h;
     ml.experts_fc2_weight = E * h * fe;
+    ml.router_bias = m.add_bias_linear ? E : 0;
+    ml.experts_bias = m.add_bias_linear ? E * (gated * fe + h) : 0;
     if (fs > 0) {
       ml.shared_fc1_weight = gated * fs * h;
       ml.shared_fc2_weight = h * fs;
       ml.shared_gate_weight = e.shared_expert_gate ? h : 0;
     }
-    inactive = (E - e.router_topk) * (gated * fe * h + h * fe);
+    inactive = (E - e.router_topk) * (gated * fe * h + h * fe + (m.add_bias_linear ? gated * fe + h : 0));
   }
   // Gated DeltaNet layers: their attention block in place of softmax attention's.
   const std::vector<char> gdn = gdn_layer_map(m);

@@ -33,6 +33,8 @@ struct LayerParamCounts {
   int64_t mlp_norm = 0, fc1_weight = 0, fc1_bias = 0, fc2_weight = 0, fc2_bias = 0;
   // MoE layers (fc1/fc2 above are 0 there): router, all experts' fc1 and fc2, shared expert.
   int64_t router_weight = 0, experts_fc1_weight = 0, experts_fc2_weight = 0;
+  // With linear biases: the router's and the experts' (whose expert TP size is then 1).
+  int64_t router_bias = 0, experts_bias = 0;
   int64_t shared_fc1_weight = 0, shared_fc2_weight = 0, shared_gate_weight = 0;
   // Multi-latent attention (qkv_weight then holds the query and key/value up projections, split
   // over TP): the down projections and the latents' norms, whole on every TP rank.

@@ -150,6 +150,10 @@ struct Builder {
     norm(p, "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", h, l, d.sequence_parallel);
     add(p + "mlp.router.weight", {E, h}, whole(E, h), InitKind::normal, d.init_std, true, l).tp_partial_grad =
         d.sequence_parallel;
+    // (With linear biases the router has one, drawn by Megatron's init_method as its weight is.)
+    if (d.linear_bias)
+      add(p + "mlp.router.bias", {E}, whole(E), InitKind::normal, d.init_std, true, l).tp_partial_grad =
+          d.sequence_parallel;
     ShardIndex fc1_block = rows_over(E * fc1, h, E * halves, d.etp_size, d.etp_rank);
     fc1_block.chunk_offset = e0 * halves;
     fc1_block.chunk_count = El * halves;
@@ -160,6 +164,18 @@ struct Builder {
     fc2_block.local_rows = El * h;
     add(p + "mlp.experts.linear_fc2.weight", {E * h, fe}, fc2_block, InitKind::normal, d.output_init_std, false, l)
         .expert = true;
+    // The experts' linear biases (zeros, as Megatron's expert linears start; 1-D, so no weight
+    // decay): fc1's [E * fc1] in fc1's chunks, fc2's [E * h], expert e's bias its e-th block.
+    if (d.linear_bias) {
+      ShardIndex fc1_bias = rows_over(E * fc1, 1, E * halves, d.etp_size, d.etp_rank);
+      fc1_bias.chunk_offset = e0 * halves;
+      fc1_bias.chunk_count = El * halves;
+      add(p + "mlp.experts.linear_fc1.bias", {E * fc1}, fc1_bias, InitKind::zeros, 0, false, l).expert = true;
+      ShardIndex fc2_bias = whole(E * h);
+      fc2_bias.row_offset = e0 * h;
+      fc2_bias.local_rows = El * h;
+      add(p + "mlp.experts.linear_fc2.bias", {E * h}, fc2_bias, InitKind::zeros, 0, false, l).expert = true;
+    }
     if (d.shared_ffn > 0) {
       const int64_t fs = d.shared_ffn, fc1s = d.shared_fc1_width();
       add(p + "mlp.shared_experts.linear_fc1.weight", {fc1s, h}, rows(fc1s, h, halves), InitKind::normal, d.init_std,

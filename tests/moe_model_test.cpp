@@ -275,6 +275,76 @@ TEST_CASE("MoE gradient check: routing weights on the experts' input (--moe-appl
   }
 }
 
+// Linear biases in MoE layers (Megatron's default --add-bias-linear; expert TP 1, no shared expert):
+// the router's bias (init_method, as its weight), each expert's fc1 bias before the activation and
+// fc2 bias times the routing weight (Megatron's expert MLP: output + output_bias * per_token_scale),
+// so the routing weights' gradient takes d y . b too. Every parameter against central differences.
+TEST_CASE("MoE gradient check: linear biases (router, experts' fc1 and fc2)", "[moe][gradcheck]") {
+  auto biased = [](Config c) {
+    c.model.add_bias_linear = true;
+    c.model.add_qkv_bias = true;
+    test::derive(c);
+    return c;
+  };
+  SECTION("softmax top-2, SwiGLU, aux and z-losses") {
+    Config c = biased(tiny_moe_config(4, 2));
+    c.model.moe.aux_loss_coeff = {0.1};
+    c.model.moe.z_loss_coeff = 0.01;
+    MoeHarness h(c);
+    int biases = 0;
+    for (const ParamDesc& p : h.model->params())
+      if (p.name.find(".mlp.router.bias") != std::string::npos ||
+          (p.name.find(".mlp.experts.linear_fc") != std::string::npos && p.name.ends_with(".bias"))) {
+        ++biases;
+        CHECK_FALSE(p.weight_decay);
+      }
+    CHECK(biases == 6);  // two MoE layers: the router's, fc1's and fc2's
+    h.check_all(6);
+  }
+  SECTION("float32 router, sigmoid top-3 of 8 experts in groups, GeLU experts") {
+    Config c = biased(tiny_moe_config(8, 3));
+    c.model.swiglu = false;
+    c.model.normalization = Normalization::layernorm;
+    c.model.moe.router_dtype = "fp32";
+    c.model.moe.score_function = MoeScoreFunction::sigmoid;
+    c.model.moe.router_num_groups = 4;
+    c.model.moe.router_group_topk = 2;
+    test::derive(c);
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+  SECTION("routing weights on the input (top-1): fc2's bias added as is") {
+    Config c = biased(tiny_moe_config(4, 1));
+    c.model.moe.apply_probs_on_input = true;
+    c.model.moe.score_function = MoeScoreFunction::sigmoid;
+    MoeHarness h(c);
+    h.check_all(4);
+  }
+  SECTION("token dropping (capacity factor 0.5), fc1 recomputed: the same loss and gradients bit for bit") {
+    Config c = biased(tiny_moe_config(4, 2));
+    c.model.moe.expert_capacity_factor = 0.5;
+    MoeHarness h(c);
+    h.check_all(4);
+    Config r = c;
+    r.train.recompute_granularity = RecomputeGranularity::selective;
+    r.train.recompute_modules = {"moe"};
+    MoeHarness again(r);
+    CHECK(again.objective() == h.objective());
+    CHECK(again.grads() == h.grads());
+  }
+  SECTION("the biases change the model") {
+    Config c = biased(tiny_moe_config(4, 2));
+    MoeHarness with(c);
+    std::vector<double> w = with.params();
+    for (const ParamDesc& p : with.model->params())
+      if (p.name.find(".mlp.experts.linear_fc2.bias") != std::string::npos)
+        std::fill_n(w.begin() + p.offset, p.numel(), 0.0);
+    const double before = with.objective();
+    with.set_params(w);
+    CHECK(with.objective() != before);
+  }
+}
+
 TEST_CASE("MoE gradient check: Sinkhorn load balancing (top-2 softmax weights, top-1 sigmoid weight)",
           "[moe][gradcheck]") {
   for (const int k : {2, 1}) {

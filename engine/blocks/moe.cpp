@@ -264,6 +264,12 @@ Tensor GptModel::router_weight(const LayerParams& P) {
   return ws_->moe_w32;
 }
 
+Tensor GptModel::router_bias(const LayerParams& P) {
+  if (ws_->moe_b32.empty()) return P.router_b;
+  be_.cast(ws_->moe_b32, P.router_b);
+  return ws_->moe_b32;
+}
+
 // Megatron's load-balancing loss factors, coefficients removed: a term is factor * sum_e P_e c_e
 // (P_e the scores' sums over this rank's rows, c_e the counts), with E / (k T^2) for T tokens:
 // aux_loss over the micro-batch's T = N x CP tokens (the counts summed over CP); seq_aux_loss
@@ -435,10 +441,11 @@ void GptModel::layout_moe_workspace(Arena& a) {
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
   w.moe_fc1 = opt_.moe_recompute_fc1 ? a.take(C::workspace, T, {R, d_.expert_fc1_width_local()}) : Tensor();
   w.moe_sh_fc1 = opt_.moe_recompute_shared ? a.take(C::workspace, T, {N, d_.shared_fc1_width_local()}) : Tensor();
-  w.moe_x32 = w.moe_w32 = w.moe_xj = Tensor();
+  w.moe_x32 = w.moe_w32 = w.moe_b32 = w.moe_xj = Tensor();
   if (RT != T) {
     w.moe_x32 = a.take(C::workspace, RT, {N, h});
     w.moe_w32 = a.take(C::workspace, RT, {E, h});
+    if (d_.linear_bias) w.moe_b32 = a.take(C::workspace, RT, {E});
   } else if (d_.moe_jitter_eps > 0) {
     w.moe_xj = a.take(C::workspace, T, {N, h});
   }
@@ -476,7 +483,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // site 4 of the layer's keys (every TP rank draws the same: they route the same rows).
   const Tensor router_buffer = w.moe_x32.empty() ? w.moe_xj : w.moe_x32;
   be_.linear_forward(M.logits, router_input(A.ln2_out, router_buffer, site_key(s, layer, 4), 0), router_weight(P),
-                     Tensor(), Activation::none, Tensor());
+                     router_bias(P), Activation::none, Tensor());
   // Forced balance (benchmarks): random logits, the same on every TP rank of the micro-batch
   // (site 3 of the layer's keys); the backward treats them as the gating GEMM's output.
   if (d_.moe_force_balance)
@@ -559,6 +566,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
   // (--moe-apply-probs-on-input: the routing weight scales the expert's input instead, top-1.)
   if (d_.moe_probs_on_input) be_.moe_scale_rows(x_perm, x_perm, p_perm);
   expert_linear_fwd(local, 0, fc1_pre, x_perm, P.ex_fc1_w, offsets);
+  expert_bias_fwd(P, 0, fc1_pre, p_perm, offsets);
   if (d_.moe_probs_on_input) {
     if (d_.swiglu) be_.swiglu_forward(act, fc1_pre, d_.glu);
     else be_.activation_forward(act, fc1_pre, d_.ungated_mlp_activation());
@@ -569,6 +577,7 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
     be_.moe_scale_rows(act, act, p_perm);
   }
   expert_linear_fwd(local, 1, x_perm, act, P.ex_fc2_w, offsets);
+  expert_bias_fwd(P, 1, x_perm, p_perm, offsets);
   // The routed output: into tmp_h [N, h] (partial over TP), or with whole experts this rank's rows
   // [Nl, h], complete.
   const Tensor routed = own_rows ? w.moe_dxl.row_slice(0, n_disp) : w.tmp_h;
@@ -666,6 +675,7 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
     gather_inputs();
     if (d_.moe_probs_on_input) be_.moe_scale_rows(rows, rows, M.p_perm.flat_slice(0, R));
     expert_linear_fwd(local, 0, M.fc1_pre.row_slice(0, R), rows, P.ex_fc1_w, offsets);
+    expert_bias_fwd(P, 0, M.fc1_pre.row_slice(0, R), M.p_perm.flat_slice(0, R), offsets);
   }
   if (opt_.moe_recompute_shared) extra_linear_fwd(local, extra_shared_gemm(0), M.sh_fc1_pre, A.ln2_out, P.sh_fc1_w);
   // The MoE output's gradient [N, h] (gT itself with dropout or SP: read before gT is written).
@@ -743,7 +753,11 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // dispatch group below (which holds the experts' TP ranks) sums it.
   if (d_.etp_size > 1 && !own_rows && !d_.moe_probs_on_input) ps_.tp->all_reduce(dp_perm);
   expert_linear_bwd_weight(local, 1, G.ex_fc2_w, rows, act, offsets);
+  // fc2's bias: its gradient (times the routing weights) and, where the weights scale it, their
+  // gradient's share (rows still holds d y_perm).
+  expert_bias_bwd(P, G, 1, d_.moe_probs_on_input ? Tensor() : dp_perm, rows, p_perm, offsets);
   if (!d_.swiglu) be_.activation_backward(d_fc1, dact, fc1_pre, d_.ungated_mlp_activation());
+  expert_bias_bwd(P, G, 0, Tensor(), d_fc1, p_perm, offsets);
   expert_quantize_dy(local, 0, d_fc1, offsets);
   // The permuted inputs again (x_perm; under EP from the group's inputs, gathered again), scaled
   // by the routing weights with --moe-apply-probs-on-input (kept unscaled for d p).
@@ -846,21 +860,45 @@ void GptModel::moe_backward(int local, Slot& s, const LayerActs& A, Tensor dy) {
   // indices in the full [N, h] input), and the input gradient scaled by them.
   const Tensor router_buffer = w.moe_x32.empty() ? w.moe_xj : w.moe_x32;
   if (router_buffer.empty()) {
-    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, x, true);
+    be_.linear_backward_weight(G.router_w, G.router_b, dlogits, x, true);
     be_.linear_backward_input(d_ln2, dlogits, P.router_w, true, Activation::none, Tensor());
   } else {  // a float32 router, or jitter: the input gradient in the router's buffer, then added
     const float jitter = d_.moe_jitter_eps;
     const uint64_t jitter_key = site_key(s, layer, 4);
     const int64_t jitter_from = d_.sequence_parallel ? d_.local_row_begin() * d_.hidden : 0;
     const Tensor xr = router_input(x, local_rows(router_buffer), jitter_key, jitter_from);
-    be_.linear_backward_weight(G.router_w, Tensor(), dlogits, xr, true);
+    be_.linear_backward_weight(G.router_w, G.router_b, dlogits, xr, true);
     be_.linear_backward_input(xr, dlogits, router_weight(P), false, Activation::none, Tensor());
     if (jitter > 0) be_.moe_jitter(xr, xr, jitter, jitter_key, jitter_from);
     be_.axpby(d_ln2, 1.0f, d_ln2, 1.0f, xr);
   }
   if (d_.shared_gate)
     be_.linear_backward_input(d_ln2, local_rows(w.moe_dgate), P.sh_gate_w, true, Activation::none, Tensor());
-  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, d_ln2, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy, Tensor(), norm_);
+  // (With linear biases the attention's proj bias gradient is the column sums of dy: ln2's backward
+  // adds them up where it may, GptModel::proj_bias_grad_from_norm; else the attention block does.)
+  be_.norm_backward(w.gH, G.ln2_w, G.ln2_b, d_ln2, A.h1, A.ln2_mean, A.ln2_rstd, P.ln2_w, dy,
+                    proj_bias_grad_from_norm(local) ? G.proj_b : Tensor(), norm_);
+}
+
+// The experts' linear biases (with linear biases): fc1's (which = 0) added to its output, fc2's (1)
+// times each row's routing weight (Megatron's expert MLP: output + output_bias * per_token_scale;
+// with --moe-apply-probs-on-input the weights scaled the input, and fc2's bias is added as is).
+void GptModel::expert_bias_fwd(const LayerParams& P, int which, Tensor y, Tensor p_perm, const ExpertOffsets& offsets) {
+  const Tensor b = which == 0 ? P.ex_fc1_b : P.ex_fc2_b;
+  if (b.empty()) return;
+  const Tensor p = which == 1 && !d_.moe_probs_on_input ? p_perm : Tensor();
+  be_.grouped_bias_forward(y, b.view({d_.experts_local(), y.cols()}), p, offsets);
+}
+
+// Its backward from the output gradient dy: the bias gradient, and with dp (fc2's) d p += dy . b.
+void GptModel::expert_bias_bwd(const LayerParams& P, const LayerParams& G, int which, Tensor dp, Tensor dy,
+                               Tensor p_perm, const ExpertOffsets& offsets) {
+  const Tensor b = which == 0 ? P.ex_fc1_b : P.ex_fc2_b, db = which == 0 ? G.ex_fc1_b : G.ex_fc2_b;
+  if (b.empty()) return;
+  const Tensor p = which == 1 && !d_.moe_probs_on_input ? p_perm : Tensor();
+  const int64_t El = d_.experts_local();
+  be_.grouped_bias_backward(db.view({El, dy.cols()}), dp, dy, b.view({El, dy.cols()}), p, offsets,
+                            accumulate_weight_grad(db));
 }
 
 // ---- FP8 experts (their GEMMs: engine/blocks/fp8_gemms.cpp) ---------------------------------

@@ -484,3 +484,76 @@ void ReferenceBackend::moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout
 }
 
 }  // namespace mt::reference
+
+namespace mt::reference {
+
+namespace {
+// Each row's expert under host offsets [E + 1] (rows past offsets[E]: -1).
+std::vector<int32_t> expert_of_rows(std::span<const int64_t> offsets, int64_t rows) {
+  std::vector<int32_t> e_of(static_cast<size_t>(rows), -1);
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1] && r < rows; ++r) e_of[static_cast<size_t>(r)] = static_cast<int32_t>(e);
+  return e_of;
+}
+void check_grouped_bias(const char* op, const Tensor& y, const Tensor& bias, const Tensor& p, int64_t experts) {
+  check_same_dtype(y, bias, op);
+  MT_CHECK(bias.numel() == experts * y.cols(), "{}: bias of {} elements for {} experts of {} columns", op,
+           bias.numel(), experts, y.cols());
+  if (!p.empty()) {
+    check_numel(p, y.rows(), op, "p");
+    check_float_accumulator(p, op, "p");
+  }
+}
+}  // namespace
+
+void ReferenceBackend::grouped_bias_forward(Tensor y, Tensor bias, Tensor p, const ExpertOffsets& o) {
+  const char* op = "grouped_bias_forward";
+  std::vector<int64_t> storage;
+  const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, y.rows(), storage);
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, n = y.cols();
+  check_grouped_bias(op, y, bias, p, E);
+  const std::vector<int32_t> e_of = expert_of_rows(offsets, y.rows());
+  const Floats fy(y), fb(bias), fp(p);
+  pool_.parallel_for(y.rows(), 16, [&](int64_t rb, int64_t re, int) {
+    for (int64_t r = rb; r < re; ++r) {
+      const int32_t e = e_of[static_cast<size_t>(r)];
+      if (e < 0) continue;
+      const double s = fp.empty() ? 1.0 : fp.get(r);
+      for (int64_t c = 0; c < n; ++c) fy.set(r * n + c, fy.get(r * n + c) + s * fb.get(e * n + c));
+    }
+  });
+}
+
+void ReferenceBackend::grouped_bias_backward(Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p,
+                                             const ExpertOffsets& o, bool accumulate) {
+  const char* op = "grouped_bias_backward";
+  std::vector<int64_t> storage;
+  const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, dy.rows(), storage);
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, n = dy.cols();
+  check_grouped_bias(op, dy, bias, p, E);
+  check_numel(dbias, E * n, op, "dbias");
+  if (!dp.empty()) {
+    MT_CHECK(!p.empty(), "{}: dp without p", op);
+    check_numel(dp, dy.rows(), op, "dp");
+    check_float_accumulator(dp, op, "dp");
+  }
+  const Floats fdb(dbias), fdy(dy), fb(bias), fp(p), fdp(dp);
+  pool_.parallel_for(E, 1, [&](int64_t eb, int64_t ee, int) {
+    for (int64_t e = eb; e < ee; ++e) {
+      for (int64_t c = 0; c < n; ++c) {
+        double sum = 0;
+        for (int64_t r = offsets[static_cast<size_t>(e)]; r < offsets[static_cast<size_t>(e) + 1]; ++r)
+          sum += (fp.empty() ? 1.0 : fp.get(r)) * fdy.get(r * n + c);
+        fdb.set(e * n + c, accumulate ? fdb.get(e * n + c) + sum : sum);
+      }
+      if (fdp.empty()) continue;
+      for (int64_t r = offsets[static_cast<size_t>(e)]; r < offsets[static_cast<size_t>(e) + 1]; ++r) {
+        double dot = 0;
+        for (int64_t c = 0; c < n; ++c) dot += fdy.get(r * n + c) * fb.get(e * n + c);
+        fdp.set(r, fdp.get(r) + dot);
+      }
+    }
+  });
+}
+
+}  // namespace mt::reference

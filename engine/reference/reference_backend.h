@@ -98,6 +98,9 @@ class ReferenceBackend final : public Backend {
   void moe_combine(Tensor out, Tensor y, Tensor slot_of, int k, bool accumulate) override;
   void moe_scale_rows(Tensor out, Tensor x, Tensor p) override;
   void moe_scale_rows_backward(Tensor dx, Tensor dp, Tensor dout, Tensor x, Tensor p) override;
+  void grouped_bias_forward(Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) override;
+  void grouped_bias_backward(Tensor dbias, Tensor dp, Tensor dy, Tensor bias, Tensor p, const ExpertOffsets& offsets,
+                             bool accumulate) override;
   void attention_gate_split(Tensor qkv, Tensor gate, Tensor qkvg, const GateShape& s) override;
   void attention_gate_merge(Tensor qkvg, Tensor qkv, Tensor gate, const GateShape& s) override;
   void output_gate_forward(Tensor out, Tensor x, Tensor gate) override;

@@ -292,6 +292,26 @@ megatrain_parallel_train_test(parallel_train_moe_resume_ep2_to_dp2 --model "${mo
   2 "--expert-model-parallel-size 2 --use-distributed-optimizer" 2 "--use-distributed-optimizer")
 megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --model "${moe_model}" --resume
   2 - 4 "--expert-model-parallel-size 4 --use-distributed-optimizer")
+# MoE layers with linear biases (Megatron's default --add-bias-linear; expert TP 1): the router's
+# bias, each expert's fc1 bias and its fc2 bias times the routing weight, on this rank's experts
+# under EP. EP2 (all-to-all), EP4 inside DP4 with the distributed optimizer (the experts' biases
+# sharded over expert-DP), EP2 with whole experts under TP2 + SP, EP2 x PP2 with the all-gather
+# dispatcher and token dropping, and FP8 at EP2 equal one rank (FP8: seed 1; seeds 3 and 1234 move
+# an element across an FP8 rounding tie by iteration 3, as noted for the FP8 MoE tests below).
+set(moe_bias_model "--swiglu --normalization RMSNorm --position-embedding-type rope \
+--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
+--moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-grouped-gemm \
+--moe-token-dispatcher-type alltoall --expert-tensor-parallel-size 1")
+megatrain_parallel_train_test(parallel_train_moe_bias_ep2 --model "${moe_bias_model}" 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_bias_ep4_dp4_distopt --model "${moe_bias_model}" 4
+                              --expert-model-parallel-size 4 --use-distributed-optimizer)
+megatrain_parallel_train_test(parallel_train_moe_bias_ep2_tp2_sp --model "${moe_bias_model}" 4
+                              --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_moe_bias_allgather_drop_ep2_pp2 --model "${moe_bias_model} \
+--moe-token-dispatcher-type allgather --moe-expert-capacity-factor 0.5" 4 --expert-model-parallel-size 2
+                              --pipeline-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fp8_moe_bias_ep2 --fp8 --model "${moe_bias_model} --fp8-format hybrid \
+--fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss --seed 1" 2 --expert-model-parallel-size 2)
 # FP8 MoE layers (--fp8-format; emulated on the reference backend): the attention's GEMMs as in dense
 # layers, the routed experts' GEMMs per expert with each expert's own scaling state (its amaxes
 # reduced over its replicas and its TP shards), on rows padded to 128 per expert. Delayed scaling
