@@ -746,6 +746,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const PipelineSplit split = PipelineSplit::from_config(cfg);
   pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
   for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, RankPosition::split(cfg, layout.tp, t));
+  if (model.moe.enabled() && model.add_bias_linear)
+    throw Unsupported(fmt::format("export-megatron: {} holds MoE layers with linear biases (the router's and the "
+                                  "experts' biases), which export-megatron does not write yet", where));
   if (model.moe.enabled()) {
     // (The experts are written split over TP as the dense MLP, whatever the megatrain run's
     // --expert-tensor-parallel-size: the args say so; the expert-parallel ranks are data-parallel

@@ -314,6 +314,9 @@ void HfModelSpec::validate() const {
     refuse("--num-experts (a mixture of experts exports as MixtralForCausalLM, Qwen2MoeForCausalLM (with "
            "--add-qkv-bias), Qwen3MoeForCausalLM (with --qk-layernorm), or with --multi-latent-attention as "
            "DeepseekV3ForCausalLM)");
+  if (num_experts > 0 && add_bias_linear)
+    refuse("linear biases in MoE layers (the router's and the experts' biases have no place in Mixtral, Qwen2-MoE, "
+           "Qwen3-MoE or DeepSeek-V3: pass --disable-bias-linear)");
   if (!moe_layers.empty() && static_cast<int>(moe_layers.size()) != num_layers)
     fail("HF mapping: {} per-layer MoE entries for {} layers", moe_layers.size(), num_layers);
   if (deepseek) {

@@ -422,16 +422,18 @@ TEST_CASE("MoE flags: what the engine does not build yet is refused naming the f
   CHECK_NOTHROW(parse(moe_gpt() + words("--expert-model-parallel-size 2 --use-tp-pp-dp-mapping "
                                         "--pipeline-model-parallel-size 2 --context-parallel-size 2"),
                       8));
-  // Linear biases with MoE (biases are on unless --disable-bias-linear).
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8")) ==
-        "megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
-        "--disable-bias-linear)");
+  // Linear biases with MoE (biases are on unless --disable-bias-linear): built, but not with a
+  // shared expert (Megatron's SharedExpertMLP asserts it).
+  CHECK_NOTHROW(parse(small_gpt() + words("--num-experts 8")));
+  CHECK(parse_error(small_gpt() + words("--num-experts 8 --moe-shared-expert-intermediate-size 64")) ==
+        "bias is not supported in the shared experts (--moe-shared-expert-intermediate-size with linear biases), "
+        "please set '--disable-bias-linear' instead");
   // Several at once, one line each.
-  CHECK(unsupported_error(small_gpt() + words("--num-experts 8 --moe-router-dtype fp64")) ==
+  CHECK(unsupported_error(moe_gpt() + words("--moe-router-dtype fp64 --moe-router-load-balancing-type sinkhorn "
+                                            "aux_loss --moe-aux-loss-coeff 0 0.1")) ==
         "2 problems with the command line:\n"
         "  megatrain does not support --moe-router-dtype fp64 yet (the router computes in fp32)\n"
-        "  megatrain does not support --num-experts with linear biases yet (MoE layers are built without biases: pass "
-        "--disable-bias-linear)");
+        "  megatrain does not support --moe-router-load-balancing-type sinkhorn with other types yet");
   // Refused while parsing: the values megatrain has no representation for, and the flags it lacks.
   for (const auto& [flags, line] : std::vector<std::pair<std::string, std::string>>{
            {"--moe-router-load-balancing-type quantile_balancing",
@@ -701,6 +703,48 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
   INFO(back.out << back.err);
   CHECK(back.exit_code == 0);
   CHECK_THAT(back.out, Contains("--num-experts 4"));
+}
+
+// MoE layers with linear biases (Megatron's default): they train, save and resume; the conversions
+// that have no place for the router's and the experts' biases refuse in one line naming them.
+TEST_CASE("MoE with linear biases: trains and resumes; export-hf and export-megatron refuse in one line",
+          "[cli][moe][binary]") {
+  TempDir dir;
+  const Args model = words("--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --num-layers 2 "
+                           "--hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
+                           "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --swiglu --normalization RMSNorm "
+                           "--position-embedding-type rope --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 12 "
+                           "--moe-aux-loss-coeff 1e-2 --save-interval 2 --log-interval 1 --seed 5");
+  const RunResult straight = run_binary(model + words("--train-iters 6"));
+  INFO(straight.out << straight.err);
+  REQUIRE(straight.exit_code == 0);
+  const RunResult first = run_binary(model + words("--train-iters 6 --exit-interval 2 --save " + dir.str("ckpt")));
+  REQUIRE(first.exit_code == 0);
+  const RunResult resumed = run_binary(model + words("--train-iters 6 --load " + dir.str("ckpt")));
+  INFO(resumed.out << resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  // Iterations 5 and 6 (loss and grad norm) as in the straight run. (Iteration 4's line averages
+  // iterations 3 and 4 after a resume: Megatron logs the run's first iteration without resetting
+  // the interval.)
+  auto line_of = [](const std::string& out, const std::string& it) {
+    const size_t at = out.find("iteration        " + it + "/");
+    if (at == std::string::npos) return std::string();
+    const size_t from = out.find("lm loss", at), to = out.find("| number of skipped", at);
+    return out.substr(from, to - from);
+  };
+  for (const char* it : {"5", "6"}) {
+    CHECK_FALSE(line_of(straight.out, it).empty());
+    CHECK(line_of(resumed.out, it) == line_of(straight.out, it));
+  }
+  const RunResult hf = run_binary(words("export-hf --load " + dir.str("ckpt") + " --output " + dir.str("hf")));
+  CHECK(hf.exit_code != 0);
+  CHECK_THAT(hf.err, Contains("linear biases in MoE layers"));
+  for (const char* format : {"torch_dist", "torch"}) {
+    const RunResult meg = run_binary(words(std::string("export-megatron --ckpt-format ") + format + " --load " +
+                                           dir.str("ckpt") + " --save " + dir.str(std::string("meg_") + format)));
+    CHECK(meg.exit_code != 0);
+    CHECK_THAT(meg.err, Contains("holds MoE layers with linear biases"));
+  }
 }
 
 TEST_CASE("binary: --moe-per-layer-logging writes each layer's losses to TensorBoard as Megatron names them",

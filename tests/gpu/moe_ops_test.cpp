@@ -555,3 +555,92 @@ TEST_CASE("cuda moe_jitter equals the reference's (float32 exactly; 16-bit withi
       CHECK(download(dev(), x.c()) == download(dev(), y.c()));
     }
 }
+
+// The experts' linear biases: forward (with and without the routing weights), the bias gradient
+// (float32 and bf16 gradients, written and accumulated) and the routing weights' share, with the
+// offsets on the device (rows past offsets[E] untouched) and on the host; odd sizes, empty experts.
+TEST_CASE("cuda grouped_bias_forward and _backward match the reference (device and host offsets)", "[gpu][moe]") {
+  MT_RNG(rng);
+  for (int64_t R : {1, 7, 333, 2049})
+    for (int E : {1, 3, 8})
+      for (int64_t n : {1, 5, 64, 1000}) {
+        if (R * n > (int64_t{1} << 21)) continue;  // the reference's time, not coverage
+        // Random cuts, some experts empty; on the device the last offset may stop short of R.
+        for (bool on_device : {true, false}) {
+          std::vector<int64_t> cut = {0};
+          const int64_t used = on_device && R > 3 ? R - 3 : R;
+          for (int e = 1; e < E; ++e) cut.push_back(rng.ints(1, 0, used + 1)[0]);
+          cut.push_back(used);
+          std::sort(cut.begin(), cut.end());
+          if (E >= 3) cut[2] = cut[1];  // expert 1 without rows
+          std::vector<double> cut_d(cut.begin(), cut.end());
+          Twin offs = twin(DType::i32, {E + 1}, cut_d);
+          const ExpertOffsets oc = on_device ? ExpertOffsets::on_device(offs.c()) : ExpertOffsets(cut);
+          const ExpertOffsets orf = on_device ? ExpertOffsets::on_device(offs.r()) : ExpertOffsets(cut);
+          const int64_t rows = on_device ? R : used;
+          for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+            INFO("R " << R << " E " << E << " n " << n << " " << dtype_name(dt) << (on_device ? " device" : " host")
+                      << " offsets");
+            Twin bias = twin(dt, {E, n}, rng.normal(E * n));
+            Twin p = twin(DType::f32, {rows}, rng.uniform(rows, 0.0, 1.0));
+            for (bool scaled : {false, true}) {
+              INFO(scaled ? "scaled by p" : "unscaled");
+              const std::vector<double> y0 = rng.normal(rows * n);
+              Twin y = twin(dt, {rows, n}, y0);
+              dev().grouped_bias_forward(y.c(), bias.c(), scaled ? p.c() : Tensor(), oc);
+              ref().grouped_bias_forward(y.r(), bias.r(), scaled ? p.r() : Tensor(), orf);
+              MT_CHECK_CLOSE(y, tol_for(dt));
+              if (on_device && used < rows) {  // rows past offsets[E]: untouched
+                const std::vector<double> got = download(dev(), y.c());
+                int64_t moved = 0;
+                for (int64_t i = used * n; i < rows * n; ++i) moved += got[i] != round_to(dt, y0[i]);
+                CHECK(moved == 0);
+              }
+              const std::vector<double> dys = rng.normal(rows * n);
+              Twin dy = twin(dt, {rows, n}, dys);
+              const std::vector<double> dp0 = rng.normal(rows);
+              Twin dp = twin(DType::f32, {rows}, dp0);
+              for (bool accumulate : {false, true}) {
+                INFO((accumulate ? "accumulated" : "written") << " float32 gradient");
+                const std::vector<double> old = rng.normal(E * n);
+                Twin db = twin(DType::f32, {E, n}, old);
+                dev().grouped_bias_backward(db.c(), scaled ? dp.c() : Tensor(), dy.c(), bias.c(), scaled ? p.c() : Tensor(),
+                                            oc, accumulate);
+                ref().grouped_bias_backward(db.r(), scaled ? dp.r() : Tensor(), dy.r(), bias.r(), scaled ? p.r() : Tensor(),
+                                            orf, accumulate);
+                // Each element a float32 sum of s_r dy[r, c] over its expert's rows: within a
+                // fraction of the terms' magnitudes (plus the old value's).
+                const std::vector<double> got = download(dev(), db.c()), want = download(ref(), db.r());
+                const std::vector<double> ps = download(ref(), p.r()), dyr = download(ref(), dy.r());
+                int64_t wrong = 0;
+                for (int e = 0; e < E; ++e)
+                  for (int64_t c = 0; c < n; ++c) {
+                    double mag = accumulate ? std::fabs(old[e * n + c]) : 0.0;
+                    for (int64_t r = cut[e]; r < cut[e + 1]; ++r) mag += std::fabs((scaled ? ps[r] : 1.0) * dyr[r * n + c]);
+                    wrong += std::fabs(got[e * n + c] - want[e * n + c]) > 2e-6 * mag + 1e-30;
+                  }
+                CHECK(wrong == 0);
+                if (E >= 3 && !accumulate)  // the empty expert: zero
+                  for (int64_t c = 0; c < n; ++c) CHECK(got[1 * n + c] == 0.0);
+              }
+              if (scaled) {  // dp after two accumulations of dy . b (rows of both calls)
+                const std::vector<double> bs = download(ref(), bias.r()), dyr = download(ref(), dy.r());
+                std::vector<int> e_of(static_cast<size_t>(rows), -1);
+                for (int e = 0; e < E; ++e)
+                  for (int64_t r = cut[e]; r < cut[e + 1]; ++r) e_of[r] = e;
+                CHECK(rows_beyond_term_bound(download(dev(), dp.c()), download(ref(), dp.r()), rows, n + 1, 1e-6,
+                                             [&](int64_t r, int64_t c) {
+                                               if (e_of[r] < 0) return c == n ? dp0[r] : 0.0;
+                                               return c == n ? dp0[r] : 2 * dyr[r * n + c] * bs[e_of[r] * n + c];
+                                             }) == 0);
+              }
+              // bf16 gradients (--grad-reduce-in-bf16), accumulated.
+              Twin db16 = twin_same(DType::bf16, {E, n}, rng.normal(E * n));
+              dev().grouped_bias_backward(db16.c(), Tensor(), dy.c(), bias.c(), scaled ? p.c() : Tensor(), oc, true);
+              ref().grouped_bias_backward(db16.r(), Tensor(), dy.r(), bias.r(), scaled ? p.r() : Tensor(), orf, true);
+              check_bf16_grad(db16, "bias gradient");
+            }
+          }
+        }
+      }
+}
