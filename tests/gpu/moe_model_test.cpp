@@ -56,6 +56,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     bool all_balancing = false;   // aux_loss, seq_aux_loss and global_aux_loss together
     bool gpt_oss_mlp = false;     // quick-GeGLU with the linear offset and the clamp (every MLP)
     bool fp8 = false;             // --fp8-format hybrid --fp8-recipe tensorwise (expert FFN 48)
+    bool linear_bias = false;     // --add-bias-linear: the router's and the experts' biases (no shared expert)
   };
   for (const Shape& sh : {Shape{8, 2, 32, 2, DType::f32}, Shape{5, 3, 17, 3, DType::f32},  // (odd: 51 rows)
                           Shape{4, 4, 32, 2, DType::bf16}, Shape{3, 3, 17, 3, DType::bf16},
@@ -66,7 +67,11 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
                           Shape{5, 3, 17, 3, DType::f32, false, false, false, true},
                           Shape{4, 4, 32, 2, DType::bf16, true, false, false, true},
                           Shape{4, 4, 32, 2, DType::bf16, false, false, false, false, true},
-                          Shape{3, 3, 32, 2, DType::bf16, true, false, false, false, true}}) {
+                          Shape{3, 3, 32, 2, DType::bf16, true, false, false, false, true},
+                          Shape{5, 3, 17, 3, DType::f32, false, false, false, false, false, true},
+                          Shape{5, 1, 17, 3, DType::f32, true, true, false, false, false, true},
+                          Shape{4, 4, 32, 2, DType::bf16, false, false, false, false, false, true},
+                          Shape{3, 3, 32, 2, DType::bf16, false, false, false, false, true, true}}) {
     Config c = moe_config(sh.experts, sh.topk, sh.seq, sh.batch);
     if (sh.jitter_recompute) {
       c.model.moe.input_jitter_eps = 0.05;
@@ -91,6 +96,12 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
       c.model.moe.ffn_hidden_size = 48;
       c.model.moe.shared_expert_intermediate_size = 32;
     }
+    if (sh.linear_bias) {
+      c.model.add_bias_linear = true;
+      c.model.add_qkv_bias = true;
+      c.model.moe.shared_expert_intermediate_size.reset();  // (Megatron's shared experts have no biases)
+      c.model.moe.shared_expert_gate = false;
+    }
     if (sh.probs_on_input) {
       c.model.moe.apply_probs_on_input = true;
       c.model.moe.score_function = MoeScoreFunction::sigmoid;
@@ -109,6 +120,10 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
     // on the reference backend), so bf16 rounding could not be told from a fault; at the initial
     // scale they move by 0.4%.
     for (double& v : w) v = bf16 ? round_to(DType::bf16, v) : v * 4.0;
+    // The biases start at zero: give them values, so that their paths carry signal.
+    if (sh.linear_bias)
+      for (double& v : w)
+        if (v == 0.0) v = round_to(DType::bf16, 0.3 * rng.normal(1)[0]);
     const ModelRun r = run_model_micro_batch(ref(), c, DType::f32, w, mb);
     {
       INFO("experts " << sh.experts << " top-" << sh.topk << " rows " << n << (bf16 ? " bf16" : " float32")
@@ -117,6 +132,7 @@ TEST_CASE("cuda MoE model: loss, aux and z-losses and every gradient match the r
                       << (sh.all_balancing ? ", aux, seq_aux and global_aux losses" : "")
                       << (sh.gpt_oss_mlp ? ", quick-GeGLU with offset and clamp" : "")
                       << (sh.fp8 ? ", FP8 (hybrid, tensorwise)" : "")
+                      << (sh.linear_bias ? ", linear biases" : "")
                       << " (seed " << rng.seed() << ")");
       const ModelRun g = run_model_micro_batch(dev(), c, T, w, mb);
       const double tol = bf16 ? 3e-2 : 2e-3;

@@ -584,7 +584,7 @@ TEST_CASE("cuda grouped_bias_forward and _backward match the reference (device a
             Twin bias = twin(dt, {E, n}, rng.normal(E * n));
             Twin p = twin(DType::f32, {rows}, rng.uniform(rows, 0.0, 1.0));
             for (bool scaled : {false, true}) {
-              INFO(scaled ? "scaled by p" : "unscaled");
+              INFO((scaled ? "scaled by p" : "unscaled"));
               const std::vector<double> y0 = rng.normal(rows * n);
               Twin y = twin(dt, {rows, n}, y0);
               dev().grouped_bias_forward(y.c(), bias.c(), scaled ? p.c() : Tensor(), oc);
