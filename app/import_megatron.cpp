@@ -180,9 +180,6 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   if (cfg.model.gated_delta_net)
     throw Unsupported(fmt::format("{} holds Gated DeltaNet layers (experimental_attention_variant gdn): megatrain does "
                                   "not import them from Megatron-LM yet", where));
-  if (cfg.model.moe.enabled() && cfg.model.add_bias_linear)
-    throw Unsupported(fmt::format("{} holds MoE layers with linear biases (add_bias_linear): megatrain trains them but "
-                                  "does not import them from Megatron-LM yet", where));
   cfg.model.padded_vocab_size = static_cast<int>(padded->integer);
   cfg.model.vocab_size = static_cast<int>(padded->integer);
   // The tokenizer as the run that saved the checkpoint had it (for --use-checkpoint-args).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-LM itself against megatrain from the same weights (manual: needs a GPU, PyTorch and a
 # Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama nemotron mla
+#   bench/megatron_equivalence.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama nemotron mla moebias
 # Environment: ITERS (default 30), PREC (fp32 or bf16, default fp32), TP, PP and DP (Megatron's layout,
 # default 1; TP*PP*DP GPUs), MODE (finetune or resume, default finetune), MEGATRON_EXTRA (more
 # Megatron-LM flags, e.g. --use-distributed-optimizer), MEGATRAIN_LAYOUT (one: megatrain trains on
@@ -65,6 +65,14 @@ model_mla=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attentio
            --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
            --position-embedding-type rope --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
            --rotary-base 10000)
+
+# Mixture of experts with Megatron's default linear biases (the router's bias, each expert's fc1
+# and fc2 biases; Megatron-LM's local spec runs the experts as its SequentialMLP): a dense first
+# layer, then 3 MoE layers of 4 experts, top-2, aux loss.
+model_moebias=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
+               --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
+               --untie-embeddings-and-output-weights --rotary-base 10000 --num-experts 4 --moe-router-topk 2
+               --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]" --moe-aux-loss-coeff 1e-2)
 
 megatron() {  # log, nproc, args...
   local log=$1 nproc=$2

@@ -186,14 +186,17 @@ namespace {
 
 // Mixture-of-experts expert weights in a torch-format rank file: the local spec's SequentialMLP
 // (mlp.experts.local_experts.{i}.linear_fc{1,2}.weight) or Transformer Engine's grouped linears
-// (mlp.experts.linear_fc{1,2}.weight{i}), i the rank's local expert: the layer-relative name and i,
-// with the name as megatrain keys the layer's stacked experts (mlp.experts.linear_fc{1,2}.weight).
+// (mlp.experts.linear_fc{1,2}.weight{i}), and their biases, i the rank's local expert: the
+// layer-relative name and i, with the name as megatrain keys the layer's stacked experts
+// (mlp.experts.linear_fc{1,2}.weight / .bias).
 std::optional<std::pair<std::string, int>> torch_local_expert(const std::string& rest) {
-  static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight)");
-  static const std::regex grouped(R"(mlp\.experts\.(linear_fc[12])\.weight(\d+))");
+  static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias))");
+  static const std::regex grouped(R"(mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+))");
   std::smatch m;
-  if (std::regex_match(rest, m, sequential)) return std::make_pair("mlp.experts." + m[2].str() + ".weight", std::stoi(m[1].str()));
-  if (std::regex_match(rest, m, grouped)) return std::make_pair("mlp.experts." + m[1].str() + ".weight", std::stoi(m[2].str()));
+  if (std::regex_match(rest, m, sequential))
+    return std::make_pair("mlp.experts." + m[2].str() + "." + m[3].str(), std::stoi(m[1].str()));
+  if (std::regex_match(rest, m, grouped))
+    return std::make_pair("mlp.experts." + m[1].str() + "." + m[2].str(), std::stoi(m[3].str()));
   return std::nullopt;
 }
 
@@ -885,15 +888,17 @@ HostArray MegatronCheckpoint::parameter(const std::string& name) const {
 }
 
 HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) const {
-  if (!s.experts.empty()) {  // (torch) experts stacked along the rows
+  if (!s.experts.empty()) {  // (torch) experts stacked along the rows (biases: one after another)
     std::vector<HostArray> parts;
     for (const auto& e : s.experts) parts.push_back(read(*e, name));
     const HostArray& p0 = parts[0];
     for (const HostArray& p : parts)
-      if (p.dtype != p0.dtype || p.shape != p0.shape || p.shape.size() != 2)
+      if (p.dtype != p0.dtype || p.shape != p0.shape || p.shape.empty() || p.shape.size() > 2)
         fail("{}: the experts of '{}' differ in shape or dtype ({} and {})", directory_, name, shape_text(p0.shape),
              shape_text(p.shape));
-    HostArray out = HostArray::zeros(p0.dtype, {p0.shape[0] * static_cast<int64_t>(parts.size()), p0.shape[1]});
+    std::vector<int64_t> shape = p0.shape;
+    shape[0] *= static_cast<int64_t>(parts.size());
+    HostArray out = HostArray::zeros(p0.dtype, shape);
     for (size_t g = 0; g < parts.size(); ++g)
       std::memcpy(out.bytes.data() + g * p0.bytes.size(), parts[g].bytes.data(), p0.bytes.size());
     return out;
@@ -930,6 +935,8 @@ HostArray MegatronCheckpoint::read(const Source& s, const std::string& name) con
   if (s.layer >= 0) out.shape.erase(out.shape.begin());  // drop the layer dimension
   if (name.find(".mlp.experts.") != std::string::npos && out.shape.size() == 3)  // [E, rows, cols]: stacked rows
     out.shape = {out.shape[0] * out.shape[1], out.shape[2]};
+  if (name.find(".mlp.experts.") != std::string::npos && name.ends_with(".bias") && out.shape.size() == 2)
+    out.shape = {out.shape[0] * out.shape[1]};  // the experts' biases [E, n]: one after another
   return out;
 }
 
