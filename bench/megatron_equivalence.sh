@@ -68,11 +68,12 @@ model_mla=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attentio
 
 # Mixture of experts with Megatron's default linear biases (the router's bias, each expert's fc1
 # and fc2 biases; Megatron-LM's local spec runs the experts as its SequentialMLP): a dense first
-# layer, then 3 MoE layers of 4 experts, top-2, aux loss.
+# layer, then 3 MoE layers of 4 experts, top-2, aux loss. --no-bias-swiglu-fusion: Megatron-LM's fused
+# SwiGLU with routing weights raises "Bias is not supported for weighted swiglu fusion".
 model_moebias=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
                --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
                --untie-embeddings-and-output-weights --rotary-base 10000 --num-experts 4 --moe-router-topk 2
-               --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]" --moe-aux-loss-coeff 1e-2)
+               --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]" --moe-aux-loss-coeff 1e-2 --no-bias-swiglu-fusion)
 
 megatron() {  # log, nproc, args...
   local log=$1 nproc=$2

@@ -180,13 +180,14 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
     if (found != held) {
       for (const ParamDesc& d : descs)
         if (d.layer == l && !d.shared_copy && d.name.compare(0, prefix.size(), prefix) == 0 &&
-            std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end())
-          fail(d.name.find(".mlp.router.bias") != std::string::npos ||
-                       (d.name.find(".mlp.experts.") != std::string::npos && d.name.ends_with(".bias"))
-                   ? "'{}': megatrain does not lay out the optimizer state of MoE layers with linear biases as "
-                     "Megatron-LM's flat buffers yet (their weights convert; --finetune or --no-load-optim)"
-                   : "'{}' has no known place in Megatron's registration order",
-               d.name);
+            std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end()) {
+          if (d.name.find(".mlp.router.bias") != std::string::npos ||
+              (d.name.find(".mlp.experts.") != std::string::npos && d.name.ends_with(".bias")))
+            fail("'{}': megatrain does not lay out the optimizer state of MoE layers with linear biases as "
+                 "Megatron-LM's flat buffers yet (their weights convert; --finetune or --no-load-optim)",
+                 d.name);
+          fail("'{}' has no known place in Megatron's registration order", d.name);
+        }
     }
   };
   for (int l = first_layer; l < first_layer + num_layers; ++l) add_layer(l, fmt::format("decoder.layers.{}.", l), 0);
