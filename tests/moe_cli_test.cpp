@@ -707,7 +707,7 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
 
 // MoE layers with linear biases (Megatron's default): they train, save and resume; the conversions
 // that have no place for the router's and the experts' biases refuse in one line naming them.
-TEST_CASE("MoE with linear biases: trains and resumes; export-hf and export-megatron refuse in one line",
+TEST_CASE("MoE with linear biases: trains and resumes, and export-hf and export-megatron refuse in one line",
           "[cli][moe][binary]") {
   TempDir dir;
   const Args model = words("--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --num-layers 2 "
