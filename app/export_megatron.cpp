@@ -421,7 +421,13 @@ void ExportPlan::write_torch_dist(const std::string& tmp_dir, MegatronExportResu
       ShardIndex part;  // of megatrain's 2-D view
     };
     std::vector<Chunk> chunks;
-    if (it.experts > 0) {
+    if (it.experts > 0 && global.size() == 1) {  // the experts' biases [E * n]: [E, n]
+      const int64_t rows = global.at(0) / it.experts;
+      global = {it.experts, rows};
+      for (int64_t e = 0; e < it.experts; ++e)
+        chunks.push_back({{e, 0}, {1, rows}, ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows,
+                                                        info.global_cols, 1}});
+    } else if (it.experts > 0) {
       const int64_t rows = global.at(0) / it.experts;
       global = {it.experts, rows, global.at(1)};
       for (int64_t e = 0; e < it.experts; ++e)
@@ -746,9 +752,14 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const PipelineSplit split = PipelineSplit::from_config(cfg);
   pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
   for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, RankPosition::split(cfg, layout.tp, t));
-  if (model.moe.enabled() && model.add_bias_linear)
+  if (model.moe.enabled() && model.add_bias_linear && o.format != "torch_dist")
     throw Unsupported(fmt::format("export-megatron: {} holds MoE layers with linear biases (the router's and the "
-                                  "experts' biases), which export-megatron does not write yet", where));
+                                  "experts' biases), which export-megatron writes in --ckpt-format torch_dist only",
+                                  where));
+  if (model.moe.enabled() && model.add_bias_linear && layout.tp > 1)
+    throw Unsupported(fmt::format("export-megatron: {} holds MoE layers with linear biases, whose experts Megatron-LM "
+                                  "keeps at expert tensor-parallel size 1: export with --tensor-model-parallel-size 1 "
+                                  "(a Megatron-LM run of any TP loads the torch_dist checkpoint)", where));
   if (model.moe.enabled()) {
     // (The experts are written split over TP as the dense MLP, whatever the megatrain run's
     // --expert-tensor-parallel-size: the args say so; the expert-parallel ranks are data-parallel
@@ -997,6 +1008,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   if (bf16) r.megatron_flags.push_back("--bf16");
   if (fp16) r.megatron_flags.push_back("--fp16");
+  // (Megatron-LM's fused SwiGLU with routing weights raises "Bias is not supported for weighted
+  // swiglu fusion": its SwiGLU experts with biases run unfused.)
+  if (model.moe.enabled() && model.add_bias_linear && model.swiglu) r.megatron_flags.push_back("--no-bias-swiglu-fusion");
   for (const char* f : {"--transformer-impl", "local", "--ckpt-format"}) r.megatron_flags.push_back(f);
   r.megatron_flags.push_back(o.format);
   r.megatron_flags.push_back("--load");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # megatrain -> Megatron-LM: Megatron-LM continues a checkpoint megatrain trained (manual: needs GPUs,
 # PyTorch and a Megatron-LM checkout; nothing of Megatron-LM is in this repository).
-#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama gate moe
+#   bench/megatron_export_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [CASE...]     CASE: gpt llama gate moe moebias
 # (gate: the llama case with --attention-output-gate and --qk-layernorm: Megatron-LM reads the gated
 # QKV projection's [q | gate | k | v] rows as megatrain wrote them; moe: the llama case with a dense
 # first layer and three MoE layers of 4 experts, top-2, which export-megatron writes as weights only:
@@ -66,6 +66,13 @@ model_llama=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attent
              --disable-bias-linear --untie-embeddings-and-output-weights --rotary-base 10000)
 model_gate=("${model_llama[@]}" --attention-output-gate --qk-layernorm)
 model_moe=("${model_llama[@]}" --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]")
+# MoE with Megatron's default linear biases (bench/megatron_equivalence.sh's moebias; torch_dist only).
+# Megatron-LM's local MLP adds an expert's fc2 bias in place on an autograd view, which PyTorch
+# refuses: run it with that line of megatron/core/transformer/mlp.py made out of place.
+model_moebias=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
+               --num-query-groups 2 --position-embedding-type rope --normalization RMSNorm --swiglu
+               --untie-embeddings-and-output-weights --rotary-base 10000 --num-experts 4 --moe-router-topk 2
+               --moe-ffn-hidden-size 352 --moe-layer-freq "[0,1,1,1]" --no-bias-swiglu-fusion)
 
 par=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 export_par=("${par[@]}" --data-parallel-size "$DP")
@@ -104,7 +111,8 @@ for c in "${CASES[@]}"; do
     llama) model=("${model_llama[@]}") ;;
     gate) model=("${model_gate[@]}") ;;
     moe) model=("${model_moe[@]}") ;;
-    *) echo "error: unknown case '$c' (gpt, llama, gate, moe)" >&2; exit 2 ;;
+    moebias) model=("${model_moebias[@]}") ;;
+    *) echo "error: unknown case '$c' (gpt, llama, gate, moe, moebias)" >&2; exit 2 ;;
   esac
   d=$OUT/$c
   rm -rf "$d" && mkdir -p "$d"
