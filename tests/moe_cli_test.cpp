@@ -705,9 +705,10 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
   CHECK_THAT(back.out, Contains("--num-experts 4"));
 }
 
-// MoE layers with linear biases (Megatron's default): they train, save and resume; the conversions
-// that have no place for the router's and the experts' biases refuse in one line naming them.
-TEST_CASE("MoE with linear biases: trains and resumes, and export-hf and export-megatron refuse in one line",
+// MoE layers with linear biases (Megatron's default): they train, save and resume; export-hf (no
+// place for the biases in the HF MoE families) and export-megatron's torch format refuse in one
+// line; export-megatron's torch_dist round-trips through import-megatron.
+TEST_CASE("MoE with linear biases: trains and resumes, export-hf refuses, export-megatron writes torch_dist",
           "[cli][moe][binary]") {
   TempDir dir;
   const Args model = words("--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --num-layers 2 "
@@ -739,13 +740,25 @@ TEST_CASE("MoE with linear biases: trains and resumes, and export-hf and export-
   const RunResult hf = run_binary(words("export-hf --load " + dir.str("ckpt") + " --output " + dir.str("hf")));
   CHECK(hf.exit_code != 0);
   CHECK_THAT(hf.err, Contains("linear biases in MoE layers"));
-  for (const char* format : {"torch_dist", "torch"}) {
-    const RunResult meg = run_binary(words(std::string("export-megatron --ckpt-format ") + format + " --load " +
-                                           dir.str("ckpt") + " --save " + dir.str(std::string("meg_") + format)));
-    CHECK(meg.exit_code != 0);
-    CHECK_THAT(meg.err, Contains("holds MoE layers with linear biases"));
-  }
+  // To Megatron-LM: torch_dist only (with the optimizer state), which imports back and resumes as the
+  // straight run.
+  const RunResult torch_fmt = run_binary(words("export-megatron --ckpt-format torch --load " + dir.str("ckpt") +
+                                               " --save " + dir.str("meg_torch")));
+  CHECK(torch_fmt.exit_code != 0);
+  CHECK_THAT(torch_fmt.err, Contains("writes in --ckpt-format torch_dist only"));
+  const RunResult meg = run_binary(words("export-megatron --load " + dir.str("ckpt") + " --save " + dir.str("meg")));
+  INFO(meg.out << meg.err);
+  REQUIRE(meg.exit_code == 0);
+  CHECK_THAT(meg.out, Contains("--no-bias-swiglu-fusion"));
+  const RunResult back = run_binary(words("import-megatron --load " + dir.str("meg") + " --save " + dir.str("back")));
+  INFO(back.out << back.err);
+  REQUIRE(back.exit_code == 0);
+  const RunResult again = run_binary(model + words("--train-iters 6 --load " + dir.str("back")));
+  INFO(again.out << again.err);
+  REQUIRE(again.exit_code == 0);
+  for (const char* it : {"5", "6"}) CHECK(line_of(again.out, it) == line_of(straight.out, it));
 }
+
 
 TEST_CASE("binary: --moe-per-layer-logging writes each layer's losses to TensorBoard as Megatron names them",
           "[cli][binary][moe]") {
