@@ -1210,10 +1210,18 @@ void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tenso
 // ---- the experts' linear biases (host side) ------------------------------------------------
 namespace {
 constexpr int kBiasThreads = 256;
-void check_grouped_bias(const char* op, const Tensor& y, const Tensor& bias, const Tensor& p, int64_t E) {
+// Checks the operands (y: the rows, y or dy) against the offsets; the device offsets, or null with
+// host offsets.
+const int32_t* check_grouped_bias(const char* op, const Tensor& y, const Tensor& bias, const Tensor& p,
+                                  const ExpertOffsets& offsets) {
+  const int64_t E = offsets.experts();
+  if (offsets.on_host())
+    MT_CHECK(offsets.host.front() == 0 && offsets.host.back() == y.rows(), "{}: offsets end at {} for {} rows", op,
+             offsets.host.back(), y.rows());
   MT_CHECK(bias.dtype == y.dtype && bias.numel() == E * y.cols(), "{}: bias {} {} for {} experts of {} columns ({})",
            op, dtype_name(bias.dtype), bias.shape_string(), E, y.cols(), dtype_name(y.dtype));
   if (!p.empty()) check_f32(p, y.rows(), op, "p");
+  return offsets.on_host() ? nullptr : offsets.device.ptr<const int32_t>();
 }
 unsigned bias_row_blocks(const KernelContext& ctx, int64_t rows) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{ctx.num_sms} * 32)));
@@ -1223,12 +1231,8 @@ unsigned bias_row_blocks(const KernelContext& ctx, int64_t rows) {
 void grouped_bias_forward(const KernelContext& ctx, Tensor y, Tensor bias, Tensor p, const ExpertOffsets& offsets) {
   const char* op = "grouped_bias_forward";
   const int E = static_cast<int>(offsets.experts());
-  const int32_t* dev_offsets = offsets.on_host() ? nullptr : offsets.device.ptr<const int32_t>();
+  const int32_t* dev_offsets = check_grouped_bias(op, y, bias, p, offsets);
   const std::span<const int64_t> host_offsets = offsets.host;
-  if (offsets.on_host())
-    MT_CHECK(host_offsets.front() == 0 && host_offsets.back() == y.rows(), "{}: offsets end at {} for {} rows", op,
-             host_offsets.back(), y.rows());
-  check_grouped_bias(op, y, bias, p, E);
   const int64_t n = y.cols();
   if (n == 0 || y.rows() == 0) return;
   const float* pp = p.empty() ? nullptr : p.ptr<const float>();
@@ -1253,12 +1257,8 @@ void grouped_bias_backward(const KernelContext& ctx, Tensor dbias, Tensor dp, Te
   const char* op = "grouped_bias_backward";
   const int64_t n = dy.cols();
   const int E = static_cast<int>(offsets.experts());
-  const int32_t* dev_offsets = offsets.on_host() ? nullptr : offsets.device.ptr<const int32_t>();
+  const int32_t* dev_offsets = check_grouped_bias(op, dy, bias, p, offsets);
   const std::span<const int64_t> host_offsets = offsets.host;
-  if (offsets.on_host())
-    MT_CHECK(host_offsets.front() == 0 && host_offsets.back() == dy.rows(), "{}: offsets end at {} for {} rows", op,
-             host_offsets.back(), dy.rows());
-  check_grouped_bias(op, dy, bias, p, E);
   MT_CHECK(dbias.numel() == E * n, "{}: dbias {} for {} experts of {} columns", op, dbias.shape_string(), E, n);
   if (!dp.empty()) {
     MT_CHECK(!p.empty(), "{}: dp without p", op);

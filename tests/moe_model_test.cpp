@@ -134,6 +134,17 @@ struct MoeHarness {
   }
 };
 
+// The same model with the experts' fc1 outputs recomputed in backward (--recompute-modules moe):
+// the same objective and gradients, bit for bit.
+void check_moe_recompute_same(const Config& c, MoeHarness& h) {
+  Config r = c;
+  r.train.recompute_granularity = RecomputeGranularity::selective;
+  r.train.recompute_modules = {"moe"};
+  MoeHarness again(r);
+  CHECK(again.objective() == h.objective());
+  CHECK(again.grads() == h.grads());
+}
+
 }  // namespace
 
 TEST_CASE("MoE gradient check: softmax top-2 routing with aux and z-losses, shared experts", "[moe][gradcheck]") {
@@ -248,12 +259,7 @@ TEST_CASE("MoE gradient check: routing weights on the experts' input (--moe-appl
     c.model.moe.shared_expert_intermediate_size = 8;
     MoeHarness h(c);
     h.check_all(4);
-    Config r = c;
-    r.train.recompute_granularity = RecomputeGranularity::selective;
-    r.train.recompute_modules = {"moe"};
-    MoeHarness again(r);
-    CHECK(again.objective() == h.objective());
-    CHECK(again.grads() == h.grads());
+    check_moe_recompute_same(c, h);
   }
   SECTION("pre-softmax top-1, GeLU experts") {
     Config c = tiny_moe_config(3, 1);
@@ -325,12 +331,7 @@ TEST_CASE("MoE gradient check: linear biases (router, experts' fc1 and fc2)", "[
     c.model.moe.expert_capacity_factor = 0.5;
     MoeHarness h(c);
     h.check_all(4);
-    Config r = c;
-    r.train.recompute_granularity = RecomputeGranularity::selective;
-    r.train.recompute_modules = {"moe"};
-    MoeHarness again(r);
-    CHECK(again.objective() == h.objective());
-    CHECK(again.grads() == h.grads());
+    check_moe_recompute_same(c, h);
   }
   SECTION("the biases change the model") {
     Config c = biased(tiny_moe_config(4, 2));
