@@ -298,19 +298,19 @@ megatrain_parallel_train_test(parallel_train_moe_resume_dp2_to_ep4_distopt --mod
 # sharded over expert-DP), EP2 with whole experts under TP2 + SP, EP2 x PP2 with the all-gather
 # dispatcher and token dropping, and FP8 at EP2 equal one rank (FP8: seed 1; seeds 3 and 1234 move
 # an element across an FP8 rounding tie by iteration 3, as noted for the FP8 MoE tests below).
-set(moe_bias_model "--swiglu --normalization RMSNorm --position-embedding-type rope \
+set(moe_linear_bias_model "--swiglu --normalization RMSNorm --position-embedding-type rope \
 --untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 \
 --moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-grouped-gemm \
 --moe-token-dispatcher-type alltoall --expert-tensor-parallel-size 1")
-megatrain_parallel_train_test(parallel_train_moe_bias_ep2 --model "${moe_bias_model}" 2 --expert-model-parallel-size 2)
-megatrain_parallel_train_test(parallel_train_moe_bias_ep4_dp4_distopt --model "${moe_bias_model}" 4
+megatrain_parallel_train_test(parallel_train_moe_linear_bias_ep2 --model "${moe_linear_bias_model}" 2 --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_linear_bias_ep4_dp4_distopt --model "${moe_linear_bias_model}" 4
                               --expert-model-parallel-size 4 --use-distributed-optimizer)
-megatrain_parallel_train_test(parallel_train_moe_bias_ep2_tp2_sp --model "${moe_bias_model}" 4
+megatrain_parallel_train_test(parallel_train_moe_linear_bias_ep2_tp2_sp --model "${moe_linear_bias_model}" 4
                               --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
-megatrain_parallel_train_test(parallel_train_moe_bias_allgather_drop_ep2_pp2 --model "${moe_bias_model} \
+megatrain_parallel_train_test(parallel_train_moe_linear_bias_allgather_drop_ep2_pp2 --model "${moe_linear_bias_model} \
 --moe-token-dispatcher-type allgather --moe-expert-capacity-factor 0.5" 4 --expert-model-parallel-size 2
                               --pipeline-model-parallel-size 2)
-megatrain_parallel_train_test(parallel_train_fp8_moe_bias_ep2 --fp8 --model "${moe_bias_model} --fp8-format hybrid \
+megatrain_parallel_train_test(parallel_train_fp8_moe_linear_bias_ep2 --fp8 --model "${moe_linear_bias_model} --fp8-format hybrid \
 --fp8-amax-history-len 4 --fp8-amax-compute-algo max --calculate-per-token-loss --seed 1" 2 --expert-model-parallel-size 2)
 # FP8 MoE layers (--fp8-format; emulated on the reference backend): the attention's GEMMs as in dense
 # layers, the routed experts' GEMMs per expert with each expert's own scaling state (its amaxes
@@ -815,6 +815,10 @@ set_tests_properties(straggler_detector_names_the_slow_rank straggler_detector_d
 # rest of the layer, reduce-scattered and gathered over the expert-data-parallel group (EP 2 of DP 4:
 # expert-DP 2), also with TP 2 + SP.
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_dp4_zero3 --iters 20 --model "${moe_model}" 4 ${fsdp}
+                              optim_grads_params --expert-model-parallel-size 2)
+# MoE layers with linear biases (the experts' biases in the experts' bucket, the router's with the
+# layer's) under ZeRO-3 at EP 2 of DP 4.
+megatrain_parallel_train_test(parallel_train_fsdp_moe_linear_bias_ep2_dp4_zero3 --model "${moe_linear_bias_model}" 4 ${fsdp}
                               optim_grads_params --expert-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "${moe_model}" 4 ${fsdp}
                               optim_grads --expert-model-parallel-size 2 --tensor-model-parallel-size 2
