@@ -251,21 +251,30 @@ class Exporter {
   void add_local_experts(std::vector<RankParam>& out, const RankParam& fc1, const LayerName& layer, int t,
                          int e) const {
     const int E = model_.moe.num_experts, El = E / layout_.ep;
-    RankParam fc2 = fc1;
-    fc2.source = layer.source + "mlp.experts.linear_fc2.weight";
-    if (!reader_.has(fc2.source)) fail("{} has no '{}', which the model it records has", where_, fc2.source);
-    fc2.global_shape = reader_.info(fc2.source).global_shape;
+    // (with linear biases each linear's bias after its weight, as the local MLP registers them)
+    auto stacked = [&](const char* rest, bool weight_decay) {
+      RankParam p = fc1;
+      p.source = layer.source + rest;
+      if (!reader_.has(p.source)) fail("{} has no '{}', which the model it records has", where_, p.source);
+      p.global_shape = reader_.info(p.source).global_shape;
+      p.weight_decay = weight_decay;
+      return p;
+    };
+    const bool biases = reader_.has(layer.source + "mlp.experts.linear_fc1.bias");
+    std::vector<std::pair<RankParam, std::string>> parts = {{fc1, "linear_fc1.weight"}};
+    if (biases) parts.push_back({stacked("mlp.experts.linear_fc1.bias", false), "linear_fc1.bias"});
+    parts.push_back({stacked("mlp.experts.linear_fc2.weight", fc1.weight_decay), "linear_fc2.weight"});
+    if (biases) parts.push_back({stacked("mlp.experts.linear_fc2.bias", false), "linear_fc2.bias"});
     for (int i = 0; i < El; ++i) {
       const int g = e * El + i;
-      RankParam a = fc1, b = fc2;
-      a.local_name = fmt::format("{}mlp.experts.local_experts.{}.linear_fc1.weight", layer.local, i);
-      a.shard = megatron_expert_shard(true, a.global_shape, E, g, model_.swiglu, layout_.tp, t);
-      a.local_shape = megatron_shard_shape(a.shard, a.global_shape);
-      b.local_name = fmt::format("{}mlp.experts.local_experts.{}.linear_fc2.weight", layer.local, i);
-      b.shard = megatron_expert_shard(false, b.global_shape, E, g, model_.swiglu, layout_.tp, t);
-      b.local_shape = megatron_shard_shape(b.shard, b.global_shape);
-      out.push_back(std::move(a));
-      out.push_back(std::move(b));
+      for (const auto& [part, name] : parts) {
+        RankParam a = part;
+        a.local_name = fmt::format("{}mlp.experts.local_experts.{}.{}", layer.local, i, name);
+        a.shard = megatron_expert_shard(name.starts_with("linear_fc1"), a.global_shape, E, g, model_.swiglu,
+                                        layout_.tp, t);
+        a.local_shape = megatron_shard_shape(a.shard, a.global_shape);
+        out.push_back(std::move(a));
+      }
     }
   }
 
@@ -752,10 +761,6 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const PipelineSplit split = PipelineSplit::from_config(cfg);
   pipeline_chunks(split);  // throws naming the flags for a split Megatron refuses
   for (int t = 0; t < layout.tp; ++t) ModelDims::from_config(cfg, RankPosition::split(cfg, layout.tp, t));
-  if (model.moe.enabled() && model.add_bias_linear && o.format != "torch_dist")
-    throw Unsupported(fmt::format("export-megatron: {} holds MoE layers with linear biases (the router's and the "
-                                  "experts' biases), which export-megatron writes in --ckpt-format torch_dist only",
-                                  where));
   if (model.moe.enabled() && model.add_bias_linear && layout.tp > 1)
     throw Unsupported(fmt::format("export-megatron: {} holds MoE layers with linear biases, whose experts Megatron-LM "
                                   "keeps at expert tensor-parallel size 1: export with --tensor-model-parallel-size 1 "

@@ -39,8 +39,9 @@ const std::vector<std::string>& layer_order(bool te_spec) {
       // weight; its expert_bias is a buffer), experts and shared expert (its gate, a parameter of its
       // own, before its linears)
       "pre_mlp_layernorm.weight",                   "pre_mlp_layernorm.bias",
-      "mlp.router.weight",
+      "mlp.router.weight",                          "mlp.router.bias",
       "mlp.experts.linear_fc1.weight",              "mlp.experts.linear_fc2.weight",
+      "mlp.experts.linear_fc1.bias",                "mlp.experts.linear_fc2.bias",  // (placed by add_experts)
       "mlp.shared_experts.gate_weight",
       "mlp.shared_experts.linear_fc1.weight",       "mlp.shared_experts.linear_fc2.weight"};
   static const std::vector<std::string> te = [] {
@@ -148,11 +149,17 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
   }
   const std::vector<std::string>& order = layer_order(te_spec);
   // A layer's routed experts: each expert's fc1 and fc2 a parameter of Megatron's own, in turn
-  // (the local spec's SequentialMLP), or every expert's fc1, then every fc2 (Transformer Engine's
-  // grouped linears weight0, weight1, ...).
+  // (the local spec's SequentialMLP: fc1's weight and bias, then fc2's), or every expert's fc1, then
+  // every fc2 (Transformer Engine's grouped linears weight0, weight1, ...).
   const auto add_experts = [&](const std::string& prefix, bool fc1_entry) {
     const int E = dims.experts;
     const std::string fc1 = prefix + "mlp.experts.linear_fc1.weight", fc2 = prefix + "mlp.experts.linear_fc2.weight";
+    const std::string fc1_b = prefix + "mlp.experts.linear_fc1.bias", fc2_b = prefix + "mlp.experts.linear_fc2.bias";
+    const bool biases = by_name.count(fc1_b) > 0;
+    if (biases && te_spec)
+      fail("'{}': megatrain lays out MoE layers with linear biases as Megatron-LM's local spec only (its "
+           "SequentialMLP), not Transformer Engine's grouped linears",
+           fc1_b);
     auto one = [&](const std::string& name, bool is_fc1, int e) {
       const ParamDesc& d = *by_name.at(name);
       const ShardIndex sh = megatron_expert_shard(is_fc1, d.global_shape, E, e, dims.swiglu, tp, tp_rank);
@@ -160,7 +167,11 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
     };
     for (int e = 0; e < E; ++e) {
       if (fc1_entry || !te_spec) one(fc1_entry ? fc1 : fc2, fc1_entry, e);
-      if (fc1_entry && !te_spec) one(fc2, false, e);
+      if (fc1_entry && !te_spec) {
+        if (biases) one(fc1_b, true, e);
+        one(fc2, false, e);
+        if (biases) one(fc2_b, false, e);
+      }
     }
   };
   // Layer l's parameters named `prefix` + the layer's own names; `extra`: those of an MTP depth's
@@ -171,7 +182,8 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
       if (by_name.count(prefix + suffix)) {
         if (suffix == "mlp.experts.linear_fc1.weight") add_experts(prefix, true);
         else if (suffix == "mlp.experts.linear_fc2.weight") { if (te_spec) add_experts(prefix, false); }
-        else add(prefix + suffix, true);
+        else if (suffix != "mlp.experts.linear_fc1.bias" && suffix != "mlp.experts.linear_fc2.bias")
+          add(prefix + suffix, true);
         ++found;
       }
     size_t held = 0;
@@ -180,14 +192,8 @@ std::vector<FlatParam> megatron_chunk_params(const Config& cfg, int tp, int tp_r
     if (found != held) {
       for (const ParamDesc& d : descs)
         if (d.layer == l && !d.shared_copy && d.name.compare(0, prefix.size(), prefix) == 0 &&
-            std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end()) {
-          if (d.name.find(".mlp.router.bias") != std::string::npos ||
-              (d.name.find(".mlp.experts.") != std::string::npos && d.name.ends_with(".bias")))
-            fail("'{}': megatrain does not lay out the optimizer state of MoE layers with linear biases as "
-                 "Megatron-LM's flat buffers yet (their weights convert; --finetune or --no-load-optim)",
-                 d.name);
+            std::find(order.begin(), order.end(), d.name.substr(prefix.size())) == order.end())
           fail("'{}' has no known place in Megatron's registration order", d.name);
-        }
     }
   };
   for (int l = first_layer; l < first_layer + num_layers; ++l) add_layer(l, fmt::format("decoder.layers.{}.", l), 0);
@@ -346,7 +352,7 @@ std::string place_flat_optimizer_state(MegatronCheckpoint& ck, const Config& cfg
     std::vector<ShardIndex> shards = joins.shards.at(name);
     if (pieces.size() > static_cast<size_t>(tp)) {  // routed experts: each expert's TP shards
       const int E = cfg.model.moe.num_experts;
-      const bool fc1 = name.ends_with("mlp.experts.linear_fc1.weight");
+      const bool fc1 = name.find("mlp.experts.linear_fc1.") != std::string::npos;  // (weight or bias)
       shards.clear();
       for (int e = 0; e < E; ++e)
         for (int t = 0; t < tp; ++t) shards.push_back(megatron_expert_shard(fc1, shape, E, e, cfg.model.swiglu, tp, t));

@@ -89,10 +89,12 @@ std::vector<int64_t> megatron_shard_shape(const ShardIndex& shard, const std::ve
 
 ShardIndex megatron_expert_shard(bool fc1, const std::vector<int64_t>& global_shape, int experts, int expert,
                                  bool swiglu, int tp, int rank) {
-  if (global_shape.size() != 2 || experts < 1 || global_shape[0] % experts != 0)
+  if (global_shape.empty() || global_shape.size() > 2 || experts < 1 || global_shape[0] % experts != 0)
     fail("stacked experts of shape [{} x ...] do not split into {} experts", global_shape.empty() ? 0 : global_shape[0],
          experts);
-  const int64_t rows = global_shape[0] / experts, cols = global_shape[1];
+  const int64_t rows = global_shape[0] / experts, cols = global_shape.size() == 2 ? global_shape[1] : 1;
+  // (The experts' biases [E x rows]: fc1's split over TP as fc1's rows, fc2's whole on every rank.)
+  if (global_shape.size() == 1 && !fc1) return ShardIndex{global_shape[0], 1, int64_t{expert} * rows, 0, rows, 1, 1};
   if (fc1) {
     const int64_t halves = swiglu ? 2 : 1, local = rows / halves / tp;
     return ShardIndex{global_shape[0], cols, rank * local, 0, local, cols, int64_t{experts} * halves,

@@ -706,9 +706,9 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
 }
 
 // MoE layers with linear biases (Megatron's default): they train, save and resume; export-hf (no
-// place for the biases in the HF MoE families) and export-megatron's torch format refuse in one
-// line; export-megatron's torch_dist round-trips through import-megatron.
-TEST_CASE("MoE with linear biases: trains and resumes, export-hf refuses, export-megatron writes torch_dist",
+// place for the biases in the HF MoE families) refuses in one line; export-megatron's torch_dist and
+// torch formats round-trip through import-megatron.
+TEST_CASE("MoE with linear biases: trains and resumes, export-hf refuses, export-megatron writes both formats",
           "[cli][moe][binary]") {
   TempDir dir;
   const Args model = words("--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --num-layers 2 "
@@ -740,12 +740,27 @@ TEST_CASE("MoE with linear biases: trains and resumes, export-hf refuses, export
   const RunResult hf = run_binary(words("export-hf --load " + dir.str("ckpt") + " --output " + dir.str("hf")));
   CHECK(hf.exit_code != 0);
   CHECK_THAT(hf.err, Contains("linear biases in MoE layers"));
-  // To Megatron-LM: torch_dist only (with the optimizer state), which imports back and resumes as the
-  // straight run.
-  const RunResult torch_fmt = run_binary(words("export-megatron --ckpt-format torch --load " + dir.str("ckpt") +
-                                               " --save " + dir.str("meg_torch")));
-  CHECK(torch_fmt.exit_code != 0);
-  CHECK_THAT(torch_fmt.err, Contains("writes in --ckpt-format torch_dist only"));
+  // To Megatron-LM: torch_dist with the optimizer state, which imports back and resumes as the
+  // straight run; the torch format (weights only, each expert's biases after its weights, at EP 2 x
+  // PP 2 here), which imports back to the same weights: a --finetune run from it trains as one from
+  // the checkpoint itself.
+  const RunResult torch_fmt =
+      run_binary(words("export-megatron --ckpt-format torch --expert-model-parallel-size 2 --data-parallel-size 2 "
+                       "--pipeline-model-parallel-size 2 --load " + dir.str("ckpt") + " --save " + dir.str("meg_torch")));
+  INFO(torch_fmt.out << torch_fmt.err);
+  REQUIRE(torch_fmt.exit_code == 0);
+  const RunResult torch_back =
+      run_binary(words("import-megatron --load " + dir.str("meg_torch") + " --save " + dir.str("torch_back")));
+  INFO(torch_back.out << torch_back.err);
+  REQUIRE(torch_back.exit_code == 0);
+  const RunResult from_ckpt = run_binary(model + words("--train-iters 2 --finetune --load " + dir.str("ckpt")));
+  const RunResult from_torch = run_binary(model + words("--train-iters 2 --finetune --load " + dir.str("torch_back")));
+  REQUIRE(from_ckpt.exit_code == 0);
+  REQUIRE(from_torch.exit_code == 0);
+  for (const char* it : {"1", "2"}) {
+    CHECK_FALSE(line_of(from_ckpt.out, it).empty());
+    CHECK(line_of(from_torch.out, it) == line_of(from_ckpt.out, it));
+  }
   const RunResult meg = run_binary(words("export-megatron --load " + dir.str("ckpt") + " --save " + dir.str("meg")));
   INFO(meg.out << meg.err);
   REQUIRE(meg.exit_code == 0);
