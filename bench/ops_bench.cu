@@ -481,6 +481,17 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     cuda::bench_choice::grouped_register_epilogue = false;
     B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,
               [&](int) { be.linear_forward(y, x, wd, Tensor(), Activation::none, Tensor()); });
+    // The experts' linear biases (MoE layers with --add-bias-linear): y += p * b (y read and
+    // written), and the backward (dy read twice: the bias gradient's column sums, then d p's rows).
+    {
+      Tensor bias = B.alloc(bf, {E, L.n}, 0.1), p = B.alloc(DType::f32, {R}, 0.5);
+      Tensor db = B.alloc(DType::f32, {E, L.n}), dp = B.alloc(DType::f32, {R});
+      const double rows_bytes = static_cast<double>(R) * L.n * 2;
+      B.memory_op(mn, std::string("grouped bias fwd (x p) ") + L.name, shape2(R, L.n), 2 * rows_bytes,
+                  [&](int) { be.grouped_bias_forward(y, bias, p, offs); });
+      B.memory_op(mn, std::string("grouped bias bwd (db, dp) ") + L.name, shape2(R, L.n), 2 * rows_bytes,
+                  [&](int) { be.grouped_bias_backward(db, dp, y, bias, p, offs, false); });
+    }
     B.free_all();
   }
 }
