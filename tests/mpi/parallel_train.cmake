@@ -564,6 +564,9 @@ megatrain_parallel_train_test(parallel_train_inter_document_tp2_sp_pp2_vpp2 --mo
 # micro-batch (each rank's value its part of the micro-batch's loss, seeded x CP as Megatron), the
 # experts' EP x expert-DP ranks folding the dense CP x DP ones (Megatron's parallel folding).
 megatrain_parallel_train_test(parallel_train_moe_cp2 --model "${moe_model}" 2 --context-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_moe_linear_bias_cp2_ep2_recompute --model "${moe_linear_bias_model} \
+--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" 2 --context-parallel-size 2
+                              --expert-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_moe_cp2_ep2 --model "${moe_model}" 2 --context-parallel-size 2
                               --expert-model-parallel-size 2)
 # --use-tp-pp-dp-mapping (DP last) with PP 2: EP folding TP (expert TP 1), and EP folding CP (4 ranks
