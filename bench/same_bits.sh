@@ -6,10 +6,12 @@
 #
 # gpu (default): the three benchmark configs of bench/run_bench.sh (gpt2-124m, gpt-1.3b,
 #   llama-1b) in bf16, gpt-1.3b / llama-1b with FP8 (hybrid, delayed and tensorwise scaling), and
-#   moe-mixtral-proxy's model at 8 layers, each for ITERS (default 6) iterations with --deterministic-mode on --mock-data.
+#   moe-mixtral-proxy's model at 8 layers (and at 4 layers with linear biases), each for ITERS (default 6)
+#   iterations with --deterministic-mode on --mock-data.
 # cpu: tiny GPT and Llama models on the reference backend (float32), also with FP8, recompute,
-#   dropout, q/k norm, a sliding window and MoE, and over MPI ranks (TP2+SP x PP2, TP2 x DP2 with the
-#   distributed optimizer, TP2+SP x DP2 with FP8, MoE at EP2 with expert TP 2 and 1) where mpirun is.
+#   dropout, q/k norm, a sliding window and MoE (also with linear biases), and over MPI ranks
+#   (TP2+SP x PP2, TP2 x DP2 with the distributed optimizer, TP2+SP x DP2 with FP8, MoE at EP2 with
+#   expert TP 2 and 1) where mpirun is.
 # runs: a comma-separated subset of the run names printed (default: all).
 # Prints one line per run ("same" or the first difference) and exits non-zero on any difference.
 set -uo pipefail
@@ -55,6 +57,8 @@ if [ "$where" = gpu ]; then
     --disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 5632 --moe-grouped-gemm
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
   add moe-mixtral-proxy-8-layers "$common $moe"
+  # (MoE with linear biases: binaries from before 50a5c3b refuse it.)
+  add moe-linear-bias-4-layers "$common ${moe/--disable-bias-linear/} --num-layers 4"
 else
   common="--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 96 --seq-length 32
     --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4
@@ -74,6 +78,9 @@ else
   moe="$llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-grouped-gemm
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
   add moe "$common $nodrop $moe"
+  # (MoE with linear biases, the router's and the experts': binaries from before 50a5c3b refuse it.)
+  add moe-linear-bias "$common $nodrop ${llama/--disable-bias-linear/} --num-experts 4 --moe-router-topk 2
+    --moe-ffn-hidden-size 48 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2"
   if command -v mpirun > /dev/null; then
     mpi="mpirun -np 4 --oversubscribe --allow-run-as-root"
     add mpi-tp2sp-pp2 "$common $nodrop --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
