@@ -430,18 +430,17 @@ void ExportPlan::write_torch_dist(const std::string& tmp_dir, MegatronExportResu
       ShardIndex part;  // of megatrain's 2-D view
     };
     std::vector<Chunk> chunks;
-    if (it.experts > 0 && global.size() == 1) {  // the experts' biases [E * n]: [E, n]
+    if (it.experts > 0) {  // [E x rows (, cols)]: [E, rows (, cols)], a chunk per expert (biases 1-D per expert)
       const int64_t rows = global.at(0) / it.experts;
-      global = {it.experts, rows};
-      for (int64_t e = 0; e < it.experts; ++e)
-        chunks.push_back({{e, 0}, {1, rows}, ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows,
-                                                        info.global_cols, 1}});
-    } else if (it.experts > 0) {
-      const int64_t rows = global.at(0) / it.experts;
-      global = {it.experts, rows, global.at(1)};
-      for (int64_t e = 0; e < it.experts; ++e)
-        chunks.push_back({{e, 0, 0}, {1, rows, global[2]},
-                          ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows, info.global_cols, 1}});
+      global.front() = rows;
+      global.insert(global.begin(), it.experts);
+      for (int64_t e = 0; e < it.experts; ++e) {
+        Chunk c{std::vector<int64_t>(global.size(), 0), global,
+                ShardIndex{info.global_rows, info.global_cols, e * rows, 0, rows, info.global_cols, 1}};
+        c.offsets[0] = e;
+        c.shape[0] = 1;
+        chunks.push_back(std::move(c));
+      }
     } else {
       chunks.push_back({std::vector<int64_t>(global.size(), 0), global, ShardIndex::whole(info.global_rows, info.global_cols)});
     }
