@@ -407,8 +407,13 @@ void bench_model(Bench& B, const Model& M) {
     OptimStepParams p;
     p.lr[0] = p.lr[1] = 1e-4f;
     p.weight_decay[0] = 0.1f;
-    B.memory_op(mn, "adamw (+bf16 copy)", std::to_string(P) + " params", 30.0 * P,
-                [&](int) { be.adamw_step(w, g, m, v, model, segs, p); });
+    // (bench_choice::adamw_variant: the kernel's loads in flight per thread and cache hints.)
+    for (int variant = 0; variant <= 6; ++variant) {
+      cuda::bench_choice::adamw_variant = variant;
+      B.memory_op(mn, "adamw (+bf16 copy)" + (variant ? " variant " + std::to_string(variant) : std::string()),
+                  std::to_string(P) + " params", 30.0 * P, [&](int) { be.adamw_step(w, g, m, v, model, segs, p); });
+    }
+    cuda::bench_choice::adamw_variant = 0;
     B.memory_op(mn, "sum_squares (grad norm)", std::to_string(P) + " params", 4.0 * P,
                 [&](int) { be.sum_squares(out, g, segs, false); });
     // Zeroing the main grads each step: 0 takes cudaMemsetAsync, any other value the fill kernel.
@@ -453,6 +458,7 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
   for (const Lin L : {Lin{"fc1", 2 * F, H}, Lin{"fc2", H, F}}) {
     Tensor x = B.alloc(bf, {R, L.k}, 1.0), w = B.alloc(bf, {E * L.n, L.k}, 0.02), y = B.alloc(bf, {R, L.n});
     Tensor dw = B.alloc(DType::f32, {E * L.n, L.k});
+    Tensor dw16 = B.alloc(bf, {E * L.n, L.k});
     Tensor wd = B.alloc(bf, {L.n, L.k}, 0.02);
     // The offsets on the device, as the MoE block passes them (the host never waits for the routing).
     Tensor off_dev = B.alloc(DType::i32, {E + 1});
@@ -462,13 +468,16 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
       bench_choice_path path;
       bool register_epilogue;  // the TMA kernel's fragments stored from registers (its old epilogue)
       const char* name;
+      int wgrad_pipe = 0;  // bench_choice::grouped_wgrad_pipe (float32 weight gradients only)
     };
     for (const Variant v : {Variant{bench_choice_path::mma, false, "ours"},
+                            Variant{bench_choice_path::mma, false, "ours, 3 stages 5 boxes", 1},
                             Variant{bench_choice_path::mma, true, "ours, register stores"},
                             Variant{bench_choice_path::mma_cp_async, false, "wgmma cp.async"},
                             Variant{bench_choice_path::cublas, false, "cublas"}}) {
       cuda::bench_choice::grouped_gemm_path = v.path;
       cuda::bench_choice::grouped_register_epilogue = v.register_epilogue;
+      cuda::bench_choice::grouped_wgrad_pipe = v.wgrad_pipe;
       const std::string tag = std::string(" ") + L.name + " (" + v.name + ")";
       B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, offs); });
       B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, offs); });
@@ -476,9 +485,13 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
                 [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, false); });
       B.gemm_op(mn, "grouped bwd_weight +acc f32" + tag, L.n, L.k, R,
                 [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, true); });
+      // (A 16-bit weight gradient: the same main loop with half the epilogue's bytes.)
+      B.gemm_op(mn, "grouped bwd_weight bf16" + tag, L.n, L.k, R,
+                [&](int) { be.grouped_linear_backward_weight(dw16, y, x, offs, false); });
     }
     cuda::bench_choice::grouped_gemm_path = bench_choice_path::automatic;
     cuda::bench_choice::grouped_register_epilogue = false;
+    cuda::bench_choice::grouped_wgrad_pipe = 0;
     B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,
               [&](int) { be.linear_forward(y, x, wd, Tensor(), Activation::none, Tensor()); });
     // The experts' linear biases (MoE layers with --add-bias-linear): y += p * b (y read and

@@ -30,6 +30,7 @@
 #include <cmath>
 
 #include "core/byte_hash.h"
+#include "cuda/bench_choice.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
 #include "cuda/kernels.h"
@@ -202,40 +203,87 @@ __device__ __forceinline__ void for_range_by4(int64_t begin, int64_t end, bool v
   for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) one(i);
 }
 
-// Elements [begin, end) of a chunk: 16-byte accesses where for_range_by4 allows, element by element
-// otherwise.
-template <typename M, typename G, typename A, typename V>
+// Loads of four-element groups as float32 (load4), plain or streaming (kStream: ld.global.cs,
+// evict-first: each element is read and written once per step, so nothing is worth keeping in L2).
+template <bool kStream, typename T>
+__device__ __forceinline__ float4 load4s(const T* p) {
+  if constexpr (kStream && std::is_same_v<T, float>) return __ldcs(reinterpret_cast<const float4*>(p));
+  else if constexpr (kStream) {
+    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+    return make_float4(to_float(e[0]), to_float(e[1]), to_float(e[2]), to_float(e[3]));
+  } else return load4(p);
+}
+
+// The groups of four q in [0, nvec) of a chunk, kUnroll per thread at a time: every group's loads
+// are issued before any group's update. (The updates store to the buffers the next groups load
+// from, as far as the compiler knows, so a plain loop keeps one group's loads in flight per thread;
+// AdamW's five streams then fall short of the memory's bandwidth.)
+template <int kUnroll, typename Load, typename Update>
+__device__ __forceinline__ void for_groups_unrolled(int64_t nvec, Load&& load, Update&& update) {
+  for (int64_t q0 = threadIdx.x; q0 < nvec; q0 += kUnroll * static_cast<int64_t>(blockDim.x)) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
+      if (q < nvec) load(u, q);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
+      if (q < nvec) update(u, q);
+    }
+  }
+}
+
+// Elements [begin, end) of a chunk: 16-byte accesses, kUnroll groups of four per thread at a time,
+// from a 4-aligned start when `vec`; element by element otherwise and for the tail.
+template <int kUnroll, bool kStream, typename M, typename G, typename A, typename V>
 __device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd, float eps,
                                            bool vec, float scale, bool track, float& amax) {
-  auto four = [&](int64_t i) {
-    const float4 g = load4(a.grad + i);
-    float4 m = load4(a.exp_avg + i);
-    float4 v = load4(a.exp_avg_sq + i);
-    float4 p = *reinterpret_cast<const float4*>(a.master + i);
-    const float s = a.grad_scale;
-    p.x = adam_one(m.x, v.x, p.x, g.x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-    p.y = adam_one(m.y, v.y, p.y, g.y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-    p.z = adam_one(m.z, v.z, p.z, g.z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-    p.w = adam_one(m.w, v.w, p.w, g.w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-    store4(a.exp_avg + i, m);
-    store4(a.exp_avg_sq + i, v);
-    *reinterpret_cast<float4*>(a.master + i) = p;
-    store_model4<M>(a.model, i, p, scale, track, amax);
-  };
-  for_range_by4(begin, end, vec, four, [&](int64_t i) { adam_update<M>(a, i, lr, wd, eps, scale, track, amax); });
+  int64_t scalar_from = begin;
+  if (vec && (begin & 3) == 0) {
+    const int64_t nvec = (end - begin) / 4;
+    float4 g[kUnroll], m[kUnroll], v[kUnroll], p[kUnroll];
+    for_groups_unrolled<kUnroll>(
+        nvec,
+        [&](int u, int64_t q) {
+          const int64_t i = begin + 4 * q;
+          g[u] = load4s<kStream>(a.grad + i);
+          m[u] = load4s<kStream>(a.exp_avg + i);
+          v[u] = load4s<kStream>(a.exp_avg_sq + i);
+          p[u] = load4s<kStream>(a.master + i);
+        },
+        [&](int u, int64_t q) {
+          const int64_t i = begin + 4 * q;
+          const float s = a.grad_scale;
+          float4& P = p[u];
+          float4 &Mo = m[u], &Vo = v[u];
+          P.x = adam_one(Mo.x, Vo.x, P.x, g[u].x * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+          P.y = adam_one(Mo.y, Vo.y, P.y, g[u].y * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+          P.z = adam_one(Mo.z, Vo.z, P.z, g[u].z * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+          P.w = adam_one(Mo.w, Vo.w, P.w, g[u].w * s, a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+          store4(a.exp_avg + i, Mo);
+          store4(a.exp_avg_sq + i, Vo);
+          *reinterpret_cast<float4*>(a.master + i) = P;
+          store_model4<M>(a.model, i, P, scale, track, amax);
+        });
+    scalar_from = begin + 4 * nvec;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd, eps, scale, track, amax);
 }
 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
 __device__ __forceinline__ float copy_scale(const DeviceSegment& s) { return s.fp8_scale ? *s.fp8_scale : 1.0f; }
 
-template <typename M, typename G, typename A, typename V>
-__global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_kernel(AdamArgs<G, A, V> a, SegmentArg segs, bool vec) {
+template <int kUnroll, bool kStream, int kMinBlocks, typename M, typename G, typename A, typename V>
+__global__ void __launch_bounds__(kOptimThreads, kMinBlocks) adamw_kernel(AdamArgs<G, A, V> a, SegmentArg segs, bool vec) {
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
     const DeviceSegment s = chunk_segment(segs, chunk, begin, end);
     float amax = 0.0f;
     const bool track = s.fp8_amax != nullptr;  // (block-uniform)
-    adam_range<M>(a, begin, end, a.lr[s.group], a.wd[s.group], a.eps[s.group], vec, copy_scale(s), track, amax);
+    adam_range<kUnroll, kStream, M>(a, begin, end, a.lr[s.group], a.wd[s.group], a.eps[s.group], vec, copy_scale(s),
+                                    track, amax);
     if (track) block_amax_atomic(s.fp8_amax, amax);
   }
 }
@@ -494,7 +542,16 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
           return;
         }
         dispatch_model(model_param, "adamw_step", [&]<typename M>() {
-          adamw_kernel<M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
+          // (The variants bench_ops compares: loads in flight per thread, streaming cache hints.)
+          switch (bench_choice::adamw_variant) {
+            case 1: adamw_kernel<2, false, 3, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            case 2: adamw_kernel<2, true, 3, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            case 3: adamw_kernel<4, false, 2, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            case 4: adamw_kernel<4, true, 2, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            case 5: adamw_kernel<8, false, 1, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            case 6: adamw_kernel<1, true, 4, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec); break;
+            default: adamw_kernel<1, false, 4, M, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, segs, vec);
+          }
         });
       });
     });

@@ -9,6 +9,7 @@
 
 #include "core/byte_hash.h"
 #include "core/master_remainder.h"
+#include "cuda/bench_choice.h"
 #include "tests/gpu/gpu_test_util.h"
 
 using namespace mt;
@@ -251,6 +252,44 @@ TEST_CASE("cuda adamw_step and sgd_step over inline and registered segment lists
        m = twin(DType::f32, {n}, rng.normal(n)), v = twin(DType::f32, {n}, rng.uniform(n, 0, 1));
   CHECK_THROWS_WITH(dev().adamw_step(w.c(), g.c(), m.c(), v.c(), Tensor(), unregistered, p),
                     Catch::Contains("register_optim_segments"));
+}
+
+// AdamW's kernel variants (cuda/bench_choice.h: loads in flight per thread, cache hints) compute
+// the same arithmetic: the same bits as the default kernel in master weights, moments and the model
+// copy, for segments starting off the 4-element alignment and tails of 1-3 elements, bf16 and fp16
+// copies, float32 and bf16 moments, and no copy.
+TEST_CASE("cuda adamw_step kernel variants give the default kernel's bits", "[gpu][optimizer]") {
+  MT_RNG(rng);
+  const int64_t n = 200011;
+  const SegmentLists lists = registered_segment_lists(rng, n);
+  const OptimStepParams p = step_params();
+  const std::vector<double> w0 = rng.normal(n), m0 = rng.normal(n, 0.001), v0 = rng.uniform(n, 0.0, 1e-4),
+                            g0 = rng.normal(n, 0.01);
+  for (const auto* segs : {&lists.short_list, &lists.long_list})
+    for (const DType model_dt : {DType::bf16, DType::f16, DType::u8 /* none */})
+      for (const DType moment_dt : {DType::f32, DType::bf16}) {
+        std::vector<std::vector<double>> first;
+        for (int variant = 0; variant <= 6; ++variant) {
+          INFO(segs->size() << " segments, model copy " << dtype_name(model_dt) << ", moments "
+                            << dtype_name(moment_dt) << ", variant " << variant);
+          cuda::bench_choice::adamw_variant = variant;
+          const Twin w = twin(DType::f32, {n}, w0), m = twin(moment_dt, {n}, m0), v = twin(moment_dt, {n}, v0),
+                     g = twin(DType::f32, {n}, g0);
+          const Twin model = model_dt != DType::u8 ? twin(model_dt, {n}, std::vector<double>(n, 7.0)) : absent();
+          dev().adamw_step(w.c(), g.c(), m.c(), v.c(), model_dt != DType::u8 ? model.c() : Tensor(), *segs, p);
+          std::vector<std::vector<double>> got{download(dev(), w.c()), download(dev(), m.c()), download(dev(), v.c())};
+          if (model_dt != DType::u8) got.push_back(download(dev(), model.c()));
+          if (variant == 0) {
+            first = got;
+            continue;
+          }
+          int64_t differ = 0;
+          for (size_t t = 0; t < got.size(); ++t)
+            for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&got[t][i], &first[t][i], sizeof(double)) != 0;
+          CHECK(differ == 0);
+        }
+      }
+  cuda::bench_choice::adamw_variant = 0;
 }
 
 // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer): each moment bf16 on its own,
