@@ -408,7 +408,7 @@ void bench_model(Bench& B, const Model& M) {
     p.lr[0] = p.lr[1] = 1e-4f;
     p.weight_decay[0] = 0.1f;
     // (bench_choice::adamw_variant: the kernel's loads in flight per thread and cache hints.)
-    for (int variant = 0; variant <= 6; ++variant) {
+    for (int variant = 0; variant <= 3; ++variant) {
       cuda::bench_choice::adamw_variant = variant;
       B.memory_op(mn, "adamw (+bf16 copy)" + (variant ? " variant " + std::to_string(variant) : std::string()),
                   std::to_string(P) + " params", 30.0 * P, [&](int) { be.adamw_step(w, g, m, v, model, segs, p); });
@@ -468,16 +468,13 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
       bench_choice_path path;
       bool register_epilogue;  // the TMA kernel's fragments stored from registers (its old epilogue)
       const char* name;
-      int wgrad_pipe = 0;  // bench_choice::grouped_wgrad_pipe (float32 weight gradients only)
     };
     for (const Variant v : {Variant{bench_choice_path::mma, false, "ours"},
-                            Variant{bench_choice_path::mma, false, "ours, 3 stages 5 boxes", 1},
                             Variant{bench_choice_path::mma, true, "ours, register stores"},
                             Variant{bench_choice_path::mma_cp_async, false, "wgmma cp.async"},
                             Variant{bench_choice_path::cublas, false, "cublas"}}) {
       cuda::bench_choice::grouped_gemm_path = v.path;
       cuda::bench_choice::grouped_register_epilogue = v.register_epilogue;
-      cuda::bench_choice::grouped_wgrad_pipe = v.wgrad_pipe;
       const std::string tag = std::string(" ") + L.name + " (" + v.name + ")";
       B.gemm_op(mn, "grouped fwd" + tag, R, L.n, L.k, [&](int) { be.grouped_linear_forward(y, x, w, offs); });
       B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, offs); });
@@ -491,7 +488,6 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     }
     cuda::bench_choice::grouped_gemm_path = bench_choice_path::automatic;
     cuda::bench_choice::grouped_register_epilogue = false;
-    cuda::bench_choice::grouped_wgrad_pipe = 0;
     B.gemm_op(mn, std::string("dense fwd, same FLOPs ") + L.name, R, L.n, L.k,
               [&](int) { be.linear_forward(y, x, wd, Tensor(), Activation::none, Tensor()); });
     // The experts' linear biases (MoE layers with --add-bias-linear): y += p * b (y read and

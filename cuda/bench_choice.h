@@ -25,14 +25,11 @@ inline GroupedGemmPath grouped_gemm_path = GroupedGemmPath::automatic;
 // stores where C allows (the default), or every fragment by the register stores.
 inline bool grouped_register_epilogue = false;
 
-// The TMA kernel's shared memory for a float32 weight gradient: 4 ring stages and 2 epilogue boxes
-// per consumer (0, every op's), or 3 stages and 5 boxes (1).
-inline int grouped_wgrad_pipe = 0;
-
-// AdamW's kernel (cuda/optimizer_kernels.cu): 0 one group of four elements per thread at a time
-// (four 16-byte loads in flight), 1 two groups (3 blocks per SM), 2 the same with streaming cache
-// hints (ld.global.cs), 3 four groups (2 blocks per SM), 4 the same with hints, 5 eight groups (1
-// block per SM), 6 one group with hints. The same arithmetic in each: the same bits.
+// AdamW's kernel (cuda/optimizer_kernels.cu): 0, the one megatrain runs, four groups of four
+// elements per thread at a time (sixteen 16-byte loads in flight, two blocks per SM) with streaming
+// cache hints (ld.global.cs); 1 one group at a time, four blocks per SM (the kernel before); 2 four
+// groups without the hints; 3 eight groups with them, one block per SM. The same arithmetic in each
+// (adam_one's explicit roundings): the same bits.
 inline int adamw_variant = 0;
 
 }  // namespace mt::cuda::bench_choice

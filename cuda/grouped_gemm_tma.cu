@@ -42,25 +42,14 @@ namespace {
 
 using namespace grouped_detail;
 
-constexpr int BM = 128, BN = 256, BK = 64;
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 static_assert(BK == kStepK, "the shared descriptors' k-step");
 constexpr int THREADS = 384;  // the producer's warpgroup and two consumers
 constexpr int kAElems = BM * BK, kBElems = BN * BK;
 constexpr int kStageBytes = (kAElems + kBElems) * 2;
 // The epilogue's boxes: two 8 KB buffers per consumer warpgroup, after the ring.
-constexpr int kBoxBytes = 64 * 128;
-// The shared memory's split: kStages ring stages, kBufs epilogue boxes per consumer warpgroup
-// (+ room to align the 1024-byte swizzle atoms). Pipe4x2 is every op's; Pipe3x5 gives a float32
-// weight gradient's epilogue (eight boxes a fragment) more of its boxes in flight for one stage
-// less (bench_choice::grouped_wgrad_pipe).
-template <int kStages, int kBufs>
-struct Pipe {
-  static constexpr int stages = kStages, bufs = kBufs;
-  static constexpr int smem = kStages * kStageBytes + 2 * kBufs * kBoxBytes + 1024;
-  static_assert(smem <= 227 * 1024, "the shared memory of one CTA");
-};
-using Pipe4x2 = Pipe<4, 2>;
-using Pipe3x5 = Pipe<3, 5>;
+constexpr int kBoxBytes = 64 * 128, kEpilogueBytes = 2 * 2 * kBoxBytes;
+constexpr int kSmemBytes = STAGES * kStageBytes + kEpilogueBytes + 1024;  // + room to align the 1024-byte swizzle atoms
 
 struct Args {
   const int* offsets;  // [groups + 1], device
@@ -170,7 +159,7 @@ __device__ __forceinline__ Tile tile_at(const Args& args, const int* first_tile,
 }
 
 // The producer's thread: every k-step of the CTA's tiles, in order, into the ring.
-template <typename T, GroupedOp kOp, typename P>
+template <typename T, GroupedOp kOp>
 __device__ __forceinline__ void produce(const CUtensorMap* map_a, const CUtensorMap* map_b, const Args& args,
                                         const int* first_tile, int tiles, T* smem, uint64_t* full, uint64_t* empty) {
   constexpr bool kWeight = kOp == GroupedOp::backward_weight;
@@ -178,8 +167,8 @@ __device__ __forceinline__ void produce(const CUtensorMap* map_a, const CUtensor
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile x = tile_at<kWeight>(args, first_tile, t);
     for (int kt = 0; kt < x.nk; ++kt, ++it) {
-      const int s = it % P::stages;
-      if (it >= P::stages) mbar_wait(&empty[s], ((it / P::stages) - 1) & 1);
+      const int s = it % STAGES;
+      if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
       T* As = smem + s * (kAElems + kBElems);
       T* Bs = As + kAElems;
       mbar_expect_tx(&full[s], kStageBytes);
@@ -257,7 +246,7 @@ __device__ __forceinline__ void store_fragment(TC* C, long long ldc, const float
 // warpgroup's two buffers in turn with the 128-byte swizzle (16-byte chunk c of row r at chunk
 // c ^ (r % 8)), each stored from (x0 + b w, y0[, z]) by the warpgroup's first thread. `boxes`
 // counts the warpgroup's boxes so far (the buffer in turn, and when one must wait for its store).
-template <typename TC, bool kWeight, int kBufs>
+template <typename TC, bool kWeight>
 __device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsigned char* bufs, const float (&d)[128],
                                                    int x0, int y0, int z, bool add, int bar_id, int& boxes) {
   constexpr bool kF32 = std::is_same_v<TC, float>;
@@ -267,9 +256,9 @@ __device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsig
   const bool leader = (threadIdx.x & 127) == 0;
 #pragma unroll
   for (int b = 0; b < kBoxes; ++b, ++boxes) {
-    unsigned char* buf = bufs + (boxes % kBufs) * kBoxBytes;
-    if (boxes >= kBufs) {
-      if (leader) tma_store_wait_read<kBufs - 1>();  // the store of this buffer's last box has read it
+    unsigned char* buf = bufs + (boxes & 1) * kBoxBytes;
+    if (boxes >= 2) {
+      if (leader) tma_store_wait_read<1>();  // the store of this buffer's last box has read it
       warpgroup_sync(bar_id);
     }
 #pragma unroll
@@ -312,7 +301,7 @@ __device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsig
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
 // [reduction, K] output-contiguous: its columns as 64-wide boxes 8 KB apart), backward_weight
 // (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
-template <typename T, typename TC, GroupedOp kOp, typename P>
+template <typename T, typename TC, GroupedOp kOp>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const __grid_constant__ CUtensorMap map_c, const __grid_constant__ Args args) {
@@ -321,7 +310,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool kARed = !kWeight, kBRed = kOp == GroupedOp::forward;
   extern __shared__ unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  __shared__ alignas(8) uint64_t full[P::stages], empty[P::stages];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
   __shared__ int first_tile[kWeight ? 1 : kGroupedMmaMaxGroups];
   __shared__ int warp_total[THREADS / 32];
   static_assert(THREADS >= kGroupedMmaMaxGroups, "one thread per expert");
@@ -331,7 +320,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                                   args.n_tiles;
   if (static_cast<int>(blockIdx.x) >= tiles) return;
   if (tid == 0) {
-    for (int s = 0; s < P::stages; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 2 * 128);
     }
@@ -340,13 +329,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   __syncthreads();
 
   if (tid < 128) {  // the producer: one thread
-    if (tid == 0) produce<T, kOp, P>(&map_a, &map_b, args, first_tile, tiles, smem, full, empty);
+    if (tid == 0) produce<T, kOp>(&map_a, &map_b, args, first_tile, tiles, smem, full, empty);
     return;
   }
   const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
   const int r_in = (warp << 4) + ((tid & 31) >> 2);  // this thread's first row in a 64-row fragment
   int it = 0;  // the CTA's k-steps before the tile at hand (both consumers')
-  unsigned char* const c_bufs = reinterpret_cast<unsigned char*>(smem + P::stages * (kAElems + kBElems)) + cw * P::bufs * kBoxBytes;
+  unsigned char* const c_bufs = reinterpret_cast<unsigned char*>(smem + STAGES * (kAElems + kBElems)) + cw * 2 * kBoxBytes;
   int boxes = 0;  // this warpgroup's epilogue boxes so far
   // Consumer cw computes rows [64 cw, 64 cw + 64) of every tile, all 256 columns.
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -355,8 +344,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     float d[128];
     zero(d);
     for (int kt = 0; kt < x.nk; ++kt, ++it) {
-      const int s = it % P::stages;
-      mbar_wait(&full[s], (it / P::stages) & 1);
+      const int s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1);
       T* As = smem + s * (kAElems + kBElems);
       T* Bs = As + kAElems;
       if (kWeight && x.rows - kt * BK < BK) zero_tail(As, Bs, x.rows - kt * BK);
@@ -369,15 +358,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       wgmma_commit();
       wgmma_wait_one();  // the previous k-step's MMAs are done: its stage goes back to the producer
-      if (kt > 0) mbar_arrive(&empty[(it - 1) % P::stages]);
+      if (kt > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     }
     wgmma_wait_all();
-    if (x.nk > 0) mbar_arrive(&empty[(it - 1) % P::stages]);
+    if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     fence_registers(d);
     // The TMA epilogue: a weight gradient's boxes are clipped at its expert's M rows by the 3-D map;
     // a row-grouped fragment only when its 64 rows are all the expert's.
     if (args.c_tma && (kWeight || x.m0 + cw * 64 + 64 <= x.rows)) {
-      store_fragment_tma<TC, kWeight, P::bufs>(&map_c, c_bufs, d, x.n0, kWeight ? x.m0 + cw * 64 : x.row0 + x.m0 + cw * 64, x.g,
+      store_fragment_tma<TC, kWeight>(&map_c, c_bufs, d, x.n0, kWeight ? x.m0 + cw * 64 : x.row0 + x.m0 + cw * 64, x.g,
                                       args.accumulate, 2 + cw, boxes);
       continue;
     }
@@ -458,16 +447,16 @@ bool c_map_for(GroupedOp op, const Tensor& c, const Args& args, CUtensorMap& map
   return r == CUDA_SUCCESS;
 }
 
-template <typename T, typename TC, GroupedOp kOp, typename P = Pipe4x2>
+template <typename T, typename TC, GroupedOp kOp>
 void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c, const Args& args, int grid,
             cudaStream_t stream) {
-  auto* kernel = grouped_tma_kernel<T, TC, kOp, P>;
+  auto* kernel = grouped_tma_kernel<T, TC, kOp>;
   static const bool configured = [&] {
-    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, P::smem));
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
   }();
   (void)configured;
-  kernel<<<grid, THREADS, P::smem, stream>>>(a, b, c, args);
+  kernel<<<grid, THREADS, kSmemBytes, stream>>>(a, b, c, args);
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -488,8 +477,6 @@ void dispatch(GroupedOp op, DType c_dtype, const CUtensorMap& a, const CUtensorM
     case GroupedOp::forward: return launch<T, T, GroupedOp::forward>(a, b, c, args, grid, stream);
     case GroupedOp::backward_input: return launch<T, T, GroupedOp::backward_input>(a, b, c, args, grid, stream);
     case GroupedOp::backward_weight:
-      if (c_dtype == DType::f32 && bench_choice::grouped_wgrad_pipe == 1)
-        return launch<T, float, GroupedOp::backward_weight, Pipe3x5>(a, b, c, args, grid, stream);
       if (c_dtype == DType::f32) return launch<T, float, GroupedOp::backward_weight>(a, b, c, args, grid, stream);
       return launch<T, T, GroupedOp::backward_weight>(a, b, c, args, grid, stream);
   }

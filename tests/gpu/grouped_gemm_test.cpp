@@ -51,25 +51,21 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
       DType dt;
       Path path;
       bool register_epilogue;  // the TMA kernel's fragments all stored from registers
-      int wgrad_pipe = 0;      // the TMA kernel's float32 weight gradient: 3 stages, 5 epilogue boxes (1)
     };
-    for (const auto& [dt, path, register_epilogue, wgrad_pipe] :
+    for (const auto& [dt, path, register_epilogue] :
          {Variant{DType::f32, Path::automatic, false}, Variant{DType::bf16, Path::automatic, false},
           Variant{DType::bf16, Path::mma, false}, Variant{DType::bf16, Path::mma, true},
-          Variant{DType::bf16, Path::mma, false, 1},
           Variant{DType::bf16, Path::mma_cp_async, false}, Variant{DType::bf16, Path::mma_sync, false},
           Variant{DType::bf16, Path::cublas, false}, Variant{DType::f16, Path::mma, false},
           Variant{DType::f16, Path::mma_sync, false}}) {
       cuda::bench_choice::grouped_gemm_path = path;
       cuda::bench_choice::grouped_register_epilogue = register_epilogue;
-      cuda::bench_choice::grouped_wgrad_pipe = wgrad_pipe;
       for (const bool on_device : {false, true}) {
         // Device offsets (int32, as the MoE block passes them) bound the operands' rows: here `pad`
         // rows follow the experts' and stay as they were.
         const int64_t pad = on_device ? 37 : 0, Rp = R + pad;
         INFO("experts " << E << ", rows " << R << ", N " << N << ", K " << K << ", " << dtype_name(dt) << ", path "
                         << static_cast<int>(path) << (register_epilogue ? " (register stores)" : "")
-                        << (wgrad_pipe ? " (3 stages, 5 epilogue boxes)" : "")
                         << (on_device ? ", device offsets" : ", host offsets"));
         const Twin offd = twin(DType::i32, {E + 1}, std::vector<double>(off.begin(), off.end()));
         const ExpertOffsets off_c = on_device ? ExpertOffsets::on_device(offd.c()) : ExpertOffsets(off);
@@ -139,6 +135,5 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
   // and device offsets.
   cuda::bench_choice::grouped_gemm_path = cuda::bench_choice::GroupedGemmPath::automatic;
   cuda::bench_choice::grouped_register_epilogue = false;
-  cuda::bench_choice::grouped_wgrad_pipe = 0;
   CHECK(tma_ops >= 48);
 }
