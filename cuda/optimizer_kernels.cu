@@ -38,8 +38,9 @@
 namespace mt::cuda {
 
 constexpr int kOptimThreads = 256;  // threads per block of the update kernels
-// AdamW resident blocks per SM (registers capped to fit): 1,024 threads keep enough loads in
-// flight; at the uncapped 70 registers only three blocks fit.
+// Resident blocks per SM of the master-remainder AdamW kernel (registers capped to fit), which keeps
+// one group of four elements' loads in flight per thread. (adamw_kernel takes its own count with
+// its unroll depth: four groups at two blocks per SM measured faster, bench/RESULTS.md.)
 constexpr int kOptimBlocksPerSm = 4;
 
 void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks) {
