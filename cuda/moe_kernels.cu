@@ -789,17 +789,35 @@ __global__ void grouped_bias_forward_kernel(T* y, const T* bias, const float* p,
   }
 }
 
-// dbias[e, c] (+)= sum over e's rows (ascending) of s_r * dy[r, c]: block (expert, column block),
-// a column per thread.
-template <typename T, typename G>
-__global__ void grouped_bias_grad_kernel(G* dbias, const T* dy, const float* p, const int32_t* offs, int fixed,
-                                         int64_t begin, int64_t end, int64_t n, bool accumulate) {
+// dbias[e, c] (+)= sum over e's rows of s_r * dy[r, c], in two passes so that many blocks share an
+// expert's rows (a hot expert may hold them all): each expert's rows are cut into `chunks` runs of
+// consecutive rows (run k: [r0 + len k / chunks, r0 + len (k + 1) / chunks)), block (column block,
+// expert, run) adds its run's rows in ascending order, a column per thread, into partial[e, k, c];
+// then each column's runs are added in order (run 0 first) onto the old value. Fixed orders: the
+// same bits from run to run. `fixed` >= 0: one expert's launch under host offsets, its rows
+// [begin, end).
+template <typename T>
+__global__ void grouped_bias_grad_partial_kernel(float* partial, const T* dy, const float* p, const int32_t* offs,
+                                                 int fixed, int64_t begin, int64_t end, int64_t n, int chunks) {
+  const int e = fixed >= 0 ? fixed : static_cast<int>(blockIdx.y), k = static_cast<int>(blockIdx.z);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const int64_t r0 = fixed >= 0 ? begin : offs[e], len = (fixed >= 0 ? end : offs[e + 1]) - r0;
+  const int64_t a = r0 + len * k / chunks, b = r0 + len * (k + 1) / chunks;
+  float sum = 0.0f;
+  for (int64_t r = a; r < b; ++r) sum += (p ? p[r] : 1.0f) * to_float(dy[r * n + c]);
+  partial[(static_cast<int64_t>(e) * chunks + k) * n + c] = sum;
+}
+
+template <typename G>
+__global__ void grouped_bias_grad_finish_kernel(G* dbias, const float* partial, int fixed, int64_t n, int chunks,
+                                                bool accumulate) {
   const int e = fixed >= 0 ? fixed : static_cast<int>(blockIdx.y);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= n) return;
-  const int64_t r0 = fixed >= 0 ? begin : offs[e], r1 = fixed >= 0 ? end : offs[e + 1];
+  const float* part = partial + static_cast<int64_t>(e) * chunks * n + c;
   float sum = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) sum += (p ? p[r] : 1.0f) * to_float(dy[r * n + c]);
+  for (int k = 0; k < chunks; ++k) sum += part[static_cast<int64_t>(k) * n];
   G* d = dbias + static_cast<int64_t>(e) * n + c;
   *d = from_float<G>(accumulate ? to_float(*d) + sum : sum);
 }
@@ -1210,6 +1228,7 @@ void moe_swiglu_backward(const KernelContext& ctx, Tensor din, Tensor act, Tenso
 // ---- the experts' linear biases (host side) ------------------------------------------------
 namespace {
 constexpr int kBiasThreads = 256;
+constexpr int64_t kBiasMaxChunks = 64;  // runs of an expert's rows in the bias gradient's first pass
 // Checks the operands (y: the rows, y or dy) against the offsets; the device offsets, or null with
 // host offsets.
 const int32_t* check_grouped_bias(const char* op, const Tensor& y, const Tensor& bias, const Tensor& p,
@@ -1267,17 +1286,28 @@ void grouped_bias_backward(const KernelContext& ctx, Tensor dbias, Tensor dp, Te
   if (n == 0 || E == 0) return;
   const float* pp = p.empty() ? nullptr : p.ptr<const float>();
   const auto col_blocks = static_cast<unsigned>((n + kBiasThreads - 1) / kBiasThreads);
+  // Runs per expert: about four blocks per SM even when one expert holds every row, at most one run
+  // per 16 rows, as many as the scratch holds.
+  const int64_t fit = static_cast<int64_t>(ctx.scratch->remaining() / sizeof(float)) / (int64_t{E} * n);
+  const int64_t spread = (4 * int64_t{ctx.num_sms} + col_blocks - 1) / col_blocks;
+  const int chunks =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({kBiasMaxChunks, spread, dy.rows() / 16, fit})));
+  float* partial = ctx.scratch->take_array<float>(static_cast<size_t>(E) * chunks * n, "grouped_bias_backward partials");
   MT_DISPATCH_FLOAT(dy.dtype, T, op, {
+    if (dev_offsets) {
+      grouped_bias_grad_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(E), static_cast<unsigned>(chunks)),
+                                            kBiasThreads, 0, ctx.stream>>>(partial, dy.ptr<const T>(), pp, dev_offsets,
+                                                                           -1, 0, 0, n, chunks);
+    } else {
+      for (int e = 0; e < E; ++e)
+        grouped_bias_grad_partial_kernel<T><<<dim3(col_blocks, 1, static_cast<unsigned>(chunks)), kBiasThreads, 0,
+                                              ctx.stream>>>(partial, dy.ptr<const T>(), pp, nullptr, e,
+                                                            host_offsets[static_cast<size_t>(e)],
+                                                            host_offsets[static_cast<size_t>(e) + 1], n, chunks);
+    }
     MT_DISPATCH_GRAD(dbias.dtype, G, "grouped_bias_backward: dbias", {
-      if (dev_offsets) {
-        grouped_bias_grad_kernel<T, G><<<dim3(col_blocks, static_cast<unsigned>(E)), kBiasThreads, 0, ctx.stream>>>(
-            dbias.ptr<G>(), dy.ptr<const T>(), pp, dev_offsets, -1, 0, 0, n, accumulate);
-      } else {
-        for (int e = 0; e < E; ++e)
-          grouped_bias_grad_kernel<T, G><<<col_blocks, kBiasThreads, 0, ctx.stream>>>(
-              dbias.ptr<G>(), dy.ptr<const T>(), pp, nullptr, e, host_offsets[static_cast<size_t>(e)],
-              host_offsets[static_cast<size_t>(e) + 1], n, accumulate);
-      }
+      grouped_bias_grad_finish_kernel<G><<<dim3(col_blocks, static_cast<unsigned>(E)), kBiasThreads, 0, ctx.stream>>>(
+          dbias.ptr<G>(), partial, -1, n, chunks, accumulate);
     });
     if (!dp.empty() && dy.rows() > 0) {
       if (dev_offsets) {
