@@ -791,14 +791,15 @@ __global__ void grouped_bias_forward_kernel(T* y, const T* bias, const float* p,
 
 // dbias[e, c] (+)= sum over e's rows of s_r * dy[r, c], in two passes so that many blocks share an
 // expert's rows (a hot expert may hold them all): each expert's rows are cut into `chunks` runs of
-// consecutive rows (run k: [r0 + len k / chunks, r0 + len (k + 1) / chunks)), block (column block,
-// expert, run) adds its run's rows in ascending order, a column per thread, into partial[e, k, c];
-// then each column's runs are added in order (run 0 first) onto the old value. Fixed orders: the
-// same bits from run to run. `fixed` >= 0: one expert's launch under host offsets, its rows
-// [begin, end).
-template <typename T>
-__global__ void grouped_bias_grad_partial_kernel(float* partial, const T* dy, const float* p, const int32_t* offs,
-                                                 int fixed, int64_t begin, int64_t end, int64_t n, int chunks) {
+// consecutive rows (run k: [r0 + len k / chunks, r0 + len (k + 1) / chunks)); block (column block,
+// expert, run) adds its run's rows in ascending order, a column per thread, into out[e, k, c]; then
+// each column's runs are added in order (run 0 first) onto the old value. Fixed orders: the same
+// bits from run to run for a given run count. With one run the first pass writes dbias itself
+// (O = G, accumulate as asked); otherwise it writes float partials (O = float, no accumulate).
+// `fixed` >= 0: one expert's launch under host offsets, its rows [begin, end).
+template <typename T, typename O>
+__global__ void grouped_bias_grad_rows_kernel(O* out, const T* dy, const float* p, const int32_t* offs, int fixed,
+                                              int64_t begin, int64_t end, int64_t n, int chunks, bool accumulate) {
   const int e = fixed >= 0 ? fixed : static_cast<int>(blockIdx.y), k = static_cast<int>(blockIdx.z);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= n) return;
@@ -806,13 +807,14 @@ __global__ void grouped_bias_grad_partial_kernel(float* partial, const T* dy, co
   const int64_t a = r0 + len * k / chunks, b = r0 + len * (k + 1) / chunks;
   float sum = 0.0f;
   for (int64_t r = a; r < b; ++r) sum += (p ? p[r] : 1.0f) * to_float(dy[r * n + c]);
-  partial[(static_cast<int64_t>(e) * chunks + k) * n + c] = sum;
+  O* d = out + (static_cast<int64_t>(e) * chunks + k) * n + c;
+  *d = from_float<O>(accumulate ? to_float(*d) + sum : sum);
 }
 
 template <typename G>
-__global__ void grouped_bias_grad_finish_kernel(G* dbias, const float* partial, int fixed, int64_t n, int chunks,
+__global__ void grouped_bias_grad_finish_kernel(G* dbias, const float* partial, int64_t n, int chunks,
                                                 bool accumulate) {
-  const int e = fixed >= 0 ? fixed : static_cast<int>(blockIdx.y);
+  const int e = static_cast<int>(blockIdx.y);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= n) return;
   const float* part = partial + static_cast<int64_t>(e) * chunks * n + c;
@@ -1287,27 +1289,37 @@ void grouped_bias_backward(const KernelContext& ctx, Tensor dbias, Tensor dp, Te
   const float* pp = p.empty() ? nullptr : p.ptr<const float>();
   const auto col_blocks = static_cast<unsigned>((n + kBiasThreads - 1) / kBiasThreads);
   // Runs per expert: about four blocks per SM even when one expert holds every row, at most one run
-  // per 16 rows, as many as the scratch holds.
+  // per 16 rows, as many as the scratch holds (one run: no scratch, the first pass writes dbias).
   const int64_t fit = static_cast<int64_t>(ctx.scratch->remaining() / sizeof(float)) / (int64_t{E} * n);
   const int64_t spread = (4 * int64_t{ctx.num_sms} + col_blocks - 1) / col_blocks;
   const int chunks =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({kBiasMaxChunks, spread, dy.rows() / 16, fit})));
-  float* partial = ctx.scratch->take_array<float>(static_cast<size_t>(E) * chunks * n, "grouped_bias_backward partials");
   MT_DISPATCH_FLOAT(dy.dtype, T, op, {
-    if (dev_offsets) {
-      grouped_bias_grad_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(E), static_cast<unsigned>(chunks)),
-                                            kBiasThreads, 0, ctx.stream>>>(partial, dy.ptr<const T>(), pp, dev_offsets,
-                                                                           -1, 0, 0, n, chunks);
-    } else {
-      for (int e = 0; e < E; ++e)
-        grouped_bias_grad_partial_kernel<T><<<dim3(col_blocks, 1, static_cast<unsigned>(chunks)), kBiasThreads, 0,
-                                              ctx.stream>>>(partial, dy.ptr<const T>(), pp, nullptr, e,
-                                                            host_offsets[static_cast<size_t>(e)],
-                                                            host_offsets[static_cast<size_t>(e) + 1], n, chunks);
-    }
     MT_DISPATCH_GRAD(dbias.dtype, G, "grouped_bias_backward: dbias", {
-      grouped_bias_grad_finish_kernel<G><<<dim3(col_blocks, static_cast<unsigned>(E)), kBiasThreads, 0, ctx.stream>>>(
-          dbias.ptr<G>(), partial, -1, n, chunks, accumulate);
+      // The first pass into out (dbias with one run, the partials otherwise).
+      auto rows_pass = [&](auto* out, bool acc) {
+        using O = std::remove_pointer_t<decltype(out)>;
+        if (dev_offsets) {
+          grouped_bias_grad_rows_kernel<T, O>
+              <<<dim3(col_blocks, static_cast<unsigned>(E), static_cast<unsigned>(chunks)), kBiasThreads, 0,
+                 ctx.stream>>>(out, dy.ptr<const T>(), pp, dev_offsets, -1, 0, 0, n, chunks, acc);
+        } else {
+          for (int e = 0; e < E; ++e)
+            grouped_bias_grad_rows_kernel<T, O><<<dim3(col_blocks, 1, static_cast<unsigned>(chunks)), kBiasThreads, 0,
+                                                  ctx.stream>>>(out, dy.ptr<const T>(), pp, nullptr, e,
+                                                                host_offsets[static_cast<size_t>(e)],
+                                                                host_offsets[static_cast<size_t>(e) + 1], n, chunks, acc);
+        }
+      };
+      if (chunks == 1) {
+        rows_pass(dbias.ptr<G>(), accumulate);
+      } else {
+        float* partial =
+            ctx.scratch->take_array<float>(static_cast<size_t>(E) * chunks * n, "grouped_bias_backward partials");
+        rows_pass(partial, false);
+        grouped_bias_grad_finish_kernel<G><<<dim3(col_blocks, static_cast<unsigned>(E)), kBiasThreads, 0,
+                                             ctx.stream>>>(dbias.ptr<G>(), partial, n, chunks, accumulate);
+      }
     });
     if (!dp.empty() && dy.rows() > 0) {
       if (dev_offsets) {
