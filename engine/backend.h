@@ -851,6 +851,13 @@ class Backend {
   virtual void tp_comm_wait_for_compute() {}
   virtual void compute_wait_for_tp_comm() {}
   virtual void reserve_comm_marks(int n) { (void)n; }
+  // n marks of their own for a user (numbers [first, first + n)), reserved: returns first.
+  int allocate_comm_marks(int n) {
+    const int first = comm_marks_allocated_;
+    comm_marks_allocated_ += n;
+    reserve_comm_marks(comm_marks_allocated_);
+    return first;
+  }
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }
 
@@ -871,6 +878,7 @@ class Backend {
 
  private:
   std::vector<std::chrono::steady_clock::time_point> time_marks_;
+  int comm_marks_allocated_ = 0;
 };
 
 std::unique_ptr<Backend> make_reference_backend(int num_threads = 0);

@@ -123,7 +123,8 @@ ParamGather::ParamGather(std::vector<GptModel*> chunks, Communicator& dp, Commun
     pending_.emplace_back(static_cast<size_t>(chunks_[c]->grad_layout().num_buckets()), 0);
   }
   if (!overlap_) return;
-  chunks_.front()->backend().reserve_comm_marks(marks);
+  const int first = chunks_.front()->backend().allocate_comm_marks(marks);
+  for (int& m : first_mark_) m += first;
   for (size_t c = 0; c < chunks_.size(); ++c)
     chunks_[c]->on_params_needed = [this, c](int end) { wait_needed(static_cast<int>(c), end); };
 }

@@ -77,10 +77,54 @@ DpGradSync::DpGradSync(const Config& cfg, ParallelState& ps, std::vector<GptMode
   if ((reduce_ && overlap_) || shard_grads_)
     for (size_t c = 0; c < chunks_.size(); ++c)
       chunks_[c]->on_grads_final = [this, c](int first) { grads_final(static_cast<int>(c), first); };
+  // Sharded gradients with --overlap-grad-reduce: a layer's reduce-scatter is finished (its sum added
+  // into this rank's shard) only when its slot is next zeroed, so that it runs beside the layers
+  // below. Sharded parameters with --overlap-param-gather: the layers' prefetched gathers run on
+  // this class's groups (the communication stream). Marks per chunk: the slots' gathers, then their
+  // reduce-scatters.
+  defer_units_ = shard_grads_ && overlap_;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    GptModel& m = *chunks_[c];
+    const int slots = m.options().unit_slots;
+    deferred_.emplace_back(static_cast<size_t>(slots));
+    unit_marks_.push_back(-1);
+    const bool prefetch = m.options().prefetch_units && own_comm_;
+    if (!defer_units_ && !prefetch) continue;
+    MT_CHECK(!defer_units_ || slots == 3, "deferred reduce-scatters need three gradient slots, the model has {}",
+             slots);
+    unit_marks_.back() = be.allocate_comm_marks(2 * slots);
+    if (prefetch) m.set_unit_gather({comm_, ecomm_, unit_marks_.back()});
+    if (defer_units_) m.on_grad_slot_reuse = [this, c](int slot) { finish_slot(static_cast<int>(c), slot); };
+  }
 }
 
 DpGradSync::~DpGradSync() {
-  for (GptModel* m : chunks_) m->on_grads_final = nullptr;
+  for (GptModel* m : chunks_) {
+    m->on_grads_final = nullptr;
+    m->on_grad_slot_reuse = nullptr;
+    m->set_unit_gather({});
+  }
+}
+
+// The sum of bucket b's reduce-scatter (its shard of the staging buffer) added into this rank's
+// shard of the main gradients.
+void DpGradSync::add_shard(GptModel& m, int b) {
+  const GradLayout& L = m.grad_layout();
+  const Tensor g = m.grad_bucket(b);
+  const Tensor shard = g.flat_slice(L.shard_offset(b) - L.plan.buckets[static_cast<size_t>(b)].offset, L.shard_numel(b));
+  const Tensor sum = m.grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b));
+  m.backend().axpby(sum, 1.0f, sum, 1.0f, shard);
+}
+
+// The deferred reduce-scatters from gradient slot `slot` of a chunk: the compute stream waits for
+// them, then adds their sums.
+void DpGradSync::finish_slot(int chunk, int slot) {
+  std::vector<int>& pending = deferred_[static_cast<size_t>(chunk)][static_cast<size_t>(slot)];
+  if (pending.empty()) return;
+  GptModel& m = *chunks_[static_cast<size_t>(chunk)];
+  m.backend().compute_wait_for_mark(unit_marks_[static_cast<size_t>(chunk)] + m.options().unit_slots + slot);
+  for (const int b : pending) add_shard(m, b);
+  pending.clear();
 }
 
 void DpGradSync::start_step() {
@@ -113,16 +157,23 @@ void DpGradSync::launch(int chunk, int b) {
   if (shard_grads_) {
     // This micro-batch's sum over the instance's ranks, added into this rank's shard of the main
     // gradients; the staging buffer is then free (a layer's slot is zeroed by its next user, the
-    // others here). Across optimizer instances the shards are summed once, in finish().
+    // others here). Across optimizer instances the shards are summed once, in finish(). Deferred
+    // (a layer's bucket under --overlap-grad-reduce): the sum is added when the slot is next needed.
     const Tensor shard = g.flat_slice(L.shard_offset(b) - k.offset, L.shard_numel(b));
+    const int unit = L.bucket_unit[static_cast<size_t>(b)];
     if (group.size() > 1) {
       be.comm_wait_for_compute();
       group.reduce_scatter(shard, g);
+      if (defer_units_ && unit >= 0) {
+        const int slot = m.grad_unit_slot(unit - m.dims().layer_begin);
+        be.record_comm_mark(unit_marks_[static_cast<size_t>(chunk)] + m.options().unit_slots + slot);
+        deferred_[static_cast<size_t>(chunk)][static_cast<size_t>(slot)].push_back(b);
+        return;
+      }
       be.compute_wait_for_comm();
     }
-    const Tensor sum = m.grad_shards().flat_slice(L.state_offset[static_cast<size_t>(b)], L.shard_numel(b));
-    be.axpby(sum, 1.0f, sum, 1.0f, shard);
-    if (L.bucket_unit[static_cast<size_t>(b)] < 0) be.fill(g, 0.0);
+    add_shard(m, b);
+    if (unit < 0) be.fill(g, 0.0);
     return;
   }
   if (group.size() == 1 && !inter) return;  // (a group of one: nothing to reduce)
@@ -147,6 +198,8 @@ void DpGradSync::finish() {
 void DpGradSync::finish_dp() {
   const ScopedTimer timed(timer, "all-grads-sync");
   if (shard_grads_) {  // (every bucket was reduced in its micro-batch's backward)
+    for (size_t c = 0; c < chunks_.size(); ++c)
+      for (size_t slot = 0; slot < deferred_[c].size(); ++slot) finish_slot(static_cast<int>(c), static_cast<int>(slot));
     if (inter_) {
       Backend& be = chunks_.front()->backend();
       be.comm_wait_for_compute();

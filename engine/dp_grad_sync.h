@@ -61,6 +61,8 @@ class DpGradSync {
   void launch(int chunk, int bucket);
   void finish_dp();
   void finish_embeddings();
+  void add_shard(GptModel& m, int bucket);
+  void finish_slot(int chunk, int slot);
 
   ParallelState& ps_;
   std::vector<GptModel*> chunks_;
@@ -76,6 +78,12 @@ class DpGradSync {
   Communicator* ecomm_ = nullptr;
   bool overlap_ = false, sharded_ = false, reduce_ = false, shard_grads_ = false;
   std::vector<int> next_bucket_;  // per chunk: the first bucket not launched in this step
+  // Sharded gradients with --overlap-grad-reduce: per chunk and gradient slot, the buckets whose
+  // reduce-scatter is issued and whose sum is not yet added (finish_slot); per chunk the first of
+  // its comm marks (-1: none).
+  bool defer_units_ = false;
+  std::vector<std::vector<std::vector<int>>> deferred_;
+  std::vector<int> unit_marks_;
   bool finished_ = false;
 };
 

@@ -135,7 +135,8 @@ int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
 // (local layer l in l % 2), one bucket after the other, the others' whole. Only the buckets `take`
 // accepts (the others get an empty tensor: FP8 parameters' buckets have slots of their own dtype).
 std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, const GradLayout& L, int layer_begin,
-                                        Tensor (&slots)[2], const std::function<bool(int)>& take = nullptr) {
+                                        std::span<Tensor> slots, const std::function<bool(int)>& take = nullptr) {
+  const int n_slots = static_cast<int>(slots.size());
   const auto taken = [&](int b) { return !take || take(b); };
   std::map<int, int64_t> unit_numel;  // per unit: its buckets' elements so far
   std::vector<int64_t> at(static_cast<size_t>(L.num_buckets()), 0);  // a unit bucket's place in its slot
@@ -153,7 +154,8 @@ std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, con
     const int64_t n = L.plan.buckets[static_cast<size_t>(b)].numel;
     const int unit = L.bucket_unit[static_cast<size_t>(b)];
     storage.push_back(!taken(b)   ? Tensor()
-                      : unit >= 0 ? slots[(unit - layer_begin) % 2].flat_slice(at[static_cast<size_t>(b)], n)
+                      : unit >= 0 ? slots[static_cast<size_t>((unit - layer_begin) % n_slots)].flat_slice(
+                                            at[static_cast<size_t>(b)], n)
                                   : a.take(c, t, {n}));
   }
   return storage;
@@ -426,7 +428,10 @@ void GptModel::layout(Arena& a) {
   const int64_t state = grad_layout_.state_numel;  // == total unless sharded
   const int64_t fp8_begin = grad_layout_.fp8_begin;  // == total without FP8 parameters
   params_ = param_shards_ = fp8_param_shards_ = Tensor();
-  for (Tensor* s : {&param_slots_[0], &param_slots_[1], &fp8_param_slots_[0], &fp8_param_slots_[1]}) *s = Tensor();
+  for (int k = 0; k < kMaxUnitSlots; ++k) param_slots_[k] = fp8_param_slots_[k] = Tensor();
+  const auto unit_slots = [&](Tensor(&slots)[kMaxUnitSlots]) {
+    return std::span<Tensor>(slots, static_cast<size_t>(opt_.unit_slots));
+  };
   param_bucket_storage_.clear();
   param_shard_storage_.clear();
   fp8_params_ = Tensor();
@@ -435,10 +440,11 @@ void GptModel::layout(Arena& a) {
     // other buckets whole. FP8 parameters' buckets in slots and shards of their own, as FP8 bytes.
     const GradLayout& L = grad_layout_;
     const DType e4 = fp8_.dtype(Fp8State::w);
-    param_bucket_storage_ = layout_unit_buffers(a, C::parameters, T, L, d_.layer_begin, param_slots_,
+    param_bucket_storage_ = layout_unit_buffers(a, C::parameters, T, L, d_.layer_begin, unit_slots(param_slots_),
                                                 [&](int b) { return !L.fp8_bucket(b); });
     if (fp8_params()) {
-      const std::vector<Tensor> fp8 = layout_unit_buffers(a, C::parameters, e4, L, d_.layer_begin, fp8_param_slots_,
+      const std::vector<Tensor> fp8 = layout_unit_buffers(a, C::parameters, e4, L, d_.layer_begin,
+                                                          unit_slots(fp8_param_slots_),
                                                           [&](int b) { return L.fp8_bucket(b); });
       for (int b = 0; b < L.num_buckets(); ++b)
         if (L.fp8_bucket(b)) param_bucket_storage_[static_cast<size_t>(b)] = fp8[static_cast<size_t>(b)];
@@ -458,10 +464,12 @@ void GptModel::layout(Arena& a) {
     if (fp8_params()) fp8_params_ = a.take(C::parameters, fp8_.dtype(Fp8State::w), {total - fp8_begin});
   }
   grad_bucket_storage_.clear();
-  grads_ = grad_shards_ = grad_slots_[0] = grad_slots_[1] = Tensor();
+  grads_ = grad_shards_ = Tensor();
+  for (Tensor& t : grad_slots_) t = Tensor();
   if (opt_.shard_grads) {
     // Staging: the units' two slots, the other buckets whole; then the main gradients' shards.
-    grad_bucket_storage_ = layout_unit_buffers(a, C::gradients, opt_.grad, grad_layout_, d_.layer_begin, grad_slots_);
+    grad_bucket_storage_ =
+        layout_unit_buffers(a, C::gradients, opt_.grad, grad_layout_, d_.layer_begin, unit_slots(grad_slots_));
     grad_shards_ = a.take(C::gradients, opt_.grad, {state});
   } else {
     grads_ = a.take(C::gradients, opt_.grad, {total});
@@ -531,9 +539,9 @@ void GptModel::layout(Arena& a) {
       for (int g = 0; g < Fp8State::kGemms; ++g) n += cached(l, g) ? nk[g][0] * nk[g][1] : 0;
       slot_numel = std::max(slot_numel, n);
     }
-    Tensor wt_slots[2];
-    for (Tensor& t : wt_slots)
-      if (slot_numel > 0) t = a.take(C::parameters, e4, {slot_numel});
+    Tensor wt_slots[kMaxUnitSlots];
+    for (int k = 0; k < opt_.unit_slots; ++k)
+      if (slot_numel > 0) wt_slots[k] = a.take(C::parameters, e4, {slot_numel});
     for (int l = 0; l < d_.stage_layers(); ++l) {
       const bool in_slot = slotted && l < d_.decoder_layers();
       int64_t at = 0;  // (in its slot)
@@ -541,7 +549,7 @@ void GptModel::layout(Arena& a) {
         if (!cached(l, g)) continue;
         // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
         if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
-        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % 2].flat_slice(at, nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
+        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % opt_.unit_slots].flat_slice(at, nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
                                    : a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
         if (in_slot) at += nk[g][0] * nk[g][1];
       }
@@ -737,21 +745,66 @@ Tensor GptModel::grad_range(int64_t offset, int64_t count) const {
 // Sharded parameters: layer `local`'s whole parameters, all-gathered from the shards into its slot
 // (over the optimizer's data-parallel ranks; the routed experts' bucket over the expert-data-
 // parallel ones), unless the slot holds them already. FP8 parameters travel as FP8 bytes; their
-// transposed copies are then made in the slot's (fp8_refresh_weights).
-void GptModel::gather_unit(int local) {
-  if (!opt_.shard_params || local < 0 || local >= d_.decoder_layers()) return;
-  int& holder = param_slot_unit_[local % 2];
+// transposed copies are then made in the slot's (fp8_refresh_weights). With prefetch_units layer
+// `prefetch`'s gather is then issued: on the communication stream where the backend has one
+// (UnitGather), after everything enqueued so far on the compute stream (the slot's previous
+// layer is done with), and waited for by its own gather_unit. The callers prefetch a layer whose
+// slot holds none of the layers the work enqueued until then reads.
+void GptModel::gather_unit(int local, int prefetch) {
+  if (!opt_.shard_params) return;
+  issue_unit_gather(local);
+  wait_unit_gather(local);
+  // (Never into layer local's own slot: the work that reads it is enqueued after this.)
+  if (opt_.prefetch_units && prefetch % opt_.unit_slots != local % opt_.unit_slots) issue_unit_gather(prefetch);
+}
+
+void GptModel::issue_unit_gather(int local) {
+  if (local < 0 || local >= d_.decoder_layers()) return;
+  const int slot = local % opt_.unit_slots;
+  int& holder = param_slot_unit_[slot];
   if (holder == local) return;
+  const bool on_comm = unit_gather_.dense != nullptr;
+  if (on_comm) be_.comm_wait_for_compute();
   for (const int b : unit_buckets_.at(static_cast<size_t>(local))) {
     const Tensor shard = param_shard(b);
-    Communicator& group = grad_layout_.is_expert_bucket(b) ? ps_.expert_dist_opt_group() : ps_.dist_opt_group();
-    if (group.size() > 1) group.all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
+    const bool expert = grad_layout_.is_expert_bucket(b);
+    Communicator* group = on_comm ? (expert ? unit_gather_.expert : unit_gather_.dense) : nullptr;
+    if (!group) group = expert ? &ps_.expert_dist_opt_group() : &ps_.dist_opt_group();
+    if (group->size() > 1) group->all_gather(param_bucket_storage_[static_cast<size_t>(b)], shard);
     else be_.copy(param_bucket_storage_[static_cast<size_t>(b)], shard);
   }
   holder = local;
-  if (fp8_params() && fp8_layer(local)) {
+  if (on_comm) {
+    be_.record_comm_mark(unit_gather_.first_mark + slot);
+    gather_pending_[slot] = true;
+  }
+  refresh_pending_[slot] = fp8_params() && fp8_layer(local);
+}
+
+void GptModel::wait_unit_gather(int local) {
+  if (local < 0 || local >= d_.decoder_layers()) return;
+  const int slot = local % opt_.unit_slots;
+  MT_CHECK(param_slot_unit_[slot] == local, "parameter slot {} holds layer {}, not layer {}", slot,
+           param_slot_unit_[slot], local);
+  if (gather_pending_[slot]) {
+    be_.compute_wait_for_mark(unit_gather_.first_mark + slot);
+    gather_pending_[slot] = false;
+  }
+  if (refresh_pending_[slot]) {
+    refresh_pending_[slot] = false;
     fp8_fresh_[static_cast<size_t>(local)] = 0;
     fp8_refresh_weights(local);
+  }
+}
+
+// After the optimizer step (or anything else that changed the shards) the gathered layers are
+// stale. A gather still in flight (none in a step's usual course) is waited for first: it reads
+// the shards the next update writes.
+void GptModel::param_shards_updated() {
+  for (int k = 0; k < kMaxUnitSlots; ++k) {
+    if (gather_pending_[k]) be_.compute_wait_for_mark(unit_gather_.first_mark + k);
+    gather_pending_[k] = refresh_pending_[k] = false;
+    param_slot_unit_[k] = -1;
   }
 }
 
@@ -760,10 +813,12 @@ void GptModel::gather_unit(int local) {
 // slot's previous holder, two layers later, was reduce-scattered when its backward ended.
 void GptModel::prepare_grad_unit(int local) {
   if (!opt_.shard_grads || local < 0 || local >= d_.decoder_layers()) return;
-  int& holder = slot_unit_[local % 2];
+  const int slot = grad_unit_slot(local);
+  int& holder = slot_unit_[slot];
   if (holder == local) return;
   MT_CHECK(holder < 0 || holder >= local + 2, "gradient slot of layer {} still holds layer {}", local, holder);
-  be_.fill(grad_slots_[local % 2], 0.0);
+  if (on_grad_slot_reuse) on_grad_slot_reuse(slot);
+  be_.fill(grad_slots_[slot], 0.0);
   holder = local;
 }
 Tensor GptModel::master(int i) const {
@@ -957,8 +1012,11 @@ void GptModel::zero_grads() {
   if (opt_.shard_grads) {
     for (int b = 0; b < grad_layout_.num_buckets(); ++b)
       if (grad_layout_.bucket_unit[static_cast<size_t>(b)] < 0) be_.fill(grad_bucket(b), 0.0);
+    for (int k = 0; k < opt_.unit_slots; ++k) {
+      if (on_grad_slot_reuse) on_grad_slot_reuse(k);
+      slot_unit_[k] = -1;
+    }
     be_.fill(grad_shards_, 0.0);
-    slot_unit_[0] = slot_unit_[1] = -1;
     return;
   }
   for (FirstWriteGrad& f : first_write_grads_) f.written = false;
@@ -1372,8 +1430,9 @@ void GptModel::forward(int slot) {
                        : layer == L ? head_first_param_ : static_cast<int>(descs_.size());
     };
     params_needed(first_param_of(next.fused ? l + 2 : l + 1));
-    gather_unit(l);
-    if (next.fused) gather_unit(l + 1);  // (its input norm)
+    // (With prefetch: the next layer's gather runs beside this one, into the slot of the layer before.)
+    gather_unit(l, next.fused ? -1 : l + 1);
+    if (next.fused) gather_unit(l + 1, l + 2);  // (its input norm)
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
     head_norm_done = l == L - 1 && next.fused;
@@ -1429,8 +1488,15 @@ void GptModel::backward(int slot, bool grad_sync) {
     grads_final(layer_first_param_[static_cast<size_t>(local)]);
   };
   // (A layer's backward also writes the layer before's fc2 bias gradient: fc2_bias_grad_from_norm.)
+  // The layer whose parameters the backward needs after layer k's: k - 1's, or where k - 1 ends a
+  // recompute group, the group's first (its forward runs first).
+  auto needed_after = [&](int k) {
+    if (k <= 0) return -1;
+    const int g = rp.group_of[static_cast<size_t>(k - 1)];
+    return g >= 0 ? rp.groups[static_cast<size_t>(g)].first : k - 1;
+  };
   auto layer_backward_at = [&](int k, Tensor dy, Tensor dx) {
-    gather_unit(k);
+    gather_unit(k, needed_after(k));
     prepare_grad_unit(k);
     prepare_grad_unit(k - 1);
     layer_backward(k, s, acts(s, k), layer_input(s, k), dy, dx);
@@ -1452,7 +1518,7 @@ void GptModel::backward(int slot, bool grad_sync) {
       MT_CHECK(end - 1 == l, "recompute group [{}, {}) entered at layer {}", begin, end, l);
       recomputing_ = true;
       for (int k = begin; k < end; ++k) {
-        gather_unit(k);
+        gather_unit(k, k + 1 < end ? k + 1 : -1);
         layer_forward(k, s, acts(s, k), layer_input(s, k));
       }
       recomputing_ = false;
@@ -1474,7 +1540,7 @@ void GptModel::backward(int slot, bool grad_sync) {
   if (d_.first_stage) embedding_backward(s, cur);
   last_input_grad_ = cur;
   if (reduce_now) grads_final(0);
-  slot_unit_[0] = slot_unit_[1] = -1;  // (sharded gradients: every slot was reduced)
+  for (int& u : slot_unit_) u = -1;  // (sharded gradients: every slot's reduce-scatter was issued)
 }
 
 }  // namespace mt

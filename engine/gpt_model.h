@@ -80,7 +80,7 @@ struct ModelOptions {
   bool shard_optimizer_state = false;
   // Sharded gradients (--use-megatron-fsdp optim_grads, ZeRO-2; engine/model_chunks.h says when):
   // each decoder layer's gradients are a bucket of their own (a unit), written into one of two
-  // unit-sized staging buffers (layer l into l % 2) and, as soon as the layer's backward is done,
+  // unit-sized staging buffers (layer l into l % unit_slots) and, as soon as the layer's backward is done,
   // in every micro-batch, reduce-scattered over DP and added into this rank's shard of the main
   // gradients (grad_shards()). The parameters outside the layers keep whole staging buffers,
   // reduce-scattered at the end of each backward. Needs shard_optimizer_state and one chunk per
@@ -88,11 +88,20 @@ struct ModelOptions {
   bool shard_grads = false;
   // Sharded parameters (--use-megatron-fsdp optim_grads_params, ZeRO-3; with shard_grads): each
   // rank keeps only its shard of every decoder layer's compute-dtype parameters (param_shards(),
-  // the optimizer's output) and all-gathers a layer's whole parameters into one of two layer-sized
-  // slots (layer l into l % 2) just before its forward or backward needs them, again after the slot
+  // the optimizer's output) and all-gathers a layer's whole parameters into one of unit_slots
+  // layer-sized slots (layer l into l % unit_slots) just before its forward or backward needs them, again after the slot
   // was taken by another layer. The parameters outside the layers stay whole. Always with a float32
   // master copy (also for float32 parameters); not with master-weight remainders.
   bool shard_params = false;
+  // Overlapped unit transfers (--overlap-param-gather / --overlap-grad-reduce with sharded
+  // parameters / gradients): each layer's gather is issued one layer ahead (the next layer's while
+  // this one computes, on the communication stream where the backend has one) and its reduce-
+  // scatter finishes while the layers below run backward. The forward's layer l also writes layer
+  // l + 1's input norm (it holds two layers' parameters), and the backward's layer l also writes
+  // layer l - 1's fc2 bias gradient (two gradient slots), so the transfer in flight needs a third
+  // slot: unit_slots is 3 then, else 2 (layer l's slot: l % unit_slots).
+  bool prefetch_units = false;
+  int unit_slots = 2;
   // The main gradients' dtype: accum, or bf16 with --grad-reduce-in-bf16 (Megatron's grad buffer
   // then has the parameters' dtype: gradients accumulate over micro-batches and are reduced in
   // bf16, and the optimizer reads them as float). Set-up work that needs a parameter's
@@ -213,7 +222,7 @@ class GptModel {
   bool param_shard_bucket(int b) const {
     return opt_.shard_params && grad_layout_.bucket_unit[static_cast<size_t>(b)] >= 0;
   }
-  void param_shards_updated() { param_slot_unit_[0] = param_slot_unit_[1] = -1; }
+  void param_shards_updated();
   bool param_sharded(int i) const { return opt_.shard_params && param_shard_bucket(param_bucket(i)); }
   // The gradient bucket holding params()[i].
   int param_bucket(int i) const { return param_bucket_.at(static_cast<size_t>(i)); }
@@ -338,6 +347,20 @@ class GptModel {
   std::function<void(int first_final_param)> on_grads_final;
   // In forward, before params()[..end) are used (--overlap-param-gather waits for them there).
   std::function<void(int end)> on_params_needed;
+  // Sharded gradients: before gradient slot `slot` is zeroed for another layer (and in
+  // zero_grads()), so that a reduce-scatter from it still in flight is finished first.
+  std::function<void(int slot)> on_grad_slot_reuse;
+  int grad_unit_slot(int local) const { return local % opt_.unit_slots; }
+  // Sharded parameters with prefetch (ModelOptions::prefetch_units): the groups that gather the
+  // layers' parameters on the backend's communication stream (the routed experts' bucket over
+  // `expert`), and comm marks first_mark + slot saying when a slot's gather has landed; set by
+  // engine/dp_grad_sync.h. Unset: the optimizer's groups, on the compute stream.
+  struct UnitGather {
+    Communicator* dense = nullptr;
+    Communicator* expert = nullptr;
+    int first_mark = -1;
+  };
+  void set_unit_gather(const UnitGather& g) { unit_gather_ = g; }
 
   // Stage boundary tensors are [tokens_local(), h] (sequence shards with --sequence-parallel).
   Tensor stage_input(int slot) const;   // non-first stages: receive the previous stage's output here
@@ -733,8 +756,9 @@ class GptModel {
   // the micro-batch's first write to it.
   std::vector<Tensor> grad_bucket_storage_;
   std::vector<int> param_bucket_;  // params() index -> its bucket
-  Tensor grad_slots_[2];
-  int slot_unit_[2] = {-1, -1};
+  static constexpr int kMaxUnitSlots = 3;
+  Tensor grad_slots_[kMaxUnitSlots];
+  int slot_unit_[kMaxUnitSlots] = {-1, -1, -1};
   Tensor grad_shards_;
   void prepare_grad_unit(int local);
   Tensor grad_range(int64_t offset, int64_t count) const;  // a range of the flat layout inside one bucket
@@ -742,12 +766,20 @@ class GptModel {
   // slots, the local layer each slot holds (-1: none, or stale), the shards; per local layer its
   // buckets. gather_unit(l) makes layer l's slot hold its current parameters.
   std::vector<Tensor> param_bucket_storage_;
-  Tensor param_slots_[2], fp8_param_slots_[2];
-  int param_slot_unit_[2] = {-1, -1};
+  Tensor param_slots_[kMaxUnitSlots], fp8_param_slots_[kMaxUnitSlots];
+  int param_slot_unit_[kMaxUnitSlots] = {-1, -1, -1};
+  // Per slot: a gather issued on the communication stream and not yet waited for; FP8 transposes
+  // still to make from the gathered weights (made once the gather has landed).
+  bool gather_pending_[kMaxUnitSlots] = {}, refresh_pending_[kMaxUnitSlots] = {};
+  UnitGather unit_gather_;
   Tensor param_shards_, fp8_param_shards_;  // (compute dtype, FP8)
   std::vector<Tensor> param_shard_storage_;  // per bucket: its shard, a view of one of the two
   std::vector<std::vector<int>> unit_buckets_;  // (two under expert parallelism: the experts' and the rest)
-  void gather_unit(int local);
+  // Layer `local`'s parameters in its slot, gathered now unless the slot holds them; then, with
+  // prefetch_units, layer `prefetch`'s gather issued (-1 or outside the layers: none).
+  void gather_unit(int local, int prefetch = -1);
+  void issue_unit_gather(int local);
+  void wait_unit_gather(int local);
   NormParams norm_;
   // --qk-l2-norm: RMS normalization of q and k without weights, as an RMSNorm whose weights are
   // qk_l2_ones_ (bound as every layer's q/k norm weights; no parameter, no gradient).

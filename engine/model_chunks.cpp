@@ -45,6 +45,10 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     o.shard_grads = unsharded_gradients_reason(cfg) == std::optional<std::string>("") && o.shard_optimizer_state &&
                     o.shard_size > 1;
     o.shard_params = o.shard_grads && unsharded_params_reason(cfg) == std::optional<std::string>("");
+    // Megatron-FSDP's overlap flags: the parameter gathers prefetched a layer ahead, the gradients'
+    // reduce-scatters finished a layer later (a third unit slot holds the transfer in flight).
+    o.prefetch_units = o.shard_params && p.overlap_param_gather;
+    o.unit_slots = o.prefetch_units || (o.shard_grads && p.overlap_grad_reduce) ? 3 : 2;
     // Megatron's bf16 main grads, whatever the DP size. (With float32 parameters Megatron keeps
     // float32 ones and ignores the flag; megatrain honours it there too: its CPU runs test this path.)
     // --main-grads-dtype bf16 (precision-aware optimizer) is the same buffer, with --bf16 only: elsewhere

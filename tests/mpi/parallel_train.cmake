@@ -833,6 +833,19 @@ megatrain_parallel_train_test(parallel_train_fsdp_moe_ep2_tp2_sp_zero2 --model "
 megatrain_parallel_train_test(parallel_train_fsdp_pp2_dp2_zero2 4 ${fsdp} optim_grads --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_fsdp_pp2_vpp2_dp2_zero3 4 ${fsdp} optim_grads_params
                               --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+# The same layouts with Megatron-FSDP's overlap flags: each layer's gather prefetched a layer ahead
+# into a third slot, its reduce-scatter's sum added when its gradient slot is next zeroed (on the
+# reference backend the transfers themselves stay synchronous; the slots' turns are the same code).
+set(zero3_overlap "${fsdp} optim_grads_params --overlap-grad-reduce --overlap-param-gather")
+megatrain_parallel_train_test(parallel_train_fsdp_overlap_dp2_zero3_recompute 2 ${zero3_overlap}
+                              --recompute-granularity full --recompute-method uniform --recompute-num-layers 4)
+megatrain_parallel_train_test(parallel_train_fsdp_overlap_moe_ep2_dp4_zero3 --model "${moe_model}" 4 ${zero3_overlap}
+                              --expert-model-parallel-size 2)
+megatrain_parallel_train_test(parallel_train_fsdp_overlap_pp2_vpp2_dp2_zero3 4 ${zero3_overlap}
+                              --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+megatrain_parallel_train_test(parallel_train_fsdp_overlap_fp8_params_zero3_recompute_dp2 --fp8
+  --model "${fp8_param_gather_model}" 2 ${fp8_zero3} --overlap-grad-reduce --overlap-param-gather
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 3)
 megatrain_parallel_train_test(parallel_train_fsdp_pp2_dp2_zero3_mtp
   --model "--position-embedding-type rope --untie-embeddings-and-output-weights --mtp-num-layers 1" 4 ${fsdp}
   optim_grads_params --pipeline-model-parallel-size 2)
