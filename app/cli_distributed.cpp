@@ -85,9 +85,13 @@ void add_distributed_flags(FlagTable& t) {
           "split DP into this many distributed-optimizer instances of consecutive DP ranks: state sharded within an "
           "instance, gradients reduce-scattered within it and all-reduced across instances",
           MT_FIELD(parallel.num_distributed_optimizer_instances));
-  t.flag("--overlap-grad-reduce", "overlap the DP gradient reduction with the backward pass",
+  t.flag("--overlap-grad-reduce",
+         "overlap the DP gradient reduction with the backward pass (FSDP's sharded gradients: each layer's "
+         "reduce-scatter finishes while the layers below run backward, a third layer-sized gradient slot)",
          MT_FIELD(parallel.overlap_grad_reduce));
-  t.flag("--overlap-param-gather", "overlap the parameter all-gather with the next forward pass",
+  t.flag("--overlap-param-gather",
+         "overlap the parameter all-gather with the next forward pass (FSDP's sharded parameters: each layer's "
+         "gather prefetched a layer ahead, a third layer-sized parameter slot)",
          MT_FIELD(parallel.overlap_param_gather));
   t.flag("--overlap-param-gather-with-optimizer-step", "overlap the parameter all-gather with the optimizer step",
          MT_FIELD(parallel.overlap_param_gather_with_optimizer_step));
