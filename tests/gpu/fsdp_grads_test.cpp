@@ -25,14 +25,19 @@ using namespace mt::gputest;
 namespace {
 
 // Per parameter (params() order, flattened): the gradient summed over the micro-batches.
+// prefetch: three unit slots, each layer's gather issued a layer ahead (ModelOptions::prefetch_units;
+// on one rank the gathers are copies on the compute stream, so this checks the slots' turns).
 std::vector<std::vector<double>> summed_gradients(Backend& be, const Config& c, DType T, bool shard, bool shard_params,
-                                                   const std::vector<MicroBatch>& mbs, std::vector<double>* losses) {
+                                                   const std::vector<MicroBatch>& mbs, std::vector<double>* losses,
+                                                   bool prefetch = false) {
   ParallelState ps = make_single_process_state();
   const ModelDims d = ModelDims::from_config(c, ps);
   ModelOptions o = ModelOptions::from_config(c, d, T);
   o.shard_optimizer_state = true;  // (the distributed optimizer over one rank)
   o.shard_grads = shard;
   o.shard_params = shard_params;
+  o.prefetch_units = shard_params && prefetch;
+  o.unit_slots = prefetch ? 3 : 2;
   GptModel model(d, o, ps, be);
   model.init_parameters();
   DpGradSync sync(c, ps, {&model});
@@ -85,10 +90,11 @@ TEST_CASE("cuda sharded gradients and parameters: every parameter's gradient ove
     for (int j = 0; j < 3; ++j) mbs.push_back(random_micro_batch(rng, 2, 17, 96));
     std::vector<double> losses;
     const auto want = summed_gradients(dev(), c, k.dtype, false, false, mbs, &losses);
-    for (const bool shard_params : {false, true}) {
-      const auto got = summed_gradients(dev(), c, k.dtype, true, shard_params, mbs, &losses);
+    for (const int variant : {0, 1, 2}) {
+      const bool shard_params = variant > 0, prefetch = variant == 2;
+      const auto got = summed_gradients(dev(), c, k.dtype, true, shard_params, mbs, &losses, prefetch);
       INFO("dtype " << dtype_name(k.dtype) << ", biases " << k.bias << ", recompute " << k.recompute
-                    << ", sharded parameters " << shard_params);
+                    << ", sharded parameters " << shard_params << ", prefetched " << prefetch);
       CHECK(losses.back() == losses.front());  // the same forward
       REQUIRE(got.size() == want.size());
       for (size_t i = 0; i < want.size(); ++i) {
@@ -133,13 +139,16 @@ TEST_CASE("cuda sharded FP8 parameters: the same losses and gradients as whole F
       for (int j = 0; j < 3; ++j) mbs.push_back(random_micro_batch(rng, 2, 16, 96));
       std::vector<double> losses;
       const auto want = summed_gradients(dev(), c, DType::bf16, true, false, mbs, &losses);
-      const auto got = summed_gradients(dev(), c, DType::bf16, true, true, mbs, &losses);
-      INFO((recipe == Fp8Recipe::delayed ? "delayed" : "tensorwise") << ", recompute " << recompute << ", MoE " << moe);
-      CHECK(losses.back() == losses.front());
-      REQUIRE(got.size() == want.size());
-      for (size_t i = 0; i < want.size(); ++i) {
-        INFO("parameter " << i);
-        CHECK(got[i] == want[i]);
+      for (const bool prefetch : {false, true}) {  // (prefetched: the transposes made once each gather has landed)
+        const auto got = summed_gradients(dev(), c, DType::bf16, true, true, mbs, &losses, prefetch);
+        INFO((recipe == Fp8Recipe::delayed ? "delayed" : "tensorwise")
+             << ", recompute " << recompute << ", MoE " << moe << ", prefetched " << prefetch);
+        CHECK(losses.back() == losses.front());
+        REQUIRE(got.size() == want.size());
+        for (size_t i = 0; i < want.size(); ++i) {
+          INFO("parameter " << i);
+          CHECK(got[i] == want[i]);
+        }
       }
     }
 }
