@@ -129,10 +129,10 @@ int64_t choose_logits_rows(const ModelDims& d, const ModelOptions& o) {
   return rows;
 }
 
-// Fully sharded units (ModelOptions::shard_grads / shard_params): two slots the size of the largest
+// Fully sharded units (ModelOptions::shard_grads / shard_params): slots the size of the largest
 // layer's buckets (under expert parallelism a layer has two: its routed experts' and the rest; with
 // FP8 parameters their FP8 bucket too), and per bucket its storage: a layer's a view of its slot
-// (local layer l in l % 2), one bucket after the other, the others' whole. Only the buckets `take`
+// (local layer l in l % slots.size()), one bucket after the other, the others' whole. Only the buckets `take`
 // accepts (the others get an empty tensor: FP8 parameters' buckets have slots of their own dtype).
 std::vector<Tensor> layout_unit_buffers(Arena& a, MemoryCategory c, DType t, const GradLayout& L, int layer_begin,
                                         std::span<Tensor> slots, const std::function<bool(int)>& take = nullptr) {
@@ -436,7 +436,7 @@ void GptModel::layout(Arena& a) {
   param_shard_storage_.clear();
   fp8_params_ = Tensor();
   if (opt_.shard_params) {
-    // The layers' two slots and this rank's shards of every bucket (only the layers' are used); the
+    // The layers' slots and this rank's shards of every bucket (only the layers' are used); the
     // other buckets whole. FP8 parameters' buckets in slots and shards of their own, as FP8 bytes.
     const GradLayout& L = grad_layout_;
     const DType e4 = fp8_.dtype(Fp8State::w);
@@ -467,7 +467,7 @@ void GptModel::layout(Arena& a) {
   grads_ = grad_shards_ = Tensor();
   for (Tensor& t : grad_slots_) t = Tensor();
   if (opt_.shard_grads) {
-    // Staging: the units' two slots, the other buckets whole; then the main gradients' shards.
+    // Staging: the units' slots, the other buckets whole; then the main gradients' shards.
     grad_bucket_storage_ =
         layout_unit_buffers(a, C::gradients, opt_.grad, grad_layout_, d_.layer_begin, unit_slots(grad_slots_));
     grad_shards_ = a.take(C::gradients, opt_.grad, {state});
@@ -525,8 +525,8 @@ void GptModel::layout(Arena& a) {
                   f = d_.ffn_local();
     const int64_t nk[Fp8State::kGemms][2] = {{qkv, h}, {h, att}, {fc1, h}, {h, f}};  // weight [N, K] per GEMM
     const DType e4 = fp8_.dtype(Fp8State::w);
-    // Sharded FP8 parameters (ZeRO-3): a decoder layer's transposed copies live in the slot of its
-    // gathered parameters' parity, made when it is gathered (gather_unit).
+    // Sharded FP8 parameters (ZeRO-3): a decoder layer's transposed copies live in the slot of the
+    // same number as its gathered parameters', made once its gather has landed (gather_unit).
     const bool slotted = opt_.shard_params && fp8_params();
     const auto cached = [&](int l, int g) {
       if (g >= Fp8State::fc1 && d_.is_moe(d_.layer_begin + l)) return false;  // (its experts: fp8_ex_)
@@ -549,8 +549,9 @@ void GptModel::layout(Arena& a) {
         if (!cached(l, g)) continue;
         // An FP8 parameter is its own row-major copy (bind_params points the cache at it).
         if (!opt_.fp8.param_gather) fp8_w_[l].q[g] = a.take(C::parameters, e4, {nk[g][0], nk[g][1]});
-        fp8_w_[l].q_t[g] = in_slot ? wt_slots[l % opt_.unit_slots].flat_slice(at, nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
-                                   : a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
+        fp8_w_[l].q_t[g] =
+            in_slot ? wt_slots[l % opt_.unit_slots].flat_slice(at, nk[g][0] * nk[g][1]).view({nk[g][1], nk[g][0]})
+                    : a.take(C::parameters, e4, {nk[g][1], nk[g][0]});
         if (in_slot) at += nk[g][0] * nk[g][1];
       }
     }

@@ -79,9 +79,9 @@ struct ModelOptions {
   std::optional<int64_t> bucket_size;
   bool shard_optimizer_state = false;
   // Sharded gradients (--use-megatron-fsdp optim_grads, ZeRO-2; engine/model_chunks.h says when):
-  // each decoder layer's gradients are a bucket of their own (a unit), written into one of two
-  // unit-sized staging buffers (layer l into l % unit_slots) and, as soon as the layer's backward is done,
-  // in every micro-batch, reduce-scattered over DP and added into this rank's shard of the main
+  // each decoder layer's gradients are a bucket of their own (a unit), written into one of
+  // unit_slots unit-sized staging buffers (layer l into l % unit_slots) and, as soon as the layer's
+  // backward is done, in every micro-batch, reduce-scattered over DP and added into this rank's shard of the main
   // gradients (grad_shards()). The parameters outside the layers keep whole staging buffers,
   // reduce-scattered at the end of each backward. Needs shard_optimizer_state and one chunk per
   // rank without pipelining, expert-parallel regions or FP8 parameters.
@@ -762,7 +762,7 @@ class GptModel {
   Tensor grad_shards_;
   void prepare_grad_unit(int local);
   Tensor grad_range(int64_t offset, int64_t count) const;  // a range of the flat layout inside one bucket
-  // Sharded parameters: per bucket its storage (the layers' are views of the two slots), the
+  // Sharded parameters: per bucket its storage (the layers' are views of the slots), the
   // slots, the local layer each slot holds (-1: none, or stale), the shards; per local layer its
   // buckets. gather_unit(l) makes layer l's slot hold its current parameters.
   std::vector<Tensor> param_bucket_storage_;
