@@ -159,6 +159,10 @@ void add_moe_flags(FlagTable& t) {
       .model_setting("moe_router_group_topk", CheckpointTake::no, CheckpointCompare::no, true);
   t.flag("--moe-router-force-load-balancing", "route with random logits (benchmarks only)",
          MT_FIELD(model.moe.router_force_load_balancing));
+  t.value("--moe-router-force-biased",
+          "route with random logits plus a random per-expert bias of this standard deviation, the same on every "
+          "rank (benchmarks only): positive, drawn anew for each micro-batch; negative, drawn once per layer",
+          MT_FIELD(model.moe.router_force_biased));
   t.without_effect(t.flag("--moe-router-fusion", "fused top-k routing and auxiliary-loss kernels",
                           MT_FIELD(model.moe.router_fusion)),
                    "megatrain's routing and load-balancing statistics always run as fused kernels");

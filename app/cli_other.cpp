@@ -255,7 +255,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--moe-paged-stash-buffer-size-factor-cuda", "FLOAT", {}, "a setting of the MoE paged stash (--moe-paged-stash, not built): no effect without it, as in Megatron-LM", "1.1");
   t.no_effect_checked("--moe-paged-stash-page-size", "INT", {}, "a setting of the MoE paged stash (--moe-paged-stash, not built): no effect without it, as in Megatron-LM", "64");
   t.no_effect("--moe-permute-fusion-into-hybridep", Arity::none, "a DeepEP / HybridEP / NCCL-EP kernel setting: megatrain runs its own token dispatcher", "off");
-  t.recognised("--moe-router-force-biased", Arity::one, "FLOAT", "None", "random expert bias added to the router logits (benchmarks)");
   t.no_effect("--moe-routing-trace-capture-hidden-states", Arity::none, "a setting of MoE routing traces (--moe-routing-trace-path, not built): no effect without it, as in Megatron-LM", "off");
   t.no_effect("--moe-routing-trace-capture-logits", Arity::none, "a setting of MoE routing traces (--moe-routing-trace-path, not built): no effect without it, as in Megatron-LM", "off");
   t.no_effect("--moe-routing-trace-dump-weights", Arity::none, "a setting of MoE routing traces (--moe-routing-trace-path, not built): no effect without it, as in Megatron-LM", "off");

@@ -159,7 +159,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--moe-expert-rank-capacity-factor", W::any_use, {}, ""},
       {"--moe-mlp-glu-interleave-size", W::any_use, {}, ""},
       {"--moe-paged-stash", W::any_use, {}, ""},
-      {"--moe-router-force-biased", W::any_use, {}, ""},
       {"--moe-routing-trace-path", W::any_use, {}, ""},
       {"--moe-shared-expert-glu-interleave-size", W::any_use, {}, ""},
       {"--mtp-hybrid-override-pattern", W::any_use, {}, ""},

@@ -100,6 +100,7 @@ struct MoeConfig {
   bool router_padding_for_fp8 = false;
   bool per_layer_logging = false;
   bool router_force_load_balancing = false;
+  std::optional<double> router_force_biased;  // --moe-router-force-biased: the bias's std (sign: redrawn or not)
   bool layer_recompute = false;            // deprecated: --recompute-modules moe
   bool overlap_expert_parallel_comm = false;  // --overlap-moe-expert-parallel-comm (performance only)
 

@@ -1207,6 +1207,7 @@ void GptModel::stage_without_data(int slot, uint64_t serial, bool training, doub
 
 void GptModel::set_slot_key(Slot& s, uint64_t serial, bool training) {
   s.key = mix_key(mix_key(d_.seed, 0x64726f706f7574ULL /* "dropout" */), mix_key(serial, ps_.dp_rank));
+  s.serial = serial;
   s.training = training;
   s.staged = true;
 }

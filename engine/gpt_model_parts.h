@@ -145,6 +145,7 @@ struct GptModel::Slot {
   };
   std::vector<MtpRows> mtp;
   uint64_t key = 0;
+  uint64_t serial = 0;  // the micro-batch's place in the run (the same on every data-parallel rank)
   double moe_aux_seed = 1.0;  // the aux losses' gradient seed: the loss gradient's scale (loss scale / M)
   bool training = true;
   bool staged = false;
@@ -187,6 +188,7 @@ struct GptModel::Workspace {
   // expert's activation [N, f_sh], router gradients (logits' dtype [N, E]; float32 aux gradient
   // [N, E]; routing weights' gradient float32 [N, k], [Nk]).
   Tensor moe_rows, moe_act, moe_dact, moe_sh_act, moe_dlogits, moe_aux_grad, moe_dprobs, moe_dp_perm;
+  Tensor moe_force_bias;  // --moe-router-force-biased: [1, E] in the router's dtype
   // Expert parallelism (engine/blocks/moe.cpp): the EP group's tokens [Ng, h] (the MoE input, then
   // the output gradient), their experts' outputs before the reduce-scatter [Ng, h] (backward: the
   // input gradient), routing weights float32 [Ng, k] and experts int32 [Ng, k] (backward: the

@@ -197,6 +197,7 @@ ModelDims ModelDims::from_config(const Config& cfg, const RankPosition& r,
     d.moe_log_z = e.z_loss_coeff.has_value();
     d.moe_per_layer_logging = e.per_layer_logging;
     d.moe_force_balance = e.router_force_load_balancing;
+    if (e.router_force_biased) d.moe_force_bias = static_cast<float>(*e.router_force_biased);
     d.moe_jitter_eps = static_cast<float>(e.input_jitter_eps.value_or(0.0));
     d.moe_expert_bias = e.router_enable_expert_bias;
     d.moe_bias_rate = static_cast<float>(e.router_bias_update_rate);

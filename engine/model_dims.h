@@ -154,6 +154,10 @@ struct ModelDims : RankPosition {
   // values (the same on a micro-batch's TP ranks), their gradient passed straight to the router
   // (Megatron's RandomSTE).
   bool moe_force_balance = false;
+  // --moe-router-force-biased (benchmarks): random logits as above plus a per-expert bias drawn
+  // from N(0, |std|), the same on every rank: std > 0 drawn anew for each micro-batch and layer,
+  // std < 0 once per layer for the whole run (Megatron's apply_biased_logits).
+  std::optional<float> moe_force_bias;
   float moe_jitter_eps = 0;  // --moe-input-jitter-eps (0: none)
   // Logged, as Megatron-LM's training loop names them: load_balancing_loss ("aux_loss" in the
   // type: with one type a substring test, so seq_aux_loss and global_aux_loss print it too, 0 when

@@ -554,6 +554,44 @@ TEST_CASE("MoE: --moe-router-force-load-balancing routes by random logits, whate
   CHECK(plain.objective() != p0);
 }
 
+TEST_CASE("MoE: --moe-router-force-biased adds a per-expert bias to the random logits", "[moe]") {
+  Config c = tiny_moe_config(8, 2);
+  c.model.moe.aux_loss_coeff = {0.1};
+  c.model.moe.router_force_load_balancing = true;
+  MoeHarness balanced(c);
+  balanced.objective();
+  const double aux_balanced = balanced.moe_sums()[0];  // two MoE layers' load-balancing sums
+  c.model.moe.router_force_load_balancing = false;
+  const auto run = [&](double std, std::vector<double>* w = nullptr) {
+    Config b = c;
+    b.model.moe.router_force_biased = std;
+    MoeHarness h(b);
+    REQUIRE(h.dims.moe_force_bias);
+    if (w) h.set_params(*w);
+    const double obj = h.objective();
+    return std::pair<double, double>{obj, h.moe_sums()[0]};
+  };
+  // A large bias sends every token to the same two experts: the load-balancing sum rises to about
+  // E / k per layer (about 1 per layer when balanced), with the bias redrawn (std > 0) or not.
+  for (const double std : {-50.0, 50.0}) {
+    INFO("std " << std);
+    const auto [obj, aux] = run(std);
+    CHECK(aux > 2.5 * aux_balanced);
+    CHECK(run(std).first == obj);  // keyed by the seed, the layer (and the micro-batch): repeatable
+  }
+  // A small bias keeps the routing near balanced; redrawn and reused biases differ (other keys).
+  const auto [obj_small, aux_small] = run(-0.01);
+  CHECK(aux_small < 1.5 * aux_balanced);
+  CHECK(run(0.01).first != obj_small);
+  // As with forced balance the router's weights do not choose the experts.
+  MoeHarness h(c);
+  std::vector<double> w = h.params();
+  const ParamDesc& router = h.model->params()[static_cast<size_t>(find_param(h.model->params(),
+                                                                             "decoder.layers.0.mlp.router.weight"))];
+  for (int64_t i = 0; i < router.numel(); ++i) w[static_cast<size_t>(router.offset + i)] *= -3.0;
+  CHECK(run(-1.0, &w).first == run(-1.0).first);
+}
+
 TEST_CASE("MoE gradient check: token dropping by weight and by position (capacity factor 0.5)", "[moe][gradcheck]") {
   for (const MoeDropPolicy policy : {MoeDropPolicy::probs, MoeDropPolicy::position}) {
     INFO("policy " << (policy == MoeDropPolicy::probs ? "probs" : "position"));

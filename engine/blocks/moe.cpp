@@ -28,6 +28,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/philox.h"
 #include "engine/gpt_model.h"
 #include "engine/gpt_model_parts.h"
 #include "engine/moe_routing.h"
@@ -439,6 +440,7 @@ void GptModel::layout_moe_workspace(Arena& a) {
   if (d_.shared_ffn > 0) w.moe_sh_act = a.take(C::workspace, T, {N, d_.shared_ffn_local()});
   const DType RT = router_dtype();
   w.moe_dlogits = a.take(C::workspace, RT, {N, E});
+  w.moe_force_bias = d_.moe_force_bias ? a.take(C::workspace, RT, {1, E}) : Tensor();
   w.moe_fc1 = opt_.moe_recompute_fc1 ? a.take(C::workspace, T, {R, d_.expert_fc1_width_local()}) : Tensor();
   w.moe_sh_fc1 = opt_.moe_recompute_shared ? a.take(C::workspace, T, {N, d_.shared_fc1_width_local()}) : Tensor();
   w.moe_x32 = w.moe_w32 = w.moe_b32 = w.moe_xj = Tensor();
@@ -486,8 +488,18 @@ void GptModel::moe_forward(int local, Slot& s, const LayerActs& A, const NextNor
                      router_bias(P), Activation::none, Tensor());
   // Forced balance (benchmarks): random logits, the same on every TP rank of the micro-batch
   // (site 3 of the layer's keys); the backward treats them as the gating GEMM's output.
-  if (d_.moe_force_balance)
+  if (d_.moe_force_balance || d_.moe_force_bias)
     be_.init_normal(M.logits, site_key(s, layer, 3), 1.0f, ShardIndex::whole(N, d_.experts));
+  // Forced bias (benchmarks): a per-expert bias added to those random logits, the same on every
+  // rank (keyed by the seed, the layer and, for a positive std, the micro-batch's serial).
+  if (d_.moe_force_bias) {
+    const float std = *d_.moe_force_bias;
+    const uint64_t base = mix_key(mix_key(d_.seed, 0x626961736564ULL /* "biased" */), static_cast<uint64_t>(layer));
+    be_.init_normal(w.moe_force_bias, std < 0 ? base : mix_key(base, s.serial), std::fabs(std),
+                    ShardIndex::whole(1, d_.experts));
+    const int64_t all_rows[2] = {0, N};  // (one group: every row)
+    be_.grouped_bias_forward(M.logits, w.moe_force_bias, Tensor(), ExpertOffsets(std::span<const int64_t>(all_rows)));
+  }
   if (d_.moe_sinkhorn)  // (each TP rank routes its own rows under SP, as Megatron's router does)
     be_.moe_sinkhorn_route(M.probs, M.idx, M.logits, k, d_.tokens_local(), s.training);
   else
