@@ -161,7 +161,7 @@ void add_moe_flags(FlagTable& t) {
          MT_FIELD(model.moe.router_force_load_balancing));
   t.value("--moe-router-force-biased",
           "route with random logits plus a random per-expert bias of this standard deviation, the same on every "
-          "rank (benchmarks only): positive, drawn anew for each micro-batch; negative, drawn once per layer",
+          "rank (benchmarks only): positive, drawn anew for each training micro-batch; negative, drawn once per layer",
           MT_FIELD(model.moe.router_force_biased));
   t.without_effect(t.flag("--moe-router-fusion", "fused top-k routing and auxiliary-loss kernels",
                           MT_FIELD(model.moe.router_fusion)),

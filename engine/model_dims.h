@@ -155,7 +155,7 @@ struct ModelDims : RankPosition {
   // (Megatron's RandomSTE).
   bool moe_force_balance = false;
   // --moe-router-force-biased (benchmarks): random logits as above plus a per-expert bias drawn
-  // from N(0, |std|), the same on every rank: std > 0 drawn anew for each micro-batch and layer,
+  // from N(0, |std|), the same on every rank: std > 0 drawn anew for each training micro-batch and layer,
   // std < 0 once per layer for the whole run (Megatron's apply_biased_logits).
   std::optional<float> moe_force_bias;
   float moe_jitter_eps = 0;  // --moe-input-jitter-eps (0: none)
