@@ -190,18 +190,29 @@ __device__ __forceinline__ void store4(T* p, const float4& v) {
   }
 }
 
-// The block's threads over elements [begin, end) of a chunk: four(i) for each group of four from a
-// 4-aligned start when `vec` (the buffers aligned for four-element accesses), one(i) for the others
-// and the tail.
-template <typename Four, typename One>
-__device__ __forceinline__ void for_range_by4(int64_t begin, int64_t end, bool vec, Four&& four, One&& one) {
+// The block's threads over elements [begin, end) of a chunk: groups(nvec) takes the nvec groups of
+// four from a 4-aligned start when `vec` (the buffers aligned for four-element accesses; group q is
+// elements begin + 4q ..), one(i) the others and the tail.
+template <typename Groups, typename One>
+__device__ __forceinline__ void for_range_groups(int64_t begin, int64_t end, bool vec, Groups&& groups, One&& one) {
   int64_t scalar_from = begin;
   if (vec && (begin & 3) == 0) {
     const int64_t nvec = (end - begin) / 4;
-    for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) four(begin + 4 * q);
+    groups(nvec);
     scalar_from = begin + 4 * nvec;
   }
   for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) one(i);
+}
+
+// The same with four(i) for each group of four (element i its first), one group per thread at a time.
+template <typename Four, typename One>
+__device__ __forceinline__ void for_range_by4(int64_t begin, int64_t end, bool vec, Four&& four, One&& one) {
+  for_range_groups(
+      begin, end, vec,
+      [&](int64_t nvec) {
+        for (int64_t q = threadIdx.x; q < nvec; q += blockDim.x) four(begin + 4 * q);
+      },
+      one);
 }
 
 // Loads of four-element groups as float32 (load4), plain or streaming (kStream: ld.global.cs,
@@ -241,36 +252,33 @@ __device__ __forceinline__ void for_groups_unrolled(int64_t nvec, Load&& load, U
 template <int kUnroll, bool kStream, typename M, typename G, typename A, typename V>
 __device__ __forceinline__ void adam_range(const AdamArgs<G, A, V>& a, int64_t begin, int64_t end, float lr, float wd, float eps,
                                            bool vec, float scale, bool track, float& amax) {
-  int64_t scalar_from = begin;
-  if (vec && (begin & 3) == 0) {
-    const int64_t nvec = (end - begin) / 4;
-    float4 g[kUnroll], m[kUnroll], v[kUnroll], p[kUnroll];
-    for_groups_unrolled<kUnroll>(
-        nvec,
-        [&](int u, int64_t q) {
-          const int64_t i = begin + 4 * q;
-          g[u] = load4s<kStream>(a.grad + i);
-          m[u] = load4s<kStream>(a.exp_avg + i);
-          v[u] = load4s<kStream>(a.exp_avg_sq + i);
-          p[u] = load4s<kStream>(a.master + i);
-        },
-        [&](int u, int64_t q) {
-          const int64_t i = begin + 4 * q;
-          const float s = a.grad_scale;
-          float4& P = p[u];
-          float4 &Mo = m[u], &Vo = v[u];
-          P.x = adam_one(Mo.x, Vo.x, P.x, __fmul_rn(g[u].x, s), a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-          P.y = adam_one(Mo.y, Vo.y, P.y, __fmul_rn(g[u].y, s), a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-          P.z = adam_one(Mo.z, Vo.z, P.z, __fmul_rn(g[u].z, s), a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-          P.w = adam_one(Mo.w, Vo.w, P.w, __fmul_rn(g[u].w, s), a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
-          store4(a.exp_avg + i, Mo);
-          store4(a.exp_avg_sq + i, Vo);
-          *reinterpret_cast<float4*>(a.master + i) = P;
-          store_model4<M>(a.model, i, P, scale, track, amax);
-        });
-    scalar_from = begin + 4 * nvec;
-  }
-  for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) adam_update<M>(a, i, lr, wd, eps, scale, track, amax);
+  float4 g[kUnroll], m[kUnroll], v[kUnroll], p[kUnroll];
+  const float s = a.grad_scale;
+  auto one = [&](float& mo, float& vo, float pe, float ge) {
+    return adam_one(mo, vo, pe, __fmul_rn(ge, s), a.beta1, a.beta2, a.bias_correction1, a.bias_correction2, eps, lr, wd);
+  };
+  auto load = [&](int u, int64_t q) {
+    const int64_t i = begin + 4 * q;
+    g[u] = load4s<kStream>(a.grad + i);
+    m[u] = load4s<kStream>(a.exp_avg + i);
+    v[u] = load4s<kStream>(a.exp_avg_sq + i);
+    p[u] = load4s<kStream>(a.master + i);
+  };
+  auto update = [&](int u, int64_t q) {
+    const int64_t i = begin + 4 * q;
+    float4 &P = p[u], &Mo = m[u], &Vo = v[u];
+    P.x = one(Mo.x, Vo.x, P.x, g[u].x);
+    P.y = one(Mo.y, Vo.y, P.y, g[u].y);
+    P.z = one(Mo.z, Vo.z, P.z, g[u].z);
+    P.w = one(Mo.w, Vo.w, P.w, g[u].w);
+    store4(a.exp_avg + i, Mo);
+    store4(a.exp_avg_sq + i, Vo);
+    *reinterpret_cast<float4*>(a.master + i) = P;
+    store_model4<M>(a.model, i, P, scale, track, amax);
+  };
+  for_range_groups(
+      begin, end, vec, [&](int64_t nvec) { for_groups_unrolled<kUnroll>(nvec, load, update); },
+      [&](int64_t i) { adam_update<M>(a, i, lr, wd, eps, scale, track, amax); });
 }
 
 // FP8 copies: the segment's scale, read once per chunk (written on the stream by the scale update).
