@@ -122,57 +122,74 @@ constexpr size_t kNamedRanks = 8;     // ranks the error message names, at most
 
 WeightHashCheck::WeightHashCheck(ParallelState& ps, const std::vector<GptModel*>& chunks) : ps_(ps) {
   if (chunks.empty()) return;
+  dense_.comm = ps.dp.get();
+  experts_.comm = &ps.expert_dp();
   for (size_t c = 0; c < chunks.size(); ++c) {
     const GptModel& m = *chunks[c];
     for (size_t i = 0; i < m.params().size(); ++i)
-      params_.push_back({m.params()[i].name, static_cast<int>(c), m.param(static_cast<int>(i))});
+      (m.params()[i].expert ? experts_ : dense_)
+          .params.push_back({m.params()[i].name, static_cast<int>(c), m.param(static_cast<int>(i))});
   }
   be_ = &chunks.front()->backend();
-  row_ = 1 + static_cast<int64_t>(params_.size());
-  const size_t row_bytes = static_cast<size_t>(row_) * sizeof(int64_t);
-  hashes_ = be_->allocate(row_bytes);
-  gathered_ = be_->allocate(row_bytes * static_cast<size_t>(ps.dp->size()));
+  for (Group* g : {&dense_, &experts_}) {
+    if (g->params.empty()) continue;
+    g->row = 1 + static_cast<int64_t>(g->params.size());
+    const size_t row_bytes = static_cast<size_t>(g->row) * sizeof(int64_t);
+    g->hashes = be_->allocate(row_bytes);
+    g->gathered = be_->allocate(row_bytes * static_cast<size_t>(g->comm->size()));
+    g->host.resize(static_cast<size_t>(g->row) * static_cast<size_t>(g->comm->size()));
+  }
   verdict_ = be_->allocate(kVerdict * sizeof(int64_t));
   verdicts_ = be_->allocate(kVerdict * sizeof(int64_t) * static_cast<size_t>(ps.world_size));
-  host_gathered_.resize(static_cast<size_t>(row_) * static_cast<size_t>(ps.dp->size()));
   host_verdicts_.resize(static_cast<size_t>(kVerdict) * static_cast<size_t>(ps.world_size));
 }
 
 WeightHashCheck::~WeightHashCheck() {
-  for (void* p : {hashes_, gathered_, verdict_, verdicts_})
+  for (void* p : {dense_.hashes, dense_.gathered, experts_.hashes, experts_.gathered, verdict_, verdicts_})
     if (p) be_->deallocate(p);
 }
 
-void WeightHashCheck::run(int64_t iteration) {
-  if (!enabled()) return;
+int64_t WeightHashCheck::compare(Group& g, int64_t& first) {
+  if (g.params.empty()) return 0;
   const Device dev = be_->device();
-  const Tensor hashes(hashes_, DType::i64, dev, {row_});
+  const Tensor hashes(g.hashes, DType::i64, dev, {g.row});
   const int64_t me = ps_.rank;
   be_->copy_from_host(hashes.flat_slice(0, 1), &me);
-  for (size_t i = 0; i < params_.size(); ++i)
-    be_->hash_bytes(hashes.flat_slice(1 + static_cast<int64_t>(i), 1), params_[i].t);
-
-  Communicator& dp = *ps_.dp;
-  const Tensor gathered(gathered_, DType::i64, dev, {static_cast<int64_t>(dp.size()) * row_});
-  if (dp.size() > 1) dp.all_gather(gathered, hashes);
+  for (size_t i = 0; i < g.params.size(); ++i)
+    be_->hash_bytes(hashes.flat_slice(1 + static_cast<int64_t>(i), 1), g.params[i].t);
+  Communicator& comm = *g.comm;
+  const Tensor gathered(g.gathered, DType::i64, dev, {static_cast<int64_t>(comm.size()) * g.row});
+  if (comm.size() > 1) comm.all_gather(gathered, hashes);
   else be_->copy(gathered, hashes);
-  be_->copy_to_host(host_gathered_.data(), gathered);
-  const int64_t* first = host_gathered_.data();  // DP rank 0's row
-  const int64_t* mine = first + static_cast<size_t>(dp.rank()) * static_cast<size_t>(row_);
+  be_->copy_to_host(g.host.data(), gathered);
+  const int64_t* rank0 = g.host.data();  // the group's rank 0's row
+  const int64_t* mine = rank0 + static_cast<size_t>(comm.rank()) * static_cast<size_t>(g.row);
+  first = rank0[0];
   int64_t differing = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (mine[1 + i] == first[1 + i]) continue;
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    if (mine[1 + i] == rank0[1 + i]) continue;
     if (differing < kNamedParams)
-      log::write_stderr(fmt::format("[Rank {}] Hash not matching for {} in model chunk{}", ps_.rank, params_[i].name,
-                                    params_[i].chunk));
+      log::write_stderr(fmt::format("[Rank {}] Hash not matching for {} in model chunk{}", ps_.rank, g.params[i].name,
+                                    g.params[i].chunk));
     ++differing;
   }
   if (differing > kNamedParams)
     log::write_stderr(fmt::format("[Rank {}] ... and {} more parameters whose hash does not match data-parallel rank "
                                   "0's", ps_.rank, differing - kNamedParams));
+  return differing;
+}
+
+void WeightHashCheck::run(int64_t iteration) {
+  if (!enabled()) return;
+  const Device dev = be_->device();
+  int64_t first = ps_.rank, expert_first = ps_.rank;
+  const int64_t dense = compare(dense_, first), experts = compare(experts_, expert_first);
+  const int64_t differing = dense + experts;
+  if (dense == 0 && experts > 0) first = expert_first;  // (the rank the experts differ from)
+  const int64_t held = static_cast<int64_t>(dense_.params.size() + experts_.params.size());
 
   // Every rank learns every group's verdict, so that all stop together with the same message.
-  const int64_t verdict[kVerdict] = {ps_.rank, differing, first[0], static_cast<int64_t>(params_.size())};
+  const int64_t verdict[kVerdict] = {ps_.rank, differing, first, held};
   const Tensor v(verdict_, DType::i64, dev, {kVerdict});
   const Tensor all(verdicts_, DType::i64, dev, {kVerdict * ps_.world_size});
   be_->copy_from_host(v, verdict);

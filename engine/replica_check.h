@@ -57,7 +57,9 @@ class ReplicaCheck {
 // evaluation and the checkpoint save): every parameter this rank holds is hashed where it lives
 // (Backend::hash_bytes on device memory; with the distributed optimizer the model weights after
 // their all-gather, which every DP replica holds whole), the hashes are all-gathered over the
-// data-parallel group and each replica's are compared with DP rank 0's. Where they differ, every
+// data-parallel group and each replica's are compared with DP rank 0's; the routed experts'
+// (ParamDesc::expert) over the expert-data-parallel group instead, whose members hold the same
+// experts (under expert parallelism a DP group's ranks hold different ones). Where they differ, every
 // rank whose weights differ names the parameters (Megatron's "[Rank R] Hash not matching for NAME
 // in model chunkC" lines) and then every rank of the run stops with one message naming the ranks
 // and the iteration. Its buffers are allocated here, at set-up; a check allocates nothing.
@@ -81,16 +83,26 @@ class WeightHashCheck {
     int chunk;
     Tensor t;
   };
+  // The parameters compared over one group (the dense ones over DP, the routed experts' over the
+  // expert-data-parallel group) and its buffers.
+  struct Group {
+    Communicator* comm = nullptr;
+    std::vector<Param> params;
+    int64_t row = 0;            // 1 + parameters: [global rank, hash of each parameter]
+    void* hashes = nullptr;     // int64 [row]
+    void* gathered = nullptr;   // int64 [group size x row]
+    std::vector<int64_t> host;  // the gathered rows
+  };
+  // Hashes the group's parameters, gathers them over its communicator and names those that differ
+  // from its rank 0's; returns how many differ and sets `first` to that rank 0's global rank.
+  int64_t compare(Group& g, int64_t& first);
 
   ParallelState& ps_;
   Backend* be_ = nullptr;
-  std::vector<Param> params_;
-  int64_t row_ = 0;              // 1 + parameters: [global rank, hash of each parameter]
-  void* hashes_ = nullptr;       // int64 [row_]
-  void* gathered_ = nullptr;     // int64 [DP x row_]
+  Group dense_, experts_;
   void* verdict_ = nullptr;      // int64 [4]: this rank's verdict (below)
   void* verdicts_ = nullptr;     // int64 [world x 4]
-  std::vector<int64_t> host_gathered_, host_verdicts_;
+  std::vector<int64_t> host_verdicts_;
 };
 
 }  // namespace mt

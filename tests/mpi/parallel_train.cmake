@@ -237,6 +237,12 @@ set(moe_sigmoid_model "--disable-bias-linear --swiglu --normalization RMSNorm --
 --num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 16 --moe-router-score-function sigmoid \
 --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.0 --moe-aux-loss-coeff 1e-2")
 megatrain_parallel_train_test(parallel_train_moe_dp2 --model "${moe_model}" 2)
+# --check-weight-hash-across-dp-replicas-interval under expert parallelism: the routed experts'
+# hashes are compared over the expert-data-parallel group (ranks {0, 2} and {1, 3}), the others'
+# over DP (all four ranks), as Megatron's check_param_hashes_across_dp_replicas groups them; over
+# DP, EP ranks would hold different experts and the check would stop a healthy run.
+megatrain_parallel_train_test(parallel_train_weight_hash_moe_ep2_dp4 --model "${moe_model}" 4
+                              --expert-model-parallel-size 2 --check-weight-hash-across-dp-replicas-interval 2)
 megatrain_parallel_train_test(parallel_train_moe_dp2_distopt --model "${moe_model}" 2 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000)
 megatrain_parallel_train_test(parallel_train_moe_pp2 --model "${moe_model}" 2 --pipeline-model-parallel-size 2)
