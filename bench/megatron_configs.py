@@ -17,6 +17,16 @@ writes the passing command lines (scratch paths as @TMP@, the repository as @SRC
 which keeps them passing.
 
   python3 bench/megatron_configs.py --megatron ~/Megatron-LM --megatrain build/app/megatrain
+
+`--train N` goes further for the configurations that pass: each trains N iterations on the
+reference backend, one MPI rank per GPU of its world size (`mpirun --oversubscribe`), with its
+parallel layout, layer counts, expert counts, routing, recompute, optimizer and checkpointing
+flags as written, in float32 (--bf16 / --fp16 dropped: the reference backend's precision), but
+shrunk widths (head dim 8, FFN 64, experts' FFN 32, the
+multi-latent attention ranks 16), sequences of 64 tokens per context-parallel rank, vocabulary
+512 (mock data), one or two micro-batches per pipeline stage, an evaluation after the last
+iteration and a checkpoint saved there where the config saves: what a user's script exercises of
+megatrain's code, at a size two CPU cores train in seconds.
 """
 import argparse
 import math
@@ -28,6 +38,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 import yaml
 
@@ -197,6 +208,100 @@ def problem_key(p):
     return f"{m.group(1)} ({kind})" if m else re.sub(r"[0-9.]+", "N", p)[:100]
 
 
+# --train: widths shrunk so that every config trains on CPU ranks in seconds; the flags that fix the
+# structure (layers, experts, heads, parallel sizes, layouts) stay as written.
+SHRINK = {
+    "--ffn-hidden-size": "64", "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32",
+    "--kv-channels": "8", "--q-lora-rank": "16", "--kv-lora-rank": "16", "--qk-head-dim": "8",
+    "--qk-pos-emb-head-dim": "4", "--v-head-dim": "8", "--vocab-size": "512", "--eval-iters": "1",
+    "--log-interval": "1",
+}
+# Flags dropped with their values (the number of words after the flag; None: up to the next flag).
+DROP = {"--rampup-batch-size": 3, "--step-batch-size-schedule": 1, "--global-batch-size": 1, "--train-iters": 1,
+        "--train-samples": 1, "--eval-interval": 1, "--eval-global-batch-size": 1, "--exit-interval": 1,
+        "--save-interval": 1, "--seq-length": 1, "--max-position-embeddings": 1, "--hidden-size": 1,
+        "--decoder-seq-length": 1, "--exit-duration-in-mins": 1,
+        # The reference backend computes in float32: the 16-bit formats are the GPU's (its tests), and
+        # so is the overlap of the experts' all-to-all (with its delayed weight gradients), which
+        # Megatron allows with them only.
+        "--bf16": 0, "--fp16": 0, "--overlap-moe-expert-parallel-comm": 0, "--delay-wgrad-compute": 0}
+
+
+def flag_present(words, flag):
+    return flag in words
+
+
+def shrink(words, ws, iters):
+    """The config's words with shrunk widths and a short run (see --train)."""
+    tp, pp = flag_int(words, "--tensor-model-parallel-size"), flag_int(words, "--pipeline-model-parallel-size")
+    cp = flag_int(words, "--context-parallel-size")
+    heads = flag_int(words, "--num-attention-heads", 8)
+    mbs = flag_int(words, "--micro-batch-size", 1)
+    dp = max(1, ws // (tp * pp * cp))
+    # One micro-batch per stage (a whole 1F1B or interleaved schedule), or the interleaved
+    # schedule's micro-batch group where a config sets a larger one.
+    micro = max(pp, flag_int(words, "--microbatch-group-size-per-virtual-pipeline-stage", 1))
+    gbs = mbs * dp * micro
+    seq = 64 * cp
+    # Fewer layers where nothing else fixes the count (a layout, first or last stage sizes, a
+    # per-layer MoE pattern): one per virtual stage, or --recompute-num-layers of them.
+    drop = dict(DROP)
+    fixed = any(flag_present(words, f) for f in (
+        "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+        "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage", "--hybrid-override-pattern"))
+    freq = next((words[j + 1] for j, w in enumerate(words[:-1]) if w == "--moe-layer-freq"), "1")
+    extra = []
+    if not fixed and re.fullmatch(r"[0-9]+", freq):
+        per_chunk = max(1, flag_int(words, "--recompute-num-layers", 1))
+        chunks = flag_int(words, "--num-virtual-stages-per-pipeline-rank", 0)
+        if flag_present(words, "--num-layers-per-virtual-pipeline-stage"):
+            per_stage = flag_int(words, "--num-layers-per-virtual-pipeline-stage")
+            chunks = flag_int(words, "--num-layers", pp * per_stage) // (pp * per_stage)
+            drop["--num-layers-per-virtual-pipeline-stage"] = 1
+            extra += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
+        # (The embedding and the loss may count as layers in the pipeline split.)
+        accounted = sum(flag_present(words, f) for f in ("--account-for-embedding-in-pipeline-split",
+                                                        "--account-for-loss-in-pipeline-split"))
+        if pp * max(1, chunks) * per_chunk <= accounted:
+            per_chunk *= 2
+            extra[-1:] = [str(per_chunk)] if extra else []
+        drop["--num-layers"] = 1
+        extra += ["--num-layers", str(pp * max(1, chunks) * per_chunk - accounted)]
+    out, i = [], 0
+    while i < len(words):
+        w = words[i]
+        if w in drop:
+            n = drop[w]
+            i += 1
+            if n is None:
+                while i < len(words) and not words[i].startswith("--"):
+                    i += 1
+            else:
+                i += n
+            continue
+        out.append(w)
+        if w in SHRINK and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            out.append(SHRINK[w])
+            i += 2
+            continue
+        i += 1
+    head_dim = 8
+    out += extra + ["--hidden-size", str(heads * head_dim), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--global-batch-size", str(gbs), "--eval-interval", str(iters), "--device", "cpu"]
+    # A schedule in samples (--train-samples with --lr-decay-samples ...) stays one in samples.
+    if flag_present(words, "--train-samples") or flag_present(words, "--step-batch-size-schedule"):
+        out += ["--train-samples", str(iters * gbs)]
+    else:
+        out += ["--train-iters", str(iters)]
+    if flag_present(words, "--fim-data"):  # (the small dataset of tests/fixtures/fim has no test split)
+        out += ["--eval-iters", "0"]
+    if flag_present(words, "--save"):
+        out += ["--save-interval", str(iters)]
+    if flag_present(words, "--eval-global-batch-size"):
+        out += ["--eval-global-batch-size", str(gbs)]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron", required=True, help="Megatron-LM source tree")
@@ -207,6 +312,14 @@ def main():
     ap.add_argument("--megatron-commit", help="the Megatron-LM commit, for the fixture's header (default: git's)")
     ap.add_argument("--only", help="run only configs whose name contains this")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each config's command line")
+    ap.add_argument("--train", type=int, default=0, metavar="N",
+                    help="also train each passing config N iterations on CPU ranks at shrunk widths (see above)")
+    ap.add_argument("--mpirun", default="mpirun", help="the MPI launcher for --train")
+    ap.add_argument("--train-timeout", type=int, default=300, help="seconds per --train run")
+    ap.add_argument("--train-max-ranks", type=int, default=0, help="--train only the configs of at most this many "
+                    "ranks (0: all)")
+    ap.add_argument("--write-train-fixture", help="write the configs that trained (NAME, ranks, megatrain's "
+                    "flags) here, one per line, for tests/mpi/megatron_configs_train.cmake")
     a = ap.parse_args()
 
     configs = []
@@ -249,10 +362,38 @@ def main():
             results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs,
                             "args": [w.replace(scratch, "@TMP@").replace(SRC, "@SRC@") for w in cmd[1:]]})
             print(f"{'PASS' if ok else 'FAIL'} {name} (world size {ws})" + ("" if ok else ": " + " | ".join(probs)))
+            if ok and a.train > 0 and (a.train_max_ranks <= 0 or ws <= a.train_max_ranks):
+                run_dir = os.path.join(scratch, "train", re.sub(r"[^A-Za-z0-9_.-]", "_", name))
+                os.makedirs(run_dir, exist_ok=True)
+                twords = [w.replace(scratch, run_dir) for w in shrink(words, ws, a.train)]
+                tcmd = [a.mpirun, "-np", str(ws), "--oversubscribe", a.megatrain] + twords
+                t0 = time.monotonic()
+                try:
+                    t = subprocess.run(tcmd, capture_output=True, text=True, timeout=a.train_timeout, env=dict(
+                        os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                        OMPI_MCA_mpi_yield_when_idle="1"))
+                    tok, terr = t.returncode == 0, t.stderr
+                except subprocess.TimeoutExpired as e:
+                    tok, terr = False, f"timed out after {a.train_timeout} s"
+                results[-1]["trained"] = tok
+                results[-1]["train_args"] = [w.replace(run_dir, "@TMP@").replace(SRC, "@SRC@") for w in twords]
+                if not tok:
+                    results[-1]["train_problems"] = problems(terr) if terr else ["exit without message"]
+                    tally["training: " + problem_key(results[-1]["train_problems"][0])] += 1
+                results[-1]["train_seconds"] = round(time.monotonic() - t0, 1)
+                print(f"  {'TRAINED' if tok else 'TRAIN FAIL'} {a.train} iterations ({results[-1]['train_seconds']} s)"
+                      + ("" if tok else ": " + " | ".join(results[-1]["train_problems"][:3])))
+                if a.verbose or not tok:
+                    print("  " + shlex.join(tcmd[1:]))
             if a.verbose:
                 print("  " + shlex.join(cmd[1:]))
     passed = sum(r["passed"] for r in results)
     print(f"\n{passed} of {len(results)} configurations pass the dry run")
+    if a.train > 0:
+        trained = sum(bool(r.get("trained")) for r in results)
+        tried = sum("trained" in r for r in results)
+        print(f"{trained} of the {tried} that pass (and have at most {a.train_max_ranks or 'any'} ranks) train "
+              f"{a.train} iterations at shrunk widths on CPU ranks")
     print("problems, by how many configurations they stop:")
     for k, n in tally.most_common():
         print(f"  {n:4d}  {k}")
@@ -267,6 +408,17 @@ def main():
             for r in results:
                 if r["passed"]:
                     fh.write(r["config"] + "\t" + shlex.join(r["args"]) + "\n")
+    if a.write_train_fixture:
+        megatron_commit = a.megatron_commit or subprocess.run(
+            ["git", "-C", a.megatron, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        with open(a.write_train_fixture, "w") as fh:
+            fh.write(f"# Megatron-LM training configurations (at Megatron-LM {megatron_commit or 'unknown'}) that train "
+                     f"{a.train} iterations at shrunk widths on CPU ranks,\n# written by bench/megatron_configs.py "
+                     "--train N --write-train-fixture: NAME<TAB>ranks<TAB>megatrain's flags, shell-quoted, @TMP@ for a "
+                     "scratch directory, @SRC@ for the repository.\n")
+            for r in results:
+                if r.get("trained"):
+                    fh.write(f"{r['config']}\t{r['world_size']}\t{shlex.join(r['train_args'])}\n")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"passed": passed, "total": len(results), "results": results,
