@@ -149,12 +149,14 @@ def script_args(text, scratch, gpus=None):
     return words
 
 
-def strip_data_flags(words):
+def strip_flags(words, drop, replace=None):
+    """words without the flags of `drop` (each with its number of value words; None: up to the next
+    flag), and with the value of each flag of `replace` replaced."""
     out, i = [], 0
     while i < len(words):
         w = words[i]
-        if w in DATA_FLAGS:
-            n = DATA_FLAGS[w]
+        if w in drop:
+            n = drop[w]
             i += 1
             if n is None:
                 while i < len(words) and not words[i].startswith("--"):
@@ -163,8 +165,16 @@ def strip_data_flags(words):
                 i += n
             continue
         out.append(w)
+        if replace and w in replace and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            out.append(replace[w])
+            i += 2
+            continue
         i += 1
     return out
+
+
+def strip_data_flags(words):
+    return strip_flags(words, DATA_FLAGS)
 
 
 def flag_int(words, flag, default=1):
@@ -267,24 +277,7 @@ def shrink(words, ws, iters):
             extra[-1:] = [str(per_chunk)] if extra else []
         drop["--num-layers"] = 1
         extra += ["--num-layers", str(pp * max(1, chunks) * per_chunk - accounted)]
-    out, i = [], 0
-    while i < len(words):
-        w = words[i]
-        if w in drop:
-            n = drop[w]
-            i += 1
-            if n is None:
-                while i < len(words) and not words[i].startswith("--"):
-                    i += 1
-            else:
-                i += n
-            continue
-        out.append(w)
-        if w in SHRINK and i + 1 < len(words) and not words[i + 1].startswith("--"):
-            out.append(SHRINK[w])
-            i += 2
-            continue
-        i += 1
+    out = strip_flags(words, drop, SHRINK)
     head_dim = 8
     out += extra + ["--hidden-size", str(heads * head_dim), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--global-batch-size", str(gbs), "--eval-interval", str(iters), "--device", "cpu"]
