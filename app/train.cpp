@@ -182,7 +182,7 @@ class MemoryStatsReporter : public Reporter {
 // sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
 // its first q/k layernorm weight (else of its first parameter), a silent memory error that only
 // --test-mode's check or the weight hash check (--check-weight-hash-across-dp-replicas-interval)
-// notices; slow@R:MS (the straggler detector's and the sniff test's tests) makes rank R sleep MS ms
+// notices (corrupt-expert@R:I: of its first routed expert's weight instead); slow@R:MS (the straggler detector's and the sniff test's tests) makes rank R sleep MS ms
 // inside each timed training forward pass and GEMM probe (*in_forward).
 std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks,
                                          std::function<void()>* in_forward) {
@@ -196,8 +196,8 @@ std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>&
   const std::string kind = spec.substr(0, at);
   const int target = std::stoi(spec.substr(at + 1, colon - at - 1));
   const int64_t iteration = std::stoll(spec.substr(colon + 1));
-  if (kind != "kill" && kind != "hang" && kind != "corrupt" && kind != "slow")
-    fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill, hang, corrupt or slow", spec);
+  if (kind != "kill" && kind != "hang" && kind != "corrupt" && kind != "corrupt-expert" && kind != "slow")
+    fail("MEGATRAIN_DEBUG_FAULT={}: the fault is kill, hang, corrupt, corrupt-expert or slow", spec);
   if (target != rank) return nullptr;
   if (kind == "slow") {
     const auto ms = std::chrono::milliseconds(iteration);
@@ -208,15 +208,19 @@ std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>&
     if (next != iteration) return;
     log::write_stderr(fmt::format("[rank {}] MEGATRAIN_DEBUG_FAULT: {} at iteration {}", rank, kind, next));
     if (kind == "kill") std::raise(SIGKILL);
-    if (kind == "corrupt") {
+    if (kind == "corrupt" || kind == "corrupt-expert") {
       GptModel& m = *chunks.front();
-      int victim = 0;
-      for (size_t i = 0; i < m.params().size(); ++i)
-        if (m.params()[i].name.find("_layernorm.weight") != std::string::npos &&
-            m.params()[i].name.find("self_attention.") != std::string::npos) {
+      const bool expert = kind == "corrupt-expert";
+      int victim = -1;
+      for (size_t i = 0; i < m.params().size() && victim < 0; ++i) {
+        const ParamDesc& d = m.params()[i];
+        if (expert ? d.expert
+                   : d.name.find("_layernorm.weight") != std::string::npos &&
+                         d.name.find("self_attention.") != std::string::npos)
           victim = static_cast<int>(i);
-          break;
-        }
+      }
+      MT_CHECK(victim >= 0 || !expert, "MEGATRAIN_DEBUG_FAULT=corrupt-expert: rank {} holds no routed expert", rank);
+      victim = std::max(victim, 0);
       const Tensor t = m.param(victim).flat_slice(0, 1);
       std::vector<uint8_t> bytes(t.nbytes());
       m.backend().copy_to_host(bytes.data(), t);

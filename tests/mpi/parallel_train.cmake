@@ -243,6 +243,14 @@ megatrain_parallel_train_test(parallel_train_moe_dp2 --model "${moe_model}" 2)
 # DP, EP ranks would hold different experts and the check would stop a healthy run.
 megatrain_parallel_train_test(parallel_train_weight_hash_moe_ep2_dp4 --model "${moe_model}" 4
                               --expert-model-parallel-size 2 --check-weight-hash-across-dp-replicas-interval 2)
+# ... and they are compared: rank 2's first expert weight corrupted at the start of iteration 3 is
+# caught after iteration 4 against rank 0, its expert-data-parallel rank 0.
+separate_arguments(moe_model_words UNIX_COMMAND "${moe_model}")
+megatrain_mpi_failure_test(parallel_train_weight_hash_moe_corrupt_expert_ep2_dp4 4 120
+  "error: Parameter hashes not matching across DP replicas after 4 iterations: rank 2's weights differ from rank 0's \\(data-parallel rank 0 of its group\\) in 1 of [0-9]+ parameters \\(the"
+  -x MEGATRAIN_DEBUG_FAULT=corrupt-expert@2:3
+  $<TARGET_FILE:megatrain> ${parallel_train_tiny} ${moe_model_words} --expert-model-parallel-size 2
+  --check-weight-hash-across-dp-replicas-interval 2)
 megatrain_parallel_train_test(parallel_train_moe_dp2_distopt --model "${moe_model}" 2 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 3000)
 megatrain_parallel_train_test(parallel_train_moe_pp2 --model "${moe_model}" 2 --pipeline-model-parallel-size 2)
