@@ -182,8 +182,9 @@ class MemoryStatsReporter : public Reporter {
 // sleeps), so that its peers must time out; corrupt@R:I flips the sign of the first element of
 // its first q/k layernorm weight (else of its first parameter), a silent memory error that only
 // --test-mode's check or the weight hash check (--check-weight-hash-across-dp-replicas-interval)
-// notices (corrupt-expert@R:I: of its first routed expert's weight instead); slow@R:MS (the straggler detector's and the sniff test's tests) makes rank R sleep MS ms
-// inside each timed training forward pass and GEMM probe (*in_forward).
+// notices (corrupt-expert@R:I: of its first routed expert's weight instead); slow@R:MS (the
+// straggler detector's and the sniff test's tests) makes rank R sleep MS ms inside each timed
+// training forward pass and GEMM probe (*in_forward).
 std::function<void(int64_t)> debug_fault(int rank, const std::vector<GptModel*>& chunks,
                                          std::function<void()>* in_forward) {
   const char* env = std::getenv("MEGATRAIN_DEBUG_FAULT");
