@@ -390,9 +390,10 @@ def main():
     print("problems, by how many configurations they stop:")
     for k, n in tally.most_common():
         print(f"  {n:4d}  {k}")
+    megatron_commit = a.megatron_commit or subprocess.run(
+        ["git", "-C", a.megatron, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() \
+        or "unknown"
     if a.write_fixture:
-        megatron_commit = a.megatron_commit or subprocess.run(
-            ["git", "-C", a.megatron, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
         with open(a.write_fixture, "w") as fh:
             fh.write(f"# Megatron-LM training configurations that pass megatrain --dry-run ({passed} of {len(results)}\n"
                      f"# at Megatron-LM {megatron_commit}), written by bench/megatron_configs.py --write-fixture:\n"
@@ -402,10 +403,8 @@ def main():
                 if r["passed"]:
                     fh.write(r["config"] + "\t" + shlex.join(r["args"]) + "\n")
     if a.write_train_fixture:
-        megatron_commit = a.megatron_commit or subprocess.run(
-            ["git", "-C", a.megatron, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(a.write_train_fixture, "w") as fh:
-            fh.write(f"# Megatron-LM training configurations (at Megatron-LM {megatron_commit or 'unknown'}) that train "
+            fh.write(f"# Megatron-LM training configurations (at Megatron-LM {megatron_commit}) that train "
                      f"{a.train} iterations at shrunk widths on CPU ranks,\n# written by bench/megatron_configs.py "
                      "--train N --write-train-fixture: NAME<TAB>ranks<TAB>megatrain's flags, shell-quoted, @TMP@ for a "
                      "scratch directory, @SRC@ for the repository.\n")
