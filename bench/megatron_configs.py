@@ -393,24 +393,22 @@ def main():
     megatron_commit = a.megatron_commit or subprocess.run(
         ["git", "-C", a.megatron, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() \
         or "unknown"
+    def write(path, header, lines):
+        with open(path, "w") as fh:
+            fh.write(header + "".join(line + "\n" for line in lines))
     if a.write_fixture:
-        with open(a.write_fixture, "w") as fh:
-            fh.write(f"# Megatron-LM training configurations that pass megatrain --dry-run ({passed} of {len(results)}\n"
-                     f"# at Megatron-LM {megatron_commit}), written by bench/megatron_configs.py --write-fixture:\n"
-                     "# NAME<TAB>the command line, shell-quoted, @TMP@ for a scratch directory, @SRC@ for the "
-                     "repository.\n")
-            for r in results:
-                if r["passed"]:
-                    fh.write(r["config"] + "\t" + shlex.join(r["args"]) + "\n")
+        write(a.write_fixture,
+              f"# Megatron-LM training configurations that pass megatrain --dry-run ({passed} of {len(results)}\n"
+              f"# at Megatron-LM {megatron_commit}), written by bench/megatron_configs.py --write-fixture:\n"
+              "# NAME<TAB>the command line, shell-quoted, @TMP@ for a scratch directory, @SRC@ for the repository.\n",
+              [r["config"] + "\t" + shlex.join(r["args"]) for r in results if r["passed"]])
     if a.write_train_fixture:
-        with open(a.write_train_fixture, "w") as fh:
-            fh.write(f"# Megatron-LM training configurations (at Megatron-LM {megatron_commit}) that train "
-                     f"{a.train} iterations at shrunk widths on CPU ranks,\n# written by bench/megatron_configs.py "
-                     "--train N --write-train-fixture: NAME<TAB>ranks<TAB>megatrain's flags, shell-quoted, @TMP@ for a "
-                     "scratch directory, @SRC@ for the repository.\n")
-            for r in results:
-                if r.get("trained"):
-                    fh.write(f"{r['config']}\t{r['world_size']}\t{shlex.join(r['train_args'])}\n")
+        write(a.write_train_fixture,
+              f"# Megatron-LM training configurations (at Megatron-LM {megatron_commit}) that train {a.train} "
+              "iterations at shrunk widths on CPU ranks,\n# written by bench/megatron_configs.py --train N "
+              "--write-train-fixture: NAME<TAB>ranks<TAB>megatrain's flags, shell-quoted, @TMP@ for a scratch "
+              "directory, @SRC@ for the repository.\n",
+              [f"{r['config']}\t{r['world_size']}\t{shlex.join(r['train_args'])}" for r in results if r.get("trained")])
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"passed": passed, "total": len(results), "results": results,
