@@ -20,12 +20,13 @@ which keeps them passing.
 
 `--train N` goes further for the configurations that pass: each trains N iterations on the
 reference backend, one MPI rank per GPU of its world size (`mpirun --oversubscribe`), with its
-parallel layout, layer counts, expert counts, routing, recompute, optimizer and checkpointing
-flags as written, in float32 (--bf16 / --fp16 dropped: the reference backend's precision), but
-shrunk widths (head dim 8, FFN 64, experts' FFN 32, the
+parallel layout, expert counts, routing, recompute, optimizer and checkpointing flags as written,
+in float32 (--bf16 / --fp16 dropped: the reference backend's precision; with them the flags
+Megatron-LM allows only in 16 bits), but shrunk widths (head dim 8, FFN 64, experts' FFN 32, the
 multi-latent attention ranks 16), sequences of 64 tokens per context-parallel rank, vocabulary
-512 (mock data), one or two micro-batches per pipeline stage, an evaluation after the last
-iteration and a checkpoint saved there where the config saves: what a user's script exercises of
+512 (mock data), one layer per virtual stage where nothing fixes the layer count, one micro-batch
+per pipeline stage (or the config's micro-batch group), an evaluation after the last iteration
+and a checkpoint saved there where the config saves: what a user's script exercises of
 megatrain's code, at a size two CPU cores train in seconds.
 """
 import argparse
@@ -237,10 +238,6 @@ DROP = {"--rampup-batch-size": 3, "--step-batch-size-schedule": 1, "--global-bat
         "--bf16": 0, "--fp16": 0, "--overlap-moe-expert-parallel-comm": 0, "--delay-wgrad-compute": 0}
 
 
-def flag_present(words, flag):
-    return flag in words
-
-
 def shrink(words, ws, iters):
     """The config's words with shrunk widths and a short run (see --train)."""
     tp, pp = flag_int(words, "--tensor-model-parallel-size"), flag_int(words, "--pipeline-model-parallel-size")
@@ -256,7 +253,7 @@ def shrink(words, ws, iters):
     # Fewer layers where nothing else fixes the count (a layout, first or last stage sizes, a
     # per-layer MoE pattern): one per virtual stage, or --recompute-num-layers of them.
     drop = dict(DROP)
-    fixed = any(flag_present(words, f) for f in (
+    fixed = any(f in words for f in (
         "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
         "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage", "--hybrid-override-pattern"))
     freq = next((words[j + 1] for j, w in enumerate(words[:-1]) if w == "--moe-layer-freq"), "1")
@@ -264,17 +261,17 @@ def shrink(words, ws, iters):
     if not fixed and re.fullmatch(r"[0-9]+", freq):
         per_chunk = max(1, flag_int(words, "--recompute-num-layers", 1))
         chunks = flag_int(words, "--num-virtual-stages-per-pipeline-rank", 0)
-        if flag_present(words, "--num-layers-per-virtual-pipeline-stage"):
+        if "--num-layers-per-virtual-pipeline-stage" in words:
             per_stage = flag_int(words, "--num-layers-per-virtual-pipeline-stage")
             chunks = flag_int(words, "--num-layers", pp * per_stage) // (pp * per_stage)
-            drop["--num-layers-per-virtual-pipeline-stage"] = 1
-            extra += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
         # (The embedding and the loss may count as layers in the pipeline split.)
-        accounted = sum(flag_present(words, f) for f in ("--account-for-embedding-in-pipeline-split",
-                                                        "--account-for-loss-in-pipeline-split"))
+        accounted = sum(f in words for f in ("--account-for-embedding-in-pipeline-split",
+                                             "--account-for-loss-in-pipeline-split"))
         if pp * max(1, chunks) * per_chunk <= accounted:
             per_chunk *= 2
-            extra[-1:] = [str(per_chunk)] if extra else []
+        if "--num-layers-per-virtual-pipeline-stage" in words:
+            drop["--num-layers-per-virtual-pipeline-stage"] = 1
+            extra += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
         drop["--num-layers"] = 1
         extra += ["--num-layers", str(pp * max(1, chunks) * per_chunk - accounted)]
     out = strip_flags(words, drop, SHRINK)
@@ -282,15 +279,15 @@ def shrink(words, ws, iters):
     out += extra + ["--hidden-size", str(heads * head_dim), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--global-batch-size", str(gbs), "--eval-interval", str(iters), "--device", "cpu"]
     # A schedule in samples (--train-samples with --lr-decay-samples ...) stays one in samples.
-    if flag_present(words, "--train-samples") or flag_present(words, "--step-batch-size-schedule"):
+    if "--train-samples" in words or "--step-batch-size-schedule" in words:
         out += ["--train-samples", str(iters * gbs)]
     else:
         out += ["--train-iters", str(iters)]
-    if flag_present(words, "--fim-data"):  # (the small dataset of tests/fixtures/fim has no test split)
+    if "--fim-data" in words:  # (the small dataset of tests/fixtures/fim has no test split)
         out += ["--eval-iters", "0"]
-    if flag_present(words, "--save"):
+    if "--save" in words:
         out += ["--save-interval", str(iters)]
-    if flag_present(words, "--eval-global-batch-size"):
+    if "--eval-global-batch-size" in words:
         out += ["--eval-global-batch-size", str(gbs)]
     return out
 
@@ -366,7 +363,7 @@ def main():
                         os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                         OMPI_MCA_mpi_yield_when_idle="1"))
                     tok, terr = t.returncode == 0, t.stderr
-                except subprocess.TimeoutExpired as e:
+                except subprocess.TimeoutExpired:
                     tok, terr = False, f"timed out after {a.train_timeout} s"
                 results[-1]["trained"] = tok
                 results[-1]["train_args"] = [w.replace(run_dir, "@TMP@").replace(SRC, "@SRC@") for w in twords]
