@@ -20,7 +20,7 @@
 namespace mt {
 
 struct MegatronImportResult {
-  std::string format;  // "torch" or "torch_dist"
+  std::string format;  // "torch", "torch_dist" or "fsdp_dtensor"
   int64_t iteration = 0;
   int tensors = 0;
   bool resumable = false;      // a full checkpoint at `iteration` (else a release checkpoint)

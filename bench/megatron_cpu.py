@@ -152,6 +152,26 @@ torch.distributed.run launch runs this file and installs them too):
     raised TypeError. Without Transformer Engine no module is such a linear: the replacement
     answers False there and asks the original otherwise.
 
+15. Megatron-FSDP (--use-megatron-fsdp) builds its device meshes with device_type="cuda"
+    (torch.distributed.device_mesh.DeviceMesh and DeviceMesh.from_group; mcore_fsdp_adapter.py):
+    on the CPU those meshes are made with device_type "cpu", over the same gloo groups.
+16. Megatron-FSDP names its device torch.device(f"cuda:{torch.cuda.current_device()}")
+    (megatron_fsdp.py, mcore_fsdp_adapter.py, param_and_grad_buffer.py, utils.py), which patch 2
+    turns into "cuda:cpu". Those modules see a `torch` whose device() gives the CPU device for
+    any "cuda..." string (every other attribute is torch's own); FullyShardedDataParallel is
+    handed device=cpu where the caller gives none. Megatron-FSDP's gradient reduce-scatter
+    divides with ReduceOp.PREMUL_SUM, which gloo lacks: pass --no-gradient-reduce-div-fusion (the
+    same division done after the reduction), and CUDA_DEVICE_MAX_CONNECTIONS must be > 1 (the
+    environment's value wins over this file's default; Megatron-FSDP asks for it).
+17. Saving --ckpt-format fsdp_dtensor in float32 with --swiglu: Megatron-LM's
+    handle_swiglu_in_state_dict (fsdp_dtensor_checkpoint.py) looks linear_fc1 up as
+    model.get_parameter("module." + key), one wrapper level deeper than a float32 model has (bf16
+    and fp16 models have Float16Module there). The lookup retries without the extra "module."
+    (the same parameter, found by its own path); nothing it saves changes. Without this a float32
+    SwiGLU model cannot save that format, on a GPU too.
+Megatron-FSDP was run this way on one process (dense and MoE models, saving and resuming
+fsdp_dtensor checkpoints); two processes hang in the save's all_gather_object
+(uneven_dtensor.py's chunk metadata), which was not pursued.
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
 launcher RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port.
@@ -279,8 +299,24 @@ def _set_cpu_rng_state(state):
 
 
 def _patch_torch_cuda():
-    """Patches 2, 3, 5 and 7."""
+    """Patches 2, 3, 5, 7 and 15."""
     import torch
+    from torch.distributed import device_mesh
+
+    # 15: Megatron-FSDP's "cuda" device meshes, on the CPU.
+    mesh_init = device_mesh.DeviceMesh.__init__
+    mesh_from_group = device_mesh.DeviceMesh.from_group
+
+    def __init__(self, device_type, *args, **kwargs):
+        return mesh_init(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    def from_group(*args, **kwargs):
+        if kwargs.get("device_type") == "cuda":
+            kwargs["device_type"] = "cpu"
+        return mesh_from_group(*("cpu" if a == "cuda" else a for a in args), **kwargs)
+
+    device_mesh.DeviceMesh.__init__ = __init__
+    device_mesh.DeviceMesh.from_group = staticmethod(from_group)
 
     c = torch.cuda
     patches = {
@@ -340,7 +376,7 @@ def patch_torch_norm_for_sequence_parallel():
 
 
 def _patch_megatron(megatron_dir):
-    """Patches 4, 6, 8, 9, 10, 11, 12, 13 and 14 (Megatron modules are imported here, after patches 1-3, 5, 7)."""
+    """Patches 4, 6, 8-14 and 16-17 (Megatron modules are imported here, after patches 1-3, 5, 7, 15)."""
     import subprocess
 
     import torch
@@ -452,6 +488,59 @@ def _patch_megatron(megatron_dir):
 
     inference_layers.is_inference_column_parallel_linear = is_inference_column_parallel_linear
     multi_token_prediction.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+
+    # 16: Megatron-FSDP's "cuda:<current device>" devices, on the CPU.
+    import importlib
+
+    class _TorchCpuDevices:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def device(*args, **kwargs):
+            if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+                _note("megatron_fsdp torch.device")
+                return torch.device("cpu")
+            return torch.device(*args, **kwargs)
+
+    fsdp = "megatron.core.distributed.fsdp."
+    for name in ("src.megatron_fsdp.megatron_fsdp", "src.megatron_fsdp.param_and_grad_buffer",
+                 "src.megatron_fsdp.utils", "mcore_fsdp_adapter"):
+        importlib.import_module(fsdp + name).torch = _TorchCpuDevices()
+    adapter = importlib.import_module(fsdp + "mcore_fsdp_adapter")
+    for cls in (adapter.FullyShardedDataParallelV1, adapter.FullyShardedDataParallelV2):
+        def with_cpu_device(init):
+            def __init__(self, config, ddp_config, module, fsdp_unit_modules=None, disable_bucketing=False,
+                         device=None, *args, **kwargs):
+                return init(self, config, ddp_config, module, fsdp_unit_modules, disable_bucketing,
+                            device or torch.device("cpu"), *args, **kwargs)
+            return __init__
+        cls.__init__ = with_cpu_device(cls.__init__)
+
+    # 17: the float32 SwiGLU lookup of Megatron-LM's fsdp_dtensor save, one "module." up.
+    from megatron.core.transformer import fsdp_dtensor_checkpoint
+    from megatron.training import checkpointing
+
+    handle_swiglu = fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict
+
+    def handle_swiglu_in_state_dict(model, model_state_dict, optimizer_state_dict):
+        get_parameter = model.get_parameter
+
+        def get_parameter_one_level_up(name):
+            try:
+                return get_parameter(name)
+            except AttributeError:
+                _note("fsdp_dtensor swiglu lookup one level up")
+                return get_parameter(name[len("module."):])
+
+        model.get_parameter = get_parameter_one_level_up
+        try:
+            return handle_swiglu(model, model_state_dict, optimizer_state_dict)
+        finally:
+            del model.get_parameter
+
+    fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict = handle_swiglu_in_state_dict
+    checkpointing.handle_swiglu_in_state_dict = handle_swiglu_in_state_dict
 
     # 4: skip initialize_megatron's CUDA assertion with its own parameter.
     from megatron.training import training

@@ -686,11 +686,11 @@ CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = def
 
 namespace {
 
-// "torch_dist" / "torch" when `dir` looks like a Megatron-LM iteration directory, else "".
+// "torch_dist" / "fsdp_dtensor" / "torch" when `dir` looks like a Megatron-LM iteration directory,
+// else "".
 std::string megatron_checkpoint_format(const std::string& dir) {
-  if (path_exists(join_path(dir, "metadata.json")) || path_exists(join_path(dir, "common.pt")) ||
-      path_exists(join_path(dir, ".metadata")))
-    return "torch_dist";
+  if (path_exists(join_path(dir, "metadata.json")) || path_exists(join_path(dir, "common.pt"))) return "torch_dist";
+  if (path_exists(join_path(dir, ".metadata"))) return "fsdp_dtensor";
   try {
     for (const std::string& name : list_directory(dir)) {
       if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) return "torch_dist";
@@ -707,7 +707,7 @@ void CheckpointReader::load_manifest(const std::string& dir) {
   dir_ = dir;
   const std::string path = join_path(dir, kManifestName);
   if (!path_exists(path)) {
-    // A Megatron-LM checkpoint (torch_dist: metadata.json, common.pt, *.distcp; torch:
+    // A Megatron-LM checkpoint (torch_dist: metadata.json, common.pt, *.distcp; fsdp_dtensor: .metadata, *.distcp; torch:
     // mp_rank_XX/model_optim_rng.pt) is read by import-megatron (checkpoint/megatron_checkpoint.h),
     // not under --load: training loads megatrain's own format.
     const std::string megatron = megatron_checkpoint_format(dir);

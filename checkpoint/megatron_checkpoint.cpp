@@ -176,6 +176,9 @@ MegatronCheckpoint::MegatronCheckpoint(const std::string& load_dir, std::optiona
   if (path_exists(join_path(directory_, "metadata.json"))) {
     format_ = "torch_dist";
     open_torch_dist();
+  } else if (path_exists(join_path(directory_, ".metadata"))) {
+    format_ = "fsdp_dtensor";
+    open_fsdp_dtensor();
   } else {
     format_ = "torch";
     open_torch();
@@ -456,42 +459,93 @@ std::optional<HostArray> MegatronCheckpoint::read_indexed(int tp, const IndexedP
   return a;
 }
 
-void MegatronCheckpoint::open_torch_dist() {
-  const std::string meta_json = join_path(directory_, "metadata.json");
-  const std::string backend = read_text_file(meta_json);
-  if (backend.find("torch_dist") == std::string::npos)
-    fail("{} names a sharded backend other than torch_dist ({}): megatrain reads torch_dist and torch checkpoints",
-         meta_json, backend);
-  const std::string meta_path = join_path(directory_, ".metadata");
-  if (!path_exists(meta_path)) fail("{} is missing: the checkpoint is incomplete", meta_path);
-  const auto meta_file = std::make_shared<MappedFile>(meta_path);
-  const PickleRef meta = read_pickle(meta_file->data(), meta_file->size(), meta_path);
-  const PickleValue& sdm = meta->at("state_dict_metadata", meta_path);
-  const PickleValue& storage = meta->at("storage_data", meta_path);
+namespace {
+
+// A PyTorch Distributed Checkpoint's index (.metadata): every stored item's chunks by key.
+struct DcpIndex {
+  std::string meta_path;
+  PickleRef meta;
+  const PickleValue* sdm = nullptr;  // state_dict_metadata: key -> Tensor/BytesStorageMetadata
+  std::map<std::string, std::vector<MegatronCheckpoint::Source::Chunk>> chunks;
+
+  // A stored tensor: its global size and chunks (with each chunk's extent from .metadata, so that
+  // reading a part opens only the chunks that hold it).
+  std::shared_ptr<MegatronCheckpoint::Source> source(const std::string& key, const PickleValue& md) {
+    auto src = std::make_shared<MegatronCheckpoint::Source>();
+    src->key = key;
+    src->key_shape = torch_size(md.at("size", meta_path + ": " + key), meta_path + ": size of " + key);
+    src->chunks = chunks[key];
+    if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
+    if (const PickleValue* listed = md.find("chunks"); listed && listed->is(PickleKind::list))
+      for (const auto& cm : listed->items) {
+        const PickleValue* o = cm->find("offsets");
+        const PickleValue* z = cm->find("sizes");
+        if (!o || !z) continue;
+        const std::vector<int64_t> offsets = torch_size(*o, meta_path + ": chunk offsets of " + key);
+        for (MegatronCheckpoint::Source::Chunk& c : src->chunks)
+          if (c.offsets == offsets) c.sizes = torch_size(*z, meta_path + ": chunk sizes of " + key);
+      }
+    return src;
+  }
+  // A stored object (torch.save'd: DCP's bytes items), as a torch archive.
+  std::unique_ptr<TorchFile> object(const std::string& key) {
+    const auto& cs = chunks[key];
+    if (cs.empty()) return nullptr;
+    return std::make_unique<TorchFile>(cs[0].file, cs[0].offset, cs[0].length);
+  }
+};
+
+DcpIndex read_dcp_index(const std::string& directory,
+                        std::map<std::string, std::shared_ptr<const MappedFile>>& files) {
+  DcpIndex x;
+  x.meta_path = join_path(directory, ".metadata");
+  if (!path_exists(x.meta_path)) fail("{} is missing: the checkpoint is incomplete", x.meta_path);
+  const auto meta_file = std::make_shared<MappedFile>(x.meta_path);
+  x.meta = read_pickle(meta_file->data(), meta_file->size(), x.meta_path);
+  x.sdm = &x.meta->at("state_dict_metadata", x.meta_path);
+  const PickleValue& storage = x.meta->at("storage_data", x.meta_path);
   auto file = [&](const std::string& rel) {
-    auto& f = files_->distcp_files[rel];
-    if (!f) f = std::make_shared<MappedFile>(join_path(directory_, rel));
+    auto& f = files[rel];
+    if (!f) f = std::make_shared<MappedFile>(join_path(directory, rel));
     return f;
   };
-  // Every stored item, by key.
-  std::map<std::string, std::vector<Source::Chunk>> chunks;
   for (const auto& [index, info] : storage.entries) {
     const PickleValue* fqn = index->find("fqn");
     const PickleValue* rel = info->find("relative_path");
     const PickleValue* off = info->find("offset");
     const PickleValue* len = info->find("length");
     if (!fqn || !rel || !off || !len || !fqn->is(PickleKind::string) || !rel->is(PickleKind::string))
-      fail("{}: a storage entry megatrain cannot read ({})", meta_path, index->describe());
+      fail("{}: a storage entry megatrain cannot read ({})", x.meta_path, index->describe());
     if (const PickleValue* t = info->find("transform_descriptors"); t && !t->items.empty())
-      fail("{}: item '{}' is stored with transforms (compression?), which megatrain does not read", meta_path, fqn->text);
-    Source::Chunk c;
+      fail("{}: item '{}' is stored with transforms (compression?), which megatrain does not read", x.meta_path,
+           fqn->text);
+    MegatronCheckpoint::Source::Chunk c;
     c.file = file(rel->text);
     c.offset = static_cast<uint64_t>(off->integer);
     c.length = static_cast<uint64_t>(len->integer);
     if (const PickleValue* o = index->find("offset"); o && !o->is(PickleKind::none))
-      c.offsets = torch_size(*o, meta_path + ": offset of " + fqn->text);
-    chunks[fqn->text].push_back(std::move(c));
+      c.offsets = torch_size(*o, x.meta_path + ": offset of " + fqn->text);
+    x.chunks[fqn->text].push_back(std::move(c));
   }
+  return x;
+}
+
+bool is_dcp_tensor(const PickleValue& md) {
+  return md.is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata");
+}
+
+}  // namespace
+
+void MegatronCheckpoint::open_torch_dist() {
+  const std::string meta_json = join_path(directory_, "metadata.json");
+  const std::string backend = read_text_file(meta_json);
+  if (backend.find("torch_dist") == std::string::npos)
+    fail("{} names a sharded backend other than torch_dist ({}): megatrain reads torch_dist and torch checkpoints",
+         meta_json, backend);
+  DcpIndex dcp = read_dcp_index(directory_, files_->distcp_files);
+  const std::string& meta_path = dcp.meta_path;
+  const PickleValue& sdm = *dcp.sdm;
+  auto& chunks = dcp.chunks;
 
   // The args: common.pt (older Megatron) or the common_state item.
   std::unique_ptr<TorchFile>& common = files_->common;
@@ -501,7 +555,7 @@ void MegatronCheckpoint::open_torch_dist() {
   } else {
     for (const auto& [key, cs] : chunks)
       if (key.compare(0, 12, "common_state") == 0 && !cs.empty()) {
-        common = std::make_unique<TorchFile>(cs[0].file, cs[0].offset, cs[0].length);
+        common = dcp.object(key);
         break;
       }
   }
@@ -514,25 +568,7 @@ void MegatronCheckpoint::open_torch_dist() {
   args_ = std::make_shared<PickleValue>(*args);
   common_ = std::make_shared<PickleValue>(*state);
 
-  // A stored tensor: its global size and chunks (with each chunk's extent from .metadata, so that
-  // reading a part opens only the chunks that hold it).
-  auto source_of = [&](const std::string& key, const PickleValue& md) {
-    auto src = std::make_shared<Source>();
-    src->key = key;
-    src->key_shape = torch_size(md.at("size", meta_path + ": " + key), meta_path + ": size of " + key);
-    src->chunks = chunks[key];
-    if (src->chunks.empty()) fail("{}: '{}' has no stored chunks", meta_path, key);
-    if (const PickleValue* listed = md.find("chunks"); listed && listed->is(PickleKind::list))
-      for (const auto& cm : listed->items) {
-        const PickleValue* o = cm->find("offsets");
-        const PickleValue* z = cm->find("sizes");
-        if (!o || !z) continue;
-        const std::vector<int64_t> offsets = torch_size(*o, meta_path + ": chunk offsets of " + key);
-        for (Source::Chunk& c : src->chunks)
-          if (c.offsets == offsets) c.sizes = torch_size(*z, meta_path + ": chunk sizes of " + key);
-      }
-    return src;
-  };
+  auto source_of = [&](const std::string& key, const PickleValue& md) { return dcp.source(key, md); };
   // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
   // become one entry per layer, the layers along the first dimension.
   // (Mixture of experts: mlp.experts.experts.linear_fc{1,2}.weight, [E, rows, cols] per layer, are
@@ -575,7 +611,7 @@ void MegatronCheckpoint::open_torch_dist() {
         files_->optimizer_groups = Files::Item{c.file, c.offset, c.length};
       }
     }
-    if (!md->is_object("torch.distributed.checkpoint.metadata.TensorStorageMetadata")) continue;
+    if (!is_dcp_tensor(*md)) continue;
     if (key.find("_extra_state") != std::string::npos || key.compare(0, 5, "rng_s") == 0) continue;
     std::smatch m;
     if (std::regex_match(key, m, flat_key)) {
@@ -603,6 +639,125 @@ void MegatronCheckpoint::open_torch_dist() {
   }
   if (optimizer_layout_ == "none" && distributed_optimizer_)
     optimizer_layout_ = "the distributed optimizer's state in a layout megatrain does not recognise";
+  rename_mla_local_norms();
+  rename_moe_norms();
+}
+
+// Megatron-FSDP's format (megatron/core/transformer/fsdp_dtensor_checkpoint.py): a PyTorch
+// Distributed Checkpoint of the wrapped model's own state dict without Megatron's metadata.json.
+// One global tensor per parameter under its module path ("model." and the wrappers' "module."s
+// first), every layer its own key, the local spec's module names; SwiGLU's linear_fc1 split into
+// its halves (weight_w the gate's rows, weight_v the up projection's); each expert its own tensor
+// (linear_fc1.weight<e>, or local_experts.<e>.linear_fc1.weight), numbered globally. The weights
+// are the main (float32) weights. Adam's state by the same paths under "optimizer.state." (exp_avg,
+// exp_avg_sq and step per parameter); args, iteration and the scheduler's fields
+// ("opt_param_scheduler.<field>") are torch.save'd objects of their own.
+void MegatronCheckpoint::open_fsdp_dtensor() {
+  DcpIndex dcp = read_dcp_index(directory_, files_->distcp_files);
+  auto object = [&](const std::string& key) -> PickleRef {
+    const std::unique_ptr<TorchFile> f = dcp.object(key);
+    return f ? std::make_shared<PickleValue>(f->root()) : nullptr;
+  };
+  args_ = object("args");
+  if (!args_ || !args_->is(PickleKind::object))
+    fail("{} holds no saved args (an 'args' item): megatrain needs them to rebuild the model", directory_);
+  // The common state as torch_dist's: {iteration, num_floating_point_operations_so_far,
+  // opt_param_scheduler: {field: value}}.
+  auto dict_entry = [](PickleValue& dict, const std::string& key, PickleRef value) {
+    auto k = std::make_shared<PickleValue>();
+    k->kind = PickleKind::string;
+    k->text = key;
+    dict.entries.emplace_back(std::move(k), std::move(value));
+  };
+  auto common = std::make_shared<PickleValue>();
+  common->kind = PickleKind::dict;
+  auto scheduler = std::make_shared<PickleValue>();
+  scheduler->kind = PickleKind::dict;
+  static const std::string scheduler_prefix = "opt_param_scheduler.";
+  for (const auto& [k, md] : dcp.sdm->entries) {
+    if (!k->is(PickleKind::string) || is_dcp_tensor(*md)) continue;
+    const std::string& key = k->text;
+    if (key.compare(0, scheduler_prefix.size(), scheduler_prefix) == 0)
+      dict_entry(*scheduler, key.substr(scheduler_prefix.size()), object(key));
+    else if (key == "iteration" || key == "num_floating_point_operations_so_far" || key == "checkpoint_version")
+      dict_entry(*common, key, object(key));
+  }
+  if (!scheduler->entries.empty()) dict_entry(*common, "opt_param_scheduler", scheduler);
+  common_ = common;
+
+  // Each stored tensor under megatrain's name ("" the weights, else "<state>/"): a SwiGLU half is
+  // one of the two row blocks of its parameter, an expert one of its layer's stacked experts.
+  static const std::regex model_key(R"(model\.(?:module\.)*(.+))");
+  static const std::regex optim_key(R"(optimizer\.state\.(?:module\.)*(.+)\.(exp_avg|exp_avg_sq|step))");
+  static const std::regex glu_half(R"((.*\.linear_fc1\.(?:weight|bias)\d*)_([wv]))");
+  std::map<std::string, std::shared_ptr<Source>> found;
+  auto add = [&](const std::string& prefix, std::string name, std::shared_ptr<Source> src) {
+    if (prefix == "step/") {  // one scalar per stored tensor, kept as it is (optimizer_step)
+      found[prefix + name] = std::move(src);
+      return;
+    }
+    int half = -1;
+    std::smatch m;
+    if (std::regex_match(name, m, glu_half)) {
+      half = m[2].str() == "w" ? 0 : 1;
+      name = m[1].str();
+    }
+    std::string head, rest = name;
+    if (const auto layer = megatron_split_layer_name(name)) {
+      head = fmt::format("decoder.layers.{}.", layer->first);
+      rest = layer->second;
+    } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
+      head = fmt::format("mtp.layers.{}.transformer_layer.", mtp->first);
+      rest = mtp->second;
+    }
+    std::shared_ptr<Source>* slot = nullptr;
+    if (const auto expert = head.empty() ? std::nullopt : torch_local_expert(rest)) {
+      std::shared_ptr<Source>& stack = found[prefix + head + expert->first];
+      if (!stack) stack = std::make_shared<Source>();
+      if (stack->experts.size() <= static_cast<size_t>(expert->second))
+        stack->experts.resize(static_cast<size_t>(expert->second) + 1);
+      slot = &stack->experts[static_cast<size_t>(expert->second)];
+    } else {
+      slot = &found[prefix + head + (head.empty() ? rest : megatron_te_layer_name(rest))];
+    }
+    if (half < 0) {
+      *slot = std::move(src);
+      return;
+    }
+    if (!*slot) *slot = std::make_shared<Source>();
+    (*slot)->experts.resize(2);
+    (*slot)->experts[static_cast<size_t>(half)] = std::move(src);
+  };
+  for (const auto& [k, md] : dcp.sdm->entries) {
+    if (!k->is(PickleKind::string) || !is_dcp_tensor(*md)) continue;
+    const std::string& key = k->text;
+    if (key.find("_extra_state") != std::string::npos) continue;
+    std::smatch m;
+    if (std::regex_match(key, m, model_key))
+      add("", m[1].str(), dcp.source(key, *md));
+    else if (std::regex_match(key, m, optim_key))
+      add(m[2].str() + "/", m[1].str(), dcp.source(key, *md));
+  }
+  for (auto& [key, src] : found) {
+    for (size_t i = 0; i < src->experts.size(); ++i) {
+      const std::shared_ptr<Source>& part = src->experts[i];
+      if (!part || std::any_of(part->experts.begin(), part->experts.end(), [](const auto& h) { return !h; }))
+        fail("{}: '{}' lacks {}", directory_, key,
+             !part ? fmt::format("expert {} (or a SwiGLU half)", i) : std::string("one of expert ") +
+                                                                         std::to_string(i) + "'s SwiGLU halves");
+    }
+    const size_t slash = key.find('/');
+    if (slash == std::string::npos) {
+      params_[key] = src;
+      optim_["fp32_param/" + key] = src;  // the weights are the main weights
+    } else {
+      optim_[key] = src;
+    }
+  }
+  if (params_.empty()) fail("{} holds no model weights ('model.' items): not a Megatron-FSDP checkpoint", directory_);
+  distributed_optimizer_ = true;
+  if (std::any_of(optim_.begin(), optim_.end(), [](const auto& e) { return e.first.compare(0, 8, "exp_avg/") == 0; }))
+    optimizer_layout_ = "by parameter";
   rename_mla_local_norms();
   rename_moe_norms();
 }
@@ -827,6 +982,19 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
         }
     return step;
   }
+  if (format_ == "fsdp_dtensor") {  // Adam's step with each parameter's state: all the same
+    std::optional<int64_t> step;
+    for (const auto& [key, src] : optim_) {
+      if (key.compare(0, 5, "step/") != 0) continue;
+      const HostArray a = read(*src, "optimizer.state." + key);
+      if (a.numel() != 1 || (a.dtype != DType::f32 && a.dtype != DType::i64))
+        fail("{}: the step of '{}' is not a scalar", directory_, key.substr(5));
+      const int64_t s = a.dtype == DType::f32 ? static_cast<int64_t>(a.ptr<float>()[0]) : a.ptr<int64_t>()[0];
+      if (step && *step != s) fail("{}: the parameters' steps differ ({} and {})", directory_, *step, s);
+      step = s;
+    }
+    return step;
+  }
   const std::string where = directory_ + "'s common state";
   if (!common_) fail("{} has no common state with the optimizer's step", directory_);
   // {"optimizer": {"optimizer": {"state": {"common_step": ...}, "param_groups": ...}}} (the outer
@@ -964,6 +1132,7 @@ HostArray MegatronCheckpoint::read_region(const Source& s, const std::vector<int
     const int64_t n = overlap(c.offsets, chunk_shape);
     if (n == 0) continue;
     const HostArray chunk = chunk_file.tensor(chunk_file.root(), s.key);
+    if (region.empty()) return chunk;  // a scalar (fsdp_dtensor's steps): its one chunk
     if (first) {
       out = HostArray::zeros(chunk.dtype, region);
       first = false;

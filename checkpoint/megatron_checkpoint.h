@@ -13,7 +13,11 @@
 //    stacked along a leading dimension ("decoder.layers.mlp.linear_fc1.weight" is [L, 2f, h]) and
 //    stored as chunks, which are assembled here. The args come from the common state (common.pt
 //    in older versions, a "common_state" item in newer ones).
-// Optimizer state (torch_dist only; the torch format's index-keyed state is not read):
+//  * fsdp_dtensor (Megatron-FSDP's): PyTorch Distributed Checkpoint without metadata.json, the
+//    model's own state dict (every layer its own key, SwiGLU's linear_fc1 in two halves, each
+//    expert its own tensor) holding the main weights, Adam's state by parameter beside it, and
+//    the args, iteration and scheduler as objects of their own (open_fsdp_dtensor).
+// Optimizer state (torch_dist and fsdp_dtensor; the torch format's index-keyed state is not read):
 //  * by parameter: the non-distributed optimizer ("optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.
 //    <param>", the step as the common state's optimizer.state.common_step) and the distributed
 //    optimizer's fully reshardable layout (--dist-ckpt-optim-fully-reshardable: the main weights as
@@ -50,7 +54,7 @@ class MegatronCheckpoint {
   MegatronCheckpoint(const MegatronCheckpoint&) = delete;
   MegatronCheckpoint& operator=(const MegatronCheckpoint&) = delete;
 
-  const std::string& format() const { return format_; }  // "torch" or "torch_dist"
+  const std::string& format() const { return format_; }  // "torch", "torch_dist" or "fsdp_dtensor"
   const std::string& directory() const { return directory_; }
   int64_t iteration() const { return iteration_; }  // 0 for a release checkpoint
   bool release() const { return release_; }
@@ -133,6 +137,7 @@ class MegatronCheckpoint {
   void open_torch();
   void open_torch_optimizer(const std::map<std::pair<int, int>, std::string>& rank_dirs, int tp, int pp);
   void open_torch_dist();
+  void open_fsdp_dtensor();
   void rename_layer_keys(const std::function<std::optional<std::string>(const std::string&, const std::string&)>& to);
   void rename_mla_local_norms();
   void rename_moe_norms();

@@ -362,3 +362,55 @@ TEST_CASE("a run resumed from Megatron-LM's optimizer state repeats Megatron-LM'
     }
   }
 }
+
+TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's losses", "[megatron-import][binary]") {
+  // make_fsdp_fixtures.sh: Megatron-LM trained 4 iterations under --use-megatron-fsdp (ZeRO-3,
+  // float32, on the CPU) and saved after 2 in its fsdp_dtensor format: the model's main weights
+  // with SwiGLU's linear_fc1 in two halves (weight_w, weight_v) and each expert its own tensor,
+  // Adam's moments and a step per parameter, the args and scheduler as objects. megatrain imports
+  // it and resumes iterations 3 and 4 (the second printed as the mean of both, as a resumed
+  // Megatron-LM prints it).
+  struct Case {
+    const char* dir;
+    std::string model;
+    size_t tensors;
+  };
+  const std::string swiglu_llama = "--num-layers 2 " + kLlamaMoe;
+  const std::string moe = "--num-layers 3 " + kLlamaMoe +
+                          " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1,1] "
+                          "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 "
+                          "--moe-shared-expert-gate";
+  for (const Case& c : {Case{"fsdp/llama", swiglu_llama, 15}, Case{"fsdp/moe", moe, 29}}) {
+    INFO(c.dir);
+    const std::string dir = kFixtures + "/" + c.dir;
+    const mt::MegatronCheckpoint ck(dir, std::nullopt);
+    CHECK(ck.format() == "fsdp_dtensor");
+    CHECK(ck.iteration() == 2);
+    CHECK(ck.optimizer_layout() == "by parameter");
+    CHECK(ck.distributed_optimizer());
+    CHECK(ck.optimizer_step() == 2);
+    // SwiGLU's halves stacked as megatrain (and Megatron's torch_dist) keep fc1: the gate's rows first.
+    const mt::HostArray fc1 = ck.parameter("decoder.layers.0.mlp.linear_fc1.weight");
+    CHECK(fc1.shape == std::vector<int64_t>{128, 32});
+    TempDir tmp;
+    const mt::MegatronImportResult r = mt::import_megatron(dir, std::nullopt, tmp / "ckpt", false);
+    CHECK(r.resumable);
+    CHECK(r.format == "fsdp_dtensor");
+    CHECK(r.tensors == static_cast<int>(c.tensors));
+    CHECK(r.optimizer_source == "the distributed optimizer's state by parameter name");
+    std::string out;
+    const int code = run_command(std::string(MEGATRAIN_BINARY) + " --device cpu " + kCommon + " " + c.model +
+                                     " --train-iters 4 --load " + (tmp / "ckpt"),
+                                 &out);
+    INFO(out);
+    REQUIRE(code == 0);
+    const auto ours = losses_and_norms(out);
+    const auto megatron = losses_and_norms(read_bytes(dir + "_iterations.log"));
+    REQUIRE(megatron.size() == 4);
+    REQUIRE(ours.size() == 2);
+    CHECK(std::abs(ours[0].first - megatron[2].first) <= 3e-6);
+    CHECK(std::abs(ours[1].first - (megatron[2].first + megatron[3].first) / 2) <= 3e-6);
+    CHECK(std::abs(ours[0].second - megatron[2].second) <= 1.5e-3);
+    CHECK(std::abs(ours[1].second - megatron[3].second) <= 1.5e-3);
+  }
+}
