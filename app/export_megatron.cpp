@@ -403,6 +403,7 @@ struct ExportPlan {
   // Each writes the iteration directory `tmp_dir` and lists its files in r.files.
   void write_torch_dist(const std::string& tmp_dir, MegatronExportResult& r) const;
   void write_torch_format(const std::string& tmp_dir, MegatronExportResult& r) const;
+  void write_fsdp_dtensor(const std::string& tmp_dir, MegatronExportResult& r) const;
 };
 
 // One PyTorch Distributed Checkpoint under Megatron-Core's keys (checkpoint/dcp_writer.h):
@@ -564,6 +565,127 @@ void ExportPlan::write_torch_dist(const std::string& tmp_dir, MegatronExportResu
   r.files = {"__0_0.distcp", ".metadata", "metadata.json"};
 }
 
+// Megatron-FSDP's fsdp_dtensor format (checkpoint/megatron_checkpoint.h, open_fsdp_dtensor): the
+// wrapped model's state dict with the local spec's names, every layer its own key, each routed
+// expert its own SequentialMLP linears, SwiGLU's linear_fc1 as its halves weight_w (the gate's
+// rows) and weight_v; the float32 main weights as the model's tensors; Adam's moments and step,
+// and each parameter's param group (param_to_group_meta), under the optimizer's parameter names;
+// the RNG states, args, iteration and the scheduler's fields as items of their own. Every tensor
+// is global: a Megatron-FSDP run of any DP (x TP) size and sharding strategy loads it.
+void ExportPlan::write_fsdp_dtensor(const std::string& tmp_dir, MegatronExportResult& r) const {
+  make_directories(tmp_dir);
+  DcpWriter dcp(tmp_dir);
+  CheckpointReader* rd = &reader;
+  // The optimizer names parameters by the wrappers' path: the FSDP adapter and Megatron-FSDP,
+  // with Float16Module between them and the model for bf16 and fp16.
+  const std::string wrappers = bf16 || fp16 ? "module.module.module." : "module.module.";
+  // A stored tensor: rows [first, first + rows) of a megatrain tensor's 2-D view, under `path`.
+  struct Piece {
+    std::string path, group_path;  // the group's: the parameter's path without a SwiGLU half's suffix
+    int64_t first = 0, rows = 0;
+  };
+  auto pieces = [&](const std::string& name, const CheckpointTensorInfo& info) {
+    std::string path = name;
+    const auto layer = megatron_split_layer_name(name);
+    if (layer) path = fmt::format("decoder.layers.{}.{}", layer->first, megatron_local_layer_name(layer->second));
+    std::vector<Piece> whole;
+    static const std::string experts = "mlp.experts.linear_fc";
+    if (layer && layer->second.starts_with(experts)) {  // [E x rows (, cols)]: each expert's rows
+      const int64_t E = model.moe.num_experts, rows = info.global_rows / E;
+      for (int64_t e = 0; e < E; ++e)
+        whole.push_back({fmt::format("decoder.layers.{}.mlp.experts.local_experts.{}.{}", layer->first, e,
+                                     layer->second.substr(std::string("mlp.experts.").size())),
+                         "", e * rows, rows});
+    } else {
+      whole.push_back({path, "", 0, info.global_rows});
+    }
+    const bool glu = model.swiglu && layer && (layer->second.ends_with("linear_fc1.weight") ||
+                                               layer->second.ends_with("linear_fc1.bias"));
+    std::vector<Piece> out;
+    for (Piece& w : whole) {
+      w.group_path = w.path;
+      if (!glu) {
+        out.push_back(w);
+        continue;
+      }
+      const int64_t half = w.rows / 2;
+      out.push_back({w.path + "_w", w.path, w.first, half});
+      out.push_back({w.path + "_v", w.path, w.first + half, half});
+    }
+    return out;
+  };
+  auto write = [&](const std::string& key, const std::string& name, CheckpointKind kind, const CheckpointTensorInfo& info,
+                   const Piece& piece) {
+    const ShardIndex part{info.global_rows, info.global_cols, piece.first, 0, piece.rows, info.global_cols, 1};
+    std::vector<int64_t> shape = {piece.rows, info.global_cols};
+    if (info.global_shape.size() == 1) shape = {piece.rows};
+    dcp.tensor_chunk(key, DType::f32, shape, std::vector<int64_t>(shape.size(), 0), shape,
+                     [rd, info, name, kind, part, shape]() {
+                       HostArray a = HostArray::zeros(DType::f32, shape);
+                       rd->read(name, kind, ShardSlice::whole(part), Tensor(a.bytes.data(), DType::f32, Device::cpu, {a.numel()}),
+                                info.global_shape);
+                       return a;
+                     });
+  };
+  for (const std::string& name : reader.names()) {
+    if (name.find(".fp8_meta.") != std::string::npos) continue;
+    const auto [main_kind, main_name] = ex.main_source(name);
+    const CheckpointTensorInfo info = reader.info(main_name, main_kind);
+    const std::vector<Piece> ps = pieces(name, info);
+    for (const Piece& piece : ps) write("model.module." + piece.path, main_name, main_kind, info, piece);
+    if (!with_optimizer || is_expert_bias(name)) continue;  // (the router's buffer has no Adam state)
+    const bool decay = info.global_shape.size() > 1 && !name.ends_with(".bias");
+    const bool expert = name.find(".mlp.experts.") != std::string::npos && layout.ep > 1;
+    for (const Piece& piece : ps) {
+      const std::string base = "optimizer.state." + wrappers + piece.path;
+      for (const char* state : {"exp_avg", "exp_avg_sq"})
+        write(base + "." + state, name + "." + state, CheckpointKind::optimizer,
+              reader.info(name + "." + state, CheckpointKind::optimizer), piece);
+      dcp.tensor_chunk(base + ".step", DType::f32, {}, {}, {}, [this]() {
+        HostArray a = HostArray::zeros(DType::f32, {});
+        a.ptr<float>()[0] = static_cast<float>(step);
+        return a;
+      });
+    }
+    std::set<std::string> groups;
+    for (const Piece& piece : ps) {
+      if (!groups.insert(piece.group_path).second) continue;
+      const PickleRef g = param_group(decay, false, expert);
+      for (const auto& [k, v] : g->entries)
+        dcp.plain_object("optimizer.param_to_group_meta." + wrappers + piece.group_path + "." + k->text,
+                         [v](TorchSaveWriter&) { return v; });
+    }
+  }
+  // The RNG states Megatron-LM seeds from --seed, keyed "rng_state.(<pipeline rank>, <tensor rank>).<i>"
+  // (i: the data-parallel rank with --data-parallel-random-init, else 0), each state its own item.
+  if (with_optimizer)
+    for (int t = 0; t < layout.tp; ++t)
+      for (int d = 0; d < (dp_random_init ? layout.dp : 1); ++d) {
+        MegatronRngState rng = megatron_initial_rng(seed, t, 0, d, dp_random_init);
+        const std::string base = fmt::format("rng_state.(0, {}).{}.", t, d);
+        dcp.plain_object(base + "random_rng_state", [&](TorchSaveWriter&) { return rng.random_rng_state; });
+        dcp.plain_object(base + "np_rng_state", [&](TorchSaveWriter&) { return rng.np_rng_state; });
+        auto tensor = [&](const std::string& key, HostArray& a) {
+          dcp.tensor_chunk(key, a.dtype, a.shape, std::vector<int64_t>(a.shape.size(), 0), a.shape,
+                           [&a]() { return std::move(a); });
+        };
+        tensor(base + "torch_rng_state", rng.torch_rng_state);
+        tensor(base + "cuda_rng_state", rng.cuda_rng_state);
+        for (auto& [name, a] : rng.trackers) tensor(base + "rng_tracker_states." + name, a);
+      }
+  dcp.plain_object("args", [&](TorchSaveWriter&) { return args; });
+  dcp.plain_object("checkpoint_version", [](TorchSaveWriter&) { return pickle_float(3.0); });
+  dcp.plain_object("iteration", [&](TorchSaveWriter&) { return pickle_int(r.iteration); });
+  if (with_optimizer)
+    for (const auto& [k, v] : scheduler->entries)
+      dcp.plain_object("opt_param_scheduler." + k->text, [v](TorchSaveWriter&) { return v; });
+  dcp.plain_object("num_floating_point_operations_so_far", [&](TorchSaveWriter&) {
+    return pickle_float(r.release ? 0.0 : rs.num_floating_point_operations_so_far);
+  });
+  dcp.finish(true);
+  r.files = {"__0_0.distcp", ".metadata"};
+}
+
 // The torch format: per tensor x pipeline (x expert-parallel) rank one model_optim_rng.pt, and
 // distrib_optim.pt beside it with the distributed optimizer (the file comment above).
 void ExportPlan::write_torch_format(const std::string& tmp_dir, MegatronExportResult& r) const {
@@ -718,9 +840,11 @@ void ExportPlan::write_torch_format(const std::string& tmp_dir, MegatronExportRe
 }  // namespace
 
 MegatronExportResult export_megatron(const MegatronExportOptions& o) {
-  if (o.format != "torch" && o.format != "torch_dist")
-    throw Unsupported(fmt::format("export-megatron writes --ckpt-format torch_dist or torch (got '{}')", o.format));
+  if (o.format != "torch" && o.format != "torch_dist" && o.format != "fsdp_dtensor")
+    throw Unsupported(
+        fmt::format("export-megatron writes --ckpt-format torch_dist, torch or fsdp_dtensor (got '{}')", o.format));
   const bool torch_dist = o.format == "torch_dist";
+  const bool fsdp = o.format == "fsdp_dtensor";
   const std::optional<CheckpointLocation> loc = locate_checkpoint(o.load, o.ckpt_step);
   if (!loc)
     fail("{} has no latest_checkpointed_iteration.txt: pass --ckpt-step N or the directory megatrain's --save wrote",
@@ -780,6 +904,19 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     fail("export-megatron: --expert-model-parallel-size {} for a model without experts", layout.ep);
   }
   const int mtp = model.mtp_num_layers.value_or(0);
+  if (fsdp) {
+    // (Megatron-LM refuses Megatron-FSDP with pipeline parallelism; the layer names of MTP depths
+    // and MLA's norms in this format are not checked against a Megatron-FSDP checkpoint yet)
+    if (layout.pp > 1 || layout.vpp > 1)
+      fail("export-megatron: --ckpt-format fsdp_dtensor is Megatron-FSDP's, which Megatron-LM runs without pipeline "
+           "parallelism: export with --pipeline-model-parallel-size 1");
+    if (mtp > 0 || model.multi_latent_attention)
+      throw Unsupported(fmt::format("export-megatron: {} holds {}, which megatrain does not write in --ckpt-format "
+                                    "fsdp_dtensor yet: export torch_dist (Megatron-LM's checkpoint_inspector.py "
+                                    "convert-torch-dist-to-fsdp-dtensor converts it)",
+                                    reader.directory(), mtp > 0 ? "multi-token prediction depths" : "multi-latent attention"));
+    layout.distributed_optimizer = true;  // (Megatron-FSDP's optimizer is the distributed one)
+  }
   MegatronExportResult r;
   r.tp = layout.tp;
   r.pp = layout.pp;
@@ -799,9 +936,9 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   else if (loc->release) why = "it is a release checkpoint (weights only)";
   // (torch_dist keys the optimizer state by parameter; the torch format by index, in an order
   // megatrain does not lay out for MoE and MTP models)
-  else if (model.moe.enabled() && !torch_dist)
+  else if (model.moe.enabled() && !torch_dist && !fsdp)
     why = "megatrain writes a mixture-of-experts model's optimizer state for Megatron-LM in --ckpt-format "
-          "torch_dist only";
+          "torch_dist or fsdp_dtensor only";
   else if (mtp > 0 && !torch_dist)
     why = "megatrain writes a multi-token prediction model's optimizer state for Megatron-LM in --ckpt-format "
           "torch_dist only";
@@ -860,6 +997,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   set_arg("world_size", pickle_int(layout.tp * layout.pp * layout.dp));
   set_arg("rank", pickle_int(0));
   set_arg("use_distributed_optimizer", pickle_bool(layout.distributed_optimizer));
+  if (fsdp) set_arg("use_megatron_fsdp", pickle_bool(true));
   set_arg("overlap_grad_reduce", pickle_bool(layout.overlap_grad_reduce));
   set_arg("ddp_bucket_size", layout.ddp_bucket_size ? pickle_int(*layout.ddp_bucket_size) : pickle_none());
   set_arg("ckpt_format", pickle_str(o.format));
@@ -971,6 +1109,7 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   const ExportPlan plan{reader, model, layout, cfg, split, ex, rs, flags, args, scheduler, param_group, grad_scaler,
                         with_optimizer, bf16, fp16, dp_random_init, step, seed};
   if (torch_dist) plan.write_torch_dist(tmp_dir, r);
+  else if (fsdp) plan.write_fsdp_dtensor(tmp_dir, r);
   else plan.write_torch_format(tmp_dir, r);
   fsync_directory(tmp_dir);
   remove_tree(final_dir);
@@ -1004,8 +1143,14 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
     r.megatron_flags.push_back("--decoder-last-pipeline-num-layers");
     r.megatron_flags.push_back(std::to_string(*layout.last_stage_layers));
   }
-  if (layout.distributed_optimizer) r.megatron_flags.push_back("--use-distributed-optimizer");
-  if (layout.distributed_optimizer && layout.overlap_grad_reduce) r.megatron_flags.push_back("--overlap-grad-reduce");
+  if (fsdp) {
+    // (the sharding strategy is the user's choice: any one loads the checkpoint)
+    for (const char* f : {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"})
+      r.megatron_flags.push_back(f);
+  } else if (layout.distributed_optimizer) {
+    r.megatron_flags.push_back("--use-distributed-optimizer");
+  }
+  if (!fsdp && layout.distributed_optimizer && layout.overlap_grad_reduce) r.megatron_flags.push_back("--overlap-grad-reduce");
   if (layout.distributed_optimizer && layout.ddp_bucket_size) {
     r.megatron_flags.push_back("--ddp-bucket-size");
     r.megatron_flags.push_back(std::to_string(*layout.ddp_bucket_size));

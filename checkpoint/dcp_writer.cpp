@@ -61,11 +61,20 @@ void DcpWriter::tensor_chunk(const std::string& key, DType dtype, const std::vec
 }
 
 void DcpWriter::object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build) {
+  store_object(key, build, true);
+}
+
+void DcpWriter::plain_object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build) {
+  store_object(key, build, false);
+}
+
+void DcpWriter::store_object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build,
+                             bool in_list) {
   if (items_.count(key)) fail("{}: '{}' is written twice", dir_, key);
   keys_.push_back(key);
   Item& item = items_[key];
   TorchSaveWriter w;
-  const PickleRef list = pickle_list({build(w)});
+  const PickleRef list = in_list ? pickle_list({build(w)}) : build(w);
   Chunk c;
   c.offset = file_.bytes_written();
   c.length = w.append(file_, *list);

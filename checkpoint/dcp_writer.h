@@ -35,12 +35,16 @@ class DcpWriter {
                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& shape,
                     const TorchSaveWriter::Producer& produce);
   // An object stored under `key`: `build` makes it (its tensors registered with the writer given).
+  // object() stores it as Megatron's dist_checkpointing stores a ShardedObject (in a one-element
+  // list); plain_object() as torch.distributed.checkpoint stores a value (Megatron-FSDP's format).
   void object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build);
+  void plain_object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build);
 
   // Writes .metadata; `durable`: fsync both files. Returns the bytes of __0_0.distcp.
   uint64_t finish(bool durable);
 
  private:
+  void store_object(const std::string& key, const std::function<PickleRef(TorchSaveWriter&)>& build, bool in_list);
   struct Chunk {
     std::vector<int64_t> offsets, sizes;
     uint64_t offset = 0, length = 0;

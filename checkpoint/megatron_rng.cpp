@@ -64,8 +64,8 @@ std::vector<uint32_t> python_random_seed_state(uint64_t seed) {
   return mt;
 }
 
-PickleRef megatron_initial_rng_state(TorchSaveWriter& w, int64_t seed_arg, int tp_rank, int pp_rank, int dp_rank,
-                                     bool data_parallel_random_init) {
+MegatronRngState megatron_initial_rng(int64_t seed_arg, int tp_rank, int pp_rank, int dp_rank,
+                                      bool data_parallel_random_init) {
   const int64_t seed = seed_arg + 100 * pp_rank + (data_parallel_random_init ? 10 * dp_rank : 0);
   auto ints = [](const std::vector<uint32_t>& words) {
     std::vector<PickleRef> out;
@@ -84,16 +84,28 @@ PickleRef megatron_initial_rng_state(TorchSaveWriter& w, int64_t seed_arg, int t
   cpu.put<uint64_t>(16, 0); // next
   for (int k = 0; k < kWords; ++k) cpu.put<uint64_t>(24 + 8 * static_cast<size_t>(k), genrand[static_cast<size_t>(k)]);
 
+  MegatronRngState r;
+  r.random_rng_state = pickle_tuple({pickle_int(3), pickle_tuple(python), pickle_none()});
+  r.np_rng_state = pickle_tuple({pickle_str("MT19937"), pickle_list(ints(genrand)), pickle_int(kWords), pickle_int(0),
+                                 pickle_float(0.0)});
+  r.torch_rng_state = std::move(cpu.a);
+  r.cuda_rng_state = cuda_state(static_cast<uint64_t>(seed));
+  r.trackers = {{"data-parallel-rng", cuda_state(static_cast<uint64_t>(seed))},
+                {"model-parallel-rng", cuda_state(static_cast<uint64_t>(seed + 2718 + tp_rank))},
+                {"expert-parallel-rng", cuda_state(static_cast<uint64_t>(seed + 1024 + tp_rank))}};
+  return r;
+}
+
+PickleRef megatron_initial_rng_state(TorchSaveWriter& w, int64_t seed, int tp_rank, int pp_rank, int dp_rank,
+                                     bool data_parallel_random_init) {
+  MegatronRngState r = megatron_initial_rng(seed, tp_rank, pp_rank, dp_rank, data_parallel_random_init);
   PickleRef state = pickle_dict();
-  pickle_set(*state, "random_rng_state", pickle_tuple({pickle_int(3), pickle_tuple(python), pickle_none()}));
-  pickle_set(*state, "np_rng_state", pickle_tuple({pickle_str("MT19937"), pickle_list(ints(genrand)), pickle_int(kWords),
-                                                   pickle_int(0), pickle_float(0.0)}));
-  pickle_set(*state, "torch_rng_state", w.tensor(std::move(cpu.a)));
-  pickle_set(*state, "cuda_rng_state", w.tensor(cuda_state(static_cast<uint64_t>(seed))));
+  pickle_set(*state, "random_rng_state", r.random_rng_state);
+  pickle_set(*state, "np_rng_state", r.np_rng_state);
+  pickle_set(*state, "torch_rng_state", w.tensor(std::move(r.torch_rng_state)));
+  pickle_set(*state, "cuda_rng_state", w.tensor(std::move(r.cuda_rng_state)));
   PickleRef trackers = pickle_dict();
-  pickle_set(*trackers, "data-parallel-rng", w.tensor(cuda_state(static_cast<uint64_t>(seed))));
-  pickle_set(*trackers, "model-parallel-rng", w.tensor(cuda_state(static_cast<uint64_t>(seed + 2718 + tp_rank))));
-  pickle_set(*trackers, "expert-parallel-rng", w.tensor(cuda_state(static_cast<uint64_t>(seed + 1024 + tp_rank))));
+  for (auto& [name, a] : r.trackers) pickle_set(*trackers, name, w.tensor(std::move(a)));
   pickle_set(*state, "rng_tracker_states", trackers);
   return state;
 }

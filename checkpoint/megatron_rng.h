@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/pickle.h"
@@ -26,6 +28,15 @@ namespace mt {
 std::vector<uint32_t> python_random_seed_state(uint64_t seed);
 // The MT19937 words of numpy.random.seed(seed) and torch.manual_seed(seed) (init_genrand).
 std::vector<uint32_t> mt19937_init_genrand(uint32_t seed);
+
+// One rank's states, the tensors as arrays (Megatron-FSDP's format stores each as an item of its own).
+struct MegatronRngState {
+  PickleRef random_rng_state, np_rng_state;
+  HostArray torch_rng_state, cuda_rng_state;
+  std::vector<std::pair<std::string, HostArray>> trackers;  // rng_tracker_states, by name
+};
+MegatronRngState megatron_initial_rng(int64_t seed, int tp_rank, int pp_rank, int dp_rank,
+                                      bool data_parallel_random_init);
 
 // One rank's rng_state entry; tensors are registered with `w`.
 PickleRef megatron_initial_rng_state(TorchSaveWriter& w, int64_t seed, int tp_rank, int pp_rank, int dp_rank,
