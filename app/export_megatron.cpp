@@ -1212,7 +1212,8 @@ int export_megatron_main(const std::vector<std::string>& argv) {
   if (!r.release)
     std::printf("with the optimizer state (%s: Adam moments and step, float32 main weights), the learning-rate "
                 "scheduler, the consumed samples and the RNG states Megatron-LM seeds from --seed\n",
-                o.format == "torch_dist"
+                o.format == "fsdp_dtensor" ? "Megatron-FSDP's state by parameter"
+                : o.format == "torch_dist"
                     ? (r.distributed_optimizer ? "the distributed optimizer's fully reshardable layout"
                                                : "the optimizer's state by parameter")
                 : r.distributed_optimizer ? "the distributed optimizer's distrib_optim.pt"

@@ -1,4 +1,4 @@
-// megatrain import-megatron: a Megatron-LM checkpoint (torch or torch_dist format, any tensor and
+// megatrain import-megatron: a Megatron-LM checkpoint (torch, torch_dist or fsdp_dtensor format, any tensor and
 // pipeline layout) as a megatrain checkpoint, and the Megatron flags of its model.
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the

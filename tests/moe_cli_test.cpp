@@ -691,13 +691,13 @@ TEST_CASE("MoE: a trained MoE checkpoint trains on, exports as MixtralForCausalL
   const std::string text((std::istreambuf_iterator<char>(config)), std::istreambuf_iterator<char>());
   CHECK_THAT(text, Contains("\"MixtralForCausalLM\""));
   // To Megatron-LM in the torch format: the weights (the optimizer state of MoE models goes over in
-  // torch_dist only), which import back unchanged.
+  // torch_dist and fsdp_dtensor only), which import back unchanged.
   const RunResult meg = run_binary(words("export-megatron --ckpt-format torch --load " + dir.str("ckpt") + " --save " +
                                                  dir.str("meg")));
   INFO(meg.out << meg.err);
   CHECK(meg.exit_code == 0);
   CHECK_THAT(meg.out, Contains("weights only, as megatrain writes a mixture-of-experts model's optimizer state for "
-                               "Megatron-LM in --ckpt-format torch_dist only"));
+                               "Megatron-LM in --ckpt-format torch_dist or fsdp_dtensor only"));
   CHECK(std::filesystem::exists(dir.str("meg") + "/release/mp_rank_00/model_optim_rng.pt"));
   const RunResult back = run_binary(words("import-megatron --load " + dir.str("meg") + " --save " + dir.str("back")));
   INFO(back.out << back.err);
