@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Megatron-FSDP -> megatrain -> Megatron-FSDP, on the CPU (manual: needs PyTorch and a Megatron-LM
+# checkout; nothing of Megatron-LM is in this repository).
+#   bench/megatron_fsdp_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [PYTHON]
+# For each checkpoint Megatron-LM's Megatron-FSDP saved after iteration 2 of 4
+# (tests/fixtures/megatron/fsdp: make_fsdp_fixtures.sh, float32, ZeRO-3, one process):
+# import-megatron reads it, export-megatron --ckpt-format fsdp_dtensor writes it back, and
+# Megatron-LM's pretrain_gpt.py (bench/megatron_cpu.py, --use-megatron-fsdp) resumes the export for
+# iterations 3 and 4 (--no-load-rng: on the CPU Megatron-LM cannot take the GPU generator states the
+# export holds). Its printed losses and gradient norms must be those of its own straight run (the
+# fixture's log; a resumed Megatron-LM prints at iteration 4 the mean of 3 and 4): Megatron-FSDP's
+# weights, Adam moments and step, scheduler and consumed samples went through megatrain unchanged.
+set -euo pipefail -f
+[ $# -ge 3 ] || { echo "usage: megatron_fsdp_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [PYTHON]" >&2; exit 2; }
+M=$(cd "$1" && pwd)
+BIN=$(realpath "$2")
+OUT=$(mkdir -p "$3" && cd "$3" && pwd)
+PY=${4:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+FIX=$HERE/../tests/fixtures/megatron/fsdp
+# the flags of make_fsdp_fixtures.sh
+common="--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer
+ --vocab-size 60 --make-vocab-size-divisible-by 32 --seq-length 32 --max-position-embeddings 32 --split 99,1,0
+ --log-interval 1 --eval-iters 0 --eval-interval 1000 --transformer-impl local --no-gradient-accumulation-fusion
+ --no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --attention-dropout 0
+ --hidden-dropout 0 --seed 1234 --init-method-std 0.5 --train-iters 4
+ --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor
+ --no-gradient-reduce-div-fusion"
+llama="--hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+ --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+ --untie-embeddings-and-output-weights"
+moe="--num-layers 3 $llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1,1]
+ --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate"
+fields() { grep "iteration .*lm loss" "$1" | sed -E 's/.*iteration +([0-9]+).*lm loss: ([^ ]+).*grad norm: ([^ ]+).*/\1 \2 \3/'; }
+status=0
+for name in llama moe; do
+  [ $name = llama ] && flags="--num-layers 2 $llama" || flags=$moe
+  rm -rf "$OUT/$name"
+  "$BIN" import-megatron --load "$FIX/$name" --save "$OUT/$name/imported" > "$OUT/$name.import.log"
+  "$BIN" export-megatron --load "$OUT/$name/imported" --save "$OUT/$name/fsdp" --ckpt-format fsdp_dtensor \
+    > "$OUT/$name.export.log"
+  (cd "$M" && CUDA_DEVICE_MAX_CONNECTIONS=8 PYTHONPATH="$M" "$PY" -m torch.distributed.run --nproc_per_node 1 \
+     --master_port 29877 "$HERE/megatron_cpu.py" "$M" $common $flags --load "$OUT/$name/fsdp" --no-load-rng) \
+     > "$OUT/$name.megatron.log" 2>&1 || { tail -20 "$OUT/$name.megatron.log"; exit 1; }
+  read -r _ l3 g3 <<< "$(fields "$FIX/${name}_iterations.log" | sed -n 3p)"
+  read -r _ l4 g4 <<< "$(fields "$FIX/${name}_iterations.log" | sed -n 4p)"
+  want="3 $l3 $g3
+4 $("$PY" -c "print('%.6E' % ((float('$l3') + float('$l4')) / 2))") $g4"
+  got=$(fields "$OUT/$name.megatron.log")
+  if [ "$got" = "$want" ]; then echo "$name: Megatron-FSDP resumed megatrain's export: $(echo $got)"; else
+    echo "$name: DIFFERENT: got [$(echo $got)], want [$(echo $want)]"; status=1; fi
+done
+exit $status
