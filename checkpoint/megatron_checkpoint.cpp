@@ -654,6 +654,19 @@ void MegatronCheckpoint::open_torch_dist() {
 // ("opt_param_scheduler.<field>") are torch.save'd objects of their own.
 void MegatronCheckpoint::open_fsdp_dtensor() {
   DcpIndex dcp = read_dcp_index(directory_, files_->distcp_files);
+  // (torch FSDP2's torch_dcp format shares the container: its model keys lack the wrappers'
+  // "module.", its optimizer state is keyed by index)
+  bool wrapped = false, unwrapped = false;
+  for (const auto& [k, md] : dcp.sdm->entries)
+    if (k->is(PickleKind::string) && k->text.starts_with("model.")) {
+      wrapped = wrapped || k->text.starts_with("model.module.");
+      unwrapped = unwrapped || !k->text.starts_with("model.module.");
+    }
+  if (unwrapped && !wrapped)
+    throw Unsupported(fmt::format("{} holds a PyTorch Distributed Checkpoint of an unwrapped model (Megatron-LM's "
+                                  "--ckpt-format torch_dcp, torch FSDP2's), which megatrain does not read yet; it "
+                                  "reads torch_dist, torch and Megatron-FSDP's fsdp_dtensor",
+                                  directory_));
   auto object = [&](const std::string& key) -> PickleRef {
     const std::unique_ptr<TorchFile> f = dcp.object(key);
     return f ? std::make_shared<PickleValue>(f->root()) : nullptr;

@@ -14,6 +14,8 @@
 #include "app/cli.h"
 #include "app/import_megatron.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/dcp_writer.h"
+#include "checkpoint/pickle_writer.h"
 #include "checkpoint/megatron_checkpoint.h"
 #include "checkpoint/megatron_flat_layout.h"
 #include "ckpt_test_util.h"
@@ -413,4 +415,21 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
     CHECK(std::abs(ours[0].second - megatron[2].second) <= 1.5e-3);
     CHECK(std::abs(ours[1].second - megatron[3].second) <= 1.5e-3);
   }
+}
+
+TEST_CASE("import-megatron names torch FSDP2's torch_dcp checkpoints, which it does not read", "[megatron-import]") {
+  // The same container as fsdp_dtensor (.metadata without metadata.json), but the model's keys
+  // without Megatron-FSDP's wrapper ("model.embedding..." where Megatron-FSDP writes
+  // "model.module.embedding..."): refused by name rather than read as Megatron-FSDP's.
+  TempDir tmp;
+  const std::string dir = tmp / "iter_0000002";
+  std::filesystem::create_directories(dir);
+  mt::DcpWriter w(dir);
+  w.tensor_chunk("model.embedding.word_embeddings.weight", mt::DType::f32, {4, 2}, {0, 0}, {4, 2},
+                 [] { return mt::HostArray::zeros(mt::DType::f32, {4, 2}); });
+  w.plain_object("iteration", [](mt::TorchSaveWriter&) { return mt::pickle_int(2); });
+  w.finish(false);
+  CHECK_THROWS_AS(mt::MegatronCheckpoint(dir, std::nullopt), mt::Unsupported);
+  CHECK_THROWS_WITH(mt::MegatronCheckpoint(dir, std::nullopt),
+                    Catch::Contains("torch_dcp") && Catch::Contains("fsdp_dtensor") && Catch::Contains(dir));
 }
