@@ -63,6 +63,7 @@ EXAMPLES = [
     "examples/llama/train_llama3_8b_h100_fp8.sh",
     "examples/mixtral/train_mixtral_8x7b_distributed.sh",
     "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
+    "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh",
     "examples/gptoss/02_train.sh",
 ]
 # Examples run on other than the 8 GPUs of their script: gpt-oss's pipeline size is its world size
