@@ -19,22 +19,12 @@ PY=${4:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 FIX=$HERE/../tests/fixtures/megatron/fsdp
 # the flags of make_fsdp_fixtures.sh
-common="--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer
- --vocab-size 60 --make-vocab-size-divisible-by 32 --seq-length 32 --max-position-embeddings 32 --split 99,1,0
- --log-interval 1 --eval-iters 0 --eval-interval 1000 --transformer-impl local --no-gradient-accumulation-fusion
- --no-masked-softmax-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --attention-dropout 0
- --hidden-dropout 0 --seed 1234 --init-method-std 0.5 --train-iters 4
- --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor
- --no-gradient-reduce-div-fusion"
-llama="--hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
- --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
- --untie-embeddings-and-output-weights"
-moe="--num-layers 3 $llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1,1]
- --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate"
+source "$FIX/../cpu_models.sh"
+common="$cpu_common $cpu_fsdp"
 fields() { grep "iteration .*lm loss" "$1" | sed -E 's/.*iteration +([0-9]+).*lm loss: ([^ ]+).*grad norm: ([^ ]+).*/\1 \2 \3/'; }
 status=0
 for name in llama moe; do
-  [ $name = llama ] && flags="--num-layers 2 $llama" || flags=$moe
+  [ $name = llama ] && flags="--num-layers 2 $cpu_llama" || flags=$cpu_moe
   rm -rf "$OUT/$name"
   "$BIN" import-megatron --load "$FIX/$name" --save "$OUT/$name/imported" > "$OUT/$name.import.log"
   "$BIN" export-megatron --load "$OUT/$name/imported" --save "$OUT/$name/fsdp" --ckpt-format fsdp_dtensor \

@@ -203,6 +203,17 @@ std::optional<std::pair<std::string, int>> torch_local_expert(const std::string&
   return std::nullopt;
 }
 
+// A transformer layer's parameter name split after its layer's head ("decoder.layers.<l>." or, for
+// a multi-token prediction depth's inner layer under either of Megatron's names,
+// "mtp.layers.<d>.transformer_layer."): head and rest; nullopt for other names.
+std::optional<std::pair<std::string, std::string>> split_layer_head(const std::string& name) {
+  if (const auto layer = megatron_split_layer_name(name))
+    return std::make_pair(fmt::format("decoder.layers.{}.", layer->first), layer->second);
+  if (const auto mtp = megatron_split_mtp_layer_name(name))
+    return std::make_pair(fmt::format("mtp.layers.{}.transformer_layer.", mtp->first), mtp->second);
+  return std::nullopt;
+}
+
 }  // namespace
 
 void MegatronCheckpoint::open_torch() {
@@ -715,14 +726,8 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
       half = m[2].str() == "w" ? 0 : 1;
       name = m[1].str();
     }
-    std::string head, rest = name;
-    if (const auto layer = megatron_split_layer_name(name)) {
-      head = fmt::format("decoder.layers.{}.", layer->first);
-      rest = layer->second;
-    } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
-      head = fmt::format("mtp.layers.{}.transformer_layer.", mtp->first);
-      rest = mtp->second;
-    }
+    const auto split = split_layer_head(name);
+    const std::string head = split ? split->first : std::string(), rest = split ? split->second : name;
     std::shared_ptr<Source>* slot = nullptr;
     if (const auto expert = head.empty() ? std::nullopt : torch_local_expert(rest)) {
       std::shared_ptr<Source>& stack = found[prefix + head + expert->first];
@@ -784,17 +789,9 @@ void MegatronCheckpoint::rename_layer_keys(
     std::vector<std::pair<std::string, std::string>> moves;
     for (const auto& [key, src] : map) {
       if (key.compare(0, prefix.size(), prefix) != 0) continue;
-      const std::string name = key.substr(prefix.size());
-      std::string head, rest;
-      if (const auto layer = megatron_split_layer_name(name)) {
-        head = fmt::format("decoder.layers.{}.", layer->first);
-        rest = layer->second;
-      } else if (const auto mtp = megatron_split_mtp_layer_name(name)) {
-        head = fmt::format("mtp.layers.{}.transformer_layer.", mtp->first);
-        rest = mtp->second;
-      } else {
-        continue;
-      }
+      const auto split = split_layer_head(key.substr(prefix.size()));
+      if (!split) continue;
+      const auto& [head, rest] = *split;
       if (const std::optional<std::string> renamed = to(head, rest)) moves.emplace_back(key, prefix + head + *renamed);
     }
     for (const auto& [from, dest] : moves) {
