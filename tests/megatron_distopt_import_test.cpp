@@ -382,7 +382,10 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
                           " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1,1] "
                           "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 "
                           "--moe-shared-expert-gate";
-  for (const Case& c : {Case{"fsdp/llama", swiglu_llama, 15}, Case{"fsdp/moe", moe, 29}}) {
+  // (fsdp/llama_tp2: saved by two processes at tensor parallel 2 with SP, each file holding its
+  // rank's shards; resumed on one rank)
+  for (const Case& c :
+       {Case{"fsdp/llama", swiglu_llama, 15}, Case{"fsdp/moe", moe, 29}, Case{"fsdp/llama_tp2", swiglu_llama, 15}}) {
     INFO(c.dir);
     const std::string dir = kFixtures + "/" + c.dir;
     const mt::MegatronCheckpoint ck(dir, std::nullopt);
