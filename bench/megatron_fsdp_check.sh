@@ -3,7 +3,8 @@
 # checkout; nothing of Megatron-LM is in this repository).
 #   bench/megatron_fsdp_check.sh MEGATRON_DIR MEGATRAIN_BIN OUT_DIR [PYTHON]
 # For each checkpoint Megatron-LM's Megatron-FSDP saved after iteration 2 of 4
-# (tests/fixtures/megatron/fsdp: make_fsdp_fixtures.sh, float32, ZeRO-3, one process):
+# (tests/fixtures/megatron/fsdp: make_fsdp_fixtures.sh, float32, ZeRO-3; one process, and two at
+# tensor parallel 2 for llama_tp2, whose export is written for TP 2):
 # import-megatron reads it, export-megatron --ckpt-format fsdp_dtensor writes it back, and
 # Megatron-LM's pretrain_gpt.py (bench/megatron_cpu.py, --use-megatron-fsdp) resumes the export for
 # iterations 3 and 4 (--no-load-rng: on the CPU Megatron-LM cannot take the GPU generator states the
@@ -23,21 +24,31 @@ source "$FIX/../cpu_models.sh"
 common="$cpu_common $cpu_fsdp"
 fields() { grep "iteration .*lm loss" "$1" | sed -E 's/.*iteration +([0-9]+).*lm loss: ([^ ]+).*grad norm: ([^ ]+).*/\1 \2 \3/'; }
 status=0
-for name in llama moe; do
-  [ $name = llama ] && flags="--num-layers 2 $cpu_llama" || flags=$cpu_moe
+for name in llama moe llama_tp2; do
+  tp=1
+  case $name in
+    llama) flags="--num-layers 2 $cpu_llama" ;;
+    moe) flags=$cpu_moe ;;
+    llama_tp2) tp=2; flags="--num-layers 2 $cpu_llama --tensor-model-parallel-size 2 --sequence-parallel" ;;
+  esac
   rm -rf "$OUT/$name"
   "$BIN" import-megatron --load "$FIX/$name" --save "$OUT/$name/imported" > "$OUT/$name.import.log"
   "$BIN" export-megatron --load "$OUT/$name/imported" --save "$OUT/$name/fsdp" --ckpt-format fsdp_dtensor \
-    > "$OUT/$name.export.log"
-  (cd "$M" && CUDA_DEVICE_MAX_CONNECTIONS=8 PYTHONPATH="$M" "$PY" -m torch.distributed.run --nproc_per_node 1 \
+    --tensor-model-parallel-size $tp > "$OUT/$name.export.log"
+  (cd "$M" && CUDA_DEVICE_MAX_CONNECTIONS=8 PYTHONPATH="$M" "$PY" -m torch.distributed.run --nproc_per_node $tp \
      --master_port 29877 "$HERE/megatron_cpu.py" "$M" $common $flags --load "$OUT/$name/fsdp" --no-load-rng) \
      > "$OUT/$name.megatron.log" 2>&1 || { tail -20 "$OUT/$name.megatron.log"; exit 1; }
-  read -r _ l3 g3 <<< "$(fields "$FIX/${name}_iterations.log" | sed -n 3p)"
-  read -r _ l4 g4 <<< "$(fields "$FIX/${name}_iterations.log" | sed -n 4p)"
-  want="3 $l3 $g3
-4 $("$PY" -c "print('%.6E' % ((float('$l3') + float('$l4')) / 2))") $g4"
-  got=$(fields "$OUT/$name.megatron.log")
-  if [ "$got" = "$want" ]; then echo "$name: Megatron-FSDP resumed megatrain's export: $(echo $got)"; else
-    echo "$name: DIFFERENT: got [$(echo $got)], want [$(echo $want)]"; status=1; fi
+  got=$(fields "$OUT/$name.megatron.log" | tr '\n' ' ')
+  want=$(fields "$FIX/${name}_iterations.log" | sed -n 3,4p | tr '\n' ' ')
+  # (iteration 4: the mean of the straight run's 3 and 4, from their 7 printed digits: within 1e-6)
+  if "$PY" - "$got" "$want" <<'PYEOF'
+import sys
+g, w = [list(map(float, a.split())) for a in sys.argv[1:3]]
+ok = len(g) == 6 and g[0] == 3 and g[3] == 4 and g[1] == w[1] and g[2] == w[2] and g[5] == w[5] and \
+    abs(g[4] - (w[1] + w[4]) / 2) <= 1e-6 * abs(g[4])
+sys.exit(0 if ok else 1)
+PYEOF
+  then echo "$name: Megatron-FSDP resumed megatrain's export: $got"; else
+    echo "$name: DIFFERENT: got [$got], the straight run [$want]"; status=1; fi
 done
 exit $status
