@@ -11,7 +11,7 @@ void add_checkpoint_flags(FlagTable& t) {
   t.value("--save-retain-interval", "keep only checkpoints at multiples of this", MT_FIELD(checkpoint.save_retain_interval));
   t.value("--load", "checkpoint directory to resume from", MT_FIELD(checkpoint.load));
   t.choice("--ckpt-format", "checkpoint format: all save megatrain's own (a note says so; export-megatron writes "
-           "Megatron-LM's torch_dist, torch and fsdp_dtensor formats, import-megatron reads them)",
+           "Megatron-LM's torch_dist, torch and fsdp_dtensor formats, import-megatron reads them and torch_dcp)",
            std::vector<std::pair<std::string, std::string>>{{"torch_dist", "torch_dist"}, {"torch", "torch"},
                                                             {"torch_dcp", "torch_dcp"}, {"fsdp_dtensor", "fsdp_dtensor"},
                                                             {"zarr", "zarr"}},
@@ -19,8 +19,8 @@ void add_checkpoint_flags(FlagTable& t) {
   t.flag("--verify-integrity", "write a SHA-256 manifest of the checkpoint's files (integrity.json) at save and check "
          "the files against it at load (torch_dist format)", MT_FIELD(checkpoint.verify_integrity));
   t.no_effect("--auto-detect-ckpt-format", Arity::none,
-              "megatrain loads its own checkpoint format and names Megatron-LM's (torch, torch_dist, fsdp_dtensor) when "
-              "--load holds one");
+              "megatrain loads its own checkpoint format and names Megatron-LM's (torch, torch_dist, fsdp_dtensor, "
+              "torch_dcp) when --load holds one");
   t.no_effect("--use-dist-ckpt", Arity::none, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
   t.no_effect("--dist-ckpt-format", Arity::one, "deprecated in Megatron-LM and without effect there: use --ckpt-format");
   t.flag("--no-save-optim", "do not save the optimizer state", MT_FIELD(checkpoint.no_save_optim));

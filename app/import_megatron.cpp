@@ -1,5 +1,5 @@
-// megatrain import-megatron: a Megatron-LM checkpoint (torch, torch_dist or fsdp_dtensor format, any tensor and
-// pipeline layout) as a megatrain checkpoint, and the Megatron flags of its model.
+// megatrain import-megatron: a Megatron-LM checkpoint (torch, torch_dist, fsdp_dtensor or torch_dcp format, any
+// tensor and pipeline layout) as a megatrain checkpoint, and the Megatron flags of its model.
 //
 // The model is rebuilt from the checkpoint's saved args: the model-shaping arguments become the
 // same Megatron flags a launch script gives, and megatrain's own command-line parser validates them

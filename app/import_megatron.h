@@ -20,7 +20,7 @@
 namespace mt {
 
 struct MegatronImportResult {
-  std::string format;  // "torch", "torch_dist" or "fsdp_dtensor"
+  std::string format;  // "torch", "torch_dist", "fsdp_dtensor" or "torch_dcp"
   int64_t iteration = 0;
   int tensors = 0;
   bool resumable = false;      // a full checkpoint at `iteration` (else a release checkpoint)

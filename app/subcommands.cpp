@@ -23,8 +23,8 @@ const std::vector<Subcommand>& subcommands() {
       {"import-hf", "write a Hugging Face GPT-2/Llama model as a megatrain checkpoint: --hf-dir DIR --save CKPT "
                     "[--make-vocab-size-divisible-by N] [--tensor-model-parallel-size N]",
        &import_hf_main},
-      {"import-megatron", "write a Megatron-LM checkpoint (torch, torch_dist or Megatron-FSDP's fsdp_dtensor format, with its optimizer "
-                          "state) as a megatrain checkpoint: "
+      {"import-megatron", "write a Megatron-LM checkpoint (torch, torch_dist, or FSDP's fsdp_dtensor or torch_dcp format, with its "
+                          "optimizer state) as a megatrain checkpoint: "
                           "--load DIR --save CKPT [--ckpt-step N] [--weights-only]",
        &import_megatron_main},
       {"export-megatron", "write a checkpoint as a Megatron-LM checkpoint (torch, torch_dist or fsdp_dtensor format, with its "

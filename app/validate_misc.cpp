@@ -32,15 +32,15 @@ void validate_checkpoint_and_logging(CliState& st) {
                         "one as a Megatron-LM torch-format checkpoint, `megatrain import-megatron` reads Megatron-LM's",
                         k.ckpt_format));
   // The FSDP formats (Megatron-LM allows them only with its FSDP: app/validate_fsdp.cpp) likewise.
-  if (k.ckpt_format == "fsdp_dtensor")
-    st.note("--ckpt-format fsdp_dtensor: megatrain saves and loads its own checkpoint format (each parameter and its "
-            "optimizer state under its global name), which resumes under any sharding strategy, data-parallel size and "
-            "parallel layout; `megatrain export-megatron --ckpt-format fsdp_dtensor` writes Megatron-FSDP's files from "
-            "one, `megatrain import-megatron` reads Megatron-FSDP's");
-  if (k.ckpt_format == "torch_dcp")
-    st.note("--ckpt-format torch_dcp: megatrain saves and loads its own checkpoint format (each parameter and its "
-            "optimizer state under its global name), which resumes under any sharding strategy, data-parallel size and "
-            "parallel layout; it does not write or read Megatron-LM's torch_dcp files");
+  if (k.ckpt_format == "fsdp_dtensor" || k.ckpt_format == "torch_dcp")
+    st.note(fmt::format("--ckpt-format {}: megatrain saves and loads its own checkpoint format (each parameter and "
+                        "its optimizer state under its global name), which resumes under any sharding strategy, "
+                        "data-parallel size and parallel layout; `megatrain import-megatron` reads Megatron-LM's {} "
+                        "files{}",
+                        k.ckpt_format, k.ckpt_format,
+                        k.ckpt_format == "fsdp_dtensor"
+                            ? ", `megatrain export-megatron --ckpt-format fsdp_dtensor` writes them from one"
+                            : " (megatrain does not write them)"));
   // Megatron-LM's CheckpointConfig (megatron/training/config/training_config.py) asserts this.
   if (k.verify_integrity && k.ckpt_format != "torch_dist")
     fail("`verify_integrity` is only supported with torch_dist checkpoint format.");

@@ -686,11 +686,11 @@ CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = def
 
 namespace {
 
-// "torch_dist" / "fsdp_dtensor" / "torch" when `dir` looks like a Megatron-LM iteration directory,
-// else "".
+// "torch_dist" / "fsdp_dtensor or torch_dcp" (the same container) / "torch" when `dir` looks like a
+// Megatron-LM iteration directory, else "".
 std::string megatron_checkpoint_format(const std::string& dir) {
   if (path_exists(join_path(dir, "metadata.json")) || path_exists(join_path(dir, "common.pt"))) return "torch_dist";
-  if (path_exists(join_path(dir, ".metadata"))) return "fsdp_dtensor";
+  if (path_exists(join_path(dir, ".metadata"))) return "fsdp_dtensor or torch_dcp";
   try {
     for (const std::string& name : list_directory(dir)) {
       if (name.size() > 7 && name.compare(name.size() - 7, 7, ".distcp") == 0) return "torch_dist";

@@ -654,6 +654,92 @@ void MegatronCheckpoint::open_torch_dist() {
   rename_moe_norms();
 }
 
+namespace {
+
+// torch_dcp (--use-torch-fsdp2): the stored name of the parameter each optimizer index belongs to.
+// torch numbers the parameters of its param groups in turn; Megatron-LM's groups take the model's
+// parameters in state-dict order, each to the group of its weight decay (none for biases and 1-D
+// parameters), decoupled learning rate (the embedding and output layer with --decoupled-lr) and, where
+// the groups tell experts apart, expert parallelism. Empty, with `why`, when the saved groups do not
+// fit that reading (each group's "params" list must be filled exactly, every state's shape its
+// parameter's).
+std::vector<std::string> indexed_parameter_names(
+    DcpIndex& dcp, const std::vector<std::pair<std::string, const PickleValue*>>& model_params, std::string* why) {
+  struct Group {
+    bool decay = true, expert = false, decoupled = false;
+    std::vector<int64_t> params;
+    size_t filled = 0;
+  };
+  std::vector<Group> groups;
+  for (int g = 0;; ++g) {
+    const std::string base = fmt::format("optimizer.param_groups.{}.", g);
+    const std::unique_ptr<TorchFile> params = dcp.object(base + "params");
+    if (!params) break;
+    Group group;
+    for (const auto& v : params->root().items) group.params.push_back(v->integer);
+    auto flag = [&](const char* field, bool fallback) {
+      const std::unique_ptr<TorchFile> f = dcp.object(base + field);
+      if (!f) return fallback;
+      const PickleValue& v = f->root();
+      return v.is(PickleKind::boolean) ? v.boolean : v.is(PickleKind::floating) ? v.floating != 0 : fallback;
+    };
+    group.decay = flag("wd_mult", true);
+    group.expert = flag("is_expert_parallel", false);
+    group.decoupled = flag("is_decoupled_lr", false);
+    groups.push_back(std::move(group));
+  }
+  if (groups.empty()) {
+    *why = "no param groups";
+    return {};
+  }
+  const bool experts_apart = std::any_of(groups.begin(), groups.end(), [](const Group& g) { return g.expert; });
+  std::map<std::string, std::vector<int64_t>> state_shapes;  // "optimizer.state.<i>.<state>"
+  for (const auto& [k, md] : dcp.sdm->entries)
+    if (k->is(PickleKind::string) && k->text.starts_with("optimizer.state.") && is_dcp_tensor(*md))
+      state_shapes[k->text] = torch_size(md->at("size", dcp.meta_path), dcp.meta_path + ": size of " + k->text);
+  std::vector<std::string> names;
+  for (const auto& [name, md] : model_params) {
+    const std::vector<int64_t> shape = torch_size(md->at("size", dcp.meta_path), dcp.meta_path + ": size of " + name);
+    const bool decay = shape.size() > 1 && !name.ends_with(".bias");
+    const bool expert = experts_apart && name.find(".mlp.experts.") != std::string::npos;
+    const bool decoupled = false;  // (--decoupled-lr: not read yet; a group that has it matches nothing)
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
+      return x.decay == decay && x.expert == expert && x.decoupled == decoupled;
+    });
+    if (g == groups.end() || g->filled == g->params.size()) {
+      *why = fmt::format("no param group with room for '{}'", name);
+      return {};
+    }
+    const int64_t index = g->params[g->filled++];
+    if (index < 0) {
+      *why = "a negative parameter index";
+      return {};
+    }
+    if (names.size() <= static_cast<size_t>(index)) names.resize(static_cast<size_t>(index) + 1);
+    names[static_cast<size_t>(index)] = name;
+    // every state of the parameter has its shape
+    for (const char* state : {"exp_avg", "exp_avg_sq"}) {
+      const auto it = state_shapes.find(fmt::format("optimizer.state.{}.{}", index, state));
+      if (it != state_shapes.end() && it->second != shape) {
+        *why = fmt::format("{} is not shaped as '{}'", it->first, name);
+        return {};
+      }
+    }
+  }
+  for (const Group& g : groups)
+    if (g.filled != g.params.size()) {
+      *why = "a param group lists more parameters than the model has";
+      return {};
+    }
+  if (std::any_of(names.begin(), names.end(), [](const std::string& n) { return n.empty(); })) {
+    *why = "the param groups skip an index";
+    return {};
+  }
+  return names;
+}
+
+}  // namespace
+
 // Megatron-FSDP's format (megatron/core/transformer/fsdp_dtensor_checkpoint.py): a PyTorch
 // Distributed Checkpoint of the wrapped model's own state dict without Megatron's metadata.json.
 // One global tensor per parameter under its module path ("model." and the wrappers' "module."s
@@ -673,11 +759,7 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
       wrapped = wrapped || k->text.starts_with("model.module.");
       unwrapped = unwrapped || !k->text.starts_with("model.module.");
     }
-  if (unwrapped && !wrapped)
-    throw Unsupported(fmt::format("{} holds a PyTorch Distributed Checkpoint of an unwrapped model (Megatron-LM's "
-                                  "--ckpt-format torch_dcp, torch FSDP2's), which megatrain does not read yet; it "
-                                  "reads torch_dist, torch and Megatron-FSDP's fsdp_dtensor",
-                                  directory_));
+  if (unwrapped && !wrapped) format_ = "torch_dcp";
   auto object = [&](const std::string& key) -> PickleRef {
     const std::unique_ptr<TorchFile> f = dcp.object(key);
     return f ? std::make_shared<PickleValue>(f->root()) : nullptr;
@@ -746,15 +828,38 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
     (*slot)->experts.resize(2);
     (*slot)->experts[static_cast<size_t>(half)] = std::move(src);
   };
+  // torch_dcp: torch's optimizer state dict, keyed by each parameter's index in the param groups
+  // (the model's parameters in state-dict order, each group's in turn: indexed_parameter_names).
+  std::vector<std::pair<std::string, const PickleValue*>> model_params;  // stored name, metadata
+  static const std::regex indexed_key(R"(optimizer\.state\.(\d+)\.(exp_avg|exp_avg_sq|step))");
+  std::vector<std::pair<std::smatch, const PickleValue*>> indexed;
   for (const auto& [k, md] : dcp.sdm->entries) {
     if (!k->is(PickleKind::string) || !is_dcp_tensor(*md)) continue;
     const std::string& key = k->text;
     if (key.find("_extra_state") != std::string::npos) continue;
     std::smatch m;
-    if (std::regex_match(key, m, model_key))
+    if (std::regex_match(key, m, model_key)) {
       add("", m[1].str(), dcp.source(key, *md));
-    else if (std::regex_match(key, m, optim_key))
+      if (!key.ends_with(".expert_bias")) model_params.emplace_back(m[1].str(), md.get());  // (a router buffer)
+    } else if (format_ == "torch_dcp" && std::regex_match(key, m, indexed_key)) {
+      indexed.emplace_back(m, md.get());
+    } else if (format_ == "fsdp_dtensor" && std::regex_match(key, m, optim_key)) {
       add(m[2].str() + "/", m[1].str(), dcp.source(key, *md));
+    }
+  }
+  if (!indexed.empty()) {
+    std::string why;
+    const std::vector<std::string> names = indexed_parameter_names(dcp, model_params, &why);
+    if (names.empty()) {
+      optimizer_layout_ = "torch_dcp's optimizer state keyed by parameter index, which megatrain cannot place here (" +
+                          why + ")";
+    } else {
+      for (const auto& [m, md] : indexed) {
+        const size_t i = std::stoul(m[1].str());
+        if (i >= names.size()) fail("{}: optimizer state {} is past the {} parameters", directory_, i, names.size());
+        add(m[2].str() + "/", names[i], dcp.source(m[0].str(), *md));
+      }
+    }
   }
   for (auto& [key, src] : found) {
     for (size_t i = 0; i < src->experts.size(); ++i) {
@@ -992,7 +1097,7 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
         }
     return step;
   }
-  if (format_ == "fsdp_dtensor") {  // Adam's step with each parameter's state: all the same
+  if (format_ == "fsdp_dtensor" || format_ == "torch_dcp") {  // Adam's step with each parameter's state: all the same
     std::optional<int64_t> step;
     for (const auto& [key, src] : optim_) {
       if (key.compare(0, 5, "step/") != 0) continue;

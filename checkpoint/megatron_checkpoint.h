@@ -16,7 +16,9 @@
 //  * fsdp_dtensor (Megatron-FSDP's): PyTorch Distributed Checkpoint without metadata.json, the
 //    model's own state dict (every layer its own key, SwiGLU's linear_fc1 in two halves, each
 //    expert its own tensor) holding the main weights, Adam's state by parameter beside it, and
-//    the args, iteration and scheduler as objects of their own (open_fsdp_dtensor).
+//    the args, iteration and scheduler as objects of their own (open_fsdp_dtensor). torch FSDP2's
+//    torch_dcp shares the container: the unwrapped model's state dict (fc1 whole) and torch's
+//    optimizer state keyed by index into the param groups, placed by the model's parameter order.
 // Optimizer state (torch_dist and fsdp_dtensor; the torch format's index-keyed state is not read):
 //  * by parameter: the non-distributed optimizer ("optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.
 //    <param>", the step as the common state's optimizer.state.common_step) and the distributed
@@ -54,7 +56,8 @@ class MegatronCheckpoint {
   MegatronCheckpoint(const MegatronCheckpoint&) = delete;
   MegatronCheckpoint& operator=(const MegatronCheckpoint&) = delete;
 
-  const std::string& format() const { return format_; }  // "torch", "torch_dist" or "fsdp_dtensor"
+  // "torch", "torch_dist", "fsdp_dtensor" or "torch_dcp"
+  const std::string& format() const { return format_; }
   const std::string& directory() const { return directory_; }
   int64_t iteration() const { return iteration_; }  // 0 for a release checkpoint
   bool release() const { return release_; }

@@ -14,8 +14,6 @@
 #include "app/cli.h"
 #include "app/import_megatron.h"
 #include "checkpoint/checkpoint_io.h"
-#include "checkpoint/dcp_writer.h"
-#include "checkpoint/pickle_writer.h"
 #include "checkpoint/megatron_checkpoint.h"
 #include "checkpoint/megatron_flat_layout.h"
 #include "ckpt_test_util.h"
@@ -376,6 +374,7 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
     const char* dir;
     std::string model;
     size_t tensors;
+    const char* format = "fsdp_dtensor";
   };
   const std::string swiglu_llama = "--num-layers 2 " + kLlamaMoe;
   const std::string moe = "--num-layers 3 " + kLlamaMoe +
@@ -383,13 +382,16 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
                           "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 16 "
                           "--moe-shared-expert-gate";
   // (fsdp/llama_tp2: saved by two processes at tensor parallel 2 with SP, each file holding its
-  // rank's shards; resumed on one rank)
-  for (const Case& c :
-       {Case{"fsdp/llama", swiglu_llama, 15}, Case{"fsdp/moe", moe, 29}, Case{"fsdp/llama_tp2", swiglu_llama, 15}}) {
+  // rank's shards; resumed on one rank. fsdp/llama_torch_dcp: the same llama under torch FSDP2, in
+  // its torch_dcp format: the unwrapped model's state dict, fc1 whole, Adam's state keyed by
+  // index into the param groups.)
+  for (const Case& c : {Case{"fsdp/llama", swiglu_llama, 15}, Case{"fsdp/moe", moe, 29},
+                        Case{"fsdp/llama_tp2", swiglu_llama, 15},
+                        Case{"fsdp/llama_torch_dcp", swiglu_llama, 15, "torch_dcp"}}) {
     INFO(c.dir);
     const std::string dir = kFixtures + "/" + c.dir;
     const mt::MegatronCheckpoint ck(dir, std::nullopt);
-    CHECK(ck.format() == "fsdp_dtensor");
+    CHECK(ck.format() == c.format);
     CHECK(ck.iteration() == 2);
     CHECK(ck.optimizer_layout() == "by parameter");
     CHECK(ck.distributed_optimizer());
@@ -400,7 +402,7 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
     TempDir tmp;
     const mt::MegatronImportResult r = mt::import_megatron(dir, std::nullopt, tmp / "ckpt", false);
     CHECK(r.resumable);
-    CHECK(r.format == "fsdp_dtensor");
+    CHECK(r.format == c.format);
     CHECK(r.tensors == static_cast<int>(c.tensors));
     CHECK(r.optimizer_source == "the distributed optimizer's state by parameter name");
     std::string out;
@@ -418,21 +420,4 @@ TEST_CASE("Megatron-FSDP's fsdp_dtensor checkpoints resume to Megatron-LM's loss
     CHECK(std::abs(ours[0].second - megatron[2].second) <= 1.5e-3);
     CHECK(std::abs(ours[1].second - megatron[3].second) <= 1.5e-3);
   }
-}
-
-TEST_CASE("import-megatron names torch FSDP2's torch_dcp checkpoints, which it does not read", "[megatron-import]") {
-  // The same container as fsdp_dtensor (.metadata without metadata.json), but the model's keys
-  // without Megatron-FSDP's wrapper ("model.embedding..." where Megatron-FSDP writes
-  // "model.module.embedding..."): refused by name rather than read as Megatron-FSDP's.
-  TempDir tmp;
-  const std::string dir = tmp / "iter_0000002";
-  std::filesystem::create_directories(dir);
-  mt::DcpWriter w(dir);
-  w.tensor_chunk("model.embedding.word_embeddings.weight", mt::DType::f32, {4, 2}, {0, 0}, {4, 2},
-                 [] { return mt::HostArray::zeros(mt::DType::f32, {4, 2}); });
-  w.plain_object("iteration", [](mt::TorchSaveWriter&) { return mt::pickle_int(2); });
-  w.finish(false);
-  CHECK_THROWS_AS(mt::MegatronCheckpoint(dir, std::nullopt), mt::Unsupported);
-  CHECK_THROWS_WITH(mt::MegatronCheckpoint(dir, std::nullopt),
-                    Catch::Contains("torch_dcp") && Catch::Contains("fsdp_dtensor") && Catch::Contains(dir));
 }
