@@ -905,11 +905,12 @@ MegatronExportResult export_megatron(const MegatronExportOptions& o) {
   }
   const int mtp = model.mtp_num_layers.value_or(0);
   if (fsdp) {
-    // (Megatron-LM refuses Megatron-FSDP with pipeline parallelism; the layer names of MTP depths
-    // and MLA's norms in this format are not checked against a Megatron-FSDP checkpoint yet)
+    // (how a Megatron-FSDP run under pipeline parallelism keys its stages' layers, and the layer
+    // names of MTP depths and MLA's norms, are not checked against Megatron-FSDP checkpoints yet)
     if (layout.pp > 1 || layout.vpp > 1)
-      fail("export-megatron: --ckpt-format fsdp_dtensor is Megatron-FSDP's, which Megatron-LM runs without pipeline "
-           "parallelism: export with --pipeline-model-parallel-size 1");
+      fail("export-megatron: megatrain writes --ckpt-format fsdp_dtensor for --pipeline-model-parallel-size 1 only "
+           "(Megatron-FSDP's keys under pipeline stages are unchecked); export torch_dist for a pipeline-parallel "
+           "Megatron-LM run");
     if (mtp > 0 || model.multi_latent_attention)
       throw Unsupported(fmt::format("export-megatron: {} holds {}, which megatrain does not write in --ckpt-format "
                                     "fsdp_dtensor yet: export torch_dist (Megatron-LM's checkpoint_inspector.py "

@@ -760,6 +760,12 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
       unwrapped = unwrapped || !k->text.starts_with("model.module.");
     }
   if (unwrapped && !wrapped) format_ = "torch_dcp";
+  static const std::regex virtual_stage(R"(^model\d+\.)");
+  for (const auto& [k, md] : dcp.sdm->entries)
+    if (k->is(PickleKind::string) && std::regex_search(k->text, virtual_stage))
+      throw Unsupported(fmt::format("{} holds virtual pipeline stages ('{}'), which megatrain does not read in the {} "
+                                    "format yet: save it in torch_dist",
+                                    directory_, k->text.substr(0, k->text.find('.')), format_));
   auto object = [&](const std::string& key) -> PickleRef {
     const std::unique_ptr<TorchFile> f = dcp.object(key);
     return f ? std::make_shared<PickleValue>(f->root()) : nullptr;

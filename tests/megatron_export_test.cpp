@@ -896,7 +896,7 @@ TEST_CASE("export-megatron: weights only, and what it refuses", "[megatron-expor
   o.format = "torch_dcp";
   CHECK_THROWS_AS(mt::export_megatron(o), mt::Unsupported);
   o.format = "fsdp_dtensor";
-  o.pp = 2;  // (Megatron-FSDP runs without pipeline parallelism)
+  o.pp = 2;  // (written for pipeline-parallel size 1 only)
   CHECK_THROWS_WITH(mt::export_megatron(o), Catch::Contains("--pipeline-model-parallel-size 1"));
   o.pp = 1;
   mt::MegatronExportOptions missing;
