@@ -168,10 +168,11 @@ torch.distributed.run launch runs this file and installs them too):
     model.get_parameter("module." + key), one wrapper level deeper than a float32 model has (bf16
     and fp16 models have Float16Module there). The lookup retries without the extra "module."
     (the same parameter, found by its own path); nothing it saves changes. Without this a float32
-    SwiGLU model cannot save that format, on a GPU too.
+    SwiGLU model cannot save that format (by the code, on a GPU too; not run on one).
 Megatron-FSDP was run this way on one process (dense and MoE models, saving and resuming
-fsdp_dtensor checkpoints); two processes hang in the save's all_gather_object
-(uneven_dtensor.py's chunk metadata), which was not pursued.
+fsdp_dtensor checkpoints) and on two at tensor parallel 2; two data-parallel processes hang in its
+save's and load's collectives (uneven_dtensor.py's chunk metadata on one rank while the other
+still splits SwiGLU halves), which was not pursued.
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
 launcher RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port.
