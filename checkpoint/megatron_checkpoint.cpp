@@ -579,7 +579,6 @@ void MegatronCheckpoint::open_torch_dist() {
   args_ = std::make_shared<PickleValue>(*args);
   common_ = std::make_shared<PickleValue>(*state);
 
-  auto source_of = [&](const std::string& key, const PickleValue& md) { return dcp.source(key, md); };
   // Parameters (and optimizer states) under `prefix` + their model key; stacked layer tensors
   // become one entry per layer, the layers along the first dimension.
   // (Mixture of experts: mlp.experts.experts.linear_fc{1,2}.weight, [E, rows, cols] per layer, are
@@ -589,7 +588,7 @@ void MegatronCheckpoint::open_torch_dist() {
     static const std::string experts = ".mlp.experts.experts.";
     if (const size_t at = model_key.find(experts); at != std::string::npos)
       model_key.replace(at, experts.size(), ".mlp.experts.");
-    const std::shared_ptr<Source> src = source_of(key, md);
+    const std::shared_ptr<Source> src = dcp.source(key, md);
     static const std::string stacked = "decoder.layers.";
     if (model_key.compare(0, stacked.size(), stacked) == 0 && !megatron_split_layer_name(model_key)) {
       for (int64_t l = 0; l < src->key_shape[0]; ++l) {
@@ -628,7 +627,7 @@ void MegatronCheckpoint::open_torch_dist() {
     if (std::regex_match(key, m, flat_key)) {
       const FlatBucket b{std::stoi(m[2].str()), std::stoi(m[3].str()), std::stoi(m[4].str()),
                          m[1].matched ? std::stoi(m[1].str()) : 0};
-      const std::shared_ptr<Source> src = source_of(key, *md);
+      const std::shared_ptr<Source> src = dcp.source(key, *md);
       if (src->key_shape.size() != 1) fail("{}: '{}' is not a flat buffer", meta_path, key);
       flat_[{b, m[5].str()}] = src;
       optimizer_layout_ = "flat buckets";
