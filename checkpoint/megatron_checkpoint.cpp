@@ -9,6 +9,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/megatron_names.h"
+#include "checkpoint/pickle_writer.h"
 #include "checkpoint/torch_file.h"
 #include "core/error.h"
 #include "core/shape_text.h"
@@ -753,18 +754,19 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
   // (torch FSDP2's torch_dcp format shares the container: its model keys lack the wrappers'
   // "module.", its optimizer state is keyed by index)
   bool wrapped = false, unwrapped = false;
-  for (const auto& [k, md] : dcp.sdm->entries)
-    if (k->is(PickleKind::string) && k->text.starts_with("model.")) {
+  static const std::regex virtual_stage(R"(^model\d+\.)");
+  for (const auto& [k, md] : dcp.sdm->entries) {
+    if (!k->is(PickleKind::string)) continue;
+    if (k->text.starts_with("model.")) {
       wrapped = wrapped || k->text.starts_with("model.module.");
       unwrapped = unwrapped || !k->text.starts_with("model.module.");
     }
+    if (std::regex_search(k->text, virtual_stage))
+      throw Unsupported(fmt::format("{} holds virtual pipeline stages ('{}'), which megatrain does not read in "
+                                    "Megatron-LM's FSDP formats yet: save it in torch_dist",
+                                    directory_, k->text.substr(0, k->text.find('.'))));
+  }
   if (unwrapped && !wrapped) format_ = "torch_dcp";
-  static const std::regex virtual_stage(R"(^model\d+\.)");
-  for (const auto& [k, md] : dcp.sdm->entries)
-    if (k->is(PickleKind::string) && std::regex_search(k->text, virtual_stage))
-      throw Unsupported(fmt::format("{} holds virtual pipeline stages ('{}'), which megatrain does not read in the {} "
-                                    "format yet: save it in torch_dist",
-                                    directory_, k->text.substr(0, k->text.find('.')), format_));
   auto object = [&](const std::string& key) -> PickleRef {
     const std::unique_ptr<TorchFile> f = dcp.object(key);
     return f ? std::make_shared<PickleValue>(f->root()) : nullptr;
@@ -774,26 +776,17 @@ void MegatronCheckpoint::open_fsdp_dtensor() {
     fail("{} holds no saved args (an 'args' item): megatrain needs them to rebuild the model", directory_);
   // The common state as torch_dist's: {iteration, num_floating_point_operations_so_far,
   // opt_param_scheduler: {field: value}}.
-  auto dict_entry = [](PickleValue& dict, const std::string& key, PickleRef value) {
-    auto k = std::make_shared<PickleValue>();
-    k->kind = PickleKind::string;
-    k->text = key;
-    dict.entries.emplace_back(std::move(k), std::move(value));
-  };
-  auto common = std::make_shared<PickleValue>();
-  common->kind = PickleKind::dict;
-  auto scheduler = std::make_shared<PickleValue>();
-  scheduler->kind = PickleKind::dict;
+  const PickleRef common = pickle_dict(), scheduler = pickle_dict();
   static const std::string scheduler_prefix = "opt_param_scheduler.";
   for (const auto& [k, md] : dcp.sdm->entries) {
     if (!k->is(PickleKind::string) || is_dcp_tensor(*md)) continue;
     const std::string& key = k->text;
     if (key.compare(0, scheduler_prefix.size(), scheduler_prefix) == 0)
-      dict_entry(*scheduler, key.substr(scheduler_prefix.size()), object(key));
+      pickle_set(*scheduler, key.substr(scheduler_prefix.size()), object(key));
     else if (key == "iteration" || key == "num_floating_point_operations_so_far" || key == "checkpoint_version")
-      dict_entry(*common, key, object(key));
+      pickle_set(*common, key, object(key));
   }
-  if (!scheduler->entries.empty()) dict_entry(*common, "opt_param_scheduler", scheduler);
+  if (!scheduler->entries.empty()) pickle_set(*common, "opt_param_scheduler", scheduler);
   common_ = common;
 
   // Each stored tensor under megatrain's name ("" the weights, else "<state>/"): a SwiGLU half is
@@ -1035,13 +1028,9 @@ std::optional<HostArray> MegatronCheckpoint::optimizer_state(const std::string& 
 
 namespace {
 
-// A step count stored as an int, a float (Megatron copies torch's step tensor with .item()) or a
-// one-element tensor.
-// A scalar saved as a Python number or a one-element tensor (Adam's step, the loss scaler's state).
-double scalar_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
-  if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
-  if (v.is(PickleKind::floating)) return v.floating;
-  const HostArray a = file.tensor(v, what);
+// A scalar saved as a one-element tensor or a Python number (Adam's step, which Megatron also copies
+// with .item(); the loss scaler's state).
+double scalar_value(const HostArray& a, const std::string& what) {
   if (a.numel() != 1) fail("{} is not a scalar", what);
   switch (a.dtype) {
     case DType::i64: return static_cast<double>(a.ptr<int64_t>()[0]);
@@ -1050,6 +1039,12 @@ double scalar_value(const PickleValue& v, const TorchFile& file, const std::stri
     case DType::f64: return a.ptr<double>()[0];
     default: fail("{} has dtype {}", what, dtype_name(a.dtype));
   }
+}
+
+double scalar_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
+  if (v.is(PickleKind::integer)) return static_cast<double>(v.integer);
+  if (v.is(PickleKind::floating)) return v.floating;
+  return scalar_value(file.tensor(v, what), what);
 }
 
 int64_t step_value(const PickleValue& v, const TorchFile& file, const std::string& what) {
@@ -1106,10 +1101,8 @@ std::optional<int64_t> MegatronCheckpoint::optimizer_step() const {
     std::optional<int64_t> step;
     for (const auto& [key, src] : optim_) {
       if (key.compare(0, 5, "step/") != 0) continue;
-      const HostArray a = read(*src, "optimizer.state." + key);
-      if (a.numel() != 1 || (a.dtype != DType::f32 && a.dtype != DType::i64))
-        fail("{}: the step of '{}' is not a scalar", directory_, key.substr(5));
-      const int64_t s = a.dtype == DType::f32 ? static_cast<int64_t>(a.ptr<float>()[0]) : a.ptr<int64_t>()[0];
+      const std::string what = fmt::format("{}: the step of '{}'", directory_, key.substr(5));
+      const int64_t s = static_cast<int64_t>(scalar_value(read(*src, what), what));
       if (step && *step != s) fail("{}: the parameters' steps differ ({} and {})", directory_, *step, s);
       step = s;
     }
