@@ -43,19 +43,21 @@ void add_checkpoint_flags(FlagTable& t) {
                   MT_FIELD(checkpoint.perform_initialization));
   t.flag("--async-save", "write checkpoints from a background thread: training pauses only to copy the shards to host "
          "memory", MT_FIELD(checkpoint.async_save));
-  // Megatron-LM's ModelOpt (post-training) flags that its distillation tests pass to training:
-  // distillation is refused; the teacher's settings change nothing without a teacher.
-  t.recognised("--export-kd-teacher-load", Arity::one, "PATH", "None",
-               "load a teacher checkpoint and train by knowledge distillation (ModelOpt)");
-  for (const char* name : {"--export-kd-cfg", "--export-kd-teacher-model-config"}) {
-    FlagSpec& s = t.no_effect(name, Arity::one,
-                              "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): "
-                              "no effect without a teacher, as in Megatron-LM");
-    s.metavar = "PATH";
-  }
+  // Megatron-LM's ModelOpt (post-training) flags for knowledge distillation (app/distill_args.h).
+  t.value("--export-kd-teacher-load",
+          "train by knowledge distillation from the teacher checkpoint in this directory (a megatrain checkpoint, "
+          "e.g. one import-megatron made of a Megatron-LM one)",
+          MT_FIELD(train.distill.teacher_load));
+  t.value("--export-kd-cfg",
+          "the distillation config (YAML: logit_layers, intermediate_layer_pairs, skip_lm_loss, kd_loss_scale, "
+          "logit_kl_temperature); default: logits only, skip_lm_loss true",
+          MT_FIELD(train.distill.cfg_path));
+  t.value("--export-kd-teacher-model-config",
+          "YAML of the teacher's model arguments that differ from the student's (Megatron's argument names); "
+          "default: <--export-kd-teacher-load>/model_config.yaml where it exists",
+          MT_FIELD(train.distill.teacher_model_config));
   t.no_effect_checked("--export-kd-teacher-ckpt-format", "", {"torch", "torch_dist", "torch_dcp"},
-                      "a setting of Megatron-LM's knowledge distillation (--export-kd-teacher-load, not built): no "
-                      "effect without a teacher, as in Megatron-LM",
+                      "megatrain reads the teacher from its own checkpoint format, whatever this names",
                       "");
   t.no_effect("--export-te-mcore-model", Arity::none,
               "megatrain reads Megatron-LM checkpoints in the fused Transformer-Engine layout (layernorm weights "

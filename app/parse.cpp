@@ -8,6 +8,7 @@
 #include <set>
 
 #include "app/cli.h"
+#include "app/distill_args.h"
 #include "app/checkpoint_cli_args.h"
 #include "app/cli_internal.h"
 #include "app/suggest.h"
@@ -195,6 +196,7 @@ Config parse_config(const std::vector<std::string>& args, const Environment& env
   cli::resolve_launch(st, env);
   cli::derive(st);
   cli::validate(st);
+  cli::derive_distillation(st, args, env);
   if (messages != nullptr)
     messages->insert(messages->end(), st.messages.begin(), st.messages.end());
   else

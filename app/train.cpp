@@ -270,6 +270,13 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   const DType compute = compute_dtype(cfg);
   std::vector<std::unique_ptr<GptModel>> owned = build_model_chunks(cfg, ps, *backend, compute);
   const std::vector<GptModel*> chunks = chunk_pointers(owned);
+  // Knowledge distillation: the frozen teacher beside the student (app/distill_args.h), its weights
+  // loaded below.
+  std::unique_ptr<GptModel> teacher;
+  if (const std::optional<ChunkSpec> ts = teacher_chunk_spec(cfg, ps, compute)) {
+    teacher = std::make_unique<GptModel>(ts->dims, ts->options, ps, *backend);
+    teacher->init_parameters(false);
+  }
 
   int64_t params = 0;
   double planned = 0;
@@ -277,12 +284,14 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     for (const ParamDesc& p : m->params()) params += p.numel();
     planned += static_cast<double>(m->memory_plan().total());
   }
+  if (teacher) planned += static_cast<double>(teacher->memory_plan().total());
   // Megatron prints this from every model-parallel rank of the first data-parallel replica.
   if (ps.dp_rank == 0)
     log::write_stdout(fmt::format(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}",
                                   ps.tp_rank, ps.pp_rank, params));
   // The same plan --dry-run prints for this rank's stage (app/plan_memory.cpp): one computation.
-  const MemoryPlan rank_plan = total_memory_plan(chunks);
+  MemoryPlan rank_plan = total_memory_plan(chunks);
+  if (teacher) rank_plan += teacher->memory_plan();
   // Printed, like the parameter count, by every model-parallel rank of the first replica.
   if (ps.dp_rank == 0)
     log::write_stdout(fmt::format(" > memory plan on rank {} (tensor, pipeline) ({}, {}): {} bytes ({:.2f} GiB; {} "
@@ -294,6 +303,22 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   // Checkpoint loading comes before the data streams: they start at the consumed samples.
   TrainingCheckpoints checkpoints(cfg, ps, chunks);
   const ResumePoint resume = checkpoints.load();
+  if (teacher) {
+    const std::string& dir = *cfg.train.distill.teacher_load;
+    log::info("Loading teacher as GPTModel from {} ...", dir);
+    const Config teacher_cfg = distill_teacher_config(cfg);  // (TrainingCheckpoints keeps a reference)
+    TrainingCheckpoints teacher_checkpoint(teacher_cfg, ps, *teacher);
+    ResumePoint loaded;
+    try {
+      loaded = teacher_checkpoint.load();
+    } catch (const Error& e) {
+      fail("--export-kd-teacher-load {}: {}", dir, e.what());
+    }
+    if (!loaded.loaded)
+      fail("--export-kd-teacher-load {}: no checkpoint there (a megatrain checkpoint is read; import-megatron makes one "
+           "of a Megatron-LM checkpoint)", dir);
+    chunks.front()->set_teacher(teacher.get());
+  }
 
   // Data: the ranks whose chunks hold the embedding or the loss (first and last pipeline stage)
   // read their DP rank's micro-batches; the middle stages too where their layers read the data

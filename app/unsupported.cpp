@@ -52,7 +52,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
       {"--ckpt-convert-format", W::any_use, {}, ""},
-      {"--export-kd-teacher-load", W::any_use, {}, "knowledge distillation"},
       {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
       {"--distribute-saved-activations", W::any_use, {}, ""},

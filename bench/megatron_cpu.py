@@ -173,6 +173,12 @@ Megatron-FSDP was run this way on one process (dense and MoE models, saving and 
 fsdp_dtensor checkpoints) and on two at tensor parallel 2; two data-parallel processes hang in its
 save's and load's collectives (uneven_dtensor.py's chunk metadata on one rank while the other
 still splits SwiGLU halves), which was not pursued.
+18. ModelOpt's layer spec (megatron/core/post_training/modelopt: the model of every
+    --export-kd-teacher-load run, student and teacher) builds its norms with modelopt.layers.Norm,
+    which raises ImportError without Transformer Engine: without it Norm builds the local spec's
+    WrappedTorchNorm (the same torch RMSNorm/LayerNorm, parameter `weight` as TE's), so patch 13 applies.
+19. That spec's core attention is TEDotProductAttention unless --export-force-local-attention; without
+    Transformer Engine it is the local DotProductAttention (what the flag selects), the same softmax(QK^T)V.
 Environment set here (setdefault, so an explicit value wins): CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron asks for it with tensor/sequence parallelism), and for a single process without a
 launcher RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port.
@@ -377,7 +383,7 @@ def patch_torch_norm_for_sequence_parallel():
 
 
 def _patch_megatron(megatron_dir):
-    """Patches 4, 6, 8-14 and 16-17 (Megatron modules are imported here, after patches 1-3, 5, 7, 15)."""
+    """Patches 4, 6, 8-14 and 16-19 (Megatron modules are imported here, after patches 1-3, 5, 7, 15)."""
     import subprocess
 
     import torch
@@ -542,6 +548,24 @@ def _patch_megatron(megatron_dir):
 
     fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict = handle_swiglu_in_state_dict
     checkpointing.handle_swiglu_in_state_dict = handle_swiglu_in_state_dict
+
+    # 18: ModelOpt's spec norms (modelopt.layers.Norm, TE only) as the local spec's torch norms.
+    from megatron.core.post_training.modelopt import layers as modelopt_layers
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not modelopt_layers.HAVE_TE:
+        def modelopt_norm_new(cls, config, hidden_size, eps=1e-5):
+            _note("modelopt Norm -> WrappedTorchNorm")
+            return WrappedTorchNorm(config, hidden_size, eps)
+
+        modelopt_layers.Norm.__new__ = staticmethod(modelopt_norm_new)
+
+    # 19: ModelOpt's spec attention without Transformer Engine: the local DotProductAttention.
+    from megatron.core.post_training.modelopt.gpt import model_specs as modelopt_gpt_specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if not modelopt_layers.HAVE_TE:
+        modelopt_gpt_specs.TEDotProductAttention = DotProductAttention
 
     # 4: skip initialize_megatron's CUDA assertion with its own parameter.
     from megatron.training import training

@@ -365,6 +365,30 @@ inline std::string fsdp_strategy(const ParallelConfig& p) {
   return p.use_megatron_fsdp ? p.data_parallel_sharding_strategy : std::string();
 }
 
+// Knowledge distillation, Megatron-LM's ModelOpt path (megatron/post_training, ModelOpt's
+// distill plugin for Megatron): a frozen teacher loaded from --export-kd-teacher-load runs forward
+// beside the student, and the student trains on the KL divergence of its logits from the
+// teacher's, plus intermediate losses between hidden states (engine/distillation.h).
+struct DistillConfig {
+  std::optional<std::string> teacher_load;          // --export-kd-teacher-load DIR
+  std::optional<std::string> cfg_path;              // --export-kd-cfg FILE (YAML)
+  std::optional<std::string> teacher_model_config;  // --export-kd-teacher-model-config (default DIR/model_config.yaml)
+  // From the distillation config (ModelOpt's DistillationConfig, its defaults here).
+  bool skip_lm_loss = true;
+  double kd_loss_scale = 1.0;
+  double logit_kl_temperature = 1.0;
+  struct Pair {
+    std::string student, teacher;
+    bool mse = false;  // else cosine (the default)
+  };
+  std::vector<Pair> intermediate_layer_pairs;
+  // The teacher's model: the student's with the teacher's model config applied (app/distill_args.h).
+  std::optional<ModelConfig> teacher;
+  // The teacher model config's keys, as flags (for the startup lines and the plan).
+  std::vector<std::string> teacher_flags;
+  bool enabled() const { return teacher_load.has_value(); }
+};
+
 struct TrainConfig {
   int micro_batch_size = 0;  // required
   std::optional<int> global_batch_size;
@@ -518,6 +542,7 @@ struct TrainConfig {
   int64_t lr_decay_steps = 0;
   std::optional<int64_t> lr_wsd_decay_steps;
   int64_t wd_incr_steps = 0;
+  DistillConfig distill;
 };
 
 struct DataConfig {

@@ -184,6 +184,13 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor labels, Tensor lse, Tensor dloss,
                               int64_t vocab_start) override;
   void logsumexp_combine(Tensor lse_out, Tensor lse_parts) override;
+  // Knowledge distillation's losses (cuda/kd_kernels.cu: the kernels and these members).
+  void logsumexp_rows(Tensor lse, Tensor logits, float scale) override;
+  void kd_logits_kl(Tensor kl, Tensor ds, Tensor s, Tensor t, Tensor lse_s, Tensor lse_t, float scale,
+                    Tensor dloss) override;
+  void hidden_loss_forward(Tensor loss, Tensor a, Tensor b, HiddenLoss kind) override;
+  void hidden_loss_backward(Tensor da, Tensor a, Tensor b, Tensor dloss, float scale, HiddenLoss kind,
+                            bool accumulate) override;
   void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) override;
   void logits_argmax(Tensor max, Tensor index, Tensor logits, int64_t vocab_start) override;
   void argmax_match_count(Tensor out, Tensor max_parts, Tensor index_parts, Tensor labels, Tensor mask,

@@ -773,6 +773,26 @@ class Backend {
   virtual void cross_entropy_forward_backward(Tensor lse, Tensor target, Tensor logits, Tensor labels, Tensor dloss);
   // lse_out[N] = log(sum_r exp(lse_parts[r, N])): combines per-shard lse after an all-gather.
   virtual void logsumexp_combine(Tensor lse_out, Tensor lse_parts) = 0;
+  // ---- knowledge distillation (ModelOpt's losses, megatron/post_training) -------------------
+  // Per row of a (possibly vocab-parallel) logits shard [N, cols]: lse float32 [N] = log(sum(exp(
+  // logits * scale))) over this shard's columns (scale: 1 / the KL temperature).
+  virtual void logsumexp_rows(Tensor lse, Tensor logits, float scale) = 0;
+  // LogitsKLLoss: the student's logits s and the teacher's t [N, cols] (one shard, the same
+  // columns), each times scale (1 / temperature); lse_s, lse_t float32 [N] their rows' global log-
+  // sum-exp of that (logsumexp_rows, combined over the shards). With p = exp(x * scale - lse):
+  // kl float32 [N] = sum over this shard's columns of p_t * (log p_t - log p_s) (the row's KL(t || s)
+  // where the shard is the whole vocabulary; shards' values add up to it); where dloss (float32
+  // [N]) is not empty, ds [N, cols] (may alias s) = (p_s - p_t) * scale * dloss[row].
+  virtual void kd_logits_kl(Tensor kl, Tensor ds, Tensor s, Tensor t, Tensor lse_s, Tensor lse_t, float scale,
+                            Tensor dloss) = 0;
+  // Intermediate losses between hidden states a (student) and b (teacher) [N, h], per row (float32
+  // loss [N]): cosine: 1 - a.b / sqrt((|a|^2 + 1e-12) (|b|^2 + 1e-12)) (torch's
+  // cosine_embedding_loss with target 1); mse: mean over h of (a - b)^2.
+  enum class HiddenLoss { cosine, mse };
+  virtual void hidden_loss_forward(Tensor loss, Tensor a, Tensor b, HiddenLoss kind) = 0;
+  // da (+)= d loss[row] / d a * dloss[row] * scale (da [N, h] like a; accumulate: added to it).
+  virtual void hidden_loss_backward(Tensor da, Tensor a, Tensor b, Tensor dloss, float scale, HiddenLoss kind,
+                                    bool accumulate) = 0;
   // out[0] (+)= sum(loss * mask), out[1] (+)= sum(mask); out float32 [2].
   virtual void masked_loss_sum(Tensor out, Tensor loss, Tensor mask, bool accumulate) = 0;
   // Per row of a (possibly vocab-parallel) logits shard [N, cols], as torch.max(dim=-1) gives them:

@@ -109,6 +109,17 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   // --exp-avg-dtype / --exp-avg-sq-dtype bf16 (precision-aware optimizer; the others are refused).
   o.bf16_exp_avg = cfg.train.exp_avg_dtype == StateDtype::bf16;
   o.bf16_exp_avg_sq = cfg.train.exp_avg_sq_dtype == StateDtype::bf16;
+  // Knowledge distillation: this model is the student (the teacher: engine/model_chunks.h).
+  const DistillConfig& kd = cfg.train.distill;
+  if (kd.enabled()) {
+    o.distill.enabled = true;
+    o.distill.inv_temperature = static_cast<float>(1.0 / kd.logit_kl_temperature);
+    // (ModelOpt keys its losses by the pair: a pair given twice takes its last loss function.)
+    for (const DistillConfig::Pair& p : kd.intermediate_layer_pairs) {
+      o.distill.final_norm_pair = true;
+      o.distill.final_norm_loss = p.mse ? Backend::HiddenLoss::mse : Backend::HiddenLoss::cosine;
+    }
+  }
   return o;
 }
 
@@ -471,19 +482,20 @@ void GptModel::layout(Arena& a) {
     grad_bucket_storage_ =
         layout_unit_buffers(a, C::gradients, opt_.grad, grad_layout_, d_.layer_begin, unit_slots(grad_slots_));
     grad_shards_ = a.take(C::gradients, opt_.grad, {state});
-  } else {
+  } else if (!opt_.frozen) {
     grads_ = a.take(C::gradients, opt_.grad, {total});
   }
   master_ = has_master_copy() ? a.take(C::master_weights, opt_.master_remainders ? DType::i16 : S, {state}) : params_;
   state1_ = state2_ = Tensor();
-  if (opt_.optimizer != OptimizerKind::sgd) {  // (Muon: its momentum in state1, AdamW's for the rest)
+  if (opt_.frozen) {  // (a teacher: no optimizer)
+  } else if (opt_.optimizer != OptimizerKind::sgd) {  // (Muon: its momentum in state1, AdamW's for the rest)
     state1_ = a.take(C::optimizer_states, opt_.bf16_exp_avg ? DType::bf16 : S, {state});
     state2_ = a.take(C::optimizer_states, opt_.bf16_exp_avg_sq ? DType::bf16 : S, {state});
   } else if (opt_.sgd_momentum) {
     state1_ = a.take(C::optimizer_states, S, {state});
   }
   muon_workspace_ = Tensor();
-  if (opt_.optimizer == OptimizerKind::muon) {
+  if (opt_.optimizer == OptimizerKind::muon && !opt_.frozen) {
     const int64_t n = muon_workspace_elements(muon_matrices(descs_, d_, opt_.muon), opt_.muon);
     if (n > 0) muon_workspace_ = a.take(C::optimizer_states, S, {n});
   }
@@ -690,6 +702,16 @@ void GptModel::layout(Arena& a) {
     w.lse = a.take(C::workspace, S, {N});
     w.target = a.take(C::workspace, S, {N});
     w.loss = a.take(C::workspace, S, {N});
+    w.kd_logits = w.kd_lse_s = w.kd_lse_t = w.kd_lse_parts = w.kd_kl = w.kd_hidden = w.kd_sums = Tensor();
+    kd_train_loss_ = kd_eval_loss_ = Tensor();
+    if (opt_.distill.enabled) {
+      w.kd_logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
+      for (Tensor* t : {&w.kd_lse_s, &w.kd_lse_t, &w.kd_kl, &w.kd_hidden}) *t = a.take(C::workspace, S, {N});
+      w.kd_lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
+      w.kd_sums = a.take(C::workspace, S, {4});
+      kd_train_loss_ = a.take(C::workspace, S, {3});
+      kd_eval_loss_ = a.take(C::workspace, S, {3});
+    }
   }
 }
 
@@ -834,7 +856,7 @@ void GptModel::bind_params() {
     const int i = find_param(descs_, name);
     if (i < 0) return;
     p = param(i);
-    g = grad(i);
+    g = opt_.frozen ? Tensor() : grad(i);
   };
   Globals& G = *globals_;
   find("embedding.word_embeddings.weight", G.wte, G.dwte);
@@ -1065,7 +1087,7 @@ void GptModel::zero_grad_if_unwritten(const Tensor& g) {
 void GptModel::plan_grad_zeroing() {
   first_write_grads_.clear();
   zeroed_grad_ranges_.clear();
-  if (opt_.shard_grads) return;  // every staging buffer is zeroed before use: every GEMM adds
+  if (opt_.shard_grads || opt_.frozen) return;  // every staging buffer is zeroed before use: every GEMM adds
   auto ends_with = [](const std::string& s, const char* suffix) {
     const size_t n = std::strlen(suffix);
     return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
@@ -1191,6 +1213,8 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   // the next micro-batch may overwrite it.)
   be_.copy_from_host(s.io, h);
   set_slot_key(s, serial, training);
+  // Distillation: the teacher reads the same tokens, in evaluation mode.
+  if (teacher_) teacher_->stage_micro_batch(0, mb, loss_grad_scale, per_token_loss, serial, false);
 }
 
 void GptModel::stage_without_data(int slot, uint64_t serial, bool training, double loss_grad_scale) {
@@ -1417,6 +1441,7 @@ void GptModel::layer_forward(int local, Slot& s, const LayerActs& A, Tensor x, c
 void GptModel::forward(int slot) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged, "forward of slot {} before stage_micro_batch", slot);
+  if (teacher_) teacher_->forward(0);  // (distillation: the teacher's features of the same tokens first)
   const int L = d_.decoder_layers();  // (the mtp layers run in the head)
   if (d_.first_stage) {
     params_needed(L > 0 ? layer_first_param_[0] : head_first_param_);

@@ -138,6 +138,19 @@ struct ModelOptions {
   bool moe_recompute_fc1 = false;
   bool moe_recompute_shared = false;
 
+  // Knowledge distillation (engine/blocks/distill.cpp; app/distill_args.h). frozen: this model is
+  // a teacher: forward only, in evaluation mode, on one slot, with no gradients, master weights or
+  // optimizer states; its head stops at the final norm's output (features()), which the student's
+  // head turns into logits chunk by chunk (teacher_logits()). distill: this model is a student
+  // (one stage), whose head trains on ModelOpt's losses against set_teacher()'s model.
+  bool frozen = false;
+  struct Distill {
+    bool enabled = false;
+    float inv_temperature = 1.0f;  // 1 / logit_kl_temperature
+    bool final_norm_pair = false;  // intermediate pair: decoder.final_layernorm's outputs
+    Backend::HiddenLoss final_norm_loss = Backend::HiddenLoss::cosine;
+  } distill;
+
   // Fused paths whose unfused counterpart other configurations still take (recompute, sequence
   // parallelism, dropout, delayed FP8 scaling, --no-fp8-wgrad). Tests only: no flag and no
   // environment variable sets them; tests turn one off to compare both paths bit for bit.
@@ -213,7 +226,9 @@ class GptModel {
   Tensor muon_workspace() const { return muon_workspace_; }  // --optimizer muon's scratch (engine/muon.h)
   // A separate master copy: a compute dtype narrower than accum, or FP8 parameters (their only
   // full-precision values are the master weights, also with float32 compute on the reference backend).
-  bool has_master_copy() const { return opt_.compute != opt_.accum || fp8_params() || opt_.shard_params; }
+  bool has_master_copy() const {
+    return !opt_.frozen && (opt_.compute != opt_.accum || fp8_params() || opt_.shard_params);
+  }
   // Sharded parameters (ModelOptions::shard_params): this rank's shard of bucket b's parameters
   // (the compute dtype, or FP8 bytes for an FP8 bucket; only the layers' buckets are used); whether
   // bucket b is one of those; and, after the optimizer step (or anything else that changed the
@@ -235,7 +250,7 @@ class GptModel {
   Tensor grad(int i) const;
   Tensor master(int i) const;
   // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [kScalarCount].
-  static constexpr int kScalarCount = 40;
+  static constexpr int kScalarCount = 43;
   Tensor scalars() const { return scalars_; }
 
   // Draws every parameter from its layout-independent stream (and the master copy). With
@@ -409,6 +424,20 @@ class GptModel {
   // This step's token counts so far, per MoE layer of this chunk [E] each (tests; copied from the
   // device, where the backward counts them).
   const std::vector<double>& expert_token_counts();
+  // ---- knowledge distillation (ModelOptions::frozen / distill) --------------------------------
+  // A student's teacher (frozen, the same parallel layout, one stage): each micro-batch staged into
+  // this model is staged into the teacher too, and each forward runs the teacher's first.
+  void set_teacher(GptModel* teacher);
+  // A student's distillation losses over this step's training forwards (eval: the evaluation's),
+  // {total loss, logits distillation loss, intermediate distillation loss} as ModelOpt's loss
+  // balancer reports them (masked sums over tokens; accum dtype [3]); zeroed with loss_sums() by
+  // the trainer. Empty without ModelOptions::distill.
+  Tensor kd_loss_sums(bool eval) const { return eval ? kd_eval_loss_ : kd_train_loss_; }
+  // A frozen model's final-norm output of its last forward, all rows [N, h] (sequence-major).
+  Tensor features() const;
+  // A frozen model's logits of rows [r0, r0 + rows) of that output (this rank's vocabulary shard).
+  void teacher_logits(Tensor out, int64_t r0, int64_t rows) const;
+
   // Last stage: the logits [N, V/tp] (sequence-major rows, this rank's vocabulary shard) of the
   // last forward(slot) with training = false (a training forward overwrites them with dlogits).
   // Only when the head keeps all rows at once (ModelOptions::logits_chunk_rows >= N).
@@ -791,6 +820,14 @@ class GptModel {
   Tensor muon_workspace_;
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
       moe_layer_loss_;
+  // Knowledge distillation (engine/blocks/distill.cpp): the teacher, the loss sums, and per micro-
+  // batch the intermediate loss's gradient scale (ModelOpt's dynamic scale: the logits loss over the
+  // intermediate loss, both masked sums), which the head's backward applies.
+  GptModel* teacher_ = nullptr;
+  Tensor kd_train_loss_, kd_eval_loss_;
+  double kd_intermediate_scale_ = 1.0;
+  void distill_head(Slot& s, Tensor y);
+  void distill_intermediate_backward(Slot& s, Tensor dy);
   // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.
   // The step's token counts on the device (the backward adds each micro-batch's), their host copy.
   Tensor moe_bias_, moe_counts_dev_;

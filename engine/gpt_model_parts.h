@@ -233,6 +233,11 @@ struct GptModel::Workspace {
   Tensor logits;                      // [logits_rows, V/tp] one chunk of rows (dlogits in place)
   Tensor y, fmean, frstd;             // final norm output and statistics
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
+  // Knowledge distillation (a student's head): the teacher's logits of one chunk of rows [logits_rows,
+  // V/tp]; the rows' log-sum-exps of the student's and the teacher's logits over the temperature
+  // [N] and their shards' [tp, N]; each row's KL divergence (this shard's part, then summed) and
+  // intermediate loss [N]; the micro-batch's masked sums {logits, tokens, intermediate, tokens}.
+  Tensor kd_logits, kd_lse_s, kd_lse_t, kd_lse_parts, kd_kl, kd_hidden, kd_sums;
 };
 
 }  // namespace mt

@@ -83,9 +83,56 @@ std::optional<std::string> unsharded_params_reason(const Config& cfg) {
   return std::string();
 }
 
+Config distill_teacher_config(const Config& cfg) {
+  MT_CHECK(cfg.train.distill.enabled() && cfg.train.distill.teacher, "distill_teacher_config without a teacher");
+  Config t = cfg;
+  t.model = *cfg.train.distill.teacher;
+  t.train.distill = DistillConfig{};
+  t.checkpoint = CheckpointConfig{};
+  t.checkpoint.load = cfg.train.distill.teacher_load;
+  t.checkpoint.finetune = true;  // the weights only
+  t.checkpoint.dist_ckpt_strictness = "raise_all";  // every tensor of the teacher, and nothing else
+  return t;
+}
+
+std::optional<ChunkSpec> teacher_chunk_spec(const Config& cfg, const RankPosition& r, DType compute) {
+  if (!cfg.train.distill.enabled()) return std::nullopt;
+  const Config t = distill_teacher_config(cfg);
+  std::vector<ChunkSpec> specs = model_chunk_specs(t, r, compute);
+  MT_CHECK(specs.size() == 1 && specs[0].dims.first_stage && specs[0].dims.last_stage,
+           "a distillation teacher on {} chunks (one stage only)", specs.size());
+  ChunkSpec& s = specs[0];
+  ModelOptions& o = s.options;
+  o.frozen = true;
+  o.distill = ModelOptions::Distill{};
+  o.num_slots = 1;
+  o.shard_size = 1;
+  o.shard_rank = 0;
+  o.expert_shard_size = 0;
+  o.expert_shard_rank = 0;
+  o.bucket_size.reset();
+  o.shard_optimizer_state = o.shard_grads = o.shard_params = o.prefetch_units = false;
+  o.unit_slots = 2;
+  o.grad = o.accum;
+  o.master_remainders = false;
+  o.logits_chunk_rows = 1;  // (its logits are the student head's to compute)
+  // Every layer a recompute group of its own: the forward keeps each layer's input only.
+  const int L = s.dims.decoder_layers();
+  o.recompute = RecomputePlan{};
+  o.recompute.group_of.assign(static_cast<size_t>(s.dims.stage_layers()), -1);
+  for (int l = 0; l < L; ++l) {
+    o.recompute.groups.emplace_back(l, l + 1);
+    o.recompute.group_of[static_cast<size_t>(l)] = l;
+  }
+  o.recompute.max_group_size = L > 0 ? 1 : 0;
+  return s;
+}
+
 MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType compute) {
   MemoryPlan total;
   for (const ChunkSpec& s : model_chunk_specs(cfg, r, compute)) total += GptModel::plan_memory(s.dims, s.options);
+  if (const std::optional<ChunkSpec> t = teacher_chunk_spec(cfg, r, compute))
+    total += GptModel::plan_memory(t->dims, t->options);
   return total;
 }
 

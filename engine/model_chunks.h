@@ -30,7 +30,16 @@ struct ChunkSpec {
 // The chunks of the rank at `r`, in chunk order, as build_model_chunks builds them.
 std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& r, DType compute);
 
-// The memory plan of the rank at `r`: the sum of its chunks' plans, measured without allocating.
+// Knowledge distillation (--export-kd-teacher-load): the teacher's configuration (the student's
+// layout and precision with the teacher's model, no checkpoint flags) and its chunk on the rank at
+// `r` (ModelOptions::frozen: forward only, one slot, each layer recomputed alone so that only one
+// layer's activations exist at once, the head's output layer in chunks the student's head asks
+// for). nullopt without distillation.
+Config distill_teacher_config(const Config& cfg);
+std::optional<ChunkSpec> teacher_chunk_spec(const Config& cfg, const RankPosition& r, DType compute);
+
+// The memory plan of the rank at `r`: the sum of its chunks' plans (and a distillation teacher's),
+// measured without allocating.
 MemoryPlan plan_rank_memory(const Config& cfg, const RankPosition& r, DType compute);
 
 // The compute dtype of --fp32 / --bf16 / --fp16 (no device checks: the caller makes those).

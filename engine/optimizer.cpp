@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "engine/muon.h"
+#include "engine/reporter.h"
 #include "engine/scalar_reduce.h"
 #include "parallel/parallel_state.h"
 
@@ -19,7 +20,7 @@ namespace {
 // kMtpMax depths.)
 enum Scalar {
   kLossSum = 0, kTokens = 1, kMoe = 2, kGradSumSq = kMoe + 2 * GptModel::kMoeTerms, kZeros, kExpertSumSq,
-  kExpertZeros, kCount, kMtp = kCount + 2, kMtpMax = 6, kScalars = kMtp + 3 * kMtpMax
+  kExpertZeros, kCount, kMtp = kCount + 2, kMtpMax = 6, kKd = kMtp + 3 * kMtpMax, kScalars = kKd + 3
 };
 static_assert(static_cast<int>(kScalars) <= static_cast<int>(kFirstScalarSlot),
               "the optimizer's scalars overlap engine/scalar_reduce.h's slots");
@@ -170,10 +171,16 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   // Loss sums (the last stage's) and gradient statistics, then the one readback. Timed as
   // Megatron's optimizer-clip-main-grad (the gradient norm); counting zeros separately.
   double host[kScalars];
+  // Distillation: the student's {total, logits, intermediate} loss sums, reduced as the loss's.
+  const bool kd = output_chunk_ && !output_chunk_->kd_loss_sums(false).empty();
   {
     const ScopedTimer timed(timer, "optimizer-clip-main-grad");
     be_.fill(scalars, 0.0);
     if (output_chunk_) be_.copy(scalars.flat_slice(kLossSum, 2), output_chunk_->loss_sums(false));
+    if (kd) {
+      be_.copy(scalars.flat_slice(kKd, 3), output_chunk_->kd_loss_sums(false));
+      ps_.replicas().all_reduce(scalars.flat_slice(kKd, 3));
+    }
     for (GptModel* m : chunks_)
       if (!m->moe_loss_sums().empty())
         be_.axpby(scalars.flat_slice(kMoe, 2 * GptModel::kMoeTerms), 1.0f,
@@ -214,12 +221,15 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     // Only the last stage has a loss; the MoE losses are summed over the stages' layers.
     if (ps_.pp_size > 1) ps_.pp->all_reduce(scalars.flat_slice(kLossSum, kGradSumSq));
     if (ps_.pp_size > 1 && mtp_depths_ > 0) ps_.pp->all_reduce(scalars.flat_slice(kMtp, 3 * mtp_depths_));
-    read_scalars(host, mtp_depths_ > 0 ? kMtp + 3 * mtp_depths_ : kCount);
+    read_scalars(host, kd ? kScalars : mtp_depths_ > 0 ? kMtp + 3 * mtp_depths_ : kCount);
   }
 
   StepOutcome out;
   out.loss_sum = host[kLossSum];
   out.tokens = host[kTokens];
+  // Megatron's report of ModelOpt's losses: each summed over micro-batches and DP x CP, over the tokens.
+  if (kd)
+    for (int i = 0; i < 3; ++i) out.kd_losses.push_back({kDistillLossNames[i], host[kKd + i] / std::max(1.0, host[kTokens])});
   const ModelDims& d = chunks_.front()->dims();
   if (d.experts > 0) {
     // Megatron's MoE loss logging: the per-layer sums over micro-batches, averaged over DP (but

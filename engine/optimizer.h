@@ -53,6 +53,9 @@ struct StepOutcome {
     std::vector<double> layers;
   };
   std::vector<MoeLoss> moe_losses;
+  // Knowledge distillation: Megatron's "total loss", "logits distillation loss" and "intermediate
+  // distillation loss" (kDistillLossNames; each a masked sum over the global batch's tokens).
+  std::vector<std::pair<std::string, double>> kd_losses;
   // Multi-token prediction: Megatron's mtp_<j> loss per depth (averaged over micro-batches and DP x CP).
   std::vector<double> mtp_losses;
   // ... and its acceptance counts {rows whose argmax was the label, rows counted}, summed over the

@@ -15,16 +15,23 @@ namespace mt {
 // log line every --log-interval iterations (and after the first) from averages over the interval.
 // The engine may call on_iteration for every iteration (interval_end marks the log-line ones) or
 // only at log intervals (interval_end left true; TensorBoard then sees only those iterations).
-// The order of the training losses in Megatron's log line (its total_loss_dict): lm loss, the MoE
+// The order of the training losses in Megatron's log line (its total_loss_dict): lm loss, the
+// distillation losses, the MoE
 // losses as its training loop lists them, then the multi-token prediction depths' mtp_<j> loss.
+// Knowledge distillation's losses follow lm loss, in the order of Megatron's report
+// (megatron/post_training/loss_func.py).
+inline constexpr const char* kDistillLossNames[3] = {"total loss", "logits distillation loss",
+                                                     "intermediate distillation loss"};
 struct LossOrder {
   static int rank(const std::string& k) {
     if (k == "lm loss") return 0;
+    for (int i = 0; i < 3; ++i)
+      if (k == kDistillLossNames[i]) return 1 + i;
     constexpr const char* moe[] = {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
                                    "z_loss"};
     for (int i = 0; i < 4; ++i)
-      if (k == moe[i]) return 1 + i;
-    return k.rfind("mtp_", 0) == 0 ? 6 : 5;
+      if (k == moe[i]) return 4 + i;
+    return k.rfind("mtp_", 0) == 0 ? 9 : 8;
   }
   bool operator()(const std::string& a, const std::string& b) const {
     return rank(a) != rank(b) ? rank(a) < rank(b) : a < b;
@@ -82,7 +89,7 @@ struct EvalStats {
   std::string split = "validation";   // "validation" or "test"
   bool after_training = false;        // Megatron prints "iteration N on validation set" then
   int64_t consumed_train_samples = 0; // x axis of TensorBoard's "... vs samples" tags
-  std::map<std::string, double> losses;  // "lm loss" -> average
+  LossMap losses;             // "lm loss" -> average
 };
 
 class Reporter {

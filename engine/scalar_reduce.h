@@ -13,7 +13,7 @@ struct ParallelState;
 // Slots of GptModel::scalars() used this way, past the optimizer's (engine/optimizer.cpp); then the
 // trainer's three exit flags (Trainer::should_exit).
 enum ScalarSlot {
-  kFirstScalarSlot = 32,
+  kFirstScalarSlot = 35,
   kSaveAgreementSlot = kFirstScalarSlot,
   kHasValidationSlot,
   kEnergySlot,

@@ -298,6 +298,7 @@ StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
     if (!m->moe_loss_sums().empty()) be.fill(m->moe_loss_sums(), 0.0);
+    if (!m->kd_loss_sums(false).empty()) be.fill(m->kd_loss_sums(false), 0.0);
     if (!m->moe_layer_loss_sums().empty()) be.fill(m->moe_layer_loss_sums(), 0.0);
     if (!m->mtp_loss_sums().empty()) be.fill(m->mtp_loss_sums(), 0.0);
     if (!m->mtp_accept_counts().empty()) be.fill(m->mtp_accept_counts(), 0.0);
@@ -379,6 +380,7 @@ int64_t Trainer::train() {
       ++interval_advanced_;
       interval_loss_ += o.loss();
       for (const StepOutcome::MoeLoss& m : o.moe_losses) interval_moe_[m.name] += m.value;
+      for (const auto& [name, value] : o.kd_losses) interval_moe_[name] += value;
       for (size_t j = 0; j < o.mtp_losses.size(); ++j) interval_moe_[fmt::format("mtp_{} loss", j + 1)] += o.mtp_losses[j];
       loss_history_.push_back(o.loss());
     }
@@ -473,6 +475,8 @@ void Trainer::report_iteration(const StepOutcome& o, bool first_of_run) {
   // Megatron prints the key once any iteration succeeded (0 for an interval of skipped ones).
   if (!loss_history_.empty()) s.losses["lm loss"] = interval_loss_ / std::max<int64_t>(1, interval_advanced_);
   if (!o.skipped) s.iteration_losses["lm loss"] = o.loss();
+  if (!o.skipped)
+    for (const auto& [name, value] : o.kd_losses) s.iteration_losses[name] = value;
   // MoE losses: in the line after lm loss (the map's order), as Megatron's total_loss_dict has them.
   for (const auto& [key, sum] : interval_moe_)
     if (!loss_history_.empty()) s.losses[key] = sum / std::max<int64_t>(1, interval_advanced_);
@@ -535,7 +539,10 @@ void Trainer::evaluate(bool after_training) {
   if (!has_validation_) return;
   const TrainConfig& t = cfg_.train;
   Backend& be = model_.backend();
-  for (GptModel* m : chunks_) be.fill(m->loss_sums(true), 0.0);
+  for (GptModel* m : chunks_) {
+    be.fill(m->loss_sums(true), 0.0);
+    if (!m->kd_loss_sums(true).empty()) be.fill(m->kd_loss_sums(true), 0.0);
+  }
   replica_check_.run();
   int64_t done = 0;
   for (int it = 0; it < t.eval_iters; ++it) {
@@ -549,21 +556,24 @@ void Trainer::evaluate(bool after_training) {
     ++done;
     consumed_valid_samples_ += t.eval_global_batch_size.value_or(t.global_batch);  // args.consumed_valid_samples
   }
-  // Loss sums live on the last stage; every DP (and CP) rank contributes.
-  Tensor s = model_.scalars().flat_slice(0, 2);
+  // Loss sums live on the last stage; every DP (and CP) rank contributes. Then a distillation
+  // student's {total, logits, intermediate} sums (a one-stage model).
+  const bool kd = !model_.kd_loss_sums(true).empty();
+  const int n = kd ? 5 : 2;
+  Tensor s = model_.scalars().flat_slice(0, n);
   be.fill(s, 0.0);
   for (GptModel* m : chunks_)
-    if (m->dims().last_stage) be.copy(s, m->loss_sums(true));
+    if (m->dims().last_stage) be.copy(s.flat_slice(0, 2), m->loss_sums(true));
+  if (kd) be.copy(s.flat_slice(2, 3), model_.kd_loss_sums(true));
   ps_.replicas().all_reduce(s);
   if (ps_.pp_size > 1) ps_.pp->all_reduce(s);
-  double host[2];
+  double host[5];
   if (model_.options().accum == DType::f64) {
     be.copy_to_host(host, s);
   } else {
-    float f[2];
+    float f[5];
     be.copy_to_host(f, s);
-    host[0] = f[0];
-    host[1] = f[1];
+    std::copy(f, f + n, host);
   }
   if (done == 0) return;
   EvalStats e;
@@ -571,6 +581,8 @@ void Trainer::evaluate(bool after_training) {
   e.after_training = after_training;
   e.consumed_train_samples = consumed_samples_;
   e.losses["lm loss"] = host[0] / std::max(1.0, host[1]);
+  if (kd)
+    for (int i = 0; i < 3; ++i) e.losses[kDistillLossNames[i]] = host[2 + i] / std::max(1.0, host[1]);
   reporter_.on_eval(e);
 }
 

@@ -30,9 +30,12 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
   const Workspace& w = *ws_;
   if (!norm_done) be_.norm_forward(local_rows(w.y), w.fmean, w.frstd, x, G.final_w, G.final_b, norm_);
   gather_rows(w.y);
-  output_layer_loss(s, w.y, s.labels, s.mask, s.dloss, s.training ? train_loss_ : eval_loss_);
+  if (opt_.frozen) return;  // (a teacher: its student's head reads w.y)
+  if (opt_.distill.enabled) distill_head(s, w.y);
+  else output_layer_loss(s, w.y, s.labels, s.mask, s.dloss, s.training ? train_loss_ : eval_loss_);
   if (!s.training) return;
   Tensor dy = reduce_rows(w.gT);
+  if (opt_.distill.enabled) distill_intermediate_backward(s, dy);
   if (d_.stage_mtp_layers() > 0) {  // the mtp depths read the final norm's output: they add to its gradient
     be_.copy(w.mtp_dy0, dy);
     mtp_forward_backward(s, w.mtp_dy0);

@@ -145,3 +145,132 @@ void ReferenceBackend::argmax_match_count(Tensor out, Tensor max_parts, Tensor i
 }
 
 }  // namespace mt::reference
+
+// ---- knowledge distillation --------------------------------------------------------------
+
+namespace mt::reference {
+
+void ReferenceBackend::logsumexp_rows(Tensor lse, Tensor logits, float scale) {
+  const int64_t N = logits.rows(), C = logits.cols();
+  check_numel(lse, N, "logsumexp_rows", "lse");
+  check_float_accumulator(lse, "logsumexp_rows", "lse");
+  const Floats fl(lse);
+  dispatch_float(logits, "logsumexp_rows", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(N, 4, [&](int64_t rb, int64_t re, int) {
+      for (int64_t r = rb; r < re; ++r) {
+        const T* z = logits.ptr<T>() + r * C;
+        double m = -INFINITY;
+        for (int64_t c = 0; c < C; ++c) m = std::max(m, static_cast<double>(z[c]) * scale);
+        double sum = 0;
+        for (int64_t c = 0; c < C; ++c) sum += std::exp(static_cast<double>(z[c]) * scale - m);
+        fl.set(r, m + std::log(sum));
+      }
+    });
+  });
+}
+
+void ReferenceBackend::kd_logits_kl(Tensor kl, Tensor ds, Tensor s, Tensor t, Tensor lse_s, Tensor lse_t, float scale,
+                                    Tensor dloss) {
+  const int64_t N = s.rows(), C = s.cols();
+  MT_CHECK(t.rows() == N && t.cols() == C, "kd_logits_kl: teacher logits {} unlike the student's {}", t.shape_string(),
+           s.shape_string());
+  check_same_dtype(s, t, "kd_logits_kl");
+  check_numel(kl, N, "kd_logits_kl", "kl");
+  check_float_accumulator(kl, "kd_logits_kl", "kl");
+  check_numel(lse_s, N, "kd_logits_kl", "lse_s");
+  check_numel(lse_t, N, "kd_logits_kl", "lse_t");
+  if (!dloss.empty()) {
+    check_numel(dloss, N, "kd_logits_kl", "dloss");
+    check_numel(ds, N * C, "kd_logits_kl", "ds");
+    check_same_dtype(s, ds, "kd_logits_kl");
+  }
+  const Floats fk(kl), fs(lse_s), ft(lse_t), fd(dloss);
+  dispatch_float(s, "kd_logits_kl", [&](auto tag) {
+    using T = decltype(tag);
+    pool_.parallel_for(N, 4, [&](int64_t rb, int64_t re, int) {
+      for (int64_t r = rb; r < re; ++r) {
+        const T* zs = s.ptr<T>() + r * C;
+        const T* zt = t.ptr<T>() + r * C;
+        T* g = dloss.empty() ? nullptr : ds.ptr<T>() + r * C;
+        const double ls = fs.get(r), lt = ft.get(r), w = dloss.empty() ? 0.0 : fd.get(r);
+        double sum = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          const double log_ps = static_cast<double>(zs[c]) * scale - ls;
+          const double log_pt = static_cast<double>(zt[c]) * scale - lt;
+          const double pt = std::exp(log_pt);
+          sum += pt * (log_pt - log_ps);
+          if (g) g[c] = static_cast<T>((std::exp(log_ps) - pt) * scale * w);  // (after reading zs[c]: ds may alias s)
+        }
+        fk.set(r, sum);
+      }
+    });
+  });
+}
+
+namespace {
+// Row r's hidden loss and, with grad, its gradient with respect to a times g (added to da when
+// accumulating): torch's cosine_embedding_loss (target 1) or the row's mean squared error.
+template <typename T>
+double hidden_loss_row(const T* a, const T* b, int64_t h, Backend::HiddenLoss kind, T* da, double g, bool accumulate) {
+  if (kind == Backend::HiddenLoss::mse) {
+    double sum = 0;
+    for (int64_t c = 0; c < h; ++c) {
+      const double d = static_cast<double>(a[c]) - static_cast<double>(b[c]);
+      sum += d * d;
+      if (da) da[c] = static_cast<T>((accumulate ? static_cast<double>(da[c]) : 0.0) + 2.0 * d / h * g);
+    }
+    return sum / h;
+  }
+  constexpr double kEps = 1e-12;  // torch's EPSILON in cosine_embedding_loss
+  double ab = 0, aa = kEps, bb = kEps;
+  for (int64_t c = 0; c < h; ++c) {
+    ab += static_cast<double>(a[c]) * b[c];
+    aa += static_cast<double>(a[c]) * a[c];
+    bb += static_cast<double>(b[c]) * b[c];
+  }
+  const double denom = std::sqrt(aa * bb), cos = ab / denom;
+  if (da)  // d(1 - cos)/da = cos * a / |a|^2 - b / sqrt(|a|^2 |b|^2)
+    for (int64_t c = 0; c < h; ++c)
+      da[c] = static_cast<T>((accumulate ? static_cast<double>(da[c]) : 0.0) +
+                             (cos * a[c] / aa - b[c] / denom) * g);
+  return 1.0 - cos;
+}
+
+void check_hidden_pair(const Tensor& a, const Tensor& b, const char* op) {
+  MT_CHECK(a.rows() == b.rows() && a.cols() == b.cols(), "{}: teacher states {} unlike the student's {}", op,
+           b.shape_string(), a.shape_string());
+  check_same_dtype(a, b, op);
+}
+}  // namespace
+
+void ReferenceBackend::hidden_loss_forward(Tensor loss, Tensor a, Tensor b, HiddenLoss kind) {
+  check_hidden_pair(a, b, "hidden_loss_forward");
+  const int64_t N = a.rows(), h = a.cols();
+  check_numel(loss, N, "hidden_loss_forward", "loss");
+  check_float_accumulator(loss, "hidden_loss_forward", "loss");
+  const Floats fl(loss);
+  dispatch_float(a, "hidden_loss_forward", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < N; ++r)
+      fl.set(r, hidden_loss_row<T>(a.ptr<T>() + r * h, b.ptr<T>() + r * h, h, kind, nullptr, 0.0, false));
+  });
+}
+
+void ReferenceBackend::hidden_loss_backward(Tensor da, Tensor a, Tensor b, Tensor dloss, float scale, HiddenLoss kind,
+                                            bool accumulate) {
+  check_hidden_pair(a, b, "hidden_loss_backward");
+  const int64_t N = a.rows(), h = a.cols();
+  check_numel(dloss, N, "hidden_loss_backward", "dloss");
+  check_numel(da, N * h, "hidden_loss_backward", "da");
+  check_same_dtype(a, da, "hidden_loss_backward");
+  const Floats fd(dloss);
+  dispatch_float(a, "hidden_loss_backward", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < N; ++r)
+      hidden_loss_row<T>(a.ptr<T>() + r * h, b.ptr<T>() + r * h, h, kind, da.ptr<T>() + r * h,
+                         fd.get(r) * static_cast<double>(scale), accumulate);
+  });
+}
+
+}  // namespace mt::reference

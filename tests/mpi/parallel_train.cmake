@@ -946,3 +946,13 @@ set(gdn_mtp_model "--experimental-attention-variant gated_delta_net --linear-att
 --disable-bias-linear --position-embedding-type rope --mtp-num-layers 1")
 megatrain_parallel_train_test(parallel_train_gdn_mtp_tp2_sp_pp2 --model "${gdn_mtp_model}" 4 --tensor-model-parallel-size 2
                               --sequence-parallel --pipeline-model-parallel-size 2)
+# Knowledge distillation (--export-kd-teacher-load): a 3-layer teacher trained first (its model
+# config: tests/fixtures/megatron/kd/teacher/model_config.yaml), the 4-layer student distilled from
+# it with the logits' KL divergence and the final norms' cosine loss (ModelOpt's balancer), over
+# TP 2 with sequence parallelism, and over DP 2 with the distributed optimizer; evaluations give
+# the student's language-model loss beside the distillation losses.
+set(kd_student "--export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/final_ln.yaml --export-kd-teacher-model-config ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/teacher/model_config.yaml")
+megatrain_parallel_train_test(parallel_train_distill_tp2_sp --teacher "--num-layers 3 --seed 4321" --model "${kd_student}"
+                              2 --tensor-model-parallel-size 2 --sequence-parallel)
+megatrain_parallel_train_test(parallel_train_distill_dp2_distopt --teacher "--num-layers 3 --seed 4321"
+                              --model "${kd_student}" 2 --use-distributed-optimizer)

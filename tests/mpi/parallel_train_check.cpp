@@ -2,7 +2,7 @@
 // binary once on one process and once under `mpirun -np N` with a parallel layout, both with
 // --metrics-jsonl and --save, and requires the same run:
 //   * every iteration's lm loss (relative 1e-5; MoE models also their (seq_, global_)load_balancing_loss
-//     and z_loss, MTP models each depth's loss, and its acceptance rate within 2 percentage points: an
+//     and z_loss, distillation students their total, logits and intermediate losses, MTP models each depth's loss, and its acceptance rate within 2 percentage points: an
 //     argmax at a near-tie may turn with the order of a sum) and gradient norm (relative 1e-4), and the
 //     parameter norm of every iteration (relative 1e-5),
 //   * the validation loss of every evaluation (every 4 iterations and after training; relative 1e-5),
@@ -14,12 +14,15 @@
 // ranks), hence the tolerances. A wrong gradient scale, a missing reduction or a stale shard moves
 // the numbers by far more.
 //
-// Usage: parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] [--one-rank "<flags>"] <nranks>
+// Usage: parallel_train_check <megatrain> <mpirun> <work dir> [--teacher "<flags>"] [--model "<flags>"]
+//        [--one-rank "<flags>"] <nranks>
 //        [layout flags...]
 //        parallel_train_check <megatrain> <mpirun> <work dir> [--model "<flags>"] --resume <n1> "<flags 1>" <n2> "<flags 2>"
 // --bf16-reduce (first) loosens the tolerances for --grad-reduce-in-bf16, --bf16-moments (first)
 // the final tensors' for bf16 Adam moments; --fp8 (first) trains 4
 // iterations for FP8 GEMMs (see `iterations`); --iters N (before --model) trains N instead of 8.
+// --teacher "<flags>" (before --model) first trains a distillation teacher (the model with these
+// flags, 4 iterations, one rank) that every run then distills from (--export-kd-teacher-load).
 // --model adds model flags to every run (both the
 // one-rank and the parallel ones); --one-rank (after --model) adds flags to the one-rank run only
 // (the run a layout equals where it is not simply one rank's); "-" stands for
@@ -61,7 +64,9 @@ const char* kModel =
 
 struct Record {
   double loss = 0, grad_norm = 0, params_norm = 0;
-  std::map<std::string, double> moe;  // MoE models: load_balancing_loss, z_loss; MTP: mtp_<j>_loss
+  // MoE models: load_balancing_loss, z_loss; MTP: mtp_<j>_loss; distillation: total_loss,
+  // logits_distillation_loss, intermediate_distillation_loss.
+  std::map<std::string, double> moe;
   std::map<std::string, double> accept;  // MTP: mtp_<j>_acceptance_rate (percent)
 };
 using Evals = std::map<std::pair<int64_t, bool>, double>;  // (iteration, after training) -> lm loss
@@ -125,7 +130,8 @@ std::map<int64_t, Record> read_metrics(const std::string& path) {
     r.loss = j.at("lm_loss").get<double>();
     r.grad_norm = j.at("grad_norm").get<double>();
     r.params_norm = j.at("params_norm").get<double>();
-    for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss"})
+    for (const char* key : {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss",
+                            "total_loss", "logits_distillation_loss", "intermediate_distillation_loss"})
       if (j.contains(key)) r.moe[key] = j.at(key).get<double>();
     for (const auto& [key, value] : j.items()) {
       if (key.rfind("mtp_", 0) != 0) continue;
@@ -266,6 +272,15 @@ int main(int argc, char** argv) {
     argv += 2;
     argc -= 2;
   }
+  // --teacher "<flags>": a distillation teacher (one rank, the model with these flags, 4 iterations)
+  // trained first into <work dir>/teacher; every run then distills from it.
+  std::string teacher;
+  if (std::string(argv[4]) == "--teacher") {
+    if (argc < 7) return 2;
+    teacher = argv[5];
+    argv += 2;
+    argc -= 2;
+  }
   if (std::string(argv[4]) == "--model") {
     if (argc < 7) return 2;
     base += std::string(" ") + argv[5];
@@ -283,6 +298,12 @@ int main(int argc, char** argv) {
   fs::remove_all(work);
   fs::create_directories(work);
   try {
+    if (!teacher.empty()) {
+      if (run(megatrain + " " + kModel + " " + teacher + " --train-iters 4 --save " + work + "/teacher",
+              work + "/teacher.log") != 0)
+        return 1;
+      base += " --export-kd-teacher-load " + work + "/teacher";
+    }
     if (run(megatrain + " " + base + one_rank + " --save " + work + "/base --metrics-jsonl " + work + "/base.jsonl",
             work + "/base.log") != 0)
       return 1;

@@ -1,0 +1,137 @@
+// Knowledge distillation's head (Megatron-LM's ModelOpt path: ModelOpt's distill plugin for
+// Megatron and megatron/post_training/loss_func.py), for a student on one stage whose frozen
+// teacher ran forward on the same tokens (GptModel::forward runs it first):
+//   * LogitsKLLoss: per token KL(teacher || student) of the output layers' logits over the
+//     temperature, vocab-parallel (each shard's part with the rows' global log-sum-exps, summed
+//     over TP); its gradient (p_s - p_t) / T goes straight into the output layer's backward, chunk
+//     by chunk, as the cross-entropy's does;
+//   * the intermediate pair decoder.final_layernorm: per token 1 - cos (or the mean squared error)
+//     of the final norms' outputs;
+//   * ModelOpt's LogitsAndIntermediatesLossBalancer with skip_lm_loss: the micro-batch's loss is
+//     logits + intermediate x (logits / intermediate) (masked sums; the ratio a constant, so the
+//     intermediate's gradient is scaled by it), reported as "total loss" beside both parts; the
+//     language-model loss counts its tokens as zero in training (ModelOpt replaces it by zeros) and
+//     is evaluated as usual.
+#include <algorithm>
+
+#include "engine/gpt_model.h"
+
+#include "core/error.h"
+#include "engine/gpt_model_parts.h"
+#include "parallel/parallel_state.h"
+
+namespace mt {
+
+void GptModel::set_teacher(GptModel* teacher) {
+  MT_CHECK(opt_.distill.enabled && d_.first_stage && d_.last_stage, "set_teacher: this model is not a one-stage student");
+  MT_CHECK(teacher != nullptr && teacher->opt_.frozen && teacher->d_.first_stage && teacher->d_.last_stage,
+           "set_teacher: the teacher must be a frozen one-stage model");
+  MT_CHECK(teacher->d_.tokens() == d_.tokens() && teacher->d_.vocab_local() == d_.vocab_local(),
+           "set_teacher: the teacher's {} tokens x {} vocabulary columns differ from the student's {} x {}",
+           teacher->d_.tokens(), teacher->d_.vocab_local(), d_.tokens(), d_.vocab_local());
+  MT_CHECK(!opt_.distill.final_norm_pair || teacher->d_.hidden == d_.hidden,
+           "set_teacher: the final norms' outputs differ in width ({} and {})", d_.hidden, teacher->d_.hidden);
+  teacher_ = teacher;
+}
+
+Tensor GptModel::features() const {
+  MT_CHECK(opt_.frozen && d_.last_stage, "features: not a frozen last stage");
+  return ws_->y;
+}
+
+void GptModel::teacher_logits(Tensor out, int64_t r0, int64_t rows) const {
+  const Globals& G = *globals_;
+  be_.linear_forward(out, features().row_slice(r0, rows), G.out_w, Tensor(), Activation::none, Tensor());
+  if (d_.logits_mult != 1.0f) be_.axpby(out, d_.logits_mult, out, 0.0f, Tensor());
+}
+
+void GptModel::distill_head(Slot& s, Tensor y) {
+  MT_CHECK(teacher_ != nullptr, "a distillation student's forward without its teacher (set_teacher)");
+  const Globals& G = *globals_;
+  const Workspace& w = *ws_;
+  const ModelOptions::Distill& kd = opt_.distill;
+  const int64_t N = d_.tokens(), V = d_.vocab_local(), tp = d_.tp_size;
+  const float scale = kd.inv_temperature;
+  // A shard's per-row log-sum-exps made global over TP.
+  const auto combine = [&](Tensor lse, int64_t rows) {
+    if (tp == 1) return;
+    const Tensor parts = w.kd_lse_parts.flat_slice(0, tp * rows).view({tp, rows});
+    ps_.tp->all_gather(parts, lse);
+    be_.logsumexp_combine(lse, parts);
+  };
+  for (int64_t r0 = 0; r0 < N; r0 += logits_rows_) {
+    const int64_t rows = std::min(logits_rows_, N - r0);
+    const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
+    const Tensor tlogits = w.kd_logits.flat_slice(0, rows * V).view({rows, V});
+    const Tensor yr = y.row_slice(r0, rows);
+    be_.linear_forward(logits, yr, G.out_w, Tensor(), Activation::none, Tensor());
+    if (d_.logits_mult != 1.0f) be_.axpby(logits, d_.logits_mult, logits, 0.0f, Tensor());
+    if (!s.training) {  // the language-model loss, evaluated
+      Tensor lse = w.lse_part.flat_slice(r0, rows);
+      be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, s.labels.flat_slice(r0, rows),
+                                d_.vocab_start());
+      if (tp > 1) {
+        const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
+        ps_.tp->all_gather(parts, lse);
+        be_.logsumexp_combine(w.lse.flat_slice(r0, rows), parts);
+      }
+    }
+    teacher_->teacher_logits(tlogits, r0, rows);
+    const Tensor lse_s = w.kd_lse_s.flat_slice(r0, rows), lse_t = w.kd_lse_t.flat_slice(r0, rows);
+    be_.logsumexp_rows(lse_s, logits, scale);
+    be_.logsumexp_rows(lse_t, tlogits, scale);
+    combine(lse_s, rows);
+    combine(lse_t, rows);
+    // The KL divergence's part on this shard, and in training its gradient over the logits.
+    be_.kd_logits_kl(w.kd_kl.flat_slice(r0, rows), logits, logits, tlogits, lse_s, lse_t, scale,
+                     s.training ? s.dloss.flat_slice(r0, rows) : Tensor());
+    if (!s.training) continue;
+    if (d_.logits_mult != 1.0f) be_.axpby(logits, d_.logits_mult, logits, 0.0f, Tensor());
+    be_.linear_backward_weight(G.dout_w, Tensor(), logits, yr, accumulate_weight_grad(G.dout_w));
+    be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
+  }
+  if (tp > 1) ps_.tp->all_reduce(w.kd_kl);
+  // The language-model loss: its tokens, and in evaluation its sum (zero in training).
+  const Tensor lm_sums = s.training ? train_loss_ : eval_loss_;
+  if (s.training) {
+    be_.fill(w.loss, 0.0);
+  } else {
+    if (tp > 1) ps_.tp->all_reduce(w.target);
+    be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
+  }
+  be_.masked_loss_sum(lm_sums, w.loss, s.mask, true);
+  // The distillation losses' masked sums, and the balancer's scale for the intermediate loss.
+  be_.masked_loss_sum(w.kd_sums.flat_slice(0, 2), w.kd_kl, s.mask, false);
+  if (kd.final_norm_pair) {
+    be_.hidden_loss_forward(w.kd_hidden, y, teacher_->features(), kd.final_norm_loss);
+    be_.masked_loss_sum(w.kd_sums.flat_slice(2, 2), w.kd_hidden, s.mask, false);
+  } else {
+    be_.fill(w.kd_sums.flat_slice(2, 2), 0.0);
+  }
+  double host[4];
+  if (opt_.accum == DType::f64) {
+    be_.copy_to_host(host, w.kd_sums);
+  } else {
+    float f[4];
+    be_.copy_to_host(f, w.kd_sums);
+    std::copy(f, f + 4, host);
+  }
+  // ModelOpt: intermediate x (logits / intermediate), detached, where the intermediate loss is > 0.
+  kd_intermediate_scale_ = host[2] > 0 ? host[0] / host[2] : 1.0;
+  const Tensor out = s.training ? kd_train_loss_ : kd_eval_loss_;
+  const Tensor logits_sum = w.kd_sums.flat_slice(0, 1), inter_sum = w.kd_sums.flat_slice(2, 1);
+  be_.axpby(out.flat_slice(0, 1), 1.0f, out.flat_slice(0, 1), 1.0f, logits_sum);
+  be_.axpby(out.flat_slice(0, 1), 1.0f, out.flat_slice(0, 1), static_cast<float>(kd_intermediate_scale_), inter_sum);
+  be_.axpby(out.flat_slice(1, 1), 1.0f, out.flat_slice(1, 1), 1.0f, logits_sum);
+  be_.axpby(out.flat_slice(2, 1), 1.0f, out.flat_slice(2, 1), 1.0f, inter_sum);
+}
+
+// The intermediate loss's gradient, added to the final norm output's (this rank's rows).
+void GptModel::distill_intermediate_backward(Slot& s, Tensor dy) {
+  if (!opt_.distill.final_norm_pair) return;
+  const int64_t r0 = d_.local_row_begin(), n = d_.tokens_local();
+  be_.hidden_loss_backward(dy, ws_->y.row_slice(r0, n), teacher_->features().row_slice(r0, n), s.dloss.flat_slice(r0, n),
+                           static_cast<float>(kd_intermediate_scale_), opt_.distill.final_norm_loss, true);
+}
+
+}  // namespace mt
