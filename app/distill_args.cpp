@@ -147,7 +147,10 @@ void derive_distillation(CliState& st, const std::vector<std::string>& args, con
   if (cfg.parallel.context_parallel_size > 1) unsupported("--context-parallel-size > 1");
   if (cfg.model.mtp_num_layers.value_or(0) > 0) unsupported("--mtp-num-layers");
   if (cfg.train.fp8_format) unsupported("--fp8-format");
-  if (d.cfg_path) read_distill_config(d, *d.cfg_path);
+  if (d.cfg_path) {
+    if (!std::filesystem::exists(*d.cfg_path)) fail("--export-kd-cfg: distillation config {} not found", *d.cfg_path);
+    read_distill_config(d, *d.cfg_path);
+  }
   if (!d.skip_lm_loss) unsupported("skip_lm_loss: false in --export-kd-cfg (the language-model loss beside the distillation losses)");
 
   // The teacher's model: the student's command line with the teacher's model config applied.

@@ -96,6 +96,35 @@ def substitute(word, scratch, known=None):
     return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}?", value, word)
 
 
+# Where the repository keeps distillation configs (ENV_VARS.DISTILL_CONFIG of Megatron-LM's
+# modelopt_distill tests, and the CPU fixtures' own), block style.
+KD_DIR = "tests/fixtures/megatron/kd"
+
+
+def distill_config(words, kd, name, write):
+    """Writes a functional test's DISTILL_CONFIG where its --export-kd-cfg points (as its BEFORE_SCRIPT
+    does with yq) and returns the repository's copy (@SRC@/...): a file of KD_DIR holding the same
+    config, else (with `write`) a new one named after the test; None when there is none."""
+    if kd is None or "--export-kd-cfg" not in words:
+        return None
+    path = words[words.index("--export-kd-cfg") + 1]
+    cfg = yaml.safe_load(kd)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg, fh, default_flow_style=False, sort_keys=False)
+    for f in sorted(os.listdir(os.path.join(SRC, KD_DIR))):
+        if f.endswith(".yaml"):
+            with open(os.path.join(SRC, KD_DIR, f)) as fh:
+                if yaml.safe_load(fh) == cfg:
+                    return f"@SRC@/{KD_DIR}/{f}"
+    if not write:
+        return None
+    f = name.split("/")[-1] + ".yaml"
+    with open(os.path.join(SRC, KD_DIR, f), "w") as fh:
+        yaml.safe_dump(cfg, fh, default_flow_style=False, sort_keys=False)
+    return f"@SRC@/{KD_DIR}/{f}"
+
+
 def yaml_args(model_args, scratch):
     words = []
     for flag, value in model_args.items():
@@ -324,20 +353,24 @@ def main():
         env = doc.get("MODEL_ENV_VARS")
         gpus = env.get("MODEL_ARGS", {}).get("GPUS_PER_NODE") if isinstance(env, dict) and \
             isinstance(env.get("MODEL_ARGS"), dict) else None
-        configs.append((f.split("/")[3] + "/" + f.split("/")[4], ("yaml", doc["MODEL_ARGS"]), gpus))
+        # The distillation tests' BEFORE_SCRIPT writes ENV_VARS.DISTILL_CONFIG (flow YAML) as the
+        # --export-kd-cfg file; the sweep does the same (distill_config below).
+        kd = doc.get("ENV_VARS", {}).get("DISTILL_CONFIG") if isinstance(doc.get("ENV_VARS"), dict) else None
+        configs.append((f.split("/")[3] + "/" + f.split("/")[4], ("yaml", doc["MODEL_ARGS"]), gpus, kd))
     for f in EXAMPLES:
         path = os.path.join(a.megatron, f)
         if os.path.exists(path):
             with open(path) as fh:
-                configs.append((f, ("script", fh.read()), EXAMPLE_GPUS.get(f)))
+                configs.append((f, ("script", fh.read()), EXAMPLE_GPUS.get(f), None))
     if a.only:
         configs = [c for c in configs if a.only in c[0]]
 
     results = []
     tally = collections.Counter()
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (kind, body), gpus in configs:
+        for name, (kind, body), gpus, kd in configs:
             words = yaml_args(body, scratch) if kind == "yaml" else script_args(body, scratch, gpus)
+            fixture_kd = distill_config(words, kd, name, bool(a.write_fixture))
             if "--fim-data" in words:
                 words = strip_data_flags(words) + [w.replace("@SRC@", SRC) for w in FIM_DATA]
             else:
@@ -350,8 +383,10 @@ def main():
             probs = [] if ok else problems(r.stderr)
             for p in {problem_key(p) for p in probs}:
                 tally[p] += 1
-            results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs,
-                            "args": [w.replace(scratch, "@TMP@").replace(SRC, "@SRC@") for w in cmd[1:]]})
+            args = [w.replace(scratch, "@TMP@").replace(SRC, "@SRC@") for w in cmd[1:]]
+            if fixture_kd:  # (the repository's copy of the distillation config, for the fixture)
+                args[args.index("--export-kd-cfg") + 1] = fixture_kd
+            results.append({"config": name, "world_size": ws, "passed": ok, "problems": probs, "args": args})
             print(f"{'PASS' if ok else 'FAIL'} {name} (world size {ws})" + ("" if ok else ": " + " | ".join(probs)))
             if ok and a.train > 0 and (a.train_max_ranks <= 0 or ws <= a.train_max_ranks):
                 run_dir = os.path.join(scratch, "train", re.sub(r"[^A-Za-z0-9_.-]", "_", name))
