@@ -22,6 +22,10 @@ StageMemory stage_memory(const Config& cfg, int pp_rank) {
     m.plan += GptModel::plan_memory(s.dims, s.options);
     m.activation_slots += s.options.num_slots;
   }
+  // Knowledge distillation: the frozen teacher beside the student (its weights, one layer's
+  // activations and its workspace).
+  if (const std::optional<ChunkSpec> t = teacher_chunk_spec(cfg, r, precision_dtype(cfg)))
+    m.plan += GptModel::plan_memory(t->dims, t->options);
   m.total = static_cast<double>(m.plan.total());
   return m;
 }

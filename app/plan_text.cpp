@@ -165,6 +165,9 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
   }
   if (!cfg.model.untie_embeddings_and_output_weights && g.pp > 1)
     o << "  (the last stage holds its own copy of the word embeddings for the tied output layer)\n";
+  if (const DistillConfig& kd = cfg.train.distill; kd.enabled() && kd.teacher)
+    o << "  distillation teacher (frozen, forward only, in the memory plan below): " << count(count_parameters(*kd.teacher).total)
+      << " (" << kd.teacher->num_layers << " layers)\n";
 
   o << "\n== FLOPs (Megatron's formula, causal attention halved, recompute not counted) ==\n";
   o << fmt::format("  per iteration: {:.4g} FLOPs (global batch {} x seq {}); per token: {:.4g}\n", plan.flops_per_iteration,
