@@ -49,8 +49,9 @@ void add_checkpoint_flags(FlagTable& t) {
           "e.g. one import-megatron made of a Megatron-LM one)",
           MT_FIELD(train.distill.teacher_load));
   t.value("--export-kd-cfg",
-          "the distillation config (YAML: logit_layers, intermediate_layer_pairs, skip_lm_loss, kd_loss_scale, "
-          "logit_kl_temperature); default: logits only, skip_lm_loss true",
+          "the distillation config (YAML: logit_layers, intermediate_layer_pairs of decoder.layers.N and "
+          "decoder.final_layernorm, skip_lm_loss, kd_loss_scale, logit_kl_temperature); default: logits only, "
+          "skip_lm_loss true",
           MT_FIELD(train.distill.cfg_path));
   t.value("--export-kd-teacher-model-config",
           "YAML of the teacher's model arguments that differ from the student's (Megatron's argument names); "

@@ -51,10 +51,11 @@ void read_distill_config(DistillConfig& d, const std::string& path) {
             fail("--export-kd-cfg {}: unknown intermediate loss function {} (cosine or mse)", path, fn);
           p.mse = fn == "mse";
         }
-        if (p.student != "decoder.final_layernorm" || p.teacher != "decoder.final_layernorm")
-          throw Unsupported(fmt::format(
-              "--export-kd-cfg {}: the intermediate pair {} is not supported yet (the final norms' outputs are: "
-              "[\"decoder.final_layernorm\", \"decoder.final_layernorm\"])", path, e.dump()));
+        for (const std::string& n : {p.student, p.teacher})
+          if (DistillConfig::hidden_state_layer(n) < -1)
+            throw Unsupported(fmt::format(
+                "--export-kd-cfg {}: the intermediate layer {} is not supported yet (a decoder layer's output, "
+                "decoder.layers.N, and the final norm's, decoder.final_layernorm, are)", path, n));
         d.intermediate_layer_pairs.push_back(p);
       }
     } else if (key == "logit_kl_topk" || key == "criterion" || key == "loss_balancer") {
@@ -183,6 +184,16 @@ void derive_distillation(CliState& st, const std::vector<std::string>& args, con
     fail("the teacher's --seq-length ({}) differs from the student's ({}): it reads the student's tokens",
          t.model.seq_length, cfg.model.seq_length);
   if (t.model.mtp_num_layers.value_or(0) > 0) unsupported("a teacher with multi-token prediction layers");
+  for (const DistillConfig::Pair& p : d.intermediate_layer_pairs) {
+    const int sl = DistillConfig::hidden_state_layer(p.student), tl = DistillConfig::hidden_state_layer(p.teacher);
+    if (sl >= cfg.model.num_layers)
+      fail("--export-kd-cfg {}: the student has no layer {} ({} layers)", *d.cfg_path, p.student, cfg.model.num_layers);
+    if (tl >= t.model.num_layers)
+      fail("--export-kd-cfg {}: the teacher has no layer {} ({} layers)", *d.cfg_path, p.teacher, t.model.num_layers);
+    // (A recomputed layer's output is gone by the time the head compares it.)
+    if (sl >= 0 && cfg.train.recompute_granularity == RecomputeGranularity::full)
+      unsupported(fmt::format("the intermediate layer {} and --recompute-granularity full", p.student));
+  }
   if (!d.intermediate_layer_pairs.empty() && t.model.hidden_size != cfg.model.hidden_size)
     unsupported(fmt::format("intermediate_layer_pairs between hidden sizes {} (student) and {} (teacher) (ModelOpt's "
                             "trainable projection)", cfg.model.hidden_size, t.model.hidden_size));

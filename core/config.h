@@ -382,6 +382,19 @@ struct DistillConfig {
     bool mse = false;  // else cosine (the default)
   };
   std::vector<Pair> intermediate_layer_pairs;
+  // A pair's layer name as the hidden state it reads: "decoder.layers.N" -> N (the layer's output),
+  // "decoder.final_layernorm" -> -1 (the final norm's output); -2 for any other name.
+  static int hidden_state_layer(const std::string& name) {
+    if (name == "decoder.final_layernorm") return -1;
+    const std::string prefix = "decoder.layers.";
+    if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() || name.size() > prefix.size() + 6) return -2;
+    int n = 0;
+    for (size_t i = prefix.size(); i < name.size(); ++i) {
+      if (name[i] < '0' || name[i] > '9') return -2;
+      n = n * 10 + (name[i] - '0');
+    }
+    return n;
+  }
   // The teacher's model: the student's with the teacher's model config applied (app/distill_args.h).
   std::optional<ModelConfig> teacher;
   // The teacher model config's keys, as flags (for the startup lines and the plan).

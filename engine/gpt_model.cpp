@@ -116,8 +116,12 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
     o.distill.inv_temperature = static_cast<float>(1.0 / kd.logit_kl_temperature);
     // (ModelOpt keys its losses by the pair: a pair given twice takes its last loss function.)
     for (const DistillConfig::Pair& p : kd.intermediate_layer_pairs) {
-      o.distill.final_norm_pair = true;
-      o.distill.final_norm_loss = p.mse ? Backend::HiddenLoss::mse : Backend::HiddenLoss::cosine;
+      const ModelOptions::Distill::Pair q{DistillConfig::hidden_state_layer(p.student), DistillConfig::hidden_state_layer(p.teacher),
+                                          p.mse ? Backend::HiddenLoss::mse : Backend::HiddenLoss::cosine};
+      auto same = std::find_if(o.distill.pairs.begin(), o.distill.pairs.end(),
+                               [&](const auto& x) { return x.student == q.student && x.teacher == q.teacher; });
+      if (same != o.distill.pairs.end()) same->loss = q.loss;
+      else o.distill.pairs.push_back(q);
     }
   }
   return o;
@@ -708,7 +712,7 @@ void GptModel::layout(Arena& a) {
       w.kd_logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
       for (Tensor* t : {&w.kd_lse_s, &w.kd_lse_t, &w.kd_kl, &w.kd_hidden}) *t = a.take(C::workspace, S, {N});
       w.kd_lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
-      w.kd_sums = a.take(C::workspace, S, {4});
+      w.kd_sums = a.take(C::workspace, S, {2 + 2 * static_cast<int64_t>(opt_.distill.pairs.size())});
       kd_train_loss_ = a.take(C::workspace, S, {3});
       kd_eval_loss_ = a.take(C::workspace, S, {3});
     }
@@ -1484,8 +1488,15 @@ bool GptModel::proj_bias_grad_from_norm(int local) const {
          opt_.seams.bias_grad_from_norm;
 }
 bool GptModel::fc2_bias_grad_from_norm(int local) const {
-  // (An mtp layer's output goes through its own final norm, whose backward takes no bias gradient.)
-  return proj_bias_grad_from_norm(local) && (local + 1 < d_.decoder_layers() || (d_.last_stage && !mtp_layer(local)));
+  // (An mtp layer's output goes through its own final norm, whose backward takes no bias gradient.
+  // A distillation pair's layer output: its gradient gains the pair's after that norm's backward.)
+  const auto paired = [&] {
+    for (const ModelOptions::Distill::Pair& p : opt_.distill.pairs)
+      if (p.student == d_.layer_begin + local) return true;
+    return false;
+  };
+  return proj_bias_grad_from_norm(local) && (local + 1 < d_.decoder_layers() || (d_.last_stage && !mtp_layer(local))) &&
+         !paired();
 }
 
 Tensor GptModel::prev_fc2_bias_grad(int local) const {
@@ -1523,6 +1534,7 @@ void GptModel::backward(int slot, bool grad_sync) {
     return g >= 0 ? rp.groups[static_cast<size_t>(g)].first : k - 1;
   };
   auto layer_backward_at = [&](int k, Tensor dy, Tensor dx) {
+    if (opt_.distill.enabled) distill_intermediate_backward(s, k, dy);  // (pairs of layer k's output)
     gather_unit(k, needed_after(k));
     prepare_grad_unit(k);
     prepare_grad_unit(k - 1);

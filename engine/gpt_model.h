@@ -147,8 +147,13 @@ struct ModelOptions {
   struct Distill {
     bool enabled = false;
     float inv_temperature = 1.0f;  // 1 / logit_kl_temperature
-    bool final_norm_pair = false;  // intermediate pair: decoder.final_layernorm's outputs
-    Backend::HiddenLoss final_norm_loss = Backend::HiddenLoss::cosine;
+    // The intermediate pairs: the student's and the teacher's hidden states compared, each a
+    // decoder layer's output (its number) or the final norm's (-1), and the loss between them.
+    struct Pair {
+      int student = -1, teacher = -1;
+      Backend::HiddenLoss loss = Backend::HiddenLoss::cosine;
+    };
+    std::vector<Pair> pairs;
   } distill;
 
   // Fused paths whose unfused counterpart other configurations still take (recompute, sequence
@@ -435,6 +440,9 @@ class GptModel {
   Tensor kd_loss_sums(bool eval) const { return eval ? kd_eval_loss_ : kd_train_loss_; }
   // A frozen model's final-norm output of its last forward, all rows [N, h] (sequence-major).
   Tensor features() const;
+  // This rank's rows [tokens_local, h] of a hidden state of slot `slot`'s last forward: decoder
+  // layer `layer`'s output, or (-1) the final norm's.
+  Tensor hidden_state(int slot, int layer) const;
   // A frozen model's logits of rows [r0, r0 + rows) of that output (this rank's vocabulary shard).
   void teacher_logits(Tensor out, int64_t r0, int64_t rows) const;
 
@@ -827,7 +835,10 @@ class GptModel {
   Tensor kd_train_loss_, kd_eval_loss_;
   double kd_intermediate_scale_ = 1.0;
   void distill_head(Slot& s, Tensor y);
-  void distill_intermediate_backward(Slot& s, Tensor dy);
+  // Adds the intermediate losses' gradients of the student's hidden state `layer` (a decoder
+  // layer's output, or -1: the final norm's) to `grad` (this rank's rows).
+  void distill_intermediate_backward(Slot& s, int layer, Tensor grad);
+  Tensor hidden_state_of(const Slot& s, int layer) const;
   // Expert bias (has_expert_bias()): per MoE layer of this chunk in layer order, [E] each.
   // The step's token counts on the device (the backward adds each micro-batch's), their host copy.
   Tensor moe_bias_, moe_counts_dev_;

@@ -186,7 +186,7 @@ Args kd_model() {
 }
 }  // namespace
 
-TEST_CASE("--export-kd-teacher-load: ModelOpt's defaults, the config file, the teacher's model config", "[cli][distill]") {
+TEST_CASE("distillation flags: ModelOpt's defaults, the config file, the teacher's model config", "[cli][distill]") {
   KdFiles f;
   std::filesystem::create_directories(f.path("teacher"));
   {  // no config: logits only, skip_lm_loss; no model_config.yaml: the student's model, with Megatron's warning
@@ -227,7 +227,7 @@ TEST_CASE("--export-kd-teacher-load: ModelOpt's defaults, the config file, the t
              Catch::Contains("teacher model config") && Catch::Contains("not found"));
 }
 
-TEST_CASE("--export-kd-teacher-load refusals: Megatron's, and what megatrain does not build yet", "[cli][distill]") {
+TEST_CASE("distillation flags refused: Megatron's, and what megatrain does not build yet", "[cli][distill]") {
   KdFiles f;
   std::filesystem::create_directories(f.path("teacher"));
   const Args kd = kd_model() + Args{"--export-kd-teacher-load", f.path("teacher")};
@@ -242,8 +242,16 @@ TEST_CASE("--export-kd-teacher-load refusals: Megatron's, and what megatrain doe
     return kd + Args{"--export-kd-cfg", f.write("c.yaml", text)};
   };
   CHECK_THAT(unsupported_error(with_cfg("skip_lm_loss: false\n")), Catch::Contains("skip_lm_loss"));
-  CHECK_THAT(unsupported_error(with_cfg("intermediate_layer_pairs: [[decoder.layers.1, decoder.layers.1]]\n")),
-             Catch::Contains("decoder.layers.1"));
+  CHECK_THAT(unsupported_error(with_cfg("intermediate_layer_pairs: [[decoder.layers.1.mlp, decoder.layers.1]]\n")),
+             Catch::Contains("decoder.layers.1.mlp"));
+  CHECK_THAT(parse_error(with_cfg("intermediate_layer_pairs: [[decoder.layers.2, decoder.layers.1]]\n")),
+             Catch::Contains("the student has no layer decoder.layers.2"));
+  CHECK_THAT(parse_error(with_cfg("intermediate_layer_pairs: [[decoder.layers.1, decoder.layers.2]]\n")),
+             Catch::Contains("the teacher has no layer decoder.layers.2"));
+  CHECK_THAT(unsupported_error(with_cfg("intermediate_layer_pairs: [[decoder.layers.1, decoder.final_layernorm]]\n") +
+                               words("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")),
+             Catch::Contains("--recompute-granularity full"));
+  CHECK_NOTHROW(mt::test::parse(with_cfg("intermediate_layer_pairs: [[decoder.layers.0, decoder.final_layernorm, mse]]\n")));
   CHECK_THAT(unsupported_error(with_cfg("logit_kl_topk: 16\n")), Catch::Contains("logit_kl_topk"));
   CHECK_THAT(parse_error(with_cfg("kd_loss_scale: 0\n")), Catch::Contains("kd_loss_scale must be a positive number"));
   CHECK_THAT(parse_error(with_cfg("skip_lm: true\n")), Catch::Contains("unknown field skip_lm"));

@@ -52,8 +52,10 @@ TEST_CASE("distillation resumes Megatron-LM + ModelOpt's students to their losse
     std::string flags;  // megatrain's beside the student's
   };
   // final_ln: logits and the final norms' cosine loss; logits_t2: logits only at temperature 2;
-  // tp2: final_ln saved by Megatron-LM at TP 2 + SP (its own initialization), resumed on one rank.
-  for (const Case& c : {Case{"final_ln", ""}, Case{"logits_t2", ""}, Case{"tp2", ""}}) {
+  // tp2: final_ln saved by Megatron-LM at TP 2 + SP (its own initialization), resumed on one rank;
+  // layers: the student's layer 1 output against the teacher's layer 2 output (mse) and the final
+  // norms' outputs (cosine), the intermediate loss their mean.
+  for (const Case& c : {Case{"final_ln", ""}, Case{"logits_t2", ""}, Case{"tp2", ""}, Case{"layers", ""}}) {
     INFO(c.name);
     const std::string student = (tmp / c.name);
     const mt::MegatronImportResult r = mt::import_megatron(kKd + "/" + c.name, std::nullopt, student, false);

@@ -5,11 +5,13 @@
 //     temperature, vocab-parallel (each shard's part with the rows' global log-sum-exps, summed
 //     over TP); its gradient (p_s - p_t) / T goes straight into the output layer's backward, chunk
 //     by chunk, as the cross-entropy's does;
-//   * the intermediate pair decoder.final_layernorm: per token 1 - cos (or the mean squared error)
-//     of the final norms' outputs;
+//   * the intermediate pairs: per token 1 - cos (or the mean squared error) of two hidden states,
+//     each a decoder layer's output (decoder.layers.N) or the final norm's (decoder.final_layernorm);
+//     their gradients join the student's backward where it reaches those states;
 //   * ModelOpt's LogitsAndIntermediatesLossBalancer with skip_lm_loss: the micro-batch's loss is
-//     logits + intermediate x (logits / intermediate) (masked sums; the ratio a constant, so the
-//     intermediate's gradient is scaled by it), reported as "total loss" beside both parts; the
+//     logits + intermediate x (logits / intermediate) (masked sums, the intermediate one the pairs'
+//     mean; the ratio a constant, so the pairs' gradients are scaled by it), reported as "total
+//     loss" beside both parts; the
 //     language-model loss counts its tokens as zero in training (ModelOpt replaces it by zeros) and
 //     is evaluated as usual.
 #include <algorithm>
@@ -29,8 +31,8 @@ void GptModel::set_teacher(GptModel* teacher) {
   MT_CHECK(teacher->d_.tokens() == d_.tokens() && teacher->d_.vocab_local() == d_.vocab_local(),
            "set_teacher: the teacher's {} tokens x {} vocabulary columns differ from the student's {} x {}",
            teacher->d_.tokens(), teacher->d_.vocab_local(), d_.tokens(), d_.vocab_local());
-  MT_CHECK(!opt_.distill.final_norm_pair || teacher->d_.hidden == d_.hidden,
-           "set_teacher: the final norms' outputs differ in width ({} and {})", d_.hidden, teacher->d_.hidden);
+  MT_CHECK(opt_.distill.pairs.empty() || teacher->d_.hidden == d_.hidden,
+           "set_teacher: the hidden states compared differ in width ({} and {})", d_.hidden, teacher->d_.hidden);
   teacher_ = teacher;
 }
 
@@ -100,38 +102,65 @@ void GptModel::distill_head(Slot& s, Tensor y) {
     be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
   }
   be_.masked_loss_sum(lm_sums, w.loss, s.mask, true);
-  // The distillation losses' masked sums, and the balancer's scale for the intermediate loss.
+  // The distillation losses' masked sums: the logits' and each intermediate pair's (this rank's
+  // rows, summed over TP under sequence parallelism; without it every TP rank has all of them).
+  const std::vector<ModelOptions::Distill::Pair>& pairs = kd.pairs;
+  const int P = static_cast<int>(pairs.size());
   be_.masked_loss_sum(w.kd_sums.flat_slice(0, 2), w.kd_kl, s.mask, false);
-  if (kd.final_norm_pair) {
-    be_.hidden_loss_forward(w.kd_hidden, y, teacher_->features(), kd.final_norm_loss);
-    be_.masked_loss_sum(w.kd_sums.flat_slice(2, 2), w.kd_hidden, s.mask, false);
-  } else {
-    be_.fill(w.kd_sums.flat_slice(2, 2), 0.0);
+  const int64_t r0 = d_.local_row_begin(), n = d_.tokens_local();
+  for (int p = 0; p < P; ++p) {
+    const Tensor loss = w.kd_hidden.flat_slice(0, n);
+    be_.hidden_loss_forward(loss, hidden_state_of(s, pairs[p].student), teacher_->hidden_state(0, pairs[p].teacher),
+                            pairs[p].loss);
+    be_.masked_loss_sum(w.kd_sums.flat_slice(2 + 2 * p, 2), loss, s.mask.flat_slice(r0, n), false);
   }
-  double host[4];
+  if (P > 0 && d_.sequence_parallel) ps_.tp->all_reduce(w.kd_sums.flat_slice(2, 2 * P));
+  std::vector<double> host(static_cast<size_t>(w.kd_sums.numel()));
   if (opt_.accum == DType::f64) {
-    be_.copy_to_host(host, w.kd_sums);
+    be_.copy_to_host(host.data(), w.kd_sums);
   } else {
-    float f[4];
-    be_.copy_to_host(f, w.kd_sums);
-    std::copy(f, f + 4, host);
+    std::vector<float> f(host.size());
+    be_.copy_to_host(f.data(), w.kd_sums);
+    std::copy(f.begin(), f.end(), host.begin());
   }
-  // ModelOpt: intermediate x (logits / intermediate), detached, where the intermediate loss is > 0.
-  kd_intermediate_scale_ = host[2] > 0 ? host[0] / host[2] : 1.0;
+  // ModelOpt's balancer: the intermediate loss is the pairs' mean; it enters the total as
+  // intermediate x (logits / intermediate), detached, where it is > 0: each pair's gradient is
+  // scaled by that ratio over the pairs.
+  double inter = 0;
+  for (int p = 0; p < P; ++p) inter += host[2 + 2 * static_cast<size_t>(p)];
+  inter /= std::max(1, P);
+  const double ratio = inter > 0 ? host[0] / inter : 1.0;
+  kd_intermediate_scale_ = ratio / std::max(1, P);
   const Tensor out = s.training ? kd_train_loss_ : kd_eval_loss_;
-  const Tensor logits_sum = w.kd_sums.flat_slice(0, 1), inter_sum = w.kd_sums.flat_slice(2, 1);
+  const Tensor logits_sum = w.kd_sums.flat_slice(0, 1);
   be_.axpby(out.flat_slice(0, 1), 1.0f, out.flat_slice(0, 1), 1.0f, logits_sum);
-  be_.axpby(out.flat_slice(0, 1), 1.0f, out.flat_slice(0, 1), static_cast<float>(kd_intermediate_scale_), inter_sum);
   be_.axpby(out.flat_slice(1, 1), 1.0f, out.flat_slice(1, 1), 1.0f, logits_sum);
-  be_.axpby(out.flat_slice(2, 1), 1.0f, out.flat_slice(2, 1), 1.0f, inter_sum);
+  for (int p = 0; p < P; ++p) {
+    const Tensor pair_sum = w.kd_sums.flat_slice(2 + 2 * p, 1);
+    be_.axpby(out.flat_slice(0, 1), 1.0f, out.flat_slice(0, 1), static_cast<float>(kd_intermediate_scale_), pair_sum);
+    be_.axpby(out.flat_slice(2, 1), 1.0f, out.flat_slice(2, 1), static_cast<float>(1.0 / P), pair_sum);
+  }
 }
 
-// The intermediate loss's gradient, added to the final norm output's (this rank's rows).
-void GptModel::distill_intermediate_backward(Slot& s, Tensor dy) {
-  if (!opt_.distill.final_norm_pair) return;
+Tensor GptModel::hidden_state(int slot, int layer) const { return hidden_state_of(slots_.at(static_cast<size_t>(slot)), layer); }
+
+Tensor GptModel::hidden_state_of(const Slot& s, int layer) const {
+  if (layer < 0) return local_rows(ws_->y);
+  MT_CHECK(layer >= d_.layer_begin && layer - d_.layer_begin < d_.decoder_layers(), "hidden_state: layer {} is not on this stage",
+           layer);
+  const Tensor out = acts(s, layer - d_.layer_begin).out;
+  MT_CHECK(!out.empty(), "hidden_state: layer {}'s output is not kept", layer);
+  return out;
+}
+
+// The intermediate losses' gradients with respect to the student's hidden state `layer`, added to
+// its gradient (this rank's rows).
+void GptModel::distill_intermediate_backward(Slot& s, int layer, Tensor grad) {
   const int64_t r0 = d_.local_row_begin(), n = d_.tokens_local();
-  be_.hidden_loss_backward(dy, ws_->y.row_slice(r0, n), teacher_->features().row_slice(r0, n), s.dloss.flat_slice(r0, n),
-                           static_cast<float>(kd_intermediate_scale_), opt_.distill.final_norm_loss, true);
+  for (const ModelOptions::Distill::Pair& p : opt_.distill.pairs)
+    if (p.student == layer)
+      be_.hidden_loss_backward(grad, hidden_state_of(s, layer), teacher_->hidden_state(0, p.teacher),
+                               s.dloss.flat_slice(r0, n), static_cast<float>(kd_intermediate_scale_), p.loss, true);
 }
 
 }  // namespace mt

@@ -35,7 +35,7 @@ void GptModel::head_forward(Slot& s, Tensor x, bool norm_done) {
   else output_layer_loss(s, w.y, s.labels, s.mask, s.dloss, s.training ? train_loss_ : eval_loss_);
   if (!s.training) return;
   Tensor dy = reduce_rows(w.gT);
-  if (opt_.distill.enabled) distill_intermediate_backward(s, dy);
+  if (opt_.distill.enabled) distill_intermediate_backward(s, -1, dy);
   if (d_.stage_mtp_layers() > 0) {  // the mtp depths read the final norm's output: they add to its gradient
     be_.copy(w.mtp_dy0, dy);
     mtp_forward_backward(s, w.mtp_dy0);

@@ -948,11 +948,15 @@ megatrain_parallel_train_test(parallel_train_gdn_mtp_tp2_sp_pp2 --model "${gdn_m
                               --sequence-parallel --pipeline-model-parallel-size 2)
 # Knowledge distillation (--export-kd-teacher-load): a 3-layer teacher trained first (its model
 # config: tests/fixtures/megatron/kd/teacher/model_config.yaml), the 4-layer student distilled from
-# it with the logits' KL divergence and the final norms' cosine loss (ModelOpt's balancer), over
-# TP 2 with sequence parallelism, and over DP 2 with the distributed optimizer; evaluations give
-# the student's language-model loss beside the distillation losses.
-set(kd_student "--export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/final_ln.yaml --export-kd-teacher-model-config ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/teacher/model_config.yaml")
-megatrain_parallel_train_test(parallel_train_distill_tp2_sp --teacher "--num-layers 3 --seed 4321" --model "${kd_student}"
-                              2 --tensor-model-parallel-size 2 --sequence-parallel)
+# it with the logits' KL divergence and ModelOpt's balancer: over TP 2 with sequence parallelism
+# with the intermediate pairs of kd/layers.yaml (student layer 1's output against the teacher's
+# layer 2's by mse, the final norms' by cosine), and over DP 2 with the distributed optimizer with
+# the final norms' pair; evaluations give the student's language-model loss beside the
+# distillation losses.
+set(kd_teacher_config "--export-kd-teacher-model-config ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/teacher/model_config.yaml")
+megatrain_parallel_train_test(parallel_train_distill_tp2_sp --teacher "--num-layers 3 --seed 4321"
+  --model "${kd_teacher_config} --export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/layers.yaml"
+  2 --tensor-model-parallel-size 2 --sequence-parallel)
 megatrain_parallel_train_test(parallel_train_distill_dp2_distopt --teacher "--num-layers 3 --seed 4321"
-                              --model "${kd_student}" 2 --use-distributed-optimizer)
+  --model "${kd_teacher_config} --export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/final_ln.yaml"
+  2 --use-distributed-optimizer)
