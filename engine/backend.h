@@ -775,12 +775,13 @@ class Backend {
   virtual void logsumexp_combine(Tensor lse_out, Tensor lse_parts) = 0;
   // ---- knowledge distillation (ModelOpt's losses, megatron/post_training) -------------------
   // Per row of a (possibly vocab-parallel) logits shard [N, cols]: lse float32 [N] = log(sum(exp(
-  // logits * scale))) over this shard's columns (scale: 1 / the KL temperature).
+  // logits * scale))) over this shard's columns (scale: 1 / the KL temperature; -inf for a row of
+  // -inf). t and s, a and b (and da) below have one dtype.
   virtual void logsumexp_rows(Tensor lse, Tensor logits, float scale) = 0;
   // LogitsKLLoss: the student's logits s and the teacher's t [N, cols] (one shard, the same
   // columns), each times scale (1 / temperature); lse_s, lse_t float32 [N] their rows' global log-
   // sum-exp of that (logsumexp_rows, combined over the shards). With p = exp(x * scale - lse):
-  // kl float32 [N] = sum over this shard's columns of p_t * (log p_t - log p_s) (the row's KL(t || s)
+  // kl float32 [N] = sum over this shard's columns with p_t > 0 of p_t * (log p_t - log p_s) (the row's KL(t || s)
   // where the shard is the whole vocabulary; shards' values add up to it); where dloss (float32
   // [N]) is not empty, ds [N, cols] (may alias s) = (p_s - p_t) * scale * dloss[row].
   virtual void kd_logits_kl(Tensor kl, Tensor ds, Tensor s, Tensor t, Tensor lse_s, Tensor lse_t, float scale,

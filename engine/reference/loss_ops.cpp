@@ -164,7 +164,7 @@ void ReferenceBackend::logsumexp_rows(Tensor lse, Tensor logits, float scale) {
         for (int64_t c = 0; c < C; ++c) m = std::max(m, static_cast<double>(z[c]) * scale);
         double sum = 0;
         for (int64_t c = 0; c < C; ++c) sum += std::exp(static_cast<double>(z[c]) * scale - m);
-        fl.set(r, m + std::log(sum));
+        fl.set(r, m == -INFINITY ? m : m + std::log(sum));  // (a row of -inf: -inf)
       }
     });
   });
@@ -199,7 +199,7 @@ void ReferenceBackend::kd_logits_kl(Tensor kl, Tensor ds, Tensor s, Tensor t, Te
           const double log_ps = static_cast<double>(zs[c]) * scale - ls;
           const double log_pt = static_cast<double>(zt[c]) * scale - lt;
           const double pt = std::exp(log_pt);
-          sum += pt * (log_pt - log_ps);
+          if (pt > 0) sum += pt * (log_pt - log_ps);  // (a teacher logit of -inf adds nothing)
           if (g) g[c] = static_cast<T>((std::exp(log_ps) - pt) * scale * w);  // (after reading zs[c]: ds may alias s)
         }
         fk.set(r, sum);
