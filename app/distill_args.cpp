@@ -145,13 +145,16 @@ void derive_distillation(CliState& st, const std::vector<std::string>& args, con
     throw Unsupported(fmt::format("--export-kd-teacher-load with {} is not supported yet", what));
   };
   if (cfg.parallel.pipeline_model_parallel_size > 1) unsupported("--pipeline-model-parallel-size > 1");
-  if (cfg.parallel.context_parallel_size > 1) unsupported("--context-parallel-size > 1");
   if (cfg.model.mtp_num_layers.value_or(0) > 0) unsupported("--mtp-num-layers");
   if (cfg.train.fp8_format) unsupported("--fp8-format");
   if (d.cfg_path) {
     if (!std::filesystem::exists(*d.cfg_path)) fail("--export-kd-cfg: distillation config {} not found", *d.cfg_path);
     read_distill_config(d, *d.cfg_path);
   }
+  // (Megatron-LM balances the intermediate losses per context-parallel rank, from each rank's
+  // sums; its context parallelism needs Transformer Engine, so that is unchecked here.)
+  if (cfg.parallel.context_parallel_size > 1 && !d.intermediate_layer_pairs.empty())
+    unsupported("intermediate_layer_pairs in --export-kd-cfg and --context-parallel-size > 1");
   if (!d.skip_lm_loss) unsupported("skip_lm_loss: false in --export-kd-cfg (the language-model loss beside the distillation losses)");
 
   // The teacher's model: the student's command line with the teacher's model config applied.

@@ -237,7 +237,7 @@ TEST_CASE("distillation flags refused: Megatron's, and what megatrain does not b
   CHECK_THAT(parse_error(kd + words("--cross-entropy-fusion-impl te")), Catch::Contains("TransformerEngine Cross-Entropy"));
   CHECK_THAT(unsupported_error(kd + words("--pipeline-model-parallel-size 2"), 2),
              Catch::Contains("--pipeline-model-parallel-size"));
-  CHECK_THAT(unsupported_error(kd + words("--context-parallel-size 2"), 2), Catch::Contains("--context-parallel-size"));
+  CHECK_NOTHROW(mt::test::parse(kd + words("--context-parallel-size 2"), 2));  // (logits only)
   const auto with_cfg = [&](const std::string& text) {
     return kd + Args{"--export-kd-cfg", f.write("c.yaml", text)};
   };
@@ -253,6 +253,9 @@ TEST_CASE("distillation flags refused: Megatron's, and what megatrain does not b
              Catch::Contains("--recompute-granularity full"));
   CHECK_NOTHROW(mt::test::parse(with_cfg("intermediate_layer_pairs: [[decoder.layers.0, decoder.final_layernorm, mse]]\n")));
   CHECK_THAT(unsupported_error(with_cfg("logit_kl_topk: 16\n")), Catch::Contains("logit_kl_topk"));
+  CHECK_THAT(unsupported_error(with_cfg("intermediate_layer_pairs: [[decoder.final_layernorm, decoder.final_layernorm]]\n") +
+                                   words("--context-parallel-size 2"), 2),
+             Catch::Contains("--context-parallel-size"));
   CHECK_THAT(parse_error(with_cfg("kd_loss_scale: 0\n")), Catch::Contains("kd_loss_scale must be a positive number"));
   CHECK_THAT(parse_error(with_cfg("skip_lm: true\n")), Catch::Contains("unknown field skip_lm"));
   CHECK_THAT(parse_error(with_cfg("intermediate_layer_pairs: [[decoder.final_layernorm, decoder.final_layernorm, l1]]\n")),

@@ -960,3 +960,8 @@ megatrain_parallel_train_test(parallel_train_distill_tp2_sp --teacher "--num-lay
 megatrain_parallel_train_test(parallel_train_distill_dp2_distopt --teacher "--num-layers 3 --seed 4321"
   --model "${kd_teacher_config} --export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/final_ln.yaml"
   2 --use-distributed-optimizer)
+# ... and over CP 2 (logits only: Megatron-LM balances intermediate pairs per context-parallel rank,
+# which megatrain refuses for now).
+megatrain_parallel_train_test(parallel_train_distill_cp2 --teacher "--num-layers 3 --seed 4321"
+  --model "${kd_teacher_config} --export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/logits_t2.yaml"
+  2 --context-parallel-size 2)
