@@ -45,8 +45,8 @@ void add_checkpoint_flags(FlagTable& t) {
          "memory", MT_FIELD(checkpoint.async_save));
   // Megatron-LM's ModelOpt (post-training) flags for knowledge distillation (app/distill_args.h).
   t.value("--export-kd-teacher-load",
-          "train by knowledge distillation from the teacher checkpoint in this directory (a megatrain checkpoint, "
-          "e.g. one import-megatron made of a Megatron-LM one)",
+          "train by knowledge distillation from the teacher checkpoint in this directory (megatrain's or "
+          "Megatron-LM's)",
           MT_FIELD(train.distill.teacher_load));
   t.value("--export-kd-cfg",
           "the distillation config (YAML: logit_layers, intermediate_layer_pairs of decoder.layers.N and "

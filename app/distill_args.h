@@ -10,6 +10,7 @@
 //     command line of its own;
 //   * Megatron's refusals (--manual-gc, --tp-comm-overlap, --cross-entropy-fusion-impl te, an
 //     interleaved pipeline) and what megatrain does not build yet, each in one line.
+// The teacher's weights are loaded by app/train.cpp (a megatrain or a Megatron-LM checkpoint).
 #pragma once
 
 #include <string>

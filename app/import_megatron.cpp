@@ -136,25 +136,19 @@ nlohmann::json lr_scheduler_json(const PickleValue& sched, const PickleValue& ar
                         {"num_steps", static_cast<int64_t>(num("num_steps"))}};
 }
 
-}  // namespace
-
-MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
-                                     const std::string& save_dir, bool weights_only, uint64_t max_part_bytes) {
-  MegatronCheckpoint ck(load_dir, ckpt_step);
+// The run configuration a Megatron-LM checkpoint's saved args describe: its model flags parsed as a
+// training run would (single process, the tokenizer replaced by a NullTokenizer of the padded size:
+// the files the checkpoint names may not be on this machine), with the tokenizer as saved.
+Config megatron_checkpoint_config(const MegatronCheckpoint& ck, MegatronImportResult& r) {
   const PickleValue& args = ck.args();
   const std::string where = "the Megatron-LM checkpoint " + ck.directory();
   const PickleValue* padded = megatron_arg(args, "padded_vocab_size");
   if (!padded || !padded->is(PickleKind::integer))
     fail("{} does not record padded_vocab_size in its args: megatrain cannot size the embedding", where);
-
-  MegatronImportResult r;
   r.model_flags = megatron_model_flags(args, where);
   r.tokenizer_flags = megatron_tokenizer_flags(args, where);
   r.format = ck.format();
   r.iteration = ck.iteration();
-
-  // Parse the model flags as a training run would (single process, the tokenizer replaced by a
-  // NullTokenizer of the padded size: the files the checkpoint names may not be on this machine).
   std::vector<std::string> parse = r.model_flags;
   for (const char* f : {"--tokenizer-type", "NullTokenizer", "--vocab-size"}) parse.push_back(f);
   parse.push_back(std::to_string(padded->integer));
@@ -197,6 +191,58 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
   if (const PickleValue* v = megatron_arg(args, "vocab_size"); v && v->is(PickleKind::integer))
     cfg.data.vocab_size = static_cast<int>(v->integer);
   r.model = cfg.model;
+  return cfg;
+}
+
+}  // namespace
+
+bool is_megatron_checkpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step) {
+  const std::optional<CheckpointLocation> loc = locate_checkpoint(load_dir, ckpt_step);
+  return loc && !path_exists(join_path(loc->directory, "manifest.json"));
+}
+
+void read_megatron_weights(const std::string& load_dir, const ModelConfig& model, const std::string& flag,
+                           const std::vector<ParamDesc>& descs,
+                           const std::function<void(size_t, const std::vector<float>&)>& fill) {
+  MegatronCheckpoint ck(load_dir, std::nullopt);
+  MegatronImportResult r;
+  const Config cfg = megatron_checkpoint_config(ck, r);
+  const std::string where = fmt::format("{} {} (a Megatron-LM {} checkpoint)", flag, ck.directory(), ck.format());
+  check_checkpoint_model(model_config_to_json(cfg.model), model, where);
+  std::set<std::string> unused;
+  for (const std::string& n : ck.parameter_names()) unused.insert(n);
+  std::vector<float> local;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const ParamDesc& p = descs[i];
+    const std::string& name = p.shared_copy ? p.init_name : p.name;
+    unused.erase(name);
+    const HostArray g = ck.parameter(name);
+    if (g.shape != p.global_shape)
+      fail("{}: '{}' is {} but this run's model has it {}", where, name, shape_text(g.shape), shape_text(p.global_shape));
+    local.resize(static_cast<size_t>(p.shard.local_numel()));
+    for (size_t j = 0; j < local.size(); ++j) {
+      const int64_t at = shard_global_index(p.shard, static_cast<int64_t>(j));
+      switch (g.dtype) {
+        case DType::f32: local[j] = g.ptr<float>()[at]; break;
+        case DType::bf16: local[j] = bf16_bits_to_float(g.ptr<uint16_t>()[at]); break;
+        case DType::f16: local[j] = f16_bits_to_float(g.ptr<uint16_t>()[at]); break;
+        default: fail("{}: '{}' is stored as {}, which megatrain does not read", where, name, dtype_name(g.dtype));
+      }
+    }
+    fill(i, local);
+  }
+  if (!unused.empty())
+    fail("{} holds {} tensor(s) this run's model does not have, e.g. '{}': check the model's flags", where,
+         unused.size(), *unused.begin());
+}
+
+MegatronImportResult import_megatron(const std::string& load_dir, std::optional<int64_t> ckpt_step,
+                                     const std::string& save_dir, bool weights_only, uint64_t max_part_bytes) {
+  MegatronCheckpoint ck(load_dir, ckpt_step);
+  const PickleValue& args = ck.args();
+  const std::string where = "the Megatron-LM checkpoint " + ck.directory();
+  MegatronImportResult r;
+  const Config cfg = megatron_checkpoint_config(ck, r);
 
   // Every parameter of the model, unsharded, in forward order.
   const ModelDims dims = ModelDims::from_config(cfg, RankPosition::split(cfg, 1, 0));

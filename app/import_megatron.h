@@ -11,11 +11,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/config.h"
+#include "engine/param_layout.h"
 
 namespace mt {
 
@@ -39,5 +41,15 @@ MegatronImportResult import_megatron(const std::string& load_dir, std::optional<
                                      const std::string& save_dir, bool weights_only = false,
                                      uint64_t max_part_bytes = uint64_t{4} << 30);
 int import_megatron_main(const std::vector<std::string>& args);
+
+// Whether `load_dir` (as --load names it) holds a Megatron-LM checkpoint rather than megatrain's.
+bool is_megatron_checkpoint(const std::string& load_dir, std::optional<int64_t> ckpt_step);
+// A model's weights straight from a Megatron-LM checkpoint (a distillation teacher's; `flag` names
+// the directory's flag in errors): the model its args describe must be `model`
+// (check_checkpoint_model), and every tensor must be one of `descs`; fill(i, values) gets this rank's
+// block of descs[i] (ParamDesc::shard) as float32.
+void read_megatron_weights(const std::string& load_dir, const ModelConfig& model, const std::string& flag,
+                           const std::vector<ParamDesc>& descs,
+                           const std::function<void(size_t, const std::vector<float>&)>& fill);
 
 }  // namespace mt

@@ -16,6 +16,7 @@
 
 #include "app/checkpointing.h"
 #include "app/energy_meter.h"
+#include "app/import_megatron.h"
 #include "app/reporters.h"
 #include "app/startup_report.h"
 #include "app/training_data.h"
@@ -241,6 +242,42 @@ bool any_rank(ParallelState& ps, GptModel& m, bool mine) {
 
 int train_with(const Config& cfg, Backend* backend, ParallelState& ps);
 
+// Knowledge distillation: the teacher's weights from --export-kd-teacher-load, a megatrain
+// checkpoint (its weights, as --finetune loads them) or a Megatron-LM one (read directly: the
+// model its args describe checked against the teacher's, then each parameter's block for this rank).
+void load_teacher(const Config& cfg, ParallelState& ps, GptModel& teacher) {
+  const std::string& dir = *cfg.train.distill.teacher_load;
+  log::info("Loading teacher as GPTModel from {} ...", dir);
+  const Config teacher_cfg = distill_teacher_config(cfg);  // (TrainingCheckpoints keeps a reference)
+  if (is_megatron_checkpoint(dir, std::nullopt)) {
+    Backend& be = teacher.backend();
+    int64_t largest = 1;
+    for (const ParamDesc& p : teacher.params()) largest = std::max(largest, p.numel());
+    void* mem = be.allocate(static_cast<size_t>(largest) * sizeof(float));  // (set-up time)
+    read_megatron_weights(dir, teacher_cfg.model, "--export-kd-teacher-load", teacher.params(),
+                          [&](size_t i, const std::vector<float>& values) {
+                            const Tensor staged(mem, DType::f32, be.device(), {static_cast<int64_t>(values.size())});
+                            be.copy_from_host(staged, values.data());
+                            const Tensor w = teacher.param(static_cast<int>(i));
+                            be.cast(w.flat_slice(0, w.numel()), staged);
+                          });
+    be.synchronize();
+    be.deallocate(mem);
+    log::info("  loaded the teacher's weights from Megatron-LM checkpoint {}", dir);
+    return;
+  }
+  TrainingCheckpoints teacher_checkpoint(teacher_cfg, ps, teacher);
+  ResumePoint loaded;
+  try {
+    loaded = teacher_checkpoint.load();
+  } catch (const Error& e) {
+    fail("--export-kd-teacher-load {}: {}", dir, e.what());
+  }
+  if (!loaded.loaded)
+    fail("--export-kd-teacher-load {}: no checkpoint there (a megatrain or Megatron-LM checkpoint directory, as --save "
+         "wrote it)", dir);
+}
+
 int train_on_this_rank(const Config& cfg) {
   std::unique_ptr<Backend> backend = make_backend(cfg);
   // Declared after the backend: the communicators finish their work on its streams first.
@@ -304,19 +341,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
   TrainingCheckpoints checkpoints(cfg, ps, chunks);
   const ResumePoint resume = checkpoints.load();
   if (teacher) {
-    const std::string& dir = *cfg.train.distill.teacher_load;
-    log::info("Loading teacher as GPTModel from {} ...", dir);
-    const Config teacher_cfg = distill_teacher_config(cfg);  // (TrainingCheckpoints keeps a reference)
-    TrainingCheckpoints teacher_checkpoint(teacher_cfg, ps, *teacher);
-    ResumePoint loaded;
-    try {
-      loaded = teacher_checkpoint.load();
-    } catch (const Error& e) {
-      fail("--export-kd-teacher-load {}: {}", dir, e.what());
-    }
-    if (!loaded.loaded)
-      fail("--export-kd-teacher-load {}: no checkpoint there (a megatrain checkpoint is read; import-megatron makes one "
-           "of a Megatron-LM checkpoint)", dir);
+    load_teacher(cfg, ps, *teacher);
     chunks.front()->set_teacher(teacher.get());
   }
 

@@ -1,7 +1,7 @@
 // Knowledge distillation against Megatron-LM with ModelOpt (tests/fixtures/megatron/make_kd_fixtures.sh):
 // Megatron-LM trained a 3-layer teacher, then distilled 2-layer students from it on the CPU
-// (float32), saving each student after 2 of 4 iterations. megatrain imports the teacher and a
-// student and resumes the distillation: iterations 3 and 4 give Megatron-LM's losses (the second
+// (float32), saving each student after 2 of 4 iterations. megatrain imports a student and resumes
+// the distillation, its teacher imported or read from Megatron-LM's directory: iterations 3 and 4 give Megatron-LM's losses (the second
 // printed as the mean of both, as a resumed Megatron-LM prints it) and gradient norms.
 #include <catch2/catch.hpp>
 
@@ -49,22 +49,26 @@ TEST_CASE("distillation resumes Megatron-LM + ModelOpt's students to their losse
   CHECK(teacher.tensors == 21);
   struct Case {
     const char* name;
-    std::string flags;  // megatrain's beside the student's
+    std::string teacher;  // --export-kd-teacher-load and the model config's flag
   };
+  // The teacher imported (its model config named), or Megatron-LM's directory as the functional
+  // tests give it (read directly, its model_config.yaml found there).
+  const std::string imported = "--export-kd-teacher-load " + (tmp / "teacher") + " --export-kd-teacher-model-config " +
+                               kKd + "/teacher/model_config.yaml";
+  const std::string megatron = "--export-kd-teacher-load " + kKd + "/teacher";
   // final_ln: logits and the final norms' cosine loss; logits_t2: logits only at temperature 2;
   // tp2: final_ln saved by Megatron-LM at TP 2 + SP (its own initialization), resumed on one rank;
   // layers: the student's layer 1 output against the teacher's layer 2 output (mse) and the final
   // norms' outputs (cosine), the intermediate loss their mean.
-  for (const Case& c : {Case{"final_ln", ""}, Case{"logits_t2", ""}, Case{"tp2", ""}, Case{"layers", ""}}) {
+  for (const Case& c : {Case{"final_ln", megatron}, Case{"logits_t2", imported}, Case{"tp2", imported},
+                        Case{"layers", megatron}}) {
     INFO(c.name);
     const std::string student = (tmp / c.name);
     const mt::MegatronImportResult r = mt::import_megatron(kKd + "/" + c.name, std::nullopt, student, false);
     REQUIRE(r.resumable);
     std::string out;
     const int code = run_command(std::string(MEGATRAIN_BINARY) + " --device cpu " + kStudent + " --train-iters 4 --load " +
-                                     student + " --export-kd-teacher-load " + (tmp / "teacher") +
-                                     " --export-kd-teacher-model-config " + kKd + "/teacher/model_config.yaml" +
-                                     " --export-kd-cfg " + kKd + "/" + c.name + ".yaml " + c.flags,
+                                     student + " " + c.teacher + " --export-kd-cfg " + kKd + "/" + c.name + ".yaml",
                                  &out);
     INFO(out);
     REQUIRE(code == 0);
@@ -81,4 +85,11 @@ TEST_CASE("distillation resumes Megatron-LM + ModelOpt's students to their losse
     }
     for (double lm : logged(out, "lm loss")) CHECK(lm == 0.0);  // (ModelOpt's skip_lm_loss: zeros)
   }
+  // A teacher model that is not the checkpoint's is refused naming the setting.
+  mt_test::write_text(tmp / "two.yaml", "num_layers: 2\n");
+  std::string out;
+  CHECK(run_command(std::string(MEGATRAIN_BINARY) + " --device cpu " + kStudent + " --train-iters 4 " + megatron +
+                        " --export-kd-teacher-model-config " + (tmp / "two.yaml"),
+                    &out) != 0);
+  CHECK_THAT(out, Catch::Contains("--export-kd-teacher-load") && Catch::Contains("num_layers"));
 }
