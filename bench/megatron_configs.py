@@ -268,6 +268,25 @@ DROP = {"--rampup-batch-size": 3, "--step-batch-size-schedule": 1, "--global-bat
         "--bf16": 0, "--fp16": 0, "--overlap-moe-expert-parallel-comm": 0, "--delay-wgrad-compute": 0}
 
 
+def teacher_command(cmd):
+    """For a distillation run (--export-kd-teacher-load DIR): the same command without the
+    distillation flags, training one iteration and saving it into DIR (no --load); else None."""
+    if "--export-kd-teacher-load" not in cmd:
+        return None
+    kd = {"--export-kd-teacher-load": 1, "--export-kd-cfg": 1, "--export-kd-teacher-model-config": 1,
+          "--export-kd-teacher-ckpt-format": 1, "--load": 1, "--save": 1, "--save-interval": 1, "--train-iters": 1,
+          "--train-samples": 1, "--exit-interval": 1}
+    out, i = [], 0
+    while i < len(cmd):
+        if cmd[i] in kd:
+            i += 1 + kd[cmd[i]]
+            continue
+        out.append(cmd[i])
+        i += 1
+    teacher = cmd[cmd.index("--export-kd-teacher-load") + 1]
+    return out + ["--train-iters", "1", "--save", teacher, "--save-interval", "1"]
+
+
 def shrink(words, ws, iters):
     """The config's words with shrunk widths and a short run (see --train)."""
     tp, pp = flag_int(words, "--tensor-model-parallel-size"), flag_int(words, "--pipeline-model-parallel-size")
@@ -392,13 +411,23 @@ def main():
                 run_dir = os.path.join(scratch, "train", re.sub(r"[^A-Za-z0-9_.-]", "_", name))
                 os.makedirs(run_dir, exist_ok=True)
                 twords = [w.replace(scratch, run_dir) for w in shrink(words, ws, a.train)]
+                if fixture_kd:
+                    twords[twords.index("--export-kd-cfg") + 1] = fixture_kd.replace("@SRC@", SRC)
                 tcmd = [a.mpirun, "-np", str(ws), "--oversubscribe", a.megatrain] + twords
                 t0 = time.monotonic()
+                tenv = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                            OMPI_MCA_mpi_yield_when_idle="1")
                 try:
-                    t = subprocess.run(tcmd, capture_output=True, text=True, timeout=a.train_timeout, env=dict(
-                        os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                        OMPI_MCA_mpi_yield_when_idle="1"))
+                    # Distillation: a teacher of the student's own model first (one iteration, saved where
+                    # --export-kd-teacher-load points), as tests/megatron_config_train.sh makes it.
+                    teacher = teacher_command(tcmd)
+                    if teacher:
+                        subprocess.run(teacher, capture_output=True, text=True, timeout=a.train_timeout, env=tenv,
+                                       check=True)
+                    t = subprocess.run(tcmd, capture_output=True, text=True, timeout=a.train_timeout, env=tenv)
                     tok, terr = t.returncode == 0, t.stderr
+                except subprocess.CalledProcessError as e:
+                    tok, terr = False, "the distillation teacher's run failed: " + (e.stderr or "")
                 except subprocess.TimeoutExpired:
                     tok, terr = False, f"timed out after {a.train_timeout} s"
                 results[-1]["trained"] = tok

@@ -17,6 +17,22 @@ flags=$(printf '%s' "$line" | cut -f3- | sed -e "s|@TMP@|$scratch|g" -e "s|@SRC@
 iters=$(printf '%s' "$flags" | sed -n 's/.*--train-iters \([0-9]*\).*/\1/p')
 rm -rf "$scratch" && mkdir -p "$scratch"
 log="$scratch/train.log"
+# Distillation (--export-kd-teacher-load DIR): a teacher of the student's own model first, the same
+# command without the distillation flags training one iteration into DIR (as the sweep makes it).
+eval "words=($flags)"
+teacher=() dir=""
+for ((i = 0; i < ${#words[@]}; i++)); do
+  case "${words[i]}" in
+    --export-kd-teacher-load) dir=${words[i + 1]}; i=$((i + 1)) ;;
+    --export-kd-cfg|--export-kd-teacher-model-config|--export-kd-teacher-ckpt-format|--load|--save|--save-interval|\
+    --train-iters|--train-samples|--exit-interval) i=$((i + 1)) ;;
+    *) teacher+=("${words[i]}") ;;
+  esac
+done
+if [ -n "$dir" ]; then
+  timeout -k 5 600 "$mpiexec" -np "$ranks" --oversubscribe "$megatrain" "${teacher[@]}" --train-iters 1 --save "$dir" \
+    --save-interval 1 > "$scratch/teacher.log" 2>&1 || { tail -n 20 "$scratch/teacher.log"; echo "FAIL: the teacher's run"; exit 1; }
+fi
 eval "timeout -k 5 600 \"$mpiexec\" -np $ranks --oversubscribe \"$megatrain\" $flags" > "$log" 2>&1
 rc=$?
 tail -n 40 "$log"

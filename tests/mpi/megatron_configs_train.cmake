@@ -1,8 +1,9 @@
 # Megatron-LM's own training configurations, trained: bench/megatron_configs.py --train 2
 # --train-max-ranks 8 --write-train-fixture wrote every configuration of at most 8 ranks that passes
 # the dry run as it trains for two iterations on the reference backend at shrunk widths
-# (tests/fixtures/megatron_configs_train.txt: all 205 of them trained). These, one per kind of run,
-# train here on their layouts' ranks and must finish with their last iteration and an evaluation.
+# (tests/fixtures/megatron_configs_train.txt: all 207 of them trained; the two distillation tests'
+# lines were added by --only distill, each with a teacher of its own model made first). These, one
+# per kind of run, train here on their layouts' ranks and must finish with their last iteration and an evaluation.
 set(megatron_configs_trained
   gpt/gpt3_15b_8t_release_sm_gb200                                   # TP 4 x PP 2 interleaved, samples schedule
   gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset               # fill-in-the-middle data
@@ -12,6 +13,7 @@ set(megatron_configs_trained
   gpt/gpt3_weekly_mcore_tp4_cp2_current_scaling_native_fp8_tp_sp_cp_tp_overlap
   gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor                    # Megatron-FSDP ZeRO-3
   gpt/gpt3_mcore_te_tp2_pp2_mla                                      # multi-latent attention
+  gpt/gpt3_mcore_te_tp2_pp1_modelopt_distill_resume                  # knowledge distillation (ModelOpt)
   moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_muon                   # EP 8, Muon, weight-hash checks
   moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4            # expert TP 1 under TP 2
   moe/gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel
