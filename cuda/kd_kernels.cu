@@ -322,6 +322,22 @@ HiddenShape hidden_shape(int64_t rows, int64_t h) {
   return {warp_row, static_cast<unsigned>(warp_row ? (rows + kRowsPerBlock - 1) / kRowsPerBlock : rows)};
 }
 
+// The hidden-loss kernels' eight variants per dtype: f(vector width, warp per row, cosine), each a
+// compile-time constant (std::integral_constant).
+template <int kVec, typename F>
+void pick_hidden_variant(bool vec, bool warp_row, bool cosine, F&& f) {
+  auto with_cosine = [&](auto v, auto w) {
+    if (cosine) f(v, w, std::true_type{});
+    else f(v, w, std::false_type{});
+  };
+  auto with_warp = [&](auto v) {
+    if (warp_row) with_cosine(v, std::true_type{});
+    else with_cosine(v, std::false_type{});
+  };
+  if (vec) with_warp(std::integral_constant<int, kVec>{});
+  else with_warp(std::integral_constant<int, 1>{});
+}
+
 void hidden_loss_forward(const KernelContext& ctx, Tensor loss, Tensor a, Tensor b, Backend::HiddenLoss kind) {
   const char* op = "hidden_loss_forward";
   check_hidden_pair(op, a, b);
@@ -338,18 +354,9 @@ void hidden_loss_forward(const KernelContext& ctx, Tensor loss, Tensor a, Tensor
                                                           h);
     };
     // (vec, warp_row, cosine): eight instances per dtype
-    auto pick = [&](auto vec_c, auto warp_c) {
-      constexpr int V = decltype(vec_c)::value ? kVec : 1;
-      constexpr bool W = decltype(warp_c)::value;
-      if (cosine) launch(hidden_loss_forward_kernel<T, V, W, true>);
-      else launch(hidden_loss_forward_kernel<T, V, W, false>);
-    };
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (vec && shape.warp_row) pick(Yes{}, Yes{});
-    else if (vec) pick(Yes{}, No{});
-    else if (shape.warp_row) pick(No{}, Yes{});
-    else pick(No{}, No{});
+    pick_hidden_variant<kVec>(vec, shape.warp_row, cosine, [&](auto v, auto w, auto c) {
+      launch(hidden_loss_forward_kernel<T, decltype(v)::value, decltype(w)::value, decltype(c)::value>);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -373,18 +380,9 @@ void hidden_loss_backward(const KernelContext& ctx, Tensor da, Tensor a, Tensor 
       kernel<<<shape.grid, kHiddenBlock, 0, ctx.stream>>>(da.ptr<T>(), a.ptr<const T>(), b.ptr<const T>(),
                                                           dloss.ptr<const float>(), scale, rows, h, accumulate);
     };
-    auto pick = [&](auto vec_c, auto warp_c) {
-      constexpr int V = decltype(vec_c)::value ? kVec : 1;
-      constexpr bool W = decltype(warp_c)::value;
-      if (cosine) launch(hidden_loss_backward_kernel<T, V, W, true>);
-      else launch(hidden_loss_backward_kernel<T, V, W, false>);
-    };
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (vec && shape.warp_row) pick(Yes{}, Yes{});
-    else if (vec) pick(Yes{}, No{});
-    else if (shape.warp_row) pick(No{}, Yes{});
-    else pick(No{}, No{});
+    pick_hidden_variant<kVec>(vec, shape.warp_row, cosine, [&](auto v, auto w, auto c) {
+      launch(hidden_loss_backward_kernel<T, decltype(v)::value, decltype(w)::value, decltype(c)::value>);
+    });
   });
   MT_CUDA_CHECK_LAUNCH();
 }
