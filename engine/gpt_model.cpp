@@ -713,6 +713,8 @@ void GptModel::layout(Arena& a) {
       for (Tensor* t : {&w.kd_lse_s, &w.kd_lse_t, &w.kd_kl, &w.kd_hidden}) *t = a.take(C::workspace, S, {N});
       w.kd_lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
       w.kd_sums = a.take(C::workspace, S, {2 + 2 * static_cast<int64_t>(opt_.distill.pairs.size())});
+      kd_host_.assign(static_cast<size_t>(w.kd_sums.numel()), 0.0);
+      kd_host_f32_.assign(kd_host_.size(), 0.0f);
       kd_train_loss_ = a.take(C::workspace, S, {3});
       kd_eval_loss_ = a.take(C::workspace, S, {3});
     }

@@ -834,6 +834,8 @@ class GptModel {
   GptModel* teacher_ = nullptr;
   Tensor kd_train_loss_, kd_eval_loss_;
   double kd_intermediate_scale_ = 1.0;
+  std::vector<double> kd_host_;      // the micro-batch's distillation sums read back (Workspace::kd_sums)
+  std::vector<float> kd_host_f32_;
   void distill_head(Slot& s, Tensor y);
   // Adds the intermediate losses' gradients of the student's hidden state `layer` (a decoder
   // layer's output, or -1: the final norm's) to `grad` (this rank's rows).

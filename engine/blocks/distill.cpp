@@ -115,13 +115,12 @@ void GptModel::distill_head(Slot& s, Tensor y) {
     be_.masked_loss_sum(w.kd_sums.flat_slice(2 + 2 * p, 2), loss, s.mask.flat_slice(r0, n), false);
   }
   if (P > 0 && d_.sequence_parallel) ps_.tp->all_reduce(w.kd_sums.flat_slice(2, 2 * P));
-  std::vector<double> host(static_cast<size_t>(w.kd_sums.numel()));
+  std::vector<double>& host = kd_host_;  // (sized by layout: the sums' count)
   if (opt_.accum == DType::f64) {
     be_.copy_to_host(host.data(), w.kd_sums);
   } else {
-    std::vector<float> f(host.size());
-    be_.copy_to_host(f.data(), w.kd_sums);
-    std::copy(f.begin(), f.end(), host.begin());
+    be_.copy_to_host(kd_host_f32_.data(), w.kd_sums);
+    std::copy(kd_host_f32_.begin(), kd_host_f32_.end(), host.begin());
   }
   // ModelOpt's balancer: the intermediate loss is the pairs' mean; it enters the total as
   // intermediate x (logits / intermediate), detached, where it is > 0: each pair's gradient is
