@@ -211,7 +211,7 @@ void read_megatron_weights(const std::string& load_dir, const ModelConfig& model
   check_checkpoint_model(model_config_to_json(cfg.model), model, where);
   std::set<std::string> unused;
   for (const std::string& n : ck.parameter_names()) unused.insert(n);
-  std::vector<float> local;
+  std::vector<float> whole, local;
   for (size_t i = 0; i < descs.size(); ++i) {
     const ParamDesc& p = descs[i];
     const std::string& name = p.shared_copy ? p.init_name : p.name;
@@ -219,16 +219,12 @@ void read_megatron_weights(const std::string& load_dir, const ModelConfig& model
     const HostArray g = ck.parameter(name);
     if (g.shape != p.global_shape)
       fail("{}: '{}' is {} but this run's model has it {}", where, name, shape_text(g.shape), shape_text(p.global_shape));
+    if (!is_floating(g.dtype) || is_fp8(g.dtype))  // (what convert_copy converts)
+      fail("{}: '{}' is stored as {}, which megatrain does not read", where, name, dtype_name(g.dtype));
+    whole.resize(static_cast<size_t>(g.numel()));
+    convert_copy(g.bytes.data(), g.dtype, whole.data(), DType::f32, g.numel());
     local.resize(static_cast<size_t>(p.shard.local_numel()));
-    for (size_t j = 0; j < local.size(); ++j) {
-      const int64_t at = shard_global_index(p.shard, static_cast<int64_t>(j));
-      switch (g.dtype) {
-        case DType::f32: local[j] = g.ptr<float>()[at]; break;
-        case DType::bf16: local[j] = bf16_bits_to_float(g.ptr<uint16_t>()[at]); break;
-        case DType::f16: local[j] = f16_bits_to_float(g.ptr<uint16_t>()[at]); break;
-        default: fail("{}: '{}' is stored as {}, which megatrain does not read", where, name, dtype_name(g.dtype));
-      }
-    }
+    for (size_t j = 0; j < local.size(); ++j) local[j] = whole[static_cast<size_t>(shard_global_index(p.shard, static_cast<int64_t>(j)))];
     fill(i, local);
   }
   if (!unused.empty())

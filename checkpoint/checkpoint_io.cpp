@@ -86,8 +86,24 @@ void check_slice(const ShardSlice& s, const std::string& what) {
          b.chunk_offset, b.local_chunks(), s.flat_begin, s.count());
 }
 
-// Copies `n` elements converting dtype: same dtype is a memcpy; float dtypes convert through
-// double; integers must match exactly.
+
+// Linux renameat2(RENAME_EXCHANGE): swaps two directories atomically. Returns false where the
+// kernel or file system does not support it.
+bool exchange_paths(const std::string& a, const std::string& b) {
+#if defined(SYS_renameat2)
+  constexpr unsigned kRenameExchange = 1u << 1;
+  if (::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), kRenameExchange) == 0) return true;
+  if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) return false;
+  fail("cannot exchange {} and {}: {}", a, b, std::strerror(errno));
+#else
+  (void)a;
+  (void)b;
+  return false;
+#endif
+}
+
+}  // namespace
+
 void convert_copy(const void* src, DType st, void* dst, DType dt, int64_t n) {
   if (st == dt) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(st));
@@ -114,23 +130,6 @@ void convert_copy(const void* src, DType st, void* dst, DType dt, int64_t n) {
     }
   }
 }
-
-// Linux renameat2(RENAME_EXCHANGE): swaps two directories atomically. Returns false where the
-// kernel or file system does not support it.
-bool exchange_paths(const std::string& a, const std::string& b) {
-#if defined(SYS_renameat2)
-  constexpr unsigned kRenameExchange = 1u << 1;
-  if (::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), kRenameExchange) == 0) return true;
-  if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) return false;
-  fail("cannot exchange {} and {}: {}", a, b, std::strerror(errno));
-#else
-  (void)a;
-  (void)b;
-  return false;
-#endif
-}
-
-}  // namespace
 
 std::string_view checkpoint_kind_name(CheckpointKind k) {
   switch (k) {

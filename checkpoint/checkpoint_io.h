@@ -110,6 +110,10 @@ std::optional<CheckpointLocation> newer_non_persistent(const std::optional<std::
 // (rank 0) and returns the location.
 std::optional<CheckpointLocation> checkpoint_to_load(const CheckpointConfig& cfg);
 
+// Copies `n` elements converting dtype: same dtype is a memcpy; float dtypes convert through
+// double; integers must match exactly.
+void convert_copy(const void* src, DType st, void* dst, DType dt, int64_t n);
+
 // ---------------------------------------------------------------------------------------------
 // Saving
 

@@ -706,12 +706,11 @@ void GptModel::layout(Arena& a) {
     w.lse = a.take(C::workspace, S, {N});
     w.target = a.take(C::workspace, S, {N});
     w.loss = a.take(C::workspace, S, {N});
-    w.kd_logits = w.kd_lse_s = w.kd_lse_t = w.kd_lse_parts = w.kd_kl = w.kd_hidden = w.kd_sums = Tensor();
+    w.kd_logits = w.kd_lse_s = w.kd_lse_t = w.kd_kl = w.kd_hidden = w.kd_sums = Tensor();
     kd_train_loss_ = kd_eval_loss_ = Tensor();
     if (opt_.distill.enabled) {
       w.kd_logits = a.take(C::workspace, T, {logits_rows_, d_.vocab_local()});
       for (Tensor* t : {&w.kd_lse_s, &w.kd_lse_t, &w.kd_kl, &w.kd_hidden}) *t = a.take(C::workspace, S, {N});
-      w.kd_lse_parts = a.take(C::workspace, S, {d_.tp_size, N});
       w.kd_sums = a.take(C::workspace, S, {2 + 2 * static_cast<int64_t>(opt_.distill.pairs.size())});
       kd_host_.assign(static_cast<size_t>(w.kd_sums.numel()), 0.0);
       kd_host_f32_.assign(kd_host_.size(), 0.0f);

@@ -678,6 +678,14 @@ class GptModel {
   Tensor shared_gate_forward(const LayerParams& P, const LayerActs& A);
   void attention_backward(int local, Slot& s, const LayerActs& A, Tensor x, Tensor dx);  // from gH
   void head_forward(Slot& s, Tensor x, bool norm_done);
+  // The language-model loss of one chunk of logits (rows from r0 of the micro-batch): this shard's
+  // log-sum-exp and target logit, the log-sum-exp made global over TP; returns the rows' global
+  // log-sum-exps. After the last chunk, lm_loss_sum adds the rows' losses under `mask` to `sums`.
+  Tensor lm_loss_forward_chunk(Tensor logits, Tensor labels, int64_t r0);
+  void lm_loss_sum(Tensor sums, Tensor mask);
+  // Per-row log-sum-exps of this rank's vocabulary shard (`part`) combined over TP into `out` (may
+  // be `part`), gathered through the workspace's lse_parts.
+  void combine_lse_over_tp(Tensor out, Tensor part);
   // The output layer and the loss over y (all N rows; the head's chunks of rows) against `labels`,
   // the masked loss sum and weight sum added to sums[0..1]; in training also its backward: dlogits
   // from dloss, the output layer's weight gradient, and y's gradient (all rows, TP-partial) in gT.

@@ -235,10 +235,10 @@ struct GptModel::Workspace {
   Tensor lse_part, lse_parts, lse, target, loss;  // [N] / [tp, N] accum
   // Knowledge distillation (a student's head): the teacher's logits of one chunk of rows [logits_rows,
   // V/tp]; the rows' log-sum-exps of the student's and the teacher's logits over the temperature
-  // [N] and their shards' [tp, N]; each row's KL divergence (this shard's part, then summed) and
-  // intermediate loss [N]; the micro-batch's masked sums {logits, tokens} and per intermediate pair
+  // [N] (their shards' gathered through lse_parts); each row's KL divergence (this shard's part,
+  // then summed) and intermediate loss [N]; the micro-batch's masked sums {logits, tokens} and per intermediate pair
   // {its loss, tokens}.
-  Tensor kd_logits, kd_lse_s, kd_lse_t, kd_lse_parts, kd_kl, kd_hidden, kd_sums;
+  Tensor kd_logits, kd_lse_s, kd_lse_t, kd_kl, kd_hidden, kd_sums;
 };
 
 }  // namespace mt

@@ -54,13 +54,6 @@ void GptModel::distill_head(Slot& s, Tensor y) {
   const ModelOptions::Distill& kd = opt_.distill;
   const int64_t N = d_.tokens(), V = d_.vocab_local(), tp = d_.tp_size;
   const float scale = kd.inv_temperature;
-  // A shard's per-row log-sum-exps made global over TP.
-  const auto combine = [&](Tensor lse, int64_t rows) {
-    if (tp == 1) return;
-    const Tensor parts = w.kd_lse_parts.flat_slice(0, tp * rows).view({tp, rows});
-    ps_.tp->all_gather(parts, lse);
-    be_.logsumexp_combine(lse, parts);
-  };
   for (int64_t r0 = 0; r0 < N; r0 += logits_rows_) {
     const int64_t rows = std::min(logits_rows_, N - r0);
     const Tensor logits = w.logits.flat_slice(0, rows * V).view({rows, V});
@@ -68,22 +61,15 @@ void GptModel::distill_head(Slot& s, Tensor y) {
     const Tensor yr = y.row_slice(r0, rows);
     be_.linear_forward(logits, yr, G.out_w, Tensor(), Activation::none, Tensor());
     if (d_.logits_mult != 1.0f) be_.axpby(logits, d_.logits_mult, logits, 0.0f, Tensor());
-    if (!s.training) {  // the language-model loss, evaluated
-      Tensor lse = w.lse_part.flat_slice(r0, rows);
-      be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, s.labels.flat_slice(r0, rows),
-                                d_.vocab_start());
-      if (tp > 1) {
-        const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
-        ps_.tp->all_gather(parts, lse);
-        be_.logsumexp_combine(w.lse.flat_slice(r0, rows), parts);
-      }
-    }
+    if (!s.training) lm_loss_forward_chunk(logits, s.labels.flat_slice(r0, rows), r0);  // (evaluated)
     teacher_->teacher_logits(tlogits, r0, rows);
     const Tensor lse_s = w.kd_lse_s.flat_slice(r0, rows), lse_t = w.kd_lse_t.flat_slice(r0, rows);
     be_.logsumexp_rows(lse_s, logits, scale);
     be_.logsumexp_rows(lse_t, tlogits, scale);
-    combine(lse_s, rows);
-    combine(lse_t, rows);
+    if (tp > 1) {  // (the rows' global log-sum-exps)
+      combine_lse_over_tp(lse_s, lse_s);
+      combine_lse_over_tp(lse_t, lse_t);
+    }
     // The KL divergence's part on this shard, and in training its gradient over the logits.
     be_.kd_logits_kl(w.kd_kl.flat_slice(r0, rows), logits, logits, tlogits, lse_s, lse_t, scale,
                      s.training ? s.dloss.flat_slice(r0, rows) : Tensor());
@@ -93,15 +79,13 @@ void GptModel::distill_head(Slot& s, Tensor y) {
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
   if (tp > 1) ps_.tp->all_reduce(w.kd_kl);
-  // The language-model loss: its tokens, and in evaluation its sum (zero in training).
-  const Tensor lm_sums = s.training ? train_loss_ : eval_loss_;
+  // The language-model loss: in evaluation its sum, in training its tokens only (a sum of zero).
   if (s.training) {
     be_.fill(w.loss, 0.0);
+    be_.masked_loss_sum(train_loss_, w.loss, s.mask, true);
   } else {
-    if (tp > 1) ps_.tp->all_reduce(w.target);
-    be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
+    lm_loss_sum(eval_loss_, s.mask);
   }
-  be_.masked_loss_sum(lm_sums, w.loss, s.mask, true);
   // The distillation losses' masked sums: the logits' and each intermediate pair's (this rank's
   // rows, summed over TP under sequence parallelism; without it every TP rank has all of them).
   const std::vector<ModelOptions::Distill::Pair>& pairs = kd.pairs;

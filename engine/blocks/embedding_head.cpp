@@ -72,13 +72,7 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     if (fused_ce)
       be_.cross_entropy_forward_backward(lse, w.target.flat_slice(r0, rows), logits, labels, dloss.flat_slice(r0, rows));
     else
-      be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, labels, d_.vocab_start());
-    if (tp > 1) {
-      const Tensor parts = w.lse_parts.flat_slice(0, tp * rows).view({tp, rows});
-      ps_.tp->all_gather(parts, lse);
-      lse = w.lse.flat_slice(r0, rows);
-      be_.logsumexp_combine(lse, parts);
-    }
+      lse = lm_loss_forward_chunk(logits, labels, r0);
     if (!s.training) continue;
     // The output layer's backward, now: dlogits in place of the logits.
     if (!fused_ce)
@@ -87,7 +81,6 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     be_.linear_backward_weight(G.dout_w, Tensor(), logits, yr, accumulate_weight_grad(G.dout_w));
     be_.linear_backward_input(w.gT.row_slice(r0, rows), logits, G.out_w, false, Activation::none, Tensor());
   }
-  if (tp > 1) ps_.tp->all_reduce(w.target);
   if (!accept.empty()) {  // (with TP, the shard holding the row's largest logit decides)
     Tensor max_parts = w.mtp_max, argmax_parts = w.mtp_argmax;
     if (tp > 1) {
@@ -98,7 +91,31 @@ void GptModel::output_layer_loss(Slot& s, Tensor y, Tensor labels_all, Tensor ma
     }
     be_.argmax_match_count(accept, max_parts, argmax_parts, labels_all, accept_mask, true);
   }
-  be_.axpby(w.loss, 1.0f, tp > 1 ? w.lse : w.lse_part, -1.0f, w.target);
+  lm_loss_sum(sums, mask);
+}
+
+Tensor GptModel::lm_loss_forward_chunk(Tensor logits, Tensor labels, int64_t r0) {
+  const Workspace& w = *ws_;
+  const int64_t rows = logits.rows();
+  const Tensor lse = w.lse_part.flat_slice(r0, rows);
+  be_.cross_entropy_forward(lse, w.target.flat_slice(r0, rows), logits, labels, d_.vocab_start());
+  if (d_.tp_size == 1) return lse;
+  combine_lse_over_tp(w.lse.flat_slice(r0, rows), lse);
+  return w.lse.flat_slice(r0, rows);
+}
+
+void GptModel::combine_lse_over_tp(Tensor out, Tensor part) {
+  const int64_t rows = part.numel();
+  const Tensor parts = ws_->lse_parts.flat_slice(0, d_.tp_size * rows).view({d_.tp_size, rows});
+  ps_.tp->all_gather(parts, part);
+  be_.logsumexp_combine(out, parts);
+}
+
+void GptModel::lm_loss_sum(Tensor sums, Tensor mask) {
+  const Workspace& w = *ws_;
+  const bool tp = d_.tp_size > 1;
+  if (tp) ps_.tp->all_reduce(w.target);
+  be_.axpby(w.loss, 1.0f, tp ? w.lse : w.lse_part, -1.0f, w.target);
   be_.masked_loss_sum(sums, w.loss, mask, true);
 }
 
