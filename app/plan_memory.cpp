@@ -18,14 +18,8 @@ namespace mt {
 StageMemory stage_memory(const Config& cfg, int pp_rank) {
   const RankPosition r = RankPosition::stage(cfg, pp_rank);
   StageMemory m;
-  for (const ChunkSpec& s : model_chunk_specs(cfg, r, precision_dtype(cfg))) {
-    m.plan += GptModel::plan_memory(s.dims, s.options);
-    m.activation_slots += s.options.num_slots;
-  }
-  // Knowledge distillation: the frozen teacher beside the student (its weights, one layer's
-  // activations and its workspace).
-  if (const std::optional<ChunkSpec> t = teacher_chunk_spec(cfg, r, precision_dtype(cfg)))
-    m.plan += GptModel::plan_memory(t->dims, t->options);
+  m.plan = plan_rank_memory(cfg, r, precision_dtype(cfg));  // (a distillation teacher's too)
+  for (const ChunkSpec& s : model_chunk_specs(cfg, r, precision_dtype(cfg))) m.activation_slots += s.options.num_slots;
   m.total = static_cast<double>(m.plan.total());
   return m;
 }
