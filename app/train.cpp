@@ -389,7 +389,10 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
     checkpoints.poll();
     if (k.save && iteration % *k.save_interval == 0) save();
     else if (k.save && k.non_persistent_save_interval && iteration % *k.non_persistent_save_interval == 0) save(true);
-    if (fault) fault(iteration + 1);
+    if (fault) {
+      trainer.optimizer().wait_for_params();  // (a corrupted weight lands after the update)
+      fault(iteration + 1);
+    }
     return true;
   };
   // --step-batch-size-schedule: Megatron saves a checkpoint where the number of micro-batches changes.

@@ -67,11 +67,16 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   if (tp_comm_stream_) cudaStreamSynchronize(tp_comm_stream_);
+  if (side_stream_) cudaStreamSynchronize(side_stream_);
   gemm_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
   for (cudaEvent_t e : comm_marks_) cudaEventDestroy(e);
   for (cudaEvent_t e : time_marks_) cudaEventDestroy(e);
+  for (cudaEvent_t e : side_marks_) cudaEventDestroy(e);
+  if (side_start_) cudaEventDestroy(side_start_);
+  if (side_done_) cudaEventDestroy(side_done_);
+  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
   if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
@@ -89,6 +94,9 @@ CudaBackend::~CudaBackend() {
 
 cuda::KernelContext CudaBackend::context() {
   scratch_.reset();
+  // Side ops take no scratch (a compute op may reuse it while they run): an empty one fails by name.
+  static cuda::Scratch no_scratch;
+  if (side_ops_ && side_stream_) return cuda::KernelContext{side_stream_, num_sms_, &no_scratch};
   return cuda::KernelContext{stream_, num_sms_, &scratch_};
 }
 
@@ -170,7 +178,51 @@ void CudaBackend::copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t 
                                   dst.rows(), cudaMemcpyDeviceToDevice, stream_));
 }
 
-void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (side_stream_) MT_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+}
+
+// ---- the side stream (the optimizer's update beside the next forward) -----------------------------
+// With the op profiler on, side ops stay on the compute stream, where its events time them; a batch
+// of side ops then counts as one optimizer step of the profile.
+void CudaBackend::reserve_side_marks(int n) {
+  while (static_cast<int>(side_marks_.size()) < n) {
+    cudaEvent_t e = nullptr;
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    side_marks_.push_back(e);
+  }
+}
+void CudaBackend::begin_side_ops() {
+  MT_CHECK(!side_ops_, "begin_side_ops twice without end_side_ops");
+  side_ops_ = true;
+  if (profiler_->enabled()) return;
+  if (!side_stream_) {
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_start_, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+  }
+  MT_CUDA_CHECK(cudaEventRecord(side_start_, stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_start_, 0));
+}
+void CudaBackend::end_side_ops() {
+  MT_CHECK(side_ops_, "end_side_ops without begin_side_ops");
+  side_ops_ = false;
+  profiler_->step_done();
+}
+void CudaBackend::record_side_mark(int i) {
+  MT_CHECK(i >= 0 && i < static_cast<int>(side_marks_.size()), "side mark {} of {} reserved", i, side_marks_.size());
+  MT_CUDA_CHECK(cudaEventRecord(side_marks_[static_cast<size_t>(i)], side_stream_ ? side_stream_ : stream_));
+}
+void CudaBackend::compute_wait_for_side_mark(int i) {
+  MT_CHECK(i >= 0 && i < static_cast<int>(side_marks_.size()), "side mark {} of {} reserved", i, side_marks_.size());
+  if (side_stream_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_marks_[static_cast<size_t>(i)], 0));
+}
+void CudaBackend::compute_wait_for_side() {
+  if (!side_stream_) return;
+  MT_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_, 0));
+}
 
 // ---- communication overlap ------------------------------------------------------------------------
 // A stream waits for the last record of an event made before the wait is enqueued, so one event per
@@ -702,7 +754,7 @@ void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor 
   MT_PROFILE_OP("adamw_step {}", master.numel());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
                    segment_arg(segments, master.numel(), "adamw_step"), p);
-  profiler_->step_done();
+  if (!side_ops_) profiler_->step_done();  // (side ops: end_side_ops counts the step)
 }
 void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                            std::span<const OptimSegment> segments, const OptimStepParams& p) {
@@ -710,7 +762,7 @@ void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor m
   check_model_copy_segments(model_param, segments, "sgd_step");
   MT_PROFILE_OP("sgd_step {}", master.numel());
   cuda::sgd_step(context(), master, grad, momentum, model_param, segment_arg(segments, master.numel(), "sgd_step"), p);
-  profiler_->step_done();
+  if (!side_ops_) profiler_->step_done();
 }
 void CudaBackend::sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) {
   on_device("sum_squares", out, x);

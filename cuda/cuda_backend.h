@@ -221,6 +221,12 @@ class CudaBackend final : public Backend {
   double time_between_marks_ms(int a, int b) override;
   void record_comm_mark(int i) override;
   void compute_wait_for_mark(int i) override;
+  void reserve_side_marks(int n) override;
+  void begin_side_ops() override;
+  void end_side_ops() override;
+  void record_side_mark(int i) override;
+  void compute_wait_for_side_mark(int i) override;
+  void compute_wait_for_side() override;
 
   // CUDA-specific access (benchmarks, tests, communicators).
   cudaStream_t cuda_stream() const { return stream_; }
@@ -263,6 +269,11 @@ class CudaBackend final : public Backend {
   cudaEvent_t tp_compute_done_ = nullptr, tp_comm_done_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   std::vector<cudaEvent_t> comm_marks_;
+  // The side stream (begin_side_ops): made when first used; side_ops_ while ops go to it.
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t side_start_ = nullptr, side_done_ = nullptr;
+  std::vector<cudaEvent_t> side_marks_;
+  bool side_ops_ = false;
   std::vector<cudaEvent_t> time_marks_;
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;

@@ -24,6 +24,7 @@ class OpProfiler {
   OpProfiler(const OpProfiler&) = delete;
   OpProfiler& operator=(const OpProfiler&) = delete;
 
+  bool enabled() const { return enabled_; }
   bool active() const { return enabled_ && steps_ >= skip_steps_; }
   void step_done() { ++steps_; }  // called once per optimizer step
 

@@ -882,6 +882,21 @@ class Backend {
   virtual void record_comm_mark(int i) { (void)i; }
   virtual void compute_wait_for_mark(int i) { (void)i; }
 
+  // ---- the optimizer's update beside the next forward ----------------------------------------
+  // CUDA: begin_side_ops() sends the ops that follow, until end_side_ops(), to a side stream, after
+  // everything enqueued on the compute stream so far. Ops there take no scratch (the optimizer's
+  // updates). record_side_mark(i) marks the side stream's position now (marks reserved at set-up:
+  // reserve_side_marks); compute_wait_for_side_mark(i) makes the compute stream wait until the side
+  // stream has passed mark i, compute_wait_for_side() until it has done everything enqueued so far;
+  // synchronize() waits for both streams. The reference backend runs each op when it is called:
+  // these do nothing, so the same code runs on both.
+  virtual void reserve_side_marks(int n) { (void)n; }
+  virtual void begin_side_ops() {}
+  virtual void end_side_ops() {}
+  virtual void record_side_mark(int i) { (void)i; }
+  virtual void compute_wait_for_side_mark(int i) { (void)i; }
+  virtual void compute_wait_for_side() {}
+
   // ---- timing spans (--log-straggler) ---------------------------------------------------------
   // Numbered timestamps on the compute stream, allocated at set-up (reserve_time_marks):
   // record_time_mark(i) marks the position now; time_between_marks_ms(a, b) is the device time

@@ -1048,8 +1048,38 @@ void GptModel::zero_grads() {
     return;
   }
   for (FirstWriteGrad& f : first_write_grads_) f.written = false;
+  if (update_in_flight_) grad_zeroing_deferred_ = true;
+  else zero_grad_buffer();
+}
+
+void GptModel::zero_grad_buffer() {
   if (first_write_grads_.empty()) be_.fill(grads_, 0.0);
   else be_.fill_ranges(grads_, zeroed_grad_ranges_, 0.0);
+}
+
+void GptModel::update_in_flight() {
+  MT_CHECK(!opt_.shard_grads && !opt_.frozen, "an update beside the forward with sharded gradients or a frozen model");
+  update_in_flight_ = true;
+}
+
+void GptModel::update_joined() {
+  update_in_flight_ = false;
+  if (grad_zeroing_deferred_) zero_grad_buffer();
+  grad_zeroing_deferred_ = false;
+}
+
+std::vector<int> GptModel::forward_param_boundaries() const {
+  const int n = static_cast<int>(descs_.size());
+  std::vector<int> b{0};
+  for (int l = 0; l < d_.decoder_layers(); ++l) b.push_back(layer_first_param_[static_cast<size_t>(l)]);
+  b.push_back(head_first_param_);
+  std::vector<int> out;
+  for (int x : b) {
+    if (x >= n) continue;
+    MT_CHECK(out.empty() || x >= out.back(), "the forward's parameters out of order at parameter {}", x);
+    if (out.empty() || x > out.back()) out.push_back(x);
+  }
+  return out;
 }
 
 void GptModel::check_grads_written() const {
@@ -1514,6 +1544,7 @@ void GptModel::layer_backward(int local, Slot& s, const LayerActs& A, Tensor x, 
 void GptModel::backward(int slot, bool grad_sync) {
   Slot& s = slots_.at(static_cast<size_t>(slot));
   MT_CHECK(s.staged && s.training, "backward of slot {} without a training forward", slot);
+  params_needed(static_cast<int>(descs_.size()));  // (an update beside the forward is joined: gradients follow)
   const Workspace& w = *ws_;
   const RecomputePlan& rp = opt_.recompute;
   // After each layer of a grad-sync backward its gradients are final: TP-partial ones are summed

@@ -334,6 +334,16 @@ class GptModel {
   // writes (plan_grad_zeroing). Until the step's backward has written those, the buffer is not the
   // gradient: check_grads_written() says whether it is.
   void zero_grads();
+  // The optimizer's update of this chunk runs beside the next step's forward (engine/optimizer.h:
+  // Optimizer::step). From update_in_flight() to update_joined() (the compute stream then waits
+  // for the update), zero_grads() leaves the gradients it zeroes, which the update reads, to
+  // update_joined(). Not with sharded gradients.
+  void update_in_flight();
+  void update_joined();
+  // The parameter indices at which the forward waits (params_needed): 0, each decoder layer's
+  // first parameter, the head's first (on the last stage), ascending and distinct, below the
+  // parameter count.
+  std::vector<int> forward_param_boundaries() const;
   // Fails naming the parameter if a gradient left to its first write was not written since
   // zero_grads() (the optimizer would read stale numbers).
   void check_grads_written() const;
@@ -365,7 +375,8 @@ class GptModel {
   // (no embedding on the stage), so the next backward's start is said, not guessed.
   static constexpr int kBackwardBegins = -1;
   std::function<void(int first_final_param)> on_grads_final;
-  // In forward, before params()[..end) are used (--overlap-param-gather waits for them there).
+  // In forward, before params()[..end) are used (--overlap-param-gather waits for them there, and
+  // an update beside the forward: Optimizer::step); at the start of backward with end = params().size().
   std::function<void(int end)> on_params_needed;
   // Sharded gradients: before gradient slot `slot` is zeroed for another layer (and in
   // zero_grads()), so that a reduce-scatter from it still in flight is finished first.
@@ -795,6 +806,8 @@ class GptModel {
   std::vector<FirstWriteGrad> first_write_grads_;
   FirstWriteGrad* first_write_entry(const Tensor& g);  // null: g is zeroed by zero_grads()
   std::vector<FlatRange> zeroed_grad_ranges_;
+  bool update_in_flight_ = false, grad_zeroing_deferred_ = false;  // (update_in_flight)
+  void zero_grad_buffer();  // the device part of zero_grads
   // Sharded gradients (ModelOptions::shard_grads): per bucket its staging buffer (the layers' are
   // views of the two unit slots), the slots, the local layer each slot holds this micro-batch (-1:
   // none yet), and the main gradients' shards. prepare_grad_unit(l) zeroes layer l's slot before

@@ -1,7 +1,11 @@
 #include "engine/optimizer.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <span>
+#include <string>
 
 #include "core/error.h"
 #include "engine/muon.h"
@@ -72,6 +76,7 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     param_gather_ = std::make_unique<ParamGather>(chunks_, grad_sync_->comm(), grad_sync_->expert_comm(),
                                                   cfg.parallel.overlap_param_gather && be_.comm_stream() != nullptr);
   if (t.optimizer == OptimizerKind::muon) plan_muon();
+  plan_update_pieces();
   const double lr = t.lr.value_or(0.0);
   max_lr_[kDecay] = max_lr_[kNoDecay] = lr;
   min_lr_[kDecay] = min_lr_[kNoDecay] = t.min_lr;
@@ -108,10 +113,112 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
   check_nan_ = t.check_for_nan_in_loss_and_grad && scaler.kind() != LossScaler::Kind::dynamic;
 }
 
-Optimizer::~Optimizer() = default;
+Optimizer::~Optimizer() {
+  if (!pieces_.empty())
+    for (GptModel* m : chunks_) m->on_params_needed = nullptr;
+}
 
 void Optimizer::wait_for_params() {
   if (param_gather_) param_gather_->wait_all();
+  join_update();
+}
+
+namespace {
+// MEGATRAIN_OPTIMIZER_OVERLAP: 0 keeps the update in one pass on the compute stream (to measure what
+// the overlap gains); unset or 1: the update beside the next forward where it applies.
+bool overlap_allowed() {
+  const char* env = std::getenv("MEGATRAIN_OPTIMIZER_OVERLAP");
+  if (!env) return true;
+  const std::string v = env;
+  if (v != "0" && v != "1") fail("MEGATRAIN_OPTIMIZER_OVERLAP={}: expected 0 or 1", v);
+  return v == "1";
+}
+}  // namespace
+
+// Each range's update segments cut where the forward starts needing a unit's parameters (the
+// padding after a parameter goes with it), so that the next forward waits only for the pieces of
+// the layers it has reached.
+void Optimizer::plan_update_pieces() {
+  const TrainConfig& t = cfg_.train;
+  if (!overlap_allowed() || sharded_ || param_gather_ ||
+      (t.optimizer != OptimizerKind::adam && t.optimizer != OptimizerKind::sgd))
+    return;
+  for (const GptModel* m : chunks_)
+    if (m->options().fp8.enabled() || m->options().shard_grads || m->options().frozen || m->on_params_needed) return;
+  for (size_t ri = 0; ri < ranges_.size(); ++ri) {
+    const OptimRange& r = ranges_[ri];
+    const GptModel& m = *chunks_[static_cast<size_t>(r.chunk)];
+    const std::vector<int> bounds = m.forward_param_boundaries();
+    std::vector<std::pair<int64_t, int>> starts;  // (offset in the range, piece) of each parameter in it
+    for (int i = 0; i < static_cast<int>(m.params().size()); ++i) {
+      const ParamDesc& p = m.params()[static_cast<size_t>(i)];
+      const int64_t o = p.offset - r.flat_offset;
+      if (p.numel() == 0 || o < 0 || o >= r.numel) continue;
+      starts.push_back({o, static_cast<int>(std::upper_bound(bounds.begin(), bounds.end(), i) - bounds.begin()) - 1});
+    }
+    if (starts.empty()) continue;
+    std::sort(starts.begin(), starts.end());
+    std::vector<std::vector<OptimSegment>> cut(bounds.size());
+    int64_t total = 0;
+    for (const OptimSegment& seg : r.update) {
+      total += seg.count;
+      for (int64_t a = seg.offset, end = seg.offset + seg.count; a < end;) {
+        const auto next = std::upper_bound(starts.begin(), starts.end(), std::pair<int64_t, int>{a, INT_MAX});
+        const int piece = next == starts.begin() ? starts.front().second : std::prev(next)->second;
+        const int64_t b = next == starts.end() ? end : std::min(end, next->first);
+        std::vector<OptimSegment>& list = cut[static_cast<size_t>(piece)];
+        const bool plain = !seg.fp8_scale && !seg.fp8_amax;
+        if (plain && !list.empty() && list.back().offset + list.back().count == a && list.back().group == seg.group &&
+            !list.back().fp8_scale && !list.back().fp8_amax) {
+          list.back().count += b - a;
+        } else {
+          OptimSegment part = seg;
+          part.offset = a;
+          part.count = b - a;
+          list.push_back(part);
+        }
+        a = b;
+      }
+    }
+    for (size_t k = 0; k < cut.size(); ++k) {
+      for (const OptimSegment& seg : cut[k]) total -= seg.count;
+      if (cut[k].empty()) continue;
+      be_.register_optim_segments(cut[k]);
+      pieces_.push_back({ri, bounds[k], std::move(cut[k]), static_cast<int>(pieces_.size())});
+    }
+    MT_CHECK(total == 0, "the update's pieces of range {} miss {} elements", ri, total);
+  }
+  if (pieces_.empty()) return;
+  be_.reserve_side_marks(static_cast<int>(pieces_.size()));
+  chunk_pieces_.assign(chunks_.size(), {});
+  for (size_t k = 0; k < pieces_.size(); ++k)
+    chunk_pieces_[static_cast<size_t>(ranges_[pieces_[k].range].chunk)].push_back(k);
+  next_wait_.assign(chunks_.size(), 0);
+  in_flight_.assign(chunks_.size(), 0);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    chunks_[c]->on_params_needed = [this, c](int end) { await_update(static_cast<int>(c), end); };
+}
+
+void Optimizer::await_update(int chunk, int end) {
+  const size_t c = static_cast<size_t>(chunk);
+  if (!in_flight_[c]) return;
+  const std::vector<size_t>& mine = chunk_pieces_[c];
+  for (size_t& k = next_wait_[c]; k < mine.size() && pieces_[mine[k]].first_param < end; ++k)
+    be_.compute_wait_for_side_mark(pieces_[mine[k]].mark);
+  if (end < static_cast<int>(chunks_[c]->params().size())) return;
+  be_.compute_wait_for_side();  // (the whole chunk: its gradients may be written next)
+  in_flight_[c] = 0;
+  chunks_[c]->update_joined();
+}
+
+void Optimizer::join_update() {
+  if (std::find(in_flight_.begin(), in_flight_.end(), 1) == in_flight_.end()) return;
+  be_.compute_wait_for_side();
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (in_flight_[c]) {
+      in_flight_[c] = 0;
+      chunks_[c]->update_joined();
+    }
 }
 
 // Reads scalars()[0, count) of the first chunk into host doubles: the iteration's one readback.
@@ -159,6 +266,7 @@ OptimStepParams Optimizer::step_params(double grad_scale) const {
 StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
   const TrainConfig& t = cfg_.train;
   const Tensor scalars = chunks_.front()->scalars();
+  join_update();  // (the backward joined the last update already; a step without one still must)
 
   // Gradient reductions across replicas (and the tied embeddings across the pipeline), unless the
   // trainer finished them at the end of forward-backward.
@@ -298,11 +406,26 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     // FP8 parameters (Megatron's separate optimizer-copy-main-to-model-params phase has no
     // counterpart).
     const ScopedTimer timed(timer, "optimizer-inner-step");
-    for (const OptimRange& r : ranges_) {
-      if (r.update.empty()) continue;
+    const auto update = [&](const OptimRange& r, std::span<const OptimSegment> segments) {
       const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-      if (t.optimizer == OptimizerKind::sgd) be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, r.update, p);
-      else be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, r.update, p);
+      if (t.optimizer == OptimizerKind::sgd) be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, segments, p);
+      else be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, segments, p);
+    };
+    if (!pieces_.empty()) {  // beside the next forward (update_beside_forward)
+      be_.begin_side_ops();
+      for (const UpdatePiece& u : pieces_) {
+        update(ranges_[u.range], u.update);
+        be_.record_side_mark(u.mark);
+      }
+      be_.end_side_ops();
+      for (size_t c = 0; c < chunks_.size(); ++c) {
+        in_flight_[c] = 1;
+        next_wait_[c] = 0;
+        chunks_[c]->update_in_flight();
+      }
+    } else {
+      for (const OptimRange& r : ranges_)
+        if (!r.update.empty()) update(r, r.update);
     }
     if (t.optimizer == OptimizerKind::muon) muon_step(p);
     reduce_fp8_param_amax();  // (the update cast the FP8 parameters)
@@ -466,6 +589,7 @@ void Optimizer::read_moe_layer_losses(StepOutcome& out, double micro_batches) {
 }
 
 double Optimizer::params_norm() {
+  join_update();
   const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 2);  // dense, experts
   be_.fill(s, 0.0);
   for (const OptimRange& r : ranges_) {

@@ -78,9 +78,17 @@ class Optimizer {
 
   // The data-parallel reductions (the trainer starts each step with grad_sync().start_step()).
   DpGradSync& grad_sync() { return *grad_sync_; }
-  // Before reading whole parameter buffers outside the forward pass (checkpoints): waits for the
-  // distributed optimizer's overlapped parameter gathers.
+  // Before reading parameters, master weights or optimizer states other than in the next step's
+  // forward (checkpoints, evaluation, hashes): the compute stream waits for the distributed
+  // optimizer's overlapped parameter gathers and for an update beside the forward (below).
   void wait_for_params();
+  // Whether the update runs beside the next forward: on a backend with a side stream the AdamW or
+  // SGD update is enqueued there, cut at the forward's parameter boundaries (each decoder layer,
+  // the embedding, the head), and the next forward waits for each piece just before its layer; the
+  // backward (which writes gradients the update read) waits for all of it. The same arithmetic as
+  // one pass: each element is updated once, by the same kernel. Not with the distributed optimizer,
+  // FP8, Muon or sharded gradients, nor with MEGATRAIN_OPTIMIZER_OVERLAP=0 (a benchmark's A/B).
+  bool update_beside_forward() const { return !pieces_.empty(); }
 
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch
   // size, successful steps only). Throws mt::Error for NaN/Inf in the loss or the grad norm when
@@ -134,6 +142,21 @@ class Optimizer {
   // again with them (the update's own cast used the previous step's scales).
   void rescale_fp8_params();
   double read_scalars(double* host, int count);
+  // The update beside the next forward (update_beside_forward): each range's update segments
+  // cut at its chunk's forward_param_boundaries(), in forward order, one side-stream mark each.
+  struct UpdatePiece {
+    size_t range = 0;
+    int first_param = 0;
+    std::vector<OptimSegment> update;
+    int mark = 0;
+  };
+  std::vector<UpdatePiece> pieces_;
+  std::vector<std::vector<size_t>> chunk_pieces_;  // per chunk: its pieces, by first_param
+  std::vector<size_t> next_wait_;                  // per chunk: its first piece not yet waited for
+  std::vector<char> in_flight_;                    // per chunk: an update beside the forward pending
+  void plan_update_pieces();
+  void await_update(int chunk, int end);  // the chunk's on_params_needed
+  void join_update();
   void reduce_expert_statistics(Tensor sums);
   // --moe-per-layer-logging: the chunks' per-layer sums, reduced over DP and PP, on the host.
   void read_moe_layer_losses(StepOutcome& out, double micro_batches);

@@ -293,7 +293,10 @@ StepOutcome Trainer::run_step_once(int64_t global_batch, int M) {
   Backend& be = model_.backend();
   // The plan is the run's: a step allocates nothing on the device (checked, not assumed).
   const size_t allocated_before = be.bytes_allocated();
-  replica_check_.run();
+  if (!replica_check_.empty()) {
+    optimizer_.wait_for_params();
+    replica_check_.run();
+  }
   for (GptModel* m : chunks_) {
     m->zero_grads();
     be.fill(m->loss_sums(false), 0.0);
@@ -539,6 +542,7 @@ void Trainer::evaluate(bool after_training) {
   if (!has_validation_) return;
   const TrainConfig& t = cfg_.train;
   Backend& be = model_.backend();
+  optimizer_.wait_for_params();  // (the last update, which may run beside a forward: Optimizer::update_beside_forward)
   for (GptModel* m : chunks_) {
     be.fill(m->loss_sums(true), 0.0);
     if (!m->kd_loss_sums(true).empty()) be.fill(m->kd_loss_sums(true), 0.0);

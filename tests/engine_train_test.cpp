@@ -1,6 +1,7 @@
 // CPU end to end: tiny GPT and Llama models train on --mock-data with the reference backend.
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -98,6 +99,51 @@ TEST_CASE("CPU end to end: tiny GPT trains on mock data, reproducibly", "[train]
 TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[train]") {
   Config c = test::tiny_llama_config();
   check_training(mock_config(c));
+}
+
+// The optimizer's update beside the next forward (Optimizer::update_beside_forward): its pieces,
+// cut at each layer's parameters, update every element once, and the gradients it read are zeroed
+// only once it is joined; so training gives the same bits as the update in one pass
+// (MEGATRAIN_OPTIMIZER_OVERLAP=0), evaluations included.
+TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass update's bits", "[train][optimizer]") {
+  Config gpt = test::tiny_gpt_config();  // biases, tied embeddings, learned positions
+  gpt.model.num_layers = 3;
+  Config moe = test::with_moe(test::tiny_llama_config(), 3, 4, 2, 24, 2);
+  moe.model.moe.aux_loss_coeff = {1e-2};
+  for (Config c : {gpt, moe}) {
+    c = mock_config(c);
+    c.train.train_iters = 12;
+    c.train.eval_interval = 5;
+    c.train.total_iters = 12;
+    struct Out {
+      std::vector<double> losses;
+      std::vector<float> params, master;
+      bool beside = false;
+    };
+    auto run = [&](bool overlap) {
+      if (overlap) unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");
+      else setenv("MEGATRAIN_OPTIMIZER_OVERLAP", "0", 1);
+      CapturingReporter reporter;
+      Rig rig(c, reporter);
+      unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");
+      Out o;
+      o.beside = rig.trainer->optimizer().update_beside_forward();
+      rig.trainer->train();
+      o.losses = rig.trainer->loss_history();
+      for (const EvalStats& e : reporter.evals) o.losses.push_back(e.losses.at("lm loss"));
+      o.params.resize(static_cast<size_t>(rig.model->params_flat().numel()));
+      rig.be->copy_to_host(o.params.data(), rig.model->params_flat());
+      return o;
+    };
+    const Out a = run(true), b = run(false);
+    CHECK(a.beside);
+    CHECK_FALSE(b.beside);
+    REQUIRE(a.losses.size() == 14);  // 12 iterations, evaluations at 5 and 10
+    REQUIRE(a.losses.size() == b.losses.size());
+    for (size_t i = 0; i < a.losses.size(); ++i) REQUIRE(a.losses[i] == b.losses[i]);
+    REQUIRE(a.params == b.params);
+    CHECK(a.losses[11] < a.losses[0]);
+  }
 }
 
 // --log-energy's arithmetic with a counter that rises 100 J per training iteration, 1000 J per
