@@ -42,11 +42,14 @@ CudaBackend::CudaBackend(int device_ordinal, size_t scratch_bytes) : device_(dev
     MT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     baseline_in_use_ = total_bytes - free_bytes;
   }
-  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+  // The compute and communication streams at the highest priority, the side stream
+  // (begin_side_ops) at the lowest: where blocks of both wait for an SM, the compute stream's go first.
+  MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
+  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest_priority_));
+  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, highest_priority_));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&tp_comm_stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&tp_comm_stream_, cudaStreamNonBlocking, highest_priority_));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_compute_done_, cudaEventDisableTiming));
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&tp_comm_done_, cudaEventDisableTiming));
   scratch_memory_ = device_alloc(scratch_bytes);
@@ -96,7 +99,7 @@ cuda::KernelContext CudaBackend::context() {
   scratch_.reset();
   // Side ops take no scratch (a compute op may reuse it while they run): an empty one fails by name.
   static cuda::Scratch no_scratch;
-  if (side_ops_ && side_stream_) return cuda::KernelContext{side_stream_, num_sms_, &no_scratch};
+  if (side_ops_ && side_stream_) return cuda::KernelContext{side_stream_, num_sms_, &no_scratch, true};
   return cuda::KernelContext{stream_, num_sms_, &scratch_};
 }
 
@@ -187,6 +190,11 @@ void CudaBackend::synchronize() {
 // With the op profiler on, side ops stay on the compute stream, where its events time them; a batch
 // of side ops then counts as one optimizer step of the profile.
 void CudaBackend::reserve_side_marks(int n) {
+  if (!side_stream_ && !profiler_->enabled()) {  // (made at set-up: a step creates nothing)
+    MT_CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, lowest_priority_));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_start_, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+  }
   while (static_cast<int>(side_marks_.size()) < n) {
     cudaEvent_t e = nullptr;
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -196,12 +204,7 @@ void CudaBackend::reserve_side_marks(int n) {
 void CudaBackend::begin_side_ops() {
   MT_CHECK(!side_ops_, "begin_side_ops twice without end_side_ops");
   side_ops_ = true;
-  if (profiler_->enabled()) return;
-  if (!side_stream_) {
-    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_start_, cudaEventDisableTiming));
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
-  }
+  if (!side_stream_) return;  // (the op profiler: side ops stay on the compute stream)
   MT_CUDA_CHECK(cudaEventRecord(side_start_, stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_start_, 0));
 }

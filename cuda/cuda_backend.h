@@ -274,6 +274,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t side_start_ = nullptr, side_done_ = nullptr;
   std::vector<cudaEvent_t> side_marks_;
   bool side_ops_ = false;
+  int lowest_priority_ = 0, highest_priority_ = 0;  // (cudaDeviceGetStreamPriorityRange)
   std::vector<cudaEvent_t> time_marks_;
   void* scratch_memory_ = nullptr;
   cuda::Scratch scratch_;

@@ -64,6 +64,10 @@ struct KernelContext {
   cudaStream_t stream = nullptr;
   int num_sms = 1;
   Scratch* scratch = nullptr;
+  // The backend's side stream (Backend::begin_side_ops), of the lowest priority: the optimizer
+  // kernels launch a block per chunk instead of a grid that loops, so that each block is short
+  // and the compute stream's blocks take the SMs first whenever they wait.
+  bool short_blocks = false;
 };
 
 // ---- elementwise_kernels.cu -------------------------------------------------------------------

@@ -24,6 +24,7 @@
 // block, and one block adds the partials in order: bit-identical results from run to run.
 // hash_bytes: core/byte_hash.h's sum of per-word terms, modulo 2^64, so the blocks' 64-bit atomic
 // additions give the same bits in any order.
+#include <cstdint>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -494,7 +495,8 @@ void check_segments_fit(const SegmentArg& s, int64_t n, const char* what) {
 }
 
 unsigned chunk_grid(const KernelContext& ctx, int64_t chunks) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, ctx.num_sms * 8LL)));
+  const int64_t most = ctx.short_blocks ? int64_t{INT32_MAX} : ctx.num_sms * 8LL;  // (short: a block per chunk)
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(chunks, most)));
 }
 
 template <typename F>
