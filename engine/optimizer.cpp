@@ -140,7 +140,7 @@ bool overlap_allowed() {
 // the layers it has reached.
 void Optimizer::plan_update_pieces() {
   const TrainConfig& t = cfg_.train;
-  if (!overlap_allowed() || sharded_ || param_gather_ ||
+  if (!overlap_allowed() || param_gather_ ||
       (t.optimizer != OptimizerKind::adam && t.optimizer != OptimizerKind::sgd))
     return;
   for (const GptModel* m : chunks_)
@@ -153,8 +153,9 @@ void Optimizer::plan_update_pieces() {
     for (int i = 0; i < static_cast<int>(m.params().size()); ++i) {
       const ParamDesc& p = m.params()[static_cast<size_t>(i)];
       const int64_t o = p.offset - r.flat_offset;
-      if (p.numel() == 0 || o < 0 || o >= r.numel) continue;
-      starts.push_back({o, static_cast<int>(std::upper_bound(bounds.begin(), bounds.end(), i) - bounds.begin()) - 1});
+      if (p.numel() == 0 || o >= r.numel || o + p.numel() <= 0) continue;  // (a bucket's range: its parameters)
+      starts.push_back({std::max<int64_t>(o, 0),
+                        static_cast<int>(std::upper_bound(bounds.begin(), bounds.end(), i) - bounds.begin()) - 1});
     }
     if (starts.empty()) continue;
     std::sort(starts.begin(), starts.end());

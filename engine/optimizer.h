@@ -86,8 +86,9 @@ class Optimizer {
   // SGD update is enqueued there, cut at the forward's parameter boundaries (each decoder layer,
   // the embedding, the head), and the next forward waits for each piece just before its layer; the
   // backward (which writes gradients the update read) waits for all of it. The same arithmetic as
-  // one pass: each element is updated once, by the same kernel. Not with the distributed optimizer,
-  // FP8, Muon or sharded gradients, nor with MEGATRAIN_OPTIMIZER_OVERLAP=0 (a benchmark's A/B).
+  // one pass: each element is updated once, by the same kernel. Not where the distributed optimizer
+  // all-gathers the parameters after the update (more than one rank in its group), nor with FP8,
+  // Muon or sharded gradients, nor with MEGATRAIN_OPTIMIZER_OVERLAP=0 (a benchmark's A/B).
   bool update_beside_forward() const { return !pieces_.empty(); }
 
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch

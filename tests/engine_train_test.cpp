@@ -110,7 +110,10 @@ TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass
   gpt.model.num_layers = 3;
   Config moe = test::with_moe(test::tiny_llama_config(), 3, 4, 2, 24, 2);
   moe.model.moe.aux_loss_coeff = {1e-2};
-  for (Config c : {gpt, moe}) {
+  Config distopt = test::tiny_llama_config();  // one rank's distributed optimizer: a range per bucket
+  distopt.parallel.use_distributed_optimizer = true;
+  distopt.parallel.ddp_bucket_size = 1500;
+  for (Config c : {gpt, moe, distopt}) {
     c = mock_config(c);
     c.train.train_iters = 12;
     c.train.eval_interval = 5;
