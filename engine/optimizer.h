@@ -90,6 +90,15 @@ class Optimizer {
   // all-gathers the parameters after the update (more than one rank in its group), nor with FP8,
   // Muon or sharded gradients, nor with MEGATRAIN_OPTIMIZER_OVERLAP=0 (a benchmark's A/B).
   bool update_beside_forward() const { return !pieces_.empty(); }
+  // Its pieces, in the order they are enqueued: the range (ranges()), the first parameter whose
+  // forward waits for the piece, the segments (relative to the range's start, as its update's).
+  struct UpdatePiece {
+    size_t range = 0;
+    int first_param = 0;
+    std::vector<OptimSegment> update;
+    int mark = 0;
+  };
+  const std::vector<UpdatePiece>& update_pieces() const { return pieces_; }
 
   // The iteration's end: reduce, check, clip, update, step the schedule (by the global batch
   // size, successful steps only). Throws mt::Error for NaN/Inf in the loss or the grad norm when
@@ -145,12 +154,6 @@ class Optimizer {
   double read_scalars(double* host, int count);
   // The update beside the next forward (update_beside_forward): each range's update segments
   // cut at its chunk's forward_param_boundaries(), in forward order, one side-stream mark each.
-  struct UpdatePiece {
-    size_t range = 0;
-    int first_param = 0;
-    std::vector<OptimSegment> update;
-    int mark = 0;
-  };
   std::vector<UpdatePiece> pieces_;
   std::vector<std::vector<size_t>> chunk_pieces_;  // per chunk: its pieces, by first_param
   std::vector<size_t> next_wait_;                  // per chunk: its first piece not yet waited for

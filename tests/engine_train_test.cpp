@@ -10,6 +10,7 @@
 #include "app/training_data.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/model_chunks.h"
 #include "engine/param_count.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
@@ -49,7 +50,8 @@ struct Rig {
   TrainingData data;
   std::unique_ptr<Trainer> trainer;
   Rig(const Config& cfg, Reporter& reporter) : dims(ModelDims::from_config(cfg, ps)) {
-    model = std::make_unique<GptModel>(dims, ModelOptions::from_config(cfg, dims, DType::f32), ps, *be);
+    // (The options the app's chunk planning gives: the distributed optimizer's shards and buckets.)
+    model = std::make_unique<GptModel>(dims, model_chunk_specs(cfg, ps, DType::f32).at(0).options, ps, *be);
     model->init_parameters();
     data = build_training_data(cfg, 0, 1, 0);
     trainer = std::make_unique<Trainer>(cfg, ps, *model, *data.train, data.valid.get(), reporter);
@@ -113,6 +115,7 @@ TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass
   Config distopt = test::tiny_llama_config();  // one rank's distributed optimizer: a range per bucket
   distopt.parallel.use_distributed_optimizer = true;
   distopt.parallel.ddp_bucket_size = 1500;
+  distopt.parallel.overlap_grad_reduce = true;  // (buckets: only with overlapped reductions, as Megatron)
   for (Config c : {gpt, moe, distopt}) {
     c = mock_config(c);
     c.train.train_iters = 12;
@@ -131,6 +134,7 @@ TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass
       unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");
       Out o;
       o.beside = rig.trainer->optimizer().update_beside_forward();
+      if (c.parallel.use_distributed_optimizer) REQUIRE(rig.trainer->optimizer().ranges().size() > 2);
       rig.trainer->train();
       o.losses = rig.trainer->loss_history();
       for (const EvalStats& e : reporter.evals) o.losses.push_back(e.losses.at("lm loss"));

@@ -2,12 +2,16 @@
 // loss scaler, the NaN check.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/error.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
+#include "engine/loss_scaler.h"
+#include "engine/lr_schedule.h"
+#include "engine/model_chunks.h"
 #include "engine/optimizer.h"
 #include "parallel/parallel_state.h"
 #include "tests/engine_test_util.h"
@@ -23,9 +27,13 @@ struct Setup {
   std::unique_ptr<GptModel> model;
   std::vector<float> grads, params;
 
-  explicit Setup(Config c) : cfg(std::move(c)) {
+  // as_app: the options the app's chunk planning gives (engine/model_chunks.h: the distributed
+  // optimizer's shards and buckets), else ModelOptions::from_config's.
+  explicit Setup(Config c, bool as_app = false) : cfg(std::move(c)) {
     const ModelDims d = ModelDims::from_config(cfg, ps);
-    model = std::make_unique<GptModel>(d, ModelOptions::from_config(cfg, d, DType::f32), ps, *be);
+    const ModelOptions o = as_app ? model_chunk_specs(cfg, ps, DType::f32).at(0).options
+                                  : ModelOptions::from_config(cfg, d, DType::f32);
+    model = std::make_unique<GptModel>(d, o, ps, *be);
     model->init_parameters();
     params.resize(static_cast<size_t>(model->params_flat().numel()));
     be->copy_to_host(params.data(), model->params_flat());
@@ -172,4 +180,60 @@ TEST_CASE("optimizer step: --apply-wd-to-qk-layernorm decays the q/k layernorm p
     qk_params += qk ? 1 : 0;
   }
   CHECK(qk_params == 2 * 2 * 2);  // 2 layers x {q, k} x {weight, bias} (LayerNorm)
+}
+
+// The update beside the next forward: every parameter's elements are updated by the piece its
+// forward waits for (the piece of the unit holding it: the last boundary at or before its index),
+// each element once, with its group; over the whole buffer and over a distributed optimizer's
+// buckets, dense and MoE.
+TEST_CASE("optimizer: the update's pieces hold each parameter's elements where its forward waits", "[optimizer]") {
+  Config llama = test::tiny_llama_config();
+  llama.model.num_layers = 3;
+  Config moe = test::with_moe(test::tiny_llama_config(), 3, 4, 2, 24, 2);
+  Config gpt = test::tiny_gpt_config();
+  for (bool distopt : {false, true})
+    for (Config c : {llama, moe, gpt}) {
+      c.parallel.use_distributed_optimizer = distopt;
+      c.parallel.ddp_bucket_size = 700;
+      c.parallel.overlap_grad_reduce = distopt;  // (buckets: only with overlapped reductions, as Megatron)
+      Setup s(c, true);
+      REQUIRE(s.model->grad_layout().sharded == distopt);
+      LrSchedule sched(LrSchedule::params_from_config(s.cfg));
+      LossScaler scaler = LossScaler::from_config(s.cfg);
+      Optimizer opt(s.cfg, *s.model, s.ps, sched, scaler);
+      REQUIRE(opt.update_beside_forward());
+      REQUIRE(opt.ranges().size() > (distopt ? 2u : 0u));  // (a range per bucket)
+      const std::vector<int> bounds = s.model->forward_param_boundaries();
+      REQUIRE(bounds.size() == static_cast<size_t>(c.model.num_layers) + 2);  // embedding, layers, head
+      const auto& params = s.model->params();
+      // Each element of the flat buffer: the piece updating it (-1: none), its group.
+      std::vector<int> piece_of(static_cast<size_t>(s.model->params_flat().numel()), -1), group(piece_of.size(), -1);
+      for (size_t k = 0; k < opt.update_pieces().size(); ++k) {
+        const Optimizer::UpdatePiece& u = opt.update_pieces()[k];
+        const OptimRange& r = opt.ranges()[u.range];
+        for (const OptimSegment& seg : u.update)
+          for (int64_t e = r.flat_offset + seg.offset; e < r.flat_offset + seg.offset + seg.count; ++e) {
+            REQUIRE(piece_of[static_cast<size_t>(e)] == -1);  // once
+            piece_of[static_cast<size_t>(e)] = static_cast<int>(k);
+            group[static_cast<size_t>(e)] = seg.group;
+          }
+      }
+      // The same elements and groups as the one-pass update's segments.
+      for (const OptimRange& r : opt.ranges())
+        for (const OptimSegment& seg : r.update)
+          for (int64_t e = r.flat_offset + seg.offset; e < r.flat_offset + seg.offset + seg.count; ++e) {
+            REQUIRE(piece_of[static_cast<size_t>(e)] >= 0);
+            REQUIRE(group[static_cast<size_t>(e)] == seg.group);
+          }
+      for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+        const int unit_first = *std::prev(std::upper_bound(bounds.begin(), bounds.end(), i));
+        const ParamDesc& p = params[static_cast<size_t>(i)];
+        INFO(p.name << (distopt ? " (distributed optimizer)" : ""));
+        for (int64_t e = p.offset; e < p.offset + p.numel(); ++e) {
+          const int k = piece_of[static_cast<size_t>(e)];
+          REQUIRE(k >= 0);
+          CHECK(opt.update_pieces()[static_cast<size_t>(k)].first_param == unit_first);
+        }
+      }
+    }
 }
