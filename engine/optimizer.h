@@ -86,9 +86,10 @@ class Optimizer {
   // SGD update is enqueued there, cut at the forward's parameter boundaries (each decoder layer,
   // the embedding, the head), and the next forward waits for each piece just before its layer; the
   // backward (which writes gradients the update read) waits for all of it. The same arithmetic as
-  // one pass: each element is updated once, by the same kernel. Not where the distributed optimizer
+  // one pass: each element is updated once, by the same kernel. Only with MEGATRAIN_OPTIMIZER_OVERLAP=1
+  // (measured slower on one GPU: bench/RESULTS.md), and not where the distributed optimizer
   // all-gathers the parameters after the update (more than one rank in its group), nor with FP8,
-  // Muon or sharded gradients, nor with MEGATRAIN_OPTIMIZER_OVERLAP=0 (a benchmark's A/B).
+  // Muon or sharded gradients.
   bool update_beside_forward() const { return !pieces_.empty(); }
   // Its pieces, in the order they are enqueued: the range (ranges()), the first parameter whose
   // forward waits for the piece, the segments (relative to the range's start, as its update's).

@@ -105,8 +105,8 @@ TEST_CASE("CPU end to end: tiny Llama trains on mock data, reproducibly", "[trai
 
 // The optimizer's update beside the next forward (Optimizer::update_beside_forward): its pieces,
 // cut at each layer's parameters, update every element once, and the gradients it read are zeroed
-// only once it is joined; so training gives the same bits as the update in one pass
-// (MEGATRAIN_OPTIMIZER_OVERLAP=0), evaluations included.
+// only once it is joined; so training with MEGATRAIN_OPTIMIZER_OVERLAP=1 gives the same bits as the
+// update in one pass (the default), evaluations included.
 TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass update's bits", "[train][optimizer]") {
   Config gpt = test::tiny_gpt_config();  // biases, tied embeddings, learned positions
   gpt.model.num_layers = 3;
@@ -127,8 +127,7 @@ TEST_CASE("CPU end to end: the update beside the next forward gives the one-pass
       bool beside = false;
     };
     auto run = [&](bool overlap) {
-      if (overlap) unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");
-      else setenv("MEGATRAIN_OPTIMIZER_OVERLAP", "0", 1);
+      setenv("MEGATRAIN_OPTIMIZER_OVERLAP", overlap ? "1" : "0", 1);
       CapturingReporter reporter;
       Rig rig(c, reporter);
       unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "core/error.h"
@@ -200,7 +201,9 @@ TEST_CASE("optimizer: the update's pieces hold each parameter's elements where i
       REQUIRE(s.model->grad_layout().sharded == distopt);
       LrSchedule sched(LrSchedule::params_from_config(s.cfg));
       LossScaler scaler = LossScaler::from_config(s.cfg);
+      setenv("MEGATRAIN_OPTIMIZER_OVERLAP", "1", 1);
       Optimizer opt(s.cfg, *s.model, s.ps, sched, scaler);
+      unsetenv("MEGATRAIN_OPTIMIZER_OVERLAP");
       REQUIRE(opt.update_beside_forward());
       REQUIRE(opt.ranges().size() > (distopt ? 2u : 0u));  // (a range per bucket)
       const std::vector<int> bounds = s.model->forward_param_boundaries();

@@ -16,6 +16,12 @@ megatrain_parallel_train_test(parallel_train_tp2_sp 2 --tensor-model-parallel-si
 megatrain_parallel_train_test(parallel_train_pp2 2 --pipeline-model-parallel-size 2)
 megatrain_parallel_train_test(parallel_train_pp2_vpp2 2 --pipeline-model-parallel-size 2
                               --num-virtual-stages-per-pipeline-rank 2)
+# The optimizer's update beside the next forward (MEGATRAIN_OPTIMIZER_OVERLAP=1, both runs): two
+# chunks per rank, each cut into its own pieces.
+megatrain_parallel_train_test(parallel_train_pp2_vpp2_update_overlap 2 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2)
+set_tests_properties(parallel_train_pp2_vpp2_update_overlap PROPERTIES ENVIRONMENT
+  "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;MEGATRAIN_OPTIMIZER_OVERLAP=1")
 megatrain_parallel_train_test(parallel_train_pp2_vpp2_dp2_distopt 4 --pipeline-model-parallel-size 2
                               --num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer
                               --overlap-grad-reduce --ddp-bucket-size 2000)
