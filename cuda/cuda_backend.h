@@ -269,7 +269,8 @@ class CudaBackend final : public Backend {
   cudaEvent_t tp_compute_done_ = nullptr, tp_comm_done_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   std::vector<cudaEvent_t> comm_marks_;
-  // The side stream (begin_side_ops): made when first used; side_ops_ while ops go to it.
+  // The side stream (begin_side_ops): made by reserve_side_marks (none with the op profiler on);
+  // side_ops_ while ops go to it.
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t side_start_ = nullptr, side_done_ = nullptr;
   std::vector<cudaEvent_t> side_marks_;

@@ -24,11 +24,11 @@
 // block, and one block adds the partials in order: bit-identical results from run to run.
 // hash_bytes: core/byte_hash.h's sum of per-word terms, modulo 2^64, so the blocks' 64-bit atomic
 // additions give the same bits in any order.
-#include <cstdint>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "core/byte_hash.h"
 #include "cuda/bench_choice.h"
