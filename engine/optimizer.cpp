@@ -188,7 +188,7 @@ void Optimizer::plan_update_pieces() {
       for (const OptimSegment& seg : cut[k]) total -= seg.count;
       if (cut[k].empty()) continue;
       be_.register_optim_segments(cut[k]);
-      pieces_.push_back({ri, bounds[k], std::move(cut[k]), static_cast<int>(pieces_.size())});
+      pieces_.push_back({ri, bounds[k], std::move(cut[k])});
     }
     MT_CHECK(total == 0, "the update's pieces of range {} miss {} elements", ri, total);
   }
@@ -210,7 +210,7 @@ void Optimizer::await_update(int chunk, int end) {
   if (!in_flight_[c]) return;
   const std::vector<size_t>& mine = chunk_pieces_[c];
   for (size_t& k = next_wait_[c]; k < mine.size() && pieces_[mine[k]].first_param < end; ++k)
-    be_.compute_wait_for_side_mark(pieces_[mine[k]].mark);
+    be_.compute_wait_for_side_mark(static_cast<int>(mine[k]));
   if (end < static_cast<int>(chunks_[c]->params().size())) return;
   be_.compute_wait_for_side();  // (the whole chunk: its gradients may be written next)
   in_flight_[c] = 0;
@@ -419,9 +419,9 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     };
     if (!pieces_.empty()) {  // beside the next forward (update_beside_forward)
       be_.begin_side_ops();
-      for (const UpdatePiece& u : pieces_) {
-        update(ranges_[u.range], u.update);
-        be_.record_side_mark(u.mark);
+      for (size_t k = 0; k < pieces_.size(); ++k) {
+        update(ranges_[pieces_[k].range], pieces_[k].update);
+        be_.record_side_mark(static_cast<int>(k));
       }
       be_.end_side_ops();
       for (size_t c = 0; c < chunks_.size(); ++c) {

@@ -91,13 +91,13 @@ class Optimizer {
   // all-gathers the parameters after the update (more than one rank in its group), nor with FP8,
   // Muon or sharded gradients.
   bool update_beside_forward() const { return !pieces_.empty(); }
-  // Its pieces, in the order they are enqueued: the range (ranges()), the first parameter whose
-  // forward waits for the piece, the segments (relative to the range's start, as its update's).
+  // Its pieces, in the order they are enqueued (piece k: side-stream mark k): the range (ranges()),
+  // the first parameter whose forward waits for the piece, the segments (relative to the range's
+  // start, as its update's).
   struct UpdatePiece {
     size_t range = 0;
     int first_param = 0;
     std::vector<OptimSegment> update;
-    int mark = 0;
   };
   const std::vector<UpdatePiece>& update_pieces() const { return pieces_; }
 
@@ -154,7 +154,7 @@ class Optimizer {
   void rescale_fp8_params();
   double read_scalars(double* host, int count);
   // The update beside the next forward (update_beside_forward): each range's update segments
-  // cut at its chunk's forward_param_boundaries(), in forward order, one side-stream mark each.
+  // cut at its chunk's forward_param_boundaries(), in forward order.
   std::vector<UpdatePiece> pieces_;
   std::vector<std::vector<size_t>> chunk_pieces_;  // per chunk: its pieces, by first_param
   std::vector<size_t> next_wait_;                  // per chunk: its first piece not yet waited for
