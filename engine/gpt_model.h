@@ -340,6 +340,7 @@ class GptModel {
   // update_joined(). Not with sharded gradients.
   void update_in_flight();
   void update_joined();
+  bool update_pending() const { return update_in_flight_; }
   // The parameter indices at which the forward waits (params_needed): 0, each decoder layer's
   // first parameter, the head's first (on the last stage), ascending and distinct, below the
   // parameter count.

@@ -200,31 +200,26 @@ void Optimizer::plan_update_pieces() {
   for (size_t k = 0; k < pieces_.size(); ++k)
     chunk_pieces_[static_cast<size_t>(ranges_[pieces_[k].range].chunk)].push_back(k);
   next_wait_.assign(chunks_.size(), 0);
-  in_flight_.assign(chunks_.size(), 0);
   for (size_t c = 0; c < chunks_.size(); ++c)
     chunks_[c]->on_params_needed = [this, c](int end) { await_update(static_cast<int>(c), end); };
 }
 
 void Optimizer::await_update(int chunk, int end) {
   const size_t c = static_cast<size_t>(chunk);
-  if (!in_flight_[c]) return;
+  if (!chunks_[c]->update_pending()) return;
   const std::vector<size_t>& mine = chunk_pieces_[c];
   for (size_t& k = next_wait_[c]; k < mine.size() && pieces_[mine[k]].first_param < end; ++k)
     be_.compute_wait_for_side_mark(static_cast<int>(mine[k]));
   if (end < static_cast<int>(chunks_[c]->params().size())) return;
   be_.compute_wait_for_side();  // (the whole chunk: its gradients may be written next)
-  in_flight_[c] = 0;
   chunks_[c]->update_joined();
 }
 
 void Optimizer::join_update() {
-  if (std::find(in_flight_.begin(), in_flight_.end(), 1) == in_flight_.end()) return;
+  if (std::none_of(chunks_.begin(), chunks_.end(), [](const GptModel* m) { return m->update_pending(); })) return;
   be_.compute_wait_for_side();
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (in_flight_[c]) {
-      in_flight_[c] = 0;
-      chunks_[c]->update_joined();
-    }
+  for (GptModel* m : chunks_)
+    if (m->update_pending()) m->update_joined();
 }
 
 // Reads scalars()[0, count) of the first chunk into host doubles: the iteration's one readback.
@@ -425,7 +420,6 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
       }
       be_.end_side_ops();
       for (size_t c = 0; c < chunks_.size(); ++c) {
-        in_flight_[c] = 1;
         next_wait_[c] = 0;
         chunks_[c]->update_in_flight();
       }

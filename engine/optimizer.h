@@ -158,7 +158,6 @@ class Optimizer {
   std::vector<UpdatePiece> pieces_;
   std::vector<std::vector<size_t>> chunk_pieces_;  // per chunk: its pieces, by first_param
   std::vector<size_t> next_wait_;                  // per chunk: its first piece not yet waited for
-  std::vector<char> in_flight_;                    // per chunk: an update beside the forward pending
   void plan_update_pieces();
   void await_update(int chunk, int end);  // the chunk's on_params_needed
   void join_update();
