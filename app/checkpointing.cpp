@@ -123,6 +123,7 @@ TrainingCheckpoints::TrainingCheckpoints(const Config& cfg, ParallelState& ps, s
       if (master.dtype == DType::i16) {  // remainders: saved joined, as float32
         h.master.resize(static_cast<size_t>(master.numel()) * sizeof(float));
         h.master_raw.resize(size_of(master));
+        h.master_ties.resize(size_of(m->master_tie_words()));
       } else {
         h.master.resize(size_of(master));
       }
@@ -177,7 +178,9 @@ void TrainingCheckpoints::stage_chunk(CheckpointWriter& w, GptModel& m, Staging&
   if (optim || m.fp8_params() || shard_params) {
     if (!h.master_raw.empty()) {  // (int16 remainders: joined with the parameters' bf16 bits)
       be.copy_to_host(h.master_raw.data(), m.master_flat());
-      m.master_to_host(reinterpret_cast<float*>(h.master.data()), h.params.data(), h.master_raw.data());
+      if (!h.master_ties.empty()) be.copy_to_host(h.master_ties.data(), m.master_tie_words());
+      m.master_to_host(reinterpret_cast<float*>(h.master.data()), h.params.data(), h.master_raw.data(),
+                       h.master_ties.empty() ? nullptr : h.master_ties.data());
     } else if (!h.master.empty()) {
       be.copy_to_host(h.master.data(), m.master_flat());
     }
@@ -465,7 +468,7 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
   const CheckpointKind master_kind = load_optim ? CheckpointKind::main_params : CheckpointKind::model;
   if (L.sharded && m.has_master_copy() && m.stages_per_param()) {
     read_sharded(master_kind, "", m.master_flat(), load_optim, true);
-  } else if (L.sharded && m.has_master_copy()) {
+  } else if ((L.sharded || m.options().master_remainders) && m.has_master_copy()) {
     read_flat(reader, m, master_kind, "", m.grads_flat(), load_optim);
     m.params_from_full_master(m.grads_flat());  // (FP8 parameters: below)
   } else {
@@ -485,7 +488,7 @@ void TrainingCheckpoints::load_chunk(CheckpointReader& reader, GptModel& m, bool
     read_state(first_state_suffix(opt), m.exp_avg_flat());
     read_state(kSecondStateSuffix, m.exp_avg_sq_flat());
   }
-  if (L.sharded && !m.stages_per_param()) be.fill(m.grads_flat(), 0.0);
+  if ((L.sharded || m.options().master_remainders) && !m.stages_per_param()) be.fill(m.grads_flat(), 0.0);
   be.synchronize();
   // FP8 parameters: cast from the loaded master weights with the saved scales (the bits the saving
   // run used), or scaled afresh without FP8 state in the checkpoint.

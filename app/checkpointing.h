@@ -110,8 +110,8 @@ class TrainingCheckpoints {
   // states 1 and 2 (sharded buffers with the distributed optimizer).
   struct Staging {
     // master: float32 (GptModel::master_to_host); master_raw: master_flat's own bytes when they are
-    // not that (int16 remainders).
-    std::vector<unsigned char> params, master, master_raw, state1, state2, fp8, fp8_extra;
+    // not that (int16 remainders), master_ties: their tie bits (GptModel::master_tie_words).
+    std::vector<unsigned char> params, master, master_raw, master_ties, state1, state2, fp8, fp8_extra;
     std::vector<float> fp8_experts, fp8_experts_out;  // the experts' FP8 state: packed, then per expert
     std::vector<float> expert_bias;  // the MoE layers' expert biases (aux-loss-free balancing)
     // FP8 parameters: this rank's master shards rounded to the compute dtype (their model weights).

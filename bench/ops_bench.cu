@@ -414,6 +414,21 @@ void bench_model(Bench& B, const Model& M) {
                   std::to_string(P) + " params", 30.0 * P, [&](int) { be.adamw_step(w, g, m, v, model, segs, p); });
     }
     cuda::bench_choice::adamw_variant = 0;
+    // The master weights as remainders beside the bf16 weights (the default for bf16 runs): 28 bytes
+    // per parameter (and the tie bits, touched only at ties); ties away (the precision-aware
+    // optimizer's) and to nearest even with tie bits.
+    {
+      Tensor rem = B.alloc(DType::i16, {P}), words = B.alloc(DType::i32, {(P + 31) / 32});
+      be.fill(words, 0.0);
+      be.split_master(model, rem, w, TieBits{words, 0});
+      B.memory_op(mn, "adamw remainders (ties away)", std::to_string(P) + " params", 28.0 * P,
+                  [&](int) { be.adamw_step(rem, g, m, v, model, segs, p); });
+      be.split_master(model, rem, w, TieBits{words, 0});
+      B.memory_op(mn, "adamw remainders (to even, tie bits)", std::to_string(P) + " params", 28.0 * P,
+                  [&](int) { be.adamw_step(rem, g, m, v, model, segs, p, TieBits{words, 0}); });
+      B.memory_op(mn, "master_sum_squares (params norm)", std::to_string(P) + " params", 4.0 * P,
+                  [&](int) { be.master_sum_squares(out, model, rem, TieBits{words, 0}, segs, false); });
+    }
     B.memory_op(mn, "sum_squares (grad norm)", std::to_string(P) + " params", 4.0 * P,
                 [&](int) { be.sum_squares(out, g, segs, false); });
     // Zeroing the main grads each step: 0 takes cudaMemsetAsync, any other value the fill kernel.

@@ -13,6 +13,7 @@
 #   (TP2+SP x PP2, TP2 x DP2 with the distributed optimizer, TP2+SP x DP2 with FP8, MoE at EP2 with
 #   expert TP 2 and 1) where mpirun is.
 # runs: a comma-separated subset of the run names printed (default: all).
+# EXTRA: flags added to every run (e.g. --log-params-norm: the parameters' norm compared as well).
 # Prints one line per run ("same" or the first difference) and exits non-zero on any difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,7 +102,7 @@ for name in "${order[@]}"; do
     [ $side = b ] && bin=$b
     rm -f "$out/$name.$side.jsonl"
     # shellcheck disable=SC2086
-    if ! $launcher "$bin" ${runs[$name]} --metrics-jsonl "$out/$name.$side.jsonl" > "$out/$name.$side.log" 2>&1; then
+    if ! $launcher "$bin" ${runs[$name]} ${EXTRA:-} --metrics-jsonl "$out/$name.$side.jsonl" > "$out/$name.$side.log" 2>&1; then
       echo "$name: binary $side failed: $(tail -n 2 "$out/$name.$side.log" | tr '\n' ' ')"
       fail=1
       continue 2
@@ -111,7 +112,7 @@ for name in "${order[@]}"; do
 import json, sys
 name, fa, fb, iters = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 def rows(f):
-    return [(r["iteration"], r.get("lm_loss"), r.get("grad_norm")) for r in map(json.loads, open(f))
+    return [(r["iteration"], r.get("lm_loss"), r.get("grad_norm"), r.get("params_norm")) for r in map(json.loads, open(f))
             if r.get("type") == "iteration"]
 ra, rb = rows(fa), rows(fb)
 if len(ra) != iters or len(rb) != iters:
@@ -119,9 +120,11 @@ if len(ra) != iters or len(rb) != iters:
     sys.exit(1)
 for x, y in zip(ra, rb):
     if x != y:
-        print(f"{name}: DIFFERENT at iteration {x[0]}: loss {x[1]!r} vs {y[1]!r}, grad norm {x[2]!r} vs {y[2]!r}")
+        print(f"{name}: DIFFERENT at iteration {x[0]}: loss {x[1]!r} vs {y[1]!r}, grad norm {x[2]!r} vs {y[2]!r}, "
+              f"params norm {x[3]!r} vs {y[3]!r}")
         sys.exit(1)
-print(f"{name}: same ({iters} iterations; last loss {ra[-1][1]!r}, grad norm {ra[-1][2]!r})")
+norm = f", params norm {ra[-1][3]!r}" if ra[-1][3] is not None else ""
+print(f"{name}: same ({iters} iterations; last loss {ra[-1][1]!r}, grad norm {ra[-1][2]!r}{norm})")
 PY
 done
 exit $fail

@@ -7,10 +7,21 @@
 // is set (round to nearest on the bits, ties away from zero, instead of to even: only exact ties
 // differ from an ordinary bf16 rounding), and the remainder is lo read as int16. Joining undoes it:
 // a negative remainder says the weight was rounded up. Every bit pattern round-trips.
+//
+// Rounded to nearest even instead (ModelOptions::master_tie_bits, megatrain's default for bf16
+// parameters): the weight is exactly what a cast of the float32 master weight gives
+// (float_to_bf16_bits), as beside a separate master copy, and the remainder is lo again. Where
+// (weight, remainder) cannot say whether the weight was rounded up, one more bit per element does
+// (`up`, in a bit array: TieBits): at an exact tie (lo 0x8000: to even may go either way) and at an
+// infinite or NaN weight (a finite x rounded up to infinity; a NaN whose quiet bit the cast set).
+// Elsewhere the bit is 0. Every bit pattern round-trips; that 65,537 float32 values round to each
+// even bf16 value is why 16 bits alone cannot do it.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#include "core/dtype.h"
 
 namespace mt {
 
@@ -34,5 +45,43 @@ inline float join_master_bits(uint16_t weight, int16_t remainder) {
   std::memcpy(&x, &bits, 4);
   return x;
 }
+
+// Round to nearest even: whether (weight, remainder) needs the extra bit, the split, the join.
+inline bool master_tie_ambiguous(uint16_t weight, int16_t remainder) {
+  return static_cast<uint16_t>(remainder) == 0x8000u || (weight & 0x7F80u) == 0x7F80u;
+}
+
+struct SplitMasterEven {
+  uint16_t weight;  // float_to_bf16_bits(x)
+  int16_t remainder;
+  bool up;          // the weight is not x's top 16 bits, where master_tie_ambiguous; else false
+};
+
+inline SplitMasterEven split_master_even(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint16_t top = static_cast<uint16_t>(bits >> 16);
+  const uint16_t w = float_to_bf16_bits(x);
+  const auto r = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xFFFFu));
+  return {w, r, master_tie_ambiguous(w, r) && w != top};
+}
+
+inline float join_master_even(uint16_t weight, int16_t remainder, bool up) {
+  uint16_t top;
+  if (!master_tie_ambiguous(weight, remainder)) {  // rounded up exactly when lo is above half
+    top = static_cast<uint16_t>(weight - (static_cast<uint16_t>(remainder) > 0x8000u ? 1u : 0u));
+  } else if ((weight & 0x7F80u) == 0x7F80u && (weight & 0x7Fu) != 0) {  // a NaN: up is the quiet bit the cast set
+    top = static_cast<uint16_t>(up ? weight ^ 0x40u : weight);
+  } else {
+    top = static_cast<uint16_t>(weight - (up ? 1u : 0u));
+  }
+  const uint32_t bits = (static_cast<uint32_t>(top) << 16) | static_cast<uint16_t>(remainder);
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// Bit i of a bit array of 32-bit words (TieBits: element i's `up`).
+inline bool tie_bit(const uint32_t* words, int64_t i) { return ((words[i >> 5] >> (i & 31)) & 1u) != 0; }
 
 }  // namespace mt

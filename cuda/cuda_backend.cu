@@ -745,18 +745,25 @@ void check_model_copy_segments(const Tensor& model, std::span<const OptimSegment
 }
 }  // namespace
 
-void CudaBackend::split_master(Tensor model, Tensor remainder, Tensor master) {
-  on_device("split_master", model, remainder, master);
+void CudaBackend::split_master(Tensor model, Tensor remainder, Tensor master, TieBits ties) {
+  on_device("split_master", model, remainder, master, ties.words);
   MT_PROFILE_OP("split_master {}", master.numel());
-  cuda::split_master(context(), model, remainder, master);
+  cuda::split_master(context(), model, remainder, master, ties);
+}
+void CudaBackend::master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                                     std::span<const OptimSegment> segments, bool accumulate) {
+  on_device("master_sum_squares", out, model, remainder, ties.words);
+  MT_PROFILE_OP("master_sum_squares {}", remainder.numel());
+  cuda::master_sum_squares(context(), out, model, remainder, ties,
+                           segment_arg(segments, remainder.numel(), "master_sum_squares"), accumulate);
 }
 void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
-                             std::span<const OptimSegment> segments, const OptimStepParams& p) {
-  on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param);
+                             std::span<const OptimSegment> segments, const OptimStepParams& p, TieBits ties) {
+  on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param, ties.words);
   check_model_copy_segments(model_param, segments, "adamw_step");
   MT_PROFILE_OP("adamw_step {}", master.numel());
   cuda::adamw_step(context(), master, grad, exp_avg, exp_avg_sq, model_param,
-                   segment_arg(segments, master.numel(), "adamw_step"), p);
+                   segment_arg(segments, master.numel(), "adamw_step"), p, ties);
   if (!side_ops_) profiler_->step_done();  // (side ops: end_side_ops counts the step)
 }
 void CudaBackend::sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,

@@ -197,8 +197,10 @@ class CudaBackend final : public Backend {
                           bool accumulate) override;
 
   void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
-                  std::span<const OptimSegment> segments, const OptimStepParams& p) override;
-  void split_master(Tensor model, Tensor remainder, Tensor master) override;
+                  std::span<const OptimSegment> segments, const OptimStepParams& p, TieBits ties = {}) override;
+  void split_master(Tensor model, Tensor remainder, Tensor master, TieBits ties = {}) override;
+  void master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                          std::span<const OptimSegment> segments, bool accumulate) override;
   void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                 std::span<const OptimSegment> segments, const OptimStepParams& p) override;
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;

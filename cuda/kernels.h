@@ -194,10 +194,12 @@ struct SegmentArg {
 void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* out, int64_t* total_chunks);
 
 // Float32 master weights into bf16 weights and int16 remainders (core/master_remainder.h; remainder
-// may be empty).
-void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master);
+// may be empty), rounded to nearest even with tie bits where `ties` is not empty.
+void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master, TieBits ties);
+void master_sum_squares(const KernelContext& ctx, Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                        const SegmentArg& segs, bool accumulate);
 void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
-                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p);
+                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p, TieBits ties = {});
 void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
               const SegmentArg& segs, const OptimStepParams& p);
 void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate);

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kOptimThreads, kMinBlocks) adamw_kernel(AdamAr
 }
 
 // ---- float32 master weights kept as int16 remainders beside bf16 weights ----------------------
-// (core/master_remainder.h: the same bits on the host.)
+// (core/master_remainder.h: the same bits on the host.) Rounded ties away (Transformer Engine's):
 __device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder) {
   const uint16_t hi = static_cast<uint16_t>(weight - (remainder < 0 ? 1u : 0u));
   return __uint_as_float((static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(remainder));
@@ -311,11 +311,52 @@ __device__ __forceinline__ void split_master(float x, uint16_t& weight, int16_t&
   remainder = static_cast<int16_t>(lo);
 }
 
-// AdamW over such master weights: a.master is unused; rem and a.model (bf16) are read and written.
-// Four elements per access where the run starts 4-aligned and the buffers allow it (`vec`).
-template <typename G, typename A, typename V>
+// Rounded to nearest even, with one more bit per element where (weight, remainder) leave the
+// rounding's direction open (master_tie_ambiguous); the bit is 0 elsewhere, so it is read only
+// there, and flipped (atomically: neighbours share its word) only where it changes.
+struct TieArg {
+  uint32_t* words = nullptr;
+  int64_t first = 0;  // the bit of element 0
+};
+__device__ __forceinline__ bool tie_ambiguous(uint16_t weight, int16_t remainder) {
+  return static_cast<uint16_t>(remainder) == 0x8000u || (weight & 0x7F80u) == 0x7F80u;
+}
+__device__ __forceinline__ bool tie_read(const TieArg& t, int64_t i) {
+  const int64_t b = t.first + i;
+  return ((t.words[b >> 5] >> (b & 31)) & 1u) != 0;
+}
+__device__ __forceinline__ void tie_write(const TieArg& t, int64_t i, bool was, bool now) {
+  if (was == now) return;
+  const int64_t b = t.first + i;
+  atomicXor(t.words + (b >> 5), 1u << (b & 31));
+}
+// Element i's bit as the invariant above has it (zero unless ambiguous).
+__device__ __forceinline__ bool tie_of(const TieArg& t, int64_t i, uint16_t weight, int16_t remainder) {
+  return tie_ambiguous(weight, remainder) && tie_read(t, i);
+}
+__device__ __forceinline__ float join_master_even(uint16_t weight, int16_t remainder, bool up) {
+  uint16_t top;
+  if (!tie_ambiguous(weight, remainder)) top = static_cast<uint16_t>(weight - (static_cast<uint16_t>(remainder) > 0x8000u ? 1u : 0u));
+  else if ((weight & 0x7F80u) == 0x7F80u && (weight & 0x7Fu) != 0) top = static_cast<uint16_t>(up ? weight ^ 0x40u : weight);
+  else top = static_cast<uint16_t>(weight - (up ? 1u : 0u));
+  return __uint_as_float((static_cast<uint32_t>(top) << 16) | static_cast<uint16_t>(remainder));
+}
+// The weight float_to_bf16_bits gives (round to nearest even; a NaN made quiet), and `up`.
+__device__ __forceinline__ void split_master_even(float x, uint16_t& weight, int16_t& remainder, bool& up) {
+  const uint32_t bits = __float_as_uint(x);
+  const uint16_t top = static_cast<uint16_t>(bits >> 16);
+  weight = (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(top | 0x40u)
+                                               : static_cast<uint16_t>((bits + 0x7FFFu + (top & 1u)) >> 16);
+  remainder = static_cast<int16_t>(bits & 0xFFFFu);
+  up = weight != top && tie_ambiguous(weight, remainder);
+}
+
+// AdamW over such master weights: a.master is unused; rem and a.model (bf16) are read and written
+// (kEven: with the tie bits `ties`). Four elements per access where the run starts 4-aligned and
+// the buffers allow it (`vec`).
+template <bool kEven, typename G, typename A, typename V>
 __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remainder_kernel(AdamArgs<G, A, V> a, int16_t* rem,
-                                                                       SegmentArg segs, bool vec) {
+                                                                       TieArg ties, SegmentArg segs, bool vec) {
   uint16_t* w16 = static_cast<uint16_t*>(a.model);
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
@@ -323,10 +364,24 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
     const float lr = a.lr[s.group], wd = a.wd[s.group], eps = a.eps[s.group];
     const bool track = s.fp8_amax != nullptr;  // (block-uniform)
     float amax = 0.0f;
-    auto one = [&](float& m, float& v, float g, uint16_t& w, int16_t& r) {
-      const float p = adam_one(m, v, join_master(w, r), __fmul_rn(g, a.grad_scale), a.beta1, a.beta2, a.bias_correction1,
+    auto one = [&](float& m, float& v, float g, uint16_t& w, int16_t& r, int64_t i) {
+      bool was = false;
+      float x;
+      if constexpr (kEven) {
+        was = tie_of(ties, i, w, r);
+        x = join_master_even(w, r, was);
+      } else {
+        x = join_master(w, r);
+      }
+      const float p = adam_one(m, v, x, __fmul_rn(g, a.grad_scale), a.beta1, a.beta2, a.bias_correction1,
                                a.bias_correction2, eps, lr, wd);
-      split_master(p, w, r);
+      if constexpr (kEven) {
+        bool up;
+        split_master_even(p, w, r, up);
+        tie_write(ties, i, was, up);
+      } else {
+        split_master(p, w, r);
+      }
       if (track) amax = fmaxf(amax, fabsf(__uint_as_float(static_cast<uint32_t>(w) << 16)));
     };
     auto four = [&](int64_t i) {
@@ -335,10 +390,10 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
       uint2 wr = *reinterpret_cast<const uint2*>(w16 + i), rr = *reinterpret_cast<const uint2*>(rem + i);
       uint16_t* w = reinterpret_cast<uint16_t*>(&wr);
       int16_t* r = reinterpret_cast<int16_t*>(&rr);
-      one(m.x, v.x, g.x, w[0], r[0]);
-      one(m.y, v.y, g.y, w[1], r[1]);
-      one(m.z, v.z, g.z, w[2], r[2]);
-      one(m.w, v.w, g.w, w[3], r[3]);
+      one(m.x, v.x, g.x, w[0], r[0], i);
+      one(m.y, v.y, g.y, w[1], r[1], i + 1);
+      one(m.z, v.z, g.z, w[2], r[2], i + 2);
+      one(m.w, v.w, g.w, w[3], r[3], i + 3);
       store4(a.exp_avg + i, m);
       store4(a.exp_avg_sq + i, v);
       *reinterpret_cast<uint2*>(w16 + i) = wr;
@@ -346,7 +401,7 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
     };
     for_range_by4(begin, end, vec, four, [&](int64_t i) {
       float m = to_float(a.exp_avg[i]), v = to_float(a.exp_avg_sq[i]);
-      one(m, v, to_float(a.grad[i]), w16[i], rem[i]);
+      one(m, v, to_float(a.grad[i]), w16[i], rem[i], i);
       a.exp_avg[i] = from_float<A>(m);
       a.exp_avg_sq[i] = from_float<V>(v);
     });
@@ -354,12 +409,20 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
   }
 }
 
-__global__ void split_master_kernel(uint16_t* weight, int16_t* remainder, const float* master, int64_t n) {
+// (Set-up: every element's bit is written whatever the words held.)
+__global__ void split_master_kernel(uint16_t* weight, int16_t* remainder, const float* master, int64_t n,
+                                    TieArg ties) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     uint16_t w;
     int16_t r;
-    split_master(master[i], w, r);
+    if (ties.words) {
+      bool up;
+      split_master_even(master[i], w, r, up);
+      tie_write(ties, i, tie_read(ties, i), up);
+    } else {
+      split_master(master[i], w, r);
+    }
     weight[i] = w;
     if (remainder) remainder[i] = r;
   }
@@ -401,9 +464,37 @@ __global__ void __launch_bounds__(kOptimThreads) sgd_kernel(SgdArgs<G> a, Segmen
 
 constexpr int kReduceBlock = 256;
 
+// Where sum_squares reads x: a plain buffer (kVec elements per 16-byte access), or float32 master
+// weights joined from remainders (MasterSource: four per access, as a float32 buffer's).
 template <typename T>
-__global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentArg segs, bool vec) {
-  constexpr int kVec = 16 / sizeof(T);
+struct PlainSource {
+  static constexpr int kVec = 16 / sizeof(T);
+  const T* x;
+  __device__ __forceinline__ Floats<kVec> vec(int64_t i) const { return load_vec<kVec>(x + i); }
+  __device__ __forceinline__ float one(int64_t i) const { return to_float(x[i]); }
+};
+struct MasterSource {
+  static constexpr int kVec = 4;
+  const uint16_t* w;
+  const int16_t* r;
+  TieArg ties;
+  __device__ __forceinline__ float one(int64_t i) const {
+    return join_master_even(w[i], r[i], tie_of(ties, i, w[i], r[i]));
+  }
+  __device__ __forceinline__ Floats<kVec> vec(int64_t i) const {
+    const uint2 wr = *reinterpret_cast<const uint2*>(w + i), rr = *reinterpret_cast<const uint2*>(r + i);
+    const uint16_t* we = reinterpret_cast<const uint16_t*>(&wr);
+    const int16_t* re = reinterpret_cast<const int16_t*>(&rr);
+    Floats<kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.v[j] = join_master_even(we[j], re[j], tie_of(ties, i + j, we[j], re[j]));
+    return out;
+  }
+};
+
+template <typename Source>
+__global__ void sum_squares_partial_kernel(double* partial, Source x, SegmentArg segs, bool vec) {
+  constexpr int kVec = Source::kVec;
   float s = 0.0f;
   for (int64_t chunk = blockIdx.x; chunk < segs.total_chunks; chunk += gridDim.x) {
     int64_t begin, end;
@@ -415,21 +506,21 @@ __global__ void sum_squares_partial_kernel(double* partial, const T* x, SegmentA
       // Two vectors in flight per thread where both exist.
       int64_t q = threadIdx.x;
       for (; q + blockDim.x < nvec; q += 2 * blockDim.x) {
-        const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec), w = load_vec<kVec>(x + begin + (q + blockDim.x) * kVec);
+        const Floats<kVec> v = x.vec(begin + q * kVec), w = x.vec(begin + (q + blockDim.x) * kVec);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += w.v[j] * w.v[j];
       }
       if (q < nvec) {
-        const Floats<kVec> v = load_vec<kVec>(x + begin + q * kVec);
+        const Floats<kVec> v = x.vec(begin + q * kVec);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += v.v[j] * v.v[j];
       }
       scalar_from = begin + nvec * kVec;
     }
     for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
-      const float v = to_float(x[i]);
+      const float v = x.one(i);
       s += v * v;
     }
   }
@@ -473,6 +564,20 @@ void check_moment(const Tensor& t, int64_t n, const char* name) {
 // Four-element accesses to a float32 (16-byte) or bfloat16 (8-byte) buffer need its alignment.
 bool aligned_for4(const Tensor& t) { return t.dtype == DType::f32 ? aligned16(t.data) : aligned8(t.data); }
 
+// Master remainders: a bf16 model copy and int16 remainders of one size, and tie bits (if any)
+// covering them.
+void check_remainders(const Tensor& model, const Tensor& remainder, const TieBits& ties, const char* what) {
+  const int64_t n = remainder.numel();
+  MT_CHECK(remainder.dtype == DType::i16, "{}: remainder is {}, not int16", what, dtype_name(remainder.dtype));
+  MT_CHECK(model.dtype == DType::bf16 && model.numel() == n,
+           "{}: int16 master remainders need a bf16 model copy of {} elements, got {} {}", what, n,
+           model.empty() ? std::string_view("none") : dtype_name(model.dtype), model.shape_string());
+  MT_CHECK(ties.empty() || (ties.words.dtype == DType::i32 && ties.first >= 0 &&
+                            (ties.first + n + 31) / 32 <= ties.words.numel()),
+           "{}: tie bits for {} elements from bit {} in {} int32 words", what, n, ties.first, ties.words.numel());
+}
+TieArg tie_arg(const TieBits& t) { return TieArg{t.empty() ? nullptr : t.words.ptr<uint32_t>(), t.first}; }
+
 // Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 moment.
 template <typename F>
 void dispatch_moment(const Tensor& t, F&& f) {
@@ -514,14 +619,14 @@ void dispatch_model(const Tensor& model, const char* what, F&& f) {
 }  // namespace
 
 void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
-                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p) {
+                Tensor model_param, const SegmentArg& segs, const OptimStepParams& p, TieBits ties) {
   const int64_t n = master.numel();
   const bool remainders = master.dtype == DType::i16;  // float32 master weights as remainders of bf16 ones
   if (remainders) {
-    MT_CHECK(model_param.dtype == DType::bf16 && model_param.numel() == n,
-             "adamw_step: int16 master remainders need a bf16 model copy of {} elements", n);
+    check_remainders(model_param, master, ties, "adamw_step");
   } else {
     check_flat_f32(master, n, "adamw_step", "master");
+    MT_CHECK(ties.empty(), "adamw_step: tie bits with float32 master weights");
   }
   check_optimizer_grad(grad, n, "adamw_step");
   check_moment(exp_avg, n, "exp_avg");
@@ -549,7 +654,12 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
           a.eps[g] = p.eps_of(g);
         }
         if (remainders) {
-          adamw_remainder_kernel<G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, master.ptr<int16_t>(), segs, vec);
+          if (ties.empty())
+            adamw_remainder_kernel<false, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, master.ptr<int16_t>(),
+                                                                                          TieArg{}, segs, vec);
+          else
+            adamw_remainder_kernel<true, G, A, V><<<grid, kOptimThreads, 0, ctx.stream>>>(a, master.ptr<int16_t>(),
+                                                                                         tie_arg(ties), segs, vec);
           return;
         }
         dispatch_model(model_param, "adamw_step", [&]<typename M>() {
@@ -567,19 +677,18 @@ void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp
   MT_CUDA_CHECK_LAUNCH();
 }
 
-void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master) {
+void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master, TieBits ties) {
   const int64_t n = master.numel();
   MT_CHECK(master.dtype == DType::f32, "split_master: master is {}, not float32", dtype_name(master.dtype));
   MT_CHECK(model.dtype == DType::bf16 && model.numel() == n, "split_master: model must be bf16 with {} elements, got "
            "{} {}", n, dtype_name(model.dtype), model.shape_string());
-  MT_CHECK(remainder.empty() || (remainder.dtype == DType::i16 && remainder.numel() == n),
-           "split_master: remainder must be int16 with {} elements, got {} {}", n, dtype_name(remainder.dtype),
-           remainder.shape_string());
+  if (remainder.empty()) MT_CHECK(ties.empty(), "split_master: tie bits without remainders");
+  else check_remainders(model, remainder, ties, "split_master");
   if (n == 0) return;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, ctx.num_sms * 16LL));
   split_master_kernel<<<grid, 256, 0, ctx.stream>>>(model.ptr<uint16_t>(),
                                                     remainder.empty() ? nullptr : remainder.ptr<int16_t>(),
-                                                    master.ptr<const float>(), n);
+                                                    master.ptr<const float>(), n, tie_arg(ties));
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -662,9 +771,21 @@ __global__ void hash_bytes_kernel(unsigned long long* out, const unsigned char* 
 void sum_squares(const KernelContext& ctx, Tensor out, Tensor x, const SegmentArg& segs, bool accumulate) {
   two_stage_sum(ctx, out, segs, accumulate, "sum_squares", [&](double* partial, unsigned grid) {
     MT_DISPATCH_FLOAT(x.dtype, T, "sum_squares", {
-      sum_squares_partial_kernel<T><<<grid, kReduceBlock, 0, ctx.stream>>>(partial, x.ptr<const T>(), segs,
-                                                                           aligned16(x.data));
+      sum_squares_partial_kernel<<<grid, kReduceBlock, 0, ctx.stream>>>(partial, PlainSource<T>{x.ptr<const T>()}, segs,
+                                                                        aligned16(x.data));
     });
+  });
+}
+
+void master_sum_squares(const KernelContext& ctx, Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                        const SegmentArg& segs, bool accumulate) {
+  check_remainders(model, remainder, ties, "master_sum_squares");
+  MT_CHECK(!ties.empty(), "master_sum_squares: the master weights' tie bits");
+  two_stage_sum(ctx, out, segs, accumulate, "master_sum_squares", [&](double* partial, unsigned grid) {
+    // (Four-element accesses exactly where a float32 buffer at these elements would take them.)
+    sum_squares_partial_kernel<<<grid, kReduceBlock, 0, ctx.stream>>>(
+        partial, MasterSource{model.ptr<const uint16_t>(), remainder.ptr<const int16_t>(), tie_arg(ties)}, segs,
+        aligned8(model.data) && aligned8(remainder.data));
   });
 }
 

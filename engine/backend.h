@@ -251,6 +251,15 @@ struct OptimSegment {
   bool operator==(const OptimSegment&) const = default;
 };
 
+// Master weights kept as int16 remainders rounded to nearest even (core/master_remainder.h,
+// ModelOptions::master_tie_bits): element i's extra bit is bit (first + i) of `words` (int32 words
+// read as uint32, in backend memory). Empty: remainders rounded ties away (Transformer Engine's).
+struct TieBits {
+  Tensor words;
+  int64_t first = 0;
+  bool empty() const { return words.empty(); }
+};
+
 struct OptimStepParams {
   static constexpr int kMaxGroups = 5;
   float lr[kMaxGroups] = {};
@@ -813,14 +822,21 @@ class Backend {
   // master weights are also written to model_param (the bf16/fp16 copy; may be empty; FP8 (e4m3)
   // when every segment carries its fp8_scale and fp8_amax).
   // exp_avg / exp_avg_sq: float32, or bf16 each (read as float32, stored rounded to nearest even).
-  // master may instead be int16 remainders beside a bf16 model_param (core/master_remainder.h:
-  // precision-aware optimizer): the float32 master weight is joined from the two, updated, and
-  // split back into both.
+  // master may instead be int16 remainders beside a bf16 model_param (core/master_remainder.h):
+  // the float32 master weight is joined from the two, updated, and split back into both, rounded
+  // ties away (the precision-aware optimizer's) or, with `ties` (its bits of these elements read
+  // and written), to nearest even.
   virtual void adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
-                          std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
+                          std::span<const OptimSegment> segments, const OptimStepParams& p, TieBits ties = {}) = 0;
   // Float32 master weights into bf16 weights `model` and int16 `remainder` (core/master_remainder.h;
-  // set-up and checkpoint loads). remainder may be empty: the weights alone, rounded the same way.
-  virtual void split_master(Tensor model, Tensor remainder, Tensor master) = 0;
+  // set-up and checkpoint loads), with `ties`: rounded to nearest even, their bits written. remainder
+  // may be empty: the weights alone, rounded the same way (ties then empty too).
+  virtual void split_master(Tensor model, Tensor remainder, Tensor master, TieBits ties = {}) = 0;
+  // out float32 [1] (+)= sum of squares of the float32 master weights joined from the bf16 `model`,
+  // the int16 `remainder` and `ties` (not empty) over the segments: sum_squares' bits over those
+  // master weights as a float32 buffer.
+  virtual void master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                                  std::span<const OptimSegment> segments, bool accumulate) = 0;
   virtual void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                         std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
   // out float32 [1] (+)= sum of squares of x over the segments (all of x when segments is empty).

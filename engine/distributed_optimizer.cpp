@@ -100,6 +100,7 @@ OptimViews optim_views(const GptModel& m, const OptimRange& r) {
                                    : m.grads_flat().flat_slice(r.flat_offset, r.numel);
   if (m.has_master_copy()) {
     v.master = state(m.master_flat());
+    v.ties = m.master_ties(r.state_offset);
     // (FP8 parameters: the update casts them, each segment with its weight's scale.)
     // (Sharded parameters: a layer's bucket's output is this rank's shard of its parameters.)
     v.model_copy = r.bucket >= 0 && m.param_shard_bucket(r.bucket) ? m.param_shard(r.bucket)

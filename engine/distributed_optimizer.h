@@ -52,6 +52,7 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
 // The views of one range.
 struct OptimViews {
   Tensor master, grad, state1, state2, model_copy;  // model_copy: the compute-dtype params (separate master only)
+  TieBits ties;  // master weights kept as remainders rounded to nearest even (GptModel::master_ties)
 };
 OptimViews optim_views(const GptModel& model, const OptimRange& r);
 

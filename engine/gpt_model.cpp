@@ -194,9 +194,11 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   MT_CHECK(opt_.grad == opt_.accum || opt_.grad == DType::bf16, "main gradients in {} with accum {}",
            dtype_name(opt_.grad), dtype_name(opt_.accum));
   MT_CHECK(!opt_.master_remainders || (opt_.compute == DType::bf16 && opt_.accum == DType::f32 &&
-                                       opt_.shard_optimizer_state && !opt_.fp8.param_gather),
-           "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer and "
-           "no FP8 parameters");
+                                       (opt_.shard_optimizer_state || opt_.grad == opt_.accum) &&
+                                       !opt_.fp8.param_gather),
+           "master-weight remainders need bf16 parameters, float32 master weights, the distributed optimizer or "
+           "float32 main gradients, and no FP8 parameters");
+  MT_CHECK(!opt_.master_tie_bits || opt_.master_remainders, "master tie bits without master-weight remainders");
   MT_CHECK(!opt_.shard_grads || opt_.shard_optimizer_state, "sharded gradients need the distributed optimizer");
   MT_CHECK(!opt_.shard_params || (opt_.shard_grads && !opt_.master_remainders),
            "sharded parameters need sharded gradients and no master-weight remainders");
@@ -490,6 +492,7 @@ void GptModel::layout(Arena& a) {
     grads_ = a.take(C::gradients, opt_.grad, {total});
   }
   master_ = has_master_copy() ? a.take(C::master_weights, opt_.master_remainders ? DType::i16 : S, {state}) : params_;
+  ties_ = has_master_copy() && opt_.master_tie_bits ? a.take(C::master_weights, DType::i32, {(state + 31) / 32}) : Tensor();
   state1_ = state2_ = Tensor();
   if (opt_.frozen) {  // (a teacher: no optimizer)
   } else if (opt_.optimizer != OptimizerKind::sgd) {  // (Muon: its momentum in state1, AdamW's for the rest)
@@ -850,7 +853,8 @@ void GptModel::prepare_grad_unit(int local) {
   holder = local;
 }
 Tensor GptModel::master(int i) const {
-  MT_CHECK(!(grad_layout_.sharded && has_master_copy()), "master({}) of a sharded master copy", i);
+  MT_CHECK(!(grad_layout_.sharded && has_master_copy()) && !opt_.master_remainders,
+           "master({}) of a sharded master copy or one kept as remainders", i);
   return shaped(master_, descs_.at(i));
 }
 
@@ -957,46 +961,66 @@ void GptModel::init_parameters(bool random) {
   }
   auto draw = [this, random](const ParamDesc& p, Tensor w) { init_param(be_, p, w, d_.seed, random); };
   // The full-precision values are drawn into a full-size buffer: the master copy, or with a
-  // sharded master copy the (still unused) gradient buffer, from which each rank keeps its shards.
-  // bf16 main grads cannot hold them: then one parameter at a time.
-  const bool sharded_master = grad_layout_.sharded && has_master_copy();
-  if (sharded_master && stages_per_param()) {
+  // sharded master copy or one kept as remainders the (still unused) gradient buffer, from which
+  // each rank keeps its shards (or splits). bf16 main grads cannot hold them: then one parameter
+  // at a time.
+  const bool staged = has_master_copy() && (grad_layout_.sharded || opt_.master_remainders);
+  if (!ties_.empty()) be_.fill(ties_, 0.0);
+  if (staged && stages_per_param()) {
     stage_full_params([&](int i, Tensor w) { draw(descs_[static_cast<size_t>(i)], w); }, master_, true);
   } else {
-    const Tensor full = sharded_master ? grads_ : master_;
+    const Tensor full = staged ? grads_ : master_;
+    if (staged) be_.fill(grads_, 0.0);  // (the padding too: it is split into the master copy)
     for (const ParamDesc& p : descs_) draw(p, shaped(full, p));
     if (!has_master_copy()) return;
     params_from_full_master(full);
-    if (sharded_master) be_.fill(grads_, 0.0);
+    if (staged) be_.fill(grads_, 0.0);
   }
   fp8_params_from_master(true);
+}
+
+void GptModel::round_params(Tensor params, Tensor values) {
+  if (opt_.master_remainders && !opt_.master_tie_bits) be_.split_master(params, Tensor(), values);
+  else be_.cast(params, values);
 }
 
 void GptModel::params_from_full_master(Tensor full) {
   MT_CHECK(has_master_copy() && full.dtype == opt_.accum && full.numel() >= params_.numel(),
            "params_from_full_master: a full-size {} buffer", dtype_name(opt_.accum));
+  MT_CHECK(full.data != master_.data || (!grad_layout_.sharded && !opt_.master_remainders),
+           "params_from_full_master: the master copy cannot hold the full values");
   const Tensor values = full.flat_slice(0, params_.numel());
   // (the FP8 parameters: fp8_params_from_master)
-  if (opt_.master_remainders) be_.split_master(params_, Tensor(), values);
-  else be_.cast(params_, values);
-  if (!grad_layout_.sharded) return;  // (then `full` is the master copy)
+  round_params(params_, values);
+  if (!grad_layout_.sharded) {  // (without remainders `full` is the master copy)
+    if (opt_.master_remainders) be_.split_master(params_, master_, values, master_ties(0));
+    return;
+  }
   for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
     const int64_t n = grad_layout_.shard_numel(b), at = grad_layout_.shard_offset(b);
-    const Tensor shard = master_.flat_slice(grad_layout_.state_offset[static_cast<size_t>(b)], n);
-    if (opt_.master_remainders) be_.split_master(params_.flat_slice(at, n), shard, full.flat_slice(at, n));
+    const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)];
+    const Tensor shard = master_.flat_slice(state, n);
+    if (opt_.master_remainders)
+      be_.split_master(params_.flat_slice(at, n), shard, full.flat_slice(at, n), master_ties(state));
     else be_.cast(shard, full.flat_slice(at, n));  // (a copy: the same dtype)
   }
 }
 
-void GptModel::master_to_host(float* out, const void* params_host, const void* master_host) const {
+void GptModel::master_to_host(float* out, const void* params_host, const void* master_host,
+                              const void* ties_host) const {
   MT_CHECK(opt_.master_remainders, "master_to_host: the master weights are not kept as remainders");
+  MT_CHECK(!opt_.master_tie_bits || ties_host, "master_to_host: the tie bits");
   const auto* w = static_cast<const uint16_t*>(params_host);
   const auto* r = static_cast<const int16_t*>(master_host);
-  for (int b = 0; b < grad_layout_.num_buckets(); ++b) {
-    const int64_t n = grad_layout_.shard_numel(b), at = grad_layout_.shard_offset(b);
-    const int64_t state = grad_layout_.state_offset[static_cast<size_t>(b)];
-    for (int64_t i = 0; i < n; ++i) out[state + i] = join_master_bits(w[at + i], r[state + i]);
-  }
+  const auto* t = static_cast<const uint32_t*>(ties_host);
+  const auto join = [&](int64_t state, int64_t at, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      out[state + i] = opt_.master_tie_bits ? join_master_even(w[at + i], r[state + i], tie_bit(t, state + i))
+                                            : join_master_bits(w[at + i], r[state + i]);
+  };
+  if (!grad_layout_.sharded) return join(0, 0, master_.numel());
+  for (int b = 0; b < grad_layout_.num_buckets(); ++b)
+    join(grad_layout_.state_offset[static_cast<size_t>(b)], grad_layout_.shard_offset(b), grad_layout_.shard_numel(b));
 }
 
 void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, Tensor sharded, bool to_params) {
@@ -1010,6 +1034,7 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
   const Tensor scratch(mem, opt_.accum, be_.device(), {biggest});
   be_.fill(sharded, 0.0);
   const bool remainders = sharded.dtype == DType::i16;  // the master copy as remainders of the parameters
+  if (remainders && !ties_.empty()) be_.fill(ties_, 0.0);
   for (size_t i = 0; i < descs_.size(); ++i) {
     const ParamDesc& p = descs_[i];
     ParamDesc at_start = p;
@@ -1017,15 +1042,12 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
     fill(static_cast<int>(i), shaped(scratch, at_start));
     // (Sharded parameters: a layer's go to this rank's shards, below.)
     const bool sharded_param = opt_.shard_params && param_shard_bucket(param_bucket_[i]);
-    if (to_params && !p.fp8_storage && !sharded_param) {
-      if (remainders) be_.split_master(param(static_cast<int>(i)), Tensor(), shaped(scratch, at_start));
-      else be_.cast(param(static_cast<int>(i)), shaped(scratch, at_start));
-    }
+    if (to_params && !p.fp8_storage && !sharded_param) round_params(param(static_cast<int>(i)), shaped(scratch, at_start));
     for (const auto& [b, s] : pieces[i]) {
       const int64_t at = grad_layout_.state_offset[static_cast<size_t>(b)] + s.shard_offset;
       const Tensor dst = sharded.flat_slice(at, s.numel);
       const Tensor src = scratch.flat_slice(s.param_offset, s.numel);
-      if (remainders) be_.split_master(param_storage(p.offset + s.param_offset, s.numel), dst, src);
+      if (remainders) be_.split_master(param_storage(p.offset + s.param_offset, s.numel), dst, src, master_ties(at));
       else be_.cast(dst, src);  // (a cast: bf16 moments take their rounding)
       if (to_params && sharded_param && !p.fp8_storage)  // (FP8 ones: fp8_params_from_master)
         be_.cast(param_shard(b).flat_slice(s.shard_offset, s.numel), src);

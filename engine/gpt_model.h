@@ -115,8 +115,13 @@ struct ModelOptions {
   // Engine's store_param_remainders, which Megatron's precision-aware optimizer turns on with bf16
   // parameters; core/master_remainder.h): 2 bytes per master element instead of 4, the same master
   // values, and the bf16 parameters rounded to nearest with ties away from zero (not to even).
-  // Needs bf16 compute, float32 accum, a sharded master copy and no FP8 parameters.
+  // Needs bf16 compute, float32 accum and no FP8 parameters or sharded parameters; without a
+  // sharded master copy, float32 main gradients (the set-up stages full values there).
   bool master_remainders = false;
+  // ... rounded to nearest even instead, as a cast of a separate float32 master copy: its bits
+  // exactly, the exact ties' direction kept in one more bit per element (master_ties(),
+  // core/master_remainder.h). megatrain's default for AdamW with bf16 parameters (engine/model_chunks.cpp).
+  bool master_tie_bits = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // Layers keep their two norm outputs (the QKV and fc1 inputs) from forward for the weight
@@ -226,6 +231,13 @@ class GptModel {
   // grad_layout().state_offset[b]. Without a separate master copy (compute == accum) the master
   // weights are the parameters themselves, full size.
   Tensor master_flat() const { return master_; }  // == params_flat() when compute == accum
+  // The tie bits of master weights kept as remainders rounded to nearest even
+  // (ModelOptions::master_tie_bits) for the elements of master_flat() from `state_offset` on;
+  // empty otherwise.
+  TieBits master_ties(int64_t state_offset) const {
+    return ties_.empty() ? TieBits{} : TieBits{ties_, state_offset};
+  }
+  Tensor master_tie_words() const { return ties_; }  // (checkpoints: all of them)
   Tensor exp_avg_flat() const { return state1_; }     // Adam m, or SGD momentum
   Tensor exp_avg_sq_flat() const { return state2_; }  // Adam v
   Tensor muon_workspace() const { return muon_workspace_; }  // --optimizer muon's scratch (engine/muon.h)
@@ -275,8 +287,9 @@ class GptModel {
   // (int16 remainders: split from them). Set-up time (initialization, checkpoint loads).
   void params_from_full_master(Tensor full);
   // This rank's master weights kept as remainders (ModelOptions::master_remainders), as float32 on
-  // the host (checkpoints): host copies of params_flat and master_flat joined.
-  void master_to_host(float* out, const void* params_host, const void* master_host) const;
+  // the host (checkpoints): host copies of params_flat, master_flat and master_tie_words (with
+  // master_tie_bits) joined.
+  void master_to_host(float* out, const void* params_host, const void* master_host, const void* ties_host) const;
 
   // ---- FP8 (--fp8-format) ----------------------------------------------------------------
   // The trainer calls fp8_begin_step() before a step's first forward (the FP8 weight cache is
@@ -848,6 +861,10 @@ class GptModel {
   GateShape gate_shape() const { return {d_.groups_local(), d_.heads / d_.groups, d_.head_dim}; }
 
   Tensor muon_workspace_;
+  Tensor ties_;  // ModelOptions::master_tie_bits: int32 words, a bit per master element
+  // The parameters rounded from full-precision values: a cast, or the ties-away rounding of
+  // Transformer Engine's remainders (master_remainders without master_tie_bits).
+  void round_params(Tensor params, Tensor values);
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
       moe_layer_loss_;
   // Knowledge distillation (engine/blocks/distill.cpp): the teacher, the loss sums, and per micro-

@@ -59,8 +59,18 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     // Megatron's precision-aware optimizer keeps float32 master weights as remainders of bf16
     // parameters (Transformer Engine's store_param_remainders). Not with FP8 parameters, whose
     // only full-precision values are the master weights.
-    o.master_remainders = cfg.train.use_precision_aware_optimizer && compute == DType::bf16 &&
-                          o.accum == DType::f32 && o.shard_optimizer_state && !cfg.train.fp8_param_gather;
+    const bool bf16_master = compute == DType::bf16 && o.accum == DType::f32 && !cfg.train.fp8_param_gather;
+    if (cfg.train.use_precision_aware_optimizer) {
+      o.master_remainders = bf16_master && o.shard_optimizer_state;
+    } else {
+      // Elsewhere AdamW's master weights are remainders rounded to nearest even (with a bit per
+      // element for the ties): the bits of a separate float32 copy, 2 bytes per parameter less.
+      // Not for SGD or Muon (Muon reads its master weights as a float32 buffer), nor Megatron-FSDP's
+      // sharded parameters; without the distributed optimizer the set-up stages full values in the
+      // gradient buffer, so its gradients must be float32.
+      o.master_remainders = o.master_tie_bits = bf16_master && cfg.train.optimizer == OptimizerKind::adam &&
+                                                !o.shard_params && (o.shard_optimizer_state || o.grad == o.accum);
+    }
     out.push_back({dims[c], o});
   }
   return out;
@@ -114,7 +124,7 @@ std::optional<ChunkSpec> teacher_chunk_spec(const Config& cfg, const RankPositio
   o.shard_optimizer_state = o.shard_grads = o.shard_params = o.prefetch_units = false;
   o.unit_slots = 2;
   o.grad = o.accum;
-  o.master_remainders = false;
+  o.master_remainders = o.master_tie_bits = false;
   o.logits_chunk_rows = 1;  // (its logits are the student head's to compute)
   // Every layer a recompute group of its own: the forward keeps each layer's input only.
   const int L = s.dims.decoder_layers();

@@ -410,7 +410,7 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     const auto update = [&](const OptimRange& r, std::span<const OptimSegment> segments) {
       const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
       if (t.optimizer == OptimizerKind::sgd) be_.sgd_step(v.master, v.grad, v.state1, v.model_copy, segments, p);
-      else be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, segments, p);
+      else be_.adamw_step(v.master, v.grad, v.state1, v.state2, v.model_copy, segments, p, v.ties);
     };
     if (!pieces_.empty()) {  // beside the next forward (update_beside_forward)
       be_.begin_side_ops();
@@ -593,11 +593,16 @@ double Optimizer::params_norm() {
   const Tensor s = chunks_.front()->scalars().flat_slice(kCount, 2);  // dense, experts
   be_.fill(s, 0.0);
   for (const OptimRange& r : ranges_) {
-    // (Master weights kept as int16 remainders: the norm of their bf16 parameters, within 2^-9.)
+    // Master weights kept as remainders: rounded to nearest even, joined exactly (the separate
+    // copy's bits); the precision-aware optimizer's, the norm of their bf16 parameters (within 2^-9).
     const OptimViews v = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r);
-    const Tensor w = v.master.dtype == DType::i16 ? v.model_copy : v.master;
-    if (!r.norm.empty()) be_.sum_squares(s.flat_slice(0, 1), w, r.norm, true);
-    if (!r.expert_norm.empty()) be_.sum_squares(s.flat_slice(1, 1), w, r.expert_norm, true);
+    const auto sum = [&](Tensor out, std::span<const OptimSegment> segments) {
+      if (segments.empty()) return;
+      if (!v.ties.empty()) be_.master_sum_squares(out, v.model_copy, v.master, v.ties, segments, true);
+      else be_.sum_squares(out, v.master.dtype == DType::i16 ? v.model_copy : v.master, segments, true);
+    };
+    sum(s.flat_slice(0, 1), r.norm);
+    sum(s.flat_slice(1, 1), r.expert_norm);
   }
   if (sharded_) ps_.dist_opt_group().all_reduce(s.flat_slice(0, 1));
   ps_.model_parallel->all_reduce(s.flat_slice(0, 1));

@@ -4,10 +4,12 @@
 // loaded into bf16 ones by rounding.
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "app/checkpointing.h"
@@ -325,6 +327,117 @@ TEST_CASE("master remainders: every float32 splits into a bf16 weight and 16 bit
   }
 }
 
+TEST_CASE("master remainders to nearest even: every float32 splits into its bf16 cast, 16 bits and a tie bit, and "
+          "joins back exactly", "[core][precision-aware]") {
+  int64_t wrong_trip = 0, not_cast = 0, stray_up = 0, ties = 0, ups = 0, tried = 0;
+  auto check = [&](uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    const SplitMasterEven s = split_master_even(x);
+    const float back = join_master_even(s.weight, s.remainder, s.up);
+    wrong_trip += std::memcmp(&back, &x, 4) != 0;
+    not_cast += s.weight != float_to_bf16_bits(x);  // (NaNs too: the cast makes them quiet)
+    stray_up += s.up && !master_tie_ambiguous(s.weight, s.remainder);
+    ties += (bits & 0xFFFFu) == 0x8000u;
+    ups += s.up;
+    ++tried;
+  };
+  // Every top half (sign, exponent, 7 mantissa bits: infinities and NaNs included) with the low
+  // halves around the rounding point and the ends, then random patterns.
+  for (uint32_t top = 0; top < 0x10000u; ++top)
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) check((top << 16) | lo);
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 1000000; ++i) check(static_cast<uint32_t>(rng()));
+  INFO(tried << " patterns");
+  CHECK(wrong_trip == 0);
+  CHECK(not_cast == 0);
+  CHECK(stray_up == 0);   // the bit is set only where (weight, remainder) leave the rounding open
+  CHECK(ties >= 65536);
+  CHECK(ups > ties / 4);  // (half the ties round up, to an even weight; and the overflows to infinity)
+  // Why the bit: both neighbours' ties of an even weight give the same weight and remainder.
+  const float below = std::bit_cast<float>(0x3F808000u), above = std::bit_cast<float>(0x3F818000u);
+  const SplitMasterEven a = split_master_even(below), b = split_master_even(std::bit_cast<float>(0x3F828000u));
+  CHECK(a.weight == 0x3F80u);  // 0x3F80 is even: a tie above it rounds down
+  CHECK(split_master_even(above).weight == 0x3F82u);  // 0x3F81 is odd: a tie above it rounds up
+  CHECK(b.weight == 0x3F82u);
+  CHECK(split_master_even(above).remainder == b.remainder);
+  CHECK(split_master_even(above).up != b.up);
+}
+
+// AdamW over remainders rounded to nearest even (the default master weights of bf16 runs) against
+// float32 master weights with a bf16 model copy, on the reference backend: the same master weights
+// (joined), weights, moments and sum of squares, bit for bit; exact ties included (a group with a
+// zero learning rate keeps master weights that are ties, and the updates make some of their own).
+TEST_CASE("master remainders to nearest even: the reference AdamW gives a separate float32 copy's bits",
+          "[reference][precision-aware]") {
+  auto be = make_reference_backend(2);
+  std::mt19937_64 rng(4);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  const int64_t n = 300007, first = 45;  // (the tie bits of these elements start at bit 45)
+  std::vector<float> master(n), g(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    master[i] = static_cast<float>(0.05 * nd(rng));
+    if (i % 7 == 0) master[i] = std::bit_cast<float>((std::bit_cast<uint32_t>(master[i]) & 0xFFFF0000u) | 0x8000u);
+    g[i] = static_cast<float>(0.01 * nd(rng));
+    m[i] = static_cast<float>(1e-3 * nd(rng));
+    v[i] = static_cast<float>(1e-5 * std::fabs(nd(rng)));
+  }
+  auto t = [](void* p, DType d, int64_t count) { return Tensor(p, d, Device::cpu, {count}); };
+  std::vector<uint16_t> w16(n), copy(n);
+  std::vector<int16_t> rem(n);
+  std::vector<uint32_t> words((first + n + 31) / 32, 0xFFFFFFFFu);  // (split_master writes every bit)
+  const TieBits ties{t(words.data(), DType::i32, static_cast<int64_t>(words.size())), first};
+  be->split_master(t(w16.data(), DType::bf16, n), t(rem.data(), DType::i16, n), t(master.data(), DType::f32, n), ties);
+  be->cast(t(copy.data(), DType::bf16, n), t(master.data(), DType::f32, n));
+  auto compare = [&](const char* when) {
+    INFO(when);
+    int64_t wrong_master = 0, wrong_weight = 0, stray = 0, ambiguous = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool up = tie_bit(words.data(), first + i);
+      const float joined = join_master_even(w16[i], rem[i], up);
+      wrong_master += std::memcmp(&joined, &master[i], 4) != 0;
+      wrong_weight += w16[i] != copy[i];
+      stray += up && !master_tie_ambiguous(w16[i], rem[i]);
+      ambiguous += master_tie_ambiguous(w16[i], rem[i]);
+    }
+    CHECK(wrong_master == 0);
+    CHECK(wrong_weight == 0);
+    CHECK(stray == 0);
+    CHECK(ambiguous > 1000);
+  };
+  compare("after split_master");
+  OptimStepParams p;
+  p.lr[0] = 1e-3f, p.lr[1] = 0.0f, p.lr[2] = 2e-3f;
+  p.weight_decay[0] = 0.1f;
+  p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f;
+  p.grad_scale = 0.5f;
+  const std::vector<OptimSegment> segs = {OptimSegment{3, 100000, 0}, OptimSegment{100003, 100000, 1},
+                                          OptimSegment{200005, 100001, 2}};
+  std::vector<float> m2 = m, v2 = v;
+  for (int step = 1; step <= 3; ++step) {
+    p.step = step;
+    be->adamw_step(t(master.data(), DType::f32, n), t(g.data(), DType::f32, n), t(m.data(), DType::f32, n),
+                   t(v.data(), DType::f32, n), t(copy.data(), DType::bf16, n), segs, p);
+    be->adamw_step(t(rem.data(), DType::i16, n), t(g.data(), DType::f32, n), t(m2.data(), DType::f32, n),
+                   t(v2.data(), DType::f32, n), t(w16.data(), DType::bf16, n), segs, p, ties);
+  }
+  compare("after three AdamW steps");
+  CHECK(std::memcmp(m.data(), m2.data(), 4 * static_cast<size_t>(n)) == 0);
+  CHECK(std::memcmp(v.data(), v2.data(), 4 * static_cast<size_t>(n)) == 0);
+  // The sum of squares of the joined master weights: sum_squares' bits over the float32 ones.
+  float plain = 0, joined = 0;
+  be->sum_squares(t(&plain, DType::f32, 1), t(master.data(), DType::f32, n), segs, false);
+  be->master_sum_squares(t(&joined, DType::f32, 1), t(w16.data(), DType::bf16, n), t(rem.data(), DType::i16, n), ties,
+                         segs, false);
+  CHECK(plain > 0);
+  CHECK(std::bit_cast<uint32_t>(plain) == std::bit_cast<uint32_t>(joined));
+  // Tie bits that do not cover the elements are refused.
+  const TieBits short_ties{t(words.data(), DType::i32, static_cast<int64_t>(words.size()) - 1), first};
+  CHECK_THROWS_WITH(be->adamw_step(t(rem.data(), DType::i16, n), t(g.data(), DType::f32, n), t(m2.data(), DType::f32, n),
+                                   t(v2.data(), DType::f32, n), t(w16.data(), DType::bf16, n), segs, p, short_ties),
+                    Contains("tie bits"));
+}
+
 TEST_CASE("master remainders: the reference AdamW and split_master keep the float32 master weights exactly",
           "[reference][precision-aware]") {
   auto be = make_reference_backend(2);
@@ -386,25 +499,30 @@ TEST_CASE("master remainders: the reference AdamW and split_master keep the floa
                     Contains("int16 master remainders need a bf16 model copy"));
 }
 
-TEST_CASE("master remainders: a sharded model initializes and loads the same master weights",
+TEST_CASE("master remainders: a model initializes and loads the same master weights",
           "[engine][precision-aware]") {
   // bf16 parameters over float32 master weights: the reference backend runs no bf16 forward, but
-  // builds, initializes and stages such a model (the part remainders change).
+  // builds, initializes and stages such a model (the part remainders change). Ties away (the
+  // precision-aware optimizer's, sharded) and to nearest even with tie bits (the default: sharded
+  // or not).
   const Config c = tiny_llama_config();
   auto be = make_reference_backend(1);
   ParallelState ps = make_single_process_state();
   const ModelDims d = ModelDims::from_config(c, ps);
-  for (int dp_rank : {0, 1}) {
-    INFO("dp rank " << dp_rank);
+  for (const auto& [even, sharded, dp_rank] : {std::tuple{false, true, 0}, std::tuple{false, true, 1},
+                                               std::tuple{true, true, 0}, std::tuple{true, true, 1},
+                                               std::tuple{true, false, 0}}) {
+    INFO("to even " << even << ", sharded " << sharded << ", dp rank " << dp_rank);
     auto build = [&](bool remainders) {
       ModelOptions o = ModelOptions::from_config(c, d, DType::bf16);
       o.accum = DType::f32;
       o.grad = DType::f32;
-      o.shard_size = 2;
+      o.shard_size = sharded ? 2 : 1;
       o.shard_rank = dp_rank;
       o.bucket_size = 700;
-      o.shard_optimizer_state = true;
+      o.shard_optimizer_state = sharded;
       o.master_remainders = remainders;
+      o.master_tie_bits = remainders && even;
       auto m = std::make_unique<GptModel>(d, o, ps, *be);
       m->init_parameters();
       return m;
@@ -412,16 +530,19 @@ TEST_CASE("master remainders: a sharded model initializes and loads the same mas
     auto plain = build(false), rem = build(true);
     REQUIRE(rem->master_flat().dtype == DType::i16);
     REQUIRE(rem->master_flat().numel() == plain->master_flat().numel());
+    REQUIRE(rem->master_tie_words().empty() == !even);
     const std::vector<unsigned char> pp = bytes_of(*be, plain->params_flat()), rp = bytes_of(*be, rem->params_flat());
     const std::vector<unsigned char> pm = bytes_of(*be, plain->master_flat()), rm = bytes_of(*be, rem->master_flat());
+    const std::vector<unsigned char> rt = even ? bytes_of(*be, rem->master_tie_words()) : std::vector<unsigned char>();
     std::vector<float> joined(static_cast<size_t>(rem->master_flat().numel()));
-    rem->master_to_host(joined.data(), rp.data(), rm.data());
+    rem->master_to_host(joined.data(), rp.data(), rm.data(), even ? rt.data() : nullptr);
     CHECK(std::memcmp(joined.data(), pm.data(), pm.size()) == 0);  // the same float32 master weights
-    // Every parameter (every rank's shards alike) is the split weight of the drawn value: equal to
-    // the round-to-even one but at ties.
+    // Every parameter (every rank's shards alike) is the split weight of the drawn value: to even,
+    // the separate copy's bits; ties away, equal to them but at ties.
     int64_t differ = 0;
     for (size_t i = 0; i < pp.size(); i += 2) differ += pp[i] != rp[i] || pp[i + 1] != rp[i + 1];
-    CHECK(differ < static_cast<int64_t>(pp.size() / 2 / 1000));
+    if (even) CHECK(differ == 0);
+    else CHECK(differ < static_cast<int64_t>(pp.size() / 2 / 1000));
     // params_from_full_master from the joined values (a checkpoint load) gives back the same bytes.
     std::vector<float> full(static_cast<size_t>(rem->grads_flat().numel()), 0.0f);
     for (size_t i = 0; i < pp.size() / 2; ++i) {
@@ -430,15 +551,28 @@ TEST_CASE("master remainders: a sharded model initializes and loads the same mas
       full[i] = bf16_bits_to_float(w);
     }
     const GradLayout& L = rem->grad_layout();
-    for (int b = 0; b < L.num_buckets(); ++b)
-      for (int64_t i = 0; i < L.shard_numel(b); ++i)
-        full[static_cast<size_t>(L.shard_offset(b) + i)] = joined[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + i)];
+    if (sharded) {
+      for (int b = 0; b < L.num_buckets(); ++b)
+        for (int64_t i = 0; i < L.shard_numel(b); ++i)
+          full[static_cast<size_t>(L.shard_offset(b) + i)] = joined[static_cast<size_t>(L.state_offset[static_cast<size_t>(b)] + i)];
+    } else {
+      std::copy(joined.begin(), joined.end(), full.begin());
+    }
     be->copy_from_host(rem->grads_flat(), full.data());
     be->fill(rem->params_flat(), 0.0);
     const std::vector<int16_t> zeros(static_cast<size_t>(rem->master_flat().numel()), 0);
     be->copy_from_host(rem->master_flat(), zeros.data());
+    if (even) be->fill(rem->master_tie_words(), -1.0);  // (every bit set: the load writes each)
     rem->params_from_full_master(rem->grads_flat());
     CHECK(bytes_of(*be, rem->params_flat()) == rp);
     CHECK(bytes_of(*be, rem->master_flat()) == rm);
+    if (even) {  // (bits past the last element: not written)
+      const std::vector<unsigned char> lt = bytes_of(*be, rem->master_tie_words());
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < rem->master_flat().numel(); ++i)
+        wrong += tie_bit(reinterpret_cast<const uint32_t*>(lt.data()), i) !=
+                 tie_bit(reinterpret_cast<const uint32_t*>(rt.data()), i);
+      CHECK(wrong == 0);
+    }
   }
 }

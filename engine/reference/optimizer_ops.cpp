@@ -1,6 +1,7 @@
 // ReferenceBackend: AdamW and SGD steps on flat buffers, the reductions used for the grad norm and
 // --log-num-zeros-in-grad, and the byte hash of the weight hash check.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -80,18 +81,56 @@ struct AdamMath {
   }
 };
 
-// AdamW over float32 master weights kept as int16 remainders beside the bf16 model weights
-// (core/master_remainder.h): each element's master weight is joined, updated as adamw_step's, and
-// split back.
+// Float32 master weights kept as int16 remainders beside bf16 weights (core/master_remainder.h),
+// element by element: rounded ties away, or to nearest even with tie bits (TieBits; other threads
+// write other bits of a word at the same time, so a bit that changes is flipped atomically).
+class Remainders {
+ public:
+  Remainders(Tensor model, Tensor remainder, TieBits ties, const char* op)
+      : w16_(model.ptr<uint16_t>()), rem_(remainder.ptr<int16_t>()), ties_(ties) {
+    MT_CHECK(model.dtype == DType::bf16, "{}: int16 master remainders need a bf16 model copy, got {}", op,
+             model.empty() ? std::string_view("none") : dtype_name(model.dtype));
+    MT_CHECK(remainder.dtype == DType::i16, "{}: remainder is {}, not int16", op, dtype_name(remainder.dtype));
+    check_numel(model, remainder.numel(), op, "model_param");
+    MT_CHECK(ties.empty() || (ties.words.dtype == DType::i32 && ties.first >= 0 &&
+                              (ties.first + remainder.numel() + 31) / 32 <= ties.words.numel()),
+             "{}: tie bits for {} elements from bit {} in {} int32 words", op, remainder.numel(), ties.first,
+             ties.words.numel());
+  }
+  float get(int64_t i) const {
+    if (ties_.empty()) return join_master_bits(w16_[i], rem_[i]);
+    return join_master_even(w16_[i], rem_[i], tie_bit(words(), ties_.first + i));
+  }
+  void set(int64_t i, float x) const {
+    if (ties_.empty()) {
+      const SplitMaster s = split_master_bits(x);
+      w16_[i] = s.weight;
+      rem_[i] = s.remainder;
+      return;
+    }
+    const SplitMasterEven s = split_master_even(x);
+    w16_[i] = s.weight;
+    rem_[i] = s.remainder;
+    const int64_t bit = ties_.first + i;
+    if (tie_bit(words(), bit) != s.up) std::atomic_ref<uint32_t>(words()[bit >> 5]).fetch_xor(1u << (bit & 31));
+  }
+  uint16_t weight(int64_t i) const { return w16_[i]; }
+
+ private:
+  uint32_t* words() const { return ties_.words.ptr<uint32_t>(); }
+  uint16_t* w16_;
+  int16_t* rem_;
+  TieBits ties_;
+};
+
+// AdamW over float32 master weights kept as remainders: each element's master weight is joined,
+// updated as adamw_step's, and split back.
 void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
-                           Tensor model, std::span<const OptimSegment> segments, const OptimStepParams& p) {
-  MT_CHECK(model.dtype == DType::bf16, "adamw_step: int16 master remainders need a bf16 model copy, got {}",
-           model.empty() ? std::string_view("none") : dtype_name(model.dtype));
-  check_numel(model, remainder.numel(), "adamw_step", "model_param");
+                           Tensor model, std::span<const OptimSegment> segments, const OptimStepParams& p,
+                           TieBits ties) {
+  const Remainders master(model, remainder, ties, "adamw_step");
   const Floats fg(grad), m(exp_avg), v(exp_avg_sq);
   const AdamMath adam(p);
-  int16_t* rem = remainder.ptr<int16_t>();
-  uint16_t* w16 = model.ptr<uint16_t>();
   for_each_segment(remainder, segments, [&](const OptimSegment& s) {
     MT_CHECK(s.group >= 0 && s.group < OptimStepParams::kMaxGroups, "segment group {}", s.group);
     MT_CHECK(!s.fp8_scale, "adamw_step: an FP8 segment with int16 master remainders");
@@ -101,12 +140,9 @@ void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tens
     pool.parallel_for(s.count, kBlock, [&](int64_t b, int64_t e, int) {
       float amax = 0.0f;
       for (int64_t i = s.offset + b; i < s.offset + e; ++i) {
-        const double w = join_master_bits(w16[i], rem[i]);
-        const double next = adam.step(m, v, i, fg.get(i) * p.grad_scale, w, lr, wd, eps);
-        const SplitMaster out = split_master_bits(static_cast<float>(next));
-        w16[i] = out.weight;
-        rem[i] = out.remainder;
-        amax = std::max(amax, std::fabs(bf16_bits_to_float(out.weight)));
+        const double next = adam.step(m, v, i, fg.get(i) * p.grad_scale, master.get(i), lr, wd, eps);
+        master.set(i, static_cast<float>(next));
+        amax = std::max(amax, std::fabs(bf16_bits_to_float(master.weight(i))));
       }
       if (!s.fp8_amax) return;
       const std::lock_guard<std::mutex> lock(amax_mutex);
@@ -117,30 +153,30 @@ void adamw_step_remainders(ThreadPool& pool, Tensor remainder, Tensor grad, Tens
 }
 }  // namespace
 
-void ReferenceBackend::split_master(Tensor model, Tensor remainder, Tensor master) {
+void ReferenceBackend::split_master(Tensor model, Tensor remainder, Tensor master, TieBits ties) {
   const int64_t n = master.numel();
   MT_CHECK(master.dtype == DType::f32, "split_master: master is {}, not float32", dtype_name(master.dtype));
   MT_CHECK(model.dtype == DType::bf16, "split_master: model is {}, not bf16", dtype_name(model.dtype));
   check_numel(model, n, "split_master", "model");
-  if (!remainder.empty()) {
-    MT_CHECK(remainder.dtype == DType::i16, "split_master: remainder is {}, not int16", dtype_name(remainder.dtype));
-    check_numel(remainder, n, "split_master", "remainder");
-  }
   const float* x = master.ptr<float>();
-  uint16_t* w = model.ptr<uint16_t>();
-  int16_t* r = remainder.empty() ? nullptr : remainder.ptr<int16_t>();
+  if (remainder.empty()) {  // the weights alone
+    uint16_t* w = model.ptr<uint16_t>();
+    MT_CHECK(ties.empty(), "split_master: tie bits without remainders");
+    pool_.parallel_for(n, 1 << 14, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) w[i] = split_master_bits(x[i]).weight;
+    });
+    return;
+  }
+  check_numel(remainder, n, "split_master", "remainder");
+  const Remainders out(model, remainder, ties, "split_master");
   pool_.parallel_for(n, 1 << 14, [&](int64_t b, int64_t e, int) {
-    for (int64_t i = b; i < e; ++i) {
-      const SplitMaster s = split_master_bits(x[i]);
-      w[i] = s.weight;
-      if (r) r[i] = s.remainder;
-    }
+    for (int64_t i = b; i < e; ++i) out.set(i, x[i]);
   });
 }
 
 void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                                   Tensor model_param, std::span<const OptimSegment> segments,
-                                  const OptimStepParams& p) {
+                                  const OptimStepParams& p, TieBits ties) {
   const int64_t n = master.numel();
   check_numel(grad, n, "adamw_step", "grad");
   check_numel(exp_avg, n, "adamw_step", "exp_avg");
@@ -153,8 +189,9 @@ void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Te
                dtype_name(t->dtype));
     MT_CHECK(grad.dtype == DType::f32 || grad.dtype == DType::bf16, "adamw_step: {} gradients with int16 master "
              "remainders", dtype_name(grad.dtype));
-    return adamw_step_remainders(pool_, master, grad, exp_avg, exp_avg_sq, model_param, segments, p);
+    return adamw_step_remainders(pool_, master, grad, exp_avg, exp_avg_sq, model_param, segments, p, ties);
   }
+  MT_CHECK(ties.empty(), "adamw_step: tie bits with {} master weights", dtype_name(master.dtype));
   check_optimizer_grad(master, grad, "adamw_step");
   check_moment(master, exp_avg, "exp_avg");
   check_moment(master, exp_avg_sq, "exp_avg_sq");
@@ -260,6 +297,21 @@ void ReferenceBackend::sum_squares(Tensor out, Tensor x, std::span<const OptimSe
   } else {
     total = reduce_segments(*this, x, segments, [&fx](int64_t i) { return fx.get(i) * fx.get(i); });
   }
+  if (accumulate) o.add(0, total);
+  else o.set(0, total);
+}
+
+void ReferenceBackend::master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
+                                          std::span<const OptimSegment> segments, bool accumulate) {
+  check_numel(out, 1, "master_sum_squares", "out");
+  MT_CHECK(!ties.empty(), "master_sum_squares: the master weights' tie bits");
+  const Remainders master(model, remainder, ties, "master_sum_squares");
+  const Floats o(out);
+  // (As sum_squares over a float32 buffer of the joined values.)
+  const double total = reduce_segments(*this, remainder, segments, [&master](int64_t i) {
+    const float x = master.get(i);
+    return static_cast<double>(x) * x;
+  });
   if (accumulate) o.add(0, total);
   else o.set(0, total);
 }

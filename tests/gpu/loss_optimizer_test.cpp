@@ -420,6 +420,95 @@ TEST_CASE("cuda split_master and adamw_step over master-weight remainders", "[gp
       }
 }
 
+// Master remainders rounded to nearest even (megatrain's default master weights for bf16 runs):
+// split_master as the reference's bit for bit (weights, remainders, tie bits), and AdamW over them
+// on the GPU as the same GPU's update of float32 master weights with a bf16 copy, bit for bit
+// (joined master weights, weights, moments), exact ties included; master_sum_squares as
+// sum_squares over the float32 master weights.
+TEST_CASE("cuda master remainders to nearest even: a separate float32 copy's bits", "[gpu][optimizer][precision-aware]") {
+  MT_RNG(rng);
+  // Values with exact ties (the low half 0x8000) every fifth element.
+  auto with_ties = [](std::vector<double> v) {
+    for (size_t i = 0; i < v.size(); i += 5) {
+      uint32_t b;
+      const float f = static_cast<float>(v[i]);
+      std::memcpy(&b, &f, 4);
+      b = (b & 0xFFFF0000u) | 0x8000u;
+      float t;
+      std::memcpy(&t, &b, 4);
+      v[i] = t;
+    }
+    return v;
+  };
+  const int64_t first = 37;  // (the elements' bits start inside a word)
+  auto words_for = [&](int64_t n) { return twin_same(DType::i32, {(first + n + 31) / 32}, std::vector<double>((first + n + 31) / 32, -1.0)); };
+  auto bits_of = [&](Backend& be, const Tensor& words, int64_t n) {
+    const std::vector<uint8_t> b = download_bytes(be, words);
+    std::vector<uint8_t> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = tie_bit(reinterpret_cast<const uint32_t*>(b.data()), first + i);
+    return out;
+  };
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    INFO("n " << n);
+    Twin master = twin_same(DType::f32, {n}, with_ties(rng.normal(n, 0.05)));
+    Twin w = twin_same(DType::bf16, {n}, std::vector<double>(n, 7.0)), rem = twin_same(DType::i16, {n}, std::vector<double>(n, 3.0));
+    Twin words = words_for(n);
+    dev().split_master(w.c(), rem.c(), master.c(), TieBits{words.c(), first});
+    ref().split_master(w.r(), rem.r(), master.r(), TieBits{words.r(), first});
+    CHECK(differing(download_bytes(dev(), w.c()), download_bytes(ref(), w.r()), 2) == 0);
+    CHECK(differing(download_bytes(dev(), rem.c()), download_bytes(ref(), rem.r()), 2) == 0);
+    CHECK(bits_of(dev(), words.c(), n) == bits_of(ref(), words.r(), n));
+  }
+  const int64_t n = 100003;
+  const SegmentLists lists = registered_segment_lists(rng, n);
+  OptimStepParams p = step_params();
+  p.lr[1] = 0.0f;  // (a group whose ties stay ties)
+  for (const auto* segs : {&lists.short_list, &lists.long_list})
+    for (bool bf16_moments : {false, true})
+      for (DType grad_dt : {DType::f32, DType::bf16}) {
+        INFO(segs->size() << " segments, bf16 moments " << bf16_moments << ", grad " << dtype_name(grad_dt));
+        const DType md = bf16_moments ? DType::bf16 : DType::f32;
+        const std::vector<double> w0 = with_ties(rng.normal(n, 0.05)), m0 = rng.normal(n, 0.001),
+                                  v0 = rng.uniform(n, 0.0, 1e-4);
+        Twin master = twin_same(DType::f32, {n}, w0), copy = twin_same(DType::bf16, {n}, w0);
+        Twin w = twin_same(DType::bf16, {n}, std::vector<double>(n, 0.0)), rem = twin_same(DType::i16, {n}, std::vector<double>(n, 0.0));
+        Twin words = words_for(n);
+        const TieBits ties{words.c(), first};
+        dev().split_master(w.c(), rem.c(), master.c(), ties);
+        Twin m = twin_same(md, {n}, m0), v = twin_same(md, {n}, v0), m2 = twin_same(md, {n}, m0), v2 = twin_same(md, {n}, v0);
+        for (int step = 1; step <= 3; ++step) {
+          p.step = step;
+          Twin g = twin_same(grad_dt, {n}, rng.normal(n, 0.01));
+          dev().adamw_step(master.c(), g.c(), m.c(), v.c(), copy.c(), *segs, p);
+          dev().adamw_step(rem.c(), g.c(), m2.c(), v2.c(), w.c(), *segs, p, ties);
+        }
+        const std::vector<uint8_t> mb = download_bytes(dev(), master.c()), wb = download_bytes(dev(), w.c()),
+                                   rb = download_bytes(dev(), rem.c()), tb = bits_of(dev(), words.c(), n);
+        int64_t wrong_master = 0, stray = 0, ambiguous = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          uint16_t hi;
+          int16_t lo;
+          std::memcpy(&hi, wb.data() + 2 * i, 2);
+          std::memcpy(&lo, rb.data() + 2 * i, 2);
+          const float j = join_master_even(hi, lo, tb[static_cast<size_t>(i)] != 0);
+          wrong_master += std::memcmp(&j, mb.data() + 4 * i, 4) != 0;
+          stray += tb[static_cast<size_t>(i)] && !master_tie_ambiguous(hi, lo);
+          ambiguous += master_tie_ambiguous(hi, lo);
+        }
+        CHECK(wrong_master == 0);
+        CHECK(stray == 0);
+        CHECK(ambiguous > 1000);
+        CHECK(differing(wb, download_bytes(dev(), copy.c()), 2) == 0);
+        CHECK(differing(download_bytes(dev(), m.c()), download_bytes(dev(), m2.c()), 1) == 0);
+        CHECK(differing(download_bytes(dev(), v.c()), download_bytes(dev(), v2.c()), 1) == 0);
+        Twin plain = twin_same(DType::f32, {1}, {0.0}), joined = twin_same(DType::f32, {1}, {0.0});
+        dev().sum_squares(plain.c(), master.c(), *segs, false);
+        dev().master_sum_squares(joined.c(), w.c(), rem.c(), ties, *segs, false);
+        CHECK(download(dev(), plain.c())[0] > 0);
+        CHECK(download_bytes(dev(), plain.c()) == download_bytes(dev(), joined.c()));
+      }
+}
+
 namespace {
 // Checks an FP8 model copy after an update into it (both backends' results): inside each segment
 // the e4m3 cast of the new master value times the segment's scale (float32 product), outside the
