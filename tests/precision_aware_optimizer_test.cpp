@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "engine/model_chunks.h"
 #include "engine/trainer.h"
 #include "parallel/parallel_state.h"
+#include "parallel/rank_position.h"
 #include "tests/ckpt_test_util.h"
 #include "tests/cli_test_util.h"
 #include "tests/engine_test_util.h"
@@ -497,6 +499,45 @@ TEST_CASE("master remainders: the reference AdamW and split_master keep the floa
   CHECK_THROWS_WITH(be->adamw_step(t(rem.data(), DType::i16, n), t(g.data(), DType::f32, n), t(m2.data(), DType::f32, n),
                                    t(v2.data(), DType::f32, n), Tensor(), segs, p),
                     Contains("int16 master remainders need a bf16 model copy"));
+}
+
+// Which runs keep their master weights as remainders (engine/model_chunks.cpp): bf16 parameters with
+// AdamW, to nearest even with tie bits by default, ties away with the precision-aware optimizer; a
+// separate float32 copy elsewhere.
+TEST_CASE("master remainders: the runs that keep them and how", "[engine][precision-aware]") {
+  struct Case {
+    std::string flags;
+    int world;
+    bool remainders, tie_bits;
+  };
+  const std::vector<Case> cases = {
+      {"--bf16", 1, true, true},
+      {"--bf16 --use-distributed-optimizer", 2, true, true},
+      {"--bf16 --grad-reduce-in-bf16 --use-distributed-optimizer", 2, true, true},
+      {"--bf16 --fp8-format hybrid --fp8-recipe tensorwise", 1, true, true},
+      {"--bf16 --use-precision-aware-optimizer --use-distributed-optimizer", 2, true, false},
+      {"", 1, false, false},                                      // float32: the parameters are the master weights
+      {"--fp16", 1, false, false},                                // (fp16 parameters: a float32 copy)
+      {"--bf16 --optimizer sgd", 1, false, false},
+      {"--bf16 --optimizer muon", 1, false, false},
+      {"--bf16 --grad-reduce-in-bf16", 1, false, false},          // (no float32 gradient buffer to stage in)
+      {"--bf16 --use-distributed-optimizer --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather", 2, false,
+       false},
+      {"--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor", 2,
+       false, false},
+      {"--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ckpt-format fsdp_dtensor", 2, true,
+       true},
+  };
+  for (const Case& k : cases) {
+    INFO(k.flags << " on " << k.world << " ranks");
+    const Config c = parse(small_gpt() + words(k.flags + " --global-batch-size 4"), k.world);
+    const DType compute = c.train.precision == Precision::bf16   ? DType::bf16
+                          : c.train.precision == Precision::fp16 ? DType::f16
+                                                                 : DType::f32;
+    const ModelOptions o = model_chunk_specs(c, RankPosition::of(c, 0), compute).at(0).options;
+    CHECK(o.master_remainders == k.remainders);
+    CHECK(o.master_tie_bits == k.tie_bits);
+  }
 }
 
 TEST_CASE("master remainders: a model initializes and loads the same master weights",
