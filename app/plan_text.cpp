@@ -11,6 +11,7 @@
 #include "app/version.h"
 #include "engine/model_chunks.h"
 #include "parallel/launch_env.h"
+#include "parallel/rank_position.h"
 
 namespace mt {
 namespace {
@@ -218,6 +219,14 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
                      cfg.train.device == DeviceKind::cpu ? "--device cpu" : "no GPU visible to this dry run");
   o << "  not in the plan: the CUDA context, cuBLASLt/attention workspaces and kernels (measured +0.2 GiB on an H200),\n"
        "  NCCL buffers\n";
+  // What the master column holds when it is not a float32 copy (engine/model_chunks.cpp decides).
+  if (const std::vector<ChunkSpec> specs = model_chunk_specs(cfg, RankPosition::stage(cfg, 0), precision_dtype(cfg));
+      !specs.empty() && specs.front().options.master_remainders)
+    o << (specs.front().options.master_tie_bits
+              ? "  master: the 16 bits each bf16 parameter lacks and a tie bit (a float32 copy's values and bits, 2.125\n"
+                "  bytes per parameter instead of 4; docs/numerics.md)\n"
+              : "  master: the 16 bits each bf16 parameter lacks (--use-precision-aware-optimizer: Transformer Engine's\n"
+                "  remainders, the parameters rounded ties away from zero)\n");
   if (const std::string strategy = fsdp_strategy(cfg.parallel); !strategy.empty()) {
     const StagePlan& peak_stage = plan.peak_stage();
     o << fmt::format("\n== data-parallel sharding: memory per GPU of stage {} under each strategy ({}) ==\n",

@@ -198,6 +198,10 @@ TEST_CASE("plan: small GPT on 1 GPU, memory worked out by hand", "[plan]") {
   CHECK(m.plan.bytes == built[0]->memory_plan().bytes);
   CHECK(m.plan.of(C::parameters) >= 2 * 167680);
   CHECK(m.plan.of(C::gradients) == 2 * m.plan.of(C::parameters));
+  // Master weights: 16 bits per element beside the bf16 parameters, and a tie bit (int32 words).
+  const size_t elements = m.plan.of(C::parameters) / 2;
+  CHECK(m.plan.of(C::master_weights) >= 2 * elements + (elements + 31) / 32 * 4);
+  CHECK(m.plan.of(C::master_weights) < 2 * elements + (elements + 31) / 32 * 4 + 1024);
   CHECK(m.activation_slots == 1);
   // Full recompute keeps less: the same engine plan under --recompute-granularity full.
   const Config full = parse_env(small_gpt() + words("--bf16 --dry-run --world-size 1 --recompute-granularity full "
@@ -207,6 +211,9 @@ TEST_CASE("plan: small GPT on 1 GPU, memory worked out by hand", "[plan]") {
   const std::string text = plan_text(c, p, {});
   CHECK_THAT(text, Contains("rank     0: tp 0 cp 0 dp 0 pp 0"));
   CHECK_THAT(text, Contains("total: 167,680"));
+  CHECK_THAT(text, Contains("master: the 16 bits each bf16 parameter lacks and a tie bit"));
+  const Config sgd = parse_env(small_gpt() + words("--bf16 --optimizer sgd --dry-run --world-size 1"), {});
+  CHECK_THAT(plan_text(sgd, make_plan(sgd), {}), !Contains("master: "));  // (a float32 copy)
 }
 
 TEST_CASE("plan: interleaved stages hold their chunks' layers", "[plan]") {
