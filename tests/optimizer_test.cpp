@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <random>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "engine/backend.h"
 #include "engine/gpt_model.h"
@@ -239,4 +242,93 @@ TEST_CASE("optimizer: the update's pieces hold each parameter's elements where i
         }
       }
     }
+}
+
+// bf16 parameters whose master weights are remainders (the default: engine/model_chunks.cpp) against
+// the same model with a separate float32 copy, on the reference backend (no forward: random
+// gradients): after each of four steps the same bf16 parameters, master weights (joined), moments,
+// gradient norm and --log-params-norm, bit for bit; one buffer, and the distributed optimizer's
+// buckets on one rank.
+TEST_CASE("optimizer: master weights as remainders give a separate float32 copy's bits", "[optimizer][precision-aware]") {
+  for (bool distopt : {false, true}) {
+    INFO("distributed optimizer " << distopt);
+    Config c = test::tiny_llama_config();
+    c.train.precision = Precision::bf16;
+    c.train.clip_grad = 1.0;
+    c.train.weight_decay = 0.1;
+    c.parallel.use_distributed_optimizer = distopt;
+    c.parallel.ddp_bucket_size = 1500;
+    c.parallel.overlap_grad_reduce = distopt;  // (buckets: only with overlapped reductions, as Megatron)
+    test::derive(c);
+    ParallelState ps = make_single_process_state();
+    std::unique_ptr<Backend> be = make_reference_backend(2);
+    const ModelDims d = ModelDims::from_config(c, ps);
+    ModelOptions with = model_chunk_specs(c, ps, DType::bf16).at(0).options;
+    REQUIRE(with.master_remainders);
+    REQUIRE(with.master_tie_bits);
+    ModelOptions without = with;
+    without.master_remainders = without.master_tie_bits = false;
+    GptModel a(d, with, ps, *be), b(d, without, ps, *be);
+    a.init_parameters();
+    b.init_parameters();
+    REQUIRE(a.master_flat().dtype == DType::i16);
+    REQUIRE(b.master_flat().dtype == DType::f32);
+    // Master weights with exact ties (the low half 0x8000) in every third element, as a load sets them.
+    std::vector<float> full(static_cast<size_t>(a.grads_flat().numel()), 0.0f);
+    be->copy_to_host(full.data(), b.has_master_copy() && !distopt ? b.master_flat() : b.grads_flat());
+    if (distopt) {  // (the drawn values are gone from the gradient buffer: take the parameters')
+      std::vector<uint16_t> w(static_cast<size_t>(b.params_flat().numel()));
+      be->copy_to_host(w.data(), b.params_flat());
+      for (size_t i = 0; i < w.size(); ++i) full[i] = bf16_bits_to_float(w[i]) * 1.001f;
+    }
+    int64_t ties = 0;
+    for (const ParamDesc& p : a.params())
+      for (int64_t k = 0; k < p.numel(); k += 3) {
+        float& x = full[static_cast<size_t>(p.offset + k)];
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        u = (u & 0xFFFF0000u) | 0x8000u;
+        std::memcpy(&x, &u, 4);
+        ++ties;
+      }
+    REQUIRE(ties > 1000);
+    be->copy_from_host(a.grads_flat(), full.data());
+    a.params_from_full_master(a.grads_flat());
+    be->copy_from_host(distopt ? b.grads_flat() : b.master_flat(), full.data());
+    b.params_from_full_master(distopt ? b.grads_flat() : b.master_flat());
+    LrSchedule sa(LrSchedule::params_from_config(c)), sb(LrSchedule::params_from_config(c));
+    LossScaler la = LossScaler::none(), lb = LossScaler::none();
+    Optimizer oa(c, a, ps, sa, la), ob(c, b, ps, sb, lb);
+    if (distopt) REQUIRE(oa.ranges().size() > 2);
+    auto bytes = [&](const Tensor& t) {
+      std::vector<unsigned char> v(t.nbytes());
+      be->copy_to_host(v.data(), t);
+      return v;
+    };
+    std::mt19937_64 rng(9);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int step = 1; step <= 4; ++step) {
+      INFO("step " << step);
+      std::vector<float> g(static_cast<size_t>(a.grads_flat().numel()), 0.0f);
+      for (const ParamDesc& p : a.params())
+        for (int64_t k = 0; k < p.numel(); ++k) g[static_cast<size_t>(p.offset + k)] = 0.02f * nd(rng);
+      const float sums[2] = {3.0f, 4.0f};
+      for (GptModel* m : {&a, &b}) {
+        be->copy_from_host(m->grads_flat(), g.data());
+        be->copy_from_host(m->loss_sums(false), sums);
+      }
+      const StepOutcome ra = oa.step(step), rb = ob.step(step);
+      REQUIRE(ra.grad_norm.has_value());
+      CHECK(*ra.grad_norm == *rb.grad_norm);
+      CHECK(bytes(a.params_flat()) == bytes(b.params_flat()));
+      CHECK(bytes(a.exp_avg_flat()) == bytes(b.exp_avg_flat()));
+      CHECK(bytes(a.exp_avg_sq_flat()) == bytes(b.exp_avg_sq_flat()));
+      const std::vector<unsigned char> w = bytes(a.params_flat()), r = bytes(a.master_flat()),
+                                       t = bytes(a.master_tie_words()), mb = bytes(b.master_flat());
+      std::vector<float> joined(static_cast<size_t>(a.master_flat().numel()));
+      a.master_to_host(joined.data(), w.data(), r.data(), t.data());
+      CHECK(std::memcmp(joined.data(), mb.data(), mb.size()) == 0);
+      CHECK(oa.params_norm() == ob.params_norm());
+    }
+  }
 }
