@@ -757,6 +757,11 @@ void CudaBackend::master_sum_squares(Tensor out, Tensor model, Tensor remainder,
   cuda::master_sum_squares(context(), out, model, remainder, ties,
                            segment_arg(segments, remainder.numel(), "master_sum_squares"), accumulate);
 }
+void CudaBackend::join_master(Tensor master, Tensor model, Tensor remainder, TieBits ties) {
+  on_device("join_master", master, model, remainder, ties.words);
+  MT_PROFILE_OP("join_master {}", remainder.numel());
+  cuda::join_master(context(), master, model, remainder, ties);
+}
 void CudaBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor model_param,
                              std::span<const OptimSegment> segments, const OptimStepParams& p, TieBits ties) {
   on_device("adamw_step", master, grad, exp_avg, exp_avg_sq, model_param, ties.words);

@@ -198,6 +198,8 @@ void build_segment_table(std::span<const OptimSegment> segments, DeviceSegment* 
 void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tensor master, TieBits ties);
 void master_sum_squares(const KernelContext& ctx, Tensor out, Tensor model, Tensor remainder, TieBits ties,
                         const SegmentArg& segs, bool accumulate);
+// split_master's inverse: float32 master weights from bf16 weights, int16 remainders and tie bits.
+void join_master(const KernelContext& ctx, Tensor master, Tensor model, Tensor remainder, TieBits ties);
 void adamw_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                 Tensor model_param, const SegmentArg& segs, const OptimStepParams& p, TieBits ties = {});
 void sgd_step(const KernelContext& ctx, Tensor master, Tensor grad, Tensor momentum, Tensor model_param,

@@ -428,6 +428,16 @@ __global__ void split_master_kernel(uint16_t* weight, int16_t* remainder, const 
   }
 }
 
+__global__ void join_master_kernel(float* master, const uint16_t* weight, const int16_t* remainder, int64_t n,
+                                   TieArg ties) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint16_t w = weight[i];
+    const int16_t r = remainder[i];
+    master[i] = ties.words ? join_master_even(w, r, tie_of(ties, i, w, r)) : join_master(w, r);
+  }
+}
+
 template <typename G>
 struct SgdArgs {
   float* master;
@@ -689,6 +699,17 @@ void split_master(const KernelContext& ctx, Tensor model, Tensor remainder, Tens
   split_master_kernel<<<grid, 256, 0, ctx.stream>>>(model.ptr<uint16_t>(),
                                                     remainder.empty() ? nullptr : remainder.ptr<int16_t>(),
                                                     master.ptr<const float>(), n, tie_arg(ties));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void join_master(const KernelContext& ctx, Tensor master, Tensor model, Tensor remainder, TieBits ties) {
+  const int64_t n = remainder.numel();
+  check_remainders(model, remainder, ties, "join_master");
+  check_flat_f32(master, n, "join_master", "master");
+  if (n == 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, ctx.num_sms * 16LL));
+  join_master_kernel<<<grid, 256, 0, ctx.stream>>>(master.ptr<float>(), model.ptr<const uint16_t>(),
+                                                   remainder.ptr<const int16_t>(), n, tie_arg(ties));
   MT_CUDA_CHECK_LAUNCH();
 }
 

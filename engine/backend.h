@@ -837,6 +837,9 @@ class Backend {
   // master weights as a float32 buffer.
   virtual void master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
                                   std::span<const OptimSegment> segments, bool accumulate) = 0;
+  // float32 `master` = the master weights joined from the bf16 `model` and int16 `remainder`
+  // (split_master's inverse: ties away with `ties` empty, else to nearest even with its bits).
+  virtual void join_master(Tensor master, Tensor model, Tensor remainder, TieBits ties) = 0;
   virtual void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                         std::span<const OptimSegment> segments, const OptimStepParams& p) = 0;
   // out float32 [1] (+)= sum of squares of x over the segments (all of x when segments is empty).

@@ -120,7 +120,8 @@ struct ModelOptions {
   bool master_remainders = false;
   // ... rounded to nearest even instead, as a cast of a separate float32 master copy: its bits
   // exactly, the exact ties' direction kept in one more bit per element (master_ties(),
-  // core/master_remainder.h). megatrain's default for AdamW with bf16 parameters (engine/model_chunks.cpp).
+  // core/master_remainder.h). megatrain's default for AdamW and Muon with bf16 parameters
+  // (engine/model_chunks.cpp).
   bool master_tie_bits = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;

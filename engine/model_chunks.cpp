@@ -63,12 +63,12 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     if (cfg.train.use_precision_aware_optimizer) {
       o.master_remainders = bf16_master && o.shard_optimizer_state;
     } else {
-      // Elsewhere AdamW's master weights are remainders rounded to nearest even (with a bit per
-      // element for the ties): the bits of a separate float32 copy, 2 bytes per parameter less.
-      // Not for SGD or Muon (Muon reads its master weights as a float32 buffer), nor Megatron-FSDP's
-      // sharded parameters; without the distributed optimizer the set-up stages full values in the
-      // gradient buffer, so its gradients must be float32.
-      o.master_remainders = o.master_tie_bits = bf16_master && cfg.train.optimizer == OptimizerKind::adam &&
+      // Elsewhere the master weights of AdamW (and Muon: engine/muon.h) are remainders rounded to
+      // nearest even (with a bit per element for the ties): the bits of a separate float32 copy,
+      // 2 bytes per parameter less. Not for SGD, nor Megatron-FSDP's sharded parameters; without
+      // the distributed optimizer the set-up stages full values in the gradient buffer, so its
+      // gradients must be float32.
+      o.master_remainders = o.master_tie_bits = bf16_master && cfg.train.optimizer != OptimizerKind::sgd &&
                                                 !o.shard_params && (o.shard_optimizer_state || o.grad == o.accum);
     }
     out.push_back({dims[c], o});

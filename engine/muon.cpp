@@ -1,6 +1,7 @@
 #include "engine/muon.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <map>
 #include <span>
@@ -260,22 +261,50 @@ bool intersect(const ParamDesc& p, const MuonRange& r, int64_t& a, int64_t& e) {
 }
 }  // namespace
 
+namespace {
+// f(M) on elements [a, e) of the flat buffers (in r) as float32 master weights: M the master
+// weights themselves, or, kept as remainders, their joined values in the workspace (in pieces of
+// its size), split back into the parameters and remainders after f. Without remainders the
+// compute-dtype parameters are cast from M afterwards where `cast` asks it.
+void on_master(Backend& be, const MuonRange& r, Tensor workspace, int64_t a, int64_t e, bool cast,
+               const std::function<void(Tensor M, int64_t from)>& f) {
+  if (r.master.dtype != DType::i16) {
+    const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a);
+    f(M, a);
+    if (cast && !r.model_copy.empty()) be.cast(r.model_copy.flat_slice(a - r.flat_offset, e - a), M);
+    return;
+  }
+  MT_CHECK(workspace.numel() > 0 && workspace.dtype == DType::f32, "Muon over master remainders: a float32 workspace");
+  for (int64_t s = a; s < e; s += workspace.numel()) {
+    const int64_t n = std::min(workspace.numel(), e - s), at = s - r.flat_offset;
+    const Tensor M = workspace.flat_slice(0, n), w = r.model_copy.flat_slice(at, n), rem = r.master.flat_slice(at, n);
+    const TieBits t = r.ties.empty() ? TieBits{} : TieBits{r.ties.words, r.ties.first + at};
+    be.join_master(M, w, rem, t);
+    f(M, s);
+    be.split_master(w, rem, M, t);
+  }
+}
+}  // namespace
+
 void muon_momentum(Backend& be, const MuonConfig& cfg, const std::vector<ParamDesc>& params, const MuonViews& v,
                    const std::vector<MuonRange>& ranges, const std::vector<float>& lr, const std::vector<float>& wd,
                    float grad_scale) {
-  for (const MuonRange& r : ranges)
-    MT_CHECK(v.grad.dtype == r.master.dtype, "Muon keeps its update in the gradient buffer: {} gradients, {} master "
-             "weights", dtype_name(v.grad.dtype), dtype_name(r.master.dtype));
+  for (const MuonRange& r : ranges) {
+    const DType master = r.master.dtype == DType::i16 ? DType::f32 : r.master.dtype;  // (remainders: float32)
+    MT_CHECK(v.grad.dtype == master, "Muon keeps its update in the gradient buffer: {} gradients, {} master weights",
+             dtype_name(v.grad.dtype), dtype_name(master));
+  }
   const float mu = static_cast<float>(cfg.momentum);
   for (size_t i = 0; i < params.size(); ++i) {
     if (!muon_param(params[i])) continue;
     for (const MuonRange& r : ranges) {
       int64_t a = 0, e = 0;
       if (!intersect(params[i], r, a, e)) continue;
-      const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a), B = r.momentum.flat_slice(a - r.flat_offset, e - a);
+      const Tensor B = r.momentum.flat_slice(a - r.flat_offset, e - a);
       const Tensor g = v.grad.flat_slice(a, e - a);
       // Decoupled weight decay first, then the momentum (on the clipped gradient), then Nesterov's.
-      if (lr[i] * wd[i] != 0.0f) be.axpby(M, 1.0f, M, -lr[i] * wd[i], M);
+      if (lr[i] * wd[i] != 0.0f)
+        on_master(be, r, v.workspace, a, e, false, [&](Tensor M, int64_t) { be.axpby(M, 1.0f, M, -lr[i] * wd[i], M); });
       be.axpby(g, grad_scale, g, 0.0f, Tensor());
       be.axpby(B, mu, B, 1.0f - mu, g);
       if (cfg.nesterov) be.axpby(g, 1.0f - mu, g, mu, B);
@@ -355,9 +384,9 @@ void muon_apply(Backend& be, const std::vector<ParamDesc>& params, const MuonVie
     for (const MuonRange& r : ranges) {
       int64_t a = 0, e = 0;
       if (!intersect(params[i], r, a, e)) continue;
-      const Tensor M = r.master.flat_slice(a - r.flat_offset, e - a);
-      be.axpby(M, 1.0f, M, -lr[i], v.grad.flat_slice(a, e - a));
-      if (!r.model_copy.empty()) be.cast(r.model_copy.flat_slice(a - r.flat_offset, e - a), M);
+      on_master(be, r, v.workspace, a, e, true, [&](Tensor M, int64_t from) {
+        be.axpby(M, 1.0f, M, -lr[i], v.grad.flat_slice(from, M.numel()));
+      });
     }
   }
 }

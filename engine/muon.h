@@ -87,9 +87,13 @@ struct MuonViews {
 // A piece of the flat buffers this rank updates (the whole buffer, or with the distributed
 // optimizer its shard of a bucket): its flat range and its views of the master weights, the
 // momentum and the compute-dtype parameters (empty: the parameters are the master weights).
+// Master weights kept as int16 remainders beside bf16 parameters (core/master_remainder.h, with
+// `ties` to nearest even): each update joins a piece into float32 in the workspace, updates it
+// there as a float32 master weight, and splits it back.
 struct MuonRange {
   int64_t flat_offset = 0, numel = 0;
   Tensor master, momentum, model_copy;
+  TieBits ties;
 };
 // A Muon step in three phases. With the distributed optimizer each bucket's updates are
 // all-gathered from the shards after the first, and reduce-scattered back to them after the second.

@@ -457,7 +457,7 @@ void Optimizer::plan_muon() {
     for (const OptimRange& r : ranges_) {
       if (r.chunk != static_cast<int>(c)) continue;
       const OptimViews o = optim_views(m, r);
-      mc.pieces.push_back(MuonRange{r.flat_offset, r.numel, o.master, o.state1, o.model_copy});
+      mc.pieces.push_back(MuonRange{r.flat_offset, r.numel, o.master, o.state1, o.model_copy, o.ties});
     }
     mc.views.grad = m.grads_flat();
     mc.views.workspace = m.muon_workspace();

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -248,12 +249,14 @@ TEST_CASE("optimizer: the update's pieces hold each parameter's elements where i
 // the same model with a separate float32 copy, on the reference backend (no forward: random
 // gradients): after each of four steps the same bf16 parameters, master weights (joined), moments,
 // gradient norm and --log-params-norm, bit for bit; one buffer, and the distributed optimizer's
-// buckets on one rank.
+// buckets on one rank; AdamW, and Muon (AdamW for the parameters it leaves).
 TEST_CASE("optimizer: master weights as remainders give a separate float32 copy's bits", "[optimizer][precision-aware]") {
-  for (bool distopt : {false, true}) {
-    INFO("distributed optimizer " << distopt);
+  for (const auto& [distopt, muon] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true},
+                                      std::pair{true, true}}) {
+    INFO("distributed optimizer " << distopt << ", muon " << muon);
     Config c = test::tiny_llama_config();
     c.train.precision = Precision::bf16;
+    if (muon) c.train.optimizer = OptimizerKind::muon;
     c.train.clip_grad = 1.0;
     c.train.weight_decay = 0.1;
     c.parallel.use_distributed_optimizer = distopt;

@@ -408,6 +408,9 @@ TEST_CASE("master remainders to nearest even: the reference AdamW gives a separa
     CHECK(ambiguous > 1000);
   };
   compare("after split_master");
+  std::vector<float> back(n);
+  be->join_master(t(back.data(), DType::f32, n), t(w16.data(), DType::bf16, n), t(rem.data(), DType::i16, n), ties);
+  CHECK(std::memcmp(back.data(), master.data(), 4 * static_cast<size_t>(n)) == 0);  // join_master undoes it
   OptimStepParams p;
   p.lr[0] = 1e-3f, p.lr[1] = 0.0f, p.lr[2] = 2e-3f;
   p.weight_decay[0] = 0.1f;
@@ -502,7 +505,7 @@ TEST_CASE("master remainders: the reference AdamW and split_master keep the floa
 }
 
 // Which runs keep their master weights as remainders (engine/model_chunks.cpp): bf16 parameters with
-// AdamW, to nearest even with tie bits by default, ties away with the precision-aware optimizer; a
+// AdamW or Muon, to nearest even with tie bits by default, ties away with the precision-aware optimizer; a
 // separate float32 copy elsewhere.
 TEST_CASE("master remainders: the runs that keep them and how", "[engine][precision-aware]") {
   struct Case {
@@ -519,7 +522,7 @@ TEST_CASE("master remainders: the runs that keep them and how", "[engine][precis
       {"", 1, false, false},                                      // float32: the parameters are the master weights
       {"--fp16", 1, false, false},                                // (fp16 parameters: a float32 copy)
       {"--bf16 --optimizer sgd", 1, false, false},
-      {"--bf16 --optimizer muon", 1, false, false},
+      {"--bf16 --optimizer muon", 1, true, true},
       {"--bf16 --grad-reduce-in-bf16", 1, false, false},          // (no float32 gradient buffer to stage in)
       {"--bf16 --use-distributed-optimizer --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather", 2, false,
        false},

@@ -174,6 +174,17 @@ void ReferenceBackend::split_master(Tensor model, Tensor remainder, Tensor maste
   });
 }
 
+void ReferenceBackend::join_master(Tensor master, Tensor model, Tensor remainder, TieBits ties) {
+  const int64_t n = remainder.numel();
+  MT_CHECK(master.dtype == DType::f32, "join_master: master is {}, not float32", dtype_name(master.dtype));
+  check_numel(master, n, "join_master", "master");
+  const Remainders in(model, remainder, ties, "join_master");
+  float* x = master.ptr<float>();
+  pool_.parallel_for(n, 1 << 14, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) x[i] = in.get(i);
+  });
+}
+
 void ReferenceBackend::adamw_step(Tensor master, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                                   Tensor model_param, std::span<const OptimSegment> segments,
                                   const OptimStepParams& p, TieBits ties) {

@@ -160,6 +160,7 @@ class ReferenceBackend final : public Backend {
   void split_master(Tensor model, Tensor remainder, Tensor master, TieBits ties = {}) override;
   void master_sum_squares(Tensor out, Tensor model, Tensor remainder, TieBits ties,
                           std::span<const OptimSegment> segments, bool accumulate) override;
+  void join_master(Tensor master, Tensor model, Tensor remainder, TieBits ties) override;
   void sgd_step(Tensor master, Tensor grad, Tensor momentum, Tensor model_param,
                 std::span<const OptimSegment> segments, const OptimStepParams& p) override;
   void sum_squares(Tensor out, Tensor x, std::span<const OptimSegment> segments, bool accumulate) override;

@@ -458,6 +458,14 @@ TEST_CASE("cuda master remainders to nearest even: a separate float32 copy's bit
     CHECK(differing(download_bytes(dev(), w.c()), download_bytes(ref(), w.r()), 2) == 0);
     CHECK(differing(download_bytes(dev(), rem.c()), download_bytes(ref(), rem.r()), 2) == 0);
     CHECK(bits_of(dev(), words.c(), n) == bits_of(ref(), words.r(), n));
+    // join_master undoes it, bit for bit (and the ties-away split's join undoes that one).
+    Twin back = twin_same(DType::f32, {n}, std::vector<double>(n, 0.0));
+    dev().join_master(back.c(), w.c(), rem.c(), TieBits{words.c(), first});
+    CHECK(download_bytes(dev(), back.c()) == download_bytes(dev(), master.c()));
+    dev().split_master(w.c(), rem.c(), master.c());
+    dev().fill(back.c(), 0.0);
+    dev().join_master(back.c(), w.c(), rem.c(), TieBits{});
+    CHECK(download_bytes(dev(), back.c()) == download_bytes(dev(), master.c()));
   }
   const int64_t n = 100003;
   const SegmentLists lists = registered_segment_lists(rng, n);
