@@ -1,8 +1,8 @@
 #include "engine/muon.h"
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <span>
 #include <utility>
@@ -259,9 +259,7 @@ bool intersect(const ParamDesc& p, const MuonRange& r, int64_t& a, int64_t& e) {
   e = std::min(p.offset + p.numel(), r.flat_offset + r.numel);
   return a < e;
 }
-}  // namespace
 
-namespace {
 // f(M) on elements [a, e) of the flat buffers (in r) as float32 master weights: M the master
 // weights themselves, or, kept as remainders, their joined values in the workspace (in pieces of
 // its size), split back into the parameters and remainders after f. Without remainders the
