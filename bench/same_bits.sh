@@ -7,7 +7,7 @@
 # gpu (default): the three benchmark configs of bench/run_bench.sh (gpt2-124m, gpt-1.3b,
 #   llama-1b) in bf16, gpt-1.3b / llama-1b with FP8 (hybrid, delayed and tensorwise scaling), and
 #   moe-mixtral-proxy's model at 8 layers (and at 4 layers with linear biases), each for ITERS (default 6)
-#   iterations with --deterministic-mode on --mock-data.
+#   iterations with --deterministic-mode on --mock-data; llama-1b also under --optimizer muon.
 # cpu: tiny GPT and Llama models on the reference backend (float32), also with FP8, recompute,
 #   dropout, q/k norm, a sliding window and MoE (also with linear biases), and over MPI ranks
 #   (TP2+SP x PP2, TP2 x DP2 with the distributed optimizer, TP2+SP x DP2 with FP8, MoE at EP2 with
@@ -52,6 +52,7 @@ if [ "$where" = gpu ]; then
   add gpt-1.3b-fp8-tensorwise "$common $gpt13 $tensorwise"
   add llama-1b-fp8-tensorwise "$common $llama $tensorwise"
   add gpt-1.3b-gelu-recompute "$common $gpt13 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2"
+  add llama-1b-muon "$common $llama --optimizer muon"
   moe="--num-layers 8 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8
     --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2 --vocab-size 32000
     --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
