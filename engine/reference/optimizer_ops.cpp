@@ -99,7 +99,7 @@ class Remainders {
   }
   float get(int64_t i) const {
     if (ties_.empty()) return join_master_bits(w16_[i], rem_[i]);
-    return join_master_even(w16_[i], rem_[i], tie_bit(words(), ties_.first + i));
+    return join_master_even(w16_[i], rem_[i], bit(ties_.first + i));
   }
   void set(int64_t i, float x) const {
     if (ties_.empty()) {
@@ -111,13 +111,15 @@ class Remainders {
     const SplitMasterEven s = split_master_even(x);
     w16_[i] = s.weight;
     rem_[i] = s.remainder;
-    const int64_t bit = ties_.first + i;
-    if (tie_bit(words(), bit) != s.up) std::atomic_ref<uint32_t>(words()[bit >> 5]).fetch_xor(1u << (bit & 31));
+    const int64_t b = ties_.first + i;
+    if (bit(b) != s.up) word(b).fetch_xor(1u << (b & 31), std::memory_order_relaxed);
   }
   uint16_t weight(int64_t i) const { return w16_[i]; }
 
  private:
-  uint32_t* words() const { return ties_.words.ptr<uint32_t>(); }
+  // (Relaxed atomics: neighbours' bits in the same word change on other threads meanwhile.)
+  std::atomic_ref<uint32_t> word(int64_t b) const { return std::atomic_ref<uint32_t>(ties_.words.ptr<uint32_t>()[b >> 5]); }
+  bool bit(int64_t b) const { return ((word(b).load(std::memory_order_relaxed) >> (b & 31)) & 1u) != 0; }
   uint16_t* w16_;
   int16_t* rem_;
   TieBits ties_;
