@@ -12,6 +12,7 @@ nlohmann::json memory_json(const StageMemory& m) {
           {"master_weights_bytes", m.plan.of(C::master_weights)},
           {"optimizer_states_bytes", m.plan.of(C::optimizer_states)},
           {"activations_bytes", m.plan.of(C::activations)},
+          {"activations_in_gradients_bytes", m.plan.acts_in_grads},
           {"workspace_bytes", m.plan.of(C::workspace)},
           {"total_bytes", m.plan.total()},
           {"activation_slots", m.activation_slots}};

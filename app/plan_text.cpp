@@ -219,6 +219,10 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
                      cfg.train.device == DeviceKind::cpu ? "--device cpu" : "no GPU visible to this dry run");
   o << "  not in the plan: the CUDA context, cuBLASLt/attention workspaces and kernels (measured +0.2 GiB on an H200),\n"
        "  NCCL buffers\n";
+  if (const size_t in_grads = plan.peak_stage().memory.plan.acts_in_grads; in_grads > 0)
+    o << fmt::format("  activations: {} more lie in gradient memory the backward writes only once it is done with them\n"
+                     "  (one micro-batch per step; docs/numerics.md)\n",
+                     gib(static_cast<double>(in_grads)));
   // What the master column holds when it is not a float32 copy (engine/model_chunks.cpp decides).
   if (const std::vector<ChunkSpec> specs = model_chunk_specs(cfg, RankPosition::stage(cfg, 0), precision_dtype(cfg));
       !specs.empty() && specs.front().options.master_remainders)

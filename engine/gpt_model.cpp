@@ -665,7 +665,15 @@ void GptModel::layout(Arena& a) {
     if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
     s.input = a.take(C::activations, T, {Nl, h});
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
+    if (a.measuring()) act_bytes_.assign(static_cast<size_t>(L), 0);
     for (int l = 0; l < L; ++l) {
+      // (ModelOptions::acts_over_grads: the measuring pass measures each layer's bytes; the
+      // allocating pass lays those plan_acts_over_grads placed inside the gradient buffer.)
+      // (An mtp layer's never: its backward runs in the forward.)
+      const int64_t in_grads =
+          a.measuring() || static_cast<size_t>(l) >= act_in_grads_.size() ? -1 : act_in_grads_[static_cast<size_t>(l)];
+      if (in_grads >= 0) a.begin_overlay(C::activations, static_cast<char*>(grads_.data) + in_grads);
+      const size_t before = a.used(C::activations);
       const int g = rp.group_of[l];
       if (g < 0) {
         s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
@@ -677,9 +685,17 @@ void GptModel::layout(Arena& a) {
       // (global_aux_loss: the counts a recomputation does not make again.)
       if (g >= 0 && layer_kinds(l).moe && d_.moe_global_coeff != 0)
         s.layers[l].moe.global = a.take(C::activations, S, {2 * int64_t{d_.experts} + 1});
+      if (in_grads >= 0) {
+        const size_t took = a.end_overlay();
+        MT_CHECK(took == act_bytes_[static_cast<size_t>(l)], "layer {}'s activations: {} bytes, measured {}", l, took,
+                 act_bytes_[static_cast<size_t>(l)]);
+      } else if (a.measuring()) {
+        act_bytes_[static_cast<size_t>(l)] = a.used(C::activations) - before;
+      }
     }
     s.d_output = a.take(C::activations, T, {Nl, h});
   }
+  if (a.measuring()) plan_acts_over_grads(a);
   // Recompute scratch: the internals of one group, shared by all slots (one backward at a time).
   // Entry j serves layer j of every group: FP8 inputs kept where one of them is an FP8 layer.
   scratch_.clear();
@@ -1075,8 +1091,76 @@ void GptModel::zero_grads() {
 }
 
 void GptModel::zero_grad_buffer() {
-  if (first_write_grads_.empty()) be_.fill(grads_, 0.0);
+  if (any_act_in_grads_) be_.fill_ranges(grads_, step_zeroed_ranges_, 0.0);
+  else if (first_write_grads_.empty()) be_.fill(grads_, 0.0);
   else be_.fill_ranges(grads_, zeroed_grad_ranges_, 0.0);
+}
+
+void GptModel::zero_layer_grads(int owner) {
+  if (!any_act_in_grads_) return;
+  const size_t k = owner == kAfterLayers ? static_cast<size_t>(d_.decoder_layers()) : static_cast<size_t>(owner);
+  if (!backward_zeroed_ranges_[k].empty()) be_.fill_ranges(grads_, backward_zeroed_ranges_[k], 0.0);
+}
+
+std::vector<GptModel::GradOwnerSegment> GptModel::grad_owner_segments() const {
+  const int L = d_.decoder_layers();
+  // The embeddings' gradients are written only by their backward, after every layer's: not with
+  // tied embeddings (the output layer's GEMM writes them in the forward) nor with MTP (its
+  // backward, run in the forward, adds to them).
+  const bool embeddings_last = d_.first_stage && !d_.tied_embeddings && d_.mtp == 0;
+  std::vector<GradOwnerSegment> segs;
+  std::vector<int> order(descs_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return descs_[x].offset < descs_[y].offset; });
+  for (int i : order) {
+    const ParamDesc& p = descs_[static_cast<size_t>(i)];
+    if (p.numel() == 0) continue;
+    const int local = p.layer - d_.layer_begin;
+    int owner = kNoOwner;
+    if (p.layer >= 0 && local >= 0 && local < L) owner = local;
+    else if (p.layer < 0 && embeddings_last && p.name.starts_with("embedding.")) owner = kAfterLayers;
+    if (segs.empty() && p.offset > 0) segs.push_back({0, p.offset, kNoOwner});
+    if (!segs.empty()) segs.back().end = p.offset;  // (the padding goes with the parameter before it)
+    segs.push_back({p.offset, p.offset + p.numel(), owner});
+  }
+  if (!segs.empty()) segs.back().end = std::max(segs.back().end, grads_.numel());
+  return segs;
+}
+
+void GptModel::plan_acts_over_grads(Arena& a) {
+  const int L = d_.decoder_layers();
+  act_in_grads_.assign(static_cast<size_t>(std::max(L, 0)), -1);
+  if (!opt_.acts_over_grads || grads_.empty() || L < 1) return;
+  MT_CHECK(opt_.num_slots == 1 && !opt_.shard_grads && !opt_.frozen,
+           "activations over gradients with {} slots, sharded gradients or a frozen model", opt_.num_slots);
+  const int64_t esz = static_cast<int64_t>(dtype_size(opt_.grad));
+  const std::vector<GradOwnerSegment> segs = grad_owner_segments();
+  std::vector<std::pair<int64_t, int64_t>> taken;  // [begin, end) bytes of the layers placed so far
+  size_t moved = 0;
+  for (int i = L - 1; i >= 0; --i) {
+    const int64_t bytes = static_cast<int64_t>(act_bytes_[static_cast<size_t>(i)]);
+    if (bytes == 0) continue;
+    // Where layer i's activations cannot lie: elements of other owners, and the layers placed.
+    std::vector<std::pair<int64_t, int64_t>> blocked = taken;
+    for (const GradOwnerSegment& g : segs)
+      if (!(g.owner == kAfterLayers || (g.owner >= 0 && g.owner <= i - 2)))
+        blocked.push_back({g.begin * esz, g.end * esz});
+    std::sort(blocked.begin(), blocked.end());
+    const int64_t limit = grads_.numel() * esz;
+    int64_t from = 0;  // the first byte not blocked so far
+    for (size_t k = 0; k <= blocked.size(); ++k) {
+      const int64_t to = k < blocked.size() ? blocked[k].first : limit;
+      const int64_t at = (from + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+      if (to - at >= bytes) {
+        act_in_grads_[static_cast<size_t>(i)] = at;
+        taken.push_back({at, at + bytes});
+        moved += static_cast<size_t>(bytes);
+        break;
+      }
+      if (k < blocked.size()) from = std::max(from, blocked[k].second);
+    }
+  }
+  if (moved > 0) a.move_into_grads(MemoryCategory::activations, moved);
 }
 
 void GptModel::update_in_flight() {
@@ -1167,6 +1251,29 @@ void GptModel::plan_grad_zeroing() {
     first_write_grads_.push_back({i, grads_.flat_slice(p.offset, p.numel()).data, true});
   }
   if (grads_.numel() > next) zeroed_grad_ranges_.push_back({next, grads_.numel() - next});
+  // Activations over gradients: the zeroed ranges of the layers and embeddings are zeroed by the
+  // backward, just before the first op that writes them (zero_layer_grads).
+  step_zeroed_ranges_.clear();
+  backward_zeroed_ranges_.clear();
+  any_act_in_grads_ = std::any_of(act_in_grads_.begin(), act_in_grads_.end(), [](int64_t at) { return at >= 0; });
+  if (!any_act_in_grads_) return;
+  const int L = d_.decoder_layers();
+  backward_zeroed_ranges_.assign(static_cast<size_t>(L) + 1, {});
+  const std::vector<GradOwnerSegment> segs = grad_owner_segments();
+  for (const FlatRange& r : zeroed_grad_ranges_) {
+    for (int64_t at = r.offset, end = r.offset + r.count; at < end;) {
+      // The segment holding `at` (segments tile [0, grads_.numel())).
+      const auto it = std::upper_bound(segs.begin(), segs.end(), at,
+                                       [](int64_t x, const GradOwnerSegment& g) { return x < g.end; });
+      MT_CHECK(it != segs.end() && it->begin <= at, "gradient element {} outside the owner segments", at);
+      const int64_t stop = std::min(end, it->end);
+      const FlatRange piece{at, stop - at};
+      if (it->owner == kAfterLayers) backward_zeroed_ranges_[static_cast<size_t>(L)].push_back(piece);
+      else if (it->owner >= 0 && it->owner < L - 1) backward_zeroed_ranges_[static_cast<size_t>(it->owner)].push_back(piece);
+      else step_zeroed_ranges_.push_back(piece);
+      at = stop;
+    }
+  }
 }
 
 void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_grad_scale, bool per_token_loss,
@@ -1592,6 +1699,7 @@ void GptModel::backward(int slot, bool grad_sync) {
     gather_unit(k, needed_after(k));
     prepare_grad_unit(k);
     prepare_grad_unit(k - 1);
+    if (k > 0) zero_layer_grads(k - 1);  // (activations over gradients: layer k - 1's, whose fc2 bias k writes)
     layer_backward(k, s, acts(s, k), layer_input(s, k), dy, dx);
   };
   if (reduce_now && d_.last_stage) {  // the head's backward (and the mtp layers') ran in the last forward
@@ -1630,7 +1738,10 @@ void GptModel::backward(int slot, bool grad_sync) {
       --l;
     }
   }
-  if (d_.first_stage) embedding_backward(s, cur);
+  if (d_.first_stage) {
+    zero_layer_grads(kAfterLayers);
+    embedding_backward(s, cur);
+  }
   last_input_grad_ = cur;
   if (reduce_now) grads_final(0);
   for (int& u : slot_unit_) u = -1;  // (sharded gradients: every slot's reduce-scatter was issued)

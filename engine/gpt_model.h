@@ -123,6 +123,11 @@ struct ModelOptions {
   // core/master_remainder.h). megatrain's default for AdamW and Muon with bf16 parameters
   // (engine/model_chunks.cpp).
   bool master_tie_bits = false;
+  // One micro-batch per step in one slot (engine/model_chunks.cpp says when): a layer's kept
+  // activations may lie in the memory of gradients that the backward writes only once it is done
+  // with them (lower layers', the word embeddings'), as PyTorch's allocator reuses freed
+  // activations for gradients (GptModel::plan_acts_over_grads).
+  bool acts_over_grads = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // Layers keep their two norm outputs (the QKV and fc1 inputs) from forward for the weight
@@ -491,6 +496,25 @@ class GptModel {
   GptModel(const ModelDims& dims, const ModelOptions& options, ParallelState& ps, Backend& backend, MeasureOnly);
   void plan_params();
   void layout(Arena& a);
+  // ModelOptions::acts_over_grads. Every element of the gradient buffer has an owner: the local
+  // decoder layer whose backward writes it (a parameter's padding goes with the parameter before
+  // it), kAfterLayers (the word and position embeddings, written after every layer's backward:
+  // untied, first stage, no MTP) or kNoOwner (written in the forward or by several layers: the
+  // head's, MTP's). Layer i's activations may lie only over elements that layers 0..i-2 or
+  // kAfterLayers own: the backward of layer i + 1 reads layer i's output and writes layer i's fc2
+  // bias gradient (prev_fc2_bias_grad), so layer i's activations are dead before any write to
+  // layer i - 2's gradients; the zeroed ranges of layer j are zeroed before layer j + 1's backward
+  // (before the embeddings' backward for kAfterLayers), not at the step's start.
+  static constexpr int kAfterLayers = 1 << 30, kNoOwner = -1;
+  struct GradOwnerSegment {
+    int64_t begin = 0, end = 0;  // elements of grads_
+    int owner = kNoOwner;
+  };
+  std::vector<GradOwnerSegment> grad_owner_segments() const;
+  // Measuring pass, after the slots: places the layers' activations (act_bytes_) first-fit from
+  // the top layer down and moves their bytes out of the activations' block.
+  void plan_acts_over_grads(Arena& a);
+  void zero_layer_grads(int owner);  // the zeroed ranges of `owner` left to the backward
   // dense / moe: the layer (or, for the recompute scratch, one of the layers it serves) has a dense
   // MLP / an MoE block; softmax / gdn: softmax attention / a Gated DeltaNet block.
   struct LayerKinds {
@@ -821,6 +845,14 @@ class GptModel {
   std::vector<FirstWriteGrad> first_write_grads_;
   FirstWriteGrad* first_write_entry(const Tensor& g);  // null: g is zeroed by zero_grads()
   std::vector<FlatRange> zeroed_grad_ranges_;
+  // ModelOptions::acts_over_grads: each local layer's kept activations' bytes (the measuring pass)
+  // and where they lie in grads_ (bytes, -1: the activations' block); the zeroed ranges zero_grads()
+  // leaves to the backward, by owner (decoder layers 0..L-1, then kAfterLayers at L), and the rest.
+  std::vector<size_t> act_bytes_;
+  std::vector<int64_t> act_in_grads_;
+  bool any_act_in_grads_ = false;
+  std::vector<std::vector<FlatRange>> backward_zeroed_ranges_;
+  std::vector<FlatRange> step_zeroed_ranges_;
   bool update_in_flight_ = false, grad_zeroing_deferred_ = false;  // (update_in_flight)
   void zero_grad_buffer();  // the device part of zero_grads
   // Sharded gradients (ModelOptions::shard_grads): per bucket its staging buffer (the layers' are

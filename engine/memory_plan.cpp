@@ -31,6 +31,8 @@ std::string MemoryPlan::summary() const {
   for (int i = 0; i < static_cast<int>(MemoryCategory::count); ++i)
     s += fmt::format("  {:<18} {:>12.2f} MiB\n", memory_category_name(static_cast<MemoryCategory>(i)),
                      bytes[i] / 1048576.0);
+  if (acts_in_grads > 0)
+    s += fmt::format("  {:<18} {:>12.2f} MiB more activations, in the gradients' memory\n", "", acts_in_grads / 1048576.0);
   s += fmt::format("  {:<18} {:>12.2f} MiB\n", "total", total() / 1048576.0);
   return s;
 }
@@ -54,10 +56,15 @@ Tensor Arena::take(MemoryCategory c, DType dtype, std::initializer_list<int64_t>
   const size_t i = static_cast<size_t>(c);
   Tensor t(nullptr, dtype, backend_.device(), dims);
   const size_t bytes = (t.nbytes() + kAlignment - 1) / kAlignment * kAlignment;
+  if (overlay_ == static_cast<int>(c)) {
+    t.data = overlay_base_ + overlay_used_;
+    overlay_used_ += bytes;
+    return t;
+  }
   const size_t offset = used_[i];
   used_[i] += bytes;
   if (measuring_) {
-    plan_.bytes[i] = used_[i];
+    plan_.bytes[i] = used_[i] - moved_[i];
     // A placeholder that is not null (so that "absent" checks see a present tensor).
     t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(kAlignment) + offset);
   } else {
@@ -65,6 +72,28 @@ Tensor Arena::take(MemoryCategory c, DType dtype, std::initializer_list<int64_t>
     t.data = base_[i] + offset;
   }
   return t;
+}
+
+void Arena::move_into_grads(MemoryCategory c, size_t bytes) {
+  const size_t i = static_cast<size_t>(c);
+  MT_CHECK(measuring_ && moved_[i] + bytes <= used_[i], "Arena::move_into_grads: {} of {} bytes", moved_[i] + bytes,
+           used_[i]);
+  moved_[i] += bytes;
+  plan_.bytes[i] = used_[i] - moved_[i];
+  plan_.acts_in_grads += bytes;
+}
+
+void Arena::begin_overlay(MemoryCategory c, void* base) {
+  MT_CHECK(!measuring_ && overlay_ < 0 && base, "Arena::begin_overlay: while measuring, or nested");
+  overlay_ = static_cast<int>(c);
+  overlay_base_ = static_cast<char*>(base);
+  overlay_used_ = 0;
+}
+
+size_t Arena::end_overlay() {
+  MT_CHECK(overlay_ >= 0, "Arena::end_overlay without begin_overlay");
+  overlay_ = -1;
+  return overlay_used_;
 }
 
 void Arena::allocate() {
@@ -82,6 +111,7 @@ void Arena::allocate() {
   }
   measuring_ = false;
   used_ = {};
+  moved_ = {};
 }
 
 }  // namespace mt

@@ -31,10 +31,14 @@ const char* memory_category_name(MemoryCategory c);
 
 struct MemoryPlan {
   std::array<size_t, static_cast<size_t>(MemoryCategory::count)> bytes{};
+  // Activations that lie in the gradient buffer's memory (GptModel: ModelOptions::acts_over_grads),
+  // counted in none of the bytes above.
+  size_t acts_in_grads = 0;
   size_t of(MemoryCategory c) const { return bytes[static_cast<size_t>(c)]; }
   size_t total() const;
   MemoryPlan& operator+=(const MemoryPlan& o) {
     for (size_t i = 0; i < bytes.size(); ++i) bytes[i] += o.bytes[i];
+    acts_in_grads += o.acts_in_grads;
     return *this;
   }
   // One line per category, e.g. "  parameters         12.50 MiB".
@@ -57,6 +61,17 @@ class Arena {
   // same layout code run again returns real views at the same offsets.
   void allocate();
   const MemoryPlan& plan() const { return plan_; }
+  size_t used(MemoryCategory c) const { return used_[static_cast<size_t>(c)]; }
+  // Measuring only: `bytes` of category c taken in this pass will not come from c's block in the
+  // allocating pass, which takes them inside the gradients' block (begin_overlay); the plan counts
+  // them in MemoryPlan::acts_in_grads instead.
+  void move_into_grads(MemoryCategory c, size_t bytes);
+  // Allocating only: until end_overlay(), take(c, ...) hands out views from `base` on (each
+  // rounded to kAlignment, as in the block) instead of c's block; end_overlay() returns the bytes
+  // they took. base: memory the caller owns, as aligned as the blocks (a multiple of kAlignment
+  // bytes from one of them).
+  void begin_overlay(MemoryCategory c, void* base);
+  size_t end_overlay();
   // Before allocate(): category c's block comes from `allocate` (freed with `release`) instead of
   // the backend, unless it returns null (e.g. NCCL symmetric memory for the workspace).
   void place(MemoryCategory c, std::function<void*(size_t)> allocate, std::function<void(void*)> release);
@@ -69,6 +84,10 @@ class Arena {
   bool measuring_ = true;
   MemoryPlan plan_;
   std::array<size_t, static_cast<size_t>(MemoryCategory::count)> used_{};
+  std::array<size_t, static_cast<size_t>(MemoryCategory::count)> moved_{};  // (move_into_grads)
+  int overlay_ = -1;            // the category begin_overlay redirects, or -1
+  char* overlay_base_ = nullptr;
+  size_t overlay_used_ = 0;
   std::array<char*, static_cast<size_t>(MemoryCategory::count)> base_{};
   std::array<std::function<void*(size_t)>, static_cast<size_t>(MemoryCategory::count)> allocate_{};
   std::array<std::function<void(void*)>, static_cast<size_t>(MemoryCategory::count)> release_{};

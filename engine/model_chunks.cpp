@@ -71,6 +71,9 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
       o.master_remainders = o.master_tie_bits = bf16_master && cfg.train.optimizer != OptimizerKind::sgd &&
                                                 !o.shard_params && (o.shard_optimizer_state || o.grad == o.accum);
     }
+    // One micro-batch per step: a layer's activations may lie in gradient memory that the backward
+    // writes after it is done with them (GptModel::plan_acts_over_grads; the same numbers).
+    o.acts_over_grads = cfg.train.num_microbatches == 1 && o.num_slots == 1 && !o.shard_grads;
     out.push_back({dims[c], o});
   }
   return out;
@@ -125,6 +128,7 @@ std::optional<ChunkSpec> teacher_chunk_spec(const Config& cfg, const RankPositio
   o.unit_slots = 2;
   o.grad = o.accum;
   o.master_remainders = o.master_tie_bits = false;
+  o.acts_over_grads = false;
   o.logits_chunk_rows = 1;  // (its logits are the student head's to compute)
   // Every layer a recompute group of its own: the forward keeps each layer's input only.
   const int L = s.dims.decoder_layers();

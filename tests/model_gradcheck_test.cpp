@@ -537,3 +537,93 @@ TEST_CASE("model gradient check: Gated DeltaNet hybrid with a multi-token predic
     test::check_model_gradients(*h.model, *h.be, g, objective, 4, eps, 1e-6, 1e-9 * (1e-5 / eps));
   }
 }
+
+TEST_CASE("activations laid over lower layers' gradients: the same losses and gradients, step after step", "[model]") {
+  // Each model twice, activations over gradients (ModelOptions::acts_over_grads) and in a block of
+  // their own; before each step the gradient buffer holds junk (NaN), as after an optimizer step
+  // and a forward: three steps, the parameters moved between them, the same bits throughout.
+  const auto llama = [](int layers) {
+    Config c = test::tiny_llama_config();
+    c.model.num_layers = layers;
+    test::derive(c);
+    return c;
+  };
+  std::vector<std::pair<std::string, Config>> cases;
+  cases.emplace_back("llama, 5 layers", llama(5));
+  {
+    Config c = test::tiny_gpt_config();  // tied: only the layers' gradients can hold activations
+    c.model.num_layers = 5;
+    c.model.hidden_dropout = 0.1;
+    c.model.attention_dropout = 0.1;
+    test::derive(c);
+    cases.emplace_back("gpt, tied, dropout", c);
+    c.model.untie_embeddings_and_output_weights = true;  // learned positions after the layers too
+    cases.emplace_back("gpt, untied", c);
+  }
+  {
+    Config c = llama(5);
+    c.train.recompute_granularity = RecomputeGranularity::full;
+    c.train.recompute_method = RecomputeMethod::uniform;
+    c.train.recompute_num_layers = 2;
+    cases.emplace_back("llama, full recompute", c);
+    c = llama(5);
+    c.train.recompute_granularity = RecomputeGranularity::selective;
+    c.train.recompute_modules = {"core_attn", "layernorm"};
+    cases.emplace_back("llama, selective recompute", c);
+  }
+  {
+    Config c = llama(5);
+    MoeConfig& e = c.model.moe;
+    e.num_experts = 4;
+    e.router_topk = 2;
+    e.ffn_hidden_size = 20;
+    e.layer_freq = 1;
+    e.moe_layer = {1, 0, 1, 1, 1};
+    e.shared_expert_intermediate_size = 12;
+    e.aux_loss_coeff = {1e-2};
+    cases.emplace_back("moe", c);
+  }
+  {
+    Config c = test::tiny_mla_config();
+    c.model.num_layers = 4;
+    test::derive(c);
+    cases.emplace_back("mla", c);
+    c = test::tiny_gdn_config();
+    c.model.num_layers = 5;
+    c.model.linear_layer = {1, 0, 1, 1, 0};
+    test::derive(c);
+    cases.emplace_back("gdn", c);
+    c = llama(4);
+    c.model.mtp_num_layers = 1;
+    test::derive(c);
+    cases.emplace_back("llama + mtp", c);
+  }
+  for (const auto& [name, c] : cases) {
+    INFO(name);
+    Harness over(c, 4, [](ModelOptions& o) { o.acts_over_grads = true; }), apart(c, 4);
+    const MemoryPlan &po = over.model->memory_plan(), &pa = apart.model->memory_plan();
+    REQUIRE(po.acts_in_grads > 0);  // (else the case tests nothing)
+    CHECK(po.of(MemoryCategory::activations) + po.acts_in_grads == pa.of(MemoryCategory::activations));
+    CHECK(po.of(MemoryCategory::gradients) == pa.of(MemoryCategory::gradients));
+    CHECK(pa.acts_in_grads == 0);
+    for (int step = 0; step < 3; ++step) {
+      over.be->fill(over.model->grads_flat(), std::nan(""));
+      const std::vector<double> a = over.analytic_grads(), b = apart.analytic_grads();
+      REQUIRE(a.size() == b.size());
+      size_t differ = 0, nonzero = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+        nonzero += b[i] != 0.0;
+      }
+      INFO("step " << step);
+      CHECK(differ == 0);
+      CHECK(nonzero > a.size() / 2);
+      // A plain gradient step on both (the same parameters again).
+      std::vector<double> w(static_cast<size_t>(apart.model->params_flat().numel()));
+      apart.be->copy_to_host(w.data(), apart.model->params_flat());
+      for (size_t i = 0; i < w.size(); ++i) w[i] -= 1e-2 * b[i];
+      apart.be->copy_from_host(apart.model->params_flat(), w.data());
+      over.be->copy_from_host(over.model->params_flat(), w.data());
+    }
+  }
+}
