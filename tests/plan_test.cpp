@@ -196,6 +196,7 @@ TEST_CASE("plan: small GPT on 1 GPU, memory worked out by hand", "[plan]") {
   const auto built = build_model_chunks(c, ps, *be, DType::bf16);
   REQUIRE(built.size() == 1);
   CHECK(m.plan.bytes == built[0]->memory_plan().bytes);
+  CHECK(m.plan.acts_in_grads == built[0]->memory_plan().acts_in_grads);
   CHECK(m.plan.of(C::parameters) >= 2 * 167680);
   CHECK(m.plan.of(C::gradients) == 2 * m.plan.of(C::parameters));
   // Master weights: 16 bits per element beside the bf16 parameters, and a tie bit (int32 words).
@@ -214,6 +215,39 @@ TEST_CASE("plan: small GPT on 1 GPU, memory worked out by hand", "[plan]") {
   CHECK_THAT(text, Contains("master: the 16 bits each bf16 parameter lacks and a tie bit"));
   const Config sgd = parse_env(small_gpt() + words("--bf16 --optimizer sgd --dry-run --world-size 1"), {});
   CHECK_THAT(plan_text(sgd, make_plan(sgd), {}), !Contains("master: "));  // (a float32 copy)
+}
+
+TEST_CASE("plan: activations lie in gradient memory only with one micro-batch per step", "[plan]") {
+  // Six untied layers: layer i's activations over layers 0..i-2's gradients and the embeddings'.
+  using C = MemoryCategory;
+  const Args six = small_gpt() + words("--bf16 --num-layers 6 --untie-embeddings-and-output-weights --dry-run");
+  const Config one = parse_env(six + words("--world-size 1"), {});
+  const Plan p = make_plan(one);
+  const MemoryPlan& m = p.stages[0].memory.plan;
+  CHECK(m.acts_in_grads > 0);
+  CHECK(m.acts_in_grads < m.of(C::gradients));
+  CHECK(p.stages[0].memory.total == static_cast<double>(m.total()));  // (the shared bytes counted once)
+  CHECK_THAT(plan_text(one, p, {}), Contains("more lie in gradient memory"));
+  // The same model built for training lays them out alike (the reference backend).
+  std::unique_ptr<Backend> be = make_reference_backend(1);
+  ParallelState ps = make_single_process_state();
+  const auto built = build_model_chunks(one, ps, *be, DType::bf16);
+  REQUIRE(built.size() == 1);
+  CHECK(built[0]->memory_plan().acts_in_grads == m.acts_in_grads);
+  CHECK(built[0]->memory_plan().bytes == m.bytes);
+  // Two micro-batches: the first's gradients outlive the second's forward. Nothing shared; the
+  // activations' block holds it all.
+  const Config two = parse_env(six + words("--world-size 1 --global-batch-size 4"), {});
+  const MemoryPlan& m2 = make_plan(two).stages[0].memory.plan;
+  CHECK(m2.acts_in_grads == 0);
+  CHECK(m2.of(C::activations) == m.of(C::activations) + m.acts_in_grads);
+  CHECK_THAT(plan_text(two, make_plan(two), {}), !Contains("more lie in gradient memory"));
+  // Pipeline stages each on their own layers (one micro-batch: one slot per stage).
+  const Config pp = parse_env(six + words("--world-size 2 --pipeline-model-parallel-size 2"), {});
+  const Plan pp_plan = make_plan(pp);
+  REQUIRE(pp_plan.stages.size() == 2);
+  CHECK(pp_plan.stages[0].memory.plan.acts_in_grads > 0);
+  CHECK(pp_plan.stages[1].memory.plan.acts_in_grads > 0);
 }
 
 TEST_CASE("plan: interleaved stages hold their chunks' layers", "[plan]") {
