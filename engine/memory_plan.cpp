@@ -32,7 +32,8 @@ std::string MemoryPlan::summary() const {
     s += fmt::format("  {:<18} {:>12.2f} MiB\n", memory_category_name(static_cast<MemoryCategory>(i)),
                      bytes[i] / 1048576.0);
   if (acts_in_grads > 0)
-    s += fmt::format("  {:<18} {:>12.2f} MiB more activations, in the gradients' memory\n", "", acts_in_grads / 1048576.0);
+    s += fmt::format("  {:<18} {:>12.2f} MiB (more activations, in the gradients' memory: not in the total)\n",
+                     "  + in gradients", acts_in_grads / 1048576.0);
   s += fmt::format("  {:<18} {:>12.2f} MiB\n", "total", total() / 1048576.0);
   return s;
 }
