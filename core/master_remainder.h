@@ -21,33 +21,55 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/dtype.h"
+// The same code on the host (the reference backend, checkpoints) and in the CUDA kernels
+// (cuda/optimizer_kernels.cu). (The same macro as core/philox.h's.)
+#if defined(__CUDACC__)
+#define MT_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define MT_HOST_DEVICE inline
+#endif
 
 namespace mt {
+
+MT_HOST_DEVICE uint32_t master_float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+MT_HOST_DEVICE float master_bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
 
 struct SplitMaster {
   uint16_t weight;     // bf16 bits
   int16_t remainder;
 };
 
-inline SplitMaster split_master_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
+MT_HOST_DEVICE SplitMaster split_master_bits(float x) {
+  const uint32_t bits = master_float_bits(x);
   const uint16_t lo = static_cast<uint16_t>(bits & 0xFFFFu);
   const uint16_t hi = static_cast<uint16_t>((bits >> 16) + ((lo & 0x8000u) ? 1u : 0u));
   return {hi, static_cast<int16_t>(lo)};
 }
 
-inline float join_master_bits(uint16_t weight, int16_t remainder) {
+MT_HOST_DEVICE float join_master_bits(uint16_t weight, int16_t remainder) {
   const uint16_t hi = static_cast<uint16_t>(weight - (remainder < 0 ? 1u : 0u));
-  const uint32_t bits = (static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(remainder);
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
+  return master_bits_float((static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(remainder));
 }
 
 // Round to nearest even: whether (weight, remainder) needs the extra bit, the split, the join.
-inline bool master_tie_ambiguous(uint16_t weight, int16_t remainder) {
+MT_HOST_DEVICE bool master_tie_ambiguous(uint16_t weight, int16_t remainder) {
   return static_cast<uint16_t>(remainder) == 0x8000u || (weight & 0x7F80u) == 0x7F80u;
 }
 
@@ -57,16 +79,17 @@ struct SplitMasterEven {
   bool up;          // the weight is not x's top 16 bits, where master_tie_ambiguous; else false
 };
 
-inline SplitMasterEven split_master_even(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
+MT_HOST_DEVICE SplitMasterEven split_master_even(float x) {
+  const uint32_t bits = master_float_bits(x);
   const uint16_t top = static_cast<uint16_t>(bits >> 16);
-  const uint16_t w = float_to_bf16_bits(x);
+  // core/dtype.h's float_to_bf16_bits: a NaN made quiet, else rounded to nearest even.
+  const uint16_t w = (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(top | 0x40u)
+                                                         : static_cast<uint16_t>((bits + 0x7FFFu + (top & 1u)) >> 16);
   const auto r = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xFFFFu));
   return {w, r, master_tie_ambiguous(w, r) && w != top};
 }
 
-inline float join_master_even(uint16_t weight, int16_t remainder, bool up) {
+MT_HOST_DEVICE float join_master_even(uint16_t weight, int16_t remainder, bool up) {
   uint16_t top;
   if (!master_tie_ambiguous(weight, remainder)) {  // rounded up exactly when lo is above half
     top = static_cast<uint16_t>(weight - (static_cast<uint16_t>(remainder) > 0x8000u ? 1u : 0u));
@@ -75,13 +98,10 @@ inline float join_master_even(uint16_t weight, int16_t remainder, bool up) {
   } else {
     top = static_cast<uint16_t>(weight - (up ? 1u : 0u));
   }
-  const uint32_t bits = (static_cast<uint32_t>(top) << 16) | static_cast<uint16_t>(remainder);
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
+  return master_bits_float((static_cast<uint32_t>(top) << 16) | static_cast<uint16_t>(remainder));
 }
 
 // Bit i of a bit array of 32-bit words (TieBits: element i's `up`).
-inline bool tie_bit(const uint32_t* words, int64_t i) { return ((words[i >> 5] >> (i & 31)) & 1u) != 0; }
+MT_HOST_DEVICE bool tie_bit(const uint32_t* words, int64_t i) { return ((words[i >> 5] >> (i & 31)) & 1u) != 0; }
 
 }  // namespace mt

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "core/byte_hash.h"
+#include "core/master_remainder.h"
 #include "cuda/bench_choice.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_utils.cuh"
@@ -299,32 +300,14 @@ __global__ void __launch_bounds__(kOptimThreads, kMinBlocks) adamw_kernel(AdamAr
 }
 
 // ---- float32 master weights kept as int16 remainders beside bf16 weights ----------------------
-// (core/master_remainder.h: the same bits on the host.) Rounded ties away (Transformer Engine's):
-__device__ __forceinline__ float join_master(uint16_t weight, int16_t remainder) {
-  const uint16_t hi = static_cast<uint16_t>(weight - (remainder < 0 ? 1u : 0u));
-  return __uint_as_float((static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(remainder));
-}
-__device__ __forceinline__ void split_master(float x, uint16_t& weight, int16_t& remainder) {
-  const uint32_t bits = __float_as_uint(x);
-  const uint16_t lo = static_cast<uint16_t>(bits & 0xFFFFu);
-  weight = static_cast<uint16_t>((bits >> 16) + (lo >> 15));
-  remainder = static_cast<int16_t>(lo);
-}
-
-// Rounded to nearest even, with one more bit per element where (weight, remainder) leave the
-// rounding's direction open (master_tie_ambiguous); the bit is 0 elsewhere, so it is read only
-// there, and flipped (atomically: neighbours share its word) only where it changes.
+// The split and join are core/master_remainder.h's (the host's code). Rounded to nearest even, the
+// extra bit per element (where master_tie_ambiguous) lives in a bit array; it is 0 elsewhere, so it
+// is read only there, and flipped (atomically: neighbours share its word) only where it changes.
 struct TieArg {
   uint32_t* words = nullptr;
   int64_t first = 0;  // the bit of element 0
 };
-__device__ __forceinline__ bool tie_ambiguous(uint16_t weight, int16_t remainder) {
-  return static_cast<uint16_t>(remainder) == 0x8000u || (weight & 0x7F80u) == 0x7F80u;
-}
-__device__ __forceinline__ bool tie_read(const TieArg& t, int64_t i) {
-  const int64_t b = t.first + i;
-  return ((t.words[b >> 5] >> (b & 31)) & 1u) != 0;
-}
+__device__ __forceinline__ bool tie_read(const TieArg& t, int64_t i) { return tie_bit(t.words, t.first + i); }
 __device__ __forceinline__ void tie_write(const TieArg& t, int64_t i, bool was, bool now) {
   if (was == now) return;
   const int64_t b = t.first + i;
@@ -332,23 +315,7 @@ __device__ __forceinline__ void tie_write(const TieArg& t, int64_t i, bool was, 
 }
 // Element i's bit as the invariant above has it (zero unless ambiguous).
 __device__ __forceinline__ bool tie_of(const TieArg& t, int64_t i, uint16_t weight, int16_t remainder) {
-  return tie_ambiguous(weight, remainder) && tie_read(t, i);
-}
-__device__ __forceinline__ float join_master_even(uint16_t weight, int16_t remainder, bool up) {
-  uint16_t top;
-  if (!tie_ambiguous(weight, remainder)) top = static_cast<uint16_t>(weight - (static_cast<uint16_t>(remainder) > 0x8000u ? 1u : 0u));
-  else if ((weight & 0x7F80u) == 0x7F80u && (weight & 0x7Fu) != 0) top = static_cast<uint16_t>(up ? weight ^ 0x40u : weight);
-  else top = static_cast<uint16_t>(weight - (up ? 1u : 0u));
-  return __uint_as_float((static_cast<uint32_t>(top) << 16) | static_cast<uint16_t>(remainder));
-}
-// The weight float_to_bf16_bits gives (round to nearest even; a NaN made quiet), and `up`.
-__device__ __forceinline__ void split_master_even(float x, uint16_t& weight, int16_t& remainder, bool& up) {
-  const uint32_t bits = __float_as_uint(x);
-  const uint16_t top = static_cast<uint16_t>(bits >> 16);
-  weight = (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(top | 0x40u)
-                                               : static_cast<uint16_t>((bits + 0x7FFFu + (top & 1u)) >> 16);
-  remainder = static_cast<int16_t>(bits & 0xFFFFu);
-  up = weight != top && tie_ambiguous(weight, remainder);
+  return master_tie_ambiguous(weight, remainder) && tie_read(t, i);
 }
 
 // AdamW over such master weights: a.master is unused; rem and a.model (bf16) are read and written
@@ -371,16 +338,19 @@ __global__ void __launch_bounds__(kOptimThreads, kOptimBlocksPerSm) adamw_remain
         was = tie_of(ties, i, w, r);
         x = join_master_even(w, r, was);
       } else {
-        x = join_master(w, r);
+        x = join_master_bits(w, r);
       }
       const float p = adam_one(m, v, x, __fmul_rn(g, a.grad_scale), a.beta1, a.beta2, a.bias_correction1,
                                a.bias_correction2, eps, lr, wd);
       if constexpr (kEven) {
-        bool up;
-        split_master_even(p, w, r, up);
-        tie_write(ties, i, was, up);
+        const SplitMasterEven out = split_master_even(p);
+        w = out.weight;
+        r = out.remainder;
+        tie_write(ties, i, was, out.up);
       } else {
-        split_master(p, w, r);
+        const SplitMaster out = split_master_bits(p);
+        w = out.weight;
+        r = out.remainder;
       }
       if (track) amax = fmaxf(amax, fabsf(__uint_as_float(static_cast<uint32_t>(w) << 16)));
     };
@@ -414,17 +384,16 @@ __global__ void split_master_kernel(uint16_t* weight, int16_t* remainder, const 
                                     TieArg ties) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint16_t w;
-    int16_t r;
     if (ties.words) {
-      bool up;
-      split_master_even(master[i], w, r, up);
-      tie_write(ties, i, tie_read(ties, i), up);
+      const SplitMasterEven out = split_master_even(master[i]);
+      tie_write(ties, i, tie_read(ties, i), out.up);
+      weight[i] = out.weight;
+      if (remainder) remainder[i] = out.remainder;
     } else {
-      split_master(master[i], w, r);
+      const SplitMaster out = split_master_bits(master[i]);
+      weight[i] = out.weight;
+      if (remainder) remainder[i] = out.remainder;
     }
-    weight[i] = w;
-    if (remainder) remainder[i] = r;
   }
 }
 
@@ -434,7 +403,7 @@ __global__ void join_master_kernel(float* master, const uint16_t* weight, const 
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const uint16_t w = weight[i];
     const int16_t r = remainder[i];
-    master[i] = ties.words ? join_master_even(w, r, tie_of(ties, i, w, r)) : join_master(w, r);
+    master[i] = ties.words ? join_master_even(w, r, tie_of(ties, i, w, r)) : join_master_bits(w, r);
   }
 }
 
