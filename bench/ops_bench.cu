@@ -474,6 +474,7 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
     Tensor x = B.alloc(bf, {R, L.k}, 1.0), w = B.alloc(bf, {E * L.n, L.k}, 0.02), y = B.alloc(bf, {R, L.n});
     Tensor dw = B.alloc(DType::f32, {E * L.n, L.k});
     Tensor dw16 = B.alloc(bf, {E * L.n, L.k});
+    Tensor sumsq = B.alloc(DType::f32, {1});
     Tensor wd = B.alloc(bf, {L.n, L.k}, 0.02);
     // The offsets on the device, as the MoE block passes them (the host never waits for the routing).
     Tensor off_dev = B.alloc(DType::i32, {E + 1});
@@ -495,6 +496,9 @@ void bench_moe(Bench& B, const std::string& name, int64_t R, int64_t E, int64_t 
       B.gemm_op(mn, "grouped bwd_input" + tag, R, L.k, L.n, [&](int) { be.grouped_linear_backward_input(x, y, w, offs); });
       B.gemm_op(mn, "grouped bwd_weight f32" + tag, L.n, L.k, R,
                 [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, false); });
+      // (With the gradient norm's sum of squares of what it writes: one micro-batch per step.)
+      B.gemm_op(mn, "grouped bwd_weight f32 +sumsq" + tag, L.n, L.k, R,
+                [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, false, sumsq); });
       B.gemm_op(mn, "grouped bwd_weight +acc f32" + tag, L.n, L.k, R,
                 [&](int) { be.grouped_linear_backward_weight(dw, y, x, offs, true); });
       // (A 16-bit weight gradient: the same main loop with half the epilogue's bytes.)

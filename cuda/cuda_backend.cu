@@ -838,13 +838,18 @@ void CudaBackend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, 
 }
 
 void CudaBackend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
-                                                 bool accumulate) {
+                                                 bool accumulate, Tensor sumsq) {
   if (!grouped_takes(offsets))
-    return Backend::grouped_linear_backward_weight(dw, dy, x, offsets, accumulate);
+    return Backend::grouped_linear_backward_weight(dw, dy, x, offsets, accumulate, sumsq);
   on_device("grouped_linear_backward_weight", dw, dy, x);
-  MT_PROFILE_OP("grouped_linear_backward_weight {}x{}x{} ({} experts){}", dw.rows(), dw.cols(), dy.rows(),
-                offsets.experts(), accumulate ? " +acc" : "");
-  grouped_->backward_weight(dw, dy, x, offsets, accumulate);
+  MT_CHECK(sumsq.empty() || (!accumulate && sumsq.dtype == DType::f32 && sumsq.numel() == 1),
+           "grouped_linear_backward_weight: the sum of squares of a gradient written (not added to), float32 [1]");
+  if (!sumsq.empty()) on_device("grouped_linear_backward_weight", sumsq);
+  MT_PROFILE_OP("grouped_linear_backward_weight {}x{}x{} ({} experts){}{}", dw.rows(), dw.cols(), dy.rows(),
+                offsets.experts(), accumulate ? " +acc" : "", sumsq.empty() ? "" : " +sumsq");
+  const bool took = grouped_->backward_weight(dw, dy, x, offsets, accumulate,
+                                              sumsq.empty() ? nullptr : sumsq.ptr<float>());
+  if (!sumsq.empty() && !took) sum_squares(sumsq, dw, {}, true);
 }
 
 }  // namespace mt

@@ -41,7 +41,7 @@ class CudaBackend final : public Backend {
   void grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets) override;
   void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets) override;
   void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
-                                      bool accumulate) override;
+                                      bool accumulate, Tensor sumsq = Tensor()) override;
   void* allocate(size_t bytes) override;
   void deallocate(void* p) override;
   void copy_from_host(Tensor dst, const void* host_src) override;

@@ -93,6 +93,7 @@ GroupedGemm::GroupedGemm(cudaStream_t stream, int max_groups, size_t workspace_b
   check_cublas(cublasSetStream(handle_, stream_), "cublasSetStream");
   check_cublas(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
   MT_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes));
+  workspace_bytes_ = workspace_bytes;
   // cuBLAS allocates nothing of its own later: its workspace is this one.
   check_cublas(cublasSetWorkspace(handle_, workspace_, workspace_bytes), "cublasSetWorkspace");
   MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_ptrs_), 3 * sizeof(void*) * static_cast<size_t>(max_groups)));
@@ -165,9 +166,10 @@ void GroupedGemm::forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& o) 
   const int64_t E = o.experts(), N = w.rows() / E, K = x.cols();
   MT_CHECK(y.cols() == N && w.cols() == K && x.dtype == w.dtype && y.dtype == x.dtype,
            "grouped forward: y [{}], x [{}], w [{}]", y.shape_string(), x.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::forward, y, x, w, o))
-    return grouped_mma_run(GroupedOp::forward, y, x, w, device_offsets(o, x.rows()), E, false, stream_,
-                           own_kernel_body());
+  if (own_kernel(GroupedOp::forward, y, x, w, o)) {
+    grouped_mma_run(GroupedOp::forward, y, x, w, device_offsets(o, x.rows()), E, false, stream_, own_kernel_body());
+    return;
+  }
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
@@ -185,9 +187,10 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOff
   const int64_t E = o.experts(), N = w.rows() / E, K = w.cols();
   MT_CHECK(dy.cols() == N && dx.cols() == K && dy.dtype == w.dtype && dx.dtype == dy.dtype,
            "grouped backward_input: dx [{}], dy [{}], w [{}]", dx.shape_string(), dy.shape_string(), w.shape_string());
-  if (own_kernel(GroupedOp::backward_input, dx, dy, w, o))
-    return grouped_mma_run(GroupedOp::backward_input, dx, dy, w, device_offsets(o, dy.rows()), E, false, stream_,
-                           own_kernel_body());
+  if (own_kernel(GroupedOp::backward_input, dx, dy, w, o)) {
+    grouped_mma_run(GroupedOp::backward_input, dx, dy, w, device_offsets(o, dy.rows()), E, false, stream_, own_kernel_body());
+    return;
+  }
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
@@ -201,13 +204,23 @@ void GroupedGemm::backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOff
   run(groups, dy.dtype, dx.dtype, 0.0f, offsets.back());
 }
 
-void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o, bool accumulate) {
+bool GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o, bool accumulate,
+                                  float* sumsq) {
   const int64_t E = o.experts(), N = dw.rows() / E, K = dw.cols();
   MT_CHECK(dy.cols() == N && x.cols() == K && dy.dtype == x.dtype,
            "grouped backward_weight: dw [{}], dy [{}], x [{}]", dw.shape_string(), dy.shape_string(), x.shape_string());
-  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, o))
+  if (own_kernel(GroupedOp::backward_weight, dw, dy, x, o)) {
+    // (The partial sums of squares in the start of cuBLAS's workspace, which no call of ours uses
+    // meanwhile: the stream orders them.)
+    GroupedSumSquares sq;
+    if (sumsq != nullptr && !accumulate) {
+      MT_CHECK(static_cast<size_t>(grouped_sumsq_partials()) * sizeof(double) <= workspace_bytes_,
+               "grouped GEMM: its workspace holds no room for {} partial sums", grouped_sumsq_partials());
+      sq = GroupedSumSquares{sumsq, static_cast<double*>(workspace_)};
+    }
     return grouped_mma_run(GroupedOp::backward_weight, dw, dy, x, device_offsets(o, dy.rows()), E, accumulate,
-                           stream_, own_kernel_body());
+                           stream_, own_kernel_body(), sq);
+  }
   const std::span<const int64_t> offsets = host_offsets(o);
   std::vector<Group>& groups = groups_;
   groups.clear();
@@ -223,6 +236,7 @@ void GroupedGemm::backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOf
                       as_int(N, "N"), as_int(K, "K"), byte_ptr(x, offsets[e]), byte_ptr(dy, offsets[e]), c});
   }
   run(groups, dy.dtype, dw.dtype, accumulate ? 1.0f : 0.0f, offsets.back());
+  return false;
 }
 
 }  // namespace mt::cuda

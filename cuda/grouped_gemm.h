@@ -37,8 +37,10 @@ class GroupedGemm {
   void forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets);
   void backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
   // Experts without rows are left out of the call; with accumulate = false their gradient is
-  // zeroed (cudaMemsetAsync).
-  void backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets, bool accumulate);
+  // zeroed (cudaMemsetAsync). sumsq (float32 [1] on the device, or null; without accumulate): +=
+  // dw's sum of squares, where our TMA kernel takes it in its epilogue; returns whether it did.
+  bool backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets, bool accumulate,
+                       float* sumsq = nullptr);
 
  private:
   struct Group {
@@ -67,6 +69,7 @@ class GroupedGemm {
   cublasHandle_t handle_ = nullptr;
   int max_groups_ = 0;
   void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
   void** device_ptrs_ = nullptr;  // [3 * max_groups]: A, B, C pointer arrays
   int32_t* device_offsets_ = nullptr;  // [max_groups + 1]: host offsets for our kernel
   std::vector<int32_t> offsets32_;     // their host staging (pageable, as host_ptrs_)

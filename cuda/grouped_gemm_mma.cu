@@ -310,11 +310,14 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
   return aligned16(a.data) && aligned16(b.data) && aligned16(c.data);
 }
 
-void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
-                     bool accumulate, cudaStream_t stream, GroupedKernel kernel) {
+bool grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
+                     bool accumulate, cudaStream_t stream, GroupedKernel kernel, const GroupedSumSquares& sq) {
   const bool wgmma = kernel != GroupedKernel::mma_sync && device_has_wgmma();
-  if (wgmma && kernel == GroupedKernel::best && grouped_tma_takes(op, c, a, b, experts))
-    return grouped_tma_run(op, c, a, b, offsets, experts, accumulate, stream);
+  if (wgmma && kernel == GroupedKernel::best && grouped_tma_takes(op, c, a, b, experts)) {
+    const bool take_sq = sq.out != nullptr && op == GroupedOp::backward_weight && !accumulate;
+    grouped_tma_run(op, c, a, b, offsets, experts, accumulate, stream, take_sq ? sq : GroupedSumSquares{});
+    return take_sq;
+  }
   const int64_t E = experts;
   MT_CHECK(grouped_mma_takes(op, c, a, b, E), "grouped MMA GEMM: an op it does not take (c [{}] {}, a [{}] {})",
            c.shape_string(), dtype_name(c.dtype), a.shape_string(), dtype_name(a.dtype));
@@ -357,7 +360,7 @@ void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
   } else {
     // The most m-tiles the rows can make: sum_e ceil(rows_e / BM) <= (rows + E (BM - 1)) / BM.
     const int64_t rows = a.rows();
-    if (rows == 0) return;
+    if (rows == 0) return false;
     grid = dim3(static_cast<unsigned>((rows + E * (BM - 1)) / BM * args.n_tiles));
   }
   if (a.dtype == DType::bf16) {
@@ -367,6 +370,7 @@ void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
     if (wgmma) dispatch<__half, true>(op, c.dtype, args, grid, stream);
     else dispatch<__half, false>(op, c.dtype, args, grid, stream);
   }
+  return false;
 }
 
 }  // namespace mt::cuda

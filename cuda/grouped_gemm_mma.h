@@ -31,19 +31,33 @@ bool grouped_mma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
 // (cp.async-fed wgmma), mma_sync. Without Hopper's wgmma every choice is mma.sync.
 enum class GroupedKernel { best, wgmma, mma_sync };
 
+// A weight gradient's sum of squares taken in the epilogue (Backend::grouped_linear_backward_weight's
+// sumsq): out[0] (float32, device) += the sum of squares of C as stored. partials: device scratch
+// for grouped_sumsq_partials() doubles (one per consumer warpgroup of each CTA).
+struct GroupedSumSquares {
+  float* out = nullptr;
+  double* partials = nullptr;
+};
+// The doubles GroupedSumSquares::partials must hold (2 per SM).
+int64_t grouped_sumsq_partials();
+
 // op's operands as in cuda/grouped_gemm.h: forward (c = y, a = x, b = w), backward input
 // (c = dx, a = dy, b = w), backward weight (c = dw, a = dy, b = x; accumulate adds to dw).
 // offsets: experts + 1 int32 row offsets in device memory, offsets[experts] at most the rows of the
 // row-grouped operands (a's rows; the forward's and input gradient's C has as many).
-void grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
-                     bool accumulate, cudaStream_t stream, GroupedKernel kernel = GroupedKernel::best);
+// sq (a weight gradient written, not accumulated): taken where the TMA kernel runs the op; returns
+// whether it was (else the caller sums the squares itself).
+bool grouped_mma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
+                     bool accumulate, cudaStream_t stream, GroupedKernel kernel = GroupedKernel::best,
+                     const GroupedSumSquares& sq = {});
 
 // The three ops on Hopper (cuda/grouped_gemm_tma.cu): TMA loads, a producer warpgroup and two
 // wgmma consumers on 128 x 256 tiles, persistent CTAs. It takes what grouped_mma_takes takes where
 // every operand is at least one of its boxes in size (64 columns; 64 to 256 rows) and, for the
 // row-grouped ops, C has the inputs' dtype.
 bool grouped_tma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Tensor& b, int64_t experts);
+// sq: as grouped_mma_run's (a weight gradient without accumulate only), always taken.
 void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
-                     bool accumulate, cudaStream_t stream);
+                     bool accumulate, cudaStream_t stream, const GroupedSumSquares& sq = {});
 
 }  // namespace mt::cuda

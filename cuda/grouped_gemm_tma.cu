@@ -22,6 +22,13 @@
 // fill), so whatever B holds there (the next expert's weight rows, for the input gradient) adds
 // nothing; B's rows past the expert's N (forward) only make output columns that are not stored.
 //
+// With Args::sumsq (a weight gradient written, not accumulated: the gradient norm's share of the
+// experts, Backend::grouped_linear_backward_weight), each consumer thread also sums the squares of
+// its fragment as stored (float, per tile; tiles added in double), the warpgroup's sum goes to
+// sumsq[2 blockIdx.x + cw], and a one-warp kernel adds those in index order to the output: the same
+// bits from run to run (a CTA's tiles are fixed by the grid), not sum_squares' order. Elements past
+// M, N or the expert's rows are zeros in the accumulators (zero operands), so they add nothing.
+//
 // Weight gradient (the reduction over each expert's rows): tiles go expert by expert, the n-tiles
 // of one m-tile next to each other (the expert's x stays in L2, each 128-column slab of dy is read
 // by the CTAs next to each other). Both operands are output-contiguous: 64-column boxes of dy
@@ -65,6 +72,7 @@ struct Args {
   int n_tiles;
   bool accumulate;
   bool c_tma;  // the epilogue stores through map_c (see c_map_for)
+  double* sumsq;  // weight gradient: [2 gridDim.x] partial sums of squares of C (see the header), or null
 };
 
 // (Unused in the sm_90 pass, which compiles the kernel's body out: the sm_90a pass uses them.)
@@ -298,6 +306,21 @@ __device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsig
   }
 }
 
+// The sum of squares of a fragment's 128 values as C stores them (16-bit C: rounded first), in
+// float, in order.
+template <typename TC>
+[[maybe_unused]] __device__ __forceinline__ float sum_squares_as_stored(const float (&d)[128]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) {
+    float v = d[i];
+    if constexpr (std::is_same_v<TC, __nv_bfloat16>) v = __bfloat162float(__float2bfloat16_rn(v));
+    else if constexpr (std::is_same_v<TC, __half>) v = __half2float(__float2half_rn(v));
+    s = __fmaf_rn(v, v, s);
+  }
+  return s;
+}
+
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
 // [reduction, K] output-contiguous: its columns as 64-wide boxes 8 KB apart), backward_weight
 // (A = dy [rows, N] and B = x [rows, K], both output-contiguous). TC: C's dtype.
@@ -337,6 +360,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   int it = 0;  // the CTA's k-steps before the tile at hand (both consumers')
   unsigned char* const c_bufs = reinterpret_cast<unsigned char*>(smem + STAGES * (kAElems + kBElems)) + cw * 2 * kBoxBytes;
   int boxes = 0;  // this warpgroup's epilogue boxes so far
+  double sq = 0.0;  // Args::sumsq: this thread's sum of squares over its tiles
   // Consumer cw computes rows [64 cw, 64 cw + 64) of every tile, all 256 columns.
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile x = tile_at<kWeight>(args, first_tile, t);
@@ -363,6 +387,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait_all();
     if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     fence_registers(d);
+    if constexpr (kWeight) {
+      if (args.sumsq != nullptr) sq += sum_squares_as_stored<TC>(d);
+    }
     // The TMA epilogue: a weight gradient's boxes are clipped at its expert's M rows by the 3-D map;
     // a row-grouped fragment only when its 64 rows are all the expert's.
     if (args.c_tma && (kWeight || x.m0 + cw * 64 + 64 <= x.rows)) {
@@ -374,9 +401,31 @@ __global__ void __launch_bounds__(THREADS, 1)
     store_fragment<TC>(Cp, args.ldc, d, x.m0 + cw * 64 + r_in, kWeight ? args.M : x.rows, x.n0, args.N,
                        args.accumulate);
   }
+  if constexpr (kWeight) {
+    if (args.sumsq != nullptr) {
+      __shared__ double warp_sq[8];
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      if ((tid & 31) == 0) warp_sq[cw * 4 + warp] = sq;
+      warpgroup_sync(2 + cw);
+      if ((tid & 127) == 0)
+        args.sumsq[2 * blockIdx.x + cw] = ((warp_sq[cw * 4] + warp_sq[cw * 4 + 1]) + warp_sq[cw * 4 + 2]) +
+                                          warp_sq[cw * 4 + 3];
+    }
+  }
   // The bulk stores read this CTA's shared memory and must finish before it goes.
   if (boxes > 0 && (tid & 127) == 0) tma_store_wait_all();
 #endif
+}
+
+// out[0] += the n partial sums in index order (one warp: lane l sums l, l + 32, ..., then a fixed
+// butterfly), out's old value added in double.
+__global__ void sumsq_finish_kernel(float* out, const double* partials, int n) {
+  double s = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += 32) s += partials[i];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x == 0) out[0] = static_cast<float>(static_cast<double>(out[0]) + s);
 }
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -497,8 +546,12 @@ bool grouped_tma_takes(GroupedOp op, const Tensor& c, const Tensor& a, const Ten
   return false;
 }
 
+int64_t grouped_sumsq_partials() { return 2LL * sm_count(); }
+
 void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* offsets, int64_t experts,
-                     bool accumulate, cudaStream_t stream) {
+                     bool accumulate, cudaStream_t stream, const GroupedSumSquares& sq) {
+  MT_CHECK(sq.out == nullptr || (op == GroupedOp::backward_weight && !accumulate && sq.partials != nullptr),
+           "grouped TMA GEMM: a sum of squares of a weight gradient written, with its partials' room, only");
   MT_CHECK(grouped_tma_takes(op, c, a, b, experts), "grouped TMA GEMM: an op it does not take (c [{}] {}, a [{}] {})",
            c.shape_string(), dtype_name(c.dtype), a.shape_string(), dtype_name(a.dtype));
   const int64_t E = experts, rows = a.rows();
@@ -535,8 +588,13 @@ void grouped_tma_run(GroupedOp op, Tensor c, Tensor a, Tensor b, const int32_t* 
   CUtensorMap map_c{};
   args.c_tma = !bench_choice::grouped_register_epilogue && c_map_for(op, c, args, map_c);
   const int grid = static_cast<int>(std::min<int64_t>(most, sm_count()));
+  args.sumsq = sq.partials;
   if (a.dtype == DType::bf16) dispatch<__nv_bfloat16>(op, c.dtype, map_a, map_b, map_c, args, grid, stream);
   else dispatch<__half>(op, c.dtype, map_a, map_b, map_c, args, grid, stream);
+  if (sq.out != nullptr) {
+    sumsq_finish_kernel<<<1, 32, 0, stream>>>(sq.out, sq.partials, 2 * grid);
+    MT_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace mt::cuda

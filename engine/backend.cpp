@@ -248,7 +248,8 @@ void Backend::grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, cons
 }
 
 void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& o,
-                                             bool accumulate) {
+                                             bool accumulate, Tensor sumsq) {
+  MT_CHECK(sumsq.empty() || !accumulate, "grouped_linear_backward_weight: the sum of squares of a gradient it adds to");
   std::vector<int64_t> storage;
   const std::span<const int64_t> offsets = expert_offsets_on_host(*this, o, dy.rows(), storage);
   const size_t E = offsets.size() - 1;
@@ -260,6 +261,7 @@ void Backend::grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, con
     else if (!accumulate)
       fill(dwe, 0.0);
   }
+  if (!sumsq.empty()) sum_squares(sumsq, dw, {}, true);
 }
 
 }  // namespace mt

@@ -629,8 +629,13 @@ class Backend {
   virtual void prepare_grouped_gemms(int max_groups) { (void)max_groups; }
   virtual void grouped_linear_forward(Tensor y, Tensor x, Tensor w, const ExpertOffsets& offsets);
   virtual void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor w, const ExpertOffsets& offsets);
+  // sumsq (optional, float32 [1] or the accumulation dtype's): += the sum of squares of dw as
+  // stored (every expert's; without accumulate only), for the gradient norm (ModelOptions::
+  // expert_grad_sumsq). The default adds sum_squares(dw) after the op; the CUDA backend's grouped
+  // GEMM sums the squares in its epilogue instead (float sums per tile, added in double in a fixed
+  // order: the same result run to run, not sum_squares' bits).
   virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
-                                              bool accumulate);
+                                              bool accumulate, Tensor sumsq = Tensor());
 
   // The experts' linear biases (MoE layers with linear biases), rows as the grouped linear ops': y
   // [R, n], bias [E, n] (expert e's bias its row e, y's dtype), p float32 [R] or empty (s_r = p[r],

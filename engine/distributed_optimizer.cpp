@@ -92,6 +92,36 @@ std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int 
   return out;
 }
 
+std::vector<OptimSegment> without_params(const std::vector<OptimSegment>& segments, const std::vector<ParamDesc>& params,
+                                         int64_t flat_offset, const std::function<bool(const ParamDesc&)>& leave) {
+  std::vector<std::pair<int64_t, int64_t>> cut;  // [begin, end) relative to the range
+  for (const ParamDesc& p : params)
+    if (leave(p)) cut.push_back({p.offset - flat_offset, p.offset - flat_offset + p.numel()});
+  std::sort(cut.begin(), cut.end());
+  std::vector<OptimSegment> out;
+  for (const OptimSegment& s : segments) {
+    int64_t at = s.offset;
+    const int64_t end = s.offset + s.count;
+    for (const auto& [b, e] : cut) {
+      if (e <= at || b >= end) continue;
+      if (b > at) {
+        OptimSegment piece = s;
+        piece.offset = at;
+        piece.count = b - at;
+        out.push_back(piece);
+      }
+      at = std::max(at, e);
+    }
+    if (at < end) {
+      OptimSegment piece = s;
+      piece.offset = at;
+      piece.count = end - at;
+      out.push_back(piece);
+    }
+  }
+  return out;
+}
+
 OptimViews optim_views(const GptModel& m, const OptimRange& r) {
   OptimViews v;
   auto state = [&](const Tensor& t) { return t.empty() ? Tensor() : t.flat_slice(r.state_offset, r.numel); };

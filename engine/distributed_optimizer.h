@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "engine/backend.h"
@@ -44,10 +45,20 @@ struct OptimRange {
   // Under expert parallelism the routed experts' pieces count in expert_norm instead of norm: their
   // squares are summed over the experts' groups (engine/optimizer.h), the others' over the dense ones.
   std::vector<OptimSegment> expert_norm;
+  // norm and expert_norm less the parameters whose squares the model sums as their gradients are
+  // written (GptModel::sumsq_fused): what the gradient norm reads from the buffer (the Optimizer
+  // sets them; the parameters' norm and the zero count take norm and expert_norm).
+  std::vector<OptimSegment> grad_norm, expert_grad_norm;
 };
 
 // The ranges of one chunk (the model's grad_layout() says whether it is sharded).
 std::vector<OptimRange> plan_optim_ranges(const GptModel& model, int chunk, int tp_rank, bool decoupled_lr);
+
+// segments less the elements of the parameters `leave` picks (each parameter's [offset, offset +
+// numel) of the flat buffers, relative to a range starting at flat_offset); every piece keeps its
+// segment's group and scales.
+std::vector<OptimSegment> without_params(const std::vector<OptimSegment>& segments, const std::vector<ParamDesc>& params,
+                                         int64_t flat_offset, const std::function<bool(const ParamDesc&)>& leave);
 
 // The views of one range.
 struct OptimViews {

@@ -507,6 +507,7 @@ void GptModel::layout(Arena& a) {
     if (n > 0) muon_workspace_ = a.take(C::optimizer_states, S, {n});
   }
   scalars_ = a.take(C::workspace, S, {kScalarCount});
+  expert_sumsq_ = opt_.expert_grad_sumsq && d_.any_moe() && !opt_.frozen ? a.take(C::workspace, S, {1}) : Tensor();
   train_loss_ = a.take(C::workspace, S, {2});
   eval_loss_ = a.take(C::workspace, S, {2});
   moe_loss_ = moe_layer_loss_ = Tensor();
@@ -1074,7 +1075,13 @@ void GptModel::stage_full_params(const std::function<void(int, Tensor)>& fill, T
   param_shards_updated();
 }
 
+bool GptModel::sumsq_fused(const ParamDesc& p) const {
+  return !expert_sumsq_.empty() && p.expert &&
+         (p.name.ends_with(".mlp.experts.linear_fc1.weight") || p.name.ends_with(".mlp.experts.linear_fc2.weight"));
+}
+
 void GptModel::zero_grads() {
+  if (!expert_sumsq_.empty()) be_.fill(expert_sumsq_, 0.0);
   if (opt_.shard_grads) {
     for (int b = 0; b < grad_layout_.num_buckets(); ++b)
       if (grad_layout_.bucket_unit[static_cast<size_t>(b)] < 0) be_.fill(grad_bucket(b), 0.0);

@@ -128,6 +128,12 @@ struct ModelOptions {
   // with them (lower layers', the word embeddings'), as PyTorch's allocator reuses freed
   // activations for gradients (GptModel::plan_acts_over_grads).
   bool acts_over_grads = false;
+  // One micro-batch per step in one slot, no rank the experts' gradients are reduced with, no FP8
+  // (engine/model_chunks.cpp says when): the routed experts' weight-gradient GEMMs also sum the
+  // squares of what they write (Backend::grouped_linear_backward_weight's sumsq) into
+  // expert_grad_sumsq(), and the gradient norm takes that sum instead of reading those gradients
+  // again (engine/optimizer.cpp).
+  bool expert_grad_sumsq = false;
   // FP8 linear layers (--fp8-format; engine/fp8_state.h).
   Fp8Options fp8;
   // Layers keep their two norm outputs (the QKV and fc1 inputs) from forward for the weight
@@ -275,6 +281,11 @@ class GptModel {
   // A small accum-dtype buffer for per-step reductions (loss, grad norm...): [kScalarCount].
   static constexpr int kScalarCount = 43;
   Tensor scalars() const { return scalars_; }
+  // ModelOptions::expert_grad_sumsq: [1] of the scalars' dtype, the step's sum of squares of the
+  // routed experts' weight gradients (zeroed with the gradients, added to by each expert
+  // weight-gradient GEMM); empty otherwise. sumsq_fused(p): whether parameter p's squares are in it.
+  Tensor expert_grad_sumsq() const { return expert_sumsq_; }
+  bool sumsq_fused(const ParamDesc& p) const;
 
   // Draws every parameter from its layout-independent stream (and the master copy). With
   // random = false (--no-initialization: a checkpoint is about to overwrite them) the randomly
@@ -898,6 +909,7 @@ class GptModel {
   // The parameters rounded from full-precision values: a cast, or the ties-away rounding of
   // Transformer Engine's remainders (master_remainders without master_tie_bits).
   void round_params(Tensor params, Tensor values);
+  Tensor expert_sumsq_;
   Tensor params_, grads_, master_, state1_, state2_, scalars_, train_loss_, eval_loss_, rope_table_, moe_loss_,
       moe_layer_loss_;
   // Knowledge distillation (engine/blocks/distill.cpp): the teacher, the loss sums, and per micro-

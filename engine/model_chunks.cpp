@@ -74,6 +74,11 @@ std::vector<ChunkSpec> model_chunk_specs(const Config& cfg, const RankPosition& 
     // One micro-batch per step: a layer's activations may lie in gradient memory that the backward
     // writes after it is done with them (GptModel::plan_acts_over_grads; the same numbers).
     o.acts_over_grads = cfg.train.num_microbatches == 1 && o.num_slots == 1 && !o.shard_grads;
+    // ... and the experts' weight gradients are final when their GEMM writes them, unless another
+    // rank's are added (their data-parallel group: DP x CP, or the experts' own) or FP8 GEMMs
+    // (cuBLASLt's, per expert) write them: the GEMM sums their squares for the gradient norm.
+    const int expert_replicas = dims[c].experts_own_grid() ? r.edp_size : r.replicas_size();
+    o.expert_grad_sumsq = o.acts_over_grads && dims[c].any_moe() && expert_replicas == 1 && !o.fp8.enabled();
     out.push_back({dims[c], o});
   }
   return out;
@@ -128,7 +133,7 @@ std::optional<ChunkSpec> teacher_chunk_spec(const Config& cfg, const RankPositio
   o.unit_slots = 2;
   o.grad = o.accum;
   o.master_remainders = o.master_tie_bits = false;
-  o.acts_over_grads = false;
+  o.acts_over_grads = o.expert_grad_sumsq = false;
   o.logits_chunk_rows = 1;  // (its logits are the student head's to compute)
   // Every layer a recompute group of its own: the forward keeps each layer's input only.
   const int L = s.dims.decoder_layers();

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "engine/distributed_optimizer.h"
 #include "parallel/communicator.h"
 
 namespace mt {
@@ -404,32 +405,7 @@ std::vector<char> muon_owned(const std::vector<ParamDesc>& params, const std::ve
 
 std::vector<OptimSegment> without_muon_params(const std::vector<OptimSegment>& segments,
                                               const std::vector<ParamDesc>& params, int64_t flat_offset) {
-  std::vector<std::pair<int64_t, int64_t>> cut;  // [begin, end) relative to the range
-  for (const ParamDesc& p : params)
-    if (muon_param(p)) cut.push_back({p.offset - flat_offset, p.offset - flat_offset + p.numel()});
-  std::sort(cut.begin(), cut.end());
-  std::vector<OptimSegment> out;
-  for (const OptimSegment& s : segments) {
-    int64_t at = s.offset;
-    const int64_t end = s.offset + s.count;
-    for (const auto& [b, e] : cut) {
-      if (e <= at || b >= end) continue;
-      if (b > at) {
-        OptimSegment piece = s;
-        piece.offset = at;
-        piece.count = b - at;
-        out.push_back(piece);
-      }
-      at = std::max(at, e);
-    }
-    if (at < end) {
-      OptimSegment piece = s;
-      piece.offset = at;
-      piece.count = end - at;
-      out.push_back(piece);
-    }
-  }
-  return out;
+  return without_params(segments, params, flat_offset, [](const ParamDesc& p) { return muon_param(p); });
 }
 
 }  // namespace mt

@@ -66,9 +66,11 @@ Optimizer::Optimizer(const Config& cfg, std::vector<GptModel*> chunks, ParallelS
     for (OptimRange& r : plan_optim_ranges(*chunks_[c], static_cast<int>(c), ps.tp_rank, decoupled)) {
       // Muon's parameters leave AdamW's segments.
       if (t.optimizer == OptimizerKind::muon) r.update = without_muon_params(r.update, chunks_[c]->params(), r.flat_offset);
-      be_.register_optim_segments(r.update);
-      be_.register_optim_segments(r.norm);
-      be_.register_optim_segments(r.expert_norm);
+      const auto fused = [m = chunks_[c]](const ParamDesc& p) { return m->sumsq_fused(p); };
+      r.grad_norm = without_params(r.norm, chunks_[c]->params(), r.flat_offset, fused);
+      r.expert_grad_norm = without_params(r.expert_norm, chunks_[c]->params(), r.flat_offset, fused);
+      for (const auto* segments : {&r.update, &r.norm, &r.expert_norm, &r.grad_norm, &r.expert_grad_norm})
+        be_.register_optim_segments(*segments);
       ranges_.push_back(std::move(r));
     }
   }
@@ -308,9 +310,17 @@ StepOutcome Optimizer::step(int64_t iteration, int64_t global_batch) {
     for (const OptimRange& r : ranges_) {
       const Tensor g = optim_views(*chunks_[static_cast<size_t>(r.chunk)], r).grad;
       // (An empty list would mean the whole tensor.)
-      if (!r.norm.empty()) be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.norm, true);
-      if (!r.expert_norm.empty()) be_.sum_squares(scalars.flat_slice(kExpertSumSq, 1), g, r.expert_norm, true);
+      if (!r.grad_norm.empty()) be_.sum_squares(scalars.flat_slice(kGradSumSq, 1), g, r.grad_norm, true);
+      if (!r.expert_grad_norm.empty())
+        be_.sum_squares(scalars.flat_slice(kExpertSumSq, 1), g, r.expert_grad_norm, true);
     }
+    // The routed experts' squares their weight-gradient GEMMs summed (ModelOptions::expert_grad_sumsq),
+    // counted where their norm segments would have been.
+    for (GptModel* m : chunks_)
+      if (!m->expert_grad_sumsq().empty()) {
+        const Tensor at = scalars.flat_slice(m->dims().experts_own_grid() ? kExpertSumSq : kGradSumSq, 1);
+        be_.axpby(at, 1.0f, at, 1.0f, m->expert_grad_sumsq());
+      }
   }
   if (cfg_.logging.log_num_zeros_in_grad) {
     const ScopedTimer timed(timer, "optimizer-count-zeros");

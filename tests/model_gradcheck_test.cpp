@@ -627,3 +627,59 @@ TEST_CASE("activations laid over lower layers' gradients: the same losses and gr
     }
   }
 }
+
+TEST_CASE("the experts' weight-gradient GEMMs sum the squares of the gradients they write", "[model][moe]") {
+  // ModelOptions::expert_grad_sumsq: GptModel::expert_grad_sumsq() holds, after a backward, the sum
+  // of squares of exactly the routed experts' fc1 and fc2 weight gradients (not the shared
+  // expert's, the router's or the biases'), whatever it held before the step.
+  std::vector<std::pair<std::string, Config>> cases;
+  {
+    Config c = test::tiny_llama_config();
+    c.model.num_layers = 4;
+    MoeConfig& e = c.model.moe;
+    e.num_experts = 4;
+    e.router_topk = 2;
+    e.ffn_hidden_size = 20;
+    e.layer_freq = 1;
+    e.moe_layer = {1, 0, 1, 1};
+    e.shared_expert_intermediate_size = 12;
+    test::derive(c);
+    cases.emplace_back("swiglu experts, a shared expert", c);
+    c.model.mtp_num_layers = 1;  // (an MoE layer at the MTP depth too)
+    test::derive(c);
+    cases.emplace_back("with an MTP depth", c);
+  }
+  {
+    Config c = test::with_moe(test::tiny_gpt_config(), 3, 3, 1, 10, 1);
+    c.model.add_bias_linear = true;  // GeLU experts with linear biases
+    test::derive(c);
+    cases.emplace_back("gelu experts with biases", c);
+  }
+  for (const auto& [name, c] : cases) {
+    INFO(name);
+    Harness h(c, 4, [](ModelOptions& o) { o.expert_grad_sumsq = true; });
+    const Tensor slot = h.model->expert_grad_sumsq();
+    REQUIRE(slot.numel() == 1);
+    h.be->fill(slot, 1e3);  // (last step's sum: zeroed with the gradients)
+    const std::vector<double> g = h.analytic_grads();
+    double want = 0.0;
+    int fused = 0, expert_params = 0;
+    for (const ParamDesc& p : h.model->params()) {
+      expert_params += p.expert ? 1 : 0;
+      if (!h.model->sumsq_fused(p)) continue;
+      ++fused;
+      for (int64_t k = 0; k < p.numel(); ++k) want += g[static_cast<size_t>(p.offset + k)] * g[static_cast<size_t>(p.offset + k)];
+    }
+    int moe_layers = 0;
+    for (int l = 0; l < h.dims.num_layers + h.dims.mtp; ++l) moe_layers += h.dims.is_moe(l) ? 1 : 0;
+    CHECK(fused == 2 * moe_layers);
+    CHECK(expert_params == (c.model.add_bias_linear ? 2 : 1) * fused);  // (the experts' biases stay out)
+    REQUIRE(want > 0.0);
+    double got = 0.0;
+    h.be->copy_to_host(&got, slot);
+    CHECK(got == Approx(want).epsilon(1e-12));
+    // Without the option nothing is taken.
+    Harness plain(c, 4);
+    CHECK(plain.model->expert_grad_sumsq().empty());
+  }
+}

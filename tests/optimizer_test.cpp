@@ -335,3 +335,40 @@ TEST_CASE("optimizer: master weights as remainders give a separate float32 copy'
     }
   }
 }
+
+TEST_CASE("optimizer: the gradient norm takes the experts' squares their GEMMs summed, one micro-batch per step",
+          "[optimizer][moe]") {
+  // One micro-batch per step on one rank: model_chunk_specs turns ModelOptions::expert_grad_sumsq
+  // on, and the norm reads the routed experts' weight gradients from GptModel::expert_grad_sumsq()
+  // instead of the buffer (here they differ on purpose). Two micro-batches: from the buffer.
+  for (const bool two_micro_batches : {false, true}) {
+    INFO((two_micro_batches ? "two micro-batches" : "one micro-batch"));
+    Config c = test::with_moe(test::tiny_llama_config(), 3, 4, 2, 24, 1);
+    c.model.moe.shared_expert_intermediate_size = 16;
+    c.train.clip_grad = 1.0;
+    c.train.micro_batch_size = 1;
+    c.train.global_batch_size = two_micro_batches ? 2 : 1;
+    test::derive(c);
+    Setup s(c, true);
+    const Tensor slot = s.model->expert_grad_sumsq();
+    REQUIRE(slot.empty() == two_micro_batches);
+    LrSchedule schedule(LrSchedule::params_from_config(s.cfg));
+    LossScaler scaler = LossScaler::none();
+    Optimizer opt(s.cfg, *s.model, s.ps, schedule, scaler);
+    s.set_grads(0.5f);
+    int64_t fused = 0;
+    for (const ParamDesc& p : s.model->params()) fused += s.model->sumsq_fused(p) ? p.numel() : 0;
+    const float in_slot = 7.0f;
+    if (!slot.empty()) {
+      REQUIRE(fused > s.counted_elements(opt) / 2);  // (the experts: most of the parameters)
+      s.be->copy_from_host(slot, &in_slot);
+    } else {
+      REQUIRE(fused == 0);
+    }
+    const StepOutcome o = opt.step(1);
+    const double counted = static_cast<double>(s.counted_elements(opt));
+    const double want = two_micro_batches ? 0.5 * std::sqrt(counted)
+                                          : std::sqrt(0.25 * (counted - static_cast<double>(fused)) + in_slot);
+    CHECK(*o.grad_norm == Approx(want).epsilon(1e-6));
+  }
+}

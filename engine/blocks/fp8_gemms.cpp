@@ -267,9 +267,14 @@ void GptModel::expert_linear_bwd_input(int local, int which, Tensor dx, Tensor d
 void GptModel::expert_linear_bwd_weight(int local, int which, Tensor dw, Tensor dy, Tensor x,
                                         const ExpertOffsets& offsets) {
   if (!fp8_experts(local)) {
-    be_.grouped_linear_backward_weight(dw, dy, x, offsets, accumulate_weight_grad(dw));
+    // (ModelOptions::expert_grad_sumsq: the one write of the step, whose squares the norm takes.)
+    const bool accumulate = accumulate_weight_grad(dw);
+    MT_CHECK(expert_sumsq_.empty() || !accumulate, "the experts' weight gradient is added to while its sum of "
+             "squares is taken as it is written (ModelOptions::expert_grad_sumsq)");
+    be_.grouped_linear_backward_weight(dw, dy, x, offsets, accumulate, expert_sumsq_);
     return;
   }
+  MT_CHECK(expert_sumsq_.empty(), "FP8 experts with their sum of squares taken in the GEMM");
   fp8g_backward_weight(expert_gemm(which), local, dw, Tensor(), dy, x, offsets.host);
 }
 

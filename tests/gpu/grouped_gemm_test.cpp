@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "cuda/bench_choice.h"
@@ -40,7 +41,8 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
                         // more 128 x 256 tiles than an H200 has SMs (the TMA kernel's CTAs take several
                         // each), a 47-step reduction for the input gradient
                         {{600, 0, 700, 13}, 3000, 64}};
-  int tma_ops = 0;  // ops the TMA kernel took
+  int tma_ops = 0;    // ops the TMA kernel took
+  int sumsq_tma = 0;  // weight gradients whose squares it summed
   for (const Case& c : cases) {
     std::vector<int64_t> off{0};
     for (int64_t r : c.rows) off.push_back(off.back() + r);
@@ -120,6 +122,23 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
               }
             }
           CHECK(bad == 0);
+          if (!accumulate) {
+            // The gradient norm's share (Backend::grouped_linear_backward_weight's sumsq, summed in
+            // the TMA kernel's epilogue where it runs): += the squares of dw as written, the same
+            // bits again on a second run.
+            double want = 0.25;
+            for (const double v : got) want += v * v;
+            const Twin sq = twin(DType::f32, {1}, {0.25}), again = twin(DType::f32, {1}, {0.25});
+            Twin dw2 = twin_nan(DType::f32, {E * N, K});
+            dev().grouped_linear_backward_weight(dw2.c(), dyc, xc, off_c, false, sq.c());
+            dev().grouped_linear_backward_weight(dw2.c(), dyc, xc, off_c, false, again.c());
+            const double got_sq = download(dev(), sq.c())[0], again_sq = download(dev(), again.c())[0];
+            CHECK(got_sq == Approx(want).epsilon(2e-6));
+            CHECK(std::memcmp(&got_sq, &again_sq, sizeof(double)) == 0);
+            CHECK(download(dev(), dw2.c()) == got);  // (the same gradient with the squares taken)
+            if (path == Path::mma && dt != DType::f32 && Rp > 0)
+              sumsq_tma += cuda::grouped_tma_takes(cuda::GroupedOp::backward_weight, w.c(), dyc, xc, E);
+          }
         }
         if (dt != DType::f32 && Rp > 0 && c.rows[0] > 0) {
           // A 16-bit weight gradient (written, not accumulated): the kernels' 16-bit stores of it.
@@ -136,4 +155,5 @@ TEST_CASE("cuda grouped_linear_* (grouped batched GEMM) match the reference", "[
   cuda::bench_choice::grouped_gemm_path = cuda::bench_choice::GroupedGemmPath::automatic;
   cuda::bench_choice::grouped_register_epilogue = false;
   CHECK(tma_ops >= 48);
+  CHECK(sumsq_tma >= 8);
 }
