@@ -24,9 +24,10 @@
 //
 // With Args::sumsq (a weight gradient written, not accumulated: the gradient norm's share of the
 // experts, Backend::grouped_linear_backward_weight), each consumer thread also sums the squares of
-// its fragment as stored (float, per tile; tiles added in double), the warpgroup's sum goes to
-// sumsq[2 blockIdx.x + cw], and a one-warp kernel adds those in index order to the output: the same
-// bits from run to run (a CTA's tiles are fixed by the grid), not sum_squares' order. Elements past
+// its fragment as stored (in float: four chains per tile, then the thread's running sum, kept in
+// shared memory), the warpgroup's sum (in double) goes to sumsq[2 blockIdx.x + cw], and a one-warp
+// kernel adds those in index order to the output: the same bits from run to run (a CTA's tiles are
+// fixed by the grid), not sum_squares' order. Elements past
 // M, N or the expert's rows are zeros in the accumulators (zero operands), so they add nothing.
 //
 // Weight gradient (the reduction over each expert's rows): tiles go expert by expert, the n-tiles
@@ -310,15 +311,15 @@ __device__ __forceinline__ void store_fragment_tma(const CUtensorMap* map, unsig
 // float, in order.
 template <typename TC>
 [[maybe_unused]] __device__ __forceinline__ float sum_squares_as_stored(const float (&d)[128]) {
-  float s = 0.0f;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (four chains: the FMAs' latency overlaps)
 #pragma unroll
   for (int i = 0; i < 128; ++i) {
     float v = d[i];
     if constexpr (std::is_same_v<TC, __nv_bfloat16>) v = __bfloat162float(__float2bfloat16_rn(v));
     else if constexpr (std::is_same_v<TC, __half>) v = __half2float(__float2half_rn(v));
-    s = __fmaf_rn(v, v, s);
+    s[i % 4] = __fmaf_rn(v, v, s[i % 4]);
   }
-  return s;
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 // kOp: forward (A = x, B = w_e [N, K] reduction-contiguous), backward_input (A = dy, B = w_e
@@ -360,7 +361,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   int it = 0;  // the CTA's k-steps before the tile at hand (both consumers')
   unsigned char* const c_bufs = reinterpret_cast<unsigned char*>(smem + STAGES * (kAElems + kBElems)) + cw * 2 * kBoxBytes;
   int boxes = 0;  // this warpgroup's epilogue boxes so far
-  double sq = 0.0;  // Args::sumsq: this thread's sum of squares over its tiles
+  // Args::sumsq: this thread's sum of squares over its tiles, in shared memory (a register held
+  // across the main loop spills there).
+  __shared__ float thread_sq[kWeight ? 2 * 128 : 1];
+  float* const my_sq = &thread_sq[tid - 128];
+  if constexpr (kWeight) *my_sq = 0.0f;
   // Consumer cw computes rows [64 cw, 64 cw + 64) of every tile, all 256 columns.
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile x = tile_at<kWeight>(args, first_tile, t);
@@ -388,7 +393,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (x.nk > 0) mbar_arrive(&empty[(it - 1) % STAGES]);
     fence_registers(d);
     if constexpr (kWeight) {
-      if (args.sumsq != nullptr) sq += sum_squares_as_stored<TC>(d);
+      if (args.sumsq != nullptr) *my_sq += sum_squares_as_stored<TC>(d);
     }
     // The TMA epilogue: a weight gradient's boxes are clipped at its expert's M rows by the 3-D map;
     // a row-grouped fragment only when its 64 rows are all the expert's.
@@ -404,6 +409,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if constexpr (kWeight) {
     if (args.sumsq != nullptr) {
       __shared__ double warp_sq[8];
+      double sq = *my_sq;
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
       if ((tid & 31) == 0) warp_sq[cw * 4 + warp] = sq;

@@ -632,8 +632,8 @@ class Backend {
   // sumsq (optional, float32 [1] or the accumulation dtype's): += the sum of squares of dw as
   // stored (every expert's; without accumulate only), for the gradient norm (ModelOptions::
   // expert_grad_sumsq). The default adds sum_squares(dw) after the op; the CUDA backend's grouped
-  // GEMM sums the squares in its epilogue instead (float sums per tile, added in double in a fixed
-  // order: the same result run to run, not sum_squares' bits).
+  // GEMM sums the squares in its epilogue instead (float sums per thread, added in double in a
+  // fixed order: the same result run to run, not sum_squares' bits).
   virtual void grouped_linear_backward_weight(Tensor dw, Tensor dy, Tensor x, const ExpertOffsets& offsets,
                                               bool accumulate, Tensor sumsq = Tensor());
 
