@@ -55,6 +55,9 @@ megatron_curve_test(muon_llama 1 llama/tp1_dist --num-layers 4 ${curve_llama} --
 # Sinkhorn, pre-softmax, sigmoid with scaling, top-1 with the routing weight on the experts' input.
 megatron_curve_test(moe_ep2_drop 2 moe/dist ${curve_moe} --expert-model-parallel-size 2 --moe-expert-capacity-factor 0.5)
 megatron_curve_test(moe_pad 1 moe/dist ${curve_moe} --moe-expert-capacity-factor 0.5 --moe-pad-expert-input-to-capacity)
+# One micro-batch per step on one rank: the experts' squares from their weight-gradient GEMMs
+# (ModelOptions::expert_grad_sumsq) in the gradient norm.
+megatron_curve_test(moe_mb1 1 moe/dist ${curve_moe} --global-batch-size 2)
 megatron_curve_test(moe_sinkhorn 1 moe/dist ${curve_moe} --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0)
 megatron_curve_test(moe_presoftmax 1 moe/dist ${curve_moe} --moe-router-pre-softmax)
 megatron_curve_test(moe_sigmoid 1 moe/dist ${curve_moe} --moe-router-score-function sigmoid
