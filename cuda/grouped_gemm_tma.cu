@@ -27,8 +27,8 @@
 // its fragment as stored (in float: four chains per tile, then the thread's running sum, kept in
 // shared memory), the warpgroup's sum (in double) goes to sumsq[2 blockIdx.x + cw], and a one-warp
 // kernel adds those in index order to the output: the same bits from run to run (a CTA's tiles are
-// fixed by the grid), not sum_squares' order. Elements past
-// M, N or the expert's rows are zeros in the accumulators (zero operands), so they add nothing.
+// fixed by the grid), not sum_squares' order. Elements past M, N or the expert's rows are zeros in
+// the accumulators (zero operands), so they add nothing.
 //
 // Weight gradient (the reduction over each expert's rows): tiles go expert by expert, the n-tiles
 // of one m-tile next to each other (the expert's x stays in L2, each 128-column slab of dy is read
