@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n_blocks = (p.seq + BN - 1) / BN, m_blocks = (p.seq + BM - 1) / BM;
+  const uint32_t dropout_threshold = attention_dropout_threshold(p.dropout_p);
   const int n_block = gridDim.x - 1 - blockIdx.x;  // last key block first (see the file comment)
   const int bg = blockIdx.y, i = bg / p.groups, g = bg % p.groups;
   const int n0 = n_block * BN;
@@ -228,11 +229,22 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
                           (doc && m0 + col < p.seq && key < doc[m0 + col])))
           pr = 0.f;
         st[qt][e] = pr;
-        if constexpr (DROPOUT) {
-          const uint64_t index = attention_dropout_index(i, h, p.heads, p.seq, m0 + col, key);
-          if (!attention_dropout_keep(p.dropout_key, index, p.dropout_p)) keep_bits &= ~(1ull << (qt * 4 + e));
+      }
+    if constexpr (DROPOUT) {
+      // engine/attention_dropout.h: one draw holds this thread's 8 elements of a 16-query tile u
+      // (qt = 2u + t): keys key_row0 + lane/4 + 8 hi, queries m0 + 16u + 8t + 2 (lane % 4) + f,
+      // slot (hi * 2 + t) * 2 + f, element e = 2 hi + f.
+#pragma unroll
+      for (int u = 0; u < QT / 2; ++u) {
+        const Philox4 r = attention_dropout_words(
+            p.dropout_key, attention_dropout_draw(bh, p.seq, m0 + 16 * u + 2 * (lane % 4), key_row0 + lane / 4));
+#pragma unroll
+        for (int slot = 0; slot < 8; ++slot) {
+          const int hi = slot / 4, t = (slot / 2) % 2, f = slot % 2;
+          if (attention_dropout_bits(r, slot) < dropout_threshold) keep_bits &= ~(1ull << ((2 * u + t) * 4 + 2 * hi + f));
         }
       }
+    }
     // Dropout factor of element (qt, e): 1/(1-p) if kept, 0 if dropped.
     auto drop = [&](int qt, int e) -> float {
       if constexpr (DROPOUT) return (keep_bits >> (qt * 4 + e)) & 1 ? p.dropout_scale : 0.f;

@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
   Elem* sV = sK + 2 * BN * D;                // [2][BN][D]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const uint32_t dropout_threshold = attention_dropout_threshold(p.dropout_p);
   // Causal blocks near the end of the sequence have the most keys: start those first.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int bh = blockIdx.y, i = bh / p.heads, h = bh % p.heads;
@@ -166,17 +167,37 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
       }
 
     if constexpr (DROPOUT) {  // the sum above is pre-dropout; dropped probabilities just skip V
+      // engine/attention_dropout.h: this thread holds rows r = lane/4 and r + 8 (of parity f) of a
+      // 16-row tile against keys 8 hi + 2 (lane % 4) + e2 of each 16-key pair of tiles (nt = 2v + hi,
+      // e = 2t + e2). The draw of key column e2 holds both rows of both parities for both tiles, in
+      // slot (hi * 2 + t) * 2 + parity: this lane draws e2 = f, lane ^ 4 (parity 1 - f, the same
+      // keys) draws e2 = 1 - f, and each sends the other the halves of its parity.
+      const int f = (lane / 4) % 2;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int v = 0; v < NT / 2; ++v) {
+          const Philox4 r = attention_dropout_words(
+              p.dropout_key,
+              attention_dropout_draw(bh, p.seq, m0 + warp_row0 + mi * 16 + lane / 4, n0 + 16 * v + 2 * (lane % 4) + f));
+          uint32_t mine[4], theirs[4];  // 16-bit draws of this lane's parity: its own e2 = f, and e2 = 1 - f
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int q = m0 + warp_row0 + mi * 16 + lane / 4 + (e / 2) * 8;
-            const int k = n0 + nt * 8 + 2 * (lane % 4) + (e % 2);
-            const uint64_t index = attention_dropout_index(i, h, p.heads, p.seq, q, k);
-            if (!attention_dropout_keep(p.dropout_key, index, p.dropout_p)) s[mi][nt][e] = 0.f;
-          }
+          for (int w = 0; w < 4; ++w) mine[w] = (r.v[w] >> (16 * f)) & 0xffffu;
+          const uint32_t give0 = ((r.v[0] >> (16 * (1 - f))) & 0xffffu) | (r.v[1] >> (16 * (1 - f))) << 16;
+          const uint32_t give1 = ((r.v[2] >> (16 * (1 - f))) & 0xffffu) | (r.v[3] >> (16 * (1 - f))) << 16;
+          const uint32_t got0 = __shfl_xor_sync(0xffffffffu, give0, 4), got1 = __shfl_xor_sync(0xffffffffu, give1, 4);
+          theirs[0] = got0 & 0xffffu;
+          theirs[1] = got0 >> 16;
+          theirs[2] = got1 & 0xffffu;
+          theirs[3] = got1 >> 16;
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int w = hi * 2 + e / 2, e2 = e % 2;
+              if ((e2 == f ? mine[w] : theirs[w]) < dropout_threshold) s[mi][2 * v + hi][e] = 0.f;
+            }
+        }
     }
 
     // O += P V: the probabilities' C fragments become A fragments; V^T fragments via ldmatrix.trans.

@@ -68,8 +68,10 @@ struct Args {
   // Dropout factor of probability (i, h, q, k): 0 if dropped, 1/(1-p) if kept (engine/attention_dropout.h).
   __device__ float drop(int i, int h, int q, int k) const {
     if (dropout_p <= 0) return 1.0f;
-    const uint64_t index = attention_dropout_index(i, h, heads, seq, q, k);
-    return attention_dropout_keep(dropout_key, index, dropout_p) ? dropout_scale : 0.0f;
+    return attention_dropout_keep(dropout_key, static_cast<int64_t>(i) * heads + h, seq, q, k,
+                                  attention_dropout_threshold(dropout_p))
+               ? dropout_scale
+               : 0.0f;
   }
   __device__ bool visible(int i, int q, int k) const {
     return q < seq && k < seq && (!causal || k <= q) && (window < 0 || k >= q - window) &&

@@ -2,7 +2,9 @@
 // and not), GQA equivalence with replicated K/V, the dropout rule, and closed-form cases.
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "core/philox.h"
@@ -138,14 +140,47 @@ TEST_CASE("reference attention GQA equals MHA with replicated K/V", "[attention]
 }
 
 TEST_CASE("attention dropout keeps a 1-p fraction, keyed by element", "[attention]") {
+  // Every (query, key) of two heads of an odd-length sequence gets its own (draw, slot), eight
+  // elements to a draw; each slot keeps a 1-p fraction.
+  const int64_t seq = 301;
   const float p = 0.3f;
-  int kept = 0;
-  const int n = 100000;
-  for (int i = 0; i < n; ++i) kept += attention_dropout_keep(99, i, p);
-  CHECK(std::abs(kept / double(n) - (1 - p)) < 0.01);
-  CHECK(attention_dropout_keep(99, 5, 0.0f));  // p = 0 keeps everything (u is never 0)
-  // Index layout: ((i*heads + h)*seq + q)*seq + k.
-  CHECK(attention_dropout_index(1, 2, 3, 10, 4, 5) == ((1 * 3 + 2) * 10 + 4) * 10 + 5);
+  const uint32_t threshold = attention_dropout_threshold(p);
+  CHECK(threshold == 19661);  // round(0.3f * 65536)
+  CHECK(attention_dropout_threshold(0.1f) == 6554);
+  CHECK(attention_dropout_threshold(0.0f) == 0);
+  std::map<std::pair<uint64_t, int>, int> seen;
+  std::map<uint64_t, int> per_draw;
+  std::array<int64_t, 8> kept_in_slot{}, in_slot{};
+  int64_t kept = 0, n = 0;
+  for (int64_t bh = 0; bh < 2; ++bh)
+    for (int64_t q = 0; q < seq; ++q)
+      for (int64_t k = 0; k < seq; ++k) {
+        const uint64_t draw = attention_dropout_draw(bh, seq, q, k);
+        const int slot = attention_dropout_slot(q, k);
+        REQUIRE(slot >= 0);
+        REQUIRE(slot < 8);
+        ++seen[{draw, slot}];
+        ++per_draw[draw];
+        const bool keep = attention_dropout_keep(99, bh, seq, q, k, threshold);
+        CHECK(keep == (attention_dropout_bits(attention_dropout_words(99, draw), slot) >= threshold));
+        kept += keep;
+        ++n;
+        kept_in_slot[slot] += keep;
+        ++in_slot[slot];
+        CHECK(attention_dropout_keep(99, bh, seq, q, k, 0));  // p = 0 keeps everything
+      }
+  CHECK(seen.size() == static_cast<size_t>(n));  // no two elements share a (draw, slot)
+  int full = 0;
+  for (const auto& [draw, count] : per_draw) {
+    REQUIRE(count <= 8);
+    full += count == 8;
+  }
+  CHECK(full > static_cast<int>(per_draw.size()) * 9 / 10);  // eight to a draw away from the edges
+  CHECK(std::abs(kept / double(n) - (1 - p)) < 0.005);
+  for (int s = 0; s < 8; ++s) CHECK(std::abs(kept_in_slot[s] / double(in_slot[s]) - (1 - p)) < 0.01);
+  // The draw's place in the layout: query and key 16-blocks, then (q % 8) / 2 and k % 8.
+  CHECK(attention_dropout_draw(1, 40, 17, 35) == ((1 * 3 + 1) * 3 + 2) * 32 + 0 * 8 + 3);
+  CHECK(attention_dropout_slot(9, 12) == (1 * 2 + 1) * 2 + 1);
 
   // Dropout changes the output; the same key reproduces it.
   Buffers a(shape(1, 8, 2, 2, 4, true, 0.5f), 3), b(shape(1, 8, 2, 2, 4, true, 0.0f), 3);
@@ -223,7 +258,8 @@ TEST_CASE("reference attention with an explicit dropout mask", "[attention]") {
       for (int64_t q = 0; q < a.seq; ++q)
         for (int64_t k = 0; k < a.seq; ++k) {
           const size_t e = static_cast<size_t>(((i * a.heads + h) * a.seq + q) * a.seq + k);
-          rule[e] = attention_dropout_keep(a.dropout_key, attention_dropout_index(i, h, a.heads, a.seq, q, k), a.dropout_p);
+          rule[e] = attention_dropout_keep(a.dropout_key, i * a.heads + h, a.seq, q, k,
+                                           attention_dropout_threshold(a.dropout_p));
           other[e] = normal_at(55, e) > -0.5;  // about 69% kept, unrelated to the rule
         }
   Buffers plain(a, 3), masked(a, 3);
