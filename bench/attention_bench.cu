@@ -151,14 +151,14 @@ int run(int argc, char** argv) {
            cuda::attention_backward(dx, dout, o, l, x, a, AttentionBackend::flash, ws, bytes, nullptr);
          },
          cuda::attention_workspace_bytes(a, AttentionBackend::flash)});
-    if (configs && sh.dropout == 0) {
-      for (const auto& fc : cuda::flash::forward_configs(sh.d))
+    if (configs) {
+      for (const auto& fc : cuda::flash::forward_configs(sh.d, sh.dropout > 0))
         variants.push_back({"flash " + fc.name(),
                             [&, fc](Tensor o, Tensor l, Tensor x, void*, size_t) {
                               cuda::flash::forward(o, l, x, a, fc, nullptr);
                             },
                             nullptr, 0});
-      for (const auto& bc : cuda::flash::backward_configs(sh.d))
+      for (const auto& bc : cuda::flash::backward_configs(sh.d, sh.dropout > 0))
         variants.push_back({"flash " + bc.name(), nullptr,
                             [&, bc](Tensor dx, Tensor dout, Tensor o, Tensor l, Tensor x, void* ws, size_t bytes) {
                               cuda::flash::backward(dx, dout, o, l, x, a, bc, ws, bytes, nullptr);

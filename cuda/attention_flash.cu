@@ -29,12 +29,22 @@ BackwardConfig default_backward_config(int head_dim, bool dropout) {
   return BackwardConfig{64, 128};
 }
 
-std::vector<ForwardConfig> forward_configs(int head_dim) {
+std::vector<ForwardConfig> forward_configs(int head_dim, bool dropout) {
+  if (dropout) {
+    if (head_dim == 64) return {{128, 64, 8}, {128, 64, 4}};
+    if (head_dim == 128) return {{128, 64, 8}, {128, 128, 8}};
+    return {};
+  }
   if (head_dim == 64) return {{128, 64, 4}, {64, 64, 4}, {128, 64, 8}, {128, 128, 8}};
   if (head_dim == 128) return {{128, 128, 8}, {64, 64, 4}, {128, 32, 4}, {128, 64, 8}};
   return {};
 }
-std::vector<BackwardConfig> backward_configs(int head_dim) {
+std::vector<BackwardConfig> backward_configs(int head_dim, bool dropout) {
+  if (dropout) {
+    if (head_dim == 64) return {{64, 128}, {128, 128}, {64, 64}};
+    if (head_dim == 128) return {{64, 128}};
+    return {};
+  }
   if (head_dim == 64) return {{128, 128}, {64, 64}, {64, 128}, {64, 128, false}};
   if (head_dim == 128) return {{64, 128}, {32, 128}, {64, 64}, {64, 128, false}};
   return {};

@@ -31,9 +31,9 @@ bool supports_head_dim(int head_dim);
 ForwardConfig default_forward_config(int head_dim, bool dropout);
 BackwardConfig default_backward_config(int head_dim, bool dropout);
 // All compiled bf16 configurations (the defaults first; the backward's non-deterministic ones
-// last), for benchmarks and tests.
-std::vector<ForwardConfig> forward_configs(int head_dim);
-std::vector<BackwardConfig> backward_configs(int head_dim);
+// last), for benchmarks and tests; with dropout the ones compiled with it.
+std::vector<ForwardConfig> forward_configs(int head_dim, bool dropout = false);
+std::vector<BackwardConfig> backward_configs(int head_dim, bool dropout = false);
 
 // Validates shape, dtypes and alignment; fails with a message naming what is wrong.
 void check_shape(const AttentionShape& a, Tensor qkv, Tensor out, Tensor lse);

@@ -275,7 +275,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 }  // namespace
 
 // The compiled forward variants: (d, BM, BN, warps). bf16 without dropout has every config of
-// forward_configs(); fp16 and dropout only the defaults of each head dim.
+// forward_configs(); with dropout bf16 has forward_configs(d, true), fp16 only the defaults.
 template <typename Elem, bool DROPOUT>
 bool forward_dispatch(const Params& p, int d, const ForwardConfig& c, cudaStream_t stream) {
 #define MT_FLASH_FWD(D_, BM_, BN_, W_)                                      \
@@ -289,6 +289,10 @@ bool forward_dispatch(const Params& p, int d, const ForwardConfig& c, cudaStream
   }
   MT_FLASH_FWD(64, 128, 64, 8)
   MT_FLASH_FWD(128, 128, 64, 8)
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16> && DROPOUT) {
+    MT_FLASH_FWD(64, 128, 64, 4)
+    MT_FLASH_FWD(128, 128, 128, 8)
+  }
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && !DROPOUT) {
     MT_FLASH_FWD(64, 64, 64, 4)
     MT_FLASH_FWD(64, 128, 128, 8)

@@ -241,9 +241,9 @@ std::vector<Variant> variants_for(const Problem& p) {
                     size_t bytes) { cuda::generic::backward(dqkv, dout, out, lse, qkv, s, ws, bytes, nullptr); },
                  cuda::generic::backward_workspace_bytes(a)});
   }
-  if (p.all_configs && p.dtype == DType::bf16 && p.dropout == 0 && cuda::flash::supports_head_dim(p.d)) {
-    const auto fcs = cuda::flash::forward_configs(p.d);
-    const auto bcs = cuda::flash::backward_configs(p.d);
+  if (p.all_configs && p.dtype == DType::bf16 && cuda::flash::supports_head_dim(p.d)) {
+    const auto fcs = cuda::flash::forward_configs(p.d, p.dropout > 0);
+    const auto bcs = cuda::flash::backward_configs(p.d, p.dropout > 0);
     for (size_t k = 1; k < std::max(fcs.size(), bcs.size()); ++k) {
       const auto fc = fcs[std::min(k, fcs.size() - 1)];
       const auto bc = bcs[std::min(k, bcs.size() - 1)];
@@ -438,6 +438,8 @@ TEST_CASE("flash attention d=64 matches the reference", "[gpu][attention]") {
       {"d64 s=17 MQA dropout 0.1", 3, 17, 8, 1, 64, bf16, 0.1f},
       {"d64 s=100 GQA 32/8", 2, 100, 32, 8, 64, bf16, 0, true, 1, {}, {}, true},
       {"d64 s=100 GQA dropout 0.2", 2, 100, 32, 8, 64, bf16, 0.2f},
+      {"d64 s=301 GQA dropout 0.1, every config", 2, 301, 8, 2, 64, bf16, 0.1f, true, 1, {}, {}, true},
+      {"d64 fp16 s=77 dropout 0.1", 2, 77, 4, 4, 64, DType::f16, 0.1f},
       {"d64 s=100 not causal 4/2", 2, 100, 4, 2, 64, bf16, 0, false},
       {"d64 s=1000 12/12 std 3", 1, 1000, 12, 12, 64, bf16, 0, true, 3, {}, {}, true},
       {"d64 fp16 s=100 12/12", 2, 100, 12, 12, 64, DType::f16},
@@ -454,6 +456,7 @@ TEST_CASE("flash attention d=128 matches the reference", "[gpu][attention]") {
       {"d128 s=1 16/16", 2, 1, 16, 16, 128},
       {"d128 s=17 MQA 8/1", 3, 17, 8, 1, 128, bf16, 0, true, 1, {}, {}, true},
       {"d128 s=17 MQA dropout 0.1", 3, 17, 8, 1, 128, bf16, 0.1f},
+      {"d128 s=203 GQA dropout 0.15, every config", 2, 203, 4, 2, 128, bf16, 0.15f, true, 1, {}, {}, true},
       {"d128 s=100 GQA 32/8", 2, 100, 32, 8, 128},
       {"d128 s=1000 4/2", 2, 1000, 4, 2, 128, bf16, 0, true, 1, {}, {}, true},
       {"d128 fp16 s=129 16/16", 2, 129, 16, 16, 128, DType::f16},
