@@ -18,20 +18,21 @@ std::string BackwardConfig::name() const {
 
 bool supports_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-// Defaults from bench_attention on an H200 (bench/RESULTS.md). With dropout the per-element RNG
-// needs registers: one 16-row tile per warp then, and 64 queries per backward step.
+// Defaults from bench_attention (bench/RESULTS.md): on an H200 without dropout; with dropout at
+// d = 64 on an H100 (bench_attention --configs, 2026-12-07: the same tiles as without it, now that
+// one draw decides eight elements). With dropout at d = 128 one 16-row tile per warp.
 ForwardConfig default_forward_config(int head_dim, bool dropout) {
-  if (head_dim == 64) return dropout ? ForwardConfig{128, 64, 8} : ForwardConfig{128, 64, 4};
+  if (head_dim == 64) return ForwardConfig{128, 64, 4};
   return dropout ? ForwardConfig{128, 64, 8} : ForwardConfig{128, 128, 8};
 }
-BackwardConfig default_backward_config(int head_dim, bool dropout) {
-  if (head_dim == 64) return dropout ? BackwardConfig{64, 128} : BackwardConfig{128, 128};
+BackwardConfig default_backward_config(int head_dim, bool /*dropout: the same tiles*/) {
+  if (head_dim == 64) return BackwardConfig{128, 128};
   return BackwardConfig{64, 128};
 }
 
 std::vector<ForwardConfig> forward_configs(int head_dim, bool dropout) {
   if (dropout) {
-    if (head_dim == 64) return {{128, 64, 8}, {128, 64, 4}};
+    if (head_dim == 64) return {{128, 64, 4}, {128, 64, 8}};
     if (head_dim == 128) return {{128, 64, 8}, {128, 128, 8}};
     return {};
   }
@@ -41,7 +42,7 @@ std::vector<ForwardConfig> forward_configs(int head_dim, bool dropout) {
 }
 std::vector<BackwardConfig> backward_configs(int head_dim, bool dropout) {
   if (dropout) {
-    if (head_dim == 64) return {{64, 128}, {128, 128}, {64, 64}};
+    if (head_dim == 64) return {{128, 128}, {64, 128}, {64, 64}};
     if (head_dim == 128) return {{64, 128}};
     return {};
   }

@@ -467,9 +467,7 @@ bool backward_dispatch(const Params& p, int d, const BackwardConfig& c, cudaStre
   }
   MT_FLASH_BWD(64, 64, 128)
   MT_FLASH_BWD(128, 64, 128)
-  if constexpr (!DROPOUT || std::is_same_v<Elem, __nv_bfloat16>) {
-    MT_FLASH_BWD(64, 128, 128)
-  }
+  MT_FLASH_BWD(64, 128, 128)
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && DROPOUT) {
     MT_FLASH_BWD(64, 64, 64)
   }

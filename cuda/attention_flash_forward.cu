@@ -283,16 +283,12 @@ bool forward_dispatch(const Params& p, int d, const ForwardConfig& c, cudaStream
     launch_forward<Elem, D_, BM_, BN_, W_, DROPOUT>(p, stream);           \
     return true;                                                          \
   }
-  if constexpr (!DROPOUT) {
-    MT_FLASH_FWD(64, 128, 64, 4)
+  MT_FLASH_FWD(64, 128, 64, 4)
+  if constexpr (!DROPOUT || std::is_same_v<Elem, __nv_bfloat16>) {
     MT_FLASH_FWD(128, 128, 128, 8)
   }
   MT_FLASH_FWD(64, 128, 64, 8)
   MT_FLASH_FWD(128, 128, 64, 8)
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16> && DROPOUT) {
-    MT_FLASH_FWD(64, 128, 64, 4)
-    MT_FLASH_FWD(128, 128, 128, 8)
-  }
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && !DROPOUT) {
     MT_FLASH_FWD(64, 64, 64, 4)
     MT_FLASH_FWD(64, 128, 128, 8)
