@@ -118,17 +118,28 @@ __device__ __forceinline__ void glu_grad(const Glu& q, float gate, float up, flo
 }
 
 // Dropout (engine/dropout_mask.h): element `index` is kept iff dropout_keep(key, index, p), then
-// scaled by 1/(1-p). Returns the factor the element is multiplied by; p == 0 draws nothing.
-__device__ __forceinline__ float dropout_factor(uint64_t key, uint64_t index, float p, float keep_scale) {
-  if (p <= 0.0f) return 1.0f;
-  return dropout_keep(key, index, p) ? keep_scale : 0.0f;
-}
-// residual + dropout(v) as one explicit FMA: the fused bias-dropout-add + norm kernels and the
+// scaled by 1/(1-p); p == 0 draws nothing.
+// The factors of elements [base, base + n) with base % n == 0 and n dividing 8: they share one
+// draw (engine/dropout_mask.h), drawn here once; at(index) for an index of that range.
+struct DropoutGroup {
+  Philox4 r{};
+  uint32_t threshold = 0;
+  float keep_scale = 1.0f;
+  bool on = false;
+  __device__ __forceinline__ DropoutGroup(uint64_t key, uint64_t base, float p, float scale)
+      : threshold(dropout_threshold(p)), keep_scale(scale), on(p > 0.0f) {
+    if (on) r = dropout_words(key, base / 8);
+  }
+  __device__ __forceinline__ float at(uint64_t index) const {
+    if (!on) return 1.0f;
+    return dropout_bits(r, index) >= threshold ? keep_scale : 0.0f;
+  }
+};
+// residual + v * factor as one explicit FMA: the fused bias-dropout-add + norm kernels and the
 // separate bias_dropout_add must round the same way (the compiler may or may not contract
-// `r + v * factor` through the select in dropout_factor; bits then differed in ~1e-5 of elements).
-__device__ __forceinline__ float dropout_add(float residual, float v, uint64_t key, uint64_t index, float p,
-                                             float keep_scale) {
-  return __fmaf_rn(v, dropout_factor(key, index, p, keep_scale), residual);
+// `r + v * factor` through the select of the factor; bits then differed in ~1e-5 of elements).
+__device__ __forceinline__ float dropout_add(float residual, float v, float factor) {
+  return __fmaf_rn(v, factor, residual);
 }
 inline float dropout_keep_scale(float p) { return p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; }
 

@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n_blocks = (p.seq + BN - 1) / BN, m_blocks = (p.seq + BM - 1) / BM;
-  const uint32_t dropout_threshold = attention_dropout_threshold(p.dropout_p);
+  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
   const int n_block = gridDim.x - 1 - blockIdx.x;  // last key block first (see the file comment)
   const int bg = blockIdx.y, i = bg / p.groups, g = bg % p.groups;
   const int n0 = n_block * BN;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(BN / 16 * 32) backward_kernel(const Params p) 
 #pragma unroll
         for (int slot = 0; slot < 8; ++slot) {
           const int hi = slot / 4, t = (slot / 2) % 2, f = slot % 2;
-          if (attention_dropout_bits(r, slot) < dropout_threshold) keep_bits &= ~(1ull << ((2 * u + t) * 4 + 2 * hi + f));
+          if (dropout_bits(r, slot) < drop_threshold) keep_bits &= ~(1ull << ((2 * u + t) * 4 + 2 * hi + f));
         }
       }
     }

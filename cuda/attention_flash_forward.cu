@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
   Elem* sV = sK + 2 * BN * D;                // [2][BN][D]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const uint32_t dropout_threshold = attention_dropout_threshold(p.dropout_p);
+  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
   // Causal blocks near the end of the sequence have the most keys: start those first.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int bh = blockIdx.y, i = bh / p.heads, h = bh % p.heads;
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(NWARPS * 32) forward_kernel(const Params p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int w = hi * 2 + e / 2, e2 = e % 2;
-              if ((e2 == f ? mine[w] : theirs[w]) < dropout_threshold) s[mi][2 * v + hi][e] = 0.f;
+              if ((e2 == f ? mine[w] : theirs[w]) < drop_threshold) s[mi][2 * v + hi][e] = 0.f;
             }
         }
     }

@@ -69,7 +69,7 @@ struct Args {
   __device__ float drop(int i, int h, int q, int k) const {
     if (dropout_p <= 0) return 1.0f;
     return attention_dropout_keep(dropout_key, static_cast<int64_t>(i) * heads + h, seq, q, k,
-                                  attention_dropout_threshold(dropout_p))
+                                  dropout_threshold(dropout_p))
                ? dropout_scale
                : 0.0f;
   }

@@ -302,7 +302,9 @@ __global__ void bias_dropout_add_kernel(T* out, const T* x, const T* bias, const
     }
     const Floats<kN> r = ld<VEC>(residual, base, n);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) v.v[j] = dropout_add(r.v[j], v.v[j], key, base + j, p, keep_scale);
+    const DropoutGroup drop(key, base, p, keep_scale);  // (base % kN == 0, kN == 8: one draw)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) v.v[j] = dropout_add(r.v[j], v.v[j], drop.at(base + j));
     st<VEC>(out, base, n, v);
   }
 }
@@ -314,9 +316,10 @@ __global__ void dropout_backward_kernel(T* dx, const T* dout, int64_t n, float p
   float m = 0.0f;
   MT_FLAT_LOOP(n) {
     Floats<kN> v = ld<VEC>(dout, base, n);
+    const DropoutGroup drop(key, base, p, keep_scale);
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      v.v[j] *= dropout_factor(key, base + j, p, keep_scale);
+      v.v[j] *= drop.at(base + j);
       if (amax) m = fmaxf(m, stored_abs<T>(v.v[j]));  // (uniform branch: no amax, no rounding)
     }
     st<VEC>(dx, base, n, v);

@@ -125,10 +125,10 @@ __global__ void __launch_bounds__(kMaxTeam) norm_forward_kernel(NormForwardArgs<
           for (int j = 0; j < VEC; ++j) bv.v[j] += bb.v[j];
         }
         Floats<VEC> sv;
+        // (row_base + c is a multiple of VEC, which divides 8: one draw.)
+        const DropoutGroup drop(args.dropout_key, row_base + c, args.dropout_p, args.keep_scale);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          sv.v[j] = dropout_add(av.v[j], bv.v[j], args.dropout_key, row_base + c + j, args.dropout_p,
-                                args.keep_scale);
+        for (int j = 0; j < VEC; ++j) sv.v[j] = dropout_add(av.v[j], bv.v[j], drop.at(row_base + c + j));
         store_vec<VEC>(args.sum + row_base + c, sv);
         // Normalize the stored (rounded) sum, as a separate add followed by the norm would.
 #pragma unroll
@@ -592,12 +592,12 @@ __global__ void __launch_bounds__(256) norm_forward_rows16_kernel(NormForwardArg
           uint4 bb = make_uint4(0u, 0u, 0u, 0u);
           if (args.b_bias) bb = *reinterpret_cast<const uint4*>(args.b_bias + c);
           T* e = reinterpret_cast<T*>(&xw[it]);
+          const DropoutGroup drop(args.dropout_key, o, args.dropout_p, args.keep_scale);  // (o % 8 == 0)
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             float bv = word_elem<T>(cb[it], j);
             if (args.b_bias) bv += word_elem<T>(bb, j);
-            e[j] = from_float<T>(
-                dropout_add(word_elem<T>(ca[it], j), bv, args.dropout_key, o + j, args.dropout_p, args.keep_scale));
+            e[j] = from_float<T>(dropout_add(word_elem<T>(ca[it], j), bv, drop.at(o + j)));
           }
           *reinterpret_cast<uint4*>(args.sum + o) = xw[it];
         }

@@ -7,9 +7,10 @@
 //   draw    = ((bh * n16 + q / 16) * n16 + k / 16) * 32 + ((q % 8) / 2) * 8 + k % 8,  n16 = ceil(seq / 16)
 //   slot    = ((k % 16) / 8 * 2 + (q % 16) / 8) * 2 + q % 2                           (0..7)
 //   u       = 16-bit half (slot % 2) of word (slot / 2) of philox4x32(draw, kAttentionDropoutStream, key)
-// and the element is KEPT iff u >= threshold = round(p * 65536), so P(drop) = threshold / 65536 (p
-// to within 2^-17). Kept probabilities are scaled by 1 / (1 - p); dropped ones are 0. Dropout acts on
-// the softmax probabilities after normalization; the saved log-sum-exp is that of the undropped scores.
+// and the element is KEPT iff u >= threshold = round(p * 65536) (engine/dropout_mask.h's
+// dropout_threshold), so P(drop) = threshold / 65536 (p to within 2^-17). Kept probabilities are
+// scaled by 1 / (1 - p); dropped ones are 0. Dropout acts on the softmax probabilities after
+// normalization; the saved log-sum-exp is that of the undropped scores.
 //
 // Why this layout: a draw's eight elements are two queries apart by one (q % 2) and 8 (q % 16 / 8)
 // against two keys 8 apart (k % 16 / 8), which is what one thread holds of an mma.sync m16n8
@@ -23,6 +24,7 @@
 #include <cstdint>
 
 #include "core/philox.h"
+#include "engine/dropout_mask.h"
 
 namespace mt {
 
@@ -44,19 +46,11 @@ MT_HOST_DEVICE Philox4 attention_dropout_words(uint64_t dropout_key, uint64_t dr
   return philox4x32(draw, kAttentionDropoutStream, dropout_key);
 }
 
-// Slot s of a draw's words: 16 bits.
-MT_HOST_DEVICE uint32_t attention_dropout_bits(const Philox4& r, int slot) {
-  return (r.v[slot / 2] >> (16 * (slot % 2))) & 0xffffu;
-}
-
-// round(p * 65536) (p * 65536 is exact in float32, so host and device agree); p in [0, 1).
-MT_HOST_DEVICE uint32_t attention_dropout_threshold(float p) { return static_cast<uint32_t>(p * 65536.0f + 0.5f); }
-
 // One element on its own (one draw: the reference backend and the generic CUDA kernels).
 MT_HOST_DEVICE bool attention_dropout_keep(uint64_t dropout_key, int64_t bh, int64_t seq, int64_t q, int64_t k,
                                            uint32_t threshold) {
   const Philox4 r = attention_dropout_words(dropout_key, attention_dropout_draw(bh, seq, q, k));
-  return attention_dropout_bits(r, attention_dropout_slot(q, k)) >= threshold;
+  return dropout_bits(r, attention_dropout_slot(q, k)) >= threshold;
 }
 
 }  // namespace mt

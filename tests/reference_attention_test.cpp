@@ -144,10 +144,10 @@ TEST_CASE("attention dropout keeps a 1-p fraction, keyed by element", "[attentio
   // elements to a draw; each slot keeps a 1-p fraction.
   const int64_t seq = 301;
   const float p = 0.3f;
-  const uint32_t threshold = attention_dropout_threshold(p);
+  const uint32_t threshold = dropout_threshold(p);
   CHECK(threshold == 19661);  // round(0.3f * 65536)
-  CHECK(attention_dropout_threshold(0.1f) == 6554);
-  CHECK(attention_dropout_threshold(0.0f) == 0);
+  CHECK(dropout_threshold(0.1f) == 6554);
+  CHECK(dropout_threshold(0.0f) == 0);
   std::map<std::pair<uint64_t, int>, int> seen;
   std::map<uint64_t, int> per_draw;
   std::array<int64_t, 8> kept_in_slot{}, in_slot{};
@@ -162,7 +162,7 @@ TEST_CASE("attention dropout keeps a 1-p fraction, keyed by element", "[attentio
         ++seen[{draw, slot}];
         ++per_draw[draw];
         const bool keep = attention_dropout_keep(99, bh, seq, q, k, threshold);
-        CHECK(keep == (attention_dropout_bits(attention_dropout_words(99, draw), slot) >= threshold));
+        CHECK(keep == (dropout_bits(attention_dropout_words(99, draw), slot) >= threshold));
         kept += keep;
         ++n;
         kept_in_slot[slot] += keep;
@@ -259,7 +259,7 @@ TEST_CASE("reference attention with an explicit dropout mask", "[attention]") {
         for (int64_t k = 0; k < a.seq; ++k) {
           const size_t e = static_cast<size_t>(((i * a.heads + h) * a.seq + q) * a.seq + k);
           rule[e] = attention_dropout_keep(a.dropout_key, i * a.heads + h, a.seq, q, k,
-                                           attention_dropout_threshold(a.dropout_p));
+                                           dropout_threshold(a.dropout_p));
           other[e] = normal_at(55, e) > -0.5;  // about 69% kept, unrelated to the rule
         }
   Buffers plain(a, 3), masked(a, 3);

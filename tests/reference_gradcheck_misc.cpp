@@ -1,4 +1,6 @@
 // Float64 gradient checks: embeddings, rotary embeddings, dropout, vocab-parallel cross-entropy.
+#include <array>
+
 #include "engine/backend.h"
 #include "engine/dropout_mask.h"
 #include "tests/gradcheck.h"
@@ -155,6 +157,37 @@ TEST_CASE("reference bias_dropout_add and dropout_backward", "[reference][gradch
   out.d = res.d;
   be->bias_dropout_add(out.t(), x.t(), Tensor(), out.t(), 0.0f, key);
   for (int64_t i = 0; i < R * C; ++i) REQUIRE(out.d[i] == res.d[i] + x.d[i]);
+}
+
+// engine/dropout_mask.h: one draw decides eight consecutive elements, 16 bits each.
+TEST_CASE("dropout: a draw decides eight elements, each slot keeps a 1-p fraction", "[reference][dropout]") {
+  const uint64_t key = 1234;
+  const float p = 0.1f;
+  CHECK(dropout_threshold(p) == 6554);  // round(0.1f * 65536)
+  const int64_t n = 8 * 40000;
+  std::array<int64_t, 8> kept{};
+  int64_t total = 0, same_as_first = 0;
+  for (int64_t g = 0; g < n / 8; ++g) {
+    const Philox4 r = dropout_words(key, static_cast<uint64_t>(g));
+    for (int s = 0; s < 8; ++s) {
+      const uint64_t i = static_cast<uint64_t>(g * 8 + s);
+      const bool keep = dropout_keep(key, i, p);
+      REQUIRE(keep == (dropout_bits(r, i) >= dropout_threshold(p)));
+      kept[s] += keep;
+      total += keep;
+      if (s > 0) same_as_first += keep == dropout_keep(key, static_cast<uint64_t>(g * 8), p);
+    }
+    REQUIRE(dropout_keep(key, static_cast<uint64_t>(g * 8), 0.0f));  // p = 0 keeps everything
+  }
+  CHECK(std::abs(total / double(n) - (1 - p)) < 0.003);
+  for (int s = 0; s < 8; ++s) CHECK(std::abs(kept[s] / double(n / 8) - (1 - p)) < 0.01);
+  // The slots of a draw are independent: two of them agree as often as two coin flips of 1-p would.
+  const double agree = (1 - p) * (1 - p) + p * p;
+  CHECK(std::abs(same_as_first / double(n / 8 * 7) - agree) < 0.01);
+  // Another key draws another mask.
+  int64_t differ = 0;
+  for (int64_t i = 0; i < 10000; ++i) differ += dropout_keep(key, i, p) != dropout_keep(key + 1, i, p);
+  CHECK(differ > 1000);
 }
 
 TEST_CASE("reference vocab-parallel cross-entropy gradients over two shards", "[reference][gradcheck]") {

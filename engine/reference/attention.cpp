@@ -148,7 +148,7 @@ void pair_grad(const T* q, const T* k, const T* v, const T* dout, double scale, 
 // (q, k global positions): 0 if dropped, 1/(1-p) if kept.
 double dropout_factor(const AttentionShape& a, int64_t seq, int64_t i, int64_t h, int64_t q, int64_t k) {
   if (a.dropout_p == 0) return 1.0;
-  return attention_dropout_keep(a.dropout_key, i * a.heads + h, seq, q, k, attention_dropout_threshold(a.dropout_p))
+  return attention_dropout_keep(a.dropout_key, i * a.heads + h, seq, q, k, dropout_threshold(a.dropout_p))
              ? 1.0 / (1.0 - a.dropout_p)
              : 0.0;
 }
