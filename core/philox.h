@@ -63,7 +63,8 @@ MT_HOST_DEVICE float normal_at(uint64_t key, uint64_t index) {
   return static_cast<float>(::sqrt(-2.0 * ::log(u1)) * ::cos(6.283185307179586 * u2));
 }
 
-// Uniform float in (0, 1] for element `index` of stream `key` (dropout decisions).
+// Uniform float in (0, 1] for element `index` of stream `key` (uniform init, the MoE router's jitter;
+// dropout draws 16 bits per element instead, engine/dropout_mask.h).
 MT_HOST_DEVICE float uniform_at(uint64_t key, uint64_t index) {
   const Philox4 r = philox4x32(index, 0x756e69666f726dULL /* "uniform" */, key);
   return uniform_from_bits(r.v[0]);

@@ -301,7 +301,6 @@ __global__ void bias_dropout_add_kernel(T* out, const T* x, const T* bias, const
       }
     }
     const Floats<kN> r = ld<VEC>(residual, base, n);
-#pragma unroll
     const DropoutGroup drop(key, base, p, keep_scale);  // (base % kN == 0, kN == 8: one draw)
 #pragma unroll
     for (int j = 0; j < kN; ++j) v.v[j] = dropout_add(r.v[j], v.v[j], drop.at(base + j));
