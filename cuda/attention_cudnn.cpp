@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -796,7 +797,14 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
   plans->error = unsupported_reason(a, dtype);
   if (plans->error.empty()) {
     try {
+      const auto t0 = std::chrono::steady_clock::now();
       build_candidates(handle_for(device), a, dtype, *plans);
+      if (a.doc_count > 0)  // a micro-batch's bucket, built as it first occurs
+        log::info("cuDNN attention plans (b={} s={}, documents as {} entries of up to {}): {} forward / {} backward "
+                  "candidates built in {:.2f} s",
+                  a.batch, a.seq, plans->docs.entries, plans->docs.seq, plans->forward.candidates.size(),
+                  plans->backward.candidates.size(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     } catch (const CudnnFailure& e) {
       plans->forward = Pass{};
       plans->backward = Pass{};
@@ -827,7 +835,12 @@ cudnnHandle_t current_handle() {
 }
 
 std::string shape_label(const AttentionShape& a) {
-  return fmt::format("b={} s={} heads={}/{} d={}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
+  std::string docs;
+  if (a.documents) {
+    const DocBucket bucket = bucket_of(a);
+    docs = fmt::format(", documents as {} entries of up to {}", bucket.entries, bucket.seq);
+  }
+  return fmt::format("b={} s={} heads={}/{} d={}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, docs);
 }
 
 // The pass's chosen candidate; on the first call of a shape (unless the choice is fixed) every
