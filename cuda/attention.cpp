@@ -3,8 +3,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
-
 #include "cuda/attention_cudnn.h"
 #include "cuda/attention_flash.h"
 #include "cuda/attention_generic.h"
@@ -53,29 +51,16 @@ AttentionBackend resolve_attention_backend(const AttentionShape& a, AttentionBac
   throw Unsupported("unknown --attention-backend");
 }
 
-// Our kernels' workspace (the tensor-core ones where compiled, else the generic ones).
-static size_t flash_workspace_bytes(const AttentionShape& a, DType dtype) {
-  if (use_mma_kernels(a, dtype)) return flash::backward_workspace_bytes(a);
-  if (!generic::supports_head_dim(a.head_dim))
-    throw Unsupported(fmt::format("attention supports head dims 1 to {}, not {} (--kv-channels)", generic::kMaxHeadDim,
-                                  a.head_dim));
-  return generic::backward_workspace_bytes(a);
-}
-
-// cuDNN with packed documents runs a micro-batch whose ragged batch would not fit the planned
-// workspace on our kernels (cudnn_attention::documents_fit): the same choice in both passes.
-static bool runs_fused(const AttentionShape& a, AttentionBackend backend, DType dtype) {
-  return resolve_attention_backend(a, backend, dtype) == AttentionBackend::fused &&
-         cudnn_attention::documents_fit(a, dtype);
-}
-
 size_t attention_workspace_bytes(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   switch (resolve_attention_backend(a, backend, dtype)) {
     case AttentionBackend::fused:
-      if (a.documents) return std::max(cudnn_attention::workspace_bytes(a, dtype), flash_workspace_bytes(a, dtype));
       return cudnn_attention::workspace_bytes(a, dtype);
     default:
-      return flash_workspace_bytes(a, dtype);
+      if (use_mma_kernels(a, dtype)) return flash::backward_workspace_bytes(a);
+      if (!generic::supports_head_dim(a.head_dim))
+        throw Unsupported(fmt::format("attention supports head dims 1 to {}, not {} (--kv-channels)",
+                                      generic::kMaxHeadDim, a.head_dim));
+      return generic::backward_workspace_bytes(a);
   }
 }
 
@@ -93,7 +78,8 @@ std::string window_text(const AttentionShape& a) {
 
 std::string describe_attention(const AttentionShape& a, AttentionBackend backend, DType dtype) {
   if (resolve_attention_backend(a, backend, dtype) == AttentionBackend::fused) return cudnn_attention::describe(a, dtype);
-  const std::string documents = a.documents ? ", packed documents (--reset-attention-mask)" : "";
+  const std::string documents =
+      a.documents ? ", packed documents (--reset-attention-mask; cuDNN's fused attention takes none here)" : "";
   if (use_mma_kernels(a, dtype))
     return fmt::format("flash: our tensor-core kernels (d={}, {}{}{}), deterministic backward", a.head_dim,
                        dtype_name(dtype), window_text(a), documents);
@@ -103,7 +89,7 @@ std::string describe_attention(const AttentionShape& a, AttentionBackend backend
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, AttentionBackend backend,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (runs_fused(a, backend, qkv.dtype))
+  if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
     cudnn_attention::forward(out, lse, qkv, a, workspace, workspace_bytes, stream);
   else if (use_mma_kernels(a, qkv.dtype))
     flash::forward(out, lse, qkv, a, flash::default_forward_config(a.head_dim, a.dropout_p > 0), stream);
@@ -113,7 +99,7 @@ void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape&
 
 void attention_backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
                         AttentionBackend backend, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (runs_fused(a, backend, qkv.dtype))
+  if (resolve_attention_backend(a, backend, qkv.dtype) == AttentionBackend::fused)
     cudnn_attention::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);
   else if (!use_mma_kernels(a, qkv.dtype))
     generic::backward(dqkv, dout, out, lse, qkv, a, workspace, workspace_bytes, stream);

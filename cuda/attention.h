@@ -4,9 +4,8 @@
 //          (cuda/attention_flash*.cu) for head dims 64 and 128 in bf16/fp16, the generic CUDA-core
 //          ones (cuda/attention_generic.cu) for float32 and every other head dim up to 256.
 //   fused  cuDNN's fused attention (cuda/attention_cudnn.cpp): bf16/fp16, MHA and GQA, sliding
-//          windows, dropout with cuDNN's own mask (not the reference backend's draws), packed
-//          documents as a ragged batch (a micro-batch whose batch would outgrow the planned
-//          workspace runs on the flash kernels instead, in both passes).
+//          windows, dropout with cuDNN's own mask (not the reference backend's draws); no packed
+//          documents.
 //   auto   per head dim, whichever bench_attention measured faster (flash where fused cannot).
 //   unfused, local: refused (megatrain has no materialized-scores attention).
 #pragma once

@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -13,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -75,9 +73,6 @@ class Descriptor {
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kDeltaScale, kdO, kdQ, kdK, kdV, kSoftmaxSum, kdQAccum, kWindowBound,
   kWindowNegInf, kSeed, kOffset, kDropoutScale,
-  // Packed documents as a ragged batch: each entry's length, and the element offsets of its first
-  // row in the qkv / dqkv, out / dout / dQ accumulator, and lse / delta layouts.
-  kSeqLenQ, kSeqLenKV, kRaggedQkv, kRaggedOut, kRaggedStats, kPaddingNegInf,
   kFirstVirtual = 100
 };
 
@@ -86,16 +81,11 @@ struct TensorRef {
   std::vector<int64_t> dims, strides;
 };
 
-// A matmul's per-batch-entry M / N / K (cuDNN's GEMM override tensors): the documents' lengths.
-struct Overrides {
-  const TensorRef *m = nullptr, *n = nullptr, *k = nullptr;
-};
-
 // Builds an operation graph from tensors and operations, keeping every descriptor alive.
 class GraphBuilder {
  public:
   TensorRef tensor(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type, bool is_virtual,
-                   int64_t uid = 0, bool by_value = false, const TensorRef* ragged = nullptr) {
+                   int64_t uid = 0, bool by_value = false) {
     auto& d = own(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     if (uid == 0) uid = next_virtual_++;
     const int64_t alignment = 16;
@@ -106,14 +96,11 @@ class GraphBuilder {
         .set1(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, alignment);
     if (is_virtual) d.set1(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, true);
     if (by_value) d.set1(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, true);
-    if (ragged) d.set_desc(CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, *ragged->desc);
     d.finalize(fmt::format("tensor {}", uid));
     return {&d, std::move(dims), std::move(strides)};
   }
-  // A tensor bound at execution; `ragged` (packed documents): its entries start at the offsets it holds.
-  TensorRef bound(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type, int64_t uid,
-                  const TensorRef* ragged = nullptr) {
-    return tensor(std::move(dims), std::move(strides), type, false, uid, false, ragged);
+  TensorRef bound(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type, int64_t uid) {
+    return tensor(std::move(dims), std::move(strides), type, false, uid);
   }
   TensorRef scalar(int64_t uid) { return tensor({1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, false, uid, true); }
   TensorRef virt(std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type = CUDNN_DATA_FLOAT) {
@@ -167,7 +154,7 @@ class GraphBuilder {
     op.finalize("reduction operation");
     ops_.push_back(&op);
   }
-  void matmul(const TensorRef& a, const TensorRef& b, const TensorRef& c, const Overrides& sizes = {}) {
+  void matmul(const TensorRef& a, const TensorRef& b, const TensorRef& c) {
     auto& mm = own(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     mm.set1(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, CUDNN_DATA_FLOAT);
     mm.finalize("matmul descriptor");
@@ -176,15 +163,11 @@ class GraphBuilder {
         .set_desc(CUDNN_ATTR_OPERATION_MATMUL_BDESC, *b.desc)
         .set_desc(CUDNN_ATTR_OPERATION_MATMUL_CDESC, *c.desc)
         .set_desc(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm);
-    if (sizes.m) op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, *sizes.m->desc);
-    if (sizes.n) op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, *sizes.n->desc);
-    if (sizes.k) op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, *sizes.k->desc);
     op.finalize("matmul operation");
     ops_.push_back(&op);
   }
-  TensorRef reshape(const TensorRef& x, std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type,
-                    const TensorRef* ragged = nullptr) {
-    TensorRef y = tensor(std::move(dims), std::move(strides), type, true, 0, false, ragged);
+  TensorRef reshape(const TensorRef& x, std::vector<int64_t> dims, std::vector<int64_t> strides, cudnnDataType_t type) {
+    TensorRef y = virt(std::move(dims), std::move(strides), type);
     auto& op = own(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
     op.set_desc(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, *x.desc).set_desc(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, *y.desc);
     op.finalize("reshape operation");
@@ -198,21 +181,6 @@ class GraphBuilder {
     const TensorRef col = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
                                     CUDNN_DATA_FLOAT, 3);
     const TensorRef keep = pointwise(CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
-    return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
-  }
-  // Packed documents: scores of a row or column past the entry's length become -inf (the padding
-  // mask of cudnn-frontend's SDPA graphs, which with ragged offsets makes each document its own
-  // batch entry).
-  TensorRef padding_mask(const TensorRef& scores, const TensorRef& seq_q, const TensorRef& seq_kv,
-                         const TensorRef& neg_inf) {
-    const TensorRef row = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
-                                    CUDNN_DATA_INT32, 2);
-    const TensorRef col = pointwise(CUDNN_POINTWISE_GEN_INDEX, scores, nullptr, nullptr, CUDNN_DATA_INT32,
-                                    CUDNN_DATA_INT32, 3);
-    const TensorRef row_in = pointwise(CUDNN_POINTWISE_CMP_LT, row, &seq_q, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
-    const TensorRef col_in = pointwise(CUDNN_POINTWISE_CMP_LT, col, &seq_kv, nullptr, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN);
-    const TensorRef keep = pointwise(CUDNN_POINTWISE_LOGICAL_AND, row_in, &col_in, nullptr, CUDNN_DATA_BOOLEAN,
-                                     CUDNN_DATA_BOOLEAN);
     return pointwise(CUDNN_POINTWISE_BINARY_SELECT, scores, &neg_inf, &keep);
   }
   // Sliding window, after the causal mask: scores of key + bound <= query become -inf, so a query
@@ -382,12 +350,6 @@ const char* layout_name(KvLayout l) {
 // query heads, dK and dV sums over them (reductions in the backward graph). The broadcast layout
 // gives every query head its own K/V head (a zero stride over the packed K/V), and dK/dV per query
 // head in the output's layout.
-//
-// Packed documents (a ragged batch): every document of every sample, times the KV groups with GQA,
-// is one batch entry (`entries` of them, padded with empty ones), `seq` long at most; the entries'
-// first rows come from the ragged offsets (DocumentIndex), so the batch strides are not used, and
-// each entry's rows are its document's rows, the sample's stride apart as before. lse keeps its
-// [b, heads, s] layout: a head's rows a.seq apart.
 struct Dims {
   int64_t b, hq, hk, s, d;   // b: batch as cuDNN sees it; hq/hk: query / KV heads
   int64_t bstride;           // qkv elements between batch entries
@@ -397,9 +359,7 @@ struct Dims {
   int64_t out_b, out_seq;    // out strides of batch entries and positions (heads: d)
   int64_t kv_b, kv_h, kv_seq;   // strides of the K/V that cuDNN reads
   bool per_head_kv;          // broadcast GQA: dK/dV per query head, in the out layout
-  int64_t s_rows;            // lse's stride between heads: the sequence's real length
-  Dims(const AttentionShape& a, KvLayout layout, int64_t entries = 0, int64_t seq = 0)
-      : s(entries > 0 ? seq : a.seq), d(a.head_dim), s_rows(a.seq) {
+  Dims(const AttentionShape& a, KvLayout layout) : s(a.seq), d(a.head_dim) {
     const int64_t rs = a.qkv_row_stride(), hpg = a.heads / a.groups;
     seq_stride = a.batch * rs;
     out_seq = static_cast<int64_t>(a.batch) * a.heads * d;
@@ -415,7 +375,6 @@ struct Dims {
     kv_b = bstride, kv_h = hstride, kv_seq = seq_stride;
     per_head_kv = layout == KvLayout::broadcast && a.heads != a.groups;
     if (per_head_kv) hk = hq, kv_h = 0;
-    if (entries > 0) b = entries;
   }
   bool gqa() const { return hq != hk; }
   std::vector<int64_t> bhsd() const { return {b, hq, s, d}; }
@@ -428,8 +387,7 @@ struct Dims {
   std::vector<int64_t> kv_t_strides() const { return {kv_b, kv_h, 1, kv_seq}; }            // [b, hk, d, s]
   std::vector<int64_t> dkv_strides() const { return per_head_kv ? out_strides() : kv_strides(); }
   std::vector<int64_t> out_strides() const { return {out_b, d, out_seq, 1}; }                // [b, hq, s, d]
-  std::vector<int64_t> stats_strides() const { return {hq * s_rows, s_rows, 1, 1}; }        // [b, hq, s, 1]: lse
-  std::vector<int64_t> rows_strides() const { return {hq * s, s, 1, 1}; }                   // the graph's own
+  std::vector<int64_t> stats_strides() const { return {hq * s, s, 1, 1}; }                  // [b, hq, s, 1]
   std::vector<int64_t> scores_strides() const { return {hq * s * s, s * s, s, 1}; }         // [b, hq, s, s]
   std::vector<int64_t> scores_t_strides() const { return {hq * s * s, s * s, 1, s}; }
   std::vector<int64_t> packed_bhsd() const { return {hq * s * d, s * d, d, 1}; }
@@ -437,67 +395,27 @@ struct Dims {
 
 cudnnDataType_t io_type(DType t) { return t == DType::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
 
-// Packed documents as a ragged batch (Dims): `entries` batch entries of at most `seq` rows.
-struct DocBucket {
-  int64_t entries = 0, seq = 0;
-  bool operator<(const DocBucket& o) const { return std::tie(entries, seq) < std::tie(o.entries, o.seq); }
-};
-
-// The ragged batch's tensors of one graph: each entry's length (both matmul sides) and the three
-// offset arrays (int64 [entries + 1]).
-struct Ragged {
-  TensorRef seq_q, seq_kv, qkv, out, stats;
-  Overrides qk, pv, dv, dk, dq;  // Q K^T and dO V^T; P V; P^T dO; dS^T Q; dS K
-  const TensorRef *r_qkv = nullptr, *r_out = nullptr, *r_stats = nullptr;  // null without documents
-};
-
-void ragged_tensors(GraphBuilder& g, const DocBucket* docs, Ragged& r) {
-  if (!docs) return;
-  const std::vector<int64_t> lens = {docs->entries, 1, 1, 1}, offs = {docs->entries + 1, 1, 1, 1}, one = {1, 1, 1, 1};
-  r.seq_q = g.bound(lens, one, CUDNN_DATA_INT32, kSeqLenQ);
-  r.seq_kv = g.bound(lens, one, CUDNN_DATA_INT32, kSeqLenKV);
-  r.qkv = g.bound(offs, one, CUDNN_DATA_INT64, kRaggedQkv);
-  r.out = g.bound(offs, one, CUDNN_DATA_INT64, kRaggedOut);
-  r.stats = g.bound(offs, one, CUDNN_DATA_INT64, kRaggedStats);
-  r.r_qkv = &r.qkv, r.r_out = &r.out, r.r_stats = &r.stats;
-  r.qk = {&r.seq_q, &r.seq_kv, nullptr};
-  r.pv = {&r.seq_q, nullptr, &r.seq_kv};
-  r.dv = {&r.seq_kv, nullptr, &r.seq_q};
-  r.dk = {&r.seq_kv, nullptr, &r.seq_q};
-  r.dq = {&r.seq_q, nullptr, &r.seq_kv};
-}
-
-// Scores -> scaled, masked (documents' padding; minus the stats in the backward; causal, window).
-TensorRef scaled_masked(GraphBuilder& g, const TensorRef& scores, const TensorRef& scale, const AttentionShape& a,
-                        const Ragged& r, const TensorRef* stats = nullptr) {
-  TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
-  if (r.r_qkv) x = g.padding_mask(x, r.seq_q, r.seq_kv, g.scalar(kPaddingNegInf));
-  if (stats) x = g.pointwise(CUDNN_POINTWISE_SUB, x, stats);
-  return g.masks(x, a);
-}
-
-std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, KvLayout layout,
-                                      const DocBucket* docs) {
-  const Dims n = docs ? Dims(a, layout, docs->entries, docs->seq) : Dims(a, layout);
+std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, KvLayout layout) {
+  const Dims n(a, layout);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
-  Ragged r;
-  ragged_tensors(g, docs, r);
-  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ, r.r_qkv);
-  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK, r.r_qkv);
-  const TensorRef v = g.bound(n.kv_bhsd(), n.kv_strides(), io, kV, r.r_qkv);
+  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK);
+  const TensorRef v = g.bound(n.kv_bhsd(), n.kv_strides(), io, kV);
+  const TensorRef scale = g.scalar(kScale);
   const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
-  g.matmul(q, kt, scores, r.qk);
-  const TensorRef x = scaled_masked(g, scores, g.scalar(kScale), a, r);
+  g.matmul(q, kt, scores);
+  TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
+  x = g.masks(x, a);
   // Softmax with statistics: stats = max + log(sum(exp(x - max))), P = exp(x - max) / sum.
-  const TensorRef row_max = g.virt(n.bhs1(), n.rows_strides());
+  const TensorRef row_max = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_MAX, x, row_max);
   const TensorRef shifted = g.pointwise(CUDNN_POINTWISE_SUB, x, &row_max);
   const TensorRef e = g.pointwise(CUDNN_POINTWISE_EXP, shifted);
-  const TensorRef row_sum = g.virt(n.bhs1(), n.rows_strides());
+  const TensorRef row_sum = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
   const TensorRef log_sum = g.pointwise(CUDNN_POINTWISE_LOG, row_sum);
-  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats, r.r_stats);
+  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
   g.pointwise_into(CUDNN_POINTWISE_ADD, row_max, &log_sum, nullptr, stats);
   TensorRef p;
   if (a.dropout_p > 0) {  // P * keep * 1/(1-p), as cudnn-frontend's SDPA forward with dropout
@@ -509,30 +427,27 @@ std::vector<EnginePlan> build_forward(cudnnHandle_t handle, const AttentionShape
   } else {
     p = g.pointwise(CUDNN_POINTWISE_DIV, e, &row_sum, nullptr, io);
   }
-  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO, r.r_out);
-  g.matmul(p, v, o, r.pv);
-  return build_plans(handle, g, fmt::format("attention forward ({}{})", layout_name(layout), docs ? ", documents" : ""));
+  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
+  g.matmul(p, v, o);
+  return build_plans(handle, g, fmt::format("attention forward ({})", layout_name(layout)));
 }
 
 // deterministic_dq: dQ straight from dS K (what cudnn-frontend builds for deterministic backward);
-// otherwise through an fp32 accumulator in our workspace (with documents in the out layout, ragged
-// like the output).
+// otherwise through an fp32 accumulator in our workspace.
 std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShape& a, DType dtype, KvLayout layout,
-                                       bool deterministic_dq, const DocBucket* docs) {
-  const Dims n = docs ? Dims(a, layout, docs->entries, docs->seq) : Dims(a, layout);
+                                       bool deterministic_dq) {
+  const Dims n(a, layout);
   const cudnnDataType_t io = io_type(dtype);
   GraphBuilder g;
-  Ragged r;
-  ragged_tensors(g, docs, r);
-  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ, r.r_qkv);
-  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK, r.r_qkv);
-  const TensorRef vt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kV, r.r_qkv);
-  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO, r.r_out);
-  const TensorRef dout = g.bound(n.bhsd(), n.out_strides(), io, kdO, r.r_out);
-  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats, r.r_stats);
-  const TensorRef dq = g.bound(n.bhsd(), n.q_strides(), io, kdQ, r.r_qkv);
-  const TensorRef dk = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdK, n.per_head_kv ? r.r_out : r.r_qkv);
-  const TensorRef dv = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdV, n.per_head_kv ? r.r_out : r.r_qkv);
+  const TensorRef q = g.bound(n.bhsd(), n.q_strides(), io, kQ);
+  const TensorRef kt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kK);
+  const TensorRef vt = g.bound(n.kv_bhds(), n.kv_t_strides(), io, kV);
+  const TensorRef o = g.bound(n.bhsd(), n.out_strides(), io, kO);
+  const TensorRef dout = g.bound(n.bhsd(), n.out_strides(), io, kdO);
+  const TensorRef stats = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kStats);
+  const TensorRef dq = g.bound(n.bhsd(), n.q_strides(), io, kdQ);
+  const TensorRef dk = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdK);
+  const TensorRef dv = g.bound(n.kv_bhsd(), n.dkv_strides(), io, kdV);
   const TensorRef scale = g.scalar(kScale);
   const TensorRef delta_scale = g.scalar(kDeltaScale);
   // Dropout (cudnn-frontend's SDPA backward): the keep mask redrawn from the forward's seed, Pd =
@@ -545,18 +460,21 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
     dropout_scale = g.scalar(kDropoutScale);
   }
 
-  // delta = rowsum(dO * O) (times 1-p with dropout), materialized in our workspace (lse's layout).
+  // delta = rowsum(dO * O) (times 1-p with dropout), materialized in our workspace.
   const TensorRef prod = g.virt(n.bhsd(), {n.hq * n.s * n.d, n.s * n.d, n.hq * n.d, 1});
   g.pointwise_into(CUDNN_POINTWISE_MUL, dout, &o, nullptr, prod);
-  const TensorRef delta_raw = g.virt(n.bhs1(), n.rows_strides());
+  const TensorRef delta_raw = g.virt(n.bhs1(), n.stats_strides());
   g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, prod, delta_raw);
-  const TensorRef delta = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kSoftmaxSum, r.r_stats);
+  const TensorRef delta = g.bound(n.bhs1(), n.stats_strides(), CUDNN_DATA_FLOAT, kSoftmaxSum);
   g.pointwise_into(CUDNN_POINTWISE_MUL, delta_raw, &delta_scale, nullptr, delta);
 
   // P = exp(scale * Q K^T - stats), masked.
   const TensorRef scores = g.virt(n.bhss(), n.scores_strides());
-  g.matmul(q, kt, scores, r.qk);
-  const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, scaled_masked(g, scores, scale, a, r, &stats));
+  g.matmul(q, kt, scores);
+  TensorRef x = g.pointwise(CUDNN_POINTWISE_MUL, scores, &scale);
+  x = g.pointwise(CUDNN_POINTWISE_SUB, x, &stats);
+  x = g.masks(x, a);
+  const TensorRef p = g.pointwise(CUDNN_POINTWISE_EXP, x);
 
   // dV = Pd^T dO (shared GQA: per query head, then summed over the group's heads).
   TensorRef pd = p;
@@ -567,14 +485,14 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
   const TensorRef pt = g.reshape(pd, n.bhss(), n.scores_t_strides(), io);
   if (n.gqa()) {
     const TensorRef dv_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
-    g.matmul(pt, dout, dv_heads, r.dv);
+    g.matmul(pt, dout, dv_heads);
     g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
   } else {
-    g.matmul(pt, dout, dv, r.dv);
+    g.matmul(pt, dout, dv);
   }
   // dS = P * (dO V^T - delta) * scale.
   TensorRef dp = g.virt(n.bhss(), n.scores_strides());
-  g.matmul(dout, vt, dp, r.qk);
+  g.matmul(dout, vt, dp);
   if (dropout) dp = g.pointwise(CUDNN_POINTWISE_MUL, dp, &keep);
   const TensorRef centered = g.pointwise(CUDNN_POINTWISE_SUB, dp, &delta);
   TensorRef ds_unscaled = g.pointwise(CUDNN_POINTWISE_MUL, centered, &p);
@@ -584,24 +502,23 @@ std::vector<EnginePlan> build_backward(cudnnHandle_t handle, const AttentionShap
   const TensorRef dst = g.reshape(ds, n.bhss(), n.scores_t_strides(), io);
   if (n.gqa()) {
     const TensorRef dk_heads = g.virt(n.bhsd(), n.packed_bhsd(), io);
-    g.matmul(dst, q, dk_heads, r.dk);
+    g.matmul(dst, q, dk_heads);
     g.reduce_into(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
   } else {
-    g.matmul(dst, q, dk, r.dk);
+    g.matmul(dst, q, dk);
   }
   // dQ = dS K.
-  const TensorRef k = g.reshape(kt, n.kv_bhsd(), n.kv_strides(), CUDNN_DATA_FLOAT, r.r_qkv);
+  const TensorRef k = g.reshape(kt, n.kv_bhsd(), n.kv_strides(), CUDNN_DATA_FLOAT);
   if (deterministic_dq) {
-    g.matmul(ds, k, dq, r.dq);
+    g.matmul(ds, k, dq);
   } else {
-    const TensorRef accum = docs ? g.bound(n.bhsd(), n.out_strides(), CUDNN_DATA_FLOAT, kdQAccum, r.r_out)
-                                 : g.bound(n.bhsd(), n.packed_bhsd(), CUDNN_DATA_FLOAT, kdQAccum);
-    g.matmul(ds, k, accum, r.dq);
+    const TensorRef accum = g.bound(n.bhsd(), n.packed_bhsd(), CUDNN_DATA_FLOAT, kdQAccum);
+    g.matmul(ds, k, accum);
     g.pointwise_into(CUDNN_POINTWISE_IDENTITY, accum, nullptr, nullptr, dq);
   }
   return build_plans(handle, g,
-                     fmt::format("attention backward ({}, dQ {}{})", layout_name(layout),
-                                 deterministic_dq ? "direct" : "accumulated", docs ? ", documents" : ""));
+                     fmt::format("attention backward ({}, dQ {})", layout_name(layout),
+                                 deterministic_dq ? "direct" : "accumulated"));
 }
 
 // ---- candidates and the plan cache -------------------------------------------------------------
@@ -611,23 +528,6 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 // Dropout's Philox state at the start of our workspace: the seed (int64) at byte 0, the offset at
 // byte 16 (each 16-byte aligned, as the graphs' tensors declare).
 constexpr size_t kRngStateBytes = 256;
-
-// Packed documents: the largest bucket a shape can need, and the bucket of a micro-batch (from the
-// host facts a.doc_count and a.doc_longest): the documents rounded up to a power of two (times
-// the KV groups that GQA folds into the batch), the longest rounded up to a power of two of at
-// least 128 positions (at most the sequence), so that few distinct graphs are ever built. Without
-// the facts (a set-up shape), one document per sample: the bucket whose plans set the workspace.
-int64_t pow2_at_least(int64_t x) {
-  int64_t p = 1;
-  while (p < x) p *= 2;
-  return p;
-}
-int64_t batch_fold(const AttentionShape& a) { return a.heads == a.groups ? 1 : a.groups; }
-DocBucket bucket_of(const AttentionShape& a) {
-  const int64_t docs = a.doc_count > 0 ? a.doc_count : a.batch, longest = a.doc_count > 0 ? a.doc_longest : a.seq;
-  return {pow2_at_least(docs) * batch_fold(a), std::min<int64_t>(a.seq, pow2_at_least(std::max<int64_t>(longest, 128)))};
-}
-int64_t max_entries(const AttentionShape& a) { return pow2_at_least(static_cast<int64_t>(a.batch) * a.seq) * batch_fold(a); }
 
 // One way to run a pass: a layout, the backward's dQ algorithm, and one engine plan.
 // Workspace: [ours][cuDNN's]. Ours: forward [dropout's seed and offset, with dropout]; backward
@@ -658,17 +558,14 @@ struct Pass {
 struct Plans {
   Pass forward, backward;
   bool fixed_choice = false;  // --deterministic-mode: no timing
-  // Workspace pieces (see Candidate); index_bytes: packed documents' lengths and offsets (DocumentIndex).
-  size_t rng_bytes = 0, index_bytes = 0, delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;
-  DocBucket docs;  // packed documents: the bucket these plans are for (entries 0: no documents)
+  size_t rng_bytes = 0, delta_bytes = 0, accum_bytes = 0, heads_bytes = 0;  // workspace pieces (see Candidate)
   std::string error;  // non-empty: this shape is not supported, and why
   std::string refused;  // layouts cuDNN had no engine for (reported, not an error)
   size_t bytes() const { return std::max(forward.bytes(), backward.bytes()); }
 };
 
-// device, b, s, heads, groups, d, causal, window, dtype, deterministic, dropout probability, and
-// with packed documents the bucket's entries and length (0, 0 without)
-using Key = std::tuple<int, int, int, int, int, int, bool, int, int, bool, float, int64_t, int64_t>;
+// device, b, s, heads, groups, d, causal, window, dtype, deterministic, dropout probability
+using Key = std::tuple<int, int, int, int, int, int, bool, int, int, bool, float>;
 
 std::mutex g_mutex;
 std::map<int, cudnnHandle_t> g_handles;
@@ -685,9 +582,10 @@ cudnnHandle_t handle_for(int device) {
 
 std::string unsupported_reason(const AttentionShape& a, DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16) return "it needs bf16 or fp16 activations";
-  if (a.documents && cudnnGetVersion() < 90600)
-    return "packed documents need cuDNN 9.6 or newer (int64 ragged offsets with GQA)";
-  if (a.documents && !a.causal) return "packed documents are causal here";
+  if (a.documents) return "packed documents (--reset-attention-mask) are not built into megatrain's cuDNN graphs yet";
+  // (cudnn-frontend's support surface takes a sliding window with dropout from 9.10.2 on.)
+  if (a.dropout_p > 0 && a.windowed() && cudnnGetVersion() < 91002)
+    return fmt::format("cuDNN {} takes no sliding window with dropout (9.10.2 and newer do)", cudnnGetVersion());
   // (Up to 256 on Hopper: cuDNN itself then says which shapes its engines take, plans_for's error.)
   if (a.head_dim % 8 != 0 || a.head_dim > 256) return fmt::format("head dim {} (cuDNN needs a multiple of 8, <= 256)", a.head_dim);
   return "";
@@ -722,13 +620,6 @@ int default_candidate(const Pass& pass) {
   return best;
 }
 
-// Packed documents' index arrays (DocumentIndex) for up to `entries` entries of a b x s batch.
-size_t document_index_bytes(const AttentionShape& a, int64_t entries) {
-  return align256(static_cast<size_t>(entries) * sizeof(int32_t)) +
-         3 * align256(static_cast<size_t>(entries + 1) * sizeof(int64_t)) +
-         align256(static_cast<size_t>(a.batch) * a.seq * sizeof(int32_t));
-}
-
 void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype, Plans& plans) {
   const size_t rows = static_cast<size_t>(a.batch) * a.heads * a.seq;
   plans.rng_bytes = a.dropout_p > 0 ? kRngStateBytes : 0;
@@ -736,29 +627,21 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
   plans.accum_bytes = align256(rows * a.head_dim * sizeof(float));
   plans.heads_bytes = align256(kv_heads::buffer_bytes(a, dtype));
   plans.fixed_choice = a.deterministic;
-  if (a.documents) {
-    plans.docs = bucket_of(a);
-    plans.index_bytes = document_index_bytes(a, max_entries(a));
-  }
-  const DocBucket* docs = a.documents ? &plans.docs : nullptr;
-  // The per-query-head layouts only as timed candidates: untimed, the shared one runs (and the
-  // only one with documents).
+  // The per-query-head layouts only as timed candidates: untimed, the shared one runs.
   std::vector<KvLayout> layouts = {KvLayout::shared};
-  if (a.heads != a.groups && !plans.fixed_choice && !docs) layouts.push_back(KvLayout::broadcast);
+  if (a.heads != a.groups && !plans.fixed_choice) layouts.push_back(KvLayout::broadcast);
   std::string first_error;
-  const size_t prefix = plans.rng_bytes + plans.index_bytes;
   for (KvLayout layout : layouts) {
     const size_t grads = layout == KvLayout::broadcast ? 2 * plans.heads_bytes : 0;
     try {
       std::vector<Candidate> fwd, bwd;
-      for (EnginePlan& e : build_forward(handle, a, dtype, layout, docs))
-        fwd.push_back({layout, true, std::move(e), prefix});
+      for (EnginePlan& e : build_forward(handle, a, dtype, layout))
+        fwd.push_back({layout, true, std::move(e), plans.rng_bytes});
       for (bool direct : {true, false}) {
         if (!direct && a.deterministic) continue;
         try {
-          const size_t ours = prefix + plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads;
-          for (EnginePlan& e : build_backward(handle, a, dtype, layout, direct, docs))
-            bwd.push_back({layout, direct, std::move(e), ours});
+          const size_t ours = plans.rng_bytes + plans.delta_bytes + (direct ? 0 : plans.accum_bytes) + grads;
+          for (EnginePlan& e : build_backward(handle, a, dtype, layout, direct)) bwd.push_back({layout, direct, std::move(e), ours});
         } catch (const CudnnFailure& e) {
           if (direct && a.deterministic) throw;
           if (first_error.empty()) first_error = e.what();
@@ -787,9 +670,8 @@ void build_candidates(cudnnHandle_t handle, const AttentionShape& a, DType dtype
 Plans& plans_for(const AttentionShape& a, DType dtype) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  const DocBucket docs = a.documents ? bucket_of(a) : DocBucket{};
   const Key key{device,   a.batch,       a.seq,      a.heads, a.groups, a.head_dim, a.causal, a.window_left,
-                static_cast<int>(dtype), a.deterministic, a.dropout_p, docs.entries, docs.seq};
+                static_cast<int>(dtype), a.deterministic, a.dropout_p};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;
@@ -797,14 +679,7 @@ Plans& plans_for(const AttentionShape& a, DType dtype) {
   plans->error = unsupported_reason(a, dtype);
   if (plans->error.empty()) {
     try {
-      const auto t0 = std::chrono::steady_clock::now();
       build_candidates(handle_for(device), a, dtype, *plans);
-      if (a.doc_count > 0)  // a micro-batch's bucket, built as it first occurs
-        log::info("cuDNN attention plans (b={} s={}, documents as {} entries of up to {}): {} forward / {} backward "
-                  "candidates built in {:.2f} s",
-                  a.batch, a.seq, plans->docs.entries, plans->docs.seq, plans->forward.candidates.size(),
-                  plans->backward.candidates.size(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     } catch (const CudnnFailure& e) {
       plans->forward = Pass{};
       plans->backward = Pass{};
@@ -835,12 +710,7 @@ cudnnHandle_t current_handle() {
 }
 
 std::string shape_label(const AttentionShape& a) {
-  std::string docs;
-  if (a.documents) {
-    const DocBucket bucket = bucket_of(a);
-    docs = fmt::format(", documents as {} entries of up to {}", bucket.entries, bucket.seq);
-  }
-  return fmt::format("b={} s={} heads={}/{} d={}{}", a.batch, a.seq, a.heads, a.groups, a.head_dim, docs);
+  return fmt::format("b={} s={} heads={}/{} d={}", a.batch, a.seq, a.heads, a.groups, a.head_dim);
 }
 
 // The pass's chosen candidate; on the first call of a shape (unless the choice is fixed) every
@@ -899,43 +769,17 @@ std::vector<std::string> names_of(const Pass& pass, bool backward) {
 
 int runtime_version() { return static_cast<int>(cudnnGetVersion()); }
 
-// The shape without a micro-batch's document facts: the plans that decide support and set the
-// workspace (a micro-batch's own bucket: documents_fit).
-static AttentionShape shape_level(const AttentionShape& a) {
-  AttentionShape b = a;
-  b.doc_count = b.doc_longest = 0;
-  return b;
-}
-
 bool supported(const AttentionShape& a, DType dtype, std::string* why) {
   std::string reason = unsupported_reason(a, dtype);
-  if (reason.empty()) reason = plans_for(shape_level(a), dtype).error;
+  if (reason.empty()) reason = plans_for(a, dtype).error;
   if (why) *why = reason;
   return reason.empty();
 }
 
-size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_plans(shape_level(a), dtype).bytes(); }
-
-bool documents_fit(const AttentionShape& a, DType dtype) {
-  if (!a.documents) return true;
-  const Plans& p = plans_for(a, dtype);
-  const Plans& whole = plans_for(shape_level(a), dtype);
-  const bool fits = p.error.empty() && whole.error.empty() && p.bytes() <= whole.bytes();
-  static std::mutex m;
-  static std::set<std::pair<int64_t, int64_t>> told;
-  std::lock_guard<std::mutex> lock(m);
-  if (!fits && told.insert({p.docs.entries, p.docs.seq}).second)
-    log::info("cuDNN attention, packed documents: a batch of {} entries of up to {} positions {}; megatrain's flash "
-              "kernels run it",
-              p.docs.entries, p.docs.seq,
-              p.error.empty() ? fmt::format("needs {:.1f} MiB of workspace, more than the {:.1f} MiB planned",
-                                            p.bytes() / 1048576.0, whole.bytes() / 1048576.0)
-                              : "has no engine: " + p.error);
-  return fits;
-}
+size_t workspace_bytes(const AttentionShape& a, DType dtype) { return supported_plans(a, dtype).bytes(); }
 
 std::string describe(const AttentionShape& a, DType dtype) {
-  const Plans& p = supported_plans(shape_level(a), dtype);
+  const Plans& p = supported_plans(a, dtype);
   std::string how;
   if (p.fixed_choice) {
     how = fmt::format("forward {}, backward {}", p.forward.candidates[p.forward.chosen].name(false),
@@ -947,12 +791,8 @@ std::string describe(const AttentionShape& a, DType dtype) {
   }
   const std::string dropout =
       a.dropout_p > 0 ? fmt::format(", dropout {:g} (cuDNN's Philox mask)", a.dropout_p) : std::string();
-  const std::string documents =
-      a.documents ? ", packed documents as a ragged batch (one entry per document, a few graph sizes built as they "
-                    "come; the flash kernels for one whose workspace would not fit)"
-                  : "";
-  return fmt::format("cuDNN {} fused attention{}{}{}, {}, workspace {:.1f} MiB", cudnnGetVersion(), window_text(a),
-                     dropout, documents, how, p.bytes() / 1048576.0);
+  return fmt::format("cuDNN {} fused attention{}{}, {}, workspace {:.1f} MiB", cudnnGetVersion(), window_text(a), dropout,
+                     how, p.bytes() / 1048576.0);
 }
 
 std::vector<std::string> forward_candidates(const AttentionShape& a, DType dtype) {
@@ -996,38 +836,6 @@ static void bind_dropout(const AttentionShape& a, void* rng_state, float& dropou
   ptrs.insert(ptrs.end(), {state, state + 16, &dropout_scale});
 }
 
-// Packed documents: the ragged batch's arrays after dropout's state in our workspace (the layout of
-// document_index_bytes), built on the stream, and bound with the padding mask's -inf.
-static void bind_documents(const AttentionShape& a, const Plans& p, char* ws, float& neg_inf,
-                           std::vector<int64_t>& uids, std::vector<void*>& ptrs, cudaStream_t stream) {
-  if (!a.documents) return;
-  const int64_t cap = max_entries(a);
-  char* at = ws + p.rng_bytes;
-  DocumentIndexArgs d;
-  d.batch = a.batch, d.seq = a.seq, d.fold = static_cast<int>(batch_fold(a)), d.heads = a.heads;
-  d.heads_per_entry = a.heads / d.fold, d.head_dim = a.head_dim;
-  d.qkv_row = a.qkv_row_stride();
-  d.qkv_group = d.fold > 1 ? static_cast<int64_t>(a.heads / a.groups + 2) * a.head_dim : 0;
-  d.entries = p.docs.entries;
-  d.max_docs = static_cast<int>(p.docs.entries / d.fold);
-  d.seq_len = reinterpret_cast<int32_t*>(at);
-  at += align256(static_cast<size_t>(cap) * sizeof(int32_t));
-  int64_t** offs[3] = {&d.off_qkv, &d.off_out, &d.off_stats};
-  for (int64_t** o : offs) {
-    *o = reinterpret_cast<int64_t*>(at);
-    at += align256(static_cast<size_t>(cap + 1) * sizeof(int64_t));
-  }
-  d.first = reinterpret_cast<int32_t*>(at);
-  MT_CHECK(static_cast<size_t>(at - ws) + align256(static_cast<size_t>(a.batch) * a.seq * sizeof(int32_t)) <=
-               p.rng_bytes + p.index_bytes,
-           "cuDNN attention: the documents' index overruns its workspace slot");
-  MT_CHECK(a.doc_count > 0 && a.doc_count <= d.max_docs,
-           "cuDNN attention with packed documents needs the micro-batch's document count (AttentionShape::doc_count)");
-  document_index(document_starts(a), d, stream);
-  uids.insert(uids.end(), {kSeqLenQ, kSeqLenKV, kRaggedQkv, kRaggedOut, kRaggedStats, kPaddingNegInf});
-  ptrs.insert(ptrs.end(), {d.seq_len, d.seq_len, d.off_qkv, d.off_out, d.off_stats, &neg_inf});
-}
-
 // The by-value scalars of GraphBuilder::masks: -inf for each mask, and the window's key count.
 static void bind_mask_scalars(const AttentionShape& a, std::vector<int64_t>& uids, std::vector<void*>& ptrs,
                               float& neg_inf, float& window_bound) {
@@ -1061,7 +869,6 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
     std::vector<void*> ptrs = {base, k, v, out.data, lse.data, &scale};
     bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
     bind_dropout(a, workspace, dropout_scale, uids, ptrs, stream);
-    bind_documents(a, p, static_cast<char*>(workspace), neg_inf, uids, ptrs, stream);
     execute(handle, *c.engine.plan, uids, ptrs, static_cast<char*>(workspace) + c.ours);
   };
   run(choose_candidate(p.forward, a, "forward", run, stream));
@@ -1084,9 +891,8 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
   auto run = [&](const Candidate& c) {
     const Dims n(a, c.layout);
     const size_t k_bytes = static_cast<size_t>(n.k_offset) * elem, d_bytes = a.head_dim * elem;
-    // Our workspace pieces in order: dropout's seed and offset, the documents' index, delta, dQ
-    // accumulator, per-head dK/dV.
-    char* delta = ws + p.rng_bytes + p.index_bytes;
+    // Our workspace pieces in order: dropout's seed and offset, delta, dQ accumulator, per-head dK/dV.
+    char* delta = ws + p.rng_bytes;
     char* next = delta + p.delta_bytes;
     char* accum = nullptr;
     if (!c.direct_dq) accum = next, next += p.accum_bytes;
@@ -1096,7 +902,6 @@ void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, cons
     std::vector<void*> ptrs = {x, k, v, out.data, dout.data, lse.data, dx, dk, dv, &scale, &delta_scale, delta};
     bind_mask_scalars(a, uids, ptrs, neg_inf, window_bound);
     bind_dropout(a, ws, dropout_scale, uids, ptrs, stream);
-    bind_documents(a, p, ws, neg_inf, uids, ptrs, stream);
     if (accum) {
       uids.push_back(kdQAccum);
       ptrs.push_back(accum);

@@ -13,11 +13,8 @@
 // Dropout: cuDNN draws its own keep mask (the RNG operation of cudnn-frontend's SDPA graphs:
 // Philox seeded with the shape's dropout_key, offset 0) and redraws it in the backward; the mask is
 // cuDNN's, not engine/attention_dropout.h's, so runs with dropout differ from the reference
-// backend's and the flash kernels' draws (each a valid dropout of probability p).
-// Packed documents (--reset-attention-mask): a ragged batch, one entry per document (and KV group),
-// with cudnn-frontend's padding mask; the graph's batch and length are the micro-batch's document
-// count and longest document rounded up to powers of two (a few buckets, each built at its first
-// use); the shape's workspace is its one-document-per-sample bucket's.
+// backend's and the flash kernels' draws (each a valid dropout of probability p), sliding windows
+// included (cuDNN 9.10.2 and newer take the pair).
 // Plans are built once per shape (supported() / workspace_bytes() at set-up) and cached: every
 // layout and engine configuration that builds is a candidate, and the first call of each pass
 // times them on its own buffers and keeps the fastest (not under --deterministic-mode: then the
@@ -56,26 +53,6 @@ void forward(Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a, void* 
              cudaStream_t stream);
 void backward(Tensor dqkv, Tensor dout, Tensor out, Tensor lse, Tensor qkv, const AttentionShape& a,
               void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
-// Packed documents: the ragged batch's arrays (attention_cudnn_documents.cu), from the documents'
-// starts (AttentionShape::doc_start): entry j * fold + g is document j (sample-major) with KV group
-// g; entries past the documents up to `entries` are empty. Offsets in elements: of the entry's
-// first row in qkv (and dqkv), in out (dout, the dQ accumulator), and in lse (delta).
-struct DocumentIndexArgs {
-  int batch = 0, seq = 0, fold = 1, heads = 0, heads_per_entry = 0, head_dim = 0;
-  int64_t qkv_row = 0, qkv_group = 0;  // elements between positions of a sample's rows; between groups
-  int64_t entries = 0;                 // the graph's batch (the arrays hold entries [+ 1] values)
-  int max_docs = 0;                    // entries / fold
-  int32_t* seq_len = nullptr;          // [entries]
-  int64_t *off_qkv = nullptr, *off_out = nullptr, *off_stats = nullptr;  // [entries + 1]
-  int32_t* first = nullptr;            // scratch [batch * seq]: each document's first position
-};
-void document_index(const int32_t* doc_start, const DocumentIndexArgs& args, cudaStream_t stream);
-
-// Packed documents: whether this micro-batch's bucket (a.doc_count, a.doc_longest) has plans that
-// fit the shape's workspace; where not, the caller runs the flash kernels for it (both passes
-// decide alike).
-bool documents_fit(const AttentionShape& a, DType dtype);
 
 // Writes dropout's Philox state for the graphs (int64 seed = key, int64 offset = 0) on the stream.
 void write_philox_state(void* seed, void* offset, uint64_t key, cudaStream_t stream);

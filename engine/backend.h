@@ -63,11 +63,6 @@ struct AttentionShape {
   // position, since a block's mask compares global positions.
   bool documents = false;
   Tensor doc_start;
-  // Host-side facts of doc_start for implementations that size their launch by them (cuDNN's
-  // ragged batches, cuda/attention_cudnn.h): the documents of the micro-batch over all its samples
-  // and the longest one's length; 0 where unknown (set-up shapes, context-parallel blocks).
-  int doc_count = 0;
-  int doc_longest = 0;
   int64_t qkv_row_stride() const { return static_cast<int64_t>(groups) * (heads / groups + 2) * head_dim; }
   bool windowed() const { return window_left >= 0; }
   // The keys query q sees: [first_key(q), last_key(q)].

@@ -1336,14 +1336,10 @@ void GptModel::stage_micro_batch(int slot, const MicroBatch& mb, double loss_gra
   if (opt_.documents) {
     if (mb.segments.size() != N) fail("a micro-batch without segments for --reset-attention-mask");
     auto* doc = reinterpret_cast<int32_t*>(h + s.off_doc_start);
-    s.doc_count = 0;
-    s.doc_longest = 0;
     for (int i = 0; i < b; ++i)
       for (int64_t t = 0; t < whole; ++t) {
         const size_t at = static_cast<size_t>(i * whole + t);
         doc[at] = (t == 0 || mb.segments[at] != mb.segments[at - 1]) ? static_cast<int32_t>(t) : doc[at - 1];
-        s.doc_count += doc[at] == t;
-        s.doc_longest = std::max(s.doc_longest, static_cast<int>(t - doc[at] + 1));
       }
   }
   // Multi-token prediction: depth j's rows rolled j + 1 positions left within each sequence, zeros
@@ -1484,11 +1480,7 @@ AttentionShape GptModel::attention_shape(const Slot* s, int layer) const {
   if (d_.softmax_scale > 0) as.softmax_scale = d_.softmax_scale;  // (MLA)
   as.window_left = d_.window_left.at(static_cast<size_t>(layer));
   as.documents = opt_.documents;
-  if (s && opt_.documents) {
-    as.doc_start = s->doc_start;
-    as.doc_count = s->doc_count;
-    as.doc_longest = s->doc_longest;
-  }
+  if (s && opt_.documents) as.doc_start = s->doc_start;
   // The heads differ per TP rank, so their masks come from different streams.
   if (s) as.dropout_key = mix_key(site_key(*s, layer, 0), static_cast<uint64_t>(d_.tp_rank));
   return as;

@@ -129,7 +129,6 @@ struct GptModel::LayerActs {
 struct GptModel::Slot {
   Tensor tokens, labels, positions, mask, dloss;  // [N] (int32 / accum)
   Tensor doc_start;  // packed documents (ModelOptions::documents): int32 [b * s * CP] (the whole sequence), sample-major; else empty
-  int doc_count = 0, doc_longest = 0;  // its documents over the micro-batch and the longest (AttentionShape's host facts)
   Tensor input;                                   // stage input [N, h]
   std::vector<LayerActs> layers;                  // per local layer
   Tensor d_output;                                // grad of the stage output [N, h]

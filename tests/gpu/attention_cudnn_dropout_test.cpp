@@ -4,9 +4,8 @@
 // attention_dropout.h's rule does not reproduce, so the mask is read back from cuDNN first: with
 // Q = K = 0 every visible key has probability 1/n(q) (n(q) the keys query q sees), and with the
 // value of key k set to the unit vector e_(k - base) for k in [base, base + d) (zero elsewhere),
-// out[q, j] = keep[q, base + j] / (n(q) (1 - p)). With a sliding window or packed documents n(q)
-// counts the keys the query sees in them (documents: cuDNN's ragged batch, one entry per document). Repeating for base = 0, d, 2d, ... reads the whole
-// [b, heads, s, s] mask, and checks its values (0, or 1/(n(q)(1-p)) to bf16 rounding) on the way.
+// out[q, j] = keep[q, base + j] / (n(q) (1 - p)) (with a sliding window, n(q) counts the keys in
+// it). Repeating for base = 0, d, 2d, ... reads the whole [b, heads, s, s] mask, and checks its values (0, or 1/(n(q)(1-p)) to bf16 rounding) on the way.
 // Then, on fresh random inputs, every forward candidate must draw that same mask (the production
 // path times them and may keep any) and match reference_attention_forward_masked, and every
 // backward candidate must match reference_attention_backward_masked given the forward's out and
@@ -43,7 +42,6 @@ struct DropCase {
   DType dtype = DType::bf16;
   bool causal = true;
   int window = -1;
-  int max_doc = 0;  // > 0: packed documents of random lengths in [1, max_doc]
   AttentionShape shape(uint64_t key = 0xd5) const {
     AttentionShape a = AttentionShape::make(b, s, heads, groups, d, causal, p, key);
     a.window_left = window;
@@ -51,48 +49,9 @@ struct DropCase {
   }
 };
 
-// Packed documents on the device for a case (none without max_doc): the shape's doc_start and its
-// host facts, and the host copy for the reference.
-struct Documents {
-  std::vector<int32_t> starts;
-  int32_t* device = nullptr;
-  Documents(const DropCase& c, AttentionShape& a) {
-    if (c.max_doc <= 0) return;
-    starts = random_documents(c.b, c.s, c.max_doc, 91 + c.s);
-    MT_CUDA_CHECK(cudaMalloc(&device, starts.size() * 4));
-    MT_CUDA_CHECK(cudaMemcpy(device, starts.data(), starts.size() * 4, cudaMemcpyHostToDevice));
-    set(a);
-  }
-  ~Documents() { cudaFree(device); }
-  Documents(const Documents&) = delete;
-  Documents& operator=(const Documents&) = delete;
-  void set(AttentionShape& a) const {
-    if (!device) return;
-    a.documents = true;
-    a.doc_start = Tensor(device, DType::i32, Device::cuda, {static_cast<int64_t>(starts.size())});
-    a.doc_count = a.doc_longest = 0;
-    for (size_t t = 0; t < starts.size(); ++t) {
-      const int32_t pos = static_cast<int32_t>(t % a.seq);
-      a.doc_count += starts[t] == pos;
-      a.doc_longest = std::max(a.doc_longest, pos - starts[t] + 1);
-    }
-  }
-  AttentionShape host_shape(AttentionShape a) const {
-    if (device) a.doc_start = Tensor(const_cast<int32_t*>(starts.data()), DType::i32, Device::cpu,
-                                     {static_cast<int64_t>(starts.size())});
-    return a;
-  }
-  // The first key query q of sample i sees (the window's, or its document's start).
-  int64_t first_key(const AttentionShape& a, int64_t i, int64_t q) const {
-    const int64_t w = a.first_key(q);
-    return device ? std::max<int64_t>(w, starts[static_cast<size_t>(i * a.seq + q)]) : w;
-  }
-};
-
 // The keep mask forward candidate `fi` draws for shape a (see the file comment); counts values
 // that are neither 0 nor the kept value into *bad.
-std::vector<uint8_t> read_mask(const AttentionShape& a, const Documents& docs, DType dt, int fi, void* ws,
-                               size_t ws_bytes, int64_t* bad) {
+std::vector<uint8_t> read_mask(const AttentionShape& a, DType dt, int fi, void* ws, size_t ws_bytes, int64_t* bad) {
   const Layout L(a);
   DeviceValues qkv(L.qkv_count(), dt), out(L.out_count(), dt);
   DeviceValues lse(L.lse_count(), DType::f32);
@@ -111,7 +70,7 @@ std::vector<uint8_t> read_mask(const AttentionShape& a, const Documents& docs, D
     for (int64_t i = 0; i < L.b; ++i)
       for (int64_t h = 0; h < L.heads; ++h)
         for (int64_t q = 0; q < L.s; ++q) {
-          const int64_t first = docs.first_key(a, i, q), visible = a.last_key(q) - first + 1;
+          const int64_t first = a.first_key(q), visible = a.last_key(q) - first + 1;
           const double kept_value = 1.0 / (visible * (1.0 - a.dropout_p));
           for (int64_t j = 0; j < L.d && base + j < L.s; ++j) {
             const int64_t k = base + j;
@@ -131,12 +90,10 @@ std::vector<uint8_t> read_mask(const AttentionShape& a, const Documents& docs, D
 
 void run_case(const DropCase& c) {
   INFO(c.name);
-  AttentionShape a = c.shape();
-  const Documents docs(c, a);
+  const AttentionShape a = c.shape();
   const DType dt = c.dtype;
   std::string why;
   REQUIRE(cd::supported(a, dt, &why));
-  CHECK(cd::documents_fit(a, dt));
   CHECK(cuda::resolve_attention_backend(a, AttentionBackend::auto_, dt) == AttentionBackend::fused);
   const Layout L(a);
   const size_t ws_bytes = cd::workspace_bytes(a, dt);
@@ -147,18 +104,18 @@ void run_case(const DropCase& c) {
 
   // The mask of every forward candidate: the same, with values 0 or 1/(n(q)(1-p)).
   int64_t bad = 0;
-  const std::vector<uint8_t> keep = read_mask(a, docs, dt, 0, ws, ws_bytes, &bad);
+  const std::vector<uint8_t> keep = read_mask(a, dt, 0, ws, ws_bytes, &bad);
   CHECK(bad == 0);
   for (int fi = 1; fi < nf; ++fi) {
     INFO("forward candidate " << fi);
-    CHECK(read_mask(a, docs, dt, fi, ws, ws_bytes, &bad) == keep);
+    CHECK(read_mask(a, dt, fi, ws, ws_bytes, &bad) == keep);
   }
   // Kept fraction of the visible pairs: 1 - p within 5 standard deviations.
   int64_t visible = 0, kept = 0;
   for (int64_t i = 0; i < L.b; ++i)
     for (int64_t h = 0; h < L.heads; ++h)
       for (int64_t q = 0; q < L.s; ++q)
-        for (int64_t k = docs.first_key(a, i, q); k <= a.last_key(q); ++k) {
+        for (int64_t k = a.first_key(q); k <= a.last_key(q); ++k) {
           ++visible;
           kept += keep[L.mask_index(i, h, q, k)];
         }
@@ -169,9 +126,7 @@ void run_case(const DropCase& c) {
   // Another key draws another mask.
   if (c.s > 1) {
     int64_t bad_other = 0;
-    AttentionShape other = c.shape(0xd6);
-    docs.set(other);
-    CHECK(read_mask(other, docs, dt, 0, ws, ws_bytes, &bad_other) != keep);
+    CHECK(read_mask(c.shape(0xd6), dt, 0, ws, ws_bytes, &bad_other) != keep);
     CHECK(bad_other == 0);
   }
 
@@ -185,7 +140,7 @@ void run_case(const DropCase& c) {
   d_dout.upload(dout);
 
   std::vector<float> ref_out(L.out_count()), ref_lse(L.lse_count());
-  reference_attention_forward_masked<float>(host(ref_out), host(ref_lse), host(x), docs.host_shape(a), keep);
+  reference_attention_forward_masked<float>(host(ref_out), host(ref_lse), host(x), a, keep);
   std::vector<float> out0, lse0;
   for (int fi = 0; fi < nf; ++fi) {
     cd::pin_candidates(a, dt, fi, -1);
@@ -207,8 +162,7 @@ void run_case(const DropCase& c) {
   d_out.upload(out0);
   MT_CUDA_CHECK(cudaMemcpy(d_lse.ptr, lse0.data(), lse0.size() * 4, cudaMemcpyHostToDevice));
   std::vector<float> ref_dqkv(L.qkv_count());
-  reference_attention_backward_masked<float>(host(ref_dqkv), host(dout), host(out0), host(lse0), host(x),
-                                             docs.host_shape(a), keep);
+  reference_attention_backward_masked<float>(host(ref_dqkv), host(dout), host(out0), host(lse0), host(x), a, keep);
   for (int bi = 0; bi < nb; ++bi) {
     cd::pin_candidates(a, dt, 0, bi);
     d_dqkv.poison();
@@ -254,16 +208,14 @@ TEST_CASE("cuDNN fused attention with dropout matches the reference given cuDNN'
   for (const DropCase& c : cases) run_case(c);
 }
 
-TEST_CASE("cuDNN fused attention with dropout over sliding windows and packed documents matches the reference",
-          "[gpu][attention][dropout][documents]") {
+TEST_CASE("cuDNN fused attention with dropout over sliding windows matches the reference given cuDNN's mask",
+          "[gpu][attention][dropout]") {
   const DType bf16 = DType::bf16;
   const DropCase cases[] = {
       {"d64 b2 s200 GQA 8/2 p0.1 window 50", 2, 200, 8, 2, 64, 0.1f, bf16, true, 49},
       {"d128 b1 s300 4/4 p0.2 window 17", 1, 300, 4, 4, 128, 0.2f, bf16, true, 16},
-      {"d64 b2 s300 GQA 8/2 p0.1 documents up to 80", 2, 300, 8, 2, 64, 0.1f, bf16, true, -1, 80},
-      {"d128 b1 s257 MHA 4/4 p0.1 documents up to 300", 1, 257, 4, 4, 128, 0.1f, bf16, true, -1, 300},
-      {"d64 fp16 b3 s77 MQA 6/1 p0.1 documents up to 4", 3, 77, 6, 1, 64, 0.1f, DType::f16, true, -1, 4},
-      {"d64 b2 s400 GQA 4/2 p0.1 documents up to 150, window 60", 2, 400, 4, 2, 64, 0.1f, bf16, true, 59, 150},
+      {"d64 fp16 b3 s77 MQA 6/1 p0.1 window 4", 3, 77, 6, 1, 64, 0.1f, DType::f16, true, 3},
+      {"d64 b1 s1100 GQA 8/2 p0.1 window 300", 1, 1100, 8, 2, 64, 0.1f, bf16, true, 299},
   };
   for (const DropCase& c : cases) run_case(c);
 }
