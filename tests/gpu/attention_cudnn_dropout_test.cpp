@@ -5,7 +5,8 @@
 // Q = K = 0 every visible key has probability 1/n(q) (n(q) the keys query q sees), and with the
 // value of key k set to the unit vector e_(k - base) for k in [base, base + d) (zero elsewhere),
 // out[q, j] = keep[q, base + j] / (n(q) (1 - p)) (with a sliding window, n(q) counts the keys in
-// it). Repeating for base = 0, d, 2d, ... reads the whole [b, heads, s, s] mask, and checks its values (0, or 1/(n(q)(1-p)) to bf16 rounding) on the way.
+// it). Repeating for base = 0, d, 2d, ... reads the whole [b, heads, s, s] mask, and checks its
+// values (0, or 1/(n(q)(1-p)) to bf16 rounding) on the way.
 // Then, on fresh random inputs, every forward candidate must draw that same mask (the production
 // path times them and may keep any) and match reference_attention_forward_masked, and every
 // backward candidate must match reference_attention_backward_masked given the forward's out and
