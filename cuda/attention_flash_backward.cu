@@ -468,11 +468,10 @@ bool backward_dispatch(const Params& p, int d, const BackwardConfig& c, cudaStre
   MT_FLASH_BWD(64, 64, 128)
   MT_FLASH_BWD(128, 64, 128)
   MT_FLASH_BWD(64, 128, 128)
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16> && DROPOUT) {
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
     MT_FLASH_BWD(64, 64, 64)
   }
   if constexpr (std::is_same_v<Elem, __nv_bfloat16> && !DROPOUT) {
-    MT_FLASH_BWD(64, 64, 64)
     MT_FLASH_BWD(128, 32, 128)
     MT_FLASH_BWD(128, 64, 64)
     MT_FLASH_BWD_UNORDERED(64, 64, 128)
