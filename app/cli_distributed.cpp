@@ -69,6 +69,9 @@ void add_distributed_flags(FlagTable& t) {
   t.set_group(FlagGroup::distributed);
   t.no_effect("--distributed-backend", Arity::one, "megatrain uses NCCL on GPUs and MPI with --device cpu", "nccl");
   t.value("--distributed-timeout-minutes", "timeout of collective operations", MT_FIELD(parallel.distributed_timeout_minutes));
+  t.value("--distributed-timeout-seconds-after-init",
+          "timeout of collective operations (every group) once the first iteration of the run has finished",
+          MT_FIELD(parallel.distributed_timeout_seconds_after_init));
   {
     FlagSpec s;
     s.name = "--local-rank";

@@ -68,7 +68,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect("--dist-ckpt-save-pre-mcore-014", Arity::none, "megatrain saves and loads its own checkpoint format (checkpoint/FORMAT.md): Megatron's distributed-checkpointing tuning does not apply", "off");
   t.no_effect_checked("--dist-ckpt-workers", "INT", {}, "megatrain saves and loads its own checkpoint format (checkpoint/FORMAT.md): Megatron's distributed-checkpointing tuning does not apply", "1");
   t.no_effect("--distrib-optim-fully-reshardable-mem-efficient", Arity::none, "megatrain saves and loads its own checkpoint format (checkpoint/FORMAT.md): Megatron's distributed-checkpointing tuning does not apply", "off");
-  t.recognised("--distributed-timeout-seconds-after-init", Arity::one, "INT", "None", "collective timeout after the first iteration");
   t.no_effect_checked("--dsa-indexer-k-norm-epsilon", "FLOAT", {}, "a setting of DeepSeek sparse attention (--experimental-attention-variant dsa, not built): no effect without it, as in Megatron-LM", "None");
   t.no_effect("--dsa-indexer-k-norm-fp32", Arity::none, "a setting of DeepSeek sparse attention (--experimental-attention-variant dsa, not built): no effect without it, as in Megatron-LM", "off");
   t.no_effect("--dsa-indexer-rope-interleaved", Arity::none, "a setting of DeepSeek sparse attention (--experimental-attention-variant dsa, not built): no effect without it, as in Megatron-LM", "off");

@@ -114,7 +114,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--cpu-offloading-num-layers", W::other_than, {"0"}, ""},
       {"--ddp-param-name-patterns-for-fp32-local-accumulation", W::any_use, {}, ""},
       {"--ddp-reduce-scatter-with-fp32-accumulation", W::any_use, {}, ""},
-      {"--distributed-timeout-seconds-after-init", W::any_use, {}, ""},
       {"--dump-param-to-param-group-map", W::any_use, {}, ""},
       {"--enable-ft-package", W::any_use, {}, ""},
       {"--enable-mhc-connections", W::any_use, {}, ""},

@@ -161,6 +161,8 @@ void validate_parallel(CliState& st) {
   if (p.ddp_num_buckets && *p.ddp_num_buckets <= 0) fail("--ddp-num-buckets must be > 0 (got {})", *p.ddp_num_buckets);
   if (p.distributed_timeout_minutes <= 0)
     fail("--distributed-timeout-minutes must be > 0 (got {})", p.distributed_timeout_minutes);
+  if (p.distributed_timeout_seconds_after_init && *p.distributed_timeout_seconds_after_init <= 0)
+    fail("--distributed-timeout-seconds-after-init must be > 0 (got {})", *p.distributed_timeout_seconds_after_init);
 }
 
 }  // namespace mt::cli

@@ -337,6 +337,7 @@ struct ParallelConfig {
   bool grad_reduce_in_bf16 = false;
   bool accumulate_allreduce_grads_in_fp32 = false;
   int distributed_timeout_minutes = 10;
+  std::optional<int> distributed_timeout_seconds_after_init;  // every group's timeout after the first iteration
   std::string distributed_backend = "nccl";
 
   // launch (from the launcher's environment or the local GPUs)

@@ -388,6 +388,14 @@ int64_t Trainer::train() {
       loss_history_.push_back(o.loss());
     }
     report_iteration(o, first);
+    // Megatron's update_pg_timeout once the run's first iteration has finished (the slowest one:
+    // connections, plans): the ranks meet, then every group waits at most this long.
+    if (first && ps_.world && cfg_.parallel.distributed_timeout_seconds_after_init) {
+      const auto after = std::chrono::seconds(*cfg_.parallel.distributed_timeout_seconds_after_init);
+      ps_.world->barrier();
+      ps_.world->set_timeout(after);
+      log::info(" collective timeout now {} (--distributed-timeout-seconds-after-init)", format_duration(after));
+    }
     first = false;
     if (cfg_.train.eval_interval && *cfg_.train.eval_interval > 0 && iteration_ % *cfg_.train.eval_interval == 0 &&
         has_validation_ && t.eval_iters > 0 && (!t.start_eval_at_iter || iteration_ >= *t.start_eval_at_iter)) {

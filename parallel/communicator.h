@@ -3,7 +3,8 @@
 // the reference backend) and Self (a group of one: no communication).
 //
 // Every rank of a group calls the same collectives in the same order. A collective that does not
-// finish within the configured timeout (--distributed-timeout-minutes) raises mt::Error naming the
+// finish within the configured timeout (--distributed-timeout-minutes; after the first iteration
+// --distributed-timeout-seconds-after-init where given) raises mt::Error naming the
 // group and the operation; it never hangs.
 #pragma once
 
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "parallel/distributed_timeout.h"
 
 namespace mt {
 
@@ -47,6 +49,9 @@ class Communicator {
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) {
     return split(color, key, name, GroupOptions{});
   }
+  // The timeout of every later wait, for this communicator and every one split from the same world
+  // (they share it: --distributed-timeout-seconds-after-init). A group of one waits for nothing.
+  virtual void set_timeout(Millis timeout) { (void)timeout; }
   // NCCL: enqueue this communicator's later operations on `stream` (a cudaStream_t; e.g. the
   // backend's communication stream, so that data-parallel reductions overlap compute). The caller
   // orders the streams. Host communicators (MPI, a group of one) ignore it.

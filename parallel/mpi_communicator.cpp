@@ -93,7 +93,8 @@ int g_world_rank = 0;
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name, Millis timeout) : comm_(comm), name_(std::move(name)), timeout_(timeout) {
+  MpiCommunicator(MPI_Comm comm, std::string name, SharedTimeout timeout)
+      : comm_(comm), name_(std::move(name)), timeout_(std::move(timeout)) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
@@ -230,6 +231,8 @@ class MpiCommunicator final : public Communicator {
     return std::make_unique<MpiCommunicator>(child, name, timeout_);
   }
 
+  void set_timeout(Millis timeout) override { timeout_.set_after_init(timeout); }
+
  private:
   static constexpr int kTag = 7;
 
@@ -275,7 +278,7 @@ class MpiCommunicator final : public Communicator {
   // the peers they wait for.
   void wait_all(std::vector<MPI_Request>& reqs, const std::string& what) {
     if (reqs.empty()) return;
-    const auto deadline = Clock::now() + timeout_;
+    const auto deadline = Clock::now() + timeout_.get();
     auto nap = std::chrono::microseconds(20);
     for (int polls = 0;; ++polls) {
       int done = 0;
@@ -285,8 +288,8 @@ class MpiCommunicator final : public Communicator {
         broken_ = true;
         fail("timed out after {} waiting for {} on group '{}' (this is rank {} of {}, world rank {}; the group "
              "is world ranks {}): some member never joined. Every rank must issue the same collectives in "
-             "the same order; a slower rank may need a larger --distributed-timeout-minutes",
-             format_duration(timeout_), what, name_, rank_, size_, g_world_rank, world_ranks_);
+             "the same order; a slower rank may need a larger {}",
+             format_duration(timeout_.get()), what, name_, rank_, size_, g_world_rank, world_ranks_, timeout_.flag());
       }
       if (polls < 200) {
         std::this_thread::yield();
@@ -299,7 +302,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   std::string name_;
-  Millis timeout_;
+  SharedTimeout timeout_;
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
   bool in_group_ = false;
@@ -332,7 +335,7 @@ std::unique_ptr<Communicator> make_mpi_world_communicator(Millis timeout) {
     create_16bit_ops();
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank);
-  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "world", timeout);
+  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "world", SharedTimeout(timeout));
 }
 
 void mpi_finalize() {

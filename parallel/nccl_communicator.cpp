@@ -191,8 +191,10 @@ class Watchdog {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, std::string name, int device, cudaStream_t stream, Millis timeout, int world_rank)
-      : comm_(comm), name_(std::move(name)), device_(device), stream_(stream), timeout_(timeout), world_rank_(world_rank) {
+  NcclCommunicator(ncclComm_t comm, std::string name, int device, cudaStream_t stream, SharedTimeout timeout,
+                   int world_rank)
+      : comm_(comm), name_(std::move(name)), device_(device), stream_(stream), timeout_(std::move(timeout)),
+        world_rank_(world_rank) {
     ncclCommCount(comm_, &size_);
     ncclCommUserRank(comm_, &rank_);
     check_cuda(cudaMalloc(&scratch_, 64 * sizeof(int32_t) + 64 * sizeof(int32_t) * size_), "cudaMalloc (NCCL scratch)");
@@ -215,13 +217,13 @@ class NcclCommunicator final : public Communicator {
     {
       std::lock_guard<std::recursive_mutex> api(api_mu_);
       if (clean && !windows_.empty()) {
-        call_.arm("window deregistration", timeout_);
+        call_.arm("window deregistration", timeout());
         for (auto& [p, w] : windows_) clean = clean && ncclCommWindowDeregister(comm_, w) == ncclSuccess;
         call_.disarm();
         windows_.clear();
       }
       if (clean) {
-        call_.arm("finalize", timeout_);
+        call_.arm("finalize", timeout());
         clean = ncclCommFinalize(comm_) == ncclSuccess;
         call_.disarm();
       }
@@ -238,7 +240,9 @@ class NcclCommunicator final : public Communicator {
   const std::vector<int>& members() const { return members_; }
   int world_rank() const { return world_rank_; }
   ncclComm_t handle() const { return comm_; }
-  Millis timeout() const { return timeout_; }
+  Millis timeout() const { return timeout_.get(); }
+  const char* timeout_flag() const { return timeout_.flag(); }
+  void set_timeout(Millis timeout) override { timeout_.set_after_init(timeout); }
   // The blocking NCCL call now in progress on this communicator, if any (see HostCall).
   const HostCall& host_call() const { return call_; }
 
@@ -372,7 +376,7 @@ class NcclCommunicator final : public Communicator {
     const std::string what = fmt::format("creation of group '{}' (rank {} of {}) from '{}'", name, my_index,
                                          members.size(), name_);
     ncclComm_t child = init_communicator(what, name.c_str(), static_cast<int>(members.size()), id, my_index, device_,
-                                         timeout_, options.ctas);
+                                         timeout(), options.ctas);
     return std::make_unique<NcclCommunicator>(child, name, device_, stream_, timeout_, world_rank_);
   }
 
@@ -392,7 +396,7 @@ class NcclCommunicator final : public Communicator {
   bool register_symmetric(void* p, size_t bytes) override {
     std::lock_guard<std::recursive_mutex> api(api_mu_);
     ncclWindow_t w = nullptr;
-    call_.arm("window registration", timeout_);
+    call_.arm("window registration", timeout());
     const ncclResult_t r = ncclCommWindowRegister(comm_, p, bytes, &w, NCCL_WIN_COLL_SYMMETRIC);
     call_.disarm();
     if (r != ncclSuccess || !w) {
@@ -456,7 +460,7 @@ class NcclCommunicator final : public Communicator {
   // One blocking NCCL call, with the watchdog's deadline armed around it.
   template <class F>
   void call(const char* what, F&& nccl) {
-    call_.arm(what, timeout_);
+    call_.arm(what, timeout());
     const ncclResult_t r = nccl();
     call_.disarm();
     if (r == ncclSuccess) return;
@@ -473,13 +477,13 @@ class NcclCommunicator final : public Communicator {
     p.count = count;
     p.dtype = dtype;
     p.peer = peer;
-    p.deadline = Clock::now() + timeout_;
+    p.deadline = Clock::now() + timeout();
     check_cuda(cudaEventRecord(p.event, stream_), "cudaEventRecord (NCCL watchdog)");
     w.track(p);
   }
 
   void wait_stream(const char* what) {
-    const auto deadline = Clock::now() + timeout_ + std::chrono::seconds(5);
+    const auto deadline = Clock::now() + timeout() + std::chrono::seconds(5);
     while (true) {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return;
@@ -487,7 +491,7 @@ class NcclCommunicator final : public Communicator {
       // The watchdog ends the process first when the collective times out; this is a backstop.
       if (Clock::now() > deadline)
         Watchdog::get().fatal(fmt::format("{} on group '{}' did not finish within {}", what, name_,
-                                          format_duration(timeout_)));
+                                          format_duration(timeout())));
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
@@ -538,7 +542,7 @@ class NcclCommunicator final : public Communicator {
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   std::recursive_mutex api_mu_;
-  Millis timeout_;
+  SharedTimeout timeout_;
   int world_rank_ = 0;
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;
@@ -603,9 +607,9 @@ void Watchdog::loop() {
         if (!problem.empty() || !c->host_call().overdue(now)) continue;
         problem = fmt::format("NCCL {} on group '{}' (rank {} of {}; the group is world ranks {}) did not return "
                               "within {}: a peer rank may have died, or be stuck before this operation (look for its "
-                              "error); --distributed-timeout-minutes sets the limit",
+                              "error); {} sets the limit",
                               c->host_call().op.load(), c->name(), c->rank(), c->size(), c->members(),
-                              format_duration(c->host_call().timeout));
+                              format_duration(c->host_call().timeout), c->timeout_flag());
       }
       // Asynchronous errors (a peer died, a network failure).
       for (NcclCommunicator* c : comms_) {
@@ -636,8 +640,9 @@ void Watchdog::loop() {
           problem = fmt::format("CUDA error {} while waiting for {}", cuda_string(e), describe(p));
         } else if (Clock::now() > p.deadline) {
           problem = fmt::format("{} did not finish within {}: a peer rank may have died, or be stuck before this "
-                                "operation (look for its error); --distributed-timeout-minutes sets the limit",
-                                describe(p), format_duration(p.comm ? p.comm->timeout() : Millis(0)));
+                                "operation (look for its error); {} sets the limit",
+                                describe(p), format_duration(p.comm ? p.comm->timeout() : Millis(0)),
+                                p.comm ? p.comm->timeout_flag() : "--distributed-timeout-minutes");
         }
         break;
       }
@@ -700,8 +705,8 @@ std::unique_ptr<Communicator> make_nccl_world_communicator(TcpRendezvous& rv, in
   ncclComm_t comm = NcclCommunicator::init_communicator(
       fmt::format("initialization of the world communicator (rank {} of {})", rv.rank(), rv.world_size()), "world",
       rv.world_size(), id, rv.rank(), device, timeout);
-  return std::make_unique<NcclCommunicator>(comm, "world", device, reinterpret_cast<cudaStream_t>(stream), timeout,
-                                            rv.rank());
+  return std::make_unique<NcclCommunicator>(comm, "world", device, reinterpret_cast<cudaStream_t>(stream),
+                                            SharedTimeout(timeout), rv.rank());
 }
 
 }  // namespace mt

@@ -795,3 +795,11 @@ TEST_CASE("rule: --pipeline-model-parallel-layout sets the virtual pipeline size
   CHECK_THAT(parse_error(base + words("--pipeline-model-parallel-layout Et|tt|t|tL"), 2),
              Contains("it holds 5 decoder layers (t), --num-layers is 6"));
 }
+
+TEST_CASE("rule: --distributed-timeout-seconds-after-init is a positive number of seconds", "[cli][rules]") {
+  CHECK_FALSE(parse(small_gpt()).parallel.distributed_timeout_seconds_after_init.has_value());
+  CHECK(*parse(small_gpt() + words("--distributed-timeout-seconds-after-init 90"))
+             .parallel.distributed_timeout_seconds_after_init == 90);
+  CHECK_THAT(parse_error(small_gpt() + words("--distributed-timeout-seconds-after-init 0")),
+             Contains("--distributed-timeout-seconds-after-init must be > 0"));
+}

@@ -1,7 +1,8 @@
-// --distributed-timeout-minutes and its seconds override for tests.
+// --distributed-timeout-minutes and its seconds override for tests; the timeout the groups share.
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "parallel/distributed_timeout.h"
@@ -21,4 +22,16 @@ TEST_CASE("distributed timeout: minutes from the flag, seconds from the test ove
   CHECK(format_duration(Millis(2500)) == "2.5 s");
   CHECK(format_duration(Millis(1000)) == "1 s");
   CHECK(format_duration(Millis(300)) == "300 ms");
+}
+
+TEST_CASE("distributed timeout: one value shared by every copy, and the flag in force", "[timeout]") {
+  const SharedTimeout world(std::chrono::minutes(10));
+  const SharedTimeout group = world;  // a communicator split from the world
+  CHECK(group.get() == std::chrono::minutes(10));
+  CHECK(std::string(group.flag()) == "--distributed-timeout-minutes");
+  world.set_after_init(std::chrono::seconds(30));
+  CHECK(group.get() == Millis(30000));
+  CHECK(std::string(group.flag()) == "--distributed-timeout-seconds-after-init");
+  const SharedTimeout other(std::chrono::minutes(1));  // another world
+  CHECK(other.get() == std::chrono::minutes(1));
 }

@@ -165,6 +165,14 @@ megatrain_mpi_failure_test(parallel_train_hung_rank 2 120
   "rank 0\\] error: .*timed out after 2 s waiting for .*group '"
   -x MEGATRAIN_DISTRIBUTED_TIMEOUT_SECONDS=2 -x MEGATRAIN_DEBUG_FAULT=hang@1:3
   $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2)
+# --distributed-timeout-seconds-after-init: the default 10 minutes until the first iteration has
+# finished, then 2 s for every group (Megatron's update_pg_timeout): a rank that stops answering at
+# iteration 3 ends the run within seconds, and the error names the flag in force.
+megatrain_mpi_failure_test(parallel_train_hung_rank_after_init 2 120
+  "rank 0\\] error: .*timed out after 2 s waiting for .*group '.*--distributed-timeout-seconds-after-init"
+  -x MEGATRAIN_DEBUG_FAULT=hang@1:3
+  $<TARGET_FILE:megatrain> ${parallel_train_tiny} --tensor-model-parallel-size 2
+  --distributed-timeout-seconds-after-init 2)
 
 # FP8 (emulated on the reference backend) over TP x PP: the amax is all-reduced (max) over TP, so
 # every layout computes the same scales as one rank (also in the checkpoint). Not DP: there each
