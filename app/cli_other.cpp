@@ -82,7 +82,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--enable-mhc-connections", Arity::none, "", "off", "manifold-constrained hyper-connections (several residual streams)");
   t.recognised("--enable-msc", Arity::none, "", "off", "the Multi-Storage Client (object-storage data and checkpoints)");
   t.no_effect("--ep-overlap-early-attn-memory-release", Arity::none, "a scheduling setting of Megatron-LM's expert-parallel overlap: megatrain orders its MoE work its own way (the same results)", "off");
-  t.recognised("--eval-micro-batch-size", Arity::one, "INT", "None", "micro-batch size of evaluation");
   t.no_effect("--evidence-data-path", Arity::one, "a setting of Megatron-LM's BERT and retrieval (ICT, biencoder) models: GPT pretraining never reads it", "None");
   t.no_effect("--exit-signal-handler-for-dataloader", Arity::none, "megatrain's data loader runs in the training process: there are no loader workers to signal", "off");
   t.recognised("--expert-tensor-parallel-num-weight-shards", Arity::one, "INT", "None", "GTP weight rematerialization of the experts");

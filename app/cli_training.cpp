@@ -40,6 +40,8 @@ void add_training_flags(FlagTable& t) {
   t.value("--eval-iters", "batches per evaluation", MT_FIELD(train.eval_iters));
   t.value("--eval-global-batch-size", "samples per evaluation batch (default --global-batch-size; a multiple of "
           "micro-batch x DP)", MT_FIELD(train.eval_global_batch_size));
+  t.value("--eval-micro-batch-size", "micro-batch size of evaluation (default --micro-batch-size; megatrain takes only "
+          "that value)", MT_FIELD(train.eval_micro_batch_size));
   t.value("--eval-interval", "evaluate every N iterations", MT_FIELD(train.eval_interval));
   t.value("--start-eval-at-iter", "no evaluation before this iteration (nor validation samples for those evaluations)",
           MT_FIELD(train.start_eval_at_iter));

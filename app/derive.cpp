@@ -559,6 +559,15 @@ void derive_batch(CliState& st) {
       fail("--eval-global-batch-size {} is not divisible by --micro-batch-size {} x data-parallel size {} = {}",
            *t.eval_global_batch_size, t.micro_batch_size, dp, per_step);
   }
+  // --eval-micro-batch-size: Megatron-LM evaluates in micro-batches of this size (default
+  // --micro-batch-size); megatrain's model is planned for one micro-batch size, the training one.
+  if (t.eval_micro_batch_size) {
+    positive(*t.eval_micro_batch_size, "--eval-micro-batch-size");
+    if (*t.eval_micro_batch_size != t.micro_batch_size)
+      fail("megatrain does not support --eval-micro-batch-size {} other than --micro-batch-size {} yet (evaluation runs "
+           "the training micro-batch): leave it out or give the same value",
+           *t.eval_micro_batch_size, t.micro_batch_size);
+  }
 }
 
 void derive_schedule(CliState& st) {

@@ -118,7 +118,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--enable-ft-package", W::any_use, {}, ""},
       {"--enable-mhc-connections", W::any_use, {}, ""},
       {"--enable-msc", W::any_use, {}, ""},
-      {"--eval-micro-batch-size", W::any_use, {}, ""},
       {"--expert-tensor-parallel-num-weight-shards", W::any_use, {}, ""},
       {"--fake-process-group", W::any_use, {}, ""},
       {"--fault-injector-delay-start-iteration", W::any_use, {}, ""},

@@ -416,6 +416,9 @@ struct TrainConfig {
   // --eval-global-batch-size: samples per evaluation iteration (default the training global batch);
   // a multiple of micro_batch_size x DP (engine/trainer.cpp evaluate, data/dataset_builder.cpp).
   std::optional<int> eval_global_batch_size;
+  // --eval-micro-batch-size (Megatron-LM: default --micro-batch-size): evaluation runs the model's one
+  // planned micro-batch, so only that value is taken (app/derive.cpp).
+  std::optional<int> eval_micro_batch_size;
   std::optional<int> eval_interval;
   // --start-eval-at-iter: no evaluation at iterations below it (nor the validation samples of those).
   std::optional<int64_t> start_eval_at_iter;

@@ -803,3 +803,11 @@ TEST_CASE("rule: --distributed-timeout-seconds-after-init is a positive number o
   CHECK_THAT(parse_error(small_gpt() + words("--distributed-timeout-seconds-after-init 0")),
              Contains("--distributed-timeout-seconds-after-init must be > 0"));
 }
+
+TEST_CASE("rule: --eval-micro-batch-size is taken at the training micro-batch size only", "[cli][rules]") {
+  const Config c = parse(small_gpt() + words("--micro-batch-size 2 --global-batch-size 8 --eval-micro-batch-size 2"));
+  CHECK(*c.train.eval_micro_batch_size == 2);
+  CHECK_THAT(parse_error(small_gpt() + words("--micro-batch-size 2 --global-batch-size 8 --eval-micro-batch-size 4")),
+             Contains("megatrain does not support --eval-micro-batch-size 4 other than --micro-batch-size 2 yet"));
+  CHECK_THAT(parse_error(small_gpt() + words("--eval-micro-batch-size 0")), Contains("--eval-micro-batch-size"));
+}
