@@ -157,6 +157,10 @@ void add_training_flags(FlagTable& t) {
   t.choice("--dataloader-type", "sample order (single: sequential and resumable, cyclic: reshuffled per epoch)",
            std::vector<std::pair<std::string, std::string>>{{"single", "single"}, {"cyclic", "cyclic"}, {"external", "external"}},
            MT_FIELD(data.dataloader_type));
+  t.negative_flag("--no-data-sharding",
+                  "with --dataloader-type cyclic: every rank draws from one shuffle of the whole split instead of "
+                  "shuffling its own contiguous bucket (no effect with single, as in Megatron-LM)",
+                  MT_FIELD(data.data_sharding));
   t.negative_flag("--no-check-for-nan-in-loss-and-grad", "do not check the loss and gradients for NaN/Inf",
                   MT_FIELD(train.check_for_nan_in_loss_and_grad));
   // Megatron-LM's rerun state machine (megatron/core/rerun_state_machine.py; engine/rerun_state_machine.h).

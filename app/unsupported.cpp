@@ -30,7 +30,7 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
        "with --num-experts, values not dividing --tensor-model-parallel-size not supported yet"},
       // training (1.3)
       {"--optimizer", W::values, {"lion", "soap", "adaptive_muon"}, ""},
-      {"--dataloader-type", W::values, {"cyclic", "external"}, "megatrain reads in the order of Megatron's single loader"},
+      {"--dataloader-type", W::values, {"external"}, "megatrain reads in the order of Megatron's single and cyclic loaders"},
       {"--fine-grained-activation-offloading", W::any_use, {}, ""},
       {"--offload-modules", W::any_use, {}, "activation offloading"},
       // mixed precision (1.4)

@@ -116,6 +116,9 @@ void validate_data(CliState& st) {
   if (sources == 0)
     fail("no training data: pass --data-path PREFIX (or --train-data-path/--valid-data-path/--test-data-path), or "
          "--mock-data");
+  if (!d.data_sharding && d.dataloader_type != "cyclic")
+    st.note(fmt::format("--no-data-sharding has no effect with --dataloader-type {}, as in Megatron-LM (it changes "
+                        "the cyclic loader's shuffle)", d.dataloader_type));
   // NullTokenizer's pad id (Megatron-LM's build_tokenizer passes it to NullTokenizer alone) and
   // MegatronDataset's rule for a pad id that equals a special token.
   if (d.tokenizer_type.value_or("") != "NullTokenizer") {

@@ -587,6 +587,9 @@ struct DataConfig {
   bool document_positions() const { return reset_position_ids || inter_document_masking; }
   bool create_attention_mask_in_dataloader = true;
   std::string dataloader_type = "single";
+  // --no-data-sharding clears it: with --dataloader-type cyclic, every rank draws from one shuffle of
+  // the whole split instead of shuffling its own contiguous bucket (data/cyclic_order.h).
+  bool data_sharding = true;
   bool full_data_check = false;  // megatrain flag --full-data-check: scan every token id at start-up
 
   // Megatron's fill-in-the-middle dataset (--fim-data: megatron/training/datasets/fim_dataset.py).

@@ -1,12 +1,19 @@
-// BatchLoader: Megatron's `single` sampler order per DP rank, resume, masks, buffer reuse, errors.
+// BatchLoader: Megatron's `single` and `cyclic` sampler orders per DP rank, resume, masks, buffer
+// reuse, errors.
 #include <catch2/catch.hpp>
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <atomic>
+#include <fstream>
+#include <numeric>
 #include <set>
 
 #include "core/config.h"
 #include "core/error.h"
 #include "data/batch_loader.h"
+#include "data/cyclic_order.h"
 #include "data/dataset_builder.h"
 #include "data/gpt_dataset.h"
 #include "data/mock_dataset.h"
@@ -248,7 +255,12 @@ TEST_CASE("loader options from the run's flags", "[data][loader]") {
   CHECK_FALSE(o.masking.inter_document_masking);
   cfg.data.inter_document_masking = true;
   CHECK(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).masking.inter_document_masking);
+  CHECK_FALSE(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).cyclic);
   cfg.data.dataloader_type = "cyclic";
+  cfg.data.data_sharding = false;
+  CHECK(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).cyclic);
+  CHECK_FALSE(batch_loader_options(cfg, {50257, 50256, 50256}, 1, 4, 96).data_sharding);
+  cfg.data.dataloader_type = "external";
   CHECK_THROWS_AS(batch_loader_options(cfg, {50257, 50256, -1}, 0, 1, 0), Unsupported);
 }
 
@@ -271,4 +283,131 @@ TEST_CASE("NullTokenizer's pad id and --allow-ambiguous-pad-tokens", "[data][loa
   CHECK(batch_loader_options(cfg, tokenizer_facts(cfg), 0, 1, 0).masking.pad_token == 99);
   cfg.data.tokenizer_type = "GPT2BPETokenizer";
   CHECK(tokenizer_facts(cfg).pad == -1);
+}
+
+// --dataloader-type cyclic ------------------------------------------------------------------------
+
+namespace {
+
+CyclicOrderOptions cyclic_options(int64_t samples, int b, int rank, int dp, int64_t consumed, bool sharding) {
+  return CyclicOrderOptions{samples, b, rank, dp, consumed, sharding};
+}
+
+std::vector<int64_t> take(CyclicOrder& order, int64_t from, int64_t count, int b) {
+  std::vector<int64_t> ids(static_cast<size_t>(count * b));
+  for (int64_t k = 0; k < count; ++k) order.ids(from + k, ids.data() + k * b);
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("torch_randperm: a seeded permutation, the same for the same seed", "[data][loader][cyclic]") {
+  for (int64_t n : {0, 1, 2, 17, 1000}) {
+    const std::vector<int64_t> p = torch_randperm(n, 3);
+    std::vector<int64_t> sorted = p;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> iota(static_cast<size_t>(n));
+    std::iota(iota.begin(), iota.end(), 0);
+    CHECK(sorted == iota);
+    CHECK(torch_randperm(n, 3) == p);
+  }
+  CHECK(torch_randperm(1000, 3) != torch_randperm(1000, 4));
+  // Only the seed's low 32 bits reach the generator (at::mt19937 seeds with them).
+  CHECK(torch_randperm(100, (uint64_t{1} << 33) + 5) == torch_randperm(100, 5));
+}
+
+TEST_CASE("cyclic order with data sharding: each rank shuffles its own bucket, one permutation per epoch",
+          "[data][loader][cyclic]") {
+  const int64_t samples = 103;
+  const int b = 2, dp = 3;
+  const int64_t bucket = samples / (b * dp) * b;  // 34: one sample is never used
+  for (int r = 0; r < dp; ++r) {
+    CyclicOrder order(cyclic_options(samples, b, r, dp, 0, true));
+    const std::vector<int64_t> epoch0 = take(order, 0, bucket / b, b);
+    const std::vector<int64_t> epoch1 = take(order, bucket / b, bucket / b, b);
+    const std::vector<int64_t> p0 = torch_randperm(bucket, 0), p1 = torch_randperm(bucket, 1);
+    for (int64_t j = 0; j < bucket; ++j) {
+      INFO("rank " << r << " position " << j);
+      CHECK(epoch0[static_cast<size_t>(j)] == r * bucket + p0[static_cast<size_t>(j)]);
+      CHECK(epoch1[static_cast<size_t>(j)] == r * bucket + p1[static_cast<size_t>(j)]);
+    }
+    // Going back re-walks the passes from the start.
+    CHECK(take(order, 0, 3, b) == std::vector<int64_t>(epoch0.begin(), epoch0.begin() + 3 * b));
+  }
+}
+
+TEST_CASE("cyclic order without data sharding: ranks stride through one shuffle of the split",
+          "[data][loader][cyclic]") {
+  const int64_t samples = 103;
+  const int b = 2, dp = 3;
+  const std::vector<int64_t> p = torch_randperm(samples / b * b, 0);  // 102
+  for (int r = 0; r < dp; ++r) {
+    CyclicOrder order(cyclic_options(samples, b, r, dp, 0, false));
+    const std::vector<int64_t> got = take(order, 0, 17, b);
+    for (size_t j = 0; j < got.size(); ++j) CHECK(got[j] == p[static_cast<size_t>(r) + j * dp]);
+  }
+}
+
+TEST_CASE("cyclic order: resuming from consumed samples continues the stream, epochs included",
+          "[data][loader][cyclic]") {
+  for (bool sharding : {true, false}) {
+    for (int64_t steps : {0, 5, 16, 17, 18, 40}) {
+      CyclicOrder straight(cyclic_options(103, 2, 1, 3, 0, sharding));
+      CyclicOrder resumed(cyclic_options(103, 2, 1, 3, steps * 6, sharding));
+      INFO("sharding " << sharding << ", resumed after " << steps << " micro-batches");
+      CHECK(take(resumed, 0, 25, 2) == take(straight, steps, 25, 2));
+    }
+  }
+}
+
+TEST_CASE("cyclic order: splits too small and misaligned resumes are refused in one line", "[data][loader][cyclic]") {
+  CHECK_THROWS_WITH(CyclicOrder(cyclic_options(7, 4, 0, 2, 0, true)),
+                    Contains("--dataloader-type cyclic") && Contains("7 samples") && Contains("4 x 2"));
+  CHECK_THROWS_WITH(CyclicOrder(cyclic_options(100, 2, 0, 2, 6, true)),
+                    Contains("6 consumed samples") && Contains("multiple"));
+}
+
+TEST_CASE("cyclic order equals Megatron-LM's MegatronPretrainingRandomSampler and torch.randperm",
+          "[data][loader][cyclic]") {
+  // tests/oracles/megatron_cyclic_sampler.py wrote it, with Megatron-LM's data_samplers.py and torch.
+  std::ifstream in(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/fixtures/megatron_cyclic_sampler.json");
+  REQUIRE(in.good());
+  const nlohmann::json fx = nlohmann::json::parse(in);
+  for (const auto& c : fx.at("randperm")) {
+    INFO("randperm n " << c.at("n") << " seed " << c.at("seed"));
+    CHECK(torch_randperm(c.at("n").get<int64_t>(), c.at("seed").get<uint64_t>()) ==
+          c.at("perm").get<std::vector<int64_t>>());
+  }
+  for (const auto& c : fx.at("cases")) {
+    const int64_t samples = c.at("samples");
+    const int b = c.at("micro_batch_size"), dp = c.at("data_parallel_size");
+    const int64_t consumed = c.at("consumed_samples");
+    const bool sharding = c.at("data_sharding");
+    for (int r = 0; r < dp; ++r) {
+      const auto want = c.at("ranks").at(static_cast<size_t>(r)).get<std::vector<std::vector<int64_t>>>();
+      CyclicOrder order(cyclic_options(samples, b, r, dp, consumed, sharding));
+      for (size_t k = 0; k < want.size(); ++k) {
+        INFO("samples " << samples << " micro-batch " << b << " DP " << dp << " consumed " << consumed
+                        << " sharding " << sharding << ": rank " << r << ", micro-batch " << k);
+        std::vector<int64_t> got(static_cast<size_t>(b));
+        order.ids(static_cast<int64_t>(k), got.data());
+        CHECK(got == want[k]);
+      }
+    }
+  }
+}
+
+TEST_CASE("a cyclic loader never runs out and reads the order's samples", "[data][loader][cyclic]") {
+  auto ds = std::make_shared<NumberedDataset>(30, 3);
+  BatchLoaderOptions o = options(2, 1, 2);
+  o.cyclic = true;
+  BatchLoader loader(ds, o);
+  CyclicOrder order(cyclic_options(30, 2, 1, 2, 0, true));
+  MicroBatch mb;
+  for (int64_t k = 0; k < 40; ++k) {  // 7 micro-batches per epoch per rank: over five epochs
+    REQUIRE(loader.next(mb));
+    std::vector<int64_t> ids(2);
+    order.ids(k, ids.data());
+    for (int i = 0; i < 2; ++i) CHECK(mb.tokens[static_cast<size_t>(i * 3)] == ids[static_cast<size_t>(i)] * 1000);
+  }
 }

@@ -304,6 +304,18 @@ TEST_CASE("every flag Megatron-LM's pretrain_gpt.py parses is known", "[cli]") {
   CHECK(inter.data.documents());
   CHECK(inter.data.document_positions());
   CHECK(has_message(ms, SetupMessage::Kind::note, "--dataloader-inter-document-masking: the document parts"));
+  // --dataloader-type cyclic, and --no-data-sharding (which changes nothing with single, as in Megatron-LM).
+  ms.clear();
+  const Config cyclic = parse(small_gpt() + words("--dataloader-type cyclic --no-data-sharding"), 1, &ms);
+  CHECK(cyclic.data.dataloader_type == "cyclic");
+  CHECK_FALSE(cyclic.data.data_sharding);
+  CHECK_FALSE(has_message(ms, SetupMessage::Kind::note, "--no-data-sharding has no effect"));
+  CHECK(parse(small_gpt()).data.data_sharding);
+  ms.clear();
+  parse(small_gpt() + words("--no-data-sharding"), 1, &ms);
+  CHECK(has_message(ms, SetupMessage::Kind::note, "--no-data-sharding has no effect with --dataloader-type single"));
+  CHECK_THAT(parse_error(small_gpt() + words("--dataloader-type external")),
+             Contains("megatrain does not support --dataloader-type external yet"));
   // --no-rope-freq: every N-th layer (N dividing the layers) or a 0/1 list, Megatron-LM's rules.
   CHECK(parse(small_gpt() + words("--position-embedding-type rope --no-rope-freq 2")).model.nope_layer ==
         std::vector<char>{0, 1});

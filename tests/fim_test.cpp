@@ -296,7 +296,7 @@ void check_against_oracle(const std::string& python, const std::string& vocab, c
   std::vector<int32_t> raw(static_cast<size_t>(ds->window_length()));
   MicroBatch mb;
   for (int64_t k = 0; loader.next(mb); ++k) {
-    const int64_t first = loader.first_sample_of(k);
+    const int64_t first = loader.samples_of(k)[0];
     for (int i = 0; i < mb.batch; ++i) {
       ds->window(first + i, raw.data());
       samples.push_back(raw);
