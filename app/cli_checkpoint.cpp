@@ -107,8 +107,13 @@ void add_checkpoint_flags(FlagTable& t) {
   t.recognised("--non-persistent-local-ckpt-dir", Arity::one, "PATH", "None", "directory of local non-persistent checkpoints");
   t.recognised("--non-persistent-local-ckpt-algo", Arity::one, "{fully_parallel,atomic}", "fully_parallel",
                "local non-persistent checkpoint algorithm");
-  t.recognised("--ckpt-convert-format", Arity::one, "{torch,torch_dist}", "None", "offline checkpoint conversion");
-  t.recognised("--ckpt-convert-save", Arity::one, "PATH", "None", "where converted checkpoints go");
+  t.choice("--ckpt-convert-format",
+           "offline conversion: write the --load checkpoint as a Megatron-LM checkpoint of this format in "
+           "--ckpt-convert-save/FORMAT, in the run's parallel layout, and exit without training",
+           std::vector<std::pair<std::string, std::string>>{{"torch", "torch"}, {"torch_dist", "torch_dist"}},
+           MT_FIELD(checkpoint.ckpt_convert_format));
+  t.value("--ckpt-convert-save", "where --ckpt-convert-format writes (a FORMAT directory under it)",
+          MT_FIELD(checkpoint.ckpt_convert_save));
   t.value("--override-ckpt-iteration", "resume at this iteration instead of the checkpoint's",
           MT_FIELD(checkpoint.override_ckpt_iteration));
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "app/checkpoint_convert.h"
 #include "app/checkpointing.h"
 #include "app/energy_meter.h"
 #include "app/import_megatron.h"
@@ -438,7 +439,7 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
 int run_training(const Config& cfg) {
   int rc = 0;
   try {
-    rc = train_on_this_rank(cfg);
+    rc = cfg.checkpoint.ckpt_convert_format ? convert_checkpoint(cfg) : train_on_this_rank(cfg);
   } catch (const Error& e) {
     // Errors before the parallel state existed (e.g. setting up the world communicator).
     if (cfg.parallel.world_size == 1 || !mpi_initialized()) throw;

@@ -51,8 +51,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       {"--non-persistent-ckpt-type", W::values, {"local"}, "per-rank local checkpoints (nvidia-resiliency-ext)"},
       {"--non-persistent-local-ckpt-dir", W::any_use, {}, "local non-persistent checkpoints"},
       {"--non-persistent-local-ckpt-algo", W::other_than, {"fully_parallel"}, "local non-persistent checkpoints"},
-      {"--ckpt-convert-format", W::any_use, {}, ""},
-      {"--ckpt-convert-save", W::any_use, {}, ""},
       // recompute (1.8)
       {"--distribute-saved-activations", W::any_use, {}, ""},
       // regularization / init (1.9)

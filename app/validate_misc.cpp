@@ -81,6 +81,15 @@ void validate_checkpoint_and_logging(CliState& st) {
     st.warn("--non-persistent-ckpt-type global has no effect without --non-persistent-save-interval, --load or "
             "--non-persistent-global-ckpt-dir");
   if (k.ckpt_step && *k.ckpt_step < 0) fail("--ckpt-step must be >= 0 (got {})", *k.ckpt_step);
+  // Megatron-LM's checkpoint conversion (validate_args asserts both directories).
+  if (k.ckpt_convert_format) {
+    if (!k.ckpt_convert_save)
+      fail("--ckpt-convert-format {} needs --ckpt-convert-save DIR: the directory the converted checkpoint goes "
+           "to (as DIR/{})", *k.ckpt_convert_format, *k.ckpt_convert_format);
+    if (!k.load) fail("--ckpt-convert-format {} converts the checkpoint --load names: pass --load", *k.ckpt_convert_format);
+  } else if (k.ckpt_convert_save) {
+    st.warn("--ckpt-convert-save has no effect without --ckpt-convert-format");
+  }
   const bool loads = k.load || k.pretrained_checkpoint;
   if (k.override_ckpt_iteration) {
     if (k.finetune) fail("Cannot override checkpoint iteration together with finetune flag.");

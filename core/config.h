@@ -640,6 +640,11 @@ struct CheckpointConfig {
   bool no_load_rng = false;
   bool finetune = false;
   std::optional<int64_t> ckpt_step;
+  // Megatron-LM's offline conversion (--ckpt-convert-format torch|torch_dist, --ckpt-convert-save
+  // DIR): the --load checkpoint written as a Megatron-LM checkpoint of that format in DIR/FORMAT, in
+  // the run's layout, and no training (app/checkpoint_convert.h).
+  std::optional<std::string> ckpt_convert_format;
+  std::optional<std::string> ckpt_convert_save;
   // Where to load from when --load holds no checkpoint; loading from it is a --finetune.
   std::optional<std::string> pretrained_checkpoint;
   // --override-ckpt-iteration: resume at this iteration (consumed samples = it x global batch).

@@ -51,6 +51,8 @@ const std::map<std::string, std::string>& companions() {
       {"--use-torch-fsdp2", "--no-gradient-accumulation-fusion --untie-embeddings-and-output-weights"},
       {"--ckpt-format torch_dcp", "--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights"},
       {"--outer-dp-sharding-strategy optim", "--use-megatron-fsdp --ckpt-format fsdp_dtensor"},
+      {"--ckpt-convert-format torch", "--load ckpt --ckpt-convert-save converted"},
+      {"--ckpt-convert-format torch_dist", "--load ckpt --ckpt-convert-save converted"},
       {"--experimental-attention-variant gdn",
        "--linear-attention-freq 2 --swiglu --linear-num-key-heads 2 --linear-num-value-heads 4"},
       {"--experimental-attention-variant gated_delta_net",
