@@ -64,7 +64,7 @@ void require_same_model(const std::string& a_dir, const std::string& b_dir) {
 
 }  // namespace
 
-TEST_CASE("--ckpt-convert-format writes what export-megatron writes, in the run's layout", "[ckpt-convert][binary]") {
+TEST_CASE("checkpoint conversion (--ckpt-convert-format) writes what export-megatron writes, in the run's layout", "[ckpt-convert][binary]") {
   TempDir tmp;
   std::string out;
   REQUIRE(run_command(std::string(MEGATRAIN_BINARY) + " " + kData + " " + kLlama + " --save " + (tmp / "ckpt") +
@@ -114,7 +114,7 @@ TEST_CASE("--ckpt-convert-format writes what export-megatron writes, in the run'
   CHECK(read_bytes(tmp / "bin/torch/latest_checkpointed_iteration.txt") == "release");
 }
 
-TEST_CASE("--ckpt-convert-format of a Megatron-LM checkpoint equals Megatron-LM's own conversion", "[ckpt-convert]") {
+TEST_CASE("checkpoint conversion (--ckpt-convert-format) of a Megatron-LM checkpoint equals Megatron-LM's own conversion", "[ckpt-convert]") {
   const std::string fixtures = std::string(MEGATRAIN_SOURCE_DIR) + "/tests/fixtures/megatron/llama";
   TempDir tmp;
   // tp1_dist (torch_dist, weights only) to torch at TP 2 x PP 2, as the fixture's conversion ran.
@@ -137,7 +137,7 @@ TEST_CASE("--ckpt-convert-format of a Megatron-LM checkpoint equals Megatron-LM'
   CHECK_FALSE(fs::exists(tmp / "conv/.megatrain-convert-import"));
 }
 
-TEST_CASE("--ckpt-convert-format: missing directories and a different model are refused in one line",
+TEST_CASE("checkpoint conversion (--ckpt-convert-format): missing directories and a different model are refused in one line",
           "[ckpt-convert][cli]") {
   using mt::test::parse_error;
   using mt::test::words;
