@@ -369,7 +369,8 @@ TEST_CASE("cyclic order: splits too small and misaligned resumes are refused in 
 
 TEST_CASE("cyclic order equals Megatron-LM's MegatronPretrainingRandomSampler and torch.randperm",
           "[data][loader][cyclic]") {
-  // tests/oracles/megatron_cyclic_sampler.py wrote it, with Megatron-LM's data_samplers.py and torch.
+  // tests/oracles/megatron_cyclic_sampler.py wrote it with Megatron-LM's data_samplers.py; its
+  // "torch" entry says where the permutations came from (torch, or a stand-in for it).
   std::ifstream in(std::string(MEGATRAIN_SOURCE_DIR) + "/tests/fixtures/megatron_cyclic_sampler.json");
   REQUIRE(in.good());
   const nlohmann::json fx = nlohmann::json::parse(in);
