@@ -11,8 +11,7 @@
 #include "app/checkpoint_convert.h"
 #include "app/export_megatron.h"
 #include "app/import_megatron.h"
-#include "checkpoint/checkpoint_io.h"
-#include "checkpoint/hf_names.h"
+#include "ckpt_compare.h"
 #include "ckpt_test_util.h"
 #include "cli_test_util.h"
 
@@ -40,26 +39,6 @@ std::vector<std::string> files_under(const std::string& dir) {
     if (e.is_regular_file()) out.push_back(fs::relative(e.path(), dir).string());
   std::sort(out.begin(), out.end());
   return out;
-}
-
-// The model tensors of two megatrain checkpoints are the same, byte for byte.
-void require_same_model(const std::string& a_dir, const std::string& b_dir) {
-  mt::CheckpointReader a(a_dir), b(b_dir);
-  const auto kind = mt::CheckpointKind::model;
-  REQUIRE(a.names(kind) == b.names(kind));
-  REQUIRE(a.names(kind).size() >= 20);
-  for (const std::string& name : a.names(kind)) {
-    INFO(name);
-    const mt::CheckpointTensorInfo& ia = a.info(name, kind);
-    const mt::CheckpointTensorInfo& ib = b.info(name, kind);
-    REQUIRE(ia.dtype == ib.dtype);
-    REQUIRE(ia.global_shape == ib.global_shape);
-    mt::HostArray x = mt::HostArray::zeros(ia.dtype, ia.global_shape), y = mt::HostArray::zeros(ib.dtype, ib.global_shape);
-    const auto whole = mt::ShardSlice::whole(mt::ShardIndex::whole(ia.global_rows, ia.global_cols));
-    a.read(name, kind, whole, mt::Tensor(x.bytes.data(), ia.dtype, mt::Device::cpu, {x.numel()}));
-    b.read(name, kind, whole, mt::Tensor(y.bytes.data(), ib.dtype, mt::Device::cpu, {y.numel()}));
-    CHECK(x.bytes == y.bytes);
-  }
 }
 
 }  // namespace
@@ -133,7 +112,7 @@ TEST_CASE("checkpoint conversion (--ckpt-convert-format) of a Megatron-LM checkp
   // The weights, read back, are Megatron-LM's conversion's.
   mt::import_megatron(tmp / "conv/torch", std::nullopt, tmp / "ours", true);
   mt::import_megatron(megatron, std::nullopt, tmp / "theirs", true);
-  require_same_model(tmp / "ours", tmp / "theirs");
+  mt_test::require_same_state(tmp / "ours", tmp / "theirs", false);
   CHECK_FALSE(fs::exists(tmp / "conv/.megatrain-convert-import"));
 }
 

@@ -27,12 +27,16 @@
 #include "checkpoint/pickle_writer.h"
 #include "checkpoint/torch_file.h"
 #include "checkpoint/torch_writer.h"
+#include "ckpt_compare.h"
 #include "ckpt_test_util.h"
 #include "core/error.h"
 #include "python_oracle.h"
 #include "skip.h"
 
 using mt_test::losses_and_norms;
+using mt_test::read_whole;
+using mt_test::require_same_state;
+using mt_test::same;
 using mt_test::read_bytes;
 using mt_test::run_command;
 using mt_test::TempDir;
@@ -65,19 +69,6 @@ const mt::PickleValue* int_entry(const mt::PickleValue& dict, int64_t key) {
   return nullptr;
 }
 
-// A whole tensor of a megatrain checkpoint, in its stored dtype.
-mt::HostArray read_whole(mt::CheckpointReader& r, const std::string& name, mt::CheckpointKind kind) {
-  const mt::CheckpointTensorInfo& info = r.info(name, kind);
-  mt::HostArray a = mt::HostArray::zeros(info.dtype, info.global_shape);
-  r.read(name, kind, mt::ShardSlice::whole(mt::ShardIndex::whole(info.global_rows, info.global_cols)),
-         mt::Tensor(a.bytes.data(), info.dtype, mt::Device::cpu, {a.numel()}));
-  return a;
-}
-
-bool same(const mt::HostArray& a, const mt::HostArray& b) {
-  return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
-}
-
 // Trains `model` for 3 iterations on the CPU and saves.
 std::string train(const TempDir& tmp, const std::string& model, const std::string& extra = "") {
   const std::string dir = tmp / "megatrain";
@@ -88,37 +79,6 @@ std::string train(const TempDir& tmp, const std::string& model, const std::strin
   INFO(out);
   REQUIRE(code == 0);
   return dir;
-}
-
-// Every model tensor, Adam moment and main weight, the counters and the scheduler of two
-// megatrain checkpoints must be the same.
-void require_same_state(const std::string& a_dir, const std::string& b_dir, bool optimizer, int at_least = 31) {
-  mt::CheckpointReader a(a_dir), b(b_dir);
-  if (optimizer) CHECK(a.iteration() == b.iteration());
-  int compared = 0;
-  for (const auto kind : {mt::CheckpointKind::model, mt::CheckpointKind::optimizer, mt::CheckpointKind::main_params}) {
-    if (!optimizer && kind != mt::CheckpointKind::model) continue;
-    CHECK(a.names(kind) == b.names(kind));
-    for (const std::string& name : a.names(kind)) {
-      INFO(name << " (" << mt::checkpoint_kind_name(kind) << ")");
-      REQUIRE(b.has(name, kind));
-      CHECK(same(read_whole(a, name, kind), read_whole(b, name, kind)));
-      ++compared;
-    }
-  }
-  CHECK(compared >= at_least);
-  if (!optimizer) return;
-  const mt::RunState &ra = a.run_state(), &rb = b.run_state();
-  CHECK(ra.consumed_train_samples == rb.consumed_train_samples);
-  CHECK(ra.consumed_valid_samples == rb.consumed_valid_samples);
-  CHECK(ra.skipped_train_samples == rb.skipped_train_samples);
-  CHECK(ra.num_floating_point_operations_so_far == rb.num_floating_point_operations_so_far);
-  CHECK(ra.extra.at("optimizer").at("successful_steps") == rb.extra.at("optimizer").at("successful_steps"));
-  for (const char* k : {"max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "num_steps",
-                        "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"}) {
-    INFO(k);
-    CHECK(ra.lr_scheduler.at(k) == rb.lr_scheduler.at(k));
-  }
 }
 
 }  // namespace
