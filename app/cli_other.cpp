@@ -11,7 +11,6 @@ namespace mt::cli {
 
 void add_other_megatron_flags(FlagTable& t) {
   t.set_group(FlagGroup::other);
-  t.no_effect_checked("--activation-offload-fraction", "FLOAT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "1.0");
   t.recognised("--adlr-autoresume", Arity::none, "", "off", "ADLR cluster autoresume (NVIDIA-internal userlib)");
   t.no_effect_checked("--adlr-autoresume-interval", "INT", {}, "a setting of ADLR autoresume (--adlr-autoresume, not built): no effect without it, as in Megatron-LM", "1000");
   t.no_effect("--app-tag-run-name", Arity::one, "a telemetry or PyTorch tooling setting (one-logger, OpenTelemetry, the NCCL flight recorder, PyTorch's profiler): megatrain has none of them", "None");
@@ -40,7 +39,7 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--classes-fraction", "FLOAT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "1.0");
   t.no_effect("--config-logger-dir", Arity::one, "a telemetry or PyTorch tooling setting (one-logger, OpenTelemetry, the NCCL flight recorder, PyTorch's profiler): megatrain has none of them", "");
   t.recognised("--cpu-offloading-num-layers", Arity::one, "INT", "0", "layers whose activations are offloaded to the CPU");
-  t.no_effect("--cpu-offloading-retain-pinned-cpu-buffers", Arity::none, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "off");
+  t.no_effect("--cpu-offloading-retain-pinned-cpu-buffers", Arity::none, "a setting of layer-level activation offloading (--cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "off");
   t.no_effect("--create-all-gather-group", Arity::none, "a communication-performance setting of Megatron-LM's PyTorch process groups: megatrain's communicators, streams and buckets are its own (the same results)", "off");
   t.no_effect("--cuda-graph-scope", Arity::one_or_more, "a setting of Megatron-LM's inference engine (text generation, RL rollouts): pretraining never reads it", "None");
   t.no_effect_checked("--data-per-class-fraction", "FLOAT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "1.0");
@@ -50,8 +49,7 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--ddp-param-name-patterns-for-fp32-local-accumulation", Arity::one_or_more, "STR [STR ...]", "[]", "parameters whose gradients accumulate locally in fp32");
   t.recognised("--ddp-reduce-scatter-with-fp32-accumulation", Arity::none, "", "off", "reduce-scatter that sums in fp32 what travels in bf16");
   t.no_effect("--decode-only-cuda-graphs", Arity::none, "a setting of Megatron-LM's inference engine (text generation, RL rollouts): pretraining never reads it", "off");
-  t.no_effect("--delay-offload-until-cuda-graph", Arity::none, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "off");
-  t.no_effect_checked("--delta-offload-bytes-across-pp-ranks", "INT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "0");
+  t.no_effect("--delay-offload-until-cuda-graph", Arity::none, "a setting of fine-grained activation offloading under CUDA graphs (--cuda-graph-impl, not built): no effect without them, as in Megatron-LM", "off");
   t.no_effect_checked("--dino-bottleneck-size", "INT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "256");
   t.no_effect_checked("--dino-freeze-last-layer", "FLOAT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "1");
   t.no_effect_checked("--dino-head-hidden-size", "INT", {}, "a setting of Megatron-LM's vision models (ViT, DINO, inpainting): GPT pretraining never reads it", "2048");
@@ -95,7 +93,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.recognised("--fault-injector-offset-seconds", Arity::one, "FLOAT", "None", "nvidia-resiliency-ext's fault injector (megatrain's own: --error-injection-rate)");
   t.recognised("--fault-injector-ranks", Arity::one, "STR", "None", "nvidia-resiliency-ext's fault injector (megatrain's own: --error-injection-rate)");
   t.recognised("--fault-injector-seed", Arity::one, "INT", "None", "nvidia-resiliency-ext's fault injector (megatrain's own: --error-injection-rate)");
-  t.no_effect_checked("--fine-grained-offloading-max-inflight-offloads", "INT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "None");
   t.no_effect_checked("--flash-attention-version", "", {"2", "3", "4"}, "a Transformer Engine kernel choice: megatrain runs its own kernels (the same results)", "None");
   t.no_effect("--flash-decode", Arity::none, "a setting of Megatron-LM's inference engine (text generation, RL rollouts): pretraining never reads it", "off");
   t.no_effect("--flight-recorder-dump-path", Arity::one, "a telemetry or PyTorch tooling setting (one-logger, OpenTelemetry, the NCCL flight recorder, PyTorch's profiler): megatrain has none of them", "None");
@@ -230,7 +227,6 @@ void add_other_megatron_flags(FlagTable& t) {
   t.no_effect_checked("--mhc-num-residual-streams", "INT", {}, "a setting of manifold-constrained hyper-connections (--enable-mhc-connections, not built): no effect without it, as in Megatron-LM", "4");
   t.no_effect_checked("--mhc-recompute-layer-num", "INT", {}, "a setting of manifold-constrained hyper-connections (--enable-mhc-connections, not built): no effect without it, as in Megatron-LM", "None");
   t.no_effect_checked("--mhc-sinkhorn-iterations", "INT", {}, "a setting of manifold-constrained hyper-connections (--enable-mhc-connections, not built): no effect without it, as in Megatron-LM", "20");
-  t.no_effect_checked("--min-offloaded-tensor-size", "INT", {}, "a setting of activation offloading (--fine-grained-activation-offloading / --cpu-offloading-num-layers, not built): no effect without it, as in Megatron-LM", "1048576");
   t.no_effect("--mla-down-proj-fusion", Arity::none, "a Transformer Engine kernel choice: megatrain runs its own kernels (the same results)", "off");
   t.no_effect_checked("--mlp-chunks-for-prefill", "INT", {}, "a setting of Megatron-LM's inference engine (text generation, RL rollouts): pretraining never reads it", "1");
   t.recognised("--mlp-chunks-for-training", Arity::one, "INT", "1", "the MLP computed in chunks along the sequence");

@@ -195,8 +195,27 @@ void add_training_flags(FlagTable& t) {
                                                             {"transient_error", "transient_error"},
                                                             {"persistent_error", "persistent_error"}},
            MT_FIELD(train.error_injection_type));
-  t.recognised("--fine-grained-activation-offloading", Arity::none, "", "off", "activation offloading to host memory");
-  t.recognised("--offload-modules", Arity::one_or_more, "STR [STR ...]", "None", "modules whose activations are offloaded");
+  t.flag("--fine-grained-activation-offloading",
+         "what the --offload-modules keep for backward goes to host memory after each layer's forward and comes back "
+         "before its backward",
+         MT_FIELD(train.fine_grained_activation_offloading));
+  t.value("--offload-modules",
+          "modules whose kept activations are offloaded: attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 "
+          "moe_act",
+          MT_FIELD(train.offload_modules))
+      .arity = Arity::one_or_more;
+  t.value("--min-offloaded-tensor-size", "activation offloading: kept tensors of fewer elements stay on the device",
+          MT_FIELD(train.min_offloaded_tensor_size));
+  t.value("--activation-offload-fraction",
+          "activation offloading: the fraction of the eligible (layer, module) groups offloaded, the first in forward "
+          "order",
+          MT_FIELD(train.activation_offload_fraction));
+  t.value("--delta-offload-bytes-across-pp-ranks",
+          "activation offloading: pipeline rank r keeps r x this many of its offloadable bytes on the device",
+          MT_FIELD(train.delta_offload_bytes_across_pp_ranks));
+  t.value("--fine-grained-offloading-max-inflight-offloads",
+          "activation offloading: per module, the copies to host the compute may run ahead of (0: wait after each)",
+          MT_FIELD(train.fine_grained_offloading_max_inflight_offloads));
   t.flag("--deterministic-mode", "deterministic kernels", MT_FIELD(train.deterministic_mode));
   t.value("--iterations-to-skip", "1-indexed iterations whose batch is consumed without an update",
           MT_FIELD(train.iterations_to_skip));

@@ -15,6 +15,7 @@ nlohmann::json memory_json(const StageMemory& m) {
           {"activations_in_gradients_bytes", m.plan.acts_in_grads},
           {"workspace_bytes", m.plan.of(C::workspace)},
           {"total_bytes", m.plan.total()},
+          {"host_offloaded_activations_bytes", m.plan.host},
           {"activation_slots", m.activation_slots}};
 }
 

@@ -223,6 +223,10 @@ std::string plan_text(const Config& cfg, const Plan& plan, const std::vector<Set
     o << fmt::format("  activations: {} more lie in gradient memory the backward writes only once it is done with them\n"
                      "  (one micro-batch per step; docs/numerics.md)\n",
                      gib(static_cast<double>(in_grads)));
+  if (const size_t host = plan.peak_stage().memory.plan.host; host > 0)
+    o << fmt::format("  activations: {} more go to host memory between forward and backward (--fine-grained-activation-\n"
+                     "  offloading; pinned host memory, not in the peak)\n",
+                     gib(static_cast<double>(host)));
   // What the master column holds when it is not a float32 copy (engine/model_chunks.cpp decides).
   if (const std::vector<ChunkSpec> specs = model_chunk_specs(cfg, RankPosition::stage(cfg, 0), precision_dtype(cfg));
       !specs.empty() && specs.front().options.master_remainders)

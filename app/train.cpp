@@ -337,6 +337,11 @@ int train_with(const Config& cfg, Backend* backend, ParallelState& ps) {
                                   ps.rank, ps.tp_rank, ps.pp_rank, rank_plan.total(), rank_plan.total() / 1073741824.0,
                                   backend->name(), chunks.size()));
   log::info("{}", rank_plan.summary());
+  if (cfg.train.fine_grained_activation_offloading && ps.dp_rank == 0)
+    for (size_t c = 0; c < chunks.size(); ++c)
+      log::write_stdout(fmt::format(" > rank {} (tensor, pipeline) ({}, {}){}: {}", ps.rank, ps.tp_rank, ps.pp_rank,
+                                    chunks.size() > 1 ? fmt::format(" model chunk {}", c) : std::string(),
+                                    chunks[c]->offload_plan().summary()));
 
   // Checkpoint loading comes before the data streams: they start at the consumed samples.
   TrainingCheckpoints checkpoints(cfg, ps, chunks);

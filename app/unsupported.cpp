@@ -31,8 +31,6 @@ const std::vector<UnsupportedRule>& unsupported_rules() {
       // training (1.3)
       {"--optimizer", W::values, {"lion", "soap", "adaptive_muon"}, ""},
       {"--dataloader-type", W::values, {"external"}, "megatrain reads in the order of Megatron's single and cyclic loaders"},
-      {"--fine-grained-activation-offloading", W::any_use, {}, ""},
-      {"--offload-modules", W::any_use, {}, "activation offloading"},
       // mixed precision (1.4)
       {"--fp16-lm-cross-entropy", W::any_use, {}, "the loss is computed in fp32"},
       {"--main-params-dtype", W::other_than, {"fp32"}, "fp32 master weights only"},

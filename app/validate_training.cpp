@@ -78,6 +78,63 @@ void validate_recompute(CliState& st) {
     st.warn("--recompute-modules has no effect without --recompute-granularity selective");
 }
 
+// Fine-grained activation offloading: Megatron-LM's TransformerConfig checks, and its
+// arguments.py's (the Transformer Engine implementation).
+void validate_offloading(CliState& st) {
+  const Config& c = st.cfg;
+  const TrainConfig& t = c.train;
+  if (!t.fine_grained_activation_offloading) {
+    for (const char* f : {"--offload-modules", "--min-offloaded-tensor-size", "--activation-offload-fraction",
+                          "--delta-offload-bytes-across-pp-ranks", "--fine-grained-offloading-max-inflight-offloads"})
+      if (st.has(f)) st.note(fmt::format("{} has no effect without --fine-grained-activation-offloading", f));
+    return;
+  }
+  if (const auto it = st.given.find("--transformer-impl"); it != st.given.end() && it->second.one() != "transformer_engine")
+    fail("--fine-grained-activation-offloading is only supported with --transformer-impl transformer_engine (as in "
+         "Megatron-LM; megatrain's own kernels take its place)");
+  if (t.offload_modules.empty())
+    fail("--fine-grained-activation-offloading needs --offload-modules (one or more of attn_norm, qkv_linear, "
+         "core_attn, attn_proj, mlp_norm, expert_fc1, moe_act, fused_group_mlp)");
+  static const std::set<std::string> allowed = {"core_attn", "attn_proj", "expert_fc1", "fused_group_mlp", "moe_act",
+                                                "attn_norm", "mlp_norm",  "qkv_linear", "gdp_qkv"};
+  const std::set<std::string> mods(t.offload_modules.begin(), t.offload_modules.end());
+  for (const std::string& m : t.offload_modules)
+    if (!allowed.count(m))
+      fail("--offload-modules {}: not one of attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, "
+           "moe_act, fused_group_mlp, gdp_qkv",
+           m);
+  if (mods.count("attn_proj") && !mods.count("core_attn"))
+    fail("--offload-modules attn_proj needs core_attn too (as in Megatron-LM): the input of attn_proj is the output of "
+         "core_attn, which core_attn's backward needs");
+  if (t.recompute_granularity == RecomputeGranularity::selective &&
+      std::find(t.recompute_modules.begin(), t.recompute_modules.end(), "moe") != t.recompute_modules.end())
+    for (const char* m : {"moe_act", "expert_fc1", "fused_group_mlp"})
+      if (mods.count(m))
+        fail("--offload-modules {} with --recompute-modules moe: the recomputed MoE layer keeps nothing of its experts "
+             "to offload (as in Megatron-LM): remove moe from --recompute-modules or {} from --offload-modules",
+             m, m);
+  if (mods.count("fused_group_mlp")) {
+    if (!st.has("--use-transformer-engine-op-fuser"))
+      fail("--offload-modules fused_group_mlp needs --use-transformer-engine-op-fuser (as in Megatron-LM)");
+    for (const char* m : {"expert_fc1", "moe_act"})
+      if (mods.count(m))
+        fail("--offload-modules fused_group_mlp offloads the whole grouped MLP and cannot be combined with {} (as in "
+             "Megatron-LM): remove {}",
+             m, m);
+  }
+  if (mods.count("gdp_qkv"))
+    st.note("--offload-modules gdp_qkv: megatrain builds no Gated DeltaProduct layers, so nothing is offloaded for it");
+  if (t.min_offloaded_tensor_size < 0)
+    fail("--min-offloaded-tensor-size must be non-negative (got {})", t.min_offloaded_tensor_size);
+  if (!(t.activation_offload_fraction >= 0 && t.activation_offload_fraction <= 1))
+    fail("--activation-offload-fraction must be in range [0, 1] (got {})", t.activation_offload_fraction);
+  if (t.delta_offload_bytes_across_pp_ranks < 0)
+    fail("--delta-offload-bytes-across-pp-ranks must be non-negative (got {})", t.delta_offload_bytes_across_pp_ranks);
+  if (t.fine_grained_offloading_max_inflight_offloads && *t.fine_grained_offloading_max_inflight_offloads < 0)
+    fail("--fine-grained-offloading-max-inflight-offloads must be non-negative (got {})",
+         *t.fine_grained_offloading_max_inflight_offloads);
+}
+
 }  // namespace
 
 // FP8. The recipes not built (mxfp8, blockwise, custom) are refused by
@@ -241,6 +298,7 @@ void validate_training(CliState& st) {
   for (int64_t it : t.iterations_to_skip)
     if (it < 1) fail("--iterations-to-skip takes 1-indexed iterations (got {})", it);
   validate_recompute(st);
+  validate_offloading(st);
   validate_fp8(st);
   validate_precision_aware_optimizer(st);
 }

@@ -532,6 +532,15 @@ struct TrainConfig {
   std::vector<std::string> recompute_modules;  // selective targets; empty = {"core_attn"}
   bool distribute_saved_activations = false;    // refused (unsupported.cpp); rules kept
 
+  // Fine-grained activation offloading (engine/activation_offload.h): what the named modules keep
+  // for backward goes to host memory after each layer's forward and comes back before its backward.
+  bool fine_grained_activation_offloading = false;
+  std::vector<std::string> offload_modules;           // attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act
+  int64_t min_offloaded_tensor_size = 1024 * 1024;    // elements: smaller kept tensors stay on the device
+  double activation_offload_fraction = 1.0;           // of the eligible (layer, module) groups, the first ones in forward order
+  int64_t delta_offload_bytes_across_pp_ranks = 0;    // pipeline rank r keeps r x this many offloadable bytes on the device
+  std::optional<int> fine_grained_offloading_max_inflight_offloads;  // per module: copies to host not yet waited for
+
   int seed = 1234;
   DeviceKind device = DeviceKind::gpu;  // megatrain flag --device gpu|cpu (cpu = reference backend)
 

@@ -71,6 +71,7 @@ CudaBackend::~CudaBackend() {
   if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   if (tp_comm_stream_) cudaStreamSynchronize(tp_comm_stream_);
   if (side_stream_) cudaStreamSynchronize(side_stream_);
+  if (offload_stream_) cudaStreamSynchronize(offload_stream_);
   gemm_.reset();
   fp8_gemm_.reset();
   if (fp8_scale_slots_) cudaFree(fp8_scale_slots_);
@@ -80,6 +81,9 @@ CudaBackend::~CudaBackend() {
   if (side_start_) cudaEventDestroy(side_start_);
   if (side_done_) cudaEventDestroy(side_done_);
   if (side_stream_) cudaStreamDestroy(side_stream_);
+  for (cudaEvent_t e : offload_marks_) cudaEventDestroy(e);
+  if (offload_start_) cudaEventDestroy(offload_start_);
+  if (offload_stream_) cudaStreamDestroy(offload_stream_);
   if (compute_done_) cudaEventDestroy(compute_done_);
   if (comm_done_) cudaEventDestroy(comm_done_);
   if (tp_compute_done_) cudaEventDestroy(tp_compute_done_);
@@ -184,6 +188,7 @@ void CudaBackend::copy_columns(Tensor dst, int64_t dst_col, Tensor src, int64_t 
 void CudaBackend::synchronize() {
   MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (side_stream_) MT_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+  if (offload_stream_) MT_CUDA_CHECK(cudaStreamSynchronize(offload_stream_));
 }
 
 // ---- the side stream (the optimizer's update beside the next forward) -----------------------------
@@ -225,6 +230,49 @@ void CudaBackend::compute_wait_for_side() {
   if (!side_stream_) return;
   MT_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_, 0));
+}
+
+// ---- activation offloading ------------------------------------------------------------------------
+// Pinned host memory, and one copy stream beside compute (its copies run in the order issued).
+void* CudaBackend::allocate_host(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+    cudaGetLastError();
+    fail("out of pinned host memory allocating {:.1f} MiB for offloaded activations: offload fewer modules "
+         "(--offload-modules, --activation-offload-fraction) or add host memory",
+         bytes / 1048576.0);
+  }
+  return p;
+}
+void CudaBackend::deallocate_host(void* p) {
+  if (!p) return;
+  if (offload_stream_) MT_CUDA_CHECK(cudaStreamSynchronize(offload_stream_));
+  MT_CUDA_CHECK(cudaFreeHost(p));
+}
+void CudaBackend::reserve_offload_marks(int n) {
+  if (!offload_stream_) {  // (made at set-up: a step creates nothing)
+    MT_CUDA_CHECK(cudaStreamCreateWithPriority(&offload_stream_, cudaStreamNonBlocking, highest_priority_));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&offload_start_, cudaEventDisableTiming));
+  }
+  while (static_cast<int>(offload_marks_.size()) < n) {
+    cudaEvent_t e = nullptr;
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    offload_marks_.push_back(e);
+  }
+}
+void CudaBackend::offload_copy(void* dst, const void* src, size_t bytes, int mark) {
+  MT_CHECK(offload_stream_ && mark >= 0 && mark < static_cast<int>(offload_marks_.size()), "offload mark {} of {} reserved",
+           mark, offload_marks_.size());
+  MT_CUDA_CHECK(cudaEventRecord(offload_start_, stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(offload_stream_, offload_start_, 0));
+  if (bytes) MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, offload_stream_));
+  MT_CUDA_CHECK(cudaEventRecord(offload_marks_[static_cast<size_t>(mark)], offload_stream_));
+}
+void CudaBackend::compute_wait_for_offload_mark(int mark) {
+  MT_CHECK(mark >= 0 && mark < static_cast<int>(offload_marks_.size()), "offload mark {} of {} reserved", mark,
+           offload_marks_.size());
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, offload_marks_[static_cast<size_t>(mark)], 0));
 }
 
 // ---- communication overlap ------------------------------------------------------------------------

@@ -230,6 +230,11 @@ class CudaBackend final : public Backend {
   void record_side_mark(int i) override;
   void compute_wait_for_side_mark(int i) override;
   void compute_wait_for_side() override;
+  void* allocate_host(size_t bytes) override;
+  void deallocate_host(void* p) override;
+  void reserve_offload_marks(int n) override;
+  void offload_copy(void* dst, const void* src, size_t bytes, int mark) override;
+  void compute_wait_for_offload_mark(int mark) override;
 
   // CUDA-specific access (benchmarks, tests, communicators).
   cudaStream_t cuda_stream() const { return stream_; }
@@ -278,6 +283,10 @@ class CudaBackend final : public Backend {
   cudaEvent_t side_start_ = nullptr, side_done_ = nullptr;
   std::vector<cudaEvent_t> side_marks_;
   bool side_ops_ = false;
+  // Activation offloading's copies (offload_copy): made by reserve_offload_marks.
+  cudaStream_t offload_stream_ = nullptr;
+  cudaEvent_t offload_start_ = nullptr;
+  std::vector<cudaEvent_t> offload_marks_;
   int lowest_priority_ = 0, highest_priority_ = 0;  // (cudaDeviceGetStreamPriorityRange)
   std::vector<cudaEvent_t> time_marks_;
   void* scratch_memory_ = nullptr;

@@ -921,6 +921,23 @@ class Backend {
   virtual void compute_wait_for_side_mark(int i) { (void)i; }
   virtual void compute_wait_for_side() {}
 
+  // ---- activation offloading (engine/activation_offload.h) ------------------------------------
+  // Host memory for offloaded activations (CUDA: pinned, so that its copies run beside compute).
+  virtual void* allocate_host(size_t bytes) { return allocate(bytes); }
+  virtual void deallocate_host(void* p) { deallocate(p); }
+  // offload_copy copies `bytes` from src to dst (one of them allocate_host memory, the other this
+  // backend's) on an offload stream, after everything enqueued on the compute stream so far, and
+  // marks its end as mark i (marks reserved at set-up: reserve_offload_marks);
+  // compute_wait_for_offload_mark(i) makes the compute stream wait for it. One offload stream: its
+  // copies run in the order issued. The reference backend copies at once; its waits do nothing.
+  virtual void reserve_offload_marks(int n) { (void)n; }
+  virtual void offload_copy(void* dst, const void* src, size_t bytes, int mark) {
+    (void)mark;
+    const int64_t n = static_cast<int64_t>(bytes);
+    copy(Tensor(dst, DType::u8, device(), {n}), Tensor(const_cast<void*>(src), DType::u8, device(), {n}));
+  }
+  virtual void compute_wait_for_offload_mark(int mark) { (void)mark; }
+
   // ---- timing spans (--log-straggler) ---------------------------------------------------------
   // Numbered timestamps on the compute stream, allocated at set-up (reserve_time_marks):
   // record_time_mark(i) marks the position now; time_between_marks_ms(a, b) is the device time

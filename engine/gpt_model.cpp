@@ -76,6 +76,7 @@ ModelOptions ModelOptions::from_config(const Config& cfg, const ModelDims& d, DT
   };
   o.moe_recompute_fc1 = d.any_moe() && selective("moe");
   o.moe_recompute_shared = d.any_moe() && d.shared_ffn > 0 && (selective("moe") || selective("shared_experts"));
+  o.offload = OffloadOptions::from_config(cfg.train, d.pp_rank);
   o.optimizer = cfg.train.optimizer;
   o.sgd_momentum = cfg.train.sgd_momentum != 0.0;
   o.muon = cfg.train.muon;
@@ -227,6 +228,7 @@ GptModel::GptModel(const ModelDims& dims, const ModelOptions& options, ParallelS
   }
   arena_->allocate();
   layout(*arena_);  // real views
+  if (offload_.ring > 0) be_.reserve_offload_marks(offload_mark(opt_.num_slots, 0, 0));
   bind_params();
   plan_grad_zeroing();
   for (Fp8State* st : fp8_states()) st->initialize(be_);
@@ -397,6 +399,7 @@ MemoryPlan GptModel::plan_memory(const ModelDims& dims, const ModelOptions& opti
 }
 
 GptModel::~GptModel() {
+  if (offload_host_) be_.deallocate_host(offload_host_);
   // Symmetric memory leaves its windows before the arena frees it (collective over TP).
   if (arena_ && arena_->placed(MemoryCategory::workspace) && tp_overlap_own_) {
     char* w = arena_->block(MemoryCategory::workspace);
@@ -623,6 +626,36 @@ void GptModel::layout(Arena& a) {
   layout_gdn_workspace(a);
   layout_mtp(a);
 
+  // Activation offloading: the measuring pass lays the layers out once to see what they keep, and
+  // plans where the offloaded tensors go (each slot's entries come first in its activations).
+  if (a.measuring()) {
+    offload_ = OffloadPlan();
+    if (opt_.offload.enabled && !opt_.frozen) {
+      const size_t exchanges = moe_exchanges_.size(), host_offsets = moe_host_offsets_.size();
+      std::vector<OffloadCandidate> found;
+      Arena probe(be_);
+      offload_probe_ = &found;
+      for (int l = 0; l < d_.decoder_layers(); ++l) {
+        if (rp.group_of[static_cast<size_t>(l)] >= 0) continue;
+        layout_layer_ = l;
+        (void)layout_layer_acts(probe, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
+                                keeps_gelu_activation(fp8_.layer_fp8(l)), layer_kinds(l));
+      }
+      layout_layer_ = -1;
+      offload_probe_ = nullptr;
+      moe_exchanges_.resize(exchanges);  // (the probe's own)
+      moe_host_offsets_.resize(host_offsets);
+      plan_offload(found);
+      a.count_host(offload_.host_bytes_per_slot * static_cast<size_t>(opt_.num_slots));
+    }
+  } else if (offload_.ring > 0 && !offload_host_) {
+    offload_host_ = be_.allocate_host(offload_.host_bytes_per_slot * static_cast<size_t>(opt_.num_slots));
+  }
+  offload_ring_.clear();
+  for (int e = 0; e < offload_.ring; ++e)
+    offload_ring_.push_back(a.take(C::activations, DType::u8, {static_cast<int64_t>(offload_.entry_bytes)}));
+  offload_writer_.assign(static_cast<size_t>(offload_.ring), {-1, -1});
+
   // Per-slot activations.
   slots_.resize(static_cast<size_t>(opt_.num_slots));
   for (Slot& s : slots_) {
@@ -665,6 +698,9 @@ void GptModel::layout(Arena& a) {
     }
     if (!a.measuring()) s.host_io.assign(static_cast<size_t>(s.io.numel()), 0);
     s.input = a.take(C::activations, T, {Nl, h});
+    s.offload_out.assign(static_cast<size_t>(L), 0);
+    s.offload_back.assign(static_cast<size_t>(L), 0);
+    offload_entries_ = offload_.ring > 0 ? &offload_ring_ : nullptr;
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
     if (a.measuring()) act_bytes_.assign(static_cast<size_t>(L), 0);
     for (int l = 0; l < L; ++l) {
@@ -677,8 +713,10 @@ void GptModel::layout(Arena& a) {
       const size_t before = a.used(C::activations);
       const int g = rp.group_of[l];
       if (g < 0) {
+        layout_layer_ = l;
         s.layers[l] = layout_layer_acts(a, C::activations, true, fp8_keeps_inputs() && fp8_.layer_fp8(l),
                                         keeps_gelu_activation(fp8_.layer_fp8(l)), layer_kinds(l));
+        layout_layer_ = -1;
       } else if (l == rp.groups[g].second - 1 || l == L - 1) {
         // Recomputed layers keep only what the next group (or the head) needs: their output.
         s.layers[l].out = a.take(C::activations, T, {Nl, h});
@@ -694,6 +732,7 @@ void GptModel::layout(Arena& a) {
         act_bytes_[static_cast<size_t>(l)] = a.used(C::activations) - before;
       }
     }
+    offload_entries_ = nullptr;
     s.d_output = a.take(C::activations, T, {Nl, h});
   }
   if (a.measuring()) plan_acts_over_grads(a);
@@ -1632,7 +1671,9 @@ void GptModel::forward(int slot) {
     gather_unit(l, next.fused ? -1 : l + 1);
     if (next.fused) gather_unit(l + 1, l + 2);  // (its input norm)
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
+    offload_before_forward(s, slot, l);
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
+    offload_after_forward(s, slot, l);
     head_norm_done = l == L - 1 && next.fused;
   }
   fp8_keep_inputs_now_ = true;
@@ -1707,6 +1748,7 @@ void GptModel::backward(int slot, bool grad_sync) {
     prepare_grad_unit(k);
     prepare_grad_unit(k - 1);
     if (k > 0) zero_layer_grads(k - 1);  // (activations over gradients: layer k - 1's, whose fc2 bias k writes)
+    offload_before_backward(s, slot, k);
     layer_backward(k, s, acts(s, k), layer_input(s, k), dy, dx);
   };
   if (reduce_now && d_.last_stage) {  // the head's backward (and the mtp layers') ran in the last forward

@@ -20,6 +20,7 @@
 #include "core/config.h"
 #include "core/tensor.h"
 #include "data/batch.h"
+#include "engine/activation_offload.h"
 #include "engine/backend.h"
 #include "engine/fp8_state.h"
 #include "engine/grad_layout.h"
@@ -154,6 +155,9 @@ struct ModelOptions {
   // recompute is kept here: a few values per token, the same bits.)
   bool moe_recompute_fc1 = false;
   bool moe_recompute_shared = false;
+  // Fine-grained activation offloading (engine/activation_offload.h): the named modules' kept
+  // tensors go to host memory after each layer's forward and come back before its backward.
+  OffloadOptions offload;
 
   // Knowledge distillation (engine/blocks/distill.cpp; app/distill_args.h). frozen: this model is
   // a teacher: forward only, in evaluation mode, on one slot, with no gradients, master weights or
@@ -221,6 +225,7 @@ class GptModel {
   const ModelOptions& options() const { return opt_; }
   const std::vector<ParamDesc>& params() const { return descs_; }
   const MemoryPlan& memory_plan() const;
+  const OffloadPlan& offload_plan() const { return offload_; }
   Backend& backend() { return be_; }
 
   // Flat buffers (all parameters of the stage, in params() order with padding).
@@ -941,6 +946,32 @@ class GptModel {
   std::unique_ptr<Globals> globals_;  // embedding / final norm / output params and grads
   std::vector<Slot> slots_;
   std::vector<LayerActs> scratch_;    // recompute scratch: one set per layer of the largest group
+
+  // Activation offloading (engine/activation_offload.h; ModelOptions::offload): where the
+  // offloaded tensors live (found by the measuring pass from the layers' candidates), the device
+  // entries every slot shares and per entry the (slot, layer) whose forward wrote it last, the host
+  // block (slot k's at k x OffloadPlan::host_bytes_per_slot), and per module the copies to host
+  // not yet waited for, oldest first (--fine-grained-offloading-max-inflight-offloads).
+  OffloadPlan offload_;
+  std::vector<Tensor> offload_ring_;
+  std::vector<std::pair<int, int>> offload_writer_;
+  void* offload_host_ = nullptr;
+  std::array<std::vector<std::pair<int, int>>, kOffloadModules> offload_inflight_;  // (slot, layer)
+  // Layout: the local layer being laid out (-1: none, or the recompute scratch), and where
+  // take_act records candidates (the measuring pass's probe) or finds the slot's entries.
+  int layout_layer_ = -1;
+  std::vector<OffloadCandidate>* offload_probe_ = nullptr;
+  const std::vector<Tensor>* offload_entries_ = nullptr;
+  // A kept tensor of the layer being laid out that offloading may take (for `ahead` = 1: the next
+  // layer's, its input): a view of the slot's entry where the plan places it, else a.take(...).
+  Tensor take_act(Arena& a, MemoryCategory c, OffloadField f, DType t, std::initializer_list<int64_t> dims, int ahead = 0);
+  void plan_offload(const std::vector<OffloadCandidate>& candidates);
+  int offload_mark(int slot, int local, int module) const;
+  void offload_wait_out(Slot& s, int slot, int local);   // the copies of layer `local` to host
+  void offload_copy_back(Slot& s, int slot, int local);  // issued once per backward
+  void offload_before_forward(Slot& s, int slot, int local);
+  void offload_after_forward(Slot& s, int slot, int local);
+  void offload_before_backward(Slot& s, int slot, int local);
   std::unique_ptr<Workspace> ws_;
   Tensor last_input_grad_;
 

@@ -144,6 +144,11 @@ struct GptModel::Slot {
     Tensor tokens, labels, mask, log_weight, dloss;
   };
   std::vector<MtpRows> mtp;
+  // Activation offloading (GptModel::offload_): per local layer which modules' copies to host are
+  // not yet waited for (a bit per OffloadModule) and whether its copy back was issued in this
+  // backward.
+  std::vector<uint32_t> offload_out;
+  std::vector<uint8_t> offload_back;
   uint64_t key = 0;
   uint64_t serial = 0;  // the micro-batch's place in the run (the same on every data-parallel rank)
   double moe_aux_seed = 1.0;  // the aux losses' gradient seed: the loss gradient's scale (loss scale / M)

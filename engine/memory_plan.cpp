@@ -35,6 +35,8 @@ std::string MemoryPlan::summary() const {
     s += fmt::format("  {:<18} {:>12.2f} MiB (more activations, in the gradients' memory: not in the total)\n",
                      "  + in gradients", acts_in_grads / 1048576.0);
   s += fmt::format("  {:<18} {:>12.2f} MiB\n", "total", total() / 1048576.0);
+  if (host > 0)
+    s += fmt::format("  {:<18} {:>12.2f} MiB (offloaded activations: host memory, not in the total)\n", "host", host / 1048576.0);
   return s;
 }
 
@@ -82,6 +84,11 @@ void Arena::move_into_grads(MemoryCategory c, size_t bytes) {
   moved_[i] += bytes;
   plan_.bytes[i] = used_[i] - moved_[i];
   plan_.acts_in_grads += bytes;
+}
+
+void Arena::count_host(size_t bytes) {
+  MT_CHECK(measuring_, "Arena::count_host after allocate()");
+  plan_.host += bytes;
 }
 
 void Arena::begin_overlay(MemoryCategory c, void* base) {

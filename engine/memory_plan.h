@@ -34,11 +34,14 @@ struct MemoryPlan {
   // Activations that lie in the gradient buffer's memory (GptModel: ModelOptions::acts_over_grads),
   // counted in none of the bytes above.
   size_t acts_in_grads = 0;
+  // Host memory: offloaded activations (engine/activation_offload.h), in none of the bytes above.
+  size_t host = 0;
   size_t of(MemoryCategory c) const { return bytes[static_cast<size_t>(c)]; }
   size_t total() const;
   MemoryPlan& operator+=(const MemoryPlan& o) {
     for (size_t i = 0; i < bytes.size(); ++i) bytes[i] += o.bytes[i];
     acts_in_grads += o.acts_in_grads;
+    host += o.host;
     return *this;
   }
   // One line per category, e.g. "  parameters         12.50 MiB".
@@ -66,6 +69,8 @@ class Arena {
   // allocating pass, which takes them inside the gradients' block (begin_overlay); the plan counts
   // them in MemoryPlan::acts_in_grads instead.
   void move_into_grads(MemoryCategory c, size_t bytes);
+  // Measuring only: `bytes` of host memory the caller allocates itself (MemoryPlan::host).
+  void count_host(size_t bytes);
   // Allocating only: until end_overlay(), take(c, ...) hands out views from `base` on (each
   // rounded to kAlignment, as in the block) instead of c's block; end_overlay() returns the bytes
   // they took. base: memory the caller owns, as aligned as the blocks (a multiple of kAlignment

@@ -29,6 +29,7 @@ const std::map<std::string, std::string>& companions() {
   static const std::map<std::string, std::string> m = {
       {"--fp32-residual-connection", "--bf16"},
       {"--grad-reduce-in-bf16", "--bf16"},
+      {"--fine-grained-activation-offloading", "--offload-modules core_attn"},
       {"--no-position-embedding", "--position-embedding-type rope"},
       {"--squared-relu", "--no-bias-gelu-fusion"},
       {"--use-precision-aware-optimizer", "--bf16 --use-distributed-optimizer"},

@@ -45,12 +45,12 @@ std::unique_ptr<AttentionCore> make_local_attention(Backend& backend) {
 void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A, bool softmax, bool gdn) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
-  A.ln1_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
+  A.ln1_out = A.norm_kept ? take_act(a, c, OffloadField::ln1_out, T, {N, h}) : ws_->tmp_h;
   A.ln1_mean = a.take(c, S, {Nl});
   A.ln1_rstd = a.take(c, S, {Nl});
   if (gdn) layout_gdn_acts(a, c, A);
   if (!softmax) {
-    A.h1 = a.take(c, T, {Nl, h});
+    A.h1 = take_act(a, c, OffloadField::h1, T, {Nl, h});
     return;
   }
   if (d_.qk_norm) {
@@ -60,11 +60,11 @@ void GptModel::layout_attention_acts(Arena& a, MemoryCategory c, LayerActs& A, b
     A.qk_rstd = a.take(c, S, {N, heads_normed});
   }
   if (d_.mla) layout_mla_acts(a, c, A);
-  A.qkv = opt_.mla_recompute_up ? ws_->mla_qkv : a.take(c, T, {N, d_.qkv_width_local()});
-  A.attn_out = a.take(c, T, {N, d_.attn_width_local()});
+  A.qkv = opt_.mla_recompute_up ? ws_->mla_qkv : take_act(a, c, OffloadField::qkv, T, {N, d_.qkv_width_local()});
+  A.attn_out = take_act(a, c, OffloadField::attn_out, T, {N, d_.attn_width_local()});
   if (d_.output_gate) A.gate = a.take(c, T, {N, d_.attn_width_local()});
-  A.lse = a.take(c, S, {d_.micro_batch, d_.heads_local(), d_.seq});
-  A.h1 = a.take(c, T, {Nl, h});
+  A.lse = take_act(a, c, OffloadField::lse, S, {d_.micro_batch, d_.heads_local(), d_.seq});
+  A.h1 = take_act(a, c, OffloadField::h1, T, {Nl, h});
 }
 
 // The attention block of layer `local`: x -> h1 = x + dropout(proj(attention(qkv(norm(x)))) + b),

@@ -19,7 +19,9 @@ void GptModel::layout_fp8_inputs(Arena& a, MemoryCategory c, LayerActs& A, bool 
   // (An MoE layer's experts and multi-latent attention keep none: engine/blocks/fp8_gemms.cpp casts
   // their inputs again.)
   for (int g = dense_attention ? 0 : Fp8State::fc1; g < (dense_mlp ? Fp8State::kGemms : Fp8State::fc1); ++g)
-    A.fp8_xq_t[g] = a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
+    A.fp8_xq_t[g] = g == Fp8State::qkv    ? take_act(a, c, OffloadField::fp8_qkv, fp8_.dtype(Fp8State::x), {k[g], N})
+                    : g == Fp8State::proj ? take_act(a, c, OffloadField::fp8_proj, fp8_.dtype(Fp8State::x), {k[g], N})
+                                          : a.take(c, fp8_.dtype(Fp8State::x), {k[g], N});
   if (opt_.fp8.recipe == Fp8Recipe::tensorwise) A.fp8_x_scale_inv = a.take(c, DType::f32, {Fp8State::kGemms});
 }
 

@@ -17,7 +17,7 @@ void GptModel::layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool ke
                                bool moe) {
   const int64_t N = d_.tokens(), Nl = d_.tokens_local(), h = d_.hidden;
   const DType T = opt_.compute, S = opt_.accum;
-  A.ln2_out = A.norm_kept ? a.take(c, T, {N, h}) : ws_->tmp_h;
+  A.ln2_out = !A.norm_kept ? ws_->tmp_h : moe ? take_act(a, c, OffloadField::moe_in, T, {N, h}) : a.take(c, T, {N, h});
   A.ln2_mean = a.take(c, S, {Nl});
   A.ln2_rstd = a.take(c, S, {Nl});
   if (dense) {
@@ -26,7 +26,7 @@ void GptModel::layout_mlp_acts(Arena& a, MemoryCategory c, LayerActs& A, bool ke
     A.fc1_act = keep_act ? a.take(c, T, {N, d_.ffn_local()}) : ws_->act;
   }
   if (moe) layout_moe_acts(a, c, A);
-  if (keep_out) A.out = a.take(c, T, {Nl, h});
+  if (keep_out) A.out = take_act(a, c, OffloadField::input, T, {Nl, h}, 1);  // (the next layer's input)
 }
 
 // The MLP block of layer `local`: h1 (normed by the attention block's closing op) -> out = h1 +

@@ -380,7 +380,7 @@ void GptModel::layout_moe_acts(Arena& a, MemoryCategory c, LayerActs& A) {
   moe_host_offsets_.push_back(std::make_unique<std::vector<int64_t>>(static_cast<size_t>(El + 1), 0));
   M.host_offsets = moe_host_offsets_.back().get();
   M.p_perm = a.take(c, S, {R});
-  M.fc1_pre = opt_.moe_recompute_fc1 ? ws_->moe_fc1 : a.take(c, T, {R, d_.expert_fc1_width_local()});
+  M.fc1_pre = opt_.moe_recompute_fc1 ? ws_->moe_fc1 : take_act(a, c, OffloadField::moe_fc1_pre, T, {R, d_.expert_fc1_width_local()});
   if (d_.shared_ffn > 0) {
     M.sh_fc1_pre = opt_.moe_recompute_shared ? ws_->moe_sh_fc1 : a.take(c, T, {N, d_.shared_fc1_width_local()});
     if (d_.shared_gate) {

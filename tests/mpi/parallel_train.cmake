@@ -979,3 +979,17 @@ megatrain_parallel_train_test(parallel_train_distill_dp2_distopt --teacher "--nu
 megatrain_parallel_train_test(parallel_train_distill_cp2 --teacher "--num-layers 3 --seed 4321"
   --model "${kd_teacher_config} --export-kd-cfg ${PROJECT_SOURCE_DIR}/tests/fixtures/megatron/kd/logits_t2.yaml"
   2 --context-parallel-size 2)
+
+# Fine-grained activation offloading (every kept tensor of the named modules, whatever its size),
+# under pipelines whose micro-batches in flight share the device entries (every layer copied to
+# host and back): interleaved PP 2 x 2, TP 2 with SP under PP 2, and MoE layers with EP 2 under PP
+# 2, each against one rank without offloading.
+set(offload_flags --fine-grained-activation-offloading --min-offloaded-tensor-size 0 --offload-modules)
+megatrain_parallel_train_test(parallel_train_pp2_vpp2_offload 2 --pipeline-model-parallel-size 2
+                              --num-virtual-stages-per-pipeline-rank 2 ${offload_flags} attn_norm qkv_linear core_attn
+                              mlp_norm)
+megatrain_parallel_train_test(parallel_train_tp2_sp_pp2_offload 4 --tensor-model-parallel-size 2 --sequence-parallel
+                              --pipeline-model-parallel-size 2 ${offload_flags} attn_norm core_attn attn_proj mlp_norm)
+megatrain_parallel_train_test(parallel_train_moe_ep2_pp2_offload --model "${moe_model}" 4
+                              --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 ${offload_flags}
+                              expert_fc1 moe_act core_attn qkv_linear)
