@@ -18,6 +18,7 @@
 #include "parallel/parallel_state.h"
 #include "tests/cli_test_util.h"
 #include "tests/engine_test_util.h"
+#include "tests/fp8_train_util.h"
 
 namespace mt {
 namespace {
@@ -329,13 +330,9 @@ TEST_CASE("offloaded activations: the same losses and gradients, step after step
       INFO("step " << step);
       const std::vector<double> a = on.step(step), b = off.step(step);
       REQUIRE(a.size() == b.size());
-      size_t differ = 0, nonzero = 0;
-      for (size_t i = 0; i < a.size(); ++i) {
-        differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-        nonzero += b[i] != 0.0;
-      }
-      CHECK(differ == 0);
-      CHECK(nonzero > a.size() / 2);
+      const test::BitDiff d = test::bit_diff(a, b);
+      CHECK(d.differ == 0);
+      CHECK(d.nonzero > a.size() / 2);
       CHECK(std::isfinite(a[a.size() - 2]));
       // A plain gradient step on both (the same parameters again).
       std::vector<double> w(static_cast<size_t>(off.model->params_flat().numel()));
@@ -415,6 +412,47 @@ TEST_CASE("offloading flags: Megatron-LM's checks, and no effect without offload
                           "--offload-modules has no effect without --fine-grained-activation-offloading"));
   CHECK(test::has_message(ms, SetupMessage::Kind::note,
                           "--activation-offload-fraction has no effect without --fine-grained-activation-offloading"));
+}
+
+}  // namespace mt
+
+namespace mt {
+
+TEST_CASE("offloaded activations in FP8 layers: their kept FP8 inputs go too, the same training bit for bit",
+          "[offload][fp8]") {
+  // Mock-data training through the Trainer (one slot: the last layers stay), FP8 GEMMs with
+  // delayed and tensorwise scaling: with FP8 inputs kept, qkv_linear and attn_proj offload the QKV
+  // and projection inputs' FP8 copies. Losses, grad norms, parameters and FP8 scaling state equal
+  // those without offloading.
+  for (const Fp8Recipe r : {Fp8Recipe::delayed, Fp8Recipe::tensorwise}) {
+    INFO((r == Fp8Recipe::delayed ? "delayed" : "tensorwise"));
+    Config c = test::with_mock_training(test::tiny_llama_config());
+    c.model.num_layers = 6;
+    c.train.train_iters = 4;
+    c.train.lr_warmup_iters = 1;
+    c.train.eval_iters = 0;
+    c.train.fp8_format = Fp8Format::hybrid;
+    c.train.fp8_recipe = r;
+    test::derive(c);
+    const test::Fp8Run off = test::train_fp8(c);
+    c.train.fine_grained_activation_offloading = true;
+    c.train.min_offloaded_tensor_size = 0;
+    c.train.offload_modules = {"qkv_linear", "core_attn"};
+    const test::Fp8Run core = test::train_fp8(c);
+    c.train.offload_modules = {"qkv_linear", "core_attn", "attn_proj"};
+    const test::Fp8Run on = test::train_fp8(c);
+    CHECK(core.plan.host > 0);
+    CHECK(on.plan.host > core.plan.host);  // (attn_proj: the projection input's FP8 copy)
+    CHECK(on.plan.of(MemoryCategory::activations) < off.plan.of(MemoryCategory::activations));
+    for (const test::Fp8Run* x : {&core, &on}) {
+      REQUIRE(x->losses.size() == off.losses.size());
+      CHECK(x->losses == off.losses);
+      CHECK(x->grad_norms == off.grad_norms);
+      CHECK(x->params == off.params);
+      CHECK(x->scale == off.scale);
+      CHECK(x->history == off.history);
+    }
+  }
 }
 
 }  // namespace mt

@@ -2,12 +2,27 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/config.h"
 #include "data/batch.h"
 
 namespace mt::test {
+
+// Two float64 vectors of one size compared bit for bit: how many elements differ (NaN included) and
+// how many of b's are nonzero (that a comparison of equal vectors compared something).
+struct BitDiff {
+  size_t differ = 0, nonzero = 0;
+};
+inline BitDiff bit_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  BitDiff d;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    d.differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
+    d.nonzero += b[i] != 0.0;
+  }
+  return d;
+}
 
 // Fills the values the flag parser derives (head dim, groups, ffn, padded vocab, batch counts).
 inline void derive(Config& c) {

@@ -301,9 +301,7 @@ TEST_CASE("MLA: recomputing the attention input (mla_up_proj) gives the gradient
           recomputed.model->memory_plan().of(MemoryCategory::activations));
     const std::vector<double> a = kept.analytic_grads(), b = recomputed.analytic_grads();
     REQUIRE(a.size() == b.size());
-    size_t differ = 0;
-    for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-    CHECK(differ == 0);
+    CHECK(test::bit_diff(a, b).differ == 0);
   }
 }
 
@@ -394,9 +392,7 @@ TEST_CASE("fc2 and proj bias gradients summed by the norm backwards equal their 
   Harness fused(c), separate(c, 0, [](ModelOptions& o) { o.seams.bias_grad_from_norm = false; });
   const std::vector<double> a = fused.analytic_grads(), b = separate.analytic_grads();
   REQUIRE(a.size() == b.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-  CHECK(differ == 0);
+  CHECK(test::bit_diff(a, b).differ == 0);
   for (const ParamDesc& p : fused.model->params()) {  // the sums are there, not zeros
     if (p.name.find("linear_fc2.bias") == std::string::npos && p.name.find("linear_proj.bias") == std::string::npos)
       continue;
@@ -434,13 +430,9 @@ TEST_CASE("norm outputs kept from forward give the gradients of recomputing them
             rc->model->memory_plan().of(MemoryCategory::activations));
       const std::vector<double> a = k->analytic_grads(), b = rc->analytic_grads();
       REQUIRE(a.size() == b.size());
-      size_t differ = 0, nonzero = 0;
-      for (size_t i = 0; i < a.size(); ++i) {
-        differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-        nonzero += a[i] != 0.0;
-      }
-      CHECK(differ == 0);
-      CHECK(nonzero > a.size() / 2);
+      const test::BitDiff d = test::bit_diff(a, b);
+      CHECK(d.differ == 0);
+      CHECK(d.nonzero > a.size() / 2);
     }
   }
 }
@@ -464,9 +456,7 @@ TEST_CASE("the norm after a layer written by the layer's closing residual add gi
       CHECK(fused.loss() == apart.loss());
       const std::vector<double> a = fused.analytic_grads(), b = apart.analytic_grads();
       REQUIRE(a.size() == b.size());
-      size_t differ = 0;
-      for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-      CHECK(differ == 0);
+      CHECK(test::bit_diff(a, b).differ == 0);
     }
   }
 }
@@ -610,14 +600,10 @@ TEST_CASE("activations laid over lower layers' gradients: the same losses and gr
       over.be->fill(over.model->grads_flat(), std::nan(""));
       const std::vector<double> a = over.analytic_grads(), b = apart.analytic_grads();
       REQUIRE(a.size() == b.size());
-      size_t differ = 0, nonzero = 0;
-      for (size_t i = 0; i < a.size(); ++i) {
-        differ += std::memcmp(&a[i], &b[i], sizeof(double)) != 0;
-        nonzero += b[i] != 0.0;
-      }
+      const test::BitDiff d = test::bit_diff(a, b);
       INFO("step " << step);
-      CHECK(differ == 0);
-      CHECK(nonzero > a.size() / 2);
+      CHECK(d.differ == 0);
+      CHECK(d.nonzero > a.size() / 2);
       // A plain gradient step on both (the same parameters again).
       std::vector<double> w(static_cast<size_t>(apart.model->params_flat().numel()));
       apart.be->copy_to_host(w.data(), apart.model->params_flat());
