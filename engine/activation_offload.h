@@ -12,7 +12,9 @@
 // With one micro-batch in flight (no pipeline) the last R layers are never copied: their backward
 // comes first, with their tensors still in place (Megatron-LM's last-group margin). With several
 // (a pipeline's), the entries serve every micro-batch in flight, one forward or backward at a
-// time, so every layer is copied: the device holds R layers' worth for all of them.
+// time, so every layer is copied: the device holds R layers' worth for all of them; the pipeline
+// runner asks for a backward's last layer back as soon as that backward is its chunk's next action
+// (GptModel::prefetch_backward).
 //
 // Which tensors (LayerActs fields) a module's group takes, in megatrain's layers:
 //   attn_norm   the layer's input (the layer before's output), which ln1's backward reads

@@ -403,6 +403,11 @@ class GptModel {
   // grad_sync: the last backward of the step for this chunk. The TP-partial gradients are summed
   // over the TP group as each layer finishes, and on_grads_final reports the progress.
   void backward(int slot, bool grad_sync = false);
+  // Activation offloading with every layer copied (several micro-batches in flight): issues the
+  // copy back of the last layer's offloaded tensors for slot's backward now, so that the backward
+  // does not begin by waiting for it. Call it when no forward of this chunk comes before that
+  // backward (the pipeline runner does); a no-op otherwise.
+  void prefetch_backward(int slot);
 
   // Hooks of the data-parallel code (engine/dp_grad_sync.h, engine/distributed_optimizer.h).
   // In a grad_sync backward: on_grads_final(i) when the gradients of params()[i..] are final.

@@ -127,6 +127,15 @@ void GptModel::offload_copy_back(Slot& s, int slot, int local) {
   s.offload_back[static_cast<size_t>(local)] = 1;
 }
 
+// (The last layer's entry holds no resident layer when that layer is copied: every layer is.)
+void GptModel::prefetch_backward(int slot) {
+  const int L = d_.decoder_layers();
+  if (offload_.ring == 0 || L == 0 || !offload_.layers[static_cast<size_t>(L - 1)].copied) return;
+  Slot& s = slots_.at(static_cast<size_t>(slot));
+  MT_CHECK(s.staged && s.training, "prefetch_backward of slot {} without a training forward", slot);
+  offload_copy_back(s, slot, L - 1);
+}
+
 // Layer `local`'s tensors back (copied while the layer above ran its backward), and the layer
 // below's copy back issued: into an entry whose last readers (the layers above, or a forward's copy
 // to host, earlier on the offload stream) are enqueued.

@@ -216,6 +216,19 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
   const PipelinePlan& p = plan(num_microbatches);
   const int M = p.schedule.num_microbatches;
   fetched_ = 0;
+  // Activation offloading: after a chunk's compute action whose next one is a backward, that
+  // backward's first layer comes back from host memory while the rest of the schedule runs.
+  next_backward_.assign(p.schedule.actions.size(), -1);
+  {
+    std::vector<std::pair<PipelineOp, int>> next(chunks_.size(), {PipelineOp::communicate, -1});
+    for (size_t i = p.schedule.actions.size(); i-- > 0;) {
+      const PipelineAction& a = p.schedule.actions[i];
+      if (a.op == PipelineOp::communicate) continue;
+      const auto& [op, slot] = next[static_cast<size_t>(a.chunk)];
+      if (op == PipelineOp::backward) next_backward_[i] = slot;
+      next[static_cast<size_t>(a.chunk)] = {a.op, p.slots[i][0]};
+    }
+  }
   for (size_t i = 0; i < p.schedule.actions.size(); ++i) {
     const PipelineAction& a = p.schedule.actions[i];
     const std::vector<int>& slots = p.slots[i];
@@ -246,6 +259,7 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
       m.backward(slots[0], a.grad_sync);
       time("backward-compute", false);
     }
+    if (next_backward_[i] >= 0) m.prefetch_backward(next_backward_[i]);
   }
 }
 

@@ -105,6 +105,9 @@ class PipelineRunner {
   std::vector<MicroBatch> step_mbs_;
   bool keep_step_ = false;  // several chunks of this rank read data
   int fetched_ = 0;         // micro-batches of this step read so far
+  // Per action of the step: the slot whose backward is its chunk's next compute action (-1: a
+  // forward comes first, or none), for GptModel::prefetch_backward.
+  std::vector<int> next_backward_;
   const MicroBatch& batch(int mb) const { return step_mbs_[keep_step_ ? static_cast<size_t>(mb) : 0]; }
 };
 

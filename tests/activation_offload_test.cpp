@@ -234,8 +234,10 @@ struct Model {
       model->forward(slot);
       if (slots == 1) model->backward(0, j == 1);
     }
-    if (slots == 2) {
+    if (slots == 2) {  // (each backward's last layer back early, as the pipeline runner asks)
+      model->prefetch_backward(1);
       model->backward(1, false);
+      model->prefetch_backward(0);
       model->backward(0, true);
     }
     std::vector<double> out(static_cast<size_t>(model->grads_flat().numel()) + 2);
