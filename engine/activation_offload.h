@@ -14,7 +14,8 @@
 // (a pipeline's), the entries serve every micro-batch in flight, one forward or backward at a
 // time, so every layer is copied: the device holds R layers' worth for all of them; the pipeline
 // runner asks for a backward's last layer back as soon as that backward is its chunk's next action
-// (GptModel::prefetch_backward).
+// (GptModel::prefetch_backward), and where a forward's own backward comes next on its chunk (a 1F1B
+// pipeline's last stage) that forward's last R layers stay in place (GptModel::backward_follows).
 //
 // Which tensors (LayerActs fields) a module's group takes, in megatrain's layers:
 //   attn_norm   the layer's input (the layer before's output), which ln1's backward reads

@@ -700,6 +700,7 @@ void GptModel::layout(Arena& a) {
     s.input = a.take(C::activations, T, {Nl, h});
     s.offload_out.assign(static_cast<size_t>(L), 0);
     s.offload_back.assign(static_cast<size_t>(L), 0);
+    s.offload_stayed.assign(static_cast<size_t>(L), 0);
     offload_entries_ = offload_.ring > 0 ? &offload_ring_ : nullptr;
     s.layers.assign(static_cast<size_t>(L), LayerActs{});
     if (a.measuring()) act_bytes_.assign(static_cast<size_t>(L), 0);
@@ -1677,6 +1678,7 @@ void GptModel::forward(int slot) {
     head_norm_done = l == L - 1 && next.fused;
   }
   fp8_keep_inputs_now_ = true;
+  offload_stay_ = -1;
   if (d_.last_stage) {
     params_needed(static_cast<int>(descs_.size()));
     if (s.training) prepare_grad_unit(L - 1);  // (the final norm's backward takes its fc2 bias gradient)

@@ -408,6 +408,10 @@ class GptModel {
   // does not begin by waiting for it. Call it when no forward of this chunk comes before that
   // backward (the pipeline runner does); a no-op otherwise.
   void prefetch_backward(int slot);
+  // ... and where the chunk's next action after slot's forward is slot's own backward (a 1F1B
+  // pipeline's last stage), call this before that forward: its last layers' offloaded tensors then
+  // stay in their entries (as with one micro-batch in flight) instead of going to host and back.
+  void backward_follows(int slot) { offload_stay_ = slot; }
 
   // Hooks of the data-parallel code (engine/dp_grad_sync.h, engine/distributed_optimizer.h).
   // In a grad_sync backward: on_grads_final(i) when the gradients of params()[i..] are final.
@@ -961,6 +965,7 @@ class GptModel {
   std::vector<Tensor> offload_ring_;
   std::vector<std::pair<int, int>> offload_writer_;
   void* offload_host_ = nullptr;
+  int offload_stay_ = -1;  // backward_follows: this forward's slot
   std::array<std::vector<std::pair<int, int>>, kOffloadModules> offload_inflight_;  // (slot, layer)
   // Layout: the local layer being laid out (-1: none, or the recompute scratch), and where
   // take_act records candidates (the measuring pass's probe) or finds the slot's entries.

@@ -87,10 +87,14 @@ void GptModel::offload_after_forward(Slot& s, int slot, int local) {
   if (offload_.ring == 0 || !s.training) return;
   const OffloadPlan::Layer& ly = offload_.layers[static_cast<size_t>(local)];
   if (!ly.copied) return;
+  // (backward_follows: the last R layers' entries are not written again before this backward.)
+  const bool stay = offload_stay_ == slot && local >= d_.decoder_layers() - offload_.ring;
+  s.offload_stayed[static_cast<size_t>(local)] = stay;
+  s.offload_back[static_cast<size_t>(local)] = 0;
+  if (stay) return;
   const Tensor& entry = offload_ring_.at(static_cast<size_t>(local % offload_.ring));
   char* dev = static_cast<char*>(entry.data);
   char* host = static_cast<char*>(offload_host_) + static_cast<size_t>(slot) * offload_.host_bytes_per_slot + ly.host_offset;
-  s.offload_back[static_cast<size_t>(local)] = 0;
   for (const OffloadPlan::Group& g : ly.groups) {
     const int m = static_cast<int>(g.module);
     be_.offload_copy(host + g.offset, dev + g.offset, g.bytes, offload_mark(slot, local, m));
@@ -117,7 +121,7 @@ void GptModel::offload_after_forward(Slot& s, int slot, int local) {
 }
 
 void GptModel::offload_copy_back(Slot& s, int slot, int local) {
-  if (local < 0 || s.offload_back[static_cast<size_t>(local)]) return;
+  if (local < 0 || s.offload_back[static_cast<size_t>(local)] || s.offload_stayed[static_cast<size_t>(local)]) return;
   const OffloadPlan::Layer& ly = offload_.layers[static_cast<size_t>(local)];
   if (!ly.copied) return;
   char* dev = static_cast<char*>(offload_ring_.at(static_cast<size_t>(local % offload_.ring)).data);
@@ -141,7 +145,7 @@ void GptModel::prefetch_backward(int slot) {
 // to host, earlier on the offload stream) are enqueued.
 void GptModel::offload_before_backward(Slot& s, int slot, int local) {
   if (offload_.ring == 0 || local >= d_.decoder_layers()) return;
-  if (offload_.layers[static_cast<size_t>(local)].copied) {
+  if (offload_.layers[static_cast<size_t>(local)].copied && !s.offload_stayed[static_cast<size_t>(local)]) {
     offload_copy_back(s, slot, local);
     be_.compute_wait_for_offload_mark(offload_mark(slot, local, kOffloadModules));
   }

@@ -145,10 +145,10 @@ struct GptModel::Slot {
   };
   std::vector<MtpRows> mtp;
   // Activation offloading (GptModel::offload_): per local layer which modules' copies to host are
-  // not yet waited for (a bit per OffloadModule) and whether its copy back was issued in this
-  // backward.
+  // not yet waited for (a bit per OffloadModule), whether its copy back was issued in this
+  // backward, and whether its tensors stayed in their entry (GptModel::backward_follows).
   std::vector<uint32_t> offload_out;
-  std::vector<uint8_t> offload_back;
+  std::vector<uint8_t> offload_back, offload_stayed;
   uint64_t key = 0;
   uint64_t serial = 0;  // the micro-batch's place in the run (the same on every data-parallel rank)
   double moe_aux_seed = 1.0;  // the aux losses' gradient seed: the loss gradient's scale (loss scale / M)

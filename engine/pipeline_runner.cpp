@@ -251,6 +251,7 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
       }
       time("forward-compute", true);
       if (straggler) straggler->forward_begin();
+      if (next_backward_[i] == slots[0]) m.backward_follows(slots[0]);
       m.forward(slots[0]);
       if (straggler) straggler->forward_end();
       time("forward-compute", false);

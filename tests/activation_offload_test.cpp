@@ -231,6 +231,7 @@ struct Model {
     for (int j = 0; j < 2; ++j) {
       const int slot = slots == 2 ? j : 0;
       model->stage_micro_batch(slot, mbs[static_cast<size_t>(j)], 0.5, false, 42 + serial * 2 + j, true);
+      if (slots == 2 && j == 1) model->backward_follows(1);  // (its last layers stay; slot 0's all went)
       model->forward(slot);
       if (slots == 1) model->backward(0, j == 1);
     }
