@@ -627,7 +627,7 @@ void GptModel::layout(Arena& a) {
   layout_mtp(a);
 
   // Activation offloading: the measuring pass lays the layers out once to see what they keep, and
-  // plans where the offloaded tensors go (each slot's entries come first in its activations).
+  // plans where the offloaded tensors go (in the entries every slot shares, laid out here).
   if (a.measuring()) {
     offload_ = OffloadPlan();
     if (opt_.offload.enabled && !opt_.frozen) {
@@ -1672,7 +1672,7 @@ void GptModel::forward(int slot) {
     gather_unit(l, next.fused ? -1 : l + 1);
     if (next.fused) gather_unit(l + 1, l + 2);  // (its input norm)
     fp8_keep_inputs_now_ = opt_.recompute.group_of[static_cast<size_t>(l)] < 0;
-    offload_before_forward(s, slot, l);
+    offload_before_forward(slot, l);
     layer_forward(l, s, acts(s, l), layer_input(s, l), next);
     offload_after_forward(s, slot, l);
     head_norm_done = l == L - 1 && next.fused;

@@ -977,9 +977,11 @@ class GptModel {
   Tensor take_act(Arena& a, MemoryCategory c, OffloadField f, DType t, std::initializer_list<int64_t> dims, int ahead = 0);
   void plan_offload(const std::vector<OffloadCandidate>& candidates);
   int offload_mark(int slot, int local, int module) const;
+  char* offload_device(int local) const;          // layer `local`'s entry
+  char* offload_host(int slot, int local) const;  // slot's host copy of layer `local`'s tensors
   void offload_wait_out(Slot& s, int slot, int local);   // the copies of layer `local` to host
   void offload_copy_back(Slot& s, int slot, int local);  // issued once per backward
-  void offload_before_forward(Slot& s, int slot, int local);
+  void offload_before_forward(int slot, int local);
   void offload_after_forward(Slot& s, int slot, int local);
   void offload_before_backward(Slot& s, int slot, int local);
   std::unique_ptr<Workspace> ws_;

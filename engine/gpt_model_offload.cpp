@@ -61,6 +61,15 @@ int GptModel::offload_mark(int slot, int local, int module) const {
   return (slot * d_.decoder_layers() + local) * (kOffloadModules + 1) + module;
 }
 
+// Layer `local`'s tensors: in its entry, and slot's copy in host memory.
+char* GptModel::offload_device(int local) const {
+  return static_cast<char*>(offload_ring_.at(static_cast<size_t>(local % offload_.ring)).data);
+}
+char* GptModel::offload_host(int slot, int local) const {
+  return static_cast<char*>(offload_host_) + static_cast<size_t>(slot) * offload_.host_bytes_per_slot +
+         offload_.layers[static_cast<size_t>(local)].host_offset;
+}
+
 void GptModel::offload_wait_out(Slot& s, int slot, int local) {
   if (local < 0 || s.offload_out[static_cast<size_t>(local)] == 0) return;
   for (int m = 0; m < kOffloadModules; ++m)
@@ -72,8 +81,7 @@ void GptModel::offload_wait_out(Slot& s, int slot, int local) {
 // layer's (its input, its fused ln1): the copy to host of what a forward wrote there before (this
 // micro-batch's layer R below, or another's) is waited for. (What a copy back put there was read by
 // a backward before.)
-void GptModel::offload_before_forward(Slot& s, int slot, int local) {
-  (void)s;
+void GptModel::offload_before_forward(int slot, int local) {
   if (offload_.ring == 0) return;
   const int ahead = offload_.ring == 3 ? 1 : 0;
   for (int k = local; k <= local + ahead && k < d_.decoder_layers(); ++k) {
@@ -92,9 +100,8 @@ void GptModel::offload_after_forward(Slot& s, int slot, int local) {
   s.offload_stayed[static_cast<size_t>(local)] = stay;
   s.offload_back[static_cast<size_t>(local)] = 0;
   if (stay) return;
-  const Tensor& entry = offload_ring_.at(static_cast<size_t>(local % offload_.ring));
-  char* dev = static_cast<char*>(entry.data);
-  char* host = static_cast<char*>(offload_host_) + static_cast<size_t>(slot) * offload_.host_bytes_per_slot + ly.host_offset;
+  char* dev = offload_device(local);
+  char* host = offload_host(slot, local);
   for (const OffloadPlan::Group& g : ly.groups) {
     const int m = static_cast<int>(g.module);
     be_.offload_copy(host + g.offset, dev + g.offset, g.bytes, offload_mark(slot, local, m));
@@ -116,7 +123,7 @@ void GptModel::offload_after_forward(Slot& s, int slot, int local) {
     }
   }
   if (opt_.offload.poison)  // (tests: the reference backend has copied; nothing may read these now)
-    be_.fill(Tensor(dev, DType::f32, entry.device, {static_cast<int64_t>(ly.bytes / 4)}),
+    be_.fill(Tensor(dev, DType::f32, be_.device(), {static_cast<int64_t>(ly.bytes / 4)}),
              std::numeric_limits<double>::quiet_NaN());
 }
 
@@ -124,10 +131,7 @@ void GptModel::offload_copy_back(Slot& s, int slot, int local) {
   if (local < 0 || s.offload_back[static_cast<size_t>(local)] || s.offload_stayed[static_cast<size_t>(local)]) return;
   const OffloadPlan::Layer& ly = offload_.layers[static_cast<size_t>(local)];
   if (!ly.copied) return;
-  char* dev = static_cast<char*>(offload_ring_.at(static_cast<size_t>(local % offload_.ring)).data);
-  const char* host =
-      static_cast<const char*>(offload_host_) + static_cast<size_t>(slot) * offload_.host_bytes_per_slot + ly.host_offset;
-  be_.offload_copy(dev, host, ly.bytes, offload_mark(slot, local, kOffloadModules));
+  be_.offload_copy(offload_device(local), offload_host(slot, local), ly.bytes, offload_mark(slot, local, kOffloadModules));
   s.offload_back[static_cast<size_t>(local)] = 1;
 }
 

@@ -71,6 +71,15 @@ PipelinePlan PipelinePlan::from_schedule(PipelineSchedule schedule) {
   }
   MT_CHECK(held.empty(), "pipeline plan: {} slots still held after the step", held.size());
   for (int& n : p.num_slots) n = std::max(n, 1);  // evaluation uses slot 0 of every chunk
+  p.next_backward.assign(p.schedule.actions.size(), -1);
+  std::vector<std::pair<PipelineOp, int>> next(static_cast<size_t>(V), {PipelineOp::communicate, -1});
+  for (size_t i = p.schedule.actions.size(); i-- > 0;) {
+    const PipelineAction& a = p.schedule.actions[i];
+    if (a.op == PipelineOp::communicate) continue;
+    const auto& [op, slot] = next[static_cast<size_t>(a.chunk)];
+    if (op == PipelineOp::backward) p.next_backward[i] = slot;
+    next[static_cast<size_t>(a.chunk)] = {a.op, p.slots[i][0]};
+  }
   return p;
 }
 
@@ -216,19 +225,6 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
   const PipelinePlan& p = plan(num_microbatches);
   const int M = p.schedule.num_microbatches;
   fetched_ = 0;
-  // Activation offloading: after a chunk's compute action whose next one is a backward, that
-  // backward's first layer comes back from host memory while the rest of the schedule runs.
-  next_backward_.assign(p.schedule.actions.size(), -1);
-  {
-    std::vector<std::pair<PipelineOp, int>> next(chunks_.size(), {PipelineOp::communicate, -1});
-    for (size_t i = p.schedule.actions.size(); i-- > 0;) {
-      const PipelineAction& a = p.schedule.actions[i];
-      if (a.op == PipelineOp::communicate) continue;
-      const auto& [op, slot] = next[static_cast<size_t>(a.chunk)];
-      if (op == PipelineOp::backward) next_backward_[i] = slot;
-      next[static_cast<size_t>(a.chunk)] = {a.op, p.slots[i][0]};
-    }
-  }
   for (size_t i = 0; i < p.schedule.actions.size(); ++i) {
     const PipelineAction& a = p.schedule.actions[i];
     const std::vector<int>& slots = p.slots[i];
@@ -251,7 +247,8 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
       }
       time("forward-compute", true);
       if (straggler) straggler->forward_begin();
-      if (next_backward_[i] == slots[0]) m.backward_follows(slots[0]);
+      // Activation offloading: a forward whose own backward comes next keeps its last layers in place.
+      if (p.next_backward[i] == slots[0]) m.backward_follows(slots[0]);
       m.forward(slots[0]);
       if (straggler) straggler->forward_end();
       time("forward-compute", false);
@@ -260,7 +257,9 @@ void PipelineRunner::train_step(BatchSource* data, double loss_grad_scale, bool 
       m.backward(slots[0], a.grad_sync);
       time("backward-compute", false);
     }
-    if (next_backward_[i] >= 0) m.prefetch_backward(next_backward_[i]);
+    // ... and the backward that comes next on this chunk gets its last layer back from host memory
+    // while the rest of the schedule runs.
+    if (p.next_backward[i] >= 0) m.prefetch_backward(p.next_backward[i]);
   }
 }
 

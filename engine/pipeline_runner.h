@@ -37,6 +37,10 @@ struct PipelinePlan {
   // Per action: forward/backward: {slot}; communicate: one slot per transfer (-1 for a sent
   // input gradient, which lives in the chunk's workspace).
   std::vector<std::vector<int>> slots;
+  // Per action: the slot whose backward is its chunk's next compute action (-1: a forward comes
+  // first, or none, or a communicate action): activation offloading's GptModel::prefetch_backward
+  // and backward_follows.
+  std::vector<int> next_backward;
 
   // The schedule of this config for pipeline rank pp_rank, with num_microbatches micro-batches
   // (default: the config's constant number).
@@ -105,9 +109,6 @@ class PipelineRunner {
   std::vector<MicroBatch> step_mbs_;
   bool keep_step_ = false;  // several chunks of this rank read data
   int fetched_ = 0;         // micro-batches of this step read so far
-  // Per action of the step: the slot whose backward is its chunk's next compute action (-1: a
-  // forward comes first, or none), for GptModel::prefetch_backward.
-  std::vector<int> next_backward_;
   const MicroBatch& batch(int mb) const { return step_mbs_[keep_step_ ? static_cast<size_t>(mb) : 0]; }
 };
 
