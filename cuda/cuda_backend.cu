@@ -99,6 +99,17 @@ CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+namespace {
+// Grows a set of numbered marks to at least n events (made at set-up: a step creates none).
+void reserve_events(std::vector<cudaEvent_t>& events, int n, unsigned flags) {
+  while (static_cast<int>(events.size()) < n) {
+    cudaEvent_t e = nullptr;
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    events.push_back(e);
+  }
+}
+}  // namespace
+
 cuda::KernelContext CudaBackend::context() {
   scratch_.reset();
   // Side ops take no scratch (a compute op may reuse it while they run): an empty one fails by name.
@@ -200,11 +211,7 @@ void CudaBackend::reserve_side_marks(int n) {
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_start_, cudaEventDisableTiming));
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
   }
-  while (static_cast<int>(side_marks_.size()) < n) {
-    cudaEvent_t e = nullptr;
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    side_marks_.push_back(e);
-  }
+  reserve_events(side_marks_, n, cudaEventDisableTiming);
 }
 void CudaBackend::begin_side_ops() {
   MT_CHECK(!side_ops_, "begin_side_ops twice without end_side_ops");
@@ -255,11 +262,7 @@ void CudaBackend::reserve_offload_marks(int n) {
     MT_CUDA_CHECK(cudaStreamCreateWithPriority(&offload_stream_, cudaStreamNonBlocking, highest_priority_));
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&offload_start_, cudaEventDisableTiming));
   }
-  while (static_cast<int>(offload_marks_.size()) < n) {
-    cudaEvent_t e = nullptr;
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    offload_marks_.push_back(e);
-  }
+  reserve_events(offload_marks_, n, cudaEventDisableTiming);
 }
 void CudaBackend::offload_copy(void* dst, const void* src, size_t bytes, int mark) {
   MT_CHECK(offload_stream_ && mark >= 0 && mark < static_cast<int>(offload_marks_.size()), "offload mark {} of {} reserved",
@@ -295,22 +298,14 @@ void CudaBackend::compute_wait_for_comm() {
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_done_, 0));
 }
 void CudaBackend::reserve_comm_marks(int n) {
-  while (static_cast<int>(comm_marks_.size()) < n) {
-    cudaEvent_t e = nullptr;
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    comm_marks_.push_back(e);
-  }
+  reserve_events(comm_marks_, n, cudaEventDisableTiming);
 }
 void CudaBackend::record_comm_mark(int i) {
   MT_CHECK(i >= 0 && i < static_cast<int>(comm_marks_.size()), "comm mark {} of {} reserved", i, comm_marks_.size());
   MT_CUDA_CHECK(cudaEventRecord(comm_marks_[static_cast<size_t>(i)], comm_stream_));
 }
 void CudaBackend::reserve_time_marks(int n) {
-  while (static_cast<int>(time_marks_.size()) < n) {
-    cudaEvent_t e = nullptr;
-    MT_CUDA_CHECK(cudaEventCreate(&e));  // (with timing)
-    time_marks_.push_back(e);
-  }
+  reserve_events(time_marks_, n, cudaEventDefault);  // (with timing)
 }
 void CudaBackend::record_time_mark(int i) {
   MT_CHECK(i >= 0 && i < static_cast<int>(time_marks_.size()), "time mark {} of {} reserved", i, time_marks_.size());
